@@ -1,0 +1,181 @@
+"""Policies: one frozen, typed ``Policy`` per ``policies/NAME.toml``.
+
+Guarantees:
+- A policy file is decoded strictly: an unknown key, a wrong type or a bad
+  value is a ``PolicyError`` that names the file and the key.
+- The ``Policy`` is immutable and is the only input the confinement and the
+  tools take; no mechanism reads files or the environment on its own.
+- Policies are checked when the daemon starts and again when a session opens
+  (a file edited in between is re-read, and a broken one refuses the open).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from dispatchd.errors import PolicyError
+
+ALL_TOOLS = (
+    "read_file",
+    "write_file",
+    "edit_file",
+    "create_file",
+    "list_files",
+    "search_files",
+    "shell_exec",
+)
+MUTATING_TOOLS = frozenset({"write_file", "edit_file", "create_file", "shell_exec"})
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class Filesystem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # System paths the sandbox may read and execute (absent ones are skipped).
+    read_only: list[str] = msgspec.field(
+        default_factory=lambda: ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt"]
+    )
+    # Extra paths the sandbox may read and write, beyond the worktree.
+    read_write: list[str] = []
+    # Device files the sandbox may read and write.
+    devices: list[str] = msgspec.field(
+        default_factory=lambda: ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"]
+    )
+    # "read-write", or "read-only" for policies that only read and search.
+    worktree: Literal["read-write", "read-only"] = "read-write"
+
+
+class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # The network a session gets when the caller does not say.
+    default: Literal["off", "on"] = "off"
+
+
+class Sandbox(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # "required": refuse to open a session without user namespaces.
+    # "auto": use them where the kernel allows; otherwise Landlock + seccomp
+    #         alone, a weaker mode that status shows with what it leaves open.
+    # "never": do not use them (the fallback, chosen on purpose).
+    user_namespaces: Literal["required", "auto", "never"] = "auto"
+    # Refuse sessions unless the kernel offers at least this Landlock ABI.
+    min_landlock_abi: int = 1
+
+
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    command_timeout_s: float = 120.0
+    max_command_timeout_s: float = 3600.0
+    output_cap_bytes: int = 1024 * 1024  # per stream, for shell_exec
+    file_size_cap_bytes: int = 16 * 1024 * 1024  # read_file, write_file, edit_file
+    idle_timeout_s: float = 3600.0  # a session with no call for this long closes
+    search_max_results: int = 100
+    list_max_entries: int = 10000
+    fsync: bool = True  # completed writes reach the disk before the reply
+
+
+class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Variables of the daemon's environment passed to commands (names only).
+    pass_through: list[str] = msgspec.field(default_factory=lambda: ["LANG", "LC_ALL", "LC_CTYPE", "TZ"])
+    # Variables set for commands.
+    set: dict[str, str] = {}
+
+
+class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str = "default"
+    description: str = ""
+    tools: list[str] = msgspec.field(default_factory=lambda: list(ALL_TOOLS))
+    filesystem: Filesystem = Filesystem()
+    network: Network = Network()
+    sandbox: Sandbox = Sandbox()
+    limits: Limits = Limits()
+    env: Env = Env()
+
+
+def _check(policy: Policy, where: str) -> None:
+    def bad(key: str, why: str) -> PolicyError:
+        return PolicyError(f"{where}: {key}: {why}", key=key)
+
+    for tool in policy.tools:
+        if tool not in ALL_TOOLS:
+            raise bad("tools", f"unknown tool {tool!r} (known: {', '.join(ALL_TOOLS)})")
+    if len(set(policy.tools)) != len(policy.tools):
+        raise bad("tools", "a tool is listed twice")
+    if policy.filesystem.worktree == "read-only":
+        writers = sorted(MUTATING_TOOLS & set(policy.tools))
+        if writers:
+            raise bad("tools", f"a read-only worktree cannot offer {', '.join(writers)}")
+    fs = policy.filesystem
+    for key, paths in (
+        ("filesystem.read_only", fs.read_only),
+        ("filesystem.read_write", fs.read_write),
+        ("filesystem.devices", fs.devices),
+    ):
+        for p in paths:
+            if not os.path.isabs(p) or os.path.normpath(p) != p:
+                raise bad(key, f"{p!r} must be an absolute, normalised path")
+            if p == "/" and key != "filesystem.devices":
+                raise bad(key, "granting the whole filesystem defeats the sandbox")
+    for p in fs.devices:
+        if not p.startswith("/dev/"):
+            raise bad("filesystem.devices", f"{p!r} is not under /dev")
+    lim = policy.limits
+    for key in ("command_timeout_s", "max_command_timeout_s", "idle_timeout_s"):
+        if getattr(lim, key) <= 0:
+            raise bad(f"limits.{key}", "must be positive")
+    if lim.command_timeout_s > lim.max_command_timeout_s:
+        raise bad("limits.command_timeout_s", "exceeds limits.max_command_timeout_s")
+    for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries"):
+        if getattr(lim, key) < 1:
+            raise bad(f"limits.{key}", "must be at least 1")
+    if not 1 <= policy.sandbox.min_landlock_abi <= 64:
+        raise bad("sandbox.min_landlock_abi", "must be between 1 and 64")
+
+
+def parse_policy(name: str, text: str, where: str = "<policy>") -> Policy:
+    """Decode and check one policy's TOML text. Raises ``PolicyError``."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"{where}: not valid TOML: {exc}") from exc
+    if "name" in raw and raw["name"] != name:
+        raise PolicyError(f"{where}: name: {raw['name']!r} does not match the file name {name!r}", key="name")
+    raw["name"] = name
+    try:
+        policy = msgspec.convert(raw, Policy)
+    except msgspec.ValidationError as exc:
+        # msgspec names the key: "Object contains unknown field `x` - at `$.limits`".
+        raise PolicyError(f"{where}: {exc}") from exc
+    _check(policy, where)
+    return policy
+
+
+def default_policy_dir() -> Path:
+    return Path(__file__).resolve().parent / "policies"
+
+
+def load_policy(directory: Path, name: str) -> Policy:
+    if not _NAME.match(name):
+        raise PolicyError(f"{name!r} is not a policy name (letters, digits, '.', '_', '-')", key="name")
+    path = directory / f"{name}.toml"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        known = ", ".join(sorted(list_policies(directory))) or "none"
+        raise PolicyError(f"no policy named {name!r} in {directory} (known: {known})", key="name") from None
+    except OSError as exc:
+        raise PolicyError(f"cannot read {path}: {exc.strerror}") from exc
+    return parse_policy(name, text, str(path))
+
+
+def list_policies(directory: Path) -> list[str]:
+    try:
+        return sorted(p.stem for p in directory.glob("*.toml"))
+    except OSError:
+        return []
+
+
+def load_all(directory: Path) -> dict[str, Policy]:
+    """Every policy in the directory, checked; the first broken one raises."""
+    return {name: load_policy(directory, name) for name in list_policies(directory)}

@@ -1,0 +1,327 @@
+"""The one wire protocol of dispatchd, shared by the client, the daemon and the workers.
+
+Guarantees:
+- Every message is a frozen msgspec ``Struct`` tagged by its class name (the
+  ``op`` field) and decoded by one typed decoder per direction, so a typo or a
+  foreign message is a decode error, never a half-understood request.
+- A frame is a 4-byte big-endian length followed by a msgpack payload of at
+  most ``MAX_FRAME`` bytes. A longer length prefix is refused before any
+  payload is read (``FrameTooLarge``): a peer cannot make us allocate.
+- Requests carry an ``id`` chosen by the sender; the reply to a request carries
+  the same ``id``, so several calls can be in flight on one connection.
+- Every bad request gets an ``ErrorReply``; only a broken frame (garbage, bad
+  length) ends the connection, and only that connection.
+
+Three conversations use it:
+- client <-> daemon: ``Hello`` first, then the ``DaemonRequest`` union.
+- client <-> worker: ``CallTool`` on a channel the daemon handed to the client
+  (``Attach``); one hop per tool call.
+- daemon <-> worker: ``WorkerReady``/``WorkerFailed`` once, then ``AddChannel``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+# Big enough for a file at the policy's size cap plus two capped output streams,
+# small enough that a hostile length prefix cannot exhaust memory.
+MAX_FRAME = 64 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
+    pass
+
+
+# --- client -> daemon -------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    id: int
+    version: int
+    client: str = ""
+
+
+class OpenSession(_Msg, tag="open_session"):
+    id: int
+    worktree: str
+    policy: str = "default"
+    network: str | None = None  # "on" | "off"; None: the policy's default
+
+
+class CloseSession(_Msg, tag="close_session"):
+    id: int
+    session: str
+
+
+class ListSessions(_Msg, tag="list_sessions"):
+    id: int
+
+
+class SetNetwork(_Msg, tag="set_network"):
+    id: int
+    session: str
+    network: str
+
+
+class Status(_Msg, tag="status"):
+    id: int
+
+
+class Attach(_Msg, tag="attach"):
+    """Ask for a direct channel to a session's worker (an fd passed back)."""
+
+    id: int
+    session: str
+
+
+class ListTools(_Msg, tag="list_tools"):
+    id: int
+    policy: str = "default"
+
+
+DaemonRequest = Union[
+    Hello, OpenSession, CloseSession, ListSessions, SetNetwork, Status, Attach, ListTools
+]
+
+# --- daemon -> client -------------------------------------------------------
+
+
+class ToolSchema(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: str
+    worktree: str
+    policy: str
+    network: str
+    created: float
+    protections: dict[str, Any] = {}
+    note: str = ""
+
+
+class HelloOk(_Msg, tag="hello_ok"):
+    id: int
+    version: int
+    daemon_version: str
+
+
+class SessionReply(_Msg, tag="session"):
+    id: int
+    session: SessionInfo
+
+
+class SessionsReply(_Msg, tag="sessions"):
+    id: int
+    sessions: list[SessionInfo]
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    id: int
+    daemon_version: str
+    pid: int
+    socket: str
+    kernel: dict[str, Any]
+    sessions: list[SessionInfo]
+
+
+class Attached(_Msg, tag="attached"):
+    """Sent with exactly one fd (SCM_RIGHTS): a stream socket to the worker."""
+
+    id: int
+    session: SessionInfo
+    tools: list[ToolSchema]
+
+
+class ToolsReply(_Msg, tag="tools"):
+    id: int
+    tools: list[ToolSchema]
+
+
+class OkReply(_Msg, tag="ok"):
+    id: int
+
+
+class ErrorReply(_Msg, tag="error"):
+    """``code`` is stable and machine-readable; ``message`` is for people."""
+
+    id: int
+    code: str
+    message: str
+
+
+DaemonReply = Union[
+    HelloOk, SessionReply, SessionsReply, StatusReply, Attached, ToolsReply, OkReply, ErrorReply
+]
+
+# --- client <-> worker ------------------------------------------------------
+
+
+class CallTool(_Msg, tag="call_tool"):
+    id: int
+    tool: str
+    params: dict[str, Any]
+
+
+class ToolReply(_Msg, tag="tool_reply"):
+    id: int
+    success: bool
+    output: str | None = None
+    error: str | None = None
+    metadata: dict[str, Any] = {}
+
+
+# --- daemon <-> worker ------------------------------------------------------
+
+
+class WorkerReady(_Msg, tag="worker_ready"):
+    pid: int
+    protections: dict[str, Any]
+
+
+class WorkerFailed(_Msg, tag="worker_failed"):
+    """A confinement step could not be applied: the worker has exited."""
+
+    step: str
+    errno: int
+    path: str
+    message: str
+
+
+class AddChannel(_Msg, tag="add_channel"):
+    """Sent with one fd: a new client channel for the worker to serve."""
+
+    id: int
+
+
+WorkerRequest = Union[CallTool, ToolReply, ErrorReply]
+WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, OkReply, ErrorReply]
+
+# --- codec ------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+daemon_request_decoder = msgspec.msgpack.Decoder(DaemonRequest)
+daemon_reply_decoder = msgspec.msgpack.Decoder(DaemonReply)
+worker_decoder = msgspec.msgpack.Decoder(WorkerRequest)
+control_decoder = msgspec.msgpack.Decoder(WorkerControl)
+
+
+class ProtocolError(Exception):
+    """The peer broke framing or sent something undecodable; drop the connection."""
+
+
+class FrameTooLarge(ProtocolError):
+    pass
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """One whole frame: length prefix and payload."""
+    payload = _encoder.encode(msg)
+    if len(payload) > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _HEADER.pack(len(payload)) + payload
+
+
+def decode(decoder: msgspec.msgpack.Decoder, payload: bytes) -> Any:
+    try:
+        return decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable message: {exc}") from exc
+
+
+def request_id_of(payload: bytes) -> int:
+    """Best effort: the ``id`` of a request we could not decode, so the error reply
+    can still be matched by the sender. 0 when even that is unreadable."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return 0
+    if isinstance(raw, dict) and isinstance(raw.get("id"), int):
+        return raw["id"]
+    return 0
+
+
+class FrameSocket:
+    """Frames over a connected stream socket, with optional fd passing.
+
+    Reads are buffered so a small reply costs one ``recv``; fds that arrive
+    with the data are queued and taken by ``take_fd``. Not thread-safe by
+    itself: callers serialise reads and writes (the client does; the daemon
+    and worker give each connection one reader).
+    """
+
+    def __init__(self, sock: socket.socket, *, fds: bool = False) -> None:
+        self.sock = sock
+        self._fds = fds
+        self._buf = bytearray()
+        self._fd_queue: list[int] = []
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, msg: msgspec.Struct, fds: list[int] | None = None) -> None:
+        frame = encode(msg)
+        if fds:
+            # The fds ride on the first byte of the frame; the rest follows.
+            sent = socket.send_fds(self.sock, [frame], fds)
+            if sent < len(frame):
+                self.sock.sendall(memoryview(frame)[sent:])
+        else:
+            self.sock.sendall(frame)
+
+    def _fill(self) -> bool:
+        if self._fds:
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4)
+            self._fd_queue.extend(fds)
+        else:
+            data = self.sock.recv(1 << 16)
+        if not data:
+            return False
+        self._buf += data
+        return True
+
+    def recv_payload(self) -> bytes | None:
+        """The next payload, or None on a clean end of stream between frames."""
+        while len(self._buf) < 4:
+            if not self._fill():
+                if self._buf:
+                    raise ProtocolError("connection closed inside a frame header")
+                return None
+        (length,) = _HEADER.unpack_from(self._buf)
+        if length > MAX_FRAME:
+            raise FrameTooLarge(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+        while len(self._buf) < 4 + length:
+            if not self._fill():
+                raise ProtocolError("connection closed inside a frame")
+        payload = bytes(self._buf[4 : 4 + length])
+        del self._buf[: 4 + length]
+        return payload
+
+    def recv(self, decoder: msgspec.msgpack.Decoder) -> Any:
+        payload = self.recv_payload()
+        if payload is None:
+            return None
+        return decode(decoder, payload)
+
+    def take_fd(self) -> int:
+        if not self._fd_queue:
+            raise ProtocolError("expected a file descriptor with this message, none came")
+        return self._fd_queue.pop(0)
+
+    def close(self) -> None:
+        for fd in self._fd_queue:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fd_queue.clear()
+        self.sock.close()

@@ -1,0 +1,81 @@
+"""What every worker-side tool is: a typed parameter struct, a function, a schema.
+
+Guarantees:
+- ``run_tool`` never raises: bad parameters, a ``ToolFailure`` and any
+  unexpected exception all come back as a failed ``Outcome`` whose ``error``
+  says what went wrong (the tool name and, where there is one, the path).
+- Parameters are decoded into the tool's frozen msgspec struct with unknown
+  fields rejected, so ``{"pth": "x"}`` is an error, not a silent default.
+
+These functions run only inside a confined worker; the daemon never calls them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from dispatchd.policy import Limits
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolContext:
+    """What a tool may know: the worktree and the policy's limits."""
+
+    root: str  # the worktree, absolute and resolved (no symlinks)
+    limits: Limits
+    env: Mapping[str, str]  # the environment commands run with
+    writable: bool = True  # False under a read-only policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    success: bool
+    output: str | None = None
+    error: str | None = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def ok(cls, output: str, metadata: dict[str, Any] | None = None) -> Outcome:
+        return cls(True, output, None, metadata or {})
+
+    @classmethod
+    def fail(cls, error: str, metadata: dict[str, Any] | None = None) -> Outcome:
+        return cls(False, None, error, metadata or {})
+
+
+class ToolFailure(Exception):
+    """Raised by a tool for an expected failure; becomes ``Outcome.fail``."""
+
+    def __init__(self, message: str, metadata: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.metadata = metadata or {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON Schema advertised to models
+    params_type: type[msgspec.Struct]
+    func: Callable[[ToolContext, Any], Outcome]
+    # Long-running tools get a thread of their own in the worker so that other
+    # calls on the same channel are not held up behind them.
+    slow: bool = False
+
+
+def run_tool(tool: Tool, ctx: ToolContext, params: Any) -> Outcome:
+    try:
+        typed = msgspec.convert(params, tool.params_type)
+    except msgspec.ValidationError as exc:
+        return Outcome.fail(f"{tool.name}: invalid arguments: {exc}")
+    try:
+        return tool.func(ctx, typed)
+    except ToolFailure as exc:
+        return Outcome.fail(exc.message, exc.metadata)
+    except Exception as exc:  # a bug or an OS error we did not foresee
+        return Outcome.fail(f"{tool.name}: {type(exc).__name__}: {exc}")
