@@ -12,11 +12,12 @@ Guarantees:
 - Every bad request gets an ``ErrorReply``; only a broken frame (garbage, bad
   length) ends the connection, and only that connection.
 
-Three conversations use it:
+Four conversations use it:
 - client <-> daemon: ``Hello`` first, then the ``DaemonRequest`` union.
 - client <-> worker: ``CallTool`` on a channel the daemon handed to the client
   (``Attach``); one hop per tool call.
 - daemon <-> worker: ``WorkerReady``/``WorkerFailed`` once, then ``AddChannel``.
+- daemon <-> fork server: ``SpawnWorker`` / ``Spawned``.
 """
 
 from __future__ import annotations
@@ -203,7 +204,27 @@ class AddChannel(_Msg, tag="add_channel"):
     id: int
 
 
+# --- daemon <-> fork server ----------------------------------------------
+
+
+class SpawnWorker(_Msg, tag="spawn_worker"):
+    """Sent with one fd: the worker's end of its control channel. ``plan`` is a
+    msgpack-encoded ``SessionPlan``."""
+
+    id: int
+    plan: bytes
+
+
+class Spawned(_Msg, tag="spawned"):
+    """Sent with one fd: a pidfd of the new session's first process."""
+
+    id: int
+    pid: int
+
+
 WorkerRequest = Union[CallTool, ToolReply, ErrorReply]
+ZygoteRequest = SpawnWorker
+ZygoteReply = Union[Spawned, ErrorReply]
 WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, OkReply, ErrorReply]
 
 # --- codec ------------------------------------------------------------------
@@ -213,6 +234,8 @@ daemon_request_decoder = msgspec.msgpack.Decoder(DaemonRequest)
 daemon_reply_decoder = msgspec.msgpack.Decoder(DaemonReply)
 worker_decoder = msgspec.msgpack.Decoder(WorkerRequest)
 control_decoder = msgspec.msgpack.Decoder(WorkerControl)
+zygote_request_decoder = msgspec.msgpack.Decoder(ZygoteRequest)
+zygote_reply_decoder = msgspec.msgpack.Decoder(ZygoteReply)
 
 
 class ProtocolError(Exception):

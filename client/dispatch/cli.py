@@ -1,0 +1,199 @@
+"""``dispatch``: the command line of the client.
+
+Every failure to do what was asked (no daemon, a refused worktree or policy,
+an unknown session) prints one line on stderr and exits 2. ``exec`` exits
+with the command's own status (124 when it timed out); ``call`` exits 0 on a
+successful Result and 1 on a failed one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from dispatch.client import Client, Session, connect
+from dispatch.errors import DispatchError
+from dispatch.tools import Registry
+
+EXIT_ERROR = 2
+EXIT_TIMEOUT = 124
+
+
+class UsageError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dispatch", description="Client of dispatchd, the sandbox for AI coding agents.")
+    p.add_argument("--socket", help="daemon socket (default: $DISPATCH_SOCKET, $XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, "
+                   "/tmp/dispatchd-$UID/dispatchd.sock)")
+    p.add_argument("--no-autostart", action="store_true", help="do not start a daemon when none answers")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    session = sub.add_parser("session", help="open, close and list sessions").add_subparsers(dest="action", required=True)
+    op = session.add_parser("open", help="open a session; prints its id")
+    _session_target(op, worktree_required=True)
+    cl = session.add_parser("close", help="close a session, ending every process it started")
+    cl.add_argument("id")
+    ls = session.add_parser("list", help="list sessions")
+    ls.add_argument("--json", action="store_true")
+
+    net = sub.add_parser("network", help="switch a session's network")
+    net.add_argument("id")
+    net.add_argument("state", choices=["on", "off"])
+
+    ex = sub.add_parser("exec", help="run a shell command in the sandbox")
+    _session_target(ex)
+    ex.add_argument("--timeout", type=float, help="seconds before the command is killed")
+    ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
+
+    call = sub.add_parser("call", help="run any tool; prints the Result as JSON")
+    _session_target(call)
+    call.add_argument("tool")
+    call.add_argument("params", nargs="?", default="{}", help="the tool's arguments as a JSON object")
+
+    tools = sub.add_parser("tools", help="print the tool schemas")
+    tools.add_argument("--format", default="json", choices=["json", "plain", "openai", "openai-responses", "anthropic", "mcp"])
+    tools.add_argument("--policy", default="default")
+
+    st = sub.add_parser("status", help="daemon, kernel features and the protections of each session")
+    st.add_argument("--json", action="store_true")
+    return p
+
+
+def _session_target(p: argparse.ArgumentParser, *, worktree_required: bool = False) -> None:
+    if not worktree_required:
+        p.add_argument("--session", help="an open session's id")
+    p.add_argument("--worktree", required=worktree_required, help="open a session on this directory")
+    p.add_argument("--policy", default="default")
+    p.add_argument("--network", choices=["on", "off"])
+
+
+@contextlib.contextmanager
+def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
+    if bool(args.session) == bool(args.worktree):
+        raise UsageError("give exactly one of --session ID or --worktree DIR")
+    if args.session:
+        with client.session(args.session) as session:
+            yield session
+    else:
+        with client.open_session(args.worktree, policy=args.policy, network=args.network) as session:
+            yield session
+
+
+def _print_sessions(sessions: list[dict[str, Any]]) -> None:
+    if not sessions:
+        print("no sessions")
+    for s in sessions:
+        prot = s.get("protections", {})
+        print(f"{s['id']}  network={s['network']} ({prot.get('network', {}).get('mechanism', '?')})  "
+              f"policy={s['policy']}  mode={prot.get('mode', '?')}  {s['worktree']}")
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    k = st["kernel"]
+    print(f"dispatchd {st['daemon_version']} (pid {st['pid']}) on {st['socket']}")
+    print(f"kernel {k['release']}: Landlock ABI {k['landlock_abi'] or 'absent'}; "
+          f"user namespaces: {'yes' if k['user_namespaces'] else 'no'} ({k['user_namespaces_note']}); "
+          f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'}")
+    print(f"{len(st['sessions'])} session(s)")
+    for s in st["sessions"]:
+        p = s["protections"]
+        ns = ", ".join(n for n, on in p.get("namespaces", {}).items() if on) or "none"
+        ll = p.get("landlock", {})
+        print(f"  {s['id']}  {s['worktree']}  policy={s['policy']}  mode={p.get('mode')}")
+        print(f"    landlock ABI {ll.get('abi')}: filesystem {ll.get('filesystem')}, scopes: "
+              f"{', '.join(ll.get('scopes', [])) or 'none'}, tcp: {ll.get('tcp')}")
+        print(f"    seccomp: {p.get('seccomp')}; namespaces: {ns}")
+        print(f"    network {p.get('network', {}).get('mode')}: {p.get('network', {}).get('mechanism')}")
+        for gap in p.get("leaves_open", []):
+            print(f"    leaves open: {gap}")
+
+
+def _exec(client: Client, args: argparse.Namespace) -> int:
+    words = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not words:
+        raise UsageError("exec needs a command after --")
+    params: dict[str, Any] = {"command": shlex.join(words)}
+    if args.timeout is not None:
+        params["timeout"] = args.timeout
+    with _session_for(client, args) as session:
+        result = session.registry.get("shell_exec").call(params)
+    meta = result.metadata
+    if "exit_code" not in meta:  # the command never ran
+        raise DispatchError(result.error or "shell_exec failed")
+    sys.stdout.write(meta.get("stdout", ""))
+    sys.stdout.flush()
+    sys.stderr.write(meta.get("stderr", ""))
+    if meta.get("truncated"):
+        sys.stderr.write("dispatch: output truncated at the policy's cap\n")
+    if meta.get("timed_out"):
+        sys.stderr.write(f"dispatch: command timed out after {params.get('timeout', 'the policy timeout')} s\n")
+        return EXIT_TIMEOUT
+    code = int(meta["exit_code"])
+    return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+
+
+def _run(args: argparse.Namespace) -> int:
+    client = connect(args.socket, autostart=not args.no_autostart)
+    with client:
+        if args.command == "session":
+            if args.action == "open":
+                session = client.open_session(args.worktree, policy=args.policy, network=args.network)
+                session.detach()  # it outlives this command
+                print(session.id)
+            elif args.action == "close":
+                client.close_session(args.id)
+            else:
+                sessions = client.list_sessions()
+                print(json.dumps(sessions, indent=2)) if args.json else _print_sessions(sessions)
+            return 0
+        if args.command == "network":
+            print(client.set_network(args.id, args.state)["network"])
+            return 0
+        if args.command == "exec":
+            return _exec(client, args)
+        if args.command == "call":
+            try:
+                params = json.loads(args.params)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"the tool's arguments are not valid JSON: {exc}") from exc
+            with _session_for(client, args) as session:
+                if not session.registry.has(args.tool):
+                    raise UsageError(f"unknown tool {args.tool!r} (this session has: {', '.join(session.registry.tool_names)})")
+                result = session.registry.get(args.tool).call(params)
+            print(json.dumps(result.to_dict(), indent=2))
+            return 0 if result.is_success else 1
+        if args.command == "tools":
+            registry = Registry()
+            from dispatch.tools import Definition, Result
+
+            for t in client.tools(args.policy):
+                registry.register(Definition(t["name"], t["description"], t["parameters"], lambda p, c: Result.success("")))
+            print(json.dumps(registry.schemas("plain" if args.format == "json" else args.format), indent=2))
+            return 0
+        if args.command == "status":
+            st = client.status()
+            print(json.dumps(st, indent=2)) if args.json else _print_status(st)
+            return 0
+    raise UsageError(f"unknown command {args.command}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (DispatchError, UsageError, OSError) as exc:
+        print(f"dispatch: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

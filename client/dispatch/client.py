@@ -1,0 +1,369 @@
+"""Talking to dispatchd: ``connect``, ``Client``, ``Session``.
+
+Guarantees:
+- one ``Client`` (and one ``Session``) may be used from many threads; several
+  calls can be in flight on one connection, each matched to its reply by id;
+- a tool call goes straight to the session's confined worker over a channel
+  the daemon hands over at ``attach`` time: one hop, not two;
+- tool calls never raise: a lost sandbox, a closed session or a daemon that
+  went away come back as ``Result.failure`` with the reason; daemon requests
+  (open, close, network, status) raise ``DispatchError`` subclasses instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from dispatch.errors import ConnectionLost, DaemonUnavailable, DispatchError, RequestFailed
+from dispatch.tools import Definition, Registry, Result
+from dispatchd import paths, protocol
+
+_PENDING = object()
+_RISK = {"read_file": "read", "list_files": "read", "search_files": "read",
+         "write_file": "write", "edit_file": "write", "create_file": "write", "shell_exec": "execute"}
+
+
+class _Connection:
+    """Frames to one peer with several requests in flight.
+
+    No background thread: whichever caller is waiting becomes the reader
+    until its own reply arrives, handing replies for others to them. A lone
+    caller therefore reads its reply itself, with no thread switch on the way.
+    """
+
+    def __init__(self, sock: socket.socket, decoder: msgspec.msgpack.Decoder, *, fds: bool = False) -> None:
+        self._frames = protocol.FrameSocket(sock, fds=fds)
+        self._decoder = decoder
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._reading = False
+        self._replies: dict[int, Any] = {}
+        self._ids = itertools.count(1)
+        self._broken: Exception | None = None
+
+    def request(self, build: Callable[[int], msgspec.Struct]) -> tuple[Any, int | None]:
+        rid = next(self._ids)
+        msg = build(rid)
+        with self._cond:
+            if self._broken is not None:
+                raise ConnectionLost(str(self._broken))
+            self._replies[rid] = _PENDING
+        try:
+            with self._send_lock:
+                self._frames.send(msg)
+        except (OSError, protocol.ProtocolError) as exc:
+            self._fail(exc)
+            raise ConnectionLost(str(exc)) from exc
+        with self._cond:
+            while True:
+                if self._replies[rid] is not _PENDING:
+                    return self._replies.pop(rid)
+                if self._broken is not None:
+                    self._replies.pop(rid, None)
+                    raise ConnectionLost(str(self._broken))
+                if not self._reading:
+                    self._reading = True
+                    break
+                self._cond.wait()
+        return self._read_until(rid)
+
+    def _read_until(self, rid: int) -> tuple[Any, int | None]:
+        try:
+            while True:
+                reply = self._frames.recv(self._decoder)
+                if reply is None:
+                    raise ConnectionLost("the peer closed the connection")
+                fd = self._frames.take_fd() if isinstance(reply, protocol.Attached) else None
+                with self._cond:
+                    if reply.id in self._replies:
+                        self._replies[reply.id] = (reply, fd)
+                    elif isinstance(reply, protocol.ErrorReply):
+                        raise ConnectionLost(f"{reply.code}: {reply.message}")
+                    elif fd is not None:
+                        os.close(fd)
+                    if reply.id == rid:
+                        self._reading = False
+                        self._cond.notify_all()
+                        return self._replies.pop(rid)
+                    self._cond.notify_all()
+        except (OSError, protocol.ProtocolError, ConnectionLost) as exc:
+            self._fail(exc)
+            with self._cond:
+                self._replies.pop(rid, None)
+            raise exc if isinstance(exc, ConnectionLost) else ConnectionLost(str(exc)) from exc
+
+    def _fail(self, exc: Exception) -> None:
+        with self._cond:
+            if self._broken is None:
+                self._broken = exc
+            self._reading = False
+            self._cond.notify_all()
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def close(self) -> None:
+        self._fail(ConnectionLost("closed"))
+        try:
+            self._frames.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._frames.close()
+
+
+def _to_dict(info: protocol.SessionInfo) -> dict[str, Any]:
+    return msgspec.to_builtins(info)
+
+
+def _network_word(network: bool | str | None) -> str | None:
+    if network is None:
+        return None
+    if isinstance(network, bool):
+        return "on" if network else "off"
+    if network in ("on", "off"):
+        return network
+    raise ValueError(f"network must be True, False, 'on' or 'off', not {network!r}")
+
+
+class Session:
+    """An open session: its id, its network, and a ``registry`` of remote tools."""
+
+    def __init__(self, client: Client, info: protocol.SessionInfo, *, owned: bool) -> None:
+        self._client = client
+        self._info = info
+        self._owned = owned
+        self._lock = threading.Lock()
+        self._channel: _Connection | None = None
+        self._tools: list[protocol.ToolSchema] = []
+        self._attach()
+        self.registry = Registry(self._remote(t) for t in self._tools)
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    @property
+    def network(self) -> bool:
+        return self._info.network == "on"
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return _to_dict(self._info)
+
+    def _attach(self) -> None:
+        reply, fd = self._client._daemon_request(lambda rid: protocol.Attach(id=rid, session=self.id))
+        assert isinstance(reply, protocol.Attached) and fd is not None
+        self._info, self._tools = reply.session, reply.tools
+        old, self._channel = self._channel, _Connection(socket.socket(fileno=fd), protocol.worker_decoder)
+        if old is not None:
+            old.close()
+
+    def _remote(self, schema: protocol.ToolSchema) -> Definition:
+        name = schema.name
+
+        def run(params: dict[str, Any], _context: Any) -> Result:
+            return self.call_tool(name, params)
+
+        return Definition(name, schema.description, schema.parameters, run, risk=_RISK.get(name, "execute"))
+
+    def call_tool(self, name: str, params: dict[str, Any]) -> Result:
+        """Run a tool in the sandbox without client-side validation (the worker
+        validates too). ``registry.get(name).call(params)`` is the usual way."""
+        with self._lock:
+            channel = self._channel
+            if channel is None or channel.broken:
+                try:
+                    self._attach()  # the sandbox was replaced (network switch)
+                except DispatchError as exc:
+                    return Result.failure(f"session {self.id} is not available: {exc}")
+                channel = self._channel
+        assert channel is not None
+        try:
+            reply, _ = channel.request(lambda rid: protocol.CallTool(id=rid, tool=name, params=params))
+        except ConnectionLost as exc:
+            return Result.failure(f"the sandbox of session {self.id} went away during {name} ({exc}); "
+                                  "the session was closed or its network switched")
+        except protocol.FrameTooLarge as exc:
+            return Result.failure(f"{name}: the request is too large: {exc}")
+        if isinstance(reply, protocol.ErrorReply):
+            return Result.failure(f"{name}: {reply.message}")
+        if reply.success:
+            return Result.success(reply.output or "", reply.metadata)
+        return Result.failure(reply.error or "failed", reply.metadata)
+
+    def set_network(self, network: bool | str) -> bool:
+        """Switch the network. When this returns, no process of the session has
+        the old network: the sandbox was replaced and its processes ended."""
+        word = _network_word(network)
+        reply, _ = self._client._daemon_request(lambda rid: protocol.SetNetwork(id=rid, session=self.id, network=word))
+        self._info = reply.session
+        with self._lock:
+            self._attach()
+        return self.network
+
+    def status(self) -> dict[str, Any]:
+        """The session as the daemon sees it, with the protections in force."""
+        for info in self._client._sessions():
+            if info.id == self.id:
+                self._info = info
+                return _to_dict(info)
+        raise RequestFailed("unknown_session", f"session {self.id} is closed")
+
+    def detach(self) -> None:
+        """Drop this handle's channel and leave the session open (for others to
+        attach to by id)."""
+        self._owned = False
+        self.close()
+
+    def close(self) -> None:
+        """Close the session (if this handle opened it), ending its processes."""
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+        if self._owned:
+            self._owned = False
+            try:
+                self._client.close_session(self.id)
+            except RequestFailed as exc:
+                if exc.code != "unknown_session":
+                    raise
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """A connection to the daemon."""
+
+    def __init__(self, socket_path: str, *, autostart: bool = False, timeout: float = 10.0) -> None:
+        self.socket_path = socket_path
+        sock = _connect(socket_path, autostart=autostart, timeout=timeout)
+        self._conn = _Connection(sock, protocol.daemon_reply_decoder, fds=True)
+        reply, _ = self._conn.request(lambda rid: protocol.Hello(id=rid, version=protocol.PROTOCOL_VERSION, client="dispatch"))
+        if isinstance(reply, protocol.ErrorReply):
+            raise RequestFailed(reply.code, reply.message)
+        self.daemon_version = reply.daemon_version
+
+    def _daemon_request(self, build: Callable[[int], msgspec.Struct]) -> tuple[Any, int | None]:
+        try:
+            reply, fd = self._conn.request(build)
+        except ConnectionLost as exc:
+            raise ConnectionLost(f"lost the connection to dispatchd at {self.socket_path}: {exc}") from exc
+        if isinstance(reply, protocol.ErrorReply):
+            raise RequestFailed(reply.code, reply.message)
+        return reply, fd
+
+    def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None) -> Session:
+        word = _network_word(network)
+        path = os.path.abspath(os.fspath(worktree))
+        reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(id=rid, worktree=path, policy=policy, network=word))
+        return Session(self, reply.session, owned=True)
+
+    def session(self, session_id: str) -> Session:
+        """Attach to a session opened elsewhere (closing it here does not end it)."""
+        for info in self._sessions():
+            if info.id == session_id:
+                return Session(self, info, owned=False)
+        raise RequestFailed("unknown_session", f"no such session: {session_id!r}")
+
+    def close_session(self, session_id: str) -> None:
+        self._daemon_request(lambda rid: protocol.CloseSession(id=rid, session=session_id))
+
+    def set_network(self, session_id: str, network: bool | str) -> dict[str, Any]:
+        word = _network_word(network)
+        reply, _ = self._daemon_request(lambda rid: protocol.SetNetwork(id=rid, session=session_id, network=word))
+        return _to_dict(reply.session)
+
+    def _sessions(self) -> list[protocol.SessionInfo]:
+        reply, _ = self._daemon_request(lambda rid: protocol.ListSessions(id=rid))
+        return list(reply.sessions)
+
+    def list_sessions(self) -> list[dict[str, Any]]:
+        return [_to_dict(s) for s in self._sessions()]
+
+    def status(self) -> dict[str, Any]:
+        reply, _ = self._daemon_request(lambda rid: protocol.Status(id=rid))
+        return msgspec.to_builtins(reply)
+
+    def tools(self, policy: str = "default") -> list[dict[str, Any]]:
+        reply, _ = self._daemon_request(lambda rid: protocol.ListTools(id=rid, policy=policy))
+        return [msgspec.to_builtins(t) for t in reply.tools]
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _try_connect(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        return sock
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    except OSError as exc:
+        sock.close()
+        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
+
+
+def _start_daemon(path: str) -> str:
+    """Start ``dispatchd`` in the background on ``path``; returns its log file."""
+    log_dir = paths.state_dir()
+    paths.ensure_private_dir(log_dir)
+    log_path = os.path.join(log_dir, "dispatchd.log")
+    with open(log_path, "ab") as log:
+        subprocess.Popen(
+            [sys.executable, "-m", "dispatchd", "--socket", path],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+        )
+    return log_path
+
+
+def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
+    sock = _try_connect(path)
+    if sock is not None:
+        return sock
+    if not autostart:
+        raise DaemonUnavailable(f"no dispatchd is listening on {path} (start it with `dispatchd`, "
+                                "or `systemctl --user start dispatchd.socket`)")
+    log_path = _start_daemon(path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        sock = _try_connect(path)
+        if sock is not None:
+            return sock
+    tail = ""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            lines = [ln.strip() for ln in f.readlines() if ln.strip()]
+            tail = f" (its log says: {lines[-1]})" if lines else ""
+    except OSError:
+        pass
+    raise DaemonUnavailable(f"started dispatchd on {path} but it did not answer within {timeout:.0f} s{tail}")
+
+
+def connect(socket: str | None = None, *, autostart: bool = False, timeout: float = 10.0) -> Client:
+    """Connect to the daemon at ``socket`` (default: the contract's path order)."""
+    return Client(paths.resolve_socket_path(socket), autostart=autostart, timeout=timeout)

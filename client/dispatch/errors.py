@@ -1,0 +1,30 @@
+"""Errors the client raises for daemon requests (tool calls never raise).
+
+    DispatchError            base
+    ├── DaemonUnavailable    no daemon answers on the socket (and none could be started)
+    ├── ConnectionLost       the daemon or a sandbox went away mid-conversation
+    └── RequestFailed        the daemon refused a request: ``code`` and ``message``
+                             (bad_worktree, bad_policy, unknown_session,
+                             confinement_failed, bad_request, ...)
+"""
+
+from __future__ import annotations
+
+
+class DispatchError(Exception):
+    pass
+
+
+class DaemonUnavailable(DispatchError):
+    pass
+
+
+class ConnectionLost(DispatchError):
+    pass
+
+
+class RequestFailed(DispatchError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,3 @@
+from dispatchd.cli import main
+
+raise SystemExit(main())

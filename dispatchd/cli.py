@@ -1,0 +1,178 @@
+"""``dispatchd``: run the daemon in the foreground until SIGTERM or SIGINT.
+
+Start-up order matters: policies are checked and the kernel probed first (a
+broken policy or a kernel without Landlock stops us with a clear message);
+the fork server is forked before any thread exists; only then is the socket
+bound and served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+from dispatchd import __version__, paths
+from dispatchd.errors import DispatchdError, PolicyError
+from dispatchd.policy import Policy, default_policy_dir, load_all, load_policy
+
+log = logging.getLogger("dispatchd")
+TESTING_ROOT_FLAG = "--allow-root-for-testing"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dispatchd", description="Sandboxed execution daemon for AI coding agents.")
+    p.add_argument("--socket", help="listening socket path (default: $DISPATCH_SOCKET, "
+                   "$XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, or /tmp/dispatchd-$UID/dispatchd.sock)")
+    p.add_argument("--policies", type=Path, help="directory of policy files (default: the installed policies)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-user-namespaces", action="store_true",
+                   help="never use user namespaces: every session runs on Landlock and seccomp alone")
+    p.add_argument(TESTING_ROOT_FLAG, action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--version", action="version", version=f"dispatchd {__version__}")
+    return p.parse_args(argv)
+
+
+def _code_paths() -> list[str]:
+    """Where the worker's own Python lives, granted read-only so that a lazy
+    import inside a confined worker still works. Only the package directories
+    and the interpreter's library paths, never a whole checkout."""
+    import dispatchd
+
+    found = {os.path.dirname(os.path.abspath(dispatchd.__file__))}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        p = sysconfig.get_paths().get(key)
+        if p and os.path.isdir(p):
+            found.add(os.path.realpath(p))
+    return sorted(found)
+
+
+def _listen_fds() -> socket.socket | None:
+    """A socket handed over by systemd (``LISTEN_FDS``), if any."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()) or int(os.environ.get("LISTEN_FDS", "0")) < 1:
+        return None
+    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(var, None)
+    return socket.socket(fileno=3)
+
+
+def _bind(path: str) -> socket.socket:
+    directory = os.path.dirname(path)
+    paths.ensure_private_dir(directory)
+    if os.path.lexists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # a stale socket from a daemon that died
+        else:
+            raise DispatchdError(f"another dispatchd is already listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket is born 0600: no window where others could connect
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if os.geteuid() == 0 and not args.allow_root_for_testing:
+        print("dispatchd: refusing to run as root: it confines sessions as the user who runs it. "
+              "Start it as your own user (e.g. systemctl --user start dispatchd).", file=sys.stderr)
+        return 2
+    policy_dir = (args.policies or default_policy_dir()).resolve()
+    try:
+        policies = load_all(policy_dir)
+    except PolicyError as exc:
+        print(f"dispatchd: {exc.message}", file=sys.stderr)
+        return 2
+    if "default" not in policies:
+        print(f"dispatchd: no default policy (default.toml) in {policy_dir}", file=sys.stderr)
+        return 2
+
+    from dispatchd import kernel as kernel_mod
+
+    features = kernel_mod.probe(forbid_user_namespaces=args.no_user_namespaces)
+    log.info("event=kernel landlock_abi=%s user_namespaces=%s seccomp=%s cgroup2=%s release=%s",
+             features.landlock_abi, features.user_namespaces, features.seccomp, features.cgroup2 or "none",
+             features.release)
+    if features.landlock_abi < 1:
+        print("dispatchd: this kernel has no Landlock (CONFIG_SECURITY_LANDLOCK, lsm=landlock): "
+              "sessions cannot be confined, so none will be opened.", file=sys.stderr)
+        return 1
+
+    socket_path = paths.resolve_socket_path(args.socket)
+    state = paths.state_dir()
+    # The fork server first: it must be forked while we have a single thread.
+    from dispatchd.daemon.spawn import ZygoteClient
+    from dispatchd.worker.zygote import start_zygote
+
+    zygote = ZygoteClient(*start_zygote())
+
+    from dispatchd.daemon.server import Server
+    from dispatchd.daemon.sessions import SessionManager
+
+    def policy_loader(name: str) -> Policy:
+        return load_policy(policy_dir, name)
+
+    runtime = [d for d in {os.environ.get("XDG_RUNTIME_DIR", ""), f"/run/user/{os.getuid()}",
+                           os.path.dirname(socket_path)} if d and os.path.isdir(d)]
+    try:
+        paths.ensure_private_dir(state)
+        paths.ensure_private_dir(os.path.join(state, "sessions"))
+        listener = _listen_fds()
+        owns_socket = listener is None
+        if listener is None:
+            listener = _bind(socket_path)
+    except (DispatchdError, paths.UnsafeDirectory, OSError) as exc:
+        print(f"dispatchd: {exc}", file=sys.stderr)
+        zygote.stop()
+        return 1
+    manager = SessionManager(
+        zygote=zygote, kernel=features, load_policy=policy_loader, state_dir=state,
+        protected=[state, os.path.dirname(socket_path)], runtime_dirs=sorted(runtime),
+        code_paths=_code_paths(), base_env=dict(os.environ),
+    )
+    server = Server(listener, manager, features, socket_path, policy_loader)
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("event=stopping signal=%s", signal.Signals(signum).name)
+        manager.accepting = False
+        server.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("event=ready socket=%s pid=%s policies=%s", socket_path, os.getpid(), ",".join(sorted(policies)))
+    try:
+        server.serve_forever()
+    finally:
+        manager.accepting = False
+        closer = threading.Thread(target=manager.close_all)
+        closer.start()
+        closer.join(10)
+        if owns_socket:
+            try:
+                os.unlink(socket_path)
+            except FileNotFoundError:
+                pass
+        listener.close()
+        zygote.stop()
+        log.info("event=stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

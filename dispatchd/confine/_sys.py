@@ -1,0 +1,116 @@
+"""Thin ctypes access to the few syscalls Python 3.11 does not wrap.
+
+Every function raises ``OSError`` with the real errno; callers turn that into
+a ``ConfinementError`` naming their step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.prctl.restype = ctypes.c_int
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.unshare.argtypes = [ctypes.c_int]
+
+if platform.machine() not in ("x86_64", "aarch64"):
+    # The syscall numbers below are the asm-generic/x86_64 ones that Landlock
+    # shares across architectures; seccomp is compiled by libseccomp per arch.
+    raise ImportError(f"dispatchd supports x86_64 and aarch64, not {platform.machine()}")
+
+SYS_landlock_create_ruleset = 444
+SYS_landlock_add_rule = 445
+SYS_landlock_restrict_self = 446
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_CAPBSET_DROP = 24
+PR_SET_SECCOMP = 22
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_CHILD_SUBREAPER = 36
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+SECCOMP_MODE_FILTER = 2
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_RELATIME = 1 << 21
+MS_STRICTATIME = 1 << 24
+
+
+def _check(ret: int) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+def syscall(nr: int, *args: object) -> int:
+    return _check(_libc.syscall(nr, *args))
+
+
+def prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> int:
+    return _check(_libc.prctl(option, a2, a3, a4, a5))
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(flags))
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def b(s: str | None) -> bytes | None:
+        return None if s is None else os.fsencode(s)
+
+    try:
+        _check(_libc.mount(b(source), b(target), b(fstype), flags, b(data)))
+    except OSError as exc:
+        exc.filename = target
+        raise
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def clear_capabilities() -> None:
+    """Empty the effective, permitted and inheritable sets (capset v3)."""
+    header = _CapHeader(0x20080522, 0)
+    data = (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), ctypes.byref(data)))
+
+
+def install_seccomp_program(bpf: bytes) -> None:
+    """Install a compiled classic-BPF seccomp program on this thread."""
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    if len(bpf) % 8:
+        raise OSError(22, "seccomp program is not a whole number of instructions")
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0))

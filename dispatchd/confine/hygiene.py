@@ -1,0 +1,86 @@
+"""Process hygiene for a worker: what it inherits and what it can become.
+
+Guarantees, step by step (each raises ``ConfinementError`` naming itself):
+- ``new_session``: a new session and process group, no controlling terminal
+  (so TIOCSTI has no terminal to push into, and signals to our group stay ours);
+- ``die_with_parent``: SIGKILL when the parent dies (checked for the race);
+- ``close_inherited_fds``: every descriptor but the ones named is closed;
+- ``no_new_privs``: setuid binaries and file capabilities grant nothing;
+- ``drop_capabilities``: the bounding, ambient, effective, permitted and
+  inheritable sets are emptied (a user-namespace owner has them all otherwise);
+- ``not_dumpable``: /proc/<pid>/mem, environ and ptrace of the worker are refused
+  to the session's commands, which run with the same uid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from dispatchd.confine import _sys
+from dispatchd.errors import ConfinementError
+
+_CAP_LAST = 63
+
+
+def new_session() -> None:
+    try:
+        os.setsid()
+    except OSError as exc:
+        raise ConfinementError("hygiene: setsid", exc.errno) from exc
+
+
+def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
+    _sys.prctl(_sys.PR_SET_PDEATHSIG, sig)
+    if os.getppid() != expected_parent:  # the parent died before the prctl
+        os._exit(1)
+
+
+def close_inherited_fds(keep: list[int]) -> None:
+    low = 3
+    for fd in sorted(keep) + [1 << 20]:
+        if fd >= low:
+            os.closerange(low, min(fd, 1 << 20))
+        low = max(low, fd + 1)
+    # stdin/stdout/stderr point at /dev/null: a worker has no terminal to talk to.
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        if fd not in keep:
+            os.dup2(null, fd)
+    if null not in (0, 1, 2) and null not in keep:
+        os.close(null)
+
+
+def no_new_privs() -> None:
+    try:
+        _sys.prctl(_sys.PR_SET_NO_NEW_PRIVS, 1)
+    except OSError as exc:
+        raise ConfinementError("hygiene: no_new_privs", exc.errno) from exc
+
+
+def drop_capabilities() -> None:
+    try:
+        for cap in range(_CAP_LAST + 1):
+            try:
+                _sys.prctl(_sys.PR_CAPBSET_DROP, cap)
+            except OSError as exc:
+                if exc.errno != 22:  # EINVAL: no such capability on this kernel
+                    raise
+        _sys.prctl(_sys.PR_CAP_AMBIENT, _sys.PR_CAP_AMBIENT_CLEAR_ALL)
+        _sys.clear_capabilities()
+    except OSError as exc:
+        raise ConfinementError("hygiene: drop capabilities", exc.errno) from exc
+
+
+def not_dumpable() -> None:
+    try:
+        _sys.prctl(_sys.PR_SET_DUMPABLE, 0)
+    except OSError as exc:
+        raise ConfinementError("hygiene: not dumpable", exc.errno) from exc
+
+
+def child_subreaper() -> None:
+    try:
+        _sys.prctl(_sys.PR_SET_CHILD_SUBREAPER, 1)
+    except OSError as exc:
+        raise ConfinementError("hygiene: child subreaper", exc.errno) from exc

@@ -1,0 +1,168 @@
+"""Landlock: which paths a session may read, write or execute, and its scopes.
+
+Guarantees, once ``apply_landlock_to_self`` has returned:
+- every filesystem access right the kernel's ABI knows is *handled*: a path is
+  reachable only beneath a rule, with only that rule's rights;
+- system paths are read+execute only; the worktree, the session's scratch
+  directory and the policy's extra paths are read-write; device files get
+  read+write on the file itself; everything else (the rest of the home
+  directory, other worktrees, the daemon's files) is denied with EACCES;
+- where the ABI has scopes (6+), the session cannot connect to abstract Unix
+  sockets or signal processes created outside its domain;
+- where the ABI has TCP rules (4+) and the plan handles them with no rule,
+  every TCP bind and connect is denied (the fallback for "network off").
+
+A rule that cannot be added, or a ruleset the kernel enforces only partly,
+fails the step: we never run a session on a weaker ruleset than planned.
+
+Landlock binds the calling thread and its future children only, so this runs
+while the worker has exactly one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+
+import msgspec
+
+from dispatchd.confine import _sys
+from dispatchd.errors import ConfinementError
+
+# Filesystem rights, by the ABI that introduced them.
+EXECUTE = 1 << 0
+WRITE_FILE = 1 << 1
+READ_FILE = 1 << 2
+READ_DIR = 1 << 3
+REMOVE_DIR = 1 << 4
+REMOVE_FILE = 1 << 5
+MAKE_CHAR = 1 << 6
+MAKE_DIR = 1 << 7
+MAKE_REG = 1 << 8
+MAKE_SOCK = 1 << 9
+MAKE_FIFO = 1 << 10
+MAKE_BLOCK = 1 << 11
+MAKE_SYM = 1 << 12
+REFER = 1 << 13  # ABI 2
+TRUNCATE = 1 << 14  # ABI 3
+IOCTL_DEV = 1 << 15  # ABI 5
+
+NET_BIND_TCP = 1 << 0  # ABI 4
+NET_CONNECT_TCP = 1 << 1
+
+SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
+SCOPE_SIGNAL = 1 << 1
+
+_FS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1, 5: (1 << 16) - 1}
+FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
+
+READ_ONLY = EXECUTE | READ_FILE | READ_DIR
+# Everything but creating device nodes, which an unprivileged user cannot do
+# anyway: refusing it here keeps a future capability slip from mattering.
+READ_WRITE = ((1 << 16) - 1) & ~(MAKE_CHAR | MAKE_BLOCK)
+DEVICE = READ_FILE | WRITE_FILE
+
+
+def fs_rights_for_abi(abi: int) -> int:
+    return _FS_BY_ABI.get(abi, _FS_BY_ABI[5]) if abi >= 1 else 0
+
+
+class PathRule(msgspec.Struct, frozen=True, array_like=True):
+    path: str
+    access: int
+
+
+class LandlockPlan(msgspec.Struct, frozen=True):
+    abi: int
+    handled_fs: int
+    handled_net: int
+    scoped: int
+    paths: list[PathRule]
+    tcp_ports: list[tuple[int, int]] = []  # (port, access) allowed when net is handled
+
+
+def plan_landlock(
+    *,
+    abi: int,
+    read_only: list[str],
+    read_write: list[str],
+    devices: list[str],
+    deny_tcp: bool,
+) -> LandlockPlan:
+    """The ruleset for one session; pure, so tests compare it by equality."""
+    handled = fs_rights_for_abi(abi)
+    rules = [PathRule(p, READ_ONLY & handled) for p in read_only]
+    rules += [PathRule(p, READ_WRITE & handled) for p in read_write]
+    rules += [PathRule(p, DEVICE & handled) for p in devices]
+    handled_net = (NET_BIND_TCP | NET_CONNECT_TCP) if (deny_tcp and abi >= 4) else 0
+    scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0
+    return LandlockPlan(abi=abi, handled_fs=handled, handled_net=handled_net, scoped=scoped, paths=rules)
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1  # the kernel's struct is __attribute__((packed))
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _NetPortAttr(ctypes.Structure):
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64)]
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 when Landlock is absent or disabled."""
+    try:
+        return _sys.syscall(_sys.SYS_landlock_create_ruleset, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    except OSError:
+        return 0
+
+
+def apply_landlock_to_self(plan: LandlockPlan) -> list[str]:
+    """Enforce the plan on the calling thread. Returns the planned paths that do
+    not exist on this machine (skipped: nothing there to grant)."""
+    attr = _RulesetAttr(plan.handled_fs, plan.handled_net, plan.scoped)
+    # Older ABIs reject the larger struct; pass only the fields they know.
+    size = 8 if plan.abi < 4 else (16 if plan.abi < 6 else 24)
+    try:
+        ruleset = _sys.syscall(_sys.SYS_landlock_create_ruleset, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    except OSError as exc:
+        raise ConfinementError("landlock: create ruleset", exc.errno) from exc
+    skipped: list[str] = []
+    try:
+        for rule in plan.paths:
+            try:
+                fd = os.open(rule.path, os.O_PATH | os.O_CLOEXEC)
+            except FileNotFoundError:
+                skipped.append(rule.path)
+                continue
+            except OSError as exc:
+                raise ConfinementError("landlock: open rule path", exc.errno, rule.path) from exc
+            try:
+                access = rule.access
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    access &= FILE_RIGHTS  # directory rights on a file are EINVAL
+                beneath = _PathBeneathAttr(access, fd)
+                _sys.syscall(_sys.SYS_landlock_add_rule, ruleset, 1, ctypes.byref(beneath), 0)
+            except OSError as exc:
+                raise ConfinementError("landlock: add path rule", exc.errno, rule.path) from exc
+            finally:
+                os.close(fd)
+        for port, access in plan.tcp_ports:
+            net = _NetPortAttr(access, port)
+            try:
+                _sys.syscall(_sys.SYS_landlock_add_rule, ruleset, 2, ctypes.byref(net), 0)
+            except OSError as exc:
+                raise ConfinementError("landlock: add port rule", exc.errno, f"port {port}") from exc
+        try:
+            _sys.syscall(_sys.SYS_landlock_restrict_self, ruleset, 0)
+        except OSError as exc:
+            detail = "no_new_privs must be set first" if exc.errno == errno.EPERM else ""
+            raise ConfinementError("landlock: restrict self", exc.errno, detail=detail) from exc
+    finally:
+        os.close(ruleset)
+    return skipped

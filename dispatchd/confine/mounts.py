@@ -1,0 +1,104 @@
+"""The session's view of the filesystem, in its own mount namespace.
+
+Guarantees, once ``apply_mounts`` has returned (user namespaces only):
+- every mount is read-only except the worktree, the scratch directory and the
+  policy's extra read-write paths, so chmod, utime and xattr changes on files
+  outside them fail with EROFS even where Landlock (ABI 7) does not look;
+- ``/tmp`` is the session's private scratch ``tmp`` directory and ``/dev/shm``
+  a private tmpfs;
+- the user's runtime directory (``$XDG_RUNTIME_DIR``: D-Bus, systemd, the
+  daemon's socket) is covered by an empty read-only tmpfs;
+- ``/proc`` is a new procfs of the session's pid namespace: other processes,
+  the daemon included, do not exist there;
+- nothing propagates back to the host (the whole tree is made private first).
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from dispatchd.confine import _sys
+from dispatchd.errors import ConfinementError
+
+_OPT_FLAGS = {
+    "nosuid": _sys.MS_NOSUID, "nodev": _sys.MS_NODEV, "noexec": _sys.MS_NOEXEC,
+    "noatime": _sys.MS_NOATIME, "nodiratime": _sys.MS_NODIRATIME, "relatime": _sys.MS_RELATIME,
+}
+
+
+class MountPlan(msgspec.Struct, frozen=True):
+    writable: list[str]  # bound onto themselves and kept read-write
+    visible: list[str]  # must stay reachable at their path (the worktree, even under /tmp)
+    private_tmp: str  # bound over /tmp
+    hide: list[str]  # covered by an empty tmpfs
+    proc: bool  # mount a fresh /proc (in a new pid namespace)
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def plan_mounts(*, writable: list[str], visible: list[str], private_tmp: str, hide: list[str], proc: bool) -> MountPlan:
+    keep = sorted(set(visible) | set(writable))
+    # Hiding a directory that holds a path the session needs would hide that path too.
+    hide = [h for h in hide if not any(_under(k, h) for k in keep + [private_tmp])]
+    return MountPlan(writable=list(writable), visible=keep, private_tmp=private_tmp, hide=hide, proc=proc)
+
+
+def _mount(step: str, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    try:
+        _sys.mount(source, target, fstype, flags, data)
+    except OSError as exc:
+        raise ConfinementError(f"mounts: {step}", exc.errno, target) from exc
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal.
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def read_mountinfo() -> list[tuple[str, int]]:
+    """(mount point, per-mount flags) for every mount we can see, in order."""
+    out = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            point, options = _unescape(fields[4]), fields[5].split(",")
+            flags = 0
+            for opt in options:
+                flags |= _OPT_FLAGS.get(opt, 0)
+            out.append((point, flags))
+    return out
+
+
+def apply_mounts(plan: MountPlan) -> None:
+    _mount("make private", None, "/", None, _sys.MS_REC | _sys.MS_PRIVATE)
+    # A worktree may live under /tmp: hold it by an fd, cover /tmp, then bind it
+    # back at the same path inside the private /tmp.
+    under_tmp = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in plan.visible if _under(p, "/tmp") and os.path.exists(p)}
+    try:
+        _mount("private /tmp", plan.private_tmp, "/tmp", None, _sys.MS_BIND)
+        for path, fd in under_tmp.items():
+            os.makedirs(path, exist_ok=True)
+            _mount("keep path under /tmp", f"/proc/self/fd/{fd}", path, None, _sys.MS_BIND)
+    finally:
+        for fd in under_tmp.values():
+            os.close(fd)
+    for path in plan.writable:
+        if os.path.exists(path) and path not in under_tmp:
+            _mount("bind writable path", path, path, None, _sys.MS_BIND)
+    for path in plan.hide:
+        if os.path.isdir(path):
+            _mount("hide", "tmpfs", path, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC, "size=4k,mode=0555")
+    if os.path.isdir("/dev/shm"):
+        # POSIX shared memory of the session's own, not the host user's.
+        _mount("private /dev/shm", "tmpfs", "/dev/shm", "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=64m,mode=1777")
+    if plan.proc:
+        _mount("proc", "proc", "/proc", "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
+    keep = {"/tmp", "/dev/shm", *plan.writable}
+    for point, flags in read_mountinfo():
+        if point in keep:
+            continue
+        _mount("read-only remount", None, point, None, _sys.MS_BIND | _sys.MS_REMOUNT | _sys.MS_RDONLY | flags)

@@ -1,0 +1,32 @@
+"""Loopback inside a session's own network namespace.
+
+Guarantee: after ``bring_up_loopback``, the session's namespace has ``lo`` up
+(127.0.0.1 and ::1 work, so a test server inside the session answers a client
+inside it) and no other interface: nothing outside is reachable.
+
+One ioctl (SIOCSIFFLAGS) rather than pyroute2: measured on this machine kind,
+0.35 ms against 6-7 ms for pyroute2's ``IPRoute``, which alone would take most
+of a session's 10 ms opening budget.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+
+from dispatchd.errors import ConfinementError
+
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+
+
+def bring_up_loopback() -> None:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = struct.pack("16sh14x", b"lo", 0)
+            flags = struct.unpack("16sh14x", fcntl.ioctl(s, SIOCGIFFLAGS, req))[1]
+            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh14x", b"lo", flags | IFF_UP))
+    except OSError as exc:
+        raise ConfinementError("network: loopback up", exc.errno, "lo") from exc

@@ -1,0 +1,182 @@
+"""The whole confinement of one session, as data: ``plan_session`` is pure.
+
+The daemon builds a ``SessionPlan`` from the policy, the kernel probe and the
+session's paths, and hands it to the fork server; the worker applies it step
+by step (``dispatchd.worker.session.confine``). Everything the worker will do
+is visible here, and the unit tests compare plans by equality.
+
+Fail closed: a protection the policy requires but the kernel lacks raises
+``ConfinementError`` here, before anything is forked.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, LandlockPlan, plan_landlock
+from dispatchd.confine.mounts import MountPlan, plan_mounts
+from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
+from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
+from dispatchd.errors import ConfinementError
+from dispatchd.kernel import KernelFeatures
+from dispatchd.policy import Limits, Policy
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class SessionPaths(msgspec.Struct, frozen=True):
+    worktree: str  # resolved
+    scratch: str  # the session's private directory, made by the daemon
+    runtime_dirs: list[str]  # the user's runtime directories, hidden from the session
+    code: list[str]  # where the worker's own Python code lives (read-only)
+
+    @property
+    def tmp(self) -> str:
+        return self.scratch + "/tmp"
+
+    @property
+    def home(self) -> str:
+        return self.scratch + "/home"
+
+
+class SessionPlan(msgspec.Struct, frozen=True):
+    session: str
+    policy: str
+    network: str  # "on" | "off"
+    paths: SessionPaths
+    namespaces: NamespacePlan
+    mounts: MountPlan | None
+    loopback: bool
+    landlock: LandlockPlan
+    seccomp: SeccompPlan
+    env: dict[str, str]
+    tools: list[str]
+    writable: bool
+    limits: Limits
+    protections: dict[str, object]
+
+
+def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool) -> list[str]:
+    gaps = []
+    if not use_userns:
+        gaps += [
+            "chmod, chown, utime and xattr changes on files the user owns outside the worktree "
+            "(Landlock ABI <= 7 does not check them; only a read-only mount would)",
+            "the host's /proc: the user's other processes and their command lines are visible "
+            "(their memory, environment and fds stay refused by Landlock's ptrace rule)",
+            "no private /tmp: the host's /tmp is simply not granted (TMPDIR is the session's own)",
+        ]
+        if network_off and landlock_abi < 4:
+            gaps.append("network off is held by seccomp alone (no Landlock TCP rules below ABI 4)")
+    if landlock_abi < 6:
+        gaps.append("no Landlock scopes (ABI < 6): signals to the user's other processes and "
+                    "abstract Unix sockets rely on seccomp and namespaces only")
+    return gaps
+
+
+def plan_session(
+    policy: Policy,
+    kernel: KernelFeatures,
+    *,
+    session: str,
+    paths: SessionPaths,
+    network: str,
+    uid: int,
+    gid: int,
+    base_env: dict[str, str],
+) -> SessionPlan:
+    if network not in ("on", "off"):
+        raise ConfinementError("network", detail=f"network must be 'on' or 'off', not {network!r}")
+    if kernel.landlock_abi < max(1, policy.sandbox.min_landlock_abi):
+        have = f"ABI {kernel.landlock_abi}" if kernel.landlock_abi else "Landlock is not enabled in this kernel"
+        raise ConfinementError("landlock", detail=f"policy {policy.name!r} needs Landlock ABI >= "
+                               f"{max(1, policy.sandbox.min_landlock_abi)}; this kernel offers: {have}")
+    if not kernel.seccomp:
+        raise ConfinementError("seccomp", detail="this kernel offers no seccomp filters with errno actions")
+    mode = policy.sandbox.user_namespaces
+    if mode == "required" and not kernel.user_namespaces:
+        raise ConfinementError("namespaces", detail=f"policy {policy.name!r} requires user namespaces: "
+                               f"{kernel.user_namespaces_note}")
+    use_userns = mode != "never" and kernel.user_namespaces
+    network_off = network == "off"
+
+    fs = policy.filesystem
+    worktree_rw = fs.worktree == "read-write"
+    read_only = list(fs.read_only) + ["/proc"] + list(paths.code)
+    read_write = [paths.scratch] + list(fs.read_write)
+    (read_write if worktree_rw else read_only).insert(0, paths.worktree)
+    devices = list(fs.devices)
+    if use_userns:
+        # A private /tmp and /dev/shm exist only in the session's mount namespace.
+        read_write += ["/tmp", "/dev/shm"]
+    landlock = plan_landlock(
+        abi=kernel.landlock_abi,
+        read_only=read_only,
+        read_write=read_write,
+        devices=devices,
+        # Without a network namespace, "off" is held by seccomp and Landlock TCP rules.
+        deny_tcp=network_off and not use_userns,
+    )
+    seccomp = plan_seccomp(allow_inet=not (network_off and not use_userns))
+    namespaces = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=uid, gid=gid)
+    mounts = None
+    if use_userns:
+        writable = [paths.worktree] if worktree_rw else []
+        writable += [paths.scratch] + list(fs.read_write)
+        mounts = plan_mounts(writable=writable, visible=[paths.worktree], private_tmp=paths.tmp,
+                             hide=list(paths.runtime_dirs), proc=True)
+
+    env = {
+        "PATH": DEFAULT_PATH,
+        "HOME": paths.home,
+        "TMPDIR": paths.tmp,
+        "SHELL": "/bin/bash",
+        "TERM": "dumb",
+        "LANG": "C.UTF-8",
+        "DISPATCH_SESSION": session,
+    }
+    for name in policy.env.pass_through:
+        if name in base_env:
+            env[name] = base_env[name]
+    for key in ("USER", "LOGNAME"):
+        if key in base_env:
+            env[key] = base_env[key]
+    env.update(policy.env.set)
+
+    if use_userns:
+        net_mechanism = "network namespace with loopback only" if network_off else "host network"
+    else:
+        net_mechanism = ("seccomp: no IPv4/IPv6 sockets" + (", Landlock: no TCP bind/connect" if landlock.handled_net else "")) if network_off else "host network"
+    gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off)
+    protections: dict[str, object] = {
+        "mode": "full" if not gaps else "degraded",
+        "landlock": {
+            "abi": kernel.landlock_abi,
+            "filesystem": "enforced",
+            "scopes": [s for s, bit in (("abstract_unix_socket", 1), ("signal", 2)) if landlock.scoped & bit],
+            "tcp": "denied" if landlock.handled_net & (NET_BIND_TCP | NET_CONNECT_TCP) else "not handled",
+        },
+        "seccomp": "enforced",
+        "namespaces": {"user": namespaces.user, "mount": namespaces.mount, "pid": namespaces.pid, "net": namespaces.net},
+        "network": {"mode": network, "mechanism": net_mechanism},
+        "worktree": fs.worktree,
+        "hygiene": ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
+                    "dies with its parent", "not dumpable"] + (["no capabilities"] if use_userns else []),
+        "leaves_open": gaps,
+    }
+    return SessionPlan(
+        session=session,
+        policy=policy.name,
+        network=network,
+        paths=paths,
+        namespaces=namespaces,
+        mounts=mounts,
+        loopback=namespaces.net,
+        landlock=landlock,
+        seccomp=seccomp,
+        env=env,
+        tools=list(policy.tools),
+        writable=worktree_rw,
+        limits=policy.limits,
+        protections=protections,
+    )

@@ -1,0 +1,120 @@
+"""Seccomp: the system calls a session may not make, whatever its paths.
+
+Landlock (ABI 7) leaves holes that only a syscall filter closes. Once
+``apply_seccomp`` has returned, the session cannot:
+- create Unix sockets (``socket(AF_UNIX)``): no connect to the daemon's socket,
+  the user's D-Bus or ``systemd --user`` (``systemd-run --user`` would run
+  anything unconfined), a container engine's socket, or any abstract socket.
+  ``socketpair`` still works, so pipes between a session's own processes do;
+- open sockets of any family but IPv4/IPv6 (and netlink route queries); with
+  the network off and no network namespace to hold it, not IPv4/IPv6 either;
+- make new namespaces (``unshare``, ``setns``, ``clone`` with a ``CLONE_NEW*``
+  flag; ``clone3`` answers ENOSYS so libc falls back to ``clone``), mount
+  anything, or change its root;
+- trace or read other processes' memory (``ptrace``, ``process_vm_*``);
+- reach kernel surfaces an agent has no use for: io_uring, bpf, perf events,
+  keyrings, userfaultfd, kernel modules, kexec, ``open_by_handle_at``;
+- push characters into a terminal (``TIOCSTI``, ``TIOCLINUX``).
+
+Denials answer EPERM (a plain "not permitted" that tools report sensibly),
+except ``clone3`` (ENOSYS, so glibc retries with ``clone``). Syscalls of another
+architecture (32-bit entry on x86_64) kill the process: libseccomp's default.
+
+The program is compiled once per plan by the fork server and only installed,
+last, in the worker (``apply_seccomp``), as nsjail does.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import msgspec
+
+from dispatchd.confine import _sys
+
+_NS_FLAGS = (
+    _sys.CLONE_NEWNS, _sys.CLONE_NEWCGROUP, _sys.CLONE_NEWUTS, _sys.CLONE_NEWIPC,
+    _sys.CLONE_NEWUSER, _sys.CLONE_NEWPID, _sys.CLONE_NEWNET,
+)
+_DENIED_ALWAYS = (
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot",
+    "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig", "fspick", "mount_setattr",
+    "ptrace", "process_vm_readv", "process_vm_writev",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "bpf", "perf_event_open", "userfaultfd",
+    "keyctl", "add_key", "request_key",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "open_by_handle_at", "name_to_handle_at", "acct", "swapon", "swapoff", "reboot",
+    "syslog", "quotactl", "lookup_dcookie", "vhangup",
+)
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
+_AF_MAX = 46  # families are below this on 6.x kernels; anything at or above is denied
+
+
+class ArgCheck(msgspec.Struct, frozen=True, array_like=True):
+    arg: int
+    op: str  # "eq", "ne", "ge", "masked_eq"
+    value: int
+    mask: int = 0
+
+
+class SeccompRule(msgspec.Struct, frozen=True, array_like=True):
+    syscall: str
+    errno: int
+    args: list[ArgCheck] = []
+
+
+class SeccompPlan(msgspec.Struct, frozen=True):
+    rules: list[SeccompRule]
+    allow_inet: bool
+
+
+def plan_seccomp(*, allow_inet: bool) -> SeccompPlan:
+    """The filter for one session; pure. ``allow_inet`` is False only for network
+    off without a network namespace, where seccomp is what holds the network."""
+    rules = [SeccompRule(name, errno.EPERM) for name in _DENIED_ALWAYS]
+    rules += [SeccompRule("clone", errno.EPERM, [ArgCheck(0, "masked_eq", f, f)]) for f in _NS_FLAGS]
+    rules.append(SeccompRule("clone3", errno.ENOSYS))
+    rules += [SeccompRule("ioctl", errno.EPERM, [ArgCheck(1, "masked_eq", req, 0xFFFFFFFF)]) for req in (TIOCSTI, TIOCLINUX)]
+    allowed = {socket.AF_NETLINK}
+    if allow_inet:
+        allowed |= {socket.AF_INET, socket.AF_INET6}
+    for family in range(_AF_MAX):
+        if family not in allowed:
+            rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", family)]))
+    rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "ge", _AF_MAX)]))
+    # Netlink only for route queries (what `ip addr` needs), not audit, uevents...
+    rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_NETLINK), ArgCheck(2, "ne", 0)]))
+    # socketpair(AF_UNIX) stays: it reaches nothing outside the session.
+    for family in range(_AF_MAX):
+        if family != socket.AF_UNIX:
+            rules.append(SeccompRule("socketpair", errno.EPERM, [ArgCheck(0, "eq", family)]))
+    return SeccompPlan(rules=rules, allow_inet=allow_inet)
+
+
+def compile_seccomp(plan: SeccompPlan) -> bytes:
+    """Compile the plan to a classic-BPF program with libseccomp (no kernel change)."""
+    import pyseccomp as sc  # loaded here: only the fork server compiles
+
+    ops = {"eq": sc.EQ, "ne": sc.NE, "ge": sc.GE, "masked_eq": sc.MASKED_EQ}
+    filt = sc.SyscallFilter(sc.ALLOW)
+    for rule in plan.rules:
+        args = [
+            sc.Arg(a.arg, ops[a.op], a.mask, a.value) if a.op == "masked_eq" else sc.Arg(a.arg, ops[a.op], a.value)
+            for a in rule.args
+        ]
+        filt.add_rule(sc.ERRNO(rule.errno), rule.syscall, *args)
+    # A memfd rather than a pipe: the program may outgrow a pipe's buffer.
+    fd = os.memfd_create("dispatchd-seccomp", os.MFD_CLOEXEC)
+    with os.fdopen(fd, "w+b") as buf:
+        filt.export_bpf(buf)
+        buf.seek(0)
+        return buf.read()
+
+
+def apply_seccomp(program: bytes) -> None:
+    """Install the compiled program on the calling thread (no_new_privs first)."""
+    _sys.install_seccomp_program(program)

@@ -1,0 +1,260 @@
+"""The daemon's table of sessions: open, close, switch network, attach.
+
+Guarantees:
+- a session is in the table only once its worker has reported that every
+  step of its confinement is in force (``WorkerReady``); a step that fails
+  refuses the open with the worker's own step, errno and path;
+- closing a session, switching its network, or the daemon stopping ends every
+  process the session started (see ``dispatchd.worker.session``), and the
+  session's scratch directory is removed afterwards;
+- a session whose worker ends on its own (idle timeout, crash) leaves the table;
+- the daemon never opens a path inside a worktree: it only checks it
+  (``check_worktree``) and hands it to the worker's plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from dispatchd import protocol
+from dispatchd.confine.plan import SessionPaths, SessionPlan, plan_session
+from dispatchd.daemon.spawn import Worker, ZygoteClient
+from dispatchd.daemon.worktree import check_worktree
+from dispatchd.errors import ConfinementError, DispatchdError, SessionError
+from dispatchd.kernel import KernelFeatures
+from dispatchd.policy import Policy
+from dispatchd.tools.spec import schemas_for
+
+log = logging.getLogger("dispatchd.sessions")
+READY_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 2.0
+
+
+class Session:
+    def __init__(self, sid: str, worktree: str, policy: Policy, scratch: str) -> None:
+        self.id = sid
+        self.worktree = worktree
+        self.policy = policy
+        self.scratch = scratch
+        self.created = time.time()
+        self.network = policy.network.default
+        self.protections: dict[str, object] = {}
+        self.worker: Worker | None = None
+        self.control: protocol.FrameSocket | None = None
+        self.lock = threading.Lock()  # one attach or switch at a time
+        self.generation = 0
+        self.closed = False
+        self.ended = threading.Event()  # set when the current worker's control channel closes
+
+    def info(self) -> protocol.SessionInfo:
+        return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
+                                    network=self.network, created=self.created, protections=self.protections)
+
+
+class SessionManager:
+    def __init__(
+        self,
+        *,
+        zygote: ZygoteClient,
+        kernel: KernelFeatures,
+        load_policy: Callable[[str], Policy],
+        state_dir: str,
+        protected: list[str],
+        runtime_dirs: list[str],
+        code_paths: list[str],
+        base_env: dict[str, str],
+    ) -> None:
+        self.zygote = zygote
+        self.kernel = kernel
+        self.load_policy = load_policy
+        self.sessions_dir = os.path.join(state_dir, "sessions")
+        self.protected = protected
+        self.runtime_dirs = runtime_dirs
+        self.code_paths = code_paths
+        self.base_env = base_env
+        self.uid, self.gid = os.getuid(), os.getgid()
+        self.home = os.path.expanduser("~")
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self.accepting = True
+
+    # --- lookups -------------------------------------------------------------
+
+    def get(self, sid: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(sid)
+        if session is None or session.closed:
+            raise SessionError(f"no such session: {sid!r}", sid)
+        return session
+
+    def list(self) -> list[Session]:
+        with self._lock:
+            return [s for s in self._sessions.values() if not s.closed]
+
+    # --- open / close ----------------------------------------------------------
+
+    def open(self, worktree: str, policy_name: str, network: str | None) -> Session:
+        if not self.accepting:
+            raise DispatchdError("the daemon is stopping and opens no new sessions")
+        policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
+        resolved = check_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected)
+        network = network or policy.network.default
+        if network not in ("on", "off"):
+            raise DispatchdError(f"network must be 'on' or 'off', not {network!r}")
+        sid = secrets.token_hex(6)
+        scratch = os.path.join(self.sessions_dir, sid)
+        os.makedirs(scratch + "/tmp", mode=0o700)
+        os.makedirs(scratch + "/home", mode=0o700)
+        session = Session(sid, resolved, policy, scratch)
+        try:
+            self._start_worker(session, network)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        with self._lock:
+            self._sessions[sid] = session
+        log.info("event=session_open session=%s policy=%s network=%s mode=%s worktree=%s",
+                 sid, policy.name, network, session.protections.get("mode"), resolved)
+        return session
+
+    def _plan(self, session: Session, network: str) -> SessionPlan:
+        paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
+                             runtime_dirs=self.runtime_dirs, code=self.code_paths)
+        return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
+                            uid=self.uid, gid=self.gid, base_env=self.base_env)
+
+    def _start_worker(self, session: Session, network: str) -> None:
+        plan = self._plan(session, network)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            worker = self.zygote.spawn_worker(plan, theirs)
+        finally:
+            theirs.close()
+        control = protocol.FrameSocket(ours, fds=True)
+        ours.settimeout(READY_TIMEOUT_S)
+        try:
+            msg = control.recv(protocol.control_decoder)
+        except (OSError, protocol.ProtocolError) as exc:
+            msg = exc
+        ours.settimeout(None)
+        if not isinstance(msg, protocol.WorkerReady):
+            worker.signal(signal.SIGKILL)
+            worker.close()
+            control.close()
+            if isinstance(msg, protocol.WorkerFailed):
+                err = ConfinementError(msg.step, msg.errno, msg.path, msg.message.split(": ", 1)[-1] if not msg.errno else "")
+                err.message = f"session refused: {msg.message}"
+                err.args = (err.message,)
+                raise err
+            raise ConfinementError("worker start", detail=f"the worker did not report ready: {msg!r}")
+        session.worker, session.control = worker, control
+        session.network = network
+        session.protections = msg.protections
+        session.generation += 1
+        session.ended = threading.Event()
+        threading.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
+                         daemon=True, name=f"watch-{session.id}").start()
+
+    def _watch(self, session: Session, generation: int, control: protocol.FrameSocket, ended: threading.Event) -> None:
+        """The only reader of a worker's control channel: its EOF means the tool
+        server is gone, on purpose (close, switch) or on its own (idle, crash)."""
+        try:
+            while control.recv(protocol.control_decoder) is not None:
+                pass
+        except (OSError, protocol.ProtocolError):
+            pass
+        ended.set()
+        control.close()
+        with session.lock:
+            if session.generation != generation or session.closed:
+                return  # replaced by a network switch, or closed on purpose
+        log.info("event=session_ended session=%s reason=worker_exited", session.id)
+        self._finish(session)
+
+    def _stop_worker(self, session: Session) -> None:
+        worker, control = session.worker, session.control
+        session.worker = session.control = None
+        if worker is None:
+            return
+        worker.signal(signal.SIGTERM)
+        # The tool server holds the other end of the control channel: its EOF
+        # means the session's processes are gone (pid 1 of their namespace has
+        # exited, or the session init has killed its Landlock domain).
+        session.ended.wait(STOP_TIMEOUT_S)
+        worker.signal(signal.SIGKILL)
+        worker.close()
+        if control is not None:
+            try:
+                control.sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher if it still waits
+            except OSError:
+                pass  # the watcher has closed it already
+
+    def _finish(self, session: Session) -> None:
+        with session.lock:
+            if session.closed:
+                return
+            session.closed = True
+            session.generation += 1
+            self._stop_worker(session)
+        with self._lock:
+            self._sessions.pop(session.id, None)
+        shutil.rmtree(session.scratch, ignore_errors=True)
+
+    def close(self, sid: str) -> None:
+        session = self.get(sid)
+        self._finish(session)
+        log.info("event=session_close session=%s", sid)
+
+    def close_all(self) -> None:
+        for session in self.list():
+            self._finish(session)
+
+    # --- network, attach -----------------------------------------------------
+
+    def set_network(self, sid: str, network: str) -> Session:
+        """Switch by replacing the sandbox: every process of the session is ended,
+        so nothing started while the network was on keeps it."""
+        if network not in ("on", "off"):
+            raise DispatchdError(f"network must be 'on' or 'off', not {network!r}")
+        session = self.get(sid)
+        with session.lock:
+            if session.closed:
+                raise SessionError(f"no such session: {sid!r}", sid)
+            session.generation += 1
+            self._stop_worker(session)
+            try:
+                self._start_worker(session, network)
+            except BaseException:
+                session.closed = True
+                with self._lock:
+                    self._sessions.pop(sid, None)
+                shutil.rmtree(session.scratch, ignore_errors=True)
+                raise
+        log.info("event=session_network session=%s network=%s", sid, network)
+        return session
+
+    def attach(self, sid: str) -> tuple[Session, socket.socket, list[protocol.ToolSchema]]:
+        """A new stream socket to the session's tool server (the client's end)."""
+        session = self.get(sid)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with session.lock:
+            if session.control is None:
+                ours.close()
+                theirs.close()
+                raise SessionError(f"session {sid} has ended", sid)
+            try:
+                session.control.send(protocol.AddChannel(id=0), fds=[theirs.fileno()])
+            finally:
+                theirs.close()
+        tools = [msgspec.convert(s, protocol.ToolSchema) for s in schemas_for(session.policy.tools)]
+        return session, ours, tools

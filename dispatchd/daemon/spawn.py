@@ -1,0 +1,73 @@
+"""Daemon side of the fork server: ask it for a worker, get a pid and a pidfd.
+
+``spawn_worker`` is safe to call from many threads; requests to the fork
+server are serialised (a fork takes about a millisecond).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+
+import msgspec
+
+from dispatchd import protocol
+from dispatchd.confine.plan import SessionPlan
+from dispatchd.errors import DispatchdError
+
+
+class SpawnError(DispatchdError):
+    code = "spawn_failed"
+
+
+class Worker:
+    """The first process of a session (W0), held by a pidfd so that signalling
+    it can never hit a recycled pid."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+
+    def signal(self, sig: int) -> None:
+        try:
+            signal.pidfd_send_signal(self.pidfd, sig)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class ZygoteClient:
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self._frames = protocol.FrameSocket(sock, fds=True)
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def spawn_worker(self, plan: SessionPlan, control_end: socket.socket) -> Worker:
+        with self._lock:
+            self._next += 1
+            req = protocol.SpawnWorker(id=self._next, plan=msgspec.msgpack.encode(plan))
+            try:
+                self._frames.send(req, fds=[control_end.fileno()])
+                reply = self._frames.recv(protocol.zygote_reply_decoder)
+            except (OSError, protocol.ProtocolError) as exc:
+                raise SpawnError(f"the fork server is not answering: {exc}") from exc
+            if reply is None:
+                raise SpawnError("the fork server has exited")
+            if isinstance(reply, protocol.ErrorReply):
+                raise SpawnError(reply.message)
+            return Worker(reply.pid, self._frames.take_fd())
+
+    def stop(self) -> None:
+        self._frames.close()
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass

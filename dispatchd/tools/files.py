@@ -1,0 +1,243 @@
+"""The file tools: read_file, write_file, edit_file, create_file, list_files.
+
+Guarantees:
+- Every path goes through ``paths.resolve`` first: nothing outside the
+  worktree is named, read or written (see that module for the rules).
+- Paths shown to the model are worktree-relative.
+- Reads refuse directories, non-regular files (a FIFO would block the
+  worker), binary files (a NUL byte in the first 8 KiB) and files over the
+  policy's ``file_size_cap_bytes``.
+- Writes are atomic (``atomic.atomic_write``): a reader, or a crash, sees the
+  old file or the new one. ``edit_file`` writes nothing unless every edit
+  applies. ``create_file`` never overwrites, even when racing another writer.
+- Under a read-only policy the writing tools refuse before touching anything.
+
+Line numbers are 0-based everywhere (read_file, search_files), so a number a
+model reads can be passed back as ``start_line``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from typing import Protocol
+
+from dispatchd.tools.atomic import atomic_write
+from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
+from dispatchd.tools.paths import describe_os_error, printable, relative, resolve
+from dispatchd.tools.textfile import looks_binary, read_regular
+from dispatchd.tools.walk import in_git_dir, matches, walk
+
+__all__ = ["EditLike", "create_file", "edit_file", "list_files", "read_file", "write_file"]
+
+_EXCERPT_CHARS = 80
+
+
+class EditLike(Protocol):
+    old_text: str
+    new_text: str
+
+
+# -- shared steps --------------------------------------------------------------
+
+
+def _too_big(what: str, size: int, cap: int) -> ToolFailure:
+    return ToolFailure(f"{what} is {size} bytes, over the file size cap of {cap} bytes")
+
+
+def _load_text(ctx: ToolContext, path: str, refusal: str) -> tuple[str, str, bytes]:
+    """(absolute path, display path, content) of a text file within the caps.
+
+    ``refusal`` ends the binary-file message ("read_file only reads text").
+    """
+    target = resolve(ctx.root, path)
+    rel = relative(ctx.root, target)
+    cap = ctx.limits.file_size_cap_bytes
+    try:
+        mode, size, data = read_regular(target, cap)
+    except FileNotFoundError:
+        raise ToolFailure(f"file not found: {rel}") from None
+    except OSError as exc:
+        raise describe_os_error(exc, "read", rel) from exc
+    if stat.S_ISDIR(mode):
+        raise ToolFailure(f"{rel} is a directory; use list_files")
+    if not stat.S_ISREG(mode):
+        raise ToolFailure(f"{rel} is not a regular file")
+    if data is None:
+        raise _too_big(rel, size, cap)
+    if looks_binary(data):
+        raise ToolFailure(f"{rel} is a binary file; {refusal}")
+    return target, rel, data
+
+
+def _require_writable(ctx: ToolContext) -> None:
+    if not ctx.writable:
+        raise ToolFailure("the worktree is read-only under this policy")
+
+
+def _encode(ctx: ToolContext, text: str, what: str, errors: str = "strict") -> bytes:
+    try:
+        data = text.encode("utf-8", errors)
+    except UnicodeEncodeError:
+        raise ToolFailure(f"{what} is not valid Unicode text (it holds a lone surrogate)") from None
+    cap = ctx.limits.file_size_cap_bytes
+    if len(data) > cap:
+        raise _too_big(what, len(data), cap)
+    return data
+
+
+def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, exclusive: bool = False) -> None:
+    """Create the parent folders, then write ``data`` atomically."""
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise describe_os_error(exc, "create the folder", relative(ctx.root, parent)) from exc
+    try:
+        atomic_write(target, data, fsync=ctx.limits.fsync, exclusive=exclusive)
+    except IsADirectoryError:
+        raise ToolFailure(f"{rel} is a directory; {tool} writes files") from None
+    except FileExistsError:
+        if exclusive:  # lost a race: someone created it after our check
+            raise _exists(rel) from None
+        raise
+    except OSError as exc:
+        raise describe_os_error(exc, "write", rel) from exc
+
+
+def _exists(rel: str) -> ToolFailure:
+    return ToolFailure(f"file already exists: {rel} (use write_file to replace it)")
+
+
+def _excerpt(text: str) -> str:
+    if len(text) > _EXCERPT_CHARS:
+        text = text[: _EXCERPT_CHARS - 3] + "..."
+    return repr(text)
+
+
+def _occurrences(text: str, sub: str) -> int:
+    count = text.count(sub)  # non-overlapping
+    # "aa" in "aaa" counts once but could be either of two places: ambiguous.
+    if count == 1 and text.find(sub, text.find(sub) + 1) != -1:
+        count = 2
+    return count
+
+
+# -- the tools -----------------------------------------------------------------
+
+
+def read_file(ctx: ToolContext, path: str, start_line: int = 0, end_line: int = -1) -> Outcome:
+    """Lines ``start_line``..``end_line`` (0-based, inclusive, -1 = the end), numbered."""
+    if start_line < 0:
+        raise ToolFailure(f"start_line must be 0 or more, not {start_line}")
+    if end_line < -1:
+        raise ToolFailure(f"end_line must be a line number or -1 (the end), not {end_line}")
+    if end_line != -1 and start_line > end_line:
+        raise ToolFailure(f"start_line {start_line} is after end_line {end_line}")
+    _, rel, data = _load_text(ctx, path, "read_file only reads text")
+    # split("\n"), not splitlines(): a lone "\r" or form feed must not start a
+    # new line, or the numbers would disagree with search_files.
+    lines = data.decode("utf-8", "replace").split("\n")
+    if lines[-1] == "":  # a final newline ends the last line; it starts none
+        lines.pop()
+    total = len(lines)
+    if start_line >= total and not (total == 0 and start_line == 0):
+        span = "it is empty" if total == 0 else f"its lines are 0 to {total - 1}"
+        raise ToolFailure(f"start_line {start_line} is past the end of {rel}: it has {total} lines ({span})")
+    last = total - 1 if end_line == -1 else min(end_line, total - 1)
+    output = "\n".join(f"{n}: {lines[n]}" for n in range(start_line, last + 1))
+    return Outcome.ok(output, {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})
+
+
+def write_file(ctx: ToolContext, path: str, content: str) -> Outcome:
+    """Replace (or create) the file with ``content``, atomically."""
+    _require_writable(ctx)
+    target = resolve(ctx.root, path)
+    rel = relative(ctx.root, target)
+    data = _encode(ctx, content, "content")
+    _store(ctx, target, rel, data, "write_file")
+    return Outcome.ok(f"wrote {len(data)} bytes to {rel}", {"path": rel, "bytes": len(data)})
+
+
+def edit_file(ctx: ToolContext, path: str, edits: Sequence[EditLike]) -> Outcome:
+    """Apply each ``old_text`` → ``new_text`` replacement in order; all or nothing."""
+    _require_writable(ctx)
+    if not edits:
+        raise ToolFailure("edits is empty: give at least one {old_text, new_text}")
+    target, rel, data = _load_text(ctx, path, "edit_file only edits text")
+    # surrogateescape keeps bytes that are not UTF-8 exactly as they were in
+    # the parts of the file the edits do not touch.
+    text = data.decode("utf-8", "surrogateescape")
+    for i, edit in enumerate(edits):
+        where = f"edits[{i}]"
+        if not edit.old_text:
+            raise ToolFailure(f"{where}: old_text is empty; quote the text to replace")
+        found = _occurrences(text, edit.old_text)
+        if found == 0:
+            after = " (after the earlier edits)" if i else ""
+            hint = " (the file has CRLF line endings)" if "\r\n" in text and "\r\n" not in edit.old_text else ""
+            raise ToolFailure(
+                f"{where}: old_text not found in {rel}{after}{hint}: {_excerpt(edit.old_text)}; nothing was changed"
+            )
+        if found > 1:
+            raise ToolFailure(
+                f"{where}: old_text occurs {found} times in {rel}; include more of the surrounding text "
+                f"so that it matches exactly once; nothing was changed"
+            )
+        text = text.replace(edit.old_text, edit.new_text, 1)
+    new_data = _encode(ctx, text, f"{rel} after the edits", "surrogateescape")
+    _store(ctx, target, rel, new_data, "edit_file")
+    return Outcome.ok(
+        f"applied {len(edits)} edit(s) to {rel}", {"path": rel, "edits": len(edits), "bytes": len(new_data)}
+    )
+
+
+def create_file(ctx: ToolContext, path: str, content: str) -> Outcome:
+    """Create a new file; fail if anything is already there."""
+    _require_writable(ctx)
+    target = resolve(ctx.root, path)
+    rel = relative(ctx.root, target)
+    data = _encode(ctx, content, "content")
+    # lexists on the path as given catches a symlink (even a dangling one)
+    # sitting at the name; the target check catches the file it points to.
+    if os.path.lexists(os.path.join(ctx.root, path)) or os.path.lexists(target):
+        raise _exists(rel)
+    _store(ctx, target, rel, data, "create_file", exclusive=True)
+    return Outcome.ok(f"created {rel} ({len(data)} bytes)", {"path": rel, "bytes": len(data)})
+
+
+def list_files(ctx: ToolContext, path: str = ".", pattern: str | None = None, recursive: bool = True) -> Outcome:
+    """Worktree-relative paths under ``path``, sorted, one per line.
+
+    Recursive: files (and symlinks, listed but not followed). Not recursive:
+    the entries of ``path``, directories marked with a trailing '/'. Nothing
+    under a ``.git`` directory is listed. ``pattern`` is a glob, matched
+    against the base name, or against the worktree-relative path when it
+    contains a '/'.
+    """
+    top = resolve(ctx.root, path)
+    rel = relative(ctx.root, top)
+    if in_git_dir(rel):
+        raise ToolFailure(f"{rel} is git's metadata; list_files does not look inside .git")
+    if not os.path.isdir(top):
+        if os.path.lexists(top):
+            raise ToolFailure(f"{rel} is not a directory; use read_file to read a file")
+        raise ToolFailure(f"directory not found: {rel}")
+    cap = ctx.limits.list_max_entries
+    lines: list[str] = []
+    truncated = False
+    try:
+        for entry in walk(ctx.root, top, recursive=recursive):
+            if not matches(pattern, entry.rel):
+                continue
+            if len(lines) == cap:
+                truncated = True
+                break
+            lines.append(printable(entry.rel) + ("/" if entry.is_dir else ""))
+    except OSError as exc:  # reading ``top`` itself; deeper errors are skipped
+        raise describe_os_error(exc, "list", rel) from exc
+    output = "\n".join(lines)
+    if truncated:
+        output += f"\n... (truncated at {cap} entries)"
+    return Outcome.ok(output, {"count": len(lines), "truncated": truncated})

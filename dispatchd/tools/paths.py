@@ -1,0 +1,108 @@
+"""The path rules every worker tool applies before it touches the filesystem.
+
+Guarantees (for ``resolve``):
+- A path is given relative to the worktree root. Empty paths, absolute paths
+  and paths with NUL bytes are refused, each with its own message.
+- ``..`` that climbs above the root is refused ("path escapes the worktree").
+- Symlinks anywhere in the path, the last component included, are resolved the
+  way the kernel would resolve them (``os.path.realpath``: a ``..`` after a
+  symlink climbs from the symlink's target). The resolved path must be the root
+  or inside it; a symlink, dangling or not, whose target lies outside is
+  refused as an escape through a symlink.
+- The path returned is absolute and free of symlinks at the time of the check,
+  so a tool that writes to it writes through an in-worktree symlink to its
+  target and leaves the link in place.
+
+This is the friendly layer: it turns a mistake into a message a model can act
+on. The hard boundary is the kernel's (Landlock, applied to the worker before
+any tool runs), which also covers the race where a path changes between this
+check and the tool's system call.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dispatchd.tools.base import ToolFailure
+
+__all__ = ["describe_os_error", "printable", "relative", "resolve", "within_worktree"]
+
+
+def _inside(root: str, abspath: str) -> bool:
+    """Lexical test: ``abspath`` (normalised) is ``root`` or below it."""
+    if abspath == root:
+        return True
+    # rstrip keeps the root "/" working: its prefix is "/", not "//".
+    return abspath.startswith(root.rstrip("/") + "/")
+
+
+def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
+    """The absolute, symlink-free path ``path`` names inside the worktree.
+
+    ``ctx_root`` is the worktree root, already absolute and resolved. Raises
+    ``ToolFailure`` when the path breaks a rule, or, with ``must_exist``, when
+    nothing is there ("file not found: ...").
+    """
+    if not path:
+        raise ToolFailure("path is empty (give a path relative to the worktree root, e.g. '.')")
+    if "\x00" in path:
+        raise ToolFailure(f"path contains a NUL byte: {path!r}")
+    if os.path.isabs(path):
+        raise ToolFailure(f"absolute paths are not allowed: {path!r} (give a path relative to the worktree root)")
+    joined = os.path.join(ctx_root, path)
+    # The lexical test only gives the clearer message for plain "../" walks;
+    # the realpath test below is the one that decides.
+    if not _inside(ctx_root, os.path.normpath(joined)):
+        raise ToolFailure(f"path escapes the worktree: {path!r}")
+    # realpath on the raw join (not the normalised one): "link/.." must climb
+    # from the link's target, as the kernel would, not cancel out lexically.
+    real = os.path.realpath(joined)
+    if not _inside(ctx_root, real):
+        raise ToolFailure(f"path escapes the worktree: {path!r} (through a symlink that points outside it)")
+    # realpath leaves a symlink loop unresolved; writing there would replace
+    # the link, reading would fail with ELOOP. Say what it is instead.
+    if os.path.islink(real):
+        raise ToolFailure(f"path runs into a symlink loop: {path!r}")
+    if must_exist and not os.path.lexists(real):
+        raise ToolFailure(f"file not found: {relative(ctx_root, real)}")
+    return real
+
+
+def within_worktree(root: str, path: str) -> bool:
+    """Whether ``path`` (absolute, or relative to ``root``) lies in the worktree.
+
+    Symlinks and ``..`` are resolved first, so a link that points outside is
+    outside. Never raises.
+    """
+    if not path or "\x00" in path:
+        return False
+    try:
+        return _inside(root, os.path.realpath(os.path.join(root, path)))
+    except (OSError, ValueError):
+        return False
+
+
+def relative(root: str, abspath: str) -> str:
+    """``abspath`` as a worktree-relative path for display ('.' for the root)."""
+    return printable(os.path.relpath(abspath, root))
+
+
+def printable(name: str) -> str:
+    """A file name as text JSON can carry: undecodable bytes become U+FFFD."""
+    if name.isascii():  # the common case, and a cheap test
+        return name
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that did not come from a file name
+        raw = name.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
+def describe_os_error(exc: OSError, action: str, display: str) -> ToolFailure:
+    """An OS error as a ``ToolFailure`` naming the worktree-relative path.
+
+    The absolute path Python puts in ``str(exc)`` would tell the model where
+    the worktree lives on the host, which it has no use for.
+    """
+    reason = exc.strerror or type(exc).__name__
+    return ToolFailure(f"cannot {action} {display}: {reason}")

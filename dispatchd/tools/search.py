@@ -1,0 +1,125 @@
+"""search_files: find text in the worktree's files, in process.
+
+Guarantees:
+- Only regular text files under ``path`` are searched: symlinks are not
+  followed, nothing under ``.git`` is read, and binary files (a NUL byte in
+  the first 8 KiB) and files over ``file_size_cap_bytes`` are skipped.
+- Each matching line is reported once, as ``path:line: text``, where ``path``
+  is worktree-relative and ``line`` is 0-BASED, the number read_file prints
+  and takes as ``start_line``. The text is cut to 500 characters.
+- Results come in a fixed order (files sorted by path, lines in order) and
+  stop at ``search_max_results`` lines, with a last line saying so.
+
+A whole file is searched at once with a compiled bytes regex (about twice
+ripgrep's time, against four to five times for line-by-line matching).
+Being a bytes regex, ``\\w``, ``\\b`` and ``(?i)`` only know ASCII, and ``.``
+matches one byte. A pathological regex can take long; the worker runs this
+tool on a thread of its own (``slow=True``), so other calls are not held up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+
+from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
+from dispatchd.tools.paths import describe_os_error, printable, relative, resolve
+from dispatchd.tools.textfile import looks_binary, read_regular
+from dispatchd.tools.walk import Entry, in_git_dir, matches, walk
+
+__all__ = ["search_files"]
+
+_LINE_CHARS = 500
+
+
+def _compile(query: str, is_regex: bool) -> re.Pattern[bytes]:
+    if not query:
+        raise ToolFailure("query is empty")
+    try:
+        source = query.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ToolFailure("query is not valid Unicode text") from None
+    try:
+        return re.compile(source if is_regex else re.escape(source), re.MULTILINE)
+    except re.error as exc:
+        raise ToolFailure(f"invalid regular expression: {exc}") from None
+
+
+def _read_text_file(path: str, cap: int) -> bytes | None:
+    """The file's bytes, or None when it is not a regular text file within the cap."""
+    try:
+        _, _, data = read_regular(path, cap)
+    except OSError:  # unreadable (or gone since the walk): not searched
+        return None
+    if data is None or looks_binary(data):
+        return None
+    return data
+
+
+def _candidates(ctx: ToolContext, top: str, rel_top: str, pattern: str | None) -> Iterable[Entry]:
+    if not os.path.isdir(top):
+        # One file, named explicitly: the pattern does not filter it out.
+        return [Entry(rel_top, top, is_dir=False, is_file=True)]
+    # Lazy: the walk stops where the search stops.
+    return (e for e in walk(ctx.root, top, recursive=True) if e.is_file and matches(pattern, e.rel))
+
+
+def _line_text(data: bytes, start: int) -> str:
+    begin = data.rfind(b"\n", 0, start) + 1
+    end = data.find(b"\n", start)
+    raw = data[begin : len(data) if end == -1 else end]
+    text = raw.removesuffix(b"\r").decode("utf-8", "replace")
+    return text if len(text) <= _LINE_CHARS else text[:_LINE_CHARS] + " [...]"
+
+
+def _search_one(regex: re.Pattern[bytes], data: bytes, name: str, results: list[str], limit: int) -> bool:
+    """Append one file's matching lines to ``results``; True once past ``limit``."""
+    line, pos, last_reported = 0, 0, -1
+    for m in regex.finditer(data):
+        # Count newlines incrementally, so the file is scanned once.
+        line += data.count(b"\n", pos, m.start())
+        pos = m.start()
+        if line == last_reported:
+            continue
+        if len(results) == limit:  # one match more than we show: say so
+            return True
+        last_reported = line
+        results.append(f"{name}:{line}: {_line_text(data, m.start())}")
+    return False
+
+
+def search_files(
+    ctx: ToolContext, query: str, path: str = ".", pattern: str | None = None, is_regex: bool = False
+) -> Outcome:
+    """Lines matching ``query`` under ``path`` (a directory or one file)."""
+    regex = _compile(query, is_regex)
+    top = resolve(ctx.root, path)
+    rel_top = relative(ctx.root, top)
+    if in_git_dir(rel_top):
+        raise ToolFailure(f"{rel_top} is git's metadata; search_files does not look inside .git")
+    if not os.path.lexists(top):
+        raise ToolFailure(f"not found: {rel_top}")
+    limit = ctx.limits.search_max_results
+    cap = ctx.limits.file_size_cap_bytes
+    results: list[str] = []
+    truncated = False
+    searched = 0
+    try:
+        for entry in _candidates(ctx, top, rel_top, pattern):
+            data = _read_text_file(entry.path, cap)  # catches its own errors
+            if data is None:
+                continue
+            searched += 1
+            truncated = _search_one(regex, data, printable(entry.rel), results, limit)
+            if truncated:
+                break
+    except OSError as exc:  # reading ``top`` itself; deeper errors are skipped
+        raise describe_os_error(exc, "search", rel_top) from exc
+    meta = {"count": len(results), "truncated": truncated, "files_searched": searched}
+    if not results:
+        return Outcome.ok("no matches", meta)
+    output = "\n".join(results)
+    if truncated:
+        output += f"\n... (stopped at {limit} matches)"
+    return Outcome.ok(output, meta)

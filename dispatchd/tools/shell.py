@@ -1,0 +1,282 @@
+"""shell_exec: run one bash command in the worktree, bounded in time and output.
+
+Guarantees:
+- The command runs as ``/bin/bash -c COMMAND`` in the worktree root (or in
+  ``cwd``, which obeys the path rules), with stdin from /dev/null, the
+  session's environment only, and no file descriptor of the worker's.
+- It leads a process group and a session of its own (``start_new_session``;
+  no ``preexec_fn``, which would cost about 3 ms a spawn by ruling out vfork).
+- Each of stdout and stderr is kept up to ``output_cap_bytes``; beyond that
+  the output is read and dropped, so the command never blocks on a full pipe.
+- The call ends when bash has exited and both pipes are closed, or at the
+  timeout. A background job that keeps the pipes open (``server &``) keeps
+  the call waiting until the timeout; redirect its output to detach it.
+- At the timeout every process of the command's process group and session
+  gets SIGKILL, and the call returns what was captured. A process that left
+  the session (``setsid``) is out of this tool's reach; the session's
+  sandbox (its PID namespace, or closing the session) ends it.
+- A command that exits 0 is a success; any other status, a signal or the
+  timeout is a failure whose error text still carries the output.
+
+Runs in the worker's calling thread; the worker gives it a thread of its own
+(``slow=True``).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+
+from dispatchd.policy import Limits
+from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
+from dispatchd.tools.paths import relative, resolve
+
+__all__ = ["shell_exec"]
+
+_BASH = "/bin/bash"
+_READ_CHUNK = 65536
+# After the kill, how long to wait for the last bytes in the pipes. Only a
+# process that escaped the session can hold them open longer.
+_DRAIN_AFTER_KILL_S = 0.5
+_KILL_ROUNDS = 5
+
+
+def _timeout(limits: Limits, requested: float | None) -> float:
+    if requested is None:
+        return limits.command_timeout_s
+    if not requested > 0:  # also catches NaN
+        raise ToolFailure(f"timeout must be a positive number of seconds, not {requested}")
+    if requested > limits.max_command_timeout_s:
+        raise ToolFailure(
+            f"timeout {requested:g} s is over the maximum of {limits.max_command_timeout_s:g} s this policy allows"
+        )
+    return requested
+
+
+def _workdir(ctx: ToolContext, cwd: str | None) -> str:
+    if cwd is None:
+        return ctx.root
+    target = resolve(ctx.root, cwd)
+    if not os.path.isdir(target):
+        rel = relative(ctx.root, target)
+        what = "is not a directory" if os.path.lexists(target) else "does not exist"
+        raise ToolFailure(f"cwd {rel} {what}")
+    return target
+
+
+class _Capture:
+    """Both pipes and the child's exit, watched from one selector."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], cap: int) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self.proc = proc
+        self.cap = cap
+        self.truncated = False
+        self.out = bytearray()
+        self.err = bytearray()
+        self._buffers = {proc.stdout.fileno(): self.out, proc.stderr.fileno(): self.err}
+        self._sel = selectors.DefaultSelector()
+        for fd in self._buffers:
+            self._sel.register(fd, selectors.EVENT_READ)
+        # A pidfd tells us bash exited without polling and without reaping it;
+        # where the kernel (or seccomp) refuses one, we fall back to polling.
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pass
+        else:
+            self._sel.register(self._pidfd, selectors.EVENT_READ)
+
+    def bash_exited(self) -> bool:
+        """Whether bash has exited, without reaping it (its pid stays ours)."""
+        if self.proc.returncode is not None:
+            return True
+        try:
+            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        return info is not None
+
+    def run_until(self, deadline: float) -> bool:
+        """Read until the pipes close and bash exits; False at the deadline."""
+        while self._sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            for key, _ in self._sel.select(remaining):
+                self._on_ready(key.fd)
+        if self._pidfd is None:
+            # Without a pidfd only the pipes were watched; bash may still run
+            # (it can close them and go on). Popen.wait polls: the fallback.
+            try:
+                self.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def _on_ready(self, fd: int) -> None:
+        if fd == self._pidfd:
+            self._sel.unregister(fd)
+            return
+        chunk = os.read(fd, _READ_CHUNK)
+        if not chunk:
+            self._sel.unregister(fd)
+            return
+        buf = self._buffers[fd]
+        room = self.cap - len(buf)
+        if len(chunk) > room:
+            self.truncated = True
+        if room > 0:
+            buf += chunk[:room]
+
+    def drain(self, seconds: float) -> None:
+        """After the kill: collect what is left in the pipes, briefly."""
+        if self._pidfd is not None and self._pidfd in self._sel.get_map():
+            self._sel.unregister(self._pidfd)
+        deadline = time.monotonic() + seconds
+        while self._sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            for key, _ in self._sel.select(remaining):
+                self._on_ready(key.fd)
+
+    def close(self) -> None:
+        self._sel.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live processes whose session id is ``sid`` (from /proc/PID/stat)."""
+    pids = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return pids
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:  # gone meanwhile, or hidden from us
+            continue
+        # The command name, field 2, is in parentheses and may hold spaces or
+        # ')', so split after the last ')': state, ppid, pgrp, session, ...
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        if len(fields) > 3 and fields[0] != b"Z" and int(fields[3]) == sid:
+            pids.append(int(name))
+    return pids
+
+
+def _kill_command(pid: int) -> None:
+    """SIGKILL bash's process group, then whatever else is left in its session.
+
+    Called before bash is reaped: while its zombie holds the pid, no other
+    process can own a group or session with that id, so we kill only ours.
+    """
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    # Jobs bash put in groups of their own stay in its session. Repeat the
+    # scan: one of them may have forked while we were reading /proc.
+    for _ in range(_KILL_ROUNDS):
+        members = _session_members(pid)
+        if not members:
+            return
+        for member in members:
+            try:
+                os.kill(member, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f" ({signal.Signals(number).name})"
+    except ValueError:  # a real-time signal has no name
+        return ""
+
+
+def _render(out: str, err: str, notes: list[str]) -> str:
+    parts = [out] if out else []
+    if err:
+        parts.append("[stderr]\n" + err)
+    parts.extend(notes)
+    # Each part starts on a line of its own, with no blank line between.
+    return "\n".join(p.removesuffix("\n") if i < len(parts) - 1 else p for i, p in enumerate(parts))
+
+
+def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd: str | None = None) -> Outcome:
+    """Run ``command`` with bash; see the module docstring for the guarantees."""
+    if not command.strip():
+        raise ToolFailure("command is empty")
+    limit = _timeout(ctx.limits, timeout)
+    workdir = _workdir(ctx, cwd)
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            [_BASH, "-c", command],
+            cwd=workdir,
+            env=dict(ctx.env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise ToolFailure(f"could not start {_BASH}: {exc.strerror or exc}") from exc
+    capture = _Capture(proc, ctx.limits.output_cap_bytes)
+    timed_out = False
+    exited_before_timeout = False
+    try:
+        if not capture.run_until(started + limit):
+            timed_out = True
+            exited_before_timeout = capture.bash_exited()
+            _kill_command(proc.pid)
+            capture.drain(_DRAIN_AFTER_KILL_S)
+    except BaseException:
+        _kill_command(proc.pid)
+        raise
+    finally:
+        proc.wait()
+        capture.close()
+    duration = time.monotonic() - started
+
+    code = proc.returncode
+    out = capture.out.decode("utf-8", "replace")
+    err = capture.err.decode("utf-8", "replace")
+    notes = []
+    if capture.truncated:
+        notes.append(f"[output truncated at {ctx.limits.output_cap_bytes} bytes per stream]")
+    if timed_out:
+        why = " (bash had exited; processes it started kept the output open)" if exited_before_timeout else ""
+        notes.append(f"[timed out after {limit:g} s{why}]")
+    text = _render(out, err, notes)
+    meta = {
+        "exit_code": code,
+        "timed_out": timed_out,
+        "truncated": capture.truncated,
+        "duration_s": round(duration, 4),
+        "stdout": out,
+        "stderr": err,
+    }
+    if code == 0 and not timed_out:
+        return Outcome.ok(text, meta)
+    if timed_out:
+        headline = f"command timed out after {limit:g} s"
+    elif code < 0:
+        headline = f"command was killed by signal {-code}{_signal_name(-code)}"
+    else:
+        headline = f"command exited with status {code}"
+    return Outcome.fail(f"{headline}\n{text}" if text else headline, meta)

@@ -1,0 +1,289 @@
+"""The worker's tools: parameter structs, JSON Schemas and descriptions, by name.
+
+Guarantees:
+- ``TOOLS`` holds every tool named in ``dispatchd.policy.ALL_TOOLS``, each
+  with a frozen msgspec struct for its parameters (unknown fields rejected)
+  and a hand-written JSON Schema that describes every property, lists the
+  required ones and forbids others. A unit test keeps the two in step.
+- ``schemas_for`` hands out copies, in the order asked for, so a caller can
+  change what it gets without touching the registry.
+
+The schemas are written by hand, not generated, because their descriptions
+are what a model reads to decide how to call a tool.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from dispatchd.tools import files, search, shell
+from dispatchd.tools.base import Outcome, Tool, ToolContext
+
+__all__ = ["TOOLS", "Edit", "schemas_for"]
+
+
+class _Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class ReadFileParams(_Params):
+    path: str
+    start_line: int = 0
+    end_line: int = -1
+
+
+class WriteFileParams(_Params):
+    path: str
+    content: str
+
+
+class Edit(_Params):
+    old_text: str
+    new_text: str
+
+
+class EditFileParams(_Params):
+    path: str
+    edits: list[Edit]
+
+
+class CreateFileParams(_Params):
+    path: str
+    content: str
+
+
+class ListFilesParams(_Params):
+    path: str = "."
+    pattern: str | None = None
+    recursive: bool = True
+
+
+class SearchFilesParams(_Params):
+    query: str
+    path: str = "."
+    pattern: str | None = None
+    is_regex: bool = False
+
+
+class ShellExecParams(_Params):
+    command: str
+    timeout: float | None = None
+    cwd: str | None = None
+
+
+def _object(properties: dict[str, dict[str, Any]], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+_PATH = "Path relative to the worktree root, e.g. 'src/main.py'. Absolute paths and '..' out of the worktree are refused."
+_DIR = "Directory to look in, relative to the worktree root. Default '.', the root."
+_GLOB = (
+    "Optional glob such as '*.py'. Without a '/', it is matched against file names; with one, "
+    "against paths relative to the worktree root ('src/*.py'). '*' also matches '/'."
+)
+
+
+def _call(func: Callable[..., Outcome], struct: type[_Params]) -> Callable[[ToolContext, Any], Outcome]:
+    """The tool's function called with the decoded struct's fields as arguments."""
+    names = struct.__struct_fields__
+
+    def call(ctx: ToolContext, params: Any) -> Outcome:
+        return func(ctx, **{name: getattr(params, name) for name in names})
+
+    call.__name__ = func.__name__
+    return call
+
+
+def _tool(
+    name: str,
+    func: Callable[..., Outcome],
+    struct: type[_Params],
+    description: str,
+    properties: dict[str, dict[str, Any]],
+    required: list[str],
+    slow: bool = False,
+) -> Tool:
+    return Tool(name, description, _object(properties, required), struct, _call(func, struct), slow)
+
+
+_ALL = [
+    _tool(
+        "read_file",
+        files.read_file,
+        ReadFileParams,
+        "Read a text file of the worktree. Each line comes back prefixed with its 0-based line number "
+        "and ': ' (e.g. '12: def main():'); the number is not part of the file. Pass start_line and "
+        "end_line to read part of a long file; the numbers you see are the ones to pass. Binary files "
+        "and files over the size cap (16 MiB by default) are refused.",
+        {
+            "path": {"type": "string", "description": _PATH},
+            "start_line": {
+                "type": "integer",
+                "minimum": 0,
+                "default": 0,
+                "description": "First line to return, 0-based. Default 0.",
+            },
+            "end_line": {
+                "type": "integer",
+                "minimum": -1,
+                "default": -1,
+                "description": "Last line to return, 0-based and inclusive; -1 (the default) means the end.",
+            },
+        },
+        ["path"],
+    ),
+    _tool(
+        "write_file",
+        files.write_file,
+        WriteFileParams,
+        "Write a file with the given content, replacing it whole if it exists (atomically: the file is "
+        "never left half written) and creating missing parent folders. To change part of a file, "
+        "prefer edit_file; to make sure you do not overwrite anything, use create_file.",
+        {
+            "path": {"type": "string", "description": _PATH},
+            "content": {"type": "string", "description": "The complete new content of the file (UTF-8 text)."},
+        },
+        ["path", "content"],
+    ),
+    _tool(
+        "edit_file",
+        files.edit_file,
+        EditFileParams,
+        "Change a text file by replacing exact snippets. Edits apply in order, each to the text left by "
+        "the ones before. Each old_text must occur exactly once in the file, whitespace and indentation "
+        "included (copy it from read_file without the line-number prefixes); add surrounding lines if it "
+        "occurs more than once. If any edit fails, nothing is changed.",
+        {
+            "path": {"type": "string", "description": _PATH},
+            "edits": {
+                "type": "array",
+                "minItems": 1,
+                "description": "The replacements, applied in order.",
+                "items": _object(
+                    {
+                        "old_text": {
+                            "type": "string",
+                            "minLength": 1,
+                            "description": "Exact text to find; it must occur exactly once.",
+                        },
+                        "new_text": {
+                            "type": "string",
+                            "description": "Text to put in its place (may be empty to delete).",
+                        },
+                    },
+                    ["old_text", "new_text"],
+                ),
+            },
+        },
+        ["path", "edits"],
+    ),
+    _tool(
+        "create_file",
+        files.create_file,
+        CreateFileParams,
+        "Create a new file with the given content, creating missing parent folders. Fails if "
+        "anything already exists at the path (use write_file to replace a file).",
+        {
+            "path": {"type": "string", "description": _PATH},
+            "content": {"type": "string", "description": "The content of the new file (UTF-8 text)."},
+        },
+        ["path", "content"],
+    ),
+    _tool(
+        "list_files",
+        files.list_files,
+        ListFilesParams,
+        "List files under a directory, one path per line, relative to the worktree root and sorted. "
+        "Recursive by default (files only; symlinks are listed, not followed). With recursive=false, "
+        "lists the directory's own entries, directories ending in '/'. Nothing inside .git is listed. "
+        "Long listings are cut at a limit (10000 entries by default).",
+        {
+            "path": {"type": "string", "default": ".", "description": _DIR},
+            "pattern": {"type": "string", "description": _GLOB},
+            "recursive": {
+                "type": "boolean",
+                "default": True,
+                "description": "Descend into subdirectories (default true).",
+            },
+        },
+        [],
+    ),
+    _tool(
+        "search_files",
+        search.search_files,
+        SearchFilesParams,
+        "Search the text files under a directory for a string or a regular expression. Each matching "
+        "line comes back once as 'path:line: text', with the path relative to the worktree root and the "
+        "line number 0-based, as read_file numbers lines. Binary files, files over the size cap and .git "
+        "are skipped. At most 100 matching lines are returned by default; narrow the search if it says "
+        "it stopped.",
+        {
+            "query": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Text to find, taken literally unless is_regex is true.",
+            },
+            "path": {
+                "type": "string",
+                "default": ".",
+                "description": "Directory (or single file) to search, relative to the worktree root. Default '.'.",
+            },
+            "pattern": {"type": "string", "description": _GLOB + " Only matching files are searched."},
+            "is_regex": {
+                "type": "boolean",
+                "default": False,
+                "description": "Treat query as a Python regular expression, matched per line with '^' and '$' "
+                "at line ends ('\\w', '\\b' and '(?i)' know ASCII only). Default false.",
+            },
+        },
+        ["query"],
+        slow=True,
+    ),
+    _tool(
+        "shell_exec",
+        shell.shell_exec,
+        ShellExecParams,
+        "Run a command with bash (bash -c) in the sandbox, in the worktree root unless cwd says "
+        "otherwise, and return its output: stdout, then stderr after a '[stderr]' line. stdin is empty; "
+        "the network may be off. Each stream is cut at a cap (1 MiB by default). A non-zero exit status "
+        "or a timeout is reported as an error that still carries the output; at the timeout the command "
+        "and everything it started are killed. Background jobs that keep the output open make the call "
+        "wait for the timeout: redirect their output (cmd > log 2>&1 &).",
+        {
+            "command": {"type": "string", "minLength": 1, "description": "The command line, run by bash -c."},
+            "timeout": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "description": "Seconds before the command is killed. Default 120; the policy sets a maximum "
+                "(3600 by default).",
+            },
+            "cwd": {
+                "type": "string",
+                "description": "Directory to run in, relative to the worktree root. Default: the root.",
+            },
+        },
+        ["command"],
+        slow=True,
+    ),
+]
+
+TOOLS: dict[str, Tool] = {tool.name: tool for tool in _ALL}
+
+
+def schemas_for(names: list[str]) -> list[dict[str, Any]]:
+    """``{"name", "description", "parameters"}`` for each named tool, in order.
+
+    Raises ``KeyError`` naming the first unknown tool.
+    """
+    out = []
+    for name in names:
+        try:
+            tool = TOOLS[name]
+        except KeyError:
+            raise KeyError(f"unknown tool {name!r} (known: {', '.join(TOOLS)})") from None
+        out.append({"name": tool.name, "description": tool.description, "parameters": copy.deepcopy(tool.parameters)})
+    return out

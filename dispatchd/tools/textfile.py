@@ -1,0 +1,61 @@
+"""Reading one file for a tool: regular files only, within a size cap.
+
+Guarantees of ``read_regular``:
+- Opening never blocks (``O_NONBLOCK``: a FIFO does not wait for a writer)
+  and never follows a symlink at the last component (``O_NOFOLLOW``: the
+  caller's path was resolved, so a symlink there now was planted since).
+- The content is returned only for a regular file of at most ``cap`` bytes,
+  checked both before reading and while reading (a file that grows in
+  between is caught), so memory stays bounded by the cap.
+
+``looks_binary`` is the one binary test read_file, edit_file and
+search_files share.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+__all__ = ["SNIFF_BYTES", "looks_binary", "read_regular"]
+
+# A NUL byte in the first 8 KiB marks a file as binary: git and grep use the
+# same test (git looks at 8000 bytes).
+SNIFF_BYTES = 8192
+
+
+def looks_binary(head: bytes) -> bool:
+    """Whether the first bytes of a file mark it as binary (not text)."""
+    return b"\x00" in head[:SNIFF_BYTES]
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    chunks = []
+    remaining = limit
+    while remaining > 0:
+        chunk = os.read(fd, min(remaining, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_regular(path: str, cap: int) -> tuple[int, int, bytes | None]:
+    """``(st_mode, size, content)`` of ``path``; raises ``OSError``.
+
+    ``content`` is None unless ``path`` is a regular file of at most ``cap``
+    bytes; ``size`` is then the size seen (more than ``cap`` when too big).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
+            return st.st_mode, st.st_size, None
+        # One byte past the cap tells a file that grew since fstat.
+        data = _read_up_to(fd, cap + 1)
+    finally:
+        os.close(fd)
+    if len(data) > cap:
+        return st.st_mode, len(data), None
+    return st.st_mode, len(data), data

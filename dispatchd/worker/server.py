@@ -1,0 +1,142 @@
+"""The tool server (W2): runs a session's tool calls, already confined.
+
+Guarantees:
+- only the policy's tools exist; any other name is a failed ``ToolReply``;
+- each client channel is served by its own thread, and slow tools (commands,
+  searches) get a thread per call, so several calls can be in flight on one
+  channel; replies go out whole, one at a time, matched by request id;
+- a malformed request gets an ``ErrorReply``; broken framing closes that one
+  channel; the server and its other channels carry on;
+- the session ends itself after the policy's idle timeout with no call in
+  flight, and as soon as the daemon's control channel closes.
+
+Threads are safe here: Landlock and seccomp were applied before this process
+was forked, and every thread inherits them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+from dispatchd import protocol
+from dispatchd.confine.plan import SessionPlan
+from dispatchd.tools.base import Outcome, ToolContext, run_tool
+from dispatchd.tools.spec import TOOLS
+
+
+class _Activity:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.last = time.monotonic()
+
+    def begin(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.last = time.monotonic()
+
+    def end(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+            self.last = time.monotonic()
+
+    def idle_for(self) -> float:
+        with self.lock:
+            return 0.0 if self.in_flight else time.monotonic() - self.last
+
+
+class _Channel:
+    def __init__(self, sock: socket.socket, server: _Server) -> None:
+        self.frames = protocol.FrameSocket(sock)
+        self.send_lock = threading.Lock()
+        self.server = server
+
+    def reply(self, msg: protocol.ToolReply | protocol.ErrorReply) -> None:
+        with self.send_lock:
+            try:
+                self.frames.send(msg)
+            except protocol.FrameTooLarge:
+                self.frames.send(protocol.ToolReply(id=msg.id, success=False,
+                                                    error="the result is larger than the protocol's frame limit"))
+            except OSError:
+                pass  # the client went away; nothing to tell
+
+    def run(self) -> None:
+        try:
+            while True:
+                try:
+                    payload = self.frames.recv_payload()
+                except (protocol.ProtocolError, OSError):
+                    return  # broken framing: drop this channel only
+                if payload is None:
+                    return
+                try:
+                    req = protocol.decode(protocol.worker_decoder, payload)
+                except protocol.ProtocolError as exc:
+                    self.reply(protocol.ErrorReply(id=protocol.request_id_of(payload), code="bad_request", message=str(exc)))
+                    continue
+                if not isinstance(req, protocol.CallTool):
+                    self.reply(protocol.ErrorReply(id=req.id, code="bad_request", message=f"a worker only takes call_tool, not {type(req).__name__}"))
+                    continue
+                self.server.dispatch(self, req)
+        finally:
+            self.frames.close()
+
+
+class _Server:
+    def __init__(self, plan: SessionPlan) -> None:
+        self.plan = plan
+        self.ctx = ToolContext(root=plan.paths.worktree, limits=plan.limits, env=plan.env, writable=plan.writable)
+        self.tools = {name: TOOLS[name] for name in plan.tools}
+        self.activity = _Activity()
+
+    def dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
+        tool = self.tools.get(req.tool)
+        if tool is None:
+            known = ", ".join(self.tools)
+            channel.reply(protocol.ToolReply(id=req.id, success=False,
+                                             error=f"unknown tool: {req.tool!r} (this session has: {known})"))
+            return
+        self.activity.begin()
+        if tool.slow:
+            threading.Thread(target=self._call, args=(channel, req, tool), daemon=True).start()
+        else:
+            self._call(channel, req, tool)
+
+    def _call(self, channel: _Channel, req: protocol.CallTool, tool: object) -> None:
+        try:
+            out: Outcome = run_tool(tool, self.ctx, req.params)  # type: ignore[arg-type]
+            channel.reply(protocol.ToolReply(id=req.id, success=out.success, output=out.output,
+                                             error=out.error, metadata=out.metadata))
+        finally:
+            self.activity.end()
+
+    def watch_idle(self) -> None:
+        limit = self.plan.limits.idle_timeout_s
+        while True:
+            time.sleep(min(5.0, limit / 4))
+            if self.activity.idle_for() >= limit:
+                os._exit(0)  # the session init sees us go and ends the session
+
+
+def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
+    """Serve until the daemon closes the control channel."""
+    server = _Server(plan)
+    threading.Thread(target=server.watch_idle, daemon=True).start()
+    while True:
+        try:
+            msg = control.recv(protocol.control_decoder)
+        except (protocol.ProtocolError, OSError):
+            return
+        if msg is None:
+            return  # the daemon closed the session or went away
+        if isinstance(msg, protocol.AddChannel):
+            try:
+                fd = control.take_fd()
+            except protocol.ProtocolError:
+                continue
+            channel = _Channel(socket.socket(fileno=fd), server)
+            threading.Thread(target=channel.run, daemon=True).start()

@@ -1,0 +1,153 @@
+"""A session's processes, from the fork server's child to the tool server.
+
+Runs in the child the fork server made for one session. ``confine`` is the
+whole sandbox as one ordered checklist; ``run_session`` wraps it, reports the
+outcome to the daemon on the control channel, and then keeps the session's
+processes in one tree:
+
+    fork server ── W0 ── W1 (session init: pid 1 of the session's pid namespace)
+                          └── W2 (tool server: serves the client channels)
+                                └── bash -c ... (commands)
+
+With user namespaces, W0 only waits: the new pid namespace starts at its
+child, W1. When W1 exits the kernel kills everything left in the namespace,
+and W1 dies with W0, so ending W0 ends the session. Without user namespaces
+W0 and W1 are one process, a child subreaper that, on SIGTERM, kills every
+process of its Landlock domain (the signal scope keeps ``kill(-1)`` inside it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import traceback
+from typing import NoReturn
+
+from dispatchd import protocol
+from dispatchd.confine import hygiene, landlock, mounts, namespaces, netns, seccomp
+from dispatchd.confine.plan import SessionPlan
+from dispatchd.errors import ConfinementError
+
+
+def _fork_session_init() -> None:
+    """Fork W1, the first process of the new pid namespace. Returns in W1; W0
+    waits for it and exits with its status (W0 holds no fds but its own)."""
+    pid = os.fork()
+    if pid:
+        os.closerange(3, 1 << 20)
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+            except ChildProcessError:
+                os._exit(1)
+            except InterruptedError:
+                continue
+
+
+def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int]) -> list[str]:
+    """Apply the plan to this process, in order. Returns the skipped (absent) paths.
+
+    On return the caller is W1: confined, single-threaded, with only ``keep`` open.
+    """
+    hygiene.new_session()  # own session and group, no controlling terminal
+    hygiene.die_with_parent(parent)  # the fork server gone: the session gone
+    hygiene.close_inherited_fds(keep)  # only the control channel stays
+    namespaces.enter_namespaces(plan.namespaces)  # user, mount, net; pid from the next child on
+    if plan.namespaces.pid:
+        _fork_session_init()
+        # As pid 1 of the new namespace our parent (W0, outside) reads as pid 0.
+        hygiene.die_with_parent(0)
+    else:
+        hygiene.child_subreaper()  # orphans come back to us, not to the host's init
+    if plan.mounts is not None:
+        mounts.apply_mounts(plan.mounts)  # needs the namespace's capabilities: before dropping them
+    if plan.loopback:
+        netns.bring_up_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
+    if plan.namespaces.user:
+        hygiene.drop_capabilities()  # nothing below needs a capability
+    hygiene.no_new_privs()  # required before Landlock and seccomp; setuid grants nothing
+    hygiene.not_dumpable()  # commands (same uid) cannot ptrace or read our memory
+    skipped = landlock.apply_landlock_to_self(plan.landlock)  # after mounts: rules bind to mounted inodes
+    seccomp.apply_seccomp(program)  # last: it forbids mount, unshare, ... used above
+    return skipped
+
+
+def _kill_session(plan: SessionPlan) -> None:
+    """End every process of the session (no pid namespace to do it for us)."""
+    if plan.landlock.scoped & landlock.SCOPE_SIGNAL:
+        # Scoped by Landlock, kill(-1) reaches only this domain: the session's
+        # own processes, never the user's others.
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+    import psutil
+
+    for _ in range(3):  # again, for children forked while we were killing
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+
+
+def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int) -> NoReturn:
+    """Entry point of the fork server's child. Never returns."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    control = protocol.FrameSocket(socket.socket(fileno=control_fd), fds=True)
+    try:
+        skipped = confine(plan, program, parent, [control_fd])
+    except ConfinementError as exc:
+        _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
+        os._exit(1)
+    except BaseException as exc:  # a bug: still say which, then go
+        _report(control, protocol.WorkerFailed(step="worker start", errno=0, path="",
+                                               message=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        os._exit(1)
+    protections = dict(plan.protections)
+    protections["absent_paths"] = skipped
+    _report(control, protocol.WorkerReady(pid=os.getpid(), protections=protections))
+
+    from dispatchd.worker.server import serve  # pre-imported by the fork server
+
+    server = os.fork()
+    if server == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        serve(control, plan)
+        os._exit(0)
+    control.close()
+    if not plan.namespaces.pid:
+        # Only now, confined by Landlock's signal scope, may SIGTERM mean
+        # "kill(-1)": from here it reaches the session's processes alone. The
+        # parent's death then sends SIGTERM too, so the session is ended, not
+        # orphaned, when the fork server goes.
+        signal.signal(signal.SIGTERM, lambda *_: (_kill_session(plan), os._exit(0)))
+        hygiene.die_with_parent(parent, signal.SIGTERM)
+    _reap_until(server, plan)
+
+
+def _reap_until(server: int, plan: SessionPlan) -> NoReturn:
+    """Session init: reap every orphan; when the tool server ends, end the session."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(0)
+        except InterruptedError:
+            continue
+        if pid == server:
+            if not plan.namespaces.pid:
+                _kill_session(plan)
+            os._exit(0)  # as pid 1 of the namespace, this ends every process in it
+
+
+def _report(control: protocol.FrameSocket, msg: protocol.WorkerReady | protocol.WorkerFailed) -> None:
+    try:
+        control.send(msg)
+    except OSError:
+        pass  # the daemon is gone; nobody to tell

@@ -1,0 +1,98 @@
+"""The fork server: a lean, single-threaded process that forks session workers.
+
+The daemon forks it at start, before any thread exists, with every module a
+worker needs already imported. A session then costs one ``fork`` of this small
+process (not of the daemon, whose memory grows with its clients) and no
+imports: that is what keeps opening a session within milliseconds, and it is
+what lets Landlock be applied safely, since Landlock binds only the calling
+thread and a fork of a single-threaded process has exactly one.
+
+Seccomp programs are compiled here once per plan and only installed in the
+worker. The fork server dies with the daemon, and the workers with it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+from typing import NoReturn
+
+import msgspec
+
+from dispatchd import protocol
+from dispatchd.confine import hygiene, seccomp
+from dispatchd.confine.plan import SessionPlan
+from dispatchd.worker import server as _server  # noqa: F401  (pre-import for the workers)
+from dispatchd.worker.session import run_session
+
+_plan_decoder = msgspec.msgpack.Decoder(SessionPlan)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
+    hygiene.die_with_parent(daemon_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    frames = protocol.FrameSocket(sock, fds=True)
+    programs: dict[bytes, bytes] = {}
+    me = os.getpid()
+    while True:
+        # Wake up now and then to reap workers that have ended.
+        ready, _, _ = select.select([sock], [], [], 1.0)
+        _reap()
+        if not ready:
+            continue
+        try:
+            req = frames.recv(protocol.zygote_request_decoder)
+        except (protocol.ProtocolError, OSError):
+            os._exit(1)
+        if req is None:
+            os._exit(0)  # the daemon has gone
+        control_fd = frames.take_fd()
+        try:
+            plan = _plan_decoder.decode(req.plan)
+            key = msgspec.msgpack.encode(plan.seccomp)
+            if key not in programs:
+                programs[key] = seccomp.compile_seccomp(plan.seccomp)
+            program = programs[key]
+        except Exception as exc:
+            os.close(control_fd)
+            frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=f"bad plan: {exc}"))
+            continue
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            run_session(plan, program, control_fd, me)
+        os.close(control_fd)
+        pidfd = os.pidfd_open(pid)
+        try:
+            frames.send(protocol.Spawned(id=req.id, pid=pid), fds=[pidfd])
+        finally:
+            os.close(pidfd)
+
+
+def start_zygote() -> tuple[int, socket.socket]:
+    """Fork the fork server. Call before any thread exists. Returns its pid and
+    the daemon's end of the channel to it."""
+    parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    daemon_pid = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        parent_end.close()
+        try:
+            serve_zygote(child_end, daemon_pid)
+        finally:
+            os._exit(1)
+    child_end.close()
+    return pid, parent_end

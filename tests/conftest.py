@@ -1,0 +1,132 @@
+"""Fixtures shared by the integration and escape suites: a real daemon.
+
+Each test module gets its own ``dispatchd`` process on a socket in a
+temporary directory, with its own state directory, started as the user that
+runs the tests and stopped (SIGTERM, then checked for a clean exit) after.
+The suites refuse to run as root: dispatchd refuses root, and the escape
+suite must run as the ordinary user it protects (``./scripts/test`` does that).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Daemon:
+    def __init__(self, base: Path, *extra: str) -> None:
+        self.base = base
+        self.socket = str(base / "run" / "dispatchd.sock")
+        self.state = base / "state"
+        self.log_path = base / "dispatchd.log"
+        env = {k: v for k, v in os.environ.items() if k not in ("DISPATCH_SOCKET",)}
+        env["XDG_STATE_HOME"] = str(self.state)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dispatchd", "--socket", self.socket, "--log-level", "debug", *extra],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dispatchd exited with {self.proc.returncode}:\n{self.log()}")
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(self.socket)
+                return
+            except OSError:
+                time.sleep(0.02)
+            finally:
+                s.close()
+        self.stop()
+        raise RuntimeError(f"dispatchd did not listen within 20 s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def connect(self) -> dispatch.Client:
+        return dispatch.connect(self.socket)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def _refuse_root() -> None:
+    if os.geteuid() == 0:
+        pytest.fail("the integration and escape suites run as an unprivileged user: use ./scripts/test, "
+                    "which creates one and runs them as it", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    _refuse_root()
+    d = Daemon(tmp_path_factory.mktemp("daemon"))
+    yield d
+    code = d.stop()
+    assert code == 0, f"dispatchd exited with {code}:\n{d.log()}"
+
+
+@pytest.fixture(scope="module")
+def client(daemon: Daemon) -> Iterator[dispatch.Client]:
+    with daemon.connect() as c:
+        yield c
+
+
+@pytest.fixture
+def worktree(tmp_path: Path) -> Path:
+    wt = tmp_path / "worktree"
+    wt.mkdir()
+    (wt / "README.md").write_text("hello\nworld\n")
+    (wt / "src").mkdir()
+    (wt / "src" / "main.py").write_text("import os\n\ndef main():\n    return 42\n")
+    return Path(os.path.realpath(wt))
+
+
+@pytest.fixture
+def session(client: dispatch.Client, worktree: Path) -> Iterator[dispatch.Session]:
+    with client.open_session(str(worktree)) as s:
+        yield s
+
+
+def shell(session: dispatch.Session, command: str, **params: object) -> dispatch.Result:
+    return session.registry.get("shell_exec").call({"command": command, **params})
+
+
+def probe(session: dispatch.Session, code: str) -> str:
+    """Run a Python probe inside the sandbox; return its stdout (stripped)."""
+    r = shell(session, f"/usr/bin/python3 -c {_quote(code)}")
+    assert "exit_code" in r.metadata, r.error
+    return (r.metadata["stdout"] + r.metadata["stderr"]).strip()
+
+
+def probe_outside(code: str) -> str:
+    """The same probe, outside any sandbox: the allowed twin of a denied attempt."""
+    out = subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True, timeout=30)
+    return (out.stdout + out.stderr).strip()
+
+
+def _quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)

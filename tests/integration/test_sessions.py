@@ -1,0 +1,121 @@
+"""Sessions through the public client against a real daemon: open, refuse, close, status."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import Daemon, shell
+
+
+def test_open_list_close(client: dispatch.Client, worktree: Path) -> None:
+    session = client.open_session(str(worktree))
+    assert len(session.id) == 12
+    assert session.network is False  # the default policy's default
+    ids = [s["id"] for s in client.list_sessions()]
+    assert session.id in ids
+    session.close()
+    assert session.id not in [s["id"] for s in client.list_sessions()]
+
+
+def test_status_reports_kernel_and_protections(client: dispatch.Client, session: dispatch.Session) -> None:
+    st = client.status()
+    assert st["kernel"]["landlock_abi"] >= 1
+    assert isinstance(st["kernel"]["user_namespaces"], bool)
+    mine = [s for s in st["sessions"] if s["id"] == session.id][0]
+    prot = mine["protections"]
+    assert prot["landlock"]["filesystem"] == "enforced"
+    assert prot["seccomp"] == "enforced"
+    assert prot["network"]["mode"] == "off"
+    assert session.status()["protections"] == prot
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda wt: str(wt / "missing"), "worktree does not exist"),
+        (lambda wt: str(wt / "README.md"), "worktree is not a directory"),
+        (lambda wt: "/", "cannot be /"),
+        (lambda wt: os.path.expanduser("~"), "home directory itself"),
+        (lambda wt: "relative/path", "absolute path"),
+    ],
+)
+def test_bad_worktrees_are_refused(client: dispatch.Client, worktree: Path, make, message: str) -> None:
+    with pytest.raises(dispatch.RequestFailed) as exc:
+        client.open_session(make(worktree))
+    assert exc.value.code == "bad_worktree"
+    assert message in exc.value.message
+
+
+def test_worktree_of_another_user_is_refused(client: dispatch.Client) -> None:
+    with pytest.raises(dispatch.RequestFailed) as exc:
+        client.open_session("/usr")  # root's directory
+    assert "belongs to uid 0" in exc.value.message
+
+
+def test_worktree_holding_the_daemon_state_is_refused(client: dispatch.Client, daemon: Daemon) -> None:
+    with pytest.raises(dispatch.RequestFailed) as exc:
+        client.open_session(str(daemon.base))
+    assert "contains dispatchd's own files" in exc.value.message
+
+
+def test_unknown_policy_is_refused(client: dispatch.Client, worktree: Path) -> None:
+    with pytest.raises(dispatch.RequestFailed) as exc:
+        client.open_session(str(worktree), policy="nope")
+    assert exc.value.code == "bad_policy"
+    assert "no policy named 'nope'" in exc.value.message and "default" in exc.value.message
+
+
+def test_unknown_session(client: dispatch.Client) -> None:
+    with pytest.raises(dispatch.RequestFailed) as exc:
+        client.close_session("000000000000")
+    assert exc.value.code == "unknown_session"
+
+
+def test_close_ends_every_process(client: dispatch.Client, worktree: Path) -> None:
+    session = client.open_session(str(worktree))
+    r = shell(session, "(setsid sleep 300 & sleep 300 &) ; echo started")
+    assert r.is_success, r.error
+    # The sleeps are visible from outside under their host pids: find them by cwd.
+    def sleepers() -> list[int]:
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(worktree) and "sleep" in open(f"/proc/{pid}/comm").read():
+                    found.append(int(pid))
+            except OSError:
+                continue
+        return found
+
+    assert len(sleepers()) == 2
+    session.close()
+    deadline = time.monotonic() + 5
+    while sleepers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sleepers() == []
+
+
+def test_read_only_policy_offers_read_tools_only(client: dispatch.Client, worktree: Path) -> None:
+    with client.open_session(str(worktree), policy="read-only") as s:
+        assert s.registry.tool_names == ["read_file", "list_files", "search_files"]
+        assert s.registry.get("read_file").call({"path": "README.md"}).is_success
+        # The worktree is read-only to the kernel too, not only to the tool list.
+        r = s.call_tool("write_file", {"path": "x", "content": "y"})
+        assert r.is_failure and "unknown tool: 'write_file'" in r.error
+
+
+def test_sessions_are_isolated_from_each_other(client: dispatch.Client, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (b / "secret.txt").write_text("b's secret")
+    with client.open_session(str(a)) as sa:
+        r = shell(sa, f"cat {b}/secret.txt")
+        assert r.is_failure
+        assert "Permission denied" in r.metadata["stderr"] or "No such file" in r.metadata["stderr"]
+        assert shell(sa, "echo mine > mine.txt && cat mine.txt").output.startswith("mine")
