@@ -98,10 +98,10 @@ def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, e
         atomic_write(target, data, fsync=ctx.limits.fsync, exclusive=exclusive)
     except IsADirectoryError:
         raise ToolFailure(f"{rel} is a directory; {tool} writes files") from None
-    except FileExistsError:
+    except FileExistsError as exc:
         if exclusive:  # lost a race: someone created it after our check
             raise _exists(rel) from None
-        raise
+        raise describe_os_error(exc, "write", rel) from exc
     except OSError as exc:
         raise describe_os_error(exc, "write", rel) from exc
 

@@ -41,6 +41,8 @@ _READ_CHUNK = 65536
 # After the kill, how long to wait for the last bytes in the pipes. Only a
 # process that escaped the session can hold them open longer.
 _DRAIN_AFTER_KILL_S = 0.5
+# How long output is still read after bash exits while background jobs hold the pipes.
+BACKGROUND_GRACE_S = 0.2
 _KILL_ROUNDS = 5
 
 
@@ -75,6 +77,8 @@ class _Capture:
         self.proc = proc
         self.cap = cap
         self.truncated = False
+        self.exited_at: float | None = None  # when bash exited (pidfd readable)
+        self.detached = False  # background processes kept the pipes; we stopped reading
         self.out = bytearray()
         self.err = bytearray()
         self._buffers = {proc.stdout.fileno(): self.out, proc.stderr.fileno(): self.err}
@@ -102,10 +106,20 @@ class _Capture:
         return info is not None
 
     def run_until(self, deadline: float) -> bool:
-        """Read until the pipes close and bash exits; False at the deadline."""
+        """Read until the pipes close and bash exits; False at the deadline.
+
+        Once bash has exited, background processes it left (a dev server, say)
+        may hold the pipes open forever: after a short grace we stop reading
+        and return, leaving them running (``detached``), as a terminal would.
+        """
         while self._sel.get_map():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if self.exited_at is not None and now >= self.exited_at + BACKGROUND_GRACE_S:
+                self.detached = True
+                return True
+            limit = deadline if self.exited_at is None else min(deadline, self.exited_at + BACKGROUND_GRACE_S)
+            remaining = limit - now
+            if remaining <= 0 and limit == deadline:
                 return False
             for key, _ in self._sel.select(remaining):
                 self._on_ready(key.fd)
@@ -121,6 +135,7 @@ class _Capture:
     def _on_ready(self, fd: int) -> None:
         if fd == self._pidfd:
             self._sel.unregister(fd)
+            self.exited_at = time.monotonic()
             return
         chunk = os.read(fd, _READ_CHUNK)
         if not chunk:
@@ -246,7 +261,8 @@ def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd
             _kill_command(proc.pid)
             capture.drain(_DRAIN_AFTER_KILL_S)
     except BaseException:
-        _kill_command(proc.pid)
+        if proc.returncode is None:  # not reaped, so the pid is still ours
+            _kill_command(proc.pid)
         raise
     finally:
         proc.wait()
@@ -259,6 +275,8 @@ def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd
     notes = []
     if capture.truncated:
         notes.append(f"[output truncated at {ctx.limits.output_cap_bytes} bytes per stream]")
+    if capture.detached:
+        notes.append("[bash exited; background processes it started still run, their output is not captured]")
     if timed_out:
         why = " (bash had exited; processes it started kept the output open)" if exited_before_timeout else ""
         notes.append(f"[timed out after {limit:g} s{why}]")

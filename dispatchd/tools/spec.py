@@ -79,7 +79,9 @@ def _object(properties: dict[str, dict[str, Any]], required: list[str]) -> dict[
     return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
 
 
-_PATH = "Path relative to the worktree root, e.g. 'src/main.py'. Absolute paths and '..' out of the worktree are refused."
+_PATH = (
+    "Path relative to the worktree root, e.g. 'src/main.py'. Absolute paths and '..' out of the worktree are refused."
+)
 _DIR = "Directory to look in, relative to the worktree root. Default '.', the root."
 _GLOB = (
     "Optional glob such as '*.py'. Without a '/', it is matched against file names; with one, "
@@ -258,8 +260,8 @@ _ALL = [
             "timeout": {
                 "type": "number",
                 "exclusiveMinimum": 0,
-                "description": "Seconds before the command is killed. Default 120; the policy sets a maximum "
-                "(3600 by default).",
+                "description": "Seconds before the command is killed. Default: the policy's (120 unless it "
+                "says otherwise), which also sets a maximum (3600 unless it says otherwise).",
             },
             "cwd": {
                 "type": "string",

@@ -41,7 +41,6 @@ def test_status_reports_kernel_and_protections(client: dispatch.Client, session:
         (lambda wt: str(wt / "README.md"), "worktree is not a directory"),
         (lambda wt: "/", "cannot be /"),
         (lambda wt: os.path.expanduser("~"), "home directory itself"),
-        (lambda wt: "relative/path", "absolute path"),
     ],
 )
 def test_bad_worktrees_are_refused(client: dispatch.Client, worktree: Path, make, message: str) -> None:
@@ -78,7 +77,7 @@ def test_unknown_session(client: dispatch.Client) -> None:
 
 def test_close_ends_every_process(client: dispatch.Client, worktree: Path) -> None:
     session = client.open_session(str(worktree))
-    r = shell(session, "(setsid sleep 300 & sleep 300 &) ; echo started")
+    r = shell(session, "(setsid sleep 300 >/dev/null 2>&1 & sleep 300 >/dev/null 2>&1 &) ; echo started")
     assert r.is_success, r.error
     # The sleeps are visible from outside under their host pids: find them by cwd.
     def sleepers() -> list[int]:

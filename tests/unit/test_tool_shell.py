@@ -1,0 +1,298 @@
+"""shell_exec: output and status, caps, timeouts that leave nothing behind, cwd rules.
+
+Every command here ends in well under a second; the timeout cases use 0.5 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from dispatchd.policy import Limits
+from dispatchd.tools.base import Outcome, ToolContext, run_tool
+from dispatchd.tools.spec import TOOLS
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> ToolContext:
+    return ToolContext(root=os.path.realpath(tmp_path), limits=Limits(), env={"PATH": "/usr/bin:/bin"})
+
+
+def sh(ctx: ToolContext, command: str, **params: Any) -> Outcome:
+    return run_tool(TOOLS["shell_exec"], ctx, {"command": command, **params})
+
+
+def with_limits(ctx: ToolContext, **changes: Any) -> ToolContext:
+    return dataclasses.replace(ctx, limits=msgspec.structs.replace(ctx.limits, **changes))
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return False
+    return raw[raw.rfind(b")") + 2 :].split()[0] != b"Z"
+
+
+def gone_soon(pids: list[int], within: float = 1.0) -> bool:
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# -- output and status ---------------------------------------------------------
+
+
+def test_success_returns_stdout_and_metadata(ctx: ToolContext) -> None:
+    r = sh(ctx, "echo hello")
+    assert r.success and r.output == "hello\n" and r.error is None
+    m = r.metadata
+    assert (m["exit_code"], m["timed_out"], m["truncated"]) == (0, False, False)
+    assert (m["stdout"], m["stderr"]) == ("hello\n", "")
+    assert isinstance(m["duration_s"], float) and 0 <= m["duration_s"] < 2
+
+
+def test_stderr_is_kept_apart_and_marked(ctx: ToolContext) -> None:
+    r = sh(ctx, "echo out; echo err >&2")
+    assert r.metadata["stdout"] == "out\n" and r.metadata["stderr"] == "err\n"
+    assert r.output == "out\n[stderr]\nerr\n"
+
+
+def test_stderr_alone(ctx: ToolContext) -> None:
+    assert sh(ctx, "echo oops >&2").output == "[stderr]\noops\n"
+
+
+def test_stdout_without_final_newline_still_separates_stderr(ctx: ToolContext) -> None:
+    assert sh(ctx, "printf out; echo err >&2").output == "out\n[stderr]\nerr\n"
+
+
+def test_no_output_is_an_empty_success(ctx: ToolContext) -> None:
+    r = sh(ctx, "true")
+    assert r.success and r.output == ""
+
+
+def test_non_zero_exit_is_a_failure_that_carries_the_output(ctx: ToolContext) -> None:
+    r = sh(ctx, "echo partial; echo bad >&2; exit 3")
+    assert not r.success and r.output is None
+    assert r.error == "command exited with status 3\npartial\n[stderr]\nbad\n"
+    assert r.metadata["exit_code"] == 3 and r.metadata["stdout"] == "partial\n"
+
+
+def test_command_not_found_is_127(ctx: ToolContext) -> None:
+    r = sh(ctx, "no-such-command-here")
+    assert r.metadata["exit_code"] == 127 and "not found" in r.metadata["stderr"]
+
+
+def test_death_by_signal_gives_a_negative_exit_code(ctx: ToolContext) -> None:
+    r = sh(ctx, "kill -TERM $$")
+    assert r.metadata["exit_code"] == -15
+    assert r.error.startswith("command was killed by signal 15 (SIGTERM)")
+
+
+def test_invalid_utf8_output_is_replaced(ctx: ToolContext) -> None:
+    assert sh(ctx, r"printf 'caf\xe9'").metadata["stdout"] == "caf\ufffd"
+
+
+def test_empty_command_fails(ctx: ToolContext) -> None:
+    assert sh(ctx, "  ").error == "command is empty"
+
+
+# -- environment -----------------------------------------------------------------
+
+
+def test_runs_in_the_worktree_root(ctx: ToolContext) -> None:
+    assert sh(ctx, "pwd").output == ctx.root + "\n"
+
+
+def test_cwd_is_relative_to_the_root(ctx: ToolContext) -> None:
+    os.makedirs(os.path.join(ctx.root, "sub", "dir"))
+    assert sh(ctx, "pwd", cwd="sub/dir").output == os.path.join(ctx.root, "sub", "dir") + "\n"
+
+
+@pytest.mark.parametrize("cwd", ["..", "/tmp", "sub/../.."])
+def test_cwd_outside_is_refused(ctx: ToolContext, cwd: str) -> None:
+    r = sh(ctx, "touch ran-here", cwd=cwd)
+    assert not r.success and ("escapes" in r.error or "absolute" in r.error)
+    assert "exit_code" not in r.metadata
+
+
+def test_cwd_through_a_symlink_outside_is_refused(ctx: ToolContext) -> None:
+    os.symlink("/tmp", os.path.join(ctx.root, "tmp"))
+    assert "symlink" in sh(ctx, "pwd", cwd="tmp").error
+
+
+def test_cwd_must_be_an_existing_directory(ctx: ToolContext) -> None:
+    Path(ctx.root, "file").write_text("")
+    assert sh(ctx, "pwd", cwd="missing").error == "cwd missing does not exist"
+    assert sh(ctx, "pwd", cwd="file").error == "cwd file is not a directory"
+
+
+def test_environment_is_the_sessions_only(ctx: ToolContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISPATCHD_TEST_LEAK", "leaked")
+    env_ctx = dataclasses.replace(ctx, env={"PATH": "/usr/bin:/bin", "GREETING": "hi"})
+    r = sh(env_ctx, 'echo "$GREETING ${DISPATCHD_TEST_LEAK:-clean}"')
+    assert r.output == "hi clean\n"
+
+
+def test_stdin_is_empty(ctx: ToolContext) -> None:
+    r = sh(ctx, "cat; echo done", timeout=5)
+    assert r.output == "done\n" and r.metadata["duration_s"] < 2
+
+
+def test_no_file_descriptor_of_the_worker_leaks(ctx: ToolContext) -> None:
+    read_end, write_end = os.pipe()
+    try:
+        os.set_inheritable(write_end, True)  # even an inheritable one
+        r = sh(ctx, f"test -e /proc/$$/fd/{write_end} && echo leaked || echo closed")
+        assert r.output == "closed\n"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_command_leads_its_own_session(ctx: ToolContext) -> None:
+    r = sh(ctx, "read -r -a f < /proc/$$/stat; echo $$ ${f[4]} ${f[5]}")
+    pid, pgrp, session = r.output.split()
+    assert pid == pgrp == session
+    assert int(session) != os.getsid(0)
+
+
+def test_read_only_policy_does_not_stop_shell(ctx: ToolContext) -> None:
+    assert sh(dataclasses.replace(ctx, writable=False), "echo ok").success
+
+
+# -- output cap ------------------------------------------------------------------
+
+
+def test_output_is_capped_and_the_command_still_finishes(ctx: ToolContext) -> None:
+    r = sh(with_limits(ctx, output_cap_bytes=1000), "yes | head -c 3000000; echo done >&2")
+    assert r.success and r.metadata["exit_code"] == 0
+    assert len(r.metadata["stdout"]) == 1000 and r.metadata["stdout"].startswith("y\ny\n")
+    assert r.metadata["stderr"] == "done\n"  # the cap is per stream
+    assert r.metadata["truncated"] is True
+    assert r.output.endswith("[output truncated at 1000 bytes per stream]")
+    assert r.metadata["duration_s"] < 2
+
+
+def test_stderr_is_capped_on_its_own(ctx: ToolContext) -> None:
+    r = sh(with_limits(ctx, output_cap_bytes=10), "echo short; head -c 5000 /dev/zero | tr '\\0' e >&2")
+    assert r.metadata["stdout"] == "short\n" and r.metadata["stderr"] == "e" * 10
+    assert r.metadata["truncated"] is True
+
+
+def test_output_at_exactly_the_cap_is_not_truncated(ctx: ToolContext) -> None:
+    r = sh(with_limits(ctx, output_cap_bytes=6), "echo 12345")
+    assert r.metadata["stdout"] == "12345\n" and r.metadata["truncated"] is False
+
+
+# -- timeouts --------------------------------------------------------------------
+
+
+def test_timeout_kills_the_command_and_its_background_child(ctx: ToolContext) -> None:
+    started = time.monotonic()
+    r = sh(ctx, "sleep 30 & echo $! $$; sleep 30", timeout=0.5)
+    assert time.monotonic() - started < 2
+    assert not r.success and r.metadata["timed_out"] is True
+    assert r.error.startswith("command timed out after 0.5 s\n")
+    assert "[timed out after 0.5 s]" in r.error
+    child, bash = (int(p) for p in r.metadata["stdout"].split())
+    assert gone_soon([child, bash])
+
+
+def test_timeout_reaches_jobs_in_process_groups_of_their_own(ctx: ToolContext) -> None:
+    # With job control on, bash puts each job in a new process group: killpg
+    # alone would miss it, the session scan does not.
+    r = sh(ctx, "set -m; sleep 30 & echo $!; sleep 30", timeout=0.5)
+    assert r.metadata["timed_out"] is True
+    assert gone_soon([int(r.metadata["stdout"].split()[0])])
+
+
+def test_background_job_holding_the_output_does_not_hold_the_call(ctx: ToolContext) -> None:
+    # A dev server started with `&` keeps the pipes open; the call returns
+    # shortly after bash exits, and the job keeps running (as in a terminal).
+    started = time.monotonic()
+    r = sh(ctx, "echo out; sleep 30 & echo $!", timeout=10)
+    pid = int(r.metadata["stdout"].split()[-1])
+    try:
+        assert r.success and time.monotonic() - started < 2
+        assert r.metadata["timed_out"] is False
+        assert "background processes it started still run" in r.output
+        os.kill(pid, 0)  # still alive
+    finally:
+        os.kill(pid, 9)
+
+
+def test_background_job_with_redirected_output_does_not_hold_the_call(ctx: ToolContext) -> None:
+    started = time.monotonic()
+    r = sh(ctx, "sleep 30 > /dev/null 2>&1 & echo $!", timeout=5)
+    try:
+        assert r.success and time.monotonic() - started < 2
+    finally:
+        os.kill(int(r.metadata["stdout"]), 9)
+
+
+def test_output_before_the_timeout_is_returned(ctx: ToolContext) -> None:
+    r = sh(ctx, "echo before; echo warn >&2; sleep 30", timeout=0.5)
+    assert r.metadata["stdout"] == "before\n" and r.metadata["stderr"] == "warn\n"
+    assert "before\n[stderr]\nwarn\n" in r.error
+
+
+def test_command_that_closes_its_pipes_is_still_timed(ctx: ToolContext) -> None:
+    r = sh(ctx, "exec >&- 2>&-; sleep 30", timeout=0.5)
+    assert r.metadata["timed_out"] is True
+
+
+def test_default_timeout_comes_from_the_policy(ctx: ToolContext) -> None:
+    r = sh(with_limits(ctx, command_timeout_s=0.3), "sleep 30")
+    assert r.metadata["timed_out"] is True and r.error.startswith("command timed out after 0.3 s")
+
+
+def test_timeout_over_the_maximum_is_refused(ctx: ToolContext) -> None:
+    r = sh(with_limits(ctx, max_command_timeout_s=10.0), "true", timeout=11)
+    assert not r.success and "maximum of 10 s" in r.error
+    assert sh(with_limits(ctx, max_command_timeout_s=10.0), "true", timeout=10).success
+
+
+@pytest.mark.parametrize("timeout", [0, -1])
+def test_timeout_must_be_positive(ctx: ToolContext, timeout: float) -> None:
+    assert "positive" in sh(ctx, "true", timeout=timeout).error
+
+
+def test_integer_timeout_is_accepted(ctx: ToolContext) -> None:
+    assert sh(ctx, "true", timeout=5).success
+
+
+# -- without pidfd (a kernel or seccomp filter that refuses pidfd_open) -----------
+
+
+@pytest.fixture
+def no_pidfd(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(pid: int, flags: int = 0) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
+
+
+@pytest.mark.usefixtures("no_pidfd")
+def test_without_pidfd_status_and_output_still_come_back(ctx: ToolContext) -> None:
+    r = sh(ctx, "echo out; echo err >&2; exit 4")
+    assert r.metadata["exit_code"] == 4 and r.metadata["stdout"] == "out\n" and r.metadata["stderr"] == "err\n"
+
+
+@pytest.mark.usefixtures("no_pidfd")
+def test_without_pidfd_timeouts_still_kill_everything(ctx: ToolContext) -> None:
+    r = sh(ctx, "exec >&- 2>&-; sleep 30", timeout=0.3)
+    assert r.metadata["timed_out"] is True
+    r = sh(ctx, "sleep 30 & echo $!; sleep 30", timeout=0.3)
+    assert r.metadata["timed_out"] is True and gone_soon([int(r.metadata["stdout"])])

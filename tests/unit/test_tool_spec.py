@@ -1,0 +1,153 @@
+"""The tool registry: every hand-written JSON Schema agrees with its msgspec struct.
+
+These tests fail when a field is added, renamed, made optional or given a new
+default on one side and not the other.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+import jsonschema
+import msgspec
+import pytest
+
+from dispatchd.policy import ALL_TOOLS, Limits
+from dispatchd.tools.base import ToolContext, run_tool
+from dispatchd.tools.spec import TOOLS, schemas_for
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array"}
+
+
+def _json_type(annotation: Any) -> str:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _json_type(inner)
+    if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
+        return "object"
+    return _JSON_TYPES[typing.get_origin(annotation) or annotation]
+
+
+def _check_against_struct(schema: dict[str, Any], struct: type[msgspec.Struct], where: str) -> None:
+    fields = {f.name: f for f in msgspec.structs.fields(struct)}
+    props = schema["properties"]
+    assert schema["type"] == "object", where
+    assert schema["additionalProperties"] is False, where
+    assert list(props) == list(fields), f"{where}: properties differ from {struct.__name__}'s fields"
+    assert sorted(schema["required"]) == sorted(n for n, f in fields.items() if f.required), where
+    hints = typing.get_type_hints(struct)
+    for name, field in fields.items():
+        prop = props[name]
+        assert prop.get("description", "").strip(), f"{where}.{name} has no description"
+        assert prop["type"] == _json_type(hints[name]), f"{where}.{name}: type"
+        if "default" in prop:
+            assert not field.required and prop["default"] == field.default, f"{where}.{name}: default"
+        elif not field.required:
+            assert field.default is None, f"{where}.{name}: the default {field.default!r} is not advertised"
+        if prop["type"] == "array":
+            (item_type,) = typing.get_args(hints[name])
+            _check_against_struct(prop["items"], item_type, f"{where}.{name}[]")
+
+
+def test_every_policy_tool_is_registered() -> None:
+    assert list(TOOLS) == list(ALL_TOOLS)
+    assert all(name == tool.name for name, tool in TOOLS.items())
+
+
+@pytest.mark.parametrize("name", ALL_TOOLS)
+def test_schema_agrees_with_the_parameter_struct(name: str) -> None:
+    tool = TOOLS[name]
+    _check_against_struct(tool.parameters, tool.params_type, name)
+
+
+@pytest.mark.parametrize("name", ALL_TOOLS)
+def test_schema_is_a_valid_json_schema(name: str) -> None:
+    jsonschema.Draft202012Validator.check_schema(TOOLS[name].parameters)
+
+
+@pytest.mark.parametrize("name", ALL_TOOLS)
+def test_structs_are_frozen_and_strict(name: str) -> None:
+    config = TOOLS[name].params_type.__struct_config__
+    assert config.frozen and config.forbid_unknown_fields
+
+
+def test_descriptions_are_written() -> None:
+    for tool in TOOLS.values():
+        assert len(tool.description) > 80, tool.name
+
+
+def test_slow_tools() -> None:
+    assert {n for n, t in TOOLS.items() if t.slow} == {"shell_exec", "search_files"}
+
+
+def test_contract_field_names() -> None:
+    names = {n: [f.name for f in msgspec.structs.fields(t.params_type)] for n, t in TOOLS.items()}
+    assert names == {
+        "read_file": ["path", "start_line", "end_line"],
+        "write_file": ["path", "content"],
+        "edit_file": ["path", "edits"],
+        "create_file": ["path", "content"],
+        "list_files": ["path", "pattern", "recursive"],
+        "search_files": ["query", "path", "pattern", "is_regex"],
+        "shell_exec": ["command", "timeout", "cwd"],
+    }
+
+
+_EXAMPLES = {
+    "read_file": {"path": "a.txt", "start_line": 0, "end_line": -1},
+    "write_file": {"path": "a.txt", "content": "x"},
+    "edit_file": {"path": "a.txt", "edits": [{"old_text": "x", "new_text": "y"}]},
+    "create_file": {"path": "b.txt", "content": "x"},
+    "list_files": {"path": ".", "pattern": "*.txt", "recursive": False},
+    "search_files": {"query": "x", "path": ".", "pattern": "*.txt", "is_regex": True},
+    "shell_exec": {"command": "true", "timeout": 1.5, "cwd": "."},
+}
+
+
+@pytest.mark.parametrize("name", ALL_TOOLS)
+def test_full_example_passes_both_the_schema_and_the_struct(name: str) -> None:
+    jsonschema.validate(_EXAMPLES[name], TOOLS[name].parameters)
+    msgspec.convert(_EXAMPLES[name], TOOLS[name].params_type)
+
+
+@pytest.mark.parametrize("name", ALL_TOOLS)
+def test_unknown_field_is_refused_by_both(name: str) -> None:
+    params = {**_EXAMPLES[name], "bogus": 1}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(params, TOOLS[name].parameters)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(params, TOOLS[name].params_type)
+
+
+def test_examples_run_end_to_end(tmp_path) -> None:
+    (tmp_path / "a.txt").write_text("x\n")
+    ctx = ToolContext(root=str(tmp_path.resolve()), limits=Limits(), env={"PATH": "/usr/bin:/bin"})
+    for name in ALL_TOOLS:
+        r = run_tool(TOOLS[name], ctx, _EXAMPLES[name])
+        assert r.success, (name, r.error)
+
+
+def test_wrong_type_is_an_invalid_argument() -> None:
+    ctx = ToolContext(root="/nonexistent", limits=Limits(), env={})
+    r = run_tool(TOOLS["read_file"], ctx, {"path": "a", "start_line": "3"})
+    assert not r.success and r.error.startswith("read_file: invalid arguments: ")
+
+
+def test_schemas_for_keeps_the_order_and_shape() -> None:
+    out = schemas_for(["shell_exec", "read_file"])
+    assert [s["name"] for s in out] == ["shell_exec", "read_file"]
+    assert all(set(s) == {"name", "description", "parameters"} for s in out)
+    assert out[1]["parameters"] == TOOLS["read_file"].parameters
+    assert schemas_for([]) == []
+
+
+def test_schemas_for_hands_out_copies() -> None:
+    schemas_for(["read_file"])[0]["parameters"]["properties"].clear()
+    assert TOOLS["read_file"].parameters["properties"]
+
+
+def test_schemas_for_unknown_tool() -> None:
+    with pytest.raises(KeyError, match="no_such_tool"):
+        schemas_for(["read_file", "no_such_tool"])
