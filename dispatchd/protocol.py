@@ -187,6 +187,7 @@ class ToolReply(_Msg, tag="tool_reply"):
 class WorkerReady(_Msg, tag="worker_ready"):
     pid: int
     protections: dict[str, Any]
+    timings_ms: dict[str, float] = {}  # per confinement step, for the debug log
 
 
 class WorkerFailed(_Msg, tag="worker_failed"):

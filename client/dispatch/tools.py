@@ -217,6 +217,24 @@ _RISKS = ("read", "write", "execute")
 ToolFunc = Callable[[dict[str, Any], Any], Result]
 
 
+_VALIDATORS: dict[str, jsonschema.Draft202012Validator] = {}
+_VALIDATORS_LOCK = threading.Lock()
+
+
+def _validator_for(schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
+    """A checked validator, made once per distinct schema: checking a schema
+    costs about a millisecond, and every session's registry has the same ones."""
+    key = json.dumps(schema, sort_keys=True, default=repr)
+    with _VALIDATORS_LOCK:
+        found = _VALIDATORS.get(key)
+    if found is None:
+        jsonschema.Draft202012Validator.check_schema(schema)
+        found = jsonschema.Draft202012Validator(schema)
+        with _VALIDATORS_LOCK:
+            _VALIDATORS.setdefault(key, found)
+    return found
+
+
 class Definition:
     """One tool. Read-only once built; a bad name, risk or schema fails here.
 
@@ -255,7 +273,7 @@ class Definition:
             raise ValidationError(f"{name}: parameters must be a JSON Schema object", tool=name)
         schema = _plain(parameters)  # our own copy: what we advertise is what we check
         try:
-            jsonschema.Draft202012Validator.check_schema(schema)
+            validator = _validator_for(schema)
         except jsonschema.SchemaError as exc:
             raise ValidationError(
                 f"{name}: parameters are not a valid JSON Schema: {exc.message}", tool=name
@@ -269,7 +287,7 @@ class Definition:
         self._func = func
         self._risk = risk
         self._advertised = bool(advertised)
-        self._validator = jsonschema.Draft202012Validator(schema)
+        self._validator = validator
 
     @property
     def name(self) -> str:

@@ -22,6 +22,7 @@ if platform.machine() not in ("x86_64", "aarch64"):
     # shares across architectures; seccomp is compiled by libseccomp per arch.
     raise ImportError(f"dispatchd supports x86_64 and aarch64, not {platform.machine()}")
 
+SYS_mount_setattr = 442
 SYS_landlock_create_ruleset = 444
 SYS_landlock_add_rule = 445
 SYS_landlock_restrict_self = 446
@@ -56,6 +57,8 @@ MS_REC = 16384
 MS_PRIVATE = 1 << 18
 MS_RELATIME = 1 << 21
 MS_STRICTATIME = 1 << 24
+AT_RECURSIVE = 0x8000
+MOUNT_ATTR_RDONLY = 0x1
 
 
 def _check(ret: int) -> int:
@@ -85,6 +88,23 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
         _check(_libc.mount(b(source), b(target), b(fstype), flags, b(data)))
     except OSError as exc:
         exc.filename = target
+        raise
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def mount_setattr(path: str, *, set_: int = 0, clear: int = 0, recursive: bool = False) -> None:
+    """Change mount attributes of ``path``'s mount (and every mount below it
+    with ``recursive``) in one call (Linux 5.12+)."""
+    attr = _MountAttr(set_, clear, 0, 0)
+    flags = AT_RECURSIVE if recursive else 0
+    try:
+        syscall(SYS_mount_setattr, -100, os.fsencode(path), flags, ctypes.byref(attr), ctypes.sizeof(attr))
+    except OSError as exc:
+        exc.filename = path
         raise
 
 

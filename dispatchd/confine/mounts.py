@@ -97,8 +97,16 @@ def apply_mounts(plan: MountPlan) -> None:
         _mount("private /dev/shm", "tmpfs", "/dev/shm", "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=64m,mode=1777")
     if plan.proc:
         _mount("proc", "proc", "/proc", "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
-    keep = {"/tmp", "/dev/shm", *plan.writable}
-    for point, flags in read_mountinfo():
-        if point in keep:
-            continue
-        _mount("read-only remount", None, point, None, _sys.MS_BIND | _sys.MS_REMOUNT | _sys.MS_RDONLY | flags)
+    # Everything read-only in one call (mount_setattr, AT_RECURSIVE), then the
+    # few writable mounts made writable again: they are our own bind mounts,
+    # so no flag of theirs is locked by the parent namespace.
+    try:
+        _sys.mount_setattr("/", set_=_sys.MOUNT_ATTR_RDONLY, recursive=True)
+    except OSError as exc:
+        raise ConfinementError("mounts: read-only /", exc.errno, "/") from exc
+    for path in ["/tmp", "/dev/shm", *plan.writable]:
+        if os.path.isdir(path):
+            try:
+                _sys.mount_setattr(path, clear=_sys.MOUNT_ATTR_RDONLY)
+            except OSError as exc:
+                raise ConfinementError("mounts: writable path", exc.errno, path) from exc

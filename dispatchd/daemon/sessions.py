@@ -134,6 +134,7 @@ class SessionManager:
                             uid=self.uid, gid=self.gid, base_env=self.base_env)
 
     def _start_worker(self, session: Session, network: str) -> None:
+        started = time.perf_counter()
         plan = self._plan(session, network)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -157,11 +158,14 @@ class SessionManager:
                 err.args = (err.message,)
                 raise err
             raise ConfinementError("worker start", detail=f"the worker did not report ready: {msg!r}")
+        log.debug("event=worker_ready session=%s pid=%s steps_ms=%s", session.id, msg.pid,
+                  ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker, session.control = worker, control
         session.network = network
         session.protections = msg.protections
         session.generation += 1
         session.ended = threading.Event()
+        log.debug("event=worker_started session=%s total_ms=%.2f", session.id, (time.perf_counter() - started) * 1e3)
         threading.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
                          daemon=True, name=f"watch-{session.id}").start()
 

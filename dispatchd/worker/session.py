@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 import traceback
 from typing import NoReturn
 
@@ -46,7 +47,20 @@ def _fork_session_init() -> None:
                 continue
 
 
-def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int]) -> list[str]:
+class _Clock:
+    """Milliseconds per confinement step, reported with ``WorkerReady`` (debug logs)."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.steps: dict[str, float] = {}
+
+    def __call__(self, step: str) -> None:
+        now = time.perf_counter()
+        self.steps[step] = round((now - self.last) * 1e3, 3)
+        self.last = now
+
+
+def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clock: _Clock) -> list[str]:
     """Apply the plan to this process, in order. Returns the skipped (absent) paths.
 
     On return the caller is W1: confined, single-threaded, with only ``keep`` open.
@@ -54,23 +68,31 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int]) -> 
     hygiene.new_session()  # own session and group, no controlling terminal
     hygiene.die_with_parent(parent)  # the fork server gone: the session gone
     hygiene.close_inherited_fds(keep)  # only the control channel stays
+    clock("hygiene")
     namespaces.enter_namespaces(plan.namespaces)  # user, mount, net; pid from the next child on
+    clock("namespaces")
     if plan.namespaces.pid:
         _fork_session_init()
         # As pid 1 of the new namespace our parent (W0, outside) reads as pid 0.
         hygiene.die_with_parent(0)
+        clock("pid 1")
     else:
         hygiene.child_subreaper()  # orphans come back to us, not to the host's init
     if plan.mounts is not None:
         mounts.apply_mounts(plan.mounts)  # needs the namespace's capabilities: before dropping them
+        clock("mounts")
     if plan.loopback:
         netns.bring_up_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
+        clock("loopback")
     if plan.namespaces.user:
         hygiene.drop_capabilities()  # nothing below needs a capability
     hygiene.no_new_privs()  # required before Landlock and seccomp; setuid grants nothing
     hygiene.not_dumpable()  # commands (same uid) cannot ptrace or read our memory
+    clock("privileges")
     skipped = landlock.apply_landlock_to_self(plan.landlock)  # after mounts: rules bind to mounted inodes
+    clock("landlock")
     seccomp.apply_seccomp(program)  # last: it forbids mount, unshare, ... used above
+    clock("seccomp")
     return skipped
 
 
@@ -100,8 +122,9 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     control = protocol.FrameSocket(socket.socket(fileno=control_fd), fds=True)
+    clock = _Clock()
     try:
-        skipped = confine(plan, program, parent, [control_fd])
+        skipped = confine(plan, program, parent, [control_fd], clock)
     except ConfinementError as exc:
         _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
         os._exit(1)
@@ -111,7 +134,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int)
         os._exit(1)
     protections = dict(plan.protections)
     protections["absent_paths"] = skipped
-    _report(control, protocol.WorkerReady(pid=os.getpid(), protections=protections))
+    _report(control, protocol.WorkerReady(pid=os.getpid(), protections=protections, timings_ms=clock.steps))
 
     from dispatchd.worker.server import serve  # pre-imported by the fork server
 

@@ -86,7 +86,7 @@ def test_close_ends_every_process(client: dispatch.Client, worktree: Path) -> No
             if not pid.isdigit():
                 continue
             try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(worktree) and "sleep" in open(f"/proc/{pid}/comm").read():
+                if os.readlink(f"/proc/{pid}/cwd") == str(worktree) and "sleep" in Path(f"/proc/{pid}/comm").read_text():
                     found.append(int(pid))
             except OSError:
                 continue

@@ -1,0 +1,180 @@
+"""dispatchd benchmark: what confinement costs, as ratios against baselines
+measured in the same run (the machines are shared and noisy; only ratios
+carry over).
+
+    ./scripts/bench            (or: .venv/bin/python bench/bench.py [--rounds N])
+
+It starts its own daemon on a temporary socket, as the user who runs it (not
+root), and prints one table:
+
+- read_file of a 4 KiB file through ``dispatch`` (client -> worker, one hop)
+  beside a bare request/response between two Python processes over a Unix
+  socket (same framing and codec, 4 KiB reply): the IPC floor;
+- shell_exec of ``true`` beside ``subprocess.run(["bash", "-c", "true"])``
+  with no sandbox;
+- opening a session (until every protection is in force), and switching its
+  network (the sandbox is replaced).
+
+Baselines and measurements are interleaved round by round, so a noisy
+neighbour slows both. This is a benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import dispatch  # noqa: E402
+from dispatchd import protocol  # noqa: E402
+
+_ECHO_SERVER = r"""
+import socket, sys
+sys.path.insert(0, sys.argv[2])
+from dispatchd import protocol
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1]); listener.listen(1)
+print("ready", flush=True)
+conn, _ = listener.accept()
+frames = protocol.FrameSocket(conn)
+body = "x" * 4096
+while True:
+    req = frames.recv(protocol.worker_decoder)
+    if req is None:
+        break
+    frames.send(protocol.ToolReply(id=req.id, success=True, output=body, metadata={"path": "f"}))
+"""
+
+
+class BareClient:
+    """Two Python processes, one Unix socket, msgspec frames: the floor."""
+
+    def __init__(self, tmp: str) -> None:
+        path = os.path.join(tmp, "bare.sock")
+        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, path, str(REPO)], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(path)
+        self.frames = protocol.FrameSocket(sock)
+        self.n = 0
+
+    def call(self) -> None:
+        self.n += 1
+        self.frames.send(protocol.CallTool(id=self.n, tool="read_file", params={"path": "f"}))
+        self.frames.recv(protocol.worker_decoder)
+
+    def close(self) -> None:
+        self.frames.close()
+        self.proc.wait(5)
+
+
+def timed(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def fmt(s: float) -> str:
+    return f"{s * 1e6:8.0f} µs" if s < 1e-3 else f"{s * 1e3:8.2f} ms"
+
+
+def start_daemon(tmp: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    sock = os.path.join(tmp, "d.sock")
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmp, "state"))
+    log = open(os.path.join(tmp, "daemon.log"), "wb")  # noqa: SIM115 (lives as long as the daemon)
+    proc = subprocess.Popen([sys.executable, "-m", "dispatchd", "--socket", sock, *extra],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    for _ in range(400):
+        if os.path.exists(sock):
+            break
+        time.sleep(0.025)
+    return proc, sock
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--calls", type=int, default=200, help="calls per round for the round-trip rows")
+    ap.add_argument("--no-user-namespaces", action="store_true", help="benchmark the degraded mode")
+    args = ap.parse_args()
+    if os.geteuid() == 0:
+        print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+        return 2
+    tmp = tempfile.mkdtemp(prefix="dispatchd-bench-")
+    extra = ["--no-user-namespaces"] if args.no_user_namespaces else []
+    daemon, sock = start_daemon(tmp, *extra)
+    wt = os.path.join(tmp, "wt")
+    os.mkdir(wt)
+    Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # 4095 bytes, 63 lines
+    rows: dict[str, list[float]] = {k: [] for k in
+                                    ("bare", "read", "spawn", "shell", "open", "switch")}
+    try:
+        bare = BareClient(tmp)
+        with dispatch.connect(sock) as client:
+            session = client.open_session(wt, network=False)
+            read = session.registry.get("read_file")
+            shell = session.registry.get("shell_exec")
+            for _ in range(20):  # warm up both paths
+                bare.call()
+                read.call({"path": "f4k.txt"})
+            for _ in range(args.rounds):
+                rows["bare"] += timed(bare.call, args.calls)
+                rows["read"] += timed(lambda: read.call({"path": "f4k.txt"}), args.calls)
+                rows["spawn"] += timed(lambda: subprocess.run(["bash", "-c", "true"], capture_output=True), 20)
+                rows["shell"] += timed(lambda: shell.call({"command": "true"}), 20)
+                for _ in range(3):
+                    t = time.perf_counter()
+                    s = client.open_session(wt)
+                    rows["open"].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    s.set_network(True)
+                    rows["switch"].append(time.perf_counter() - t)
+                    s.close()
+            mode = session.status()["protections"]["mode"]
+            session.close()
+        bare.close()
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(20)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    p50 = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"dispatchd benchmark: {args.rounds} rounds, sandbox mode {mode!r}, python {sys.version.split()[0]} "
+          f"({sys.executable})")
+    print(f"{'what':52} {'p50':>11} {'p99':>11}  ratio (p50)")
+    def line(label: str, key: str, base: str | None, note: str = "") -> None:
+        ratio = f"{p50[key] / p50[base]:.2f}× {note}" if base else note
+        print(f"{label:52} {fmt(p50[key]):>11} {fmt(pct(rows[key], 0.99)):>11}  {ratio}")
+    line("bare request/response, 2 Python processes (4 KiB)", "bare", None, "1.00× (baseline)")
+    line("read_file 4 KiB through dispatch", "read", "bare", "of bare (target ≤ 2×)")
+    line("subprocess.run(['bash','-c','true']), no sandbox", "spawn", None, "1.00× (baseline)")
+    line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.3×)")
+    line("open a session (confined, ready)", "open", None, "(target < 10 ms)")
+    line("switch network off → on (new sandbox)", "switch", None, "")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
