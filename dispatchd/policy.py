@@ -73,6 +73,9 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     search_max_results: int = 100
     list_max_entries: int = 10000
     fsync: bool = True  # completed writes reach the disk before the reply
+    # A tool result longer than this reaches a model as head and tail with a
+    # marker; the whole of it stays retrievable in the session (retrieve_output).
+    model_output_bytes: int = 16384
 
 
 class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -126,7 +129,8 @@ def _check(policy: Policy, where: str) -> None:
             raise bad(f"limits.{key}", "must be positive")
     if lim.command_timeout_s > lim.max_command_timeout_s:
         raise bad("limits.command_timeout_s", "exceeds limits.max_command_timeout_s")
-    for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries"):
+    for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries",
+                "model_output_bytes"):
         if getattr(lim, key) < 1:
             raise bad(f"limits.{key}", "must be at least 1")
     if not 1 <= policy.sandbox.min_landlock_abi <= 64:

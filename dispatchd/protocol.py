@@ -107,6 +107,7 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     network: str
     created: float
     protections: dict[str, Any] = {}
+    limits: dict[str, Any] = {}  # the policy's limits (timeouts, caps, model output budget)
     note: str = ""
 
 

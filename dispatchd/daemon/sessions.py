@@ -58,7 +58,8 @@ class Session:
 
     def info(self) -> protocol.SessionInfo:
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
-                                    network=self.network, created=self.created, protections=self.protections)
+                                    network=self.network, created=self.created, protections=self.protections,
+                                    limits=msgspec.to_builtins(self.policy.limits))
 
 
 class SessionManager:
