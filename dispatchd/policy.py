@@ -50,8 +50,12 @@ class Filesystem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    # The network a session gets when the caller does not say.
-    default: Literal["off", "on"] = "off"
+    # The network a session gets when the caller does not say: "off", "on",
+    # or "ports" (the host's network, TCP only to/on the ports below).
+    default: Literal["off", "on", "ports"] = "off"
+    # Under "ports": TCP ports the session may connect to, and bind.
+    connect_ports: list[int] = []
+    bind_ports: list[int] = []
 
 
 class Sandbox(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -133,6 +137,11 @@ def _check(policy: Policy, where: str) -> None:
                 "model_output_bytes"):
         if getattr(lim, key) < 1:
             raise bad(f"limits.{key}", "must be at least 1")
+    for key, ports in (("network.connect_ports", policy.network.connect_ports),
+                       ("network.bind_ports", policy.network.bind_ports)):
+        for port in ports:
+            if not 1 <= port <= 65535:
+                raise bad(key, f"{port} is not a TCP port (1-65535)")
     if not 1 <= policy.sandbox.min_landlock_abi <= 64:
         raise bad("sandbox.min_landlock_abi", "must be between 1 and 64")
 

@@ -53,7 +53,9 @@ class OpenSession(_Msg, tag="open_session"):
     id: int
     worktree: str
     policy: str = "default"
-    network: str | None = None  # "on" | "off"; None: the policy's default
+    network: str | None = None  # "off" | "on" | "ports"; None: the policy's default
+    ports: list[int] | None = None  # under "ports": TCP ports to connect to (None: the policy's)
+    bind_ports: list[int] | None = None  # under "ports": TCP ports to bind (None: the policy's)
 
 
 class CloseSession(_Msg, tag="close_session"):
@@ -69,6 +71,8 @@ class SetNetwork(_Msg, tag="set_network"):
     id: int
     session: str
     network: str
+    ports: list[int] | None = None
+    bind_ports: list[int] | None = None
 
 
 class Status(_Msg, tag="status"):

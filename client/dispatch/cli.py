@@ -43,9 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     ls = session.add_parser("list", help="list sessions")
     ls.add_argument("--json", action="store_true")
 
-    net = sub.add_parser("network", help="switch a session's network")
+    net = sub.add_parser("network", help="switch a session's network (its processes are ended)")
     net.add_argument("id")
-    net.add_argument("state", choices=["on", "off"])
+    net.add_argument("state", choices=["on", "off", "ports"])
+    _ports_options(net)
 
     ex = sub.add_parser("exec", help="run a shell command in the sandbox")
     _session_target(ex)
@@ -71,7 +72,20 @@ def _session_target(p: argparse.ArgumentParser, *, worktree_required: bool = Fal
         p.add_argument("--session", help="an open session's id")
     p.add_argument("--worktree", required=worktree_required, help="open a session on this directory")
     p.add_argument("--policy", default="default")
-    p.add_argument("--network", choices=["on", "off"])
+    p.add_argument("--network", choices=["on", "off", "ports"])
+    _ports_options(p)
+
+
+def _port_list(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ports: {text!r}") from None
+
+
+def _ports_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ports", type=_port_list, help="with --network ports: TCP ports to connect to, e.g. 80,443")
+    p.add_argument("--bind-ports", type=_port_list, help="with --network ports: TCP ports the session may bind")
 
 
 @contextlib.contextmanager
@@ -82,7 +96,8 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
         with client.session(args.session) as session:
             yield session
     else:
-        with client.open_session(args.worktree, policy=args.policy, network=args.network) as session:
+        with client.open_session(args.worktree, policy=args.policy, network=args.network,
+                                 ports=args.ports, bind_ports=args.bind_ports) as session:
             yield session
 
 
@@ -144,7 +159,8 @@ def _run(args: argparse.Namespace) -> int:
     with client:
         if args.command == "session":
             if args.action == "open":
-                session = client.open_session(args.worktree, policy=args.policy, network=args.network)
+                session = client.open_session(args.worktree, policy=args.policy, network=args.network,
+                                              ports=args.ports, bind_ports=args.bind_ports)
                 session.detach()  # it outlives this command
                 print(session.id)
             elif args.action == "close":
@@ -154,7 +170,10 @@ def _run(args: argparse.Namespace) -> int:
                 print(json.dumps(sessions, indent=2)) if args.json else _print_sessions(sessions)
             return 0
         if args.command == "network":
-            print(client.set_network(args.id, args.state)["network"])
+            info = client.set_network(args.id, args.state, ports=args.ports, bind_ports=args.bind_ports)
+            print(info["network"])
+            if info.get("note"):
+                print(f"dispatch: {info['note']}", file=sys.stderr)
             return 0
         if args.command == "exec":
             return _exec(client, args)

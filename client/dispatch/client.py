@@ -131,9 +131,9 @@ def _network_word(network: bool | str | None) -> str | None:
         return None
     if isinstance(network, bool):
         return "on" if network else "off"
-    if network in ("on", "off"):
+    if network in ("on", "off", "ports"):
         return network
-    raise ValueError(f"network must be True, False, 'on' or 'off', not {network!r}")
+    raise ValueError(f"network must be True, False, 'on', 'off' or 'ports', not {network!r}")
 
 
 class Session:
@@ -155,7 +155,13 @@ class Session:
 
     @property
     def network(self) -> bool:
-        return self._info.network == "on"
+        """True when the session reaches the host's network ("on", or "ports")."""
+        return self._info.network != "off"
+
+    @property
+    def network_mode(self) -> str:
+        """"off", "on" or "ports"."""
+        return self._info.network
 
     @property
     def info(self) -> dict[str, Any]:
@@ -202,11 +208,16 @@ class Session:
             return Result.success(reply.output or "", reply.metadata)
         return Result.failure(reply.error or "failed", reply.metadata)
 
-    def set_network(self, network: bool | str) -> bool:
-        """Switch the network. When this returns, no process of the session has
-        the old network: the sandbox was replaced and its processes ended."""
+    def set_network(self, network: bool | str, ports: list[int] | None = None,
+                    bind_ports: list[int] | None = None) -> bool:
+        """Switch the network: ``True``/``"on"``, ``False``/``"off"``, or ``"ports"``
+        (TCP only to ``ports``, binding only ``bind_ports``; default: the policy's).
+        When this returns, no process of the session has the old network: the
+        sandbox was replaced and its processes ended (``status()["note"]`` says
+        how many)."""
         word = _network_word(network)
-        reply, _ = self._client._daemon_request(lambda rid: protocol.SetNetwork(id=rid, session=self.id, network=word))
+        reply, _ = self._client._daemon_request(lambda rid: protocol.SetNetwork(
+            id=rid, session=self.id, network=word, ports=ports, bind_ports=bind_ports))
         self._info = reply.session
         with self._lock:
             self._attach()
@@ -268,10 +279,12 @@ class Client:
             raise RequestFailed(reply.code, reply.message)
         return reply, fd
 
-    def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None) -> Session:
+    def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
+                     ports: list[int] | None = None, bind_ports: list[int] | None = None) -> Session:
         word = _network_word(network)
         path = os.path.abspath(os.fspath(worktree))
-        reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(id=rid, worktree=path, policy=policy, network=word))
+        reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(
+            id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports))
         return Session(self, reply.session, owned=True)
 
     def session(self, session_id: str) -> Session:
@@ -284,9 +297,11 @@ class Client:
     def close_session(self, session_id: str) -> None:
         self._daemon_request(lambda rid: protocol.CloseSession(id=rid, session=session_id))
 
-    def set_network(self, session_id: str, network: bool | str) -> dict[str, Any]:
+    def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
+                    bind_ports: list[int] | None = None) -> dict[str, Any]:
         word = _network_word(network)
-        reply, _ = self._daemon_request(lambda rid: protocol.SetNetwork(id=rid, session=session_id, network=word))
+        reply, _ = self._daemon_request(lambda rid: protocol.SetNetwork(
+            id=rid, session=session_id, network=word, ports=ports, bind_ports=bind_ports))
         return _to_dict(reply.session)
 
     def _sessions(self) -> list[protocol.SessionInfo]:

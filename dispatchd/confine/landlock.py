@@ -9,8 +9,9 @@ Guarantees, once ``apply_landlock_to_self`` has returned:
   directory, other worktrees, the daemon's files) is denied with EACCES;
 - where the ABI has scopes (6+), the session cannot connect to abstract Unix
   sockets or signal processes created outside its domain;
-- where the ABI has TCP rules (4+) and the plan handles them with no rule,
-  every TCP bind and connect is denied (the fallback for "network off").
+- where the ABI has TCP rules (4+) and the plan handles them, every TCP bind
+  and connect is denied but to the plan's ports: none for "network off"
+  without a network namespace, the listed ones for "network ports".
 
 A rule that cannot be added, or a ruleset the kernel enforces only partly,
 fails the step: we never run a session on a weaker ruleset than planned.
@@ -90,15 +91,27 @@ def plan_landlock(
     read_write: list[str],
     devices: list[str],
     deny_tcp: bool,
+    connect_ports: list[int] | None = None,
+    bind_ports: list[int] | None = None,
 ) -> LandlockPlan:
-    """The ruleset for one session; pure, so tests compare it by equality."""
+    """The ruleset for one session; pure, so tests compare it by equality.
+
+    ``deny_tcp`` handles TCP: every bind and connect is denied except to the
+    listed ports (none: all TCP denied). It needs ABI 4; the caller checks."""
     handled = fs_rights_for_abi(abi)
     rules = [PathRule(p, READ_ONLY & handled) for p in read_only]
     rules += [PathRule(p, READ_WRITE & handled) for p in read_write]
     rules += [PathRule(p, DEVICE & handled) for p in devices]
     handled_net = (NET_BIND_TCP | NET_CONNECT_TCP) if (deny_tcp and abi >= 4) else 0
     scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0
-    return LandlockPlan(abi=abi, handled_fs=handled, handled_net=handled_net, scoped=scoped, paths=rules)
+    ports: dict[int, int] = {}
+    if handled_net:
+        for port in connect_ports or []:
+            ports[port] = ports.get(port, 0) | NET_CONNECT_TCP
+        for port in bind_ports or []:
+            ports[port] = ports.get(port, 0) | NET_BIND_TCP
+    return LandlockPlan(abi=abi, handled_fs=handled, handled_net=handled_net, scoped=scoped, paths=rules,
+                        tcp_ports=sorted(ports.items()))
 
 
 class _RulesetAttr(ctypes.Structure):

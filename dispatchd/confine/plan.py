@@ -22,6 +22,18 @@ from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Limits, Policy
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+NETWORK_MODES = ("off", "on", "ports")
+
+
+class NetworkPorts(msgspec.Struct, frozen=True):
+    """The TCP ports a "ports" session may connect to and bind."""
+
+    connect: list[int]
+    bind: list[int] = []
+
+
+def _ports(ports: list[int]) -> str:
+    return ", ".join(map(str, ports)) if ports else "none"
 
 
 class SessionPaths(msgspec.Struct, frozen=True):
@@ -84,9 +96,14 @@ def plan_session(
     uid: int,
     gid: int,
     base_env: dict[str, str],
+    ports: NetworkPorts | None = None,
 ) -> SessionPlan:
-    if network not in ("on", "off"):
-        raise ConfinementError("network", detail=f"network must be 'on' or 'off', not {network!r}")
+    if network not in NETWORK_MODES:
+        raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
+    ports = ports or NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
+    if network == "ports" and kernel.landlock_abi < 4:
+        raise ConfinementError("network", detail=f"network 'ports' needs Landlock TCP rules (ABI 4); "
+                               f"this kernel offers ABI {kernel.landlock_abi}")
     if kernel.landlock_abi < max(1, policy.sandbox.min_landlock_abi):
         have = f"ABI {kernel.landlock_abi}" if kernel.landlock_abi else "Landlock is not enabled in this kernel"
         raise ConfinementError("landlock", detail=f"policy {policy.name!r} needs Landlock ABI >= "
@@ -114,8 +131,11 @@ def plan_session(
         read_only=read_only,
         read_write=read_write,
         devices=devices,
-        # Without a network namespace, "off" is held by seccomp and Landlock TCP rules.
-        deny_tcp=network_off and not use_userns,
+        # Without a network namespace, "off" is held by seccomp and Landlock TCP
+        # rules; "ports" is held by Landlock TCP rules in every mode.
+        deny_tcp=(network_off and not use_userns) or network == "ports",
+        connect_ports=ports.connect if network == "ports" else None,
+        bind_ports=ports.bind if network == "ports" else None,
     )
     seccomp = plan_seccomp(allow_inet=not (network_off and not use_userns))
     namespaces = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=uid, gid=gid)
@@ -143,13 +163,22 @@ def plan_session(
             env[key] = base_env[key]
     env.update(policy.env.set)
 
-    if use_userns:
-        net_mechanism = "network namespace with loopback only" if network_off else "host network"
+    if network == "ports":
+        net_mechanism = (f"host network; Landlock TCP: connect to {_ports(ports.connect)}, "
+                         f"bind {_ports(ports.bind)}")
+    elif not network_off:
+        net_mechanism = "host network"
+    elif use_userns:
+        net_mechanism = "network namespace with loopback only"
     else:
-        net_mechanism = ("seccomp: no IPv4/IPv6 sockets" + (", Landlock: no TCP bind/connect" if landlock.handled_net else "")) if network_off else "host network"
+        net_mechanism = "seccomp: no IPv4/IPv6 sockets" + (", Landlock: no TCP bind/connect" if landlock.handled_net else "")
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off)
+    mode = "full" if not gaps else "degraded"  # of the sandbox; the network's own caveat follows
+    if network == "ports":
+        gaps.append("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
+                    "network (Landlock has no rules for them)")
     protections: dict[str, object] = {
-        "mode": "full" if not gaps else "degraded",
+        "mode": mode,
         "landlock": {
             "abi": kernel.landlock_abi,
             "filesystem": "enforced",
@@ -158,7 +187,8 @@ def plan_session(
         },
         "seccomp": "enforced",
         "namespaces": {"user": namespaces.user, "mount": namespaces.mount, "pid": namespaces.pid, "net": namespaces.net},
-        "network": {"mode": network, "mechanism": net_mechanism},
+        "network": {"mode": network, "mechanism": net_mechanism,
+                    **({"connect_ports": ports.connect, "bind_ports": ports.bind} if network == "ports" else {})},
         "worktree": fs.worktree,
         "hygiene": ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
                     "dies with its parent", "not dumpable"] + (["no capabilities"] if use_userns else []),

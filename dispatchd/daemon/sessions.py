@@ -27,7 +27,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine.plan import SessionPaths, SessionPlan, plan_session
+from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon.spawn import Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError
@@ -48,6 +48,8 @@ class Session:
         self.scratch = scratch
         self.created = time.time()
         self.network = policy.network.default
+        self.ports = NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
+        self.note = ""
         self.protections: dict[str, object] = {}
         self.worker: Worker | None = None
         self.control: protocol.FrameSocket | None = None
@@ -59,7 +61,38 @@ class Session:
     def info(self) -> protocol.SessionInfo:
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
                                     network=self.network, created=self.created, protections=self.protections,
-                                    limits=msgspec.to_builtins(self.policy.limits))
+                                    limits=msgspec.to_builtins(self.policy.limits), note=self.note)
+
+
+def _check_network(network: str, ports: list[int] | None, bind_ports: list[int] | None) -> None:
+    if network not in NETWORK_MODES:
+        raise DispatchdError(f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
+    for port in (ports or []) + (bind_ports or []):
+        if not 1 <= port <= 65535:
+            raise DispatchdError(f"{port} is not a TCP port (1-65535)")
+    if network != "ports" and (ports or bind_ports):
+        raise DispatchdError(f"ports are only for network 'ports', not {network!r}")
+
+
+def _ports_for(session: Session, ports: list[int] | None, bind_ports: list[int] | None) -> NetworkPorts:
+    net = session.policy.network
+    return NetworkPorts(connect=sorted(set(net.connect_ports if ports is None else ports)),
+                        bind=sorted(set(net.bind_ports if bind_ports is None else bind_ports)))
+
+
+def _count_session_processes(session: Session) -> int:
+    """Processes the session's commands started: what a network switch ends.
+    Below W0 are the session init (W0 itself without a pid namespace), the
+    tool server, and then the commands."""
+    if session.worker is None:
+        return 0
+    import psutil
+
+    own = 2 if session.protections.get("namespaces", {}).get("pid") else 1
+    try:
+        return max(0, len(psutil.Process(session.worker.pid).children(recursive=True)) - own)
+    except psutil.Error:
+        return 0
 
 
 class SessionManager:
@@ -104,19 +137,20 @@ class SessionManager:
 
     # --- open / close ----------------------------------------------------------
 
-    def open(self, worktree: str, policy_name: str, network: str | None) -> Session:
+    def open(self, worktree: str, policy_name: str, network: str | None,
+             ports: list[int] | None = None, bind_ports: list[int] | None = None) -> Session:
         if not self.accepting:
             raise DispatchdError("the daemon is stopping and opens no new sessions")
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         resolved = check_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected)
         network = network or policy.network.default
-        if network not in ("on", "off"):
-            raise DispatchdError(f"network must be 'on' or 'off', not {network!r}")
+        _check_network(network, ports, bind_ports)
         sid = secrets.token_hex(6)
         scratch = os.path.join(self.sessions_dir, sid)
         os.makedirs(scratch + "/tmp", mode=0o700)
         os.makedirs(scratch + "/home", mode=0o700)
         session = Session(sid, resolved, policy, scratch)
+        session.ports = _ports_for(session, ports, bind_ports)
         try:
             self._start_worker(session, network)
         except BaseException:
@@ -132,7 +166,7 @@ class SessionManager:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths)
         return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
-                            uid=self.uid, gid=self.gid, base_env=self.base_env)
+                            uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports)
 
     def _start_worker(self, session: Session, network: str) -> None:
         started = time.perf_counter()
@@ -226,26 +260,40 @@ class SessionManager:
 
     # --- network, attach -----------------------------------------------------
 
-    def set_network(self, sid: str, network: str) -> Session:
+    def set_network(self, sid: str, network: str, ports: list[int] | None = None,
+                    bind_ports: list[int] | None = None) -> Session:
         """Switch by replacing the sandbox: every process of the session is ended,
-        so nothing started while the network was on keeps it."""
-        if network not in ("on", "off"):
-            raise DispatchdError(f"network must be 'on' or 'off', not {network!r}")
+        so nothing started under the old setting keeps its connections."""
+        _check_network(network, ports, bind_ports)
         session = self.get(sid)
         with session.lock:
             if session.closed:
                 raise SessionError(f"no such session: {sid!r}", sid)
+            old_ports = session.ports
+            session.ports = _ports_for(session, ports, bind_ports)
+            ended = _count_session_processes(session)
             session.generation += 1
             self._stop_worker(session)
             try:
                 self._start_worker(session, network)
+                session.note = (f"network {network}: the sandbox was replaced; {ended} process(es) "
+                                "the session had started were ended")
+            except ConfinementError:
+                # The new setting cannot be enforced: stay closed rather than
+                # leave the session running under a setting nobody asked for.
+                session.ports = old_ports
+                session.closed = True
+                with self._lock:
+                    self._sessions.pop(sid, None)
+                shutil.rmtree(session.scratch, ignore_errors=True)
+                raise
             except BaseException:
                 session.closed = True
                 with self._lock:
                     self._sessions.pop(sid, None)
                 shutil.rmtree(session.scratch, ignore_errors=True)
                 raise
-        log.info("event=session_network session=%s network=%s", sid, network)
+        log.info("event=session_network session=%s network=%s ended=%s", sid, network, ended)
         return session
 
     def attach(self, sid: str) -> tuple[Session, socket.socket, list[protocol.ToolSchema]]:

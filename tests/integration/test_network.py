@@ -1,0 +1,289 @@
+"""Network per session, in both modes: off, on, ports, and switching at run time.
+
+The listeners are real, on 127.0.0.1, started by the test outside any sandbox.
+"full" is a daemon with user namespaces (network off = a namespace with only
+loopback); "degraded" is a daemon started with --no-user-namespaces (network
+off = seccomp refusing IPv4/IPv6 sockets, and Landlock TCP rules).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import Daemon, probe, shell
+
+ECONNREFUSED, EPERM, EACCES = 111, 1, 13
+
+
+class TcpListener:
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            with conn:
+                conn.sendall(b"hello\n")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+class UdpListener:
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, addr = self.sock.recvfrom(100)
+            except OSError:
+                continue
+            self.received.append(data)
+            self.sock.sendto(b"echo:" + data, addr)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module", params=["full", "degraded"])
+def mode_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dispatch.Client]]:
+    extra = ("--no-user-namespaces",) if request.param == "degraded" else ()
+    d = Daemon(tmp_path_factory.mktemp(f"net-{request.param}"), *extra)
+    try:
+        with d.connect() as c:
+            yield request.param, c
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+@pytest.fixture
+def tcp() -> Iterator[TcpListener]:
+    listener = TcpListener()
+    yield listener
+    listener.close()
+
+
+@pytest.fixture
+def udp() -> Iterator[UdpListener]:
+    listener = UdpListener()
+    yield listener
+    listener.close()
+
+
+def tcp_probe(port: int) -> str:
+    return (
+        "import socket\n"
+        "try:\n"
+        f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        "    print('connected', s.recv(10).decode().strip())\n"
+        "except OSError as e:\n"
+        "    print('error', e.errno)\n"
+    )
+
+
+def udp_probe(port: int) -> str:
+    return (
+        "import socket\n"
+        "try:\n"
+        "    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "    s.settimeout(1)\n"
+        f"    s.sendto(b'ping', ('127.0.0.1', {port}))\n"
+        "    print('reply', s.recv(100).decode())\n"
+        "except TimeoutError:\n"
+        "    print('no reply')\n"
+        "except OSError as e:\n"
+        "    print('error', e.errno)\n"
+    )
+
+
+def test_off_reaches_no_tcp_listener_outside(mode_client, worktree: Path, tcp: TcpListener) -> None:
+    mode, client = mode_client
+    with client.open_session(str(worktree), network=False) as s:
+        expected = f"error {ECONNREFUSED}" if mode == "full" else f"error {EPERM}"
+        assert probe(s, tcp_probe(tcp.port)) == expected
+        assert s.status()["protections"]["network"]["mode"] == "off"
+    assert tcp.accepted == 0
+
+
+def test_on_reaches_the_tcp_listener(mode_client, worktree: Path, tcp: TcpListener) -> None:
+    _, client = mode_client
+    with client.open_session(str(worktree), network=True) as s:
+        assert probe(s, tcp_probe(tcp.port)) == "connected hello"
+        assert s.status()["protections"]["network"]["mechanism"] == "host network"
+    assert tcp.accepted == 1
+
+
+def test_off_reaches_no_udp_listener_outside(mode_client, worktree: Path, udp: UdpListener) -> None:
+    mode, client = mode_client
+    with client.open_session(str(worktree), network=False) as s:
+        # Full mode: the datagram goes to the session's own loopback, where
+        # nothing listens; degraded mode: no IPv4 socket can be made at all.
+        assert probe(s, udp_probe(udp.port)) == ("no reply" if mode == "full" else f"error {EPERM}")
+    time.sleep(0.2)
+    assert udp.received == []
+
+
+def test_on_reaches_the_udp_listener(mode_client, worktree: Path, udp: UdpListener) -> None:
+    _, client = mode_client
+    with client.open_session(str(worktree), network=True) as s:
+        assert probe(s, udp_probe(udp.port)) == "reply echo:ping"
+    assert udp.received == [b"ping"]
+
+
+def test_off_reaches_no_abstract_socket(mode_client, worktree: Path) -> None:
+    _, client = mode_client
+    name = f"\0dispatchd-test-{time.monotonic_ns()}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(name)
+    server.listen(1)
+    code = ("import socket\ntry:\n    s = socket.socket(socket.AF_UNIX)\n"
+            f"    s.connect({name!r}); print('connected')\nexcept OSError as e:\n    print('error', e.errno)\n")
+    try:
+        with client.open_session(str(worktree), network=False) as s:
+            assert probe(s, code) == f"error {EPERM}"
+        # The allowed twin: the same connect from outside the sandbox.
+        outside = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        outside.connect(name)
+        outside.close()
+    finally:
+        server.close()
+
+
+def test_ports_reaches_a_listed_port_and_not_another(mode_client, worktree: Path, tcp: TcpListener) -> None:
+    _, client = mode_client
+    other = TcpListener()
+    try:
+        with client.open_session(str(worktree), network="ports", ports=[tcp.port]) as s:
+            assert s.network_mode == "ports"
+            assert probe(s, tcp_probe(tcp.port)) == "connected hello"
+            assert probe(s, tcp_probe(other.port)) == f"error {EACCES}"  # Landlock's TCP rule
+            net = s.status()["protections"]["network"]
+            assert net["connect_ports"] == [tcp.port] and net["bind_ports"] == []
+        assert other.accepted == 0
+    finally:
+        other.close()
+
+
+def test_ports_refuses_binding_an_unlisted_port(mode_client, worktree: Path) -> None:
+    _, client = mode_client
+    code = ("import socket\nfor port in (0, {p}):\n    s = socket.socket()\n    try:\n"
+            "        s.bind(('127.0.0.1', port)); print('bound', port)\n"
+            "    except OSError as e:\n        print('error', e.errno)\n    s.close()\n")
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    with client.open_session(str(worktree), network="ports", ports=[], bind_ports=[port]) as s:
+        out = probe(s, code.replace("{p}", str(port)))
+    # Binding port 0 asks for any port: not listed, refused; the listed one works.
+    assert out.splitlines() == [f"error {EACCES}", f"bound {port}"]
+
+
+def test_a_server_inside_an_off_session_answers_a_client_inside(mode_client, worktree: Path) -> None:
+    mode, client = mode_client
+    server = ("import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              "s.bind(('127.0.0.1', 47123)); s.listen(1); c, _ = s.accept(); c.sendall(b'inside\\n')\n")
+    Path(worktree, "server.py").write_text(server)
+    with client.open_session(str(worktree), network=False) as s:
+        r = shell(s, "python3 server.py 2>server.err & sleep 0.5; python3 -c \"" + tcp_probe(47123).replace('"', '\\"') + "\"; wait")
+        if mode == "full":
+            assert r.metadata["stdout"].strip() == "connected inside", r
+        else:
+            # Without a network namespace there is no private loopback to give:
+            # "off" refuses every IPv4/IPv6 socket, loopback included (README).
+            assert r.metadata["stdout"].strip() == f"error {EPERM}"
+            assert "PermissionError: [Errno 1]" in Path(worktree, "server.err").read_text()
+
+
+def test_off_on_off_in_one_session(mode_client, worktree: Path, tcp: TcpListener) -> None:
+    mode, client = mode_client
+    refused = f"error {ECONNREFUSED}" if mode == "full" else f"error {EPERM}"
+    with client.open_session(str(worktree), network=False) as s:
+        assert probe(s, tcp_probe(tcp.port)) == refused
+        assert s.set_network(True) is True
+        assert probe(s, tcp_probe(tcp.port)) == "connected hello"
+        assert s.set_network(False) is False
+        assert probe(s, tcp_probe(tcp.port)) == refused
+        assert s.status()["network"] == "off"
+    assert tcp.accepted == 1
+
+
+def test_two_sessions_switch_independently(mode_client, tmp_path: Path, tcp: TcpListener) -> None:
+    mode, client = mode_client
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    refused = f"error {ECONNREFUSED}" if mode == "full" else f"error {EPERM}"
+    with client.open_session(str(a), network=False) as sa, client.open_session(str(b), network=False) as sb:
+        sa.set_network(True)
+        assert probe(sa, tcp_probe(tcp.port)) == "connected hello"
+        assert probe(sb, tcp_probe(tcp.port)) == refused
+        sb.set_network(True)
+        sa.set_network(False)
+        assert probe(sa, tcp_probe(tcp.port)) == refused
+        assert probe(sb, tcp_probe(tcp.port)) == "connected hello"
+
+
+def test_a_background_process_started_while_on_cannot_reach_after_off(mode_client, worktree: Path, tcp: TcpListener) -> None:
+    _, client = mode_client
+    loop = ("import socket, time\nwhile True:\n    try:\n"
+            f"        socket.create_connection(('127.0.0.1', {tcp.port}), timeout=1).close()\n"
+            "        print('ok', flush=True)\n    except OSError as e:\n        print('error', e.errno, flush=True)\n"
+            "    time.sleep(0.05)\n")
+    Path(worktree, "loop.py").write_text(loop)
+    with client.open_session(str(worktree), network=True) as s:
+        assert shell(s, "nohup python3 loop.py > loop.log 2>&1 &").is_success
+        deadline = time.monotonic() + 5
+        while tcp.accepted < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tcp.accepted >= 3  # the background process does reach it while on
+        s.set_network(False)
+        after = tcp.accepted
+        assert "process(es) the session had started were ended" in s.status()["note"]
+        size = Path(worktree, "loop.log").stat().st_size
+        time.sleep(0.5)
+        assert tcp.accepted == after  # nothing of the session reaches it any more
+        assert Path(worktree, "loop.log").stat().st_size == size  # the process is gone
+        assert "python3 loop.py" not in shell(s, "ps ax -o args").metadata["stdout"]
+
+
+def test_unknown_network_mode_is_refused(mode_client, worktree: Path) -> None:
+    _, client = mode_client
+    with client.open_session(str(worktree)) as s:
+        with pytest.raises(dispatch.RequestFailed) as exc:
+            s._client.set_network(s.id, "ports", ports=[70000])
+        assert "70000 is not a TCP port" in exc.value.message
+        with pytest.raises(ValueError, match="network must be"):
+            s.set_network("sometimes")
+        assert s.network is False  # unchanged
