@@ -231,7 +231,15 @@ class Spawned(_Msg, tag="spawned"):
 WorkerRequest = Union[CallTool, ToolReply, ErrorReply]
 ZygoteRequest = SpawnWorker
 ZygoteReply = Union[Spawned, ErrorReply]
-WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, OkReply, ErrorReply]
+class AcquireWriteLock(_Msg, tag="acquire_write_lock"):
+    """Worker -> daemon, before the session's first mutating tool call: only
+    one session at a time may write a worktree. Answered by ``OkReply`` or by
+    ``ErrorReply`` (code ``write_locked``) naming the session that holds it."""
+
+    id: int
+
+
+WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, OkReply, ErrorReply]
 
 # --- codec ------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ Guarantees:
   process the session started (see ``dispatchd.worker.session``), and the
   session's scratch directory is removed afterwards;
 - a session whose worker ends on its own (idle timeout, crash) leaves the table;
+- one writer per worktree: the first session to run a mutating tool on a
+  worktree holds its write lock until it ends; others get a failure naming it;
 - the daemon never opens a path inside a worktree: it only checks it
   (``check_worktree``) and hands it to the worker's plan.
 """
@@ -54,6 +56,7 @@ class Session:
         self.worker: Worker | None = None
         self.control: protocol.FrameSocket | None = None
         self.lock = threading.Lock()  # one attach or switch at a time
+        self.send_lock = threading.Lock()  # one message at a time on the control channel
         self.generation = 0
         self.closed = False
         self.ended = threading.Event()  # set when the current worker's control channel closes
@@ -62,6 +65,10 @@ class Session:
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
                                     network=self.network, created=self.created, protections=self.protections,
                                     limits=msgspec.to_builtins(self.policy.limits), note=self.note)
+
+
+def _overlap(a: str, b: str) -> bool:
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def _check_network(network: str, ports: list[int] | None, bind_ports: list[int] | None) -> None:
@@ -119,6 +126,7 @@ class SessionManager:
         self.uid, self.gid = os.getuid(), os.getgid()
         self.home = os.path.expanduser("~")
         self._sessions: dict[str, Session] = {}
+        self._writers: dict[str, str] = {}  # worktree -> the session that may write it
         self._lock = threading.Lock()
         self.accepting = True
 
@@ -208,8 +216,11 @@ class SessionManager:
         """The only reader of a worker's control channel: its EOF means the tool
         server is gone, on purpose (close, switch) or on its own (idle, crash)."""
         try:
-            while control.recv(protocol.control_decoder) is not None:
-                pass
+            while (msg := control.recv(protocol.control_decoder)) is not None:
+                if isinstance(msg, protocol.AcquireWriteLock):
+                    reply = self._grant_write_lock(session, msg.id)
+                    with session.send_lock:
+                        control.send(reply)
         except (OSError, protocol.ProtocolError):
             pass
         ended.set()
@@ -245,9 +256,29 @@ class SessionManager:
             session.closed = True
             session.generation += 1
             self._stop_worker(session)
+        self._forget(session)
+        shutil.rmtree(session.scratch, ignore_errors=True)
+
+    def _forget(self, session: Session) -> None:
         with self._lock:
             self._sessions.pop(session.id, None)
-        shutil.rmtree(session.scratch, ignore_errors=True)
+            # Its processes are gone (stopped before this): the next may write.
+            self._writers = {wt: sid for wt, sid in self._writers.items() if sid != session.id}
+
+    def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply:
+        """One writer per worktree (a worktree inside another's counts as the same)."""
+        with self._lock:
+            for worktree, holder in self._writers.items():
+                if holder == session.id or not _overlap(worktree, session.worktree):
+                    continue
+                other = self._sessions.get(holder)
+                since = time.strftime("%H:%M:%S", time.localtime(other.created)) if other else "?"
+                return protocol.ErrorReply(id=rid, code="write_locked", message=(
+                    f"the worktree {session.worktree} is being written by session {holder} (opened {since}); "
+                    "only one session at a time may write a worktree: close that session, or use this one to read"))
+            self._writers[session.worktree] = session.id
+        log.info("event=write_lock session=%s worktree=%s", session.id, session.worktree)
+        return protocol.OkReply(id=rid)
 
     def close(self, sid: str) -> None:
         session = self.get(sid)
@@ -283,14 +314,12 @@ class SessionManager:
                 # leave the session running under a setting nobody asked for.
                 session.ports = old_ports
                 session.closed = True
-                with self._lock:
-                    self._sessions.pop(sid, None)
+                self._forget(session)
                 shutil.rmtree(session.scratch, ignore_errors=True)
                 raise
             except BaseException:
                 session.closed = True
-                with self._lock:
-                    self._sessions.pop(sid, None)
+                self._forget(session)
                 shutil.rmtree(session.scratch, ignore_errors=True)
                 raise
         log.info("event=session_network session=%s network=%s ended=%s", sid, network, ended)
@@ -306,7 +335,11 @@ class SessionManager:
                 theirs.close()
                 raise SessionError(f"session {sid} has ended", sid)
             try:
-                session.control.send(protocol.AddChannel(id=0), fds=[theirs.fileno()])
+                with session.send_lock:
+                    session.control.send(protocol.AddChannel(id=0), fds=[theirs.fileno()])
+            except OSError as exc:
+                ours.close()
+                raise SessionError(f"session {sid} has ended", sid) from exc
             finally:
                 theirs.close()
         tools = [msgspec.convert(s, protocol.ToolSchema) for s in schemas_for(session.policy.tools)]

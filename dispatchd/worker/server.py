@@ -8,7 +8,9 @@ Guarantees:
 - a malformed request gets an ``ErrorReply``; broken framing closes that one
   channel; the server and its other channels carry on;
 - the session ends itself after the policy's idle timeout with no call in
-  flight, and as soon as the daemon's control channel closes.
+  flight, and as soon as the daemon's control channel closes;
+- a mutating tool (write_file, edit_file, create_file, shell_exec) runs only
+  once the daemon has granted this session its worktree's write lock.
 
 Threads are safe here: Landlock and seccomp were applied before this process
 was forked, and every thread inherits them.
@@ -16,6 +18,7 @@ was forked, and every thread inherits them.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -23,6 +26,7 @@ import time
 
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
+from dispatchd.policy import MUTATING_TOOLS
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.spec import TOOLS
 
@@ -86,12 +90,58 @@ class _Channel:
             self.frames.close()
 
 
+class _WriteLock:
+    """This session's claim on writing its worktree, asked of the daemon once.
+
+    Only the daemon sees every session, so it decides; the answer is kept
+    once granted (it lasts as long as the session). A refusal is asked again
+    next time: the holder may have closed since.
+    """
+
+    def __init__(self, control: protocol.FrameSocket) -> None:
+        self.control = control
+        self.send_lock = threading.Lock()
+        self.held = False
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[threading.Event, list[object]]] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self) -> str | None:
+        """None once held; otherwise why not."""
+        if self.held:
+            return None
+        rid = next(self._ids)
+        done: tuple[threading.Event, list[object]] = (threading.Event(), [])
+        with self._lock:
+            self._waiting[rid] = done
+        try:
+            with self.send_lock:
+                self.control.send(protocol.AcquireWriteLock(id=rid))
+        except OSError:
+            return "the daemon is gone"
+        if not done[0].wait(30):
+            return "the daemon did not answer the write-lock request"
+        reply = done[1][0]
+        if isinstance(reply, protocol.OkReply):
+            self.held = True
+            return None
+        return getattr(reply, "message", "refused")
+
+    def answer(self, reply: protocol.OkReply | protocol.ErrorReply) -> None:
+        with self._lock:
+            done = self._waiting.pop(reply.id, None)
+        if done is not None:
+            done[1].append(reply)
+            done[0].set()
+
+
 class _Server:
-    def __init__(self, plan: SessionPlan) -> None:
+    def __init__(self, plan: SessionPlan, write_lock: _WriteLock) -> None:
         self.plan = plan
         self.ctx = ToolContext(root=plan.paths.worktree, limits=plan.limits, env=plan.env, writable=plan.writable)
         self.tools = {name: TOOLS[name] for name in plan.tools}
         self.activity = _Activity()
+        self.write_lock = write_lock
 
     def dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
         tool = self.tools.get(req.tool)
@@ -100,6 +150,12 @@ class _Server:
             channel.reply(protocol.ToolReply(id=req.id, success=False,
                                              error=f"unknown tool: {req.tool!r} (this session has: {known})"))
             return
+        if req.tool in MUTATING_TOOLS:
+            refused = self.write_lock.acquire()
+            if refused is not None:
+                channel.reply(protocol.ToolReply(id=req.id, success=False, error=f"{req.tool}: {refused}",
+                                                 metadata={"write_locked": True}))
+                return
         self.activity.begin()
         if tool.slow:
             threading.Thread(target=self._call, args=(channel, req, tool), daemon=True).start()
@@ -124,7 +180,8 @@ class _Server:
 
 def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
     """Serve until the daemon closes the control channel."""
-    server = _Server(plan)
+    write_lock = _WriteLock(control)
+    server = _Server(plan, write_lock)
     threading.Thread(target=server.watch_idle, daemon=True).start()
     while True:
         try:
@@ -140,3 +197,5 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
                 continue
             channel = _Channel(socket.socket(fileno=fd), server)
             threading.Thread(target=channel.run, daemon=True).start()
+        elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
+            write_lock.answer(msg)
