@@ -80,6 +80,11 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A tool result longer than this reaches a model as head and tail with a
     # marker; the whole of it stays retrievable in the session (retrieve_output).
     model_output_bytes: int = 16384
+    # Resource limits of every process of a session (see confine/limits.py).
+    max_processes: int = 1024  # the session's processes and threads together
+    max_data_bytes: int = 8 * 1024**3  # per process (RLIMIT_DATA)
+    max_file_bytes: int = 8 * 1024**3  # no file larger (RLIMIT_FSIZE)
+    max_open_files: int = 4096  # per process
 
 
 class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,7 +139,7 @@ def _check(policy: Policy, where: str) -> None:
     if lim.command_timeout_s > lim.max_command_timeout_s:
         raise bad("limits.command_timeout_s", "exceeds limits.max_command_timeout_s")
     for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries",
-                "model_output_bytes"):
+                "model_output_bytes", "max_processes", "max_data_bytes", "max_file_bytes", "max_open_files"):
         if getattr(lim, key) < 1:
             raise bad(f"limits.{key}", "must be at least 1")
     for key, ports in (("network.connect_ports", policy.network.connect_ports),

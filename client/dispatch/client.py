@@ -147,7 +147,9 @@ class Session:
         self._channel: _Connection | None = None
         self._tools: list[protocol.ToolSchema] = []
         self._attach()
-        self.registry = Registry(self._remote(t) for t in self._tools)
+        # The policy's budget: longer results reach a model in part (retrieve_output has the rest).
+        self.registry = Registry((self._remote(t) for t in self._tools),
+                                 output_budget=self._info.limits.get("model_output_bytes"))
 
     @property
     def id(self) -> str:
@@ -265,8 +267,13 @@ class Client:
         self.socket_path = socket_path
         sock = _connect(socket_path, autostart=autostart, timeout=timeout)
         self._conn = _Connection(sock, protocol.daemon_reply_decoder, fds=True)
-        reply, _ = self._conn.request(lambda rid: protocol.Hello(id=rid, version=protocol.PROTOCOL_VERSION, client="dispatch"))
+        try:
+            reply, _ = self._conn.request(lambda rid: protocol.Hello(id=rid, version=protocol.PROTOCOL_VERSION, client="dispatch"))
+        except BaseException:
+            self._conn.close()
+            raise
         if isinstance(reply, protocol.ErrorReply):
+            self._conn.close()
             raise RequestFailed(reply.code, reply.message)
         self.daemon_version = reply.daemon_version
 
@@ -285,7 +292,15 @@ class Client:
         path = os.path.abspath(os.fspath(worktree))
         reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(
             id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports))
-        return Session(self, reply.session, owned=True)
+        try:
+            return Session(self, reply.session, owned=True)
+        except BaseException:
+            # Opened but not attachable (its worker ended at once): do not leave it open.
+            try:
+                self.close_session(reply.session.id)
+            except DispatchError:
+                pass
+            raise
 
     def session(self, session_id: str) -> Session:
         """Attach to a session opened elsewhere (closing it here does not end it)."""

@@ -8,7 +8,9 @@
 - ``Registry`` holds definitions by name, hands out their schemas in the shape
   a model provider wants (``schemas``) and runs a tool call as the model
   returned it (``dispatch``), answering in that provider's shape. ``call`` and
-  ``dispatch`` never raise.
+  ``dispatch`` never raise. It may ask an approval callback before a write or
+  execute tool runs, and show a model long results in part (head, tail, and
+  an id for ``retrieve_output``), keeping the whole in an ``OutputStore``.
 
 Errors, for use outside the never-raising ``call``/``dispatch`` paths::
 
@@ -25,6 +27,7 @@ Errors, for use outside the never-raising ``call``/``dispatch`` paths::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import threading
@@ -44,6 +47,8 @@ __all__ = [
     "ToolNotFoundError",
     "ValidationError",
 ]
+# Also public, though not in __all__ yet (tests/unit/test_tools_registry.py pins
+# it): Approval, OutputStore, ToolCallOutcome, RETRIEVE_OUTPUT, compact.
 
 
 # ---------------------------------------------------------------- errors
@@ -339,12 +344,26 @@ class Definition:
 
         Invalid arguments, an exception from the function and a return value
         that is not a ``Result`` all come back as ``Result.failure`` naming the tool.
+        No approval is asked here: that is the ``Registry``'s job.
         """
+        args, failure = self._arguments(params)
+        return failure if args is None else self._invoke(args, context)
+
+    def _arguments(self, params: Any) -> tuple[dict[str, Any], None] | tuple[None, Result]:
+        """``(args, None)`` with the func's own copy of valid ``params``, or
+        ``(None, failure)``. Split from ``_invoke`` so a registry can ask for
+        approval between the two, and only for a call that would run."""
         try:
-            args = {} if params is None else _plain(params)  # the func's own copy
+            args = {} if params is None else _plain(params)
             valid, messages = self._check(args)
-            if not valid:
-                return Result.failure(str(_invalid_arguments(self._name, messages)))
+        except Exception as exc:  # e.g. RecursionError copying absurdly deep params
+            return None, Result.failure(str(ExecutionError.wrapping(self._name, exc)))
+        if not valid:
+            return None, Result.failure(str(_invalid_arguments(self._name, messages)))
+        return args, None
+
+    def _invoke(self, args: dict[str, Any], context: Any) -> Result:
+        try:
             result = self._func(args, {} if context is None else context)
         except Exception as exc:
             return Result.failure(str(ExecutionError.wrapping(self._name, exc)))
@@ -373,7 +392,242 @@ def _shorten(message: str) -> str:
     return message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 1] + "…"
 
 
+# ---------------------------------------------------------------- outputs a model sees in part
+
+RETRIEVE_OUTPUT = "retrieve_output"
+
+
+class OutputStore:
+    """The whole text of tool results a model was shown only in part, by id.
+
+    Bounded: it keeps the last ``max_outputs`` texts and at most ``max_bytes``
+    of them (UTF-8), forgetting the oldest first; a text larger than
+    ``max_bytes`` on its own is still kept, alone, until the next one comes.
+    Safe to share between threads, and between registries: ``subset`` and
+    ``with_approval`` hand theirs on, so an id a model was given stays valid.
+    """
+
+    def __init__(self, max_outputs: int = 64, max_bytes: int = 32 * 1024 * 1024) -> None:
+        if max_outputs < 1 or max_bytes < 1:
+            raise ValueError("an OutputStore keeps at least one output of at least one byte")
+        self.max_outputs = max_outputs
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._texts: dict[str, tuple[str, int]] = {}  # id -> (text, UTF-8 size), oldest first
+        self._bytes = 0
+        self._ids = itertools.count(1)
+
+    def put(self, text: str) -> str:
+        """Keep ``text``; returns its id (``out_1``, ``out_2``…)."""
+        size = _utf8_size(text)
+        with self._lock:
+            output_id = f"out_{next(self._ids)}"
+            self._texts[output_id] = (text, size)
+            self._bytes += size
+            while len(self._texts) > 1 and (
+                len(self._texts) > self.max_outputs or self._bytes > self.max_bytes
+            ):
+                oldest = next(iter(self._texts))
+                self._bytes -= self._texts.pop(oldest)[1]
+        return output_id
+
+    def get(self, output_id: str) -> str | None:
+        """The text kept under ``output_id``, or None (never kept, or forgotten)."""
+        with self._lock:
+            found = self._texts.get(output_id) if isinstance(output_id, str) else None
+        return None if found is None else found[0]
+
+    def __contains__(self, output_id: object) -> bool:
+        with self._lock:
+            return output_id in self._texts
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._texts)
+
+    @property
+    def total_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def __repr__(self) -> str:
+        return f"OutputStore({len(self)} outputs, {self.total_bytes} bytes)"
+
+
+def _utf8_size(text: str) -> int:
+    # surrogatepass: a lone surrogate (from a tool that decoded bytes oddly)
+    # must not turn a size check into an exception on the never-raising path.
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _text(data: bytes) -> str:
+    """Bytes cut at character boundaries (``_char_start``) back to text."""
+    try:
+        return data.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:  # not cut where it should have been: drop the pieces
+        return data.decode("utf-8", "ignore")
+
+
+def _char_start(data: bytes, i: int) -> int:
+    """``i``, or the start of the UTF-8 character that byte ``i`` is inside."""
+    while 0 < i < len(data) and data[i] & 0xC0 == 0x80:  # a continuation byte
+        i -= 1
+    return i
+
+
+def _char_after(data: bytes, i: int) -> int:
+    """``i``, or the start of the UTF-8 character after the one byte ``i`` is inside."""
+    while 0 < i < len(data) and data[i] & 0xC0 == 0x80:
+        i += 1
+    return i
+
+
+def _marker(omitted: int, output_id: str) -> str:
+    return (f'\n[... {omitted} bytes omitted; call {RETRIEVE_OUTPUT} with id "{output_id}" '
+            "for the whole output ...]\n")
+
+
+def compact(text: str, budget: int, output_id: str) -> str:
+    """``text`` when it fits in ``budget`` bytes (UTF-8); otherwise its head and
+    tail around a marker naming ``output_id``, the whole at most ``budget``
+    bytes (or the marker alone, when even that does not fit).
+
+    Each side is cut at a line break when one falls in its outer half, so a
+    model sees whole lines; half the room goes to each side, because the end of
+    an output (the error, the test summary) matters as much as its start.
+    """
+    data = _utf8(text)
+    if len(data) <= budget:
+        return text
+    room = max(budget - len(_utf8(_marker(len(data), output_id))), 0)  # the longest marker
+    head = data[: _char_start(data, room // 2)]
+    tail_n = room - room // 2
+    tail = data[_char_after(data, len(data) - tail_n):] if tail_n else b""
+    cut = head.rfind(b"\n")
+    if cut >= len(head) // 2:
+        head = head[: cut + 1]
+    cut = tail.find(b"\n")
+    if 0 <= cut < len(tail) // 2:
+        tail = tail[cut + 1:]
+    marker = _marker(len(data) - len(head) - len(tail), output_id)
+    if head.endswith(b"\n"):
+        marker = marker[1:]  # no blank line between a whole line and the marker
+    return _text(head) + marker + _text(tail)
+
+
+def _retrieve_output_tool(store: OutputStore, budget: int) -> Definition:
+    """``retrieve_output``: a piece of an output that a model saw compacted.
+
+    By lines (``start_line``/``end_line``, 0-based and inclusive like
+    ``read_file``) or by bytes (``offset``/``length``); a piece is at most
+    ``budget`` bytes, and a footer says where the next one starts.
+    """
+
+    def run(params: dict[str, Any], _context: Any) -> Result:
+        output_id = params["id"]
+        text = store.get(output_id)
+        if text is None:
+            return Result.failure(
+                f"{RETRIEVE_OUTPUT}: no output with id {output_id!r} (only the last "
+                f"{store.max_outputs} compacted outputs are kept)")
+        by_bytes = "offset" in params or "length" in params
+        if by_bytes and ("start_line" in params or "end_line" in params):
+            return Result.failure(f"{RETRIEVE_OUTPUT}: give lines (start_line, end_line) "
+                                  "or bytes (offset, length), not both")
+        piece, footer, meta = (_piece_by_bytes if by_bytes else _piece_by_lines)(text, params, budget)
+        meta = {"id": output_id, **meta}
+        return Result.success(piece + (f"\n[output {output_id}: {footer}]" if footer else ""), meta)
+
+    return Definition(
+        RETRIEVE_OUTPUT,
+        "Read a piece of a tool output that was too long to show whole (its marker gives the id). "
+        f"Ask by lines (0-based, inclusive) or by bytes; a piece is at most {budget} bytes and "
+        "says where the next one starts.",
+        {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string", "description": "the id in the marker, e.g. out_1"},
+                "start_line": {"type": "integer", "minimum": 0,
+                               "description": "first line, 0-based (default 0)"},
+                "end_line": {"type": "integer", "minimum": -1,
+                             "description": "last line, inclusive; -1 for the end (default)"},
+                "offset": {"type": "integer", "minimum": 0,
+                           "description": "instead of lines: the first byte (0-based)"},
+                "length": {"type": "integer", "minimum": 1,
+                           "description": f"with offset: how many bytes (at most {budget})"},
+            },
+            "required": ["id"],
+            "additionalProperties": False,
+        },
+        run,
+        risk="read",
+    )
+
+
+def _piece_by_lines(text: str, params: Mapping[str, Any], budget: int) -> tuple[str, str, dict[str, Any]]:
+    lines = text.splitlines(keepends=True)
+    total = len(lines)
+    start = params.get("start_line", 0)
+    end = params.get("end_line", -1)
+    last = total - 1 if end == -1 else min(end, total - 1)
+    meta: dict[str, Any] = {"total_lines": total, "total_bytes": _utf8_size(text)}
+    if start >= total or last < start:
+        return "", f"no lines in {start}-{end}; it has {total} lines (0-{total - 1})", meta
+    out: list[bytes] = []
+    size = 0
+    shown = start - 1
+    for n in range(start, last + 1):
+        line = _utf8(lines[n])
+        if size + len(line) > budget:
+            if not out:  # one line longer than the budget: its first part, then bytes
+                offset = len(_utf8("".join(lines[:n])))
+                piece = _text(line[: _char_start(line, budget)])
+                meta.update(start_line=n, end_line=n)
+                return piece, (f"line {n} is longer than {budget} bytes; the rest of it from "
+                               f"offset={offset + len(_utf8(piece))}"), meta
+            break
+        out.append(line)
+        size += len(line)
+        shown = n
+    meta.update(start_line=start, end_line=shown)
+    if shown < last:
+        footer = f"lines {start}-{shown} of {total}; more from start_line={shown + 1}"
+    elif start > 0 or shown < total - 1:
+        footer = f"lines {start}-{shown} of {total}"
+    else:
+        footer = ""
+    return b"".join(out).decode("utf-8", "surrogatepass"), footer, meta
+
+
+def _piece_by_bytes(text: str, params: Mapping[str, Any], budget: int) -> tuple[str, str, dict[str, Any]]:
+    data = _utf8(text)
+    offset = _char_after(data, params.get("offset", 0))
+    end = offset + min(params.get("length", budget), budget)
+    if end < len(data):  # whole characters, so that the next piece starts on one
+        start_of = _char_start(data, end)
+        end = start_of if start_of > offset else _char_after(data, end)
+    chunk = data[offset:end]
+    end = offset + len(chunk)
+    meta: dict[str, Any] = {"total_bytes": len(data), "offset": offset, "length": len(chunk)}
+    if end < len(data):
+        footer = f"bytes {offset}-{end} of {len(data)}; more from offset={end}"
+    elif offset > 0:
+        footer = f"bytes {offset}-{end} of {len(data)}"
+    else:
+        footer = ""
+    return _text(chunk), footer, meta
+
+
 # ---------------------------------------------------------------- Registry
+
+Approval = Callable[[Definition, dict[str, Any], Any], "bool | str"]
+"""``approve(definition, params, context)``: True runs the call; a str denies it, saying why."""
+
+_NEEDS_APPROVAL = ("write", "execute")
 
 _SCHEMA_FORMATS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "plain": lambda d: d,
@@ -398,13 +652,52 @@ class Registry:
     ``tools``, ``tool_names``, ``size``, ``len`` and lookups cover every tool;
     ``to_list``, ``schemas`` and the "Available tools" a model is told cover
     only advertised ones.
+
+    Two settings, fixed at construction (``with_approval``, ``subset`` make
+    new registries that keep them):
+
+    - ``approve(definition, params, context)``: asked by ``call`` and
+      ``dispatch`` before a ``write`` or ``execute`` tool runs, with arguments
+      already validated. Only ``True`` lets the call run; a str is a denial
+      with that reason, anything else (``False``, ``None``, an exception) a
+      denial without one. A denial is ``Result.failure("<tool>: denied by
+      approval: <reason>")`` with metadata ``{"denied": True, "reason"}``.
+      ``Definition.call`` asks no one: the registry is the gate.
+    - ``output_budget`` (bytes): ``dispatch``, the path to a model, shows a
+      result longer than this as head and tail around a marker; the whole text
+      goes to ``outputs`` (an ``OutputStore``), and a ``retrieve_output`` tool,
+      registered here, gives a model the rest piece by piece. ``call`` always
+      returns the whole ``Result``.
     """
 
-    def __init__(self, tools: Iterable[Definition] = ()) -> None:
+    def __init__(
+        self,
+        tools: Iterable[Definition] = (),
+        *,
+        approve: Approval | None = None,
+        output_budget: int | None = None,
+        outputs: OutputStore | None = None,
+    ) -> None:
+        if approve is not None and not callable(approve):
+            raise TypeError("approve must be callable: approve(definition, params, context)")
+        if output_budget is not None and (
+            isinstance(output_budget, bool) or not isinstance(output_budget, int) or output_budget < 1
+        ):
+            raise ValueError(f"output_budget must be a positive number of bytes, not {output_budget!r}")
+        if outputs is not None and output_budget is None:
+            raise ValueError("outputs are kept only for a registry with an output_budget")
         self._lock = threading.Lock()
         self._tools: dict[str, Definition] = {}
+        self._approve = approve
+        self._budget = output_budget
+        self._outputs = outputs if outputs is not None or output_budget is None else OutputStore()
         for defn in tools:
             self.register(defn)
+        # A marker names retrieve_output, so a compacting registry always has
+        # one (a registry made from another's tools already holds its twin).
+        if self._budget is not None and RETRIEVE_OUTPUT not in self._tools:
+            assert self._outputs is not None
+            self.register(_retrieve_output_tool(self._outputs, self._budget))
 
     # -- building
 
@@ -419,7 +712,11 @@ class Registry:
         return self
 
     def subset(self, *names: str) -> Registry:
-        """A new registry with just ``names``, in the order given; an unknown name raises."""
+        """A new registry with just ``names``, in the order given; an unknown name raises.
+
+        It keeps this registry's approval and output budget (and store); when
+        the budget is set, ``retrieve_output`` comes along, last, unless named.
+        """
         tools = self._tools
         picked: dict[str, Definition] = {}
         for name in names:
@@ -428,7 +725,30 @@ class Registry:
             if name not in tools:
                 raise ToolNotFoundError(name, tools)
             picked[name] = tools[name]
-        return Registry(picked.values())
+        if RETRIEVE_OUTPUT in tools and self._budget is not None:
+            picked.setdefault(RETRIEVE_OUTPUT, tools[RETRIEVE_OUTPUT])
+        return self._like(picked.values(), self._approve)
+
+    def with_approval(self, approve: Approval | None) -> Registry:
+        """A new registry with the same tools, budget and store, asking ``approve``
+        (None: asking no one)."""
+        return self._like(self._tools.values(), approve)
+
+    def _like(self, tools: Iterable[Definition], approve: Approval | None) -> Registry:
+        return Registry(tools, approve=approve, output_budget=self._budget, outputs=self._outputs)
+
+    @property
+    def approve(self) -> Approval | None:
+        return self._approve
+
+    @property
+    def output_budget(self) -> int | None:
+        return self._budget
+
+    @property
+    def outputs(self) -> OutputStore | None:
+        """Where whole outputs go when a model sees them in part (None without a budget)."""
+        return self._outputs
 
     # -- reading
 
@@ -493,11 +813,32 @@ class Registry:
         return [shape(d) for d in self.to_list()]
 
     def call(self, name: str, params: Any, context: Any = None) -> Result:
-        """Run tool ``name``. Never raises: an unknown name is a failure."""
+        """Run tool ``name``, asking for approval first when its risk needs it.
+        Never raises: an unknown name, invalid arguments and a denial are failures."""
         defn = self._find(name)
         if defn is None:
             return self._unknown(name)
-        return defn.call(params, context)
+        args, failure = defn._arguments(params)
+        if args is None:
+            return failure  # type: ignore[return-value]
+        denial = self._ask(defn, args, context)
+        return denial if denial is not None else defn._invoke(args, context)
+
+    def _ask(self, defn: Definition, args: dict[str, Any], context: Any) -> Result | None:
+        """None when the call may run; the denial otherwise. Fails closed."""
+        if self._approve is None or defn.risk not in _NEEDS_APPROVAL:
+            return None
+        try:
+            answer = self._approve(defn, _plain(args), context)  # a copy: what it saw is what runs
+        except Exception as exc:
+            answer = f"the approval callback failed: {type(exc).__name__}: {exc}"
+        if answer is True:
+            return None
+        reason = answer.strip() if isinstance(answer, str) else ""
+        return Result.failure(
+            f"{defn.name}: denied by approval" + (f": {reason}" if reason else ""),
+            {"denied": True, "reason": reason},
+        )
 
     def dispatch(self, tool_call: Any, context: Any = None) -> dict[str, Any]:
         """Run a tool call as a model returned it; answer in the same provider's shape.
@@ -513,41 +854,74 @@ class Registry:
 
         ``arguments`` may be a JSON string (empty means ``{}``) or already an
         object. Never raises: an unknown tool, bad JSON, arguments that are not
-        an object and invalid arguments all come back as content the model can
-        read. OpenAI shapes have no error flag, so there the content of a
-        failure starts with ``"Error: "``. A tool call of no known shape gets
-        an OpenAI-shaped error reply with ``tool_call_id`` ``""``.
+        an object, invalid arguments and a denied approval all come back as
+        content the model can read. OpenAI shapes have no error flag, so there
+        the content of a failure starts with ``"Error: "``. A tool call of no
+        known shape gets an OpenAI-shaped error reply with ``tool_call_id`` ``""``.
+        With an ``output_budget``, long content is compacted (see the class).
+        ``run_call`` does the same and also returns the whole ``Result``.
         """
-        kind = _field(tool_call, "type")
-        function = _field(tool_call, "function")
-        if kind == "tool_use":
-            call_id, name, arguments = (_field(tool_call, k) for k in ("id", "name", "input"))
-            reply = _anthropic_reply
-        elif kind == "function_call":
-            call_id, name, arguments = (_field(tool_call, k) for k in ("call_id", "name", "arguments"))
-            reply = _responses_reply
-        elif function is not None:
-            call_id = _field(tool_call, "id")
-            name, arguments = _field(function, "name"), _field(function, "arguments")
-            reply = _openai_reply
-        else:
-            return _openai_reply("", Result.failure(
+        return self.run_call(tool_call, context).reply
+
+    def run_call(self, tool_call: Any, context: Any = None) -> ToolCallOutcome:
+        """``dispatch``, returning everything an agent loop or a trace wants to know."""
+        shape = _read_tool_call(tool_call)
+        if shape is None:
+            result = Result.failure(
                 "unrecognised tool call: expected an OpenAI tool call with a 'function', "
                 "an OpenAI Responses 'function_call' or an Anthropic 'tool_use' block"
-            ))
-        call_id = "" if call_id is None else str(call_id)
-        if not self.has(name):  # before the arguments: the name is the first thing to fix
-            return reply(call_id, self._unknown(name))
+            )
+            return ToolCallOutcome("", None, None, result, _openai_reply("", str(result), True), None)
+        call_id, name, arguments, reply = shape
         try:
-            params = _decode_arguments(name, arguments)
+            params: Any = _decode_arguments(name, arguments)
+            bad_arguments = None
         except ValidationError as exc:
-            return reply(call_id, Result.failure(str(exc)))
-        return reply(call_id, self.call(name, params, context))
+            params, bad_arguments = arguments, Result.failure(str(exc))
+        if not self.has(name):  # before the arguments: the name is the first thing to fix
+            result = self._unknown(name)
+        elif bad_arguments is not None:
+            result = bad_arguments
+        else:
+            result = self.call(name, params, context)
+        text, output_id = self._for_model(name, result)
+        return ToolCallOutcome(call_id, name, params, result, reply(call_id, text, result.is_failure), output_id)
+
+    def _for_model(self, name: object, result: Result) -> tuple[str, str | None]:
+        """The text a model reads, and the id of the whole when that text is a part."""
+        text = str(result)
+        budget = self._budget
+        # retrieve_output's pieces are already cut to the budget, footer aside.
+        if budget is None or name == RETRIEVE_OUTPUT or len(text) * 4 <= budget:
+            return text, None
+        if _utf8_size(text) <= budget:
+            return text, None
+        assert self._outputs is not None
+        output_id = self._outputs.put(text)
+        return compact(text, budget, output_id), output_id
 
     def _unknown(self, name: object) -> Result:
         # Only advertised names: a hidden tool stays hidden from the model.
         advertised = [d.name for d in self._tools.values() if d.advertised]
         return Result.failure(str(ToolNotFoundError(name, advertised)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallOutcome:
+    """What ``Registry.run_call`` made of one tool call."""
+
+    call_id: str
+    """The provider's id of the call (``""`` when it had none)."""
+    name: Any
+    """The tool named, as given (None when the call named none)."""
+    arguments: Any
+    """The arguments as an object when they could be decoded, else as given."""
+    result: Result
+    """The whole result (compaction only touches ``reply``)."""
+    reply: dict[str, Any]
+    """The provider-shaped message for the model."""
+    output_id: str | None
+    """Where the whole output is kept when ``reply`` shows only part of it."""
 
 
 # ---------------------------------------------------------------- tool calls
@@ -578,22 +952,39 @@ def _decode_arguments(name: str, arguments: Any) -> Any:
     return arguments
 
 
-def _error_text(result: Result) -> str:
-    return str(result) if result.is_success else f"Error: {result}"
+def _read_tool_call(tool_call: Any) -> tuple[str, Any, Any, _Reply] | None:
+    """``(call_id, name, arguments, reply)`` of a tool call of a known shape, else None."""
+    kind = _field(tool_call, "type")
+    function = _field(tool_call, "function")
+    if kind == "tool_use":
+        call_id, name, arguments = (_field(tool_call, k) for k in ("id", "name", "input"))
+        reply = _anthropic_reply
+    elif kind == "function_call":
+        call_id, name, arguments = (_field(tool_call, k) for k in ("call_id", "name", "arguments"))
+        reply = _responses_reply
+    elif function is not None:
+        call_id = _field(tool_call, "id")
+        name, arguments = _field(function, "name"), _field(function, "arguments")
+        reply = _openai_reply
+    else:
+        return None
+    return ("" if call_id is None else str(call_id)), name, arguments, reply
 
 
-def _openai_reply(call_id: str, result: Result) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": call_id, "content": _error_text(result)}
+_Reply = Callable[[str, str, bool], dict[str, Any]]
 
 
-def _responses_reply(call_id: str, result: Result) -> dict[str, Any]:
-    return {"type": "function_call_output", "call_id": call_id, "output": _error_text(result)}
+def _error_text(text: str, failed: bool) -> str:
+    return f"Error: {text}" if failed else text
 
 
-def _anthropic_reply(call_id: str, result: Result) -> dict[str, Any]:
-    return {
-        "type": "tool_result",
-        "tool_use_id": call_id,
-        "content": str(result),
-        "is_error": result.is_failure,
-    }
+def _openai_reply(call_id: str, text: str, failed: bool) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": _error_text(text, failed)}
+
+
+def _responses_reply(call_id: str, text: str, failed: bool) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call_id, "output": _error_text(text, failed)}
+
+
+def _anthropic_reply(call_id: str, text: str, failed: bool) -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": call_id, "content": text, "is_error": failed}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from dispatchd.confine.limits import LimitsPlan, plan_limits
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, LandlockPlan, plan_landlock
 from dispatchd.confine.mounts import MountPlan, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
@@ -61,6 +62,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     loopback: bool
     landlock: LandlockPlan
     seccomp: SeccompPlan
+    limits_plan: LimitsPlan
     env: dict[str, str]
     tools: list[str]
     writable: bool
@@ -194,6 +196,17 @@ def plan_session(
                     "dies with its parent", "not dumpable"] + (["no capabilities"] if use_userns else []),
         "leaves_open": gaps,
     }
+    lim = policy.limits
+    limits_plan = plan_limits(max_processes=lim.max_processes, max_data_bytes=lim.max_data_bytes,
+                              max_file_bytes=lim.max_file_bytes, max_open_files=lim.max_open_files,
+                              user_namespace=use_userns)
+    protections["limits"] = {
+        "mechanism": "rlimits",
+        "max_processes": lim.max_processes if use_userns else f"{lim.max_processes} more than the user ran at open",
+        "max_data_bytes_per_process": lim.max_data_bytes,
+        "max_file_bytes": lim.max_file_bytes,
+        "max_open_files_per_process": lim.max_open_files,
+    }
     return SessionPlan(
         session=session,
         policy=policy.name,
@@ -204,6 +217,7 @@ def plan_session(
         loopback=namespaces.net,
         landlock=landlock,
         seccomp=seccomp,
+        limits_plan=limits_plan,
         env=env,
         tools=list(policy.tools),
         writable=worktree_rw,

@@ -26,7 +26,7 @@ import traceback
 from typing import NoReturn
 
 from dispatchd import protocol
-from dispatchd.confine import hygiene, landlock, mounts, namespaces, netns, seccomp
+from dispatchd.confine import hygiene, landlock, limits, mounts, namespaces, netns, seccomp
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.errors import ConfinementError
 
@@ -84,6 +84,7 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     if plan.loopback:
         netns.bring_up_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
         clock("loopback")
+    limits.apply_limits(plan.limits_plan)  # soft = hard, before capabilities go: none can raise them
     if plan.namespaces.user:
         hygiene.drop_capabilities()  # nothing below needs a capability
     hygiene.no_new_privs()  # required before Landlock and seccomp; setuid grants nothing

@@ -1,0 +1,76 @@
+"""Resource limits of a session: what a runaway or hostile command can take.
+
+Guarantees, once ``apply_limits`` has returned (hard and soft limits alike, so
+nothing in the session can raise them again — it has no CAP_SYS_RESOURCE):
+- processes: at most ``max_processes`` (threads count). With a user namespace
+  the kernel counts them per namespace, so this is the session's own budget
+  (a fork bomb stops there and the user's other processes are untouched).
+  Without one the kernel counts every process of the user, so the limit is set
+  to what the user runs at open plus the session's budget;
+- memory: each process's data segment is capped at ``max_data_bytes``
+  (RLIMIT_DATA: heap and private writable mappings; reserved-but-unused
+  address space, as V8 and the JVM make, does not count);
+- files: no file larger than ``max_file_bytes`` (RLIMIT_FSIZE), at most
+  ``max_open_files`` descriptors per process, and no core dumps (they would
+  write a process's memory, secrets included, into the worktree).
+
+A per-session cgroup (pids.max, memory.max over the whole session) is stronger
+and is future work: it needs a delegated cgroup v2 subtree (systemd's
+``Delegate=yes``); ``status`` reports "rlimits" as what holds today.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import msgspec
+
+from dispatchd.errors import ConfinementError
+
+
+class LimitsPlan(msgspec.Struct, frozen=True):
+    max_processes: int
+    processes_per_namespace: bool  # False: the user's whole process count is what the kernel checks
+    max_data_bytes: int
+    max_file_bytes: int
+    max_open_files: int
+
+
+def plan_limits(*, max_processes: int, max_data_bytes: int, max_file_bytes: int, max_open_files: int,
+                user_namespace: bool) -> LimitsPlan:
+    return LimitsPlan(max_processes=max_processes, processes_per_namespace=user_namespace,
+                      max_data_bytes=max_data_bytes, max_file_bytes=max_file_bytes, max_open_files=max_open_files)
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += 1
+            except OSError:
+                continue
+    return count
+
+
+def _set(name: str, which: int, value: int) -> None:
+    _soft, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)  # we can only lower a hard limit
+    try:
+        resource.setrlimit(which, (value, value))
+    except (OSError, ValueError) as exc:
+        raise ConfinementError(f"limits: {name}", getattr(exc, "errno", 0) or 0, detail=str(exc)) from exc
+
+
+def apply_limits(plan: LimitsPlan) -> None:
+    processes = plan.max_processes
+    if not plan.processes_per_namespace:
+        processes += _processes_of(os.getuid())
+    _set("RLIMIT_NPROC", resource.RLIMIT_NPROC, processes)
+    _set("RLIMIT_DATA", resource.RLIMIT_DATA, plan.max_data_bytes)
+    _set("RLIMIT_FSIZE", resource.RLIMIT_FSIZE, plan.max_file_bytes)
+    _set("RLIMIT_NOFILE", resource.RLIMIT_NOFILE, plan.max_open_files)
+    _set("RLIMIT_CORE", resource.RLIMIT_CORE, 0)
