@@ -18,7 +18,7 @@ import sysconfig
 import threading
 from pathlib import Path
 
-from dispatchd import __version__, paths
+from dispatchd import __version__, paths, systemd, units
 from dispatchd.errors import DispatchdError, PolicyError
 from dispatchd.policy import Policy, default_policy_dir, load_all, load_policy
 
@@ -53,15 +53,6 @@ def _code_paths() -> list[str]:
     return sorted(found)
 
 
-def _listen_fds() -> socket.socket | None:
-    """A socket handed over by systemd (``LISTEN_FDS``), if any."""
-    if os.environ.get("LISTEN_PID") != str(os.getpid()) or int(os.environ.get("LISTEN_FDS", "0")) < 1:
-        return None
-    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
-        os.environ.pop(var, None)
-    return socket.socket(fileno=3)
-
-
 def _bind(path: str) -> socket.socket:
     directory = os.path.dirname(path)
     paths.ensure_private_dir(directory)
@@ -86,6 +77,9 @@ def _bind(path: str) -> socket.socket:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in units.COMMANDS:  # install-units, uninstall-units: not the daemon
+        return units.main(argv)
     args = _parse(argv)
     logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -133,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths.ensure_private_dir(state)
         paths.ensure_private_dir(os.path.join(state, "sessions"))
-        listener = _listen_fds()
+        listener = systemd.listen_socket()
         owns_socket = listener is None
         if listener is None:
             listener = _bind(socket_path)
@@ -156,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info("event=ready socket=%s pid=%s policies=%s", socket_path, os.getpid(), ",".join(sorted(policies)))
+    systemd.notify("READY=1", f"STATUS=serving on {socket_path}")
     try:
         server.serve_forever()
     finally:
+        systemd.notify("STOPPING=1", "STATUS=stopping: ending sessions")
         manager.accepting = False
         closer = threading.Thread(target=manager.close_all)
         closer.start()

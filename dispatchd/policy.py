@@ -3,7 +3,7 @@
 Guarantees:
 - A policy file is decoded strictly: an unknown key, a wrong type or a bad
   value is a ``PolicyError`` that names the file and the key.
-- The ``Policy`` is immutable and is the only input the confinement and the
+- The ``Policy`` is immutable (its lists are tuples) and is the only input the confinement and the
   tools take; no mechanism reads files or the environment on its own.
 - Policies are checked when the daemon starts and again when a session opens
   (a file edited in between is re-read, and a broken one refuses the open).
@@ -11,6 +11,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -36,15 +37,11 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 class Filesystem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # System paths the sandbox may read and execute (absent ones are skipped).
-    read_only: list[str] = msgspec.field(
-        default_factory=lambda: ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt"]
-    )
+    read_only: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
     # Extra paths the sandbox may read and write, beyond the worktree.
-    read_write: list[str] = []
+    read_write: tuple[str, ...] = ()
     # Device files the sandbox may read and write.
-    devices: list[str] = msgspec.field(
-        default_factory=lambda: ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"]
-    )
+    devices: tuple[str, ...] = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
     # "read-write", or "read-only" for policies that only read and search.
     worktree: Literal["read-write", "read-only"] = "read-write"
 
@@ -54,8 +51,8 @@ class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # or "ports" (the host's network, TCP only to/on the ports below).
     default: Literal["off", "on", "ports"] = "off"
     # Under "ports": TCP ports the session may connect to, and bind.
-    connect_ports: list[int] = []
-    bind_ports: list[int] = []
+    connect_ports: tuple[int, ...] = ()
+    bind_ports: tuple[int, ...] = ()
 
 
 class Sandbox(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -89,7 +86,7 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Variables of the daemon's environment passed to commands (names only).
-    pass_through: list[str] = msgspec.field(default_factory=lambda: ["LANG", "LC_ALL", "LC_CTYPE", "TZ"])
+    pass_through: tuple[str, ...] = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
     # Variables set for commands.
     set: dict[str, str] = {}
 
@@ -97,7 +94,7 @@ class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str = "default"
     description: str = ""
-    tools: list[str] = msgspec.field(default_factory=lambda: list(ALL_TOOLS))
+    tools: tuple[str, ...] = ALL_TOOLS
     filesystem: Filesystem = Filesystem()
     network: Network = Network()
     sandbox: Sandbox = Sandbox()
@@ -125,7 +122,9 @@ def _check(policy: Policy, where: str) -> None:
         ("filesystem.devices", fs.devices),
     ):
         for p in paths:
-            if not os.path.isabs(p) or os.path.normpath(p) != p:
+            # normpath keeps a leading "//" (POSIX allows it a meaning), yet on
+            # Linux "//" is "/": refuse it, or "//" would grant the whole machine.
+            if not os.path.isabs(p) or os.path.normpath(p) != p or p.startswith("//"):
                 raise bad(key, f"{p!r} must be an absolute, normalised path")
             if p == "/" and key != "filesystem.devices":
                 raise bad(key, "granting the whole filesystem defeats the sandbox")
@@ -134,8 +133,9 @@ def _check(policy: Policy, where: str) -> None:
             raise bad("filesystem.devices", f"{p!r} is not under /dev")
     lim = policy.limits
     for key in ("command_timeout_s", "max_command_timeout_s", "idle_timeout_s"):
-        if getattr(lim, key) <= 0:
-            raise bad(f"limits.{key}", "must be positive")
+        value = getattr(lim, key)
+        if not (math.isfinite(value) and value > 0):  # NaN compares false with everything
+            raise bad(f"limits.{key}", "must be a positive number of seconds")
     if lim.command_timeout_s > lim.max_command_timeout_s:
         raise bad("limits.command_timeout_s", "exceeds limits.max_command_timeout_s")
     for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries",

@@ -268,11 +268,15 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
+class BadMessage(ProtocolError):
+    """A whole frame arrived but does not decode: answer it, keep the connection."""
+
+
 def decode(decoder: msgspec.msgpack.Decoder, payload: bytes) -> Any:
     try:
         return decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"undecodable message: {exc}") from exc
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise BadMessage(f"undecodable message: {exc}") from exc
 
 
 def request_id_of(payload: bytes) -> int:
@@ -280,10 +284,12 @@ def request_id_of(payload: bytes) -> int:
     can still be matched by the sender. 0 when even that is unreadable."""
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except Exception:  # DecodeError, and RecursionError on absurd nesting
         return 0
-    if isinstance(raw, dict) and isinstance(raw.get("id"), int):
-        return raw["id"]
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    # Exactly an int (not a bool), and one our own reply can carry.
+    if type(rid) is int and -(2**63) <= rid < 2**64:
+        return rid
     return 0
 
 

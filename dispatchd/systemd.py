@@ -19,6 +19,7 @@ under ``systemd --user``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -106,11 +107,14 @@ def parse_listen_fds(env: Mapping[str, str], pid: int) -> list[tuple[int, str]]:
 def adopt_listener(fd: int, name: str = "unknown") -> socket.socket:
     """Wrap a passed fd as our listening socket, after checking it is one:
     a Unix stream socket in the listening state. Not inherited by what we
-    start (``sd_listen_fds`` sets close-on-exec too)."""
+    start (``sd_listen_fds`` sets close-on-exec too). Takes the fd over: if it
+    is refused, it is closed."""
     try:
         os.set_inheritable(fd, False)
         sock = socket.socket(fileno=fd)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.close(fd)
         raise DispatchdError(f"systemd passed fd {fd} ({name}), which is not a socket: {exc.strerror}") from exc
     listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM or not listening:

@@ -36,11 +36,11 @@ _HEADER = """\
 SOCKET_UNIT = _HEADER + """
 [Unit]
 Description=dispatchd socket (sandboxed execution for AI coding agents)
-Documentation=man:systemd.socket(5)
 
 [Socket]
-# The contract's default path, $XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, where
-# `dispatch` looks first: a client's connection starts dispatchd.service.
+# The default socket path of `dispatch` and `dispatchd` (when $DISPATCH_SOCKET
+# is unset): $XDG_RUNTIME_DIR/dispatchd/dispatchd.sock. A client's connection
+# starts dispatchd.service, which is handed this socket.
 ListenStream=%t/dispatchd/dispatchd.sock
 # Only you can connect (the daemon also checks each peer's uid, SO_PEERCRED).
 SocketMode=0600
@@ -56,7 +56,6 @@ WantedBy=sockets.target
 SERVICE_UNIT = _HEADER + """
 [Unit]
 Description=dispatchd (sandboxed execution daemon for AI coding agents)
-Documentation=man:systemd.service(5)
 # Started by its socket on the first connection.
 Requires=dispatchd.socket
 After=dispatchd.socket
@@ -75,13 +74,15 @@ NotifyAccess=main
 ExecStart={python} -P -m dispatchd --socket %t/dispatchd/dispatchd.sock
 # Otherwise the journal would name it after the interpreter.
 SyslogIdentifier=dispatchd
+# A crash restarts it; meanwhile systemd keeps the socket, and clients wait in
+# its queue instead of being refused.
 Restart=on-failure
 # Exit status 2 is a configuration error (a broken policy, a bad option):
 # restarting cannot fix it.
 RestartPreventExitStatus=2
-# SIGTERM to the daemon alone: it ends every session itself (through each
-# session's pid namespace) and exits; whatever is left in the cgroup after
-# that, a session's stray process included, gets SIGKILL from systemd.
+# SIGTERM to the daemon alone: it ends every session itself, with all of the
+# session's processes, and exits; whatever is left in the cgroup after that
+# (sessions stay in the service's cgroup) gets SIGKILL from systemd.
 KillMode=mixed
 # The daemon gives its sessions 10 s to end; then the SIGKILL above.
 TimeoutStopSec=30
@@ -98,8 +99,9 @@ NoNewPrivileges=yes
 LockPersonality=yes
 # No realtime scheduling: a session cannot starve the machine with SCHED_FIFO.
 RestrictRealtime=yes
-# Native system calls only: no i386 or x32 entry, whose numbers the native
-# seccomp rules would not match (each session's own filter refuses them too).
+# Native system calls only: no i386 or x32 entry, where seccomp rules written
+# for the native numbers would not apply (each session's filter kills those
+# entries too; this covers the daemon and the fork server as well).
 SystemCallArchitectures=native
 # Left out on purpose:
 # - PrivateUsers=, RestrictNamespaces=, and ProtectSystem=, ProtectHome=,
@@ -123,23 +125,26 @@ Also=dispatchd.socket
 """
 
 
-def exec_quote(word: str) -> str:
-    """``word`` as one argument of a unit's ``ExecStart=`` (systemd.service(5),
-    "Command lines"): ``%`` would start a specifier, ``$`` a variable, and
-    whitespace, quotes or a backslash need double quotes and C escapes."""
-    if any(ord(c) < 0x20 or c == "\x7f" for c in word):
-        raise ValueError(f"cannot put a control character in a unit file: {word!r}")
-    escaped = word.replace("%", "%%").replace("$", "$$")
-    if word and not any(c in word for c in " \t\"'\\;"):
-        return escaped
-    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+def exec_path(path: str) -> str:
+    """``path`` as the executable of a unit's ``ExecStart=`` (systemd.service(5),
+    "Command lines"), checked against systemd 252 with ``systemd-analyze
+    verify``: ``%`` starts a specifier, so it is doubled; whitespace needs
+    double quotes; ``$`` is taken literally in the executable (no variable
+    expansion there, and ``$$`` is not undone); quotes, backslashes and control
+    characters are refused by systemd in an executable name, so refused here."""
+    if not os.path.isabs(path):
+        raise ValueError(f"ExecStart= needs an absolute interpreter path, not {path!r}")
+    bad = sorted({c for c in path if c in "\"'\\" or ord(c) < 0x20 or c == "\x7f"})
+    if bad:
+        raise ValueError(f"systemd refuses {''.join(bad)!r} in an executable's path: {path!r} "
+                         "(install dispatchd in a Python whose path has none)")
+    escaped = path.replace("%", "%%")
+    return f'"{escaped}"' if any(c.isspace() for c in path) else escaped
 
 
 def render(python: str) -> dict[str, str]:
     """The two unit files, by name, for the interpreter ``python`` (absolute)."""
-    if not os.path.isabs(python):
-        raise ValueError(f"ExecStart= needs an absolute interpreter path, not {python!r}")
-    return dict(zip(UNIT_NAMES, (SOCKET_UNIT, SERVICE_UNIT.format(python=exec_quote(python))), strict=True))
+    return dict(zip(UNIT_NAMES, (SOCKET_UNIT, SERVICE_UNIT.format(python=exec_path(python))), strict=True))
 
 
 def user_unit_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -153,19 +158,23 @@ def user_unit_dir(env: Mapping[str, str] | None = None) -> Path:
 
 
 def _import_problem(python: str) -> str | None:
-    """Why systemd could not start ``python -P -m dispatchd``, if it could not:
-    typically this command ran from a checkout (the current directory on
-    sys.path) with a Python dispatchd is not installed for."""
+    """Why ``python -P -m dispatchd`` would not start under systemd, if it
+    would not: it runs from your home directory, without this shell's
+    ``PYTHONPATH``. Typically this command ran from a checkout, or with
+    ``PYTHONPATH``, for a Python that dispatchd is not installed for."""
     import dispatchd
 
     ours = os.path.dirname(os.path.abspath(dispatchd.__file__))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     probe = subprocess.run([python, "-P", "-c", "import dispatchd, os; print(os.path.dirname(dispatchd.__file__))"],
-                           cwd="/", stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+                           cwd="/", env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
     found = probe.stdout.strip()
     if probe.returncode != 0:
-        return f"{python} cannot import dispatchd outside this directory: install it first (pip install .)"
+        return (f"{python} cannot import dispatchd without this directory or PYTHONPATH, as systemd would "
+                "start it: install dispatchd for it (pip install .), or run install-units with the Python "
+                "it is installed for")
     if os.path.realpath(found) != os.path.realpath(ours):
-        return f"{python} imports dispatchd from {found}, not from {ours}"
+        return f"under systemd, {python} would run the dispatchd in {found}, not this one ({ours})"
     return None
 
 
@@ -182,10 +191,12 @@ def _write(path: Path, text: str) -> None:
         raise
 
 
-def install(directory: Path, python: str) -> list[Path]:
+def install(directory: Path, texts: Mapping[str, str]) -> list[Path]:
+    """Write the units (from :func:`render`) into ``directory``, replacing
+    earlier ones: running install-units again after moving a venv updates them."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in render(python).items():
+    for name, text in texts.items():
         _write(directory / name, text)
         written.append(directory / name)
     return written
@@ -221,26 +232,38 @@ def main(argv: list[str]) -> int:
               "from your user units (run this command as yourself).", file=sys.stderr)
         return 2
     directory = user_unit_dir()
-    if command == "uninstall-units":
-        for path in uninstall(directory):
-            print(f"removed {path}")
-        print("next: systemctl --user stop dispatchd.socket dispatchd.service; systemctl --user daemon-reload")
-        return 0
+    try:
+        return _uninstall(directory) if command == "uninstall-units" else _install(directory, args.dry_run)
+    except OSError as exc:
+        print(f"dispatchd: {command}: {exc.filename or directory}: {exc.strerror}", file=sys.stderr)
+        return 1
+
+
+def _uninstall(directory: Path) -> int:
+    for path in uninstall(directory):
+        print(f"removed {path}")
+    print("next: systemctl --user stop dispatchd.socket dispatchd.service; systemctl --user daemon-reload")
+    return 0
+
+
+def _install(directory: Path, dry_run: bool) -> int:
     python = sys.executable
-    if not python:
-        print("dispatchd: cannot tell which Python runs this command (sys.executable is empty)", file=sys.stderr)
+    try:
+        texts = render(python)  # sys.executable may be empty, or a path systemd cannot run
+    except ValueError as exc:
+        print(f"dispatchd: cannot write units for this Python: {exc}", file=sys.stderr)
         return 1
     problem = _import_problem(python)
-    if args.dry_run:
-        for name, text in render(python).items():
-            print(f"# {directory / name}\n{text}")
+    if dry_run:
+        for name, text in texts.items():
+            print(f"==> {directory / name} <==\n{text}")
         if problem:
             print(f"dispatchd: warning: {problem}", file=sys.stderr)
         return 0
     if problem:
         print(f"dispatchd: {problem}", file=sys.stderr)
         return 1
-    for path in install(directory, python):
+    for path in install(directory, texts):
         print(f"wrote {path}")
     print(f"next: {NEXT_STEP}")
     return 0

@@ -12,12 +12,14 @@ import argparse
 import contextlib
 import json
 import shlex
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 from dispatch.client import Client, Session, connect
 from dispatch.errors import DispatchError
+from dispatch.tools import Error as ToolsError
 from dispatch.tools import Registry
 
 EXIT_ERROR = 2
@@ -61,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     tools = sub.add_parser("tools", help="print the tool schemas")
     tools.add_argument("--format", default="json", choices=["json", "plain", "openai", "openai-responses", "anthropic", "mcp"])
     tools.add_argument("--policy", default="default")
+
+    mc = sub.add_parser("mcp", help="serve a session's tools over MCP on stdio (the session closes when the client goes)")
+    _session_target(mc)
 
     st = sub.add_parser("status", help="daemon, kernel features and the protections of each session")
     st.add_argument("--json", action="store_true")
@@ -138,6 +143,8 @@ def _exec(client: Client, args: argparse.Namespace) -> int:
     if args.timeout is not None:
         params["timeout"] = args.timeout
     with _session_for(client, args) as session:
+        if not session.registry.has("shell_exec"):
+            raise UsageError(f"policy {args.policy!r} has no shell_exec: this session cannot run commands")
         result = session.registry.get("shell_exec").call(params)
     meta = result.metadata
     if "exit_code" not in meta:  # the command never ran
@@ -152,6 +159,19 @@ def _exec(client: Client, args: argparse.Namespace) -> int:
         return EXIT_TIMEOUT
     code = int(meta["exit_code"])
     return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+
+
+def _mcp(client: Client, args: argparse.Namespace) -> int:
+    try:
+        from dispatch import mcp
+    except ImportError as exc:  # the SDK is a dependency, but a partial install may lack it
+        raise UsageError(f"dispatch mcp needs the mcp package (pip install mcp): {exc}") from exc
+    # Held back until serve() listens for them, so that a stop at any moment
+    # still closes the session (a session is not tied to our connection).
+    signal.pthread_sigmask(signal.SIG_BLOCK, mcp.STOP_SIGNALS)
+    with _session_for(client, args) as session:
+        mcp.serve(session.registry)
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -196,6 +216,8 @@ def _run(args: argparse.Namespace) -> int:
                 registry.register(Definition(t["name"], t["description"], t["parameters"], lambda p, c: Result.success("")))
             print(json.dumps(registry.schemas("plain" if args.format == "json" else args.format), indent=2))
             return 0
+        if args.command == "mcp":
+            return _mcp(client, args)
         if args.command == "status":
             st = client.status()
             print(json.dumps(st, indent=2)) if args.json else _print_status(st)
@@ -207,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
-    except (DispatchError, UsageError, OSError) as exc:
+    except (DispatchError, UsageError, OSError, ToolsError) as exc:
         print(f"dispatch: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from dispatch.errors import ConnectionLost, DaemonUnavailable, DispatchError, RequestFailed
+from dispatch.errors import ConnectionLost, DaemonUnavailable, DispatchError, NotSent, RequestFailed
 from dispatch.tools import Definition, Registry, Result
 from dispatchd import paths, protocol
 
@@ -52,16 +52,22 @@ class _Connection:
         self._broken: Exception | None = None
 
     def request(self, build: Callable[[int], msgspec.Struct]) -> tuple[Any, int | None]:
+        """Send a request and wait for its reply. Raises ``NotSent`` (the
+        connection stays usable) when the request cannot be encoded or is over
+        the frame limit, ``ConnectionLost`` when the peer is gone."""
         rid = next(self._ids)
-        msg = build(rid)
+        try:
+            frame = protocol.encode(build(rid))
+        except (protocol.FrameTooLarge, TypeError, ValueError, UnicodeError, OverflowError) as exc:
+            raise NotSent(str(exc)) from exc
         with self._cond:
             if self._broken is not None:
                 raise ConnectionLost(str(self._broken))
             self._replies[rid] = _PENDING
         try:
             with self._send_lock:
-                self._frames.send(msg)
-        except (OSError, protocol.ProtocolError) as exc:
+                self._frames.sock.sendall(frame)
+        except OSError as exc:
             self._fail(exc)
             raise ConnectionLost(str(exc)) from exc
         with self._cond:
@@ -202,8 +208,8 @@ class Session:
         except ConnectionLost as exc:
             return Result.failure(f"the sandbox of session {self.id} went away during {name} ({exc}); "
                                   "the session was closed or its network switched")
-        except protocol.FrameTooLarge as exc:
-            return Result.failure(f"{name}: the request is too large: {exc}")
+        except NotSent as exc:
+            return Result.failure(f"{name}: the arguments cannot be sent: {exc}")
         if isinstance(reply, protocol.ErrorReply):
             return Result.failure(f"{name}: {reply.message}")
         if reply.success:
@@ -357,17 +363,17 @@ def _try_connect(path: str) -> socket.socket | None:
         raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
 
 
-def _start_daemon(path: str) -> str:
-    """Start ``dispatchd`` in the background on ``path``; returns its log file."""
+def _start_daemon(path: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``dispatchd`` in the background on ``path``; returns it and its log file."""
     log_dir = paths.state_dir()
     paths.ensure_private_dir(log_dir)
     log_path = os.path.join(log_dir, "dispatchd.log")
     with open(log_path, "ab") as log:
-        subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "dispatchd", "--socket", path],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
         )
-    return log_path
+    return proc, log_path
 
 
 def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
@@ -377,13 +383,17 @@ def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
     if not autostart:
         raise DaemonUnavailable(f"no dispatchd is listening on {path} (start it with `dispatchd`, "
                                 "or `systemctl --user start dispatchd.socket`)")
-    log_path = _start_daemon(path)
+    proc, log_path = _start_daemon(path)
     deadline = time.monotonic() + timeout
+    exited = None
     while time.monotonic() < deadline:
         time.sleep(0.05)
         sock = _try_connect(path)
         if sock is not None:
             return sock
+        exited = proc.poll()
+        if exited is not None:
+            break  # it will not answer: say why now, not after the timeout
     tail = ""
     try:
         with open(log_path, encoding="utf-8", errors="replace") as f:
@@ -391,6 +401,8 @@ def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
             tail = f" (its log says: {lines[-1]})" if lines else ""
     except OSError:
         pass
+    if exited is not None:
+        raise DaemonUnavailable(f"started dispatchd on {path} but it exited with status {exited}{tail}")
     raise DaemonUnavailable(f"started dispatchd on {path} but it did not answer within {timeout:.0f} s{tail}")
 
 

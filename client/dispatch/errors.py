@@ -3,6 +3,8 @@
     DispatchError            base
     ├── DaemonUnavailable    no daemon answers on the socket (and none could be started)
     ├── ConnectionLost       the daemon or a sandbox went away mid-conversation
+    ├── NotSent              a request could not be encoded or is over the frame
+    │                        limit; nothing was sent, the connection is fine
     └── RequestFailed        the daemon refused a request: ``code`` and ``message``
                              (bad_worktree, bad_policy, unknown_session,
                              confinement_failed, bad_request, ...)
@@ -20,6 +22,10 @@ class DaemonUnavailable(DispatchError):
 
 
 class ConnectionLost(DispatchError):
+    pass
+
+
+class NotSent(DispatchError):
     pass
 
 

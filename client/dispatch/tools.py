@@ -540,7 +540,9 @@ def _retrieve_output_tool(store: OutputStore, budget: int) -> Definition:
                                   "or bytes (offset, length), not both")
         piece, footer, meta = (_piece_by_bytes if by_bytes else _piece_by_lines)(text, params, budget)
         meta = {"id": output_id, **meta}
-        return Result.success(piece + (f"\n[output {output_id}: {footer}]" if footer else ""), meta)
+        if footer:
+            piece += ("" if piece.endswith("\n") or not piece else "\n") + f"[output {output_id}: {footer}]"
+        return Result.success(piece, meta)
 
     return Definition(
         RETRIEVE_OUTPUT,
@@ -576,7 +578,7 @@ def _piece_by_lines(text: str, params: Mapping[str, Any], budget: int) -> tuple[
     last = total - 1 if end == -1 else min(end, total - 1)
     meta: dict[str, Any] = {"total_lines": total, "total_bytes": _utf8_size(text)}
     if start >= total or last < start:
-        return "", f"no lines in {start}-{end}; it has {total} lines (0-{total - 1})", meta
+        return "", f"no lines {start}-{'end' if end == -1 else end}; it has {total}", meta
     out: list[bytes] = []
     size = 0
     shown = start - 1

@@ -8,6 +8,9 @@ Guarantees, once ``apply_mounts`` has returned (user namespaces only):
   a private tmpfs;
 - the user's runtime directory (``$XDG_RUNTIME_DIR``: D-Bus, systemd, the
   daemon's socket) is covered by an empty read-only tmpfs;
+- the git metadata the user's own git would run (``.git/config``, hooks, a
+  linked worktree's pointer files; see ``gitdirs``) is read-only inside the
+  writable worktree;
 - ``/proc`` is a new procfs of the session's pid namespace: other processes,
   the daemon included, do not exist there;
 - nothing propagates back to the host (the whole tree is made private first).
@@ -34,17 +37,20 @@ class MountPlan(msgspec.Struct, frozen=True):
     private_tmp: str  # bound over /tmp
     hide: list[str]  # covered by an empty tmpfs
     proc: bool  # mount a fresh /proc (in a new pid namespace)
+    read_only: list[str] = []  # inside writable paths, bound read-only over themselves (git metadata)
 
 
 def _under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def plan_mounts(*, writable: list[str], visible: list[str], private_tmp: str, hide: list[str], proc: bool) -> MountPlan:
+def plan_mounts(*, writable: list[str], visible: list[str], private_tmp: str, hide: list[str], proc: bool,
+                read_only: list[str] | None = None) -> MountPlan:
     keep = sorted(set(visible) | set(writable))
     # Hiding a directory that holds a path the session needs would hide that path too.
     hide = [h for h in hide if not any(_under(k, h) for k in keep + [private_tmp])]
-    return MountPlan(writable=list(writable), visible=keep, private_tmp=private_tmp, hide=hide, proc=proc)
+    return MountPlan(writable=list(writable), visible=keep, private_tmp=private_tmp, hide=hide, proc=proc,
+                     read_only=list(read_only or []))
 
 
 def _mount(step: str, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
@@ -89,6 +95,11 @@ def apply_mounts(plan: MountPlan) -> None:
     for path in plan.writable:
         if os.path.exists(path) and path not in under_tmp:
             _mount("bind writable path", path, path, None, _sys.MS_BIND)
+    for path in plan.read_only:
+        # A mount of its own on top of the writable one: the recursive read-only
+        # pass below covers it, and only the writable mounts are made writable again.
+        if os.path.lexists(path):
+            _mount("bind read-only path", path, path, None, _sys.MS_BIND)
     for path in plan.hide:
         if os.path.isdir(path):
             _mount("hide", "tmpfs", path, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC, "size=4k,mode=0555")

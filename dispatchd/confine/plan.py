@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from dispatchd.confine.gitdirs import GitLayout
 from dispatchd.confine.limits import LimitsPlan, plan_limits
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, LandlockPlan, plan_landlock
 from dispatchd.confine.mounts import MountPlan, plan_mounts
@@ -42,6 +43,7 @@ class SessionPaths(msgspec.Struct, frozen=True):
     scratch: str  # the session's private directory, made by the daemon
     runtime_dirs: list[str]  # the user's runtime directories, hidden from the session
     code: list[str]  # where the worker's own Python code lives (read-only)
+    git: GitLayout = GitLayout("none")  # the worktree's git metadata (gitdirs.inspect_git)
 
     @property
     def tmp(self) -> str:
@@ -70,8 +72,11 @@ class SessionPlan(msgspec.Struct, frozen=True):
     protections: dict[str, object]
 
 
-def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool) -> list[str]:
+def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: GitLayout) -> list[str]:
     gaps = []
+    if not use_userns and git.kind in ("repository", "linked"):
+        gaps.append("git metadata (.git/config, hooks, pointer files) is writable: without a mount namespace "
+                    "nothing holds it read-only, and the user's git outside would run what a session wrote there")
     if not use_userns:
         gaps += [
             "chmod, chown, utime and xattr changes on files the user owns outside the worktree "
@@ -121,8 +126,9 @@ def plan_session(
 
     fs = policy.filesystem
     worktree_rw = fs.worktree == "read-write"
-    read_only = list(fs.read_only) + ["/proc"] + list(paths.code)
-    read_write = [paths.scratch] + list(fs.read_write)
+    git = paths.git
+    read_only = list(fs.read_only) + ["/proc"] + list(paths.code) + list(git.readable)
+    read_write = [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
     (read_write if worktree_rw else read_only).insert(0, paths.worktree)
     devices = list(fs.devices)
     if use_userns:
@@ -144,9 +150,10 @@ def plan_session(
     mounts = None
     if use_userns:
         writable = [paths.worktree] if worktree_rw else []
-        writable += [paths.scratch] + list(fs.read_write)
+        writable += [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
         mounts = plan_mounts(writable=writable, visible=[paths.worktree], private_tmp=paths.tmp,
-                             hide=list(paths.runtime_dirs), proc=True)
+                             hide=list(paths.runtime_dirs), proc=True,
+                             read_only=list(git.read_only) if worktree_rw else [])
 
     env = {
         "PATH": DEFAULT_PATH,
@@ -174,7 +181,7 @@ def plan_session(
         net_mechanism = "network namespace with loopback only"
     else:
         net_mechanism = "seccomp: no IPv4/IPv6 sockets" + (", Landlock: no TCP bind/connect" if landlock.handled_net else "")
-    gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off)
+    gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
     mode = "full" if not gaps else "degraded"  # of the sandbox; the network's own caveat follows
     if network == "ports":
         gaps.append("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
@@ -192,6 +199,8 @@ def plan_session(
         "network": {"mode": network, "mechanism": net_mechanism,
                     **({"connect_ports": ports.connect, "bind_ports": ports.bind} if network == "ports" else {})},
         "worktree": fs.worktree,
+        "git": {"kind": git.kind, "read_only": list(git.read_only) if use_userns else [],
+                "granted": list(git.writable), **({"note": git.note} if git.note else {})},
         "hygiene": ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
                     "dies with its parent", "not dumpable"] + (["no capabilities"] if use_userns else []),
         "leaves_open": gaps,

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import protocol
+from dispatchd.confine import gitdirs
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon.spawn import Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
@@ -52,6 +53,8 @@ class Session:
         self.network = policy.network.default
         self.ports = NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
         self.note = ""
+        self.git = gitdirs.GitLayout("none")
+        self.redirects_before: list[str] = []
         self.protections: dict[str, object] = {}
         self.worker: Worker | None = None
         self.control: protocol.FrameSocket | None = None
@@ -159,6 +162,8 @@ class SessionManager:
         os.makedirs(scratch + "/home", mode=0o700)
         session = Session(sid, resolved, policy, scratch)
         session.ports = _ports_for(session, ports, bind_ports)
+        session.git = gitdirs.inspect_git(resolved, uid=self.uid)
+        session.redirects_before = gitdirs.redirects_present(resolved)
         try:
             self._start_worker(session, network)
         except BaseException:
@@ -172,7 +177,7 @@ class SessionManager:
 
     def _plan(self, session: Session, network: str) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
-                             runtime_dirs=self.runtime_dirs, code=self.code_paths)
+                             runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git)
         return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
                             uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports)
 
@@ -256,8 +261,17 @@ class SessionManager:
             session.closed = True
             session.generation += 1
             self._stop_worker(session)
+            self._check_git(session)
         self._forget(session)
         shutil.rmtree(session.scratch, ignore_errors=True)
+
+    def _check_git(self, session: Session) -> None:
+        """Once the session's processes are gone: move aside any file it created
+        that would redirect the user's git to configuration of its choosing."""
+        if session.git.kind != "repository":
+            return
+        for moved in gitdirs.quarantine_new_redirects(session.worktree, session.redirects_before):
+            log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, moved)
 
     def _forget(self, session: Session) -> None:
         with self._lock:
@@ -305,6 +319,7 @@ class SessionManager:
             ended = _count_session_processes(session)
             session.generation += 1
             self._stop_worker(session)
+            self._check_git(session)
             try:
                 self._start_worker(session, network)
                 session.note = (f"network {network}: the sandbox was replaced; {ended} process(es) "

@@ -9,8 +9,9 @@ Guarantees:
 - Each of stdout and stderr is kept up to ``output_cap_bytes``; beyond that
   the output is read and dropped, so the command never blocks on a full pipe.
 - The call ends when bash has exited and both pipes are closed, or at the
-  timeout. A background job that keeps the pipes open (``server &``) keeps
-  the call waiting until the timeout; redirect its output to detach it.
+  timeout. A background job that keeps the pipes open (``server &``) does
+  not hold the call: 0.2 s after bash exits we stop reading, say so in the
+  output, and leave the job running (its later output is lost; redirect it).
 - At the timeout every process of the command's process group and session
   gets SIGKILL, and the call returns what was captured. A process that left
   the session (``setsid``) is out of this tool's reach; the session's

@@ -253,8 +253,8 @@ _ALL = [
         "otherwise, and return its output: stdout, then stderr after a '[stderr]' line. stdin is empty; "
         "the network may be off. Each stream is cut at a cap (1 MiB by default). A non-zero exit status "
         "or a timeout is reported as an error that still carries the output; at the timeout the command "
-        "and everything it started are killed. Background jobs that keep the output open make the call "
-        "wait for the timeout: redirect their output (cmd > log 2>&1 &).",
+        "and everything it started are killed. Background jobs (cmd &) keep running after bash exits, "
+        "but their later output is not captured: redirect it to a file (cmd > log 2>&1 &).",
         {
             "command": {"type": "string", "minLength": 1, "description": "The command line, run by bash -c."},
             "timeout": {

@@ -1,0 +1,447 @@
+"""A model's tool calls in a loop: a runaway cap, a trace, and fake models for tests.
+
+    from dispatch.agent import run_tool_loop
+
+    outcome = run_tool_loop(model, session.registry, messages, provider="anthropic")
+    outcome.status            # "done", or "max_iterations" when the cap stopped it
+    outcome.messages          # the conversation, every tool call answered
+    outcome.final             # the model's last words ("done" only)
+
+- ``model(messages, tools)`` is any callable that sends the conversation and
+  the tool schemas to a model and returns the assistant's message in the
+  provider's shape (a dict, or the SDK's object: it is turned into the plain
+  dict the provider accepts back). ``openai_chat_model`` and
+  ``anthropic_model`` wrap the official SDKs' clients; ``FakeModel`` plays a
+  script, for tests and for examples without a key.
+- ``run_tool_loop`` asks the model, runs every tool call it made (in order,
+  through ``Registry.run_call``: validated, approved, compacted), hands the
+  results back, and stops when a reply has no tool call, or after
+  ``max_iterations`` model calls. The cap is a status, not an exception: the
+  conversation it returns is whole (every call answered), so a caller can go
+  on, or ask the model to sum up. An exception from ``model`` propagates.
+- ``Trace`` records each call (turn, tool, arguments, success, duration, the
+  text the model was shown) and is written and read as JSON lines;
+  ``FakeModel.replaying(trace)`` makes the same calls again, so a recorded run
+  becomes a deterministic offline test.
+
+Providers: ``"openai"`` (Chat Completions: the assistant's ``tool_calls``,
+answered by one ``{"role": "tool"}`` message each) and ``"anthropic"``
+(Messages: ``tool_use`` blocks, answered by one user message of
+``tool_result`` blocks).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+from dispatch.tools import Registry, ToolCallOutcome
+
+__all__ = [
+    "FakeModel",
+    "LoopResult",
+    "Model",
+    "ScriptExhausted",
+    "Trace",
+    "TraceEntry",
+    "anthropic_model",
+    "openai_chat_model",
+    "run_tool_loop",
+]
+
+Model = Callable[[list[Any], list[dict[str, Any]]], Any]
+"""``model(messages, tools) -> assistant message`` in the provider's shape."""
+
+Provider = Literal["openai", "anthropic"]
+
+
+# ---------------------------------------------------------------- providers
+
+
+def _field(obj: Any, key: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(key)
+    return getattr(obj, key, None)
+
+
+def _dump(obj: Any) -> Any:
+    """An SDK object (pydantic, or any plain object) as plain dicts and lists."""
+    if isinstance(obj, Mapping):
+        return {k: _dump(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_dump(v) for v in obj]
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(exclude_none=True)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return {k: _dump(v) for k, v in vars(obj).items() if not k.startswith("_") and v is not None}
+    return obj
+
+
+def _arguments_json(arguments: Any) -> str:
+    """Arguments as an OpenAI model sends them: a str is sent as it is (so a
+    script can send broken JSON), anything else as JSON."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+class _OpenAI:
+    schema_format = "openai"
+
+    @staticmethod
+    def message(reply: Any) -> dict[str, Any]:
+        if isinstance(reply, Mapping):
+            return dict(reply)
+        # Only what the API takes back: an SDK message also has refusal, audio...
+        message: dict[str, Any] = {"role": "assistant", "content": _field(reply, "content")}
+        calls = _field(reply, "tool_calls")
+        if calls:
+            message["tool_calls"] = _dump(list(calls))
+        return message
+
+    @staticmethod
+    def tool_calls(message: Mapping[str, Any]) -> list[Any]:
+        return list(message.get("tool_calls") or [])
+
+    @staticmethod
+    def text(message: Mapping[str, Any]) -> str | None:
+        content = message.get("content")
+        if isinstance(content, list):  # content parts
+            return "".join(str(_field(p, "text") or "") for p in content)
+        return content
+
+    @staticmethod
+    def answers(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return replies
+
+    id_prefix = "call_"
+
+    @staticmethod
+    def tool_call(call_id: str, name: Any, arguments: Any) -> dict[str, Any]:
+        return {"id": call_id, "type": "function",
+                "function": {"name": name, "arguments": _arguments_json(arguments)}}
+
+    @staticmethod
+    def assistant(text: str | None, calls: list[Any]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+
+class _Anthropic:
+    schema_format = "anthropic"
+
+    @staticmethod
+    def message(reply: Any) -> dict[str, Any]:
+        if isinstance(reply, Mapping) and set(reply) <= {"role", "content"}:
+            return dict(reply)
+        # An SDK Message (or its dict) also carries id, model, usage...: the API
+        # takes back only role and content.
+        return {"role": "assistant", "content": _dump(_field(reply, "content"))}
+
+    @staticmethod
+    def tool_calls(message: Mapping[str, Any]) -> list[Any]:
+        content = message.get("content")
+        if isinstance(content, str) or not content:
+            return []
+        return [b for b in content if _field(b, "type") == "tool_use"]
+
+    @staticmethod
+    def text(message: Mapping[str, Any]) -> str | None:
+        content = message.get("content")
+        if isinstance(content, str) or content is None:
+            return content
+        return "".join(str(_field(b, "text") or "") for b in content if _field(b, "type") == "text")
+
+    @staticmethod
+    def answers(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": replies}]
+
+    id_prefix = "toolu_"
+
+    @staticmethod
+    def tool_call(call_id: str, name: Any, arguments: Any) -> dict[str, Any]:
+        return {"type": "tool_use", "id": call_id, "name": name, "input": arguments}
+
+    @staticmethod
+    def assistant(text: str | None, calls: list[Any]) -> dict[str, Any]:
+        content: list[Any] = [{"type": "text", "text": text}] if text else []
+        return {"role": "assistant", "content": content + calls}
+
+
+_PROVIDERS: dict[str, type[_OpenAI] | type[_Anthropic]] = {"openai": _OpenAI, "anthropic": _Anthropic}
+
+
+def _provider(name: str) -> type[_OpenAI] | type[_Anthropic]:
+    try:
+        return _PROVIDERS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown provider {name!r}; known: {', '.join(_PROVIDERS)}") from None
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopResult:
+    status: Literal["done", "max_iterations"]
+    """"done": the model answered without a tool call; "max_iterations": the cap stopped it."""
+    messages: list[Any]
+    """The conversation: the messages given, then each reply and its tool results."""
+    iterations: int
+    """How many times the model was asked."""
+    final: str | None
+    """The text of the model's last reply when done; None when capped."""
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+
+def run_tool_loop(
+    model: Model,
+    registry: Registry,
+    messages: Iterable[Any],
+    *,
+    max_iterations: int = 25,
+    trace: Trace | None = None,
+    provider: Provider = "openai",
+    context: Any = None,
+) -> LoopResult:
+    """Ask ``model``, run its tool calls, repeat until it answers without one.
+
+    ``messages`` is not changed: the result holds the longer conversation.
+    The model is asked at most ``max_iterations`` times; when its last reply
+    still calls tools, those calls run and the status is ``"max_iterations"``.
+    ``context`` goes to every tool (and to the registry's approval callback).
+    The tools offered are the registry's advertised ones, read afresh for each
+    turn, in the provider's schema shape.
+    """
+    shape = _provider(provider)
+    if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 1:
+        raise ValueError(f"max_iterations must be a positive int, not {max_iterations!r}")
+    history = list(messages)
+    for turn in range(1, max_iterations + 1):
+        message = shape.message(model(list(history), registry.schemas(shape.schema_format)))
+        history.append(message)
+        calls = shape.tool_calls(message)
+        if not calls:
+            return LoopResult("done", history, turn, shape.text(message))
+        replies = []
+        for call in calls:
+            started = time.monotonic()
+            outcome = registry.run_call(call, context)
+            if trace is not None:
+                trace.record(turn, outcome, time.monotonic() - started)
+            replies.append(outcome.reply)
+        history.extend(shape.answers(replies))
+    return LoopResult("max_iterations", history, max_iterations, None)
+
+
+# ---------------------------------------------------------------- trace
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceEntry:
+    """One tool call of a loop, as JSON-able data."""
+
+    turn: int
+    """The model call (1, 2, ...) that asked for it; calls of one turn share it."""
+    call_id: str
+    tool: str | None
+    arguments: Any
+    """As an object when they could be decoded; else as the model sent them."""
+    success: bool
+    duration_s: float
+    content: str
+    """What the model was shown (the output, or the error; compacted if long)."""
+    output_id: str | None = None
+    """Where the whole output is kept when ``content`` is a part of it."""
+    denied: bool = False
+    """Whether the registry's approval refused the call."""
+
+    @classmethod
+    def of(cls, turn: int, outcome: ToolCallOutcome, duration_s: float) -> TraceEntry:
+        name = outcome.name if isinstance(outcome.name, str) or outcome.name is None else str(outcome.name)
+        return cls(turn, outcome.call_id, name, copy.deepcopy(outcome.arguments), outcome.result.is_success,
+                   round(duration_s, 6), _content(outcome.reply), outcome.output_id,
+                   bool(outcome.result.metadata.get("denied")))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TraceEntry:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+def _content(reply: Mapping[str, Any]) -> str:
+    text = reply.get("content", reply.get("output", ""))
+    return text if isinstance(text, str) else json.dumps(text)
+
+
+class Trace:
+    """The tool calls of one or more loops, in order. Safe to share between threads."""
+
+    def __init__(self, entries: Iterable[TraceEntry] = ()) -> None:
+        self._lock = threading.Lock()
+        self._entries = list(entries)
+
+    def record(self, turn: int, outcome: ToolCallOutcome, duration_s: float) -> TraceEntry:
+        entry = TraceEntry.of(turn, outcome, duration_s)
+        with self._lock:
+            self._entries.append(entry)
+        return entry
+
+    @property
+    def entries(self) -> list[TraceEntry]:
+        with self._lock:
+            return list(self._entries)
+
+    def calls(self) -> list[tuple[str | None, Any, bool]]:
+        """``(tool, arguments, success)`` per call: what a replay should repeat,
+        without the ids, timings and texts that may differ."""
+        return [(e.tool, e.arguments, e.success) for e in self.entries]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __iter__(self) -> Iterator[TraceEntry]:
+        return iter(self.entries)
+
+    def __getitem__(self, index: int) -> TraceEntry:
+        with self._lock:
+            return self._entries[index]
+
+    def to_jsonl(self) -> str:
+        return "".join(json.dumps(e.to_dict(), default=repr, ensure_ascii=False) + "\n" for e in self.entries)
+
+    def write_jsonl(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_jsonl())
+
+    @classmethod
+    def from_jsonl(cls, text: str) -> Trace:
+        entries = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entries.append(TraceEntry.from_dict(json.loads(line)))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"trace line {n} is not a trace entry: {exc}") from exc
+        return cls(entries)
+
+    @classmethod
+    def read_jsonl(cls, path: str | os.PathLike[str]) -> Trace:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_jsonl(f.read())
+
+    def __repr__(self) -> str:
+        return f"Trace({len(self)} calls)"
+
+
+# ---------------------------------------------------------------- fake models
+
+
+class ScriptExhausted(RuntimeError):
+    """A ``FakeModel`` was asked for more turns than its script has."""
+
+
+Call = tuple[str, Any]
+Turn = str | Sequence[Call | Mapping[str, Any]] | Callable[[list[Any]], Any]
+
+
+class FakeModel:
+    """A deterministic model for offline tests and examples.
+
+    ``turns`` is its script, one item per reply (any iterable: an
+    ``itertools.repeat`` makes a model that never stops):
+
+    - a str: the final answer, with no tool call;
+    - a list of calls, each ``(name, arguments)`` — arguments as an object, or
+      as a str sent exactly as written (to send broken JSON) — or a tool call
+      already in the provider's shape;
+    - a callable ``turn(messages)`` returning either of the above, for a reply
+      that depends on what the tools said (it sees the conversation so far).
+
+    Tool call ids are ``call_1``, ``call_2``… (OpenAI) or ``toolu_1``…
+    (Anthropic). ``requests`` keeps a copy of each ``(messages, tools)`` it
+    was given. Asked once more than its script has, it raises ``ScriptExhausted``.
+    """
+
+    def __init__(self, turns: Iterable[Turn], *, provider: Provider = "openai") -> None:
+        self.provider = provider
+        self._shape = _provider(provider)
+        self._turns = iter(turns)
+        self._ids = itertools.count(1)
+        self.requests: list[tuple[list[Any], list[dict[str, Any]]]] = []
+
+    @classmethod
+    def replaying(cls, trace: Trace, *, provider: Provider = "openai", final: str = "done") -> FakeModel:
+        """A model that makes the calls of ``trace`` again, turn by turn, then says ``final``."""
+        turns: list[Turn] = [
+            [(e.tool, e.arguments) for e in group]  # type: ignore[misc]
+            for _, group in itertools.groupby(trace.entries, key=lambda e: e.turn)
+        ]
+        return cls([*turns, final], provider=provider)
+
+    def __call__(self, messages: list[Any], tools: list[dict[str, Any]]) -> dict[str, Any]:
+        self.requests.append((copy.deepcopy(list(messages)), copy.deepcopy(tools)))
+        try:
+            turn = next(self._turns)
+        except StopIteration:
+            raise ScriptExhausted(
+                f"the fake model's script has {len(self.requests) - 1} turns; asked for another") from None
+        if callable(turn):
+            turn = turn(list(messages))
+        if isinstance(turn, str):
+            return self._shape.assistant(turn, [])
+        calls = [
+            copy.deepcopy(dict(call)) if isinstance(call, Mapping)
+            else self._shape.tool_call(f"{self._shape.id_prefix}{next(self._ids)}", *call)
+            for call in turn
+        ]
+        return self._shape.assistant(None, calls)
+
+
+# ---------------------------------------------------------------- real models
+
+
+def openai_chat_model(client: Any, model: str, **create: Any) -> Model:
+    """A ``Model`` for an ``openai.OpenAI()`` client (Chat Completions).
+
+    ``create`` goes to ``client.chat.completions.create`` as it is
+    (``temperature``, ``tool_choice``…).
+    """
+
+    def ask(messages: list[Any], tools: list[dict[str, Any]]) -> Any:
+        response = client.chat.completions.create(model=model, messages=messages, tools=tools, **create)
+        return response.choices[0].message
+
+    return ask
+
+
+def anthropic_model(client: Any, model: str, *, max_tokens: int = 4096, system: str | None = None,
+                    **create: Any) -> Model:
+    """A ``Model`` for an ``anthropic.Anthropic()`` client (Messages).
+
+    ``system`` is the system prompt (Anthropic takes it apart from the
+    messages); ``create`` goes to ``client.messages.create`` as it is.
+    """
+    if system is not None:
+        create["system"] = system
+
+    def ask(messages: list[Any], tools: list[dict[str, Any]]) -> Any:
+        return client.messages.create(model=model, max_tokens=max_tokens, messages=messages, tools=tools,
+                                      **create)
+
+    return ask

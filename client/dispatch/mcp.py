@@ -1,0 +1,117 @@
+"""A session's tools over the Model Context Protocol (MCP), on stdio.
+
+``dispatch mcp --worktree DIR`` runs ``serve(session)``: any MCP client
+(Claude Desktop, Claude Code, an IDE, the ``mcp`` SDK's ``ClientSession``)
+gets dispatchd's confined tools without code.
+
+Guarantees:
+- ``tools/list`` is the registry's advertised tools (``retrieve_output``
+  included when the registry compacts), with MCP annotations from each tool's
+  risk: ``read`` tools are ``readOnlyHint``, ``write`` and ``execute`` ones
+  ``destructiveHint``.
+- ``tools/call`` goes through ``Registry.run_call``, the same path a model's
+  tool call takes: validated, asked of the registry's approval (none by
+  default: an MCP client asks its user itself), compacted to the policy's
+  budget. The result is one ``TextContent`` with ``isError`` on failure;
+  never a protocol error, so a model can read what went wrong.
+- Only the protocol reaches stdout: the SDK points fd 1 at stderr while it
+  serves, so nothing a tool or a library prints can corrupt the stream.
+- The network stays as the person who started the server set it
+  (``--network``): switching it is not a tool.
+- ``serve`` returns when the client closes stdin, or on SIGTERM, SIGINT or
+  SIGHUP; a call still running is abandoned (closing the session ends it).
+
+Written for the ``mcp`` SDK 2.x (its low-level ``Server`` takes its handlers
+as constructor arguments).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import mcp.types as types
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+
+from dispatch.tools import Registry
+from dispatchd import __version__
+
+__all__ = ["build_server", "serve", "serve_stdio"]
+
+SERVER_NAME = "dispatchd"
+
+_INSTRUCTIONS = (
+    "These tools act on one git worktree inside a sandbox (Landlock, seccomp, namespaces). "
+    "Paths are relative to the worktree root. A long result is shown as its head and tail with "
+    "an id; retrieve_output returns the rest."
+)
+
+
+def _annotations(risk: str) -> types.ToolAnnotations:
+    read_only = risk == "read"
+    return types.ToolAnnotations(read_only_hint=read_only, destructive_hint=not read_only)
+
+
+def build_server(registry: Registry, *, name: str = SERVER_NAME, version: str = __version__) -> Server[Any]:
+    """An MCP server offering ``registry``'s tools (see the module's guarantees)."""
+
+    async def list_tools(_ctx: Any, _params: Any) -> types.ListToolsResult:
+        tools = [
+            types.Tool(name=s["name"], description=s["description"], input_schema=s["inputSchema"],
+                       annotations=_annotations(registry.get(s["name"]).risk))
+            for s in registry.schemas("mcp")
+        ]
+        return types.ListToolsResult(tools=tools)
+
+    async def call_tool(_ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        # An MCP call is an Anthropic tool_use in all but name: run it as one,
+        # so validation, approval and compaction are the model path's own.
+        call = {"type": "tool_use", "id": "", "name": params.name, "input": params.arguments or {}}
+        # Tool calls block (a socket to the worker): run them off the event
+        # loop, several at once if the client sends several; on shutdown do
+        # not wait for one (abandon_on_cancel): closing the session ends it.
+        outcome = await anyio.to_thread.run_sync(registry.run_call, call, abandon_on_cancel=True)
+        reply = outcome.reply
+        return types.CallToolResult(content=[types.TextContent(type="text", text=reply["content"])],
+                                    is_error=reply["is_error"])
+
+    return Server(name, version=version, instructions=_INSTRUCTIONS,
+                  on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+async def serve_stdio(registry: Registry) -> None:
+    """Serve ``registry`` on this process's stdin and stdout until the client
+    closes stdin or one of ``STOP_SIGNALS`` arrives.
+
+    A caller that opened a session for this may block ``STOP_SIGNALS``
+    (``pthread_sigmask``) before opening it: they are unblocked here once they
+    are listened for, so one sent at any moment still lets the caller close
+    the session, rather than killing the process with the session left open.
+    """
+    server = build_server(registry)
+    async with anyio.create_task_group() as tasks:
+
+        async def stop_on_signal(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+            with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+                task_status.started()
+                async for _ in signals:
+                    tasks.cancel_scope.cancel()
+                    return
+
+        await tasks.start(stop_on_signal)
+        async with stdio_server() as (read_stream, write_stream):
+            await server.run(read_stream, write_stream, server.create_initialization_options())
+        tasks.cancel_scope.cancel()  # stdin closed: stop listening for signals too
+
+
+def serve(registry: Registry) -> None:
+    """``serve_stdio`` in a fresh event loop; returns when the client is gone."""
+    anyio.run(serve_stdio, registry)
