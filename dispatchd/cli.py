@@ -34,6 +34,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-user-namespaces", action="store_true",
                    help="never use user namespaces: every session runs on Landlock and seccomp alone")
+    p.add_argument("--stop-timeout", type=float, default=30.0,
+                   help="on SIGTERM, how long calls in flight may go on before their sessions are ended (seconds)")
     p.add_argument(TESTING_ROOT_FLAG, action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--version", action="version", version=f"dispatchd {__version__}")
     return p.parse_args(argv)
@@ -156,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         systemd.notify("STOPPING=1", "STATUS=stopping: ending sessions")
         manager.accepting = False
-        closer = threading.Thread(target=manager.close_all)
+        # Calls in flight may finish (up to the deadline); new ones are refused.
+        closer = threading.Thread(target=manager.close_all, kwargs={"drain_s": args.stop_timeout})
         closer.start()
-        closer.join(10)
+        closer.join(args.stop_timeout + 10)
         if owns_socket:
             try:
                 os.unlink(socket_path)

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import tomllib
+import types
 from pathlib import Path
 from typing import Literal
 
@@ -164,9 +165,21 @@ def parse_policy(name: str, text: str, where: str = "<policy>") -> Policy:
         policy = msgspec.convert(raw, Policy)
     except msgspec.ValidationError as exc:
         # msgspec names the key: "Object contains unknown field `x` - at `$.limits`".
-        raise PolicyError(f"{where}: {exc}") from exc
+        raise PolicyError(f"{where}: {exc}", key=_key_of(str(exc))) from exc
     _check(policy, where)
-    return policy
+    # The one mutable field, frozen too: a Policy is shared by all its sessions.
+    env = msgspec.structs.replace(policy.env, set=types.MappingProxyType(dict(policy.env.set)))
+    return msgspec.structs.replace(policy, env=env)
+
+
+def _key_of(message: str) -> str:
+    """The dotted key a msgspec validation message points at."""
+    where = re.search(r"at `\$\.?([^`]*)`", message)
+    key = where.group(1) if where else ""
+    unknown = re.search(r"unknown field `([^`]+)`", message)
+    if unknown:
+        key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
+    return key
 
 
 def default_policy_dir() -> Path:

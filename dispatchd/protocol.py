@@ -239,7 +239,23 @@ class AcquireWriteLock(_Msg, tag="acquire_write_lock"):
     id: int
 
 
-WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, OkReply, ErrorReply]
+class ToolCallDone(_Msg, tag="tool_call_done"):
+    """Worker -> daemon after each call, for the daemon's log line (never
+    arguments, output or file contents)."""
+
+    tool: str
+    duration_ms: float
+    success: bool
+
+
+class Drain(_Msg, tag="drain"):
+    """Daemon -> worker when the daemon stops: take no new call, let calls in
+    flight finish for up to ``deadline_s``, then end the session."""
+
+    deadline_s: float
+
+
+WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, ToolCallDone, Drain, OkReply, ErrorReply]
 
 # --- codec ------------------------------------------------------------------
 

@@ -222,7 +222,10 @@ class SessionManager:
         server is gone, on purpose (close, switch) or on its own (idle, crash)."""
         try:
             while (msg := control.recv(protocol.control_decoder)) is not None:
-                if isinstance(msg, protocol.AcquireWriteLock):
+                if isinstance(msg, protocol.ToolCallDone):
+                    log.info("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
+                             session.id, msg.tool, msg.duration_ms, "ok" if msg.success else "failed")
+                elif isinstance(msg, protocol.AcquireWriteLock):
                     reply = self._grant_write_lock(session, msg.id)
                     with session.send_lock:
                         control.send(reply)
@@ -299,8 +302,22 @@ class SessionManager:
         self._finish(session)
         log.info("event=session_close session=%s", sid)
 
-    def close_all(self) -> None:
-        for session in self.list():
+    def close_all(self, drain_s: float = 0.0) -> None:
+        """End every session; with ``drain_s``, first let calls in flight finish
+        for up to that long (new calls are refused meanwhile)."""
+        sessions = self.list()
+        if drain_s > 0:
+            for session in sessions:
+                try:
+                    with session.send_lock:
+                        if session.control is not None:
+                            session.control.send(protocol.Drain(deadline_s=drain_s))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + drain_s + 1.0
+            for session in sessions:
+                session.ended.wait(max(0.0, deadline - time.monotonic()))
+        for session in sessions:
             self._finish(session)
 
     # --- network, attach -----------------------------------------------------

@@ -3,8 +3,9 @@
 ``check_worktree`` only looks (``realpath`` and ``stat``); the daemon never
 opens anything inside a worktree. A worktree must be an existing directory,
 owned by the user, and must not be ``/``, the home directory itself, or a
-directory holding the daemon's socket or state (a session there could reach
-the daemon or the other sessions' scratch directories).
+directory holding the daemon's socket or state, or lying inside them (a
+session there could reach the daemon or the other sessions' scratch
+directories).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def check_worktree(path: str, *, uid: int, home: str, protected: list[str]) -> s
     if st.st_uid != uid:
         raise WorktreeError(f"worktree {resolved} belongs to uid {st.st_uid}, not to you (uid {uid})", path)
     for p in protected:
-        if _contains(resolved, os.path.realpath(p)):
+        own = os.path.realpath(p)
+        if _contains(resolved, own):
             raise WorktreeError(f"worktree {resolved} contains dispatchd's own files ({p})", path)
+        if _contains(own, resolved):
+            # e.g. the sessions directory: every session's HOME and TMPDIR.
+            raise WorktreeError(f"worktree {resolved} is inside dispatchd's own files ({p})", path)
     return resolved

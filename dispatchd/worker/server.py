@@ -47,6 +47,10 @@ class _Activity:
             self.in_flight -= 1
             self.last = time.monotonic()
 
+    def busy(self) -> bool:
+        with self.lock:
+            return self.in_flight > 0
+
     def idle_for(self) -> float:
         with self.lock:
             return 0.0 if self.in_flight else time.monotonic() - self.last
@@ -142,6 +146,7 @@ class _Server:
         self.tools = {name: TOOLS[name] for name in plan.tools}
         self.activity = _Activity()
         self.write_lock = write_lock
+        self.draining = False
 
     def dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
         tool = self.tools.get(req.tool)
@@ -149,6 +154,10 @@ class _Server:
             known = ", ".join(self.tools)
             channel.reply(protocol.ToolReply(id=req.id, success=False,
                                              error=f"unknown tool: {req.tool!r} (this session has: {known})"))
+            return
+        if self.draining:
+            channel.reply(protocol.ToolReply(id=req.id, success=False,
+                                             error=f"{req.tool}: dispatchd is stopping and takes no new calls"))
             return
         if req.tool in MUTATING_TOOLS:
             refused = self.write_lock.acquire()
@@ -163,12 +172,32 @@ class _Server:
             self._call(channel, req, tool)
 
     def _call(self, channel: _Channel, req: protocol.CallTool, tool: object) -> None:
+        started = time.perf_counter()
+        success = False
         try:
             out: Outcome = run_tool(tool, self.ctx, req.params)  # type: ignore[arg-type]
+            success = out.success
             channel.reply(protocol.ToolReply(id=req.id, success=out.success, output=out.output,
                                              error=out.error, metadata=out.metadata))
         finally:
             self.activity.end()
+            self.tell_daemon(protocol.ToolCallDone(tool=req.tool, success=success,
+                                                   duration_ms=round((time.perf_counter() - started) * 1e3, 3)))
+
+    def tell_daemon(self, msg: protocol.ToolCallDone) -> None:
+        try:
+            with self.write_lock.send_lock:
+                self.write_lock.control.send(msg)
+        except OSError:
+            pass  # the daemon is gone; the session is ending anyway
+
+    def drain(self, deadline_s: float) -> None:
+        """Refuse new calls, wait for those in flight (up to the deadline), end."""
+        self.draining = True
+        deadline = time.monotonic() + deadline_s
+        while self.activity.busy() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os._exit(0)
 
     def watch_idle(self) -> None:
         limit = self.plan.limits.idle_timeout_s
@@ -199,3 +228,5 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             threading.Thread(target=channel.run, daemon=True).start()
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             write_lock.answer(msg)
+        elif isinstance(msg, protocol.Drain):
+            threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()

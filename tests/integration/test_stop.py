@@ -1,0 +1,69 @@
+"""Clean stops: SIGTERM lets calls in flight finish, then ends every session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import dispatch
+from tests.conftest import Daemon, shell
+
+
+def _processes_in(worktree: Path) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(worktree):
+                    found.append(int(pid))
+            except OSError:
+                continue
+    return found
+
+
+def test_sigterm_lets_a_call_in_flight_finish_and_leaves_nothing(tmp_path: Path, worktree: Path) -> None:
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d")
+    results: list[dispatch.Result] = []
+    with d.connect() as client:
+        session = client.open_session(str(worktree))
+        shell(session, "sleep 300 > /dev/null 2>&1 &")  # a background job, to be ended
+        call = threading.Thread(target=lambda: results.append(shell(session, "sleep 1; echo finished")))
+        call.start()
+        time.sleep(0.3)
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        # Meanwhile a new call is refused, with the reason.
+        refused = shell(session, "echo too late")
+        call.join(20)
+        assert results and results[0].is_success, results
+        assert results[0].output == "finished\n"
+        assert refused.is_failure and "dispatchd is stopping" in refused.error
+        session.detach()
+    assert d.stop() == 0
+    assert not os.path.exists(d.socket)  # removed on the way out
+    deadline = time.monotonic() + 5
+    while _processes_in(worktree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_in(worktree) == []
+    assert "event=tool_call session=" in d.log() and "tool=shell_exec" in d.log()
+    assert "finished" not in d.log()  # outputs never reach the log
+
+
+def test_a_client_whose_daemon_went_away_gets_a_clear_error(tmp_path: Path, worktree: Path) -> None:
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d")
+    client = d.connect()
+    try:
+        assert d.stop() == 0
+        try:
+            client.list_sessions()
+        except dispatch.ConnectionLost as exc:
+            assert f"lost the connection to dispatchd at {d.socket}" in str(exc)
+        else:
+            raise AssertionError("expected ConnectionLost")
+    finally:
+        client.close()

@@ -1,0 +1,196 @@
+"""dispatchd.paths: where the socket and the state live, and the private-directory rule.
+
+Environments are passed as explicit dicts, so the daemon's own environment
+(and the test runner's) never decides a result by accident.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from dispatchd.paths import (
+    UnsafeDirectory,
+    default_socket_path,
+    ensure_private_dir,
+    resolve_socket_path,
+    state_dir,
+)
+
+BOTH = {"DISPATCH_SOCKET": "/srv/d/dispatchd.sock", "XDG_RUNTIME_DIR": "/run/user/1000"}
+
+
+# -- the socket path ---------------------------------------------------------------
+
+
+def test_dispatch_socket_wins():
+    assert default_socket_path(BOTH, uid=1000) == "/srv/d/dispatchd.sock"
+
+
+def test_xdg_runtime_dir_next():
+    assert default_socket_path({"XDG_RUNTIME_DIR": "/run/user/1000"}, uid=1000) == (
+        "/run/user/1000/dispatchd/dispatchd.sock")
+
+
+def test_tmp_fallback_names_the_uid():
+    assert default_socket_path({}, uid=1234) == "/tmp/dispatchd-1234/dispatchd.sock"
+
+
+def test_empty_variables_count_as_unset():
+    assert default_socket_path({"DISPATCH_SOCKET": "", "XDG_RUNTIME_DIR": "/run/user/7"}, uid=7) == (
+        "/run/user/7/dispatchd/dispatchd.sock")
+    assert default_socket_path({"DISPATCH_SOCKET": "", "XDG_RUNTIME_DIR": ""}, uid=7) == "/tmp/dispatchd-7/dispatchd.sock"
+
+
+def test_unrelated_variables_do_not_matter():
+    assert default_socket_path({"HOME": "/home/u", "TMPDIR": "/var/tmp"}, uid=5) == "/tmp/dispatchd-5/dispatchd.sock"
+
+
+def test_uid_defaults_to_ours():
+    assert default_socket_path({}) == f"/tmp/dispatchd-{os.getuid()}/dispatchd.sock"
+
+
+def test_env_defaults_to_the_process_environment(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("DISPATCH_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/4242")
+    assert default_socket_path() == "/run/user/4242/dispatchd/dispatchd.sock"
+    monkeypatch.setenv("DISPATCH_SOCKET", "/x/y.sock")
+    assert default_socket_path() == "/x/y.sock"
+
+
+def test_resolve_socket_path_explicit_wins_over_the_environment():
+    assert resolve_socket_path("/opt/s.sock", BOTH) == "/opt/s.sock"
+
+
+def test_resolve_socket_path_makes_an_explicit_path_absolute(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_socket_path("run/s.sock", BOTH) == os.path.join(os.getcwd(), "run", "s.sock")
+    assert resolve_socket_path("./a/../s.sock", {}) == os.path.join(os.getcwd(), "s.sock")
+
+
+@pytest.mark.parametrize("explicit", [None, ""])
+def test_resolve_socket_path_without_an_explicit_path(explicit: str | None):
+    assert resolve_socket_path(explicit, BOTH) == "/srv/d/dispatchd.sock"
+    assert resolve_socket_path(explicit, {"XDG_RUNTIME_DIR": "/run/user/9"}) == "/run/user/9/dispatchd/dispatchd.sock"
+    assert resolve_socket_path(explicit, {}) == f"/tmp/dispatchd-{os.getuid()}/dispatchd.sock"
+
+
+# -- the state directory -----------------------------------------------------------
+
+
+def test_state_dir_with_xdg_state_home():
+    assert state_dir({"XDG_STATE_HOME": "/srv/state"}) == "/srv/state/dispatchd"
+
+
+def test_state_dir_without_xdg_state_home(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HOME", "/home/zed")
+    assert state_dir({}) == "/home/zed/.local/state/dispatchd"
+    assert state_dir({"XDG_STATE_HOME": ""}) == "/home/zed/.local/state/dispatchd"
+
+
+def test_state_dir_defaults_to_the_process_environment(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("XDG_STATE_HOME", "/var/lib/u")
+    assert state_dir() == "/var/lib/u/dispatchd"
+
+
+# -- ensure_private_dir ------------------------------------------------------------
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_creates_a_private_directory(tmp_path: Path):
+    target = tmp_path / "run" / "dispatchd"
+    ensure_private_dir(str(target))
+    assert target.is_dir()
+    assert mode(target) == 0o700
+    assert os.lstat(target).st_uid == os.getuid()
+
+
+def test_creates_with_0700_whatever_the_umask(tmp_path: Path):
+    old = os.umask(0)
+    try:
+        ensure_private_dir(str(tmp_path / "d"))
+    finally:
+        os.umask(old)
+    assert mode(tmp_path / "d") == 0o700
+
+
+def test_tightens_an_open_directory_it_owns(tmp_path: Path):
+    target = tmp_path / "open"
+    target.mkdir()
+    target.chmod(0o755)
+    ensure_private_dir(str(target))
+    assert mode(target) == 0o700
+
+
+@pytest.mark.parametrize("loose", [0o701, 0o710, 0o770, 0o777, 0o707])
+def test_tightens_any_group_or_other_bit(tmp_path: Path, loose: int):
+    target = tmp_path / "loose"
+    target.mkdir()
+    target.chmod(loose)
+    ensure_private_dir(str(target))
+    assert mode(target) == 0o700
+
+
+def test_leaves_a_private_directory_alone(tmp_path: Path):
+    target = tmp_path / "private"
+    target.mkdir(mode=0o700)
+    (target / "keep").write_text("x")
+    ensure_private_dir(str(target))
+    assert mode(target) == 0o700
+    assert (target / "keep").read_text() == "x"
+
+
+def test_refuses_a_symlink_to_a_directory(tmp_path: Path):
+    real = tmp_path / "real"
+    real.mkdir()
+    real.chmod(0o755)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(UnsafeDirectory) as info:
+        ensure_private_dir(str(link))
+    assert str(info.value) == f"{link} is not a directory (a symlink?)"
+    assert mode(real) == 0o755  # the target was not touched
+
+
+def test_refuses_a_dangling_symlink(tmp_path: Path):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UnsafeDirectory) as info:
+        ensure_private_dir(str(link))
+    assert str(info.value) == f"cannot create {link}: File exists"
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_refuses_a_regular_file(tmp_path: Path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(UnsafeDirectory) as info:
+        ensure_private_dir(str(f))
+    assert str(info.value) == f"cannot create {f}: File exists"
+
+
+def test_refuses_a_path_through_a_file(tmp_path: Path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(UnsafeDirectory) as info:
+        ensure_private_dir(str(f / "sub"))
+    assert str(info.value) == f"cannot create {f / 'sub'}: Not a directory"
+    assert isinstance(info.value.__cause__, OSError)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user's needs root")
+def test_refuses_another_users_directory(tmp_path: Path):
+    target = tmp_path / "theirs"
+    target.mkdir()
+    target.chmod(0o777)
+    os.chown(target, 54321, 54321)
+    with pytest.raises(UnsafeDirectory) as info:
+        ensure_private_dir(str(target))
+    assert str(info.value) == f"{target} belongs to uid 54321, not to us ({os.getuid()})"
+    assert mode(target) == 0o777  # refused before any chmod

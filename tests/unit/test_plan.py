@@ -1,0 +1,474 @@
+"""dispatchd.confine.plan.plan_session (and plan_namespaces): whole plans by equality.
+
+The kernel is described by hand (``KernelFeatures``), so every mode is
+planned here whatever the machine running the tests offers: full (user
+namespaces, Landlock ABI 7), degraded (no user namespaces), old ABIs, and
+each refusal. Masks are numbers from the kernel uapi, not the module's
+constants: 13 read+execute, 0xF7BF read-write, 6 device read+write.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from dispatchd.confine.landlock import LandlockPlan, PathRule
+from dispatchd.confine.mounts import MountPlan
+from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
+from dispatchd.confine.plan import NetworkPorts, SessionPaths, SessionPlan, plan_session
+from dispatchd.confine.seccomp import plan_seccomp
+from dispatchd.errors import ConfinementError
+from dispatchd.kernel import KernelFeatures
+from dispatchd.policy import Env, Filesystem, Network, Policy, Sandbox, parse_policy
+
+WT = "/home/u/src/wt"
+SCRATCH = "/home/u/.local/state/dispatchd/sessions/s1"
+RUNTIME = "/run/user/1000"
+CODE = "/opt/dispatchd"
+SYSTEM = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt"]
+DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"]
+PATHS = SessionPaths(worktree=WT, scratch=SCRATCH, runtime_dirs=[RUNTIME], code=[CODE])
+RO, RW, DEV = 13, 0xF7BF, 6
+UID, GID = 1000, 1001
+CHMOD_GAP = ("chmod, chown, utime and xattr changes on files the user owns outside the worktree "
+             "(Landlock ABI <= 7 does not check them; only a read-only mount would)")
+PROC_GAP = ("the host's /proc: the user's other processes and their command lines are visible "
+            "(their memory, environment and fds stay refused by Landlock's ptrace rule)")
+TMP_GAP = "no private /tmp: the host's /tmp is simply not granted (TMPDIR is the session's own)"
+SECCOMP_NET_GAP = "network off is held by seccomp alone (no Landlock TCP rules below ABI 4)"
+SCOPES_GAP = ("no Landlock scopes (ABI < 6): signals to the user's other processes and "
+              "abstract Unix sockets rely on seccomp and namespaces only")
+PORTS_GAP = ("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
+             "network (Landlock has no rules for them)")
+HYGIENE = ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
+           "dies with its parent", "not dumpable"]
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def kernel(abi: int = 7, userns: bool = True, seccomp: bool = True) -> KernelFeatures:
+    return KernelFeatures(
+        release="6.8.0-test",
+        landlock_abi=abi,
+        user_namespaces=userns,
+        user_namespaces_note="available" if userns else "refused by the kernel: Permission denied",
+        seccomp=seccomp,
+        seccomp_actions=["kill_process", "kill_thread", "trap", "errno", "user_notif", "trace", "log", "allow"]
+        if seccomp else [],
+        cgroup2="/sys/fs/cgroup",
+    )
+
+
+def plan(policy: Policy | None = None, k: KernelFeatures | None = None, network: str = "off",
+         base_env: dict[str, str] | None = None, ports: NetworkPorts | None = None,
+         paths: SessionPaths = PATHS) -> SessionPlan:
+    return plan_session(policy or Policy(), k or kernel(), session="s1", paths=paths, network=network,
+                        uid=UID, gid=GID, base_env=base_env if base_env is not None else {}, ports=ports)
+
+
+def refused(policy: Policy | None = None, k: KernelFeatures | None = None, network: str = "off") -> ConfinementError:
+    with pytest.raises(ConfinementError) as info:
+        plan(policy, k, network)
+    return info.value
+
+
+def read_only_policy() -> Policy:
+    return Policy(name="read-only", tools=("read_file", "list_files", "search_files"),
+                  filesystem=Filesystem(worktree="read-only"))
+
+
+def landlock_paths(*, userns: bool, worktree_rw: bool = True) -> list[PathRule]:
+    ro = SYSTEM + ["/proc", CODE]
+    rw = [SCRATCH] + (["/tmp", "/dev/shm"] if userns else [])
+    if worktree_rw:
+        rw.insert(0, WT)
+    else:
+        ro.insert(0, WT)
+    return [PathRule(p, RO) for p in ro] + [PathRule(p, RW) for p in rw] + [PathRule(p, DEV) for p in DEVICES]
+
+
+# -- full mode -----------------------------------------------------------------
+
+
+def test_full_mode_network_off():
+    got = plan()
+    assert got.session == "s1"
+    assert got.policy == "default"
+    assert got.network == "off"
+    assert got.paths == PATHS
+    assert got.namespaces == NamespacePlan(user=True, mount=True, pid=True, net=True, uid=UID, gid=GID)
+    assert got.loopback is True
+    assert got.mounts == MountPlan(writable=[WT, SCRATCH], visible=[SCRATCH, WT], private_tmp=SCRATCH + "/tmp",
+                                   hide=[RUNTIME], proc=True)
+    # The network namespace holds "off": Landlock does not handle TCP, seccomp allows inet.
+    assert got.landlock == LandlockPlan(abi=7, handled_fs=0xFFFF, handled_net=0, scoped=3,
+                                        paths=landlock_paths(userns=True), tcp_ports=[])
+    assert got.seccomp == plan_seccomp(allow_inet=True)
+    assert got.writable is True
+    assert got.tools == ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files",
+                         "shell_exec"]
+    assert got.limits == Policy().limits
+
+
+def test_full_mode_protections():
+    prot = plan().protections
+    assert prot["mode"] == "full"
+    assert prot["leaves_open"] == []
+    assert prot["landlock"] == {"abi": 7, "filesystem": "enforced", "scopes": ["abstract_unix_socket", "signal"],
+                                "tcp": "not handled"}
+    assert prot["seccomp"] == "enforced"
+    assert prot["namespaces"] == {"user": True, "mount": True, "pid": True, "net": True}
+    assert prot["network"] == {"mode": "off", "mechanism": "network namespace with loopback only"}
+    assert prot["worktree"] == "read-write"
+    assert prot["hygiene"] == HYGIENE + ["no capabilities"]
+
+
+def test_tmp_and_dev_shm_are_granted_only_with_a_mount_namespace():
+    full = [r.path for r in plan().landlock.paths if r.access == RW]
+    degraded = [r.path for r in plan(k=kernel(userns=False)).landlock.paths if r.access == RW]
+    assert full == [WT, SCRATCH, "/tmp", "/dev/shm"]
+    assert degraded == [WT, SCRATCH]
+
+
+def test_full_mode_network_on():
+    got = plan(network="on")
+    assert got.namespaces == NamespacePlan(user=True, mount=True, pid=True, net=False, uid=UID, gid=GID)
+    assert got.loopback is False
+    assert got.landlock.handled_net == 0
+    assert got.landlock.tcp_ports == []
+    assert got.seccomp == plan_seccomp(allow_inet=True)
+    assert got.mounts is not None
+    assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
+    assert got.protections["landlock"]["tcp"] == "not handled"  # type: ignore[index]
+    assert got.protections["mode"] == "full"
+    assert got.protections["leaves_open"] == []
+
+
+def test_full_mode_below_abi_6_is_degraded_for_want_of_scopes():
+    got = plan(k=kernel(abi=5))
+    assert got.landlock.scoped == 0
+    assert got.landlock.handled_fs == 0xFFFF
+    assert got.protections["mode"] == "degraded"
+    assert got.protections["leaves_open"] == [SCOPES_GAP]
+    assert got.protections["landlock"]["scopes"] == []  # type: ignore[index]
+
+
+@pytest.mark.parametrize("abi", [6, 7])
+def test_full_mode_needs_abi_6(abi: int):
+    assert plan(k=kernel(abi=abi)).protections["mode"] == "full"
+
+
+def test_read_only_worktree():
+    got = plan(read_only_policy())
+    assert got.writable is False
+    assert got.tools == ["read_file", "list_files", "search_files"]
+    assert got.landlock.paths == landlock_paths(userns=True, worktree_rw=False)
+    assert got.landlock.paths[0] == PathRule(WT, RO)
+    assert got.mounts == MountPlan(writable=[SCRATCH], visible=[SCRATCH, WT], private_tmp=SCRATCH + "/tmp",
+                                   hide=[RUNTIME], proc=True)
+    assert got.protections["worktree"] == "read-only"
+
+
+def test_read_only_worktree_degraded():
+    got = plan(read_only_policy(), kernel(userns=False))
+    assert got.landlock.paths == landlock_paths(userns=False, worktree_rw=False)
+    assert got.mounts is None
+
+
+def test_policy_paths_reach_landlock_and_mounts():
+    policy = Policy(filesystem=Filesystem(read_only=("/usr",), read_write=("/home/u/.cache",), devices=("/dev/tty",)))
+    got = plan(policy)
+    assert got.landlock.paths == [
+        PathRule("/usr", RO), PathRule("/proc", RO), PathRule(CODE, RO),
+        PathRule(WT, RW), PathRule(SCRATCH, RW), PathRule("/home/u/.cache", RW), PathRule("/tmp", RW),
+        PathRule("/dev/shm", RW), PathRule("/dev/tty", DEV),
+    ]
+    assert got.mounts is not None
+    assert got.mounts.writable == [WT, SCRATCH, "/home/u/.cache"]
+
+
+def test_a_runtime_dir_holding_the_worktree_is_not_hidden():
+    paths = SessionPaths(worktree=RUNTIME + "/wt", scratch=SCRATCH, runtime_dirs=[RUNTIME, "/run/user/1000x"],
+                         code=[CODE])
+    got = plan(paths=paths)
+    assert got.mounts is not None
+    assert got.mounts.hide == ["/run/user/1000x"]
+
+
+# -- degraded mode (no user namespaces) -----------------------------------------
+
+
+def test_degraded_mode_network_off():
+    got = plan(k=kernel(userns=False))
+    assert got.namespaces == NamespacePlan(user=False, mount=False, pid=False, net=False, uid=UID, gid=GID)
+    assert got.loopback is False
+    assert got.mounts is None
+    # No network namespace: seccomp refuses inet sockets and Landlock every TCP bind/connect.
+    assert got.seccomp == plan_seccomp(allow_inet=False)
+    assert got.landlock == LandlockPlan(abi=7, handled_fs=0xFFFF, handled_net=3, scoped=3,
+                                        paths=landlock_paths(userns=False), tcp_ports=[])
+    prot = got.protections
+    assert prot["mode"] == "degraded"
+    assert prot["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP]
+    assert "chmod" in prot["leaves_open"][0]  # type: ignore[index]
+    assert prot["namespaces"] == {"user": False, "mount": False, "pid": False, "net": False}
+    assert prot["network"] == {"mode": "off",
+                               "mechanism": "seccomp: no IPv4/IPv6 sockets, Landlock: no TCP bind/connect"}
+    assert prot["landlock"] == {"abi": 7, "filesystem": "enforced", "scopes": ["abstract_unix_socket", "signal"],
+                                "tcp": "denied"}
+    assert prot["hygiene"] == HYGIENE
+
+
+def test_degraded_mode_network_on():
+    got = plan(k=kernel(userns=False), network="on")
+    assert got.seccomp == plan_seccomp(allow_inet=True)
+    assert got.landlock.handled_net == 0
+    assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP]
+
+
+def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
+    got = plan(k=kernel(abi=3, userns=False))
+    assert got.seccomp == plan_seccomp(allow_inet=False)
+    assert got.landlock.handled_net == 0
+    assert got.landlock.handled_fs == 0x7FFF
+    assert got.landlock.scoped == 0
+    assert got.protections["network"] == {"mode": "off", "mechanism": "seccomp: no IPv4/IPv6 sockets"}
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SCOPES_GAP]
+    assert got.protections["landlock"]["tcp"] == "not handled"  # type: ignore[index]
+
+
+def test_degraded_mode_on_abi_1():
+    got = plan(k=kernel(abi=1, userns=False))
+    assert got.landlock.handled_fs == 0x1FFF
+    assert got.landlock.paths[len(SYSTEM) + 2] == PathRule(WT, RW & 0x1FFF)
+
+
+# -- the policy's user_namespaces choice -----------------------------------------
+
+
+def test_required_without_user_namespaces_is_refused():
+    err = refused(Policy(sandbox=Sandbox(user_namespaces="required")), kernel(userns=False))
+    assert err.step == "namespaces"
+    assert err.errno == 0
+    assert err.message == ("cannot apply namespaces: policy 'default' requires user namespaces: "
+                           "refused by the kernel: Permission denied")
+    assert err.code == "confinement_failed"
+
+
+def test_required_with_user_namespaces_is_full():
+    got = plan(Policy(sandbox=Sandbox(user_namespaces="required")))
+    assert got.namespaces.user is True
+    assert got.protections["mode"] == "full"
+
+
+def test_never_is_degraded_even_where_available():
+    got = plan(Policy(sandbox=Sandbox(user_namespaces="never")), kernel(userns=True))
+    assert got.namespaces == NamespacePlan(user=False, mount=False, pid=False, net=False, uid=UID, gid=GID)
+    assert got.mounts is None
+    assert got.seccomp.allow_inet is False
+    assert got.landlock.handled_net == 3
+    assert got == plan(k=kernel(userns=False))  # exactly the kernel-refused plan
+
+
+def test_auto_follows_the_kernel():
+    assert plan(Policy(sandbox=Sandbox(user_namespaces="auto")), kernel(userns=True)).namespaces.user is True
+    assert plan(Policy(sandbox=Sandbox(user_namespaces="auto")), kernel(userns=False)).namespaces.user is False
+
+
+# -- refusals ---------------------------------------------------------------------
+
+
+def test_no_landlock_is_refused():
+    err = refused(k=kernel(abi=0))
+    assert err.step == "landlock"
+    assert err.message == ("cannot apply landlock: policy 'default' needs Landlock ABI >= 1; "
+                           "this kernel offers: Landlock is not enabled in this kernel")
+
+
+def test_min_landlock_abi_above_the_kernels_is_refused():
+    err = refused(Policy(sandbox=Sandbox(min_landlock_abi=5)), kernel(abi=4))
+    assert err.step == "landlock"
+    assert err.message == "cannot apply landlock: policy 'default' needs Landlock ABI >= 5; this kernel offers: ABI 4"
+
+
+def test_min_landlock_abi_equal_to_the_kernels_is_accepted():
+    assert plan(Policy(sandbox=Sandbox(min_landlock_abi=4)), kernel(abi=4)).landlock.abi == 4
+
+
+def test_no_seccomp_is_refused():
+    err = refused(k=kernel(seccomp=False))
+    assert err.step == "seccomp"
+    assert err.message == "cannot apply seccomp: this kernel offers no seccomp filters with errno actions"
+
+
+@pytest.mark.parametrize("network", ["maybe", "", "OFF", "none", "true"])
+def test_unknown_network_mode_is_refused(network: str):
+    err = refused(network=network)
+    assert err.step == "network"
+    assert err.message == f"cannot apply network: network must be one of off, on, ports, not {network!r}"
+
+
+# -- network "ports" -----------------------------------------------------------------
+
+
+def test_ports_needs_landlock_abi_4():
+    err = refused(k=kernel(abi=3), network="ports")
+    assert err.step == "network"
+    assert err.message == ("cannot apply network: network 'ports' needs Landlock TCP rules (ABI 4); "
+                           "this kernel offers ABI 3")
+
+
+def test_ports_in_full_mode():
+    got = plan(network="ports", ports=NetworkPorts(connect=[443, 80], bind=[8080]))
+    assert got.namespaces.net is False
+    assert got.seccomp == plan_seccomp(allow_inet=True)
+    assert got.landlock.handled_net == 3
+    assert got.landlock.tcp_ports == [(80, 2), (443, 2), (8080, 1)]
+    assert got.protections["network"] == {
+        "mode": "ports", "mechanism": "host network; Landlock TCP: connect to 443, 80, bind 8080",
+        "connect_ports": [443, 80], "bind_ports": [8080]}
+    # The sandbox itself is whole; the network's caveat is listed all the same.
+    assert got.protections["mode"] == "full"
+    assert got.protections["leaves_open"] == [PORTS_GAP]
+
+
+def test_ports_default_to_the_policys():
+    policy = Policy(network=Network(default="ports", connect_ports=(22,), bind_ports=()))
+    got = plan(policy, network="ports")
+    assert got.landlock.tcp_ports == [(22, 2)]
+    assert got.protections["network"]["mechanism"] == "host network; Landlock TCP: connect to 22, bind none"  # type: ignore[index]
+
+
+def test_ports_in_degraded_mode():
+    got = plan(k=kernel(userns=False), network="ports", ports=NetworkPorts(connect=[], bind=[]))
+    assert got.seccomp == plan_seccomp(allow_inet=True)
+    assert got.landlock.handled_net == 3
+    assert got.landlock.tcp_ports == []
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, PORTS_GAP]
+
+
+def test_ports_are_ignored_unless_network_is_ports():
+    got = plan(network="on", ports=NetworkPorts(connect=[443], bind=[80]))
+    assert got.landlock.tcp_ports == []
+    assert "connect_ports" not in got.protections["network"]  # type: ignore[operator]
+
+
+# -- the environment -------------------------------------------------------------------
+
+DAEMON_ENV = {
+    "PATH": "/home/u/bin:/usr/bin",
+    "HOME": "/home/u",
+    "TMPDIR": "/run/user/1000",
+    "SHELL": "/usr/bin/zsh",
+    "TERM": "xterm-256color",
+    "LANG": "de_DE.UTF-8",
+    "TZ": "Europe/Berlin",
+    "USER": "u",
+    "LOGNAME": "u",
+    "SSH_AUTH_SOCK": "/run/user/1000/ssh-agent",
+    "DBUS_SESSION_BUS_ADDRESS": "unix:path=/run/user/1000/bus",
+    "XDG_RUNTIME_DIR": "/run/user/1000",
+    "AWS_SECRET_ACCESS_KEY": "hunter2",
+    "LD_PRELOAD": "/home/u/evil.so",
+    "PYTHONPATH": "/home/u/lib",
+    "DISPATCH_SOCKET": "/run/user/1000/dispatchd/dispatchd.sock",
+    "DISPATCH_SESSION": "spoofed",
+}
+
+
+def test_env_is_an_allowlist():
+    assert plan(base_env=DAEMON_ENV).env == {
+        "PATH": DEFAULT_PATH,
+        "HOME": SCRATCH + "/home",
+        "TMPDIR": SCRATCH + "/tmp",
+        "SHELL": "/bin/bash",
+        "TERM": "dumb",
+        "LANG": "de_DE.UTF-8",  # pass_through
+        "TZ": "Europe/Berlin",  # pass_through
+        "USER": "u",
+        "LOGNAME": "u",
+        "DISPATCH_SESSION": "s1",
+    }
+
+
+def test_env_without_a_daemon_env():
+    assert plan(base_env={}).env == {
+        "PATH": DEFAULT_PATH, "HOME": SCRATCH + "/home", "TMPDIR": SCRATCH + "/tmp", "SHELL": "/bin/bash",
+        "TERM": "dumb", "LANG": "C.UTF-8", "DISPATCH_SESSION": "s1",
+    }
+
+
+def test_env_pass_through_takes_only_the_listed_names():
+    policy = Policy(env=Env(pass_through=("PYTHONPATH", "NOT_SET")))
+    env = plan(policy, base_env=DAEMON_ENV).env
+    assert env["PYTHONPATH"] == "/home/u/lib"
+    assert "NOT_SET" not in env
+    assert env["LANG"] == "C.UTF-8"  # no longer passed through
+    assert "TZ" not in env
+    leaked = set(env) & (set(DAEMON_ENV) - {"PATH", "HOME", "TMPDIR", "SHELL", "TERM", "LANG", "USER", "LOGNAME",
+                                             "DISPATCH_SESSION", "PYTHONPATH"})
+    assert leaked == set()
+
+
+def test_env_set_overrides_everything():
+    policy = Policy(env=Env(set={"PATH": "/opt/tools/bin:/usr/bin", "CI": "1", "LANG": "C", "USER": "agent"}))
+    env = plan(policy, base_env=DAEMON_ENV).env
+    assert (env["PATH"], env["CI"], env["LANG"], env["USER"]) == ("/opt/tools/bin:/usr/bin", "1", "C", "agent")
+    assert env["HOME"] == SCRATCH + "/home"
+
+
+def test_env_does_not_change_the_callers_dict():
+    base = dict(DAEMON_ENV)
+    plan(base_env=base)
+    assert base == DAEMON_ENV
+
+
+def test_dispatch_session_names_the_session():
+    got = plan_session(Policy(), kernel(), session="abc123", paths=PATHS, network="off", uid=UID, gid=GID,
+                       base_env={"DISPATCH_SESSION": "x"})
+    assert got.env["DISPATCH_SESSION"] == "abc123"
+    assert got.session == "abc123"
+
+
+# -- the plan as data ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("userns", [True, False])
+@pytest.mark.parametrize("network", ["off", "on", "ports"])
+def test_plan_is_pure(userns: bool, network: str):
+    a = plan(k=kernel(userns=userns), network=network, base_env=dict(DAEMON_ENV))
+    b = plan(k=kernel(userns=userns), network=network, base_env=dict(DAEMON_ENV))
+    assert a == b
+
+
+@pytest.mark.parametrize("userns", [True, False])
+def test_plan_survives_the_trip_to_the_fork_server(userns: bool):
+    # The daemon sends the plan msgpack-encoded; the zygote decodes it typed.
+    got = plan(parse_policy("default", ""), kernel(userns=userns), "ports", dict(DAEMON_ENV),
+               NetworkPorts(connect=[443], bind=[8000]))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(got), type=SessionPlan)
+    assert back == got
+
+
+def test_the_plan_is_frozen():
+    got = plan()
+    with pytest.raises(AttributeError):
+        got.network = "on"  # type: ignore[misc]
+
+
+# -- plan_namespaces -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("use_userns", "network_off", "expected"),
+    [
+        (True, True, (True, True, True, True)),
+        (True, False, (True, True, True, False)),
+        (False, True, (False, False, False, False)),
+        (False, False, (False, False, False, False)),
+    ],
+)
+def test_plan_namespaces(use_userns: bool, network_off: bool, expected: tuple[bool, bool, bool, bool]):
+    got = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=1234, gid=5678)
+    assert got == NamespacePlan(*expected, uid=1234, gid=5678)
+

@@ -1,0 +1,503 @@
+"""dispatchd.protocol: messages, the codec, frames and fd passing over a socketpair.
+
+The wire tags and the header are pinned byte for byte: changing them breaks
+every client in the field. Frame tests run over a real ``socket.socketpair``
+with a timeout, so a reader that waits for bytes it should not need fails
+instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+
+from dispatchd import protocol as p
+from dispatchd.protocol import FrameSocket, FrameTooLarge, ProtocolError
+
+INFO = p.SessionInfo(id="a1b2c3", worktree="/home/u/wt", policy="default", network="off", created=1700000000.5,
+                     protections={"mode": "full", "leaves_open": []}, limits={"command_timeout_s": 120.0},
+                     note="n")
+SCHEMA = p.ToolSchema(name="read_file", description="Read a file.",
+                      parameters={"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]})
+
+# One instance of every message, with every optional field set, and the
+# decoders that must accept it (its direction's union).
+SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
+    p.Hello: (p.Hello(id=1, version=1, client="dispatch 0.1"), {"daemon_request"}),
+    p.OpenSession: (p.OpenSession(id=2, worktree="/home/u/wt", policy="read-only", network="ports",
+                                  ports=[443], bind_ports=[8080]), {"daemon_request"}),
+    p.CloseSession: (p.CloseSession(id=3, session="a1b2c3"), {"daemon_request"}),
+    p.ListSessions: (p.ListSessions(id=4), {"daemon_request"}),
+    p.SetNetwork: (p.SetNetwork(id=5, session="a1b2c3", network="ports", ports=[80], bind_ports=[]), {"daemon_request"}),
+    p.Status: (p.Status(id=6), {"daemon_request"}),
+    p.Attach: (p.Attach(id=7, session="a1b2c3"), {"daemon_request"}),
+    p.ListTools: (p.ListTools(id=8, policy="read-only"), {"daemon_request"}),
+    p.HelloOk: (p.HelloOk(id=1, version=1, daemon_version="0.1.0"), {"daemon_reply"}),
+    p.SessionReply: (p.SessionReply(id=2, session=INFO), {"daemon_reply"}),
+    p.SessionsReply: (p.SessionsReply(id=4, sessions=[INFO, INFO]), {"daemon_reply"}),
+    p.StatusReply: (p.StatusReply(id=6, daemon_version="0.1.0", pid=1234, socket="/run/user/1000/dispatchd/dispatchd.sock",
+                                  kernel={"landlock_abi": 7, "seccomp_actions": ["kill", "errno"]}, sessions=[INFO]),
+                    {"daemon_reply"}),
+    p.Attached: (p.Attached(id=7, session=INFO, tools=[SCHEMA]), {"daemon_reply"}),
+    p.ToolsReply: (p.ToolsReply(id=8, tools=[SCHEMA]), {"daemon_reply"}),
+    p.OkReply: (p.OkReply(id=9), {"daemon_reply", "control"}),
+    p.ErrorReply: (p.ErrorReply(id=10, code="bad_policy", message="no policy named 'x'"),
+                   {"daemon_reply", "worker", "control", "zygote_reply"}),
+    p.CallTool: (p.CallTool(id=11, tool="shell_exec", params={"command": "ls -l", "timeout": 1.5, "cwd": None,
+                                                               "nested": {"a": [1, True]}}), {"worker"}),
+    p.ToolReply: (p.ToolReply(id=11, success=False, output="out", error="exit 1",
+                              metadata={"exit_code": 1, "stdout": "", "truncated": False}), {"worker"}),
+    p.WorkerReady: (p.WorkerReady(pid=4321, protections={"mode": "degraded"}, timings_ms={"landlock": 0.25}),
+                    {"control"}),
+    p.WorkerFailed: (p.WorkerFailed(step="landlock: add path rule", errno=13, path="/opt",
+                                    message="cannot apply landlock: add path rule (/opt): EACCES"), {"control"}),
+    p.AddChannel: (p.AddChannel(id=12), {"control"}),
+    p.AcquireWriteLock: (p.AcquireWriteLock(id=13), {"control"}),
+    p.ToolCallDone: (p.ToolCallDone(tool="read_file", duration_ms=1.5, success=True), {"control"}),
+    p.Drain: (p.Drain(deadline_s=30.0), {"control"}),
+    p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"zygote_request"}),
+    p.Spawned: (p.Spawned(id=14, pid=999), {"zygote_reply"}),
+}
+DECODERS = {
+    "daemon_request": p.daemon_request_decoder,
+    "daemon_reply": p.daemon_reply_decoder,
+    "worker": p.worker_decoder,
+    "control": p.control_decoder,
+    "zygote_request": p.zygote_request_decoder,
+    "zygote_reply": p.zygote_reply_decoder,
+}
+TAGS = {
+    "Hello": "hello", "OpenSession": "open_session", "CloseSession": "close_session",
+    "ListSessions": "list_sessions", "SetNetwork": "set_network", "Status": "status", "Attach": "attach",
+    "ListTools": "list_tools", "HelloOk": "hello_ok", "SessionReply": "session", "SessionsReply": "sessions",
+    "StatusReply": "status_reply", "Attached": "attached", "ToolsReply": "tools", "OkReply": "ok",
+    "ErrorReply": "error", "CallTool": "call_tool", "ToolReply": "tool_reply", "WorkerReady": "worker_ready",
+    "WorkerFailed": "worker_failed", "AddChannel": "add_channel", "SpawnWorker": "spawn_worker",
+    "Spawned": "spawned", "AcquireWriteLock": "acquire_write_lock",
+    "ToolCallDone": "tool_call_done", "Drain": "drain",
+}
+
+
+def payload_of(msg: msgspec.Struct) -> bytes:
+    return p.encode(msg)[4:]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.settimeout(5)
+    b.settimeout(5)
+    yield a, b
+    a.close()
+    b.close()
+
+
+# -- messages -----------------------------------------------------------------
+
+
+def test_constants():
+    assert p.PROTOCOL_VERSION == 1
+    assert p.MAX_FRAME == 64 * 1024 * 1024
+
+
+def test_every_message_type_has_a_sample():
+    assert {cls.__name__ for cls in p._Msg.__subclasses__()} == {cls.__name__ for cls in SAMPLES}
+
+
+def test_wire_tags_are_pinned():
+    assert {cls.__name__: cls.__struct_config__.tag for cls in p._Msg.__subclasses__()} == TAGS
+    assert all(cls.__struct_config__.tag_field == "op" for cls in p._Msg.__subclasses__())
+
+
+@pytest.mark.parametrize("cls", list(SAMPLES), ids=lambda c: c.__name__)
+def test_round_trip_through_each_accepting_decoder(cls: type):
+    msg, accepted = SAMPLES[cls]
+    for name in accepted:
+        back = p.decode(DECODERS[name], payload_of(msg))
+        assert type(back) is cls
+        assert back == msg
+
+
+@pytest.mark.parametrize("cls", list(SAMPLES), ids=lambda c: c.__name__)
+def test_other_directions_refuse_the_message(cls: type):
+    msg, accepted = SAMPLES[cls]
+    for name in set(DECODERS) - accepted:
+        with pytest.raises(ProtocolError) as info:
+            p.decode(DECODERS[name], payload_of(msg))
+        assert info.value.args[0] == f"undecodable message: Invalid value '{TAGS[cls.__name__]}' - at `$.op`"
+
+
+def test_messages_are_frozen():
+    msg = p.Hello(id=1, version=1)
+    with pytest.raises(AttributeError):
+        msg.id = 2  # type: ignore[misc]
+
+
+def test_the_tag_is_on_the_wire():
+    assert msgspec.msgpack.decode(payload_of(p.Attach(id=3, session="s"))) == {"op": "attach", "id": 3, "session": "s"}
+
+
+def test_defaults_fill_omitted_fields():
+    raw = msgspec.msgpack.encode({"op": "open_session", "id": 1, "worktree": "/w"})
+    assert p.decode(p.daemon_request_decoder, raw) == p.OpenSession(
+        id=1, worktree="/w", policy="default", network=None, ports=None, bind_ports=None)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"op": "hello", "id": 1, "version": 1, "extra": 2}, "Object contains unknown field `extra`"),
+        ({"op": "open_session", "id": 1, "worktree": "/w", "polcy": "x"}, "Object contains unknown field `polcy`"),
+        ({"op": "hello", "id": "1", "version": 1}, "Expected `int`, got `str` - at `$.id`"),
+        ({"op": "hello", "version": 1}, "Object missing required field `id`"),
+        ({"id": 1, "version": 1}, "Object missing required field `op`"),
+        ({"op": "shutdown", "id": 1}, "Invalid value 'shutdown' - at `$.op`"),
+    ],
+)
+def test_bad_requests_are_protocol_errors(raw: dict[str, Any], message: str):
+    with pytest.raises(ProtocolError) as info:
+        p.decode(p.daemon_request_decoder, msgspec.msgpack.encode(raw))
+    assert type(info.value) is p.BadMessage  # answered with an ErrorReply; the connection stays
+    assert info.value.args[0] == f"undecodable message: {message}"
+    assert isinstance(info.value.__cause__, msgspec.ValidationError)
+
+
+def test_unknown_fields_are_refused_in_nested_structs():
+    info = msgspec.to_builtins(INFO)
+    info["secret"] = 1
+    raw = msgspec.msgpack.encode({"op": "session", "id": 1, "session": info})
+    with pytest.raises(ProtocolError) as err:
+        p.decode(p.daemon_reply_decoder, raw)
+    assert err.value.args[0] == "undecodable message: Object contains unknown field `secret` - at `$.session`"
+
+
+def test_every_message_forbids_unknown_fields():
+    assert all(cls.__struct_config__.forbid_unknown_fields for cls in p._Msg.__subclasses__())
+    assert p.SessionInfo.__struct_config__.forbid_unknown_fields
+    assert p.ToolSchema.__struct_config__.forbid_unknown_fields
+
+
+def test_garbage_is_a_protocol_error():
+    with pytest.raises(ProtocolError) as info:
+        p.decode(p.daemon_request_decoder, b"\xc1")
+    assert type(info.value) is p.BadMessage
+    assert info.value.args[0] == "undecodable message: MessagePack data is malformed: invalid opcode '\\xc1' (byte 0)"
+    assert isinstance(info.value.__cause__, msgspec.DecodeError)
+
+
+def test_absurd_nesting_is_a_bad_message_not_a_crash():
+    head = msgspec.msgpack.encode({"op": "call_tool", "id": 1, "tool": "x"})
+    payload = b"\x84" + head[1:] + b"\xa6params" + b"\x81\xa1a" + b"\x91" * 200000 + b"\x00"
+    with pytest.raises(p.BadMessage) as info:
+        p.decode(p.worker_decoder, payload)
+    assert info.value.args[0] == "undecodable message: maximum recursion depth exceeded while deserializing an object"
+    assert p.request_id_of(payload) == 0
+
+
+# -- the frame header -------------------------------------------------------------
+
+
+def test_frame_header_is_a_big_endian_length():
+    assert p.encode(p.OkReply(id=7)) == b"\x00\x00\x00\x0b" + b"\x82\xa2op\xa2ok\xa2id\x07"
+
+
+def test_frame_header_of_a_larger_frame():
+    frame = p.encode(p.SpawnWorker(id=1, plan=b"x" * 70000))
+    (length,) = struct.unpack(">I", frame[:4])
+    assert length == len(frame) - 4
+    assert frame[:4] == (len(frame) - 4).to_bytes(4, "big")
+    assert length > 70000
+
+
+def test_encode_refuses_a_frame_over_the_limit(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(p, "MAX_FRAME", 10)
+    with pytest.raises(FrameTooLarge) as info:
+        p.encode(p.OkReply(id=7))
+    assert info.value.args[0] == "frame of 11 bytes exceeds the 10-byte limit"
+    monkeypatch.setattr(p, "MAX_FRAME", 11)
+    assert p.encode(p.OkReply(id=7)) == b"\x00\x00\x00\x0b\x82\xa2op\xa2ok\xa2id\x07"
+
+
+def test_error_classes():
+    assert issubclass(FrameTooLarge, ProtocolError)
+    assert issubclass(p.BadMessage, ProtocolError)
+    assert not issubclass(FrameTooLarge, p.BadMessage)
+
+
+# -- request_id_of ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        (b"\xc1", 0),
+        (b"", 0),
+        (b"\x82\xa2op", 0),  # truncated
+        (msgspec.msgpack.encode([1, 2, 3]), 0),
+        (msgspec.msgpack.encode(42), 0),
+        (msgspec.msgpack.encode({"op": "nope"}), 0),
+        (msgspec.msgpack.encode({"id": "17"}), 0),
+        (msgspec.msgpack.encode({"id": True}), 0),
+        (msgspec.msgpack.encode({"id": 1.5}), 0),
+        (msgspec.msgpack.encode({"id": None}), 0),
+        (b"\x91" * 200000 + b"\x00", 0),  # absurdly nested arrays
+        (b"\x81\xa2id" * 200000 + b"\x00", 0),  # absurdly nested maps
+        (msgspec.msgpack.encode({"id": 17}), 17),
+        (msgspec.msgpack.encode({"id": -3}), -3),
+        (msgspec.msgpack.encode({"id": 2**64 - 1}), 2**64 - 1),
+        (msgspec.msgpack.encode({"op": "shutdown", "id": 99, "junk": [1]}), 99),
+    ],
+)
+def test_request_id_of(payload: bytes, expected: int):
+    assert p.request_id_of(payload) == expected
+
+
+def test_request_id_of_a_valid_request():
+    assert p.request_id_of(payload_of(p.Attach(id=123456, session="s"))) == 123456
+
+
+# -- FrameSocket --------------------------------------------------------------------
+
+
+def test_several_frames_in_one_recv(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    msgs = [p.Status(id=1), p.Attach(id=2, session="s"), p.ListTools(id=3)]
+    a.sendall(b"".join(p.encode(m) for m in msgs))
+    a.close()
+    reader = FrameSocket(b)
+    assert [reader.recv(p.daemon_request_decoder) for _ in msgs] == msgs
+    assert reader.recv(p.daemon_request_decoder) is None
+
+
+def test_send_and_recv_through_frame_sockets(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    writer, reader = FrameSocket(a), FrameSocket(b)
+    for msg, _ in SAMPLES.values():
+        writer.send(msg)
+    got = [reader.recv_payload() for _ in SAMPLES]
+    assert got == [payload_of(msg) for msg, _ in SAMPLES.values()]
+
+
+class _Trickle:
+    """A socket whose reads return at most one byte: every frame arrives split."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reads = 0
+
+    def recv(self, n: int) -> bytes:
+        self.reads += 1
+        return self.sock.recv(min(n, 1))
+
+
+def test_a_frame_split_into_single_bytes(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    msg = p.CallTool(id=5, tool="read_file", params={"path": "src/main.py"})
+    frame = p.encode(msg)
+    for i in range(len(frame)):
+        a.send(frame[i : i + 1])
+    trickle = _Trickle(b)
+    reader = FrameSocket(trickle)  # type: ignore[arg-type]
+    assert reader.recv(p.worker_decoder) == msg
+    assert trickle.reads == len(frame)
+
+
+def test_a_frame_split_across_sends_over_time(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    msg = p.ToolReply(id=9, success=True, output="x" * 5000)
+    frame = p.encode(msg)
+    chunks = [frame[:2], frame[2:4], frame[4:10], frame[10:3000], frame[3000:]]
+
+    def send_slowly() -> None:
+        for chunk in chunks:
+            time.sleep(0.01)
+            a.sendall(chunk)
+
+    sender = threading.Thread(target=send_slowly)
+    sender.start()
+    try:
+        assert FrameSocket(b).recv(p.worker_decoder) == msg
+    finally:
+        sender.join()
+
+
+def test_eof_between_frames_is_none(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    a.sendall(p.encode(p.OkReply(id=1)))
+    a.shutdown(socket.SHUT_WR)
+    reader = FrameSocket(b)
+    assert reader.recv(p.control_decoder) == p.OkReply(id=1)
+    assert reader.recv(p.control_decoder) is None
+    assert reader.recv_payload() is None
+
+
+def test_eof_before_anything_is_none(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    a.shutdown(socket.SHUT_WR)
+    assert FrameSocket(b).recv_payload() is None
+
+
+def test_eof_inside_the_header_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    a.sendall(b"\x00\x00")
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(ProtocolError) as info:
+        FrameSocket(b).recv_payload()
+    assert info.value.args[0] == "connection closed inside a frame header"
+
+
+def test_eof_inside_the_payload_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    a.sendall(p.encode(p.OkReply(id=1))[:-1])
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(ProtocolError) as info:
+        FrameSocket(b).recv_payload()
+    assert type(info.value) is ProtocolError
+    assert info.value.args[0] == "connection closed inside a frame"
+
+
+def test_oversized_length_is_refused_without_reading_the_payload(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    # Only the header is sent and the peer stays open: a reader that waited for
+    # the payload would block until the 5 s timeout and raise TimeoutError.
+    a.sendall(struct.pack(">I", p.MAX_FRAME + 1))
+    started = time.monotonic()
+    with pytest.raises(FrameTooLarge) as info:
+        FrameSocket(b).recv_payload()
+    assert time.monotonic() - started < 2
+    assert info.value.args[0] == f"frame of {p.MAX_FRAME + 1} bytes exceeds the {p.MAX_FRAME}-byte limit"
+
+
+def test_the_largest_length_prefix_is_not_too_large(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    a.sendall(struct.pack(">I", p.MAX_FRAME) + b"abc")
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(ProtocolError) as info:
+        FrameSocket(b).recv_payload()
+    assert type(info.value) is ProtocolError  # waited for the payload, not FrameTooLarge
+    assert info.value.args[0] == "connection closed inside a frame"
+
+
+def test_garbage_payload_through_recv(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    a.sendall(b"\x00\x00\x00\x01\xc1" + p.encode(p.Status(id=2)))
+    reader = FrameSocket(b)
+    with pytest.raises(p.BadMessage):
+        reader.recv(p.daemon_request_decoder)
+    # The frame boundary is kept: the next frame still decodes.
+    assert reader.recv(p.daemon_request_decoder) == p.Status(id=2)
+
+
+def test_fileno(pair: tuple[socket.socket, socket.socket]):
+    a, _ = pair
+    assert FrameSocket(a).fileno() == a.fileno()
+
+
+# -- fd passing ---------------------------------------------------------------------
+
+
+class Pipe:
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe()
+
+    def close_write(self) -> None:
+        os.close(self.w)
+        self.w = -1
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
+            if fd >= 0:
+                os.close(fd)
+        self.r = self.w = -1
+
+
+@pytest.fixture
+def pipes() -> Iterator[Callable[[], Pipe]]:
+    made: list[Pipe] = []
+
+    def make() -> Pipe:
+        made.append(Pipe())
+        return made[-1]
+
+    yield make
+    for pipe in made:
+        pipe.close()
+
+
+def fd_pair(pair: tuple[socket.socket, socket.socket]) -> tuple[FrameSocket, FrameSocket]:
+    return FrameSocket(pair[0], fds=True), FrameSocket(pair[1], fds=True)
+
+
+def test_fd_passing_gives_a_working_fd(pair: tuple[socket.socket, socket.socket], pipes: Callable[[], Pipe]):
+    pipe = pipes()
+    writer, reader = fd_pair(pair)
+    writer.send(p.AddChannel(id=1), fds=[pipe.w])
+    assert reader.recv(p.control_decoder) == p.AddChannel(id=1)
+    fd = reader.take_fd()
+    assert fd not in (pipe.r, pipe.w)
+    assert os.write(fd, b"through the passed fd") == 21
+    os.close(fd)
+    assert os.read(pipe.r, 100) == b"through the passed fd"
+    with pytest.raises(ProtocolError) as info:
+        reader.take_fd()
+    assert info.value.args[0] == "expected a file descriptor with this message, none came"
+
+
+def test_fd_rides_with_a_large_frame(pair: tuple[socket.socket, socket.socket], pipes: Callable[[], Pipe]):
+    pipe = pipes()
+    msg = p.SpawnWorker(id=2, plan=b"p" * 200000)
+    writer, reader = fd_pair(pair)
+    sender = threading.Thread(target=writer.send, args=(msg,), kwargs={"fds": [pipe.r]})
+    sender.start()
+    try:
+        assert reader.recv(p.zygote_request_decoder) == msg
+    finally:
+        sender.join()
+    fd = reader.take_fd()
+    os.write(pipe.w, b"z")
+    assert os.read(fd, 1) == b"z"
+    os.close(fd)
+
+
+def test_take_fd_without_any_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]):
+    writer, reader = fd_pair(pair)
+    writer.send(p.AddChannel(id=1))
+    assert reader.recv(p.control_decoder) == p.AddChannel(id=1)
+    with pytest.raises(ProtocolError) as info:
+        reader.take_fd()
+    assert info.value.args[0] == "expected a file descriptor with this message, none came"
+
+
+def test_fds_are_taken_in_order(pair: tuple[socket.socket, socket.socket], pipes: Callable[[], Pipe]):
+    first_pipe, second_pipe = pipes(), pipes()
+    writer, reader = fd_pair(pair)
+    writer.send(p.AddChannel(id=1), fds=[first_pipe.w])
+    writer.send(p.AddChannel(id=2), fds=[second_pipe.w])
+    assert reader.recv(p.control_decoder) == p.AddChannel(id=1)
+    first = reader.take_fd()
+    assert reader.recv(p.control_decoder) == p.AddChannel(id=2)
+    second = reader.take_fd()
+    os.write(first, b"1")
+    os.write(second, b"2")
+    os.close(first)
+    os.close(second)
+    assert (os.read(first_pipe.r, 9), os.read(second_pipe.r, 9)) == (b"1", b"2")
+
+
+def test_close_closes_untaken_fds(pair: tuple[socket.socket, socket.socket], pipes: Callable[[], Pipe]):
+    pipe = pipes()
+    writer, reader = fd_pair(pair)
+    writer.send(p.AddChannel(id=1), fds=[pipe.w])
+    assert reader.recv(p.control_decoder) == p.AddChannel(id=1)
+    pipe.close_write()
+    reader.close()
+    # The only remaining write end was the queued fd: closing it is EOF.
+    assert os.read(pipe.r, 1) == b""

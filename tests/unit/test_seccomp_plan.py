@@ -1,0 +1,239 @@
+"""dispatchd.confine.seccomp: what the plan denies, with which errno; the compiled program.
+
+``verdict`` evaluates a plan the way libseccomp will: a call is denied by the
+first rule for its syscall whose argument checks all match (checks within a
+rule are ANDed, rules are ORed), and allowed when none does. The tests then
+ask about concrete calls, as a sandboxed process would make them.
+"""
+
+from __future__ import annotations
+
+import errno
+import platform
+import socket
+import struct
+
+import pytest
+
+from dispatchd.confine import seccomp
+from dispatchd.confine.seccomp import ArgCheck, SeccompPlan, SeccompRule, compile_seccomp, plan_seccomp
+
+DENIED_ALWAYS = {
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot",
+    "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig", "fspick", "mount_setattr",
+    "ptrace", "process_vm_readv", "process_vm_writev",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "bpf", "perf_event_open", "userfaultfd",
+    "keyctl", "add_key", "request_key",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "open_by_handle_at", "name_to_handle_at", "acct", "swapon", "swapoff", "reboot",
+    "syslog", "quotactl", "lookup_dcookie", "vhangup",
+}
+CLONE_NEW = {
+    "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
+    "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
+    "CLONE_NEWNET": 0x40000000,
+}
+# What glibc passes for fork() and pthread_create(): neither may be refused.
+FORK_FLAGS = 0x01200011  # CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD
+THREAD_FLAGS = 0x003D0F00  # VM|FS|FILES|SIGHAND|THREAD|SYSVSEM|SETTLS|PARENT_SETTID|CHILD_CLEARTID
+TIOCSTI, TIOCLINUX, FIONREAD, TIOCGWINSZ = 0x5412, 0x541C, 0x541B, 0x5413
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+
+
+def _matches(check: ArgCheck, args: tuple[int, ...]) -> bool:
+    value = args[check.arg] if check.arg < len(args) else 0
+    if check.op == "eq":
+        return value == check.value
+    if check.op == "ne":
+        return value != check.value
+    if check.op == "ge":
+        return value >= check.value
+    if check.op == "masked_eq":
+        return value & check.mask == check.value
+    raise AssertionError(f"unknown op {check.op!r}")
+
+
+def verdict(plan: SeccompPlan, syscall: str, *args: int) -> int | None:
+    """The errno the filter answers, or None when the call is allowed."""
+    for rule in plan.rules:
+        if rule.syscall == syscall and all(_matches(c, args) for c in rule.args):
+            return rule.errno
+    return None
+
+
+@pytest.fixture(params=[False, True], ids=["no-inet", "inet"])
+def any_plan(request: pytest.FixtureRequest) -> SeccompPlan:
+    return plan_seccomp(allow_inet=request.param)
+
+
+NO_INET = plan_seccomp(allow_inet=False)
+INET = plan_seccomp(allow_inet=True)
+
+
+# -- the plan's shape -------------------------------------------------------------
+
+
+def test_allow_inet_is_recorded():
+    assert (NO_INET.allow_inet, INET.allow_inet) == (False, True)
+
+
+def test_plan_is_pure():
+    assert plan_seccomp(allow_inet=False) == NO_INET
+    assert plan_seccomp(allow_inet=True) == INET
+    assert NO_INET != INET
+
+
+def test_unconditional_denials_are_exactly_the_list(any_plan: SeccompPlan):
+    unconditional = {r.syscall: r.errno for r in any_plan.rules if not r.args}
+    assert unconditional == {**{name: errno.EPERM for name in DENIED_ALWAYS}, "clone3": errno.ENOSYS}
+
+
+def test_only_clone3_answers_enosys(any_plan: SeccompPlan):
+    assert {r.syscall for r in any_plan.rules if r.errno != errno.EPERM} == {"clone3"}
+    assert {r.errno for r in any_plan.rules} == {errno.EPERM, errno.ENOSYS}
+
+
+def test_conditional_rules_touch_only_these_syscalls(any_plan: SeccompPlan):
+    assert {r.syscall for r in any_plan.rules if r.args} == {"clone", "ioctl", "socket", "socketpair"}
+
+
+def test_the_two_plans_differ_only_in_inet_sockets():
+    extra = [r for r in NO_INET.rules if r not in INET.rules]
+    assert extra == [SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_INET)]),
+                     SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_INET6)])]
+    assert all(r in NO_INET.rules for r in INET.rules)
+
+
+def test_rule_count():
+    # 40 always + 7 clone flags + clone3 + 2 ioctls + (46 families - allowed) + ge + netlink + 45 socketpair
+    assert len(INET.rules) == 40 + 7 + 1 + 2 + (46 - 3) + 1 + 1 + 45
+    assert len(NO_INET.rules) == len(INET.rules) + 2
+
+
+@pytest.mark.parametrize("name", sorted(DENIED_ALWAYS))
+def test_always_denied_with_eperm(any_plan: SeccompPlan, name: str):
+    assert verdict(any_plan, name, 0, 0, 0) == errno.EPERM
+
+
+@pytest.mark.parametrize("name", ["read", "write", "openat", "execve", "fork", "vfork", "wait4", "kill", "mmap",
+                                  "connect", "bind", "chmod", "unlinkat"])
+def test_ordinary_syscalls_are_allowed(any_plan: SeccompPlan, name: str):
+    assert verdict(any_plan, name, 0, 0, 0) is None
+
+
+# -- sockets ------------------------------------------------------------------------
+
+
+def test_unix_sockets_are_denied_always(any_plan: SeccompPlan):
+    for sock_type in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET,
+                      socket.SOCK_STREAM | socket.SOCK_CLOEXEC):
+        assert verdict(any_plan, "socket", socket.AF_UNIX, sock_type, 0) == errno.EPERM
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_inet_sockets_follow_allow_inet(family: int):
+    for sock_type, proto in ((socket.SOCK_STREAM, 0), (socket.SOCK_DGRAM, 0), (socket.SOCK_DGRAM, 17)):
+        assert verdict(INET, "socket", family, sock_type, proto) is None
+        assert verdict(NO_INET, "socket", family, sock_type, proto) == errno.EPERM
+
+
+def test_netlink_only_protocol_zero(any_plan: SeccompPlan):
+    assert verdict(any_plan, "socket", socket.AF_NETLINK, socket.SOCK_RAW, 0) is None  # NETLINK_ROUTE
+    for proto in (9, 15, 16, 0xFFFFFFFF):  # audit, kobject uevent, generic, garbage
+        assert verdict(any_plan, "socket", socket.AF_NETLINK, socket.SOCK_RAW, proto) == errno.EPERM
+
+
+@pytest.mark.parametrize("family", [socket.AF_PACKET, 3, 4, 5, 9, 29, 38, 40, 44, 45])  # packet, ax25, ipx, ...
+def test_other_families_are_denied(any_plan: SeccompPlan, family: int):
+    assert verdict(any_plan, "socket", family, socket.SOCK_STREAM, 0) == errno.EPERM
+
+
+@pytest.mark.parametrize("family", [46, 100, 0xFFFF, 0xFFFFFFFF, 0x1_0000_0002])
+def test_families_past_the_known_range_are_denied(any_plan: SeccompPlan, family: int):
+    # 0x1_0000_0002: AF_INET with garbage in the upper half of the register.
+    assert verdict(any_plan, "socket", family, socket.SOCK_STREAM, 0) == errno.EPERM
+
+
+def test_af_unspec_is_denied(any_plan: SeccompPlan):
+    assert verdict(any_plan, "socket", 0, socket.SOCK_STREAM, 0) == errno.EPERM
+
+
+def test_socketpair_only_af_unix(any_plan: SeccompPlan):
+    assert verdict(any_plan, "socketpair", socket.AF_UNIX, socket.SOCK_STREAM, 0) is None
+    assert verdict(any_plan, "socketpair", socket.AF_UNIX, socket.SOCK_DGRAM, 0) is None
+    for family in (0, socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK, 45):
+        assert verdict(any_plan, "socketpair", family, socket.SOCK_STREAM, 0) == errno.EPERM
+
+
+def test_inet_sockets_need_allow_inet_but_netlink_route_never_does():
+    assert verdict(NO_INET, "socket", socket.AF_NETLINK, socket.SOCK_DGRAM, 0) is None
+
+
+# -- clone, clone3, ioctl -------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", sorted(CLONE_NEW.values()), ids=sorted(CLONE_NEW, key=CLONE_NEW.get))
+def test_clone_with_a_namespace_flag_is_denied(any_plan: SeccompPlan, flag: int):
+    assert verdict(any_plan, "clone", flag) == errno.EPERM
+    assert verdict(any_plan, "clone", flag | FORK_FLAGS) == errno.EPERM
+
+
+def test_clone_with_every_namespace_flag_is_denied(any_plan: SeccompPlan):
+    assert verdict(any_plan, "clone", sum(CLONE_NEW.values()) | 17) == errno.EPERM
+
+
+def test_fork_and_threads_are_allowed(any_plan: SeccompPlan):
+    assert verdict(any_plan, "clone", FORK_FLAGS) is None
+    assert verdict(any_plan, "clone", THREAD_FLAGS) is None
+    assert verdict(any_plan, "clone", 17) is None  # plain SIGCHLD
+
+
+def test_clone3_answers_enosys_so_libc_falls_back(any_plan: SeccompPlan):
+    assert verdict(any_plan, "clone3", 0, 88) == errno.ENOSYS
+
+
+@pytest.mark.parametrize("request_", [TIOCSTI, TIOCLINUX])
+def test_terminal_injection_ioctls_are_denied(any_plan: SeccompPlan, request_: int):
+    assert verdict(any_plan, "ioctl", 0, request_) == errno.EPERM
+    # The kernel compares the command as a 32-bit int: high bits must not slip past.
+    assert verdict(any_plan, "ioctl", 0, request_ | 0xFFFFFFFF_00000000) == errno.EPERM
+
+
+@pytest.mark.parametrize("request_", [FIONREAD, TIOCGWINSZ, 0x5401])  # 0x5401 TCGETS
+def test_other_ioctls_are_allowed(any_plan: SeccompPlan, request_: int):
+    assert verdict(any_plan, "ioctl", 1, request_) is None
+
+
+def test_module_constants():
+    assert (seccomp.TIOCSTI, seccomp.TIOCLINUX) == (TIOCSTI, TIOCLINUX)
+    assert set(seccomp._DENIED_ALWAYS) == DENIED_ALWAYS
+    assert len(seccomp._DENIED_ALWAYS) == len(DENIED_ALWAYS)
+
+
+# -- the compiled program ---------------------------------------------------------
+
+
+def _seccomp_status() -> str:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return "".join(line for line in f if line.startswith("Seccomp"))
+
+
+@pytest.mark.parametrize("allow_inet", [False, True])
+def test_compile_seccomp_gives_whole_bpf_instructions(allow_inet: bool):
+    before = _seccomp_status()
+    program = compile_seccomp(plan_seccomp(allow_inet=allow_inet))
+    assert _seccomp_status() == before  # compiled only, not installed
+    assert isinstance(program, bytes)
+    assert len(program) > 0
+    assert len(program) % 8 == 0
+    # libseccomp starts by loading seccomp_data.arch (BPF_LD|BPF_W|BPF_ABS, k=4)
+    # and comparing it with this machine's audit arch (BPF_JMP|BPF_JEQ|BPF_K).
+    assert struct.unpack_from("<HBBI", program, 0) == (0x20, 0, 0, 4)
+    code, _jt, _jf, k = struct.unpack_from("<HBBI", program, 8)
+    assert (code, k) == (0x15, AUDIT_ARCH[platform.machine()])
+
+
+def test_compile_seccomp_is_deterministic_and_follows_the_plan():
+    assert compile_seccomp(NO_INET) == compile_seccomp(plan_seccomp(allow_inet=False))
+    assert compile_seccomp(NO_INET) != compile_seccomp(INET)
