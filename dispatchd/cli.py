@@ -110,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
               "sessions cannot be confined, so none will be opened.", file=sys.stderr)
         return 1
 
-    socket_path = paths.resolve_socket_path(args.socket)
+    try:
+        handed = systemd.listen_socket()  # systemd's socket, if it passed one
+    except (DispatchdError, OSError) as exc:
+        print(f"dispatchd: {exc}", file=sys.stderr)
+        return 1
+    # A socket systemd passed is where clients connect, whatever --socket says.
+    socket_path = handed.getsockname() if handed is not None else paths.resolve_socket_path(args.socket)
     state = paths.state_dir()
     # The fork server first: it must be forked while we have a single thread.
     from dispatchd.daemon.spawn import ZygoteClient
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths.ensure_private_dir(state)
         paths.ensure_private_dir(os.path.join(state, "sessions"))
-        listener = systemd.listen_socket()
+        listener = handed
         owns_socket = listener is None
         if listener is None:
             listener = _bind(socket_path)

@@ -84,8 +84,10 @@ RestartPreventExitStatus=2
 # session's processes, and exits; whatever is left in the cgroup after that
 # (sessions stay in the service's cgroup) gets SIGKILL from systemd.
 KillMode=mixed
-# The daemon gives its sessions 10 s to end; then the SIGKILL above.
-TimeoutStopSec=30
+# On SIGTERM the daemon lets calls in flight finish for up to --stop-timeout
+# (30 s by default), then ends the sessions; past 50 s, the SIGKILL above.
+# Raise it with --stop-timeout.
+TimeoutStopSec=50
 # A cgroup subtree the daemon may manage, for per-session cgroups (limits, and
 # ending a session with cgroup.kill). Nothing uses it yet.
 Delegate=yes

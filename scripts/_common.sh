@@ -15,6 +15,8 @@ as_unprivileged_user() {
     ldconfig -p | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)
     command -v git >/dev/null || missing+=(git)
     command -v runuser >/dev/null || missing+=(util-linux)
+    # systemd-analyze and systemd-socket-activate, for tests/integration/test_systemd.py
+    command -v systemd-analyze >/dev/null || missing+=(systemd)
     if [ ${#missing[@]} -gt 0 ]; then
         echo "installing Debian packages: ${missing[*]}"
         apt-get update -qq

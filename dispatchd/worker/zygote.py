@@ -42,6 +42,11 @@ def _reap() -> None:
 
 def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
     hygiene.die_with_parent(daemon_pid)
+    # Nothing of the daemon's but our channel (not its listening socket, not
+    # systemd's): stdio stays, for a traceback to reach the daemon's log.
+    keep = sock.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 20)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     frames = protocol.FrameSocket(sock, fds=True)

@@ -1,0 +1,126 @@
+"""Exhaustion: fork bombs, memory, output floods, filling the scratch space.
+
+Every probe is bounded (a tight test policy, short timeouts), and each stands
+beside a control that stays within the limit. After each, the daemon and a
+second session still answer, and closing the session leaves nothing running.
+Both modes: with user namespaces the process limit is the session's own; without,
+it is what the user ran at open plus the session's budget.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import REPO, Daemon, _refuse_root, shell
+
+TIGHT = """
+description = "exhaustion tests: small limits"
+[limits]
+max_processes = 40
+max_data_bytes = 268435456
+max_file_bytes = 10485760
+output_cap_bytes = 65536
+command_timeout_s = 20
+"""
+
+
+@pytest.fixture(scope="module", params=["full", "degraded"])
+def tight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
+    _refuse_root()
+    base = tmp_path_factory.mktemp(f"exhaust-{request.param}")
+    policies = base / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "tight.toml").write_text(TIGHT)
+    extra = ["--policies", str(policies)] + (["--no-user-namespaces"] if request.param == "degraded" else [])
+    d = Daemon(base, *extra)
+    try:
+        with d.connect() as c:
+            yield c
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+@pytest.fixture
+def session(tight: dispatch.Client, worktree: Path) -> Iterator[dispatch.Session]:
+    with tight.open_session(str(worktree), policy="tight") as s:
+        yield s
+
+
+def _still_serving(client: dispatch.Client, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir(exist_ok=True)
+    assert client.status()["daemon_version"]
+    with client.open_session(str(other), policy="tight") as s:
+        assert shell(s, "echo alive").output == "alive\n"
+
+
+def _pids_in(worktree: Path) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(worktree):
+                    found.append(int(pid))
+            except OSError:
+                continue
+    return found
+
+
+def test_fork_bomb_stops_at_the_process_limit(tight: dispatch.Client, worktree: Path, tmp_path: Path) -> None:
+    session = tight.open_session(str(worktree), policy="tight")
+    control = shell(session, "for i in $(seq 10); do sleep 0.2 & done; wait; echo ten")
+    assert control.output == "ten\n"
+    bomb = shell(session, "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout=8)
+    assert "fork: Resource temporarily unavailable" in bomb.metadata["stderr"] or \
+           "fork: retry" in bomb.metadata["stderr"], bomb.metadata["stderr"][-500:]
+    _still_serving(tight, tmp_path)
+    session.close()
+    deadline = time.monotonic() + 10
+    while _pids_in(worktree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pids_in(worktree) == []
+
+
+def test_memory_hog_is_stopped_per_process(session: dispatch.Session, tight: dispatch.Client, tmp_path: Path) -> None:
+    ok = shell(session, "python3 -c 'b = bytearray(64 * 2**20); print(len(b) >> 20)'")
+    assert ok.output == "64\n"
+    hog = shell(session, "python3 -c 'b = bytearray(1024 * 2**20)'")
+    assert hog.is_failure and "MemoryError" in hog.metadata["stderr"]
+    _still_serving(tight, tmp_path)
+
+
+def test_output_flood_is_capped(session: dispatch.Session, tight: dispatch.Client, tmp_path: Path) -> None:
+    small = shell(session, "head -c 1000 /dev/zero | tr '\\0' x")
+    assert small.metadata["truncated"] is False and len(small.metadata["stdout"]) == 1000
+    flood = shell(session, "yes flood | head -c 200000000; yes err | head -c 50000000 >&2")
+    assert flood.is_success and flood.metadata["truncated"] is True
+    assert len(flood.metadata["stdout"]) == 65536 and len(flood.metadata["stderr"]) == 65536
+    _still_serving(tight, tmp_path)
+
+
+def test_a_file_over_the_size_limit_cannot_be_written(session: dispatch.Session, worktree: Path) -> None:
+    ok = shell(session, 'dd if=/dev/zero of="$TMPDIR/five" bs=1M count=5 status=none && echo ok')
+    assert ok.output == "ok\n"
+    # RLIMIT_FSIZE: the write past the limit raises SIGXFSZ, which kills dd.
+    big = shell(session, 'dd if=/dev/zero of="$TMPDIR/big" bs=1M count=20 status=none')
+    assert big.error == "command was killed by signal 25 (SIGXFSZ)" and big.metadata["exit_code"] == -25
+    in_worktree = shell(session, "dd if=/dev/zero of=big.bin bs=1M count=20 status=none")
+    assert in_worktree.metadata["exit_code"] == -25
+    assert (worktree / "big.bin").stat().st_size == 10 * 2**20  # stopped at the limit
+
+
+@pytest.mark.known_limit
+def test_many_files_can_still_fill_the_disk_known_limit(session: dispatch.Session) -> None:
+    # RLIMIT_FSIZE bounds each file, not their sum: three files of 8 MiB go
+    # through. Only a quota or a size-limited filesystem would bound the total
+    # (SECURITY.md, "Known limits").
+    r = shell(session, 'for i in 1 2 3; do dd if=/dev/zero of="$TMPDIR/f$i" bs=1M count=8 status=none; done; '
+                       'du -sm "$TMPDIR" | cut -f1')
+    assert int(r.output) >= 24
