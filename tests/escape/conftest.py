@@ -1,0 +1,168 @@
+"""Fixtures of the escape suite: every attempt runs against both modes.
+
+``sandbox`` is a daemon per test module and mode, ``full`` (user, mount, pid
+and network namespaces) and ``degraded`` (started with
+``--no-user-namespaces``: Landlock and seccomp alone). It overrides the root
+conftest's ``client``, so the root ``session`` fixture, and every test taking
+it, runs once per mode. A test that needs a mark on one mode only (a known
+limit) parametrizes ``sandbox`` itself with ``MODES_WITH_LIMIT``.
+
+Each daemon starts with a canary in its environment and an
+``XDG_RUNTIME_DIR`` of its own, in the home directory (under ``/tmp`` the
+private ``/tmp`` alone would hide it), holding a file that stands for the
+user's D-Bus and systemd sockets: the tests look for both from inside.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import Daemon, _refuse_root
+from tests.escape.attempts import EACCES, ENOENT
+
+MODES = ("full", "degraded")
+MODES_WITH_LIMIT = [pytest.param("full", id="full"),
+                    pytest.param("degraded", id="degraded", marks=pytest.mark.known_limit)]
+
+
+@dataclass
+class Sandbox:
+    mode: str
+    daemon: Daemon
+    client: dispatch.Client
+    canary: str  # in the daemon's environment, never in a session's
+    runtime_dir: Path  # the daemon's XDG_RUNTIME_DIR: hidden (full) or refused (degraded)
+
+    def expect(self, *, full: str, degraded: str) -> str:
+        """The verdict this mode must give, where the two modes differ."""
+        return full if self.mode == "full" else degraded
+
+    def unreachable(self, path: str | Path) -> str:
+        """The verdict for opening a path outside every rule: in full mode a path
+        under /tmp does not exist (the session's /tmp is its own); elsewhere, and
+        always in degraded mode, Landlock refuses it."""
+        under_tmp = str(path) == "/tmp" or str(path).startswith("/tmp/")
+        return ENOENT if self.mode == "full" and under_tmp else EACCES
+
+
+@pytest.fixture(scope="module", params=MODES)
+def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
+    _refuse_root()
+    mode = request.param
+    canary = f"dispatch-escape-canary-{secrets.token_hex(8)}"
+    runtime = Path.home() / f".dispatch-escape-runtime-{secrets.token_hex(6)}"
+    runtime.mkdir(mode=0o700)
+    (runtime / "bus").write_text(canary)
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("DISPATCH_ESCAPE_CANARY", canary)
+            env.setenv("XDG_RUNTIME_DIR", str(runtime))
+            daemon = Daemon(tmp_path_factory.mktemp(f"daemon-{mode}"),
+                            *(["--no-user-namespaces"] if mode == "degraded" else []))
+        try:
+            with daemon.connect() as client:
+                if mode == "full" and not client.status()["kernel"]["user_namespaces"]:
+                    pytest.skip(f"this kernel refuses user namespaces: {client.status()['kernel']['user_namespaces_note']}")
+                yield Sandbox(mode, daemon, client, canary, runtime)
+        finally:
+            code = daemon.stop()
+        assert code == 0, f"dispatchd exited with {code}:\n{daemon.log()}"
+    finally:
+        shutil.rmtree(runtime)
+
+
+@pytest.fixture(scope="module")
+def client(sandbox: Sandbox) -> dispatch.Client:
+    return sandbox.client
+
+
+@pytest.fixture
+def session(client: dispatch.Client, worktree: Path, sandbox: Sandbox) -> Iterator[dispatch.Session]:
+    """The root fixture's session, checked to run in the mode under test."""
+    with client.open_session(str(worktree)) as s:
+        assert s.status()["protections"]["mode"] == sandbox.mode
+        yield s
+
+
+def _home_file(kind: str) -> Iterator[Path]:
+    path = Path.home() / f"dispatch-escape-{kind}-{secrets.token_hex(8)}"
+    path.write_text(f"{kind} {secrets.token_hex(16)}\n")
+    path.chmod(0o644)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def home_secret() -> Iterator[Path]:
+    """A file of the user's, in the home directory, that no session may read."""
+    yield from _home_file("secret")
+
+
+@pytest.fixture
+def home_owned() -> Iterator[Path]:
+    """A file of the user's outside the worktree, for metadata changes."""
+    yield from _home_file("owned")
+
+
+@pytest.fixture
+def own_file(worktree: Path) -> Path:
+    """A file in the worktree: what every allowed control reads."""
+    path = worktree / "own.txt"
+    path.write_text(f"own {secrets.token_hex(8)}\n")
+    return path
+
+
+class Victim:
+    """A process of the user's, outside every sandbox, that reports the signals it gets."""
+
+    SIGNALS = ("SIGWINCH", "SIGIO", "SIGURG")
+
+    def __init__(self) -> None:
+        handlers = "".join(f"signal.signal(signal.{s}, lambda *a: print('GOT {s}', flush=True))\n" for s in self.SIGNALS)
+        code = f"import signal, sys, time\n{handlers}print('ready', flush=True)\nsys.stdin.read()\n"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def finish(self) -> str:
+        """End it (stdin closed) and return what it printed."""
+        out, _ = self.proc.communicate(timeout=10)
+        return out
+
+
+@pytest.fixture
+def victim() -> Iterator[Victim]:
+    v = Victim()
+    try:
+        yield v
+    finally:
+        if v.proc.returncode is None:  # finish() not called: end it and close its pipes
+            v.proc.kill()
+            v.proc.communicate()
+
+
+@pytest.fixture
+def make_worktree(tmp_path: Path) -> Callable[[str], Path]:
+    """Another worktree of the same user (another session's, say)."""
+
+    def make(name: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        return path.resolve()
+
+    return make

@@ -1,0 +1,395 @@
+"""Escapes through the filesystem: reading, writing and changing what lies outside the worktree.
+
+Every attempt runs twice in the same session with the same code: on a path in
+the worktree (the control, which must work) and on the path it is after. Where
+the user could do it unconfined, the same code outside proves that the refusal
+came from the sandbox. Full mode refuses writes with EROFS (everything but the
+worktree and the scratch directory is a read-only mount) and reads with EACCES
+(Landlock); degraded mode refuses both with EACCES (Landlock alone).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import shell
+from tests.escape.attempts import EACCES, EBUSY, EROFS, EXDEV, SYS, attempt, attempt_outside, background
+from tests.escape.conftest import MODES_WITH_LIMIT, Sandbox
+
+
+def _ok(value: object) -> str:
+    return f"OK {value!r}"
+
+
+def _up(path: Path) -> str:
+    """As many ``/..`` as climb from ``path`` to ``/``."""
+    return "/.." * (len(path.parts) - 1)
+
+
+# Ways to read a file: each takes the file and the worktree, plants what it
+# needs from outside, and returns the probe's body.
+def _absolute(f: Path, wt: Path) -> str:
+    return f"result = open({str(f)!r}).read()"
+
+
+def _dotdot_from_worktree(f: Path, wt: Path) -> str:
+    return f"result = open({str(wt) + _up(wt) + str(f)!r}).read()"
+
+
+def _proc_self_root(f: Path, wt: Path) -> str:
+    return f"result = open({'/proc/self/root' + str(f)!r}).read()"
+
+
+def _proc_self_cwd(f: Path, wt: Path) -> str:
+    return f"result = open({'/proc/self/cwd' + _up(wt) + str(f)!r}).read()"
+
+
+def _symlink_planted_in_worktree(f: Path, wt: Path) -> str:
+    link = wt / f"link-to-{f.name}"
+    link.symlink_to(f)
+    return f"result = open({str(link)!r}).read()"
+
+
+def _symlink_made_by_the_session(f: Path, wt: Path) -> str:
+    return (f"link = f'{wt}/made-{{os.getpid()}}'\n"
+            f"os.symlink({str(f)!r}, link)\n"
+            f"result = open(link).read()")
+
+
+def _directory_symlink(f: Path, wt: Path) -> str:
+    link = wt / f"dir-of-{f.name}"
+    link.symlink_to(f.parent)
+    return f"result = open({str(link / f.name)!r}).read()"
+
+
+def _openat_from_an_o_path_directory(f: Path, wt: Path) -> str:
+    # O_PATH opens are not checked by Landlock: the openat below must be.
+    return (f"d = os.open({str(f.parent)!r}, os.O_PATH | os.O_DIRECTORY)\n"
+            f"result = os.read(os.open({f.name!r}, os.O_RDONLY, dir_fd=d), 4096).decode()")
+
+
+def _reopen_an_o_path_descriptor(f: Path, wt: Path) -> str:
+    return (f"fd = os.open({str(f)!r}, os.O_PATH)\n"
+            f"result = open(f'/proc/self/fd/{{fd}}').read()")
+
+
+READ_ROUTES = [_absolute, _dotdot_from_worktree, _proc_self_root, _proc_self_cwd, _symlink_planted_in_worktree,
+               _symlink_made_by_the_session, _directory_symlink, _openat_from_an_o_path_directory,
+               _reopen_an_o_path_descriptor]
+
+
+@pytest.mark.parametrize("route", READ_ROUTES, ids=lambda r: r.__name__.strip("_"))
+def test_reading_a_file_in_the_home_directory_is_refused(
+    session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path, route: Callable[[Path, Path], str],
+) -> None:
+    assert attempt(session, route(own_file, worktree)) == _ok(own_file.read_text())
+    body = route(home_secret, worktree)
+    assert attempt(session, body) == EACCES
+    assert attempt_outside(body) == _ok(home_secret.read_text())
+
+
+def test_listing_the_home_directory_is_refused(session: dispatch.Session, worktree: Path, own_file: Path) -> None:
+    listing = "result = sorted(os.listdir({path!r}))"
+    assert attempt(session, listing.format(path=str(worktree))) == _ok(sorted(os.listdir(worktree)))
+    assert attempt(session, listing.format(path=str(Path.home()))) == EACCES
+
+
+def test_hard_linking_a_home_file_into_the_worktree_is_refused(
+    session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path,
+) -> None:
+    link = "result = os.link({src!r}, {dst!r})"
+    assert attempt(session, link.format(src=str(own_file), dst=str(worktree / "own-link"))) == "OK None"
+    # Full mode: the worktree is a mount of its own. Degraded mode: one
+    # filesystem, and Landlock refuses a link that would give the file the
+    # worktree's rights, with EXDEV (as it does for a refused "refer").
+    assert attempt(session, link.format(src=str(home_secret), dst=str(worktree / "secret-link"))) == EXDEV
+    assert not os.path.lexists(worktree / "secret-link")
+    if os.stat(Path.home()).st_dev == os.stat(worktree).st_dev:  # the link is possible at all
+        assert attempt_outside(link.format(src=str(home_secret), dst=str(worktree / "outside-link"))) == "OK None"
+
+
+def test_moving_a_home_file_into_the_worktree_is_refused(
+    sandbox: Sandbox, session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path,
+) -> None:
+    move = "result = os.rename({src!r}, {dst!r})"
+    assert attempt(session, move.format(src=str(own_file), dst=str(worktree / "moved-own"))) == "OK None"
+    out = attempt(session, move.format(src=str(home_secret), dst=str(worktree / "moved-secret")))
+    assert out == sandbox.expect(full=EXDEV, degraded=EACCES)
+    assert home_secret.exists() and not os.path.lexists(worktree / "moved-secret")
+
+
+def test_moving_a_worktree_file_out_to_the_home_directory_is_refused(
+    sandbox: Sandbox, session: dispatch.Session, worktree: Path, own_file: Path,
+) -> None:
+    move = "result = os.rename({src!r}, {dst!r})"
+    assert attempt(session, move.format(src=str(own_file), dst=str(worktree / "renamed"))) == "OK None"
+    target = Path.home() / f"dispatch-escape-moved-{secrets.token_hex(6)}"
+    out = attempt(session, move.format(src=str(worktree / "renamed"), dst=str(target)))
+    assert out == sandbox.expect(full=EXDEV, degraded=EACCES)
+    assert not os.path.lexists(target)
+
+
+CREATE = {
+    "file": ("result = open({path!r}, 'x').write('escape')", "OK 6"),
+    "directory": ("result = os.mkdir({path!r})", "OK None"),
+    "symlink": ("result = os.symlink('/etc/passwd', {path!r})", "OK None"),
+    "fifo": ("result = os.mkfifo({path!r})", "OK None"),
+    "unix socket": ("a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\nresult = a.bind({path!r})", "OK None"),
+}
+
+
+@pytest.mark.parametrize("kind", CREATE)
+def test_creating_anything_in_the_home_directory_is_refused(
+    sandbox: Sandbox, session: dispatch.Session, worktree: Path, kind: str,
+) -> None:
+    code, ok = CREATE[kind]
+    name = f"dispatch-escape-created-{secrets.token_hex(6)}"
+    assert attempt(session, code.format(path=name)) == ok  # relative: in the worktree, the command's cwd
+    assert os.path.lexists(worktree / name)
+    target = Path.home() / name
+    assert attempt(session, code.format(path=str(target))) == sandbox.expect(full=EROFS, degraded=EACCES)
+    assert not os.path.lexists(target)
+
+
+# /etc and /usr are root's, so in degraded mode EACCES would come from the
+# file modes too; /var/tmp is writable by everyone, so there it is Landlock's.
+@pytest.mark.parametrize("directory", ["/etc", "/usr", "/usr/local/bin", "/var/tmp"])
+def test_writing_to_system_directories_is_refused(
+    sandbox: Sandbox, session: dispatch.Session, worktree: Path, directory: str,
+) -> None:
+    write = "result = open({path!r}, 'x').write('escape')"
+    name = f"dispatch-escape-{secrets.token_hex(6)}"
+    assert attempt(session, write.format(path=str(worktree / name))) == "OK 6"
+    target = os.path.join(directory, name)
+    assert attempt(session, write.format(path=target)) == sandbox.expect(full=EROFS, degraded=EACCES)
+    assert not os.path.lexists(target)
+
+
+def test_a_file_written_to_tmp_never_reaches_the_hosts_tmp(sandbox: Sandbox, session: dispatch.Session) -> None:
+    """Full mode: /tmp is the session's own, so the write works and lands there.
+    Degraded mode: the host's /tmp is simply not granted."""
+    target = f"/tmp/dispatch-escape-{secrets.token_hex(6)}"
+    out = attempt(session, f"result = open({target!r}, 'x').write('escape')")
+    assert out == sandbox.expect(full="OK 6", degraded=EACCES)
+    assert not os.path.lexists(target)
+
+
+MODIFY = {
+    "append": "result = open({path!r}, 'a').write('escape')",
+    "truncate": "result = os.truncate({path!r}, 0)",
+    "unlink": "result = os.unlink({path!r})",
+}
+
+
+@pytest.mark.parametrize("op", MODIFY)
+def test_changing_a_home_file_is_refused(
+    sandbox: Sandbox, session: dispatch.Session, own_file: Path, home_owned: Path, op: str,
+) -> None:
+    assert attempt(session, MODIFY[op].format(path=str(own_file))).startswith("OK ")
+    before = home_owned.read_text()
+    assert attempt(session, MODIFY[op].format(path=str(home_owned))) == sandbox.expect(full=EROFS, degraded=EACCES)
+    assert home_owned.read_text() == before
+
+
+def _mode_changed(p: Path, before: os.stat_result) -> bool:
+    return stat.S_IMODE(p.stat().st_mode) == 0o600 != stat.S_IMODE(before.st_mode)
+
+
+def _times_changed(p: Path, before: os.stat_result) -> bool:
+    return p.stat().st_mtime_ns == 0 != before.st_mtime_ns
+
+
+def _xattr_set(p: Path, before: os.stat_result) -> bool:
+    return "user.dispatch-escape" in os.listxattr(p)
+
+
+def _inode_changed(p: Path, before: os.stat_result) -> bool:
+    return p.stat().st_ctime_ns != before.st_ctime_ns
+
+
+METADATA = {
+    "chmod": ("result = os.chmod({path!r}, 0o600)", _mode_changed),
+    "utime": ("result = os.utime({path!r}, ns=(0, 0))", _times_changed),
+    "setxattr": ("result = os.setxattr({path!r}, 'user.dispatch-escape', b'1')", _xattr_set),
+    "chown": ("result = os.chown({path!r}, os.getuid(), os.getgid())", _inode_changed),
+}
+
+
+@pytest.mark.parametrize("sandbox", MODES_WITH_LIMIT, indirect=True)
+@pytest.mark.parametrize("op", METADATA)
+def test_metadata_of_a_home_file(sandbox: Sandbox, session: dispatch.Session, own_file: Path, home_owned: Path, op: str) -> None:
+    """Full mode: EROFS. Degraded mode: a KNOWN LIMIT, and it goes through:
+    Landlock (ABI <= 7) does not check chmod, chown, utime or xattrs, and
+    there is no read-only mount to stop them. The session's status says so."""
+    code, changed = METADATA[op]
+    assert attempt(session, code.format(path=str(own_file))) == "OK None"
+    before = home_owned.stat()
+    time.sleep(0.01)  # so that a change of ctime shows
+    out = attempt(session, code.format(path=str(home_owned)))
+    if sandbox.mode == "full":
+        assert out == EROFS
+        assert not changed(home_owned, before)
+    else:
+        assert out == "OK None"
+        assert changed(home_owned, before)
+        gaps = session.status()["protections"]["leaves_open"]
+        assert any(g.startswith("chmod, chown, utime and xattr changes on files the user owns") for g in gaps), gaps
+
+
+def test_another_sessions_worktree_and_home_are_out_of_reach(
+    sandbox: Sandbox, client: dispatch.Client, session: dispatch.Session, make_worktree: Callable[[str], Path],
+) -> None:
+    other = make_worktree("other")
+    (other / "theirs.txt").write_text("their worktree\n")
+    read = "result = open({path!r}).read()"
+    with client.open_session(str(other)) as theirs:
+        r = shell(theirs, 'echo "their home" > "$HOME/note" && echo "$HOME"')
+        their_note = r.metadata["stdout"].strip() + "/note"
+        for path, text in ((str(other / "theirs.txt"), "their worktree\n"), (their_note, "their home\n")):
+            assert attempt(theirs, read.format(path=path)) == _ok(text)  # the owner reads it
+            assert attempt(session, read.format(path=path)) == sandbox.unreachable(path)
+
+
+def test_the_daemons_own_files_are_out_of_reach(
+    sandbox: Sandbox, client: dispatch.Client, session: dispatch.Session, make_worktree: Callable[[str], Path],
+) -> None:
+    d = sandbox.daemon
+    for path, code in ((str(d.log_path), "result = open({path!r}).read(20)"),
+                       (os.path.dirname(d.socket), "result = os.listdir({path!r})")):
+        assert attempt(session, code.format(path=path)) == sandbox.unreachable(path)
+        assert attempt_outside(code.format(path=path)).startswith("OK ")
+    # The scratch directories: with another session open, this one sees at
+    # most its own (full mode rebuilds the path to it inside its private /tmp).
+    sessions = str(d.state / "dispatchd" / "sessions")
+    listing = f"result = sorted(os.listdir({sessions!r}))"
+    with client.open_session(str(make_worktree("other"))) as other:
+        assert attempt(session, listing) == sandbox.expect(full=_ok([session.id]), degraded=EACCES)
+        assert attempt_outside(listing) == _ok(sorted([session.id, other.id]))
+
+
+# The file tools, which check paths themselves before the kernel does.
+_VIA_LINK = "path escapes the worktree: '{path}' (through a symlink that points outside it)"
+TOOL_ESCAPES = [
+    ("read_file", "../{up}{rel}", "path escapes the worktree: '{path}'"),
+    ("read_file", "/{rel}", "absolute paths are not allowed: '{path}' (give a path relative to the worktree root)"),
+    ("read_file", "link", _VIA_LINK),
+    ("read_file", "homedir/{name}", _VIA_LINK),
+    ("write_file", "link", _VIA_LINK),
+    ("write_file", "homedir/planted", _VIA_LINK),
+    ("edit_file", "link", _VIA_LINK),
+    ("create_file", "../planted", "path escapes the worktree: '{path}'"),
+    ("list_files", "homedir", _VIA_LINK),
+    ("search_files", "homedir", _VIA_LINK),
+    ("shell_exec", "homedir", _VIA_LINK),
+]
+# Each tool's arguments, and its control: the same call on a path it may use
+# (through an in-worktree symlink where the tool takes a file).
+_TOOL_CALLS = {
+    "read_file": ({}, {"path": "inner-link"}),
+    "write_file": ({"content": "planted"}, {"path": "inner-link"}),
+    "edit_file": ({"edits": [{"old_text": "own", "new_text": "mine"}]}, {"path": "inner-link"}),
+    "create_file": ({"content": "planted"}, {"path": "created.txt"}),
+    "list_files": ({}, {"path": "."}),
+    "search_files": ({"query": "own"}, {"path": "."}),
+    "shell_exec": ({"command": "cat inner-link"}, {"cwd": "."}),
+}
+
+
+@pytest.mark.parametrize(("tool", "path", "message"), TOOL_ESCAPES)
+def test_file_tools_refuse_paths_that_leave_the_worktree(
+    session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path, tool: str, path: str, message: str,
+) -> None:
+    (worktree / "link").symlink_to(home_secret)
+    (worktree / "homedir").symlink_to(home_secret.parent)
+    (worktree / "inner-link").symlink_to(own_file)
+    path = path.format(up="../" * (len(worktree.parts) - 2), rel=str(home_secret)[1:], name=home_secret.name)
+    params, control = _TOOL_CALLS[tool]
+    where = "cwd" if tool == "shell_exec" else "path"
+    r = session.registry.get(tool).call({**params, **control})
+    assert r.is_success, r.error
+    r = session.registry.get(tool).call({**params, where: path})
+    assert r.is_failure
+    assert r.error == message.format(path=path)
+    assert home_secret.read_text().startswith("secret ") and not (Path.home() / "planted").exists()
+
+
+_EXCHANGE = f"""
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+end = time.monotonic() + 8
+while time.monotonic() < end:  # renameat2(RENAME_EXCHANGE): the directory and the symlink trade places
+    libc.syscall({SYS['renameat2']}, -100, b"inside", -100, b"swap", 2)
+"""
+
+
+def test_file_tools_lose_the_race_against_a_swapped_directory(
+    session: dispatch.Session, worktree: Path, home_secret: Path,
+) -> None:
+    """The tools check a path, then open it; a command in the session swaps a
+    directory of that path for a symlink to the home directory in between.
+    The kernel must refuse what the check let through."""
+    (worktree / "inside").mkdir()
+    (worktree / "inside" / home_secret.name).write_text("decoy\n")
+    (worktree / "swap").symlink_to(home_secret.parent)
+    background(session, _EXCHANGE, 10)
+    secret = home_secret.read_text()
+    planted = f"dispatch-escape-race-{secrets.token_hex(6)}"
+    outcomes = []
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        read = session.registry.get("read_file").call({"path": f"inside/{home_secret.name}"})
+        write = session.registry.get("write_file").call({"path": f"inside/{planted}", "content": "planted"})
+        for r in (read, write):
+            text = r.output if r.is_success else r.error
+            assert secret.strip() not in text
+            outcomes.append(text)
+    assert not [p for p in Path.home().iterdir() if planted in p.name]
+    # Both sides of the swap were seen: the decoy read, and a refusal.
+    assert "0: decoy" in outcomes
+    assert any("through a symlink that points outside it" in o for o in outcomes)
+
+
+_REPLACE_DOT_GIT = """
+os.rename(".git", ".git-aside")  # the read-only mounts travel with it
+os.mkdir(".git")
+for name in ("HEAD", "objects", "refs"):
+    os.rename(".git-aside/" + name, ".git/" + name)
+result = open(".git/config", "w").write({config!r})
+"""
+
+
+@pytest.mark.parametrize("sandbox", MODES_WITH_LIMIT, indirect=True)
+def test_the_users_git_never_runs_what_a_session_wrote(sandbox: Sandbox, client: dispatch.Client, worktree: Path) -> None:
+    """The user's own git, outside, runs what .git/config names (core.fsmonitor
+    here). Full mode binds .git/config and .git/hooks read-only; HOLE: the
+    session moves the whole .git aside, the read-only mounts with it, and
+    builds a new one. The mounts are in place; .git is not held. Once .git is
+    a mount point of its own, the rename answers EBUSY.
+    Degraded mode: a KNOWN LIMIT, stated in leaves_open; no mount holds
+    anything, and the direct write goes through."""
+    subprocess.run(["git", "init", "-q", str(worktree)], check=True, timeout=30)
+    marker = f"PLANTED-BY-SESSION-{secrets.token_hex(4)}"
+    config = f'[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "echo {marker} >&2; false"\n'
+    with client.open_session(str(worktree)) as s:
+        assert s.status()["protections"]["git"]["kind"] == "repository"
+        assert attempt(s, "result = open('.git/description', 'w').write('mine')") == "OK 4"  # git's own writes work
+        direct = attempt(s, f"result = open('.git/config', 'a').write({config!r})")
+        replaced = attempt(s, _REPLACE_DOT_GIT.format(config=config))
+        gaps = s.status()["protections"]["leaves_open"]
+    status = subprocess.run(["git", "-C", str(worktree), "status", "--short"], capture_output=True, text=True, timeout=30)
+    ran = marker in status.stderr
+    if sandbox.mode == "full":
+        assert direct == EROFS
+        assert (replaced, ran) == (EBUSY, False), f"the user's git ran the session's command: {status.stderr!r}"
+    else:
+        assert (direct, ran) == (f"OK {len(config)}", True)
+        assert any(g.startswith("git metadata (.git/config, hooks, pointer files) is writable") for g in gaps), gaps

@@ -1,0 +1,256 @@
+"""Escapes through other processes: the worker, the daemon, the user's programs, other sessions.
+
+The worker (the tool server, the parent of every command's bash) holds the
+channel to the client and was forked from the daemon, so its memory,
+descriptors and environment are the prize; it is not dumpable, and seccomp
+refuses ptrace and process_vm_*. Processes outside the session are invisible
+in full mode (its own pid namespace: ESRCH, ENOENT) and out of Landlock's
+signal and ptrace scope in degraded mode (EPERM, EACCES).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import shell
+from tests.escape.attempts import EACCES, EINVAL, ENOENT, ENOSYS, EPERM, ESRCH, SYS, attempt, attempt_outside
+from tests.escape.conftest import Sandbox, Victim
+
+# PTRACE_SEIZE rather than ATTACH: the tracee is not stopped, so the control
+# outside can simply kill and reap it.
+_PTRACE_SEIZE = 0x4206
+_SEIZE = "result = syscall({nr}, {req}, {{pid}}, 0, 0)".format(nr=SYS["ptrace"], req=_PTRACE_SEIZE)
+_OWN_CHILD = """
+p = subprocess.Popen(["sleep", "30"])
+try:
+    pid = p.pid
+    {body}
+finally:
+    p.kill()
+    p.wait()
+"""
+
+
+def _on_own_child(body: str) -> str:
+    return _OWN_CHILD.format(body=body.replace("\n", "\n    "))
+
+
+def test_ptrace_is_refused_even_on_the_sessions_own_processes(session: dispatch.Session) -> None:
+    seize_child = _on_own_child(_SEIZE.format(pid="pid"))
+    assert attempt_outside(seize_child) == "OK 0"
+    assert attempt(session, seize_child) == EPERM  # seccomp
+    assert attempt(session, _SEIZE.format(pid="worker_pid()")) == EPERM
+
+
+def test_process_vm_readv_is_refused(session: dispatch.Session) -> None:
+    read = """
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+theirs, mine = ctypes.create_string_buffer(b"memory"), ctypes.create_string_buffer(8)
+local, remote = iovec(ctypes.addressof(mine), 6), iovec(ctypes.addressof(theirs), 6)
+result = syscall({nr}, {{pid}}, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+""".format(nr=SYS["process_vm_readv"])
+    assert attempt_outside(read.format(pid="os.getpid()")) == "OK 6"
+    assert attempt(session, read.format(pid="os.getpid()")) == EPERM  # seccomp, even on itself
+    assert attempt(session, read.format(pid="worker_pid()")) == EPERM
+
+
+def test_the_probe_finds_the_worker(session: dispatch.Session) -> None:
+    """What the worker attempts below aim at: the tool server, a dispatchd process."""
+    out = attempt(session, "result = b'dispatchd' in open(f'/proc/{worker_pid()}/cmdline', 'rb').read()")
+    assert out == "OK True"
+
+
+# How each /proc entry is read: a file opened, a directory listed, a link read.
+_PROC_READ = {"mem": "bool(open(path, 'rb'))", "environ": "bool(open(path, 'rb'))", "maps": "bool(open(path, 'rb'))",
+              "fd": "len(os.listdir(path)) > 0", "cwd": "bool(os.readlink(path))", "root": "bool(os.readlink(path))"}
+
+
+@pytest.mark.parametrize("entry", _PROC_READ)
+def test_the_workers_proc_entries_are_refused(session: dispatch.Session, entry: str) -> None:
+    def read(pid: str) -> str:
+        return f"path = '/proc/' + str({pid}) + '/{entry}'\nresult = {_PROC_READ[entry]}"
+
+    assert attempt(session, read("os.getpid()")) == "OK True"
+    assert attempt(session, read("worker_pid()")) == EACCES  # not dumpable (and Landlock's ptrace scope)
+
+
+def test_the_workers_descriptors_cannot_be_taken(session: dispatch.Session) -> None:
+    """pidfd_getfd: fd 0 of a process, the way to the worker's client channel."""
+    take = "pidfd = syscall({open}, {{pid}}, 0)\nresult = syscall({get}, pidfd, 0, 0) >= 0".format(
+        open=SYS["pidfd_open"], get=SYS["pidfd_getfd"])
+    assert attempt(session, _on_own_child(take.format(pid="pid"))) == "OK True"
+    assert attempt(session, take.format(pid="worker_pid()")) == EPERM
+
+
+_KILL = "result = os.kill({pid}, signal.{sig})"
+
+
+def test_the_daemon_cannot_be_signalled(sandbox: Sandbox, session: dispatch.Session) -> None:
+    assert attempt(session, _on_own_child(_KILL.format(pid="pid", sig="SIGTERM"))) == "OK None"
+    daemon = sandbox.client.status()["pid"]
+    out = attempt(session, _KILL.format(pid=daemon, sig="SIGTERM"))
+    assert out == sandbox.expect(full=ESRCH, degraded=EPERM)  # another pid namespace; Landlock's signal scope
+    assert sandbox.daemon.proc.poll() is None and sandbox.client.status()["pid"] == daemon
+
+
+@pytest.fixture
+def victims() -> Iterator[Callable[[], Victim]]:
+    made: list[Victim] = []
+
+    def make() -> Victim:
+        made.append(Victim())
+        return made[-1]
+
+    yield make
+    for v in made:
+        if v.proc.returncode is None:
+            v.proc.kill()
+            v.proc.communicate()
+
+
+def test_the_users_other_processes_cannot_be_signalled(
+    sandbox: Sandbox, session: dispatch.Session, victims: Callable[[], Victim],
+) -> None:
+    inside, outside = victims(), victims()
+    assert attempt(session, _KILL.format(pid=inside.pid, sig="SIGKILL")) == sandbox.expect(full=ESRCH, degraded=EPERM)
+    assert attempt(session, _KILL.format(pid=inside.pid, sig="SIGWINCH")) == sandbox.expect(full=ESRCH, degraded=EPERM)
+    assert attempt_outside(_KILL.format(pid=outside.pid, sig="SIGWINCH")) == "OK None"
+    assert inside.alive()
+    assert inside.finish() == ""
+    assert "GOT SIGWINCH" in outside.finish()
+
+
+_SIGIO = """
+r, w = os.pipe()
+fcntl.fcntl(r, fcntl.F_SETOWN, {pid})
+fcntl.fcntl(r, 10, signal.SIGWINCH)  # F_SETSIG
+fcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC)
+os.write(w, b"x")  # the kernel now signals the owner
+time.sleep(0.2)
+result = "written"
+"""
+
+
+def test_sigio_cannot_be_aimed_at_the_users_other_processes(
+    sandbox: Sandbox, session: dispatch.Session, victims: Callable[[], Victim],
+) -> None:
+    """F_SETOWN names another process as the owner of a pipe; writing to it has
+    the kernel signal that owner. Full mode: no such pid. Degraded mode: the
+    owner is accepted, and Landlock's signal scope drops the signal."""
+    inside, outside = victims(), victims()
+    assert attempt(session, _SIGIO.format(pid=inside.pid)) == sandbox.expect(full=ESRCH, degraded="OK 'written'")
+    assert attempt_outside(_SIGIO.format(pid=outside.pid)) == "OK 'written'"
+    assert inside.finish() == ""
+    assert "GOT SIGWINCH" in outside.finish()
+
+
+def _find_sleeper(cwd: Path) -> int:
+    """The host pid of the ``sleep`` running in ``cwd`` (another session's)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(cwd) and Path(f"/proc/{pid}/comm").read_text() == "sleep\n":
+                    return int(pid)
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no sleep running in {cwd}")
+
+
+def test_another_sessions_processes_are_out_of_reach(
+    sandbox: Sandbox, client: dispatch.Client, session: dispatch.Session, make_worktree: Callable[[str], Path],
+) -> None:
+    other = make_worktree("other")
+    with client.open_session(str(other)) as theirs:
+        assert shell(theirs, "sleep 60 >/dev/null 2>&1 &").is_success
+        pid = _find_sleeper(other)
+        environ = f"result = b'DISPATCH_SESSION={theirs.id}' in open('/proc/{pid}/environ', 'rb').read()"
+        assert attempt_outside(environ) == "OK True"
+        assert attempt(session, environ) == sandbox.expect(full=ENOENT, degraded=EACCES)
+        assert attempt(session, _KILL.format(pid=pid, sig="SIGKILL")) == sandbox.expect(full=ESRCH, degraded=EPERM)
+        os.kill(pid, 0)  # still there
+
+
+def test_the_daemons_environment_stays_outside(sandbox: Sandbox, session: dispatch.Session) -> None:
+    r = shell(session, "env")
+    assert f"DISPATCH_SESSION={session.id}\n" in r.metadata["stdout"]
+    assert sandbox.canary not in r.metadata["stdout"] + r.metadata["stderr"]
+    environ = f"result = {sandbox.canary!r}.encode() in open('/proc/' + str({{pid}}) + '/environ', 'rb').read()"
+    daemon = sandbox.client.status()["pid"]
+    assert attempt_outside(environ.format(pid=daemon)) == "OK True"
+    assert attempt(session, environ.format(pid="os.getpid()")) == "OK False"
+    assert attempt(session, environ.format(pid=daemon)) == sandbox.expect(full=ENOENT, degraded=EACCES)
+    # The worker is a fork of the daemon: its environment block is the daemon's.
+    assert attempt(session, environ.format(pid="worker_pid()")) == EACCES
+
+
+def test_commands_inherit_only_the_standard_descriptors(session: dispatch.Session) -> None:
+    def fds(command: str) -> list[str]:
+        r = shell(session, command)
+        assert r.metadata["exit_code"] == 0, r.metadata["stderr"]
+        return sorted(line.split()[8] for line in r.metadata["stdout"].splitlines()[1:])
+
+    assert "7" in fds("exec 7</dev/null; ls -l /proc/self/fd")  # the listing shows an inherited fd
+    assert fds("ls -l /proc/self/fd") == ["0", "1", "2", "3"]  # 3: the directory ls itself reads
+
+
+def test_setuid_binaries_grant_nothing(session: dispatch.Session) -> None:
+    r = shell(session, "grep -E '^(NoNewPrivs|CapEff)' /proc/self/status; su -c id root")
+    assert r.metadata["stdout"] == "CapEff:\t0000000000000000\nNoNewPrivs:\t1\n"
+    # Outside, su runs as root and asks for a password; here it runs as the
+    # user (no_new_privs ignores the setuid bit) and cannot even start.
+    assert r.metadata["stderr"].endswith("su: System error\n") and r.metadata["exit_code"] == 1
+    out = subprocess.run(["bash", "-c", "grep '^NoNewPrivs' /proc/self/status; su -c id root"],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=30)
+    assert out.stdout == "NoNewPrivs:\t0\n"
+    assert out.stderr.endswith("su: Authentication failure\n")
+
+
+def test_unshare_is_refused(session: dispatch.Session) -> None:
+    r = shell(session, "unshare -U true")
+    assert r.metadata["exit_code"] == 1
+    assert r.metadata["stderr"] == "unshare: unshare failed: Operation not permitted\n"
+    assert subprocess.run(["unshare", "-U", "true"], timeout=30).returncode == 0
+    body = f"result = syscall({SYS['unshare']}, 0x10000000)"  # CLONE_NEWUSER
+    assert attempt_outside(body) == "OK 0"
+    assert attempt(session, body) == EPERM
+
+
+_CLONE_NEWUSER = 0x10000000
+_NAMESPACES = {"user": 0, "mount": 0x00020000, "pid": 0x20000000, "net": 0x40000000,
+               "ipc": 0x08000000, "uts": 0x04000000, "cgroup": 0x02000000}
+
+
+@pytest.mark.parametrize("namespace", _NAMESPACES)
+def test_clone_into_new_namespaces_is_refused(session: dispatch.Session, namespace: str) -> None:
+    flags = _CLONE_NEWUSER | _NAMESPACES[namespace] | signal.SIGCHLD
+    body = f"""
+pid = syscall({SYS['clone']}, {flags}, 0, 0, 0, 0)
+if pid == 0:
+    os._exit(0)
+result = os.waitpid(pid, 0)[1]
+"""
+    assert attempt_outside(body) == "OK 0"
+    assert attempt(session, body) == EPERM
+
+
+def test_clone3_answers_enosys(session: dispatch.Session) -> None:
+    body = f"result = syscall({SYS['clone3']}, 0, 0)"
+    assert attempt_outside(body) == EINVAL  # the kernel has it: it reads the (empty) arguments
+    assert attempt(session, body) == ENOSYS  # so that libc falls back to clone, which the filter can read
+
+
+def test_setns_is_refused(session: dispatch.Session) -> None:
+    body = f"fd = os.open('/proc/self/ns/user', os.O_RDONLY)\nresult = syscall({SYS['setns']}, fd, 0)"
+    assert attempt_outside(body) == EINVAL  # joining one's own namespace: refused, but by the kernel
+    assert attempt(session, body) == EPERM

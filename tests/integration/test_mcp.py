@@ -1,0 +1,190 @@
+"""``dispatch mcp``: a real session's tools served over MCP on stdio, driven by
+the official SDK's client (``stdio_client`` + ``ClientSession``) as any MCP
+client would drive it.
+
+Each test runs its coroutine with ``asyncio.run`` (no pytest plugin), and
+checks afterwards that the session ``dispatch mcp`` opened was closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TextIO
+
+import mcp.types as types
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+import dispatch
+from tests.conftest import Daemon
+
+ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec"]
+
+
+def _command(daemon: Daemon, worktree: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dispatch.cli", "--socket", daemon.socket, "--no-autostart",
+            "mcp", "--worktree", str(worktree), *extra]
+
+
+@asynccontextmanager
+async def _mcp_session(daemon: Daemon, worktree: Path, errlog: TextIO, *extra: str) -> AsyncIterator[ClientSession]:
+    command = _command(daemon, worktree, *extra)
+    params = StdioServerParameters(command=command[0], args=command[1:], env={"PYTHONDONTWRITEBYTECODE": "1"})
+    async with stdio_client(params, errlog=errlog) as (read, write):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            yield session
+
+
+def _run(daemon: Daemon, worktree: Path, tmp_path: Path,
+         body: Callable[[ClientSession], Awaitable[Any]], *extra: str) -> Any:
+    """Run ``body`` against ``dispatch mcp``; return what it returns."""
+    with open(tmp_path / "mcp-stderr.log", "w+") as errlog:
+
+        async def main() -> Any:
+            async with _mcp_session(daemon, worktree, errlog, *extra) as session:
+                return await body(session)
+
+        try:
+            return asyncio.run(main())
+        finally:
+            errlog.seek(0)
+            stderr = errlog.read()
+            assert "Traceback" not in stderr, stderr
+
+
+def _sessions_on(client: dispatch.Client, worktree: Path) -> list[dict[str, Any]]:
+    return [s for s in client.list_sessions() if s["worktree"] == str(worktree)]
+
+
+def _text(result: types.CallToolResult) -> str:
+    assert len(result.content) == 1 and isinstance(result.content[0], types.TextContent)
+    return result.content[0].text
+
+
+def test_lists_the_session_tools_with_their_schemas_and_risk(
+    daemon: Daemon, client: dispatch.Client, worktree: Path, tmp_path: Path
+) -> None:
+    async def body(session: ClientSession) -> types.ListToolsResult:
+        assert session.server_info is not None and session.server_info.name == "dispatchd"
+        return await session.list_tools()
+
+    listed = _run(daemon, worktree, tmp_path, body)
+    assert [t.name for t in listed.tools] == [*ALL_TOOLS, "retrieve_output"]
+    with client.open_session(str(worktree)) as s:
+        expected = {d["name"]: d for d in s.registry.schemas("mcp")}
+    for tool in listed.tools:
+        assert tool.description == expected[tool.name]["description"]
+        assert tool.input_schema == expected[tool.name]["inputSchema"]
+        read_only = tool.name in ("read_file", "list_files", "search_files", "retrieve_output")
+        assert tool.annotations is not None
+        assert (tool.annotations.read_only_hint, tool.annotations.destructive_hint) == (read_only, not read_only)
+    assert _sessions_on(client, worktree) == []
+
+
+def test_calls_tools_in_the_sandbox(daemon: Daemon, client: dispatch.Client, worktree: Path, tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> dict[str, types.CallToolResult]:
+        return {
+            "read": await session.call_tool("read_file", {"path": "README.md"}),
+            "write": await session.call_tool("write_file", {"path": "out/new.txt", "content": "from mcp\n"}),
+            "shell": await session.call_tool("shell_exec", {"command": "cat out/new.txt; pwd; echo oops >&2"}),
+            "failed": await session.call_tool("shell_exec", {"command": "echo partial; exit 3"}),
+            "escape": await session.call_tool("read_file", {"path": "../../etc/passwd"}),
+        }
+
+    r = _run(daemon, worktree, tmp_path, body)
+    assert (_text(r["read"]), r["read"].is_error) == ("0: hello\n1: world", False)
+    assert r["write"].is_error is False and (worktree / "out" / "new.txt").read_text() == "from mcp\n"
+    shell = _text(r["shell"])
+    assert r["shell"].is_error is False
+    assert "from mcp" in shell and str(worktree) in shell and "oops" in shell
+    assert r["failed"].is_error is True and "partial" in _text(r["failed"])
+    assert r["escape"].is_error is True and "escapes the worktree" in _text(r["escape"])
+    assert _sessions_on(client, worktree) == []
+
+
+def test_bad_calls_are_results_a_model_can_read(daemon: Daemon, worktree: Path, tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> list[types.CallToolResult]:
+        return [
+            await session.call_tool("read_file", {"path": 3}),
+            await session.call_tool("read_file", {}),
+            await session.call_tool("set_network", {"state": "on"}),
+        ]
+
+    wrong_type, missing, unknown = _run(daemon, worktree, tmp_path, body)
+    assert all(r.is_error for r in (wrong_type, missing, unknown))
+    assert _text(wrong_type) == "read_file: invalid arguments: $.path: 3 is not of type 'string'"
+    assert _text(missing) == "read_file: invalid arguments: 'path' is a required property"
+    # Network switching is not a tool: the person who started the server chose it.
+    assert _text(unknown).startswith("Unknown tool: set_network. Available tools: read_file,")
+
+
+def test_long_output_is_compacted_and_retrievable(daemon: Daemon, worktree: Path, tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> tuple[str, str, str]:
+        long = _text(await session.call_tool("shell_exec", {"command": "seq 1 20000"}))
+        output_id = long.split('with id "', 1)[1].split('"', 1)[0]
+        piece = _text(await session.call_tool("retrieve_output", {"id": output_id, "start_line": 9999,
+                                                                  "end_line": 10001}))
+        return long, output_id, piece
+
+    long, output_id, piece = _run(daemon, worktree, tmp_path, body)
+    assert len(long.encode()) <= 16384  # the default policy's model_output_bytes
+    assert long.startswith("1\n2\n") and long.endswith("19999\n20000\n")
+    assert output_id == "out_1"
+    assert piece == "10000\n10001\n10002\n[output out_1: lines 9999-10001 of 20000]"
+
+
+def test_policy_and_network_options_shape_the_session(
+    daemon: Daemon, client: dispatch.Client, worktree: Path, tmp_path: Path
+) -> None:
+    async def body(session: ClientSession) -> tuple[list[str], list[dict[str, Any]]]:
+        listed = await session.list_tools()
+        return [t.name for t in listed.tools], _sessions_on(client, worktree)
+
+    names, sessions = _run(daemon, worktree, tmp_path, body, "--network", "off", "--policy", "read-only")
+    assert names == ["read_file", "list_files", "search_files", "retrieve_output"]
+    assert [(s["network"], s["policy"]) for s in sessions] == [("off", "read-only")]
+    assert _sessions_on(client, worktree) == []
+
+
+def test_sigterm_closes_the_session(daemon: Daemon, client: dispatch.Client, worktree: Path) -> None:
+    proc = subprocess.Popen(_command(daemon, worktree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while not _sessions_on(client, worktree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_sessions_on(client, worktree)) == 1
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr.decode()
+    assert _sessions_on(client, worktree) == []
+
+
+def test_an_unusable_worktree_is_one_line_on_stderr_and_exit_2(daemon: Daemon, tmp_path: Path) -> None:
+    out = subprocess.run(_command(daemon, tmp_path / "missing"), stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=30, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert out.returncode == 2 and out.stdout == ""
+    assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("dispatch: ")
+
+
+def test_tools_format_mcp_matches_the_listing_shape(daemon: Daemon) -> None:
+    out = subprocess.run([sys.executable, "-m", "dispatch.cli", "--socket", daemon.socket, "--no-autostart",
+                          "tools", "--format", "mcp"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    tools = json.loads(out.stdout)
+    assert [t["name"] for t in tools] == ALL_TOOLS
+    assert all(set(t) == {"name", "description", "inputSchema"} for t in tools)
