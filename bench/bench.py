@@ -34,8 +34,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -101,7 +99,7 @@ def fmt(s: float) -> str:
 
 
 def start_daemon(tmp: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    sock = os.path.join(tmp, "d.sock")
+    sock = os.path.join(tmp, "run", "d.sock")
     env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmp, "state"))
     log = open(os.path.join(tmp, "daemon.log"), "wb")  # noqa: SIM115 (lives as long as the daemon)
     proc = subprocess.Popen([sys.executable, "-m", "dispatchd", "--socket", sock, *extra],

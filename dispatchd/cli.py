@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     manager = SessionManager(
         zygote=zygote, kernel=features, load_policy=policy_loader, state_dir=state,
-        protected=[state, os.path.dirname(socket_path)], runtime_dirs=sorted(runtime),
+        protected=[state, os.path.dirname(socket_path)], private=[state], runtime_dirs=sorted(runtime),
         code_paths=_code_paths(), base_env=dict(os.environ),
     )
     server = Server(listener, manager, features, socket_path, policy_loader)

@@ -25,10 +25,6 @@ import msgspec
 from dispatchd.confine import _sys
 from dispatchd.errors import ConfinementError
 
-_OPT_FLAGS = {
-    "nosuid": _sys.MS_NOSUID, "nodev": _sys.MS_NODEV, "noexec": _sys.MS_NOEXEC,
-    "noatime": _sys.MS_NOATIME, "nodiratime": _sys.MS_NODIRATIME, "relatime": _sys.MS_RELATIME,
-}
 
 
 class MountPlan(msgspec.Struct, frozen=True):
@@ -58,25 +54,6 @@ def _mount(step: str, source: str | None, target: str, fstype: str | None, flags
         _sys.mount(source, target, fstype, flags, data)
     except OSError as exc:
         raise ConfinementError(f"mounts: {step}", exc.errno, target) from exc
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal.
-    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def read_mountinfo() -> list[tuple[str, int]]:
-    """(mount point, per-mount flags) for every mount we can see, in order."""
-    out = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            point, options = _unescape(fields[4]), fields[5].split(",")
-            flags = 0
-            for opt in options:
-                flags |= _OPT_FLAGS.get(opt, 0)
-            out.append((point, flags))
-    return out
 
 
 def apply_mounts(plan: MountPlan) -> None:

@@ -114,6 +114,7 @@ class SessionManager:
         load_policy: Callable[[str], Policy],
         state_dir: str,
         protected: list[str],
+        private: list[str],
         runtime_dirs: list[str],
         code_paths: list[str],
         base_env: dict[str, str],
@@ -123,6 +124,7 @@ class SessionManager:
         self.load_policy = load_policy
         self.sessions_dir = os.path.join(state_dir, "sessions")
         self.protected = protected
+        self.private = private
         self.runtime_dirs = runtime_dirs
         self.code_paths = code_paths
         self.base_env = base_env
@@ -153,7 +155,8 @@ class SessionManager:
         if not self.accepting:
             raise DispatchdError("the daemon is stopping and opens no new sessions")
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
-        resolved = check_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected)
+        resolved = check_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected,
+                                  private=self.private)
         network = network or policy.network.default
         _check_network(network, ports, bind_ports)
         sid = secrets.token_hex(6)

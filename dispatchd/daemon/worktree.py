@@ -2,10 +2,9 @@
 
 ``check_worktree`` only looks (``realpath`` and ``stat``); the daemon never
 opens anything inside a worktree. A worktree must be an existing directory,
-owned by the user, and must not be ``/``, the home directory itself, or a
-directory holding the daemon's socket or state, or lying inside them (a
-session there could reach the daemon or the other sessions' scratch
-directories).
+owned by the user, and must not be ``/``, the home directory itself, a
+directory holding the daemon's socket or state (``protected``), or a directory
+inside its state (``private``: every session's scratch directory is there).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ def _contains(outer: str, inner: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
-def check_worktree(path: str, *, uid: int, home: str, protected: list[str]) -> str:
+def check_worktree(path: str, *, uid: int, home: str, protected: list[str], private: list[str] | None = None) -> str:
     """The resolved worktree path, or ``WorktreeError`` saying why not."""
     if not path:
         raise WorktreeError("no worktree given", path)
@@ -42,10 +41,10 @@ def check_worktree(path: str, *, uid: int, home: str, protected: list[str]) -> s
     if st.st_uid != uid:
         raise WorktreeError(f"worktree {resolved} belongs to uid {st.st_uid}, not to you (uid {uid})", path)
     for p in protected:
-        own = os.path.realpath(p)
-        if _contains(resolved, own):
+        if _contains(resolved, os.path.realpath(p)):
             raise WorktreeError(f"worktree {resolved} contains dispatchd's own files ({p})", path)
-        if _contains(own, resolved):
+    for p in private or []:
+        if _contains(os.path.realpath(p), resolved):
             # e.g. the sessions directory: every session's HOME and TMPDIR.
             raise WorktreeError(f"worktree {resolved} is inside dispatchd's own files ({p})", path)
     return resolved

@@ -32,7 +32,7 @@ def check(path: str, base: Path, *, uid: int = UID, protected: list[str] | None 
     home = str(base / "home")
     if protected is None:
         protected = [str(base / "state"), str(base / "run")]
-    return check_worktree(path, uid=uid, home=home, protected=protected)
+    return check_worktree(path, uid=uid, home=home, protected=protected, private=[str(base / "state")])
 
 
 def refusal(path: str, base: Path, **kwargs: object) -> WorktreeError:
@@ -169,8 +169,15 @@ def test_inside_the_state_directory(base: Path, inside: str):
     wt = base / "state" / inside
     wt.mkdir(parents=True)
     err = refusal(str(wt), base)
-    assert err.message.startswith(f"worktree {wt} ")
-    assert str(base / "state") in err.message
+    assert err.message == f"worktree {wt} is inside dispatchd's own files ({base / 'state'})"
+
+
+def test_inside_the_socket_directory_is_allowed(base: Path):
+    # The socket's directory only must not be *inside* a worktree (a session
+    # would see it); a worktree below it reaches nothing (no Unix sockets).
+    wt = base / "run" / "wt"
+    wt.mkdir(parents=True)
+    assert check(str(wt), base) == str(wt)
 
 
 def test_symlinked_worktree_resolves(base: Path):
