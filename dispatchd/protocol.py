@@ -239,13 +239,21 @@ class AcquireWriteLock(_Msg, tag="acquire_write_lock"):
     id: int
 
 
-class ToolCallDone(_Msg, tag="tool_call_done"):
-    """Worker -> daemon after each call, for the daemon's log line (never
-    arguments, output or file contents)."""
+class CallRecord(msgspec.Struct, frozen=True, array_like=True):
+    """One finished tool call, for the daemon's log line (never arguments,
+    output or file contents)."""
 
     tool: str
     duration_ms: float
     success: bool
+
+
+class ToolCallsDone(_Msg, tag="tool_calls_done"):
+    """Worker -> daemon, the calls finished since the last one, sent at most
+    every half second: a message per call would wake the daemon between a
+    reply and the next request, which measured as half the round trip."""
+
+    calls: list[CallRecord]
 
 
 class Drain(_Msg, tag="drain"):
@@ -255,7 +263,7 @@ class Drain(_Msg, tag="drain"):
     deadline_s: float
 
 
-WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, ToolCallDone, Drain, OkReply, ErrorReply]
+WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, ToolCallsDone, Drain, OkReply, ErrorReply]
 
 # --- codec ------------------------------------------------------------------
 

@@ -225,9 +225,10 @@ class SessionManager:
         server is gone, on purpose (close, switch) or on its own (idle, crash)."""
         try:
             while (msg := control.recv(protocol.control_decoder)) is not None:
-                if isinstance(msg, protocol.ToolCallDone):
-                    log.info("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
-                             session.id, msg.tool, msg.duration_ms, "ok" if msg.success else "failed")
+                if isinstance(msg, protocol.ToolCallsDone):
+                    for call in msg.calls:
+                        log.info("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
+                                 session.id, call.tool, call.duration_ms, "ok" if call.success else "failed")
                 elif isinstance(msg, protocol.AcquireWriteLock):
                     reply = self._grant_write_lock(session, msg.id)
                     with session.send_lock:

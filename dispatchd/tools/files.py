@@ -146,7 +146,7 @@ def read_file(ctx: ToolContext, path: str, start_line: int = 0, end_line: int = 
         span = "it is empty" if total == 0 else f"its lines are 0 to {total - 1}"
         raise ToolFailure(f"start_line {start_line} is past the end of {rel}: it has {total} lines ({span})")
     last = total - 1 if end_line == -1 else min(end_line, total - 1)
-    output = "\n".join(f"{n}: {lines[n]}" for n in range(start_line, last + 1))
+    output = "\n".join([f"{n}: {line}" for n, line in enumerate(lines[start_line:last + 1], start_line)])
     return Outcome.ok(output, {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})
 
 

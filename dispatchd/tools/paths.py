@@ -22,6 +22,7 @@ check and the tool's system call.
 from __future__ import annotations
 
 import os
+import stat
 
 from dispatchd.tools.base import ToolFailure
 
@@ -54,6 +55,12 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
     # the realpath test below is the one that decides.
     if not _inside(ctx_root, os.path.normpath(joined)):
         raise ToolFailure(f"path escapes the worktree: {path!r}")
+    real = _plain_path(ctx_root, path)
+    if real is not None:
+        # No symlink and no ".." on the way: the lexical path is the real one.
+        if must_exist and not os.path.lexists(real):
+            raise ToolFailure(f"file not found: {relative(ctx_root, real)}")
+        return real
     # realpath on the raw join (not the normalised one): "link/.." must climb
     # from the link's target, as the kernel would, not cancel out lexically.
     real = os.path.realpath(joined)
@@ -66,6 +73,28 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
     if must_exist and not os.path.lexists(real):
         raise ToolFailure(f"file not found: {relative(ctx_root, real)}")
     return real
+
+
+def _plain_path(root: str, path: str) -> str | None:
+    """The fast path of ``resolve`` for the common case: ``root/path`` when no
+    component is ``..`` or a symlink (checked with one ``lstat`` per component
+    below the root, which is resolved already); None otherwise, and realpath
+    decides. A component that does not exist ends the walk: nothing below it
+    can be a symlink."""
+    parts = [p for p in path.split("/") if p and p != "."]
+    if ".." in parts:
+        return None
+    current = root
+    for part in parts:
+        current = current + "/" + part if current != "/" else "/" + part
+        try:
+            if stat.S_ISLNK(os.lstat(current).st_mode):
+                return None
+        except FileNotFoundError:
+            return root.rstrip("/") + "/" + "/".join(parts) if parts else root
+        except NotADirectoryError:
+            return None  # realpath gives the error its usual form
+    return current
 
 
 def within_worktree(root: str, path: str) -> bool:
@@ -84,6 +113,9 @@ def within_worktree(root: str, path: str) -> bool:
 
 def relative(root: str, abspath: str) -> str:
     """``abspath`` as a worktree-relative path for display ('.' for the root)."""
+    prefix = root.rstrip("/") + "/"
+    if abspath.startswith(prefix):  # the usual case, without relpath's work
+        return printable(abspath[len(prefix):])
     return printable(os.path.relpath(abspath, root))
 
 

@@ -27,6 +27,8 @@ import time
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.policy import MUTATING_TOOLS
+
+RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.spec import TOOLS
 
@@ -147,6 +149,8 @@ class _Server:
         self.activity = _Activity()
         self.write_lock = write_lock
         self.draining = False
+        self.records: list[protocol.CallRecord] = []
+        self.records_lock = threading.Lock()
 
     def dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
         tool = self.tools.get(req.tool)
@@ -181,15 +185,26 @@ class _Server:
                                              error=out.error, metadata=out.metadata))
         finally:
             self.activity.end()
-            self.tell_daemon(protocol.ToolCallDone(tool=req.tool, success=success,
-                                                   duration_ms=round((time.perf_counter() - started) * 1e3, 3)))
+            with self.records_lock:
+                self.records.append(protocol.CallRecord(req.tool, round((time.perf_counter() - started) * 1e3, 3),
+                                                        success))
 
-    def tell_daemon(self, msg: protocol.ToolCallDone) -> None:
+    def flush_records(self) -> None:
+        """Send the daemon what finished since the last time (for its log)."""
+        with self.records_lock:
+            records, self.records = self.records, []
+        if not records:
+            return
         try:
             with self.write_lock.send_lock:
-                self.write_lock.control.send(msg)
+                self.write_lock.control.send(protocol.ToolCallsDone(calls=records))
         except OSError:
             pass  # the daemon is gone; the session is ending anyway
+
+    def send_records(self) -> None:
+        while True:
+            time.sleep(RECORD_INTERVAL_S)
+            self.flush_records()
 
     def drain(self, deadline_s: float) -> None:
         """Refuse new calls, wait for those in flight (up to the deadline), end."""
@@ -197,6 +212,7 @@ class _Server:
         deadline = time.monotonic() + deadline_s
         while self.activity.busy() and time.monotonic() < deadline:
             time.sleep(0.02)
+        self.flush_records()
         os._exit(0)
 
     def watch_idle(self) -> None:
@@ -212,6 +228,7 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
     write_lock = _WriteLock(control)
     server = _Server(plan, write_lock)
     threading.Thread(target=server.watch_idle, daemon=True).start()
+    threading.Thread(target=server.send_records, daemon=True).start()
     while True:
         try:
             msg = control.recv(protocol.control_decoder)

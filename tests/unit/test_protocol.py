@@ -61,7 +61,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
                                     message="cannot apply landlock: add path rule (/opt): EACCES"), {"control"}),
     p.AddChannel: (p.AddChannel(id=12), {"control"}),
     p.AcquireWriteLock: (p.AcquireWriteLock(id=13), {"control"}),
-    p.ToolCallDone: (p.ToolCallDone(tool="read_file", duration_ms=1.5, success=True), {"control"}),
+    p.ToolCallsDone: (p.ToolCallsDone(calls=[p.CallRecord("read_file", 1.5, True)]), {"control"}),
     p.Drain: (p.Drain(deadline_s=30.0), {"control"}),
     p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"zygote_request"}),
     p.Spawned: (p.Spawned(id=14, pid=999), {"zygote_reply"}),
@@ -82,7 +82,7 @@ TAGS = {
     "ErrorReply": "error", "CallTool": "call_tool", "ToolReply": "tool_reply", "WorkerReady": "worker_ready",
     "WorkerFailed": "worker_failed", "AddChannel": "add_channel", "SpawnWorker": "spawn_worker",
     "Spawned": "spawned", "AcquireWriteLock": "acquire_write_lock",
-    "ToolCallDone": "tool_call_done", "Drain": "drain",
+    "ToolCallsDone": "tool_calls_done", "Drain": "drain",
 }
 
 
