@@ -23,6 +23,7 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     seccomp: bool
     seccomp_actions: list[str]
     cgroup2: str  # where cgroup v2 is mounted, "" if nowhere
+    cgroup_delegation: str  # whether per-session cgroups could be made, and why not
 
     def to_dict(self) -> dict[str, object]:
         return msgspec.to_builtins(self)
@@ -48,6 +49,31 @@ def _cgroup2_mount() -> str:
     return ""
 
 
+def _cgroup_delegation(mount: str) -> str:
+    """Could this process give each session a cgroup with pids and memory limits?"""
+    if not mount:
+        return "no: cgroup v2 is not mounted"
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as f:
+            own = next((line.split("::", 1)[1].strip() for line in f if line.startswith("0::")), "")
+    except OSError:
+        own = ""
+    if not own:
+        return "no: this process is in no cgroup v2 hierarchy"
+    path = os.path.join(mount, own.lstrip("/"))
+    try:
+        with open(os.path.join(path, "cgroup.controllers"), encoding="ascii") as f:
+            have = f.read().split()
+    except OSError as exc:
+        return f"no: cannot read {path}/cgroup.controllers: {exc.strerror}"
+    missing = [c for c in ("pids", "memory") if c not in have]
+    if missing:
+        return f"no: controllers {', '.join(missing)} are not available in {path} (it has: {', '.join(have) or 'none'})"
+    if not os.access(os.path.join(path, "cgroup.subtree_control"), os.W_OK):
+        return f"no: {path} is not delegated to this user (run as a systemd service with Delegate=yes)"
+    return f"available at {path}, not used yet: sessions are held by rlimits"
+
+
 def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
     """Call before any thread exists (the user-namespace probe forks)."""
     if forbid_user_namespaces:
@@ -55,6 +81,7 @@ def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
     else:
         userns, note = probe_user_namespaces()
     actions = _seccomp_actions()
+    cgroup2 = _cgroup2_mount()
     return KernelFeatures(
         release=os.uname().release,
         landlock_abi=landlock_abi(),
@@ -62,5 +89,6 @@ def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
         user_namespaces_note=note,
         seccomp="errno" in actions,
         seccomp_actions=actions,
-        cgroup2=_cgroup2_mount(),
+        cgroup2=cgroup2,
+        cgroup_delegation=_cgroup_delegation(cgroup2),
     )

@@ -120,7 +120,8 @@ def _print_status(st: dict[str, Any]) -> None:
     print(f"dispatchd {st['daemon_version']} (pid {st['pid']}) on {st['socket']}")
     print(f"kernel {k['release']}: Landlock ABI {k['landlock_abi'] or 'absent'}; "
           f"user namespaces: {'yes' if k['user_namespaces'] else 'no'} ({k['user_namespaces_note']}); "
-          f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'}")
+          f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'} "
+          f"(per-session cgroups: {k.get('cgroup_delegation', '?')})")
     print(f"{len(st['sessions'])} session(s)")
     for s in st["sessions"]:
         p = s["protections"]
@@ -131,6 +132,10 @@ def _print_status(st: dict[str, Any]) -> None:
               f"{', '.join(ll.get('scopes', [])) or 'none'}, tcp: {ll.get('tcp')}")
         print(f"    seccomp: {p.get('seccomp')}; namespaces: {ns}")
         print(f"    network {p.get('network', {}).get('mode')}: {p.get('network', {}).get('mechanism')}")
+        lim = p.get("limits", {})
+        if lim:
+            print(f"    limits ({lim.get('mechanism')}): processes {lim.get('max_processes')}, "
+                  f"data {lim.get('max_data_bytes_per_process')} B/process, file size {lim.get('max_file_bytes')} B")
         for gap in p.get("leaves_open", []):
             print(f"    leaves open: {gap}")
 

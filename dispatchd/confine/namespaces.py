@@ -3,7 +3,8 @@
 Guarantees, where the kernel allows unprivileged user namespaces:
 - ``enter_namespaces`` puts the calling process in a new user namespace that
   maps only the user's own uid and gid (no root inside, setgroups denied), a
-  new mount namespace, a new network namespace when the network is off, and
+  new mount namespace, a new IPC namespace (System V IPC and POSIX message
+  queues of its own), a new network namespace when the network is off, and
   makes its *next child* pid 1 of a new pid namespace: the session sees only
   its own processes, and when that pid 1 exits the kernel kills every process
   left in the namespace;
@@ -49,7 +50,7 @@ def enter_namespaces(plan: NamespacePlan) -> None:
     if not plan.user:
         return
     flags = _sys.CLONE_NEWUSER
-    flags |= _sys.CLONE_NEWNS if plan.mount else 0
+    flags |= (_sys.CLONE_NEWNS | _sys.CLONE_NEWIPC) if plan.mount else 0
     flags |= _sys.CLONE_NEWPID if plan.pid else 0
     flags |= _sys.CLONE_NEWNET if plan.net else 0
     try:

@@ -145,11 +145,15 @@ def plan_session(
         connect_ports=ports.connect if network == "ports" else None,
         bind_ports=ports.bind if network == "ports" else None,
     )
-    seccomp = plan_seccomp(allow_inet=not (network_off and not use_userns))
+    seccomp = plan_seccomp(allow_inet=not (network_off and not use_userns), ipc_namespace=use_userns)
     namespaces = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=uid, gid=gid)
     mounts = None
     if use_userns:
         writable = [paths.worktree] if worktree_rw else []
+        if worktree_rw and git.kind == "repository":
+            # .git a mount point of its own: it cannot be renamed aside (EBUSY)
+            # with its read-only config and hooks, and a new one planted.
+            writable.append(paths.worktree + "/.git")
         writable += [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
         mounts = plan_mounts(writable=writable, visible=[paths.worktree], private_tmp=paths.tmp,
                              hide=list(paths.runtime_dirs), proc=True,
@@ -182,7 +186,12 @@ def plan_session(
     else:
         net_mechanism = "seccomp: no IPv4/IPv6 sockets" + (", Landlock: no TCP bind/connect" if landlock.handled_net else "")
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
-    mode = "full" if not gaps else "degraded"  # of the sandbox; the network's own caveat follows
+    mode = "full" if not gaps else "degraded"  # of the sandbox; the network's own caveats follow
+    if not (use_userns and network_off):
+        # Abstract names live in the network namespace: only a private one hides the host's.
+        gaps.append("abstract Unix socket names of the host can be taken (bind) by the session: a program "
+                    "of the user's that binds the same name then fails (nothing can be connected to or "
+                    "received through them)")
     if network == "ports":
         gaps.append("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
                     "network (Landlock has no rules for them)")
@@ -211,6 +220,7 @@ def plan_session(
                               user_namespace=use_userns)
     protections["limits"] = {
         "mechanism": "rlimits",
+        "cgroups": kernel.cgroup_delegation,
         "max_processes": lim.max_processes if use_userns else f"{lim.max_processes} more than the user ran at open",
         "max_data_bytes_per_process": lim.max_data_bytes,
         "max_file_bytes": lim.max_file_bytes,

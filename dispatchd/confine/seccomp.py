@@ -5,7 +5,9 @@ Landlock (ABI 7) leaves holes that only a syscall filter closes. Once
 - create Unix sockets (``socket(AF_UNIX)``): no connect to the daemon's socket,
   the user's D-Bus or ``systemd --user`` (``systemd-run --user`` would run
   anything unconfined), a container engine's socket, or any abstract socket.
-  ``socketpair`` still works, so pipes between a session's own processes do;
+  a stream ``socketpair`` still works, so pipes between a session's own
+  processes do; a datagram pair (which could ``sendto`` a named socket) does not;
+- use the host's System V IPC when it has no IPC namespace of its own;
 - open sockets of any family but IPv4/IPv6 (and netlink route queries); with
   the network off and no network namespace to hold it, not IPv4/IPv6 either;
 - make new namespaces (``unshare``, ``setns``, ``clone`` with a ``CLONE_NEW*``
@@ -49,6 +51,8 @@ _DENIED_ALWAYS = (
     "open_by_handle_at", "name_to_handle_at", "acct", "swapon", "swapoff", "reboot",
     "syslog", "quotactl", "lookup_dcookie", "vhangup",
 )
+_SYSV_IPC = ("shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl",
+             "semget", "semop", "semtimedop", "semctl")
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 _AF_MAX = 46  # families are below this on 6.x kernels; anything at or above is denied
@@ -72,7 +76,7 @@ class SeccompPlan(msgspec.Struct, frozen=True):
     allow_inet: bool
 
 
-def plan_seccomp(*, allow_inet: bool) -> SeccompPlan:
+def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True) -> SeccompPlan:
     """The filter for one session; pure. ``allow_inet`` is False only for network
     off without a network namespace, where seccomp is what holds the network."""
     rules = [SeccompRule(name, errno.EPERM) for name in _DENIED_ALWAYS]
@@ -88,10 +92,18 @@ def plan_seccomp(*, allow_inet: bool) -> SeccompPlan:
     rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "ge", _AF_MAX)]))
     # Netlink only for route queries (what `ip addr` needs), not audit, uevents...
     rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_NETLINK), ArgCheck(2, "ne", 0)]))
-    # socketpair(AF_UNIX) stays: it reaches nothing outside the session.
+    # socketpair(AF_UNIX, SOCK_STREAM) stays (asyncio, multiprocessing use it):
+    # a connected stream pair cannot be reconnected elsewhere. A datagram pair
+    # could sendto() any named socket of the user's, so it is refused.
     for family in range(_AF_MAX):
         if family != socket.AF_UNIX:
             rules.append(SeccompRule("socketpair", errno.EPERM, [ArgCheck(0, "eq", family)]))
+    rules.append(SeccompRule("socketpair", errno.EPERM, [ArgCheck(0, "ge", _AF_MAX)]))
+    rules.append(SeccompRule("socketpair", errno.EPERM, [ArgCheck(1, "masked_eq", socket.SOCK_DGRAM, 0xF)]))
+    if not ipc_namespace:
+        # Without an IPC namespace, System V IPC is the host's: the user's
+        # shared memory, queues and semaphores, reachable by key.
+        rules += [SeccompRule(name, errno.EPERM) for name in _SYSV_IPC]
     return SeccompPlan(rules=rules, allow_inet=allow_inet)
 
 

@@ -77,5 +77,12 @@ def run_tool(tool: Tool, ctx: ToolContext, params: Any) -> Outcome:
         return tool.func(ctx, typed)
     except ToolFailure as exc:
         return Outcome.fail(exc.message, exc.metadata)
-    except Exception as exc:  # a bug or an OS error we did not foresee
+    except OSError as exc:  # one we did not foresee (e.g. a path swapped mid-call)
+        # Python puts the absolute host path in str(exc); the model gets the
+        # worktree-relative one, or none.
+        where = ""
+        if isinstance(exc.filename, str) and exc.filename.startswith(ctx.root.rstrip("/") + "/"):
+            where = f": {exc.filename[len(ctx.root.rstrip('/')) + 1:]}"
+        return Outcome.fail(f"{tool.name}: {exc.strerror or type(exc).__name__}{where}")
+    except Exception as exc:  # a bug
         return Outcome.fail(f"{tool.name}: {type(exc).__name__}: {exc}")

@@ -38,6 +38,9 @@ TMP_GAP = "no private /tmp: the host's /tmp is simply not granted (TMPDIR is the
 SECCOMP_NET_GAP = "network off is held by seccomp alone (no Landlock TCP rules below ABI 4)"
 SCOPES_GAP = ("no Landlock scopes (ABI < 6): signals to the user's other processes and "
               "abstract Unix sockets rely on seccomp and namespaces only")
+ABSTRACT_GAP = ("abstract Unix socket names of the host can be taken (bind) by the session: a program "
+                "of the user's that binds the same name then fails (nothing can be connected to or "
+                "received through them)")
 PORTS_GAP = ("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
              "network (Landlock has no rules for them)")
 HYGIENE = ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
@@ -55,6 +58,7 @@ def kernel(abi: int = 7, userns: bool = True, seccomp: bool = True) -> KernelFea
         seccomp_actions=["kill_process", "kill_thread", "trap", "errno", "user_notif", "trace", "log", "allow"]
         if seccomp else [],
         cgroup2="/sys/fs/cgroup",
+        cgroup_delegation="no: controllers pids, memory are not available in /sys/fs/cgroup (it has: none)",
     )
 
 
@@ -140,7 +144,7 @@ def test_full_mode_network_on():
     assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
     assert got.protections["landlock"]["tcp"] == "not handled"  # type: ignore[index]
     assert got.protections["mode"] == "full"
-    assert got.protections["leaves_open"] == []
+    assert got.protections["leaves_open"] == [ABSTRACT_GAP]
 
 
 def test_full_mode_below_abi_6_is_degraded_for_want_of_scopes():
@@ -203,12 +207,12 @@ def test_degraded_mode_network_off():
     assert got.loopback is False
     assert got.mounts is None
     # No network namespace: seccomp refuses inet sockets and Landlock every TCP bind/connect.
-    assert got.seccomp == plan_seccomp(allow_inet=False)
+    assert got.seccomp == plan_seccomp(allow_inet=False, ipc_namespace=False)
     assert got.landlock == LandlockPlan(abi=7, handled_fs=0xFFFF, handled_net=3, scoped=3,
                                         paths=landlock_paths(userns=False), tcp_ports=[])
     prot = got.protections
     assert prot["mode"] == "degraded"
-    assert prot["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP]
+    assert prot["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, ABSTRACT_GAP]
     assert "chmod" in prot["leaves_open"][0]  # type: ignore[index]
     assert prot["namespaces"] == {"user": False, "mount": False, "pid": False, "net": False}
     assert prot["network"] == {"mode": "off",
@@ -220,20 +224,20 @@ def test_degraded_mode_network_off():
 
 def test_degraded_mode_network_on():
     got = plan(k=kernel(userns=False), network="on")
-    assert got.seccomp == plan_seccomp(allow_inet=True)
+    assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False)
     assert got.landlock.handled_net == 0
     assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
-    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP]
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, ABSTRACT_GAP]
 
 
 def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
     got = plan(k=kernel(abi=3, userns=False))
-    assert got.seccomp == plan_seccomp(allow_inet=False)
+    assert got.seccomp == plan_seccomp(allow_inet=False, ipc_namespace=False)
     assert got.landlock.handled_net == 0
     assert got.landlock.handled_fs == 0x7FFF
     assert got.landlock.scoped == 0
     assert got.protections["network"] == {"mode": "off", "mechanism": "seccomp: no IPv4/IPv6 sockets"}
-    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SCOPES_GAP]
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SCOPES_GAP, ABSTRACT_GAP]
     assert got.protections["landlock"]["tcp"] == "not handled"  # type: ignore[index]
 
 
@@ -329,7 +333,7 @@ def test_ports_in_full_mode():
         "connect_ports": [443, 80], "bind_ports": [8080]}
     # The sandbox itself is whole; the network's caveat is listed all the same.
     assert got.protections["mode"] == "full"
-    assert got.protections["leaves_open"] == [PORTS_GAP]
+    assert got.protections["leaves_open"] == [ABSTRACT_GAP, PORTS_GAP]
 
 
 def test_ports_default_to_the_policys():
@@ -341,10 +345,10 @@ def test_ports_default_to_the_policys():
 
 def test_ports_in_degraded_mode():
     got = plan(k=kernel(userns=False), network="ports", ports=NetworkPorts(connect=[], bind=[]))
-    assert got.seccomp == plan_seccomp(allow_inet=True)
+    assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False)
     assert got.landlock.handled_net == 3
     assert got.landlock.tcp_ports == []
-    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, PORTS_GAP]
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, ABSTRACT_GAP, PORTS_GAP]
 
 
 def test_ports_are_ignored_unless_network_is_ports():
