@@ -155,7 +155,7 @@ def plan_session(
             # with its read-only config and hooks, and a new one planted.
             writable.append(paths.worktree + "/.git")
         writable += [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
-        mounts = plan_mounts(writable=writable, visible=[paths.worktree], private_tmp=paths.tmp,
+        mounts = plan_mounts(writable=writable, visible=[paths.worktree] + list(git.readable), private_tmp=paths.tmp,
                              hide=list(paths.runtime_dirs), proc=True,
                              read_only=list(git.read_only) if worktree_rw else [])
 

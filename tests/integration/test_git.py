@@ -1,0 +1,131 @@
+"""Git inside a session: add, commit and checkout -b work, in a plain repository
+and in a linked worktree, while what the user's own git would run stays
+read-only (full mode). Both modes: without user namespaces git still works,
+and the protections are a limit the session's status lists.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import Daemon, shell
+
+IDENTITY = "GIT_AUTHOR_NAME=agent GIT_AUTHOR_EMAIL=agent@example.invalid " \
+           "GIT_COMMITTER_NAME=agent GIT_COMMITTER_EMAIL=agent@example.invalid"
+WORKFLOW = f"echo more >> f && git add f && {IDENTITY} git commit -qm change && git checkout -q -b feature && " \
+           "git log --format=%s && git branch --show-current"
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module", params=["full", "degraded"])
+def mode_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dispatch.Client]]:
+    extra = ("--no-user-namespaces",) if request.param == "degraded" else ()
+    d = Daemon(tmp_path_factory.mktemp(f"git-{request.param}"), *extra)
+    try:
+        with d.connect() as c:
+            yield request.param, c
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    r = tmp_path / "repo"
+    r.mkdir()
+    git(r, "init", "-q")
+    git(r, "config", "user.email", "user@example.invalid")
+    git(r, "config", "user.name", "user")
+    (r / "f").write_text("one\n")
+    git(r, "add", "f")
+    git(r, "commit", "-qm", "init")
+    return r
+
+
+def test_git_works_in_a_repository(mode_client, repo: Path) -> None:
+    mode, client = mode_client
+    with client.open_session(str(repo)) as s:
+        r = shell(s, WORKFLOW)
+        assert r.is_success, r.error
+        assert r.output == "change\ninit\nfeature\n"
+        git_status = s.status()["protections"]["git"]
+        assert git_status["kind"] == "repository"
+        if mode == "degraded":
+            assert any(g.startswith("git metadata") for g in s.status()["protections"]["leaves_open"])
+    assert git(repo, "log", "--format=%s", "feature") == "change\ninit\n"  # the commit is really there
+
+
+def test_git_works_in_a_linked_worktree(mode_client, repo: Path, tmp_path: Path) -> None:
+    _, client = mode_client
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
+    with client.open_session(str(linked)) as s:
+        r = shell(s, WORKFLOW)
+        assert r.is_success, r.error
+        assert r.output == "change\ninit\nfeature\n"
+        st = s.status()["protections"]["git"]
+        assert st["kind"] == "linked"
+        assert str(repo / ".git" / "objects") in st["granted"]
+        # The common dir's config is there to read (and only to read).
+        assert shell(s, f"git config --file {repo}/.git/config user.name").output == "user\n"
+        assert shell(s, f"echo x >> {repo}/.git/config").is_failure
+        # The rest of the main repository stays out of write reach (under
+        # /tmp, in full mode, the write lands in the session's private /tmp).
+        shell(s, f"echo x >> {repo}/f")
+    assert (repo / "f").read_text() == "one\n"
+    assert git(repo, "log", "--format=%s", "feature") == "change\ninit\n"
+
+
+def test_hooks_and_config_stay_read_only_while_git_works(mode_client, repo: Path) -> None:
+    mode, client = mode_client
+    if mode == "degraded":
+        # The limit, shown honestly: without a mount namespace nothing holds
+        # .git read-only, and the session's status says so.
+        with client.open_session(str(repo)) as s:
+            assert shell(s, "echo 'echo pwned' > .git/hooks/pre-commit").is_success
+            assert any(g.startswith("git metadata") for g in s.status()["protections"]["leaves_open"])
+        return
+    with client.open_session(str(repo)) as s:
+        hook = shell(s, "echo 'echo pwned' > .git/hooks/pre-commit")
+        assert "Read-only file system" in hook.metadata["stderr"]
+        config = shell(s, "git config core.hooksPath /tmp/evil")
+        assert "could not write config file .git/config: Device or resource busy" in config.metadata["stderr"]
+        rename = shell(s, "mv .git .git-aside")
+        assert "Device or resource busy" in rename.metadata["stderr"]
+        assert shell(s, WORKFLOW).is_success  # and git goes on working
+    assert "hooksPath" not in (repo / ".git" / "config").read_text()
+    assert not (repo / ".git" / "hooks" / "pre-commit").exists()
+
+
+def test_a_planted_commondir_is_moved_aside_when_the_session_ends(mode_client, repo: Path) -> None:
+    mode, client = mode_client
+    with client.open_session(str(repo)) as s:
+        assert shell(s, "echo ../elsewhere > .git/commondir").is_success
+    assert not (repo / ".git" / "commondir").exists()
+    assert [p.name.startswith("commondir.quarantined-by-dispatchd-") for p in (repo / ".git").iterdir()
+            if p.name.startswith("commondir")] == [True]
+
+
+def test_a_linked_worktrees_pointer_files_stay_read_only(mode_client, repo: Path, tmp_path: Path) -> None:
+    mode, client = mode_client
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
+    gitdir = repo / ".git" / "worktrees" / "linked"
+    with client.open_session(str(linked)) as s:
+        if mode == "degraded":
+            # The limit: the pointer file is in the writable worktree, and
+            # without a mount namespace nothing holds it read-only.
+            assert shell(s, "cat .git > .git.saved && echo 'gitdir: /tmp' > .git && mv .git.saved .git").is_success
+            assert any(g.startswith("git metadata") for g in s.status()["protections"]["leaves_open"])
+        else:
+            for target in (".git", f"{gitdir}/commondir", f"{gitdir}/gitdir"):
+                r = shell(s, f"echo 'gitdir: /tmp' > {target}")
+                assert "Read-only file system" in r.metadata["stderr"], target
+    assert (linked / ".git").read_text().startswith(f"gitdir: {gitdir}")
