@@ -207,7 +207,7 @@ class Session:
             reply, _ = channel.request(lambda rid: protocol.CallTool(id=rid, tool=name, params=params))
         except ConnectionLost as exc:
             return Result.failure(f"the sandbox of session {self.id} went away during {name} ({exc}); "
-                                  "the session was closed or its network switched")
+                                  "the session was closed, ended idle, or its network was switched")
         except NotSent as exc:
             return Result.failure(f"{name}: the arguments cannot be sent: {exc}")
         if isinstance(reply, protocol.ErrorReply):
