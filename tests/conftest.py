@@ -126,6 +126,20 @@ def probe_outside(code: str) -> str:
     return (out.stdout + out.stderr).strip()
 
 
+def processes_in(directory: Path) -> list[int]:
+    """Host pids of the processes whose working directory is ``directory``: how
+    the tests find a session's commands from outside, in any pid namespace."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(directory):
+                    found.append(int(pid))
+            except OSError:
+                continue
+    return found
+
+
 def _quote(s: str) -> str:
     import shlex
 

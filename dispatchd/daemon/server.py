@@ -55,7 +55,7 @@ class Server:
         self.uid = os.getuid()
 
     def serve_forever(self) -> None:
-        self.listener.settimeout(0.5)  # to notice ``stopping`` promptly
+        self.listener.settimeout(0.1)  # to notice ``stopping`` promptly
         while not self.stopping.is_set():
             try:
                 conn, _ = self.listener.accept()

@@ -7,13 +7,11 @@ and the protections are a limit the session's status lists.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-import dispatch
-from tests.conftest import Daemon, shell
+from tests.conftest import shell
 
 IDENTITY = "GIT_AUTHOR_NAME=agent GIT_AUTHOR_EMAIL=agent@example.invalid " \
            "GIT_COMMITTER_NAME=agent GIT_COMMITTER_EMAIL=agent@example.invalid"
@@ -23,17 +21,6 @@ WORKFLOW = f"echo more >> f && git add f && {IDENTITY} git commit -qm change && 
 
 def git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
-
-
-@pytest.fixture(scope="module", params=["full", "degraded"])
-def mode_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dispatch.Client]]:
-    extra = ("--no-user-namespaces",) if request.param == "degraded" else ()
-    d = Daemon(tmp_path_factory.mktemp(f"git-{request.param}"), *extra)
-    try:
-        with d.connect() as c:
-            yield request.param, c
-    finally:
-        assert d.stop() == 0, d.log()
 
 
 @pytest.fixture

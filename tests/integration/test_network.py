@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, probe, shell
+from tests.conftest import probe, shell
 
 ECONNREFUSED, EPERM, EACCES = 111, 1, 13
 
@@ -75,17 +75,6 @@ class UdpListener:
         self._stop.set()
         self._thread.join(2)
         self.sock.close()
-
-
-@pytest.fixture(scope="module", params=["full", "degraded"])
-def mode_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dispatch.Client]]:
-    extra = ("--no-user-namespaces",) if request.param == "degraded" else ()
-    d = Daemon(tmp_path_factory.mktemp(f"net-{request.param}"), *extra)
-    try:
-        with d.connect() as c:
-            yield request.param, c
-    finally:
-        assert d.stop() == 0, d.log()
 
 
 @pytest.fixture

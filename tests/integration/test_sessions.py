@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, shell
+from tests.conftest import Daemon, processes_in, shell
 
 
 def test_open_list_close(client: dispatch.Client, worktree: Path) -> None:
@@ -79,18 +79,9 @@ def test_close_ends_every_process(client: dispatch.Client, worktree: Path) -> No
     session = client.open_session(str(worktree))
     r = shell(session, "(setsid sleep 300 >/dev/null 2>&1 & sleep 300 >/dev/null 2>&1 &) ; echo started")
     assert r.is_success, r.error
-    # The sleeps are visible from outside under their host pids: find them by cwd.
+    # The sleeps are visible from outside under their host pids: found by cwd.
     def sleepers() -> list[int]:
-        found = []
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(worktree) and "sleep" in Path(f"/proc/{pid}/comm").read_text():
-                    found.append(int(pid))
-            except OSError:
-                continue
-        return found
+        return [pid for pid in processes_in(worktree) if _comm(pid) == "sleep"]
 
     assert len(sleepers()) == 2
     session.close()
@@ -119,3 +110,10 @@ def test_sessions_are_isolated_from_each_other(client: dispatch.Client, tmp_path
         assert r.is_failure
         assert "Permission denied" in r.metadata["stderr"] or "No such file" in r.metadata["stderr"]
         assert shell(sa, "echo mine > mine.txt && cat mine.txt").output.startswith("mine")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

@@ -9,19 +9,7 @@ import time
 from pathlib import Path
 
 import dispatch
-from tests.conftest import Daemon, shell
-
-
-def _processes_in(worktree: Path) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(worktree):
-                    found.append(int(pid))
-            except OSError:
-                continue
-    return found
+from tests.conftest import Daemon, processes_in, shell
 
 
 def test_sigterm_lets_a_call_in_flight_finish_and_leaves_nothing(tmp_path: Path, worktree: Path) -> None:
@@ -35,9 +23,13 @@ def test_sigterm_lets_a_call_in_flight_finish_and_leaves_nothing(tmp_path: Path,
         call.start()
         time.sleep(0.3)
         d.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        # Meanwhile a new call is refused, with the reason.
+        # Meanwhile (as soon as the daemon has told the worker) a new call is
+        # refused, with the reason.
+        deadline = time.monotonic() + 5
         refused = shell(session, "echo too late")
+        while refused.is_success and time.monotonic() < deadline:
+            time.sleep(0.05)
+            refused = shell(session, "echo too late")
         call.join(20)
         assert results and results[0].is_success, results
         assert results[0].output == "finished\n"
@@ -46,9 +38,9 @@ def test_sigterm_lets_a_call_in_flight_finish_and_leaves_nothing(tmp_path: Path,
     assert d.stop() == 0
     assert not os.path.exists(d.socket)  # removed on the way out
     deadline = time.monotonic() + 5
-    while _processes_in(worktree) and time.monotonic() < deadline:
+    while processes_in(worktree) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _processes_in(worktree) == []
+    assert processes_in(worktree) == []
     assert "event=tool_call session=" in d.log() and "tool=shell_exec" in d.log()
     assert "finished" not in d.log()  # outputs never reach the log
 

@@ -171,16 +171,9 @@ def test_error_hierarchy():
 
 
 def test_exported_names_are_pinned():
-    assert sorted(dispatch.tools.__all__) == [
-        "Definition",
-        "DuplicateToolError",
-        "Error",
-        "ExecutionError",
-        "Registry",
-        "Result",
-        "ToolNotFoundError",
-        "ValidationError",
-    ]
+    # dispatch.tools.__all__ is pinned with the rest of the public API in
+    # tests/unit/test_public_api.py; here only that every name exists.
+    assert all(hasattr(dispatch.tools, name) for name in dispatch.tools.__all__)
 
 
 # -- threads
