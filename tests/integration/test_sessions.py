@@ -76,15 +76,18 @@ def test_unknown_session(client: dispatch.Client) -> None:
 
 
 def test_close_ends_every_process(client: dispatch.Client, worktree: Path) -> None:
-    session = client.open_session(str(worktree))
-    r = shell(session, "(setsid sleep 300 >/dev/null 2>&1 & sleep 300 >/dev/null 2>&1 &) ; echo started")
-    assert r.is_success, r.error
     # The sleeps are visible from outside under their host pids: found by cwd.
     def sleepers() -> list[int]:
         return [pid for pid in processes_in(worktree) if _comm(pid) == "sleep"]
 
-    assert len(sleepers()) == 2
-    session.close()
+    with client.open_session(str(worktree)) as session:
+        r = shell(session, "(setsid sleep 300 >/dev/null 2>&1 & sleep 300 >/dev/null 2>&1 &) ; echo started")
+        assert r.is_success, r.error
+        # Until they have exec'd sleep, the children are still called bash.
+        deadline = time.monotonic() + 5
+        while len(sleepers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(sleepers()) == 2
     deadline = time.monotonic() + 5
     while sleepers() and time.monotonic() < deadline:
         time.sleep(0.05)
