@@ -96,6 +96,18 @@ class _Channel:
             self.frames.close()
 
 
+class _Control:
+    """The control channel to the daemon, written from several threads."""
+
+    def __init__(self, frames: protocol.FrameSocket) -> None:
+        self.frames = frames
+        self._send_lock = threading.Lock()
+
+    def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone) -> None:
+        with self._send_lock:
+            self.frames.send(msg)
+
+
 class _WriteLock:
     """This session's claim on writing its worktree, asked of the daemon once.
 
@@ -104,9 +116,8 @@ class _WriteLock:
     next time: the holder may have closed since.
     """
 
-    def __init__(self, control: protocol.FrameSocket) -> None:
+    def __init__(self, control: _Control) -> None:
         self.control = control
-        self.send_lock = threading.Lock()
         self.held = False
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[threading.Event, list[object]]] = {}
@@ -121,8 +132,7 @@ class _WriteLock:
         with self._lock:
             self._waiting[rid] = done
         try:
-            with self.send_lock:
-                self.control.send(protocol.AcquireWriteLock(id=rid))
+            self.control.send(protocol.AcquireWriteLock(id=rid))
         except OSError:
             return "the daemon is gone"
         if not done[0].wait(30):
@@ -142,12 +152,13 @@ class _WriteLock:
 
 
 class _Server:
-    def __init__(self, plan: SessionPlan, write_lock: _WriteLock) -> None:
+    def __init__(self, plan: SessionPlan, control: _Control) -> None:
         self.plan = plan
         self.ctx = ToolContext(root=plan.paths.worktree, limits=plan.limits, env=plan.env, writable=plan.writable)
         self.tools = {name: TOOLS[name] for name in plan.tools}
         self.activity = _Activity()
-        self.write_lock = write_lock
+        self.control = control
+        self.write_lock = _WriteLock(control)
         self.draining = False
         self.records: list[protocol.CallRecord] = []
         self.records_lock = threading.Lock()
@@ -196,8 +207,7 @@ class _Server:
         if not records:
             return
         try:
-            with self.write_lock.send_lock:
-                self.write_lock.control.send(protocol.ToolCallsDone(calls=records))
+            self.control.send(protocol.ToolCallsDone(calls=records))
         except OSError:
             pass  # the daemon is gone; the session is ending anyway
 
@@ -225,8 +235,7 @@ class _Server:
 
 def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
     """Serve until the daemon closes the control channel."""
-    write_lock = _WriteLock(control)
-    server = _Server(plan, write_lock)
+    server = _Server(plan, _Control(control))
     threading.Thread(target=server.watch_idle, daemon=True).start()
     threading.Thread(target=server.send_records, daemon=True).start()
     while True:
@@ -244,6 +253,6 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             channel = _Channel(socket.socket(fileno=fd), server)
             threading.Thread(target=channel.run, daemon=True).start()
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
-            write_lock.answer(msg)
+            server.write_lock.answer(msg)
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()
