@@ -8,7 +8,9 @@ what lets Landlock be applied safely, since Landlock binds only the calling
 thread and a fork of a single-threaded process has exactly one.
 
 Seccomp programs are compiled here once per plan and only installed in the
-worker. The fork server dies with the daemon, and the workers with it.
+worker. The fork server dies with the daemon, and the workers with it. It is
+also a child subreaper, and ends any process that lands on it but a session's
+first one: the orphans of a session whose init was killed.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from dispatchd.worker import server as _server  # noqa: F401  (pre-import for th
 from dispatchd.worker.session import run_session
 
 _plan_decoder = msgspec.msgpack.Decoder(SessionPlan)
+ORPHAN_SWEEP_S = 0.5
 
 
-def _reap() -> None:
+def _reap(workers: set[int]) -> None:
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -38,6 +41,29 @@ def _reap() -> None:
             return
         if pid == 0:
             return
+        workers.discard(pid)
+
+
+def _sweep_orphans(workers: set[int]) -> None:
+    """Kill every child that is not a session's first process.
+
+    The fork server is a child subreaper: a process of a session whose init
+    died (killed from inside the session, where there is no pid namespace to
+    protect it) is reparented here instead of to the host's init, and ends
+    here, so closing a session still leaves nothing running.
+    """
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children", encoding="ascii") as f:
+            children = [int(p) for p in f.read().split()]
+    except OSError:
+        return
+    for pid in children:
+        if pid not in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
@@ -49,13 +75,17 @@ def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
     os.closerange(keep + 1, 1 << 20)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    hygiene.child_subreaper()
     frames = protocol.FrameSocket(sock, fds=True)
     programs: dict[bytes, bytes] = {}
+    workers: set[int] = set()
     me = os.getpid()
     while True:
-        # Wake up now and then to reap workers that have ended.
-        ready, _, _ = select.select([sock], [], [], 1.0)
-        _reap()
+        # Wake up now and then to reap workers that have ended, and to end
+        # the orphans of sessions whose init was killed.
+        ready, _, _ = select.select([sock], [], [], ORPHAN_SWEEP_S)
+        _reap(workers)
+        _sweep_orphans(workers)
         if not ready:
             continue
         try:
@@ -79,6 +109,7 @@ def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
         if pid == 0:
             sock.close()
             run_session(plan, program, control_fd, me)
+        workers.add(pid)
         os.close(control_fd)
         pidfd = os.pidfd_open(pid)
         try:
