@@ -21,14 +21,20 @@ to write, and the planner turns that into mounts and Landlock rules:
 - a file that did not exist and would redirect git (``.git/commondir``) cannot
   be stopped from being created in a writable directory by any mount; the
   daemon checks for it once the session's processes are gone and moves it
-  aside (``quarantine_new_redirects``).
+  aside (``quarantine_new_redirects``);
+- a nested repository that the session records in the index as a submodule
+  (a gitlink, mode 160000) would have the user's ``git status`` run git in it,
+  with its own config: the daemon reads the index (versions 2-4, SHA-1 or
+  SHA-256) at open and once the session's processes are gone, and moves aside
+  the ``.git`` of every submodule that is new or changed
+  (``quarantine_new_submodules``), in both modes.
 
 Only in full mode (a mount namespace). Without one, Landlock cannot carve a
 read-only hole in a writable tree: the session's ``leaves_open`` says so.
 
-The daemon reads the ``.git`` pointer file here (``O_NOFOLLOW``, at most 4 KiB,
-a regular file only): the one file inside a worktree it opens, and it treats
-the content as hostile.
+The daemon reads two files inside a worktree here, both as hostile content:
+the ``.git`` pointer file (``O_NOFOLLOW``, at most 4 KiB, a regular file only)
+and the index (``O_NOFOLLOW``, at most 256 MiB, parsed strictly).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ REDIRECTS = ("commondir",)  # files whose mere appearance changes which config g
 
 class GitLayout(msgspec.Struct, frozen=True):
     kind: str  # "none", "repository", "linked", "refused"
+    index: str = ""  # the index git uses for this worktree (its submodules are checked at the end)
     read_only: list[str] = []  # bound read-only over themselves (must exist)
     readable: list[str] = []  # outside the worktree: Landlock read-only
     writable: list[str] = []  # outside the worktree: Landlock read-write, bound writable
@@ -79,7 +86,7 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         if os.path.isdir(modules) and not os.path.islink(modules):
             for name in sorted(os.listdir(modules)):
                 protect += [os.path.join(modules, name, "config"), os.path.join(modules, name, "hooks")]
-        return GitLayout("repository", read_only=_existing(protect))
+        return GitLayout("repository", index=os.path.join(dotgit, "index"), read_only=_existing(protect))
     if not stat.S_ISREG(st.st_mode):
         return GitLayout("refused", note=".git is neither a directory nor a file")
     text = _read_small(dotgit) or ""
@@ -101,7 +108,8 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         return GitLayout("refused", read_only=[dotgit], note=f"{common} cannot be inspected")
     writable = [gitdir] + [os.path.join(common, d) for d in ("objects", "refs", "logs") if os.path.isdir(os.path.join(common, d))]
     read_only = _existing([dotgit, os.path.join(gitdir, "commondir"), os.path.join(gitdir, "gitdir")])
-    return GitLayout("linked", read_only=read_only, readable=[common], writable=writable)
+    return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only, readable=[common],
+                     writable=writable)
 
 
 def redirects_present(worktree: str) -> list[str]:
@@ -120,6 +128,127 @@ def quarantine_new_redirects(worktree: str, before: list[str]) -> list[str]:
         if name in before:
             continue
         src = os.path.join(worktree, ".git", name)
+        dst = f"{src}.quarantined-by-dispatchd-{int(time.time())}"
+        try:
+            os.rename(src, dst)
+            moved.append(dst)
+        except OSError:
+            continue
+    return moved
+
+
+# --- submodules: what a session may register for the user's git to run ------
+
+_GITLINK = 0o160000
+_MAX_INDEX = 256 * 1024 * 1024
+
+
+def _read_index(path: str) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_INDEX:
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def parse_gitlinks(data: bytes) -> set[str] | None:
+    """The paths a git index (versions 2-4, SHA-1 or SHA-256) records as
+    submodules (mode 160000). None when the bytes are not an index we can read."""
+    if len(data) < 12 or data[:4] != b"DIRC":
+        return None
+    version = int.from_bytes(data[4:8], "big")
+    count = int.from_bytes(data[8:12], "big")
+    if version not in (2, 3, 4):
+        return None
+    for hash_size in (20, 32):  # the index does not say which; one parses cleanly
+        links = _parse_entries(data, version, count, hash_size)
+        if links is not None:
+            return links
+    return None
+
+
+def _parse_entries(data: bytes, version: int, count: int, hash_size: int) -> set[str] | None:
+    links: set[str] = set()
+    pos, previous = 12, b""
+    try:
+        for _ in range(count):
+            start = pos
+            mode = int.from_bytes(data[pos + 24:pos + 28], "big")
+            pos += 40 + hash_size
+            flags = int.from_bytes(data[pos:pos + 2], "big")
+            pos += 2
+            if version >= 3 and flags & 0x4000:
+                pos += 2
+            if version == 4:
+                byte = data[pos]  # git's offset varint (varint.c: decode_varint)
+                pos += 1
+                strip = byte & 0x7F
+                while byte & 0x80:
+                    byte = data[pos]
+                    pos += 1
+                    strip = ((strip + 1) << 7) | (byte & 0x7F)
+                end = data.index(b"\0", pos)
+                if strip > len(previous):
+                    return None
+                name = previous[:len(previous) - strip] + data[pos:end]
+                pos = end + 1
+            else:
+                end = data.index(b"\0", pos)
+                name = data[pos:end]
+                pos = start + ((end - start) // 8 + 1) * 8  # 1 to 8 NULs pad each entry
+            length = flags & 0xFFF
+            if length != 0xFFF and length != len(name) or not name or pos > len(data):
+                return None
+            if mode & 0o170000 == _GITLINK:
+                links.add(name.decode("utf-8", "surrogateescape"))
+            previous = name
+    except (IndexError, ValueError):
+        return None
+    return links
+
+
+class SubmoduleState(msgspec.Struct, frozen=True):
+    """For each submodule of the index: how its ``.git`` looked (lstat), or None."""
+
+    readable: bool
+    links: dict[str, tuple[int, int, int, int] | None] = {}
+
+
+def _dotgit_stat(worktree: str, link: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.lstat(os.path.join(worktree, link, ".git"))
+    except OSError:
+        return None
+    return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def submodule_state(worktree: str, index: str) -> SubmoduleState:
+    data = _read_index(index) if index else None
+    links = parse_gitlinks(data) if data is not None else None
+    if links is None:
+        return SubmoduleState(readable=data is None)  # no index at all is fine; an unreadable one is not
+    return SubmoduleState(readable=True, links={link: _dotgit_stat(worktree, link) for link in links})
+
+
+def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState) -> list[str]:
+    """Move aside the ``.git`` of every submodule a session registered or
+    changed: the user's ``git status`` would run in it, with its own config
+    (``core.fsmonitor``...). Call once every process of the session is gone."""
+    now = submodule_state(worktree, index)
+    moved = []
+    for link, seen in now.links.items():
+        if seen is None or before.links.get(link, "new") == seen:
+            continue  # no .git there (git skips it), or as it was before the session
+        src = os.path.join(worktree, link, ".git")
         dst = f"{src}.quarantined-by-dispatchd-{int(time.time())}"
         try:
             os.rename(src, dst)

@@ -5,9 +5,11 @@ Landlock (ABI 7) leaves holes that only a syscall filter closes. Once
 - create Unix sockets (``socket(AF_UNIX)``): no connect to the daemon's socket,
   the user's D-Bus or ``systemd --user`` (``systemd-run --user`` would run
   anything unconfined), a container engine's socket, or any abstract socket.
-  a stream ``socketpair`` still works, so pipes between a session's own
-  processes do; a datagram pair (which could ``sendto`` a named socket) does not;
-- use the host's System V IPC when it has no IPC namespace of its own;
+  a stream or seqpacket ``socketpair`` still works, so pipes between a
+  session's own processes do; any other kind (a datagram pair could
+  ``sendto`` a named socket) does not;
+- use the host's System V IPC or POSIX message queues when it has no IPC
+  namespace of its own;
 - open sockets of any family but IPv4/IPv6 (and netlink route queries); with
   the network off and no network namespace to hold it, not IPv4/IPv6 either;
 - make new namespaces (``unshare``, ``setns``, ``clone`` with a ``CLONE_NEW*``
@@ -51,8 +53,11 @@ _DENIED_ALWAYS = (
     "open_by_handle_at", "name_to_handle_at", "acct", "swapon", "swapoff", "reboot",
     "syslog", "quotactl", "lookup_dcookie", "vhangup",
 )
-_SYSV_IPC = ("shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl",
-             "semget", "semop", "semtimedop", "semctl")
+# The host's IPC objects, when the session has no IPC namespace of its own:
+# System V by key, POSIX message queues by name (Landlock checks opening one,
+# not creating or unlinking it).
+_HOST_IPC = ("shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl",
+             "semget", "semop", "semtimedop", "semctl", "mq_open", "mq_unlink")
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 _AF_MAX = 46  # families are below this on 6.x kernels; anything at or above is denied
@@ -99,11 +104,14 @@ def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True) -> SeccompPlan
         if family != socket.AF_UNIX:
             rules.append(SeccompRule("socketpair", errno.EPERM, [ArgCheck(0, "eq", family)]))
     rules.append(SeccompRule("socketpair", errno.EPERM, [ArgCheck(0, "ge", _AF_MAX)]))
-    rules.append(SeccompRule("socketpair", errno.EPERM, [ArgCheck(1, "masked_eq", socket.SOCK_DGRAM, 0xF)]))
+    # Only connected kinds: SOCK_RAW on AF_UNIX is a datagram socket by another name.
+    for kind in range(16):
+        if kind not in (socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
+            rules.append(SeccompRule("socketpair", errno.EPERM, [ArgCheck(1, "masked_eq", kind, 0xF)]))
     if not ipc_namespace:
-        # Without an IPC namespace, System V IPC is the host's: the user's
-        # shared memory, queues and semaphores, reachable by key.
-        rules += [SeccompRule(name, errno.EPERM) for name in _SYSV_IPC]
+        # Without an IPC namespace, IPC is the host's: the user's shared
+        # memory, queues and semaphores, reachable by key or name.
+        rules += [SeccompRule(name, errno.EPERM) for name in _HOST_IPC]
     return SeccompPlan(rules=rules, allow_inet=allow_inet)
 
 

@@ -55,6 +55,7 @@ class Session:
         self.note = ""
         self.git = gitdirs.GitLayout("none")
         self.redirects_before: list[str] = []
+        self.submodules_before = gitdirs.SubmoduleState(readable=True)
         self.protections: dict[str, object] = {}
         self.worker: Worker | None = None
         self.control: protocol.FrameSocket | None = None
@@ -167,6 +168,7 @@ class SessionManager:
         session.ports = _ports_for(session, ports, bind_ports)
         session.git = gitdirs.inspect_git(resolved, uid=self.uid)
         session.redirects_before = gitdirs.redirects_present(resolved)
+        session.submodules_before = gitdirs.submodule_state(resolved, session.git.index)
         try:
             self._start_worker(session, network)
         except BaseException:
@@ -273,12 +275,18 @@ class SessionManager:
         shutil.rmtree(session.scratch, ignore_errors=True)
 
     def _check_git(self, session: Session) -> None:
-        """Once the session's processes are gone: move aside any file it created
-        that would redirect the user's git to configuration of its choosing."""
-        if session.git.kind != "repository":
-            return
-        for moved in gitdirs.quarantine_new_redirects(session.worktree, session.redirects_before):
-            log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, moved)
+        """Once the session's processes are gone: move aside what it left that
+        would make the user's git run configuration of its choosing."""
+        if session.git.kind == "repository":
+            for moved in gitdirs.quarantine_new_redirects(session.worktree, session.redirects_before):
+                log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, moved)
+        if session.git.kind in ("repository", "linked"):
+            for moved in gitdirs.quarantine_new_submodules(session.worktree, session.git.index,
+                                                           session.submodules_before):
+                log.warning("event=git_submodule_quarantined session=%s path=%s", session.id, moved)
+            # What the session goes on from (after a network switch) is the new baseline.
+            session.redirects_before = gitdirs.redirects_present(session.worktree)
+            session.submodules_before = gitdirs.submodule_state(session.worktree, session.git.index)
 
     def _forget(self, session: Session) -> None:
         with self._lock:

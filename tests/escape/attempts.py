@@ -25,6 +25,8 @@ import shlex
 import socket
 import textwrap
 import threading
+import time
+from collections.abc import Callable
 from types import TracebackType
 
 import dispatch
@@ -47,6 +49,7 @@ ENOTTY = _denied("ENOTTY")
 ENXIO = _denied("ENXIO")
 EINVAL = _denied("EINVAL")
 EAFNOSUPPORT = _denied("EAFNOSUPPORT")  # the kernel has no such socket family
+EOPNOTSUPP = _denied("ENOTSUP")  # the same number (95); Python names it ENOTSUP
 EFAULT = _denied("EFAULT")
 EISCONN = _denied("EISCONN")
 EBUSY = _denied("EBUSY")  # a mount point cannot be moved or removed
@@ -62,6 +65,9 @@ SYS = {
     "name_to_handle_at": 303, "setns": 308, "process_vm_readv": 310, "renameat2": 316, "bpf": 321,
     "userfaultfd": 323, "io_uring_setup": 425, "open_tree": 428, "pidfd_open": 434, "clone3": 435,
     "pidfd_getfd": 438, "mount_setattr": 442,
+    # System V IPC
+    "shmget": 29, "shmat": 30, "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66, "shmdt": 67, "msgget": 68,
+    "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "semtimedop": 220,
 }
 X32_SYSCALL_BIT = 0x40000000
 
@@ -108,6 +114,14 @@ def background(session: dispatch.Session, code: str, seconds: int) -> None:
     """Start a Python snippet in the session that outlives the call (at most ``seconds``)."""
     r = shell(session, f"timeout {seconds} /usr/bin/python3 -c {shlex.quote(code)} >/dev/null 2>&1 &")
     assert r.is_success, r.error
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+    """Poll ``condition`` until it holds or ``seconds`` pass; its last value."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
 
 
 class TcpListener:

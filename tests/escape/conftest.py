@@ -1,7 +1,7 @@
 """Fixtures of the escape suite: every attempt runs against both modes.
 
-``sandbox`` is a daemon per test module and mode, ``full`` (user, mount, pid
-and network namespaces) and ``degraded`` (started with
+``sandbox`` is a daemon per test module and mode, ``full`` (user, mount,
+IPC, pid and network namespaces) and ``degraded`` (started with
 ``--no-user-namespaces``: Landlock and seccomp alone). It overrides the root
 conftest's ``client``, so the root ``session`` fixture, and every test taking
 it, runs once per mode. A test that needs a mark on one mode only (a known

@@ -143,7 +143,9 @@ CREATE = {
     "directory": ("result = os.mkdir({path!r})", "OK None"),
     "symlink": ("result = os.symlink('/etc/passwd', {path!r})", "OK None"),
     "fifo": ("result = os.mkfifo({path!r})", "OK None"),
-    "unix socket": ("a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\nresult = a.bind({path!r})", "OK None"),
+    # socket(AF_UNIX) is refused (seccomp): a stream socketpair's socket, bound to the path.
+    "unix socket": ("a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)\nresult = a.bind({path!r})",
+                    "OK None"),
 }
 
 
@@ -370,12 +372,12 @@ result = open(".git/config", "w").write({config!r})
 @pytest.mark.parametrize("sandbox", MODES_WITH_LIMIT, indirect=True)
 def test_the_users_git_never_runs_what_a_session_wrote(sandbox: Sandbox, client: dispatch.Client, worktree: Path) -> None:
     """The user's own git, outside, runs what .git/config names (core.fsmonitor
-    here). Full mode binds .git/config and .git/hooks read-only; HOLE: the
-    session moves the whole .git aside, the read-only mounts with it, and
-    builds a new one. The mounts are in place; .git is not held. Once .git is
-    a mount point of its own, the rename answers EBUSY.
+    here). Full mode: .git/config and .git/hooks are read-only binds (the
+    direct write: EROFS), and .git itself is a mount point of its own, so it
+    cannot be moved aside, the read-only binds with it, for a new .git to be
+    built in its place (EBUSY); git's own writes to .git work (the control).
     Degraded mode: a KNOWN LIMIT, stated in leaves_open; no mount holds
-    anything, and the direct write goes through."""
+    anything: the direct write and the replacement both go through."""
     subprocess.run(["git", "init", "-q", str(worktree)], check=True, timeout=30)
     marker = f"PLANTED-BY-SESSION-{secrets.token_hex(4)}"
     config = f'[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "echo {marker} >&2; false"\n'
@@ -391,5 +393,33 @@ def test_the_users_git_never_runs_what_a_session_wrote(sandbox: Sandbox, client:
         assert direct == EROFS
         assert (replaced, ran) == (EBUSY, False), f"the user's git ran the session's command: {status.stderr!r}"
     else:
-        assert (direct, ran) == (f"OK {len(config)}", True)
+        assert (direct, replaced, ran) == (f"OK {len(config)}", f"OK {len(config)}", True)
         assert any(g.startswith("git metadata (.git/config, hooks, pointer files) is writable") for g in gaps), gaps
+
+
+_NESTED_REPOSITORY = r"""git init -q sub && \
+git -C sub -c user.name=session -c user.email=session@invalid commit -q --allow-empty -m sub && \
+printf '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "echo {marker} >&2; false"\n' > sub/.git/config && \
+git update-index --add --cacheinfo "160000,$(git -C sub rev-parse HEAD),sub" && \
+git ls-files --stage sub | cut -c1-6"""
+
+
+def test_a_nested_repository_never_runs_in_the_users_git(sandbox: Sandbox, client: dispatch.Client, worktree: Path) -> None:
+    """Neither .git/config nor .git/hooks is touched: the session makes a
+    repository inside the worktree whose own config names a command
+    (core.fsmonitor), and records it in the index as a gitlink (a submodule)
+    with git itself; .git/index is writable, as the session's git needs (the
+    control: the session's update-index goes through). The user's own git
+    status would look into every populated submodule with that submodule's own
+    config. When the session ends the daemon reads the index, finds the new
+    submodule and moves its .git aside: the command never runs. Both modes."""
+    subprocess.run(["git", "init", "-q", str(worktree)], check=True, timeout=30)
+    marker = f"PLANTED-BY-SESSION-{secrets.token_hex(4)}"
+    with client.open_session(str(worktree)) as s:
+        r = shell(s, _NESTED_REPOSITORY.format(marker=marker))
+        assert (r.metadata["exit_code"], r.metadata["stdout"]) == (0, "160000\n"), r.metadata["stderr"]
+    status = subprocess.run(["git", "-C", str(worktree), "status", "--short"], capture_output=True, text=True, timeout=30)
+    assert marker not in status.stderr, f"the user's git ran the session's command: {status.stderr!r}"
+    assert not (worktree / "sub" / ".git").exists()
+    assert [p.name.startswith(".git.quarantined-by-dispatchd-") for p in (worktree / "sub").iterdir()
+            if p.name.startswith(".git")] == [True]

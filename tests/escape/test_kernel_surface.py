@@ -15,8 +15,8 @@ import pytest
 import dispatch
 from tests.conftest import shell
 from tests.escape.attempts import (
-    EACCES, EAFNOSUPPORT, EFAULT, EINVAL, ENOENT, ENOSYS, ENOTTY, ENXIO, EPERM, SYS, X32_SYSCALL_BIT, attempt,
-    attempt_outside,
+    EACCES, EAFNOSUPPORT, EFAULT, EINVAL, ENOENT, ENOSYS, ENOTTY, ENXIO, EOPNOTSUPP, EPERM, SYS, X32_SYSCALL_BIT,
+    attempt, attempt_outside,
 )
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the probes use x86_64 system call numbers")
@@ -113,12 +113,36 @@ def test_socket_families_beyond_inet_and_netlink_route_are_refused(session: disp
 
 
 def test_socketpair_of_another_family_with_high_bits_is_refused(session: dispatch.Session) -> None:
-    """WEAKNESS. The filter refuses socketpair for every family but AF_UNIX by
-    comparing the whole 64-bit argument with each family; unlike socket()'s
-    rules it has no ">= AF_MAX" catch-all, so AF_INET | 1 << 32 passes and the
-    kernel, which reads an int, sees AF_INET. Harmless only as long as no other
-    family implements socketpair (AF_TIPC does, where it is loaded)."""
-    body = f"fds = (ctypes.c_int * 2)()\nresult = syscall({SYS['socketpair']}, {{family}}, socket.SOCK_DGRAM, 0, fds)"
+    """The filter refuses socketpair for every family but AF_UNIX, one family
+    at a time, and every family from AF_MAX (46) up: the catch-all that makes
+    AF_INET | 1 << 32 (which the kernel, reading an int, takes for AF_INET)
+    and even AF_UNIX | 1 << 32 refused. The twin outside gets the kernel's own
+    answers: AF_INET has no socketpair (EOPNOTSUPP), 46 is no family
+    (EAFNOSUPPORT), AF_UNIX | 1 << 32 is AF_UNIX."""
+    body = f"fds = (ctypes.c_int * 2)()\nresult = syscall({SYS['socketpair']}, {{family}}, socket.SOCK_STREAM, 0, fds)"
     assert attempt(session, body.format(family="socket.AF_UNIX")) == "OK 0"  # the control: the allowed family
-    assert attempt(session, body.format(family="socket.AF_INET")) == EPERM
-    assert attempt(session, body.format(family="(1 << 32) | socket.AF_INET")) == EPERM
+    for family, outside in (("socket.AF_INET", EOPNOTSUPP), ("(1 << 32) | socket.AF_INET", EOPNOTSUPP),
+                            ("46", EAFNOSUPPORT), ("(1 << 32) | socket.AF_UNIX", "OK 0")):
+        assert attempt_outside(body.format(family=family)) == outside, family
+        assert attempt(session, body.format(family=family)) == EPERM, family
+
+
+# socketpair's type argument: the socket type in its low 4 bits, flags above,
+# and the kernel reads an int: a datagram pair is refused whatever surrounds it.
+DGRAM_TYPES = {
+    "SOCK_DGRAM": "socket.SOCK_DGRAM",
+    "SOCK_DGRAM-cloexec-nonblock": "socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK",
+    "SOCK_DGRAM-high-bits": "(1 << 32) | socket.SOCK_DGRAM",
+}
+
+
+@pytest.mark.parametrize("type_", DGRAM_TYPES)
+def test_a_datagram_socketpair_is_refused_whatever_the_flags(session: dispatch.Session, type_: str) -> None:
+    """The control is the same call with the datagram type swapped for the
+    stream type, flags and high bits kept: allowed."""
+    body = f"fds = (ctypes.c_int * 2)()\nresult = syscall({SYS['socketpair']}, socket.AF_UNIX, {{type}}, 0, fds)"
+    datagram = DGRAM_TYPES[type_]
+    stream = datagram.replace("socket.SOCK_DGRAM", "socket.SOCK_STREAM")
+    assert attempt(session, body.format(type=stream)) == "OK 0"
+    assert attempt_outside(body.format(type=datagram)) == "OK 0"
+    assert attempt(session, body.format(type=datagram)) == EPERM

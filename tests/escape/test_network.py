@@ -11,7 +11,7 @@ which reaches the same listener, outside, in the test process.
 from __future__ import annotations
 
 import socket
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -20,7 +20,7 @@ import pytest
 import dispatch
 from tests.escape.attempts import (
     EAFNOSUPPORT, ECONNREFUSED, ENETUNREACH, EPERM, DatagramListener, TcpListener, attempt, attempt_outside,
-    background,
+    background, wait_for,
 )
 from tests.escape.conftest import Sandbox
 
@@ -103,7 +103,7 @@ time.sleep(5)
 
 
 def test_switching_the_network_off_ends_connections_made_while_it_was_on(
-    client: dispatch.Client, worktree: Path, make_worktree,
+    client: dispatch.Client, worktree: Path, make_worktree: Callable[[str], Path],
 ) -> None:
     """Two sessions with the network on each start a process that connects out,
     says "early", and "late" three seconds later. One session is switched off
@@ -112,14 +112,10 @@ def test_switching_the_network_off_ends_connections_made_while_it_was_on(
     with TcpListener() as listener, \
             client.open_session(str(worktree), network=True) as switched, \
             client.open_session(str(make_worktree("control")), network=True) as control:
-        for s in (switched, control):
-            count = len(listener.received)
+        for n, s in enumerate((switched, control)):
             background(s, _TALK_LATE.format(port=listener.port), 15)
-            deadline = time.monotonic() + 5
-            while (len(listener.received) <= count or not listener.received[count]) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        assert listener.received == [b"early\n", b"early\n"]
+            assert wait_for(lambda: len(listener.received) > n and listener.received[n] == b"early\n")
         assert switched.set_network(False) is False
-        time.sleep(4)
+        assert wait_for(lambda: listener.received[1] == b"early\nlate\n", 10)
         assert listener.received == [b"early\n", b"early\nlate\n"]
         assert listener.closed_by_peer == [True, False]

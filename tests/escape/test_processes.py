@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,7 +20,9 @@ import pytest
 
 import dispatch
 from tests.conftest import shell
-from tests.escape.attempts import EACCES, EINVAL, ENOENT, ENOSYS, EPERM, ESRCH, SYS, attempt, attempt_outside
+from tests.escape.attempts import (
+    EACCES, EINVAL, ENOENT, ENOSYS, EPERM, ESRCH, SYS, attempt, attempt_outside, wait_for,
+)
 from tests.escape.conftest import Sandbox, Victim
 
 # PTRACE_SEIZE rather than ATTACH: the tracee is not stopped, so the control
@@ -153,18 +154,16 @@ def test_sigio_cannot_be_aimed_at_the_users_other_processes(
     assert "GOT SIGWINCH" in outside.finish()
 
 
-def _find_sleeper(cwd: Path) -> int:
-    """The host pid of the ``sleep`` running in ``cwd`` (another session's)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(cwd) and Path(f"/proc/{pid}/comm").read_text() == "sleep\n":
-                    return int(pid)
-            except OSError:
-                continue
-        time.sleep(0.05)
-    raise AssertionError(f"no sleep running in {cwd}")
+def _sleepers(cwd: Path) -> list[int]:
+    """The host pids of the ``sleep`` processes running in ``cwd`` (another session's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(cwd) and Path(f"/proc/{pid}/comm").read_text() == "sleep\n":
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def test_another_sessions_processes_are_out_of_reach(
@@ -173,7 +172,8 @@ def test_another_sessions_processes_are_out_of_reach(
     other = make_worktree("other")
     with client.open_session(str(other)) as theirs:
         assert shell(theirs, "sleep 60 >/dev/null 2>&1 &").is_success
-        pid = _find_sleeper(other)
+        assert wait_for(lambda: bool(_sleepers(other)))
+        pid = _sleepers(other)[0]
         environ = f"result = b'DISPATCH_SESSION={theirs.id}' in open('/proc/{pid}/environ', 'rb').read()"
         assert attempt_outside(environ) == "OK True"
         assert attempt(session, environ) == sandbox.expect(full=ENOENT, degraded=EACCES)

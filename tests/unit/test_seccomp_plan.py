@@ -107,10 +107,10 @@ def test_the_two_plans_differ_only_in_inet_sockets():
 
 def test_rule_count():
     # 40 always + 7 clone flags + clone3 + 2 ioctls + (46 families - allowed) + ge + netlink
-    # + 45 socketpair families + socketpair ge + socketpair SOCK_DGRAM
-    assert len(INET.rules) == 40 + 7 + 1 + 2 + (46 - 3) + 1 + 1 + 45 + 1 + 1
-    # Without an IPC namespace, the 12 System V IPC calls too.
-    assert len(plan_seccomp(allow_inet=True, ipc_namespace=False).rules) == len(INET.rules) + 12
+    # + 45 socketpair families + socketpair ge + 14 socketpair kinds (all but STREAM and SEQPACKET)
+    assert len(INET.rules) == 40 + 7 + 1 + 2 + (46 - 3) + 1 + 1 + 45 + 1 + 14
+    # Without an IPC namespace, the 12 System V calls and 2 POSIX queue calls too.
+    assert len(plan_seccomp(allow_inet=True, ipc_namespace=False).rules) == len(INET.rules) + 14
     assert len(NO_INET.rules) == len(INET.rules) + 2
 
 
@@ -168,11 +168,14 @@ def test_socketpair_only_af_unix(any_plan: SeccompPlan):
     # A datagram pair could sendto() any named socket of the user's.
     assert verdict(any_plan, "socketpair", socket.AF_UNIX, socket.SOCK_DGRAM, 0) == errno.EPERM
     assert verdict(any_plan, "socketpair", socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, 0) == errno.EPERM
+    # On AF_UNIX, SOCK_RAW is a datagram socket by another name.
+    assert verdict(any_plan, "socketpair", socket.AF_UNIX, socket.SOCK_RAW, 0) == errno.EPERM
+    assert verdict(any_plan, "socketpair", socket.AF_UNIX, socket.SOCK_SEQPACKET, 0) is None
     for family in (0, socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK, 45, 46, 1 << 32 | socket.AF_INET):
         assert verdict(any_plan, "socketpair", family, socket.SOCK_STREAM, 0) == errno.EPERM
 
 
-@pytest.mark.parametrize("name", ["shmget", "shmat", "msgget", "msgsnd", "semget", "semop"])
+@pytest.mark.parametrize("name", ["shmget", "shmat", "msgget", "msgsnd", "semget", "semop", "mq_open", "mq_unlink"])
 def test_system_v_ipc_is_refused_without_an_ipc_namespace(name: str):
     assert verdict(plan_seccomp(allow_inet=True, ipc_namespace=False), name, 0, 0, 0) == errno.EPERM
     assert verdict(plan_seccomp(allow_inet=True, ipc_namespace=True), name, 0, 0, 0) is None
