@@ -1,0 +1,132 @@
+"""dispatchd.confine.gitdirs: what of a repository stays read-only, and the
+index reader that finds submodules (indexes made by git itself)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dispatchd.confine import gitdirs
+
+ENV = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@example.invalid",
+           GIT_COMMITTER_NAME="a", GIT_COMMITTER_EMAIL="a@example.invalid")
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, env=ENV).stdout
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    r = tmp_path / "repo"
+    r.mkdir()
+    git(r, "init", "-q")
+    for i in range(20):
+        (r / f"d{i % 3}").mkdir(exist_ok=True)
+        (r / f"d{i % 3}" / f"file-with-a-longer-name-{i}.txt").write_text("x")
+    git(r, "add", ".")
+    git(r, "commit", "-qm", "init")
+    return r
+
+
+def _add_gitlink(repo: Path, path: str, hexsha: str = "1" * 40) -> None:
+    git(repo, "update-index", "--add", "--cacheinfo", f"160000,{hexsha},{path}")
+
+
+@pytest.mark.parametrize("version", ["2", "3", "4"])
+def test_gitlinks_are_found_in_every_index_version(repo: Path, version: str) -> None:
+    _add_gitlink(repo, "vendor/nested")
+    _add_gitlink(repo, "z" * 150 + "/deep")  # a long shared prefix: v4's varint beyond one byte
+    (repo / "intent.txt").write_text("x")
+    git(repo, "add", "-N", "intent.txt")  # an extended-flags entry (v3)
+    git(repo, "update-index", "--index-version", version)
+    data = (repo / ".git" / "index").read_bytes()
+    assert gitdirs.parse_gitlinks(data) == {"vendor/nested", "z" * 150 + "/deep"}
+
+
+def test_gitlinks_in_a_sha256_repository(tmp_path: Path) -> None:
+    r = tmp_path / "r"
+    r.mkdir()
+    git(r, "init", "-q", "--object-format=sha256")
+    (r / "f").write_text("x")
+    git(r, "add", "f")
+    _add_gitlink(r, "m/n", "1" * 64)
+    assert gitdirs.parse_gitlinks((r / ".git" / "index").read_bytes()) == {"m/n"}
+
+
+def test_an_index_without_submodules(repo: Path) -> None:
+    assert gitdirs.parse_gitlinks((repo / ".git" / "index").read_bytes()) == set()
+
+
+@pytest.mark.parametrize("data", [b"", b"DIRC", b"XXXX\x00\x00\x00\x02\x00\x00\x00\x01", b"DIRC\x00\x00\x00\x09\x00\x00\x00\x00",
+                                  b"DIRC\x00\x00\x00\x02\x00\x00\x00\x05" + b"\x00" * 30])
+def test_what_is_not_an_index_is_refused(data: bytes) -> None:
+    assert gitdirs.parse_gitlinks(data) is None
+
+
+def test_a_truncated_index_is_refused(repo: Path) -> None:
+    data = (repo / ".git" / "index").read_bytes()
+    assert gitdirs.parse_gitlinks(data[:100]) is None
+
+
+def test_inspect_a_repository(repo: Path) -> None:
+    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    assert layout.kind == "repository"
+    assert layout.index == str(repo / ".git" / "index")
+    assert layout.read_only == [str(repo / ".git" / "config"), str(repo / ".git" / "hooks")]
+    assert layout.writable == [] and layout.readable == []
+
+
+def test_inspect_a_linked_worktree(repo: Path, tmp_path: Path) -> None:
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
+    layout = gitdirs.inspect_git(str(linked), uid=os.getuid())
+    common = repo / ".git"
+    gitdir = common / "worktrees" / "linked"
+    assert layout.kind == "linked"
+    assert layout.readable == [str(common)]
+    assert layout.writable == [str(gitdir), str(common / "objects"), str(common / "refs"), str(common / "logs")]
+    assert layout.read_only == [str(linked / ".git"), str(gitdir / "commondir"), str(gitdir / "gitdir")]
+    assert layout.index == str(gitdir / "index")
+
+
+def test_a_pointer_that_does_not_point_back_is_not_believed(repo: Path, tmp_path: Path) -> None:
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    # A .git file naming another repository's worktree entry it is not.
+    (fake / ".git").write_text(f"gitdir: {repo / '.git'}\n")
+    layout = gitdirs.inspect_git(str(fake), uid=os.getuid())
+    assert layout.kind == "refused"
+    assert layout.writable == [] and layout.readable == []
+    assert layout.read_only == [str(fake / ".git")]
+
+
+def test_a_new_submodule_is_moved_aside(repo: Path) -> None:
+    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    nested = repo / "sub"
+    nested.mkdir()
+    git(nested, "init", "-q")
+    (nested / "a").write_text("a")
+    git(nested, "add", "a")
+    git(nested, "commit", "-qm", "x")
+    _add_gitlink(repo, "sub", git(nested, "rev-parse", "HEAD").strip())
+    moved = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
+    assert len(moved) == 1 and moved[0].startswith(str(nested / ".git.quarantined-by-dispatchd-"))
+    assert not (nested / ".git").exists()
+
+
+def test_a_submodule_that_was_there_before_is_left_alone(repo: Path) -> None:
+    nested = repo / "sub"
+    nested.mkdir()
+    git(nested, "init", "-q")
+    _add_gitlink(repo, "sub")
+    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == []
+    assert (nested / ".git").is_dir()
+    # ...until its .git is replaced.
+    (nested / ".git").rename(repo / "old-git")
+    git(nested, "init", "-q")
+    assert len(gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)) == 1
