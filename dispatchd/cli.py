@@ -18,6 +18,8 @@ import sysconfig
 import threading
 from pathlib import Path
 
+import msgspec
+
 from dispatchd import __version__, paths, systemd, units
 from dispatchd.errors import DispatchdError, PolicyError
 from dispatchd.policy import Policy, default_policy_dir, load_all, load_policy
@@ -34,6 +36,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-user-namespaces", action="store_true",
                    help="never use user namespaces: every session runs on Landlock and seccomp alone")
+    p.add_argument("--cgroup", default="auto", metavar="auto|off|PATH",
+                   help="per-session cgroups: 'auto' uses the daemon's own cgroup when it is delegated and the "
+                        "daemon is alone in it (a systemd service with Delegate=yes); PATH names a delegated "
+                        "cgroup v2 directory for the daemon to manage (an error if it cannot); 'off' never")
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long calls in flight may go on before their sessions are ended (seconds)")
     p.add_argument(TESTING_ROOT_FLAG, action="store_true", help=argparse.SUPPRESS)
@@ -110,6 +116,17 @@ def main(argv: list[str] | None = None) -> int:
               "sessions cannot be confined, so none will be opened.", file=sys.stderr)
         return 1
 
+    from dispatchd.confine import cgroups
+
+    # Before the fork server and any thread: all of the daemon moves.
+    try:
+        delegation = cgroups.delegate(args.cgroup, features.cgroup2)
+    except DispatchdError as exc:
+        print(f"dispatchd: --cgroup: {exc.message}", file=sys.stderr)
+        return 2
+    features = msgspec.structs.replace(features, cgroup_delegation=delegation.describe())
+    log.info("event=cgroups delegation=%r", delegation.describe())
+
     try:
         handed = systemd.listen_socket()  # systemd's socket, if it passed one
     except (DispatchdError, OSError) as exc:
@@ -146,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     manager = SessionManager(
         zygote=zygote, kernel=features, load_policy=policy_loader, state_dir=state,
         protected=[state, os.path.dirname(socket_path)], private=[state], runtime_dirs=sorted(runtime),
-        code_paths=_code_paths(), base_env=dict(os.environ),
+        code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation,
     )
     server = Server(listener, manager, features, socket_path, policy_loader)
 

@@ -23,7 +23,9 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     seccomp: bool
     seccomp_actions: list[str]
     cgroup2: str  # where cgroup v2 is mounted, "" if nowhere
-    cgroup_delegation: str  # whether per-session cgroups could be made, and why not
+    # Whether sessions get cgroups of their own, and why not: filled in by the
+    # daemon once it has tried to take its cgroup (confine/cgroups.py).
+    cgroup_delegation: str = "not looked for"
 
     def to_dict(self) -> dict[str, object]:
         return msgspec.to_builtins(self)
@@ -49,31 +51,6 @@ def _cgroup2_mount() -> str:
     return ""
 
 
-def _cgroup_delegation(mount: str) -> str:
-    """Could this process give each session a cgroup with pids and memory limits?"""
-    if not mount:
-        return "no: cgroup v2 is not mounted"
-    try:
-        with open("/proc/self/cgroup", encoding="utf-8") as f:
-            own = next((line.split("::", 1)[1].strip() for line in f if line.startswith("0::")), "")
-    except OSError:
-        own = ""
-    if not own:
-        return "no: this process is in no cgroup v2 hierarchy"
-    path = os.path.join(mount, own.lstrip("/"))
-    try:
-        with open(os.path.join(path, "cgroup.controllers"), encoding="ascii") as f:
-            have = f.read().split()
-    except OSError as exc:
-        return f"no: cannot read {path}/cgroup.controllers: {exc.strerror}"
-    missing = [c for c in ("pids", "memory") if c not in have]
-    if missing:
-        return f"no: controllers {', '.join(missing)} are not available in {path} (it has: {', '.join(have) or 'none'})"
-    if not os.access(os.path.join(path, "cgroup.subtree_control"), os.W_OK):
-        return f"no: {path} is not delegated to this user (run as a systemd service with Delegate=yes)"
-    return f"available at {path}, not used yet: sessions are held by rlimits"
-
-
 def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
     """Call before any thread exists (the user-namespace probe forks)."""
     if forbid_user_namespaces:
@@ -90,5 +67,4 @@ def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
         seccomp="errno" in actions,
         seccomp_actions=actions,
         cgroup2=cgroup2,
-        cgroup_delegation=_cgroup_delegation(cgroup2),
     )

@@ -83,6 +83,11 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_data_bytes: int = 8 * 1024**3  # per process (RLIMIT_DATA)
     max_file_bytes: int = 8 * 1024**3  # no file larger (RLIMIT_FSIZE)
     max_open_files: int = 4096  # per process
+    # Over the whole session, where the daemon has a delegated cgroup v2
+    # subtree with the memory and cpu controllers (confine/cgroups.py);
+    # max_processes is then the session's pids.max too.
+    session_memory_bytes: int = 8 * 1024**3  # memory.max (and no swap)
+    cpu_weight: int = 100  # cpu.weight: 1-10000, 100 is the default share
 
 
 class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -140,9 +145,12 @@ def _check(policy: Policy, where: str) -> None:
     if lim.command_timeout_s > lim.max_command_timeout_s:
         raise bad("limits.command_timeout_s", "exceeds limits.max_command_timeout_s")
     for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries",
-                "model_output_bytes", "max_processes", "max_data_bytes", "max_file_bytes", "max_open_files"):
+                "model_output_bytes", "max_processes", "max_data_bytes", "max_file_bytes", "max_open_files",
+                "session_memory_bytes"):
         if getattr(lim, key) < 1:
             raise bad(f"limits.{key}", "must be at least 1")
+    if not 1 <= lim.cpu_weight <= 10000:
+        raise bad("limits.cpu_weight", "must be between 1 and 10000 (cgroup v2 cpu.weight)")
     for key, ports in (("network.connect_ports", policy.network.connect_ports),
                        ("network.bind_ports", policy.network.bind_ports)):
         for port in ports:

@@ -30,10 +30,35 @@ as_unprivileged_user() {
     mkdir -p "$dest"
     tar --exclude=./.venv --exclude=./.git --exclude='__pycache__' --exclude=./.pytest_cache -cf - . | tar -C "$dest" -xf -
     chown -R "$user:" "$dest"
+    local cgroup
+    cgroup=$(delegate_test_cgroup "$user")
     echo "dispatchd runs as an ordinary user: continuing as $user in $dest"
     exec runuser -u "$user" -- env -i HOME="$home" USER="$user" LOGNAME="$user" \
         PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 ${CI:+CI=$CI} \
+        ${cgroup:+DISPATCHD_TEST_CGROUP=$cgroup} \
         bash "$dest/$script" "$@"
+}
+
+# delegate_test_cgroup USER: as root, give USER a cgroup v2 subtree, the way
+# systemd's Delegate=yes gives one to the dispatchd service, so that the tests
+# of per-session cgroups run for real; prints its path (nothing if cgroup v2
+# cannot be written here, and the tests then check the fallback). This shell
+# moves into BASE/runner: a process can only be moved between cgroups by a
+# user who may write the cgroup.procs of their common ancestor, BASE.
+delegate_test_cgroup() {
+    local user=$1 mount base c
+    mount=$(awk '$3 == "cgroup2" { print $2; exit }' /proc/self/mounts)
+    [ -n "$mount" ] || return 0
+    base="$mount/dispatchd-test"
+    mkdir -p "$base/runner" 2>/dev/null || return 0
+    for c in pids memory cpu; do
+        # Offer to BASE each controller the machine has in cgroup v2 (not all
+        # are: a hybrid hierarchy keeps them in v1); the tests see which.
+        grep -qw "$c" "$mount/cgroup.controllers" && echo "+$c" >"$mount/cgroup.subtree_control" 2>/dev/null
+    done
+    chown "$user:" "$base" "$base/cgroup.procs" "$base/cgroup.subtree_control" "$base/cgroup.threads" || return 0
+    echo $$ >"$base/runner/cgroup.procs" 2>/dev/null || return 0
+    echo "$base"
 }
 
 # ensure_venv: .venv from Debian's python3 (not a pyenv build another user

@@ -10,6 +10,8 @@ suite must run as the ordinary user it protects (``./scripts/test`` does that).
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,3 +146,65 @@ def _quote(s: str) -> str:
     import shlex
 
     return shlex.quote(s)
+
+
+# A cgroup v2 subtree delegated to the test user (scripts/_common.sh makes it
+# when ./scripts/test runs as root), for the per-session cgroup tests.
+CGROUP_BASE = os.environ.get("DISPATCHD_TEST_CGROUP", "")
+CGROUP_POLICY = """
+description = "cgroup tests: a small process budget"
+[limits]
+max_processes = 40
+command_timeout_s = 20
+"""
+
+def cgroup_controllers(path: str) -> list[str]:
+    with open(f"{path}/cgroup.controllers", encoding="ascii") as f:
+        return f.read().split()
+
+
+def _rmdir_tree(path: str) -> None:
+    for root, dirs, _ in os.walk(path, topdown=False):
+        for d in dirs:
+            try:
+                os.rmdir(os.path.join(root, d))
+            except OSError:
+                pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+@pytest.fixture(scope="module", params=["full", "degraded"])
+def cgroup_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[tuple[dispatch.Client, str]]:
+    """A daemon managing CGROUP_BASE/daemon-XXXX, and that path."""
+    _refuse_root()
+    if not CGROUP_BASE:
+        pytest.skip("no delegated cgroup v2 subtree: DISPATCHD_TEST_CGROUP is set by ./scripts/test run as root")
+    # What a delegating systemd does for the service: offer CGROUP_BASE's controllers to its children.
+    for controller in cgroup_controllers(CGROUP_BASE):
+        try:
+            with open(f"{CGROUP_BASE}/cgroup.subtree_control", "w", encoding="ascii") as f:
+                f.write(f"+{controller}")
+        except OSError:
+            pass
+    cgroup = f"{CGROUP_BASE}/daemon-{secrets.token_hex(4)}"
+    base = tmp_path_factory.mktemp(f"cgroups-{request.param}")
+    policies = base / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "tight.toml").write_text(CGROUP_POLICY)
+    extra = ["--policies", str(policies), "--cgroup", cgroup]
+    if request.param == "degraded":
+        extra.append("--no-user-namespaces")
+    d = Daemon(base, *extra)
+    try:
+        with d.connect() as c:
+            yield c, cgroup
+    finally:
+        assert d.stop() == 0, d.log()
+        # Only the daemon's own leaf is left, empty now that it has exited.
+        assert sorted(e for e in os.listdir(cgroup) if not e.startswith(("cgroup.", "cpu.", "io.", "memory.",
+                                                                           "pids.", "hugetlb."))) == ["daemon"]
+        _rmdir_tree(cgroup)

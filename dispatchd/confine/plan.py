@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
 from dispatchd.confine.gitdirs import GitLayout
 from dispatchd.confine.limits import LimitsPlan, plan_limits
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, LandlockPlan, plan_landlock
@@ -65,6 +66,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     landlock: LandlockPlan
     seccomp: SeccompPlan
     limits_plan: LimitsPlan
+    cgroup: SessionCgroup | None  # made by the daemon, joined first by the worker
     env: dict[str, str]
     tools: list[str]
     writable: bool
@@ -104,6 +106,7 @@ def plan_session(
     gid: int,
     base_env: dict[str, str],
     ports: NetworkPorts | None = None,
+    delegation: Delegation = Delegation(note="not looked for"),
 ) -> SessionPlan:
     if network not in NETWORK_MODES:
         raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
@@ -218,10 +221,20 @@ def plan_session(
     limits_plan = plan_limits(max_processes=lim.max_processes, max_data_bytes=lim.max_data_bytes,
                               max_file_bytes=lim.max_file_bytes, max_open_files=lim.max_open_files,
                               user_namespace=use_userns)
+    cgroup = plan_session_cgroup(delegation, session, max_processes=lim.max_processes,
+                                 memory_bytes=lim.session_memory_bytes, cpu_weight=lim.cpu_weight)
+    held = set(cgroup.settings) if cgroup else set()
+    rlimit_processes = lim.max_processes if use_userns else f"{lim.max_processes} more than the user ran at open"
     protections["limits"] = {
-        "mechanism": "rlimits",
-        "cgroups": kernel.cgroup_delegation,
-        "max_processes": lim.max_processes if use_userns else f"{lim.max_processes} more than the user ran at open",
+        # rlimits hold in every mode; a cgroup adds limits over the whole session.
+        "mechanism": ("cgroup v2 and rlimits" if cgroup else "rlimits"),
+        "cgroup": cgroup.path if cgroup else "",
+        "cgroups": delegation.describe(),
+        "max_processes": (f"{lim.max_processes} (pids.max over the session)" if "pids.max" in held
+                          else rlimit_processes),
+        "memory": (f"{lim.session_memory_bytes} bytes over the session (memory.max, no swap)" if "memory.max" in held
+                   else f"{lim.max_data_bytes} bytes of data per process (RLIMIT_DATA)"),
+        "cpu_weight": lim.cpu_weight if "cpu.weight" in held else "not enforced (no cpu controller)",
         "max_data_bytes_per_process": lim.max_data_bytes,
         "max_file_bytes": lim.max_file_bytes,
         "max_open_files_per_process": lim.max_open_files,
@@ -237,6 +250,7 @@ def plan_session(
         landlock=landlock,
         seccomp=seccomp,
         limits_plan=limits_plan,
+        cgroup=cgroup,
         env=env,
         tools=list(policy.tools),
         writable=worktree_rw,

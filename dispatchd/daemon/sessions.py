@@ -29,7 +29,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import gitdirs
+from dispatchd.confine import cgroups, gitdirs
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon.spawn import Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
@@ -57,6 +57,7 @@ class Session:
         self.redirects_before: list[str] = []
         self.submodules_before = gitdirs.SubmoduleState(readable=True)
         self.protections: dict[str, object] = {}
+        self.cgroup = ""  # its cgroup, made at the first start, removed at the end
         self.worker: Worker | None = None
         self.control: protocol.FrameSocket | None = None
         self.lock = threading.Lock()  # one attach or switch at a time
@@ -119,6 +120,7 @@ class SessionManager:
         runtime_dirs: list[str],
         code_paths: list[str],
         base_env: dict[str, str],
+        delegation: cgroups.Delegation = cgroups.Delegation(note="not looked for"),
     ) -> None:
         self.zygote = zygote
         self.kernel = kernel
@@ -129,6 +131,7 @@ class SessionManager:
         self.runtime_dirs = runtime_dirs
         self.code_paths = code_paths
         self.base_env = base_env
+        self.delegation = delegation
         self.uid, self.gid = os.getuid(), os.getgid()
         self.home = os.path.expanduser("~")
         self._sessions: dict[str, Session] = {}
@@ -172,6 +175,7 @@ class SessionManager:
         try:
             self._start_worker(session, network)
         except BaseException:
+            self._remove_cgroup(session)
             shutil.rmtree(scratch, ignore_errors=True)
             raise
         with self._lock:
@@ -184,11 +188,15 @@ class SessionManager:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git)
         return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
-                            uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports)
+                            uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
+                            delegation=self.delegation)
 
     def _start_worker(self, session: Session, network: str) -> None:
         started = time.perf_counter()
         plan = self._plan(session, network)
+        if plan.cgroup is not None and not session.cgroup:
+            cgroups.create(plan.cgroup)  # limits in force before the first process joins
+            session.cgroup = plan.cgroup.path
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             worker = self.zygote.spawn_worker(plan, theirs)
@@ -257,6 +265,8 @@ class SessionManager:
         session.ended.wait(STOP_TIMEOUT_S)
         worker.signal(signal.SIGKILL)
         worker.close()
+        if session.cgroup and not cgroups.kill(session.cgroup):
+            log.error("event=cgroup_not_empty session=%s cgroup=%s", session.id, session.cgroup)
         if control is not None:
             try:
                 control.sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher if it still waits
@@ -271,8 +281,19 @@ class SessionManager:
             session.generation += 1
             self._stop_worker(session)
             self._check_git(session)
+            self._remove_cgroup(session)
         self._forget(session)
         shutil.rmtree(session.scratch, ignore_errors=True)
+
+    def _remove_cgroup(self, session: Session) -> None:
+        if not session.cgroup:
+            return
+        try:
+            cgroups.remove(session.cgroup)
+        except OSError as exc:
+            log.error("event=cgroup_not_removed session=%s cgroup=%s error=%r", session.id, session.cgroup,
+                      exc.strerror)
+        session.cgroup = ""
 
     def _check_git(self, session: Session) -> None:
         """Once the session's processes are gone: move aside what it left that
@@ -358,11 +379,13 @@ class SessionManager:
                 # leave the session running under a setting nobody asked for.
                 session.ports = old_ports
                 session.closed = True
+                self._remove_cgroup(session)
                 self._forget(session)
                 shutil.rmtree(session.scratch, ignore_errors=True)
                 raise
             except BaseException:
                 session.closed = True
+                self._remove_cgroup(session)
                 self._forget(session)
                 shutil.rmtree(session.scratch, ignore_errors=True)
                 raise

@@ -26,7 +26,7 @@ import traceback
 from typing import NoReturn
 
 from dispatchd import protocol
-from dispatchd.confine import hygiene, landlock, limits, mounts, namespaces, netns, seccomp
+from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.errors import ConfinementError
 
@@ -65,6 +65,11 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
 
     On return the caller is W1: confined, single-threaded, with only ``keep`` open.
     """
+    if plan.cgroup is not None:
+        # First, before any fork: every process of the session is born in its
+        # cgroup, and cannot leave it (the cgroup files are out of its reach).
+        cgroups.join(plan.cgroup.path)
+        clock("cgroup")
     hygiene.new_session()  # own session and group, no controlling terminal
     hygiene.die_with_parent(parent)  # the fork server gone: the session gone
     hygiene.close_inherited_fds(keep)  # only the control channel stays

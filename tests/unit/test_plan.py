@@ -476,3 +476,29 @@ def test_plan_namespaces(use_userns: bool, network_off: bool, expected: tuple[bo
     got = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=1234, gid=5678)
     assert got == NamespacePlan(*expected, uid=1234, gid=5678)
 
+
+
+def test_limits_without_a_cgroup_are_rlimits_and_say_why() -> None:
+    got = plan(paths=PATHS)
+    assert got.cgroup is None
+    lim = got.protections["limits"]
+    assert lim["mechanism"] == "rlimits" and lim["cgroup"] == ""
+    assert lim["cgroups"] == "no: not looked for"
+    assert lim["max_processes"] == 1024 and lim["memory"] == f"{8 * 2**30} bytes of data per process (RLIMIT_DATA)"
+    assert lim["cpu_weight"] == "not enforced (no cpu controller)"
+
+
+def test_limits_with_a_delegated_cgroup_hold_over_the_session() -> None:
+    from dispatchd.confine.cgroups import Delegation, SessionCgroup
+
+    delegation = Delegation(path="/sys/fs/cgroup/svc", controllers=("pids", "memory", "cpu"))
+    got = plan_session(Policy(), kernel(), session="s1", paths=PATHS, network="off", uid=UID, gid=GID,
+                       base_env={}, delegation=delegation)
+    assert got.cgroup == SessionCgroup(path="/sys/fs/cgroup/svc/session-s1", settings={
+        "pids.max": "1024", "memory.max": str(8 * 2**30), "memory.swap.max": "0", "cpu.weight": "100"})
+    lim = got.protections["limits"]
+    assert lim["mechanism"] == "cgroup v2 and rlimits" and lim["cgroup"] == "/sys/fs/cgroup/svc/session-s1"
+    assert lim["max_processes"] == "1024 (pids.max over the session)"
+    assert lim["memory"] == f"{8 * 2**30} bytes over the session (memory.max, no swap)"
+    assert lim["cpu_weight"] == 100
+    assert got.limits_plan.max_processes == 1024  # the rlimits stay as well

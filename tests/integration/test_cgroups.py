@@ -1,0 +1,96 @@
+"""Per-session cgroups: a real daemon managing a delegated cgroup v2 subtree.
+
+``./scripts/test`` run as root (CI) gives the test user a subtree the way
+systemd's ``Delegate=yes`` gives one to the service, and names it in
+``DISPATCHD_TEST_CGROUP``; each daemon here manages a cgroup of its own under
+it (``--cgroup``, the ``cgroup_daemon`` fixture). What a session can try
+against its cgroup is in tests/escape/test_cgroups.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import dispatch
+from tests.conftest import CGROUP_BASE, Daemon, _refuse_root, cgroup_controllers, shell
+
+
+def _session_cgroup(session: dispatch.Session) -> str:
+    return session.status()["protections"]["limits"]["cgroup"]
+
+
+def test_status_says_which_cgroup_and_controllers_hold(cgroup_daemon: tuple[dispatch.Client, str], worktree: Path) -> None:
+    client, cgroup = cgroup_daemon
+    report = client.status()["kernel"]["cgroup_delegation"]
+    assert report.startswith(f"in use at {cgroup} (controllers: ")
+    offered = [c for c in ("pids", "memory", "cpu") if c in cgroup_controllers(CGROUP_BASE)]
+    for controller in ("pids", "memory", "cpu"):
+        if controller not in offered:
+            assert controller in report.split("not available in", 1)[0], report
+    with client.open_session(str(worktree), policy="tight") as s:
+        limits = s.status()["protections"]["limits"]
+        assert limits["mechanism"] == "cgroup v2 and rlimits"
+        assert limits["cgroup"] == f"{cgroup}/session-{s.id}"
+        if "pids" in offered:
+            assert limits["max_processes"] == "40 (pids.max over the session)"
+        else:
+            # Said, not hidden: the rlimit is what holds the process count.
+            assert "pids" in limits["cgroups"] and "so their limits are rlimits" in limits["cgroups"]
+            assert limits["max_processes"] in (40, "40 more than the user ran at open")
+
+
+def test_every_process_of_the_session_is_in_its_cgroup(cgroup_daemon: tuple[dispatch.Client, str], worktree: Path) -> None:
+    client, _ = cgroup_daemon
+    with client.open_session(str(worktree)) as s:
+        path = _session_cgroup(s)
+        mount = client.status()["kernel"]["cgroup2"]
+        inside = shell(s, "sleep 30 >/dev/null 2>&1 & grep '^0::' /proc/self/cgroup; sleep 0.2")
+        assert inside.output == f"0::{path[len(mount):]}\n"
+        with open(f"{path}/cgroup.procs", encoding="ascii") as f:
+            procs = [int(p) for p in f.read().split()]
+        # The worker's processes and the background sleep: all of them, all here.
+        assert len(procs) >= 3
+        assert any(Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sleep\0") for p in procs)
+
+
+def test_a_network_switch_keeps_the_cgroup_and_empties_it(cgroup_daemon: tuple[dispatch.Client, str], worktree: Path) -> None:
+    client, _ = cgroup_daemon
+    with client.open_session(str(worktree), network="on") as s:
+        path = _session_cgroup(s)
+        shell(s, "sleep 300 >/dev/null 2>&1 &")
+        before = Path(f"{path}/cgroup.procs").read_text().split()
+        s.set_network(False)
+        assert _session_cgroup(s) == path
+        after = Path(f"{path}/cgroup.procs").read_text().split()
+        assert after and not set(before) & set(after)  # the new worker alone
+
+
+def test_a_cgroup_outside_the_hierarchy_stops_the_daemon(tmp_path: Path) -> None:
+    _refuse_root()
+    proc = subprocess.run([sys.executable, "-m", "dispatchd", "--socket", str(tmp_path / "s.sock"),
+                           "--cgroup", str(tmp_path / "not-a-cgroup")], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "dispatchd: --cgroup: cannot apply cgroup (" in proc.stderr
+    assert "is not inside the cgroup v2 hierarchy at" in proc.stderr
+
+
+def test_auto_uses_no_cgroup_that_is_not_the_daemons_alone(daemon: Daemon, client: dispatch.Client) -> None:
+    # Started by pytest, the daemon shares pytest's cgroup: not its to divide.
+    report = client.status()["kernel"]["cgroup_delegation"]
+    assert report.startswith("no: ")
+    assert "holds other processes than the daemon" in report or "is not delegated to this user" in report
+
+
+def test_off_says_so(tmp_path: Path, worktree: Path) -> None:
+    _refuse_root()
+    d = Daemon(tmp_path, "--cgroup", "off")
+    try:
+        with d.connect() as c:
+            assert c.status()["kernel"]["cgroup_delegation"] == "no: not used (--cgroup off)"
+            with c.open_session(str(worktree)) as s:
+                limits = s.status()["protections"]["limits"]
+                assert limits["mechanism"] == "rlimits" and limits["cgroup"] == ""
+    finally:
+        assert d.stop() == 0, d.log()
