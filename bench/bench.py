@@ -13,7 +13,9 @@ root), and prints one table:
 - shell_exec of ``true`` beside ``subprocess.run(["bash", "-c", "true"])``
   with no sandbox;
 - opening a session (until every protection is in force), and switching its
-  network (the sandbox is replaced).
+  network (the sandbox is replaced). With ``--cgroup DIR`` (a delegated cgroup
+  v2 directory; ``./scripts/bench`` run as root makes one) the daemon gives
+  each session a cgroup, and the open includes making and joining it.
 
 Baselines and measurements are interleaved round by round, so a noisy
 neighbour slows both. This is a benchmark, not a test: it asserts nothing.
@@ -116,12 +118,28 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--calls", type=int, default=200, help="calls per round for the round-trip rows")
     ap.add_argument("--no-user-namespaces", action="store_true", help="benchmark the degraded mode")
+    ap.add_argument("--cgroup", metavar="DIR", nargs="?", const=os.environ.get("DISPATCHD_TEST_CGROUP", ""),
+                    help="per-session cgroups under DIR/bench-PID (DIR: a delegated cgroup v2 directory; "
+                         "default: $DISPATCHD_TEST_CGROUP)")
     args = ap.parse_args()
     if os.geteuid() == 0:
         print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
         return 2
     tmp = tempfile.mkdtemp(prefix="dispatchd-bench-")
     extra = ["--no-user-namespaces"] if args.no_user_namespaces else []
+    cgroup = ""
+    if args.cgroup is not None:
+        if not args.cgroup:
+            print("bench: --cgroup needs a delegated cgroup v2 directory ($DISPATCHD_TEST_CGROUP is unset)",
+                  file=sys.stderr)
+            return 2
+        for controller in Path(args.cgroup, "cgroup.controllers").read_text().split():
+            try:
+                Path(args.cgroup, "cgroup.subtree_control").write_text(f"+{controller}")
+            except OSError:
+                pass
+        cgroup = os.path.join(args.cgroup, f"bench-{os.getpid()}")
+        extra += ["--cgroup", cgroup]
     daemon, sock = start_daemon(tmp, *extra)
     wt = os.path.join(tmp, "wt")
     os.mkdir(wt)
@@ -151,16 +169,23 @@ def main() -> int:
                     rows["switch"].append(time.perf_counter() - t)
                     s.close()
             mode = session.status()["protections"]["mode"]
+            cgroups = client.status()["kernel"]["cgroup_delegation"]
             session.close()
         bare.close()
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(20)
         shutil.rmtree(tmp, ignore_errors=True)
+        if cgroup:
+            for leaf in ("daemon", ""):
+                try:
+                    os.rmdir(os.path.join(cgroup, leaf))
+                except OSError:
+                    pass
 
     p50 = {k: statistics.median(v) for k, v in rows.items()}
     print(f"dispatchd benchmark: {args.rounds} rounds, sandbox mode {mode!r}, python {sys.version.split()[0]} "
-          f"({sys.executable})")
+          f"({sys.executable}); per-session cgroups: {cgroups}")
     print(f"{'what':52} {'p50':>11} {'p99':>11}  ratio (p50)")
     def line(label: str, key: str, base: str | None, note: str = "") -> None:
         ratio = f"{p50[key] / p50[base]:.2f}× {note}" if base else note

@@ -81,15 +81,19 @@ Restart=on-failure
 # restarting cannot fix it.
 RestartPreventExitStatus=2
 # SIGTERM to the daemon alone: it ends every session itself, with all of the
-# session's processes, and exits; whatever is left in the cgroup after that
-# (sessions stay in the service's cgroup) gets SIGKILL from systemd.
+# session's processes, and exits; whatever is left in the service's cgroup
+# (sessions' cgroups included) after that gets SIGKILL from systemd.
 KillMode=mixed
 # On SIGTERM the daemon lets calls in flight finish for up to --stop-timeout
 # (30 s by default), then ends the sessions; past 50 s, the SIGKILL above.
 # Raise it with --stop-timeout.
 TimeoutStopSec=50
-# A cgroup subtree the daemon may manage, for per-session cgroups (limits, and
-# ending a session with cgroup.kill). Nothing uses it yet.
+# The service's cgroup is the daemon's to divide: at start it moves itself to
+# dispatchd.service/daemon and gives each session dispatchd.service/session-ID
+# with the policy's pids.max, memory.max and cpu.weight, and ends a session
+# with cgroup.kill (`dispatch status` shows it; --cgroup off declines). Which
+# controllers arrive is the user manager's say (most distributions delegate
+# pids, memory and cpu to user@.service); missing ones fall back to rlimits.
 Delegate=yes
 
 # Hardening. Only what a user manager can apply without namespaces, and only

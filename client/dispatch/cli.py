@@ -134,8 +134,10 @@ def _print_status(st: dict[str, Any]) -> None:
         print(f"    network {p.get('network', {}).get('mode')}: {p.get('network', {}).get('mechanism')}")
         lim = p.get("limits", {})
         if lim:
-            print(f"    limits ({lim.get('mechanism')}): processes {lim.get('max_processes')}, "
-                  f"data {lim.get('max_data_bytes_per_process')} B/process, file size {lim.get('max_file_bytes')} B")
+            where = f" in {lim['cgroup']}" if lim.get("cgroup") else ""
+            print(f"    limits ({lim.get('mechanism')}{where}): processes {lim.get('max_processes')}; "
+                  f"memory {lim.get('memory')}; cpu weight {lim.get('cpu_weight')}; "
+                  f"file size {lim.get('max_file_bytes')} B")
         for gap in p.get("leaves_open", []):
             print(f"    leaves open: {gap}")
 

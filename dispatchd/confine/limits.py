@@ -14,9 +14,9 @@ nothing in the session can raise them again — it has no CAP_SYS_RESOURCE):
   ``max_open_files`` descriptors per process, and no core dumps (they would
   write a process's memory, secrets included, into the worktree).
 
-A per-session cgroup (pids.max, memory.max over the whole session) is stronger
-and is future work: it needs a delegated cgroup v2 subtree (systemd's
-``Delegate=yes``); ``status`` reports "rlimits" as what holds today.
+These hold in every mode. Where the daemon has a delegated cgroup v2 subtree,
+a per-session cgroup adds limits over the whole session (``cgroups.py``);
+``status`` says which holds for each resource.
 """
 
 from __future__ import annotations
