@@ -141,11 +141,18 @@ def main() -> int:
         cgroup = os.path.join(args.cgroup, f"bench-{os.getpid()}")
         extra += ["--cgroup", cgroup]
     daemon, sock = start_daemon(tmp, *extra)
+    plain = None
+    if cgroup:
+        # The baseline for the cost of a cgroup: the same opens, interleaved,
+        # from a second daemon that uses none.
+        os.mkdir(os.path.join(tmp, "plain"))
+        plain, plain_sock = start_daemon(os.path.join(tmp, "plain"), "--cgroup", "off",
+                                         *(["--no-user-namespaces"] if args.no_user_namespaces else []))
     wt = os.path.join(tmp, "wt")
     os.mkdir(wt)
     Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # 4095 bytes, 63 lines
     rows: dict[str, list[float]] = {k: [] for k in
-                                    ("bare", "read", "spawn", "shell", "open", "switch")}
+                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain")}
     try:
         bare = BareClient(tmp)
         with dispatch.connect(sock) as client:
@@ -168,13 +175,21 @@ def main() -> int:
                     s.set_network(True)
                     rows["switch"].append(time.perf_counter() - t)
                     s.close()
+                    if plain is not None:
+                        with dispatch.connect(plain_sock) as other:
+                            t = time.perf_counter()
+                            s = other.open_session(wt)
+                            rows["open_plain"].append(time.perf_counter() - t)
+                            s.close()
             mode = session.status()["protections"]["mode"]
             cgroups = client.status()["kernel"]["cgroup_delegation"]
             session.close()
         bare.close()
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(20)
+        for proc in (daemon, plain):
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(20)
         shutil.rmtree(tmp, ignore_errors=True)
         if cgroup:
             for leaf in ("daemon", ""):
@@ -183,7 +198,7 @@ def main() -> int:
                 except OSError:
                     pass
 
-    p50 = {k: statistics.median(v) for k, v in rows.items()}
+    p50 = {k: statistics.median(v) for k, v in rows.items() if v}
     print(f"dispatchd benchmark: {args.rounds} rounds, sandbox mode {mode!r}, python {sys.version.split()[0]} "
           f"({sys.executable}); per-session cgroups: {cgroups}")
     print(f"{'what':52} {'p50':>11} {'p99':>11}  ratio (p50)")
@@ -194,7 +209,11 @@ def main() -> int:
     line("read_file 4 KiB through dispatch", "read", "bare", "of bare (target ≤ 2×)")
     line("subprocess.run(['bash','-c','true']), no sandbox", "spawn", None, "1.00× (baseline)")
     line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.3×)")
-    line("open a session (confined, ready)", "open", None, "(target < 10 ms)")
+    if rows["open_plain"]:
+        line("open a session, no cgroup (baseline)", "open_plain", None, "1.00× (baseline)")
+        line("open a session with its own cgroup", "open", "open_plain", "of the open without")
+    else:
+        line("open a session (confined, ready)", "open", None, "(target < 10 ms)")
     line("switch network off → on (new sandbox)", "switch", None, "")
     return 0
 
