@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class Daemon:
-    def __init__(self, base: Path, *extra: str) -> None:
+    def __init__(self, base: Path, *extra: str, prefix: tuple[str, ...] = ()) -> None:
         self.base = base
         self.socket = str(base / "run" / "dispatchd.sock")
         self.state = base / "state"
@@ -38,7 +38,7 @@ class Daemon:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dispatchd", "--socket", self.socket, "--log-level", "debug", *extra],
+            [*prefix, sys.executable, "-m", "dispatchd", "--socket", self.socket, "--log-level", "debug", *extra],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )
         deadline = time.monotonic() + 20

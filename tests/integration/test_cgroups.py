@@ -9,9 +9,13 @@ against its cgroup is in tests/escape/test_cgroups.py.
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import dispatch
 from tests.conftest import CGROUP_BASE, Daemon, _refuse_root, cgroup_controllers, shell
@@ -94,3 +98,29 @@ def test_off_says_so(tmp_path: Path, worktree: Path) -> None:
                 assert limits["mechanism"] == "rlimits" and limits["cgroup"] == ""
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_auto_takes_a_delegated_cgroup_it_is_alone_in(tmp_path: Path, worktree: Path) -> None:
+    """What the systemd service gets: started alone in a cgroup it may write,
+    the daemon divides it without being told to."""
+    _refuse_root()
+    if not CGROUP_BASE:
+        pytest.skip("no delegated cgroup v2 subtree: DISPATCHD_TEST_CGROUP is set by ./scripts/test run as root")
+    service = f"{CGROUP_BASE}/service-{secrets.token_hex(4)}"
+    os.mkdir(service)
+    # Like systemd starting the unit: the process enters the cgroup, then execs.
+    enter = ("sh", "-c", f'echo $$ > {service}/cgroup.procs && exec "$0" "$@"')
+    d = Daemon(tmp_path, prefix=enter)
+    try:
+        with d.connect() as c:
+            assert c.status()["kernel"]["cgroup_delegation"].startswith(f"in use at {service} (controllers: ")
+            with c.open_session(str(worktree)) as s:
+                assert s.status()["protections"]["limits"]["cgroup"] == f"{service}/session-{s.id}"
+                assert shell(s, "grep -c . /proc/self/cgroup >/dev/null && echo ok").output == "ok\n"
+            assert sorted(e for e in os.listdir(service) if os.path.isdir(f"{service}/{e}")) == ["daemon"]
+            daemon_procs = Path(f"{service}/daemon/cgroup.procs").read_text().split()
+            assert str(d.proc.pid) in daemon_procs  # moved itself (and its fork server) to the leaf
+    finally:
+        assert d.stop() == 0, d.log()
+        os.rmdir(f"{service}/daemon")
+        os.rmdir(service)
