@@ -70,6 +70,24 @@ def _read_small(path: str) -> str | None:
         os.close(fd)
 
 
+def _overlap(a: str, b: str) -> bool:
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _existing(paths: list[str]) -> list[str]:
     return [p for p in paths if os.path.lexists(p) and not os.path.islink(p)]
 
@@ -101,6 +119,17 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
     common = os.path.realpath(os.path.join(gitdir, common_rel)) if common_rel else ""
     if not common or os.path.dirname(gitdir) != os.path.join(common, "worktrees"):
         return GitLayout("refused", read_only=[dotgit], note=f"{gitdir} is not a worktrees/ entry of its common dir")
+    for name, where in (("git directory", gitdir), ("common directory", common)):
+        # What a session wrote inside the worktree must not be believed: a
+        # forged pointer there would have the next session granted (readable,
+        # objects/refs/logs writable) whatever directory it names, up to the
+        # worktree's parents.
+        if _overlap(where, worktree):
+            return GitLayout("refused", read_only=[dotgit],
+                             note=f"the {name} {where} is the worktree, inside it, or around it; not granted")
+    if not (_is_file(os.path.join(gitdir, "HEAD")) and _is_file(os.path.join(common, "HEAD"))
+            and all(_is_dir(os.path.join(common, d)) for d in ("objects", "refs"))):
+        return GitLayout("refused", read_only=[dotgit], note=f"{common} is not a git repository; not granted")
     try:
         if os.stat(common).st_uid != uid:
             return GitLayout("refused", read_only=[dotgit], note=f"{common} belongs to another user; not granted")
@@ -223,11 +252,45 @@ class SubmoduleState(msgspec.Struct, frozen=True):
     links: dict[str, tuple[int, int, int, int] | None] = {}
 
 
-def _dotgit_stat(worktree: str, link: str) -> tuple[int, int, int, int] | None:
+def _safe_link(link: str) -> bool:
+    """A submodule path as git itself would accept it: relative, no empty,
+    ``.`` or ``..`` component (git's verify_path refuses the same)."""
+    parts = link.split("/")
+    return bool(link) and not link.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def _open_parent(worktree: str, link: str) -> int | None:
+    """A descriptor of the submodule's directory, reached from the worktree one
+    component at a time without following a symlink, or None. The daemon acts
+    on what the index names only through it, so a name or a planted symlink
+    can never make it touch a path outside the worktree."""
+    if not _safe_link(link):
+        return None
     try:
-        st = os.lstat(os.path.join(worktree, link, ".git"))
+        fd = os.open(worktree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
+    for part in link.split("/"):
+        try:
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            os.close(fd)
+            return None
+        os.close(fd)
+        fd = nxt
+    return fd
+
+
+def _dotgit_stat(worktree: str, link: str) -> tuple[int, int, int, int] | None:
+    fd = _open_parent(worktree, link)
+    if fd is None:
+        return None
+    try:
+        st = os.stat(".git", dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -248,11 +311,15 @@ def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState)
     for link, seen in now.links.items():
         if seen is None or before.links.get(link, "new") == seen:
             continue  # no .git there (git skips it), or as it was before the session
-        src = os.path.join(worktree, link, ".git")
-        dst = f"{src}.quarantined-by-dispatchd-{int(time.time())}"
+        fd = _open_parent(worktree, link)
+        if fd is None:
+            continue
+        name = f".git.quarantined-by-dispatchd-{int(time.time())}"
         try:
-            os.rename(src, dst)
-            moved.append(dst)
+            os.rename(".git", name, src_dir_fd=fd, dst_dir_fd=fd)
+            moved.append(os.path.join(worktree, link, name))
         except OSError:
             continue
+        finally:
+            os.close(fd)
     return moved

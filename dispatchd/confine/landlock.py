@@ -179,3 +179,21 @@ def apply_landlock_to_self(plan: LandlockPlan) -> list[str]:
     finally:
         os.close(ruleset)
     return skipped
+
+
+def scope_signals_below() -> None:
+    """A nested Landlock domain that handles nothing but signals: processes
+    started from here on cannot signal the ones above (the session init),
+    which can still signal, and kill, them. Needs ABI 6."""
+    attr = _RulesetAttr(0, 0, SCOPE_SIGNAL)
+    try:
+        ruleset = _sys.syscall(_sys.SYS_landlock_create_ruleset, ctypes.byref(attr), ctypes.c_size_t(24),
+                               ctypes.c_uint32(0))
+    except OSError as exc:
+        raise ConfinementError("landlock: nested signal scope", exc.errno) from exc
+    try:
+        _sys.syscall(_sys.SYS_landlock_restrict_self, ruleset, 0)
+    except OSError as exc:
+        raise ConfinementError("landlock: nested signal scope", exc.errno) from exc
+    finally:
+        os.close(ruleset)

@@ -170,6 +170,16 @@ class SessionManager:
         session = Session(sid, resolved, policy, scratch)
         session.ports = _ports_for(session, ports, bind_ports)
         session.git = gitdirs.inspect_git(resolved, uid=self.uid)
+        for granted in session.git.readable + session.git.writable:
+            home_inside = granted == self.home or self.home.startswith(granted.rstrip("/") + "/")
+            if home_inside or any(_overlap(granted, mine) for mine in self.protected):
+                # A common directory that holds the daemon's files, or the
+                # whole home directory, is no repository a session needs.
+                session.git = gitdirs.GitLayout("refused", read_only=[p for p in session.git.read_only
+                                                                      if p.startswith(resolved + "/")],
+                                                note=f"{granted} holds the daemon's files or the whole home "
+                                                     "directory; not granted")
+                break
         session.redirects_before = gitdirs.redirects_present(resolved)
         session.submodules_before = gitdirs.submodule_state(resolved, session.git.index)
         try:

@@ -140,13 +140,25 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int)
         os._exit(1)
     protections = dict(plan.protections)
     protections["absent_paths"] = skipped
-    _report(control, protocol.WorkerReady(pid=os.getpid(), protections=protections, timings_ms=clock.steps))
 
     from dispatchd.worker.server import serve  # pre-imported by the fork server
 
+    init = os.getpid()
     server = os.fork()
     if server == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if not plan.namespaces.pid and plan.landlock.scoped & landlock.SCOPE_SIGNAL:
+            # No pid namespace makes the session init unkillable from inside:
+            # a domain of their own keeps the tool server and every command
+            # from signalling it, so it is always there to end them all.
+            try:
+                landlock.scope_signals_below()
+            except ConfinementError as exc:
+                _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path,
+                                                       message=exc.message))
+                os._exit(1)
+            clock("nested scope")
+        _report(control, protocol.WorkerReady(pid=init, protections=protections, timings_ms=clock.steps))
         serve(control, plan)
         os._exit(0)
     control.close()

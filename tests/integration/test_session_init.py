@@ -1,9 +1,11 @@
-"""The session's init cannot be used to leave processes behind.
+"""The session's init cannot be killed from inside, so it is always there to
+end every process of the session.
 
 Full mode: the init is pid 1 of the session's pid namespace, which the
-session's own processes cannot kill. Degraded mode: they can (same uid, same
-Landlock domain), and then the fork server, a child subreaper, ends every
-orphan: nothing of the session outlives it either way.
+session's own processes cannot kill. Degraded mode: the tool server, and so
+every command, runs in a nested Landlock domain that scopes signals, and the
+init is outside it (EPERM); were it killed anyway, the fork server, a child
+subreaper, would end the orphans.
 """
 
 from __future__ import annotations
@@ -30,14 +32,17 @@ def test_killing_the_session_init_leaves_nothing_running(mode_client, worktree: 
         if mode == "full":
             assert init == "1"  # the pid namespace's init: immune to its own namespace
             assert killed.output == "still here\n"
-            assert session.id in [s["id"] for s in client.list_sessions()]
-            return
-        # Degraded: the init dies, and the session with it, completely.
+        else:
+            assert killed.metadata["stdout"] == "still here\n"
+            assert f"kill: ({init}) - Operation not permitted" in killed.metadata["stderr"]
+        # The twin: a process of the command's own can be killed.
+        own = shell(session, "sleep 300 & p=$!; kill -9 $p && wait $p; echo $?")
+        assert own.metadata["stdout"] == "137\n"
+        assert session.id in [s["id"] for s in client.list_sessions()]
+        session.close()
         deadline = time.monotonic() + 10
-        while (processes_in(worktree) or session.id in [s["id"] for s in client.list_sessions()]) \
-                and time.monotonic() < deadline:
+        while processes_in(worktree) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert processes_in(worktree) == []
-        assert session.id not in [s["id"] for s in client.list_sessions()]
     finally:
         session.close()

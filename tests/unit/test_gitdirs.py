@@ -130,3 +130,57 @@ def test_a_submodule_that_was_there_before_is_left_alone(repo: Path) -> None:
     (nested / ".git").rename(repo / "old-git")
     git(nested, "init", "-q")
     assert len(gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)) == 1
+
+
+def test_a_submodule_path_through_a_symlink_never_moves_what_is_outside(repo: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    git(victim, "init", "-q")
+    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    (repo / "evil").symlink_to("../victim")
+    _add_gitlink(repo, "evil")
+    (repo / "inner").mkdir()
+    (repo / "inner" / "link").symlink_to(victim)
+    _add_gitlink(repo, "inner/link/x")
+    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == []
+    assert (victim / ".git").is_dir()  # the daemon left the repository outside alone
+
+
+@pytest.mark.parametrize("link", ["../victim", "/abs/victim", "a/../../victim", "a//b", "./a", "a/.", ""])
+def test_submodule_paths_git_would_refuse_are_never_followed(repo: Path, link: str) -> None:
+    assert gitdirs._open_parent(str(repo), link) is None
+    assert gitdirs._dotgit_stat(str(repo), link) is None
+
+
+def test_a_plain_nested_submodule_path_is_followed(repo: Path) -> None:
+    (repo / "a" / "b").mkdir(parents=True)
+    git(repo / "a" / "b", "init", "-q")
+    assert gitdirs._dotgit_stat(str(repo), "a/b") is not None
+
+
+def test_a_pointer_forged_inside_the_worktree_grants_nothing(tmp_path: Path) -> None:
+    # W = .../worktrees/feat names itself as its git directory, and the
+    # directory two levels up as the common one: the user's home, say.
+    home = tmp_path / "home"
+    worktree = home / "worktrees" / "feat"
+    worktree.mkdir(parents=True)
+    (home / "secret.txt").write_text("s")
+    for d in ("objects", "refs"):
+        (home / d).mkdir()
+    (home / "HEAD").write_text("ref: refs/heads/main\n")
+    (worktree / "HEAD").write_text("ref: refs/heads/main\n")
+    (worktree / ".git").write_text("gitdir: .\n")
+    (worktree / "gitdir").write_text(f"{worktree / '.git'}\n")
+    (worktree / "commondir").write_text("../..\n")
+    layout = gitdirs.inspect_git(str(worktree), uid=os.getuid())
+    assert layout.kind == "refused" and layout.readable == [] and layout.writable == []
+    assert layout.note == f"the git directory {worktree} is the worktree, inside it, or around it; not granted"
+
+
+def test_a_common_directory_that_is_no_repository_is_not_believed(repo: Path, tmp_path: Path) -> None:
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
+    os.rename(repo / ".git" / "objects", repo / ".git" / "objects.moved")
+    layout = gitdirs.inspect_git(str(linked), uid=os.getuid())
+    assert layout.kind == "refused" and layout.readable == [] and layout.writable == []
+    assert layout.note == f"{repo / '.git'} is not a git repository; not granted"
