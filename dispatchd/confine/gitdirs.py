@@ -45,13 +45,20 @@ import time
 
 import msgspec
 
-REDIRECTS = ("commondir",)  # files whose mere appearance changes which config git reads
+# Files whose mere appearance in a git directory changes which configuration
+# git reads: ``commondir`` always, ``config.worktree`` where the repository
+# has extensions.worktreeConfig.
+REDIRECTS = ("commondir", "config.worktree")
+# What the user's git runs or reads as configuration, in any git directory.
+RUN_FROM = ("config", "hooks") + REDIRECTS
+_MAX_GITDIRS = 1000  # submodule git directories walked at the most (the daemon's time is bounded)
 
 
 class GitLayout(msgspec.Struct, frozen=True):
     kind: str  # "none", "repository", "linked", "refused"
     index: str = ""  # the index git uses for this worktree (its submodules are checked at the end)
     read_only: list[str] = []  # bound read-only over themselves (must exist)
+    gitdirs: list[str] = []  # git directories whose new redirect files are moved aside at the end
     readable: list[str] = []  # outside the worktree: Landlock read-only
     writable: list[str] = []  # outside the worktree: Landlock read-write, bound writable
     note: str = ""
@@ -99,12 +106,21 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
     except FileNotFoundError:
         return GitLayout("none")
     if stat.S_ISDIR(st.st_mode):
-        protect = [os.path.join(dotgit, "config"), os.path.join(dotgit, "hooks")]
-        modules = os.path.join(dotgit, "modules")
-        if os.path.isdir(modules) and not os.path.islink(modules):
-            for name in sorted(os.listdir(modules)):
-                protect += [os.path.join(modules, name, "config"), os.path.join(modules, name, "hooks")]
-        return GitLayout("repository", index=os.path.join(dotgit, "index"), read_only=_existing(protect))
+        index = os.path.join(dotgit, "index")
+        dirs = [dotgit] + _module_gitdirs(dotgit) + _embedded_gitdirs(worktree, index)
+        protect: list[str] = []
+        for gitdir in dirs:
+            _ensure_hooks(gitdir)
+            protect += [os.path.join(gitdir, name) for name in RUN_FROM]
+            protect += _hooks_target(worktree, gitdir)
+        worktrees = os.path.join(dotgit, "worktrees")
+        if _is_dir(worktrees):
+            # The other linked worktrees' entries: which common directory and
+            # configuration git reads when the user works in them.
+            for entry in sorted(os.scandir(worktrees), key=lambda e: e.name):
+                if entry.is_dir(follow_symlinks=False):
+                    protect += [os.path.join(entry.path, n) for n in ("commondir", "gitdir", "config.worktree")]
+        return GitLayout("repository", index=index, read_only=_existing(protect), gitdirs=dirs)
     if not stat.S_ISREG(st.st_mode):
         return GitLayout("refused", note=".git is neither a directory nor a file")
     text = _read_small(dotgit) or ""
@@ -136,27 +152,119 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
     except OSError:
         return GitLayout("refused", read_only=[dotgit], note=f"{common} cannot be inspected")
     writable = [gitdir] + [os.path.join(common, d) for d in ("objects", "refs", "logs") if os.path.isdir(os.path.join(common, d))]
-    read_only = _existing([dotgit, os.path.join(gitdir, "commondir"), os.path.join(gitdir, "gitdir")])
+    read_only = _existing([dotgit] + [os.path.join(gitdir, n) for n in ("commondir", "gitdir", "config.worktree")])
     return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only, readable=[common],
-                     writable=writable)
+                     writable=writable, gitdirs=[gitdir])
 
 
-def redirects_present(worktree: str) -> list[str]:
-    """Which redirecting files exist now in a repository's ``.git``."""
-    dotgit = os.path.join(worktree, ".git")
-    if not os.path.isdir(dotgit) or os.path.islink(dotgit):
+def _is_gitdir(path: str) -> bool:
+    return _is_file(os.path.join(path, "HEAD")) and _is_dir(os.path.join(path, "objects"))
+
+
+def _module_gitdirs(gitdir: str) -> list[str]:
+    """The git directories of submodules kept under ``modules/``, at any depth:
+    a submodule's name may hold slashes (``modules/libs/sub``), and a submodule
+    has submodules of its own (``modules/a/modules/b``). No symlink is followed."""
+    found: list[str] = []
+    pending = [os.path.join(gitdir, "modules")]
+    while pending and len(found) < _MAX_GITDIRS:
+        top = pending.pop()
+        try:
+            entries = sorted(os.scandir(top), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if _is_gitdir(entry.path):
+                found.append(entry.path)
+                pending.append(os.path.join(entry.path, "modules"))
+            else:
+                pending.append(entry.path)  # a directory of a name with slashes
+    return sorted(found)
+
+
+def _embedded_gitdirs(worktree: str, index: str) -> list[str]:
+    """The ``.git`` directories of submodules the index lists that hold their
+    git directory in place (``git submodule add`` of an existing clone), and
+    the submodules' own ``modules/``."""
+    data = _read_index(index)
+    links = parse_gitlinks(data) if data is not None else None
+    found: list[str] = []
+    for link in sorted(links or ()):
+        fd = _open_parent(worktree, link)
+        if fd is None:
+            continue
+        try:
+            st = os.stat(".git", dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if stat.S_ISDIR(st.st_mode):
+            embedded = os.path.join(worktree, link, ".git")
+            found += [embedded] + _module_gitdirs(embedded)
+        if len(found) >= _MAX_GITDIRS:
+            break
+    return found
+
+
+def _ensure_hooks(gitdir: str) -> None:
+    """A git directory without ``hooks`` gets an empty one, so that it can be
+    held read-only: a session must not create the one git would run."""
+    path = os.path.join(gitdir, "hooks")
+    if not os.path.lexists(path):
+        try:
+            os.mkdir(path, 0o755)
+        except OSError:
+            pass
+
+
+def _hooks_target(worktree: str, gitdir: str) -> list[str]:
+    """Where a ``hooks`` that is a symlink leads, when that is in the worktree
+    (the session could write it there); outside it, Landlock refuses writes."""
+    path = os.path.join(gitdir, "hooks")
+    if not os.path.islink(path):
         return []
-    return [name for name in REDIRECTS if os.path.lexists(os.path.join(dotgit, name))]
+    target = os.path.realpath(path)
+    return [target] if target.startswith(worktree.rstrip("/") + "/") and os.path.isdir(target) else []
 
 
-def quarantine_new_redirects(worktree: str, before: list[str]) -> list[str]:
+def redirects_present(layout: GitLayout) -> list[str]:
+    """Which redirecting files exist now in the layout's git directories, and,
+    in a repository, in its linked worktrees' entries: there a ``commondir``
+    belongs, but only one that leads back to this ``.git`` (git writes
+    ``../..``), so a session that adds a worktree cannot aim it elsewhere."""
+    found = [os.path.join(d, name) for d in layout.gitdirs for name in REDIRECTS
+             if os.path.lexists(os.path.join(d, name))]
+    if layout.kind != "repository" or not layout.gitdirs:
+        return found
+    dotgit = layout.gitdirs[0]
+    try:
+        entries = sorted(os.scandir(os.path.join(dotgit, "worktrees")), key=lambda e: e.name)
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        worktree_config = os.path.join(entry.path, "config.worktree")
+        if os.path.lexists(worktree_config):
+            found.append(worktree_config)
+        commondir = os.path.join(entry.path, "commondir")
+        text = _read_small(commondir)
+        if os.path.lexists(commondir) and (
+                text is None or os.path.realpath(os.path.join(entry.path, text.strip())) != os.path.realpath(dotgit)):
+            found.append(commondir)
+    return found
+
+
+def quarantine_new_redirects(layout: GitLayout, before: list[str]) -> list[str]:
     """Move aside redirecting files a session created; call only once every
     process of the session is gone (nothing can race the rename then)."""
     moved = []
-    for name in redirects_present(worktree):
-        if name in before:
+    for src in redirects_present(layout):
+        if src in before:
             continue
-        src = os.path.join(worktree, ".git", name)
         dst = f"{src}.quarantined-by-dispatchd-{int(time.time())}"
         try:
             os.rename(src, dst)

@@ -182,16 +182,25 @@ def apply_landlock_to_self(plan: LandlockPlan) -> list[str]:
 
 
 def scope_signals_below() -> None:
-    """A nested Landlock domain that handles nothing but signals: processes
+    """A nested Landlock domain that restricts nothing but signals: processes
     started from here on cannot signal the ones above (the session init),
-    which can still signal, and kill, them. Needs ABI 6."""
-    attr = _RulesetAttr(0, 0, SCOPE_SIGNAL)
+    which can still signal, and kill, them. Needs ABI 6.
+
+    Every ruleset handles the REFER right implicitly (denied unless granted:
+    renames across directories fail with EXDEV), so this one handles it
+    explicitly and grants it on ``/``: the outer domain alone decides."""
+    attr = _RulesetAttr(REFER, 0, SCOPE_SIGNAL)
     try:
         ruleset = _sys.syscall(_sys.SYS_landlock_create_ruleset, ctypes.byref(attr), ctypes.c_size_t(24),
                                ctypes.c_uint32(0))
     except OSError as exc:
         raise ConfinementError("landlock: nested signal scope", exc.errno) from exc
     try:
+        root = os.open("/", os.O_PATH | os.O_CLOEXEC)
+        try:
+            _sys.syscall(_sys.SYS_landlock_add_rule, ruleset, 1, ctypes.byref(_PathBeneathAttr(REFER, root)), 0)
+        finally:
+            os.close(root)
         _sys.syscall(_sys.SYS_landlock_restrict_self, ruleset, 0)
     except OSError as exc:
         raise ConfinementError("landlock: nested signal scope", exc.errno) from exc

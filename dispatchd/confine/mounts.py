@@ -19,6 +19,7 @@ Guarantees, once ``apply_mounts`` has returned (user namespaces only):
 from __future__ import annotations
 
 import os
+import stat
 
 import msgspec
 
@@ -56,6 +57,26 @@ def _mount(step: str, source: str | None, target: str, fstype: str | None, flags
         raise ConfinementError(f"mounts: {step}", exc.errno, target) from exc
 
 
+def _bind_over_itself(path: str) -> None:
+    """Bind ``path`` over itself, through a descriptor opened without following
+    a symlink: were the path swapped for a symlink since it was planned (by
+    another session on the same worktree), a bind by name would protect the
+    symlink's target and leave the path itself writable. Fail closed then."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # gone since it was planned: nothing there for git to run
+    except OSError as exc:
+        raise ConfinementError("mounts: bind read-only path", exc.errno, path) from exc
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise ConfinementError("mounts: bind read-only path", path=path,
+                                   detail="it was replaced by a symlink since the session was planned")
+        _mount("bind read-only path", f"/proc/self/fd/{fd}", f"/proc/self/fd/{fd}", None, _sys.MS_BIND)
+    finally:
+        os.close(fd)
+
+
 def apply_mounts(plan: MountPlan) -> None:
     _mount("make private", None, "/", None, _sys.MS_REC | _sys.MS_PRIVATE)
     # A worktree may live under /tmp: hold it by an fd, cover /tmp, then bind it
@@ -75,8 +96,7 @@ def apply_mounts(plan: MountPlan) -> None:
     for path in plan.read_only:
         # A mount of its own on top of the writable one: the recursive read-only
         # pass below covers it, and only the writable mounts are made writable again.
-        if os.path.lexists(path):
-            _mount("bind read-only path", path, path, None, _sys.MS_BIND)
+        _bind_over_itself(path)
     for path in plan.hide:
         if os.path.isdir(path):
             _mount("hide", "tmpfs", path, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC, "size=4k,mode=0555")

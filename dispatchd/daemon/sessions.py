@@ -180,7 +180,7 @@ class SessionManager:
                                                 note=f"{granted} holds the daemon's files or the whole home "
                                                      "directory; not granted")
                 break
-        session.redirects_before = gitdirs.redirects_present(resolved)
+        session.redirects_before = gitdirs.redirects_present(session.git)
         session.submodules_before = gitdirs.submodule_state(resolved, session.git.index)
         try:
             self._start_worker(session, network)
@@ -308,15 +308,15 @@ class SessionManager:
     def _check_git(self, session: Session) -> None:
         """Once the session's processes are gone: move aside what it left that
         would make the user's git run configuration of its choosing."""
-        if session.git.kind == "repository":
-            for moved in gitdirs.quarantine_new_redirects(session.worktree, session.redirects_before):
+        if session.git.kind in ("repository", "linked"):
+            for moved in gitdirs.quarantine_new_redirects(session.git, session.redirects_before):
                 log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, moved)
         if session.git.kind in ("repository", "linked"):
             for moved in gitdirs.quarantine_new_submodules(session.worktree, session.git.index,
                                                            session.submodules_before):
                 log.warning("event=git_submodule_quarantined session=%s path=%s", session.id, moved)
             # What the session goes on from (after a network switch) is the new baseline.
-            session.redirects_before = gitdirs.redirects_present(session.worktree)
+            session.redirects_before = gitdirs.redirects_present(session.git)
             session.submodules_before = gitdirs.submodule_state(session.worktree, session.git.index)
 
     def _forget(self, session: Session) -> None:

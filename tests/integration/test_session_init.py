@@ -46,3 +46,13 @@ def test_killing_the_session_init_leaves_nothing_running(mode_client, worktree: 
         assert processes_in(worktree) == []
     finally:
         session.close()
+
+
+def test_commands_keep_renaming_across_directories(mode_client, worktree: Path) -> None:
+    """The nested domain of degraded mode must restrict signals only: every
+    Landlock ruleset handles cross-directory renames (REFER) unless told, and
+    one that did not grant it would make every ``mv a/x b/`` fail with EXDEV."""
+    _, client = mode_client
+    with client.open_session(str(worktree)) as session:
+        moved = shell(session, "mkdir -p a b && echo x > a/x && mv a/x b/x && cat b/x")
+        assert moved.output == "x\n"

@@ -184,3 +184,71 @@ def test_a_common_directory_that_is_no_repository_is_not_believed(repo: Path, tm
     layout = gitdirs.inspect_git(str(linked), uid=os.getuid())
     assert layout.kind == "refused" and layout.readable == [] and layout.writable == []
     assert layout.note == f"{repo / '.git'} is not a git repository; not granted"
+
+
+def _submodule_repo(tmp_path: Path) -> Path:
+    """A repository with a submodule named with a slash (its git directory in
+    .git/modules/libs/sub), one kept in place (emb/.git), a second linked
+    worktree, and no hooks directory."""
+    src = tmp_path / "src"
+    src.mkdir()
+    git(src, "init", "-q")
+    git(src, "commit", "-q", "--allow-empty", "-m", "src")
+    r = tmp_path / "super"
+    r.mkdir()
+    git(r, "init", "-q")
+    git(r, "commit", "-q", "--allow-empty", "-m", "super")
+    git(r, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(src), "libs/sub")
+    emb = r / "emb"
+    emb.mkdir()
+    git(emb, "init", "-q")
+    git(emb, "commit", "-q", "--allow-empty", "-m", "emb")
+    _add_gitlink(r, "emb", git(emb, "rev-parse", "HEAD").strip())
+    git(r, "worktree", "add", "-q", str(tmp_path / "other"), "-b", "other")
+    import shutil
+    shutil.rmtree(r / ".git" / "hooks")
+    return r
+
+
+def test_every_git_directory_of_a_repository_is_protected(tmp_path: Path) -> None:
+    r = _submodule_repo(tmp_path)
+    dotgit = r / ".git"
+    layout = gitdirs.inspect_git(str(r), uid=os.getuid())
+    assert layout.kind == "repository"
+    assert layout.gitdirs == [str(dotgit), str(dotgit / "modules" / "libs" / "sub"), str(r / "emb" / ".git")]
+    assert (dotgit / "hooks").is_dir()  # made, empty, to be held read-only
+    protected = set(layout.read_only)
+    for gitdir in layout.gitdirs:
+        assert {f"{gitdir}/config", f"{gitdir}/hooks"} <= protected, gitdir
+    entry = dotgit / "worktrees" / "other"
+    assert {str(entry / "commondir"), str(entry / "gitdir")} <= protected
+
+
+def test_a_hooks_symlink_into_the_worktree_protects_its_target(repo: Path) -> None:
+    import shutil
+    shutil.rmtree(repo / ".git" / "hooks")
+    (repo / "githooks").mkdir()
+    (repo / ".git" / "hooks").symlink_to("../githooks")
+    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    assert str(repo / "githooks") in layout.read_only
+    assert str(repo / ".git" / "hooks") not in layout.read_only  # a symlink is not bound over
+
+
+def test_redirects_in_any_git_directory_are_moved_aside(tmp_path: Path) -> None:
+    r = _submodule_repo(tmp_path)
+    layout = gitdirs.inspect_git(str(r), uid=os.getuid())
+    before = gitdirs.redirects_present(layout)
+    assert before == []  # the other worktree's commondir leads back to .git
+    # A worktree the session adds itself is fine, until its commondir is aimed elsewhere.
+    git(r, "worktree", "add", "-q", str(r / "added"), "-b", "added")
+    assert gitdirs.redirects_present(layout) == []
+    planted = [r / ".git" / "modules" / "libs" / "sub" / "commondir", r / "emb" / ".git" / "config.worktree",
+               r / ".git" / "commondir"]
+    for p in planted:
+        p.write_text("../evil\n")
+    assert sorted(gitdirs.redirects_present(layout)) == sorted(map(str, planted))
+    (r / ".git" / "worktrees" / "added" / "commondir").write_text(str(tmp_path / "evil") + "\n")
+    moved = gitdirs.quarantine_new_redirects(layout, before)
+    assert len(moved) == 4 and all(".quarantined-by-dispatchd-" in m for m in moved)
+    assert not any(p.exists() for p in planted)
+    assert not (r / ".git" / "worktrees" / "added" / "commondir").exists()
