@@ -188,8 +188,7 @@ def _embedded_gitdirs(worktree: str, index: str) -> list[str]:
     """The ``.git`` directories of submodules the index lists that hold their
     git directory in place (``git submodule add`` of an existing clone), and
     the submodules' own ``modules/``."""
-    data = _read_index(index)
-    links = parse_gitlinks(data) if data is not None else None
+    links = index_gitlinks(index)
     found: list[str] = []
     for link in sorted(links or ()):
         fd = _open_parent(worktree, link)
@@ -300,6 +299,12 @@ def _read_index(path: str) -> bytes | None:
 def parse_gitlinks(data: bytes) -> set[str] | None:
     """The paths a git index (versions 2-4, SHA-1 or SHA-256) records as
     submodules (mode 160000). None when the bytes are not an index we can read."""
+    parsed = _parse_index(data)
+    return parsed[0] if parsed is not None else None
+
+
+def _parse_index(data: bytes) -> tuple[set[str], str] | None:
+    """The gitlinks, and the shared index a split index names ("" if none)."""
     if len(data) < 12 or data[:4] != b"DIRC":
         return None
     version = int.from_bytes(data[4:8], "big")
@@ -307,15 +312,38 @@ def parse_gitlinks(data: bytes) -> set[str] | None:
     if version not in (2, 3, 4):
         return None
     for hash_size in (20, 32):  # the index does not say which; one parses cleanly
-        links = _parse_entries(data, version, count, hash_size)
-        if links is not None:
-            return links
+        parsed = _parse_entries(data, version, count, hash_size)
+        if parsed is None:
+            continue
+        links, pos, replaced = parsed
+        shared = _shared_index(data, pos, hash_size)
+        if shared is not None and (shared or not replaced):
+            return links, shared
     return None
 
 
-def _parse_entries(data: bytes, version: int, count: int, hash_size: int) -> set[str] | None:
+def _shared_index(data: bytes, pos: int, hash_size: int) -> str | None:
+    """Walk the extensions after the entries: the hash a "link" extension
+    names (a split index keeps most entries in ``sharedindex.<hash>``), "" for
+    none, None if the extensions do not end exactly at the checksum."""
+    shared = ""
+    end = len(data) - hash_size
+    while pos < end:
+        if pos + 8 > end:
+            return None
+        signature, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "big")
+        if pos + 8 + size > end:
+            return None
+        if signature == b"link":
+            shared = data[pos + 8:pos + 8 + hash_size].hex()
+        pos += 8 + size
+    return shared if pos == end else None
+
+
+def _parse_entries(data: bytes, version: int, count: int,
+                   hash_size: int) -> tuple[set[str], int, bool] | None:
     links: set[str] = set()
-    pos, previous = 12, b""
+    pos, previous, replaced = 12, b"", False
     try:
         for _ in range(count):
             start = pos
@@ -343,21 +371,52 @@ def _parse_entries(data: bytes, version: int, count: int, hash_size: int) -> set
                 name = data[pos:end]
                 pos = start + ((end - start) // 8 + 1) * 8  # 1 to 8 NULs pad each entry
             length = flags & 0xFFF
-            if length != 0xFFF and length != len(name) or not name or pos > len(data):
+            if length != 0xFFF and length != len(name) or pos > len(data):
                 return None
-            if mode & 0o170000 == _GITLINK:
-                links.add(name.decode("utf-8", "surrogateescape"))
             previous = name
+            if not name:
+                # Only a split index has these: an entry that replaces the
+                # shared index's entry at the same position. A submodule
+                # there would be one whose path this parser does not follow.
+                if mode & 0o170000 == _GITLINK:
+                    return None
+                replaced = True
+            elif mode & 0o170000 == _GITLINK:
+                links.add(name.decode("utf-8", "surrogateescape"))
     except (IndexError, ValueError):
         return None
-    return links
+    return links, pos, replaced
 
 
 class SubmoduleState(msgspec.Struct, frozen=True):
-    """For each submodule of the index: how its ``.git`` looked (lstat), or None."""
+    """For each submodule of the index: how its ``.git`` looked (lstat), or None.
+    ``readable`` is False when an index exists that cannot be checked (too
+    large, split with its shared part missing, or not an index we can parse)."""
 
     readable: bool
     links: dict[str, tuple[int, int, int, int] | None] = {}
+    index: tuple[int, int, int, int] | None = None  # the index file's own lstat
+
+
+def index_gitlinks(index: str) -> set[str] | None:
+    """The submodules an index file records, a split index's shared part
+    included; an empty set when there is no index, None when it cannot be read."""
+    if not os.path.lexists(index):
+        return set()
+    data = _read_index(index)
+    parsed = _parse_index(data) if data is not None else None
+    if parsed is None:
+        return None
+    links, shared = parsed
+    if shared and shared != "0" * len(shared):
+        shared_data = _read_index(os.path.join(os.path.dirname(index), f"sharedindex.{shared}"))
+        shared_parsed = _parse_index(shared_data) if shared_data is not None else None
+        if shared_parsed is None:
+            return None
+        # A superset (the split part may delete entries of the shared one):
+        # each candidate is only checked, never trusted.
+        links = links | shared_parsed[0]
+    return links
 
 
 def _safe_link(link: str) -> bool:
@@ -402,12 +461,22 @@ def _dotgit_stat(worktree: str, link: str) -> tuple[int, int, int, int] | None:
     return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _lstat_key(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def submodule_state(worktree: str, index: str) -> SubmoduleState:
-    data = _read_index(index) if index else None
-    links = parse_gitlinks(data) if data is not None else None
+    if not index:
+        return SubmoduleState(readable=True)
+    links = index_gitlinks(index)
     if links is None:
-        return SubmoduleState(readable=data is None)  # no index at all is fine; an unreadable one is not
-    return SubmoduleState(readable=True, links={link: _dotgit_stat(worktree, link) for link in links})
+        return SubmoduleState(readable=False, index=_lstat_key(index))
+    return SubmoduleState(readable=True, links={link: _dotgit_stat(worktree, link) for link in links},
+                          index=_lstat_key(index))
 
 
 def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState) -> list[str]:
@@ -416,6 +485,17 @@ def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState)
     (``core.fsmonitor``...). Call once every process of the session is gone."""
     now = submodule_state(worktree, index)
     moved = []
+    if not now.readable and (before.readable or now.index != before.index):
+        # An index the session left that cannot be checked (grown past the
+        # limit, split with its shared part gone, garbled) is not handed to
+        # the user's git: moved aside, it costs a `git reset`, never a file.
+        dst = f"{index}.quarantined-by-dispatchd-{int(time.time())}"
+        try:
+            os.rename(index, dst)
+            moved.append(dst)
+        except OSError:
+            pass
+        return moved
     for link, seen in now.links.items():
         if seen is None or before.links.get(link, "new") == seen:
             continue  # no .git there (git skips it), or as it was before the session

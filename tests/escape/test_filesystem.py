@@ -423,3 +423,67 @@ def test_a_nested_repository_never_runs_in_the_users_git(sandbox: Sandbox, clien
     assert not (worktree / "sub" / ".git").exists()
     assert [p.name.startswith(".git.quarantined-by-dispatchd-") for p in (worktree / "sub").iterdir()
             if p.name.startswith(".git")] == [True]
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = dict(os.environ, GIT_AUTHOR_NAME="u", GIT_AUTHOR_EMAIL="u@invalid", GIT_COMMITTER_NAME="u",
+               GIT_COMMITTER_EMAIL="u@invalid")
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, env=env,
+                          timeout=30).stdout
+
+
+@pytest.mark.parametrize("sandbox", MODES_WITH_LIMIT, indirect=True)
+def test_no_git_directory_of_the_repository_runs_what_a_session_wrote(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path,
+) -> None:
+    """Beyond .git/config and .git/hooks: a submodule whose name has a slash
+    (its git directory in .git/modules/libs/sub), a submodule kept in place
+    (emb/.git), another linked worktree's entry, and a repository with no
+    hooks directory at all. Full mode: each is read-only (EROFS), and a
+    commondir planted in a submodule's git directory, which no mount can stop,
+    is moved aside when the session ends; the user's git status and commit
+    then run nothing of the session's. Degraded mode: a KNOWN LIMIT, the
+    writes go through (leaves_open says git metadata is writable)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _git(src, "init", "-q")
+    _git(src, "commit", "-q", "--allow-empty", "-m", "src")
+    _git(worktree, "init", "-q")
+    _git(worktree, "commit", "-q", "--allow-empty", "-m", "super")
+    _git(worktree, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(src), "libs/sub")
+    (worktree / "emb").mkdir()
+    _git(worktree / "emb", "init", "-q")
+    _git(worktree / "emb", "commit", "-q", "--allow-empty", "-m", "emb")
+    _git(worktree, "update-index", "--add", "--cacheinfo",
+         f"160000,{_git(worktree / 'emb', 'rev-parse', 'HEAD').strip()},emb")
+    _git(worktree, "commit", "-qm", "submodules")
+    _git(worktree, "worktree", "add", "-q", str(tmp_path / "other"), "-b", "other")
+    for hooks in (worktree / ".git" / "hooks", worktree / "emb" / ".git" / "hooks"):
+        subprocess.run(["rm", "-rf", str(hooks)], check=True)
+    marker = f"PLANTED-BY-SESSION-{secrets.token_hex(4)}"
+    fsmonitor = f'[core]\n\tfsmonitor = "echo {marker} >&2; false"\n'
+    hook = f"#!/bin/sh\necho {marker} >&2\n"
+    with client.open_session(str(worktree)) as s:
+        # The control: git itself works in the superproject.
+        assert shell(s, "git -c user.name=s -c user.email=s@invalid commit -q --allow-empty -m in && echo ok"
+                     ).output == "ok\n"
+        got = {
+            "module config": attempt(s, f"result = open('.git/modules/libs/sub/config', 'a').write({fsmonitor!r})"),
+            "embedded config": attempt(s, f"result = open('emb/.git/config', 'a').write({fsmonitor!r})"),
+            "new hook": attempt(s, f"result = open('.git/hooks/pre-commit', 'w').write({hook!r})"),
+            "other worktree": attempt(s, "result = open('.git/worktrees/other/commondir', 'w').write('../x')"),
+        }
+        planted = attempt(s, "result = open('.git/modules/libs/sub/commondir', 'w').write('../../../../../evil')")
+    if sandbox.mode == "degraded":
+        assert set(got.values()) == {f"OK {len(fsmonitor)}", f"OK {len(hook)}", "OK 4"}, got
+        return
+    assert got == {k: EROFS for k in got}, got
+    assert planted == "OK 19"
+    assert not (worktree / ".git" / "modules" / "libs" / "sub" / "commondir").exists()  # moved aside
+    status = subprocess.run(["git", "-C", str(worktree), "status"], capture_output=True, text=True, timeout=30)
+    (worktree / "f").write_text("f")
+    _git(worktree, "add", "f")
+    commit = subprocess.run(["git", "-C", str(worktree), "-c", "user.name=u", "-c", "user.email=u@invalid",
+                             "commit", "-qm", "f"], capture_output=True, text=True, timeout=30)
+    assert marker not in status.stderr + commit.stderr, status.stderr + commit.stderr
+    assert commit.returncode == 0 and status.returncode == 0

@@ -252,3 +252,34 @@ def test_redirects_in_any_git_directory_are_moved_aside(tmp_path: Path) -> None:
     assert len(moved) == 4 and all(".quarantined-by-dispatchd-" in m for m in moved)
     assert not any(p.exists() for p in planted)
     assert not (r / ".git" / "worktrees" / "added" / "commondir").exists()
+
+
+def test_a_split_index_is_read_with_its_shared_part(repo: Path) -> None:
+    _add_gitlink(repo, "in/shared")
+    git(repo, "update-index", "--split-index")
+    _add_gitlink(repo, "in/split", "2" * 40)
+    index = str(repo / ".git" / "index")
+    assert gitdirs.parse_gitlinks((repo / ".git" / "index").read_bytes()) == {"in/split"}  # the split part alone
+    assert gitdirs.index_gitlinks(index) == {"in/shared", "in/split"}
+    shared = next((repo / ".git").glob("sharedindex.*"))
+    shared.unlink()
+    assert gitdirs.index_gitlinks(index) is None  # cannot be checked
+
+
+def test_an_index_that_cannot_be_checked_after_a_session_is_moved_aside(repo: Path) -> None:
+    index = repo / ".git" / "index"
+    before = gitdirs.submodule_state(str(repo), str(index))
+    assert before.readable
+    index.write_bytes(b"DIRC" + b"\0\0\0\2" + b"\xff" * 64)  # garbled
+    moved = gitdirs.quarantine_new_submodules(str(repo), str(index), before)
+    assert len(moved) == 1 and moved[0].startswith(str(index) + ".quarantined-by-dispatchd-")
+    assert not index.exists()
+
+
+def test_the_users_own_unreadable_index_is_left_alone(repo: Path) -> None:
+    index = repo / ".git" / "index"
+    index.write_bytes(b"not an index")
+    before = gitdirs.submodule_state(str(repo), str(index))
+    assert not before.readable
+    assert gitdirs.quarantine_new_submodules(str(repo), str(index), before) == []
+    assert index.read_bytes() == b"not an index"
