@@ -7,34 +7,48 @@ worktree's ``.git`` pointer file choose which of those are read. This module
 finds, for one worktree, what must stay read-only and what git must be able
 to write, and the planner turns that into mounts and Landlock rules:
 
-- a plain repository (``WORKTREE/.git/``): ``config``, ``hooks``, and each
-  submodule's ``modules/*/config`` and ``modules/*/hooks`` are bound read-only
-  over themselves in the session's mount namespace; the rest of ``.git``
-  (objects, refs, index, lock files) stays writable, so add, commit and
-  checkout -b work;
+- a plain repository (``WORKTREE/.git/``): the ``config``, ``hooks``,
+  ``commondir`` and ``config.worktree`` of every git directory it has — its
+  ``.git``, its submodules' under ``.git/modules`` at any depth (names may
+  hold slashes, submodules have submodules), and those kept in place
+  (``sub/.git/``, found through the index) — and the other linked worktrees'
+  entries (``.git/worktrees/*/commondir``, ``gitdir``, ``config.worktree``)
+  are bound read-only over themselves in the session's mount namespace. A
+  missing ``hooks`` is made (empty) first, so that it can be held; a ``hooks``
+  that is a symlink into the worktree has its target held. The rest of
+  ``.git`` (objects, refs, index, lock files) stays writable, so add, commit
+  and checkout -b work;
 - a linked worktree (``WORKTREE/.git`` is a file naming ``COMMON/worktrees/N``):
-  the pointer file and ``N``'s own ``commondir`` and ``gitdir`` are read-only;
-  ``COMMON`` is readable, and only ``COMMON/objects``, ``COMMON/refs``,
-  ``COMMON/logs`` and ``COMMON/worktrees/N`` are writable. A pointer is
-  believed only if git itself would: ``N/gitdir`` must name this worktree's
-  ``.git`` back, and ``COMMON`` must belong to the user;
-- a file that did not exist and would redirect git (``.git/commondir``) cannot
-  be stopped from being created in a writable directory by any mount; the
-  daemon checks for it once the session's processes are gone and moves it
-  aside (``quarantine_new_redirects``);
+  the pointer file and ``N``'s own ``commondir``, ``gitdir`` and
+  ``config.worktree`` are read-only; ``COMMON`` is readable, and only
+  ``COMMON/objects``, ``COMMON/refs``, ``COMMON/logs`` and ``COMMON/worktrees/N``
+  are writable. A pointer is believed only if git itself would (``N/gitdir``
+  names this worktree's ``.git`` back), ``N`` and ``COMMON`` lie outside the
+  worktree and around neither it, ``COMMON`` is a repository and belongs to the
+  user: a pointer forged inside the worktree grants nothing;
+- a file that did not exist and would redirect git (``commondir``, or
+  ``config.worktree``) cannot be stopped from being created in a writable
+  directory by any mount; the daemon checks every git directory above for it
+  once the session's processes are gone and moves it aside
+  (``quarantine_new_redirects``), and likewise a linked worktree's entry the
+  session added whose ``commondir`` leads elsewhere than this ``.git``;
 - a nested repository that the session records in the index as a submodule
   (a gitlink, mode 160000) would have the user's ``git status`` run git in it,
   with its own config: the daemon reads the index (versions 2-4, SHA-1 or
-  SHA-256) at open and once the session's processes are gone, and moves aside
-  the ``.git`` of every submodule that is new or changed
-  (``quarantine_new_submodules``), in both modes.
+  SHA-256, split or not) at open and once the session's processes are gone,
+  and moves aside the ``.git`` of every submodule that is new or changed
+  (``quarantine_new_submodules``), in both modes; an index it cannot check is
+  moved aside whole. It reaches a submodule's directory one component at a
+  time with ``O_NOFOLLOW``: no index entry and no symlink can make it act
+  outside the worktree.
 
 Only in full mode (a mount namespace). Without one, Landlock cannot carve a
 read-only hole in a writable tree: the session's ``leaves_open`` says so.
 
-The daemon reads two files inside a worktree here, both as hostile content:
-the ``.git`` pointer file (``O_NOFOLLOW``, at most 4 KiB, a regular file only)
-and the index (``O_NOFOLLOW``, at most 256 MiB, parsed strictly).
+The daemon reads inside a worktree only git's metadata here, all of it as
+hostile content: the ``.git`` pointer file (``O_NOFOLLOW``, at most 4 KiB, a
+regular file only), the index and a split index's shared part
+(``O_NOFOLLOW``, at most 256 MiB, parsed strictly), and directory listings.
 """
 
 from __future__ import annotations

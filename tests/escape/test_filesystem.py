@@ -487,3 +487,33 @@ def test_no_git_directory_of_the_repository_runs_what_a_session_wrote(
                              "commit", "-qm", "f"], capture_output=True, text=True, timeout=30)
     assert marker not in status.stderr + commit.stderr, status.stderr + commit.stderr
     assert commit.returncode == 0 and status.returncode == 0
+
+
+_REDIRECT_GIT = r"""mkdir evilc && ln -s ../.git/objects evilc/objects && ln -s ../.git/refs evilc/refs && \
+cp .git/HEAD evilc/HEAD && \
+printf '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "echo {marker} >&2; false"\n' > evilc/config && \
+echo ../evilc > .git/commondir && echo planted"""
+
+
+@pytest.mark.known_limit
+def test_a_redirect_planted_in_git_works_until_the_session_ends_known_limit(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path,
+) -> None:
+    """A KNOWN LIMIT, both modes: ``.git/commondir`` does not exist in a
+    plain repository, and git must be able to create files in ``.git`` (its
+    lock files, renamed over index, HEAD, packed-refs), so no mount and no
+    Landlock rule can stop a session from creating it. While the session is
+    open, the user's own git run outside reads the configuration it points to
+    (here ``core.fsmonitor``, which runs a command). When the session ends the
+    daemon moves it aside: from then on the user's git runs nothing of it.
+    Do not run git in a worktree outside while an agent's session is open on
+    it (a shell prompt or an editor that runs git does)."""
+    subprocess.run(["git", "init", "-q", str(worktree)], check=True, timeout=30)
+    marker = f"PLANTED-BY-SESSION-{secrets.token_hex(4)}"
+    with client.open_session(str(worktree)) as s:
+        assert shell(s, _REDIRECT_GIT.format(marker=marker)).output == "planted\n"
+        during = subprocess.run(["git", "-C", str(worktree), "status"], capture_output=True, text=True, timeout=30)
+    after = subprocess.run(["git", "-C", str(worktree), "status"], capture_output=True, text=True, timeout=30)
+    assert marker in during.stderr  # the limit
+    assert marker not in after.stderr and after.returncode == 0, after.stderr
+    assert not (worktree / ".git" / "commondir").exists()
