@@ -42,8 +42,9 @@ to write, and the planner turns that into mounts and Landlock rules:
   time with ``O_NOFOLLOW``: no index entry and no symlink can make it act
   outside the worktree.
 
-Only in full mode (a mount namespace). Without one, Landlock cannot carve a
-read-only hole in a writable tree: the session's ``leaves_open`` says so.
+The read-only binds exist only in full mode (a mount namespace); without one,
+Landlock cannot carve a read-only hole in a writable tree, and the session's
+``leaves_open`` says so. The checks at the end run in both modes.
 
 The daemon reads inside a worktree only git's metadata here, all of it as
 hostile content: the ``.git`` pointer file (``O_NOFOLLOW``, at most 4 KiB, a
