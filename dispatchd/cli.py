@@ -39,7 +39,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cgroup", default="auto", metavar="auto|off|PATH",
                    help="per-session cgroups: 'auto' uses the daemon's own cgroup when it is delegated and the "
                         "daemon is alone in it (a systemd service with Delegate=yes); PATH names a delegated "
-                        "cgroup v2 directory for the daemon to manage (an error if it cannot); 'off' never")
+                        "cgroup v2 directory for this daemon alone to manage (an error if it cannot; at start "
+                        "it ends what earlier sessions left there); 'off' never")
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long calls in flight may go on before their sessions are ended (seconds)")
     p.add_argument(TESTING_ROOT_FLAG, action="store_true", help=argparse.SUPPRESS)

@@ -195,13 +195,28 @@ def _remove_stale(base: str) -> int:
     return count
 
 
+OPTIONAL = ("memory.swap.max",)  # absent where the kernel accounts no swap (swapaccount=0, no swap support)
+
+
 def create(cgroup: SessionCgroup) -> None:
-    """Make the session's cgroup with its limits in force (the daemon, before spawning)."""
+    """Make the session's cgroup with its limits in force (the daemon, before
+    spawning). On failure nothing is left behind."""
     try:
         os.mkdir(cgroup.path, 0o755)
-        for name, value in cgroup.settings.items():
-            _write(f"{cgroup.path}/{name}", value)
     except OSError as exc:
+        raise ConfinementError("cgroup", exc.errno or 0, cgroup.path) from exc
+    try:
+        for name, value in cgroup.settings.items():
+            try:
+                _write(f"{cgroup.path}/{name}", value)
+            except FileNotFoundError:
+                if name not in OPTIONAL:
+                    raise
+    except OSError as exc:
+        try:
+            os.rmdir(cgroup.path)
+        except OSError:
+            pass
         raise ConfinementError("cgroup", exc.errno or 0, exc.filename or cgroup.path) from exc
 
 

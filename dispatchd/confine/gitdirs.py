@@ -12,12 +12,11 @@ to write, and the planner turns that into mounts and Landlock rules:
   ``.git``, its submodules' under ``.git/modules`` at any depth (names may
   hold slashes, submodules have submodules), and those kept in place
   (``sub/.git/``, found through the index) — and the other linked worktrees'
-  entries (``.git/worktrees/*/commondir``, ``gitdir``, ``config.worktree``)
-  are bound read-only over themselves in the session's mount namespace. A
-  missing ``hooks`` is made (empty) first, so that it can be held; a ``hooks``
-  that is a symlink into the worktree has its target held. The rest of
-  ``.git`` (objects, refs, index, lock files) stays writable, so add, commit
-  and checkout -b work;
+  entries (``.git/worktrees/*``, whole) are bound read-only over themselves in
+  the session's mount namespace. A missing ``hooks`` is made (empty) first, so
+  that it can be held; a ``hooks`` that is a symlink into the worktree has its
+  target held. The rest of ``.git`` (objects, refs, index, lock files) stays
+  writable, so add, commit and checkout -b work;
 - a linked worktree (``WORKTREE/.git`` is a file naming ``COMMON/worktrees/N``):
   the pointer file and ``N``'s own ``commondir``, ``gitdir`` and
   ``config.worktree`` are read-only; ``COMMON`` is readable, and only
@@ -55,6 +54,7 @@ regular file only), the index and a split index's shared part
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 import time
 
@@ -67,6 +67,7 @@ REDIRECTS = ("commondir", "config.worktree")
 # What the user's git runs or reads as configuration, in any git directory.
 RUN_FROM = ("config", "hooks") + REDIRECTS
 _MAX_GITDIRS = 1000  # submodule git directories walked at the most (the daemon's time is bounded)
+_MAX_VISITS = 10000  # directories looked into for them
 
 
 class GitLayout(msgspec.Struct, frozen=True):
@@ -130,11 +131,14 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
             protect += _hooks_target(worktree, gitdir)
         worktrees = os.path.join(dotgit, "worktrees")
         if _is_dir(worktrees):
-            # The other linked worktrees' entries: which common directory and
-            # configuration git reads when the user works in them.
+            # The other linked worktrees' entries, whole: which common
+            # directory and configuration git reads when the user works in
+            # them, and their HEAD, index and logs, which a session's `git
+            # worktree prune` would delete (under a private /tmp their
+            # worktrees look gone).
             for entry in sorted(os.scandir(worktrees), key=lambda e: e.name):
                 if entry.is_dir(follow_symlinks=False):
-                    protect += [os.path.join(entry.path, n) for n in ("commondir", "gitdir", "config.worktree")]
+                    protect.append(entry.path)
         return GitLayout("repository", index=index, read_only=_existing(protect), gitdirs=dirs)
     if not stat.S_ISREG(st.st_mode):
         return GitLayout("refused", note=".git is neither a directory nor a file")
@@ -182,8 +186,12 @@ def _module_gitdirs(gitdir: str) -> list[str]:
     has submodules of its own (``modules/a/modules/b``). No symlink is followed."""
     found: list[str] = []
     pending = [os.path.join(gitdir, "modules")]
-    while pending and len(found) < _MAX_GITDIRS:
+    visited = 0
+    while pending and len(found) < _MAX_GITDIRS and visited < _MAX_VISITS:
         top = pending.pop()
+        visited += 1
+        if not _is_dir(top):  # lstat: a ``modules`` that is a symlink leads nowhere we go
+            continue
         try:
             entries = sorted(os.scandir(top), key=lambda e: e.name)
         except OSError:
@@ -244,18 +252,55 @@ def _hooks_target(worktree: str, gitdir: str) -> list[str]:
     return [target] if target.startswith(worktree.rstrip("/") + "/") and os.path.isdir(target) else []
 
 
-def redirects_present(layout: GitLayout) -> list[str]:
+def _plain_path_below(root: str, path: str) -> bool:
+    """``root`` and every directory from it down to ``path``'s parent are real
+    directories, not symlinks: acting on ``path`` by name stays below ``root``."""
+    if not _is_dir(root) or not (path == root or path.startswith(root.rstrip("/") + "/")):
+        return False
+    parent = os.path.dirname(path)
+    while parent != root and len(parent) > len(root):
+        if not _is_dir(parent):
+            return False
+        parent = os.path.dirname(parent)
+    return True
+
+
+def _leads_back(entry: str, dotgit: str) -> bool:
+    """A linked worktree's ``commondir`` that names this ``.git`` (git writes
+    ``../..``). Anything unreadable or odd (a NUL byte, say) does not."""
+    text = _read_small(os.path.join(entry, "commondir"))
+    try:
+        return text is not None and os.path.realpath(os.path.join(entry, text.strip())) == os.path.realpath(dotgit)
+    except (ValueError, OSError):
+        return False
+
+
+def redirects_present(layout: GitLayout, root: str = "") -> list[str]:
     """Which redirecting files exist now in the layout's git directories, and,
     in a repository, in its linked worktrees' entries: there a ``commondir``
-    belongs, but only one that leads back to this ``.git`` (git writes
-    ``../..``), so a session that adds a worktree cannot aim it elsewhere."""
-    found = [os.path.join(d, name) for d in layout.gitdirs for name in REDIRECTS
-             if os.path.lexists(os.path.join(d, name))]
-    if layout.kind != "repository" or not layout.gitdirs:
+    belongs, but only one that leads back to this ``.git``, so a session that
+    adds a worktree cannot aim it elsewhere. A ``.git`` that a session turned
+    into a symlink (degraded mode) is itself a redirect. Nothing reached
+    through a symlink is listed: the daemon acts on these by name.
+
+    ``root`` is the worktree (a repository's git directories lie below it);
+    a linked worktree's own git directory is its own root."""
+    found: list[str] = []
+    if layout.kind == "repository" and layout.gitdirs and os.path.islink(layout.gitdirs[0]):
+        return [layout.gitdirs[0]]
+    for gitdir in layout.gitdirs:
+        top = root if layout.kind == "repository" and root else gitdir
+        if not _plain_path_below(top, gitdir) or not _is_dir(gitdir):
+            continue
+        found += [os.path.join(gitdir, n) for n in REDIRECTS if os.path.lexists(os.path.join(gitdir, n))]
+    if layout.kind != "repository" or not layout.gitdirs or not _is_dir(layout.gitdirs[0]):
         return found
     dotgit = layout.gitdirs[0]
+    worktrees = os.path.join(dotgit, "worktrees")
+    if not _is_dir(worktrees):
+        return found
     try:
-        entries = sorted(os.scandir(os.path.join(dotgit, "worktrees")), key=lambda e: e.name)
+        entries = sorted(os.scandir(worktrees), key=lambda e: e.name)
     except OSError:
         return found
     for entry in entries:
@@ -265,27 +310,42 @@ def redirects_present(layout: GitLayout) -> list[str]:
         if os.path.lexists(worktree_config):
             found.append(worktree_config)
         commondir = os.path.join(entry.path, "commondir")
-        text = _read_small(commondir)
-        if os.path.lexists(commondir) and (
-                text is None or os.path.realpath(os.path.join(entry.path, text.strip())) != os.path.realpath(dotgit)):
+        if os.path.lexists(commondir) and not _leads_back(entry.path, dotgit):
             found.append(commondir)
     return found
 
 
-def quarantine_new_redirects(layout: GitLayout, before: list[str]) -> list[str]:
+def move_aside(path: str) -> str:
+    """Rename ``path`` to an unguessable name beside it and return that name.
+    A parent the session made read-only (it is the user's, so ours) is made
+    writable for us first. Raises OSError if it cannot be moved; the caller
+    says so loudly."""
+    parent, name = os.path.split(path)
+    for _ in range(2):
+        dst = os.path.join(parent, f"{name}.quarantined-by-dispatchd-{int(time.time())}-{secrets.token_hex(6)}")
+        try:
+            os.rename(path, dst)
+            return dst
+        except PermissionError:
+            mode = os.lstat(parent).st_mode
+            os.chmod(parent, stat.S_IMODE(mode) | stat.S_IRWXU)
+    os.rename(path, dst)  # once more, after the chmod: raises if it still fails
+    return dst
+
+
+def quarantine_new_redirects(layout: GitLayout, before: list[str], root: str = "") -> tuple[list[str], list[str]]:
     """Move aside redirecting files a session created; call only once every
-    process of the session is gone (nothing can race the rename then)."""
-    moved = []
-    for src in redirects_present(layout):
+    process of the session is gone (nothing can race the rename then).
+    Returns what was moved, and what could not be (with why)."""
+    moved, failed = [], []
+    for src in redirects_present(layout, root):
         if src in before:
             continue
-        dst = f"{src}.quarantined-by-dispatchd-{int(time.time())}"
         try:
-            os.rename(src, dst)
-            moved.append(dst)
-        except OSError:
-            continue
-    return moved
+            moved.append(move_aside(src))
+        except OSError as exc:
+            failed.append(f"{src}: {exc.strerror}")
+    return moved, failed
 
 
 # --- submodules: what a session may register for the user's git to run ------
@@ -315,11 +375,17 @@ def parse_gitlinks(data: bytes) -> set[str] | None:
     """The paths a git index (versions 2-4, SHA-1 or SHA-256) records as
     submodules (mode 160000). None when the bytes are not an index we can read."""
     parsed = _parse_index(data)
-    return parsed[0] if parsed is not None else None
+    return parsed.links if parsed is not None else None
 
 
-def _parse_index(data: bytes) -> tuple[set[str], str] | None:
-    """The gitlinks, and the shared index a split index names ("" if none)."""
+class _Index(msgspec.Struct):
+    links: set[str]  # the paths recorded as submodules
+    shared: str  # the shared index a split index names, "" if none
+    replaced_gitlink: bool  # a split index replaces some shared entry by a submodule
+    names: set[str]  # every path, when asked for
+
+
+def _parse_index(data: bytes, all_names: bool = False) -> _Index | None:
     if len(data) < 12 or data[:4] != b"DIRC":
         return None
     version = int.from_bytes(data[4:8], "big")
@@ -327,13 +393,14 @@ def _parse_index(data: bytes) -> tuple[set[str], str] | None:
     if version not in (2, 3, 4):
         return None
     for hash_size in (20, 32):  # the index does not say which; one parses cleanly
-        parsed = _parse_entries(data, version, count, hash_size)
+        names: set[str] | None = set() if all_names else None
+        parsed = _parse_entries(data, version, count, hash_size, names)
         if parsed is None:
             continue
-        links, pos, replaced = parsed
+        links, pos, replaced, replaced_gitlink = parsed
         shared = _shared_index(data, pos, hash_size)
         if shared is not None and (shared or not replaced):
-            return links, shared
+            return _Index(links=links, shared=shared, replaced_gitlink=replaced_gitlink, names=names or set())
     return None
 
 
@@ -355,9 +422,12 @@ def _shared_index(data: bytes, pos: int, hash_size: int) -> str | None:
     return shared if pos == end else None
 
 
-def _parse_entries(data: bytes, version: int, count: int,
-                   hash_size: int) -> tuple[set[str], int, bool] | None:
+def _parse_entries(data: bytes, version: int, count: int, hash_size: int,
+                   names: set[str] | None = None) -> tuple[set[str], int, bool, bool] | None:
+    """(gitlinks, where the entries end, whether some entries replace a shared
+    index's, whether one of those is a submodule); every path into ``names``."""
     links: set[str] = set()
+    replaced_gitlink = False
     pos, previous, replaced = 12, b"", False
     try:
         for _ in range(count):
@@ -391,16 +461,18 @@ def _parse_entries(data: bytes, version: int, count: int,
             previous = name
             if not name:
                 # Only a split index has these: an entry that replaces the
-                # shared index's entry at the same position. A submodule
-                # there would be one whose path this parser does not follow.
-                if mode & 0o170000 == _GITLINK:
-                    return None
+                # shared index's entry at a position its "link" extension
+                # gives, under that entry's name.
                 replaced = True
-            elif mode & 0o170000 == _GITLINK:
+                replaced_gitlink |= mode & 0o170000 == _GITLINK
+                continue
+            if names is not None:
+                names.add(name.decode("utf-8", "surrogateescape"))
+            if mode & 0o170000 == _GITLINK:
                 links.add(name.decode("utf-8", "surrogateescape"))
     except (IndexError, ValueError):
         return None
-    return links, pos, replaced
+    return links, pos, replaced, replaced_gitlink
 
 
 class SubmoduleState(msgspec.Struct, frozen=True):
@@ -422,15 +494,19 @@ def index_gitlinks(index: str) -> set[str] | None:
     parsed = _parse_index(data) if data is not None else None
     if parsed is None:
         return None
-    links, shared = parsed
+    links, shared = parsed.links, parsed.shared
     if shared and shared != "0" * len(shared):
         shared_data = _read_index(os.path.join(os.path.dirname(index), f"sharedindex.{shared}"))
-        shared_parsed = _parse_index(shared_data) if shared_data is not None else None
+        shared_parsed = _parse_index(shared_data, all_names=parsed.replaced_gitlink) if shared_data else None
         if shared_parsed is None:
             return None
         # A superset (the split part may delete entries of the shared one):
-        # each candidate is only checked, never trusted.
-        links = links | shared_parsed[0]
+        # each candidate is only checked, never trusted. A submodule that
+        # replaces a shared entry takes that entry's name, which only the
+        # replace bitmap tells: then every shared path is a candidate.
+        links = links | shared_parsed.links | shared_parsed.names
+    elif parsed.replaced_gitlink:
+        return None
     return links
 
 
@@ -473,6 +549,11 @@ def _dotgit_stat(worktree: str, link: str) -> tuple[int, int, int, int] | None:
         return None
     finally:
         os.close(fd)
+    if stat.S_ISDIR(st.st_mode):
+        # A git directory kept in place changes its mtime with every commit;
+        # what counts is whether it is the same directory (its config and
+        # hooks are held read-only in full mode).
+        return (st.st_mode, st.st_ino, 0, 0)
     return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -494,35 +575,52 @@ def submodule_state(worktree: str, index: str) -> SubmoduleState:
                           index=_lstat_key(index))
 
 
-def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState) -> list[str]:
+def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState) -> tuple[list[str], list[str]]:
     """Move aside the ``.git`` of every submodule a session registered or
     changed: the user's ``git status`` would run in it, with its own config
-    (``core.fsmonitor``...). Call once every process of the session is gone."""
+    (``core.fsmonitor``...). Call once every process of the session is gone.
+    Returns what was moved, and what could not be (with why)."""
     now = submodule_state(worktree, index)
-    moved = []
+    moved: list[str] = []
+    failed: list[str] = []
     if not now.readable and (before.readable or now.index != before.index):
         # An index the session left that cannot be checked (grown past the
         # limit, split with its shared part gone, garbled) is not handed to
         # the user's git: moved aside, it costs a `git reset`, never a file.
-        dst = f"{index}.quarantined-by-dispatchd-{int(time.time())}"
-        try:
-            os.rename(index, dst)
-            moved.append(dst)
-        except OSError:
-            pass
-        return moved
+        if _plain_path_below(worktree, index) or not index.startswith(worktree.rstrip("/") + "/"):
+            try:
+                moved.append(move_aside(index))
+            except OSError as exc:
+                failed.append(f"{index}: {exc.strerror}")
+        else:
+            failed.append(f"{index}: reached through a symlink; left alone")
+        return moved, failed
     for link, seen in now.links.items():
         if seen is None or before.links.get(link, "new") == seen:
             continue  # no .git there (git skips it), or as it was before the session
         fd = _open_parent(worktree, link)
         if fd is None:
             continue
-        name = f".git.quarantined-by-dispatchd-{int(time.time())}"
         try:
-            os.rename(".git", name, src_dir_fd=fd, dst_dir_fd=fd)
-            moved.append(os.path.join(worktree, link, name))
-        except OSError:
-            continue
+            moved.append(os.path.join(worktree, link, _move_aside_at(fd, ".git")))
+        except OSError as exc:
+            failed.append(f"{os.path.join(worktree, link, '.git')}: {exc.strerror}")
         finally:
             os.close(fd)
-    return moved
+    return moved, failed
+
+
+def _move_aside_at(dir_fd: int, name: str) -> str:
+    """``move_aside`` relative to a directory descriptor."""
+    for _ in range(2):
+        dst = f"{name}.quarantined-by-dispatchd-{int(time.time())}-{secrets.token_hex(6)}"
+        try:
+            os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            return dst
+        except PermissionError:
+            # A directory the session made read-only: ours to make writable.
+            # (An O_PATH descriptor cannot fchmod; /proc/self/fd names it.)
+            mode = os.stat(f"/proc/self/fd/{dir_fd}").st_mode
+            os.chmod(f"/proc/self/fd/{dir_fd}", stat.S_IMODE(mode) | stat.S_IRWXU)
+    os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return dst

@@ -33,7 +33,7 @@ from dispatchd.confine import cgroups, gitdirs
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon.spawn import Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
-from dispatchd.errors import ConfinementError, DispatchdError, SessionError
+from dispatchd.errors import ConfinementError, DispatchdError, SessionError, WorktreeError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
 from dispatchd.tools.spec import schemas_for
@@ -136,6 +136,9 @@ class SessionManager:
         self.home = os.path.expanduser("~")
         self._sessions: dict[str, Session] = {}
         self._writers: dict[str, str] = {}  # worktree -> the session that may write it
+        # Worktrees whose git metadata a session left in a state the daemon
+        # could not make safe: refused until restart (see _check_git).
+        self._tainted: dict[str, str] = {}
         self._lock = threading.Lock()
         self.accepting = True
 
@@ -163,25 +166,23 @@ class SessionManager:
                                   private=self.private)
         network = network or policy.network.default
         _check_network(network, ports, bind_ports)
+        with self._lock:
+            tainted = self._tainted.get(resolved)
+        if tainted:
+            raise WorktreeError(f"{resolved}: a session left git metadata here that dispatchd could not move aside "
+                                f"({tainted}); look at it (your own git would read it), then restart dispatchd",
+                                resolved)
         sid = secrets.token_hex(6)
         scratch = os.path.join(self.sessions_dir, sid)
-        os.makedirs(scratch + "/tmp", mode=0o700)
-        os.makedirs(scratch + "/home", mode=0o700)
         session = Session(sid, resolved, policy, scratch)
         session.ports = _ports_for(session, ports, bind_ports)
-        session.git = gitdirs.inspect_git(resolved, uid=self.uid)
-        for granted in session.git.readable + session.git.writable:
-            home_inside = granted == self.home or self.home.startswith(granted.rstrip("/") + "/")
-            if home_inside or any(_overlap(granted, mine) for mine in self.protected):
-                # A common directory that holds the daemon's files, or the
-                # whole home directory, is no repository a session needs.
-                session.git = gitdirs.GitLayout("refused", read_only=[p for p in session.git.read_only
-                                                                      if p.startswith(resolved + "/")],
-                                                note=f"{granted} holds the daemon's files or the whole home "
-                                                     "directory; not granted")
-                break
-        session.redirects_before = gitdirs.redirects_present(session.git)
-        session.submodules_before = gitdirs.submodule_state(resolved, session.git.index)
+        try:
+            self._inspect_git(session)
+        except Exception as exc:  # hostile content we did not foresee: refuse, loudly
+            raise WorktreeError(f"{resolved}: its git metadata cannot be inspected "
+                                f"({type(exc).__name__}: {exc}); no session opened", resolved) from exc
+        os.makedirs(scratch + "/tmp", mode=0o700)
+        os.makedirs(scratch + "/home", mode=0o700)
         try:
             self._start_worker(session, network)
         except BaseException:
@@ -193,6 +194,22 @@ class SessionManager:
         log.info("event=session_open session=%s policy=%s network=%s mode=%s worktree=%s",
                  sid, policy.name, network, session.protections.get("mode"), resolved)
         return session
+
+    def _inspect_git(self, session: Session) -> None:
+        resolved = session.worktree
+        session.git = gitdirs.inspect_git(resolved, uid=self.uid)
+        for granted in session.git.readable + session.git.writable:
+            home_inside = granted == self.home or self.home.startswith(granted.rstrip("/") + "/")
+            if home_inside or any(_overlap(granted, mine) for mine in self.protected):
+                # A common directory that holds the daemon's files, or the
+                # whole home directory, is no repository a session needs.
+                session.git = gitdirs.GitLayout("refused", read_only=[p for p in session.git.read_only
+                                                                      if p.startswith(resolved + "/")],
+                                                note=f"{granted} holds the daemon's files or the whole home "
+                                                     "directory; not granted")
+                break
+        session.redirects_before = gitdirs.redirects_present(session.git, resolved)
+        session.submodules_before = gitdirs.submodule_state(resolved, session.git.index)
 
     def _plan(self, session: Session, network: str) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
@@ -289,11 +306,43 @@ class SessionManager:
                 return
             session.closed = True
             session.generation += 1
-            self._stop_worker(session)
-            self._check_git(session)
-            self._remove_cgroup(session)
-        self._forget(session)
-        shutil.rmtree(session.scratch, ignore_errors=True)
+            try:
+                self._stop_worker(session)
+                self._check_git(session)
+            finally:
+                # Whatever the checks found, the session is over: no cgroup,
+                # no table entry, no write lock, no scratch directory left.
+                self._remove_cgroup(session)
+                self._forget(session)
+                shutil.rmtree(session.scratch, ignore_errors=True)
+
+    def _check_git(self, session: Session) -> None:
+        """Once the session's processes are gone: move aside what it left that
+        would make the user's git run configuration of its choosing. What
+        cannot be moved, or cannot be checked, marks the worktree: no session
+        opens on it again until the daemon restarts (after a look by the user)."""
+        failed: list[str] = []
+        try:
+            if session.git.kind in ("repository", "linked"):
+                moved, failed = gitdirs.quarantine_new_redirects(session.git, session.redirects_before,
+                                                                 session.worktree)
+                for path in moved:
+                    log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, path)
+                moved, failed_submodules = gitdirs.quarantine_new_submodules(
+                    session.worktree, session.git.index, session.submodules_before)
+                failed += failed_submodules
+                for path in moved:
+                    log.warning("event=git_submodule_quarantined session=%s path=%s", session.id, path)
+                # What the session goes on from (after a network switch) is the new baseline.
+                session.redirects_before = gitdirs.redirects_present(session.git, session.worktree)
+                session.submodules_before = gitdirs.submodule_state(session.worktree, session.git.index)
+        except Exception as exc:  # a bug, or content we did not foresee: fail closed
+            failed.append(f"the check itself failed: {type(exc).__name__}: {exc}")
+        if failed:
+            reason = "; ".join(failed)
+            log.error("event=git_check_failed session=%s worktree=%s what=%r", session.id, session.worktree, reason)
+            with self._lock:
+                self._tainted[session.worktree] = reason
 
     def _remove_cgroup(self, session: Session) -> None:
         if not session.cgroup:
@@ -304,20 +353,6 @@ class SessionManager:
             log.error("event=cgroup_not_removed session=%s cgroup=%s error=%r", session.id, session.cgroup,
                       exc.strerror)
         session.cgroup = ""
-
-    def _check_git(self, session: Session) -> None:
-        """Once the session's processes are gone: move aside what it left that
-        would make the user's git run configuration of its choosing."""
-        if session.git.kind in ("repository", "linked"):
-            for moved in gitdirs.quarantine_new_redirects(session.git, session.redirects_before):
-                log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, moved)
-        if session.git.kind in ("repository", "linked"):
-            for moved in gitdirs.quarantine_new_submodules(session.worktree, session.git.index,
-                                                           session.submodules_before):
-                log.warning("event=git_submodule_quarantined session=%s path=%s", session.id, moved)
-            # What the session goes on from (after a network switch) is the new baseline.
-            session.redirects_before = gitdirs.redirects_present(session.git)
-            session.submodules_before = gitdirs.submodule_state(session.worktree, session.git.index)
 
     def _forget(self, session: Session) -> None:
         with self._lock:

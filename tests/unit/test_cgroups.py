@@ -64,3 +64,38 @@ def test_describe() -> None:
     assert Delegation(path=SERVICE, controllers=("pids", "cpu"), note="controllers memory are not available").describe() \
         == f"in use at {SERVICE} (controllers: pids, cpu); controllers memory are not available"
     assert Delegation(path=SERVICE).describe() == f"in use at {SERVICE} (controllers: none)"
+
+
+def test_create_leaves_nothing_when_a_limit_cannot_be_written(tmp_path) -> None:
+    """A plain directory stands in for cgroupfs: mkdir works, and a settings
+    file that does not exist cannot be opened for writing in a read-only
+    directory, as in cgroupfs, where only the kernel makes files."""
+    import os
+
+    from dispatchd.confine import cgroups
+    from dispatchd.errors import ConfinementError
+
+    base = tmp_path / "base"
+    base.mkdir()
+    path = base / "session-x"
+    # memory.swap.max is optional (no swap accounting): its absence is fine...
+    optional = SessionCgroup(path=str(path), settings={"memory.swap.max": "0"})
+    real_write = cgroups._write
+
+    def cgroupfs_write(file: str, value: str) -> None:
+        if not os.path.exists(file):
+            raise FileNotFoundError(2, "No such file or directory", file)
+        real_write(file, value)
+
+    cgroups._write = cgroupfs_write
+    try:
+        cgroups.create(optional)
+        assert path.is_dir()
+        path.rmdir()
+        # ...but a missing pids.max is an error, and the cgroup is not left behind.
+        with pytest.raises(ConfinementError) as info:
+            cgroups.create(SessionCgroup(path=str(path), settings={"pids.max": "10"}))
+    finally:
+        cgroups._write = real_write
+    assert info.value.step == "cgroup" and info.value.path == f"{path}/pids.max"
+    assert not path.exists()

@@ -113,8 +113,8 @@ def test_a_new_submodule_is_moved_aside(repo: Path) -> None:
     git(nested, "add", "a")
     git(nested, "commit", "-qm", "x")
     _add_gitlink(repo, "sub", git(nested, "rev-parse", "HEAD").strip())
-    moved = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
-    assert len(moved) == 1 and moved[0].startswith(str(nested / ".git.quarantined-by-dispatchd-"))
+    moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
+    assert len(moved) == 1 and moved[0].startswith(str(nested / ".git.quarantined-by-dispatchd-")) and failed == []
     assert not (nested / ".git").exists()
 
 
@@ -124,12 +124,12 @@ def test_a_submodule_that_was_there_before_is_left_alone(repo: Path) -> None:
     git(nested, "init", "-q")
     _add_gitlink(repo, "sub")
     before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
-    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == []
+    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == ([], [])
     assert (nested / ".git").is_dir()
     # ...until its .git is replaced.
     (nested / ".git").rename(repo / "old-git")
     git(nested, "init", "-q")
-    assert len(gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)) == 1
+    assert len(gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)[0]) == 1
 
 
 def test_a_submodule_path_through_a_symlink_never_moves_what_is_outside(repo: Path, tmp_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_a_submodule_path_through_a_symlink_never_moves_what_is_outside(repo: Pa
     (repo / "inner").mkdir()
     (repo / "inner" / "link").symlink_to(victim)
     _add_gitlink(repo, "inner/link/x")
-    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == []
+    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == ([], [])
     assert (victim / ".git").is_dir()  # the daemon left the repository outside alone
 
 
@@ -220,8 +220,7 @@ def test_every_git_directory_of_a_repository_is_protected(tmp_path: Path) -> Non
     protected = set(layout.read_only)
     for gitdir in layout.gitdirs:
         assert {f"{gitdir}/config", f"{gitdir}/hooks"} <= protected, gitdir
-    entry = dotgit / "worktrees" / "other"
-    assert {str(entry / "commondir"), str(entry / "gitdir")} <= protected
+    assert str(dotgit / "worktrees" / "other") in protected  # the other worktree's entry, whole
 
 
 def test_a_hooks_symlink_into_the_worktree_protects_its_target(repo: Path) -> None:
@@ -237,19 +236,19 @@ def test_a_hooks_symlink_into_the_worktree_protects_its_target(repo: Path) -> No
 def test_redirects_in_any_git_directory_are_moved_aside(tmp_path: Path) -> None:
     r = _submodule_repo(tmp_path)
     layout = gitdirs.inspect_git(str(r), uid=os.getuid())
-    before = gitdirs.redirects_present(layout)
+    before = gitdirs.redirects_present(layout, str(r))
     assert before == []  # the other worktree's commondir leads back to .git
     # A worktree the session adds itself is fine, until its commondir is aimed elsewhere.
     git(r, "worktree", "add", "-q", str(r / "added"), "-b", "added")
-    assert gitdirs.redirects_present(layout) == []
+    assert gitdirs.redirects_present(layout, str(r)) == []
     planted = [r / ".git" / "modules" / "libs" / "sub" / "commondir", r / "emb" / ".git" / "config.worktree",
                r / ".git" / "commondir"]
     for p in planted:
         p.write_text("../evil\n")
-    assert sorted(gitdirs.redirects_present(layout)) == sorted(map(str, planted))
+    assert sorted(gitdirs.redirects_present(layout, str(r))) == sorted(map(str, planted))
     (r / ".git" / "worktrees" / "added" / "commondir").write_text(str(tmp_path / "evil") + "\n")
-    moved = gitdirs.quarantine_new_redirects(layout, before)
-    assert len(moved) == 4 and all(".quarantined-by-dispatchd-" in m for m in moved)
+    moved, failed = gitdirs.quarantine_new_redirects(layout, before, str(r))
+    assert failed == [] and len(moved) == 4 and all(".quarantined-by-dispatchd-" in m for m in moved)
     assert not any(p.exists() for p in planted)
     assert not (r / ".git" / "worktrees" / "added" / "commondir").exists()
 
@@ -271,8 +270,8 @@ def test_an_index_that_cannot_be_checked_after_a_session_is_moved_aside(repo: Pa
     before = gitdirs.submodule_state(str(repo), str(index))
     assert before.readable
     index.write_bytes(b"DIRC" + b"\0\0\0\2" + b"\xff" * 64)  # garbled
-    moved = gitdirs.quarantine_new_submodules(str(repo), str(index), before)
-    assert len(moved) == 1 and moved[0].startswith(str(index) + ".quarantined-by-dispatchd-")
+    moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(index), before)
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(str(index) + ".quarantined-by-dispatchd-")
     assert not index.exists()
 
 
@@ -281,5 +280,97 @@ def test_the_users_own_unreadable_index_is_left_alone(repo: Path) -> None:
     index.write_bytes(b"not an index")
     before = gitdirs.submodule_state(str(repo), str(index))
     assert not before.readable
-    assert gitdirs.quarantine_new_submodules(str(repo), str(index), before) == []
+    assert gitdirs.quarantine_new_submodules(str(repo), str(index), before) == ([], [])
     assert index.read_bytes() == b"not an index"
+
+
+def test_a_garbled_commondir_is_a_redirect_not_a_crash(repo: Path) -> None:
+    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    entry = repo / ".git" / "worktrees" / "zz"
+    entry.mkdir(parents=True)
+    (entry / "commondir").write_bytes(b"\0")
+    assert gitdirs.redirects_present(layout, str(repo)) == [str(entry / "commondir")]
+    moved, failed = gitdirs.quarantine_new_redirects(layout, [], str(repo))
+    assert failed == [] and len(moved) == 1 and not (entry / "commondir").exists()
+
+
+def test_a_read_only_git_directory_does_not_keep_a_redirect(repo: Path) -> None:
+    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    (repo / ".git" / "commondir").write_text("../evil\n")
+    os.chmod(repo / ".git", 0o555)
+    try:
+        moved, failed = gitdirs.quarantine_new_redirects(layout, [], str(repo))
+    finally:
+        os.chmod(repo / ".git", 0o755)
+    assert failed == [] and len(moved) == 1 and not (repo / ".git" / "commondir").exists()
+
+
+def test_quarantine_names_cannot_be_taken_in_advance(repo: Path) -> None:
+    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    (repo / ".git" / "commondir").write_text("../evil\n")
+    now = int(__import__("time").time())
+    for t in range(now - 2, now + 300):
+        (repo / ".git" / f"commondir.quarantined-by-dispatchd-{t}").mkdir()
+        (repo / ".git" / f"commondir.quarantined-by-dispatchd-{t}" / "x").write_text("x")
+    moved, failed = gitdirs.quarantine_new_redirects(layout, [], str(repo))
+    assert failed == [] and len(moved) == 1 and not (repo / ".git" / "commondir").exists()
+
+
+def test_symlinks_under_git_never_take_the_daemon_elsewhere(repo: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    git(other, "init", "-q")
+    git(other, "commit", "-q", "--allow-empty", "-m", "o")
+    git(other, "worktree", "add", "-q", str(tmp_path / "owt"), "-b", "o")
+    foreign = other / ".git" / "worktrees" / "owt" / "commondir"
+    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    # .git/worktrees and .git/modules made symlinks to another repository's.
+    (repo / ".git" / "worktrees").symlink_to(other / ".git" / "worktrees")
+    (repo / ".git" / "modules").symlink_to(tmp_path)
+    (foreign).write_text("../../../../elsewhere\n")  # as if aimed elsewhere: still not ours to touch
+    assert gitdirs.redirects_present(layout, str(repo)) == []
+    assert gitdirs.quarantine_new_redirects(layout, [], str(repo)) == ([], [])
+    assert foreign.exists()
+    again = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    assert again.gitdirs == [str(repo / ".git")]  # the modules symlink is not walked
+    assert not (tmp_path / "hooks").exists()
+
+
+def test_a_git_directory_replaced_by_a_symlink_is_itself_moved_aside(repo: Path, tmp_path: Path) -> None:
+    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "index").write_text("not ours")
+    os.rename(repo / ".git", repo / ".git-real")
+    (repo / ".git").symlink_to(elsewhere)
+    assert gitdirs.redirects_present(layout, str(repo)) == [str(repo / ".git")]
+    moved, failed = gitdirs.quarantine_new_redirects(layout, [], str(repo))
+    assert failed == [] and len(moved) == 1 and not os.path.lexists(repo / ".git")
+    assert (elsewhere / "index").read_text() == "not ours"
+
+
+def test_work_in_a_submodule_kept_in_place_keeps_its_git_directory(repo: Path) -> None:
+    emb = repo / "emb"
+    emb.mkdir()
+    git(emb, "init", "-q")
+    git(emb, "commit", "-q", "--allow-empty", "-m", "1")
+    _add_gitlink(repo, "emb", git(emb, "rev-parse", "HEAD").strip())
+    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    git(emb, "commit", "-q", "--allow-empty", "-m", "2")  # the session's normal work there
+    (emb / ".git" / "new-file").write_text("changes the directory's mtime")
+    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == ([], [])
+    assert (emb / ".git").is_dir()
+
+
+def test_a_split_index_that_replaces_an_entry_by_a_submodule(repo: Path) -> None:
+    # "sub" is a file in the shared index; the split part replaces that entry,
+    # by position and with no name, with a submodule.
+    (repo / "sub").write_text("f")
+    git(repo, "add", "sub")
+    git(repo, "update-index", "--split-index")
+    _add_gitlink(repo, "sub")
+    index = repo / ".git" / "index"
+    parsed = gitdirs._parse_index(index.read_bytes())
+    assert parsed is not None and parsed.replaced_gitlink and parsed.links == set()
+    links = gitdirs.index_gitlinks(str(index))
+    assert links is not None and "sub" in links
