@@ -213,8 +213,8 @@ class Session:
         if isinstance(reply, protocol.ErrorReply):
             return Result.failure(f"{name}: {reply.message}")
         if reply.success:
-            return Result.success(reply.output or "", reply.metadata)
-        return Result.failure(reply.error or "failed", reply.metadata)
+            return Result._from_wire(True, reply.output or "", reply.metadata)
+        return Result._from_wire(False, reply.error or "failed", reply.metadata)
 
     def set_network(self, network: bool | str, ports: list[int] | None = None,
                     bind_ports: list[int] | None = None) -> bool:

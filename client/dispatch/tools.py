@@ -37,6 +37,8 @@ from typing import Any
 
 import jsonschema
 
+from dispatch._fastcheck import fast_check_for
+
 __all__ = [
     "Definition",
     "DuplicateToolError",
@@ -181,6 +183,20 @@ class Result:
         return cls(False, None, error, metadata or {})
 
     @classmethod
+    def _from_wire(cls, success: bool, text: str, metadata: dict[str, Any]) -> Result:
+        """A Result from a decoded reply: ``text`` a str, ``metadata`` a fresh
+        plain dict nobody else holds (msgspec just made it), so the checks and
+        the deep copy of ``__post_init__`` have nothing to do (about 2 µs a
+        call saved)."""
+        result = object.__new__(cls)
+        put = object.__setattr__  # frozen: go around __setattr__, as __post_init__ does
+        put(result, "is_success", success)
+        put(result, "output", text if success else None)
+        put(result, "error", None if success else text)
+        put(result, "metadata", types.MappingProxyType(metadata))
+        return result
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Result:
         """The inverse of ``to_dict`` (e.g. for a Result that came over the wire)."""
         metadata = data.get("metadata") or {}
@@ -223,6 +239,7 @@ ToolFunc = Callable[[dict[str, Any], Any], Result]
 
 
 _VALIDATORS: dict[str, jsonschema.Draft202012Validator] = {}
+_NOT_COMPILED = object()
 _VALIDATORS_LOCK = threading.Lock()
 
 
@@ -250,7 +267,7 @@ class Definition:
     """
 
     __slots__ = ("_name", "_description", "_parameters", "_func", "_risk", "_advertised",
-                 "_validator")
+                 "_validator", "_fast")
 
     def __init__(
         self,
@@ -293,6 +310,7 @@ class Definition:
         self._risk = risk
         self._advertised = bool(advertised)
         self._validator = validator
+        self._fast: Any = _NOT_COMPILED  # compiled on the first call (1-3 ms; most tools are never called)
 
     @property
     def name(self) -> str:
@@ -333,6 +351,11 @@ class Definition:
             odd = [k for k in params if not isinstance(k, str)]
             if odd:
                 return False, [f"argument names must be strings, not {odd[0]!r}"]
+        fast = self._fast
+        if fast is _NOT_COMPILED:
+            fast = self._fast = fast_check_for(self._parameters)
+        if fast is not None and fast(params):
+            return True, []  # jsonschema would agree (see _fastcheck); it is 7x slower
         messages = []
         for err in sorted(self._validator.iter_errors(params), key=lambda e: e.json_path):
             where = "" if err.json_path == "$" else f"{err.json_path}: "

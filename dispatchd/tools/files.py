@@ -124,6 +124,16 @@ def _occurrences(text: str, sub: str) -> int:
     return count
 
 
+# "0: ", "1: ", ... made once: numbering is most of read_file's own work.
+_PREFIXES = [f"{n}: " for n in range(4096)]
+
+
+def _line_prefixes(start: int, stop: int) -> list[str]:
+    if stop <= len(_PREFIXES):
+        return _PREFIXES[start:stop]
+    return [f"{n}: " for n in range(start, stop)]
+
+
 # -- the tools -----------------------------------------------------------------
 
 
@@ -146,7 +156,7 @@ def read_file(ctx: ToolContext, path: str, start_line: int = 0, end_line: int = 
         span = "it is empty" if total == 0 else f"its lines are 0 to {total - 1}"
         raise ToolFailure(f"start_line {start_line} is past the end of {rel}: it has {total} lines ({span})")
     last = total - 1 if end_line == -1 else min(end_line, total - 1)
-    output = "\n".join([f"{n}: {line}" for n, line in enumerate(lines[start_line:last + 1], start_line)])
+    output = "\n".join(map(str.__add__, _line_prefixes(start_line, last + 1), lines[start_line:last + 1]))
     return Outcome.ok(output, {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})
 
 

@@ -50,12 +50,14 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
         raise ToolFailure(f"path contains a NUL byte: {path!r}")
     if os.path.isabs(path):
         raise ToolFailure(f"absolute paths are not allowed: {path!r} (give a path relative to the worktree root)")
+    parts = [p for p in path.split("/") if p and p != "."]
     joined = os.path.join(ctx_root, path)
-    # The lexical test only gives the clearer message for plain "../" walks;
-    # the realpath test below is the one that decides.
-    if not _inside(ctx_root, os.path.normpath(joined)):
+    # The lexical test only gives the clearer message for plain "../" walks
+    # (without a ".." nothing can climb lexically); the realpath test below is
+    # the one that decides.
+    if ".." in parts and not _inside(ctx_root, os.path.normpath(joined)):
         raise ToolFailure(f"path escapes the worktree: {path!r}")
-    real = _plain_path(ctx_root, path)
+    real = _plain_path(ctx_root, parts)
     if real is not None:
         # No symlink and no ".." on the way: the lexical path is the real one.
         if must_exist and not os.path.lexists(real):
@@ -75,13 +77,13 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
     return real
 
 
-def _plain_path(root: str, path: str) -> str | None:
-    """The fast path of ``resolve`` for the common case: ``root/path`` when no
-    component is ``..`` or a symlink (checked with one ``lstat`` per component
-    below the root, which is resolved already); None otherwise, and realpath
-    decides. A component that does not exist ends the walk: nothing below it
-    can be a symlink."""
-    parts = [p for p in path.split("/") if p and p != "."]
+def _plain_path(root: str, parts: list[str]) -> str | None:
+    """The fast path of ``resolve`` for the common case: ``root/path`` (given
+    as its components, without empty ones and ".") when no component is
+    ``..`` or a symlink (checked with one ``lstat`` per component below the
+    root, which is resolved already); None otherwise, and realpath decides. A
+    component that does not exist ends the walk: nothing below it can be a
+    symlink."""
     if ".." in parts:
         return None
     current = root

@@ -29,15 +29,27 @@ def looks_binary(head: bytes) -> bool:
     return b"\x00" in head[:SNIFF_BYTES]
 
 
-def _read_up_to(fd: int, limit: int) -> bytes:
+def _read_up_to(fd: int, limit: int, expected: int) -> bytes:
+    """Up to ``limit`` bytes of a regular file, asking first for ``expected``
+    + 1 (the size fstat gave, and one more to see the end): a buffer sized to
+    the file, not to the cap (a 1 MiB buffer is an mmap and a munmap on every
+    call). Once the whole expected size is in, a read that returns less than
+    it asked for has met the end of the file, so the common case is one read;
+    a short read before that (a network file system may give one) reads on
+    until the end, as edit_file writes back what was read."""
     chunks = []
     remaining = limit
+    want = min(expected + 1, limit)
     while remaining > 0:
-        chunk = os.read(fd, min(remaining, 1 << 20))
+        ask = min(remaining, want)
+        chunk = os.read(fd, ask)
         if not chunk:
             break
         chunks.append(chunk)
         remaining -= len(chunk)
+        if len(chunk) < ask and limit - remaining >= expected:
+            break
+        want = 1 << 16  # the file grew since fstat: read on in moderate steps
     return b"".join(chunks)
 
 
@@ -53,7 +65,7 @@ def read_regular(path: str, cap: int) -> tuple[int, int, bytes | None]:
         if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
             return st.st_mode, st.st_size, None
         # One byte past the cap tells a file that grew since fstat.
-        data = _read_up_to(fd, cap + 1)
+        data = _read_up_to(fd, cap + 1, st.st_size)
     finally:
         os.close(fd)
     if len(data) > cap:

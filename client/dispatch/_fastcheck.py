@@ -1,0 +1,109 @@
+"""A fast yes-check for tool arguments, where it provably agrees with jsonschema.
+
+``Definition.call`` validates every call's arguments against the tool's JSON
+Schema with ``jsonschema`` (Draft 2020-12), whose messages are what a model
+reads. Its generic machinery costs about 10 µs for a three-property object,
+half a bare round trip to the worker. ``fastjsonschema`` compiles a schema to
+plain Python and checks the same object in about 1.5 µs, so a call runs this
+check first and asks jsonschema only when it says no (for the messages, and
+for the final word).
+
+Guarantee: ``fast_check_for(schema)`` returns a check only for schemas written
+with the keywords below, on which fastjsonschema's draft-07 and jsonschema's
+2020-12 agree, and where fastjsonschema is never the more lenient of the two
+(a bool is not an integer in either; enum and const only of strings, where
+Python's ``True == 1`` cannot blur them; defaults are not filled in). For any
+other schema it returns None and jsonschema alone decides. The check returns
+True only for arguments jsonschema accepts too (tests/unit/test_fastcheck.py
+compares the two on every tool schema and a corpus of odd arguments); False
+means "ask jsonschema", never "invalid".
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import fastjsonschema
+
+__all__ = ["fast_check_for"]
+
+Check = Callable[[Any], bool]
+
+# Keywords whose value is a schema, a map of schemas, or a plain value.
+_SUBSCHEMA = {"items", "additionalProperties"}
+_SCHEMA_MAP = {"properties"}
+_PLAIN = {
+    "type", "required", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "minLength", "maxLength", "minItems", "maxItems",
+    # annotations: no effect on validity
+    "description", "title", "default", "examples", "$comment",
+}
+_TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
+
+_CHECKS: dict[str, Check | None] = {}
+_LOCK = threading.Lock()
+
+
+def _supported(schema: Any) -> bool:
+    if isinstance(schema, bool):
+        return True
+    if not isinstance(schema, dict):
+        return False
+    for key, value in schema.items():
+        if key in _SUBSCHEMA:
+            # "items" as an array means something else in each draft.
+            if not (isinstance(value, (dict, bool)) and _supported(value)):
+                return False
+        elif key in _SCHEMA_MAP:
+            if not (isinstance(value, dict) and all(_supported(v) for v in value.values())):
+                return False
+        elif key in ("enum", "const"):
+            values = value if key == "enum" else [value]
+            if not (isinstance(values, list) and all(isinstance(v, str) for v in values)):
+                return False
+        elif key == "type":
+            names = value if isinstance(value, list) else [value]
+            if not all(isinstance(n, str) and n in _TYPES for n in names):
+                return False
+        elif key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            # A bool here is a draft-04 form (or an error) in one library and not the other.
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return False
+        elif key not in _PLAIN:
+            return False
+    return True
+
+
+def _compile(schema: dict[str, Any]) -> Check | None:
+    if not _supported(schema):
+        return None
+    try:
+        validate = fastjsonschema.compile(schema, use_default=False, use_formats=False)
+    except Exception:  # noqa: BLE001 (any refusal just means: jsonschema alone)
+        return None
+
+    def check(params: Any) -> bool:
+        try:
+            validate(params)
+        except fastjsonschema.JsonSchemaException:
+            return False
+        except Exception:  # noqa: BLE001 (an odd value the generated code trips on: ask jsonschema)
+            return False
+        return True
+
+    return check
+
+
+def fast_check_for(schema: dict[str, Any]) -> Check | None:
+    """The compiled check for ``schema`` (made once per distinct schema and
+    process: compiling costs 1-3 ms), or None where only jsonschema may judge."""
+    key = json.dumps(schema, sort_keys=True, default=repr)
+    with _LOCK:
+        if key in _CHECKS:
+            return _CHECKS[key]
+    found = _compile(schema)
+    with _LOCK:
+        return _CHECKS.setdefault(key, found)
