@@ -53,6 +53,7 @@ regular file only), the index and a split index's shared part
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -214,7 +215,10 @@ def _embedded_gitdirs(worktree: str, index: str) -> list[str]:
     links = index_gitlinks(index)
     found: list[str] = []
     for link in sorted(links or ()):
-        fd = _open_parent(worktree, link)
+        try:
+            fd = _open_parent(worktree, link)
+        except OSError:
+            fd = None  # unsearchable now; checked again when the session ends
         if fd is None:
             continue
         try:
@@ -517,11 +521,19 @@ def _safe_link(link: str) -> bool:
     return bool(link) and not link.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
+# What makes a submodule path plainly absent for git too: nothing there, a
+# file on the way, or a symlink (git does not follow one into a submodule).
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+
+
 def _open_parent(worktree: str, link: str) -> int | None:
     """A descriptor of the submodule's directory, reached from the worktree one
-    component at a time without following a symlink, or None. The daemon acts
-    on what the index names only through it, so a name or a planted symlink
-    can never make it touch a path outside the worktree."""
+    component at a time without following a symlink, or None when there is
+    none (see ``_ABSENT``). The daemon acts on what the index names only
+    through it, so a name or a planted symlink can never make it touch a path
+    outside the worktree. Raises OSError when the path cannot be looked at
+    (a directory the session made unsearchable): absent for now, but not for
+    the user who makes it searchable again."""
     if not _safe_link(link):
         return None
     try:
@@ -531,22 +543,33 @@ def _open_parent(worktree: str, link: str) -> int | None:
     for part in link.split("/"):
         try:
             nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-        except OSError:
+        except OSError as exc:
             os.close(fd)
-            return None
+            if exc.errno in _ABSENT:
+                return None
+            raise
         os.close(fd)
         fd = nxt
     return fd
 
 
+# The state of a submodule's .git that could not be looked at (mode -1 is no
+# file's): never "as before", always reported (see quarantine_new_submodules).
+def _unreadable(exc: OSError) -> tuple[int, int, int, int]:
+    return (-1, exc.errno or 0, 0, 0)
+
+
 def _dotgit_stat(worktree: str, link: str) -> tuple[int, int, int, int] | None:
-    fd = _open_parent(worktree, link)
+    try:
+        fd = _open_parent(worktree, link)
+    except OSError as exc:
+        return _unreadable(exc)
     if fd is None:
         return None
     try:
         st = os.stat(".git", dir_fd=fd, follow_symlinks=False)
-    except OSError:
-        return None
+    except OSError as exc:
+        return None if exc.errno in _ABSENT else _unreadable(exc)
     finally:
         os.close(fd)
     if stat.S_ISDIR(st.st_mode):
@@ -596,9 +619,20 @@ def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState)
             failed.append(f"{index}: reached through a symlink; left alone")
         return moved, failed
     for link, seen in now.links.items():
+        where = os.path.join(worktree, link, ".git")
+        if seen is not None and seen[0] == -1:
+            # Unsearchable now, perhaps changed while it was not: what cannot
+            # be checked is not handed to the user's git (even if it was so
+            # before the session, which could have opened it in between).
+            failed.append(f"{where}: cannot be checked ({os.strerror(seen[1])})")
+            continue
         if seen is None or before.links.get(link, "new") == seen:
             continue  # no .git there (git skips it), or as it was before the session
-        fd = _open_parent(worktree, link)
+        try:
+            fd = _open_parent(worktree, link)
+        except OSError as exc:
+            failed.append(f"{where}: cannot be checked ({exc.strerror})")
+            continue
         if fd is None:
             continue
         try:

@@ -116,3 +116,21 @@ def test_a_linked_worktrees_pointer_files_stay_read_only(mode_client, repo: Path
                 r = shell(s, f"echo 'gitdir: /tmp' > {target}")
                 assert "Read-only file system" in r.metadata["stderr"], target
     assert (linked / ".git").read_text().startswith(f"gitdir: {gitdir}")
+
+
+def test_an_index_the_session_garbled_is_moved_aside_and_the_worktree_opens_again(mode_client, repo: Path) -> None:
+    """What the end-of-session check cannot read (a garbled index) is moved
+    aside, not handed to the user's git, and the next session opens (what
+    cannot be moved aside keeps sessions off: tests/escape/test_filesystem.py,
+    test_a_nested_repository_hidden_behind_an_unsearchable_directory_...)."""
+    mode, client = mode_client
+    with client.open_session(str(repo)) as s:
+        assert shell(s, "printf 'not an index' > .git/index").is_success
+    assert [p.name.startswith("index.quarantined-by-dispatchd-") for p in (repo / ".git").iterdir()
+            if p.name.startswith("index")] == [True]
+    with client.open_session(str(repo)) as s:
+        # git starts over from an empty index: the committed file reads as
+        # deleted from it, and present in the worktree
+        r = shell(s, "git status --porcelain")
+        assert (r.metadata["exit_code"], r.metadata["stdout"]) == (0, "D  f\n?? f\n"), r.metadata["stderr"]
+

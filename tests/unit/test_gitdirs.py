@@ -3,6 +3,7 @@ index reader that finds submodules (indexes made by git itself)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from pathlib import Path
@@ -150,6 +151,56 @@ def test_a_submodule_path_through_a_symlink_never_moves_what_is_outside(repo: Pa
 def test_submodule_paths_git_would_refuse_are_never_followed(repo: Path, link: str) -> None:
     assert gitdirs._open_parent(str(repo), link) is None
     assert gitdirs._dotgit_stat(str(repo), link) is None
+
+
+@pytest.mark.parametrize("unsearchable", ["a", "a/b"])
+def test_a_submodule_that_cannot_be_looked_at_is_reported_not_skipped(repo: Path, unsearchable: str) -> None:
+    """A new submodule behind a directory the daemon may not search: neither
+    it nor the user's git sees the .git now, but the user's git will once the
+    directory is searchable again. Reported (the daemon then refuses the
+    worktree), never taken for "no submodule there"."""
+    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    (repo / "a" / "b").mkdir(parents=True)
+    git(repo / "a" / "b", "init", "-q")
+    _add_gitlink(repo, "a/b")
+    (repo / unsearchable).chmod(0)
+    try:
+        moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
+        assert (moved, failed) == ([], [f"{repo}/a/b/.git: cannot be checked (Permission denied)"])
+    finally:
+        (repo / unsearchable).chmod(0o755)
+    assert (repo / "a" / "b" / ".git").is_dir()  # left for the user to look at
+
+
+def test_a_submodule_unsearchable_before_the_session_too_is_still_reported(repo: Path) -> None:
+    # The session could have opened it, changed its config and closed it again.
+    (repo / "a" / "b").mkdir(parents=True)
+    git(repo / "a" / "b", "init", "-q")
+    _add_gitlink(repo, "a/b")
+    (repo / "a").chmod(0)
+    try:
+        before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+        assert before.links == {"a/b": (-1, errno.EACCES, 0, 0)}
+        assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)[1] == [
+            f"{repo}/a/b/.git: cannot be checked (Permission denied)"]
+    finally:
+        (repo / "a").chmod(0o755)
+
+
+def test_open_parent_tells_absent_from_unsearchable(repo: Path) -> None:
+    (repo / "a" / "b").mkdir(parents=True)
+    (repo / "file").write_text("x")
+    assert gitdirs._open_parent(str(repo), "missing/b") is None
+    assert gitdirs._open_parent(str(repo), "file/b") is None  # ENOTDIR
+    (repo / "a").chmod(0)
+    try:
+        with pytest.raises(PermissionError):
+            gitdirs._open_parent(str(repo), "a/b")
+    finally:
+        (repo / "a").chmod(0o755)
+    fd = gitdirs._open_parent(str(repo), "a/b")
+    assert fd is not None
+    os.close(fd)
 
 
 def test_a_plain_nested_submodule_path_is_followed(repo: Path) -> None:
