@@ -127,6 +127,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _non_string_key(value: Any) -> Any:
+    """The first dict key anywhere in ``value`` (plain containers) that is not a str, or None."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return key
+            found = _non_string_key(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = _non_string_key(item)
+            if found is not None:
+                return found
+    return None
+
+
 def _json_type(value: Any) -> str:
     """The JSON name of a decoded value's type, for messages a model reads."""
     if value is None:
@@ -294,6 +311,10 @@ class Definition:
         if not isinstance(parameters, Mapping):
             raise ValidationError(f"{name}: parameters must be a JSON Schema object", tool=name)
         schema = _plain(parameters)  # our own copy: what we advertise is what we check
+        odd = _non_string_key(schema)
+        if odd is not None:
+            # JSON has none; {1: ...} and {"1": ...} would also share a cached validator.
+            raise ValidationError(f"{name}: parameters must be JSON: the key {odd!r} is not a string", tool=name)
         try:
             validator = _validator_for(schema)
         except jsonschema.SchemaError as exc:

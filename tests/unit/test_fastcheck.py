@@ -9,13 +9,17 @@ integers belong, floats, None, nested junk, extra and missing keys).
 
 from __future__ import annotations
 
+import copy
 import itertools
+import time
+from fractions import Fraction
 from typing import Any
 
 import jsonschema
 import pytest
 
 from dispatch import Definition, Result
+from dispatch.tools import ValidationError
 from dispatch._fastcheck import fast_check_for
 from dispatchd.tools.spec import TOOLS
 
@@ -108,3 +112,35 @@ def test_a_refusal_still_carries_jsonschemas_message() -> None:
     assert result.error == "read_file: invalid arguments: $.start_line: True is not of type 'integer'"
     # and a value the fast check refuses but jsonschema accepts still runs
     assert tool.call({"path": "a", "start_line": 2.0}).is_success
+
+
+def test_bounds_without_a_type_are_left_to_jsonschema() -> None:
+    # fastjsonschema bounds int, float and Decimal; jsonschema every
+    # numbers.Number: a Fraction over the maximum would pass the fast check.
+    assert fast_check_for({"type": "object", "properties": {"n": {"maximum": 10}}}) is None
+    check = fast_check_for({"type": "object", "properties": {"n": {"type": "number", "maximum": 10}}})
+    assert check is not None and check({"n": Fraction(100, 1)}) is False
+    tool = Definition("t", "d", {"type": "object", "properties": {"n": {"maximum": 10}}},
+                      lambda a, c: Result.success("ran"))
+    assert tool.call({"n": Fraction(100, 1)}).error == \
+        "t: invalid arguments: $.n: Fraction(100, 1) is greater than the maximum of 10"
+
+
+def test_annotations_are_neither_fetched_nor_rewritten() -> None:
+    # A $ref in an annotation: fastjsonschema would resolve it (fetching the
+    # URL) and rewrite it in place; the compiled copy has no annotations.
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "examples": [{"$ref": "http://127.0.0.1:9/never"}],
+              "default": {"$ref": "http://127.0.0.1:9/x.json"}}}}
+    before = copy.deepcopy(schema)
+    assert fast_check_for(copy.deepcopy(schema)) is not None  # the fast check is used here
+    started = time.monotonic()
+    tool = Definition("t", "d", schema, lambda a, c: Result.success("ran"))
+    assert tool.call({"a": "x"}).is_success and tool.call({"a": 1}).is_failure
+    assert time.monotonic() - started < 2
+    assert tool.to_dict()["parameters"] == before
+
+
+def test_a_schema_key_that_is_not_a_string_is_refused() -> None:
+    with pytest.raises(ValidationError, match="t: parameters must be JSON: the key 1 is not a string"):
+        Definition("t", "d", {"type": "object", "properties": {1: {"type": "integer"}}}, lambda a, c: Result.success("x"))
