@@ -559,7 +559,15 @@ def _unreadable(exc: OSError) -> tuple[int, int, int, int]:
     return (-1, exc.errno or 0, 0, 0)
 
 
+# A submodule path git would not write itself ("a//b", "./a", "a/b/", "..",
+# absolute) but walks all the same when it reads an index written byte by
+# byte: never followed by the daemon, and so never "absent" either.
+_ODD_NAME = (-2, 0, 0, 0)
+
+
 def _dotgit_stat(worktree: str, link: str) -> tuple[int, int, int, int] | None:
+    if not _safe_link(link):
+        return _ODD_NAME
     try:
         fd = _open_parent(worktree, link)
     except OSError as exc:
@@ -577,7 +585,9 @@ def _dotgit_stat(worktree: str, link: str) -> tuple[int, int, int, int] | None:
         # what counts is whether it is the same directory (its config and
         # hooks are held read-only in full mode).
         return (st.st_mode, st.st_ino, 0, 0)
-    return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
+    # ctime, not mtime: a process can put a file's mtime back (utime), never
+    # its ctime, so a gitfile rewritten in place to the same length shows.
+    return (st.st_mode, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
 def _lstat_key(path: str) -> tuple[int, int, int, int] | None:
@@ -585,7 +595,7 @@ def _lstat_key(path: str) -> tuple[int, int, int, int] | None:
         st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_mode, st.st_ino, st.st_size, st.st_ctime_ns)  # ctime: see _dotgit_stat
 
 
 def submodule_state(worktree: str, index: str) -> SubmoduleState:
@@ -604,34 +614,32 @@ def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState)
     (``core.fsmonitor``...). Call once every process of the session is gone.
     Returns what was moved, and what could not be (with why)."""
     now = submodule_state(worktree, index)
-    moved: list[str] = []
-    failed: list[str] = []
-    if not now.readable and (before.readable or now.index != before.index):
+    # A submodule the daemon cannot look at — behind a directory made
+    # unsearchable, or named in a way git would not write — may be the
+    # session's, even if it was there before (the session could have opened
+    # it in between): the user's git must not take it for a submodule.
+    uncheckable = sorted(link for link, seen in now.links.items() if seen is not None and seen[0] < 0)
+    if uncheckable or (not now.readable and (before.readable or now.index != before.index)):
         # An index the session left that cannot be checked (grown past the
-        # limit, split with its shared part gone, garbled) is not handed to
-        # the user's git: moved aside, it costs a `git reset`, never a file.
+        # limit, split with its shared part gone, garbled), or that records
+        # such a submodule, is not handed to the user's git: moved aside, it
+        # costs a `git reset`, never a file (the submodule's files stay,
+        # untracked, and git runs nothing in an untracked repository).
         if _plain_path_below(worktree, index) or not index.startswith(worktree.rstrip("/") + "/"):
             try:
-                moved.append(move_aside(index))
+                return [move_aside(index)], []
             except OSError as exc:
-                failed.append(f"{index}: {exc.strerror}")
-        else:
-            failed.append(f"{index}: reached through a symlink; left alone")
-        return moved, failed
+                return [], [f"{index}: {exc.strerror}"]
+        return [], [f"{index}: reached through a symlink; left alone"]
+    moved: list[str] = []
+    failed: list[str] = []
     for link, seen in now.links.items():
-        where = os.path.join(worktree, link, ".git")
-        if seen is not None and seen[0] == -1:
-            # Unsearchable now, perhaps changed while it was not: what cannot
-            # be checked is not handed to the user's git (even if it was so
-            # before the session, which could have opened it in between).
-            failed.append(f"{where}: cannot be checked ({os.strerror(seen[1])})")
-            continue
         if seen is None or before.links.get(link, "new") == seen:
             continue  # no .git there (git skips it), or as it was before the session
         try:
-            fd = _open_parent(worktree, link)
+            fd = _open_parent(worktree, link)  # searchable a moment ago (seen is a stat)
         except OSError as exc:
-            failed.append(f"{where}: cannot be checked ({exc.strerror})")
+            failed.append(f"{os.path.join(worktree, link, '.git')}: {exc.strerror}")
             continue
         if fd is None:
             continue

@@ -120,9 +120,9 @@ def test_a_linked_worktrees_pointer_files_stay_read_only(mode_client, repo: Path
 
 def test_an_index_the_session_garbled_is_moved_aside_and_the_worktree_opens_again(mode_client, repo: Path) -> None:
     """What the end-of-session check cannot read (a garbled index) is moved
-    aside, not handed to the user's git, and the next session opens (what
-    cannot be moved aside keeps sessions off: tests/escape/test_filesystem.py,
-    test_a_nested_repository_hidden_behind_an_unsearchable_directory_...)."""
+    aside, not handed to the user's git, and the next session opens (the same
+    for an index recording a submodule it cannot look at: tests/escape/test_filesystem.py,
+    test_a_nested_repository_hidden_behind_an_unsearchable_directory_...; what cannot be moved aside keeps sessions off the worktree)."""
     mode, client = mode_client
     with client.open_session(str(repo)) as s:
         assert shell(s, "printf 'not an index' > .git/index").is_success

@@ -4,6 +4,7 @@ index reader that finds submodules (indexes made by git itself)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import subprocess
 from pathlib import Path
@@ -150,15 +151,54 @@ def test_a_submodule_path_through_a_symlink_never_moves_what_is_outside(repo: Pa
 @pytest.mark.parametrize("link", ["../victim", "/abs/victim", "a/../../victim", "a//b", "./a", "a/.", ""])
 def test_submodule_paths_git_would_refuse_are_never_followed(repo: Path, link: str) -> None:
     assert gitdirs._open_parent(str(repo), link) is None
-    assert gitdirs._dotgit_stat(str(repo), link) is None
+    assert gitdirs._dotgit_stat(str(repo), link) == gitdirs._ODD_NAME  # never "absent"
+
+
+def _rename_in_index(index: Path, old: str, new: str) -> None:
+    """Rewrite an entry's name byte by byte (same length), as a session can,
+    with the checksum git checks made right again."""
+    data = index.read_bytes()
+    assert len(old) == len(new) and data.count(old.encode()) == 1
+    body = data[:-20].replace(old.encode(), new.encode())
+    index.write_bytes(body + hashlib.sha1(body).digest())
+
+
+@pytest.mark.parametrize("odd", ["a//b", "a/./b", "./a/b", "a/b/"])
+def test_a_submodule_name_git_would_not_write_moves_the_index_aside(repo: Path, odd: str) -> None:
+    """Git reads such a name from an index it did not write, and walks it to
+    a/b: the daemon never follows it, and moves the index aside instead of
+    skipping it."""
+    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    (repo / "a" / "b").mkdir(parents=True)
+    git(repo / "a" / "b", "init", "-q")
+    placeholder = "x" * len(odd)
+    _add_gitlink(repo, placeholder)
+    _rename_in_index(repo / ".git" / "index", placeholder, odd)
+    assert gitdirs.index_gitlinks(str(repo / ".git" / "index")) == {odd}
+    moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{repo}/.git/index.quarantined-by-dispatchd-")
+    assert (repo / "a" / "b" / ".git").is_dir()  # untracked now: git runs nothing there
+
+
+def test_a_gitfile_rewritten_in_place_with_its_mtime_put_back_is_moved_aside(repo: Path) -> None:
+    (repo / "s").mkdir()
+    (repo / "s" / ".git").write_text("gitdir: ../.git/modules/s\n")
+    _add_gitlink(repo, "s")
+    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == ([], [])
+    st = os.stat(repo / "s" / ".git")
+    (repo / "s" / ".git").write_text("gitdir: xxxxxxxxxxxxxxxxx\n")  # the same length, the same inode
+    os.utime(repo / "s" / ".git", ns=(st.st_atime_ns, st.st_mtime_ns))
+    moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{repo}/s/.git.quarantined-by-dispatchd-")
 
 
 @pytest.mark.parametrize("unsearchable", ["a", "a/b"])
-def test_a_submodule_that_cannot_be_looked_at_is_reported_not_skipped(repo: Path, unsearchable: str) -> None:
+def test_a_submodule_that_cannot_be_looked_at_moves_the_index_aside(repo: Path, unsearchable: str) -> None:
     """A new submodule behind a directory the daemon may not search: neither
     it nor the user's git sees the .git now, but the user's git will once the
-    directory is searchable again. Reported (the daemon then refuses the
-    worktree), never taken for "no submodule there"."""
+    directory is searchable again. Never taken for "no submodule there": the
+    index that records it is moved aside."""
     before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
     (repo / "a" / "b").mkdir(parents=True)
     git(repo / "a" / "b", "init", "-q")
@@ -166,13 +206,14 @@ def test_a_submodule_that_cannot_be_looked_at_is_reported_not_skipped(repo: Path
     (repo / unsearchable).chmod(0)
     try:
         moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
-        assert (moved, failed) == ([], [f"{repo}/a/b/.git: cannot be checked (Permission denied)"])
     finally:
         (repo / unsearchable).chmod(0o755)
-    assert (repo / "a" / "b" / ".git").is_dir()  # left for the user to look at
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{repo}/.git/index.quarantined-by-dispatchd-")
+    assert not (repo / ".git" / "index").exists()  # a/b is no submodule of the user's git now
+    assert (repo / "a" / "b" / ".git").is_dir()  # and nothing of theirs is lost
 
 
-def test_a_submodule_unsearchable_before_the_session_too_is_still_reported(repo: Path) -> None:
+def test_a_submodule_unsearchable_before_the_session_too_still_moves_the_index_aside(repo: Path) -> None:
     # The session could have opened it, changed its config and closed it again.
     (repo / "a" / "b").mkdir(parents=True)
     git(repo / "a" / "b", "init", "-q")
@@ -181,10 +222,10 @@ def test_a_submodule_unsearchable_before_the_session_too_is_still_reported(repo:
     try:
         before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
         assert before.links == {"a/b": (-1, errno.EACCES, 0, 0)}
-        assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)[1] == [
-            f"{repo}/a/b/.git: cannot be checked (Permission denied)"]
+        moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
     finally:
         (repo / "a").chmod(0o755)
+    assert failed == [] and moved[0].startswith(f"{repo}/.git/index.quarantined-by-dispatchd-")
 
 
 def test_open_parent_tells_absent_from_unsearchable(repo: Path) -> None:
