@@ -518,6 +518,38 @@ def test_no_git_directory_of_the_repository_runs_what_a_session_wrote(
     assert commit.returncode == 0 and status.returncode == 0
 
 
+_NESTED_IN_SUBMODULE = r"""git init -q sub/inner && \
+git -C sub/inner -c user.name=session -c user.email=session@invalid commit -q --allow-empty -m inner && \
+printf '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "echo {marker} >&2; false"\n' > sub/inner/.git/config && \
+git -C sub update-index --add --cacheinfo "160000,$(git -C sub/inner rev-parse HEAD),inner" && echo planted"""
+
+
+@pytest.mark.known_limit
+def test_a_submodule_of_a_submodule_is_not_checked_known_limit(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path,
+) -> None:
+    """A KNOWN LIMIT, both modes (found in review, not closed yet): the
+    end-of-session check reads the top repository's index only. A session
+    makes a repository inside an existing submodule and records it in that
+    submodule's own index (writable: the session's git needs it), and the
+    user's `git status` in the superproject, recursing into submodules, runs
+    what its config names. The control: the same at the top level is moved
+    aside (test_a_nested_repository_never_runs_in_the_users_git)."""
+    lib = tmp_path / "lib"
+    _git(tmp_path, "init", "-q", str(lib))
+    _git(lib, "commit", "-q", "--allow-empty", "-m", "lib")
+    _git(worktree, "init", "-q")
+    _git(worktree, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "sub")
+    _git(worktree, "commit", "-q", "-m", "sub")
+    marker = f"PLANTED-BY-SESSION-{secrets.token_hex(4)}"
+    with client.open_session(str(worktree)) as s:
+        r = shell(s, _NESTED_IN_SUBMODULE.format(marker=marker))
+        assert r.output == "planted\n", r.metadata["stderr"]
+    status = subprocess.run(["git", "-C", str(worktree), "status", "--short"], capture_output=True, text=True,
+                            timeout=30)
+    assert marker in status.stderr  # the limit: the user's git ran the session's command
+
+
 _REDIRECT_GIT = r"""mkdir evilc && ln -s ../.git/objects evilc/objects && ln -s ../.git/refs evilc/refs && \
 cp .git/HEAD evilc/HEAD && \
 printf '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "echo {marker} >&2; false"\n' > evilc/config && \
