@@ -114,9 +114,7 @@ def _compile(schema: dict[str, Any]) -> Check | None:
     def check(params: Any) -> bool:
         try:
             validate(params)
-        except fastjsonschema.JsonSchemaException:
-            return False
-        except Exception:  # noqa: BLE001 (an odd value the generated code trips on: ask jsonschema)
+        except Exception:  # noqa: BLE001 (a refusal, or an odd value the generated code trips on: ask jsonschema)
             return False
         return True
 

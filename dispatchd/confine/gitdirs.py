@@ -618,7 +618,7 @@ def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState)
     # unsearchable, or named in a way git would not write — may be the
     # session's, even if it was there before (the session could have opened
     # it in between): the user's git must not take it for a submodule.
-    uncheckable = sorted(link for link, seen in now.links.items() if seen is not None and seen[0] < 0)
+    uncheckable = any(seen is not None and seen[0] < 0 for seen in now.links.values())
     if uncheckable or (not now.readable and (before.readable or now.index != before.index)):
         # An index the session left that cannot be checked (grown past the
         # limit, split with its shared part gone, garbled), or that records
