@@ -17,26 +17,63 @@ as_unprivileged_user() {
     command -v runuser >/dev/null || missing+=(util-linux)
     # systemd-analyze and systemd-socket-activate, for tests/integration/test_systemd.py
     command -v systemd-analyze >/dev/null || missing+=(systemd)
+    # the user-mode network stack a session with the network on reaches out
+    # through (pasta), and nft, which holds "ports" inside a session's own
+    # network namespace; see README "Network"
+    command -v pasta >/dev/null || missing+=(passt)
+    command -v nft >/dev/null || missing+=(nftables)
     if [ ${#missing[@]} -gt 0 ]; then
         echo "installing Debian packages: ${missing[*]}"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
     fi
+    allow_tun
     id -u "$user" >/dev/null 2>&1 || useradd --create-home --shell /bin/bash "$user"
     local home
     home=$(getent passwd "$user" | cut -d: -f6)
-    local dest="$home/dispatchd"
-    rm -rf "$dest"
-    mkdir -p "$dest"
+    # A copy of this tree of its own for each run (two runs at once never
+    # delete each other's), with its venv kept per checkout between runs.
+    local key dest venv
+    key=$(pwd -P | sha256sum | cut -c1-12)
+    dest=$(mktemp -d "$home/dispatchd-run-XXXXXX")
+    venv="$home/.cache/dispatchd-venvs/$key"
     tar --exclude=./.venv --exclude=./.git --exclude='__pycache__' --exclude=./.pytest_cache -cf - . | tar -C "$dest" -xf -
+    mkdir -p "$venv"
     chown -R "$user:" "$dest"
+    chown "$user:" "$home/.cache" "$home/.cache/dispatchd-venvs" "$venv"
     local cgroup
     cgroup=$(delegate_test_cgroup "$user")
     echo "dispatchd runs as an ordinary user: continuing as $user in $dest"
-    exec runuser -u "$user" -- env -i HOME="$home" USER="$user" LOGNAME="$user" \
+    local status=0
+    runuser -u "$user" -- env -i HOME="$home" USER="$user" LOGNAME="$user" \
         PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 ${CI:+CI=$CI} \
-        ${cgroup:+DISPATCHD_TEST_CGROUP=$cgroup} \
-        bash "$dest/$script" "$@"
+        DISPATCHD_VENV="$venv" ${cgroup:+DISPATCHD_TEST_CGROUP=$cgroup} \
+        bash "$dest/$script" "$@" || status=$?
+    # Nothing of the run is left behind: its copy, and its cgroup (emptied first).
+    rm -rf "$dest"
+    if [ -n "$cgroup" ]; then
+        echo $$ >"$(dirname "$cgroup")/cgroup.procs" 2>/dev/null  # out of it first, or the kill ends us
+        remove_test_cgroup "$cgroup"
+    fi
+    exit "$status"
+}
+
+# allow_tun: pasta and slirp4netns open /dev/net/tun inside the user's own
+# namespaces; distributions ship it 0666, some machine images 0600 (root only).
+allow_tun() {
+    [ -c /dev/net/tun ] || { mkdir -p /dev/net && mknod -m 0666 /dev/net/tun c 10 200; } 2>/dev/null || return 0
+    chmod 0666 /dev/net/tun 2>/dev/null || true
+}
+
+# remove_test_cgroup DIR: kill what is left in DIR's subtree and remove it, leaves first.
+remove_test_cgroup() {
+    local base=$1 d
+    [ -d "$base" ] || return 0
+    for d in $(find "$base" -depth -type d); do
+        [ -f "$d/cgroup.kill" ] && echo 1 >"$d/cgroup.kill" 2>/dev/null
+    done
+    sleep 0.2
+    find "$base" -depth -type d -exec rmdir {} \; 2>/dev/null || true
 }
 
 # delegate_test_cgroup USER: as root, give USER a cgroup v2 subtree, the way
@@ -49,7 +86,7 @@ delegate_test_cgroup() {
     local user=$1 mount base c
     mount=$(awk '$3 == "cgroup2" { print $2; exit }' /proc/self/mounts)
     [ -n "$mount" ] || return 0
-    base="$mount/dispatchd-test"
+    base="$mount/dispatchd-test-$$"
     mkdir -p "$base/runner" 2>/dev/null || return 0
     for c in pids memory cpu; do
         # Offer to BASE each controller the machine has in cgroup v2 (not all
@@ -57,7 +94,7 @@ delegate_test_cgroup() {
         grep -qw "$c" "$mount/cgroup.controllers" && echo "+$c" >"$mount/cgroup.subtree_control" 2>/dev/null
     done
     chown "$user:" "$base" "$base/cgroup.procs" "$base/cgroup.subtree_control" "$base/cgroup.threads" || return 0
-    echo $$ >"$base/runner/cgroup.procs" 2>/dev/null || return 0
+    echo $$ >"$base/runner/cgroup.procs" 2>/dev/null || { remove_test_cgroup "$base"; return 0; }
     echo "$base"
 }
 
@@ -66,6 +103,11 @@ delegate_test_cgroup() {
 ensure_venv() {
     local python=/usr/bin/python3
     [ -x "$python" ] || python=$(command -v python3)
+    if [ -n "${DISPATCHD_VENV:-}" ]; then
+        # a run copied here by as_unprivileged_user: the venv lives beside, per checkout
+        [ -x "$DISPATCHD_VENV/bin/python" ] || "$python" -m venv "$DISPATCHD_VENV"
+        ln -sfn "$DISPATCHD_VENV" .venv
+    fi
     [ -x .venv/bin/python ] || "$python" -m venv .venv
     .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
 }
