@@ -45,6 +45,19 @@ class Filesystem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     devices: tuple[str, ...] = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
     # "read-write", or "read-only" for policies that only read and search.
     worktree: Literal["read-write", "read-only"] = "read-write"
+    # Read-only paths beyond the system (toolchains: ~/.cargo, ~/.rustup, a
+    # pyenv root), bound into the session's root; checked at each open
+    # against the credential deny-list (~/.ssh, ~/.gnupg, ~/.aws, ~/.config...).
+    extra_read_only: tuple[str, ...] = ()
+    # Full mode: "minimal" builds the session a root of its own holding only
+    # the paths above (everything else absent: ENOENT); "host" is the host's
+    # "/" bound read-only, Landlock alone keeping the rest out (the release
+    # before; kept as the benchmark's baseline and for the layer tests).
+    root: Literal["minimal", "host"] = "minimal"
+    # For testing the layers only: Landlock also grants reading the whole
+    # (minimal) root, so the root alone keeps the rest out. Refused with
+    # root = "host", where it would grant the machine.
+    landlock_grants_root: bool = False
 
 
 class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -126,6 +139,7 @@ def _check(policy: Policy, where: str) -> None:
         ("filesystem.read_only", fs.read_only),
         ("filesystem.read_write", fs.read_write),
         ("filesystem.devices", fs.devices),
+        ("filesystem.extra_read_only", fs.extra_read_only),
     ):
         for p in paths:
             # normpath keeps a leading "//" (POSIX allows it a meaning), yet on
@@ -134,6 +148,9 @@ def _check(policy: Policy, where: str) -> None:
                 raise bad(key, f"{p!r} must be an absolute, normalised path")
             if p == "/" and key != "filesystem.devices":
                 raise bad(key, "granting the whole filesystem defeats the sandbox")
+    if fs.landlock_grants_root and fs.root != "minimal":
+        raise bad("filesystem.landlock_grants_root", "only with root = \"minimal\": on the host's root it "
+                  "would grant reading the whole machine")
     for p in fs.devices:
         if not p.startswith("/dev/"):
             raise bad("filesystem.devices", f"{p!r} is not under /dev")

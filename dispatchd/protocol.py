@@ -56,6 +56,9 @@ class OpenSession(_Msg, tag="open_session"):
     network: str | None = None  # "off" | "on" | "ports"; None: the policy's default
     ports: list[int] | None = None  # under "ports": TCP ports to connect to (None: the policy's)
     bind_ports: list[int] | None = None  # under "ports": TCP ports to bind (None: the policy's)
+    # Extra read-only paths for this session (toolchains outside the system
+    # directories: ~/.cargo, ~/.rustup), beside the policy's extra_read_only.
+    read_only: list[str] = []
 
 
 class CloseSession(_Msg, tag="close_session"):
@@ -214,8 +217,8 @@ class AddChannel(_Msg, tag="add_channel"):
 
 
 class SpawnWorker(_Msg, tag="spawn_worker"):
-    """Sent with one fd: the worker's end of its control channel. ``plan`` is a
-    msgpack-encoded ``SessionPlan``."""
+    """Sent with two fds: the worker's end of its control channel, and the
+    worktree the daemon checked (O_PATH). ``plan`` is a msgpack-encoded ``SessionPlan``."""
 
     id: int
     plan: bytes

@@ -78,6 +78,8 @@ def _session_target(p: argparse.ArgumentParser, *, worktree_required: bool = Fal
     p.add_argument("--worktree", required=worktree_required, help="open a session on this directory")
     p.add_argument("--policy", default="default")
     p.add_argument("--network", choices=["on", "off", "ports"])
+    p.add_argument("--read-only", action="append", default=[], metavar="PATH", dest="read_only",
+                   help="an extra path the session may read (a toolchain: ~/.cargo, ~/.rustup); repeatable")
     _ports_options(p)
 
 
@@ -102,7 +104,7 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
             yield session
     else:
         with client.open_session(args.worktree, policy=args.policy, network=args.network,
-                                 ports=args.ports, bind_ports=args.bind_ports) as session:
+                                 ports=args.ports, bind_ports=args.bind_ports, read_only=args.read_only) as session:
             yield session
 
 
@@ -187,7 +189,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "session":
             if args.action == "open":
                 session = client.open_session(args.worktree, policy=args.policy, network=args.network,
-                                              ports=args.ports, bind_ports=args.bind_ports)
+                                              ports=args.ports, bind_ports=args.bind_ports,
+                                              read_only=args.read_only)
                 session.detach()  # it outlives this command
                 print(session.id)
             elif args.action == "close":

@@ -293,11 +293,17 @@ class Client:
         return reply, fd
 
     def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
-                     ports: list[int] | None = None, bind_ports: list[int] | None = None) -> Session:
+                     ports: list[int] | None = None, bind_ports: list[int] | None = None,
+                     read_only: list[str] | None = None) -> Session:
+        """``read_only``: extra paths the session may read (toolchains outside
+        the system directories: ``~/.cargo``, ``~/.rustup``); the daemon refuses
+        any that is or holds credentials, the home directory, or its own files."""
         word = _network_word(network)
         path = os.path.abspath(os.fspath(worktree))
+        extra = [os.path.abspath(os.path.expanduser(os.fspath(p))) for p in read_only or []]
         reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(
-            id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports))
+            id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports,
+            read_only=extra))
         try:
             return Session(self, reply.session, owned=True)
         except BaseException:

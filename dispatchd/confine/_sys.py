@@ -22,6 +22,7 @@ if platform.machine() not in ("x86_64", "aarch64"):
     # shares across architectures; seccomp is compiled by libseccomp per arch.
     raise ImportError(f"dispatchd supports x86_64 and aarch64, not {platform.machine()}")
 
+SYS_pivot_root = 155 if platform.machine() == "x86_64" else 41
 SYS_mount_setattr = 442
 SYS_landlock_create_ruleset = 444
 SYS_landlock_add_rule = 445
@@ -57,6 +58,7 @@ MS_REC = 16384
 MS_PRIVATE = 1 << 18
 MS_RELATIME = 1 << 21
 MS_STRICTATIME = 1 << 24
+MNT_DETACH = 2
 AT_RECURSIVE = 0x8000
 MOUNT_ATTR_RDONLY = 0x1
 
@@ -89,6 +91,14 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
     except OSError as exc:
         exc.filename = target
         raise
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    syscall(SYS_pivot_root, os.fsencode(new_root), os.fsencode(put_old))
+
+
+def umount2(target: str, flags: int) -> None:
+    _check(_libc.umount2(os.fsencode(target), flags))
 
 
 class _MountAttr(ctypes.Structure):

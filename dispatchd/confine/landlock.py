@@ -135,9 +135,12 @@ def landlock_abi() -> int:
         return 0
 
 
-def apply_landlock_to_self(plan: LandlockPlan) -> list[str]:
+def apply_landlock_to_self(plan: LandlockPlan, held: dict[str, int] | None = None) -> list[str]:
     """Enforce the plan on the calling thread. Returns the planned paths that do
-    not exist on this machine (skipped: nothing there to grant)."""
+    not exist on this machine (skipped: nothing there to grant). ``held`` maps
+    a planned path to a descriptor to grant instead of opening the path: the
+    worktree, as the daemon checked it (a rule binds to the inode)."""
+    held = held or {}
     attr = _RulesetAttr(plan.handled_fs, plan.handled_net, plan.scoped)
     # Older ABIs reject the larger struct; pass only the fields they know.
     size = 8 if plan.abi < 4 else (16 if plan.abi < 6 else 24)
@@ -149,7 +152,7 @@ def apply_landlock_to_self(plan: LandlockPlan) -> list[str]:
     try:
         for rule in plan.paths:
             try:
-                fd = os.open(rule.path, os.O_PATH | os.O_CLOEXEC)
+                fd = os.dup(held[rule.path]) if rule.path in held else os.open(rule.path, os.O_PATH | os.O_CLOEXEC)
             except FileNotFoundError:
                 skipped.append(rule.path)
                 continue

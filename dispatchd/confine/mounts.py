@@ -1,53 +1,121 @@
 """The session's view of the filesystem, in its own mount namespace.
 
-Guarantees, once ``apply_mounts`` has returned (user namespaces only):
-- every mount is read-only except the worktree, the scratch directory and the
-  policy's extra read-write paths, so chmod, utime and xattr changes on files
-  outside them fail with EROFS even where Landlock (ABI 7) does not look;
-- ``/tmp`` is the session's private scratch ``tmp`` directory and ``/dev/shm``
-  a private tmpfs;
-- the user's runtime directory (``$XDG_RUNTIME_DIR``: D-Bus, systemd, the
-  daemon's socket) is covered by an empty read-only tmpfs;
+Guarantees, once ``apply_mounts`` has returned (user namespaces only), with
+the default ``root = "minimal"`` (as bubblewrap and nsjail build one):
+- the session's root is a new tmpfs holding only what the plan binds: the
+  system directories and the daemon's code read-only, the worktree (bound from
+  the descriptor the daemon checked, never by name) and the session's scratch
+  directory read-write, the policy's and the call's extra paths, the git
+  directories the worktree needs (``gitdirs``), a private ``/tmp`` (the
+  scratch ``tmp``), a fresh ``/dev`` (only the policy's device nodes, ``shm``
+  a private tmpfs), a fresh ``/proc`` of the session's pid namespace. The
+  host's root is detached (``pivot_root``): everything else — the home
+  directory, other users, ``/root``, ``/run``, ``/var``, ``/srv``, ``/mnt``,
+  the daemon's socket and state — does not exist: stat, readlink, getxattr,
+  inotify and connect() get ENOENT;
+- every mount is read-only except the worktree, the scratch directory, the
+  private ``/tmp`` and ``/dev/shm`` and the policy's extra read-write paths,
+  so chmod, utime and xattr changes elsewhere fail with EROFS;
 - the git metadata the user's own git would run (``.git/config``, hooks, a
   linked worktree's pointer files; see ``gitdirs``) is read-only inside the
   writable worktree;
-- ``/proc`` is a new procfs of the session's pid namespace: other processes,
-  the daemon included, do not exist there;
+- every bind source is opened component by component without following a
+  symlink, and bound from that descriptor: a path swapped for a symlink since
+  it was planned fails the step, it never binds the symlink's target; a final
+  symlink among the system paths (``/bin -> usr/bin``) is reproduced as one;
 - nothing propagates back to the host (the whole tree is made private first).
+
+``root = "host"`` (a policy's choice; the benchmark's baseline) keeps the
+previous view: the host's ``/`` read-only with the user's runtime directories
+covered, Landlock alone refusing the rest (EACCES rather than ENOENT).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
 
 import msgspec
 
 from dispatchd.confine import _sys
 from dispatchd.errors import ConfinementError
 
+WORKTREE_FD = "@worktree"  # a bind's source: the daemon's descriptor of the worktree
+WORKTREE_STEP = "mounts: worktree"  # the step that refuses a worktree swapped since the daemon's check
+_NEW_ROOT = "/tmp"  # where the new root's tmpfs is mounted while it is built (as bubblewrap does)
+
+
+class Bind(msgspec.Struct, frozen=True, array_like=True):
+    path: str  # where it appears, the same path as on the host
+    how: Literal["ro", "rw", "ro-over"]  # ro-over: read-only over a path inside a writable bind (git)
+    source: str = ""  # "" = path itself; WORKTREE_FD; or another host path (the private /tmp)
 
 
 class MountPlan(msgspec.Struct, frozen=True):
-    writable: list[str]  # bound onto themselves and kept read-write
-    visible: list[str]  # must stay reachable at their path (the worktree, even under /tmp)
-    private_tmp: str  # bound over /tmp
-    hide: list[str]  # covered by an empty tmpfs
-    proc: bool  # mount a fresh /proc (in a new pid namespace)
-    read_only: list[str] = []  # inside writable paths, bound read-only over themselves (git metadata)
+    root: Literal["minimal", "host"]
+    binds: list[Bind]  # parents before children
+    devices: list[str]  # device nodes bound into the fresh /dev (minimal root)
+    hide: list[str] = []  # host root only: covered by an empty tmpfs (the user's runtime directories)
+
+    def writable(self) -> list[str]:
+        return [b.path for b in self.binds if b.how == "rw"]
 
 
 def _under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def plan_mounts(*, writable: list[str], visible: list[str], private_tmp: str, hide: list[str], proc: bool,
-                read_only: list[str] | None = None) -> MountPlan:
-    keep = sorted(set(visible) | set(writable))
+def _depth_order(b: Bind) -> tuple[str, ...]:
+    return tuple(p for p in b.path.split("/") if p)
+
+
+def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw: bool, private_tmp: str,
+                read_write: list[str], read_only: list[str], over: list[str] | None = None,
+                devices: list[str] | None = None, hide: list[str] | None = None) -> MountPlan:
+    """Pure. ``read_write`` and ``read_only`` are host paths bound at the same
+    place; ``over`` is bound read-only over itself inside a writable bind. A
+    path listed twice keeps its first, most writable, role; binds come out
+    parents first, so a path under ``/tmp`` lands in the private ``/tmp``."""
+    binds: dict[str, Bind] = {}
+    for b in ([Bind("/tmp", "rw", private_tmp), Bind(worktree, "rw" if worktree_rw else "ro", WORKTREE_FD)]
+              + [Bind(p, "rw") for p in read_write] + [Bind(p, "ro") for p in read_only]
+              + [Bind(p, "ro-over") for p in over or []]):
+        binds.setdefault(b.path, b)
+    # A read-only path inside another read-only one (the interpreter's
+    # library under /usr) is there already: one mount fewer per open.
+    plain_ro = [b.path for b in binds.values() if b.how == "ro" and not b.source]
+    ordered = sorted((b for b in binds.values()
+                      if not (b.how == "ro" and not b.source and any(p != b.path and _under(b.path, p) for p in plain_ro))),
+                     key=_depth_order)
+    keep = [b.path for b in ordered]
     # Hiding a directory that holds a path the session needs would hide that path too.
-    hide = [h for h in hide if not any(_under(k, h) for k in keep + [private_tmp])]
-    return MountPlan(writable=list(writable), visible=keep, private_tmp=private_tmp, hide=hide, proc=proc,
-                     read_only=list(read_only or []))
+    hidden = [h for h in hide or [] if not any(_under(k, h) for k in keep + [private_tmp])]
+    return MountPlan(root=root, binds=ordered, devices=list(devices or []), hide=hidden if root == "host" else [])
+
+
+def describe_root(plan: MountPlan, labels: dict[str, str]) -> list[dict[str, str]]:
+    """What ``status`` shows: every path visible in the session and how."""
+    how = {"ro": "read-only", "rw": "read-write", "ro-over": "read-only (inside a writable path)"}
+    rows = []
+    if plan.root == "host":
+        rows.append({"path": "/", "how": "the host's root, read-only; Landlock refuses what the rules do not grant"})
+    for b in plan.binds:
+        label = labels.get(b.path, "")
+        if b.path == "/tmp":
+            label = "private: the session's scratch tmp"
+        elif b.source == WORKTREE_FD:
+            label = "the worktree, bound from the descriptor the daemon checked"
+        rows.append({"path": b.path, "how": how[b.how] + (f" ({label})" if label else "")})
+    if plan.root == "minimal":
+        rows.append({"path": "/dev", "how": "fresh tmpfs, read-only: " + ", ".join(plan.devices)
+                     + "; fd, stdin, stdout, stderr links"})
+    rows += [{"path": "/dev/shm", "how": "read-write (private tmpfs)"},
+             {"path": "/proc", "how": "fresh procfs of the session's pid namespace"}]
+    rows += [{"path": h, "how": "covered by an empty tmpfs"} for h in plan.hide]
+    return rows
 
 
 def _mount(step: str, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
@@ -57,62 +125,254 @@ def _mount(step: str, source: str | None, target: str, fstype: str | None, flags
         raise ConfinementError(f"mounts: {step}", exc.errno, target) from exc
 
 
-def _bind_over_itself(path: str) -> None:
-    """Bind ``path`` over itself, through a descriptor opened without following
-    a symlink: were the path swapped for a symlink since it was planned (by
-    another session on the same worktree), a bind by name would protect the
-    symlink's target and leave the path itself writable. Fail closed then."""
+def _fd_path(fd: int) -> str:
+    return f"/proc/self/fd/{fd}"
+
+
+def _open_nofollow(path: str, step: str) -> int | None:
+    """An O_PATH descriptor of ``path``, walked from ``/`` one component at a
+    time without following a symlink but in the last component (returned as
+    the symlink itself). None when it does not exist."""
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    parts = [p for p in path.split("/") if p]
     try:
-        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return  # gone since it was planned: nothing there for git to run
+        for i, name in enumerate(parts):
+            try:
+                nxt = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise ConfinementError(f"mounts: {step}", exc.errno, path) from exc
+            os.close(fd)
+            fd = nxt
+            if i < len(parts) - 1 and stat.S_ISLNK(os.fstat(fd).st_mode):
+                raise ConfinementError(f"mounts: {step}", path=path,
+                                       detail=f"a symlink in its path ({name}); bind sources are resolved "
+                                              "by the daemon and never followed here")
+        out, fd = fd, -1
+        return out
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _target(root_fd: int, path: str, kind: Literal["dir", "file"] | None) -> int | None:
+    """An O_PATH descriptor of ``path`` below ``root_fd``, making missing
+    components (directories; the last one ``kind``) unless ``kind`` is None.
+    A symlink on the way fails the step: the new root must hold none we did
+    not make, and a bind is never aimed through one."""
+    fd = os.dup(root_fd)
+    parts = [p for p in path.split("/") if p]
+    try:
+        for i, name in enumerate(parts):
+            last = i == len(parts) - 1
+            try:
+                nxt = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                if kind is None:
+                    return None
+                if last and kind == "file":
+                    os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                     0o644, dir_fd=fd))
+                else:
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                nxt = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+            if stat.S_ISLNK(os.fstat(fd).st_mode):
+                raise ConfinementError("mounts: bind", path=path,
+                                       detail="it was replaced by a symlink since the session was planned")
+        out, fd = fd, -1
+        return out
     except OSError as exc:
-        raise ConfinementError("mounts: bind read-only path", exc.errno, path) from exc
+        raise ConfinementError("mounts: mount point", exc.errno, path) from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+@contextmanager
+def _sources(plan: MountPlan, worktree_fd: int, extra: list[str]) -> Iterator[dict[str, int]]:
+    """Every bind source, opened before anything is mounted over the host's paths."""
+    fds: dict[str, int] = {}
     try:
-        if stat.S_ISLNK(os.fstat(fd).st_mode):
-            raise ConfinementError("mounts: bind read-only path", path=path,
-                                   detail="it was replaced by a symlink since the session was planned")
-        _mount("bind read-only path", f"/proc/self/fd/{fd}", f"/proc/self/fd/{fd}", None, _sys.MS_BIND)
+        for b in plan.binds:
+            if b.source == WORKTREE_FD:
+                fds[b.path] = _worktree_here(b.path, worktree_fd)
+                continue
+            if b.how == "ro-over":
+                continue  # opened in the new root, inside the worktree bound there
+            fd = _open_nofollow(b.source or b.path, "open bind source")
+            if fd is not None:
+                fds[b.path] = fd
+        for path in extra:
+            fd = _open_nofollow(path, "open device")
+            if fd is not None:
+                fds[path] = fd
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _worktree_here(path: str, worktree_fd: int) -> int:
+    """The worktree in this mount namespace, proven to be the directory the
+    daemon checked. The daemon's descriptor names a mount of the namespace it
+    was opened in, which the kernel will not bind into this one (EINVAL); so
+    the path is walked again here, without following a symlink, and must lead
+    to the same inode, or the session is refused: a swap since the check can
+    make an open fail, never give it another directory."""
+    want = os.fstat(worktree_fd)
+    fd = _open_nofollow(path, WORKTREE_STEP)
+    if fd is not None:
+        got = os.fstat(fd)
+        if (got.st_dev, got.st_ino) == (want.st_dev, want.st_ino) and stat.S_ISDIR(got.st_mode):
+            return fd
+        os.close(fd)
+    raise ConfinementError(WORKTREE_STEP, path=path, detail="it was moved or replaced since the daemon checked it")
+
+
+def _bind(src_fd: int, root_fd: int, path: str) -> None:
+    st = os.fstat(src_fd)
+    if stat.S_ISLNK(st.st_mode):
+        # /bin -> usr/bin: the same link in the new root (its target is bound, or absent).
+        target = os.readlink(path)
+        parent = _target(root_fd, os.path.dirname(path), "dir")
+        assert parent is not None
+        try:
+            os.symlink(target, os.path.basename(path), dir_fd=parent)
+        except FileExistsError:
+            pass
+        finally:
+            os.close(parent)
+        return
+    tgt = _target(root_fd, path, "dir" if stat.S_ISDIR(st.st_mode) else "file")
+    assert tgt is not None
+    try:
+        _mount("bind", _fd_path(src_fd), _fd_path(tgt), None, _sys.MS_BIND | _sys.MS_REC)
+    finally:
+        os.close(tgt)
+
+
+def _bind_over_itself(root_fd: int, path: str) -> None:
+    """Git metadata inside the writable worktree, bound read-only over itself,
+    through a descriptor opened without following a symlink: were the path
+    swapped for a symlink since it was planned (by another session on the same
+    worktree), a bind by name would protect the symlink's target and leave the
+    path itself writable. Fail closed then; absent, nothing to protect."""
+    fd = _target(root_fd, path, None)
+    if fd is None:
+        return  # gone since it was planned: nothing there for git to run
+    try:
+        _mount("bind read-only path", _fd_path(fd), _fd_path(fd), None, _sys.MS_BIND)
     finally:
         os.close(fd)
 
 
-def apply_mounts(plan: MountPlan) -> None:
-    _mount("make private", None, "/", None, _sys.MS_REC | _sys.MS_PRIVATE)
-    # A worktree may live under /tmp: hold it by an fd, cover /tmp, then bind it
-    # back at the same path inside the private /tmp.
-    under_tmp = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in plan.visible if _under(p, "/tmp") and os.path.exists(p)}
+def _pivot_into(root_fd: int) -> None:
+    """Make the new root ``/`` and detach the host's (pivot_root(".", "."),
+    then the old root, stacked on the same point, is unmounted lazily)."""
     try:
-        _mount("private /tmp", plan.private_tmp, "/tmp", None, _sys.MS_BIND)
-        for path, fd in under_tmp.items():
-            os.makedirs(path, exist_ok=True)
-            _mount("keep path under /tmp", f"/proc/self/fd/{fd}", path, None, _sys.MS_BIND)
+        os.fchdir(root_fd)
+        _sys.pivot_root(".", ".")
+        _sys.umount2(".", _sys.MNT_DETACH)
+        os.chdir("/")
+    except OSError as exc:
+        raise ConfinementError("mounts: pivot_root", exc.errno, _NEW_ROOT) from exc
+
+
+def _build_dev(root_fd: int, devices: list[str], fds: dict[str, int]) -> None:
+    dev = _target(root_fd, "/dev", "dir")
+    assert dev is not None
+    try:
+        _mount("fresh /dev", "tmpfs", _fd_path(dev), "tmpfs", _sys.MS_NOSUID | _sys.MS_NOEXEC, "size=64k,mode=0755")
     finally:
-        for fd in under_tmp.values():
-            os.close(fd)
-    for path in plan.writable:
-        if os.path.exists(path) and path not in under_tmp:
-            _mount("bind writable path", path, path, None, _sys.MS_BIND)
-    for path in plan.read_only:
-        # A mount of its own on top of the writable one: the recursive read-only
-        # pass below covers it, and only the writable mounts are made writable again.
-        _bind_over_itself(path)
+        os.close(dev)
+    for path in devices:
+        if path in fds:  # bound from the host: an unprivileged user cannot mknod
+            _bind(fds[path], root_fd, path)
+    dev = _target(root_fd, "/dev", "dir")
+    assert dev is not None
+    try:
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                             ("stderr", "/proc/self/fd/2")):
+            os.symlink(target, name, dir_fd=dev)
+        os.mkdir("shm", 0o755, dir_fd=dev)
+        shm = os.open("shm", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dev)
+        try:
+            _mount("private /dev/shm", "tmpfs", _fd_path(shm), "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV,
+                   "size=64m,mode=1777")
+        finally:
+            os.close(shm)
+    finally:
+        os.close(dev)
+
+
+def _apply_minimal(plan: MountPlan, worktree_fd: int) -> None:
+    with _sources(plan, worktree_fd, plan.devices) as fds:
+        # The sources are held: the new root may now cover the host's /tmp.
+        _mount("new root", "tmpfs", _NEW_ROOT, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=1m,mode=0755")
+        root_fd = os.open(_NEW_ROOT, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for b in plan.binds:  # parents first: a worktree under /tmp lands in the private /tmp
+                if b.how == "ro-over":
+                    _bind_over_itself(root_fd, b.path)
+                elif b.path in fds:
+                    _bind(fds[b.path], root_fd, b.path)
+            _build_dev(root_fd, plan.devices, fds)
+            proc = _target(root_fd, "/proc", "dir")
+            assert proc is not None
+            try:
+                # Before the host's root goes: the kernel lets a user namespace
+                # mount proc only while a full proc is visible in it.
+                _mount("proc", "proc", _fd_path(proc), "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
+            finally:
+                os.close(proc)
+            _pivot_into(root_fd)
+        finally:
+            os.close(root_fd)
+
+
+def _apply_host(plan: MountPlan, worktree_fd: int) -> None:
+    """The host's root, read-only, as the release before (``root = "host"``)."""
+    tmp = next(b for b in plan.binds if b.path == "/tmp")
+    kept = [b for b in plan.binds if b.how != "ro-over" and b.path != "/tmp" and (b.how == "rw" or _under(b.path, "/tmp")
+                                                                                 or b.source == WORKTREE_FD)]
+    with _sources(msgspec.structs.replace(plan, binds=[tmp, *kept]), worktree_fd, []) as fds:
+        root_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _mount("private /tmp", _fd_path(fds["/tmp"]), "/tmp", None, _sys.MS_BIND)
+            for b in kept:
+                if b.path in fds:
+                    _bind(fds[b.path], root_fd, b.path)
+            for b in plan.binds:
+                if b.how == "ro-over":
+                    _bind_over_itself(root_fd, b.path)
+        finally:
+            os.close(root_fd)
     for path in plan.hide:
         if os.path.isdir(path):
             _mount("hide", "tmpfs", path, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC, "size=4k,mode=0555")
     if os.path.isdir("/dev/shm"):
-        # POSIX shared memory of the session's own, not the host user's.
         _mount("private /dev/shm", "tmpfs", "/dev/shm", "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=64m,mode=1777")
-    if plan.proc:
-        _mount("proc", "proc", "/proc", "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
+    _mount("proc", "proc", "/proc", "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
+
+
+def apply_mounts(plan: MountPlan, worktree_fd: int) -> None:
+    _mount("make private", None, "/", None, _sys.MS_REC | _sys.MS_PRIVATE)
+    if plan.root == "minimal":
+        _apply_minimal(plan, worktree_fd)
+    else:
+        _apply_host(plan, worktree_fd)
     # Everything read-only in one call (mount_setattr, AT_RECURSIVE), then the
     # few writable mounts made writable again: they are our own bind mounts,
-    # so no flag of theirs is locked by the parent namespace.
+    # so no flag of theirs is locked by the parent namespace. Not recursive:
+    # the git binds inside the worktree stay read-only.
     try:
         _sys.mount_setattr("/", set_=_sys.MOUNT_ATTR_RDONLY, recursive=True)
     except OSError as exc:
         raise ConfinementError("mounts: read-only /", exc.errno, "/") from exc
-    for path in ["/tmp", "/dev/shm", *plan.writable]:
+    for path in ["/tmp", "/dev/shm", *plan.writable()]:
         if os.path.isdir(path):
             try:
                 _sys.mount_setattr(path, clear=_sys.MOUNT_ATTR_RDONLY)

@@ -17,7 +17,7 @@ from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cg
 from dispatchd.confine.gitdirs import GitLayout
 from dispatchd.confine.limits import LimitsPlan, plan_limits
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, LandlockPlan, plan_landlock
-from dispatchd.confine.mounts import MountPlan, plan_mounts
+from dispatchd.confine.mounts import MountPlan, describe_root, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
@@ -45,6 +45,10 @@ class SessionPaths(msgspec.Struct, frozen=True):
     runtime_dirs: list[str]  # the user's runtime directories, hidden from the session
     code: list[str]  # where the worker's own Python code lives (read-only)
     git: GitLayout = GitLayout("none")  # the worktree's git metadata (gitdirs.inspect_git)
+    # Extra read-only paths (the policy's filesystem.extra_read_only and the
+    # call's read_only), resolved and checked against the credential
+    # deny-list by the daemon (daemon/worktree.py).
+    read_only: list[str] = []
 
     @property
     def tmp(self) -> str:
@@ -95,6 +99,27 @@ def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: Gi
     return gaps
 
 
+def _filesystem_gaps(minimal_root: bool, unix_sockets: bool, own_net: bool) -> list[str]:
+    """What the view of the filesystem leaves open: without a root of its own
+    (degraded mode, or root = "host") the rest of the machine is there, only
+    refused by Landlock, which does not govern metadata or connect()."""
+    gaps = []
+    if not minimal_root:
+        gaps.append("metadata of files outside the worktree: stat (size, times), readlink, getxattr and "
+                    "inotify watches work on paths Landlock refuses to open (only a root of the session's own "
+                    "hides them: full mode with root = \"minimal\")")
+    if not minimal_root:
+        gaps.append("Unix sockets are refused (socket(AF_UNIX): EPERM; stream socketpairs work): without a root "
+                    "of the session's own, connect() could reach any socket of the user's by path (Landlock ABI "
+                    "<= 7 does not check it), so multiprocessing.Manager, Unix-socket servers and the like fail")
+    elif not unix_sockets and not own_net:
+        gaps.append("Unix sockets are refused (socket(AF_UNIX): EPERM; stream socketpairs work) while the session "
+                    "shares the host's network namespace (network on or ports): an abstract name it listened on "
+                    "would be connected to by the user's own programs (Landlock's scope stops connecting out, not "
+                    "in); with the network off they work")
+    return gaps
+
+
 def plan_session(
     policy: Policy,
     kernel: KernelFeatures,
@@ -130,7 +155,18 @@ def plan_session(
     fs = policy.filesystem
     worktree_rw = fs.worktree == "read-write"
     git = paths.git
-    read_only = list(fs.read_only) + ["/proc"] + list(paths.code) + list(git.readable)
+    minimal_root = use_userns and fs.root == "minimal"
+    namespaces = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=uid, gid=gid)
+    # Unix sockets only where no socket of the host's is reachable and none of
+    # the session's can pose as one: pathname sockets in a root of its own,
+    # abstract names in a network namespace of its own. Landlock's scope (ABI
+    # 6) stops connecting out to the host's abstract names, not the user's
+    # programs connecting in to a name the session listens on, so a shared
+    # network namespace keeps them refused.
+    unix_sockets = minimal_root and namespaces.net
+    read_only = list(fs.read_only) + ["/proc"] + list(paths.code) + list(git.readable) + list(paths.read_only)
+    if fs.landlock_grants_root and minimal_root:
+        read_only.insert(0, "/")  # the layer test: the root alone keeps the rest out
     read_write = [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
     (read_write if worktree_rw else read_only).insert(0, paths.worktree)
     devices = list(fs.devices)
@@ -148,19 +184,27 @@ def plan_session(
         connect_ports=ports.connect if network == "ports" else None,
         bind_ports=ports.bind if network == "ports" else None,
     )
-    seccomp = plan_seccomp(allow_inet=not (network_off and not use_userns), ipc_namespace=use_userns)
-    namespaces = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=uid, gid=gid)
+    seccomp = plan_seccomp(allow_inet=not (network_off and not use_userns), ipc_namespace=use_userns,
+                           allow_unix=unix_sockets)
     mounts = None
+    labels: dict[str, str] = {}
     if use_userns:
-        writable = [paths.worktree] if worktree_rw else []
+        writable = []
         if worktree_rw and git.kind == "repository":
             # .git a mount point of its own: it cannot be renamed aside (EBUSY)
             # with its read-only config and hooks, and a new one planted.
             writable.append(paths.worktree + "/.git")
         writable += [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
-        mounts = plan_mounts(writable=writable, visible=[paths.worktree] + list(git.readable), private_tmp=paths.tmp,
-                             hide=list(paths.runtime_dirs), proc=True,
-                             read_only=list(git.read_only) if worktree_rw else [])
+        mounts = plan_mounts(root=fs.root, worktree=paths.worktree, worktree_rw=worktree_rw, private_tmp=paths.tmp,
+                             read_write=writable,
+                             read_only=list(fs.read_only) + list(paths.code) + list(git.readable) + list(paths.read_only),
+                             over=list(git.read_only) if worktree_rw else [], devices=devices,
+                             hide=list(paths.runtime_dirs))
+        labels = {paths.scratch: "the session's scratch: HOME, TMPDIR",
+                  **{p: "system" for p in fs.read_only}, **{p: "dispatchd's code" for p in paths.code},
+                  **{p: "git" for p in [*git.readable, *git.writable, *git.read_only]},
+                  **{p: "extra read-only path" for p in paths.read_only},
+                  **{p: "policy read_write" for p in fs.read_write}}
 
     env = {
         "PATH": DEFAULT_PATH,
@@ -189,7 +233,11 @@ def plan_session(
     else:
         net_mechanism = "seccomp: no IPv4/IPv6 sockets" + (", Landlock: no TCP bind/connect" if landlock.handled_net else "")
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
-    mode = "full" if not gaps else "degraded"  # of the sandbox; the network's own caveats follow
+    mode = "full" if not gaps else "degraded"  # of the sandbox; the view's and the network's own caveats follow
+    gaps += _filesystem_gaps(minimal_root, unix_sockets, namespaces.net)
+    if fs.landlock_grants_root and minimal_root:
+        gaps.append("filesystem.landlock_grants_root (a layer test): Landlock lets the session read the whole of "
+                    "its root; only the root's contents keep the rest out")
     if not (use_userns and network_off):
         # Abstract names live in the network namespace: only a private one hides the host's.
         gaps.append("abstract Unix socket names of the host can be taken (bind) by the session: a program "
@@ -211,6 +259,12 @@ def plan_session(
         "network": {"mode": network, "mechanism": net_mechanism,
                     **({"connect_ports": ports.connect, "bind_ports": ports.bind} if network == "ports" else {})},
         "worktree": fs.worktree,
+        # Every path visible in the session, and how (full mode); the host's root otherwise.
+        "root": describe_root(mounts, labels) if mounts is not None else [
+            {"path": "/", "how": "the host's root (no mount namespace); Landlock refuses what the rules do not "
+                                 "grant: " + ", ".join(r.path for r in landlock.paths)}],
+        "unix_sockets": ("allowed: pathname sockets inside the session's own root, abstract names in its own "
+                         "network namespace" if unix_sockets else "refused (seccomp: socket(AF_UNIX) -> EPERM)"),
         "git": {"kind": git.kind, "read_only": list(git.read_only) if use_userns else [],
                 "granted": list(git.writable), **({"note": git.note} if git.note else {})},
         "hygiene": ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",

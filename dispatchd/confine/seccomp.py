@@ -2,7 +2,9 @@
 
 Landlock (ABI 7) leaves holes that only a syscall filter closes. Once
 ``apply_seccomp`` has returned, the session cannot:
-- create Unix sockets (``socket(AF_UNIX)``): no connect to the daemon's socket,
+- create Unix sockets (``socket(AF_UNIX)``) unless the plan allows them (full
+  mode, where the session has a root and a network namespace of its own, so
+  no socket of the host's is there to reach): otherwise no connect to the daemon's socket,
   the user's D-Bus or ``systemd --user`` (``systemd-run --user`` would run
   anything unconfined), a container engine's socket, or any abstract socket.
   a stream or seqpacket ``socketpair`` still works, so pipes between a
@@ -81,14 +83,16 @@ class SeccompPlan(msgspec.Struct, frozen=True):
     allow_inet: bool
 
 
-def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True) -> SeccompPlan:
+def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True, allow_unix: bool = False) -> SeccompPlan:
     """The filter for one session; pure. ``allow_inet`` is False only for network
-    off without a network namespace, where seccomp is what holds the network."""
+    off without a network namespace, where seccomp is what holds the network.
+    ``allow_unix``: ``socket(AF_UNIX)`` is allowed (the session's root and
+    network namespace are its own: the mounts and namespaces hold it)."""
     rules = [SeccompRule(name, errno.EPERM) for name in _DENIED_ALWAYS]
     rules += [SeccompRule("clone", errno.EPERM, [ArgCheck(0, "masked_eq", f, f)]) for f in _NS_FLAGS]
     rules.append(SeccompRule("clone3", errno.ENOSYS))
     rules += [SeccompRule("ioctl", errno.EPERM, [ArgCheck(1, "masked_eq", req, 0xFFFFFFFF)]) for req in (TIOCSTI, TIOCLINUX)]
-    allowed = {socket.AF_NETLINK}
+    allowed = {socket.AF_NETLINK} | ({socket.AF_UNIX} if allow_unix else set())
     if allow_inet:
         allowed |= {socket.AF_INET, socket.AF_INET6}
     for family in range(_AF_MAX):
@@ -98,6 +102,7 @@ def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True) -> SeccompPlan
     # Netlink only for route queries (what `ip addr` needs), not audit, uevents...
     rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_NETLINK), ArgCheck(2, "ne", 0)]))
     # socketpair(AF_UNIX, SOCK_STREAM) stays (asyncio, multiprocessing use it):
+    # (kept as it is where socket(AF_UNIX) is allowed too: nothing needs a datagram pair)
     # a connected stream pair cannot be reconnected elsewhere. A datagram pair
     # could sendto() any named socket of the user's, so it is refused.
     for family in range(_AF_MAX):

@@ -125,7 +125,8 @@ class Server:
         if isinstance(req, protocol.Hello):
             return protocol.HelloOk(id=req.id, version=protocol.PROTOCOL_VERSION, daemon_version=__version__)
         if isinstance(req, protocol.OpenSession):
-            return protocol.SessionReply(id=req.id, session=m.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports).info())
+            return protocol.SessionReply(id=req.id, session=m.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports,
+                                                                 req.read_only).info())
         if isinstance(req, protocol.CloseSession):
             m.close(req.session)
             return protocol.OkReply(id=req.id)

@@ -10,8 +10,12 @@ Guarantees:
 - a session whose worker ends on its own (idle timeout, crash) leaves the table;
 - one writer per worktree: the first session to run a mutating tool on a
   worktree holds its write lock until it ends; others get a failure naming it;
-- the daemon never opens a path inside a worktree: it only checks it
-  (``check_worktree``) and hands it to the worker's plan.
+- the daemon never opens a path inside a worktree: it opens the worktree
+  itself once, by descriptor (``open_worktree``: no symlink of the user's
+  followed), checks that descriptor, holds it for the session's life and
+  hands it to every worker of the session, which binds and grants exactly it;
+- extra read-only paths (the policy's and the call's) are resolved and
+  checked against the credential deny-list at each open.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups, gitdirs
+from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon.spawn import Worker, ZygoteClient
-from dispatchd.daemon.worktree import check_worktree
+from dispatchd.daemon.worktree import Worktree, check_read_only_path, open_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, WorktreeError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
@@ -44,9 +49,11 @@ STOP_TIMEOUT_S = 2.0
 
 
 class Session:
-    def __init__(self, sid: str, worktree: str, policy: Policy, scratch: str) -> None:
+    def __init__(self, sid: str, worktree: Worktree, policy: Policy, scratch: str) -> None:
         self.id = sid
-        self.worktree = worktree
+        self.worktree = worktree.path
+        self.worktree_dir = worktree  # the checked descriptor: every worker binds this
+        self.read_only: list[str] = []
         self.policy = policy
         self.scratch = scratch
         self.created = time.time()
@@ -158,14 +165,37 @@ class SessionManager:
     # --- open / close ----------------------------------------------------------
 
     def open(self, worktree: str, policy_name: str, network: str | None,
-             ports: list[int] | None = None, bind_ports: list[int] | None = None) -> Session:
+             ports: list[int] | None = None, bind_ports: list[int] | None = None,
+             read_only: list[str] | None = None) -> Session:
         if not self.accepting:
             raise DispatchdError("the daemon is stopping and opens no new sessions")
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
-        resolved = check_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected,
-                                  private=self.private)
         network = network or policy.network.default
         _check_network(network, ports, bind_ports)
+        extra = self._read_only_paths(policy, read_only or [])
+        held = open_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected, private=self.private)
+        try:
+            return self._open_held(held, policy, network, ports, bind_ports, extra)
+        except BaseException:
+            held.close()
+            raise
+
+    def _read_only_paths(self, policy: Policy, asked: list[str]) -> list[str]:
+        """The policy's and the call's extra read-only paths, resolved; one that
+        is or holds credentials, the home directory or our own files refuses the open."""
+        found: list[str] = []
+        for where, paths in (("filesystem.extra_read_only", policy.filesystem.extra_read_only),
+                             ("read_only", asked)):
+            for path in paths:
+                resolved = check_read_only_path(os.path.expanduser(path), home=self.home,
+                                                protected=self.protected + self.private, where=where)
+                if resolved not in found:
+                    found.append(resolved)
+        return found
+
+    def _open_held(self, held: Worktree, policy: Policy, network: str, ports: list[int] | None,
+                   bind_ports: list[int] | None, extra: list[str]) -> Session:
+        resolved = held.path
         with self._lock:
             tainted = self._tainted.get(resolved)
         if tainted:
@@ -174,7 +204,8 @@ class SessionManager:
                                 resolved)
         sid = secrets.token_hex(6)
         scratch = os.path.join(self.sessions_dir, sid)
-        session = Session(sid, resolved, policy, scratch)
+        session = Session(sid, held, policy, scratch)
+        session.read_only = extra
         session.ports = _ports_for(session, ports, bind_ports)
         try:
             self._inspect_git(session)
@@ -213,7 +244,8 @@ class SessionManager:
 
     def _plan(self, session: Session, network: str) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
-                             runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git)
+                             runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git,
+                             read_only=session.read_only)
         return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
                             uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
                             delegation=self.delegation)
@@ -226,7 +258,7 @@ class SessionManager:
             session.cgroup = plan.cgroup.path
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            worker = self.zygote.spawn_worker(plan, theirs)
+            worker = self.zygote.spawn_worker(plan, theirs, session.worktree_dir.fd)
         finally:
             theirs.close()
         control = protocol.FrameSocket(ours, fds=True)
@@ -240,6 +272,10 @@ class SessionManager:
             worker.signal(signal.SIGKILL)
             worker.close()
             control.close()
+            if isinstance(msg, protocol.WorkerFailed) and msg.step == WORKTREE_STEP:
+                # Raced: the worktree was swapped between the daemon's check and the worker's bind.
+                raise WorktreeError(f"worktree {session.worktree} changed while the session was being opened "
+                                    "(moved or replaced since it was checked); nothing was opened", session.worktree)
             if isinstance(msg, protocol.WorkerFailed):
                 err = ConfinementError(msg.step, msg.errno, msg.path, msg.message.split(": ", 1)[-1] if not msg.errno else "")
                 err.message = f"session refused: {msg.message}"
@@ -315,6 +351,7 @@ class SessionManager:
                 self._remove_cgroup(session)
                 self._forget(session)
                 shutil.rmtree(session.scratch, ignore_errors=True)
+                session.worktree_dir.close()
 
     def _check_git(self, session: Session) -> None:
         """Once the session's processes are gone: move aside what it left that
@@ -427,12 +464,14 @@ class SessionManager:
                 self._remove_cgroup(session)
                 self._forget(session)
                 shutil.rmtree(session.scratch, ignore_errors=True)
+                session.worktree_dir.close()
                 raise
             except BaseException:
                 session.closed = True
                 self._remove_cgroup(session)
                 self._forget(session)
                 shutil.rmtree(session.scratch, ignore_errors=True)
+                session.worktree_dir.close()
                 raise
         log.info("event=session_network session=%s network=%s ended=%s", sid, network, ended)
         return session

@@ -49,12 +49,14 @@ class ZygoteClient:
         self._lock = threading.Lock()
         self._next = 0
 
-    def spawn_worker(self, plan: SessionPlan, control_end: socket.socket) -> Worker:
+    def spawn_worker(self, plan: SessionPlan, control_end: socket.socket, worktree_fd: int) -> Worker:
+        """Fork a worker for ``plan``; ``worktree_fd`` (the checked worktree, by
+        descriptor) travels with the request (SCM_RIGHTS) to be bound and granted."""
         with self._lock:
             self._next += 1
             req = protocol.SpawnWorker(id=self._next, plan=msgspec.msgpack.encode(plan))
             try:
-                self._frames.send(req, fds=[control_end.fileno()])
+                self._frames.send(req, fds=[control_end.fileno(), worktree_fd])
                 reply = self._frames.recv(protocol.zygote_reply_decoder)
             except (OSError, protocol.ProtocolError) as exc:
                 raise SpawnError(f"the fork server is not answering: {exc}") from exc

@@ -1,10 +1,24 @@
-"""Which directories a session may be opened on.
+"""Which directories a session may be opened on, held by descriptor.
 
-``check_worktree`` only looks (``realpath`` and ``stat``); the daemon never
-opens anything inside a worktree. A worktree must be an existing directory,
-owned by the user, and must not be ``/``, the home directory itself, a
-directory holding the daemon's socket or state (``protected``), or a directory
-inside its state (``private``: every session's scratch directory is there).
+``open_worktree`` opens the path once, one component at a time from ``/``
+with ``O_PATH | O_NOFOLLOW``: a symlink on the way is followed only if it is
+root's (``/home -> usr/home``); one of the user's — which a session could
+have planted or swapped in (``renameat2(RENAME_EXCHANGE)``) to aim a later
+session at ``~/.ssh`` — refuses the open (``bad_worktree``), it is never
+followed. Every check is made on
+that descriptor (``fstat``: a directory, the user's, not ``/``, not the home
+directory) or on the path it was reached by (which held no symlink when it
+was walked), and the worker binds and grants exactly that descriptor: what
+the session gets is what was checked, whatever is renamed or swapped later.
+
+A worktree must not be, contain, or lie inside the user's credential
+directories (``CREDENTIAL_DIRS`` below the home directory) or dispatchd's own
+files (``protected``: the socket's directory and the state; ``private``:
+every session's scratch directory is there). The daemon never opens anything
+inside a worktree here.
+
+``check_read_only_path`` applies the same deny-list to the extra read-only
+paths a policy or a call asks for (toolchains: ``~/.cargo``, ``~/.rustup``).
 """
 
 from __future__ import annotations
@@ -14,37 +28,165 @@ import stat
 
 from dispatchd.errors import WorktreeError
 
+# Below the home directory: what holds the user's keys and tokens.
+CREDENTIAL_DIRS = (".ssh", ".gnupg", ".aws", ".config", ".kube", ".docker", ".azure", ".password-store",
+                   ".local/share/keyrings", ".pki", ".mozilla")
+
 
 def _contains(outer: str, inner: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
-def check_worktree(path: str, *, uid: int, home: str, protected: list[str], private: list[str] | None = None) -> str:
-    """The resolved worktree path, or ``WorktreeError`` saying why not."""
+def credential_dirs(home: str) -> list[str]:
+    home = os.path.realpath(home)
+    return [os.path.join(home, d) for d in CREDENTIAL_DIRS]
+
+
+class Worktree:
+    """A checked worktree: its path and an ``O_PATH`` descriptor of it, which
+    the daemon holds for the session's life and hands to each worker."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+_MAX_LINKS = 40  # as the kernel's own limit on symlinks in one lookup
+
+
+def _walk(path: str) -> tuple[str, int]:
+    """Open ``path`` one component at a time from ``/`` without following a
+    symlink the user (or a session) could have made; root's own (``/home ->
+    usr/home``) are followed. Returns the path walked, free of symlinks and
+    ``..``, and an ``O_PATH`` descriptor of the directory it names."""
+    todo = [p for p in path.split("/") if p not in ("", ".")]
+    todo.reverse()
+    names: list[str] = []
+    fds = [os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)]
+    links = 0
+    try:
+        while todo:
+            name = todo.pop()
+            if name == "..":
+                if len(fds) > 1:
+                    os.close(fds.pop())
+                    names.pop()
+                continue
+            try:
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1])
+            except FileNotFoundError:
+                raise WorktreeError(f"worktree does not exist: {path}", path) from None
+            except OSError as exc:
+                raise WorktreeError(f"cannot open worktree {path}: {exc.strerror}", path) from exc
+            st = os.fstat(fd)
+            if stat.S_ISLNK(st.st_mode):
+                os.close(fd)
+                where = "/" + "/".join([*names, name])
+                if st.st_uid != 0:
+                    raise WorktreeError(
+                        f"worktree {path} goes through a symlink ({where}) that is not root's: a session could "
+                        f"have planted it to aim this one elsewhere; give the directory's real path", path)
+                links += 1
+                if links > _MAX_LINKS:
+                    raise WorktreeError(f"worktree {path}: too many levels of symbolic links", path)
+                target = os.readlink(name, dir_fd=fds[-1])
+                if target.startswith("/"):
+                    for extra in fds[1:]:
+                        os.close(extra)
+                    del fds[1:]
+                    names.clear()
+                todo.extend(reversed([p for p in target.split("/") if p not in ("", ".")]))
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                os.close(fd)
+                raise WorktreeError(f"worktree is not a directory: {path}", path)
+            fds.append(fd)
+            names.append(name)
+        out = fds.pop()
+        return "/" + "/".join(names), out
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def open_worktree(path: str, *, uid: int, home: str, protected: list[str], private: list[str] | None = None) -> Worktree:
+    """The checked worktree, held by descriptor, or ``WorktreeError`` saying why not.
+
+    Any refusal, a raced one included, is a ``WorktreeError`` (code
+    ``bad_worktree``) with a message naming the path."""
     if not path:
         raise WorktreeError("no worktree given", path)
     if not os.path.isabs(path):
         raise WorktreeError(f"the worktree must be an absolute path: {path!r}", path)
-    resolved = os.path.realpath(path)
+    if "\0" in path:
+        raise WorktreeError("the worktree path holds a NUL byte", path)
+    resolved, fd = _walk(path)
     try:
-        st = os.stat(resolved)
-    except FileNotFoundError:
-        raise WorktreeError(f"worktree does not exist: {path}", path) from None
-    except OSError as exc:
-        raise WorktreeError(f"cannot inspect worktree {path}: {exc.strerror}", path) from exc
+        _check(resolved, os.fstat(fd), path, uid=uid, home=home, protected=protected, private=private or [])
+    except BaseException:
+        os.close(fd)
+        raise
+    return Worktree(resolved, fd)
+
+
+def _check(resolved: str, st: os.stat_result, path: str, *, uid: int, home: str, protected: list[str],
+           private: list[str]) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise WorktreeError(f"worktree is not a directory: {path}", path)
-    if resolved == "/":
+    root = os.stat("/")
+    if resolved == "/" or (st.st_dev, st.st_ino) == (root.st_dev, root.st_ino):
         raise WorktreeError("the worktree cannot be / (the whole machine)", path)
-    if resolved == os.path.realpath(home):
+    home_real = os.path.realpath(home)
+    try:
+        hst = os.stat(home_real)
+        same_as_home = (st.st_dev, st.st_ino) == (hst.st_dev, hst.st_ino)
+    except OSError:
+        same_as_home = False
+    if resolved == home_real or same_as_home:
         raise WorktreeError(f"the worktree cannot be the home directory itself ({home})", path)
     if st.st_uid != uid:
         raise WorktreeError(f"worktree {resolved} belongs to uid {st.st_uid}, not to you (uid {uid})", path)
+    for cred in credential_dirs(home):
+        if _contains(resolved, cred) or _contains(cred, resolved):
+            raise WorktreeError(f"worktree {resolved} is or holds your credentials ({cred}): refused", path)
     for p in protected:
         if _contains(resolved, os.path.realpath(p)):
             raise WorktreeError(f"worktree {resolved} contains dispatchd's own files ({p})", path)
-    for p in private or []:
+    for p in private:
         if _contains(os.path.realpath(p), resolved):
             # e.g. the sessions directory: every session's HOME and TMPDIR.
             raise WorktreeError(f"worktree {resolved} is inside dispatchd's own files ({p})", path)
+
+
+def check_worktree(path: str, *, uid: int, home: str, protected: list[str], private: list[str] | None = None) -> str:
+    """The resolved worktree path, or ``WorktreeError`` (checks only; the descriptor is closed)."""
+    wt = open_worktree(path, uid=uid, home=home, protected=protected, private=private)
+    wt.close()
+    return wt.path
+
+
+def check_read_only_path(path: str, *, home: str, protected: list[str], where: str) -> str:
+    """An extra read-only path, resolved, or ``WorktreeError``: absolute, existing,
+    and neither holding nor inside the credential directories, the home
+    directory, or dispatchd's own files."""
+    if not os.path.isabs(path) or "\0" in path:
+        raise WorktreeError(f"{where}: {path!r} must be an absolute path", path)
+    try:
+        resolved = os.path.realpath(path, strict=True)
+    except OSError as exc:
+        raise WorktreeError(f"{where}: {path}: {exc.strerror}", path) from None
+    home_real = os.path.realpath(home)
+    if resolved == "/" or _contains(resolved, home_real):
+        raise WorktreeError(f"{where}: {path} would show the whole home directory (or more): refused", path)
+    for cred in credential_dirs(home):
+        if _contains(resolved, cred) or _contains(cred, resolved):
+            raise WorktreeError(f"{where}: {path} is or holds your credentials ({cred}): refused", path)
+    for p in protected:
+        if _contains(resolved, os.path.realpath(p)) or _contains(os.path.realpath(p), resolved):
+            raise WorktreeError(f"{where}: {path} is or holds dispatchd's own files ({p}): refused", path)
     return resolved

@@ -60,9 +60,12 @@ class _Clock:
         self.last = now
 
 
-def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clock: _Clock) -> list[str]:
+def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clock: _Clock,
+            worktree_fd: int) -> list[str]:
     """Apply the plan to this process, in order. Returns the skipped (absent) paths.
 
+    ``worktree_fd`` is the daemon's descriptor of the worktree it checked: the
+    mounts bind it and Landlock grants it, never the path by name.
     On return the caller is W1: confined, single-threaded, with only ``keep`` open.
     """
     if plan.cgroup is not None:
@@ -72,7 +75,7 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
         clock("cgroup")
     hygiene.new_session()  # own session and group, no controlling terminal
     hygiene.die_with_parent(parent)  # the fork server gone: the session gone
-    hygiene.close_inherited_fds(keep)  # only the control channel stays
+    hygiene.close_inherited_fds([*keep, worktree_fd])  # only the control channel (and the worktree, below)
     clock("hygiene")
     namespaces.enter_namespaces(plan.namespaces)  # user, mount, net; pid from the next child on
     clock("namespaces")
@@ -84,7 +87,7 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     else:
         hygiene.child_subreaper()  # orphans come back to us, not to the host's init
     if plan.mounts is not None:
-        mounts.apply_mounts(plan.mounts)  # needs the namespace's capabilities: before dropping them
+        mounts.apply_mounts(plan.mounts, worktree_fd)  # needs the namespace's capabilities: before dropping them
         clock("mounts")
     if plan.loopback:
         netns.bring_up_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
@@ -95,7 +98,9 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     hygiene.no_new_privs()  # required before Landlock and seccomp; setuid grants nothing
     hygiene.not_dumpable()  # commands (same uid) cannot ptrace or read our memory
     clock("privileges")
-    skipped = landlock.apply_landlock_to_self(plan.landlock)  # after mounts: rules bind to mounted inodes
+    # After mounts: rules bind to the inodes of the new root; the worktree's from the checked fd.
+    skipped = landlock.apply_landlock_to_self(plan.landlock, {plan.paths.worktree: worktree_fd})
+    os.close(worktree_fd)  # granted and bound: nothing in the session may hold it
     clock("landlock")
     seccomp.apply_seccomp(program)  # last: it forbids mount, unshare, ... used above
     clock("seccomp")
@@ -122,7 +127,7 @@ def _kill_session(plan: SessionPlan) -> None:
                 pass
 
 
-def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int) -> NoReturn:
+def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int, worktree_fd: int) -> NoReturn:
     """Entry point of the fork server's child. Never returns."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -130,7 +135,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int)
     control = protocol.FrameSocket(socket.socket(fileno=control_fd), fds=True)
     clock = _Clock()
     try:
-        skipped = confine(plan, program, parent, [control_fd], clock)
+        skipped = confine(plan, program, parent, [control_fd], clock, worktree_fd)
     except ConfinementError as exc:
         _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
         os._exit(1)

@@ -96,6 +96,12 @@ def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
             os._exit(0)  # the daemon has gone
         control_fd = frames.take_fd()
         try:
+            worktree_fd = frames.take_fd()  # the daemon's checked O_PATH descriptor of the worktree
+        except protocol.ProtocolError as exc:
+            os.close(control_fd)
+            frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)))
+            continue
+        try:
             plan = _plan_decoder.decode(req.plan)
             key = msgspec.msgpack.encode(plan.seccomp)
             if key not in programs:
@@ -103,14 +109,16 @@ def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
             program = programs[key]
         except Exception as exc:
             os.close(control_fd)
+            os.close(worktree_fd)
             frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=f"bad plan: {exc}"))
             continue
         pid = os.fork()
         if pid == 0:
             sock.close()
-            run_session(plan, program, control_fd, me)
+            run_session(plan, program, control_fd, me, worktree_fd)
         workers.add(pid)
         os.close(control_fd)
+        os.close(worktree_fd)
         pidfd = os.pidfd_open(pid)
         try:
             frames.send(protocol.Spawned(id=req.id, pid=pid), fds=[pidfd])

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from dispatchd.confine.landlock import LandlockPlan, PathRule
-from dispatchd.confine.mounts import MountPlan
+from dispatchd.confine.mounts import WORKTREE_FD, Bind, MountPlan
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.plan import NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.confine.seccomp import plan_seccomp
@@ -41,6 +41,16 @@ SCOPES_GAP = ("no Landlock scopes (ABI < 6): signals to the user's other process
 ABSTRACT_GAP = ("abstract Unix socket names of the host can be taken (bind) by the session: a program "
                 "of the user's that binds the same name then fails (nothing can be connected to or "
                 "received through them)")
+META_GAP = ("metadata of files outside the worktree: stat (size, times), readlink, getxattr and "
+            "inotify watches work on paths Landlock refuses to open (only a root of the session's own "
+            "hides them: full mode with root = \"minimal\")")
+UNIX_GAP = ("Unix sockets are refused (socket(AF_UNIX): EPERM; stream socketpairs work): without a root "
+            "of the session's own, connect() could reach any socket of the user's by path (Landlock ABI "
+            "<= 7 does not check it), so multiprocessing.Manager, Unix-socket servers and the like fail")
+UNIX_NET_GAP = ("Unix sockets are refused (socket(AF_UNIX): EPERM; stream socketpairs work) while the session "
+                "shares the host's network namespace (network on or ports): an abstract name it listened on "
+                "would be connected to by the user's own programs (Landlock's scope stops connecting out, not "
+                "in); with the network off they work")
 PORTS_GAP = ("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
              "network (Landlock has no rules for them)")
 HYGIENE = ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
@@ -80,6 +90,13 @@ def read_only_policy() -> Policy:
                   filesystem=Filesystem(worktree="read-only"))
 
 
+def root_binds(*, worktree_rw: bool = True) -> list[Bind]:
+    """The default policy's minimal root for PATHS, parents first."""
+    return [Bind("/bin", "ro"), Bind("/etc", "ro"), Bind(SCRATCH, "rw"), Bind(WT, "rw" if worktree_rw else "ro", WORKTREE_FD),
+            Bind("/lib", "ro"), Bind("/lib32", "ro"), Bind("/lib64", "ro"), Bind("/libx32", "ro"), Bind("/opt", "ro"),
+            Bind("/sbin", "ro"), Bind("/tmp", "rw", SCRATCH + "/tmp"), Bind("/usr", "ro")]
+
+
 def landlock_paths(*, userns: bool, worktree_rw: bool = True) -> list[PathRule]:
     ro = SYSTEM + ["/proc", CODE]
     rw = [SCRATCH] + (["/tmp", "/dev/shm"] if userns else [])
@@ -101,12 +118,13 @@ def test_full_mode_network_off():
     assert got.paths == PATHS
     assert got.namespaces == NamespacePlan(user=True, mount=True, pid=True, net=True, uid=UID, gid=GID)
     assert got.loopback is True
-    assert got.mounts == MountPlan(writable=[WT, SCRATCH], visible=[SCRATCH, WT], private_tmp=SCRATCH + "/tmp",
-                                   hide=[RUNTIME], proc=True)
-    # The network namespace holds "off": Landlock does not handle TCP, seccomp allows inet.
+    # CODE (/opt/dispatchd) is inside /opt: bound with it.
+    assert got.mounts == MountPlan(root="minimal", binds=root_binds(), devices=DEVICES, hide=[])
+    # The network namespace holds "off": Landlock does not handle TCP, seccomp allows inet;
+    # the root and the network namespace are the session's own: Unix sockets too.
     assert got.landlock == LandlockPlan(abi=7, handled_fs=0xFFFF, handled_net=0, scoped=3,
                                         paths=landlock_paths(userns=True), tcp_ports=[])
-    assert got.seccomp == plan_seccomp(allow_inet=True)
+    assert got.seccomp == plan_seccomp(allow_inet=True, allow_unix=True)
     assert got.writable is True
     assert got.tools == ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files",
                          "shell_exec"]
@@ -124,6 +142,11 @@ def test_full_mode_protections():
     assert prot["network"] == {"mode": "off", "mechanism": "network namespace with loopback only"}
     assert prot["worktree"] == "read-write"
     assert prot["hygiene"] == HYGIENE + ["no capabilities"]
+    assert prot["unix_sockets"] == ("allowed: pathname sockets inside the session's own root, abstract names in "
+                                    "its own network namespace")
+    assert prot["root"][3] == {"path": WT, "how": "read-write (the worktree, bound from the descriptor the daemon "  # type: ignore[index]
+                                                  "checked)"}
+    assert [r["path"] for r in prot["root"]] == [b.path for b in root_binds()] + ["/dev", "/dev/shm", "/proc"]  # type: ignore[attr-defined]
 
 
 def test_tmp_and_dev_shm_are_granted_only_with_a_mount_namespace():
@@ -139,12 +162,15 @@ def test_full_mode_network_on():
     assert got.loopback is False
     assert got.landlock.handled_net == 0
     assert got.landlock.tcp_ports == []
-    assert got.seccomp == plan_seccomp(allow_inet=True)
+    # The host's network namespace: an abstract name the session listened on
+    # would take the user's programs' connections, so no socket(AF_UNIX).
+    assert got.seccomp == plan_seccomp(allow_inet=True, allow_unix=False)
     assert got.mounts is not None
     assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
     assert got.protections["landlock"]["tcp"] == "not handled"  # type: ignore[index]
     assert got.protections["mode"] == "full"
-    assert got.protections["leaves_open"] == [ABSTRACT_GAP]
+    assert got.protections["unix_sockets"] == "refused (seccomp: socket(AF_UNIX) -> EPERM)"
+    assert got.protections["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP]
 
 
 def test_full_mode_below_abi_6_is_degraded_for_want_of_scopes():
@@ -167,8 +193,7 @@ def test_read_only_worktree():
     assert got.tools == ["read_file", "list_files", "search_files"]
     assert got.landlock.paths == landlock_paths(userns=True, worktree_rw=False)
     assert got.landlock.paths[0] == PathRule(WT, RO)
-    assert got.mounts == MountPlan(writable=[SCRATCH], visible=[SCRATCH, WT], private_tmp=SCRATCH + "/tmp",
-                                   hide=[RUNTIME], proc=True)
+    assert got.mounts == MountPlan(root="minimal", binds=root_binds(worktree_rw=False), devices=DEVICES, hide=[])
     assert got.protections["worktree"] == "read-only"
 
 
@@ -187,15 +212,45 @@ def test_policy_paths_reach_landlock_and_mounts():
         PathRule("/dev/shm", RW), PathRule("/dev/tty", DEV),
     ]
     assert got.mounts is not None
-    assert got.mounts.writable == [WT, SCRATCH, "/home/u/.cache"]
+    assert got.mounts.writable() == ["/home/u/.cache", SCRATCH, WT, "/tmp"]
+    assert got.mounts.devices == ["/dev/tty"]
 
 
-def test_a_runtime_dir_holding_the_worktree_is_not_hidden():
+def test_the_hosts_root_as_the_policy_may_ask():
     paths = SessionPaths(worktree=RUNTIME + "/wt", scratch=SCRATCH, runtime_dirs=[RUNTIME, "/run/user/1000x"],
                          code=[CODE])
+    got = plan(Policy(filesystem=Filesystem(root="host")), paths=paths)
+    assert got.mounts is not None
+    assert got.mounts.root == "host"
+    assert got.mounts.hide == ["/run/user/1000x"]  # the one holding the worktree stays visible
+    # No root of its own: the user's sockets would be there to connect to.
+    assert got.seccomp == plan_seccomp(allow_inet=True, allow_unix=False)
+    assert got.protections["mode"] == "full"
+    assert got.protections["leaves_open"] == [META_GAP, UNIX_GAP]
+    assert got.protections["root"][0]["path"] == "/"  # type: ignore[index]
+
+
+def test_extra_read_only_paths_reach_the_root_and_landlock():
+    paths = msgspec.structs.replace(PATHS, read_only=["/home/u/.cargo", "/home/u/.rustup"])
     got = plan(paths=paths)
     assert got.mounts is not None
-    assert got.mounts.hide == ["/run/user/1000x"]
+    assert [b for b in got.mounts.binds if b.path.startswith("/home/u/.")] == [
+        Bind("/home/u/.cargo", "ro"), Bind(SCRATCH, "rw"), Bind("/home/u/.rustup", "ro")]
+    assert [r for r in got.landlock.paths if r.path.startswith("/home/u/.") and r.access == RO] == [
+        PathRule("/home/u/.cargo", RO), PathRule("/home/u/.rustup", RO)]
+    assert {"path": "/home/u/.cargo", "how": "read-only (extra read-only path)"} in got.protections["root"]  # type: ignore[operator]
+
+
+def test_the_layer_test_lets_landlock_read_the_whole_root():
+    got = plan(Policy(filesystem=Filesystem(landlock_grants_root=True)))
+    assert got.landlock.paths[0] == PathRule("/", RO)
+    assert got.protections["mode"] == "full"
+    assert got.protections["leaves_open"] == [
+        "filesystem.landlock_grants_root (a layer test): Landlock lets the session read the whole of its root; "
+        "only the root's contents keep the rest out"]
+    # Never on the host's root (the policy refuses the pair; the plan would not grant it either).
+    assert PathRule("/", RO) not in plan(Policy(filesystem=Filesystem(landlock_grants_root=True)),
+                                         kernel(userns=False)).landlock.paths
 
 
 # -- degraded mode (no user namespaces) -----------------------------------------
@@ -212,7 +267,8 @@ def test_degraded_mode_network_off():
                                         paths=landlock_paths(userns=False), tcp_ports=[])
     prot = got.protections
     assert prot["mode"] == "degraded"
-    assert prot["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, ABSTRACT_GAP]
+    assert prot["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP]
+    assert prot["unix_sockets"] == "refused (seccomp: socket(AF_UNIX) -> EPERM)"
     assert "chmod" in prot["leaves_open"][0]  # type: ignore[index]
     assert prot["namespaces"] == {"user": False, "mount": False, "pid": False, "net": False}
     assert prot["network"] == {"mode": "off",
@@ -227,7 +283,7 @@ def test_degraded_mode_network_on():
     assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False)
     assert got.landlock.handled_net == 0
     assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
-    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, ABSTRACT_GAP]
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP]
 
 
 def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
@@ -237,7 +293,8 @@ def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
     assert got.landlock.handled_fs == 0x7FFF
     assert got.landlock.scoped == 0
     assert got.protections["network"] == {"mode": "off", "mechanism": "seccomp: no IPv4/IPv6 sockets"}
-    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SCOPES_GAP, ABSTRACT_GAP]
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SCOPES_GAP, META_GAP,
+                                              UNIX_GAP, ABSTRACT_GAP]
     assert got.protections["landlock"]["tcp"] == "not handled"  # type: ignore[index]
 
 
@@ -333,7 +390,7 @@ def test_ports_in_full_mode():
         "connect_ports": [443, 80], "bind_ports": [8080]}
     # The sandbox itself is whole; the network's caveat is listed all the same.
     assert got.protections["mode"] == "full"
-    assert got.protections["leaves_open"] == [ABSTRACT_GAP, PORTS_GAP]
+    assert got.protections["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP, PORTS_GAP]
 
 
 def test_ports_default_to_the_policys():
@@ -348,7 +405,7 @@ def test_ports_in_degraded_mode():
     assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False)
     assert got.landlock.handled_net == 3
     assert got.landlock.tcp_ports == []
-    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, ABSTRACT_GAP, PORTS_GAP]
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, PORTS_GAP]
 
 
 def test_ports_are_ignored_unless_network_is_ports():

@@ -67,7 +67,8 @@ def test_shipped_default_policy():
         description="Read, write, search and run commands in the worktree; network off by default.",
         tools=ALL_TOOLS,
         filesystem=Filesystem(
-            read_only=SYSTEM + ("/run/systemd/resolve", "/sys/devices/system/cpu"),
+            read_only=SYSTEM + ("/run/systemd/resolve/resolv.conf", "/run/systemd/resolve/stub-resolv.conf",
+                                "/sys/devices/system/cpu"),
             read_write=(),
             devices=DEVICES,
             worktree="read-write",
@@ -250,7 +251,7 @@ def test_relative_or_unnormalised_path_is_refused(key: str, path: str):
     assert err.message == f"<policy>: filesystem.{key}: {path!r} must be an absolute, normalised path"
 
 
-@pytest.mark.parametrize("key", ["read_only", "read_write"])
+@pytest.mark.parametrize("key", ["read_only", "read_write", "extra_read_only"])
 def test_granting_root_is_refused(key: str):
     err = refusal(f'[filesystem]\n{key} = ["/"]')
     assert err.key == f"filesystem.{key}"
@@ -421,3 +422,26 @@ def test_policy_env_set_cannot_be_changed_in_place():
     with pytest.raises(TypeError):
         p.env.set["LD_PRELOAD"] = "/tmp/evil.so"  # type: ignore[index]
     assert dict(p.env.set) == {"CI": "1"}
+
+
+def test_the_minimal_root_is_the_default():
+    fs = parse_policy("p", "").filesystem
+    assert (fs.root, fs.extra_read_only, fs.landlock_grants_root) == ("minimal", (), False)
+
+
+def test_extra_read_only_paths_are_read():
+    fs = parse_policy("p", '[filesystem]\nextra_read_only = ["/opt/rust", "/home/u/.cargo"]').filesystem
+    assert fs.extra_read_only == ("/opt/rust", "/home/u/.cargo")
+
+
+def test_landlock_granting_the_root_is_refused_on_the_hosts_root():
+    err = refusal('[filesystem]\nroot = "host"\nlandlock_grants_root = true')
+    assert err.key == "filesystem.landlock_grants_root"
+    assert err.message == ('<policy>: filesystem.landlock_grants_root: only with root = "minimal": on the host\'s '
+                           'root it would grant reading the whole machine')
+    assert parse_policy("p", '[filesystem]\nlandlock_grants_root = true').filesystem.landlock_grants_root
+
+
+def test_an_unknown_root_is_refused():
+    err = refusal('[filesystem]\nroot = "chroot"')
+    assert err.key == "filesystem.root"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.worktree import check_worktree
+from dispatchd.daemon.worktree import check_read_only_path, check_worktree, open_worktree
 from dispatchd.errors import WorktreeError
 
 UID = os.getuid()
@@ -61,10 +61,15 @@ def test_missing(base: Path):
     assert refusal(path, base).message == f"worktree does not exist: {path}"
 
 
-def test_dangling_symlink_is_missing(base: Path):
+def not_roots(path: str, link: Path) -> str:
+    return (f"worktree {path} goes through a symlink ({link}) that is not root's: a session could have "
+            "planted it to aim this one elsewhere; give the directory's real path")
+
+
+def test_dangling_symlink_is_refused(base: Path):
     link = base / "home" / "dangling"
     link.symlink_to(base / "nowhere")
-    assert refusal(str(link), base).message == f"worktree does not exist: {link}"
+    assert refusal(str(link), base).message == not_roots(str(link), link)
 
 
 def test_not_a_directory(base: Path):
@@ -77,7 +82,7 @@ def test_a_path_through_a_file_cannot_be_inspected(base: Path):
     f = base / "home" / "file.txt"
     f.write_text("x")
     path = str(f / "sub")
-    assert refusal(path, base).message == f"cannot inspect worktree {path}: Not a directory"
+    assert refusal(path, base).message == f"worktree is not a directory: {path}"
 
 
 def test_root(base: Path):
@@ -92,7 +97,7 @@ def test_root_spelled_otherwise(base: Path):
 def test_a_symlink_to_root(base: Path):
     link = base / "home" / "root"
     link.symlink_to("/")
-    assert refusal(str(link), base).message == "the worktree cannot be / (the whole machine)"
+    assert refusal(str(link), base).message == not_roots(str(link), link)
 
 
 def test_home_itself(base: Path):
@@ -108,7 +113,7 @@ def test_home_with_a_trailing_slash(base: Path):
 def test_a_symlink_to_home(base: Path):
     link = base / "state" / "to-home"
     link.symlink_to(base / "home")
-    assert refusal(str(link), base).message == f"the worktree cannot be the home directory itself ({base / 'home'})"
+    assert refusal(str(link), base).message == not_roots(str(link), link)
 
 
 def test_home_given_through_a_symlink(base: Path):
@@ -140,7 +145,7 @@ def test_is_a_protected_path(base: Path):
 
 def test_a_parent_of_the_state_directory(base: Path):
     with pytest.raises(WorktreeError) as info:
-        check_worktree(str(base), uid=UID, home=str(base / "home"), protected=[str(base / "state")])
+        check_worktree(str(base), uid=UID, home="/nonexistent-home", protected=[str(base / "state")])
     assert info.value.message == f"worktree {base} contains dispatchd's own files ({base / 'state'})"
 
 
@@ -180,10 +185,73 @@ def test_inside_the_socket_directory_is_allowed(base: Path):
     assert check(str(wt), base) == str(wt)
 
 
-def test_symlinked_worktree_resolves(base: Path):
+def test_a_symlink_of_the_users_is_not_followed(base: Path):
+    # One a session could have planted, or swapped in, to aim this open at ~/.ssh.
     link = base / "home" / "link"
     link.symlink_to(base / "home" / "wt")
-    assert check(str(link), base) == str(base / "home" / "wt")
+    assert refusal(str(link), base).message == not_roots(str(link), link)
+    assert refusal(str(link) + "/sub", base).message == not_roots(str(link) + "/sub", link)
+
+
+def test_roots_symlinks_are_followed():
+    # On Debian /lib is root's symlink to usr/lib: followed, and the path returned is the real one.
+    if not os.path.islink("/lib"):
+        pytest.skip("no root-owned /lib symlink on this system")
+    wt = open_worktree("/lib/..", uid=0, home="/nonexistent", protected=[])
+    try:
+        assert wt.path == "/usr"
+        assert os.path.samestat(os.fstat(wt.fd), os.stat("/usr"))
+    finally:
+        wt.close()
+
+
+@pytest.mark.parametrize("name", [".ssh", ".gnupg", ".aws", ".config", ".config/gh", ".local/share/keyrings"])
+def test_credential_directories_are_refused(base: Path, name: str):
+    cred = base / "home" / name
+    cred.mkdir(parents=True)
+    home_cred = str(base / "home" / name.split("/")[0]) if name.startswith(".config/") else str(cred)
+    assert refusal(str(cred), base).message == f"worktree {cred} is or holds your credentials ({home_cred}): refused"
+
+
+def test_a_directory_holding_credentials_is_refused(base: Path):
+    (base / "home" / "proj").mkdir()
+    (base / "home" / ".ssh").mkdir()
+    # Not the home directory itself, but a directory above it.
+    assert refusal(str(base), base).message.startswith(f"worktree {base} is or holds your credentials")
+    assert check(str(base / "home" / "proj"), base) == str(base / "home" / "proj")  # a sibling: fine
+
+
+def test_the_descriptor_is_the_checked_directory(base: Path):
+    wt = open_worktree(str(base / "home" / "wt"), uid=UID, home=str(base / "home"), protected=[])
+    try:
+        os.rename(base / "home" / "wt", base / "home" / "moved")
+        (base / "home" / "wt").symlink_to(base / "home" / ".ssh-like")
+        assert os.path.samestat(os.fstat(wt.fd), os.stat(base / "home" / "moved"))
+    finally:
+        wt.close()
+
+
+@pytest.mark.parametrize("path", ["/usr/lib", "/opt"])
+def test_extra_read_only_paths_that_are_fine(base: Path, path: str):
+    assert check_read_only_path(path, home=str(base / "home"), protected=[str(base / "state")], where="x") == \
+        os.path.realpath(path)
+
+
+@pytest.mark.parametrize(("rel", "why"), [
+    ("home", "would show the whole home directory (or more): refused"),
+    ("", "would show the whole home directory (or more): refused"),
+    ("home/.ssh", "is or holds your credentials"),
+    ("home/.config/gh", "is or holds your credentials"),
+    ("state", "is or holds dispatchd's own files"),
+    ("state/sessions", "is or holds dispatchd's own files"),
+])
+def test_extra_read_only_paths_that_are_refused(base: Path, rel: str, why: str):
+    path = base / rel
+    path.mkdir(parents=True, exist_ok=True)
+    with pytest.raises(WorktreeError) as info:
+        check_read_only_path(str(path), home=str(base / "home"), protected=[str(base / "state")], where="read_only")
+    assert info.value.code == "bad_worktree"
+    assert info.value.message.startswith(f"read_only: {path} ") and why in info.value.message
 
 
 def test_unnormalised_path_resolves(base: Path):
