@@ -209,7 +209,9 @@ def plan_session(
     env = {
         "PATH": DEFAULT_PATH,
         "HOME": paths.home,
-        "TMPDIR": paths.tmp,
+        # In a root of its own the private /tmp is short and the same
+        # directory: a socket path under it stays within AF_UNIX's 108 bytes.
+        "TMPDIR": "/tmp" if minimal_root else paths.tmp,
         "SHELL": "/bin/bash",
         "TERM": "dumb",
         "LANG": "C.UTF-8",

@@ -27,7 +27,7 @@ import pytest
 
 import dispatch
 from tests.conftest import Daemon, _refuse_root
-from tests.escape.attempts import EACCES, ENOENT
+from tests.escape.attempts import EACCES, ENOENT, EROFS
 
 MODES = ("full", "degraded")
 MODES_WITH_LIMIT = [pytest.param("full", id="full"),
@@ -47,11 +47,22 @@ class Sandbox:
         return full if self.mode == "full" else degraded
 
     def unreachable(self, path: str | Path) -> str:
-        """The verdict for opening a path outside every rule: in full mode a path
-        under /tmp does not exist (the session's /tmp is its own); elsewhere, and
-        always in degraded mode, Landlock refuses it."""
-        under_tmp = str(path) == "/tmp" or str(path).startswith("/tmp/")
-        return ENOENT if self.mode == "full" and under_tmp else EACCES
+        """The verdict for opening a path outside every rule: in full mode it
+        does not exist (the session's root holds only what the policy lists);
+        in degraded mode Landlock refuses it."""
+        return ENOENT if self.mode == "full" else EACCES
+
+    def create_verdict(self, session: dispatch.Session, directory: str | Path) -> str:
+        """Creating something in ``directory``, outside every rule. Degraded:
+        Landlock's EACCES. Full: the directory is absent from the session's
+        root (ENOENT), unless it lies on the way to a path the root holds (the
+        home directory, when dispatchd's code lives there): then it is there,
+        empty, on the root's read-only tmpfs (EROFS)."""
+        if self.mode != "full":
+            return EACCES
+        d = str(directory).rstrip("/")
+        on_the_way = any(r["path"].startswith(d + "/") for r in session.status()["protections"]["root"])
+        return EROFS if on_the_way else ENOENT
 
 
 @pytest.fixture(scope="module", params=MODES)

@@ -3,15 +3,17 @@
 Every attempt runs twice in the same session with the same code: on a path in
 the worktree (the control, which must work) and on the path it is after. Where
 the user could do it unconfined, the same code outside proves that the refusal
-came from the sandbox. Full mode refuses writes with EROFS (everything but the
-worktree and the scratch directory is a read-only mount) and reads with EACCES
-(Landlock); degraded mode refuses both with EACCES (Landlock alone).
+came from the sandbox. Full mode: the session's root holds none of the user's
+files (ENOENT), and what it holds is read-only but the worktree and the
+scratch directory (EROFS); degraded mode refuses both with EACCES (Landlock
+alone). ``test_layers.py`` shows that either layer of full mode holds alone.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import stat
 import subprocess
 import time
@@ -22,7 +24,9 @@ import pytest
 
 import dispatch
 from tests.conftest import shell
-from tests.escape.attempts import EACCES, EBUSY, EROFS, EXDEV, SYS, attempt, attempt_outside, background
+from tests.escape.attempts import (
+    EACCES, EBUSY, ENOENT, EPERM, EROFS, EXDEV, SYS, attempt, attempt_outside, background,
+)
 from tests.escape.conftest import MODES_WITH_LIMIT, Sandbox
 
 
@@ -89,29 +93,33 @@ READ_ROUTES = [_absolute, _dotdot_from_worktree, _proc_self_root, _proc_self_cwd
 
 @pytest.mark.parametrize("route", READ_ROUTES, ids=lambda r: r.__name__.strip("_"))
 def test_reading_a_file_in_the_home_directory_is_refused(
-    session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path, route: Callable[[Path, Path], str],
+    sandbox: Sandbox, session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path, route: Callable[[Path, Path], str],
 ) -> None:
     assert attempt(session, route(own_file, worktree)) == _ok(own_file.read_text())
     body = route(home_secret, worktree)
-    assert attempt(session, body) == EACCES
+    assert attempt(session, body) == sandbox.unreachable(home_secret)  # full: not in its root
     assert attempt_outside(body) == _ok(home_secret.read_text())
 
 
 def test_listing_the_home_directory_is_refused(session: dispatch.Session, worktree: Path, own_file: Path) -> None:
+    """Full mode: where dispatchd's code lives in the home directory, the root
+    holds the way to it, with nothing else, and Landlock (no rule there) still
+    refuses listing it; otherwise it is absent. Degraded: Landlock."""
     listing = "result = sorted(os.listdir({path!r}))"
     assert attempt(session, listing.format(path=str(worktree))) == _ok(sorted(os.listdir(worktree)))
-    assert attempt(session, listing.format(path=str(Path.home()))) == EACCES
+    assert attempt(session, listing.format(path=str(Path.home()))) in (EACCES, ENOENT)
 
 
 def test_hard_linking_a_home_file_into_the_worktree_is_refused(
-    session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path,
+    sandbox: Sandbox, session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path,
 ) -> None:
     link = "result = os.link({src!r}, {dst!r})"
     assert attempt(session, link.format(src=str(own_file), dst=str(worktree / "own-link"))) == "OK None"
-    # Full mode: the worktree is a mount of its own. Degraded mode: one
-    # filesystem, and Landlock refuses a link that would give the file the
+    # Full mode: the home file is not in the session's root. Degraded mode:
+    # one filesystem, and Landlock refuses a link that would give the file the
     # worktree's rights, with EXDEV (as it does for a refused "refer").
-    assert attempt(session, link.format(src=str(home_secret), dst=str(worktree / "secret-link"))) == EXDEV
+    got = attempt(session, link.format(src=str(home_secret), dst=str(worktree / "secret-link")))
+    assert got == sandbox.expect(full=ENOENT, degraded=EXDEV)
     assert not os.path.lexists(worktree / "secret-link")
     if os.stat(Path.home()).st_dev == os.stat(worktree).st_dev:  # the link is possible at all
         assert attempt_outside(link.format(src=str(home_secret), dst=str(worktree / "outside-link"))) == "OK None"
@@ -123,7 +131,11 @@ def test_moving_a_home_file_into_the_worktree_is_refused(
     move = "result = os.rename({src!r}, {dst!r})"
     assert attempt(session, move.format(src=str(own_file), dst=str(worktree / "moved-own"))) == "OK None"
     out = attempt(session, move.format(src=str(home_secret), dst=str(worktree / "moved-secret")))
-    assert out == sandbox.expect(full=EXDEV, degraded=EACCES)
+    # Full mode: the file is not in the root; the kernel looks at the two
+    # directories first, so where the root holds the way to the home
+    # directory (dispatchd's code there) it answers EXDEV (two mounts) before ENOENT.
+    full = EXDEV if sandbox.create_verdict(session, Path.home()) == EROFS else ENOENT
+    assert out == sandbox.expect(full=full, degraded=EACCES)
     assert home_secret.exists() and not os.path.lexists(worktree / "moved-secret")
 
 
@@ -134,7 +146,9 @@ def test_moving_a_worktree_file_out_to_the_home_directory_is_refused(
     assert attempt(session, move.format(src=str(own_file), dst=str(worktree / "renamed"))) == "OK None"
     target = Path.home() / f"dispatch-escape-moved-{secrets.token_hex(6)}"
     out = attempt(session, move.format(src=str(worktree / "renamed"), dst=str(target)))
-    assert out == sandbox.expect(full=EXDEV, degraded=EACCES)
+    # Full mode: a mount of its own, or no home there at all.
+    assert out == sandbox.expect(full=EXDEV if sandbox.create_verdict(session, Path.home()) == EROFS else ENOENT,
+                                 degraded=EACCES)
     assert not os.path.lexists(target)
 
 
@@ -158,7 +172,7 @@ def test_creating_anything_in_the_home_directory_is_refused(
     assert attempt(session, code.format(path=name)) == ok  # relative: in the worktree, the command's cwd
     assert os.path.lexists(worktree / name)
     target = Path.home() / name
-    assert attempt(session, code.format(path=str(target))) == sandbox.expect(full=EROFS, degraded=EACCES)
+    assert attempt(session, code.format(path=str(target))) == sandbox.create_verdict(session, Path.home())
     assert not os.path.lexists(target)
 
 
@@ -172,7 +186,9 @@ def test_writing_to_system_directories_is_refused(
     name = f"dispatch-escape-{secrets.token_hex(6)}"
     assert attempt(session, write.format(path=str(worktree / name))) == "OK 6"
     target = os.path.join(directory, name)
-    assert attempt(session, write.format(path=target)) == sandbox.expect(full=EROFS, degraded=EACCES)
+    # Full mode: /var is not in the session's root (ENOENT); the others are read-only binds.
+    full = ENOENT if directory == "/var/tmp" else EROFS
+    assert attempt(session, write.format(path=target)) == sandbox.expect(full=full, degraded=EACCES)
     assert not os.path.lexists(target)
 
 
@@ -198,7 +214,11 @@ def test_changing_a_home_file_is_refused(
 ) -> None:
     assert attempt(session, MODIFY[op].format(path=str(own_file))).startswith("OK ")
     before = home_owned.read_text()
-    assert attempt(session, MODIFY[op].format(path=str(home_owned))) == sandbox.expect(full=EROFS, degraded=EACCES)
+    # Full mode: the file is not in the root; a write that would create it
+    # (append) or remove it (unlink) fails on the read-only way to it if the
+    # root holds one (EROFS), else there is no directory (ENOENT).
+    full = sandbox.create_verdict(session, Path.home()) if op in ("append", "unlink") else ENOENT
+    assert attempt(session, MODIFY[op].format(path=str(home_owned))) == sandbox.expect(full=full, degraded=EACCES)
     assert home_owned.read_text() == before
 
 
@@ -229,7 +249,7 @@ METADATA = {
 @pytest.mark.parametrize("sandbox", MODES_WITH_LIMIT, indirect=True)
 @pytest.mark.parametrize("op", METADATA)
 def test_metadata_of_a_home_file(sandbox: Sandbox, session: dispatch.Session, own_file: Path, home_owned: Path, op: str) -> None:
-    """Full mode: EROFS. Degraded mode: a KNOWN LIMIT, and it goes through:
+    """Full mode: ENOENT (not in the session's root). Degraded mode: a KNOWN LIMIT, and it goes through:
     Landlock (ABI <= 7) does not check chmod, chown, utime or xattrs, and
     there is no read-only mount to stop them. The session's status says so."""
     code, changed = METADATA[op]
@@ -238,7 +258,7 @@ def test_metadata_of_a_home_file(sandbox: Sandbox, session: dispatch.Session, ow
     time.sleep(0.01)  # so that a change of ctime shows
     out = attempt(session, code.format(path=str(home_owned)))
     if sandbox.mode == "full":
-        assert out == EROFS
+        assert out == ENOENT
         assert not changed(home_owned, before)
     else:
         assert out == "OK None"
@@ -578,3 +598,69 @@ def test_a_redirect_planted_in_git_works_until_the_session_ends_known_limit(
     assert marker in during.stderr  # the limit
     assert marker not in after.stderr and after.returncode == 0, after.stderr
     assert not (worktree / ".git" / "commondir").exists()
+
+
+# What Landlock does not govern: a path's metadata, its link target, its
+# extended attributes, watching it, and connecting to a socket there. Full
+# mode: the session's root holds none of the user's files, so each gets
+# ENOENT; the twin is the same probe on a worktree file. Degraded mode: a
+# KNOWN LIMIT, stated in leaves_open (only connect() is refused, by seccomp).
+SIGHT = {
+    "stat": ("result = os.stat({path!r}).st_size > 0", "OK True"),
+    "readlink": ("result = os.readlink({link!r}) == {path!r}", "OK True"),
+    "getxattr": ("result = os.getxattr({path!r}, 'user.dispatch')", "OK b'secret'"),
+    "inotify": ("fd = libc.inotify_init1(os.O_CLOEXEC)\n"
+                "w = libc.inotify_add_watch(fd, {parent!r}.encode(), 0xfff)\n"
+                "if w < 0:\n    raise OSError(ctypes.get_errno(), 'inotify_add_watch')\n"
+                "result = w > 0", "OK True"),
+    "connect": ("s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\nresult = s.connect({sock!r})", "OK None"),
+}
+
+
+def _metadata_targets(directory: Path, tag: str) -> dict[str, str]:
+    """A file with an xattr, a symlink to it, and a listening socket, in ``directory``."""
+    f = directory / f"meta-{tag}-{secrets.token_hex(4)}"
+    f.write_text("content\n")
+    try:
+        os.setxattr(f, "user.dispatch", b"secret")
+    except OSError:
+        pass  # a filesystem without user xattrs: the probe then says so on both sides
+    link = directory / f"{f.name}.link"
+    link.symlink_to(f)
+    return {"path": str(f), "link": str(link), "parent": str(directory), "sock": str(directory / f"{f.name}.sock")}
+
+
+@pytest.mark.parametrize("sandbox", MODES_WITH_LIMIT, indirect=True)
+@pytest.mark.parametrize("probe", SIGHT)
+def test_the_metadata_of_the_users_files_is_out_of_sight(
+    sandbox: Sandbox, session: dispatch.Session, worktree: Path, probe: str,
+) -> None:
+    import socket as socket_module
+
+    code, ok = SIGHT[probe]
+    home_dir = Path.home() / f"dispatch-escape-meta-{secrets.token_hex(4)}"
+    home_dir.mkdir()
+    listeners = []
+    try:
+        targets = {"worktree": _metadata_targets(worktree, "own"), "home": _metadata_targets(home_dir, "home")}
+        for t in targets.values():
+            s = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+            s.bind(t["sock"])
+            s.listen(4)
+            listeners.append(s)
+        home = code.format(**targets["home"])
+        assert attempt_outside(home) == ok  # the user can
+        own = attempt(session, code.format(**targets["worktree"]))
+        got = attempt(session, home)
+        gaps = session.status()["protections"]["leaves_open"]
+        if sandbox.mode == "full":
+            assert (own, got) == (ok, ENOENT)
+        elif probe == "connect":
+            assert (own, got) == (EPERM, EPERM)  # no socket(AF_UNIX) without a root of its own
+        else:
+            assert (own, got) == (ok, ok)  # the limit
+            assert any(g.startswith("metadata of files outside the worktree") for g in gaps), gaps
+    finally:
+        for s in listeners:
+            s.close()
+        shutil.rmtree(home_dir)

@@ -2,9 +2,12 @@
 
 The daemon's socket, the user's other Unix sockets (D-Bus, systemd, a
 journal, an agent), abstract sockets, System V IPC, POSIX message queues and
-shared memory, the user's runtime directory. The seccomp docstring promises
-no Unix socket reaching outside (``socket(AF_UNIX)`` refused; a stream
-``socketpair`` allowed, a datagram pair refused), System V IPC that is the
+shared memory, the user's runtime directory. Full mode (network off): Unix
+sockets work inside, and none of the host's is there to reach — its paths
+are not in the session's root (ENOENT) and its abstract names not in the
+session's network namespace (ECONNREFUSED). Degraded mode: ``socket(AF_UNIX)``
+is refused (EPERM; a stream ``socketpair`` allowed, a datagram pair refused
+in both modes), System V IPC that is the
 session's own (full mode: an IPC namespace) or refused (degraded mode), and
 the README "the rest of the machine invisible"; each attempt's twin runs
 outside and gets through.
@@ -74,7 +77,13 @@ def test_the_daemons_socket_cannot_be_reached(sandbox: Sandbox, session: dispatc
     path = sandbox.daemon.socket
     connect = f"s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\ns.settimeout(5)\nresult = s.connect({path!r})"
     assert attempt_outside(connect) == "OK None"
-    assert attempt(session, connect) == EPERM  # seccomp: no socket(AF_UNIX)
+    # Full mode: not in the session's root. Degraded: seccomp, no socket(AF_UNIX).
+    assert attempt(session, connect) == sandbox.expect(full=ENOENT, degraded=EPERM)
+    # The twin: the same connect to a socket of the session's own, in its worktree.
+    own = "own.sock"
+    serve = f"l = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\nl.bind({own!r})\nl.listen(1)\n"
+    assert attempt(session, serve + connect.replace(repr(path), repr(own))) == sandbox.expect(full="OK None",
+                                                                                             degraded=EPERM)
     assert attempt(session, _OWN_STREAM_PAIR) == "OK b'own'"
     # A stream pair is connected from birth: the kernel will not connect it
     # again (EISCONN, outside as well); in full mode the path is not even
@@ -99,14 +108,16 @@ def test_af_unix_with_high_bits_in_the_family_is_still_refused(session: dispatch
 def test_abstract_unix_sockets_outside_are_unreachable(sandbox: Sandbox, session: dispatch.Session) -> None:
     """A datagram listener and a stream listener of the user's, on abstract
     names (an X server's, a desktop agent's, D-Bus's). The session's network
-    is off: in full mode its abstract names are its own network namespace's."""
+    is off: in full mode its abstract names are its own network namespace's
+    (the host's are not there: ECONNREFUSED; its own work, the twin); in
+    degraded mode there is no socket(AF_UNIX) (EPERM)."""
     token = secrets.token_hex(6).encode()
     dgram_name, stream_name = b"\0dispatch-escape-" + token, b"\0dispatch-escape-stream-" + token
     with DatagramListener(socket.AF_UNIX, dgram_name) as listener, StreamListener(stream_name) as stream:
         send = f"s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\nresult = s.sendto(b'escaped', {dgram_name!r})"
         assert attempt_outside(send) == "OK 7"
         assert listener.drain() == [b"escaped"]
-        assert attempt(session, send) == EPERM  # seccomp: no socket(AF_UNIX)
+        assert attempt(session, send) == sandbox.expect(full=ECONNREFUSED, degraded=EPERM)
         # A datagram pair could aim sendto at any name: refused whole (seccomp).
         send_from_pair = _pair("SOCK_DGRAM", f"result = a.sendto(b'escaped', {dgram_name!r})")
         assert attempt_outside(send_from_pair) == "OK 7"
@@ -119,7 +130,10 @@ def test_abstract_unix_sockets_outside_are_unreachable(sandbox: Sandbox, session
         connect = f"s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\nresult = s.connect({stream_name!r})"
         assert attempt_outside(connect) == "OK None"
         assert stream.pending() == 1
-        assert attempt(session, connect) == EPERM
+        assert attempt(session, connect) == sandbox.expect(full=ECONNREFUSED, degraded=EPERM)
+        own = (f"l = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\nl.bind({stream_name!r})\nl.listen(1)\n"
+               + connect)  # the twin: its own listener on the same name, in its own namespace
+        assert attempt(session, own) == sandbox.expect(full="OK None", degraded=EPERM)
         assert attempt(session, _OWN_STREAM_PAIR) == "OK b'own'"
         reconnect = _pair("SOCK_STREAM", f"result = a.connect({stream_name!r})")
         assert attempt_outside(reconnect) == EISCONN
@@ -161,8 +175,8 @@ def test_a_socketpair_cannot_reach_unix_sockets_outside(
             assert attempt(session, sendto) == EISCONN
             reconnect = _pair("SOCK_STREAM", f"result = a.connect({str(stream_path)!r})")
             assert attempt_outside(reconnect) == EISCONN
-            hidden = where == "runtime dir" and sandbox.mode == "full"
-            assert attempt(session, reconnect) == (ENOENT if hidden else EISCONN)
+            # Full mode: neither directory is in the session's root.
+            assert attempt(session, reconnect) == sandbox.expect(full=ENOENT, degraded=EISCONN)
             assert (listener.drain(), stream.pending()) == ([], 0)
     finally:
         dgram_path.unlink(missing_ok=True)

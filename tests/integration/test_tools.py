@@ -673,7 +673,9 @@ def test_shell_exec_environment_is_the_allowlist_only(session: dispatch.Session,
     assert "XDG_STATE_HOME" not in env and "PYTHONDONTWRITEBYTECODE" not in env
     scratch = os.path.realpath(daemon.state / "dispatchd" / "sessions" / session.id)
     assert env["HOME"] == f"{scratch}/home"
-    assert env["TMPDIR"] == f"{scratch}/tmp"
+    full = session.status()["protections"]["mode"] == "full"
+    # Full mode: the private /tmp of the session's own root (its scratch tmp, bound there).
+    assert env["TMPDIR"] == ("/tmp" if full else f"{scratch}/tmp")
     assert env["DISPATCH_SESSION"] == session.id
     assert env["SHELL"] == "/bin/bash" and env["TERM"] == "dumb"
     assert env["HOME"] != os.path.expanduser("~")

@@ -441,7 +441,7 @@ def test_env_is_an_allowlist():
     assert plan(base_env=DAEMON_ENV).env == {
         "PATH": DEFAULT_PATH,
         "HOME": SCRATCH + "/home",
-        "TMPDIR": SCRATCH + "/tmp",
+        "TMPDIR": "/tmp",  # the private one, in the session's own root
         "SHELL": "/bin/bash",
         "TERM": "dumb",
         "LANG": "de_DE.UTF-8",  # pass_through
@@ -454,9 +454,11 @@ def test_env_is_an_allowlist():
 
 def test_env_without_a_daemon_env():
     assert plan(base_env={}).env == {
-        "PATH": DEFAULT_PATH, "HOME": SCRATCH + "/home", "TMPDIR": SCRATCH + "/tmp", "SHELL": "/bin/bash",
+        "PATH": DEFAULT_PATH, "HOME": SCRATCH + "/home", "TMPDIR": "/tmp", "SHELL": "/bin/bash",
         "TERM": "dumb", "LANG": "C.UTF-8", "DISPATCH_SESSION": "s1",
     }
+    # Without a root of its own, the scratch directory's own tmp.
+    assert plan(base_env={}, k=kernel(userns=False)).env["TMPDIR"] == SCRATCH + "/tmp"
 
 
 def test_env_pass_through_takes_only_the_listed_names():

@@ -1,0 +1,152 @@
+"""Unix sockets inside a session (issue 12): what ordinary work needs.
+
+Full mode, network off (the session's root and network namespace are its
+own): ``multiprocessing.Manager``, an asyncio Unix server and client, and a
+server on a socket in the worktree reached by another command all work.
+Where the session could reach the host's sockets — degraded mode (no root of
+its own), or the host's network namespace (network on: an abstract name the
+session listened on would take the user's programs' connections) —
+``socket(AF_UNIX)`` stays refused (EPERM), and ``leaves_open`` says so.
+"""
+
+from __future__ import annotations
+
+import errno
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import Daemon, _refuse_root, probe, shell
+
+MANAGER = """
+import multiprocessing
+if __name__ == "__main__":
+    with multiprocessing.Manager() as m:
+        d = m.dict()
+        d["answer"] = 42
+        print("manager", d["answer"])
+"""
+
+ASYNCIO = """
+import asyncio, os
+async def handle(reader, writer):
+    writer.write(b"echo:" + await reader.readline())
+    await writer.drain()
+    writer.close()
+async def main():
+    path = os.path.join(os.environ["TMPDIR"], "aio.sock")
+    server = await asyncio.start_unix_server(handle, path)
+    async with server:
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(b"hello\\n")
+        print((await reader.readline()).decode().strip())
+        writer.close()
+asyncio.run(main())
+"""
+
+SERVER = """
+import socket, os
+l = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+l.bind("srv.sock")
+l.listen(1)
+open("srv.ready", "w").close()
+c, _ = l.accept()
+c.sendall(b"from the worktree server")
+c.close()
+"""
+
+CLIENT = """
+import socket, time, os
+for _ in range(100):
+    if os.path.exists("srv.ready"):
+        break
+    time.sleep(0.05)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("srv.sock")
+print(s.recv(100).decode())
+"""
+
+ABSTRACT = """
+import socket
+l = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+l.bind(b"\\0dispatch-own-abstract")
+l.listen(1)
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+c.connect(b"\\0dispatch-own-abstract")
+a, _ = l.accept()
+a.sendall(b"abstract ok")
+print(c.recv(100).decode())
+"""
+
+REFUSED = f"socket.socket(AF_UNIX): [Errno {errno.EPERM}]"
+PLAIN = ("import socket\ntry:\n    socket.socket(socket.AF_UNIX)\n    print('made')\n"
+         "except OSError as e:\n    print(f'socket.socket(AF_UNIX): [Errno {e.errno}]')\n")
+
+
+def _full(client: dispatch.Client) -> None:
+    if not client.status()["kernel"]["user_namespaces"]:
+        pytest.fail("full mode needs user namespaces; this kernel refuses them", pytrace=False)
+
+
+@pytest.mark.parametrize(("name", "code", "out"), [
+    ("multiprocessing.Manager", MANAGER, "manager 42"),
+    ("asyncio Unix server and client", ASYNCIO, "echo:hello"),
+    ("an abstract name of its own", ABSTRACT, "abstract ok"),
+])
+def test_unix_socket_workloads_work_in_full_mode(client: dispatch.Client, worktree: Path, name: str, code: str,
+                                                  out: str) -> None:
+    _full(client)
+    with client.open_session(str(worktree)) as s:
+        prot = s.status()["protections"]
+        assert (prot["mode"], prot["unix_sockets"]) == (
+            "full", "allowed: pathname sockets inside the session's own root, abstract names in its own network "
+                    "namespace")
+        r = shell(s, f"/usr/bin/python3 -c {shlex.quote(code)}", timeout=60)
+        assert r.metadata["stdout"].strip() == out, r.metadata["stderr"]
+
+
+def test_a_server_on_a_socket_in_the_worktree_serves_another_command(client: dispatch.Client, worktree: Path) -> None:
+    _full(client)
+    with client.open_session(str(worktree)) as s:
+        r = shell(s, f"/usr/bin/python3 -c {shlex.quote(SERVER)} & "
+                     f"/usr/bin/python3 -c {shlex.quote(CLIENT)}; wait", timeout=60)
+        assert r.metadata["stdout"].strip() == "from the worktree server", r.metadata["stderr"]
+    assert (worktree / "srv.sock").is_socket()  # in the user's worktree, where the session made it
+
+
+def test_with_the_network_on_unix_sockets_stay_refused(client: dispatch.Client, worktree: Path) -> None:
+    _full(client)
+    with client.open_session(str(worktree), network=True) as s:
+        prot = s.status()["protections"]
+        assert prot["unix_sockets"] == "refused (seccomp: socket(AF_UNIX) -> EPERM)"
+        assert any(g.startswith("Unix sockets are refused (socket(AF_UNIX): EPERM; stream socketpairs work) while "
+                                "the session shares the host's network namespace") for g in prot["leaves_open"])
+        assert probe(s, PLAIN) == REFUSED
+    with client.open_session(str(worktree), network=False) as s:  # the twin
+        assert probe(s, PLAIN) == "made"
+
+
+@pytest.fixture(scope="module")
+def degraded_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
+    _refuse_root()
+    d = Daemon(tmp_path_factory.mktemp("degraded"), "--no-user-namespaces")
+    try:
+        with d.connect() as c:
+            yield c
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_degraded_mode_refuses_unix_sockets_and_says_so(degraded_client: dispatch.Client, worktree: Path) -> None:
+    with degraded_client.open_session(str(worktree)) as s:
+        prot = s.status()["protections"]
+        assert (prot["mode"], prot["unix_sockets"]) == ("degraded", "refused (seccomp: socket(AF_UNIX) -> EPERM)")
+        assert any(g.startswith("Unix sockets are refused") for g in prot["leaves_open"]), prot["leaves_open"]
+        assert probe(s, PLAIN) == REFUSED
+        r = shell(s, f"/usr/bin/python3 -c {shlex.quote(MANAGER)}", timeout=60)
+        assert r.metadata["exit_code"] != 0 and "PermissionError" in r.metadata["stderr"]
+        pair = ("import socket\na, b = socket.socketpair()\na.send(b'x')\nprint(b.recv(1).decode())")
+        assert probe(s, pair) == "x"  # the twin: a stream socketpair still works
