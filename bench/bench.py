@@ -12,8 +12,10 @@ root), and prints one table:
   socket (same framing and codec, 4 KiB reply): the IPC floor;
 - shell_exec of ``true`` beside ``subprocess.run(["bash", "-c", "true"])``
   with no sandbox;
-- opening a session (until every protection is in force), and switching its
-  network (the sandbox is replaced). With ``--cgroup DIR`` (a delegated cgroup
+- opening a session (until every protection is in force) beside the same
+  open with the host's root (policy ``root = "host"``: the host's ``/``
+  read-only, as before the minimal root), and switching its network (the
+  sandbox is replaced). With ``--cgroup DIR`` (a delegated cgroup
   v2 directory; ``./scripts/bench`` run as root makes one) the daemon gives
   each session a cgroup, and the open includes making and joining it.
 
@@ -126,7 +128,11 @@ def main() -> int:
         print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
         return 2
     tmp = tempfile.mkdtemp(prefix="dispatchd-bench-")
-    extra = ["--no-user-namespaces"] if args.no_user_namespaces else []
+    # The baseline of the minimal root: the host's root, from the same daemon.
+    policies = os.path.join(tmp, "policies")
+    shutil.copytree(REPO / "policies", policies)
+    Path(policies, "host-root.toml").write_text('[filesystem]\nroot = "host"\n')
+    extra = ["--policies", policies] + (["--no-user-namespaces"] if args.no_user_namespaces else [])
     cgroup = ""
     if args.cgroup is not None:
         if not args.cgroup:
@@ -152,7 +158,7 @@ def main() -> int:
     os.mkdir(wt)
     Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # 4095 bytes, 63 lines
     rows: dict[str, list[float]] = {k: [] for k in
-                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain")}
+                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain", "open_host")}
     try:
         bare = BareClient(tmp)
         with dispatch.connect(sock) as client:
@@ -174,6 +180,10 @@ def main() -> int:
                     t = time.perf_counter()
                     s.set_network(True)
                     rows["switch"].append(time.perf_counter() - t)
+                    s.close()
+                    t = time.perf_counter()
+                    s = client.open_session(wt, policy="host-root")
+                    rows["open_host"].append(time.perf_counter() - t)
                     s.close()
                     if plain is not None:
                         with dispatch.connect(plain_sock) as other:
@@ -213,7 +223,8 @@ def main() -> int:
         line("open a session, no cgroup (baseline)", "open_plain", None, "1.00× (baseline)")
         line("open a session with its own cgroup", "open", "open_plain", "of the open without")
     else:
-        line("open a session (confined, ready)", "open", None, "(target < 10 ms)")
+        line("open a session, the host's root (baseline)", "open_host", None, "1.00× (baseline)")
+        line("open a session (confined, ready)", "open", "open_host", "of the host's root (target < 10 ms, ≤ 1.1×)")
     line("switch network off → on (new sandbox)", "switch", None, "")
     return 0
 
