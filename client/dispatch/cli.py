@@ -140,6 +140,10 @@ def _print_status(st: dict[str, Any]) -> None:
             print(f"    limits ({lim.get('mechanism')}{where}): processes {lim.get('max_processes')}; "
                   f"memory {lim.get('memory')}; cpu weight {lim.get('cpu_weight')}; "
                   f"file size {lim.get('max_file_bytes')} B")
+        if p.get("unix_sockets"):
+            print(f"    unix sockets: {p['unix_sockets']}")
+        for entry in p.get("root", []):
+            print(f"    visible: {entry['path']}: {entry['how']}")
         for gap in p.get("leaves_open", []):
             print(f"    leaves open: {gap}")
 

@@ -23,6 +23,7 @@ if platform.machine() not in ("x86_64", "aarch64"):
     raise ImportError(f"dispatchd supports x86_64 and aarch64, not {platform.machine()}")
 
 SYS_pivot_root = 155 if platform.machine() == "x86_64" else 41
+SYS_openat2 = 437
 SYS_mount_setattr = 442
 SYS_landlock_create_ruleset = 444
 SYS_landlock_add_rule = 445
@@ -90,6 +91,26 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
         _check(_libc.mount(b(source), b(target), b(fstype), flags, b(data)))
     except OSError as exc:
         exc.filename = target
+        raise
+
+
+RESOLVE_NO_SYMLINKS = 0x04
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def open_no_symlinks(path: str, dir_fd: int = -100) -> int:
+    """``openat2(O_PATH | O_NOFOLLOW, RESOLVE_NO_SYMLINKS)``: one call that
+    refuses a symlink anywhere on the way (ELOOP) and returns a final symlink
+    itself (Linux 5.6+)."""
+    how = _OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0, RESOLVE_NO_SYMLINKS)
+    try:
+        return syscall(SYS_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
+                       ctypes.c_size_t(ctypes.sizeof(how)))
+    except OSError as exc:
+        exc.filename = path
         raise
 
 

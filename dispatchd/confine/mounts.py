@@ -32,6 +32,7 @@ covered, Landlock alone refusing the rest (EACCES rather than ENOENT).
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -130,30 +131,17 @@ def _fd_path(fd: int) -> str:
 
 
 def _open_nofollow(path: str, step: str) -> int | None:
-    """An O_PATH descriptor of ``path``, walked from ``/`` one component at a
-    time without following a symlink but in the last component (returned as
-    the symlink itself). None when it does not exist."""
-    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    parts = [p for p in path.split("/") if p]
+    """An O_PATH descriptor of ``path``, resolved without following a symlink
+    on the way (``openat2`` ``RESOLVE_NO_SYMLINKS``: one call); a symlink as the
+    last component is returned itself. None when it does not exist."""
     try:
-        for i, name in enumerate(parts):
-            try:
-                nxt = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except FileNotFoundError:
-                return None
-            except OSError as exc:
-                raise ConfinementError(f"mounts: {step}", exc.errno, path) from exc
-            os.close(fd)
-            fd = nxt
-            if i < len(parts) - 1 and stat.S_ISLNK(os.fstat(fd).st_mode):
-                raise ConfinementError(f"mounts: {step}", path=path,
-                                       detail=f"a symlink in its path ({name}); bind sources are resolved "
-                                              "by the daemon and never followed here")
-        out, fd = fd, -1
-        return out
-    finally:
-        if fd >= 0:
-            os.close(fd)
+        return _sys.open_no_symlinks(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        detail = ("a symlink in its path; bind sources are resolved by the daemon and never followed here"
+                  if exc.errno == errno.ELOOP else "")
+        raise ConfinementError(f"mounts: {step}", exc.errno, path, detail) from exc
 
 
 def _target(root_fd: int, path: str, kind: Literal["dir", "file"] | None) -> int | None:
@@ -161,6 +149,16 @@ def _target(root_fd: int, path: str, kind: Literal["dir", "file"] | None) -> int
     components (directories; the last one ``kind``) unless ``kind`` is None.
     A symlink on the way fails the step: the new root must hold none we did
     not make, and a bind is never aimed through one."""
+    try:
+        fd = _sys.open_no_symlinks(path.lstrip("/"), root_fd)  # it is there already: one call
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ConfinementError("mounts: bind", path=path,
+                                   detail="it was replaced by a symlink since the session was planned")
+        return fd
     fd = os.dup(root_fd)
     parts = [p for p in path.split("/") if p]
     try:
@@ -223,7 +221,10 @@ def _worktree_here(path: str, worktree_fd: int) -> int:
     to the same inode, or the session is refused: a swap since the check can
     make an open fail, never give it another directory."""
     want = os.fstat(worktree_fd)
-    fd = _open_nofollow(path, WORKTREE_STEP)
+    try:
+        fd = _sys.open_no_symlinks(path)
+    except OSError:
+        fd = None  # gone, or a symlink on the way: not what was checked
     if fd is not None:
         got = os.fstat(fd)
         if (got.st_dev, got.st_ino) == (want.st_dev, want.st_ino) and stat.S_ISDIR(got.st_mode):
