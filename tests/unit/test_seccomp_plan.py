@@ -128,10 +128,26 @@ def test_ordinary_syscalls_are_allowed(any_plan: SeccompPlan, name: str):
 # -- sockets ------------------------------------------------------------------------
 
 
-def test_unix_sockets_are_denied_always(any_plan: SeccompPlan):
+def test_unix_sockets_are_denied_unless_allowed(any_plan: SeccompPlan):
     for sock_type in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET,
                       socket.SOCK_STREAM | socket.SOCK_CLOEXEC):
         assert verdict(any_plan, "socket", socket.AF_UNIX, sock_type, 0) == errno.EPERM
+
+
+def test_allow_unix_opens_socket_af_unix_and_nothing_else():
+    """Full mode with a root and a network namespace of its own: the mounts and
+    namespaces hold Unix sockets, so seccomp lets socket(AF_UNIX) through; the
+    socketpair rules (stream and seqpacket only) and every other family stay."""
+    unix = plan_seccomp(allow_inet=True, allow_unix=True)
+    for sock_type in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):
+        assert verdict(unix, "socket", socket.AF_UNIX, sock_type, 0) is None
+    # High bits in the family stay refused (the ">= AF_MAX" rule compares 64 bits).
+    assert verdict(unix, "socket", (1 << 32) | socket.AF_UNIX, socket.SOCK_STREAM, 0) == errno.EPERM
+    assert verdict(unix, "socketpair", socket.AF_UNIX, socket.SOCK_DGRAM, 0) == errno.EPERM
+    assert verdict(unix, "socket", socket.AF_PACKET, socket.SOCK_RAW, 0) == errno.EPERM
+    extra = [r for r in INET.rules if r not in unix.rules]
+    assert extra == [SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_UNIX)])]
+    assert [r for r in unix.rules if r not in INET.rules] == []
 
 
 @pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
