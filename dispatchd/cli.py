@@ -50,11 +50,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _code_paths() -> list[str]:
     """Where the worker's own Python lives, granted read-only so that a lazy
-    import inside a confined worker still works. Only the package directories
-    and the interpreter's library paths, never a whole checkout."""
+    import inside a confined worker still works. Only the package directories,
+    the interpreter's library paths and its venv, never a whole checkout
+    (in full mode, with the system directories, all of the session's root
+    beside its own paths)."""
     import dispatchd
 
     found = {os.path.dirname(os.path.abspath(dispatchd.__file__))}
+    if sys.prefix != sys.base_prefix:  # a venv: its interpreter links and packages, whole
+        found.add(os.path.realpath(sys.prefix))
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         p = sysconfig.get_paths().get(key)
         if p and os.path.isdir(p):
