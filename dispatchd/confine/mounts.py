@@ -111,7 +111,7 @@ def describe_root(plan: MountPlan, labels: dict[str, str]) -> list[dict[str, str
             label = "the worktree, bound from the descriptor the daemon checked"
         rows.append({"path": b.path, "how": how[b.how] + (f" ({label})" if label else "")})
     if plan.root == "minimal":
-        rows.append({"path": "/dev", "how": "fresh tmpfs, read-only: " + ", ".join(plan.devices)
+        rows.append({"path": "/dev", "how": "fresh, read-only: " + ", ".join(plan.devices)
                      + "; fd, stdin, stdout, stderr links"})
     rows += [{"path": "/dev/shm", "how": "read-write (private tmpfs)"},
              {"path": "/proc", "how": "fresh procfs of the session's pid namespace"}]
@@ -144,16 +144,42 @@ def _open_nofollow(path: str, step: str) -> int | None:
         raise ConfinementError(f"mounts: {step}", exc.errno, path, detail) from exc
 
 
+def _target_fast(root_fd: int, path: str, kind: Literal["dir", "file"] | None) -> int | None:
+    """The common cases in a few calls: the path is there already, or only its
+    last component is missing (made here). None: walk it (``_target``)."""
+    rel = path.strip("/")
+    try:
+        return _sys.open_no_symlinks(rel, root_fd)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT or kind is None:
+            return None
+    parent, _, name = rel.rpartition("/")
+    try:
+        pfd = _sys.open_no_symlinks(parent, root_fd) if parent else os.dup(root_fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISDIR(os.fstat(pfd).st_mode):
+            return None
+        if kind == "file":
+            os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                             dir_fd=pfd))
+        else:
+            os.mkdir(name, 0o755, dir_fd=pfd)
+        return os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    except OSError:
+        return None
+    finally:
+        os.close(pfd)
+
+
 def _target(root_fd: int, path: str, kind: Literal["dir", "file"] | None) -> int | None:
     """An O_PATH descriptor of ``path`` below ``root_fd``, making missing
     components (directories; the last one ``kind``) unless ``kind`` is None.
     A symlink on the way fails the step: the new root must hold none we did
     not make, and a bind is never aimed through one."""
-    try:
-        fd = _sys.open_no_symlinks(path.lstrip("/"), root_fd)  # it is there already: one call
-    except OSError:
-        fd = -1
-    if fd >= 0:
+    fd = _target_fast(root_fd, path, kind)
+    if fd is not None:
         if stat.S_ISLNK(os.fstat(fd).st_mode):
             os.close(fd)
             raise ConfinementError("mounts: bind", path=path,
@@ -238,7 +264,7 @@ def _bind(src_fd: int, root_fd: int, path: str) -> None:
     if stat.S_ISLNK(st.st_mode):
         # /bin -> usr/bin: the same link in the new root (its target is bound, or absent).
         target = os.readlink(path)
-        parent = _target(root_fd, os.path.dirname(path), "dir")
+        parent = os.dup(root_fd) if os.path.dirname(path) == "/" else _target(root_fd, os.path.dirname(path), "dir")
         assert parent is not None
         try:
             os.symlink(target, os.path.basename(path), dir_fd=parent)
@@ -283,12 +309,8 @@ def _pivot_into(root_fd: int) -> None:
 
 
 def _build_dev(root_fd: int, devices: list[str], fds: dict[str, int]) -> None:
-    dev = _target(root_fd, "/dev", "dir")
-    assert dev is not None
-    try:
-        _mount("fresh /dev", "tmpfs", _fd_path(dev), "tmpfs", _sys.MS_NOSUID | _sys.MS_NOEXEC, "size=64k,mode=0755")
-    finally:
-        os.close(dev)
+    # A directory of the new root's own tmpfs (read-only once built; one mount
+    # fewer than a tmpfs of its own), holding only the policy's device nodes.
     for path in devices:
         if path in fds:  # bound from the host: an unprivileged user cannot mknod
             _bind(fds[path], root_fd, path)

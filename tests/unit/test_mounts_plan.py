@@ -96,7 +96,7 @@ def test_status_shows_every_path_and_how():
         {"path": WT + "/.git/config", "how": "read-only (inside a writable path)"},
         {"path": "/tmp", "how": "read-write (private: the session's scratch tmp)"},
         {"path": "/usr", "how": "read-only (system)"},
-        {"path": "/dev", "how": "fresh tmpfs, read-only: /dev/null, /dev/zero; fd, stdin, stdout, stderr links"},
+        {"path": "/dev", "how": "fresh, read-only: /dev/null, /dev/zero; fd, stdin, stdout, stderr links"},
         {"path": "/dev/shm", "how": "read-write (private tmpfs)"},
         {"path": "/proc", "how": "fresh procfs of the session's pid namespace"},
     ]
