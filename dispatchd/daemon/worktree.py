@@ -1,4 +1,5 @@
-"""Which directories a session may be opened on, held by descriptor.
+"""Which directories a session may be opened on (held by descriptor), and
+which extra paths it may read.
 
 ``open_worktree`` opens the path once, one component at a time from ``/``
 with ``O_PATH | O_NOFOLLOW``: a symlink on the way is followed only if it is
@@ -59,11 +60,12 @@ class Worktree:
 _MAX_LINKS = 40  # as the kernel's own limit on symlinks in one lookup
 
 
-def _walk(path: str) -> tuple[str, int]:
+def _walk(path: str, what: str = "worktree", dirs_only: bool = True) -> tuple[str, int]:
     """Open ``path`` one component at a time from ``/`` without following a
     symlink the user (or a session) could have made; root's own (``/home ->
     usr/home``) are followed. Returns the path walked, free of symlinks and
-    ``..``, and an ``O_PATH`` descriptor of the directory it names."""
+    ``..``, and an ``O_PATH`` descriptor of what it names (a directory, unless
+    ``dirs_only`` is False). ``what`` names it in the messages."""
     todo = [p for p in path.split("/") if p not in ("", ".")]
     todo.reverse()
     names: list[str] = []
@@ -80,20 +82,20 @@ def _walk(path: str) -> tuple[str, int]:
             try:
                 fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1])
             except FileNotFoundError:
-                raise WorktreeError(f"worktree does not exist: {path}", path) from None
+                raise WorktreeError(f"{what} does not exist: {path}", path) from None
             except OSError as exc:
-                raise WorktreeError(f"cannot open worktree {path}: {exc.strerror}", path) from exc
+                raise WorktreeError(f"cannot open {what} {path}: {exc.strerror}", path) from exc
             st = os.fstat(fd)
             if stat.S_ISLNK(st.st_mode):
                 os.close(fd)
                 where = "/" + "/".join([*names, name])
                 if st.st_uid != 0:
                     raise WorktreeError(
-                        f"worktree {path} goes through a symlink ({where}) that is not root's: a session could "
+                        f"{what} {path} goes through a symlink ({where}) that is not root's: a session could "
                         f"have planted it to aim this one elsewhere; give the directory's real path", path)
                 links += 1
                 if links > _MAX_LINKS:
-                    raise WorktreeError(f"worktree {path}: too many levels of symbolic links", path)
+                    raise WorktreeError(f"{what} {path}: too many levels of symbolic links", path)
                 target = os.readlink(name, dir_fd=fds[-1])
                 if target.startswith("/"):
                     for extra in fds[1:]:
@@ -102,9 +104,9 @@ def _walk(path: str) -> tuple[str, int]:
                     names.clear()
                 todo.extend(reversed([p for p in target.split("/") if p not in ("", ".")]))
                 continue
-            if not stat.S_ISDIR(st.st_mode):
+            if not stat.S_ISDIR(st.st_mode) and (dirs_only or todo):
                 os.close(fd)
-                raise WorktreeError(f"worktree is not a directory: {path}", path)
+                raise WorktreeError(f"{what} is not a directory: {path}", path)
             fds.append(fd)
             names.append(name)
         out = fds.pop()
@@ -176,10 +178,10 @@ def check_read_only_path(path: str, *, home: str, protected: list[str], where: s
     directory, or dispatchd's own files."""
     if not os.path.isabs(path) or "\0" in path:
         raise WorktreeError(f"{where}: {path!r} must be an absolute path", path)
-    try:
-        resolved = os.path.realpath(path, strict=True)
-    except OSError as exc:
-        raise WorktreeError(f"{where}: {path}: {exc.strerror}", path) from None
+    # As for a worktree: no symlink of the user's on the way (a session could
+    # have aimed it at a secret); the worker binds the path without following one.
+    resolved, fd = _walk(path, what=f"{where}: path", dirs_only=False)
+    os.close(fd)
     home_real = os.path.realpath(home)
     if resolved == "/" or _contains(resolved, home_real):
         raise WorktreeError(f"{where}: {path} would show the whole home directory (or more): refused", path)

@@ -263,3 +263,23 @@ def test_worktree_may_hold_unrelated_directories(base: Path):
     (base / "home" / "wt" / "sub").mkdir()
     assert check(str(base / "home" / "wt"), base, protected=[str(base / "state"), str(base / "run")]) == str(
         base / "home" / "wt")
+
+
+def test_an_extra_read_only_path_through_a_symlink_of_the_users_is_refused(base: Path):
+    # A session could have aimed it at a secret, as for a worktree.
+    (base / "home" / "tools").mkdir()
+    link = base / "home" / "cargo-link"
+    link.symlink_to(base / "home" / "tools")
+    with pytest.raises(WorktreeError) as info:
+        check_read_only_path(str(link), home=str(base / "home"), protected=[], where="read_only")
+    assert info.value.message == (f"read_only: path {link} goes through a symlink ({link}) that is not root's: a "
+                                  "session could have planted it to aim this one elsewhere; give the directory's "
+                                  "real path")
+    assert check_read_only_path(str(base / "home" / "tools"), home=str(base / "home"), protected=[],
+                                where="read_only") == str(base / "home" / "tools")
+
+
+def test_an_extra_read_only_file_is_fine(base: Path):
+    tool = base / "home" / "tool.bin"
+    tool.write_text("x")
+    assert check_read_only_path(str(tool), home=str(base / "home"), protected=[], where="x") == str(tool)
