@@ -90,7 +90,7 @@ def _bind(path: str) -> socket.socket:
             os.umask(old)
     finally:
         os.close(dirfd)
-    sock.listen(128)
+    sock.listen(1024)  # bursts of opens (an agent platform starting hundreds) wait in it
     return sock
 
 

@@ -150,17 +150,18 @@ class Server:
                 take(conn)
 
     def _refuse_one_with_spare(self) -> None:
-        """Out of descriptors: give up the spare, take one pending connection,
-        tell it, close it, and take the spare back."""
+        """Out of descriptors: give up the spare and, through the descriptor it
+        frees, take each pending connection, tell it, close it; then take the
+        spare back. Clients get an answer at once, not a hang in the backlog."""
         if self._spare is None:
             return
         os.close(self._spare)
         self._spare = None
-        try:
-            conn, _ = self.listener.accept()
-        except OSError:
-            pass
-        else:
+        for _ in range(1024):
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                break
             self._refuse(conn, "busy", "dispatchd is out of file descriptors (RLIMIT_NOFILE); "
                                        "close some connections or sessions, or try again shortly")
         try:
