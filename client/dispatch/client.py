@@ -92,7 +92,10 @@ class _Connection:
         try:
             self._send(frame, deadline)
         except OSError as exc:
-            self._fail(exc)
+            refusal = self._refusal()  # a peer that refused the connection closed it after saying why
+            self._fail(refusal or exc)
+            if refusal is not None:
+                raise refusal from exc
             raise ConnectionLost(str(exc)) from exc
         except RequestTimeout:
             with self._cond:
@@ -115,6 +118,16 @@ class _Connection:
                     raise RequestTimeout(f"no reply within {timeout:g} s")
                 self._cond.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self._read_until(rid, deadline, timeout)
+
+    def _refusal(self) -> RequestFailed | None:
+        """The id-0 ``ErrorReply`` a peer left before closing on us, if any."""
+        try:
+            reply = self._frames.recv(self._decoder)
+        except (OSError, protocol.ProtocolError):
+            return None
+        if isinstance(reply, protocol.ErrorReply) and reply.id == 0:
+            return RequestFailed(reply.code, reply.message)
+        return None
 
     def _send(self, frame: bytes, deadline: float | None) -> None:
         """The whole frame, or ``RequestTimeout`` at the deadline (a frame cut
