@@ -94,6 +94,12 @@ def test_while_stopping_new_connections_are_answered_at_once(tmp_path: Path, wor
         else:
             raise AssertionError("expected RequestFailed(stopping)")
         assert time.monotonic() - started < 2
+        try:  # a client connected before: served, but no new session
+            client.open_session(str(worktree))
+        except dispatch.RequestFailed as exc:
+            assert (exc.code, exc.message) == ("stopping", "the daemon is stopping and opens no new sessions")
+        else:
+            raise AssertionError("expected RequestFailed(stopping)")
         call.join(20)
         assert results and results[0].output == "finished\n"  # the call in flight still finished
         session.detach()
