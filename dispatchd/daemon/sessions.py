@@ -38,7 +38,7 @@ from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon.spawn import Worker, ZygoteClient
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, open_worktree
-from dispatchd.errors import ConfinementError, DispatchdError, SessionError, WorktreeError
+from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
 from dispatchd.tools.spec import schemas_for
@@ -168,7 +168,7 @@ class SessionManager:
              ports: list[int] | None = None, bind_ports: list[int] | None = None,
              read_only: list[str] | None = None) -> Session:
         if not self.accepting:
-            raise DispatchdError("the daemon is stopping and opens no new sessions")
+            raise Stopping("the daemon is stopping and opens no new sessions")
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         network = network or policy.network.default
         _check_network(network, ports, bind_ports)
