@@ -37,7 +37,7 @@ from dispatchd.confine import cgroups, gitdirs
 from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon.spawn import Worker, ZygoteClient
-from dispatchd.daemon.worktree import Worktree, check_read_only_path, open_worktree
+from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
@@ -229,18 +229,44 @@ class SessionManager:
     def _inspect_git(self, session: Session) -> None:
         resolved = session.worktree
         session.git = gitdirs.inspect_git(resolved, uid=self.uid)
+        if session.git.kind == "linked" and not self._points_back(session.git, resolved):
+            # The worktree's path was swapped for a symlink to another
+            # repository's linked worktree while git was inspected (the
+            # descriptor the daemon holds is the checked directory, the
+            # inspection went by name): its common directory is not granted.
+            session.git = gitdirs.GitLayout("refused", read_only=[p for p in session.git.read_only
+                                                                  if p.startswith(resolved + "/")],
+                                            note=f"the linked worktree's git directory does not point back at "
+                                                 f"{resolved}/.git; not granted")
         for granted in session.git.readable + session.git.writable:
             home_inside = granted == self.home or self.home.startswith(granted.rstrip("/") + "/")
-            if home_inside or any(_overlap(granted, mine) for mine in self.protected):
-                # A common directory that holds the daemon's files, or the
-                # whole home directory, is no repository a session needs.
+            mine = self.protected + credential_dirs(self.home)
+            if home_inside or any(_overlap(granted, p) for p in mine):
+                # A common directory that holds the daemon's files, the user's
+                # credentials, or the whole home directory, is no repository a session needs.
                 session.git = gitdirs.GitLayout("refused", read_only=[p for p in session.git.read_only
                                                                       if p.startswith(resolved + "/")],
-                                                note=f"{granted} holds the daemon's files or the whole home "
-                                                     "directory; not granted")
+                                                note=f"{granted} holds the daemon's files, credentials or the "
+                                                     "whole home directory; not granted")
                 break
         session.redirects_before = gitdirs.redirects_present(session.git, resolved)
         session.submodules_before = gitdirs.submodule_state(resolved, session.git.index)
+
+    @staticmethod
+    def _points_back(git: gitdirs.GitLayout, worktree: str) -> bool:
+        """Whether the linked worktree's git directory names, literally, the
+        ``.git`` of the path the daemon walked and checked."""
+        try:
+            fd = os.open(os.path.join(git.gitdirs[0], "gitdir"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, IndexError):
+            return False
+        try:
+            back = os.read(fd, 4096).decode("utf-8", "replace").strip()
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return os.path.normpath(back) == worktree + "/.git"
 
     def _plan(self, session: Session, network: str) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
