@@ -494,3 +494,28 @@ def test_socket_path_under_a_file_is_one_line(tmp_path: Path) -> None:
     sock = str(blocked / "dispatchd.sock")
     out = dispatch_cli("--socket", sock, "status", env=_env(XDG_STATE_HOME=str(tmp_path / "state")))
     assert_error(out, f"cannot connect to dispatchd at {sock}: Not a directory")
+
+
+def test_exec_with_an_extra_read_only_path(daemon: Daemon, worktree: Path) -> None:
+    """--read-only PATH (repeatable) on exec, as on session open, call and mcp."""
+    tools = Path.home() / f".dispatch-cli-tools-{os.getpid()}"
+    tools.mkdir()
+    try:
+        (tools / "version").write_text("1.2.3\n")
+        out = run(daemon, "exec", "--worktree", str(worktree), "--read-only", str(tools), "--", "cat",
+                  str(tools / "version"))
+        assert (out.returncode, out.stdout) == (0, "1.2.3\n"), out.stderr
+        without = run(daemon, "exec", "--worktree", str(worktree), "--", "cat", str(tools / "version"))
+        assert without.returncode == 1 and "cat:" in without.stderr  # absent (full) or refused (degraded)
+        ssh = Path.home() / ".ssh"
+        made = not ssh.exists()
+        ssh.mkdir(exist_ok=True)
+        try:
+            assert_error(run(daemon, "exec", "--worktree", str(worktree), "--read-only", str(ssh), "--", "true"),
+                         f"read_only: {ssh} is or holds your credentials")
+        finally:
+            if made:
+                ssh.rmdir()
+    finally:
+        (tools / "version").unlink()
+        tools.rmdir()
