@@ -5,8 +5,8 @@ nothing in the session can raise them again — it has no CAP_SYS_RESOURCE):
 - processes: at most ``max_processes`` (threads count). With a user namespace
   the kernel counts them per namespace, so this is the session's own budget
   (a fork bomb stops there and the user's other processes are untouched).
-  Without one the kernel counts every process of the user, so the limit is set
-  to what the user runs at open plus the session's budget;
+  Without one the kernel counts every task (thread) of the user, so the limit
+  is set to what the user runs at open, threads included, plus the session's budget;
 - memory: each process's data segment is capped at ``max_data_bytes``
   (RLIMIT_DATA: heap and private writable mappings; reserved-but-unused
   address space, as V8 and the JVM make, does not count);
@@ -44,12 +44,15 @@ def plan_limits(*, max_processes: int, max_data_bytes: int, max_file_bytes: int,
 
 
 def _processes_of(uid: int) -> int:
+    """The user's tasks, threads included: RLIMIT_NPROC counts threads, and a
+    count of processes alone (a daemon of the user's with a thousand threads)
+    left a worker unable to fork its own tool server (EAGAIN)."""
     count = 0
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 if os.stat(f"/proc/{entry}").st_uid == uid:
-                    count += 1
+                    count += len(os.listdir(f"/proc/{entry}/task"))
             except OSError:
                 continue
     return count
