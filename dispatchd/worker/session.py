@@ -145,6 +145,8 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         os._exit(1)
     protections = dict(plan.protections)
     protections["absent_paths"] = skipped
+    # What the session sees: the planned root, less what this machine lacks.
+    protections["root"] = [r for r in plan.protections.get("root", []) if r["path"] not in skipped]  # type: ignore[union-attr]
 
     from dispatchd.worker.server import serve  # pre-imported by the fork server
 
