@@ -155,3 +155,35 @@ def test_degraded_mode_refuses_unix_sockets_and_says_so(degraded_client: dispatc
         assert r.metadata["exit_code"] != 0 and "PermissionError" in r.metadata["stderr"]
         pair = ("import socket\na, b = socket.socketpair()\na.send(b'x')\nprint(b.recv(1).decode())")
         assert probe(s, pair) == "x"  # the twin: a stream socketpair still works
+
+
+def test_a_worktree_in_the_home_directory(client: dispatch.Client) -> None:
+    """Where worktrees usually are: below the home directory, beside the
+    user's other files. The worktree and git work; its neighbours are absent."""
+    import secrets
+    import shutil
+    import subprocess
+
+    _full(client)
+    home = Path.home()
+    wt = home / f"dispatch-src-{secrets.token_hex(4)}" / "proj"
+    wt.mkdir(parents=True)
+    neighbour = wt.parent / "neighbour.txt"
+    neighbour.write_text("next door\n")
+    dotfile = home / f".dispatch-dotfile-{secrets.token_hex(4)}"
+    dotfile.write_text("the user's\n")
+    try:
+        subprocess.run(["git", "init", "-q", str(wt)], check=True, timeout=30)
+        (wt / "f.txt").write_text("mine\n")
+        with client.open_session(str(wt)) as s:
+            r = shell(s, "cat f.txt && git add f.txt && git -c user.name=s -c user.email=s@invalid commit -qm f "
+                         "&& git log --oneline | wc -l", timeout=60)
+            assert r.output == "mine\n1\n", r.metadata["stderr"]
+            look = ("import os\nfor p in ({n!r}, {h!r}):\n    try:\n        os.stat(p); print('there')\n"
+                    "    except OSError as e:\n        print(e.errno)\n").format(n=str(neighbour), h=str(dotfile))
+            assert probe(s, look) == f"{errno.ENOENT}\n{errno.ENOENT}"
+        assert subprocess.run(["python3", "-c", look], capture_output=True, text=True).stdout == "there\nthere\n"
+            assert probe(s, MANAGER) == "manager 42"  # sockets in a root built around a home worktree
+    finally:
+        shutil.rmtree(wt.parent)
+        dotfile.unlink()
