@@ -108,7 +108,6 @@ def _filesystem_gaps(minimal_root: bool, unix_sockets: bool, own_net: bool) -> l
         gaps.append("metadata of files outside the worktree: stat (size, times), readlink, getxattr and "
                     "inotify watches work on paths Landlock refuses to open (only a root of the session's own "
                     "hides them: full mode with root = \"minimal\")")
-    if not minimal_root:
         gaps.append("Unix sockets are refused (socket(AF_UNIX): EPERM; stream socketpairs work): without a root "
                     "of the session's own, connect() could reach any socket of the user's by path (Landlock ABI "
                     "<= 7 does not check it), so multiprocessing.Manager, Unix-socket servers and the like fail")
