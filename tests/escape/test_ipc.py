@@ -184,6 +184,32 @@ def test_a_socketpair_cannot_reach_unix_sockets_outside(
 
 
 @pytest.mark.parametrize("where", ["home", "runtime dir"])
+def test_a_unix_socket_cannot_connect_to_the_users_sockets(
+    sandbox: Sandbox, session: dispatch.Session, where: str,
+) -> None:
+    """What D-Bus, ``systemd --user`` (``systemd-run --user`` would run anything
+    unconfined), an ssh or gpg agent, or a container engine listen on: a
+    pathname socket of the user's. Full mode: Unix sockets work inside, and
+    the user's are not in the session's root (ENOENT); the twin, the same
+    connect to a listener the session made in its worktree, works. Degraded
+    mode: no ``socket(AF_UNIX)`` (EPERM)."""
+    directory = Path.home() if where == "home" else sandbox.runtime_dir
+    path = directory / f"escape-{secrets.token_hex(4)}-bus.sock"
+    try:
+        with StreamListener(str(path)) as listener:
+            connect = f"s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\ns.settimeout(5)\nresult = s.connect({{path!r}})"
+            assert attempt_outside(connect.format(path=str(path))) == "OK None"
+            assert listener.pending() == 1
+            assert attempt(session, connect.format(path=str(path))) == sandbox.expect(full=ENOENT, degraded=EPERM)
+            assert listener.pending() == 0
+            own = ("l = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\nl.bind('own-bus.sock')\nl.listen(1)\n"
+                   + connect.format(path="own-bus.sock"))
+            assert attempt(session, own) == sandbox.expect(full="OK None", degraded=EPERM)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("where", ["home", "runtime dir"])
 def test_a_raw_socketpair_cannot_reach_unix_sockets_outside(
     sandbox: Sandbox, session: dispatch.Session, where: str,
 ) -> None:
