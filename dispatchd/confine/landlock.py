@@ -64,6 +64,10 @@ READ_ONLY = EXECUTE | READ_FILE | READ_DIR
 # anyway: refusing it here keeps a future capability slip from mattering.
 READ_WRITE = ((1 << 16) - 1) & ~(MAKE_CHAR | MAKE_BLOCK)
 DEVICE = READ_FILE | WRITE_FILE
+# The session's own pseudo-terminals (a devpts of its own, full mode only):
+# a terminal needs its ioctls (TCGETS, TIOCGPTN...); TIOCSTI stays refused by seccomp.
+TERMINALS = READ_FILE | WRITE_FILE | READ_DIR | IOCTL_DEV
+PTS = "/dev/pts"
 
 
 def fs_rights_for_abi(abi: int) -> int:
@@ -101,7 +105,7 @@ def plan_landlock(
     handled = fs_rights_for_abi(abi)
     rules = [PathRule(p, READ_ONLY & handled) for p in read_only]
     rules += [PathRule(p, READ_WRITE & handled) for p in read_write]
-    rules += [PathRule(p, DEVICE & handled) for p in devices]
+    rules += [PathRule(p, (TERMINALS if p == PTS else DEVICE) & handled) for p in devices]
     handled_net = (NET_BIND_TCP | NET_CONNECT_TCP) if (deny_tcp and abi >= 4) else 0
     scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0
     ports: dict[int, int] = {}

@@ -47,6 +47,7 @@ from dispatchd.errors import ConfinementError
 WORKTREE_FD = "@worktree"  # a bind's source: the daemon's descriptor of the worktree
 WORKTREE_STEP = "mounts: worktree"  # the step that refuses a worktree swapped since the daemon's check
 _NEW_ROOT = "/tmp"  # where the new root's tmpfs is mounted while it is built (as bubblewrap does)
+PTS = "/dev/pts"  # in the plan's devices: a devpts of the session's own
 
 
 class Bind(msgspec.Struct, frozen=True, array_like=True):
@@ -230,6 +231,8 @@ def _sources(plan: MountPlan, worktree_fd: int, extra: list[str]) -> Iterator[di
             if fd is not None:
                 fds[b.path] = fd
         for path in extra:
+            if path == PTS:
+                continue  # a devpts of the session's own, never the host's
             fd = _open_nofollow(path, "open device")
             if fd is not None:
                 fds[path] = fd
@@ -320,6 +323,17 @@ def _build_dev(root_fd: int, devices: list[str], fds: dict[str, int]) -> None:
         for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                              ("stderr", "/proc/self/fd/2")):
             os.symlink(target, name, dir_fd=dev)
+        if PTS in devices:
+            # Pseudo-terminals of the session's own: a new devpts instance
+            # (its ptys are not the host's, and the host keeps its reserve).
+            os.mkdir("pts", 0o755, dir_fd=dev)
+            pts = os.open("pts", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dev)
+            try:
+                _mount("devpts", "devpts", _fd_path(pts), "devpts", _sys.MS_NOSUID | _sys.MS_NOEXEC,
+                       "newinstance,ptmxmode=0666,mode=0620")
+            finally:
+                os.close(pts)
+            os.symlink("pts/ptmx", "ptmx", dir_fd=dev)
         os.mkdir("shm", 0o755, dir_fd=dev)
         shm = os.open("shm", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dev)
         try:
@@ -395,7 +409,8 @@ def apply_mounts(plan: MountPlan, worktree_fd: int) -> None:
         _sys.mount_setattr("/", set_=_sys.MOUNT_ATTR_RDONLY, recursive=True)
     except OSError as exc:
         raise ConfinementError("mounts: read-only /", exc.errno, "/") from exc
-    for path in ["/tmp", "/dev/shm", *plan.writable()]:
+    pts = [PTS] if plan.root == "minimal" and PTS in plan.devices else []  # a terminal's mode changes
+    for path in ["/tmp", "/dev/shm", *pts, *plan.writable()]:
         if os.path.isdir(path):
             try:
                 _sys.mount_setattr(path, clear=_sys.MOUNT_ATTR_RDONLY)

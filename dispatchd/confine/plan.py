@@ -16,7 +16,7 @@ import msgspec
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
 from dispatchd.confine.gitdirs import GitLayout
 from dispatchd.confine.limits import LimitsPlan, plan_limits
-from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, LandlockPlan, plan_landlock
+from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, PTS, LandlockPlan, plan_landlock
 from dispatchd.confine.mounts import MountPlan, describe_root, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
@@ -168,7 +168,9 @@ def plan_session(
         read_only.insert(0, "/")  # the layer test: the root alone keeps the rest out
     read_write = [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
     (read_write if worktree_rw else read_only).insert(0, paths.worktree)
-    devices = list(fs.devices)
+    # /dev/pts is a devpts of the session's own, mounted in its root; without
+    # one it would be the host's, the user's terminals: never granted then.
+    devices = [d for d in fs.devices if d != PTS or minimal_root]
     if use_userns:
         # A private /tmp and /dev/shm exist only in the session's mount namespace.
         read_write += ["/tmp", "/dev/shm"]
@@ -236,6 +238,9 @@ def plan_session(
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
     mode = "full" if not gaps else "degraded"  # of the sandbox; the view's and the network's own caveats follow
     gaps += _filesystem_gaps(minimal_root, unix_sockets, namespaces.net)
+    if PTS in fs.devices and not minimal_root:
+        gaps.append("no pseudo-terminals (filesystem.devices lists /dev/pts): without a root of the session's "
+                    "own, /dev/pts would be the host's, the user's terminals; not granted")
     if fs.landlock_grants_root and minimal_root:
         gaps.append("filesystem.landlock_grants_root (a layer test): Landlock lets the session read the whole of "
                     "its root; only the root's contents keep the rest out")

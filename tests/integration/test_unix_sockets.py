@@ -188,3 +188,47 @@ def test_a_worktree_in_the_home_directory(client: dispatch.Client) -> None:
     finally:
         shutil.rmtree(wt.parent)
         dotfile.unlink()
+
+
+PTY = """
+import os, pty
+master, slave = pty.openpty()
+os.write(slave, b"through a terminal of its own\\n")
+print(os.read(master, 100).decode().strip(), os.ttyname(slave).startswith("/dev/pts/"))
+"""
+
+
+@pytest.mark.parametrize("mode", ["full", "degraded"])
+def test_a_policy_may_give_pseudo_terminals_of_the_sessions_own(tmp_path_factory: pytest.TempPathFactory,
+                                                                 worktree: Path, mode: str) -> None:
+    """``filesystem.devices`` listing /dev/pts: full mode mounts a devpts of
+    the session's own (Python's ``pty`` works, the host's terminals are not
+    there); degraded mode grants nothing (it would be the user's terminals)
+    and says so. The twin: the default policy has none."""
+    import shutil
+
+    from tests.conftest import REPO
+
+    _refuse_root()
+    base = tmp_path_factory.mktemp(f"pts-{mode}")
+    policies = base / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "tty.toml").write_text('[filesystem]\ndevices = ["/dev/null", "/dev/urandom", "/dev/pts"]\n')
+    d = Daemon(base, "--policies", str(policies), *(["--no-user-namespaces"] if mode == "degraded" else []))
+    try:
+        with d.connect() as c:
+            with c.open_session(str(worktree), policy="tty") as s:
+                r = shell(s, f"/usr/bin/python3 -c {shlex.quote(PTY)}", timeout=60)
+                gaps = s.status()["protections"]["leaves_open"]
+                if mode == "full":
+                    assert r.output == "through a terminal of its own True\n", r.metadata["stderr"]
+                    assert shell(s, "ls /dev/pts | grep -vx ptmx | wc -l").output == "0\n"  # none of the host's
+                else:
+                    # os.openpty refused (Landlock), then pty's fallback finds no BSD ptys.
+                    assert r.metadata["exit_code"] == 1 and "out of pty devices" in r.metadata["stderr"]
+                    assert any(g.startswith("no pseudo-terminals") for g in gaps), gaps
+            with c.open_session(str(worktree)) as s:
+                r = shell(s, f"/usr/bin/python3 -c {shlex.quote(PTY)}", timeout=60)
+                assert r.metadata["exit_code"] == 1 and "out of pty devices" in r.metadata["stderr"]
+    finally:
+        assert d.stop() == 0, d.log()

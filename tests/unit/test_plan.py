@@ -561,3 +561,16 @@ def test_limits_with_a_delegated_cgroup_hold_over_the_session() -> None:
     assert lim["memory"] == f"{8 * 2**30} bytes over the session (memory.max, no swap)"
     assert lim["cpu_weight"] == 100
     assert got.limits_plan.max_processes == 1024  # the rlimits stay as well
+
+
+def test_pseudo_terminals_of_the_sessions_own_only_in_its_own_root():
+    policy = Policy(filesystem=Filesystem(devices=("/dev/null", "/dev/pts")))
+    full = plan(policy)
+    # read, write, list, and the terminal ioctls (0x8000: IOCTL_DEV, ABI 5); TIOCSTI stays refused by seccomp.
+    assert full.landlock.paths[-2:] == [PathRule("/dev/null", DEV), PathRule("/dev/pts", 0x800E)]
+    assert full.mounts is not None and full.mounts.devices == ["/dev/null", "/dev/pts"]
+    assert full.protections["leaves_open"] == []
+    degraded = plan(policy, kernel(userns=False))
+    assert [r.path for r in degraded.landlock.paths if r.path.startswith("/dev/")] == ["/dev/null"]
+    assert ("no pseudo-terminals (filesystem.devices lists /dev/pts): without a root of the session's own, "
+            "/dev/pts would be the host's, the user's terminals; not granted") in degraded.protections["leaves_open"]
