@@ -6,11 +6,12 @@ with ``O_PATH | O_NOFOLLOW``: a symlink on the way is followed only if it is
 root's (``/home -> usr/home``); one of the user's — which a session could
 have planted or swapped in (``renameat2(RENAME_EXCHANGE)``) to aim a later
 session at ``~/.ssh`` — refuses the open (``bad_worktree``), it is never
-followed. Every check is made on
-that descriptor (``fstat``: a directory, the user's, not ``/``, not the home
-directory) or on the path it was reached by (which held no symlink when it
-was walked), and the worker binds and grants exactly that descriptor: what
-the session gets is what was checked, whatever is renamed or swapped later.
+followed. Every check is made on that descriptor (``fstat``: a directory,
+the user's, not ``/``, not the home directory) or on the path it was reached
+by (which held no symlink when it was walked); Landlock grants that
+descriptor, and the worker binds the path only if it still leads to that
+inode: what the session gets is what was checked, whatever is renamed or
+swapped later (a swap in between refuses the open).
 
 A worktree must not be, contain, or lie inside the user's credential
 directories (``CREDENTIAL_DIRS`` below the home directory) or dispatchd's own
@@ -29,7 +30,8 @@ import stat
 
 from dispatchd.errors import WorktreeError
 
-# Below the home directory: what holds the user's keys and tokens.
+# Below the home directory: what holds the user's keys and tokens (the
+# issue's ~/.ssh, ~/.gnupg, ~/.aws, ~/.config, and their usual neighbours).
 CREDENTIAL_DIRS = (".ssh", ".gnupg", ".aws", ".config", ".kube", ".docker", ".azure", ".password-store",
                    ".local/share/keyrings", ".pki", ".mozilla")
 
