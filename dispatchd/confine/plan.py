@@ -157,6 +157,10 @@ def plan_session(
             # .git a mount point of its own: it cannot be renamed aside (EBUSY)
             # with its read-only config and hooks, and a new one planted.
             writable.append(paths.worktree + "/.git")
+            # The same for .git/modules, .git/worktrees and every submodule's
+            # git directory (parents first): renaming one away, its read-only
+            # binds with it, to build another in its place fails (EBUSY).
+            writable += list(git.mount_points)
         writable += [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
         mounts = plan_mounts(writable=writable, visible=[paths.worktree] + list(git.readable), private_tmp=paths.tmp,
                              hide=list(paths.runtime_dirs), proc=True,

@@ -1,0 +1,219 @@
+"""dispatchd.confine.gitsnapshot: every git directory of a repository by
+content, and what a session changed moved aside (real repositories made by
+git, changed as a session could)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dispatchd.confine import gitdirs, gitsnapshot
+
+ENV = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@example.invalid",
+           GIT_COMMITTER_NAME="a", GIT_COMMITTER_EMAIL="a@example.invalid")
+FSMONITOR = '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch PLANTED; false"\n'
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "protocol.file.allow=always", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True, env=ENV).stdout
+
+
+_LAYOUTS: dict[Path, gitdirs.GitLayout] = {}
+
+
+def _take(repo: Path) -> gitsnapshot.GitSnapshot:
+    """As the daemon does: the layout is the one found at open."""
+    layout = _LAYOUTS.setdefault(repo, gitdirs.inspect_git(str(repo), uid=os.getuid()))
+    return gitsnapshot.take(str(repo), layout)
+
+
+def _quarantine(repo: Path, before: gitsnapshot.GitSnapshot) -> tuple[list[str], list[str]]:
+    return gitsnapshot.quarantine(str(repo), before, _take(repo))
+
+
+def _aside(path: Path) -> list[str]:
+    """What was moved aside in ``path``'s directory under ``path``'s name."""
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(path.name + ".quarantined-by-dispatchd-"))
+
+
+@pytest.fixture
+def superproject(tmp_path: Path) -> Path:
+    """``sub`` (its git directory in .git/modules/sub), and ``sub``'s own
+    submodule ``inner`` (in .git/modules/sub/modules/inner)."""
+    inner = tmp_path / "inner-src"
+    inner.mkdir()
+    git(inner, "init", "-q")
+    git(inner, "commit", "-q", "--allow-empty", "-m", "inner")
+    lib = tmp_path / "lib-src"
+    lib.mkdir()
+    git(lib, "init", "-q")
+    git(lib, "commit", "-q", "--allow-empty", "-m", "lib")
+    git(lib, "submodule", "add", "-q", str(inner), "inner")
+    git(lib, "commit", "-q", "-m", "inner")
+    r = tmp_path / "super"
+    r.mkdir()
+    git(r, "init", "-q")
+    git(r, "submodule", "add", "-q", str(lib), "sub")
+    git(r, "submodule", "update", "-q", "--init", "--recursive")
+    git(r, "commit", "-q", "-m", "sub")
+    return r
+
+
+def test_every_git_directory_is_found_at_any_depth(superproject: Path) -> None:
+    snap = _take(superproject)
+    assert set(snap.gitdirs) == {".git", ".git/modules/sub", ".git/modules/sub/modules/inner"}
+    assert set(snap.pointers) == {"sub/.git", "sub/inner/.git"}
+    assert snap.pointers["sub/.git"].endswith(" -> gitdir:.git/modules/sub")
+    assert snap.indexes == {} and snap.complete
+    assert {"config", "hooks/pre-commit.sample"} <= set(snap.gitdirs[".git/modules/sub"])
+
+
+def test_work_inside_submodules_changes_nothing_git_reads(superproject: Path) -> None:
+    """The allowed twin: commits in a submodule and in its submodule, a
+    checkout of another commit and back, an update of the superproject's
+    gitlink: nothing is moved aside."""
+    before = _take(superproject)
+    sub = superproject / "sub"
+    git(sub / "inner", "commit", "-q", "--allow-empty", "-m", "more")
+    git(sub, "add", "inner")
+    git(sub, "commit", "-q", "-m", "inner moved")
+    git(sub, "checkout", "-q", "HEAD~1")
+    git(superproject, "submodule", "update", "-q", "--recursive")
+    git(sub, "checkout", "-q", "-")
+    git(superproject, "add", "sub")
+    git(superproject, "commit", "-q", "-m", "sub moved")
+    assert _quarantine(superproject, before) == ([], [])
+
+
+@pytest.mark.parametrize("renamed", [".git/modules/sub", ".git/modules"])
+def test_a_rebuilt_submodule_git_directory_is_moved_aside(superproject: Path, renamed: str) -> None:
+    """The attack of issue 11: rename the git directory (or .git/modules)
+    away, rebuild it around a config naming a command; the gitfile is
+    untouched."""
+    before = _take(superproject)
+    old = superproject / renamed
+    old.rename(superproject / ".aside")
+    module = superproject / ".git" / "modules" / "sub"
+    aside = superproject / ".aside" if renamed.endswith("sub") else superproject / ".aside" / "sub"
+    module.mkdir(parents=True)
+    for name in ("HEAD", "objects", "refs", "index", "modules"):
+        (aside / name).rename(module / name)
+    (module / "config").write_text(FSMONITOR)
+    moved, failed = _quarantine(superproject, before)
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{module}.quarantined-by-dispatchd-"), moved
+    assert not module.exists() and (superproject / "sub" / ".git").is_file()
+
+
+def test_the_same_config_in_a_rebuilt_git_directory_is_left_alone(superproject: Path) -> None:
+    before = _take(superproject)
+    module = superproject / ".git" / "modules" / "sub"
+    shutil.copytree(module, superproject / "copy", symlinks=True)
+    shutil.rmtree(module)
+    (superproject / "copy").rename(module)
+    assert _quarantine(superproject, before) == ([], [])
+
+
+def test_a_submodule_of_a_submodule_made_by_the_session_is_moved_aside(superproject: Path) -> None:
+    before = _take(superproject)
+    nested = superproject / "sub" / "made"
+    nested.mkdir()
+    git(nested, "init", "-q")
+    git(nested, "commit", "-q", "--allow-empty", "-m", "x")
+    (nested / ".git" / "config").write_text(FSMONITOR)
+    git(superproject / "sub", "update-index", "--add", "--cacheinfo",
+        f"160000,{git(nested, 'rev-parse', 'HEAD').strip()},made")
+    moved, failed = _quarantine(superproject, before)
+    assert failed == [] and [m.rpartition("/")[0] for m in moved] == [str(nested)], moved
+    assert _aside(nested / ".git") and not (nested / ".git").exists()
+
+
+def test_a_changed_config_deep_down_moves_only_that_git_directory(superproject: Path) -> None:
+    before = _take(superproject)
+    inner = superproject / ".git" / "modules" / "sub" / "modules" / "inner"
+    with open(inner / "config", "a") as f:
+        f.write('[core]\n\tfsmonitor = "touch PLANTED; false"\n')
+    moved, failed = _quarantine(superproject, before)
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{inner}.quarantined-by-dispatchd-")
+    assert (superproject / ".git" / "modules" / "sub" / "config").exists()
+
+
+@pytest.mark.parametrize("change", ["new hook", "executable hook", "attributes", "config"])
+def test_in_the_repositorys_own_git_only_the_changed_file_moves(superproject: Path, change: str) -> None:
+    dotgit = superproject / ".git"
+    (dotgit / "hooks" / "post-checkout").write_text("#!/bin/sh\n")
+    before = _take(superproject)
+    target = {"new hook": dotgit / "hooks" / "pre-commit", "executable hook": dotgit / "hooks" / "post-checkout",
+              "attributes": dotgit / "info" / "attributes", "config": dotgit / "config"}[change]
+    if change == "executable hook":
+        target.chmod(0o755)  # the same content, now run by git
+    else:
+        with open(target, "a") as f:
+            f.write("* filter=evil\n" if change == "attributes" else "#!/bin/sh\ntouch PLANTED\n")
+    moved, failed = _quarantine(superproject, before)
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{target}.quarantined-by-dispatchd-"), moved
+    assert dotgit.is_dir() and (dotgit / "HEAD").exists()
+
+
+def test_a_gitfile_rewritten_to_lead_elsewhere_is_moved_aside(superproject: Path) -> None:
+    before = _take(superproject)
+    gitfile = superproject / "sub" / ".git"
+    st = gitfile.stat()
+    gitfile.write_text("gitdir: ../.git/modules/xyz\n")  # the same length
+    os.utime(gitfile, ns=(st.st_atime_ns, st.st_mtime_ns))
+    moved, failed = _quarantine(superproject, before)
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{gitfile}.quarantined-by-dispatchd-")
+
+
+def test_a_gitfile_that_now_leads_outside_through_a_symlink_is_moved_aside(superproject: Path, tmp_path: Path) -> None:
+    before = _take(superproject)
+    modules = superproject / ".git" / "modules"
+    modules.rename(tmp_path / "outside")
+    modules.symlink_to(tmp_path / "outside")
+    moved, failed = _quarantine(superproject, before)
+    assert failed == [] and [Path(m).parent for m in moved] == [superproject / "sub"], moved
+    assert sorted(p.name for p in (tmp_path / "outside").iterdir()) == ["sub"]  # nothing outside touched
+
+
+def test_a_dot_git_turned_into_a_gitfile_is_moved_aside(superproject: Path) -> None:
+    before = _take(superproject)
+    (superproject / ".git").rename(superproject / "elsewhere")
+    (superproject / ".git").write_text("gitdir: elsewhere\n")
+    moved, failed = _quarantine(superproject, before)
+    # the gitfile, the git directory it leads to (new), and what no longer leads where it did
+    assert failed == [] and {Path(m).name.split(".quarantined-by-dispatchd-")[0] for m in moved} >= {".git", "elsewhere"}
+    assert not (superproject / ".git").exists()
+
+
+def test_an_unreadable_directory_under_modules_is_moved_aside(superproject: Path) -> None:
+    before = _take(superproject)
+    (superproject / ".git" / "modules" / "new").mkdir()
+    (superproject / ".git" / "modules" / "new").chmod(0)
+    moved, failed = _quarantine(superproject, before)
+    assert failed == [] and len(moved) == 1 and "/.git/modules/new.quarantined-by-dispatchd-" in moved[0]
+    Path(moved[0]).chmod(0o755)
+
+
+def test_a_plain_repository_costs_one_walk(tmp_path: Path) -> None:
+    r = tmp_path / "r"
+    r.mkdir()
+    git(r, "init", "-q")
+    snap = _take(r)
+    assert list(snap.gitdirs) == [".git"] and snap.pointers == {} and snap.indexes == {}
+    assert _quarantine(r, snap) == ([], [])
+
+
+def test_mount_points_cover_every_git_directory(superproject: Path) -> None:
+    (superproject / "emb").mkdir()
+    git(superproject / "emb", "init", "-q")
+    layout = gitdirs.inspect_git(str(superproject), uid=os.getuid())
+    dotgit = str(superproject / ".git")
+    assert layout.mount_points == [f"{dotgit}/modules", f"{dotgit}/modules/sub", f"{dotgit}/modules/sub/modules",
+                                   f"{dotgit}/modules/sub/modules/inner"]
+    assert f"{dotgit}/info/attributes" not in layout.read_only  # none: nothing to hold
+    (superproject / ".git" / "info" / "attributes").write_text("")
+    assert f"{dotgit}/info/attributes" in gitdirs.inspect_git(str(superproject), uid=os.getuid()).read_only
