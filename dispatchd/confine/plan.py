@@ -78,7 +78,8 @@ def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: Gi
     gaps = []
     if not use_userns and git.kind in ("repository", "linked"):
         gaps.append("git metadata (.git/config, hooks, pointer files) is writable: without a mount namespace "
-                    "nothing holds it read-only, and the user's git outside would run what a session wrote there")
+                    "nothing holds it read-only, and the user's git outside would run what a session wrote there "
+                    "while the session is open (when it ends, what changed is moved aside)")
     if not use_userns:
         gaps += [
             "chmod, chown, utime and xattr changes on files the user owns outside the worktree "
