@@ -8,8 +8,9 @@ build a new one in its place, or make a git directory where there was none
 every git directory of a repository, the content of what git reads from it
 for configuration or commands — ``config``, ``config.worktree``,
 ``commondir``, ``info/attributes`` and every entry of ``hooks`` (content and
-mode, a symlink by its target) — and the content of every gitfile (a
-submodule's ``.git`` file or symlink) with where it leads; ``take`` walks, and
+mode, a symlink by its target; ``*.sample`` never runs) — and the content of
+every gitfile (a submodule's ``.git`` file or symlink) with where it leads;
+``take`` walks, and
 ``quarantine`` compares two walks by content (never by name, inode or time)
 and moves aside, to an unguessable name beside it:
 
@@ -169,7 +170,9 @@ def fingerprint(dir_fd: int) -> dict[str, str]:
             found["hooks"] = _never_equal(f"unreadable {exc.errno}")
             return found
         try:
-            for name in names:
+            # git runs a hook by its exact name only: the samples git init
+            # copies (pre-commit.sample...) never run, and cost the most to read.
+            for name in (n for n in names if not n.endswith(".sample")):
                 digest = digest_at(fd, name)
                 if digest is not None:
                     found[f"hooks/{name}"] = digest
@@ -477,10 +480,17 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[li
     directories than it looks at) is itself a failure."""
     moved: list[str] = []
     failed: list[str] = []
+    todo = changes(before, now)
     if not now.complete:
-        failed.append(f"{worktree}: more than {MAX_GITDIRS} git directories; not all could be checked")
+        # More than the walk looks at (a session can make that many cheaply):
+        # what was not looked at is not handed to the user's git either. With
+        # .git/modules and the index aside, git knows no submodule.
+        failed.append(f"{worktree}: more git directories than dispatchd checks ({MAX_GITDIRS}); "
+                      ".git/modules and .git/index moved aside")
+        if ".git" in now.by_file:
+            todo = [".git/index", ".git/modules"] + [r for r in todo if not _under(r, ".git/modules")]
     walk = _Walk(worktree)
-    for rel in changes(before, now):
+    for rel in todo:
         parent, _, name = rel.rpartition("/")
         try:
             fd = walk.open(parent)

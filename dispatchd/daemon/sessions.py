@@ -343,7 +343,7 @@ class SessionManager:
                     log.warning("event=git_changed_quarantined session=%s path=%s", session.id, path)
                 # What the session goes on from (after a network switch) is the new baseline.
                 session.redirects_before = gitdirs.redirects_present(session.git, session.worktree)
-                session.git_before = gitsnapshot.take(session.worktree, session.git)
+                session.git_before = gitsnapshot.take(session.worktree, session.git) if moved else now
         except Exception as exc:  # a bug, or content we did not foresee: fail closed
             failed.append(f"the check itself failed: {type(exc).__name__}: {exc}")
         if failed:

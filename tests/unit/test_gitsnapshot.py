@@ -70,7 +70,8 @@ def test_every_git_directory_is_found_at_any_depth(superproject: Path) -> None:
     assert set(snap.pointers) == {"sub/.git", "sub/inner/.git"}
     assert snap.pointers["sub/.git"].endswith(" -> gitdir:.git/modules/sub")
     assert snap.indexes == {} and snap.complete
-    assert {"config", "hooks/pre-commit.sample"} <= set(snap.gitdirs[".git/modules/sub"])
+    assert "config" in snap.gitdirs[".git/modules/sub"]
+    assert not any(k.endswith(".sample") for k in snap.gitdirs[".git/modules/sub"])  # git never runs those
 
 
 def test_work_inside_submodules_changes_nothing_git_reads(superproject: Path) -> None:
@@ -217,3 +218,19 @@ def test_mount_points_cover_every_git_directory(superproject: Path) -> None:
     assert f"{dotgit}/info/attributes" not in layout.read_only  # none: nothing to hold
     (superproject / ".git" / "info" / "attributes").write_text("")
     assert f"{dotgit}/info/attributes" in gitdirs.inspect_git(str(superproject), uid=os.getuid()).read_only
+
+
+def test_a_walk_cut_short_hands_no_submodule_to_the_users_git(superproject: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session can make more directories than the walk looks at, to hide
+    one behind them: then .git/modules and the index go aside (git knows no
+    submodule), and the failure is reported (the worktree is refused until
+    the user has looked)."""
+    before = _take(superproject)
+    for i in range(40):
+        (superproject / ".git" / "modules" / f"d{i:02}").mkdir()
+    monkeypatch.setattr(gitsnapshot, "_MAX_VISITS", 20)
+    moved, failed = _quarantine(superproject, before)
+    assert len(failed) == 1 and "more git directories than dispatchd checks" in failed[0]
+    assert sorted(Path(m).name.split(".quarantined-by-dispatchd-")[0] for m in moved) == ["index", "modules"]
+    assert not (superproject / ".git" / "modules").exists() and not (superproject / ".git" / "index").exists()
