@@ -234,3 +234,23 @@ def test_a_walk_cut_short_hands_no_submodule_to_the_users_git(superproject: Path
     assert len(failed) == 1 and "more git directories than dispatchd checks" in failed[0]
     assert sorted(Path(m).name.split(".quarantined-by-dispatchd-")[0] for m in moved) == ["index", "modules"]
     assert not (superproject / ".git" / "modules").exists() and not (superproject / ".git" / "index").exists()
+
+
+def test_a_linked_worktrees_own_files_are_compared_by_content(tmp_path: Path) -> None:
+    """A linked worktree: its git directory lies outside (COMMON/worktrees/N,
+    writable to the session in degraded mode) and its pointer inside."""
+    r = tmp_path / "main"
+    r.mkdir()
+    git(r, "init", "-q")
+    git(r, "commit", "-q", "--allow-empty", "-m", "m")
+    git(r, "config", "extensions.worktreeConfig", "true")
+    linked = tmp_path / "linked"
+    git(r, "worktree", "add", "-q", str(linked), "-b", "side")
+    entry = r / ".git" / "worktrees" / "linked"
+    (entry / "config.worktree").write_text("[user]\n\tname = u\n")
+    before = _take(linked)
+    assert _LAYOUTS[linked].kind == "linked" and str(entry / "config.worktree") in before.external
+    assert _quarantine(linked, before) == ([], [])
+    (entry / "config.worktree").write_text(FSMONITOR)
+    moved, failed = _quarantine(linked, before)
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{entry}/config.worktree.quarantined-by-")
