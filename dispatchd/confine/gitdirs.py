@@ -135,9 +135,7 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         dirs = [dotgit] + _module_gitdirs(dotgit) + _embedded_gitdirs(worktree, index)
         protect: list[str] = []
         for gitdir in dirs:
-            _ensure_hooks(gitdir)
-            protect += [os.path.join(gitdir, name) for name in RUN_FROM + ("info/attributes",)]
-            protect += _hooks_target(worktree, gitdir)
+            protect += _protect(worktree, gitdir)
         worktrees = os.path.join(dotgit, "worktrees")
         if _is_dir(worktrees):
             # The other linked worktrees' entries, whole: which common
@@ -186,6 +184,27 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
     read_only = _existing([dotgit] + [os.path.join(gitdir, n) for n in ("commondir", "gitdir", "config.worktree")])
     return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only, readable=[common],
                      writable=writable, gitdirs=[gitdir])
+
+
+def _protect(worktree: str, gitdir: str) -> list[str]:
+    """What of one git directory is bound read-only (those that exist)."""
+    _ensure_hooks(gitdir)
+    return [os.path.join(gitdir, name) for name in RUN_FROM + ("info/attributes",)] + _hooks_target(worktree, gitdir)
+
+
+def with_gitdirs(layout: GitLayout, worktree: str, found: list[str]) -> GitLayout:
+    """The layout, with git directories found since (``gitsnapshot`` walks
+    every index, recursively: in-place submodules of submodules, where a
+    gitfile leads) protected like the others: read-only config and hooks,
+    and a mount point of their own."""
+    new = [d for d in found if d not in layout.gitdirs and _is_dir(d)]
+    if layout.kind != "repository" or not new:
+        return layout
+    protect = [p for d in new for p in _protect(worktree, d)]
+    held = [os.path.join(d, "modules") for d in new] + new
+    return msgspec.structs.replace(
+        layout, gitdirs=layout.gitdirs + new, read_only=layout.read_only + _existing(protect),
+        mount_points=sorted(set(layout.mount_points) | {p for p in held if _is_dir(p)}))
 
 
 def _is_gitdir(path: str) -> bool:

@@ -450,6 +450,13 @@ def take(worktree: str, layout: gitdirs.GitLayout) -> GitSnapshot:
                        external=external, complete=walk.complete)
 
 
+def gitdir_paths(worktree: str, snap: GitSnapshot) -> list[str]:
+    """The git directories of a walk (absolute), those it could look into,
+    not the repository's ``.git`` itself nor the other worktrees' entries."""
+    return [os.path.join(worktree, rel) for rel, found in snap.gitdirs.items()
+            if rel not in snap.by_file and "" not in found]
+
+
 def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
     """What to move aside, worktree-relative, outermost first, none inside another."""
     found: list[str] = []

@@ -213,11 +213,15 @@ class SessionManager:
                                                 note=f"{granted} holds the daemon's files or the whole home "
                                                      "directory; not granted")
                 break
-        session.redirects_before = gitdirs.redirects_present(session.git, resolved)
         session.git_before = gitsnapshot.take(resolved, session.git)
         if not session.git_before.complete:
             raise WorktreeError(f"{resolved}: more git directories than dispatchd checks "
                                 f"({gitsnapshot.MAX_GITDIRS}); no session opened", resolved)
+        # Git directories only the recursive walk finds (submodules of
+        # submodules kept in place) are held read-only too.
+        session.git = gitdirs.with_gitdirs(session.git, resolved,
+                                           gitsnapshot.gitdir_paths(resolved, session.git_before))
+        session.redirects_before = gitdirs.redirects_present(session.git, resolved)
 
     def _plan(self, session: Session, network: str) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,

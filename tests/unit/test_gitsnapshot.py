@@ -254,3 +254,22 @@ def test_a_linked_worktrees_own_files_are_compared_by_content(tmp_path: Path) ->
     (entry / "config.worktree").write_text(FSMONITOR)
     moved, failed = _quarantine(linked, before)
     assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{entry}/config.worktree.quarantined-by-")
+
+
+def test_git_directories_only_the_walk_finds_are_protected_too(superproject: Path) -> None:
+    """An in-place submodule of a submodule: not under .git/modules, not in
+    the top index; the recursive walk finds it, and the layout holds it."""
+    nested = superproject / "sub" / "kept"
+    nested.mkdir()
+    git(nested, "init", "-q")
+    git(nested, "commit", "-q", "--allow-empty", "-m", "k")
+    git(superproject / "sub", "update-index", "--add", "--cacheinfo",
+        f"160000,{git(nested, 'rev-parse', 'HEAD').strip()},kept")
+    layout = gitdirs.inspect_git(str(superproject), uid=os.getuid())
+    assert str(nested / ".git") not in layout.gitdirs
+    snap = gitsnapshot.take(str(superproject), layout)
+    held = gitdirs.with_gitdirs(layout, str(superproject), gitsnapshot.gitdir_paths(str(superproject), snap))
+    assert held.gitdirs == layout.gitdirs + [str(nested / ".git")]
+    assert {str(nested / ".git" / "config"), str(nested / ".git" / "hooks")} <= set(held.read_only)
+    assert str(nested / ".git") in held.mount_points
+    assert gitsnapshot.take(str(superproject), held) == snap  # holding it changes nothing the check compares
