@@ -48,10 +48,8 @@ def secret_dir() -> Iterator[Path]:
     shutil.rmtree(d)
 
 
-LOG = [lambda: ""]
-
-
-def _outcome(client: dispatch.Client, path: Path, marker: str, mode: str) -> str:
+def _outcome(client: dispatch.Client, path: Path, marker: str, sandbox: Sandbox) -> str:
+    mode = sandbox.mode
     try:
         with client.open_session(str(path)) as s:
             listing = s.registry.get("list_files").call({"path": ".", "recursive": False})
@@ -65,14 +63,13 @@ def _outcome(client: dispatch.Client, path: Path, marker: str, mode: str) -> str
             assert marker in listing.output.split(), listing.output
             return "real"
     except RequestFailed as exc:
-        assert exc.code == "bad_worktree", f"{exc.code}: {exc.message}" + LOG[0]()
+        assert exc.code == "bad_worktree", f"{exc.code}: {exc.message}\n{sandbox.daemon.log()[-4000:]}"
         return "refused"
 
 
 def test_a_swapped_worktree_is_the_real_one_or_refused(
     sandbox: Sandbox, client: dispatch.Client, tmp_path: Path, secret_dir: Path,
 ) -> None:
-    LOG[0] = sandbox.daemon.log
     mono = tmp_path / "mono"
     (mono / "proj").mkdir(parents=True)
     marker = f"REAL-{secrets.token_hex(4)}"
@@ -88,11 +85,11 @@ def test_a_swapped_worktree_is_the_real_one_or_refused(
         outcomes: dict[str, int] = {"real": 0, "refused": 0}
         end = time.monotonic() + 6
         while time.monotonic() < end:
-            outcomes[_outcome(client, mono / "proj", marker, sandbox.mode)] += 1
+            outcomes[_outcome(client, mono / "proj", marker, sandbox)] += 1
         # Both sides of the race were seen.
         assert outcomes["refused"] > 0 and outcomes["real"] > 0, outcomes
     # The twin: the same opens on a directory nobody swaps all get it.
-    assert {_outcome(client, plain, marker, sandbox.mode) for _ in range(5)} == {"real"}
+    assert {_outcome(client, plain, marker, sandbox) for _ in range(5)} == {"real"}
     assert sorted(p.name for p in secret_dir.iterdir()) == ["id_ed25519"]  # nothing written there
 
 
