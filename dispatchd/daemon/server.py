@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import itertools
 import socket
 import struct
 import threading
@@ -53,6 +54,7 @@ class Server:
         self.load_policy = load_policy
         self.stopping = threading.Event()
         self.uid = os.getuid()
+        self._conn_ids = itertools.count(1)  # which connection holds which session (lifetimes.py)
 
     def serve_forever(self) -> None:
         self.listener.settimeout(0.1)  # to notice ``stopping`` promptly
@@ -70,6 +72,7 @@ class Server:
 
     def _serve_connection(self, conn: socket.socket) -> None:
         frames = protocol.FrameSocket(conn)
+        conn_id = next(self._conn_ids)
         try:
             pid, uid, _ = peer_credentials(conn)
             if uid != self.uid:
@@ -94,7 +97,7 @@ class Server:
                             f"expected hello with protocol version {protocol.PROTOCOL_VERSION}, got {got}")))
                         return
                     greeted = True
-                reply, fds = self._handle(req)
+                reply, fds = self._handle(req, conn_id)
                 try:
                     frames.send(reply, fds=[fd.fileno() for fd in fds])
                 finally:
@@ -104,28 +107,31 @@ class Server:
             log.debug("event=connection_dropped reason=%s", exc)
         finally:
             frames.close()
+            self.manager.holders.release(conn_id)  # its sessions may now be orphans
 
-    def _handle(self, req: Any) -> tuple[Any, list[socket.socket]]:
+    def _handle(self, req: Any, conn_id: int = 0) -> tuple[Any, list[socket.socket]]:
         rid = req.id
         try:
             if isinstance(req, protocol.Attach):
                 # The one reply that carries an fd: the client's end of a
                 # channel straight to the worker, so tool calls make one hop.
-                session, sock, tools = self.manager.attach(req.session)
+                session, sock, tools = self.manager.attach(req.session, holder=conn_id)
                 return protocol.Attached(id=rid, session=session.info(), tools=tools), [sock]
-            return self._route(req), []
+            return self._route(req, conn_id), []
         except DispatchdError as exc:
             return protocol.ErrorReply(id=rid, code=exc.code, message=exc.message), []
         except Exception as exc:  # a bug: say so, keep serving
             log.exception("event=internal_error request=%s", type(req).__name__)
             return protocol.ErrorReply(id=rid, code="internal", message=f"internal error: {type(exc).__name__}: {exc}"), []
 
-    def _route(self, req: Any) -> Any:
+    def _route(self, req: Any, conn_id: int = 0) -> Any:
         m = self.manager
         if isinstance(req, protocol.Hello):
             return protocol.HelloOk(id=req.id, version=protocol.PROTOCOL_VERSION, daemon_version=__version__)
         if isinstance(req, protocol.OpenSession):
-            return protocol.SessionReply(id=req.id, session=m.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports).info())
+            return protocol.SessionReply(id=req.id, session=m.open(
+                req.worktree, req.policy, req.network, req.ports, req.bind_ports, detached=req.detached,
+                orphan_grace_s=req.orphan_grace_s, holder=conn_id).info())
         if isinstance(req, protocol.CloseSession):
             m.close(req.session)
             return protocol.OkReply(id=req.id)

@@ -21,10 +21,23 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
+import threading
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "TEMP_NAME", "in_flight"]
+
+# Exactly the names _create_temp makes (worker/sweep.py removes leftovers by it).
+TEMP_NAME = re.compile(rb"^\..{1,800}\.dispatchd-[0-9a-f]{8}\.tmp$", re.DOTALL)
+_in_flight: set[tuple[int, int]] = set()  # (st_dev, st_ino) of temporary files being written now
+_in_flight_lock = threading.Lock()
+
+
+def in_flight() -> frozenset[tuple[int, int]]:
+    """The temporary files this process is writing at this moment."""
+    with _in_flight_lock:
+        return frozenset(_in_flight)
 
 # NAME_MAX is 255 on every Linux file system we care about; the prefix, the
 # suffix and the random part take 25 of those.
@@ -84,6 +97,10 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
             mode = stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)
     tmp, fd = _create_temp(directory, name)
+    st_tmp = os.fstat(fd)
+    key = (st_tmp.st_dev, st_tmp.st_ino)
+    with _in_flight_lock:
+        _in_flight.add(key)
     published = False
     try:
         try:
@@ -108,5 +125,7 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
                 os.unlink(tmp)
             except OSError:
                 pass
+        with _in_flight_lock:
+            _in_flight.discard(key)
     if fsync:
         _fsync_directory(directory)

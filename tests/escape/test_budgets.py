@@ -1,0 +1,108 @@
+"""Per-user kernel budgets (issue 11, section 5): a session cannot take the
+user's whole inotify budget, and cannot make namespaces; what stays open is
+listed in ``leaves_open``. The session still makes a few inotify instances
+(the allowed twin), and the user's own programs keep the rest."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import REPO, Daemon, _refuse_root, shell
+
+# Opens inotify instances until the kernel refuses; prints how many and the errno.
+INOTIFY_HOG = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while len(fds) < 1000:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    fds.append(fd)
+print(len(fds), ctypes.get_errno() if len(fds) < 1000 else 0, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dispatch.Client]]:
+    _refuse_root()
+    base = tmp_path_factory.mktemp("budgets")
+    d = Daemon(base, "--cgroup", "off")
+    try:
+        with d.connect() as c:
+            yield d, c
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def _instances_left_for_the_user() -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fds = []
+    try:
+        while len(fds) < 200:
+            fd = libc.inotify_init1(0)
+            if fd < 0:
+                assert ctypes.get_errno() == errno.EMFILE
+                break
+            fds.append(fd)
+        return len(fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_session_takes_at_most_its_inotify_share_and_the_user_keeps_the_rest(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    before = _instances_left_for_the_user()
+    with client.open_session(str(worktree)) as session:
+        assert "inotify 32 instances" in session.info["protections"]["limits"]["kernel_budgets"]
+        # The allowed twin: a few instances are fine.
+        few = shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG.replace('1000', '5'))} 0")
+        assert few.is_success and few.output.split() == ["5", "0"], few
+        # Holding as many as it can (in the background), it gets 32, then EMFILE.
+        shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG)} 30 > hog.out &")
+        for _ in range(100):
+            out = (worktree / "hog.out").read_text() if (worktree / "hog.out").exists() else ""
+            if out:
+                break
+            import time
+
+            time.sleep(0.05)
+        taken, err = out.split()
+        assert int(taken) == 32 and int(err) == errno.EMFILE, out
+        # The user's own programs still have what the session could not take.
+        assert _instances_left_for_the_user() >= min(before, 128) - 32
+    assert _instances_left_for_the_user() == before
+
+
+def test_a_session_cannot_make_namespaces_and_budgets_left_open_are_listed(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    with client.open_session(str(worktree)) as session:
+        read = shell(session, "cat /proc/sys/user/max_user_namespaces /proc/sys/user/max_inotify_instances")
+        assert read.is_success and read.output.split() == ["0", "32"]
+        # Nothing in the session can raise its maxima back: /proc/sys is read-only, and it has no capability.
+        raised = shell(session, "echo 128 > /proc/sys/user/max_inotify_instances")
+        assert raised.is_failure and "Read-only file system" in raised.metadata["stderr"], raised
+        gaps = session.info["protections"]["limits"]["leaves_open"]
+        assert any(g.startswith("epoll watches") for g in gaps)
+        assert any("socket buffers" in g for g in gaps)
+
+
+def _q(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+_ = (REPO, shutil)  # the module shares the suite's imports
