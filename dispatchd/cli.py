@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths.ensure_private_dir(state)
         paths.ensure_private_dir(os.path.join(state, "sessions"))
+        paths.ensure_private_dir(os.path.join(state, "session-locks"))  # daemon/leftovers.py
         # Scratch directories of sessions of a daemon that was killed (SIGKILL, OOM):
         # only those no live daemon holds (daemon/leftovers.py).
         stale = leftovers.remove_stale(os.path.join(state, "sessions"))

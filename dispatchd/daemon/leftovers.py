@@ -4,7 +4,7 @@ A session's scratch directory (``STATE/sessions/ID``: its /tmp and home) is
 removed when the session ends. A daemon killed with SIGKILL cannot do that,
 so ownership is kept where the next daemon can read it:
 - before making ``sessions/ID`` the daemon holds an exclusive ``flock`` on
-  ``sessions/.ID.lock`` for as long as the session lives (the lock file is
+  ``session-locks/ID.lock`` for as long as the session lives (the lock file is
   made under a temporary name, locked, then renamed into place, so nobody
   ever sees it unlocked while its daemon lives);
 - at start, ``remove_stale`` removes every scratch directory whose lock it can
@@ -53,20 +53,26 @@ class EndedSessions:
             return self._why.get(sid, "")
 
 
+def locks_dir(sessions_dir: str) -> str:
+    """Beside ``sessions/`` (whose listing is the sessions' own business)."""
+    return os.path.join(os.path.dirname(sessions_dir), "session-locks")
+
+
 class ScratchLocks:
     """The daemon's flock on each live session's scratch directory."""
 
     def __init__(self, sessions_dir: str) -> None:
-        self.dir = sessions_dir
+        self.dir = locks_dir(sessions_dir)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def take(self, sid: str) -> None:
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
         tmp = os.path.join(self.dir, f".{sid}.lock.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.rename(tmp, os.path.join(self.dir, f".{sid}.lock"))
+            os.rename(tmp, os.path.join(self.dir, f"{sid}.lock"))
         except BaseException:
             os.close(fd)
             try:
@@ -84,7 +90,7 @@ class ScratchLocks:
         if fd is None:
             return
         try:
-            os.unlink(os.path.join(self.dir, f".{sid}.lock"))
+            os.unlink(os.path.join(self.dir, f"{sid}.lock"))
         except OSError:
             pass
         os.close(fd)
@@ -125,23 +131,27 @@ def remove_tree(path: str) -> None:
         log.error("event=scratch_not_removed path=%s error=%r", path, exc.strerror)
 
 
-def plan_stale(entries: list[str]) -> tuple[list[str], list[str]]:
-    """(scratch directories, lock files) among the names in ``sessions/``. Pure."""
-    dirs = [e for e in entries if _SID.match(e)]
-    locks = [e for e in entries if e.startswith(".") and e.endswith(".lock") and _SID.match(e[1:-5])]
-    return dirs, locks
+def plan_stale(entries: list[str], lock_entries: list[str]) -> list[str]:
+    """Session ids with a scratch directory or a lock file to look at. Pure."""
+    dirs = {e for e in entries if _SID.match(e)}
+    locks = {e[:-5] for e in lock_entries if e.endswith(".lock") and _SID.match(e[:-5])}
+    return sorted(dirs | locks)
 
 
 def remove_stale(sessions_dir: str) -> int:
     """At start: remove what dead daemons' sessions left. Returns how many."""
+    lock_dir = locks_dir(sessions_dir)
     try:
         entries = os.listdir(sessions_dir)
     except FileNotFoundError:
         return 0
-    dirs, locks = plan_stale(entries)
+    try:
+        lock_entries = os.listdir(lock_dir)
+    except FileNotFoundError:
+        lock_entries = []
     removed = 0
-    for sid in sorted(set(dirs) | {lock[1:-5] for lock in locks}):
-        lock_path = os.path.join(sessions_dir, f".{sid}.lock")
+    for sid in plan_stale(entries, lock_entries):
+        lock_path = os.path.join(lock_dir, f"{sid}.lock")
         try:
             fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -167,15 +177,15 @@ def remove_stale(sessions_dir: str) -> int:
             if fd >= 0:
                 os.close(fd)
     # Temporary lock names of a daemon killed between open and rename.
-    for entry in entries:
+    for entry in lock_entries:
         if entry.startswith(".") and ".lock." in entry:
             try:
-                fd = os.open(os.path.join(sessions_dir, entry), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(os.path.join(lock_dir, entry), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.unlink(os.path.join(sessions_dir, entry))
+                os.unlink(os.path.join(lock_dir, entry))
             except OSError:
                 pass
             finally:

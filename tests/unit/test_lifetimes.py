@@ -69,12 +69,15 @@ def test_exit_causes_are_named() -> None:
 
 
 def test_stale_scratch_names_are_ours_only() -> None:
-    dirs, locks = leftovers.plan_stale(["0123456789ab", ".0123456789ab.lock", "notes", ".x.lock",
-                                        "0123456789abc", ".0123456789ab.lock.1a2b3c4d"])
-    assert dirs == ["0123456789ab"] and locks == [".0123456789ab.lock"]
+    assert leftovers.plan_stale(["0123456789ab", "notes", "0123456789abc", ".x"],
+                                ["ba9876543210.lock", "x.lock", ".0123456789ab.lock.1a2b3c4d"]) == [
+        "0123456789ab", "ba9876543210"]
 
 
 def test_a_stale_scratch_is_removed_and_a_locked_one_kept(tmp_path: Path) -> None:
+    (tmp_path / "state").mkdir()
+    tmp_path = tmp_path / "state" / "sessions"
+    tmp_path.mkdir()
     live = leftovers.ScratchLocks(str(tmp_path))
     live.take("aaaaaaaaaaaa")
     (tmp_path / "aaaaaaaaaaaa").mkdir()
@@ -87,11 +90,12 @@ def test_a_stale_scratch_is_removed_and_a_locked_one_kept(tmp_path: Path) -> Non
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "precious").write_text("y")
     assert leftovers.remove_stale(str(tmp_path)) == 2
-    assert sorted(os.listdir(tmp_path)) == [".aaaaaaaaaaaa.lock", "aaaaaaaaaaaa", "keep"]
+    assert sorted(os.listdir(tmp_path)) == ["aaaaaaaaaaaa", "keep"]
+    assert os.listdir(leftovers.locks_dir(str(tmp_path))) == ["aaaaaaaaaaaa.lock"]
     assert (tmp_path / "keep" / "precious").read_text() == "y"
     leftovers.remove_tree(str(tmp_path / "aaaaaaaaaaaa"))
     live.release("aaaaaaaaaaaa")
-    assert sorted(os.listdir(tmp_path)) == ["keep"]
+    assert sorted(os.listdir(tmp_path)) == ["keep"] and not os.listdir(leftovers.locks_dir(str(tmp_path)))
 
 
 def test_the_sweep_removes_our_temp_names_only(tmp_path: Path) -> None:
