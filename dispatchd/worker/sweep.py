@@ -6,7 +6,8 @@ temporary file (up to the file size cap) in the worktree, where ``git status``
 and ``list_files`` show it. The next session that writes the worktree removes
 such files when it is granted the worktree's write lock: only one session
 writes a worktree at a time, so no other session's write is in flight, and
-this process's own writes in flight are skipped (by inode).
+this process's own writes in flight are skipped (their names are registered
+before the files exist).
 
 Guarantees:
 - only names matching ``atomic.TEMP_NAME`` exactly, and only regular files:
@@ -51,8 +52,10 @@ def sweep_temp_files(root: str) -> list[str]:
             if not TEMP_NAME.match(name):
                 continue
             try:
+                if name in in_flight():
+                    continue
                 st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in in_flight():
+                if not stat.S_ISREG(st.st_mode):
                     continue
                 os.unlink(name, dir_fd=dirfd)
                 removed.append(os.fsdecode(os.path.join(dirpath, name)))
