@@ -36,7 +36,10 @@ time.sleep(float(sys.argv[1]))
 def full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dispatch.Client]]:
     _refuse_root()
     base = tmp_path_factory.mktemp("budgets")
-    d = Daemon(base, "--cgroup", "off")
+    policies = base / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "smallmem.toml").write_text("[limits]\nsession_memory_bytes = 67108864\n")
+    d = Daemon(base, "--cgroup", "off", "--policies", str(policies))
     try:
         with d.connect() as c:
             yield d, c
@@ -97,6 +100,45 @@ def test_a_session_cannot_make_namespaces_and_budgets_left_open_are_listed(
         gaps = session.info["protections"]["limits"]["leaves_open"]
         assert any(g.startswith("epoll watches") for g in gaps)
         assert any("socket buffers" in g for g in gaps)
+
+
+# Queues as much as each of 400 socketpairs takes (about 200 KiB each: 80 MiB),
+# then holds it; prints the bytes queued.
+SOCKBUF_HOG = r"""
+import socket, time
+pairs, total = [], 0
+for _ in range(400):
+    a, b = socket.socketpair(); a.setblocking(False)
+    try:
+        while True: total += a.send(b"x" * 65536)
+    except BlockingIOError: pass
+    pairs.append((a, b))
+print(total, flush=True); time.sleep(30)
+"""
+ALLOC = "/usr/bin/python3 -c 'import time; b = bytearray(96 * 2**20); b[::4096] = b\"x\" * len(b[::4096]); print(1, flush=True); time.sleep(30)'"
+
+
+@pytest.mark.known_limit
+def test_socket_buffers_are_outside_the_memory_watchdog_known_limit(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    import time
+
+    _, client = full
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        shell(session, f"/usr/bin/python3 -c {_q(SOCKBUF_HOG)} > q.out &")
+        for _ in range(200):
+            if (worktree / "q.out").exists() and (worktree / "q.out").read_text():
+                break
+            time.sleep(0.05)
+        queued = int((worktree / "q.out").read_text())
+        assert queued > 64 * 2**20  # more than the session's whole memory limit, in kernel buffers
+        time.sleep(1.5)  # several looks of the watchdog
+        assert session.id in [s["id"] for s in client.list_sessions()]
+        assert shell(session, "true").is_success
+    # The twin: the same amount in a process's own memory ends the session.
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        result = shell(session, ALLOC, timeout=30)
+        assert result.is_failure and "memory watchdog" in result.error, result.error
 
 
 def _q(s: str) -> str:
