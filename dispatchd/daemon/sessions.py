@@ -299,6 +299,8 @@ class SessionManager:
             worker = session.worker
         status = exits.exit_status(worker.pidfd) if worker is not None else None
         word, sentence = exits.describe_exit(status, idle_timeout_s=session.policy.limits.idle_timeout_s)
+        if not self.accepting and word == "worker_exited code=0":
+            word, sentence = "daemon_stopping", "dispatchd stopped (calls in flight were let finish first)"
         log.info("event=session_ended session=%s reason=%s", session.id, word)
         self._finish(session, sentence)
 
@@ -341,13 +343,16 @@ class SessionManager:
 
     def end(self, sid: str, word: str, why: str) -> None:
         """End a session for a reason of the daemon's own (orphaned, over its
-        memory): logged with ``reason=word``; its client is told ``why``."""
+        memory): logged with ``reason=word``; its client is told ``why``. Ends
+        it on a thread of its own: stopping a worker may take seconds, and the
+        caller (the watchdog, the orphan timer) serves every other session."""
         with self._lock:
             session = self._sessions.get(sid)
-        if session is None or session.closed:
-            return
+        if session is None or session.closed or self._ended.get(sid):
+            return  # gone, or being ended already
         log.warning("event=session_ended session=%s reason=%s", sid, word)
-        self._finish(session, why)
+        self._ended.record(sid, why)  # before the end: a client asking meanwhile hears why
+        threading.Thread(target=self._finish, args=(session, why), daemon=True, name=f"end-{sid}").start()
 
     def _end_orphan(self, sid: str) -> None:
         with self._lock:
