@@ -236,7 +236,8 @@ def plan_session(
         "max_processes": (f"{lim.max_processes} (pids.max over the session)" if "pids.max" in held
                           else rlimit_processes),
         "memory": (f"{lim.session_memory_bytes} bytes over the session (memory.max, no swap)" if "memory.max" in held
-                   else f"{lim.max_data_bytes} bytes of data per process (RLIMIT_DATA)"),
+                   else f"{lim.session_memory_bytes} bytes over the session (the daemon's memory watchdog); "
+                        f"{lim.max_data_bytes} bytes of data per process (RLIMIT_DATA)"),
         "cpu_weight": lim.cpu_weight if "cpu.weight" in held else "not enforced (no cpu controller)",
         "max_data_bytes_per_process": lim.max_data_bytes,
         "max_file_bytes": lim.max_file_bytes,

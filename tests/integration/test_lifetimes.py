@@ -230,8 +230,10 @@ def _cut_write(d: Daemon, client: dispatch.Client, worktree: Path) -> tuple[disp
     raise AssertionError("every write finished before it could be cut; nothing tested")
 
 
-def test_a_write_whose_tool_server_is_killed_says_so_and_its_temp_file_goes(tmp_path: Path, worktree: Path) -> None:
-    d = _daemon(tmp_path)
+@pytest.mark.parametrize("mode", ["full", "degraded"])
+def test_a_write_whose_tool_server_is_killed_says_so_and_its_temp_file_goes(tmp_path: Path, worktree: Path,
+                                                                           mode: str) -> None:
+    d = _daemon(tmp_path, "d", *(["--no-user-namespaces"] if mode == "degraded" else []))
     try:
         with d.connect() as client:
             session, result = _cut_write(d, client, worktree)
