@@ -193,9 +193,9 @@ class SessionManager:
             raise WorktreeError(f"{resolved}: its git metadata cannot be inspected "
                                 f"({type(exc).__name__}: {exc}); no session opened", resolved) from exc
         self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
-        os.makedirs(scratch + "/tmp", mode=0o700)
-        os.makedirs(scratch + "/home", mode=0o700)
         try:
+            os.makedirs(scratch + "/tmp", mode=0o700)
+            os.makedirs(scratch + "/home", mode=0o700)
             self._start_worker(session, network)
         except BaseException:
             self._remove_cgroup(session)
@@ -282,7 +282,7 @@ class SessionManager:
         try:
             while (msg := control.recv(protocol.control_decoder)) is not None:
                 if isinstance(msg, protocol.ToolCallsDone):
-                    for call in msg.calls:  # debug: at info this doubled read_file's p99 (README)
+                    for call in msg.calls:  # debug only: a line per call grew the log without bound
                         log.debug("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
                                  session.id, call.tool, call.duration_ms, "ok" if call.success else "failed")
                 elif isinstance(msg, protocol.AcquireWriteLock):
@@ -296,8 +296,13 @@ class SessionManager:
         with session.lock:
             if session.generation != generation or session.closed:
                 return  # replaced by a network switch, or closed on purpose
-            worker = session.worker
-        status = exits.exit_status(worker.pidfd) if worker is not None else None
+            # Our own descriptor: a close meanwhile closes the worker's.
+            pidfd = os.dup(session.worker.pidfd) if session.worker is not None and session.worker.pidfd >= 0 else -1
+        try:
+            status = exits.exit_status(pidfd) if pidfd >= 0 else None
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
         word, sentence = exits.describe_exit(status, idle_timeout_s=session.policy.limits.idle_timeout_s)
         if not self.accepting and word == "worker_exited code=0":
             word, sentence = "daemon_stopping", "dispatchd stopped (calls in flight were let finish first)"
