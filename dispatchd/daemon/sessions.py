@@ -11,7 +11,10 @@ Guarantees:
 - one writer per worktree: the first session to run a mutating tool on a
   worktree holds its write lock until it ends; others get a failure naming it;
 - the daemon never opens a path inside a worktree: it only checks it
-  (``check_worktree``) and hands it to the worker's plan.
+  (``check_worktree``) and hands it to the worker's plan; the exceptions are
+  the end-of-session git check (``gitdirs``) and, for the session that held
+  the write lock, the removal of temporary files its killed writes left
+  (``worker/sweep.py``: our exact names only, by descriptor, no symlink followed).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Wor
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
 from dispatchd.tools.spec import schemas_for
+from dispatchd.worker.sweep import sweep_temp_files
 
 log = logging.getLogger("dispatchd.sessions")
 READY_TIMEOUT_S = 10.0
@@ -339,12 +343,27 @@ class SessionManager:
             try:
                 self._stop_worker(session)
                 self._check_git(session)
+                self._sweep_temp_files(session)
             finally:
                 # Whatever the checks found, the session is over: no cgroup,
                 # no table entry, no write lock, no scratch directory left.
                 self._remove_cgroup(session)
                 self._forget(session)
                 self._remove_scratch(session)
+
+    def _sweep_temp_files(self, session: Session) -> None:
+        """The writer's processes are gone, and it still holds the write lock
+        (nobody else writes meanwhile): a write its end cut short leaves no
+        temporary file behind."""
+        with self._lock:
+            wrote = session.id in self._writers.values()
+        if not wrote:
+            return
+        started = time.perf_counter()
+        removed = sweep_temp_files(session.worktree)
+        if removed:
+            log.info("event=temp_files_removed session=%s count=%d ms=%.1f", session.id, len(removed),
+                     (time.perf_counter() - started) * 1e3)
 
     def end(self, sid: str, word: str, why: str) -> None:
         """End a session for a reason of the daemon's own (orphaned, over its
@@ -485,6 +504,7 @@ class SessionManager:
             session.generation += 1
             self._stop_worker(session)
             self._check_git(session)
+            self._sweep_temp_files(session)
             try:
                 self._start_worker(session, network)
                 session.note = (f"network {network}: the sandbox was replaced; {ended} process(es) "
