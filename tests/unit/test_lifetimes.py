@@ -156,3 +156,30 @@ def test_the_watchdog_counts_a_tree_and_names_its_mechanism() -> None:
     assert watchdog.over_limit(os.getpid(), 1) is not None
     assert watchdog.mechanism(True, 5)["mechanism"] == "cgroup"
     assert watchdog.mechanism(False, 5)["mechanism"] == "watchdog"
+
+
+def test_the_daemon_log_file_is_rotated(tmp_path: Path) -> None:
+    import argparse
+    import logging
+    from logging.handlers import RotatingFileHandler
+
+    from dispatchd import cli
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers = []
+    try:
+        cli._setup_logging(argparse.Namespace(log_file=str(tmp_path / "dispatchd.log"), log_level="info"))
+        handler = root.handlers[0]
+        assert isinstance(handler, RotatingFileHandler)
+        assert (handler.maxBytes, handler.backupCount) == (10 * 2**20, 3)
+        logging.getLogger("dispatchd.test").info("event=one")
+        handler.doRollover()
+        logging.getLogger("dispatchd.test").debug("event=tool_call (not at info)")
+        logging.getLogger("dispatchd.test").info("event=two")
+        handler.close()
+        assert "event=one" in (tmp_path / "dispatchd.log.1").read_text()
+        assert (tmp_path / "dispatchd.log").read_text().strip().endswith("event=two")
+        assert "tool_call" not in (tmp_path / "dispatchd.log").read_text()
+    finally:
+        root.handlers, root.level = saved[0], saved[1]
