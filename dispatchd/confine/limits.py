@@ -44,13 +44,20 @@ def plan_limits(*, max_processes: int, max_data_bytes: int, max_file_bytes: int,
 
 
 def _processes_of(uid: int) -> int:
+    """What the kernel counts against RLIMIT_NPROC for ``uid``: tasks, so every
+    thread of every process (a daemon with a hundred threads is a hundred). A
+    count of processes alone left no room to fork where the user ran threads."""
     count = 0
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    count += 1
-            except OSError:
+                if os.stat(f"/proc/{entry}").st_uid != uid:
+                    continue
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    # Field 20 (num_threads), counted after the command name,
+                    # which is in parentheses and may hold spaces.
+                    count += int(f.read().rsplit(b")", 1)[1].split()[17])
+            except (OSError, IndexError, ValueError):
                 continue
     return count
 

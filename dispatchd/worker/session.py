@@ -148,7 +148,12 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int)
     from dispatchd.worker.server import serve  # pre-imported by the fork server
 
     init = os.getpid()
-    server = os.fork()
+    try:
+        server = os.fork()
+    except OSError as exc:  # the process limit, already: say so rather than vanish
+        _report(control, protocol.WorkerFailed(step="fork the tool server", errno=exc.errno or 0, path="",
+                                               message=f"cannot fork the tool server: {exc.strerror}"))
+        os._exit(1)
     if server == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if not plan.namespaces.pid and plan.landlock.scoped & landlock.SCOPE_SIGNAL:

@@ -183,3 +183,21 @@ def test_the_daemon_log_file_is_rotated(tmp_path: Path) -> None:
         assert "tool_call" not in (tmp_path / "dispatchd.log").read_text()
     finally:
         root.handlers, root.level = saved[0], saved[1]
+
+
+def test_the_process_budget_without_a_user_namespace_counts_threads() -> None:
+    """RLIMIT_NPROC counts tasks: a user's threads must be in the base, or a
+    degraded session cannot even fork its tool server (found under load)."""
+    from dispatchd.confine.limits import _processes_of
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait) for _ in range(20)]
+    for t in threads:
+        t.start()
+    try:
+        mine = len(os.listdir("/proc/self/task"))
+        assert _processes_of(os.getuid()) >= mine >= 21
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
