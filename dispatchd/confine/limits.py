@@ -5,8 +5,9 @@ nothing in the session can raise them again — it has no CAP_SYS_RESOURCE):
 - processes: at most ``max_processes`` (threads count). With a user namespace
   the kernel counts them per namespace, so this is the session's own budget
   (a fork bomb stops there and the user's other processes are untouched).
-  Without one the kernel counts every process of the user, so the limit is set
-  to what the user runs at open plus the session's budget;
+  Without one the kernel counts every task (thread) of the user, so the limit
+  is set to what the user runs at open, threads included, plus the session's
+  budget;
 - memory: each process's data segment is capped at ``max_data_bytes``
   (RLIMIT_DATA: heap and private writable mappings; reserved-but-unused
   address space, as V8 and the JVM make, does not count);
