@@ -95,6 +95,8 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # namespace (confine/ucounts.py); the user keeps the rest (128 inotify
     # instances by default in all).
     max_inotify_instances: int = 32
+    max_pending_signals: int = 4096  # RLIMIT_SIGPENDING
+    max_msgqueue_bytes: int = 204800  # RLIMIT_MSGQUEUE
     max_inotify_watches: int = 65536
     max_fanotify_groups: int = 16
     max_fanotify_marks: int = 65536
@@ -159,7 +161,7 @@ def _check(policy: Policy, where: str) -> None:
     for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries",
                 "model_output_bytes", "max_processes", "max_data_bytes", "max_file_bytes", "max_open_files",
                 "session_memory_bytes", "max_inotify_instances", "max_inotify_watches", "max_fanotify_groups",
-                "max_fanotify_marks"):
+                "max_fanotify_marks", "max_pending_signals", "max_msgqueue_bytes"):
         if getattr(lim, key) < 1:
             raise bad(f"limits.{key}", "must be at least 1")
     if not 1 <= lim.cpu_weight <= 10000:

@@ -223,7 +223,8 @@ def plan_session(
     lim = policy.limits
     limits_plan = plan_limits(max_processes=lim.max_processes, max_data_bytes=lim.max_data_bytes,
                               max_file_bytes=lim.max_file_bytes, max_open_files=lim.max_open_files,
-                              user_namespace=use_userns)
+                              user_namespace=use_userns, max_pending_signals=lim.max_pending_signals,
+                              max_msgqueue_bytes=lim.max_msgqueue_bytes)
     cgroup = plan_session_cgroup(delegation, session, max_processes=lim.max_processes,
                                  memory_bytes=lim.session_memory_bytes, cpu_weight=lim.cpu_weight)
     held = set(cgroup.settings) if cgroup else set()

@@ -76,7 +76,8 @@ def describe(plan: UcountsPlan) -> str:
     m = plan.maxima
     return (f"in its user namespace: inotify {m['max_inotify_instances']} instances, "
             f"{m['max_inotify_watches']} watches; fanotify {m['max_fanotify_groups']} groups, "
-            f"{m['max_fanotify_marks']} marks; no namespaces")
+            f"{m['max_fanotify_marks']} marks; no namespaces; queued signals and message queues "
+            "by rlimit (max_pending_signals, max_msgqueue_bytes)")
 
 
 def budget_gaps(*, user_namespace: bool, cgroup_controllers: tuple[str, ...]) -> list[str]:

@@ -102,6 +102,51 @@ def test_a_session_cannot_make_namespaces_and_budgets_left_open_are_listed(
         assert any("socket buffers" in g for g in gaps)
 
 
+# Opens POSIX message queues (default size, about 80 KiB each) until refused.
+MQ_HOG = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+n, err = 0, 0
+while n < 50:
+    fd = libc.mq_open(f"/dispatchd-test-{os.getpid()}-{n}".encode(), os.O_CREAT | os.O_RDWR, 0o600, None)
+    if fd < 0:
+        err = ctypes.get_errno()
+        break
+    n += 1
+for i in range(n):
+    libc.mq_unlink(f"/dispatchd-test-{os.getpid()}-{i}".encode())
+print(n, err)
+"""
+# Queues real-time signals to itself (blocked) until refused.
+SIGQUEUE_HOG = r"""
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+n, err = 0, 0
+while n < 200000:
+    if libc.sigqueue(os.getpid(), int(signal.SIGRTMIN), ctypes.c_long(0)) != 0:
+        err = ctypes.get_errno()
+        break
+    n += 1
+print(n, err)
+"""
+
+
+def test_queued_signals_and_message_queues_are_the_sessions_share_only(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    with client.open_session(str(worktree)) as session:
+        limits = shell(session, "ulimit -i; ulimit -q")
+        assert limits.output.split() == ["4096", "204800"], limits
+        # POSIX message queues cannot even be made here (the session's IPC
+        # namespace's queue file system is not its own): the rlimit is a second wall.
+        mq = shell(session, f"/usr/bin/python3 -c {_q(MQ_HOG)}")
+        assert mq.is_success and mq.output.split() == ["0", str(errno.EACCES)], mq
+        sig = shell(session, f"/usr/bin/python3 -c {_q(SIGQUEUE_HOG)}")
+        taken, err = (int(x) for x in sig.output.split())
+        assert 4000 <= taken <= 4096 and err == errno.EAGAIN, sig
+
+
 # Queues as much as each of 400 socketpairs takes (about 200 KiB each: 80 MiB),
 # then holds it; prints the bytes queued.
 SOCKBUF_HOG = r"""
