@@ -65,6 +65,10 @@ class OpenSession(_Msg, tag="open_session"):
     # Extra read-only paths for this session (toolchains outside the system
     # directories: ~/.cargo, ~/.rustup), beside the policy's extra_read_only.
     read_only: list[str] = []
+    # Lifetime (daemon/lifetimes.py): a session ends once every connection that
+    # opened or attached to it has gone for its grace, unless it is detached.
+    detached: bool = False
+    orphan_grace_s: float | None = None  # shorter than the policy's, never longer; None: the policy's
 
 
 class CloseSession(_Msg, tag="close_session"):
