@@ -10,7 +10,9 @@ Guarantees:
 - the session ends itself after the policy's idle timeout with no call in
   flight, and as soon as the daemon's control channel closes;
 - a mutating tool (write_file, edit_file, create_file, shell_exec) runs only
-  once the daemon has granted this session its worktree's write lock.
+  once the daemon has granted this session its worktree's write lock;
+- ``SetCommandEnv`` from the daemon changes the environment of commands
+  started after it (the proxy variables of network "domains"), not of those running.
 
 Threads are safe here: Landlock and seccomp were applied before this process
 was forked, and every thread inherits them.
@@ -18,6 +20,7 @@ was forked, and every thread inherits them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import socket
@@ -200,6 +203,12 @@ class _Server:
                 self.records.append(protocol.CallRecord(req.tool, round((time.perf_counter() - started) * 1e3, 3),
                                                         success))
 
+    def set_command_env(self, msg: protocol.SetCommandEnv) -> None:
+        env = {k: v for k, v in self.ctx.env.items() if k not in msg.unset}
+        env.update(msg.set)
+        # One assignment: a call starting now sees the old context or the new, whole.
+        self.ctx = dataclasses.replace(self.ctx, env=env)
+
     def flush_records(self) -> None:
         """Send the daemon what finished since the last time (for its log)."""
         with self.records_lock:
@@ -254,5 +263,7 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             threading.Thread(target=channel.run, daemon=True).start()
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
+        elif isinstance(msg, protocol.SetCommandEnv):
+            server.set_command_env(msg)
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()
