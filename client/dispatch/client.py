@@ -243,10 +243,10 @@ class Session:
         sandbox was replaced and its processes ended (``status()["note"]`` says
         how many); from "domains" to "domains" only the list changes, and
         connections to hosts no longer listed are closed."""
-        word = _network_word(network)
+        word, listed = _network_word(network), _domain_list(domains)
         reply, _ = self._client._daemon_request(lambda rid: protocol.SetNetwork(
             id=rid, session=self.id, network=word, ports=ports, bind_ports=bind_ports,
-            domains=_domain_list(domains)))
+            domains=listed))
         self._info = reply.session
         with self._lock:
             self._attach()
@@ -316,11 +316,11 @@ class Client:
     def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
                      ports: list[int] | None = None, bind_ports: list[int] | None = None,
                      domains: list[str] | None = None) -> Session:
-        word = _network_word(network)
+        word, listed = _network_word(network), _domain_list(domains)
         path = os.path.abspath(os.fspath(worktree))
         reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(
             id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports,
-            domains=_domain_list(domains)))
+            domains=listed))
         try:
             return Session(self, reply.session, owned=True)
         except BaseException:
@@ -343,10 +343,10 @@ class Client:
 
     def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
                     bind_ports: list[int] | None = None, domains: list[str] | None = None) -> dict[str, Any]:
-        word = _network_word(network)
+        word, listed = _network_word(network), _domain_list(domains)
         reply, _ = self._daemon_request(lambda rid: protocol.SetNetwork(
             id=rid, session=session_id, network=word, ports=ports, bind_ports=bind_ports,
-            domains=_domain_list(domains)))
+            domains=listed))
         return _to_dict(reply.session)
 
     def _sessions(self) -> list[protocol.SessionInfo]:
