@@ -321,6 +321,7 @@ class SessionProxy:
                 upstream = self._open(conn, req)
             except HttpError as exc:
                 client.sendall(response(exc.status, exc.reason, exc.body, exc.headers))
+                _linger(client)
                 return
             with self._lock:
                 conn.upstream = upstream
@@ -453,3 +454,19 @@ class SessionProxy:
                     except OSError:
                         return
 
+
+def _linger(client: socket.socket) -> None:
+    """After an error reply: end our side and read what the client was still
+    sending (a little, briefly), so closing does not reset the connection
+    before the client has read why."""
+    try:
+        client.shutdown(socket.SHUT_WR)
+        drained, deadline = 0, time.monotonic() + 1.0
+        while drained < MAX_HEAD * 4 and (left := deadline - time.monotonic()) > 0:
+            client.settimeout(left)
+            data = client.recv(_BUF)
+            if not data:
+                return
+            drained += len(data)
+    except OSError:
+        pass
