@@ -286,6 +286,7 @@ class SetCommandEnv(_Msg, tag="set_command_env"):
 
     set: dict[str, str] = {}
     unset: list[str] = []
+    id: int = 0  # not 0: the worker answers ``OkReply(id)`` once later commands get it
 
 
 WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, ToolCallsDone, Drain, OkReply,

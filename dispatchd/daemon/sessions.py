@@ -68,6 +68,8 @@ class Session:
         self.generation = 0
         self.closed = False
         self.ended = threading.Event()  # set when the current worker's control channel closes
+        self.acks: dict[int, threading.Event] = {}  # SetCommandEnv requests waiting for the worker
+        self.ack_ids = 0
 
     def info(self) -> protocol.SessionInfo:
         denied = [protocol.DeniedHost(host=h, port=p, count=c, last=t) for h, p, c, t in self.proxy.denied()
@@ -309,12 +311,23 @@ class SessionManager:
             session.proxy.configure(plan.network, session.domains)
 
     def send_command_env(self, session: Session, set_env: dict[str, str], unset: list[str]) -> None:
-        """Commands the session starts from now on get ``set_env`` and lose
+        """Commands the session starts once this returns get ``set_env`` and lose
         ``unset`` (e.g. ``domains.proxy_env()`` when a switch keeps the sandbox)."""
+        done = threading.Event()
         with session.send_lock:
             if session.control is None:
                 raise SessionError(f"session {session.id} has ended", session.id)
-            session.control.send(protocol.SetCommandEnv(set=set_env, unset=unset))
+            session.ack_ids += 1
+            rid = session.ack_ids
+            session.acks[rid] = done
+            try:
+                session.control.send(protocol.SetCommandEnv(set=set_env, unset=unset, id=rid))
+            except OSError as exc:
+                session.acks.pop(rid, None)
+                raise SessionError(f"session {session.id} has ended", session.id) from exc
+        if not done.wait(READY_TIMEOUT_S):
+            session.acks.pop(rid, None)
+            raise SessionError(f"session {session.id}: its worker did not confirm the new environment", session.id)
 
     def _watch(self, session: Session, generation: int, control: protocol.FrameSocket, ended: threading.Event) -> None:
         """The only reader of a worker's control channel: its EOF means the tool
@@ -325,6 +338,10 @@ class SessionManager:
                     for call in msg.calls:
                         log.info("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
                                  session.id, call.tool, call.duration_ms, "ok" if call.success else "failed")
+                elif isinstance(msg, protocol.OkReply):
+                    waiting = session.acks.pop(msg.id, None)
+                    if waiting is not None:
+                        waiting.set()
                 elif isinstance(msg, protocol.AcquireWriteLock):
                     reply = self._grant_write_lock(session, msg.id)
                     with session.send_lock:

@@ -106,7 +106,7 @@ class _Control:
         self.frames = frames
         self._send_lock = threading.Lock()
 
-    def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone) -> None:
+    def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone | protocol.OkReply) -> None:
         with self._send_lock:
             self.frames.send(msg)
 
@@ -265,5 +265,10 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             server.write_lock.answer(msg)
         elif isinstance(msg, protocol.SetCommandEnv):
             server.set_command_env(msg)
+            if msg.id:
+                try:
+                    server.control.send(protocol.OkReply(id=msg.id))
+                except OSError:
+                    return
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()
