@@ -214,6 +214,10 @@ def plan_session(
         gaps.append("abstract Unix socket names of the host can be taken (bind) by the session: a program "
                     "of the user's that binds the same name then fails (nothing can be connected to or "
                     "received through them)")
+    if network == "domains":
+        gaps.append("network 'domains' checks the host each request names, not what a tunnel carries: a "
+                    "listed name served by a shared CDN can be fronted for other hosts (SNI, ECH), and a "
+                    "listed host that accepts uploads is a way out for data")
     if network == "ports":
         gaps.append("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
                     "network (Landlock has no rules for them)")
