@@ -176,6 +176,24 @@ class CallTool(_Msg, tag="call_tool"):
     id: int
     tool: str
     params: dict[str, Any]
+    stream: bool = False  # send ToolOutput frames as output comes, before the ToolReply
+
+
+class CancelCall(_Msg, tag="cancel_call"):
+    """Client -> worker: end the call ``id`` now (its processes killed); its
+    ``ToolReply`` still comes, a failure with ``metadata["cancelled"]``. No
+    reply of its own; an unknown or finished id is ignored."""
+
+    id: int
+
+
+class ToolOutput(_Msg, tag="tool_output"):
+    """Worker -> client, for a ``CallTool`` with ``stream``: output of call
+    ``id`` as it came, ``stream`` "stdout" or "stderr", before its reply."""
+
+    id: int
+    stream: str
+    text: str
 
 
 class ToolReply(_Msg, tag="tool_reply"):
@@ -228,7 +246,7 @@ class Spawned(_Msg, tag="spawned"):
     pid: int
 
 
-WorkerRequest = Union[CallTool, ToolReply, ErrorReply]
+WorkerRequest = Union[CallTool, ToolReply, ErrorReply, CancelCall, ToolOutput]
 ZygoteRequest = SpawnWorker
 ZygoteReply = Union[Spawned, ErrorReply]
 class AcquireWriteLock(_Msg, tag="acquire_write_lock"):

@@ -7,7 +7,15 @@ Guarantees:
   the daemon hands over at ``attach`` time: one hop, not two;
 - tool calls never raise: a lost sandbox, a closed session or a daemon that
   went away come back as ``Result.failure`` with the reason; daemon requests
-  (open, close, network, status) raise ``DispatchError`` subclasses instead.
+  (open, close, network, status) raise ``DispatchError`` subclasses instead;
+- a call given ``on_output`` gets the command's output as it comes, in the
+  calling thread (whichever thread reads the channel queues it for the
+  caller), before the call returns the same Result it would have without;
+- a call interrupted in its caller (``KeyboardInterrupt``, or any exception,
+  even one raised by ``on_output``) is cancelled in the sandbox before the
+  exception goes on: its processes are ended. ``Session.cancel()`` (from any
+  thread) and ``Cancellation.cancel()`` end calls in flight, which then return
+  a failure with ``metadata["cancelled"]``.
 """
 
 from __future__ import annotations
@@ -30,7 +38,44 @@ from dispatchd import paths, protocol
 
 _PENDING = object()
 _RISK = {"read_file": "read", "list_files": "read", "search_files": "read",
-         "write_file": "write", "edit_file": "write", "create_file": "write", "shell_exec": "execute"}
+         "write_file": "write", "edit_file": "write", "create_file": "write", "shell_exec": "execute",
+         "job_output": "read", "job_list": "read", "job_stop": "execute"}
+
+OutputCallback = Callable[[str, str], None]
+
+
+class Cancellation:
+    """A handle that cancels one tool call (or the calls it is given to) from any thread.
+
+    Pass it in the call's context, ``defn.call(params, {"cancellation": c})``
+    or ``registry.call(name, params, {"cancellation": c})``; ``c.cancel()``
+    ends the call in the sandbox (its Result: a failure with
+    ``metadata["cancelled"]``). Cancelling before the call starts cancels
+    it as soon as it is sent.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._hooks: list[Callable[[], None]] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def _bind(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._cancelled:
+                self._hooks.append(hook)
+                return
+        hook()
 
 
 class _Connection:
@@ -48,13 +93,18 @@ class _Connection:
         self._cond = threading.Condition()
         self._reading = False
         self._replies: dict[int, Any] = {}
+        self._outputs: dict[int, list[tuple[str, str]]] = {}  # streamed output waiting for its caller
         self._ids = itertools.count(1)
         self._broken: Exception | None = None
 
-    def request(self, build: Callable[[int], msgspec.Struct]) -> tuple[Any, int | None]:
+    def request(self, build: Callable[[int], msgspec.Struct], *, on_output: OutputCallback | None = None,
+                sent: Callable[[int], None] | None = None) -> tuple[Any, int | None]:
         """Send a request and wait for its reply. Raises ``NotSent`` (the
         connection stays usable) when the request cannot be encoded or is over
-        the frame limit, ``ConnectionLost`` when the peer is gone."""
+        the frame limit, ``ConnectionLost`` when the peer is gone.
+
+        ``on_output(stream, text)`` gets the ``ToolOutput`` frames of this
+        request, in this thread; ``sent(rid)`` is called once it is on the wire."""
         rid = next(self._ids)
         try:
             frame = protocol.encode(build(rid))
@@ -64,31 +114,80 @@ class _Connection:
             if self._broken is not None:
                 raise ConnectionLost(str(self._broken))
             self._replies[rid] = _PENDING
+            if on_output is not None:
+                self._outputs[rid] = []
         try:
             with self._send_lock:
                 self._frames.sock.sendall(frame)
         except OSError as exc:
             self._fail(exc)
             raise ConnectionLost(str(exc)) from exc
-        with self._cond:
-            while True:
-                if self._replies[rid] is not _PENDING:
-                    return self._replies.pop(rid)
-                if self._broken is not None:
-                    self._replies.pop(rid, None)
-                    raise ConnectionLost(str(self._broken))
-                if not self._reading:
-                    self._reading = True
-                    break
-                self._cond.wait()
-        return self._read_until(rid)
+        try:
+            if sent is not None:
+                sent(rid)
+            return self._wait(rid, on_output)
+        except BaseException:
+            with self._cond:  # forget it: its reply, when it comes, is dropped
+                self._replies.pop(rid, None)
+                self._outputs.pop(rid, None)
+            raise
 
-    def _read_until(self, rid: int) -> tuple[Any, int | None]:
+    def send(self, msg: msgspec.Struct) -> None:
+        """A message that has no reply (``CancelCall``); best effort."""
+        try:
+            frame = protocol.encode(msg)
+            with self._send_lock:
+                self._frames.sock.sendall(frame)
+        except (OSError, protocol.ProtocolError):
+            pass
+
+    def _wait(self, rid: int, on_output: OutputCallback | None) -> tuple[Any, int | None]:
+        while True:
+            chunks: list[tuple[str, str]] = []
+            with self._cond:
+                while True:
+                    queued = self._outputs.get(rid)
+                    if queued:
+                        chunks, self._outputs[rid] = queued, []
+                        break
+                    if self._replies[rid] is not _PENDING:
+                        self._outputs.pop(rid, None)
+                        return self._replies.pop(rid)
+                    if self._broken is not None:
+                        self._replies.pop(rid, None)
+                        self._outputs.pop(rid, None)
+                        raise ConnectionLost(str(self._broken))
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    self._cond.wait()
+            if chunks:
+                assert on_output is not None
+                for stream, text in chunks:
+                    on_output(stream, text)
+                continue
+            done = self._read_until(rid, on_output)
+            if done is not None:
+                return done
+
+    def _read_until(self, rid: int, on_output: OutputCallback | None = None) -> tuple[Any, int | None] | None:
+        """Read as the connection's reader until ``rid``'s reply (returned) or
+        until output for it was handed to ``on_output`` by another path (None)."""
         try:
             while True:
                 reply = self._frames.recv(self._decoder)
                 if reply is None:
                     raise ConnectionLost("the peer closed the connection")
+                if isinstance(reply, protocol.ToolOutput):
+                    if reply.id == rid and on_output is not None:
+                        on_output(reply.stream, reply.text)  # the reader is its caller: no queue
+                        continue
+                    with self._cond:
+                        queue = self._outputs.get(reply.id)
+                        if queue is not None:
+                            queue.append((reply.stream, reply.text))
+                            self._cond.notify_all()
+                    continue
                 fd = self._frames.take_fd() if isinstance(reply, protocol.Attached) else None
                 with self._cond:
                     if reply.id in self._replies:
@@ -107,6 +206,13 @@ class _Connection:
             with self._cond:
                 self._replies.pop(rid, None)
             raise exc if isinstance(exc, ConnectionLost) else ConnectionLost(str(exc)) from exc
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, or on_output raised): hand the
+            # reading over to another waiter, keep the connection.
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+            raise
 
     def _fail(self, exc: Exception) -> None:
         with self._cond:
@@ -152,6 +258,8 @@ class Session:
         self._lock = threading.Lock()
         self._channel: _Connection | None = None
         self._tools: list[protocol.ToolSchema] = []
+        self._in_flight: dict[int, _Connection] = {}  # tool calls sent and not answered, by request id
+        self._in_flight_lock = threading.Lock()
         self._attach()
         # The policy's budget: longer results reach a model in part (retrieve_output has the rest).
         self.registry = Registry((self._remote(t) for t in self._tools),
@@ -186,14 +294,33 @@ class Session:
     def _remote(self, schema: protocol.ToolSchema) -> Definition:
         name = schema.name
 
-        def run(params: dict[str, Any], _context: Any) -> Result:
-            return self.call_tool(name, params)
+        def run(params: dict[str, Any], context: Any, on_output: OutputCallback | None = None) -> Result:
+            cancellation = context.get("cancellation") if isinstance(context, dict) else None
+            return self.call_tool(name, params, on_output=on_output,
+                                  cancellation=cancellation if isinstance(cancellation, Cancellation) else None)
 
+        run.streams_output = True  # type: ignore[attr-defined]  # Definition.call passes on_output
         return Definition(name, schema.description, schema.parameters, run, risk=_RISK.get(name, "execute"))
 
-    def call_tool(self, name: str, params: dict[str, Any]) -> Result:
+    def cancel(self) -> int:
+        """End this session's tool calls in flight (from any thread): each
+        returns a failure with ``metadata["cancelled"]`` once its processes are
+        gone. Returns how many were cancelled; later calls are not affected."""
+        with self._in_flight_lock:
+            calls = list(self._in_flight.items())
+        for rid, channel in calls:
+            channel.send(protocol.CancelCall(id=rid))
+        return len(calls)
+
+    def call_tool(self, name: str, params: dict[str, Any], *, on_output: OutputCallback | None = None,
+                  cancellation: Cancellation | None = None) -> Result:
         """Run a tool in the sandbox without client-side validation (the worker
-        validates too). ``registry.get(name).call(params)`` is the usual way."""
+        validates too). ``registry.get(name).call(params)`` is the usual way.
+
+        ``on_output(stream, text)`` gets output as it comes (shell_exec);
+        ``cancellation`` can end the call from another thread. An exception
+        in this thread while waiting (``KeyboardInterrupt``) cancels the call
+        in the sandbox, then goes on."""
         with self._lock:
             channel = self._channel
             if channel is None or channel.broken:
@@ -203,13 +330,35 @@ class Session:
                     return Result.failure(f"session {self.id} is not available: {exc}")
                 channel = self._channel
         assert channel is not None
+        sent: list[int] = []
+
+        def on_sent(rid: int) -> None:
+            sent.append(rid)
+            with self._in_flight_lock:
+                self._in_flight[rid] = channel
+            if cancellation is not None:
+                cancellation._bind(lambda: channel.send(protocol.CancelCall(id=rid)))
+
         try:
-            reply, _ = channel.request(lambda rid: protocol.CallTool(id=rid, tool=name, params=params))
+            reply, _ = channel.request(
+                lambda rid: protocol.CallTool(id=rid, tool=name, params=params, stream=on_output is not None),
+                on_output=on_output, sent=on_sent)
         except ConnectionLost as exc:
             return Result.failure(f"the sandbox of session {self.id} went away during {name} ({exc}); "
                                   "the session was closed, ended idle, or its network was switched")
         except NotSent as exc:
             return Result.failure(f"{name}: the arguments cannot be sent: {exc}")
+        except BaseException:
+            # Interrupted here (KeyboardInterrupt, on_output raised): end the
+            # call in the sandbox too, so nothing of it runs on.
+            for rid in sent:
+                channel.send(protocol.CancelCall(id=rid))
+            raise
+        finally:
+            if sent:
+                with self._in_flight_lock:
+                    for rid in sent:
+                        self._in_flight.pop(rid, None)
         if isinstance(reply, protocol.ErrorReply):
             return Result.failure(f"{name}: {reply.message}")
         if reply.success:

@@ -383,15 +383,20 @@ class Definition:
             messages.append(where + _shorten(err.message))
         return not messages, messages
 
-    def call(self, params: Any, context: Any = None) -> Result:
+    def call(self, params: Any, context: Any = None, on_output: Callable[[str, str], None] | None = None) -> Result:
         """Validate ``params``, run the function. Never raises (``Exception`` only).
 
         Invalid arguments, an exception from the function and a return value
         that is not a ``Result`` all come back as ``Result.failure`` naming the tool.
         No approval is asked here: that is the ``Registry``'s job.
+
+        ``on_output(stream, text)``, ``stream`` "stdout" or "stderr", gets a
+        tool's output as it comes (a session's ``shell_exec``), before the
+        Result returns; it reaches a function marked ``func.streams_output =
+        True`` (as a third argument, ``on_output``) and is ignored for others.
         """
         args, failure = self._arguments(params)
-        return failure if args is None else self._invoke(args, context)
+        return failure if args is None else self._invoke(args, context, on_output)
 
     def _arguments(self, params: Any) -> tuple[dict[str, Any], None] | tuple[None, Result]:
         """``(args, None)`` with the func's own copy of valid ``params``, or
@@ -406,9 +411,13 @@ class Definition:
             return None, Result.failure(str(_invalid_arguments(self._name, messages)))
         return args, None
 
-    def _invoke(self, args: dict[str, Any], context: Any) -> Result:
+    def _invoke(self, args: dict[str, Any], context: Any,
+                on_output: Callable[[str, str], None] | None = None) -> Result:
         try:
-            result = self._func(args, {} if context is None else context)
+            if on_output is not None and getattr(self._func, "streams_output", False):
+                result = self._func(args, {} if context is None else context, on_output)  # type: ignore[call-arg]
+            else:
+                result = self._func(args, {} if context is None else context)
         except Exception as exc:
             return Result.failure(str(ExecutionError.wrapping(self._name, exc)))
         if not isinstance(result, Result):
@@ -858,9 +867,11 @@ class Registry:
             raise ValueError(f"unknown schema format {format!r}; known: {known}") from None
         return [shape(d) for d in self.to_list()]
 
-    def call(self, name: str, params: Any, context: Any = None) -> Result:
+    def call(self, name: str, params: Any, context: Any = None,
+             on_output: Callable[[str, str], None] | None = None) -> Result:
         """Run tool ``name``, asking for approval first when its risk needs it.
-        Never raises: an unknown name, invalid arguments and a denial are failures."""
+        Never raises: an unknown name, invalid arguments and a denial are failures.
+        ``on_output`` as in ``Definition.call``."""
         defn = self._find(name)
         if defn is None:
             return self._unknown(name)
@@ -868,7 +879,7 @@ class Registry:
         if args is None:
             return failure  # type: ignore[return-value]
         denial = self._ask(defn, args, context)
-        return denial if denial is not None else defn._invoke(args, context)
+        return denial if denial is not None else defn._invoke(args, context, on_output)
 
     def _ask(self, defn: Definition, args: dict[str, Any], context: Any) -> Result | None:
         """None when the call may run; the denial otherwise. Fails closed."""
@@ -909,8 +920,10 @@ class Registry:
         """
         return self.run_call(tool_call, context).reply
 
-    def run_call(self, tool_call: Any, context: Any = None) -> ToolCallOutcome:
-        """``dispatch``, returning everything an agent loop or a trace wants to know."""
+    def run_call(self, tool_call: Any, context: Any = None,
+                 on_output: Callable[[str, str], None] | None = None) -> ToolCallOutcome:
+        """``dispatch``, returning everything an agent loop or a trace wants to know
+        (``on_output`` as in ``Definition.call``)."""
         shape = _read_tool_call(tool_call)
         if shape is None:
             result = Result.failure(
@@ -929,7 +942,7 @@ class Registry:
         elif bad_arguments is not None:
             result = bad_arguments
         else:
-            result = self.call(name, params, context)
+            result = self.call(name, params, context, on_output)
         text, output_id = self._for_model(name, result)
         return ToolCallOutcome(call_id, name, params, result, reply(call_id, text, result.is_failure), output_id)
 

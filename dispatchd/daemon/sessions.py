@@ -31,6 +31,7 @@ import msgspec
 from dispatchd import protocol
 from dispatchd.confine import cgroups, gitdirs
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
+from dispatchd.daemon import gitidentity
 from dispatchd.daemon.spawn import Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, WorktreeError
@@ -214,9 +215,11 @@ class SessionManager:
     def _plan(self, session: Session, network: str) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git)
+        # Read at each worker start (open, network switch): a few µs, no git run.
+        identity = gitidentity.identity_env(gitidentity.read_identity(self.home, self.base_env))
         return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
                             uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
-                            delegation=self.delegation)
+                            delegation=self.delegation, git_identity=identity)
 
     def _start_worker(self, session: Session, network: str) -> None:
         started = time.perf_counter()

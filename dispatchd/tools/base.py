@@ -13,12 +13,25 @@ These functions run only inside a confined worker; the daemon never calls them.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
 
 from dispatchd.policy import Limits
+
+
+class CallControl:
+    """One call in flight, as a long-running tool sees it: whether the caller
+    cancelled it, and where its output goes as it comes (``emit(stream,
+    text)``, None when the caller did not ask for streaming)."""
+
+    __slots__ = ("cancelled", "emit")
+
+    def __init__(self, emit: Callable[[str, str], None] | None = None) -> None:
+        self.cancelled = threading.Event()
+        self.emit = emit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +42,9 @@ class ToolContext:
     limits: Limits
     env: Mapping[str, str]  # the environment commands run with
     writable: bool = True  # False under a read-only policy
+    scratch: str = ""  # the session's private directory (jobs keep their logs there)
+    call: CallControl | None = None  # set per call for slow tools (cancel, streaming)
+    jobs: Any = None  # the session's background jobs (dispatchd.tools.jobs.Jobs)
 
 
 @dataclasses.dataclass(frozen=True)
