@@ -14,7 +14,10 @@ Guarantees:
 - ``job_output(job, offset, wait)`` returns the log from byte ``offset``
   (cut at a character boundary), waiting up to ``wait`` seconds when there is
   nothing new yet and the job still runs; ``next_offset`` is where to go on.
-- ``job_stop`` SIGKILLs the job and every process it started (``proctree``);
+- A job runs until its command has exited and nothing it started holds its
+  output any more; ``exit_code`` is then the command's status.
+- ``job_stop`` SIGKILLs the job and every process it started (``proctree``),
+  even what a job that ended left running;
   a job with a ``timeout`` is stopped at it. Every job ends with its session
   (the session's pid namespace, or its kill): nothing outlives the session.
 - At most ``MAX_RUNNING`` jobs run at once in a session.
@@ -78,7 +81,8 @@ class Job:
         return f"exited {self.exit_code}" if self.exit_code >= 0 else _signal_text(self.exit_code)
 
     def pump(self) -> None:
-        """The job's thread: copy its output to the log, note its end."""
+        """The job's thread: copy its output to the log until every process
+        holding it is gone, reap the leader; the job ends when both happened."""
         assert self.proc.stdout is not None
         out = self.proc.stdout.fileno()
         sel = selectors.DefaultSelector()
@@ -92,36 +96,42 @@ class Job:
         try:
             while sel.get_map():
                 wait = None if pidfd is not None else 0.2
-                if self.deadline is not None and self.exit_code is None:
+                if self.deadline is not None:
                     left = max(0.0, self.deadline - time.monotonic())
                     wait = left if wait is None else min(wait, left)
                 events = sel.select(wait)
-                if self.deadline is not None and self.exit_code is None and time.monotonic() >= self.deadline:
+                if self.deadline is not None and time.monotonic() >= self.deadline:
                     self.kill("timed out")
                     self.deadline = None
-                if pidfd is None and self.exit_code is None and self._exited():
-                    self._ended()
+                if pidfd is None and not self.reaped and self._exited():
+                    self._reap()
                 for key, _ in events:
                     if key.fd == pidfd:
                         sel.unregister(pidfd)
-                        self._ended()
+                        self._reap()
                         continue
                     chunk = os.read(out, _READ_CHUNK)
                     if not chunk:
                         sel.unregister(out)
                         continue
                     self._keep(chunk)
-                if pidfd is None and out not in sel.get_map() and self.exit_code is None:
-                    self.proc.wait()
-                    self._ended()
         finally:
             sel.close()
             if pidfd is not None:
                 os.close(pidfd)
             self.proc.stdout.close()
-            if self.exit_code is None:
+            self._reap(block=True)
+            with self.cond:
+                self.exit_code = self.proc.returncode
+                self.cond.notify_all()
+
+    def _reap(self, block: bool = False) -> None:
+        with self.cond:
+            if not self.reaped and (block or self._exited()):
+                # Our own wait, under the lock, so that kill() never kills by a
+                # pid that was reaped (and could be another process's by now).
                 self.proc.wait()
-                self._ended()
+                self.reaped = True
 
     def _exited(self) -> bool:
         """Whether the leader exited, without reaping it (its pid stays ours)."""
@@ -144,18 +154,6 @@ class Job:
             with self.cond:
                 self.written += len(part)
                 self.cond.notify_all()
-
-    def _ended(self) -> None:
-        with self.cond:
-            if self.exit_code is not None:
-                return
-            if not self.reaped:
-                # Our own wait, under the lock, so that stop() never kills by a
-                # pid that was reaped (and could be another process's by now).
-                self.proc.wait()
-                self.reaped = True
-            self.exit_code = self.proc.returncode
-            self.cond.notify_all()
 
     def kill(self, why: str) -> None:
         with self.cond:
@@ -315,8 +313,8 @@ def job_output(ctx: ToolContext, job: str, offset: int = 0, wait: float = 0) -> 
 def job_stop(ctx: ToolContext, job: str) -> Outcome:
     j = _jobs(ctx).get(job)
     was_running = j.running
-    if was_running:
-        j.stop()
+    # Even after the job ended, what it left behind (setsid cmd > log &) goes.
+    j.stop()
     state = j.state()
     text = f"job {j.id} {state}" if was_running else f"job {j.id} had already ended ({state})"
     return Outcome.ok(text, {"job": j.id, "running": j.running, "exit_code": j.exit_code, "state": state})

@@ -322,3 +322,28 @@ def test_a_commit_inside_a_session_carries_the_users_identity(identity_daemon: D
         # The session's own global config is writable.
         g = shell(s, "git config --global core.pager cat && git config --global core.pager")
         assert g.output == "cat\n", g.error
+
+
+# ----------------------------------------------------------------- both sandbox modes
+
+
+def test_cancel_timeout_and_jobs_in_both_modes(mode_client: tuple[str, dispatch.Client], worktree: Path) -> None:
+    mode, client = mode_client
+    with client.open_session(str(worktree)) as s:
+        assert s.status()["protections"]["mode"] == ("full" if mode == "full" else "degraded")
+        r = shell(s, "setsid sleep 309.9 &\n(sleep 309.9 &)\nsleep 30", timeout=1)
+        assert r.metadata["timed_out"] is True
+        assert _gone_within("309.9", 1.0)
+        c = Cancellation()
+        threading.Timer(0.5, c.cancel).start()
+        r = s.registry.get("shell_exec").call({"command": "setsid sleep 310.1 & sleep 310.1"}, {"cancellation": c})
+        assert r.metadata["cancelled"] is True
+        assert _gone_within("310.1", 1.0)
+        job = shell(s, "echo up; setsid sleep 311.2", background=True).metadata["job"]
+        assert session_output(s, job).startswith("up\n")
+        assert s.registry.get("job_stop").call({"job": job}).is_success
+        assert _gone_within("311.2", 1.0)
+
+
+def session_output(s: dispatch.Session, job: str) -> str:
+    return s.registry.get("job_output").call({"job": job, "wait": 5}).output
