@@ -4,6 +4,11 @@ Every failure to do what was asked (no daemon, a refused worktree or policy,
 an unknown session) prints one line on stderr and exits 2. ``exec`` exits
 with the command's own status (124 when it timed out); ``call`` exits 0 on a
 successful Result and 1 on a failed one.
+
+``exec`` prints the command's output as it comes. SIGINT, SIGTERM or SIGHUP
+cancel the command in the sandbox (it and every process it started end),
+close a one-off session, and exit 128 + the signal's number; a second one
+stops waiting for the cancel.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ import json
 import shlex
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from dispatch.client import Client, Session, connect
+from dispatch.client import Cancellation, Client, Session, connect
 from dispatch.errors import DispatchError
 from dispatch.tools import Error as ToolsError
 from dispatch.tools import Registry
@@ -59,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     _session_target(call)
     call.add_argument("tool")
     call.add_argument("params", nargs="?", default="{}", help="the tool's arguments as a JSON object")
+
+    _jobs_parser(sub)
 
     tools = sub.add_parser("tools", help="print the tool schemas")
     tools.add_argument("--format", default="json", choices=["json", "plain", "openai", "openai-responses", "anthropic", "mcp"])
@@ -142,6 +151,23 @@ def _print_status(st: dict[str, Any]) -> None:
             print(f"    leaves open: {gap}")
 
 
+class _Stopped(BaseException):
+    """A stop signal that came while no call was running to cancel."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _print_output(stream: str, text: str) -> None:
+    out = sys.stdout if stream == "stdout" else sys.stderr
+    out.write(text)
+    out.flush()  # each piece when it comes, stdout and stderr in the order written
+
+
 def _exec(client: Client, args: argparse.Namespace) -> int:
     words = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not words:
@@ -149,16 +175,45 @@ def _exec(client: Client, args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"command": shlex.join(words)}
     if args.timeout is not None:
         params["timeout"] = args.timeout
-    with _session_for(client, args) as session:
-        if not session.registry.has("shell_exec"):
-            raise UsageError(f"policy {args.policy!r} has no shell_exec: this session cannot run commands")
-        result = session.registry.get("shell_exec").call(params)
+    cancellation = Cancellation()
+    state: dict[str, Any] = {"signum": None, "calling": False}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        first = state["signum"] is None
+        state["signum"] = signum
+        if first and state["calling"]:
+            cancellation.cancel()  # the call returns, cancelled; we close and exit after
+            return
+        raise _Stopped(signum)  # nothing to cancel yet, or a second signal: stop waiting
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in _STOP_SIGNALS}
+    try:
+        with _session_for(client, args) as session:
+            if not session.registry.has("shell_exec"):
+                raise UsageError(f"policy {args.policy!r} has no shell_exec: this session cannot run commands")
+            defn = session.registry.get("shell_exec")
+            box: list[Any] = []
+            call = threading.Thread(target=lambda: box.append(
+                defn.call(params, {"cancellation": cancellation}, on_output=_print_output)), daemon=True)
+            state["calling"] = True
+            call.start()
+            while call.is_alive():
+                call.join(0.1)  # in the main thread, so a signal is handled at once
+            state["calling"] = False
+        result = box[0]
+    except _Stopped as stop:
+        print(f"dispatch: stopped by {signal.Signals(stop.signum).name}", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     meta = result.metadata
+    if state["signum"] is not None:
+        sig = state["signum"]
+        print(f"dispatch: {signal.Signals(sig).name}: the command was cancelled", file=sys.stderr)
+        return 128 + sig
     if "exit_code" not in meta:  # the command never ran
         raise DispatchError(result.error or "shell_exec failed")
-    sys.stdout.write(meta.get("stdout", ""))
-    sys.stdout.flush()
-    sys.stderr.write(meta.get("stderr", ""))
     if meta.get("truncated"):
         sys.stderr.write("dispatch: output truncated at the policy's cap\n")
     if meta.get("timed_out"):
@@ -166,6 +221,52 @@ def _exec(client: Client, args: argparse.Namespace) -> int:
         return EXIT_TIMEOUT
     code = int(meta["exit_code"])
     return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+
+
+def _jobs_parser(sub: Any) -> None:
+    jobs = sub.add_parser("jobs", help="a session's background jobs: list, output, stop")
+    jobs.add_argument("--session", required=True, help="an open session's id")
+    actions = jobs.add_subparsers(dest="action")
+    actions.add_parser("list", help="one job a line: id, state, command (the default)")
+    out = actions.add_parser("output", help="print a job's output")
+    out.add_argument("job")
+    out.add_argument("--offset", type=int, default=0, help="byte offset to start from")
+    out.add_argument("--wait", type=float, default=0, help="seconds to wait for new output")
+    out.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    stop = actions.add_parser("stop", help="stop a job and every process it started")
+    stop.add_argument("job")
+
+
+def _jobs(client: Client, args: argparse.Namespace) -> int:
+    with client.session(args.session) as session:
+        reg = session.registry
+        if not reg.has("job_list"):
+            raise UsageError(f"session {args.session} has no background jobs (its policy has no shell_exec)")
+        if args.action in (None, "list"):
+            result = reg.get("job_list").call({})
+            print(result.output if result.is_success else result.error)
+            return 0 if result.is_success else 1
+        if args.action == "stop":
+            result = reg.get("job_stop").call({"job": args.job})
+            print(result.output if result.is_success else result.error)
+            return 0 if result.is_success else 1
+        offset = args.offset
+        while True:
+            result = reg.get("job_output").call({"job": args.job, "offset": offset,
+                                                 "wait": 10 if args.follow else args.wait})
+            if result.is_failure:
+                raise DispatchError(result.error or "job_output failed")
+            meta = result.metadata
+            # The log's own bytes come first in the text; the notes for a model follow.
+            size = meta["next_offset"] - offset
+            got = (result.output or "").encode("utf-8", "surrogatepass")[:size].decode("utf-8", "replace")
+            sys.stdout.write(got)
+            sys.stdout.flush()
+            offset = meta["next_offset"]
+            if not args.follow or (not meta["running"] and not size):
+                break
+        print(f"dispatch: job {args.job} {meta['state']}; next offset {offset}", file=sys.stderr)
+        return 0
 
 
 def _mcp(client: Client, args: argparse.Namespace) -> int:
@@ -204,6 +305,8 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if args.command == "exec":
             return _exec(client, args)
+        if args.command == "jobs":
+            return _jobs(client, args)
         if args.command == "call":
             try:
                 params = json.loads(args.params)

@@ -27,7 +27,8 @@ import dispatch
 import dispatchd
 from tests.conftest import Daemon
 
-ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec"]
+ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
+             "job_output", "job_stop", "job_list"]
 SESSION_ID = re.compile(r"[0-9a-f]{12}")
 
 

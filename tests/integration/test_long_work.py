@@ -4,6 +4,7 @@ jobs, detached processes ended at the timeout, and the user's git identity."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -347,3 +348,64 @@ def test_cancel_timeout_and_jobs_in_both_modes(mode_client: tuple[str, dispatch.
 
 def session_output(s: dispatch.Session, job: str) -> str:
     return s.registry.get("job_output").call({"job": job, "wait": 5}).output
+
+
+# ----------------------------------------------------------------- the command line
+
+
+def _cli(daemon: Daemon, *args: str) -> list[str]:
+    return [sys.executable, "-m", "dispatch.cli", "--socket", daemon.socket, "--no-autostart", *args]
+
+
+def _cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DISPATCH_SOCKET"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def test_cli_exec_prints_output_as_it_comes(daemon: Daemon, client: dispatch.Client, worktree: Path) -> None:
+    with subprocess.Popen(_cli(daemon, "exec", "--worktree", str(worktree), "--",
+                               "bash", "-c", "for i in 1 2 3; do echo $i; sleep 1; done"),
+                          stdout=subprocess.PIPE, text=True, env=_cli_env()) as proc:
+        assert proc.stdout is not None
+        times = []
+        for line in proc.stdout:
+            times.append((time.monotonic(), line))
+        assert proc.wait(30) == 0
+    assert [line for _, line in times] == ["1\n", "2\n", "3\n"]
+    assert times[2][0] - times[0][0] > 1.5  # they came a second apart, not together at the end
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cli_exec_stopped_by_a_signal_ends_the_command_and_the_one_off_session(
+        daemon: Daemon, client: dispatch.Client, worktree: Path, sig: signal.Signals) -> None:
+    marker = "312.3" if sig == signal.SIGTERM else "313.4"
+    with subprocess.Popen(_cli(daemon, "exec", "--worktree", str(worktree), "--", "bash", "-c",
+                               f"setsid sleep {marker} & echo started; sleep {marker}"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env()) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline() == "started\n"
+        _wait_for_sleepers(marker, 2)
+        proc.send_signal(sig)
+        assert proc.wait(10) == 128 + sig
+        assert _gone_within(marker, 1.0)
+        assert [s for s in client.list_sessions() if s["worktree"] == str(worktree)] == []
+        assert f"dispatch: {sig.name}: the command was cancelled" in proc.stderr.read()
+
+
+def test_cli_jobs(daemon: Daemon, client: dispatch.Client, worktree: Path) -> None:
+    with client.open_session(str(worktree)) as s:
+        job = shell(s, "echo hello; sleep 314.5", background=True).metadata["job"]
+        env = _cli_env()
+        listed = subprocess.run(_cli(daemon, "jobs", "--session", s.id), capture_output=True, text=True, env=env)
+        assert listed.stdout == f"{job}\trunning\techo hello; sleep 314.5\n", listed.stderr
+        out = subprocess.run(_cli(daemon, "jobs", "--session", s.id, "output", job, "--wait", "5"),
+                             capture_output=True, text=True, env=env)
+        assert out.stdout == "hello\n"
+        stop = subprocess.run(_cli(daemon, "jobs", "--session", s.id, "stop", job), capture_output=True, text=True,
+                              env=env)
+        assert stop.returncode == 0 and stop.stdout == f"job {job} stopped\n"
+        assert _gone_within("314.5", 1.0)
+        called = subprocess.run(_cli(daemon, "call", "--session", s.id, "job_list"), capture_output=True, text=True,
+                                env=env)
+        assert '"output": "' + job + '\\tstopped\\t' in called.stdout
