@@ -20,7 +20,10 @@ Guarantees:
   even what a job that ended left running;
   a job with a ``timeout`` is stopped at it. Every job ends with its session
   (the session's pid namespace, or its kill): nothing outlives the session.
-- At most ``MAX_RUNNING`` jobs run at once in a session.
+- At most ``MAX_RUNNING`` jobs run at once in a session, and at most
+  ``MAX_KEPT`` are remembered (the oldest ended ones are forgotten first).
+- This code runs in the confined tool server: nothing it does on a
+  command's behalf goes beyond what the session may do itself.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
 __all__ = ["Jobs", "MAX_RUNNING", "job_list", "job_output", "job_stop"]
 
 MAX_RUNNING = 16
+# Ended jobs kept for job_output/job_list; beyond it the oldest ended one is
+# forgotten (its log removed, its descriptor closed), so a session starting
+# job after job holds neither descriptors nor scratch space without bound.
+MAX_KEPT = 64
 _READ_CHUNK = 65536
 _POLL_S = 0.1  # how often a waiting job_output looks for a cancel
 
@@ -210,6 +217,7 @@ class Jobs:
             if running >= MAX_RUNNING:
                 raise ToolFailure(f"{running} background jobs already run in this session (the most there can be); "
                                   "stop one with job_stop first")
+            self._forget_ended(dir_fd=self._log_dir())
             jid = f"job_{self._next}"
             self._next += 1
             dir_fd = self._log_dir()
@@ -238,6 +246,18 @@ class Jobs:
             "end it with job_stop",
             {"job": jid, "running": True, "log": f"{self.scratch}/jobs/{jid}.log"},
         )
+
+    def _forget_ended(self, dir_fd: int) -> None:
+        """With ``_lock`` held: make room under ``MAX_KEPT``, oldest ended jobs first."""
+        ended = [j for j in self._jobs.values() if not j.running]
+        while len(self._jobs) >= MAX_KEPT and ended:
+            job = ended.pop(0)
+            del self._jobs[job.id]
+            try:
+                os.unlink(f"{job.id}.log", dir_fd=dir_fd)
+            except OSError:
+                pass
+            os.close(job.log_fd)
 
     def get(self, jid: str) -> Job:
         with self._lock:
