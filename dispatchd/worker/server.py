@@ -298,7 +298,12 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             except protocol.ProtocolError:
                 continue
             channel = _Channel(socket.socket(fileno=fd), server)
-            threading.Thread(target=channel.run, daemon=True).start()
+            try:
+                threading.Thread(target=channel.run, daemon=True).start()
+            except RuntimeError:
+                # No thread to be had (the session's commands hold every
+                # process but the reserve): refuse this channel, keep serving.
+                channel.frames.close()
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
         elif isinstance(msg, protocol.Drain):
