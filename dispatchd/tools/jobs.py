@@ -308,15 +308,17 @@ def job_output(ctx: ToolContext, job: str, offset: int = 0, wait: float = 0) -> 
             if left <= 0 or (control is not None and control.cancelled.is_set()):
                 break
             j.cond.wait(min(left, _POLL_S))
+        # The state before the data: "ended" then means every byte is in the log.
+        running, exit_code, state = j.running, j.exit_code, j.state()
     data = j.read(offset, ctx.limits.output_cap_bytes)
     data = data[:_char_cut(data)]
     text = data.decode("utf-8", "replace")
     meta: dict[str, Any] = {
         "job": j.id,
         "next_offset": offset + len(data),
-        "running": j.running,
-        "exit_code": j.exit_code,
-        "state": j.state(),
+        "running": running,
+        "exit_code": exit_code,
+        "state": state,
         "truncated": j.truncated,
     }
     if control is not None and control.cancelled.is_set():
@@ -325,7 +327,7 @@ def job_output(ctx: ToolContext, job: str, offset: int = 0, wait: float = 0) -> 
     if j.truncated and offset + len(data) >= j.written:
         notes.append(f"[job output truncated at {j.cap} bytes; later output was dropped]")
     # Metadata never reaches a model: the footer tells it where it stands.
-    notes.append(f"[job {j.id} {j.state()}; next_offset {offset + len(data)}]")
+    notes.append(f"[job {j.id} {state}; next_offset {offset + len(data)}]")
     body = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(notes)
     return Outcome.ok(body, meta)
 
