@@ -42,6 +42,9 @@ _RISK = {"read_file": "read", "list_files": "read", "search_files": "read",
          "job_output": "read", "job_list": "read", "job_stop": "execute"}
 
 OutputCallback = Callable[[str, str], None]
+# The tools the worker runs on a thread of their own, which a cancel can end:
+# only their calls are tracked for Session.cancel (the others take microseconds).
+_CANCELLABLE = frozenset({"shell_exec", "job_output", "job_stop", "search_files"})
 
 
 class Cancellation:
@@ -339,10 +342,11 @@ class Session:
             if cancellation is not None:
                 cancellation._bind(lambda: channel.send(protocol.CancelCall(id=rid)))
 
+        track = name in _CANCELLABLE or cancellation is not None
         try:
             reply, _ = channel.request(
                 lambda rid: protocol.CallTool(id=rid, tool=name, params=params, stream=on_output is not None),
-                on_output=on_output, sent=on_sent)
+                on_output=on_output, sent=on_sent if track else None)
         except ConnectionLost as exc:
             return Result.failure(f"the sandbox of session {self.id} went away during {name} ({exc}); "
                                   "the session was closed, ended idle, or its network was switched")
