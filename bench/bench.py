@@ -257,7 +257,7 @@ def main() -> int:
     line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.3×)")
     line("shell_exec 'true', streaming asked for", "shell_stream", "spawn", "of plain spawn")
     line("streaming: a command's write → client on_output", "first_byte", None, "(target: a few ms)")
-    line("session.cancel() → cancelled Result (sleep)", "cancel", None, "(bound: the 0.1 s poll + kill)")
+    line("session.cancel() → cancelled Result (sleep)", "cancel", None, "(the kill, then the reply)")
     if rows["open_plain"]:
         line("open a session, no cgroup (baseline)", "open_plain", None, "1.00× (baseline)")
         line("open a session with its own cgroup", "open", "open_plain", "of the open without")

@@ -54,8 +54,6 @@ _READ_CHUNK = 65536
 _DRAIN_AFTER_KILL_S = 0.5
 # How long output is still read after bash exits while background jobs hold the pipes.
 BACKGROUND_GRACE_S = 0.2
-# How often a call looks whether it was cancelled: the bound on a cancel's delay.
-_CANCEL_POLL_S = 0.1
 
 
 def _timeout(limits: Limits, requested: float | None) -> float:
@@ -112,6 +110,15 @@ class _Capture:
             pass
         else:
             self._sel.register(self._pidfd, selectors.EVENT_READ)
+        # A cancel wakes the select at once (CallControl.cancel writes to it).
+        self._wake: int | None = None
+        if control is not None:
+            self._wake = control.wake_fd()
+            self._sel.register(self._wake, selectors.EVENT_READ)
+
+    def _busy(self) -> bool:
+        """A pipe still open, or bash's exit not seen yet (the wake descriptor aside)."""
+        return any(fd != self._wake for fd in self._sel.get_map())
 
     def bash_exited(self) -> bool:
         """Whether bash has exited, without reaping it (its pid stays ours)."""
@@ -130,7 +137,7 @@ class _Capture:
         may hold the pipes open forever: after a short grace we stop reading
         and return, leaving them running (``detached``), as a terminal would.
         """
-        while self._sel.get_map():
+        while self._busy():
             now = time.monotonic()
             if self.exited_at is not None and now >= self.exited_at + BACKGROUND_GRACE_S:
                 self.detached = True
@@ -139,11 +146,9 @@ class _Capture:
             remaining = limit - now
             if remaining <= 0 and limit == deadline:
                 return False
-            if self.control is not None:
-                if self.control.cancelled.is_set():
-                    self.cancelled = True
-                    return False
-                remaining = min(remaining, _CANCEL_POLL_S)
+            if self.control is not None and self.control.cancelled.is_set():
+                self.cancelled = True
+                return False
             for key, _ in self._sel.select(remaining):
                 self._on_ready(key.fd)
         if self._pidfd is None:
@@ -156,6 +161,9 @@ class _Capture:
         return True
 
     def _on_ready(self, fd: int) -> None:
+        if fd == self._wake:
+            self._sel.unregister(fd)  # cancelled: run_until sees the event next
+            return
         if fd == self._pidfd:
             self._sel.unregister(fd)
             self.exited_at = time.monotonic()
@@ -181,10 +189,11 @@ class _Capture:
 
     def drain(self, seconds: float) -> None:
         """After the kill: collect what is left in the pipes, briefly."""
-        if self._pidfd is not None and self._pidfd in self._sel.get_map():
-            self._sel.unregister(self._pidfd)
+        for fd in (self._pidfd, self._wake):
+            if fd is not None and fd in self._sel.get_map():
+                self._sel.unregister(fd)
         deadline = time.monotonic() + seconds
-        while self._sel.get_map():
+        while self._busy():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return

@@ -81,7 +81,7 @@ class _Channel:
         with self.calls_lock:
             control = self.calls.get(rid)
         if control is not None:
-            control.cancelled.set()
+            control.cancel()
 
     def reply(self, msg: protocol.ToolReply | protocol.ErrorReply) -> None:
         with self.send_lock:
@@ -118,7 +118,7 @@ class _Channel:
             # Nobody is left to read what calls in flight would answer: end them.
             with self.calls_lock:
                 for control in self.calls.values():
-                    control.cancelled.set()
+                    control.cancel()
             self.frames.close()
 
 
@@ -242,6 +242,7 @@ class _Server:
             if control is not None:
                 with channel.calls_lock:
                     channel.calls.pop(req.id, None)
+                control.close()
             self.activity.end()
             with self.records_lock:
                 self.records.append(protocol.CallRecord(req.tool, round((time.perf_counter() - started) * 1e3, 3),

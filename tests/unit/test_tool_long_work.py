@@ -104,10 +104,10 @@ def test_a_failing_callback_stops_the_stream_not_the_command(ctx: ToolContext) -
 
 def test_cancel_ends_the_command_and_everything_it_started(ctx: ToolContext) -> None:
     live, _, control = streaming(ctx)
-    threading.Timer(0.5, control.cancelled.set).start()
+    threading.Timer(0.5, control.cancel).start()
     started = time.monotonic()
     r = run(live, "shell_exec", command="setsid sleep 401.1 & (sleep 401.1 &) ; sleep 401.1")
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 0.9  # woken at once, not at a poll
     assert not r.success
     assert r.metadata["cancelled"] is True and r.metadata["timed_out"] is False
     assert r.error.startswith("command was cancelled\n[cancelled after ")
