@@ -229,11 +229,12 @@ class Jobs:
                              0o600, dir_fd=dir_fd)
             token = proctree.new_token()
             try:
-                proc = subprocess.Popen(
-                    ["/bin/bash", "-c", command], cwd=workdir, env=proctree.spawn_env(dict(ctx.env), token),
+                env = proctree.spawn_env(dict(ctx.env), token)
+                proc = proctree.spawn(lambda: subprocess.Popen(
+                    ["/bin/bash", "-c", command], cwd=workdir, env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                     close_fds=True, start_new_session=True,
-                )
+                ))
             except OSError as exc:
                 os.close(log_fd)
                 raise ToolFailure(f"could not start /bin/bash: {exc.strerror or exc}") from exc

@@ -9,10 +9,10 @@ Guarantees:
   those. ``setsid cmd &``, ``(cmd &)`` and ``nohup cmd &`` all keep the marker,
   so a timeout or a cancel ends them; a fork bomb is ended in a few rounds
   (a killed process forks no more).
-- ``limit_processes`` lowers a new command's RLIMIT_NPROC (soft and hard) to
-  leave the tool server a reserve: commands that hit the session's process
-  limit hit it ``PROCESS_RESERVE`` below the server, which keeps its threads
-  and can still spawn, answer and kill.
+- ``spawn`` and ``limit_processes`` give a new command an RLIMIT_NPROC
+  (soft from birth, hard right after) that leaves the tool server a reserve: commands that hit the session's process
+  limit hit it ``PROCESS_RESERVE`` (or a quarter of a smaller limit) below the
+  server, which keeps its threads and can still spawn, answer and kill.
 
 Why a marker rather than a subreaper: a subreaper shared by the tool server
 cannot tell which call an orphan came from (several calls run at once, and
@@ -33,12 +33,17 @@ import os
 import resource
 import secrets
 import signal
+import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["MARKER", "PROCESS_RESERVE", "kill_tree", "limit_processes", "new_token", "spawn_env"]
+T = TypeVar("T")
+
+__all__ = ["MARKER", "PROCESS_RESERVE", "kill_tree", "limit_processes", "new_token", "spawn", "spawn_env"]
 
 MARKER = "DISPATCH_CALL_ID"
-PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself
+PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the limit)
 _KILL_BUDGET_S = 3.0
 
 
@@ -52,18 +57,49 @@ def spawn_env(base: dict[str, str], token: str) -> dict[str, str]:
     return env
 
 
-def limit_processes(pid: int) -> None:
-    """Give ``pid`` (a command just spawned) RLIMIT_NPROC ``PROCESS_RESERVE`` below ours.
+_SPAWN_LOCK = threading.Lock()
 
-    Set from outside right after the spawn (``prlimit``), not in the child
-    before exec, which would rule out vfork (about 3 ms a spawn). bash takes
-    a millisecond to start before it can fork, so it forks under the lower
-    limit; should a loaded machine let it fork first, that child keeps ours.
-    """
+
+def _command_limit() -> int | None:
+    """The RLIMIT_NPROC commands get, or None when ours is unlimited."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
-    if hard == resource.RLIM_INFINITY or hard <= PROCESS_RESERVE:
+    if hard == resource.RLIM_INFINITY:
+        return None
+    value = hard - min(PROCESS_RESERVE, hard // 4)
+    return value if 0 < value < hard else None
+
+
+def spawn(start: Callable[[], T]) -> T:
+    """``start()`` (a ``subprocess.Popen``), its child under the command limit.
+
+    Our soft RLIMIT_NPROC is lowered around the spawn, so the child is born
+    with it and cannot fork past it; ``limit_processes`` then lowers the
+    child's hard limit too (a soft one could be raised back). Spawns are
+    serialised meanwhile (rlimits are per process, not per thread). When we
+    are already past the command limit (a bomb holds it), the spawn is tried
+    again under our own limit: the new bash then runs, but cannot fork.
+    ``preexec_fn`` would do this in the child, but rules out vfork (+3 ms).
+    """
+    value = _command_limit()
+    if value is None:
+        return start()
+    with _SPAWN_LOCK:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+        resource.setrlimit(resource.RLIMIT_NPROC, (min(soft, value), hard))
+        try:
+            return start()
+        except BlockingIOError:
+            pass  # EAGAIN: past the command limit already
+        finally:
+            resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+        return start()
+
+
+def limit_processes(pid: int) -> None:
+    """Give ``pid`` (a command just spawned) the command limit, soft and hard."""
+    value = _command_limit()
+    if value is None:
         return
-    value = hard - PROCESS_RESERVE
     try:
         resource.prlimit(pid, resource.RLIMIT_NPROC, (value, value))
     except (OSError, ValueError):

@@ -21,8 +21,9 @@ Guarantees:
 - With a caller that streams (``ctx.call.emit``), output is passed on as it
   is read, stdout and stderr each in order, up to the same cap; the Result
   at the end is the same as without streaming.
-- Commands run with RLIMIT_NPROC ``proctree.PROCESS_RESERVE`` below the tool
-  server's, so a fork bomb leaves the server room to answer and kill.
+- Commands run with RLIMIT_NPROC ``proctree.PROCESS_RESERVE`` (at most a
+  quarter of it) below the tool server's, from birth, so a fork bomb leaves
+  the server room to answer and kill.
 - A command that exits 0 is a success; any other status, a signal or the
   timeout is a failure whose error text still carries the output.
 
@@ -259,16 +260,17 @@ def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd
     token = proctree.new_token()
     started = time.monotonic()
     try:
-        proc = subprocess.Popen(
+        env = proctree.spawn_env(dict(ctx.env), token)
+        proc = proctree.spawn(lambda: subprocess.Popen(
             [_BASH, "-c", command],
             cwd=workdir,
-            env=proctree.spawn_env(dict(ctx.env), token),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             close_fds=True,
             start_new_session=True,
-        )
+        ))
     except OSError as exc:
         raise ToolFailure(f"could not start {_BASH}: {exc.strerror or exc}") from exc
     proctree.limit_processes(proc.pid)

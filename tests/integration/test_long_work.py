@@ -15,7 +15,7 @@ import pytest
 
 import dispatch
 from dispatch.client import Cancellation
-from tests.conftest import REPO, Daemon, _refuse_root, shell
+from tests.conftest import REPO, Daemon, _refuse_root, processes_in, shell
 
 
 def _sleepers(marker: str) -> list[int]:
@@ -409,3 +409,41 @@ def test_cli_jobs(daemon: Daemon, client: dispatch.Client, worktree: Path) -> No
         called = subprocess.run(_cli(daemon, "call", "--session", s.id, "job_list"), capture_output=True, text=True,
                                 env=env)
         assert '"output": "' + job + '\\tstopped\\t' in called.stdout
+
+
+# ----------------------------------------------------------------- the process limit
+
+
+@pytest.fixture(scope="module")
+def tight_daemon(tmp_path_factory: pytest.TempPathFactory):
+    import shutil
+
+    _refuse_root()
+    base = tmp_path_factory.mktemp("tight")
+    policies = base / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "tight.toml").write_text('[limits]\nmax_processes = 80\ncommand_timeout_s = 20\n')
+    d = Daemon(base, "--policies", str(policies))
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def test_a_fork_bomb_left_running_leaves_the_tool_server_its_reserve(tight_daemon: Daemon, worktree: Path) -> None:
+    with tight_daemon.connect() as c, c.open_session(str(worktree), policy="tight") as s:
+        assert shell(s, "ulimit -Su; sleep 0.1; ulimit -Hu").output == "60\n60\n"  # 80 less the server's reserve (a quarter)
+        # The bomb's shell returns at once; its processes go on, at the limit.
+        shell(s, "b() { b | b & }; b", timeout=5)
+        time.sleep(1)
+        for _ in range(3):
+            alive = shell(s, "echo alive")  # a new bash: the server can still spawn and answer
+            assert alive.output == "alive\n", alive
+        assert s.registry.get("job_list").call({}).output == "no background jobs"
+    # Closing the session ends the bomb.
+    assert processes_in(worktree) == [] or _gone_in(worktree, 10)
+
+
+def _gone_in(directory: Path, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while processes_in(directory) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return processes_in(directory) == []
