@@ -90,6 +90,30 @@ def test_streamed_output_obeys_the_cap(client: dispatch.Client, worktree: Path) 
         assert r.metadata["stdout"] == "x" * cap
 
 
+def test_concurrent_streaming_calls_each_get_their_own_output(session: dispatch.Session) -> None:
+    seen: dict[str, list[tuple[str, int]]] = {"a": [], "b": [], "plain": []}
+    results: dict[str, dispatch.Result] = {}
+
+    def run(name: str, stream: bool) -> None:
+        on_output = (lambda _s, text: seen[name].append((text, threading.get_ident()))) if stream else None
+        results[name] = session.registry.get("shell_exec").call(
+            {"command": f"for i in 1 2 3 4 5; do echo {name}$i; sleep 0.1; done"}, on_output=on_output)
+        seen[name].append(("end", threading.get_ident()))
+
+    threads = [threading.Thread(target=run, args=(n, n != "plain")) for n in seen]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for name in ("a", "b"):
+        texts = [t for t, _ in seen[name]]
+        assert "".join(texts[:-1]) == "".join(f"{name}{i}\n" for i in range(1, 6))
+        assert len({ident for _, ident in seen[name]}) == 1  # in the caller's own thread
+        assert results[name].output == "".join(f"{name}{i}\n" for i in range(1, 6))
+    assert [t for t, _ in seen["plain"]] == ["end"]
+    assert results["plain"].output == "".join(f"plain{i}\n" for i in range(1, 6))
+
+
 def test_a_call_without_streaming_gets_no_output_frames(session: dispatch.Session) -> None:
     # The plain path: one reply, the same Result.
     r = shell(session, "echo hi")
