@@ -208,16 +208,6 @@ def test_processes_left_by_a_call_that_ended_normally_keep_running(session: disp
     assert _gone_within("306.6", 5)
 
 
-def test_a_fork_bomb_with_a_timeout_does_not_take_the_tool_server(client: dispatch.Client, worktree: Path) -> None:
-    with client.open_session(str(worktree)) as s:
-        r = shell(s, "b() { b | b & }; b; sleep 100", timeout=3)
-        assert r.is_failure
-        # The tool server answers, and the bomb is gone: it was this call's.
-        after = shell(s, "ps -e -o pid= | wc -l")
-        assert after.is_success, after.error
-        assert int(after.output.split()[0]) < 20, after.output
-
-
 # ----------------------------------------------------------------- background jobs
 
 
@@ -450,6 +440,16 @@ def tight_daemon(tmp_path_factory: pytest.TempPathFactory):
     d = Daemon(base, "--policies", str(policies))
     yield d
     assert d.stop() == 0, d.log()
+
+
+def test_a_fork_bomb_with_a_timeout_does_not_take_the_tool_server(tight_daemon: Daemon, worktree: Path) -> None:
+    with tight_daemon.connect() as c, c.open_session(str(worktree), policy="tight") as s:
+        r = shell(s, "b() { b | b & }; b; sleep 100", timeout=3)
+        assert r.metadata["timed_out"] is True
+        # The tool server answers, and the bomb is gone: it was this call's.
+        after = shell(s, "ps -e -o pid= | wc -l")
+        assert after.is_success, after.error
+        assert int(after.output.split()[0]) < 20, after.output
 
 
 def test_a_fork_bomb_left_running_leaves_the_tool_server_its_reserve(tight_daemon: Daemon, worktree: Path) -> None:
