@@ -342,22 +342,40 @@ def test_a_commit_inside_a_session_carries_the_users_identity(identity_daemon: D
 # ----------------------------------------------------------------- both sandbox modes
 
 
-def test_cancel_timeout_and_jobs_in_both_modes(mode_client: tuple[str, dispatch.Client], worktree: Path) -> None:
-    mode, client = mode_client
-    with client.open_session(str(worktree)) as s:
-        assert s.status()["protections"]["mode"] == ("full" if mode == "full" else "degraded")
-        r = shell(s, "setsid sleep 309.9 &\n(sleep 309.9 &)\nsleep 30", timeout=1)
-        assert r.metadata["timed_out"] is True
-        assert _gone_within("309.9", 1.0)
-        c = Cancellation()
-        threading.Timer(0.5, c.cancel).start()
-        r = s.registry.get("shell_exec").call({"command": "setsid sleep 310.1 & sleep 310.1"}, {"cancellation": c})
-        assert r.metadata["cancelled"] is True
-        assert _gone_within("310.1", 1.0)
-        job = shell(s, "echo up; setsid sleep 311.2", background=True).metadata["job"]
-        assert session_output(s, job).startswith("up\n")
-        assert s.registry.get("job_stop").call({"job": job}).is_success
-        assert _gone_within("311.2", 1.0)
+@pytest.fixture(scope="module", params=["full", "degraded"])
+def mode_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    _refuse_root()
+    extra = ("--no-user-namespaces",) if request.param == "degraded" else ()
+    d = Daemon(tmp_path_factory.mktemp(f"longwork-{request.param}"), *extra)
+    yield request.param, d
+    assert d.stop() == 0, d.log()
+
+
+def test_cancel_timeout_and_jobs_in_both_modes(mode_daemon: tuple[str, Daemon], worktree: Path) -> None:
+    mode, daemon = mode_daemon
+    with daemon.connect() as client:
+        try:
+            s = client.open_session(str(worktree))
+        except dispatch.RequestFailed as exc:
+            raise AssertionError(f"{exc}\n{daemon.log()}") from exc
+        _in_both_modes(mode, s)
+        s.close()
+
+
+def _in_both_modes(mode: str, s: dispatch.Session) -> None:
+    assert s.status()["protections"]["mode"] == ("full" if mode == "full" else "degraded")
+    r = shell(s, "setsid sleep 309.9 &\n(sleep 309.9 &)\nsleep 30", timeout=1)
+    assert r.metadata["timed_out"] is True
+    assert _gone_within("309.9", 1.0)
+    c = Cancellation()
+    threading.Timer(0.5, c.cancel).start()
+    r = s.registry.get("shell_exec").call({"command": "setsid sleep 310.1 & sleep 310.1"}, {"cancellation": c})
+    assert r.metadata["cancelled"] is True
+    assert _gone_within("310.1", 1.0)
+    job = shell(s, "echo up; setsid sleep 311.2", background=True).metadata["job"]
+    assert session_output(s, job).startswith("up\n")
+    assert s.registry.get("job_stop").call({"job": job}).is_success
+    assert _gone_within("311.2", 1.0)
 
 
 def session_output(s: dispatch.Session, job: str) -> str:
