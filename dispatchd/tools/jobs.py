@@ -234,11 +234,11 @@ class Jobs:
                     ["/bin/bash", "-c", command], cwd=workdir, env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                     close_fds=True, start_new_session=True,
-                ))
+                ), ctx.limits.max_processes)
             except OSError as exc:
                 os.close(log_fd)
                 raise ToolFailure(f"could not start /bin/bash: {exc.strerror or exc}") from exc
-            proctree.limit_processes(proc.pid)
+            proctree.limit_processes(proc.pid, ctx.limits.max_processes)
             job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout)
             self._jobs[jid] = job
         threading.Thread(target=job.pump, name=f"job {jid}", daemon=True).start()

@@ -11,7 +11,7 @@ Guarantees:
   (a killed process forks no more).
 - ``spawn`` and ``limit_processes`` give a new command an RLIMIT_NPROC
   (soft from birth, hard right after) that leaves the tool server a reserve: commands that hit the session's process
-  limit hit it ``PROCESS_RESERVE`` (or a quarter of a smaller limit) below the
+  limit hit it ``PROCESS_RESERVE`` (or a quarter of a smaller budget) below the
   server, which keeps its threads and can still spawn, answer and kill.
 
 Why a marker rather than a subreaper: a subreaper shared by the tool server
@@ -43,7 +43,7 @@ T = TypeVar("T")
 __all__ = ["MARKER", "PROCESS_RESERVE", "kill_tree", "limit_processes", "new_token", "spawn", "spawn_env"]
 
 MARKER = "DISPATCH_CALL_ID"
-PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the limit)
+PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the session's budget)
 _KILL_BUDGET_S = 3.0
 
 
@@ -60,16 +60,21 @@ def spawn_env(base: dict[str, str], token: str) -> dict[str, str]:
 _SPAWN_LOCK = threading.Lock()
 
 
-def _command_limit() -> int | None:
-    """The RLIMIT_NPROC commands get, or None when ours is unlimited."""
+def _command_limit(budget: int) -> int | None:
+    """The RLIMIT_NPROC commands get, or None when ours is unlimited.
+
+    ``budget`` is the session's own process budget (the policy's
+    ``max_processes``): the reserve is taken from it, not from the hard
+    limit, which without a user namespace also counts the user's other
+    processes."""
     _soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     if hard == resource.RLIM_INFINITY:
         return None
-    value = hard - min(PROCESS_RESERVE, hard // 4)
+    value = hard - min(PROCESS_RESERVE, budget // 4)
     return value if 0 < value < hard else None
 
 
-def spawn(start: Callable[[], T]) -> T:
+def spawn(start: Callable[[], T], budget: int) -> T:
     """``start()`` (a ``subprocess.Popen``), its child under the command limit.
 
     Our soft RLIMIT_NPROC is lowered around the spawn, so the child is born
@@ -80,7 +85,7 @@ def spawn(start: Callable[[], T]) -> T:
     again under our own limit: the new bash then runs, but cannot fork.
     ``preexec_fn`` would do this in the child, but rules out vfork (+3 ms).
     """
-    value = _command_limit()
+    value = _command_limit(budget)
     if value is None:
         return start()
     with _SPAWN_LOCK:
@@ -95,9 +100,9 @@ def spawn(start: Callable[[], T]) -> T:
         return start()
 
 
-def limit_processes(pid: int) -> None:
+def limit_processes(pid: int, budget: int) -> None:
     """Give ``pid`` (a command just spawned) the command limit, soft and hard."""
-    value = _command_limit()
+    value = _command_limit(budget)
     if value is None:
         return
     try:

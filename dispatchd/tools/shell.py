@@ -270,10 +270,10 @@ def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd
             stderr=subprocess.PIPE,
             close_fds=True,
             start_new_session=True,
-        ))
+        ), ctx.limits.max_processes)
     except OSError as exc:
         raise ToolFailure(f"could not start {_BASH}: {exc.strerror or exc}") from exc
-    proctree.limit_processes(proc.pid)
+    proctree.limit_processes(proc.pid, ctx.limits.max_processes)
     capture = _Capture(proc, ctx.limits.output_cap_bytes, ctx.call)
     timed_out = False
     exited_before_timeout = False

@@ -149,7 +149,7 @@ def test_commands_get_the_process_reserve_below_ours(ctx: ToolContext) -> None:
     if hard == resource.RLIM_INFINITY:
         assert r.output.splitlines()[1] == "unlimited"
     else:
-        value = hard - min(proctree.PROCESS_RESERVE, hard // 4)
+        value = hard - min(proctree.PROCESS_RESERVE, ctx.limits.max_processes // 4)
         assert r.output == f"{min(soft, value)}\n{value}\n"
     assert resource.getrlimit(resource.RLIMIT_NPROC) == (soft, hard)  # ours, put back
 
