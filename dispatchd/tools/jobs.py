@@ -272,6 +272,19 @@ class Jobs:
         with self._lock:
             return list(self._jobs.values())
 
+    def close(self) -> None:
+        """Stop every job and close every descriptor (the tool server never
+        needs it: the session's end does both; tests and embedders do)."""
+        with self._lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+            dir_fd, self._dir_fd = self._dir_fd, None
+        for job in jobs:
+            if job.running:
+                job.stop()
+            os.close(job.log_fd)
+        if dir_fd is not None:
+            os.close(dir_fd)
+
 
 def _jobs(ctx: ToolContext) -> Jobs:
     if ctx.jobs is None:

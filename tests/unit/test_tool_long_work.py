@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -22,13 +23,15 @@ from dispatchd.tools.spec import TOOLS
 
 
 @pytest.fixture
-def ctx(tmp_path: Path) -> ToolContext:
+def ctx(tmp_path: Path) -> Iterator[ToolContext]:
     root = tmp_path / "wt"
     root.mkdir()
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    return ToolContext(root=os.path.realpath(root), limits=Limits(), env={"PATH": "/usr/bin:/bin"},
-                       scratch=str(scratch), jobs=Jobs(str(scratch)))
+    jobs = Jobs(str(scratch))
+    yield ToolContext(root=os.path.realpath(root), limits=Limits(), env={"PATH": "/usr/bin:/bin"},
+                      scratch=str(scratch), jobs=jobs)
+    jobs.close()
 
 
 def run(ctx: ToolContext, tool: str, **params: Any) -> Outcome:

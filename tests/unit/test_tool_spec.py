@@ -136,9 +136,12 @@ def test_examples_run_end_to_end(tmp_path) -> None:
                       scratch=str(scratch), jobs=Jobs(str(scratch)))
     # The job the job tools' examples name.
     assert run_tool(TOOLS["shell_exec"], ctx, {"command": "echo hi", "background": True}).metadata["job"] == "job_1"
-    for name in ALL_TOOLS:
-        r = run_tool(TOOLS[name], ctx, _EXAMPLES[name])
-        assert r.success, (name, r.error)
+    try:
+        for name in ALL_TOOLS:
+            r = run_tool(TOOLS[name], ctx, _EXAMPLES[name])
+            assert r.success, (name, r.error)
+    finally:
+        ctx.jobs.close()
 
 
 def test_wrong_type_is_an_invalid_argument() -> None:
