@@ -17,7 +17,7 @@ Guarantees:
 - Only the protocol reaches stdout: the SDK points fd 1 at stderr while it
   serves, so nothing a tool or a library prints can corrupt the stream.
 - The network stays as the person who started the server set it
-  (``--network``): switching it is not a tool.
+  (``--network``, and ``--domains`` for "domains"): switching it is not a tool.
 - A call whose request carries a ``progressToken`` gets a
   ``notifications/progress`` for each piece of output as it comes (the
   command's latest output as ``message``, the bytes so far as ``progress``).

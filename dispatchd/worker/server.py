@@ -21,6 +21,8 @@ Guarantees:
   call whose caller is gone is ended, not left running) and, when asked
   (``CallTool.stream``), streams its output as ``ToolOutput`` frames before
   its reply; the session's background jobs live here (``tools/jobs.py``).
+- ``SetCommandEnv`` from the daemon changes the environment of commands
+  started after it (the proxy variables of network "domains"), not of those running.
 
 Threads are safe here: Landlock and seccomp were applied before this process
 was forked, and every thread inherits them.
@@ -145,7 +147,7 @@ class _Control:
         self.frames = frames
         self._send_lock = threading.Lock()
 
-    def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone) -> None:
+    def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone | protocol.OkReply) -> None:
         with self._send_lock:
             self.frames.send(msg)
 
@@ -298,6 +300,12 @@ class _Server:
                 self.records.append(protocol.CallRecord(req.tool, round((time.perf_counter() - started) * 1e3, 3),
                                                         success))
 
+    def set_command_env(self, msg: protocol.SetCommandEnv) -> None:
+        env = {k: v for k, v in self.ctx.env.items() if k not in msg.unset}
+        env.update(msg.set)
+        # One assignment: a call starting now sees the old context or the new, whole.
+        self.ctx = dataclasses.replace(self.ctx, env=env)
+
     def flush_records(self) -> None:
         """Send the daemon what finished since the last time (for its log)."""
         with self.records_lock:
@@ -365,5 +373,12 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             server.add_channel(socket.socket(fileno=fd))
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
+        elif isinstance(msg, protocol.SetCommandEnv):
+            server.set_command_env(msg)
+            if msg.id:
+                try:
+                    server.control.send(protocol.OkReply(id=msg.id))
+                except OSError:
+                    return
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()
