@@ -63,6 +63,14 @@ class CloseSession(_Msg, tag="close_session"):
     session: str
 
 
+class ReleaseWriteLock(_Msg, tag="release_write_lock"):
+    """Give back the session's worktree write lock without closing it; the
+    session asks again at its next mutating call. Answered by ``SessionReply``."""
+
+    id: int
+    session: str
+
+
 class ListSessions(_Msg, tag="list_sessions"):
     id: int
 
@@ -92,7 +100,7 @@ class ListTools(_Msg, tag="list_tools"):
 
 
 DaemonRequest = Union[
-    Hello, OpenSession, CloseSession, ListSessions, SetNetwork, Status, Attach, ListTools
+    Hello, OpenSession, CloseSession, ListSessions, SetNetwork, Status, Attach, ListTools, ReleaseWriteLock
 ]
 
 # --- daemon -> client -------------------------------------------------------
@@ -113,6 +121,7 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     protections: dict[str, Any] = {}
     limits: dict[str, Any] = {}  # the policy's limits (timeouts, caps, model output budget)
     note: str = ""
+    writes: bool = False  # holds its worktree's write lock (one writer per worktree)
 
 
 class HelloOk(_Msg, tag="hello_ok"):
@@ -263,7 +272,14 @@ class Drain(_Msg, tag="drain"):
     deadline_s: float
 
 
-WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, ToolCallsDone, Drain, OkReply, ErrorReply]
+class ForgetWriteLock(_Msg, tag="forget_write_lock"):
+    """Daemon -> worker: the write lock was given back; ask again before the
+    next mutating call. Sent under the same lock as the grants, so a grant
+    and a release reach the worker in the order the daemon decided them."""
+
+
+WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, ToolCallsDone, Drain, OkReply,
+                      ErrorReply, ForgetWriteLock]
 
 # --- codec ------------------------------------------------------------------
 

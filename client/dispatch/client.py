@@ -231,6 +231,22 @@ class Session:
             self._attach()
         return self.network
 
+    @property
+    def writes(self) -> bool:
+        """Whether the session held its worktree's write lock when last heard of
+        (``status()`` asks afresh)."""
+        return self._info.writes
+
+    def release_write_lock(self) -> dict[str, Any]:
+        """Give back the worktree's write lock without closing the session, so
+        another session may write; this one asks again at its next write.
+        Call it once your writes have returned: a process left running in the
+        background may still write. Returns the session's info."""
+        reply, _ = self._client._daemon_request(
+            lambda rid: protocol.ReleaseWriteLock(id=rid, session=self.id))
+        self._info = reply.session
+        return _to_dict(reply.session)
+
     def status(self) -> dict[str, Any]:
         """The session as the daemon sees it, with the protections in force."""
         for info in self._client._sessions():
@@ -317,6 +333,11 @@ class Client:
 
     def close_session(self, session_id: str) -> None:
         self._daemon_request(lambda rid: protocol.CloseSession(id=rid, session=session_id))
+
+    def release_write_lock(self, session_id: str) -> dict[str, Any]:
+        """``Session.release_write_lock`` for a session known by id."""
+        reply, _ = self._daemon_request(lambda rid: protocol.ReleaseWriteLock(id=rid, session=session_id))
+        return _to_dict(reply.session)
 
     def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
                     bind_ports: list[int] | None = None) -> dict[str, Any]:

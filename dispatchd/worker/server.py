@@ -254,5 +254,7 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             threading.Thread(target=channel.run, daemon=True).start()
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
+        elif isinstance(msg, protocol.ForgetWriteLock):
+            server.write_lock.held = False  # the next mutating call asks the daemon again
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()
