@@ -29,11 +29,18 @@ TESTING_ROOT_FLAG = "--allow-root-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dispatchd", description="Sandboxed execution daemon for AI coding agents.")
+    p = argparse.ArgumentParser(
+        prog="dispatchd", description="Sandboxed execution daemon for AI coding agents. Runs in the foreground "
+        "until SIGTERM or SIGINT.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="other commands:\n"
+               "  dispatchd install-units [--dry-run]   write systemd user units (dispatchd.socket, .service)\n"
+               "                                        for this Python; see README \"Run as a service\"\n"
+               "  dispatchd uninstall-units             remove them\n")
     p.add_argument("--socket", help="listening socket path (default: $DISPATCH_SOCKET, "
                    "$XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, or /tmp/dispatchd-$UID/dispatchd.sock)")
     p.add_argument("--policies", type=Path, help="directory of policy files (default: the installed policies)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log to stderr from this level up (default: info)")
     p.add_argument("--no-user-namespaces", action="store_true",
                    help="never use user namespaces: every session runs on Landlock and seccomp alone")
     p.add_argument("--cgroup", default="auto", metavar="auto|off|PATH",
@@ -42,7 +49,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "cgroup v2 directory for this daemon alone to manage (an error if it cannot; at start "
                         "it ends what earlier sessions left there); 'off' never")
     p.add_argument("--stop-timeout", type=float, default=30.0,
-                   help="on SIGTERM, how long calls in flight may go on before their sessions are ended (seconds)")
+                   help="on SIGTERM, how long calls in flight may go on before their sessions are ended "
+                        "(seconds; default: 30)")
     p.add_argument(TESTING_ROOT_FLAG, action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--version", action="version", version=f"dispatchd {__version__}")
     return p.parse_args(argv)

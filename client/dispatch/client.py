@@ -287,7 +287,9 @@ class Client:
 
     def __init__(self, socket_path: str, *, autostart: bool = False, timeout: float = 10.0) -> None:
         self.socket_path = socket_path
-        sock = _connect(socket_path, autostart=autostart, timeout=timeout)
+        self.started_daemon: tuple[int, str] | None = None
+        """``(pid, log path)`` of the daemon this client started in the background, if it did."""
+        sock = _connect(socket_path, autostart=autostart, timeout=timeout, started=self)
         self._conn = _Connection(sock, protocol.daemon_reply_decoder, fds=True)
         try:
             reply, _ = self._conn.request(lambda rid: protocol.Hello(id=rid, version=protocol.PROTOCOL_VERSION, client="dispatch"))
@@ -354,8 +356,13 @@ class Client:
         return [_to_dict(s) for s in self._sessions()]
 
     def status(self) -> dict[str, Any]:
+        """The daemon's version, pid, socket, kernel features and sessions
+        (without the protocol's own fields, ``op`` and ``id``)."""
         reply, _ = self._daemon_request(lambda rid: protocol.Status(id=rid))
-        return msgspec.to_builtins(reply)
+        status = msgspec.to_builtins(reply)
+        status.pop("op", None)
+        status.pop("id", None)
+        return status
 
     def tools(self, policy: str = "default") -> list[dict[str, Any]]:
         reply, _ = self._daemon_request(lambda rid: protocol.ListTools(id=rid, policy=policy))
@@ -381,7 +388,8 @@ def _try_connect(path: str) -> socket.socket | None:
         return None
     except OSError as exc:
         sock.close()
-        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
+        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}; "
+                                f"{paths.what_to_do()}") from exc
 
 
 def _start_daemon(path: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -397,14 +405,17 @@ def _start_daemon(path: str) -> tuple[subprocess.Popen[bytes], str]:
     return proc, log_path
 
 
-def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
+def _connect(path: str, *, autostart: bool, timeout: float, started: Client | None = None) -> socket.socket:
     sock = _try_connect(path)
     if sock is not None:
         return sock
     if not autostart:
-        raise DaemonUnavailable(f"no dispatchd is listening on {path} (start it with `dispatchd`, "
-                                "or `systemctl --user start dispatchd.socket`)")
+        systemd = ", or `systemctl --user start dispatchd.socket`" if path == paths.default_socket_path() else ""
+        raise DaemonUnavailable(f"no dispatchd is listening on {path} (start it with "
+                                f"`dispatchd --socket {path}`, or leave out --no-autostart{systemd})")
     proc, log_path = _start_daemon(path)
+    if started is not None:
+        started.started_daemon = (proc.pid, log_path)
     deadline = time.monotonic() + timeout
     exited = None
     while time.monotonic() < deadline:
