@@ -17,6 +17,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import json
 import re
@@ -53,14 +54,13 @@ def _schema_of(annotation: Any, where: str) -> dict[str, Any]:
         if isinstance(kind, str):
             return {**inner, "type": [kind, "null"]}
         return {"anyOf": [inner, {"type": "null"}]}
-    if annotation in (list, tuple) or origin in (list, tuple, typing.Sequence) or (
-            origin is not None and getattr(origin, "__name__", "") == "Sequence"):
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if args:
-                return {"type": "array", "prefixItems": [_schema_of(a, where) for a in args],
-                        "minItems": len(args), "maxItems": len(args)}
-        item = args[0] if args else inspect.Parameter.empty
-        return {"type": "array", "items": _schema_of(item, where)} if args else {"type": "array"}
+    if annotation in (list, tuple) or origin in (list, tuple, collections.abc.Sequence):
+        if not args:
+            return {"type": "array"}
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):  # tuple[int, str]
+            return {"type": "array", "prefixItems": [_schema_of(a, where) for a in args],
+                    "minItems": len(args), "maxItems": len(args)}
+        return {"type": "array", "items": _schema_of(args[0], where)}
     if annotation is dict or origin is dict:
         if args and args[0] is not str:
             raise TypeError(f"{where}: JSON object keys are strings, not {args[0]!r}")

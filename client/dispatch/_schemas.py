@@ -4,7 +4,8 @@ Guarantees:
 - every function takes ``{"name", "description", "parameters"}`` and returns a
   fresh dict; the tool's own schema is never changed;
 - ``strict_schema`` is what OpenAI's strict mode accepts: every object lists
-  all its properties in ``required`` and has ``additionalProperties: false``;
+  all its properties in ``required`` and has ``additionalProperties: false``,
+  and only the keywords it documents are kept;
   a property that was optional accepts ``null`` as well, which
   ``Definition.call`` reads as "not given" (see ``drop_null_optionals``);
 - ``gemini_schema`` keeps only the OpenAPI 3.0 subset Gemini's function
@@ -37,14 +38,24 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+# The keywords OpenAI documents for strict mode. Others (``default``,
+# ``minLength``...) are left out of what a model is shown; the tool's own
+# schema, which ``Definition.call`` checks, still holds them.
+_STRICT_KEYS = frozenset({
+    "type", "properties", "required", "additionalProperties", "enum", "const", "anyOf", "$ref", "$defs",
+    "definitions", "items", "description", "title", "pattern", "format", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems", "maxItems",
+})
+
+
 def strict_schema(schema: Any) -> Any:
     """``schema`` rewritten for strict mode (recursively: nested objects, items, anyOf)."""
     if isinstance(schema, list):
         return [strict_schema(s) for s in schema]
     if not isinstance(schema, Mapping):
         return schema
-    out = {k: strict_schema(v) if k in ("items", "anyOf", "oneOf", "allOf") else v
-           for k, v in schema.items()}
+    out = {k: strict_schema(v) if k in ("items", "anyOf") else v
+           for k, v in schema.items() if k in _STRICT_KEYS}
     for defs in ("$defs", "definitions"):
         if isinstance(schema.get(defs), Mapping):
             out[defs] = {k: strict_schema(v) for k, v in schema[defs].items()}

@@ -30,7 +30,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import functools
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -200,9 +200,8 @@ class AsyncClient:
 def _close_opened(future: asyncio.Future[Any]) -> None:
     if future.cancelled() or future.exception() is not None:
         return
-    session = future.result()
-    threading_close = functools.partial(_quiet_close, session)
-    asyncio.get_event_loop().run_in_executor(None, threading_close)
+    # Closing talks to the daemon: not on the loop.
+    threading.Thread(target=_quiet_close, args=(future.result(),), daemon=True).start()
 
 
 def _quiet_close(session: _sync.Session) -> None:

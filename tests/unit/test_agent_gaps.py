@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import jsonschema
@@ -385,3 +386,27 @@ def test_parallel_reads_can_be_turned_off():
     reg = Registry([Definition("read_file", "", {"type": "object"}, read, risk="read")])
     run_tool_loop(FakeModel([[("read_file", {})] * 3, "ok"]), reg, [], parallel_reads=1)
     assert max(peak) == 1
+
+
+def test_strict_shapes_keep_only_the_keywords_openai_documents():
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 1, "default": "x", "description": "d"},
+        "n": {"type": "integer", "minimum": 0, "default": 0}}, "required": ["name"]}
+    reg = Registry([Definition("t", "", schema, lambda p, c: Result.success(repr(p)), risk="read")])
+    (tool,) = reg.schemas("openai", strict=True)
+    assert tool["function"]["parameters"]["properties"] == {
+        "name": {"type": "string", "description": "d"}, "n": {"type": ["integer", "null"], "minimum": 0}}
+    # What was left out of the shape is still checked.
+    assert reg.call("t", {"name": ""}).error == "t: invalid arguments: $.name: '' should be non-empty"
+
+
+def test_from_function_sequences_and_mappings():
+    def f(a: Sequence[int], b: tuple[int, str], c: tuple[float, ...], d: dict[str, bool]) -> None:
+        """F."""
+
+    props = Definition.from_function(f).parameters["properties"]
+    assert props["a"] == {"type": "array", "items": {"type": "integer"}}
+    assert props["b"] == {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
+                          "minItems": 2, "maxItems": 2}
+    assert props["c"] == {"type": "array", "items": {"type": "number"}}
+    assert props["d"] == {"type": "object", "additionalProperties": {"type": "boolean"}}
