@@ -12,7 +12,14 @@ Only re-exports live here; ``dispatch.tools`` holds the tool interface,
 
 from dispatch import aio, tools
 from dispatch.client import Client, Session, connect
-from dispatch.errors import ConnectionLost, DaemonUnavailable, DispatchError, RequestFailed
+from dispatch.errors import (
+    ConnectionLost,
+    DaemonUnavailable,
+    DispatchError,
+    RequestFailed,
+    RequestTimeout,
+    UntrustedSocket,
+)
 from dispatch.tools import Definition, Registry, Result
 
 __all__ = [
@@ -23,8 +30,10 @@ __all__ = [
     "DispatchError",
     "Registry",
     "RequestFailed",
+    "RequestTimeout",
     "Result",
     "Session",
+    "UntrustedSocket",
     "aio",
     "connect",
     "tools",

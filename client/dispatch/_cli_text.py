@@ -105,6 +105,10 @@ def print_status(st: dict[str, Any], file: IO[str] | None = None) -> None:
         f"user namespaces: {'yes' if k['user_namespaces'] else 'no'} ({k['user_namespaces_note']}); "
         f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'} "
         f"(per-session cgroups: {k.get('cgroup_delegation', '?')})")
+    d = st.get("daemon") or {}
+    if d:
+        say(f"daemon: {d.get('open_files_note', '?')}; connections {d.get('connections')} "
+            f"of at most {d.get('max_connections')}")
     sessions = st["sessions"]
     say(f"{len(sessions)} session(s)")
     if not sessions:

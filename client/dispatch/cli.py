@@ -37,9 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dispatch", description="Client of dispatchd, the sandbox for AI coding agents.")
     p.add_argument("--version", action="version", version=f"dispatch {__version__}")
     p.add_argument("--socket", help="daemon socket (default: $DISPATCH_SOCKET, $XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, "
-                   "/tmp/dispatchd-$UID/dispatchd.sock)")
+                   "$XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
     p.add_argument("--no-autostart", action="store_true",
                    help="do not start a daemon in the background when none answers (default: start one)")
+    p.add_argument("--request-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds to wait for the daemon's answer to each request (default 30); a tool call "
+                        "waits its own time limit plus this")
     sub = p.add_subparsers(dest="command", required=True)
 
     session = sub.add_parser("session", help="open, close and list sessions").add_subparsers(dest="action", required=True)
@@ -201,7 +204,8 @@ def _mcp(client: Client, args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    client = connect(args.socket, autostart=not args.no_autostart)
+    client = connect(args.socket, autostart=not args.no_autostart, timeout=args.request_timeout,
+                     call_margin=args.request_timeout)
     if client.started_daemon is not None:  # said once: the next command finds it running
         pid, log = client.started_daemon
         print(f"dispatch: started dispatchd in the background (pid {pid}) on {client.socket_path}; "
