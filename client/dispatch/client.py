@@ -509,7 +509,8 @@ def _try_connect(path: str, timeout: float) -> socket.socket | None:
     except paths.UnsafeDirectory as exc:
         raise UntrustedSocket(f"{exc} (refused before anything was sent)") from exc
     except OSError as exc:
-        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
+        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}; "
+                                f"{paths.what_to_do()}") from exc
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)

@@ -97,9 +97,9 @@ def test_status_with_no_session_says_what_a_new_one_would_get(daemon: Daemon, cl
     assert client.list_sessions() == []
     out = run(daemon, "status")
     lines = out.stdout.splitlines()
-    assert lines[2] == "0 session(s)"
-    assert lines[3].startswith("  a new session (policy default) would get: filesystem confined by Landlock (ABI ")
-    assert "a seccomp filter" in lines[3] and "network off unless asked" in lines[3]
+    n = lines.index("0 session(s)")
+    assert lines[n + 1].startswith("  a new session (policy default) would get: filesystem confined by Landlock (ABI ")
+    assert "a seccomp filter" in lines[n + 1] and "network off unless asked" in lines[n + 1]
 
 
 def test_session_list_and_release_show_the_write_lock(daemon: Daemon, client: dispatch.Client, sid: str) -> None:
