@@ -129,6 +129,15 @@ def print_status(st: dict[str, Any], file: IO[str] | None = None) -> None:
             say(f"    limits ({lim.get('mechanism')}{where}): processes {lim.get('max_processes')}; "
                 f"memory {_words(lim.get('memory'))}; cpu weight {lim.get('cpu_weight')}; "
                 f"file size {size(lim.get('max_file_bytes'))}")
+        life = p.get("lifetime", {})
+        if life:
+            held = ("detached: lives until closed or idle" if life.get("detached")
+                    else f"ends {life.get('orphan_grace_s')} s after its last client connection goes")
+            mem = life.get("memory", {})
+            say(f"    lifetime: {held}; memory {size(mem.get('limit_bytes'))} held by {mem.get('mechanism')} "
+                f"({_words(mem.get('detail'))})")
+        for gap in lim.get("leaves_open", []):
+            say(f"    budget left open: {gap}")
         for gap in p.get("leaves_open", []):
             say(f"    leaves open: {gap}")
 

@@ -358,8 +358,9 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     block = "\n".join(lines[mine[0]:mine[0] + 4])
     assert str(worktree) in block and "filesystem enforced" in block and "seccomp: enforced" in block
     limits = [line.strip() for line in lines[mine[0]:] if line.strip().startswith("limits (")][0]
-    assert limits == ("limits (rlimits): processes 1024; memory 8 GiB of data per process "
-                      "(RLIMIT_DATA); cpu weight not enforced (no cpu controller); file size 8 GiB")
+    assert limits == ("limits (rlimits): processes 1024; memory 8 GiB over the session (the daemon's "
+                      "memory watchdog); 8 GiB of data per process (RLIMIT_DATA); cpu weight not enforced "
+                      "(no cpu controller); file size 8 GiB")
     assert "tcp: not handled" not in out.stdout and "not handled" not in out.stdout
     assert "(per-session cgroups: no: " in lines[1]
 
