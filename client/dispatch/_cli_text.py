@@ -190,7 +190,9 @@ def mcp_config(args: argparse.Namespace) -> dict[str, Any]:
     host whose PATH knows nothing of our venv: absolute paths throughout."""
     if bool(args.session) == bool(args.worktree):
         raise ValueError("give exactly one of --session ID or --worktree DIR")
-    cmd = ["-m", "dispatch.cli"]
+    # -P: a host may start us in the project's directory, whose `dispatch`
+    # package (one an agent wrote) a plain -m would import, unconfined.
+    cmd = ["-P", "-m", "dispatch.cli"]
     cmd += ["--socket", paths.resolve_socket_path(args.socket)]
     cmd += ["mcp"]
     if args.session:

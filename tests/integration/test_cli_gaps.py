@@ -88,7 +88,7 @@ def test_mcp_print_config_has_absolute_paths(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     server = json.loads(out.stdout)["mcpServers"]["dispatchd"]
     assert server == {"command": sys.executable, "args": [
-        "-m", "dispatch.cli", "--socket", str(tmp_path / "d.sock"), "mcp", "--worktree", str(wt),
+        "-P", "-m", "dispatch.cli", "--socket", str(tmp_path / "d.sock"), "mcp", "--worktree", str(wt),
         "--network", "off"]}
     assert os.path.isabs(server["command"]) and os.access(server["command"], os.X_OK)
 
@@ -169,3 +169,24 @@ def test_autostart_says_so_once_and_daemon_stop_ends_it(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args", [("--help",), ("exec", "--help")])
 def test_help_exits_0(args: tuple[str, ...]) -> None:
     assert dispatch_cli(*args).returncode == 0
+
+
+def test_the_printed_mcp_config_starts_a_working_server_from_a_hostile_directory(daemon: Daemon, tmp_path: Path) -> None:
+    """What --print-config prints, run from a directory holding a `dispatch`
+    package (as an agent could write one), serves our tools, not that package."""
+    wt = tmp_path / "wt"
+    (wt / "dispatch").mkdir(parents=True)
+    (wt / "dispatch" / "__init__.py").write_text("raise SystemExit('the worktree package was imported')\n")
+    (wt / "dispatch" / "cli.py").write_text("raise SystemExit('the worktree package was imported')\n")
+    out = dispatch_cli("--socket", daemon.socket, "mcp", "--worktree", str(wt), "--print-config")
+    server = json.loads(out.stdout)["mcpServers"]["dispatchd"]
+    init = ('{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18", '
+            '"capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}\n')
+    proc = subprocess.run([server["command"], *server["args"]], input=init, capture_output=True, text=True,
+                          cwd=wt, env=_env(), timeout=60)
+    assert "the worktree package was imported" not in proc.stderr
+    assert '"serverInfo"' in proc.stdout and '"dispatchd"' in proc.stdout, proc.stderr
+    # The twin: the same command without -P does import the worktree's package.
+    plain = subprocess.run([server["command"], *[a for a in server["args"] if a != "-P"]], input=init,
+                           capture_output=True, text=True, cwd=wt, env=_env(), timeout=60)
+    assert "the worktree package was imported" in plain.stderr
