@@ -123,6 +123,10 @@ def print_status(st: dict[str, Any], file: IO[str] | None = None) -> None:
             f"{', '.join(ll.get('scopes', [])) or 'none'}; {_TCP.get(ll.get('tcp'), ll.get('tcp'))}")
         say(f"    seccomp: {p.get('seccomp')}; namespaces: {ns}")
         say(f"    network {p.get('network', {}).get('mode')}: {p.get('network', {}).get('mechanism')}")
+        if s.get("network") == "domains":
+            say(f"    domains: {', '.join(s.get('domains', [])) or 'none'}")
+        if s.get("denied"):
+            say("    denied: " + ", ".join(f"{d['host']}:{d['port']} ({d['count']})" for d in s["denied"]))
         lim = p.get("limits", {})
         if lim:
             where = f" in {lim['cgroup']}" if lim.get("cgroup") else ""
@@ -207,4 +211,6 @@ def mcp_config(args: argparse.Namespace) -> dict[str, Any]:
             cmd += ["--ports", ",".join(map(str, args.ports))]
         if args.bind_ports:
             cmd += ["--bind-ports", ",".join(map(str, args.bind_ports))]
+        if getattr(args, "domains", None):
+            cmd += ["--domains", ",".join(args.domains)]
     return {"mcpServers": {"dispatchd": {"command": os.path.abspath(sys.executable), "args": cmd}}}

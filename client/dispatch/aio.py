@@ -116,8 +116,8 @@ class AsyncSession:
         return await _run(self.sync.call_tool, name, params)
 
     async def set_network(self, network: bool | str, ports: list[int] | None = None,
-                          bind_ports: list[int] | None = None) -> bool:
-        return await _run(self.sync.set_network, network, ports, bind_ports)
+                          bind_ports: list[int] | None = None, **more: Any) -> bool:
+        return await _run(self.sync.set_network, network, ports, bind_ports, **more)
 
     async def status(self) -> dict[str, Any]:
         return await _run(self.sync.status)
@@ -175,8 +175,8 @@ class AsyncClient:
         return await _run(self.sync.release_write_lock, session_id)
 
     async def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
-                          bind_ports: list[int] | None = None) -> dict[str, Any]:
-        return await _run(self.sync.set_network, session_id, network, ports, bind_ports)
+                          bind_ports: list[int] | None = None, **more: Any) -> dict[str, Any]:
+        return await _run(self.sync.set_network, session_id, network, ports, bind_ports, **more)
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         return await _run(self.sync.list_sessions)

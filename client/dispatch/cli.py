@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
     net = sub.add_parser("network", help="switch a session's network (its processes are ended)")
     net.add_argument("id")
-    net.add_argument("state", choices=["on", "off", "ports"])
+    net.add_argument("state", choices=["on", "off", "ports", "domains"])
     _ports_options(net)
 
     ex = sub.add_parser("exec", help="run a shell command in the sandbox")
@@ -115,9 +115,9 @@ def _session_target(p: argparse.ArgumentParser, *, worktree_required: bool = Fal
         p.add_argument("--session", help="an open session's id")
     p.add_argument("--worktree", required=worktree_required, help="open a session on this directory")
     p.add_argument("--policy", default="default", help=_policy_help())
-    p.add_argument("--network", choices=["on", "off", "ports"],
-                   help="off: no network; on: the host's, through pasta; ports: TCP only to --ports "
-                        "(default: the policy's, off in the shipped policies)")
+    p.add_argument("--network", choices=["on", "off", "ports", "domains"],
+                   help="off: no network; on: the host's, through pasta; ports: TCP only to --ports; domains: "
+                        "only the hosts in --domains (default: the policy's, off in the shipped policies)")
     _ports_options(p)
 
 
@@ -131,6 +131,13 @@ def _port_list(text: str) -> list[int]:
 def _ports_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ports", type=_port_list, help="with --network ports: TCP ports to connect to, e.g. 80,443")
     p.add_argument("--bind-ports", type=_port_list, help="with --network ports: TCP ports the session may bind")
+    p.add_argument("--domains", type=_domain_list, help="with --network domains: the hosts it may reach through "
+                   "the daemon's proxy, e.g. pypi.org,*.pythonhosted.org ('*.' for subdomains, ':PORT' for a port "
+                   "other than 80 and 443)")
+
+
+def _domain_list(text: str) -> list[str]:
+    return [d.strip() for d in text.split(",") if d.strip()]
 
 
 def _warn_about_ports(args: argparse.Namespace) -> None:
@@ -154,7 +161,7 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
         # 0 once our connection is gone, and SIGTERM/SIGHUP close it at once).
         with _closed_on_signals(), client.open_session(
                 args.worktree, policy=args.policy, network=args.network, ports=args.ports,
-                bind_ports=args.bind_ports, orphan_grace_s=0) as session:
+                bind_ports=args.bind_ports, domains=args.domains, orphan_grace_s=0) as session:
             yield session
 
 
@@ -244,7 +251,8 @@ def _run(args: argparse.Namespace) -> int:
                 _warn_about_ports(args)
                 # Detached: it outlives this command and needs no client holding it.
                 session = client.open_session(args.worktree, policy=args.policy, network=args.network,
-                                              ports=args.ports, bind_ports=args.bind_ports, detached=True)
+                                              ports=args.ports, bind_ports=args.bind_ports, domains=args.domains,
+                                              detached=True)
                 session.detach()
                 print(session.id)
             elif args.action == "close":
@@ -257,7 +265,8 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if args.command == "network":
             _warn_about_ports(args)
-            info = client.set_network(args.id, args.state, ports=args.ports, bind_ports=args.bind_ports)
+            info = client.set_network(args.id, args.state, ports=args.ports, bind_ports=args.bind_ports,
+                                      domains=args.domains)
             print(info["network"])
             if info.get("note"):
                 print(f"dispatch: {info['note']}", file=sys.stderr)
