@@ -554,6 +554,22 @@ class Session:
             self._attach()
         return self.network
 
+    @property
+    def writes(self) -> bool:
+        """Whether the session held its worktree's write lock when last heard of
+        (``status()`` asks afresh)."""
+        return self._info.writes
+
+    def release_write_lock(self) -> dict[str, Any]:
+        """Give back the worktree's write lock without closing the session, so
+        another session may write; this one asks again at its next write.
+        Call it once your writes have returned: a process left running in the
+        background may still write. Returns the session's info."""
+        reply, _ = self._client._daemon_request(
+            lambda rid: protocol.ReleaseWriteLock(id=rid, session=self.id))
+        self._info = reply.session
+        return _to_dict(reply.session)
+
     def status(self) -> dict[str, Any]:
         """The session as the daemon sees it, with the protections in force."""
         for info in self._client._sessions():
@@ -600,7 +616,9 @@ class Client:
         self.socket_path = socket_path
         self.timeout = timeout
         self.call_margin = call_margin
-        sock = _connect(socket_path, autostart=autostart, timeout=timeout)
+        self.started_daemon: tuple[int, str] | None = None
+        """``(pid, log path)`` of the daemon this client started in the background, if it did."""
+        sock = _connect(socket_path, autostart=autostart, timeout=timeout, started=self)
         self._conn = _Connection(sock, protocol.daemon_reply_decoder, fds=True)
         try:
             reply, _ = self._daemon_request(
@@ -662,6 +680,11 @@ class Client:
     def close_session(self, session_id: str) -> None:
         self._daemon_request(lambda rid: protocol.CloseSession(id=rid, session=session_id))
 
+    def release_write_lock(self, session_id: str) -> dict[str, Any]:
+        """``Session.release_write_lock`` for a session known by id."""
+        reply, _ = self._daemon_request(lambda rid: protocol.ReleaseWriteLock(id=rid, session=session_id))
+        return _to_dict(reply.session)
+
     def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
                     bind_ports: list[int] | None = None, domains: list[str] | None = None) -> dict[str, Any]:
         word, listed = _network_word(network), _domain_list(domains)
@@ -678,8 +701,13 @@ class Client:
         return [_to_dict(s) for s in self._sessions()]
 
     def status(self) -> dict[str, Any]:
+        """The daemon's version, pid, socket, kernel features and sessions
+        (without the protocol's own fields, ``op`` and ``id``)."""
         reply, _ = self._daemon_request(lambda rid: protocol.Status(id=rid))
-        return msgspec.to_builtins(reply)
+        status = msgspec.to_builtins(reply)
+        status.pop("op", None)
+        status.pop("id", None)
+        return status
 
     def tools(self, policy: str = "default") -> list[dict[str, Any]]:
         reply, _ = self._daemon_request(lambda rid: protocol.ListTools(id=rid, policy=policy))
@@ -706,7 +734,8 @@ def _try_connect(path: str, timeout: float) -> socket.socket | None:
     except paths.UnsafeDirectory as exc:
         raise UntrustedSocket(f"{exc} (refused before anything was sent)") from exc
     except OSError as exc:
-        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
+        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}; "
+                                f"{paths.what_to_do()}") from exc
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -720,7 +749,8 @@ def _try_connect(path: str, timeout: float) -> socket.socket | None:
                              "(stopped, or its backlog is full)") from exc
     except OSError as exc:
         sock.close()
-        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
+        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}; "
+                                f"{paths.what_to_do()}") from exc
     finally:
         os.close(dirfd)
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -763,14 +793,17 @@ def _start_daemon(path: str) -> tuple[subprocess.Popen[bytes], str]:
     return proc, log_path
 
 
-def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
+def _connect(path: str, *, autostart: bool, timeout: float, started: Client | None = None) -> socket.socket:
     sock = _try_connect(path, timeout)
     if sock is not None:
         return sock
     if not autostart:
-        raise DaemonUnavailable(f"no dispatchd is listening on {path} (start it with `dispatchd`, "
-                                "or `systemctl --user start dispatchd.socket`)")
+        systemd = ", or `systemctl --user start dispatchd.socket`" if path == paths.default_socket_path() else ""
+        raise DaemonUnavailable(f"no dispatchd is listening on {path} (start it with "
+                                f"`dispatchd --socket {path}`, or leave out --no-autostart{systemd})")
     proc, log_path = _start_daemon(path)
+    if started is not None:
+        started.started_daemon = (proc.pid, log_path)
     deadline = time.monotonic() + timeout
     exited = None
     while time.monotonic() < deadline:

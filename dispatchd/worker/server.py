@@ -373,6 +373,8 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             server.add_channel(socket.socket(fileno=fd))
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
+        elif isinstance(msg, protocol.ForgetWriteLock):
+            server.write_lock.held = False  # the next mutating call asks the daemon again
         elif isinstance(msg, protocol.SetCommandEnv):
             server.set_command_env(msg)
             if msg.id:

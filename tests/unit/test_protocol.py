@@ -65,6 +65,8 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.AcquireWriteLock: (p.AcquireWriteLock(id=13), {"control"}),
     p.ToolCallsDone: (p.ToolCallsDone(calls=[p.CallRecord("read_file", 1.5, True)]), {"control"}),
     p.Drain: (p.Drain(deadline_s=30.0), {"control"}),
+    p.ReleaseWriteLock: (p.ReleaseWriteLock(id=4, session="a1b2c3"), {"daemon_request"}),
+    p.ForgetWriteLock: (p.ForgetWriteLock(), {"control"}),
     p.SetCommandEnv: (p.SetCommandEnv(set={"HTTP_PROXY": "http://127.0.0.1:3128"}, unset=["http_proxy"]), {"control"}),
     p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"zygote_request"}),
     p.Spawned: (p.Spawned(id=14, pid=999), {"zygote_reply"}),
@@ -87,6 +89,7 @@ TAGS = {
     "Spawned": "spawned", "AcquireWriteLock": "acquire_write_lock",
     "ToolCallsDone": "tool_calls_done", "Drain": "drain", "CancelCall": "cancel_call", "ToolOutput": "tool_output",
     "SetCommandEnv": "set_command_env",
+    "ReleaseWriteLock": "release_write_lock", "ForgetWriteLock": "forget_write_lock",
 }
 
 
