@@ -97,4 +97,5 @@ def test_the_python_example_prints_what_it_says(daemon: Daemon, fresh_worktree: 
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line]  # the output ends with its own newline
     assert lines[0] == "True all tests passed" and lines[1].startswith("0 ")
-    assert lines[-1] == "0: hello False"
+    # then the mode, the dispatched call's reply, the streamed lines, and the job still running
+    assert lines[2:] == ["full", "0: hello False", "building", "done", "True"]
