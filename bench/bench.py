@@ -11,7 +11,11 @@ root), and prints one table:
   beside a bare request/response between two Python processes over a Unix
   socket (same framing and codec, 4 KiB reply): the IPC floor;
 - shell_exec of ``true`` beside ``subprocess.run(["bash", "-c", "true"])``
-  with no sandbox;
+  with no sandbox, also with streaming asked for (``on_output``);
+- the first byte's latency when streaming: from the moment a command writes
+  (bash's ``$EPOCHREALTIME`` just before ``printf``) to the client's
+  ``on_output`` callback (wall clock of one machine), and how long a cancel
+  of a running ``sleep`` takes to come back as a cancelled Result;
 - opening a session (until every protection is in force) beside the same
   open with the host's root (policy ``root = "host"``: the host's ``/``
   read-only, as before the minimal root), and switching its network (the
@@ -108,6 +112,44 @@ def pct(xs: list[float], q: float) -> float:
 
 def fmt(s: float) -> str:
     return f"{s * 1e6:8.0f} µs" if s < 1e-3 else f"{s * 1e3:8.2f} ms"
+
+
+def first_byte(shell: dispatch.Definition, n: int) -> list[float]:
+    """Seconds from a command's write to the client's on_output, ``n`` times."""
+    out = []
+    for _ in range(n):
+        got: list[float] = []
+
+        def on_output(_stream: str, text: str) -> None:
+            if not got:
+                got.append(time.time() - float(text.split()[0]))
+
+        shell.call({"command": 'printf "%s\\n" "$EPOCHREALTIME"; sleep 0.02'}, on_output=on_output)
+        out += got
+    return out
+
+
+def cancel_latency(session: dispatch.Session, shell: dispatch.Definition, n: int) -> list[float]:
+    """Seconds from ``session.cancel()`` to the cancelled Result of a running sleep."""
+    import threading
+
+    out = []
+    for _ in range(n):
+        started = threading.Event()
+        done: list[float] = []
+
+        def run() -> None:
+            shell.call({"command": "echo up; sleep 100"}, on_output=lambda s, t: started.set())
+            done.append(time.perf_counter())
+
+        t = threading.Thread(target=run)
+        t.start()
+        started.wait(10)
+        at = time.perf_counter()
+        session.cancel()
+        t.join(10)
+        out += [d - at for d in done]
+    return out
 
 
 def _ok(result: dispatch.Result) -> None:
@@ -207,7 +249,8 @@ def main() -> int:
     os.mkdir(wt_net)
     Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # 4095 bytes, 63 lines
     rows: dict[str, list[float]] = {k: [] for k in
-                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain", "read_debug",
+                                    ("bare", "read", "spawn", "shell", "shell_stream", "first_byte", "cancel",
+                                     "open", "switch", "open_plain", "read_debug",
                                      "open_domains", "fetch_plain", "fetch_domains", "open_host")}
     debug = None
     if args.log_cost:
@@ -236,6 +279,9 @@ def main() -> int:
                     rows["read_debug"] += timed(lambda: read_debug.call({"path": "f4k.txt"}), args.calls)
                 rows["spawn"] += timed(lambda: subprocess.run(["bash", "-c", "true"], capture_output=True), 20)
                 rows["shell"] += timed(lambda: shell.call({"command": "true"}), 20)
+                rows["shell_stream"] += timed(lambda: shell.call({"command": "true"}, on_output=lambda s, t: None), 20)
+                rows["first_byte"] += first_byte(shell, 5)
+                rows["cancel"] += cancel_latency(session, shell, 2)
                 for _ in range(3):
                     t = time.perf_counter()
                     s = client.open_session(wt)
@@ -299,6 +345,9 @@ def main() -> int:
               f"p99 {pct(rows['read_debug'], 0.99) / pct(rows['read'], 0.99):.2f}× of info")
     line("subprocess.run(['bash','-c','true']), no sandbox", "spawn", None, "1.00× (baseline)")
     line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.3×)")
+    line("shell_exec 'true', streaming asked for", "shell_stream", "spawn", "of plain spawn")
+    line("streaming: a command's write → client on_output", "first_byte", None, "(target: a few ms)")
+    line("session.cancel() → cancelled Result (sleep)", "cancel", None, "(the kill, then the reply)")
     if rows["open_plain"]:
         line("open a session, no cgroup (baseline)", "open_plain", None, "1.00× (baseline)")
         line("open a session with its own cgroup", "open", "open_plain", "of the open without")
