@@ -1,0 +1,142 @@
+"""dispatchd density benchmark: many idle sessions on one host.
+
+    ./scripts/bench --density [N]     (or: .venv/bin/python bench/density.py [N])
+
+Starts its own daemon on a temporary socket and opens N sessions (default
+1,000) on one worktree, each made to answer one ``read_file`` so that it is
+really up, then reports:
+
+- how many opens failed, and the first error;
+- the time of each open (p50, p99) and of closing them all;
+- what the sessions cost the host: the drop in ``MemAvailable``
+  (/proc/meminfo) while they are open, which counts everything (page
+  tables, kernel objects, private pages), and, per session, the processes
+  it holds and their unique memory (USS) where it can be read. Session
+  processes are not dumpable, so their ``smaps_rollup`` is readable only by
+  root: run as an ordinary user this prints "n/a" for USS and the
+  ``MemAvailable`` figure carries the story.
+
+The machine is shared and noisy: ``MemAvailable`` moves with everything
+else running, so read it as an estimate. This is a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import dispatch  # noqa: E402
+from bench import fmt, pct, start_daemon  # noqa: E402
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of ``pid``, from /proc (what psutil would give, without it)."""
+    out, pending = [], [pid]
+    while pending:
+        p = pending.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children", encoding="ascii") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        out += kids
+        pending += kids
+    return out
+
+
+def uss(pid: int) -> int | None:
+    """Private (unique) memory of one process, or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+            total = 0
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+            return total
+    except OSError:
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sessions", type=int, nargs="?", default=1000)
+    args = ap.parse_args()
+    if os.geteuid() == 0:
+        print("density: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+        return 2
+    tmp = tempfile.mkdtemp(prefix="dispatchd-density-")
+    daemon, sock = start_daemon(tmp)
+    wt = os.path.join(tmp, "wt")
+    os.mkdir(wt)
+    Path(wt, "f.txt").write_text("hello\n")
+    opens: list[float] = []
+    failures: list[str] = []
+    sessions: list[dispatch.Session] = []
+    try:
+        with dispatch.connect(sock) as client:
+            time.sleep(0.5)
+            before = mem_available()
+            zygote_and_daemon = {daemon.pid, *children(daemon.pid)}
+            for _ in range(args.sessions):
+                t = time.perf_counter()
+                try:
+                    s = client.open_session(wt, network=False)
+                    s.registry.get("read_file").call({"path": "f.txt"})
+                except Exception as exc:  # counted and reported, not raised
+                    failures.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                opens.append(time.perf_counter() - t)
+                sessions.append(s)
+            time.sleep(1.0)
+            during = mem_available()
+            procs = [p for p in children(daemon.pid) if p not in zygote_and_daemon]
+            private = [uss(p) for p in procs]
+            readable = [u for u in private if u is not None]
+            t = time.perf_counter()
+            for s in sessions:
+                s.close()
+            close_all = time.perf_counter() - t
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    n = max(1, len(sessions))
+    print(f"dispatchd density: {args.sessions} sessions asked, {len(sessions)} open, {len(failures)} failed"
+          + (f" (first: {failures[0]})" if failures else ""))
+    if opens:
+        print(f"open → first read_file: p50 {fmt(statistics.median(opens)).strip()}, p99 {fmt(pct(opens, 0.99)).strip()}")
+    print(f"close all: {close_all:.2f} s")
+    print(f"host memory (MemAvailable drop): {(before - during) / 2**20:.0f} MiB in all, "
+          f"{(before - during) / n / 2**20:.2f} MiB a session")
+    uss_text = (f"{sum(readable) / n / 2**20:.2f} MiB a session" if len(readable) == len(private)
+                else "n/a (session processes are not dumpable: run as root to read them)")
+    print(f"processes: {len(procs) / n:.1f} a session; unique memory (USS): {uss_text}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
