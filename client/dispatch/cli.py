@@ -33,8 +33,11 @@ class UsageError(Exception):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dispatch", description="Client of dispatchd, the sandbox for AI coding agents.")
     p.add_argument("--socket", help="daemon socket (default: $DISPATCH_SOCKET, $XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, "
-                   "/tmp/dispatchd-$UID/dispatchd.sock)")
+                   "$XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
     p.add_argument("--no-autostart", action="store_true", help="do not start a daemon when none answers")
+    p.add_argument("--request-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds to wait for the daemon's answer to each request (default 30); a tool call "
+                        "waits its own time limit plus this")
     sub = p.add_subparsers(dest="command", required=True)
 
     session = sub.add_parser("session", help="open, close and list sessions").add_subparsers(dest="action", required=True)
@@ -122,6 +125,10 @@ def _print_status(st: dict[str, Any]) -> None:
           f"user namespaces: {'yes' if k['user_namespaces'] else 'no'} ({k['user_namespaces_note']}); "
           f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'} "
           f"(per-session cgroups: {k.get('cgroup_delegation', '?')})")
+    d = st.get("daemon") or {}
+    if d:
+        print(f"daemon: {d.get('open_files_note', '?')}; connections {d.get('connections')} "
+              f"of at most {d.get('max_connections')}")
     print(f"{len(st['sessions'])} session(s)")
     for s in st["sessions"]:
         p = s["protections"]
@@ -182,7 +189,8 @@ def _mcp(client: Client, args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    client = connect(args.socket, autostart=not args.no_autostart)
+    client = connect(args.socket, autostart=not args.no_autostart, timeout=args.request_timeout,
+                     call_margin=args.request_timeout)
     with client:
         if args.command == "session":
             if args.action == "open":

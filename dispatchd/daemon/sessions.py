@@ -33,7 +33,7 @@ from dispatchd.confine import cgroups, gitdirs
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon.spawn import Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
-from dispatchd.errors import ConfinementError, DispatchdError, SessionError, WorktreeError
+from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
 from dispatchd.tools.spec import schemas_for
@@ -160,7 +160,7 @@ class SessionManager:
     def open(self, worktree: str, policy_name: str, network: str | None,
              ports: list[int] | None = None, bind_ports: list[int] | None = None) -> Session:
         if not self.accepting:
-            raise DispatchdError("the daemon is stopping and opens no new sessions")
+            raise Stopping("the daemon is stopping and opens no new sessions")
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         resolved = check_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected,
                                   private=self.private)
