@@ -16,6 +16,12 @@ really up, then reports:
   root: run as an ordinary user this prints "n/a" for USS and the
   ``MemAvailable`` figure carries the story.
 
+This process holds a channel (a descriptor) per session: it raises its own
+soft ``RLIMIT_NOFILE`` to the hard limit first, and says so when that is too
+few. ``--hold S`` keeps the sessions open S seconds after measuring and
+writes their process ids to a file, so that root can read what they hold
+(``/proc/PID/smaps_rollup``).
+
 The machine is shared and noisy: ``MemAvailable`` moves with everything
 else running, so read it as an estimate. This is a benchmark, not a test.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -80,10 +87,19 @@ def uss(pid: int) -> int | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sessions", type=int, nargs="?", default=1000)
+    ap.add_argument("--hold", type=float, default=0.0, metavar="S",
+                    help="keep the sessions open S seconds after measuring; their pids go to PIDFILE")
+    ap.add_argument("--pidfile", default="/tmp/dispatchd-density.pids")
     args = ap.parse_args()
     if os.geteuid() == 0:
         print("density: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
         return 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if hard < args.sessions + 64:
+        print(f"density: this process may hold {hard} descriptors, a session takes one: expect failures",
+              file=sys.stderr)
     tmp = tempfile.mkdtemp(prefix="dispatchd-density-")
     daemon, sock = start_daemon(tmp)
     wt = os.path.join(tmp, "wt")
@@ -112,6 +128,10 @@ def main() -> int:
             procs = [p for p in children(daemon.pid) if p not in zygote_and_daemon]
             private = [uss(p) for p in procs]
             readable = [u for u in private if u is not None]
+            if args.hold > 0:
+                Path(args.pidfile).write_text("\n".join(map(str, procs)) + "\n")
+                print(f"holding {len(sessions)} sessions for {args.hold:g} s; their pids: {args.pidfile}", flush=True)
+                time.sleep(args.hold)
             t = time.perf_counter()
             for s in sessions:
                 s.close()
