@@ -74,7 +74,7 @@ def _cut(raw: bytes) -> bytes:
     return (text[:_LINE_CHARS] + " [...]").encode("utf-8", "surrogateescape")
 
 
-def _search_one(regex: re.Pattern[bytes], data: bytes, name: bytes, results: list[bytes], limit: int) -> bool:
+def _search_one(regex: re.Pattern[bytes], data: bytes, rel: str, results: list[bytes], limit: int) -> bool:
     """Append one file's matching lines to ``results`` (as ``name:line: text``
     bytes, decoded once at the end); True once past ``limit``.
 
@@ -83,6 +83,7 @@ def _search_one(regex: re.Pattern[bytes], data: bytes, name: bytes, results: lis
     """
     count = data.count
     line, counted, end = 0, 0, -1
+    name = b""
     for m in regex.finditer(data):
         start = m.start()
         if start <= end:  # on the line just reported (``end`` is its newline)
@@ -95,6 +96,8 @@ def _search_one(regex: re.Pattern[bytes], data: bytes, name: bytes, results: lis
         counted = begin
         if len(results) == limit:  # one match more than we show: say so
             return True
+        if not name:  # the file's first match
+            name = printable(rel).encode("utf-8", "surrogateescape")
         raw = data[begin:end]
         if raw.endswith(b"\r"):
             raw = raw[:-1]
@@ -126,8 +129,7 @@ def search_files(
             if data is None:
                 continue
             searched += 1
-            name = printable(entry.rel).encode("utf-8", "surrogateescape")
-            truncated = _search_one(regex, data, name, results, limit)
+            truncated = _search_one(regex, data, entry.rel, results, limit)
             if truncated:
                 break
     except OSError as exc:  # reading ``top`` itself; deeper errors are skipped
