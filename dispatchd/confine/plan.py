@@ -78,7 +78,8 @@ def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: Gi
     gaps = []
     if not use_userns and git.kind in ("repository", "linked"):
         gaps.append("git metadata (.git/config, hooks, pointer files) is writable: without a mount namespace "
-                    "nothing holds it read-only, and the user's git outside would run what a session wrote there")
+                    "nothing holds it read-only, and the user's git outside would run what a session wrote there "
+                    "while the session is open (when it ends, what changed is moved aside)")
     if not use_userns:
         gaps += [
             "chmod, chown, utime and xattr changes on files the user owns outside the worktree "
@@ -157,6 +158,10 @@ def plan_session(
             # .git a mount point of its own: it cannot be renamed aside (EBUSY)
             # with its read-only config and hooks, and a new one planted.
             writable.append(paths.worktree + "/.git")
+            # The same for .git/modules, .git/worktrees and every submodule's
+            # git directory (parents first): renaming one away, its read-only
+            # binds with it, to build another in its place fails (EBUSY).
+            writable += list(git.mount_points)
         writable += [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
         mounts = plan_mounts(writable=writable, visible=[paths.worktree] + list(git.readable), private_tmp=paths.tmp,
                              hide=list(paths.runtime_dirs), proc=True,

@@ -10,8 +10,11 @@ Guarantees:
 - a session whose worker ends on its own (idle timeout, crash) leaves the table;
 - one writer per worktree: the first session to run a mutating tool on a
   worktree holds its write lock until it ends; others get a failure naming it;
-- the daemon never opens a path inside a worktree: it only checks it
-  (``check_worktree``) and hands it to the worker's plan.
+- the daemon runs nothing in a worktree and reads there only git's metadata
+  (``gitdirs``, ``gitsnapshot``: as hostile content, bounded, without
+  following a symlink); once a session's processes are gone (close, network
+  switch, end) it moves aside what the session changed there that the user's
+  own git would run, or refuses the worktree until restart if it cannot.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import cgroups, gitdirs
+from dispatchd.confine import cgroups, gitdirs, gitsnapshot
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon.spawn import Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
@@ -55,7 +58,7 @@ class Session:
         self.note = ""
         self.git = gitdirs.GitLayout("none")
         self.redirects_before: list[str] = []
-        self.submodules_before = gitdirs.SubmoduleState(readable=True)
+        self.git_before = gitsnapshot.GitSnapshot()  # what git reads for configuration, by content
         self.protections: dict[str, object] = {}
         self.cgroup = ""  # its cgroup, made at the first start, removed at the end
         self.worker: Worker | None = None
@@ -178,6 +181,8 @@ class SessionManager:
         session.ports = _ports_for(session, ports, bind_ports)
         try:
             self._inspect_git(session)
+        except WorktreeError:
+            raise
         except Exception as exc:  # hostile content we did not foresee: refuse, loudly
             raise WorktreeError(f"{resolved}: its git metadata cannot be inspected "
                                 f"({type(exc).__name__}: {exc}); no session opened", resolved) from exc
@@ -208,8 +213,15 @@ class SessionManager:
                                                 note=f"{granted} holds the daemon's files or the whole home "
                                                      "directory; not granted")
                 break
+        session.git_before = gitsnapshot.take(resolved, session.git)
+        if not session.git_before.complete:
+            raise WorktreeError(f"{resolved}: more git directories than dispatchd checks "
+                                f"({gitsnapshot.MAX_GITDIRS}); no session opened", resolved)
+        # Git directories only the recursive walk finds (submodules of
+        # submodules kept in place) are held read-only too.
+        session.git = gitdirs.with_gitdirs(session.git, resolved,
+                                           gitsnapshot.gitdir_paths(resolved, session.git_before))
         session.redirects_before = gitdirs.redirects_present(session.git, resolved)
-        session.submodules_before = gitdirs.submodule_state(resolved, session.git.index)
 
     def _plan(self, session: Session, network: str) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
@@ -328,14 +340,14 @@ class SessionManager:
                                                                  session.worktree)
                 for path in moved:
                     log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, path)
-                moved, failed_submodules = gitdirs.quarantine_new_submodules(
-                    session.worktree, session.git.index, session.submodules_before)
-                failed += failed_submodules
+                now = gitsnapshot.take(session.worktree, session.git)
+                moved, failed_changed = gitsnapshot.quarantine(session.worktree, session.git_before, now)
+                failed += failed_changed
                 for path in moved:
-                    log.warning("event=git_submodule_quarantined session=%s path=%s", session.id, path)
+                    log.warning("event=git_changed_quarantined session=%s path=%s", session.id, path)
                 # What the session goes on from (after a network switch) is the new baseline.
                 session.redirects_before = gitdirs.redirects_present(session.git, session.worktree)
-                session.submodules_before = gitdirs.submodule_state(session.worktree, session.git.index)
+                session.git_before = gitsnapshot.take(session.worktree, session.git) if moved else now
         except Exception as exc:  # a bug, or content we did not foresee: fail closed
             failed.append(f"the check itself failed: {type(exc).__name__}: {exc}")
         if failed:
