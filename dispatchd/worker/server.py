@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
@@ -65,43 +63,6 @@ class _Activity:
     def idle_for(self) -> float:
         with self.lock:
             return 0.0 if self.in_flight else time.monotonic() - self.last
-
-
-class _Threads:
-    """Threads for slow calls, kept for the next one.
-
-    Starting a thread costs about 50 µs here (a clone, a stack, a handoff
-    the caller waits for), paid on every ``shell_exec``; handing the call to
-    an idle thread costs one wake-up. At most ``KEEP`` threads wait idle:
-    each counts against the session's process limit. A call that raises
-    ends its thread, as a thread of its own would have.
-    """
-
-    KEEP = 2
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._work: queue.SimpleQueue[tuple[Callable[..., None], tuple[object, ...]]] = queue.SimpleQueue()
-
-    def run(self, fn: Callable[..., None], *args: object) -> None:
-        """Run ``fn(*args)`` on another thread; RuntimeError when none can start."""
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-                self._work.put((fn, args))
-                return
-        threading.Thread(target=self._loop, args=(fn, args), daemon=True).start()
-
-    def _loop(self, fn: Callable[..., None], args: tuple[object, ...]) -> None:
-        while True:
-            fn(*args)
-            fn = args = None  # type: ignore[assignment]  (nothing of the call is kept while idle)
-            with self._lock:
-                if self._idle >= self.KEEP:
-                    return
-                self._idle += 1
-            fn, args = self._work.get()
 
 
 class _Channel:
@@ -217,7 +178,6 @@ class _Server:
         self.channels = 0
         self.max_channels = max_channels(plan.limits.max_processes, plan.limits.max_open_files)
         self.in_flight: dict[tuple[int, int], tuple[_Channel, str]] = {}  # (channel, request id): what the stop cuts
-        self.threads = _Threads()
 
     def add_channel(self, sock: socket.socket) -> None:
         channel = _Channel(sock, self)
@@ -259,7 +219,7 @@ class _Server:
         self.activity.begin()
         if tool.slow:
             try:
-                self.threads.run(self._call, channel, req, tool)
+                threading.Thread(target=self._call, args=(channel, req, tool), daemon=True).start()
             except RuntimeError as exc:  # can't start new thread: the session's process limit
                 self.activity.end()
                 channel.reply(protocol.ToolReply(id=req.id, success=False,

@@ -1,12 +1,9 @@
-"""The tool server's kept threads (worker/server.py ``_Threads``) and the
-client's per-caller wake-ups (client.py ``_Connection``), with real threads
-and a real socket pair.
+"""The client's per-caller wake-ups (client.py ``_Connection``), with real
+threads and a real socket pair.
 
-Both exist for speed (README "Speed"); these tests hold what must not change
-with them: calls still run at the same time, no more than ``KEEP`` threads
-wait idle, a call that raises ends only its own thread, and every caller
-sharing one connection gets its own reply, even out of order and across a
-timeout.
+They exist for speed (README "Speed"); these tests hold what must not change
+with them: every caller sharing one connection gets its own reply, even out
+of order and across a timeout, and a broken connection wakes every waiter.
 """
 
 from __future__ import annotations
@@ -20,64 +17,6 @@ import pytest
 from dispatch.client import _Connection
 from dispatch.errors import RequestTimeout
 from dispatchd import protocol
-from dispatchd.worker.server import _Threads
-
-
-def _idle_threads(pool: _Threads) -> int:
-    with pool._lock:
-        return pool._idle
-
-
-def test_slow_calls_run_at_the_same_time() -> None:
-    pool = _Threads()
-    started = threading.Barrier(4, timeout=5)
-    done = []
-    for i in range(3):
-        pool.run(lambda i=i: (started.wait(), done.append(i)))
-    started.wait()  # only reached if all three run at once
-    deadline = time.monotonic() + 5
-    while len(done) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sorted(done) == [0, 1, 2]
-
-
-def test_at_most_keep_threads_wait_idle_and_are_reused() -> None:
-    pool = _Threads()
-    gate = threading.Event()
-    for _ in range(5):
-        pool.run(gate.wait)
-    before = threading.active_count()
-    gate.set()
-    deadline = time.monotonic() + 5
-    while threading.active_count() > before - 5 + _Threads.KEEP and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert threading.active_count() == before - 5 + _Threads.KEEP
-    assert _idle_threads(pool) == _Threads.KEEP
-    # The next calls go to the idle threads: no new thread is started.
-    ran = []
-    same = threading.Event()
-    pool.run(lambda: (ran.append(threading.current_thread().name), same.set()))
-    assert same.wait(5)
-    assert threading.active_count() == before - 5 + _Threads.KEEP
-
-
-def test_a_call_that_raises_ends_only_its_thread() -> None:
-    pool = _Threads()
-    hook_seen = []
-    old_hook = threading.excepthook
-    threading.excepthook = lambda args: hook_seen.append(args.exc_type)
-    try:
-        pool.run(lambda: 1 / 0)
-        deadline = time.monotonic() + 5
-        while not hook_seen and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        threading.excepthook = old_hook
-    assert hook_seen == [ZeroDivisionError]
-    assert _idle_threads(pool) == 0  # it did not go back to wait
-    ok = threading.Event()
-    pool.run(ok.set)  # the pool still works
-    assert ok.wait(5)
 
 
 class _OutOfOrderServer:
