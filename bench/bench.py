@@ -32,6 +32,9 @@ root), and prints one table:
   the same number of idle bare Python servers, and USS where it can be read
   (session processes are not dumpable: root only; bench/density.py does
   the same at scale, ``./scripts/bench --density [N]``).
+- with ``--log-cost``: read_file through a second daemon logging at debug (a
+  line per tool call, to a file) beside the main one at info (no per-call
+  line), interleaved: what per-call logging costs.
 
 Baselines and measurements are interleaved round by round, so a noisy
 neighbour slows both. This is a benchmark, not a test: it asserts nothing.
@@ -335,6 +338,8 @@ def main() -> int:
     ap.add_argument("--cgroup", metavar="DIR", nargs="?", const=os.environ.get("DISPATCHD_TEST_CGROUP", ""),
                     help="per-session cgroups under DIR/bench-PID (DIR: a delegated cgroup v2 directory; "
                          "default: $DISPATCHD_TEST_CGROUP)")
+    ap.add_argument("--log-cost", action="store_true",
+                    help="also read_file through a daemon at --log-level debug (a log line per call)")
     args = ap.parse_args()
     if os.geteuid() == 0:
         print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
@@ -370,11 +375,16 @@ def main() -> int:
     have_rg = shutil.which("rg") is not None
     queries = {"few": "needle_marker", "many": "value"}
     rows: dict[str, list[float]] = {k: [] for k in
-                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain",
+                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain", "read_debug",
                                      "rg_few", "search_few", "rg_many", "search_many",
                                      "bare8", "read8", "threads8", "bare16", "read16")}
     counts: dict[str, int] = {}
     memory: dict[str, float] = {}
+    debug = None
+    if args.log_cost:
+        os.mkdir(os.path.join(tmp, "debug"))
+        debug, debug_sock = start_daemon(os.path.join(tmp, "debug"), "--log-level", "debug", "--log-file",
+                                         os.path.join(tmp, "debug", "daemon-debug.log"), *extra)
     try:
         bare = BareClient(tmp)
         many = BareClient(tmp, "bare-many.sock", forking=True)
@@ -384,9 +394,15 @@ def main() -> int:
             shell = session.registry.get("shell_exec")
             searcher = client.open_session(search_wt, network=False)
             search = searcher.registry.get("search_files")
+            read_debug = None
+            if debug is not None:
+                debug_client = dispatch.connect(debug_sock)
+                read_debug = debug_client.open_session(wt, network=False).registry.get("read_file")
             for _ in range(20):  # warm up both paths
                 bare.call()
                 read.call({"path": "f4k.txt"})
+                if read_debug is not None:
+                    read_debug.call({"path": "f4k.txt"})
             for name, query in queries.items():
                 result = search.call({"query": query})
                 counts[f"search_{name}"] = result.metadata.get("count", -1)
@@ -396,6 +412,8 @@ def main() -> int:
             for _ in range(args.rounds):
                 rows["bare"] += timed(bare.call, args.calls)
                 rows["read"] += timed(lambda: read.call({"path": "f4k.txt"}), args.calls)
+                if read_debug is not None:
+                    rows["read_debug"] += timed(lambda: read_debug.call({"path": "f4k.txt"}), args.calls)
                 rows["spawn"] += timed(lambda: subprocess.run(["bash", "-c", "true"], capture_output=True), 20)
                 rows["shell"] += timed(lambda: shell.call({"command": "true"}), 20)
                 for name, query in queries.items():
@@ -436,7 +454,7 @@ def main() -> int:
         bare.close()
         many.close()
     finally:
-        for proc in (daemon, plain):
+        for proc in (daemon, plain, debug):
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(20)
@@ -463,6 +481,10 @@ def main() -> int:
 
     line("bare request/response, 2 Python processes (4 KiB)", "bare", None, "1.00× (baseline)")
     line("read_file 4 KiB through dispatch", "read", "bare", "of bare (target ≤ 2×)")
+    if rows["read_debug"]:
+        print(f"{'  the same, daemon logging each call (debug)':56} {fmt(p50['read_debug']):>11} "
+              f"{fmt(pct(rows['read_debug'], 0.99)):>11}  {p50['read_debug'] / p50['read']:.2f}× of info; "
+              f"p99 {pct(rows['read_debug'], 0.99) / pct(rows['read'], 0.99):.2f}× of info")
     line("subprocess.run(['bash','-c','true']), no sandbox", "spawn", None, "1.00× (baseline)")
     line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.15×)")
     print(f"{'  same, p99 against p99':56} {'':>11} {'':>11}  "

@@ -33,7 +33,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--socket", help="listening socket path (default: $DISPATCH_SOCKET, "
                    "$XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, or $XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
     p.add_argument("--policies", type=Path, help="directory of policy files (default: the installed policies)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="info logs sessions and what happens to them; debug adds a line per tool call")
+    p.add_argument("--log-file", metavar="PATH",
+                   help="log to PATH, rotated at 10 MiB with 3 old files kept (default: stderr, which "
+                        "journald keeps under systemd)")
     p.add_argument("--no-user-namespaces", action="store_true",
                    help="never use user namespaces: every session runs on Landlock and seccomp alone")
     p.add_argument("--cgroup", default="auto", metavar="auto|off|PATH",
@@ -94,13 +98,31 @@ def _bind(path: str) -> socket.socket:
     return sock
 
 
+LOG_ROTATE_BYTES = 10 * 1024 * 1024
+LOG_ROTATE_KEEP = 3
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    """stderr by default (journald under systemd); a rotated file with
+    --log-file (what autostart uses), so the log never grows without bound."""
+    fmt = "%(asctime)s %(levelname)s %(name)s %(message)s"
+    if not args.log_file:
+        logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(), format=fmt)
+        return
+    from logging.handlers import RotatingFileHandler
+
+    handler = RotatingFileHandler(args.log_file, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_ROTATE_KEEP,
+                                  encoding="utf-8")
+    handler.setFormatter(logging.Formatter(fmt))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in units.COMMANDS:  # install-units, uninstall-units: not the daemon
         return units.main(argv)
     args = _parse(argv)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    _setup_logging(args)
     if os.geteuid() == 0 and not args.allow_root_for_testing:
         print("dispatchd: refusing to run as root: it confines sessions as the user who runs it. "
               "Start it as your own user (e.g. systemctl --user start dispatchd).", file=sys.stderr)
@@ -159,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     zygote = ZygoteClient(*start_zygote())
 
+    from dispatchd.daemon import leftovers
     from dispatchd.daemon.server import Server
     from dispatchd.daemon.sessions import SessionManager
 
@@ -170,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths.ensure_private_dir(state)
         paths.ensure_private_dir(os.path.join(state, "sessions"))
+        paths.ensure_private_dir(os.path.join(state, "session-locks"))  # daemon/leftovers.py
+        # Scratch directories of sessions of a daemon that was killed (SIGKILL, OOM):
+        # only those no live daemon holds (daemon/leftovers.py).
+        stale = leftovers.remove_stale(os.path.join(state, "sessions"))
+        if stale:
+            log.info("event=stale_scratch_removed count=%d", stale)
         listener = handed
         owns_socket = listener is None
         if listener is None:
@@ -195,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # A signal the kernel hands to another thread (any may take it) only sets a
+    # flag: the main thread, asleep in poll(), would not run the handler until
+    # something else woke it. The wake-up pipe wakes it at once.
+    signal.set_wakeup_fd(server.wakeup_fd())
     log.info("event=ready socket=%s pid=%s policies=%s", socket_path, os.getpid(), ",".join(sorted(policies)))
     systemd.notify("READY=1", f"STATUS=serving on {socket_path}")
     try:

@@ -62,6 +62,10 @@ class OpenSession(_Msg, tag="open_session"):
     network: str | None = None  # "off" | "on" | "ports"; None: the policy's default
     ports: list[int] | None = None  # under "ports": TCP ports to connect to (None: the policy's)
     bind_ports: list[int] | None = None  # under "ports": TCP ports to bind (None: the policy's)
+    # Lifetime (daemon/lifetimes.py): a session ends once every connection that
+    # opened or attached to it has gone for its grace, unless it is detached.
+    detached: bool = False
+    orphan_grace_s: float | None = None  # shorter than the policy's, never longer; None: the policy's
 
 
 class CloseSession(_Msg, tag="close_session"):

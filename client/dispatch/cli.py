@@ -14,6 +14,7 @@ import json
 import shlex
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,9 +105,36 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
         with client.session(args.session) as session:
             yield session
     else:
-        with client.open_session(args.worktree, policy=args.policy, network=args.network,
-                                 ports=args.ports, bind_ports=args.bind_ports) as session:
+        # A one-off session: it ends with this command, even killed (a grace of
+        # 0 once our connection is gone, and SIGTERM/SIGHUP close it at once).
+        with _closed_on_signals(), client.open_session(
+                args.worktree, policy=args.policy, network=args.network, ports=args.ports,
+                bind_ports=args.bind_ports, orphan_grace_s=0) as session:
             yield session
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwind, closing the one-off session on the way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _closed_on_signals() -> Iterator[None]:
+    def raise_terminated(signum: int, _frame: object) -> None:
+        raise Terminated(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _print_sessions(sessions: list[dict[str, Any]]) -> None:
@@ -145,6 +173,15 @@ def _print_status(st: dict[str, Any]) -> None:
             print(f"    limits ({lim.get('mechanism')}{where}): processes {lim.get('max_processes')}; "
                   f"memory {lim.get('memory')}; cpu weight {lim.get('cpu_weight')}; "
                   f"file size {lim.get('max_file_bytes')} B")
+        life = p.get("lifetime", {})
+        if life:
+            held = ("detached: lives until closed or idle" if life.get("detached")
+                    else f"ends {life.get('orphan_grace_s')} s after its last client connection goes")
+            mem = life.get("memory", {})
+            print(f"    lifetime: {held}; memory {mem.get('limit_bytes')} B held by {mem.get('mechanism')} "
+                  f"({mem.get('detail')})")
+        for gap in lim.get("leaves_open", []):
+            print(f"    budget left open: {gap}")
         for gap in p.get("leaves_open", []):
             print(f"    leaves open: {gap}")
 
@@ -194,9 +231,10 @@ def _run(args: argparse.Namespace) -> int:
     with client:
         if args.command == "session":
             if args.action == "open":
+                # Detached: it outlives this command and needs no client holding it.
                 session = client.open_session(args.worktree, policy=args.policy, network=args.network,
-                                              ports=args.ports, bind_ports=args.bind_ports)
-                session.detach()  # it outlives this command
+                                              ports=args.ports, bind_ports=args.bind_ports, detached=True)
+                session.detach()
                 print(session.id)
             elif args.action == "close":
                 client.close_session(args.id)
@@ -249,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    except Terminated as exc:
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
 import struct
 import subprocess
@@ -46,6 +47,7 @@ from dispatch.tools import Definition, Registry, Result
 from dispatchd import paths, protocol
 
 _PENDING = object()
+_MUTATING = frozenset({"write_file", "edit_file", "create_file"})
 # The longest a socket operation blocks at once: waits loop on it up to their
 # own deadline, so one connection serves callers with different deadlines.
 _TICK_S = 0.2
@@ -331,8 +333,7 @@ class Session:
         except RequestFailed as exc:
             return Result.failure(f"{name}: {exc.message}", {"refused": exc.code})
         except ConnectionLost as exc:
-            return Result.failure(f"the sandbox of session {self.id} went away during {name} ({exc}); "
-                                  "the session was closed, ended idle, or its network was switched")
+            return self._lost(name, exc)
         except NotSent as exc:
             return Result.failure(f"{name}: the arguments cannot be sent: {exc}")
         if isinstance(reply, protocol.ErrorReply):
@@ -341,6 +342,45 @@ class Session:
             return Result._from_wire(True, reply.output or "", reply.metadata)
         return Result._from_wire(False, reply.error or "failed", reply.metadata)
 
+    def _lost(self, name: str, exc: ConnectionLost) -> Result:
+        """The channel broke mid-call: ask the daemon what happened (by attaching
+        again, which also serves the next call when the session lives on)."""
+        cause = ""
+        deadline = time.monotonic() + 5.0
+        with self._lock:
+            while True:
+                try:
+                    self._attach()
+                except ConnectionLost as lost:
+                    cause = f"dispatchd is gone ({lost}); the session ended with it"
+                    break
+                except DispatchError as err:
+                    cause = str(err)
+                    break
+                # Attached: a new sandbox (a network switch), or the old one
+                # not yet seen gone by the daemon (then the new channel hangs
+                # up at once): ask again until the daemon knows.
+                if not self._channel_hung_up() or time.monotonic() > deadline:
+                    cause = ("the session's sandbox was replaced (its network was switched); "
+                             "the call's processes were ended")
+                    break
+                time.sleep(0.05)
+        text = f"the sandbox of session {self.id} went away during {name}: {cause}"
+        meta: dict[str, Any] = {"lost": True}
+        if name in _MUTATING:
+            # The new content may have reached the disk before the tool server went.
+            text += ("; outcome unknown: the file may hold its old content or the new one (never a mix): "
+                     "re-read the file")
+            meta["outcome_unknown"] = True
+        return Result._from_wire(False, f"{text} ({exc})", meta)
+
+    def _channel_hung_up(self, wait_s: float = 0.1) -> bool:
+        channel = self._channel
+        if channel is None:
+            return True
+        poller = select.poll()
+        poller.register(channel._frames.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(wait_s * 1000))
     def _call_wait(self, params: dict[str, Any]) -> tuple[float, float]:
         """(the call's own time limit, how long to wait for its reply): a
         command's ``timeout`` (capped by the policy), else the policy's command
@@ -442,11 +482,18 @@ class Client:
         return reply, fd
 
     def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
-                     ports: list[int] | None = None, bind_ports: list[int] | None = None) -> Session:
+                     ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
+                     detached: bool = False, orphan_grace_s: float | None = None) -> Session:
+        """Open a session on ``worktree``. It ends when closed, when idle, and
+        when every connection holding it (this client, and clients that
+        attached to it) has gone for the policy's ``orphan_grace_s`` (or the
+        shorter ``orphan_grace_s`` given here); ``detached=True`` keeps it
+        open with nobody holding it, until it is closed or ends idle."""
         word = _network_word(network)
         path = os.path.abspath(os.fspath(worktree))
         reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(
-            id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports))
+            id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports,
+            detached=detached, orphan_grace_s=orphan_grace_s))
         try:
             return Session(self, reply.session, owned=True)
         except BaseException:
@@ -558,8 +605,10 @@ def _start_daemon(path: str) -> tuple[subprocess.Popen[bytes], str]:
     paths.ensure_private_dir(log_dir)
     log_path = os.path.join(log_dir, "dispatchd.log")
     with open(log_path, "ab") as log:
+        # The daemon rotates its log (--log-file); stderr stays for what comes
+        # before logging starts (a refused start), read back below.
         proc = subprocess.Popen(
-            [*_python(), "-m", "dispatchd", "--socket", path], cwd="/",
+            [*_python(), "-m", "dispatchd", "--socket", path, "--log-file", log_path], cwd="/",
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
         )
     return proc, log_path

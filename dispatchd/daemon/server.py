@@ -23,6 +23,7 @@ Guarantees:
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import select
@@ -76,6 +77,7 @@ class Server:
         self.stopping = threading.Event()
         self.closed = threading.Event()
         self.uid = os.getuid()
+        self._conn_ids = itertools.count(1)  # which connection holds which session (lifetimes.py)
         self.max_connections = max_connections
         self.budget = budget or {}  # what status says of our descriptors (capacity.OpenFiles)
         self._count_lock = threading.Lock()
@@ -98,6 +100,10 @@ class Server:
         """End ``refuse_until_closed``: the listener is about to close."""
         self.closed.set()
         self._wake()
+
+    def wakeup_fd(self) -> int:
+        """The write end of the wake-up pipe, for ``signal.set_wakeup_fd``."""
+        return self._wake_w
 
     def _wake(self) -> None:
         try:
@@ -205,6 +211,7 @@ class Server:
 
     def _serve_connection(self, conn: socket.socket) -> None:
         frames = protocol.FrameSocket(conn, max_frame=protocol.MAX_HELLO_FRAME)
+        conn_id = next(self._conn_ids)  # which sessions it holds (lifetimes.py)
         try:
             pid, uid, _ = peer_credentials(conn)
             if uid != self.uid:
@@ -241,7 +248,7 @@ class Server:
                     greeted = True
                     conn.settimeout(None)
                     frames.max_frame = protocol.MAX_REQUEST_FRAME
-                reply, fds = self._handle(req)
+                reply, fds = self._handle(req, conn_id)
                 try:
                     frames.send(reply, fds=[fd.fileno() for fd in fds])
                 finally:
@@ -252,28 +259,31 @@ class Server:
         finally:
             frames.close()
             self._release()
+            self.manager.holders.release(conn_id)  # its sessions may now be orphans
 
-    def _handle(self, req: Any) -> tuple[Any, list[socket.socket]]:
+    def _handle(self, req: Any, conn_id: int = 0) -> tuple[Any, list[socket.socket]]:
         rid = req.id
         try:
             if isinstance(req, protocol.Attach):
                 # The one reply that carries an fd: the client's end of a
                 # channel straight to the worker, so tool calls make one hop.
-                session, sock, tools = self.manager.attach(req.session)
+                session, sock, tools = self.manager.attach(req.session, holder=conn_id)
                 return protocol.Attached(id=rid, session=session.info(), tools=tools), [sock]
-            return self._route(req), []
+            return self._route(req, conn_id), []
         except DispatchdError as exc:
             return protocol.ErrorReply(id=rid, code=exc.code, message=exc.message), []
         except Exception as exc:  # a bug: say so, keep serving
             log.exception("event=internal_error request=%s", type(req).__name__)
             return protocol.ErrorReply(id=rid, code="internal", message=f"internal error: {type(exc).__name__}: {exc}"), []
 
-    def _route(self, req: Any) -> Any:
+    def _route(self, req: Any, conn_id: int = 0) -> Any:
         m = self.manager
         if isinstance(req, protocol.Hello):
             return protocol.HelloOk(id=req.id, version=protocol.PROTOCOL_VERSION, daemon_version=__version__)
         if isinstance(req, protocol.OpenSession):
-            return protocol.SessionReply(id=req.id, session=m.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports).info())
+            return protocol.SessionReply(id=req.id, session=m.open(
+                req.worktree, req.policy, req.network, req.ports, req.bind_ports, detached=req.detached,
+                orphan_grace_s=req.orphan_grace_s, holder=conn_id).info())
         if isinstance(req, protocol.CloseSession):
             m.close(req.session)
             return protocol.OkReply(id=req.id)

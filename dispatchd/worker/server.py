@@ -29,9 +29,12 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
+from dispatchd.daemon.exits import EXIT_IDLE
+from dispatchd.worker.sweep import sweep_temp_files
 from dispatchd.policy import MUTATING_TOOLS
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
@@ -132,6 +135,7 @@ class _WriteLock:
     def __init__(self, control: _Control) -> None:
         self.control = control
         self.held = False
+        self.on_granted: Callable[[], None] | None = None  # called once, when first granted
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[threading.Event, list[object]]] = {}
         self._lock = threading.Lock()
@@ -153,6 +157,8 @@ class _WriteLock:
         reply = done[1][0]
         if isinstance(reply, protocol.OkReply):
             self.held = True
+            if self.on_granted is not None:
+                self.on_granted()
             return None
         return getattr(reply, "message", "refused")
 
@@ -172,6 +178,9 @@ class _Server:
         self.activity = _Activity()
         self.control = control
         self.write_lock = _WriteLock(control)
+        # The worktree is ours to write now: remove what killed writes left (sweep.py).
+        self.write_lock.on_granted = lambda: threading.Thread(
+            target=sweep_temp_files, args=(plan.paths.worktree,), daemon=True, name="sweep").start()
         self.draining = False
         self.records: list[protocol.CallRecord] = []
         self.records_lock = threading.Lock()
@@ -282,7 +291,8 @@ class _Server:
         while True:
             time.sleep(min(5.0, limit / 4))
             if self.activity.idle_for() >= limit:
-                os._exit(0)  # the session init sees us go and ends the session
+                self.flush_records()
+                os._exit(EXIT_IDLE)  # the session init sees us go and ends the session
 
 
 def max_channels(max_processes: int, max_open_files: int) -> int:

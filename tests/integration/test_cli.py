@@ -357,8 +357,9 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     block = "\n".join(lines[mine[0]:mine[0] + 4])
     assert str(worktree) in block and "filesystem enforced" in block and "seccomp: enforced" in block
     limits = [line.strip() for line in lines[mine[0]:] if line.strip().startswith("limits (")][0]
-    assert limits == ("limits (rlimits): processes 1024; memory 8589934592 bytes of data per process "
-                      "(RLIMIT_DATA); cpu weight not enforced (no cpu controller); file size 8589934592 B")
+    assert limits == ("limits (rlimits): processes 1024; memory 8589934592 bytes over the session (the daemon's "
+                      "memory watchdog); 8589934592 bytes of data per process (RLIMIT_DATA); cpu weight not enforced "
+                      "(no cpu controller); file size 8589934592 B")
     assert "(per-session cgroups: no: " in lines[1]
 
 
