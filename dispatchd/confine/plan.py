@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from dispatchd.confine import domains as domains_mod
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
 from dispatchd.confine.gitdirs import GitLayout
 from dispatchd.confine.limits import LimitsPlan, plan_limits
@@ -27,7 +28,7 @@ from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Limits, Policy
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-NETWORK_MODES = ("off", "on", "ports")
+NETWORK_MODES = ("off", "on", "ports", "domains")
 
 
 class NetworkPorts(msgspec.Struct, frozen=True):
@@ -60,7 +61,7 @@ class SessionPaths(msgspec.Struct, frozen=True):
 class SessionPlan(msgspec.Struct, frozen=True):
     session: str
     policy: str
-    network: str  # "on" | "off"
+    network: str  # one of NETWORK_MODES
     paths: SessionPaths
     namespaces: NamespacePlan
     mounts: MountPlan | None
@@ -75,6 +76,9 @@ class SessionPlan(msgspec.Struct, frozen=True):
     writable: bool
     limits: Limits
     protections: dict[str, object]
+    # "domains": the port of the listener the worker makes on its own loopback
+    # and hands to the daemon's proxy (dispatchd.confine.domains); 0: none.
+    proxy_port: int = 0
 
 
 def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: GitLayout) -> list[str]:
@@ -130,6 +134,14 @@ def plan_session(
                                f"{kernel.user_namespaces_note}")
     use_userns = mode != "never" and kernel.user_namespaces
     network_off = network == "off"
+    if network == "domains" and not use_userns:
+        # Without a namespace of its own the session shares the host's network:
+        # the proxy would be one way out among all the others.
+        raise ConfinementError("network", detail="network 'domains' needs a network namespace of its own "
+                               f"(user namespaces), and this session has none (user namespaces: "
+                               f"{kernel.user_namespaces_note}; policy user_namespaces = "
+                               f"{policy.sandbox.user_namespaces!r}): without one the host's network would be "
+                               "reachable directly, not only through the filtering proxy")
 
     fs = policy.filesystem
     worktree_rw = fs.worktree == "read-write"
@@ -153,7 +165,8 @@ def plan_session(
         bind_ports=ports.bind if network == "ports" else None,
     )
     seccomp = plan_seccomp(allow_inet=not (network_off and not use_userns), ipc_namespace=use_userns)
-    namespaces = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=uid, gid=gid)
+    namespaces = plan_namespaces(use_userns=use_userns, network_off=domains_mod.own_namespace(network, use_userns),
+                                 uid=uid, gid=gid)
     mounts = None
     if use_userns:
         writable = [paths.worktree] if worktree_rw else []
@@ -186,10 +199,16 @@ def plan_session(
         if key in base_env:
             env[key] = base_env[key]
     env.update(policy.env.set)
+    if network == "domains":
+        env.update(domains_mod.proxy_env())  # after the policy's: the proxy is the only way out anyway
 
     if network == "ports":
         net_mechanism = (f"host network; Landlock TCP: connect to {_ports(ports.connect)}, "
                          f"bind {_ports(ports.bind)}")
+    elif network == "domains":
+        net_mechanism = (f"network namespace with loopback only; the daemon's filtering proxy "
+                         f"({domains_mod.PROXY_HOST}:{domains_mod.PROXY_PORT}, HTTP CONNECT and plain HTTP "
+                         "to the listed hosts) is the only way out")
     elif not network_off:
         net_mechanism = "host network"
     elif use_userns:
@@ -198,11 +217,15 @@ def plan_session(
         net_mechanism = "seccomp: no IPv4/IPv6 sockets" + (", Landlock: no TCP bind/connect" if landlock.handled_net else "")
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
     mode = "full" if not gaps else "degraded"  # of the sandbox; the network's own caveats follow
-    if not (use_userns and network_off):
+    if not namespaces.net:
         # Abstract names live in the network namespace: only a private one hides the host's.
         gaps.append("abstract Unix socket names of the host can be taken (bind) by the session: a program "
                     "of the user's that binds the same name then fails (nothing can be connected to or "
                     "received through them)")
+    if network == "domains":
+        gaps.append("network 'domains' checks the host each request names, not what a tunnel carries: a "
+                    "listed name served by a shared CDN can be fronted for other hosts (SNI, ECH), and a "
+                    "listed host that accepts uploads is a way out for data")
     if network == "ports":
         gaps.append("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
                     "network (Landlock has no rules for them)")
@@ -275,4 +298,5 @@ def plan_session(
         writable=worktree_rw,
         limits=policy.limits,
         protections=protections,
+        proxy_port=domains_mod.PROXY_PORT if network == "domains" else 0,
     )

@@ -225,7 +225,7 @@ def test_off_on_off_in_one_session(mode_client, worktree: Path, tcp: TcpListener
         assert probe(s, tcp_probe(tcp.port)) == "connected hello"
         assert s.set_network(False) is False
         assert probe(s, tcp_probe(tcp.port)) == refused
-        assert s.status()["network"] == "off"
+        assert s.status()["network"]["mode"] == "off"
     assert tcp.accepted == 1
 
 
