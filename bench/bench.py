@@ -11,7 +11,11 @@ root), and prints one table:
   beside a bare request/response between two Python processes over a Unix
   socket (same framing and codec, 4 KiB reply): the IPC floor;
 - shell_exec of ``true`` beside ``subprocess.run(["bash", "-c", "true"])``
-  with no sandbox;
+  with no sandbox, also with streaming asked for (``on_output``);
+- the first byte's latency when streaming: from the moment a command writes
+  (bash's ``$EPOCHREALTIME`` just before ``printf``) to the client's
+  ``on_output`` callback (wall clock of one machine), and how long a cancel
+  of a running ``sleep`` takes to come back as a cancelled Result;
 - opening a session (until every protection is in force), and switching its
   network (the sandbox is replaced). With ``--cgroup DIR`` (a delegated cgroup
   v2 directory; ``./scripts/bench`` run as root makes one) the daemon gives
@@ -320,6 +324,44 @@ def fmt(s: float) -> str:
     return f"{s * 1e6:8.0f} µs" if s < 1e-3 else f"{s * 1e3:8.2f} ms"
 
 
+def first_byte(shell: dispatch.Definition, n: int) -> list[float]:
+    """Seconds from a command's write to the client's on_output, ``n`` times."""
+    out = []
+    for _ in range(n):
+        got: list[float] = []
+
+        def on_output(_stream: str, text: str) -> None:
+            if not got:
+                got.append(time.time() - float(text.split()[0]))
+
+        shell.call({"command": 'printf "%s\\n" "$EPOCHREALTIME"; sleep 0.02'}, on_output=on_output)
+        out += got
+    return out
+
+
+def cancel_latency(session: dispatch.Session, shell: dispatch.Definition, n: int) -> list[float]:
+    """Seconds from ``session.cancel()`` to the cancelled Result of a running sleep."""
+    import threading
+
+    out = []
+    for _ in range(n):
+        started = threading.Event()
+        done: list[float] = []
+
+        def run() -> None:
+            shell.call({"command": "echo up; sleep 100"}, on_output=lambda s, t: started.set())
+            done.append(time.perf_counter())
+
+        t = threading.Thread(target=run)
+        t.start()
+        started.wait(10)
+        at = time.perf_counter()
+        session.cancel()
+        t.join(10)
+        out += [d - at for d in done]
+    return out
+
+
 def _ok(result: dispatch.Result) -> None:
     if not result.is_success:
         raise SystemExit(f"bench: the download through the proxy failed: {result.error}")
@@ -419,7 +461,8 @@ def main() -> int:
     have_rg = shutil.which("rg") is not None
     queries = {"few": "needle_marker", "many": "value"}
     rows: dict[str, list[float]] = {k: [] for k in
-                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain", "read_debug",
+                                    ("bare", "read", "spawn", "shell", "shell_stream", "first_byte", "cancel",
+                                     "open", "switch", "open_plain", "read_debug",
                                      "open_domains", "fetch_plain", "fetch_domains",
                                      "rg_few", "search_few", "rg_many", "search_many",
                                      "bare8", "read8", "threads8", "bare16", "read16")}
@@ -461,6 +504,9 @@ def main() -> int:
                     rows["read_debug"] += timed(lambda: read_debug.call({"path": "f4k.txt"}), args.calls)
                 rows["spawn"] += timed(lambda: subprocess.run(["bash", "-c", "true"], capture_output=True), 20)
                 rows["shell"] += timed(lambda: shell.call({"command": "true"}), 20)
+                rows["shell_stream"] += timed(lambda: shell.call({"command": "true"}, on_output=lambda s, t: None), 20)
+                rows["first_byte"] += first_byte(shell, 5)
+                rows["cancel"] += cancel_latency(session, shell, 2)
                 for name, query in queries.items():
                     if have_rg:
                         rows[f"rg_{name}"] += timed(lambda q=query: subprocess.run(  # type: ignore[misc]
@@ -547,6 +593,9 @@ def main() -> int:
     line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.15×)")
     print(f"{'  same, p99 against p99':56} {'':>11} {'':>11}  "
           f"{pct(rows['shell'], 0.99) / pct(rows['spawn'], 0.99):.2f}× (target ≤ 1.15×)")
+    line("shell_exec 'true', streaming asked for", "shell_stream", "spawn", "of plain spawn")
+    line("streaming: a command's write → client on_output", "first_byte", None, "(target: a few ms)")
+    line("session.cancel() → cancelled Result (sleep)", "cancel", None, "(the kill, then the reply)")
     for name in queries:
         n_ours, n_rg = counts.get(f"search_{name}", -1), counts.get(f"rg_{name}")
         if have_rg:
