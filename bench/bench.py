@@ -429,11 +429,7 @@ def main() -> int:
         print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
         return 2
     tmp = tempfile.mkdtemp(prefix="dispatchd-bench-")
-    # The baseline of the minimal root: the host's root, from the same daemon.
-    policies = os.path.join(tmp, "policies")
-    shutil.copytree(REPO / "policies", policies)
-    Path(policies, "host-root.toml").write_text('[filesystem]\nroot = "host"\n')
-    extra = ["--policies", policies] + (["--no-user-namespaces"] if args.no_user_namespaces else [])
+    extra = ["--no-user-namespaces"] if args.no_user_namespaces else []
     extra += ["--proxy-hosts-for-testing", "bench.test=127.0.0.1"]
     big = _BigServer()
     cgroup = ""
@@ -449,7 +445,10 @@ def main() -> int:
                 pass
         cgroup = os.path.join(args.cgroup, f"bench-{os.getpid()}")
         extra += ["--cgroup", cgroup]
-    daemon, sock = start_daemon(tmp, "--policies", bench_policies(tmp), *extra)
+    policies = bench_policies(tmp)
+    # The baseline of the minimal root: the host's root, from the same daemon.
+    Path(policies, "host-root.toml").write_text('[filesystem]\nroot = "host"\n')
+    daemon, sock = start_daemon(tmp, "--policies", policies, *extra)
     plain = None
     if cgroup:
         # The baseline for the cost of a cgroup: the same opens, interleaved,
