@@ -220,9 +220,11 @@ class Session:
                     bind_ports: list[int] | None = None) -> bool:
         """Switch the network: ``True``/``"on"``, ``False``/``"off"``, or ``"ports"``
         (TCP only to ``ports``, binding only ``bind_ports``; default: the policy's).
-        When this returns, no process of the session has the old network: the
-        sandbox was replaced and its processes ended (``status()["note"]`` says
-        how many)."""
+        When this returns, no byte the session writes goes out under the old
+        setting. In full mode the switch happens in place, the session's
+        processes kept (its way out stopped, or its rules changed); otherwise
+        the sandbox is replaced and its processes ended. ``status()["note"]``
+        says which, and what was cut."""
         word = _network_word(network)
         reply, _ = self._client._daemon_request(lambda rid: protocol.SetNetwork(
             id=rid, session=self.id, network=word, ports=ports, bind_ports=bind_ports))

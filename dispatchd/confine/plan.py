@@ -19,6 +19,7 @@ from dispatchd.confine.limits import LimitsPlan, plan_limits
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, LandlockPlan, plan_landlock
 from dispatchd.confine.mounts import MountPlan, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
+from dispatchd.confine.netstack import STACK, NetworkPlan, NetworkPorts, plan_network
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.kernel import KernelFeatures
@@ -27,16 +28,6 @@ from dispatchd.policy import Limits, Policy
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NETWORK_MODES = ("off", "on", "ports")
 
-
-class NetworkPorts(msgspec.Struct, frozen=True):
-    """The TCP ports a "ports" session may connect to and bind."""
-
-    connect: list[int]
-    bind: list[int] = []
-
-
-def _ports(ports: list[int]) -> str:
-    return ", ".join(map(str, ports)) if ports else "none"
 
 
 class SessionPaths(msgspec.Struct, frozen=True):
@@ -72,6 +63,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     writable: bool
     limits: Limits
     protections: dict[str, object]
+    net: NetworkPlan | None = None  # how the network mode is held (netstack.plan_network)
 
 
 def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: GitLayout) -> list[str]:
@@ -111,7 +103,11 @@ def plan_session(
     if network not in NETWORK_MODES:
         raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
     ports = ports or NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
-    if network == "ports" and kernel.landlock_abi < 4:
+    mode = policy.sandbox.user_namespaces
+    use_userns = mode != "never" and kernel.user_namespaces
+    net = plan_network(network, use_userns=use_userns, stack_missing=kernel.network_stack_missing,
+                       nft_missing=kernel.nftables_missing, landlock_abi=kernel.landlock_abi, ports=ports)
+    if network == "ports" and net.landlock_tcp and kernel.landlock_abi < 4:
         raise ConfinementError("network", detail=f"network 'ports' needs Landlock TCP rules (ABI 4); "
                                f"this kernel offers ABI {kernel.landlock_abi}")
     if kernel.landlock_abi < max(1, policy.sandbox.min_landlock_abi):
@@ -144,12 +140,13 @@ def plan_session(
         devices=devices,
         # Without a network namespace, "off" is held by seccomp and Landlock TCP
         # rules; "ports" is held by Landlock TCP rules in every mode.
-        deny_tcp=(network_off and not use_userns) or network == "ports",
-        connect_ports=ports.connect if network == "ports" else None,
-        bind_ports=ports.bind if network == "ports" else None,
+        deny_tcp=net.landlock_tcp,
+        connect_ports=ports.connect if net.landlock_tcp and network == "ports" else None,
+        bind_ports=ports.bind if net.landlock_tcp and network == "ports" else None,
     )
-    seccomp = plan_seccomp(allow_inet=not (network_off and not use_userns), ipc_namespace=use_userns)
-    namespaces = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=uid, gid=gid)
+    seccomp = plan_seccomp(allow_inet=net.seccomp_inet, ipc_namespace=use_userns)
+    namespaces = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=uid, gid=gid,
+                                 own_network=net.namespace)
     mounts = None
     if use_userns:
         writable = [paths.worktree] if worktree_rw else []
@@ -179,25 +176,19 @@ def plan_session(
             env[key] = base_env[key]
     env.update(policy.env.set)
 
-    if network == "ports":
-        net_mechanism = (f"host network; Landlock TCP: connect to {_ports(ports.connect)}, "
-                         f"bind {_ports(ports.bind)}")
-    elif not network_off:
-        net_mechanism = "host network"
-    elif use_userns:
-        net_mechanism = "network namespace with loopback only"
-    else:
-        net_mechanism = "seccomp: no IPv4/IPv6 sockets" + (", Landlock: no TCP bind/connect" if landlock.handled_net else "")
+    net_mechanism = net.mechanism
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
     mode = "full" if not gaps else "degraded"  # of the sandbox; the network's own caveats follow
-    if not (use_userns and network_off):
+    if not net.namespace:
         # Abstract names live in the network namespace: only a private one hides the host's.
         gaps.append("abstract Unix socket names of the host can be taken (bind) by the session: a program "
                     "of the user's that binds the same name then fails (nothing can be connected to or "
                     "received through them)")
-    if network == "ports":
-        gaps.append("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
-                    "network (Landlock has no rules for them)")
+    gaps += net.caveats
+    if not use_userns:
+        gaps.append("switching the network off without user namespaces: a socket the session set up while on "
+                    "outlives the switch (a sendfile queue in FIN-WAIT keeps sending page-cache pages the off "
+                    "session rewrites afterwards); only a network namespace of its own closes that")
     protections: dict[str, object] = {
         "mode": mode,
         "landlock": {
@@ -209,6 +200,7 @@ def plan_session(
         "seccomp": "enforced",
         "namespaces": {"user": namespaces.user, "mount": namespaces.mount, "pid": namespaces.pid, "net": namespaces.net},
         "network": {"mode": network, "mechanism": net_mechanism,
+                    **({"stack": STACK} if net.stack else {}),
                     **({"connect_ports": ports.connect, "bind_ports": ports.bind} if network == "ports" else {})},
         "worktree": fs.worktree,
         "git": {"kind": git.kind, "read_only": list(git.read_only) if use_userns else [],
@@ -256,4 +248,5 @@ def plan_session(
         writable=worktree_rw,
         limits=policy.limits,
         protections=protections,
+        net=net,
     )
