@@ -151,7 +151,7 @@ def switch_in_place(old: NetworkPlan, new: NetworkPlan) -> bool:
 def probe_stack() -> str:
     """"" when the user-mode stack can run for this user, else why not."""
     if shutil.which(STACK) is None:
-        return f"{STACK} is not installed (Debian: apt install {STACK})"
+        return f"{STACK} is not installed (Debian: apt install passt)"
     try:
         os.close(os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC))
     except OSError as exc:
