@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,6 +101,34 @@ def fmt(s: float) -> str:
     return f"{s * 1e6:8.0f} µs" if s < 1e-3 else f"{s * 1e3:8.2f} ms"
 
 
+DOWNLOAD_MB = 128
+_DOWNLOAD = ("import socket, sys\ns = socket.create_connection((sys.argv[1], int(sys.argv[2])))\nn = 0\n"
+             "while (d := s.recv(1 << 20)):\n    n += len(d)\nassert n == int(sys.argv[3]), n\n")
+
+
+class BulkServer:
+    """On the host's loopback: sends DOWNLOAD_MB to every client, then closes."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.size = DOWNLOAD_MB << 20
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        chunk = b"x" * (1 << 20)
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                for _ in range(DOWNLOAD_MB):
+                    conn.sendall(chunk)
+
+
 def start_daemon(tmp: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     sock = os.path.join(tmp, "run", "d.sock")
     env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmp, "state"))
@@ -151,8 +180,13 @@ def main() -> int:
     wt = os.path.join(tmp, "wt")
     os.mkdir(wt)
     Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # 4095 bytes, 63 lines
+    wt_dl = os.path.join(tmp, "wt-download")  # its own: the first session holds wt's write lock
+    os.mkdir(wt_dl)
+    Path(wt_dl, "download.py").write_text(_DOWNLOAD)
+    bulk = BulkServer()
     rows: dict[str, list[float]] = {k: [] for k in
-                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain")}
+                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain",
+                                     "open_on", "switch_off", "download_plain", "download")}
     try:
         bare = BareClient(tmp)
         with dispatch.connect(sock) as client:
@@ -174,6 +208,13 @@ def main() -> int:
                     t = time.perf_counter()
                     s.set_network(True)
                     rows["switch"].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    s.set_network(False)
+                    rows["switch_off"].append(time.perf_counter() - t)
+                    s.close()
+                    t = time.perf_counter()
+                    s = client.open_session(wt, network=True)
+                    rows["open_on"].append(time.perf_counter() - t)
                     s.close()
                     if plain is not None:
                         with dispatch.connect(plain_sock) as other:
@@ -181,6 +222,20 @@ def main() -> int:
                             s = other.open_session(wt)
                             rows["open_plain"].append(time.perf_counter() - t)
                             s.close()
+                # A bulk download from the host's loopback: unsandboxed, then
+                # through the session's stack (pasta in full mode).
+                with client.open_session(wt_dl, network=True) as s:
+                    host = "10.0.2.2" if s.status()["protections"]["network"].get("stack") else "127.0.0.1"
+                    dl = s.registry.get("shell_exec")
+                    command = f"/usr/bin/python3 download.py {host} {bulk.port} {bulk.size}"
+                    t = time.perf_counter()
+                    subprocess.run(["/usr/bin/python3", "download.py", "127.0.0.1", str(bulk.port), str(bulk.size)],
+                                   cwd=wt_dl, check=True)
+                    rows["download_plain"].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    r = dl.call({"command": command, "timeout": 120})
+                    rows["download"].append(time.perf_counter() - t)
+                    assert r.is_success and r.metadata.get("exit_code") == 0, (r.error, r.metadata)
             mode = session.status()["protections"]["mode"]
             cgroups = client.status()["kernel"]["cgroup_delegation"]
             session.close()
@@ -214,7 +269,14 @@ def main() -> int:
         line("open a session with its own cgroup", "open", "open_plain", "of the open without")
     else:
         line("open a session (confined, ready)", "open", None, "(target < 10 ms)")
-    line("switch network off → on (new sandbox)", "switch", None, "")
+    line("open a session, network on", "open_on", "open", "of the open with the network off")
+    line("switch network off → on", "switch", "open", "of an open (network off)")
+    line("switch network on → off", "switch_off", "open", "of an open (network off)")
+    mbps = DOWNLOAD_MB / p50["download_plain"]
+    line(f"download {DOWNLOAD_MB} MiB from the host's loopback, unsandboxed", "download_plain", None,
+         f"1.00× (baseline, {mbps:.0f} MiB/s)")
+    line("the same download from a session, network on", "download", "download_plain",
+         f"of unsandboxed ({DOWNLOAD_MB / p50['download']:.0f} MiB/s)")
     return 0
 
 
