@@ -115,13 +115,20 @@ def _print_sessions(sessions: list[dict[str, Any]]) -> None:
               f"policy={s['policy']}  mode={prot.get('mode', '?')}  {s['worktree']}")
 
 
+def _missing(why: str) -> str:
+    """A kernel probe's "" (available) or its reason, for ``dispatch status``."""
+    return "yes" if not why else f"no, on/ports use the host's network ({why})"
+
+
 def _print_status(st: dict[str, Any]) -> None:
     k = st["kernel"]
     print(f"dispatchd {st['daemon_version']} (pid {st['pid']}) on {st['socket']}")
     print(f"kernel {k['release']}: Landlock ABI {k['landlock_abi'] or 'absent'}; "
           f"user namespaces: {'yes' if k['user_namespaces'] else 'no'} ({k['user_namespaces_note']}); "
           f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'} "
-          f"(per-session cgroups: {k.get('cgroup_delegation', '?')})")
+          f"(per-session cgroups: {k.get('cgroup_delegation', '?')}); "
+          f"network stack (pasta): {_missing(k.get('network_stack_missing', '?'))}; "
+          f"nftables for ports: {_missing(k.get('nftables_missing', '?'))}")
     print(f"{len(st['sessions'])} session(s)")
     for s in st["sessions"]:
         p = s["protections"]
