@@ -16,6 +16,9 @@ root), and prints one table:
   network (the sandbox is replaced). With ``--cgroup DIR`` (a delegated cgroup
   v2 directory; ``./scripts/bench`` run as root makes one) the daemon gives
   each session a cgroup, and the open includes making and joining it.
+- with ``--log-cost``: read_file through a second daemon logging at debug (a
+  line per tool call, to a file) beside the main one at info (no per-call
+  line), interleaved: what per-call logging costs.
 
 Baselines and measurements are interleaved round by round, so a noisy
 neighbour slows both. This is a benchmark, not a test: it asserts nothing.
@@ -150,6 +153,8 @@ def main() -> int:
     ap.add_argument("--cgroup", metavar="DIR", nargs="?", const=os.environ.get("DISPATCHD_TEST_CGROUP", ""),
                     help="per-session cgroups under DIR/bench-PID (DIR: a delegated cgroup v2 directory; "
                          "default: $DISPATCHD_TEST_CGROUP)")
+    ap.add_argument("--log-cost", action="store_true",
+                    help="also read_file through a daemon at --log-level debug (a log line per call)")
     args = ap.parse_args()
     if os.geteuid() == 0:
         print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
@@ -185,20 +190,33 @@ def main() -> int:
     Path(wt_dl, "download.py").write_text(_DOWNLOAD)
     bulk = BulkServer()
     rows: dict[str, list[float]] = {k: [] for k in
-                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain",
+                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain", "read_debug",
                                      "open_on", "switch_off", "download_plain", "download")}
+    debug = None
+    if args.log_cost:
+        os.mkdir(os.path.join(tmp, "debug"))
+        debug, debug_sock = start_daemon(os.path.join(tmp, "debug"), "--log-level", "debug", "--log-file",
+                                         os.path.join(tmp, "debug", "daemon-debug.log"), *extra)
     try:
         bare = BareClient(tmp)
         with dispatch.connect(sock) as client:
             session = client.open_session(wt, network=False)
             read = session.registry.get("read_file")
             shell = session.registry.get("shell_exec")
+            read_debug = None
+            if debug is not None:
+                debug_client = dispatch.connect(debug_sock)
+                read_debug = debug_client.open_session(wt, network=False).registry.get("read_file")
             for _ in range(20):  # warm up both paths
                 bare.call()
                 read.call({"path": "f4k.txt"})
+                if read_debug is not None:
+                    read_debug.call({"path": "f4k.txt"})
             for _ in range(args.rounds):
                 rows["bare"] += timed(bare.call, args.calls)
                 rows["read"] += timed(lambda: read.call({"path": "f4k.txt"}), args.calls)
+                if read_debug is not None:
+                    rows["read_debug"] += timed(lambda: read_debug.call({"path": "f4k.txt"}), args.calls)
                 rows["spawn"] += timed(lambda: subprocess.run(["bash", "-c", "true"], capture_output=True), 20)
                 rows["shell"] += timed(lambda: shell.call({"command": "true"}), 20)
                 for _ in range(3):
@@ -241,7 +259,7 @@ def main() -> int:
             session.close()
         bare.close()
     finally:
-        for proc in (daemon, plain):
+        for proc in (daemon, plain, debug):
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(20)
@@ -262,6 +280,10 @@ def main() -> int:
         print(f"{label:52} {fmt(p50[key]):>11} {fmt(pct(rows[key], 0.99)):>11}  {ratio}")
     line("bare request/response, 2 Python processes (4 KiB)", "bare", None, "1.00× (baseline)")
     line("read_file 4 KiB through dispatch", "read", "bare", "of bare (target ≤ 2×)")
+    if rows["read_debug"]:
+        print(f"{'  the same, daemon logging each call (debug)':52} {fmt(p50['read_debug']):>11} "
+              f"{fmt(pct(rows['read_debug'], 0.99)):>11}  {p50['read_debug'] / p50['read']:.2f}× of info; "
+              f"p99 {pct(rows['read_debug'], 0.99) / pct(rows['read'], 0.99):.2f}× of info")
     line("subprocess.run(['bash','-c','true']), no sandbox", "spawn", None, "1.00× (baseline)")
     line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.3×)")
     if rows["open_plain"]:

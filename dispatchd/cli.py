@@ -31,9 +31,13 @@ TESTING_ROOT_FLAG = "--allow-root-for-testing"
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dispatchd", description="Sandboxed execution daemon for AI coding agents.")
     p.add_argument("--socket", help="listening socket path (default: $DISPATCH_SOCKET, "
-                   "$XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, or /tmp/dispatchd-$UID/dispatchd.sock)")
+                   "$XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, or $XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
     p.add_argument("--policies", type=Path, help="directory of policy files (default: the installed policies)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="info logs sessions and what happens to them; debug adds a line per tool call")
+    p.add_argument("--log-file", metavar="PATH",
+                   help="log to PATH, rotated at 10 MiB with 3 old files kept (default: stderr, which "
+                        "journald keeps under systemd)")
     p.add_argument("--no-user-namespaces", action="store_true",
                    help="never use user namespaces: every session runs on Landlock and seccomp alone")
     p.add_argument("--cgroup", default="auto", metavar="auto|off|PATH",
@@ -43,6 +47,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "it ends what earlier sessions left there); 'off' never")
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long calls in flight may go on before their sessions are ended (seconds)")
+    p.add_argument("--max-connections", type=int, metavar="N",
+                   help="client connections served at once; more are answered 'busy' (default: half the "
+                        "descriptors the daemon has, at most 4096)")
     p.add_argument(TESTING_ROOT_FLAG, action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--version", action="version", version=f"dispatchd {__version__}")
     return p.parse_args(argv)
@@ -63,26 +70,51 @@ def _code_paths() -> list[str]:
 
 
 def _bind(path: str) -> socket.socket:
-    directory = os.path.dirname(path)
+    directory, name = os.path.split(path)
     paths.ensure_private_dir(directory)
-    if os.path.lexists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # a stale socket from a daemon that died
-        else:
-            raise DispatchdError(f"another dispatchd is already listening on {path}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # the socket is born 0600: no window where others could connect
+    # Checked and used by descriptor: the directory we bind in is the one we checked.
+    dirfd = paths.open_socket_dir(directory)
     try:
-        sock.bind(path)
+        where = paths.via_fd(dirfd, name)
+        if os.path.lexists(where):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(where)
+            except OSError:
+                os.unlink(name, dir_fd=dirfd)  # a stale socket from a daemon that died
+            else:
+                raise DispatchdError(f"another dispatchd is already listening on {path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is born 0600: no window where others could connect
+        try:
+            sock.bind(where)
+        finally:
+            os.umask(old)
     finally:
-        os.umask(old)
-    sock.listen(64)
+        os.close(dirfd)
+    sock.listen(1024)  # bursts of opens (an agent platform starting hundreds) wait in it
     return sock
+
+
+LOG_ROTATE_BYTES = 10 * 1024 * 1024
+LOG_ROTATE_KEEP = 3
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    """stderr by default (journald under systemd); a rotated file with
+    --log-file (what autostart uses), so the log never grows without bound."""
+    fmt = "%(asctime)s %(levelname)s %(name)s %(message)s"
+    if not args.log_file:
+        logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(), format=fmt)
+        return
+    from logging.handlers import RotatingFileHandler
+
+    handler = RotatingFileHandler(args.log_file, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_ROTATE_KEEP,
+                                  encoding="utf-8")
+    handler.setFormatter(logging.Formatter(fmt))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in units.COMMANDS:  # install-units, uninstall-units: not the daemon
         return units.main(argv)
     args = _parse(argv)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    _setup_logging(args)
     if os.geteuid() == 0 and not args.allow_root_for_testing:
         print("dispatchd: refusing to run as root: it confines sessions as the user who runs it. "
               "Start it as your own user (e.g. systemctl --user start dispatchd).", file=sys.stderr)
@@ -105,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     if "default" not in policies:
         print(f"dispatchd: no default policy (default.toml) in {policy_dir}", file=sys.stderr)
         return 2
+
+    from dispatchd.daemon import capacity
+
+    # Before anything holds a descriptor: ~1,000 connections or ~340 sessions
+    # used up a login's default 1,024 and stopped the daemon.
+    open_files = capacity.apply_open_files()
+    log.log(logging.WARNING if open_files.limit < open_files.hard else logging.INFO,
+            "event=open_files limit=%s hard=%s note=%r", open_files.limit, open_files.hard, open_files.note)
 
     from dispatchd import kernel as kernel_mod
 
@@ -142,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     zygote = ZygoteClient(*start_zygote())
 
+    from dispatchd.daemon import leftovers
     from dispatchd.daemon.server import Server
     from dispatchd.daemon.sessions import SessionManager
 
@@ -153,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths.ensure_private_dir(state)
         paths.ensure_private_dir(os.path.join(state, "sessions"))
+        paths.ensure_private_dir(os.path.join(state, "session-locks"))  # daemon/leftovers.py
+        # Scratch directories of sessions of a daemon that was killed (SIGKILL, OOM):
+        # only those no live daemon holds (daemon/leftovers.py).
+        stale = leftovers.remove_stale(os.path.join(state, "sessions"))
+        if stale:
+            log.info("event=stale_scratch_removed count=%d", stale)
         listener = handed
         owns_socket = listener is None
         if listener is None:
@@ -166,15 +212,22 @@ def main(argv: list[str] | None = None) -> int:
         protected=[state, os.path.dirname(socket_path)], private=[state], runtime_dirs=sorted(runtime),
         code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation,
     )
-    server = Server(listener, manager, features, socket_path, policy_loader)
+    max_connections = capacity.connection_cap(open_files.limit, args.max_connections)
+    server = Server(listener, manager, features, socket_path, policy_loader, max_connections=max_connections,
+                    budget={"open_files": open_files.limit, "open_files_note": open_files.note})
+    log.info("event=connections max=%s", max_connections)
 
     def stop(signum: int, _frame: object) -> None:
         log.info("event=stopping signal=%s", signal.Signals(signum).name)
         manager.accepting = False
-        server.stopping.set()
+        server.stop()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # A signal the kernel hands to another thread (any may take it) only sets a
+    # flag: the main thread, asleep in poll(), would not run the handler until
+    # something else woke it. The wake-up pipe wakes it at once.
+    signal.set_wakeup_fd(server.wakeup_fd())
     log.info("event=ready socket=%s pid=%s policies=%s", socket_path, os.getpid(), ",".join(sorted(policies)))
     systemd.notify("READY=1", f"STATUS=serving on {socket_path}")
     try:
@@ -182,10 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         systemd.notify("STOPPING=1", "STATUS=stopping: ending sessions")
         manager.accepting = False
+        # Meanwhile new connections are answered at once ("stopping"), not
+        # left in the backlog for the whole drain.
+        refuser = threading.Thread(target=server.refuse_until_closed, daemon=True)
+        refuser.start()
         # Calls in flight may finish (up to the deadline); new ones are refused.
         closer = threading.Thread(target=manager.close_all, kwargs={"drain_s": args.stop_timeout})
         closer.start()
         closer.join(args.stop_timeout + 10)
+        server.close()
+        refuser.join(5)
         if owns_socket:
             try:
                 os.unlink(socket_path)

@@ -5,7 +5,8 @@
     ├── WorktreeError              the worktree is refused                   (path)
     ├── SessionError               no such session / session gone            (session)
     ├── ConfinementError           a protection could not be applied          (step, errno, path)
-    └── RootRefused                the daemon was started as root
+    ├── RootRefused                the daemon was started as root
+    └── Stopping                   the daemon is stopping: no new session
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class ConfinementError(DispatchdError):
 
 class RootRefused(DispatchdError):
     code = "root_refused"
+
+
+class Stopping(DispatchdError):
+    code = "stopping"
 
 
 def _strerror(err: int) -> str:

@@ -72,6 +72,9 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output_cap_bytes: int = 1024 * 1024  # per stream, for shell_exec
     file_size_cap_bytes: int = 16 * 1024 * 1024  # read_file, write_file, edit_file
     idle_timeout_s: float = 3600.0  # a session with no call for this long closes
+    # A session whose every client connection has gone ends after this long,
+    # unless it was opened detached (daemon/lifetimes.py); 0 ends it at once.
+    orphan_grace_s: float = 60.0
     search_max_results: int = 100
     list_max_entries: int = 10000
     fsync: bool = True  # completed writes reach the disk before the reply
@@ -86,8 +89,17 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Over the whole session, where the daemon has a delegated cgroup v2
     # subtree with the memory and cpu controllers (confine/cgroups.py);
     # max_processes is then the session's pids.max too.
-    session_memory_bytes: int = 8 * 1024**3  # memory.max (and no swap)
+    session_memory_bytes: int = 8 * 1024**3  # memory.max (and no swap); without it, the daemon's watchdog
     cpu_weight: int = 100  # cpu.weight: 1-10000, 100 is the default share
+    # Per-user kernel budgets a session may take, bounded in its own user
+    # namespace (confine/ucounts.py); the user keeps the rest (128 inotify
+    # instances by default in all).
+    max_inotify_instances: int = 32
+    max_pending_signals: int = 4096  # RLIMIT_SIGPENDING
+    max_msgqueue_bytes: int = 204800  # RLIMIT_MSGQUEUE
+    max_inotify_watches: int = 65536
+    max_fanotify_groups: int = 16
+    max_fanotify_marks: int = 65536
 
 
 class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -142,11 +154,14 @@ def _check(policy: Policy, where: str) -> None:
         value = getattr(lim, key)
         if not (math.isfinite(value) and value > 0):  # NaN compares false with everything
             raise bad(f"limits.{key}", "must be a positive number of seconds")
+    if not (math.isfinite(lim.orphan_grace_s) and lim.orphan_grace_s >= 0):
+        raise bad("limits.orphan_grace_s", "must be a number of seconds, 0 or more")
     if lim.command_timeout_s > lim.max_command_timeout_s:
         raise bad("limits.command_timeout_s", "exceeds limits.max_command_timeout_s")
     for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries",
                 "model_output_bytes", "max_processes", "max_data_bytes", "max_file_bytes", "max_open_files",
-                "session_memory_bytes"):
+                "session_memory_bytes", "max_inotify_instances", "max_inotify_watches", "max_fanotify_groups",
+                "max_fanotify_marks", "max_pending_signals", "max_msgqueue_bytes"):
         if getattr(lim, key) < 1:
             raise bad(f"limits.{key}", "must be at least 1")
     if not 1 <= lim.cpu_weight <= 10000:

@@ -33,6 +33,12 @@ PROTOCOL_VERSION = 1
 # Big enough for a file at the policy's size cap plus two capped output streams,
 # small enough that a hostile length prefix cannot exhaust memory.
 MAX_FRAME = 64 * 1024 * 1024
+# What the daemon reads from a client: requests are a path, a policy name,
+# ports and domain lists, never file contents, so a frame of a few hundred KiB
+# is plenty and bounds what each connection can make the (shared, unconfined)
+# daemon buffer. Before ``Hello`` only a greeting is expected: a few KiB.
+MAX_REQUEST_FRAME = 256 * 1024
+MAX_HELLO_FRAME = 4 * 1024
 _HEADER = struct.Struct(">I")
 
 
@@ -56,6 +62,10 @@ class OpenSession(_Msg, tag="open_session"):
     network: str | None = None  # "off" | "on" | "ports"; None: the policy's default
     ports: list[int] | None = None  # under "ports": TCP ports to connect to (None: the policy's)
     bind_ports: list[int] | None = None  # under "ports": TCP ports to bind (None: the policy's)
+    # Lifetime (daemon/lifetimes.py): a session ends once every connection that
+    # opened or attached to it has gone for its grace, unless it is detached.
+    detached: bool = False
+    orphan_grace_s: float | None = None  # shorter than the policy's, never longer; None: the policy's
 
 
 class CloseSession(_Msg, tag="close_session"):
@@ -138,6 +148,7 @@ class StatusReply(_Msg, tag="status_reply"):
     socket: str
     kernel: dict[str, Any]
     sessions: list[SessionInfo]
+    daemon: dict[str, Any] = {}  # its own budgets: descriptors, connections (daemon/capacity.py)
 
 
 class Attached(_Msg, tag="attached"):
@@ -307,22 +318,32 @@ class BadMessage(ProtocolError):
 def decode(decoder: msgspec.msgpack.Decoder, payload: bytes) -> Any:
     try:
         return decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
+        # UnicodeDecodeError: invalid UTF-8 in a string field, which msgspec
+        # reports as such rather than as a DecodeError.
         raise BadMessage(f"undecodable message: {exc}") from exc
+
+
+class _IdOnly(msgspec.Struct):
+    """The one field read from a request that did not decode. Typed: every
+    other key is skipped without building anything, so a hostile payload
+    (megabytes of nested empty arrays) costs no memory here."""
+
+    id: int = 0
+
+
+_id_decoder = msgspec.msgpack.Decoder(_IdOnly)
 
 
 def request_id_of(payload: bytes) -> int:
     """Best effort: the ``id`` of a request we could not decode, so the error reply
     can still be matched by the sender. 0 when even that is unreadable."""
     try:
-        raw = msgspec.msgpack.decode(payload)
-    except Exception:  # DecodeError, and RecursionError on absurd nesting
+        rid = _id_decoder.decode(payload).id
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError):
         return 0
-    rid = raw.get("id") if isinstance(raw, dict) else None
-    # Exactly an int (not a bool), and one our own reply can carry.
-    if type(rid) is int and -(2**63) <= rid < 2**64:
-        return rid
-    return 0
+    # One our own reply can carry (msgspec already refused bools and floats).
+    return rid if -(2**63) <= rid < 2**64 else 0
 
 
 class FrameSocket:
@@ -334,9 +355,10 @@ class FrameSocket:
     and worker give each connection one reader).
     """
 
-    def __init__(self, sock: socket.socket, *, fds: bool = False) -> None:
+    def __init__(self, sock: socket.socket, *, fds: bool = False, max_frame: int = MAX_FRAME) -> None:
         self.sock = sock
         self._fds = fds
+        self.max_frame = max_frame  # the largest payload accepted; the daemon lowers it per phase
         self._buf = bytearray()
         self._fd_queue: list[int] = []
 
@@ -355,8 +377,13 @@ class FrameSocket:
 
     def _fill(self) -> bool:
         if self._fds:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4)
+            data, fds, flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4)
             self._fd_queue.extend(fds)
+            if flags & socket.MSG_CTRUNC:
+                # The kernel dropped a descriptor it could not install here
+                # (EMFILE): say so, rather than "none came" later.
+                raise ProtocolError("a file descriptor sent to this process was lost: "
+                                    "it is out of descriptors (RLIMIT_NOFILE)")
         else:
             data = self.sock.recv(1 << 16)
         if not data:
@@ -372,8 +399,8 @@ class FrameSocket:
                     raise ProtocolError("connection closed inside a frame header")
                 return None
         (length,) = _HEADER.unpack_from(self._buf)
-        if length > MAX_FRAME:
-            raise FrameTooLarge(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+        if length > self.max_frame:
+            raise FrameTooLarge(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit")
         while len(self._buf) < 4 + length:
             if not self._fill():
                 raise ProtocolError("connection closed inside a frame")

@@ -23,7 +23,7 @@ PASS = ("DISPATCH_SOCKET", "XDG_RUNTIME_DIR", "XDG_STATE_HOME")
 async def main(worktree: str) -> int:
     server = StdioServerParameters(
         command=sys.executable,  # this Python, which has dispatch installed; or just "dispatch"
-        args=["-m", "dispatch.cli", "mcp", "--worktree", worktree, "--network", "off"],
+        args=["-P", "-m", "dispatch.cli", "mcp", "--worktree", worktree, "--network", "off"],  # -P: not the cwd's modules
         env={k: os.environ[k] for k in PASS if k in os.environ},
     )
     async with stdio_client(server) as (read, write), ClientSession(read, write) as mcp:

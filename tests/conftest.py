@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class Daemon:
-    def __init__(self, base: Path, *extra: str, prefix: tuple[str, ...] = ()) -> None:
+    def __init__(self, base: Path, *extra: str, prefix: tuple[str, ...] = (), state: Path | None = None) -> None:
         self.base = base
         self.socket = str(base / "run" / "dispatchd.sock")
-        self.state = base / "state"
+        self.state = state or base / "state"
         self.log_path = base / "dispatchd.log"
         env = {k: v for k, v in os.environ.items() if k not in ("DISPATCH_SOCKET",)}
         env["XDG_STATE_HOME"] = str(self.state)

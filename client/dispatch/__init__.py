@@ -11,7 +11,14 @@ Only re-exports live here; ``dispatch.tools`` holds the tool interface.
 
 from dispatch import tools
 from dispatch.client import Client, Session, connect
-from dispatch.errors import ConnectionLost, DaemonUnavailable, DispatchError, RequestFailed
+from dispatch.errors import (
+    ConnectionLost,
+    DaemonUnavailable,
+    DispatchError,
+    RequestFailed,
+    RequestTimeout,
+    UntrustedSocket,
+)
 from dispatch.tools import Definition, Registry, Result
 
 __all__ = [
@@ -22,8 +29,10 @@ __all__ = [
     "DispatchError",
     "Registry",
     "RequestFailed",
+    "RequestTimeout",
     "Result",
     "Session",
+    "UntrustedSocket",
     "connect",
     "tools",
 ]

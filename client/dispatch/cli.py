@@ -14,6 +14,7 @@ import json
 import shlex
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,8 +34,11 @@ class UsageError(Exception):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dispatch", description="Client of dispatchd, the sandbox for AI coding agents.")
     p.add_argument("--socket", help="daemon socket (default: $DISPATCH_SOCKET, $XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, "
-                   "/tmp/dispatchd-$UID/dispatchd.sock)")
+                   "$XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
     p.add_argument("--no-autostart", action="store_true", help="do not start a daemon when none answers")
+    p.add_argument("--request-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds to wait for the daemon's answer to each request (default 30); a tool call "
+                        "waits its own time limit plus this")
     sub = p.add_subparsers(dest="command", required=True)
 
     session = sub.add_parser("session", help="open, close and list sessions").add_subparsers(dest="action", required=True)
@@ -101,9 +105,36 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
         with client.session(args.session) as session:
             yield session
     else:
-        with client.open_session(args.worktree, policy=args.policy, network=args.network,
-                                 ports=args.ports, bind_ports=args.bind_ports) as session:
+        # A one-off session: it ends with this command, even killed (a grace of
+        # 0 once our connection is gone, and SIGTERM/SIGHUP close it at once).
+        with _closed_on_signals(), client.open_session(
+                args.worktree, policy=args.policy, network=args.network, ports=args.ports,
+                bind_ports=args.bind_ports, orphan_grace_s=0) as session:
             yield session
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwind, closing the one-off session on the way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _closed_on_signals() -> Iterator[None]:
+    def raise_terminated(signum: int, _frame: object) -> None:
+        raise Terminated(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _print_sessions(sessions: list[dict[str, Any]]) -> None:
@@ -129,6 +160,10 @@ def _print_status(st: dict[str, Any]) -> None:
           f"(per-session cgroups: {k.get('cgroup_delegation', '?')}); "
           f"network stack (pasta): {_missing(k.get('network_stack_missing', '?'))}; "
           f"nftables for ports: {_missing(k.get('nftables_missing', '?'))}")
+    d = st.get("daemon") or {}
+    if d:
+        print(f"daemon: {d.get('open_files_note', '?')}; connections {d.get('connections')} "
+              f"of at most {d.get('max_connections')}")
     print(f"{len(st['sessions'])} session(s)")
     for s in st["sessions"]:
         p = s["protections"]
@@ -145,6 +180,15 @@ def _print_status(st: dict[str, Any]) -> None:
             print(f"    limits ({lim.get('mechanism')}{where}): processes {lim.get('max_processes')}; "
                   f"memory {lim.get('memory')}; cpu weight {lim.get('cpu_weight')}; "
                   f"file size {lim.get('max_file_bytes')} B")
+        life = p.get("lifetime", {})
+        if life:
+            held = ("detached: lives until closed or idle" if life.get("detached")
+                    else f"ends {life.get('orphan_grace_s')} s after its last client connection goes")
+            mem = life.get("memory", {})
+            print(f"    lifetime: {held}; memory {mem.get('limit_bytes')} B held by {mem.get('mechanism')} "
+                  f"({mem.get('detail')})")
+        for gap in lim.get("leaves_open", []):
+            print(f"    budget left open: {gap}")
         for gap in p.get("leaves_open", []):
             print(f"    leaves open: {gap}")
 
@@ -189,13 +233,15 @@ def _mcp(client: Client, args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    client = connect(args.socket, autostart=not args.no_autostart)
+    client = connect(args.socket, autostart=not args.no_autostart, timeout=args.request_timeout,
+                     call_margin=args.request_timeout)
     with client:
         if args.command == "session":
             if args.action == "open":
+                # Detached: it outlives this command and needs no client holding it.
                 session = client.open_session(args.worktree, policy=args.policy, network=args.network,
-                                              ports=args.ports, bind_ports=args.bind_ports)
-                session.detach()  # it outlives this command
+                                              ports=args.ports, bind_ports=args.bind_ports, detached=True)
+                session.detach()
                 print(session.id)
             elif args.action == "close":
                 client.close_session(args.id)
@@ -248,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    except Terminated as exc:
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":

@@ -7,14 +7,24 @@ Guarantees:
   the daemon hands over at ``attach`` time: one hop, not two;
 - tool calls never raise: a lost sandbox, a closed session or a daemon that
   went away come back as ``Result.failure`` with the reason; daemon requests
-  (open, close, network, status) raise ``DispatchError`` subclasses instead.
+  (open, close, network, status) raise ``DispatchError`` subclasses instead;
+- every wait is bounded: a daemon request waits ``timeout`` seconds at most
+  (``RequestTimeout``), a tool call the tool's own time limit plus
+  ``call_margin`` (then a ``Result.failure`` that names the wait);
+- nothing is sent to a socket whose directory is not the user's own (not a
+  symlink, not writable by others) or whose serving process has another uid
+  (``UntrustedSocket``), both checked by descriptor (``dispatchd.paths``);
+- a daemon started here (``autostart``) runs ``python -P`` from ``/``: never
+  a module of the current directory (a worktree an agent wrote).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -24,11 +34,23 @@ from typing import Any
 
 import msgspec
 
-from dispatch.errors import ConnectionLost, DaemonUnavailable, DispatchError, NotSent, RequestFailed
+from dispatch.errors import (
+    ConnectionLost,
+    DaemonUnavailable,
+    DispatchError,
+    NotSent,
+    RequestFailed,
+    RequestTimeout,
+    UntrustedSocket,
+)
 from dispatch.tools import Definition, Registry, Result
 from dispatchd import paths, protocol
 
 _PENDING = object()
+_MUTATING = frozenset({"write_file", "edit_file", "create_file"})
+# The longest a socket operation blocks at once: waits loop on it up to their
+# own deadline, so one connection serves callers with different deadlines.
+_TICK_S = 0.2
 _RISK = {"read_file": "read", "list_files": "read", "search_files": "read",
          "write_file": "write", "edit_file": "write", "create_file": "write", "shell_exec": "execute"}
 
@@ -42,6 +64,13 @@ class _Connection:
     """
 
     def __init__(self, sock: socket.socket, decoder: msgspec.msgpack.Decoder, *, fds: bool = False) -> None:
+        # A blocking socket whose recv and send give up after a tick (EAGAIN):
+        # waits stay bounded, yet a reply that is there costs no extra poll()
+        # (a Python socket timeout polls before every call: +12% on read_file).
+        sock.settimeout(None)
+        tick = struct.pack("@ll", 0, int(_TICK_S * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tick)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tick)
         self._frames = protocol.FrameSocket(sock, fds=fds)
         self._decoder = decoder
         self._send_lock = threading.Lock()
@@ -51,10 +80,14 @@ class _Connection:
         self._ids = itertools.count(1)
         self._broken: Exception | None = None
 
-    def request(self, build: Callable[[int], msgspec.Struct]) -> tuple[Any, int | None]:
-        """Send a request and wait for its reply. Raises ``NotSent`` (the
-        connection stays usable) when the request cannot be encoded or is over
-        the frame limit, ``ConnectionLost`` when the peer is gone."""
+    def request(self, build: Callable[[int], msgspec.Struct], timeout: float | None = None) -> tuple[Any, int | None]:
+        """Send a request and wait for its reply, ``timeout`` seconds at most
+        (``RequestTimeout``; a reply that comes later is dropped). Raises
+        ``NotSent`` (the connection stays usable) when the request cannot be
+        encoded or is over the frame limit, ``ConnectionLost`` when the peer is
+        gone, ``RequestFailed`` when the peer refused the whole connection
+        (busy, stopping, too many channels)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         rid = next(self._ids)
         try:
             frame = protocol.encode(build(rid))
@@ -65,48 +98,98 @@ class _Connection:
                 raise ConnectionLost(str(self._broken))
             self._replies[rid] = _PENDING
         try:
-            with self._send_lock:
-                self._frames.sock.sendall(frame)
+            self._send(frame, deadline)
         except OSError as exc:
-            self._fail(exc)
+            refusal = self._refusal()  # a peer that refused the connection closed it after saying why
+            self._fail(refusal or exc)
+            if refusal is not None:
+                raise refusal from exc
             raise ConnectionLost(str(exc)) from exc
+        except RequestTimeout:
+            with self._cond:
+                self._replies.pop(rid, None)
+            raise
         with self._cond:
             while True:
                 if self._replies[rid] is not _PENDING:
                     return self._replies.pop(rid)
                 if self._broken is not None:
                     self._replies.pop(rid, None)
+                    if isinstance(self._broken, RequestFailed):
+                        raise RequestFailed(self._broken.code, self._broken.message)
                     raise ConnectionLost(str(self._broken))
                 if not self._reading:
                     self._reading = True
                     break
-                self._cond.wait()
-        return self._read_until(rid)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._replies.pop(rid, None)
+                    raise RequestTimeout(f"no reply within {timeout:g} s")
+                self._cond.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._read_until(rid, deadline, timeout)
 
-    def _read_until(self, rid: int) -> tuple[Any, int | None]:
+    def _refusal(self) -> RequestFailed | None:
+        """The id-0 ``ErrorReply`` a peer left before closing on us, if any."""
+        try:
+            reply = self._frames.recv(self._decoder)
+        except (OSError, protocol.ProtocolError):
+            return None
+        if isinstance(reply, protocol.ErrorReply) and reply.id == 0:
+            return RequestFailed(reply.code, reply.message)
+        return None
+
+    def _send(self, frame: bytes, deadline: float | None) -> None:
+        """The whole frame, or ``RequestTimeout`` at the deadline (a frame cut
+        in the middle leaves the stream unusable: the connection is failed)."""
+        if not self._send_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise RequestTimeout("could not send within the wait (another request is stuck sending)")
+        try:
+            view = memoryview(frame)
+            while view:
+                try:
+                    view = view[self._frames.sock.send(view):]
+                except (BlockingIOError, TimeoutError):  # nothing was sent in this tick
+                    if deadline is not None and time.monotonic() >= deadline:
+                        if len(view) < len(frame):
+                            self._fail(ConnectionLost("a request was cut in the middle by its timeout"))
+                        raise RequestTimeout("the peer takes nothing (stopped?)") from None
+        finally:
+            self._send_lock.release()
+
+    def _read_until(self, rid: int, deadline: float | None, timeout: float | None) -> tuple[Any, int | None]:
         try:
             while True:
-                reply = self._frames.recv(self._decoder)
+                try:
+                    reply = self._frames.recv(self._decoder)
+                except (BlockingIOError, TimeoutError):  # nothing in this tick; a partial frame stays buffered
+                    if deadline is not None and time.monotonic() >= deadline:
+                        with self._cond:  # hand the reading over to another waiter, if any
+                            self._reading = False
+                            self._replies.pop(rid, None)
+                            self._cond.notify_all()
+                        raise RequestTimeout(f"no reply within {timeout:g} s") from None
+                    continue
                 if reply is None:
                     raise ConnectionLost("the peer closed the connection")
                 fd = self._frames.take_fd() if isinstance(reply, protocol.Attached) else None
                 with self._cond:
                     if reply.id in self._replies:
                         self._replies[reply.id] = (reply, fd)
-                    elif isinstance(reply, protocol.ErrorReply):
-                        raise ConnectionLost(f"{reply.code}: {reply.message}")
+                    elif isinstance(reply, protocol.ErrorReply) and reply.id == 0:
+                        # Id 0 answers the connection, not a request: busy,
+                        # stopping, too many channels, forbidden.
+                        raise RequestFailed(reply.code, reply.message)
                     elif fd is not None:
-                        os.close(fd)
+                        os.close(fd)  # the late reply of a request that timed out
                     if reply.id == rid:
                         self._reading = False
                         self._cond.notify_all()
                         return self._replies.pop(rid)
                     self._cond.notify_all()
-        except (OSError, protocol.ProtocolError, ConnectionLost) as exc:
+        except (OSError, protocol.ProtocolError, ConnectionLost, RequestFailed) as exc:
             self._fail(exc)
             with self._cond:
                 self._replies.pop(rid, None)
-            raise exc if isinstance(exc, ConnectionLost) else ConnectionLost(str(exc)) from exc
+            raise exc if isinstance(exc, (ConnectionLost, RequestFailed)) else ConnectionLost(str(exc)) from exc
 
     def _fail(self, exc: Exception) -> None:
         with self._cond:
@@ -126,6 +209,13 @@ class _Connection:
         except OSError:
             pass
         self._frames.close()
+
+
+def _seconds(value: object) -> float | None:
+    """A positive number of seconds, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
 
 
 def _to_dict(info: protocol.SessionInfo) -> dict[str, Any]:
@@ -203,11 +293,18 @@ class Session:
                     return Result.failure(f"session {self.id} is not available: {exc}")
                 channel = self._channel
         assert channel is not None
+        own, wait = self._call_wait(params)
         try:
-            reply, _ = channel.request(lambda rid: protocol.CallTool(id=rid, tool=name, params=params))
+            reply, _ = channel.request(lambda rid: protocol.CallTool(id=rid, tool=name, params=params), timeout=wait)
+        except RequestTimeout:
+            return Result.failure(
+                f"{name}: no reply from the sandbox of session {self.id} within {wait:g} s (the call's own limit of "
+                f"{own:g} s plus a margin of {self._client.call_margin:g} s): its tool server is stopped or "
+                "overloaded; the call may still finish, so its outcome is unknown", {"client_timeout_s": wait})
+        except RequestFailed as exc:
+            return Result.failure(f"{name}: {exc.message}", {"refused": exc.code})
         except ConnectionLost as exc:
-            return Result.failure(f"the sandbox of session {self.id} went away during {name} ({exc}); "
-                                  "the session was closed, ended idle, or its network was switched")
+            return self._lost(name, exc)
         except NotSent as exc:
             return Result.failure(f"{name}: the arguments cannot be sent: {exc}")
         if isinstance(reply, protocol.ErrorReply):
@@ -215,6 +312,58 @@ class Session:
         if reply.success:
             return Result._from_wire(True, reply.output or "", reply.metadata)
         return Result._from_wire(False, reply.error or "failed", reply.metadata)
+
+    def _lost(self, name: str, exc: ConnectionLost) -> Result:
+        """The channel broke mid-call: ask the daemon what happened (by attaching
+        again, which also serves the next call when the session lives on)."""
+        cause = ""
+        deadline = time.monotonic() + 5.0
+        with self._lock:
+            while True:
+                try:
+                    self._attach()
+                except ConnectionLost as lost:
+                    cause = f"dispatchd is gone ({lost}); the session ended with it"
+                    break
+                except DispatchError as err:
+                    cause = str(err)
+                    break
+                # Attached: a new sandbox (a network switch), or the old one
+                # not yet seen gone by the daemon (then the new channel hangs
+                # up at once): ask again until the daemon knows.
+                if not self._channel_hung_up() or time.monotonic() > deadline:
+                    cause = ("the session's sandbox was replaced (its network was switched); "
+                             "the call's processes were ended")
+                    break
+                time.sleep(0.05)
+        text = f"the sandbox of session {self.id} went away during {name}: {cause}"
+        meta: dict[str, Any] = {"lost": True}
+        if name in _MUTATING:
+            # The new content may have reached the disk before the tool server went.
+            text += ("; outcome unknown: the file may hold its old content or the new one (never a mix): "
+                     "re-read the file")
+            meta["outcome_unknown"] = True
+        return Result._from_wire(False, f"{text} ({exc})", meta)
+
+    def _channel_hung_up(self, wait_s: float = 0.1) -> bool:
+        channel = self._channel
+        if channel is None:
+            return True
+        poller = select.poll()
+        poller.register(channel._frames.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(wait_s * 1000))
+    def _call_wait(self, params: dict[str, Any]) -> tuple[float, float]:
+        """(the call's own time limit, how long to wait for its reply): a
+        command's ``timeout`` (capped by the policy), else the policy's command
+        timeout; plus any ``wait`` it asks for; plus the client's margin."""
+        limits = self._info.limits
+        own = _seconds(limits.get("command_timeout_s")) or 120.0
+        asked, wait = params.get("timeout"), params.get("wait")  # usually neither: the fast path
+        if asked is not None and (asked := _seconds(asked)) is not None:
+            own = min(asked, _seconds(limits.get("max_command_timeout_s")) or asked)
+        if wait is not None:
+            own += _seconds(wait) or 0.0
+        return own, own + self._client.call_margin
 
     def set_network(self, network: bool | str, ports: list[int] | None = None,
                     bind_ports: list[int] | None = None) -> bool:
@@ -269,14 +418,21 @@ class Session:
 
 
 class Client:
-    """A connection to the daemon."""
+    """A connection to the daemon. ``timeout``: how long to wait for the
+    daemon (to start, when autostarting, and to answer each request);
+    ``call_margin``: how long past a tool call's own time limit to wait for
+    its reply."""
 
-    def __init__(self, socket_path: str, *, autostart: bool = False, timeout: float = 10.0) -> None:
+    def __init__(self, socket_path: str, *, autostart: bool = False, timeout: float = 30.0,
+                 call_margin: float = 30.0) -> None:
         self.socket_path = socket_path
+        self.timeout = timeout
+        self.call_margin = call_margin
         sock = _connect(socket_path, autostart=autostart, timeout=timeout)
         self._conn = _Connection(sock, protocol.daemon_reply_decoder, fds=True)
         try:
-            reply, _ = self._conn.request(lambda rid: protocol.Hello(id=rid, version=protocol.PROTOCOL_VERSION, client="dispatch"))
+            reply, _ = self._daemon_request(
+                lambda rid: protocol.Hello(id=rid, version=protocol.PROTOCOL_VERSION, client="dispatch"))
         except BaseException:
             self._conn.close()
             raise
@@ -287,7 +443,11 @@ class Client:
 
     def _daemon_request(self, build: Callable[[int], msgspec.Struct]) -> tuple[Any, int | None]:
         try:
-            reply, fd = self._conn.request(build)
+            reply, fd = self._conn.request(build, timeout=self.timeout)
+        except RequestTimeout as exc:
+            raise RequestTimeout(f"dispatchd at {self.socket_path} did not answer within {self.timeout:g} s "
+                                 f"({exc}): it is stopped, hung or overloaded (connect(timeout=...) sets the wait)"
+                                 ) from exc
         except ConnectionLost as exc:
             raise ConnectionLost(f"lost the connection to dispatchd at {self.socket_path}: {exc}") from exc
         if isinstance(reply, protocol.ErrorReply):
@@ -295,11 +455,18 @@ class Client:
         return reply, fd
 
     def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
-                     ports: list[int] | None = None, bind_ports: list[int] | None = None) -> Session:
+                     ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
+                     detached: bool = False, orphan_grace_s: float | None = None) -> Session:
+        """Open a session on ``worktree``. It ends when closed, when idle, and
+        when every connection holding it (this client, and clients that
+        attached to it) has gone for the policy's ``orphan_grace_s`` (or the
+        shorter ``orphan_grace_s`` given here); ``detached=True`` keeps it
+        open with nobody holding it, until it is closed or ends idle."""
         word = _network_word(network)
         path = os.path.abspath(os.fspath(worktree))
         reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(
-            id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports))
+            id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports,
+            detached=detached, orphan_grace_s=orphan_grace_s))
         try:
             return Session(self, reply.session, owned=True)
         except BaseException:
@@ -352,34 +519,76 @@ class Client:
         self.close()
 
 
-def _try_connect(path: str) -> socket.socket | None:
+def _try_connect(path: str, timeout: float) -> socket.socket | None:
+    """A connection to the daemon at ``path``, or None when nothing listens.
+    Nothing is sent here; the directory and the peer are checked first."""
+    directory, name = os.path.split(path)
+    try:
+        dirfd = paths.open_socket_dir(directory or ".")
+    except FileNotFoundError:
+        return None
+    except paths.UnsafeDirectory as exc:
+        raise UntrustedSocket(f"{exc} (refused before anything was sent)") from exc
+    except OSError as exc:
+        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(path)
-        return sock
+        sock.settimeout(timeout)
+        sock.connect(paths.via_fd(dirfd, name))
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         return None
+    except TimeoutError as exc:
+        sock.close()
+        raise RequestTimeout(f"dispatchd at {path} did not take the connection within {timeout:g} s "
+                             "(stopped, or its backlog is full)") from exc
     except OSError as exc:
         sock.close()
         raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
+    finally:
+        os.close(dirfd)
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", raw)
+    problem = paths.peer_problem(uid, pid, os.getuid())
+    if problem is not None:
+        sock.close()
+        raise UntrustedSocket(f"refusing the socket {path}: {problem}, so it is not your dispatchd and nothing "
+                              "was sent to it; remove it if you can, or use a socket of your own (--socket, "
+                              "$DISPATCH_SOCKET, or set XDG_RUNTIME_DIR)")
+    return sock
+
+
+def _python() -> list[str]:
+    """This interpreter, never importing from the current directory (``-P``),
+    and as isolated as we were ourselves."""
+    flags = ["-P"]
+    if sys.flags.isolated:
+        flags.append("-I")
+    else:
+        flags += ["-E"] if sys.flags.ignore_environment else []
+        flags += ["-s"] if sys.flags.no_user_site else []
+    return [sys.executable, *flags]
 
 
 def _start_daemon(path: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``dispatchd`` in the background on ``path``; returns it and its log file."""
+    """Start ``dispatchd`` in the background on ``path``; returns it and its log file.
+    From ``/`` and with ``-P``: a ``dispatchd`` package in the caller's
+    directory (a worktree an agent wrote) is never what runs."""
     log_dir = paths.state_dir()
     paths.ensure_private_dir(log_dir)
     log_path = os.path.join(log_dir, "dispatchd.log")
     with open(log_path, "ab") as log:
+        # The daemon rotates its log (--log-file); stderr stays for what comes
+        # before logging starts (a refused start), read back below.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dispatchd", "--socket", path],
+            [*_python(), "-m", "dispatchd", "--socket", path, "--log-file", log_path], cwd="/",
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
         )
     return proc, log_path
 
 
 def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
-    sock = _try_connect(path)
+    sock = _try_connect(path, timeout)
     if sock is not None:
         return sock
     if not autostart:
@@ -390,7 +599,7 @@ def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
     exited = None
     while time.monotonic() < deadline:
         time.sleep(0.05)
-        sock = _try_connect(path)
+        sock = _try_connect(path, timeout)
         if sock is not None:
             return sock
         exited = proc.poll()
@@ -408,6 +617,9 @@ def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
     raise DaemonUnavailable(f"started dispatchd on {path} but it did not answer within {timeout:.0f} s{tail}")
 
 
-def connect(socket: str | None = None, *, autostart: bool = False, timeout: float = 10.0) -> Client:
-    """Connect to the daemon at ``socket`` (default: the contract's path order)."""
-    return Client(paths.resolve_socket_path(socket), autostart=autostart, timeout=timeout)
+def connect(socket: str | None = None, *, autostart: bool = False, timeout: float = 30.0,
+            call_margin: float = 30.0) -> Client:
+    """Connect to the daemon at ``socket`` (default: the contract's path order).
+    ``timeout`` bounds every wait for the daemon (its start, each request:
+    ``RequestTimeout``); a tool call waits its own limit plus ``call_margin``."""
+    return Client(paths.resolve_socket_path(socket), autostart=autostart, timeout=timeout, call_margin=call_margin)

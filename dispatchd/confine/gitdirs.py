@@ -31,15 +31,17 @@ to write, and the planner turns that into mounts and Landlock rules:
   once the session's processes are gone and moves it aside
   (``quarantine_new_redirects``), and likewise a linked worktree's entry the
   session added whose ``commondir`` leads elsewhere than this ``.git``;
-- a nested repository that the session records in the index as a submodule
-  (a gitlink, mode 160000) would have the user's ``git status`` run git in it,
-  with its own config: the daemon reads the index (versions 2-4, SHA-1 or
-  SHA-256, split or not) at open and once the session's processes are gone,
-  and moves aside the ``.git`` of every submodule that is new or changed
-  (``quarantine_new_submodules``), in both modes; an index it cannot check is
-  moved aside whole. It reaches a submodule's directory one component at a
-  time with ``O_NOFOLLOW``: no index entry and no symlink can make it act
-  outside the worktree.
+- what a session can still change — a git directory it renames away (with
+  the binds inside) and rebuilds, a new one (a submodule of a submodule), a
+  gitfile, ``info/attributes`` — is found by content when it ends:
+  ``gitsnapshot`` records what git reads for configuration in every git
+  directory at open and moves aside what differs once the session's processes
+  are gone. In full mode ``.git``, ``.git/modules``, ``.git/worktrees`` and
+  every submodule's git directory are also mount points of their own
+  (``mount_points``): renaming one fails (EBUSY). This module supplies the
+  index reader (versions 2-4, SHA-1 or SHA-256, split or not) and the walk
+  (one component at a time with ``O_NOFOLLOW``: no index entry and no
+  symlink can make the daemon act outside the worktree).
 
 The read-only binds exist only in full mode (a mount namespace); without one,
 Landlock cannot carve a read-only hole in a writable tree, and the session's
@@ -48,7 +50,8 @@ Landlock cannot carve a read-only hole in a writable tree, and the session's
 The daemon reads inside a worktree only git's metadata here, all of it as
 hostile content: the ``.git`` pointer file (``O_NOFOLLOW``, at most 4 KiB, a
 regular file only), the index and a split index's shared part
-(``O_NOFOLLOW``, at most 256 MiB, parsed strictly), and directory listings.
+(``O_NOFOLLOW``, at most 256 MiB, parsed strictly), and directory listings;
+``gitsnapshot`` reads the configuration files it lists.
 """
 
 from __future__ import annotations
@@ -79,6 +82,11 @@ class GitLayout(msgspec.Struct, frozen=True):
     readable: list[str] = []  # outside the worktree: Landlock read-only
     writable: list[str] = []  # outside the worktree: Landlock read-write, bound writable
     note: str = ""
+    # Inside the worktree, bound writable over themselves: a mount point cannot
+    # be renamed (EBUSY), so the read-only binds inside stay where git reads
+    # them (.git/modules, .git/worktrees, every git directory of a submodule,
+    # and each directory on the way to one under .git/modules).
+    mount_points: list[str] = []
 
 
 def _read_small(path: str) -> str | None:
@@ -127,9 +135,7 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         dirs = [dotgit] + _module_gitdirs(dotgit) + _embedded_gitdirs(worktree, index)
         protect: list[str] = []
         for gitdir in dirs:
-            _ensure_hooks(gitdir)
-            protect += [os.path.join(gitdir, name) for name in RUN_FROM]
-            protect += _hooks_target(worktree, gitdir)
+            protect += _protect(worktree, gitdir)
         worktrees = os.path.join(dotgit, "worktrees")
         if _is_dir(worktrees):
             # The other linked worktrees' entries, whole: which common
@@ -140,7 +146,10 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
             for entry in sorted(os.scandir(worktrees), key=lambda e: e.name):
                 if entry.is_dir(follow_symlinks=False):
                     protect.append(entry.path)
-        return GitLayout("repository", index=index, read_only=_existing(protect), gitdirs=dirs)
+        held = ([os.path.join(d, "modules") for d in dirs] + [worktrees] + _module_steps(worktree, dirs[1:])
+                + dirs[1:])
+        return GitLayout("repository", index=index, read_only=_existing(protect), gitdirs=dirs,
+                         mount_points=sorted(p for p in set(held) if _is_dir(p)))
     if not stat.S_ISREG(st.st_mode):
         return GitLayout("refused", note=".git is neither a directory nor a file")
     text = _read_small(dotgit) or ""
@@ -177,6 +186,27 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
                      writable=writable, gitdirs=[gitdir])
 
 
+def _protect(worktree: str, gitdir: str) -> list[str]:
+    """What of one git directory is bound read-only (those that exist)."""
+    _ensure_hooks(gitdir)
+    return [os.path.join(gitdir, name) for name in RUN_FROM + ("info/attributes",)] + _hooks_target(worktree, gitdir)
+
+
+def with_gitdirs(layout: GitLayout, worktree: str, found: list[str]) -> GitLayout:
+    """The layout, with git directories found since (``gitsnapshot`` walks
+    every index, recursively: in-place submodules of submodules, where a
+    gitfile leads) protected like the others: read-only config and hooks,
+    and a mount point of their own."""
+    new = [d for d in found if d not in layout.gitdirs and _is_dir(d)]
+    if layout.kind != "repository" or not new:
+        return layout
+    protect = [p for d in new for p in _protect(worktree, d)]
+    held = [os.path.join(d, "modules") for d in new] + new
+    return msgspec.structs.replace(
+        layout, gitdirs=layout.gitdirs + new, read_only=layout.read_only + _existing(protect),
+        mount_points=sorted(set(layout.mount_points) | {p for p in held if _is_dir(p)}))
+
+
 def _is_gitdir(path: str) -> bool:
     return _is_file(os.path.join(path, "HEAD")) and _is_dir(os.path.join(path, "objects"))
 
@@ -206,6 +236,21 @@ def _module_gitdirs(gitdir: str) -> list[str]:
             else:
                 pending.append(entry.path)  # a directory of a name with slashes
     return sorted(found)
+
+
+def _module_steps(worktree: str, gitdirs: list[str]) -> list[str]:
+    """The directories under a ``modules`` on the way to a submodule's git
+    directory whose name has slashes (``modules/libs`` for ``libs/sub``)."""
+    below = worktree.rstrip("/") + "/"
+    steps: set[str] = set()
+    for found in gitdirs:
+        chain, parent = [], os.path.dirname(found)
+        while parent.startswith(below) and os.path.basename(parent) != "modules":
+            chain.append(parent)
+            parent = os.path.dirname(parent)
+        if parent.startswith(below):
+            steps.update(chain)
+    return sorted(steps)
 
 
 def _embedded_gitdirs(worktree: str, index: str) -> list[str]:
@@ -479,16 +524,6 @@ def _parse_entries(data: bytes, version: int, count: int, hash_size: int,
     return links, pos, replaced, replaced_gitlink
 
 
-class SubmoduleState(msgspec.Struct, frozen=True):
-    """For each submodule of the index: how its ``.git`` looked (lstat), or None.
-    ``readable`` is False when an index exists that cannot be checked (too
-    large, split with its shared part missing, or not an index we can parse)."""
-
-    readable: bool
-    links: dict[str, tuple[int, int, int, int] | None] = {}
-    index: tuple[int, int, int, int] | None = None  # the index file's own lstat
-
-
 def index_gitlinks(index: str) -> set[str] | None:
     """The submodules an index file records, a split index's shared part
     included; an empty set when there is no index, None when it cannot be read."""
@@ -551,105 +586,6 @@ def _open_parent(worktree: str, link: str) -> int | None:
         os.close(fd)
         fd = nxt
     return fd
-
-
-# The state of a submodule's .git that could not be looked at (mode -1 is no
-# file's): never "as before", always reported (see quarantine_new_submodules).
-def _unreadable(exc: OSError) -> tuple[int, int, int, int]:
-    return (-1, exc.errno or 0, 0, 0)
-
-
-# A submodule path git would not write itself ("a//b", "./a", "a/b/", "..",
-# absolute) but walks all the same when it reads an index written byte by
-# byte: never followed by the daemon, and so never "absent" either.
-_ODD_NAME = (-2, 0, 0, 0)
-
-
-def _dotgit_stat(worktree: str, link: str) -> tuple[int, int, int, int] | None:
-    if not _safe_link(link):
-        return _ODD_NAME
-    try:
-        fd = _open_parent(worktree, link)
-    except OSError as exc:
-        return _unreadable(exc)
-    if fd is None:
-        return None
-    try:
-        st = os.stat(".git", dir_fd=fd, follow_symlinks=False)
-    except OSError as exc:
-        return None if exc.errno in _ABSENT else _unreadable(exc)
-    finally:
-        os.close(fd)
-    if stat.S_ISDIR(st.st_mode):
-        # A git directory kept in place changes its mtime with every commit;
-        # what counts is whether it is the same directory (its config and
-        # hooks are held read-only in full mode).
-        return (st.st_mode, st.st_ino, 0, 0)
-    # ctime, not mtime: a process can put a file's mtime back (utime), never
-    # its ctime, so a gitfile rewritten in place to the same length shows.
-    return (st.st_mode, st.st_ino, st.st_size, st.st_ctime_ns)
-
-
-def _lstat_key(path: str) -> tuple[int, int, int, int] | None:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return (st.st_mode, st.st_ino, st.st_size, st.st_ctime_ns)  # ctime: see _dotgit_stat
-
-
-def submodule_state(worktree: str, index: str) -> SubmoduleState:
-    if not index:
-        return SubmoduleState(readable=True)
-    links = index_gitlinks(index)
-    if links is None:
-        return SubmoduleState(readable=False, index=_lstat_key(index))
-    return SubmoduleState(readable=True, links={link: _dotgit_stat(worktree, link) for link in links},
-                          index=_lstat_key(index))
-
-
-def quarantine_new_submodules(worktree: str, index: str, before: SubmoduleState) -> tuple[list[str], list[str]]:
-    """Move aside the ``.git`` of every submodule a session registered or
-    changed: the user's ``git status`` would run in it, with its own config
-    (``core.fsmonitor``...). Call once every process of the session is gone.
-    Returns what was moved, and what could not be (with why)."""
-    now = submodule_state(worktree, index)
-    # A submodule the daemon cannot look at — behind a directory made
-    # unsearchable, or named in a way git would not write — may be the
-    # session's, even if it was there before (the session could have opened
-    # it in between): the user's git must not take it for a submodule.
-    uncheckable = any(seen is not None and seen[0] < 0 for seen in now.links.values())
-    if uncheckable or (not now.readable and (before.readable or now.index != before.index)):
-        # An index the session left that cannot be checked (grown past the
-        # limit, split with its shared part gone, garbled), or that records
-        # such a submodule, is not handed to the user's git: moved aside, it
-        # costs a `git reset`, never a file (the submodule's files stay,
-        # untracked, and git runs nothing in an untracked repository).
-        if _plain_path_below(worktree, index) or not index.startswith(worktree.rstrip("/") + "/"):
-            try:
-                return [move_aside(index)], []
-            except OSError as exc:
-                return [], [f"{index}: {exc.strerror}"]
-        return [], [f"{index}: reached through a symlink; left alone"]
-    moved: list[str] = []
-    failed: list[str] = []
-    for link, seen in now.links.items():
-        if seen is None or before.links.get(link, "new") == seen:
-            continue  # no .git there (git skips it), or as it was before the session
-        try:
-            fd = _open_parent(worktree, link)  # searchable a moment ago (seen is a stat)
-        except OSError as exc:
-            failed.append(f"{os.path.join(worktree, link, '.git')}: {exc.strerror}")
-            continue
-        if fd is None:
-            continue
-        try:
-            moved.append(os.path.join(worktree, link, _move_aside_at(fd, ".git")))
-        except OSError as exc:
-            failed.append(f"{os.path.join(worktree, link, '.git')}: {exc.strerror}")
-        finally:
-            os.close(fd)
-    return moved, failed
 
 
 def _move_aside_at(dir_fd: int, name: str) -> str:

@@ -5,11 +5,15 @@ nothing in the session can raise them again — it has no CAP_SYS_RESOURCE):
 - processes: at most ``max_processes`` (threads count). With a user namespace
   the kernel counts them per namespace, so this is the session's own budget
   (a fork bomb stops there and the user's other processes are untouched).
-  Without one the kernel counts every process of the user, so the limit is set
-  to what the user runs at open plus the session's budget;
+  Without one the kernel counts every task (thread) of the user, so the limit
+  is set to what the user runs at open, threads included, plus the session's
+  budget;
 - memory: each process's data segment is capped at ``max_data_bytes``
   (RLIMIT_DATA: heap and private writable mappings; reserved-but-unused
   address space, as V8 and the JVM make, does not count);
+- per-user budgets: at most ``max_pending_signals`` queued signals and
+  ``max_msgqueue_bytes`` of POSIX message queues (with a user namespace the
+  kernel counts the session's own at its level, so the user keeps the rest);
 - files: no file larger than ``max_file_bytes`` (RLIMIT_FSIZE), at most
   ``max_open_files`` descriptors per process, and no core dumps (they would
   write a process's memory, secrets included, into the worktree).
@@ -35,22 +39,36 @@ class LimitsPlan(msgspec.Struct, frozen=True):
     max_data_bytes: int
     max_file_bytes: int
     max_open_files: int
+    # Budgets the kernel counts per user and checks at every user-namespace
+    # level (Linux 5.14+): the session's total at its own level is bounded by
+    # these, so it cannot take the user's whole budget (see SECURITY.md).
+    max_pending_signals: int = 4096  # RLIMIT_SIGPENDING (the user's: about 96,000)
+    max_msgqueue_bytes: int = 204800  # RLIMIT_MSGQUEUE (the user's: 819,200)
 
 
 def plan_limits(*, max_processes: int, max_data_bytes: int, max_file_bytes: int, max_open_files: int,
-                user_namespace: bool) -> LimitsPlan:
+                user_namespace: bool, max_pending_signals: int = 4096,
+                max_msgqueue_bytes: int = 204800) -> LimitsPlan:
     return LimitsPlan(max_processes=max_processes, processes_per_namespace=user_namespace,
-                      max_data_bytes=max_data_bytes, max_file_bytes=max_file_bytes, max_open_files=max_open_files)
+                      max_data_bytes=max_data_bytes, max_file_bytes=max_file_bytes, max_open_files=max_open_files,
+                      max_pending_signals=max_pending_signals, max_msgqueue_bytes=max_msgqueue_bytes)
 
 
 def _processes_of(uid: int) -> int:
+    """What the kernel counts against RLIMIT_NPROC for ``uid``: tasks, so every
+    thread of every process (a daemon with a hundred threads is a hundred). A
+    count of processes alone left no room to fork where the user ran threads."""
     count = 0
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    count += 1
-            except OSError:
+                if os.stat(f"/proc/{entry}").st_uid != uid:
+                    continue
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    # Field 20 (num_threads), counted after the command name,
+                    # which is in parentheses and may hold spaces.
+                    count += int(f.read().rsplit(b")", 1)[1].split()[17])
+            except (OSError, IndexError, ValueError):
                 continue
     return count
 
@@ -74,3 +92,5 @@ def apply_limits(plan: LimitsPlan) -> None:
     _set("RLIMIT_FSIZE", resource.RLIMIT_FSIZE, plan.max_file_bytes)
     _set("RLIMIT_NOFILE", resource.RLIMIT_NOFILE, plan.max_open_files)
     _set("RLIMIT_CORE", resource.RLIMIT_CORE, 0)
+    _set("RLIMIT_SIGPENDING", resource.RLIMIT_SIGPENDING, plan.max_pending_signals)
+    _set("RLIMIT_MSGQUEUE", resource.RLIMIT_MSGQUEUE, plan.max_msgqueue_bytes)

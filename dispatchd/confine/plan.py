@@ -16,6 +16,8 @@ import msgspec
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
 from dispatchd.confine.gitdirs import GitLayout
 from dispatchd.confine.limits import LimitsPlan, plan_limits
+from dispatchd.confine.ucounts import UcountsPlan, budget_gaps, plan_ucounts
+from dispatchd.confine.ucounts import describe as describe_ucounts
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, LandlockPlan, plan_landlock
 from dispatchd.confine.mounts import MountPlan, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
@@ -57,6 +59,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     landlock: LandlockPlan
     seccomp: SeccompPlan
     limits_plan: LimitsPlan
+    ucounts: UcountsPlan  # kernel budgets bounded in the session's user namespace
     cgroup: SessionCgroup | None  # made by the daemon, joined first by the worker
     env: dict[str, str]
     tools: list[str]
@@ -70,7 +73,8 @@ def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: Gi
     gaps = []
     if not use_userns and git.kind in ("repository", "linked"):
         gaps.append("git metadata (.git/config, hooks, pointer files) is writable: without a mount namespace "
-                    "nothing holds it read-only, and the user's git outside would run what a session wrote there")
+                    "nothing holds it read-only, and the user's git outside would run what a session wrote there "
+                    "while the session is open (when it ends, what changed is moved aside)")
     if not use_userns:
         gaps += [
             "chmod, chown, utime and xattr changes on files the user owns outside the worktree "
@@ -154,6 +158,10 @@ def plan_session(
             # .git a mount point of its own: it cannot be renamed aside (EBUSY)
             # with its read-only config and hooks, and a new one planted.
             writable.append(paths.worktree + "/.git")
+            # The same for .git/modules, .git/worktrees and every submodule's
+            # git directory (parents first): renaming one away, its read-only
+            # binds with it, to build another in its place fails (EBUSY).
+            writable += list(git.mount_points)
         writable += [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
         mounts = plan_mounts(writable=writable, visible=[paths.worktree] + list(git.readable), private_tmp=paths.tmp,
                              hide=list(paths.runtime_dirs), proc=True,
@@ -212,7 +220,8 @@ def plan_session(
     lim = policy.limits
     limits_plan = plan_limits(max_processes=lim.max_processes, max_data_bytes=lim.max_data_bytes,
                               max_file_bytes=lim.max_file_bytes, max_open_files=lim.max_open_files,
-                              user_namespace=use_userns)
+                              user_namespace=use_userns, max_pending_signals=lim.max_pending_signals,
+                              max_msgqueue_bytes=lim.max_msgqueue_bytes)
     cgroup = plan_session_cgroup(delegation, session, max_processes=lim.max_processes,
                                  memory_bytes=lim.session_memory_bytes, cpu_weight=lim.cpu_weight)
     held = set(cgroup.settings) if cgroup else set()
@@ -225,12 +234,21 @@ def plan_session(
         "max_processes": (f"{lim.max_processes} (pids.max over the session)" if "pids.max" in held
                           else rlimit_processes),
         "memory": (f"{lim.session_memory_bytes} bytes over the session (memory.max, no swap)" if "memory.max" in held
-                   else f"{lim.max_data_bytes} bytes of data per process (RLIMIT_DATA)"),
+                   else f"{lim.session_memory_bytes} bytes over the session (the daemon's memory watchdog); "
+                        f"{lim.max_data_bytes} bytes of data per process (RLIMIT_DATA)"),
         "cpu_weight": lim.cpu_weight if "cpu.weight" in held else "not enforced (no cpu controller)",
         "max_data_bytes_per_process": lim.max_data_bytes,
         "max_file_bytes": lim.max_file_bytes,
         "max_open_files_per_process": lim.max_open_files,
     }
+    ucounts = plan_ucounts(user_namespace=use_userns, inotify_instances=lim.max_inotify_instances,
+                           inotify_watches=lim.max_inotify_watches, fanotify_groups=lim.max_fanotify_groups,
+                           fanotify_marks=lim.max_fanotify_marks)
+    protections["limits"]["kernel_budgets"] = describe_ucounts(ucounts)
+    # What a session can still take from budgets it shares with the user (the
+    # sandbox's own gaps are the top-level leaves_open).
+    protections["limits"]["leaves_open"] = budget_gaps(user_namespace=use_userns, cgroup_controllers=tuple(
+        c for c, key in (("memory", "memory.max"), ("cpu", "cpu.weight")) if key in held))
     return SessionPlan(
         session=session,
         policy=policy.name,
@@ -242,6 +260,7 @@ def plan_session(
         landlock=landlock,
         seccomp=seccomp,
         limits_plan=limits_plan,
+        ucounts=ucounts,
         cgroup=cgroup,
         env=env,
         tools=list(policy.tools),

@@ -9,16 +9,28 @@ Guarantees:
 - broken framing (garbage length, oversized frame, EOF mid-frame) closes that
   connection only; every other client keeps being served;
 - each connection has its own thread (blocking I/O: measured faster than
-  asyncio for this request/response pattern, and tool calls do not come here).
+  asyncio for this request/response pattern, and tool calls do not come here);
+- no client can stop it (a hostile process of the same user included): a
+  running out of descriptors or threads in ``accept`` is waited out, never
+  fatal; connections over the cap, and all new ones once it is stopping, get
+  an ``ErrorReply`` with id 0 (code ``busy`` or ``stopping``) at once; a
+  connection may send ``MAX_HELLO_FRAME`` bytes and must greet within
+  ``HELLO_TIMEOUT_S`` before it is served, then requests of at most
+  ``MAX_REQUEST_FRAME``; a frame over the limit is answered
+  (``frame_too_large``) and the connection closed before the payload is read.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import logging
 import os
+import select
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 from dispatchd import __version__, protocol
@@ -28,6 +40,14 @@ from dispatchd.kernel import KernelFeatures
 from dispatchd.tools.spec import schemas_for
 
 log = logging.getLogger("dispatchd.server")
+
+# A client greets at once; a connection that has not within this long is
+# dropped, so idle sockets cannot hold slots for ever.
+HELLO_TIMEOUT_S = 10.0
+# accept() out of descriptors or threads: wait this long (doubling) before
+# trying again, instead of spinning on a backlog we cannot take.
+_BACKOFF_S = (0.01, 0.5)
+_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -45,6 +65,9 @@ class Server:
         kernel: KernelFeatures,
         socket_path: str,
         load_policy: Any,
+        *,
+        max_connections: int = 4096,
+        budget: dict[str, Any] | None = None,
     ) -> None:
         self.listener = listener
         self.manager = manager
@@ -52,24 +75,143 @@ class Server:
         self.socket_path = socket_path
         self.load_policy = load_policy
         self.stopping = threading.Event()
+        self.closed = threading.Event()
         self.uid = os.getuid()
+        self._conn_ids = itertools.count(1)  # which connection holds which session (lifetimes.py)
+        self.max_connections = max_connections
+        self.budget = budget or {}  # what status says of our descriptors (capacity.OpenFiles)
+        self._count_lock = threading.Lock()
+        self.connections = 0
+        # The wake-up pipe: stop() writes a byte, so the accept loop sleeps in
+        # poll() instead of waking every tenth of a second to look.
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        # A descriptor held in reserve: out of descriptors, we close it to
+        # accept one pending connection and tell it why, instead of leaving it
+        # in the backlog where it would wake us again and again.
+        self._spare: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+
+    def stop(self) -> None:
+        """Take no new connection (they are told the daemon is stopping). Safe
+        in a signal handler."""
+        self.stopping.set()
+        self._wake()
+
+    def close(self) -> None:
+        """End ``refuse_until_closed``: the listener is about to close."""
+        self.closed.set()
+        self._wake()
+
+    def wakeup_fd(self) -> int:
+        """The write end of the wake-up pipe, for ``signal.set_wakeup_fd``."""
+        return self._wake_w
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full: the loop is awake already
 
     def serve_forever(self) -> None:
-        self.listener.settimeout(0.1)  # to notice ``stopping`` promptly
-        while not self.stopping.is_set():
+        """Serve until ``stop()``."""
+        self._accept_loop(self.stopping, self._start_connection)
+
+    def refuse_until_closed(self) -> None:
+        """While stopping: answer every new connection at once, until ``close()``."""
+        self._accept_loop(self.closed, lambda conn: self._refuse(
+            conn, "stopping", "dispatchd is stopping (it takes no new connections): "
+                              "calls in flight are finishing; start it again once it has exited"))
+
+    def _accept_loop(self, until: threading.Event, take: Any) -> None:
+        self.listener.setblocking(False)
+        poller = select.poll()
+        poller.register(self.listener, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        backoff = _BACKOFF_S[0]
+        while not until.is_set():
+            poller.poll()
+            try:
+                while os.read(self._wake_r, 64):
+                    pass
+            except BlockingIOError:
+                pass
+            while not until.is_set():
+                try:
+                    conn, _ = self.listener.accept()
+                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                    break
+                except OSError as exc:
+                    if until.is_set() or exc.errno == errno.EBADF:
+                        return
+                    if exc.errno not in _EXHAUSTED:
+                        log.warning("event=accept_failed error=%s", exc)
+                        time.sleep(backoff)
+                        break
+                    log.warning("event=accept_exhausted error=%s connections=%s", exc, self.connections)
+                    self._refuse_one_with_spare()
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, _BACKOFF_S[1])
+                    break
+                backoff = _BACKOFF_S[0]
+                conn.setblocking(True)
+                take(conn)
+
+    def _refuse_one_with_spare(self) -> None:
+        """Out of descriptors: give up the spare and, through the descriptor it
+        frees, take each pending connection, tell it, close it; then take the
+        spare back. Clients get an answer at once, not a hang in the backlog."""
+        if self._spare is None:
+            return
+        os.close(self._spare)
+        self._spare = None
+        for _ in range(1024):
             try:
                 conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
             except OSError:
-                if self.stopping.is_set():
-                    break
-                raise
-            conn.settimeout(None)
+                break
+            self._refuse(conn, "busy", "dispatchd is out of file descriptors (RLIMIT_NOFILE); "
+                                       "close some connections or sessions, or try again shortly")
+        try:
+            self._spare = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass  # taken back on a later round
+
+    @staticmethod
+    def _refuse(conn: socket.socket, code: str, message: str) -> None:
+        """Answer a connection we will not serve (id 0: it is the connection, not
+        a request, that is refused) and close it, never blocking on it."""
+        try:
+            conn.setblocking(False)
+            conn.send(protocol.encode(protocol.ErrorReply(id=0, code=code, message=message)))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _start_connection(self, conn: socket.socket) -> None:
+        with self._count_lock:
+            full = self.connections >= self.max_connections
+            if not full:
+                self.connections += 1
+        if full:
+            log.warning("event=connection_refused reason=busy connections=%s", self.max_connections)
+            self._refuse(conn, "busy", f"dispatchd serves at most {self.max_connections} connections at once "
+                                       "and has that many; close some, or raise --max-connections")
+            return
+        try:
             threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+        except RuntimeError as exc:  # can't start new thread: the user's process limit
+            self._release()
+            log.warning("event=connection_refused reason=threads error=%s", exc)
+            self._refuse(conn, "busy", f"dispatchd cannot start a thread for this connection ({exc}); "
+                                       "try again shortly")
+
+    def _release(self) -> None:
+        with self._count_lock:
+            self.connections -= 1
 
     def _serve_connection(self, conn: socket.socket) -> None:
-        frames = protocol.FrameSocket(conn)
+        frames = protocol.FrameSocket(conn, max_frame=protocol.MAX_HELLO_FRAME)
+        conn_id = next(self._conn_ids)  # which sessions it holds (lifetimes.py)
         try:
             pid, uid, _ = peer_credentials(conn)
             if uid != self.uid:
@@ -77,9 +219,17 @@ class Server:
                 frames.send(protocol.ErrorReply(id=0, code="forbidden",
                                                 message=f"this daemon serves uid {self.uid} only"))
                 return
+            conn.settimeout(HELLO_TIMEOUT_S)  # until greeted
             greeted = False
             while True:
-                payload = frames.recv_payload()
+                try:
+                    payload = frames.recv_payload()
+                except protocol.FrameTooLarge as exc:
+                    # Answered, then closed: the rest of that frame is never read.
+                    log.debug("event=connection_dropped reason=%s", exc)
+                    frames.send(protocol.ErrorReply(id=0, code="frame_too_large", message=(
+                        f"{exc}{'' if greeted else ' before hello'}: the connection is closed")))
+                    return
                 if payload is None:
                     return
                 try:
@@ -87,6 +237,8 @@ class Server:
                 except protocol.ProtocolError as exc:
                     frames.send(protocol.ErrorReply(id=protocol.request_id_of(payload), code="bad_request", message=str(exc)))
                     continue
+                finally:
+                    del payload  # a refused frame is not kept while we wait for the next
                 if not greeted:
                     if not isinstance(req, protocol.Hello) or req.version != protocol.PROTOCOL_VERSION:
                         got = f"version {req.version}" if isinstance(req, protocol.Hello) else type(req).__name__
@@ -94,7 +246,9 @@ class Server:
                             f"expected hello with protocol version {protocol.PROTOCOL_VERSION}, got {got}")))
                         return
                     greeted = True
-                reply, fds = self._handle(req)
+                    conn.settimeout(None)
+                    frames.max_frame = protocol.MAX_REQUEST_FRAME
+                reply, fds = self._handle(req, conn_id)
                 try:
                     frames.send(reply, fds=[fd.fileno() for fd in fds])
                 finally:
@@ -104,28 +258,32 @@ class Server:
             log.debug("event=connection_dropped reason=%s", exc)
         finally:
             frames.close()
+            self._release()
+            self.manager.holders.release(conn_id)  # its sessions may now be orphans
 
-    def _handle(self, req: Any) -> tuple[Any, list[socket.socket]]:
+    def _handle(self, req: Any, conn_id: int = 0) -> tuple[Any, list[socket.socket]]:
         rid = req.id
         try:
             if isinstance(req, protocol.Attach):
                 # The one reply that carries an fd: the client's end of a
                 # channel straight to the worker, so tool calls make one hop.
-                session, sock, tools = self.manager.attach(req.session)
+                session, sock, tools = self.manager.attach(req.session, holder=conn_id)
                 return protocol.Attached(id=rid, session=session.info(), tools=tools), [sock]
-            return self._route(req), []
+            return self._route(req, conn_id), []
         except DispatchdError as exc:
             return protocol.ErrorReply(id=rid, code=exc.code, message=exc.message), []
         except Exception as exc:  # a bug: say so, keep serving
             log.exception("event=internal_error request=%s", type(req).__name__)
             return protocol.ErrorReply(id=rid, code="internal", message=f"internal error: {type(exc).__name__}: {exc}"), []
 
-    def _route(self, req: Any) -> Any:
+    def _route(self, req: Any, conn_id: int = 0) -> Any:
         m = self.manager
         if isinstance(req, protocol.Hello):
             return protocol.HelloOk(id=req.id, version=protocol.PROTOCOL_VERSION, daemon_version=__version__)
         if isinstance(req, protocol.OpenSession):
-            return protocol.SessionReply(id=req.id, session=m.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports).info())
+            return protocol.SessionReply(id=req.id, session=m.open(
+                req.worktree, req.policy, req.network, req.ports, req.bind_ports, detached=req.detached,
+                orphan_grace_s=req.orphan_grace_s, holder=conn_id).info())
         if isinstance(req, protocol.CloseSession):
             m.close(req.session)
             return protocol.OkReply(id=req.id)
@@ -135,7 +293,9 @@ class Server:
             return protocol.SessionReply(id=req.id, session=m.set_network(req.session, req.network, req.ports, req.bind_ports).info())
         if isinstance(req, protocol.Status):
             return protocol.StatusReply(id=req.id, daemon_version=__version__, pid=os.getpid(), socket=self.socket_path,
-                                        kernel=self.kernel.to_dict(), sessions=[s.info() for s in m.list()])
+                                        kernel=self.kernel.to_dict(), sessions=[s.info() for s in m.list()],
+                                        daemon={**self.budget, "connections": self.connections,
+                                                "max_connections": self.max_connections})
         if isinstance(req, protocol.ListTools):
             policy = self.load_policy(req.policy)
             return protocol.ToolsReply(id=req.id, tools=[protocol.ToolSchema(**s) for s in schemas_for(policy.tools)])

@@ -10,8 +10,15 @@ Guarantees:
 - a session whose worker ends on its own (idle timeout, crash) leaves the table;
 - one writer per worktree: the first session to run a mutating tool on a
   worktree holds its write lock until it ends; others get a failure naming it;
-- the daemon never opens a path inside a worktree: it only checks it
-  (``check_worktree``) and hands it to the worker's plan.
+- the daemon runs nothing in a worktree and reads there only git's metadata
+  (``gitdirs``, ``gitsnapshot``: as hostile content, bounded, without
+  following a symlink); once a session's processes are gone (close, network
+  switch, end) it moves aside what the session changed there that the user's
+  own git would run, or refuses the worktree until restart if it cannot.
+- the daemon removes in a worktree only the temporary files of writes a
+  session's end cut short (``worker/sweep.py``: our exact names, regular
+  files, by descriptor, no symlink followed), once the session that held the
+  write lock has no process left and before the lock passes on.
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import threading
@@ -29,14 +35,16 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import cgroups, gitdirs, netstack
+from dispatchd.confine import cgroups, gitdirs, gitsnapshot, netstack
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
+from dispatchd.daemon import exits, leftovers, lifetimes, watchdog
 from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
-from dispatchd.errors import ConfinementError, DispatchdError, SessionError, WorktreeError
+from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
 from dispatchd.tools.spec import schemas_for
+from dispatchd.worker.sweep import sweep_temp_files
 
 log = logging.getLogger("dispatchd.sessions")
 READY_TIMEOUT_S = 10.0
@@ -55,7 +63,7 @@ class Session:
         self.note = ""
         self.git = gitdirs.GitLayout("none")
         self.redirects_before: list[str] = []
-        self.submodules_before = gitdirs.SubmoduleState(readable=True)
+        self.git_before = gitsnapshot.GitSnapshot()  # what git reads for configuration, by content
         self.protections: dict[str, object] = {}
         self.cgroup = ""  # its cgroup, made at the first start, removed at the end
         self.worker: Worker | None = None
@@ -68,10 +76,13 @@ class Session:
         self.generation = 0
         self.closed = False
         self.ended = threading.Event()  # set when the current worker's control channel closes
+        # How long it outlives its last connection, and what holds its memory (status shows both).
+        self.lifetime: dict[str, object] = {}
 
     def info(self) -> protocol.SessionInfo:
+        protections = {**self.protections, "lifetime": self.lifetime} if self.lifetime else self.protections
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
-                                    network=self.network, created=self.created, protections=self.protections,
+                                    network=self.network, created=self.created, protections=protections,
                                     limits=msgspec.to_builtins(self.policy.limits), note=self.note)
 
 
@@ -144,6 +155,11 @@ class SessionManager:
         self._tainted: dict[str, str] = {}
         self._lock = threading.Lock()
         self.accepting = True
+        # Sessions whose every connection has gone end after their grace (lifetimes.py).
+        self.holders = lifetimes.Holders(self._end_orphan)
+        self._ended = leftovers.EndedSessions()  # why recent sessions ended, for their clients
+        self._scratch_locks = leftovers.ScratchLocks(self.sessions_dir)
+        self.watchdog = watchdog.MemoryWatchdog(self._watched, self._end_over_memory)
 
     # --- lookups -------------------------------------------------------------
 
@@ -151,7 +167,9 @@ class SessionManager:
         with self._lock:
             session = self._sessions.get(sid)
         if session is None or session.closed:
-            raise SessionError(f"no such session: {sid!r}", sid)
+            why = self._ended.get(sid)
+            raise SessionError(f"no such session: {sid!r} (it has ended: {why})" if why else
+                               f"no such session: {sid!r}", sid)
         return session
 
     def list(self) -> list[Session]:
@@ -161,9 +179,10 @@ class SessionManager:
     # --- open / close ----------------------------------------------------------
 
     def open(self, worktree: str, policy_name: str, network: str | None,
-             ports: list[int] | None = None, bind_ports: list[int] | None = None) -> Session:
+             ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
+             detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None) -> Session:
         if not self.accepting:
-            raise DispatchdError("the daemon is stopping and opens no new sessions")
+            raise Stopping("the daemon is stopping and opens no new sessions")
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         resolved = check_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected,
                                   private=self.private)
@@ -181,19 +200,29 @@ class SessionManager:
         session.ports = _ports_for(session, ports, bind_ports)
         try:
             self._inspect_git(session)
+        except WorktreeError:
+            raise
         except Exception as exc:  # hostile content we did not foresee: refuse, loudly
             raise WorktreeError(f"{resolved}: its git metadata cannot be inspected "
                                 f"({type(exc).__name__}: {exc}); no session opened", resolved) from exc
-        os.makedirs(scratch + "/tmp", mode=0o700)
-        os.makedirs(scratch + "/home", mode=0o700)
+        self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
         try:
+            os.makedirs(scratch + "/tmp", mode=0o700)
+            os.makedirs(scratch + "/home", mode=0o700)
             self._start_worker(session, network)
         except BaseException:
             self._remove_cgroup(session)
-            shutil.rmtree(scratch, ignore_errors=True)
+            self._remove_scratch(session)
             raise
+        grace = lifetimes.effective_grace(policy.limits.orphan_grace_s, orphan_grace_s)
+        cgroup_memory = bool(session.cgroup) and "memory" in self.delegation.controllers
+        session.lifetime = {"detached": detached, "orphan_grace_s": grace,
+                            "memory": watchdog.mechanism(cgroup_memory, policy.limits.session_memory_bytes)}
         with self._lock:
             self._sessions[sid] = session
+        self.holders.track(sid, detached=detached, grace_s=grace, holder=holder)
+        if not cgroup_memory:
+            self.watchdog.ensure_running()
         log.info("event=session_open session=%s policy=%s network=%s mode=%s worktree=%s",
                  sid, policy.name, network, session.protections.get("mode"), resolved)
         return session
@@ -211,8 +240,15 @@ class SessionManager:
                                                 note=f"{granted} holds the daemon's files or the whole home "
                                                      "directory; not granted")
                 break
+        session.git_before = gitsnapshot.take(resolved, session.git)
+        if not session.git_before.complete:
+            raise WorktreeError(f"{resolved}: more git directories than dispatchd checks "
+                                f"({gitsnapshot.MAX_GITDIRS}); no session opened", resolved)
+        # Git directories only the recursive walk finds (submodules of
+        # submodules kept in place) are held read-only too.
+        session.git = gitdirs.with_gitdirs(session.git, resolved,
+                                           gitsnapshot.gitdir_paths(resolved, session.git_before))
         session.redirects_before = gitdirs.redirects_present(session.git, resolved)
-        session.submodules_before = gitdirs.submodule_state(resolved, session.git.index)
 
     def _plan(self, session: Session, network: str) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
@@ -339,8 +375,8 @@ class SessionManager:
         try:
             while (msg := control.recv(protocol.control_decoder)) is not None:
                 if isinstance(msg, protocol.ToolCallsDone):
-                    for call in msg.calls:
-                        log.info("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
+                    for call in msg.calls:  # debug only: a line per call grew the log without bound
+                        log.debug("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
                                  session.id, call.tool, call.duration_ms, "ok" if call.success else "failed")
                 elif isinstance(msg, protocol.AcquireWriteLock):
                     reply = self._grant_write_lock(session, msg.id)
@@ -353,8 +389,18 @@ class SessionManager:
         with session.lock:
             if session.generation != generation or session.closed:
                 return  # replaced by a network switch, or closed on purpose
-        log.info("event=session_ended session=%s reason=worker_exited", session.id)
-        self._finish(session)
+            # Our own descriptor: a close meanwhile closes the worker's.
+            pidfd = os.dup(session.worker.pidfd) if session.worker is not None and session.worker.pidfd >= 0 else -1
+        try:
+            status = exits.exit_status(pidfd) if pidfd >= 0 else None
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        word, sentence = exits.describe_exit(status, idle_timeout_s=session.policy.limits.idle_timeout_s)
+        if not self.accepting and word == "worker_exited code=0":
+            word, sentence = "daemon_stopping", "dispatchd stopped (calls in flight were let finish first)"
+        log.info("event=session_ended session=%s reason=%s", session.id, word)
+        self._finish(session, sentence)
 
     def _stop_worker(self, session: Session) -> None:
         worker, control = session.worker, session.control
@@ -378,21 +424,76 @@ class SessionManager:
             except OSError:
                 pass  # the watcher has closed it already
 
-    def _finish(self, session: Session) -> None:
+    def _finish(self, session: Session, why: str = "it was closed") -> None:
         with session.lock:
             if session.closed:
                 return
+            self._ended.record(session.id, why)
             session.closed = True
             session.generation += 1
             try:
                 self._stop_worker(session)
                 self._check_git(session)
+                self._sweep_temp_files(session)
             finally:
                 # Whatever the checks found, the session is over: no cgroup,
                 # no table entry, no write lock, no scratch directory left.
                 self._remove_cgroup(session)
                 self._forget(session)
-                shutil.rmtree(session.scratch, ignore_errors=True)
+                self._remove_scratch(session)
+
+    def _sweep_temp_files(self, session: Session) -> None:
+        """The writer's processes are gone, and it still holds the write lock
+        (nobody else writes meanwhile): a write its end cut short leaves no
+        temporary file behind."""
+        with self._lock:
+            wrote = session.id in self._writers.values()
+        if not wrote:
+            return
+        started = time.perf_counter()
+        removed = sweep_temp_files(session.worktree)
+        if removed:
+            log.info("event=temp_files_removed session=%s count=%d ms=%.1f", session.id, len(removed),
+                     (time.perf_counter() - started) * 1e3)
+
+    def end(self, sid: str, word: str, why: str) -> None:
+        """End a session for a reason of the daemon's own (orphaned, over its
+        memory): logged with ``reason=word``; its client is told ``why``. Ends
+        it on a thread of its own: stopping a worker may take seconds, and the
+        caller (the watchdog, the orphan timer) serves every other session."""
+        with self._lock:
+            session = self._sessions.get(sid)
+        if session is None or session.closed or self._ended.get(sid):
+            return  # gone, or being ended already
+        log.warning("event=session_ended session=%s reason=%s", sid, word)
+        self._ended.record(sid, why)  # before the end: a client asking meanwhile hears why
+        threading.Thread(target=self._finish, args=(session, why), daemon=True, name=f"end-{sid}").start()
+
+    def _end_orphan(self, sid: str) -> None:
+        with self._lock:
+            session = self._sessions.get(sid)
+        grace = session.lifetime.get("orphan_grace_s") if session else 0
+        self.end(sid, "orphaned", f"every connection that held it had gone for {grace} s (its client exited or "
+                                  "was killed; open it detached to keep it)")
+
+    def _watched(self) -> list[tuple[str, int, int]]:
+        """Sessions whose memory only the watchdog bounds: (id, W0 pid, limit)."""
+        out = []
+        for s in self.list():
+            worker = s.worker
+            memory = s.lifetime.get("memory")
+            if worker is not None and isinstance(memory, dict) and memory.get("mechanism") == "watchdog":
+                out.append((s.id, worker.pid, s.policy.limits.session_memory_bytes))
+        return out
+
+    def _end_over_memory(self, sid: str, used: int, limit: int) -> None:
+        self.end(sid, "memory", f"its processes used {used / 2**20:.0f} MiB of memory, over its limit of "
+                                f"{limit / 2**20:.0f} MiB (limits.session_memory_bytes); the daemon's memory "
+                                "watchdog ended it")
+
+    def _remove_scratch(self, session: Session) -> None:
+        leftovers.remove_tree(session.scratch)
+        self._scratch_locks.release(session.id)
 
     def _check_git(self, session: Session) -> None:
         """Once the session's processes are gone: move aside what it left that
@@ -406,14 +507,14 @@ class SessionManager:
                                                                  session.worktree)
                 for path in moved:
                     log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, path)
-                moved, failed_submodules = gitdirs.quarantine_new_submodules(
-                    session.worktree, session.git.index, session.submodules_before)
-                failed += failed_submodules
+                now = gitsnapshot.take(session.worktree, session.git)
+                moved, failed_changed = gitsnapshot.quarantine(session.worktree, session.git_before, now)
+                failed += failed_changed
                 for path in moved:
-                    log.warning("event=git_submodule_quarantined session=%s path=%s", session.id, path)
+                    log.warning("event=git_changed_quarantined session=%s path=%s", session.id, path)
                 # What the session goes on from (after a network switch) is the new baseline.
                 session.redirects_before = gitdirs.redirects_present(session.git, session.worktree)
-                session.submodules_before = gitdirs.submodule_state(session.worktree, session.git.index)
+                session.git_before = gitsnapshot.take(session.worktree, session.git) if moved else now
         except Exception as exc:  # a bug, or content we did not foresee: fail closed
             failed.append(f"the check itself failed: {type(exc).__name__}: {exc}")
         if failed:
@@ -433,6 +534,7 @@ class SessionManager:
         session.cgroup = ""
 
     def _forget(self, session: Session) -> None:
+        self.holders.forget(session.id)
         with self._lock:
             self._sessions.pop(session.id, None)
             # Its processes are gone (stopped before this): the next may write.
@@ -474,7 +576,7 @@ class SessionManager:
             for session in sessions:
                 session.ended.wait(max(0.0, deadline - time.monotonic()))
         for session in sessions:
-            self._finish(session)
+            self._finish(session, "dispatchd stopped")
 
     # --- network, attach -----------------------------------------------------
 
@@ -509,6 +611,7 @@ class SessionManager:
             session.generation += 1
             self._stop_worker(session)
             self._check_git(session)
+            self._sweep_temp_files(session)
             try:
                 self._start_worker(session, network)
                 session.note = (f"network {network}: the sandbox was replaced ({self._why_replaced(session)}); "
@@ -518,15 +621,17 @@ class SessionManager:
                 # leave the session running under a setting nobody asked for.
                 session.ports = old_ports
                 session.closed = True
+                self._ended.record(session.id, f"its network could not be switched to {network}")
                 self._remove_cgroup(session)
                 self._forget(session)
-                shutil.rmtree(session.scratch, ignore_errors=True)
+                self._remove_scratch(session)
                 raise
             except BaseException:
                 session.closed = True
+                self._ended.record(session.id, f"its network could not be switched to {network}")
                 self._remove_cgroup(session)
                 self._forget(session)
-                shutil.rmtree(session.scratch, ignore_errors=True)
+                self._remove_scratch(session)
                 raise
         log.info("event=session_network session=%s network=%s ended=%s", sid, network, ended)
         return session
@@ -537,22 +642,34 @@ class SessionManager:
         return ("the network is on the host's, not in a namespace of its own "
                 f"({self.kernel.network_stack_missing or self.kernel.nftables_missing or 'see status'})")
 
-    def attach(self, sid: str) -> tuple[Session, socket.socket, list[protocol.ToolSchema]]:
+    def _ended_error(self, session: Session) -> SessionError:
+        """The session's worker is gone: wait (briefly) for its watcher to say why."""
+        session.ended.wait(exits.REASON_WAIT_S)
+        deadline = time.monotonic() + exits.REASON_WAIT_S
+        while not session.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        why = self._ended.get(session.id) or "its worker has gone"
+        return SessionError(f"session {session.id} has ended: {why}", session.id)
+
+    def attach(self, sid: str, holder: int | None = None) -> tuple[Session, socket.socket, list[protocol.ToolSchema]]:
         """A new stream socket to the session's tool server (the client's end)."""
         session = self.get(sid)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with session.lock:
-            if session.control is None:
-                ours.close()
-                theirs.close()
-                raise SessionError(f"session {sid} has ended", sid)
-            try:
-                with session.send_lock:
-                    session.control.send(protocol.AddChannel(id=0), fds=[theirs.fileno()])
-            except OSError as exc:
-                ours.close()
-                raise SessionError(f"session {sid} has ended", sid) from exc
-            finally:
-                theirs.close()
-        tools = [msgspec.convert(s, protocol.ToolSchema) for s in schemas_for(session.policy.tools)]
-        return session, ours, tools
+            sent = False
+            if session.control is not None and not session.ended.is_set():
+                try:
+                    with session.send_lock:
+                        session.control.send(protocol.AddChannel(id=0), fds=[theirs.fileno()])
+                    sent = True
+                except OSError:
+                    pass  # the worker is gone: say why below
+            theirs.close()
+            if sent:
+                if holder is not None:
+                    self.holders.hold(sid, holder)
+                tools = [msgspec.convert(s, protocol.ToolSchema) for s in schemas_for(session.policy.tools)]
+                return session, ours, tools
+            ours.close()
+        # Outside the session's lock: its watcher takes it to finish the session.
+        raise self._ended_error(session)

@@ -21,10 +21,25 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
+import threading
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "TEMP_NAME", "in_flight"]
+
+# Exactly the names _create_temp makes (worker/sweep.py removes leftovers by it).
+TEMP_NAME = re.compile(rb"^\..{1,800}\.dispatchd-[0-9a-f]{8}\.tmp$", re.DOTALL)
+# Names of the temporary files this process is writing now, registered before
+# they exist (the random part makes a name unique): a sweep skips them.
+_in_flight: set[bytes] = set()
+_in_flight_lock = threading.Lock()
+
+
+def in_flight() -> frozenset[bytes]:
+    """The names of the temporary files this process is writing at this moment."""
+    with _in_flight_lock:
+        return frozenset(_in_flight)
 
 # NAME_MAX is 255 on every Linux file system we care about; the prefix, the
 # suffix and the random part take 25 of those.
@@ -36,12 +51,19 @@ def _create_temp(directory: str, name: str) -> tuple[str, int]:
     stem = name[:_MAX_STEM]
     for _ in range(_TEMP_ATTEMPTS):
         tmp = os.path.join(directory, f".{stem}.dispatchd-{secrets.token_hex(4)}.tmp")
+        key = os.fsencode(os.path.basename(tmp))
+        with _in_flight_lock:
+            _in_flight.add(key)
         try:
             # O_NOFOLLOW: a symlink planted under the temp name is refused,
             # not written through.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-        except FileExistsError:
-            continue
+        except BaseException as exc:
+            with _in_flight_lock:
+                _in_flight.discard(key)
+            if isinstance(exc, FileExistsError):
+                continue
+            raise
         return tmp, fd
     raise FileExistsError(errno.EEXIST, "could not pick an unused temporary name", directory)
 
@@ -84,6 +106,7 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
             mode = stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)
     tmp, fd = _create_temp(directory, name)
+    key = os.fsencode(os.path.basename(tmp))
     published = False
     try:
         try:
@@ -108,5 +131,7 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
                 os.unlink(tmp)
             except OSError:
                 pass
+        with _in_flight_lock:
+            _in_flight.discard(key)
     if fsync:
         _fsync_directory(directory)

@@ -7,6 +7,12 @@ Guarantees:
   channel; replies go out whole, one at a time, matched by request id;
 - a malformed request gets an ``ErrorReply``; broken framing closes that one
   channel; the server and its other channels carry on;
+- at most ``max_channels`` client channels at once (each is a thread, and
+  threads count against the session's process limit): one more is answered
+  with an ``ErrorReply`` (id 0, code ``too_many_channels``) and closed, and the
+  server carries on, as it does when a thread cannot be started;
+- when the daemon stops, calls still running at its deadline are answered
+  (a failure saying the daemon's stop cut them) before the session ends;
 - the session ends itself after the policy's idle timeout with no call in
   flight, and as soon as the daemon's control channel closes;
 - a mutating tool (write_file, edit_file, create_file, shell_exec) runs only
@@ -23,12 +29,16 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
+from dispatchd.daemon.exits import EXIT_IDLE
+from dispatchd.worker.sweep import sweep_temp_files
 from dispatchd.policy import MUTATING_TOOLS
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
+MAX_CHANNELS = 256  # client channels of one session at once, at most (see max_channels)
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.spec import TOOLS
 
@@ -74,6 +84,11 @@ class _Channel:
             except OSError:
                 pass  # the client went away; nothing to tell
 
+    def refuse(self, code: str, message: str) -> None:
+        """Answer a channel we will not serve, and close it."""
+        self.reply(protocol.ErrorReply(id=0, code=code, message=message))
+        self.frames.close()
+
     def run(self) -> None:
         try:
             while True:
@@ -94,6 +109,7 @@ class _Channel:
                 self.server.dispatch(self, req)
         finally:
             self.frames.close()
+            self.server.channel_closed()
 
 
 class _Control:
@@ -119,6 +135,7 @@ class _WriteLock:
     def __init__(self, control: _Control) -> None:
         self.control = control
         self.held = False
+        self.on_granted: Callable[[], None] | None = None  # called once, when first granted
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[threading.Event, list[object]]] = {}
         self._lock = threading.Lock()
@@ -140,6 +157,8 @@ class _WriteLock:
         reply = done[1][0]
         if isinstance(reply, protocol.OkReply):
             self.held = True
+            if self.on_granted is not None:
+                self.on_granted()
             return None
         return getattr(reply, "message", "refused")
 
@@ -159,9 +178,35 @@ class _Server:
         self.activity = _Activity()
         self.control = control
         self.write_lock = _WriteLock(control)
+        # The worktree is ours to write now: remove what killed writes left (sweep.py).
+        self.write_lock.on_granted = lambda: threading.Thread(
+            target=sweep_temp_files, args=(plan.paths.worktree,), daemon=True, name="sweep").start()
         self.draining = False
         self.records: list[protocol.CallRecord] = []
         self.records_lock = threading.Lock()
+        self.channels = 0
+        self.max_channels = max_channels(plan.limits.max_processes, plan.limits.max_open_files)
+        self.in_flight: dict[tuple[int, int], tuple[_Channel, str]] = {}  # (channel, request id): what the stop cuts
+
+    def add_channel(self, sock: socket.socket) -> None:
+        channel = _Channel(sock, self)
+        with self.activity.lock:
+            full = self.channels >= self.max_channels
+            if not full:
+                self.channels += 1
+        if full:
+            channel.refuse("too_many_channels", f"this session has {self.max_channels} channels open, its limit "
+                                                "(each attach opens one): close some (Session.close or detach)")
+            return
+        try:
+            threading.Thread(target=channel.run, daemon=True).start()
+        except RuntimeError as exc:  # can't start new thread: the session's process limit
+            self.channel_closed()
+            channel.refuse("busy", f"the session's tool server cannot start a thread for this channel ({exc})")
+
+    def channel_closed(self) -> None:
+        with self.activity.lock:
+            self.channels -= 1
 
     def dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
         tool = self.tools.get(req.tool)
@@ -182,19 +227,29 @@ class _Server:
                 return
         self.activity.begin()
         if tool.slow:
-            threading.Thread(target=self._call, args=(channel, req, tool), daemon=True).start()
+            try:
+                threading.Thread(target=self._call, args=(channel, req, tool), daemon=True).start()
+            except RuntimeError as exc:  # can't start new thread: the session's process limit
+                self.activity.end()
+                channel.reply(protocol.ToolReply(id=req.id, success=False,
+                                                 error=f"{req.tool}: the tool server cannot start a thread ({exc})"))
         else:
             self._call(channel, req, tool)
 
     def _call(self, channel: _Channel, req: protocol.CallTool, tool: object) -> None:
         started = time.perf_counter()
         success = False
+        key = (id(channel), req.id)
+        with self.activity.lock:
+            self.in_flight[key] = (channel, req.tool)
         try:
             out: Outcome = run_tool(tool, self.ctx, req.params)  # type: ignore[arg-type]
             success = out.success
             channel.reply(protocol.ToolReply(id=req.id, success=out.success, output=out.output,
                                              error=out.error, metadata=out.metadata))
         finally:
+            with self.activity.lock:
+                self.in_flight.pop(key, None)
             self.activity.end()
             with self.records_lock:
                 self.records.append(protocol.CallRecord(req.tool, round((time.perf_counter() - started) * 1e3, 3),
@@ -222,6 +277,12 @@ class _Server:
         deadline = time.monotonic() + deadline_s
         while self.activity.busy() and time.monotonic() < deadline:
             time.sleep(0.02)
+        with self.activity.lock:
+            cut = list(self.in_flight.items())
+        for (_, rid), (channel, tool) in cut:
+            channel.reply(protocol.ToolReply(id=rid, success=False, metadata={"cut_by_stop": True}, error=(
+                f"{tool}: cut: dispatchd was stopped and its stop deadline ({deadline_s:g} s) passed "
+                "with this call still running; its processes are ended")))
         self.flush_records()
         os._exit(0)
 
@@ -230,7 +291,15 @@ class _Server:
         while True:
             time.sleep(min(5.0, limit / 4))
             if self.activity.idle_for() >= limit:
-                os._exit(0)  # the session init sees us go and ends the session
+                self.flush_records()
+                os._exit(EXIT_IDLE)  # the session init sees us go and ends the session
+
+
+def max_channels(max_processes: int, max_open_files: int) -> int:
+    """Channels one session may hold: each is a thread and a descriptor of the
+    tool server, so a quarter of the process budget and half the descriptors
+    at most (the rest is the session's commands'), and ``MAX_CHANNELS``."""
+    return max(4, min(MAX_CHANNELS, max_processes // 4, max_open_files // 2))
 
 
 def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
@@ -250,8 +319,7 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
                 fd = control.take_fd()
             except protocol.ProtocolError:
                 continue
-            channel = _Channel(socket.socket(fileno=fd), server)
-            threading.Thread(target=channel.run, daemon=True).start()
+            server.add_channel(socket.socket(fileno=fd))
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
         elif isinstance(msg, protocol.Drain):

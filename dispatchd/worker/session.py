@@ -26,7 +26,7 @@ import traceback
 from typing import NoReturn
 
 from dispatchd import protocol
-from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp
+from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp, ucounts
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.errors import ConfinementError
 
@@ -40,7 +40,7 @@ def _fork_session_init() -> None:
         while True:
             try:
                 _, status = os.waitpid(pid, 0)
-                os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+                os._exit(_passed_up(status))
             except ChildProcessError:
                 os._exit(1)
             except InterruptedError:
@@ -76,6 +76,10 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     clock("hygiene")
     namespaces.enter_namespaces(plan.namespaces)  # user, mount, net; pid from the next child on
     clock("namespaces")
+    # Needs CAP_SYS_RESOURCE in the new namespace, and /proc/sys before the
+    # mounts make it read-only.
+    ucounts.apply_ucounts(plan.ucounts)
+    clock("ucounts")
     if plan.namespaces.pid:
         _fork_session_init()
         # As pid 1 of the new namespace our parent (W0, outside) reads as pid 0.
@@ -144,7 +148,12 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int)
     from dispatchd.worker.server import serve  # pre-imported by the fork server
 
     init = os.getpid()
-    server = os.fork()
+    try:
+        server = os.fork()
+    except OSError as exc:  # the process limit, already: say so rather than vanish
+        _report(control, protocol.WorkerFailed(step="fork the tool server", errno=exc.errno or 0, path="",
+                                               message=f"cannot fork the tool server: {exc.strerror}"))
+        os._exit(1)
     if server == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if not plan.namespaces.pid and plan.landlock.scoped & landlock.SCOPE_SIGNAL:
@@ -176,7 +185,7 @@ def _reap_until(server: int, plan: SessionPlan) -> NoReturn:
     """Session init: reap every orphan; when the tool server ends, end the session."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, 0)
+            pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
             os._exit(0)
         except InterruptedError:
@@ -184,7 +193,17 @@ def _reap_until(server: int, plan: SessionPlan) -> NoReturn:
         if pid == server:
             if not plan.namespaces.pid:
                 _kill_session(plan)
-            os._exit(0)  # as pid 1 of the namespace, this ends every process in it
+            # As pid 1 of the namespace, this ends every process in it. The
+            # tool server's fate goes up as our exit code: the daemon tells it.
+            os._exit(_passed_up(status))
+
+
+def _passed_up(status: int) -> int:
+    """An exit code that says how a child ended: its own code, or 128+N for
+    signal N (what ``dispatchd.daemon.exits`` reads back)."""
+    if os.WIFSIGNALED(status):
+        return min(128 + os.WTERMSIG(status), 255)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
 
 
 def _report(control: protocol.FrameSocket, msg: protocol.WorkerReady | protocol.WorkerFailed) -> None:

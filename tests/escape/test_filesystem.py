@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import stat
 import subprocess
 import time
@@ -377,7 +378,10 @@ def test_the_users_git_never_runs_what_a_session_wrote(sandbox: Sandbox, client:
     cannot be moved aside, the read-only binds with it, for a new .git to be
     built in its place (EBUSY); git's own writes to .git work (the control).
     Degraded mode: a KNOWN LIMIT, stated in leaves_open; no mount holds
-    anything: the direct write and the replacement both go through."""
+    anything: the direct write and the replacement both go through, and the
+    user's git run while the session is open would run the command; when it
+    ends the daemon finds .git/config changed (by content) and moves it
+    aside, so the user's git run afterwards runs nothing."""
     subprocess.run(["git", "init", "-q", str(worktree)], check=True, timeout=30)
     marker = f"PLANTED-BY-SESSION-{secrets.token_hex(4)}"
     config = f'[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "echo {marker} >&2; false"\n'
@@ -393,7 +397,8 @@ def test_the_users_git_never_runs_what_a_session_wrote(sandbox: Sandbox, client:
         assert direct == EROFS
         assert (replaced, ran) == (EBUSY, False), f"the user's git ran the session's command: {status.stderr!r}"
     else:
-        assert (direct, replaced, ran) == (f"OK {len(config)}", f"OK {len(config)}", True)
+        assert (direct, replaced, ran) == (f"OK {len(config)}", f"OK {len(config)}", False), status.stderr
+        assert len(_quarantined(worktree / ".git", "config")) == 1
         assert any(g.startswith("git metadata (.git/config, hooks, pointer files) is writable") for g in gaps), gaps
 
 
@@ -504,7 +509,15 @@ def test_no_git_directory_of_the_repository_runs_what_a_session_wrote(
         }
         planted = attempt(s, "result = open('.git/modules/libs/sub/commondir', 'w').write('../../../../../evil')")
     if sandbox.mode == "degraded":
+        # The limit while the session runs; once it ends, what changed is
+        # moved aside (each changed submodule's git directory whole, the
+        # hook and the other worktree's commondir alone).
         assert set(got.values()) == {f"OK {len(fsmonitor)}", f"OK {len(hook)}", "OK 4"}, got
+        status = subprocess.run(["git", "-C", str(worktree), "status"], capture_output=True, text=True, timeout=30)
+        assert marker not in status.stderr, status.stderr
+        assert [len(_quarantined(d, n)) for d, n in ((worktree / ".git" / "modules" / "libs", "sub"),
+                (worktree / "emb", ".git"), (worktree / ".git" / "hooks", "pre-commit"),
+                (worktree / ".git" / "worktrees" / "other", "commondir"))] == [1, 1, 1, 1]
         return
     assert got == {k: EROFS for k in got}, got
     assert planted == "OK 19"
@@ -518,36 +531,220 @@ def test_no_git_directory_of_the_repository_runs_what_a_session_wrote(
     assert commit.returncode == 0 and status.returncode == 0
 
 
-_NESTED_IN_SUBMODULE = r"""git init -q sub/inner && \
-git -C sub/inner -c user.name=session -c user.email=session@invalid commit -q --allow-empty -m inner && \
-printf '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "echo {marker} >&2; false"\n' > sub/inner/.git/config && \
-git -C sub update-index --add --cacheinfo "160000,$(git -C sub/inner rev-parse HEAD),inner" && echo planted"""
-
-
-@pytest.mark.known_limit
-def test_a_submodule_of_a_submodule_is_not_checked_known_limit(
-    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path,
-) -> None:
-    """A KNOWN LIMIT, both modes (found in review, not closed yet): the
-    end-of-session check reads the top repository's index only. A session
-    makes a repository inside an existing submodule and records it in that
-    submodule's own index (writable: the session's git needs it), and the
-    user's `git status` in the superproject, recursing into submodules, runs
-    what its config names. The control: the same at the top level is moved
-    aside (test_a_nested_repository_never_runs_in_the_users_git)."""
+def _superproject(worktree: Path, tmp_path: Path) -> None:
+    """``sub``, a submodule with its git directory in .git/modules/sub, and
+    ``emb``, one kept in place (emb/.git), committed."""
     lib = tmp_path / "lib"
     _git(tmp_path, "init", "-q", str(lib))
     _git(lib, "commit", "-q", "--allow-empty", "-m", "lib")
     _git(worktree, "init", "-q")
     _git(worktree, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "sub")
-    _git(worktree, "commit", "-q", "-m", "sub")
-    marker = f"PLANTED-BY-SESSION-{secrets.token_hex(4)}"
+    (worktree / "emb").mkdir()
+    _git(worktree / "emb", "init", "-q")
+    _git(worktree / "emb", "commit", "-q", "--allow-empty", "-m", "emb")
+    _git(worktree, "update-index", "--add", "--cacheinfo",
+         f"160000,{_git(worktree / 'emb', 'rev-parse', 'HEAD').strip()},emb")
+    _git(worktree, "commit", "-q", "-m", "submodules")
+
+
+def _planted(tmp_path: Path) -> tuple[Path, str]:
+    """A file the user's git would create, outside the worktree, if it ran
+    the session's command; and a config naming that command."""
+    marker = tmp_path / f"ran-{secrets.token_hex(4)}"
+    return marker, f'[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch {marker}; false"\n'
+
+
+def _users_git_status(worktree: Path) -> subprocess.CompletedProcess[str]:
+    """The user's own git, outside, after the session: status recurses into
+    every populated submodule and runs its core.fsmonitor."""
+    return subprocess.run(["git", "-C", str(worktree), "status", "--short"], capture_output=True, text=True,
+                          timeout=60)
+
+
+def _quarantined(where: Path, name: str) -> list[str]:
+    return sorted(p.name for p in where.iterdir() if p.name.startswith(f"{name}.quarantined-by-dispatchd-"))
+
+
+_REBUILD_MODULE = """
+import os
+os.rename({renamed!r}, {renamed!r} + "-aside")  # within its parent: one mount, so EBUSY, not EXDEV
+os.makedirs(".git/modules/sub", exist_ok=True)
+aside = {renamed!r} + ("-aside" if {renamed!r}.endswith("sub") else "-aside/sub")
+for name in ("HEAD", "objects", "refs", "index"):
+    os.rename(aside + "/" + name, ".git/modules/sub/" + name)
+result = open(".git/modules/sub/config", "w").write({config!r})
+"""
+
+
+@pytest.mark.parametrize("renamed", [".git/modules/sub", ".git/modules"])
+def test_a_rebuilt_submodule_git_directory_never_runs_in_the_users_git(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path, renamed: str,
+) -> None:
+    """Issue 11, 1: the session renames a submodule's git directory (or the
+    whole .git/modules) away, its read-only binds with it, and rebuilds it
+    with the old HEAD, objects, refs and index and a config naming a command;
+    the submodule's gitfile is untouched. Full mode: each is a mount point of
+    its own (EBUSY). Degraded mode: the rebuild goes through, and when the
+    session ends the daemon finds a git directory whose config differs from
+    the one it recorded at open and moves it aside. Either way the user's
+    `git status` runs nothing (the marker file is absent). The allowed twin:
+    test_work_in_submodules_leaves_the_users_git_as_it_was."""
+    _superproject(worktree, tmp_path)
+    marker, config = _planted(tmp_path)
     with client.open_session(str(worktree)) as s:
-        r = shell(s, _NESTED_IN_SUBMODULE.format(marker=marker))
+        got = attempt(s, _REBUILD_MODULE.format(renamed=renamed, config=config))
+    status = _users_git_status(worktree)
+    assert not marker.exists(), f"the user's git ran the session's command: {status.stderr!r}"
+    modules = worktree / ".git" / "modules"
+    if sandbox.mode == "full":
+        assert got == EBUSY
+        assert _quarantined(modules, "sub") == [] and status.returncode == 0, status.stderr
+    else:
+        assert got == f"OK {len(config)}"
+        assert len(_quarantined(modules, "sub")) == 1 and not (modules / "sub").exists()
+        assert "not a git repository" in status.stderr  # loud: the user's git says where it stopped
+
+
+def test_a_rebuilt_git_directory_is_moved_aside_at_a_network_switch(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path,
+) -> None:
+    """The same rebuild of .git/modules, then a network switch: the new
+    worker would have found the protected paths gone. The check runs at the
+    switch (every process of the session is gone then): the rebuilt git
+    directory is moved aside before the new worker starts, and the session
+    goes on."""
+    _superproject(worktree, tmp_path)
+    marker, config = _planted(tmp_path)
+    modules = worktree / ".git" / "modules"
+    with client.open_session(str(worktree)) as s:
+        got = attempt(s, _REBUILD_MODULE.format(renamed=".git/modules", config=config))
+        s.set_network(False)
+        after_switch = _quarantined(modules, "sub")
+        assert shell(s, "true").is_success
+    status = _users_git_status(worktree)
+    assert not marker.exists(), f"the user's git ran the session's command: {status.stderr!r}"
+    assert (got, len(after_switch)) == sandbox.expect(full=(EBUSY, 0), degraded=(f"OK {len(config)}", 1))
+
+
+_TAKE_MODULES_AWAY = """
+import os
+os.rename(".git/modules", ".git/modules-gone")
+result = "moved"
+"""
+_REBUILD_IN_A_SECOND_SESSION = """
+import os
+os.makedirs(".git/modules/sub")
+for name in ("HEAD", "objects", "refs", "index"):
+    os.rename(".git/modules-gone/sub/" + name, ".git/modules/sub/" + name)
+open(".git/modules/sub/config", "w").write({config!r})
+result = open("sub/.git", "w").write("gitdir: ../.git/modules/sub\\n")
+"""
+
+
+def test_a_git_directory_taken_away_in_one_session_and_rebuilt_in_the_next_never_runs(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path,
+) -> None:
+    """Across two sessions: the first moves .git/modules away, so that the
+    second finds nothing to hold read-only, and the second rebuilds it with
+    the command and points the gitfile back at it. Full mode: the first
+    rename fails (EBUSY). Degraded: both go through; each session's end
+    check compares with what it recorded at its own open: the first moves
+    aside the gitfile that now leads nowhere, the second the new git
+    directory and the new gitfile. The user's git runs nothing."""
+    _superproject(worktree, tmp_path)
+    marker, config = _planted(tmp_path)
+    with client.open_session(str(worktree)) as s:
+        first = attempt(s, _TAKE_MODULES_AWAY)
+    with client.open_session(str(worktree)) as s:
+        second = attempt(s, _REBUILD_IN_A_SECOND_SESSION.format(config=config))
+    status = _users_git_status(worktree)
+    assert not marker.exists(), f"the user's git ran the session's command: {status.stderr!r}"
+    if sandbox.mode == "full":
+        assert first == EBUSY and second.startswith("FileExistsError"), second
+        assert status.returncode == 0, status.stderr
+    else:
+        assert (first, second) == ("OK 'moved'", "OK 28")
+        assert len(_quarantined(worktree / ".git" / "modules", "sub")) == 1
+        assert not (worktree / "sub" / ".git").exists()
+
+
+def test_an_in_place_submodule_rebuilt_under_a_renamed_parent_never_runs(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path,
+) -> None:
+    """Past every mount point: emb/.git is one, but emb itself, a directory
+    of the worktree, must stay renamable (git mv). The session renames emb,
+    rebuilds emb/.git from a copy with a config naming the command, and the
+    superproject's index still records emb. The end check compares content,
+    not names or inodes: the rebuilt emb/.git is moved aside. Both modes."""
+    _superproject(worktree, tmp_path)
+    marker, config = _planted(tmp_path)
+    with client.open_session(str(worktree)) as s:
+        r = shell(s, "mv emb emb-aside && mkdir emb && cp -a emb-aside/.git emb/.git && "
+                     f"printf %s {shlex.quote(config)} > emb/.git/config && echo rebuilt")
+        assert r.output == "rebuilt\n", r.metadata["stderr"]
+    status = _users_git_status(worktree)
+    assert not marker.exists(), f"the user's git ran the session's command: {status.stderr!r}"
+    assert len(_quarantined(worktree / "emb", ".git")) == 1 and not (worktree / "emb" / ".git").exists()
+
+
+_NESTED_IN_SUBMODULE = r"""git init -q sub/inner && \
+git -C sub/inner -c user.name=session -c user.email=session@invalid commit -q --allow-empty -m inner && \
+printf %s {config} > sub/inner/.git/config && \
+git -C sub update-index --add --cacheinfo "160000,$(git -C sub/inner rev-parse HEAD),inner" && echo planted"""
+
+
+def test_a_submodule_of_a_submodule_never_runs_in_the_users_git(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path,
+) -> None:
+    """Both modes (was a known limit): a session makes a repository inside
+    an existing submodule and records it in that submodule's own index
+    (writable: the session's git needs it; the control: the update-index goes
+    through). The end check reads the index of every git directory,
+    recursively, finds the new git directory and moves it aside: the user's
+    `git status`, recursing into submodules, runs nothing."""
+    _superproject(worktree, tmp_path)
+    marker, config = _planted(tmp_path)
+    with client.open_session(str(worktree)) as s:
+        r = shell(s, _NESTED_IN_SUBMODULE.format(config=shlex.quote(config)))
         assert r.output == "planted\n", r.metadata["stderr"]
-    status = subprocess.run(["git", "-C", str(worktree), "status", "--short"], capture_output=True, text=True,
-                            timeout=30)
-    assert marker in status.stderr  # the limit: the user's git ran the session's command
+    status = _users_git_status(worktree)
+    assert not marker.exists(), f"the user's git ran the session's command: {status.stderr!r}"
+    assert len(_quarantined(worktree / "sub" / "inner", ".git")) == 1
+    assert status.returncode == 0, status.stderr
+
+
+_WORK_IN_SUBMODULES = """set -e
+export GIT_AUTHOR_NAME=s GIT_AUTHOR_EMAIL=s@invalid GIT_COMMITTER_NAME=s GIT_COMMITTER_EMAIL=s@invalid
+echo x > sub/f && git -C sub add f && git -C sub commit -qm in-sub
+echo y > emb/f && git -C emb add f && git -C emb commit -qm in-emb
+git -C sub checkout -q "$(git ls-tree HEAD sub | cut -d' ' -f3 | cut -f1)"  # what `git submodule update` checks out
+git -C sub checkout -q -
+git add sub emb && git commit -qm bump
+git status --short -- sub emb
+echo done"""
+
+
+def test_work_in_submodules_leaves_the_users_git_as_it_was(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path,
+) -> None:
+    """The allowed twin of the tests above: commits in both submodules, the
+    checkout `git submodule update` makes (the command itself rewrites the
+    submodule's config, read-only in full mode: run it outside), the
+    superproject's gitlinks bumped, a network switch in between: nothing
+    git reads for configuration changes, nothing is moved aside, and the
+    user's git works with the session's commits."""
+    _superproject(worktree, tmp_path)
+    before = _users_git_status(worktree).stdout
+    with client.open_session(str(worktree)) as s:
+        s.set_network(False)
+        r = shell(s, _WORK_IN_SUBMODULES)
+        assert r.metadata["stdout"] == "done\n", r.metadata["stderr"]
+    status = _users_git_status(worktree)
+    assert status.returncode == 0 and status.stdout == before, status.stderr + status.stdout
+    assert _git(worktree, "log", "--format=%s", "-1") == "bump\n"
+    found = subprocess.run(["find", str(worktree), "-name", "*quarantined-by-dispatchd-*"], capture_output=True,
+                           text=True, check=True).stdout
+    assert found == ""
 
 
 _REDIRECT_GIT = r"""mkdir evilc && ln -s ../.git/objects evilc/objects && ln -s ../.git/refs evilc/refs && \

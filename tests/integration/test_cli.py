@@ -349,14 +349,17 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     assert lines[0] == f"dispatchd {dispatchd.__version__} (pid {daemon.proc.pid}) on {daemon.socket}"
     assert lines[1].startswith("kernel ") and "Landlock ABI" in lines[1] and "user namespaces:" in lines[1]
     assert "seccomp: yes" in lines[1] and "cgroup v2:" in lines[1]
-    assert re.fullmatch(r"\d+ session\(s\)", lines[2])
+    assert re.fullmatch(r"daemon: \d+ descriptors \((raised from \d+|already the hard limit)\); "
+                        r"connections \d+ of at most \d+", lines[2]), lines[2]
+    assert re.fullmatch(r"\d+ session\(s\)", lines[3])
     mine = [i for i, line in enumerate(lines) if line.strip().startswith(sid)]
     assert len(mine) == 1
     block = "\n".join(lines[mine[0]:mine[0] + 4])
     assert str(worktree) in block and "filesystem enforced" in block and "seccomp: enforced" in block
     limits = [line.strip() for line in lines[mine[0]:] if line.strip().startswith("limits (")][0]
-    assert limits == ("limits (rlimits): processes 1024; memory 8589934592 bytes of data per process "
-                      "(RLIMIT_DATA); cpu weight not enforced (no cpu controller); file size 8589934592 B")
+    assert limits == ("limits (rlimits): processes 1024; memory 8589934592 bytes over the session (the daemon's "
+                      "memory watchdog); 8589934592 bytes of data per process (RLIMIT_DATA); cpu weight not enforced "
+                      "(no cpu controller); file size 8589934592 B")
     assert "(per-session cgroups: no: " in lines[1]
     assert "network stack (pasta): yes; nftables for ports: yes" in lines[1]
 

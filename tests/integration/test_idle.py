@@ -43,6 +43,6 @@ def test_an_idle_session_closes_and_a_busy_one_does_not(tmp_path: Path, worktree
             assert "ended idle" in failed.error
             idle.detach()
             busy.detach()
-        assert "reason=worker_exited" in d.log()
+        assert f"session={idle.id} reason=idle" in d.log()
     finally:
         assert d.stop() == 0, d.log()

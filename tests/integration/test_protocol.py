@@ -61,6 +61,17 @@ def closed(frames: protocol.FrameSocket) -> bool:
         return True
 
 
+def refused_then_closed(frames: protocol.FrameSocket, code: str) -> protocol.ErrorReply:
+    """The daemon answered the connection (id 0, ``code``), then closed it."""
+    try:
+        reply = frames.recv(REPLIES)
+    except ConnectionResetError:  # we were still sending: the reset may overtake the reply
+        raise AssertionError("reset before the error reply arrived") from None
+    assert isinstance(reply, protocol.ErrorReply) and (reply.id, reply.code) == (0, code), reply
+    assert closed(frames)
+    return reply
+
+
 def assert_serving(daemon: Daemon, *, within: float = 1.0) -> None:
     """The allowed twin: a fresh client is greeted and served at once."""
     started = time.monotonic()
@@ -209,7 +220,7 @@ def test_deeply_nested_payload_gets_bad_request(daemon: Daemon) -> None:
 def test_garbage_bytes_close_the_connection_only(daemon: Daemon) -> None:
     with greeted(daemon) as frames, greeted(daemon) as bystander:
         frames.sock.sendall(b"\xff" * 8)
-        assert closed(frames)
+        refused_then_closed(frames, "frame_too_large")
         # The other connection, open all along, is still served.
         bystander.send(protocol.Status(id=9))
         assert isinstance(bystander.recv(REPLIES), protocol.StatusReply)
@@ -218,23 +229,38 @@ def test_garbage_bytes_close_the_connection_only(daemon: Daemon) -> None:
 
 def test_oversized_length_prefix_is_refused_without_allocating(daemon: Daemon) -> None:
     before = rss_kib(daemon.proc.pid)
-    for length in (protocol.MAX_FRAME + 1, 0xFFFFFFFF):
+    for length in (protocol.MAX_REQUEST_FRAME + 1, protocol.MAX_FRAME + 1, 0xFFFFFFFF):
         with greeted(daemon) as frames:
             frames.sock.sendall(HEADER.pack(length) + b"\x00" * 1024)
-            assert closed(frames)
+            reply = refused_then_closed(frames, "frame_too_large")
+            assert reply.message == (f"frame of {length} bytes exceeds the {protocol.MAX_REQUEST_FRAME}-byte limit: "
+                                     "the connection is closed")
         assert_serving(daemon, within=0.5)
     # Nothing near the announced 64 MiB or 4 GiB was allocated.
     assert rss_kib(daemon.proc.pid) - before < 16 * 1024
-    assert "frame of 67108865 bytes exceeds the 67108864-byte limit" in daemon.log()
+    assert "frame of 67108865 bytes exceeds the 262144-byte limit" in daemon.log()
 
 
-def test_a_frame_of_exactly_max_frame_is_not_refused_up_front(daemon: Daemon) -> None:
+def test_a_frame_of_exactly_the_request_limit_is_not_refused_up_front(daemon: Daemon) -> None:
     """The allowed twin of the oversized prefix: at the limit the daemon waits for the payload."""
     with greeted(daemon) as frames:
-        frames.sock.sendall(HEADER.pack(protocol.MAX_FRAME) + b"\x00" * 16)
+        frames.sock.sendall(HEADER.pack(protocol.MAX_REQUEST_FRAME) + b"\x00" * 16)
         frames.sock.settimeout(0.3)
         with pytest.raises(TimeoutError):
             frames.sock.recv(1)  # neither a reply nor a close: still reading
+    assert_serving(daemon)
+
+
+def test_before_hello_only_a_greeting_sized_frame_is_read(daemon: Daemon) -> None:
+    with raw(daemon) as frames:
+        frames.sock.sendall(HEADER.pack(protocol.MAX_HELLO_FRAME + 1) + b"\x00" * 16)
+        reply = refused_then_closed(frames, "frame_too_large")
+        assert reply.message == (f"frame of {protocol.MAX_HELLO_FRAME + 1} bytes exceeds the "
+                                 f"{protocol.MAX_HELLO_FRAME}-byte limit before hello: the connection is closed")
+    with raw(daemon) as frames:  # the twin: a frame of that size is read (and is not a hello)
+        frames.sock.sendall(frame(msgspec.msgpack.encode({"op": "hello", "id": 3, "version": 1,
+                                                          "client": "x" * (protocol.MAX_HELLO_FRAME - 40)})))
+        assert isinstance(frames.recv(REPLIES), protocol.HelloOk)
     assert_serving(daemon)
 
 
@@ -435,7 +461,7 @@ def test_daemon_fds_do_not_accumulate(daemon: Daemon) -> None:
     for _ in range(30):
         with raw(daemon) as frames:
             frames.sock.sendall(b"\xff" * 8)
-            assert closed(frames)
+            refused_then_closed(frames, "frame_too_large")
     assert_serving(daemon)
     time.sleep(0.1)
     assert count() <= before + 2

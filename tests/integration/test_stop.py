@@ -59,3 +59,68 @@ def test_a_client_whose_daemon_went_away_gets_a_clear_error(tmp_path: Path, work
             raise AssertionError("expected ConnectionLost")
     finally:
         client.close()
+
+
+def test_while_stopping_new_connections_are_answered_at_once(tmp_path: Path, worktree: Path) -> None:
+    """SIGTERM with a call in flight: a new connection used to wait the whole stop
+    timeout (29.6 s) and then read "Connection reset by peer"."""
+    import socket
+
+    from dispatchd import protocol
+
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d")
+    results: list[dispatch.Result] = []
+    with d.connect() as client:
+        session = client.open_session(str(worktree))
+        call = threading.Thread(target=lambda: results.append(shell(session, "sleep 3; echo finished")))
+        call.start()
+        time.sleep(0.3)
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        started = time.monotonic()
+        raw = socket.socket(socket.AF_UNIX)
+        raw.settimeout(5)
+        raw.connect(d.socket)
+        frames = protocol.FrameSocket(raw)
+        reply = frames.recv(protocol.daemon_reply_decoder)
+        frames.close()
+        assert isinstance(reply, protocol.ErrorReply) and (reply.id, reply.code) == (0, "stopping")
+        assert reply.message.startswith("dispatchd is stopping (it takes no new connections)")
+        try:
+            dispatch.connect(d.socket)
+        except dispatch.RequestFailed as exc:
+            assert exc.code == "stopping"
+        else:
+            raise AssertionError("expected RequestFailed(stopping)")
+        assert time.monotonic() - started < 2
+        try:  # a client connected before: served, but no new session
+            client.open_session(str(worktree))
+        except dispatch.RequestFailed as exc:
+            assert (exc.code, exc.message) == ("stopping", "the daemon is stopping and opens no new sessions")
+        else:
+            raise AssertionError("expected RequestFailed(stopping)")
+        call.join(20)
+        assert results and results[0].output == "finished\n"  # the call in flight still finished
+        session.detach()
+    assert d.stop() == 0
+
+
+def test_a_call_cut_at_the_stop_deadline_says_so(tmp_path: Path, worktree: Path) -> None:
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--stop-timeout", "1")
+    results: list[dispatch.Result] = []
+    with d.connect() as client:
+        session = client.open_session(str(worktree))
+        call = threading.Thread(target=lambda: results.append(shell(session, "sleep 60; echo never")))
+        call.start()
+        time.sleep(0.5)
+        d.proc.send_signal(signal.SIGTERM)
+        call.join(20)
+        assert results, "the call never came back"
+        result = results[0]
+        assert result.is_failure and result.metadata.get("cut_by_stop") is True, result
+        assert result.error == ("shell_exec: cut: dispatchd was stopped and its stop deadline (1 s) passed with "
+                                "this call still running; its processes are ended")
+        session.detach()
+    assert d.stop() == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.confine import gitdirs
+from dispatchd.confine import gitdirs, gitsnapshot
 
 ENV = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@example.invalid",
            GIT_COMMITTER_NAME="a", GIT_COMMITTER_EMAIL="a@example.invalid")
@@ -32,6 +32,14 @@ def repo(tmp_path: Path) -> Path:
     git(r, "add", ".")
     git(r, "commit", "-qm", "init")
     return r
+
+
+def _take(repo: Path) -> gitsnapshot.GitSnapshot:
+    return gitsnapshot.take(str(repo), gitdirs.inspect_git(str(repo), uid=os.getuid()))
+
+
+def _quarantine(repo: Path, before: gitsnapshot.GitSnapshot) -> tuple[list[str], list[str]]:
+    return gitsnapshot.quarantine(str(repo), before, _take(repo))
 
 
 def _add_gitlink(repo: Path, path: str, hexsha: str = "1" * 40) -> None:
@@ -107,7 +115,7 @@ def test_a_pointer_that_does_not_point_back_is_not_believed(repo: Path, tmp_path
 
 
 def test_a_new_submodule_is_moved_aside(repo: Path) -> None:
-    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    before = _take(repo)
     nested = repo / "sub"
     nested.mkdir()
     git(nested, "init", "-q")
@@ -115,8 +123,8 @@ def test_a_new_submodule_is_moved_aside(repo: Path) -> None:
     git(nested, "add", "a")
     git(nested, "commit", "-qm", "x")
     _add_gitlink(repo, "sub", git(nested, "rev-parse", "HEAD").strip())
-    moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
-    assert len(moved) == 1 and moved[0].startswith(str(nested / ".git.quarantined-by-dispatchd-")) and failed == []
+    moved, failed = _quarantine(repo, before)
+    assert len(moved) == 1 and moved[0].startswith(str(nested / ".git.quarantined-by-dispatchd-")) and failed == [], moved
     assert not (nested / ".git").exists()
 
 
@@ -125,33 +133,37 @@ def test_a_submodule_that_was_there_before_is_left_alone(repo: Path) -> None:
     nested.mkdir()
     git(nested, "init", "-q")
     _add_gitlink(repo, "sub")
-    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
-    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == ([], [])
+    before = _take(repo)
+    assert _quarantine(repo, before) == ([], [])
     assert (nested / ".git").is_dir()
-    # ...until its .git is replaced.
+    # ...and so is one replaced by a .git that reads the same configuration
+    # (git runs nothing new there)...
     (nested / ".git").rename(repo / "old-git")
     git(nested, "init", "-q")
-    assert len(gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)[0]) == 1
+    assert _quarantine(repo, before) == ([], [])
+    # ...but not one whose configuration differs.
+    git(nested, "config", "core.fsmonitor", "echo planted")
+    moved, failed = _quarantine(repo, before)
+    assert failed == [] and len(moved) == 1 and moved[0].startswith(str(nested / ".git.quarantined-by-dispatchd-"))
 
 
 def test_a_submodule_path_through_a_symlink_never_moves_what_is_outside(repo: Path, tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.mkdir()
     git(victim, "init", "-q")
-    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    before = _take(repo)
     (repo / "evil").symlink_to("../victim")
     _add_gitlink(repo, "evil")
     (repo / "inner").mkdir()
     (repo / "inner" / "link").symlink_to(victim)
     _add_gitlink(repo, "inner/link/x")
-    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == ([], [])
+    assert _quarantine(repo, before) == ([], [])
     assert (victim / ".git").is_dir()  # the daemon left the repository outside alone
 
 
 @pytest.mark.parametrize("link", ["../victim", "/abs/victim", "a/../../victim", "a//b", "./a", "a/.", ""])
 def test_submodule_paths_git_would_refuse_are_never_followed(repo: Path, link: str) -> None:
     assert gitdirs._open_parent(str(repo), link) is None
-    assert gitdirs._dotgit_stat(str(repo), link) == gitdirs._ODD_NAME  # never "absent"
 
 
 def _rename_in_index(index: Path, old: str, new: str) -> None:
@@ -168,14 +180,14 @@ def test_a_submodule_name_git_would_not_write_moves_the_index_aside(repo: Path, 
     """Git reads such a name from an index it did not write, and walks it to
     a/b: the daemon never follows it, and moves the index aside instead of
     skipping it."""
-    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    before = _take(repo)
     (repo / "a" / "b").mkdir(parents=True)
     git(repo / "a" / "b", "init", "-q")
     placeholder = "x" * len(odd)
     _add_gitlink(repo, placeholder)
     _rename_in_index(repo / ".git" / "index", placeholder, odd)
     assert gitdirs.index_gitlinks(str(repo / ".git" / "index")) == {odd}
-    moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
+    moved, failed = _quarantine(repo, before)
     assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{repo}/.git/index.quarantined-by-dispatchd-")
     assert (repo / "a" / "b" / ".git").is_dir()  # untracked now: git runs nothing there
 
@@ -184,12 +196,12 @@ def test_a_gitfile_rewritten_in_place_with_its_mtime_put_back_is_moved_aside(rep
     (repo / "s").mkdir()
     (repo / "s" / ".git").write_text("gitdir: ../.git/modules/s\n")
     _add_gitlink(repo, "s")
-    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
-    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == ([], [])
+    before = _take(repo)
+    assert _quarantine(repo, before) == ([], [])
     st = os.stat(repo / "s" / ".git")
     (repo / "s" / ".git").write_text("gitdir: xxxxxxxxxxxxxxxxx\n")  # the same length, the same inode
     os.utime(repo / "s" / ".git", ns=(st.st_atime_ns, st.st_mtime_ns))
-    moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
+    moved, failed = _quarantine(repo, before)
     assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{repo}/s/.git.quarantined-by-dispatchd-")
 
 
@@ -199,13 +211,13 @@ def test_a_submodule_that_cannot_be_looked_at_moves_the_index_aside(repo: Path, 
     it nor the user's git sees the .git now, but the user's git will once the
     directory is searchable again. Never taken for "no submodule there": the
     index that records it is moved aside."""
-    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    before = _take(repo)
     (repo / "a" / "b").mkdir(parents=True)
     git(repo / "a" / "b", "init", "-q")
     _add_gitlink(repo, "a/b")
     (repo / unsearchable).chmod(0)
     try:
-        moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
+        moved, failed = _quarantine(repo, before)
     finally:
         (repo / unsearchable).chmod(0o755)
     assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{repo}/.git/index.quarantined-by-dispatchd-")
@@ -220,9 +232,9 @@ def test_a_submodule_unsearchable_before_the_session_too_still_moves_the_index_a
     _add_gitlink(repo, "a/b")
     (repo / "a").chmod(0)
     try:
-        before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
-        assert before.links == {"a/b": (-1, errno.EACCES, 0, 0)}
-        moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before)
+        before = _take(repo)
+        assert before.indexes[".git/index"].startswith(f"a submodule that cannot be looked at ({errno.EACCES})")
+        moved, failed = _quarantine(repo, before)
     finally:
         (repo / "a").chmod(0o755)
     assert failed == [] and moved[0].startswith(f"{repo}/.git/index.quarantined-by-dispatchd-")
@@ -247,7 +259,8 @@ def test_open_parent_tells_absent_from_unsearchable(repo: Path) -> None:
 def test_a_plain_nested_submodule_path_is_followed(repo: Path) -> None:
     (repo / "a" / "b").mkdir(parents=True)
     git(repo / "a" / "b", "init", "-q")
-    assert gitdirs._dotgit_stat(str(repo), "a/b") is not None
+    _add_gitlink(repo, "a/b")
+    assert "a/b/.git" in _take(repo).gitdirs
 
 
 def test_a_pointer_forged_inside_the_worktree_grants_nothing(tmp_path: Path) -> None:
@@ -359,10 +372,10 @@ def test_a_split_index_is_read_with_its_shared_part(repo: Path) -> None:
 
 def test_an_index_that_cannot_be_checked_after_a_session_is_moved_aside(repo: Path) -> None:
     index = repo / ".git" / "index"
-    before = gitdirs.submodule_state(str(repo), str(index))
-    assert before.readable
+    before = _take(repo)
+    assert before.indexes == {}
     index.write_bytes(b"DIRC" + b"\0\0\0\2" + b"\xff" * 64)  # garbled
-    moved, failed = gitdirs.quarantine_new_submodules(str(repo), str(index), before)
+    moved, failed = _quarantine(repo, before)
     assert failed == [] and len(moved) == 1 and moved[0].startswith(str(index) + ".quarantined-by-dispatchd-")
     assert not index.exists()
 
@@ -370,9 +383,9 @@ def test_an_index_that_cannot_be_checked_after_a_session_is_moved_aside(repo: Pa
 def test_the_users_own_unreadable_index_is_left_alone(repo: Path) -> None:
     index = repo / ".git" / "index"
     index.write_bytes(b"not an index")
-    before = gitdirs.submodule_state(str(repo), str(index))
-    assert not before.readable
-    assert gitdirs.quarantine_new_submodules(str(repo), str(index), before) == ([], [])
+    before = _take(repo)
+    assert list(before.indexes) == [".git/index"]
+    assert _quarantine(repo, before) == ([], [])
     assert index.read_bytes() == b"not an index"
 
 
@@ -447,10 +460,10 @@ def test_work_in_a_submodule_kept_in_place_keeps_its_git_directory(repo: Path) -
     git(emb, "init", "-q")
     git(emb, "commit", "-q", "--allow-empty", "-m", "1")
     _add_gitlink(repo, "emb", git(emb, "rev-parse", "HEAD").strip())
-    before = gitdirs.submodule_state(str(repo), str(repo / ".git" / "index"))
+    before = _take(repo)
     git(emb, "commit", "-q", "--allow-empty", "-m", "2")  # the session's normal work there
     (emb / ".git" / "new-file").write_text("changes the directory's mtime")
-    assert gitdirs.quarantine_new_submodules(str(repo), str(repo / ".git" / "index"), before) == ([], [])
+    assert _quarantine(repo, before) == ([], [])
     assert (emb / ".git").is_dir()
 
 

@@ -567,7 +567,9 @@ def test_limits_without_a_cgroup_are_rlimits_and_say_why() -> None:
     lim = got.protections["limits"]
     assert lim["mechanism"] == "rlimits" and lim["cgroup"] == ""
     assert lim["cgroups"] == "no: not looked for"
-    assert lim["max_processes"] == 1024 and lim["memory"] == f"{8 * 2**30} bytes of data per process (RLIMIT_DATA)"
+    assert lim["max_processes"] == 1024
+    assert lim["memory"] == (f"{8 * 2**30} bytes over the session (the daemon's memory watchdog); "
+                             f"{8 * 2**30} bytes of data per process (RLIMIT_DATA)")
     assert lim["cpu_weight"] == "not enforced (no cpu controller)"
 
 

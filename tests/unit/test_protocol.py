@@ -107,6 +107,8 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 def test_constants():
     assert p.PROTOCOL_VERSION == 1
     assert p.MAX_FRAME == 64 * 1024 * 1024
+    assert p.MAX_REQUEST_FRAME == 256 * 1024
+    assert p.MAX_HELLO_FRAME == 4 * 1024
 
 
 def test_every_message_type_has_a_sample():
@@ -201,6 +203,45 @@ def test_absurd_nesting_is_a_bad_message_not_a_crash():
         p.decode(p.worker_decoder, payload)
     assert info.value.args[0] == "undecodable message: maximum recursion depth exceeded while deserializing an object"
     assert p.request_id_of(payload) == 0
+
+
+def test_invalid_utf8_in_a_string_field_is_a_bad_message():
+    """msgspec raises UnicodeDecodeError (not a DecodeError) for it: still a BadMessage."""
+    good = msgspec.msgpack.encode({"op": "close_session", "id": 5, "session": "ab"})
+    bad = good.replace(b"\xa2ab", b"\xa2\xff\xfe")
+    assert p.decode(p.daemon_request_decoder, good) == p.CloseSession(id=5, session="ab")
+    with pytest.raises(p.BadMessage) as info:
+        p.decode(p.daemon_request_decoder, bad)
+    assert info.value.args[0].startswith("undecodable message: 'utf-8' codec can't decode byte 0xff")
+    assert p.request_id_of(bad) == 5
+    call = msgspec.msgpack.encode({"op": "call_tool", "id": 6, "tool": "read_file", "params": {"path": "ab"}})
+    with pytest.raises(p.BadMessage):
+        p.decode(p.worker_decoder, call.replace(b"\xa2ab", b"\xa2\xff\xfe"))
+
+
+def test_request_id_of_builds_nothing_from_a_hostile_payload():
+    """24 MiB of nested empty arrays beside the id: the untyped decode this
+    replaced built ~1.7 GB of lists; the typed one skips them."""
+    import tracemalloc
+
+    payload = b"\x82\xa2id\x07\xa1x\xdd" + (12 * 1024 * 1024).to_bytes(4, "big") + b"\x90" * (12 * 1024 * 1024)
+    tracemalloc.start()
+    try:
+        assert p.request_id_of(payload) == 7
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1024 * 1024, peak
+
+
+def test_a_frame_socket_with_a_lower_limit(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    a.sendall(p.encode(p.Status(id=1)) + struct.pack(">I", 4097))
+    reader = FrameSocket(b, max_frame=4096)
+    assert reader.recv(p.daemon_request_decoder) == p.Status(id=1)
+    with pytest.raises(FrameTooLarge) as info:
+        reader.recv_payload()
+    assert info.value.args[0] == "frame of 4097 bytes exceeds the 4096-byte limit"
 
 
 # -- the frame header -------------------------------------------------------------

@@ -20,8 +20,10 @@ DISPATCH_ALL = [
     "DispatchError",
     "Registry",
     "RequestFailed",
+    "RequestTimeout",
     "Result",
     "Session",
+    "UntrustedSocket",
     "connect",
     "tools",
 ]
@@ -77,7 +79,7 @@ def test_re_exports_are_the_same_objects():
 
 
 def test_errors_share_one_base():
-    for name in ("ConnectionLost", "DaemonUnavailable", "RequestFailed"):
+    for name in ("ConnectionLost", "DaemonUnavailable", "RequestFailed", "RequestTimeout", "UntrustedSocket"):
         assert issubclass(getattr(dispatch, name), dispatch.DispatchError), name
     for name in ("DuplicateToolError", "ExecutionError", "ToolNotFoundError", "ValidationError"):
         assert issubclass(getattr(dispatch.tools, name), dispatch.tools.Error), name

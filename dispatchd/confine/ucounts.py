@@ -1,0 +1,96 @@
+"""Kernel budgets the user shares with a session, bounded in its user namespace.
+
+Some kernel objects are counted per user, across every process of the user:
+inotify instances (128 by default) and watches, fanotify groups and marks,
+namespaces. A session that takes them all leaves the user's own programs and
+other sessions with EMFILE/ENOSPC. Since Linux 4.9 each user namespace has
+its own maxima for these (``/proc/sys/user/max_*``), checked at every level up
+to the initial one; a process with CAP_SYS_RESOURCE in a namespace may lower
+the maxima of that namespace.
+
+Guarantees, where the session has its own user namespace: the session init
+writes the policy's maxima into its namespace's ``/proc/sys/user/`` before
+it drops its capabilities; after that nothing in the session can raise them
+(no capability, and seccomp forbids new namespaces), so the session holds at
+most those many of each, and the rest of the user's budget stays free. A
+value that cannot be written refuses the session (the policy asked for it).
+
+Without a user namespace nothing here applies; ``budget_gaps`` says which
+budgets stay shared whatever the mode (epoll watches, socket buffers, CPU
+without a cgroup), for ``status``'s ``leaves_open``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from dispatchd.errors import ConfinementError
+
+SYSCTL_DIR = "/proc/sys/user"
+
+
+class UcountsPlan(msgspec.Struct, frozen=True):
+    maxima: dict[str, int]  # file under /proc/sys/user -> value; empty: nothing to apply
+
+
+def plan_ucounts(*, user_namespace: bool, inotify_instances: int, inotify_watches: int,
+                 fanotify_groups: int, fanotify_marks: int) -> UcountsPlan:
+    if not user_namespace:
+        return UcountsPlan(maxima={})
+    maxima = {
+        "max_inotify_instances": inotify_instances,
+        "max_inotify_watches": inotify_watches,
+        "max_fanotify_groups": fanotify_groups,
+        "max_fanotify_marks": fanotify_marks,
+    }
+    # The session makes no namespace of its own (seccomp refuses it anyway):
+    # none of the user's namespace budget is the session's.
+    for kind in ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time"):
+        maxima[f"max_{kind}_namespaces"] = 0
+    return UcountsPlan(maxima=maxima)
+
+
+def apply_ucounts(plan: UcountsPlan) -> None:
+    """In the session's user namespace, with its capabilities still held."""
+    for name, value in plan.maxima.items():
+        path = f"{SYSCTL_DIR}/{name}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # an older kernel without this count: nothing of it to share
+        except OSError as exc:
+            raise ConfinementError("ucounts", exc.errno or 0, path) from exc
+        try:
+            os.write(fd, str(value).encode())
+        except OSError as exc:
+            raise ConfinementError("ucounts", exc.errno or 0, path) from exc
+        finally:
+            os.close(fd)
+
+
+def describe(plan: UcountsPlan) -> str:
+    if not plan.maxima:
+        return "shared with the user (no user namespace of its own)"
+    m = plan.maxima
+    return (f"in its user namespace: inotify {m['max_inotify_instances']} instances, "
+            f"{m['max_inotify_watches']} watches; fanotify {m['max_fanotify_groups']} groups, "
+            f"{m['max_fanotify_marks']} marks; no namespaces; queued signals and message queues "
+            "by rlimit (max_pending_signals, max_msgqueue_bytes)")
+
+
+def budget_gaps(*, user_namespace: bool, cgroup_controllers: tuple[str, ...]) -> list[str]:
+    """What a session can still take from the user's shared kernel budgets."""
+    gaps = ["epoll watches (fs.epoll.max_user_watches) are counted per user across every namespace: "
+            "a session can take them all, and the user's other programs then get ENOSPC from epoll_ctl"]
+    if not user_namespace:
+        gaps.append("inotify and fanotify budgets (128 inotify instances by default) are shared with the "
+                    "user's other programs: no user namespace to bound them in")
+    if "memory" not in cgroup_controllers:
+        gaps.append("kernel memory no process owns (socket buffers, pipes: about 450 MiB per process with "
+                    "4096 descriptors) is outside the memory watchdog's sum: only a cgroup's memory.max holds it")
+    if "cpu" not in cgroup_controllers:
+        gaps.append("CPU: without a cgroup's cpu controller, hundreds of spinning processes (each setsid makes "
+                    "an autogroup of its own) slow the user's programs and the daemon")
+    return gaps

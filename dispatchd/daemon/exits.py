@@ -1,0 +1,89 @@
+"""Why a session's worker ended, told in words (daemon side).
+
+The session's processes pass the cause up as exit codes (see
+``dispatchd.worker.session``): the tool server's own code, or 128+N when a
+signal N killed it, becomes the session init's code and then W0's. The daemon
+is not W0's parent (the fork server is), so it reads W0's wait status through
+the pidfd it holds (``PIDFD_GET_INFO`` with ``PIDFD_INFO_EXIT``, Linux 6.15+):
+no race with the fork server reaping it, no recycled pid.
+
+Guarantees: ``exit_status`` never blocks longer than its timeout and never
+raises; ``describe_exit`` is pure and always returns a ``reason=`` word and a
+sentence for the client.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import select
+import signal
+import time
+
+# Exit codes of the tool server (W2), passed up unchanged by the session init.
+EXIT_IDLE = 3  # the idle timeout passed with no call
+EXIT_DRAINED = 0  # the daemon asked it to finish (stop, close)
+REASON_WAIT_S = 3.0  # how long a client's request waits for the daemon to learn why a worker went
+
+_PIDFD_GET_INFO = 0xC040FF0B  # _IOWR(0xFF, 11, struct pidfd_info) with its 64-byte first version
+_PIDFD_INFO_EXIT = 1 << 3
+
+
+class _PidfdInfo(ctypes.Structure):
+    _fields_ = [("mask", ctypes.c_uint64), ("cgroupid", ctypes.c_uint64)] + [
+        (name, ctypes.c_uint32) for name in ("pid", "tgid", "ppid", "ruid", "rgid", "euid", "egid", "suid", "sgid",
+                                             "fsuid", "fsgid")
+    ] + [("exit_code", ctypes.c_int32)]
+
+
+def exit_status(pidfd: int, timeout_s: float = 2.0) -> int | None:
+    """W0's wait status (as ``waitpid`` gives it), or None when the kernel
+    cannot say (before 6.15) or it has not exited within the timeout."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(timeout_s * 1000):  # readable once the process has exited
+            return None
+        while True:
+            info = _PidfdInfo(mask=_PIDFD_INFO_EXIT)
+            try:
+                fcntl.ioctl(pidfd, _PIDFD_GET_INFO, info)
+            except OSError:
+                return None  # ENOTTY/EINVAL: this kernel has no PIDFD_GET_INFO
+            if info.mask & _PIDFD_INFO_EXIT:
+                return info.exit_code
+            # Exited but not reaped by the fork server yet: the status comes with the reaping.
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+    except (OSError, ValueError):
+        return None
+
+
+def _signame(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def describe_exit(status: int | None, *, idle_timeout_s: float) -> tuple[str, str]:
+    """(log word, sentence) for W0's wait status."""
+    if status is None:
+        return "worker_exited", "its worker exited (this kernel does not say how: Linux 6.15+ does)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return (f"worker_killed signal={sig}",
+                f"its worker was killed by signal {sig} ({_signame(sig)}) from outside the session")
+    code = os.WEXITSTATUS(status)
+    if code == EXIT_IDLE:
+        return "idle", f"it ended idle (no call for {idle_timeout_s:g} s, the policy's idle_timeout_s)"
+    if code > 128:
+        sig = code - 128
+        return (f"tool_server_killed signal={sig}",
+                f"its tool server was killed by signal {sig} ({_signame(sig)})")
+    if code == EXIT_DRAINED:
+        return "worker_exited code=0", "its tool server exited"
+    return f"worker_failed code={code}", f"its tool server failed (exit status {code})"

@@ -1,0 +1,195 @@
+"""Per-user kernel budgets (issue 11, section 5): a session cannot take the
+user's whole inotify budget, and cannot make namespaces; what stays open is
+listed in ``leaves_open``. The session still makes a few inotify instances
+(the allowed twin), and the user's own programs keep the rest."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import REPO, Daemon, _refuse_root, shell
+
+# Opens inotify instances until the kernel refuses; prints how many and the errno.
+INOTIFY_HOG = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while len(fds) < 1000:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    fds.append(fd)
+print(len(fds), ctypes.get_errno() if len(fds) < 1000 else 0, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dispatch.Client]]:
+    _refuse_root()
+    base = tmp_path_factory.mktemp("budgets")
+    policies = base / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "smallmem.toml").write_text("[limits]\nsession_memory_bytes = 67108864\n")
+    d = Daemon(base, "--cgroup", "off", "--policies", str(policies))
+    try:
+        with d.connect() as c:
+            yield d, c
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def _instances_left_for_the_user() -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fds = []
+    try:
+        while len(fds) < 200:
+            fd = libc.inotify_init1(0)
+            if fd < 0:
+                assert ctypes.get_errno() == errno.EMFILE
+                break
+            fds.append(fd)
+        return len(fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_session_takes_at_most_its_inotify_share_and_the_user_keeps_the_rest(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    before = _instances_left_for_the_user()
+    with client.open_session(str(worktree)) as session:
+        assert "inotify 32 instances" in session.info["protections"]["limits"]["kernel_budgets"]
+        # The allowed twin: a few instances are fine.
+        few = shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG.replace('1000', '5'))} 0")
+        assert few.is_success and few.output.split() == ["5", "0"], few
+        # Holding as many as it can (in the background), it gets 32, then EMFILE.
+        shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG)} 30 > hog.out &")
+        for _ in range(100):
+            out = (worktree / "hog.out").read_text() if (worktree / "hog.out").exists() else ""
+            if out:
+                break
+            import time
+
+            time.sleep(0.05)
+        taken, err = out.split()
+        assert int(taken) == 32 and int(err) == errno.EMFILE, out
+        # The user's own programs still have what the session could not take.
+        assert _instances_left_for_the_user() >= min(before, 128) - 32
+    assert _instances_left_for_the_user() == before
+
+
+def test_a_session_cannot_make_namespaces_and_budgets_left_open_are_listed(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    with client.open_session(str(worktree)) as session:
+        read = shell(session, "cat /proc/sys/user/max_user_namespaces /proc/sys/user/max_inotify_instances")
+        assert read.is_success and read.output.split() == ["0", "32"]
+        # Nothing in the session can raise its maxima back: /proc/sys is read-only, and it has no capability.
+        raised = shell(session, "echo 128 > /proc/sys/user/max_inotify_instances")
+        assert raised.is_failure and "Read-only file system" in raised.metadata["stderr"], raised
+        gaps = session.info["protections"]["limits"]["leaves_open"]
+        assert any(g.startswith("epoll watches") for g in gaps)
+        assert any("socket buffers" in g for g in gaps)
+
+
+# Opens POSIX message queues (default size, about 80 KiB each) until refused.
+MQ_HOG = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+n, err = 0, 0
+while n < 50:
+    fd = libc.mq_open(f"/dispatchd-test-{os.getpid()}-{n}".encode(), os.O_CREAT | os.O_RDWR, 0o600, None)
+    if fd < 0:
+        err = ctypes.get_errno()
+        break
+    n += 1
+for i in range(n):
+    libc.mq_unlink(f"/dispatchd-test-{os.getpid()}-{i}".encode())
+print(n, err)
+"""
+# Queues real-time signals to itself (blocked) until refused.
+SIGQUEUE_HOG = r"""
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+n, err = 0, 0
+while n < 200000:
+    if libc.sigqueue(os.getpid(), int(signal.SIGRTMIN), ctypes.c_long(0)) != 0:
+        err = ctypes.get_errno()
+        break
+    n += 1
+print(n, err)
+"""
+
+
+def test_queued_signals_and_message_queues_are_the_sessions_share_only(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    with client.open_session(str(worktree)) as session:
+        limits = shell(session, "ulimit -i; ulimit -q")
+        assert limits.output.split() == ["4096", "204800"], limits
+        # POSIX message queues cannot even be made here (the session's IPC
+        # namespace's queue file system is not its own): the rlimit is a second wall.
+        mq = shell(session, f"/usr/bin/python3 -c {_q(MQ_HOG)}")
+        assert mq.is_success and mq.output.split() == ["0", str(errno.EACCES)], mq
+        sig = shell(session, f"/usr/bin/python3 -c {_q(SIGQUEUE_HOG)}")
+        taken, err = (int(x) for x in sig.output.split())
+        assert 4000 <= taken <= 4096 and err == errno.EAGAIN, sig
+
+
+# Queues as much as each of 400 socketpairs takes (about 200 KiB each: 80 MiB),
+# then holds it; prints the bytes queued.
+SOCKBUF_HOG = r"""
+import socket, time
+pairs, total = [], 0
+for _ in range(400):
+    a, b = socket.socketpair(); a.setblocking(False)
+    try:
+        while True: total += a.send(b"x" * 65536)
+    except BlockingIOError: pass
+    pairs.append((a, b))
+print(total, flush=True); time.sleep(30)
+"""
+ALLOC = "/usr/bin/python3 -c 'import time; b = bytearray(96 * 2**20); b[::4096] = b\"x\" * len(b[::4096]); print(1, flush=True); time.sleep(30)'"
+
+
+@pytest.mark.known_limit
+def test_socket_buffers_are_outside_the_memory_watchdog_known_limit(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    import time
+
+    _, client = full
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        shell(session, f"/usr/bin/python3 -c {_q(SOCKBUF_HOG)} > q.out &")
+        for _ in range(200):
+            if (worktree / "q.out").exists() and (worktree / "q.out").read_text():
+                break
+            time.sleep(0.05)
+        queued = int((worktree / "q.out").read_text())
+        assert queued > 64 * 2**20  # more than the session's whole memory limit, in kernel buffers
+        time.sleep(1.5)  # several looks of the watchdog
+        assert session.id in [s["id"] for s in client.list_sessions()]
+        assert shell(session, "true").is_success
+    # The twin: the same amount in a process's own memory ends the session.
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        result = shell(session, ALLOC, timeout=30)
+        assert result.is_failure and "memory watchdog" in result.error, result.error
+
+
+def _q(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+_ = (REPO, shutil)  # the module shares the suite's imports

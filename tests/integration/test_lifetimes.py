@@ -1,0 +1,338 @@
+"""Nothing outlives what it belongs to (issue 14): sessions of dead clients,
+memory without a cgroup, leftovers of killed writes and killed daemons, and
+errors that name what happened. Real processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import REPO, Daemon, processes_in, shell
+
+POLICIES = {
+    "brief": "description = 'orphans end after 1 s'\n[limits]\norphan_grace_s = 1\n",
+    "small": ("description = 'a small session memory bound'\n[limits]\norphan_grace_s = 1\n"
+              "session_memory_bytes = 268435456\n"),
+}
+
+
+def _daemon(tmp_path: Path, name: str = "d", *extra: str) -> Daemon:
+    policies = tmp_path / "policies"
+    if not policies.exists():
+        shutil.copytree(REPO / "policies", policies)
+        for policy, text in POLICIES.items():
+            (policies / f"{policy}.toml").write_text(text)
+    (tmp_path / name).mkdir(exist_ok=True)
+    # --cgroup off: the bounds under test are the ones that hold without a cgroup.
+    return Daemon(tmp_path / name, "--policies", str(policies), "--cgroup", "off", *extra)
+
+
+def _ids(client: dispatch.Client) -> list[str]:
+    return [s["id"] for s in client.list_sessions()]
+
+
+def _wait(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def _client_script(d: Daemon, worktree: Path, body: str) -> subprocess.Popen[str]:
+    """A separate client process (one we can kill): opens a session, prints its id."""
+    code = textwrap.dedent(f"""
+        import sys, dispatch
+        client = dispatch.connect({d.socket!r})
+        {body}
+    """)
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
+                            stdin=subprocess.DEVNULL)
+
+
+# --- 14.2: sessions end with their clients ------------------------------------
+
+
+def test_a_client_killed_mid_call_takes_its_session_and_command_with_it(tmp_path: Path, worktree: Path) -> None:
+    d = _daemon(tmp_path)
+    try:
+        proc = _client_script(d, worktree, f"""
+        s = client.open_session({str(worktree)!r}, policy="brief")
+        print(s.id, flush=True)
+        s.registry.get("shell_exec").call({{"command": "sleep 300"}})
+        """)
+        assert proc.stdout is not None
+        sid = proc.stdout.readline().strip()
+        proc.stdout.close()
+        assert _wait(lambda: len(processes_in(worktree)) > 0), "the command did not start"
+        with d.connect() as client:
+            assert sid in _ids(client)
+            killed = time.monotonic()
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            assert _wait(lambda: sid not in _ids(client), timeout=10)
+            gone_after = time.monotonic() - killed
+            assert _wait(lambda: not processes_in(worktree), timeout=5), processes_in(worktree)
+        # The grace (1 s) and no more than a few seconds of it on a loaded machine.
+        assert 0.9 <= gone_after < 8, gone_after
+        assert f"session={sid} reason=orphaned" in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_detached_session_survives_its_opener_and_an_attached_client_holds_one(
+        tmp_path: Path, worktree: Path) -> None:
+    d = _daemon(tmp_path)
+    try:
+        proc = _client_script(d, worktree, f"""
+        s = client.open_session({str(worktree)!r}, policy="brief", detached=True)
+        print(s.id, flush=True)
+        s.detach()
+        """)
+        assert proc.stdout is not None
+        detached = proc.stdout.readline().strip()
+        proc.stdout.close()
+        assert proc.wait() == 0
+        with d.connect() as client:
+            # Held by no one: a held one (the twin) lives as long as its client.
+            held = client.open_session(str(worktree), policy="brief")
+            time.sleep(2.5)  # more than the grace
+            ids = _ids(client)
+            assert detached in ids and held.id in ids
+            info = [s for s in client.list_sessions() if s["id"] == detached][0]
+            assert info["protections"]["lifetime"]["detached"] is True
+            assert info["protections"]["lifetime"]["orphan_grace_s"] == 1
+            # Another client attaches to the held one and goes: the opener still holds it.
+            with d.connect() as other:
+                other.session(held.id).detach()
+            time.sleep(2)
+            assert held.id in _ids(client)
+            client.close_session(detached)
+            held.close()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_dispatch_exec_killed_with_sigterm_ends_its_one_off_session(tmp_path: Path, worktree: Path) -> None:
+    d = _daemon(tmp_path)
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "DISPATCH_SOCKET"}
+        proc = subprocess.Popen([sys.executable, "-m", "dispatch.cli", "--socket", d.socket, "--no-autostart",
+                                 "exec", "--worktree", str(worktree), "--", "sleep", "300"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                stdin=subprocess.DEVNULL)
+        assert _wait(lambda: len(processes_in(worktree)) > 0, timeout=15), "the command did not start"
+        with d.connect() as client:
+            assert len(_ids(client)) == 1
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(10) == 128 + signal.SIGTERM
+            assert _wait(lambda: not _ids(client), timeout=5)
+            assert _wait(lambda: not processes_in(worktree), timeout=5)
+        assert "reason=orphaned" not in d.log()  # closed by the CLI itself, not by the grace
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_dispatch_exec_killed_with_sigkill_ends_its_one_off_session_at_once(tmp_path: Path, worktree: Path) -> None:
+    d = _daemon(tmp_path)
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "DISPATCH_SOCKET"}
+        proc = subprocess.Popen([sys.executable, "-m", "dispatch.cli", "--socket", d.socket, "--no-autostart",
+                                 "exec", "--worktree", str(worktree), "--", "sleep", "300"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                stdin=subprocess.DEVNULL)
+        assert _wait(lambda: len(processes_in(worktree)) > 0, timeout=15)
+        with d.connect() as client:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            assert _wait(lambda: not _ids(client), timeout=3)  # a grace of 0, not the policy's 60 s
+            assert _wait(lambda: not processes_in(worktree), timeout=5)
+        assert "reason=orphaned" in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+# --- 14.3: memory without a cgroup ----------------------------------------------
+
+HOG = "/usr/bin/python3 -c 'import time; b = bytearray(100 * 2**20); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(60)'"
+
+
+def test_a_session_over_its_memory_is_ended_by_the_watchdog_and_says_so(tmp_path: Path, worktree: Path) -> None:
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            with client.open_session(str(worktree), policy="small") as session:
+                memory = session.info["protections"]["lifetime"]["memory"]
+                assert memory["mechanism"] == "watchdog" and memory["limit_bytes"] == 256 * 2**20
+                # The allowed twin: one process of 100 MiB stays under 256 MiB.
+                assert shell(session, f"{HOG.replace('time.sleep(60)', 'time.sleep(1)')}").is_success
+                assert session.id in _ids(client)
+                started = time.monotonic()
+                # Three of 100 MiB: 300 MiB over the session, each far under RLIMIT_DATA.
+                result = shell(session, f"{HOG} & {HOG} & {HOG} & wait", timeout=60)
+                took = time.monotonic() - started
+            assert result.is_failure
+            assert "over its limit of 256 MiB" in result.error and "memory watchdog" in result.error, result.error
+            assert session.id not in _ids(client)
+            assert _wait(lambda: not processes_in(worktree), timeout=5)
+            assert took < 20, took
+        assert f"session={session.id} reason=memory" in d.log()
+        assert "event=memory_exceeded" in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+# --- 14.4 and 14.6: killed writes, killed workers, killed daemons ----------------
+
+
+def _tool_server(d: Daemon) -> int:
+    """The tool server of the daemon's one idle session: the leaf under its
+    first process (fork server - W0 - [W1 -] W2)."""
+    import psutil
+
+    zygote = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+    leaves = [p for p in zygote.children()[0].children(recursive=True) if not p.children()]
+    assert len(leaves) == 1, leaves
+    return leaves[0].pid
+
+
+def _cut_write(d: Daemon, client: dispatch.Client, worktree: Path) -> tuple[dispatch.Session, dispatch.Result]:
+    """Kill the tool server the moment a write's temporary file appears."""
+    for _attempt in range(10):
+        session = client.open_session(str(worktree))
+        assert shell(session, "true").is_success
+        server = _tool_server(d)
+        results: list[dispatch.Result] = []
+        big = "x" * (15 * 2**20)
+        writer = threading.Thread(target=lambda: results.append(
+            session.registry.get("write_file").call({"path": "big.txt", "content": big})))
+        writer.start()
+        while writer.is_alive():
+            if any(n.startswith(".big.txt.dispatchd-") for n in os.listdir(worktree)):
+                os.kill(server, signal.SIGKILL)
+                break
+        writer.join(15)
+        if results[0].is_failure:
+            return session, results[0]
+        session.close()  # the write won the race: again
+    raise AssertionError("every write finished before it could be cut; nothing tested")
+
+
+@pytest.mark.parametrize("mode", ["full", "degraded"])
+def test_a_write_whose_tool_server_is_killed_says_so_and_its_temp_file_goes(tmp_path: Path, worktree: Path,
+                                                                           mode: str) -> None:
+    d = _daemon(tmp_path, "d", *(["--no-user-namespaces"] if mode == "degraded" else []))
+    try:
+        with d.connect() as client:
+            session, result = _cut_write(d, client, worktree)
+            assert result.is_failure
+            assert "tool server was killed by signal 9 (SIGKILL)" in result.error, result.error
+            assert "outcome unknown" in result.error and "re-read the file" in result.error
+            assert result.metadata["outcome_unknown"] is True
+            assert f"session={session.id} reason=tool_server_killed signal=9" in d.log()
+            session.detach()
+            # The daemon removed what the cut write left, before anyone else could write.
+            assert not [p.name for p in worktree.iterdir() if ".dispatchd-" in p.name]
+            assert f"event=temp_files_removed session={session.id} count=1" in d.log()
+            # What a killed daemon leaves (no end of session to clean up), beside a
+            # user's file of a near name and a symlink with our exact name aimed outside:
+            # the next session granted the write lock removes ours only.
+            (worktree / ".c.txt.dispatchd-89abcdef.tmp").write_text("half a write")
+            (worktree / ".big.txt.dispatchd-notours.tmp").write_text("mine")
+            outside = tmp_path / "outside.txt"
+            outside.write_text("keep")
+            os.symlink(outside, worktree / ".x.dispatchd-0123abcd.tmp")
+            with client.open_session(str(worktree)) as again:
+                assert again.registry.get("write_file").call({"path": "a.txt", "content": "a"}).is_success
+                assert _wait(lambda: not (worktree / ".c.txt.dispatchd-89abcdef.tmp").exists(), timeout=10)
+            assert (worktree / ".big.txt.dispatchd-notours.tmp").read_text() == "mine"
+            assert outside.read_text() == "keep"
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path, worktree: Path) -> None:
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            session = client.open_session(str(worktree))
+            assert shell(session, "true").is_success
+            import psutil
+
+            zygote = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+            os.kill(zygote.children()[0].pid, signal.SIGKILL)  # W0, the session's first process
+            result = shell(session, "echo hi")
+            assert result.is_failure
+            assert "worker was killed by signal 9 (SIGKILL)" in result.error, result.error
+            assert "reason=worker_killed signal=9" in d.log()
+            session.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_killed_daemon_is_named_and_its_scratch_removed_at_the_next_start(tmp_path: Path, worktree: Path) -> None:
+    d = _daemon(tmp_path)
+    with d.connect() as client:
+        session = client.open_session(str(worktree))
+        assert shell(session, "head -c 1048576 /dev/zero > $TMPDIR/junk && mkdir -p $TMPDIR/d && chmod 0 $TMPDIR/d"
+                     ).is_success
+        scratch = d.state / "dispatchd" / "sessions" / session.id
+        assert scratch.is_dir()
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        result = shell(session, "true")
+        assert result.is_failure and "dispatchd is gone" in result.error, result.error
+        session.detach()
+    assert scratch.is_dir()  # left by the killed daemon
+    d.stop()
+    again = Daemon(d.base, "--cgroup", "off")
+    try:
+        with again.connect() as client:
+            client.status()  # serving: past start-up
+        assert not scratch.exists()
+        assert "event=stale_scratch_removed count=1" in again.log()
+    finally:
+        assert again.stop() == 0, again.log()
+
+
+def test_a_live_daemons_scratch_is_not_taken_for_stale(tmp_path: Path, worktree: Path) -> None:
+    first = _daemon(tmp_path, "a")
+    try:
+        with first.connect() as client, client.open_session(str(worktree)) as session:
+            scratch = first.state / "dispatchd" / "sessions" / session.id
+            env_state = first.state
+            # Another daemon started on the same state directory (its own socket).
+            (tmp_path / "b").mkdir()
+            second = Daemon(tmp_path / "b", "--cgroup", "off", state=env_state)
+            try:
+                assert scratch.is_dir()
+                assert shell(session, "true").is_success
+            finally:
+                assert second.stop() == 0, second.log()
+    finally:
+        assert first.stop() == 0, first.log()
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_tool_calls_are_logged_at_debug_only(tmp_path: Path, worktree: Path, level: str) -> None:
+    d = _daemon(tmp_path, "d", "--log-level", level)
+    try:
+        with d.connect() as client, client.open_session(str(worktree)) as session:
+            assert session.registry.get("read_file").call({"path": "README.md"}).is_success
+            time.sleep(1.2)  # the worker reports finished calls every 0.5 s
+        assert ("event=tool_call" in d.log()) == (level == "debug")
+        assert "event=session_open" in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
