@@ -243,7 +243,9 @@ def plan_session(
     }
     ucounts = plan_ucounts(user_namespace=use_userns, inotify_instances=lim.max_inotify_instances,
                            inotify_watches=lim.max_inotify_watches, fanotify_groups=lim.max_fanotify_groups,
-                           fanotify_marks=lim.max_fanotify_marks)
+                           fanotify_marks=lim.max_fanotify_marks,
+                           # pasta may join it at any switch: room for its own namespaces
+                           network_stack=use_userns and not kernel.network_stack_missing)
     protections["limits"]["kernel_budgets"] = describe_ucounts(ucounts)
     # What a session can still take from budgets it shares with the user (the
     # sandbox's own gaps are the top-level leaves_open).

@@ -172,8 +172,12 @@ def test_full_mode_network_on_without_a_stack_falls_back_to_the_host_network_and
     assert got.loopback is False
     assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
     assert got.protections["leaves_open"] == [ABSTRACT_GAP, fallback_gap("on")]
-    # "off" needs no stack: unchanged.
-    assert plan(k=kernel(stack=False)) == plan()
+    # "off" needs no stack: unchanged, but for the room left for pasta's namespaces.
+    without = plan(k=kernel(stack=False))
+    assert msgspec.structs.replace(without, ucounts=plan().ucounts) == plan()
+    assert without.ucounts.maxima["max_mnt_namespaces"] == 0
+    assert plan().ucounts.maxima["max_mnt_namespaces"] == 4  # pasta joins the session's user namespace
+    assert plan().ucounts.maxima["max_user_namespaces"] == 0 and plan().ucounts.maxima["max_net_namespaces"] == 0
 
 
 def test_full_mode_below_abi_6_is_degraded_for_want_of_scopes():
