@@ -15,7 +15,12 @@ root), and prints one table:
 - opening a session (until every protection is in force), and switching its
   network (the sandbox is replaced). With ``--cgroup DIR`` (a delegated cgroup
   v2 directory; ``./scripts/bench`` run as root makes one) the daemon gives
-  each session a cgroup, and the open includes making and joining it.
+  each session a cgroup, and the open includes making and joining it;
+- opening a session with network "domains" (its namespace, the proxy's
+  listener handed to the daemon) beside the plain open, and a 16 MiB download
+  through the proxy (curl in the session) beside the same curl unsandboxed,
+  from a local HTTP server (the daemon's testing option lets its proxy reach
+  ``bench.test`` on the host's loopback);
 - with ``--log-cost``: read_file through a second daemon logging at debug (a
   line per tool call, to a file) beside the main one at info (no per-call
   line), interleaved: what per-call logging costs.
@@ -132,6 +137,41 @@ class BulkServer:
                     conn.sendall(chunk)
 
 
+def _ok(result: dispatch.Result) -> None:
+    if not result.is_success:
+        raise SystemExit(f"bench: the download through the proxy failed: {result.error}")
+
+
+class _BigServer:
+    """16 MiB on every GET, from a thread, on the host's loopback."""
+
+    SIZE = 16 * 1024 * 1024
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        body = b"x" * self.SIZE
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def start_daemon(tmp: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     sock = os.path.join(tmp, "run", "d.sock")
     env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmp, "state"))
@@ -161,6 +201,8 @@ def main() -> int:
         return 2
     tmp = tempfile.mkdtemp(prefix="dispatchd-bench-")
     extra = ["--no-user-namespaces"] if args.no_user_namespaces else []
+    extra += ["--proxy-hosts-for-testing", "bench.test=127.0.0.1"]
+    big = _BigServer()
     cgroup = ""
     if args.cgroup is not None:
         if not args.cgroup:
@@ -184,6 +226,8 @@ def main() -> int:
                                          *(["--no-user-namespaces"] if args.no_user_namespaces else []))
     wt = os.path.join(tmp, "wt")
     os.mkdir(wt)
+    wt_net = os.path.join(tmp, "wt-net")
+    os.mkdir(wt_net)
     Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # 4095 bytes, 63 lines
     wt_dl = os.path.join(tmp, "wt-download")  # its own: the first session holds wt's write lock
     os.mkdir(wt_dl)
@@ -191,7 +235,8 @@ def main() -> int:
     bulk = BulkServer()
     rows: dict[str, list[float]] = {k: [] for k in
                                     ("bare", "read", "spawn", "shell", "open", "switch", "open_plain", "read_debug",
-                                     "open_on", "switch_off", "download_plain", "download")}
+                                     "open_on", "switch_off", "download_plain", "download",
+                                     "open_domains", "fetch_plain", "fetch_domains")}
     debug = None
     if args.log_cost:
         os.mkdir(os.path.join(tmp, "debug"))
@@ -234,6 +279,18 @@ def main() -> int:
                     s = client.open_session(wt, network=True)
                     rows["open_on"].append(time.perf_counter() - t)
                     s.close()
+                    if not args.no_user_namespaces:  # degraded mode refuses "domains"
+                        t = time.perf_counter()
+                        # A worktree of its own: the session above holds the write lock on wt.
+                        s = client.open_session(wt_net, network="domains", domains=[f"bench.test:{big.port}"])
+                        rows["open_domains"].append(time.perf_counter() - t)
+                        fetch = s.registry.get("shell_exec")
+                        url = f"http://bench.test:{big.port}/"
+                        cmd = {"command": f"curl -sSf -o /dev/null {url}"}
+                        rows["fetch_domains"] += timed(lambda: _ok(fetch.call(cmd)), 1)
+                        s.close()
+                        rows["fetch_plain"] += timed(lambda: subprocess.run(
+                            ["curl", "-sf", "-o", "/dev/null", f"http://127.0.0.1:{big.port}/"], check=True), 1)
                     if plain is not None:
                         with dispatch.connect(plain_sock) as other:
                             t = time.perf_counter()
@@ -264,6 +321,7 @@ def main() -> int:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(20)
         shutil.rmtree(tmp, ignore_errors=True)
+        big.close()
         if cgroup:
             for leaf in ("daemon", ""):
                 try:
@@ -299,6 +357,10 @@ def main() -> int:
          f"1.00× (baseline, {mbps:.0f} MiB/s)")
     line("the same download from a session, network on", "download", "download_plain",
          f"of unsandboxed ({DOWNLOAD_MB / p50['download']:.0f} MiB/s)")
+    if rows["open_domains"]:
+        line("open a session, network domains", "open_domains", "open", "of the open above")
+        line("curl 16 MiB from loopback, no sandbox", "fetch_plain", None, "1.00× (baseline)")
+        line("the same through shell_exec and the domains proxy", "fetch_domains", "fetch_plain", "of plain curl")
     return 0
 
 

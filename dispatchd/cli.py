@@ -26,6 +26,7 @@ from dispatchd.policy import Policy, default_policy_dir, load_all, load_policy
 
 log = logging.getLogger("dispatchd")
 TESTING_ROOT_FLAG = "--allow-root-for-testing"
+PROXY_HOSTS_FLAG = "--proxy-hosts-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -51,6 +52,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="client connections served at once; more are answered 'busy' (default: half the "
                         "descriptors the daemon has, at most 4096)")
     p.add_argument(TESTING_ROOT_FLAG, action="store_true", help=argparse.SUPPRESS)
+    # Testing only: NAME=ADDR makes the "domains" proxy resolve NAME to ADDR
+    # and relay to it even on the host's loopback (which it never does
+    # otherwise), so the tests need a fake registry on 127.0.0.1 and no internet.
+    p.add_argument(PROXY_HOSTS_FLAG, action="append", default=[], metavar="NAME=ADDR", help=argparse.SUPPRESS)
     p.add_argument("--version", action="version", version=f"dispatchd {__version__}")
     return p.parse_args(argv)
 
@@ -207,10 +212,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dispatchd: {exc}", file=sys.stderr)
         zygote.stop()
         return 1
+    from dispatchd.daemon.proxy import system_resolver
+
+    overrides: dict[str, list[str]] = {}
+    try:
+        for item in args.proxy_hosts_for_testing:
+            name, sep, addr = item.partition("=")
+            if not sep or not name or not addr:
+                raise ValueError(f"{item!r}: expected NAME=ADDR")
+            overrides.setdefault(name, []).append(addr)
+        resolver = system_resolver(overrides)
+    except ValueError as exc:
+        print(f"dispatchd: {PROXY_HOSTS_FLAG}: {exc}", file=sys.stderr)
+        zygote.stop()
+        return 2
+    if overrides:
+        log.warning("event=testing_proxy_hosts hosts=%s (the domains proxy relays to these, loopback included)",
+                    ",".join(f"{k}={'/'.join(v)}" for k, v in overrides.items()))
     manager = SessionManager(
         zygote=zygote, kernel=features, load_policy=policy_loader, state_dir=state,
         protected=[state, os.path.dirname(socket_path)], private=[state], runtime_dirs=sorted(runtime),
-        code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation,
+        code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation, resolver=resolver,
     )
     max_connections = capacity.connection_cap(open_files.limit, args.max_connections)
     server = Server(listener, manager, features, socket_path, policy_loader, max_connections=max_connections,

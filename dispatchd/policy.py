@@ -21,6 +21,7 @@ from typing import Literal
 
 import msgspec
 
+from dispatchd.confine.domains import BadHost, parse_domains
 from dispatchd.errors import PolicyError
 
 ALL_TOOLS = (
@@ -49,11 +50,16 @@ class Filesystem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The network a session gets when the caller does not say: "off", "on",
-    # or "ports" (the host's network, TCP only to/on the ports below).
-    default: Literal["off", "on", "ports"] = "off"
+    # "ports" (the host's network, TCP only to/on the ports below), or
+    # "domains" (only the hosts below, through the daemon's filtering proxy).
+    default: Literal["off", "on", "ports", "domains"] = "off"
     # Under "ports": TCP ports the session may connect to, and bind.
     connect_ports: tuple[int, ...] = ()
     bind_ports: tuple[int, ...] = ()
+    # Under "domains": the hosts a session may reach through the proxy when the
+    # caller names none ("pypi.org", "*.pythonhosted.org" for subdomains only,
+    # "host:8443" for another port than 80 and 443); see confine/domains.py.
+    domains: tuple[str, ...] = ()
 
 
 class Sandbox(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -171,6 +177,10 @@ def _check(policy: Policy, where: str) -> None:
         for port in ports:
             if not 1 <= port <= 65535:
                 raise bad(key, f"{port} is not a TCP port (1-65535)")
+    try:
+        parse_domains(policy.network.domains)
+    except BadHost as exc:
+        raise bad("network.domains", str(exc)) from None
     if not 1 <= policy.sandbox.min_landlock_abi <= 64:
         raise bad("sandbox.min_landlock_abi", "must be between 1 and 64")
 

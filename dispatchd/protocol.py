@@ -59,9 +59,10 @@ class OpenSession(_Msg, tag="open_session"):
     id: int
     worktree: str
     policy: str = "default"
-    network: str | None = None  # "off" | "on" | "ports"; None: the policy's default
+    network: str | None = None  # "off" | "on" | "ports" | "domains"; None: the policy's default
     ports: list[int] | None = None  # under "ports": TCP ports to connect to (None: the policy's)
     bind_ports: list[int] | None = None  # under "ports": TCP ports to bind (None: the policy's)
+    domains: list[str] | None = None  # under "domains": the hosts it may reach (None: the policy's)
     # Lifetime (daemon/lifetimes.py): a session ends once every connection that
     # opened or attached to it has gone for its grace, unless it is detached.
     detached: bool = False
@@ -83,6 +84,7 @@ class SetNetwork(_Msg, tag="set_network"):
     network: str
     ports: list[int] | None = None
     bind_ports: list[int] | None = None
+    domains: list[str] | None = None
 
 
 class Status(_Msg, tag="status"):
@@ -114,6 +116,15 @@ class ToolSchema(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     parameters: dict[str, Any]
 
 
+class DeniedHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A host a ``domains`` session asked the proxy for and was refused."""
+
+    host: str
+    port: int
+    count: int
+    last: float  # time.time() of the last refusal
+
+
 class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     worktree: str
@@ -123,6 +134,8 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     protections: dict[str, Any] = {}
     limits: dict[str, Any] = {}  # the policy's limits (timeouts, caps, model output budget)
     note: str = ""
+    domains: list[str] = []  # under "domains": the hosts the proxy lets it reach
+    denied: list[DeniedHost] = []  # under "domains": the last hosts refused, most recent first
 
 
 class HelloOk(_Msg, tag="hello_ok"):
@@ -204,6 +217,9 @@ class WorkerReady(_Msg, tag="worker_ready"):
     pid: int
     protections: dict[str, Any]
     timings_ms: dict[str, float] = {}  # per confinement step, for the debug log
+    # Sent with one fd when true: the proxy's listening socket, made on the
+    # loopback of the session's own network namespace (network "domains").
+    proxy_listener: bool = False
 
 
 class WorkerFailed(_Msg, tag="worker_failed"):
@@ -282,7 +298,18 @@ class Drain(_Msg, tag="drain"):
     deadline_s: float
 
 
-WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, ToolCallsDone, Drain, OkReply, ErrorReply]
+class SetCommandEnv(_Msg, tag="set_command_env"):
+    """Daemon -> worker: commands started from now on run with ``set`` added
+    to their environment and ``unset`` removed (the proxy variables when a
+    session's network changes in place). Commands already running keep theirs."""
+
+    set: dict[str, str] = {}
+    unset: list[str] = []
+    id: int = 0  # not 0: the worker answers ``OkReply(id)`` once later commands get it
+
+
+WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, ToolCallsDone, Drain, OkReply,
+                      ErrorReply, SetCommandEnv]
 
 # --- codec ------------------------------------------------------------------
 

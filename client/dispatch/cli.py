@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
 
     net = sub.add_parser("network", help="switch a session's network (its processes are ended)")
     net.add_argument("id")
-    net.add_argument("state", choices=["on", "off", "ports"])
+    net.add_argument("state", choices=["on", "off", "ports", "domains"])
     _ports_options(net)
 
     ex = sub.add_parser("exec", help="run a shell command in the sandbox")
@@ -81,7 +81,7 @@ def _session_target(p: argparse.ArgumentParser, *, worktree_required: bool = Fal
         p.add_argument("--session", help="an open session's id")
     p.add_argument("--worktree", required=worktree_required, help="open a session on this directory")
     p.add_argument("--policy", default="default")
-    p.add_argument("--network", choices=["on", "off", "ports"])
+    p.add_argument("--network", choices=["on", "off", "ports", "domains"])
     _ports_options(p)
 
 
@@ -95,6 +95,13 @@ def _port_list(text: str) -> list[int]:
 def _ports_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ports", type=_port_list, help="with --network ports: TCP ports to connect to, e.g. 80,443")
     p.add_argument("--bind-ports", type=_port_list, help="with --network ports: TCP ports the session may bind")
+    p.add_argument("--domains", type=_domain_list, help="with --network domains: the hosts it may reach through "
+                   "the daemon's proxy, e.g. pypi.org,*.pythonhosted.org ('*.' for subdomains, ':PORT' for a port "
+                   "other than 80 and 443)")
+
+
+def _domain_list(text: str) -> list[str]:
+    return [d.strip() for d in text.split(",") if d.strip()]
 
 
 @contextlib.contextmanager
@@ -109,7 +116,7 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
         # 0 once our connection is gone, and SIGTERM/SIGHUP close it at once).
         with _closed_on_signals(), client.open_session(
                 args.worktree, policy=args.policy, network=args.network, ports=args.ports,
-                bind_ports=args.bind_ports, orphan_grace_s=0) as session:
+                bind_ports=args.bind_ports, domains=args.domains, orphan_grace_s=0) as session:
             yield session
 
 
@@ -174,6 +181,10 @@ def _print_status(st: dict[str, Any]) -> None:
               f"{', '.join(ll.get('scopes', [])) or 'none'}, tcp: {ll.get('tcp')}")
         print(f"    seccomp: {p.get('seccomp')}; namespaces: {ns}")
         print(f"    network {p.get('network', {}).get('mode')}: {p.get('network', {}).get('mechanism')}")
+        if s.get("network") == "domains":
+            print(f"    domains: {', '.join(s.get('domains', [])) or 'none'}")
+        if s.get("denied"):
+            print("    denied: " + ", ".join(f"{d['host']}:{d['port']} ({d['count']})" for d in s["denied"]))
         lim = p.get("limits", {})
         if lim:
             where = f" in {lim['cgroup']}" if lim.get("cgroup") else ""
@@ -240,7 +251,8 @@ def _run(args: argparse.Namespace) -> int:
             if args.action == "open":
                 # Detached: it outlives this command and needs no client holding it.
                 session = client.open_session(args.worktree, policy=args.policy, network=args.network,
-                                              ports=args.ports, bind_ports=args.bind_ports, detached=True)
+                                              ports=args.ports, bind_ports=args.bind_ports, domains=args.domains,
+                                              detached=True)
                 session.detach()
                 print(session.id)
             elif args.action == "close":
@@ -250,7 +262,8 @@ def _run(args: argparse.Namespace) -> int:
                 print(json.dumps(sessions, indent=2)) if args.json else _print_sessions(sessions)
             return 0
         if args.command == "network":
-            info = client.set_network(args.id, args.state, ports=args.ports, bind_ports=args.bind_ports)
+            info = client.set_network(args.id, args.state, ports=args.ports, bind_ports=args.bind_ports,
+                                      domains=args.domains)
             print(info["network"])
             if info.get("note"):
                 print(f"dispatch: {info['note']}", file=sys.stderr)

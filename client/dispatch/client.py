@@ -227,9 +227,26 @@ def _network_word(network: bool | str | None) -> str | None:
         return None
     if isinstance(network, bool):
         return "on" if network else "off"
-    if network in ("on", "off", "ports"):
+    if network in ("on", "off", "ports", "domains"):
         return network
-    raise ValueError(f"network must be True, False, 'on', 'off' or 'ports', not {network!r}")
+    raise ValueError(f"network must be True, False, 'on', 'off', 'ports' or 'domains', not {network!r}")
+
+
+def _status_dict(info: protocol.SessionInfo) -> dict[str, Any]:
+    """``session.status()``: the session's fields, with ``network`` as a dict:
+    ``mode``, ``domains`` (under "domains") and ``denied`` (hosts the proxy
+    refused, most recent first: ``host``, ``port``, ``count``, ``last``)."""
+    d = _to_dict(info)
+    d["network"] = {"mode": info.network, "domains": d.pop("domains"), "denied": d.pop("denied")}
+    return d
+
+
+def _domain_list(domains: list[str] | None) -> list[str] | None:
+    if domains is None:
+        return None
+    if isinstance(domains, str):  # "pypi.org" would otherwise be eight one-letter hosts
+        raise ValueError(f"domains must be a list of host names, not the string {domains!r}")
+    return list(domains)
 
 
 class Session:
@@ -253,12 +270,12 @@ class Session:
 
     @property
     def network(self) -> bool:
-        """True when the session reaches the host's network ("on", or "ports")."""
+        """True when the session reaches outside itself ("on", "ports", or "domains")."""
         return self._info.network != "off"
 
     @property
     def network_mode(self) -> str:
-        """"off", "on" or "ports"."""
+        """"off", "on", "ports" or "domains"."""
         return self._info.network
 
     @property
@@ -366,17 +383,22 @@ class Session:
         return own, own + self._client.call_margin
 
     def set_network(self, network: bool | str, ports: list[int] | None = None,
-                    bind_ports: list[int] | None = None) -> bool:
-        """Switch the network: ``True``/``"on"``, ``False``/``"off"``, or ``"ports"``
-        (TCP only to ``ports``, binding only ``bind_ports``; default: the policy's).
+                    bind_ports: list[int] | None = None, domains: list[str] | None = None) -> bool:
+        """Switch the network: ``True``/``"on"``, ``False``/``"off"``, ``"ports"``
+        (TCP only to ``ports``, binding only ``bind_ports``; default: the policy's),
+        or ``"domains"`` (only the hosts in ``domains``, e.g. ``["pypi.org",
+        "*.pythonhosted.org"]``, through the daemon's proxy; default: the policy's).
         When this returns, no byte the session writes goes out under the old
-        setting. In full mode the switch happens in place, the session's
-        processes kept (its way out stopped, or its rules changed); otherwise
-        the sandbox is replaced and its processes ended. ``status()["note"]``
-        says which, and what was cut."""
-        word = _network_word(network)
+        setting. In full mode, between off, on and ports, the switch happens in
+        place, the session's processes kept (its way out stopped, or its rules
+        changed); to or from "domains", and in degraded mode, the sandbox is
+        replaced and its processes ended; from "domains" to "domains" only the
+        list changes, and connections to hosts no longer listed are closed.
+        ``status()["note"]`` says which, and what was cut."""
+        word, listed = _network_word(network), _domain_list(domains)
         reply, _ = self._client._daemon_request(lambda rid: protocol.SetNetwork(
-            id=rid, session=self.id, network=word, ports=ports, bind_ports=bind_ports))
+            id=rid, session=self.id, network=word, ports=ports, bind_ports=bind_ports,
+            domains=listed))
         self._info = reply.session
         with self._lock:
             self._attach()
@@ -387,7 +409,7 @@ class Session:
         for info in self._client._sessions():
             if info.id == self.id:
                 self._info = info
-                return _to_dict(info)
+                return _status_dict(info)
         raise RequestFailed("unknown_session", f"session {self.id} is closed")
 
     def detach(self) -> None:
@@ -455,18 +477,21 @@ class Client:
         return reply, fd
 
     def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
-                     ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
+                     ports: list[int] | None = None, bind_ports: list[int] | None = None,
+                     domains: list[str] | None = None, *,
                      detached: bool = False, orphan_grace_s: float | None = None) -> Session:
         """Open a session on ``worktree``. It ends when closed, when idle, and
         when every connection holding it (this client, and clients that
         attached to it) has gone for the policy's ``orphan_grace_s`` (or the
         shorter ``orphan_grace_s`` given here); ``detached=True`` keeps it
-        open with nobody holding it, until it is closed or ends idle."""
-        word = _network_word(network)
+        open with nobody holding it, until it is closed or ends idle.
+        ``network="domains"`` with ``domains=[...]``: only those hosts, through
+        the daemon's proxy (README "Network")."""
+        word, listed = _network_word(network), _domain_list(domains)
         path = os.path.abspath(os.fspath(worktree))
         reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(
             id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports,
-            detached=detached, orphan_grace_s=orphan_grace_s))
+            domains=listed, detached=detached, orphan_grace_s=orphan_grace_s))
         try:
             return Session(self, reply.session, owned=True)
         except BaseException:
@@ -488,10 +513,11 @@ class Client:
         self._daemon_request(lambda rid: protocol.CloseSession(id=rid, session=session_id))
 
     def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
-                    bind_ports: list[int] | None = None) -> dict[str, Any]:
-        word = _network_word(network)
+                    bind_ports: list[int] | None = None, domains: list[str] | None = None) -> dict[str, Any]:
+        word, listed = _network_word(network), _domain_list(domains)
         reply, _ = self._daemon_request(lambda rid: protocol.SetNetwork(
-            id=rid, session=session_id, network=word, ports=ports, bind_ports=bind_ports))
+            id=rid, session=session_id, network=word, ports=ports, bind_ports=bind_ports,
+            domains=listed))
         return _to_dict(reply.session)
 
     def _sessions(self) -> list[protocol.SessionInfo]:

@@ -17,7 +17,7 @@ Guarantees:
 - Only the protocol reaches stdout: the SDK points fd 1 at stderr while it
   serves, so nothing a tool or a library prints can corrupt the stream.
 - The network stays as the person who started the server set it
-  (``--network``): switching it is not a tool.
+  (``--network``, and ``--domains`` for "domains"): switching it is not a tool.
 - ``serve`` returns when the client closes stdin, or on SIGTERM, SIGINT or
   SIGHUP; a call still running is abandoned (closing the session ends it).
 

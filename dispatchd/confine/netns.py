@@ -3,6 +3,9 @@
 Guarantee: after ``bring_up_loopback``, the session's namespace has ``lo`` up
 (127.0.0.1 and ::1 work, so a test server inside the session answers a client
 inside it) and no other interface: nothing outside is reachable.
+``open_proxy_listener`` makes, in that namespace, the listening socket whose
+connections the daemon's proxy serves (network "domains"): a socket of this
+namespace, so no other session or user can reach it.
 
 One ioctl (SIOCSIFFLAGS) rather than pyroute2: measured on this machine kind,
 0.35 ms against 6-7 ms for pyroute2's ``IPRoute``, which alone would take most
@@ -30,3 +33,16 @@ def bring_up_loopback() -> None:
             fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh14x", b"lo", flags | IFF_UP))
     except OSError as exc:
         raise ConfinementError("network: loopback up", exc.errno, "lo") from exc
+
+
+def open_proxy_listener(port: int) -> int:
+    """A listening TCP socket on 127.0.0.1:``port`` of this namespace; returns its fd
+    (close-on-exec, not inheritable: only the descriptor passed to the daemon serves)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfinementError("network: proxy listener", exc.errno, f"127.0.0.1:{port}") from exc
+    return sock.detach()

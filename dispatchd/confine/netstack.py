@@ -108,6 +108,18 @@ def plan_network(mode: str, *, use_userns: bool, stack_missing: str, nft_missing
     if mode == "off":
         return NetworkPlan(mode, namespace=True, stack=False, rules="", landlock_tcp=False, seccomp_inet=True,
                            mechanism="network namespace with loopback only")
+    if mode == "domains":
+        # No stack: the daemon's proxy, reached through a listener the worker
+        # makes on the namespace's loopback, is the only way out (confine/domains.py).
+        from dispatchd.confine import domains
+
+        return NetworkPlan(mode, namespace=True, stack=False, rules="", landlock_tcp=False, seccomp_inet=True,
+                           mechanism=(f"network namespace with loopback only; the daemon's filtering proxy "
+                                      f"({domains.PROXY_HOST}:{domains.PROXY_PORT}, HTTP CONNECT and plain HTTP "
+                                      "to the listed hosts) is the only way out"),
+                           caveats=["network 'domains' checks the host each request names, not what a tunnel "
+                                    "carries: a listed name served by a shared CDN can be fronted for other hosts "
+                                    "(SNI, ECH), and a listed host that accepts uploads is a way out for data"])
     if stack_missing:
         return _host_network(mode, ports, f"no user-mode network stack ({stack_missing})")
     if mode == "ports" and nft_missing:
@@ -142,7 +154,10 @@ def switch_in_place(old: NetworkPlan, new: NetworkPlan) -> bool:
     """Can a session go from ``old`` to ``new`` keeping its processes? Only
     when both live in the session's own namespace and neither needs Landlock
     TCP rules (which cannot be lifted from a running process)."""
-    return old.namespace and new.namespace and not old.landlock_tcp and not new.landlock_tcp
+    # "domains" is set up at the worker's start (the proxy's listener, the
+    # proxy variables): to or from it the sandbox is replaced.
+    return (old.namespace and new.namespace and not old.landlock_tcp and not new.landlock_tcp
+            and "domains" not in (old.mode, new.mode))
 
 
 # --- probing (daemon start) ----------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from dispatchd.confine import domains as domains_mod
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
 from dispatchd.confine.gitdirs import GitLayout
 from dispatchd.confine.limits import LimitsPlan, plan_limits
@@ -28,7 +29,7 @@ from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Limits, Policy
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-NETWORK_MODES = ("off", "on", "ports")
+NETWORK_MODES = ("off", "on", "ports", "domains")
 
 
 
@@ -51,7 +52,7 @@ class SessionPaths(msgspec.Struct, frozen=True):
 class SessionPlan(msgspec.Struct, frozen=True):
     session: str
     policy: str
-    network: str  # "on" | "off"
+    network: str  # one of NETWORK_MODES
     paths: SessionPaths
     namespaces: NamespacePlan
     mounts: MountPlan | None
@@ -67,6 +68,9 @@ class SessionPlan(msgspec.Struct, frozen=True):
     limits: Limits
     protections: dict[str, object]
     net: NetworkPlan | None = None  # how the network mode is held (netstack.plan_network)
+    # "domains": the port of the listener the worker makes on its own loopback
+    # and hands to the daemon's proxy (dispatchd.confine.domains); 0: none.
+    proxy_port: int = 0
 
 
 def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: GitLayout) -> list[str]:
@@ -126,6 +130,14 @@ def plan_session(
                                f"{kernel.user_namespaces_note}")
     use_userns = mode != "never" and kernel.user_namespaces
     network_off = network == "off"
+    if network == "domains" and not use_userns:
+        # Without a namespace of its own the session shares the host's network:
+        # the proxy would be one way out among all the others.
+        raise ConfinementError("network", detail="network 'domains' needs a network namespace of its own "
+                               f"(user namespaces), and this session has none (user namespaces: "
+                               f"{kernel.user_namespaces_note}; policy user_namespaces = "
+                               f"{policy.sandbox.user_namespaces!r}): without one the host's network would be "
+                               "reachable directly, not only through the filtering proxy")
 
     fs = policy.filesystem
     worktree_rw = fs.worktree == "read-write"
@@ -183,6 +195,8 @@ def plan_session(
         if key in base_env:
             env[key] = base_env[key]
     env.update(policy.env.set)
+    if network == "domains":
+        env.update(domains_mod.proxy_env())  # after the policy's: the proxy is the only way out anyway
 
     net_mechanism = net.mechanism
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
@@ -270,4 +284,5 @@ def plan_session(
         limits=policy.limits,
         protections=protections,
         net=net,
+        proxy_port=domains_mod.PROXY_PORT if network == "domains" else 0,
     )

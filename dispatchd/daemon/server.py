@@ -283,14 +283,15 @@ class Server:
         if isinstance(req, protocol.OpenSession):
             return protocol.SessionReply(id=req.id, session=m.open(
                 req.worktree, req.policy, req.network, req.ports, req.bind_ports, detached=req.detached,
-                orphan_grace_s=req.orphan_grace_s, holder=conn_id).info())
+                orphan_grace_s=req.orphan_grace_s, holder=conn_id, domain_list=req.domains).info())
         if isinstance(req, protocol.CloseSession):
             m.close(req.session)
             return protocol.OkReply(id=req.id)
         if isinstance(req, protocol.ListSessions):
             return protocol.SessionsReply(id=req.id, sessions=[s.info() for s in m.list()])
         if isinstance(req, protocol.SetNetwork):
-            return protocol.SessionReply(id=req.id, session=m.set_network(req.session, req.network, req.ports, req.bind_ports).info())
+            return protocol.SessionReply(id=req.id, session=m.set_network(req.session, req.network, req.ports, req.bind_ports,
+                                                                             req.domains).info())
         if isinstance(req, protocol.Status):
             return protocol.StatusReply(id=req.id, daemon_version=__version__, pid=os.getpid(), socket=self.socket_path,
                                         kernel=self.kernel.to_dict(), sessions=[s.info() for s in m.list()],

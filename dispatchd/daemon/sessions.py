@@ -35,9 +35,10 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import cgroups, gitdirs, gitsnapshot, netstack
+from dispatchd.confine import cgroups, domains, gitdirs, gitsnapshot, netstack
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon import exits, leftovers, lifetimes, watchdog
+from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
@@ -60,6 +61,8 @@ class Session:
         self.created = time.time()
         self.network = policy.network.default
         self.ports = NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
+        self.domains = domains.parse_domains(policy.network.domains)  # checked with the policy
+        self.proxy: SessionProxy | None = None  # network "domains": made at the first such start
         self.note = ""
         self.git = gitdirs.GitLayout("none")
         self.redirects_before: list[str] = []
@@ -76,21 +79,29 @@ class Session:
         self.generation = 0
         self.closed = False
         self.ended = threading.Event()  # set when the current worker's control channel closes
+        self.acks: dict[int, threading.Event] = {}  # SetCommandEnv requests waiting for the worker
+        self.ack_ids = 0
         # How long it outlives its last connection, and what holds its memory (status shows both).
         self.lifetime: dict[str, object] = {}
 
     def info(self) -> protocol.SessionInfo:
         protections = {**self.protections, "lifetime": self.lifetime} if self.lifetime else self.protections
+        denied = [protocol.DeniedHost(host=h, port=p, count=c, last=t) for h, p, c, t in self.proxy.denied()
+                  ] if self.proxy else []
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
                                     network=self.network, created=self.created, protections=protections,
-                                    limits=msgspec.to_builtins(self.policy.limits), note=self.note)
+                                    limits=msgspec.to_builtins(self.policy.limits), note=self.note,
+                                    domains=domains.describe(self.domains) if self.network == "domains" else [],
+                                    denied=denied)
 
 
 def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
-def _check_network(network: str, ports: list[int] | None, bind_ports: list[int] | None) -> None:
+def _check_network(network: str, ports: list[int] | None, bind_ports: list[int] | None,
+                   domain_list: list[str] | None = None) -> tuple[domains.Rule, ...] | None:
+    """Refuse a bad request before anything changes; the parsed domains, if given."""
     if network not in NETWORK_MODES:
         raise DispatchdError(f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
     for port in (ports or []) + (bind_ports or []):
@@ -98,12 +109,25 @@ def _check_network(network: str, ports: list[int] | None, bind_ports: list[int] 
             raise DispatchdError(f"{port} is not a TCP port (1-65535)")
     if network != "ports" and (ports or bind_ports):
         raise DispatchdError(f"ports are only for network 'ports', not {network!r}")
+    if domain_list is None:
+        return None
+    if network != "domains":
+        raise DispatchdError(f"domains are only for network 'domains', not {network!r}")
+    try:
+        return domains.parse_domains(domain_list)
+    except domains.BadHost as exc:
+        raise DispatchdError(f"domains: {exc}") from None
 
 
 def _ports_for(session: Session, ports: list[int] | None, bind_ports: list[int] | None) -> NetworkPorts:
     net = session.policy.network
     return NetworkPorts(connect=sorted(set(net.connect_ports if ports is None else ports)),
                         bind=sorted(set(net.bind_ports if bind_ports is None else bind_ports)))
+
+
+def _domains_for(session: Session, rules: tuple[domains.Rule, ...] | None) -> tuple[domains.Rule, ...]:
+    """The caller's list, or else the policy's (as ports do)."""
+    return domains.parse_domains(session.policy.network.domains) if rules is None else rules
 
 
 def _count_session_processes(session: Session) -> int:
@@ -135,6 +159,7 @@ class SessionManager:
         code_paths: list[str],
         base_env: dict[str, str],
         delegation: cgroups.Delegation = cgroups.Delegation(note="not looked for"),
+        resolver: Resolver | None = None,
     ) -> None:
         self.zygote = zygote
         self.kernel = kernel
@@ -146,6 +171,7 @@ class SessionManager:
         self.code_paths = code_paths
         self.base_env = base_env
         self.delegation = delegation
+        self.resolver = resolver or system_resolver()  # for the proxies of "domains" sessions
         self.uid, self.gid = os.getuid(), os.getgid()
         self.home = os.path.expanduser("~")
         self._sessions: dict[str, Session] = {}
@@ -180,14 +206,15 @@ class SessionManager:
 
     def open(self, worktree: str, policy_name: str, network: str | None,
              ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
-             detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None) -> Session:
+             detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None,
+             domain_list: list[str] | None = None) -> Session:
         if not self.accepting:
             raise Stopping("the daemon is stopping and opens no new sessions")
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         resolved = check_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected,
                                   private=self.private)
         network = network or policy.network.default
-        _check_network(network, ports, bind_ports)
+        rules = _check_network(network, ports, bind_ports, domain_list)
         with self._lock:
             tainted = self._tainted.get(resolved)
         if tainted:
@@ -198,6 +225,7 @@ class SessionManager:
         scratch = os.path.join(self.sessions_dir, sid)
         session = Session(sid, resolved, policy, scratch)
         session.ports = _ports_for(session, ports, bind_ports)
+        session.domains = _domains_for(session, rules)
         try:
             self._inspect_git(session)
         except WorktreeError:
@@ -285,6 +313,13 @@ class SessionManager:
                 err.args = (err.message,)
                 raise err
             raise ConfinementError("worker start", detail=f"the worker did not report ready: {msg!r}")
+        try:
+            self._start_proxy(session, plan, msg, control)
+        except ConfinementError:
+            worker.signal(signal.SIGKILL)
+            worker.close()
+            control.close()
+            raise
         log.debug("event=worker_ready session=%s pid=%s steps_ms=%s", session.id, msg.pid,
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker = worker
@@ -354,6 +389,8 @@ class SessionManager:
                 or session.worker is None:
             return None
         self._apply_network(session, plan.net)
+        if session.proxy is not None:
+            session.proxy.configure(network, session.domains)  # refuses all outside "domains"
         protections = dict(plan.protections)
         protections["absent_paths"] = session.protections.get("absent_paths", [])
         session.protections = protections
@@ -369,6 +406,43 @@ class SessionManager:
             cut = f"out through {netstack.STACK}, any port"
         return f"network {network}: switched in place, {kept} process(es) of the session kept; {cut}"
 
+    def _start_proxy(self, session: Session, plan: SessionPlan, msg: protocol.WorkerReady,
+                     control: protocol.FrameSocket) -> None:
+        """Serve the listener a "domains" worker made in its namespace; in any
+        other mode the session's proxy (if it had one) refuses everything."""
+        if plan.proxy_port and not msg.proxy_listener:
+            raise ConfinementError("network: proxy listener", detail="the worker handed over no listener")
+        if msg.proxy_listener:
+            try:
+                listener = socket.socket(fileno=control.take_fd())
+            except protocol.ProtocolError as exc:
+                raise ConfinementError("network: proxy listener", detail=str(exc)) from exc
+            if session.proxy is None:
+                session.proxy = SessionProxy(session.id, self.resolver)
+            session.proxy.configure(plan.network, session.domains)
+            session.proxy.serve(listener)
+        elif session.proxy is not None:
+            session.proxy.configure(plan.network, session.domains)
+
+    def send_command_env(self, session: Session, set_env: dict[str, str], unset: list[str]) -> None:
+        """Commands the session starts once this returns get ``set_env`` and lose
+        ``unset`` (e.g. ``domains.proxy_env()`` when a switch keeps the sandbox)."""
+        done = threading.Event()
+        with session.send_lock:
+            if session.control is None:
+                raise SessionError(f"session {session.id} has ended", session.id)
+            session.ack_ids += 1
+            rid = session.ack_ids
+            session.acks[rid] = done
+            try:
+                session.control.send(protocol.SetCommandEnv(set=set_env, unset=unset, id=rid))
+            except OSError as exc:
+                session.acks.pop(rid, None)
+                raise SessionError(f"session {session.id} has ended", session.id) from exc
+        if not done.wait(READY_TIMEOUT_S):
+            session.acks.pop(rid, None)
+            raise SessionError(f"session {session.id}: its worker did not confirm the new environment", session.id)
+
     def _watch(self, session: Session, generation: int, control: protocol.FrameSocket, ended: threading.Event) -> None:
         """The only reader of a worker's control channel: its EOF means the tool
         server is gone, on purpose (close, switch) or on its own (idle, crash)."""
@@ -378,6 +452,10 @@ class SessionManager:
                     for call in msg.calls:  # debug only: a line per call grew the log without bound
                         log.debug("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
                                  session.id, call.tool, call.duration_ms, "ok" if call.success else "failed")
+                elif isinstance(msg, protocol.OkReply):
+                    waiting = session.acks.pop(msg.id, None)
+                    if waiting is not None:
+                        waiting.set()
                 elif isinstance(msg, protocol.AcquireWriteLock):
                     reply = self._grant_write_lock(session, msg.id)
                     with session.send_lock:
@@ -407,6 +485,8 @@ class SessionManager:
         # The way out goes first: from here no byte of the session leaves.
         self._stop_network(session)
         session.worker = session.control = None
+        if session.proxy is not None:
+            session.proxy.stop()  # nothing relayed for the old sandbox from here on
         if worker is None:
             return
         worker.signal(signal.SIGTERM)
@@ -581,16 +661,33 @@ class SessionManager:
     # --- network, attach -----------------------------------------------------
 
     def set_network(self, sid: str, network: str, ports: list[int] | None = None,
-                    bind_ports: list[int] | None = None) -> Session:
-        """Switch by replacing the sandbox: every process of the session is ended,
-        so nothing started under the old setting keeps its connections."""
-        _check_network(network, ports, bind_ports)
+                    bind_ports: list[int] | None = None, domain_list: list[str] | None = None) -> Session:
+        """Between off, on and ports in the session's own namespace: in place,
+        its processes kept (``_switch_in_place``). Otherwise by replacing the
+        sandbox: every process of the session is ended, so nothing started under
+        the old setting keeps its connections. From "domains" to "domains" (a
+        new list) the sandbox stays: the proxy closes the connections the new
+        list does not allow before this returns."""
+        rules = _check_network(network, ports, bind_ports, domain_list)
         session = self.get(sid)
         with session.lock:
             if session.closed:
                 raise SessionError(f"no such session: {sid!r}", sid)
-            old_ports = session.ports
+            if network == "domains" and session.network == "domains" and session.proxy is not None:
+                session.domains = _domains_for(session, rules)
+                cut = session.proxy.configure("domains", session.domains)
+                session.note = (f"network domains: the list was changed in place (no process ended); {cut} "
+                                "connection(s) to hosts no longer listed were closed")
+                log.info("event=session_network session=%s network=domains in_place=1 cut=%s", sid, cut)
+                return session
+            old_ports, old_domains = session.ports, session.domains
             session.ports = _ports_for(session, ports, bind_ports)
+            session.domains = _domains_for(session, rules)
+            try:
+                self._plan(session, network)  # what cannot be enforced is refused before anything ends
+            except ConfinementError:
+                session.ports, session.domains = old_ports, old_domains
+                raise
             try:
                 note = self._switch_in_place(session, network)
             except BaseException:
@@ -619,7 +716,7 @@ class SessionManager:
             except ConfinementError:
                 # The new setting cannot be enforced: stay closed rather than
                 # leave the session running under a setting nobody asked for.
-                session.ports = old_ports
+                session.ports, session.domains = old_ports, old_domains
                 session.closed = True
                 self._ended.record(session.id, f"its network could not be switched to {network}")
                 self._remove_cgroup(session)

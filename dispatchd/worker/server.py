@@ -16,7 +16,9 @@ Guarantees:
 - the session ends itself after the policy's idle timeout with no call in
   flight, and as soon as the daemon's control channel closes;
 - a mutating tool (write_file, edit_file, create_file, shell_exec) runs only
-  once the daemon has granted this session its worktree's write lock.
+  once the daemon has granted this session its worktree's write lock;
+- ``SetCommandEnv`` from the daemon changes the environment of commands
+  started after it (the proxy variables of network "domains"), not of those running.
 
 Threads are safe here: Landlock and seccomp were applied before this process
 was forked, and every thread inherits them.
@@ -24,6 +26,7 @@ was forked, and every thread inherits them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import socket
@@ -119,7 +122,7 @@ class _Control:
         self.frames = frames
         self._send_lock = threading.Lock()
 
-    def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone) -> None:
+    def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone | protocol.OkReply) -> None:
         with self._send_lock:
             self.frames.send(msg)
 
@@ -255,6 +258,12 @@ class _Server:
                 self.records.append(protocol.CallRecord(req.tool, round((time.perf_counter() - started) * 1e3, 3),
                                                         success))
 
+    def set_command_env(self, msg: protocol.SetCommandEnv) -> None:
+        env = {k: v for k, v in self.ctx.env.items() if k not in msg.unset}
+        env.update(msg.set)
+        # One assignment: a call starting now sees the old context or the new, whole.
+        self.ctx = dataclasses.replace(self.ctx, env=env)
+
     def flush_records(self) -> None:
         """Send the daemon what finished since the last time (for its log)."""
         with self.records_lock:
@@ -322,5 +331,12 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             server.add_channel(socket.socket(fileno=fd))
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
+        elif isinstance(msg, protocol.SetCommandEnv):
+            server.set_command_env(msg)
+            if msg.id:
+                try:
+                    server.control.send(protocol.OkReply(id=msg.id))
+                except OSError:
+                    return
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()

@@ -63,7 +63,8 @@ class _Clock:
 def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clock: _Clock) -> list[str]:
     """Apply the plan to this process, in order. Returns the skipped (absent) paths.
 
-    On return the caller is W1: confined, single-threaded, with only ``keep`` open.
+    On return the caller is W1: confined, single-threaded, with only ``keep`` open
+    (under network "domains", the proxy's listener is appended to it).
     """
     if plan.cgroup is not None:
         # First, before any fork: every process of the session is born in its
@@ -93,6 +94,12 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     if plan.loopback:
         netns.bring_up_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
         clock("loopback")
+    if plan.proxy_port:
+        # The only door out of a "domains" session, made before any of its code
+        # runs (so nothing of the session's can hold the port first); the
+        # daemon's proxy serves what it accepts.
+        keep.append(netns.open_proxy_listener(plan.proxy_port))
+        clock("proxy listener")
     limits.apply_limits(plan.limits_plan)  # soft = hard, before capabilities go: none can raise them
     if plan.namespaces.user:
         hygiene.drop_capabilities()  # nothing below needs a capability
@@ -133,8 +140,9 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     control = protocol.FrameSocket(socket.socket(fileno=control_fd), fds=True)
     clock = _Clock()
+    keep = [control_fd]
     try:
-        skipped = confine(plan, program, parent, [control_fd], clock)
+        skipped = confine(plan, program, parent, keep, clock)
     except ConfinementError as exc:
         _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
         os._exit(1)
@@ -167,10 +175,15 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int)
                                                        message=exc.message))
                 os._exit(1)
             clock("nested scope")
-        _report(control, protocol.WorkerReady(pid=init, protections=protections, timings_ms=clock.steps))
+        _report(control, protocol.WorkerReady(pid=init, protections=protections, timings_ms=clock.steps,
+                                              proxy_listener=len(keep) > 1), fds=keep[1:])
+        for fd in keep[1:]:
+            os.close(fd)  # the daemon has it; no command inherits it
         serve(control, plan)
         os._exit(0)
     control.close()
+    for fd in keep[1:]:
+        os.close(fd)
     if not plan.namespaces.pid:
         # Only now, confined by Landlock's signal scope, may SIGTERM mean
         # "kill(-1)": from here it reaches the session's processes alone. The
@@ -206,8 +219,9 @@ def _passed_up(status: int) -> int:
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
 
 
-def _report(control: protocol.FrameSocket, msg: protocol.WorkerReady | protocol.WorkerFailed) -> None:
+def _report(control: protocol.FrameSocket, msg: protocol.WorkerReady | protocol.WorkerFailed,
+            fds: list[int] | None = None) -> None:
     try:
-        control.send(msg)
+        control.send(msg, fds=fds)
     except OSError:
         pass  # the daemon is gone; nobody to tell

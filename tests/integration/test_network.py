@@ -252,7 +252,7 @@ def test_off_on_off_in_one_session(mode_client, worktree: Path, tcp: TcpListener
         assert probe(s, tcp_probe(tcp.port, host)) == "connected hello"
         assert s.set_network(False) is False
         assert probe(s, tcp_probe(tcp.port, host)) == refused
-        assert s.status()["network"] == "off"
+        assert s.status()["network"]["mode"] == "off"
     assert tcp.accepted == 1
 
 

@@ -343,7 +343,49 @@ def test_no_seccomp_is_refused():
 def test_unknown_network_mode_is_refused(network: str):
     err = refused(network=network)
     assert err.step == "network"
-    assert err.message == f"cannot apply network: network must be one of off, on, ports, not {network!r}"
+    assert err.message == f"cannot apply network: network must be one of off, on, ports, domains, not {network!r}"
+
+
+# -- network "domains" ---------------------------------------------------------------
+
+
+def test_domains_in_full_mode_is_off_plus_the_proxy_listener():
+    got, off = plan(network="domains"), plan(network="off")
+    # The same confinement as "off": a namespace with only loopback ...
+    assert (got.namespaces, got.loopback, got.landlock, got.seccomp, got.mounts) == (
+        off.namespaces, off.loopback, off.landlock, off.seccomp, off.mounts)
+    assert got.namespaces.net is True
+    # ... with the proxy's door in it, and the variables that point every command there.
+    assert (got.proxy_port, off.proxy_port) == (3128, 0)
+    url = "http://127.0.0.1:3128"
+    assert {k: v for k, v in got.env.items() if k not in off.env} == {
+        "HTTP_PROXY": url, "http_proxy": url, "HTTPS_PROXY": url, "https_proxy": url, "ALL_PROXY": url,
+        "all_proxy": url, "NO_PROXY": "localhost,127.0.0.1,::1", "no_proxy": "localhost,127.0.0.1,::1"}
+    assert got.protections["network"] == {"mode": "domains", "mechanism": (
+        "network namespace with loopback only; the daemon's filtering proxy (127.0.0.1:3128, HTTP CONNECT "
+        "and plain HTTP to the listed hosts) is the only way out")}
+    assert got.protections["mode"] == "full"
+    assert got.protections["leaves_open"] == [
+        "network 'domains' checks the host each request names, not what a tunnel carries: a listed name served "
+        "by a shared CDN can be fronted for other hosts (SNI, ECH), and a listed host that accepts uploads is a "
+        "way out for data"]
+
+
+def test_domains_proxy_variables_win_over_the_policys():
+    got = plan(Policy(env=Env(set={"HTTPS_PROXY": "http://elsewhere:8080"})), network="domains")
+    assert got.env["HTTPS_PROXY"] == "http://127.0.0.1:3128"
+
+
+@pytest.mark.parametrize("k, policy", [(kernel(userns=False), Policy()),
+                                       (kernel(), Policy(sandbox=Sandbox(user_namespaces="never")))],
+                         ids=["no-user-namespaces", "policy-never"])
+def test_domains_without_a_network_namespace_is_refused(k: KernelFeatures, policy: Policy):
+    err = refused(policy, k, network="domains")
+    assert err.step == "network"
+    assert err.message.startswith("cannot apply network: network 'domains' needs a network namespace of its own "
+                                  "(user namespaces), and this session has none (user namespaces: ")
+    assert err.message.endswith("without one the host's network would be reachable directly, not only "
+                                "through the filtering proxy")
 
 
 # -- network "ports" -----------------------------------------------------------------

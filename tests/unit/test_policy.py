@@ -214,6 +214,11 @@ def test_policy_error_code():
         ("[limits]\ncpu_weight = 10001", "limits.cpu_weight", "must be between 1 and 10000 (cgroup v2 cpu.weight)"),
         ("[network]\nconnect_ports = [0]", "network.connect_ports", "0 is not a TCP port (1-65535)"),
         ("[network]\nbind_ports = [65536]", "network.bind_ports", "65536 is not a TCP port (1-65535)"),
+        ("[network]\ndomains = [\"*.org\"]", "network.domains",
+         "'*.org': a wildcard over a whole top-level domain is too broad"),
+        ("[network]\ndomains = [\"127.0.0.1\"]", "network.domains",
+         "'127.0.0.1': the host's loopback, link-local and unspecified addresses are never relayed "
+         "(a session reaches the host's own services with network 'on' or 'ports')"),
         ("[sandbox]\nmin_landlock_abi = 0", "sandbox.min_landlock_abi", "must be between 1 and 64"),
         ("[sandbox]\nmin_landlock_abi = 65", "sandbox.min_landlock_abi", "must be between 1 and 64"),
     ],
@@ -421,3 +426,9 @@ def test_policy_env_set_cannot_be_changed_in_place():
     with pytest.raises(TypeError):
         p.env.set["LD_PRELOAD"] = "/tmp/evil.so"  # type: ignore[index]
     assert dict(p.env.set) == {"CI": "1"}
+
+
+def test_network_domains():
+    p = parse_policy("p", '[network]\ndefault = "domains"\ndomains = ["pypi.org", "*.pythonhosted.org"]')
+    assert p.network == Network(default="domains", domains=("pypi.org", "*.pythonhosted.org"))
+    assert type(p.network.domains) is tuple

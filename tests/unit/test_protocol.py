@@ -63,6 +63,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.AcquireWriteLock: (p.AcquireWriteLock(id=13), {"control"}),
     p.ToolCallsDone: (p.ToolCallsDone(calls=[p.CallRecord("read_file", 1.5, True)]), {"control"}),
     p.Drain: (p.Drain(deadline_s=30.0), {"control"}),
+    p.SetCommandEnv: (p.SetCommandEnv(set={"HTTP_PROXY": "http://127.0.0.1:3128"}, unset=["http_proxy"]), {"control"}),
     p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"zygote_request"}),
     p.Spawned: (p.Spawned(id=14, pid=999), {"zygote_reply"}),
     p.NetRules: (p.NetRules(id=15, rules="add table inet dispatchd"), {"zygote_request"}),
@@ -83,7 +84,7 @@ TAGS = {
     "ErrorReply": "error", "CallTool": "call_tool", "ToolReply": "tool_reply", "WorkerReady": "worker_ready",
     "WorkerFailed": "worker_failed", "AddChannel": "add_channel", "SpawnWorker": "spawn_worker",
     "Spawned": "spawned", "NetRules": "net_rules", "AcquireWriteLock": "acquire_write_lock",
-    "ToolCallsDone": "tool_calls_done", "Drain": "drain",
+    "ToolCallsDone": "tool_calls_done", "Drain": "drain", "SetCommandEnv": "set_command_env",
 }
 
 

@@ -1,0 +1,472 @@
+"""The filtering proxy of network ``domains``: one per session, in the daemon.
+
+Guarantees:
+- it serves only connections accepted on the listener the session's worker
+  made on the loopback of the session's own network namespace (handed over
+  with ``WorkerReady``): no other session, and no other user, can reach it;
+- a request is relayed only while the session's mode is ``domains`` and only
+  to a host and port its rules allow (``dispatchd.confine.domains.allowed``);
+  anything else gets an HTTP error whose status line and body say why, and a
+  refused host is counted for ``status()`` (the last ``MAX_DENIED``);
+- it connects only to addresses ``relayable`` allows (never the host's
+  loopback, link-local, unspecified or multicast addresses), resolving names
+  itself: the session needs no resolver and never learns other addresses;
+- hostile input is bounded: a request head of at most ``MAX_HEAD`` bytes read
+  within ``HEAD_TIMEOUT_S``, at most ``MAX_CONNECTIONS`` at once per session
+  (more get 503 at once), a relay idle for ``IDLE_TIMEOUT_S`` is closed;
+- ``configure`` applies a new mode or list at once: connections to hosts it
+  no longer allows are closed before it returns; ``stop`` closes the listener
+  and every connection (nothing relayed after a switch or the end).
+
+What it speaks: HTTP CONNECT (what pip, npm, git and curl use for https://),
+and plain HTTP requests in absolute form (``GET http://host/path``), sent on
+with ``Connection: close`` and the ``Host`` header set to the URL's host. It
+never looks inside a tunnel: TLS (SNI, ECH) is between the client and the
+host it named, which is the one the proxy checked and connected to.
+
+A small threaded proxy written for this rather than a library: see README
+"Dependencies, and why".
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from dispatchd.confine.domains import (
+    BadHost, Rule, allowed, describe, is_ip_literal, normalise_host, relayable,
+)
+
+log = logging.getLogger("dispatchd.proxy")
+
+MAX_HEAD = 16 * 1024  # request line and headers
+HEAD_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 300.0
+MAX_CONNECTIONS = 64  # per session, at once
+MAX_DENIED = 20
+_BUF = 64 * 1024
+_HOP_BY_HOP = {"connection", "proxy-connection", "keep-alive", "proxy-authorization", "proxy-authenticate",
+               "te", "trailer", "upgrade", "host"}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, reason: str, body: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.body, self.headers = status, reason, body, headers or {}
+
+
+def response(status: int, reason: str, body: str, headers: dict[str, str] | None = None) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection."""
+    data = body.encode()
+    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: text/plain; charset=utf-8",
+            f"Content-Length: {len(data)}", "Connection: close", "Proxy-Connection: close"]
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("ascii", "replace") + data
+
+
+def _shown(raw: str) -> str:
+    """Untrusted text fit for a status line or log: printable ASCII, short."""
+    text = raw.encode("ascii", "backslashreplace").decode()
+    text = "".join(c if 32 <= ord(c) < 127 else "?" for c in text)
+    return text[:100] + ("..." if len(text) > 100 else "")
+
+
+def split_authority(text: str, default_port: int | None) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or (with a default port) ``host`` -> (host, port).
+    Raises ``HttpError`` 400 for anything else (user info, empty host, bad port)."""
+    def bad(why: str) -> HttpError:
+        return HttpError(400, "Bad Request", f"dispatchd proxy: {why}: {_shown(text)!r}\n")
+
+    if "@" in text or not text:
+        raise bad("not a host[:port]")
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise bad("unclosed '['")
+        host, rest = text[: end + 1], text[end + 1 :]
+    elif text.count(":") > 1:
+        raise bad("an IPv6 address must be in brackets")
+    else:
+        host, sep, port_text = text.partition(":")
+        rest = sep + port_text
+    if rest:
+        if not rest.startswith(":") or not rest[1:].isdigit() or not 1 <= int(rest[1:]) <= 65535:
+            raise bad("not a TCP port")
+        port = int(rest[1:])
+    elif default_port is None:
+        raise bad("CONNECT needs host:port")
+    else:
+        port = default_port
+    if not host or host == "[]":
+        raise bad("no host")
+    return host, port
+
+
+class Request:
+    """The head of one request to the proxy, parsed (``parse_head``)."""
+
+    def __init__(self, method: str, host: str, port: int, path: str, version: str,
+                 headers: list[tuple[str, str]]) -> None:
+        self.method, self.host, self.port, self.path, self.version, self.headers = (
+            method, host, port, path, version, headers)
+
+    @property
+    def tunnel(self) -> bool:
+        return self.method == "CONNECT"
+
+    def upstream_head(self) -> bytes:
+        """The plain-HTTP request as the upstream gets it: origin form, the
+        URL's host as ``Host``, hop-by-hop headers dropped, one request only."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        authority = host if self.port == 80 else f"{host}:{self.port}"
+        lines = [f"{self.method} {self.path} {self.version}", f"Host: {authority}"]
+        lines += [f"{k}: {v}" for k, v in self.headers if k.lower() not in _HOP_BY_HOP]
+        lines.append("Connection: close")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def parse_head(head: bytes) -> Request:
+    """Parse a request head (without its final blank line). Raises ``HttpError``
+    (400) for anything a well-behaved client does not send: the host is
+    normalised here (``BadHost`` becomes a 400 naming it)."""
+    def bad(why: str) -> HttpError:
+        return HttpError(400, "Bad Request", f"dispatchd proxy: {why}\n")
+
+    try:
+        text = head.decode("latin-1")
+    except UnicodeDecodeError:  # latin-1 decodes every byte; kept for clarity
+        raise bad("undecodable request") from None
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper() or len(parts[0]) > 20:
+        raise bad(f"not an HTTP request line: {_shown(lines[0])!r}")
+    method, target, version = parts
+    if version not in ("HTTP/1.0", "HTTP/1.1"):
+        raise bad(f"unsupported version {_shown(version)!r} (HTTP/1.0 and 1.1)")
+    headers: list[tuple[str, str]] = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip() or any(c in name for c in " \t") or "\n" in line:
+            raise bad(f"malformed header line {_shown(line)!r}")
+        headers.append((name, value.strip()))
+    if method == "CONNECT":
+        host, port = split_authority(target, None)
+        path = ""
+    else:
+        if not target.lower().startswith("http://"):
+            if target.lower().startswith("https://"):
+                raise bad("https:// goes through CONNECT (set HTTPS_PROXY to this proxy); this session's "
+                          "commands have it set already")
+            raise bad(f"{_shown(target)!r}: a proxy request names its URL in full (http://host/path)")
+        rest = target[7:]
+        cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+        host, port = split_authority(rest[:cut], 80)
+        path = rest[cut:].split("#", 1)[0] or "/"
+        if not path.startswith("/"):
+            path = "/" + path
+    try:
+        host = normalise_host(host)
+    except BadHost as exc:
+        raise bad(_shown(str(exc))) from None
+    return Request(method, host, port, path, version, headers)
+
+
+Resolver = Callable[[str, int], list[tuple[str, bool]]]
+
+
+def system_resolver(overrides: dict[str, list[str]] | None = None) -> Resolver:
+    """Resolve a host to (address, exempt) pairs; ``exempt`` marks an address
+    from ``overrides`` (the daemon's testing option), relayed even on loopback."""
+    table = {normalise_host(k): list(v) for k, v in (overrides or {}).items()}
+
+    def resolve(host: str, port: int) -> list[tuple[str, bool]]:
+        if host in table:
+            return [(a, True) for a in table[host]]
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        seen: list[tuple[str, bool]] = []
+        for *_, addr in infos:
+            if (addr[0], False) not in seen:
+                seen.append((addr[0], False))
+        return seen
+
+    return resolve
+
+
+class _Conn:
+    def __init__(self, client: socket.socket, host: str = "", port: int = 0) -> None:
+        self.client = client
+        self.upstream: socket.socket | None = None
+        self.host, self.port = host, port
+        self.cut_off = False  # set under the proxy's lock: nothing more may be relayed
+
+    def cut(self) -> None:
+        """From another thread: wake the relay, which then closes both."""
+        for sock in (self.client, self.upstream):
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class SessionProxy:
+    """The proxy of one session. Outlives sandbox replacements (its denied
+    counts are the session's); serves one listener at a time."""
+
+    def __init__(self, session: str, resolver: Resolver) -> None:
+        self.session = session
+        self.resolve = resolver
+        self.mode = "off"
+        self.rules: tuple[Rule, ...] = ()
+        self._lock = threading.Lock()
+        self._conns: set[_Conn] = set()
+        self._listener: socket.socket | None = None
+        self._denied: collections.OrderedDict[tuple[str, int], list[float]] = collections.OrderedDict()
+
+    # --- control, from the session manager --------------------------------
+
+    def configure(self, mode: str, rules: tuple[Rule, ...]) -> int:
+        """Apply a mode and list; close connections they no longer allow.
+        Returns how many were closed."""
+        with self._lock:
+            self.mode, self.rules = mode, rules
+            gone = [c for c in self._conns
+                    if c.host and (mode != "domains" or not allowed(rules, c.host, c.port))]
+            for conn in gone:
+                conn.cut_off = True
+        for conn in gone:
+            conn.cut()
+        return len(gone)
+
+    def serve(self, listener: socket.socket) -> None:
+        """Serve connections accepted on ``listener`` (a socket of the session's namespace)."""
+        self.stop()
+        with self._lock:
+            self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True,
+                         name=f"proxy-{self.session}").start()
+
+    def stop(self) -> None:
+        """Close the listener and every connection (the sandbox is going)."""
+        with self._lock:
+            listener, self._listener = self._listener, None
+            conns = list(self._conns)
+            for conn in conns:
+                conn.cut_off = True
+        if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes accept(); the accept thread closes it
+            except OSError:
+                pass
+        for conn in conns:
+            conn.cut()
+
+    def denied(self) -> list[tuple[str, int, int, float]]:
+        """(host, port, count, last) of the last refused hosts, most recent first."""
+        with self._lock:
+            return [(h, p, int(c), last) for (h, p), (c, last) in reversed(self._denied.items())]
+
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    # --- serving ------------------------------------------------------------
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    client, _ = listener.accept()
+                except OSError:
+                    return  # stopped
+                with self._lock:
+                    if self._listener is not listener:
+                        client.close()
+                        return
+                    full = len(self._conns) >= MAX_CONNECTIONS
+                    conn = None if full else _Conn(client)
+                    if conn is not None:
+                        self._conns.add(conn)
+                if conn is None:
+                    self._refuse_fast(client)
+                    continue
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        finally:
+            listener.close()
+
+    @staticmethod
+    def _refuse_fast(client: socket.socket) -> None:
+        try:
+            client.settimeout(1.0)
+            client.sendall(response(503, "Service Unavailable", (
+                f"dispatchd proxy: this session already has {MAX_CONNECTIONS} connections open through the "
+                "proxy; close some and retry\n")))
+        except OSError:
+            pass
+        client.close()
+
+    def _serve(self, conn: _Conn) -> None:
+        client = conn.client
+        try:
+            client.settimeout(HEAD_TIMEOUT_S)
+            try:
+                head, rest = self._read_head(client)
+                req = parse_head(head)
+                upstream = self._open(conn, req)
+            except HttpError as exc:
+                client.sendall(response(exc.status, exc.reason, exc.body, exc.headers))
+                _linger(client)
+                return
+            with self._lock:
+                conn.upstream = upstream
+                if conn.cut_off:  # configured away or stopped while we connected
+                    return
+            if req.tunnel:
+                client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:
+                upstream.sendall(req.upstream_head())
+            if rest:
+                upstream.sendall(rest)
+            self._relay(client, upstream)
+        except OSError:
+            pass  # either side went away, or ``cut``
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            for sock in (client, conn.upstream):
+                if sock is not None:
+                    sock.close()
+
+    @staticmethod
+    def _read_head(client: socket.socket) -> tuple[bytes, bytes]:
+        buf = bytearray()
+        deadline = time.monotonic() + HEAD_TIMEOUT_S
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                return bytes(buf[:end]), bytes(buf[end + 4 :])
+            if len(buf) > MAX_HEAD:
+                raise HttpError(431, "Request Header Fields Too Large",
+                                f"dispatchd proxy: a request head is at most {MAX_HEAD} bytes\n")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HttpError(408, "Request Timeout", "dispatchd proxy: the request head took too long\n")
+            client.settimeout(left)
+            try:
+                data = client.recv(MAX_HEAD + 4 - len(buf) + 1)
+            except TimeoutError:
+                raise HttpError(408, "Request Timeout", "dispatchd proxy: the request head took too long\n") from None
+            if not data:
+                raise OSError("closed before a whole request head")
+            buf += data
+
+    def _open(self, conn: _Conn, req: Request) -> socket.socket:
+        with self._lock:
+            # Decided and recorded under one lock: a ``configure`` after this
+            # sees the connection's host and cuts it if no longer allowed.
+            mode, rules = self.mode, self.rules
+            ok = mode == "domains" and allowed(rules, req.host, req.port)
+            if ok:
+                conn.host, conn.port = req.host, req.port
+        if mode != "domains":
+            raise HttpError(403, f"Forbidden by dispatchd: network is not in domains mode ({mode})", (
+                f"dispatchd: this session's network is {mode!r}, not in domains mode: the proxy relays "
+                "nothing. Switch with: dispatch network " f"{self.session} domains --domains HOST,...\n"))
+        if not ok:
+            self._deny(req.host, req.port)
+            raise HttpError(403, f"Forbidden by dispatchd: {req.host} is not in this session's domains",
+                            self._denied_body(req.host, req.port, rules),
+                            {"X-Dispatchd-Denied": f"{req.host}:{req.port}"})
+        try:
+            found = [(req.host, False)] if is_ip_literal(req.host) else self.resolve(req.host, req.port)
+        except (OSError, UnicodeError) as exc:
+            raise HttpError(502, "Bad Gateway", f"dispatchd proxy: cannot resolve {req.host}: {exc}\n") from None
+        usable = [a for a, exempt in found if exempt or relayable(a)]
+        if not usable:
+            raise HttpError(502, "Bad Gateway", (
+                f"dispatchd proxy: {req.host} resolves only to addresses the proxy never relays to "
+                f"({', '.join(a for a, _ in found) or 'none'}: loopback, link-local or unspecified)\n"))
+        errors = []
+        for address in usable:
+            try:
+                upstream = socket.create_connection((address, req.port), timeout=CONNECT_TIMEOUT_S)
+            except OSError as exc:
+                errors.append(f"{address}: {exc.strerror or exc}")
+                continue
+            log.debug("event=proxy_connect session=%s host=%s port=%s address=%s", self.session,
+                      req.host, req.port, address)
+            return upstream
+        raise HttpError(502, "Bad Gateway",
+                        f"dispatchd proxy: cannot connect to {req.host}:{req.port} ({'; '.join(errors)})\n")
+
+    def _deny(self, host: str, port: int) -> None:
+        log.info("event=proxy_denied session=%s host=%s port=%s", self.session, host, port)
+        with self._lock:
+            entry = self._denied.pop((host, port), [0, 0.0])
+            entry[0] += 1
+            entry[1] = time.time()
+            self._denied[(host, port)] = entry
+            while len(self._denied) > MAX_DENIED:
+                self._denied.popitem(last=False)
+
+    def _denied_body(self, host: str, port: int, rules: tuple[Rule, ...]) -> str:
+        listed = describe(rules)
+        wanted = host if port in (80, 443) else f"{host}:{port}"
+        wanted = f"[{wanted}]" if ":" in host and port in (80, 443) else wanted
+        return (f"dispatchd: this session's network is in mode \"domains\", and {host} (port {port}) "
+                f"is not in its list.\n"
+                f"Allowed: {', '.join(listed) or 'nothing yet'}\n"
+                f"To allow it: dispatch network {self.session} domains --domains {','.join(listed + [wanted])}\n"
+                f"  (Python: session.set_network(\"domains\", domains=[..., \"{wanted}\"]); "
+                f"or add it to the policy's network.domains)\n")
+
+    @staticmethod
+    def _relay(a: socket.socket, b: socket.socket) -> None:
+        """Copy both ways until both directions are closed, or nothing moves for
+        ``IDLE_TIMEOUT_S``. A half-close is passed on (shutdown SHUT_WR)."""
+        a.settimeout(IDLE_TIMEOUT_S)
+        b.settimeout(IDLE_TIMEOUT_S)
+        peer = {a: b, b: a}
+        open_reads = {a, b}
+        with selectors.DefaultSelector() as sel:
+            for s in open_reads:
+                sel.register(s, selectors.EVENT_READ)
+            while open_reads:
+                ready = sel.select(IDLE_TIMEOUT_S)
+                if not ready:
+                    return  # idle
+                for key, _ in ready:
+                    src: socket.socket = key.fileobj  # type: ignore[assignment]
+                    data = src.recv(_BUF)
+                    if data:
+                        peer[src].sendall(data)
+                        continue
+                    sel.unregister(src)
+                    open_reads.discard(src)
+                    try:
+                        peer[src].shutdown(socket.SHUT_WR)
+                    except OSError:
+                        return
+
+
+def _linger(client: socket.socket) -> None:
+    """After an error reply: end our side and read what the client was still
+    sending (a little, briefly), so closing does not reset the connection
+    before the client has read why."""
+    try:
+        client.shutdown(socket.SHUT_WR)
+        drained, deadline = 0, time.monotonic() + 1.0
+        while drained < MAX_HEAD * 4 and (left := deadline - time.monotonic()) > 0:
+            client.settimeout(left)
+            data = client.recv(_BUF)
+            if not data:
+                return
+            drained += len(data)
+    except OSError:
+        pass

@@ -1,0 +1,119 @@
+"""dispatchd.confine.domains: rules, host spellings and matching, by equality."""
+
+from __future__ import annotations
+
+import pytest
+
+from dispatchd.confine.domains import (
+    BadHost, Rule, allowed, describe, normalise_host, own_namespace, parse_domains, proxy_env, relayable,
+)
+
+
+def test_parse_domains_spellings():
+    rules = parse_domains(["PyPI.org.", "*.pythonhosted.org", "Bücher.example", "[2001:db8::1]:8443",
+                           "203.0.113.7", "registry.test:8080", "pypi.org"])
+    assert rules == (
+        Rule("pypi.org"),
+        Rule("pythonhosted.org", wildcard=True),
+        Rule("xn--bcher-kva.example"),
+        Rule("2001:db8::1", ports=(8443,), ip=True),
+        Rule("203.0.113.7", ip=True),
+        Rule("registry.test", ports=(8080,)),
+    )  # the repeated pypi.org once
+    assert describe(rules) == ["pypi.org", "*.pythonhosted.org", "xn--bcher-kva.example", "[2001:db8::1]:8443",
+                               "203.0.113.7", "registry.test:8080"]
+
+
+@pytest.mark.parametrize("entry, why", [
+    ("", "an empty entry"),
+    ("127.1", "'127.1' looks like a numeric address, not a name"),
+    ("0x7f.1", "looks like a numeric address"),
+    ("2130706433", "looks like a numeric address"),
+    ("*.org", "a wildcard over a whole top-level domain is too broad"),
+    ("a*.b.org", "a wildcard is only allowed as the whole first label"),
+    ("*.*.b.org", "a wildcard is only allowed as the whole first label"),
+    ("*.203.0.113.7", "a wildcard cannot apply to an IP address"),
+    ("127.0.0.1", "the host's loopback, link-local and unspecified addresses are never relayed"),
+    ("[::1]", "never relayed"),
+    ("::ffff:127.0.0.1", "never relayed"),
+    ("169.254.169.254", "never relayed"),
+    ("0.0.0.0", "never relayed"),
+    ("foo..bar", "is not a host name"),
+    ("foo bar.org", "is not a host name"),
+    ("a.org:0", "'0' is not a TCP port"),
+    ("a.org:http", "'http' is not a TCP port"),
+    ("[2001:db8::1", "unclosed '['"),
+    ("x" * 64 + ".org", "is not a host name"),
+])
+def test_bad_entries_are_refused_with_the_reason(entry: str, why: str):
+    with pytest.raises(BadHost, match=None) as exc:
+        parse_domains([entry])
+    assert why in str(exc.value)
+
+
+def test_too_many_entries():
+    with pytest.raises(BadHost, match="at most 256"):
+        parse_domains([f"h{i}.org" for i in range(257)])
+
+
+RULES = parse_domains(["pypi.org", "*.pythonhosted.org", "203.0.113.7", "registry.test:8080"])
+
+
+@pytest.mark.parametrize("host, port, expected", [
+    ("pypi.org", 443, True),
+    ("pypi.org", 80, True),
+    ("pypi.org", 22, False),  # 80 and 443 only, unless a port is named
+    ("www.pypi.org", 443, False),  # no wildcard: the name itself only
+    ("files.pythonhosted.org", 443, True),
+    ("a.b.pythonhosted.org", 443, True),
+    ("pythonhosted.org", 443, False),  # a wildcard is for subdomains only
+    ("evilpythonhosted.org", 443, False),
+    ("pythonhosted.org.evil.com", 443, False),
+    ("203.0.113.7", 443, True),
+    ("203.0.113.8", 443, False),
+    ("registry.test", 8080, True),
+    ("registry.test", 443, False),
+])
+def test_allowed(host: str, port: int, expected: bool):
+    assert allowed(RULES, normalise_host(host), port) is expected
+
+
+def test_a_wildcard_never_matches_an_ip_literal():
+    assert allowed(parse_domains(["*.0.113.7.example"]), "203.0.113.7", 443) is False
+
+
+@pytest.mark.parametrize("host, norm", [
+    ("PyPI.ORG.", "pypi.org"),
+    ("bücher.example", "xn--bcher-kva.example"),
+    ("xn--bcher-kva.example", "xn--bcher-kva.example"),
+    ("[2001:DB8:0::1]", "2001:db8::1"),
+    ("::ffff:203.0.113.7", "203.0.113.7"),  # a mapped address is the IPv4 one
+])
+def test_normalise_host(host: str, norm: str):
+    assert normalise_host(host) == norm
+
+
+@pytest.mark.parametrize("address, ok", [
+    ("93.184.216.34", True), ("10.1.2.3", True), ("2001:db8::1", True),
+    ("127.0.0.1", False), ("127.9.9.9", False), ("::1", False), ("::ffff:127.0.0.1", False),
+    ("0.0.0.0", False), ("0.1.2.3", False), ("::", False), ("169.254.169.254", False), ("fe80::1%eth0", False),
+    ("224.0.0.1", False), ("255.255.255.255", False), ("not-an-address", False),
+])
+def test_relayable(address: str, ok: bool):
+    assert relayable(address) is ok
+
+
+def test_proxy_env_sets_both_cases():
+    env = proxy_env()
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        assert env[name] == env[name.lower()] == "http://127.0.0.1:3128"
+    assert env["NO_PROXY"] == env["no_proxy"] == "localhost,127.0.0.1,::1"
+    assert len(env) == 8
+
+
+@pytest.mark.parametrize("network, userns, own", [
+    ("off", True, True), ("domains", True, True), ("on", True, False), ("ports", True, False),
+    ("off", False, False), ("domains", False, False),
+])
+def test_own_namespace(network: str, userns: bool, own: bool):
+    assert own_namespace(network, userns) is own
