@@ -11,7 +11,11 @@ root), and prints one table:
   beside a bare request/response between two Python processes over a Unix
   socket (same framing and codec, 4 KiB reply): the IPC floor;
 - shell_exec of ``true`` beside ``subprocess.run(["bash", "-c", "true"])``
-  with no sandbox;
+  with no sandbox, also with streaming asked for (``on_output``);
+- the first byte's latency when streaming: from the moment a command writes
+  (bash's ``$EPOCHREALTIME`` just before ``printf``) to the client's
+  ``on_output`` callback (wall clock of one machine), and how long a cancel
+  of a running ``sleep`` takes to come back as a cancelled Result;
 - opening a session (until every protection is in force), and switching its
   network (the sandbox is replaced). With ``--cgroup DIR`` (a delegated cgroup
   v2 directory; ``./scripts/bench`` run as root makes one) the daemon gives
@@ -137,6 +141,44 @@ class BulkServer:
                     conn.sendall(chunk)
 
 
+def first_byte(shell: dispatch.Definition, n: int) -> list[float]:
+    """Seconds from a command's write to the client's on_output, ``n`` times."""
+    out = []
+    for _ in range(n):
+        got: list[float] = []
+
+        def on_output(_stream: str, text: str) -> None:
+            if not got:
+                got.append(time.time() - float(text.split()[0]))
+
+        shell.call({"command": 'printf "%s\\n" "$EPOCHREALTIME"; sleep 0.02'}, on_output=on_output)
+        out += got
+    return out
+
+
+def cancel_latency(session: dispatch.Session, shell: dispatch.Definition, n: int) -> list[float]:
+    """Seconds from ``session.cancel()`` to the cancelled Result of a running sleep."""
+    import threading
+
+    out = []
+    for _ in range(n):
+        started = threading.Event()
+        done: list[float] = []
+
+        def run() -> None:
+            shell.call({"command": "echo up; sleep 100"}, on_output=lambda s, t: started.set())
+            done.append(time.perf_counter())
+
+        t = threading.Thread(target=run)
+        t.start()
+        started.wait(10)
+        at = time.perf_counter()
+        session.cancel()
+        t.join(10)
+        out += [d - at for d in done]
+    return out
+
+
 def _ok(result: dispatch.Result) -> None:
     if not result.is_success:
         raise SystemExit(f"bench: the download through the proxy failed: {result.error}")
@@ -234,7 +276,8 @@ def main() -> int:
     Path(wt_dl, "download.py").write_text(_DOWNLOAD)
     bulk = BulkServer()
     rows: dict[str, list[float]] = {k: [] for k in
-                                    ("bare", "read", "spawn", "shell", "open", "switch", "open_plain", "read_debug",
+                                    ("bare", "read", "spawn", "shell", "shell_stream", "first_byte", "cancel",
+                                     "open", "switch", "open_plain", "read_debug",
                                      "open_on", "switch_off", "download_plain", "download",
                                      "open_domains", "fetch_plain", "fetch_domains")}
     debug = None
@@ -264,6 +307,9 @@ def main() -> int:
                     rows["read_debug"] += timed(lambda: read_debug.call({"path": "f4k.txt"}), args.calls)
                 rows["spawn"] += timed(lambda: subprocess.run(["bash", "-c", "true"], capture_output=True), 20)
                 rows["shell"] += timed(lambda: shell.call({"command": "true"}), 20)
+                rows["shell_stream"] += timed(lambda: shell.call({"command": "true"}, on_output=lambda s, t: None), 20)
+                rows["first_byte"] += first_byte(shell, 5)
+                rows["cancel"] += cancel_latency(session, shell, 2)
                 for _ in range(3):
                     t = time.perf_counter()
                     s = client.open_session(wt)
@@ -344,6 +390,9 @@ def main() -> int:
               f"p99 {pct(rows['read_debug'], 0.99) / pct(rows['read'], 0.99):.2f}× of info")
     line("subprocess.run(['bash','-c','true']), no sandbox", "spawn", None, "1.00× (baseline)")
     line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.3×)")
+    line("shell_exec 'true', streaming asked for", "shell_stream", "spawn", "of plain spawn")
+    line("streaming: a command's write → client on_output", "first_byte", None, "(target: a few ms)")
+    line("session.cancel() → cancelled Result (sleep)", "cancel", None, "(the kill, then the reply)")
     if rows["open_plain"]:
         line("open a session, no cgroup (baseline)", "open_plain", None, "1.00× (baseline)")
         line("open a session with its own cgroup", "open", "open_plain", "of the open without")

@@ -30,12 +30,18 @@ PROXY_HOSTS_FLAG = "--proxy-hosts-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dispatchd", description="Sandboxed execution daemon for AI coding agents.")
+    p = argparse.ArgumentParser(
+        prog="dispatchd", description="Sandboxed execution daemon for AI coding agents. Runs in the foreground "
+        "until SIGTERM or SIGINT.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="other commands:\n"
+               "  dispatchd install-units [--dry-run]   write systemd user units (dispatchd.socket, .service)\n"
+               "                                        for this Python; see README \"Run as a service\"\n"
+               "  dispatchd uninstall-units             remove them\n")
     p.add_argument("--socket", help="listening socket path (default: $DISPATCH_SOCKET, "
                    "$XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, or $XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
     p.add_argument("--policies", type=Path, help="directory of policy files (default: the installed policies)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="info logs sessions and what happens to them; debug adds a line per tool call")
+                   help="info logs sessions and what happens to them; debug adds a line per tool call (default: info)")
     p.add_argument("--log-file", metavar="PATH",
                    help="log to PATH, rotated at 10 MiB with 3 old files kept (default: stderr, which "
                         "journald keeps under systemd)")
@@ -47,7 +53,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "cgroup v2 directory for this daemon alone to manage (an error if it cannot; at start "
                         "it ends what earlier sessions left there); 'off' never")
     p.add_argument("--stop-timeout", type=float, default=30.0,
-                   help="on SIGTERM, how long calls in flight may go on before their sessions are ended (seconds)")
+                   help="on SIGTERM, how long calls in flight may go on before their sessions are ended "
+                        "(seconds; default: 30)")
     p.add_argument("--max-connections", type=int, metavar="N",
                    help="client connections served at once; more are answered 'busy' (default: half the "
                         "descriptors the daemon has, at most 4096)")

@@ -56,6 +56,13 @@ class UnsafeDirectory(Exception):
     pass
 
 
+def what_to_do() -> str:
+    """The advice after a refused socket or state directory: a place that works."""
+    env = {k: v for k, v in os.environ.items() if k != "DISPATCH_SOCKET"}
+    return ("dispatchd keeps its socket in a private directory of its own (mode 0700, yours): name a socket "
+            f"in a directory you own or may create, e.g. --socket {default_socket_path(env)}")
+
+
 def socket_dir_problem(st: os.stat_result, uid: int) -> str | None:
     """Why a directory (its ``lstat``) cannot hold our socket, or None. Pure."""
     if stat.S_ISLNK(st.st_mode):
@@ -110,15 +117,16 @@ def via_fd(fd: int, name: str) -> str:
 
 
 def ensure_private_dir(path: str) -> None:
-    """Create ``path`` (mode 0700) or check an existing one is ours and private."""
+    """Create ``path`` (mode 0700) or check an existing one is ours and private.
+    Refusals end with what to do instead (``what_to_do``)."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as exc:
-        raise UnsafeDirectory(f"cannot create {path}: {exc.strerror}") from exc
+        raise UnsafeDirectory(f"cannot create {path}: {exc.strerror}; {what_to_do()}") from exc
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeDirectory(f"{path} is not a directory (a symlink?)")
+        raise UnsafeDirectory(f"{path} is not a directory (a symlink?); {what_to_do()}")
     if st.st_uid != os.getuid():
-        raise UnsafeDirectory(f"{path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
+        raise UnsafeDirectory(f"{path} belongs to uid {st.st_uid}, not to us ({os.getuid()}); {what_to_do()}")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)

@@ -32,7 +32,13 @@ ALL_TOOLS = (
     "list_files",
     "search_files",
     "shell_exec",
+    "job_output",
+    "job_stop",
+    "job_list",
 )
+# Background jobs are started by shell_exec: a policy offering shell_exec
+# offers these too (listed or not), and one without it cannot offer them.
+JOB_TOOLS = ("job_output", "job_stop", "job_list")
 MUTATING_TOOLS = frozenset({"write_file", "edit_file", "create_file", "shell_exec"})
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -113,6 +119,10 @@ class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass_through: tuple[str, ...] = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
     # Variables set for commands.
     set: dict[str, str] = {}
+    # Give commands the user's git identity (user.name and user.email of their
+    # global git config, read by the daemon at open) as GIT_AUTHOR_* and
+    # GIT_COMMITTER_*; ``set`` above still wins over it.
+    git_identity: bool = True
 
 
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -135,6 +145,10 @@ def _check(policy: Policy, where: str) -> None:
             raise bad("tools", f"unknown tool {tool!r} (known: {', '.join(ALL_TOOLS)})")
     if len(set(policy.tools)) != len(policy.tools):
         raise bad("tools", "a tool is listed twice")
+    if "shell_exec" not in policy.tools:
+        orphans = [t for t in policy.tools if t in JOB_TOOLS]
+        if orphans:
+            raise bad("tools", f"{', '.join(orphans)} come with shell_exec, which this policy does not offer")
     if policy.filesystem.worktree == "read-only":
         writers = sorted(MUTATING_TOOLS & set(policy.tools))
         if writers:
@@ -200,6 +214,9 @@ def parse_policy(name: str, text: str, where: str = "<policy>") -> Policy:
         # msgspec names the key: "Object contains unknown field `x` - at `$.limits`".
         raise PolicyError(f"{where}: {exc}", key=_key_of(str(exc))) from exc
     _check(policy, where)
+    if "shell_exec" in policy.tools:
+        missing = tuple(t for t in JOB_TOOLS if t not in policy.tools)
+        policy = msgspec.structs.replace(policy, tools=policy.tools + missing)
     # The one mutable field, frozen too: a Policy is shared by all its sessions.
     env = msgspec.structs.replace(policy.env, set=types.MappingProxyType(dict(policy.env.set)))
     return msgspec.structs.replace(policy, env=env)

@@ -74,6 +74,14 @@ class CloseSession(_Msg, tag="close_session"):
     session: str
 
 
+class ReleaseWriteLock(_Msg, tag="release_write_lock"):
+    """Give back the session's worktree write lock without closing it; the
+    session asks again at its next mutating call. Answered by ``SessionReply``."""
+
+    id: int
+    session: str
+
+
 class ListSessions(_Msg, tag="list_sessions"):
     id: int
 
@@ -104,7 +112,7 @@ class ListTools(_Msg, tag="list_tools"):
 
 
 DaemonRequest = Union[
-    Hello, OpenSession, CloseSession, ListSessions, SetNetwork, Status, Attach, ListTools
+    Hello, OpenSession, CloseSession, ListSessions, SetNetwork, Status, Attach, ListTools, ReleaseWriteLock
 ]
 
 # --- daemon -> client -------------------------------------------------------
@@ -136,6 +144,7 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     note: str = ""
     domains: list[str] = []  # under "domains": the hosts the proxy lets it reach
     denied: list[DeniedHost] = []  # under "domains": the last hosts refused, most recent first
+    writes: bool = False  # holds its worktree's write lock (one writer per worktree)
 
 
 class HelloOk(_Msg, tag="hello_ok"):
@@ -200,6 +209,24 @@ class CallTool(_Msg, tag="call_tool"):
     id: int
     tool: str
     params: dict[str, Any]
+    stream: bool = False  # send ToolOutput frames as output comes, before the ToolReply
+
+
+class CancelCall(_Msg, tag="cancel_call"):
+    """Client -> worker: end the call ``id`` now (its processes killed); its
+    ``ToolReply`` still comes, a failure with ``metadata["cancelled"]``. No
+    reply of its own; an unknown or finished id is ignored."""
+
+    id: int
+
+
+class ToolOutput(_Msg, tag="tool_output"):
+    """Worker -> client, for a ``CallTool`` with ``stream``: output of call
+    ``id`` as it came, ``stream`` "stdout" or "stderr", before its reply."""
+
+    id: int
+    stream: str
+    text: str
 
 
 class ToolReply(_Msg, tag="tool_reply"):
@@ -263,7 +290,7 @@ class NetRules(_Msg, tag="net_rules"):
     rules: str
 
 
-WorkerRequest = Union[CallTool, ToolReply, ErrorReply]
+WorkerRequest = Union[CallTool, ToolReply, ErrorReply, CancelCall, ToolOutput]
 ZygoteRequest = Union[SpawnWorker, NetRules]
 ZygoteReply = Union[Spawned, OkReply, ErrorReply]
 class AcquireWriteLock(_Msg, tag="acquire_write_lock"):
@@ -298,6 +325,12 @@ class Drain(_Msg, tag="drain"):
     deadline_s: float
 
 
+class ForgetWriteLock(_Msg, tag="forget_write_lock"):
+    """Daemon -> worker: the write lock was given back; ask again before the
+    next mutating call. Sent under the same lock as the grants, so a grant
+    and a release reach the worker in the order the daemon decided them."""
+
+
 class SetCommandEnv(_Msg, tag="set_command_env"):
     """Daemon -> worker: commands started from now on run with ``set`` added
     to their environment and ``unset`` removed (the proxy variables when a
@@ -309,7 +342,7 @@ class SetCommandEnv(_Msg, tag="set_command_env"):
 
 
 WorkerControl = Union[WorkerReady, WorkerFailed, AddChannel, AcquireWriteLock, ToolCallsDone, Drain, OkReply,
-                      ErrorReply, SetCommandEnv]
+                      ErrorReply, SetCommandEnv, ForgetWriteLock]
 
 # --- codec ------------------------------------------------------------------
 

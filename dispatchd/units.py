@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -271,5 +272,25 @@ def _install(directory: Path, dry_run: bool) -> int:
         return 1
     for path in install(directory, texts):
         print(f"wrote {path}")
+    manager = user_manager_problem()
+    if manager:
+        print(f"dispatchd: {manager}", file=sys.stderr)
     print(f"next: {NEXT_STEP}")
     return 0
+
+
+def user_manager_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """Why ``systemctl --user`` cannot start the units here, or None when a
+    user manager answers: its private socket is ``$XDG_RUNTIME_DIR/systemd/private``."""
+    env = os.environ if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
+    try:
+        if stat.S_ISSOCK(os.stat(os.path.join(runtime, "systemd", "private")).st_mode):
+            return None
+    except OSError:
+        pass
+    return (f"no systemd user manager is running for you here (no {runtime}/systemd/private), so "
+            "`systemctl --user` cannot start these units yet. Either run the daemon in the foreground "
+            "(`dispatchd`), or let `dispatch` start it in the background (it does when none answers); or "
+            "get a user manager: log in through a session that starts one (ssh or a desktop login, not "
+            "`su`), or have root run `loginctl enable-linger $USER`, then run the next step")

@@ -43,19 +43,47 @@ as_unprivileged_user() {
     chown "$user:" "$home/.cache" "$home/.cache/dispatchd-venvs" "$venv"
     local cgroup
     cgroup=$(delegate_test_cgroup "$user")
+    # Nothing of the run is left behind, however it ends (Ctrl-C included):
+    # its copy, and its cgroup (emptied first). Globals: the trap runs after
+    # this function's locals are gone.
+    _RUN_DEST=$dest _RUN_CGROUP=$cgroup
+    trap _end_run EXIT
+    trap 'exit 130' INT TERM
     echo "dispatchd runs as an ordinary user: continuing as $user in $dest"
     local status=0
     runuser -u "$user" -- env -i HOME="$home" USER="$user" LOGNAME="$user" \
         PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 ${CI:+CI=$CI} \
         DISPATCHD_VENV="$venv" ${cgroup:+DISPATCHD_TEST_CGROUP=$cgroup} \
         bash "$dest/$script" "$@" || status=$?
-    # Nothing of the run is left behind: its copy, and its cgroup (emptied first).
-    rm -rf "$dest"
+    exit "$status"
+}
+
+# _end_run: the EXIT trap of a root run: remove its copy and its cgroup, and
+# say so if either is still there (a process of the run that would not die).
+_end_run() {
+    local dest=${_RUN_DEST:-} cgroup=${_RUN_CGROUP:-}
+    [ -n "$dest" ] && rm -rf "$dest"
     if [ -n "$cgroup" ]; then
         echo $$ >"$(dirname "$cgroup")/cgroup.procs" 2>/dev/null  # out of it first, or the kill ends us
         remove_test_cgroup "$cgroup"
     fi
-    exit "$status"
+    [ -n "$dest" ] && [ -e "$dest" ] && echo "warning: $dest is left behind" >&2
+    [ -n "$cgroup" ] && [ -e "$cgroup" ] && echo "warning: the cgroup $cgroup is left behind" >&2
+    return 0
+}
+
+# show_command WORD...: print a command as one would type it, quoting the
+# words that need it (the demo echoes what it runs).
+show_command() {
+    local out="" word
+    for word in "$@"; do
+        if [[ $word =~ ^[A-Za-z0-9_./=:,@%+-]+$ ]]; then
+            out+=" $word"
+        else
+            out+=" ${word@Q}"
+        fi
+    done
+    printf '%s\n' "${out# }"
 }
 
 # allow_tun: pasta and slirp4netns open /dev/net/tun inside the user's own
@@ -108,6 +136,10 @@ ensure_venv() {
         [ -x "$DISPATCHD_VENV/bin/python" ] || "$python" -m venv "$DISPATCHD_VENV"
         ln -sfn "$DISPATCHD_VENV" .venv
     fi
-    [ -x .venv/bin/python ] || "$python" -m venv .venv
+    if [ ! -x .venv/bin/python ]; then
+        [ -n "${VERBOSE_SETUP:-}" ] && echo "==> creating the virtual environment .venv (with $python)"
+        "$python" -m venv .venv
+    fi
+    [ -n "${VERBOSE_SETUP:-}" ] && echo "==> installing dispatchd into .venv (pip; about a minute the first time)"
     .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
 }

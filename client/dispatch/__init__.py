@@ -6,10 +6,11 @@
         with client.open_session("/path/to/worktree", network=False) as session:
             result = session.registry.get("shell_exec").call({"command": "make test"})
 
-Only re-exports live here; ``dispatch.tools`` holds the tool interface.
+Only re-exports live here; ``dispatch.tools`` holds the tool interface,
+``dispatch.aio`` the same client for asyncio.
 """
 
-from dispatch import tools
+from dispatch import aio, tools
 from dispatch.client import Client, Session, connect
 from dispatch.errors import (
     ConnectionLost,
@@ -33,6 +34,7 @@ __all__ = [
     "Result",
     "Session",
     "UntrustedSocket",
+    "aio",
     "connect",
     "tools",
 ]

@@ -25,9 +25,20 @@
   becomes a deterministic offline test.
 
 Providers: ``"openai"`` (Chat Completions: the assistant's ``tool_calls``,
-answered by one ``{"role": "tool"}`` message each) and ``"anthropic"``
-(Messages: ``tool_use`` blocks, answered by one user message of
-``tool_result`` blocks).
+answered by one ``{"role": "tool"}`` message each), ``"openai-responses"``
+(the Responses API: the reply is the response's ``output`` items, added to the
+input list as they are, each ``function_call`` answered by a
+``function_call_output`` item) and ``"anthropic"`` (Messages: ``tool_use``
+blocks, answered by one user message of ``tool_result`` blocks).
+
+Within one turn, consecutive calls of ``read`` tools run at once, on threads
+(``parallel_reads``, default 4); a ``write`` or ``execute`` call waits for
+those before it and runs alone. Replies keep the order of the calls.
+
+A loop also stops, status ``"stopped"``, when a tool's Result says
+``metadata["stop_loop"]`` (seed 000: a tool that finishes the task), and,
+status ``"interrupted"``, when a Ctrl-C ended a tool call: in both cases
+after every call of the turn is answered.
 """
 
 from __future__ import annotations
@@ -40,9 +51,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from dispatch.tools import Registry, ToolCallOutcome
+from dispatch.tools import Registry, ToolCallOutcome, _read_tool_call
 
 __all__ = [
     "FakeModel",
@@ -53,13 +65,14 @@ __all__ = [
     "TraceEntry",
     "anthropic_model",
     "openai_chat_model",
+    "openai_responses_model",
     "run_tool_loop",
 ]
 
 Model = Callable[[list[Any], list[dict[str, Any]]], Any]
 """``model(messages, tools) -> assistant message`` in the provider's shape."""
 
-Provider = Literal["openai", "anthropic"]
+Provider = Literal["openai", "openai-responses", "anthropic"]
 
 
 # ---------------------------------------------------------------- providers
@@ -92,6 +105,10 @@ def _arguments_json(arguments: Any) -> str:
 
 class _OpenAI:
     schema_format = "openai"
+
+    @staticmethod
+    def add(history: list[Any], message: Any) -> None:
+        history.append(message)
 
     @staticmethod
     def message(reply: Any) -> dict[str, Any]:
@@ -136,6 +153,7 @@ class _OpenAI:
 
 class _Anthropic:
     schema_format = "anthropic"
+    add = _OpenAI.add
 
     @staticmethod
     def message(reply: Any) -> dict[str, Any]:
@@ -175,10 +193,58 @@ class _Anthropic:
         return {"role": "assistant", "content": content + calls}
 
 
-_PROVIDERS: dict[str, type[_OpenAI] | type[_Anthropic]] = {"openai": _OpenAI, "anthropic": _Anthropic}
+class _Responses:
+    """The Responses API: a conversation is a flat list of input items, and a
+    reply is the response's ``output`` list (messages, reasoning, function
+    calls), which goes back into the input as it is."""
+
+    schema_format = "openai-responses"
+
+    @staticmethod
+    def message(reply: Any) -> list[Any]:
+        output = reply if isinstance(reply, (list, tuple)) else _field(reply, "output")
+        if output is None and isinstance(reply, Mapping):
+            output = [reply]  # a single item
+        return [_dump(item) for item in output or []]
+
+    @staticmethod
+    def add(history: list[Any], message: list[Any]) -> None:
+        history.extend(message)
+
+    @staticmethod
+    def tool_calls(message: list[Any]) -> list[Any]:
+        return [item for item in message if _field(item, "type") == "function_call"]
+
+    @staticmethod
+    def text(message: list[Any]) -> str | None:
+        parts = [str(_field(c, "text") or "") for item in message if _field(item, "type") == "message"
+                 for c in (_field(item, "content") or []) if _field(c, "type") in ("output_text", "text")]
+        return "".join(parts) if parts else None
+
+    @staticmethod
+    def answers(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return replies
+
+    id_prefix = "fc_"
+
+    @staticmethod
+    def tool_call(call_id: str, name: Any, arguments: Any) -> dict[str, Any]:
+        return {"type": "function_call", "call_id": call_id, "name": name, "arguments": _arguments_json(arguments)}
+
+    @staticmethod
+    def assistant(text: str | None, calls: list[Any]) -> list[Any]:
+        items: list[Any] = []
+        if text:
+            items.append({"type": "message", "role": "assistant",
+                          "content": [{"type": "output_text", "text": text}]})
+        return items + calls
 
 
-def _provider(name: str) -> type[_OpenAI] | type[_Anthropic]:
+_Shape = type[_OpenAI] | type[_Anthropic] | type[_Responses]
+_PROVIDERS: dict[str, _Shape] = {"openai": _OpenAI, "openai-responses": _Responses, "anthropic": _Anthropic}
+
+
+def _provider(name: str) -> _Shape:
     try:
         return _PROVIDERS[name]
     except (KeyError, TypeError):
@@ -190,14 +256,17 @@ def _provider(name: str) -> type[_OpenAI] | type[_Anthropic]:
 
 @dataclasses.dataclass(frozen=True)
 class LoopResult:
-    status: Literal["done", "max_iterations"]
-    """"done": the model answered without a tool call; "max_iterations": the cap stopped it."""
+    status: Literal["done", "max_iterations", "stopped", "interrupted"]
+    """"done": the model answered without a tool call; "max_iterations": the cap
+    stopped it; "stopped": a tool's Result said ``metadata["stop_loop"]``;
+    "interrupted": a Ctrl-C (KeyboardInterrupt) ended a tool call."""
     messages: list[Any]
     """The conversation: the messages given, then each reply and its tool results."""
     iterations: int
     """How many times the model was asked."""
     final: str | None
-    """The text of the model's last reply when done; None when capped."""
+    """The text of the model's last reply when done; the stopping tool's text
+    when stopped; None otherwise."""
 
     @property
     def done(self) -> bool:
@@ -213,6 +282,7 @@ def run_tool_loop(
     trace: Trace | None = None,
     provider: Provider = "openai",
     context: Any = None,
+    parallel_reads: int = 4,
 ) -> LoopResult:
     """Ask ``model``, run its tool calls, repeat until it answers without one.
 
@@ -221,27 +291,68 @@ def run_tool_loop(
     still calls tools, those calls run and the status is ``"max_iterations"``.
     ``context`` goes to every tool (and to the registry's approval callback).
     The tools offered are the registry's advertised ones, read afresh for each
-    turn, in the provider's schema shape.
+    turn, in the provider's schema shape. Consecutive ``read`` calls of a
+    turn run on up to ``parallel_reads`` threads (1: one after another).
     """
     shape = _provider(provider)
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 1:
         raise ValueError(f"max_iterations must be a positive int, not {max_iterations!r}")
-    history = list(messages)
+    if isinstance(parallel_reads, bool) or not isinstance(parallel_reads, int) or parallel_reads < 1:
+        raise ValueError(f"parallel_reads must be a positive int, not {parallel_reads!r}")
+    history: list[Any] = list(messages)
     for turn in range(1, max_iterations + 1):
         message = shape.message(model(list(history), registry.schemas(shape.schema_format)))
-        history.append(message)
-        calls = shape.tool_calls(message)
+        shape.add(history, message)  # type: ignore[arg-type]
+        calls = shape.tool_calls(message)  # type: ignore[arg-type]
         if not calls:
-            return LoopResult("done", history, turn, shape.text(message))
-        replies = []
-        for call in calls:
-            started = time.monotonic()
-            outcome = registry.run_call(call, context)
-            if trace is not None:
-                trace.record(turn, outcome, time.monotonic() - started)
-            replies.append(outcome.reply)
-        history.extend(shape.answers(replies))
+            return LoopResult("done", history, turn, shape.text(message))  # type: ignore[arg-type]
+        timed = _run_turn(registry, calls, context, parallel_reads)
+        if trace is not None:
+            for outcome, took in timed:
+                trace.record(turn, outcome, took)
+        history.extend(shape.answers([outcome.reply for outcome, _ in timed]))
+        results = [outcome.result for outcome, _ in timed]
+        if any(r.metadata.get("interrupted") for r in results):
+            return LoopResult("interrupted", history, turn, None)
+        stopping = [r for r in results if r.metadata.get("stop_loop")]
+        if stopping:
+            return LoopResult("stopped", history, turn, str(stopping[0]))
     return LoopResult("max_iterations", history, max_iterations, None)
+
+
+def _timed(registry: Registry, call: Any, context: Any) -> tuple[ToolCallOutcome, float]:
+    started = time.monotonic()
+    outcome = registry.run_call(call, context)
+    return outcome, time.monotonic() - started
+
+
+def _is_read(registry: Registry, call: Any) -> bool:
+    """Whether ``call`` names a read tool (one that may run beside others)."""
+    shape = _read_tool_call(call)
+    if shape is None or not isinstance(shape[1], str) or not registry.has(shape[1]):
+        return False
+    return registry.get(shape[1]).risk == "read"
+
+
+def _run_turn(registry: Registry, calls: list[Any], context: Any,
+              parallel: int) -> list[tuple[ToolCallOutcome, float]]:
+    """Every call of a turn, answered in call order. A run of consecutive read
+    calls goes to threads at once; a write or execute call is a barrier, so a
+    read the model asked for after a write sees the write."""
+    done: list[tuple[ToolCallOutcome, float]] = []
+    i = 0
+    while i < len(calls):
+        j = i
+        while j < len(calls) and parallel > 1 and _is_read(registry, calls[j]):
+            j += 1
+        if j - i > 1:
+            with ThreadPoolExecutor(min(parallel, j - i)) as pool:
+                done.extend(pool.map(lambda c: _timed(registry, c, context), calls[i:j]))
+            i = j
+        else:
+            done.append(_timed(registry, calls[i], context))
+            i += 1
+    return done
 
 
 # ---------------------------------------------------------------- trace
@@ -426,6 +537,24 @@ def openai_chat_model(client: Any, model: str, **create: Any) -> Model:
     def ask(messages: list[Any], tools: list[dict[str, Any]]) -> Any:
         response = client.chat.completions.create(model=model, messages=messages, tools=tools, **create)
         return response.choices[0].message
+
+    return ask
+
+
+def openai_responses_model(client: Any, model: str, *, instructions: str | None = None,
+                           **create: Any) -> Model:
+    """A ``Model`` for an ``openai.OpenAI()`` client (the Responses API), for
+    ``run_tool_loop(..., provider="openai-responses")``.
+
+    The conversation is the ``input`` list; the reply is ``response.output``.
+    ``create`` goes to ``client.responses.create`` as it is. ``store=False``
+    is a sensible addition when reasoning items should not be kept server-side.
+    """
+    if instructions is not None:
+        create["instructions"] = instructions
+
+    def ask(messages: list[Any], tools: list[dict[str, Any]]) -> Any:
+        return client.responses.create(model=model, input=messages, tools=tools, **create).output
 
     return ask
 

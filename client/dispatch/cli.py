@@ -4,6 +4,11 @@ Every failure to do what was asked (no daemon, a refused worktree or policy,
 an unknown session) prints one line on stderr and exits 2. ``exec`` exits
 with the command's own status (124 when it timed out); ``call`` exits 0 on a
 successful Result and 1 on a failed one.
+
+``exec`` prints the command's output as it comes. SIGINT, SIGTERM or SIGHUP
+cancel the command in the sandbox (it and every process it started end),
+close a one-off session, and exit 128 + the signal's number; a second one
+stops waiting for the cancel.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import signal
 import sys
@@ -18,10 +24,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from dispatch.client import Client, Session, connect
+from dispatch import _cli_text
+from dispatch.client import Cancellation, Client, Session, connect
 from dispatch.errors import DispatchError
 from dispatch.tools import Error as ToolsError
 from dispatch.tools import Registry
+from dispatchd import __version__
 
 EXIT_ERROR = 2
 EXIT_TIMEOUT = 124
@@ -33,9 +41,11 @@ class UsageError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dispatch", description="Client of dispatchd, the sandbox for AI coding agents.")
+    p.add_argument("--version", action="version", version=f"dispatch {__version__}")
     p.add_argument("--socket", help="daemon socket (default: $DISPATCH_SOCKET, $XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, "
                    "$XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
-    p.add_argument("--no-autostart", action="store_true", help="do not start a daemon when none answers")
+    p.add_argument("--no-autostart", action="store_true",
+                   help="do not start a daemon in the background when none answers (default: start one)")
     p.add_argument("--request-timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for the daemon's answer to each request (default 30); a tool call "
                         "waits its own time limit plus this")
@@ -46,8 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     _session_target(op, worktree_required=True)
     cl = session.add_parser("close", help="close a session, ending every process it started")
     cl.add_argument("id")
-    ls = session.add_parser("list", help="list sessions")
-    ls.add_argument("--json", action="store_true")
+    ls = session.add_parser("list", help="list sessions (\"writes\": holds its worktree's write lock)")
+    ls.add_argument("--json", action="store_true", help="as JSON")
+    rl = session.add_parser("release", help="give back a session's worktree write lock without closing it")
+    rl.add_argument("id")
 
     net = sub.add_parser("network", help="switch a session's network (its processes are ended)")
     net.add_argument("id")
@@ -56,32 +68,63 @@ def _parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("exec", help="run a shell command in the sandbox")
     _session_target(ex)
-    ex.add_argument("--timeout", type=float, help="seconds before the command is killed")
+    ex.add_argument("--timeout", type=float,
+                    help="seconds before the command is killed (default: the policy's command_timeout_s, 120 s "
+                         "in the shipped policies)")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
 
     call = sub.add_parser("call", help="run any tool; prints the Result as JSON")
     _session_target(call)
     call.add_argument("tool")
-    call.add_argument("params", nargs="?", default="{}", help="the tool's arguments as a JSON object")
+    call.add_argument("params", nargs="?", default="{}",
+                      help="the tool's arguments as a JSON object; '-' reads them from stdin, '@FILE' from FILE "
+                           "(default: {})")
+    call.add_argument("--text", action="store_true",
+                      help="print the output (or the error) as a model reads it, instead of the Result as JSON")
+
+    _jobs_parser(sub)
 
     tools = sub.add_parser("tools", help="print the tool schemas")
-    tools.add_argument("--format", default="json", choices=["json", "plain", "openai", "openai-responses", "anthropic", "mcp"])
-    tools.add_argument("--policy", default="default")
+    tools.add_argument("--format", default="json",
+                       choices=["json", "plain", "openai", "openai-responses", "anthropic", "mcp", "gemini"],
+                       help="json: the schemas as JSON; plain: a listing for people; the others: that provider's "
+                            "shape (default: json)")
+    tools.add_argument("--strict", action="store_true", help="with openai or openai-responses: strict-mode schemas")
+    tools.add_argument("--policy", default="default", help=_policy_help())
 
     mc = sub.add_parser("mcp", help="serve a session's tools over MCP on stdio (the session closes when the client goes)")
     _session_target(mc)
+    mc.add_argument("--print-config", action="store_true",
+                    help="print the JSON an MCP host's configuration needs to start this server (absolute paths), "
+                         "and exit")
 
     st = sub.add_parser("status", help="daemon, kernel features and the protections of each session")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="as JSON")
+
+    dm = sub.add_parser("daemon", help="the background daemon").add_subparsers(dest="action", required=True)
+    dm.add_parser("stop", help="stop the daemon on the socket (ending every session), and wait for it to exit")
     return p
+
+
+def _policy_help() -> str:
+    try:
+        from dispatchd.policy import default_policy_dir
+
+        names = sorted(p.stem for p in default_policy_dir().glob("*.toml"))
+    except Exception:  # a help text must never fail
+        names = []
+    shipped = f"; shipped: {', '.join(names)}" if names else ""
+    return f"policy name, policies/NAME.toml of the daemon (default: default{shipped})"
 
 
 def _session_target(p: argparse.ArgumentParser, *, worktree_required: bool = False) -> None:
     if not worktree_required:
         p.add_argument("--session", help="an open session's id")
     p.add_argument("--worktree", required=worktree_required, help="open a session on this directory")
-    p.add_argument("--policy", default="default")
-    p.add_argument("--network", choices=["on", "off", "ports", "domains"])
+    p.add_argument("--policy", default="default", help=_policy_help())
+    p.add_argument("--network", choices=["on", "off", "ports", "domains"],
+                   help="off: no network; on: the host's, through pasta; ports: TCP only to --ports; domains: "
+                        "only the hosts in --domains (default: the policy's, off in the shipped policies)")
     _ports_options(p)
 
 
@@ -104,10 +147,19 @@ def _domain_list(text: str) -> list[str]:
     return [d.strip() for d in text.split(",") if d.strip()]
 
 
+def _warn_about_ports(args: argparse.Namespace) -> None:
+    if getattr(args, "network", None) == "ports" and not getattr(args, "ports", None) \
+            and not getattr(args, "bind_ports", None):
+        print("dispatch: warning: --network ports without --ports: the session may connect only to the ports its "
+              "policy lists (network.ports; none in the shipped policies); give them, e.g. --ports 443",
+              file=sys.stderr)
+
+
 @contextlib.contextmanager
 def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
     if bool(args.session) == bool(args.worktree):
         raise UsageError("give exactly one of --session ID or --worktree DIR")
+    _warn_about_ports(args)
     if args.session:
         with client.session(args.session) as session:
             yield session
@@ -149,59 +201,26 @@ def _print_sessions(sessions: list[dict[str, Any]]) -> None:
         print("no sessions")
     for s in sessions:
         prot = s.get("protections", {})
+        writes = "  writes" if s.get("writes") else ""  # holds the worktree's write lock
         print(f"{s['id']}  network={s['network']} ({prot.get('network', {}).get('mechanism', '?')})  "
-              f"policy={s['policy']}  mode={prot.get('mode', '?')}  {s['worktree']}")
+              f"policy={s['policy']}  mode={prot.get('mode', '?')}{writes}  {s['worktree']}")
 
 
-def _missing(why: str) -> str:
-    """A kernel probe's "" (available) or its reason, for ``dispatch status``."""
-    return "yes" if not why else f"no, on/ports use the host's network ({why})"
+class _Stopped(BaseException):
+    """A stop signal that came while no call was running to cancel."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _print_status(st: dict[str, Any]) -> None:
-    k = st["kernel"]
-    print(f"dispatchd {st['daemon_version']} (pid {st['pid']}) on {st['socket']}")
-    print(f"kernel {k['release']}: Landlock ABI {k['landlock_abi'] or 'absent'}; "
-          f"user namespaces: {'yes' if k['user_namespaces'] else 'no'} ({k['user_namespaces_note']}); "
-          f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'} "
-          f"(per-session cgroups: {k.get('cgroup_delegation', '?')}); "
-          f"network stack (pasta): {_missing(k.get('network_stack_missing', '?'))}; "
-          f"nftables for ports: {_missing(k.get('nftables_missing', '?'))}")
-    d = st.get("daemon") or {}
-    if d:
-        print(f"daemon: {d.get('open_files_note', '?')}; connections {d.get('connections')} "
-              f"of at most {d.get('max_connections')}")
-    print(f"{len(st['sessions'])} session(s)")
-    for s in st["sessions"]:
-        p = s["protections"]
-        ns = ", ".join(n for n, on in p.get("namespaces", {}).items() if on) or "none"
-        ll = p.get("landlock", {})
-        print(f"  {s['id']}  {s['worktree']}  policy={s['policy']}  mode={p.get('mode')}")
-        print(f"    landlock ABI {ll.get('abi')}: filesystem {ll.get('filesystem')}, scopes: "
-              f"{', '.join(ll.get('scopes', [])) or 'none'}, tcp: {ll.get('tcp')}")
-        print(f"    seccomp: {p.get('seccomp')}; namespaces: {ns}")
-        print(f"    network {p.get('network', {}).get('mode')}: {p.get('network', {}).get('mechanism')}")
-        if s.get("network") == "domains":
-            print(f"    domains: {', '.join(s.get('domains', [])) or 'none'}")
-        if s.get("denied"):
-            print("    denied: " + ", ".join(f"{d['host']}:{d['port']} ({d['count']})" for d in s["denied"]))
-        lim = p.get("limits", {})
-        if lim:
-            where = f" in {lim['cgroup']}" if lim.get("cgroup") else ""
-            print(f"    limits ({lim.get('mechanism')}{where}): processes {lim.get('max_processes')}; "
-                  f"memory {lim.get('memory')}; cpu weight {lim.get('cpu_weight')}; "
-                  f"file size {lim.get('max_file_bytes')} B")
-        life = p.get("lifetime", {})
-        if life:
-            held = ("detached: lives until closed or idle" if life.get("detached")
-                    else f"ends {life.get('orphan_grace_s')} s after its last client connection goes")
-            mem = life.get("memory", {})
-            print(f"    lifetime: {held}; memory {mem.get('limit_bytes')} B held by {mem.get('mechanism')} "
-                  f"({mem.get('detail')})")
-        for gap in lim.get("leaves_open", []):
-            print(f"    budget left open: {gap}")
-        for gap in p.get("leaves_open", []):
-            print(f"    leaves open: {gap}")
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _print_output(stream: str, text: str) -> None:
+    out = sys.stdout if stream == "stdout" else sys.stderr
+    out.write(text)
+    out.flush()  # each piece when it comes, stdout and stderr in the order written
 
 
 def _exec(client: Client, args: argparse.Namespace) -> int:
@@ -211,23 +230,102 @@ def _exec(client: Client, args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"command": shlex.join(words)}
     if args.timeout is not None:
         params["timeout"] = args.timeout
-    with _session_for(client, args) as session:
-        if not session.registry.has("shell_exec"):
-            raise UsageError(f"policy {args.policy!r} has no shell_exec: this session cannot run commands")
-        result = session.registry.get("shell_exec").call(params)
+    cancellation = Cancellation()
+    state: dict[str, Any] = {"signum": None, "calling": False}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        first = state["signum"] is None
+        state["signum"] = signum
+        if first and state["calling"]:
+            cancellation.cancel()  # the call returns, cancelled; we close and exit after
+            return
+        raise _Stopped(signum)  # nothing to cancel yet, or a second signal: stop waiting
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in _STOP_SIGNALS}
+    try:
+        with _session_for(client, args) as session:
+            # Ours again during the call (a one-off session's own handlers close
+            # it on SIGTERM/SIGHUP): cancel first, then the session closes.
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, on_signal)
+            if not session.registry.has("shell_exec"):
+                raise UsageError(f"policy {args.policy!r} has no shell_exec: this session cannot run commands")
+            defn = session.registry.get("shell_exec")
+            box: list[Any] = []
+            call = threading.Thread(target=lambda: box.append(
+                defn.call(params, {"cancellation": cancellation}, on_output=_print_output)), daemon=True)
+            state["calling"] = True
+            call.start()
+            while call.is_alive():
+                call.join(0.1)  # in the main thread, so a signal is handled at once
+            state["calling"] = False
+        result = box[0]
+    except _Stopped as stop:
+        print(f"dispatch: stopped by {signal.Signals(stop.signum).name}", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     meta = result.metadata
+    if state["signum"] is not None:
+        sig = state["signum"]
+        print(f"dispatch: {signal.Signals(sig).name}: the command was cancelled", file=sys.stderr)
+        return 128 + sig
     if "exit_code" not in meta:  # the command never ran
         raise DispatchError(result.error or "shell_exec failed")
-    sys.stdout.write(meta.get("stdout", ""))
-    sys.stdout.flush()
-    sys.stderr.write(meta.get("stderr", ""))
     if meta.get("truncated"):
-        sys.stderr.write("dispatch: output truncated at the policy's cap\n")
+        sys.stderr.write(_cli_text.truncation_note(session.info.get("limits", {})) + "\n")
     if meta.get("timed_out"):
         sys.stderr.write(f"dispatch: command timed out after {params.get('timeout', 'the policy timeout')} s\n")
         return EXIT_TIMEOUT
     code = int(meta["exit_code"])
     return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+
+
+def _jobs_parser(sub: Any) -> None:
+    jobs = sub.add_parser("jobs", help="a session's background jobs: list, output, stop")
+    jobs.add_argument("--session", required=True, help="an open session's id")
+    actions = jobs.add_subparsers(dest="action")
+    actions.add_parser("list", help="one job a line: id, state, command (the default)")
+    out = actions.add_parser("output", help="print a job's output")
+    out.add_argument("job")
+    out.add_argument("--offset", type=int, default=0, help="byte offset to start from")
+    out.add_argument("--wait", type=float, default=0, help="seconds to wait for new output")
+    out.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    stop = actions.add_parser("stop", help="stop a job and every process it started")
+    stop.add_argument("job")
+
+
+def _jobs(client: Client, args: argparse.Namespace) -> int:
+    with client.session(args.session) as session:
+        reg = session.registry
+        if not reg.has("job_list"):
+            raise UsageError(f"session {args.session} has no background jobs (its policy has no shell_exec)")
+        if args.action in (None, "list"):
+            result = reg.get("job_list").call({})
+            print(result.output if result.is_success else result.error)
+            return 0 if result.is_success else 1
+        if args.action == "stop":
+            result = reg.get("job_stop").call({"job": args.job})
+            print(result.output if result.is_success else result.error)
+            return 0 if result.is_success else 1
+        offset = args.offset
+        while True:
+            result = reg.get("job_output").call({"job": args.job, "offset": offset,
+                                                 "wait": 10 if args.follow else args.wait})
+            if result.is_failure:
+                raise DispatchError(result.error or "job_output failed")
+            meta = result.metadata
+            # The log's own bytes come first in the text; the notes for a model follow.
+            size = meta["next_offset"] - offset
+            got = (result.output or "").encode("utf-8", "surrogatepass")[:size].decode("utf-8", "replace")
+            sys.stdout.write(got)
+            sys.stdout.flush()
+            offset = meta["next_offset"]
+            if not args.follow or (not meta["running"] and not size):
+                break
+        print(f"dispatch: job {args.job} {meta['state']}; next offset {offset}", file=sys.stderr)
+        return 0
 
 
 def _mcp(client: Client, args: argparse.Namespace) -> int:
@@ -246,9 +344,14 @@ def _mcp(client: Client, args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     client = connect(args.socket, autostart=not args.no_autostart, timeout=args.request_timeout,
                      call_margin=args.request_timeout)
+    if client.started_daemon is not None:  # said once: the next command finds it running
+        pid, log = client.started_daemon
+        print(f"dispatch: started dispatchd in the background (pid {pid}) on {client.socket_path}; "
+              f"its log: {log}; `dispatch daemon stop` ends it", file=sys.stderr)
     with client:
         if args.command == "session":
             if args.action == "open":
+                _warn_about_ports(args)
                 # Detached: it outlives this command and needs no client holding it.
                 session = client.open_session(args.worktree, policy=args.policy, network=args.network,
                                               ports=args.ports, bind_ports=args.bind_ports, domains=args.domains,
@@ -257,11 +360,14 @@ def _run(args: argparse.Namespace) -> int:
                 print(session.id)
             elif args.action == "close":
                 client.close_session(args.id)
+            elif args.action == "release":
+                client.release_write_lock(args.id)
             else:
                 sessions = client.list_sessions()
                 print(json.dumps(sessions, indent=2)) if args.json else _print_sessions(sessions)
             return 0
         if args.command == "network":
+            _warn_about_ports(args)
             info = client.set_network(args.id, args.state, ports=args.ports, bind_ports=args.bind_ports,
                                       domains=args.domains)
             print(info["network"])
@@ -270,16 +376,19 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if args.command == "exec":
             return _exec(client, args)
+        if args.command == "jobs":
+            return _jobs(client, args)
         if args.command == "call":
-            try:
-                params = json.loads(args.params)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"the tool's arguments are not valid JSON: {exc}") from exc
+            params = _cli_text.call_arguments(args.params, sys.stdin)
             with _session_for(client, args) as session:
                 if not session.registry.has(args.tool):
                     raise UsageError(f"unknown tool {args.tool!r} (this session has: {', '.join(session.registry.tool_names)})")
                 result = session.registry.get(args.tool).call(params)
-            print(json.dumps(result.to_dict(), indent=2))
+            if args.text:
+                text = str(result)
+                sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+            else:
+                print(json.dumps(result.to_dict(), indent=2))
             return 0 if result.is_success else 1
         if args.command == "tools":
             registry = Registry()
@@ -287,21 +396,43 @@ def _run(args: argparse.Namespace) -> int:
 
             for t in client.tools(args.policy):
                 registry.register(Definition(t["name"], t["description"], t["parameters"], lambda p, c: Result.success("")))
-            print(json.dumps(registry.schemas("plain" if args.format == "json" else args.format), indent=2))
+            if args.format == "plain":
+                sys.stdout.write(_cli_text.tools_listing(registry.to_list()))
+            else:
+                print(json.dumps(registry.schemas("plain" if args.format == "json" else args.format,
+                                                  strict=args.strict), indent=2))
             return 0
         if args.command == "mcp":
             return _mcp(client, args)
         if args.command == "status":
             st = client.status()
-            print(json.dumps(st, indent=2)) if args.json else _print_status(st)
+            print(json.dumps(st, indent=2)) if args.json else _cli_text.print_status(st)
             return 0
+        if args.command == "daemon":
+            return _cli_text.stop_daemon(client)
     raise UsageError(f"unknown command {args.command}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _run(args)
+        if args.command == "mcp" and args.print_config:  # no daemon needed
+            print(json.dumps(_cli_text.mcp_config(args), indent=2))
+            return 0
+        if args.command == "daemon" and args.no_autostart is False:
+            args.no_autostart = True  # stopping a daemon must not start one
+        try:
+            code = _run(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+            return code
+        except ValueError as exc:  # call's @FILE/stdin arguments, and a strict format refused
+            raise UsageError(str(exc)) from exc
+    except BrokenPipeError:
+        # `dispatch tools | head -1`: the reader has gone; no traceback, and
+        # nothing more to say on a pipe that is closed (Python's own advice).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a writer killed by it
     except (DispatchError, UsageError, OSError, ToolsError) as exc:
         print(f"dispatch: {exc}", file=sys.stderr)
         return EXIT_ERROR

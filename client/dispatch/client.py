@@ -15,7 +15,15 @@ Guarantees:
   symlink, not writable by others) or whose serving process has another uid
   (``UntrustedSocket``), both checked by descriptor (``dispatchd.paths``);
 - a daemon started here (``autostart``) runs ``python -P`` from ``/``: never
-  a module of the current directory (a worktree an agent wrote).
+  a module of the current directory (a worktree an agent wrote);
+- a call given ``on_output`` gets the command's output as it comes, in the
+  calling thread (whichever thread reads the channel queues it for the
+  caller), before the call returns the same Result it would have without;
+- a call interrupted in its caller (``KeyboardInterrupt``, or any exception,
+  even one raised by ``on_output``) is cancelled in the sandbox before the
+  exception goes on: its processes are ended. ``Session.cancel()`` (from any
+  thread) and ``Cancellation.cancel()`` end calls in flight, which then return
+  a failure with ``metadata["cancelled"]``.
 """
 
 from __future__ import annotations
@@ -52,7 +60,49 @@ _MUTATING = frozenset({"write_file", "edit_file", "create_file"})
 # own deadline, so one connection serves callers with different deadlines.
 _TICK_S = 0.2
 _RISK = {"read_file": "read", "list_files": "read", "search_files": "read",
-         "write_file": "write", "edit_file": "write", "create_file": "write", "shell_exec": "execute"}
+         "write_file": "write", "edit_file": "write", "create_file": "write", "shell_exec": "execute",
+         "job_output": "read", "job_list": "read", "job_stop": "execute"}
+
+OutputCallback = Callable[[str, str], None]
+# The tools the worker runs on a thread of their own, which a cancel can end:
+# only their calls are tracked for Session.cancel (the others take microseconds).
+_CANCELLABLE = frozenset({"shell_exec", "job_output", "job_stop", "search_files"})
+# How long a CancelCall may take to send before we give up on it.
+_CANCEL_SEND_S = 1.0
+
+
+class Cancellation:
+    """A handle that cancels one tool call (or the calls it is given to) from any thread.
+
+    Pass it in the call's context, ``defn.call(params, {"cancellation": c})``
+    or ``registry.call(name, params, {"cancellation": c})``; ``c.cancel()``
+    ends the call in the sandbox (its Result: a failure with
+    ``metadata["cancelled"]``). Cancelling before the call starts cancels
+    it as soon as it is sent.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._hooks: list[Callable[[], None]] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def _bind(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._cancelled:
+                self._hooks.append(hook)
+                return
+        hook()
 
 
 class _Connection:
@@ -77,16 +127,22 @@ class _Connection:
         self._cond = threading.Condition()
         self._reading = False
         self._replies: dict[int, Any] = {}
+        self._outputs: dict[int, list[tuple[str, str]]] = {}  # streamed output waiting for its caller
         self._ids = itertools.count(1)
         self._broken: Exception | None = None
 
-    def request(self, build: Callable[[int], msgspec.Struct], timeout: float | None = None) -> tuple[Any, int | None]:
+    def request(self, build: Callable[[int], msgspec.Struct], timeout: float | None = None, *,
+                on_output: OutputCallback | None = None,
+                sent: Callable[[int], None] | None = None) -> tuple[Any, int | None]:
         """Send a request and wait for its reply, ``timeout`` seconds at most
         (``RequestTimeout``; a reply that comes later is dropped). Raises
         ``NotSent`` (the connection stays usable) when the request cannot be
         encoded or is over the frame limit, ``ConnectionLost`` when the peer is
         gone, ``RequestFailed`` when the peer refused the whole connection
-        (busy, stopping, too many channels)."""
+        (busy, stopping, too many channels).
+
+        ``on_output(stream, text)`` gets the ``ToolOutput`` frames of this
+        request, in this thread; ``sent(rid)`` is called once it is on the wire."""
         deadline = None if timeout is None else time.monotonic() + timeout
         rid = next(self._ids)
         try:
@@ -97,35 +153,69 @@ class _Connection:
             if self._broken is not None:
                 raise ConnectionLost(str(self._broken))
             self._replies[rid] = _PENDING
+            if on_output is not None:
+                self._outputs[rid] = []
         try:
             self._send(frame, deadline)
         except OSError as exc:
+            self._forget(rid)
             refusal = self._refusal()  # a peer that refused the connection closed it after saying why
             self._fail(refusal or exc)
             if refusal is not None:
                 raise refusal from exc
             raise ConnectionLost(str(exc)) from exc
-        except RequestTimeout:
-            with self._cond:
-                self._replies.pop(rid, None)
+        except BaseException:  # RequestTimeout, or an interrupt
+            self._forget(rid)
             raise
+        try:
+            if sent is not None:
+                sent(rid)
+            return self._wait(rid, on_output, deadline, timeout)
+        except BaseException:
+            self._forget(rid)  # its reply, when it comes, is dropped
+            raise
+
+    def _forget(self, rid: int) -> None:
         with self._cond:
-            while True:
-                if self._replies[rid] is not _PENDING:
-                    return self._replies.pop(rid)
-                if self._broken is not None:
-                    self._replies.pop(rid, None)
-                    if isinstance(self._broken, RequestFailed):
-                        raise RequestFailed(self._broken.code, self._broken.message)
-                    raise ConnectionLost(str(self._broken))
-                if not self._reading:
-                    self._reading = True
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    self._replies.pop(rid, None)
-                    raise RequestTimeout(f"no reply within {timeout:g} s")
-                self._cond.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return self._read_until(rid, deadline, timeout)
+            self._replies.pop(rid, None)
+            self._outputs.pop(rid, None)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        """A message that has no reply (``CancelCall``); best effort, bounded."""
+        try:
+            self._send(protocol.encode(msg), time.monotonic() + _CANCEL_SEND_S)
+        except (OSError, protocol.ProtocolError, RequestTimeout):
+            pass
+
+    def _wait(self, rid: int, on_output: OutputCallback | None, deadline: float | None,
+              timeout: float | None) -> tuple[Any, int | None]:
+        while True:
+            chunks: list[tuple[str, str]] = []
+            with self._cond:
+                while True:
+                    queued = self._outputs.get(rid)
+                    if queued:
+                        chunks, self._outputs[rid] = queued, []
+                        break
+                    if self._replies[rid] is not _PENDING:
+                        self._outputs.pop(rid, None)
+                        return self._replies.pop(rid)  # type: ignore[no-any-return]
+                    if self._broken is not None:
+                        if isinstance(self._broken, RequestFailed):
+                            raise RequestFailed(self._broken.code, self._broken.message)
+                        raise ConnectionLost(str(self._broken))
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise RequestTimeout(f"no reply within {timeout:g} s")
+                    self._cond.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if chunks:
+                assert on_output is not None
+                for stream, text in chunks:
+                    on_output(stream, text)
+                continue
+            return self._read_until(rid, deadline, timeout, on_output)
 
     def _refusal(self) -> RequestFailed | None:
         """The id-0 ``ErrorReply`` a peer left before closing on us, if any."""
@@ -155,7 +245,8 @@ class _Connection:
         finally:
             self._send_lock.release()
 
-    def _read_until(self, rid: int, deadline: float | None, timeout: float | None) -> tuple[Any, int | None]:
+    def _read_until(self, rid: int, deadline: float | None, timeout: float | None,
+                    on_output: OutputCallback | None = None) -> tuple[Any, int | None]:
         try:
             while True:
                 try:
@@ -170,6 +261,16 @@ class _Connection:
                     continue
                 if reply is None:
                     raise ConnectionLost("the peer closed the connection")
+                if isinstance(reply, protocol.ToolOutput):
+                    if reply.id == rid and on_output is not None:
+                        on_output(reply.stream, reply.text)  # the reader is its caller: no queue
+                        continue
+                    with self._cond:
+                        queue = self._outputs.get(reply.id)
+                        if queue is not None:
+                            queue.append((reply.stream, reply.text))
+                            self._cond.notify_all()
+                    continue
                 fd = self._frames.take_fd() if isinstance(reply, protocol.Attached) else None
                 with self._cond:
                     if reply.id in self._replies:
@@ -190,6 +291,13 @@ class _Connection:
             with self._cond:
                 self._replies.pop(rid, None)
             raise exc if isinstance(exc, (ConnectionLost, RequestFailed)) else ConnectionLost(str(exc)) from exc
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, or on_output raised): hand the
+            # reading over to another waiter, keep the connection.
+            with self._cond:
+                self._reading = False
+                self._cond.notify_all()
+            raise
 
     def _fail(self, exc: Exception) -> None:
         with self._cond:
@@ -259,6 +367,8 @@ class Session:
         self._lock = threading.Lock()
         self._channel: _Connection | None = None
         self._tools: list[protocol.ToolSchema] = []
+        self._in_flight: dict[int, _Connection] = {}  # tool calls sent and not answered, by request id
+        self._in_flight_lock = threading.Lock()
         self._attach()
         # The policy's budget: longer results reach a model in part (retrieve_output has the rest).
         self.registry = Registry((self._remote(t) for t in self._tools),
@@ -293,14 +403,34 @@ class Session:
     def _remote(self, schema: protocol.ToolSchema) -> Definition:
         name = schema.name
 
-        def run(params: dict[str, Any], _context: Any) -> Result:
-            return self.call_tool(name, params)
+        def run(params: dict[str, Any], context: Any, on_output: OutputCallback | None = None) -> Result:
+            cancellation = context.get("cancellation") if isinstance(context, dict) else None
+            return self.call_tool(name, params, on_output=on_output,
+                                  cancellation=cancellation if isinstance(cancellation, Cancellation) else None)
 
+        run.streams_output = True  # type: ignore[attr-defined]  # Definition.call passes on_output
         return Definition(name, schema.description, schema.parameters, run, risk=_RISK.get(name, "execute"))
 
-    def call_tool(self, name: str, params: dict[str, Any]) -> Result:
+    def cancel(self) -> int:
+        """End this session's tool calls in flight made through this handle
+        (from any thread): each returns a failure with ``metadata["cancelled"]``
+        once its processes are gone. Returns how many were cancelled; later
+        calls are not affected."""
+        with self._in_flight_lock:
+            calls = list(self._in_flight.items())
+        for rid, channel in calls:
+            channel.send(protocol.CancelCall(id=rid))
+        return len(calls)
+
+    def call_tool(self, name: str, params: dict[str, Any], *, on_output: OutputCallback | None = None,
+                  cancellation: Cancellation | None = None) -> Result:
         """Run a tool in the sandbox without client-side validation (the worker
-        validates too). ``registry.get(name).call(params)`` is the usual way."""
+        validates too). ``registry.get(name).call(params)`` is the usual way.
+
+        ``on_output(stream, text)`` gets output as it comes (shell_exec);
+        ``cancellation`` can end the call from another thread. An exception
+        in this thread while waiting (``KeyboardInterrupt``) cancels the call
+        in the sandbox, then goes on."""
         with self._lock:
             channel = self._channel
             if channel is None or channel.broken:
@@ -311,8 +441,20 @@ class Session:
                 channel = self._channel
         assert channel is not None
         own, wait = self._call_wait(params)
+        sent: list[int] = []
+
+        def on_sent(rid: int) -> None:
+            sent.append(rid)
+            with self._in_flight_lock:
+                self._in_flight[rid] = channel
+            if cancellation is not None:
+                cancellation._bind(lambda: channel.send(protocol.CancelCall(id=rid)))
+
+        track = name in _CANCELLABLE or cancellation is not None
         try:
-            reply, _ = channel.request(lambda rid: protocol.CallTool(id=rid, tool=name, params=params), timeout=wait)
+            reply, _ = channel.request(
+                lambda rid: protocol.CallTool(id=rid, tool=name, params=params, stream=on_output is not None),
+                timeout=wait, on_output=on_output, sent=on_sent if track else None)
         except RequestTimeout:
             return Result.failure(
                 f"{name}: no reply from the sandbox of session {self.id} within {wait:g} s (the call's own limit of "
@@ -324,6 +466,17 @@ class Session:
             return self._lost(name, exc)
         except NotSent as exc:
             return Result.failure(f"{name}: the arguments cannot be sent: {exc}")
+        except BaseException:
+            # Interrupted here (KeyboardInterrupt, on_output raised): end the
+            # call in the sandbox too, so nothing of it runs on.
+            for rid in sent:
+                channel.send(protocol.CancelCall(id=rid))
+            raise
+        finally:
+            if sent:
+                with self._in_flight_lock:
+                    for rid in sent:
+                        self._in_flight.pop(rid, None)
         if isinstance(reply, protocol.ErrorReply):
             return Result.failure(f"{name}: {reply.message}")
         if reply.success:
@@ -404,6 +557,22 @@ class Session:
             self._attach()
         return self.network
 
+    @property
+    def writes(self) -> bool:
+        """Whether the session held its worktree's write lock when last heard of
+        (``status()`` asks afresh)."""
+        return self._info.writes
+
+    def release_write_lock(self) -> dict[str, Any]:
+        """Give back the worktree's write lock without closing the session, so
+        another session may write; this one asks again at its next write.
+        Call it once your writes have returned: a process left running in the
+        background may still write. Returns the session's info."""
+        reply, _ = self._client._daemon_request(
+            lambda rid: protocol.ReleaseWriteLock(id=rid, session=self.id))
+        self._info = reply.session
+        return _to_dict(reply.session)
+
     def status(self) -> dict[str, Any]:
         """The session as the daemon sees it, with the protections in force."""
         for info in self._client._sessions():
@@ -450,7 +619,9 @@ class Client:
         self.socket_path = socket_path
         self.timeout = timeout
         self.call_margin = call_margin
-        sock = _connect(socket_path, autostart=autostart, timeout=timeout)
+        self.started_daemon: tuple[int, str] | None = None
+        """``(pid, log path)`` of the daemon this client started in the background, if it did."""
+        sock = _connect(socket_path, autostart=autostart, timeout=timeout, started=self)
         self._conn = _Connection(sock, protocol.daemon_reply_decoder, fds=True)
         try:
             reply, _ = self._daemon_request(
@@ -512,6 +683,11 @@ class Client:
     def close_session(self, session_id: str) -> None:
         self._daemon_request(lambda rid: protocol.CloseSession(id=rid, session=session_id))
 
+    def release_write_lock(self, session_id: str) -> dict[str, Any]:
+        """``Session.release_write_lock`` for a session known by id."""
+        reply, _ = self._daemon_request(lambda rid: protocol.ReleaseWriteLock(id=rid, session=session_id))
+        return _to_dict(reply.session)
+
     def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
                     bind_ports: list[int] | None = None, domains: list[str] | None = None) -> dict[str, Any]:
         word, listed = _network_word(network), _domain_list(domains)
@@ -528,8 +704,13 @@ class Client:
         return [_to_dict(s) for s in self._sessions()]
 
     def status(self) -> dict[str, Any]:
+        """The daemon's version, pid, socket, kernel features and sessions
+        (without the protocol's own fields, ``op`` and ``id``)."""
         reply, _ = self._daemon_request(lambda rid: protocol.Status(id=rid))
-        return msgspec.to_builtins(reply)
+        status = msgspec.to_builtins(reply)
+        status.pop("op", None)
+        status.pop("id", None)
+        return status
 
     def tools(self, policy: str = "default") -> list[dict[str, Any]]:
         reply, _ = self._daemon_request(lambda rid: protocol.ListTools(id=rid, policy=policy))
@@ -556,7 +737,8 @@ def _try_connect(path: str, timeout: float) -> socket.socket | None:
     except paths.UnsafeDirectory as exc:
         raise UntrustedSocket(f"{exc} (refused before anything was sent)") from exc
     except OSError as exc:
-        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
+        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}; "
+                                f"{paths.what_to_do()}") from exc
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -570,7 +752,8 @@ def _try_connect(path: str, timeout: float) -> socket.socket | None:
                              "(stopped, or its backlog is full)") from exc
     except OSError as exc:
         sock.close()
-        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}") from exc
+        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}; "
+                                f"{paths.what_to_do()}") from exc
     finally:
         os.close(dirfd)
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -613,14 +796,17 @@ def _start_daemon(path: str) -> tuple[subprocess.Popen[bytes], str]:
     return proc, log_path
 
 
-def _connect(path: str, *, autostart: bool, timeout: float) -> socket.socket:
+def _connect(path: str, *, autostart: bool, timeout: float, started: Client | None = None) -> socket.socket:
     sock = _try_connect(path, timeout)
     if sock is not None:
         return sock
     if not autostart:
-        raise DaemonUnavailable(f"no dispatchd is listening on {path} (start it with `dispatchd`, "
-                                "or `systemctl --user start dispatchd.socket`)")
+        systemd = ", or `systemctl --user start dispatchd.socket`" if path == paths.default_socket_path() else ""
+        raise DaemonUnavailable(f"no dispatchd is listening on {path} (start it with "
+                                f"`dispatchd --socket {path}`, or leave out --no-autostart{systemd})")
     proc, log_path = _start_daemon(path)
+    if started is not None:
+        started.started_daemon = (proc.pid, log_path)
     deadline = time.monotonic() + timeout
     exited = None
     while time.monotonic() < deadline:

@@ -18,6 +18,11 @@ Guarantees:
   serves, so nothing a tool or a library prints can corrupt the stream.
 - The network stays as the person who started the server set it
   (``--network``, and ``--domains`` for "domains"): switching it is not a tool.
+- A call whose request carries a ``progressToken`` gets a
+  ``notifications/progress`` for each piece of output as it comes (the
+  command's latest output as ``message``, the bytes so far as ``progress``).
+- ``notifications/cancelled`` for a call in flight cancels it in the sandbox:
+  the command and every process it started end (``Cancellation``).
 - ``serve`` returns when the client closes stdin, or on SIGTERM, SIGINT or
   SIGHUP; a call still running is abandoned (closing the session ends it).
 
@@ -32,11 +37,13 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.from_thread
 import anyio.to_thread
 import mcp.types as types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
+from dispatch.client import Cancellation
 from dispatch.tools import Registry
 from dispatchd import __version__
 
@@ -67,20 +74,55 @@ def build_server(registry: Registry, *, name: str = SERVER_NAME, version: str = 
         ]
         return types.ListToolsResult(tools=tools)
 
-    async def call_tool(_ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+    async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         # An MCP call is an Anthropic tool_use in all but name: run it as one,
         # so validation, approval and compaction are the model path's own.
         call = {"type": "tool_use", "id": "", "name": params.name, "input": params.arguments or {}}
+        cancellation = Cancellation()
+        on_output = _progress_reporter(ctx) if _progress_token(ctx) is not None else None
         # Tool calls block (a socket to the worker): run them off the event
-        # loop, several at once if the client sends several; on shutdown do
-        # not wait for one (abandon_on_cancel): closing the session ends it.
-        outcome = await anyio.to_thread.run_sync(registry.run_call, call, abandon_on_cancel=True)
+        # loop, several at once if the client sends several. When the client
+        # cancels the request (or we shut down) do not wait for the thread
+        # (abandon_on_cancel), but end the call in the sandbox.
+        try:
+            outcome = await anyio.to_thread.run_sync(
+                lambda: registry.run_call(call, {"cancellation": cancellation}, on_output), abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            cancellation.cancel()
+            raise
         reply = outcome.reply
         return types.CallToolResult(content=[types.TextContent(type="text", text=reply["content"])],
                                     is_error=reply["is_error"])
 
     return Server(name, version=version, instructions=_INSTRUCTIONS,
                   on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+def _progress_token(ctx: Any) -> Any:
+    meta = getattr(ctx, "meta", None) or {}
+    try:
+        return meta.get("progress_token", meta.get("progressToken"))
+    except AttributeError:
+        return getattr(meta, "progress_token", None)
+
+
+_PROGRESS_MESSAGE_MAX = 4096  # the tail of each piece of output, in characters
+
+
+def _progress_reporter(ctx: Any) -> Any:
+    """``on_output`` for a call whose client asked for progress: each piece of
+    output becomes a ``notifications/progress`` sent from the event loop."""
+    sent = [0]
+
+    def on_output(_stream: str, text: str) -> None:
+        sent[0] += len(text.encode("utf-8", "surrogatepass"))
+        message = text[-_PROGRESS_MESSAGE_MAX:]
+        try:
+            anyio.from_thread.run(lambda: ctx.session.report_progress(float(sent[0]), None, message))
+        except Exception:
+            pass  # the request is over or the client gone: the Result still comes
+
+    return on_output
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

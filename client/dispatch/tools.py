@@ -26,7 +26,11 @@ Errors, for use outside the never-raising ``call``/``dispatch`` paths::
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextvars
 import dataclasses
+import inspect
 import itertools
 import json
 import re
@@ -37,6 +41,7 @@ from typing import Any
 
 import jsonschema
 
+from dispatch import _schemas
 from dispatch._fastcheck import fast_check_for
 
 __all__ = [
@@ -280,7 +285,13 @@ class Definition:
     ``func(params, context)`` gets ``params`` as a fresh plain dict with str
     keys (changing it does not touch the caller's) and ``context`` as given
     (``{}`` when None; opaque to this module). ``advertised=False`` makes a
-    tool callable by name but absent from the schemas a model is shown.
+    tool absent from the schemas a model is shown, and callable by the
+    application (``Registry.call``) but not by a model (``Registry.dispatch``),
+    unless the registry says ``allow_hidden=True``.
+
+    ``risk`` defaults to ``"execute"``: a tool that does not say what it does
+    is asked about like one that runs commands (fail closed). Say
+    ``risk="read"`` for a tool that only reads.
     """
 
     __slots__ = ("_name", "_description", "_parameters", "_func", "_risk", "_advertised",
@@ -293,7 +304,7 @@ class Definition:
         parameters: Mapping[str, Any],
         func: ToolFunc,
         *,
-        risk: str = "read",
+        risk: str = "execute",
         advertised: bool = True,
     ) -> None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -360,6 +371,20 @@ class Definition:
         """Whether ``Registry.schemas`` shows this tool to models."""
         return self._advertised
 
+    @classmethod
+    def from_function(cls, func: Callable[..., Any], *, name: str | None = None,
+                      description: str | None = None, risk: str = "execute",
+                      advertised: bool = True) -> Definition:
+        """A tool from a typed Python function: its name, its docstring's first
+        paragraph as the description, a JSON Schema from its signature (types,
+        defaults; parameter descriptions from a Google ``Args:`` section or
+        Sphinx ``:param x:`` lines). See ``dispatch._fromfunc``."""
+        from dispatch._fromfunc import definition_parts
+
+        fname, fdesc, schema, run = definition_parts(func)
+        return cls(name or fname, fdesc if description is None else description, schema, run,
+                   risk=risk, advertised=advertised)
+
     def validate_params(self, params: Any) -> tuple[bool, list[str]]:
         """``(valid, messages)``; a message names its JSON path unless it is the top.
 
@@ -383,15 +408,22 @@ class Definition:
             messages.append(where + _shorten(err.message))
         return not messages, messages
 
-    def call(self, params: Any, context: Any = None) -> Result:
-        """Validate ``params``, run the function. Never raises (``Exception`` only).
+    def call(self, params: Any, context: Any = None, on_output: Callable[[str, str], None] | None = None) -> Result:
+        """Validate ``params``, run the function. Never raises, but for a
+        ``KeyboardInterrupt`` (a Ctrl-C stops a direct call as it stops any code;
+        ``Registry.dispatch`` answers the model instead). ``SystemExit`` is a failure.
 
         Invalid arguments, an exception from the function and a return value
         that is not a ``Result`` all come back as ``Result.failure`` naming the tool.
         No approval is asked here: that is the ``Registry``'s job.
+
+        ``on_output(stream, text)``, ``stream`` "stdout" or "stderr", gets a
+        tool's output as it comes (a session's ``shell_exec``), before the
+        Result returns; it reaches a function marked ``func.streams_output =
+        True`` (as a third argument, ``on_output``) and is ignored for others.
         """
         args, failure = self._arguments(params)
-        return failure if args is None else self._invoke(args, context)
+        return failure if args is None else self._invoke(args, context, on_output)
 
     def _arguments(self, params: Any) -> tuple[dict[str, Any], None] | tuple[None, Result]:
         """``(args, None)`` with the func's own copy of valid ``params``, or
@@ -399,6 +431,8 @@ class Definition:
         approval between the two, and only for a call that would run."""
         try:
             args = {} if params is None else _plain(params)
+            # A strict-mode model sends null for an optional argument it leaves out.
+            args = _schemas.drop_null_optionals(self._parameters, args)
             valid, messages = self._check(args)
         except Exception as exc:  # e.g. RecursionError copying absurdly deep params
             return None, Result.failure(str(ExecutionError.wrapping(self._name, exc)))
@@ -406,10 +440,16 @@ class Definition:
             return None, Result.failure(str(_invalid_arguments(self._name, messages)))
         return args, None
 
-    def _invoke(self, args: dict[str, Any], context: Any) -> Result:
+    def _invoke(self, args: dict[str, Any], context: Any,
+                on_output: Callable[[str, str], None] | None = None) -> Result:
         try:
-            result = self._func(args, {} if context is None else context)
+            if on_output is not None and getattr(self._func, "streams_output", False):
+                result = self._func(args, {} if context is None else context, on_output)  # type: ignore[call-arg]
+            else:
+                result = self._func(args, {} if context is None else context)
         except Exception as exc:
+            return Result.failure(str(ExecutionError.wrapping(self._name, exc)))
+        except SystemExit as exc:  # a tool's sys.exit() must not end the agent
             return Result.failure(str(ExecutionError.wrapping(self._name, exc)))
         if not isinstance(result, Result):
             return Result.failure(
@@ -458,21 +498,30 @@ class OutputStore:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._texts: dict[str, tuple[str, int]] = {}  # id -> (text, UTF-8 size), oldest first
+        self._ids_of: dict[str, str] = {}  # text -> id: the same output twice is kept once (seed 003)
         self._bytes = 0
         self._ids = itertools.count(1)
 
     def put(self, text: str) -> str:
-        """Keep ``text``; returns its id (``out_1``, ``out_2``…)."""
+        """Keep ``text``; returns its id (``out_1``, ``out_2``…). A text already
+        kept is not kept twice: it gets the id it had, and counts as the newest."""
         size = _utf8_size(text)
         with self._lock:
+            output_id = self._ids_of.get(text)
+            if output_id is not None:
+                self._texts[output_id] = self._texts.pop(output_id)  # the newest again
+                return output_id
             output_id = f"out_{next(self._ids)}"
             self._texts[output_id] = (text, size)
+            self._ids_of[text] = output_id
             self._bytes += size
             while len(self._texts) > 1 and (
                 len(self._texts) > self.max_outputs or self._bytes > self.max_bytes
             ):
                 oldest = next(iter(self._texts))
-                self._bytes -= self._texts.pop(oldest)[1]
+                gone, gone_size = self._texts.pop(oldest)
+                self._ids_of.pop(gone, None)
+                self._bytes -= gone_size
         return output_id
 
     def get(self, output_id: str) -> str | None:
@@ -675,18 +724,7 @@ Approval = Callable[[Definition, dict[str, Any], Any], "bool | str"]
 
 _NEEDS_APPROVAL = ("write", "execute")
 
-_SCHEMA_FORMATS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "plain": lambda d: d,
-    "json": lambda d: d,  # what `dispatch tools --format json` calls plain
-    "openai": lambda d: {"type": "function", "function": d},
-    "openai-responses": lambda d: {"type": "function", **d},
-    "anthropic": lambda d: {
-        "name": d["name"], "description": d["description"], "input_schema": d["parameters"]
-    },
-    "mcp": lambda d: {
-        "name": d["name"], "description": d["description"], "inputSchema": d["parameters"]
-    },
-}
+_SCHEMA_FORMATS = _schemas.FORMATS
 
 
 class Registry:
@@ -709,6 +747,14 @@ class Registry:
       denial without one. A denial is ``Result.failure("<tool>: denied by
       approval: <reason>")`` with metadata ``{"denied": True, "reason"}``.
       ``Definition.call`` asks no one: the registry is the gate.
+      ``approve`` may be a coroutine function (``async def``): its answer is
+      awaited, on the caller's event loop when the call came through
+      ``dispatch.aio``, else on a loop of its own.
+    - ``allow_hidden``: whether a model may call a tool that is not advertised
+      (``Definition(advertised=False)``). By default it may not: ``dispatch``
+      and ``run_call`` answer as for an unknown tool (seed 002: a model must
+      not commit facts itself). ``call(name, ...)`` is the application's own
+      call, and runs hidden tools either way.
     - ``output_budget`` (bytes): ``dispatch``, the path to a model, shows a
       result longer than this as head and tail around a marker; the whole text
       goes to ``outputs`` (an ``OutputStore``), and a ``retrieve_output`` tool,
@@ -723,6 +769,7 @@ class Registry:
         approve: Approval | None = None,
         output_budget: int | None = None,
         outputs: OutputStore | None = None,
+        allow_hidden: bool = False,
     ) -> None:
         if approve is not None and not callable(approve):
             raise TypeError("approve must be callable: approve(definition, params, context)")
@@ -735,6 +782,7 @@ class Registry:
         self._lock = threading.Lock()
         self._tools: dict[str, Definition] = {}
         self._approve = approve
+        self._allow_hidden = bool(allow_hidden)
         self._budget = output_budget
         self._outputs = outputs if outputs is not None or output_budget is None else OutputStore()
         for defn in tools:
@@ -781,7 +829,13 @@ class Registry:
         return self._like(self._tools.values(), approve)
 
     def _like(self, tools: Iterable[Definition], approve: Approval | None) -> Registry:
-        return Registry(tools, approve=approve, output_budget=self._budget, outputs=self._outputs)
+        return Registry(tools, approve=approve, output_budget=self._budget, outputs=self._outputs,
+                        allow_hidden=self._allow_hidden)
+
+    @property
+    def allow_hidden(self) -> bool:
+        """Whether a model's tool call may run a tool that is not advertised."""
+        return self._allow_hidden
 
     @property
     def approve(self) -> Approval | None:
@@ -848,19 +902,30 @@ class Registry:
         """``to_dict()`` of each advertised tool."""
         return [d.to_dict() for d in self._tools.values() if d.advertised]
 
-    def schemas(self, format: str = "plain") -> list[dict[str, Any]]:
+    def schemas(self, format: str = "plain", *, strict: bool = False) -> list[dict[str, Any]]:
         """The advertised tools in a provider's shape: plain (or json), openai,
-        openai-responses, anthropic, mcp. Another format raises ValueError."""
+        openai-responses, anthropic, mcp, gemini (function declarations).
+        Another format raises ValueError.
+
+        ``strict=True`` (openai and openai-responses only) gives OpenAI's
+        strict-mode shapes: every property required, the optional ones
+        nullable, ``additionalProperties: false``; a null argument is then
+        read as "not given". openai-responses always carries ``strict``.
+        """
         try:
             shape = _SCHEMA_FORMATS[format]
         except (KeyError, TypeError):
             known = ", ".join(_SCHEMA_FORMATS)
             raise ValueError(f"unknown schema format {format!r}; known: {known}") from None
-        return [shape(d) for d in self.to_list()]
+        if strict and format not in _schemas.STRICT_FORMATS:
+            raise ValueError(f"strict=True is for {' and '.join(_schemas.STRICT_FORMATS)}, not {format!r}")
+        return [shape(d, bool(strict)) for d in self.to_list()]
 
-    def call(self, name: str, params: Any, context: Any = None) -> Result:
+    def call(self, name: str, params: Any, context: Any = None,
+             on_output: Callable[[str, str], None] | None = None) -> Result:
         """Run tool ``name``, asking for approval first when its risk needs it.
-        Never raises: an unknown name, invalid arguments and a denial are failures."""
+        Never raises: an unknown name, invalid arguments and a denial are failures.
+        ``on_output`` as in ``Definition.call``."""
         defn = self._find(name)
         if defn is None:
             return self._unknown(name)
@@ -868,7 +933,7 @@ class Registry:
         if args is None:
             return failure  # type: ignore[return-value]
         denial = self._ask(defn, args, context)
-        return denial if denial is not None else defn._invoke(args, context)
+        return denial if denial is not None else defn._invoke(args, context, on_output)
 
     def _ask(self, defn: Definition, args: dict[str, Any], context: Any) -> Result | None:
         """None when the call may run; the denial otherwise. Fails closed."""
@@ -876,6 +941,8 @@ class Registry:
             return None
         try:
             answer = self._approve(defn, _plain(args), context)  # a copy: what it saw is what runs
+            if inspect.isawaitable(answer):
+                answer = _await(answer)
         except Exception as exc:
             answer = f"the approval callback failed: {type(exc).__name__}: {exc}"
         if answer is True:
@@ -903,33 +970,47 @@ class Registry:
         an object, invalid arguments and a denied approval all come back as
         content the model can read. OpenAI shapes have no error flag, so there
         the content of a failure starts with ``"Error: "``. A tool call of no
-        known shape gets an OpenAI-shaped error reply with ``tool_call_id`` ``""``.
+        known shape gets an error reply keeping its id (``id``, ``call_id``…)
+        in the shape its keys suggest (OpenAI Chat Completions when none do).
+        A tool that is not advertised is unknown here unless ``allow_hidden``.
         With an ``output_budget``, long content is compacted (see the class).
         ``run_call`` does the same and also returns the whole ``Result``.
         """
         return self.run_call(tool_call, context).reply
 
-    def run_call(self, tool_call: Any, context: Any = None) -> ToolCallOutcome:
-        """``dispatch``, returning everything an agent loop or a trace wants to know."""
+    def run_call(self, tool_call: Any, context: Any = None,
+                 on_output: Callable[[str, str], None] | None = None) -> ToolCallOutcome:
+        """``dispatch``, returning everything an agent loop or a trace wants to know
+        (``on_output`` as in ``Definition.call``)."""
         shape = _read_tool_call(tool_call)
         if shape is None:
             result = Result.failure(
                 "unrecognised tool call: expected an OpenAI tool call with a 'function', "
                 "an OpenAI Responses 'function_call' or an Anthropic 'tool_use' block"
             )
-            return ToolCallOutcome("", None, None, result, _openai_reply("", str(result), True), None)
+            call_id, reply = _guess_reply(tool_call)
+            return ToolCallOutcome(call_id, None, None, result, reply(call_id, str(result), True), None)
         call_id, name, arguments, reply = shape
         try:
             params: Any = _decode_arguments(name, arguments)
             bad_arguments = None
         except ValidationError as exc:
             params, bad_arguments = arguments, Result.failure(str(exc))
-        if not self.has(name):  # before the arguments: the name is the first thing to fix
+        defn = self._find(name)
+        if defn is None or not (defn.advertised or self._allow_hidden):
+            # Before the arguments: the name is the first thing to fix. A
+            # hidden tool is the application's, not the model's (seed 002).
             result = self._unknown(name)
         elif bad_arguments is not None:
             result = bad_arguments
         else:
-            result = self.call(name, params, context)
+            try:
+                result = self.call(name, params, context, on_output)
+            except KeyboardInterrupt as exc:
+                # Ctrl-C during a model's call ends that call, not the
+                # conversation: the model's call is answered, and
+                # run_tool_loop stops ("interrupted") once the turn is.
+                result = Result.failure(str(ExecutionError.wrapping(name, exc)), {"interrupted": True})
         text, output_id = self._for_model(name, result)
         return ToolCallOutcome(call_id, name, params, result, reply(call_id, text, result.is_failure), output_id)
 
@@ -996,6 +1077,54 @@ def _decode_arguments(name: str, arguments: Any) -> Any:
             name, [f"arguments must be a JSON object, not {_json_type(arguments)}"]
         )
     return arguments
+
+
+def _guess_reply(tool_call: Any) -> tuple[str, _Reply]:
+    """For a call of no known shape: its id, if it has one under any provider's
+    name, and the reply shape its keys suggest (OpenAI chat when nothing does)."""
+    for key, reply in (("call_id", _responses_reply), ("tool_use_id", _anthropic_reply),
+                       ("input", _anthropic_reply), ("id", _openai_reply),
+                       ("tool_call_id", _openai_reply)):
+        try:
+            value = _field(tool_call, key)
+        except Exception:  # an odd object whose attributes raise
+            value = None
+        if value is None:
+            continue
+        if key == "input":  # an Anthropic-like block: its id is "id"
+            found = _field(tool_call, "id")
+            return ("" if found is None else str(found)), reply
+        return str(value), reply
+    return "", _openai_reply
+
+
+def _await(awaitable: Any) -> Any:
+    """The value of an awaitable, from synchronous code: on the event loop of
+    the ``dispatch.aio`` caller that brought us here when there is one, else
+    on a loop of our own (in another thread if this one already runs one)."""
+    loop = _CALLER_LOOP.get()
+    if loop is not None and loop.is_running():
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not loop:
+            return asyncio.run_coroutine_threadsafe(_as_coroutine(awaitable), loop).result()
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_as_coroutine(awaitable))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # this thread's loop is busy calling us
+        return pool.submit(asyncio.run, _as_coroutine(awaitable)).result()
+
+
+async def _as_coroutine(awaitable: Any) -> Any:
+    return await awaitable
+
+
+_CALLER_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
+    "dispatch_caller_loop", default=None)
+"""Set by ``dispatch.aio`` around the threads it runs calls in (``to_thread`` copies it)."""
 
 
 def _read_tool_call(tool_call: Any) -> tuple[str, Any, Any, _Reply] | None:

@@ -107,6 +107,7 @@ def plan_session(
     base_env: dict[str, str],
     ports: NetworkPorts | None = None,
     delegation: Delegation = Delegation(note="not looked for"),
+    git_identity: dict[str, str] | None = None,
 ) -> SessionPlan:
     if network not in NETWORK_MODES:
         raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
@@ -194,6 +195,10 @@ def plan_session(
     for key in ("USER", "LOGNAME"):
         if key in base_env:
             env[key] = base_env[key]
+    if git_identity and policy.env.git_identity:
+        # The user's name on the session's commits (GIT_AUTHOR_*, GIT_COMMITTER_*):
+        # the repository's .git/config is read-only inside, and HOME is the session's.
+        env.update(git_identity)
     env.update(policy.env.set)
     if network == "domains":
         env.update(domains_mod.proxy_env())  # after the policy's: the proxy is the only way out anyway

@@ -287,6 +287,8 @@ class Server:
         if isinstance(req, protocol.CloseSession):
             m.close(req.session)
             return protocol.OkReply(id=req.id)
+        if isinstance(req, protocol.ReleaseWriteLock):
+            return protocol.SessionReply(id=req.id, session=m.release_write_lock(req.session).info())
         if isinstance(req, protocol.ListSessions):
             return protocol.SessionsReply(id=req.id, sessions=[s.info() for s in m.list()])
         if isinstance(req, protocol.SetNetwork):

@@ -37,7 +37,7 @@ import msgspec
 from dispatchd import protocol
 from dispatchd.confine import cgroups, domains, gitdirs, gitsnapshot, netstack
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
-from dispatchd.daemon import exits, leftovers, lifetimes, watchdog
+from dispatchd.daemon import exits, gitidentity, leftovers, lifetimes, watchdog
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
 from dispatchd.daemon.worktree import check_worktree
@@ -79,6 +79,7 @@ class Session:
         self.generation = 0
         self.closed = False
         self.ended = threading.Event()  # set when the current worker's control channel closes
+        self.writes = False  # holds its worktree's write lock (kept by the manager's _writers)
         self.acks: dict[int, threading.Event] = {}  # SetCommandEnv requests waiting for the worker
         self.ack_ids = 0
         # How long it outlives its last connection, and what holds its memory (status shows both).
@@ -92,7 +93,7 @@ class Session:
                                     network=self.network, created=self.created, protections=protections,
                                     limits=msgspec.to_builtins(self.policy.limits), note=self.note,
                                     domains=domains.describe(self.domains) if self.network == "domains" else [],
-                                    denied=denied)
+                                    denied=denied, writes=self.writes)
 
 
 def _overlap(a: str, b: str) -> bool:
@@ -281,9 +282,11 @@ class SessionManager:
     def _plan(self, session: Session, network: str) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git)
+        # Read at each worker start (open, network switch): a few µs, no git run.
+        identity = gitidentity.identity_env(gitidentity.read_identity(self.home, self.base_env))
         return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
                             uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
-                            delegation=self.delegation)
+                            delegation=self.delegation, git_identity=identity)
 
     def _start_worker(self, session: Session, network: str) -> None:
         started = time.perf_counter()
@@ -457,9 +460,10 @@ class SessionManager:
                     if waiting is not None:
                         waiting.set()
                 elif isinstance(msg, protocol.AcquireWriteLock):
-                    reply = self._grant_write_lock(session, msg.id)
+                    # Decided and sent under send_lock: a release in between
+                    # would otherwise reach the worker before this grant.
                     with session.send_lock:
-                        control.send(reply)
+                        control.send(self._grant_write_lock(session, msg.id))
         except (OSError, protocol.ProtocolError):
             pass
         ended.set()
@@ -619,6 +623,7 @@ class SessionManager:
             self._sessions.pop(session.id, None)
             # Its processes are gone (stopped before this): the next may write.
             self._writers = {wt: sid for wt, sid in self._writers.items() if sid != session.id}
+            session.writes = False
 
     def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply:
         """One writer per worktree (a worktree inside another's counts as the same)."""
@@ -632,8 +637,27 @@ class SessionManager:
                     f"the worktree {session.worktree} is being written by session {holder} (opened {since}); "
                     "only one session at a time may write a worktree: close that session, or use this one to read"))
             self._writers[session.worktree] = session.id
+            session.writes = True
         log.info("event=write_lock session=%s worktree=%s", session.id, session.worktree)
         return protocol.OkReply(id=rid)
+
+    def release_write_lock(self, sid: str) -> Session:
+        """Give back ``sid``'s write lock (a no-op when it holds none). The
+        worker is told first, under the lock its grants are sent under, so it
+        asks again before its next mutating call. Cooperative: a call already
+        running, or a process left in the background, may still write."""
+        session = self.get(sid)
+        with session.send_lock:
+            if session.control is not None:
+                try:
+                    session.control.send(protocol.ForgetWriteLock())
+                except OSError:
+                    pass  # the worker is gone: nothing holds the lock for it
+            with self._lock:
+                self._writers = {wt: holder for wt, holder in self._writers.items() if holder != sid}
+                session.writes = False
+        log.info("event=write_lock_released session=%s", sid)
+        return session
 
     def close(self, sid: str) -> None:
         session = self.get(sid)

@@ -13,12 +13,53 @@ These functions run only inside a confined worker; the daemon never calls them.
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
 
 from dispatchd.policy import Limits
+
+
+class CallControl:
+    """One call in flight, as a long-running tool sees it: whether the caller
+    cancelled it, and where its output goes as it comes (``emit(stream,
+    text)``, None when the caller did not ask for streaming).
+
+    ``wake_fd()`` is a descriptor that becomes readable on ``cancel()``, for a
+    tool waiting in ``select``; made on first use (most calls never ask)."""
+
+    __slots__ = ("cancelled", "emit", "_lock", "_pipe")
+
+    def __init__(self, emit: Callable[[str, str], None] | None = None) -> None:
+        self.cancelled = threading.Event()
+        self.emit = emit
+        self._lock = threading.Lock()
+        self._pipe: tuple[int, int] | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        with self._lock:  # never a write to a descriptor closed (and reused) meanwhile
+            if self._pipe is not None:
+                try:
+                    os.write(self._pipe[1], b"x")
+                except OSError:
+                    pass
+
+    def wake_fd(self) -> int:
+        with self._lock:
+            if self._pipe is None:
+                self._pipe = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            return self._pipe[0]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pipe is not None:
+                for fd in self._pipe:
+                    os.close(fd)
+                self._pipe = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +70,9 @@ class ToolContext:
     limits: Limits
     env: Mapping[str, str]  # the environment commands run with
     writable: bool = True  # False under a read-only policy
+    scratch: str = ""  # the session's private directory (jobs keep their logs there)
+    call: CallControl | None = None  # set per call for slow tools (cancel, streaming)
+    jobs: Any = None  # the session's background jobs (dispatchd.tools.jobs.Jobs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,10 +12,18 @@ Guarantees:
   timeout. A background job that keeps the pipes open (``server &``) does
   not hold the call: 0.2 s after bash exits we stop reading, say so in the
   output, and leave the job running (its later output is lost; redirect it).
-- At the timeout every process of the command's process group and session
-  gets SIGKILL, and the call returns what was captured. A process that left
-  the session (``setsid``) is out of this tool's reach; the session's
-  sandbox (its PID namespace, or closing the session) ends it.
+- At the timeout, or when the caller cancels the call, every process the
+  command started gets SIGKILL, however it detached (``setsid``, ``nohup``,
+  ``(cmd &)``: see ``proctree``), and the call returns what was captured
+  (a cancel: a failure with ``metadata["cancelled"]``). A command that ends
+  by itself may leave ``cmd &`` running (as a terminal would); ``background:
+  true`` (a job, ``jobs``) is the way meant for that.
+- With a caller that streams (``ctx.call.emit``), output is passed on as it
+  is read, stdout and stderr each in order, up to the same cap; the Result
+  at the end is the same as without streaming.
+- Commands run with RLIMIT_NPROC ``proctree.PROCESS_RESERVE`` (at most a
+  quarter of it) below the tool server's, from birth, so a fork bomb leaves
+  the server room to answer and kill.
 - A command that exits 0 is a success; any other status, a signal or the
   timeout is a failure whose error text still carries the output.
 
@@ -25,14 +33,17 @@ Runs in the worker's calling thread; the worker gives it a thread of its own
 
 from __future__ import annotations
 
+import codecs
 import os
 import selectors
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 from dispatchd.policy import Limits
-from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
+from dispatchd.tools import proctree
+from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
 from dispatchd.tools.paths import relative, resolve
 
 __all__ = ["shell_exec"]
@@ -44,7 +55,6 @@ _READ_CHUNK = 65536
 _DRAIN_AFTER_KILL_S = 0.5
 # How long output is still read after bash exits while background jobs hold the pipes.
 BACKGROUND_GRACE_S = 0.2
-_KILL_ROUNDS = 5
 
 
 def _timeout(limits: Limits, requested: float | None) -> float:
@@ -73,10 +83,16 @@ def _workdir(ctx: ToolContext, cwd: str | None) -> str:
 class _Capture:
     """Both pipes and the child's exit, watched from one selector."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], cap: int) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], cap: int, control: CallControl | None = None) -> None:
         assert proc.stdout is not None and proc.stderr is not None
         self.proc = proc
         self.cap = cap
+        self.control = control
+        self.cancelled = False
+        self._emit: Callable[[str, str], None] | None = control.emit if control is not None else None
+        self._names = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
+        # Chunks may end inside a UTF-8 character: decode each stream incrementally.
+        self._decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in self._names}
         self.truncated = False
         self.exited_at: float | None = None  # when bash exited (pidfd readable)
         self.detached = False  # background processes kept the pipes; we stopped reading
@@ -95,6 +111,15 @@ class _Capture:
             pass
         else:
             self._sel.register(self._pidfd, selectors.EVENT_READ)
+        # A cancel wakes the select at once (CallControl.cancel writes to it).
+        self._wake: int | None = None
+        if control is not None:
+            self._wake = control.wake_fd()
+            self._sel.register(self._wake, selectors.EVENT_READ)
+
+    def _busy(self) -> bool:
+        """A pipe still open, or bash's exit not seen yet (the wake descriptor aside)."""
+        return any(fd != self._wake for fd in self._sel.get_map())
 
     def bash_exited(self) -> bool:
         """Whether bash has exited, without reaping it (its pid stays ours)."""
@@ -113,7 +138,7 @@ class _Capture:
         may hold the pipes open forever: after a short grace we stop reading
         and return, leaving them running (``detached``), as a terminal would.
         """
-        while self._sel.get_map():
+        while self._busy():
             now = time.monotonic()
             if self.exited_at is not None and now >= self.exited_at + BACKGROUND_GRACE_S:
                 self.detached = True
@@ -121,6 +146,9 @@ class _Capture:
             limit = deadline if self.exited_at is None else min(deadline, self.exited_at + BACKGROUND_GRACE_S)
             remaining = limit - now
             if remaining <= 0 and limit == deadline:
+                return False
+            if self.control is not None and self.control.cancelled.is_set():
+                self.cancelled = True
                 return False
             for key, _ in self._sel.select(remaining):
                 self._on_ready(key.fd)
@@ -134,6 +162,9 @@ class _Capture:
         return True
 
     def _on_ready(self, fd: int) -> None:
+        if fd == self._wake:
+            self._sel.unregister(fd)  # cancelled: run_until sees the event next
+            return
         if fd == self._pidfd:
             self._sel.unregister(fd)
             self.exited_at = time.monotonic()
@@ -147,14 +178,23 @@ class _Capture:
         if len(chunk) > room:
             self.truncated = True
         if room > 0:
-            buf += chunk[:room]
+            kept = chunk[:room]
+            buf += kept
+            if self._emit is not None:
+                text = self._decoders[fd].decode(kept, final=len(buf) >= self.cap)
+                if text:
+                    try:
+                        self._emit(self._names[fd], text)
+                    except Exception:
+                        self._emit = None  # the caller's channel is gone: keep capturing
 
     def drain(self, seconds: float) -> None:
         """After the kill: collect what is left in the pipes, briefly."""
-        if self._pidfd is not None and self._pidfd in self._sel.get_map():
-            self._sel.unregister(self._pidfd)
+        for fd in (self._pidfd, self._wake):
+            if fd is not None and fd in self._sel.get_map():
+                self._sel.unregister(fd)
         deadline = time.monotonic() + seconds
-        while self._sel.get_map():
+        while self._busy():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -162,58 +202,20 @@ class _Capture:
                 self._on_ready(key.fd)
 
     def close(self) -> None:
+        if self._emit is not None:
+            for fd, decoder in self._decoders.items():
+                tail = decoder.decode(b"", final=True)  # a character cut at the very end
+                if tail:
+                    try:
+                        self._emit(self._names[fd], tail)
+                    except Exception:
+                        break
         self._sel.close()
         if self._pidfd is not None:
             os.close(self._pidfd)
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
-
-
-def _session_members(sid: int) -> list[int]:
-    """Live processes whose session id is ``sid`` (from /proc/PID/stat)."""
-    pids = []
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return pids
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:  # gone meanwhile, or hidden from us
-            continue
-        # The command name, field 2, is in parentheses and may hold spaces or
-        # ')', so split after the last ')': state, ppid, pgrp, session, ...
-        fields = raw[raw.rfind(b")") + 2 :].split()
-        if len(fields) > 3 and fields[0] != b"Z" and int(fields[3]) == sid:
-            pids.append(int(name))
-    return pids
-
-
-def _kill_command(pid: int) -> None:
-    """SIGKILL bash's process group, then whatever else is left in its session.
-
-    Called before bash is reaped: while its zombie holds the pid, no other
-    process can own a group or session with that id, so we kill only ours.
-    """
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    # Jobs bash put in groups of their own stay in its session. Repeat the
-    # scan: one of them may have forked while we were reading /proc.
-    for _ in range(_KILL_ROUNDS):
-        members = _session_members(pid)
-        if not members:
-            return
-        for member in members:
-            try:
-                os.kill(member, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def _signal_name(number: int) -> str:
@@ -232,38 +234,58 @@ def _render(out: str, err: str, notes: list[str]) -> str:
     return "\n".join(p.removesuffix("\n") if i < len(parts) - 1 else p for i, p in enumerate(parts))
 
 
-def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd: str | None = None) -> Outcome:
+# git's words when a write to the read-only .git/config fails (a rename onto
+# the read-only mount: EBUSY), and what to tell the model instead.
+_GIT_CONFIG_BUSY = b"could not write config file"
+_GIT_CONFIG_NOTE = (
+    "[the repository's .git/config is read-only in the sandbox (it names programs the user's own git "
+    "runs outside). Use `git config --global ...` (this session's own config, in its $HOME), or "
+    "`git -c name=value ...` for one command; commits already carry the user's name and email]"
+)
+
+
+def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd: str | None = None,
+               background: bool = False) -> Outcome:
     """Run ``command`` with bash; see the module docstring for the guarantees."""
     if not command.strip():
         raise ToolFailure("command is empty")
-    limit = _timeout(ctx.limits, timeout)
     workdir = _workdir(ctx, cwd)
+    if background:
+        if ctx.jobs is None:
+            raise ToolFailure("this session cannot run background jobs")
+        if timeout is not None:
+            _timeout(ctx.limits, timeout)
+        return ctx.jobs.start(ctx, command, workdir, timeout)  # type: ignore[no-any-return]
+    limit = _timeout(ctx.limits, timeout)
+    token = proctree.new_token()
     started = time.monotonic()
     try:
-        proc = subprocess.Popen(
+        env = proctree.spawn_env(dict(ctx.env), token)
+        proc = proctree.spawn(lambda: subprocess.Popen(
             [_BASH, "-c", command],
             cwd=workdir,
-            env=dict(ctx.env),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             close_fds=True,
             start_new_session=True,
-        )
+        ), ctx.limits.max_processes)
     except OSError as exc:
         raise ToolFailure(f"could not start {_BASH}: {exc.strerror or exc}") from exc
-    capture = _Capture(proc, ctx.limits.output_cap_bytes)
+    proctree.limit_processes(proc.pid, ctx.limits.max_processes)
+    capture = _Capture(proc, ctx.limits.output_cap_bytes, ctx.call)
     timed_out = False
     exited_before_timeout = False
     try:
         if not capture.run_until(started + limit):
-            timed_out = True
+            timed_out = not capture.cancelled
             exited_before_timeout = capture.bash_exited()
-            _kill_command(proc.pid)
+            proctree.kill_tree(proc.pid, token)
             capture.drain(_DRAIN_AFTER_KILL_S)
     except BaseException:
         if proc.returncode is None:  # not reaped, so the pid is still ours
-            _kill_command(proc.pid)
+            proctree.kill_tree(proc.pid, token)
         raise
     finally:
         proc.wait()
@@ -281,6 +303,10 @@ def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd
     if timed_out:
         why = " (bash had exited; processes it started kept the output open)" if exited_before_timeout else ""
         notes.append(f"[timed out after {limit:g} s{why}]")
+    if capture.cancelled:
+        notes.append(f"[cancelled after {duration:.1f} s; the command and every process it started were ended]")
+    if code != 0 and _GIT_CONFIG_BUSY in capture.err and b".git/config" in capture.err:
+        notes.append(_GIT_CONFIG_NOTE)
     text = _render(out, err, notes)
     meta = {
         "exit_code": code,
@@ -290,9 +316,13 @@ def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd
         "stdout": out,
         "stderr": err,
     }
-    if code == 0 and not timed_out:
+    if capture.cancelled:
+        meta["cancelled"] = True
+    if code == 0 and not timed_out and not capture.cancelled:
         return Outcome.ok(text, meta)
-    if timed_out:
+    if capture.cancelled:
+        headline = "command was cancelled"
+    elif timed_out:
         headline = f"command timed out after {limit:g} s"
     elif code < 0:
         headline = f"command was killed by signal {-code}{_signal_name(-code)}"

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from dispatchd.tools import files, search, shell
+from dispatchd.tools import files, jobs, search, shell
 from dispatchd.tools.base import Outcome, Tool, ToolContext
 
 __all__ = ["TOOLS", "Edit", "schemas_for"]
@@ -73,6 +73,21 @@ class ShellExecParams(_Params):
     command: str
     timeout: float | None = None
     cwd: str | None = None
+    background: bool = False
+
+
+class JobOutputParams(_Params):
+    job: str
+    offset: int = 0
+    wait: float = 0
+
+
+class JobStopParams(_Params):
+    job: str
+
+
+class JobListParams(_Params):
+    pass
 
 
 def _object(properties: dict[str, dict[str, Any]], required: list[str]) -> dict[str, Any]:
@@ -253,8 +268,10 @@ _ALL = [
         "otherwise, and return its output: stdout, then stderr after a '[stderr]' line. stdin is empty; "
         "the network may be off. Each stream is cut at a cap (1 MiB by default). A non-zero exit status "
         "or a timeout is reported as an error that still carries the output; at the timeout the command "
-        "and everything it started are killed. Background jobs (cmd &) keep running after bash exits, "
-        "but their later output is not captured: redirect it to a file (cmd > log 2>&1 &).",
+        "and everything it started are killed. To keep something running (a dev server, a watcher, a "
+        "long build), pass background=true: the call returns at once with a job id; read the job's "
+        "output with job_output, end it with job_stop. A plain 'cmd &' also survives bash, but its "
+        "output is lost and it is killed if the call times out.",
         {
             "command": {"type": "string", "minLength": 1, "description": "The command line, run by bash -c."},
             "timeout": {
@@ -267,9 +284,62 @@ _ALL = [
                 "type": "string",
                 "description": "Directory to run in, relative to the worktree root. Default: the root.",
             },
+            "background": {
+                "type": "boolean",
+                "default": False,
+                "description": "Run as a background job and return at once with its id (metadata 'job'). "
+                "Default false. A timeout, if given, still ends the job; otherwise it runs until job_stop "
+                "or the end of the session.",
+            },
         },
         ["command"],
         slow=True,
+    ),
+    _tool(
+        "job_output",
+        jobs.job_output,
+        JobOutputParams,
+        "Read what a background job (started by shell_exec with background=true) wrote to stdout and "
+        "stderr, from a byte offset on. The result says whether the job still runs and, once it ended, its "
+        "exit code; pass the returned next_offset (in the metadata, also shown at the end) to read only "
+        "what came after. With wait > 0, waits up to that many seconds for new output or for the job to end.",
+        {
+            "job": {"type": "string", "minLength": 1, "description": "The job id shell_exec returned, e.g. 'job_1'."},
+            "offset": {
+                "type": "integer",
+                "minimum": 0,
+                "default": 0,
+                "description": "Byte offset to read from: 0 (the default) for the start, or the next_offset of "
+                "the previous read.",
+            },
+            "wait": {
+                "type": "number",
+                "minimum": 0,
+                "default": 0,
+                "description": "Seconds to wait for new output (or the job's end) when there is none yet. Default 0.",
+            },
+        },
+        ["job"],
+        slow=True,
+    ),
+    _tool(
+        "job_stop",
+        jobs.job_stop,
+        JobStopParams,
+        "Stop a background job: it and every process it started are killed. Its output stays readable "
+        "with job_output.",
+        {"job": {"type": "string", "minLength": 1, "description": "The job id, e.g. 'job_1'."}},
+        ["job"],
+        slow=True,
+    ),
+    _tool(
+        "job_list",
+        jobs.job_list,
+        JobListParams,
+        "List this session's background jobs, one a line: id, state (running, exited N, stopped, ...) "
+        "and command.",
+        {},
+        [],
     ),
 ]
 

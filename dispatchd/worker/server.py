@@ -17,6 +17,10 @@ Guarantees:
   flight, and as soon as the daemon's control channel closes;
 - a mutating tool (write_file, edit_file, create_file, shell_exec) runs only
   once the daemon has granted this session its worktree's write lock;
+- a slow call can be cancelled (``CancelCall``, or its channel closing: a
+  call whose caller is gone is ended, not left running) and, when asked
+  (``CallTool.stream``), streams its output as ``ToolOutput`` frames before
+  its reply; the session's background jobs live here (``tools/jobs.py``).
 - ``SetCommandEnv`` from the daemon changes the environment of commands
   started after it (the proxy variables of network "domains"), not of those running.
 
@@ -42,7 +46,8 @@ from dispatchd.policy import MUTATING_TOOLS
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 MAX_CHANNELS = 256  # client channels of one session at once, at most (see max_channels)
-from dispatchd.tools.base import Outcome, ToolContext, run_tool
+from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
+from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.spec import TOOLS
 
 
@@ -76,6 +81,19 @@ class _Channel:
         self.frames = protocol.FrameSocket(sock)
         self.send_lock = threading.Lock()
         self.server = server
+        self.calls: dict[int, CallControl] = {}  # slow calls in flight, by request id
+        self.calls_lock = threading.Lock()
+
+    def output(self, rid: int, stream: str, text: str) -> None:
+        """One ToolOutput frame; raises OSError when the client is gone."""
+        with self.send_lock:
+            self.frames.send(protocol.ToolOutput(id=rid, stream=stream, text=text))
+
+    def cancel(self, rid: int) -> None:
+        with self.calls_lock:
+            control = self.calls.get(rid)
+        if control is not None:
+            control.cancel()
 
     def reply(self, msg: protocol.ToolReply | protocol.ErrorReply) -> None:
         with self.send_lock:
@@ -106,11 +124,18 @@ class _Channel:
                 except protocol.ProtocolError as exc:
                     self.reply(protocol.ErrorReply(id=protocol.request_id_of(payload), code="bad_request", message=str(exc)))
                     continue
+                if isinstance(req, protocol.CancelCall):
+                    self.cancel(req.id)
+                    continue
                 if not isinstance(req, protocol.CallTool):
                     self.reply(protocol.ErrorReply(id=req.id, code="bad_request", message=f"a worker only takes call_tool, not {type(req).__name__}"))
                     continue
                 self.server.dispatch(self, req)
         finally:
+            # Nobody is left to read what calls in flight would answer: end them.
+            with self.calls_lock:
+                for control in self.calls.values():
+                    control.cancel()
             self.frames.close()
             self.server.channel_closed()
 
@@ -176,7 +201,8 @@ class _WriteLock:
 class _Server:
     def __init__(self, plan: SessionPlan, control: _Control) -> None:
         self.plan = plan
-        self.ctx = ToolContext(root=plan.paths.worktree, limits=plan.limits, env=plan.env, writable=plan.writable)
+        self.ctx = ToolContext(root=plan.paths.worktree, limits=plan.limits, env=plan.env, writable=plan.writable,
+                               scratch=plan.paths.scratch, jobs=Jobs(plan.paths.scratch))
         self.tools = {name: TOOLS[name] for name in plan.tools}
         self.activity = _Activity()
         self.control = control
@@ -230,27 +256,43 @@ class _Server:
                 return
         self.activity.begin()
         if tool.slow:
+            rid = req.id
+            emit = (lambda stream, text: channel.output(rid, stream, text)) if req.stream else None
+            control = CallControl(emit)
+            with channel.calls_lock:
+                channel.calls[rid] = control
             try:
-                threading.Thread(target=self._call, args=(channel, req, tool), daemon=True).start()
-            except RuntimeError as exc:  # can't start new thread: the session's process limit
+                threading.Thread(target=self._call, args=(channel, req, tool, control), daemon=True).start()
+            except RuntimeError as exc:
+                # can't start new thread: the session's commands took every
+                # process the limit allows but the server's reserve (proctree).
+                with channel.calls_lock:
+                    channel.calls.pop(rid, None)
                 self.activity.end()
-                channel.reply(protocol.ToolReply(id=req.id, success=False,
-                                                 error=f"{req.tool}: the tool server cannot start a thread ({exc})"))
+                channel.reply(protocol.ToolReply(id=rid, success=False, error=(
+                    f"{req.tool}: the tool server cannot start a thread ({exc}): the session is at its process "
+                    "limit (its commands hold every process it may have); stop some and retry")))
         else:
             self._call(channel, req, tool)
 
-    def _call(self, channel: _Channel, req: protocol.CallTool, tool: object) -> None:
+    def _call(self, channel: _Channel, req: protocol.CallTool, tool: object,
+              control: CallControl | None = None) -> None:
         started = time.perf_counter()
         success = False
+        ctx = self.ctx if control is None else dataclasses.replace(self.ctx, call=control)
         key = (id(channel), req.id)
         with self.activity.lock:
             self.in_flight[key] = (channel, req.tool)
         try:
-            out: Outcome = run_tool(tool, self.ctx, req.params)  # type: ignore[arg-type]
+            out: Outcome = run_tool(tool, ctx, req.params)  # type: ignore[arg-type]
             success = out.success
             channel.reply(protocol.ToolReply(id=req.id, success=out.success, output=out.output,
                                              error=out.error, metadata=out.metadata))
         finally:
+            if control is not None:
+                with channel.calls_lock:
+                    channel.calls.pop(req.id, None)
+                control.close()
             with self.activity.lock:
                 self.in_flight.pop(key, None)
             self.activity.end()
@@ -331,6 +373,8 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             server.add_channel(socket.socket(fileno=fd))
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
+        elif isinstance(msg, protocol.ForgetWriteLock):
+            server.write_lock.held = False  # the next mutating call asks the daemon again
         elif isinstance(msg, protocol.SetCommandEnv):
             server.set_command_env(msg)
             if msg.id:

@@ -18,7 +18,8 @@ from dispatch.agent import FakeModel, Trace, run_tool_loop
 from tests.conftest import Daemon
 
 REPO = Path(__file__).resolve().parent.parent.parent
-ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec"]
+ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
+             "job_output", "job_stop", "job_list"]
 
 
 def test_a_session_registry_compacts_at_the_policy_budget(session: dispatch.Session) -> None:
@@ -26,7 +27,7 @@ def test_a_session_registry_compacts_at_the_policy_budget(session: dispatch.Sess
     assert session.registry.output_budget == budget == 16384
     assert session.registry.tool_names == [*ALL_TOOLS, "retrieve_output"]
     assert [session.registry.get(n).risk for n in ALL_TOOLS] == [
-        "read", "write", "write", "write", "read", "read", "execute"]
+        "read", "write", "write", "write", "read", "read", "execute", "read", "execute", "read"]
 
 
 def test_a_loop_edits_the_worktree_and_runs_commands(session: dispatch.Session, worktree: Path) -> None:
@@ -148,7 +149,7 @@ def test_the_readme_shows_each_example() -> None:
     # Its Python snippets are the examples' own lines (which the tests above run), not a paraphrase.
     examples = "".join((REPO / "examples" / n).read_text() for n in ("openai_loop.py", "anthropic_loop.py",
                                                                       "mcp_client.py"))
-    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    snippets = re.findall(r"<!-- not run: an excerpt of examples/[^>]*-->\n```python\n(.*?)```", section, re.S)
     assert len(snippets) >= 2
     for line in "".join(snippets).splitlines():
         assert line.strip() in examples, line

@@ -27,7 +27,8 @@ import dispatch
 import dispatchd
 from tests.conftest import Daemon
 
-ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec"]
+ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
+             "job_output", "job_stop", "job_list"]
 SESSION_ID = re.compile(r"[0-9a-f]{12}")
 
 
@@ -201,7 +202,8 @@ def test_exec_output_over_the_cap_is_cut_and_said(daemon: Daemon, sid: str) -> N
     out = run(daemon, "exec", "--session", sid, "--", "head", "-c", str(cap + 1000), "/dev/zero")
     assert out.returncode == 0
     assert out.stdout == "\0" * cap
-    assert out.stderr == "dispatch: output truncated at the policy's cap\n"
+    assert out.stderr == ("dispatch: output truncated at 1 MiB per stream (the policy's limits.output_cap_bytes; "
+                          "a policy of your own with a larger value raises it)\n")
     out = run(daemon, "exec", "--session", sid, "--", "head", "-c", str(cap), "/dev/zero")
     assert (out.returncode, len(out.stdout), out.stderr) == (0, cap, "")
 
@@ -326,7 +328,7 @@ def test_tools_openai_and_anthropic_shapes(daemon: Daemon, client: dispatch.Clie
         {"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in plain
     ]
     responses = json.loads(run(daemon, "tools", "--format", "openai-responses").stdout)
-    assert responses == [{"type": "function", **t} for t in plain]
+    assert responses == [{"type": "function", **t, "strict": False} for t in plain]
     mcp = json.loads(run(daemon, "tools", "--format", "mcp").stdout)
     assert mcp == [{"name": t["name"], "description": t["description"], "inputSchema": t["parameters"]} for t in plain]
 
@@ -357,9 +359,10 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     block = "\n".join(lines[mine[0]:mine[0] + 4])
     assert str(worktree) in block and "filesystem enforced" in block and "seccomp: enforced" in block
     limits = [line.strip() for line in lines[mine[0]:] if line.strip().startswith("limits (")][0]
-    assert limits == ("limits (rlimits): processes 1024; memory 8589934592 bytes over the session (the daemon's "
-                      "memory watchdog); 8589934592 bytes of data per process (RLIMIT_DATA); cpu weight not enforced "
-                      "(no cpu controller); file size 8589934592 B")
+    assert limits == ("limits (rlimits): processes 1024; memory 8 GiB over the session (the daemon's "
+                      "memory watchdog); 8 GiB of data per process (RLIMIT_DATA); cpu weight not enforced "
+                      "(no cpu controller); file size 8 GiB")
+    assert "tcp: not handled" not in out.stdout and "not handled" not in out.stdout
     assert "(per-session cgroups: no: " in lines[1]
     assert "network stack (pasta): yes; nftables for ports: yes" in lines[1]
 
@@ -368,6 +371,7 @@ def test_status_json(daemon: Daemon, sid: str) -> None:
     out = run(daemon, "status", "--json")
     assert out.returncode == 0 and out.stderr == ""
     st = json.loads(out.stdout)
+    assert "op" not in st and "id" not in st  # the protocol's fields are not the status
     assert st["daemon_version"] == dispatchd.__version__
     assert st["pid"] == daemon.proc.pid and st["socket"] == daemon.socket
     kernel = st["kernel"]
@@ -412,8 +416,9 @@ def test_no_daemon(tmp_path: Path) -> None:
     for args in (("status",), ("session", "list"), ("exec", "--worktree", str(tmp_path), "--", "true")):
         out = dispatch_cli("--socket", "/nonexistent/x.sock", "--no-autostart", *args)
         line = assert_error(out, "no dispatchd is listening on /nonexistent/x.sock")
-        assert line == ("dispatch: no dispatchd is listening on /nonexistent/x.sock (start it with `dispatchd`, "
-                        "or `systemctl --user start dispatchd.socket`)")
+        # The hint names the --socket it was given.
+        assert line == ("dispatch: no dispatchd is listening on /nonexistent/x.sock (start it with "
+                        "`dispatchd --socket /nonexistent/x.sock`, or leave out --no-autostart)")
 
 
 # ----------------------------------------------------------------- autostart

@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import mcp.types as types
+import pytest
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 import dispatch
 from tests.conftest import Daemon
 
-ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec"]
+ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
+             "job_output", "job_stop", "job_list"]
 
 
 def _command(daemon: Daemon, worktree: Path, *extra: str) -> list[str]:
@@ -85,7 +87,7 @@ def test_lists_the_session_tools_with_their_schemas_and_risk(
     for tool in listed.tools:
         assert tool.description == expected[tool.name]["description"]
         assert tool.input_schema == expected[tool.name]["inputSchema"]
-        read_only = tool.name in ("read_file", "list_files", "search_files", "retrieve_output")
+        read_only = tool.name in ("read_file", "list_files", "search_files", "retrieve_output", "job_output", "job_list")
         assert tool.annotations is not None
         assert (tool.annotations.read_only_hint, tool.annotations.destructive_hint) == (read_only, not read_only)
     assert _sessions_on(client, worktree) == []
@@ -188,3 +190,54 @@ def test_tools_format_mcp_matches_the_listing_shape(daemon: Daemon) -> None:
     tools = json.loads(out.stdout)
     assert [t["name"] for t in tools] == ALL_TOOLS
     assert all(set(t) == {"name", "description", "inputSchema"} for t in tools)
+
+
+def test_progress_notifications_carry_output_as_it_comes(daemon: Daemon, worktree: Path, tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> tuple[types.CallToolResult, list[tuple[float, float, str | None]]]:
+        seen: list[tuple[float, float, str | None]] = []
+        started = time.monotonic()
+
+        async def progress(done: float, _total: float | None, message: str | None) -> None:
+            seen.append((time.monotonic() - started, done, message))
+
+        result = await session.call_tool("shell_exec", {"command": "for i in 1 2 3; do echo step $i; sleep 1; done"},
+                                         progress_callback=progress)
+        return result, seen
+
+    result, seen = _run(daemon, worktree, tmp_path, body)
+    assert _text(result) == "step 1\nstep 2\nstep 3\n"
+    assert [m for _, _, m in seen] == ["step 1\n", "step 2\n", "step 3\n"]
+    assert [d for _, d, _ in seen] == [7.0, 14.0, 21.0]
+    assert seen[2][0] - seen[0][0] > 1.5  # as they came, not at the end
+
+
+def test_a_cancelled_request_ends_the_command(daemon: Daemon, client: dispatch.Client, worktree: Path,
+                                               tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        with pytest.raises(TimeoutError):
+            # The SDK sends notifications/cancelled for a request it stops waiting for.
+            await asyncio.wait_for(session.call_tool(
+                "shell_exec", {"command": "sleep 315.6; echo finished > f"}), 1.0)
+        deadline = time.monotonic() + 2
+        while _sleeping("315.6") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert _sleeping("315.6") == []
+        # The server goes on.
+        assert _text(await session.call_tool("shell_exec", {"command": "echo on"})) == "on\n"
+
+    _run(daemon, worktree, tmp_path, body)
+    time.sleep(8.5)  # past the end the sleep would have had
+    assert not (worktree / "f").exists()
+
+
+def _sleeping(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[:2] == [b"sleep", marker.encode()]:
+                        found.append(int(pid))
+            except OSError:
+                pass
+    return found

@@ -329,7 +329,8 @@ def test_pipelined_requests_get_replies_with_matching_ids(daemon: Daemon) -> Non
     assert [r.id for r in replies] == [1, 10, 11, 12]
     assert [type(r) for r in replies] == [protocol.HelloOk, protocol.StatusReply, protocol.SessionsReply, protocol.ToolsReply]
     assert [t.name for t in replies[3].tools] == [
-        "read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec"]
+        "read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
+        "job_output", "job_stop", "job_list"]
 
 
 def test_pipelined_bad_request_in_the_middle(daemon: Daemon) -> None:

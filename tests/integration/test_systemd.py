@@ -22,6 +22,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -86,8 +87,20 @@ def test_shipped_units_pass_systemd_analyze_verify(user: bool, tmp_path: Path) -
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
 
 
-def test_install_units_writes_both_units_for_this_interpreter(home: Path) -> None:
-    out = dispatchd_cli("install-units", env=base_env(home))
+@pytest.fixture
+def user_manager(tmp_path: Path) -> Iterator[Path]:
+    """A runtime directory where a user manager would listen: its private socket."""
+    runtime = Path(tempfile.mkdtemp(prefix="rt-"))  # short: socket paths are limited to 107 bytes
+    (runtime / "systemd").mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(runtime / "systemd" / "private"))
+    yield runtime
+    sock.close()
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_install_units_writes_both_units_for_this_interpreter(home: Path, user_manager: Path) -> None:
+    out = dispatchd_cli("install-units", env=base_env(home, XDG_RUNTIME_DIR=str(user_manager)))
     directory = home / ".config" / "systemd" / "user"
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
@@ -339,3 +352,25 @@ def test_a_socket_dispatchd_cannot_serve_is_refused_without_ready(home: Path, tm
     assert (f"dispatchd: systemd passed fd 3 (unknown) as AF_UNIX/SOCK_DGRAM, not listening: dispatchd needs "
             "a listening Unix stream socket (ListenStream=PATH in the .socket unit)") in started.log()
     assert rest_of_messages(notify_path) == []
+
+
+def test_install_units_without_a_user_manager_says_so_and_what_to_do(home: Path, tmp_path: Path) -> None:
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    out = dispatchd_cli("install-units", env=base_env(home, XDG_RUNTIME_DIR=str(runtime)))
+    directory = home / ".config" / "systemd" / "user"
+    assert out.returncode == 0  # the units are written: they work once a manager runs
+    assert out.stdout == (f"wrote {directory}/dispatchd.socket\nwrote {directory}/dispatchd.service\n" + NEXT_STEP)
+    assert out.stderr == (
+        f"dispatchd: no systemd user manager is running for you here (no {runtime}/systemd/private), so "
+        "`systemctl --user` cannot start these units yet. Either run the daemon in the foreground "
+        "(`dispatchd`), or let `dispatch` start it in the background (it does when none answers); or "
+        "get a user manager: log in through a session that starts one (ssh or a desktop login, not "
+        "`su`), or have root run `loginctl enable-linger $USER`, then run the next step\n")
+
+
+def test_help_names_install_units(home: Path) -> None:
+    out = dispatchd_cli("--help", env=base_env(home))
+    assert out.returncode == 0
+    assert "dispatchd install-units [--dry-run]" in out.stdout and "dispatchd uninstall-units" in out.stdout
+    assert "(default: info)" in out.stdout and "(seconds; default: 30)" in out.stdout

@@ -21,7 +21,8 @@ import dispatch
 from dispatch.tools import ToolNotFoundError
 from tests.conftest import Daemon, shell
 
-ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec"]
+ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
+             "job_output", "job_stop", "job_list"]
 TEMP_NAME = re.compile(r"\.dispatchd-[0-9a-f]+\.tmp$")
 
 
@@ -659,8 +660,11 @@ def test_shell_exec_output_cap_truncates(session: dispatch.Session) -> None:
     assert "truncated" not in r.output
 
 
-EXPECTED_ENV = {"PATH", "HOME", "TMPDIR", "SHELL", "TERM", "LANG", "DISPATCH_SESSION"}
-MAYBE_ENV = {"USER", "LOGNAME", "LC_ALL", "LC_CTYPE", "TZ"}
+# DISPATCH_CALL_ID marks the processes of one call (tools/proctree.py).
+EXPECTED_ENV = {"PATH", "HOME", "TMPDIR", "SHELL", "TERM", "LANG", "DISPATCH_SESSION", "DISPATCH_CALL_ID"}
+# The user's git identity, when their global git config has one (daemon/gitidentity.py).
+MAYBE_ENV = {"USER", "LOGNAME", "LC_ALL", "LC_CTYPE", "TZ", "GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL",
+             "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"}
 BASH_ENV = {"PWD", "SHLVL", "_"}  # bash itself exports these to what it runs
 
 
@@ -756,13 +760,13 @@ def test_shell_exec_empty_command(session: dispatch.Session) -> None:
 def test_unknown_tool_names_the_available_ones(session: dispatch.Session) -> None:
     assert fail(session.call_tool("nope", {})) == (
         "unknown tool: 'nope' (this session has: read_file, write_file, edit_file, create_file, "
-        "list_files, search_files, shell_exec)"
+        "list_files, search_files, shell_exec, job_output, job_stop, job_list)"
     )
     with pytest.raises(ToolNotFoundError) as exc:
         session.registry.get("nope")
     assert str(exc.value).startswith(
         "Unknown tool: nope. Available tools: read_file, write_file, edit_file, create_file, "
-        "list_files, search_files, shell_exec"
+        "list_files, search_files, shell_exec, job_output, job_stop, job_list"
     )
     assert fail(session.registry.call("nope", {})) == str(exc.value)
     assert ok(session.call_tool("read_file", {"path": "README.md"})) == "0: hello\n1: world"

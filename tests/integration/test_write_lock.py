@@ -47,3 +47,32 @@ def test_the_lock_survives_a_network_switch(client: dispatch.Client, worktree: P
         first.set_network(True)
         assert shell(first, "touch after-switch").is_success
         assert shell(second, "true").metadata == {"write_locked": True}
+
+
+def test_the_holder_is_shown_and_can_give_the_lock_back(client: dispatch.Client, worktree: Path) -> None:
+    with client.open_session(str(worktree)) as first, client.open_session(str(worktree)) as second:
+        assert first.status()["writes"] is False  # nobody has written yet
+        assert first.registry.get("write_file").call({"path": "a.txt", "content": "first"}).is_success
+        listed = {s["id"]: s["writes"] for s in client.list_sessions()}
+        assert listed == {first.id: True, second.id: False}
+        assert {s["id"]: s["writes"] for s in client.status()["sessions"]}[first.id] is True
+        assert second.registry.get("write_file").call({"path": "a.txt", "content": "x"}).metadata == {"write_locked": True}
+        # Given back, without closing: the other session may write now...
+        assert first.release_write_lock()["writes"] is False
+        assert second.registry.get("write_file").call({"path": "a.txt", "content": "second"}).is_success
+        assert second.status()["writes"] is True
+        # ...and the first, still open, is refused in its turn and asks again later.
+        refused = first.registry.get("write_file").call({"path": "a.txt", "content": "again"})
+        assert refused.error.startswith(f"write_file: the worktree {worktree} is being written by session {second.id}")
+        assert (worktree / "a.txt").read_text() == "second"
+        second.release_write_lock()
+        assert first.registry.get("write_file").call({"path": "a.txt", "content": "again"}).is_success
+        assert first.status()["writes"] is True
+
+
+def test_releasing_an_unknown_session_is_an_error(client: dispatch.Client) -> None:
+    import pytest
+
+    with pytest.raises(dispatch.RequestFailed) as err:
+        client.release_write_lock("nope")
+    assert err.value.code == "unknown_session"

@@ -25,7 +25,7 @@ def _clear():
 def tools(approve=None):
     return Registry(
         [
-            Definition("read_file", "Read", PATH, lambda p, c: Result.success("contents")),
+            Definition("read_file", "Read", PATH, lambda p, c: Result.success("contents"), risk="read"),
             Definition("write_file", "Write", PATH, write, risk="write"),
             Definition("shell_exec", "Run", {"type": "object"}, lambda p, c: Result.success("ran"),
                        risk="execute"),

@@ -3,6 +3,7 @@ head and tail with a marker; the whole stays retrievable by id through the
 ``retrieve_output`` tool; ``call`` always returns the whole result."""
 
 import re
+import itertools
 import threading
 
 import pytest
@@ -123,8 +124,11 @@ def test_store_is_safe_from_many_threads():
     ids: list[str] = []
     lock = threading.Lock()
 
+    seq = itertools.count()
+
     def work():
-        mine = [store.put("x" * 10) for _ in range(200)]
+        me = next(seq)  # distinct texts: the same text twice is kept once
+        mine = [store.put(f"{me:06d}{i:04d}") for i in range(200)]
         with lock:
             ids.extend(mine)
 
@@ -206,7 +210,7 @@ def test_a_store_can_be_shared():
     store = OutputStore()
     a, b = registry(outputs=store), registry(outputs=store)
     a.dispatch(anthropic("echo", {"text": numbered(100)}))
-    b.dispatch(anthropic("echo", {"text": numbered(100)}))
+    b.dispatch(anthropic("echo", {"text": numbered(101)}))
     assert store.get("out_2") is not None
     assert b.call(RETRIEVE_OUTPUT, {"id": "out_1", "end_line": 0}).output.startswith("line 0\n")
 
@@ -306,7 +310,7 @@ def test_a_line_longer_than_the_budget_continues_by_bytes():
 def test_retrieve_an_unknown_or_forgotten_id():
     reg = registry(outputs=OutputStore(max_outputs=1))
     reg.dispatch(anthropic("echo", {"text": numbered(100)}))
-    reg.dispatch(anthropic("echo", {"text": numbered(100)}))
+    reg.dispatch(anthropic("echo", {"text": numbered(101)}))
     assert retrieve(reg, id="out_1").error == (
         "retrieve_output: no output with id 'out_1' (only the last 1 compacted outputs are kept)")
     assert retrieve(reg, id="out_2").is_success

@@ -37,7 +37,7 @@ class Files:
                  "required": ["path", "content"], "additionalProperties": False}
         run = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
         return Registry([
-            Definition("read_file", "Read a file", path, self.read),
+            Definition("read_file", "Read a file", path, self.read, risk="read"),
             Definition("write_file", "Write a file", write, self.write, risk="write"),
             Definition("shell_exec", "Run a command", run, self.run, risk="execute"),
             Definition("facts_commit", "Not for models", {"type": "object"},
@@ -173,10 +173,19 @@ def test_an_unknown_tool_names_the_advertised_ones(provider):
     assert trace[0].tool == "delete_everything" and trace[0].success is False
 
 
-def test_a_hidden_tool_is_not_offered_but_runs_by_name():
+def test_a_hidden_tool_is_neither_offered_nor_callable_by_the_model():
     files = Files()
     model = FakeModel([[("facts_commit", {})], "ok"])
     result = run_tool_loop(model, files.registry(), [])
+    assert "facts_commit" not in json.dumps(model.requests[0][1])
+    assert result.messages[1]["content"] == (
+        "Error: Unknown tool: facts_commit. Available tools: read_file, write_file, shell_exec")
+
+
+def test_a_hidden_tool_runs_when_the_application_allows_it():
+    files = Files()
+    model = FakeModel([[("facts_commit", {})], "ok"])
+    result = run_tool_loop(model, files.registry(allow_hidden=True), [])
     assert "facts_commit" not in json.dumps(model.requests[0][1])
     assert result.messages[1]["content"] == "committed"
 
@@ -300,10 +309,10 @@ def test_the_fake_model_keeps_copies_of_what_it_was_given():
 
 
 def test_an_unknown_provider_is_refused():
-    with pytest.raises(ValueError, match="unknown provider 'gemini'; known: openai, anthropic"):
-        run_tool_loop(FakeModel([]), Registry(), [], provider="gemini")
+    with pytest.raises(ValueError, match="unknown provider 'cohere'; known: openai, openai-responses, anthropic"):
+        run_tool_loop(FakeModel([]), Registry(), [], provider="cohere")
     with pytest.raises(ValueError):
-        FakeModel([], provider="gemini")
+        FakeModel([], provider="cohere")
 
 
 # -- SDK objects and the SDK adapters

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dispatchd import paths
 from dispatchd.paths import (
     UnsafeDirectory,
     default_socket_path,
@@ -170,7 +171,7 @@ def test_refuses_a_symlink_to_a_directory(tmp_path: Path):
     link.symlink_to(real)
     with pytest.raises(UnsafeDirectory) as info:
         ensure_private_dir(str(link))
-    assert str(info.value) == f"{link} is not a directory (a symlink?)"
+    assert str(info.value) == f"{link} is not a directory (a symlink?); {paths.what_to_do()}"
     assert mode(real) == 0o755  # the target was not touched
 
 
@@ -179,7 +180,7 @@ def test_refuses_a_dangling_symlink(tmp_path: Path):
     link.symlink_to(tmp_path / "nowhere")
     with pytest.raises(UnsafeDirectory) as info:
         ensure_private_dir(str(link))
-    assert str(info.value) == f"cannot create {link}: File exists"
+    assert str(info.value) == f"cannot create {link}: File exists; {paths.what_to_do()}"
     assert not (tmp_path / "nowhere").exists()
 
 
@@ -188,7 +189,7 @@ def test_refuses_a_regular_file(tmp_path: Path):
     f.write_text("x")
     with pytest.raises(UnsafeDirectory) as info:
         ensure_private_dir(str(f))
-    assert str(info.value) == f"cannot create {f}: File exists"
+    assert str(info.value) == f"cannot create {f}: File exists; {paths.what_to_do()}"
 
 
 def test_refuses_a_path_through_a_file(tmp_path: Path):
@@ -196,7 +197,7 @@ def test_refuses_a_path_through_a_file(tmp_path: Path):
     f.write_text("x")
     with pytest.raises(UnsafeDirectory) as info:
         ensure_private_dir(str(f / "sub"))
-    assert str(info.value) == f"cannot create {f / 'sub'}: Not a directory"
+    assert str(info.value) == f"cannot create {f / 'sub'}: Not a directory; {paths.what_to_do()}"
     assert isinstance(info.value.__cause__, OSError)
 
 
@@ -212,7 +213,8 @@ def test_refuses_another_users_directory(tmp_path: Path):
     before = mode(target)
     with pytest.raises(UnsafeDirectory) as info:
         ensure_private_dir(str(target))
-    assert str(info.value) == f"{target} belongs to uid {owner}, not to us ({os.getuid()})"
+    assert str(info.value) == f"{target} belongs to uid {owner}, not to us ({os.getuid()}); {paths.what_to_do()}"
+    assert "e.g. --socket /" in paths.what_to_do()
     assert mode(target) == before  # refused before any chmod
 
 

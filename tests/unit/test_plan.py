@@ -126,7 +126,7 @@ def test_full_mode_network_off():
     assert got.seccomp == plan_seccomp(allow_inet=True)
     assert got.writable is True
     assert got.tools == ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files",
-                         "shell_exec"]
+                         "shell_exec", "job_output", "job_stop", "job_list"]
     assert got.limits == Policy().limits
 
 

@@ -93,7 +93,7 @@ def test_an_empty_policy_is_the_documented_defaults():
     p = parse_policy("p", "")
     assert p == Policy(name="p")
     assert p.tools == ALL_TOOLS == ("read_file", "write_file", "edit_file", "create_file", "list_files",
-                                    "search_files", "shell_exec")
+                                    "search_files", "shell_exec", "job_output", "job_stop", "job_list")
     assert p.filesystem == Filesystem(read_only=SYSTEM, read_write=(), devices=DEVICES, worktree="read-write")
     assert p.network == Network(default="off", connect_ports=(), bind_ports=())
     assert p.sandbox == Sandbox(user_namespaces="auto", min_landlock_abi=1)
@@ -129,7 +129,8 @@ def test_a_valid_policy_with_every_section_set():
         set = {CI = "1"}
     """
     p = parse_policy("p", text)
-    assert p.tools == ("read_file", "shell_exec")
+    # The job tools come with shell_exec, listed or not.
+    assert p.tools == ("read_file", "shell_exec", "job_output", "job_stop", "job_list")
     assert p.filesystem.read_write == ("/home/u/.cache/pip",)
     assert p.network == Network(default="ports", connect_ports=(443, 1), bind_ports=(65535,))
     assert p.sandbox == Sandbox(user_namespaces="required", min_landlock_abi=4)
@@ -295,8 +296,17 @@ def test_unknown_tool_is_refused():
     assert err.key == "tools"
     assert err.message == (
         "<policy>: tools: unknown tool 'rm_rf' (known: read_file, write_file, edit_file, create_file, "
-        "list_files, search_files, shell_exec)"
+        "list_files, search_files, shell_exec, job_output, job_stop, job_list)"
     )
+
+
+def test_job_tools_come_with_shell_exec_only():
+    err = refusal('tools = ["read_file", "job_list"]')
+    assert err.key == "tools"
+    assert err.message == "<policy>: tools: job_list come with shell_exec, which this policy does not offer"
+    assert parse_policy("p", 'tools = ["shell_exec", "job_list"]').tools == (
+        "shell_exec", "job_list", "job_output", "job_stop")
+    assert parse_policy("p", 'tools = ["read_file"]').tools == ("read_file",)
 
 
 def test_duplicate_tool_is_refused():

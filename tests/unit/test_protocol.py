@@ -52,7 +52,9 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.ErrorReply: (p.ErrorReply(id=10, code="bad_policy", message="no policy named 'x'"),
                    {"daemon_reply", "worker", "control", "zygote_reply"}),
     p.CallTool: (p.CallTool(id=11, tool="shell_exec", params={"command": "ls -l", "timeout": 1.5, "cwd": None,
-                                                               "nested": {"a": [1, True]}}), {"worker"}),
+                                                               "nested": {"a": [1, True]}}, stream=True), {"worker"}),
+    p.CancelCall: (p.CancelCall(id=11), {"worker"}),
+    p.ToolOutput: (p.ToolOutput(id=11, stream="stderr", text="warning: é\n"), {"worker"}),
     p.ToolReply: (p.ToolReply(id=11, success=False, output="out", error="exit 1",
                               metadata={"exit_code": 1, "stdout": "", "truncated": False}), {"worker"}),
     p.WorkerReady: (p.WorkerReady(pid=4321, protections={"mode": "degraded"}, timings_ms={"landlock": 0.25}),
@@ -63,6 +65,8 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.AcquireWriteLock: (p.AcquireWriteLock(id=13), {"control"}),
     p.ToolCallsDone: (p.ToolCallsDone(calls=[p.CallRecord("read_file", 1.5, True)]), {"control"}),
     p.Drain: (p.Drain(deadline_s=30.0), {"control"}),
+    p.ReleaseWriteLock: (p.ReleaseWriteLock(id=4, session="a1b2c3"), {"daemon_request"}),
+    p.ForgetWriteLock: (p.ForgetWriteLock(), {"control"}),
     p.SetCommandEnv: (p.SetCommandEnv(set={"HTTP_PROXY": "http://127.0.0.1:3128"}, unset=["http_proxy"]), {"control"}),
     p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"zygote_request"}),
     p.Spawned: (p.Spawned(id=14, pid=999), {"zygote_reply"}),
@@ -84,7 +88,9 @@ TAGS = {
     "ErrorReply": "error", "CallTool": "call_tool", "ToolReply": "tool_reply", "WorkerReady": "worker_ready",
     "WorkerFailed": "worker_failed", "AddChannel": "add_channel", "SpawnWorker": "spawn_worker",
     "Spawned": "spawned", "NetRules": "net_rules", "AcquireWriteLock": "acquire_write_lock",
-    "ToolCallsDone": "tool_calls_done", "Drain": "drain", "SetCommandEnv": "set_command_env",
+    "ToolCallsDone": "tool_calls_done", "Drain": "drain", "CancelCall": "cancel_call", "ToolOutput": "tool_output",
+    "SetCommandEnv": "set_command_env",
+    "ReleaseWriteLock": "release_write_lock", "ForgetWriteLock": "forget_write_lock",
 }
 
 

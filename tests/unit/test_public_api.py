@@ -24,9 +24,11 @@ DISPATCH_ALL = [
     "Result",
     "Session",
     "UntrustedSocket",
+    "aio",
     "connect",
     "tools",
 ]
+AIO_ALL = ["AsyncClient", "AsyncRegistry", "AsyncSession", "connect", "run_tool_loop"]
 TOOLS_ALL = [
     "Definition",
     "DuplicateToolError",
@@ -45,6 +47,12 @@ def test_dispatch_all_is_pinned():
 
 def test_dispatch_tools_all_is_pinned():
     assert dispatch.tools.__all__ == TOOLS_ALL
+
+
+def test_dispatch_aio_all_is_pinned():
+    import dispatch.aio
+
+    assert dispatch.aio.__all__ == AIO_ALL
 
 
 def test_every_exported_name_exists():

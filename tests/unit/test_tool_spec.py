@@ -16,6 +16,7 @@ import pytest
 
 from dispatchd.policy import ALL_TOOLS, Limits
 from dispatchd.tools.base import ToolContext, run_tool
+from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.spec import TOOLS, schemas_for
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array"}
@@ -79,7 +80,7 @@ def test_descriptions_are_written() -> None:
 
 
 def test_slow_tools() -> None:
-    assert {n for n, t in TOOLS.items() if t.slow} == {"shell_exec", "search_files"}
+    assert {n for n, t in TOOLS.items() if t.slow} == {"shell_exec", "search_files", "job_output", "job_stop"}
 
 
 def test_contract_field_names() -> None:
@@ -91,7 +92,10 @@ def test_contract_field_names() -> None:
         "create_file": ["path", "content"],
         "list_files": ["path", "pattern", "recursive"],
         "search_files": ["query", "path", "pattern", "is_regex"],
-        "shell_exec": ["command", "timeout", "cwd"],
+        "shell_exec": ["command", "timeout", "cwd", "background"],
+        "job_output": ["job", "offset", "wait"],
+        "job_stop": ["job"],
+        "job_list": [],
     }
 
 
@@ -102,7 +106,10 @@ _EXAMPLES = {
     "create_file": {"path": "b.txt", "content": "x"},
     "list_files": {"path": ".", "pattern": "*.txt", "recursive": False},
     "search_files": {"query": "x", "path": ".", "pattern": "*.txt", "is_regex": True},
-    "shell_exec": {"command": "true", "timeout": 1.5, "cwd": "."},
+    "shell_exec": {"command": "true", "timeout": 1.5, "cwd": ".", "background": False},
+    "job_output": {"job": "job_1", "offset": 0, "wait": 0.5},
+    "job_stop": {"job": "job_1"},
+    "job_list": {},
 }
 
 
@@ -123,10 +130,18 @@ def test_unknown_field_is_refused_by_both(name: str) -> None:
 
 def test_examples_run_end_to_end(tmp_path) -> None:
     (tmp_path / "a.txt").write_text("x\n")
-    ctx = ToolContext(root=str(tmp_path.resolve()), limits=Limits(), env={"PATH": "/usr/bin:/bin"})
-    for name in ALL_TOOLS:
-        r = run_tool(TOOLS[name], ctx, _EXAMPLES[name])
-        assert r.success, (name, r.error)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    ctx = ToolContext(root=str(tmp_path.resolve()), limits=Limits(), env={"PATH": "/usr/bin:/bin"},
+                      scratch=str(scratch), jobs=Jobs(str(scratch)))
+    # The job the job tools' examples name.
+    assert run_tool(TOOLS["shell_exec"], ctx, {"command": "echo hi", "background": True}).metadata["job"] == "job_1"
+    try:
+        for name in ALL_TOOLS:
+            r = run_tool(TOOLS[name], ctx, _EXAMPLES[name])
+            assert r.success, (name, r.error)
+    finally:
+        ctx.jobs.close()
 
 
 def test_wrong_type_is_an_invalid_argument() -> None:

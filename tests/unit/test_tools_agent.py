@@ -57,7 +57,8 @@ def test_schemas_openai(registry):
 
 
 def test_schemas_openai_responses(registry):
-    assert registry.schemas("openai-responses")[0] == {"type": "function", **GREP}
+    # The SDK's FunctionToolParam requires "strict".
+    assert registry.schemas("openai-responses")[0] == {"type": "function", **GREP, "strict": False}
 
 
 def test_schemas_anthropic(registry):
@@ -89,9 +90,9 @@ def test_schemas_are_fresh_copies(registry):
 
 
 def test_an_unknown_schema_format_lists_the_known_ones(registry):
-    with pytest.raises(ValueError, match="unknown schema format 'gemini'; known: plain, json, "
-                                         "openai, openai-responses, anthropic, mcp"):
-        registry.schemas("gemini")
+    with pytest.raises(ValueError, match="unknown schema format 'cohere'; known: plain, json, "
+                                         "openai, openai-responses, anthropic, mcp, gemini"):
+        registry.schemas("cohere")
     with pytest.raises(ValueError):
         registry.schemas(["openai"])
 
@@ -275,8 +276,20 @@ def test_anthropic_missing_input_means_no_arguments(registry):
 # -- dispatch: the rest
 
 
-def test_dispatch_reaches_hidden_tools(registry):
-    assert registry.dispatch(anthropic("facts_commit", {}))["content"] == "committed"
+def test_dispatch_does_not_reach_hidden_tools(registry):
+    reply = registry.dispatch(anthropic("facts_commit", {}))
+    assert reply["is_error"] and reply["content"].startswith("Unknown tool: facts_commit. Available tools: ")
+    assert "facts_commit" not in reply["content"].split("Available tools: ")[1]
+
+
+def test_dispatch_reaches_hidden_tools_when_the_registry_allows_it(registry):
+    allowed = Registry(registry.tools, allow_hidden=True)
+    assert allowed.dispatch(anthropic("facts_commit", {}))["content"] == "committed"
+    assert allowed.subset("facts_commit").allow_hidden is True
+
+
+def test_the_application_calls_hidden_tools_by_name(registry):
+    assert registry.call("facts_commit", {}).output == "committed"
 
 
 @pytest.mark.parametrize("tool_call", [

@@ -60,9 +60,9 @@ def test_creating_a_definition_with_all_attributes():
     assert defn.advertised is False
 
 
-def test_risk_defaults_to_read_and_advertised_to_true():
+def test_risk_defaults_to_execute_fail_closed_and_advertised_to_true():
     defn, _ = make()
-    assert (defn.risk, defn.advertised) == ("read", True)
+    assert (defn.risk, defn.advertised) == ("execute", True)
 
 
 def test_risk_and_advertised_are_keyword_only():
@@ -227,8 +227,17 @@ def test_keyboard_interrupt_is_not_swallowed():
         raise KeyboardInterrupt
 
     defn, _ = make(interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt):  # a direct call: Ctrl-C stops it as any code
         defn.call({"path": "a"})
+
+
+def test_system_exit_from_a_tool_is_a_failure():
+    def leaving(params, context):
+        raise SystemExit(3)
+
+    defn, _ = make(leaving)
+    result = defn.call({"path": "a"})
+    assert result.is_failure and result.error == f"{defn.name}: SystemExit: 3"
 
 
 def test_a_huge_offending_value_is_not_read_back_in_full():

@@ -1,0 +1,223 @@
+"""What ``dispatch`` prints for people, and the small helpers of its commands.
+
+Kept apart from ``cli.py`` (argument parsing and dispatch to the client) so
+that each is short: status in words and sizes, the tools as a listing, a
+call's arguments from argv, stdin or a file, the MCP host snippet, stopping
+the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from typing import IO, Any
+
+from dispatchd import paths
+
+
+def size(n: Any) -> str:
+    """``1048576`` → ``1 MiB``; ``1536`` → ``1.5 KiB``; not a number: as it is."""
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        return str(n)
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            text = f"{value:.1f}".rstrip("0").rstrip(".") if unit != "B" else str(int(value))
+            return f"{text} {unit}"
+        value /= 1024
+    return str(n)  # unreachable
+
+
+def truncation_note(limits: Mapping[str, Any]) -> str:
+    cap = limits.get("output_cap_bytes")
+    at = f"at {size(cap)} per stream" if cap else "at the policy's cap"
+    return (f"dispatch: output truncated {at} (the policy's limits.output_cap_bytes; "
+            "a policy of your own with a larger value raises it)")
+
+
+def call_arguments(text: str, stdin: IO[str]) -> Any:
+    """``dispatch call``'s arguments: JSON on the command line, ``-`` for stdin,
+    ``@FILE`` for a file. ValueError, saying which, when they are not JSON."""
+    where = "the tool's arguments"
+    if text == "-":
+        text, where = stdin.read(), "the tool's arguments (stdin)"
+    elif text.startswith("@"):
+        path = text[1:]
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ValueError(f"cannot read the tool's arguments from {path}: {exc.strerror}") from exc
+        where = f"the tool's arguments ({path})"
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} are not valid JSON: {exc}") from exc
+
+
+def tools_listing(tools: list[dict[str, Any]]) -> str:
+    """One block a tool: its name and description, then its parameters."""
+    out = []
+    for tool in tools:
+        out.append(f"{tool['name']}: {tool['description']}\n")
+        schema = tool.get("parameters") or {}
+        required = set(schema.get("required") or ())
+        for name, prop in (schema.get("properties") or {}).items():
+            kind = prop.get("type", "any")
+            kind = " or ".join(kind) if isinstance(kind, list) else kind
+            if kind == "array" and isinstance(prop.get("items"), Mapping) and prop["items"].get("type"):
+                kind = f"array of {prop['items']['type']}"
+            extra = " (required)" if name in required else (
+                f" (default {json.dumps(prop['default'])})" if "default" in prop else "")
+            desc = f": {prop['description']}" if prop.get("description") else ""
+            out.append(f"    {name} ({kind}){extra}{desc}\n")
+        out.append("\n")
+    return "".join(out)
+
+
+_TCP = {
+    "denied": "TCP bind and connect denied by Landlock",
+    "not handled": "TCP not restricted by Landlock (the network setting below holds it)",
+}
+
+
+def _words(value: Any) -> str:
+    """Text from the daemon with its byte counts as sizes (``8589934592 bytes`` → ``8 GiB``)."""
+    import re
+
+    return re.sub(r"\b(\d{4,}) (?:bytes|B)\b", lambda m: size(int(m.group(1))), str(value))
+
+
+def _missing(why: str) -> str:
+    """A kernel probe's "" (available) or its reason, for ``dispatch status``."""
+    return "yes" if not why else f"no, on/ports use the host's network ({why})"
+
+
+def print_status(st: dict[str, Any], file: IO[str] | None = None) -> None:
+    out = file or sys.stdout
+    k = st["kernel"]
+
+    def say(line: str) -> None:
+        print(line, file=out)
+
+    say(f"dispatchd {st['daemon_version']} (pid {st['pid']}) on {st['socket']}")
+    say(f"kernel {k['release']}: Landlock ABI {k['landlock_abi'] or 'absent'}; "
+        f"user namespaces: {'yes' if k['user_namespaces'] else 'no'} ({k['user_namespaces_note']}); "
+        f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'} "
+        f"(per-session cgroups: {k.get('cgroup_delegation', '?')}); "
+        f"network stack (pasta): {_missing(k.get('network_stack_missing', '?'))}; "
+        f"nftables for ports: {_missing(k.get('nftables_missing', '?'))}")
+    d = st.get("daemon") or {}
+    if d:
+        say(f"daemon: {d.get('open_files_note', '?')}; connections {d.get('connections')} "
+            f"of at most {d.get('max_connections')}")
+    sessions = st["sessions"]
+    say(f"{len(sessions)} session(s)")
+    if not sessions:
+        say("  a new session (policy default) would get: " + _would_get(k))
+    for s in sessions:
+        p = s["protections"]
+        ns = ", ".join(n for n, on in p.get("namespaces", {}).items() if on) or "none"
+        ll = p.get("landlock", {})
+        writes = "; holds the worktree's write lock" if s.get("writes") else ""
+        say(f"  {s['id']}  {s['worktree']}  policy={s['policy']}  mode={p.get('mode')}{writes}")
+        say(f"    landlock ABI {ll.get('abi')}: filesystem {ll.get('filesystem')}; scopes: "
+            f"{', '.join(ll.get('scopes', [])) or 'none'}; {_TCP.get(ll.get('tcp'), ll.get('tcp'))}")
+        say(f"    seccomp: {p.get('seccomp')}; namespaces: {ns}")
+        say(f"    network {p.get('network', {}).get('mode')}: {p.get('network', {}).get('mechanism')}")
+        if s.get("network") == "domains":
+            say(f"    domains: {', '.join(s.get('domains', [])) or 'none'}")
+        if s.get("denied"):
+            say("    denied: " + ", ".join(f"{d['host']}:{d['port']} ({d['count']})" for d in s["denied"]))
+        lim = p.get("limits", {})
+        if lim:
+            where = f" in {lim['cgroup']}" if lim.get("cgroup") else ""
+            say(f"    limits ({lim.get('mechanism')}{where}): processes {lim.get('max_processes')}; "
+                f"memory {_words(lim.get('memory'))}; cpu weight {lim.get('cpu_weight')}; "
+                f"file size {size(lim.get('max_file_bytes'))}")
+        life = p.get("lifetime", {})
+        if life:
+            held = ("detached: lives until closed or idle" if life.get("detached")
+                    else f"ends {life.get('orphan_grace_s')} s after its last client connection goes")
+            mem = life.get("memory", {})
+            say(f"    lifetime: {held}; memory {size(mem.get('limit_bytes'))} held by {mem.get('mechanism')} "
+                f"({_words(mem.get('detail'))})")
+        for gap in lim.get("leaves_open", []):
+            say(f"    budget left open: {gap}")
+        for gap in p.get("leaves_open", []):
+            say(f"    leaves open: {gap}")
+
+
+def _would_get(k: Mapping[str, Any]) -> str:
+    parts = [f"filesystem confined by Landlock (ABI {k['landlock_abi']})" if k.get("landlock_abi")
+             else "nothing: this kernel has no Landlock, sessions are refused"]
+    if k.get("landlock_abi"):
+        parts.append("a seccomp filter" if k.get("seccomp") else "no seccomp (refused)")
+        parts.append("user, mount, pid and network namespaces" if k.get("user_namespaces")
+                     else "no namespaces (Landlock and seccomp alone; see leaves open once opened)")
+        parts.append("network off unless asked")
+    return "; ".join(parts)
+
+
+def stop_daemon(client: Any, timeout: float = 30.0) -> int:
+    """SIGTERM to the daemon on the client's socket (it ends every session),
+    then wait until it has exited and its socket is gone."""
+    st = client.status()
+    pid = int(st["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if _zombie(pid):
+            break
+        time.sleep(0.05)
+    else:
+        raise OSError(f"dispatchd (pid {pid}) did not exit within {timeout:.0f} s of SIGTERM")
+    print(f"stopped dispatchd (pid {pid}) on {st['socket']}")
+    return 0
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def mcp_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``mcpServers`` entry that starts this very ``dispatch mcp`` from a
+    host whose PATH knows nothing of our venv: absolute paths throughout."""
+    if bool(args.session) == bool(args.worktree):
+        raise ValueError("give exactly one of --session ID or --worktree DIR")
+    # -P: a host may start us in the project's directory, whose `dispatch`
+    # package (one an agent wrote) a plain -m would import, unconfined.
+    cmd = ["-P", "-m", "dispatch.cli"]
+    cmd += ["--socket", paths.resolve_socket_path(args.socket)]
+    cmd += ["mcp"]
+    if args.session:
+        cmd += ["--session", args.session]
+    else:
+        cmd += ["--worktree", os.path.abspath(args.worktree)]
+        if args.policy != "default":
+            cmd += ["--policy", args.policy]
+        if args.network:
+            cmd += ["--network", args.network]
+        if args.ports:
+            cmd += ["--ports", ",".join(map(str, args.ports))]
+        if args.bind_ports:
+            cmd += ["--bind-ports", ",".join(map(str, args.bind_ports))]
+        if getattr(args, "domains", None):
+            cmd += ["--domains", ",".join(args.domains)]
+    return {"mcpServers": {"dispatchd": {"command": os.path.abspath(sys.executable), "args": cmd}}}

@@ -1,0 +1,257 @@
+"""The client for asyncio: ``dispatch.aio.connect()``, the same API awaited.
+
+    import dispatch.aio
+
+    async with dispatch.aio.connect() as client:
+        async with await client.open_session("/path/to/worktree") as session:
+            result = await session.registry.call("shell_exec", {"command": "make test"})
+            reply = await session.registry.dispatch(tool_call)
+
+A thin facade over the synchronous client: each request runs in a worker
+thread (``asyncio.to_thread``), so the event loop never blocks. Why threads,
+not a second protocol implementation: the sync client already multiplexes
+many requests on one connection without a thread of its own, the daemon
+hands a session's channel over as a file descriptor (``SCM_RIGHTS``, which
+asyncio streams do not carry), and a thread hop costs tens of microseconds
+beside a tool call's hundreds. One code path means one set of guarantees.
+
+Guarantees:
+- every method that talks to the daemon or a sandbox is a coroutine; pure
+  ones (``schemas``, ``get``, ``tool_names``…) are the sync registry's own;
+- cancellation-safe: cancelling an ``await`` stops the wait at once; the
+  request it made still completes in its thread and its answer is dropped.
+  A session opened by a cancelled ``open_session`` is closed, not leaked; a
+  tool call goes on in the sandbox until it ends (or the session is closed);
+- an ``async def`` approval callback is awaited on the caller's loop;
+- tool calls never raise, as in the sync client; daemon requests raise the
+  same ``DispatchError`` subclasses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from dispatch import client as _sync
+from dispatch.agent import LoopResult
+from dispatch.tools import _CALLER_LOOP, Registry, Result, ToolCallOutcome
+
+__all__ = ["AsyncClient", "AsyncRegistry", "AsyncSession", "connect", "run_tool_loop"]
+
+T = TypeVar("T")
+
+
+async def _run(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``func(*args)`` in a thread; the caller's loop is known there (for
+    async approval callbacks)."""
+    token = _CALLER_LOOP.set(asyncio.get_running_loop())
+    try:
+        return await asyncio.to_thread(func, *args, **kwargs)  # copies the context, loop included
+    finally:
+        _CALLER_LOOP.reset(token)
+
+
+class AsyncRegistry:
+    """A session's ``Registry`` with its calls awaited. Anything not defined
+    here (``schemas``, ``get``, ``has``, ``tool_names``, ``subset``…) is the
+    sync registry's own; ``sync`` is that registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.sync = registry
+
+    async def call(self, name: str, params: Any, context: Any = None) -> Result:
+        return await _run(self.sync.call, name, params, context)
+
+    async def dispatch(self, tool_call: Any, context: Any = None) -> dict[str, Any]:
+        return await _run(self.sync.dispatch, tool_call, context)
+
+    async def run_call(self, tool_call: Any, context: Any = None) -> ToolCallOutcome:
+        return await _run(self.sync.run_call, tool_call, context)
+
+    def with_approval(self, approve: Any) -> AsyncRegistry:
+        return AsyncRegistry(self.sync.with_approval(approve))
+
+    def subset(self, *names: str) -> AsyncRegistry:
+        return AsyncRegistry(self.sync.subset(*names))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sync, name)
+
+    def __len__(self) -> int:
+        return len(self.sync)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.sync
+
+    def __repr__(self) -> str:
+        return f"Async{self.sync!r}"
+
+
+class AsyncSession:
+    """``dispatch.Session``, awaited. ``sync`` is the session underneath."""
+
+    def __init__(self, session: _sync.Session) -> None:
+        self.sync = session
+        self.registry = AsyncRegistry(session.registry)
+
+    @property
+    def id(self) -> str:
+        return self.sync.id
+
+    @property
+    def network(self) -> bool:
+        return self.sync.network
+
+    @property
+    def network_mode(self) -> str:
+        return self.sync.network_mode
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.sync.info
+
+    async def call_tool(self, name: str, params: dict[str, Any]) -> Result:
+        return await _run(self.sync.call_tool, name, params)
+
+    async def set_network(self, network: bool | str, ports: list[int] | None = None,
+                          bind_ports: list[int] | None = None, **more: Any) -> bool:
+        return await _run(self.sync.set_network, network, ports, bind_ports, **more)
+
+    async def status(self) -> dict[str, Any]:
+        return await _run(self.sync.status)
+
+    async def release_write_lock(self) -> dict[str, Any]:
+        return await _run(self.sync.release_write_lock)
+
+    async def detach(self) -> None:
+        await _run(self.sync.detach)
+
+    async def close(self) -> None:
+        # Shielded: a close that was cancelled half-way still closes.
+        await asyncio.shield(_run(self.sync.close))
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncClient:
+    """``dispatch.Client``, awaited. ``sync`` is the client underneath."""
+
+    def __init__(self, client: _sync.Client) -> None:
+        self.sync = client
+
+    @property
+    def socket_path(self) -> str:
+        return self.sync.socket_path
+
+    @property
+    def daemon_version(self) -> str:
+        return self.sync.daemon_version
+
+    async def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
+                           ports: list[int] | None = None, bind_ports: list[int] | None = None,
+                           **more: Any) -> AsyncSession:
+        future = asyncio.ensure_future(_run(self.sync.open_session, worktree, policy, network, ports,
+                                            bind_ports, **more))
+        try:
+            return AsyncSession(await asyncio.shield(future))
+        except asyncio.CancelledError:
+            # The open goes on in its thread: close what it opens, never leak it.
+            future.add_done_callback(_close_opened)
+            raise
+
+    async def session(self, session_id: str) -> AsyncSession:
+        return AsyncSession(await _run(self.sync.session, session_id))
+
+    async def close_session(self, session_id: str) -> None:
+        await _run(self.sync.close_session, session_id)
+
+    async def release_write_lock(self, session_id: str) -> dict[str, Any]:
+        return await _run(self.sync.release_write_lock, session_id)
+
+    async def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
+                          bind_ports: list[int] | None = None, **more: Any) -> dict[str, Any]:
+        return await _run(self.sync.set_network, session_id, network, ports, bind_ports, **more)
+
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        return await _run(self.sync.list_sessions)
+
+    async def status(self) -> dict[str, Any]:
+        return await _run(self.sync.status)
+
+    async def tools(self, policy: str = "default") -> list[dict[str, Any]]:
+        return await _run(self.sync.tools, policy)
+
+    async def close(self) -> None:
+        self.sync.close()  # a shutdown and a close: does not block
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _close_opened(future: asyncio.Future[Any]) -> None:
+    if future.cancelled() or future.exception() is not None:
+        return
+    # Closing talks to the daemon: not on the loop.
+    threading.Thread(target=_quiet_close, args=(future.result(),), daemon=True).start()
+
+
+def _quiet_close(session: _sync.Session) -> None:
+    try:
+        session.close()
+    except Exception:
+        pass
+
+
+class _Connecting:
+    """What ``connect`` returns: ``await`` it for a client, or ``async with`` it."""
+
+    def __init__(self, socket: str | None, kwargs: dict[str, Any]) -> None:
+        self._socket = socket
+        self._kwargs = kwargs
+        self._client: AsyncClient | None = None
+
+    async def _open(self) -> AsyncClient:
+        return AsyncClient(await _run(_sync.connect, self._socket, **self._kwargs))
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self._open().__await__()
+
+    async def __aenter__(self) -> AsyncClient:
+        self._client = await self._open()
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+def connect(socket: str | None = None, **kwargs: Any) -> _Connecting:
+    """``async with dispatch.aio.connect() as client`` (or ``client = await
+    dispatch.aio.connect()``): ``dispatch.connect`` with the same arguments."""
+    return _Connecting(socket, kwargs)
+
+
+async def run_tool_loop(model: Callable[..., Any], registry: AsyncRegistry | Registry, messages: Any,
+                        **kwargs: Any) -> LoopResult:
+    """``dispatch.agent.run_tool_loop`` in a thread. ``model`` is called from
+    that thread: a sync function (an ``async def`` model is awaited on the
+    caller's loop)."""
+    from dispatch import agent
+    from dispatch.tools import _await
+
+    sync_registry = registry.sync if isinstance(registry, AsyncRegistry) else registry
+
+    def ask(history: list[Any], tools: list[dict[str, Any]]) -> Any:
+        reply = model(history, tools)
+        return _await(reply) if asyncio.iscoroutine(reply) else reply
+
+    return await _run(agent.run_tool_loop, ask, sync_registry, messages, **kwargs)

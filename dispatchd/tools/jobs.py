@@ -1,0 +1,372 @@
+"""Background jobs: commands that outlive the call that started them, on purpose.
+
+Guarantees:
+- ``shell_exec`` with ``background: true`` starts ``bash -c COMMAND`` as a job
+  and returns at once with its id (``job_1``, ``job_2``, ... in this session).
+  A job is the one way to keep something running past its call: everything
+  else a call started ends at its timeout or cancel (``proctree``).
+- Its stdout and stderr go, in the order written, to one log file in the
+  session's scratch directory (never to the daemon, never kept in memory),
+  written through a descriptor opened once with ``O_EXCL|O_NOFOLLOW`` and
+  read back through the same one, so renaming or replacing the file by name
+  changes nothing. At most ``output_cap_bytes`` are kept; later output is
+  read and dropped, and ``job_output`` says so.
+- ``job_output(job, offset, wait)`` returns the log from byte ``offset``
+  (cut at a character boundary), waiting up to ``wait`` seconds when there is
+  nothing new yet and the job still runs; ``next_offset`` is where to go on.
+- A job runs until its command has exited and nothing it started holds its
+  output any more; ``exit_code`` is then the command's status.
+- ``job_stop`` SIGKILLs the job and every process it started (``proctree``),
+  even what a job that ended left running;
+  a job with a ``timeout`` is stopped at it. Every job ends with its session
+  (the session's pid namespace, or its kill): nothing outlives the session.
+- At most ``MAX_RUNNING`` jobs run at once in a session, and at most
+  ``MAX_KEPT`` are remembered (the oldest ended ones are forgotten first).
+- This code runs in the confined tool server: nothing it does on a
+  command's behalf goes beyond what the session may do itself.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import threading
+import time
+from typing import Any
+
+from dispatchd.tools import proctree
+from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
+
+__all__ = ["Jobs", "MAX_RUNNING", "job_list", "job_output", "job_stop"]
+
+MAX_RUNNING = 16
+# Ended jobs kept for job_output/job_list; beyond it the oldest ended one is
+# forgotten (its log removed, its descriptor closed), so a session starting
+# job after job holds neither descriptors nor scratch space without bound.
+MAX_KEPT = 64
+_READ_CHUNK = 65536
+_POLL_S = 0.1  # how often a waiting job_output looks for a cancel
+
+
+def _signal_text(code: int) -> str:
+    import signal
+
+    try:
+        return f"killed by signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+class Job:
+    def __init__(self, jid: str, command: str, proc: subprocess.Popen[bytes], token: str, log_fd: int,
+                 cap: int, timeout: float | None) -> None:
+        self.id = jid
+        self.command = command
+        self.proc = proc
+        self.token = token
+        self.log_fd = log_fd
+        self.cap = cap
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout
+        self.written = 0
+        self.truncated = False
+        self.exit_code: int | None = None
+        self.ended_by = ""  # "stopped" or "timed out" when we ended it
+        self.cond = threading.Condition()
+        self.reaped = False
+
+    @property
+    def running(self) -> bool:
+        return self.exit_code is None
+
+    def state(self) -> str:
+        if self.exit_code is None:
+            return "running"
+        if self.ended_by:
+            return self.ended_by
+        return f"exited {self.exit_code}" if self.exit_code >= 0 else _signal_text(self.exit_code)
+
+    def pump(self) -> None:
+        """The job's thread: copy its output to the log until every process
+        holding it is gone, reap the leader; the job ends when both happened."""
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.fileno()
+        sel = selectors.DefaultSelector()
+        sel.register(out, selectors.EVENT_READ)
+        pidfd = None
+        try:
+            pidfd = os.pidfd_open(self.proc.pid)
+            sel.register(pidfd, selectors.EVENT_READ)
+        except (AttributeError, OSError):
+            pass
+        try:
+            while sel.get_map():
+                wait = None if pidfd is not None else 0.2
+                if self.deadline is not None:
+                    left = max(0.0, self.deadline - time.monotonic())
+                    wait = left if wait is None else min(wait, left)
+                events = sel.select(wait)
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    self.kill("timed out")
+                    self.deadline = None
+                if pidfd is None and not self.reaped and self._exited():
+                    self._reap()
+                for key, _ in events:
+                    if key.fd == pidfd:
+                        sel.unregister(pidfd)
+                        self._reap()
+                        continue
+                    chunk = os.read(out, _READ_CHUNK)
+                    if not chunk:
+                        sel.unregister(out)
+                        continue
+                    self._keep(chunk)
+        finally:
+            sel.close()
+            if pidfd is not None:
+                os.close(pidfd)
+            self.proc.stdout.close()
+            self._reap(block=True)
+            with self.cond:
+                self.exit_code = self.proc.returncode
+                self.cond.notify_all()
+
+    def _reap(self, block: bool = False) -> None:
+        with self.cond:
+            if not self.reaped and (block or self._exited()):
+                # Our own wait, under the lock, so that kill() never kills by a
+                # pid that was reaped (and could be another process's by now).
+                self.proc.wait()
+                self.reaped = True
+
+    def _exited(self) -> bool:
+        """Whether the leader exited, without reaping it (its pid stays ours)."""
+        try:
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
+    def _keep(self, chunk: bytes) -> None:
+        room = self.cap - self.written
+        if len(chunk) > room:
+            self.truncated = True
+        if room > 0:
+            part = chunk[:room]
+            try:
+                os.pwrite(self.log_fd, part, self.written)
+            except OSError:
+                self.truncated = True  # the scratch disk is full: say so, keep draining
+                return
+            with self.cond:
+                self.written += len(part)
+                self.cond.notify_all()
+
+    def kill(self, why: str) -> None:
+        with self.cond:
+            leader = None if self.reaped else self.proc.pid
+            if self.exit_code is None:
+                self.ended_by = why
+            proctree.kill_tree(leader, self.token)
+
+    def stop(self, why: str = "stopped") -> None:
+        """Kill the job and everything it started; wait (briefly) for the pump to see its end."""
+        self.kill(why)
+        deadline = time.monotonic() + 2
+        with self.cond:
+            while self.exit_code is None and time.monotonic() < deadline:
+                self.cond.wait(0.05)
+
+    def read(self, offset: int, limit: int) -> bytes:
+        with self.cond:
+            end = self.written
+        if offset >= end:
+            return b""
+        return os.pread(self.log_fd, min(limit, end - offset), offset)
+
+
+class Jobs:
+    """A session's jobs, kept by its tool server."""
+
+    def __init__(self, scratch: str) -> None:
+        self.scratch = scratch
+        self._lock = threading.Lock()
+        self._jobs: dict[str, Job] = {}
+        self._next = 1
+        self._dir_fd: int | None = None
+
+    def _log_dir(self) -> int:
+        if self._dir_fd is None:
+            if not self.scratch:
+                raise ToolFailure("background jobs need the session's scratch directory, which this session has not")
+            base = os.open(self.scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                try:
+                    os.mkdir("jobs", 0o700, dir_fd=base)
+                except FileExistsError:
+                    pass
+                self._dir_fd = os.open("jobs", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                       dir_fd=base)
+            finally:
+                os.close(base)
+        return self._dir_fd
+
+    def start(self, ctx: ToolContext, command: str, workdir: str, timeout: float | None) -> Outcome:
+        with self._lock:
+            running = sum(1 for j in self._jobs.values() if j.running)
+            if running >= MAX_RUNNING:
+                raise ToolFailure(f"{running} background jobs already run in this session (the most there can be); "
+                                  "stop one with job_stop first")
+            self._forget_ended(dir_fd=self._log_dir())
+            jid = f"job_{self._next}"
+            self._next += 1
+            dir_fd = self._log_dir()
+            try:
+                os.unlink(f"{jid}.log", dir_fd=dir_fd)  # a leftover planted by a command
+            except FileNotFoundError:
+                pass
+            log_fd = os.open(f"{jid}.log", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600, dir_fd=dir_fd)
+            token = proctree.new_token()
+            try:
+                env = proctree.spawn_env(dict(ctx.env), token)
+                proc = proctree.spawn(lambda: subprocess.Popen(
+                    ["/bin/bash", "-c", command], cwd=workdir, env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    close_fds=True, start_new_session=True,
+                ), ctx.limits.max_processes)
+            except OSError as exc:
+                os.close(log_fd)
+                raise ToolFailure(f"could not start /bin/bash: {exc.strerror or exc}") from exc
+            proctree.limit_processes(proc.pid, ctx.limits.max_processes)
+            job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout)
+            self._jobs[jid] = job
+        threading.Thread(target=job.pump, name=f"job {jid}", daemon=True).start()
+        return Outcome.ok(
+            f"started background job {jid}: read its output with job_output (job \"{jid}\"), "
+            "end it with job_stop",
+            {"job": jid, "running": True, "log": f"{self.scratch}/jobs/{jid}.log"},
+        )
+
+    def _forget_ended(self, dir_fd: int) -> None:
+        """With ``_lock`` held: make room under ``MAX_KEPT``, oldest ended jobs first."""
+        ended = [j for j in self._jobs.values() if not j.running]
+        while len(self._jobs) >= MAX_KEPT and ended:
+            job = ended.pop(0)
+            del self._jobs[job.id]
+            try:
+                os.unlink(f"{job.id}.log", dir_fd=dir_fd)
+            except OSError:
+                pass
+            os.close(job.log_fd)
+
+    def get(self, jid: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(jid)
+            known = ", ".join(self._jobs) or "none"
+        if job is None:
+            raise ToolFailure(f"no background job {jid!r} in this session (jobs: {known})")
+        return job
+
+    def all(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    def close(self) -> None:
+        """Stop every job and close every descriptor (the tool server never
+        needs it: the session's end does both; tests and embedders do)."""
+        with self._lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+            dir_fd, self._dir_fd = self._dir_fd, None
+        for job in jobs:
+            if job.running:
+                job.stop()
+            os.close(job.log_fd)
+        if dir_fd is not None:
+            os.close(dir_fd)
+
+
+def _jobs(ctx: ToolContext) -> Jobs:
+    if ctx.jobs is None:
+        raise ToolFailure("this session runs no background jobs")
+    return ctx.jobs  # type: ignore[no-any-return]
+
+
+def _char_cut(data: bytes) -> int:
+    """Length of ``data`` without a UTF-8 character cut at its end."""
+    i = len(data)
+    back = 0
+    while i > 0 and back < 4 and data[i - 1] & 0xC0 == 0x80:
+        i -= 1
+        back += 1
+    if i > 0 and data[i - 1] >= 0xC0:
+        lead = data[i - 1]
+        need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+        if back + 1 < need:
+            return i - 1
+    return len(data)
+
+
+def job_output(ctx: ToolContext, job: str, offset: int = 0, wait: float = 0) -> Outcome:
+    j = _jobs(ctx).get(job)
+    if offset < 0:
+        raise ToolFailure(f"offset must be 0 or more, not {offset}")
+    if not wait >= 0:
+        raise ToolFailure(f"wait must be 0 or more seconds, not {wait}")
+    wait = min(wait, ctx.limits.max_command_timeout_s)
+    control: CallControl | None = ctx.call
+    deadline = time.monotonic() + wait
+    with j.cond:
+        while j.written <= offset and j.running:
+            left = deadline - time.monotonic()
+            if left <= 0 or (control is not None and control.cancelled.is_set()):
+                break
+            j.cond.wait(min(left, _POLL_S))
+        # The state before the data: "ended" then means every byte is in the log.
+        running, exit_code, state = j.running, j.exit_code, j.state()
+    data = j.read(offset, ctx.limits.output_cap_bytes)
+    data = data[:_char_cut(data)]
+    text = data.decode("utf-8", "replace")
+    meta: dict[str, Any] = {
+        "job": j.id,
+        "next_offset": offset + len(data),
+        "running": running,
+        "exit_code": exit_code,
+        "state": state,
+        "truncated": j.truncated,
+    }
+    if control is not None and control.cancelled.is_set():
+        meta["cancelled"] = True
+    notes = []
+    if j.truncated and offset + len(data) >= j.written:
+        notes.append(f"[job output truncated at {j.cap} bytes; later output was dropped]")
+    # Metadata never reaches a model: the footer tells it where it stands.
+    notes.append(f"[job {j.id} {state}; next_offset {offset + len(data)}]")
+    body = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(notes)
+    return Outcome.ok(body, meta)
+
+
+def job_stop(ctx: ToolContext, job: str) -> Outcome:
+    j = _jobs(ctx).get(job)
+    was_running = j.running
+    # Even after the job ended, what it left behind (setsid cmd > log &) goes.
+    j.stop()
+    state = j.state()
+    text = f"job {j.id} {state}" if was_running else f"job {j.id} had already ended ({state})"
+    return Outcome.ok(text, {"job": j.id, "running": j.running, "exit_code": j.exit_code, "state": state})
+
+
+def job_list(ctx: ToolContext) -> Outcome:
+    jobs = _jobs(ctx).all()
+    if not jobs:
+        return Outcome.ok("no background jobs", {"jobs": []})
+    lines = []
+    listed = []
+    for j in jobs:
+        command = " ".join(j.command.split())
+        if len(command) > 200:
+            command = command[:199] + "…"
+        lines.append(f"{j.id}\t{j.state()}\t{command}")
+        listed.append({"job": j.id, "state": j.state(), "running": j.running, "exit_code": j.exit_code,
+                       "command": j.command})
+    return Outcome.ok("\n".join(lines), {"jobs": listed})

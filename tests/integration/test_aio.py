@@ -1,0 +1,126 @@
+"""dispatch.aio against a real daemon: the same API awaited, cancellation-safe."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+import dispatch
+import dispatch.aio
+from dispatch.agent import FakeModel
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_the_async_client_opens_calls_and_closes(daemon, worktree: Path) -> None:
+    async def main():
+        async with dispatch.aio.connect(daemon.socket) as client:
+            assert client.daemon_version
+            async with await client.open_session(str(worktree)) as session:
+                assert session.registry.has("shell_exec") and "read_file" in session.registry.tool_names
+                result = await session.registry.call("shell_exec", {"command": "echo hi; cat src/main.py | head -1"})
+                assert (result.is_success, result.metadata["stdout"]) == (True, "hi\nimport os\n")
+                reply = await session.registry.dispatch(
+                    {"type": "tool_use", "id": "t1", "name": "read_file", "input": {"path": "src/main.py", "end_line": 0}})
+                assert reply == {"type": "tool_result", "tool_use_id": "t1", "content": "0: import os",
+                                 "is_error": False}
+                assert (await session.status())["id"] == session.id
+                assert session.id in [s["id"] for s in await client.list_sessions()]
+                sid = session.id
+            assert sid not in [s["id"] for s in await client.list_sessions()]
+
+    run(main())
+
+
+def test_independent_calls_run_concurrently(daemon, worktree: Path) -> None:
+    async def main():
+        client = await dispatch.aio.connect(daemon.socket)
+        async with client, await client.open_session(str(worktree)) as session:
+            started = time.monotonic()
+            results = await asyncio.gather(*(session.registry.call("shell_exec", {"command": "sleep 0.5"})
+                                             for _ in range(3)))
+            took = time.monotonic() - started
+        assert all(r.is_success for r in results)
+        return took
+
+    assert run(main()) < 1.4  # three 0.5 s sleeps at once, not one after another
+
+
+def test_a_cancelled_call_does_not_hurt_the_session(daemon, worktree: Path) -> None:
+    async def main():
+        async with dispatch.aio.connect(daemon.socket) as client:
+            async with await client.open_session(str(worktree)) as session:
+                call = asyncio.ensure_future(session.registry.call("shell_exec", {"command": "sleep 1"}))
+                await asyncio.sleep(0.1)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                after = await session.registry.call("shell_exec", {"command": "echo still here"})
+                assert after.output.startswith("still here")
+
+    run(main())
+
+
+def test_a_cancelled_open_closes_the_session_it_opened(daemon, worktree: Path) -> None:
+    async def main():
+        async with dispatch.aio.connect(daemon.socket) as client:
+            before = {s["id"] for s in await client.list_sessions()}
+            opening = asyncio.ensure_future(client.open_session(str(worktree)))
+            await asyncio.sleep(0)  # it has started
+            opening.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await opening
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if {s["id"] for s in await client.list_sessions()} == before:
+                    return True
+            return False
+
+    assert run(main())
+
+
+def test_an_async_approval_runs_on_the_callers_loop(daemon, worktree: Path) -> None:
+    async def main():
+        loop = asyncio.get_running_loop()
+        seen = []
+
+        async def approve(definition, params, context):
+            seen.append(asyncio.get_running_loop() is loop)
+            return "not today" if "rm" in params.get("command", "") else True
+
+        async with dispatch.aio.connect(daemon.socket) as client:
+            async with await client.open_session(str(worktree)) as session:
+                tools = session.registry.with_approval(approve)
+                denied = await tools.call("shell_exec", {"command": "rm -rf src"})
+                allowed = await tools.call("shell_exec", {"command": "ls src"})
+        assert denied.error == "shell_exec: denied by approval: not today"
+        assert allowed.output.startswith("main.py")
+        return seen
+
+    assert run(main()) == [True, True]
+    assert (worktree / "src" / "main.py").exists()
+
+
+def test_the_loop_runs_from_async_code(daemon, worktree: Path) -> None:
+    async def main():
+        async with dispatch.aio.connect(daemon.socket) as client:
+            async with await client.open_session(str(worktree)) as session:
+                model = FakeModel([[("read_file", {"path": "src/main.py", "end_line": 0})], "done"])
+                return await dispatch.aio.run_tool_loop(model, session.registry, [])
+
+    result = run(main())
+    assert result.final == "done" and result.messages[1]["content"] == "0: import os"
+
+
+def test_no_daemon_raises_the_same_error(tmp_path: Path) -> None:
+    async def main():
+        async with dispatch.aio.connect(str(tmp_path / "none.sock")):
+            pass
+
+    with pytest.raises(dispatch.DaemonUnavailable, match="no dispatchd is listening on"):
+        run(main())
