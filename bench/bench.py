@@ -20,6 +20,22 @@ root), and prints one table:
   network (the sandbox is replaced). With ``--cgroup DIR`` (a delegated cgroup
   v2 directory; ``./scripts/bench`` run as root makes one) the daemon gives
   each session a cgroup, and the open includes making and joining it;
+- search_files over 2,000 files (7 MiB) beside ``rg -n`` (the whole process,
+  output captured), once for a query with a few hundred matching lines and
+  once for tens of thousands; the bench's policy raises
+  ``search_max_results`` so that both return every match (the counts are
+  compared and printed);
+- 8 clients (processes, a session each) calling read_file as fast as they
+  can: calls per second in all, beside 8 bare clients each with a bare
+  server of its own; and the same 8 calls from 8 threads sharing one
+  session (the client's and the tool server's locks and the GIL);
+- 16 clients (processes, a session each): p50 and p99 of read_file beside
+  16 bare pairs running at the same time;
+- an idle session's cost: processes, the drop in ``MemAvailable`` per
+  session (everything: page tables, kernel objects, private pages) beside
+  the same number of idle bare Python servers, and USS where it can be read
+  (session processes are not dumpable: root only; bench/density.py does
+  the same at scale, ``./scripts/bench --density [N]``);
 - opening a session with network "domains" (its namespace, the proxy's
   listener handed to the daemon) beside the plain open, and a 16 MiB download
   through the proxy (curl in the session) beside the same curl unsandboxed,
@@ -36,7 +52,9 @@ neighbour slows both. This is a benchmark, not a test: it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import random
 import shutil
 import signal
 import socket
@@ -60,30 +78,50 @@ import socket, sys
 sys.path.insert(0, sys.argv[2])
 from dispatchd import protocol
 listener = socket.socket(socket.AF_UNIX)
-listener.bind(sys.argv[1]); listener.listen(1)
+listener.bind(sys.argv[1]); listener.listen(64)
 print("ready", flush=True)
-conn, _ = listener.accept()
-frames = protocol.FrameSocket(conn)
 body = "x" * 4096
-while True:
-    req = frames.recv(protocol.worker_decoder)
-    if req is None:
-        break
-    frames.send(protocol.ToolReply(id=req.id, success=True, output=body, metadata={"path": "f"}))
+
+def serve(conn):
+    frames = protocol.FrameSocket(conn)
+    while True:
+        req = frames.recv(protocol.worker_decoder)
+        if req is None:
+            break
+        frames.send(protocol.ToolReply(id=req.id, success=True, output=body, metadata={"path": "f"}))
+
+# A process per connection, as a session has a tool server of its own: the
+# bare floor at any concurrency. The first connection is served here.
+conn, _ = listener.accept()
+import os
+while int(sys.argv[3]) > 1:
+    if os.fork() == 0:
+        listener.close()
+        serve(conn)
+        os._exit(0)
+    conn.close()
+    conn, _ = listener.accept()
+serve(conn)
 """
 
 
 class BareClient:
     """Two Python processes, one Unix socket, msgspec frames: the floor."""
 
-    def __init__(self, tmp: str) -> None:
-        path = os.path.join(tmp, "bare.sock")
-        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, path, str(REPO)], stdout=subprocess.PIPE, text=True)
+    def __init__(self, tmp: str, name: str = "bare.sock", forking: bool = False) -> None:
+        self.path = os.path.join(tmp, name)
+        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, self.path, str(REPO), "2" if forking else "1"],
+                                     stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+        self.forking = forking
+        self.frames = self.connect(self.path)
+        self.n = 0
+
+    @staticmethod
+    def connect(path: str) -> protocol.FrameSocket:
         sock = socket.socket(socket.AF_UNIX)
         sock.connect(path)
-        self.frames = protocol.FrameSocket(sock)
-        self.n = 0
+        return protocol.FrameSocket(sock)
 
     def call(self) -> None:
         self.n += 1
@@ -92,7 +130,180 @@ class BareClient:
 
     def close(self) -> None:
         self.frames.close()
+        if self.forking:  # its children end with their connections
+            self.proc.terminate()
         self.proc.wait(5)
+
+
+class BareConnection:
+    """One more client of a forking bare server (a server process of its own)."""
+
+    def __init__(self, path: str) -> None:
+        self.frames = BareClient.connect(path)
+        self.n = 0
+
+    call = BareClient.call
+
+
+# -- many clients at once ------------------------------------------------------
+
+
+def _client_process(pipe: multiprocessing.connection.Connection, sock: str, wt: str, bare_path: str) -> None:
+    """One client of the concurrency rows: a session and a bare connection of
+    its own; runs what the parent asks, starting all together at a time set
+    by the parent (CLOCK_MONOTONIC is one clock for every process)."""
+    with dispatch.connect(sock) as client:
+        session = client.open_session(wt, network=False)
+        read = session.registry.get("read_file")
+        bare = BareConnection(bare_path)
+        calls = {"read": lambda: read.call({"path": "f4k.txt"}), "bare": bare.call}
+        for fn in calls.values():
+            for _ in range(20):
+                fn()
+        pipe.send("ready")
+        while True:
+            order = pipe.recv()
+            if order is None:
+                break
+            kind, how, amount, start_at = order
+            fn = calls[kind]
+            while time.monotonic() < start_at:
+                time.sleep(0.0005)
+            if how == "for":  # as many calls as fit in ``amount`` seconds
+                n, end = 0, start_at + amount
+                while time.monotonic() < end:
+                    fn()
+                    n += 1
+                pipe.send(n)
+            else:  # ``amount`` calls, each timed
+                pipe.send(timed(fn, amount))
+        session.close()
+
+
+class Clients:
+    """N client processes; ``run`` makes them all start at once."""
+
+    def __init__(self, n: int, sock: str, wt: str, bare_path: str) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.pipes, self.procs = [], []
+        for _ in range(n):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_client_process, args=(theirs, sock, wt, bare_path), daemon=True)
+            proc.start()
+            self.pipes.append(ours)
+            self.procs.append(proc)
+        for pipe in self.pipes:
+            assert pipe.recv() == "ready"
+
+    def run(self, n: int, kind: str, how: str, amount: float) -> list:
+        start_at = time.monotonic() + 0.05
+        for pipe in self.pipes[:n]:
+            pipe.send((kind, how, amount, start_at))
+        return [pipe.recv() for pipe in self.pipes[:n]]
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for proc in self.procs:
+            proc.join(10)
+
+
+def threads_for(n: int, fn: Callable[[], object], seconds: float) -> int:
+    """Calls made by ``n`` threads running ``fn`` for ``seconds``, in all."""
+    counts = [0] * n
+    start_at = time.monotonic() + 0.02
+    end = start_at + seconds
+
+    def loop(i: int) -> None:
+        while time.monotonic() < start_at:
+            time.sleep(0.0005)
+        while time.monotonic() < end:
+            fn()
+            counts[i] += 1
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts)
+
+
+# -- search --------------------------------------------------------------------
+
+_WORDS = ("alpha beta gamma delta epsilon config value index buffer token parse render "
+          "worker session client server handle result error status record stream").split()
+
+
+def make_search_tree(root: str, files: int = 2000) -> None:
+    """``files`` text files of about 3.5 KiB (7 MiB in all) in 20 folders.
+    ``needle_marker`` is on one line of every fifth file (400 lines);
+    ``value`` is on about half of all lines (tens of thousands)."""
+    rng = random.Random(17)
+    for i in range(files):
+        folder = os.path.join(root, f"pkg{i % 20:02d}")
+        os.makedirs(folder, exist_ok=True)
+        lines = []
+        for j in range(90):
+            words = rng.choices(_WORDS, k=6)
+            if i % 5 == 0 and j == 45:
+                words.append("needle_marker")
+            lines.append(f"    {' '.join(words)} = {j}")
+        Path(folder, f"mod{i:04d}.py").write_text("\n".join(lines) + "\n")
+
+
+def rg_count(wt: str, query: str) -> int:
+    out = subprocess.run(["rg", "-n", "--no-heading", "--color", "never", "-F", "-e", query, "."],
+                         cwd=wt, capture_output=True, check=False).stdout
+    return out.count(b"\n")
+
+
+def bench_policies(tmp: str) -> str:
+    """The installed policies, with search_max_results raised so that
+    search_files returns every match, as rg does."""
+    src = REPO / "dispatchd" / "policies"
+    dst = os.path.join(tmp, "policies")
+    os.mkdir(dst)
+    for f in src.glob("*.toml"):
+        text = f.read_text().replace("search_max_results = 100\n", "search_max_results = 1000000\n")
+        Path(dst, f.name).write_text(text)
+    return dst
+
+
+# -- memory --------------------------------------------------------------------
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid``, from /proc."""
+    out, pending = [], [pid]
+    while pending:
+        p = pending.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children", encoding="ascii") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        out += kids
+        pending += kids
+    return out
+
+
+def uss(pid: int) -> int | None:
+    """Private (unique) memory of one process, or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+            return sum(int(line.split()[1]) * 1024 for line in f
+                       if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    except OSError:
+        return None
 
 
 def timed(fn: Callable[[], object], n: int) -> list[float]:
@@ -231,6 +442,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--calls", type=int, default=200, help="calls per round for the round-trip rows")
+    ap.add_argument("--seconds", type=float, default=0.5, help="seconds per round for the throughput rows")
+    ap.add_argument("--idle", type=int, default=50, metavar="N", help="idle sessions for the memory row")
     ap.add_argument("--no-user-namespaces", action="store_true", help="benchmark the degraded mode")
     ap.add_argument("--cgroup", metavar="DIR", nargs="?", const=os.environ.get("DISPATCHD_TEST_CGROUP", ""),
                     help="per-session cgroups under DIR/bench-PID (DIR: a delegated cgroup v2 directory; "
@@ -258,7 +471,7 @@ def main() -> int:
                 pass
         cgroup = os.path.join(args.cgroup, f"bench-{os.getpid()}")
         extra += ["--cgroup", cgroup]
-    daemon, sock = start_daemon(tmp, *extra)
+    daemon, sock = start_daemon(tmp, "--policies", bench_policies(tmp), *extra)
     plain = None
     if cgroup:
         # The baseline for the cost of a cgroup: the same opens, interleaved,
@@ -275,11 +488,19 @@ def main() -> int:
     os.mkdir(wt_dl)
     Path(wt_dl, "download.py").write_text(_DOWNLOAD)
     bulk = BulkServer()
+    search_wt = os.path.join(tmp, "search")
+    make_search_tree(search_wt)
+    have_rg = shutil.which("rg") is not None
+    queries = {"few": "needle_marker", "many": "value"}
     rows: dict[str, list[float]] = {k: [] for k in
                                     ("bare", "read", "spawn", "shell", "shell_stream", "first_byte", "cancel",
                                      "open", "switch", "open_plain", "read_debug",
+                                     "open_domains", "fetch_plain", "fetch_domains",
                                      "open_on", "switch_off", "download_plain", "download",
-                                     "open_domains", "fetch_plain", "fetch_domains")}
+                                     "rg_few", "search_few", "rg_many", "search_many",
+                                     "bare8", "read8", "threads8", "bare16", "read16")}
+    counts: dict[str, int] = {}
+    memory: dict[str, float] = {}
     debug = None
     if args.log_cost:
         os.mkdir(os.path.join(tmp, "debug"))
@@ -287,10 +508,13 @@ def main() -> int:
                                          os.path.join(tmp, "debug", "daemon-debug.log"), *extra)
     try:
         bare = BareClient(tmp)
+        many = BareClient(tmp, "bare-many.sock", forking=True)
         with dispatch.connect(sock) as client:
             session = client.open_session(wt, network=False)
             read = session.registry.get("read_file")
             shell = session.registry.get("shell_exec")
+            searcher = client.open_session(search_wt, network=False)
+            search = searcher.registry.get("search_files")
             read_debug = None
             if debug is not None:
                 debug_client = dispatch.connect(debug_sock)
@@ -300,6 +524,12 @@ def main() -> int:
                 read.call({"path": "f4k.txt"})
                 if read_debug is not None:
                     read_debug.call({"path": "f4k.txt"})
+            for name, query in queries.items():
+                result = search.call({"query": query})
+                counts[f"search_{name}"] = result.metadata.get("count", -1)
+                if have_rg:
+                    counts[f"rg_{name}"] = rg_count(search_wt, query)
+            clients = Clients(16, sock, wt, many.path)
             for _ in range(args.rounds):
                 rows["bare"] += timed(bare.call, args.calls)
                 rows["read"] += timed(lambda: read.call({"path": "f4k.txt"}), args.calls)
@@ -310,6 +540,21 @@ def main() -> int:
                 rows["shell_stream"] += timed(lambda: shell.call({"command": "true"}, on_output=lambda s, t: None), 20)
                 rows["first_byte"] += first_byte(shell, 5)
                 rows["cancel"] += cancel_latency(session, shell, 2)
+                for name, query in queries.items():
+                    if have_rg:
+                        rows[f"rg_{name}"] += timed(lambda q=query: subprocess.run(  # type: ignore[misc]
+                            ["rg", "-n", "--no-heading", "--color", "never", "-F", "-e", q, "."],
+                            cwd=search_wt, capture_output=True), 3)
+                    rows[f"search_{name}"] += timed(lambda q=query: search.call({"query": q}), 3)  # type: ignore[misc]
+                # Throughput: calls per second in all, as one sample a round.
+                rows["bare8"].append(sum(clients.run(8, "bare", "for", args.seconds)) / args.seconds)
+                rows["read8"].append(sum(clients.run(8, "read", "for", args.seconds)) / args.seconds)
+                rows["threads8"].append(threads_for(8, lambda: read.call({"path": "f4k.txt"}), args.seconds)
+                                        / args.seconds)
+                for lat in clients.run(16, "bare", "calls", args.calls // 2):
+                    rows["bare16"] += lat
+                for lat in clients.run(16, "read", "calls", args.calls // 2):
+                    rows["read16"] += lat
                 for _ in range(3):
                     t = time.perf_counter()
                     s = client.open_session(wt)
@@ -357,10 +602,14 @@ def main() -> int:
                     r = dl.call({"command": command, "timeout": 120})
                     rows["download"].append(time.perf_counter() - t)
                     assert r.is_success and r.metadata.get("exit_code") == 0, (r.error, r.metadata)
+            clients.close()
+            memory = idle_memory(client, wt, tmp, daemon.pid, args.idle)
             mode = session.status()["protections"]["mode"]
             cgroups = client.status()["kernel"]["cgroup_delegation"]
             session.close()
+            searcher.close()
         bare.close()
+        many.close()
     finally:
         for proc in (daemon, plain, debug):
             if proc is not None:
@@ -378,26 +627,50 @@ def main() -> int:
     p50 = {k: statistics.median(v) for k, v in rows.items() if v}
     print(f"dispatchd benchmark: {args.rounds} rounds, sandbox mode {mode!r}, python {sys.version.split()[0]} "
           f"({sys.executable}); per-session cgroups: {cgroups}")
-    print(f"{'what':52} {'p50':>11} {'p99':>11}  ratio (p50)")
+    print(f"{'what':56} {'p50':>11} {'p99':>11}  ratio (p50)")
+
     def line(label: str, key: str, base: str | None, note: str = "") -> None:
         ratio = f"{p50[key] / p50[base]:.2f}× {note}" if base else note
-        print(f"{label:52} {fmt(p50[key]):>11} {fmt(pct(rows[key], 0.99)):>11}  {ratio}")
+        print(f"{label:56} {fmt(p50[key]):>11} {fmt(pct(rows[key], 0.99)):>11}  {ratio}")
+
+    def rate(label: str, key: str, base: str | None, note: str = "") -> None:
+        ratio = f"{p50[key] / p50[base]:.2f}× {note}" if base else note
+        print(f"{label:56} {p50[key]:>8.0f}/s {'':>11}  {ratio}")
+
     line("bare request/response, 2 Python processes (4 KiB)", "bare", None, "1.00× (baseline)")
     line("read_file 4 KiB through dispatch", "read", "bare", "of bare (target ≤ 2×)")
     if rows["read_debug"]:
-        print(f"{'  the same, daemon logging each call (debug)':52} {fmt(p50['read_debug']):>11} "
+        print(f"{'  the same, daemon logging each call (debug)':56} {fmt(p50['read_debug']):>11} "
               f"{fmt(pct(rows['read_debug'], 0.99)):>11}  {p50['read_debug'] / p50['read']:.2f}× of info; "
               f"p99 {pct(rows['read_debug'], 0.99) / pct(rows['read'], 0.99):.2f}× of info")
     line("subprocess.run(['bash','-c','true']), no sandbox", "spawn", None, "1.00× (baseline)")
-    line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.3×)")
+    line("shell_exec 'true' through dispatch", "shell", "spawn", "of plain spawn (target ≤ 1.15×)")
+    print(f"{'  same, p99 against p99':56} {'':>11} {'':>11}  "
+          f"{pct(rows['shell'], 0.99) / pct(rows['spawn'], 0.99):.2f}× (target ≤ 1.15×)")
     line("shell_exec 'true', streaming asked for", "shell_stream", "spawn", "of plain spawn")
     line("streaming: a command's write → client on_output", "first_byte", None, "(target: a few ms)")
     line("session.cancel() → cancelled Result (sleep)", "cancel", None, "(the kill, then the reply)")
+    for name in queries:
+        n_ours, n_rg = counts.get(f"search_{name}", -1), counts.get(f"rg_{name}")
+        if have_rg:
+            line(f"rg -n over 2,000 files, {n_rg} matching lines", f"rg_{name}", None, "1.00× (baseline)")
+            line(f"search_files, same query, {n_ours} lines" + ("" if n_ours == n_rg else " (MISMATCH)"),
+                 f"search_{name}", f"rg_{name}", "of rg (target ≤ 1.5×)")
+        else:
+            line(f"search_files over 2,000 files, {n_ours} lines (no rg)", f"search_{name}", None, "")
+    rate("8 bare clients, a server process each: calls/s in all", "bare8", None, "1.00× (baseline)")
+    rate("8 clients, a session each: read_file calls/s in all", "read8", "bare8", "of bare (target ≥ 40,000/s)")
+    rate("8 threads sharing one session: read_file calls/s", "threads8", "bare8", "of bare")
+    line("16 bare clients at once, a server each (baseline)", "bare16", None, "1.00× (baseline)")
+    line("16 clients at once, a session each: read_file", "read16", "bare16", "of bare")
+    print(f"{'  same, p99 against p99':56} {'':>11} {'':>11}  "
+          f"{pct(rows['read16'], 0.99) / pct(rows['bare16'], 0.99):.2f}× "
+          f"(p99 of ours against the bare p50: {pct(rows['read16'], 0.99) / p50['bare16']:.1f}×; target ≤ 5×)")
     if rows["open_plain"]:
         line("open a session, no cgroup (baseline)", "open_plain", None, "1.00× (baseline)")
-        line("open a session with its own cgroup", "open", "open_plain", "of the open without")
+        line("open a session with its own cgroup", "open", "open_plain", "of the open without (target ≤ 1.1×)")
     else:
-        line("open a session (confined, ready)", "open", None, "(target < 10 ms)")
+        line("open a session (confined, ready)", "open", None, "(target ≤ 5 ms)")
     line("open a session, network on", "open_on", "open", "of the open with the network off")
     line("switch network off → on", "switch", "open", "of an open (network off)")
     line("switch network on → off", "switch_off", "open", "of an open (network off)")
@@ -410,7 +683,54 @@ def main() -> int:
         line("open a session, network domains", "open_domains", "open", "of the open above")
         line("curl 16 MiB from loopback, no sandbox", "fetch_plain", None, "1.00× (baseline)")
         line("the same through shell_exec and the domains proxy", "fetch_domains", "fetch_plain", "of plain curl")
+    if memory:
+        n = args.idle
+        print(f"idle, {n} at once (MemAvailable drop each; noisy on a shared machine):")
+        print(f"  {'bare Python server forked from one parent (baseline)':54} {memory['bare'] / 2**20:8.2f} MiB"
+              f" {'':>11}  1.00× (baseline)")
+        print(f"  {'idle session, ' + format(memory['procs'], '.1f') + ' processes':54} "
+              f"{memory['session'] / 2**20:8.2f} MiB {'':>11}  "
+              + (f"{memory['session'] / memory['bare']:.2f}× " if memory["bare"] > 2**17 else "(baseline lost in noise) ")
+              + "(target ≤ 2 MiB USS)")
+        uss_text = (f"{memory['uss'] / 2**20:.2f} MiB a session" if memory["uss"] >= 0
+                    else "n/a (session processes are not dumpable: root only)")
+        print(f"  {'unique memory (USS)':54} {uss_text}")
     return 0
+
+
+def idle_memory(client: dispatch.Client, wt: str, tmp: str, daemon_pid: int, n: int) -> dict[str, float]:
+    """What ``n`` idle sessions cost the host, beside ``n`` idle bare servers."""
+    if n <= 0:
+        return {}
+    time.sleep(0.5)
+    before = mem_available()
+    server = BareClient(tmp, "bare-idle.sock", forking=True)
+    conns = [BareConnection(server.path) for _ in range(n - 1)]
+    for c in conns:
+        c.call()
+    server.call()
+    time.sleep(1.0)
+    bare = (before - mem_available()) / n
+    for c in conns:
+        c.frames.close()
+    server.close()
+    time.sleep(0.5)
+    known = {daemon_pid, *descendants(daemon_pid)}
+    before = mem_available()
+    sessions = []
+    for _ in range(n):
+        s = client.open_session(wt, network=False)
+        s.registry.get("read_file").call({"path": "f4k.txt"})
+        sessions.append(s)
+    time.sleep(1.0)
+    drop = (before - mem_available()) / n
+    procs = [p for p in descendants(daemon_pid) if p not in known]
+    private = [uss(p) for p in procs]
+    for s in sessions:
+        s.close()
+    readable = [u for u in private if u is not None]
+    return {"bare": bare, "session": drop, "procs": len(procs) / n,
+            "uss": sum(readable) / n if readable and len(readable) == len(private) else -1}
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ as_unprivileged_user() {
     # nftables, which holds "ports" inside a session's own network namespace
     command -v pasta >/dev/null || missing+=(passt)
     command -v nft >/dev/null || missing+=(nftables)
+    # the baseline of search_files in ./scripts/bench
+    command -v rg >/dev/null || missing+=(ripgrep)
     if [ ${#missing[@]} -gt 0 ]; then
         echo "installing Debian packages: ${missing[*]}"
         apt-get update -qq

@@ -111,6 +111,11 @@ class _Connection:
     No background thread: whichever caller is waiting becomes the reader
     until its own reply arrives, handing replies for others to them. A lone
     caller therefore reads its reply itself, with no thread switch on the way.
+    Each waiting caller sleeps on a condition of its own: a reply (or
+    streamed output) wakes the one caller it is for, and a reader that is
+    done wakes one other caller to read (waking them all on every reply made
+    eight threads on one session spend their time in wake-ups: see README
+    "Speed").
     """
 
     def __init__(self, sock: socket.socket, decoder: msgspec.msgpack.Decoder, *, fds: bool = False) -> None:
@@ -124,8 +129,10 @@ class _Connection:
         self._frames = protocol.FrameSocket(sock, fds=fds)
         self._decoder = decoder
         self._send_lock = threading.Lock()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._reading = False
+        self._waiters: dict[int, threading.Condition] = {}  # callers asleep, by request id (share _cond's lock)
         self._replies: dict[int, Any] = {}
         self._outputs: dict[int, list[tuple[str, str]]] = {}  # streamed output waiting for its caller
         self._ids = itertools.count(1)
@@ -192,30 +199,52 @@ class _Connection:
         while True:
             chunks: list[tuple[str, str]] = []
             with self._cond:
-                while True:
-                    queued = self._outputs.get(rid)
-                    if queued:
-                        chunks, self._outputs[rid] = queued, []
-                        break
-                    if self._replies[rid] is not _PENDING:
-                        self._outputs.pop(rid, None)
-                        return self._replies.pop(rid)  # type: ignore[no-any-return]
-                    if self._broken is not None:
-                        if isinstance(self._broken, RequestFailed):
-                            raise RequestFailed(self._broken.code, self._broken.message)
-                        raise ConnectionLost(str(self._broken))
-                    if not self._reading:
-                        self._reading = True
-                        break
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise RequestTimeout(f"no reply within {timeout:g} s")
-                    self._cond.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                mine: threading.Condition | None = None
+                try:
+                    while True:
+                        queued = self._outputs.get(rid)
+                        if queued:
+                            chunks, self._outputs[rid] = queued, []
+                            break
+                        if self._replies[rid] is not _PENDING:
+                            self._outputs.pop(rid, None)
+                            return self._replies.pop(rid)  # type: ignore[no-any-return]
+                        if self._broken is not None:
+                            if isinstance(self._broken, RequestFailed):
+                                raise RequestFailed(self._broken.code, self._broken.message)
+                            raise ConnectionLost(str(self._broken))
+                        if not self._reading:
+                            self._reading = True
+                            break
+                        if deadline is not None and time.monotonic() >= deadline:
+                            raise RequestTimeout(f"no reply within {timeout:g} s")
+                        if mine is None:  # made only by a caller that has to wait
+                            mine = threading.Condition(self._lock)
+                            self._waiters[rid] = mine
+                        mine.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                finally:
+                    if mine is not None:
+                        del self._waiters[rid]
+                        if not self._reading:
+                            self._wake_a_reader()  # we may have been the one woken to read; pass it on
             if chunks:
                 assert on_output is not None
                 for stream, text in chunks:
                     on_output(stream, text)
                 continue
             return self._read_until(rid, deadline, timeout, on_output)
+
+    def _wake_a_reader(self) -> None:
+        """Wake one waiting caller to take over reading (``_cond`` held)."""
+        for cond in self._waiters.values():
+            cond.notify()
+            return
+
+    def _wake(self, rid: int) -> None:
+        """Wake the caller of ``rid``, if it sleeps (``_cond`` held)."""
+        cond = self._waiters.get(rid)
+        if cond is not None:
+            cond.notify()
 
     def _refusal(self) -> RequestFailed | None:
         """The id-0 ``ErrorReply`` a peer left before closing on us, if any."""
@@ -256,7 +285,7 @@ class _Connection:
                         with self._cond:  # hand the reading over to another waiter, if any
                             self._reading = False
                             self._replies.pop(rid, None)
-                            self._cond.notify_all()
+                            self._wake_a_reader()
                         raise RequestTimeout(f"no reply within {timeout:g} s") from None
                     continue
                 if reply is None:
@@ -269,7 +298,7 @@ class _Connection:
                         queue = self._outputs.get(reply.id)
                         if queue is not None:
                             queue.append((reply.stream, reply.text))
-                            self._cond.notify_all()
+                            self._wake(reply.id)
                     continue
                 fd = self._frames.take_fd() if isinstance(reply, protocol.Attached) else None
                 with self._cond:
@@ -283,9 +312,9 @@ class _Connection:
                         os.close(fd)  # the late reply of a request that timed out
                     if reply.id == rid:
                         self._reading = False
-                        self._cond.notify_all()
+                        self._wake_a_reader()
                         return self._replies.pop(rid)
-                    self._cond.notify_all()
+                    self._wake(reply.id)
         except (OSError, protocol.ProtocolError, ConnectionLost, RequestFailed) as exc:
             self._fail(exc)
             with self._cond:
@@ -296,7 +325,7 @@ class _Connection:
             # reading over to another waiter, keep the connection.
             with self._cond:
                 self._reading = False
-                self._cond.notify_all()
+                self._wake_a_reader()
             raise
 
     def _fail(self, exc: Exception) -> None:
@@ -304,7 +333,8 @@ class _Connection:
             if self._broken is None:
                 self._broken = exc
             self._reading = False
-            self._cond.notify_all()
+            for cond in self._waiters.values():
+                cond.notify()
 
     @property
     def broken(self) -> bool:

@@ -65,27 +65,45 @@ def _candidates(ctx: ToolContext, top: str, rel_top: str, pattern: str | None) -
     return (e for e in walk(ctx.root, top, recursive=True) if e.is_file and matches(pattern, e.rel))
 
 
-def _line_text(data: bytes, start: int) -> str:
-    begin = data.rfind(b"\n", 0, start) + 1
-    end = data.find(b"\n", start)
-    raw = data[begin : len(data) if end == -1 else end]
-    text = raw.removesuffix(b"\r").decode("utf-8", "replace")
-    return text if len(text) <= _LINE_CHARS else text[:_LINE_CHARS] + " [...]"
+def _cut(raw: bytes) -> bytes:
+    """A line longer than ``_LINE_CHARS`` characters, cut to them (rare: only
+    a line of more than that many bytes can be, so this runs only for those)."""
+    text = raw.decode("utf-8", "replace")
+    if len(text) <= _LINE_CHARS:
+        return raw
+    return (text[:_LINE_CHARS] + " [...]").encode("utf-8", "surrogateescape")
 
 
-def _search_one(regex: re.Pattern[bytes], data: bytes, name: str, results: list[str], limit: int) -> bool:
-    """Append one file's matching lines to ``results``; True once past ``limit``."""
-    line, pos, last_reported = 0, 0, -1
+def _search_one(regex: re.Pattern[bytes], data: bytes, rel: str, results: list[bytes], limit: int) -> bool:
+    """Append one file's matching lines to ``results`` (as ``name:line: text``
+    bytes, decoded once at the end); True once past ``limit``.
+
+    A further match on a line already reported costs one comparison, and
+    newlines are counted once, from one reported line to the next.
+    """
+    count = data.count
+    line, counted, end = 0, 0, -1
+    name = b""
     for m in regex.finditer(data):
-        # Count newlines incrementally, so the file is scanned once.
-        line += data.count(b"\n", pos, m.start())
-        pos = m.start()
-        if line == last_reported:
+        start = m.start()
+        if start <= end:  # on the line just reported (``end`` is its newline)
             continue
+        begin = data.rfind(b"\n", 0, start) + 1
+        end = data.find(b"\n", start)
+        if end == -1:
+            end = len(data)
+        line += count(b"\n", counted, begin)
+        counted = begin
         if len(results) == limit:  # one match more than we show: say so
             return True
-        last_reported = line
-        results.append(f"{name}:{line}: {_line_text(data, m.start())}")
+        if not name:  # the file's first match
+            name = printable(rel).encode("utf-8", "surrogateescape")
+        raw = data[begin:end]
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        if len(raw) > _LINE_CHARS:
+            raw = _cut(raw)
+        results.append(b"%s:%d: %s" % (name, line, raw))
     return False
 
 
@@ -102,7 +120,7 @@ def search_files(
         raise ToolFailure(f"not found: {rel_top}")
     limit = ctx.limits.search_max_results
     cap = ctx.limits.file_size_cap_bytes
-    results: list[str] = []
+    results: list[bytes] = []
     truncated = False
     searched = 0
     try:
@@ -111,7 +129,7 @@ def search_files(
             if data is None:
                 continue
             searched += 1
-            truncated = _search_one(regex, data, printable(entry.rel), results, limit)
+            truncated = _search_one(regex, data, entry.rel, results, limit)
             if truncated:
                 break
     except OSError as exc:  # reading ``top`` itself; deeper errors are skipped
@@ -119,7 +137,9 @@ def search_files(
     meta = {"count": len(results), "truncated": truncated, "files_searched": searched}
     if not results:
         return Outcome.ok("no matches", meta)
-    output = "\n".join(results)
+    # Decoded once: a byte sequence that is not UTF-8 becomes U+FFFD, as it
+    # would line by line (a newline ends any sequence).
+    output = b"\n".join(results).decode("utf-8", "replace")
     if truncated:
         output += f"\n... (stopped at {limit} matches)"
     return Outcome.ok(output, meta)

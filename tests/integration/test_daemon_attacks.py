@@ -293,6 +293,9 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
     and the session, its first channel and a fresh one after some close, work."""
     from dispatchd.worker.server import MAX_CHANNELS
 
+    # This test process holds 1,100 channels too: more than a login's 1,024.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
     before = rss_kib(daemon.proc.pid)
     with greeted(daemon, fds=True) as frames:
         frames.send(protocol.OpenSession(id=2, worktree=str(worktree)))

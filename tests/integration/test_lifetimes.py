@@ -273,6 +273,9 @@ def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path
 
             zygote = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
             os.kill(zygote.children()[0].pid, signal.SIGKILL)  # W0, the session's first process
+            # The kernel tears the session's namespace down asynchronously: a
+            # call sent at once may still be served. Wait for the daemon to see it.
+            assert _wait(lambda: "reason=worker_killed" in d.log(), timeout=10), d.log()
             result = shell(session, "echo hi")
             assert result.is_failure
             assert "worker was killed by signal 9 (SIGKILL)" in result.error, result.error

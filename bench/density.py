@@ -1,0 +1,214 @@
+"""dispatchd density benchmark: many idle sessions on one host.
+
+    ./scripts/bench --density [N] [--close-with C]
+    (or: .venv/bin/python bench/density.py [N] [--close-with C])
+
+Starts its own daemon on a temporary socket and opens N sessions (default
+1,000) on one worktree, each made to answer one ``read_file`` so that it is
+really up, then reports:
+
+- how many opens failed, and the first error;
+- the time of each open (p50, p99) and of closing them all;
+- what the sessions cost the host: the drop in ``MemAvailable``
+  (/proc/meminfo) while they are open, which counts everything (page
+  tables, kernel objects, private pages), and, per session, the processes
+  it holds and their unique memory (USS) where it can be read. Session
+  processes are not dumpable, so their ``smaps_rollup`` is readable only by
+  root: run as an ordinary user this prints "n/a" for USS and the
+  ``MemAvailable`` figure carries the story.
+
+This process holds a channel (a descriptor) per session: it raises its own
+soft ``RLIMIT_NOFILE`` to the hard limit first, and says so when that is too
+few. ``--hold S`` keeps the sessions open S seconds after measuring and
+writes their process ids to a file, so that root can read what they hold
+(``/proc/PID/smaps_rollup``).
+
+The machine is shared and noisy: ``MemAvailable`` moves with everything
+else running, so read it as an estimate. This is a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import dispatch  # noqa: E402
+from bench import fmt, pct, start_daemon  # noqa: E402
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo, in bytes."""
+    out = {}
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def mem_available() -> int:
+    return meminfo().get("MemAvailable", 0)
+
+
+# Where the memory of idle sessions goes, as the kernel counts it host-wide:
+# process memory (anonymous pages: what copy-on-write copied), page tables,
+# kernel stacks (one per thread), kernel objects (namespaces, mounts,
+# sockets, task structs: unreclaimable slab).
+_BREAKDOWN = ("AnonPages", "PageTables", "KernelStack", "SUnreclaim", "Shmem")
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of ``pid``, from /proc (what psutil would give, without it)."""
+    out, pending = [], [pid]
+    while pending:
+        p = pending.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children", encoding="ascii") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        out += kids
+        pending += kids
+    return out
+
+
+def uss(pid: int) -> int | None:
+    """Private (unique) memory of one process, or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+            total = 0
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+            return total
+    except OSError:
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sessions", type=int, nargs="?", default=1000)
+    ap.add_argument("--hold", type=float, default=0.0, metavar="S",
+                    help="keep the sessions open S seconds after measuring; their pids go to PIDFILE")
+    ap.add_argument("--pidfile", default="/tmp/dispatchd-density.pids")
+    ap.add_argument("--close-with", type=int, default=1, metavar="N",
+                    help="close the sessions over N connections at once (default 1: one after another)")
+    args = ap.parse_args()
+    if os.geteuid() == 0:
+        print("density: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+        return 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if hard < args.sessions + 64:
+        print(f"density: this process may hold {hard} descriptors, a session takes one: expect failures",
+              file=sys.stderr)
+    tmp = tempfile.mkdtemp(prefix="dispatchd-density-")
+    daemon, sock = start_daemon(tmp)
+    wt = os.path.join(tmp, "wt")
+    os.mkdir(wt)
+    Path(wt, "f.txt").write_text("hello\n")
+    opens: list[float] = []
+    failures: list[str] = []
+    sessions: list[dispatch.Session] = []
+    try:
+        with dispatch.connect(sock) as client:
+            time.sleep(0.5)
+            before_info = meminfo()
+            before = before_info["MemAvailable"]
+            zygote_and_daemon = {daemon.pid, *children(daemon.pid)}
+            # The daemon's and this client's own growth are part of the drop
+            # but not of the sessions: measured apart (both are readable).
+            own_before = {"daemon": uss(daemon.pid) or 0, "client": uss(os.getpid()) or 0}
+            for _ in range(args.sessions):
+                t = time.perf_counter()
+                try:
+                    s = client.open_session(wt, network=False)
+                    s.registry.get("read_file").call({"path": "f.txt"})
+                except Exception as exc:  # counted and reported, not raised
+                    failures.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                opens.append(time.perf_counter() - t)
+                sessions.append(s)
+            time.sleep(1.0)
+            during_info = meminfo()
+            during = during_info["MemAvailable"]
+            own_growth = {"daemon": (uss(daemon.pid) or 0) - own_before["daemon"],
+                          "client": (uss(os.getpid()) or 0) - own_before["client"]}
+            procs = [p for p in children(daemon.pid) if p not in zygote_and_daemon]
+            private = [uss(p) for p in procs]
+            readable = [u for u in private if u is not None]
+            if args.hold > 0:
+                Path(args.pidfile).write_text("\n".join(map(str, procs)) + "\n")
+                print(f"holding {len(sessions)} sessions for {args.hold:g} s; their pids: {args.pidfile}", flush=True)
+                time.sleep(args.hold)
+            closes: list[float] = []
+            t = time.perf_counter()
+            if args.close_with <= 1:
+                for s in sessions:
+                    c = time.perf_counter()
+                    s.close()
+                    closes.append(time.perf_counter() - c)
+            else:
+                ids = [s.id for s in sessions]
+                for s in sessions:
+                    s.detach()  # our channel only; the daemon closes the session below
+
+                def close_some(part: list[str]) -> None:
+                    with dispatch.connect(sock) as other:
+                        for sid in part:
+                            c = time.perf_counter()
+                            other.close_session(sid)
+                            closes.append(time.perf_counter() - c)
+
+                threads = [threading.Thread(target=close_some, args=(ids[i::args.close_with],))
+                           for i in range(args.close_with)]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+            close_all = time.perf_counter() - t
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    n = max(1, len(sessions))
+    print(f"dispatchd density: {args.sessions} sessions asked, {len(sessions)} open, {len(failures)} failed"
+          + (f" (first: {failures[0]})" if failures else ""))
+    if opens:
+        print(f"open → first read_file: p50 {fmt(statistics.median(opens)).strip()}, p99 {fmt(pct(opens, 0.99)).strip()}")
+    print(f"close all: {close_all:.2f} s over {args.close_with} connection(s)"
+          + (f"; each close p50 {fmt(statistics.median(closes)).strip()}, p99 {fmt(pct(closes, 0.99)).strip()}"
+             if closes else ""))
+    print(f"host memory (MemAvailable drop): {(before - during) / 2**20:.0f} MiB in all, "
+          f"{(before - during) / n / 2**20:.2f} MiB a session")
+    print(f"  of which the daemon's own growth {own_growth['daemon'] / n / 2**20:.2f} MiB a session, this client's "
+          f"{own_growth['client'] / n / 2**20:.2f} MiB a session (its Session objects)")
+    print("  host-wide, a session: " + ", ".join(
+        f"{k} {(during_info.get(k, 0) - before_info.get(k, 0)) / n / 2**20:.2f} MiB" for k in _BREAKDOWN))
+    uss_text = (f"{sum(readable) / n / 2**20:.2f} MiB a session" if len(readable) == len(private)
+                else "n/a (session processes are not dumpable: run as root to read them)")
+    print(f"processes: {len(procs) / n:.1f} a session; unique memory (USS): {uss_text}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
