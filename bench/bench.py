@@ -326,6 +326,34 @@ def fmt(s: float) -> str:
     return f"{s * 1e6:8.0f} µs" if s < 1e-3 else f"{s * 1e3:8.2f} ms"
 
 
+DOWNLOAD_MB = 128
+_DOWNLOAD = ("import socket, sys\ns = socket.create_connection((sys.argv[1], int(sys.argv[2])))\nn = 0\n"
+             "while (d := s.recv(1 << 20)):\n    n += len(d)\nassert n == int(sys.argv[3]), n\n")
+
+
+class BulkServer:
+    """On the host's loopback: sends DOWNLOAD_MB to every client, then closes."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.size = DOWNLOAD_MB << 20
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        chunk = b"x" * (1 << 20)
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                for _ in range(DOWNLOAD_MB):
+                    conn.sendall(chunk)
+
+
 def first_byte(shell: dispatch.Definition, n: int) -> list[float]:
     """Seconds from a command's write to the client's on_output, ``n`` times."""
     out = []
@@ -461,6 +489,10 @@ def main() -> int:
     wt_net = os.path.join(tmp, "wt-net")
     os.mkdir(wt_net)
     Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # 4095 bytes, 63 lines
+    wt_dl = os.path.join(tmp, "wt-download")  # its own: the first session holds wt's write lock
+    os.mkdir(wt_dl)
+    Path(wt_dl, "download.py").write_text(_DOWNLOAD)
+    bulk = BulkServer()
     search_wt = os.path.join(tmp, "search")
     make_search_tree(search_wt)
     have_rg = shutil.which("rg") is not None
@@ -469,6 +501,7 @@ def main() -> int:
                                     ("bare", "read", "spawn", "shell", "shell_stream", "first_byte", "cancel",
                                      "open", "switch", "open_plain", "read_debug",
                                      "open_domains", "fetch_plain", "fetch_domains",
+                                     "open_on", "switch_off", "download_plain", "download",
                                      "rg_few", "search_few", "rg_many", "search_many",
                                      "bare8", "read8", "threads8", "bare16", "read16", "open_host")}
     counts: dict[str, int] = {}
@@ -534,6 +567,13 @@ def main() -> int:
                     t = time.perf_counter()
                     s.set_network(True)
                     rows["switch"].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    s.set_network(False)
+                    rows["switch_off"].append(time.perf_counter() - t)
+                    s.close()
+                    t = time.perf_counter()
+                    s = client.open_session(wt, network=True)
+                    rows["open_on"].append(time.perf_counter() - t)
                     s.close()
                     t = time.perf_counter()
                     s = client.open_session(wt, policy="host-root")
@@ -557,6 +597,20 @@ def main() -> int:
                             s = other.open_session(wt)
                             rows["open_plain"].append(time.perf_counter() - t)
                             s.close()
+                # A bulk download from the host's loopback: unsandboxed, then
+                # through the session's stack (pasta in full mode).
+                with client.open_session(wt_dl, network=True) as s:
+                    host = "10.0.2.2" if s.status()["protections"]["network"].get("stack") else "127.0.0.1"
+                    dl = s.registry.get("shell_exec")
+                    command = f"/usr/bin/python3 download.py {host} {bulk.port} {bulk.size}"
+                    t = time.perf_counter()
+                    subprocess.run(["/usr/bin/python3", "download.py", "127.0.0.1", str(bulk.port), str(bulk.size)],
+                                   cwd=wt_dl, check=True)
+                    rows["download_plain"].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    r = dl.call({"command": command, "timeout": 120})
+                    rows["download"].append(time.perf_counter() - t)
+                    assert r.is_success and r.metadata.get("exit_code") == 0, (r.error, r.metadata)
             clients.close()
             memory = idle_memory(client, wt, tmp, daemon.pid, args.idle)
             mode = session.status()["protections"]["mode"]
@@ -627,7 +681,14 @@ def main() -> int:
     else:
         line("open a session, the host's root (baseline)", "open_host", None, "1.00× (baseline)")
         line("open a session (confined, ready)", "open", "open_host", "of the host's root (target ≤ 5 ms; ≤ 1.1× the host's root)")
-    line("switch network off → on (new sandbox)", "switch", None, "")
+    line("open a session, network on", "open_on", "open", "of the open with the network off")
+    line("switch network off → on", "switch", "open", "of an open (network off)")
+    line("switch network on → off", "switch_off", "open", "of an open (network off)")
+    mbps = DOWNLOAD_MB / p50["download_plain"]
+    line(f"download {DOWNLOAD_MB} MiB from the host's loopback, unsandboxed", "download_plain", None,
+         f"1.00× (baseline, {mbps:.0f} MiB/s)")
+    line("the same download from a session, network on", "download", "download_plain",
+         f"of unsandboxed ({DOWNLOAD_MB / p50['download']:.0f} MiB/s)")
     if rows["open_domains"]:
         line("open a session, network domains", "open_domains", "open", "of the open above")
         line("curl 16 MiB from loopback, no sandbox", "fetch_plain", None, "1.00× (baseline)")

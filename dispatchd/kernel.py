@@ -13,6 +13,7 @@ import msgspec
 
 from dispatchd.confine.landlock import landlock_abi
 from dispatchd.confine.namespaces import probe_user_namespaces
+from dispatchd.confine.netstack import probe_nft, probe_stack
 
 
 class KernelFeatures(msgspec.Struct, frozen=True):
@@ -26,6 +27,11 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     # Whether sessions get cgroups of their own, and why not: filled in by the
     # daemon once it has tried to take its cgroup (confine/cgroups.py).
     cgroup_delegation: str = "not looked for"
+    # The user-mode stack sessions reach out through, and nftables for
+    # "ports": "" when usable, else why not (confine/netstack.py). Missing,
+    # "on" and "ports" fall back to the host's network, and say so.
+    network_stack_missing: str = "not looked for"
+    nftables_missing: str = "not looked for"
 
     def to_dict(self) -> dict[str, object]:
         return msgspec.to_builtins(self)
@@ -67,4 +73,6 @@ def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
         seccomp="errno" in actions,
         seccomp_actions=actions,
         cgroup2=cgroup2,
+        network_stack_missing=probe_stack(),
+        nftables_missing=probe_nft(),
     )

@@ -17,7 +17,7 @@ Four conversations use it:
 - client <-> worker: ``CallTool`` on a channel the daemon handed to the client
   (``Attach``); one hop per tool call.
 - daemon <-> worker: ``WorkerReady``/``WorkerFailed`` once, then ``AddChannel``.
-- daemon <-> fork server: ``SpawnWorker`` / ``Spawned``.
+- daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``.
 """
 
 from __future__ import annotations
@@ -285,9 +285,17 @@ class Spawned(_Msg, tag="spawned"):
     pid: int
 
 
+class NetRules(_Msg, tag="net_rules"):
+    """Sent with two fds, a session's user and network namespaces: commit
+    ``rules`` (nftables) in there. Answered by ``OkReply`` or ``ErrorReply``."""
+
+    id: int
+    rules: str
+
+
 WorkerRequest = Union[CallTool, ToolReply, ErrorReply, CancelCall, ToolOutput]
-ZygoteRequest = SpawnWorker
-ZygoteReply = Union[Spawned, ErrorReply]
+ZygoteRequest = Union[SpawnWorker, NetRules]
+ZygoteReply = Union[Spawned, OkReply, ErrorReply]
 class AcquireWriteLock(_Msg, tag="acquire_write_lock"):
     """Worker -> daemon, before the session's first mutating tool call: only
     one session at a time may write a worktree. Answered by ``OkReply`` or by

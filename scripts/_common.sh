@@ -18,8 +18,8 @@ as_unprivileged_user() {
     # systemd-analyze and systemd-socket-activate, for tests/integration/test_systemd.py
     command -v systemd-analyze >/dev/null || missing+=(systemd)
     # the user-mode network stack a session with the network on reaches out
-    # through (pasta), and nft, which holds "ports" inside a session's own
-    # network namespace; see README "Network"
+    # through (pasta; measured against slirp4netns, README "Network"), and
+    # nftables, which holds "ports" inside a session's own network namespace
     command -v pasta >/dev/null || missing+=(passt)
     command -v nft >/dev/null || missing+=(nftables)
     # the baseline of search_files in ./scripts/bench

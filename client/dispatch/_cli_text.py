@@ -93,6 +93,11 @@ def _words(value: Any) -> str:
     return re.sub(r"\b(\d{4,}) (?:bytes|B)\b", lambda m: size(int(m.group(1))), str(value))
 
 
+def _missing(why: str) -> str:
+    """A kernel probe's "" (available) or its reason, for ``dispatch status``."""
+    return "yes" if not why else f"no, on/ports use the host's network ({why})"
+
+
 def print_status(st: dict[str, Any], file: IO[str] | None = None) -> None:
     out = file or sys.stdout
     k = st["kernel"]
@@ -104,7 +109,9 @@ def print_status(st: dict[str, Any], file: IO[str] | None = None) -> None:
     say(f"kernel {k['release']}: Landlock ABI {k['landlock_abi'] or 'absent'}; "
         f"user namespaces: {'yes' if k['user_namespaces'] else 'no'} ({k['user_namespaces_note']}); "
         f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'} "
-        f"(per-session cgroups: {k.get('cgroup_delegation', '?')})")
+        f"(per-session cgroups: {k.get('cgroup_delegation', '?')}); "
+        f"network stack (pasta): {_missing(k.get('network_stack_missing', '?'))}; "
+        f"nftables for ports: {_missing(k.get('nftables_missing', '?'))}")
     d = st.get("daemon") or {}
     if d:
         say(f"daemon: {d.get('open_files_note', '?')}; connections {d.get('connections')} "

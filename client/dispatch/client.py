@@ -571,10 +571,13 @@ class Session:
         (TCP only to ``ports``, binding only ``bind_ports``; default: the policy's),
         or ``"domains"`` (only the hosts in ``domains``, e.g. ``["pypi.org",
         "*.pythonhosted.org"]``, through the daemon's proxy; default: the policy's).
-        When this returns, no process of the session has the old network: the
-        sandbox was replaced and its processes ended (``status()["note"]`` says
-        how many); from "domains" to "domains" only the list changes, and
-        connections to hosts no longer listed are closed."""
+        When this returns, no byte the session writes goes out under the old
+        setting. In full mode, between off, on and ports, the switch happens in
+        place, the session's processes kept (its way out stopped, or its rules
+        changed); to or from "domains", and in degraded mode, the sandbox is
+        replaced and its processes ended; from "domains" to "domains" only the
+        list changes, and connections to hosts no longer listed are closed.
+        ``status()["note"]`` says which, and what was cut."""
         word, listed = _network_word(network), _domain_list(domains)
         reply, _ = self._client._daemon_request(lambda rid: protocol.SetNetwork(
             id=rid, session=self.id, network=word, ports=ports, bind_ports=bind_ports,

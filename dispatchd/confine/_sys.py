@@ -83,6 +83,10 @@ def unshare(flags: int) -> None:
     _check(_libc.unshare(flags))
 
 
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(fd, nstype))
+
+
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     def b(s: str | None) -> bytes | None:
         return None if s is None else os.fsencode(s)

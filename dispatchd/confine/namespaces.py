@@ -4,7 +4,8 @@ Guarantees, where the kernel allows unprivileged user namespaces:
 - ``enter_namespaces`` puts the calling process in a new user namespace that
   maps only the user's own uid and gid (no root inside, setgroups denied), a
   new mount namespace, a new IPC namespace (System V IPC and POSIX message
-  queues of its own), a new network namespace when the network is off, and
+  queues of its own), a new network namespace (every mode, when a user-mode stack is there to
+  reach out through; otherwise only when the network is off), and
   makes its *next child* pid 1 of a new pid namespace: the session sees only
   its own processes, and when that pid 1 exits the kernel kills every process
   left in the namespace;
@@ -34,8 +35,12 @@ class NamespacePlan(msgspec.Struct, frozen=True):
     gid: int
 
 
-def plan_namespaces(*, use_userns: bool, network_off: bool, uid: int, gid: int) -> NamespacePlan:
-    return NamespacePlan(user=use_userns, mount=use_userns, pid=use_userns, net=use_userns and network_off, uid=uid, gid=gid)
+def plan_namespaces(*, use_userns: bool, network_off: bool, uid: int, gid: int,
+                    own_network: bool | None = None) -> NamespacePlan:
+    """``own_network`` (default: ``network_off``) says whether the session gets
+    a network namespace of its own (see ``netstack.plan_network``)."""
+    net = network_off if own_network is None else own_network
+    return NamespacePlan(user=use_userns, mount=use_userns, pid=use_userns, net=use_userns and net, uid=uid, gid=gid)
 
 
 def _write(path: str, text: str) -> None:

@@ -22,6 +22,7 @@ from dispatchd.confine.ucounts import describe as describe_ucounts
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, PTS, LandlockPlan, plan_landlock
 from dispatchd.confine.mounts import MountPlan, describe_root, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
+from dispatchd.confine.netstack import STACK, NetworkPlan, NetworkPorts, plan_network
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.kernel import KernelFeatures
@@ -30,16 +31,6 @@ from dispatchd.policy import Limits, Policy
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NETWORK_MODES = ("off", "on", "ports", "domains")
 
-
-class NetworkPorts(msgspec.Struct, frozen=True):
-    """The TCP ports a "ports" session may connect to and bind."""
-
-    connect: list[int]
-    bind: list[int] = []
-
-
-def _ports(ports: list[int]) -> str:
-    return ", ".join(map(str, ports)) if ports else "none"
 
 
 class SessionPaths(msgspec.Struct, frozen=True):
@@ -80,6 +71,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     writable: bool
     limits: Limits
     protections: dict[str, object]
+    net: NetworkPlan | None = None  # how the network mode is held (netstack.plan_network)
     # "domains": the port of the listener the worker makes on its own loopback
     # and hands to the daemon's proxy (dispatchd.confine.domains); 0: none.
     proxy_port: int = 0
@@ -144,7 +136,11 @@ def plan_session(
     if network not in NETWORK_MODES:
         raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
     ports = ports or NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
-    if network == "ports" and kernel.landlock_abi < 4:
+    mode = policy.sandbox.user_namespaces
+    use_userns = mode != "never" and kernel.user_namespaces
+    net = plan_network(network, use_userns=use_userns, stack_missing=kernel.network_stack_missing,
+                       nft_missing=kernel.nftables_missing, landlock_abi=kernel.landlock_abi, ports=ports)
+    if network == "ports" and net.landlock_tcp and kernel.landlock_abi < 4:
         raise ConfinementError("network", detail=f"network 'ports' needs Landlock TCP rules (ABI 4); "
                                f"this kernel offers ABI {kernel.landlock_abi}")
     if kernel.landlock_abi < max(1, policy.sandbox.min_landlock_abi):
@@ -172,8 +168,8 @@ def plan_session(
     worktree_rw = fs.worktree == "read-write"
     git = paths.git
     minimal_root = use_userns and fs.root == "minimal"
-    namespaces = plan_namespaces(use_userns=use_userns, network_off=domains_mod.own_namespace(network, use_userns),
-                                 uid=uid, gid=gid)
+    namespaces = plan_namespaces(use_userns=use_userns, network_off=network_off, uid=uid, gid=gid,
+                                 own_network=net.namespace)
     # Unix sockets only where no socket of the host's is reachable and none of
     # the session's can pose as one: pathname sockets in a root of its own,
     # abstract names in a network namespace of its own. Landlock's scope (ABI
@@ -199,12 +195,11 @@ def plan_session(
         devices=devices,
         # Without a network namespace, "off" is held by seccomp and Landlock TCP
         # rules; "ports" is held by Landlock TCP rules in every mode.
-        deny_tcp=(network_off and not use_userns) or network == "ports",
-        connect_ports=ports.connect if network == "ports" else None,
-        bind_ports=ports.bind if network == "ports" else None,
+        deny_tcp=net.landlock_tcp,
+        connect_ports=ports.connect if net.landlock_tcp and network == "ports" else None,
+        bind_ports=ports.bind if net.landlock_tcp and network == "ports" else None,
     )
-    seccomp = plan_seccomp(allow_inet=not (network_off and not use_userns), ipc_namespace=use_userns,
-                           allow_unix=unix_sockets)
+    seccomp = plan_seccomp(allow_inet=net.seccomp_inet, ipc_namespace=use_userns, allow_unix=unix_sockets)
     mounts = None
     labels: dict[str, str] = {}
     if use_userns:
@@ -254,19 +249,7 @@ def plan_session(
     if network == "domains":
         env.update(domains_mod.proxy_env())  # after the policy's: the proxy is the only way out anyway
 
-    if network == "ports":
-        net_mechanism = (f"host network; Landlock TCP: connect to {_ports(ports.connect)}, "
-                         f"bind {_ports(ports.bind)}")
-    elif network == "domains":
-        net_mechanism = (f"network namespace with loopback only; the daemon's filtering proxy "
-                         f"({domains_mod.PROXY_HOST}:{domains_mod.PROXY_PORT}, HTTP CONNECT and plain HTTP "
-                         "to the listed hosts) is the only way out")
-    elif not network_off:
-        net_mechanism = "host network"
-    elif use_userns:
-        net_mechanism = "network namespace with loopback only"
-    else:
-        net_mechanism = "seccomp: no IPv4/IPv6 sockets" + (", Landlock: no TCP bind/connect" if landlock.handled_net else "")
+    net_mechanism = net.mechanism
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
     mode = "full" if not gaps else "degraded"  # of the sandbox; the view's and the network's own caveats follow
     gaps += _filesystem_gaps(minimal_root, unix_sockets, namespaces.net)
@@ -276,18 +259,16 @@ def plan_session(
     if fs.landlock_grants_root and minimal_root:
         gaps.append("filesystem.landlock_grants_root (a layer test): Landlock lets the session read the whole of "
                     "its root; only the root's contents keep the rest out")
-    if not namespaces.net:
+    if not net.namespace:
         # Abstract names live in the network namespace: only a private one hides the host's.
         gaps.append("abstract Unix socket names of the host can be taken (bind) by the session: a program "
                     "of the user's that binds the same name then fails (nothing can be connected to or "
                     "received through them)")
-    if network == "domains":
-        gaps.append("network 'domains' checks the host each request names, not what a tunnel carries: a "
-                    "listed name served by a shared CDN can be fronted for other hosts (SNI, ECH), and a "
-                    "listed host that accepts uploads is a way out for data")
-    if network == "ports":
-        gaps.append("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
-                    "network (Landlock has no rules for them)")
+    gaps += net.caveats
+    if not use_userns:
+        gaps.append("switching the network off without user namespaces: a socket the session set up while on "
+                    "outlives the switch (a sendfile queue in FIN-WAIT keeps sending page-cache pages the off "
+                    "session rewrites afterwards); only a network namespace of its own closes that")
     protections: dict[str, object] = {
         "mode": mode,
         "landlock": {
@@ -299,6 +280,7 @@ def plan_session(
         "seccomp": "enforced",
         "namespaces": {"user": namespaces.user, "mount": namespaces.mount, "pid": namespaces.pid, "net": namespaces.net},
         "network": {"mode": network, "mechanism": net_mechanism,
+                    **({"stack": STACK} if net.stack else {}),
                     **({"connect_ports": ports.connect, "bind_ports": ports.bind} if network == "ports" else {})},
         "worktree": fs.worktree,
         # Every path visible in the session, and how (full mode); the host's root otherwise.
@@ -339,7 +321,9 @@ def plan_session(
     }
     ucounts = plan_ucounts(user_namespace=use_userns, inotify_instances=lim.max_inotify_instances,
                            inotify_watches=lim.max_inotify_watches, fanotify_groups=lim.max_fanotify_groups,
-                           fanotify_marks=lim.max_fanotify_marks)
+                           fanotify_marks=lim.max_fanotify_marks,
+                           # pasta may join it at any switch: room for its own namespaces
+                           network_stack=use_userns and not kernel.network_stack_missing)
     protections["limits"]["kernel_budgets"] = describe_ucounts(ucounts)
     # What a session can still take from budgets it shares with the user (the
     # sandbox's own gaps are the top-level leaves_open).
@@ -363,5 +347,6 @@ def plan_session(
         writable=worktree_rw,
         limits=policy.limits,
         protections=protections,
+        net=net,
         proxy_port=domains_mod.PROXY_PORT if network == "domains" else 0,
     )

@@ -35,8 +35,15 @@ class UcountsPlan(msgspec.Struct, frozen=True):
     maxima: dict[str, int]  # file under /proc/sys/user -> value; empty: nothing to apply
 
 
+# What pasta, joining the session's user namespace to serve its network, makes
+# there to isolate itself (a mount, IPC and UTS namespace), with room for the
+# previous one's namespaces being freed (the kernel frees an IPC namespace
+# later, from a workqueue) when a switch starts a new one.
+STACK_NAMESPACES = {"mnt": 4, "ipc": 4, "uts": 4}
+
+
 def plan_ucounts(*, user_namespace: bool, inotify_instances: int, inotify_watches: int,
-                 fanotify_groups: int, fanotify_marks: int) -> UcountsPlan:
+                 fanotify_groups: int, fanotify_marks: int, network_stack: bool = False) -> UcountsPlan:
     if not user_namespace:
         return UcountsPlan(maxima={})
     maxima = {
@@ -47,8 +54,10 @@ def plan_ucounts(*, user_namespace: bool, inotify_instances: int, inotify_watche
     }
     # The session makes no namespace of its own (seccomp refuses it anyway):
     # none of the user's namespace budget is the session's.
+    # The session's own processes still make none (seccomp); pasta, which
+    # the daemon runs in that user namespace, needs a few (network_stack).
     for kind in ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time"):
-        maxima[f"max_{kind}_namespaces"] = 0
+        maxima[f"max_{kind}_namespaces"] = STACK_NAMESPACES.get(kind, 0) if network_stack else 0
     return UcountsPlan(maxima=maxima)
 
 

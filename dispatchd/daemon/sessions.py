@@ -41,12 +41,12 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import cgroups, domains, gitdirs, gitsnapshot
+from dispatchd.confine import cgroups, domains, gitdirs, gitsnapshot, netstack
 from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon import exits, gitidentity, leftovers, lifetimes, watchdog
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
-from dispatchd.daemon.spawn import Worker, ZygoteClient
+from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
 from dispatchd.kernel import KernelFeatures
@@ -79,6 +79,9 @@ class Session:
         self.protections: dict[str, object] = {}
         self.cgroup = ""  # its cgroup, made at the first start, removed at the end
         self.worker: Worker | None = None
+        self.net: netstack.NetworkPlan | None = None  # how its network is held now
+        self.stack: netstack.Stack | None = None  # its user-mode stack, while one runs
+        self.ns_fds: tuple[int, int] | None = None  # its user and network namespaces (netstack.open_namespaces)
         self.control: protocol.FrameSocket | None = None
         self.lock = threading.Lock()  # one attach or switch at a time
         self.send_lock = threading.Lock()  # one message at a time on the control channel
@@ -388,7 +391,17 @@ class SessionManager:
             raise
         log.debug("event=worker_ready session=%s pid=%s steps_ms=%s", session.id, msg.pid,
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
-        session.worker, session.control = worker, control
+        session.worker = worker
+        try:
+            self._apply_network(session, plan.net)
+        except BaseException:
+            self._stop_network(session)
+            session.worker = None
+            worker.signal(signal.SIGKILL)
+            worker.close()
+            control.close()
+            raise
+        session.control = control
         session.network = network
         session.protections = msg.protections
         session.generation += 1
@@ -396,6 +409,71 @@ class SessionManager:
         log.debug("event=worker_started session=%s total_ms=%.2f", session.id, (time.perf_counter() - started) * 1e3)
         threading.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
                          daemon=True, name=f"watch-{session.id}").start()
+
+    # --- the session's network (confine/netstack.py) ------------------------------
+
+    def _namespaces(self, session: Session) -> tuple[int, int]:
+        if session.ns_fds is None:
+            assert session.worker is not None
+            session.ns_fds = netstack.open_namespaces(session.worker.pid, session.worker.pidfd)
+        return session.ns_fds
+
+    def _apply_network(self, session: Session, new: netstack.NetworkPlan | None) -> None:
+        """Bring the session's namespace to ``new``, keeping its processes: the
+        stack ended first when the new mode has none (killed and reaped before
+        this returns), the rules committed before a stack starts."""
+        old, session.net = session.net, new
+        if new is None or not new.namespace:
+            return
+        if not new.stack and session.stack is not None:
+            session.stack.stop()
+            session.stack = None
+        if new.rules != (old.rules if old is not None else ""):
+            try:
+                self.zygote.net_rules(new.rules or netstack.nft_rules(new.mode, session.ports),
+                                      *self._namespaces(session))
+            except SpawnError as exc:
+                raise ConfinementError("network: nftables", detail=str(exc)) from exc
+        if new.stack and session.stack is None:
+            session.stack = netstack.start_stack(*self._namespaces(session))
+            log.debug("event=stack_started session=%s pid=%s", session.id, session.stack.pid)
+
+    def _stop_network(self, session: Session) -> None:
+        if session.stack is not None:
+            session.stack.stop()
+            session.stack = None
+        if session.ns_fds is not None:
+            for fd in session.ns_fds:
+                os.close(fd)
+            session.ns_fds = None
+        session.net = None
+
+    def _switch_in_place(self, session: Session, network: str) -> str | None:
+        """Switch without replacing the sandbox when the old and the new mode
+        are both held in the session's own namespace; the reply's note, or None
+        when the sandbox must be replaced (see ``netstack.switch_in_place``)."""
+        old = session.net
+        plan = self._plan(session, network)
+        if old is None or plan.net is None or not netstack.switch_in_place(old, plan.net) \
+                or session.worker is None:
+            return None
+        self._apply_network(session, plan.net)
+        if session.proxy is not None:
+            session.proxy.configure(network, session.domains)  # refuses all outside "domains"
+        protections = dict(plan.protections)
+        protections["absent_paths"] = session.protections.get("absent_paths", [])
+        session.protections = protections
+        session.network = network
+        kept = _count_session_processes(session)
+        if network == "off":
+            cut = (f"its way out ({netstack.STACK}) was stopped: every connection outside the session is cut; "
+                   "servers inside still serve the session's own clients")
+        elif network == "ports":
+            cut = ("nftables in its namespace now lets out only TCP, MPTCP and UDP to ports "
+                   f"{', '.join(map(str, session.ports.connect)) or 'none'}: connections to any other are cut")
+        else:
+            cut = f"out through {netstack.STACK}, any port"
+        return f"network {network}: switched in place, {kept} process(es) of the session kept; {cut}"
 
     def _start_proxy(self, session: Session, plan: SessionPlan, msg: protocol.WorkerReady,
                      control: protocol.FrameSocket) -> None:
@@ -474,6 +552,8 @@ class SessionManager:
 
     def _stop_worker(self, session: Session) -> None:
         worker, control = session.worker, session.control
+        # The way out goes first: from here no byte of the session leaves.
+        self._stop_network(session)
         session.worker = session.control = None
         if session.proxy is not None:
             session.proxy.stop()  # nothing relayed for the old sandbox from here on
@@ -673,10 +753,12 @@ class SessionManager:
 
     def set_network(self, sid: str, network: str, ports: list[int] | None = None,
                     bind_ports: list[int] | None = None, domain_list: list[str] | None = None) -> Session:
-        """Switch by replacing the sandbox: every process of the session is ended,
-        so nothing started under the old setting keeps its connections. From
-        "domains" to "domains" (a new list) the sandbox stays: the proxy closes
-        the connections the new list does not allow before this returns."""
+        """Between off, on and ports in the session's own namespace: in place,
+        its processes kept (``_switch_in_place``). Otherwise by replacing the
+        sandbox: every process of the session is ended, so nothing started under
+        the old setting keeps its connections. From "domains" to "domains" (a
+        new list) the sandbox stays: the proxy closes the connections the new
+        list does not allow before this returns."""
         rules = _check_network(network, ports, bind_ports, domain_list)
         session = self.get(sid)
         with session.lock:
@@ -697,6 +779,22 @@ class SessionManager:
             except ConfinementError:
                 session.ports, session.domains = old_ports, old_domains
                 raise
+            try:
+                note = self._switch_in_place(session, network)
+            except BaseException:
+                # Half switched (a stack that did not start, rules nft refused):
+                # end the session rather than leave it in a state nobody asked for.
+                session.closed = True
+                session.generation += 1
+                self._stop_worker(session)
+                self._remove_cgroup(session)
+                self._forget(session)
+                shutil.rmtree(session.scratch, ignore_errors=True)
+                raise
+            if note is not None:
+                session.note = note
+                log.info("event=session_network session=%s network=%s in_place=1", sid, network)
+                return session
             ended = _count_session_processes(session)
             session.generation += 1
             self._stop_worker(session)
@@ -704,8 +802,8 @@ class SessionManager:
             self._sweep_temp_files(session)
             try:
                 self._start_worker(session, network)
-                session.note = (f"network {network}: the sandbox was replaced; {ended} process(es) "
-                                "the session had started were ended")
+                session.note = (f"network {network}: the sandbox was replaced ({self._why_replaced(session)}); "
+                                f"{ended} process(es) the session had started were ended")
             except ConfinementError:
                 # The new setting cannot be enforced: stay closed rather than
                 # leave the session running under a setting nobody asked for.
@@ -727,6 +825,12 @@ class SessionManager:
                 raise
         log.info("event=session_network session=%s network=%s ended=%s", sid, network, ended)
         return session
+
+    def _why_replaced(self, session: Session) -> str:
+        if not session.protections.get("namespaces", {}).get("user"):
+            return "no user namespaces: the network is held by seccomp and Landlock, fixed at the start"
+        return ("the network is on the host's, not in a namespace of its own "
+                f"({self.kernel.network_stack_missing or self.kernel.nftables_missing or 'see status'})")
 
     def _ended_error(self, session: Session) -> SessionError:
         """The session's worker is gone: wait (briefly) for its watcher to say why."""

@@ -66,6 +66,21 @@ class ZygoteClient:
                 raise SpawnError(reply.message)
             return Worker(reply.pid, self._frames.take_fd())
 
+    def net_rules(self, rules: str, userns_fd: int, netns_fd: int) -> None:
+        """Commit nftables ``rules`` in a session's namespaces (see
+        ``netstack.apply_rules_in``); raises ``SpawnError`` with nft's message."""
+        with self._lock:
+            self._next += 1
+            try:
+                self._frames.send(protocol.NetRules(id=self._next, rules=rules), fds=[userns_fd, netns_fd])
+                reply = self._frames.recv(protocol.zygote_reply_decoder)
+            except (OSError, protocol.ProtocolError) as exc:
+                raise SpawnError(f"the fork server is not answering: {exc}") from exc
+            if reply is None:
+                raise SpawnError("the fork server has exited")
+            if isinstance(reply, protocol.ErrorReply):
+                raise SpawnError(reply.message)
+
     def stop(self) -> None:
         self._frames.close()
         try:

@@ -24,7 +24,7 @@ from typing import NoReturn
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import hygiene, seccomp
+from dispatchd.confine import hygiene, netstack, seccomp
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.worker import server as _server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session import run_session
@@ -66,6 +66,42 @@ def _sweep_orphans(workers: set[int]) -> None:
                 pass
 
 
+def _net_rules(req: protocol.NetRules, frames: protocol.FrameSocket) -> protocol.OkReply | protocol.ErrorReply:
+    """Commit a session's nftables rules from a child that joins its
+    namespaces: setns into a user namespace needs a single-threaded caller,
+    which a fork of this process is, and the child (never the session) holds
+    the capability there. Waited for here: a few milliseconds."""
+    try:
+        userns_fd, netns_fd = frames.take_fd(), frames.take_fd()
+    except protocol.ProtocolError as exc:
+        return protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc))
+    err_r, err_w = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(err_r)
+                error = netstack.apply_rules_in(userns_fd, netns_fd, req.rules)
+                os.write(err_w, error.encode()[:4000])
+                os._exit(1 if error else 0)
+            finally:
+                os._exit(2)
+        os.close(err_w)
+        err_w = -1
+        chunks = []
+        while chunk := os.read(err_r, 4096):
+            chunks.append(chunk)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        for fd in (userns_fd, netns_fd, err_r, err_w):
+            if fd >= 0:
+                os.close(fd)
+    if os.waitstatus_to_exitcode(status) == 0:
+        return protocol.OkReply(id=req.id)
+    message = b"".join(chunks).decode(errors="replace") or f"the rules child ended with status {status}"
+    return protocol.ErrorReply(id=req.id, code="spawn_failed", message=message)
+
+
 def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
     hygiene.die_with_parent(daemon_pid)
     # Nothing of the daemon's but our channel (not its listening socket, not
@@ -94,6 +130,9 @@ def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
             os._exit(1)
         if req is None:
             os._exit(0)  # the daemon has gone
+        if isinstance(req, protocol.NetRules):
+            frames.send(_net_rules(req, frames))
+            continue
         control_fd = frames.take_fd()
         try:
             worktree_fd = frames.take_fd()  # the daemon's checked O_PATH descriptor of the worktree

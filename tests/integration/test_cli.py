@@ -296,8 +296,8 @@ def test_call_a_tool_the_policy_does_not_offer_exits_2(daemon: Daemon, client: d
 def test_network_prints_the_new_state(daemon: Daemon, client: dispatch.Client, sid: str) -> None:
     out = run(daemon, "network", sid, "on")
     assert (out.returncode, out.stdout) == (0, "on\n")
-    # The switch replaces the sandbox; a note on stderr, one line, says so.
-    assert out.stderr.startswith("dispatch: network on: the sandbox was replaced") and out.stderr.count("\n") == 1
+    # The switch happens in place (the session's own namespace, pasta started); a note on stderr, one line, says so.
+    assert out.stderr.startswith("dispatch: network on: switched in place") and out.stderr.count("\n") == 1
     assert [s["network"] for s in client.list_sessions() if s["id"] == sid] == ["on"]
     out = run(daemon, "network", sid, "off")
     assert (out.returncode, out.stdout) == (0, "off\n")
@@ -364,6 +364,7 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
                       "(no cpu controller); file size 8 GiB")
     assert "tcp: not handled" not in out.stdout and "not handled" not in out.stdout
     assert "(per-session cgroups: no: " in lines[1]
+    assert "network stack (pasta): yes; nftables for ports: yes" in lines[1]
 
 
 def test_status_json(daemon: Daemon, sid: str) -> None:

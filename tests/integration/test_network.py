@@ -1,9 +1,11 @@
 """Network per session, in both modes: off, on, ports, and switching at run time.
 
 The listeners are real, on 127.0.0.1, started by the test outside any sandbox.
-"full" is a daemon with user namespaces (network off = a namespace with only
-loopback); "degraded" is a daemon started with --no-user-namespaces (network
-off = seccomp refusing IPv4/IPv6 sockets, and Landlock TCP rules).
+"full" is a daemon with user namespaces: every session has a network namespace
+of its own, "on" and "ports" reach out through pasta, and the host's loopback
+is the gateway address (10.0.2.2); "degraded" is a daemon started with
+--no-user-namespaces (the host's network; network off = seccomp refusing
+IPv4/IPv6 sockets, and Landlock TCP rules).
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ import pytest
 import dispatch
 from tests.conftest import probe, shell
 
-ECONNREFUSED, EPERM, EACCES = 111, 1, 13
+ECONNREFUSED, EPERM, EACCES, ENETUNREACH, EHOSTUNREACH = 111, 1, 13, 101, 113
+# Where a session reaches the host's loopback.
+HOST = {"full": "10.0.2.2", "degraded": "127.0.0.1"}
+# What reaching it answers once the network is off.
+REFUSED = {"full": f"error {ENETUNREACH}", "degraded": f"error {EPERM}"}
 
 
 class TcpListener:
@@ -93,24 +99,24 @@ def udp() -> Iterator[UdpListener]:
     listener.close()
 
 
-def tcp_probe(port: int) -> str:
+def tcp_probe(port: int, host: str = "127.0.0.1") -> str:
     return (
         "import socket\n"
         "try:\n"
-        f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        f"    s = socket.create_connection(({host!r}, {port}), timeout=2)\n"
         "    print('connected', s.recv(10).decode().strip())\n"
         "except OSError as e:\n"
         "    print('error', e.errno)\n"
     )
 
 
-def udp_probe(port: int) -> str:
+def udp_probe(port: int, host: str = "127.0.0.1") -> str:
     return (
         "import socket\n"
         "try:\n"
         "    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
         "    s.settimeout(1)\n"
-        f"    s.sendto(b'ping', ('127.0.0.1', {port}))\n"
+        f"    s.sendto(b'ping', ({host!r}, {port}))\n"
         "    print('reply', s.recv(100).decode())\n"
         "except TimeoutError:\n"
         "    print('no reply')\n"
@@ -129,11 +135,25 @@ def test_off_reaches_no_tcp_listener_outside(mode_client, worktree: Path, tcp: T
 
 
 def test_on_reaches_the_tcp_listener(mode_client, worktree: Path, tcp: TcpListener) -> None:
-    _, client = mode_client
+    mode, client = mode_client
     with client.open_session(str(worktree), network=True) as s:
-        assert probe(s, tcp_probe(tcp.port)) == "connected hello"
-        assert s.status()["protections"]["network"]["mechanism"] == "host network"
+        assert probe(s, tcp_probe(tcp.port, HOST[mode])) == "connected hello"
+        net = s.status()["protections"]["network"]
+        if mode == "full":
+            assert net["stack"] == "pasta" and net["mechanism"].startswith("own network namespace, out through pasta")
+            assert not any("abstract Unix" in gap for gap in s.status()["protections"]["leaves_open"])
+        else:
+            assert net["mechanism"] == "host network"
     assert tcp.accepted == 1
+
+
+def test_on_has_a_loopback_of_its_own_in_full_mode(mode_client, worktree: Path, tcp: TcpListener) -> None:
+    """The host's services on 127.0.0.1 are reached at the gateway address,
+    never at the session's own 127.0.0.1 (pasta forwards no loopback port)."""
+    mode, client = mode_client
+    with client.open_session(str(worktree), network=True) as s:
+        expected = f"error {ECONNREFUSED}" if mode == "full" else "connected hello"
+        assert probe(s, tcp_probe(tcp.port, "127.0.0.1")) == expected
 
 
 def test_off_reaches_no_udp_listener_outside(mode_client, worktree: Path, udp: UdpListener) -> None:
@@ -147,9 +167,9 @@ def test_off_reaches_no_udp_listener_outside(mode_client, worktree: Path, udp: U
 
 
 def test_on_reaches_the_udp_listener(mode_client, worktree: Path, udp: UdpListener) -> None:
-    _, client = mode_client
+    mode, client = mode_client
     with client.open_session(str(worktree), network=True) as s:
-        assert probe(s, udp_probe(udp.port)) == "reply echo:ping"
+        assert probe(s, udp_probe(udp.port, HOST[mode])) == "reply echo:ping"
     assert udp.received == [b"ping"]
 
 
@@ -176,13 +196,15 @@ def test_off_reaches_no_abstract_socket(mode_client, worktree: Path) -> None:
 
 
 def test_ports_reaches_a_listed_port_and_not_another(mode_client, worktree: Path, tcp: TcpListener) -> None:
-    _, client = mode_client
+    mode, client = mode_client
     other = TcpListener()
     try:
         with client.open_session(str(worktree), network="ports", ports=[tcp.port]) as s:
             assert s.network_mode == "ports"
-            assert probe(s, tcp_probe(tcp.port)) == "connected hello"
-            assert probe(s, tcp_probe(other.port)) == f"error {EACCES}"  # Landlock's TCP rule
+            assert probe(s, tcp_probe(tcp.port, HOST[mode])) == "connected hello"
+            # nftables in the session's namespace (admin-prohibited); Landlock's TCP rule in degraded mode
+            denied = f"error {EHOSTUNREACH}" if mode == "full" else f"error {EACCES}"
+            assert probe(s, tcp_probe(other.port, HOST[mode])) == denied
             net = s.status()["protections"]["network"]
             assert net["connect_ports"] == [tcp.port] and net["bind_ports"] == []
         assert other.accepted == 0
@@ -191,7 +213,7 @@ def test_ports_reaches_a_listed_port_and_not_another(mode_client, worktree: Path
 
 
 def test_ports_refuses_binding_an_unlisted_port(mode_client, worktree: Path) -> None:
-    _, client = mode_client
+    mode, client = mode_client
     code = ("import socket\nfor port in (0, {p}):\n    s = socket.socket()\n    try:\n"
             "        s.bind(('127.0.0.1', port)); print('bound', port)\n"
             "    except OSError as e:\n        print('error', e.errno)\n    s.close()\n")
@@ -201,8 +223,13 @@ def test_ports_refuses_binding_an_unlisted_port(mode_client, worktree: Path) -> 
     free.close()
     with client.open_session(str(worktree), network="ports", ports=[], bind_ports=[port]) as s:
         out = probe(s, code.replace("{p}", str(port)))
-    # Binding port 0 asks for any port: not listed, refused; the listed one works.
-    assert out.splitlines() == [f"error {EACCES}", f"bound {port}"]
+    if mode == "full":
+        # In its own namespace a listener is private to the session (nothing
+        # is forwarded in): any port may be bound.
+        assert out.splitlines()[1] == f"bound {port}" and out.splitlines()[0].startswith("bound ")
+    else:
+        # Binding port 0 asks for any port: not listed, refused; the listed one works.
+        assert out.splitlines() == [f"error {EACCES}", f"bound {port}"]
 
 
 def test_a_server_inside_an_off_session_answers_a_client_inside(mode_client, worktree: Path) -> None:
@@ -223,13 +250,13 @@ def test_a_server_inside_an_off_session_answers_a_client_inside(mode_client, wor
 
 def test_off_on_off_in_one_session(mode_client, worktree: Path, tcp: TcpListener) -> None:
     mode, client = mode_client
-    refused = f"error {ECONNREFUSED}" if mode == "full" else f"error {EPERM}"
+    host, refused = HOST[mode], REFUSED[mode]
     with client.open_session(str(worktree), network=False) as s:
-        assert probe(s, tcp_probe(tcp.port)) == refused
+        assert probe(s, tcp_probe(tcp.port, host)) == refused
         assert s.set_network(True) is True
-        assert probe(s, tcp_probe(tcp.port)) == "connected hello"
+        assert probe(s, tcp_probe(tcp.port, host)) == "connected hello"
         assert s.set_network(False) is False
-        assert probe(s, tcp_probe(tcp.port)) == refused
+        assert probe(s, tcp_probe(tcp.port, host)) == refused
         assert s.status()["network"]["mode"] == "off"
     assert tcp.accepted == 1
 
@@ -238,21 +265,21 @@ def test_two_sessions_switch_independently(mode_client, tmp_path: Path, tcp: Tcp
     mode, client = mode_client
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
-    refused = f"error {ECONNREFUSED}" if mode == "full" else f"error {EPERM}"
+    host, refused = HOST[mode], REFUSED[mode]
     with client.open_session(str(a), network=False) as sa, client.open_session(str(b), network=False) as sb:
         sa.set_network(True)
-        assert probe(sa, tcp_probe(tcp.port)) == "connected hello"
-        assert probe(sb, tcp_probe(tcp.port)) == refused
+        assert probe(sa, tcp_probe(tcp.port, host)) == "connected hello"
+        assert probe(sb, tcp_probe(tcp.port, host)) == refused
         sb.set_network(True)
         sa.set_network(False)
-        assert probe(sa, tcp_probe(tcp.port)) == refused
-        assert probe(sb, tcp_probe(tcp.port)) == "connected hello"
+        assert probe(sa, tcp_probe(tcp.port, host)) == refused
+        assert probe(sb, tcp_probe(tcp.port, host)) == "connected hello"
 
 
 def test_a_background_process_started_while_on_cannot_reach_after_off(mode_client, worktree: Path, tcp: TcpListener) -> None:
-    _, client = mode_client
+    mode, client = mode_client
     loop = ("import socket, time\nwhile True:\n    try:\n"
-            f"        socket.create_connection(('127.0.0.1', {tcp.port}), timeout=1).close()\n"
+            f"        socket.create_connection(({HOST[mode]!r}, {tcp.port}), timeout=1).close()\n"
             "        print('ok', flush=True)\n    except OSError as e:\n        print('error', e.errno, flush=True)\n"
             "    time.sleep(0.05)\n")
     Path(worktree, "loop.py").write_text(loop)
@@ -264,12 +291,45 @@ def test_a_background_process_started_while_on_cannot_reach_after_off(mode_clien
         assert tcp.accepted >= 3  # the background process does reach it while on
         s.set_network(False)
         after = tcp.accepted
-        assert "process(es) the session had started were ended" in s.status()["note"]
         size = Path(worktree, "loop.log").stat().st_size
         time.sleep(0.5)
         assert tcp.accepted == after  # nothing of the session reaches it any more
-        assert Path(worktree, "loop.log").stat().st_size == size  # the process is gone
-        assert "python3 loop.py" not in shell(s, "ps ax -o args").metadata["stdout"]
+        if mode == "full":
+            # Switched in place: the process lives on, and fails to reach out.
+            assert "switched in place, 1 process(es) of the session kept" in s.status()["note"]
+            assert "every connection outside the session is cut" in s.status()["note"]
+            # (a connect in flight at the switch times out after its 1 s; the next fail at once)
+            deadline = time.monotonic() + 5
+            while f"error {ENETUNREACH}" not in Path(worktree, "loop.log").read_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert f"error {ENETUNREACH}" in Path(worktree, "loop.log").read_text()
+            assert tcp.accepted == after
+            assert "python3 loop.py" in shell(s, "ps ax -o args").metadata["stdout"]
+        else:
+            assert "process(es) the session had started were ended" in s.status()["note"]
+            assert "no user namespaces" in s.status()["note"]
+            assert Path(worktree, "loop.log").stat().st_size == size  # the process is gone
+            assert "python3 loop.py" not in shell(s, "ps ax -o args").metadata["stdout"]
+
+
+def test_a_server_started_while_on_keeps_serving_the_session_after_off(mode_client, worktree: Path) -> None:
+    mode, client = mode_client
+    server = ("import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              "s.bind(('127.0.0.1', 47124)); s.listen(8)\nwhile True:\n"
+              "    c, _ = s.accept(); c.sendall(b'still\\n'); c.close()\n")
+    Path(worktree, "server.py").write_text(server)
+    with client.open_session(str(worktree), network=True) as s:
+        assert shell(s, "nohup python3 server.py > server.log 2>&1 & sleep 0.5").is_success
+        assert probe(s, tcp_probe(47124)) == "connected still"
+        assert s.set_network(False) is False
+        if mode == "degraded":
+            # The sandbox was replaced (no namespace to switch in place): the server is gone.
+            assert probe(s, tcp_probe(47124)) == f"error {EPERM}"
+            return
+        assert probe(s, tcp_probe(47124)) == "connected still"
+        s.set_network("ports", ports=[])
+        assert s.network_mode == "ports"
+        assert probe(s, tcp_probe(47124)) == "connected still"  # the session's own loopback is not filtered
 
 
 def test_unknown_network_mode_is_refused(mode_client, worktree: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 from dispatchd.confine.landlock import LandlockPlan, PathRule
 from dispatchd.confine.mounts import WORKTREE_FD, Bind, MountPlan
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
+from dispatchd.confine.netstack import NetworkPlan, nft_rules, switch_in_place
 from dispatchd.confine.plan import NetworkPorts, SessionPaths, SessionPlan, plan_session
 from dispatchd.confine.seccomp import plan_seccomp
 from dispatchd.errors import ConfinementError
@@ -53,12 +54,28 @@ UNIX_NET_GAP = ("Unix sockets are refused (socket(AF_UNIX): EPERM; stream socket
                 "in); with the network off they work")
 PORTS_GAP = ("network 'ports' restricts TCP only: UDP (DNS included) and ICMP reach the host's "
              "network (Landlock has no rules for them)")
+PORTS_GAP = ("network 'ports' restricts TCP only (Landlock): UDP (DNS included) and ICMP reach the "
+             "host's network, and an MPTCP socket or a TCP Fast Open sendto connects to any port")
+SWITCH_GAP = ("switching the network off without user namespaces: a socket the session set up while on "
+              "outlives the switch (a sendfile queue in FIN-WAIT keeps sending page-cache pages the off "
+              "session rewrites afterwards); only a network namespace of its own closes that")
+NO_STACK = "pasta is not installed (Debian: apt install passt)"
+
+
+def fallback_gap(mode: str, why: str = f"no user-mode network stack ({NO_STACK})") -> str:
+    return (f"network {mode!r} uses the host's network, not a namespace of its own: {why}; "
+            "a socket set up while on outlives a switch to off (a sendfile queue keeps sending pages "
+            "the session rewrites afterwards), and the switch replaces the sandbox")
+
+
+VIA_PASTA = "own network namespace, out through pasta (the host's loopback is 10.0.2.2)"
 HYGIENE = ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
            "dies with its parent", "not dumpable"]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def kernel(abi: int = 7, userns: bool = True, seccomp: bool = True) -> KernelFeatures:
+def kernel(abi: int = 7, userns: bool = True, seccomp: bool = True, stack: bool = True,
+           nft: bool = True) -> KernelFeatures:
     return KernelFeatures(
         release="6.8.0-test",
         landlock_abi=abi,
@@ -69,6 +86,8 @@ def kernel(abi: int = 7, userns: bool = True, seccomp: bool = True) -> KernelFea
         if seccomp else [],
         cgroup2="/sys/fs/cgroup",
         cgroup_delegation="no: controllers pids, memory are not available in /sys/fs/cgroup (it has: none)",
+        network_stack_missing="" if stack else NO_STACK,
+        nftables_missing="" if nft else "libnftables is not installed (Debian: apt install nftables)",
     )
 
 
@@ -158,19 +177,33 @@ def test_tmp_and_dev_shm_are_granted_only_with_a_mount_namespace():
 
 def test_full_mode_network_on():
     got = plan(network="on")
-    assert got.namespaces == NamespacePlan(user=True, mount=True, pid=True, net=False, uid=UID, gid=GID)
-    assert got.loopback is False
-    assert got.landlock.handled_net == 0
-    assert got.landlock.tcp_ports == []
-    # The host's network namespace: an abstract name the session listened on
-    # would take the user's programs' connections, so no socket(AF_UNIX).
-    assert got.seccomp == plan_seccomp(allow_inet=True, allow_unix=False)
+    # A namespace of its own, as with "off": the same sandbox, so a switch keeps its processes.
+    assert got.namespaces == NamespacePlan(user=True, mount=True, pid=True, net=True, uid=UID, gid=GID)
+    assert got.loopback is True
+    assert got.landlock == plan().landlock
+    assert got.seccomp == plan_seccomp(allow_inet=True, allow_unix=True)  # its own namespace: Unix sockets too
     assert got.mounts is not None
-    assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
+    assert got.net == NetworkPlan("on", namespace=True, stack=True, rules="", landlock_tcp=False,
+                                  seccomp_inet=True, mechanism=VIA_PASTA)
+    assert got.protections["network"] == {"mode": "on", "mechanism": VIA_PASTA, "stack": "pasta"}
     assert got.protections["landlock"]["tcp"] == "not handled"  # type: ignore[index]
     assert got.protections["mode"] == "full"
-    assert got.protections["unix_sockets"] == "refused (seccomp: socket(AF_UNIX) -> EPERM)"
-    assert got.protections["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP]
+    assert got.protections["leaves_open"] == []
+
+
+def test_full_mode_network_on_without_a_stack_falls_back_to_the_host_network_and_says_so():
+    got = plan(k=kernel(stack=False), network="on")
+    assert got.namespaces == NamespacePlan(user=True, mount=True, pid=True, net=False, uid=UID, gid=GID)
+    assert got.loopback is False
+    assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
+    assert got.protections["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP, fallback_gap("on")]
+    assert got.seccomp == plan_seccomp(allow_inet=True, allow_unix=False)  # the host's abstract names
+    # "off" needs no stack: unchanged, but for the room left for pasta's namespaces.
+    without = plan(k=kernel(stack=False))
+    assert msgspec.structs.replace(without, ucounts=plan().ucounts) == plan()
+    assert without.ucounts.maxima["max_mnt_namespaces"] == 0
+    assert plan().ucounts.maxima["max_mnt_namespaces"] == 4  # pasta joins the session's user namespace
+    assert plan().ucounts.maxima["max_user_namespaces"] == 0 and plan().ucounts.maxima["max_net_namespaces"] == 0
 
 
 def test_full_mode_below_abi_6_is_degraded_for_want_of_scopes():
@@ -267,7 +300,7 @@ def test_degraded_mode_network_off():
                                         paths=landlock_paths(userns=False), tcp_ports=[])
     prot = got.protections
     assert prot["mode"] == "degraded"
-    assert prot["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP]
+    assert prot["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
     assert prot["unix_sockets"] == "refused (seccomp: socket(AF_UNIX) -> EPERM)"
     assert "chmod" in prot["leaves_open"][0]  # type: ignore[index]
     assert prot["namespaces"] == {"user": False, "mount": False, "pid": False, "net": False}
@@ -283,7 +316,7 @@ def test_degraded_mode_network_on():
     assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False)
     assert got.landlock.handled_net == 0
     assert got.protections["network"] == {"mode": "on", "mechanism": "host network"}
-    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP]
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
 
 
 def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
@@ -294,7 +327,7 @@ def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
     assert got.landlock.scoped == 0
     assert got.protections["network"] == {"mode": "off", "mechanism": "seccomp: no IPv4/IPv6 sockets"}
     assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SCOPES_GAP, META_GAP,
-                                              UNIX_GAP, ABSTRACT_GAP]
+                                              UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
     assert got.protections["landlock"]["tcp"] == "not handled"  # type: ignore[index]
 
 
@@ -414,8 +447,9 @@ def test_domains_without_a_network_namespace_is_refused(k: KernelFeatures, polic
 # -- network "ports" -----------------------------------------------------------------
 
 
-def test_ports_needs_landlock_abi_4():
-    err = refused(k=kernel(abi=3), network="ports")
+def test_ports_needs_landlock_abi_4_where_landlock_holds_it():
+    assert plan(k=kernel(abi=6), network="ports").net.rules  # nftables holds it in the namespace
+    err = refused(k=kernel(abi=3, stack=False), network="ports")
     assert err.step == "network"
     assert err.message == ("cannot apply network: network 'ports' needs Landlock TCP rules (ABI 4); "
                            "this kernel offers ABI 3")
@@ -423,6 +457,57 @@ def test_ports_needs_landlock_abi_4():
 
 def test_ports_in_full_mode():
     got = plan(network="ports", ports=NetworkPorts(connect=[443, 80], bind=[8080]))
+    assert got.namespaces.net is True
+    assert got.landlock == plan().landlock and got.seccomp == plan().seccomp  # the same sandbox as off and on
+    assert got.net is not None and got.net.stack and not got.net.landlock_tcp
+    assert got.net.rules == nft_rules("ports", NetworkPorts(connect=[443, 80], bind=[8080]))
+    mechanism = (f"{VIA_PASTA}; nftables in it: TCP, MPTCP and UDP out only to 443, 80; "
+                 "listening on any port, reachable from inside the session only")
+    assert got.protections["network"] == {"mode": "ports", "mechanism": mechanism, "stack": "pasta",
+                                          "connect_ports": [443, 80], "bind_ports": [8080]}
+    assert got.protections["mode"] == "full"
+    assert got.protections["leaves_open"] == []
+
+
+def test_nft_rules():
+    assert nft_rules("on", NetworkPorts(connect=[1])) == "add table inet dispatchd\ndelete table inet dispatchd\n"
+    assert nft_rules("ports", NetworkPorts(connect=[443, 53])) == (
+        "add table inet dispatchd\ndelete table inet dispatchd\n"
+        "table inet dispatchd {\n"
+        "    chain output {\n"
+        "        type filter hook output priority 0; policy accept;\n"
+        '        oif "lo" accept\n'
+        "        meta l4proto { tcp, udp } th dport { 443, 53 } accept\n"
+        "        reject with icmpx admin-prohibited\n"
+        "    }\n"
+        "}\n")
+    assert "th dport" not in nft_rules("ports", NetworkPorts(connect=[]))
+
+
+@pytest.mark.parametrize(("old", "new", "in_place"), [
+    ("off", "on", True), ("on", "off", True), ("on", "ports", True), ("ports", "off", True),
+])
+def test_switches_in_place_within_the_namespace(old: str, new: str, in_place: bool):
+    a, b = plan(network=old).net, plan(network=new).net
+    assert a is not None and b is not None
+    assert switch_in_place(a, b) is in_place
+    # Without a stack, "on" is the host's network: the sandbox must be replaced.
+    a, b = plan(k=kernel(stack=False), network=old).net, plan(k=kernel(stack=False), network=new).net
+    assert a is not None and b is not None and switch_in_place(a, b) is False
+    a, b = plan(k=kernel(userns=False), network=old).net, plan(k=kernel(userns=False), network=new).net
+    assert a is not None and b is not None and switch_in_place(a, b) is False
+
+
+def test_ports_without_nftables_falls_back_to_landlock_and_says_so():
+    got = plan(k=kernel(nft=False), network="ports", ports=NetworkPorts(connect=[443], bind=[]))
+    assert got.namespaces.net is False
+    assert got.landlock.tcp_ports == [(443, 2)]
+    why = "no nftables to hold 'ports' in the session's namespace (libnftables is not installed (Debian: apt install nftables))"
+    assert got.protections["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP, fallback_gap("ports", why), PORTS_GAP]
+
+
+def test_ports_in_full_mode_without_a_stack():
+    got = plan(k=kernel(stack=False), network="ports", ports=NetworkPorts(connect=[443, 80], bind=[8080]))
     assert got.namespaces.net is False
     assert got.seccomp == plan_seccomp(allow_inet=True)
     assert got.landlock.handled_net == 3
@@ -430,15 +515,16 @@ def test_ports_in_full_mode():
     assert got.protections["network"] == {
         "mode": "ports", "mechanism": "host network; Landlock TCP: connect to 443, 80, bind 8080",
         "connect_ports": [443, 80], "bind_ports": [8080]}
-    # The sandbox itself is whole; the network's caveat is listed all the same.
+    # The sandbox itself is whole; the network's caveats are listed all the same.
     assert got.protections["mode"] == "full"
-    assert got.protections["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP, PORTS_GAP]
+    assert got.protections["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP, fallback_gap("ports"), PORTS_GAP]
 
 
 def test_ports_default_to_the_policys():
     policy = Policy(network=Network(default="ports", connect_ports=(22,), bind_ports=()))
-    got = plan(policy, network="ports")
+    got = plan(policy, k=kernel(stack=False), network="ports")
     assert got.landlock.tcp_ports == [(22, 2)]
+    assert "th dport { 22 }" in plan(policy, network="ports").net.rules  # type: ignore[union-attr]
     assert got.protections["network"]["mechanism"] == "host network; Landlock TCP: connect to 22, bind none"  # type: ignore[index]
 
 
@@ -447,7 +533,8 @@ def test_ports_in_degraded_mode():
     assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False)
     assert got.landlock.handled_net == 3
     assert got.landlock.tcp_ports == []
-    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, PORTS_GAP]
+    assert got.protections["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, PORTS_GAP,
+                                              SWITCH_GAP]
 
 
 def test_ports_are_ignored_unless_network_is_ports():

@@ -48,7 +48,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
                     {"daemon_reply"}),
     p.Attached: (p.Attached(id=7, session=INFO, tools=[SCHEMA]), {"daemon_reply"}),
     p.ToolsReply: (p.ToolsReply(id=8, tools=[SCHEMA]), {"daemon_reply"}),
-    p.OkReply: (p.OkReply(id=9), {"daemon_reply", "control"}),
+    p.OkReply: (p.OkReply(id=9), {"daemon_reply", "control", "zygote_reply"}),
     p.ErrorReply: (p.ErrorReply(id=10, code="bad_policy", message="no policy named 'x'"),
                    {"daemon_reply", "worker", "control", "zygote_reply"}),
     p.CallTool: (p.CallTool(id=11, tool="shell_exec", params={"command": "ls -l", "timeout": 1.5, "cwd": None,
@@ -70,6 +70,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.SetCommandEnv: (p.SetCommandEnv(set={"HTTP_PROXY": "http://127.0.0.1:3128"}, unset=["http_proxy"]), {"control"}),
     p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"zygote_request"}),
     p.Spawned: (p.Spawned(id=14, pid=999), {"zygote_reply"}),
+    p.NetRules: (p.NetRules(id=15, rules="add table inet dispatchd"), {"zygote_request"}),
 }
 DECODERS = {
     "daemon_request": p.daemon_request_decoder,
@@ -86,7 +87,7 @@ TAGS = {
     "StatusReply": "status_reply", "Attached": "attached", "ToolsReply": "tools", "OkReply": "ok",
     "ErrorReply": "error", "CallTool": "call_tool", "ToolReply": "tool_reply", "WorkerReady": "worker_ready",
     "WorkerFailed": "worker_failed", "AddChannel": "add_channel", "SpawnWorker": "spawn_worker",
-    "Spawned": "spawned", "AcquireWriteLock": "acquire_write_lock",
+    "Spawned": "spawned", "NetRules": "net_rules", "AcquireWriteLock": "acquire_write_lock",
     "ToolCallsDone": "tool_calls_done", "Drain": "drain", "CancelCall": "cancel_call", "ToolOutput": "tool_output",
     "SetCommandEnv": "set_command_env",
     "ReleaseWriteLock": "release_write_lock", "ForgetWriteLock": "forget_write_lock",

@@ -1,0 +1,298 @@
+"""A session's network: its own namespace in every mode, a user-mode stack for
+the way out, and netfilter rules inside for "ports".
+
+Guarantees, in full mode (user namespaces) with the stack available:
+- every session has a network namespace of its own, whatever its mode; the
+  only way out of it is ``pasta`` (Debian's ``passt``), which the daemon starts outside the
+  sandbox, attached to that namespace (``start_stack``), and ends (SIGKILL,
+  reaped) with the session and on every switch to "off". ``slirp4netns``
+  was measured against it (README "Network"): faster to start, but its own
+  sandbox does not start here, and it would parse the session's packets as
+  the user, unconfined; pasta isolates itself (namespaces, seccomp);
+- with the stack ended, its tap device is gone: the namespace has only its
+  loopback, so nothing the session still holds (a connected or orphaned
+  socket, a ``sendfile`` queue referencing page-cache pages, a UDP socket)
+  has a route out. The stack copies every byte out of its tap into its own
+  buffers, so a page the session rewrites later was never queued outside;
+- "ports" is an nftables table in the session's namespace (``nft_rules``):
+  every packet leaving by the tap to a port not listed is rejected, whatever
+  made it (TCP, MPTCP subflows, a Fast Open SYN, UDP, DNS included). The
+  session cannot touch it: it has no capability, and seccomp refuses setns;
+  the rules are applied by a child of the fork server that joins the
+  session's namespaces (``apply_rules_in``);
+- nothing comes in: pasta forwards no port from the host (``-t none -u
+  none``), and none of the session's loopback to the host's (``-T none -U
+  none``); the host's loopback is reached at the gateway address only.
+
+``plan_network`` is the one place deciding, per mode, which namespace, whether
+the stack runs, which rules apply and what Landlock/seccomp must hold; a new
+mode (``domains``) adds a branch there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import shutil
+import subprocess
+import tempfile
+
+import msgspec
+
+from dispatchd.errors import ConfinementError
+
+STACK = "pasta"
+ADDRESS = "10.0.2.15"  # the session's address on its one interface
+GATEWAY = "10.0.2.2"  # its gateway; pasta maps it to the host's loopback
+DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver
+READY_TIMEOUT_S = 5.0
+TABLE = "dispatchd"
+
+
+class NetworkPorts(msgspec.Struct, frozen=True):
+    """The ports a "ports" session may connect to (TCP, MPTCP, UDP), and bind."""
+
+    connect: list[int]
+    bind: list[int] = []
+
+
+class NetworkPlan(msgspec.Struct, frozen=True):
+    mode: str
+    namespace: bool  # a network namespace of its own
+    stack: bool  # the user-mode stack runs, attached to that namespace
+    rules: str  # nftables ruleset for that namespace ("" for none)
+    landlock_tcp: bool  # Landlock TCP rules hold the mode (no namespace to hold it)
+    seccomp_inet: bool  # IPv4/IPv6 sockets may be made
+    mechanism: str
+    caveats: list[str] = []
+
+
+def _ports(ports: list[int]) -> str:
+    return ", ".join(map(str, ports)) if ports else "none"
+
+
+def nft_rules(mode: str, ports: NetworkPorts) -> str:
+    """The ruleset for a session's namespace, replacing whatever was there
+    (one transaction: add, delete, define)."""
+    reset = f"add table inet {TABLE}\ndelete table inet {TABLE}\n"
+    if mode != "ports":
+        return reset
+    allowed = (f"        meta l4proto {{ tcp, udp }} th dport {{ {', '.join(map(str, ports.connect))} }} accept\n"
+               if ports.connect else "")
+    # admin-prohibited: a TCP connect (MPTCP, Fast Open) fails at once with
+    # EHOSTUNREACH, a datagram with EPERM; a drop would leave connect hanging.
+    return reset + (
+        f"table inet {TABLE} {{\n"
+        "    chain output {\n"
+        "        type filter hook output priority 0; policy accept;\n"
+        '        oif "lo" accept\n'
+        f"{allowed}"
+        "        reject with icmpx admin-prohibited\n"
+        "    }\n"
+        "}\n"
+    )
+
+
+def plan_network(mode: str, *, use_userns: bool, stack_missing: str, nft_missing: str, landlock_abi: int,
+                 ports: NetworkPorts) -> NetworkPlan:
+    """Pure: how a mode is held. ``stack_missing``/``nft_missing`` are "" when
+    available, else why not."""
+    if not use_userns:
+        # Degraded mode: no namespace to give; today's mechanisms.
+        if mode == "off":
+            return NetworkPlan(mode, namespace=False, stack=False, rules="", landlock_tcp=True, seccomp_inet=False,
+                               mechanism="seccomp: no IPv4/IPv6 sockets"
+                               + (", Landlock: no TCP bind/connect" if landlock_abi >= 4 else ""))
+        return _host_network(mode, ports, "")
+    if mode == "off":
+        return NetworkPlan(mode, namespace=True, stack=False, rules="", landlock_tcp=False, seccomp_inet=True,
+                           mechanism="network namespace with loopback only")
+    if mode == "domains":
+        # No stack: the daemon's proxy, reached through a listener the worker
+        # makes on the namespace's loopback, is the only way out (confine/domains.py).
+        from dispatchd.confine import domains
+
+        return NetworkPlan(mode, namespace=True, stack=False, rules="", landlock_tcp=False, seccomp_inet=True,
+                           mechanism=(f"network namespace with loopback only; the daemon's filtering proxy "
+                                      f"({domains.PROXY_HOST}:{domains.PROXY_PORT}, HTTP CONNECT and plain HTTP "
+                                      "to the listed hosts) is the only way out"),
+                           caveats=["network 'domains' checks the host each request names, not what a tunnel "
+                                    "carries: a listed name served by a shared CDN can be fronted for other hosts "
+                                    "(SNI, ECH), and a listed host that accepts uploads is a way out for data"])
+    if stack_missing:
+        return _host_network(mode, ports, f"no user-mode network stack ({stack_missing})")
+    if mode == "ports" and nft_missing:
+        return _host_network(mode, ports, f"no nftables to hold 'ports' in the session's namespace ({nft_missing})")
+    via = f"own network namespace, out through {STACK} (the host's loopback is {GATEWAY})"
+    if mode == "on":
+        return NetworkPlan(mode, namespace=True, stack=True, rules="", landlock_tcp=False, seccomp_inet=True,
+                           mechanism=via)
+    return NetworkPlan(mode, namespace=True, stack=True, rules=nft_rules(mode, ports), landlock_tcp=False,
+                       seccomp_inet=True,
+                       mechanism=f"{via}; nftables in it: TCP, MPTCP and UDP out only to {_ports(ports.connect)}; "
+                                 "listening on any port, reachable from inside the session only")
+
+
+def _host_network(mode: str, ports: NetworkPorts, why: str) -> NetworkPlan:
+    caveats = []
+    if why:
+        caveats.append(f"network {mode!r} uses the host's network, not a namespace of its own: {why}; "
+                       "a socket set up while on outlives a switch to off (a sendfile queue keeps sending pages "
+                       "the session rewrites afterwards), and the switch replaces the sandbox")
+    if mode == "ports":
+        caveats.append("network 'ports' restricts TCP only (Landlock): UDP (DNS included) and ICMP reach the "
+                       "host's network, and an MPTCP socket or a TCP Fast Open sendto connects to any port")
+        return NetworkPlan(mode, namespace=False, stack=False, rules="", landlock_tcp=True, seccomp_inet=True,
+                           mechanism=f"host network; Landlock TCP: connect to {_ports(ports.connect)}, "
+                                     f"bind {_ports(ports.bind)}", caveats=caveats)
+    return NetworkPlan(mode, namespace=False, stack=False, rules="", landlock_tcp=False, seccomp_inet=True,
+                       mechanism="host network", caveats=caveats)
+
+
+def switch_in_place(old: NetworkPlan, new: NetworkPlan) -> bool:
+    """Can a session go from ``old`` to ``new`` keeping its processes? Only
+    when both live in the session's own namespace and neither needs Landlock
+    TCP rules (which cannot be lifted from a running process)."""
+    # "domains" is set up at the worker's start (the proxy's listener, the
+    # proxy variables): to or from it the sandbox is replaced.
+    return (old.namespace and new.namespace and not old.landlock_tcp and not new.landlock_tcp
+            and "domains" not in (old.mode, new.mode))
+
+
+# --- probing (daemon start) ----------------------------------------------------
+
+
+def probe_stack() -> str:
+    """"" when the user-mode stack can run for this user, else why not."""
+    if shutil.which(STACK) is None:
+        return f"{STACK} is not installed (Debian: apt install passt)"
+    try:
+        os.close(os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC))
+    except OSError as exc:
+        return f"/dev/net/tun cannot be opened by this user ({exc.strerror}); a stack needs it"
+    return ""
+
+
+def probe_nft() -> str:
+    try:
+        ctypes.CDLL("libnftables.so.1")
+    except OSError:
+        return "libnftables is not installed (Debian: apt install nftables)"
+    return ""
+
+
+# --- applying (daemon and fork server) -------------------------------------------
+
+
+class Stack:
+    """A running stack for one session, held by the daemon (its parent)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        """Killed and reaped on return: nothing of it moves a byte any more,
+        and its tap device (the namespace's way out) is gone."""
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def start_stack(userns_fd: int, netns_fd: int) -> Stack:
+    """Start the stack attached to a session's namespaces (held by fd, never by
+    pid) and return once the namespace's interface is configured."""
+    # pasta writes its pid file once the namespace's interface is configured:
+    # a pipe as the pid file is the readiness signal.
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+    err = tempfile.TemporaryFile()
+    argv = stack_argv(userns=f"/proc/self/fd/{userns_fd}", netns=f"/proc/self/fd/{netns_fd}",
+                      ready=f"/proc/self/fd/{ready_w}")
+    try:
+        proc = subprocess.Popen(argv, pass_fds=(userns_fd, netns_fd, ready_w), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err, close_fds=True)
+    except OSError as exc:
+        for fd in (ready_r, ready_w):
+            os.close(fd)
+        err.close()
+        raise ConfinementError("network: start " + STACK, exc.errno, STACK) from exc
+    os.close(ready_w)
+    stack = Stack(proc)
+    try:
+        ready, _, _ = select.select([ready_r], [], [], READY_TIMEOUT_S)
+        if not ready or not os.read(ready_r, 16):
+            stack.stop()
+            err.seek(0)
+            lines = err.read().decode(errors="replace").strip().splitlines()
+            raise ConfinementError("network: start " + STACK, detail=(lines[-1] if lines else
+                                   ("it did not report ready in time" if not ready else "it exited")))
+    finally:
+        os.close(ready_r)
+        err.close()
+    return stack
+
+
+def stack_argv(*, userns: str, netns: str, ready: str) -> list[str]:
+    """pasta attached to a session's namespaces; pure."""
+    return [STACK, "--foreground", "--quiet", "--config-net", "--ipv4-only",
+            "--address", ADDRESS, "--netmask", "24", "--gateway", GATEWAY, "--ns-ifname", "eth0",
+            "--dns-forward", DNS,
+            # Nothing forwarded in, and the session's loopback stays its own.
+            "-t", "none", "-u", "none", "-T", "none", "-U", "none",
+            "--pid", ready, "--userns", userns, "--netns", netns]
+
+
+def open_namespaces(pid: int, pidfd: int) -> tuple[int, int]:
+    """The user and network namespaces of a session's first process, as fds.
+    Checked by pidfd after opening: the pid was not recycled in between."""
+    fds = []
+    try:
+        for ns in ("user", "net"):
+            fds.append(os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
+        if select.select([pidfd], [], [], 0)[0]:  # a pidfd is readable once its process has exited
+            raise ConfinementError("network: namespaces", detail="the session's first process has exited")
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise ConfinementError("network: namespaces", exc.errno, f"/proc/{pid}/ns") from exc
+    except ConfinementError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds[0], fds[1]
+
+
+def apply_rules_in(userns_fd: int, netns_fd: int, rules: str) -> str:
+    """In a fresh single-threaded child (of the fork server): join the
+    session's namespaces, where the owner of the user namespace holds every
+    capability, and commit ``rules`` through libnftables. Returns "" or the
+    error. Never call in a process that goes on living: it stays in there."""
+    from dispatchd.confine import _sys
+
+    try:
+        _sys.setns(userns_fd, _sys.CLONE_NEWUSER)
+        _sys.setns(netns_fd, _sys.CLONE_NEWNET)
+    except OSError as exc:
+        return f"setns: {exc.strerror}"
+    try:
+        lib = ctypes.CDLL("libnftables.so.1")
+    except OSError as exc:
+        return f"libnftables: {exc}"
+    lib.nft_ctx_new.restype = ctypes.c_void_p
+    lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    ctx = lib.nft_ctx_new(0)
+    lib.nft_ctx_buffer_output(ctx)
+    lib.nft_ctx_buffer_error(ctx)
+    if lib.nft_run_cmd_from_buffer(ctx, rules.encode()) != 0:
+        return "nft: " + (lib.nft_ctx_get_error_buffer(ctx) or b"failed").decode(errors="replace").strip()
+    return ""
