@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import dispatch  # noqa: E402
-from bench import fmt, pct, start_daemon  # noqa: E402
+from bench import descendants as children, fmt, pct, start_daemon, uss  # noqa: E402
 
 
 def meminfo() -> dict[str, int]:
@@ -69,34 +69,6 @@ def mem_available() -> int:
 # kernel stacks (one per thread), kernel objects (namespaces, mounts,
 # sockets, task structs: unreclaimable slab).
 _BREAKDOWN = ("AnonPages", "PageTables", "KernelStack", "SUnreclaim", "Shmem")
-
-
-def children(pid: int) -> list[int]:
-    """Every descendant of ``pid``, from /proc (what psutil would give, without it)."""
-    out, pending = [], [pid]
-    while pending:
-        p = pending.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children", encoding="ascii") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            continue
-        out += kids
-        pending += kids
-    return out
-
-
-def uss(pid: int) -> int | None:
-    """Private (unique) memory of one process, or None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
-            total = 0
-            for line in f:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                    total += int(line.split()[1]) * 1024
-            return total
-    except OSError:
-        return None
 
 
 def main() -> int:
