@@ -51,7 +51,8 @@ class ConfinementError(DispatchdError):
 
     code = "confinement_failed"
 
-    def __init__(self, step: str, err: int = 0, path: str = "", detail: str = "") -> None:
+    def __init__(self, step: str, err: int | None = 0, path: str = "", detail: str = "") -> None:
+        err = err or 0  # OSError.errno may be None
         why = detail or (_errno.errorcode.get(err, str(err)) + ": " + _strerror(err) if err else "")
         where = f" ({path})" if path else ""
         super().__init__(f"cannot apply {step}{where}: {why}")

@@ -34,7 +34,8 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     nftables_missing: str = "not looked for"
 
     def to_dict(self) -> dict[str, object]:
-        return msgspec.to_builtins(self)
+        d: dict[str, object] = msgspec.to_builtins(self)
+        return d
 
 
 def _seccomp_actions() -> list[str]:

@@ -107,6 +107,7 @@ def open_socket_dir(directory: str) -> int:
             f"refusing the socket directory {directory}: {problem}, so another user could put a socket there; "
             f"use a directory of your own (mode 0700): remove or fix {directory}, or choose another path "
             "with --socket or $DISPATCH_SOCKET")
+    assert fd is not None  # socket_dir_problem names a symlink as a problem
     return fd
 
 

@@ -49,13 +49,13 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=Tr
 # --- client -> daemon -------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     id: int
     version: int
     client: str = ""
 
 
-class OpenSession(_Msg, tag="open_session"):
+class OpenSession(_Msg, tag="open_session", frozen=True):
     id: int
     worktree: str
     policy: str = "default"
@@ -72,12 +72,12 @@ class OpenSession(_Msg, tag="open_session"):
     orphan_grace_s: float | None = None  # shorter than the policy's, never longer; None: the policy's
 
 
-class CloseSession(_Msg, tag="close_session"):
+class CloseSession(_Msg, tag="close_session", frozen=True):
     id: int
     session: str
 
 
-class ReleaseWriteLock(_Msg, tag="release_write_lock"):
+class ReleaseWriteLock(_Msg, tag="release_write_lock", frozen=True):
     """Give back the session's worktree write lock without closing it; the
     session asks again at its next mutating call. Answered by ``SessionReply``."""
 
@@ -85,11 +85,11 @@ class ReleaseWriteLock(_Msg, tag="release_write_lock"):
     session: str
 
 
-class ListSessions(_Msg, tag="list_sessions"):
+class ListSessions(_Msg, tag="list_sessions", frozen=True):
     id: int
 
 
-class SetNetwork(_Msg, tag="set_network"):
+class SetNetwork(_Msg, tag="set_network", frozen=True):
     id: int
     session: str
     network: str
@@ -98,18 +98,18 @@ class SetNetwork(_Msg, tag="set_network"):
     domains: list[str] | None = None
 
 
-class Status(_Msg, tag="status"):
+class Status(_Msg, tag="status", frozen=True):
     id: int
 
 
-class Attach(_Msg, tag="attach"):
+class Attach(_Msg, tag="attach", frozen=True):
     """Ask for a direct channel to a session's worker (an fd passed back)."""
 
     id: int
     session: str
 
 
-class ListTools(_Msg, tag="list_tools"):
+class ListTools(_Msg, tag="list_tools", frozen=True):
     id: int
     policy: str = "default"
 
@@ -150,23 +150,23 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     writes: bool = False  # holds its worktree's write lock (one writer per worktree)
 
 
-class HelloOk(_Msg, tag="hello_ok"):
+class HelloOk(_Msg, tag="hello_ok", frozen=True):
     id: int
     version: int
     daemon_version: str
 
 
-class SessionReply(_Msg, tag="session"):
+class SessionReply(_Msg, tag="session", frozen=True):
     id: int
     session: SessionInfo
 
 
-class SessionsReply(_Msg, tag="sessions"):
+class SessionsReply(_Msg, tag="sessions", frozen=True):
     id: int
     sessions: list[SessionInfo]
 
 
-class StatusReply(_Msg, tag="status_reply"):
+class StatusReply(_Msg, tag="status_reply", frozen=True):
     id: int
     daemon_version: str
     pid: int
@@ -176,7 +176,7 @@ class StatusReply(_Msg, tag="status_reply"):
     daemon: dict[str, Any] = {}  # its own budgets: descriptors, connections (daemon/capacity.py)
 
 
-class Attached(_Msg, tag="attached"):
+class Attached(_Msg, tag="attached", frozen=True):
     """Sent with exactly one fd (SCM_RIGHTS): a stream socket to the worker."""
 
     id: int
@@ -184,16 +184,16 @@ class Attached(_Msg, tag="attached"):
     tools: list[ToolSchema]
 
 
-class ToolsReply(_Msg, tag="tools"):
+class ToolsReply(_Msg, tag="tools", frozen=True):
     id: int
     tools: list[ToolSchema]
 
 
-class OkReply(_Msg, tag="ok"):
+class OkReply(_Msg, tag="ok", frozen=True):
     id: int
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(_Msg, tag="error", frozen=True):
     """``code`` is stable and machine-readable; ``message`` is for people."""
 
     id: int
@@ -208,14 +208,14 @@ DaemonReply = Union[
 # --- client <-> worker ------------------------------------------------------
 
 
-class CallTool(_Msg, tag="call_tool"):
+class CallTool(_Msg, tag="call_tool", frozen=True):
     id: int
     tool: str
     params: dict[str, Any]
     stream: bool = False  # send ToolOutput frames as output comes, before the ToolReply
 
 
-class CancelCall(_Msg, tag="cancel_call"):
+class CancelCall(_Msg, tag="cancel_call", frozen=True):
     """Client -> worker: end the call ``id`` now (its processes killed); its
     ``ToolReply`` still comes, a failure with ``metadata["cancelled"]``. No
     reply of its own; an unknown or finished id is ignored."""
@@ -223,7 +223,7 @@ class CancelCall(_Msg, tag="cancel_call"):
     id: int
 
 
-class ToolOutput(_Msg, tag="tool_output"):
+class ToolOutput(_Msg, tag="tool_output", frozen=True):
     """Worker -> client, for a ``CallTool`` with ``stream``: output of call
     ``id`` as it came, ``stream`` "stdout" or "stderr", before its reply."""
 
@@ -232,7 +232,7 @@ class ToolOutput(_Msg, tag="tool_output"):
     text: str
 
 
-class ToolReply(_Msg, tag="tool_reply"):
+class ToolReply(_Msg, tag="tool_reply", frozen=True):
     id: int
     success: bool
     output: str | None = None
@@ -243,7 +243,7 @@ class ToolReply(_Msg, tag="tool_reply"):
 # --- daemon <-> worker ------------------------------------------------------
 
 
-class WorkerReady(_Msg, tag="worker_ready"):
+class WorkerReady(_Msg, tag="worker_ready", frozen=True):
     pid: int
     protections: dict[str, Any]
     timings_ms: dict[str, float] = {}  # per confinement step, for the debug log
@@ -252,7 +252,7 @@ class WorkerReady(_Msg, tag="worker_ready"):
     proxy_listener: bool = False
 
 
-class WorkerFailed(_Msg, tag="worker_failed"):
+class WorkerFailed(_Msg, tag="worker_failed", frozen=True):
     """A confinement step could not be applied: the worker has exited."""
 
     step: str
@@ -261,7 +261,7 @@ class WorkerFailed(_Msg, tag="worker_failed"):
     message: str
 
 
-class AddChannel(_Msg, tag="add_channel"):
+class AddChannel(_Msg, tag="add_channel", frozen=True):
     """Sent with one fd: a new client channel for the worker to serve."""
 
     id: int
@@ -270,7 +270,7 @@ class AddChannel(_Msg, tag="add_channel"):
 # --- daemon <-> fork server ----------------------------------------------
 
 
-class SpawnWorker(_Msg, tag="spawn_worker"):
+class SpawnWorker(_Msg, tag="spawn_worker", frozen=True):
     """Sent with two fds: the worker's end of its control channel, and the
     worktree the daemon checked (O_PATH). ``plan`` is a msgpack-encoded ``SessionPlan``."""
 
@@ -278,14 +278,14 @@ class SpawnWorker(_Msg, tag="spawn_worker"):
     plan: bytes
 
 
-class Spawned(_Msg, tag="spawned"):
+class Spawned(_Msg, tag="spawned", frozen=True):
     """Sent with one fd: a pidfd of the new session's first process."""
 
     id: int
     pid: int
 
 
-class NetRules(_Msg, tag="net_rules"):
+class NetRules(_Msg, tag="net_rules", frozen=True):
     """Sent with two fds, a session's user and network namespaces: commit
     ``rules`` (nftables) in there. Answered by ``OkReply`` or ``ErrorReply``."""
 
@@ -296,7 +296,7 @@ class NetRules(_Msg, tag="net_rules"):
 WorkerRequest = Union[CallTool, ToolReply, ErrorReply, CancelCall, ToolOutput]
 ZygoteRequest = Union[SpawnWorker, NetRules]
 ZygoteReply = Union[Spawned, OkReply, ErrorReply]
-class AcquireWriteLock(_Msg, tag="acquire_write_lock"):
+class AcquireWriteLock(_Msg, tag="acquire_write_lock", frozen=True):
     """Worker -> daemon, before the session's first mutating tool call: only
     one session at a time may write a worktree. Answered by ``OkReply`` or by
     ``ErrorReply`` (code ``write_locked``) naming the session that holds it."""
@@ -313,7 +313,7 @@ class CallRecord(msgspec.Struct, frozen=True, array_like=True):
     success: bool
 
 
-class ToolCallsDone(_Msg, tag="tool_calls_done"):
+class ToolCallsDone(_Msg, tag="tool_calls_done", frozen=True):
     """Worker -> daemon, the calls finished since the last one, sent at most
     every half second: a message per call would wake the daemon between a
     reply and the next request, which measured as half the round trip."""
@@ -321,20 +321,20 @@ class ToolCallsDone(_Msg, tag="tool_calls_done"):
     calls: list[CallRecord]
 
 
-class Drain(_Msg, tag="drain"):
+class Drain(_Msg, tag="drain", frozen=True):
     """Daemon -> worker when the daemon stops: take no new call, let calls in
     flight finish for up to ``deadline_s``, then end the session."""
 
     deadline_s: float
 
 
-class ForgetWriteLock(_Msg, tag="forget_write_lock"):
+class ForgetWriteLock(_Msg, tag="forget_write_lock", frozen=True):
     """Daemon -> worker: the write lock was given back; ask again before the
     next mutating call. Sent under the same lock as the grants, so a grant
     and a release reach the worker in the order the daemon decided them."""
 
 
-class SetCommandEnv(_Msg, tag="set_command_env"):
+class SetCommandEnv(_Msg, tag="set_command_env", frozen=True):
     """Daemon -> worker: commands started from now on run with ``set`` added
     to their environment and ``unset`` removed (the proxy variables when a
     session's network changes in place). Commands already running keep theirs."""
@@ -378,7 +378,7 @@ class BadMessage(ProtocolError):
     """A whole frame arrived but does not decode: answer it, keep the connection."""
 
 
-def decode(decoder: msgspec.msgpack.Decoder, payload: bytes) -> Any:
+def decode(decoder: msgspec.msgpack.Decoder[Any], payload: bytes) -> Any:
     try:
         return decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
@@ -471,7 +471,7 @@ class FrameSocket:
         del self._buf[: 4 + length]
         return payload
 
-    def recv(self, decoder: msgspec.msgpack.Decoder) -> Any:
+    def recv(self, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
         payload = self.recv_payload()
         if payload is None:
             return None

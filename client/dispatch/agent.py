@@ -505,7 +505,8 @@ class FakeModel:
         ]
         return cls([*turns, final], provider=provider)
 
-    def __call__(self, messages: list[Any], tools: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, messages: list[Any], tools: list[dict[str, Any]]) -> dict[str, Any] | list[Any]:
+        """The next turn: a chat message, or for "responses" the list of output items."""
         self.requests.append((copy.deepcopy(list(messages)), copy.deepcopy(tools)))
         try:
             turn = next(self._turns)

@@ -151,7 +151,7 @@ class AsyncClient:
 
     @property
     def daemon_version(self) -> str:
-        return self.sync.daemon_version
+        return str(self.sync.daemon_version)
 
     async def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
                            ports: list[int] | None = None, bind_ports: list[int] | None = None,

@@ -271,9 +271,9 @@ def _exec(client: Client, args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     meta = result.metadata
     if state["signum"] is not None:
-        sig = state["signum"]
-        print(f"dispatch: {signal.Signals(sig).name}: the command was cancelled", file=sys.stderr)
-        return 128 + sig
+        signum = int(state["signum"])
+        print(f"dispatch: {signal.Signals(signum).name}: the command was cancelled", file=sys.stderr)
+        return 128 + signum
     if "exit_code" not in meta:  # the command never ran
         raise DispatchError(result.error or "shell_exec failed")
     if meta.get("truncated"):

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast, overload
 
 import msgspec
 
@@ -118,7 +118,7 @@ class _Connection:
     "Speed").
     """
 
-    def __init__(self, sock: socket.socket, decoder: msgspec.msgpack.Decoder, *, fds: bool = False) -> None:
+    def __init__(self, sock: socket.socket, decoder: msgspec.msgpack.Decoder[Any], *, fds: bool = False) -> None:
         # A blocking socket whose recv and send give up after a tick (EAGAIN):
         # waits stay bounded, yet a reply that is there costs no extra poll()
         # (a Python socket timeout polls before every call: +12% on read_file).
@@ -313,7 +313,7 @@ class _Connection:
                     if reply.id == rid:
                         self._reading = False
                         self._wake_a_reader()
-                        return self._replies.pop(rid)
+                        return cast(tuple[Any, int | None], self._replies.pop(rid))
                     self._wake(reply.id)
         except (OSError, protocol.ProtocolError, ConnectionLost, RequestFailed) as exc:
             self._fail(exc)
@@ -357,9 +357,13 @@ def _seconds(value: object) -> float | None:
 
 
 def _to_dict(info: protocol.SessionInfo) -> dict[str, Any]:
-    return msgspec.to_builtins(info)
+    return cast(dict[str, Any], msgspec.to_builtins(info))
 
 
+@overload
+def _network_word(network: bool | str) -> str: ...
+@overload
+def _network_word(network: None) -> None: ...
 def _network_word(network: bool | str | None) -> str | None:
     if network is None:
         return None
@@ -742,7 +746,7 @@ class Client:
         """The daemon's version, pid, socket, kernel features and sessions
         (without the protocol's own fields, ``op`` and ``id``)."""
         reply, _ = self._daemon_request(lambda rid: protocol.Status(id=rid))
-        status = msgspec.to_builtins(reply)
+        status: dict[str, Any] = msgspec.to_builtins(reply)
         status.pop("op", None)
         status.pop("id", None)
         return status

@@ -37,7 +37,7 @@ import re
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jsonschema
 
@@ -355,7 +355,7 @@ class Definition:
     @property
     def parameters(self) -> dict[str, Any]:
         """The JSON Schema, as a fresh copy."""
-        return _plain(self._parameters)
+        return cast(dict[str, Any], _plain(self._parameters))
 
     @property
     def func(self) -> ToolFunc:
@@ -423,7 +423,9 @@ class Definition:
         True`` (as a third argument, ``on_output``) and is ignored for others.
         """
         args, failure = self._arguments(params)
-        return failure if args is None else self._invoke(args, context, on_output)
+        if failure is not None:
+            return failure
+        return self._invoke(cast(dict[str, Any], args), context, on_output)
 
     def _arguments(self, params: Any) -> tuple[dict[str, Any], None] | tuple[None, Result]:
         """``(args, None)`` with the func's own copy of valid ``params``, or

@@ -164,21 +164,22 @@ def fingerprint(dir_fd: int) -> dict[str, str]:
     hooks = digest_at(dir_fd, "hooks")
     if hooks == "directory":
         try:
-            fd = _open_subdir(dir_fd, "hooks", os.O_RDONLY)
-            names = sorted(os.listdir(fd)) if fd is not None else []
+            hooks_fd = _open_subdir(dir_fd, "hooks", os.O_RDONLY)
+            names = sorted(os.listdir(hooks_fd)) if hooks_fd is not None else []
         except OSError as exc:
             found["hooks"] = _never_equal(f"unreadable {exc.errno}")
+            return found
+        if hooks_fd is None:
             return found
         try:
             # git runs a hook by its exact name only: the samples git init
             # copies (pre-commit.sample...) never run, and cost the most to read.
             for name in (n for n in names if not n.endswith(".sample")):
-                digest = digest_at(fd, name)
+                digest = digest_at(hooks_fd, name)
                 if digest is not None:
                     found[f"hooks/{name}"] = digest
         finally:
-            if fd is not None:
-                os.close(fd)
+            os.close(hooks_fd)
     elif hooks is not None:
         found["hooks"] = hooks
     return found
@@ -333,12 +334,13 @@ class _Walk:
                 leads = _never_equal("the worktree itself")
             else:
                 inside = inside.replace(os.sep, "/")
+                target_fd: int | None
                 try:
-                    fd = self.open(inside)
+                    target_fd = self.open(inside)
                 except OSError as exc:
-                    fd, leads = None, _never_equal(f"unsearchable {exc.errno}")
-                if fd is not None:
-                    os.close(fd)
+                    target_fd, leads = None, _never_equal(f"unsearchable {exc.errno}")
+                if target_fd is not None:
+                    os.close(target_fd)
                     leads = "gitdir:" + inside
                     self.gitdir(inside, worktree)
                 elif not leads:

@@ -136,8 +136,7 @@ def plan_session(
     if network not in NETWORK_MODES:
         raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
     ports = ports or NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
-    mode = policy.sandbox.user_namespaces
-    use_userns = mode != "never" and kernel.user_namespaces
+    use_userns = policy.sandbox.user_namespaces != "never" and kernel.user_namespaces
     net = plan_network(network, use_userns=use_userns, stack_missing=kernel.network_stack_missing,
                        nft_missing=kernel.nftables_missing, landlock_abi=kernel.landlock_abi, ports=ports)
     if network == "ports" and net.landlock_tcp and kernel.landlock_abi < 4:
@@ -149,11 +148,11 @@ def plan_session(
                                f"{max(1, policy.sandbox.min_landlock_abi)}; this kernel offers: {have}")
     if not kernel.seccomp:
         raise ConfinementError("seccomp", detail="this kernel offers no seccomp filters with errno actions")
-    mode = policy.sandbox.user_namespaces
-    if mode == "required" and not kernel.user_namespaces:
+    userns_setting = policy.sandbox.user_namespaces
+    if userns_setting == "required" and not kernel.user_namespaces:
         raise ConfinementError("namespaces", detail=f"policy {policy.name!r} requires user namespaces: "
                                f"{kernel.user_namespaces_note}")
-    use_userns = mode != "never" and kernel.user_namespaces
+    use_userns = userns_setting != "never" and kernel.user_namespaces
     network_off = network == "off"
     if network == "domains" and not use_userns:
         # Without a namespace of its own the session shares the host's network:
@@ -304,7 +303,7 @@ def plan_session(
                                  memory_bytes=lim.session_memory_bytes, cpu_weight=lim.cpu_weight)
     held = set(cgroup.settings) if cgroup else set()
     rlimit_processes = lim.max_processes if use_userns else f"{lim.max_processes} more than the user ran at open"
-    protections["limits"] = {
+    limits_report: dict[str, object] = {
         # rlimits hold in every mode; a cgroup adds limits over the whole session.
         "mechanism": ("cgroup v2 and rlimits" if cgroup else "rlimits"),
         "cgroup": cgroup.path if cgroup else "",
@@ -324,11 +323,12 @@ def plan_session(
                            fanotify_marks=lim.max_fanotify_marks,
                            # pasta may join it at any switch: room for its own namespaces
                            network_stack=use_userns and not kernel.network_stack_missing)
-    protections["limits"]["kernel_budgets"] = describe_ucounts(ucounts)
+    limits_report["kernel_budgets"] = describe_ucounts(ucounts)
     # What a session can still take from budgets it shares with the user (the
     # sandbox's own gaps are the top-level leaves_open).
-    protections["limits"]["leaves_open"] = budget_gaps(user_namespace=use_userns, cgroup_controllers=tuple(
+    limits_report["leaves_open"] = budget_gaps(user_namespace=use_userns, cgroup_controllers=tuple(
         c for c, key in (("memory", "memory.max"), ("cpu", "cpu.weight")) if key in held))
+    protections["limits"] = limits_report
     return SessionPlan(
         session=session,
         policy=policy.name,

@@ -53,7 +53,7 @@ def exit_status(pidfd: int, timeout_s: float = 2.0) -> int | None:
             except OSError:
                 return None  # ENOTTY/EINVAL: this kernel has no PIDFD_GET_INFO
             if info.mask & _PIDFD_INFO_EXIT:
-                return info.exit_code
+                return int(info.exit_code)
             # Exited but not reaped by the fork server yet: the status comes with the reaping.
             if time.monotonic() > deadline:
                 return None

@@ -191,8 +191,8 @@ def system_resolver(overrides: dict[str, list[str]] | None = None) -> Resolver:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         seen: list[tuple[str, bool]] = []
         for *_, addr in infos:
-            if (addr[0], False) not in seen:
-                seen.append((addr[0], False))
+            if (str(addr[0]), False) not in seen:
+                seen.append((str(addr[0]), False))
         return seen
 
     return resolve

@@ -291,13 +291,13 @@ class Server:
         if isinstance(req, protocol.ReleaseWriteLock):
             return protocol.SessionReply(id=req.id, session=m.release_write_lock(req.session).info())
         if isinstance(req, protocol.ListSessions):
-            return protocol.SessionsReply(id=req.id, sessions=[s.info() for s in m.list()])
+            return protocol.SessionsReply(id=req.id, sessions=[s.info() for s in m.sessions()])
         if isinstance(req, protocol.SetNetwork):
             return protocol.SessionReply(id=req.id, session=m.set_network(req.session, req.network, req.ports, req.bind_ports,
                                                                              req.domains).info())
         if isinstance(req, protocol.Status):
             return protocol.StatusReply(id=req.id, daemon_version=__version__, pid=os.getpid(), socket=self.socket_path,
-                                        kernel=self.kernel.to_dict(), sessions=[s.info() for s in m.list()],
+                                        kernel=self.kernel.to_dict(), sessions=[s.info() for s in m.sessions()],
                                         daemon={**self.budget, "connections": self.connections,
                                                 "max_connections": self.max_connections})
         if isinstance(req, protocol.ListTools):

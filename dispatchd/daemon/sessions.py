@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import threading
@@ -43,7 +44,8 @@ import msgspec
 from dispatchd import protocol
 from dispatchd.confine import cgroups, domains, gitdirs, gitsnapshot, netstack
 from dispatchd.confine.mounts import WORKTREE_STEP
-from dispatchd.confine.plan import NETWORK_MODES, NetworkPorts, SessionPaths, SessionPlan, plan_session
+from dispatchd.confine.netstack import NetworkPorts
+from dispatchd.confine.plan import NETWORK_MODES, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon import exits, gitidentity, leftovers, lifetimes, watchdog
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
@@ -68,7 +70,7 @@ class Session:
         self.policy = policy
         self.scratch = scratch
         self.created = time.time()
-        self.network = policy.network.default
+        self.network: str = policy.network.default
         self.ports = NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
         self.domains = domains.parse_domains(policy.network.domains)  # checked with the policy
         self.proxy: SessionProxy | None = None  # network "domains": made at the first such start
@@ -107,6 +109,12 @@ class Session:
 
 def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _namespaces_report(session: Session) -> dict[str, object]:
+    """The namespaces part of the session's protections report."""
+    found = session.protections.get("namespaces", {})
+    return found if isinstance(found, dict) else {}
 
 
 def _check_network(network: str, ports: list[int] | None, bind_ports: list[int] | None,
@@ -148,7 +156,7 @@ def _count_session_processes(session: Session) -> int:
         return 0
     import psutil
 
-    own = 2 if session.protections.get("namespaces", {}).get("pid") else 1
+    own = 2 if _namespaces_report(session).get("pid") else 1
     try:
         return max(0, len(psutil.Process(session.worker.pid).children(recursive=True)) - own)
     except psutil.Error:
@@ -208,7 +216,7 @@ class SessionManager:
                                f"no such session: {sid!r}", sid)
         return session
 
-    def list(self) -> list[Session]:
+    def sessions(self) -> list[Session]:
         with self._lock:
             return [s for s in self._sessions.values() if not s.closed]
 
@@ -630,7 +638,7 @@ class SessionManager:
     def _watched(self) -> list[tuple[str, int, int]]:
         """Sessions whose memory only the watchdog bounds: (id, W0 pid, limit)."""
         out = []
-        for s in self.list():
+        for s in self.sessions():
             worker = s.worker
             memory = s.lifetime.get("memory")
             if worker is not None and isinstance(memory, dict) and memory.get("mechanism") == "watchdog":
@@ -734,7 +742,7 @@ class SessionManager:
     def close_all(self, drain_s: float = 0.0) -> None:
         """End every session; with ``drain_s``, first let calls in flight finish
         for up to that long (new calls are refused meanwhile)."""
-        sessions = self.list()
+        sessions = self.sessions()
         if drain_s > 0:
             for session in sessions:
                 try:
@@ -827,7 +835,7 @@ class SessionManager:
         return session
 
     def _why_replaced(self, session: Session) -> str:
-        if not session.protections.get("namespaces", {}).get("user"):
+        if not _namespaces_report(session).get("user"):
             return "no user namespaces: the network is held by seccomp and Landlock, fixed at the start"
         return ("the network is on the host's, not in a namespace of its own "
                 f"({self.kernel.network_stack_missing or self.kernel.nftables_missing or 'see status'})")

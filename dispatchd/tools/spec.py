@@ -15,7 +15,7 @@ are what a model reads to decide how to call a tool.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -30,63 +30,63 @@ class _Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class ReadFileParams(_Params):
+class ReadFileParams(_Params, frozen=True):
     path: str
     start_line: int = 0
     end_line: int = -1
 
 
-class WriteFileParams(_Params):
+class WriteFileParams(_Params, frozen=True):
     path: str
     content: str
 
 
-class Edit(_Params):
+class Edit(_Params, frozen=True):
     old_text: str
     new_text: str
 
 
-class EditFileParams(_Params):
+class EditFileParams(_Params, frozen=True):
     path: str
     edits: list[Edit]
 
 
-class CreateFileParams(_Params):
+class CreateFileParams(_Params, frozen=True):
     path: str
     content: str
 
 
-class ListFilesParams(_Params):
+class ListFilesParams(_Params, frozen=True):
     path: str = "."
     pattern: str | None = None
     recursive: bool = True
 
 
-class SearchFilesParams(_Params):
+class SearchFilesParams(_Params, frozen=True):
     query: str
     path: str = "."
     pattern: str | None = None
     is_regex: bool = False
 
 
-class ShellExecParams(_Params):
+class ShellExecParams(_Params, frozen=True):
     command: str
     timeout: float | None = None
     cwd: str | None = None
     background: bool = False
 
 
-class JobOutputParams(_Params):
+class JobOutputParams(_Params, frozen=True):
     job: str
     offset: int = 0
     wait: float = 0
 
 
-class JobStopParams(_Params):
+class JobStopParams(_Params, frozen=True):
     job: str
 
 
-class JobListParams(_Params):
+class JobListParams(_Params, frozen=True):
     pass
 
 
@@ -346,7 +346,7 @@ _ALL = [
 TOOLS: dict[str, Tool] = {tool.name: tool for tool in _ALL}
 
 
-def schemas_for(names: list[str]) -> list[dict[str, Any]]:
+def schemas_for(names: Sequence[str]) -> list[dict[str, Any]]:
     """``{"name", "description", "parameters"}`` for each named tool, in order.
 
     Raises ``KeyError`` naming the first unknown tool.

@@ -23,7 +23,7 @@ import signal
 import socket
 import time
 import traceback
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp, ucounts
@@ -158,7 +158,8 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     protections = dict(plan.protections)
     protections["absent_paths"] = skipped
     # What the session sees: the planned root, less what this machine lacks.
-    protections["root"] = [r for r in plan.protections.get("root", []) if r["path"] not in skipped]  # type: ignore[union-attr]
+    planned_root = cast("list[dict[str, str]]", plan.protections.get("root", []))
+    protections["root"] = [r for r in planned_root if r["path"] not in skipped]
 
     from dispatchd.worker.server import serve  # pre-imported by the fork server
 
@@ -196,7 +197,11 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         # "kill(-1)": from here it reaches the session's processes alone. The
         # parent's death then sends SIGTERM too, so the session is ended, not
         # orphaned, when the fork server goes.
-        signal.signal(signal.SIGTERM, lambda *_: (_kill_session(plan), os._exit(0)))
+        def end_session(*_: object) -> None:
+            _kill_session(plan)
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, end_session)
         hygiene.die_with_parent(parent, signal.SIGTERM)
     _reap_until(server, plan)
 
