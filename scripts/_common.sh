@@ -55,6 +55,7 @@ as_unprivileged_user() {
     local status=0
     runuser -u "$user" -- env -i HOME="$home" USER="$user" LOGNAME="$user" \
         PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 ${CI:+CI=$CI} \
+        ${DISPATCH_TYPECHECK:+DISPATCH_TYPECHECK=$DISPATCH_TYPECHECK} \
         DISPATCHD_VENV="$venv" ${cgroup:+DISPATCHD_TEST_CGROUP=$cgroup} \
         bash "$dest/$script" "$@" || status=$?
     exit "$status"
