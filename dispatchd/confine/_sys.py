@@ -23,6 +23,7 @@ if platform.machine() not in ("x86_64", "aarch64"):
     raise ImportError(f"dispatchd supports x86_64 and aarch64, not {platform.machine()}")
 
 SYS_pivot_root = 155 if platform.machine() == "x86_64" else 41
+SYS_clone3 = 435
 SYS_openat2 = 437
 SYS_mount_setattr = 442
 SYS_landlock_create_ruleset = 444
@@ -64,6 +65,21 @@ AT_RECURSIVE = 0x8000
 MOUNT_ATTR_RDONLY = 0x1
 
 
+CLONE_PIDFD = 0x1000
+CLONE_INTO_CGROUP = 0x200000000
+
+# The same libc, called with the GIL held: ``clone3`` returns in a copy of
+# this process, which must find the interpreter exactly as the parent left it.
+_pylibc = ctypes.PyDLL(None, use_errno=True)
+_pylibc.syscall.restype = ctypes.c_long
+
+
+class _CloneArgs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size", "tls", "set_tid",
+        "set_tid_size", "cgroup")]
+
+
 def _check(ret: int) -> int:
     if ret < 0:
         err = ctypes.get_errno()
@@ -77,6 +93,34 @@ def syscall(nr: int, *args: object) -> int:
 
 def prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> int:
     return _check(_libc.prctl(option, a2, a3, a4, a5))
+
+
+def clone3(flags: int, exit_signal: int, cgroup_fd: int = -1) -> tuple[int, int]:
+    """Fork with ``clone3``: a new process in new namespaces (``flags``), born
+    in the cgroup ``cgroup_fd`` when given. Returns ``(0, -1)`` in the child
+    and ``(pid, pidfd)`` in the parent.
+
+    As ``os.fork`` does, it runs the interpreter's before/after-fork hooks
+    around the system call (locks re-made, ``register_at_fork`` callbacks,
+    the random module reseeded in the child), with the GIL held throughout.
+    glibc keeps no state a raw clone makes stale that Python uses (it caches
+    no pid since 2.25; its thread descriptor's tid is only used for locks,
+    consistently in the one thread the child has). Call it only from a
+    single-threaded process, as the fork server is.
+    """
+    pidfd = ctypes.c_int(-1)
+    args = _CloneArgs(flags=flags | CLONE_PIDFD | (CLONE_INTO_CGROUP if cgroup_fd >= 0 else 0),
+                      pidfd=ctypes.addressof(pidfd), exit_signal=exit_signal, cgroup=max(cgroup_fd, 0))
+    ctypes.pythonapi.PyOS_BeforeFork()
+    pid = _pylibc.syscall(SYS_clone3, ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
+    if pid == 0:
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+        return 0, -1
+    err = ctypes.get_errno()
+    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, os.strerror(err))
+    return pid, pidfd.value
 
 
 def unshare(flags: int) -> None:

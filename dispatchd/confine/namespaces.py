@@ -1,14 +1,16 @@
 """User, mount, pid and network namespaces for a session.
 
 Guarantees, where the kernel allows unprivileged user namespaces:
-- ``enter_namespaces`` puts the calling process in a new user namespace that
-  maps only the user's own uid and gid (no root inside, setgroups denied), a
-  new mount namespace, a new IPC namespace (System V IPC and POSIX message
-  queues of its own), a new network namespace (every mode, when a user-mode stack is there to
-  reach out through; otherwise only when the network is off), and
-  makes its *next child* pid 1 of a new pid namespace: the session sees only
-  its own processes, and when that pid 1 exits the kernel kills every process
-  left in the namespace;
+- ``spawn_in_namespaces`` (in the fork server) makes the session's first
+  process with one ``clone3``: pid 1 of a new pid namespace (the session sees
+  only its own processes, and when that pid 1 exits the kernel kills every
+  process left in the namespace), in a new user namespace, a new mount
+  namespace, a new IPC namespace (System V IPC and POSIX message queues of
+  its own) and a new network namespace (every mode, when a user-mode stack is
+  there to reach out through; otherwise only when the network is off), born
+  in the session's cgroup where there is one;
+- ``write_id_maps`` (in that process, first) maps only the user's own uid and
+  gid (no root inside, setgroups denied);
 - nothing here is undone later: seccomp forbids ``unshare``/``setns`` after.
 
 Where user namespaces are refused, ``probe_user_namespaces`` says so and the
@@ -19,6 +21,7 @@ open (``"required"``).
 from __future__ import annotations
 
 import os
+import signal
 
 import msgspec
 
@@ -51,17 +54,34 @@ def _write(path: str, text: str) -> None:
         os.close(fd)
 
 
-def enter_namespaces(plan: NamespacePlan) -> None:
+def clone_flags(plan: NamespacePlan) -> int:
+    """The ``clone3`` namespace flags of ``plan`` (0: no namespaces, a plain fork)."""
     if not plan.user:
-        return
+        return 0
     flags = _sys.CLONE_NEWUSER
     flags |= (_sys.CLONE_NEWNS | _sys.CLONE_NEWIPC) if plan.mount else 0
     flags |= _sys.CLONE_NEWPID if plan.pid else 0
     flags |= _sys.CLONE_NEWNET if plan.net else 0
+    return flags
+
+
+def spawn_in_namespaces(plan: NamespacePlan, cgroup_fd: int = -1) -> tuple[int, int]:
+    """Fork the session's first process into its namespaces (and cgroup, when
+    ``cgroup_fd`` >= 0): ``(0, -1)`` in the child, ``(pid, pidfd)`` in the
+    parent. One system call: no intermediate process waits outside the pid
+    namespace, and the cgroup is joined at birth (``CLONE_INTO_CGROUP``),
+    without the cgroup.procs write that waits for an RCU grace period."""
     try:
-        _sys.unshare(flags)
+        return _sys.clone3(clone_flags(plan), signal.SIGCHLD, cgroup_fd)
     except OSError as exc:
-        raise ConfinementError("namespaces: unshare", exc.errno) from exc
+        step = "cgroup: clone3 into the session's cgroup" if cgroup_fd >= 0 else "namespaces: clone3"
+        raise ConfinementError(step, exc.errno) from exc
+
+
+def write_id_maps(plan: NamespacePlan) -> None:
+    """In the session's first process: map the user's own ids, nothing else."""
+    if not plan.user:
+        return
     # The same ids inside as outside: files keep their owners, and no process
     # in the session is root, even in its own namespace.
     for path, text in (

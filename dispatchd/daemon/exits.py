@@ -2,8 +2,8 @@
 
 The session's processes pass the cause up as exit codes (see
 ``dispatchd.worker.session``): the tool server's own code, or 128+N when a
-signal N killed it, becomes the session init's code and then W0's. The daemon
-is not W0's parent (the fork server is), so it reads W0's wait status through
+signal N killed it, becomes the session init's (W1's). The daemon
+is not W1's parent (the fork server is), so it reads W1's wait status through
 the pidfd it holds (``PIDFD_GET_INFO`` with ``PIDFD_INFO_EXIT``, Linux 6.15+):
 no race with the fork server reaping it, no recycled pid.
 
@@ -38,7 +38,7 @@ class _PidfdInfo(ctypes.Structure):
 
 
 def exit_status(pidfd: int, timeout_s: float = 2.0) -> int | None:
-    """W0's wait status (as ``waitpid`` gives it), or None when the kernel
+    """The session init's wait status (as ``waitpid`` gives it), or None when the kernel
     cannot say (before 6.15) or it has not exited within the timeout."""
     deadline = time.monotonic() + timeout_s
     try:
@@ -70,7 +70,7 @@ def _signame(n: int) -> str:
 
 
 def describe_exit(status: int | None, *, idle_timeout_s: float) -> tuple[str, str]:
-    """(log word, sentence) for W0's wait status."""
+    """(log word, sentence) for the session init's wait status."""
     if status is None:
         return "worker_exited", "its worker exited (this kernel does not say how: Linux 6.15+ does)"
     if os.WIFSIGNALED(status):

@@ -150,15 +150,14 @@ def _domains_for(session: Session, rules: tuple[domains.Rule, ...] | None) -> tu
 
 def _count_session_processes(session: Session) -> int:
     """Processes the session's commands started: what a network switch ends.
-    Below W0 are the session init (W0 itself without a pid namespace), the
-    tool server, and then the commands."""
+    Below the session init (the worker the daemon holds) are the tool server
+    and then the commands."""
     if session.worker is None:
         return 0
     import psutil
 
-    own = 2 if _namespaces_report(session).get("pid") else 1
     try:
-        return max(0, len(psutil.Process(session.worker.pid).children(recursive=True)) - own)
+        return max(0, len(psutil.Process(session.worker.pid).children(recursive=True)) - 1)
     except psutil.Error:
         return 0
 
@@ -636,7 +635,7 @@ class SessionManager:
                                   "was killed; open it detached to keep it)")
 
     def _watched(self) -> list[tuple[str, int, int]]:
-        """Sessions whose memory only the watchdog bounds: (id, W0 pid, limit)."""
+        """Sessions whose memory only the watchdog bounds: (id, session init pid, limit)."""
         out = []
         for s in self.sessions():
             worker = s.worker

@@ -23,7 +23,7 @@ class SpawnError(DispatchdError):
 
 
 class Worker:
-    """The first process of a session (W0), held by a pidfd so that signalling
+    """The first process of a session (W1, its init), held by a pidfd so that signalling
     it can never hit a recycled pid."""
 
     def __init__(self, pid: int, pidfd: int) -> None:

@@ -8,7 +8,7 @@ processes and ends a session over its ``limits.session_memory_bytes``.
 
 Guarantees and costs:
 - the processes counted are every descendant of the session's first process
-  (W0): the session init reaps orphans (pid 1 of its namespace, or a child
+  (W1): the session init reaps orphans (pid 1 of its namespace, or a child
   subreaper), so a command that detached (``setsid``, double fork) is still one;
 - the cheap sum is resident memory (``/proc/PID/statm``), which counts a page
   shared by several processes once per process; only when that sum is over the
@@ -103,7 +103,7 @@ def over_limit(pid: int, limit: int) -> int | None:
 class MemoryWatchdog:
     """One thread for every session the cgroup does not bound.
 
-    ``sessions()`` yields (session id, W0 pid, limit); ``end(sid, used, limit)``
+    ``sessions()`` yields (session id, session init pid, limit); ``end(sid, used, limit)``
     ends one (safe to call for a session already gone)."""
 
     def __init__(self, sessions: Callable[[], list[tuple[str, int, int]]],

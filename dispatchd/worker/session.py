@@ -5,15 +5,16 @@ whole sandbox as one ordered checklist; ``run_session`` wraps it, reports the
 outcome to the daemon on the control channel, and then keeps the session's
 processes in one tree:
 
-    fork server ── W0 ── W1 (session init: pid 1 of the session's pid namespace)
-                          └── W2 (tool server: serves the client channels)
-                                └── bash -c ... (commands)
+    fork server ── W1 (session init: pid 1 of the session's pid namespace)
+                    └── W2 (tool server: serves the client channels)
+                          └── bash -c ... (commands)
 
-With user namespaces, W0 only waits: the new pid namespace starts at its
-child, W1. When W1 exits the kernel kills everything left in the namespace,
-and W1 dies with W0, so ending W0 ends the session. Without user namespaces
-W0 and W1 are one process, a child subreaper that, on SIGTERM, kills every
-process of its Landlock domain (the signal scope keeps ``kill(-1)`` inside it).
+With user namespaces the fork server makes W1 with one ``clone3`` already in
+the session's namespaces (and cgroup): it is pid 1, and when it exits the
+kernel kills everything left in the namespace; it dies with the fork server.
+Without user namespaces W1 is a plain fork, a child subreaper that, on
+SIGTERM, kills every process of its Landlock domain (the signal scope keeps
+``kill(-1)`` inside it).
 """
 
 from __future__ import annotations
@@ -29,22 +30,6 @@ from dispatchd import protocol
 from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp, ucounts
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.errors import ConfinementError
-
-
-def _fork_session_init() -> None:
-    """Fork W1, the first process of the new pid namespace. Returns in W1; W0
-    waits for it and exits with its status (W0 holds no fds but its own)."""
-    pid = os.fork()
-    if pid:
-        os.closerange(3, 1 << 20)
-        while True:
-            try:
-                _, status = os.waitpid(pid, 0)
-                os._exit(_passed_up(status))
-            except ChildProcessError:
-                os._exit(1)
-            except InterruptedError:
-                continue
 
 
 class _Clock:
@@ -68,28 +53,29 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     mounts bind it and Landlock grants it, never the path by name.
     On return the caller is W1: confined, single-threaded, with only ``keep`` open
     (under network "domains", the proxy's listener is appended to it).
+
+    With user namespaces the caller was born in them (``clone3`` in the fork
+    server, ``namespaces.spawn_in_namespaces``), in the session's cgroup, as
+    pid 1; without, it is a plain fork and joins the cgroup here.
     """
-    if plan.cgroup is not None:
+    if plan.cgroup is not None and not plan.namespaces.user:
         # First, before any fork: every process of the session is born in its
         # cgroup, and cannot leave it (the cgroup files are out of its reach).
         cgroups.join(plan.cgroup.path)
         clock("cgroup")
     hygiene.new_session()  # own session and group, no controlling terminal
-    hygiene.die_with_parent(parent)  # the fork server gone: the session gone
+    # The fork server gone: the session gone. As pid 1 of the session's
+    # namespace, the parent (outside it) reads as pid 0.
+    hygiene.die_with_parent(0 if plan.namespaces.pid else parent)
     hygiene.close_inherited_fds([*keep, worktree_fd])  # only the control channel (and the worktree, below)
     clock("hygiene")
-    namespaces.enter_namespaces(plan.namespaces)  # user, mount, net; pid from the next child on
+    namespaces.write_id_maps(plan.namespaces)  # born in them: only the ids are left to map
     clock("namespaces")
     # Needs CAP_SYS_RESOURCE in the new namespace, and /proc/sys before the
     # mounts make it read-only.
     ucounts.apply_ucounts(plan.ucounts)
     clock("ucounts")
-    if plan.namespaces.pid:
-        _fork_session_init()
-        # As pid 1 of the new namespace our parent (W0, outside) reads as pid 0.
-        hygiene.die_with_parent(0)
-        clock("pid 1")
-    else:
+    if not plan.namespaces.pid:
         hygiene.child_subreaper()  # orphans come back to us, not to the host's init
     if plan.mounts is not None:
         mounts.apply_mounts(plan.mounts, worktree_fd)  # needs the namespace's capabilities: before dropping them

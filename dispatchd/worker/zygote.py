@@ -24,8 +24,9 @@ from typing import NoReturn
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import hygiene, netstack, seccomp
+from dispatchd.confine import hygiene, namespaces, netstack, seccomp
 from dispatchd.confine.plan import SessionPlan
+from dispatchd.errors import ConfinementError
 from dispatchd.worker import server as _server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session import run_session
 
@@ -102,6 +103,28 @@ def _net_rules(req: protocol.NetRules, frames: protocol.FrameSocket) -> protocol
     return protocol.ErrorReply(id=req.id, code="spawn_failed", message=message)
 
 
+def _spawn(plan: SessionPlan) -> tuple[int, int]:
+    """The session's first process: ``(0, -1)`` in it, ``(pid, pidfd)`` here.
+
+    With user namespaces one ``clone3`` makes it pid 1 of its own namespaces,
+    born in the session's cgroup; without, a plain fork (it joins the cgroup
+    itself). Raises ``ConfinementError`` naming the step."""
+    if not plan.namespaces.user:
+        pid = os.fork()
+        return (0, -1) if pid == 0 else (pid, os.pidfd_open(pid))
+    cgroup_fd = -1
+    if plan.cgroup is not None:
+        try:
+            cgroup_fd = os.open(plan.cgroup.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ConfinementError("cgroup", exc.errno, plan.cgroup.path) from exc
+    try:
+        return namespaces.spawn_in_namespaces(plan.namespaces, cgroup_fd)
+    finally:
+        if cgroup_fd >= 0:
+            os.close(cgroup_fd)
+
+
 def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
     hygiene.die_with_parent(daemon_pid)
     # Nothing of the daemon's but our channel (not its listening socket, not
@@ -151,14 +174,19 @@ def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
             os.close(worktree_fd)
             frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=f"bad plan: {exc}"))
             continue
-        pid = os.fork()
+        try:
+            pid, pidfd = _spawn(plan)
+        except ConfinementError as exc:
+            os.close(control_fd)
+            os.close(worktree_fd)
+            frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)))
+            continue
         if pid == 0:
             sock.close()
             run_session(plan, program, control_fd, me, worktree_fd)
         workers.add(pid)
         os.close(control_fd)
         os.close(worktree_fd)
-        pidfd = os.pidfd_open(pid)
         try:
             frames.send(protocol.Spawned(id=req.id, pid=pid), fds=[pidfd])
         finally:

@@ -199,7 +199,7 @@ def test_a_session_over_its_memory_is_ended_by_the_watchdog_and_says_so(tmp_path
 
 def _tool_server(d: Daemon) -> int:
     """The tool server of the daemon's one idle session: the leaf under its
-    first process (fork server - W0 - [W1 -] W2)."""
+    first process (fork server - W1 - W2)."""
     import psutil
 
     zygote = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
@@ -272,7 +272,7 @@ def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path
             import psutil
 
             zygote = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-            os.kill(zygote.children()[0].pid, signal.SIGKILL)  # W0, the session's first process
+            os.kill(zygote.children()[0].pid, signal.SIGKILL)  # W1, the session's first process (its init)
             # The kernel tears the session's namespace down asynchronously: a
             # call sent at once may still be served. Wait for the daemon to see it.
             assert _wait(lambda: "reason=worker_killed" in d.log(), timeout=10), d.log()
@@ -337,5 +337,28 @@ def test_tool_calls_are_logged_at_debug_only(tmp_path: Path, worktree: Path, lev
             time.sleep(1.2)  # the worker reports finished calls every 0.5 s
         assert ("event=tool_call" in d.log()) == (level == "debug")
         assert "event=session_open" in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_session_is_two_processes_its_init_the_fork_servers_child_and_pid_1(tmp_path: Path, worktree: Path) -> None:
+    """No process waits outside the session's pid namespace: the fork server
+    clones the init straight into it (issue 17: fewer processes a session)."""
+    import psutil
+
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client, client.open_session(str(worktree)) as session:
+            assert shell(session, "true").is_success
+            zygote = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+            (init,) = zygote.children()
+            with open(f"/proc/{init.pid}/status", encoding="ascii") as f:
+                nspid = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
+            assert nspid == [str(init.pid), "1"]
+            assert [p.pid for p in init.children(recursive=True)] == [_tool_server(d)]
+            # Seen from inside, the init is pid 1 and the tool server its child.
+            result = shell(session, "cat /proc/1/status | grep ^PPid; cat /proc/$PPID/status | grep ^PPid")
+            assert result.is_success, result.error
+            assert result.output.split() == ["PPid:", "0", "PPid:", "1"]
     finally:
         assert d.stop() == 0, d.log()
