@@ -250,6 +250,11 @@ class WorkerReady(_Msg, tag="worker_ready", frozen=True):
     # Sent with one fd when true: the proxy's listening socket, made on the
     # loopback of the session's own network namespace (network "domains").
     proxy_listener: bool = False
+    # Sent with two fds when true, before the listener: the session's user and
+    # network namespaces, for the network stack and the nftables rules. The
+    # daemon cannot open /proc/PID/ns of a worker that is not dumpable (it has
+    # no CAP_SYS_PTRACE over the init namespace that owns the worker's memory).
+    namespaces: bool = False
 
 
 class WorkerFailed(_Msg, tag="worker_failed", frozen=True):

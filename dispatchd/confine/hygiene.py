@@ -9,18 +9,51 @@ Guarantees, step by step (each raises ``ConfinementError`` naming itself):
 - ``drop_capabilities``: the bounding, ambient, effective, permitted and
   inheritable sets are emptied (a user-namespace owner has them all otherwise);
 - ``not_dumpable``: /proc/<pid>/mem, environ and ptrace of the worker are refused
-  to the session's commands, which run with the same uid.
+  to the session's commands, which run with the same uid;
+- ``session_env`` (pure, planned in the daemon): the commands' environment is
+  an allowlist, never the daemon's: a fixed base, the names the policy passes
+  through, the policy's own settings; nothing else of the user's (no
+  ``SSH_AUTH_SOCK``, no tokens) unless the policy names it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterable, Mapping
 
 from dispatchd.confine import _sys
 from dispatchd.errors import ConfinementError
 
 _CAP_LAST = 63
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def session_env(base_env: Mapping[str, str], *, session: str, home: str, tmpdir: str,
+                pass_through: Iterable[str], set_env: Mapping[str, str],
+                git_identity: Mapping[str, str] | None = None,
+                proxy: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a session's commands start with, in order of precedence
+    (later wins): the fixed base, ``USER``/``LOGNAME`` and the policy's
+    ``pass_through`` names taken from ``base_env`` (the daemon's), the git
+    identity, the policy's ``set``, and the filtering proxy's variables."""
+    env = {
+        "PATH": DEFAULT_PATH,
+        "HOME": home,
+        "TMPDIR": tmpdir,
+        "SHELL": "/bin/bash",
+        "TERM": "dumb",
+        "LANG": "C.UTF-8",
+        "DISPATCH_SESSION": session,
+    }
+    for name in [*pass_through, "USER", "LOGNAME"]:
+        if name in base_env:
+            env[name] = base_env[name]
+    env.update(git_identity or {})
+    env.update(set_env)
+    env.update(proxy or {})
+    return env
 
 
 def new_session() -> None:

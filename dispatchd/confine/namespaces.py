@@ -11,6 +11,9 @@ Guarantees, where the kernel allows unprivileged user namespaces:
   in the session's cgroup where there is one;
 - ``write_id_maps`` (in that process, first) maps only the user's own uid and
   gid (no root inside, setgroups denied);
+- ``open_own`` gives the daemon the session's user and network namespaces as
+  descriptors (by descriptor from the process itself: no pid to recycle, and
+  /proc/PID/ns of the non-dumpable worker is not the daemon's to open);
 - nothing here is undone later: seccomp forbids ``unshare``/``setns`` after.
 
 Where user namespaces are refused, ``probe_user_namespaces`` says so and the
@@ -76,6 +79,23 @@ def spawn_in_namespaces(plan: NamespacePlan, cgroup_fd: int = -1) -> tuple[int, 
     except OSError as exc:
         step = "cgroup: clone3 into the session's cgroup" if cgroup_fd >= 0 else "namespaces: clone3"
         raise ConfinementError(step, exc.errno) from exc
+
+
+def open_own(plan: NamespacePlan) -> list[int]:
+    """In the session's first process: its user and network namespaces as
+    fds, for the daemon (the network stack joins the session through them),
+    or none when it has no network namespace of its own."""
+    if not (plan.user and plan.net):
+        return []
+    fds: list[int] = []
+    try:
+        for ns in ("user", "net"):
+            fds.append(os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise ConfinementError("namespaces: /proc/self/ns", exc.errno) from exc
+    return fds
 
 
 def write_id_maps(plan: NamespacePlan) -> None:

@@ -248,26 +248,6 @@ def stack_argv(*, userns: str, netns: str, ready: str) -> list[str]:
             "--pid", ready, "--userns", userns, "--netns", netns]
 
 
-def open_namespaces(pid: int, pidfd: int) -> tuple[int, int]:
-    """The user and network namespaces of a session's first process, as fds.
-    Checked by pidfd after opening: the pid was not recycled in between."""
-    fds = []
-    try:
-        for ns in ("user", "net"):
-            fds.append(os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
-        if select.select([pidfd], [], [], 0)[0]:  # a pidfd is readable once its process has exited
-            raise ConfinementError("network: namespaces", detail="the session's first process has exited")
-    except OSError as exc:
-        for fd in fds:
-            os.close(fd)
-        raise ConfinementError("network: namespaces", exc.errno, f"/proc/{pid}/ns") from exc
-    except ConfinementError:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return fds[0], fds[1]
-
-
 def apply_rules_in(userns_fd: int, netns_fd: int, rules: str) -> str:
     """In a fresh single-threaded child (of the fork server): join the
     session's namespaces, where the owner of the user namespace holds every

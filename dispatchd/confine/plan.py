@@ -14,6 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from dispatchd.confine import domains as domains_mod
+from dispatchd.confine import hygiene
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
 from dispatchd.confine.gitdirs import GitLayout
 from dispatchd.confine.limits import LimitsPlan, plan_limits
@@ -28,7 +29,6 @@ from dispatchd.errors import ConfinementError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Limits, Policy
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NETWORK_MODES = ("off", "on", "ports", "domains")
 
 
@@ -223,30 +223,17 @@ def plan_session(
                   **{p: "extra read-only path" for p in paths.read_only},
                   **{p: "policy read_write" for p in fs.read_write}}
 
-    env = {
-        "PATH": DEFAULT_PATH,
-        "HOME": paths.home,
+    env = hygiene.session_env(
+        base_env, session=session, home=paths.home,
         # In a root of its own the private /tmp is short and the same
         # directory: a socket path under it stays within AF_UNIX's 108 bytes.
-        "TMPDIR": "/tmp" if minimal_root else paths.tmp,
-        "SHELL": "/bin/bash",
-        "TERM": "dumb",
-        "LANG": "C.UTF-8",
-        "DISPATCH_SESSION": session,
-    }
-    for name in policy.env.pass_through:
-        if name in base_env:
-            env[name] = base_env[name]
-    for key in ("USER", "LOGNAME"):
-        if key in base_env:
-            env[key] = base_env[key]
-    if git_identity and policy.env.git_identity:
+        tmpdir="/tmp" if minimal_root else paths.tmp,
+        pass_through=policy.env.pass_through, set_env=policy.env.set,
         # The user's name on the session's commits (GIT_AUTHOR_*, GIT_COMMITTER_*):
         # the repository's .git/config is read-only inside, and HOME is the session's.
-        env.update(git_identity)
-    env.update(policy.env.set)
-    if network == "domains":
-        env.update(domains_mod.proxy_env())  # after the policy's: the proxy is the only way out anyway
+        git_identity=git_identity if policy.env.git_identity else None,
+        # After the policy's: the proxy is the only way out anyway.
+        proxy=domains_mod.proxy_env() if network == "domains" else None)
 
     net_mechanism = net.mechanism
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)

@@ -83,7 +83,7 @@ class Session:
         self.worker: Worker | None = None
         self.net: netstack.NetworkPlan | None = None  # how its network is held now
         self.stack: netstack.Stack | None = None  # its user-mode stack, while one runs
-        self.ns_fds: tuple[int, int] | None = None  # its user and network namespaces (netstack.open_namespaces)
+        self.ns_fds: tuple[int, int] | None = None  # its user and network namespaces, sent by its worker
         self.control: protocol.FrameSocket | None = None
         self.lock = threading.Lock()  # one attach or switch at a time
         self.send_lock = threading.Lock()  # one message at a time on the control channel
@@ -389,9 +389,13 @@ class SessionManager:
                 err.args = (err.message,)
                 raise err
             raise ConfinementError("worker start", detail=f"the worker did not report ready: {msg!r}")
+        ns_fds = None
         try:
+            ns_fds = self._take_namespaces(plan, msg, control)
             self._start_proxy(session, plan, msg, control)
         except ConfinementError:
+            for fd in ns_fds or ():
+                os.close(fd)
             worker.signal(signal.SIGKILL)
             worker.close()
             control.close()
@@ -399,6 +403,7 @@ class SessionManager:
         log.debug("event=worker_ready session=%s pid=%s steps_ms=%s", session.id, msg.pid,
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker = worker
+        session.ns_fds = ns_fds
         try:
             self._apply_network(session, plan.net)
         except BaseException:
@@ -419,10 +424,28 @@ class SessionManager:
 
     # --- the session's network (confine/netstack.py) ------------------------------
 
+    @staticmethod
+    def _take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady,
+                         control: protocol.FrameSocket) -> tuple[int, int] | None:
+        """The session's user and network namespaces, as the worker sent them
+        with ``WorkerReady`` (first of its fds), when it has its own."""
+        if not (plan.namespaces.user and plan.namespaces.net):
+            return None
+        if not msg.namespaces:
+            raise ConfinementError("network: namespaces", detail="the worker handed over no namespace descriptors")
+        try:
+            userns = control.take_fd()
+            try:
+                return userns, control.take_fd()
+            except protocol.ProtocolError:
+                os.close(userns)
+                raise
+        except protocol.ProtocolError as exc:
+            raise ConfinementError("network: namespaces", detail=str(exc)) from exc
+
     def _namespaces(self, session: Session) -> tuple[int, int]:
         if session.ns_fds is None:
-            assert session.worker is not None
-            session.ns_fds = netstack.open_namespaces(session.worker.pid, session.worker.pidfd)
+            raise ConfinementError("network: namespaces", detail="the session has no network namespace of its own")
         return session.ns_fds
 
     def _apply_network(self, session: Session, new: netstack.NetworkPlan | None) -> None:

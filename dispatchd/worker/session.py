@@ -52,7 +52,8 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     ``worktree_fd`` is the daemon's descriptor of the worktree it checked: the
     mounts bind it and Landlock grants it, never the path by name.
     On return the caller is W1: confined, single-threaded, with only ``keep`` open
-    (under network "domains", the proxy's listener is appended to it).
+    (with a network namespace of its own, its user and network namespaces are
+    appended to it; under network "domains", then the proxy's listener).
 
     With user namespaces the caller was born in them (``clone3`` in the fork
     server, ``namespaces.spawn_in_namespaces``), in the session's cgroup, as
@@ -70,6 +71,7 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     hygiene.close_inherited_fds([*keep, worktree_fd])  # only the control channel (and the worktree, below)
     clock("hygiene")
     namespaces.write_id_maps(plan.namespaces)  # born in them: only the ids are left to map
+    keep += namespaces.open_own(plan.namespaces)  # for the daemon, with WorkerReady
     clock("namespaces")
     # Needs CAP_SYS_RESOURCE in the new namespace, and /proc/sys before the
     # mounts make it read-only.
@@ -170,7 +172,9 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
                 os._exit(1)
             clock("nested scope")
         _report(control, protocol.WorkerReady(pid=init, protections=protections, timings_ms=clock.steps,
-                                              proxy_listener=len(keep) > 1), fds=keep[1:])
+                                              proxy_listener=bool(plan.proxy_port),
+                                              namespaces=bool(plan.namespaces.user and plan.namespaces.net)),
+                fds=keep[1:])
         for fd in keep[1:]:
             os.close(fd)  # the daemon has it; no command inherits it
         serve(control, plan)
