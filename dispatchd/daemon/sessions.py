@@ -589,11 +589,16 @@ class SessionManager:
             session.proxy.stop()  # nothing relayed for the old sandbox from here on
         if worker is None:
             return
-        worker.signal(signal.SIGTERM)
+        # Pid 1 of the session's namespace has no SIGTERM handler, and the
+        # kernel keeps from an init every signal it does not handle but SIGKILL
+        # (which ends everything in its namespace). Without a pid namespace the
+        # session init's SIGTERM handler kills its Landlock domain.
+        worker.signal(signal.SIGKILL if _namespaces_report(session).get("pid") else signal.SIGTERM)
         # The tool server holds the other end of the control channel: its EOF
         # means the session's processes are gone (pid 1 of their namespace has
         # exited, or the session init has killed its Landlock domain).
-        session.ended.wait(STOP_TIMEOUT_S)
+        if not session.ended.wait(STOP_TIMEOUT_S):
+            log.warning("event=worker_stop_timeout session=%s seconds=%g", session.id, STOP_TIMEOUT_S)
         worker.signal(signal.SIGKILL)
         worker.close()
         if session.cgroup and not cgroups.kill(session.cgroup):

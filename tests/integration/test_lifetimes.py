@@ -362,3 +362,29 @@ def test_a_session_is_two_processes_its_init_the_fork_servers_child_and_pid_1(tm
             assert result.output.split() == ["PPid:", "0", "PPid:", "1"]
     finally:
         assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("userns", [True, False], ids=["full", "degraded"])
+def test_closing_a_session_ends_its_processes_without_the_stop_timeouts_sigkill(
+        tmp_path: Path, worktree: Path, userns: bool) -> None:
+    """The signal the daemon sends ends the session itself: pid 1 of a
+    namespace ignores a SIGTERM it has no handler for, so in full mode it
+    gets SIGKILL; the degraded init's SIGTERM handler kills its domain. Had
+    the signal been ignored, the close would wait STOP_TIMEOUT_S and log it."""
+    import psutil
+
+    d = _daemon(tmp_path) if userns else _daemon(tmp_path, "d", "--no-user-namespaces")
+    try:
+        with d.connect() as client:
+            session = client.open_session(str(worktree))
+            server = psutil.Process(_tool_server(d))
+            assert shell(session, "sleep 60 & true").is_success
+            init = psutil.Process(server.ppid())  # the orphaned sleep is its child, not the tool server's
+            (sleeper,) = [p for p in init.children(recursive=True) if p.name() == "sleep"]
+            session.close()
+            for p in (server, sleeper):
+                assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+        assert "event=session_close" in d.log()
+        assert "event=worker_stop_timeout" not in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
