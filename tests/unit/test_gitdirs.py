@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.confine import gitdirs, gitsnapshot
+from dispatchd.daemon import gitfs, gitindex, gitlayout, gitredirects, gitsnapshot
 
 ENV = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@example.invalid",
            GIT_COMMITTER_NAME="a", GIT_COMMITTER_EMAIL="a@example.invalid")
@@ -35,7 +35,7 @@ def repo(tmp_path: Path) -> Path:
 
 
 def _take(repo: Path) -> gitsnapshot.GitSnapshot:
-    return gitsnapshot.take(str(repo), gitdirs.inspect_git(str(repo), uid=os.getuid()))
+    return gitsnapshot.take(str(repo), gitlayout.inspect_git(str(repo), uid=os.getuid()))
 
 
 def _quarantine(repo: Path, before: gitsnapshot.GitSnapshot) -> tuple[list[str], list[str]]:
@@ -54,7 +54,7 @@ def test_gitlinks_are_found_in_every_index_version(repo: Path, version: str) -> 
     git(repo, "add", "-N", "intent.txt")  # an extended-flags entry (v3)
     git(repo, "update-index", "--index-version", version)
     data = (repo / ".git" / "index").read_bytes()
-    assert gitdirs.parse_gitlinks(data) == {"vendor/nested", "z" * 150 + "/deep"}
+    assert gitindex.parse_gitlinks(data) == {"vendor/nested", "z" * 150 + "/deep"}
 
 
 def test_gitlinks_in_a_sha256_repository(tmp_path: Path) -> None:
@@ -64,26 +64,26 @@ def test_gitlinks_in_a_sha256_repository(tmp_path: Path) -> None:
     (r / "f").write_text("x")
     git(r, "add", "f")
     _add_gitlink(r, "m/n", "1" * 64)
-    assert gitdirs.parse_gitlinks((r / ".git" / "index").read_bytes()) == {"m/n"}
+    assert gitindex.parse_gitlinks((r / ".git" / "index").read_bytes()) == {"m/n"}
 
 
 def test_an_index_without_submodules(repo: Path) -> None:
-    assert gitdirs.parse_gitlinks((repo / ".git" / "index").read_bytes()) == set()
+    assert gitindex.parse_gitlinks((repo / ".git" / "index").read_bytes()) == set()
 
 
 @pytest.mark.parametrize("data", [b"", b"DIRC", b"XXXX\x00\x00\x00\x02\x00\x00\x00\x01", b"DIRC\x00\x00\x00\x09\x00\x00\x00\x00",
                                   b"DIRC\x00\x00\x00\x02\x00\x00\x00\x05" + b"\x00" * 30])
 def test_what_is_not_an_index_is_refused(data: bytes) -> None:
-    assert gitdirs.parse_gitlinks(data) is None
+    assert gitindex.parse_gitlinks(data) is None
 
 
 def test_a_truncated_index_is_refused(repo: Path) -> None:
     data = (repo / ".git" / "index").read_bytes()
-    assert gitdirs.parse_gitlinks(data[:100]) is None
+    assert gitindex.parse_gitlinks(data[:100]) is None
 
 
 def test_inspect_a_repository(repo: Path) -> None:
-    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
     assert layout.kind == "repository"
     assert layout.index == str(repo / ".git" / "index")
     assert layout.read_only == [str(repo / ".git" / "config"), str(repo / ".git" / "hooks")]
@@ -93,7 +93,7 @@ def test_inspect_a_repository(repo: Path) -> None:
 def test_inspect_a_linked_worktree(repo: Path, tmp_path: Path) -> None:
     linked = tmp_path / "linked"
     git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
-    layout = gitdirs.inspect_git(str(linked), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(linked), uid=os.getuid())
     common = repo / ".git"
     gitdir = common / "worktrees" / "linked"
     assert layout.kind == "linked"
@@ -108,7 +108,7 @@ def test_a_pointer_that_does_not_point_back_is_not_believed(repo: Path, tmp_path
     fake.mkdir()
     # A .git file naming another repository's worktree entry it is not.
     (fake / ".git").write_text(f"gitdir: {repo / '.git'}\n")
-    layout = gitdirs.inspect_git(str(fake), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(fake), uid=os.getuid())
     assert layout.kind == "refused"
     assert layout.writable == [] and layout.readable == []
     assert layout.read_only == [str(fake / ".git")]
@@ -163,7 +163,7 @@ def test_a_submodule_path_through_a_symlink_never_moves_what_is_outside(repo: Pa
 
 @pytest.mark.parametrize("link", ["../victim", "/abs/victim", "a/../../victim", "a//b", "./a", "a/.", ""])
 def test_submodule_paths_git_would_refuse_are_never_followed(repo: Path, link: str) -> None:
-    assert gitdirs._open_parent(str(repo), link) is None
+    assert gitfs.open_dir_below(str(repo), link) is None
 
 
 def _rename_in_index(index: Path, old: str, new: str) -> None:
@@ -186,7 +186,7 @@ def test_a_submodule_name_git_would_not_write_moves_the_index_aside(repo: Path, 
     placeholder = "x" * len(odd)
     _add_gitlink(repo, placeholder)
     _rename_in_index(repo / ".git" / "index", placeholder, odd)
-    assert gitdirs.index_gitlinks(str(repo / ".git" / "index")) == {odd}
+    assert gitfs.index_gitlinks(str(repo / ".git" / "index")) == {odd}
     moved, failed = _quarantine(repo, before)
     assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{repo}/.git/index.quarantined-by-dispatchd-")
     assert (repo / "a" / "b" / ".git").is_dir()  # untracked now: git runs nothing there
@@ -243,15 +243,15 @@ def test_a_submodule_unsearchable_before_the_session_too_still_moves_the_index_a
 def test_open_parent_tells_absent_from_unsearchable(repo: Path) -> None:
     (repo / "a" / "b").mkdir(parents=True)
     (repo / "file").write_text("x")
-    assert gitdirs._open_parent(str(repo), "missing/b") is None
-    assert gitdirs._open_parent(str(repo), "file/b") is None  # ENOTDIR
+    assert gitfs.open_dir_below(str(repo), "missing/b") is None
+    assert gitfs.open_dir_below(str(repo), "file/b") is None  # ENOTDIR
     (repo / "a").chmod(0)
     try:
         with pytest.raises(PermissionError):
-            gitdirs._open_parent(str(repo), "a/b")
+            gitfs.open_dir_below(str(repo), "a/b")
     finally:
         (repo / "a").chmod(0o755)
-    fd = gitdirs._open_parent(str(repo), "a/b")
+    fd = gitfs.open_dir_below(str(repo), "a/b")
     assert fd is not None
     os.close(fd)
 
@@ -277,7 +277,7 @@ def test_a_pointer_forged_inside_the_worktree_grants_nothing(tmp_path: Path) -> 
     (worktree / ".git").write_text("gitdir: .\n")
     (worktree / "gitdir").write_text(f"{worktree / '.git'}\n")
     (worktree / "commondir").write_text("../..\n")
-    layout = gitdirs.inspect_git(str(worktree), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(worktree), uid=os.getuid())
     assert layout.kind == "refused" and layout.readable == [] and layout.writable == []
     assert layout.note == f"the git directory {worktree} is the worktree, inside it, or around it; not granted"
 
@@ -286,7 +286,7 @@ def test_a_common_directory_that_is_no_repository_is_not_believed(repo: Path, tm
     linked = tmp_path / "linked"
     git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
     os.rename(repo / ".git" / "objects", repo / ".git" / "objects.moved")
-    layout = gitdirs.inspect_git(str(linked), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(linked), uid=os.getuid())
     assert layout.kind == "refused" and layout.readable == [] and layout.writable == []
     assert layout.note == f"{repo / '.git'} is not a git repository; not granted"
 
@@ -318,7 +318,7 @@ def _submodule_repo(tmp_path: Path) -> Path:
 def test_every_git_directory_of_a_repository_is_protected(tmp_path: Path) -> None:
     r = _submodule_repo(tmp_path)
     dotgit = r / ".git"
-    layout = gitdirs.inspect_git(str(r), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(r), uid=os.getuid())
     assert layout.kind == "repository"
     assert layout.gitdirs == [str(dotgit), str(dotgit / "modules" / "libs" / "sub"), str(r / "emb" / ".git")]
     assert (dotgit / "hooks").is_dir()  # made, empty, to be held read-only
@@ -333,26 +333,26 @@ def test_a_hooks_symlink_into_the_worktree_protects_its_target(repo: Path) -> No
     shutil.rmtree(repo / ".git" / "hooks")
     (repo / "githooks").mkdir()
     (repo / ".git" / "hooks").symlink_to("../githooks")
-    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
     assert str(repo / "githooks") in layout.read_only
     assert str(repo / ".git" / "hooks") not in layout.read_only  # a symlink is not bound over
 
 
 def test_redirects_in_any_git_directory_are_moved_aside(tmp_path: Path) -> None:
     r = _submodule_repo(tmp_path)
-    layout = gitdirs.inspect_git(str(r), uid=os.getuid())
-    before = gitdirs.redirects_present(layout, str(r))
+    layout = gitlayout.inspect_git(str(r), uid=os.getuid())
+    before = gitredirects.redirects_present(layout, str(r))
     assert before == []  # the other worktree's commondir leads back to .git
     # A worktree the session adds itself is fine, until its commondir is aimed elsewhere.
     git(r, "worktree", "add", "-q", str(r / "added"), "-b", "added")
-    assert gitdirs.redirects_present(layout, str(r)) == []
+    assert gitredirects.redirects_present(layout, str(r)) == []
     planted = [r / ".git" / "modules" / "libs" / "sub" / "commondir", r / "emb" / ".git" / "config.worktree",
                r / ".git" / "commondir"]
     for p in planted:
         p.write_text("../evil\n")
-    assert sorted(gitdirs.redirects_present(layout, str(r))) == sorted(map(str, planted))
+    assert sorted(gitredirects.redirects_present(layout, str(r))) == sorted(map(str, planted))
     (r / ".git" / "worktrees" / "added" / "commondir").write_text(str(tmp_path / "evil") + "\n")
-    moved, failed = gitdirs.quarantine_new_redirects(layout, before, str(r))
+    moved, failed = gitredirects.quarantine_new_redirects(layout, before, str(r))
     assert failed == [] and len(moved) == 4 and all(".quarantined-by-dispatchd-" in m for m in moved)
     assert not any(p.exists() for p in planted)
     assert not (r / ".git" / "worktrees" / "added" / "commondir").exists()
@@ -363,11 +363,11 @@ def test_a_split_index_is_read_with_its_shared_part(repo: Path) -> None:
     git(repo, "update-index", "--split-index")
     _add_gitlink(repo, "in/split", "2" * 40)
     index = str(repo / ".git" / "index")
-    assert gitdirs.parse_gitlinks((repo / ".git" / "index").read_bytes()) == {"in/split"}  # the split part alone
-    assert gitdirs.index_gitlinks(index) == {"in/shared", "in/split"}
+    assert gitindex.parse_gitlinks((repo / ".git" / "index").read_bytes()) == {"in/split"}  # the split part alone
+    assert gitfs.index_gitlinks(index) == {"in/shared", "in/split"}
     shared = next((repo / ".git").glob("sharedindex.*"))
     shared.unlink()
-    assert gitdirs.index_gitlinks(index) is None  # cannot be checked
+    assert gitfs.index_gitlinks(index) is None  # cannot be checked
 
 
 def test_an_index_that_cannot_be_checked_after_a_session_is_moved_aside(repo: Path) -> None:
@@ -390,34 +390,34 @@ def test_the_users_own_unreadable_index_is_left_alone(repo: Path) -> None:
 
 
 def test_a_garbled_commondir_is_a_redirect_not_a_crash(repo: Path) -> None:
-    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
     entry = repo / ".git" / "worktrees" / "zz"
     entry.mkdir(parents=True)
     (entry / "commondir").write_bytes(b"\0")
-    assert gitdirs.redirects_present(layout, str(repo)) == [str(entry / "commondir")]
-    moved, failed = gitdirs.quarantine_new_redirects(layout, [], str(repo))
+    assert gitredirects.redirects_present(layout, str(repo)) == [str(entry / "commondir")]
+    moved, failed = gitredirects.quarantine_new_redirects(layout, [], str(repo))
     assert failed == [] and len(moved) == 1 and not (entry / "commondir").exists()
 
 
 def test_a_read_only_git_directory_does_not_keep_a_redirect(repo: Path) -> None:
-    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
     (repo / ".git" / "commondir").write_text("../evil\n")
     os.chmod(repo / ".git", 0o555)
     try:
-        moved, failed = gitdirs.quarantine_new_redirects(layout, [], str(repo))
+        moved, failed = gitredirects.quarantine_new_redirects(layout, [], str(repo))
     finally:
         os.chmod(repo / ".git", 0o755)
     assert failed == [] and len(moved) == 1 and not (repo / ".git" / "commondir").exists()
 
 
 def test_quarantine_names_cannot_be_taken_in_advance(repo: Path) -> None:
-    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
     (repo / ".git" / "commondir").write_text("../evil\n")
     now = int(__import__("time").time())
     for t in range(now - 2, now + 300):
         (repo / ".git" / f"commondir.quarantined-by-dispatchd-{t}").mkdir()
         (repo / ".git" / f"commondir.quarantined-by-dispatchd-{t}" / "x").write_text("x")
-    moved, failed = gitdirs.quarantine_new_redirects(layout, [], str(repo))
+    moved, failed = gitredirects.quarantine_new_redirects(layout, [], str(repo))
     assert failed == [] and len(moved) == 1 and not (repo / ".git" / "commondir").exists()
 
 
@@ -428,28 +428,28 @@ def test_symlinks_under_git_never_take_the_daemon_elsewhere(repo: Path, tmp_path
     git(other, "commit", "-q", "--allow-empty", "-m", "o")
     git(other, "worktree", "add", "-q", str(tmp_path / "owt"), "-b", "o")
     foreign = other / ".git" / "worktrees" / "owt" / "commondir"
-    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
     # .git/worktrees and .git/modules made symlinks to another repository's.
     (repo / ".git" / "worktrees").symlink_to(other / ".git" / "worktrees")
     (repo / ".git" / "modules").symlink_to(tmp_path)
     (foreign).write_text("../../../../elsewhere\n")  # as if aimed elsewhere: still not ours to touch
-    assert gitdirs.redirects_present(layout, str(repo)) == []
-    assert gitdirs.quarantine_new_redirects(layout, [], str(repo)) == ([], [])
+    assert gitredirects.redirects_present(layout, str(repo)) == []
+    assert gitredirects.quarantine_new_redirects(layout, [], str(repo)) == ([], [])
     assert foreign.exists()
-    again = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    again = gitlayout.inspect_git(str(repo), uid=os.getuid())
     assert again.gitdirs == [str(repo / ".git")]  # the modules symlink is not walked
     assert not (tmp_path / "hooks").exists()
 
 
 def test_a_git_directory_replaced_by_a_symlink_is_itself_moved_aside(repo: Path, tmp_path: Path) -> None:
-    layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "index").write_text("not ours")
     os.rename(repo / ".git", repo / ".git-real")
     (repo / ".git").symlink_to(elsewhere)
-    assert gitdirs.redirects_present(layout, str(repo)) == [str(repo / ".git")]
-    moved, failed = gitdirs.quarantine_new_redirects(layout, [], str(repo))
+    assert gitredirects.redirects_present(layout, str(repo)) == [str(repo / ".git")]
+    moved, failed = gitredirects.quarantine_new_redirects(layout, [], str(repo))
     assert failed == [] and len(moved) == 1 and not os.path.lexists(repo / ".git")
     assert (elsewhere / "index").read_text() == "not ours"
 
@@ -475,7 +475,7 @@ def test_a_split_index_that_replaces_an_entry_by_a_submodule(repo: Path) -> None
     git(repo, "update-index", "--split-index")
     _add_gitlink(repo, "sub")
     index = repo / ".git" / "index"
-    parsed = gitdirs._parse_index(index.read_bytes())
+    parsed = gitindex.parse_index(index.read_bytes())
     assert parsed is not None and parsed.replaced_gitlink and parsed.links == set()
-    links = gitdirs.index_gitlinks(str(index))
+    links = gitfs.index_gitlinks(str(index))
     assert links is not None and "sub" in links
