@@ -13,6 +13,7 @@ import pytest
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon import gitlayout, gitsnapshot
+from tests.unit import permission_bits
 
 ENV = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@example.invalid",
            GIT_COMMITTER_NAME="a", GIT_COMMITTER_EMAIL="a@example.invalid")
@@ -195,7 +196,8 @@ def test_an_unreadable_directory_under_modules_is_moved_aside(superproject: Path
     before = _take(superproject)
     (superproject / ".git" / "modules" / "new").mkdir()
     (superproject / ".git" / "modules" / "new").chmod(0)
-    moved, failed = _quarantine(superproject, before)
+    with permission_bits.obeyed():
+        moved, failed = _quarantine(superproject, before)
     assert failed == [] and len(moved) == 1 and "/.git/modules/new.quarantined-by-dispatchd-" in moved[0]
     Path(moved[0]).chmod(0o755)
 
