@@ -33,10 +33,11 @@ directory, at any depth (a name may hold slashes; a directory holding a
 ``HEAD`` is a git directory, and only its own ``modules`` is walked further);
 and, through the index of each git directory whose worktree is known, every
 submodule it records, at any depth (a submodule's index records submodules of
-its own). Everything is reached from the worktree one component at a time
-with ``O_NOFOLLOW`` and read with bounded reads; a symlink is recorded, never
-followed (except to learn, with ``realpath``, whether a gitfile leads inside
-the worktree). What cannot be looked at counts as changed, every time (a
+its own). Every directory is reached from the worktree one component at a
+time with ``O_NOFOLLOW`` (``gitfs.open_dir_below``), every file read with a
+bound; an index is opened by its path, ``O_NOFOLLOW`` on the file itself
+(``gitfs.index_gitlinks``). A symlink is recorded, never followed (except to
+learn, with ``realpath``, whether a gitfile leads inside the worktree). What cannot be looked at counts as changed, every time (a
 random value that no later walk repeats): fail closed.
 
 Call ``quarantine`` only once every process of the session is gone: nothing

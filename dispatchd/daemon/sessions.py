@@ -16,11 +16,19 @@ Guarantees:
   of the session, which binds and grants exactly it;
 - extra read-only paths (the policy's and the call's) are resolved and
   checked against the credential deny-list at each open;
-- the daemon runs nothing in a worktree and reads there only git's metadata
-  (``gitdirs``, ``gitsnapshot``: as hostile content, bounded, without
-  following a symlink); once a session's processes are gone (close, network
-  switch, end) it moves aside what the session changed there that the user's
-  own git would run, or refuses the worktree until restart if it cannot.
+- the daemon runs nothing in a worktree (not even ``git``) and opens there
+  only git's metadata, as hostile content (``gitfs``: ``O_NOFOLLOW``,
+  regular files only, bounded reads): at open ``gitlayout`` walks ``.git``
+  by name, each step ``lstat``-checked, and ``gitsnapshot`` walks every git
+  directory and what an index names by ``O_PATH | O_NOFOLLOW`` descriptors
+  from the worktree; an index is opened by its path;
+- the one thing it creates there is an empty ``hooks`` in a git directory
+  that has none (``gitlayout``, at open: so that it can be held read-only);
+- once a session's processes are gone (close, network switch, end) it
+  renames aside, within its own directory, what the session changed there
+  that the user's own git would run (``gitredirects``, ``gitsnapshot``),
+  making a directory the session made read-only writable for its owner
+  first, or refuses the worktree until restart if it cannot;
 - the daemon removes in a worktree only the temporary files of writes a
   session's end cut short (``worker/sweep.py``: our exact names, regular
   files, by descriptor, no symlink followed), once the session that held the
