@@ -37,8 +37,9 @@ its own). Every directory is reached from the worktree one component at a
 time with ``O_NOFOLLOW`` (``gitfs.open_dir_below``), every file read with a
 bound; an index is opened by its path, ``O_NOFOLLOW`` on the file itself
 (``gitfs.index_gitlinks``). A symlink is recorded, never followed (except to
-learn, with ``realpath``, whether a gitfile leads inside the worktree). What cannot be looked at counts as changed, every time (a
-random value that no later walk repeats): fail closed.
+learn, with ``realpath``, whether a gitfile leads inside the worktree).
+What cannot be looked at counts as changed, every time (a random value that
+no later walk repeats): fail closed.
 
 Call ``quarantine`` only once every process of the session is gone: nothing
 can then change the tree between the walk and the renames.

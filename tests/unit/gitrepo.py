@@ -13,7 +13,9 @@ ENV = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@example.invalid"
 
 
 def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, env=ENV).stdout
+    # protocol.file.allow: submodules are added from local paths here.
+    return subprocess.run(["git", "-c", "protocol.file.allow=always", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True, env=ENV).stdout
 
 
 def make_repo(path: Path) -> Path:
@@ -46,7 +48,7 @@ def submodule_repo(tmp_path: Path) -> Path:
     r.mkdir()
     git(r, "init", "-q")
     git(r, "commit", "-q", "--allow-empty", "-m", "super")
-    git(r, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(src), "libs/sub")
+    git(r, "submodule", "add", "-q", str(src), "libs/sub")
     emb = r / "emb"
     emb.mkdir()
     git(emb, "init", "-q")

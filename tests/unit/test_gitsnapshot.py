@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,17 +13,9 @@ import pytest
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon import gitlayout, gitsnapshot
 from tests.unit import permission_bits
+from tests.unit.gitrepo import git
 
-ENV = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@example.invalid",
-           GIT_COMMITTER_NAME="a", GIT_COMMITTER_EMAIL="a@example.invalid")
 FSMONITOR = '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch PLANTED; false"\n'
-
-
-def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "protocol.file.allow=always", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True, env=ENV).stdout
-
-
 _LAYOUTS: dict[Path, GitLayout] = {}
 
 
