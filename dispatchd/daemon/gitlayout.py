@@ -72,6 +72,8 @@ def _existing(paths: list[str]) -> list[str]:
 
 
 def inspect_git(worktree: str, *, uid: int) -> GitLayout:
+    """The worktree's git layout (see the module); ``uid`` must own a linked
+    worktree's common directory. Makes the ``hooks`` it holds."""
     dotgit = os.path.join(worktree, ".git")
     try:
         st = os.lstat(dotgit)
