@@ -7,8 +7,8 @@ close through a real daemon, on an empty directory, the plain repository and
 the one with 300 submodules (in full mode each of those is a mount point of
 its own, and its config and hooks two read-only binds).
 
-At open the daemon runs ``gitdirs.inspect_git`` (what to hold read-only),
-``gitdirs.redirects_present`` and ``gitsnapshot.take`` (what git reads for
+At open the daemon runs ``gitlayout.inspect_git`` (what to hold read-only),
+``gitredirects.redirects_present`` and ``gitsnapshot.take`` (what git reads for
 configuration, by content); at the end (and at a network switch)
 ``redirects_present``, ``gitsnapshot.take`` and ``gitsnapshot.quarantine``.
 Measured here on repositories made for the purpose: a plain one, one with a
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dispatchd.confine import gitdirs, gitsnapshot  # noqa: E402
+from dispatchd.daemon import gitlayout, gitredirects, gitsnapshot  # noqa: E402
 
 ENV = dict(os.environ, GIT_AUTHOR_NAME="b", GIT_AUTHOR_EMAIL="b@invalid", GIT_COMMITTER_NAME="b",
            GIT_COMMITTER_EMAIL="b@invalid")
@@ -110,12 +110,12 @@ def measure(repo: Path, runs: int) -> tuple[float, float, float]:
     opens, ends, takes = [], [], []
     for _ in range(runs):
         t0 = time.perf_counter()
-        layout = gitdirs.inspect_git(str(repo), uid=os.getuid())
-        gitdirs.redirects_present(layout, str(repo))
+        layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
+        gitredirects.redirects_present(layout, str(repo))
         t1 = time.perf_counter()
         before = gitsnapshot.take(str(repo), layout)
         t2 = time.perf_counter()
-        gitdirs.quarantine_new_redirects(layout, gitdirs.redirects_present(layout, str(repo)), str(repo))
+        gitredirects.quarantine_new_redirects(layout, gitredirects.redirects_present(layout, str(repo)), str(repo))
         now = gitsnapshot.take(str(repo), layout)
         moved, failed = gitsnapshot.quarantine(str(repo), before, now)
         t3 = time.perf_counter()

@@ -6,7 +6,7 @@ the default ``root = "minimal"`` (as bubblewrap and nsjail build one):
   system directories and the daemon's code read-only, the worktree (bound from
   the descriptor the daemon checked, never by name) and the session's scratch
   directory read-write, the policy's and the call's extra paths, the git
-  directories the worktree needs (``gitdirs``), a private ``/tmp`` (the
+  directories the worktree needs (``GitLayout``), a private ``/tmp`` (the
   scratch ``tmp``), a fresh ``/dev`` (only the policy's device nodes, ``shm``
   a private tmpfs), a fresh ``/proc`` of the session's pid namespace. The
   host's root is detached (``pivot_root``): everything else — the home
@@ -17,8 +17,8 @@ the default ``root = "minimal"`` (as bubblewrap and nsjail build one):
   private ``/tmp`` and ``/dev/shm`` and the policy's extra read-write paths,
   so chmod, utime and xattr changes elsewhere fail with EROFS;
 - the git metadata the user's own git would run (``.git/config``, hooks, a
-  linked worktree's pointer files; see ``gitdirs``) is read-only inside the
-  writable worktree;
+  linked worktree's pointer files; found by ``dispatchd.daemon.gitlayout``)
+  is read-only inside the writable worktree;
 - every bind source is opened component by component without following a
   symlink, and bound from that descriptor: a path swapped for a symlink since
   it was planned fails the step, it never binds the symlink's target; a final

@@ -16,7 +16,6 @@ import msgspec
 from dispatchd.confine import domains as domains_mod
 from dispatchd.confine import hygiene
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
-from dispatchd.confine.gitdirs import GitLayout
 from dispatchd.confine.limits import LimitsPlan, plan_limits
 from dispatchd.confine.ucounts import UcountsPlan, budget_gaps, plan_ucounts
 from dispatchd.confine.ucounts import describe as describe_ucounts
@@ -33,12 +32,31 @@ NETWORK_MODES = ("off", "on", "ports", "domains")
 
 
 
+class GitLayout(msgspec.Struct, frozen=True):
+    """A worktree's git metadata, as the daemon found it at open
+    (``dispatchd.daemon.gitlayout.inspect_git``): what the plan holds
+    read-only, grants, and makes mount points."""
+
+    kind: str  # "none", "repository", "linked", "refused"
+    index: str = ""  # the index git uses for this worktree (its submodules are checked at the end)
+    read_only: list[str] = []  # bound read-only over themselves (must exist)
+    gitdirs: list[str] = []  # git directories whose new redirect files are moved aside at the end
+    readable: list[str] = []  # outside the worktree: Landlock read-only
+    writable: list[str] = []  # outside the worktree: Landlock read-write, bound writable
+    note: str = ""
+    # Inside the worktree, bound writable over themselves: a mount point cannot
+    # be renamed (EBUSY), so the read-only binds inside stay where git reads
+    # them (.git/modules, .git/worktrees, every git directory of a submodule,
+    # and each directory on the way to one under .git/modules).
+    mount_points: list[str] = []
+
+
 class SessionPaths(msgspec.Struct, frozen=True):
     worktree: str  # resolved
     scratch: str  # the session's private directory, made by the daemon
     runtime_dirs: list[str]  # the user's runtime directories, hidden from the session
     code: list[str]  # where the worker's own Python code lives (read-only)
-    git: GitLayout = GitLayout("none")  # the worktree's git metadata (gitdirs.inspect_git)
+    git: GitLayout = GitLayout("none")  # the worktree's git metadata (daemon/gitlayout.py)
     # Extra read-only paths (the policy's filesystem.extra_read_only and the
     # call's read_only), resolved and checked against the credential
     # deny-list by the daemon (daemon/worktree.py).

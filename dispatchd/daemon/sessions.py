@@ -16,11 +16,19 @@ Guarantees:
   of the session, which binds and grants exactly it;
 - extra read-only paths (the policy's and the call's) are resolved and
   checked against the credential deny-list at each open;
-- the daemon runs nothing in a worktree and reads there only git's metadata
-  (``gitdirs``, ``gitsnapshot``: as hostile content, bounded, without
-  following a symlink); once a session's processes are gone (close, network
-  switch, end) it moves aside what the session changed there that the user's
-  own git would run, or refuses the worktree until restart if it cannot.
+- the daemon runs nothing in a worktree (not even ``git``) and opens there
+  only git's metadata, as hostile content (``gitfs``: ``O_NOFOLLOW``,
+  regular files only, bounded reads): at open ``gitlayout`` walks ``.git``
+  by name, each step ``lstat``-checked, and ``gitsnapshot`` walks every git
+  directory and what an index names by ``O_PATH | O_NOFOLLOW`` descriptors
+  from the worktree; an index is opened by its path;
+- the one thing it creates there is an empty ``hooks`` in a git directory
+  that has none (``gitlayout``, at open: so that it can be held read-only);
+- once a session's processes are gone (close, network switch, end) it
+  renames aside, within its own directory, what the session changed there
+  that the user's own git would run (``gitredirects``, ``gitsnapshot``),
+  making a directory the session made read-only writable for its owner
+  first, or refuses the worktree until restart if it cannot;
 - the daemon removes in a worktree only the temporary files of writes a
   session's end cut short (``worker/sweep.py``: our exact names, regular
   files, by descriptor, no symlink followed), once the session that held the
@@ -42,11 +50,11 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import cgroups, domains, gitdirs, gitsnapshot, netstack
+from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.confine.netstack import NetworkPorts
-from dispatchd.confine.plan import NETWORK_MODES, SessionPaths, SessionPlan, plan_session
-from dispatchd.daemon import exits, gitidentity, leftovers, lifetimes, watchdog
+from dispatchd.confine.plan import NETWORK_MODES, GitLayout, SessionPaths, SessionPlan, plan_session
+from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
@@ -75,7 +83,7 @@ class Session:
         self.domains = domains.parse_domains(policy.network.domains)  # checked with the policy
         self.proxy: SessionProxy | None = None  # network "domains": made at the first such start
         self.note = ""
-        self.git = gitdirs.GitLayout("none")
+        self.git = GitLayout("none")
         self.redirects_before: list[str] = []
         self.git_before = gitsnapshot.GitSnapshot()  # what git reads for configuration, by content
         self.protections: dict[str, object] = {}
@@ -300,13 +308,13 @@ class SessionManager:
 
     def _inspect_git(self, session: Session) -> None:
         resolved = session.worktree
-        session.git = gitdirs.inspect_git(resolved, uid=self.uid)
+        session.git = gitlayout.inspect_git(resolved, uid=self.uid)
         if session.git.kind == "linked" and not self._points_back(session.git, resolved):
             # The worktree's path was swapped for a symlink to another
             # repository's linked worktree while git was inspected (the
             # descriptor the daemon holds is the checked directory, the
             # inspection went by name): its common directory is not granted.
-            session.git = gitdirs.GitLayout("refused", read_only=[p for p in session.git.read_only
+            session.git = GitLayout("refused", read_only=[p for p in session.git.read_only
                                                                   if p.startswith(resolved + "/")],
                                             note=f"the linked worktree's git directory does not point back at "
                                                  f"{resolved}/.git; not granted")
@@ -316,7 +324,7 @@ class SessionManager:
             if home_inside or any(_overlap(granted, p) for p in mine):
                 # A common directory that holds the daemon's files, the user's
                 # credentials, or the whole home directory, is no repository a session needs.
-                session.git = gitdirs.GitLayout("refused", read_only=[p for p in session.git.read_only
+                session.git = GitLayout("refused", read_only=[p for p in session.git.read_only
                                                                       if p.startswith(resolved + "/")],
                                                 note=f"{granted} holds the daemon's files, credentials or the "
                                                      "whole home directory; not granted")
@@ -327,12 +335,12 @@ class SessionManager:
                                 f"({gitsnapshot.MAX_GITDIRS}); no session opened", resolved)
         # Git directories only the recursive walk finds (submodules of
         # submodules kept in place) are held read-only too.
-        session.git = gitdirs.with_gitdirs(session.git, resolved,
+        session.git = gitlayout.with_gitdirs(session.git, resolved,
                                            gitsnapshot.gitdir_paths(resolved, session.git_before))
-        session.redirects_before = gitdirs.redirects_present(session.git, resolved)
+        session.redirects_before = gitredirects.redirects_present(session.git, resolved)
 
     @staticmethod
-    def _points_back(git: gitdirs.GitLayout, worktree: str) -> bool:
+    def _points_back(git: GitLayout, worktree: str) -> bool:
         """Whether the linked worktree's git directory names, literally, the
         ``.git`` of the path the daemon walked and checked."""
         try:
@@ -689,7 +697,7 @@ class SessionManager:
         failed: list[str] = []
         try:
             if session.git.kind in ("repository", "linked"):
-                moved, failed = gitdirs.quarantine_new_redirects(session.git, session.redirects_before,
+                moved, failed = gitredirects.quarantine_new_redirects(session.git, session.redirects_before,
                                                                  session.worktree)
                 for path in moved:
                     log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, path)
@@ -699,7 +707,7 @@ class SessionManager:
                 for path in moved:
                     log.warning("event=git_changed_quarantined session=%s path=%s", session.id, path)
                 # What the session goes on from (after a network switch) is the new baseline.
-                session.redirects_before = gitdirs.redirects_present(session.git, session.worktree)
+                session.redirects_before = gitredirects.redirects_present(session.git, session.worktree)
                 session.git_before = gitsnapshot.take(session.worktree, session.git) if moved else now
         except Exception as exc:  # a bug, or content we did not foresee: fail closed
             failed.append(f"the check itself failed: {type(exc).__name__}: {exc}")

@@ -1,4 +1,4 @@
-"""dispatchd.confine.gitsnapshot: every git directory of a repository by
+"""dispatchd.daemon.gitsnapshot: every git directory of a repository by
 content, and what a session changed moved aside (real repositories made by
 git, changed as a session could)."""
 
@@ -6,29 +6,22 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from dispatchd.confine import gitdirs, gitsnapshot
+from dispatchd.confine.plan import GitLayout
+from dispatchd.daemon import gitlayout, gitsnapshot
+from tests.unit import permission_bits
+from tests.unit.gitrepo import git
 
-ENV = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@example.invalid",
-           GIT_COMMITTER_NAME="a", GIT_COMMITTER_EMAIL="a@example.invalid")
 FSMONITOR = '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch PLANTED; false"\n'
-
-
-def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "protocol.file.allow=always", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True, env=ENV).stdout
-
-
-_LAYOUTS: dict[Path, gitdirs.GitLayout] = {}
+_LAYOUTS: dict[Path, GitLayout] = {}
 
 
 def _take(repo: Path) -> gitsnapshot.GitSnapshot:
     """As the daemon does: the layout is the one found at open."""
-    layout = _LAYOUTS.setdefault(repo, gitdirs.inspect_git(str(repo), uid=os.getuid()))
+    layout = _LAYOUTS.setdefault(repo, gitlayout.inspect_git(str(repo), uid=os.getuid()))
     return gitsnapshot.take(str(repo), layout)
 
 
@@ -194,7 +187,8 @@ def test_an_unreadable_directory_under_modules_is_moved_aside(superproject: Path
     before = _take(superproject)
     (superproject / ".git" / "modules" / "new").mkdir()
     (superproject / ".git" / "modules" / "new").chmod(0)
-    moved, failed = _quarantine(superproject, before)
+    with permission_bits.obeyed():
+        moved, failed = _quarantine(superproject, before)
     assert failed == [] and len(moved) == 1 and "/.git/modules/new.quarantined-by-dispatchd-" in moved[0]
     Path(moved[0]).chmod(0o755)
 
@@ -211,13 +205,13 @@ def test_a_plain_repository_costs_one_walk(tmp_path: Path) -> None:
 def test_mount_points_cover_every_git_directory(superproject: Path) -> None:
     (superproject / "emb").mkdir()
     git(superproject / "emb", "init", "-q")
-    layout = gitdirs.inspect_git(str(superproject), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(superproject), uid=os.getuid())
     dotgit = str(superproject / ".git")
     assert layout.mount_points == [f"{dotgit}/modules", f"{dotgit}/modules/sub", f"{dotgit}/modules/sub/modules",
                                    f"{dotgit}/modules/sub/modules/inner"]
     assert f"{dotgit}/info/attributes" not in layout.read_only  # none: nothing to hold
     (superproject / ".git" / "info" / "attributes").write_text("")
-    assert f"{dotgit}/info/attributes" in gitdirs.inspect_git(str(superproject), uid=os.getuid()).read_only
+    assert f"{dotgit}/info/attributes" in gitlayout.inspect_git(str(superproject), uid=os.getuid()).read_only
 
 
 def test_a_walk_cut_short_hands_no_submodule_to_the_users_git(superproject: Path,
@@ -265,10 +259,10 @@ def test_git_directories_only_the_walk_finds_are_protected_too(superproject: Pat
     git(nested, "commit", "-q", "--allow-empty", "-m", "k")
     git(superproject / "sub", "update-index", "--add", "--cacheinfo",
         f"160000,{git(nested, 'rev-parse', 'HEAD').strip()},kept")
-    layout = gitdirs.inspect_git(str(superproject), uid=os.getuid())
+    layout = gitlayout.inspect_git(str(superproject), uid=os.getuid())
     assert str(nested / ".git") not in layout.gitdirs
     snap = gitsnapshot.take(str(superproject), layout)
-    held = gitdirs.with_gitdirs(layout, str(superproject), gitsnapshot.gitdir_paths(str(superproject), snap))
+    held = gitlayout.with_gitdirs(layout, str(superproject), gitsnapshot.gitdir_paths(str(superproject), snap))
     assert held.gitdirs == layout.gitdirs + [str(nested / ".git")]
     assert {str(nested / ".git" / "config"), str(nested / ".git" / "hooks")} <= set(held.read_only)
     assert str(nested / ".git") in held.mount_points

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dispatchd.confine.gitdirs import GitLayout
+from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.sessions import SessionManager
 
 

@@ -33,11 +33,13 @@ directory, at any depth (a name may hold slashes; a directory holding a
 ``HEAD`` is a git directory, and only its own ``modules`` is walked further);
 and, through the index of each git directory whose worktree is known, every
 submodule it records, at any depth (a submodule's index records submodules of
-its own). Everything is reached from the worktree one component at a time
-with ``O_NOFOLLOW`` and read with bounded reads; a symlink is recorded, never
-followed (except to learn, with ``realpath``, whether a gitfile leads inside
-the worktree). What cannot be looked at counts as changed, every time (a
-random value that no later walk repeats): fail closed.
+its own). Every directory is reached from the worktree one component at a
+time with ``O_NOFOLLOW`` (``gitfs.open_dir_below``), every file read with a
+bound; an index is opened by its path, ``O_NOFOLLOW`` on the file itself
+(``gitfs.index_gitlinks``). A symlink is recorded, never followed (except to
+learn, with ``realpath``, whether a gitfile leads inside the worktree).
+What cannot be looked at counts as changed, every time (a random value that
+no later walk repeats): fail closed.
 
 Call ``quarantine`` only once every process of the session is gone: nothing
 can then change the tree between the walk and the renames.
@@ -53,7 +55,8 @@ import stat
 
 import msgspec
 
-from dispatchd.confine import gitdirs
+from dispatchd.confine.plan import GitLayout
+from dispatchd.daemon import gitfs
 
 # What git reads, in a git directory, that names or runs a command or
 # redirects where configuration comes from (hooks: each entry).
@@ -211,7 +214,7 @@ class _Walk:
         be looked at."""
         if not rel:
             return os.open(self.worktree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        return gitdirs._open_parent(self.worktree, rel)
+        return gitfs.open_dir_below(self.worktree, rel)
 
     def gitdir(self, rel: str, worktree: str | None) -> None:
         """Record the git directory at ``rel`` and the ones below it; with
@@ -270,14 +273,14 @@ class _Walk:
     def index(self, gitdir_rel: str, worktree: str) -> None:
         index_rel = _join(gitdir_rel, "index")
         path = os.path.join(self.worktree, index_rel)
-        links = gitdirs.index_gitlinks(path)
+        links = gitfs.index_gitlinks(path)
         if links is None:
             self.indexes[index_rel] = _index_content(path)
             return
         for link in sorted(links):
             if not self._budget():
                 return
-            if not gitdirs._safe_link(link):
+            if not gitfs.safe_link(link):
                 # git would not write it, but walks it: never followed here,
                 # and so never "as before"
                 self.indexes[index_rel] = _never_equal("a submodule path git would not write")
@@ -296,7 +299,7 @@ class _Walk:
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                if exc.errno in gitdirs._ABSENT:
+                if exc.errno in gitfs.ABSENT:
                     continue
                 self.indexes[index_rel] = _never_equal(f"a submodule that cannot be looked at ({exc.errno})")
                 continue
@@ -382,7 +385,7 @@ def _index_content(path: str) -> str:
     return f"an index that cannot be parsed:{digest}" if digest else _never_equal("an index too large to compare")
 
 
-def take(worktree: str, layout: gitdirs.GitLayout) -> GitSnapshot:
+def take(worktree: str, layout: GitLayout) -> GitSnapshot:
     """Walk every git directory of the worktree's repository (see the module)."""
     walk = _Walk(worktree)
     by_file: list[str] = []
@@ -467,7 +470,7 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
         if rel in now.by_file and "" not in now_fp:
             if old is None and rel != ".git":
                 # A linked worktree the session added: its redirects are
-                # checked by gitdirs.quarantine_new_redirects (a commondir
+                # checked by gitredirects.quarantine_new_redirects (a commondir
                 # leading back to this .git is what `git worktree add` writes).
                 continue
             found += [f"{rel}/{name}" for name, digest in now_fp.items()
@@ -509,7 +512,7 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[li
         if fd is None:
             continue  # gone since the walk: nothing there for git to read
         try:
-            moved.append(os.path.join(worktree, parent, gitdirs._move_aside_at(fd, name)))
+            moved.append(os.path.join(worktree, parent, gitfs.move_aside_at(fd, name)))
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -518,10 +521,10 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[li
             os.close(fd)
     for path, digest in now.external.items():
         old = before.external.get(path)
-        # A file new there is a redirect: gitdirs.quarantine_new_redirects moves it.
+        # A file new there is a redirect: gitredirects.quarantine_new_redirects moves it.
         if old is not None and old != digest and digest != "absent":
             try:
-                moved.append(gitdirs.move_aside(path))
+                moved.append(gitfs.move_aside(path))
             except OSError as exc:
                 failed.append(f"{path}: {exc.strerror}")
     return moved, failed

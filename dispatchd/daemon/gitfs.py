@@ -1,0 +1,184 @@
+"""How the daemon reads and moves git's metadata in a worktree: as hostile
+content a session wrote.
+
+Guarantees, for what goes through here:
+- a file is opened with ``O_NOFOLLOW | O_NONBLOCK`` (no symlink as the last
+  component, no FIFO to hang on), read only if ``fstat`` says it is a
+  regular file, and read with a bound (a pointer file 4 KiB, an index
+  256 MiB);
+- a path taken from content a session controls (a submodule an index
+  records) is walked from the worktree one component at a time, each an
+  ``O_PATH | O_NOFOLLOW`` descriptor (``open_dir_below``): no such name and
+  no symlink planted on the way can lead outside the worktree; a name git
+  itself would refuse (``..``, empty, absolute) is not walked at all;
+- what is moved aside is renamed within its own directory to an unguessable
+  name (``move_aside``, ``move_aside_at``), never deleted; a directory a
+  session made read-only is made writable for its owner first (it is the
+  user's, so the daemon's).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+import time
+
+from dispatchd.daemon import gitindex
+
+_MAX_POINTER = 4096  # a .git pointer file, a gitdir or commondir file
+_MAX_INDEX = 256 * 1024 * 1024
+_QUARANTINED = ".quarantined-by-dispatchd-"
+
+# What makes a submodule path plainly absent for git too: nothing there, a
+# file on the way, or a symlink (git does not follow one into a submodule).
+ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+
+
+def read_small(path: str) -> str | None:
+    """A small file's text (at most 4 KiB), or None: absent, a symlink, not
+    a regular file, unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, _MAX_POINTER).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def is_file(path: str) -> bool:
+    """A regular file, not a symlink to one (``lstat``)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def is_dir(path: str) -> bool:
+    """A directory, not a symlink to one (``lstat``)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _read_index(path: str) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_INDEX:
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def index_gitlinks(index: str) -> set[str] | None:
+    """The submodules an index file records, a split index's shared part
+    included; an empty set when there is no index, None when it cannot be read."""
+    if not os.path.lexists(index):
+        return set()
+    data = _read_index(index)
+    parsed = gitindex.parse_index(data) if data is not None else None
+    if parsed is None:
+        return None
+    links, shared = parsed.links, parsed.shared
+    if shared and shared != "0" * len(shared):
+        shared_data = _read_index(os.path.join(os.path.dirname(index), f"sharedindex.{shared}"))
+        shared_parsed = gitindex.parse_index(shared_data, all_names=parsed.replaced_gitlink) if shared_data else None
+        if shared_parsed is None:
+            return None
+        # A superset (the split part may delete entries of the shared one):
+        # each candidate is only checked, never trusted. A submodule that
+        # replaces a shared entry takes that entry's name, which only the
+        # replace bitmap tells: then every shared path is a candidate.
+        links = links | shared_parsed.links | shared_parsed.names
+    elif parsed.replaced_gitlink:
+        return None
+    return links
+
+
+def safe_link(link: str) -> bool:
+    """A submodule path as git itself would accept it: relative, no empty,
+    ``.`` or ``..`` component (git's verify_path refuses the same)."""
+    parts = link.split("/")
+    return bool(link) and not link.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def open_dir_below(worktree: str, link: str) -> int | None:
+    """A descriptor of the submodule's directory, reached from the worktree one
+    component at a time without following a symlink, or None when there is
+    none (see ``ABSENT``). The daemon acts on what the index names only
+    through it, so a name or a planted symlink can never make it touch a path
+    outside the worktree. Raises OSError when the path cannot be looked at
+    (a directory the session made unsearchable): absent for now, but not for
+    the user who makes it searchable again."""
+    if not safe_link(link):
+        return None
+    try:
+        fd = os.open(worktree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    for part in link.split("/"):
+        try:
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in ABSENT:
+                return None
+            raise
+        os.close(fd)
+        fd = nxt
+    return fd
+
+
+def _aside_name(name: str) -> str:
+    # The time for the user who finds it; the random part so that a session
+    # cannot take the name in advance (it can guess the time).
+    return f"{name}{_QUARANTINED}{int(time.time())}-{secrets.token_hex(6)}"
+
+
+def move_aside_at(dir_fd: int, name: str) -> str:
+    """``move_aside`` relative to a directory descriptor."""
+    for _ in range(2):
+        dst = _aside_name(name)
+        try:
+            os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            return dst
+        except PermissionError:
+            # A directory the session made read-only: ours to make writable.
+            # (An O_PATH descriptor cannot fchmod; /proc/self/fd names it.)
+            mode = os.stat(f"/proc/self/fd/{dir_fd}").st_mode
+            os.chmod(f"/proc/self/fd/{dir_fd}", stat.S_IMODE(mode) | stat.S_IRWXU)
+    os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return dst
+
+
+def move_aside(path: str) -> str:
+    """Rename ``path`` to an unguessable name beside it and return that name.
+    A parent the session made read-only (it is the user's, so ours) is made
+    writable for us first. Raises OSError if it cannot be moved; the caller
+    says so loudly."""
+    parent, name = os.path.split(path)
+    for _ in range(2):
+        dst = os.path.join(parent, _aside_name(name))
+        try:
+            os.rename(path, dst)
+            return dst
+        except PermissionError:
+            mode = os.lstat(parent).st_mode
+            os.chmod(parent, stat.S_IMODE(mode) | stat.S_IRWXU)
+    os.rename(path, dst)  # once more, after the chmod: raises if it still fails
+    return dst
+

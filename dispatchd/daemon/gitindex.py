@@ -1,0 +1,124 @@
+"""A git index parser: which paths an index records as submodules. Pure.
+
+We read git's files ourselves and never run ``git``: in a worktree a session
+wrote, git would read the session's configuration (``core.fsmonitor``,
+hooks, filters) and run what it names, as the user, outside any sandbox.
+
+Guarantees: index versions 2, 3 and 4, SHA-1 or SHA-256 (the index does not
+say which: the one that parses cleanly, its extensions ending exactly at the
+checksum); a split index's "link" extension named; any other bytes (short,
+unknown version, an entry or extension past the end) give None, never an
+exception. Bytes in, data out: the reading is ``gitfs.index_gitlinks``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+GITLINK = 0o160000  # the mode git records a submodule with
+
+
+class Index(msgspec.Struct):
+    links: set[str]  # the paths recorded as submodules
+    shared: str  # the shared index a split index names, "" if none
+    replaced_gitlink: bool  # a split index replaces some shared entry by a submodule
+    names: set[str]  # every path, when asked for
+
+
+def parse_gitlinks(data: bytes) -> set[str] | None:
+    """The paths a git index (versions 2-4, SHA-1 or SHA-256) records as
+    submodules (mode 160000). None when the bytes are not an index we can read."""
+    parsed = parse_index(data)
+    return parsed.links if parsed is not None else None
+
+
+def parse_index(data: bytes, all_names: bool = False) -> Index | None:
+    """The index's submodules and the shared index it names; with
+    ``all_names``, every path it records too. None when unreadable."""
+    if len(data) < 12 or data[:4] != b"DIRC":
+        return None
+    version = int.from_bytes(data[4:8], "big")
+    count = int.from_bytes(data[8:12], "big")
+    if version not in (2, 3, 4):
+        return None
+    for hash_size in (20, 32):  # the index does not say which; one parses cleanly
+        names: set[str] | None = set() if all_names else None
+        parsed = _parse_entries(data, version, count, hash_size, names)
+        if parsed is None:
+            continue
+        links, pos, replaced, replaced_gitlink = parsed
+        shared = _shared_index(data, pos, hash_size)
+        if shared is not None and (shared or not replaced):
+            return Index(links=links, shared=shared, replaced_gitlink=replaced_gitlink, names=names or set())
+    return None
+
+
+def _shared_index(data: bytes, pos: int, hash_size: int) -> str | None:
+    """Walk the extensions after the entries: the hash a "link" extension
+    names (a split index keeps most entries in ``sharedindex.<hash>``), "" for
+    none, None if the extensions do not end exactly at the checksum."""
+    shared = ""
+    end = len(data) - hash_size
+    while pos < end:
+        if pos + 8 > end:
+            return None
+        signature, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "big")
+        if pos + 8 + size > end:
+            return None
+        if signature == b"link":
+            shared = data[pos + 8:pos + 8 + hash_size].hex()
+        pos += 8 + size
+    return shared if pos == end else None
+
+
+def _parse_entries(data: bytes, version: int, count: int, hash_size: int,
+                   names: set[str] | None = None) -> tuple[set[str], int, bool, bool] | None:
+    """(gitlinks, where the entries end, whether some entries replace a shared
+    index's, whether one of those is a submodule); every path into ``names``."""
+    links: set[str] = set()
+    replaced_gitlink = False
+    pos, previous, replaced = 12, b"", False
+    try:
+        for _ in range(count):
+            start = pos
+            mode = int.from_bytes(data[pos + 24:pos + 28], "big")
+            pos += 40 + hash_size
+            flags = int.from_bytes(data[pos:pos + 2], "big")
+            pos += 2
+            if version >= 3 and flags & 0x4000:
+                pos += 2
+            if version == 4:
+                byte = data[pos]  # git's offset varint (varint.c: decode_varint)
+                pos += 1
+                strip = byte & 0x7F
+                while byte & 0x80:
+                    byte = data[pos]
+                    pos += 1
+                    strip = ((strip + 1) << 7) | (byte & 0x7F)
+                end = data.index(b"\0", pos)
+                if strip > len(previous):
+                    return None
+                name = previous[:len(previous) - strip] + data[pos:end]
+                pos = end + 1
+            else:
+                end = data.index(b"\0", pos)
+                name = data[pos:end]
+                pos = start + ((end - start) // 8 + 1) * 8  # 1 to 8 NULs pad each entry
+            length = flags & 0xFFF
+            if length != 0xFFF and length != len(name) or pos > len(data):
+                return None
+            previous = name
+            if not name:
+                # Only a split index has these: an entry that replaces the
+                # shared index's entry at a position its "link" extension
+                # gives, under that entry's name.
+                replaced = True
+                replaced_gitlink |= mode & 0o170000 == GITLINK
+                continue
+            if names is not None:
+                names.add(name.decode("utf-8", "surrogateescape"))
+            if mode & 0o170000 == GITLINK:
+                links.add(name.decode("utf-8", "surrogateescape"))
+    except (IndexError, ValueError):
+        return None
+    return links, pos, replaced, replaced_gitlink

@@ -1,0 +1,250 @@
+"""What of a worktree's git metadata a session may not write, found when it
+opens; git keeps working.
+
+What a session writes under ``.git`` is read later by the user's git, outside
+any sandbox: ``.git/config`` (``core.hooksPath``, ``core.fsmonitor``, filters,
+aliases) and ``.git/hooks/*`` run commands, ``.git/commondir`` and a linked
+worktree's ``.git`` pointer file choose which of those are read. For one
+worktree, ``inspect_git`` finds what must stay read-only and what git must be
+able to write, as a ``GitLayout`` the planner turns into mounts and Landlock
+rules (``dispatchd.confine.plan``):
+
+- a plain repository (``WORKTREE/.git/``): the ``config``, ``hooks``,
+  ``commondir``, ``config.worktree`` and ``info/attributes`` of every git
+  directory it has — its ``.git``, its submodules' under ``.git/modules`` at
+  any depth (names may hold slashes, submodules have submodules), and those
+  kept in place (``sub/.git/``, found through the index) — and the other
+  linked worktrees' entries (``.git/worktrees/*``, whole) are bound read-only
+  over themselves in the session's mount namespace. The rest of ``.git``
+  (objects, refs, index, lock files) stays writable, so add, commit and
+  checkout -b work. In full mode ``.git``, ``.git/modules``,
+  ``.git/worktrees`` and every submodule's git directory are also mount
+  points of their own (``mount_points``): renaming one fails (EBUSY);
+- a linked worktree (``WORKTREE/.git`` is a file naming ``COMMON/worktrees/N``):
+  the pointer file and ``N``'s own ``commondir``, ``gitdir`` and
+  ``config.worktree`` are read-only; ``COMMON`` is readable, and only
+  ``COMMON/objects``, ``COMMON/refs``, ``COMMON/logs`` and ``COMMON/worktrees/N``
+  are writable. A pointer is believed only if git itself would (``N/gitdir``
+  names this worktree's ``.git`` back), ``N`` and ``COMMON`` lie outside the
+  worktree and around neither it, ``COMMON`` is a repository and belongs to the
+  user: a pointer forged inside the worktree grants nothing.
+
+Not a pure inspection: a git directory without ``hooks`` gets an empty one
+(``mkdir``, the one thing the daemon creates in a worktree), so that it can
+be held read-only; a ``hooks`` that is a symlink into the worktree has its
+target held instead. What no bind can hold (a redirect file created where
+there was none, a git directory renamed away and rebuilt) is checked when
+the session ends: ``gitredirects`` and ``gitsnapshot``.
+
+The read-only binds exist only in full mode (a mount namespace); without one,
+Landlock cannot carve a read-only hole in a writable tree, and the session's
+``leaves_open`` says so.
+
+Everything here goes by name from the resolved worktree, each step checked
+with ``lstat`` (no symlink entered), except the submodules the index names
+(``gitfs.open_dir_below``: by descriptor); a gitfile's target and a
+``hooks`` symlink are resolved (``realpath``) only to learn where they lead.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import msgspec
+
+from dispatchd.confine.plan import GitLayout
+from dispatchd.daemon.gitfs import index_gitlinks, is_dir, is_file, open_dir_below, read_small
+from dispatchd.daemon.gitredirects import REDIRECTS
+
+# What the user's git runs or reads as configuration, in any git directory.
+RUN_FROM = ("config", "hooks") + REDIRECTS
+_MAX_GITDIRS = 1000  # submodule git directories walked at the most (the daemon's time is bounded)
+_MAX_VISITS = 10000  # directories looked into for them
+
+
+def _overlap(a: str, b: str) -> bool:
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _existing(paths: list[str]) -> list[str]:
+    return [p for p in paths if os.path.lexists(p) and not os.path.islink(p)]
+
+
+def inspect_git(worktree: str, *, uid: int) -> GitLayout:
+    """The worktree's git layout (see the module); ``uid`` must own a linked
+    worktree's common directory. Makes the ``hooks`` it holds."""
+    dotgit = os.path.join(worktree, ".git")
+    try:
+        st = os.lstat(dotgit)
+    except FileNotFoundError:
+        return GitLayout("none")
+    if stat.S_ISDIR(st.st_mode):
+        index = os.path.join(dotgit, "index")
+        dirs = [dotgit] + _module_gitdirs(dotgit) + _embedded_gitdirs(worktree, index)
+        protect: list[str] = []
+        for gitdir in dirs:
+            protect += _protect(worktree, gitdir)
+        worktrees = os.path.join(dotgit, "worktrees")
+        if is_dir(worktrees):
+            # The other linked worktrees' entries, whole: which common
+            # directory and configuration git reads when the user works in
+            # them, and their HEAD, index and logs, which a session's `git
+            # worktree prune` would delete (under a private /tmp their
+            # worktrees look gone).
+            for entry in sorted(os.scandir(worktrees), key=lambda e: e.name):
+                if entry.is_dir(follow_symlinks=False):
+                    protect.append(entry.path)
+        held = ([os.path.join(d, "modules") for d in dirs] + [worktrees] + _module_steps(worktree, dirs[1:])
+                + dirs[1:])
+        return GitLayout("repository", index=index, read_only=_existing(protect), gitdirs=dirs,
+                         mount_points=sorted(p for p in set(held) if is_dir(p)))
+    if not stat.S_ISREG(st.st_mode):
+        return GitLayout("refused", note=".git is neither a directory nor a file")
+    text = read_small(dotgit) or ""
+    if not text.startswith("gitdir: "):
+        return GitLayout("refused", read_only=[dotgit], note=".git file does not name a gitdir")
+    gitdir = os.path.realpath(os.path.join(worktree, text[len("gitdir: "):].strip()))
+    back = (read_small(os.path.join(gitdir, "gitdir")) or "").strip()
+    if not back or os.path.realpath(back) != os.path.realpath(dotgit):
+        return GitLayout("refused", read_only=[dotgit],
+                         note=f"{gitdir} does not point back at this worktree; not granted")
+    common_rel = (read_small(os.path.join(gitdir, "commondir")) or "").strip()
+    common = os.path.realpath(os.path.join(gitdir, common_rel)) if common_rel else ""
+    if not common or os.path.dirname(gitdir) != os.path.join(common, "worktrees"):
+        return GitLayout("refused", read_only=[dotgit], note=f"{gitdir} is not a worktrees/ entry of its common dir")
+    for name, where in (("git directory", gitdir), ("common directory", common)):
+        # What a session wrote inside the worktree must not be believed: a
+        # forged pointer there would have the next session granted (readable,
+        # objects/refs/logs writable) whatever directory it names, up to the
+        # worktree's parents.
+        if _overlap(where, worktree):
+            return GitLayout("refused", read_only=[dotgit],
+                             note=f"the {name} {where} is the worktree, inside it, or around it; not granted")
+    if not (is_file(os.path.join(gitdir, "HEAD")) and is_file(os.path.join(common, "HEAD"))
+            and all(is_dir(os.path.join(common, d)) for d in ("objects", "refs"))):
+        return GitLayout("refused", read_only=[dotgit], note=f"{common} is not a git repository; not granted")
+    try:
+        if os.stat(common).st_uid != uid:
+            return GitLayout("refused", read_only=[dotgit], note=f"{common} belongs to another user; not granted")
+    except OSError:
+        return GitLayout("refused", read_only=[dotgit], note=f"{common} cannot be inspected")
+    writable = [gitdir] + [os.path.join(common, d) for d in ("objects", "refs", "logs") if os.path.isdir(os.path.join(common, d))]
+    read_only = _existing([dotgit] + [os.path.join(gitdir, n) for n in ("commondir", "gitdir", "config.worktree")])
+    return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only, readable=[common],
+                     writable=writable, gitdirs=[gitdir])
+
+
+def _protect(worktree: str, gitdir: str) -> list[str]:
+    """What of one git directory is bound read-only (those that exist)."""
+    _ensure_hooks(gitdir)
+    return [os.path.join(gitdir, name) for name in RUN_FROM + ("info/attributes",)] + _hooks_target(worktree, gitdir)
+
+
+def with_gitdirs(layout: GitLayout, worktree: str, found: list[str]) -> GitLayout:
+    """The layout, with git directories found since (``gitsnapshot`` walks
+    every index, recursively: in-place submodules of submodules, where a
+    gitfile leads) protected like the others: read-only config and hooks,
+    and a mount point of their own."""
+    new = [d for d in found if d not in layout.gitdirs and is_dir(d)]
+    if layout.kind != "repository" or not new:
+        return layout
+    protect = [p for d in new for p in _protect(worktree, d)]
+    held = [os.path.join(d, "modules") for d in new] + new
+    return msgspec.structs.replace(
+        layout, gitdirs=layout.gitdirs + new, read_only=layout.read_only + _existing(protect),
+        mount_points=sorted(set(layout.mount_points) | {p for p in held if is_dir(p)}))
+
+
+def _is_gitdir(path: str) -> bool:
+    return is_file(os.path.join(path, "HEAD")) and is_dir(os.path.join(path, "objects"))
+
+
+def _module_gitdirs(gitdir: str) -> list[str]:
+    """The git directories of submodules kept under ``modules/``, at any depth:
+    a submodule's name may hold slashes (``modules/libs/sub``), and a submodule
+    has submodules of its own (``modules/a/modules/b``). No symlink is followed."""
+    found: list[str] = []
+    pending = [os.path.join(gitdir, "modules")]
+    visited = 0
+    while pending and len(found) < _MAX_GITDIRS and visited < _MAX_VISITS:
+        top = pending.pop()
+        visited += 1
+        if not is_dir(top):  # lstat: a ``modules`` that is a symlink leads nowhere we go
+            continue
+        try:
+            entries = sorted(os.scandir(top), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if _is_gitdir(entry.path):
+                found.append(entry.path)
+                pending.append(os.path.join(entry.path, "modules"))
+            else:
+                pending.append(entry.path)  # a directory of a name with slashes
+    return sorted(found)
+
+
+def _module_steps(worktree: str, gitdirs: list[str]) -> list[str]:
+    """The directories under a ``modules`` on the way to a submodule's git
+    directory whose name has slashes (``modules/libs`` for ``libs/sub``)."""
+    below = worktree.rstrip("/") + "/"
+    steps: set[str] = set()
+    for found in gitdirs:
+        chain, parent = [], os.path.dirname(found)
+        while parent.startswith(below) and os.path.basename(parent) != "modules":
+            chain.append(parent)
+            parent = os.path.dirname(parent)
+        if parent.startswith(below):
+            steps.update(chain)
+    return sorted(steps)
+
+
+def _embedded_gitdirs(worktree: str, index: str) -> list[str]:
+    """The ``.git`` directories of submodules the index lists that hold their
+    git directory in place (``git submodule add`` of an existing clone), and
+    the submodules' own ``modules/``."""
+    links = index_gitlinks(index)
+    found: list[str] = []
+    for link in sorted(links or ()):
+        try:
+            fd = open_dir_below(worktree, link)
+        except OSError:
+            fd = None  # unsearchable now; checked again when the session ends
+        if fd is None:
+            continue
+        try:
+            st = os.stat(".git", dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if stat.S_ISDIR(st.st_mode):
+            embedded = os.path.join(worktree, link, ".git")
+            found += [embedded] + _module_gitdirs(embedded)
+        if len(found) >= _MAX_GITDIRS:
+            break
+    return found
+
+
+def _ensure_hooks(gitdir: str) -> None:
+    """A git directory without ``hooks`` gets an empty one, so that it can be
+    held read-only: a session must not create the one git would run."""
+    path = os.path.join(gitdir, "hooks")
+    if not os.path.lexists(path):
+        try:
+            os.mkdir(path, 0o755)
+        except OSError:
+            pass
+
+
+def _hooks_target(worktree: str, gitdir: str) -> list[str]:
+    """Where a ``hooks`` that is a symlink leads, when that is in the worktree
+    (the session could write it there); outside it, Landlock refuses writes."""
+    path = os.path.join(gitdir, "hooks")
+    if not os.path.islink(path):
+        return []
+    target = os.path.realpath(path)
+    return [target] if target.startswith(worktree.rstrip("/") + "/") and os.path.isdir(target) else []
