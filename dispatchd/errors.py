@@ -5,7 +5,6 @@
     ├── WorktreeError              the worktree is refused                   (path)
     ├── SessionError               no such session / session gone            (session)
     ├── ConfinementError           a protection could not be applied          (step, errno, path)
-    ├── RootRefused                the daemon was started as root
     └── Stopping                   the daemon is stopping: no new session
 """
 
@@ -59,10 +58,6 @@ class ConfinementError(DispatchdError):
         self.step = step
         self.errno = err
         self.path = path
-
-
-class RootRefused(DispatchdError):
-    code = "root_refused"
 
 
 class Stopping(DispatchdError):
