@@ -7,6 +7,7 @@ a ``ConfinementError`` naming their step.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 
@@ -201,7 +202,7 @@ def install_seccomp_program(bpf: bytes) -> None:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     if len(bpf) % 8:
-        raise OSError(22, "seccomp program is not a whole number of instructions")
+        raise OSError(errno.EINVAL, "seccomp program is not a whole number of instructions")
     buf = ctypes.create_string_buffer(bpf, len(bpf))
     prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0))
