@@ -420,13 +420,6 @@ def _read_index(path: str) -> bytes | None:
         os.close(fd)
 
 
-def parse_gitlinks(data: bytes) -> set[str] | None:
-    """The paths a git index (versions 2-4, SHA-1 or SHA-256) records as
-    submodules (mode 160000). None when the bytes are not an index we can read."""
-    parsed = _parse_index(data)
-    return parsed.links if parsed is not None else None
-
-
 class _Index(msgspec.Struct):
     links: set[str]  # the paths recorded as submodules
     shared: str  # the shared index a split index names, "" if none
