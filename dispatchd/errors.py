@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import errno as _errno
+import os as _os
 
 
 class DispatchdError(Exception):
@@ -52,7 +53,7 @@ class ConfinementError(DispatchdError):
 
     def __init__(self, step: str, err: int | None = 0, path: str = "", detail: str = "") -> None:
         err = err or 0  # OSError.errno may be None
-        why = detail or (_errno.errorcode.get(err, str(err)) + ": " + _strerror(err) if err else "")
+        why = detail or (_errno.errorcode.get(err, str(err)) + ": " + _os.strerror(err) if err else "")
         where = f" ({path})" if path else ""
         super().__init__(f"cannot apply {step}{where}: {why}")
         self.step = step
@@ -62,9 +63,3 @@ class ConfinementError(DispatchdError):
 
 class Stopping(DispatchdError):
     code = "stopping"
-
-
-def _strerror(err: int) -> str:
-    import os
-
-    return os.strerror(err)
