@@ -58,7 +58,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-connections", type=int, metavar="N",
                    help="client connections served at once; more are answered 'busy' (default: half the "
                         "descriptors the daemon has, at most 4096)")
-    p.add_argument(TESTING_ROOT_FLAG, action="store_true", help=argparse.SUPPRESS)
+    # CONTRACT.md keeps an explicit testing flag for root (acceptance suites
+    # run as root): listed, never silent, and logged at every start.
+    p.add_argument(TESTING_ROOT_FLAG, action="store_true",
+                   help="testing only: run as root anyway. Sessions are confined as the user who runs the "
+                        "daemon, so root's sessions keep root's reach outside what the kernel confines; "
+                        "never use it on a machine you care about")
     # Testing only: NAME=ADDR makes the "domains" proxy resolve NAME to ADDR
     # and relay to it even on the host's loopback (which it never does
     # otherwise), so the tests need a fake registry on 127.0.0.1 and no internet.
@@ -139,10 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         return units.main(argv)
     args = _parse(argv)
     _setup_logging(args)
+    # Sessions are confined as the user who runs the daemon, and root's
+    # sessions would have root's reach (the suites run as an unprivileged
+    # user, scripts/test); only the explicit testing flag goes past this.
     if os.geteuid() == 0 and not args.allow_root_for_testing:
         print("dispatchd: refusing to run as root: it confines sessions as the user who runs it. "
               "Start it as your own user (e.g. systemctl --user start dispatchd).", file=sys.stderr)
         return 2
+    if os.geteuid() == 0:
+        log.warning("event=running_as_root flag=%s: sessions keep root's reach outside what the kernel "
+                    "confines (testing only)", TESTING_ROOT_FLAG)
     policy_dir = (args.policies or default_policy_dir()).resolve()
     try:
         policies = load_all(policy_dir)

@@ -5,13 +5,13 @@
     ├── WorktreeError              the worktree is refused                   (path)
     ├── SessionError               no such session / session gone            (session)
     ├── ConfinementError           a protection could not be applied          (step, errno, path)
-    ├── RootRefused                the daemon was started as root
     └── Stopping                   the daemon is stopping: no new session
 """
 
 from __future__ import annotations
 
 import errno as _errno
+import os as _os
 
 
 class DispatchdError(Exception):
@@ -53,7 +53,7 @@ class ConfinementError(DispatchdError):
 
     def __init__(self, step: str, err: int | None = 0, path: str = "", detail: str = "") -> None:
         err = err or 0  # OSError.errno may be None
-        why = detail or (_errno.errorcode.get(err, str(err)) + ": " + _strerror(err) if err else "")
+        why = detail or (_errno.errorcode.get(err, str(err)) + ": " + _os.strerror(err) if err else "")
         where = f" ({path})" if path else ""
         super().__init__(f"cannot apply {step}{where}: {why}")
         self.step = step
@@ -61,15 +61,5 @@ class ConfinementError(DispatchdError):
         self.path = path
 
 
-class RootRefused(DispatchdError):
-    code = "root_refused"
-
-
 class Stopping(DispatchdError):
     code = "stopping"
-
-
-def _strerror(err: int) -> str:
-    import os
-
-    return os.strerror(err)

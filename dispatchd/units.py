@@ -7,10 +7,10 @@ default socket path (``%t`` is ``$XDG_RUNTIME_DIR``) and start
 ``ExecStart=`` naming the interpreter that runs this command, as given: a
 venv's ``bin/python`` is a symlink, and its target would run without the venv.
 
-The unit texts live here, not in data files, so that any installation of the
-package (a wheel, an editable checkout) can write them. ``systemd/`` at the top
-of the repository holds the same texts rendered for ``/usr/bin/python3``, for
-reading and for packagers; a test keeps the two equal.
+The unit texts are kept once, in ``systemd/`` at the top of the repository
+(written for ``/usr/bin/python3``, ready for packagers), and shipped in the
+package as data (``dispatchd/unit-files``), so that any installation (a wheel,
+an editable checkout) can write them.
 """
 
 from __future__ import annotations
@@ -28,108 +28,14 @@ COMMANDS = ("install-units", "uninstall-units")
 UNIT_NAMES = ("dispatchd.socket", "dispatchd.service")
 NEXT_STEP = "systemctl --user daemon-reload && systemctl --user enable --now dispatchd.socket"
 
-_HEADER = """\
-# Written by `dispatchd install-units`, which puts the Python that dispatchd is
-# installed for in ExecStart= of dispatchd.service: run it again after moving
-# or re-creating that Python (a venv). `dispatchd uninstall-units` removes it.
-"""
-
-SOCKET_UNIT = _HEADER + """
-[Unit]
-Description=dispatchd socket (sandboxed execution for AI coding agents)
-
-[Socket]
-# The default socket path of `dispatch` and `dispatchd` (when $DISPATCH_SOCKET
-# is unset): $XDG_RUNTIME_DIR/dispatchd/dispatchd.sock. A client's connection
-# starts dispatchd.service, which is handed this socket.
-ListenStream=%t/dispatchd/dispatchd.sock
-# Only you can connect (the daemon also checks each peer's uid, SO_PEERCRED).
-SocketMode=0600
-# The dispatchd/ directory systemd creates: private, as the daemon makes it.
-DirectoryMode=0700
-# No stale socket file once the socket unit stops.
-RemoveOnStop=yes
-
-[Install]
-WantedBy=sockets.target
-"""
-
-SERVICE_UNIT = _HEADER + """
-[Unit]
-Description=dispatchd (sandboxed execution daemon for AI coding agents)
-# Started by its socket on the first connection.
-Requires=dispatchd.socket
-After=dispatchd.socket
-
-[Service]
-# The daemon sends READY=1 (the sd_notify protocol, no libsystemd) only when it
-# can serve: policies loaded, kernel features probed, fork server started,
-# socket taken over. STOPPING=1 on the way out.
-Type=notify
-# Only the daemon itself may say so, never the fork server or a session.
-NotifyAccess=main
-# -P: the working directory (your home, for a user service) is not put on
-# sys.path, so no file there can stand in for dispatchd. --socket repeats
-# ListenStream= so that the daemon knows the path it serves (for status, and to
-# refuse worktrees that hold it): change both together.
-ExecStart={python} -P -m dispatchd --socket %t/dispatchd/dispatchd.sock
-# Otherwise the journal would name it after the interpreter.
-SyslogIdentifier=dispatchd
-# A crash restarts it; meanwhile systemd keeps the socket, and clients wait in
-# its queue instead of being refused.
-Restart=on-failure
-# Exit status 2 is a configuration error (a broken policy, a bad option):
-# restarting cannot fix it.
-RestartPreventExitStatus=2
-# SIGTERM to the daemon alone: it ends every session itself, with all of the
-# session's processes, and exits; whatever is left in the service's cgroup
-# (sessions' cgroups included) after that gets SIGKILL from systemd.
-KillMode=mixed
-# On SIGTERM the daemon lets calls in flight finish for up to --stop-timeout
-# (30 s by default), then ends the sessions; past 50 s, the SIGKILL above.
-# Raise it with --stop-timeout.
-TimeoutStopSec=50
-# The service's cgroup is the daemon's to divide: at start it moves itself to
-# dispatchd.service/daemon and gives each session dispatchd.service/session-ID
-# with the policy's pids.max, memory.max and cpu.weight, and ends a session
-# with cgroup.kill (`dispatch status` shows it; --cgroup off declines). Which
-# controllers arrive is the user manager's say (most distributions delegate
-# pids, memory and cpu to user@.service); missing ones fall back to rlimits.
-Delegate=yes
-
-# Hardening. Only what a user manager can apply without namespaces, and only
-# what leaves the workers able to confine themselves (user, mount, pid and
-# network namespaces, Landlock, seccomp).
-# Landlock and seccomp need no_new_privs anyway; each worker sets it again.
-NoNewPrivileges=yes
-# No personality(2) changes (READ_IMPLIES_EXEC, ADDR_NO_RANDOMIZE, ...).
-LockPersonality=yes
-# No realtime scheduling: a session cannot starve the machine with SCHED_FIFO.
-RestrictRealtime=yes
-# Native system calls only: no i386 or x32 entry, where seccomp rules written
-# for the native numbers would not apply (each session's filter kills those
-# entries too; this covers the daemon and the fork server as well).
-SystemCallArchitectures=native
-# Left out on purpose:
-# - PrivateUsers=, RestrictNamespaces=, and ProtectSystem=, ProtectHome=,
-#   PrivateTmp= and the other options that need a mount namespace: in a user
-#   unit they put the service in a user namespace of its own, or forbid the
-#   namespaces every worker creates.
-# - MemoryDenyWriteExecute=: ctypes (libffi closures) needs writable and
-#   executable memory, and so does any JIT run inside a session.
-# - SystemCallFilter=: workers need mount, unshare, landlock_*, seccomp and
-#   more; each session's own seccomp filter, installed last, is what restricts.
-# - RestrictAddressFamilies= and RestrictSUIDSGID=: what a session may do is
-#   its policy's say; a service-wide rule would overrule it silently.
-# - UMask=0077: sessions inherit the umask, so files a command creates in a
-#   worktree would be 0600 under systemd and 0644 by hand. The daemon's own
-#   files are private regardless (0700 directories, a 0600 socket).
-# - CapabilityBoundingSet=: a user manager cannot change it, and the daemon
-#   holds no capabilities.
-
-[Install]
-Also=dispatchd.socket
-"""
+# The unit files themselves are ``systemd/`` at the top of the repository,
+# shipped in the package as ``dispatchd/unit-files`` (a link to it, as
+# ``dispatchd/policies`` is to ``policies/``): one text, read by
+# ``install-units`` and by packagers alike. They are written for this
+# interpreter; ``render`` puts the one that runs install-units in its place.
+_UNIT_DIR = Path(__file__).resolve().parent / "unit-files"
+_SHIPPED_PYTHON = "/usr/bin/python3"
+_SHIPPED_EXEC = f"\nExecStart={_SHIPPED_PYTHON} "
 
 
 def exec_path(path: str) -> str:
@@ -150,8 +56,17 @@ def exec_path(path: str) -> str:
 
 
 def render(python: str) -> dict[str, str]:
-    """The two unit files, by name, for the interpreter ``python`` (absolute)."""
-    return dict(zip(UNIT_NAMES, (SOCKET_UNIT, SERVICE_UNIT.format(python=exec_path(python))), strict=True))
+    """The two unit files, by name, for the interpreter ``python`` (absolute):
+    the shipped ones, with ``python`` in ``ExecStart=`` instead of /usr/bin/python3."""
+    executable = exec_path(python)
+    texts = {name: (_UNIT_DIR / name).read_text(encoding="utf-8") for name in UNIT_NAMES}
+    service = texts["dispatchd.service"]
+    # Exactly one such line, or the shipped file was edited past what this knows.
+    if service.count(_SHIPPED_EXEC) != 1:
+        raise RuntimeError(f"{_UNIT_DIR / 'dispatchd.service'}: expected one line starting "
+                           f"{_SHIPPED_EXEC.strip()!r}")
+    texts["dispatchd.service"] = service.replace(_SHIPPED_EXEC, f"\nExecStart={executable} ")
+    return texts
 
 
 def user_unit_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -463,6 +463,8 @@ class Definition:
         """``{"name", "description", "parameters"}``, plain and fresh."""
         return {"name": self._name, "description": self._description, "parameters": self.parameters}
 
+    # The same, under the name the dispatch-tools-interface plan gave it: part
+    # of the public contract (CONTRACT.md, "The tool interface"), so it stays.
     to_tool_definition = to_dict
 
     def __repr__(self) -> str:
@@ -726,8 +728,6 @@ Approval = Callable[[Definition, dict[str, Any], Any], "bool | str"]
 
 _NEEDS_APPROVAL = ("write", "execute")
 
-_SCHEMA_FORMATS = _schemas.FORMATS
-
 
 class Registry:
     """Tools by name, in registration order.
@@ -915,9 +915,9 @@ class Registry:
         read as "not given". openai-responses always carries ``strict``.
         """
         try:
-            shape = _SCHEMA_FORMATS[format]
+            shape = _schemas.FORMATS[format]
         except (KeyError, TypeError):
-            known = ", ".join(_SCHEMA_FORMATS)
+            known = ", ".join(_schemas.FORMATS)
             raise ValueError(f"unknown schema format {format!r}; known: {known}") from None
         if strict and format not in _schemas.STRICT_FORMATS:
             raise ValueError(f"strict=True is for {' and '.join(_schemas.STRICT_FORMATS)}, not {format!r}")

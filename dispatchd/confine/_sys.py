@@ -7,6 +7,7 @@ a ``ConfinementError`` naming their step.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 
@@ -47,26 +48,18 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+CLONE_PIDFD = 0x1000
+CLONE_INTO_CGROUP = 0x200000000
 
-MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
-MS_REMOUNT = 32
-MS_NOATIME = 1024
-MS_NODIRATIME = 2048
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
-MS_RELATIME = 1 << 21
-MS_STRICTATIME = 1 << 24
 MNT_DETACH = 2
 AT_RECURSIVE = 0x8000
 MOUNT_ATTR_RDONLY = 0x1
-
-
-CLONE_PIDFD = 0x1000
-CLONE_INTO_CGROUP = 0x200000000
 
 # The same libc, called with the GIL held: ``clone3`` returns in a copy of
 # this process, which must find the interpreter exactly as the parent left it.
@@ -209,7 +202,7 @@ def install_seccomp_program(bpf: bytes) -> None:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     if len(bpf) % 8:
-        raise OSError(22, "seccomp program is not a whole number of instructions")
+        raise OSError(errno.EINVAL, "seccomp program is not a whole number of instructions")
     buf = ctypes.create_string_buffer(bpf, len(bpf))
     prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0))

@@ -194,14 +194,5 @@ def proxy_env(host: str = PROXY_HOST, port: int = PROXY_PORT) -> dict[str, str]:
     return env
 
 
-PROXY_ENV_NAMES = tuple(proxy_env())
-
-
-def own_namespace(network: str, use_userns: bool) -> bool:
-    """Does a session in this mode get a network namespace of its own (only
-    loopback)? ``off`` and ``domains``, where user namespaces are available."""
-    return use_userns and network in ("off", "domains")
-
-
 def describe(rules: tuple[Rule, ...]) -> list[str]:
     return [r.spelled() for r in rules]

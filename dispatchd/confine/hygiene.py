@@ -18,6 +18,7 @@ Guarantees, step by step (each raises ``ConfinementError`` naming itself):
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from collections.abc import Iterable, Mapping
@@ -64,7 +65,10 @@ def new_session() -> None:
 
 
 def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
-    _sys.prctl(_sys.PR_SET_PDEATHSIG, sig)
+    try:
+        _sys.prctl(_sys.PR_SET_PDEATHSIG, sig)
+    except OSError as exc:
+        raise ConfinementError("hygiene: die with parent", exc.errno) from exc
     if os.getppid() != expected_parent:  # the parent died before the prctl
         os._exit(1)
 
@@ -76,7 +80,10 @@ def close_inherited_fds(keep: list[int]) -> None:
             os.closerange(low, min(fd, 1 << 20))
         low = max(low, fd + 1)
     # stdin/stdout/stderr point at /dev/null: a worker has no terminal to talk to.
-    null = os.open("/dev/null", os.O_RDWR)
+    try:
+        null = os.open("/dev/null", os.O_RDWR)
+    except OSError as exc:
+        raise ConfinementError("hygiene: stdio to /dev/null", exc.errno, "/dev/null") from exc
     for fd in (0, 1, 2):
         if fd not in keep:
             os.dup2(null, fd)
@@ -97,7 +104,7 @@ def drop_capabilities() -> None:
             try:
                 _sys.prctl(_sys.PR_CAPBSET_DROP, cap)
             except OSError as exc:
-                if exc.errno != 22:  # EINVAL: no such capability on this kernel
+                if exc.errno != errno.EINVAL:  # no such capability on this kernel
                     raise
         _sys.prctl(_sys.PR_CAP_AMBIENT, _sys.PR_CAP_AMBIENT_CLEAR_ALL)
         _sys.clear_capabilities()

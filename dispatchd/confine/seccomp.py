@@ -39,6 +39,7 @@ import socket
 import msgspec
 
 from dispatchd.confine import _sys
+from dispatchd.errors import ConfinementError
 
 _NS_FLAGS = (
     _sys.CLONE_NEWNS, _sys.CLONE_NEWCGROUP, _sys.CLONE_NEWUTS, _sys.CLONE_NEWIPC,
@@ -141,5 +142,9 @@ def compile_seccomp(plan: SeccompPlan) -> bytes:
 
 
 def apply_seccomp(program: bytes) -> None:
-    """Install the compiled program on the calling thread (no_new_privs first)."""
-    _sys.install_seccomp_program(program)
+    """Install the compiled program on the calling thread (no_new_privs first).
+    Raises ``ConfinementError`` (step "seccomp") if the kernel refuses it."""
+    try:
+        _sys.install_seccomp_program(program)
+    except OSError as exc:
+        raise ConfinementError("seccomp", exc.errno) from exc

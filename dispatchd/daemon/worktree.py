@@ -167,13 +167,6 @@ def _check(resolved: str, st: os.stat_result, path: str, *, uid: int, home: str,
             raise WorktreeError(f"worktree {resolved} is inside dispatchd's own files ({p})", path)
 
 
-def check_worktree(path: str, *, uid: int, home: str, protected: list[str], private: list[str] | None = None) -> str:
-    """The resolved worktree path, or ``WorktreeError`` (checks only; the descriptor is closed)."""
-    wt = open_worktree(path, uid=uid, home=home, protected=protected, private=private)
-    wt.close()
-    return wt.path
-
-
 def check_read_only_path(path: str, *, home: str, protected: list[str], where: str) -> str:
     """An extra read-only path, resolved, or ``WorktreeError``: absolute, existing,
     and neither holding nor inside the credential directories, the home

@@ -26,7 +26,7 @@ import stat
 
 from dispatchd.tools.base import ToolFailure
 
-__all__ = ["describe_os_error", "printable", "relative", "resolve", "within_worktree"]
+__all__ = ["describe_os_error", "printable", "relative", "resolve"]
 
 
 def _inside(root: str, abspath: str) -> bool:
@@ -97,20 +97,6 @@ def _plain_path(root: str, parts: list[str]) -> str | None:
         except NotADirectoryError:
             return None  # realpath gives the error its usual form
     return current
-
-
-def within_worktree(root: str, path: str) -> bool:
-    """Whether ``path`` (absolute, or relative to ``root``) lies in the worktree.
-
-    Symlinks and ``..`` are resolved first, so a link that points outside is
-    outside. Never raises.
-    """
-    if not path or "\x00" in path:
-        return False
-    try:
-        return _inside(root, os.path.realpath(os.path.join(root, path)))
-    except (OSError, ValueError):
-        return False
 
 
 def relative(root: str, abspath: str) -> str:

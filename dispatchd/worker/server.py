@@ -41,14 +41,14 @@ from collections.abc import Callable
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.daemon.exits import EXIT_IDLE
-from dispatchd.worker.sweep import sweep_temp_files
 from dispatchd.policy import MUTATING_TOOLS
-
-RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
-MAX_CHANNELS = 256  # client channels of one session at once, at most (see max_channels)
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.spec import TOOLS
+from dispatchd.worker.sweep import sweep_temp_files
+
+RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
+MAX_CHANNELS = 256  # client channels of one session at once, at most (see max_channels)
 
 
 class _Activity:

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from dispatchd import protocol
-from dispatchd.confine.domains import PROXY_ENV_NAMES, proxy_env
+from dispatchd.confine.domains import proxy_env
 from dispatchd.confine.plan import SessionPaths, plan_session
 from dispatchd.policy import Policy
 from dispatchd.worker.server import serve
@@ -59,7 +59,7 @@ def test_set_command_env_applies_to_later_commands(tmp_path: Path) -> None:
         control.send(protocol.SetCommandEnv(set=proxy_env(), id=7))
         assert acks.get(timeout=5) == 7  # confirmed: commands from now on have it
         assert proxy_vars(2) == "".join(f"{k}={v}\n" for k, v in sorted(proxy_env().items()))
-        control.send(protocol.SetCommandEnv(unset=list(PROXY_ENV_NAMES), id=8))
+        control.send(protocol.SetCommandEnv(unset=list(proxy_env()), id=8))
         assert acks.get(timeout=5) == 8
         assert proxy_vars(3) == ""
         assert granted.is_set()

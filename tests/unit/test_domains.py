@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dispatchd.confine.domains import (
-    BadHost, Rule, allowed, describe, normalise_host, own_namespace, parse_domains, proxy_env, relayable,
+    BadHost, Rule, allowed, describe, normalise_host, parse_domains, proxy_env, relayable,
 )
 
 
@@ -109,11 +109,3 @@ def test_proxy_env_sets_both_cases():
         assert env[name] == env[name.lower()] == "http://127.0.0.1:3128"
     assert env["NO_PROXY"] == env["no_proxy"] == "localhost,127.0.0.1,::1"
     assert len(env) == 8
-
-
-@pytest.mark.parametrize("network, userns, own", [
-    ("off", True, True), ("domains", True, True), ("on", True, False), ("ports", True, False),
-    ("off", False, False), ("domains", False, False),
-])
-def test_own_namespace(network: str, userns: bool, own: bool):
-    assert own_namespace(network, userns) is own

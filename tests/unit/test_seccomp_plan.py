@@ -17,6 +17,7 @@ import pytest
 
 from dispatchd.confine import seccomp
 from dispatchd.confine.seccomp import ArgCheck, SeccompPlan, SeccompRule, compile_seccomp, plan_seccomp
+from dispatchd.errors import ConfinementError
 
 DENIED_ALWAYS = {
     "unshare", "setns", "mount", "umount2", "pivot_root", "chroot",
@@ -268,3 +269,11 @@ def test_compile_seccomp_gives_whole_bpf_instructions(allow_inet: bool):
 def test_compile_seccomp_is_deterministic_and_follows_the_plan():
     assert compile_seccomp(NO_INET) == compile_seccomp(plan_seccomp(allow_inet=False))
     assert compile_seccomp(NO_INET) != compile_seccomp(INET)
+
+
+def test_a_program_the_kernel_cannot_take_fails_as_the_seccomp_step():
+    # Refused before any prctl (not a whole number of 8-byte instructions):
+    # nothing is installed on the test process.
+    with pytest.raises(ConfinementError) as info:
+        seccomp.apply_seccomp(b"\0" * 12)
+    assert (info.value.step, info.value.errno) == ("seccomp", errno.EINVAL)

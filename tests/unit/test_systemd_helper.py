@@ -192,12 +192,21 @@ def test_adopt_listener_refuses_anything_else_and_closes_it(kind: str, message: 
 # -- units -------------------------------------------------------------------
 
 def test_the_shipped_units_are_the_rendered_ones() -> None:
-    """``systemd/`` holds what ``install-units`` writes for /usr/bin/python3;
-    after changing the texts in dispatchd/units.py, regenerate it with
-    ``python -c 'from dispatchd import units; [open("systemd/" + n, "w").write(t)
-    for n, t in units.render("/usr/bin/python3").items()]'``."""
+    """``systemd/`` is the one text of the units: what ``install-units``
+    writes for /usr/bin/python3, byte for byte, read through the package's
+    link to it (``dispatchd/unit-files``)."""
+    assert (REPO / "dispatchd" / "unit-files").resolve() == (REPO / "systemd").resolve()
     for name, text in units.render("/usr/bin/python3").items():
         assert (REPO / "systemd" / name).read_text() == text, name
+
+
+def test_only_exec_start_names_the_interpreter() -> None:
+    shipped = units.render("/usr/bin/python3")
+    rendered = units.render("/opt/venv/bin/python")
+    assert rendered["dispatchd.socket"] == shipped["dispatchd.socket"]
+    assert rendered["dispatchd.service"] == shipped["dispatchd.service"].replace(
+        "\nExecStart=/usr/bin/python3 ", "\nExecStart=/opt/venv/bin/python ")
+    assert rendered["dispatchd.service"] != shipped["dispatchd.service"]
 
 
 def _keys(text: str) -> dict[str, list[str]]:

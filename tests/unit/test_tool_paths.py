@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dispatchd.tools.base import ToolFailure
-from dispatchd.tools.paths import printable, relative, resolve, within_worktree
+from dispatchd.tools.paths import _inside, printable, relative, resolve
 
 
 @pytest.fixture
@@ -27,6 +27,18 @@ def root(tmp_path: Path) -> str:
 
 def outside(root: str) -> str:
     return os.path.join(os.path.dirname(root), "outside")
+
+
+def within_worktree(root: str, path: str) -> bool:
+    """Whether ``path`` (absolute, or relative to ``root``) lies in the worktree,
+    by the package's own lexical test after symlinks and ``..`` are resolved.
+    Never raises."""
+    if not path or "\x00" in path:
+        return False
+    try:
+        return _inside(root, os.path.realpath(os.path.join(root, path)))
+    except (OSError, ValueError):
+        return False
 
 
 def refused(root: str, path: str) -> str:

@@ -1,4 +1,4 @@
-"""dispatchd.daemon.worktree.check_worktree: every refusal by its exact message, and success.
+"""dispatchd.daemon.worktree.open_worktree: every refusal by its exact message, and success.
 
 Another owner is simulated by passing ``uid=os.getuid() + 1``: the directory
 is then not "ours". Each refusal has an accepted twin (``ok``) built the same way.
@@ -11,10 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.worktree import check_read_only_path, check_worktree, open_worktree
+from dispatchd.daemon.worktree import check_read_only_path, open_worktree
 from dispatchd.errors import WorktreeError
 
 UID = os.getuid()
+
+
+def check_worktree(path: str, *, uid: int, home: str, protected: list[str], private: list[str] | None = None) -> str:
+    """The resolved worktree path, or ``WorktreeError`` (checks only; the descriptor is closed)."""
+    wt = open_worktree(path, uid=uid, home=home, protected=protected, private=private)
+    wt.close()
+    return wt.path
 
 
 @pytest.fixture
