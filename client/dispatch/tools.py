@@ -20,7 +20,9 @@ with one job, and is the same object there.
     _compact.py       compact, OutputStore, RETRIEVE_OUTPUT and the retrieve_output tool
     _registry.py      Registry, Approval, ToolCallOutcome
     _providers.py     provider shapes: tool schemas, tool calls, replies, messages
+                      (_schemas.py rewrites a schema for strict mode and Gemini)
     _asyncbridge.py   an async approval or tool awaited from synchronous code
+    _plain.py         plain JSON copies, shared by the modules above
     errors.py         the errors below, in the client's one exception tree
 
 Errors, for use outside the never-raising ``call``/``dispatch`` paths::
