@@ -26,6 +26,9 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from dispatch._asyncbridge import await_from_sync
+from dispatch._result import Result
+
 _SCALARS: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
@@ -116,8 +119,6 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
 
 def definition_parts(func: Callable[..., Any]) -> tuple[str, str, dict[str, Any], Callable[[dict[str, Any], Any], Any]]:
     """``(name, description, schema, run)`` for ``Definition``."""
-    from dispatch.tools import Result, _await
-
     if not callable(func):
         raise TypeError("from_function takes a function")
     name = getattr(func, "__name__", type(func).__name__)
@@ -157,7 +158,7 @@ def definition_parts(func: Callable[..., Any]) -> tuple[str, str, dict[str, Any]
     def run(params: dict[str, Any], context: Any) -> Any:
         value = func(**params, context=context) if wants_context else func(**params)
         if inspect.isawaitable(value):  # an async def: awaited as the approval callback is
-            value = _await(value)
+            value = await_from_sync(value)
         if isinstance(value, Result):
             return value
         if value is None:

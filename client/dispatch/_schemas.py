@@ -1,8 +1,10 @@
-"""Tool schemas in each model provider's shape, pure functions of a tool's plain dict.
+"""JSON Schemas rewritten for what a model provider accepts, as pure functions.
+
+The shapes that wrap a tool for each provider are in ``_providers``; this
+module only rewrites a tool's ``parameters``.
 
 Guarantees:
-- every function takes ``{"name", "description", "parameters"}`` and returns a
-  fresh dict; the tool's own schema is never changed;
+- no function changes what it is given: the tool's own schema stays as it was;
 - ``strict_schema`` is what OpenAI's strict mode accepts: every object lists
   all its properties in ``required`` and has ``additionalProperties: false``,
   and only the keywords it documents are kept;
@@ -15,10 +17,8 @@ Guarantees:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-Tool = dict[str, Any]
 
 
 # ---------------------------------------------------------------- strict mode (OpenAI)
@@ -142,41 +142,3 @@ def gemini_schema(schema: Any) -> Any:
                 out["type"] = "string"
         out[key] = value
     return out
-
-
-# ---------------------------------------------------------------- the shapes
-
-
-def _openai(tool: Tool, strict: bool) -> Tool:
-    function = {**tool, "parameters": strict_schema(tool["parameters"])} if strict else dict(tool)
-    if strict:
-        function["strict"] = True
-    return {"type": "function", "function": function}
-
-
-def _responses(tool: Tool, strict: bool) -> Tool:
-    params = strict_schema(tool["parameters"]) if strict else tool["parameters"]
-    # The SDK's FunctionToolParam requires "strict": present either way.
-    return {"type": "function", "name": tool["name"], "description": tool["description"],
-            "parameters": params, "strict": strict}
-
-
-def _gemini(tool: Tool, _strict: bool) -> Tool:
-    return {"name": tool["name"], "description": tool["description"],
-            "parameters": gemini_schema(tool["parameters"])}
-
-
-FORMATS: dict[str, Callable[[Tool, bool], Tool]] = {
-    "plain": lambda d, _s: d,
-    "json": lambda d, _s: d,  # what `dispatch tools --format json` calls plain
-    "openai": _openai,
-    "openai-responses": _responses,
-    "anthropic": lambda d, _s: {
-        "name": d["name"], "description": d["description"], "input_schema": d["parameters"]
-    },
-    "mcp": lambda d, _s: {
-        "name": d["name"], "description": d["description"], "inputSchema": d["parameters"]
-    },
-    "gemini": _gemini,
-}
-STRICT_FORMATS = ("openai", "openai-responses")

@@ -29,7 +29,9 @@ answered by one ``{"role": "tool"}`` message each), ``"openai-responses"``
 (the Responses API: the reply is the response's ``output`` items, added to the
 input list as they are, each ``function_call`` answered by a
 ``function_call_output`` item) and ``"anthropic"`` (Messages: ``tool_use``
-blocks, answered by one user message of ``tool_result`` blocks).
+blocks, answered by one user message of ``tool_result`` blocks). Their
+shapes are spelled once, in ``dispatch._providers``, beside the code that
+reads a tool call and answers it for ``Registry.run_call``.
 
 Within one turn, consecutive calls of ``read`` tools run at once, on threads
 (``parallel_reads``, default 4); a ``write`` or ``execute`` call waits for
@@ -54,7 +56,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from dispatch.tools import Registry, ToolCallOutcome, _read_tool_call
+from dispatch._providers import provider as _provider
+from dispatch._providers import read_tool_call, reply_content
+from dispatch._registry import Registry, ToolCallOutcome
 
 __all__ = [
     "FakeModel",
@@ -73,182 +77,6 @@ Model = Callable[[list[Any], list[dict[str, Any]]], Any]
 """``model(messages, tools) -> assistant message`` in the provider's shape."""
 
 Provider = Literal["openai", "openai-responses", "anthropic"]
-
-
-# ---------------------------------------------------------------- providers
-
-
-def _field(obj: Any, key: str) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(key)
-    return getattr(obj, key, None)
-
-
-def _dump(obj: Any) -> Any:
-    """An SDK object (pydantic, or any plain object) as plain dicts and lists."""
-    if isinstance(obj, Mapping):
-        return {k: _dump(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_dump(v) for v in obj]
-    if hasattr(obj, "model_dump"):
-        return obj.model_dump(exclude_none=True)
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        return {k: _dump(v) for k, v in vars(obj).items() if not k.startswith("_") and v is not None}
-    return obj
-
-
-def _arguments_json(arguments: Any) -> str:
-    """Arguments as an OpenAI model sends them: a str is sent as it is (so a
-    script can send broken JSON), anything else as JSON."""
-    return arguments if isinstance(arguments, str) else json.dumps(arguments)
-
-
-class _OpenAI:
-    schema_format = "openai"
-
-    @staticmethod
-    def add(history: list[Any], message: Any) -> None:
-        history.append(message)
-
-    @staticmethod
-    def message(reply: Any) -> dict[str, Any]:
-        if isinstance(reply, Mapping):
-            return dict(reply)
-        # Only what the API takes back: an SDK message also has refusal, audio...
-        message: dict[str, Any] = {"role": "assistant", "content": _field(reply, "content")}
-        calls = _field(reply, "tool_calls")
-        if calls:
-            message["tool_calls"] = _dump(list(calls))
-        return message
-
-    @staticmethod
-    def tool_calls(message: Mapping[str, Any]) -> list[Any]:
-        return list(message.get("tool_calls") or [])
-
-    @staticmethod
-    def text(message: Mapping[str, Any]) -> str | None:
-        content = message.get("content")
-        if isinstance(content, list):  # content parts
-            return "".join(str(_field(p, "text") or "") for p in content)
-        return content
-
-    @staticmethod
-    def answers(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return replies
-
-    id_prefix = "call_"
-
-    @staticmethod
-    def tool_call(call_id: str, name: Any, arguments: Any) -> dict[str, Any]:
-        return {"id": call_id, "type": "function",
-                "function": {"name": name, "arguments": _arguments_json(arguments)}}
-
-    @staticmethod
-    def assistant(text: str | None, calls: list[Any]) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if calls:
-            message["tool_calls"] = calls
-        return message
-
-
-class _Anthropic:
-    schema_format = "anthropic"
-    add = _OpenAI.add
-
-    @staticmethod
-    def message(reply: Any) -> dict[str, Any]:
-        if isinstance(reply, Mapping) and set(reply) <= {"role", "content"}:
-            return dict(reply)
-        # An SDK Message (or its dict) also carries id, model, usage...: the API
-        # takes back only role and content.
-        return {"role": "assistant", "content": _dump(_field(reply, "content"))}
-
-    @staticmethod
-    def tool_calls(message: Mapping[str, Any]) -> list[Any]:
-        content = message.get("content")
-        if isinstance(content, str) or not content:
-            return []
-        return [b for b in content if _field(b, "type") == "tool_use"]
-
-    @staticmethod
-    def text(message: Mapping[str, Any]) -> str | None:
-        content = message.get("content")
-        if isinstance(content, str) or content is None:
-            return content
-        return "".join(str(_field(b, "text") or "") for b in content if _field(b, "type") == "text")
-
-    @staticmethod
-    def answers(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{"role": "user", "content": replies}]
-
-    id_prefix = "toolu_"
-
-    @staticmethod
-    def tool_call(call_id: str, name: Any, arguments: Any) -> dict[str, Any]:
-        return {"type": "tool_use", "id": call_id, "name": name, "input": arguments}
-
-    @staticmethod
-    def assistant(text: str | None, calls: list[Any]) -> dict[str, Any]:
-        content: list[Any] = [{"type": "text", "text": text}] if text else []
-        return {"role": "assistant", "content": content + calls}
-
-
-class _Responses:
-    """The Responses API: a conversation is a flat list of input items, and a
-    reply is the response's ``output`` list (messages, reasoning, function
-    calls), which goes back into the input as it is."""
-
-    schema_format = "openai-responses"
-
-    @staticmethod
-    def message(reply: Any) -> list[Any]:
-        output = reply if isinstance(reply, (list, tuple)) else _field(reply, "output")
-        if output is None and isinstance(reply, Mapping):
-            output = [reply]  # a single item
-        return [_dump(item) for item in output or []]
-
-    @staticmethod
-    def add(history: list[Any], message: list[Any]) -> None:
-        history.extend(message)
-
-    @staticmethod
-    def tool_calls(message: list[Any]) -> list[Any]:
-        return [item for item in message if _field(item, "type") == "function_call"]
-
-    @staticmethod
-    def text(message: list[Any]) -> str | None:
-        parts = [str(_field(c, "text") or "") for item in message if _field(item, "type") == "message"
-                 for c in (_field(item, "content") or []) if _field(c, "type") in ("output_text", "text")]
-        return "".join(parts) if parts else None
-
-    @staticmethod
-    def answers(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return replies
-
-    id_prefix = "fc_"
-
-    @staticmethod
-    def tool_call(call_id: str, name: Any, arguments: Any) -> dict[str, Any]:
-        return {"type": "function_call", "call_id": call_id, "name": name, "arguments": _arguments_json(arguments)}
-
-    @staticmethod
-    def assistant(text: str | None, calls: list[Any]) -> list[Any]:
-        items: list[Any] = []
-        if text:
-            items.append({"type": "message", "role": "assistant",
-                          "content": [{"type": "output_text", "text": text}]})
-        return items + calls
-
-
-_Shape = type[_OpenAI] | type[_Anthropic] | type[_Responses]
-_PROVIDERS: dict[str, _Shape] = {"openai": _OpenAI, "openai-responses": _Responses, "anthropic": _Anthropic}
-
-
-def _provider(name: str) -> _Shape:
-    try:
-        return _PROVIDERS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown provider {name!r}; known: {', '.join(_PROVIDERS)}") from None
 
 
 # ---------------------------------------------------------------- the loop
@@ -328,7 +156,7 @@ def _timed(registry: Registry, call: Any, context: Any) -> tuple[ToolCallOutcome
 
 def _is_read(registry: Registry, call: Any) -> bool:
     """Whether ``call`` names a read tool (one that may run beside others)."""
-    shape = _read_tool_call(call)
+    shape = read_tool_call(call)
     if shape is None or not isinstance(shape[1], str) or not registry.has(shape[1]):
         return False
     return registry.get(shape[1]).risk == "read"
@@ -381,7 +209,7 @@ class TraceEntry:
     def of(cls, turn: int, outcome: ToolCallOutcome, duration_s: float) -> TraceEntry:
         name = outcome.name if isinstance(outcome.name, str) or outcome.name is None else str(outcome.name)
         return cls(turn, outcome.call_id, name, copy.deepcopy(outcome.arguments), outcome.result.is_success,
-                   round(duration_s, 6), _content(outcome.reply), outcome.output_id,
+                   round(duration_s, 6), reply_content(outcome.reply), outcome.output_id,
                    bool(outcome.result.metadata.get("denied")))
 
     def to_dict(self) -> dict[str, Any]:
@@ -391,11 +219,6 @@ class TraceEntry:
     def from_dict(cls, data: Mapping[str, Any]) -> TraceEntry:
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in fields})
-
-
-def _content(reply: Mapping[str, Any]) -> str:
-    text = reply.get("content", reply.get("output", ""))
-    return text if isinstance(text, str) else json.dumps(text)
 
 
 class Trace:

@@ -36,7 +36,9 @@ from typing import Any, TypeVar
 
 from dispatch import client as _sync
 from dispatch.agent import LoopResult
-from dispatch.tools import _CALLER_LOOP, Registry, Result, ToolCallOutcome
+from dispatch._asyncbridge import CALLER_LOOP, await_from_sync
+from dispatch._registry import Registry, ToolCallOutcome
+from dispatch._result import Result
 
 __all__ = ["AsyncClient", "AsyncRegistry", "AsyncSession", "connect", "run_tool_loop"]
 
@@ -46,11 +48,11 @@ T = TypeVar("T")
 async def _run(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``func(*args)`` in a thread; the caller's loop is known there (for
     async approval callbacks)."""
-    token = _CALLER_LOOP.set(asyncio.get_running_loop())
+    token = CALLER_LOOP.set(asyncio.get_running_loop())
     try:
         return await asyncio.to_thread(func, *args, **kwargs)  # copies the context, loop included
     finally:
-        _CALLER_LOOP.reset(token)
+        CALLER_LOOP.reset(token)
 
 
 class AsyncRegistry:
@@ -246,12 +248,11 @@ async def run_tool_loop(model: Callable[..., Any], registry: AsyncRegistry | Reg
     that thread: a sync function (an ``async def`` model is awaited on the
     caller's loop)."""
     from dispatch import agent
-    from dispatch.tools import _await
 
     sync_registry = registry.sync if isinstance(registry, AsyncRegistry) else registry
 
     def ask(history: list[Any], tools: list[dict[str, Any]]) -> Any:
         reply = model(history, tools)
-        return _await(reply) if asyncio.iscoroutine(reply) else reply
+        return await_from_sync(reply) if asyncio.iscoroutine(reply) else reply
 
     return await _run(agent.run_tool_loop, ask, sync_registry, messages, **kwargs)

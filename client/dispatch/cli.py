@@ -27,7 +27,6 @@ from typing import Any
 from dispatch import _cli_text
 from dispatch.client import Cancellation, Client, Session, connect
 from dispatch.errors import DispatchError
-from dispatch.tools import Error as ToolsError
 from dispatch.tools import Registry
 from dispatchd import __version__
 
@@ -437,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports a writer killed by it
-    except (DispatchError, UsageError, OSError, ToolsError) as exc:
+    except (DispatchError, UsageError, OSError) as exc:  # tool errors are DispatchErrors too
         print(f"dispatch: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

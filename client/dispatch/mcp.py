@@ -43,6 +43,7 @@ import mcp.types as types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
+from dispatch._providers import Anthropic
 from dispatch.client import Cancellation
 from dispatch.tools import Registry
 from dispatchd import __version__
@@ -77,7 +78,7 @@ def build_server(registry: Registry, *, name: str = SERVER_NAME, version: str = 
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         # An MCP call is an Anthropic tool_use in all but name: run it as one,
         # so validation, approval and compaction are the model path's own.
-        call = {"type": "tool_use", "id": "", "name": params.name, "input": params.arguments or {}}
+        call = Anthropic.tool_call("", params.name, params.arguments or {})
         cancellation = Cancellation()
         on_output = _progress_reporter(ctx) if _progress_token(ctx) is not None else None
         # Tool calls block (a socket to the worker): run them off the event

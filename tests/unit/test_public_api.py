@@ -91,6 +91,37 @@ def test_errors_share_one_base():
         assert issubclass(getattr(dispatch, name), dispatch.DispatchError), name
     for name in ("DuplicateToolError", "ExecutionError", "ToolNotFoundError", "ValidationError"):
         assert issubclass(getattr(dispatch.tools, name), dispatch.tools.Error), name
+    # One tree: the tool errors live in dispatch.errors, under DispatchError;
+    # dispatch.tools.Error is kept as the very same class under its old name.
+    from dispatch import errors
+
+    assert dispatch.tools.Error is errors.ToolError
+    assert issubclass(dispatch.tools.Error, dispatch.DispatchError)
+    for name in ("DuplicateToolError", "ExecutionError", "ToolNotFoundError", "ValidationError"):
+        assert getattr(dispatch.tools, name) is getattr(errors, name), name
+
+
+def test_tools_keeps_every_name_of_the_one_file_module():
+    """dispatch.tools is a face over private modules; what code imported from
+    it before the split (public names and the few private ones the package
+    used) is still there, as the same objects."""
+    from dispatch import _asyncbridge, _compact, _definition, _providers, _registry, _result
+
+    same = {
+        "Result": _result.Result,
+        "Definition": _definition.Definition,
+        "ToolFunc": _definition.ToolFunc,
+        "Registry": _registry.Registry,
+        "Approval": _registry.Approval,
+        "ToolCallOutcome": _registry.ToolCallOutcome,
+        "OutputStore": _compact.OutputStore,
+        "RETRIEVE_OUTPUT": _compact.RETRIEVE_OUTPUT,
+        "compact": _compact.compact,
+        "_CALLER_LOOP": _asyncbridge.CALLER_LOOP,
+        "_await": _asyncbridge.await_from_sync,
+        "_read_tool_call": _providers.read_tool_call,
+    }
+    assert {name: getattr(dispatch.tools, name, None) for name in same} == same
 
 
 def test_py_typed_markers_exist():
