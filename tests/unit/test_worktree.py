@@ -68,6 +68,15 @@ def test_missing(base: Path):
     assert refusal(path, base).message == f"worktree does not exist: {path}"
 
 
+def users_symlink(link: Path, target: str | Path) -> None:
+    """A symlink as the user makes one. Run as root, the test's own symlink
+    would be root's, which the check trusts (only root could have made it):
+    it is given to nobody (65534) instead, as any user's would be."""
+    link.symlink_to(target)
+    if os.geteuid() == 0:
+        os.lchown(link, 65534, 65534)
+
+
 def not_roots(path: str, link: Path) -> str:
     return (f"worktree {path} goes through a symlink ({link}) that is not root's: a session could have "
             "planted it to aim this one elsewhere; give the directory's real path")
@@ -75,7 +84,7 @@ def not_roots(path: str, link: Path) -> str:
 
 def test_dangling_symlink_is_refused(base: Path):
     link = base / "home" / "dangling"
-    link.symlink_to(base / "nowhere")
+    users_symlink(link, base / "nowhere")
     assert refusal(str(link), base).message == not_roots(str(link), link)
 
 
@@ -103,7 +112,7 @@ def test_root_spelled_otherwise(base: Path):
 
 def test_a_symlink_to_root(base: Path):
     link = base / "home" / "root"
-    link.symlink_to("/")
+    users_symlink(link, "/")
     assert refusal(str(link), base).message == not_roots(str(link), link)
 
 
@@ -119,7 +128,7 @@ def test_home_with_a_trailing_slash(base: Path):
 
 def test_a_symlink_to_home(base: Path):
     link = base / "state" / "to-home"
-    link.symlink_to(base / "home")
+    users_symlink(link, base / "home")
     assert refusal(str(link), base).message == not_roots(str(link), link)
 
 
@@ -195,7 +204,7 @@ def test_inside_the_socket_directory_is_allowed(base: Path):
 def test_a_symlink_of_the_users_is_not_followed(base: Path):
     # One a session could have planted, or swapped in, to aim this open at ~/.ssh.
     link = base / "home" / "link"
-    link.symlink_to(base / "home" / "wt")
+    users_symlink(link, base / "home" / "wt")
     assert refusal(str(link), base).message == not_roots(str(link), link)
     assert refusal(str(link) + "/sub", base).message == not_roots(str(link) + "/sub", link)
 
@@ -276,7 +285,7 @@ def test_an_extra_read_only_path_through_a_symlink_of_the_users_is_refused(base:
     # A session could have aimed it at a secret, as for a worktree.
     (base / "home" / "tools").mkdir()
     link = base / "home" / "cargo-link"
-    link.symlink_to(base / "home" / "tools")
+    users_symlink(link, base / "home" / "tools")
     with pytest.raises(WorktreeError) as info:
         check_read_only_path(str(link), home=str(base / "home"), protected=[], where="read_only")
     assert info.value.message == (f"read_only: path {link} goes through a symlink ({link}) that is not root's: a "
