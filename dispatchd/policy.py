@@ -23,23 +23,16 @@ import msgspec
 
 from dispatchd.confine.domains import BadHost, parse_domains
 from dispatchd.errors import PolicyError
+from dispatchd.tools.spec import SPECS
 
-ALL_TOOLS = (
-    "read_file",
-    "write_file",
-    "edit_file",
-    "create_file",
-    "list_files",
-    "search_files",
-    "shell_exec",
-    "job_output",
-    "job_stop",
-    "job_list",
-)
+ALL_TOOLS = tuple(SPECS)
 # Background jobs are started by shell_exec: a policy offering shell_exec
 # offers these too (listed or not), and one without it cannot offer them.
 JOB_TOOLS = ("job_output", "job_stop", "job_list")
-MUTATING_TOOLS = frozenset({"write_file", "edit_file", "create_file", "shell_exec"})
+# The tools that may change the worktree, so need it writable (and its write
+# lock, worker/server.py): every one whose risk is not "read" but the job
+# tools, which only act on jobs shell_exec started (and took the lock for).
+MUTATING_TOOLS = frozenset(name for name, spec in SPECS.items() if spec.risk != "read" and name not in JOB_TOOLS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 

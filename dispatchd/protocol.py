@@ -29,6 +29,8 @@ from typing import Any, Union
 
 import msgspec
 
+from dispatchd.tools.spec import Risk
+
 PROTOCOL_VERSION = 1
 # Big enough for a file at the policy's size cap plus two capped output streams,
 # small enough that a hostile length prefix cannot exhaust memory.
@@ -125,6 +127,8 @@ class ToolSchema(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     description: str
     parameters: dict[str, Any]
+    risk: Risk = "execute"  # from tools/spec.py; a tool that does not say is treated as the riskiest
+    slow: bool = False  # runs on a thread of its own in the worker: its calls can be cancelled
 
 
 class DeniedHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -37,12 +37,13 @@ import re
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 import jsonschema
 
 from dispatch import _schemas
 from dispatch._fastcheck import fast_check_for
+from dispatchd.tools.spec import Risk
 
 __all__ = [
     "Definition",
@@ -255,7 +256,7 @@ class Result:
 # What OpenAI and Anthropic accept as a tool name. fullmatch, not ``$``, so a
 # trailing newline is refused too.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_RISKS = ("read", "write", "execute")
+_RISKS: tuple[str, ...] = get_args(Risk)  # "read", "write", "execute": dispatchd/tools/spec.py spells them
 
 ToolFunc = Callable[[dict[str, Any], Any], Result]
 

@@ -48,7 +48,7 @@ RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's
 MAX_CHANNELS = 256  # client channels of one session at once, at most (see max_channels)
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
-from dispatchd.tools.spec import TOOLS
+from dispatchd.tools.table import TOOLS
 
 
 class _Activity:
@@ -255,7 +255,7 @@ class _Server:
                                                  metadata={"write_locked": True}))
                 return
         self.activity.begin()
-        if tool.slow:
+        if tool.spec.slow:
             rid = req.id
             emit = (lambda stream, text: channel.output(rid, stream, text)) if req.stream else None
             control = CallControl(emit)
