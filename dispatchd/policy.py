@@ -23,6 +23,7 @@ import msgspec
 
 from dispatchd.confine.domains import BadHost, parse_domains
 from dispatchd.errors import PolicyError
+from dispatchd.netmodes import NetworkMode
 from dispatchd.tools.spec import SPECS
 
 ALL_TOOLS = tuple(SPECS)
@@ -64,7 +65,7 @@ class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The network a session gets when the caller does not say: "off", "on",
     # "ports" (the host's network, TCP only to/on the ports below), or
     # "domains" (only the hosts below, through the daemon's filtering proxy).
-    default: Literal["off", "on", "ports", "domains"] = "off"
+    default: NetworkMode = "off"
     # Under "ports": TCP ports the session may connect to, and bind.
     connect_ports: tuple[int, ...] = ()
     bind_ports: tuple[int, ...] = ()

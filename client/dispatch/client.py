@@ -53,6 +53,7 @@ from dispatch.errors import (
 )
 from dispatch.tools import Definition, Registry, Result
 from dispatchd import paths, protocol
+from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 
 _PENDING = object()
 # The longest a socket operation blocks at once: waits loop on it up to their
@@ -354,17 +355,18 @@ def _to_dict(info: protocol.SessionInfo) -> dict[str, Any]:
 
 
 @overload
-def _network_word(network: bool | str) -> str: ...
+def _network_word(network: bool | str) -> NetworkMode: ...
 @overload
 def _network_word(network: None) -> None: ...
-def _network_word(network: bool | str | None) -> str | None:
+def _network_word(network: bool | str | None) -> NetworkMode | None:
     if network is None:
         return None
     if isinstance(network, bool):
         return "on" if network else "off"
-    if network in ("on", "off", "ports", "domains"):
-        return network
-    raise ValueError(f"network must be True, False, 'on', 'off', 'ports' or 'domains', not {network!r}")
+    for mode in NETWORK_MODES:
+        if network == mode:
+            return mode
+    raise ValueError(f"network must be True, False or one of {', '.join(map(repr, NETWORK_MODES))}, not {network!r}")
 
 
 def _status_dict(info: protocol.SessionInfo) -> dict[str, Any]:

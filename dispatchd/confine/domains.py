@@ -23,6 +23,8 @@ import re
 
 import msgspec
 
+from dispatchd.netmodes import NetworkMode
+
 PROXY_HOST = "127.0.0.1"  # inside the session's namespace: its own loopback
 PROXY_PORT = 3128  # the listener the worker makes there and hands to the daemon
 DEFAULT_PORTS = (80, 443)  # a rule without ":port" allows these
@@ -197,7 +199,7 @@ def proxy_env(host: str = PROXY_HOST, port: int = PROXY_PORT) -> dict[str, str]:
 PROXY_ENV_NAMES = tuple(proxy_env())
 
 
-def own_namespace(network: str, use_userns: bool) -> bool:
+def own_namespace(network: NetworkMode, use_userns: bool) -> bool:
     """Does a session in this mode get a network namespace of its own (only
     loopback)? ``off`` and ``domains``, where user namespaces are available."""
     return use_userns and network in ("off", "domains")

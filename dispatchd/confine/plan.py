@@ -26,10 +26,10 @@ from dispatchd.confine.netstack import STACK, NetworkPlan, NetworkPorts, plan_ne
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.kernel import KernelFeatures
+from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Limits, Policy
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-NETWORK_MODES = ("off", "on", "ports", "domains")
 
 
 
@@ -56,7 +56,7 @@ class SessionPaths(msgspec.Struct, frozen=True):
 class SessionPlan(msgspec.Struct, frozen=True):
     session: str
     policy: str
-    network: str  # one of NETWORK_MODES
+    network: NetworkMode
     paths: SessionPaths
     namespaces: NamespacePlan
     mounts: MountPlan | None
@@ -125,7 +125,7 @@ def plan_session(
     *,
     session: str,
     paths: SessionPaths,
-    network: str,
+    network: NetworkMode,
     uid: int,
     gid: int,
     base_env: dict[str, str],

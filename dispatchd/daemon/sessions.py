@@ -45,13 +45,14 @@ from dispatchd import protocol
 from dispatchd.confine import cgroups, domains, gitdirs, gitsnapshot, netstack
 from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.confine.netstack import NetworkPorts
-from dispatchd.confine.plan import NETWORK_MODES, SessionPaths, SessionPlan, plan_session
+from dispatchd.confine.plan import SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon import exits, gitidentity, leftovers, lifetimes, watchdog
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
 from dispatchd.kernel import KernelFeatures
+from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Policy
 from dispatchd.tools.spec import schemas_for
 from dispatchd.worker.sweep import sweep_temp_files
@@ -70,7 +71,7 @@ class Session:
         self.policy = policy
         self.scratch = scratch
         self.created = time.time()
-        self.network: str = policy.network.default
+        self.network: NetworkMode = policy.network.default
         self.ports = NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
         self.domains = domains.parse_domains(policy.network.domains)  # checked with the policy
         self.proxy: SessionProxy | None = None  # network "domains": made at the first such start
@@ -117,7 +118,7 @@ def _namespaces_report(session: Session) -> dict[str, object]:
     return found if isinstance(found, dict) else {}
 
 
-def _check_network(network: str, ports: list[int] | None, bind_ports: list[int] | None,
+def _check_network(network: NetworkMode, ports: list[int] | None, bind_ports: list[int] | None,
                    domain_list: list[str] | None = None) -> tuple[domains.Rule, ...] | None:
     """Refuse a bad request before anything changes; the parsed domains, if given."""
     if network not in NETWORK_MODES:
@@ -221,7 +222,7 @@ class SessionManager:
 
     # --- open / close ----------------------------------------------------------
 
-    def open(self, worktree: str, policy_name: str, network: str | None,
+    def open(self, worktree: str, policy_name: str, network: NetworkMode | None,
              ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
              detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None,
              domain_list: list[str] | None = None, read_only: list[str] | None = None) -> Session:
@@ -252,7 +253,7 @@ class SessionManager:
                     found.append(resolved)
         return found
 
-    def _open_held(self, held: Worktree, policy: Policy, network: str, ports: list[int] | None,
+    def _open_held(self, held: Worktree, policy: Policy, network: NetworkMode, ports: list[int] | None,
                    bind_ports: list[int] | None, extra: list[str], rules: tuple[domains.Rule, ...] | None, *,
                    detached: bool, orphan_grace_s: float | None,
                    holder: int | None) -> Session:
@@ -347,7 +348,7 @@ class SessionManager:
             os.close(fd)
         return os.path.normpath(back) == worktree + "/.git"
 
-    def _plan(self, session: Session, network: str) -> SessionPlan:
+    def _plan(self, session: Session, network: NetworkMode) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git,
                              read_only=session.read_only)
@@ -357,7 +358,7 @@ class SessionManager:
                             uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
                             delegation=self.delegation, git_identity=identity)
 
-    def _start_worker(self, session: Session, network: str) -> None:
+    def _start_worker(self, session: Session, network: NetworkMode) -> None:
         started = time.perf_counter()
         plan = self._plan(session, network)
         if plan.cgroup is not None and not session.cgroup:
@@ -455,7 +456,7 @@ class SessionManager:
             session.ns_fds = None
         session.net = None
 
-    def _switch_in_place(self, session: Session, network: str) -> str | None:
+    def _switch_in_place(self, session: Session, network: NetworkMode) -> str | None:
         """Switch without replacing the sandbox when the old and the new mode
         are both held in the session's own namespace; the reply's note, or None
         when the sandbox must be replaced (see ``netstack.switch_in_place``)."""
@@ -758,7 +759,7 @@ class SessionManager:
 
     # --- network, attach -----------------------------------------------------
 
-    def set_network(self, sid: str, network: str, ports: list[int] | None = None,
+    def set_network(self, sid: str, network: NetworkMode, ports: list[int] | None = None,
                     bind_ports: list[int] | None = None, domain_list: list[str] | None = None) -> Session:
         """Between off, on and ports in the session's own namespace: in place,
         its processes kept (``_switch_in_place``). Otherwise by replacing the
