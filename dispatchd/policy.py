@@ -23,6 +23,7 @@ import msgspec
 
 from dispatchd.confine.domains import BadHost, parse_domains
 from dispatchd.errors import PolicyError
+from dispatchd.inside import is_below
 from dispatchd.netmodes import NetworkMode
 from dispatchd.tools.spec import SPECS
 
@@ -178,7 +179,7 @@ def _check(policy: Policy, where: str) -> None:
         raise bad("filesystem.landlock_grants_root", "only with root = \"minimal\": on the host's root it "
                   "would grant reading the whole machine")
     for p in fs.devices:
-        if not p.startswith("/dev/"):
+        if not is_below(p, "/dev"):
             raise bad("filesystem.devices", f"{p!r} is not under /dev")
     lim = policy.limits
     for key in ("command_timeout_s", "max_command_timeout_s", "idle_timeout_s"):

@@ -64,6 +64,8 @@ import time
 
 import msgspec
 
+from dispatchd.inside import is_below, is_within, overlap
+
 # Files whose mere appearance in a git directory changes which configuration
 # git reads: ``commondir`` always, ``config.worktree`` where the repository
 # has extensions.worktreeConfig.
@@ -100,10 +102,6 @@ def _read_small(path: str) -> str | None:
         return os.read(fd, 4096).decode("utf-8", "replace")
     finally:
         os.close(fd)
-
-
-def _overlap(a: str, b: str) -> bool:
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def _is_file(path: str) -> bool:
@@ -169,7 +167,7 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         # forged pointer there would have the next session granted (readable,
         # objects/refs/logs writable) whatever directory it names, up to the
         # worktree's parents.
-        if _overlap(where, worktree):
+        if overlap(where, worktree):
             return GitLayout("refused", read_only=[dotgit],
                              note=f"the {name} {where} is the worktree, inside it, or around it; not granted")
     if not (_is_file(os.path.join(gitdir, "HEAD")) and _is_file(os.path.join(common, "HEAD"))
@@ -241,14 +239,13 @@ def _module_gitdirs(gitdir: str) -> list[str]:
 def _module_steps(worktree: str, gitdirs: list[str]) -> list[str]:
     """The directories under a ``modules`` on the way to a submodule's git
     directory whose name has slashes (``modules/libs`` for ``libs/sub``)."""
-    below = worktree.rstrip("/") + "/"
     steps: set[str] = set()
     for found in gitdirs:
         chain, parent = [], os.path.dirname(found)
-        while parent.startswith(below) and os.path.basename(parent) != "modules":
+        while is_below(parent, worktree) and os.path.basename(parent) != "modules":
             chain.append(parent)
             parent = os.path.dirname(parent)
-        if parent.startswith(below):
+        if is_below(parent, worktree):
             steps.update(chain)
     return sorted(steps)
 
@@ -298,13 +295,13 @@ def _hooks_target(worktree: str, gitdir: str) -> list[str]:
     if not os.path.islink(path):
         return []
     target = os.path.realpath(path)
-    return [target] if target.startswith(worktree.rstrip("/") + "/") and os.path.isdir(target) else []
+    return [target] if is_below(target, worktree) and os.path.isdir(target) else []
 
 
 def _plain_path_below(root: str, path: str) -> bool:
     """``root`` and every directory from it down to ``path``'s parent are real
     directories, not symlinks: acting on ``path`` by name stays below ``root``."""
-    if not _is_dir(root) or not (path == root or path.startswith(root.rstrip("/") + "/")):
+    if not _is_dir(root) or not is_within(path, root):
         return False
     parent = os.path.dirname(path)
     while parent != root and len(parent) > len(root):

@@ -51,6 +51,7 @@ from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
+from dispatchd.inside import is_below, is_within, overlap
 from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Policy
@@ -106,10 +107,6 @@ class Session:
                                     limits=msgspec.to_builtins(self.policy.limits), note=self.note,
                                     domains=domains.describe(self.domains) if self.network == "domains" else [],
                                     denied=denied, writes=self.writes)
-
-
-def _overlap(a: str, b: str) -> bool:
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def _namespaces_report(session: Session) -> dict[str, object]:
@@ -308,17 +305,17 @@ class SessionManager:
             # descriptor the daemon holds is the checked directory, the
             # inspection went by name): its common directory is not granted.
             session.git = gitdirs.GitLayout("refused", read_only=[p for p in session.git.read_only
-                                                                  if p.startswith(resolved + "/")],
+                                                                  if is_below(p, resolved)],
                                             note=f"the linked worktree's git directory does not point back at "
                                                  f"{resolved}/.git; not granted")
         for granted in session.git.readable + session.git.writable:
-            home_inside = granted == self.home or self.home.startswith(granted.rstrip("/") + "/")
+            home_inside = is_within(self.home, granted)
             mine = self.protected + credential_dirs(self.home)
-            if home_inside or any(_overlap(granted, p) for p in mine):
+            if home_inside or any(overlap(granted, p) for p in mine):
                 # A common directory that holds the daemon's files, the user's
                 # credentials, or the whole home directory, is no repository a session needs.
                 session.git = gitdirs.GitLayout("refused", read_only=[p for p in session.git.read_only
-                                                                      if p.startswith(resolved + "/")],
+                                                                      if is_below(p, resolved)],
                                                 note=f"{granted} holds the daemon's files, credentials or the "
                                                      "whole home directory; not granted")
                 break
@@ -704,7 +701,7 @@ class SessionManager:
         """One writer per worktree (a worktree inside another's counts as the same)."""
         with self._lock:
             for worktree, holder in self._writers.items():
-                if holder == session.id or not _overlap(worktree, session.worktree):
+                if holder == session.id or not overlap(worktree, session.worktree):
                     continue
                 other = self._sessions.get(holder)
                 since = time.strftime("%H:%M:%S", time.localtime(other.created)) if other else "?"

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from dispatchd.inside import is_below
 from dispatchd.policy import Limits
 from dispatchd.tools.spec import ToolSpec
 
@@ -124,7 +125,7 @@ def run_tool(tool: Tool, ctx: ToolContext, params: Any) -> Outcome:
         # Python puts the absolute host path in str(exc); the model gets the
         # worktree-relative one, or none.
         where = ""
-        if isinstance(exc.filename, str) and exc.filename.startswith(ctx.root.rstrip("/") + "/"):
+        if isinstance(exc.filename, str) and is_below(exc.filename, ctx.root):
             where = f": {exc.filename[len(ctx.root.rstrip('/')) + 1:]}"
         return Outcome.fail(f"{name}: {exc.strerror or type(exc).__name__}{where}")
     except Exception as exc:  # a bug
