@@ -18,14 +18,15 @@ from __future__ import annotations
 __all__ = ["is_below", "is_within", "overlap"]
 
 
-def is_below(path: str, top: str) -> bool:
-    """``path`` lies strictly below ``top``."""
-    return path.startswith(top.rstrip("/") + "/")
-
-
 def is_within(path: str, top: str) -> bool:
     """``path`` is ``top`` or lies below it."""
-    return path == top or is_below(path, top)
+    # rstrip keeps the root working: its prefix is "/", not "//".
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def is_below(path: str, top: str) -> bool:
+    """``path`` lies strictly below ``top`` (``/`` is not below itself)."""
+    return path != top and is_within(path, top)
 
 
 def overlap(a: str, b: str) -> bool:
