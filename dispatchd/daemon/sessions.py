@@ -22,7 +22,7 @@ Guarantees:
   switch, end) it moves aside what the session changed there that the user's
   own git would run, or refuses the worktree until restart if it cannot.
 - the daemon removes in a worktree only the temporary files of writes a
-  session's end cut short (``worker/sweep.py``: our exact names, regular
+  session's end cut short (``tempfiles.py``: our exact names, regular
   files, by descriptor, no symlink followed), once the session that held the
   write lock has no process left and before the lock passes on.
 """
@@ -55,8 +55,8 @@ from dispatchd.inside import is_below, is_within, overlap
 from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Policy
+from dispatchd.tempfiles import sweep_temp_files
 from dispatchd.tools.spec import schemas_for
-from dispatchd.worker.sweep import sweep_temp_files
 
 log = logging.getLogger("dispatchd.sessions")
 READY_TIMEOUT_S = 10.0
@@ -607,7 +607,7 @@ class SessionManager:
         if not wrote:
             return
         started = time.perf_counter()
-        removed = sweep_temp_files(session.worktree)
+        removed = sweep_temp_files(session.worktree)  # the daemon writes none: none in flight
         if removed:
             log.info("event=temp_files_removed session=%s count=%d ms=%.1f", session.id, len(removed),
                      (time.perf_counter() - started) * 1e3)

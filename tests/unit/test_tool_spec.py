@@ -72,9 +72,9 @@ def test_risks_and_slow_tools() -> None:
         "search_files", "shell_exec", "job_output", "job_stop"}
 
 
-def test_the_specs_import_no_tool_code() -> None:
-    # The daemon imports spec.py; it must not bring the implementations along.
-    code = ("import sys, dispatchd.tools.spec, dispatchd.policy, dispatchd.protocol; "
+def test_the_daemon_imports_no_tool_code() -> None:
+    # The daemon reads spec.py; it must not bring the implementations (or any worker code) along.
+    code = ("import sys, dispatchd.daemon.server, dispatchd.daemon.sessions, dispatchd.policy, dispatchd.protocol; "
             "print(sorted(m for m in sys.modules if m.startswith(('dispatchd.tools.', 'dispatchd.worker'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['dispatchd.tools.spec']"
