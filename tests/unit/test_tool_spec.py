@@ -16,7 +16,7 @@ import jsonschema
 import msgspec
 import pytest
 
-from dispatchd.policy import ALL_TOOLS, Limits
+from dispatchd.policy import ALL_TOOLS, MUTATING_TOOLS, Limits
 from dispatchd.tools.base import ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.spec import SPECS, schemas_for
@@ -70,6 +70,8 @@ def test_risks_and_slow_tools() -> None:
         "job_stop": "execute", "job_list": "read"}
     assert {name for name, spec in SPECS.items() if spec.slow} == {
         "search_files", "shell_exec", "job_output", "job_stop"}
+    # Derived in the policy: what a read-only worktree refuses and what takes the write lock.
+    assert MUTATING_TOOLS == {"write_file", "edit_file", "create_file", "shell_exec"}
 
 
 def test_the_daemon_imports_no_tool_code() -> None:
