@@ -23,23 +23,18 @@ import msgspec
 
 from dispatchd.confine.domains import BadHost, parse_domains
 from dispatchd.errors import PolicyError
+from dispatchd.inside import is_below
+from dispatchd.netmodes import NetworkMode
+from dispatchd.tools.spec import SPECS
 
-ALL_TOOLS = (
-    "read_file",
-    "write_file",
-    "edit_file",
-    "create_file",
-    "list_files",
-    "search_files",
-    "shell_exec",
-    "job_output",
-    "job_stop",
-    "job_list",
-)
+ALL_TOOLS = tuple(SPECS)
 # Background jobs are started by shell_exec: a policy offering shell_exec
 # offers these too (listed or not), and one without it cannot offer them.
 JOB_TOOLS = ("job_output", "job_stop", "job_list")
-MUTATING_TOOLS = frozenset({"write_file", "edit_file", "create_file", "shell_exec"})
+# The tools that may change the worktree, so need it writable (and its write
+# lock, worker/server.py): every one whose risk is not "read" but the job
+# tools, which only act on jobs shell_exec started (and took the lock for).
+MUTATING_TOOLS = frozenset(name for name, spec in SPECS.items() if spec.risk != "read" and name not in JOB_TOOLS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -71,7 +66,7 @@ class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The network a session gets when the caller does not say: "off", "on",
     # "ports" (the host's network, TCP only to/on the ports below), or
     # "domains" (only the hosts below, through the daemon's filtering proxy).
-    default: Literal["off", "on", "ports", "domains"] = "off"
+    default: NetworkMode = "off"
     # Under "ports": TCP ports the session may connect to, and bind.
     connect_ports: tuple[int, ...] = ()
     bind_ports: tuple[int, ...] = ()
@@ -184,7 +179,7 @@ def _check(policy: Policy, where: str) -> None:
         raise bad("filesystem.landlock_grants_root", "only with root = \"minimal\": on the host's root it "
                   "would grant reading the whole machine")
     for p in fs.devices:
-        if not p.startswith("/dev/"):
+        if not is_below(p, "/dev"):
             raise bad("filesystem.devices", f"{p!r} is not under /dev")
     lim = policy.limits
     for key in ("command_timeout_s", "max_command_timeout_s", "idle_timeout_s"):

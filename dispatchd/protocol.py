@@ -29,6 +29,9 @@ from typing import Any, Union
 
 import msgspec
 
+from dispatchd.netmodes import NetworkMode
+from dispatchd.tools.spec import Risk
+
 PROTOCOL_VERSION = 1
 # Big enough for a file at the policy's size cap plus two capped output streams,
 # small enough that a hostile length prefix cannot exhaust memory.
@@ -59,7 +62,7 @@ class OpenSession(_Msg, tag="open_session", frozen=True):
     id: int
     worktree: str
     policy: str = "default"
-    network: str | None = None  # "off" | "on" | "ports" | "domains"; None: the policy's default
+    network: NetworkMode | None = None  # None: the policy's default
     ports: list[int] | None = None  # under "ports": TCP ports to connect to (None: the policy's)
     bind_ports: list[int] | None = None  # under "ports": TCP ports to bind (None: the policy's)
     domains: list[str] | None = None  # under "domains": the hosts it may reach (None: the policy's)
@@ -92,7 +95,7 @@ class ListSessions(_Msg, tag="list_sessions", frozen=True):
 class SetNetwork(_Msg, tag="set_network", frozen=True):
     id: int
     session: str
-    network: str
+    network: NetworkMode
     ports: list[int] | None = None
     bind_ports: list[int] | None = None
     domains: list[str] | None = None
@@ -125,6 +128,8 @@ class ToolSchema(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     description: str
     parameters: dict[str, Any]
+    risk: Risk = "execute"  # from tools/spec.py; a tool that does not say is treated as the riskiest
+    slow: bool = False  # runs on a thread of its own in the worker: its calls can be cancelled
 
 
 class DeniedHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -140,7 +145,7 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     worktree: str
     policy: str
-    network: str
+    network: NetworkMode
     created: float
     protections: dict[str, Any] = {}
     limits: dict[str, Any] = {}  # the policy's limits (timeouts, caps, model output budget)

@@ -29,6 +29,7 @@ from dispatch.client import Cancellation, Client, Session, connect
 from dispatch.errors import DispatchError
 from dispatch.tools import Registry
 from dispatchd import __version__
+from dispatchd.netmodes import NETWORK_MODES
 
 EXIT_ERROR = 2
 EXIT_TIMEOUT = 124
@@ -62,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
     net = sub.add_parser("network", help="switch a session's network (its processes are ended)")
     net.add_argument("id")
-    net.add_argument("state", choices=["on", "off", "ports", "domains"])
+    net.add_argument("state", choices=NETWORK_MODES)
     _ports_options(net)
 
     ex = sub.add_parser("exec", help="run a shell command in the sandbox")
@@ -121,7 +122,7 @@ def _session_target(p: argparse.ArgumentParser, *, worktree_required: bool = Fal
         p.add_argument("--session", help="an open session's id")
     p.add_argument("--worktree", required=worktree_required, help="open a session on this directory")
     p.add_argument("--policy", default="default", help=_policy_help())
-    p.add_argument("--network", choices=["on", "off", "ports", "domains"],
+    p.add_argument("--network", choices=NETWORK_MODES,
                    help="off: no network; on: the host's, through pasta; ports: TCP only to --ports; domains: "
                         "only the hosts in --domains (default: the policy's, off in the shipped policies)")
     p.add_argument("--read-only", action="append", default=[], metavar="PATH", dest="read_only",

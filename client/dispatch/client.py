@@ -53,20 +53,14 @@ from dispatch.errors import (
 )
 from dispatch.tools import Definition, Registry, Result
 from dispatchd import paths, protocol
+from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 
 _PENDING = object()
-_MUTATING = frozenset({"write_file", "edit_file", "create_file"})
 # The longest a socket operation blocks at once: waits loop on it up to their
 # own deadline, so one connection serves callers with different deadlines.
 _TICK_S = 0.2
-_RISK = {"read_file": "read", "list_files": "read", "search_files": "read",
-         "write_file": "write", "edit_file": "write", "create_file": "write", "shell_exec": "execute",
-         "job_output": "read", "job_list": "read", "job_stop": "execute"}
 
 OutputCallback = Callable[[str, str], None]
-# The tools the worker runs on a thread of their own, which a cancel can end:
-# only their calls are tracked for Session.cancel (the others take microseconds).
-_CANCELLABLE = frozenset({"shell_exec", "job_output", "job_stop", "search_files"})
 # How long a CancelCall may take to send before we give up on it.
 _CANCEL_SEND_S = 1.0
 
@@ -361,17 +355,18 @@ def _to_dict(info: protocol.SessionInfo) -> dict[str, Any]:
 
 
 @overload
-def _network_word(network: bool | str) -> str: ...
+def _network_word(network: bool | str) -> NetworkMode: ...
 @overload
 def _network_word(network: None) -> None: ...
-def _network_word(network: bool | str | None) -> str | None:
+def _network_word(network: bool | str | None) -> NetworkMode | None:
     if network is None:
         return None
     if isinstance(network, bool):
         return "on" if network else "off"
-    if network in ("on", "off", "ports", "domains"):
-        return network
-    raise ValueError(f"network must be True, False, 'on', 'off', 'ports' or 'domains', not {network!r}")
+    for mode in NETWORK_MODES:
+        if network == mode:
+            return mode
+    raise ValueError(f"network must be True, False or one of {', '.join(map(repr, NETWORK_MODES))}, not {network!r}")
 
 
 def _status_dict(info: protocol.SessionInfo) -> dict[str, Any]:
@@ -401,6 +396,7 @@ class Session:
         self._lock = threading.Lock()
         self._channel: _Connection | None = None
         self._tools: list[protocol.ToolSchema] = []
+        self._schemas: dict[str, protocol.ToolSchema] = {}  # self._tools by name
         self._in_flight: dict[int, _Connection] = {}  # tool calls sent and not answered, by request id
         self._in_flight_lock = threading.Lock()
         self._attach()
@@ -430,6 +426,7 @@ class Session:
         reply, fd = self._client._daemon_request(lambda rid: protocol.Attach(id=rid, session=self.id))
         assert isinstance(reply, protocol.Attached) and fd is not None
         self._info, self._tools = reply.session, reply.tools
+        self._schemas = {t.name: t for t in reply.tools}
         old, self._channel = self._channel, _Connection(socket.socket(fileno=fd), protocol.worker_decoder)
         if old is not None:
             old.close()
@@ -443,7 +440,7 @@ class Session:
                                   cancellation=cancellation if isinstance(cancellation, Cancellation) else None)
 
         run.streams_output = True  # type: ignore[attr-defined]  # Definition.call passes on_output
-        return Definition(name, schema.description, schema.parameters, run, risk=_RISK.get(name, "execute"))
+        return Definition(name, schema.description, schema.parameters, run, risk=schema.risk)
 
     def cancel(self) -> int:
         """End this session's tool calls in flight made through this handle
@@ -484,7 +481,11 @@ class Session:
             if cancellation is not None:
                 cancellation._bind(lambda: channel.send(protocol.CancelCall(id=rid)))
 
-        track = name in _CANCELLABLE or cancellation is not None
+        # The tools the worker runs on a thread of their own ("slow" in their
+        # schema), which a cancel can end: only their calls are tracked for
+        # Session.cancel (the others take microseconds).
+        schema = self._schemas.get(name)
+        track = (schema is not None and schema.slow) or cancellation is not None
         try:
             reply, _ = channel.request(
                 lambda rid: protocol.CallTool(id=rid, tool=name, params=params, stream=on_output is not None),
@@ -542,7 +543,8 @@ class Session:
                 time.sleep(0.05)
         text = f"the sandbox of session {self.id} went away during {name}: {cause}"
         meta: dict[str, Any] = {"lost": True}
-        if name in _MUTATING:
+        schema = self._schemas.get(name)
+        if schema is not None and schema.risk == "write":
             # The new content may have reached the disk before the tool server went.
             text += ("; outcome unknown: the file may hold its old content or the new one (never a mix): "
                      "re-read the file")
@@ -753,7 +755,8 @@ class Client:
 
     def tools(self, policy: str = "default") -> list[dict[str, Any]]:
         reply, _ = self._daemon_request(lambda rid: protocol.ListTools(id=rid, policy=policy))
-        return [msgspec.to_builtins(t) for t in reply.tools]
+        # The schemas as a model takes them; the risk and slowness stay ours.
+        return [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in reply.tools]
 
     def close(self) -> None:
         self._conn.close()

@@ -32,6 +32,7 @@ import time
 import msgspec
 
 from dispatchd.errors import ConfinementError
+from dispatchd.inside import is_below
 
 CONTROLLERS = ("pids", "memory", "cpu")  # what a session's limits use, in this order
 
@@ -87,7 +88,7 @@ def choose(mode: str, *, own: str, mount: str, pid: int, occupants: list[int] | 
         return "", "cgroup v2 is not mounted"
     if mode != "auto":
         path = os.path.normpath(mode)
-        if not path.startswith(mount.rstrip("/") + "/"):
+        if not is_below(path, mount):
             return "", f"{mode} is not inside the cgroup v2 hierarchy at {mount}"
         return path, ""
     if not own:

@@ -43,6 +43,7 @@ import msgspec
 
 from dispatchd.confine import _sys
 from dispatchd.errors import ConfinementError
+from dispatchd.inside import is_within
 
 WORKTREE_FD = "@worktree"  # a bind's source: the daemon's descriptor of the worktree
 WORKTREE_STEP = "mounts: worktree"  # the step that refuses a worktree swapped since the daemon's check
@@ -66,10 +67,6 @@ class MountPlan(msgspec.Struct, frozen=True):
         return [b.path for b in self.binds if b.how == "rw"]
 
 
-def _under(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
-
-
 def _depth_order(b: Bind) -> tuple[str, ...]:
     return tuple(p for p in b.path.split("/") if p)
 
@@ -90,11 +87,11 @@ def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw:
     # library under /usr) is there already: one mount fewer per open.
     plain_ro = [b.path for b in binds.values() if b.how == "ro" and not b.source]
     ordered = sorted((b for b in binds.values()
-                      if not (b.how == "ro" and not b.source and any(p != b.path and _under(b.path, p) for p in plain_ro))),
+                      if not (b.how == "ro" and not b.source and any(p != b.path and is_within(b.path, p) for p in plain_ro))),
                      key=_depth_order)
     keep = [b.path for b in ordered]
     # Hiding a directory that holds a path the session needs would hide that path too.
-    hidden = [h for h in hide or [] if not any(_under(k, h) for k in keep + [private_tmp])]
+    hidden = [h for h in hide or [] if not any(is_within(k, h) for k in keep + [private_tmp])]
     return MountPlan(root=root, binds=ordered, devices=list(devices or []), hide=hidden if root == "host" else [])
 
 
@@ -373,7 +370,7 @@ def _apply_minimal(plan: MountPlan, worktree_fd: int) -> None:
 def _apply_host(plan: MountPlan, worktree_fd: int) -> None:
     """The host's root, read-only, as the release before (``root = "host"``)."""
     tmp = next(b for b in plan.binds if b.path == "/tmp")
-    kept = [b for b in plan.binds if b.how != "ro-over" and b.path != "/tmp" and (b.how == "rw" or _under(b.path, "/tmp")
+    kept = [b for b in plan.binds if b.how != "ro-over" and b.path != "/tmp" and (b.how == "rw" or is_within(b.path, "/tmp")
                                                                                  or b.source == WORKTREE_FD)]
     with _sources(msgspec.structs.replace(plan, binds=[tmp, *kept]), worktree_fd, []) as fds:
         root_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)

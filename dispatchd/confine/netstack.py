@@ -41,6 +41,7 @@ import tempfile
 import msgspec
 
 from dispatchd.errors import ConfinementError
+from dispatchd.netmodes import NetworkMode
 
 STACK = "pasta"
 ADDRESS = "10.0.2.15"  # the session's address on its one interface
@@ -58,7 +59,7 @@ class NetworkPorts(msgspec.Struct, frozen=True):
 
 
 class NetworkPlan(msgspec.Struct, frozen=True):
-    mode: str
+    mode: NetworkMode
     namespace: bool  # a network namespace of its own
     stack: bool  # the user-mode stack runs, attached to that namespace
     rules: str  # nftables ruleset for that namespace ("" for none)
@@ -72,7 +73,7 @@ def _ports(ports: list[int]) -> str:
     return ", ".join(map(str, ports)) if ports else "none"
 
 
-def nft_rules(mode: str, ports: NetworkPorts) -> str:
+def nft_rules(mode: NetworkMode, ports: NetworkPorts) -> str:
     """The ruleset for a session's namespace, replacing whatever was there
     (one transaction: add, delete, define)."""
     reset = f"add table inet {TABLE}\ndelete table inet {TABLE}\n"
@@ -94,7 +95,7 @@ def nft_rules(mode: str, ports: NetworkPorts) -> str:
     )
 
 
-def plan_network(mode: str, *, use_userns: bool, stack_missing: str, nft_missing: str, landlock_abi: int,
+def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft_missing: str, landlock_abi: int,
                  ports: NetworkPorts) -> NetworkPlan:
     """Pure: how a mode is held. ``stack_missing``/``nft_missing`` are "" when
     available, else why not."""
@@ -134,7 +135,7 @@ def plan_network(mode: str, *, use_userns: bool, stack_missing: str, nft_missing
                                  "listening on any port, reachable from inside the session only")
 
 
-def _host_network(mode: str, ports: NetworkPorts, why: str) -> NetworkPlan:
+def _host_network(mode: NetworkMode, ports: NetworkPorts, why: str) -> NetworkPlan:
     caveats = []
     if why:
         caveats.append(f"network {mode!r} uses the host's network, not a namespace of its own: {why}; "

@@ -26,9 +26,9 @@ from dispatchd.confine.netstack import STACK, NetworkPlan, NetworkPorts, plan_ne
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.kernel import KernelFeatures
+from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Limits, Policy
 
-NETWORK_MODES = ("off", "on", "ports", "domains")
 
 
 
@@ -74,7 +74,7 @@ class SessionPaths(msgspec.Struct, frozen=True):
 class SessionPlan(msgspec.Struct, frozen=True):
     session: str
     policy: str
-    network: str  # one of NETWORK_MODES
+    network: NetworkMode
     paths: SessionPaths
     namespaces: NamespacePlan
     mounts: MountPlan | None
@@ -143,7 +143,7 @@ def plan_session(
     *,
     session: str,
     paths: SessionPaths,
-    network: str,
+    network: NetworkMode,
     uid: int,
     gid: int,
     base_env: dict[str, str],

@@ -56,15 +56,12 @@ import msgspec
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitfs import index_gitlinks, is_dir, is_file, open_dir_below, read_small
 from dispatchd.daemon.gitredirects import REDIRECTS
+from dispatchd.inside import is_below, overlap
 
 # What the user's git runs or reads as configuration, in any git directory.
 RUN_FROM = ("config", "hooks") + REDIRECTS
 _MAX_GITDIRS = 1000  # submodule git directories walked at the most (the daemon's time is bounded)
 _MAX_VISITS = 10000  # directories looked into for them
-
-
-def _overlap(a: str, b: str) -> bool:
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def _existing(paths: list[str]) -> list[str]:
@@ -118,7 +115,7 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         # forged pointer there would have the next session granted (readable,
         # objects/refs/logs writable) whatever directory it names, up to the
         # worktree's parents.
-        if _overlap(where, worktree):
+        if overlap(where, worktree):
             return GitLayout("refused", read_only=[dotgit],
                              note=f"the {name} {where} is the worktree, inside it, or around it; not granted")
     if not (is_file(os.path.join(gitdir, "HEAD")) and is_file(os.path.join(common, "HEAD"))
@@ -190,14 +187,13 @@ def _module_gitdirs(gitdir: str) -> list[str]:
 def _module_steps(worktree: str, gitdirs: list[str]) -> list[str]:
     """The directories under a ``modules`` on the way to a submodule's git
     directory whose name has slashes (``modules/libs`` for ``libs/sub``)."""
-    below = worktree.rstrip("/") + "/"
     steps: set[str] = set()
     for found in gitdirs:
         chain, parent = [], os.path.dirname(found)
-        while parent.startswith(below) and os.path.basename(parent) != "modules":
+        while is_below(parent, worktree) and os.path.basename(parent) != "modules":
             chain.append(parent)
             parent = os.path.dirname(parent)
-        if parent.startswith(below):
+        if is_below(parent, worktree):
             steps.update(chain)
     return sorted(steps)
 
@@ -247,4 +243,4 @@ def _hooks_target(worktree: str, gitdir: str) -> list[str]:
     if not os.path.islink(path):
         return []
     target = os.path.realpath(path)
-    return [target] if target.startswith(worktree.rstrip("/") + "/") and os.path.isdir(target) else []
+    return [target] if is_below(target, worktree) and os.path.isdir(target) else []

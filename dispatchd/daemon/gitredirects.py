@@ -22,6 +22,7 @@ import os
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitfs import is_dir, move_aside, read_small
+from dispatchd.inside import is_within
 
 # Files whose mere appearance in a git directory changes which configuration
 # git reads: ``commondir`` always, ``config.worktree`` where the repository
@@ -32,7 +33,7 @@ REDIRECTS = ("commondir", "config.worktree")
 def _plain_path_below(root: str, path: str) -> bool:
     """``root`` and every directory from it down to ``path``'s parent are real
     directories, not symlinks: acting on ``path`` by name stays below ``root``."""
-    if not is_dir(root) or not (path == root or path.startswith(root.rstrip("/") + "/")):
+    if not is_dir(root) or not is_within(path, root):
         return False
     parent = os.path.dirname(path)
     while parent != root and len(parent) > len(root):

@@ -57,6 +57,7 @@ import msgspec
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon import gitfs
+from dispatchd.inside import is_within
 
 # What git reads, in a git directory, that names or runs a command or
 # redirects where configuration comes from (hooks: each entry).
@@ -330,7 +331,7 @@ class _Walk:
         leads = ""
         if target and "\0" not in target:
             real = os.path.realpath(os.path.join(self.worktree, worktree, target))
-            inside = os.path.relpath(real, self.worktree) if _under(real, self.worktree) else None
+            inside = os.path.relpath(real, self.worktree) if is_within(real, self.worktree) else None
             if inside is None:
                 leads = "outside:" + real  # not the session's to write
             elif inside == ".":
@@ -363,10 +364,6 @@ def _kind(dir_fd: int, name: str) -> str:
         return "directory"
     except OSError:
         return "unsearchable"
-
-
-def _under(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def _index_content(path: str) -> str:
@@ -481,7 +478,7 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
     found += [rel for rel, why in now.indexes.items() if before.indexes.get(rel) != why]
     result: list[str] = []
     for rel in sorted(set(found), key=lambda r: (r.count("/"), r)):
-        if not any(_under(rel, done) for done in result):
+        if not any(is_within(rel, done) for done in result):
             result.append(rel)
     return result
 
@@ -500,7 +497,7 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[li
         failed.append(f"{worktree}: more git directories than dispatchd checks ({MAX_GITDIRS}); "
                       ".git/modules and .git/index moved aside")
         if ".git" in now.by_file:
-            todo = [".git/index", ".git/modules"] + [r for r in todo if not _under(r, ".git/modules")]
+            todo = [".git/index", ".git/modules"] + [r for r in todo if not is_within(r, ".git/modules")]
     walk = _Walk(worktree)
     for rel in todo:
         parent, _, name = rel.rpartition("/")

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dispatchd.confine.domains import (
     BadHost, Rule, allowed, describe, is_ip_literal, normalise_host, relayable,
 )
+from dispatchd.netmodes import NetworkMode
 
 log = logging.getLogger("dispatchd.proxy")
 
@@ -222,7 +223,7 @@ class SessionProxy:
     def __init__(self, session: str, resolver: Resolver) -> None:
         self.session = session
         self.resolve = resolver
-        self.mode = "off"
+        self.mode: NetworkMode = "off"
         self.rules: tuple[Rule, ...] = ()
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
@@ -231,7 +232,7 @@ class SessionProxy:
 
     # --- control, from the session manager --------------------------------
 
-    def configure(self, mode: str, rules: tuple[Rule, ...]) -> int:
+    def configure(self, mode: NetworkMode, rules: tuple[Rule, ...]) -> int:
         """Apply a mode and list; close connections they no longer allow.
         Returns how many were closed."""
         with self._lock:

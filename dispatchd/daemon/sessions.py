@@ -30,7 +30,7 @@ Guarantees:
   making a directory the session made read-only writable for its owner
   first, or refuses the worktree until restart if it cannot;
 - the daemon removes in a worktree only the temporary files of writes a
-  session's end cut short (``worker/sweep.py``: our exact names, regular
+  session's end cut short (``tempfiles.py``: our exact names, regular
   files, by descriptor, no symlink followed), once the session that held the
   write lock has no process left and before the lock passes on.
 """
@@ -53,16 +53,18 @@ from dispatchd import protocol
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.confine.netstack import NetworkPorts
-from dispatchd.confine.plan import NETWORK_MODES, GitLayout, SessionPaths, SessionPlan, plan_session
+from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
+from dispatchd.inside import is_below, is_within, overlap
 from dispatchd.kernel import KernelFeatures
+from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Policy
+from dispatchd.tempfiles import sweep_temp_files
 from dispatchd.tools.spec import schemas_for
-from dispatchd.worker.sweep import sweep_temp_files
 
 log = logging.getLogger("dispatchd.sessions")
 READY_TIMEOUT_S = 10.0
@@ -78,7 +80,7 @@ class Session:
         self.policy = policy
         self.scratch = scratch
         self.created = time.time()
-        self.network: str = policy.network.default
+        self.network: NetworkMode = policy.network.default
         self.ports = NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
         self.domains = domains.parse_domains(policy.network.domains)  # checked with the policy
         self.proxy: SessionProxy | None = None  # network "domains": made at the first such start
@@ -115,17 +117,13 @@ class Session:
                                     denied=denied, writes=self.writes)
 
 
-def _overlap(a: str, b: str) -> bool:
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
-
-
 def _namespaces_report(session: Session) -> dict[str, object]:
     """The namespaces part of the session's protections report."""
     found = session.protections.get("namespaces", {})
     return found if isinstance(found, dict) else {}
 
 
-def _check_network(network: str, ports: list[int] | None, bind_ports: list[int] | None,
+def _check_network(network: NetworkMode, ports: list[int] | None, bind_ports: list[int] | None,
                    domain_list: list[str] | None = None) -> tuple[domains.Rule, ...] | None:
     """Refuse a bad request before anything changes; the parsed domains, if given."""
     if network not in NETWORK_MODES:
@@ -229,7 +227,7 @@ class SessionManager:
 
     # --- open / close ----------------------------------------------------------
 
-    def open(self, worktree: str, policy_name: str, network: str | None,
+    def open(self, worktree: str, policy_name: str, network: NetworkMode | None,
              ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
              detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None,
              domain_list: list[str] | None = None, read_only: list[str] | None = None) -> Session:
@@ -260,7 +258,7 @@ class SessionManager:
                     found.append(resolved)
         return found
 
-    def _open_held(self, held: Worktree, policy: Policy, network: str, ports: list[int] | None,
+    def _open_held(self, held: Worktree, policy: Policy, network: NetworkMode, ports: list[int] | None,
                    bind_ports: list[int] | None, extra: list[str], rules: tuple[domains.Rule, ...] | None, *,
                    detached: bool, orphan_grace_s: float | None,
                    holder: int | None) -> Session:
@@ -315,17 +313,17 @@ class SessionManager:
             # descriptor the daemon holds is the checked directory, the
             # inspection went by name): its common directory is not granted.
             session.git = GitLayout("refused", read_only=[p for p in session.git.read_only
-                                                                  if p.startswith(resolved + "/")],
+                                                                  if is_below(p, resolved)],
                                             note=f"the linked worktree's git directory does not point back at "
                                                  f"{resolved}/.git; not granted")
         for granted in session.git.readable + session.git.writable:
-            home_inside = granted == self.home or self.home.startswith(granted.rstrip("/") + "/")
+            home_inside = is_within(self.home, granted)
             mine = self.protected + credential_dirs(self.home)
-            if home_inside or any(_overlap(granted, p) for p in mine):
+            if home_inside or any(overlap(granted, p) for p in mine):
                 # A common directory that holds the daemon's files, the user's
                 # credentials, or the whole home directory, is no repository a session needs.
                 session.git = GitLayout("refused", read_only=[p for p in session.git.read_only
-                                                                      if p.startswith(resolved + "/")],
+                                                                      if is_below(p, resolved)],
                                                 note=f"{granted} holds the daemon's files, credentials or the "
                                                      "whole home directory; not granted")
                 break
@@ -355,7 +353,7 @@ class SessionManager:
             os.close(fd)
         return os.path.normpath(back) == worktree + "/.git"
 
-    def _plan(self, session: Session, network: str) -> SessionPlan:
+    def _plan(self, session: Session, network: NetworkMode) -> SessionPlan:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git,
                              read_only=session.read_only)
@@ -365,7 +363,7 @@ class SessionManager:
                             uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
                             delegation=self.delegation, git_identity=identity)
 
-    def _start_worker(self, session: Session, network: str) -> None:
+    def _start_worker(self, session: Session, network: NetworkMode) -> None:
         started = time.perf_counter()
         plan = self._plan(session, network)
         if plan.cgroup is not None and not session.cgroup:
@@ -486,7 +484,7 @@ class SessionManager:
             session.ns_fds = None
         session.net = None
 
-    def _switch_in_place(self, session: Session, network: str) -> str | None:
+    def _switch_in_place(self, session: Session, network: NetworkMode) -> str | None:
         """Switch without replacing the sandbox when the old and the new mode
         are both held in the session's own namespace; the reply's note, or None
         when the sandbox must be replaced (see ``netstack.switch_in_place``)."""
@@ -645,7 +643,7 @@ class SessionManager:
         if not wrote:
             return
         started = time.perf_counter()
-        removed = sweep_temp_files(session.worktree)
+        removed = sweep_temp_files(session.worktree)  # the daemon writes none: none in flight
         if removed:
             log.info("event=temp_files_removed session=%s count=%d ms=%.1f", session.id, len(removed),
                      (time.perf_counter() - started) * 1e3)
@@ -739,7 +737,7 @@ class SessionManager:
         """One writer per worktree (a worktree inside another's counts as the same)."""
         with self._lock:
             for worktree, holder in self._writers.items():
-                if holder == session.id or not _overlap(worktree, session.worktree):
+                if holder == session.id or not overlap(worktree, session.worktree):
                     continue
                 other = self._sessions.get(holder)
                 since = time.strftime("%H:%M:%S", time.localtime(other.created)) if other else "?"
@@ -794,7 +792,7 @@ class SessionManager:
 
     # --- network, attach -----------------------------------------------------
 
-    def set_network(self, sid: str, network: str, ports: list[int] | None = None,
+    def set_network(self, sid: str, network: NetworkMode, ports: list[int] | None = None,
                     bind_ports: list[int] | None = None, domain_list: list[str] | None = None) -> Session:
         """Between off, on and ports in the session's own namespace: in place,
         its processes kept (``_switch_in_place``). Otherwise by replacing the

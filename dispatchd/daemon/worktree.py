@@ -29,15 +29,12 @@ import os
 import stat
 
 from dispatchd.errors import WorktreeError
+from dispatchd.inside import is_within, overlap
 
 # Below the home directory: what holds the user's keys and tokens (the
 # issue's ~/.ssh, ~/.gnupg, ~/.aws, ~/.config, and their usual neighbours).
 CREDENTIAL_DIRS = (".ssh", ".gnupg", ".aws", ".config", ".kube", ".docker", ".azure", ".password-store",
                    ".local/share/keyrings", ".pki", ".mozilla")
-
-
-def _contains(outer: str, inner: str) -> bool:
-    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
 def credential_dirs(home: str) -> list[str]:
@@ -156,13 +153,13 @@ def _check(resolved: str, st: os.stat_result, path: str, *, uid: int, home: str,
     if st.st_uid != uid:
         raise WorktreeError(f"worktree {resolved} belongs to uid {st.st_uid}, not to you (uid {uid})", path)
     for cred in credential_dirs(home):
-        if _contains(resolved, cred) or _contains(cred, resolved):
+        if overlap(resolved, cred):
             raise WorktreeError(f"worktree {resolved} is or holds your credentials ({cred}): refused", path)
     for p in protected:
-        if _contains(resolved, os.path.realpath(p)):
+        if is_within(os.path.realpath(p), resolved):
             raise WorktreeError(f"worktree {resolved} contains dispatchd's own files ({p})", path)
     for p in private:
-        if _contains(os.path.realpath(p), resolved):
+        if is_within(resolved, os.path.realpath(p)):
             # e.g. the sessions directory: every session's HOME and TMPDIR.
             raise WorktreeError(f"worktree {resolved} is inside dispatchd's own files ({p})", path)
 
@@ -178,12 +175,12 @@ def check_read_only_path(path: str, *, home: str, protected: list[str], where: s
     resolved, fd = _walk(path, what=f"{where}: path", dirs_only=False)
     os.close(fd)
     home_real = os.path.realpath(home)
-    if resolved == "/" or _contains(resolved, home_real):
+    if resolved == "/" or is_within(home_real, resolved):
         raise WorktreeError(f"{where}: {path} would show the whole home directory (or more): refused", path)
     for cred in credential_dirs(home):
-        if _contains(resolved, cred) or _contains(cred, resolved):
+        if overlap(resolved, cred):
             raise WorktreeError(f"{where}: {path} is or holds your credentials ({cred}): refused", path)
     for p in protected:
-        if _contains(resolved, os.path.realpath(p)) or _contains(os.path.realpath(p), resolved):
+        if overlap(resolved, os.path.realpath(p)):
             raise WorktreeError(f"{where}: {path} is or holds dispatchd's own files ({p}): refused", path)
     return resolved

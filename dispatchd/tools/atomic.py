@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import errno
 import os
-import re
-import secrets
 import stat
 import threading
 
-__all__ = ["atomic_write", "TEMP_NAME", "in_flight"]
+from dispatchd.tempfiles import TEMP_NAME, temp_name
 
-# Exactly the names _create_temp makes (worker/sweep.py removes leftovers by it).
-TEMP_NAME = re.compile(rb"^\..{1,800}\.dispatchd-[0-9a-f]{8}\.tmp$", re.DOTALL)
+__all__ = ["atomic_write", "TEMP_NAME", "in_flight"]  # TEMP_NAME: tempfiles.py's, for the sweep's callers
+
 # Names of the temporary files this process is writing now, registered before
 # they exist (the random part makes a name unique): a sweep skips them.
 _in_flight: set[bytes] = set()
@@ -50,7 +48,7 @@ _TEMP_ATTEMPTS = 16
 def _create_temp(directory: str, name: str) -> tuple[str, int]:
     stem = name[:_MAX_STEM]
     for _ in range(_TEMP_ATTEMPTS):
-        tmp = os.path.join(directory, f".{stem}.dispatchd-{secrets.token_hex(4)}.tmp")
+        tmp = os.path.join(directory, temp_name(stem))
         key = os.fsencode(os.path.basename(tmp))
         with _in_flight_lock:
             _in_flight.add(key)

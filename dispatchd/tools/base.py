@@ -1,4 +1,4 @@
-"""What every worker-side tool is: a typed parameter struct, a function, a schema.
+"""What every worker-side tool is: its spec (``spec.py``) and the function that runs it.
 
 Guarantees:
 - ``run_tool`` never raises: bad parameters, a ``ToolFailure`` and any
@@ -20,7 +20,9 @@ from typing import Any
 
 import msgspec
 
+from dispatchd.inside import is_below
 from dispatchd.policy import Limits
+from dispatchd.tools.spec import ToolSpec
 
 
 class CallControl:
@@ -102,21 +104,19 @@ class ToolFailure(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Tool:
-    name: str
-    description: str
-    parameters: dict[str, Any]  # JSON Schema advertised to models
-    params_type: type[msgspec.Struct]
+    """A tool as the worker runs it: its spec and the function, which takes
+    the context and the spec's decoded parameter struct."""
+
+    spec: ToolSpec
     func: Callable[[ToolContext, Any], Outcome]
-    # Long-running tools get a thread of their own in the worker so that other
-    # calls on the same channel are not held up behind them.
-    slow: bool = False
 
 
 def run_tool(tool: Tool, ctx: ToolContext, params: Any) -> Outcome:
+    name = tool.spec.name
     try:
-        typed = msgspec.convert(params, tool.params_type)
+        typed = msgspec.convert(params, tool.spec.params_type)
     except msgspec.ValidationError as exc:
-        return Outcome.fail(f"{tool.name}: invalid arguments: {exc}")
+        return Outcome.fail(f"{name}: invalid arguments: {exc}")
     try:
         return tool.func(ctx, typed)
     except ToolFailure as exc:
@@ -125,8 +125,8 @@ def run_tool(tool: Tool, ctx: ToolContext, params: Any) -> Outcome:
         # Python puts the absolute host path in str(exc); the model gets the
         # worktree-relative one, or none.
         where = ""
-        if isinstance(exc.filename, str) and exc.filename.startswith(ctx.root.rstrip("/") + "/"):
+        if isinstance(exc.filename, str) and is_below(exc.filename, ctx.root):
             where = f": {exc.filename[len(ctx.root.rstrip('/')) + 1:]}"
-        return Outcome.fail(f"{tool.name}: {exc.strerror or type(exc).__name__}{where}")
+        return Outcome.fail(f"{name}: {exc.strerror or type(exc).__name__}{where}")
     except Exception as exc:  # a bug
-        return Outcome.fail(f"{tool.name}: {type(exc).__name__}: {exc}")
+        return Outcome.fail(f"{name}: {type(exc).__name__}: {exc}")

@@ -20,23 +20,17 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Sequence
-from typing import Protocol
 
 from dispatchd.tools.atomic import atomic_write
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
 from dispatchd.tools.paths import describe_os_error, printable, relative, resolve
+from dispatchd.tools.spec import CreateFileParams, EditFileParams, ListFilesParams, ReadFileParams, WriteFileParams
 from dispatchd.tools.textfile import looks_binary, read_regular
 from dispatchd.tools.walk import in_git_dir, matches, walk
 
-__all__ = ["EditLike", "create_file", "edit_file", "list_files", "read_file", "write_file"]
+__all__ = ["create_file", "edit_file", "list_files", "read_file", "write_file"]
 
 _EXCERPT_CHARS = 80
-
-
-class EditLike(Protocol):
-    old_text: str
-    new_text: str
 
 
 # -- shared steps --------------------------------------------------------------
@@ -137,8 +131,9 @@ def _line_prefixes(start: int, stop: int) -> list[str]:
 # -- the tools -----------------------------------------------------------------
 
 
-def read_file(ctx: ToolContext, path: str, start_line: int = 0, end_line: int = -1) -> Outcome:
+def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
     """Lines ``start_line``..``end_line`` (0-based, inclusive, -1 = the end), numbered."""
+    path, start_line, end_line = params.path, params.start_line, params.end_line
     if start_line < 0:
         raise ToolFailure(f"start_line must be 0 or more, not {start_line}")
     if end_line < -1:
@@ -160,18 +155,19 @@ def read_file(ctx: ToolContext, path: str, start_line: int = 0, end_line: int = 
     return Outcome.ok(output, {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})
 
 
-def write_file(ctx: ToolContext, path: str, content: str) -> Outcome:
+def write_file(ctx: ToolContext, params: WriteFileParams) -> Outcome:
     """Replace (or create) the file with ``content``, atomically."""
     _require_writable(ctx)
-    target = resolve(ctx.root, path)
+    target = resolve(ctx.root, params.path)
     rel = relative(ctx.root, target)
-    data = _encode(ctx, content, "content")
+    data = _encode(ctx, params.content, "content")
     _store(ctx, target, rel, data, "write_file")
     return Outcome.ok(f"wrote {len(data)} bytes to {rel}", {"path": rel, "bytes": len(data)})
 
 
-def edit_file(ctx: ToolContext, path: str, edits: Sequence[EditLike]) -> Outcome:
+def edit_file(ctx: ToolContext, params: EditFileParams) -> Outcome:
     """Apply each ``old_text`` → ``new_text`` replacement in order; all or nothing."""
+    path, edits = params.path, params.edits
     _require_writable(ctx)
     if not edits:
         raise ToolFailure("edits is empty: give at least one {old_text, new_text}")
@@ -203,8 +199,9 @@ def edit_file(ctx: ToolContext, path: str, edits: Sequence[EditLike]) -> Outcome
     )
 
 
-def create_file(ctx: ToolContext, path: str, content: str) -> Outcome:
+def create_file(ctx: ToolContext, params: CreateFileParams) -> Outcome:
     """Create a new file; fail if anything is already there."""
+    path, content = params.path, params.content
     _require_writable(ctx)
     target = resolve(ctx.root, path)
     rel = relative(ctx.root, target)
@@ -217,7 +214,7 @@ def create_file(ctx: ToolContext, path: str, content: str) -> Outcome:
     return Outcome.ok(f"created {rel} ({len(data)} bytes)", {"path": rel, "bytes": len(data)})
 
 
-def list_files(ctx: ToolContext, path: str = ".", pattern: str | None = None, recursive: bool = True) -> Outcome:
+def list_files(ctx: ToolContext, params: ListFilesParams) -> Outcome:
     """Worktree-relative paths under ``path``, sorted, one per line.
 
     Recursive: files (and symlinks, listed but not followed). Not recursive:
@@ -226,7 +223,8 @@ def list_files(ctx: ToolContext, path: str = ".", pattern: str | None = None, re
     against the base name, or against the worktree-relative path when it
     contains a '/'.
     """
-    top = resolve(ctx.root, path)
+    pattern, recursive = params.pattern, params.recursive
+    top = resolve(ctx.root, params.path)
     rel = relative(ctx.root, top)
     if in_git_dir(rel):
         raise ToolFailure(f"{rel} is git's metadata; list_files does not look inside .git")

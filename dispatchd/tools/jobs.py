@@ -37,6 +37,7 @@ from typing import Any
 
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
+from dispatchd.tools.spec import JobListParams, JobOutputParams, JobStopParams
 
 __all__ = ["Jobs", "MAX_RUNNING", "job_list", "job_output", "job_stop"]
 
@@ -307,8 +308,9 @@ def _char_cut(data: bytes) -> int:
     return len(data)
 
 
-def job_output(ctx: ToolContext, job: str, offset: int = 0, wait: float = 0) -> Outcome:
-    j = _jobs(ctx).get(job)
+def job_output(ctx: ToolContext, params: JobOutputParams) -> Outcome:
+    j = _jobs(ctx).get(params.job)
+    offset, wait = params.offset, params.wait
     if offset < 0:
         raise ToolFailure(f"offset must be 0 or more, not {offset}")
     if not wait >= 0:
@@ -346,8 +348,8 @@ def job_output(ctx: ToolContext, job: str, offset: int = 0, wait: float = 0) -> 
     return Outcome.ok(body, meta)
 
 
-def job_stop(ctx: ToolContext, job: str) -> Outcome:
-    j = _jobs(ctx).get(job)
+def job_stop(ctx: ToolContext, params: JobStopParams) -> Outcome:
+    j = _jobs(ctx).get(params.job)
     was_running = j.running
     # Even after the job ended, what it left behind (setsid cmd > log &) goes.
     j.stop()
@@ -356,7 +358,7 @@ def job_stop(ctx: ToolContext, job: str) -> Outcome:
     return Outcome.ok(text, {"job": j.id, "running": j.running, "exit_code": j.exit_code, "state": state})
 
 
-def job_list(ctx: ToolContext) -> Outcome:
+def job_list(ctx: ToolContext, params: JobListParams) -> Outcome:
     jobs = _jobs(ctx).all()
     if not jobs:
         return Outcome.ok("no background jobs", {"jobs": []})

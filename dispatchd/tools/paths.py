@@ -24,17 +24,10 @@ from __future__ import annotations
 import os
 import stat
 
+from dispatchd.inside import is_below, is_within
 from dispatchd.tools.base import ToolFailure
 
 __all__ = ["describe_os_error", "printable", "relative", "resolve"]
-
-
-def _inside(root: str, abspath: str) -> bool:
-    """Lexical test: ``abspath`` (normalised) is ``root`` or below it."""
-    if abspath == root:
-        return True
-    # rstrip keeps the root "/" working: its prefix is "/", not "//".
-    return abspath.startswith(root.rstrip("/") + "/")
 
 
 def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
@@ -55,7 +48,7 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
     # The lexical test only gives the clearer message for plain "../" walks
     # (without a ".." nothing can climb lexically); the realpath test below is
     # the one that decides.
-    if ".." in parts and not _inside(ctx_root, os.path.normpath(joined)):
+    if ".." in parts and not is_within(os.path.normpath(joined), ctx_root):
         raise ToolFailure(f"path escapes the worktree: {path!r}")
     real = _plain_path(ctx_root, parts)
     if real is not None:
@@ -66,7 +59,7 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
     # realpath on the raw join (not the normalised one): "link/.." must climb
     # from the link's target, as the kernel would, not cancel out lexically.
     real = os.path.realpath(joined)
-    if not _inside(ctx_root, real):
+    if not is_within(real, ctx_root):
         raise ToolFailure(f"path escapes the worktree: {path!r} (through a symlink that points outside it)")
     # realpath leaves a symlink loop unresolved; writing there would replace
     # the link, reading would fail with ELOOP. Say what it is instead.
@@ -101,9 +94,8 @@ def _plain_path(root: str, parts: list[str]) -> str | None:
 
 def relative(root: str, abspath: str) -> str:
     """``abspath`` as a worktree-relative path for display ('.' for the root)."""
-    prefix = root.rstrip("/") + "/"
-    if abspath.startswith(prefix):  # the usual case, without relpath's work
-        return printable(abspath[len(prefix):])
+    if is_below(abspath, root):  # the usual case, without relpath's work
+        return printable(abspath[len(root.rstrip("/")) + 1:])
     return printable(os.path.relpath(abspath, root))
 
 

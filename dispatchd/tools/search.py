@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
 from dispatchd.tools.paths import describe_os_error, printable, relative, resolve
+from dispatchd.tools.spec import SearchFilesParams
 from dispatchd.tools.textfile import looks_binary, read_regular
 from dispatchd.tools.walk import Entry, in_git_dir, matches, walk
 
@@ -107,12 +108,11 @@ def _search_one(regex: re.Pattern[bytes], data: bytes, rel: str, results: list[b
     return False
 
 
-def search_files(
-    ctx: ToolContext, query: str, path: str = ".", pattern: str | None = None, is_regex: bool = False
-) -> Outcome:
+def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
     """Lines matching ``query`` under ``path`` (a directory or one file)."""
-    regex = _compile(query, is_regex)
-    top = resolve(ctx.root, path)
+    regex = _compile(params.query, params.is_regex)
+    pattern = params.pattern
+    top = resolve(ctx.root, params.path)
     rel_top = relative(ctx.root, top)
     if in_git_dir(rel_top):
         raise ToolFailure(f"{rel_top} is git's metadata; search_files does not look inside .git")

@@ -45,6 +45,7 @@ from dispatchd.policy import Limits
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
 from dispatchd.tools.paths import relative, resolve
+from dispatchd.tools.spec import ShellExecParams
 
 __all__ = ["shell_exec"]
 
@@ -244,13 +245,13 @@ _GIT_CONFIG_NOTE = (
 )
 
 
-def shell_exec(ctx: ToolContext, command: str, timeout: float | None = None, cwd: str | None = None,
-               background: bool = False) -> Outcome:
+def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     """Run ``command`` with bash; see the module docstring for the guarantees."""
+    command, timeout = params.command, params.timeout
     if not command.strip():
         raise ToolFailure("command is empty")
-    workdir = _workdir(ctx, cwd)
-    if background:
+    workdir = _workdir(ctx, params.cwd)
+    if params.background:
         if ctx.jobs is None:
             raise ToolFailure("this session cannot run background jobs")
         if timeout is not None:

@@ -1,12 +1,18 @@
-"""The worker's tools: parameter structs, JSON Schemas and descriptions, by name.
+"""What each tool is, without running it: parameter structs, JSON Schemas, descriptions, risks.
 
 Guarantees:
-- ``TOOLS`` holds every tool named in ``dispatchd.policy.ALL_TOOLS``, each
-  with a frozen msgspec struct for its parameters (unknown fields rejected)
-  and a hand-written JSON Schema that describes every property, lists the
-  required ones and forbids others. A unit test keeps the two in step.
+- ``SPECS`` is the one list of the tools, in the order a session offers them
+  (``dispatchd.policy.ALL_TOOLS`` is its keys). Each has a frozen msgspec
+  struct for its parameters (unknown fields rejected) and a hand-written JSON
+  Schema that describes every property, lists the required ones and forbids
+  others. A unit test keeps the two in step.
+- Each tool's ``risk`` ("read", "write" or "execute") is spelled here only:
+  the policy, the worker and the client (through ``schemas_for``, which the
+  daemon sends) all read it from here.
 - ``schemas_for`` hands out copies, in the order asked for, so a caller can
-  change what it gets without touching the registry.
+  change what it gets without touching the table.
+- No implementation is imported: the daemon imports this module and no tool
+  code (the worker binds each spec to its function in ``tools/table.py``).
 
 The schemas are written by hand, not generated, because their descriptions
 are what a model reads to decide how to call a tool.
@@ -15,15 +21,22 @@ are what a model reads to decide how to call a tool.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import msgspec
 
-from dispatchd.tools import files, jobs, search, shell
-from dispatchd.tools.base import Outcome, Tool, ToolContext
+__all__ = [
+    "SPECS", "Risk", "ToolSpec", "schemas_for", "CreateFileParams", "Edit", "EditFileParams", "JobListParams",
+    "JobOutputParams", "JobStopParams", "ListFilesParams", "ReadFileParams", "SearchFilesParams",
+    "ShellExecParams", "WriteFileParams",
+]
 
-__all__ = ["TOOLS", "Edit", "schemas_for"]
+# What a tool may do: "read" only looks at the worktree (or a job's output);
+# "write" changes files; "execute" runs or stops commands. A client asks for
+# approval before "write" and "execute", and MCP marks only "read" read-only.
+Risk = Literal["read", "write", "execute"]
 
 
 class _Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -104,33 +117,35 @@ _GLOB = (
 )
 
 
-def _call(func: Callable[..., Outcome], struct: type[_Params]) -> Callable[[ToolContext, Any], Outcome]:
-    """The tool's function called with the decoded struct's fields as arguments."""
-    names = struct.__struct_fields__
-
-    def call(ctx: ToolContext, params: Any) -> Outcome:
-        return func(ctx, **{name: getattr(params, name) for name in names})
-
-    call.__name__ = func.__name__
-    return call
+@dataclasses.dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str  # what a model reads to decide how to call it
+    parameters: dict[str, Any]  # JSON Schema advertised to models
+    params_type: type[msgspec.Struct]  # what the worker decodes the arguments into
+    risk: Risk
+    # Long-running tools get a thread of their own in the worker (other calls
+    # on the same channel are not held up behind them), and only their calls
+    # can be cancelled.
+    slow: bool = False
 
 
 def _tool(
     name: str,
-    func: Callable[..., Outcome],
+    risk: Risk,
     struct: type[_Params],
     description: str,
     properties: dict[str, dict[str, Any]],
     required: list[str],
     slow: bool = False,
-) -> Tool:
-    return Tool(name, description, _object(properties, required), struct, _call(func, struct), slow)
+) -> ToolSpec:
+    return ToolSpec(name, description, _object(properties, required), struct, risk, slow)
 
 
 _ALL = [
     _tool(
         "read_file",
-        files.read_file,
+        "read",
         ReadFileParams,
         "Read a text file of the worktree. Each line comes back prefixed with its 0-based line number "
         "and ': ' (e.g. '12: def main():'); the number is not part of the file. Pass start_line and "
@@ -155,7 +170,7 @@ _ALL = [
     ),
     _tool(
         "write_file",
-        files.write_file,
+        "write",
         WriteFileParams,
         "Write a file with the given content, replacing it whole if it exists (atomically: the file is "
         "never left half written) and creating missing parent folders. To change part of a file, "
@@ -168,7 +183,7 @@ _ALL = [
     ),
     _tool(
         "edit_file",
-        files.edit_file,
+        "write",
         EditFileParams,
         "Change a text file by replacing exact snippets. Edits apply in order, each to the text left by "
         "the ones before. Each old_text must occur exactly once in the file, whitespace and indentation "
@@ -200,7 +215,7 @@ _ALL = [
     ),
     _tool(
         "create_file",
-        files.create_file,
+        "write",
         CreateFileParams,
         "Create a new file with the given content, creating missing parent folders. Fails if "
         "anything already exists at the path (use write_file to replace a file).",
@@ -212,7 +227,7 @@ _ALL = [
     ),
     _tool(
         "list_files",
-        files.list_files,
+        "read",
         ListFilesParams,
         "List files under a directory, one path per line, relative to the worktree root and sorted. "
         "Recursive by default (files only; symlinks are listed, not followed). With recursive=false, "
@@ -231,7 +246,7 @@ _ALL = [
     ),
     _tool(
         "search_files",
-        search.search_files,
+        "read",
         SearchFilesParams,
         "Search the text files under a directory for a string or a regular expression. Each matching "
         "line comes back once as 'path:line: text', with the path relative to the worktree root and the "
@@ -262,7 +277,7 @@ _ALL = [
     ),
     _tool(
         "shell_exec",
-        shell.shell_exec,
+        "execute",
         ShellExecParams,
         "Run a command with bash (bash -c) in the sandbox, in the worktree root unless cwd says "
         "otherwise, and return its output: stdout, then stderr after a '[stderr]' line. stdin is empty; "
@@ -297,7 +312,7 @@ _ALL = [
     ),
     _tool(
         "job_output",
-        jobs.job_output,
+        "read",
         JobOutputParams,
         "Read what a background job (started by shell_exec with background=true) wrote to stdout and "
         "stderr, from a byte offset on. The result says whether the job still runs and, once it ended, its "
@@ -324,7 +339,7 @@ _ALL = [
     ),
     _tool(
         "job_stop",
-        jobs.job_stop,
+        "execute",
         JobStopParams,
         "Stop a background job: it and every process it started are killed. Its output stays readable "
         "with job_output.",
@@ -334,7 +349,7 @@ _ALL = [
     ),
     _tool(
         "job_list",
-        jobs.job_list,
+        "read",
         JobListParams,
         "List this session's background jobs, one a line: id, state (running, exited N, stopped, ...) "
         "and command.",
@@ -343,19 +358,20 @@ _ALL = [
     ),
 ]
 
-TOOLS: dict[str, Tool] = {tool.name: tool for tool in _ALL}
+SPECS: dict[str, ToolSpec] = {spec.name: spec for spec in _ALL}
 
 
 def schemas_for(names: Sequence[str]) -> list[dict[str, Any]]:
-    """``{"name", "description", "parameters"}`` for each named tool, in order.
+    """``{"name", "description", "parameters", "risk", "slow"}`` for each named tool, in order.
 
     Raises ``KeyError`` naming the first unknown tool.
     """
     out = []
     for name in names:
         try:
-            tool = TOOLS[name]
+            spec = SPECS[name]
         except KeyError:
-            raise KeyError(f"unknown tool {name!r} (known: {', '.join(TOOLS)})") from None
-        out.append({"name": tool.name, "description": tool.description, "parameters": copy.deepcopy(tool.parameters)})
+            raise KeyError(f"unknown tool {name!r} (known: {', '.join(SPECS)})") from None
+        out.append({"name": spec.name, "description": spec.description, "parameters": copy.deepcopy(spec.parameters),
+                    "risk": spec.risk, "slow": spec.slow})
     return out

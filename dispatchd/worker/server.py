@@ -42,10 +42,11 @@ from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.daemon.exits import EXIT_IDLE
 from dispatchd.policy import MUTATING_TOOLS
+from dispatchd.tempfiles import sweep_temp_files
+from dispatchd.tools import atomic
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
-from dispatchd.tools.spec import TOOLS
-from dispatchd.worker.sweep import sweep_temp_files
+from dispatchd.tools.table import TOOLS
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 MAX_CHANNELS = 256  # client channels of one session at once, at most (see max_channels)
@@ -207,9 +208,10 @@ class _Server:
         self.activity = _Activity()
         self.control = control
         self.write_lock = _WriteLock(control)
-        # The worktree is ours to write now: remove what killed writes left (sweep.py).
+        # The worktree is ours to write now: remove what killed writes left
+        # (tempfiles.py), but not the files of our own writes already started.
         self.write_lock.on_granted = lambda: threading.Thread(
-            target=sweep_temp_files, args=(plan.paths.worktree,), daemon=True, name="sweep").start()
+            target=sweep_temp_files, args=(plan.paths.worktree, atomic.in_flight), daemon=True, name="sweep").start()
         self.draining = False
         self.records: list[protocol.CallRecord] = []
         self.records_lock = threading.Lock()
@@ -255,7 +257,7 @@ class _Server:
                                                  metadata={"write_locked": True}))
                 return
         self.activity.begin()
-        if tool.slow:
+        if tool.spec.slow:
             rid = req.id
             emit = (lambda stream, text: channel.output(rid, stream, text)) if req.stream else None
             control = CallControl(emit)

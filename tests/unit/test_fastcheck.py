@@ -21,7 +21,7 @@ import pytest
 from dispatch import Definition, Result
 from dispatch.tools import ValidationError
 from dispatch._fastcheck import fast_check_for
-from dispatchd.tools.spec import TOOLS
+from dispatchd.tools.spec import SPECS
 
 _VALUES: list[Any] = [
     None, True, False, 0, 1, -1, -2, 2, 1.0, 1.5, -1.0, 0.0, 10**30, float("inf"),
@@ -60,10 +60,10 @@ def _agrees(schema: dict[str, Any]) -> int:
     return yes
 
 
-@pytest.mark.parametrize("name", sorted(TOOLS))
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_every_tool_schema_agrees_with_jsonschema(name: str) -> None:
     # and the fast path is really used: valid calls are accepted by it
-    assert _agrees(TOOLS[name].parameters) > 0
+    assert _agrees(SPECS[name].parameters) > 0
 
 
 @pytest.mark.parametrize("schema", [
@@ -106,7 +106,7 @@ def test_defaults_are_not_filled_in() -> None:
 
 
 def test_a_refusal_still_carries_jsonschemas_message() -> None:
-    tool = Definition("read_file", "d", TOOLS["read_file"].parameters, lambda a, c: Result.success("ok"))
+    tool = Definition("read_file", "d", SPECS["read_file"].parameters, lambda a, c: Result.success("ok"))
     result = tool.call({"path": "a", "start_line": True})
     assert result.is_failure
     assert result.error == "read_file: invalid arguments: $.start_line: True is not of type 'integer'"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from dispatchd.confine.ucounts import budget_gaps, plan_ucounts
 from dispatchd.daemon import exits, leftovers, lifetimes, watchdog
-from dispatchd.tools.atomic import TEMP_NAME, atomic_write
-from dispatchd.worker.sweep import sweep_temp_files
+from dispatchd.tools.atomic import TEMP_NAME, atomic_write, in_flight
+from dispatchd.tempfiles import sweep_temp_files
 
 
 def test_an_unheld_session_gets_a_deadline_and_a_held_or_detached_one_none() -> None:
@@ -127,7 +127,7 @@ def test_the_sweep_skips_a_write_in_flight(tmp_path: Path) -> None:
     real_write = os.write
 
     def write_and_sweep(fd: int, data: bytes) -> int:
-        seen.append(sweep_temp_files(str(tmp_path)))
+        seen.append(sweep_temp_files(str(tmp_path), in_flight))
         return real_write(fd, data)
 
     os.write = write_and_sweep  # type: ignore[assignment]

@@ -19,7 +19,7 @@ from dispatchd.tools import jobs as jobs_mod
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
-from dispatchd.tools.spec import TOOLS
+from dispatchd.tools.table import TOOLS
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from dispatchd.tools.base import ToolFailure
-from dispatchd.tools.paths import _inside, printable, relative, resolve
+from dispatchd.inside import is_within
+from dispatchd.tools.paths import printable, relative, resolve
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def within_worktree(root: str, path: str) -> bool:
     if not path or "\x00" in path:
         return False
     try:
-        return _inside(root, os.path.realpath(os.path.join(root, path)))
+        return is_within(os.path.realpath(os.path.join(root, path)), root)
     except (OSError, ValueError):
         return False
 

@@ -14,7 +14,7 @@ import pytest
 
 from dispatchd.policy import Limits
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
-from dispatchd.tools.spec import TOOLS
+from dispatchd.tools.table import TOOLS
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The tool registry: every hand-written JSON Schema agrees with its msgspec struct.
+"""The tool specs: every hand-written JSON Schema agrees with its msgspec struct.
 
 These tests fail when a field is added, renamed, made optional or given a new
 default on one side and not the other.
@@ -6,6 +6,8 @@ default on one side and not the other.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 import typing
 from typing import Any
@@ -14,10 +16,11 @@ import jsonschema
 import msgspec
 import pytest
 
-from dispatchd.policy import ALL_TOOLS, Limits
+from dispatchd.policy import ALL_TOOLS, MUTATING_TOOLS, Limits
 from dispatchd.tools.base import ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
-from dispatchd.tools.spec import TOOLS, schemas_for
+from dispatchd.tools.spec import SPECS, schemas_for
+from dispatchd.tools.table import TOOLS
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array"}
 
@@ -53,38 +56,56 @@ def _check_against_struct(schema: dict[str, Any], struct: type[msgspec.Struct], 
 
 
 def test_every_policy_tool_is_registered() -> None:
-    assert list(TOOLS) == list(ALL_TOOLS)
-    assert all(name == tool.name for name, tool in TOOLS.items())
+    assert list(SPECS) == list(TOOLS) == list(ALL_TOOLS)
+    assert all(name == spec.name for name, spec in SPECS.items())
+    assert all(tool.spec is SPECS[name] for name, tool in TOOLS.items())
+
+
+def test_risks_and_slow_tools() -> None:
+    # The client reads both from the schemas the daemon sends (approval, MCP
+    # hints, which calls Session.cancel tracks): a change here changes those.
+    assert {name: spec.risk for name, spec in SPECS.items()} == {
+        "read_file": "read", "write_file": "write", "edit_file": "write", "create_file": "write",
+        "list_files": "read", "search_files": "read", "shell_exec": "execute", "job_output": "read",
+        "job_stop": "execute", "job_list": "read"}
+    assert {name for name, spec in SPECS.items() if spec.slow} == {
+        "search_files", "shell_exec", "job_output", "job_stop"}
+    # Derived in the policy: what a read-only worktree refuses and what takes the write lock.
+    assert MUTATING_TOOLS == {"write_file", "edit_file", "create_file", "shell_exec"}
+
+
+def test_the_daemon_imports_no_tool_code() -> None:
+    # The daemon reads spec.py; it must not bring the implementations (or any worker code) along.
+    code = ("import sys, dispatchd.daemon.server, dispatchd.daemon.sessions, dispatchd.policy, dispatchd.protocol; "
+            "print(sorted(m for m in sys.modules if m.startswith(('dispatchd.tools.', 'dispatchd.worker'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['dispatchd.tools.spec']"
 
 
 @pytest.mark.parametrize("name", ALL_TOOLS)
 def test_schema_agrees_with_the_parameter_struct(name: str) -> None:
-    tool = TOOLS[name]
-    _check_against_struct(tool.parameters, tool.params_type, name)
+    spec = SPECS[name]
+    _check_against_struct(spec.parameters, spec.params_type, name)
 
 
 @pytest.mark.parametrize("name", ALL_TOOLS)
 def test_schema_is_a_valid_json_schema(name: str) -> None:
-    jsonschema.Draft202012Validator.check_schema(TOOLS[name].parameters)
+    jsonschema.Draft202012Validator.check_schema(SPECS[name].parameters)
 
 
 @pytest.mark.parametrize("name", ALL_TOOLS)
 def test_structs_are_frozen_and_strict(name: str) -> None:
-    config = TOOLS[name].params_type.__struct_config__
+    config = SPECS[name].params_type.__struct_config__
     assert config.frozen and config.forbid_unknown_fields
 
 
 def test_descriptions_are_written() -> None:
-    for tool in TOOLS.values():
-        assert len(tool.description) > 80, tool.name
-
-
-def test_slow_tools() -> None:
-    assert {n for n, t in TOOLS.items() if t.slow} == {"shell_exec", "search_files", "job_output", "job_stop"}
+    for spec in SPECS.values():
+        assert len(spec.description) > 80, spec.name
 
 
 def test_contract_field_names() -> None:
-    names = {n: [f.name for f in msgspec.structs.fields(t.params_type)] for n, t in TOOLS.items()}
+    names = {n: [f.name for f in msgspec.structs.fields(t.params_type)] for n, t in SPECS.items()}
     assert names == {
         "read_file": ["path", "start_line", "end_line"],
         "write_file": ["path", "content"],
@@ -115,17 +136,17 @@ _EXAMPLES = {
 
 @pytest.mark.parametrize("name", ALL_TOOLS)
 def test_full_example_passes_both_the_schema_and_the_struct(name: str) -> None:
-    jsonschema.validate(_EXAMPLES[name], TOOLS[name].parameters)
-    msgspec.convert(_EXAMPLES[name], TOOLS[name].params_type)
+    jsonschema.validate(_EXAMPLES[name], SPECS[name].parameters)
+    msgspec.convert(_EXAMPLES[name], SPECS[name].params_type)
 
 
 @pytest.mark.parametrize("name", ALL_TOOLS)
 def test_unknown_field_is_refused_by_both(name: str) -> None:
     params = {**_EXAMPLES[name], "bogus": 1}
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(params, TOOLS[name].parameters)
+        jsonschema.validate(params, SPECS[name].parameters)
     with pytest.raises(msgspec.ValidationError):
-        msgspec.convert(params, TOOLS[name].params_type)
+        msgspec.convert(params, SPECS[name].params_type)
 
 
 def test_examples_run_end_to_end(tmp_path) -> None:
@@ -153,14 +174,15 @@ def test_wrong_type_is_an_invalid_argument() -> None:
 def test_schemas_for_keeps_the_order_and_shape() -> None:
     out = schemas_for(["shell_exec", "read_file"])
     assert [s["name"] for s in out] == ["shell_exec", "read_file"]
-    assert all(set(s) == {"name", "description", "parameters"} for s in out)
-    assert out[1]["parameters"] == TOOLS["read_file"].parameters
+    assert all(set(s) == {"name", "description", "parameters", "risk", "slow"} for s in out)
+    assert out[1]["parameters"] == SPECS["read_file"].parameters
+    assert (out[0]["risk"], out[0]["slow"], out[1]["risk"], out[1]["slow"]) == ("execute", True, "read", False)
     assert schemas_for([]) == []
 
 
 def test_schemas_for_hands_out_copies() -> None:
     schemas_for(["read_file"])[0]["parameters"]["properties"].clear()
-    assert TOOLS["read_file"].parameters["properties"]
+    assert SPECS["read_file"].parameters["properties"]
 
 
 def test_schemas_for_unknown_tool() -> None:

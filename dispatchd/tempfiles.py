@@ -1,0 +1,82 @@
+"""The temporary files of atomic writes: their one name pattern, and the sweep
+that removes the ones writes cut short left behind (daemon and worker side).
+
+``tools/atomic.py`` writes ``.NAME.dispatchd-XXXXXXXX.tmp`` (``temp_name``)
+beside its target and renames it over the target. A tool server killed
+between the two leaves the temporary file (up to the file size cap) in the
+worktree, where ``git status`` and ``list_files`` show it. The next session
+that writes the worktree removes such files when it is granted the
+worktree's write lock, and the daemon does once a writer's processes are
+gone: only one session writes a worktree at a time, so no other session's
+write is in flight, and the caller's own writes in flight are skipped (their
+names are registered before the files exist, ``in_flight``).
+
+Guarantees:
+- only names matching ``TEMP_NAME`` exactly, and only regular files:
+  never a user's file of another name, never a directory or a symlink's target;
+- the walk is by descriptor (``os.fwalk``) and follows no symlink, and every
+  unlink is relative to the directory descriptor it was found in: swapping a
+  directory for a symlink mid-walk sends nothing outside the worktree;
+- ``.git`` directories are not walked (tools do not write there), nor other
+  file systems mounted inside the worktree;
+- it never fails its caller; in the tool server it runs in the background,
+  confined like everything there (Landlock holds it to the worktree).
+
+No tool code is imported: the daemon uses this module too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable
+
+__all__ = ["TEMP_NAME", "sweep_temp_files", "temp_name"]
+
+# Exactly the names temp_name makes.
+TEMP_NAME = re.compile(rb"^\..{1,800}\.dispatchd-[0-9a-f]{8}\.tmp$", re.DOTALL)
+
+
+def temp_name(stem: str) -> str:
+    """A fresh temporary name for a file named ``stem`` (random: retry on EEXIST)."""
+    return f".{stem}.dispatchd-{secrets.token_hex(4)}.tmp"
+
+
+def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = frozenset) -> list[str]:
+    """Remove leftover temporary files under ``root``; returns their paths.
+
+    ``in_flight()`` names the temporary files the caller is writing now
+    (asked again for each candidate: a write may start during the sweep)."""
+    removed: list[str] = []
+    try:
+        root_dev = os.stat(root, follow_symlinks=False).st_dev
+    except OSError:
+        return removed
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(os.fsencode(root), follow_symlinks=False):
+        keep = []
+        for d in dirnames:
+            if d == b".git":
+                continue
+            try:
+                if os.stat(d, dir_fd=dirfd, follow_symlinks=False).st_dev != root_dev:
+                    continue
+            except OSError:
+                continue
+            keep.append(d)
+        dirnames[:] = keep
+        for name in filenames:
+            if not TEMP_NAME.match(name):
+                continue
+            try:
+                if name in in_flight():
+                    continue
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                os.unlink(name, dir_fd=dirfd)
+                removed.append(os.fsdecode(os.path.join(dirpath, name)))
+            except OSError:
+                continue
+    return removed

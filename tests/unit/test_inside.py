@@ -1,0 +1,30 @@
+"""The one "is this path inside that one" test (dispatchd.inside)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dispatchd.inside import is_below, is_within, overlap
+
+
+@pytest.mark.parametrize(("path", "top", "within", "below"), [
+    ("/a/b", "/a/b", True, False),
+    ("/a/b/c", "/a/b", True, True),
+    ("/a/b/c", "/a/b/", True, True),  # a trailing "/" on the top changes nothing
+    ("/a/bc", "/a/b", False, False),  # the prefix trap: a component is never matched in part
+    ("/a/b.d", "/a/b", False, False),
+    ("/a", "/a/b", False, False),
+    ("/", "/", True, False),
+    ("/x", "/", True, True),  # the root's prefix is "/", not "//"
+    ("/a/b/", "/a/b", True, True),  # lexical: the path is not normalised
+    (".git/modules/x", ".git/modules", True, True),  # relative paths compare the same way
+    (".git/modulesx", ".git/modules", False, False),
+])
+def test_within_and_below(path: str, top: str, within: bool, below: bool) -> None:
+    assert is_within(path, top) is within
+    assert is_below(path, top) is below
+
+
+def test_overlap_is_either_way() -> None:
+    assert overlap("/a/b", "/a/b/c") and overlap("/a/b/c", "/a/b") and overlap("/a", "/a")
+    assert not overlap("/a/b", "/a/bc") and not overlap("/a/bc", "/a/b")
