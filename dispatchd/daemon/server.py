@@ -223,22 +223,15 @@ class Server:
             greeted = False
             while True:
                 try:
-                    payload = frames.recv_payload()
+                    req = frames.recv_request(protocol.daemon_request_decoder, frames.send)
                 except protocol.FrameTooLarge as exc:
                     # Answered, then closed: the rest of that frame is never read.
                     log.debug("event=connection_dropped reason=%s", exc)
                     frames.send(protocol.ErrorReply(id=0, code="frame_too_large", message=(
                         f"{exc}{'' if greeted else ' before hello'}: the connection is closed")))
                     return
-                if payload is None:
+                if req is None:
                     return
-                try:
-                    req = protocol.decode(protocol.daemon_request_decoder, payload)
-                except protocol.ProtocolError as exc:
-                    frames.send(protocol.ErrorReply(id=protocol.request_id_of(payload), code="bad_request", message=str(exc)))
-                    continue
-                finally:
-                    del payload  # a refused frame is not kept while we wait for the next
                 if not greeted:
                     if not isinstance(req, protocol.Hello) or req.version != protocol.PROTOCOL_VERSION:
                         got = f"version {req.version}" if isinstance(req, protocol.Hello) else type(req).__name__
@@ -297,7 +290,7 @@ class Server:
                                                                              req.domains).info())
         if isinstance(req, protocol.Status):
             return protocol.StatusReply(id=req.id, daemon_version=__version__, pid=os.getpid(), socket=self.socket_path,
-                                        kernel=self.kernel.to_dict(), sessions=[s.info() for s in m.sessions()],
+                                        kernel=self.kernel, sessions=[s.info() for s in m.sessions()],
                                         daemon={**self.budget, "connections": self.connections,
                                                 "max_connections": self.max_connections})
         if isinstance(req, protocol.ListTools):
