@@ -111,7 +111,7 @@ def describe_root(plan: MountPlan, labels: dict[str, str]) -> list[RootEntry]:
             label = "private: the session's scratch tmp"
         elif b.source == WORKTREE_FD:
             label = "the worktree, bound from the descriptor the daemon checked"
-        rows.append(RootEntry(path=b.path, how=how[b.how] + (f" ({label})" if label else ""))
+        rows.append(RootEntry(path=b.path, how=how[b.how] + (f" ({label})" if label else "")))
     if plan.root == "minimal":
         rows.append(RootEntry(path="/dev", how="fresh, read-only: " + ", ".join(plan.devices)
                      + "; fd, stdin, stdout, stderr links"))

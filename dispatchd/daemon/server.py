@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from dispatchd import __version__, protocol
+from dispatchd.daemon.capacity import OpenFiles
 from dispatchd.daemon.sessions import SessionManager
 from dispatchd.errors import DispatchdError
 from dispatchd.kernel import KernelFeatures
@@ -67,7 +68,7 @@ class Server:
         load_policy: Any,
         *,
         max_connections: int = 4096,
-        budget: dict[str, Any] | None = None,
+        open_files: OpenFiles | None = None,
     ) -> None:
         self.listener = listener
         self.manager = manager
@@ -79,7 +80,7 @@ class Server:
         self.uid = os.getuid()
         self._conn_ids = itertools.count(1)  # which connection holds which session (lifetimes.py)
         self.max_connections = max_connections
-        self.budget = budget or {}  # what status says of our descriptors (capacity.OpenFiles)
+        self.open_files = open_files or OpenFiles(before=0, limit=0, hard=0, note="not raised")  # status says it
         self._count_lock = threading.Lock()
         self.connections = 0
         # The wake-up pipe: stop() writes a byte, so the accept loop sleeps in
@@ -291,8 +292,9 @@ class Server:
         if isinstance(req, protocol.Status):
             return protocol.StatusReply(id=req.id, daemon_version=__version__, pid=os.getpid(), socket=self.socket_path,
                                         kernel=self.kernel, sessions=[s.info() for s in m.sessions()],
-                                        daemon={**self.budget, "connections": self.connections,
-                                                "max_connections": self.max_connections})
+                                        daemon=protocol.DaemonReport(
+                                            open_files=self.open_files.limit, open_files_note=self.open_files.note,
+                                            connections=self.connections, max_connections=self.max_connections))
         if isinstance(req, protocol.ListTools):
             policy = self.load_policy(req.policy)
             return protocol.ToolsReply(id=req.id, tools=[protocol.ToolSchema(**s) for s in schemas_for(policy.tools)])

@@ -97,6 +97,7 @@ from dispatchd.protocol.messages import (
     daemon_request_decoder,
 )
 from dispatchd.protocol.reports import (
+    DaemonReport,
     GitReport,
     KernelFeatures,
     LandlockReport,
@@ -121,7 +122,7 @@ __all__ = [
     "ToolsReply", "_Msg", "channel_reply_decoder", "channel_request_decoder", "daemon_reply_decoder",
     "daemon_request_decoder",
     # reports
-    "GitReport", "KernelFeatures", "LandlockReport", "LifetimeReport", "LimitsReport", "MemoryHold",
+    "DaemonReport", "GitReport", "KernelFeatures", "LandlockReport", "LifetimeReport", "LimitsReport", "MemoryHold",
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",

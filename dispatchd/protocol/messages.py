@@ -19,7 +19,7 @@ from typing import Any, Union
 
 import msgspec
 
-from dispatchd.protocol.reports import KernelFeatures, Protections
+from dispatchd.protocol.reports import DaemonReport, KernelFeatures, Protections
 
 PROTOCOL_VERSION = 1  # sent in Hello; the daemon refuses any other
 
@@ -155,7 +155,7 @@ class StatusReply(_Msg, tag="status_reply", frozen=True):
     socket: str
     kernel: KernelFeatures
     sessions: list[SessionInfo]
-    daemon: dict[str, Any] = {}  # its own budgets: descriptors, connections (daemon/capacity.py)
+    daemon: DaemonReport | None = None  # its own budgets: descriptors, connections (daemon/capacity.py)
 
 
 class Attached(_Msg, tag="attached", frozen=True):

@@ -38,6 +38,15 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     nftables_missing: str = "not looked for"
 
 
+class DaemonReport(msgspec.Struct, frozen=True):
+    """The daemon's own budgets (``daemon/capacity.py``)."""
+
+    open_files: int  # its descriptor limit (RLIMIT_NOFILE) in force
+    open_files_note: str  # raised, already there, or why not
+    connections: int  # client connections served now
+    max_connections: int  # ... and at most
+
+
 class LandlockReport(msgspec.Struct, frozen=True):
     abi: int
     filesystem: str  # "enforced"
