@@ -109,8 +109,8 @@ def test_1100_idle_connections_and_status_still_answers(tmp_path: Path) -> None:
     it before: EMFILE left serve_forever) it still answers."""
     with started(tmp_path, nofile="1024:4096") as d:
         st = status_of(d)
-        assert st.daemon["open_files"] == 4096
-        assert st.daemon["open_files_note"] == "4096 descriptors (raised from 1024)"
+        assert st.daemon.open_files == 4096
+        assert st.daemon.open_files_note == "4096 descriptors (raised from 1024)"
         assert "event=open_files limit=4096 hard=4096" in d.log()
         before = rss_kib(d.proc.pid)
         socks = [connect_raw(d) for _ in range(1100)]
@@ -131,9 +131,9 @@ def test_the_daemon_says_when_it_cannot_raise_its_descriptors(tmp_path: Path) ->
     and the connection cap follows from what it has."""
     with started(tmp_path, nofile="256:256") as d:
         st = status_of(d)
-        assert st.daemon["open_files"] == 256
-        assert st.daemon["open_files_note"] == "256 descriptors (already the hard limit)"
-        assert st.daemon["max_connections"] == (256 - 64) // 2
+        assert st.daemon.open_files == 256
+        assert st.daemon.open_files_note == "256 descriptors (already the hard limit)"
+        assert st.daemon.max_connections == (256 - 64) // 2
 
 
 def test_out_of_descriptors_accept_backs_off_and_answers_busy(tmp_path: Path) -> None:
