@@ -19,7 +19,7 @@ import os
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 
