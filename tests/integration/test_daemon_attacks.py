@@ -117,7 +117,7 @@ def test_1100_idle_connections_and_status_still_answers(tmp_path: Path) -> None:
         try:
             latency = status_latency(d)
             assert latency < 5
-            assert status_of(d).daemon["connections"] >= 1100
+            assert status_of(d).daemon.connections >= 1100
             record("1,100 idle connections", d, before, latency)
         finally:
             for s in socks:
