@@ -87,7 +87,7 @@ body = "x" * 4096
 def serve(conn):
     frames = protocol.FrameSocket(conn)
     while True:
-        req = frames.recv(protocol.worker_decoder)
+        req = frames.recv(protocol.channel_request_decoder)
         if req is None:
             break
         frames.send(protocol.ToolReply(id=req.id, success=True, output=body, metadata={"path": "f"}))
@@ -128,7 +128,7 @@ class BareClient:
     def call(self) -> None:
         self.n += 1
         self.frames.send(protocol.CallTool(id=self.n, tool="read_file", params={"path": "f"}))
-        self.frames.recv(protocol.worker_decoder)
+        self.frames.recv(protocol.channel_reply_decoder)
 
     def close(self) -> None:
         self.frames.close()

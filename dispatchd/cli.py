@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     max_connections = capacity.connection_cap(open_files.limit, args.max_connections)
     server = Server(listener, manager, features, socket_path, policy_loader, max_connections=max_connections,
-                    budget={"open_files": open_files.limit, "open_files_note": open_files.note})
+                    open_files=open_files)
     log.info("event=connections max=%s", max_connections)
 
     def stop(signum: int, _frame: object) -> None:

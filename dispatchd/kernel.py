@@ -9,33 +9,12 @@ from __future__ import annotations
 
 import os
 
-import msgspec
-
 from dispatchd.confine.landlock import landlock_abi
 from dispatchd.confine.namespaces import probe_user_namespaces
 from dispatchd.confine.netstack import probe_nft, probe_stack
+from dispatchd.protocol.reports import KernelFeatures
 
-
-class KernelFeatures(msgspec.Struct, frozen=True):
-    release: str
-    landlock_abi: int  # 0: Landlock absent or disabled
-    user_namespaces: bool
-    user_namespaces_note: str
-    seccomp: bool
-    seccomp_actions: list[str]
-    cgroup2: str  # where cgroup v2 is mounted, "" if nowhere
-    # Whether sessions get cgroups of their own, and why not: filled in by the
-    # daemon once it has tried to take its cgroup (confine/cgroups.py).
-    cgroup_delegation: str = "not looked for"
-    # The user-mode stack sessions reach out through, and nftables for
-    # "ports": "" when usable, else why not (confine/netstack.py). Missing,
-    # "on" and "ports" fall back to the host's network, and say so.
-    network_stack_missing: str = "not looked for"
-    nftables_missing: str = "not looked for"
-
-    def to_dict(self) -> dict[str, object]:
-        d: dict[str, object] = msgspec.to_builtins(self)
-        return d
+__all__ = ["KernelFeatures", "probe"]  # the struct is defined with the other reports
 
 
 def _seccomp_actions() -> list[str]:

@@ -14,10 +14,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-from dispatchd import paths
+from dispatchd import paths, protocol
 
 
 def size(n: Any) -> str:
@@ -98,71 +98,71 @@ def _missing(why: str) -> str:
     return "yes" if not why else f"no, on/ports use the host's network ({why})"
 
 
-def print_status(st: dict[str, Any], file: IO[str] | None = None) -> None:
+def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
     out = file or sys.stdout
-    k = st["kernel"]
+    k = st.kernel
 
     def say(line: str) -> None:
         print(line, file=out)
 
-    say(f"dispatchd {st['daemon_version']} (pid {st['pid']}) on {st['socket']}")
-    say(f"kernel {k['release']}: Landlock ABI {k['landlock_abi'] or 'absent'}; "
-        f"user namespaces: {'yes' if k['user_namespaces'] else 'no'} ({k['user_namespaces_note']}); "
-        f"seccomp: {'yes' if k['seccomp'] else 'no'}; cgroup v2: {k['cgroup2'] or 'not mounted'} "
-        f"(per-session cgroups: {k.get('cgroup_delegation', '?')}); "
-        f"network stack (pasta): {_missing(k.get('network_stack_missing', '?'))}; "
-        f"nftables for ports: {_missing(k.get('nftables_missing', '?'))}")
-    d = st.get("daemon") or {}
-    if d:
-        say(f"daemon: {d.get('open_files_note', '?')}; connections {d.get('connections')} "
-            f"of at most {d.get('max_connections')}")
-    sessions = st["sessions"]
-    say(f"{len(sessions)} session(s)")
-    if not sessions:
+    say(f"dispatchd {st.daemon_version} (pid {st.pid}) on {st.socket}")
+    say(f"kernel {k.release}: Landlock ABI {k.landlock_abi or 'absent'}; "
+        f"user namespaces: {'yes' if k.user_namespaces else 'no'} ({k.user_namespaces_note}); "
+        f"seccomp: {'yes' if k.seccomp else 'no'}; cgroup v2: {k.cgroup2 or 'not mounted'} "
+        f"(per-session cgroups: {k.cgroup_delegation}); "
+        f"network stack (pasta): {_missing(k.network_stack_missing)}; "
+        f"nftables for ports: {_missing(k.nftables_missing)}")
+    if st.daemon is not None:
+        d = st.daemon
+        say(f"daemon: {d.open_files_note}; connections {d.connections} of at most {d.max_connections}")
+    say(f"{len(st.sessions)} session(s)")
+    if not st.sessions:
         say("  a new session (policy default) would get: " + _would_get(k))
-    for s in sessions:
-        p = s["protections"]
-        ns = ", ".join(n for n, on in p.get("namespaces", {}).items() if on) or "none"
-        ll = p.get("landlock", {})
-        writes = "; holds the worktree's write lock" if s.get("writes") else ""
-        say(f"  {s['id']}  {s['worktree']}  policy={s['policy']}  mode={p.get('mode')}{writes}")
-        say(f"    landlock ABI {ll.get('abi')}: filesystem {ll.get('filesystem')}; scopes: "
-            f"{', '.join(ll.get('scopes', [])) or 'none'}; {_TCP.get(ll.get('tcp'), ll.get('tcp'))}")
-        say(f"    seccomp: {p.get('seccomp')}; namespaces: {ns}")
-        say(f"    network {p.get('network', {}).get('mode')}: {p.get('network', {}).get('mechanism')}")
-        if s.get("network") == "domains":
-            say(f"    domains: {', '.join(s.get('domains', [])) or 'none'}")
-        if s.get("denied"):
-            say("    denied: " + ", ".join(f"{d['host']}:{d['port']} ({d['count']})" for d in s["denied"]))
-        lim = p.get("limits", {})
-        if lim:
-            where = f" in {lim['cgroup']}" if lim.get("cgroup") else ""
-            say(f"    limits ({lim.get('mechanism')}{where}): processes {lim.get('max_processes')}; "
-                f"memory {_words(lim.get('memory'))}; cpu weight {lim.get('cpu_weight')}; "
-                f"file size {size(lim.get('max_file_bytes'))}")
-        life = p.get("lifetime", {})
-        if life:
-            held = ("detached: lives until closed or idle" if life.get("detached")
-                    else f"ends {life.get('orphan_grace_s')} s after its last client connection goes")
-            mem = life.get("memory", {})
-            say(f"    lifetime: {held}; memory {size(mem.get('limit_bytes'))} held by {mem.get('mechanism')} "
-                f"({_words(mem.get('detail'))})")
-        if p.get("unix_sockets"):
-            say(f"    unix sockets: {p['unix_sockets']}")
-        for entry in p.get("root", []):
-            say(f"    visible: {entry['path']}: {entry['how']}")
-        for gap in lim.get("leaves_open", []):
-            say(f"    budget left open: {gap}")
-        for gap in p.get("leaves_open", []):
-            say(f"    leaves open: {gap}")
+    for s in st.sessions:
+        _print_session(s, say)
 
 
-def _would_get(k: Mapping[str, Any]) -> str:
-    parts = [f"filesystem confined by Landlock (ABI {k['landlock_abi']})" if k.get("landlock_abi")
+def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:
+    p = s.protections
+    ll = p.landlock
+    writes = "; holds the worktree's write lock" if s.writes else ""
+    say(f"  {s.id}  {s.worktree}  policy={s.policy}  mode={p.mode}{writes}")
+    say(f"    landlock ABI {ll.abi}: filesystem {ll.filesystem}; scopes: "
+        f"{', '.join(ll.scopes) or 'none'}; {_TCP.get(ll.tcp, ll.tcp)}")
+    say(f"    seccomp: {p.seccomp}; namespaces: {', '.join(p.namespaces.held()) or 'none'}")
+    say(f"    network {p.network.mode}: {p.network.mechanism}")
+    if s.network == "domains":
+        say(f"    domains: {', '.join(s.domains) or 'none'}")
+    if s.denied:
+        say("    denied: " + ", ".join(f"{d.host}:{d.port} ({d.count})" for d in s.denied))
+    lim = p.limits
+    where = f" in {lim.cgroup}" if lim.cgroup else ""
+    say(f"    limits ({lim.mechanism}{where}): processes {lim.max_processes}; "
+        f"memory {_words(lim.memory)}; cpu weight {lim.cpu_weight}; "
+        f"file size {size(lim.max_file_bytes)}")
+    life = p.lifetime
+    if life is not None:
+        held = ("detached: lives until closed or idle" if life.detached
+                else f"ends {life.orphan_grace_s} s after its last client connection goes")
+        mem = life.memory
+        say(f"    lifetime: {held}; memory {size(mem.limit_bytes)} held by {mem.mechanism} "
+            f"({_words(mem.detail)})")
+    if p.unix_sockets:
+        say(f"    unix sockets: {p.unix_sockets}")
+    for entry in p.root:
+        say(f"    visible: {entry.path}: {entry.how}")
+    for gap in lim.leaves_open:
+        say(f"    budget left open: {gap}")
+    for gap in p.leaves_open:
+        say(f"    leaves open: {gap}")
+
+
+def _would_get(k: protocol.KernelFeatures) -> str:
+    parts = [f"filesystem confined by Landlock (ABI {k.landlock_abi})" if k.landlock_abi
              else "nothing: this kernel has no Landlock, sessions are refused"]
-    if k.get("landlock_abi"):
-        parts.append("a seccomp filter" if k.get("seccomp") else "no seccomp (refused)")
-        parts.append("user, mount, pid and network namespaces" if k.get("user_namespaces")
+    if k.landlock_abi:
+        parts.append("a seccomp filter" if k.seccomp else "no seccomp (refused)")
+        parts.append("user, mount, pid and network namespaces" if k.user_namespaces
                      else "no namespaces (Landlock and seccomp alone; see leaves open once opened)")
         parts.append("network off unless asked")
     return "; ".join(parts)

@@ -28,7 +28,7 @@ from dispatch import _cli_text
 from dispatch.client import Cancellation, Client, Session, connect
 from dispatch.errors import DispatchError
 from dispatch.tools import Registry
-from dispatchd import __version__
+from dispatchd import __version__, protocol
 from dispatchd.netmodes import NETWORK_MODES
 
 EXIT_ERROR = 2
@@ -199,14 +199,14 @@ def _closed_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _print_sessions(sessions: list[dict[str, Any]]) -> None:
+def _print_sessions(sessions: list[protocol.SessionInfo]) -> None:
     if not sessions:
         print("no sessions")
     for s in sessions:
-        prot = s.get("protections", {})
-        writes = "  writes" if s.get("writes") else ""  # holds the worktree's write lock
-        print(f"{s['id']}  network={s['network']} ({prot.get('network', {}).get('mechanism', '?')})  "
-              f"policy={s['policy']}  mode={prot.get('mode', '?')}{writes}  {s['worktree']}")
+        prot = s.protections
+        writes = "  writes" if s.writes else ""  # holds the worktree's write lock
+        print(f"{s.id}  network={s.network} ({prot.network.mechanism})  "
+              f"policy={s.policy}  mode={prot.mode}{writes}  {s.worktree}")
 
 
 class _Stopped(BaseException):
@@ -367,8 +367,10 @@ def _run(args: argparse.Namespace) -> int:
             elif args.action == "release":
                 client.release_write_lock(args.id)
             else:
-                sessions = client.list_sessions()
-                print(json.dumps(sessions, indent=2)) if args.json else _print_sessions(sessions)
+                if args.json:
+                    print(json.dumps(client.list_sessions(), indent=2))
+                else:
+                    _print_sessions(client.session_infos())
             return 0
         if args.command == "network":
             _warn_about_ports(args)
@@ -409,8 +411,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "mcp":
             return _mcp(client, args)
         if args.command == "status":
-            st = client.status()
-            print(json.dumps(st, indent=2)) if args.json else _cli_text.print_status(st)
+            if args.json:
+                print(json.dumps(client.status(), indent=2))
+            else:
+                _cli_text.print_status(client.status_reply())
             return 0
         if args.command == "daemon":
             return _cli_text.stop_daemon(client)

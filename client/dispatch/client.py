@@ -427,7 +427,7 @@ class Session:
         assert isinstance(reply, protocol.Attached) and fd is not None
         self._info, self._tools = reply.session, reply.tools
         self._schemas = {t.name: t for t in reply.tools}
-        old, self._channel = self._channel, _Connection(socket.socket(fileno=fd), protocol.worker_decoder)
+        old, self._channel = self._channel, _Connection(socket.socket(fileno=fd), protocol.channel_reply_decoder)
         if old is not None:
             old.close()
 
@@ -611,7 +611,7 @@ class Session:
 
     def status(self) -> dict[str, Any]:
         """The session as the daemon sees it, with the protections in force."""
-        for info in self._client._sessions():
+        for info in self._client.session_infos():
             if info.id == self.id:
                 self._info = info
                 return _status_dict(info)
@@ -716,7 +716,7 @@ class Client:
 
     def session(self, session_id: str) -> Session:
         """Attach to a session opened elsewhere (closing it here does not end it)."""
-        for info in self._sessions():
+        for info in self.session_infos():
             if info.id == session_id:
                 return Session(self, info, owned=False)
         raise RequestFailed("unknown_session", f"no such session: {session_id!r}")
@@ -737,18 +737,26 @@ class Client:
             domains=listed))
         return _to_dict(reply.session)
 
-    def _sessions(self) -> list[protocol.SessionInfo]:
+    def session_infos(self) -> list[protocol.SessionInfo]:
+        """``list_sessions()`` typed: each session as the protocol carries it,
+        its ``protections`` a ``dispatchd.protocol.Protections``."""
         reply, _ = self._daemon_request(lambda rid: protocol.ListSessions(id=rid))
         return list(reply.sessions)
 
     def list_sessions(self) -> list[dict[str, Any]]:
-        return [_to_dict(s) for s in self._sessions()]
+        return [_to_dict(s) for s in self.session_infos()]
+
+    def status_reply(self) -> protocol.StatusReply:
+        """``status()`` typed: the daemon's reply as the protocol carries it
+        (``kernel`` a ``KernelFeatures``, each session's ``protections`` a
+        ``Protections``, from ``dispatchd.protocol``)."""
+        reply, _ = self._daemon_request(lambda rid: protocol.Status(id=rid))
+        return cast(protocol.StatusReply, reply)
 
     def status(self) -> dict[str, Any]:
         """The daemon's version, pid, socket, kernel features and sessions
         (without the protocol's own fields, ``op`` and ``id``)."""
-        reply, _ = self._daemon_request(lambda rid: protocol.Status(id=rid))
-        status: dict[str, Any] = msgspec.to_builtins(reply)
+        status: dict[str, Any] = msgspec.to_builtins(self.status_reply())
         status.pop("op", None)
         status.pop("id", None)
         return status

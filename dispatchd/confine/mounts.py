@@ -44,6 +44,7 @@ import msgspec
 from dispatchd.confine import _sys
 from dispatchd.errors import ConfinementError
 from dispatchd.inside import is_within
+from dispatchd.protocol.reports import RootEntry
 
 WORKTREE_FD = "@worktree"  # a bind's source: the daemon's descriptor of the worktree
 WORKTREE_STEP = "mounts: worktree"  # the step that refuses a worktree swapped since the daemon's check
@@ -95,25 +96,25 @@ def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw:
     return MountPlan(root=root, binds=ordered, devices=list(devices or []), hide=hidden if root == "host" else [])
 
 
-def describe_root(plan: MountPlan, labels: dict[str, str]) -> list[dict[str, str]]:
+def describe_root(plan: MountPlan, labels: dict[str, str]) -> list[RootEntry]:
     """What ``status`` shows: every path visible in the session and how."""
     how = {"ro": "read-only", "rw": "read-write", "ro-over": "read-only (inside a writable path)"}
-    rows = []
+    rows: list[RootEntry] = []
     if plan.root == "host":
-        rows.append({"path": "/", "how": "the host's root, read-only; Landlock refuses what the rules do not grant"})
+        rows.append(RootEntry(path="/", how="the host's root, read-only; Landlock refuses what the rules do not grant"))
     for b in plan.binds:
         label = labels.get(b.path, "")
         if b.path == "/tmp":
             label = "private: the session's scratch tmp"
         elif b.source == WORKTREE_FD:
             label = "the worktree, bound from the descriptor the daemon checked"
-        rows.append({"path": b.path, "how": how[b.how] + (f" ({label})" if label else "")})
+        rows.append(RootEntry(path=b.path, how=how[b.how] + (f" ({label})" if label else "")))
     if plan.root == "minimal":
-        rows.append({"path": "/dev", "how": "fresh, read-only: " + ", ".join(plan.devices)
-                     + "; fd, stdin, stdout, stderr links"})
-    rows += [{"path": "/dev/shm", "how": "read-write (private tmpfs)"},
-             {"path": "/proc", "how": "fresh procfs of the session's pid namespace"}]
-    rows += [{"path": h, "how": "covered by an empty tmpfs"} for h in plan.hide]
+        rows.append(RootEntry(path="/dev", how="fresh, read-only: " + ", ".join(plan.devices)
+                     + "; fd, stdin, stdout, stderr links"))
+    rows += [RootEntry(path="/dev/shm", how="read-write (private tmpfs)"),
+             RootEntry(path="/proc", how="fresh procfs of the session's pid namespace")]
+    rows += [RootEntry(path=h, how="covered by an empty tmpfs") for h in plan.hide]
     return rows
 
 

@@ -28,6 +28,15 @@ from dispatchd.errors import ConfinementError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Limits, Policy
+from dispatchd.protocol.reports import (
+    GitReport,
+    LandlockReport,
+    LimitsReport,
+    NamespacesReport,
+    NetworkReport,
+    Protections,
+    RootEntry,
+)
 
 
 
@@ -88,7 +97,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     tools: list[str]
     writable: bool
     limits: Limits
-    protections: dict[str, object]
+    protections: Protections  # what status reports (with the worker's and the daemon's additions)
     net: NetworkPlan | None = None  # how the network mode is held (netstack.plan_network)
     # "domains": the port of the listener the worker makes on its own loopback
     # and hands to the daemon's proxy (dispatchd.confine.domains); 0: none.
@@ -273,32 +282,26 @@ def plan_session(
         gaps.append("switching the network off without user namespaces: a socket the session set up while on "
                     "outlives the switch (a sendfile queue in FIN-WAIT keeps sending page-cache pages the off "
                     "session rewrites afterwards); only a network namespace of its own closes that")
-    protections: dict[str, object] = {
-        "mode": mode,
-        "landlock": {
-            "abi": kernel.landlock_abi,
-            "filesystem": "enforced",
-            "scopes": [s for s, bit in (("abstract_unix_socket", 1), ("signal", 2)) if landlock.scoped & bit],
-            "tcp": "denied" if landlock.handled_net & (NET_BIND_TCP | NET_CONNECT_TCP) else "not handled",
-        },
-        "seccomp": "enforced",
-        "namespaces": {"user": namespaces.user, "mount": namespaces.mount, "pid": namespaces.pid, "net": namespaces.net},
-        "network": {"mode": network, "mechanism": net_mechanism,
-                    **({"stack": STACK} if net.stack else {}),
-                    **({"connect_ports": ports.connect, "bind_ports": ports.bind} if network == "ports" else {})},
-        "worktree": fs.worktree,
-        # Every path visible in the session, and how (full mode); the host's root otherwise.
-        "root": describe_root(mounts, labels) if mounts is not None else [
-            {"path": "/", "how": "the host's root (no mount namespace); Landlock refuses what the rules do not "
-                                 "grant: " + ", ".join(r.path for r in landlock.paths)}],
-        "unix_sockets": ("allowed: pathname sockets inside the session's own root, abstract names in its own "
-                         "network namespace" if unix_sockets else "refused (seccomp: socket(AF_UNIX) -> EPERM)"),
-        "git": {"kind": git.kind, "read_only": list(git.read_only) if use_userns else [],
-                "granted": list(git.writable), **({"note": git.note} if git.note else {})},
-        "hygiene": ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
-                    "dies with its parent", "not dumpable"] + (["no capabilities"] if use_userns else []),
-        "leaves_open": gaps,
-    }
+    landlock_report = LandlockReport(
+        abi=kernel.landlock_abi,
+        filesystem="enforced",
+        scopes=[s for s, bit in (("abstract_unix_socket", 1), ("signal", 2)) if landlock.scoped & bit],
+        tcp="denied" if landlock.handled_net & (NET_BIND_TCP | NET_CONNECT_TCP) else "not handled",
+    )
+    network_report = NetworkReport(
+        mode=network, mechanism=net_mechanism, stack=STACK if net.stack else "",
+        connect_ports=ports.connect if network == "ports" else None,
+        bind_ports=ports.bind if network == "ports" else None)
+    # Every path visible in the session, and how (full mode); the host's root otherwise.
+    root = describe_root(mounts, labels) if mounts is not None else [
+        RootEntry(path="/", how="the host's root (no mount namespace); Landlock refuses what the rules do not "
+                                "grant: " + ", ".join(r.path for r in landlock.paths))]
+    unix_report = ("allowed: pathname sockets inside the session's own root, abstract names in its own "
+                   "network namespace" if unix_sockets else "refused (seccomp: socket(AF_UNIX) -> EPERM)")
+    git_report = GitReport(kind=git.kind, read_only=list(git.read_only) if use_userns else [],
+                           granted=list(git.writable), note=git.note)
+    hygiene_report = ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
+                      "dies with its parent", "not dumpable"] + (["no capabilities"] if use_userns else [])
     lim = policy.limits
     limits_plan = plan_limits(max_processes=lim.max_processes, max_data_bytes=lim.max_data_bytes,
                               max_file_bytes=lim.max_file_bytes, max_open_files=lim.max_open_files,
@@ -308,32 +311,37 @@ def plan_session(
                                  memory_bytes=lim.session_memory_bytes, cpu_weight=lim.cpu_weight)
     held = set(cgroup.settings) if cgroup else set()
     rlimit_processes = lim.max_processes if use_userns else f"{lim.max_processes} more than the user ran at open"
-    limits_report: dict[str, object] = {
-        # rlimits hold in every mode; a cgroup adds limits over the whole session.
-        "mechanism": ("cgroup v2 and rlimits" if cgroup else "rlimits"),
-        "cgroup": cgroup.path if cgroup else "",
-        "cgroups": delegation.describe(),
-        "max_processes": (f"{lim.max_processes} (pids.max over the session)" if "pids.max" in held
-                          else rlimit_processes),
-        "memory": (f"{lim.session_memory_bytes} bytes over the session (memory.max, no swap)" if "memory.max" in held
-                   else f"{lim.session_memory_bytes} bytes over the session (the daemon's memory watchdog); "
-                        f"{lim.max_data_bytes} bytes of data per process (RLIMIT_DATA)"),
-        "cpu_weight": lim.cpu_weight if "cpu.weight" in held else "not enforced (no cpu controller)",
-        "max_data_bytes_per_process": lim.max_data_bytes,
-        "max_file_bytes": lim.max_file_bytes,
-        "max_open_files_per_process": lim.max_open_files,
-    }
     ucounts = plan_ucounts(user_namespace=use_userns, inotify_instances=lim.max_inotify_instances,
                            inotify_watches=lim.max_inotify_watches, fanotify_groups=lim.max_fanotify_groups,
                            fanotify_marks=lim.max_fanotify_marks,
                            # pasta may join it at any switch: room for its own namespaces
                            network_stack=use_userns and not kernel.network_stack_missing)
-    limits_report["kernel_budgets"] = describe_ucounts(ucounts)
-    # What a session can still take from budgets it shares with the user (the
-    # sandbox's own gaps are the top-level leaves_open).
-    limits_report["leaves_open"] = budget_gaps(user_namespace=use_userns, cgroup_controllers=tuple(
-        c for c, key in (("memory", "memory.max"), ("cpu", "cpu.weight")) if key in held))
-    protections["limits"] = limits_report
+    limits_report = LimitsReport(
+        # rlimits hold in every mode; a cgroup adds limits over the whole session.
+        mechanism=("cgroup v2 and rlimits" if cgroup else "rlimits"),
+        cgroup=cgroup.path if cgroup else "",
+        cgroups=delegation.describe(),
+        max_processes=(f"{lim.max_processes} (pids.max over the session)" if "pids.max" in held
+                       else rlimit_processes),
+        memory=(f"{lim.session_memory_bytes} bytes over the session (memory.max, no swap)" if "memory.max" in held
+                else f"{lim.session_memory_bytes} bytes over the session (the daemon's memory watchdog); "
+                     f"{lim.max_data_bytes} bytes of data per process (RLIMIT_DATA)"),
+        cpu_weight=lim.cpu_weight if "cpu.weight" in held else "not enforced (no cpu controller)",
+        max_data_bytes_per_process=lim.max_data_bytes,
+        max_file_bytes=lim.max_file_bytes,
+        max_open_files_per_process=lim.max_open_files,
+        kernel_budgets=describe_ucounts(ucounts),
+        # What a session can still take from budgets it shares with the user (the
+        # sandbox's own gaps are the top-level leaves_open).
+        leaves_open=budget_gaps(user_namespace=use_userns, cgroup_controllers=tuple(
+            c for c, key in (("memory", "memory.max"), ("cpu", "cpu.weight")) if key in held)),
+    )
+    protections = Protections(
+        mode=mode, landlock=landlock_report, seccomp="enforced",
+        namespaces=NamespacesReport(user=namespaces.user, mount=namespaces.mount, pid=namespaces.pid,
+                                    net=namespaces.net),
+        network=network_report, worktree=fs.worktree, root=root, unix_sockets=unix_report, git=git_report,
+        hygiene=hygiene_report, leaves_open=gaps, limits=limits_report)
     return SessionPlan(
         session=session,
         policy=policy.name,

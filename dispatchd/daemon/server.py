@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from dispatchd import __version__, protocol
+from dispatchd.daemon.capacity import OpenFiles
 from dispatchd.daemon.sessions import SessionManager
 from dispatchd.errors import DispatchdError
 from dispatchd.kernel import KernelFeatures
@@ -67,7 +68,7 @@ class Server:
         load_policy: Any,
         *,
         max_connections: int = 4096,
-        budget: dict[str, Any] | None = None,
+        open_files: OpenFiles | None = None,
     ) -> None:
         self.listener = listener
         self.manager = manager
@@ -79,7 +80,7 @@ class Server:
         self.uid = os.getuid()
         self._conn_ids = itertools.count(1)  # which connection holds which session (lifetimes.py)
         self.max_connections = max_connections
-        self.budget = budget or {}  # what status says of our descriptors (capacity.OpenFiles)
+        self.open_files = open_files or OpenFiles(before=0, limit=0, hard=0, note="not raised")  # status says it
         self._count_lock = threading.Lock()
         self.connections = 0
         # The wake-up pipe: stop() writes a byte, so the accept loop sleeps in
@@ -223,22 +224,15 @@ class Server:
             greeted = False
             while True:
                 try:
-                    payload = frames.recv_payload()
+                    req = frames.recv_request(protocol.daemon_request_decoder, frames.send)
                 except protocol.FrameTooLarge as exc:
                     # Answered, then closed: the rest of that frame is never read.
                     log.debug("event=connection_dropped reason=%s", exc)
                     frames.send(protocol.ErrorReply(id=0, code="frame_too_large", message=(
                         f"{exc}{'' if greeted else ' before hello'}: the connection is closed")))
                     return
-                if payload is None:
+                if req is None:
                     return
-                try:
-                    req = protocol.decode(protocol.daemon_request_decoder, payload)
-                except protocol.ProtocolError as exc:
-                    frames.send(protocol.ErrorReply(id=protocol.request_id_of(payload), code="bad_request", message=str(exc)))
-                    continue
-                finally:
-                    del payload  # a refused frame is not kept while we wait for the next
                 if not greeted:
                     if not isinstance(req, protocol.Hello) or req.version != protocol.PROTOCOL_VERSION:
                         got = f"version {req.version}" if isinstance(req, protocol.Hello) else type(req).__name__
@@ -297,9 +291,10 @@ class Server:
                                                                              req.domains).info())
         if isinstance(req, protocol.Status):
             return protocol.StatusReply(id=req.id, daemon_version=__version__, pid=os.getpid(), socket=self.socket_path,
-                                        kernel=self.kernel.to_dict(), sessions=[s.info() for s in m.sessions()],
-                                        daemon={**self.budget, "connections": self.connections,
-                                                "max_connections": self.max_connections})
+                                        kernel=self.kernel, sessions=[s.info() for s in m.sessions()],
+                                        daemon=protocol.DaemonReport(
+                                            open_files=self.open_files.limit, open_files_note=self.open_files.note,
+                                            connections=self.connections, max_connections=self.max_connections))
         if isinstance(req, protocol.ListTools):
             policy = self.load_policy(req.policy)
             return protocol.ToolsReply(id=req.id, tools=[protocol.ToolSchema(**s) for s in schemas_for(policy.tools)])

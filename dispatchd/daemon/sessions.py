@@ -88,7 +88,7 @@ class Session:
         self.git = GitLayout("none")
         self.redirects_before: list[str] = []
         self.git_before = gitsnapshot.GitSnapshot()  # what git reads for configuration, by content
-        self.protections: dict[str, object] = {}
+        self.protections: protocol.Protections | None = None  # from the worker, once it is ready
         self.cgroup = ""  # its cgroup, made at the first start, removed at the end
         self.worker: Worker | None = None
         self.net: netstack.NetworkPlan | None = None  # how its network is held now
@@ -104,10 +104,12 @@ class Session:
         self.acks: dict[int, threading.Event] = {}  # SetCommandEnv requests waiting for the worker
         self.ack_ids = 0
         # How long it outlives its last connection, and what holds its memory (status shows both).
-        self.lifetime: dict[str, object] = {}
+        self.lifetime: protocol.LifetimeReport | None = None
 
     def info(self) -> protocol.SessionInfo:
-        protections = {**self.protections, "lifetime": self.lifetime} if self.lifetime else self.protections
+        # Sessions are listed only once their worker is ready: protections are known.
+        assert self.protections is not None, f"session {self.id} has no worker yet"
+        protections = msgspec.structs.replace(self.protections, lifetime=self.lifetime)
         denied = [protocol.DeniedHost(host=h, port=p, count=c, last=t) for h, p, c, t in self.proxy.denied()
                   ] if self.proxy else []
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
@@ -117,10 +119,14 @@ class Session:
                                     denied=denied, writes=self.writes)
 
 
-def _namespaces_report(session: Session) -> dict[str, object]:
-    """The namespaces part of the session's protections report."""
-    found = session.protections.get("namespaces", {})
-    return found if isinstance(found, dict) else {}
+def _has_user_namespace(session: Session) -> bool:
+    """Whether the session's worker runs in a user namespace of its own."""
+    return session.protections is not None and session.protections.namespaces.user
+
+
+def _has_pid_namespace(session: Session) -> bool:
+    """Whether the session's worker is pid 1 of a pid namespace of its own."""
+    return session.protections is not None and session.protections.namespaces.pid
 
 
 def _check_network(network: NetworkMode, ports: list[int] | None, bind_ports: list[int] | None,
@@ -293,15 +299,16 @@ class SessionManager:
             raise
         grace = lifetimes.effective_grace(policy.limits.orphan_grace_s, orphan_grace_s)
         cgroup_memory = bool(session.cgroup) and "memory" in self.delegation.controllers
-        session.lifetime = {"detached": detached, "orphan_grace_s": grace,
-                            "memory": watchdog.mechanism(cgroup_memory, policy.limits.session_memory_bytes)}
+        session.lifetime = protocol.LifetimeReport(
+            detached=detached, orphan_grace_s=grace,
+            memory=watchdog.mechanism(cgroup_memory, policy.limits.session_memory_bytes))
         with self._lock:
             self._sessions[sid] = session
         self.holders.track(sid, detached=detached, grace_s=grace, holder=holder)
         if not cgroup_memory:
             self.watchdog.ensure_running()
         log.info("event=session_open session=%s policy=%s network=%s mode=%s worktree=%s",
-                 sid, policy.name, network, session.protections.get("mode"), resolved)
+                 sid, policy.name, network, session.protections.mode if session.protections else None, resolved)
         return session
 
     def _inspect_git(self, session: Session) -> None:
@@ -377,7 +384,7 @@ class SessionManager:
         control = protocol.FrameSocket(ours, fds=True)
         ours.settimeout(READY_TIMEOUT_S)
         try:
-            msg = control.recv(protocol.control_decoder)
+            msg = control.recv(protocol.from_worker_decoder)
         except (OSError, protocol.ProtocolError) as exc:
             msg = exc
         ours.settimeout(None)
@@ -496,9 +503,8 @@ class SessionManager:
         self._apply_network(session, plan.net)
         if session.proxy is not None:
             session.proxy.configure(network, session.domains)  # refuses all outside "domains"
-        protections = dict(plan.protections)
-        protections["absent_paths"] = session.protections.get("absent_paths", [])
-        session.protections = protections
+        absent = session.protections.absent_paths if session.protections else None
+        session.protections = msgspec.structs.replace(plan.protections, absent_paths=absent or [])
         session.network = network
         kept = _count_session_processes(session)
         if network == "off":
@@ -552,7 +558,7 @@ class SessionManager:
         """The only reader of a worker's control channel: its EOF means the tool
         server is gone, on purpose (close, switch) or on its own (idle, crash)."""
         try:
-            while (msg := control.recv(protocol.control_decoder)) is not None:
+            while (msg := control.recv(protocol.from_worker_decoder)) is not None:
                 if isinstance(msg, protocol.ToolCallsDone):
                     for call in msg.calls:  # debug only: a line per call grew the log without bound
                         log.debug("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
@@ -599,7 +605,7 @@ class SessionManager:
         # kernel keeps from an init every signal it does not handle but SIGKILL
         # (which ends everything in its namespace). Without a pid namespace the
         # session init's SIGTERM handler kills its Landlock domain.
-        worker.signal(signal.SIGKILL if _namespaces_report(session).get("pid") else signal.SIGTERM)
+        worker.signal(signal.SIGKILL if _has_pid_namespace(session) else signal.SIGTERM)
         # The tool server holds the other end of the control channel: its EOF
         # means the session's processes are gone (pid 1 of their namespace has
         # exited, or the session init has killed its Landlock domain).
@@ -664,7 +670,7 @@ class SessionManager:
     def _end_orphan(self, sid: str) -> None:
         with self._lock:
             session = self._sessions.get(sid)
-        grace = session.lifetime.get("orphan_grace_s") if session else 0
+        grace = session.lifetime.orphan_grace_s if session and session.lifetime else 0
         self.end(sid, "orphaned", f"every connection that held it had gone for {grace} s (its client exited or "
                                   "was killed; open it detached to keep it)")
 
@@ -673,8 +679,7 @@ class SessionManager:
         out = []
         for s in self.sessions():
             worker = s.worker
-            memory = s.lifetime.get("memory")
-            if worker is not None and isinstance(memory, dict) and memory.get("mechanism") == "watchdog":
+            if worker is not None and s.lifetime is not None and s.lifetime.memory.mechanism == "watchdog":
                 out.append((s.id, worker.pid, s.policy.limits.session_memory_bytes))
         return out
 
@@ -868,7 +873,7 @@ class SessionManager:
         return session
 
     def _why_replaced(self, session: Session) -> str:
-        if not _namespaces_report(session).get("user"):
+        if not _has_user_namespace(session):
             return "no user namespaces: the network is held by seccomp and Landlock, fixed at the start"
         return ("the network is on the host's, not in a namespace of its own "
                 f"({self.kernel.network_stack_missing or self.kernel.nftables_missing or 'see status'})")

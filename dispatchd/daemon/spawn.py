@@ -11,7 +11,6 @@ import signal
 import socket
 import threading
 
-import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
@@ -54,7 +53,7 @@ class ZygoteClient:
         descriptor) travels with the request (SCM_RIGHTS) to be bound and granted."""
         with self._lock:
             self._next += 1
-            req = protocol.SpawnWorker(id=self._next, plan=msgspec.msgpack.encode(plan))
+            req = protocol.SpawnWorker(id=self._next, plan=protocol.encode_plan(plan))
             try:
                 self._frames.send(req, fds=[control_end.fileno(), worktree_fd])
                 reply = self._frames.recv(protocol.zygote_reply_decoder)

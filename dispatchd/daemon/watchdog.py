@@ -33,18 +33,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from dispatchd.protocol.reports import MemoryHold
+
 log = logging.getLogger("dispatchd.watchdog")
 INTERVAL_S = 0.2
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def mechanism(cgroup_memory: bool, limit: int) -> dict[str, object]:
+def mechanism(cgroup_memory: bool, limit: int) -> MemoryHold:
     """What holds a session's memory, for ``status``."""
     if cgroup_memory:
-        return {"mechanism": "cgroup", "limit_bytes": limit, "detail": "memory.max over the session's cgroup"}
-    return {"mechanism": "watchdog", "limit_bytes": limit, "interval_s": INTERVAL_S,
-            "detail": f"the daemon sums the PSS of the session's processes every {INTERVAL_S:g} s "
-                      "and ends the session over the limit"}
+        return MemoryHold(mechanism="cgroup", limit_bytes=limit, detail="memory.max over the session's cgroup")
+    return MemoryHold(mechanism="watchdog", limit_bytes=limit, interval_s=INTERVAL_S,
+                      detail=f"the daemon sums the PSS of the session's processes every {INTERVAL_S:g} s "
+                             "and ends the session over the limit")
 
 
 def descendants(pid: int) -> list[int]:

@@ -115,21 +115,14 @@ class _Channel:
         try:
             while True:
                 try:
-                    payload = self.frames.recv_payload()
+                    # Anything but call_tool and cancel_call is refused there, a bad_request.
+                    req = self.frames.recv_request(protocol.channel_request_decoder, self.reply)
                 except (protocol.ProtocolError, OSError):
                     return  # broken framing: drop this channel only
-                if payload is None:
+                if req is None:
                     return
-                try:
-                    req = protocol.decode(protocol.worker_decoder, payload)
-                except protocol.ProtocolError as exc:
-                    self.reply(protocol.ErrorReply(id=protocol.request_id_of(payload), code="bad_request", message=str(exc)))
-                    continue
                 if isinstance(req, protocol.CancelCall):
                     self.cancel(req.id)
-                    continue
-                if not isinstance(req, protocol.CallTool):
-                    self.reply(protocol.ErrorReply(id=req.id, code="bad_request", message=f"a worker only takes call_tool, not {type(req).__name__}"))
                     continue
                 self.server.dispatch(self, req)
         finally:
@@ -362,7 +355,7 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
     threading.Thread(target=server.send_records, daemon=True).start()
     while True:
         try:
-            msg = control.recv(protocol.control_decoder)
+            msg = control.recv(protocol.to_worker_decoder)
         except (protocol.ProtocolError, OSError):
             return
         if msg is None:

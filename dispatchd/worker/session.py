@@ -24,7 +24,9 @@ import signal
 import socket
 import time
 import traceback
-from typing import NoReturn, cast
+from typing import NoReturn
+
+import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp, ucounts
@@ -143,11 +145,9 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         _report(control, protocol.WorkerFailed(step="worker start", errno=0, path="",
                                                message=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         os._exit(1)
-    protections = dict(plan.protections)
-    protections["absent_paths"] = skipped
     # What the session sees: the planned root, less what this machine lacks.
-    planned_root = cast("list[dict[str, str]]", plan.protections.get("root", []))
-    protections["root"] = [r for r in planned_root if r["path"] not in skipped]
+    protections = msgspec.structs.replace(plan.protections, absent_paths=skipped,
+                                          root=[r for r in plan.protections.root if r.path not in skipped])
 
     from dispatchd.worker.server import serve  # pre-imported by the fork server
 

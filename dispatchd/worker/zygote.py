@@ -30,7 +30,6 @@ from dispatchd.errors import ConfinementError
 from dispatchd.worker import server as _server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session import run_session
 
-_plan_decoder = msgspec.msgpack.Decoder(SessionPlan)
 ORPHAN_SWEEP_S = 0.5
 
 
@@ -164,7 +163,7 @@ def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
             frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)))
             continue
         try:
-            plan = _plan_decoder.decode(req.plan)
+            plan = protocol.decode_plan(req.plan)
             key = msgspec.msgpack.encode(plan.seccomp)
             if key not in programs:
                 programs[key] = seccomp.compile_seccomp(plan.seccomp)

@@ -37,7 +37,7 @@ def test_set_command_env_applies_to_later_commands(tmp_path: Path) -> None:
 
     def answer_write_lock() -> None:  # the daemon's part: grant the lock shell_exec asks for
         try:
-            while (msg := control.recv(protocol.control_decoder)) is not None:
+            while (msg := control.recv(protocol.from_worker_decoder)) is not None:
                 if isinstance(msg, protocol.AcquireWriteLock):
                     control.send(protocol.OkReply(id=msg.id))
                     granted.set()
@@ -50,7 +50,7 @@ def test_set_command_env_applies_to_later_commands(tmp_path: Path) -> None:
 
     def proxy_vars(rid: int) -> str:
         channel.send(protocol.CallTool(id=rid, tool="shell_exec", params={"command": "env | grep -i _proxy= | sort"}))
-        reply = channel.recv(protocol.worker_decoder)
+        reply = channel.recv(protocol.channel_reply_decoder)
         assert reply.id == rid and "exit_code" in reply.metadata, reply
         return reply.metadata["stdout"]
 

@@ -109,15 +109,15 @@ def test_1100_idle_connections_and_status_still_answers(tmp_path: Path) -> None:
     it before: EMFILE left serve_forever) it still answers."""
     with started(tmp_path, nofile="1024:4096") as d:
         st = status_of(d)
-        assert st.daemon["open_files"] == 4096
-        assert st.daemon["open_files_note"] == "4096 descriptors (raised from 1024)"
+        assert st.daemon.open_files == 4096
+        assert st.daemon.open_files_note == "4096 descriptors (raised from 1024)"
         assert "event=open_files limit=4096 hard=4096" in d.log()
         before = rss_kib(d.proc.pid)
         socks = [connect_raw(d) for _ in range(1100)]
         try:
             latency = status_latency(d)
             assert latency < 5
-            assert status_of(d).daemon["connections"] >= 1100
+            assert status_of(d).daemon.connections >= 1100
             record("1,100 idle connections", d, before, latency)
         finally:
             for s in socks:
@@ -131,9 +131,9 @@ def test_the_daemon_says_when_it_cannot_raise_its_descriptors(tmp_path: Path) ->
     and the connection cap follows from what it has."""
     with started(tmp_path, nofile="256:256") as d:
         st = status_of(d)
-        assert st.daemon["open_files"] == 256
-        assert st.daemon["open_files_note"] == "256 descriptors (already the hard limit)"
-        assert st.daemon["max_connections"] == (256 - 64) // 2
+        assert st.daemon.open_files == 256
+        assert st.daemon.open_files_note == "256 descriptors (already the hard limit)"
+        assert st.daemon.max_connections == (256 - 64) // 2
 
 
 def test_out_of_descriptors_accept_backs_off_and_answers_busy(tmp_path: Path) -> None:
@@ -277,11 +277,11 @@ def test_invalid_utf8_on_a_tool_server_channel_gets_an_error_reply(daemon: Daemo
     assert bad != good
     with worker_channel(daemon, worktree) as channel:
         channel.sock.sendall(frame(bad))
-        reply = protocol.decode(protocol.worker_decoder, channel.recv_payload())
+        reply = protocol.decode(protocol.channel_reply_decoder, channel.recv_payload())
         assert isinstance(reply, protocol.ErrorReply) and (reply.id, reply.code) == (8, "bad_request")
         assert "utf-8" in reply.message
         channel.sock.sendall(frame(good))
-        assert channel.recv(protocol.worker_decoder).output == "0: hello\n1: world"
+        assert channel.recv(protocol.channel_reply_decoder).output == "0: hello\n1: world"
 
 
 # ----------------------------------------------------------------- channels of one session
@@ -314,9 +314,9 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
             latency = status_latency(daemon)
             first = channels[0]
             first.send(protocol.CallTool(id=1, tool="read_file", params={"path": "README.md"}))
-            assert first.recv(protocol.worker_decoder).output == "0: hello\n1: world"
+            assert first.recv(protocol.channel_reply_decoder).output == "0: hello\n1: world"
             over = channels[MAX_CHANNELS + 10]
-            reply = protocol.decode(protocol.worker_decoder, over.recv_payload())
+            reply = protocol.decode(protocol.channel_reply_decoder, over.recv_payload())
             assert isinstance(reply, protocol.ErrorReply) and (reply.id, reply.code) == (0, "too_many_channels")
             assert reply.message.startswith(f"this session has {MAX_CHANNELS} channels open, its limit")
             assert over.recv_payload() is None
@@ -339,7 +339,7 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
                 assert refused is not None and time.monotonic() < deadline
             fresh.sock.settimeout(10)
             fresh.send(protocol.CallTool(id=2, tool="shell_exec", params={"command": "echo alive"}))
-            assert fresh.recv(protocol.worker_decoder).output == "alive\n"
+            assert fresh.recv(protocol.channel_reply_decoder).output == "alive\n"
         finally:
             for ch in channels:
                 ch.close()

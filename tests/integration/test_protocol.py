@@ -408,14 +408,14 @@ def test_worker_channel_deeply_nested_payload_gets_bad_request(daemon: Daemon, w
         except ConnectionResetError:
             answer = None
         assert answer is not None, "the worker closed the channel instead of replying"
-        reply = protocol.decode(protocol.worker_decoder, answer)
+        reply = protocol.decode(protocol.channel_reply_decoder, answer)
         assert isinstance(reply, protocol.ErrorReply) and reply.code == "bad_request" and reply.id == 0
         channel.send(protocol.CallTool(id=1, tool="read_file", params={"path": "README.md"}))
-        assert channel.recv(protocol.worker_decoder).output == "0: hello\n1: world"
+        assert channel.recv(protocol.channel_reply_decoder).output == "0: hello\n1: world"
 
 
 def worker_channel_cases(channel: protocol.FrameSocket) -> None:
-    replies = protocol.worker_decoder
+    replies = protocol.channel_reply_decoder
     channel.send(protocol.CallTool(id=1, tool="read_file", params={"path": "README.md"}))
     assert channel.recv(replies) == protocol.ToolReply(
         id=1, success=True, output="0: hello\n1: world",
@@ -424,10 +424,10 @@ def worker_channel_cases(channel: protocol.FrameSocket) -> None:
     channel.sock.sendall(frame(msgspec.msgpack.encode({"op": "call_tool", "id": 2, "tool": "read_file"})))
     assert channel.recv(replies) == protocol.ErrorReply(
         id=2, code="bad_request", message="undecodable message: Object missing required field `params`")
-    # Decodable, but not a request a worker takes.
+    # A message of the other direction: not a request a worker takes.
     channel.send(protocol.ToolReply(id=3, success=True, output="x"))
     assert channel.recv(replies) == protocol.ErrorReply(
-        id=3, code="bad_request", message="a worker only takes call_tool, not ToolReply")
+        id=3, code="bad_request", message="undecodable message: Invalid value 'tool_reply' - at `$.op`")
     channel.send(protocol.CallTool(id=4, tool="nope", params={}))
     reply = channel.recv(replies)
     assert isinstance(reply, protocol.ToolReply) and reply.id == 4 and reply.success is False

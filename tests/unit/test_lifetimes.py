@@ -154,8 +154,8 @@ def test_the_watchdog_counts_a_tree_and_names_its_mechanism() -> None:
     assert watchdog.rss_bytes(pids) >= watchdog.pss_bytes([os.getpid()]) > 0
     assert watchdog.over_limit(os.getpid(), 1 << 50) is None
     assert watchdog.over_limit(os.getpid(), 1) is not None
-    assert watchdog.mechanism(True, 5)["mechanism"] == "cgroup"
-    assert watchdog.mechanism(False, 5)["mechanism"] == "watchdog"
+    assert watchdog.mechanism(True, 5).mechanism == "cgroup"
+    assert watchdog.mechanism(False, 5).mechanism == "watchdog"
 
 
 def test_the_daemon_log_file_is_rotated(tmp_path: Path) -> None:

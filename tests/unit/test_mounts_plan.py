@@ -4,6 +4,8 @@ namespace)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from dispatchd.confine.mounts import WORKTREE_FD, Bind, MountPlan, describe_root, plan_mounts
 
 WT = "/home/u/src/wt"
@@ -87,7 +89,7 @@ def test_the_plan_does_not_alias_the_callers_lists():
 
 
 def test_status_shows_every_path_and_how():
-    got = describe_root(minimal(over=[WT + "/.git/config"]), {SCRATCH: "scratch", "/usr": "system"})
+    got = msgspec.to_builtins(describe_root(minimal(over=[WT + "/.git/config"]), {SCRATCH: "scratch", "/usr": "system"}))
     assert got == [
         {"path": "/bin", "how": "read-only"},
         {"path": "/etc", "how": "read-only"},
@@ -103,6 +105,6 @@ def test_status_shows_every_path_and_how():
 
 
 def test_status_of_the_hosts_root_says_so():
-    got = describe_root(minimal(root="host"), {})
+    got = msgspec.to_builtins(describe_root(minimal(root="host"), {}))
     assert got[0] == {"path": "/", "how": "the host's root, read-only; Landlock refuses what the rules do not grant"}
     assert got[-1] == {"path": RUNTIME, "how": "covered by an empty tmpfs"}

@@ -20,11 +20,24 @@ import msgspec
 import pytest
 
 from dispatchd import protocol as p
+from dispatchd.protocol import frames
 from dispatchd.protocol import FrameSocket, FrameTooLarge, ProtocolError
 
+PROTECTIONS = p.Protections(
+    mode="full", landlock=p.LandlockReport(abi=6, filesystem="enforced", scopes=["signal"], tcp="denied"),
+    seccomp="enforced", namespaces=p.NamespacesReport(user=True, mount=True, pid=True, net=True),
+    network=p.NetworkReport(mode="off", mechanism="its own network namespace, no interface but lo"),
+    worktree="read-write", root=[p.RootEntry(path="/usr", how="read-only")], unix_sockets="allowed",
+    git=p.GitReport(kind="none", read_only=[], granted=[]), hygiene=["no_new_privs"], leaves_open=[],
+    limits=p.LimitsReport(mechanism="rlimits", cgroup="", cgroups="no: off", max_processes=256, memory="1 GiB",
+                          cpu_weight="not enforced (no cpu controller)", max_data_bytes_per_process=1 << 30,
+                          max_file_bytes=1 << 30, max_open_files_per_process=1024, kernel_budgets="shared",
+                          leaves_open=["epoll watches"]),
+    absent_paths=[])
+KERNEL = p.KernelFeatures(release="6.8.0", landlock_abi=7, user_namespaces=True, user_namespaces_note="ok",
+                          seccomp=True, seccomp_actions=["kill", "errno"], cgroup2="/sys/fs/cgroup")
 INFO = p.SessionInfo(id="a1b2c3", worktree="/home/u/wt", policy="default", network="off", created=1700000000.5,
-                     protections={"mode": "full", "leaves_open": []}, limits={"command_timeout_s": 120.0},
-                     note="n")
+                     protections=PROTECTIONS, limits={"command_timeout_s": 120.0}, note="n")
 SCHEMA = p.ToolSchema(name="read_file", description="Read a file.",
                       parameters={"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]})
 
@@ -44,30 +57,32 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.SessionReply: (p.SessionReply(id=2, session=INFO), {"daemon_reply"}),
     p.SessionsReply: (p.SessionsReply(id=4, sessions=[INFO, INFO]), {"daemon_reply"}),
     p.StatusReply: (p.StatusReply(id=6, daemon_version="0.1.0", pid=1234, socket="/run/user/1000/dispatchd/dispatchd.sock",
-                                  kernel={"landlock_abi": 7, "seccomp_actions": ["kill", "errno"]}, sessions=[INFO]),
+                                  kernel=KERNEL, sessions=[INFO],
+                                  daemon=p.DaemonReport(open_files=4096, open_files_note="raised from 1024",
+                                                        connections=1, max_connections=2048)),
                     {"daemon_reply"}),
     p.Attached: (p.Attached(id=7, session=INFO, tools=[SCHEMA]), {"daemon_reply"}),
     p.ToolsReply: (p.ToolsReply(id=8, tools=[SCHEMA]), {"daemon_reply"}),
-    p.OkReply: (p.OkReply(id=9), {"daemon_reply", "control", "zygote_reply"}),
+    p.OkReply: (p.OkReply(id=9), {"daemon_reply", "to_worker", "from_worker", "zygote_reply"}),
     p.ErrorReply: (p.ErrorReply(id=10, code="bad_policy", message="no policy named 'x'"),
-                   {"daemon_reply", "worker", "control", "zygote_reply"}),
+                   {"daemon_reply", "channel_reply", "to_worker", "zygote_reply"}),
     p.CallTool: (p.CallTool(id=11, tool="shell_exec", params={"command": "ls -l", "timeout": 1.5, "cwd": None,
-                                                               "nested": {"a": [1, True]}}, stream=True), {"worker"}),
-    p.CancelCall: (p.CancelCall(id=11), {"worker"}),
-    p.ToolOutput: (p.ToolOutput(id=11, stream="stderr", text="warning: é\n"), {"worker"}),
+                                                               "nested": {"a": [1, True]}}, stream=True), {"channel_request"}),
+    p.CancelCall: (p.CancelCall(id=11), {"channel_request"}),
+    p.ToolOutput: (p.ToolOutput(id=11, stream="stderr", text="warning: é\n"), {"channel_reply"}),
     p.ToolReply: (p.ToolReply(id=11, success=False, output="out", error="exit 1",
-                              metadata={"exit_code": 1, "stdout": "", "truncated": False}), {"worker"}),
-    p.WorkerReady: (p.WorkerReady(pid=4321, protections={"mode": "degraded"}, timings_ms={"landlock": 0.25}),
-                    {"control"}),
+                              metadata={"exit_code": 1, "stdout": "", "truncated": False}), {"channel_reply"}),
+    p.WorkerReady: (p.WorkerReady(pid=4321, protections=PROTECTIONS, timings_ms={"landlock": 0.25}),
+                    {"from_worker"}),
     p.WorkerFailed: (p.WorkerFailed(step="landlock: add path rule", errno=13, path="/opt",
-                                    message="cannot apply landlock: add path rule (/opt): EACCES"), {"control"}),
-    p.AddChannel: (p.AddChannel(id=12), {"control"}),
-    p.AcquireWriteLock: (p.AcquireWriteLock(id=13), {"control"}),
-    p.ToolCallsDone: (p.ToolCallsDone(calls=[p.CallRecord("read_file", 1.5, True)]), {"control"}),
-    p.Drain: (p.Drain(deadline_s=30.0), {"control"}),
+                                    message="cannot apply landlock: add path rule (/opt): EACCES"), {"from_worker"}),
+    p.AddChannel: (p.AddChannel(id=12), {"to_worker"}),
+    p.AcquireWriteLock: (p.AcquireWriteLock(id=13), {"from_worker"}),
+    p.ToolCallsDone: (p.ToolCallsDone(calls=[p.CallRecord("read_file", 1.5, True)]), {"from_worker"}),
+    p.Drain: (p.Drain(deadline_s=30.0), {"to_worker"}),
     p.ReleaseWriteLock: (p.ReleaseWriteLock(id=4, session="a1b2c3"), {"daemon_request"}),
-    p.ForgetWriteLock: (p.ForgetWriteLock(), {"control"}),
-    p.SetCommandEnv: (p.SetCommandEnv(set={"HTTP_PROXY": "http://127.0.0.1:3128"}, unset=["http_proxy"]), {"control"}),
+    p.ForgetWriteLock: (p.ForgetWriteLock(), {"to_worker"}),
+    p.SetCommandEnv: (p.SetCommandEnv(set={"HTTP_PROXY": "http://127.0.0.1:3128"}, unset=["http_proxy"]), {"to_worker"}),
     p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"zygote_request"}),
     p.Spawned: (p.Spawned(id=14, pid=999), {"zygote_reply"}),
     p.NetRules: (p.NetRules(id=15, rules="add table inet dispatchd"), {"zygote_request"}),
@@ -75,8 +90,10 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
 DECODERS = {
     "daemon_request": p.daemon_request_decoder,
     "daemon_reply": p.daemon_reply_decoder,
-    "worker": p.worker_decoder,
-    "control": p.control_decoder,
+    "channel_request": p.channel_request_decoder,
+    "channel_reply": p.channel_reply_decoder,
+    "to_worker": p.to_worker_decoder,
+    "from_worker": p.from_worker_decoder,
     "zygote_request": p.zygote_request_decoder,
     "zygote_reply": p.zygote_reply_decoder,
 }
@@ -207,7 +224,7 @@ def test_absurd_nesting_is_a_bad_message_not_a_crash():
     head = msgspec.msgpack.encode({"op": "call_tool", "id": 1, "tool": "x"})
     payload = b"\x84" + head[1:] + b"\xa6params" + b"\x81\xa1a" + b"\x91" * 200000 + b"\x00"
     with pytest.raises(p.BadMessage) as info:
-        p.decode(p.worker_decoder, payload)
+        p.decode(p.channel_request_decoder, payload)
     assert info.value.args[0] == "undecodable message: maximum recursion depth exceeded while deserializing an object"
     assert p.request_id_of(payload) == 0
 
@@ -223,7 +240,7 @@ def test_invalid_utf8_in_a_string_field_is_a_bad_message():
     assert p.request_id_of(bad) == 5
     call = msgspec.msgpack.encode({"op": "call_tool", "id": 6, "tool": "read_file", "params": {"path": "ab"}})
     with pytest.raises(p.BadMessage):
-        p.decode(p.worker_decoder, call.replace(b"\xa2ab", b"\xa2\xff\xfe"))
+        p.decode(p.channel_request_decoder, call.replace(b"\xa2ab", b"\xa2\xff\xfe"))
 
 
 def test_request_id_of_builds_nothing_from_a_hostile_payload():
@@ -267,11 +284,11 @@ def test_frame_header_of_a_larger_frame():
 
 
 def test_encode_refuses_a_frame_over_the_limit(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(p, "MAX_FRAME", 10)
+    monkeypatch.setattr(frames, "MAX_FRAME", 10)
     with pytest.raises(FrameTooLarge) as info:
         p.encode(p.OkReply(id=7))
     assert info.value.args[0] == "frame of 11 bytes exceeds the 10-byte limit"
-    monkeypatch.setattr(p, "MAX_FRAME", 11)
+    monkeypatch.setattr(frames, "MAX_FRAME", 11)
     assert p.encode(p.OkReply(id=7)) == b"\x00\x00\x00\x0b\x82\xa2op\xa2ok\xa2id\x07"
 
 
@@ -355,7 +372,7 @@ def test_a_frame_split_into_single_bytes(pair: tuple[socket.socket, socket.socke
         a.send(frame[i : i + 1])
     trickle = _Trickle(b)
     reader = FrameSocket(trickle)  # type: ignore[arg-type]
-    assert reader.recv(p.worker_decoder) == msg
+    assert reader.recv(p.channel_request_decoder) == msg
     assert trickle.reads == len(frame)
 
 
@@ -373,7 +390,7 @@ def test_a_frame_split_across_sends_over_time(pair: tuple[socket.socket, socket.
     sender = threading.Thread(target=send_slowly)
     sender.start()
     try:
-        assert FrameSocket(b).recv(p.worker_decoder) == msg
+        assert FrameSocket(b).recv(p.channel_reply_decoder) == msg
     finally:
         sender.join()
 
@@ -383,8 +400,8 @@ def test_eof_between_frames_is_none(pair: tuple[socket.socket, socket.socket]):
     a.sendall(p.encode(p.OkReply(id=1)))
     a.shutdown(socket.SHUT_WR)
     reader = FrameSocket(b)
-    assert reader.recv(p.control_decoder) == p.OkReply(id=1)
-    assert reader.recv(p.control_decoder) is None
+    assert reader.recv(p.to_worker_decoder) == p.OkReply(id=1)
+    assert reader.recv(p.to_worker_decoder) is None
     assert reader.recv_payload() is None
 
 
@@ -489,7 +506,7 @@ def test_fd_passing_gives_a_working_fd(pair: tuple[socket.socket, socket.socket]
     pipe = pipes()
     writer, reader = fd_pair(pair)
     writer.send(p.AddChannel(id=1), fds=[pipe.w])
-    assert reader.recv(p.control_decoder) == p.AddChannel(id=1)
+    assert reader.recv(p.to_worker_decoder) == p.AddChannel(id=1)
     fd = reader.take_fd()
     assert fd not in (pipe.r, pipe.w)
     assert os.write(fd, b"through the passed fd") == 21
@@ -519,7 +536,7 @@ def test_fd_rides_with_a_large_frame(pair: tuple[socket.socket, socket.socket], 
 def test_take_fd_without_any_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]):
     writer, reader = fd_pair(pair)
     writer.send(p.AddChannel(id=1))
-    assert reader.recv(p.control_decoder) == p.AddChannel(id=1)
+    assert reader.recv(p.to_worker_decoder) == p.AddChannel(id=1)
     with pytest.raises(ProtocolError) as info:
         reader.take_fd()
     assert info.value.args[0] == "expected a file descriptor with this message, none came"
@@ -530,9 +547,9 @@ def test_fds_are_taken_in_order(pair: tuple[socket.socket, socket.socket], pipes
     writer, reader = fd_pair(pair)
     writer.send(p.AddChannel(id=1), fds=[first_pipe.w])
     writer.send(p.AddChannel(id=2), fds=[second_pipe.w])
-    assert reader.recv(p.control_decoder) == p.AddChannel(id=1)
+    assert reader.recv(p.to_worker_decoder) == p.AddChannel(id=1)
     first = reader.take_fd()
-    assert reader.recv(p.control_decoder) == p.AddChannel(id=2)
+    assert reader.recv(p.to_worker_decoder) == p.AddChannel(id=2)
     second = reader.take_fd()
     os.write(first, b"1")
     os.write(second, b"2")
@@ -545,8 +562,31 @@ def test_close_closes_untaken_fds(pair: tuple[socket.socket, socket.socket], pip
     pipe = pipes()
     writer, reader = fd_pair(pair)
     writer.send(p.AddChannel(id=1), fds=[pipe.w])
-    assert reader.recv(p.control_decoder) == p.AddChannel(id=1)
+    assert reader.recv(p.to_worker_decoder) == p.AddChannel(id=1)
     pipe.close_write()
     reader.close()
     # The only remaining write end was the queued fd: closing it is EOF.
     assert os.read(pipe.r, 1) == b""
+
+
+def test_recv_request_answers_a_bad_request_and_reads_on(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    bad = msgspec.msgpack.encode({"op": "close_session", "id": 5})
+    a.sendall(len(bad).to_bytes(4, "big") + bad + p.encode(p.Status(id=6)))
+    refused: list[p.ErrorReply] = []
+    reader = FrameSocket(b)
+    assert reader.recv_request(p.daemon_request_decoder, refused.append) == p.Status(id=6)
+    assert refused == [p.ErrorReply(id=5, code="bad_request",
+                                    message="undecodable message: Object missing required field `session`")]
+    a.close()
+    assert reader.recv_request(p.daemon_request_decoder, refused.append) is None
+    assert len(refused) == 1
+
+
+def test_recv_request_raises_on_a_frame_over_the_limit(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    a.sendall(struct.pack(">I", p.MAX_HELLO_FRAME + 1))
+    refused: list[p.ErrorReply] = []
+    with pytest.raises(FrameTooLarge):
+        FrameSocket(b, max_frame=p.MAX_HELLO_FRAME).recv_request(p.daemon_request_decoder, refused.append)
+    assert refused == []  # the caller answers it, and closes

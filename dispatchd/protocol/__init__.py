@@ -1,0 +1,132 @@
+"""The one wire protocol of dispatchd, shared by the client, the daemon and the workers.
+
+Four modules, one job each, all re-exported here (``protocol.Hello``,
+``protocol.FrameSocket``, ...):
+
+- ``messages``: the public protocol, what clients in the field speak.
+  client <-> daemon: ``Hello`` first, then the ``DaemonRequest`` union,
+  answered by the ``DaemonReply`` union. client <-> worker: ``CallTool`` on a
+  channel the daemon handed to the client (``Attach``); one hop per tool call.
+- ``reports``: what ``status`` and a session's open report (``Protections``,
+  ``KernelFeatures``), typed, encoded exactly as the dicts they replaced.
+- ``internal``: the daemon and its own processes. daemon <-> worker:
+  ``WorkerReady``/``WorkerFailed`` once, then ``AddChannel`` and the rest;
+  daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``.
+- ``frames``: length-prefixed frames with a maximum size, the codec, fd
+  passing, and ``FrameSocket.recv_request``, through which both servers read.
+
+Guarantees (each module's docstring says more):
+- Every message is a frozen msgspec ``Struct`` tagged by its class name (the
+  ``op`` field) and decoded by one typed decoder per direction, so a typo or a
+  foreign message is a decode error, never a half-understood request.
+- Every bad request gets an ``ErrorReply``; only a broken frame (garbage, bad
+  length) ends the connection, and only that connection.
+- Importing it is cheap: no daemon code comes with it (the client imports it).
+"""
+
+from dispatchd.protocol.frames import (
+    MAX_FRAME,
+    MAX_HELLO_FRAME,
+    MAX_REQUEST_FRAME,
+    BadMessage,
+    FrameSocket,
+    FrameTooLarge,
+    ProtocolError,
+    decode,
+    encode,
+    request_id_of,
+)
+from dispatchd.protocol.internal import (
+    AcquireWriteLock,
+    AddChannel,
+    CallRecord,
+    Drain,
+    ForgetWriteLock,
+    FromWorker,
+    NetRules,
+    SetCommandEnv,
+    Spawned,
+    SpawnWorker,
+    ToolCallsDone,
+    ToWorker,
+    WorkerFailed,
+    WorkerReady,
+    ZygoteReply,
+    ZygoteRequest,
+    decode_plan,
+    encode_plan,
+    from_worker_decoder,
+    to_worker_decoder,
+    zygote_reply_decoder,
+    zygote_request_decoder,
+)
+from dispatchd.protocol.messages import (
+    PROTOCOL_VERSION,
+    Attach,
+    Attached,
+    CallTool,
+    CancelCall,
+    ChannelReply,
+    ChannelRequest,
+    CloseSession,
+    DaemonReply,
+    DaemonRequest,
+    DeniedHost,
+    ErrorReply,
+    Hello,
+    HelloOk,
+    ListSessions,
+    ListTools,
+    OkReply,
+    OpenSession,
+    ReleaseWriteLock,
+    SessionInfo,
+    SessionReply,
+    SessionsReply,
+    SetNetwork,
+    Status,
+    StatusReply,
+    ToolOutput,
+    ToolReply,
+    ToolSchema,
+    ToolsReply,
+    _Msg,
+    channel_reply_decoder,
+    channel_request_decoder,
+    daemon_reply_decoder,
+    daemon_request_decoder,
+)
+from dispatchd.protocol.reports import (
+    DaemonReport,
+    GitReport,
+    KernelFeatures,
+    LandlockReport,
+    LifetimeReport,
+    LimitsReport,
+    MemoryHold,
+    NamespacesReport,
+    NetworkReport,
+    Protections,
+    RootEntry,
+)
+
+__all__ = [
+    # frames
+    "MAX_FRAME", "MAX_HELLO_FRAME", "MAX_REQUEST_FRAME", "BadMessage", "FrameSocket", "FrameTooLarge",
+    "ProtocolError", "decode", "encode", "request_id_of",
+    # the public protocol: client <-> daemon, client <-> worker
+    "PROTOCOL_VERSION", "Attach", "Attached", "CallTool", "CancelCall", "ChannelReply", "ChannelRequest",
+    "CloseSession", "DaemonReply", "DaemonRequest", "DeniedHost", "ErrorReply", "Hello", "HelloOk",
+    "ListSessions", "ListTools", "OkReply", "OpenSession", "ReleaseWriteLock", "SessionInfo", "SessionReply",
+    "SessionsReply", "SetNetwork", "Status", "StatusReply", "ToolOutput", "ToolReply", "ToolSchema",
+    "ToolsReply", "_Msg", "channel_reply_decoder", "channel_request_decoder", "daemon_reply_decoder",
+    "daemon_request_decoder",
+    # reports
+    "DaemonReport", "GitReport", "KernelFeatures", "LandlockReport", "LifetimeReport", "LimitsReport", "MemoryHold",
+    "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
+    # internal: daemon <-> worker, daemon <-> fork server
+    "AcquireWriteLock", "AddChannel", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
+    "SetCommandEnv", "Spawned", "SpawnWorker", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerReady",
+    "ZygoteReply", "ZygoteRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
+    "zygote_reply_decoder", "zygote_request_decoder",
+]

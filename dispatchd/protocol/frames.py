@@ -1,0 +1,199 @@
+"""Frames: how every message of dispatchd travels, and how a server reads them.
+
+Guarantees:
+- A frame is a 4-byte big-endian length followed by a msgpack payload of at
+  most ``MAX_FRAME`` bytes. A longer length prefix is refused before any
+  payload is read (``FrameTooLarge``): a peer cannot make us allocate.
+- A payload that does not decode is a ``BadMessage``; ``recv_request`` answers
+  it with an ``ErrorReply`` (``bad_request``, the request's ``id`` when it can
+  be read) and reads on: only a broken frame (garbage, bad length) ends a
+  connection, and only that connection. Both servers, the daemon's and the
+  worker's, read their requests through it.
+- File descriptors ride on a frame's first byte (SCM_RIGHTS) and are queued
+  until taken; a descriptor the kernel had to drop is an error, not a silence.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable
+from typing import TypeVar
+
+import msgspec
+
+from dispatchd.protocol.messages import ErrorReply
+
+# Big enough for a file at the policy's size cap plus two capped output streams,
+# small enough that a hostile length prefix cannot exhaust memory.
+MAX_FRAME = 64 * 1024 * 1024
+# What the daemon reads from a client: requests are a path, a policy name,
+# ports and domain lists, never file contents, so a frame of a few hundred KiB
+# is plenty and bounds what each connection can make the (shared, unconfined)
+# daemon buffer. Before ``Hello`` only a greeting is expected: a few KiB.
+MAX_REQUEST_FRAME = 256 * 1024
+MAX_HELLO_FRAME = 4 * 1024
+_HEADER = struct.Struct(">I")
+
+
+# --- codec ------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+class ProtocolError(Exception):
+    """The peer broke framing or sent something undecodable; drop the connection."""
+
+
+class FrameTooLarge(ProtocolError):
+    pass
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """One whole frame: length prefix and payload."""
+    payload = _encoder.encode(msg)
+    if len(payload) > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _HEADER.pack(len(payload)) + payload
+
+
+class BadMessage(ProtocolError):
+    """A whole frame arrived but does not decode: answer it, keep the connection."""
+
+
+T = TypeVar("T")
+
+
+def decode(decoder: msgspec.msgpack.Decoder[T], payload: bytes) -> T:
+    try:
+        return decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
+        # UnicodeDecodeError: invalid UTF-8 in a string field, which msgspec
+        # reports as such rather than as a DecodeError.
+        raise BadMessage(f"undecodable message: {exc}") from exc
+
+
+class _IdOnly(msgspec.Struct):
+    """The one field read from a request that did not decode. Typed: every
+    other key is skipped without building anything, so a hostile payload
+    (megabytes of nested empty arrays) costs no memory here."""
+
+    id: int = 0
+
+
+_id_decoder = msgspec.msgpack.Decoder(_IdOnly)
+
+
+def request_id_of(payload: bytes) -> int:
+    """Best effort: the ``id`` of a request we could not decode, so the error reply
+    can still be matched by the sender. 0 when even that is unreadable."""
+    try:
+        rid = _id_decoder.decode(payload).id
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError):
+        return 0
+    # One our own reply can carry (msgspec already refused bools and floats).
+    return rid if -(2**63) <= rid < 2**64 else 0
+
+
+class FrameSocket:
+    """Frames over a connected stream socket, with optional fd passing.
+
+    Reads are buffered so a small reply costs one ``recv``; fds that arrive
+    with the data are queued and taken by ``take_fd``. Not thread-safe by
+    itself: callers serialise reads and writes (the client does; the daemon
+    and worker give each connection one reader).
+    """
+
+    def __init__(self, sock: socket.socket, *, fds: bool = False, max_frame: int = MAX_FRAME) -> None:
+        self.sock = sock
+        self._fds = fds
+        self.max_frame = max_frame  # the largest payload accepted; the daemon lowers it per phase
+        self._buf = bytearray()
+        self._fd_queue: list[int] = []
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, msg: msgspec.Struct, fds: list[int] | None = None) -> None:
+        frame = encode(msg)
+        if fds:
+            # The fds ride on the first byte of the frame; the rest follows.
+            sent = socket.send_fds(self.sock, [frame], fds)
+            if sent < len(frame):
+                self.sock.sendall(memoryview(frame)[sent:])
+        else:
+            self.sock.sendall(frame)
+
+    def _fill(self) -> bool:
+        if self._fds:
+            data, fds, flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4)
+            self._fd_queue.extend(fds)
+            if flags & socket.MSG_CTRUNC:
+                # The kernel dropped a descriptor it could not install here
+                # (EMFILE): say so, rather than "none came" later.
+                raise ProtocolError("a file descriptor sent to this process was lost: "
+                                    "it is out of descriptors (RLIMIT_NOFILE)")
+        else:
+            data = self.sock.recv(1 << 16)
+        if not data:
+            return False
+        self._buf += data
+        return True
+
+    def recv_payload(self) -> bytes | None:
+        """The next payload, or None on a clean end of stream between frames."""
+        while len(self._buf) < 4:
+            if not self._fill():
+                if self._buf:
+                    raise ProtocolError("connection closed inside a frame header")
+                return None
+        (length,) = _HEADER.unpack_from(self._buf)
+        if length > self.max_frame:
+            raise FrameTooLarge(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit")
+        while len(self._buf) < 4 + length:
+            if not self._fill():
+                raise ProtocolError("connection closed inside a frame")
+        payload = bytes(self._buf[4 : 4 + length])
+        del self._buf[: 4 + length]
+        return payload
+
+    def recv(self, decoder: msgspec.msgpack.Decoder[T]) -> T | None:
+        payload = self.recv_payload()
+        if payload is None:
+            return None
+        return decode(decoder, payload)
+
+    def recv_request(self, decoder: msgspec.msgpack.Decoder[T], refuse: Callable[[ErrorReply], None]) -> T | None:
+        """The next request that decodes, or None on a clean end of stream.
+
+        A request that does not decode is answered through ``refuse`` (an
+        ``ErrorReply``, code ``bad_request``, with its ``id`` when readable)
+        and the next one is read: the connection stays. Broken framing raises
+        ``ProtocolError`` (``FrameTooLarge`` for a length over ``max_frame``,
+        before its payload is read) and ``OSError`` comes through: the caller
+        ends that connection, and may answer a ``FrameTooLarge`` first."""
+        while True:
+            payload = self.recv_payload()
+            if payload is None:
+                return None
+            try:
+                return decode(decoder, payload)
+            except BadMessage as exc:
+                error = ErrorReply(id=request_id_of(payload), code="bad_request", message=str(exc))
+            del payload  # a refused frame is not kept while we wait for the next
+            refuse(error)
+
+    def take_fd(self) -> int:
+        if not self._fd_queue:
+            raise ProtocolError("expected a file descriptor with this message, none came")
+        return self._fd_queue.pop(0)
+
+    def close(self) -> None:
+        for fd in self._fd_queue:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fd_queue.clear()
+        self.sock.close()

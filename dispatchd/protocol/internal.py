@@ -1,0 +1,170 @@
+"""The internal protocol: the daemon and the processes it starts.
+
+Not for clients, and free to change with the daemon (both ends are always the
+same installed version, and nothing outside the daemon's own processes ever
+holds these sockets). Kept apart from the public protocol (``messages.py``)
+so that changing one never touches the other by accident.
+
+Guarantees:
+- Same framing and tagging as the public protocol, one decoder per direction:
+  ``to_worker_decoder`` / ``from_worker_decoder`` on a session's control
+  channel, ``zygote_request_decoder`` / ``zygote_reply_decoder`` with the
+  fork server.
+- ``SpawnWorker.plan`` is a ``SessionPlan`` encoded on its own and decoded
+  by ``decode_plan``, which imports the planner only when called: a client
+  importing ``dispatchd.protocol`` never loads the daemon's confinement code.
+
+Two conversations:
+- daemon <-> worker (control channel): ``WorkerReady``/``WorkerFailed`` once,
+  then ``AddChannel``, write-lock requests and grants, call records, ``Drain``.
+- daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
+
+import msgspec
+
+from dispatchd.protocol.messages import ErrorReply, OkReply, _Msg
+from dispatchd.protocol.reports import Protections
+
+if TYPE_CHECKING:
+    from dispatchd.confine.plan import SessionPlan
+
+# --- daemon <-> worker: the session's control channel ---------------------------
+
+
+class WorkerReady(_Msg, tag="worker_ready", frozen=True):
+    pid: int
+    protections: Protections
+    timings_ms: dict[str, float] = {}  # per confinement step, for the debug log
+    # Sent with one fd when true: the proxy's listening socket, made on the
+    # loopback of the session's own network namespace (network "domains").
+    proxy_listener: bool = False
+    # Sent with two fds when true, before the listener: the session's user and
+    # network namespaces, for the network stack and the nftables rules. The
+    # daemon cannot open /proc/PID/ns of a worker that is not dumpable (it has
+    # no CAP_SYS_PTRACE over the init namespace that owns the worker's memory).
+    namespaces: bool = False
+
+
+class WorkerFailed(_Msg, tag="worker_failed", frozen=True):
+    """A confinement step could not be applied: the worker has exited."""
+
+    step: str
+    errno: int
+    path: str
+    message: str
+
+
+class AddChannel(_Msg, tag="add_channel", frozen=True):
+    """Sent with one fd: a new client channel for the worker to serve."""
+
+    id: int
+
+
+class AcquireWriteLock(_Msg, tag="acquire_write_lock", frozen=True):
+    """Worker -> daemon, before the session's first mutating tool call: only
+    one session at a time may write a worktree. Answered by ``OkReply`` or by
+    ``ErrorReply`` (code ``write_locked``) naming the session that holds it."""
+
+    id: int
+
+
+class CallRecord(msgspec.Struct, frozen=True, array_like=True):
+    """One finished tool call, for the daemon's log line (never arguments,
+    output or file contents)."""
+
+    tool: str
+    duration_ms: float
+    success: bool
+
+
+class ToolCallsDone(_Msg, tag="tool_calls_done", frozen=True):
+    """Worker -> daemon, the calls finished since the last one, sent at most
+    every half second: a message per call would wake the daemon between a
+    reply and the next request, which measured as half the round trip."""
+
+    calls: list[CallRecord]
+
+
+class Drain(_Msg, tag="drain", frozen=True):
+    """Daemon -> worker when the daemon stops: take no new call, let calls in
+    flight finish for up to ``deadline_s``, then end the session."""
+
+    deadline_s: float
+
+
+class ForgetWriteLock(_Msg, tag="forget_write_lock", frozen=True):
+    """Daemon -> worker: the write lock was given back; ask again before the
+    next mutating call. Sent under the same lock as the grants, so a grant
+    and a release reach the worker in the order the daemon decided them."""
+
+
+class SetCommandEnv(_Msg, tag="set_command_env", frozen=True):
+    """Daemon -> worker: commands started from now on run with ``set`` added
+    to their environment and ``unset`` removed (the proxy variables when a
+    session's network changes in place). Commands already running keep theirs."""
+
+    set: dict[str, str] = {}
+    unset: list[str] = []
+    id: int = 0  # not 0: the worker answers ``OkReply(id)`` once later commands get it
+
+# Worker -> daemon: its start, then requests and records while it serves.
+FromWorker = Union[WorkerReady, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply]
+# Daemon -> worker: channels to serve, answers to its requests, commands.
+ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock]
+
+from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
+to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
+
+# --- daemon <-> fork server ----------------------------------------------------
+
+
+class SpawnWorker(_Msg, tag="spawn_worker", frozen=True):
+    """Sent with two fds: the worker's end of its control channel, and the
+    worktree the daemon checked (O_PATH). ``plan`` is a msgpack-encoded ``SessionPlan``."""
+
+    id: int
+    plan: bytes
+
+
+class Spawned(_Msg, tag="spawned", frozen=True):
+    """Sent with one fd: a pidfd of the new session's first process."""
+
+    id: int
+    pid: int
+
+
+class NetRules(_Msg, tag="net_rules", frozen=True):
+    """Sent with two fds, a session's user and network namespaces: commit
+    ``rules`` (nftables) in there. Answered by ``OkReply`` or ``ErrorReply``."""
+
+    id: int
+    rules: str
+
+ZygoteRequest = Union[SpawnWorker, NetRules]
+ZygoteReply = Union[Spawned, OkReply, ErrorReply]
+
+zygote_request_decoder = msgspec.msgpack.Decoder(ZygoteRequest)  # daemon -> fork server
+zygote_reply_decoder = msgspec.msgpack.Decoder(ZygoteReply)  # fork server -> daemon
+
+
+def encode_plan(plan: SessionPlan) -> bytes:
+    """``SpawnWorker.plan`` from a plan."""
+    return msgspec.msgpack.encode(plan)
+
+
+_plan_decoder: msgspec.msgpack.Decoder[SessionPlan] | None = None
+
+
+def decode_plan(payload: bytes) -> SessionPlan:
+    """The plan a ``SpawnWorker`` carries. Raises msgspec's errors on a bad one
+    (the fork server answers those ``spawn_failed``)."""
+    global _plan_decoder
+    if _plan_decoder is None:
+        from dispatchd.confine.plan import SessionPlan  # the daemon's side only: see the docstring
+
+        _plan_decoder = msgspec.msgpack.Decoder(SessionPlan)
+    return _plan_decoder.decode(payload)

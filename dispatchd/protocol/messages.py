@@ -1,0 +1,237 @@
+"""The public protocol: what a client says to the daemon and to a session's worker.
+
+Guarantees:
+- Every message is a frozen msgspec ``Struct``, tagged by the ``op`` field,
+  with unknown fields refused; one decoder per direction
+  (``daemon_request_decoder``, ``daemon_reply_decoder``,
+  ``channel_request_decoder``, ``channel_reply_decoder``), so a typo or a
+  message sent the wrong way is a decode error, never a half-understood request.
+- Requests carry an ``id`` chosen by the sender; the reply to a request carries
+  the same ``id``, so several calls can be in flight on one connection.
+- The tags and fields here are what clients in the field speak: change them
+  only with ``PROTOCOL_VERSION``. ``OkReply`` and ``ErrorReply`` serve every
+  conversation, the internal ones (``internal.py``) included.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from dispatchd.netmodes import NetworkMode
+from dispatchd.protocol.reports import DaemonReport, KernelFeatures, Protections
+from dispatchd.tools.spec import Risk
+
+PROTOCOL_VERSION = 1  # sent in Hello; the daemon refuses any other
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
+    pass
+
+
+# --- client -> daemon -------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello", frozen=True):
+    id: int
+    version: int
+    client: str = ""
+
+
+class OpenSession(_Msg, tag="open_session", frozen=True):
+    id: int
+    worktree: str
+    policy: str = "default"
+    network: NetworkMode | None = None  # None: the policy's default
+    ports: list[int] | None = None  # under "ports": TCP ports to connect to (None: the policy's)
+    bind_ports: list[int] | None = None  # under "ports": TCP ports to bind (None: the policy's)
+    domains: list[str] | None = None  # under "domains": the hosts it may reach (None: the policy's)
+    # Extra read-only paths for this session (toolchains outside the system
+    # directories: ~/.cargo, ~/.rustup), beside the policy's extra_read_only.
+    read_only: list[str] = []
+    # Lifetime (daemon/lifetimes.py): a session ends once every connection that
+    # opened or attached to it has gone for its grace, unless it is detached.
+    detached: bool = False
+    orphan_grace_s: float | None = None  # shorter than the policy's, never longer; None: the policy's
+
+
+class CloseSession(_Msg, tag="close_session", frozen=True):
+    id: int
+    session: str
+
+
+class ReleaseWriteLock(_Msg, tag="release_write_lock", frozen=True):
+    """Give back the session's worktree write lock without closing it; the
+    session asks again at its next mutating call. Answered by ``SessionReply``."""
+
+    id: int
+    session: str
+
+
+class ListSessions(_Msg, tag="list_sessions", frozen=True):
+    id: int
+
+
+class SetNetwork(_Msg, tag="set_network", frozen=True):
+    id: int
+    session: str
+    network: NetworkMode
+    ports: list[int] | None = None
+    bind_ports: list[int] | None = None
+    domains: list[str] | None = None
+
+
+class Status(_Msg, tag="status", frozen=True):
+    id: int
+
+
+class Attach(_Msg, tag="attach", frozen=True):
+    """Ask for a direct channel to a session's worker (an fd passed back)."""
+
+    id: int
+    session: str
+
+
+class ListTools(_Msg, tag="list_tools", frozen=True):
+    id: int
+    policy: str = "default"
+
+
+DaemonRequest = Union[
+    Hello, OpenSession, CloseSession, ListSessions, SetNetwork, Status, Attach, ListTools, ReleaseWriteLock
+]
+
+# --- daemon -> client -------------------------------------------------------
+
+
+class ToolSchema(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    risk: Risk = "execute"  # from tools/spec.py; a tool that does not say is treated as the riskiest
+    slow: bool = False  # runs on a thread of its own in the worker: its calls can be cancelled
+
+
+class DeniedHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A host a ``domains`` session asked the proxy for and was refused."""
+
+    host: str
+    port: int
+    count: int
+    last: float  # time.time() of the last refusal
+
+
+class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: str
+    worktree: str
+    policy: str
+    network: NetworkMode
+    created: float
+    protections: Protections
+    limits: dict[str, Any] = {}  # the policy's limits (timeouts, caps, model output budget)
+    note: str = ""
+    domains: list[str] = []  # under "domains": the hosts the proxy lets it reach
+    denied: list[DeniedHost] = []  # under "domains": the last hosts refused, most recent first
+    writes: bool = False  # holds its worktree's write lock (one writer per worktree)
+
+
+class HelloOk(_Msg, tag="hello_ok", frozen=True):
+    id: int
+    version: int
+    daemon_version: str
+
+
+class SessionReply(_Msg, tag="session", frozen=True):
+    id: int
+    session: SessionInfo
+
+
+class SessionsReply(_Msg, tag="sessions", frozen=True):
+    id: int
+    sessions: list[SessionInfo]
+
+
+class StatusReply(_Msg, tag="status_reply", frozen=True):
+    id: int
+    daemon_version: str
+    pid: int
+    socket: str
+    kernel: KernelFeatures
+    sessions: list[SessionInfo]
+    daemon: DaemonReport | None = None  # its own budgets: descriptors, connections (daemon/capacity.py)
+
+
+class Attached(_Msg, tag="attached", frozen=True):
+    """Sent with exactly one fd (SCM_RIGHTS): a stream socket to the worker."""
+
+    id: int
+    session: SessionInfo
+    tools: list[ToolSchema]
+
+
+class ToolsReply(_Msg, tag="tools", frozen=True):
+    id: int
+    tools: list[ToolSchema]
+
+
+class OkReply(_Msg, tag="ok", frozen=True):
+    id: int
+
+
+class ErrorReply(_Msg, tag="error", frozen=True):
+    """``code`` is stable and machine-readable; ``message`` is for people."""
+
+    id: int
+    code: str
+    message: str
+
+
+DaemonReply = Union[
+    HelloOk, SessionReply, SessionsReply, StatusReply, Attached, ToolsReply, OkReply, ErrorReply
+]
+
+# --- client <-> worker: a channel the daemon handed over (Attach), one hop per call ---
+
+
+class CallTool(_Msg, tag="call_tool", frozen=True):
+    id: int
+    tool: str
+    params: dict[str, Any]
+    stream: bool = False  # send ToolOutput frames as output comes, before the ToolReply
+
+
+class CancelCall(_Msg, tag="cancel_call", frozen=True):
+    """Client -> worker: end the call ``id`` now (its processes killed); its
+    ``ToolReply`` still comes, a failure with ``metadata["cancelled"]``. No
+    reply of its own; an unknown or finished id is ignored."""
+
+    id: int
+
+
+class ToolOutput(_Msg, tag="tool_output", frozen=True):
+    """Worker -> client, for a ``CallTool`` with ``stream``: output of call
+    ``id`` as it came, ``stream`` "stdout" or "stderr", before its reply."""
+
+    id: int
+    stream: str
+    text: str
+
+
+class ToolReply(_Msg, tag="tool_reply", frozen=True):
+    id: int
+    success: bool
+    output: str | None = None
+    error: str | None = None
+    metadata: dict[str, Any] = {}
+
+
+ChannelRequest = Union[CallTool, CancelCall]
+ChannelReply = Union[ToolReply, ToolOutput, ErrorReply]
+
+# --- decoders, one per direction ------------------------------------------------
+
+daemon_request_decoder = msgspec.msgpack.Decoder(DaemonRequest)  # client -> daemon
+daemon_reply_decoder = msgspec.msgpack.Decoder(DaemonReply)  # daemon -> client
+channel_request_decoder = msgspec.msgpack.Decoder(ChannelRequest)  # client -> worker
+channel_reply_decoder = msgspec.msgpack.Decoder(ChannelReply)  # worker -> client

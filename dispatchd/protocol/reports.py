@@ -1,0 +1,142 @@
+"""What ``status`` and a session's open report, as typed structs.
+
+Guarantees:
+- Each report encodes to exactly the map the daemon sent before it was typed
+  (same keys, same order, same values): a key that used to be left out when
+  empty is a field whose default is left out (``omit_defaults``), so older
+  clients that read these as dicts keep working. ``tests/unit/test_protocol.py``
+  compares the bytes.
+- Reports are not ``forbid_unknown_fields``, unlike the messages that carry
+  them: a client reads a newer daemon's status, one key richer, without failing.
+
+Written by the daemon (``kernel.probe``, ``confine/plan.py``, the session's
+lifetime), read by the CLI and by programs through ``Client.status()``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class KernelFeatures(msgspec.Struct, frozen=True):
+    """What this kernel offers, probed once when the daemon starts (``dispatchd.kernel``)."""
+
+    release: str
+    landlock_abi: int  # 0: Landlock absent or disabled
+    user_namespaces: bool
+    user_namespaces_note: str
+    seccomp: bool
+    seccomp_actions: list[str]
+    cgroup2: str  # where cgroup v2 is mounted, "" if nowhere
+    # Whether sessions get cgroups of their own, and why not: filled in by the
+    # daemon once it has tried to take its cgroup (confine/cgroups.py).
+    cgroup_delegation: str = "not looked for"
+    # The user-mode stack sessions reach out through, and nftables for
+    # "ports": "" when usable, else why not (confine/netstack.py). Missing,
+    # "on" and "ports" fall back to the host's network, and say so.
+    network_stack_missing: str = "not looked for"
+    nftables_missing: str = "not looked for"
+
+
+class DaemonReport(msgspec.Struct, frozen=True):
+    """The daemon's own budgets (``daemon/capacity.py``)."""
+
+    open_files: int  # its descriptor limit (RLIMIT_NOFILE) in force
+    open_files_note: str  # raised, already there, or why not
+    connections: int  # client connections served now
+    max_connections: int  # ... and at most
+
+
+class LandlockReport(msgspec.Struct, frozen=True):
+    abi: int
+    filesystem: str  # "enforced"
+    scopes: list[str]  # "abstract_unix_socket", "signal"
+    tcp: str  # "denied" | "not handled"
+
+
+class NamespacesReport(msgspec.Struct, frozen=True):
+    """Which namespaces of its own the session has."""
+
+    user: bool
+    mount: bool
+    pid: bool
+    net: bool
+
+    def held(self) -> list[str]:
+        """The names of those it has, in this order."""
+        return [name for name in self.__struct_fields__ if getattr(self, name)]
+
+
+class NetworkReport(msgspec.Struct, frozen=True, omit_defaults=True):
+    mode: str  # "off" | "on" | "ports" | "domains"
+    mechanism: str  # what holds it, in words
+    stack: str = ""  # the user-mode stack carrying it ("pasta"); left out when none
+    connect_ports: list[int] | None = None  # under "ports" only
+    bind_ports: list[int] | None = None  # under "ports" only
+
+
+class RootEntry(msgspec.Struct, frozen=True):
+    """A path visible in the session, and how."""
+
+    path: str
+    how: str
+
+
+class GitReport(msgspec.Struct, frozen=True, omit_defaults=True):
+    kind: str  # gitdirs.GitLayout.kind: "none", "repository", "linked", ...
+    read_only: list[str]
+    granted: list[str]
+    note: str = ""  # left out when empty
+
+
+class LimitsReport(msgspec.Struct, frozen=True):
+    mechanism: str  # "cgroup v2 and rlimits" | "rlimits"
+    cgroup: str  # the session's cgroup, "" when none
+    cgroups: str  # the daemon's delegation, in words
+    max_processes: int | str  # a number, or how it is counted when not simply that
+    memory: str
+    cpu_weight: int | str  # a number, or why it is not enforced
+    max_data_bytes_per_process: int
+    max_file_bytes: int
+    max_open_files_per_process: int
+    kernel_budgets: str
+    leaves_open: list[str]  # what a session can still take from budgets shared with the user
+
+
+class MemoryHold(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What holds a session's memory (``daemon/watchdog.mechanism``)."""
+
+    mechanism: str  # "cgroup" | "watchdog"
+    limit_bytes: int
+    interval_s: float | None = None  # the watchdog's period; left out under "cgroup"
+    detail: str
+
+
+class LifetimeReport(msgspec.Struct, frozen=True):
+    """How long a session outlives its last connection (``daemon/lifetimes.py``)."""
+
+    detached: bool
+    orphan_grace_s: float
+    memory: MemoryHold
+
+
+class Protections(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The protections in force for one session: planned by ``confine/plan.py``,
+    completed by the worker (``absent_paths``, ``root``) and by the daemon
+    (``lifetime``)."""
+
+    mode: str  # "full" | "degraded"
+    landlock: LandlockReport
+    seccomp: str  # "enforced"
+    namespaces: NamespacesReport
+    network: NetworkReport
+    worktree: str  # "read-write" | "read-only"
+    root: list[RootEntry]
+    unix_sockets: str
+    git: GitReport
+    hygiene: list[str]
+    leaves_open: list[str]  # the sandbox's gaps, in words
+    limits: LimitsReport
+    # Paths of the plan this machine lacks, skipped by the worker; set once it is ready.
+    absent_paths: list[str] | None = None
+    lifetime: LifetimeReport | None = None  # set by the daemon once the session is listed
