@@ -262,6 +262,55 @@ def plan_session(
         # After the policy's: the proxy is the only way out anyway.
         proxy=domains_mod.proxy_env() if network == "domains" else None)
 
+    lim = policy.limits
+    limits_plan = plan_limits(max_processes=lim.max_processes, max_data_bytes=lim.max_data_bytes,
+                              max_file_bytes=lim.max_file_bytes, max_open_files=lim.max_open_files,
+                              user_namespace=use_userns, max_pending_signals=lim.max_pending_signals,
+                              max_msgqueue_bytes=lim.max_msgqueue_bytes)
+    cgroup = plan_session_cgroup(delegation, session, max_processes=lim.max_processes,
+                                 memory_bytes=lim.session_memory_bytes, cpu_weight=lim.cpu_weight)
+    ucounts = plan_ucounts(user_namespace=use_userns, inotify_instances=lim.max_inotify_instances,
+                           inotify_watches=lim.max_inotify_watches, fanotify_groups=lim.max_fanotify_groups,
+                           fanotify_marks=lim.max_fanotify_marks,
+                           # pasta may join it at any switch: room for its own namespaces
+                           network_stack=use_userns and not kernel.network_stack_missing)
+    protections = describe_protections(
+        policy, kernel, network=network, ports=ports, net=net, use_userns=use_userns, git=git,
+        minimal_root=minimal_root, unix_sockets=unix_sockets, namespaces=namespaces, landlock=landlock,
+        mounts=mounts, labels=labels, cgroup=cgroup, delegation=delegation, ucounts=ucounts)
+    return SessionPlan(
+        session=session,
+        policy=policy.name,
+        network=network,
+        paths=paths,
+        namespaces=namespaces,
+        mounts=mounts,
+        loopback=namespaces.net,
+        landlock=landlock,
+        seccomp=seccomp,
+        limits_plan=limits_plan,
+        ucounts=ucounts,
+        cgroup=cgroup,
+        env=env,
+        tools=list(policy.tools),
+        writable=worktree_rw,
+        limits=policy.limits,
+        protections=protections,
+        net=net,
+        proxy_port=domains_mod.PROXY_PORT if network == "domains" else 0,
+    )
+
+
+def describe_protections(policy: Policy, kernel: KernelFeatures, *, network: NetworkMode, ports: NetworkPorts,
+                         net: NetworkPlan, use_userns: bool, git: GitLayout, minimal_root: bool,
+                         unix_sockets: bool, namespaces: NamespacePlan, landlock: LandlockPlan,
+                         mounts: MountPlan | None, labels: dict[str, str], cgroup: SessionCgroup | None,
+                         delegation: Delegation, ucounts: UcountsPlan) -> Protections:
+    """What ``status`` reports of a planned session: each protection, how it
+    is held, and what the session's mode leaves open (``leaves_open``). Pure,
+    from the plans themselves, so the report cannot claim what is not applied."""
+    fs = policy.filesystem
+    network_off = network == "off"
     net_mechanism = net.mechanism
     gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
     mode = "full" if not gaps else "degraded"  # of the sandbox; the view's and the network's own caveats follow
@@ -303,19 +352,8 @@ def plan_session(
     hygiene_report = ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
                       "dies with its parent", "not dumpable"] + (["no capabilities"] if use_userns else [])
     lim = policy.limits
-    limits_plan = plan_limits(max_processes=lim.max_processes, max_data_bytes=lim.max_data_bytes,
-                              max_file_bytes=lim.max_file_bytes, max_open_files=lim.max_open_files,
-                              user_namespace=use_userns, max_pending_signals=lim.max_pending_signals,
-                              max_msgqueue_bytes=lim.max_msgqueue_bytes)
-    cgroup = plan_session_cgroup(delegation, session, max_processes=lim.max_processes,
-                                 memory_bytes=lim.session_memory_bytes, cpu_weight=lim.cpu_weight)
     held = set(cgroup.settings) if cgroup else set()
     rlimit_processes = lim.max_processes if use_userns else f"{lim.max_processes} more than the user ran at open"
-    ucounts = plan_ucounts(user_namespace=use_userns, inotify_instances=lim.max_inotify_instances,
-                           inotify_watches=lim.max_inotify_watches, fanotify_groups=lim.max_fanotify_groups,
-                           fanotify_marks=lim.max_fanotify_marks,
-                           # pasta may join it at any switch: room for its own namespaces
-                           network_stack=use_userns and not kernel.network_stack_missing)
     limits_report = LimitsReport(
         # rlimits hold in every mode; a cgroup adds limits over the whole session.
         mechanism=("cgroup v2 and rlimits" if cgroup else "rlimits"),
@@ -336,30 +374,9 @@ def plan_session(
         leaves_open=budget_gaps(user_namespace=use_userns, cgroup_controllers=tuple(
             c for c, key in (("memory", "memory.max"), ("cpu", "cpu.weight")) if key in held)),
     )
-    protections = Protections(
+    return Protections(
         mode=mode, landlock=landlock_report, seccomp="enforced",
         namespaces=NamespacesReport(user=namespaces.user, mount=namespaces.mount, pid=namespaces.pid,
                                     net=namespaces.net),
         network=network_report, worktree=fs.worktree, root=root, unix_sockets=unix_report, git=git_report,
         hygiene=hygiene_report, leaves_open=gaps, limits=limits_report)
-    return SessionPlan(
-        session=session,
-        policy=policy.name,
-        network=network,
-        paths=paths,
-        namespaces=namespaces,
-        mounts=mounts,
-        loopback=namespaces.net,
-        landlock=landlock,
-        seccomp=seccomp,
-        limits_plan=limits_plan,
-        ucounts=ucounts,
-        cgroup=cgroup,
-        env=env,
-        tools=list(policy.tools),
-        writable=worktree_rw,
-        limits=policy.limits,
-        protections=protections,
-        net=net,
-        proxy_port=domains_mod.PROXY_PORT if network == "domains" else 0,
-    )

@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import threading
@@ -58,6 +57,7 @@ from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsna
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
+from dispatchd.daemon.writelock import WriteLocks
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
 from dispatchd.inside import is_below, is_within, overlap
 from dispatchd.kernel import KernelFeatures
@@ -100,7 +100,7 @@ class Session:
         self.generation = 0
         self.closed = False
         self.ended = threading.Event()  # set when the current worker's control channel closes
-        self.writes = False  # holds its worktree's write lock (kept by the manager's _writers)
+        self.writes = False  # holds its worktree's write lock (kept by the manager's write_locks)
         self.acks: dict[int, threading.Event] = {}  # SetCommandEnv requests waiting for the worker
         self.ack_ids = 0
         # How long it outlives its last connection, and what holds its memory (status shows both).
@@ -204,7 +204,7 @@ class SessionManager:
         self.uid, self.gid = os.getuid(), os.getgid()
         self.home = os.path.expanduser("~")
         self._sessions: dict[str, Session] = {}
-        self._writers: dict[str, str] = {}  # worktree -> the session that may write it
+        self.write_locks = WriteLocks()  # one writer per worktree
         # Worktrees whose git metadata a session left in a state the daemon
         # could not make safe: refused until restart (see _check_git).
         self._tainted: dict[str, str] = {}
@@ -294,8 +294,7 @@ class SessionManager:
             os.makedirs(scratch + "/home", mode=0o700)
             self._start_worker(session, network)
         except BaseException:
-            self._remove_cgroup(session)
-            self._remove_scratch(session)
+            self._discard(session)  # closes the worktree's descriptor too (and open()'s close is then a no-op)
             raise
         grace = lifetimes.effective_grace(policy.limits.orphan_grace_s, orphan_grace_s)
         cgroup_memory = bool(session.cgroup) and "memory" in self.delegation.controllers
@@ -389,8 +388,7 @@ class SessionManager:
             msg = exc
         ours.settimeout(None)
         if not isinstance(msg, protocol.WorkerReady):
-            worker.signal(signal.SIGKILL)
-            worker.close()
+            worker.kill()
             control.close()
             if isinstance(msg, protocol.WorkerFailed) and msg.step == WORKTREE_STEP:
                 # Raced: the worktree was swapped between the daemon's check and the worker's bind.
@@ -409,8 +407,7 @@ class SessionManager:
         except ConfinementError:
             for fd in ns_fds or ():
                 os.close(fd)
-            worker.signal(signal.SIGKILL)
-            worker.close()
+            worker.kill()
             control.close()
             raise
         log.debug("event=worker_ready session=%s pid=%s steps_ms=%s", session.id, msg.pid,
@@ -422,8 +419,7 @@ class SessionManager:
         except BaseException:
             self._stop_network(session)
             session.worker = None
-            worker.signal(signal.SIGKILL)
-            worker.close()
+            worker.kill()
             control.close()
             raise
         session.control = control
@@ -605,14 +601,13 @@ class SessionManager:
         # kernel keeps from an init every signal it does not handle but SIGKILL
         # (which ends everything in its namespace). Without a pid namespace the
         # session init's SIGTERM handler kills its Landlock domain.
-        worker.signal(signal.SIGKILL if _has_pid_namespace(session) else signal.SIGTERM)
         # The tool server holds the other end of the control channel: its EOF
-        # means the session's processes are gone (pid 1 of their namespace has
-        # exited, or the session init has killed its Landlock domain).
-        if not session.ended.wait(STOP_TIMEOUT_S):
+        # (session.ended) means the session's processes are gone (pid 1 of
+        # their namespace has exited, or the session init has killed its
+        # Landlock domain).
+        sig = signal.SIGKILL if _has_pid_namespace(session) else signal.SIGTERM
+        if not worker.stop(sig, session.ended, STOP_TIMEOUT_S):
             log.warning("event=worker_stop_timeout session=%s seconds=%g", session.id, STOP_TIMEOUT_S)
-        worker.signal(signal.SIGKILL)
-        worker.close()
         if session.cgroup and not cgroups.kill(session.cgroup):
             log.error("event=cgroup_not_empty session=%s cgroup=%s", session.id, session.cgroup)
         if control is not None:
@@ -633,20 +628,24 @@ class SessionManager:
                 self._check_git(session)
                 self._sweep_temp_files(session)
             finally:
-                # Whatever the checks found, the session is over: no cgroup,
-                # no table entry, no write lock, no scratch directory left.
-                self._remove_cgroup(session)
-                self._forget(session)
-                self._remove_scratch(session)
-                session.worktree_dir.close()
+                # Whatever the checks found, the session is over.
+                self._discard(session)
+
+    def _discard(self, session: Session) -> None:
+        """The one way a session's remains go, whether it ended or never
+        finished opening: its cgroup, its table entry and write lock, its
+        scratch directory (and the lock that marks it ours), its worktree
+        descriptor. Its processes are gone before this (``_stop_worker``)."""
+        self._remove_cgroup(session)
+        self._forget(session)
+        self._remove_scratch(session)
+        session.worktree_dir.close()
 
     def _sweep_temp_files(self, session: Session) -> None:
         """The writer's processes are gone, and it still holds the write lock
         (nobody else writes meanwhile): a write its end cut short leaves no
         temporary file behind."""
-        with self._lock:
-            wrote = session.id in self._writers.values()
-        if not wrote:
+        if not self.write_locks.holds(session.id):
             return
         started = time.perf_counter()
         removed = sweep_temp_files(session.worktree)  # the daemon writes none: none in flight
@@ -734,23 +733,21 @@ class SessionManager:
         self.holders.forget(session.id)
         with self._lock:
             self._sessions.pop(session.id, None)
-            # Its processes are gone (stopped before this): the next may write.
-            self._writers = {wt: sid for wt, sid in self._writers.items() if sid != session.id}
-            session.writes = False
+        # Its processes are gone (stopped before this): the next may write.
+        self.write_locks.release(session.id)
+        session.writes = False
 
     def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply:
         """One writer per worktree (a worktree inside another's counts as the same)."""
-        with self._lock:
-            for worktree, holder in self._writers.items():
-                if holder == session.id or not overlap(worktree, session.worktree):
-                    continue
+        holder = self.write_locks.acquire(session.id, session.worktree)
+        if holder is not None:
+            with self._lock:
                 other = self._sessions.get(holder)
-                since = time.strftime("%H:%M:%S", time.localtime(other.created)) if other else "?"
-                return protocol.ErrorReply(id=rid, code="write_locked", message=(
-                    f"the worktree {session.worktree} is being written by session {holder} (opened {since}); "
-                    "only one session at a time may write a worktree: close that session, or use this one to read"))
-            self._writers[session.worktree] = session.id
-            session.writes = True
+            since = time.strftime("%H:%M:%S", time.localtime(other.created)) if other else "?"
+            return protocol.ErrorReply(id=rid, code="write_locked", message=(
+                f"the worktree {session.worktree} is being written by session {holder} (opened {since}); "
+                "only one session at a time may write a worktree: close that session, or use this one to read"))
+        session.writes = True
         log.info("event=write_lock session=%s worktree=%s", session.id, session.worktree)
         return protocol.OkReply(id=rid)
 
@@ -766,9 +763,8 @@ class SessionManager:
                     session.control.send(protocol.ForgetWriteLock())
                 except OSError:
                     pass  # the worker is gone: nothing holds the lock for it
-            with self._lock:
-                self._writers = {wt: holder for wt, holder in self._writers.items() if holder != sid}
-                session.writes = False
+            self.write_locks.release(sid)
+            session.writes = False
         log.info("event=write_lock_released session=%s", sid)
         return session
 
@@ -832,10 +828,9 @@ class SessionManager:
                 # end the session rather than leave it in a state nobody asked for.
                 session.closed = True
                 session.generation += 1
+                self._ended.record(session.id, f"its network could not be switched to {network}")
                 self._stop_worker(session)
-                self._remove_cgroup(session)
-                self._forget(session)
-                shutil.rmtree(session.scratch, ignore_errors=True)
+                self._discard(session)
                 raise
             if note is not None:
                 session.note = note
@@ -850,24 +845,15 @@ class SessionManager:
                 self._start_worker(session, network)
                 session.note = (f"network {network}: the sandbox was replaced ({self._why_replaced(session)}); "
                                 f"{ended} process(es) the session had started were ended")
-            except ConfinementError:
-                # The new setting cannot be enforced: stay closed rather than
-                # leave the session running under a setting nobody asked for.
-                session.ports, session.domains = old_ports, old_domains
+            except BaseException as exc:
+                # The new setting cannot be enforced (or starting failed):
+                # stay closed rather than leave the session running under a
+                # setting nobody asked for.
+                if isinstance(exc, ConfinementError):
+                    session.ports, session.domains = old_ports, old_domains
                 session.closed = True
                 self._ended.record(session.id, f"its network could not be switched to {network}")
-                self._remove_cgroup(session)
-                self._forget(session)
-                self._remove_scratch(session)
-                session.worktree_dir.close()
-                raise
-            except BaseException:
-                session.closed = True
-                self._ended.record(session.id, f"its network could not be switched to {network}")
-                self._remove_cgroup(session)
-                self._forget(session)
-                self._remove_scratch(session)
-                session.worktree_dir.close()
+                self._discard(session)
                 raise
         log.info("event=session_network session=%s network=%s ended=%s", sid, network, ended)
         return session

@@ -40,6 +40,20 @@ class Worker:
             os.close(self.pidfd)
             self.pidfd = -1
 
+    def kill(self) -> None:
+        """SIGKILL, and let go of it: for a worker that never became a session's."""
+        self.signal(signal.SIGKILL)
+        self.close()
+
+    def stop(self, sig: int, ended: threading.Event, timeout_s: float) -> bool:
+        """Send ``sig`` (what ends this worker's session: see the caller), wait
+        for ``ended`` (its tool server gone), then SIGKILL whatever is left and
+        let go. False when ``ended`` did not come in time."""
+        self.signal(sig)
+        in_time = ended.wait(timeout_s)
+        self.kill()
+        return in_time
+
 
 class ZygoteClient:
     def __init__(self, pid: int, sock: socket.socket) -> None:

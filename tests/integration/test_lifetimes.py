@@ -245,7 +245,8 @@ def test_a_write_whose_tool_server_is_killed_says_so_and_its_temp_file_goes(tmp_
             session.detach()
             # The daemon removed what the cut write left, before anyone else could write.
             assert not [p.name for p in worktree.iterdir() if ".dispatchd-" in p.name]
-            assert f"event=temp_files_removed session={session.id} count=1" in d.log()
+            # The line follows the removal: a loaded machine may show the one before the other.
+            assert _wait(lambda: f"event=temp_files_removed session={session.id} count=1" in d.log(), timeout=10)
             # What a killed daemon leaves (no end of session to clean up), beside a
             # user's file of a near name and a symlink with our exact name aimed outside:
             # the next session granted the write lock removes ours only.
@@ -382,8 +383,10 @@ def test_closing_a_session_ends_its_processes_without_the_stop_timeouts_sigkill(
             init = psutil.Process(server.ppid())  # the orphaned sleep is its child, not the tool server's
             (sleeper,) = [p for p in init.children(recursive=True) if p.name() == "sleep"]
             session.close()
-            for p in (server, sleeper):
-                assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+            # SIGKILL is delivered as the victims are scheduled: on a loaded
+            # machine the close may return a moment before the last one is gone.
+            _gone, alive = psutil.wait_procs([server, sleeper], timeout=5)
+            assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
         assert "event=session_close" in d.log()
         assert "event=worker_stop_timeout" not in d.log()
     finally:
