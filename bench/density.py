@@ -102,7 +102,7 @@ def main() -> int:
             time.sleep(0.5)
             before_info = meminfo()
             before = before_info["MemAvailable"]
-            zygote_and_daemon = {daemon.pid, *children(daemon.pid)}
+            fork_server_and_daemon = {daemon.pid, *children(daemon.pid)}
             # The daemon's and this client's own growth are part of the drop
             # but not of the sessions: measured apart (both are readable).
             own_before = {"daemon": uss(daemon.pid) or 0, "client": uss(os.getpid()) or 0}
@@ -121,7 +121,7 @@ def main() -> int:
             during = during_info["MemAvailable"]
             own_growth = {"daemon": (uss(daemon.pid) or 0) - own_before["daemon"],
                           "client": (uss(os.getpid()) or 0) - own_before["client"]}
-            procs = [p for p in children(daemon.pid) if p not in zygote_and_daemon]
+            procs = [p for p in children(daemon.pid) if p not in fork_server_and_daemon]
             private = [uss(p) for p in procs]
             readable = [u for u in private if u is not None]
             if args.hold > 0:

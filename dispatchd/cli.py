@@ -203,10 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     socket_path = handed.getsockname() if handed is not None else paths.resolve_socket_path(args.socket)
     state = paths.state_dir()
     # The fork server first: it must be forked while we have a single thread.
-    from dispatchd.daemon.spawn import ZygoteClient
-    from dispatchd.worker.zygote import start_zygote
+    from dispatchd.daemon.spawn import ForkServerClient
+    from dispatchd.worker.fork_server import start_fork_server
 
-    zygote = ZygoteClient(*start_zygote())
+    fork_server = ForkServerClient(*start_fork_server())
 
     from dispatchd.daemon import leftovers
     from dispatchd.daemon.server import Server
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             listener = _bind(socket_path)
     except (DispatchdError, paths.UnsafeDirectory, OSError) as exc:
         print(f"dispatchd: {exc}", file=sys.stderr)
-        zygote.stop()
+        fork_server.stop()
         return 1
     from dispatchd.daemon.proxy import system_resolver
 
@@ -246,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         resolver = system_resolver(overrides)
     except ValueError as exc:
         print(f"dispatchd: {PROXY_HOSTS_FLAG}: {exc}", file=sys.stderr)
-        zygote.stop()
+        fork_server.stop()
         return 2
     if overrides:
         log.warning("event=testing_proxy_hosts hosts=%s (the domains proxy relays to these, loopback included)",
                     ",".join(f"{k}={'/'.join(v)}" for k, v in overrides.items()))
     manager = SessionManager(
-        zygote=zygote, kernel=features, load_policy=policy_loader, state_dir=state,
+        fork_server=fork_server, kernel=features, load_policy=policy_loader, state_dir=state,
         protected=[state, os.path.dirname(socket_path)], private=[state], runtime_dirs=sorted(runtime),
         code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation, resolver=resolver,
     )
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             except FileNotFoundError:
                 pass
         listener.close()
-        zygote.stop()
+        fork_server.stop()
         log.info("event=stopped")
     return 0
 

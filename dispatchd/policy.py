@@ -32,7 +32,7 @@ ALL_TOOLS = tuple(SPECS)
 # offers these too (listed or not), and one without it cannot offer them.
 JOB_TOOLS = ("job_output", "job_stop", "job_list")
 # The tools that may change the worktree, so need it writable (and its write
-# lock, worker/server.py): every one whose risk is not "read" but the job
+# lock, worker/tool_server.py): every one whose risk is not "read" but the job
 # tools, which only act on jobs shell_exec started (and took the lock for).
 MUTATING_TOOLS = frozenset(name for name, spec in SPECS.items() if spec.risk != "read" and name not in JOB_TOOLS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

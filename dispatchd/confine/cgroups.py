@@ -221,7 +221,7 @@ def create(cgroup: SessionCgroup) -> None:
         raise ConfinementError("cgroup", exc.errno or 0, exc.filename or cgroup.path) from exc
 
 
-def join(path: str) -> None:
+def apply_cgroup(path: str) -> None:
     """Move the calling process into the cgroup (the session's first step)."""
     try:
         _write(f"{path}/cgroup.procs", "0")

@@ -1,6 +1,6 @@
 """Landlock: which paths a session may read, write or execute, and its scopes.
 
-Guarantees, once ``apply_landlock_to_self`` has returned:
+Guarantees, once ``apply_landlock`` has returned:
 - every filesystem access right the kernel's ABI knows is *handled*: a path is
   reachable only beneath a rule, with only that rule's rights;
 - system paths are read+execute only; the worktree, the session's scratch
@@ -139,7 +139,7 @@ def landlock_abi() -> int:
         return 0
 
 
-def apply_landlock_to_self(plan: LandlockPlan, held: dict[str, int] | None = None) -> list[str]:
+def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None) -> list[str]:
     """Enforce the plan on the calling thread. Returns the planned paths that do
     not exist on this machine (skipped: nothing there to grant). ``held`` maps
     a planned path to a descriptor to grant instead of opening the path: the

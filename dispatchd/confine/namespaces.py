@@ -9,7 +9,7 @@ Guarantees, where the kernel allows unprivileged user namespaces:
   its own) and a new network namespace (every mode, when a user-mode stack is
   there to reach out through; otherwise only when the network is off), born
   in the session's cgroup where there is one;
-- ``write_id_maps`` (in that process, first) maps only the user's own uid and
+- ``apply_id_maps`` (in that process, first) maps only the user's own uid and
   gid (no root inside, setgroups denied);
 - ``open_own`` gives the daemon the session's user and network namespaces as
   descriptors (by descriptor from the process itself: no pid to recycle, and
@@ -98,7 +98,7 @@ def open_own(plan: NamespacePlan) -> list[int]:
     return fds
 
 
-def write_id_maps(plan: NamespacePlan) -> None:
+def apply_id_maps(plan: NamespacePlan) -> None:
     """In the session's first process: map the user's own ids, nothing else."""
     if not plan.user:
         return

@@ -1,6 +1,6 @@
 """Loopback inside a session's own network namespace.
 
-Guarantee: after ``bring_up_loopback``, the session's namespace has ``lo`` up
+Guarantee: after ``apply_loopback``, the session's namespace has ``lo`` up
 (127.0.0.1 and ::1 work, so a test server inside the session answers a client
 inside it) and no other interface: nothing outside is reachable.
 ``open_proxy_listener`` makes, in that namespace, the listening socket whose
@@ -25,7 +25,7 @@ SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 
 
-def bring_up_loopback() -> None:
+def apply_loopback() -> None:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             req = struct.pack("16sh14x", b"lo", 0)

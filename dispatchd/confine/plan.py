@@ -2,7 +2,7 @@
 
 The daemon builds a ``SessionPlan`` from the policy, the kernel probe and the
 session's paths, and hands it to the fork server; the worker applies it step
-by step (``dispatchd.worker.session.confine``). Everything the worker will do
+by step (``dispatchd.worker.session_init.confine``). Everything the worker will do
 is visible here, and the unit tests compare plans by equality.
 
 Fail closed: a protection the policy requires but the kernel lacks raises

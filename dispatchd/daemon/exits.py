@@ -1,7 +1,7 @@
 """Why a session's worker ended, told in words (daemon side).
 
 The session's processes pass the cause up as exit codes (see
-``dispatchd.worker.session``): the tool server's own code, or 128+N when a
+``dispatchd.worker.session_init``): the tool server's own code, or 128+N when a
 signal N killed it, becomes the session init's (W1's). The daemon
 is not W1's parent (the fork server is), so it reads W1's wait status through
 the pidfd it holds (``PIDFD_GET_INFO`` with ``PIDFD_INFO_EXIT``, Linux 6.15+):

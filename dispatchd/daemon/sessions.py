@@ -5,7 +5,7 @@ Guarantees:
   step of its confinement is in force (``WorkerReady``); a step that fails
   refuses the open with the worker's own step, errno and path;
 - closing a session, switching its network, or the daemon stopping ends every
-  process the session started (see ``dispatchd.worker.session``), and the
+  process the session started (see ``dispatchd.worker.session_init``), and the
   session's scratch directory is removed afterwards;
 - a session whose worker ends on its own (idle timeout, crash) leaves the table;
 - one writer per worktree: the first session to run a mutating tool on a
@@ -55,7 +55,7 @@ from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
-from dispatchd.daemon.spawn import SpawnError, Worker, ZygoteClient
+from dispatchd.daemon.spawn import SpawnError, Worker, ForkServerClient
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
 from dispatchd.daemon.writelock import WriteLocks
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
@@ -178,7 +178,7 @@ class SessionManager:
     def __init__(
         self,
         *,
-        zygote: ZygoteClient,
+        fork_server: ForkServerClient,
         kernel: KernelFeatures,
         load_policy: Callable[[str], Policy],
         state_dir: str,
@@ -190,7 +190,7 @@ class SessionManager:
         delegation: cgroups.Delegation = cgroups.Delegation(note="not looked for"),
         resolver: Resolver | None = None,
     ) -> None:
-        self.zygote = zygote
+        self.fork_server = fork_server
         self.kernel = kernel
         self.load_policy = load_policy
         self.sessions_dir = os.path.join(state_dir, "sessions")
@@ -377,7 +377,7 @@ class SessionManager:
             session.cgroup = plan.cgroup.path
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            worker = self.zygote.spawn_worker(plan, theirs, session.worktree_dir.fd)
+            worker = self.fork_server.spawn_worker(plan, theirs, session.worktree_dir.fd)
         finally:
             theirs.close()
         control = protocol.FrameSocket(ours, fds=True)
@@ -469,7 +469,7 @@ class SessionManager:
             session.stack = None
         if new.rules != (old.rules if old is not None else ""):
             try:
-                self.zygote.net_rules(new.rules or netstack.nft_rules(new.mode, session.ports),
+                self.fork_server.net_rules(new.rules or netstack.nft_rules(new.mode, session.ports),
                                       *self._namespaces(session))
             except SpawnError as exc:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc

@@ -55,7 +55,7 @@ class Worker:
         return in_time
 
 
-class ZygoteClient:
+class ForkServerClient:
     def __init__(self, pid: int, sock: socket.socket) -> None:
         self.pid = pid
         self._frames = protocol.FrameSocket(sock, fds=True)
@@ -70,7 +70,7 @@ class ZygoteClient:
             req = protocol.SpawnWorker(id=self._next, plan=protocol.encode_plan(plan))
             try:
                 self._frames.send(req, fds=[control_end.fileno(), worktree_fd])
-                reply = self._frames.recv(protocol.zygote_reply_decoder)
+                reply = self._frames.recv(protocol.fork_server_reply_decoder)
             except (OSError, protocol.ProtocolError) as exc:
                 raise SpawnError(f"the fork server is not answering: {exc}") from exc
             if reply is None:
@@ -86,7 +86,7 @@ class ZygoteClient:
             self._next += 1
             try:
                 self._frames.send(protocol.NetRules(id=self._next, rules=rules), fds=[userns_fd, netns_fd])
-                reply = self._frames.recv(protocol.zygote_reply_decoder)
+                reply = self._frames.recv(protocol.fork_server_reply_decoder)
             except (OSError, protocol.ProtocolError) as exc:
                 raise SpawnError(f"the fork server is not answering: {exc}") from exc
             if reply is None:

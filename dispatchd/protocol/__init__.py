@@ -51,14 +51,14 @@ from dispatchd.protocol.internal import (
     ToWorker,
     WorkerFailed,
     WorkerReady,
-    ZygoteReply,
-    ZygoteRequest,
+    ForkServerReply,
+    ForkServerRequest,
     decode_plan,
     encode_plan,
     from_worker_decoder,
     to_worker_decoder,
-    zygote_reply_decoder,
-    zygote_request_decoder,
+    fork_server_reply_decoder,
+    fork_server_request_decoder,
 )
 from dispatchd.protocol.messages import (
     PROTOCOL_VERSION,
@@ -127,6 +127,6 @@ __all__ = [
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
     "SetCommandEnv", "Spawned", "SpawnWorker", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerReady",
-    "ZygoteReply", "ZygoteRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
-    "zygote_reply_decoder", "zygote_request_decoder",
+    "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
+    "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

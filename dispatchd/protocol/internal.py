@@ -8,7 +8,7 @@ so that changing one never touches the other by accident.
 Guarantees:
 - Same framing and tagging as the public protocol, one decoder per direction:
   ``to_worker_decoder`` / ``from_worker_decoder`` on a session's control
-  channel, ``zygote_request_decoder`` / ``zygote_reply_decoder`` with the
+  channel, ``fork_server_request_decoder`` / ``fork_server_reply_decoder`` with the
   fork server.
 - ``SpawnWorker.plan`` is a ``SessionPlan`` encoded on its own and decoded
   by ``decode_plan``, which imports the planner only when called: a client
@@ -144,11 +144,11 @@ class NetRules(_Msg, tag="net_rules", frozen=True):
     id: int
     rules: str
 
-ZygoteRequest = Union[SpawnWorker, NetRules]
-ZygoteReply = Union[Spawned, OkReply, ErrorReply]
+ForkServerRequest = Union[SpawnWorker, NetRules]
+ForkServerReply = Union[Spawned, OkReply, ErrorReply]
 
-zygote_request_decoder = msgspec.msgpack.Decoder(ZygoteRequest)  # daemon -> fork server
-zygote_reply_decoder = msgspec.msgpack.Decoder(ZygoteReply)  # fork server -> daemon
+fork_server_request_decoder = msgspec.msgpack.Decoder(ForkServerRequest)  # daemon -> fork server
+fork_server_reply_decoder = msgspec.msgpack.Decoder(ForkServerReply)  # fork server -> daemon
 
 
 def encode_plan(plan: SessionPlan) -> bytes:

@@ -23,7 +23,7 @@ import stat
 
 from dispatchd.tools.atomic import atomic_write
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
-from dispatchd.tools.paths import describe_os_error, printable, relative, resolve
+from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve
 from dispatchd.tools.spec import CreateFileParams, EditFileParams, ListFilesParams, ReadFileParams, WriteFileParams
 from dispatchd.tools.textfile import looks_binary, read_regular
 from dispatchd.tools.walk import in_git_dir, matches, walk

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
-from dispatchd.tools.paths import describe_os_error, printable, relative, resolve
+from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve
 from dispatchd.tools.spec import SearchFilesParams
 from dispatchd.tools.textfile import looks_binary, read_regular
 from dispatchd.tools.walk import Entry, in_git_dir, matches, walk

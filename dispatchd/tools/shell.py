@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dispatchd.policy import Limits
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
-from dispatchd.tools.paths import relative, resolve
+from dispatchd.tools.worktree_paths import relative, resolve
 from dispatchd.tools.spec import ShellExecParams
 
 __all__ = ["shell_exec"]

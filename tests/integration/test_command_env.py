@@ -2,7 +2,7 @@
 commands without replacing its sandbox (how an in-place switch into or out of
 network "domains" sets or removes the proxy variables).
 
-The tool server (``dispatchd.worker.server.serve``) runs here in a thread of
+The tool server (``dispatchd.worker.tool_server.serve``) runs here in a thread of
 the test process, unconfined, on a real control channel and a real client
 channel; the message is the one the daemon's ``send_command_env`` sends.
 """
@@ -18,7 +18,7 @@ from dispatchd import protocol
 from dispatchd.confine.domains import proxy_env
 from dispatchd.confine.plan import SessionPaths, plan_session
 from dispatchd.policy import Policy
-from dispatchd.worker.server import serve
+from dispatchd.worker.tool_server import serve
 from tests.unit.test_plan import kernel
 
 

@@ -291,7 +291,7 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
     """Each attach is a channel (a thread and a descriptor of the tool server);
     over ~1,010 they killed it. Past the cap each is answered too_many_channels,
     and the session, its first channel and a fresh one after some close, work."""
-    from dispatchd.worker.server import MAX_CHANNELS
+    from dispatchd.worker.tool_server import MAX_CHANNELS
 
     # This test process holds 1,100 channels too: more than a login's 1,024.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -202,8 +202,8 @@ def _tool_server(d: Daemon) -> int:
     first process (fork server - W1 - W2)."""
     import psutil
 
-    zygote = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-    leaves = [p for p in zygote.children()[0].children(recursive=True) if not p.children()]
+    fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+    leaves = [p for p in fork_server.children()[0].children(recursive=True) if not p.children()]
     assert len(leaves) == 1, leaves
     return leaves[0].pid
 
@@ -272,8 +272,8 @@ def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path
             assert shell(session, "true").is_success
             import psutil
 
-            zygote = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-            os.kill(zygote.children()[0].pid, signal.SIGKILL)  # W1, the session's first process (its init)
+            fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+            os.kill(fork_server.children()[0].pid, signal.SIGKILL)  # W1, the session's first process (its init)
             # The kernel tears the session's namespace down asynchronously: a
             # call sent at once may still be served. Wait for the daemon to see it.
             assert _wait(lambda: "reason=worker_killed" in d.log(), timeout=10), d.log()
@@ -351,8 +351,8 @@ def test_a_session_is_two_processes_its_init_the_fork_servers_child_and_pid_1(tm
     try:
         with d.connect() as client, client.open_session(str(worktree)) as session:
             assert shell(session, "true").is_success
-            zygote = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-            (init,) = zygote.children()
+            fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+            (init,) = fork_server.children()
             with open(f"/proc/{init.pid}/status", encoding="ascii") as f:
                 nspid = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
             assert nspid == [str(init.pid), "1"]

@@ -7,7 +7,7 @@ import resource
 import pytest
 
 from dispatchd.daemon.capacity import DEFAULT_MAX_CONNECTIONS, connection_cap, plan_open_files
-from dispatchd.worker.server import MAX_CHANNELS, max_channels
+from dispatchd.worker.tool_server import MAX_CHANNELS, max_channels
 
 
 @pytest.mark.parametrize(("soft", "hard", "nr_open", "want"), [

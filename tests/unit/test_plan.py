@@ -642,7 +642,7 @@ def test_plan_is_pure(userns: bool, network: str):
 
 @pytest.mark.parametrize("userns", [True, False])
 def test_plan_survives_the_trip_to_the_fork_server(userns: bool):
-    # The daemon sends the plan msgpack-encoded; the zygote decodes it typed.
+    # The daemon sends the plan msgpack-encoded; the fork_server decodes it typed.
     got = plan(parse_policy("default", ""), kernel(userns=userns), "ports", dict(DAEMON_ENV),
                NetworkPorts(connect=[443], bind=[8000]))
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(got), type=SessionPlan)

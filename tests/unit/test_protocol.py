@@ -63,9 +63,9 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
                     {"daemon_reply"}),
     p.Attached: (p.Attached(id=7, session=INFO, tools=[SCHEMA]), {"daemon_reply"}),
     p.ToolsReply: (p.ToolsReply(id=8, tools=[SCHEMA]), {"daemon_reply"}),
-    p.OkReply: (p.OkReply(id=9), {"daemon_reply", "to_worker", "from_worker", "zygote_reply"}),
+    p.OkReply: (p.OkReply(id=9), {"daemon_reply", "to_worker", "from_worker", "fork_server_reply"}),
     p.ErrorReply: (p.ErrorReply(id=10, code="bad_policy", message="no policy named 'x'"),
-                   {"daemon_reply", "channel_reply", "to_worker", "zygote_reply"}),
+                   {"daemon_reply", "channel_reply", "to_worker", "fork_server_reply"}),
     p.CallTool: (p.CallTool(id=11, tool="shell_exec", params={"command": "ls -l", "timeout": 1.5, "cwd": None,
                                                                "nested": {"a": [1, True]}}, stream=True), {"channel_request"}),
     p.CancelCall: (p.CancelCall(id=11), {"channel_request"}),
@@ -83,9 +83,9 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.ReleaseWriteLock: (p.ReleaseWriteLock(id=4, session="a1b2c3"), {"daemon_request"}),
     p.ForgetWriteLock: (p.ForgetWriteLock(), {"to_worker"}),
     p.SetCommandEnv: (p.SetCommandEnv(set={"HTTP_PROXY": "http://127.0.0.1:3128"}, unset=["http_proxy"]), {"to_worker"}),
-    p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"zygote_request"}),
-    p.Spawned: (p.Spawned(id=14, pid=999), {"zygote_reply"}),
-    p.NetRules: (p.NetRules(id=15, rules="add table inet dispatchd"), {"zygote_request"}),
+    p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"fork_server_request"}),
+    p.Spawned: (p.Spawned(id=14, pid=999), {"fork_server_reply"}),
+    p.NetRules: (p.NetRules(id=15, rules="add table inet dispatchd"), {"fork_server_request"}),
 }
 DECODERS = {
     "daemon_request": p.daemon_request_decoder,
@@ -94,8 +94,8 @@ DECODERS = {
     "channel_reply": p.channel_reply_decoder,
     "to_worker": p.to_worker_decoder,
     "from_worker": p.from_worker_decoder,
-    "zygote_request": p.zygote_request_decoder,
-    "zygote_reply": p.zygote_reply_decoder,
+    "fork_server_request": p.fork_server_request_decoder,
+    "fork_server_reply": p.fork_server_reply_decoder,
 }
 TAGS = {
     "Hello": "hello", "OpenSession": "open_session", "CloseSession": "close_session",
@@ -524,7 +524,7 @@ def test_fd_rides_with_a_large_frame(pair: tuple[socket.socket, socket.socket], 
     sender = threading.Thread(target=writer.send, args=(msg,), kwargs={"fds": [pipe.r]})
     sender.start()
     try:
-        assert reader.recv(p.zygote_request_decoder) == msg
+        assert reader.recv(p.fork_server_request_decoder) == msg
     finally:
         sender.join()
     fd = reader.take_fd()

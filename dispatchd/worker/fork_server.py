@@ -27,8 +27,8 @@ from dispatchd import protocol
 from dispatchd.confine import hygiene, namespaces, netstack, seccomp
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.errors import ConfinementError
-from dispatchd.worker import server as _server  # noqa: F401  (pre-import for the workers)
-from dispatchd.worker.session import run_session
+from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
+from dispatchd.worker.session_init import run_session
 
 ORPHAN_SWEEP_S = 0.5
 
@@ -124,7 +124,7 @@ def _spawn(plan: SessionPlan) -> tuple[int, int]:
             os.close(cgroup_fd)
 
 
-def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
+def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     hygiene.die_with_parent(daemon_pid)
     # Nothing of the daemon's but our channel (not its listening socket, not
     # systemd's): stdio stays, for a traceback to reach the daemon's log.
@@ -147,7 +147,7 @@ def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
         if not ready:
             continue
         try:
-            req = frames.recv(protocol.zygote_request_decoder)
+            req = frames.recv(protocol.fork_server_request_decoder)
         except (protocol.ProtocolError, OSError):
             os._exit(1)
         if req is None:
@@ -192,7 +192,7 @@ def serve_zygote(sock: socket.socket, daemon_pid: int) -> NoReturn:
             os.close(pidfd)
 
 
-def start_zygote() -> tuple[int, socket.socket]:
+def start_fork_server() -> tuple[int, socket.socket]:
     """Fork the fork server. Call before any thread exists. Returns its pid and
     the daemon's end of the channel to it."""
     parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -201,7 +201,7 @@ def start_zygote() -> tuple[int, socket.socket]:
     if pid == 0:
         parent_end.close()
         try:
-            serve_zygote(child_end, daemon_pid)
+            serve_fork_server(child_end, daemon_pid)
         finally:
             os._exit(1)
     child_end.close()

@@ -64,7 +64,7 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     if plan.cgroup is not None and not plan.namespaces.user:
         # First, before any fork: every process of the session is born in its
         # cgroup, and cannot leave it (the cgroup files are out of its reach).
-        cgroups.join(plan.cgroup.path)
+        cgroups.apply_cgroup(plan.cgroup.path)
         clock("cgroup")
     hygiene.new_session()  # own session and group, no controlling terminal
     # The fork server gone: the session gone. As pid 1 of the session's
@@ -72,7 +72,7 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     hygiene.die_with_parent(0 if plan.namespaces.pid else parent)
     hygiene.close_inherited_fds([*keep, worktree_fd])  # only the control channel (and the worktree, below)
     clock("hygiene")
-    namespaces.write_id_maps(plan.namespaces)  # born in them: only the ids are left to map
+    namespaces.apply_id_maps(plan.namespaces)  # born in them: only the ids are left to map
     keep += namespaces.open_own(plan.namespaces)  # for the daemon, with WorkerReady
     clock("namespaces")
     # Needs CAP_SYS_RESOURCE in the new namespace, and /proc/sys before the
@@ -85,7 +85,7 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
         mounts.apply_mounts(plan.mounts, worktree_fd)  # needs the namespace's capabilities: before dropping them
         clock("mounts")
     if plan.loopback:
-        netns.bring_up_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
+        netns.apply_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
         clock("loopback")
     if plan.proxy_port:
         # The only door out of a "domains" session, made before any of its code
@@ -100,7 +100,7 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     hygiene.not_dumpable()  # commands (same uid) cannot ptrace or read our memory
     clock("privileges")
     # After mounts: rules bind to the inodes of the new root; the worktree's from the checked fd.
-    skipped = landlock.apply_landlock_to_self(plan.landlock, {plan.paths.worktree: worktree_fd})
+    skipped = landlock.apply_landlock(plan.landlock, {plan.paths.worktree: worktree_fd})
     os.close(worktree_fd)  # granted and bound: nothing in the session may hold it
     clock("landlock")
     seccomp.apply_seccomp(program)  # last: it forbids mount, unshare, ... used above
@@ -149,7 +149,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     protections = msgspec.structs.replace(plan.protections, absent_paths=skipped,
                                           root=[r for r in plan.protections.root if r.path not in skipped])
 
-    from dispatchd.worker.server import serve  # pre-imported by the fork server
+    from dispatchd.worker.tool_server import serve  # pre-imported by the fork server
 
     init = os.getpid()
     try:

@@ -1,4 +1,4 @@
-"""The path rules (dispatchd.tools.paths): the seed plan's Sandbox tests, ported.
+"""The path rules (dispatchd.tools.worktree_paths): the seed plan's Sandbox tests, ported.
 
 Each refusal is paired with an allowed twin so a pass shows the rule, not an
 accident of the fixture.
@@ -13,7 +13,7 @@ import pytest
 
 from dispatchd.tools.base import ToolFailure
 from dispatchd.inside import is_within
-from dispatchd.tools.paths import printable, relative, resolve
+from dispatchd.tools.worktree_paths import printable, relative, resolve
 
 
 @pytest.fixture
