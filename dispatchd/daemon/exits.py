@@ -21,9 +21,8 @@ import select
 import signal
 import time
 
-# Exit codes of the tool server (W2), passed up unchanged by the session init.
-EXIT_IDLE = 3  # the idle timeout passed with no call
-EXIT_DRAINED = 0  # the daemon asked it to finish (stop, close)
+from dispatchd.protocol.internal import EXIT_DRAINED, EXIT_IDLE
+
 REASON_WAIT_S = 3.0  # how long a client's request waits for the daemon to learn why a worker went
 
 _PIDFD_GET_INFO = 0xC040FF0B  # _IOWR(0xFF, 11, struct pidfd_info) with its 64-byte first version

@@ -50,7 +50,6 @@ import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups, domains, netstack
-from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session
 from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
@@ -375,31 +374,8 @@ class SessionManager:
         if plan.cgroup is not None and not session.cgroup:
             cgroups.create(plan.cgroup)  # limits in force before the first process joins
             session.cgroup = plan.cgroup.path
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            worker = self.fork_server.spawn_worker(plan, theirs, session.worktree_dir.fd)
-        finally:
-            theirs.close()
-        control = protocol.FrameSocket(ours, fds=True)
-        ours.settimeout(READY_TIMEOUT_S)
-        try:
-            msg = control.recv(protocol.from_worker_decoder)
-        except (OSError, protocol.ProtocolError) as exc:
-            msg = exc
-        ours.settimeout(None)
-        if not isinstance(msg, protocol.WorkerReady):
-            worker.kill()
-            control.close()
-            if isinstance(msg, protocol.WorkerFailed) and msg.step == WORKTREE_STEP:
-                # Raced: the worktree was swapped between the daemon's check and the worker's bind.
-                raise WorktreeError(f"worktree {session.worktree} changed while the session was being opened "
-                                    "(moved or replaced since it was checked); nothing was opened", session.worktree)
-            if isinstance(msg, protocol.WorkerFailed):
-                err = ConfinementError(msg.step, msg.errno, msg.path, msg.message.split(": ", 1)[-1] if not msg.errno else "")
-                err.message = f"session refused: {msg.message}"
-                err.args = (err.message,)
-                raise err
-            raise ConfinementError("worker start", detail=f"the worker did not report ready: {msg!r}")
+        worker, control, msg = self.fork_server.start_worker(plan, session.worktree_dir.fd, session.worktree,
+                                                             READY_TIMEOUT_S)
         ns_fds = None
         try:
             ns_fds = self._take_namespaces(plan, msg, control)

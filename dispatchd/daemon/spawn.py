@@ -1,7 +1,10 @@
-"""Daemon side of the fork server: ask it for a worker, get a pid and a pidfd.
+"""Daemon side of the fork server, and the handle of a session's worker.
 
-``spawn_worker`` is safe to call from many threads; requests to the fork
-server are serialised (a fork takes about a millisecond).
+``start_worker`` asks the fork server for a worker and waits until it is
+confined and ready (or names the step that failed); ``Worker`` holds it by
+pidfd, so that signalling it can never hit a recycled pid, and stops it.
+Safe to call from many threads; requests to the fork server are serialised
+(a clone takes about a millisecond).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import threading
 
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
-from dispatchd.errors import DispatchdError
+from dispatchd.confine.mounts import WORKTREE_STEP
+from dispatchd.errors import ConfinementError, DispatchdError, WorktreeError
 
 
 class SpawnError(DispatchdError):
@@ -78,6 +82,45 @@ class ForkServerClient:
             if isinstance(reply, protocol.ErrorReply):
                 raise SpawnError(reply.message)
             return Worker(reply.pid, self._frames.take_fd())
+
+    def start_worker(self, plan: SessionPlan, worktree_fd: int, worktree: str,
+                     timeout_s: float) -> tuple[Worker, protocol.FrameSocket, protocol.WorkerReady]:
+        """A session's worker, confined and ready: its handle, its control
+        channel (the daemon's end) and what it reported. A worker that fails
+        a step, says nothing in ``timeout_s`` or says something else is
+        killed, and the error names the step (``ConfinementError``), or the
+        worktree when it was swapped since the daemon checked it
+        (``WorktreeError``)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            worker = self.spawn_worker(plan, theirs, worktree_fd)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        control = protocol.FrameSocket(ours, fds=True)
+        ours.settimeout(timeout_s)
+        msg: object
+        try:
+            msg = control.recv(protocol.from_worker_decoder)
+        except (OSError, protocol.ProtocolError) as exc:
+            msg = exc
+        ours.settimeout(None)
+        if isinstance(msg, protocol.WorkerReady):
+            return worker, control, msg
+        worker.kill()
+        control.close()
+        if isinstance(msg, protocol.WorkerFailed) and msg.step == WORKTREE_STEP:
+            # Raced: the worktree was swapped between the daemon's check and the worker's bind.
+            raise WorktreeError(f"worktree {worktree} changed while the session was being opened "
+                                "(moved or replaced since it was checked); nothing was opened", worktree)
+        if isinstance(msg, protocol.WorkerFailed):
+            err = ConfinementError(msg.step, msg.errno, msg.path, msg.message.split(": ", 1)[-1] if not msg.errno else "")
+            err.message = f"session refused: {msg.message}"
+            err.args = (err.message,)
+            raise err
+        raise ConfinementError("worker start", detail=f"the worker did not report ready: {msg!r}")
 
     def net_rules(self, rules: str, userns_fd: int, netns_fd: int) -> None:
         """Commit nftables ``rules`` in a session's namespaces (see

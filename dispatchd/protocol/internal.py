@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 
 # --- daemon <-> worker: the session's control channel ---------------------------
 
+# Exit codes of the tool server, passed up unchanged by the session init (the
+# daemon reads them from the pidfd it holds: ``dispatchd.daemon.exits``).
+EXIT_IDLE = 3  # the idle timeout passed with no call
+EXIT_DRAINED = 0  # the daemon asked it to finish (stop, close)
+
+
 
 class WorkerReady(_Msg, tag="worker_ready", frozen=True):
     pid: int

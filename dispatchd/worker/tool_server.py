@@ -40,8 +40,8 @@ from collections.abc import Callable
 
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
-from dispatchd.daemon.exits import EXIT_IDLE
 from dispatchd.policy import MUTATING_TOOLS
+from dispatchd.protocol.internal import EXIT_IDLE
 from dispatchd.tempfiles import sweep_temp_files
 from dispatchd.tools import atomic
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
