@@ -1,8 +1,9 @@
 """Why a session's worker ended, told in words (daemon side).
 
 The session's processes pass the cause up as exit codes (see
-``dispatchd.worker.session_init``): the tool server's own code, or 128+N when a
-signal N killed it, becomes the session init's (W1's). The daemon
+``dispatchd.worker.session_init``): in full mode the tool server is the
+session's init (W1) and its status is W1's; in degraded mode its own code, or
+128+N when a signal N killed it, becomes the session init's (W1's). The daemon
 is not W1's parent (the fork server is), so it reads W1's wait status through
 the pidfd it holds (``PIDFD_GET_INFO`` with ``PIDFD_INFO_EXIT``, Linux 6.15+):
 no race with the fork server reaping it, no recycled pid.
@@ -68,12 +69,19 @@ def _signame(n: int) -> str:
         return f"signal {n}"
 
 
-def describe_exit(status: int | None, *, idle_timeout_s: float) -> tuple[str, str]:
-    """(log word, sentence) for the session init's wait status."""
+def describe_exit(status: int | None, *, idle_timeout_s: float,
+                  tool_server_is_init: bool = False) -> tuple[str, str]:
+    """(log word, sentence) for the session init's wait status. In full mode
+    the tool server is the init (``tool_server_is_init``): a signal that
+    killed it came from outside the session (pid 1 ignores its own
+    namespace's), and it is named as the tool server's."""
     if status is None:
         return "worker_exited", "its worker exited (this kernel does not say how: Linux 6.15+ does)"
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
+        if tool_server_is_init:
+            return (f"tool_server_killed signal={sig}",
+                    f"its tool server was killed by signal {sig} ({_signame(sig)}) from outside the session")
         return (f"worker_killed signal={sig}",
                 f"its worker was killed by signal {sig} ({_signame(sig)}) from outside the session")
     code = os.WEXITSTATUS(status)

@@ -161,14 +161,16 @@ def _domains_for(session: Session, rules: tuple[domains.Rule, ...] | None) -> tu
 
 def _count_session_processes(session: Session) -> int:
     """Processes the session's commands started: what a network switch ends.
-    Below the session init (the worker the daemon holds) are the tool server
-    and then the commands."""
+    Below the worker the daemon holds are the commands (full mode: it is the
+    tool server), or the tool server and then the commands (degraded mode:
+    it is the session init)."""
     if session.worker is None:
         return 0
     import psutil
 
+    own = 0 if _has_pid_namespace(session) else 1
     try:
-        return max(0, len(psutil.Process(session.worker.pid).children(recursive=True)) - 1)
+        return max(0, len(psutil.Process(session.worker.pid).children(recursive=True)) - own)
     except psutil.Error:
         return 0
 
@@ -558,7 +560,8 @@ class SessionManager:
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
-        word, sentence = exits.describe_exit(status, idle_timeout_s=session.policy.limits.idle_timeout_s)
+        word, sentence = exits.describe_exit(status, idle_timeout_s=session.policy.limits.idle_timeout_s,
+                                             tool_server_is_init=_has_pid_namespace(session))
         if not self.accepting and word == "worker_exited code=0":
             word, sentence = "daemon_stopping", "dispatchd stopped (calls in flight were let finish first)"
         log.info("event=session_ended session=%s reason=%s", session.id, word)

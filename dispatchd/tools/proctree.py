@@ -9,6 +9,10 @@ Guarantees:
   those. ``setsid cmd &``, ``(cmd &)`` and ``nohup cmd &`` all keep the marker,
   so a timeout or a cancel ends them; a fork bomb is ended in a few rounds
   (a killed process forks no more).
+- ``spawn`` records every command it starts until its ``Popen`` has reaped
+  it: ``owns(pid)`` tells the session's orphan reaper (the tool server is pid
+  1 of the session in full mode) which zombies to leave to their ``Popen``,
+  whose exit status it would otherwise steal;
 - ``spawn`` and ``limit_processes`` give a new command an RLIMIT_NPROC
   (soft from birth, hard right after) that leaves the tool server a reserve: commands that hit the session's process
   limit hit it ``PROCESS_RESERVE`` (or a quarter of a smaller budget) below the
@@ -36,11 +40,21 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
-T = TypeVar("T")
 
-__all__ = ["MARKER", "PROCESS_RESERVE", "kill_tree", "limit_processes", "new_token", "spawn", "spawn_env"]
+class _Child(Protocol):
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+
+T = TypeVar("T", bound=_Child)
+
+__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "kill_tree", "limit_processes", "new_token", "owns", "spawn",
+           "spawn_env"]
 
 MARKER = "DISPATCH_CALL_ID"
 PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the session's budget)
@@ -58,6 +72,8 @@ def spawn_env(base: dict[str, str], token: str) -> dict[str, str]:
 
 
 _SPAWN_LOCK = threading.Lock()
+_CHILDREN: dict[int, _Child] = {}  # commands spawned here, until their Popen has reaped them
+CHILD_BORN = threading.Event()  # set at every spawn: the reaper waits on it when it has no child
 
 
 def _command_limit(budget: int) -> int | None:
@@ -85,19 +101,37 @@ def spawn(start: Callable[[], T], budget: int) -> T:
     again under our own limit: the new bash then runs, but cannot fork.
     ``preexec_fn`` would do this in the child, but rules out vfork (+3 ms).
     """
+    with _SPAWN_LOCK:  # held until the child is recorded: owns() waits for it
+        child = _start_limited(start, budget)
+        for pid in [pid for pid, c in _CHILDREN.items() if c.returncode is not None]:
+            del _CHILDREN[pid]  # reaped by their Popen: their pids may be anyone's now
+        _CHILDREN[child.pid] = child
+    CHILD_BORN.set()
+    return child
+
+
+def _start_limited(start: Callable[[], T], budget: int) -> T:
     value = _command_limit(budget)
     if value is None:
         return start()
-    with _SPAWN_LOCK:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
-        resource.setrlimit(resource.RLIMIT_NPROC, (min(soft, value), hard))
-        try:
-            return start()
-        except BlockingIOError:
-            pass  # EAGAIN: past the command limit already
-        finally:
-            resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    resource.setrlimit(resource.RLIMIT_NPROC, (min(soft, value), hard))
+    try:
         return start()
+    except BlockingIOError:
+        pass  # EAGAIN: past the command limit already
+    finally:
+        resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+    return start()
+
+
+def owns(pid: int) -> bool:
+    """Whether ``pid`` is a command ``spawn`` started whose ``Popen`` has not
+    reaped it yet (its exit status is that Popen's). Waits for a spawn in
+    progress, so a child that exits before its Popen returns is still ours."""
+    with _SPAWN_LOCK:
+        child = _CHILDREN.get(pid)
+        return child is not None and child.returncode is None
 
 
 def limit_processes(pid: int, budget: int) -> None:

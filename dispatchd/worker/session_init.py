@@ -3,18 +3,28 @@
 Runs in the child the fork server made for one session. ``confine`` is the
 whole sandbox as one ordered checklist; ``run_session`` wraps it, reports the
 outcome to the daemon on the control channel, and then keeps the session's
-processes in one tree:
+processes in one tree.
 
-    fork server ── W1 (session init: pid 1 of the session's pid namespace)
-                    └── W2 (tool server: serves the client channels)
+With user namespaces (full mode), one process:
+
+    fork server ── W1 (tool server, and pid 1 of the session's pid namespace)
+                    └── bash -c ... (commands; orphans come back to W1)
+
+The fork server makes W1 with one ``clone3`` already in the session's
+namespaces (and cgroup). As pid 1 it ignores every signal it has no handler
+for, so no command can end it; when it exits the kernel kills everything left
+in the namespace; it dies with the fork server; a thread of its own reaps the
+orphans (``worker/reaper.py``).
+
+Without user namespaces (degraded mode), two:
+
+    fork server ── W1 (session init: a child subreaper)
+                    └── W2 (tool server, in a nested Landlock domain)
                           └── bash -c ... (commands)
 
-With user namespaces the fork server makes W1 with one ``clone3`` already in
-the session's namespaces (and cgroup): it is pid 1, and when it exits the
-kernel kills everything left in the namespace; it dies with the fork server.
-Without user namespaces W1 is a plain fork, a child subreaper that, on
-SIGTERM, kills every process of its Landlock domain (the signal scope keeps
-``kill(-1)`` inside it).
+W1 is a plain fork that, on SIGTERM, kills every process of its Landlock
+domain (the signal scope keeps ``kill(-1)`` inside it); the nested domain
+keeps the tool server and the commands from signalling W1.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import NoReturn
@@ -32,6 +43,8 @@ from dispatchd import protocol
 from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp, ucounts
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.errors import ConfinementError
+from dispatchd.tools import proctree
+from dispatchd.worker import reaper
 
 
 class _Clock:
@@ -109,7 +122,7 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
 
 
 def _kill_session(plan: SessionPlan) -> None:
-    """End every process of the session (no pid namespace to do it for us)."""
+    """End every process of the session (degraded mode: no pid namespace to do it for us)."""
     if plan.landlock.scoped & landlock.SCOPE_SIGNAL:
         # Scoped by Landlock, kill(-1) reaches only this domain: the session's
         # own processes, never the user's others.
@@ -151,7 +164,21 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
 
     from dispatchd.worker.tool_server import serve  # pre-imported by the fork server
 
-    init = os.getpid()
+    ready = protocol.WorkerReady(pid=os.getpid(), protections=protections, timings_ms=clock.steps,
+                                 proxy_listener=bool(plan.proxy_port),
+                                 namespaces=bool(plan.namespaces.user and plan.namespaces.net))
+    if plan.namespaces.pid:
+        # One process: the tool server is the session's init. Pid 1 of the
+        # namespace already ignores every signal it has no handler for (no
+        # command can end it), its death ends every process in the
+        # namespace, and a thread of its own reaps the orphans.
+        _report(control, ready, fds=keep[1:])
+        for fd in keep[1:]:
+            os.close(fd)  # the daemon has it; no command inherits it
+        threading.Thread(target=reaper.reap_orphans, args=(proctree.owns, proctree.CHILD_BORN), daemon=True,
+                         name="reaper").start()
+        serve(control, plan)
+        os._exit(0)
     try:
         server = os.fork()
     except OSError as exc:  # the process limit, already: say so rather than vanish
@@ -160,7 +187,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         os._exit(1)
     if server == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if not plan.namespaces.pid and plan.landlock.scoped & landlock.SCOPE_SIGNAL:
+        if plan.landlock.scoped & landlock.SCOPE_SIGNAL:
             # No pid namespace makes the session init unkillable from inside:
             # a domain of their own keeps the tool server and every command
             # from signalling it, so it is always there to end them all.
@@ -171,10 +198,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
                                                        message=exc.message))
                 os._exit(1)
             clock("nested scope")
-        _report(control, protocol.WorkerReady(pid=init, protections=protections, timings_ms=clock.steps,
-                                              proxy_listener=bool(plan.proxy_port),
-                                              namespaces=bool(plan.namespaces.user and plan.namespaces.net)),
-                fds=keep[1:])
+        _report(control, ready, fds=keep[1:])
         for fd in keep[1:]:
             os.close(fd)  # the daemon has it; no command inherits it
         serve(control, plan)
@@ -182,17 +206,16 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     control.close()
     for fd in keep[1:]:
         os.close(fd)
-    if not plan.namespaces.pid:
-        # Only now, confined by Landlock's signal scope, may SIGTERM mean
-        # "kill(-1)": from here it reaches the session's processes alone. The
-        # parent's death then sends SIGTERM too, so the session is ended, not
-        # orphaned, when the fork server goes.
-        def end_session(*_: object) -> None:
-            _kill_session(plan)
-            os._exit(0)
+    # Only now, confined by Landlock's signal scope, may SIGTERM mean
+    # "kill(-1)": from here it reaches the session's processes alone. The
+    # parent's death then sends SIGTERM too, so the session is ended, not
+    # orphaned, when the fork server goes.
+    def end_session(*_: object) -> None:
+        _kill_session(plan)
+        os._exit(0)
 
-        signal.signal(signal.SIGTERM, end_session)
-        hygiene.die_with_parent(parent, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, end_session)
+    hygiene.die_with_parent(parent, signal.SIGTERM)
     _reap_until(server, plan)
 
 
@@ -206,10 +229,8 @@ def _reap_until(server: int, plan: SessionPlan) -> NoReturn:
         except InterruptedError:
             continue
         if pid == server:
-            if not plan.namespaces.pid:
-                _kill_session(plan)
-            # As pid 1 of the namespace, this ends every process in it. The
-            # tool server's fate goes up as our exit code: the daemon tells it.
+            _kill_session(plan)
+            # The tool server's fate goes up as our exit code: the daemon tells it.
             os._exit(_passed_up(status))
 
 

@@ -197,13 +197,22 @@ def test_a_session_over_its_memory_is_ended_by_the_watchdog_and_says_so(tmp_path
 # --- 14.4 and 14.6: killed writes, killed workers, killed daemons ----------------
 
 
+def _nspid(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        return next(line.split()[1:] for line in f if line.startswith("NSpid:"))
+
+
 def _tool_server(d: Daemon) -> int:
-    """The tool server of the daemon's one idle session: the leaf under its
-    first process (fork server - W1 - W2)."""
+    """The tool server of the daemon's one idle session: its first process
+    in full mode, where it is pid 1 of the session's namespace (fork server -
+    W1); the leaf under it in degraded mode (fork server - W1 - W2)."""
     import psutil
 
     fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-    leaves = [p for p in fork_server.children()[0].children(recursive=True) if not p.children()]
+    (first,) = fork_server.children()
+    if _nspid(first.pid)[1:] == ["1"]:
+        return first.pid
+    leaves = [p for p in first.children(recursive=True) if not p.children()]
     assert len(leaves) == 1, leaves
     return leaves[0].pid
 
@@ -264,8 +273,12 @@ def test_a_write_whose_tool_server_is_killed_says_so_and_its_temp_file_goes(tmp_
         assert d.stop() == 0, d.log()
 
 
-def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path, worktree: Path) -> None:
-    d = _daemon(tmp_path)
+@pytest.mark.parametrize("mode", ["full", "degraded"])
+def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path, worktree: Path, mode: str) -> None:
+    d = _daemon(tmp_path, "d", *(["--no-user-namespaces"] if mode == "degraded" else []))
+    # Full mode: the session's first process is its tool server (and pid 1).
+    word, said = (("tool_server_killed", "tool server was killed by signal 9 (SIGKILL) from outside the session")
+                  if mode == "full" else ("worker_killed", "worker was killed by signal 9 (SIGKILL)"))
     try:
         with d.connect() as client:
             session = client.open_session(str(worktree))
@@ -276,11 +289,11 @@ def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path
             os.kill(fork_server.children()[0].pid, signal.SIGKILL)  # W1, the session's first process (its init)
             # The kernel tears the session's namespace down asynchronously: a
             # call sent at once may still be served. Wait for the daemon to see it.
-            assert _wait(lambda: "reason=worker_killed" in d.log(), timeout=10), d.log()
+            assert _wait(lambda: f"reason={word}" in d.log(), timeout=10), d.log()
             result = shell(session, "echo hi")
             assert result.is_failure
-            assert "worker was killed by signal 9 (SIGKILL)" in result.error, result.error
-            assert "reason=worker_killed signal=9" in d.log()
+            assert said in result.error, result.error
+            assert f"reason={word} signal=9" in d.log()
             session.detach()
     finally:
         assert d.stop() == 0, d.log()
@@ -342,25 +355,58 @@ def test_tool_calls_are_logged_at_debug_only(tmp_path: Path, worktree: Path, lev
         assert d.stop() == 0, d.log()
 
 
-def test_a_session_is_two_processes_its_init_the_fork_servers_child_and_pid_1(tmp_path: Path, worktree: Path) -> None:
-    """No process waits outside the session's pid namespace: the fork server
-    clones the init straight into it (issue 17: fewer processes a session)."""
+def test_an_idle_session_is_one_process_the_tool_server_as_pid_1(tmp_path: Path, worktree: Path) -> None:
+    """Full mode: the fork server clones the tool server straight into the
+    session's namespaces, as their pid 1 (issue 17: fewer processes a
+    session); its twin, degraded mode, keeps an init above the tool server."""
     import psutil
 
-    d = _daemon(tmp_path)
+    for extra, expected in (((), 1), (("--no-user-namespaces",), 2)):
+        d = _daemon(tmp_path, "d" + str(expected), *extra)
+        try:
+            with d.connect() as client, client.open_session(str(worktree)) as session:
+                assert shell(session, "true").is_success
+                fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+                (first,) = fork_server.children()
+                assert 1 + len(first.children(recursive=True)) == expected
+                if expected == 1:
+                    assert _nspid(first.pid) == [str(first.pid), "1"]
+                    assert _tool_server(d) == first.pid
+                    # Seen from inside, a command's parent is pid 1, whose parent is outside.
+                    result = shell(session, "echo $PPID; grep ^PPid /proc/1/status")
+                    assert result.is_success, result.error
+                    assert result.output.split() == ["1", "PPid:", "0"]
+                else:
+                    assert _nspid(first.pid) == [str(first.pid)]
+                    assert _tool_server(d) != first.pid
+        finally:
+            assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("userns", [True, False], ids=["full", "degraded"])
+def test_orphans_are_reaped_and_a_commands_exit_status_is_its_own(tmp_path: Path, worktree: Path,
+                                                                  userns: bool) -> None:
+    """The session's init reaps what commands leave behind (a zombie holds a
+    pid of the session's budget), and never takes a command's own status: in
+    full mode the tool server is that init, and a status it stole would make
+    every command read as exit 0. A job whose leader exits while a background
+    child holds its output open leaves its leader unreaped for a while; the
+    orphans behind it are reaped all the same."""
+    d = _daemon(tmp_path) if userns else _daemon(tmp_path, "d", "--no-user-namespaces")
     try:
         with d.connect() as client, client.open_session(str(worktree)) as session:
-            assert shell(session, "true").is_success
-            fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-            (init,) = fork_server.children()
-            with open(f"/proc/{init.pid}/status", encoding="ascii") as f:
-                nspid = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
-            assert nspid == [str(init.pid), "1"]
-            assert [p.pid for p in init.children(recursive=True)] == [_tool_server(d)]
-            # Seen from inside, the init is pid 1 and the tool server its child.
-            result = shell(session, "cat /proc/1/status | grep ^PPid; cat /proc/$PPID/status | grep ^PPid")
-            assert result.is_success, result.error
-            assert result.output.split() == ["PPid:", "0", "PPid:", "1"]
+            for code in (0, 3, 42):
+                result = shell(session, f"(sleep 0.05 &) ; exit {code}")
+                assert result.metadata["exit_code"] == code, result
+            job = session.registry.get("shell_exec").call({"command": "sleep 30 & exit 0", "background": True})
+            assert job.is_success, job.error
+            # Orphans that exit at once, many of them, behind the job's unreaped leader.
+            burst = shell(session, "for i in $(seq 50); do (true &); done; sleep 0.2; "
+                                   "ps -eo stat= | grep -c '^Z' || true")
+            assert burst.is_success, burst.error
+            assert _wait(lambda: shell(session, "ps -eo stat= | grep -c '^Z' || true").output.strip()
+                         in ("0", "1"), timeout=5)  # at most the job's leader, left to its Popen
+            assert shell(session, "exit 7").metadata["exit_code"] == 7
     finally:
         assert d.stop() == 0, d.log()
 

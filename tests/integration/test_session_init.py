@@ -1,8 +1,8 @@
 """The session's init cannot be killed from inside, so it is always there to
 end every process of the session.
 
-Full mode: the init is pid 1 of the session's pid namespace, which the
-session's own processes cannot kill. Degraded mode: the tool server, and so
+Full mode: the init is pid 1 of the session's pid namespace (the tool server
+itself), which the session's own processes cannot kill. Degraded mode: the tool server, and so
 every command, runs in a nested Landlock domain that scopes signals, and the
 init is outside it (EPERM); were it killed anyway, the fork server, a child
 subreaper, would end the orphans.
@@ -15,7 +15,9 @@ from pathlib import Path
 
 from tests.conftest import processes_in, shell
 
-FIND_INIT = "w2=$PPID; init=$(ps -o ppid= -p $w2 | tr -d ' '); echo $init"
+# The session's init: above the tool server (degraded mode), or the tool
+# server itself, pid 1 of the session's namespace (full mode).
+FIND_INIT = "w2=$PPID; if [ $w2 = 1 ]; then echo 1; else ps -o ppid= -p $w2 | tr -d ' '; fi"
 
 
 def test_killing_the_session_init_leaves_nothing_running(mode_client, worktree: Path) -> None:
