@@ -54,8 +54,10 @@ def test_every_process_of_the_session_is_in_its_cgroup(cgroup_daemon: tuple[disp
         assert inside.output == f"0::{path[len(mount):]}\n"
         with open(f"{path}/cgroup.procs", encoding="ascii") as f:
             procs = [int(p) for p in f.read().split()]
-        # The worker's processes and the background sleep: all of them, all here.
-        assert len(procs) >= 3
+        # The worker's processes (the tool server, which is the session's pid 1
+        # in full mode; the init and the tool server in degraded mode) and the
+        # background sleep: all of them, all here.
+        assert len(procs) >= 2
         assert any(Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sleep\0") for p in procs)
 
 
