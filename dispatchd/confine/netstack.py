@@ -3,9 +3,11 @@ the way out, and netfilter rules inside for "ports".
 
 Guarantees, in full mode (user namespaces) with the stack available:
 - every session has a network namespace of its own, whatever its mode; the
-  only way out of it is ``pasta`` (Debian's ``passt``), which the daemon starts outside the
-  sandbox, attached to that namespace (``start_stack``), and ends (SIGKILL,
-  reaped) with the session and on every switch to "off". ``slirp4netns``
+  only way out of it is ``pasta`` (Debian's ``passt``), which the daemon has
+  the fork server start outside the sandbox, attached to that namespace
+  (``start_stack``), and ends (SIGKILL, waited for) with the session and on
+  every switch to "off"; a child of the fork server, it dies with it, so a
+  daemon killed with SIGKILL leaves none behind. ``slirp4netns``
   was measured against it (README "Network"): faster to start, but its own
   sandbox does not start here, and it would parse the session's packets as
   the user, unconfined; pasta isolates itself (namespaces, seccomp);
@@ -35,12 +37,13 @@ import ctypes
 import os
 import select
 import shutil
-import subprocess
+import signal
 import tempfile
+from collections.abc import Callable
 
 import msgspec
 
-from dispatchd.errors import ConfinementError
+from dispatchd.errors import ConfinementError, DispatchdError
 from dispatchd.netmodes import NetworkMode
 
 STACK = "pasta"
@@ -48,6 +51,7 @@ ADDRESS = "10.0.2.15"  # the session's address on its one interface
 GATEWAY = "10.0.2.2"  # its gateway; pasta maps it to the host's loopback
 DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver
 READY_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 5.0  # a SIGKILLed stack has exited long before this
 TABLE = "dispatchd"
 
 
@@ -187,44 +191,53 @@ def probe_nft() -> str:
 
 
 class Stack:
-    """A running stack for one session, held by the daemon (its parent)."""
+    """A running stack for one session: a child of the fork server (it dies
+    with it, and so with the daemon), held by the daemon through a pidfd."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self.proc = proc
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
 
     def stop(self) -> None:
-        """Killed and reaped on return: nothing of it moves a byte any more,
-        and its tap device (the namespace's way out) is gone."""
+        """Exited on return: nothing of it moves a byte any more, and its tap
+        device (the namespace's way out) is gone with its descriptors. The fork
+        server reaps it."""
+        if self.pidfd < 0:
+            return
         try:
-            self.proc.kill()
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait()
+        select.select([self.pidfd], [], [], STOP_TIMEOUT_S)  # readable once it has exited
+        os.close(self.pidfd)
+        self.pidfd = -1
 
 
-def start_stack(userns_fd: int, netns_fd: int) -> Stack:
+def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tuple[int, int]]) -> Stack:
     """Start the stack attached to a session's namespaces (held by fd, never by
-    pid) and return once the namespace's interface is configured."""
+    pid) and return once the namespace's interface is configured.
+
+    ``launch(fds)`` has the fork server start it (``ForkServerClient.start_stack``)
+    with the user and network namespaces, the readiness pipe's write end and
+    its stderr file, and returns ``(pid, pidfd)``; it raises ``OSError``, or a
+    ``DispatchdError`` saying why, when the fork server cannot."""
     # pasta writes its pid file once the namespace's interface is configured:
     # a pipe as the pid file is the readiness signal.
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     err = tempfile.TemporaryFile()
-    argv = stack_argv(userns=f"/proc/self/fd/{userns_fd}", netns=f"/proc/self/fd/{netns_fd}",
-                      ready=f"/proc/self/fd/{ready_w}")
     try:
-        proc = subprocess.Popen(argv, pass_fds=(userns_fd, netns_fd, ready_w), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=err, close_fds=True)
+        pid, pidfd = launch([userns_fd, netns_fd, ready_w, err.fileno()])
     except OSError as exc:
-        for fd in (ready_r, ready_w):
-            os.close(fd)
+        os.close(ready_r)
         err.close()
         raise ConfinementError("network: start " + STACK, exc.errno, STACK) from exc
-    os.close(ready_w)
-    stack = Stack(proc)
+    except DispatchdError as exc:
+        os.close(ready_r)
+        err.close()
+        raise ConfinementError("network: start " + STACK, detail=str(exc)) from exc
+    finally:
+        os.close(ready_w)
+    stack = Stack(pid, pidfd)
     try:
         ready, _, _ = select.select([ready_r], [], [], READY_TIMEOUT_S)
         if not ready or not os.read(ready_r, 16):

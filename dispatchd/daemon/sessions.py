@@ -452,7 +452,7 @@ class SessionManager:
             except SpawnError as exc:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
         if new.stack and session.stack is None:
-            session.stack = netstack.start_stack(*self._namespaces(session))
+            session.stack = netstack.start_stack(*self._namespaces(session), launch=self.fork_server.start_stack)
             log.debug("event=stack_started session=%s pid=%s", session.id, session.stack.pid)
 
     def _stop_network(self, session: Session) -> None:

@@ -122,6 +122,28 @@ class ForkServerClient:
             raise err
         raise ConfinementError("worker start", detail=f"the worker did not report ready: {msg!r}")
 
+    def start_stack(self, fds: list[int]) -> tuple[int, int]:
+        """Have the fork server start a session's network stack (see
+        ``netstack.start_stack`` for ``fds``): ``(pid, pidfd)``, or
+        ``SpawnError`` with the fork server's reason."""
+        with self._lock:
+            self._next += 1
+            try:
+                self._frames.send(protocol.StartStack(id=self._next), fds=fds)
+                reply = self._frames.recv(protocol.fork_server_reply_decoder)
+            except (OSError, protocol.ProtocolError) as exc:
+                raise SpawnError(f"the fork server is not answering: {exc}") from exc
+            if reply is None:
+                raise SpawnError("the fork server has exited")
+            if isinstance(reply, protocol.ErrorReply):
+                raise SpawnError(reply.message)
+            if not isinstance(reply, protocol.Spawned):
+                raise SpawnError(f"the fork server answered {type(reply).__name__}")
+            try:
+                return reply.pid, self._frames.take_fd()
+            except protocol.ProtocolError as exc:
+                raise SpawnError(str(exc)) from exc
+
     def net_rules(self, rules: str, userns_fd: int, netns_fd: int) -> None:
         """Commit nftables ``rules`` in a session's namespaces (see
         ``netstack.apply_rules_in``); raises ``SpawnError`` with nft's message."""

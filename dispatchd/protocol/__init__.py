@@ -11,7 +11,8 @@ Four modules, one job each, all re-exported here (``protocol.Hello``,
   ``KernelFeatures``), typed, encoded exactly as the dicts they replaced.
 - ``internal``: the daemon and its own processes. daemon <-> worker:
   ``WorkerReady``/``WorkerFailed`` once, then ``AddChannel`` and the rest;
-  daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``.
+  daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``;
+  ``StartStack`` / ``Spawned``.
 - ``frames``: length-prefixed frames with a maximum size, the codec, fd
   passing, and ``FrameSocket.recv_request``, through which both servers read.
 
@@ -46,6 +47,7 @@ from dispatchd.protocol.internal import (
     NetRules,
     SetCommandEnv,
     Spawned,
+    StartStack,
     SpawnWorker,
     ToolCallsDone,
     ToWorker,
@@ -126,7 +128,7 @@ __all__ = [
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
-    "SetCommandEnv", "Spawned", "SpawnWorker", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerReady",
+    "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerReady",
     "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

@@ -150,7 +150,16 @@ class NetRules(_Msg, tag="net_rules", frozen=True):
     id: int
     rules: str
 
-ForkServerRequest = Union[SpawnWorker, NetRules]
+class StartStack(_Msg, tag="start_stack", frozen=True):
+    """Sent with four fds, a session's user and network namespaces, the write
+    end of the readiness pipe and the file for its stderr: start the network
+    stack (pasta) attached to them, as a child of the fork server that dies
+    with it. Answered by ``Spawned`` (with a pidfd) or ``ErrorReply``."""
+
+    id: int
+
+
+ForkServerRequest = Union[SpawnWorker, NetRules, StartStack]
 ForkServerReply = Union[Spawned, OkReply, ErrorReply]
 
 fork_server_request_decoder = msgspec.msgpack.Decoder(ForkServerRequest)  # daemon -> fork server

@@ -102,6 +102,63 @@ def _net_rules(req: protocol.NetRules, frames: protocol.FrameSocket) -> protocol
     return protocol.ErrorReply(id=req.id, code="spawn_failed", message=message)
 
 
+def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
+                 children: set[int]) -> tuple[protocol.Spawned | protocol.ErrorReply, int]:
+    """Start pasta for a session, as our child: it gets SIGKILL when we die
+    (``PR_SET_PDEATHSIG``; we are single-threaded, so no thread of ours can
+    end first and fire it early), and we die with the daemon: a daemon killed
+    with SIGKILL leaves no stack behind. Returns the reply and a pidfd (-1 on
+    error). The daemon waits for its readiness pipe, as before."""
+    fds: list[int] = []
+    try:
+        for _ in range(4):
+            fds.append(frames.take_fd())
+    except protocol.ProtocolError as exc:
+        for fd in fds:
+            os.close(fd)
+        return protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)), -1
+    userns_fd, netns_fd, ready_w, err_fd = fds
+    argv = netstack.stack_argv(userns=f"/proc/self/fd/{userns_fd}", netns=f"/proc/self/fd/{netns_fd}",
+                               ready=f"/proc/self/fd/{ready_w}")
+    me = os.getpid()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                hygiene.die_with_parent(me)
+                # As subprocess's restore_signals: an exec keeps what is ignored
+                # (Python ignores SIGPIPE and SIGXFSZ, we SIGINT), and pasta
+                # refuses to start unless it finds its signals as a new process would.
+                for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, [])
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, 0)
+                os.dup2(null, 1)
+                os.dup2(err_fd, 2)
+                keep = {0, 1, 2, userns_fd, netns_fd, ready_w}
+                for fd in (userns_fd, netns_fd, ready_w):
+                    os.set_inheritable(fd, True)
+                low = 3
+                for fd in sorted(keep | {1 << 20}):
+                    if fd >= low:
+                        os.closerange(low, fd)
+                        low = fd + 1
+                os.execvp(argv[0], argv)  # found on PATH, as the probe found it
+            except BaseException as exc:  # exec failed: say why on its stderr
+                os.write(2, f"cannot start {argv[0]}: {exc}\n".encode())
+            finally:
+                os._exit(127)
+        children.add(pid)
+        pidfd = os.pidfd_open(pid)
+    except OSError as exc:
+        return protocol.ErrorReply(id=req.id, code="spawn_failed", message=f"cannot fork for {argv[0]}: {exc}"), -1
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return protocol.Spawned(id=req.id, pid=pid), pidfd
+
+
 def _spawn(plan: SessionPlan) -> tuple[int, int]:
     """The session's first process: ``(0, -1)`` in it, ``(pid, pidfd)`` here.
 
@@ -154,6 +211,14 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             os._exit(0)  # the daemon has gone
         if isinstance(req, protocol.NetRules):
             frames.send(_net_rules(req, frames))
+            continue
+        if isinstance(req, protocol.StartStack):
+            reply, pidfd = _start_stack(req, frames, workers)
+            try:
+                frames.send(reply, fds=[pidfd] if pidfd >= 0 else None)
+            finally:
+                if pidfd >= 0:
+                    os.close(pidfd)
             continue
         control_fd = frames.take_fd()
         try:

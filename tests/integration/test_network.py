@@ -341,3 +341,32 @@ def test_unknown_network_mode_is_refused(mode_client, worktree: Path) -> None:
         with pytest.raises(ValueError, match="network must be"):
             s.set_network("sometimes")
         assert s.network is False  # unchanged
+
+
+def test_the_stack_is_the_fork_servers_child_and_dies_with_a_killed_daemon(tmp_path: Path, worktree: Path,
+                                                                           tcp: TcpListener) -> None:
+    """pasta is started by the fork server, which dies with the daemon: a
+    daemon killed with SIGKILL (no chance to stop anything) leaves no stack
+    idling in an empty namespace. Its twin: while the daemon lives, pasta is
+    there and carries the session's traffic."""
+    import os
+    import signal
+
+    import psutil
+
+    from tests.conftest import Daemon
+
+    d = Daemon(tmp_path)
+    with d.connect() as client:
+        session = client.open_session(str(worktree), network="on")
+        assert probe(session, tcp_probe(tcp.port, HOST["full"])) == "connected hello"
+        fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+        stacks = [c for c in fork_server.children() if c.name().startswith(("pasta", "passt"))]
+        assert len(stacks) == 1, fork_server.children()
+        assert stacks[0].is_running()
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait()
+        _gone, alive = psutil.wait_procs([stacks[0], fork_server], timeout=10)
+        assert alive == [], alive
+        session.detach()
+    d.stop()
