@@ -208,6 +208,7 @@ class _Server:
         self.draining = False
         self.records: list[protocol.CallRecord] = []
         self.records_lock = threading.Lock()
+        self.records_ready = threading.Condition(self.records_lock)  # the first record of a batch wakes housekeeping
         self.channels = 0
         self.max_channels = max_channels(plan.limits.max_processes, plan.limits.max_open_files)
         self.in_flight: dict[tuple[int, int], tuple[_Channel, str]] = {}  # (channel, request id): what the stop cuts
@@ -291,9 +292,11 @@ class _Server:
             with self.activity.lock:
                 self.in_flight.pop(key, None)
             self.activity.end()
-            with self.records_lock:
+            with self.records_ready:
                 self.records.append(protocol.CallRecord(req.tool, round((time.perf_counter() - started) * 1e3, 3),
                                                         success))
+                if len(self.records) == 1:
+                    self.records_ready.notify()
 
     def set_command_env(self, msg: protocol.SetCommandEnv) -> None:
         env = {k: v for k, v in self.ctx.env.items() if k not in msg.unset}
@@ -312,10 +315,30 @@ class _Server:
         except OSError:
             pass  # the daemon is gone; the session is ending anyway
 
-    def send_records(self) -> None:
+    def housekeeping(self) -> None:
+        """The tool server's one periodic thread. Finished calls reach the
+        daemon's log in batches, at most ``RECORD_INTERVAL_S`` after the first
+        of a batch ended (a message per call would wake the daemon between a
+        reply and the next request); the idle timeout ends the session. An
+        idle session sleeps from one idle check to the next (a quarter of the
+        timeout, at most 5 s): a thousand idle sessions cost the host no
+        wake-ups in between."""
+        limit = self.plan.limits.idle_timeout_s
+        every = min(5.0, limit / 4)
+        next_check = time.monotonic() + every
         while True:
-            time.sleep(RECORD_INTERVAL_S)
-            self.flush_records()
+            with self.records_ready:
+                if not self.records:
+                    self.records_ready.wait(max(0.0, next_check - time.monotonic()))
+                pending = bool(self.records)
+            if pending:
+                time.sleep(RECORD_INTERVAL_S)  # let the batch grow
+                self.flush_records()
+            if time.monotonic() >= next_check:
+                if self.activity.idle_for() >= limit:
+                    self.flush_records()
+                    os._exit(EXIT_IDLE)  # the session ends with us (its pid 1, or its init sees us go)
+                next_check = time.monotonic() + every
 
     def drain(self, deadline_s: float) -> None:
         """Refuse new calls, wait for those in flight (up to the deadline), end."""
@@ -332,14 +355,6 @@ class _Server:
         self.flush_records()
         os._exit(0)
 
-    def watch_idle(self) -> None:
-        limit = self.plan.limits.idle_timeout_s
-        while True:
-            time.sleep(min(5.0, limit / 4))
-            if self.activity.idle_for() >= limit:
-                self.flush_records()
-                os._exit(EXIT_IDLE)  # the session init sees us go and ends the session
-
 
 def max_channels(max_processes: int, max_open_files: int) -> int:
     """Channels one session may hold: each is a thread and a descriptor of the
@@ -351,8 +366,7 @@ def max_channels(max_processes: int, max_open_files: int) -> int:
 def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
     """Serve until the daemon closes the control channel."""
     server = _Server(plan, _Control(control))
-    threading.Thread(target=server.watch_idle, daemon=True).start()
-    threading.Thread(target=server.send_records, daemon=True).start()
+    threading.Thread(target=server.housekeeping, daemon=True, name="housekeeping").start()
     while True:
         try:
             msg = control.recv(protocol.to_worker_decoder)

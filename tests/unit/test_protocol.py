@@ -86,6 +86,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"fork_server_request"}),
     p.Spawned: (p.Spawned(id=14, pid=999), {"fork_server_reply"}),
     p.NetRules: (p.NetRules(id=15, rules="add table inet dispatchd"), {"fork_server_request"}),
+    p.StartStack: (p.StartStack(id=16), {"fork_server_request"}),
 }
 DECODERS = {
     "daemon_request": p.daemon_request_decoder,
@@ -104,7 +105,7 @@ TAGS = {
     "StatusReply": "status_reply", "Attached": "attached", "ToolsReply": "tools", "OkReply": "ok",
     "ErrorReply": "error", "CallTool": "call_tool", "ToolReply": "tool_reply", "WorkerReady": "worker_ready",
     "WorkerFailed": "worker_failed", "AddChannel": "add_channel", "SpawnWorker": "spawn_worker",
-    "Spawned": "spawned", "NetRules": "net_rules", "AcquireWriteLock": "acquire_write_lock",
+    "Spawned": "spawned", "NetRules": "net_rules", "StartStack": "start_stack", "AcquireWriteLock": "acquire_write_lock",
     "ToolCallsDone": "tool_calls_done", "Drain": "drain", "CancelCall": "cancel_call", "ToolOutput": "tool_output",
     "SetCommandEnv": "set_command_env",
     "ReleaseWriteLock": "release_write_lock", "ForgetWriteLock": "forget_write_lock",
