@@ -1,16 +1,19 @@
 """The fork server: a lean, single-threaded process that forks session workers.
 
 The daemon forks it at start, before any thread exists, with every module a
-worker needs already imported. A session then costs one ``fork`` of this small
-process (not of the daemon, whose memory grows with its clients) and no
+worker needs already imported. A session then costs one ``clone3`` of this
+small process (not of the daemon, whose memory grows with its clients) and no
 imports: that is what keeps opening a session within milliseconds, and it is
 what lets Landlock be applied safely, since Landlock binds only the calling
 thread and a fork of a single-threaded process has exactly one.
 
 Seccomp programs are compiled here once per plan and only installed in the
-worker. The fork server dies with the daemon, and the workers with it. It is
-also a child subreaper, and ends any process that lands on it but a session's
-first one: the orphans of a session whose init was killed.
+worker. The fork server dies with the daemon, and the workers with it; so do
+the sessions' network stacks, which it starts (``StartStack``) with a
+parent-death signal a multi-threaded daemon could not give them. It commits
+nftables rules from a child that joins a session's namespaces (``NetRules``).
+It is also a child subreaper, and ends any process that lands on it but a
+session's first one or a stack: the orphans of a session whose init was killed.
 """
 
 from __future__ import annotations
