@@ -30,6 +30,7 @@ from dispatchd import protocol
 from dispatchd.confine import hygiene, namespaces, netstack, seccomp
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.errors import ConfinementError
+from dispatchd.tools import spec
 from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session_init import run_session
 
@@ -194,6 +195,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     hygiene.child_subreaper()
+    spec.warm_conversions()  # once here, not at each session's first call of each tool
     frames = protocol.FrameSocket(sock, fds=True)
     programs: dict[bytes, bytes] = {}
     workers: set[int] = set()
