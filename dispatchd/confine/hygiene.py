@@ -26,7 +26,19 @@ from collections.abc import Iterable, Mapping
 from dispatchd.confine import _sys
 from dispatchd.errors import ConfinementError
 
-_CAP_LAST = 63
+
+def _cap_last() -> int:
+    """The highest capability this kernel knows (read once, at import: the fork
+    server has it before it forks), so that dropping the bounding set makes no
+    call the kernel refuses; 63 (every bit) when it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as f:
+            return min(int(f.read()), 63)
+    except (OSError, ValueError):
+        return 63
+
+
+_CAP_LAST = _cap_last()
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
