@@ -24,6 +24,10 @@ import time
 
 from dispatchd.protocol.internal import EXIT_DRAINED, EXIT_IDLE
 
+# Signals a process brings on itself (a fault, an abort, a system call
+# seccomp answers with SIGSYS): never "from outside".
+_FAULTS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGSYS,
+                     signal.SIGTRAP})
 REASON_WAIT_S = 3.0  # how long a client's request waits for the daemon to learn why a worker went
 
 _PIDFD_GET_INFO = 0xC040FF0B  # _IOWR(0xFF, 11, struct pidfd_info) with its 64-byte first version
@@ -80,6 +84,10 @@ def describe_exit(status: int | None, *, idle_timeout_s: float,
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         if tool_server_is_init:
+            if sig in _FAULTS:  # its own doing: a crash, or a system call seccomp kills for
+                return (f"tool_server_killed signal={sig}",
+                        f"its tool server crashed (signal {sig}, {_signame(sig)})")
+            # Pid 1 takes from its own namespace no signal it does not handle.
             return (f"tool_server_killed signal={sig}",
                     f"its tool server was killed by signal {sig} ({_signame(sig)}) from outside the session")
         return (f"worker_killed signal={sig}",

@@ -382,13 +382,13 @@ class SessionManager:
         try:
             ns_fds = self._take_namespaces(plan, msg, control)
             self._start_proxy(session, plan, msg, control)
-        except ConfinementError:
+        except BaseException:  # whatever failed, the worker and what it sent go
             for fd in ns_fds or ():
                 os.close(fd)
             worker.kill()
             control.close()
             raise
-        log.debug("event=worker_ready session=%s pid=%s steps_ms=%s", session.id, msg.pid,
+        log.debug("event=worker_ready session=%s pid=%s steps_ms=%s", session.id, worker.pid,
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker = worker
         session.ns_fds = ns_fds
@@ -603,12 +603,19 @@ class SessionManager:
             session.closed = True
             session.generation += 1
             try:
-                self._stop_worker(session)
-                self._check_git(session)
-                self._sweep_temp_files(session)
+                self._wind_down(session)
             finally:
                 # Whatever the checks found, the session is over.
                 self._discard(session)
+
+    def _wind_down(self, session: Session) -> None:
+        """The one way a sandbox of the session ends (its close, its end, a
+        network switch that replaces it, one that failed half way): its
+        processes gone, then what they left in git moved aside and the
+        temporary files of cut writes removed, before anyone else may write."""
+        self._stop_worker(session)
+        self._check_git(session)
+        self._sweep_temp_files(session)
 
     def _discard(self, session: Session) -> None:
         """The one way a session's remains go, whether it ended or never
@@ -808,8 +815,10 @@ class SessionManager:
                 session.closed = True
                 session.generation += 1
                 self._ended.record(session.id, f"its network could not be switched to {network}")
-                self._stop_worker(session)
-                self._discard(session)
+                try:
+                    self._wind_down(session)  # what it planted in git is moved aside, as at every end
+                finally:
+                    self._discard(session)
                 raise
             if note is not None:
                 session.note = note
@@ -817,9 +826,7 @@ class SessionManager:
                 return session
             ended = _count_session_processes(session)
             session.generation += 1
-            self._stop_worker(session)
-            self._check_git(session)
-            self._sweep_temp_files(session)
+            self._wind_down(session)
             try:
                 self._start_worker(session, network)
                 session.note = (f"network {network}: the sandbox was replaced ({self._why_replaced(session)}); "

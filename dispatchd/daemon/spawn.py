@@ -10,6 +10,7 @@ Safe to call from many threads; requests to the fork server are serialised
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import threading
@@ -44,9 +45,14 @@ class Worker:
             os.close(self.pidfd)
             self.pidfd = -1
 
-    def kill(self) -> None:
-        """SIGKILL, and let go of it: for a worker that never became a session's."""
+    def kill(self, timeout_s: float = 5.0) -> None:
+        """SIGKILL, wait until it has exited (at most ``timeout_s``), and let
+        go of it. With a pid namespace the worker is its pid 1, which exits only
+        once every other process in it is gone: what follows (the git check,
+        the write lock passing on) never races a process of the session."""
         self.signal(signal.SIGKILL)
+        if self.pidfd >= 0:
+            select.select([self.pidfd], [], [], timeout_s)  # readable once it has exited
         self.close()
 
     def stop(self, sig: int, ended: threading.Event, timeout_s: float) -> bool:

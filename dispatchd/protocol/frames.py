@@ -127,7 +127,10 @@ class FrameSocket:
 
     def _fill(self) -> bool:
         if self._fds:
-            data, fds, flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4)
+            # Close-on-exec from the start: a descriptor received here is never
+            # meant for a program this process might exec (the fork server's
+            # stack child marks its own inheritable).
+            data, fds, flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4, socket.MSG_CMSG_CLOEXEC)
             self._fd_queue.extend(fds)
             if flags & socket.MSG_CTRUNC:
                 # The kernel dropped a descriptor it could not install here

@@ -370,3 +370,58 @@ def test_the_stack_is_the_fork_servers_child_and_dies_with_a_killed_daemon(tmp_p
         assert alive == [], alive
         session.detach()
     d.stop()
+
+
+_PLANT_REDIRECT = (
+    "mkdir evilc && ln -s ../.git/objects evilc/objects && ln -s ../.git/refs evilc/refs && cp .git/HEAD evilc/HEAD"
+    " && printf '[core]\\n\\trepositoryformatversion = 0\\n\\tfsmonitor = \"echo {marker} >&2; false\"\\n'"
+    " > evilc/config && echo ../evilc > .git/commondir && echo planted")
+
+
+@pytest.mark.parametrize("how", ["closed", "switch failed"])
+def test_a_session_ended_by_a_failed_switch_has_its_git_checked_too(tmp_path: Path, worktree: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Found by review: a switch that failed half way (pasta not ready, nft
+    refusing) ended the session without the end-of-session git check, so a
+    ``.git/commondir`` it planted stayed in effect for the user's own git.
+    Every end now winds down one way. Its twin is the plain close. pasta is
+    made to fail by a wrapper earlier on the daemon's PATH that works once."""
+    import secrets
+    import subprocess
+
+    from tests.conftest import Daemon
+
+    subprocess.run(["git", "init", "-q", str(worktree)], check=True, timeout=30)
+    bindir, starts = tmp_path / "bin", tmp_path / "pasta-starts"
+    bindir.mkdir()
+    (bindir / "pasta").write_text(f"#!/bin/sh\necho x >> {starts}\n"
+                                  f"[ $(wc -l < {starts}) -ge 2 ] && {{ echo 'refused by the test' >&2; exit 1; }}\n"
+                                  "exec /usr/bin/pasta \"$@\"\n")
+    (bindir / "pasta").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    marker = f"PLANTED-{secrets.token_hex(4)}"
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d")
+    try:
+        with d.connect() as client:
+            session = client.open_session(str(worktree), network="on")
+            assert shell(session, _PLANT_REDIRECT.format(marker=marker)).output == "planted\n"
+            # The probe is live: while the session runs, the user's git obeys the redirect.
+            during = subprocess.run(["git", "-C", str(worktree), "status"], capture_output=True, text=True,
+                                    timeout=30)
+            assert marker in during.stderr, during.stderr
+            if how == "closed":
+                session.close()
+            else:
+                session.set_network(False)
+                with pytest.raises(dispatch.DispatchError) as info:
+                    session.set_network(True)
+                assert "start pasta: refused by the test" in str(info.value)
+                assert session.id not in [s["id"] for s in client.list_sessions()]
+                session.detach()
+        assert not (worktree / ".git" / "commondir").exists()
+        assert "event=git_redirect_quarantined" in d.log()
+        after = subprocess.run(["git", "-C", str(worktree), "status"], capture_output=True, text=True, timeout=30)
+        assert marker not in after.stderr
+    finally:
+        assert d.stop() == 0, d.log()

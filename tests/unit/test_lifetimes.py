@@ -201,3 +201,17 @@ def test_the_process_budget_without_a_user_namespace_counts_threads() -> None:
         stop.set()
         for t in threads:
             t.join()
+
+
+def test_a_tool_server_that_is_pid_1_is_told_killed_from_outside_or_crashed() -> None:
+    # Full mode: the tool server is the session's pid 1. A signal its own
+    # namespace cannot send came from outside; a fault is its own.
+    assert exits.describe_exit(9, idle_timeout_s=1, tool_server_is_init=True) == (
+        "tool_server_killed signal=9",
+        "its tool server was killed by signal 9 (SIGKILL) from outside the session")
+    assert exits.describe_exit(11, idle_timeout_s=1, tool_server_is_init=True) == (
+        "tool_server_killed signal=11", "its tool server crashed (signal 11, SIGSEGV)")
+    assert exits.describe_exit(31, idle_timeout_s=1, tool_server_is_init=True)[1] == (
+        "its tool server crashed (signal 31, SIGSYS)")
+    # Degraded mode: the init is not the tool server.
+    assert exits.describe_exit(9, idle_timeout_s=1)[0] == "worker_killed signal=9"
