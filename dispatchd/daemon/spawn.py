@@ -14,7 +14,10 @@ import select
 import signal
 import socket
 import threading
+from collections.abc import Callable
+from typing import Any
 
+import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
@@ -72,22 +75,32 @@ class ForkServerClient:
         self._lock = threading.Lock()
         self._next = 0
 
+    def _request(self, make: Callable[[int], msgspec.Struct], fds: list[int]) -> tuple[Any, int]:
+        """One request to the fork server and its reply, serialised: the reply
+        and the descriptor that came with it (-1 if none was expected: an
+        ``OkReply``). Every failure is a ``SpawnError`` saying why."""
+        with self._lock:
+            self._next += 1
+            try:
+                self._frames.send(make(self._next), fds=fds)
+                reply = self._frames.recv(protocol.fork_server_reply_decoder)
+                if reply is None:
+                    raise SpawnError("the fork server has exited")
+                if isinstance(reply, protocol.ErrorReply):
+                    raise SpawnError(reply.message)
+                return reply, (self._frames.take_fd() if isinstance(reply, protocol.Spawned) else -1)
+            except (OSError, protocol.ProtocolError) as exc:
+                raise SpawnError(f"the fork server is not answering: {exc}") from exc
+
     def spawn_worker(self, plan: SessionPlan, control_end: socket.socket, worktree_fd: int) -> Worker:
         """Fork a worker for ``plan``; ``worktree_fd`` (the checked worktree, by
         descriptor) travels with the request (SCM_RIGHTS) to be bound and granted."""
-        with self._lock:
-            self._next += 1
-            req = protocol.SpawnWorker(id=self._next, plan=protocol.encode_plan(plan))
-            try:
-                self._frames.send(req, fds=[control_end.fileno(), worktree_fd])
-                reply = self._frames.recv(protocol.fork_server_reply_decoder)
-            except (OSError, protocol.ProtocolError) as exc:
-                raise SpawnError(f"the fork server is not answering: {exc}") from exc
-            if reply is None:
-                raise SpawnError("the fork server has exited")
-            if isinstance(reply, protocol.ErrorReply):
-                raise SpawnError(reply.message)
-            return Worker(reply.pid, self._frames.take_fd())
+        encoded = protocol.encode_plan(plan)
+        reply, pidfd = self._request(lambda rid: protocol.SpawnWorker(id=rid, plan=encoded),
+                                     [control_end.fileno(), worktree_fd])
+        if not isinstance(reply, protocol.Spawned):
+            raise SpawnError(f"the fork server answered {type(reply).__name__}")
+        return Worker(reply.pid, pidfd)
 
     def start_worker(self, plan: SessionPlan, worktree_fd: int, worktree: str,
                      timeout_s: float) -> tuple[Worker, protocol.FrameSocket, protocol.WorkerReady]:
@@ -132,38 +145,15 @@ class ForkServerClient:
         """Have the fork server start a session's network stack (see
         ``netstack.start_stack`` for ``fds``): ``(pid, pidfd)``, or
         ``SpawnError`` with the fork server's reason."""
-        with self._lock:
-            self._next += 1
-            try:
-                self._frames.send(protocol.StartStack(id=self._next), fds=fds)
-                reply = self._frames.recv(protocol.fork_server_reply_decoder)
-            except (OSError, protocol.ProtocolError) as exc:
-                raise SpawnError(f"the fork server is not answering: {exc}") from exc
-            if reply is None:
-                raise SpawnError("the fork server has exited")
-            if isinstance(reply, protocol.ErrorReply):
-                raise SpawnError(reply.message)
-            if not isinstance(reply, protocol.Spawned):
-                raise SpawnError(f"the fork server answered {type(reply).__name__}")
-            try:
-                return reply.pid, self._frames.take_fd()
-            except protocol.ProtocolError as exc:
-                raise SpawnError(str(exc)) from exc
+        reply, pidfd = self._request(lambda rid: protocol.StartStack(id=rid), fds)
+        if not isinstance(reply, protocol.Spawned):
+            raise SpawnError(f"the fork server answered {type(reply).__name__}")
+        return reply.pid, pidfd
 
     def net_rules(self, rules: str, userns_fd: int, netns_fd: int) -> None:
         """Commit nftables ``rules`` in a session's namespaces (see
         ``netstack.apply_rules_in``); raises ``SpawnError`` with nft's message."""
-        with self._lock:
-            self._next += 1
-            try:
-                self._frames.send(protocol.NetRules(id=self._next, rules=rules), fds=[userns_fd, netns_fd])
-                reply = self._frames.recv(protocol.fork_server_reply_decoder)
-            except (OSError, protocol.ProtocolError) as exc:
-                raise SpawnError(f"the fork server is not answering: {exc}") from exc
-            if reply is None:
-                raise SpawnError("the fork server has exited")
-            if isinstance(reply, protocol.ErrorReply):
-                raise SpawnError(reply.message)
+        self._request(lambda rid: protocol.NetRules(id=rid, rules=rules), [userns_fd, netns_fd])
 
     def stop(self) -> None:
         self._frames.close()
