@@ -10,6 +10,7 @@ suite must run as the ordinary user it protects (``./scripts/test`` does that).
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -58,6 +59,15 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def worker_pid(self, sid: str | None = None) -> int:
+        """The first process of session ``sid`` (default: the last opened), as
+        the daemon logged it (tests run it at debug). The fork server's
+        children alone do not say: some are sandboxes made ahead (the pool)."""
+        log = self.log()
+        if sid is None:
+            sid = re.findall(r"event=session_open session=(\w+)", log)[-1]
+        return int(re.findall(rf"event=worker_ready session={sid} pid=(\d+)", log)[-1])
 
     def connect(self) -> dispatch.Client:
         return dispatch.connect(self.socket)

@@ -115,6 +115,8 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
     if st.daemon is not None:
         d = st.daemon
         say(f"daemon: {d.open_files_note}; connections {d.connections} of at most {d.max_connections}")
+        if d.pool:
+            say(f"sandboxes made ahead: {d.pool}")
     say(f"{len(st.sessions)} session(s)")
     if not st.sessions:
         say("  a new session (policy default) would get: " + _would_get(k))
@@ -126,7 +128,8 @@ def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:
     p = s.protections
     ll = p.landlock
     writes = "; holds the worktree's write lock" if s.writes else ""
-    say(f"  {s.id}  {s.worktree}  policy={s.policy}  mode={p.mode}{writes}")
+    ahead = "; sandbox made ahead" if p.made_ahead else ""
+    say(f"  {s.id}  {s.worktree}  policy={s.policy}  mode={p.mode}{writes}{ahead}")
     say(f"    landlock ABI {ll.abi}: filesystem {ll.filesystem}; scopes: "
         f"{', '.join(ll.scopes) or 'none'}; {_TCP.get(ll.tcp, ll.tcp)}")
     say(f"    seccomp: {p.seccomp}; namespaces: {', '.join(p.namespaces.held()) or 'none'}")

@@ -25,6 +25,15 @@ the default ``root = "minimal"`` (as bubblewrap and nsjail build one):
   symlink among the system paths (``/bin -> usr/bin``) is reproduced as one;
 - nothing propagates back to the host (the whole tree is made private first).
 
+It is built in two stages, so that the first can be done ahead of the
+session (``dispatchd.daemon.pool``): ``apply_root`` makes the root with what
+every session of the policy shares (system binds, ``/dev``, ``/proc``) and
+pivots into it, keeping the host's root below at ``OLD_ROOT``;
+``apply_session_mounts`` binds the session's own paths from there (the
+worktree proven by inode against the daemon's descriptor), detaches the
+host's root and makes the mounts read-only. No code of the session runs
+before the second stage has returned.
+
 ``root = "host"`` (a policy's choice; the benchmark's baseline) keeps the
 previous view: the host's ``/`` read-only with the user's runtime directories
 covered, Landlock alone refusing the rest (EACCES rather than ENOENT).
@@ -49,6 +58,7 @@ from dispatchd.protocol.reports import RootEntry
 WORKTREE_FD = "@worktree"  # a bind's source: the daemon's descriptor of the worktree
 WORKTREE_STEP = "mounts: worktree"  # the step that refuses a worktree swapped since the daemon's check
 _NEW_ROOT = "/tmp"  # where the new root's tmpfs is mounted while it is built (as bubblewrap does)
+OLD_ROOT = "/.host"  # where the host's root waits, below the new one, for the session's own paths
 PTS = "/dev/pts"  # in the plan's devices: a devpts of the session's own
 
 
@@ -63,9 +73,30 @@ class MountPlan(msgspec.Struct, frozen=True):
     binds: list[Bind]  # parents before children
     devices: list[str]  # device nodes bound into the fresh /dev (minimal root)
     hide: list[str] = []  # host root only: covered by an empty tmpfs (the user's runtime directories)
+    # The policy's system paths and the daemon's code: the same for every
+    # session of the policy, so bound with the root (see ``split_binds``).
+    system: list[str] = []
 
     def writable(self) -> list[str]:
         return [b.path for b in self.binds if b.how == "rw"]
+
+    def split_binds(self) -> tuple[list[Bind], list[Bind]]:
+        """Pure. ``(root, session)``: the binds every session of the policy
+        shares (plain read-only system paths with no session bind above them),
+        made with the root by ``apply_root``, possibly ahead of the session;
+        and the rest (the worktree, the scratch, ``/tmp``, git, extra paths),
+        made by ``apply_session_mounts``. Each keeps its parents before it."""
+        session = [b for b in self.binds if not (b.how == "ro" and not b.source and b.path in self.system)]
+        late = {b.path for b in session}
+        shared = [b for b in self.binds if b.path not in late
+                  and not any(p != b.path and is_within(b.path, p) for p in late)]
+        kept = {b.path for b in shared}
+        return shared, [b for b in self.binds if b.path not in kept]
+
+    def root_part(self) -> MountPlan:
+        """What ``apply_root`` applies: the same for every session it can serve."""
+        return MountPlan(root=self.root, binds=self.split_binds()[0], devices=list(self.devices),
+                         hide=list(self.hide), system=list(self.system))
 
 
 def _depth_order(b: Bind) -> tuple[str, ...]:
@@ -74,11 +105,14 @@ def _depth_order(b: Bind) -> tuple[str, ...]:
 
 def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw: bool, private_tmp: str,
                 read_write: list[str], read_only: list[str], over: list[str] | None = None,
-                devices: list[str] | None = None, hide: list[str] | None = None) -> MountPlan:
+                devices: list[str] | None = None, hide: list[str] | None = None,
+                system: list[str] | None = None) -> MountPlan:
     """Pure. ``read_write`` and ``read_only`` are host paths bound at the same
     place; ``over`` is bound read-only over itself inside a writable bind. A
     path listed twice keeps its first, most writable, role; binds come out
-    parents first, so a path under ``/tmp`` lands in the private ``/tmp``."""
+    parents first, so a path under ``/tmp`` lands in the private ``/tmp``.
+    ``system`` names the read-only paths that are the same for every session
+    of the policy (``MountPlan.split_binds``)."""
     binds: dict[str, Bind] = {}
     for b in ([Bind("/tmp", "rw", private_tmp), Bind(worktree, "rw" if worktree_rw else "ro", WORKTREE_FD)]
               + [Bind(p, "rw") for p in read_write] + [Bind(p, "ro") for p in read_only]
@@ -93,7 +127,8 @@ def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw:
     keep = [b.path for b in ordered]
     # Hiding a directory that holds a path the session needs would hide that path too.
     hidden = [h for h in hide or [] if not any(is_within(k, h) for k in keep + [private_tmp])]
-    return MountPlan(root=root, binds=ordered, devices=list(devices or []), hide=hidden if root == "host" else [])
+    return MountPlan(root=root, binds=ordered, devices=list(devices or []), hide=hidden if root == "host" else [],
+                     system=[b.path for b in ordered if b.path in set(system or [])])
 
 
 def describe_root(plan: MountPlan, labels: dict[str, str]) -> list[RootEntry]:
@@ -215,23 +250,25 @@ def _target(root_fd: int, path: str, kind: Literal["dir", "file"] | None) -> int
 
 
 @contextmanager
-def _sources(plan: MountPlan, worktree_fd: int, extra: list[str]) -> Iterator[dict[str, int]]:
-    """Every bind source, opened before anything is mounted over the host's paths."""
+def _sources(binds: list[Bind], worktree_fd: int, extra: list[str], host: str = "") -> Iterator[dict[str, int]]:
+    """Every bind source, opened before anything is mounted over the host's
+    paths; ``host`` is where the host's root is seen from here ("": at ``/``,
+    or the old root kept under the session's own by ``apply_root``)."""
     fds: dict[str, int] = {}
     try:
-        for b in plan.binds:
+        for b in binds:
             if b.source == WORKTREE_FD:
-                fds[b.path] = _worktree_here(b.path, worktree_fd)
+                fds[b.path] = _worktree_here(b.path, worktree_fd, host)
                 continue
             if b.how == "ro-over":
                 continue  # opened in the new root, inside the worktree bound there
-            fd = _open_nofollow(b.source or b.path, "open bind source")
+            fd = _open_nofollow(host + (b.source or b.path), "open bind source")
             if fd is not None:
                 fds[b.path] = fd
         for path in extra:
             if path == PTS:
                 continue  # a devpts of the session's own, never the host's
-            fd = _open_nofollow(path, "open device")
+            fd = _open_nofollow(host + path, "open device")
             if fd is not None:
                 fds[path] = fd
         yield fds
@@ -240,16 +277,17 @@ def _sources(plan: MountPlan, worktree_fd: int, extra: list[str]) -> Iterator[di
             os.close(fd)
 
 
-def _worktree_here(path: str, worktree_fd: int) -> int:
+def _worktree_here(path: str, worktree_fd: int, host: str = "") -> int:
     """The worktree in this mount namespace, proven to be the directory the
     daemon checked. The daemon's descriptor names a mount of the namespace it
     was opened in, which the kernel will not bind into this one (EINVAL); so
-    the path is walked again here, without following a symlink, and must lead
-    to the same inode, or the session is refused: a swap since the check can
-    make an open fail, never give it another directory."""
+    the path is walked again here (below ``host``, where the host's root is
+    seen), without following a symlink, and must lead to the same inode, or
+    the session is refused: a swap since the check can make an open fail,
+    never give it another directory."""
     want = os.fstat(worktree_fd)
     try:
-        fd = _sys.open_no_symlinks(path)
+        fd = _sys.open_no_symlinks(host + path)
     except OSError:
         fd = None  # gone, or a symlink on the way: not what was checked
     if fd is not None:
@@ -264,7 +302,7 @@ def _bind(src_fd: int, root_fd: int, path: str) -> None:
     st = os.fstat(src_fd)
     if stat.S_ISLNK(st.st_mode):
         # /bin -> usr/bin: the same link in the new root (its target is bound, or absent).
-        target = os.readlink(path)
+        target = os.readlink("", dir_fd=src_fd)  # the link itself (O_PATH | O_NOFOLLOW), wherever it is seen
         parent = os.dup(root_fd) if os.path.dirname(path) == "/" else _target(root_fd, os.path.dirname(path), "dir")
         assert parent is not None
         try:
@@ -298,15 +336,27 @@ def _bind_over_itself(root_fd: int, path: str) -> None:
 
 
 def _pivot_into(root_fd: int) -> None:
-    """Make the new root ``/`` and detach the host's (pivot_root(".", "."),
-    then the old root, stacked on the same point, is unmounted lazily)."""
+    """Make the new root ``/``, the host's kept beneath it at ``OLD_ROOT``
+    until ``_detach_host`` (``pivot_root`` walks every thread on the machine:
+    done with the root, possibly ahead of the session)."""
     try:
+        os.mkdir(OLD_ROOT.lstrip("/"), 0o700, dir_fd=root_fd)
         os.fchdir(root_fd)
-        _sys.pivot_root(".", ".")
-        _sys.umount2(".", _sys.MNT_DETACH)
+        _sys.pivot_root(".", OLD_ROOT.lstrip("/"))
         os.chdir("/")
     except OSError as exc:
         raise ConfinementError("mounts: pivot_root", exc.errno, _NEW_ROOT) from exc
+
+
+def _detach_host() -> None:
+    """The host's root gone from the session's namespace for good (lazily
+    unmounted: nothing of it is reachable from here on), and its mount point
+    removed from the session's root."""
+    try:
+        _sys.umount2(OLD_ROOT, _sys.MNT_DETACH)
+        os.rmdir(OLD_ROOT)
+    except OSError as exc:
+        raise ConfinementError("mounts: detach the host's root", exc.errno, OLD_ROOT) from exc
 
 
 def _build_dev(root_fd: int, devices: list[str], fds: dict[str, int]) -> None:
@@ -343,16 +393,18 @@ def _build_dev(root_fd: int, devices: list[str], fds: dict[str, int]) -> None:
         os.close(dev)
 
 
-def _apply_minimal(plan: MountPlan, worktree_fd: int) -> None:
-    with _sources(plan, worktree_fd, plan.devices) as fds:
+def _build_root(plan: MountPlan) -> None:
+    """The session's own root with what every session of the policy shares:
+    the system binds, ``/dev``, ``/proc``; then ``/`` is it, and the host's root
+    waits below at ``OLD_ROOT`` for the session's own paths."""
+    shared, _ = plan.split_binds()
+    with _sources(shared, -1, plan.devices) as fds:
         # The sources are held: the new root may now cover the host's /tmp.
         _mount("new root", "tmpfs", _NEW_ROOT, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=1m,mode=0755")
         root_fd = os.open(_NEW_ROOT, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            for b in plan.binds:  # parents first: a worktree under /tmp lands in the private /tmp
-                if b.how == "ro-over":
-                    _bind_over_itself(root_fd, b.path)
-                elif b.path in fds:
+            for b in shared:
+                if b.path in fds:
                     _bind(fds[b.path], root_fd, b.path)
             _build_dev(root_fd, plan.devices, fds)
             proc = _target(root_fd, "/proc", "dir")
@@ -368,12 +420,30 @@ def _apply_minimal(plan: MountPlan, worktree_fd: int) -> None:
             os.close(root_fd)
 
 
+def _bind_session_paths(plan: MountPlan, worktree_fd: int) -> None:
+    """The session's own paths into its root, taken from the host's root kept
+    at ``OLD_ROOT`` (the worktree proven by inode against the daemon's
+    descriptor), then the host's root detached."""
+    _, own = plan.split_binds()
+    with _sources(own, worktree_fd, [], host=OLD_ROOT) as fds:
+        root_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for b in own:  # parents first: a worktree under /tmp lands in the private /tmp
+                if b.how == "ro-over":
+                    _bind_over_itself(root_fd, b.path)
+                elif b.path in fds:
+                    _bind(fds[b.path], root_fd, b.path)
+        finally:
+            os.close(root_fd)
+    _detach_host()
+
+
 def _apply_host(plan: MountPlan, worktree_fd: int) -> None:
     """The host's root, read-only, as the release before (``root = "host"``)."""
     tmp = next(b for b in plan.binds if b.path == "/tmp")
     kept = [b for b in plan.binds if b.how != "ro-over" and b.path != "/tmp" and (b.how == "rw" or is_within(b.path, "/tmp")
                                                                                  or b.source == WORKTREE_FD)]
-    with _sources(msgspec.structs.replace(plan, binds=[tmp, *kept]), worktree_fd, []) as fds:
+    with _sources([tmp, *kept], worktree_fd, []) as fds:
         root_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             _mount("private /tmp", _fd_path(fds["/tmp"]), "/tmp", None, _sys.MS_BIND)
@@ -393,10 +463,22 @@ def _apply_host(plan: MountPlan, worktree_fd: int) -> None:
     _mount("proc", "proc", "/proc", "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
 
 
-def apply_mounts(plan: MountPlan, worktree_fd: int) -> None:
+def apply_root(plan: MountPlan) -> None:
+    """The part of the view every session of the policy shares. With a root
+    of the session's own: the new root with its system binds, ``/dev`` and
+    ``/proc``, pivoted into, the host's root still reachable below
+    ``OLD_ROOT`` (no session code runs before ``apply_session_mounts``)."""
     _mount("make private", None, "/", None, _sys.MS_REC | _sys.MS_PRIVATE)
     if plan.root == "minimal":
-        _apply_minimal(plan, worktree_fd)
+        _build_root(plan)
+
+
+def apply_session_mounts(plan: MountPlan, worktree_fd: int) -> None:
+    """The rest, after ``apply_root`` (at once, or when a sandbox made ahead
+    is given its session): the session's own paths, the host's root
+    detached, every mount read-only but the writable ones."""
+    if plan.root == "minimal":
+        _bind_session_paths(plan, worktree_fd)
     else:
         _apply_host(plan, worktree_fd)
     # Everything read-only in one call (mount_setattr, AT_RECURSIVE), then the
@@ -414,3 +496,9 @@ def apply_mounts(plan: MountPlan, worktree_fd: int) -> None:
                 _sys.mount_setattr(path, clear=_sys.MOUNT_ATTR_RDONLY)
             except OSError as exc:
                 raise ConfinementError("mounts: writable path", exc.errno, path) from exc
+
+
+def apply_mounts(plan: MountPlan, worktree_fd: int) -> None:
+    """The whole view at once: ``apply_root`` then ``apply_session_mounts``."""
+    apply_root(plan)
+    apply_session_mounts(plan, worktree_fd)

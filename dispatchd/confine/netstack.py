@@ -77,10 +77,16 @@ def _ports(ports: list[int]) -> str:
     return ", ".join(map(str, ports)) if ports else "none"
 
 
+def reset_rules() -> str:
+    """Our table removed from a session's namespace (one transaction; no
+    error when it is not there)."""
+    return f"add table inet {TABLE}\ndelete table inet {TABLE}\n"
+
+
 def nft_rules(mode: NetworkMode, ports: NetworkPorts) -> str:
     """The ruleset for a session's namespace, replacing whatever was there
     (one transaction: add, delete, define)."""
-    reset = f"add table inet {TABLE}\ndelete table inet {TABLE}\n"
+    reset = reset_rules()
     if mode != "ports":
         return reset
     allowed = (f"        meta l4proto {{ tcp, udp }} th dport {{ {', '.join(map(str, ports.connect))} }} accept\n"

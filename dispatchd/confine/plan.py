@@ -104,6 +104,33 @@ class SessionPlan(msgspec.Struct, frozen=True):
     proxy_port: int = 0
 
 
+class PoolKey(msgspec.Struct, frozen=True):
+    """Everything a sandbox made ahead has applied before it knows its
+    session (``session_init.confine_shared``), and what the daemon set up for
+    it (its network, its cgroup): two plans with equal keys are served alike
+    by the same sandbox."""
+
+    namespaces: NamespacePlan
+    ucounts: UcountsPlan
+    root: MountPlan
+    loopback: bool
+    seccomp: SeccompPlan  # compiled by the fork server when the sandbox was made
+    cgroup: SessionCgroup | None  # born in it, limits written
+    net: NetworkPlan | None  # rules committed (those of "ports" name its ports), stack started
+
+
+def pool_key(plan: SessionPlan) -> bytes | None:
+    """Pure. The key of the sandboxes made ahead that can serve ``plan`` (see
+    ``PoolKey``), or None when none can: only a session with user, mount and
+    pid namespaces and a root of its own is made in two stages."""
+    ns, mounts = plan.namespaces, plan.mounts
+    if not (ns.user and ns.mount and ns.pid) or mounts is None or mounts.root != "minimal":
+        return None
+    return msgspec.msgpack.encode(PoolKey(namespaces=ns, ucounts=plan.ucounts, root=mounts.root_part(),
+                                          loopback=plan.loopback, seccomp=plan.seccomp, cgroup=plan.cgroup,
+                                          net=plan.net))
+
+
 def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: GitLayout) -> list[str]:
     gaps = []
     if not use_userns and git.kind in ("repository", "linked"):
@@ -243,7 +270,7 @@ def plan_session(
                              read_write=writable,
                              read_only=list(fs.read_only) + list(paths.code) + list(git.readable) + list(paths.read_only),
                              over=list(git.read_only) if worktree_rw else [], devices=devices,
-                             hide=list(paths.runtime_dirs))
+                             hide=list(paths.runtime_dirs), system=list(fs.read_only) + list(paths.code))
         labels = {paths.scratch: "the session's scratch: HOME, TMPDIR",
                   **{p: "system" for p in fs.read_only}, **{p: "dispatchd's code" for p in paths.code},
                   **{p: "git" for p in [*git.readable, *git.writable, *git.read_only]},

@@ -294,7 +294,8 @@ class Server:
                                         kernel=self.kernel, sessions=[s.info() for s in m.sessions()],
                                         daemon=protocol.DaemonReport(
                                             open_files=self.open_files.limit, open_files_note=self.open_files.note,
-                                            connections=self.connections, max_connections=self.max_connections))
+                                            connections=self.connections, max_connections=self.max_connections,
+                                            pool=m.pool.report()))
         if isinstance(req, protocol.ListTools):
             policy = self.load_policy(req.policy)
             return protocol.ToolsReply(id=req.id, tools=[protocol.ToolSchema(**s) for s in schemas_for(policy.tools)])

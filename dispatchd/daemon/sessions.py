@@ -45,16 +45,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
-from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session
+from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
 from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
+from dispatchd.daemon.pool import Kind, Made, SandboxPool
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
-from dispatchd.daemon.spawn import SpawnError, Worker, ForkServerClient
+from dispatchd.daemon.spawn import ForkServerClient, SpawnError, Worker, adopt
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
 from dispatchd.daemon.writelock import WriteLocks
 from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Stopping, WorktreeError
@@ -175,6 +177,13 @@ def _count_session_processes(session: Session) -> int:
         return 0
 
 
+class _Adopted(NamedTuple):
+    made: Made
+    worker: Worker
+    control: protocol.FrameSocket
+    ready: protocol.WorkerReady
+
+
 class SessionManager:
     def __init__(
         self,
@@ -190,6 +199,7 @@ class SessionManager:
         base_env: dict[str, str],
         delegation: cgroups.Delegation = cgroups.Delegation(note="not looked for"),
         resolver: Resolver | None = None,
+        pool_size: int = 0,
     ) -> None:
         self.fork_server = fork_server
         self.kernel = kernel
@@ -216,6 +226,8 @@ class SessionManager:
         self._ended = leftovers.EndedSessions()  # why recent sessions ended, for their clients
         self._scratch_locks = leftovers.ScratchLocks(self.sessions_dir)
         self.watchdog = watchdog.MemoryWatchdog(self._watched, self._end_over_memory)
+        # Sandboxes made ahead, per kind of session (pool.py); started by start_pool.
+        self.pool = SandboxPool(size=pool_size, make=self._make_ahead, let_go=self._let_go)
 
     # --- lookups -------------------------------------------------------------
 
@@ -276,7 +288,10 @@ class SessionManager:
             raise WorktreeError(f"{resolved}: a session left git metadata here that dispatchd could not move aside "
                                 f"({tainted}); look at it (your own git would read it), then restart dispatchd",
                                 resolved)
-        sid = secrets.token_hex(6)
+        # A sandbox made ahead for this kind of session, if one is ready: the
+        # session takes the id it was made for (its cgroup's name).
+        made = self.pool.take((policy.name, network))
+        sid = made.sid if made is not None else secrets.token_hex(6)
         scratch = os.path.join(self.sessions_dir, sid)
         session = Session(sid, held, policy, scratch)
         session.read_only = extra
@@ -284,16 +299,19 @@ class SessionManager:
         session.domains = _domains_for(session, rules)
         try:
             self._inspect_git(session)
-        except WorktreeError:
-            raise
-        except Exception as exc:  # hostile content we did not foresee: refuse, loudly
+        except BaseException as exc:
+            if made is not None:
+                self._let_go(made)
+            if isinstance(exc, WorktreeError) or not isinstance(exc, Exception):
+                raise
+            # Hostile content we did not foresee: refuse, loudly.
             raise WorktreeError(f"{resolved}: its git metadata cannot be inspected "
                                 f"({type(exc).__name__}: {exc}); no session opened", resolved) from exc
         self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
         try:
             os.makedirs(scratch + "/tmp", mode=0o700)
             os.makedirs(scratch + "/home", mode=0o700)
-            self._start_worker(session, network)
+            self._start_worker(session, network, made)
         except BaseException:
             self._discard(session)  # closes the worktree's descriptor too (and open()'s close is then a no-op)
             raise
@@ -307,8 +325,9 @@ class SessionManager:
         self.holders.track(sid, detached=detached, grace_s=grace, holder=holder)
         if not cgroup_memory:
             self.watchdog.ensure_running()
-        log.info("event=session_open session=%s policy=%s network=%s mode=%s worktree=%s",
-                 sid, policy.name, network, session.protections.mode if session.protections else None, resolved)
+        log.info("event=session_open session=%s policy=%s network=%s mode=%s made_ahead=%d worktree=%s",
+                 sid, policy.name, network, session.protections.mode if session.protections else None,
+                 bool(session.protections and session.protections.made_ahead), resolved)
         return session
 
     def _inspect_git(self, session: Session) -> None:
@@ -370,30 +389,45 @@ class SessionManager:
                             uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
                             delegation=self.delegation, git_identity=identity)
 
-    def _start_worker(self, session: Session, network: NetworkMode) -> None:
+    def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None) -> None:
+        """The session's sandbox, confined and ready: ``made`` (one made ahead,
+        taken from the pool) when its plan is the one it was made for, or a
+        new one."""
         started = time.perf_counter()
         plan = self._plan(session, network)
-        if plan.cgroup is not None and not session.cgroup:
-            cgroups.create(plan.cgroup)  # limits in force before the first process joins
-            session.cgroup = plan.cgroup.path
-        worker, control, msg = self.fork_server.start_worker(plan, session.worktree_dir.fd, session.worktree,
-                                                             READY_TIMEOUT_S)
-        ns_fds = None
+        adopted = self._adopt(session, plan, made) if made is not None else None
+        if adopted is not None:
+            worker, control, msg = adopted.worker, adopted.control, adopted.ready
+            ns_fds, stack, net = adopted.made.ns_fds, adopted.made.stack, adopted.made.net
+        else:
+            if plan.cgroup is not None and not session.cgroup:
+                cgroups.create(plan.cgroup)  # limits in force before the first process joins
+                session.cgroup = plan.cgroup.path
+            worker, control, msg = self.fork_server.start_worker(plan, session.worktree_dir.fd, session.worktree,
+                                                                 READY_TIMEOUT_S)
+            stack, net = None, None
+            try:
+                ns_fds = self._take_namespaces(plan, msg, control)
+            except BaseException:
+                worker.kill()
+                control.close()
+                raise
         try:
-            ns_fds = self._take_namespaces(plan, msg, control)
             self._start_proxy(session, plan, msg, control)
         except BaseException:  # whatever failed, the worker and what it sent go
             for fd in ns_fds or ():
                 os.close(fd)
+            if stack is not None:
+                stack.stop()
             worker.kill()
             control.close()
             raise
-        log.debug("event=worker_ready session=%s pid=%s steps_ms=%s", session.id, worker.pid,
-                  ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
+        log.debug("event=worker_ready session=%s pid=%s made_ahead=%d steps_ms=%s", session.id, worker.pid,
+                  adopted is not None, ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker = worker
-        session.ns_fds = ns_fds
+        session.ns_fds, session.stack, session.net = ns_fds, stack, net
         try:
-            self._apply_network(session, plan.net)
+            self._apply_network(session, plan.net)  # nothing left to do for one made ahead
         except BaseException:
             self._stop_network(session)
             session.worker = None
@@ -409,10 +443,97 @@ class SessionManager:
         threading.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
                          daemon=True, name=f"watch-{session.id}").start()
 
+    # --- sandboxes made ahead (pool.py) ----------------------------------------
+
+    def start_pool(self) -> None:
+        """Start making sandboxes ahead, first for the default policy's default
+        network (when it loads: a broken policy only fails its own opens)."""
+        try:
+            policy = self.load_policy("default")
+            first: Kind | None = ("default", policy.network.default)
+        except Exception:
+            first = None
+        self.pool.start(first)
+
+    def _make_ahead(self, kind: Kind) -> Made | None:
+        """One sandbox of ``kind`` made ahead (on the pool's thread): its shared
+        part applied, its cgroup made, its network set up. None when sessions
+        of that kind are never made ahead (no ``pool_key``)."""
+        if not self.accepting:
+            raise Stopping("the daemon is stopping")
+        policy_name, network = kind
+        policy = self.load_policy(policy_name)
+        sid = secrets.token_hex(6)
+        # A plan of the kind: its shared part (pool_key) depends on the policy,
+        # the network and this machine only; the session's own parts are
+        # placeholders, replaced by the session's plan at adoption.
+        paths = SessionPaths(worktree=os.path.join(self.sessions_dir, sid, "worktree"),
+                             scratch=os.path.join(self.sessions_dir, sid), runtime_dirs=self.runtime_dirs,
+                             code=self.code_paths)
+        ports = NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
+        plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
+                            gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation)
+        key = pool_key(plan)
+        if key is None:
+            return None
+        cgroup = ""
+        if plan.cgroup is not None:
+            cgroups.create(plan.cgroup)
+            cgroup = plan.cgroup.path
+        try:
+            worker, control, msg = self.fork_server.make_ahead(plan, READY_TIMEOUT_S)
+        except BaseException:
+            self._remove_cgroup_path(cgroup, sid)
+            raise
+        made = Made(kind=kind, sid=sid, key=key, worker=worker, control=control, cgroup=cgroup)
+        try:
+            made.ns_fds = self._take_namespaces(plan, msg, control)
+            self._apply_network(made, plan.net)
+        except BaseException:
+            self._let_go(made)
+            raise
+        log.debug("event=pool_made kind=%s/%s pid=%s steps_ms=%s", policy_name, network, worker.pid,
+                  ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
+        return made
+
+    def _adopt(self, session: Session, plan: SessionPlan, made: Made) -> _Adopted | None:
+        """Give ``made`` its session, or let it go and return None (the caller
+        makes a sandbox at open instead): a plan it was not made for (the
+        policy was edited since), or a failure on the way (logged; a fresh
+        sandbox repeats every check and fails for itself if it must)."""
+        if pool_key(plan) != made.key:
+            log.info("event=pool_mismatch session=%s", session.id)
+            self._let_go(made)
+            return None
+        try:
+            ready = adopt(made.worker, made.control, plan, session.worktree_dir.fd, session.worktree,
+                          READY_TIMEOUT_S)
+        except DispatchdError as exc:
+            log.warning("event=pool_adopt_failed session=%s error=%s", session.id, exc)
+            self._let_go(made)
+            return None
+        session.cgroup = made.cgroup
+        self.pool.served_one()
+        return _Adopted(made, made.worker, made.control, ready)
+
+    def _let_go(self, made: Made) -> None:
+        """A sandbox made ahead that serves no session: killed, and what the
+        daemon holds for it freed (its stack, namespaces, cgroup)."""
+        made.worker.kill()
+        made.control.close()
+        if made.stack is not None:
+            made.stack.stop()
+            made.stack = None
+        for fd in made.ns_fds or ():
+            os.close(fd)
+        made.ns_fds = None
+        self._remove_cgroup_path(made.cgroup, made.sid)
+        made.cgroup = ""
+
     # --- the session's network (confine/netstack.py) ------------------------------
 
     @staticmethod
-    def _take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady,
+    def _take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.WorkerPooled,
                          control: protocol.FrameSocket) -> tuple[int, int] | None:
         """The session's user and network namespaces, as the worker sent them
         with ``WorkerReady`` (first of its fds), when it has its own."""
@@ -430,12 +551,12 @@ class SessionManager:
         except protocol.ProtocolError as exc:
             raise ConfinementError("network: namespaces", detail=str(exc)) from exc
 
-    def _namespaces(self, session: Session) -> tuple[int, int]:
+    def _namespaces(self, session: Session | Made) -> tuple[int, int]:
         if session.ns_fds is None:
             raise ConfinementError("network: namespaces", detail="the session has no network namespace of its own")
         return session.ns_fds
 
-    def _apply_network(self, session: Session, new: netstack.NetworkPlan | None) -> None:
+    def _apply_network(self, session: Session | Made, new: netstack.NetworkPlan | None) -> None:
         """Bring the session's namespace to ``new``, keeping its processes: the
         stack ended first when the new mode has none (killed and reaped before
         this returns), the rules committed before a stack starts."""
@@ -447,8 +568,8 @@ class SessionManager:
             session.stack = None
         if new.rules != (old.rules if old is not None else ""):
             try:
-                self.fork_server.net_rules(new.rules or netstack.nft_rules(new.mode, session.ports),
-                                      *self._namespaces(session))
+                # No rules of the new mode's own: the old mode's table goes.
+                self.fork_server.net_rules(new.rules or netstack.reset_rules(), *self._namespaces(session))
             except SpawnError as exc:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
         if new.stack and session.stack is None:
@@ -478,7 +599,8 @@ class SessionManager:
         if session.proxy is not None:
             session.proxy.configure(network, session.domains)  # refuses all outside "domains"
         absent = session.protections.absent_paths if session.protections else None
-        session.protections = msgspec.structs.replace(plan.protections, absent_paths=absent or [])
+        made_ahead = bool(session.protections and session.protections.made_ahead)
+        session.protections = msgspec.structs.replace(plan.protections, absent_paths=absent or [], made_ahead=made_ahead)
         session.network = network
         kept = _count_session_processes(session)
         if network == "off":
@@ -706,14 +828,17 @@ class SessionManager:
                 self._tainted[session.worktree] = reason
 
     def _remove_cgroup(self, session: Session) -> None:
-        if not session.cgroup:
+        self._remove_cgroup_path(session.cgroup, session.id)
+        session.cgroup = ""
+
+    @staticmethod
+    def _remove_cgroup_path(path: str, sid: str) -> None:
+        if not path:
             return
         try:
-            cgroups.remove(session.cgroup)
+            cgroups.remove(path)
         except OSError as exc:
-            log.error("event=cgroup_not_removed session=%s cgroup=%s error=%r", session.id, session.cgroup,
-                      exc.strerror)
-        session.cgroup = ""
+            log.error("event=cgroup_not_removed session=%s cgroup=%s error=%r", sid, path, exc.strerror)
 
     def _forget(self, session: Session) -> None:
         self.holders.forget(session.id)
@@ -762,6 +887,7 @@ class SessionManager:
     def close_all(self, drain_s: float = 0.0) -> None:
         """End every session; with ``drain_s``, first let calls in flight finish
         for up to that long (new calls are refused meanwhile)."""
+        self.pool.stop()  # before the sessions: nothing made ahead outlives the daemon's stop
         sessions = self.sessions()
         if drain_s > 0:
             for session in sessions:

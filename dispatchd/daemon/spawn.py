@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -68,6 +68,52 @@ class Worker:
         return in_time
 
 
+_Report = TypeVar("_Report", protocol.WorkerReady, protocol.WorkerPooled)
+
+
+def await_report(worker: Worker, control: protocol.FrameSocket, worktree: str, timeout_s: float,
+                 expect: type[_Report]) -> _Report:
+    """What a worker starting (or a sandbox made ahead, given its session)
+    reports: ``expect``. A worker that fails a step, says nothing in
+    ``timeout_s`` or says something else is killed and its channel closed,
+    and the error names the step (``ConfinementError``), or the worktree
+    when it was swapped since the daemon checked it (``WorktreeError``)."""
+    control.sock.settimeout(timeout_s)
+    msg: object
+    try:
+        msg = control.recv(protocol.from_worker_decoder)
+    except (OSError, protocol.ProtocolError) as exc:
+        msg = exc
+    control.sock.settimeout(None)
+    if isinstance(msg, expect):
+        return msg
+    worker.kill()
+    control.close()
+    if isinstance(msg, protocol.WorkerFailed) and msg.step == WORKTREE_STEP:
+        # Raced: the worktree was swapped between the daemon's check and the worker's bind.
+        raise WorktreeError(f"worktree {worktree} changed while the session was being opened "
+                            "(moved or replaced since it was checked); nothing was opened", worktree)
+    if isinstance(msg, protocol.WorkerFailed):
+        err = ConfinementError(msg.step, msg.errno, msg.path, msg.message.split(": ", 1)[-1] if not msg.errno else "")
+        err.message = f"session refused: {msg.message}"
+        err.args = (err.message,)
+        raise err
+    raise ConfinementError("worker start", detail=f"the worker did not report {expect.__name__}: {msg!r}")
+
+
+def adopt(worker: Worker, control: protocol.FrameSocket, plan: SessionPlan, worktree_fd: int, worktree: str,
+          timeout_s: float) -> protocol.WorkerReady:
+    """Give a sandbox made ahead its session: the plan and the checked
+    worktree. Its report, as ``start_worker``'s; on any failure it is killed."""
+    try:
+        control.send(protocol.AdoptSession(plan=protocol.encode_plan(plan)), fds=[worktree_fd])
+    except OSError as exc:
+        worker.kill()
+        control.close()
+        raise ConfinementError("pool", detail=f"the sandbox made ahead is gone: {exc}") from exc
+    return await_report(worker, control, worktree, timeout_s, protocol.WorkerReady)
+
+
 class ForkServerClient:
     def __init__(self, pid: int, sock: socket.socket) -> None:
         self.pid = pid
@@ -105,41 +151,35 @@ class ForkServerClient:
     def start_worker(self, plan: SessionPlan, worktree_fd: int, worktree: str,
                      timeout_s: float) -> tuple[Worker, protocol.FrameSocket, protocol.WorkerReady]:
         """A session's worker, confined and ready: its handle, its control
-        channel (the daemon's end) and what it reported. A worker that fails
-        a step, says nothing in ``timeout_s`` or says something else is
-        killed, and the error names the step (``ConfinementError``), or the
-        worktree when it was swapped since the daemon checked it
-        (``WorktreeError``)."""
+        channel (the daemon's end) and what it reported (see ``await_report``)."""
+        worker, control = self._spawn_with_channel(plan, worktree_fd)
+        return worker, control, await_report(worker, control, worktree, timeout_s, protocol.WorkerReady)
+
+    def make_ahead(self, plan: SessionPlan, timeout_s: float) -> tuple[Worker, protocol.FrameSocket,
+                                                                       protocol.WorkerPooled]:
+        """A sandbox made ahead for sessions of ``plan``'s kind (its ``pool_key``
+        part applied), waiting for ``adopt``."""
+        worker, control = self._spawn_with_channel(plan, -1)
+        return worker, control, await_report(worker, control, "", timeout_s, protocol.WorkerPooled)
+
+    def _spawn_with_channel(self, plan: SessionPlan, worktree_fd: int) -> tuple[Worker, protocol.FrameSocket]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            worker = self.spawn_worker(plan, theirs, worktree_fd)
+            if worktree_fd >= 0:
+                worker = self.spawn_worker(plan, theirs, worktree_fd)
+            else:
+                encoded = protocol.encode_plan(plan)
+                reply, pidfd = self._request(lambda rid: protocol.SpawnWorker(id=rid, plan=encoded, pooled=True),
+                                             [theirs.fileno()])
+                if not isinstance(reply, protocol.Spawned):
+                    raise SpawnError(f"the fork server answered {type(reply).__name__}")
+                worker = Worker(reply.pid, pidfd)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
-        control = protocol.FrameSocket(ours, fds=True)
-        ours.settimeout(timeout_s)
-        msg: object
-        try:
-            msg = control.recv(protocol.from_worker_decoder)
-        except (OSError, protocol.ProtocolError) as exc:
-            msg = exc
-        ours.settimeout(None)
-        if isinstance(msg, protocol.WorkerReady):
-            return worker, control, msg
-        worker.kill()
-        control.close()
-        if isinstance(msg, protocol.WorkerFailed) and msg.step == WORKTREE_STEP:
-            # Raced: the worktree was swapped between the daemon's check and the worker's bind.
-            raise WorktreeError(f"worktree {worktree} changed while the session was being opened "
-                                "(moved or replaced since it was checked); nothing was opened", worktree)
-        if isinstance(msg, protocol.WorkerFailed):
-            err = ConfinementError(msg.step, msg.errno, msg.path, msg.message.split(": ", 1)[-1] if not msg.errno else "")
-            err.message = f"session refused: {msg.message}"
-            err.args = (err.message,)
-            raise err
-        raise ConfinementError("worker start", detail=f"the worker did not report ready: {msg!r}")
+        return worker, protocol.FrameSocket(ours, fds=True)
 
     def start_stack(self, fds: list[int]) -> tuple[int, int]:
         """Have the fork server start a session's network stack (see

@@ -40,6 +40,7 @@ from dispatchd.protocol.frames import (
 from dispatchd.protocol.internal import (
     AcquireWriteLock,
     AddChannel,
+    AdoptSession,
     CallRecord,
     Drain,
     ForgetWriteLock,
@@ -52,6 +53,7 @@ from dispatchd.protocol.internal import (
     ToolCallsDone,
     ToWorker,
     WorkerFailed,
+    WorkerPooled,
     WorkerReady,
     ForkServerReply,
     ForkServerRequest,
@@ -127,8 +129,9 @@ __all__ = [
     "DaemonReport", "GitReport", "KernelFeatures", "LandlockReport", "LifetimeReport", "LimitsReport", "MemoryHold",
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
-    "AcquireWriteLock", "AddChannel", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
-    "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerReady",
+    "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
+    "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerPooled",
+    "WorkerReady",
     "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

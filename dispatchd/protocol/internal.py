@@ -15,7 +15,8 @@ Guarantees:
   importing ``dispatchd.protocol`` never loads the daemon's confinement code.
 
 Two conversations:
-- daemon <-> worker (control channel): ``WorkerReady``/``WorkerFailed`` once,
+- daemon <-> worker (control channel): ``WorkerReady``/``WorkerFailed`` once
+  (a sandbox made ahead: ``WorkerPooled``, then ``AdoptSession`` first),
   then ``AddChannel``, write-lock requests and grants, call records, ``Drain``.
 - daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``.
 """
@@ -53,6 +54,26 @@ class WorkerReady(_Msg, tag="worker_ready", frozen=True):
     # daemon cannot open /proc/PID/ns of a worker that is not dumpable (it has
     # no CAP_SYS_PTRACE over the init namespace that owns the worker's memory).
     namespaces: bool = False
+
+
+class WorkerPooled(_Msg, tag="worker_pooled", frozen=True):
+    """A sandbox made ahead (``SpawnWorker.pooled``) has applied what every
+    session of its kind shares and waits for ``AdoptSession``. Sent with two
+    fds when ``namespaces``: its user and network namespaces, as with
+    ``WorkerReady``, which then sends none."""
+
+    pid: int
+    timings_ms: dict[str, float] = {}
+    namespaces: bool = False
+
+
+class AdoptSession(_Msg, tag="adopt_session", frozen=True):
+    """Daemon -> a sandbox made ahead, sent with one fd (the worktree the
+    daemon checked, O_PATH): become this session (``plan``, an encoded
+    ``SessionPlan`` whose ``pool_key`` must equal the one it was made for).
+    Answered by ``WorkerReady`` or ``WorkerFailed``, as a fresh worker."""
+
+    plan: bytes
 
 
 class WorkerFailed(_Msg, tag="worker_failed", frozen=True):
@@ -118,9 +139,9 @@ class SetCommandEnv(_Msg, tag="set_command_env", frozen=True):
     id: int = 0  # not 0: the worker answers ``OkReply(id)`` once later commands get it
 
 # Worker -> daemon: its start, then requests and records while it serves.
-FromWorker = Union[WorkerReady, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply]
+FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
-ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock]
+ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock, AdoptSession]
 
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
@@ -130,10 +151,13 @@ to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
 
 class SpawnWorker(_Msg, tag="spawn_worker", frozen=True):
     """Sent with two fds: the worker's end of its control channel, and the
-    worktree the daemon checked (O_PATH). ``plan`` is a msgpack-encoded ``SessionPlan``."""
+    worktree the daemon checked (O_PATH). ``plan`` is a msgpack-encoded ``SessionPlan``.
+    ``pooled``: a sandbox made ahead, sent with the control channel only; it
+    applies the plan's ``pool_key`` part and waits for ``AdoptSession``."""
 
     id: int
     plan: bytes
+    pooled: bool = False
 
 
 class Spawned(_Msg, tag="spawned", frozen=True):

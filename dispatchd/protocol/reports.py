@@ -38,13 +38,14 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     nftables_missing: str = "not looked for"
 
 
-class DaemonReport(msgspec.Struct, frozen=True):
+class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):
     """The daemon's own budgets (``daemon/capacity.py``)."""
 
     open_files: int  # its descriptor limit (RLIMIT_NOFILE) in force
     open_files_note: str  # raised, already there, or why not
     connections: int  # client connections served now
     max_connections: int  # ... and at most
+    pool: str = ""  # the sandboxes made ahead (daemon/pool.py), in words
 
 
 class LandlockReport(msgspec.Struct, frozen=True):
@@ -140,3 +141,5 @@ class Protections(msgspec.Struct, frozen=True, omit_defaults=True):
     # Paths of the plan this machine lacks, skipped by the worker; set once it is ready.
     absent_paths: list[str] | None = None
     lifetime: LifetimeReport | None = None  # set by the daemon once the session is listed
+    # The sandbox's shared part was made ahead, before the session (the daemon's pool).
+    made_ahead: bool = False

@@ -163,6 +163,12 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
     return protocol.Spawned(id=req.id, pid=pid), pidfd
 
 
+def _close(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
+
+
 def _spawn(plan: SessionPlan) -> tuple[int, int]:
     """The session's first process: ``(0, -1)`` in it, ``(pid, pidfd)`` here.
 
@@ -226,8 +232,10 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
                     os.close(pidfd)
             continue
         control_fd = frames.take_fd()
+        worktree_fd = -1  # none for a sandbox made ahead: its session sends it (AdoptSession)
         try:
-            worktree_fd = frames.take_fd()  # the daemon's checked O_PATH descriptor of the worktree
+            if not req.pooled:
+                worktree_fd = frames.take_fd()  # the daemon's checked O_PATH descriptor of the worktree
         except protocol.ProtocolError as exc:
             os.close(control_fd)
             frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)))
@@ -238,24 +246,17 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             if key not in programs:
                 programs[key] = seccomp.compile_seccomp(plan.seccomp)
             program = programs[key]
-        except Exception as exc:
-            os.close(control_fd)
-            os.close(worktree_fd)
-            frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=f"bad plan: {exc}"))
-            continue
-        try:
             pid, pidfd = _spawn(plan)
-        except ConfinementError as exc:
-            os.close(control_fd)
-            os.close(worktree_fd)
-            frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)))
+        except Exception as exc:
+            _close(control_fd, worktree_fd)
+            message = str(exc) if isinstance(exc, ConfinementError) else f"bad plan: {exc}"
+            frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=message))
             continue
         if pid == 0:
             sock.close()
             run_session(plan, program, control_fd, me, worktree_fd)
         workers.add(pid)
-        os.close(control_fd)
-        os.close(worktree_fd)
+        _close(control_fd, worktree_fd)
         try:
             frames.send(protocol.Spawned(id=req.id, pid=pid), fds=[pidfd])
         finally:

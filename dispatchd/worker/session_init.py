@@ -1,9 +1,13 @@
 """A session's processes, from the fork server's child to the tool server.
 
-Runs in the child the fork server made for one session. ``confine`` is the
-whole sandbox as one ordered checklist; ``run_session`` wraps it, reports the
-outcome to the daemon on the control channel, and then keeps the session's
-processes in one tree.
+Runs in the child the fork server made for one session. ``confine_shared``
+then ``confine_session`` are the whole sandbox as one ordered checklist;
+``run_session`` wraps them, reports the outcome to the daemon on the control
+channel, and then keeps the session's processes in one tree. A sandbox made
+ahead (``dispatchd.daemon.pool``) runs the first half, waits for its session
+(``AdoptSession``: the session's plan, which must have the same ``pool_key``,
+and the worktree's descriptor), then runs the second: no code of a session
+runs in it before the whole plan is applied, and it serves one session only.
 
 With user namespaces (full mode), one process:
 
@@ -41,7 +45,7 @@ import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp, ucounts
-from dispatchd.confine.plan import SessionPlan
+from dispatchd.confine.plan import SessionPlan, pool_key
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import proctree
 from dispatchd.worker import reaper
@@ -51,6 +55,9 @@ class _Clock:
     """Milliseconds per confinement step, reported with ``WorkerReady`` (debug logs)."""
 
     def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
         self.last = time.perf_counter()
         self.steps: dict[str, float] = {}
 
@@ -60,15 +67,15 @@ class _Clock:
         self.last = now
 
 
-def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clock: _Clock,
-            worktree_fd: int) -> list[str]:
-    """Apply the plan to this process, in order. Returns the skipped (absent) paths.
+def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Clock, hold: list[int]) -> None:
+    """The part of the plan every session of its kind shares (``pool_key``):
+    what a sandbox made ahead applies before it knows its session.
 
-    ``worktree_fd`` is the daemon's descriptor of the worktree it checked: the
-    mounts bind it and Landlock grants it, never the path by name.
-    On return the caller is W1: confined, single-threaded, with only ``keep`` open
-    (with a network namespace of its own, its user and network namespaces are
-    appended to it; under network "domains", then the proxy's listener).
+    On return only ``keep`` and ``hold`` are open (with a network namespace
+    of its own, its user and network namespaces are appended to ``keep``);
+    with a root of its own the host's root is still reachable below
+    ``mounts.OLD_ROOT``, so no code of a session may run until
+    ``confine_session`` has returned.
 
     With user namespaces the caller was born in them (``clone3`` in the fork
     server, ``namespaces.spawn_in_namespaces``), in the session's cgroup, as
@@ -83,10 +90,10 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     # The fork server gone: the session gone. As pid 1 of the session's
     # namespace, the parent (outside it) reads as pid 0.
     hygiene.die_with_parent(0 if plan.namespaces.pid else parent)
-    hygiene.close_inherited_fds([*keep, worktree_fd])  # only the control channel (and the worktree, below)
+    hygiene.close_inherited_fds([*keep, *hold])  # only the control channel (and the worktree)
     clock("hygiene")
     namespaces.apply_id_maps(plan.namespaces)  # born in them: only the ids are left to map
-    keep += namespaces.open_own(plan.namespaces)  # for the daemon, with WorkerReady
+    keep += namespaces.open_own(plan.namespaces)  # for the daemon, with WorkerReady (or WorkerPooled)
     clock("namespaces")
     # Needs CAP_SYS_RESOURCE in the new namespace, and /proc/sys before the
     # mounts make it read-only.
@@ -95,11 +102,27 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     if not plan.namespaces.pid:
         hygiene.child_subreaper()  # orphans come back to us, not to the host's init
     if plan.mounts is not None:
-        mounts.apply_mounts(plan.mounts, worktree_fd)  # needs the namespace's capabilities: before dropping them
-        clock("mounts")
+        mounts.apply_root(plan.mounts)  # needs the namespace's capabilities: before dropping them
+        clock("root")
     if plan.loopback:
         netns.apply_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
         clock("loopback")
+    # After the id maps (a process that is not dumpable cannot write its own);
+    # from here nothing of the user's may ptrace or read us, made ahead or not.
+    hygiene.not_dumpable()
+
+
+def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _Clock,
+                    worktree_fd: int) -> list[str]:
+    """The rest of the plan, after ``confine_shared``, in order. Returns the
+    skipped (absent) paths. ``worktree_fd`` is the daemon's descriptor of the
+    worktree it checked: the mounts bind it and Landlock grants it, never the
+    path by name; it is closed here. On return the caller is confined,
+    single-threaded, with only ``keep`` open (under network "domains", the
+    proxy's listener appended)."""
+    if plan.mounts is not None:
+        mounts.apply_session_mounts(plan.mounts, worktree_fd)  # still with the namespace's capabilities
+        clock("mounts")
     if plan.proxy_port:
         # The only door out of a "domains" session, made before any of its code
         # runs (so nothing of the session's can hold the port first); the
@@ -110,7 +133,6 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     if plan.namespaces.user:
         hygiene.drop_capabilities()  # nothing below needs a capability
     hygiene.no_new_privs()  # required before Landlock and seccomp; setuid grants nothing
-    hygiene.not_dumpable()  # commands (same uid) cannot ptrace or read our memory
     clock("privileges")
     # After mounts: rules bind to the inodes of the new root; the worktree's from the checked fd.
     skipped = landlock.apply_landlock(plan.landlock, {plan.paths.worktree: worktree_fd})
@@ -119,6 +141,36 @@ def confine(plan: SessionPlan, program: bytes, parent: int, keep: list[int], clo
     seccomp.apply_seccomp(program)  # last: it forbids mount, unshare, ... used above
     clock("seccomp")
     return skipped
+
+
+def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep: list[int],
+                      clock: _Clock) -> tuple[SessionPlan, int]:
+    """A sandbox made ahead: say so, hand over the namespaces, and wait for
+    the session (its plan and worktree). Leaves quietly when the daemon lets
+    go of it; refuses a plan it was not made for (``pool_key``)."""
+    _report(control, protocol.WorkerPooled(pid=os.getpid(), timings_ms=clock.steps, namespaces=len(keep) > 1),
+            fds=keep[1:])
+    for fd in keep[1:]:
+        os.close(fd)  # the daemon has them; no command inherits them
+    del keep[1:]
+    try:
+        msg = control.recv(protocol.to_worker_decoder)
+    except (OSError, protocol.ProtocolError):
+        os._exit(0)
+    if msg is None:
+        os._exit(0)  # retired unused
+    clock.restart()
+    if not isinstance(msg, protocol.AdoptSession):
+        raise ConfinementError("pool", detail=f"expected the session's plan, got {type(msg).__name__}")
+    try:
+        worktree_fd = control.take_fd()
+    except protocol.ProtocolError as exc:
+        raise ConfinementError("pool", detail=str(exc)) from exc
+    plan = protocol.decode_plan(msg.plan)
+    if pool_key(plan) != pool_key(made_for) or pool_key(plan) is None:
+        os.close(worktree_fd)
+        raise ConfinementError("pool", detail="the session's plan is not the one this sandbox was made for")
+    return plan, worktree_fd
 
 
 def _kill_session(plan: SessionPlan) -> None:
@@ -149,8 +201,12 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     control = protocol.FrameSocket(socket.socket(fileno=control_fd), fds=True)
     clock = _Clock()
     keep = [control_fd]
+    made_ahead = worktree_fd < 0  # a sandbox of the pool: its session comes later
     try:
-        skipped = confine(plan, program, parent, keep, clock, worktree_fd)
+        confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd])
+        if made_ahead:
+            plan, worktree_fd = _wait_for_session(control, plan, keep, clock)
+        skipped = confine_session(plan, program, keep, clock, worktree_fd)
     except ConfinementError as exc:
         _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
         os._exit(1)
@@ -159,14 +215,15 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
                                                message=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         os._exit(1)
     # What the session sees: the planned root, less what this machine lacks.
-    protections = msgspec.structs.replace(plan.protections, absent_paths=skipped,
+    protections = msgspec.structs.replace(plan.protections, absent_paths=skipped, made_ahead=made_ahead,
                                           root=[r for r in plan.protections.root if r.path not in skipped])
 
     from dispatchd.worker.tool_server import serve  # pre-imported by the fork server
 
     ready = protocol.WorkerReady(pid=os.getpid(), protections=protections, timings_ms=clock.steps,
                                  proxy_listener=bool(plan.proxy_port),
-                                 namespaces=bool(plan.namespaces.user and plan.namespaces.net))
+                                 # Made ahead: handed over with WorkerPooled already.
+                                 namespaces=bool(plan.namespaces.user and plan.namespaces.net) and not made_ahead)
     if plan.namespaces.pid:
         # One process: the tool server is the session's init. Pid 1 of the
         # namespace already ignores every signal it has no handler for (no
@@ -242,7 +299,7 @@ def _passed_up(status: int) -> int:
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
 
 
-def _report(control: protocol.FrameSocket, msg: protocol.WorkerReady | protocol.WorkerFailed,
+def _report(control: protocol.FrameSocket, msg: protocol.WorkerReady | protocol.WorkerPooled | protocol.WorkerFailed,
             fds: list[int] | None = None) -> None:
     try:
         control.send(msg, fds=fds)

@@ -123,9 +123,15 @@ def test_auto_takes_a_delegated_cgroup_it_is_alone_in(tmp_path: Path, worktree: 
             with c.open_session(str(worktree)) as s:
                 assert s.status()["protections"]["limits"]["cgroup"] == f"{service}/session-{s.id}"
                 assert shell(s, "grep -c . /proc/self/cgroup >/dev/null && echo ok").output == "ok\n"
-            assert sorted(e for e in os.listdir(service) if os.path.isdir(f"{service}/{e}")) == ["daemon"]
+            # Its cgroup gone; any other is a sandbox's made ahead (daemon/pool.py) ...
+            left = sorted(e for e in os.listdir(service) if os.path.isdir(f"{service}/{e}"))
+            assert f"session-{s.id}" not in left and "daemon" in left
+            assert all(e.startswith("session-") for e in left if e != "daemon"), left
             daemon_procs = Path(f"{service}/daemon/cgroup.procs").read_text().split()
             assert str(d.proc.pid) in daemon_procs  # moved itself (and its fork server) to the leaf
+        # ... and those go with the daemon's stop.
+        assert d.stop() == 0, d.log()
+        assert sorted(e for e in os.listdir(service) if os.path.isdir(f"{service}/{e}")) == ["daemon"]
     finally:
         assert d.stop() == 0, d.log()
         os.rmdir(f"{service}/daemon")

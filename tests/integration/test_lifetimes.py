@@ -206,8 +206,7 @@ def _zombies(d: Daemon) -> list[int]:
     """The zombies among the processes of the daemon's one session."""
     import psutil
 
-    fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-    (first,) = fork_server.children()
+    first = psutil.Process(d.worker_pid())
     found = []
     for p in first.children(recursive=True):
         try:
@@ -224,8 +223,7 @@ def _tool_server(d: Daemon) -> int:
     W1); the leaf under it in degraded mode (fork server - W1 - W2)."""
     import psutil
 
-    fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-    (first,) = fork_server.children()
+    first = psutil.Process(d.worker_pid())
     if _nspid(first.pid)[1:] == ["1"]:
         return first.pid
     leaves = [p for p in first.children(recursive=True) if not p.children()]
@@ -301,8 +299,7 @@ def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path
             assert shell(session, "true").is_success
             import psutil
 
-            fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-            os.kill(fork_server.children()[0].pid, signal.SIGKILL)  # W1, the session's first process (its init)
+            os.kill(d.worker_pid(), signal.SIGKILL)  # W1, the session's first process (its init)
             # The kernel tears the session's namespace down asynchronously: a
             # call sent at once may still be served. Wait for the daemon to see it.
             assert _wait(lambda: f"reason={word}" in d.log(), timeout=10), d.log()
@@ -382,8 +379,9 @@ def test_an_idle_session_is_one_process_the_tool_server_as_pid_1(tmp_path: Path,
         try:
             with d.connect() as client, client.open_session(str(worktree)) as session:
                 assert shell(session, "true").is_success
+                first = psutil.Process(d.worker_pid())
                 fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-                (first,) = fork_server.children()
+                assert first.ppid() == fork_server.pid
                 assert 1 + len(first.children(recursive=True)) == expected
                 if expected == 1:
                     assert _nspid(first.pid) == [str(first.pid), "1"]

@@ -123,6 +123,10 @@ def root_binds(*, worktree_rw: bool = True) -> list[Bind]:
             Bind("/sbin", "ro"), Bind("/tmp", "rw", SCRATCH + "/tmp"), Bind("/usr", "ro")]
 
 
+# The system paths as bound (the daemon's code is under /opt already), in the binds' order.
+SYSTEM_BOUND = ["/bin", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/sbin", "/usr"]
+
+
 def landlock_paths(*, userns: bool, worktree_rw: bool = True) -> list[PathRule]:
     ro = SYSTEM + ["/proc", CODE]
     rw = [SCRATCH] + (["/tmp", "/dev/shm"] if userns else [])
@@ -145,7 +149,7 @@ def test_full_mode_network_off():
     assert got.namespaces == NamespacePlan(user=True, mount=True, pid=True, net=True, uid=UID, gid=GID)
     assert got.loopback is True
     # CODE (/opt/dispatchd) is inside /opt: bound with it.
-    assert got.mounts == MountPlan(root="minimal", binds=root_binds(), devices=DEVICES, hide=[])
+    assert got.mounts == MountPlan(root="minimal", binds=root_binds(), devices=DEVICES, hide=[], system=SYSTEM_BOUND)
     # The network namespace holds "off": Landlock does not handle TCP, seccomp allows inet;
     # the root and the network namespace are the session's own: Unix sockets too.
     assert got.landlock == LandlockPlan(abi=7, handled_fs=0xFFFF, handled_net=0, scoped=3,
@@ -233,7 +237,8 @@ def test_read_only_worktree():
     assert got.tools == ["read_file", "list_files", "search_files"]
     assert got.landlock.paths == landlock_paths(userns=True, worktree_rw=False)
     assert got.landlock.paths[0] == PathRule(WT, RO)
-    assert got.mounts == MountPlan(root="minimal", binds=root_binds(worktree_rw=False), devices=DEVICES, hide=[])
+    assert got.mounts == MountPlan(root="minimal", binds=root_binds(worktree_rw=False), devices=DEVICES, hide=[],
+                                   system=SYSTEM_BOUND)
     assert report(got)["worktree"] == "read-only"
 
 

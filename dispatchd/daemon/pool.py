@@ -1,0 +1,235 @@
+"""Sandboxes made ahead: a session's open without the kernel's slow steps.
+
+Most of what opening a session costs does not depend on the session: the
+namespaces and pid 1 (one ``clone3``), the root with its system binds,
+``/dev``, ``/proc`` and the ``pivot_root`` (which walks every thread on the
+machine), loopback, the network stack. A sandbox made ahead has done those
+(``session_init.confine_shared``) and waits; at open it is given the
+session's plan and worktree and applies the rest (``confine_session``:
+the session's own binds, the host's root detached, rlimits, capabilities,
+Landlock, seccomp), as a fresh one would.
+
+Guarantees:
+- a sandbox made ahead serves one session, and only one: ``take`` removes it
+  from the pool; one that is never taken is killed (``let_go``) when it is
+  retired: too old, its kind no longer among the recent ones, the daemon
+  stopping;
+- it runs no code of a session's before the whole plan is applied (it holds
+  the host's root until then);
+- a session gets one only when its plan has the ``pool_key`` the sandbox was
+  made for (checked by the daemon and again by the sandbox); otherwise, or
+  when giving it its session fails, the session's sandbox is made at open, as
+  without a pool: a pool can make an open faster, never different;
+- making them never holds up an open: one at a time, on a thread of their
+  own, and an open that finds none makes its own;
+- at most ``size`` per kind (policy and network mode), for the ``kinds`` most
+  recently opened, each at most ``max_age_s`` old: a sandbox made ahead holds
+  a copy of the host's mount table from when it was made (a filesystem the
+  user unmounts since stays referenced until then).
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dispatchd import protocol
+from dispatchd.confine import netstack
+from dispatchd.daemon.spawn import Worker
+from dispatchd.netmodes import NetworkMode
+
+log = logging.getLogger("dispatchd.pool")
+
+Kind = tuple[str, NetworkMode]  # (policy, network mode)
+RETRY_S = 10.0  # after a kind failed to be made ahead
+MAX_AGE_S = 30.0
+KINDS = 3
+
+
+@dataclass
+class Made:
+    """One sandbox made ahead, and what the daemon set up for it."""
+
+    kind: Kind
+    sid: str  # the session id it was made for (its cgroup, its plan)
+    key: bytes  # ``pool_key`` of that plan
+    worker: Worker
+    control: protocol.FrameSocket
+    ns_fds: tuple[int, int] | None = None  # its user and network namespaces
+    net: netstack.NetworkPlan | None = None  # how its network is held
+    stack: netstack.Stack | None = None  # its network stack, started
+    cgroup: str = ""
+    made: float = field(default_factory=time.monotonic)
+
+    # The attribute the daemon's network code reads of a session: the same here.
+    @property
+    def id(self) -> str:
+        return self.sid
+
+    def alive(self) -> bool:
+        """False once its process has exited (its pidfd is readable then)."""
+        if self.worker.pidfd < 0:
+            return False
+        readable, _, _ = select.select([self.worker.pidfd], [], [], 0)
+        return not readable
+
+
+class SandboxPool:
+    """``size`` sandboxes made ahead per kind, for the ``kinds`` most recent.
+
+    ``make(kind)`` makes one (None: that kind cannot be made ahead; raises on
+    a failure); ``let_go(made)`` kills one never used and frees what it held.
+    Both are called on the pool's own thread (``let_go`` also from ``stop``).
+    """
+
+    def __init__(self, *, size: int, make: Callable[[Kind], Made | None], let_go: Callable[[Made], None],
+                 kinds: int = KINDS, max_age_s: float = MAX_AGE_S) -> None:
+        self.size = size
+        self._make = make
+        self._let_go = let_go
+        self._kinds = kinds
+        self._max_age_s = max_age_s
+        self._ready: dict[Kind, list[Made]] = {}
+        self._wanted: OrderedDict[Kind, None] = OrderedDict()  # most recent last
+        self._not_before: dict[Kind, float] = {}  # after a failure
+        self._notes: dict[Kind, str] = {}  # why a kind is not made ahead
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.served = 0  # sessions given a sandbox made ahead
+
+    def start(self, kind: Kind | None) -> None:
+        """Start making sandboxes, first of ``kind`` (the default policy's)."""
+        if self.size <= 0 or self._thread is not None:
+            return
+        if kind is not None:
+            self.want(kind)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pool")
+        self._thread.start()
+
+    def want(self, kind: Kind) -> None:
+        """A session of ``kind`` was opened: keep some ready (the most recent
+        ``kinds`` kinds; the least recent beyond them is let go)."""
+        if self.size <= 0:
+            return
+        with self._cond:
+            self._wanted[kind] = None
+            self._wanted.move_to_end(kind)
+            while len(self._wanted) > self._kinds:
+                self._wanted.popitem(last=False)
+            self._cond.notify()
+
+    def take(self, kind: Kind) -> Made | None:
+        """A sandbox made ahead for ``kind``, now the caller's alone (to adopt
+        or to let go), or None. Notes the demand either way."""
+        dead: list[Made] = []
+        found = None
+        with self._cond:
+            ready = self._ready.get(kind, [])
+            while ready and found is None:
+                made = ready.pop(0)  # the oldest first: fewer reach their age unused
+                if made.alive():
+                    found = made
+                else:
+                    dead.append(made)
+        for made in dead:
+            self._let_go(made)
+        self.want(kind)
+        return found
+
+    def served_one(self) -> None:
+        with self._cond:
+            self.served += 1
+
+    def stop(self) -> None:
+        """Make no more, and let go of those made (the daemon is stopping)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+            left = [m for ready in self._ready.values() for m in ready]
+            self._ready.clear()
+        if self._thread is not None:
+            self._thread.join(timeout=15)  # a make in flight ends within the ready timeout
+        for made in left:
+            self._let_go(made)
+
+    def report(self) -> str:
+        """What ``status`` says of the pool."""
+        if self.size <= 0:
+            return "off (dispatchd --pool 0): every session's sandbox is made at open"
+        with self._cond:
+            parts = []
+            for kind in reversed(self._wanted):
+                note = self._notes.get(kind)
+                n = len(self._ready.get(kind, []))
+                parts.append(f"{kind[0]}/{kind[1]}: {n} ready" + (f" ({note})" if note else ""))
+            for kind, note in self._notes.items():
+                if kind not in self._wanted:
+                    parts.append(f"{kind[0]}/{kind[1]}: {note}")
+        return (f"{self.size} per kind of session (policy/network), for the {self._kinds} kinds most "
+                f"recently opened, each at most {self._max_age_s:g} s old; {self.served} session(s) served so far"
+                + ("; " + "; ".join(parts) if parts else ""))
+
+    # --- the pool's thread -----------------------------------------------------
+
+    def _next(self) -> tuple[list[Made], Kind | None, float]:
+        """Under the lock: what to let go, what to make, how long to sleep."""
+        now = time.monotonic()
+        old: list[Made] = []
+        for kind in list(self._ready):
+            keep = kind in self._wanted
+            ready = self._ready[kind]
+            old += [m for m in ready if not keep or now - m.made > self._max_age_s]
+            self._ready[kind] = [m for m in ready if keep and now - m.made <= self._max_age_s]
+        wake = self._max_age_s
+        for kind in reversed(self._wanted):  # the most recent first
+            later = self._not_before.get(kind, 0.0) - now
+            if later > 0:
+                wake = min(wake, later)
+                continue
+            if len(self._ready.get(kind, [])) < self.size:
+                return old, kind, 0.0
+        for ready in self._ready.values():
+            for m in ready:
+                wake = min(wake, m.made + self._max_age_s - now)
+        return old, None, max(wake, 0.05)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                old, kind, sleep = self._next()
+                if kind is None and not old:
+                    self._cond.wait(sleep)
+                    continue
+            for made in old:
+                self._let_go(made)
+            if kind is not None:
+                self._make_one(kind)
+
+    def _make_one(self, kind: Kind) -> None:
+        try:
+            made = self._make(kind)
+        except Exception as exc:  # logged and shown by status; opens go on without
+            log.warning("event=pool_make_failed kind=%s/%s error=%s", kind[0], kind[1], exc)
+            with self._cond:
+                self._notes[kind] = f"not made ahead: {exc}; retried every {RETRY_S:g} s"
+                self._not_before[kind] = time.monotonic() + RETRY_S
+            return
+        with self._cond:
+            if made is None:
+                self._notes[kind] = "not made ahead: its sessions have no root of their own (degraded mode, " \
+                                    "or root = \"host\")"
+                self._not_before[kind] = time.monotonic() + RETRY_S * 6
+                return
+            self._notes.pop(kind, None)
+            if not self._stopped and kind in self._wanted:
+                self._ready.setdefault(kind, []).append(made)
+                return
+        self._let_go(made)

@@ -1,0 +1,162 @@
+"""Sandboxes made ahead (dispatchd/daemon/pool.py), with a real daemon.
+
+A session is given one only when its plan is the one it was made for, each
+serves one session, a policy edited since gets what it says, and none
+outlives the daemon. The confinement of a session made ahead is the escape
+suite's (tests/escape/test_pool.py, and every escape test in full mode).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+import dispatch
+from tests.conftest import REPO, Daemon, _refuse_root, shell
+
+
+def wait_ready(client: dispatch.Client, kind: str = "default/off", n: int = 2, timeout: float = 20) -> None:
+    """Until the pool holds ``n`` sandboxes of ``kind`` (status says so)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pool = client.status()["daemon"]["pool"]
+        found = re.search(rf"{re.escape(kind)}: (\d+) ready", pool)
+        if found and int(found.group(1)) >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the pool never held {n} of {kind}: {client.status()['daemon']['pool']}")
+
+
+def daemon_in(base: Path, *extra: str) -> Daemon:
+    base.mkdir(exist_ok=True)
+    return Daemon(base, "--cgroup", "off", *extra)
+
+
+def made_pids(d: Daemon) -> list[int]:
+    return [int(p) for p in re.findall(r"event=pool_made kind=\S+ pid=(\d+)", d.log())]
+
+
+@pytest.fixture
+def policies(tmp_path: Path) -> Path:
+    p = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", p)
+    return p
+
+
+@pytest.fixture
+def pooled(tmp_path: Path, policies: Path) -> Iterator[Daemon]:
+    _refuse_root()
+    d = daemon_in(tmp_path / "d", "--policies", str(policies))
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def _pid_ns(session: dispatch.Session) -> str:
+    result = shell(session, "readlink /proc/self/ns/pid")
+    assert result.is_success, result.error
+    return str(result.output).strip()
+
+
+def test_a_session_gets_a_sandbox_made_ahead_and_each_serves_one_session(pooled: Daemon, worktree: Path,
+                                                                        tmp_path: Path) -> None:
+    other = tmp_path / "other"  # a worktree of its own: one writer per worktree
+    other.mkdir()
+    with pooled.connect() as client:
+        wait_ready(client)
+        with client.open_session(str(worktree)) as a, client.open_session(str(worktree), policy="read-only") as b:
+            assert a.status()["protections"].get("made_ahead") is True
+            assert b.status()["protections"].get("made_ahead", False) is False  # no read-only/off made yet: made at open
+            assert shell(a, "echo hi").output == "hi\n"
+            wait_ready(client)  # refilled behind the open
+            with client.open_session(str(other)) as c:
+                assert c.status()["protections"].get("made_ahead") is True
+                assert pooled.worker_pid(c.id) != pooled.worker_pid(a.id)
+                assert _pid_ns(c) != _pid_ns(a)  # a sandbox of its own, never one served before
+        status = client.status()["daemon"]["pool"]
+        assert re.search(r"; [2-9]\d* session\(s\) served so far", status), status
+    # Each sandbox made ahead served at most one session.
+    served = re.findall(r"event=worker_ready session=\w+ pid=(\d+) made_ahead=1", pooled.log())
+    assert len(served) == len(set(served)) >= 2
+
+
+def test_without_a_pool_every_sandbox_is_made_at_open(tmp_path: Path, worktree: Path) -> None:
+    _refuse_root()
+    d = daemon_in(tmp_path / "d", "--pool", "0")
+    try:
+        with d.connect() as client:
+            assert client.status()["daemon"]["pool"].startswith("off (dispatchd --pool 0)")
+            for _ in range(2):
+                with client.open_session(str(worktree)) as s:
+                    assert s.status()["protections"].get("made_ahead", False) is False
+                    assert shell(s, "echo hi").output == "hi\n"
+            assert made_pids(d) == []
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_policy_edited_since_the_sandbox_was_made_gets_a_new_one(pooled: Daemon, policies: Path,
+                                                                   worktree: Path) -> None:
+    """The root a sandbox made ahead has bound is the policy's of that
+    moment: a policy whose root changed since never gets it (the daemon
+    compares the plans' ``pool_key``). The twin: before the edit, it does."""
+    with pooled.connect() as client:
+        wait_ready(client)
+        with client.open_session(str(worktree)) as before:
+            assert before.status()["protections"].get("made_ahead") is True
+            assert shell(before, "test -d /opt && echo there").output == "there\n"
+        wait_ready(client)
+        text = (policies / "default.toml").read_text()
+        (policies / "default.toml").write_text(text.replace('"/etc", "/opt",', '"/etc",'))
+        with client.open_session(str(worktree)) as after:
+            assert after.status()["protections"].get("made_ahead", False) is False
+            assert shell(after, "test -e /opt || echo gone").output == "gone\n"
+    assert "event=pool_mismatch" in pooled.log()
+
+
+def test_rlimits_of_an_edited_policy_reach_a_sandbox_made_ahead(pooled: Daemon, policies: Path,
+                                                                worktree: Path) -> None:
+    """What is applied at adoption (rlimits, Landlock, seccomp, the
+    environment) comes from the session's own plan."""
+    with pooled.connect() as client:
+        wait_ready(client)
+        with client.open_session(str(worktree)) as before:
+            assert shell(before, "ulimit -n").output == "4096\n"
+        wait_ready(client)
+        text = (policies / "default.toml").read_text()
+        (policies / "default.toml").write_text(text.replace("[limits]\n", "[limits]\nmax_open_files = 321\n"))
+        with client.open_session(str(worktree)) as after:
+            assert after.status()["protections"].get("made_ahead") is True
+            assert shell(after, "ulimit -n").output == "321\n"
+
+
+def test_sandboxes_made_ahead_end_with_the_daemon(tmp_path: Path, worktree: Path) -> None:
+    """Stopped, the daemon lets them go; killed, they die with the fork
+    server (a parent-death signal), their network stacks too."""
+    _refuse_root()
+    for how in ("stop", "kill"):
+        d = daemon_in(tmp_path / how)
+        with d.connect() as client:
+            wait_ready(client)
+            with client.open_session(str(worktree), network="on"):
+                pass
+            wait_ready(client, "default/on", 1)
+            fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+            made = [psutil.Process(p) for p in made_pids(d) if psutil.pid_exists(p)]
+            assert len(made) >= 3, d.log()
+            everything = [fork_server, *fork_server.children(recursive=True)]
+            if how == "stop":
+                assert d.stop() == 0, d.log()
+            else:
+                os.kill(d.proc.pid, signal.SIGKILL)
+                d.proc.wait()
+                d.stop()
+        _gone, alive = psutil.wait_procs(everything, timeout=10)
+        assert alive == [], alive

@@ -1,0 +1,95 @@
+"""What a sandbox made ahead applies before its session, by equality:
+``MountPlan.split_binds`` and ``plan.pool_key`` (the sandboxes themselves run
+in tests/integration/test_pool.py and tests/escape/test_pool.py)."""
+
+from __future__ import annotations
+
+from dispatchd.confine.cgroups import Delegation
+from dispatchd.confine.mounts import WORKTREE_FD, Bind, plan_mounts
+from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
+from dispatchd.policy import Filesystem, Limits, Policy
+from tests.unit.test_plan import CODE, GID, PATHS, RUNTIME, SCRATCH, UID, kernel
+
+WT = "/home/u/src/wt"
+TMP = SCRATCH + "/tmp"
+SYSTEM = ["/usr", "/bin", "/etc"]
+
+
+def split(**kw: object) -> tuple[list[Bind], list[Bind]]:
+    args: dict[str, object] = dict(root="minimal", worktree=WT, worktree_rw=True, private_tmp=TMP,
+                                   read_write=[SCRATCH], read_only=SYSTEM, devices=["/dev/null"], system=SYSTEM)
+    args.update(kw)
+    return plan_mounts(**args).split_binds()  # type: ignore[arg-type]
+
+
+def test_the_system_paths_are_shared_and_the_sessions_own_paths_are_not():
+    shared, own = split()
+    assert shared == [Bind("/bin", "ro"), Bind("/etc", "ro"), Bind("/usr", "ro")]
+    assert own == [Bind(SCRATCH, "rw"), Bind(WT, "rw", WORKTREE_FD), Bind("/tmp", "rw", TMP)]
+
+
+def test_a_read_only_path_that_is_not_a_system_path_is_the_sessions_own():
+    # git's common directory of a linked worktree, an extra read-only path
+    shared, own = split(read_only=SYSTEM + ["/home/u/src/main/.git", "/home/u/.cargo"])
+    assert [b.path for b in shared] == ["/bin", "/etc", "/usr"]
+    assert Bind("/home/u/.cargo", "ro") in own and Bind("/home/u/src/main/.git", "ro") in own
+
+
+def test_a_system_path_below_a_sessions_path_waits_for_it():
+    # bound after the private /tmp, or it would be hidden under it
+    shared, own = split(read_only=SYSTEM + ["/tmp/toolchain"], system=SYSTEM + ["/tmp/toolchain"])
+    assert Bind("/tmp/toolchain", "ro") not in shared
+    assert [b.path for b in own].index("/tmp") < [b.path for b in own].index("/tmp/toolchain")
+
+
+def test_a_worktree_below_a_system_path_comes_after_it():
+    shared, own = split(worktree="/usr/src/wt")
+    assert Bind("/usr", "ro") in shared and Bind("/usr/src/wt", "rw", WORKTREE_FD) in own
+
+
+def test_the_two_parts_are_every_bind_once():
+    plan = plan_mounts(root="minimal", worktree=WT, worktree_rw=True, private_tmp=TMP, read_write=[SCRATCH],
+                       read_only=SYSTEM + ["/tmp/x", "/home/u/.cargo"], over=[WT + "/.git/config"],
+                       system=SYSTEM + ["/tmp/x"])
+    shared, own = plan.split_binds()
+    assert sorted(b.path for b in shared + own) == sorted(b.path for b in plan.binds)
+    assert plan.root_part().binds == shared
+
+
+# --- pool_key -------------------------------------------------------------------
+
+
+def plan(*, policy: Policy | None = None, network: str = "off", paths: SessionPaths = PATHS, session: str = "s1",
+         userns: bool = True, delegation: Delegation = Delegation(note="none")) -> SessionPlan:
+    return plan_session(policy or Policy(), kernel(userns=userns), session=session, paths=paths, network=network,
+                        uid=UID, gid=GID, base_env={}, delegation=delegation)
+
+
+def test_sessions_of_one_policy_and_network_share_a_key_whatever_their_worktree():
+    other = SessionPaths(worktree="/srv/other", scratch=SCRATCH, runtime_dirs=[RUNTIME], code=[CODE],
+                         git=GitLayout("linked", readable=["/srv/main/.git"], read_only=["/srv/other/.git"]),
+                         read_only=["/home/u/.rustup"])
+    assert pool_key(plan()) is not None
+    assert pool_key(plan()) == pool_key(plan(paths=other))
+
+
+def test_rlimits_are_applied_with_the_session_so_they_do_not_change_the_key():
+    assert pool_key(plan(policy=Policy(limits=Limits(max_open_files=64)))) == pool_key(plan())
+
+
+def test_what_the_sandbox_applied_ahead_changes_the_key():
+    base = pool_key(plan())
+    assert pool_key(plan(network="on")) != base  # its stack, its seccomp
+    assert pool_key(plan(policy=Policy(filesystem=Filesystem(read_only=("/usr",))))) != base  # its root
+    assert pool_key(plan(policy=Policy(limits=Limits(max_inotify_watches=10)))) != base  # its kernel budgets
+
+
+def test_a_cgroup_is_made_for_one_session_id():
+    delegated = Delegation(path="/sys/fs/cgroup/u/dispatchd", controllers=("pids",))
+    assert pool_key(plan(delegation=delegated, session="a")) != pool_key(plan(delegation=delegated, session="b"))
+    assert pool_key(plan(session="a")) == pool_key(plan(session="b"))  # no cgroup: the id is not in it
+
+
+def test_no_sandbox_is_made_ahead_without_a_root_of_its_own():
+    assert pool_key(plan(userns=False)) is None
+    assert pool_key(plan(policy=Policy(filesystem=Filesystem(root="host")))) is None
