@@ -44,7 +44,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -423,7 +423,7 @@ def _build_root(plan: MountPlan) -> None:
 def _bind_session_paths(plan: MountPlan, worktree_fd: int) -> None:
     """The session's own paths into its root, taken from the host's root kept
     at ``OLD_ROOT`` (the worktree proven by inode against the daemon's
-    descriptor), then the host's root detached."""
+    descriptor). The host's root is detached next (``_detach_host``)."""
     _, own = plan.split_binds()
     with _sources(own, worktree_fd, [], host=OLD_ROOT) as fds:
         root_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -435,7 +435,6 @@ def _bind_session_paths(plan: MountPlan, worktree_fd: int) -> None:
                     _bind(fds[b.path], root_fd, b.path)
         finally:
             os.close(root_fd)
-    _detach_host()
 
 
 def _apply_host(plan: MountPlan, worktree_fd: int) -> None:
@@ -473,12 +472,16 @@ def apply_root(plan: MountPlan) -> None:
         _build_root(plan)
 
 
-def apply_session_mounts(plan: MountPlan, worktree_fd: int) -> None:
+def apply_session_mounts(plan: MountPlan, worktree_fd: int, mark: Callable[[str], None] = lambda _: None) -> None:
     """The rest, after ``apply_root`` (at once, or when a sandbox made ahead
     is given its session): the session's own paths, the host's root
-    detached, every mount read-only but the writable ones."""
+    detached, every mount read-only but the writable ones. ``mark(step)``
+    is called after each step (the worker's timings)."""
     if plan.root == "minimal":
         _bind_session_paths(plan, worktree_fd)
+        mark("session_binds")
+        _detach_host()
+        mark("detach_host")
     else:
         _apply_host(plan, worktree_fd)
     # Everything read-only in one call (mount_setattr, AT_RECURSIVE), then the

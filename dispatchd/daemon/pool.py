@@ -48,7 +48,7 @@ log = logging.getLogger("dispatchd.pool")
 Kind = tuple[str, NetworkMode]  # (policy, network mode)
 RETRY_S = 10.0  # after a kind failed to be made ahead
 MAX_AGE_S = 30.0
-KINDS = 3
+KINDS = 4
 
 
 @dataclass
@@ -98,6 +98,7 @@ class SandboxPool:
         self._wanted: OrderedDict[Kind, None] = OrderedDict()  # most recent last
         self._not_before: dict[Kind, float] = {}  # after a failure
         self._notes: dict[Kind, str] = {}  # why a kind is not made ahead
+        self._never: set[Kind] = set()  # kinds that cannot be made ahead (asked again after a while)
         self._cond = threading.Condition()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -118,6 +119,9 @@ class SandboxPool:
         if self.size <= 0:
             return
         with self._cond:
+            if kind in self._never and time.monotonic() < self._not_before.get(kind, 0.0):
+                return  # cannot be made ahead (no root of its own): takes no place among the kinds
+            self._never.discard(kind)
             self._wanted[kind] = None
             self._wanted.move_to_end(kind)
             while len(self._wanted) > self._kinds:
@@ -126,7 +130,9 @@ class SandboxPool:
 
     def take(self, kind: Kind) -> Made | None:
         """A sandbox made ahead for ``kind``, now the caller's alone (to adopt
-        or to let go), or None. Notes the demand either way."""
+        or to let go), or None. The caller says ``want(kind)`` once its open
+        is done: a refill made meanwhile would compete with it for the CPUs
+        (measured: the open's own steps took twice as long)."""
         dead: list[Made] = []
         found = None
         with self._cond:
@@ -139,7 +145,6 @@ class SandboxPool:
                     dead.append(made)
         for made in dead:
             self._let_go(made)
-        self.want(kind)
         return found
 
     def served_one(self) -> None:
@@ -227,6 +232,8 @@ class SandboxPool:
                 self._notes[kind] = "not made ahead: its sessions have no root of their own (degraded mode, " \
                                     "or root = \"host\")"
                 self._not_before[kind] = time.monotonic() + RETRY_S * 6
+                self._never.add(kind)
+                self._wanted.pop(kind, None)
                 return
             self._notes.pop(kind, None)
             if not self._stopped and kind in self._wanted:

@@ -252,17 +252,23 @@ class SessionManager:
              domain_list: list[str] | None = None, read_only: list[str] | None = None) -> Session:
         if not self.accepting:
             raise Stopping("the daemon is stopping and opens no new sessions")
+        t0 = time.perf_counter()
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         network = network or policy.network.default
         rules = _check_network(network, ports, bind_ports, domain_list)
         extra = self._read_only_paths(policy, read_only or [])
+        t1 = time.perf_counter()
         held = open_worktree(worktree, uid=self.uid, home=self.home, protected=self.protected, private=self.private)
+        # Milliseconds per step of the open, for the debug log (bench/openprofile.py reads them).
+        steps = {"policy": (t1 - t0) * 1e3, "worktree": (time.perf_counter() - t1) * 1e3}
         try:
             return self._open_held(held, policy, network, ports, bind_ports, extra, rules, detached=detached,
-                                   orphan_grace_s=orphan_grace_s, holder=holder)
+                                   orphan_grace_s=orphan_grace_s, holder=holder, steps=steps)
         except BaseException:
             held.close()
             raise
+        finally:
+            self.pool.want((policy.name, network))  # refilled once this open is done
 
     def _read_only_paths(self, policy: Policy, asked: list[str]) -> list[str]:
         """The policy's and the call's extra read-only paths, resolved; one that
@@ -280,7 +286,7 @@ class SessionManager:
     def _open_held(self, held: Worktree, policy: Policy, network: NetworkMode, ports: list[int] | None,
                    bind_ports: list[int] | None, extra: list[str], rules: tuple[domains.Rule, ...] | None, *,
                    detached: bool, orphan_grace_s: float | None,
-                   holder: int | None) -> Session:
+                   holder: int | None, steps: dict[str, float]) -> Session:
         resolved = held.path
         with self._lock:
             tainted = self._tainted.get(resolved)
@@ -297,6 +303,7 @@ class SessionManager:
         session.read_only = extra
         session.ports = _ports_for(session, ports, bind_ports)
         session.domains = _domains_for(session, rules)
+        t = time.perf_counter()
         try:
             self._inspect_git(session)
         except BaseException as exc:
@@ -307,11 +314,16 @@ class SessionManager:
             # Hostile content we did not foresee: refuse, loudly.
             raise WorktreeError(f"{resolved}: its git metadata cannot be inspected "
                                 f"({type(exc).__name__}: {exc}); no session opened", resolved) from exc
+        steps["git"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
         self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
         try:
             os.makedirs(scratch + "/tmp", mode=0o700)
             os.makedirs(scratch + "/home", mode=0o700)
+            steps["scratch"] = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
             self._start_worker(session, network, made)
+            steps["worker"] = (time.perf_counter() - t) * 1e3
         except BaseException:
             self._discard(session)  # closes the worktree's descriptor too (and open()'s close is then a no-op)
             raise
@@ -328,6 +340,7 @@ class SessionManager:
         log.info("event=session_open session=%s policy=%s network=%s mode=%s made_ahead=%d worktree=%s",
                  sid, policy.name, network, session.protections.mode if session.protections else None,
                  bool(session.protections and session.protections.made_ahead), resolved)
+        log.debug("event=open_steps session=%s steps_ms=%s", sid, ",".join(f"{k}:{v:.3f}" for k, v in steps.items()))
         return session
 
     def _inspect_git(self, session: Session) -> None:

@@ -121,8 +121,8 @@ def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _
     single-threaded, with only ``keep`` open (under network "domains", the
     proxy's listener appended)."""
     if plan.mounts is not None:
-        mounts.apply_session_mounts(plan.mounts, worktree_fd)  # still with the namespace's capabilities
-        clock("mounts")
+        mounts.apply_session_mounts(plan.mounts, worktree_fd, clock)  # still with the namespace's capabilities
+        clock("read_only")
     if plan.proxy_port:
         # The only door out of a "domains" session, made before any of its code
         # runs (so nothing of the session's can hold the port first); the

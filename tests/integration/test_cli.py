@@ -353,7 +353,7 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     assert "seccomp: yes" in lines[1] and "cgroup v2:" in lines[1]
     assert re.fullmatch(r"daemon: \d+ descriptors \((raised from \d+|already the hard limit)\); "
                         r"connections \d+ of at most \d+", lines[2]), lines[2]
-    assert re.fullmatch(r"sandboxes made ahead: 2 per kind of session \(policy/network\), for the 3 kinds most "
+    assert re.fullmatch(r"sandboxes made ahead: 2 per kind of session \(policy/network\), for the 4 kinds most "
                         r"recently opened, each at most 30 s old; \d+ session\(s\) served so far; "
                         r"default/off: \d ready.*", lines[3]), lines[3]
     assert re.fullmatch(r"\d+ session\(s\)", lines[4])
