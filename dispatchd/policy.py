@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 import tomllib
 import types
 from pathlib import Path
@@ -259,7 +260,24 @@ def load_policy(directory: Path, name: str) -> Policy:
         raise PolicyError(f"no policy named {name!r} in {directory} (known: {known})", key="name") from None
     except OSError as exc:
         raise PolicyError(f"cannot read {path}: {exc.strerror}") from exc
-    return parse_policy(name, text, str(path))
+    # Read at every open (an edit applies to the next session), parsed only
+    # when the text changed: the text itself is the key, not a timestamp.
+    key = (str(path), text)
+    with _PARSED_LOCK:
+        cached = _PARSED.get(key)
+    if cached is not None:
+        return cached
+    policy = parse_policy(name, text, str(path))
+    with _PARSED_LOCK:
+        if len(_PARSED) >= 64:
+            _PARSED.clear()
+        _PARSED[key] = policy
+    return policy
+
+
+# The last parse of each policy file's text (Policy is frozen: safe to share).
+_PARSED: dict[tuple[str, str], Policy] = {}
+_PARSED_LOCK = threading.Lock()
 
 
 def list_policies(directory: Path) -> list[str]:

@@ -84,6 +84,18 @@ class Daemon:
         return self.proc.returncode
 
 
+def wait_for_pool(client: dispatch.Client, kind: str = "default/off", n: int = 1, timeout: float = 20) -> None:
+    """Until the daemon's pool holds ``n`` sandboxes made ahead of ``kind``
+    ("policy/network"), as its status says."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(rf"{re.escape(kind)}: (\d+) ready", client.status()["daemon"]["pool"])
+        if found and int(found.group(1)) >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the pool never held {n} of {kind}: {client.status()['daemon']['pool']}")
+
+
 def _refuse_root() -> None:
     if os.geteuid() == 0:
         pytest.fail("the integration and escape suites run as an unprivileged user: use ./scripts/test, "

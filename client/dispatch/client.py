@@ -389,7 +389,8 @@ def _domain_list(domains: list[str] | None) -> list[str] | None:
 class Session:
     """An open session: its id, its network, and a ``registry`` of remote tools."""
 
-    def __init__(self, client: Client, info: protocol.SessionInfo, *, owned: bool) -> None:
+    def __init__(self, client: Client, info: protocol.SessionInfo, *, owned: bool,
+                 attached: tuple[Any, int | None] | None = None) -> None:
         self._client = client
         self._info = info
         self._owned = owned
@@ -399,7 +400,7 @@ class Session:
         self._schemas: dict[str, protocol.ToolSchema] = {}  # self._tools by name
         self._in_flight: dict[int, _Connection] = {}  # tool calls sent and not answered, by request id
         self._in_flight_lock = threading.Lock()
-        self._attach()
+        self._attach(attached)
         # The policy's budget: longer results reach a model in part (retrieve_output has the rest).
         self.registry = Registry((self._remote(t) for t in self._tools),
                                  output_budget=self._info.limits.get("model_output_bytes"))
@@ -422,8 +423,10 @@ class Session:
     def info(self) -> dict[str, Any]:
         return _to_dict(self._info)
 
-    def _attach(self) -> None:
-        reply, fd = self._client._daemon_request(lambda rid: protocol.Attach(id=rid, session=self.id))
+    def _attach(self, attached: tuple[Any, int | None] | None = None) -> None:
+        """A channel to the session's tool server: the one ``attached`` (the
+        open's own reply: one round trip) or a new one asked for."""
+        reply, fd = attached or self._client._daemon_request(lambda rid: protocol.Attach(id=rid, session=self.id))
         assert isinstance(reply, protocol.Attached) and fd is not None
         self._info, self._tools = reply.session, reply.tools
         self._schemas = {t.name: t for t in reply.tools}
@@ -701,11 +704,12 @@ class Client:
         word, listed = _network_word(network), _domain_list(domains)
         path = os.path.abspath(os.fspath(worktree))
         extra = [os.path.abspath(os.path.expanduser(os.fspath(p))) for p in read_only or []]
-        reply, _ = self._daemon_request(lambda rid: protocol.OpenSession(
+        # Opened and attached in one round trip: the reply carries the channel.
+        reply, fd = self._daemon_request(lambda rid: protocol.OpenSession(
             id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports,
-            domains=listed, detached=detached, orphan_grace_s=orphan_grace_s, read_only=extra))
+            domains=listed, detached=detached, orphan_grace_s=orphan_grace_s, read_only=extra, attach=True))
         try:
-            return Session(self, reply.session, owned=True)
+            return Session(self, reply.session, owned=True, attached=(reply, fd))
         except BaseException:
             # Opened but not attachable (its worker ended at once): do not leave it open.
             try:

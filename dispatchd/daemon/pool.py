@@ -64,6 +64,7 @@ class Made:
     net: netstack.NetworkPlan | None = None  # how its network is held
     stack: netstack.Stack | None = None  # its network stack, started
     cgroup: str = ""
+    scratch: str = ""  # its session's scratch directory, made with it (until a session takes it)
     made: float = field(default_factory=time.monotonic)
 
     # The attribute the daemon's network code reads of a session: the same here.
@@ -124,9 +125,13 @@ class SandboxPool:
             self._never.discard(kind)
             self._wanted[kind] = None
             self._wanted.move_to_end(kind)
-            while len(self._wanted) > self._kinds:
+            while len(self._wanted) > 4 * self._kinds:  # remembered beyond those kept, for a while
                 self._wanted.popitem(last=False)
             self._cond.notify()
+
+    def _kept(self) -> list[Kind]:
+        """Under the lock: the kinds sandboxes are kept for, most recent first."""
+        return [k for k in reversed(self._wanted) if k not in self._never][:self._kinds]
 
     def take(self, kind: Kind) -> Made | None:
         """A sandbox made ahead for ``kind``, now the caller's alone (to adopt
@@ -168,13 +173,14 @@ class SandboxPool:
         if self.size <= 0:
             return "off (dispatchd --pool 0): every session's sandbox is made at open"
         with self._cond:
+            kept = self._kept()
             parts = []
-            for kind in reversed(self._wanted):
+            for kind in kept:
                 note = self._notes.get(kind)
                 n = len(self._ready.get(kind, []))
                 parts.append(f"{kind[0]}/{kind[1]}: {n} ready" + (f" ({note})" if note else ""))
             for kind, note in self._notes.items():
-                if kind not in self._wanted:
+                if kind not in kept:
                     parts.append(f"{kind[0]}/{kind[1]}: {note}")
         return (f"{self.size} per kind of session (policy/network), for the {self._kinds} kinds most "
                 f"recently opened, each at most {self._max_age_s:g} s old; {self.served} session(s) served so far"
@@ -185,14 +191,15 @@ class SandboxPool:
     def _next(self) -> tuple[list[Made], Kind | None, float]:
         """Under the lock: what to let go, what to make, how long to sleep."""
         now = time.monotonic()
+        kept = self._kept()
         old: list[Made] = []
         for kind in list(self._ready):
-            keep = kind in self._wanted
+            keep = kind in kept
             ready = self._ready[kind]
             old += [m for m in ready if not keep or now - m.made > self._max_age_s]
             self._ready[kind] = [m for m in ready if keep and now - m.made <= self._max_age_s]
         wake = self._max_age_s
-        for kind in reversed(self._wanted):  # the most recent first
+        for kind in kept:  # the most recent first
             later = self._not_before.get(kind, 0.0) - now
             if later > 0:
                 wake = min(wake, later)
@@ -233,10 +240,9 @@ class SandboxPool:
                                     "or root = \"host\")"
                 self._not_before[kind] = time.monotonic() + RETRY_S * 6
                 self._never.add(kind)
-                self._wanted.pop(kind, None)
                 return
             self._notes.pop(kind, None)
-            if not self._stopped and kind in self._wanted:
+            if not self._stopped and kind in self._kept():
                 self._ready.setdefault(kind, []).append(made)
                 return
         self._let_go(made)

@@ -35,7 +35,7 @@ from typing import Any
 
 from dispatchd import __version__, protocol
 from dispatchd.daemon.capacity import OpenFiles
-from dispatchd.daemon.sessions import SessionManager
+from dispatchd.daemon.sessions import Session, SessionManager
 from dispatchd.errors import DispatchdError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.tools.spec import schemas_for
@@ -258,10 +258,16 @@ class Server:
     def _handle(self, req: Any, conn_id: int = 0) -> tuple[Any, list[socket.socket]]:
         rid = req.id
         try:
-            if isinstance(req, protocol.Attach):
+            if isinstance(req, protocol.Attach) or (isinstance(req, protocol.OpenSession) and req.attach):
                 # The one reply that carries an fd: the client's end of a
                 # channel straight to the worker, so tool calls make one hop.
-                session, sock, tools = self.manager.attach(req.session, holder=conn_id)
+                sid = req.session if isinstance(req, protocol.Attach) else self._open(req, conn_id).id
+                try:
+                    session, sock, tools = self.manager.attach(sid, holder=conn_id)
+                except BaseException:
+                    if isinstance(req, protocol.OpenSession):  # opened, not attachable: not left open
+                        self._close_quietly(sid)
+                    raise
                 return protocol.Attached(id=rid, session=session.info(), tools=tools), [sock]
             return self._route(req, conn_id), []
         except DispatchdError as exc:
@@ -270,15 +276,23 @@ class Server:
             log.exception("event=internal_error request=%s", type(req).__name__)
             return protocol.ErrorReply(id=rid, code="internal", message=f"internal error: {type(exc).__name__}: {exc}"), []
 
+    def _open(self, req: protocol.OpenSession, conn_id: int) -> Session:
+        return self.manager.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports,
+                                 detached=req.detached, orphan_grace_s=req.orphan_grace_s, holder=conn_id,
+                                 domain_list=req.domains, read_only=req.read_only)
+
+    def _close_quietly(self, sid: str) -> None:
+        try:
+            self.manager.close(sid)
+        except DispatchdError:
+            pass  # ended already
+
     def _route(self, req: Any, conn_id: int = 0) -> Any:
         m = self.manager
         if isinstance(req, protocol.Hello):
             return protocol.HelloOk(id=req.id, version=protocol.PROTOCOL_VERSION, daemon_version=__version__)
         if isinstance(req, protocol.OpenSession):
-            return protocol.SessionReply(id=req.id, session=m.open(
-                req.worktree, req.policy, req.network, req.ports, req.bind_ports, detached=req.detached,
-                orphan_grace_s=req.orphan_grace_s, holder=conn_id, domain_list=req.domains,
-                read_only=req.read_only).info())
+            return protocol.SessionReply(id=req.id, session=self._open(req, conn_id).info())
         if isinstance(req, protocol.CloseSession):
             m.close(req.session)
             return protocol.OkReply(id=req.id)

@@ -106,6 +106,7 @@ class Session:
         self.ack_ids = 0
         # How long it outlives its last connection, and what holds its memory (status shows both).
         self.lifetime: protocol.LifetimeReport | None = None
+        self.poolable = False  # its plan is one sandboxes can be made ahead for (pool_key)
 
     def info(self) -> protocol.SessionInfo:
         # Sessions are listed only once their worker is ready: protections are known.
@@ -267,8 +268,7 @@ class SessionManager:
         except BaseException:
             held.close()
             raise
-        finally:
-            self.pool.want((policy.name, network))  # refilled once this open is done
+
 
     def _read_only_paths(self, policy: Policy, asked: list[str]) -> list[str]:
         """The policy's and the call's extra read-only paths, resolved; one that
@@ -316,10 +316,9 @@ class SessionManager:
                                 f"({type(exc).__name__}: {exc}); no session opened", resolved) from exc
         steps["git"] = (time.perf_counter() - t) * 1e3
         t = time.perf_counter()
-        self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
+        if made is None:  # one made ahead comes with its scratch directory
+            self._make_scratch(sid, scratch)
         try:
-            os.makedirs(scratch + "/tmp", mode=0o700)
-            os.makedirs(scratch + "/home", mode=0o700)
             steps["scratch"] = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
             self._start_worker(session, network, made)
@@ -327,6 +326,9 @@ class SessionManager:
         except BaseException:
             self._discard(session)  # closes the worktree's descriptor too (and open()'s close is then a no-op)
             raise
+        finally:
+            if session.poolable:
+                self.pool.want((policy.name, network))  # refilled now that this open is done
         grace = lifetimes.effective_grace(policy.limits.orphan_grace_s, orphan_grace_s)
         cgroup_memory = bool(session.cgroup) and "memory" in self.delegation.controllers
         session.lifetime = protocol.LifetimeReport(
@@ -342,6 +344,16 @@ class SessionManager:
                  bool(session.protections and session.protections.made_ahead), resolved)
         log.debug("event=open_steps session=%s steps_ms=%s", sid, ",".join(f"{k}:{v:.3f}" for k, v in steps.items()))
         return session
+
+    def _make_scratch(self, sid: str, scratch: str) -> None:
+        self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
+        try:
+            os.makedirs(scratch + "/tmp", mode=0o700)
+            os.makedirs(scratch + "/home", mode=0o700)
+        except BaseException:
+            leftovers.remove_tree(scratch)
+            self._scratch_locks.release(sid)
+            raise
 
     def _inspect_git(self, session: Session) -> None:
         resolved = session.worktree
@@ -407,7 +419,14 @@ class SessionManager:
         taken from the pool) when its plan is the one it was made for, or a
         new one."""
         started = time.perf_counter()
-        plan = self._plan(session, network)
+        try:
+            plan = self._plan(session, network)
+        except BaseException:
+            if made is not None:
+                made.scratch = ""  # the session's: it goes with the session
+                self._let_go(made)
+            raise
+        session.poolable = pool_key(plan) is not None
         adopted = self._adopt(session, plan, made) if made is not None else None
         if adopted is not None:
             worker, control, msg = adopted.worker, adopted.control, adopted.ready
@@ -489,23 +508,27 @@ class SessionManager:
         key = pool_key(plan)
         if key is None:
             return None
+        self._make_scratch(sid, paths.scratch)  # the session's, made ahead with it
         cgroup = ""
-        if plan.cgroup is not None:
-            cgroups.create(plan.cgroup)
-            cgroup = plan.cgroup.path
         try:
+            if plan.cgroup is not None:
+                cgroups.create(plan.cgroup)
+                cgroup = plan.cgroup.path
             worker, control, msg = self.fork_server.make_ahead(plan, READY_TIMEOUT_S)
         except BaseException:
             self._remove_cgroup_path(cgroup, sid)
+            leftovers.remove_tree(paths.scratch)
+            self._scratch_locks.release(sid)
             raise
-        made = Made(kind=kind, sid=sid, key=key, worker=worker, control=control, cgroup=cgroup)
+        made = Made(kind=kind, sid=sid, key=key, worker=worker, control=control, cgroup=cgroup,
+                    scratch=paths.scratch)
         try:
             made.ns_fds = self._take_namespaces(plan, msg, control)
             self._apply_network(made, plan.net)
         except BaseException:
             self._let_go(made)
             raise
-        log.debug("event=pool_made kind=%s/%s pid=%s steps_ms=%s", policy_name, network, worker.pid,
+        log.debug("event=pool_made kind=%s/%s session=%s pid=%s steps_ms=%s", policy_name, network, sid, worker.pid,
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         return made
 
@@ -514,6 +537,7 @@ class SessionManager:
         makes a sandbox at open instead): a plan it was not made for (the
         policy was edited since), or a failure on the way (logged; a fresh
         sandbox repeats every check and fails for itself if it must)."""
+        made.scratch = ""  # the session's from here: it goes with the session (_discard)
         if pool_key(plan) != made.key:
             log.info("event=pool_mismatch session=%s", session.id)
             self._let_go(made)
@@ -542,6 +566,10 @@ class SessionManager:
         made.ns_fds = None
         self._remove_cgroup_path(made.cgroup, made.sid)
         made.cgroup = ""
+        if made.scratch:  # never given to a session
+            leftovers.remove_tree(made.scratch)
+            self._scratch_locks.release(made.sid)
+            made.scratch = ""
 
     # --- the session's network (confine/netstack.py) ------------------------------
 

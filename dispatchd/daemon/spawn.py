@@ -38,6 +38,8 @@ class Worker:
         self.pidfd = pidfd
 
     def signal(self, sig: int) -> None:
+        if self.pidfd < 0:
+            return  # let go of already (killed and waited for)
         try:
             signal.pidfd_send_signal(self.pidfd, sig)
         except ProcessLookupError:

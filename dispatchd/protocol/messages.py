@@ -54,6 +54,9 @@ class OpenSession(_Msg, tag="open_session", frozen=True):
     # opened or attached to it has gone for its grace, unless it is detached.
     detached: bool = False
     orphan_grace_s: float | None = None  # shorter than the policy's, never longer; None: the policy's
+    # Answered by ``Attached`` (with the channel's fd) instead of ``SessionReply``:
+    # opened and attached in one round trip.
+    attach: bool = False
 
 
 class CloseSession(_Msg, tag="close_session", frozen=True):

@@ -148,6 +148,7 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
     """A sandbox made ahead: say so, hand over the namespaces, and wait for
     the session (its plan and worktree). Leaves quietly when the daemon lets
     go of it; refuses a plan it was not made for (``pool_key``)."""
+    made_for_key = pool_key(made_for)  # now, while nothing waits
     _report(control, protocol.WorkerPooled(pid=os.getpid(), timings_ms=clock.steps, namespaces=len(keep) > 1),
             fds=keep[1:])
     for fd in keep[1:]:
@@ -167,7 +168,7 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
     except protocol.ProtocolError as exc:
         raise ConfinementError("pool", detail=str(exc)) from exc
     plan = protocol.decode_plan(msg.plan)
-    if pool_key(plan) != pool_key(made_for) or pool_key(plan) is None:
+    if made_for_key is None or pool_key(plan) != made_for_key:
         os.close(worktree_fd)
         raise ConfinementError("pool", detail="the session's plan is not the one this sandbox was made for")
     return plan, worktree_fd

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, _refuse_root
+from tests.conftest import Daemon, _refuse_root, wait_for_pool
 from tests.escape.attempts import EACCES, ENOENT, EROFS
 
 MODES = ("full", "degraded")
@@ -98,9 +98,16 @@ def client(sandbox: Sandbox) -> dispatch.Client:
 
 @pytest.fixture
 def session(client: dispatch.Client, worktree: Path, sandbox: Sandbox) -> Iterator[dispatch.Session]:
-    """The root fixture's session, checked to run in the mode under test."""
+    """The root fixture's session, checked to run in the mode under test. In
+    full mode its sandbox is one made ahead (the daemon's pool): every attempt
+    runs against what most sessions get (tests/escape/test_pool.py compares
+    it with one made at open)."""
+    if sandbox.mode == "full":
+        wait_for_pool(client)
     with client.open_session(str(worktree)) as s:
-        assert s.status()["protections"]["mode"] == sandbox.mode
+        status = s.status()["protections"]
+        assert status["mode"] == sandbox.mode
+        assert status.get("made_ahead", False) is (sandbox.mode == "full")
         yield s
 
 

@@ -336,6 +336,7 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
                     refused = fresh.recv_payload()
                 except TimeoutError:
                     break  # not refused: served
+                channels.pop().close()  # refused: let it go (a slow machine may take many rounds)
                 assert refused is not None and time.monotonic() < deadline
             fresh.sock.settimeout(10)
             fresh.send(protocol.CallTool(id=2, tool="shell_exec", params={"command": "echo alive"}))

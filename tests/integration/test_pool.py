@@ -20,19 +20,11 @@ import psutil
 import pytest
 
 import dispatch
-from tests.conftest import REPO, Daemon, _refuse_root, shell
+from tests.conftest import REPO, Daemon, _refuse_root, shell, wait_for_pool
 
 
-def wait_ready(client: dispatch.Client, kind: str = "default/off", n: int = 2, timeout: float = 20) -> None:
-    """Until the pool holds ``n`` sandboxes of ``kind`` (status says so)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pool = client.status()["daemon"]["pool"]
-        found = re.search(rf"{re.escape(kind)}: (\d+) ready", pool)
-        if found and int(found.group(1)) >= n:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"the pool never held {n} of {kind}: {client.status()['daemon']['pool']}")
+def wait_ready(client: dispatch.Client, kind: str = "default/off", n: int = 2) -> None:
+    wait_for_pool(client, kind, n)
 
 
 def daemon_in(base: Path, *extra: str) -> Daemon:
@@ -41,7 +33,7 @@ def daemon_in(base: Path, *extra: str) -> Daemon:
 
 
 def made_pids(d: Daemon) -> list[int]:
-    return [int(p) for p in re.findall(r"event=pool_made kind=\S+ pid=(\d+)", d.log())]
+    return [int(p) for p in re.findall(r"event=pool_made kind=\S+ session=\w+ pid=(\d+)", d.log())]
 
 
 @pytest.fixture

@@ -1,0 +1,124 @@
+"""Sandboxes made ahead (dispatchd/daemon/pool.py) as an attacker meets them.
+
+A sandbox made ahead holds the host's root below its own until it is given
+its session; after that it must be exactly what a sandbox made at open is:
+the same mounts, nothing of the host's root. While it waits, nothing of a
+session's reaches it: a session in a pid namespace cannot name it, one
+without (degraded mode) cannot signal it (Landlock's signal scope). Every
+other escape test in full mode runs in a sandbox made ahead (the escape
+conftest's ``session``).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import psutil
+import pytest
+
+import dispatch
+from tests.conftest import REPO, Daemon, _refuse_root, wait_for_pool
+from tests.escape.attempts import ENOENT, EPERM, ESRCH, attempt, attempt_outside
+from tests.escape.conftest import Sandbox
+
+_MOUNTS = """
+fields = [line.split(" - ")[0].split() for line in open("/proc/self/mountinfo")]
+result = sorted(f[4] for f in fields)
+"""
+
+
+def _mount_points(session: dispatch.Session, scratch_of: str) -> list[str]:
+    out = attempt(session, _MOUNTS)
+    assert out.startswith("OK "), out
+    points = eval(out[3:])  # noqa: S307 (our own probe's repr of a list of str)
+    # The scratch directory's path names the session: the same place in both.
+    return [p.replace(scratch_of, "<scratch>") for p in points]
+
+
+def _scratch(session: dispatch.Session) -> str:
+    rows = session.status()["protections"]["root"]
+    return next(r["path"] for r in rows if "the session's scratch: HOME" in r["how"])
+
+
+def test_a_sandbox_made_ahead_is_the_same_view_as_one_made_at_open(
+    sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path,
+) -> None:
+    """Full mode: the session's mount table, once adopted, lists exactly what
+    a sandbox made at open lists (nothing of the host's root left below, no
+    ``/.host``); the twin is a daemon without a pool, on the same worktree.
+    Degraded mode has nothing to make ahead, and says so."""
+    if sandbox.mode == "degraded":
+        assert "not made ahead: its sessions have no root of their own" in client.status()["daemon"]["pool"]
+        with client.open_session(str(worktree)) as s:
+            assert s.status()["protections"].get("made_ahead", False) is False
+        return
+    wait_for_pool(client)
+    with client.open_session(str(worktree)) as ahead:
+        assert ahead.status()["protections"]["made_ahead"] is True
+        made_ahead = _mount_points(ahead, _scratch(ahead))
+        assert attempt(ahead, "result = os.stat('/.host')") == ENOENT
+    (tmp_path / "plain").mkdir()
+    plain = Daemon(tmp_path / "plain", "--pool", "0")
+    try:
+        with plain.connect() as other, other.open_session(str(worktree)) as fresh:
+            assert fresh.status()["protections"].get("made_ahead", False) is False
+            at_open = _mount_points(fresh, _scratch(fresh))
+    finally:
+        assert plain.stop() == 0, plain.log()
+    assert made_ahead == at_open
+    assert "/.host" not in made_ahead and "/" in made_ahead
+    assert not any(p.startswith("/.host") for p in made_ahead)
+
+
+@pytest.fixture(scope="module")
+def pooled_daemon(tmp_path_factory: pytest.TempPathFactory) -> Daemon:
+    """A full-mode daemon with a pool, and a policy whose sessions run
+    without namespaces (degraded) beside the pool's sandboxes."""
+    _refuse_root()
+    base = tmp_path_factory.mktemp("pooled")
+    (base / "d").mkdir()
+    policies = base / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "nons.toml").write_text("description = 'no namespaces'\n[sandbox]\nuser_namespaces = \"never\"\n")
+    d = Daemon(base / "d", "--policies", str(policies))
+    yield d  # type: ignore[misc]
+    assert d.stop() == 0, d.log()
+
+
+def _a_waiting_sandbox(d: Daemon) -> int:
+    """The pid of a sandbox made ahead that no session has taken."""
+    made = [int(p) for p in re.findall(r"event=pool_made kind=default/off session=\w+ pid=(\d+)", d.log())]
+    taken = {int(p) for p in re.findall(r"event=worker_ready session=\w+ pid=(\d+) made_ahead=1", d.log())}
+    waiting = [p for p in made if p not in taken and psutil.pid_exists(p)]
+    assert waiting, d.log()[-3000:]
+    return waiting[-1]
+
+
+@pytest.mark.parametrize("policy, denied", [("default", ESRCH), ("nons", EPERM)])
+def test_a_sandbox_waiting_in_the_pool_cannot_be_reached_from_a_session(
+    pooled_daemon: Daemon, worktree: Path, policy: str, denied: str,
+) -> None:
+    """From a session in its own pid namespace the waiting sandbox has no
+    pid (ESRCH); from one without (policy ``nons``, degraded mode) Landlock's
+    signal scope refuses SIGKILL (EPERM). The twin: the same kill from
+    outside any sandbox is allowed (signal 0, so it stays alive), and the
+    sandbox then serves a session."""
+    with pooled_daemon.connect() as client:
+        wait_for_pool(client, n=2)
+        pid = _a_waiting_sandbox(pooled_daemon)
+        with client.open_session(str(worktree), policy=policy) as s:
+            assert s.status()["protections"]["mode"] == ("full" if policy == "default" else "degraded")
+            assert attempt(s, f"result = os.kill({pid}, signal.SIGKILL)") == denied
+        assert attempt_outside(f"result = os.kill({pid}, 0)") == "OK None"
+        assert psutil.pid_exists(pid)
+        # Still whole: the pool hands it to a session, which works.
+        served = False
+        for _ in range(4):
+            with client.open_session(str(worktree)) as s:
+                served = served or pooled_daemon.worker_pid(s.id) == pid
+                assert s.registry.get("shell_exec").call({"command": "echo hi"}).output == "hi\n"
+            if served:
+                break
+        assert served, pooled_daemon.log()[-3000:]

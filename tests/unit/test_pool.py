@@ -1,0 +1,180 @@
+"""dispatchd.daemon.pool.SandboxPool's bookkeeping, with fake sandboxes (pure
+logic: real ones are made in tests/integration/test_pool.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from dispatchd import protocol
+from dispatchd.daemon import pool as pool_mod
+from dispatchd.daemon.pool import Kind, Made, SandboxPool
+from dispatchd.daemon.spawn import Worker
+
+OFF: Kind = ("default", "off")
+ON: Kind = ("default", "on")
+
+
+class Fakes:
+    """make() returns a fake sandbox whose "pidfd" is a pipe's read end: it
+    reads as exited once ``die`` closes the write end."""
+
+    def __init__(self) -> None:
+        self.made: list[Made] = []
+        self.let_go: list[Made] = []
+        self.fail: Exception | None = None
+        self.cannot: set[Kind] = set()
+        self._ends: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def make(self, kind: Kind) -> Made | None:
+        if self.fail is not None:
+            raise self.fail
+        if kind in self.cannot:
+            return None
+        r, w = os.pipe()
+        a, b = socket.socketpair()
+        b.close()
+        made = Made(kind=kind, sid=f"s{len(self.made)}", key=b"k", worker=Worker(1000 + len(self.made), r),
+                    control=protocol.FrameSocket(a))
+        with self.lock:
+            self._ends[r] = w
+            self.made.append(made)
+        return made
+
+    def release(self, made: Made) -> None:
+        with self.lock:
+            self.let_go.append(made)
+        w = self._ends.pop(made.worker.pidfd, -1)
+        if w >= 0:
+            os.close(w)
+        made.worker.close()
+        made.control.close()
+
+    def die(self, made: Made) -> None:
+        os.close(self._ends.pop(made.worker.pidfd))
+
+
+@pytest.fixture
+def fakes() -> Iterator[Fakes]:
+    f = Fakes()
+    yield f
+    for w in f._ends.values():
+        os.close(w)
+
+
+def until(cond: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.005)
+    raise AssertionError("condition not met in time")
+
+
+def ready(p: SandboxPool, kind: Kind) -> int:
+    with p._cond:
+        return len(p._ready.get(kind, []))
+
+
+def test_it_fills_the_first_kind_and_hands_each_sandbox_out_once(fakes: Fakes) -> None:
+    p = SandboxPool(size=2, make=fakes.make, let_go=fakes.release)
+    assert p.take(OFF) is None  # not started: nothing made
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 2)
+    a, b = p.take(OFF), p.take(OFF)
+    assert a is not None and b is not None and a is not b
+    assert p.take(OFF) is None  # refilled only once the caller says it wants more
+    p.want(OFF)
+    until(lambda: ready(p, OFF) == 2)
+    c = p.take(OFF)
+    assert c is not None and c not in (a, b)
+    p.stop()
+    assert {m.sid for m in fakes.let_go} == {m.sid for m in fakes.made} - {a.sid, b.sid, c.sid}
+    for m in (a, b, c):
+        fakes.release(m)  # the callers' (a session's end, in the daemon)
+
+
+def test_a_sandbox_that_died_is_let_go_not_handed_out(fakes: Fakes) -> None:
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 1)
+    dead = fakes.made[0]
+    fakes.die(dead)
+    assert p.take(OFF) is None
+    assert dead in fakes.let_go
+    p.stop()
+
+
+def test_only_the_most_recent_kinds_are_kept(fakes: Fakes) -> None:
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release, kinds=2)
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 1)
+    p.want(ON)
+    until(lambda: ready(p, ON) == 1)
+    p.want(("read-only", "off"))  # a third kind: the least recent (OFF) goes
+    until(lambda: ready(p, ("read-only", "off")) == 1)
+    until(lambda: any(m.kind == OFF for m in fakes.let_go))
+    assert ready(p, OFF) == 0 and ready(p, ON) == 1
+    p.stop()
+
+
+def test_sandboxes_are_remade_when_too_old(fakes: Fakes) -> None:
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release, max_age_s=0.2)
+    p.start(OFF)
+    until(lambda: len(fakes.made) >= 3, timeout=5)  # made, retired, made again ...
+    assert fakes.made[0] in fakes.let_go
+    assert all(time.monotonic() - m.made <= 0.2 + 0.1 for m in p._ready.get(OFF, []))
+    p.stop()
+
+
+def test_a_kind_that_fails_is_said_and_retried_later(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_mod, "RETRY_S", 0.2)
+    fakes.fail = OSError("clone3: no more processes")
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    until(lambda: "not made ahead: clone3: no more processes" in p.report())
+    assert p.take(OFF) is None
+    fakes.fail = None
+    until(lambda: ready(p, OFF) == 1)  # after RETRY_S
+    assert "not made ahead" not in p.report()
+    p.stop()
+
+
+def test_a_kind_that_cannot_be_made_ahead_takes_no_place(fakes: Fakes) -> None:
+    fakes.cannot.add(("host-root", "off"))
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release, kinds=1)
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 1)
+    p.want(("host-root", "off"))
+    until(lambda: "host-root/off: not made ahead: its sessions have no root of their own" in p.report())
+    until(lambda: ready(p, OFF) == 1)
+    gone = len(fakes.let_go)
+    p.want(("host-root", "off"))  # known now: it takes no place from OFF
+    time.sleep(0.05)
+    assert ready(p, OFF) == 1 and len(fakes.let_go) == gone
+    p.stop()
+
+
+def test_off_makes_nothing_and_says_so(fakes: Fakes) -> None:
+    p = SandboxPool(size=0, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    p.want(OFF)
+    assert p.take(OFF) is None and fakes.made == []
+    assert p.report().startswith("off (dispatchd --pool 0)")
+
+
+def test_stop_lets_every_sandbox_go_and_makes_no_more(fakes: Fakes) -> None:
+    p = SandboxPool(size=2, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 2)
+    p.stop()
+    assert sorted(m.sid for m in fakes.let_go) == sorted(m.sid for m in fakes.made)
+    p.want(OFF)
+    time.sleep(0.05)
+    assert len(fakes.made) == 2
