@@ -456,7 +456,10 @@ def main() -> int:
     if os.geteuid() == 0:
         print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
         return 2
-    tmp = tempfile.mkdtemp(prefix="dispatchd-bench-")
+    # Worktrees and the daemon's state under the home directory, where a user's
+    # are: under /tmp a session's paths are mount points made inside its
+    # private /tmp, on disk, at every open (README "Sandboxes made ahead").
+    tmp = tempfile.mkdtemp(prefix=".dispatchd-bench-", dir=os.path.expanduser("~"))
     extra = ["--no-user-namespaces"] if args.no_user_namespaces else []
     extra += ["--proxy-hosts-for-testing", "bench.test=127.0.0.1"]
     big = _BigServer()

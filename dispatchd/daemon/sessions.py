@@ -37,6 +37,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -45,7 +46,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import msgspec
 
@@ -121,6 +121,13 @@ class Session:
                                     denied=denied, writes=self.writes)
 
 
+@functools.lru_cache(maxsize=32)
+def _tool_schemas(names: tuple[str, ...]) -> list[protocol.ToolSchema]:
+    """What an attach sends of a policy's tools, made once per list of names
+    (only ever encoded, never changed)."""
+    return [msgspec.convert(s, protocol.ToolSchema) for s in schemas_for(names)]
+
+
 def _has_user_namespace(session: Session) -> bool:
     """Whether the session's worker runs in a user namespace of its own."""
     return session.protections is not None and session.protections.namespaces.user
@@ -176,13 +183,6 @@ def _count_session_processes(session: Session) -> int:
         return max(0, len(psutil.Process(session.worker.pid).children(recursive=True)) - own)
     except psutil.Error:
         return 0
-
-
-class _Adopted(NamedTuple):
-    made: Made
-    worker: Worker
-    control: protocol.FrameSocket
-    ready: protocol.WorkerReady
 
 
 class SessionManager:
@@ -427,10 +427,10 @@ class SessionManager:
                 self._let_go(made)
             raise
         session.poolable = pool_key(plan) is not None
-        adopted = self._adopt(session, plan, made) if made is not None else None
-        if adopted is not None:
-            worker, control, msg = adopted.worker, adopted.control, adopted.ready
-            ns_fds, stack, net = adopted.made.ns_fds, adopted.made.stack, adopted.made.net
+        ready = self._adopt(session, plan, made) if made is not None else None
+        if made is not None and ready is not None:
+            worker, control, msg = made.worker, made.control, ready
+            ns_fds, stack, net = made.ns_fds, made.stack, made.net
         else:
             if plan.cgroup is not None and not session.cgroup:
                 cgroups.create(plan.cgroup)  # limits in force before the first process joins
@@ -455,7 +455,7 @@ class SessionManager:
             control.close()
             raise
         log.debug("event=worker_ready session=%s pid=%s made_ahead=%d steps_ms=%s", session.id, worker.pid,
-                  adopted is not None, ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
+                  ready is not None, ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker = worker
         session.ns_fds, session.stack, session.net = ns_fds, stack, net
         try:
@@ -532,8 +532,8 @@ class SessionManager:
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         return made
 
-    def _adopt(self, session: Session, plan: SessionPlan, made: Made) -> _Adopted | None:
-        """Give ``made`` its session, or let it go and return None (the caller
+    def _adopt(self, session: Session, plan: SessionPlan, made: Made) -> protocol.WorkerReady | None:
+        """Give ``made`` its session (its report), or let it go and return None (the caller
         makes a sandbox at open instead): a plan it was not made for (the
         policy was edited since), or a failure on the way (logged; a fresh
         sandbox repeats every check and fails for itself if it must)."""
@@ -551,7 +551,7 @@ class SessionManager:
             return None
         session.cgroup = made.cgroup
         self.pool.served_one()
-        return _Adopted(made, made.worker, made.control, ready)
+        return ready
 
     def _let_go(self, made: Made) -> None:
         """A sandbox made ahead that serves no session: killed, and what the
@@ -1043,8 +1043,7 @@ class SessionManager:
             if sent:
                 if holder is not None:
                     self.holders.hold(sid, holder)
-                tools = [msgspec.convert(s, protocol.ToolSchema) for s in schemas_for(session.policy.tools)]
-                return session, ours, tools
+                return session, ours, _tool_schemas(tuple(session.policy.tools))
             ours.close()
         # Outside the session's lock: its watcher takes it to finish the session.
         raise self._ended_error(session)
