@@ -110,6 +110,9 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     # After the id maps (a process that is not dumpable cannot write its own);
     # from here nothing of the user's may ptrace or read us, made ahead or not.
     hygiene.not_dumpable()
+    if plan.namespaces.user:
+        hygiene.drop_bounding_set()  # no exec gains a capability; those in effect stay for the mounts
+    clock("bounding_set")
 
 
 def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _Clock,
@@ -149,6 +152,12 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
     the session (its plan and worktree). Leaves quietly when the daemon lets
     go of it; refuses a plan it was not made for (``pool_key``)."""
     made_for_key = pool_key(made_for)  # now, while nothing waits
+    # Warm what adoption runs first (the plan's decoder, the split of the
+    # binds): the pages it touches are copied from the fork server now, not
+    # while a session waits.
+    protocol.decode_plan(protocol.encode_plan(made_for))
+    if made_for.mounts is not None:
+        made_for.mounts.split_binds()
     _report(control, protocol.WorkerPooled(pid=os.getpid(), timings_ms=clock.steps, namespaces=len(keep) > 1),
             fds=keep[1:])
     for fd in keep[1:]:
