@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import select
 import shutil
 import signal
 import tempfile
@@ -43,6 +42,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from dispatchd import fdwait
 from dispatchd.errors import ConfinementError, DispatchdError
 from dispatchd.netmodes import NetworkMode
 
@@ -214,7 +214,7 @@ class Stack:
             signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        select.select([self.pidfd], [], [], STOP_TIMEOUT_S)  # readable once it has exited
+        fdwait.readable(self.pidfd, STOP_TIMEOUT_S)  # readable once it has exited
         os.close(self.pidfd)
         self.pidfd = -1
 
@@ -245,7 +245,7 @@ def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tup
         os.close(ready_w)
     stack = Stack(pid, pidfd)
     try:
-        ready, _, _ = select.select([ready_r], [], [], READY_TIMEOUT_S)
+        ready = fdwait.readable(ready_r, READY_TIMEOUT_S)
         if not ready or not os.read(ready_r, 16):
             stack.stop()
             err.seek(0)

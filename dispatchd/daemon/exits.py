@@ -18,10 +18,10 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
-import select
 import signal
 import time
 
+from dispatchd import fdwait
 from dispatchd.protocol.internal import EXIT_DRAINED, EXIT_IDLE
 
 # Signals a process brings on itself (a fault, an abort, a system call
@@ -46,9 +46,7 @@ def exit_status(pidfd: int, timeout_s: float = 2.0) -> int | None:
     cannot say (before 6.15) or it has not exited within the timeout."""
     deadline = time.monotonic() + timeout_s
     try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        if not poller.poll(timeout_s * 1000):  # readable once the process has exited
+        if not fdwait.readable(pidfd, timeout_s):  # readable once the process has exited
             return None
         while True:
             info = _PidfdInfo(mask=_PIDFD_INFO_EXIT)

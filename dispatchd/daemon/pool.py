@@ -31,14 +31,13 @@ Guarantees:
 from __future__ import annotations
 
 import logging
-import select
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dispatchd import protocol
+from dispatchd import fdwait, protocol
 from dispatchd.confine import netstack
 from dispatchd.daemon.spawn import Worker
 from dispatchd.netmodes import NetworkMode
@@ -76,8 +75,7 @@ class Made:
         """False once its process has exited (its pidfd is readable then)."""
         if self.worker.pidfd < 0:
             return False
-        readable, _, _ = select.select([self.worker.pidfd], [], [], 0)
-        return not readable
+        return not fdwait.readable(self.worker.pidfd, 0)
 
 
 class SandboxPool:

@@ -10,7 +10,6 @@ Safe to call from many threads; requests to the fork server are serialised
 from __future__ import annotations
 
 import os
-import select
 import signal
 import socket
 import threading
@@ -19,7 +18,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from dispatchd import protocol
+from dispatchd import fdwait, protocol
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.errors import ConfinementError, DispatchdError, WorktreeError
@@ -57,7 +56,7 @@ class Worker:
         the write lock passing on) never races a process of the session."""
         self.signal(signal.SIGKILL)
         if self.pidfd >= 0:
-            select.select([self.pidfd], [], [], timeout_s)  # readable once it has exited
+            fdwait.readable(self.pidfd, timeout_s)  # readable once it has exited
         self.close()
 
     def stop(self, sig: int, ended: threading.Event, timeout_s: float) -> bool:
