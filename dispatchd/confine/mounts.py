@@ -76,17 +76,22 @@ class MountPlan(msgspec.Struct, frozen=True):
     # The policy's system paths and the daemon's code: the same for every
     # session of the policy, so bound with the root (see ``split_binds``).
     system: list[str] = []
+    # Bound with the root too: the session id's own directories (its scratch,
+    # the private /tmp), made before the session is known.
+    ahead: list[str] = []
 
     def writable(self) -> list[str]:
         return [b.path for b in self.binds if b.how == "rw"]
 
     def split_binds(self) -> tuple[list[Bind], list[Bind]]:
-        """Pure. ``(root, session)``: the binds every session of the policy
-        shares (plain read-only system paths with no session bind above them),
-        made with the root by ``apply_root``, possibly ahead of the session;
-        and the rest (the worktree, the scratch, ``/tmp``, git, extra paths),
-        made by ``apply_session_mounts``. Each keeps its parents before it."""
-        session = [b for b in self.binds if not (b.how == "ro" and not b.source and b.path in self.system)]
+        """Pure. ``(root, session)``: the binds known before the session (plain
+        read-only system paths, and the ``ahead`` ones: the session id's
+        scratch and private ``/tmp``), with no session bind above them, made
+        with the root by ``apply_root``, possibly ahead of the session; and
+        the rest (the worktree, git, extra paths), made by
+        ``apply_session_mounts``. Each keeps its parents before it."""
+        session = [b for b in self.binds
+                   if not ((b.how == "ro" and not b.source and b.path in self.system) or b.path in self.ahead)]
         late = {b.path for b in session}
         shared = [b for b in self.binds if b.path not in late
                   and not any(p != b.path and is_within(b.path, p) for p in late)]
@@ -96,7 +101,7 @@ class MountPlan(msgspec.Struct, frozen=True):
     def root_part(self) -> MountPlan:
         """What ``apply_root`` applies: the same for every session it can serve."""
         return MountPlan(root=self.root, binds=self.split_binds()[0], devices=list(self.devices),
-                         hide=list(self.hide), system=list(self.system))
+                         hide=list(self.hide), system=list(self.system), ahead=list(self.ahead))
 
 
 def _depth_order(b: Bind) -> tuple[str, ...]:
@@ -106,13 +111,14 @@ def _depth_order(b: Bind) -> tuple[str, ...]:
 def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw: bool, private_tmp: str,
                 read_write: list[str], read_only: list[str], over: list[str] | None = None,
                 devices: list[str] | None = None, hide: list[str] | None = None,
-                system: list[str] | None = None) -> MountPlan:
+                system: list[str] | None = None, ahead: list[str] | None = None) -> MountPlan:
     """Pure. ``read_write`` and ``read_only`` are host paths bound at the same
     place; ``over`` is bound read-only over itself inside a writable bind. A
     path listed twice keeps its first, most writable, role; binds come out
     parents first, so a path under ``/tmp`` lands in the private ``/tmp``.
     ``system`` names the read-only paths that are the same for every session
-    of the policy (``MountPlan.split_binds``)."""
+    of the policy, ``ahead`` those known before the session (its scratch,
+    ``/tmp``): see ``MountPlan.split_binds``."""
     binds: dict[str, Bind] = {}
     for b in ([Bind("/tmp", "rw", private_tmp), Bind(worktree, "rw" if worktree_rw else "ro", WORKTREE_FD)]
               + [Bind(p, "rw") for p in read_write] + [Bind(p, "ro") for p in read_only]
@@ -128,7 +134,8 @@ def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw:
     # Hiding a directory that holds a path the session needs would hide that path too.
     hidden = [h for h in hide or [] if not any(is_within(k, h) for k in keep + [private_tmp])]
     return MountPlan(root=root, binds=ordered, devices=list(devices or []), hide=hidden if root == "host" else [],
-                     system=[b.path for b in ordered if b.path in set(system or [])])
+                     system=[b.path for b in ordered if b.path in set(system or [])],
+                     ahead=[b.path for b in ordered if b.path in set(ahead or [])])
 
 
 def describe_root(plan: MountPlan, labels: dict[str, str]) -> list[RootEntry]:

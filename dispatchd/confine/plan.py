@@ -270,7 +270,9 @@ def plan_session(
                              read_write=writable,
                              read_only=list(fs.read_only) + list(paths.code) + list(git.readable) + list(paths.read_only),
                              over=list(git.read_only) if worktree_rw else [], devices=devices,
-                             hide=list(paths.runtime_dirs), system=list(fs.read_only) + list(paths.code))
+                             hide=list(paths.runtime_dirs), system=list(fs.read_only) + list(paths.code),
+                             # The session id's own: a sandbox made ahead for it binds them early.
+                             ahead=[paths.scratch, "/tmp"])
         labels = {paths.scratch: "the session's scratch: HOME, TMPDIR",
                   **{p: "system" for p in fs.read_only}, **{p: "dispatchd's code" for p in paths.code},
                   **{p: "git" for p in [*git.readable, *git.writable, *git.read_only]},

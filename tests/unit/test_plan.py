@@ -149,7 +149,8 @@ def test_full_mode_network_off():
     assert got.namespaces == NamespacePlan(user=True, mount=True, pid=True, net=True, uid=UID, gid=GID)
     assert got.loopback is True
     # CODE (/opt/dispatchd) is inside /opt: bound with it.
-    assert got.mounts == MountPlan(root="minimal", binds=root_binds(), devices=DEVICES, hide=[], system=SYSTEM_BOUND)
+    assert got.mounts == MountPlan(root="minimal", binds=root_binds(), devices=DEVICES, hide=[], system=SYSTEM_BOUND,
+                                   ahead=[SCRATCH, "/tmp"])
     # The network namespace holds "off": Landlock does not handle TCP, seccomp allows inet;
     # the root and the network namespace are the session's own: Unix sockets too.
     assert got.landlock == LandlockPlan(abi=7, handled_fs=0xFFFF, handled_net=0, scoped=3,
@@ -238,7 +239,8 @@ def test_read_only_worktree():
     assert got.landlock.paths == landlock_paths(userns=True, worktree_rw=False)
     assert got.landlock.paths[0] == PathRule(WT, RO)
     assert got.mounts == MountPlan(root="minimal", binds=root_binds(worktree_rw=False), devices=DEVICES, hide=[],
-                                   system=SYSTEM_BOUND)
+                                   system=SYSTEM_BOUND,
+                                   ahead=[SCRATCH, "/tmp"])
     assert report(got)["worktree"] == "read-only"
 
 

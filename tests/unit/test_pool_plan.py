@@ -47,6 +47,18 @@ def test_a_worktree_below_a_system_path_comes_after_it():
     assert Bind("/usr", "ro") in shared and Bind("/usr/src/wt", "rw", WORKTREE_FD) in own
 
 
+def test_the_session_ids_own_directories_are_bound_ahead_too():
+    shared, own = split(ahead=[SCRATCH, "/tmp"])
+    assert shared == [Bind("/bin", "ro"), Bind("/etc", "ro"), Bind(SCRATCH, "rw"), Bind("/tmp", "rw", TMP),
+                      Bind("/usr", "ro")]
+    assert own == [Bind(WT, "rw", WORKTREE_FD)]
+
+
+def test_a_worktree_under_tmp_is_bound_after_the_private_tmp_made_ahead():
+    shared, own = split(worktree="/tmp/u/wt", ahead=[SCRATCH, "/tmp"])
+    assert Bind("/tmp", "rw", TMP) in shared and own == [Bind("/tmp/u/wt", "rw", WORKTREE_FD)]
+
+
 def test_the_two_parts_are_every_bind_once():
     plan = plan_mounts(root="minimal", worktree=WT, worktree_rw=True, private_tmp=TMP, read_write=[SCRATCH],
                        read_only=SYSTEM + ["/tmp/x", "/home/u/.cargo"], over=[WT + "/.git/config"],
