@@ -230,7 +230,7 @@ class Jobs:
                              0o600, dir_fd=dir_fd)
             token = proctree.new_token()
             try:
-                env = proctree.spawn_env(dict(ctx.env), token)
+                env = proctree.spawn_env(ctx.env, token)
                 proc = proctree.spawn(lambda: subprocess.Popen(
                     ["/bin/bash", "-c", command], cwd=workdir, env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -39,7 +39,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
 
@@ -65,7 +65,7 @@ def new_token() -> str:
     return secrets.token_hex(8)
 
 
-def spawn_env(base: dict[str, str], token: str) -> dict[str, str]:
+def spawn_env(base: Mapping[str, str], token: str) -> dict[str, str]:
     env = dict(base)
     env[MARKER] = token
     return env

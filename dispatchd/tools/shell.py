@@ -34,10 +34,12 @@ Runs in the worker's calling thread; the worker gives it a thread of its own
 from __future__ import annotations
 
 import codecs
+import math
 import os
-import selectors
+import select
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -82,16 +84,20 @@ def _workdir(ctx: ToolContext, cwd: str | None) -> str:
 
 
 class _Capture:
-    """Both pipes and the child's exit, watched from one selector."""
+    """Both pipes and the child's exit, watched with one ``poll``.
 
-    def __init__(self, proc: subprocess.Popen[bytes], cap: int, control: CallControl | None = None) -> None:
-        assert proc.stdout is not None and proc.stderr is not None
+    ``poll`` rather than a ``selectors`` epoll: a wait is one system call,
+    with nothing to create, register or close per call (the epoll cost an
+    ``epoll_create1``, an ``epoll_ctl`` per descriptor and a ``close``)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], out: int, err: int, cap: int,
+                 control: CallControl | None = None) -> None:
         self.proc = proc
         self.cap = cap
         self.control = control
         self.cancelled = False
         self._emit: Callable[[str, str], None] | None = control.emit if control is not None else None
-        self._names = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
+        self._names = {out: "stdout", err: "stderr"}
         # Chunks may end inside a UTF-8 character: decode each stream incrementally.
         self._decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in self._names}
         self.truncated = False
@@ -99,10 +105,11 @@ class _Capture:
         self.detached = False  # background processes kept the pipes; we stopped reading
         self.out = bytearray()
         self.err = bytearray()
-        self._buffers = {proc.stdout.fileno(): self.out, proc.stderr.fileno(): self.err}
-        self._sel = selectors.DefaultSelector()
+        self._buffers = {out: self.out, err: self.err}
+        self._poll = select.poll()
+        self._watched: set[int] = set()  # pipes still open, and the pidfd until bash exits
         for fd in self._buffers:
-            self._sel.register(fd, selectors.EVENT_READ)
+            self._watch(fd)
         # A pidfd tells us bash exited without polling and without reaping it;
         # where the kernel (or seccomp) refuses one, we fall back to polling.
         self._pidfd: int | None = None
@@ -111,16 +118,26 @@ class _Capture:
         except (AttributeError, OSError):
             pass
         else:
-            self._sel.register(self._pidfd, selectors.EVENT_READ)
-        # A cancel wakes the select at once (CallControl.cancel writes to it).
+            self._watch(self._pidfd)
+        # A cancel wakes the poll at once (CallControl.cancel writes to it).
         self._wake: int | None = None
         if control is not None:
             self._wake = control.wake_fd()
-            self._sel.register(self._wake, selectors.EVENT_READ)
+            self._poll.register(self._wake, select.POLLIN)
 
-    def _busy(self) -> bool:
-        """A pipe still open, or bash's exit not seen yet (the wake descriptor aside)."""
-        return any(fd != self._wake for fd in self._sel.get_map())
+    def _watch(self, fd: int) -> None:
+        self._poll.register(fd, select.POLLIN)
+        self._watched.add(fd)
+
+    def _unwatch(self, fd: int) -> None:
+        self._poll.unregister(fd)
+        self._watched.discard(fd)
+
+    def _wait(self, seconds: float) -> None:
+        """One ``poll``, at most ``seconds`` long, and what it found handled."""
+        # Rounded up, as selectors does: a wait rounded down to 0 ms would spin.
+        for fd, _ in self._poll.poll(math.ceil(max(0.0, seconds) * 1e3)):
+            self._on_ready(fd)
 
     def bash_exited(self) -> bool:
         """Whether bash has exited, without reaping it (its pid stays ours)."""
@@ -139,7 +156,7 @@ class _Capture:
         may hold the pipes open forever: after a short grace we stop reading
         and return, leaving them running (``detached``), as a terminal would.
         """
-        while self._busy():
+        while self._watched:
             now = time.monotonic()
             if self.exited_at is not None and now >= self.exited_at + BACKGROUND_GRACE_S:
                 self.detached = True
@@ -151,8 +168,7 @@ class _Capture:
             if self.control is not None and self.control.cancelled.is_set():
                 self.cancelled = True
                 return False
-            for key, _ in self._sel.select(remaining):
-                self._on_ready(key.fd)
+            self._wait(remaining)
         if self._pidfd is None:
             # Without a pidfd only the pipes were watched; bash may still run
             # (it can close them and go on). Popen.wait polls: the fallback.
@@ -164,15 +180,16 @@ class _Capture:
 
     def _on_ready(self, fd: int) -> None:
         if fd == self._wake:
-            self._sel.unregister(fd)  # cancelled: run_until sees the event next
+            self._poll.unregister(fd)  # cancelled: run_until sees the event next
+            self._wake = None
             return
         if fd == self._pidfd:
-            self._sel.unregister(fd)
+            self._unwatch(fd)
             self.exited_at = time.monotonic()
             return
         chunk = os.read(fd, _READ_CHUNK)
         if not chunk:
-            self._sel.unregister(fd)
+            self._unwatch(fd)
             return
         buf = self._buffers[fd]
         room = self.cap - len(buf)
@@ -191,16 +208,17 @@ class _Capture:
 
     def drain(self, seconds: float) -> None:
         """After the kill: collect what is left in the pipes, briefly."""
-        for fd in (self._pidfd, self._wake):
-            if fd is not None and fd in self._sel.get_map():
-                self._sel.unregister(fd)
+        if self._pidfd is not None and self._pidfd in self._watched:
+            self._unwatch(self._pidfd)
+        if self._wake is not None:
+            self._poll.unregister(self._wake)
+            self._wake = None
         deadline = time.monotonic() + seconds
-        while self._busy():
+        while self._watched:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            for key, _ in self._sel.select(remaining):
-                self._on_ready(key.fd)
+            self._wait(remaining)
 
     def close(self) -> None:
         if self._emit is not None:
@@ -211,12 +229,10 @@ class _Capture:
                         self._emit(self._names[fd], tail)
                     except Exception:
                         break
-        self._sel.close()
         if self._pidfd is not None:
             os.close(self._pidfd)
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
+        for fd in self._buffers:
+            os.close(fd)
 
 
 def _signal_name(number: int) -> str:
@@ -245,6 +261,51 @@ _GIT_CONFIG_NOTE = (
 )
 
 
+_devnull: int | None = None
+_devnull_lock = threading.Lock()
+
+
+def _stdin() -> int:
+    """/dev/null, opened once for every command (an open and a close a call
+    less; close-on-exec, and each command gets it as its stdin only)."""
+    global _devnull
+    with _devnull_lock:
+        if _devnull is None:
+            _devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        return _devnull
+
+
+def _start(ctx: ToolContext, command: str, workdir: str, token: str) -> tuple[subprocess.Popen[bytes], int, int]:
+    """bash started on ``command``, and the read ends of its stdout and stderr.
+
+    The pipes are ours, passed to Popen as descriptors: Popen would wrap its
+    own in buffered file objects (an fstat, an ioctl and an lseek each, and
+    their closing), and we only ever ``os.read`` them."""
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc = proctree.spawn(lambda: subprocess.Popen(
+            [_BASH, "-c", command],
+            cwd=workdir,
+            env=proctree.spawn_env(ctx.env, token),
+            stdin=_stdin(),
+            stdout=out_w,
+            stderr=err_w,
+            close_fds=True,
+            start_new_session=True,
+        ), ctx.limits.max_processes)
+    except BaseException as exc:
+        os.close(out_r)
+        os.close(err_r)
+        if not isinstance(exc, OSError):
+            raise
+        raise ToolFailure(f"could not start {_BASH}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(out_w)  # the child has its copies: EOF comes when it (and what it started) closes them
+        os.close(err_w)
+    return proc, out_r, err_r
+
+
 def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     """Run ``command`` with bash; see the module docstring for the guarantees."""
     command, timeout = params.command, params.timeout
@@ -260,22 +321,9 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     limit = _timeout(ctx.limits, timeout)
     token = proctree.new_token()
     started = time.monotonic()
-    try:
-        env = proctree.spawn_env(dict(ctx.env), token)
-        proc = proctree.spawn(lambda: subprocess.Popen(
-            [_BASH, "-c", command],
-            cwd=workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            close_fds=True,
-            start_new_session=True,
-        ), ctx.limits.max_processes)
-    except OSError as exc:
-        raise ToolFailure(f"could not start {_BASH}: {exc.strerror or exc}") from exc
+    proc, out, err = _start(ctx, command, workdir, token)
     proctree.limit_processes(proc.pid, ctx.limits.max_processes)
-    capture = _Capture(proc, ctx.limits.output_cap_bytes, ctx.call)
+    capture = _Capture(proc, out, err, ctx.limits.output_cap_bytes, ctx.call)
     timed_out = False
     exited_before_timeout = False
     try:
