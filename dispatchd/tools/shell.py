@@ -27,8 +27,11 @@ Guarantees:
 - A command that exits 0 is a success; any other status, a signal or the
   timeout is a failure whose error text still carries the output.
 
-Runs in the worker's calling thread; the worker gives it a thread of its own
-(``slow=True``).
+A slow tool (``slow=True``) that watches its channel (``watches_channel``):
+the tool server runs a call on the thread that reads the caller's channel
+(a new thread per call cost about 0.1 ms of a ``true``), and the capture
+watches that channel too; when anything arrives on it, the reading goes to
+a thread of its own (``CallControl.release_channel``).
 """
 
 from __future__ import annotations
@@ -121,9 +124,14 @@ class _Capture:
             self._watch(self._pidfd)
         # A cancel wakes the poll at once (CallControl.cancel writes to it).
         self._wake: int | None = None
+        # The caller's channel, when this call runs on the thread that reads it.
+        self._channel: int | None = None
         if control is not None:
             self._wake = control.wake_fd()
             self._poll.register(self._wake, select.POLLIN)
+            if control.channel_fd is not None:
+                self._channel = control.channel_fd
+                self._poll.register(self._channel, select.POLLIN)
 
     def _watch(self, fd: int) -> None:
         self._poll.register(fd, select.POLLIN)
@@ -179,6 +187,11 @@ class _Capture:
         return True
 
     def _on_ready(self, fd: int) -> None:
+        if fd == self._channel:
+            # Something came on the channel whose reader runs this call (a
+            # cancel, another call, its close): someone else reads it now.
+            self._unwatch_channel()
+            return
         if fd == self._wake:
             self._poll.unregister(fd)  # cancelled: run_until sees the event next
             self._wake = None
@@ -205,6 +218,12 @@ class _Capture:
                         self._emit(self._names[fd], text)
                     except Exception:
                         self._emit = None  # the caller's channel is gone: keep capturing
+
+    def _unwatch_channel(self) -> None:
+        if self._channel is not None and self.control is not None:
+            self._poll.unregister(self._channel)
+            self._channel = None
+            self.control.release_channel()
 
     def drain(self, seconds: float) -> None:
         """After the kill: collect what is left in the pipes, briefly."""
