@@ -340,9 +340,9 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     limit = _timeout(ctx.limits, timeout)
     token = proctree.new_token()
     started = time.monotonic()
-    proc, out, err = _start(ctx, command, workdir, token)
+    proc, out_fd, err_fd = _start(ctx, command, workdir, token)
     proctree.limit_processes(proc.pid, ctx.limits.max_processes)
-    capture = _Capture(proc, out, err, ctx.limits.output_cap_bytes, ctx.call)
+    capture = _Capture(proc, out_fd, err_fd, ctx.limits.output_cap_bytes, ctx.call)
     timed_out = False
     exited_before_timeout = False
     try:
