@@ -239,7 +239,6 @@ class Jobs:
             except OSError as exc:
                 os.close(log_fd)
                 raise ToolFailure(f"could not start /bin/bash: {exc.strerror or exc}") from exc
-            proctree.limit_processes(proc.pid, ctx.limits.max_processes)
             job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout)
             self._jobs[jid] = job
         threading.Thread(target=job.pump, name=f"job {jid}", daemon=True).start()

@@ -127,11 +127,18 @@ class _Capture:
         # The caller's channel, when this call runs on the thread that reads it.
         self._channel: int | None = None
         if control is not None:
-            self._wake = control.wake_fd()
-            self._poll.register(self._wake, select.POLLIN)
-            if control.channel_fd is not None:
+            if control.channel_fd is None:
+                self._watch_wake()
+            else:
+                # Only this thread reads the channel, so only it could
+                # cancel: the wake descriptor waits for the handover.
                 self._channel = control.channel_fd
                 self._poll.register(self._channel, select.POLLIN)
+
+    def _watch_wake(self) -> None:
+        assert self.control is not None
+        self._wake = self.control.wake_fd()
+        self._poll.register(self._wake, select.POLLIN)
 
     def _watch(self, fd: int) -> None:
         self._poll.register(fd, select.POLLIN)
@@ -224,6 +231,9 @@ class _Capture:
             self._poll.unregister(self._channel)
             self._channel = None
             self.control.release_channel()
+            # A cancel can come from the new reader now. One made before the
+            # descriptor was is seen by run_until's check of ``cancelled``.
+            self._watch_wake()
 
     def drain(self, seconds: float) -> None:
         """After the kill: collect what is left in the pipes, briefly."""
@@ -341,7 +351,6 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     token = proctree.new_token()
     started = time.monotonic()
     proc, out_fd, err_fd = _start(ctx, command, workdir, token)
-    proctree.limit_processes(proc.pid, ctx.limits.max_processes)
     capture = _Capture(proc, out_fd, err_fd, ctx.limits.output_cap_bytes, ctx.call)
     timed_out = False
     exited_before_timeout = False
