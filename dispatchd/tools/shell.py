@@ -101,8 +101,10 @@ class _Capture:
         self.cancelled = False
         self._emit: Callable[[str, str], None] | None = control.emit if control is not None else None
         self._names = {out: "stdout", err: "stderr"}
-        # Chunks may end inside a UTF-8 character: decode each stream incrementally.
-        self._decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in self._names}
+        # Chunks may end inside a UTF-8 character: a stream passed on as it
+        # comes is decoded incrementally (the rest is decoded once, at the end).
+        self._decoders = ({fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in self._names}
+                          if self._emit is not None else {})
         self.truncated = False
         self.exited_at: float | None = None  # when bash exited (pidfd readable)
         self.detached = False  # background processes kept the pipes; we stopped reading

@@ -4,7 +4,10 @@ Guarantees:
 - only the policy's tools exist; any other name is a failed ``ToolReply``;
 - each client channel is served by its own thread, and slow tools (commands,
   searches) get a thread per call, so several calls can be in flight on one
-  channel; replies go out whole, one at a time, matched by request id;
+  channel; a command (``Tool.watches_channel``) runs on the channel's thread
+  instead, which it watches, and the reading moves to a new thread as soon as
+  the channel has more to read; replies go out whole, one at a time, matched
+  by request id;
 - a malformed request gets an ``ErrorReply``; broken framing closes that one
   channel; the server and its other channels carry on;
 - at most ``max_channels`` client channels at once (each is a thread, and
