@@ -115,6 +115,11 @@ class FrameSocket:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def buffered(self) -> bool:
+        """Whether bytes already read wait to be returned (the socket may not
+        be readable while a whole frame sits here)."""
+        return bool(self._buf)
+
     def send(self, msg: msgspec.Struct, fds: list[int] | None = None) -> None:
         frame = encode(msg)
         if fds:

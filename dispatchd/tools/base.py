@@ -25,19 +25,31 @@ from dispatchd.policy import Limits
 from dispatchd.tools.spec import ToolSpec
 
 
+def _nothing() -> None:
+    pass
+
+
 class CallControl:
     """One call in flight, as a long-running tool sees it: whether the caller
     cancelled it, and where its output goes as it comes (``emit(stream,
     text)``, None when the caller did not ask for streaming).
 
     ``wake_fd()`` is a descriptor that becomes readable on ``cancel()``, for a
-    tool waiting in ``select``; made on first use (most calls never ask)."""
+    tool waiting in ``select``; made on first use (most calls never ask).
 
-    __slots__ = ("cancelled", "emit", "_lock", "_pipe")
+    ``channel_fd``, when not None, is the caller's channel: the call runs on
+    the thread that reads it (``Tool.watches_channel``), so the tool watches
+    it too, and once it is readable (a cancel, another call, its close) calls
+    ``release_channel()``, which gives the reading to a thread of its own,
+    and stops watching it."""
+
+    __slots__ = ("cancelled", "emit", "channel_fd", "release_channel", "_lock", "_pipe")
 
     def __init__(self, emit: Callable[[str, str], None] | None = None) -> None:
         self.cancelled = threading.Event()
         self.emit = emit
+        self.channel_fd: int | None = None
+        self.release_channel: Callable[[], None] = _nothing
         self._lock = threading.Lock()
         self._pipe: tuple[int, int] | None = None
 
@@ -109,6 +121,9 @@ class Tool:
 
     spec: ToolSpec
     func: Callable[[ToolContext, Any], Outcome]
+    # A slow tool that waits in poll and watches CallControl.channel_fd: the
+    # tool server runs its calls on the channel's own thread, not a new one.
+    watches_channel: bool = False
 
 
 def run_tool(tool: Tool, ctx: ToolContext, params: Any) -> Outcome:

@@ -230,7 +230,7 @@ class Jobs:
                              0o600, dir_fd=dir_fd)
             token = proctree.new_token()
             try:
-                env = proctree.spawn_env(dict(ctx.env), token)
+                env = proctree.spawn_env(ctx.env, token)
                 proc = proctree.spawn(lambda: subprocess.Popen(
                     ["/bin/bash", "-c", command], cwd=workdir, env=env,
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -239,7 +239,6 @@ class Jobs:
             except OSError as exc:
                 os.close(log_fd)
                 raise ToolFailure(f"could not start /bin/bash: {exc.strerror or exc}") from exc
-            proctree.limit_processes(proc.pid, ctx.limits.max_processes)
             job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout)
             self._jobs[jid] = job
         threading.Thread(target=job.pump, name=f"job {jid}", daemon=True).start()

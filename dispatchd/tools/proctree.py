@@ -13,10 +13,11 @@ Guarantees:
   it: ``owns(pid)`` tells the session's orphan reaper (the tool server is pid
   1 of the session in full mode) which zombies to leave to their ``Popen``,
   whose exit status it would otherwise steal;
-- ``spawn`` and ``limit_processes`` give a new command an RLIMIT_NPROC
-  (soft from birth, hard right after) that leaves the tool server a reserve: commands that hit the session's process
-  limit hit it ``PROCESS_RESERVE`` (or a quarter of a smaller budget) below the
-  server, which keeps its threads and can still spawn, answer and kill.
+- ``spawn`` gives a new command an RLIMIT_NPROC (soft from birth, hard
+  right after) that leaves the tool server a reserve: commands that hit the
+  session's process limit hit it ``PROCESS_RESERVE`` (or a quarter of a
+  smaller budget) below the server, which keeps its threads and can still
+  spawn, answer and kill.
 
 Why a marker rather than a subreaper: a subreaper shared by the tool server
 cannot tell which call an orphan came from (several calls run at once, and
@@ -39,7 +40,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
 
@@ -53,8 +54,7 @@ class _Child(Protocol):
 
 T = TypeVar("T", bound=_Child)
 
-__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "kill_tree", "limit_processes", "new_token", "owns", "spawn",
-           "spawn_env"]
+__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "kill_tree", "new_token", "owns", "spawn", "spawn_env"]
 
 MARKER = "DISPATCH_CALL_ID"
 PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the session's budget)
@@ -65,7 +65,7 @@ def new_token() -> str:
     return secrets.token_hex(8)
 
 
-def spawn_env(base: dict[str, str], token: str) -> dict[str, str]:
+def spawn_env(base: Mapping[str, str], token: str) -> dict[str, str]:
     env = dict(base)
     env[MARKER] = token
     return env
@@ -76,14 +76,13 @@ _CHILDREN: dict[int, _Child] = {}  # commands spawned here, until their Popen ha
 CHILD_BORN = threading.Event()  # set at every spawn: the reaper waits on it when it has no child
 
 
-def _command_limit(budget: int) -> int | None:
-    """The RLIMIT_NPROC commands get, or None when ours is unlimited.
+def _command_limit(hard: int, budget: int) -> int | None:
+    """The RLIMIT_NPROC commands get, or None when ours (``hard``) is unlimited.
 
     ``budget`` is the session's own process budget (the policy's
     ``max_processes``): the reserve is taken from it, not from the hard
     limit, which without a user namespace also counts the user's other
     processes."""
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     if hard == resource.RLIM_INFINITY:
         return None
     value = hard - min(PROCESS_RESERVE, budget // 4)
@@ -94,12 +93,12 @@ def spawn(start: Callable[[], T], budget: int) -> T:
     """``start()`` (a ``subprocess.Popen``), its child under the command limit.
 
     Our soft RLIMIT_NPROC is lowered around the spawn, so the child is born
-    with it and cannot fork past it; ``limit_processes`` then lowers the
-    child's hard limit too (a soft one could be raised back). Spawns are
-    serialised meanwhile (rlimits are per process, not per thread). When we
-    are already past the command limit (a bomb holds it), the spawn is tried
-    again under our own limit: the new bash then runs, but cannot fork.
-    ``preexec_fn`` would do this in the child, but rules out vfork (+3 ms).
+    with it and cannot fork past it; the child's hard limit is then lowered
+    too (a soft one could be raised back). Spawns are serialised meanwhile
+    (rlimits are per process, not per thread). When we are already past the
+    command limit (a bomb holds it), the spawn is tried again under our own
+    limit: the new bash then runs, but cannot fork. ``preexec_fn`` would do
+    this in the child, but rules out vfork (+3 ms).
     """
     with _SPAWN_LOCK:  # held until the child is recorded: owns() waits for it
         child = _start_limited(start, budget)
@@ -111,18 +110,25 @@ def spawn(start: Callable[[], T], budget: int) -> T:
 
 
 def _start_limited(start: Callable[[], T], budget: int) -> T:
-    value = _command_limit(budget)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    value = _command_limit(hard, budget)
     if value is None:
         return start()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     resource.setrlimit(resource.RLIMIT_NPROC, (min(soft, value), hard))
+    child: T | None = None
     try:
-        return start()
+        child = start()
     except BlockingIOError:
         pass  # EAGAIN: past the command limit already
     finally:
         resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
-    return start()
+    if child is None:
+        child = start()
+    try:
+        resource.prlimit(child.pid, resource.RLIMIT_NPROC, (value, value))
+    except (OSError, ValueError):
+        pass  # already gone: nothing to limit
+    return child
 
 
 def owns(pid: int) -> bool:
@@ -132,17 +138,6 @@ def owns(pid: int) -> bool:
     with _SPAWN_LOCK:
         child = _CHILDREN.get(pid)
         return child is not None and child.returncode is None
-
-
-def limit_processes(pid: int, budget: int) -> None:
-    """Give ``pid`` (a command just spawned) the command limit, soft and hard."""
-    value = _command_limit(budget)
-    if value is None:
-        return
-    try:
-        resource.prlimit(pid, resource.RLIMIT_NPROC, (value, value))
-    except (OSError, ValueError):
-        pass  # already gone: nothing to limit
 
 
 def _stat(pid: str) -> tuple[int, int, int] | None:

@@ -27,17 +27,22 @@ Guarantees:
 - A command that exits 0 is a success; any other status, a signal or the
   timeout is a failure whose error text still carries the output.
 
-Runs in the worker's calling thread; the worker gives it a thread of its own
-(``slow=True``).
+A slow tool (``slow=True``) that watches its channel (``watches_channel``):
+the tool server runs a call on the thread that reads the caller's channel
+(a new thread per call cost about 0.1 ms of a ``true``), and the capture
+watches that channel too; when anything arrives on it, the reading goes to
+a thread of its own (``CallControl.release_channel``).
 """
 
 from __future__ import annotations
 
 import codecs
+import math
 import os
-import selectors
+import select
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -82,27 +87,34 @@ def _workdir(ctx: ToolContext, cwd: str | None) -> str:
 
 
 class _Capture:
-    """Both pipes and the child's exit, watched from one selector."""
+    """Both pipes and the child's exit, watched with one ``poll``.
 
-    def __init__(self, proc: subprocess.Popen[bytes], cap: int, control: CallControl | None = None) -> None:
-        assert proc.stdout is not None and proc.stderr is not None
+    ``poll`` rather than a ``selectors`` epoll: a wait is one system call,
+    with nothing to create, register or close per call (the epoll cost an
+    ``epoll_create1``, an ``epoll_ctl`` per descriptor and a ``close``)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], out: int, err: int, cap: int,
+                 control: CallControl | None = None) -> None:
         self.proc = proc
         self.cap = cap
         self.control = control
         self.cancelled = False
         self._emit: Callable[[str, str], None] | None = control.emit if control is not None else None
-        self._names = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
-        # Chunks may end inside a UTF-8 character: decode each stream incrementally.
-        self._decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in self._names}
+        self._names = {out: "stdout", err: "stderr"}
+        # Chunks may end inside a UTF-8 character: a stream passed on as it
+        # comes is decoded incrementally (the rest is decoded once, at the end).
+        self._decoders = ({fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in self._names}
+                          if self._emit is not None else {})
         self.truncated = False
         self.exited_at: float | None = None  # when bash exited (pidfd readable)
         self.detached = False  # background processes kept the pipes; we stopped reading
         self.out = bytearray()
         self.err = bytearray()
-        self._buffers = {proc.stdout.fileno(): self.out, proc.stderr.fileno(): self.err}
-        self._sel = selectors.DefaultSelector()
+        self._buffers = {out: self.out, err: self.err}
+        self._poll = select.poll()
+        self._watched: set[int] = set()  # pipes still open, and the pidfd until bash exits
         for fd in self._buffers:
-            self._sel.register(fd, selectors.EVENT_READ)
+            self._watch(fd)
         # A pidfd tells us bash exited without polling and without reaping it;
         # where the kernel (or seccomp) refuses one, we fall back to polling.
         self._pidfd: int | None = None
@@ -111,16 +123,38 @@ class _Capture:
         except (AttributeError, OSError):
             pass
         else:
-            self._sel.register(self._pidfd, selectors.EVENT_READ)
-        # A cancel wakes the select at once (CallControl.cancel writes to it).
+            self._watch(self._pidfd)
+        # A cancel wakes the poll at once (CallControl.cancel writes to it).
         self._wake: int | None = None
+        # The caller's channel, when this call runs on the thread that reads it.
+        self._channel: int | None = None
         if control is not None:
-            self._wake = control.wake_fd()
-            self._sel.register(self._wake, selectors.EVENT_READ)
+            if control.channel_fd is None:
+                self._watch_wake()
+            else:
+                # Only this thread reads the channel, so only it could
+                # cancel: the wake descriptor waits for the handover.
+                self._channel = control.channel_fd
+                self._poll.register(self._channel, select.POLLIN)
 
-    def _busy(self) -> bool:
-        """A pipe still open, or bash's exit not seen yet (the wake descriptor aside)."""
-        return any(fd != self._wake for fd in self._sel.get_map())
+    def _watch_wake(self) -> None:
+        assert self.control is not None
+        self._wake = self.control.wake_fd()
+        self._poll.register(self._wake, select.POLLIN)
+
+    def _watch(self, fd: int) -> None:
+        self._poll.register(fd, select.POLLIN)
+        self._watched.add(fd)
+
+    def _unwatch(self, fd: int) -> None:
+        self._poll.unregister(fd)
+        self._watched.discard(fd)
+
+    def _wait(self, seconds: float) -> None:
+        """One ``poll``, at most ``seconds`` long, and what it found handled."""
+        # Rounded up, as selectors does: a wait rounded down to 0 ms would spin.
+        for fd, _ in self._poll.poll(math.ceil(max(0.0, seconds) * 1e3)):
+            self._on_ready(fd)
 
     def bash_exited(self) -> bool:
         """Whether bash has exited, without reaping it (its pid stays ours)."""
@@ -139,7 +173,7 @@ class _Capture:
         may hold the pipes open forever: after a short grace we stop reading
         and return, leaving them running (``detached``), as a terminal would.
         """
-        while self._busy():
+        while self._watched:
             now = time.monotonic()
             if self.exited_at is not None and now >= self.exited_at + BACKGROUND_GRACE_S:
                 self.detached = True
@@ -151,8 +185,7 @@ class _Capture:
             if self.control is not None and self.control.cancelled.is_set():
                 self.cancelled = True
                 return False
-            for key, _ in self._sel.select(remaining):
-                self._on_ready(key.fd)
+            self._wait(remaining)
         if self._pidfd is None:
             # Without a pidfd only the pipes were watched; bash may still run
             # (it can close them and go on). Popen.wait polls: the fallback.
@@ -163,16 +196,22 @@ class _Capture:
         return True
 
     def _on_ready(self, fd: int) -> None:
+        if fd == self._channel:
+            # Something came on the channel whose reader runs this call (a
+            # cancel, another call, its close): someone else reads it now.
+            self._unwatch_channel()
+            return
         if fd == self._wake:
-            self._sel.unregister(fd)  # cancelled: run_until sees the event next
+            self._poll.unregister(fd)  # cancelled: run_until sees the event next
+            self._wake = None
             return
         if fd == self._pidfd:
-            self._sel.unregister(fd)
+            self._unwatch(fd)
             self.exited_at = time.monotonic()
             return
         chunk = os.read(fd, _READ_CHUNK)
         if not chunk:
-            self._sel.unregister(fd)
+            self._unwatch(fd)
             return
         buf = self._buffers[fd]
         room = self.cap - len(buf)
@@ -189,18 +228,28 @@ class _Capture:
                     except Exception:
                         self._emit = None  # the caller's channel is gone: keep capturing
 
+    def _unwatch_channel(self) -> None:
+        if self._channel is not None and self.control is not None:
+            self._poll.unregister(self._channel)
+            self._channel = None
+            self.control.release_channel()
+            # A cancel can come from the new reader now. One made before the
+            # descriptor was is seen by run_until's check of ``cancelled``.
+            self._watch_wake()
+
     def drain(self, seconds: float) -> None:
         """After the kill: collect what is left in the pipes, briefly."""
-        for fd in (self._pidfd, self._wake):
-            if fd is not None and fd in self._sel.get_map():
-                self._sel.unregister(fd)
+        if self._pidfd is not None and self._pidfd in self._watched:
+            self._unwatch(self._pidfd)
+        if self._wake is not None:
+            self._poll.unregister(self._wake)
+            self._wake = None
         deadline = time.monotonic() + seconds
-        while self._busy():
+        while self._watched:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            for key, _ in self._sel.select(remaining):
-                self._on_ready(key.fd)
+            self._wait(remaining)
 
     def close(self) -> None:
         if self._emit is not None:
@@ -211,12 +260,10 @@ class _Capture:
                         self._emit(self._names[fd], tail)
                     except Exception:
                         break
-        self._sel.close()
         if self._pidfd is not None:
             os.close(self._pidfd)
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
+        for fd in self._buffers:
+            os.close(fd)
 
 
 def _signal_name(number: int) -> str:
@@ -245,6 +292,51 @@ _GIT_CONFIG_NOTE = (
 )
 
 
+_devnull: int | None = None
+_devnull_lock = threading.Lock()
+
+
+def _stdin() -> int:
+    """/dev/null, opened once for every command (an open and a close a call
+    less; close-on-exec, and each command gets it as its stdin only)."""
+    global _devnull
+    with _devnull_lock:
+        if _devnull is None:
+            _devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        return _devnull
+
+
+def _start(ctx: ToolContext, command: str, workdir: str, token: str) -> tuple[subprocess.Popen[bytes], int, int]:
+    """bash started on ``command``, and the read ends of its stdout and stderr.
+
+    The pipes are ours, passed to Popen as descriptors: Popen would wrap its
+    own in buffered file objects (an fstat, an ioctl and an lseek each, and
+    their closing), and we only ever ``os.read`` them."""
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc = proctree.spawn(lambda: subprocess.Popen(
+            [_BASH, "-c", command],
+            cwd=workdir,
+            env=proctree.spawn_env(ctx.env, token),
+            stdin=_stdin(),
+            stdout=out_w,
+            stderr=err_w,
+            close_fds=True,
+            start_new_session=True,
+        ), ctx.limits.max_processes)
+    except BaseException as exc:
+        os.close(out_r)
+        os.close(err_r)
+        if not isinstance(exc, OSError):
+            raise
+        raise ToolFailure(f"could not start {_BASH}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(out_w)  # the child has its copies: EOF comes when it (and what it started) closes them
+        os.close(err_w)
+    return proc, out_r, err_r
+
+
 def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     """Run ``command`` with bash; see the module docstring for the guarantees."""
     command, timeout = params.command, params.timeout
@@ -260,22 +352,8 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     limit = _timeout(ctx.limits, timeout)
     token = proctree.new_token()
     started = time.monotonic()
-    try:
-        env = proctree.spawn_env(dict(ctx.env), token)
-        proc = proctree.spawn(lambda: subprocess.Popen(
-            [_BASH, "-c", command],
-            cwd=workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            close_fds=True,
-            start_new_session=True,
-        ), ctx.limits.max_processes)
-    except OSError as exc:
-        raise ToolFailure(f"could not start {_BASH}: {exc.strerror or exc}") from exc
-    proctree.limit_processes(proc.pid, ctx.limits.max_processes)
-    capture = _Capture(proc, ctx.limits.output_cap_bytes, ctx.call)
+    proc, out_fd, err_fd = _start(ctx, command, workdir, token)
+    capture = _Capture(proc, out_fd, err_fd, ctx.limits.output_cap_bytes, ctx.call)
     timed_out = False
     exited_before_timeout = False
     try:

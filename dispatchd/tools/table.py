@@ -37,4 +37,7 @@ _FUNCS: dict[str, Callable[[ToolContext, Any], Outcome]] = {
 if set(_FUNCS) != set(SPECS):
     raise RuntimeError(f"tool specs and functions differ: {sorted(set(_FUNCS) ^ set(SPECS))}")
 
-TOOLS: dict[str, Tool] = {name: Tool(spec, _FUNCS[name]) for name, spec in SPECS.items()}
+# Calls of these run on their channel's thread (they watch it: CallControl.channel_fd).
+_WATCH_CHANNEL = {"shell_exec"}
+
+TOOLS: dict[str, Tool] = {name: Tool(spec, _FUNCS[name], name in _WATCH_CHANNEL) for name, spec in SPECS.items()}

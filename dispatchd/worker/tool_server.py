@@ -4,7 +4,10 @@ Guarantees:
 - only the policy's tools exist; any other name is a failed ``ToolReply``;
 - each client channel is served by its own thread, and slow tools (commands,
   searches) get a thread per call, so several calls can be in flight on one
-  channel; replies go out whole, one at a time, matched by request id;
+  channel; a command (``Tool.watches_channel``) runs on the channel's thread
+  instead, which it watches, and the reading moves to a new thread as soon as
+  the channel has more to read; replies go out whole, one at a time, matched
+  by request id;
 - a malformed request gets an ``ErrorReply``; broken framing closes that one
   channel; the server and its other channels carry on;
 - at most ``max_channels`` client channels at once (each is a thread, and
@@ -44,7 +47,7 @@ from dispatchd.policy import MUTATING_TOOLS
 from dispatchd.protocol.internal import EXIT_IDLE
 from dispatchd.tempfiles import sweep_temp_files
 from dispatchd.tools import atomic
-from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
+from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
 
@@ -84,6 +87,9 @@ class _Channel:
         self.server = server
         self.calls: dict[int, CallControl] = {}  # slow calls in flight, by request id
         self.calls_lock = threading.Lock()
+        # The thread that reads this channel: the first to run it, until a
+        # call run on it hands the reading over (Server._call_here).
+        self.reader: threading.Thread | None = None
 
     def output(self, rid: int, stream: str, text: str) -> None:
         """One ToolOutput frame; raises OSError when the client is gone."""
@@ -112,8 +118,11 @@ class _Channel:
         self.frames.close()
 
     def run(self) -> None:
+        me = threading.current_thread()
+        if self.reader is None:
+            self.reader = me
         try:
-            while True:
+            while self.reader is me:
                 try:
                     # Anything but call_tool and cancel_call is refused there, a bad_request.
                     req = self.frames.recv_request(protocol.channel_request_decoder, self.reply)
@@ -126,12 +135,13 @@ class _Channel:
                     continue
                 self.server.dispatch(self, req)
         finally:
-            # Nobody is left to read what calls in flight would answer: end them.
-            with self.calls_lock:
-                for control in self.calls.values():
-                    control.cancel()
-            self.frames.close()
-            self.server.channel_closed()
+            if self.reader is me:  # not handed over: the channel ends with this thread
+                # Nobody is left to read what calls in flight would answer: end them.
+                with self.calls_lock:
+                    for control in self.calls.values():
+                        control.cancel()
+                self.frames.close()
+                self.server.channel_closed()
 
 
 class _Control:
@@ -257,6 +267,9 @@ class _Server:
             control = CallControl(emit)
             with channel.calls_lock:
                 channel.calls[rid] = control
+            if tool.watches_channel and not channel.frames.buffered():
+                self._call_here(channel, req, tool, control)
+                return
             try:
                 threading.Thread(target=self._call, args=(channel, req, tool, control), daemon=True).start()
             except RuntimeError as exc:
@@ -270,6 +283,31 @@ class _Server:
                     "limit (its commands hold every process it may have); stop some and retry")))
         else:
             self._call(channel, req, tool)
+
+    def _call_here(self, channel: _Channel, req: protocol.CallTool, tool: Tool, control: CallControl) -> None:
+        """A slow call on the thread that reads its channel, which it watches
+        (``Tool.watches_channel``): a thread per call cost about 0.1 ms of a
+        ``shell_exec true``, and most calls end before their channel has
+        anything more to read. When it has (a cancel of this call, the next
+        call, its close), the tool calls ``release_channel`` and a new thread
+        reads on; this one ends with the call. A thread that cannot be started
+        (the session at its process limit) leaves the channel to be read
+        after this call, as a fast call would."""
+
+        def release() -> None:
+            me = threading.current_thread()
+            if channel.reader is not me:
+                return
+            thread = threading.Thread(target=channel.run, daemon=True)
+            channel.reader = thread  # before it runs: it must find itself the reader
+            try:
+                thread.start()
+            except RuntimeError:  # can't start new thread
+                channel.reader = me
+
+        control.channel_fd = channel.frames.fileno()
+        control.release_channel = release
+        self._call(channel, req, tool, control)
 
     def _call(self, channel: _Channel, req: protocol.CallTool, tool: object,
               control: CallControl | None = None) -> None:

@@ -154,6 +154,53 @@ def test_cancellation_handle_ends_one_call(session: dispatch.Session) -> None:
     assert _gone_within("302.2", 1.0)
 
 
+def test_a_channel_is_read_on_while_a_command_runs_on_its_thread(session: dispatch.Session) -> None:
+    # A command runs on the thread that reads its channel until the channel
+    # has more to read (tool_server._call_here); then a new thread reads on.
+    results: list[dispatch.Result] = []
+    first = threading.Thread(target=lambda: results.append(shell(session, "sleep 0.8; echo first")))
+    first.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    assert shell(session, "echo second").output == "second\n"  # not held until the first ends
+    assert time.monotonic() - started < 0.5
+    first.join(5)
+    assert [r.output for r in results] == ["first\n"]
+    # The channel changed threads: calls, and a cancel, still reach the new reader.
+    assert shell(session, "echo third").output == "third\n"
+    c = Cancellation()
+    threading.Timer(0.3, c.cancel).start()
+    r = session.registry.get("shell_exec").call({"command": "sleep 317.8"}, {"cancellation": c})
+    assert r.metadata["cancelled"] is True
+    assert _gone_within("317.8", 1.0)
+
+
+_CALLER = """
+import sys, dispatch
+s = dispatch.connect(sys.argv[1]).open_session(sys.argv[2])
+print(s.id, flush=True)
+s.registry.get("shell_exec").call({"command": "sleep 316.7", "timeout": 60})
+"""
+
+
+def test_a_command_ends_when_its_caller_dies(daemon: Daemon, client: dispatch.Client, worktree: Path) -> None:
+    # The call runs on the thread that reads its channel: the channel's close
+    # must still reach it (the reading is handed over, and the reader cancels).
+    caller = subprocess.Popen([sys.executable, "-c", _CALLER, daemon.socket, str(worktree)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout is not None
+        session_id = caller.stdout.readline().strip()
+        _wait_for_sleepers("316.7", 1)
+        caller.kill()
+        assert _gone_within("316.7", 2.0)
+    finally:
+        caller.kill()
+        caller.wait()
+        caller.stdout.close()  # type: ignore[union-attr]
+    client.close_session(session_id)
+
+
 def test_an_exception_in_on_output_cancels_the_call(session: dispatch.Session) -> None:
     def boom(_stream: str, _text: str) -> None:
         raise KeyboardInterrupt
