@@ -152,3 +152,16 @@ def test_sandboxes_made_ahead_end_with_the_daemon(tmp_path: Path, worktree: Path
                 d.stop()
         _gone, alive = psutil.wait_procs(everything, timeout=10)
         assert alive == [], alive
+
+
+def test_a_negative_pool_is_refused_at_start(tmp_path: Path) -> None:
+    """The twin, --pool 0, starts: test_without_a_pool_every_sandbox_is_made_at_open."""
+    import subprocess
+    import sys
+
+    _refuse_root()
+    out = subprocess.run([sys.executable, "-m", "dispatchd", "--socket", str(tmp_path / "d.sock"), "--pool", "-1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr == "dispatchd: --pool: a number of sandboxes, 0 or more\n"
+    assert not (tmp_path / "d.sock").exists()
