@@ -115,6 +115,11 @@ class FrameSocket:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def buffered(self) -> bool:
+        """Whether bytes of a next frame were already read: a caller that
+        polls the socket before ``recv`` must not wait for them."""
+        return bool(self._buf)
+
     def send(self, msg: msgspec.Struct, fds: list[int] | None = None) -> None:
         frame = encode(msg)
         if fds:
