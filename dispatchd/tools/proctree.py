@@ -54,7 +54,8 @@ class _Child(Protocol):
 
 T = TypeVar("T", bound=_Child)
 
-__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "kill_tree", "new_token", "owns", "spawn", "spawn_env"]
+__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "after_first_spawn", "kill_tree", "new_token", "owns", "spawn",
+           "spawn_env"]
 
 MARKER = "DISPATCH_CALL_ID"
 PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the session's budget)
@@ -74,6 +75,27 @@ def spawn_env(base: Mapping[str, str], token: str) -> dict[str, str]:
 _SPAWN_LOCK = threading.Lock()
 _CHILDREN: dict[int, _Child] = {}  # commands spawned here, until their Popen has reaped them
 CHILD_BORN = threading.Event()  # set at every spawn: the reaper waits on it when it has no child
+_FIRST_SPAWN_LOCK = threading.Lock()
+_first_spawn: Callable[[], bool] | None = None  # see after_first_spawn
+
+
+def after_first_spawn(hook: Callable[[], bool]) -> None:
+    """Call ``hook`` after the next spawn, in the spawning thread, and after
+    each later one until it returns True (once). The tool server starts its
+    orphan reaper this way: before the first command there is no process to
+    reap, and an idle session keeps one thread (and its stacks) fewer."""
+    global _first_spawn
+    with _FIRST_SPAWN_LOCK:
+        _first_spawn = hook
+
+
+def _run_first_spawn() -> None:
+    global _first_spawn
+    if _first_spawn is None:  # the common case: done, or never asked
+        return
+    with _FIRST_SPAWN_LOCK:  # two calls spawning at once run it once
+        if _first_spawn is not None and _first_spawn():
+            _first_spawn = None
 
 
 def _command_limit(hard: int, budget: int) -> int | None:
@@ -106,6 +128,7 @@ def spawn(start: Callable[[], T], budget: int) -> T:
             del _CHILDREN[pid]  # reaped by their Popen: their pids may be anyone's now
         _CHILDREN[child.pid] = child
     CHILD_BORN.set()
+    _run_first_spawn()
     return child
 
 

@@ -13,7 +13,9 @@ Guarantees:
   is never taken: ``owns(pid)`` says so, and ``Popen.wait`` gets it (a stolen
   status would read as ``ECHILD``, which ``subprocess`` reports as exit 0);
 - with no child at all it sleeps until the next spawn: no process can appear
-  in the namespace otherwise (pid 1 is the ancestor of every other).
+  in the namespace otherwise (pid 1 is the ancestor of every other). For the
+  same reason its thread is started at the session's first spawn
+  (``start_at_first_spawn``), not before: an idle session has one thread less.
 
 ``waitid(P_ALL, WNOWAIT)`` reports the oldest zombie first. When that one is
 a command's own (its Popen reaps it in a moment, or, for a background job
@@ -31,6 +33,24 @@ from collections.abc import Callable
 from typing import NoReturn
 
 _MAX_PAUSE_S = 1.0
+
+
+def start_at_first_spawn(owns: Callable[[int], bool], born: threading.Event,
+                         after_first_spawn: Callable[[Callable[[], bool]], None]) -> None:
+    """Have ``reap_orphans`` started on a thread of its own right after the
+    first command is spawned (``proctree.after_first_spawn``). Until then no
+    child exists, so there is nothing to reap. Should the thread fail to start
+    (the session at its process limit: the server's reserve used up), the
+    next spawn tries again."""
+
+    def start() -> bool:
+        try:
+            threading.Thread(target=reap_orphans, args=(owns, born), daemon=True, name="reaper").start()
+        except RuntimeError:  # can't start new thread
+            return False
+        return True
+
+    after_first_spawn(start)
 
 
 def reap_orphans(owns: Callable[[int], bool], born: threading.Event) -> NoReturn:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import threading
 import time
 import traceback
 from typing import NoReturn
@@ -238,12 +237,12 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         # One process: the tool server is the session's init. Pid 1 of the
         # namespace already ignores every signal it has no handler for (no
         # command can end it), its death ends every process in the
-        # namespace, and a thread of its own reaps the orphans.
+        # namespace, and a thread of its own reaps the orphans (started at
+        # the first command: before it there is nothing to reap).
         _report(control, ready, fds=keep[1:])
         for fd in keep[1:]:
             os.close(fd)  # the daemon has it; no command inherits it
-        threading.Thread(target=reaper.reap_orphans, args=(proctree.owns, proctree.CHILD_BORN), daemon=True,
-                         name="reaper").start()
+        reaper.start_at_first_spawn(proctree.owns, proctree.CHILD_BORN, proctree.after_first_spawn)
         serve(control, plan)
         os._exit(0)
     try:

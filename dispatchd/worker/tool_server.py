@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import select
 import socket
 import threading
 import time
@@ -218,7 +219,12 @@ class _Server:
         self.draining = False
         self.records: list[protocol.CallRecord] = []
         self.records_lock = threading.Lock()
-        self.records_ready = threading.Condition(self.records_lock)  # the first record of a batch wakes housekeeping
+        # The first record of a batch wakes the control loop, which sends the
+        # batch RECORD_INTERVAL_S later (housekeeping).
+        self.records_wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self.flush_at: float | None = None
+        self.every = min(5.0, plan.limits.idle_timeout_s / 4)
+        self.next_check = time.monotonic() + self.every
         self.channels = 0
         self.max_channels = max_channels(plan.limits.max_processes, plan.limits.max_open_files)
         self.in_flight: dict[tuple[int, int], tuple[_Channel, str]] = {}  # (channel, request id): what the stop cuts
@@ -330,11 +336,15 @@ class _Server:
             with self.activity.lock:
                 self.in_flight.pop(key, None)
             self.activity.end()
-            with self.records_ready:
+            with self.records_lock:
                 self.records.append(protocol.CallRecord(req.tool, round((time.perf_counter() - started) * 1e3, 3),
                                                         success))
-                if len(self.records) == 1:
-                    self.records_ready.notify()
+                first = len(self.records) == 1
+            if first:
+                try:
+                    os.eventfd_write(self.records_wake, 1)
+                except BlockingIOError:
+                    pass  # the counter is full: the loop is woken already
 
     def set_command_env(self, msg: protocol.SetCommandEnv) -> None:
         env = {k: v for k, v in self.ctx.env.items() if k not in msg.unset}
@@ -353,30 +363,36 @@ class _Server:
         except OSError:
             pass  # the daemon is gone; the session is ending anyway
 
-    def housekeeping(self) -> None:
-        """The tool server's one periodic thread. Finished calls reach the
-        daemon's log in batches, at most ``RECORD_INTERVAL_S`` after the first
-        of a batch ended (a message per call would wake the daemon between a
-        reply and the next request); the idle timeout ends the session. An
-        idle session sleeps from one idle check to the next (a quarter of the
-        timeout, at most 5 s): a thousand idle sessions cost the host no
-        wake-ups in between."""
-        limit = self.plan.limits.idle_timeout_s
-        every = min(5.0, limit / 4)
-        next_check = time.monotonic() + every
-        while True:
-            with self.records_ready:
-                if not self.records:
-                    self.records_ready.wait(max(0.0, next_check - time.monotonic()))
-                pending = bool(self.records)
-            if pending:
-                time.sleep(RECORD_INTERVAL_S)  # let the batch grow
+    def housekeeping_wait(self) -> float:
+        """Seconds until ``housekeeping`` has something to do."""
+        due = self.next_check if self.flush_at is None else min(self.next_check, self.flush_at)
+        return max(0.0, due - time.monotonic())
+
+    def housekeeping(self, woken: bool) -> None:
+        """Run by the control loop between messages (a thread of its own
+        would cost every idle session a task and its stacks). Finished calls
+        reach the daemon's log in batches, at most ``RECORD_INTERVAL_S``
+        after the first of a batch ended (a message per call would wake the
+        daemon between a reply and the next request); the idle timeout ends
+        the session. An idle session sleeps from one idle check to the next
+        (a quarter of the timeout, at most 5 s): a thousand idle sessions
+        cost the host no wake-ups in between."""
+        if woken:
+            try:
+                os.eventfd_read(self.records_wake)
+            except BlockingIOError:
+                pass
+            if self.flush_at is None:
+                self.flush_at = time.monotonic() + RECORD_INTERVAL_S  # let the batch grow
+        now = time.monotonic()
+        if self.flush_at is not None and now >= self.flush_at:
+            self.flush_at = None
+            self.flush_records()
+        if now >= self.next_check:
+            if self.activity.idle_for() >= self.plan.limits.idle_timeout_s:
                 self.flush_records()
-            if time.monotonic() >= next_check:
-                if self.activity.idle_for() >= limit:
-                    self.flush_records()
-                    os._exit(EXIT_IDLE)  # the session ends with us (its pid 1, or its init sees us go)
-                next_check = time.monotonic() + every
+                os._exit(EXIT_IDLE)  # the session ends with us (its pid 1, or its init sees us go)
+            self.next_check = now + self.every
 
     def drain(self, deadline_s: float) -> None:
         """Refuse new calls, wait for those in flight (up to the deadline), end."""
@@ -404,8 +420,17 @@ def max_channels(max_processes: int, max_open_files: int) -> int:
 def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
     """Serve until the daemon closes the control channel."""
     server = _Server(plan, _Control(control))
-    threading.Thread(target=server.housekeeping, daemon=True, name="housekeeping").start()
+    poller = select.poll()
+    poller.register(control.fileno(), select.POLLIN)
+    poller.register(server.records_wake, select.POLLIN)
     while True:
+        # A frame already buffered is read at once; otherwise wait for the
+        # daemon, a batch of call records, or the next idle check.
+        buffered = control.buffered()
+        ready = {fd for fd, _ in poller.poll(0 if buffered else server.housekeeping_wait() * 1000)}
+        server.housekeeping(server.records_wake in ready)
+        if not buffered and control.fileno() not in ready:
+            continue
         try:
             msg = control.recv(protocol.to_worker_decoder)
         except (protocol.ProtocolError, OSError):
