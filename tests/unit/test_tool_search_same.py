@@ -1,0 +1,114 @@
+"""search_files gives, byte for byte, what it gave before it was made faster
+(tests/unit/search_reference.py, the frozen old function), on random trees
+and queries: CR and CRLF, invalid UTF-8, long lines cut inside a multi-byte
+character, NUL bytes before and after the binary sniff, empty and multi-line
+matches, anchors, non-ASCII and undecodable file names, symlinks, ``.git``,
+size caps, globs, paths and limits of every size.
+
+``DISPATCH_SEARCH_CASES=N`` runs N cases instead of the default few hundred.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from dispatchd.policy import Limits
+from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
+from dispatchd.tools.search import search_files
+from dispatchd.tools.spec import SearchFilesParams
+
+from tests.unit import search_reference
+
+CASES = int(os.environ.get("DISPATCH_SEARCH_CASES", "300"))
+
+_PIECES = [b"a", b"b", b"ab", b"ba", b"aa", b" ", b"x", b"\n", b"\n", b"\n", b"\r\n", b"\r", b"\n\n",
+           b"\xc3\xa9", b"\xe2\x82\xac", b"\xff", b"\xe9", b"\xc3", b"\t", b"value", b"needle"]
+_LITERALS = ["a", "b", "ab", "aa", "ba", "a a", "\n", "a\nb", "b\n", "\na", "\r", "\r\n", "a\r", "\u00e9",
+             "\u20ac", "a\u00e9", " ", "x", "value", "needle", "n", "\n\n", "\ud800", "\u00e9\na", "aaa"]
+_REGEXES = ["a", "a*", "b+", "^", "$", "^a", "b$", "a\\nb", "(?s)a.*?b", "a.b", "\\r$", "[^a\\n]", "x?", "\\b",
+            "^$", ".", "a|\\n", "\\Z", "\\A", "(?<=\\n)a", "\\s+", "(?i)A", "\\xff", "\\xc3\\xa9", "(a)(", "[",
+            "(?=b)", "\\n^", "a{2,}", "$\\n", "(?m)a$", "\\w+", ".{3}", "(?s).", "[\\r\\n]+", "ab|a"]
+
+
+def _content(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.05:
+        return b""
+    if kind < 0.12:  # long lines, to be cut (multi-byte characters near the cut)
+        unit = rng.choice([b"y", b"\xc3\xa9", b"a\xe2\x82\xac", b"\xff", b"ab "])
+        return b"a" + unit * rng.randint(150, 700) + rng.choice([b"", b"\n", b"\r\n", b"\nab\n"])
+    if kind < 0.16:  # binary: a NUL in the sniffed head, or only past it
+        body = b"a\nb\n" * rng.randint(1, 3000)
+        at = rng.choice([0, len(body) // 2, len(body)])
+        return body[:at] + b"\x00" + body[at:]
+    return b"".join(rng.choice(_PIECES) for _ in range(rng.randint(1, 80)))
+
+
+def _tree(root: Path, rng: random.Random) -> None:
+    dirs = [root]
+    for _ in range(rng.randint(0, 4)):
+        d = rng.choice(dirs) / rng.choice(["d", "e", "a-b", "sub", ".git", "z\u00e9", "dd"])
+        d.mkdir(exist_ok=True)
+        dirs.append(d)
+    for _ in range(rng.randint(0, 12)):
+        d = rng.choice(dirs)
+        name = rng.choice(["f.txt", "g.py", "a", "a.txt", "b", "x.md", "a-b", "\u00e9.txt", "c.txt", "h.py"])
+        path = d / name
+        if path.is_dir():
+            continue
+        path.write_bytes(_content(rng))
+    if rng.random() < 0.2:  # a name that is not UTF-8
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(os.fsencode(root), b"bad\xff.txt"), "wb") as f:
+            f.write(_content(rng))
+    if rng.random() < 0.2:
+        os.symlink("f.txt", root / "link.txt")
+    if rng.random() < 0.1:
+        os.symlink(str(root), root / "loop")
+    if rng.random() < 0.05:
+        os.mkfifo(root / "fifo.txt")
+
+
+def _params(root: Path, rng: random.Random) -> SearchFilesParams:
+    is_regex = rng.random() < 0.5
+    query = rng.choice(_REGEXES if is_regex else _LITERALS)
+    if rng.random() < 0.05:
+        query = ""
+    path = "."
+    if rng.random() < 0.3:
+        names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if ".git" not in p.parts)
+        path = rng.choice(names + ["nope", ".git", "."])
+    pattern = rng.choice([None, None, "*.txt", "*.py", "d/*", "*a*", "", "?"])
+    return SearchFilesParams(query=query, path=path, pattern=pattern, is_regex=is_regex)
+
+
+def _run(func, ctx: ToolContext, params: SearchFilesParams) -> tuple[object, ...]:  # type: ignore[no-untyped-def]
+    try:
+        out: Outcome = func(ctx, params)
+    except ToolFailure as exc:
+        return ("failure", exc.message)
+    return (out.success, out.output, out.error, out.metadata)
+
+
+@pytest.mark.parametrize("seed", range(CASES // 50 or 1))
+def test_same_output_as_the_old_function(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    for case in range(50):
+        root = Path(os.path.realpath(tmp_path)) / f"t{case}"
+        root.mkdir()
+        _tree(root, rng)
+        limits = msgspec.structs.replace(Limits(), search_max_results=rng.choice([1, 2, 3, 5, 10, 100, 10**6]),
+                                         file_size_cap_bytes=rng.choice([16 << 20, 16 << 20, 500, 9000]))
+        ctx = ToolContext(root=str(root), limits=limits, env={})
+        for _ in range(6):
+            params = _params(root, rng)
+            want = _run(search_reference.search_files, ctx, params)
+            got = _run(search_files, ctx, params)
+            assert got == want, (seed, case, params, limits)
+        shutil.rmtree(root)
