@@ -82,7 +82,7 @@ def _cut(raw: bytes) -> bytes:
     return (text[:_LINE_CHARS] + " [...]").encode("utf-8", "surrogateescape")
 
 
-def _search_one(regex, data: bytes, rel: str, results: list[bytes], limit: int) -> bool:  # type: ignore[no-untyped-def]
+def _search_one(regex: re.Pattern[bytes], data: bytes, rel: str, results: list[bytes], limit: int) -> bool:
     count = data.count
     line, counted, end = 0, 0, -1
     name = b""

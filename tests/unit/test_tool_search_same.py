@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -20,6 +21,7 @@ import pytest
 
 from dispatchd.policy import Limits
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
+from dispatchd.tools import search
 from dispatchd.tools.search import search_files
 from dispatchd.tools.spec import SearchFilesParams
 
@@ -47,6 +49,16 @@ def _content(rng: random.Random) -> bytes:
         body = b"a\nb\n" * rng.randint(1, 3000)
         at = rng.choice([0, len(body) // 2, len(body)])
         return body[:at] + b"\x00" + body[at:]
+    if kind < 0.45:  # many short lines: where matching lines are dense
+        ends = rng.choice([[b"\n"], [b"\r\n"], [b"\n", b"\r\n", b"\r"]])
+        pieces = _PIECES[:7] + _PIECES[13:] if rng.random() < 0.3 else _PIECES[:7] + _PIECES[13:15] + _PIECES[-3:]
+        lines = (b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 6)))
+                 for _ in range(rng.randint(8, 300)))
+        body = b"".join(line + rng.choice(ends) for line in lines)
+        if rng.random() < 0.2:  # one long line somewhere in it
+            at = rng.randint(0, len(body))
+            body = body[:at] + b"a" + rng.choice([b"y", b"\xc3\xa9", b"\xff"]) * rng.randint(300, 1200) + body[at:]
+        return body if rng.random() < 0.8 else body.rstrip(b"\n")
     return b"".join(rng.choice(_PIECES) for _ in range(rng.randint(1, 80)))
 
 
@@ -73,6 +85,9 @@ def _tree(root: Path, rng: random.Random) -> None:
         os.symlink(str(root), root / "loop")
     if rng.random() < 0.05:
         os.mkfifo(root / "fifo.txt")
+    if rng.random() < 0.05:  # unreadable (unless we are root)
+        (root / "locked.txt").write_bytes(b"a\n")
+        (root / "locked.txt").chmod(0)
 
 
 def _params(root: Path, rng: random.Random) -> SearchFilesParams:
@@ -88,7 +103,8 @@ def _params(root: Path, rng: random.Random) -> SearchFilesParams:
     return SearchFilesParams(query=query, path=path, pattern=pattern, is_regex=is_regex)
 
 
-def _run(func, ctx: ToolContext, params: SearchFilesParams) -> tuple[object, ...]:  # type: ignore[no-untyped-def]
+def _run(func: Callable[[ToolContext, SearchFilesParams], Outcome], ctx: ToolContext,
+         params: SearchFilesParams) -> tuple[object, ...]:
     try:
         out: Outcome = func(ctx, params)
     except ToolFailure as exc:
@@ -97,9 +113,13 @@ def _run(func, ctx: ToolContext, params: SearchFilesParams) -> tuple[object, ...
 
 
 @pytest.mark.parametrize("seed", range(CASES // 50 or 1))
-def test_same_output_as_the_old_function(tmp_path: Path, seed: int) -> None:
+def test_same_output_as_the_old_function(tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
     for case in range(50):
+        # Small windows and distances too, so that files of a few lines
+        # cross every boundary of the literal path.
+        monkeypatch.setattr(search, "_NEAR", rng.choice([search._NEAR, 0, 1, 5, 40]))
+        monkeypatch.setattr(search, "_WINDOW", rng.choice([search._WINDOW, 0, 1, 3, 10, 50]))
         root = Path(os.path.realpath(tmp_path)) / f"t{case}"
         root.mkdir()
         _tree(root, rng)
@@ -112,3 +132,25 @@ def test_same_output_as_the_old_function(tmp_path: Path, seed: int) -> None:
             got = _run(search_files, ctx, params)
             assert got == want, (seed, case, params, limits)
         shutil.rmtree(root)
+
+
+_DENSE = {
+    "plain.txt": b"".join(b"hit %d\n" % i if i % 3 else b"miss\n" for i in range(3000)),
+    "crlf.txt": b"".join(b"hit %d\r\n" % i for i in range(300)) + b"hit\r",
+    "long.txt": b"".join((b"hit " + b"\xc3\xa9" * 600 + b"\n") if i % 7 == 0 else b"hit\n" for i in range(300)),
+    "bad.txt": b"".join(b"hit \xff\xe2\x82 %d\r\n" % i for i in range(300)),
+    "sparse.txt": b"".join(b"hit\n" if i in (5, 6, 9000, 9001, 9002) else b"x" * 40 + b"\n" for i in range(20000)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DENSE))
+@pytest.mark.parametrize("limit", [1, 7, 100, 10**6])
+def test_dense_lines_the_same(tmp_path: Path, name: str, limit: int) -> None:
+    """Files where matching lines come close together (the literal path's
+    windows): CR, lines to cut, invalid UTF-8, windows far apart."""
+    root = Path(os.path.realpath(tmp_path))
+    (root / name).write_bytes(_DENSE[name])
+    limits = msgspec.structs.replace(Limits(), search_max_results=limit)
+    ctx = ToolContext(root=str(root), limits=limits, env={})
+    params = SearchFilesParams(query="hit")
+    assert _run(search_files, ctx, params) == _run(search_reference.search_files, ctx, params)
