@@ -116,10 +116,13 @@ def _run(func: Callable[[ToolContext, SearchFilesParams], Outcome], ctx: ToolCon
 def test_same_output_as_the_old_function(tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
     for case in range(50):
-        # Small windows and distances too, so that files of a few lines
-        # cross every boundary of the literal path.
+        # Small windows, distances and samples too, so that files of a few
+        # lines cross every boundary of the literal path.
         monkeypatch.setattr(search, "_NEAR", rng.choice([search._NEAR, 0, 1, 5, 40]))
         monkeypatch.setattr(search, "_WINDOW", rng.choice([search._WINDOW, 0, 1, 3, 10, 50]))
+        monkeypatch.setattr(search, "_SAMPLE", rng.choice([search._SAMPLE, 1, 2, 30, 300]))
+        monkeypatch.setattr(search, "_MISSES", rng.choice([search._MISSES, 0, 1, 2]))
+        monkeypatch.setattr(search, "_RARE", rng.choice([search._RARE, 1, 4]))
         root = Path(os.path.realpath(tmp_path)) / f"t{case}"
         root.mkdir()
         _tree(root, rng)
@@ -154,3 +157,19 @@ def test_dense_lines_the_same(tmp_path: Path, name: str, limit: int) -> None:
     ctx = ToolContext(root=str(root), limits=limits, env={})
     params = SearchFilesParams(query="hit")
     assert _run(search_files, ctx, params) == _run(search_reference.search_files, ctx, params)
+
+
+def test_a_rare_byte_that_turns_out_common(tmp_path: Path) -> None:
+    """The literal's rare byte is learnt from the first 16 KiB ("_" never
+    comes there), then misses so often that the call goes back to the
+    regex: the same lines as the old function, in the file where it turned
+    and after it."""
+    root = Path(os.path.realpath(tmp_path))
+    (root / "a.txt").write_bytes(b"marker make a rake\n" * 1200)
+    (root / "b.txt").write_bytes(b"x_y " * 5000 + b"\n_marker here\n" + b"x_y\n" * 100 + b"a_marker\n")
+    (root / "c.txt").write_bytes(b"_marker\n" * 3 + b"_ _ _\n")
+    ctx = ToolContext(root=str(root), limits=msgspec.structs.replace(Limits(), search_max_results=10**6), env={})
+    params = SearchFilesParams(query="_marker")
+    got = _run(search_files, ctx, params)
+    assert got == _run(search_reference.search_files, ctx, params)
+    assert got[3] == {"count": 5, "truncated": False, "files_searched": 3}
