@@ -10,28 +10,52 @@ Guarantees:
 - Results come in a fixed order (files sorted by path, lines in order) and
   stop at ``search_max_results`` lines, with a last line saying so.
 
-A whole file is searched at once with a compiled bytes regex (about twice
-ripgrep's time, against four to five times for line-by-line matching).
-Being a bytes regex, ``\\w``, ``\\b`` and ``(?i)`` only know ASCII, and ``.``
-matches one byte. A pathological regex can take long; the worker runs this
-tool on a thread of its own (``slow=True``), so other calls are not held up.
+A whole file is searched at once. A regex is a compiled bytes regex: being
+one, ``\\w``, ``\\b`` and ``(?i)`` only know ASCII, and ``.`` matches one
+byte. A literal query (the default) is found by its rarest byte with
+``memchr`` where the tree makes that pay (``_Literal``), and where its lines
+are dense a window of the file is split into lines in C and each line
+tested with ``in``, so a common word costs no Python per match (see README
+"Speed", search_files). A pathological regex can take long; the
+worker runs this tool on a thread of its own (``slow=True``), so other calls
+are not held up.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+import stat
+from collections.abc import Iterable, Iterator
+from itertools import chain, compress, islice, repeat
 
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
-from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve
 from dispatchd.tools.spec import SearchFilesParams
 from dispatchd.tools.textfile import looks_binary, read_regular
-from dispatchd.tools.walk import Entry, in_git_dir, matches, walk
+from dispatchd.tools.walk import in_git_dir, matches, regular_files
+from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve
 
 __all__ = ["search_files"]
 
 _LINE_CHARS = 500
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+# A literal's lines are found one ``find`` at a time (about 1 µs a line
+# reported) until the next match comes within _NEAR bytes of the line just
+# reported; then the next _WINDOW bytes are split into lines and each tested
+# (about 0.1 µs a line, found or not). A file with a few matches is never
+# split, and a window is split only when two matches are near, so a large
+# file with sparse matches costs little more than its finds.
+_NEAR = 512
+_WINDOW = 8192
+# A literal's rarest byte is learnt from this much text, and used if it is
+# rarer than one in _RARE bytes, until its misses pass _MISSES and one in
+# _RARE bytes searched (see _Literal).
+_SAMPLE = 16384
+_RARE = 1024
+_MISSES = 64
+
+# One file's matching lines: their 0-based numbers and their texts, as shown.
+_Lines = tuple[list[int], list[str]]
 
 
 def _compile(query: str, is_regex: bool) -> re.Pattern[bytes]:
@@ -48,69 +72,235 @@ def _compile(query: str, is_regex: bool) -> re.Pattern[bytes]:
 
 
 def _read_text_file(path: str, cap: int) -> bytes | None:
-    """The file's bytes, or None when it is not a regular text file within the cap."""
+    """The file's bytes, or None when it is not a regular text file within
+    the cap: ``read_regular``'s checks, with its common case inlined (one
+    read of the size fstat gave, and one byte more to see the end)."""
     try:
-        _, _, data = read_regular(path, cap)
+        fd = os.open(path, _OPEN_FLAGS)
     except OSError:  # unreadable (or gone since the walk): not searched
         return None
-    if data is None or looks_binary(data):
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
+            return None
+        data = os.read(fd, st.st_size + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) != st.st_size:  # it grew or shrank since fstat, or a short read
+        try:
+            reread = read_regular(path, cap)[2]
+        except OSError:
+            return None
+        if reread is None:
+            return None
+        data = reread
+    if looks_binary(data):
         return None
     return data
 
 
-def _candidates(ctx: ToolContext, top: str, rel_top: str, pattern: str | None) -> Iterable[Entry]:
+def _candidates(ctx: ToolContext, top: str, rel_top: str, pattern: str | None) -> Iterable[tuple[str, str]]:
     if not os.path.isdir(top):
         # One file, named explicitly: the pattern does not filter it out.
-        return [Entry(rel_top, top, is_dir=False, is_file=True)]
+        return [(rel_top, top)]
     # Lazy: the walk stops where the search stops.
-    return (e for e in walk(ctx.root, top, recursive=True) if e.is_file and matches(pattern, e.rel))
+    files = regular_files(ctx.root, top)
+    if not pattern:
+        return files
+    return ((rel, path) for rel, path in files if matches(pattern, rel))
 
 
-def _cut(raw: bytes) -> bytes:
-    """A line longer than ``_LINE_CHARS`` characters, cut to them (rare: only
-    a line of more than that many bytes can be, so this runs only for those)."""
+def _shown(raw: bytes) -> str:
+    """One line's bytes as reported: without its CR, decoded (an invalid
+    sequence becomes U+FFFD), cut to ``_LINE_CHARS`` characters."""
+    if raw.endswith(b"\r"):
+        raw = raw[:-1]
     text = raw.decode("utf-8", "replace")
-    if len(text) <= _LINE_CHARS:
-        return raw
-    return (text[:_LINE_CHARS] + " [...]").encode("utf-8", "surrogateescape")
+    return text if len(text) <= _LINE_CHARS else text[:_LINE_CHARS] + " [...]"
 
 
-def _search_one(regex: re.Pattern[bytes], data: bytes, rel: str, results: list[bytes], limit: int) -> bool:
-    """Append one file's matching lines to ``results`` (as ``name:line: text``
-    bytes, decoded once at the end); True once past ``limit``.
+def _cut(text: str) -> str:
+    return text if len(text) <= _LINE_CHARS else text[:_LINE_CHARS] + " [...]"
+
+
+def _regex_lines(regex: re.Pattern[bytes], data: bytes, room: int) -> _Lines:
+    """The first ``room`` lines on which a match starts.
 
     A further match on a line already reported costs one comparison, and
     newlines are counted once, from one reported line to the next.
     """
     count = data.count
+    nums: list[int] = []
+    texts: list[str] = []
     line, counted, end = 0, 0, -1
-    name = b""
     for m in regex.finditer(data):
         start = m.start()
         if start <= end:  # on the line just reported (``end`` is its newline)
             continue
+        if len(nums) == room:
+            break
         begin = data.rfind(b"\n", 0, start) + 1
         end = data.find(b"\n", start)
         if end == -1:
             end = len(data)
         line += count(b"\n", counted, begin)
         counted = begin
-        if len(results) == limit:  # one match more than we show: say so
-            return True
-        if not name:  # the file's first match
-            name = printable(rel).encode("utf-8", "surrogateescape")
-        raw = data[begin:end]
-        if raw.endswith(b"\r"):
-            raw = raw[:-1]
-        if len(raw) > _LINE_CHARS:
-            raw = _cut(raw)
-        results.append(b"%s:%d: %s" % (name, line, raw))
-    return False
+        nums.append(line)
+        texts.append(_shown(data[begin:end]))
+    return nums, texts
+
+
+class _Literal:
+    """A literal query without a newline: ``needle`` (its bytes), ``word``
+    (its text), and ``find``, which is ``bytes.find`` for it, made faster
+    where the query holds a byte that is rare in the tree: that byte is
+    looked for first, with ``memchr``.
+
+    ``bytes.find`` scans at 1.5 to 4 GB/s here (its skip table is a 64-bit
+    bloom filter, which a query of common letters mostly hits); ``memchr``
+    is several times that, but each candidate it stops at costs about
+    0.3 µs of Python. So the rare byte is used only if it comes less than
+    once in ``_RARE`` bytes of the first ``_SAMPLE`` bytes of text searched
+    (learnt from the tree: a static table of byte frequencies guesses wrong
+    for whole kinds of trees, ``_`` is rare in prose and everywhere in
+    code), and a call goes back to the regex for good once its candidates
+    have missed more than ``_MISSES`` times and once in ``_RARE`` bytes.
+    Without a rare byte, the query's regex finds it, as before.
+    """
+
+    def __init__(self, query: str, regex: re.Pattern[bytes]) -> None:
+        self.word = query
+        self.needle = query.encode("utf-8")
+        self.regex = regex  # the query's regex: how to find without a rare byte
+        self.rare: bytes | None = None  # None while learning; b"": no rare byte
+        self.at = 0  # where ``rare`` is in the needle
+        self._sample = b""
+        self._seen = 0  # bytes of text searched
+        self._misses = 0
+
+    def learn(self, data: bytes) -> None:
+        """Take ``data`` (a text file's bytes) into the sample; once it is
+        large enough, choose how to find."""
+        self._sample += data[:_SAMPLE - len(self._sample)]
+        if len(self._sample) < _SAMPLE:
+            return
+        count, byte = min((self._sample.count(b), b) for b in set(self.needle))
+        if count * _RARE < len(self._sample):
+            self.rare, self.at = bytes((byte,)), self.needle.index(byte)
+        else:
+            self.rare = b""
+        self._sample = b""
+
+    def find(self, data: bytes, pos: int) -> int:
+        """``data.find(self.needle, pos)``."""
+        if not self.rare:
+            # The regex engine's scan for a literal beats bytes.find's on
+            # common letters (its bloom filter then skips little).
+            m = self.regex.search(data, pos)
+            return -1 if m is None else m.start()
+        find, needle, at = data.find, self.needle, self.at
+        if not pos:
+            self._seen += len(data)
+        candidate = find(self.rare, pos + at)
+        while candidate >= 0:
+            start = candidate - at
+            if data.startswith(needle, start):
+                return start
+            self._misses += 1
+            if self._misses > _MISSES + self._seen // _RARE:
+                # More common than learnt: the regex from here on. Every
+                # occurrence from ``pos`` has the rare byte at ``at``, and
+                # every one before ``candidate`` was tried.
+                self.rare = b""
+                return self.find(data, start)
+            candidate = find(self.rare, candidate + 1)
+        return -1
+
+
+def _literal_lines(literal: _Literal, data: bytes, start: int, room: int) -> _Lines:
+    """The first ``room`` lines holding the literal, the first of them at
+    ``start``: the lines a regex of the literal reports.
+
+    A line is found with ``find``; where the next match is near, the next
+    ``_WINDOW`` bytes are split into lines instead (``_window_lines``).
+    """
+    count, find = data.count, data.find
+    nums: list[int] = []
+    texts: list[str] = []
+    line, counted = 0, 0  # ``line`` newlines in data[:counted]
+    while start >= 0 and len(nums) < room:
+        begin = data.rfind(b"\n", 0, start) + 1
+        end = find(b"\n", start)
+        if end == -1:
+            end = len(data)
+        line += count(b"\n", counted, begin)
+        counted = begin
+        nums.append(line)
+        texts.append(_shown(data[begin:end]))
+        start = literal.find(data, end + 1)
+        if start < 0 or start - end > _NEAR or len(nums) == room:
+            continue
+        # Dense: the lines from the next one to the end of the window.
+        stop = find(b"\n", end + 1 + _WINDOW)
+        if stop == -1:
+            stop = len(data)
+        lines = _window_lines(literal.word, data[end + 1:stop], line + 1, room - len(nums), nums, texts)
+        line += 2 + lines  # the line that starts at ``stop + 1``
+        counted = stop + 1
+        start = literal.find(data, counted)
+    return nums, texts
+
+
+def _window_lines(word: str, window: bytes, line: int, room: int, nums: list[int], texts: list[str]) -> int:
+    """Append to ``nums`` and ``texts`` the first ``room`` lines of ``window``
+    (whole lines, the first numbered ``line``) holding ``word``; return how
+    many newlines the window holds. All at C speed: the window decoded,
+    split into lines, each line tested with ``in``, the hits picked with
+    ``compress``.
+
+    The test on characters is the test on bytes: a valid needle starts and
+    ends on character boundaries, and an invalid byte (decoded to a lone
+    surrogate) is none of its characters.
+    """
+    try:
+        text = window.decode("utf-8")
+        valid = True
+    except UnicodeDecodeError:
+        text = window.decode("utf-8", "surrogateescape")
+        valid = False
+    lines = text.split("\n")
+    hits = [word in one for one in lines]
+    found = list(islice(compress(lines, hits), room))
+    if not valid:  # shown as the whole-file decode shows it: U+FFFD for each bad sequence
+        found = [t.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for t in found]
+    if "\r" in text:
+        found = [t[:-1] if t.endswith("\r") else t for t in found]
+    if len(text) > _LINE_CHARS and max(map(len, found), default=0) > _LINE_CHARS:
+        found = list(map(_cut, found))
+    nums += islice(compress(range(line, line + len(lines)), hits), room)
+    texts += found
+    return len(lines) - 1
+
+
+def _labels(labels: list[str], nums: list[int]) -> Iterator[str]:
+    """``":N: "`` for each N of ``nums`` (ascending), from ``labels`` where
+    that is cheap (a dense file's numbers are made once, not for each
+    match; a sparse file's far numbers are made one by one)."""
+    if nums[-1] >= len(labels):
+        if nums[-1] > len(labels) + 4 * len(nums) + 64:
+            return map(":%d: ".__mod__, nums)
+        labels += map(":%d: ".__mod__, range(len(labels), nums[-1] + 1))
+    return map(labels.__getitem__, nums)
 
 
 def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
     """Lines matching ``query`` under ``path`` (a directory or one file)."""
     regex = _compile(params.query, params.is_regex)
+    # A literal without a newline is found by the literal path; a regex, or
+    # a literal that spans lines, by the regex.
+    literal = None if params.is_regex or "\n" in params.query else _Literal(params.query, regex)
     pattern = params.pattern
     top = resolve(ctx.root, params.path)
     rel_top = relative(ctx.root, top)
@@ -120,26 +310,47 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
         raise ToolFailure(f"not found: {rel_top}")
     limit = ctx.limits.search_max_results
     cap = ctx.limits.file_size_cap_bytes
-    results: list[bytes] = []
+    parts: list[str] = []  # the output, in pieces: name, label, text, newline, ...
+    labels: list[str] = []  # ":N: " for N < len(labels), made once a call
+    count = 0
     truncated = False
     searched = 0
     try:
-        for entry in _candidates(ctx, top, rel_top, pattern):
-            data = _read_text_file(entry.path, cap)  # catches its own errors
+        for rel, path in _candidates(ctx, top, rel_top, pattern):
+            data = _read_text_file(path, cap)  # catches its own errors
             if data is None:
                 continue
             searched += 1
-            truncated = _search_one(regex, data, entry.rel, results, limit)
+            # One line more than fits tells that the results were cut.
+            if literal is None:
+                nums, texts = _regex_lines(regex, data, limit - count + 1)
+            else:
+                if literal.rare is None:
+                    literal.learn(data)
+                first = literal.find(data, 0)
+                if first < 0:
+                    continue
+                nums, texts = _literal_lines(literal, data, first, limit - count + 1)
+            if not nums:
+                continue
+            if count + len(nums) > limit:
+                del nums[limit - count:], texts[limit - count:]
+                truncated = True
+            if len(nums) == 1:  # the common case of a sparse search, without the iterators
+                count += 1
+                parts += (printable(rel), ":%d: " % nums[0], texts[0], "\n")
+            elif nums:
+                count += len(nums)
+                parts += chain.from_iterable(zip(repeat(printable(rel)), _labels(labels, nums), texts, repeat("\n")))
             if truncated:
                 break
     except OSError as exc:  # reading ``top`` itself; deeper errors are skipped
         raise describe_os_error(exc, "search", rel_top) from exc
-    meta = {"count": len(results), "truncated": truncated, "files_searched": searched}
-    if not results:
+    meta = {"count": count, "truncated": truncated, "files_searched": searched}
+    if not count:
         return Outcome.ok("no matches", meta)
-    # Decoded once: a byte sequence that is not UTF-8 becomes U+FFFD, as it
-    # would line by line (a newline ends any sequence).
-    output = b"\n".join(results).decode("utf-8", "replace")
+    parts.pop()  # the last newline
+    output = "".join(parts)
     if truncated:
         output += f"\n... (stopped at {limit} matches)"
     return Outcome.ok(output, meta)

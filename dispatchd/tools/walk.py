@@ -21,7 +21,7 @@ import fnmatch
 import os
 from collections.abc import Iterator
 
-__all__ = ["GIT_DIR", "Entry", "in_git_dir", "matches", "walk"]
+__all__ = ["GIT_DIR", "Entry", "in_git_dir", "matches", "regular_files", "walk"]
 
 GIT_DIR = ".git"
 
@@ -86,3 +86,41 @@ def walk(root: str, top: str, *, recursive: bool) -> Iterator[Entry]:
                 stack.append(iter(_sorted_entries(entry.path, entry.rel)))
             except OSError:
                 continue
+
+
+def _sorted_files(directory: str, rel: str) -> list[tuple[str, str, str, bool]]:
+    """``(sort key, rel, path, is_file)`` for the regular files and the
+    directories (but ``.git``) in ``directory``, sorted as ``_sorted_entries``
+    sorts them (names are unique, so the whole tuples sort by their keys)."""
+    prefix = "" if rel == "." else rel + "/"
+    out = []
+    with os.scandir(directory) as it:
+        for de in it:
+            name = de.name
+            if de.is_dir(follow_symlinks=False):
+                if name != GIT_DIR:
+                    out.append((name + "/", prefix + name, de.path, False))
+            elif de.is_file(follow_symlinks=False):
+                out.append((name, prefix + name, de.path, True))
+    out.sort()
+    return out
+
+
+def regular_files(root: str, top: str) -> Iterator[tuple[str, str]]:
+    """``(rel, path)`` of the regular files under ``top``, as ``walk(root,
+    top, recursive=True)`` gives them (the same order, ``.git`` rule and
+    errors) but without an ``Entry`` for every entry: what search_files
+    reads, for about half the cost of the general walk."""
+    stack = [iter(_sorted_files(top, os.path.relpath(top, root)))]
+    while stack:
+        for _, rel, path, is_file in stack[-1]:
+            if is_file:
+                yield rel, path
+                continue
+            try:
+                stack.append(iter(_sorted_files(path, rel)))
+            except OSError:  # a subdirectory we may not read: skipped
+                continue
+            break  # go down into it; this directory's iterator resumes after
+        else:
+            stack.pop()

@@ -226,3 +226,20 @@ def test_symlinked_directory_outside_is_refused(ctx: ToolContext) -> None:
     os.symlink("/etc", os.path.join(ctx.root, "etc"))
     r = search(ctx, query="root", path="etc")
     assert not r.success and "symlink" in r.error
+
+
+def test_a_short_read_reads_the_file_again(ctx: ToolContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    # search_files reads a file in one read of the size fstat gave; less
+    # than that (a network file system, or a file cut meanwhile) sends it
+    # to read_regular, which reads on to the end.
+    put(ctx, "short.txt", "a\n" * 5000 + "needle\n")
+    real_read = os.read
+    calls: list[int] = []
+
+    def short_read(fd: int, n: int) -> bytes:
+        calls.append(n)
+        return real_read(fd, min(n, 100) if len(calls) == 1 else n)
+
+    monkeypatch.setattr(os, "read", short_read)
+    assert search(ctx, query="needle", path="short.txt").output == "short.txt:5000: needle"
+    assert len(calls) > 1
