@@ -118,14 +118,23 @@ def _occurrences(text: str, sub: str) -> int:
     return count
 
 
-# "0: ", "1: ", ... made once: numbering is most of read_file's own work.
-_PREFIXES = [f"{n}: " for n in range(4096)]
+# "\n0: ", "\n1: ", ... made once: numbering is most of read_file's own work.
+_PREFIXES = [f"\n{n}: " for n in range(4096)]
 
 
-def _line_prefixes(start: int, stop: int) -> list[str]:
-    if stop <= len(_PREFIXES):
-        return _PREFIXES[start:stop]
-    return [f"{n}: " for n in range(start, stop)]
+def _numbered(lines: list[str], start: int, stop: int) -> str:
+    """``lines[start:stop]``, each prefixed with its number and ": ", joined
+    with "\n". Built as one list of prefixes and lines interleaved by two
+    slice assignments and joined once: a concatenation per line (a new string
+    each) cost twice as much (11.7 against 5.3 µs for 63 lines)."""
+    if stop <= start:
+        return ""
+    prefixes = _PREFIXES[start:stop] if stop <= len(_PREFIXES) else [f"\n{n}: " for n in range(start, stop)]
+    parts = [""] * (2 * (stop - start))
+    parts[0::2] = prefixes
+    parts[1::2] = lines[start:stop]
+    parts[0] = prefixes[0][1:]  # the first line has no newline before it
+    return "".join(parts)
 
 
 # -- the tools -----------------------------------------------------------------
@@ -151,7 +160,7 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
         span = "it is empty" if total == 0 else f"its lines are 0 to {total - 1}"
         raise ToolFailure(f"start_line {start_line} is past the end of {rel}: it has {total} lines ({span})")
     last = total - 1 if end_line == -1 else min(end_line, total - 1)
-    output = "\n".join(map(str.__add__, _line_prefixes(start_line, last + 1), lines[start_line:last + 1]))
+    output = _numbered(lines, start_line, last + 1)
     return Outcome.ok(output, {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})
 
 

@@ -57,20 +57,43 @@ MAX_CHANNELS = 256  # client channels of one session at once, at most (see max_c
 
 
 class _Activity:
+    """What the tool server is doing, under one lock: the calls in flight (a
+    count, and the calls a stop would cut, by channel and request id), when
+    the last one ended, and the finished calls not yet reported to the
+    daemon. A call takes the lock three times (``begin``, ``track``, ``end``);
+    it took it five times."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.in_flight = 0
         self.last = time.monotonic()
+        self.calls: dict[tuple[int, int], tuple[_Channel, str]] = {}  # (channel, request id): what the stop cuts
+        # (tool, seconds, success) of each finished call: made CallRecords when
+        # sent (flush_records), off the calls' path.
+        self.records: list[tuple[str, float, bool]] = []
 
     def begin(self) -> None:
+        # ``last`` is not read while a call is in flight (``idle_for``): the
+        # call's end sets it.
         with self.lock:
             self.in_flight += 1
-            self.last = time.monotonic()
 
-    def end(self) -> None:
+    def track(self, key: tuple[int, int], what: tuple[_Channel, str]) -> None:
+        with self.lock:
+            self.calls[key] = what
+
+    def end(self, key: tuple[int, int] | None = None, record: tuple[str, float, bool] | None = None) -> bool:
+        """The call is over; True when ``record`` is the first of a batch."""
+        now = time.monotonic()
         with self.lock:
             self.in_flight -= 1
-            self.last = time.monotonic()
+            self.last = now
+            if key is not None:
+                self.calls.pop(key, None)
+            if record is None:
+                return False
+            self.records.append(record)
+            return len(self.records) == 1
 
     def busy(self) -> bool:
         with self.lock:
@@ -217,8 +240,6 @@ class _Server:
         self.write_lock.on_granted = lambda: threading.Thread(
             target=sweep_temp_files, args=(plan.paths.worktree, atomic.in_flight), daemon=True, name="sweep").start()
         self.draining = False
-        self.records: list[protocol.CallRecord] = []
-        self.records_lock = threading.Lock()
         # The first record of a batch wakes the control loop, which sends the
         # batch RECORD_INTERVAL_S later (housekeeping).
         self.records_wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
@@ -227,7 +248,6 @@ class _Server:
         self.next_check = time.monotonic() + self.every
         self.channels = 0
         self.max_channels = max_channels(plan.limits.max_processes, plan.limits.max_open_files)
-        self.in_flight: dict[tuple[int, int], tuple[_Channel, str]] = {}  # (channel, request id): what the stop cuts
 
     def add_channel(self, sock: socket.socket) -> None:
         channel = _Channel(sock, self)
@@ -317,12 +337,11 @@ class _Server:
 
     def _call(self, channel: _Channel, req: protocol.CallTool, tool: object,
               control: CallControl | None = None) -> None:
-        started = time.perf_counter()
+        started = time.monotonic()
         success = False
         ctx = self.ctx if control is None else dataclasses.replace(self.ctx, call=control)
         key = (id(channel), req.id)
-        with self.activity.lock:
-            self.in_flight[key] = (channel, req.tool)
+        self.activity.track(key, (channel, req.tool))
         try:
             out: Outcome = run_tool(tool, ctx, req.params)  # type: ignore[arg-type]
             success = out.success
@@ -333,14 +352,7 @@ class _Server:
                 with channel.calls_lock:
                     channel.calls.pop(req.id, None)
                 control.close()
-            with self.activity.lock:
-                self.in_flight.pop(key, None)
-            self.activity.end()
-            with self.records_lock:
-                self.records.append(protocol.CallRecord(req.tool, round((time.perf_counter() - started) * 1e3, 3),
-                                                        success))
-                first = len(self.records) == 1
-            if first:
+            if self.activity.end(key, (req.tool, time.monotonic() - started, success)):
                 try:
                     os.eventfd_write(self.records_wake, 1)
                 except BlockingIOError:
@@ -354,12 +366,14 @@ class _Server:
 
     def flush_records(self) -> None:
         """Send the daemon what finished since the last time (for its log)."""
-        with self.records_lock:
-            records, self.records = self.records, []
+        activity = self.activity
+        with activity.lock:
+            records, activity.records = activity.records, []
         if not records:
             return
         try:
-            self.control.send(protocol.ToolCallsDone(calls=records))
+            self.control.send(protocol.ToolCallsDone(
+                calls=[protocol.CallRecord(tool, round(seconds * 1e3, 3), ok) for tool, seconds, ok in records]))
         except OSError:
             pass  # the daemon is gone; the session is ending anyway
 
@@ -401,7 +415,7 @@ class _Server:
         while self.activity.busy() and time.monotonic() < deadline:
             time.sleep(0.02)
         with self.activity.lock:
-            cut = list(self.in_flight.items())
+            cut = list(self.activity.calls.items())
         for (_, rid), (channel, tool) in cut:
             channel.reply(protocol.ToolReply(id=rid, success=False, metadata={"cut_by_stop": True}, error=(
                 f"{tool}: cut: dispatchd was stopped and its stop deadline ({deadline_s:g} s) passed "
