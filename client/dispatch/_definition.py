@@ -211,7 +211,10 @@ class Definition:
         try:
             args = {} if params is None else plain(params)
             # A strict-mode model sends null for an optional argument it leaves out.
-            args = _schemas.drop_null_optionals(self._parameters, args)
+            # Only a null, or an object it may hold one in, can be dropped:
+            # without either (most calls) there is nothing to walk or copy.
+            if type(args) is not dict or None in args.values() or dict in map(type, args.values()):
+                args = _schemas.drop_null_optionals(self._parameters, args)
             valid, messages = self._check(args)
         except Exception as exc:  # e.g. RecursionError copying absurdly deep params
             return None, Result.failure(str(ExecutionError.wrapping(self._name, exc)))

@@ -18,6 +18,13 @@ def plain(value: Any) -> Any:
     Other values are shared, not copied: JSON scalars are immutable anyway, and
     an opaque object (a handle in metadata, say) cannot always be copied.
     """
+    kind = type(value)
+    # The usual values first, by exact type: the isinstance test against the
+    # Mapping ABC is the slow one (plain runs on every call's arguments).
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return value
+    if kind is dict:
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, Mapping):
         return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -150,7 +150,7 @@ class _Connection:
             frame = protocol.encode(build(rid))
         except (protocol.FrameTooLarge, TypeError, ValueError, UnicodeError, OverflowError) as exc:
             raise NotSent(str(exc)) from exc
-        with self._cond:
+        with self._lock:  # _cond's lock, without the Condition's Python-level __enter__
             if self._broken is not None:
                 raise ConnectionLost(str(self._broken))
             self._replies[rid] = _PENDING
@@ -192,7 +192,7 @@ class _Connection:
               timeout: float | None) -> tuple[Any, int | None]:
         while True:
             chunks: list[tuple[str, str]] = []
-            with self._cond:
+            with self._lock:
                 mine: threading.Condition | None = None
                 try:
                     while True:
@@ -253,13 +253,21 @@ class _Connection:
     def _send(self, frame: bytes, deadline: float | None) -> None:
         """The whole frame, or ``RequestTimeout`` at the deadline (a frame cut
         in the middle leaves the stream unusable: the connection is failed)."""
-        if not self._send_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+        lock = self._send_lock
+        # Free, the usual case: taken without reading the clock.
+        if not lock.acquire(False) and not lock.acquire(
+                timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
             raise RequestTimeout("could not send within the wait (another request is stuck sending)")
         try:
-            view = memoryview(frame)
+            sock = self._frames.sock
+            try:
+                sent = sock.send(frame)  # a request is small: one send takes it whole
+            except (BlockingIOError, TimeoutError):
+                sent = 0
+            view = memoryview(frame)[sent:] if sent < len(frame) else None
             while view:
                 try:
-                    view = view[self._frames.sock.send(view):]
+                    view = view[sock.send(view):]
                 except (BlockingIOError, TimeoutError):  # nothing was sent in this tick
                     if deadline is not None and time.monotonic() >= deadline:
                         if len(view) < len(frame):
@@ -295,7 +303,7 @@ class _Connection:
                             self._wake(reply.id)
                     continue
                 fd = self._frames.take_fd() if isinstance(reply, protocol.Attached) else None
-                with self._cond:
+                with self._lock:
                     if reply.id in self._replies:
                         self._replies[reply.id] = (reply, fd)
                     elif isinstance(reply, protocol.ErrorReply) and reply.id == 0:
@@ -476,23 +484,23 @@ class Session:
         assert channel is not None
         own, wait = self._call_wait(params)
         sent: list[int] = []
-
-        def on_sent(rid: int) -> None:
-            sent.append(rid)
-            with self._in_flight_lock:
-                self._in_flight[rid] = channel
-            if cancellation is not None:
-                cancellation._bind(lambda: channel.send(protocol.CancelCall(id=rid)))
-
         # The tools the worker runs on a thread of their own ("slow" in their
         # schema), which a cancel can end: only their calls are tracked for
         # Session.cancel (the others take microseconds).
         schema = self._schemas.get(name)
-        track = (schema is not None and schema.slow) or cancellation is not None
+        on_sent: Callable[[int], None] | None = None
+        if (schema is not None and schema.slow) or cancellation is not None:
+            def on_sent(rid: int) -> None:
+                sent.append(rid)
+                with self._in_flight_lock:
+                    self._in_flight[rid] = channel
+                if cancellation is not None:
+                    cancellation._bind(lambda: channel.send(protocol.CancelCall(id=rid)))
+
         try:
             reply, _ = channel.request(
                 lambda rid: protocol.CallTool(id=rid, tool=name, params=params, stream=on_output is not None),
-                timeout=wait, on_output=on_output, sent=on_sent if track else None)
+                timeout=wait, on_output=on_output, sent=on_sent)
         except RequestTimeout:
             return Result.failure(
                 f"{name}: no reply from the sandbox of session {self.id} within {wait:g} s (the call's own limit of "

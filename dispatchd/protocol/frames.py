@@ -151,6 +151,21 @@ class FrameSocket:
 
     def recv_payload(self) -> bytes | None:
         """The next payload, or None on a clean end of stream between frames."""
+        if not self._buf and not self._fds:
+            # The usual case, a request or its reply: nothing buffered, and
+            # one recv brings exactly one whole frame. Its payload is one
+            # slice of what came, without the buffer's appends, copies and
+            # deletion (the general loop below does the rest, the checks the same).
+            data = self.sock.recv(1 << 16)
+            if not data:
+                return None
+            if len(data) > 4:
+                (length,) = _HEADER.unpack_from(data)
+                if length > self.max_frame:
+                    raise FrameTooLarge(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit")
+                if len(data) == 4 + length:
+                    return data[4:]
+            self._buf += data
         while len(self._buf) < 4:
             if not self._fill():
                 if self._buf:

@@ -44,11 +44,10 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
     if os.path.isabs(path):
         raise ToolFailure(f"absolute paths are not allowed: {path!r} (give a path relative to the worktree root)")
     parts = [p for p in path.split("/") if p and p != "."]
-    joined = os.path.join(ctx_root, path)
     # The lexical test only gives the clearer message for plain "../" walks
     # (without a ".." nothing can climb lexically); the realpath test below is
     # the one that decides.
-    if ".." in parts and not is_within(os.path.normpath(joined), ctx_root):
+    if ".." in parts and not is_within(os.path.normpath(os.path.join(ctx_root, path)), ctx_root):
         raise ToolFailure(f"path escapes the worktree: {path!r}")
     real = _plain_path(ctx_root, parts)
     if real is not None:
@@ -58,7 +57,7 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
         return real
     # realpath on the raw join (not the normalised one): "link/.." must climb
     # from the link's target, as the kernel would, not cancel out lexically.
-    real = os.path.realpath(joined)
+    real = os.path.realpath(os.path.join(ctx_root, path))
     if not is_within(real, ctx_root):
         raise ToolFailure(f"path escapes the worktree: {path!r} (through a symlink that points outside it)")
     # realpath leaves a symlink loop unresolved; writing there would replace
