@@ -473,14 +473,16 @@ class Session:
         ``cancellation`` can end the call from another thread. An exception
         in this thread while waiting (``KeyboardInterrupt``) cancels the call
         in the sandbox, then goes on."""
-        with self._lock:
-            channel = self._channel
-            if channel is None or channel.broken:
-                try:
-                    self._attach()  # the sandbox was replaced (network switch)
-                except DispatchError as exc:
-                    return Result.failure(f"session {self.id} is not available: {exc}")
+        channel = self._channel  # one read (atomic); the lock only when it has to change
+        if channel is None or channel._broken is not None:
+            with self._lock:
                 channel = self._channel
+                if channel is None or channel.broken:
+                    try:
+                        self._attach()  # the sandbox was replaced (network switch)
+                    except DispatchError as exc:
+                        return Result.failure(f"session {self.id} is not available: {exc}")
+                    channel = self._channel
         assert channel is not None
         own, wait = self._call_wait(params)
         sent: list[int] = []
