@@ -37,9 +37,13 @@ def _read_up_to(fd: int, limit: int, expected: int) -> bytes:
     it asked for has met the end of the file, so the common case is one read;
     a short read before that (a network file system may give one) reads on
     until the end, as edit_file writes back what was read."""
-    chunks = []
-    remaining = limit
     want = min(expected + 1, limit)
+    first = os.read(fd, want)
+    if len(first) < want and (len(first) >= expected or not first):
+        return first  # the usual case: the whole file (or its end, or nothing) in one read
+    chunks = [first]
+    remaining = limit - len(first)
+    want = 1 << 16
     while remaining > 0:
         ask = min(remaining, want)
         chunk = os.read(fd, ask)
