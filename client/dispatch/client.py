@@ -402,6 +402,7 @@ class Session:
         self._client = client
         self._info = info
         self._owned = owned
+        self._own_limit: tuple[object, float] = (None, 0.0)  # (limits, the command timeout it gives): _call_wait
         self._lock = threading.Lock()
         self._channel: _Connection | None = None
         self._tools: list[protocol.ToolSchema] = []
@@ -576,7 +577,12 @@ class Session:
         command's ``timeout`` (capped by the policy), else the policy's command
         timeout; plus any ``wait`` it asks for; plus the client's margin."""
         limits = self._info.limits
-        own = _seconds(limits.get("command_timeout_s")) or 120.0
+        cached = self._own_limit
+        if cached[0] is limits:  # the policy's limit, read once per session info
+            own = cached[1]
+        else:
+            own = _seconds(limits.get("command_timeout_s")) or 120.0
+            self._own_limit = (limits, own)
         asked, wait = params.get("timeout"), params.get("wait")  # usually neither: the fast path
         if asked is not None and (asked := _seconds(asked)) is not None:
             own = min(asked, _seconds(limits.get("max_command_timeout_s")) or asked)
