@@ -100,9 +100,73 @@ def _stripped(schema: Any) -> Any:
     return out
 
 
+# The scalar property types of a flat schema, by exact type: a bool is no
+# integer, and 2.0 (an integer to jsonschema) or a str subclass is left to it.
+_FLAT_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
+                                            "boolean": (bool,)}
+_FLAT_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties"}
+
+
+def _flat(schema: dict[str, Any]) -> Check | None:
+    """A check written out for the usual tool schema (every tool but
+    edit_file): an object with no property but those listed, each a single
+    scalar type with bounds, lengths or a string enum; None for any other
+    schema. It walks the arguments once, where fastjsonschema's generated code
+    builds two sets a call. Stricter than jsonschema where they could differ
+    (exact types), never more lenient: each test below is the negation of
+    jsonschema's error condition for that keyword."""
+    if (schema.keys() - _FLAT_OBJECT_KEYS or schema.get("type") != "object"
+            or schema.get("additionalProperties") is not False):
+        return None
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    if not isinstance(properties, dict) or not isinstance(required, list) \
+            or not all(isinstance(r, str) for r in required):
+        return None
+    rules: dict[str, tuple[tuple[type, ...], list[Callable[[Any], bool]]]] = {}
+    for name, prop in properties.items():
+        if not isinstance(prop, dict) or not isinstance(prop.get("type"), str) or prop["type"] not in _FLAT_TYPES:
+            return None
+        kind, tests = prop["type"], []
+        for key, bound in prop.items():
+            if key == "type":
+                continue
+            if key in _BOUNDS and kind in ("integer", "number"):  # _supported: an int or float, not a bool
+                tests.append({"minimum": lambda v, b=bound: v >= b, "maximum": lambda v, b=bound: v <= b,
+                              "exclusiveMinimum": lambda v, b=bound: v > b,
+                              "exclusiveMaximum": lambda v, b=bound: v < b}[key])
+            elif key in ("minLength", "maxLength") and kind == "string" and type(bound) is int:
+                tests.append((lambda v, b=bound: len(v) >= b) if key == "minLength" else (lambda v, b=bound: len(v) <= b))
+            elif key == "enum" and kind == "string":  # _supported: a list of strings
+                tests.append(lambda v, allowed=frozenset(bound): v in allowed)
+            else:
+                return None
+        rules[name] = (_FLAT_TYPES[kind], tests)
+    needed = tuple(required)
+
+    def check(params: Any) -> bool:
+        if type(params) is not dict:
+            return False
+        for name in needed:
+            if name not in params:
+                return False
+        for name, value in params.items():
+            rule = rules.get(name)  # a name not listed (a non-str key too): additionalProperties is false
+            if rule is None or type(value) not in rule[0]:
+                return False
+            for test in rule[1]:
+                if not test(value):
+                    return False
+        return True
+
+    return check
+
+
 def _compile(schema: dict[str, Any]) -> Check | None:
     if not _supported(schema):
         return None
+    flat = _flat(_stripped(schema))
+    if flat is not None:
+        return flat
     try:
         # No $ref can be left in the stripped copy (the keyword is not
         # supported, enum and const hold strings only), so building its
