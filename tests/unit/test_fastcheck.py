@@ -76,6 +76,16 @@ def test_every_tool_schema_agrees_with_jsonschema(name: str) -> None:
     {"type": "object", "properties": {"b": {"type": "boolean"}}, "additionalProperties": {"type": "integer"}},
     {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "maxItems": 1}}},
     {"type": "object", "properties": {"a": True, "b": False}},
+    # flat (the hand-written check, dispatch._fastcheck._flat): no other property allowed
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 5}},
+     "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 2}},
+     "required": ["n"], "additionalProperties": False},
+    {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 3}},
+     "additionalProperties": False},
+    {"type": "object", "properties": {"s": {"type": "string", "enum": ["x", "src/main.py"]},
+                                      "b": {"type": "boolean"}}, "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "number", "minimum": 0.5}}, "additionalProperties": False},
 ])
 def test_supported_keywords_agree_with_jsonschema(schema: dict[str, Any]) -> None:
     _agrees(schema)
@@ -144,3 +154,15 @@ def test_annotations_are_neither_fetched_nor_rewritten() -> None:
 def test_a_schema_key_that_is_not_a_string_is_refused() -> None:
     with pytest.raises(ValidationError, match="t: parameters must be JSON: the key 1 is not a string"):
         Definition("t", "d", {"type": "object", "properties": {1: {"type": "integer"}}}, lambda a, c: Result.success("x"))
+
+
+def test_the_usual_tool_schema_gets_the_flat_check() -> None:
+    from dispatch._fastcheck import _flat, _stripped
+
+    flat = [name for name, spec in SPECS.items() if _flat(_stripped(spec.parameters)) is not None]
+    assert "read_file" in flat and "shell_exec" in flat
+    assert "edit_file" not in flat  # an array of objects: fastjsonschema's
+    check = fast_check_for(SPECS["read_file"].parameters)
+    assert check is not None
+    assert check({"path": "a", "start_line": 0}) and not check({"path": "a", "start_line": True})
+    assert not check({"path": "a", 1: "b"}) and not check({"start_line": 0}) and not check(["path"])
