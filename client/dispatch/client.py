@@ -262,8 +262,10 @@ class _Connection:
             sock = self._frames.sock
             try:
                 sent = sock.send(frame)  # a request is small: one send takes it whole
-            except (BlockingIOError, TimeoutError):
+            except (BlockingIOError, TimeoutError):  # nothing was sent in this tick
                 sent = 0
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RequestTimeout("the peer takes nothing (stopped?)") from None
             view = memoryview(frame)[sent:] if sent < len(frame) else None
             while view:
                 try:
