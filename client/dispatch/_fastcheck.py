@@ -126,20 +126,15 @@ def _flat(schema: dict[str, Any]) -> Check | None:
     for name, prop in properties.items():
         if not isinstance(prop, dict) or not isinstance(prop.get("type"), str) or prop["type"] not in _FLAT_TYPES:
             return None
-        kind, tests = prop["type"], []
+        kind = prop["type"]
+        tests = []
         for key, bound in prop.items():
             if key == "type":
                 continue
-            if key in _BOUNDS and kind in ("integer", "number"):  # _supported: an int or float, not a bool
-                tests.append({"minimum": lambda v, b=bound: v >= b, "maximum": lambda v, b=bound: v <= b,
-                              "exclusiveMinimum": lambda v, b=bound: v > b,
-                              "exclusiveMaximum": lambda v, b=bound: v < b}[key])
-            elif key in ("minLength", "maxLength") and kind == "string" and type(bound) is int:
-                tests.append((lambda v, b=bound: len(v) >= b) if key == "minLength" else (lambda v, b=bound: len(v) <= b))
-            elif key == "enum" and kind == "string":  # _supported: a list of strings
-                tests.append(lambda v, allowed=frozenset(bound): v in allowed)
-            else:
+            test = _value_test(kind, key, bound)
+            if test is None:
                 return None
+            tests.append(test)
         rules[name] = (_FLAT_TYPES[kind], tests)
     needed = tuple(required)
 
@@ -159,6 +154,28 @@ def _flat(schema: dict[str, Any]) -> Check | None:
         return True
 
     return check
+
+
+def _value_test(kind: str, key: str, bound: Any) -> Callable[[Any], bool] | None:
+    """The test of one keyword of a flat property, for a value of its type
+    (each the negation of jsonschema's error condition); None where the
+    flat check does not write it out."""
+    if key in _BOUNDS and kind in ("integer", "number"):  # _supported: an int or float, not a bool
+        if key == "minimum":
+            return lambda v: v >= bound
+        if key == "maximum":
+            return lambda v: v <= bound
+        if key == "exclusiveMinimum":
+            return lambda v: v > bound
+        return lambda v: v < bound  # exclusiveMaximum
+    if key in ("minLength", "maxLength") and kind == "string" and type(bound) is int:
+        if key == "minLength":
+            return lambda v: len(v) >= bound
+        return lambda v: len(v) <= bound
+    if key == "enum" and kind == "string":  # _supported: a list of strings
+        allowed = frozenset(bound)
+        return lambda v: v in allowed
+    return None
 
 
 def _compile(schema: dict[str, Any]) -> Check | None:
