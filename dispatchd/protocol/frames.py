@@ -96,6 +96,9 @@ def request_id_of(payload: bytes) -> int:
     return rid if -(2**63) <= rid < 2**64 else 0
 
 
+_LARGE = 1 << 18  # past this much still to read, a frame is read by _recv_large
+
+
 class FrameSocket:
     """Frames over a connected stream socket, with optional fd passing.
 
@@ -174,12 +177,33 @@ class FrameSocket:
         (length,) = _HEADER.unpack_from(self._buf)
         if length > self.max_frame:
             raise FrameTooLarge(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit")
+        if not self._fds and 4 + length - len(self._buf) > _LARGE:
+            return self._recv_large(length)
         while len(self._buf) < 4 + length:
             if not self._fill():
                 raise ProtocolError("connection closed inside a frame")
         payload = bytes(self._buf[4 : 4 + length])
         del self._buf[: 4 + length]
         return payload
+
+    def _recv_large(self, length: int) -> bytes:
+        """The rest of a frame far larger than one read (a search's every
+        match, a big file): read into one buffer of its size, each read as
+        large as the socket has, instead of 64 KiB at a time appended."""
+        payload = bytearray(length)
+        have = len(self._buf) - 4  # all of it belongs to this frame (checked by the caller)
+        payload[:have] = self._buf[4:]
+        self._buf = bytearray()
+        view = memoryview(payload)
+        try:
+            while have < length:
+                n = self.sock.recv_into(view[have:], length - have)
+                if n == 0:
+                    raise ProtocolError("connection closed inside a frame")
+                have += n
+        finally:
+            view.release()
+        return bytes(payload)
 
     def recv(self, decoder: msgspec.msgpack.Decoder[T]) -> T | None:
         payload = self.recv_payload()

@@ -398,6 +398,45 @@ def test_a_frame_split_across_sends_over_time(pair: tuple[socket.socket, socket.
         sender.join()
 
 
+def test_a_large_frame_then_a_small_one_in_the_same_stream(pair: tuple[socket.socket, socket.socket]):
+    """A 3 MiB reply is read into one buffer of its size (_recv_large), the
+    frame after it as usual; sent in odd chunks so that a read may end anywhere."""
+    a, b = pair
+    big = p.ToolReply(id=1, success=True, output="".join(chr(0x41 + i % 50) for i in range(3 << 20)))
+    small = p.OkReply(id=2)
+    stream = p.encode(big) + p.encode(small)
+
+    def send_in_chunks() -> None:
+        for i in range(0, len(stream), 99_991):
+            a.sendall(stream[i : i + 99_991])
+
+    sender = threading.Thread(target=send_in_chunks)
+    sender.start()
+    try:
+        reader = FrameSocket(b)
+        assert reader.recv(p.channel_reply_decoder) == big
+        assert reader.recv(p.to_worker_decoder) == small
+    finally:
+        sender.join()
+
+
+def test_eof_inside_a_large_frame_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]):
+    a, b = pair
+    frame = p.encode(p.ToolReply(id=1, success=True, output="y" * (1 << 20)))
+
+    def send_half() -> None:
+        a.sendall(frame[: len(frame) // 2])
+        a.shutdown(socket.SHUT_WR)
+
+    sender = threading.Thread(target=send_half)
+    sender.start()
+    try:
+        with pytest.raises(ProtocolError, match="connection closed inside a frame"):
+            FrameSocket(b).recv_payload()
+    finally:
+        sender.join()
+
+
 def test_eof_between_frames_is_none(pair: tuple[socket.socket, socket.socket]):
     a, b = pair
     a.sendall(p.encode(p.OkReply(id=1)))
