@@ -72,10 +72,13 @@ class Made:
         return self.sid
 
     def alive(self) -> bool:
-        """False once its process has exited (its pidfd is readable then)."""
-        if self.worker.pidfd < 0:
-            return False
-        return not fdwait.readable(self.worker.pidfd, 0)
+        """False once its process, or its network stack, has exited (a pidfd
+        is readable then): a sandbox whose stack is gone would give its
+        session no way out, where one made at open has its stack."""
+        for pidfd in (self.worker.pidfd, self.stack.pidfd if self.stack is not None else None):
+            if pidfd is not None and (pidfd < 0 or fdwait.readable(pidfd, 0)):
+                return False
+        return True
 
 
 class SandboxPool:
