@@ -159,7 +159,13 @@ def _check_network(network: NetworkMode, ports: list[int] | None, bind_ports: li
 
 
 def _ports_for(session: Session, ports: list[int] | None, bind_ports: list[int] | None) -> NetworkPorts:
-    net = session.policy.network
+    return _ports_of(session.policy, ports, bind_ports)
+
+
+def _ports_of(policy: Policy, ports: list[int] | None = None, bind_ports: list[int] | None = None) -> NetworkPorts:
+    """The call's ports, or else the policy's: sorted, each once (what the
+    rules and a sandbox made ahead name: the same list, the same pool_key)."""
+    net = policy.network
     return NetworkPorts(connect=sorted(set(net.connect_ports if ports is None else ports)),
                         bind=sorted(set(net.bind_ports if bind_ports is None else bind_ports)))
 
@@ -502,7 +508,7 @@ class SessionManager:
         paths = SessionPaths(worktree=os.path.join(self.sessions_dir, sid, "worktree"),
                              scratch=os.path.join(self.sessions_dir, sid), runtime_dirs=self.runtime_dirs,
                              code=self.code_paths)
-        ports = NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
+        ports = _ports_of(policy)  # as a session's: sorted, each once
         plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
                             gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation)
         key = pool_key(plan)
