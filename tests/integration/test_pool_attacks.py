@@ -197,3 +197,80 @@ def test_what_sandboxes_made_ahead_hold_goes_after_a_stop_and_after_sigkill(tmp_
                 assert again.stop() == 0, again.log()
     os.rmdir(f"{cgroup}/daemon")
     os.rmdir(cgroup)
+
+
+_MOUNT_IN = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+pid, how, target = sys.argv[1], sys.argv[2], sys.argv[3]
+for ns, flag in (("user", 0x10000000), ("mnt", 0x00020000)):  # we own its user namespace: every capability there
+    if libc.setns(os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY), flag) != 0:
+        sys.exit(f"setns {ns}: " + os.strerror(ctypes.get_errno()))
+if how == "mount":
+    ok = libc.mount(b"tmpfs", target.encode(), b"tmpfs", 0, None) == 0
+    if ok:
+        open(target + "/on-the-mount", "w").close()
+else:
+    ok = libc.umount2(target.encode(), 0) == 0
+sys.exit(0 if ok else how + ": " + os.strerror(ctypes.get_errno()))
+"""
+
+
+@pytest.fixture
+def daemon_in_its_own_mounts(tmp_path: Path) -> Iterator[Daemon]:
+    """A pooled daemon in a mount namespace of its own (and a user namespace
+    mapping the test user to itself), where this unprivileged test can mount
+    and unmount as the user's administrator would on the host."""
+    _refuse_root()
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--cgroup", "off",
+               prefix=("unshare", "--map-current-user", "--mount", "--propagation", "private"))
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def _mount_in(d: Daemon, how: str, target: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _MOUNT_IN, str(d.proc.pid), how, str(target)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("change", ["mounted since", "unmounted since"])
+def test_a_sandbox_made_ahead_sees_the_mounts_of_the_moment_of_the_open(daemon_in_its_own_mounts: Daemon,
+                                                                        worktree: Path, change: str) -> None:
+    """A sandbox made ahead copied the host's mount table when it was made.
+    A call's read-only path (here a toolchain directory in the home
+    directory) mounted, or unmounted, since the pool filled must be what a
+    sandbox made at open binds: the mounted filesystem, or the directory
+    under it; never the view of up to 30 s before (which also kept an
+    unmounted filesystem busy). The twin: before the change, the session
+    sees the view of that moment."""
+    d = daemon_in_its_own_mounts
+    tools = Path.home() / f".pool-mounts-{os.getpid()}"
+    tools.mkdir()
+    (tools / "under-the-mount").write_text("")
+    before, after = ["under-the-mount"], ["on-the-mount"]
+    try:
+        if change == "unmounted since":
+            _mount_in(d, "mount", tools)
+            before, after = after, before
+        with d.connect() as client:
+            wait_for_pool(client, "default/off", 2)
+            for _ in range(2):  # those made before the line above: the pool's are made after it
+                client.open_session(str(worktree)).close()
+            wait_for_pool(client, "default/off", 2)
+            # The twin: made at open (no sandbox of network "on" is made ahead yet).
+            with client.open_session(str(worktree), network="on", read_only=[str(tools)]) as s:
+                assert s.status()["protections"].get("made_ahead", False) is False
+                assert shell(s, f"ls {tools}").output.split() == before
+            _mount_in(d, "umount" if change == "unmounted since" else "mount", tools)
+            with client.open_session(str(worktree), read_only=[str(tools)]) as s:
+                made_ahead = s.status()["protections"].get("made_ahead", False)
+                assert shell(s, f"ls {tools}").output.split() == after, f"made ahead: {made_ahead}"
+    finally:
+        if change == "mounted since":
+            _mount_in(d, "umount", tools)
+        shutil.rmtree(tools)
