@@ -300,12 +300,7 @@ class SessionManager:
             raise WorktreeError(f"{resolved}: a session left git metadata here that dispatchd could not move aside "
                                 f"({tainted}); look at it (your own git would read it), then restart dispatchd",
                                 resolved)
-        # A sandbox made ahead for this kind of session, if one is ready: the
-        # session takes the id it was made for (its cgroup's name).
-        made = self.pool.take((policy.name, network))
-        sid = made.sid if made is not None else secrets.token_hex(6)
-        scratch = os.path.join(self.sessions_dir, sid)
-        session = Session(sid, held, policy, scratch)
+        session = Session("", held, policy, "")  # its id once its sandbox is chosen, below
         session.read_only = extra
         session.ports = _ports_for(session, ports, bind_ports)
         session.domains = _domains_for(session, rules)
@@ -313,14 +308,20 @@ class SessionManager:
         try:
             self._inspect_git(session)
         except BaseException as exc:
-            if made is not None:
-                self._let_go(made)
             if isinstance(exc, WorktreeError) or not isinstance(exc, Exception):
                 raise
             # Hostile content we did not foresee: refuse, loudly.
             raise WorktreeError(f"{resolved}: its git metadata cannot be inspected "
                                 f"({type(exc).__name__}: {exc}); no session opened", resolved) from exc
         steps["git"] = (time.perf_counter() - t) * 1e3
+        # A sandbox made ahead for this kind of session, if one is ready: the
+        # session takes the id it was made for (its cgroup's name). Taken only
+        # now: an open refused above costs none, and the host's mounts are
+        # looked at (pool.take) as close to the adoption as can be.
+        made = self.pool.take((policy.name, network))
+        session.id = made.sid if made is not None else secrets.token_hex(6)
+        session.scratch = scratch = os.path.join(self.sessions_dir, session.id)
+        sid = session.id
         t = time.perf_counter()
         if made is None:  # one made ahead comes with its scratch directory
             self._make_scratch(sid, scratch)
