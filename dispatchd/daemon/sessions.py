@@ -228,6 +228,10 @@ class SessionManager:
         self._tainted: dict[str, str] = {}
         self._lock = threading.Lock()
         self.accepting = True
+        # Opens in flight: close_all waits for them (a session they register
+        # while the daemon stops is ended by close_all or by its own open).
+        self._opening = 0
+        self._opens_done = threading.Condition(self._lock)
         # Sessions whose every connection has gone end after their grace (lifetimes.py).
         self.holders = lifetimes.Holders(self._end_orphan)
         self._ended = leftovers.EndedSessions()  # why recent sessions ended, for their clients
@@ -257,8 +261,22 @@ class SessionManager:
              ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
              detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None,
              domain_list: list[str] | None = None, read_only: list[str] | None = None) -> Session:
-        if not self.accepting:
-            raise Stopping("the daemon is stopping and opens no new sessions")
+        with self._lock:
+            if not self.accepting:
+                raise Stopping("the daemon is stopping and opens no new sessions")
+            self._opening += 1
+        try:
+            return self._open(worktree, policy_name, network, ports, bind_ports, detached=detached,
+                              orphan_grace_s=orphan_grace_s, holder=holder, domain_list=domain_list,
+                              read_only=read_only)
+        finally:
+            with self._lock:
+                self._opening -= 1
+                self._opens_done.notify_all()
+
+    def _open(self, worktree: str, policy_name: str, network: NetworkMode | None, ports: list[int] | None,
+              bind_ports: list[int] | None, *, detached: bool, orphan_grace_s: float | None, holder: int | None,
+              domain_list: list[str] | None, read_only: list[str] | None) -> Session:
         t0 = time.perf_counter()
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         network = network or policy.network.default
@@ -343,6 +361,11 @@ class SessionManager:
             memory=watchdog.mechanism(cgroup_memory, policy.limits.session_memory_bytes))
         with self._lock:
             self._sessions[sid] = session
+        if not self.accepting:
+            # The daemon began to stop while this open ran: close_all may have
+            # looked at the table already; end it here (once: _finish is idempotent).
+            self._finish(session, "dispatchd stopped")
+            raise Stopping("the daemon is stopping and opens no new sessions")
         self.holders.track(sid, detached=detached, grace_s=grace, holder=holder)
         if not cgroup_memory:
             self.watchdog.ensure_running()
@@ -936,6 +959,14 @@ class SessionManager:
         """End every session; with ``drain_s``, first let calls in flight finish
         for up to that long (new calls are refused meanwhile)."""
         self.pool.stop()  # before the sessions: nothing made ahead outlives the daemon's stop
+        with self._lock:
+            # Opens in flight finish first (new ones are refused): what they
+            # register is in the table below, or ended by the open itself.
+            self._opens_done.wait_for(lambda: self._opening == 0, timeout=drain_s + READY_TIMEOUT_S + 5)
+            # Sessions being closed by another thread too: _finish waits for
+            # that close (their lock), so none is abandoned half way (its git
+            # check, its scratch directory) when the daemon exits.
+            closing = [s for s in self._sessions.values() if s.closed]
         sessions = self.sessions()
         if drain_s > 0:
             for session in sessions:
@@ -948,7 +979,7 @@ class SessionManager:
             deadline = time.monotonic() + drain_s + 1.0
             for session in sessions:
                 session.ended.wait(max(0.0, deadline - time.monotonic()))
-        for session in sessions:
+        for session in sessions + closing:
             self._finish(session, "dispatchd stopped")
 
     # --- network, attach -----------------------------------------------------
