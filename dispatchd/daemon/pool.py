@@ -23,14 +23,22 @@ Guarantees:
 - making them never holds up an open: one at a time, on a thread of their
   own, and an open that finds none makes its own;
 - at most ``size`` per kind (policy and network mode), for the ``kinds`` most
-  recently opened, each at most ``max_age_s`` old: a sandbox made ahead holds
-  a copy of the host's mount table from when it was made (a filesystem the
-  user unmounts since stays referenced until then).
+  recently opened, each at most ``max_age_s`` old;
+- never a mount table older than the open: a sandbox made ahead holds a copy
+  of the host's from when it was made, and binds the session's paths from
+  it. Once the host's changes (a mount or an unmount, seen on the daemon's
+  ``/proc/self/mountinfo``, which the kernel flags ``POLLPRI``), every sandbox
+  made before is let go (at the next take, or within ``MOUNTS_CHECK_S``:
+  a filesystem the user unmounted is not kept busy), and none is made for
+  ``MOUNTS_SETTLE_S`` (a host whose mounts churn gets sandboxes made at
+  open, not a pool that makes and discards).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import time
 from collections import OrderedDict
@@ -48,6 +56,27 @@ Kind = tuple[str, NetworkMode]  # (policy, network mode)
 RETRY_S = 10.0  # after a kind failed to be made ahead
 MAX_AGE_S = 30.0
 KINDS = 4
+MOUNTS_CHECK_S = 1.0  # how often the host's mount table is looked at while sandboxes wait
+MOUNTS_SETTLE_S = 1.0  # after it changed, before the next sandbox is made
+
+
+class MountWatch:
+    """Whether the mount table of this process's mount namespace (the
+    host's, for the daemon) has changed since the last look: the kernel flags
+    an open ``mountinfo`` ``POLLPRI`` (and ``POLLERR``) once per change."""
+
+    def __init__(self, path: str = "/proc/self/mountinfo") -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLPRI)
+
+    def changed(self) -> bool:
+        return bool(self._poll.poll(0))  # only POLLPRI (and POLLERR) are reported: a change
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 @dataclass
@@ -72,10 +101,13 @@ class Made:
         return self.sid
 
     def alive(self) -> bool:
-        """False once its process has exited (its pidfd is readable then)."""
-        if self.worker.pidfd < 0:
-            return False
-        return not fdwait.readable(self.worker.pidfd, 0)
+        """False once its process, or its network stack, has exited (a pidfd
+        is readable then): a sandbox whose stack is gone would give its
+        session no way out, where one made at open has its stack."""
+        for pidfd in (self.worker.pidfd, self.stack.pidfd if self.stack is not None else None):
+            if pidfd is not None and (pidfd < 0 or fdwait.readable(pidfd, 0)):
+                return False
+        return True
 
 
 class SandboxPool:
@@ -87,8 +119,14 @@ class SandboxPool:
     """
 
     def __init__(self, *, size: int, make: Callable[[Kind], Made | None], let_go: Callable[[Made], None],
-                 kinds: int = KINDS, max_age_s: float = MAX_AGE_S) -> None:
+                 kinds: int = KINDS, max_age_s: float = MAX_AGE_S,
+                 mounts_changed: Callable[[], bool] | None = None) -> None:
         self.size = size
+        # Set by start (a MountWatch of the daemon's mountinfo) unless given (tests).
+        self._mounts_changed = mounts_changed
+        self._mounts: MountWatch | None = None
+        self._epoch = 0  # changes of the host's mount table seen so far
+        self._settle_until = 0.0
         self._make = make
         self._let_go = let_go
         self._kinds = kinds
@@ -107,6 +145,9 @@ class SandboxPool:
         """Start making sandboxes, first of ``kind`` (the default policy's)."""
         if self.size <= 0 or self._thread is not None:
             return
+        if self._mounts_changed is None:
+            self._mounts = MountWatch()
+            self._mounts_changed = self._mounts.changed
         if kind is not None:
             self.want(kind)
         self._thread = threading.Thread(target=self._run, daemon=True, name="pool")
@@ -136,9 +177,9 @@ class SandboxPool:
         or to let go), or None. The caller says ``want(kind)`` once its open
         is done: a refill made meanwhile would compete with it for the CPUs
         (measured: the open's own steps took twice as long)."""
-        dead: list[Made] = []
         found = None
         with self._cond:
+            dead = self._stale()  # made with a mount table older than the host's now
             ready = self._ready.get(kind, [])
             while ready and found is None:
                 made = ready.pop(0)  # the oldest first: fewer reach their age unused
@@ -149,6 +190,19 @@ class SandboxPool:
         for made in dead:
             self._let_go(made)
         return found
+
+    def _stale(self) -> list[Made]:
+        """Under the lock: every ready sandbox, taken out, when the host's
+        mount table has changed since the last look; else none."""
+        if self._mounts_changed is None or not self._mounts_changed():
+            return []
+        self._epoch += 1
+        self._settle_until = time.monotonic() + MOUNTS_SETTLE_S
+        stale = [m for ready in self._ready.values() for m in ready]
+        self._ready.clear()
+        if stale:
+            log.info("event=pool_mounts_changed let_go=%d", len(stale))
+        return stale
 
     def served_one(self) -> None:
         with self._cond:
@@ -165,6 +219,8 @@ class SandboxPool:
             self._thread.join(timeout=15)  # a make in flight ends within the ready timeout
         for made in left:
             self._let_go(made)
+        if self._mounts is not None and (self._thread is None or not self._thread.is_alive()):
+            self._mounts.close()
 
     def report(self) -> str:
         """What ``status`` says of the pool."""
@@ -188,15 +244,19 @@ class SandboxPool:
 
     def _next(self) -> tuple[list[Made], Kind | None, float]:
         """Under the lock: what to let go, what to make, how long to sleep."""
+        old = self._stale()
         now = time.monotonic()
         kept = self._kept()
-        old: list[Made] = []
         for kind in list(self._ready):
             keep = kind in kept
             ready = self._ready[kind]
             old += [m for m in ready if not keep or now - m.made > self._max_age_s]
             self._ready[kind] = [m for m in ready if keep and now - m.made <= self._max_age_s]
         wake = self._max_age_s
+        if any(self._ready.values()):
+            wake = min(wake, MOUNTS_CHECK_S)  # a filesystem unmounted meanwhile is let go of soon
+        if now < self._settle_until:
+            return old, None, min(wake, self._settle_until - now)  # the host's mounts are changing
         for kind in kept:  # the most recent first
             later = self._not_before.get(kind, 0.0) - now
             if later > 0:
@@ -224,6 +284,8 @@ class SandboxPool:
                 self._make_one(kind)
 
     def _make_one(self, kind: Kind) -> None:
+        with self._cond:
+            epoch = self._epoch
         try:
             made = self._make(kind)
         except Exception as exc:  # logged and shown by status; opens go on without
@@ -240,7 +302,12 @@ class SandboxPool:
                 self._never.add(kind)
                 return
             self._notes.pop(kind, None)
-            if not self._stopped and kind in self._kept():
+            old = self._stale()
+            # A change seen while it was made: its copy may be older than the host's.
+            keep = not self._stopped and kind in self._kept() and self._epoch == epoch
+            if keep:
                 self._ready.setdefault(kind, []).append(made)
-                return
-        self._let_go(made)
+        for m in old:
+            self._let_go(m)
+        if not keep:
+            self._let_go(made)

@@ -159,7 +159,13 @@ def _check_network(network: NetworkMode, ports: list[int] | None, bind_ports: li
 
 
 def _ports_for(session: Session, ports: list[int] | None, bind_ports: list[int] | None) -> NetworkPorts:
-    net = session.policy.network
+    return _ports_of(session.policy, ports, bind_ports)
+
+
+def _ports_of(policy: Policy, ports: list[int] | None = None, bind_ports: list[int] | None = None) -> NetworkPorts:
+    """The call's ports, or else the policy's: sorted, each once (what the
+    rules and a sandbox made ahead name: the same list, the same pool_key)."""
+    net = policy.network
     return NetworkPorts(connect=sorted(set(net.connect_ports if ports is None else ports)),
                         bind=sorted(set(net.bind_ports if bind_ports is None else bind_ports)))
 
@@ -222,6 +228,10 @@ class SessionManager:
         self._tainted: dict[str, str] = {}
         self._lock = threading.Lock()
         self.accepting = True
+        # Opens in flight: close_all waits for them (a session they register
+        # while the daemon stops is ended by close_all or by its own open).
+        self._opening = 0
+        self._opens_done = threading.Condition(self._lock)
         # Sessions whose every connection has gone end after their grace (lifetimes.py).
         self.holders = lifetimes.Holders(self._end_orphan)
         self._ended = leftovers.EndedSessions()  # why recent sessions ended, for their clients
@@ -251,8 +261,22 @@ class SessionManager:
              ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
              detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None,
              domain_list: list[str] | None = None, read_only: list[str] | None = None) -> Session:
-        if not self.accepting:
-            raise Stopping("the daemon is stopping and opens no new sessions")
+        with self._lock:
+            if not self.accepting:
+                raise Stopping("the daemon is stopping and opens no new sessions")
+            self._opening += 1
+        try:
+            return self._open(worktree, policy_name, network, ports, bind_ports, detached=detached,
+                              orphan_grace_s=orphan_grace_s, holder=holder, domain_list=domain_list,
+                              read_only=read_only)
+        finally:
+            with self._lock:
+                self._opening -= 1
+                self._opens_done.notify_all()
+
+    def _open(self, worktree: str, policy_name: str, network: NetworkMode | None, ports: list[int] | None,
+              bind_ports: list[int] | None, *, detached: bool, orphan_grace_s: float | None, holder: int | None,
+              domain_list: list[str] | None, read_only: list[str] | None) -> Session:
         t0 = time.perf_counter()
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         network = network or policy.network.default
@@ -294,12 +318,7 @@ class SessionManager:
             raise WorktreeError(f"{resolved}: a session left git metadata here that dispatchd could not move aside "
                                 f"({tainted}); look at it (your own git would read it), then restart dispatchd",
                                 resolved)
-        # A sandbox made ahead for this kind of session, if one is ready: the
-        # session takes the id it was made for (its cgroup's name).
-        made = self.pool.take((policy.name, network))
-        sid = made.sid if made is not None else secrets.token_hex(6)
-        scratch = os.path.join(self.sessions_dir, sid)
-        session = Session(sid, held, policy, scratch)
+        session = Session("", held, policy, "")  # its id once its sandbox is chosen, below
         session.read_only = extra
         session.ports = _ports_for(session, ports, bind_ports)
         session.domains = _domains_for(session, rules)
@@ -307,14 +326,20 @@ class SessionManager:
         try:
             self._inspect_git(session)
         except BaseException as exc:
-            if made is not None:
-                self._let_go(made)
             if isinstance(exc, WorktreeError) or not isinstance(exc, Exception):
                 raise
             # Hostile content we did not foresee: refuse, loudly.
             raise WorktreeError(f"{resolved}: its git metadata cannot be inspected "
                                 f"({type(exc).__name__}: {exc}); no session opened", resolved) from exc
         steps["git"] = (time.perf_counter() - t) * 1e3
+        # A sandbox made ahead for this kind of session, if one is ready: the
+        # session takes the id it was made for (its cgroup's name). Taken only
+        # now: an open refused above costs none, and the host's mounts are
+        # looked at (pool.take) as close to the adoption as can be.
+        made = self.pool.take((policy.name, network))
+        session.id = made.sid if made is not None else secrets.token_hex(6)
+        session.scratch = scratch = os.path.join(self.sessions_dir, session.id)
+        sid = session.id
         t = time.perf_counter()
         if made is None:  # one made ahead comes with its scratch directory
             self._make_scratch(sid, scratch)
@@ -336,6 +361,11 @@ class SessionManager:
             memory=watchdog.mechanism(cgroup_memory, policy.limits.session_memory_bytes))
         with self._lock:
             self._sessions[sid] = session
+        if not self.accepting:
+            # The daemon began to stop while this open ran: close_all may have
+            # looked at the table already; end it here (once: _finish is idempotent).
+            self._finish(session, "dispatchd stopped")
+            raise Stopping("the daemon is stopping and opens no new sessions")
         self.holders.track(sid, detached=detached, grace_s=grace, holder=holder)
         if not cgroup_memory:
             self.watchdog.ensure_running()
@@ -502,7 +532,7 @@ class SessionManager:
         paths = SessionPaths(worktree=os.path.join(self.sessions_dir, sid, "worktree"),
                              scratch=os.path.join(self.sessions_dir, sid), runtime_dirs=self.runtime_dirs,
                              code=self.code_paths)
-        ports = NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
+        ports = _ports_of(policy)  # as a session's: sorted, each once
         plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
                             gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation)
         key = pool_key(plan)
@@ -929,6 +959,14 @@ class SessionManager:
         """End every session; with ``drain_s``, first let calls in flight finish
         for up to that long (new calls are refused meanwhile)."""
         self.pool.stop()  # before the sessions: nothing made ahead outlives the daemon's stop
+        with self._lock:
+            # Opens in flight finish first (new ones are refused): what they
+            # register is in the table below, or ended by the open itself.
+            self._opens_done.wait_for(lambda: self._opening == 0, timeout=drain_s + READY_TIMEOUT_S + 5)
+            # Sessions being closed by another thread too: _finish waits for
+            # that close (their lock), so none is abandoned half way (its git
+            # check, its scratch directory) when the daemon exits.
+            closing = [s for s in self._sessions.values() if s.closed]
         sessions = self.sessions()
         if drain_s > 0:
             for session in sessions:
@@ -941,7 +979,7 @@ class SessionManager:
             deadline = time.monotonic() + drain_s + 1.0
             for session in sessions:
                 session.ended.wait(max(0.0, deadline - time.monotonic()))
-        for session in sessions:
+        for session in sessions + closing:
             self._finish(session, "dispatchd stopped")
 
     # --- network, attach -----------------------------------------------------

@@ -178,3 +178,82 @@ def test_stop_lets_every_sandbox_go_and_makes_no_more(fakes: Fakes) -> None:
     p.want(OFF)
     time.sleep(0.05)
     assert len(fakes.made) == 2
+
+
+class Mounts:
+    """A host mount table that changes when told (``MountWatch.changed``'s
+    stand-in: True once per change)."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def change(self) -> None:
+        self.pending = True
+
+    def changed(self) -> bool:
+        was, self.pending = self.pending, False
+        return was
+
+
+def test_a_change_of_the_hosts_mounts_lets_go_of_every_sandbox_made_before(
+        fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_mod, "MOUNTS_SETTLE_S", 0.3)
+    mounts = Mounts()
+    p = SandboxPool(size=2, make=fakes.make, let_go=fakes.release, mounts_changed=mounts.changed)
+    p.start(OFF)
+    p.want(ON)
+    until(lambda: ready(p, OFF) == 2 and ready(p, ON) == 2)
+    before = list(fakes.made)
+    mounts.change()
+    assert p.take(OFF) is None  # none made before the change is given
+    assert sorted(m.sid for m in fakes.let_go) == sorted(m.sid for m in before)
+    made = len(fakes.made)
+    time.sleep(0.15)
+    assert len(fakes.made) == made  # none made while the mounts settle
+    until(lambda: ready(p, OFF) == 2 and ready(p, ON) == 2)
+    taken = p.take(OFF)
+    assert taken is not None and taken not in before
+    fakes.release(taken)
+    p.stop()
+
+
+def test_waiting_sandboxes_are_let_go_soon_after_a_change_without_an_open(
+        fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unmounted filesystem is not kept busy until the next open."""
+    monkeypatch.setattr(pool_mod, "MOUNTS_CHECK_S", 0.05)
+    mounts = Mounts()
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release, mounts_changed=mounts.changed)
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 1)
+    first = fakes.made[0]
+    mounts.change()
+    until(lambda: first in fakes.let_go, timeout=2)
+    p.stop()
+
+
+def test_a_sandbox_made_while_the_mounts_changed_is_not_kept(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_mod, "MOUNTS_SETTLE_S", 0.05)
+    mounts = Mounts()
+    made = fakes.make
+
+    def make_during_a_change(kind: Kind) -> Made | None:
+        m = made(kind)
+        if len(fakes.made) == 1:
+            mounts.change()
+        return m
+
+    p = SandboxPool(size=1, make=make_during_a_change, let_go=fakes.release, mounts_changed=mounts.changed)
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 1)
+    taken = p.take(OFF)
+    assert fakes.made[0] in fakes.let_go and taken is fakes.made[1]
+    fakes.release(taken)
+    p.stop()
+
+
+def test_mount_watch_sees_no_change_of_its_own() -> None:
+    watch = pool_mod.MountWatch()
+    try:
+        assert watch.changed() is False
+    finally:
+        watch.close()
