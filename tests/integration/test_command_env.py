@@ -27,7 +27,9 @@ def test_set_command_env_applies_to_later_commands(tmp_path: Path) -> None:
     plan = plan_session(Policy(), kernel(), session="s1", paths=paths, network="off", uid=0, gid=0, base_env={})
     ours, theirs = socket.socketpair()
     control = protocol.FrameSocket(ours, fds=True)
-    threading.Thread(target=serve, args=(protocol.FrameSocket(theirs, fds=True), plan), daemon=True).start()
+    server_end = protocol.FrameSocket(theirs, fds=True)
+    server = threading.Thread(target=serve, args=(server_end, plan), daemon=True)
+    server.start()
     mine, worker_end = socket.socketpair()
     control.send(protocol.AddChannel(id=0), fds=[worker_end.fileno()])
     worker_end.close()
@@ -66,3 +68,5 @@ def test_set_command_env_applies_to_later_commands(tmp_path: Path) -> None:
     finally:
         channel.close()
         control.close()  # the tool server returns when its control channel closes
+        server.join(5)
+        server_end.close()  # ours to close (the worker's process would exit here)
