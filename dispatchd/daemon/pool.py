@@ -278,10 +278,14 @@ class SandboxPool:
                 if kind is None and not old:
                     self._cond.wait(sleep)
                     continue
-            for made in old:
-                self._let_go(made)
-            if kind is not None:
-                self._make_one(kind)
+            try:
+                for made in old:
+                    self._let_go(made)
+                if kind is not None:
+                    self._make_one(kind)
+            except Exception:  # a bug: say so, and keep the pool going (it retires what it made)
+                log.exception("event=pool_error")
+                time.sleep(RETRY_S / 10)
 
     def _make_one(self, kind: Kind) -> None:
         with self._cond:

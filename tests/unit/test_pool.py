@@ -257,3 +257,21 @@ def test_mount_watch_sees_no_change_of_its_own() -> None:
         assert watch.changed() is False
     finally:
         watch.close()
+
+
+def test_a_bug_in_letting_go_does_not_stop_the_pool(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_mod, "RETRY_S", 0.2)
+    calls = {"n": 0}
+
+    def flaky_release(made: Made) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            fakes.release(made)
+            raise RuntimeError("a bug")
+        fakes.release(made)
+
+    p = SandboxPool(size=1, make=fakes.make, let_go=flaky_release, max_age_s=0.2)
+    p.start(OFF)
+    until(lambda: calls["n"] >= 2, timeout=5)  # retired again after the error: the thread lives on
+    until(lambda: ready(p, OFF) == 1)
+    p.stop()
