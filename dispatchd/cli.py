@@ -147,12 +147,18 @@ def main(argv: list[str] | None = None) -> int:
         return units.main(argv)
     args = _parse(argv)
     _setup_logging(args)
-    # Sessions are confined as the user who runs the daemon, and root's
-    # sessions would have root's reach (the suites run as an unprivileged
-    # user, scripts/test); only the explicit testing flag goes past this.
     if args.pool < 0:
         print("dispatchd: --pool: a number of sandboxes, 0 or more", file=sys.stderr)
         return 2
+    # A stop asked for while starting (the socket may already accept) is
+    # honoured as soon as the daemon serves: it ends cleanly, never killed
+    # half started by the signal's default action.
+    early_stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: early_stop.append(signum))
+    # Sessions are confined as the user who runs the daemon, and root's
+    # sessions would have root's reach (the suites run as an unprivileged
+    # user, scripts/test); only the explicit testing flag goes past this.
     if os.geteuid() == 0 and not args.allow_root_for_testing:
         print("dispatchd: refusing to run as root: it confines sessions as the user who runs it. "
               "Start it as your own user (e.g. systemctl --user start dispatchd).", file=sys.stderr)
@@ -275,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    if early_stop:
+        stop(early_stop[0], None)
     # A signal the kernel hands to another thread (any may take it) only sets a
     # flag: the main thread, asleep in poll(), would not run the handler until
     # something else woke it. The wake-up pipe wakes it at once.

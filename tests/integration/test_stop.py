@@ -124,3 +124,32 @@ def test_a_call_cut_at_the_stop_deadline_says_so(tmp_path: Path, worktree: Path)
                                 "this call still running; its processes are ended")
         session.detach()
     assert d.stop() == 0
+
+
+def test_a_sigterm_while_starting_ends_the_daemon_cleanly(tmp_path: Path) -> None:
+    """The socket may accept before the daemon's handlers are in place: a
+    SIGTERM then (a client's test harness, systemd stopping a unit just
+    started) used to kill it half started (exit -15, its fork server and any
+    sandbox made ahead cut off). Now it is honoured once the daemon serves:
+    exit 0, "event=stopped". Sent the moment the socket file appears, long
+    after the interpreter has started. The twin: the same daemon left alone
+    serves (the rest of this file)."""
+    import subprocess
+    import sys
+
+    sock = tmp_path / "run" / "d.sock"
+    env = {k: v for k, v in os.environ.items() if k != "DISPATCH_SOCKET"}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    log = tmp_path / "d.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "dispatchd", "--socket", str(sock)], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 20
+        while not sock.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    text = log.read_text()
+    assert code == 0, text
+    assert "event=stopped" in text, text
+    assert not sock.exists()
