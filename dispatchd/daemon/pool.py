@@ -55,6 +55,7 @@ log = logging.getLogger("dispatchd.pool")
 Kind = tuple[str, NetworkMode]  # (policy, network mode)
 RETRY_S = 10.0  # after a kind failed to be made ahead
 MAX_AGE_S = 30.0
+AFTER_OPEN_S = 0.02  # a refill waits this long after an open (its first calls)
 KINDS = 4
 MOUNTS_CHECK_S = 1.0  # how often the host's mount table is looked at while sandboxes wait
 MOUNTS_SETTLE_S = 1.0  # after it changed, before the next sandbox is made
@@ -127,6 +128,7 @@ class SandboxPool:
         self._mounts: MountWatch | None = None
         self._epoch = 0  # changes of the host's mount table seen so far
         self._settle_until = 0.0
+        self._quiet_until = 0.0  # no refill before (want: an open's first calls)
         self._make = make
         self._let_go = let_go
         self._kinds = kinds
@@ -166,6 +168,9 @@ class SandboxPool:
             self._wanted.move_to_end(kind)
             while len(self._wanted) > 4 * self._kinds:  # remembered beyond those kept, for a while
                 self._wanted.popitem(last=False)
+            # The session just opened makes its first calls now: a refill
+            # (a clone3 and its confinement, ~5 ms of CPU) waits for them.
+            self._quiet_until = time.monotonic() + AFTER_OPEN_S
             self._cond.notify()
 
     def _kept(self) -> list[Kind]:
@@ -263,6 +268,8 @@ class SandboxPool:
                 wake = min(wake, later)
                 continue
             if len(self._ready.get(kind, [])) < self.size:
+                if now < self._quiet_until:
+                    return old, None, self._quiet_until - now
                 return old, kind, 0.0
         for ready in self._ready.values():
             for m in ready:

@@ -157,6 +157,9 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
     protocol.decode_plan(protocol.encode_plan(made_for))
     if made_for.mounts is not None:
         made_for.mounts.split_binds()
+    from dispatchd.worker.tool_server import warm_up  # pre-imported by the fork server
+
+    warm_up(made_for)
     _report(control, protocol.WorkerPooled(pid=os.getpid(), timings_ms=clock.steps, namespaces=len(keep) > 1),
             fds=keep[1:])
     for fd in keep[1:]:

@@ -431,6 +431,25 @@ def max_channels(max_processes: int, max_open_files: int) -> int:
     return max(4, min(MAX_CHANNELS, max_processes // 4, max_open_files // 2))
 
 
+def warm_up(plan: SessionPlan) -> None:
+    """Run a session's usual first call once, on the sandbox's own files
+    (``read_file`` of the root's ``/etc/hostname``, the request decoded and
+    the reply encoded as a channel would): a sandbox made ahead does it while
+    it waits, so that the pages and caches its first real call touches are
+    ready (copied from the fork server, Python's code warmed up). Reads one
+    small system file; keeps nothing; any failure is ignored."""
+    try:
+        request = protocol.encode(protocol.CallTool(id=1, tool="read_file", params={"path": "hostname"}))
+        call = protocol.decode(protocol.channel_request_decoder, request[4:])
+        assert isinstance(call, protocol.CallTool)
+        ctx = ToolContext(root="/etc", limits=plan.limits, env={}, writable=False)
+        out = run_tool(TOOLS["read_file"], ctx, call.params)
+        protocol.encode(protocol.ToolReply(id=call.id, success=out.success, output=out.output, error=out.error,
+                                           metadata=out.metadata))
+    except Exception:  # noqa: BLE001 (a warm-up: nothing depends on it)
+        pass
+
+
 def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
     """Serve until the daemon closes the control channel."""
     server = _Server(plan, _Control(control))
