@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 import psutil
@@ -50,6 +51,9 @@ def test_a_sandbox_made_ahead_is_the_same_view_as_one_made_at_open(
     ``/.host``); the twin is a daemon without a pool, on the same worktree.
     Degraded mode has nothing to make ahead, and says so."""
     if sandbox.mode == "degraded":
+        deadline = time.monotonic() + 10  # the pool's first try comes just after the daemon's start
+        while "not made ahead" not in client.status()["daemon"]["pool"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert "not made ahead: its sessions have no root of their own" in client.status()["daemon"]["pool"]
         with client.open_session(str(worktree)) as s:
             assert s.status()["protections"].get("made_ahead", False) is False
