@@ -456,8 +456,9 @@ class SessionManager:
                 made.scratch = ""  # the session's: it goes with the session
                 self._let_go(made)
             raise
-        session.poolable = pool_key(plan) is not None
-        ready = self._adopt(session, plan, made) if made is not None else None
+        key = pool_key(plan)
+        session.poolable = key is not None
+        ready = self._adopt(session, plan, key, made) if made is not None else None
         if made is not None and ready is not None:
             worker, control, msg = made.worker, made.control, ready
             ns_fds, stack, net = made.ns_fds, made.stack, made.net
@@ -562,13 +563,14 @@ class SessionManager:
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         return made
 
-    def _adopt(self, session: Session, plan: SessionPlan, made: Made) -> protocol.WorkerReady | None:
+    def _adopt(self, session: Session, plan: SessionPlan, key: bytes | None,
+               made: Made) -> protocol.WorkerReady | None:
         """Give ``made`` its session (its report), or let it go and return None (the caller
         makes a sandbox at open instead): a plan it was not made for (the
         policy was edited since), or a failure on the way (logged; a fresh
         sandbox repeats every check and fails for itself if it must)."""
         made.scratch = ""  # the session's from here: it goes with the session (_discard)
-        if pool_key(plan) != made.key:
+        if key != made.key:
             log.info("event=pool_mismatch session=%s", session.id)
             self._let_go(made)
             return None
