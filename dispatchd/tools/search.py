@@ -54,6 +54,9 @@ _WINDOW = 8192
 _SAMPLE = 16384
 _RARE = 1024
 _MISSES = 64
+# What makes a regex more than its literal text (no re.VERBOSE: spaces and
+# "#" are themselves).
+_SPECIAL = frozenset(".^$*+?{}[]\\|()")
 
 
 
@@ -128,11 +131,12 @@ def _regex_lines(regex: re.Pattern[bytes], data: bytes, room: int, labels: _Labe
     """The first ``room`` lines on which a match starts, labelled.
 
     A further match on a line already reported costs one comparison, and
-    newlines are counted once, from one reported line to the next.
+    newlines are counted once, from one reported line to the next. The
+    lines are decoded together at the end (``_shown_all``).
     """
     count, find, rfind = data.count, data.find, data.rfind
     nums: list[int] = []
-    texts: list[str] = []
+    raws: list[bytes] = []
     line, counted, end = 0, 0, -1
     for m in regex.finditer(data):
         start = m.start()
@@ -147,8 +151,19 @@ def _regex_lines(regex: re.Pattern[bytes], data: bytes, room: int, labels: _Labe
         line += count(b"\n", counted, begin)
         counted = begin
         nums.append(line)
-        texts.append(_shown(data[begin:end]))
-    return list(map(add, labels.these(nums), texts))
+        raws.append(data[begin:end])
+    return list(map(add, labels.these(nums), _shown_all(raws, data)))
+
+
+def _shown_all(raws: list[bytes], data: bytes) -> Iterable[str]:
+    """``map(_shown, raws)``, the lines of ``data``: without a Python call a
+    line where ``data`` has no CR and no line is long."""
+    if b"\r" in data:
+        return map(_shown, raws)
+    texts: Iterable[str] = map(bytes.decode, raws, repeat("utf-8"), repeat("replace"))
+    if max(map(len, raws), default=0) > _LINE_CHARS:  # no more characters than bytes
+        texts = map(_cut, texts)
+    return texts
 
 
 class _Literal:
@@ -319,7 +334,10 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
     regex = _compile(params.query, params.is_regex)
     # A literal without a newline is found by the literal path; a regex, or
     # a literal that spans lines, by the regex.
-    literal = None if params.is_regex or "\n" in params.query else _Literal(params.query, regex)
+    # A regex without a special character is a literal: its matches are the
+    # literal's, found the literal's way.
+    plain = not params.is_regex or _SPECIAL.isdisjoint(params.query)
+    literal = _Literal(params.query, regex) if plain and "\n" not in params.query else None
     pattern = params.pattern
     top = resolve(ctx.root, params.path)
     rel_top = relative(ctx.root, top)
