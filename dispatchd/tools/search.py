@@ -18,7 +18,11 @@ are dense a window of the file is split into lines in C and each line
 tested with ``in``, so a common word costs no Python per match (see README
 "Speed", search_files). A pathological regex can take long; the
 worker runs this tool on a thread of its own (``slow=True``), so other calls
-are not held up.
+are not held up. A regex query without a special character is searched as
+the literal it is; a real regex goes match by match.
+
+A file's matching lines are labelled (``":N: " + text``, the labels made
+once a call where files are dense) and joined behind its name in one join.
 """
 
 from __future__ import annotations
@@ -57,7 +61,6 @@ _MISSES = 64
 # What makes a regex more than its literal text (no re.VERBOSE: spaces and
 # "#" are themselves).
 _SPECIAL = frozenset(".^$*+?{}[]\\|()")
-
 
 
 def _compile(query: str, is_regex: bool) -> re.Pattern[bytes]:
@@ -333,9 +336,8 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
     """Lines matching ``query`` under ``path`` (a directory or one file)."""
     regex = _compile(params.query, params.is_regex)
     # A literal without a newline is found by the literal path; a regex, or
-    # a literal that spans lines, by the regex.
-    # A regex without a special character is a literal: its matches are the
-    # literal's, found the literal's way.
+    # a literal that spans lines, by the regex. A regex without a special
+    # character is a literal: its matches are the literal's.
     plain = not params.is_regex or _SPECIAL.isdisjoint(params.query)
     literal = _Literal(params.query, regex) if plain and "\n" not in params.query else None
     pattern = params.pattern
