@@ -11,6 +11,8 @@ Guarantees:
   worker's, read their requests through it.
 - File descriptors ride on a frame's first byte (SCM_RIGHTS) and are queued
   until taken; a descriptor the kernel had to drop is an error, not a silence.
+- A read that gives up (a socket timeout) inside a frame loses nothing: the
+  next ``recv`` goes on from where it stopped, large frames included.
 """
 
 from __future__ import annotations
@@ -52,10 +54,15 @@ class FrameTooLarge(ProtocolError):
 
 def encode(msg: msgspec.Struct) -> bytes:
     """One whole frame: length prefix and payload."""
+    payload = _payload(msg)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def _payload(msg: msgspec.Struct) -> bytes:
     payload = _encoder.encode(msg)
     if len(payload) > MAX_FRAME:
         raise FrameTooLarge(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME}-byte limit")
-    return _HEADER.pack(len(payload)) + payload
+    return payload
 
 
 class BadMessage(ProtocolError):
@@ -65,7 +72,7 @@ class BadMessage(ProtocolError):
 T = TypeVar("T")
 
 
-def decode(decoder: msgspec.msgpack.Decoder[T], payload: bytes) -> T:
+def decode(decoder: msgspec.msgpack.Decoder[T], payload: bytes | bytearray) -> T:
     try:
         return decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
@@ -85,7 +92,7 @@ class _IdOnly(msgspec.Struct):
 _id_decoder = msgspec.msgpack.Decoder(_IdOnly)
 
 
-def request_id_of(payload: bytes) -> int:
+def request_id_of(payload: bytes | bytearray) -> int:
     """Best effort: the ``id`` of a request we could not decode, so the error reply
     can still be matched by the sender. 0 when even that is unreadable."""
     try:
@@ -113,6 +120,7 @@ class FrameSocket:
         self._fds = fds
         self.max_frame = max_frame  # the largest payload accepted; the daemon lowers it per phase
         self._buf = bytearray()
+        self._large: tuple[bytearray, int] | None = None  # a large frame's payload being read, and how much came
         self._fd_queue: list[int] = []
 
     def fileno(self) -> int:
@@ -121,17 +129,28 @@ class FrameSocket:
     def buffered(self) -> bool:
         """Whether bytes already read wait to be returned (the socket may not
         be readable while a whole frame sits here)."""
-        return bool(self._buf)
+        return bool(self._buf) or self._large is not None
 
     def send(self, msg: msgspec.Struct, fds: list[int] | None = None) -> None:
-        frame = encode(msg)
+        payload = _payload(msg)
+        header = _HEADER.pack(len(payload))
         if fds:
             # The fds ride on the first byte of the frame; the rest follows.
+            frame = header + payload
             sent = socket.send_fds(self.sock, [frame], fds)
             if sent < len(frame):
                 self.sock.sendall(memoryview(frame)[sent:])
+        elif len(payload) > _LARGE:
+            # A search's every match, a big file: header and payload go in
+            # one sendmsg, without a copy of the payload to join them.
+            sent = self.sock.sendmsg([header, payload])
+            if sent < len(header):
+                self.sock.sendall(header[sent:])
+                sent = len(header)
+            if sent - len(header) < len(payload):
+                self.sock.sendall(memoryview(payload)[sent - len(header):])
         else:
-            self.sock.sendall(frame)
+            self.sock.sendall(header + payload)
 
     def _fill(self) -> bool:
         if self._fds:
@@ -152,8 +171,10 @@ class FrameSocket:
         self._buf += data
         return True
 
-    def recv_payload(self) -> bytes | None:
+    def recv_payload(self) -> bytes | bytearray | None:
         """The next payload, or None on a clean end of stream between frames."""
+        if self._large is not None:  # the rest of a large frame a read gave up inside
+            return self._recv_large()
         if not self._buf and not self._fds:
             # The usual case, a request or its reply: nothing buffered, and
             # one recv brings exactly one whole frame. Its payload is one
@@ -178,7 +199,15 @@ class FrameSocket:
         if length > self.max_frame:
             raise FrameTooLarge(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit")
         if not self._fds and 4 + length - len(self._buf) > _LARGE:
-            return self._recv_large(length)
+            # Far larger than one read (a search's every match, a big file):
+            # read into one buffer of its size, each read as large as the
+            # socket has, instead of 64 KiB at a time appended.
+            large = bytearray(length)
+            have = len(self._buf) - 4  # all of it belongs to this frame (checked above)
+            large[:have] = self._buf[4:]
+            self._buf = bytearray()
+            self._large = (large, have)
+            return self._recv_large()
         while len(self._buf) < 4 + length:
             if not self._fill():
                 raise ProtocolError("connection closed inside a frame")
@@ -186,24 +215,25 @@ class FrameSocket:
         del self._buf[: 4 + length]
         return payload
 
-    def _recv_large(self, length: int) -> bytes:
-        """The rest of a frame far larger than one read (a search's every
-        match, a big file): read into one buffer of its size, each read as
-        large as the socket has, instead of 64 KiB at a time appended."""
-        payload = bytearray(length)
-        have = len(self._buf) - 4  # all of it belongs to this frame (checked by the caller)
-        payload[:have] = self._buf[4:]
-        self._buf = bytearray()
+    def _recv_large(self) -> bytearray:
+        """The rest of the large frame begun in ``_large``. A read that gives
+        up (a client's socket times out after a tick) leaves what came in
+        ``_large``, and the next call goes on from there. The buffer itself is
+        the payload (the decoder takes it as it is: no copy)."""
+        assert self._large is not None
+        payload, have = self._large
         view = memoryview(payload)
         try:
-            while have < length:
-                n = self.sock.recv_into(view[have:], length - have)
+            while have < len(payload):
+                n = self.sock.recv_into(view[have:], len(payload) - have)
                 if n == 0:
                     raise ProtocolError("connection closed inside a frame")
                 have += n
         finally:
             view.release()
-        return bytes(payload)
+            self._large = (payload, have)
+        self._large = None
+        return payload
 
     def recv(self, decoder: msgspec.msgpack.Decoder[T]) -> T | None:
         payload = self.recv_payload()

@@ -18,7 +18,11 @@ are dense a window of the file is split into lines in C and each line
 tested with ``in``, so a common word costs no Python per match (see README
 "Speed", search_files). A pathological regex can take long; the
 worker runs this tool on a thread of its own (``slow=True``), so other calls
-are not held up.
+are not held up. A regex query without a special character is searched as
+the literal it is; a real regex goes match by match.
+
+A file's matching lines are labelled (``":N: " + text``, the labels made
+once a call where files are dense) and joined behind its name in one join.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable, Iterator
-from itertools import chain, compress, islice, repeat
+from collections.abc import Iterable
+from itertools import compress, islice, repeat
+from operator import add, contains
 
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
 from dispatchd.tools.spec import SearchFilesParams
@@ -53,9 +58,9 @@ _WINDOW = 8192
 _SAMPLE = 16384
 _RARE = 1024
 _MISSES = 64
-
-# One file's matching lines: their 0-based numbers and their texts, as shown.
-_Lines = tuple[list[int], list[str]]
+# What makes a regex more than its literal text (no re.VERBOSE: spaces and
+# "#" are themselves).
+_SPECIAL = frozenset(".^$*+?{}[]\\|()")
 
 
 def _compile(query: str, is_regex: bool) -> re.Pattern[bytes]:
@@ -125,15 +130,16 @@ def _cut(text: str) -> str:
     return text if len(text) <= _LINE_CHARS else text[:_LINE_CHARS] + " [...]"
 
 
-def _regex_lines(regex: re.Pattern[bytes], data: bytes, room: int) -> _Lines:
-    """The first ``room`` lines on which a match starts.
+def _regex_lines(regex: re.Pattern[bytes], data: bytes, room: int, labels: _Labels) -> list[str]:
+    """The first ``room`` lines on which a match starts, labelled.
 
     A further match on a line already reported costs one comparison, and
-    newlines are counted once, from one reported line to the next.
+    newlines are counted once, from one reported line to the next. The
+    lines are decoded together at the end (``_shown_all``).
     """
-    count = data.count
+    count, find, rfind = data.count, data.find, data.rfind
     nums: list[int] = []
-    texts: list[str] = []
+    raws: list[bytes] = []
     line, counted, end = 0, 0, -1
     for m in regex.finditer(data):
         start = m.start()
@@ -141,15 +147,26 @@ def _regex_lines(regex: re.Pattern[bytes], data: bytes, room: int) -> _Lines:
             continue
         if len(nums) == room:
             break
-        begin = data.rfind(b"\n", 0, start) + 1
-        end = data.find(b"\n", start)
+        begin = rfind(b"\n", 0, start) + 1
+        end = find(b"\n", start)
         if end == -1:
             end = len(data)
         line += count(b"\n", counted, begin)
         counted = begin
         nums.append(line)
-        texts.append(_shown(data[begin:end]))
-    return nums, texts
+        raws.append(data[begin:end])
+    return list(map(add, labels.these(nums), _shown_all(raws, data)))
+
+
+def _shown_all(raws: list[bytes], data: bytes) -> Iterable[str]:
+    """``map(_shown, raws)``, the lines of ``data``: without a Python call a
+    line where ``data`` has no CR and no line is long."""
+    if b"\r" in data:
+        return map(_shown, raws)
+    texts: Iterable[str] = map(bytes.decode, raws, repeat("utf-8"), repeat("replace"))
+    if max(map(len, raws), default=0) > _LINE_CHARS:  # no more characters than bytes
+        texts = map(_cut, texts)
+    return texts
 
 
 class _Literal:
@@ -219,46 +236,44 @@ class _Literal:
         return -1
 
 
-def _literal_lines(literal: _Literal, data: bytes, start: int, room: int) -> _Lines:
+def _literal_lines(literal: _Literal, data: bytes, start: int, room: int, labels: _Labels) -> list[str]:
     """The first ``room`` lines holding the literal, the first of them at
-    ``start``: the lines a regex of the literal reports.
+    ``start``, labelled: the lines a regex of the literal reports.
 
-    A line is found with ``find``; where the next match is near, the next
-    ``_WINDOW`` bytes are split into lines instead (``_window_lines``).
+    A line is found with ``find``; where the next match is near, the lines
+    from this one to ``_WINDOW`` bytes further are split and tested
+    instead (``_window_lines``).
     """
     count, find = data.count, data.find
-    nums: list[int] = []
-    texts: list[str] = []
+    out: list[str] = []
     line, counted = 0, 0  # ``line`` newlines in data[:counted]
-    while start >= 0 and len(nums) < room:
+    while start >= 0 and len(out) < room:
         begin = data.rfind(b"\n", 0, start) + 1
         end = find(b"\n", start)
         if end == -1:
             end = len(data)
         line += count(b"\n", counted, begin)
         counted = begin
-        nums.append(line)
-        texts.append(_shown(data[begin:end]))
         start = literal.find(data, end + 1)
-        if start < 0 or start - end > _NEAR or len(nums) == room:
+        if start < 0 or start - end > _NEAR or len(out) + 1 == room:
+            out.append(labels.one(line) + _shown(data[begin:end]))
             continue
-        # Dense: the lines from the next one to the end of the window.
+        # Dense: the lines from this one to the end of the window.
         stop = find(b"\n", end + 1 + _WINDOW)
         if stop == -1:
             stop = len(data)
-        lines = _window_lines(literal.word, data[end + 1:stop], line + 1, room - len(nums), nums, texts)
-        line += 2 + lines  # the line that starts at ``stop + 1``
-        counted = stop + 1
-        start = literal.find(data, counted)
-    return nums, texts
+        line += 1 + _window_lines(literal.word, data[begin:stop], line, room - len(out), labels, out)
+        counted = stop + 1  # ``line`` is the number of the line that starts there
+        start = literal.find(data, counted) if counted < len(data) else -1
+    return out
 
 
-def _window_lines(word: str, window: bytes, line: int, room: int, nums: list[int], texts: list[str]) -> int:
-    """Append to ``nums`` and ``texts`` the first ``room`` lines of ``window``
-    (whole lines, the first numbered ``line``) holding ``word``; return how
-    many newlines the window holds. All at C speed: the window decoded,
-    split into lines, each line tested with ``in``, the hits picked with
-    ``compress``.
+def _window_lines(word: str, window: bytes, line: int, room: int, labels: _Labels, out: list[str]) -> int:
+    """Append to ``out`` the first ``room`` lines of ``window`` (whole lines,
+    the first numbered ``line``) holding ``word``, labelled; return how many
+    newlines the window holds. All at C speed: the window decoded, split
+    into lines, each line tested with ``in``, the hits picked with
+    ``compress``, their labels joined to them with ``map``.
 
     The test on characters is the test on bytes: a valid needle starts and
     ends on character boundaries, and an invalid byte (decoded to a lone
@@ -271,7 +286,7 @@ def _window_lines(word: str, window: bytes, line: int, room: int, nums: list[int
         text = window.decode("utf-8", "surrogateescape")
         valid = False
     lines = text.split("\n")
-    hits = [word in one for one in lines]
+    hits = list(map(contains, lines, repeat(word)))
     found = list(islice(compress(lines, hits), room))
     if not valid:  # shown as the whole-file decode shows it: U+FFFD for each bad sequence
         found = [t.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for t in found]
@@ -279,28 +294,52 @@ def _window_lines(word: str, window: bytes, line: int, room: int, nums: list[int
         found = [t[:-1] if t.endswith("\r") else t for t in found]
     if len(text) > _LINE_CHARS and max(map(len, found), default=0) > _LINE_CHARS:
         found = list(map(_cut, found))
-    nums += islice(compress(range(line, line + len(lines)), hits), room)
-    texts += found
+    out += map(add, labels.some(line, hits, len(found)), found)
     return len(lines) - 1
 
 
-def _labels(labels: list[str], nums: list[int]) -> Iterator[str]:
-    """``":N: "`` for each N of ``nums`` (ascending), from ``labels`` where
-    that is cheap (a dense file's numbers are made once, not for each
-    match; a sparse file's far numbers are made one by one)."""
-    if nums[-1] >= len(labels):
-        if nums[-1] > len(labels) + 4 * len(nums) + 64:
+class _Labels:
+    """``":N: "`` for line numbers: made once a call for the numbers dense
+    files reach (a dense file's labels are not made for each match), one by
+    one for far numbers that few matches reach."""
+
+    def __init__(self) -> None:
+        self.made: list[str] = []  # ":N: " for N < len(made)
+
+    def one(self, num: int) -> str:
+        made = self.made
+        return made[num] if num < len(made) else ":%d: " % num
+
+    def these(self, nums: list[int]) -> Iterable[str]:
+        """The labels of ``nums`` (ascending)."""
+        made = self.made
+        if not nums or nums[-1] < len(made):
+            return map(made.__getitem__, nums)
+        if nums[-1] > len(made) + 4 * len(nums) + 64:
             return map(":%d: ".__mod__, nums)
-        labels += map(":%d: ".__mod__, range(len(labels), nums[-1] + 1))
-    return map(labels.__getitem__, nums)
+        made += map(":%d: ".__mod__, range(len(made), nums[-1] + 1))
+        return map(made.__getitem__, nums)
+
+    def some(self, first: int, hits: list[bool], found: int) -> Iterable[str]:
+        """The labels of lines ``first``, ``first + 1``, ... where ``hits``
+        is true; ``found`` of them are taken."""
+        made = self.made
+        stop = first + len(hits)
+        if stop > len(made):
+            if stop > len(made) + 4 * found + 64:
+                return map(":%d: ".__mod__, compress(range(first, stop), hits))
+            made += map(":%d: ".__mod__, range(len(made), stop))
+        return compress(made[first:stop], hits)
 
 
 def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
     """Lines matching ``query`` under ``path`` (a directory or one file)."""
     regex = _compile(params.query, params.is_regex)
     # A literal without a newline is found by the literal path; a regex, or
-    # a literal that spans lines, by the regex.
-    literal = None if params.is_regex or "\n" in params.query else _Literal(params.query, regex)
+    # a literal that spans lines, by the regex. A regex without a special
+    # character is a literal: its matches are the literal's.
+    plain = not params.is_regex or _SPECIAL.isdisjoint(params.query)
+    literal = _Literal(params.query, regex) if plain and "\n" not in params.query else None
     pattern = params.pattern
     top = resolve(ctx.root, params.path)
     rel_top = relative(ctx.root, top)
@@ -310,8 +349,8 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
         raise ToolFailure(f"not found: {rel_top}")
     limit = ctx.limits.search_max_results
     cap = ctx.limits.file_size_cap_bytes
-    parts: list[str] = []  # the output, in pieces: name, label, text, newline, ...
-    labels: list[str] = []  # ":N: " for N < len(labels), made once a call
+    chunks: list[str] = []  # the output, a piece a file
+    labels = _Labels()
     count = 0
     truncated = False
     searched = 0
@@ -323,25 +362,24 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
             searched += 1
             # One line more than fits tells that the results were cut.
             if literal is None:
-                nums, texts = _regex_lines(regex, data, limit - count + 1)
+                lines = _regex_lines(regex, data, limit - count + 1, labels)
+                if not lines:
+                    continue
             else:
                 if literal.rare is None:
                     literal.learn(data)
                 first = literal.find(data, 0)
                 if first < 0:
                     continue
-                nums, texts = _literal_lines(literal, data, first, limit - count + 1)
-            if not nums:
-                continue
-            if count + len(nums) > limit:
-                del nums[limit - count:], texts[limit - count:]
+                lines = _literal_lines(literal, data, first, limit - count + 1, labels)
+            if count + len(lines) > limit:
+                del lines[limit - count:]
                 truncated = True
-            if len(nums) == 1:  # the common case of a sparse search, without the iterators
-                count += 1
-                parts += (printable(rel), ":%d: " % nums[0], texts[0], "\n")
-            elif nums:
-                count += len(nums)
-                parts += chain.from_iterable(zip(repeat(printable(rel)), _labels(labels, nums), texts, repeat("\n")))
+            count += len(lines)
+            if lines:
+                name = printable(rel)
+                # name + ":N: text", newline, name + ...: one join a file
+                chunks.append(name + lines[0] if len(lines) == 1 else name + ("\n" + name).join(lines))
             if truncated:
                 break
     except OSError as exc:  # reading ``top`` itself; deeper errors are skipped
@@ -349,8 +387,7 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
     meta = {"count": count, "truncated": truncated, "files_searched": searched}
     if not count:
         return Outcome.ok("no matches", meta)
-    parts.pop()  # the last newline
-    output = "".join(parts)
+    output = "\n".join(chunks)
     if truncated:
         output += f"\n... (stopped at {limit} matches)"
     return Outcome.ok(output, meta)

@@ -420,6 +420,62 @@ def test_a_large_frame_then_a_small_one_in_the_same_stream(pair: tuple[socket.so
         sender.join()
 
 
+def test_a_large_frame_read_across_timed_out_reads(pair: tuple[socket.socket, socket.socket]):
+    """The client's socket gives up a read after a tick (SO_RCVTIMEO) and
+    reads again: a large frame whose sender stalls longer than that goes on
+    from where it was, not from a lost buffer (which read the middle of the
+    frame as a length prefix)."""
+    a, b = pair
+    b.settimeout(None)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 0, 20_000))
+    big = p.ToolReply(id=1, success=True, output="".join(chr(0x41 + i % 50) for i in range(3 << 20)))
+    small = p.OkReply(id=2)
+    stream = p.encode(big) + p.encode(small)
+
+    def send_with_stalls() -> None:
+        for i in range(0, len(stream), 1 << 20):
+            a.sendall(stream[i : i + (1 << 20)])
+            time.sleep(0.1)
+
+    sender = threading.Thread(target=send_with_stalls)
+    sender.start()
+    reader = FrameSocket(b)
+    got: list[object] = []
+    gave_up = 0
+    try:
+        while len(got) < 2:
+            try:
+                got.append(reader.recv(p.channel_reply_decoder if not got else p.to_worker_decoder))
+            except (BlockingIOError, TimeoutError):
+                gave_up += 1
+    finally:
+        sender.join()
+    assert got == [big, small]
+    assert gave_up > 0  # the stalls did reach the reader
+
+
+def test_a_large_frame_is_sent_whole_and_in_order(pair: tuple[socket.socket, socket.socket]):
+    """FrameSocket.send puts a large payload behind its header without a
+    copy (one sendmsg, then the rest): the bytes are the encoded frame's."""
+    a, b = pair
+    big = p.ToolReply(id=1, success=True, output="\u00e9x" * (1 << 20))
+    received = bytearray()
+
+    def read_all() -> None:
+        while len(received) < len(p.encode(big)) + len(p.encode(p.OkReply(id=2))):
+            received.extend(b.recv(1 << 16))
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    try:
+        sender = FrameSocket(a)
+        sender.send(big)
+        sender.send(p.OkReply(id=2))
+    finally:
+        reader.join()
+    assert bytes(received) == p.encode(big) + p.encode(p.OkReply(id=2))
+
+
 def test_eof_inside_a_large_frame_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]):
     a, b = pair
     frame = p.encode(p.ToolReply(id=1, success=True, output="y" * (1 << 20)))

@@ -173,3 +173,52 @@ def test_a_rare_byte_that_turns_out_common(tmp_path: Path) -> None:
     got = _run(search_files, ctx, params)
     assert got == _run(search_reference.search_files, ctx, params)
     assert got[3] == {"count": 5, "truncated": False, "files_searched": 3}
+
+
+_DENSE_UNITS = [b"aa", b"a", b"ab", b"b", b" ", b"A", b"\xc3\xa9", b"\xc3\x89", b"\xe2\x82\xac", b"\xff", b"x",
+                b"\t", b"aaa", b"value", b"VALUE", b"\xc3\x83"]
+_DENSE_QUERIES = ["a", "aa", "aaa", "ab", "b", "A", "\u00e9", "\u00c9", "\u20ac", "a a", "value", "x", "ba", " "]
+
+
+def _dense_file(rng: random.Random) -> bytes:
+    """Many short lines, most holding the query: empty lines, CRLF or LF (or
+    both, or a lone CR), overlapping occurrences ("aaaa" for "aa"), mixed
+    case and non-ASCII, invalid bytes, a long line now and then, a match on
+    the first and the last line, a final newline, none, or a last CR."""
+    ends = rng.choice([[b"\n"], [b"\r\n"], [b"\n", b"\r\n"], [b"\n", b"\r"]])
+    lines = []
+    for _ in range(rng.randint(1, 400)):
+        if rng.random() < 0.1:
+            lines.append(b"")
+        elif rng.random() < 0.02:
+            lines.append(rng.choice([b"a", b"\xc3\xa9", b"\xff"]) * rng.randint(200, 700))
+        else:
+            lines.append(b"".join(rng.choice(_DENSE_UNITS) for _ in range(rng.randint(1, 8))))
+    body = b"".join(line + rng.choice(ends) for line in lines)
+    return rng.choice([body, body, body.rstrip(b"\r\n"), body.rstrip(b"\r\n") + b"\r"])
+
+
+@pytest.mark.parametrize("seed", range(max(CASES // 100, 1)))
+def test_dense_matches_the_same(tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dense paths (a literal's windows; a regex's lines decoded
+    together; a regex without a special character searched as a literal)
+    on files where most lines match, against the frozen old function."""
+    rng = random.Random(1000 + seed)
+    for case in range(20):
+        monkeypatch.setattr(search, "_NEAR", rng.choice([search._NEAR, 0, 3, 30]))
+        monkeypatch.setattr(search, "_WINDOW", rng.choice([search._WINDOW, 0, 7, 100]))
+        root = Path(os.path.realpath(tmp_path)) / f"t{case}"
+        root.mkdir()
+        for i in range(rng.randint(1, 5)):
+            (root / f"f{i}.txt").write_bytes(_dense_file(rng))
+        limits = msgspec.structs.replace(Limits(), search_max_results=rng.choice([1, 7, 100, 10**6]))
+        ctx = ToolContext(root=str(root), limits=limits, env={})
+        for _ in range(8):
+            query = rng.choice(_DENSE_QUERIES)
+            is_regex = rng.random() < 0.5
+            if is_regex and rng.random() < 0.5:  # a regex with special characters: the regex's own path
+                query = rng.choice(["(?i)" + query, query + "+", "^" + query, query + "$", "(" + query + ")"])
+            params = SearchFilesParams(query=query, is_regex=is_regex)
+            assert _run(search_files, ctx, params) == _run(search_reference.search_files, ctx, params), (
+                seed, case, params)
+        shutil.rmtree(root)
