@@ -9,6 +9,11 @@ Prints, per daemon, the client's open → ready and open → first ``read_file``
 daemon's own steps from its debug log: the worker's steps at open (for one
 made ahead, only what it applies at adoption) and the daemon's whole start
 of the worker. A benchmark, not a test.
+
+``--against DIR`` (an A/B of two checkouts in the same minutes): the
+baseline is instead a pooled daemon running the ``dispatchd`` package of the
+checkout DIR (the same client library, this one's); each round opens on the
+two in turn, in alternating order.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _row(what: str, xs: list[float], base: list[float] | None = None) -> None:
     p50 = statistics.median(xs)
-    ratio = f"  {p50 / statistics.median(base):.2f}× of the open without" if base else ""
+    ratio = f"  {p50 / statistics.median(base):.2f}× the baseline" if base else ""
     print(f"{what:<52} {p50 * 1e3:8.2f} ms {_pct(xs, 0.99) * 1e3:8.2f} ms{ratio}")
 
 
@@ -59,6 +64,9 @@ def main() -> int:
     ap.add_argument("n", type=int, nargs="?", default=40)
     ap.add_argument("--pause", type=float, default=0.05, help="seconds between opens (default 0.05)")
     ap.add_argument("--network", default="off", help="the sessions' network mode (default off)")
+    ap.add_argument("--against", metavar="DIR", default="",
+                    help="A/B: a third daemon, pooled, running the dispatchd package of the checkout DIR "
+                         "(another branch; the same client)")
     args = ap.parse_args()
     if os.geteuid() == 0:
         print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
@@ -70,10 +78,13 @@ def main() -> int:
     os.makedirs(wt)
     Path(wt, "f.txt").write_text("hello\n" * 60)
     daemons = {}
-    for name, extra in (("pool", []), ("nopool", ["--pool", "0"])):
+    runs: list[tuple[str, list[str], str]] = [("pool", [], "")]
+    # A/B: the other checkout's pooled daemon is the baseline (no --pool 0 one: its opens only add noise).
+    runs.append(("against", [], os.path.abspath(args.against)) if args.against else ("nopool", ["--pool", "0"], ""))
+    for name, extra, code in runs:
         d = os.path.join(tmp, name)
         os.makedirs(d)
-        daemons[name] = (*start_daemon(d, "--log-level", "debug", *extra), d)
+        daemons[name] = (*start_daemon(d, "--log-level", "debug", *extra, code=code), d)
     try:
         clients = {name: dispatch.connect(sock) for name, (_, sock, _) in daemons.items()}
         ready: dict[str, list[float]] = {name: [] for name in daemons}
@@ -81,7 +92,10 @@ def main() -> int:
         made_ahead = 0
         time.sleep(1.0)  # the pool's first sandboxes
         for i in range(args.n + 2):
-            for name, client in clients.items():
+            # Each round in another order: an open's place after another
+            # daemon's close (its teardown) is not always the same daemon's.
+            order = list(clients.items())
+            for name, client in order[i % len(order):] + order[:i % len(order)]:
                 time.sleep(args.pause)
                 t = time.perf_counter()
                 s = client.open_session(wt, network=args.network)
@@ -98,10 +112,16 @@ def main() -> int:
         print(f"{args.n} opens each, network {args.network}, {args.pause:g} s apart; "
               f"{made_ahead} of {args.n} served by a sandbox made ahead")
         print(f"{'what':<52} {'p50':>11} {'p99':>11}")
-        _row("open → ready, no pool (baseline)", ready["nopool"])
-        _row("open → ready, sandboxes made ahead", ready["pool"], ready["nopool"])
-        _row("open → first read_file, no pool (baseline)", first["nopool"])
-        _row("open → first read_file, sandboxes made ahead", first["pool"], first["nopool"])
+        if not args.against:
+            _row("open → ready, no pool (baseline)", ready["nopool"])
+            _row("open → ready, sandboxes made ahead", ready["pool"], ready["nopool"])
+            _row("open → first read_file, no pool (baseline)", first["nopool"])
+            _row("open → first read_file, sandboxes made ahead", first["pool"], first["nopool"])
+        else:
+            _row("open → ready, made ahead, --against (baseline)", ready["against"])
+            _row("open → ready, made ahead, this checkout", ready["pool"], ready["against"])
+            _row("open → first read_file, made ahead, --against (baseline)", first["against"])
+            _row("open → first read_file, made ahead, this checkout", first["pool"], first["against"])
         for name in daemons:
             steps, total = _steps(Path(daemons[name][2], "daemon.log").read_text(errors="replace"))
             print(f"daemon {name}: its start of the worker, p50 {statistics.median(total):.2f} ms; worker steps p50 (ms): "
