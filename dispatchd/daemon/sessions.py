@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd import protocol
+from dispatchd import protocol, threads
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
@@ -503,8 +503,10 @@ class SessionManager:
         session.generation += 1
         session.ended = threading.Event()
         log.debug("event=worker_started session=%s total_ms=%.2f", session.id, (time.perf_counter() - started) * 1e3)
-        threading.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
-                         daemon=True, name=f"watch-{session.id}").start()
+        # Not waited for (threads.py): nothing of the open needs it running
+        # yet; what the worker sends meanwhile waits in the channel.
+        threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
+                       daemon=True, name=f"watch-{session.id}").start()
 
     # --- sandboxes made ahead (pool.py) ----------------------------------------
 
