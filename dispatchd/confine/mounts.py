@@ -52,7 +52,7 @@ import msgspec
 
 from dispatchd.confine import _sys
 from dispatchd.errors import ConfinementError
-from dispatchd.inside import is_within
+from dispatchd.inside import Tops, is_within
 from dispatchd.protocol.reports import RootEntry
 
 WORKTREE_FD = "@worktree"  # a bind's source: the daemon's descriptor of the worktree
@@ -93,8 +93,8 @@ class MountPlan(msgspec.Struct, frozen=True):
         session = [b for b in self.binds
                    if not ((b.how == "ro" and not b.source and b.path in self.system) or b.path in self.ahead)]
         late = {b.path for b in session}
-        shared = [b for b in self.binds if b.path not in late
-                  and not any(p != b.path and is_within(b.path, p) for p in late)]
+        below_late = Tops(late)
+        shared = [b for b in self.binds if b.path not in late and not below_late.holds_below(b.path)]
         kept = {b.path for b in shared}
         return shared, [b for b in self.binds if b.path not in kept]
 
@@ -126,9 +126,8 @@ def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw:
         binds.setdefault(b.path, b)
     # A read-only path inside another read-only one (the interpreter's
     # library under /usr) is there already: one mount fewer per open.
-    plain_ro = [b.path for b in binds.values() if b.how == "ro" and not b.source]
-    ordered = sorted((b for b in binds.values()
-                      if not (b.how == "ro" and not b.source and any(p != b.path and is_within(b.path, p) for p in plain_ro))),
+    plain_ro = Tops(b.path for b in binds.values() if b.how == "ro" and not b.source)
+    ordered = sorted((b for b in binds.values() if not (b.how == "ro" and not b.source and plain_ro.holds_below(b.path))),
                      key=_depth_order)
     keep = [b.path for b in ordered]
     # Hiding a directory that holds a path the session needs would hide that path too.
