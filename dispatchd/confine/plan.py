@@ -272,7 +272,8 @@ def plan_session(
                              over=list(git.read_only) if worktree_rw else [], devices=devices,
                              hide=list(paths.runtime_dirs), system=list(fs.read_only) + list(paths.code),
                              # The session id's own: a sandbox made ahead for it binds them early.
-                             ahead=[paths.scratch, "/tmp"])
+                             ahead=[paths.scratch, "/tmp"],
+                             host_by_fd=kernel.host_tree_missing == "")
         labels = {paths.scratch: "the session's scratch: HOME, TMPDIR",
                   **{p: "system" for p in fs.read_only}, **{p: "dispatchd's code" for p in paths.code},
                   **{p: "git" for p in [*git.readable, *git.writable, *git.read_only]},

@@ -66,15 +66,16 @@ class _Clock:
         self.last = now
 
 
-def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Clock, hold: list[int]) -> None:
+def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Clock, hold: list[int]) -> int:
     """The part of the plan every session of its kind shares (``pool_key``):
     what a sandbox made ahead applies before it knows its session.
 
     On return only ``keep`` and ``hold`` are open (with a network namespace
-    of its own, its user and network namespaces are appended to ``keep``);
-    with a root of its own the host's root is still reachable below
-    ``mounts.OLD_ROOT``, so no code of a session may run until
-    ``confine_session`` has returned.
+    of its own, its user and network namespaces are appended to ``keep``),
+    and the descriptor returned (-1: none): with a root of its own the host's
+    root is still reachable, below ``mounts.OLD_ROOT`` or by that descriptor
+    (``mounts._hold_host``), so no code of a session may run until
+    ``confine_session`` (given it) has returned.
 
     With user namespaces the caller was born in them (``clone3`` in the fork
     server, ``namespaces.spawn_in_namespaces``), in the session's cgroup, as
@@ -100,8 +101,9 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     clock("ucounts")
     if not plan.namespaces.pid:
         hygiene.child_subreaper()  # orphans come back to us, not to the host's init
+    host_fd = -1
     if plan.mounts is not None:
-        mounts.apply_root(plan.mounts)  # needs the namespace's capabilities: before dropping them
+        host_fd = mounts.apply_root(plan.mounts)  # needs the namespace's capabilities: before dropping them
         clock("root")
     if plan.loopback:
         netns.apply_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
@@ -112,18 +114,21 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     if plan.namespaces.user:
         hygiene.drop_bounding_set()  # no exec gains a capability; those in effect stay for the mounts
     clock("bounding_set")
+    return host_fd
 
 
 def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _Clock,
-                    worktree_fd: int) -> list[str]:
+                    worktree_fd: int, host_fd: int = -1) -> list[str]:
     """The rest of the plan, after ``confine_shared``, in order. Returns the
     skipped (absent) paths. ``worktree_fd`` is the daemon's descriptor of the
     worktree it checked: the mounts bind it and Landlock grants it, never the
     path by name; it is closed here. On return the caller is confined,
     single-threaded, with only ``keep`` open (under network "domains", the
-    proxy's listener appended)."""
+    proxy's listener appended). ``host_fd``: what ``confine_shared`` returned
+    (the host's root, closed here with the session's binds)."""
     if plan.mounts is not None:
-        mounts.apply_session_mounts(plan.mounts, worktree_fd, clock)  # still with the namespace's capabilities
+        # Still with the namespace's capabilities.
+        mounts.apply_session_mounts(plan.mounts, worktree_fd, clock, host_fd=host_fd)
         clock("read_only")
     if plan.proxy_port:
         # The only door out of a "domains" session, made before any of its code
@@ -215,10 +220,10 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     keep = [control_fd]
     made_ahead = worktree_fd < 0  # a sandbox of the pool: its session comes later
     try:
-        confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd])
+        host_fd = confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd])
         if made_ahead:
             plan, worktree_fd = _wait_for_session(control, plan, keep, clock)
-        skipped = confine_session(plan, program, keep, clock, worktree_fd)
+        skipped = confine_session(plan, program, keep, clock, worktree_fd, host_fd)
     except ConfinementError as exc:
         _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
         os._exit(1)
