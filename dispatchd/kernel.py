@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 from dispatchd.confine.landlock import landlock_abi
-from dispatchd.confine.mounts import probe_host_tree
 from dispatchd.confine.namespaces import probe_user_namespaces
 from dispatchd.confine.netstack import probe_nft, probe_stack
 from dispatchd.protocol.reports import KernelFeatures
@@ -56,5 +55,4 @@ def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
         cgroup2=cgroup2,
         network_stack_missing=probe_stack(),
         nftables_missing=probe_nft(),
-        host_tree_missing=probe_host_tree() if userns else "no user namespaces",
     )

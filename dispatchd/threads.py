@@ -40,7 +40,7 @@ class Thread(threading.Thread):
         with _LIMBO_LOCK:
             _LIMBO[self] = self
         try:
-            _START_NEW(self._bootstrap, ())  # type: ignore[attr-defined]
+            _START_NEW(self._bootstrap, ())
         except Exception:
             with _LIMBO_LOCK:
                 del _LIMBO[self]

@@ -186,7 +186,11 @@ def plan_session(
     ports: NetworkPorts | None = None,
     delegation: Delegation = Delegation(note="not looked for"),
     git_identity: dict[str, str] | None = None,
+    host_tree: bool = False,
 ) -> SessionPlan:
+    """``host_tree``: the kernel binds from a detached copy of a mount tree
+    (``mounts.probe_host_tree``, probed once at start), so a root of the
+    session's own holds the host's by descriptor until the session's binds."""
     if network not in NETWORK_MODES:
         raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
     ports = ports or NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
@@ -273,7 +277,7 @@ def plan_session(
                              hide=list(paths.runtime_dirs), system=list(fs.read_only) + list(paths.code),
                              # The session id's own: a sandbox made ahead for it binds them early.
                              ahead=[paths.scratch, "/tmp"],
-                             host_by_fd=kernel.host_tree_missing == "")
+                             host_by_fd=host_tree)
         labels = {paths.scratch: "the session's scratch: HOME, TMPDIR",
                   **{p: "system" for p in fs.read_only}, **{p: "dispatchd's code" for p in paths.code},
                   **{p: "git" for p in [*git.readable, *git.writable, *git.read_only]},

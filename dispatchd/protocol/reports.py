@@ -36,10 +36,6 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     # "on" and "ports" fall back to the host's network, and say so.
     network_stack_missing: str = "not looked for"
     nftables_missing: str = "not looked for"
-    # Whether a session's root can hold the host's until its own paths are
-    # bound as a detached tree, by descriptor (confine/mounts.py _hold_host):
-    # "" when it can, else why not (the host's root is then kept mounted below).
-    host_tree_missing: str = "not looked for"
 
 
 class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):

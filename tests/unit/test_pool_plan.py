@@ -72,9 +72,9 @@ def test_the_two_parts_are_every_bind_once():
 
 
 def plan(*, policy: Policy | None = None, network: str = "off", paths: SessionPaths = PATHS, session: str = "s1",
-         userns: bool = True, delegation: Delegation = Delegation(note="none")) -> SessionPlan:
+         userns: bool = True, delegation: Delegation = Delegation(note="none"), host_tree: bool = False) -> SessionPlan:
     return plan_session(policy or Policy(), kernel(userns=userns), session=session, paths=paths, network=network,
-                        uid=UID, gid=GID, base_env={}, delegation=delegation)
+                        uid=UID, gid=GID, base_env={}, delegation=delegation, host_tree=host_tree)
 
 
 def test_sessions_of_one_policy_and_network_share_a_key_whatever_their_worktree():
@@ -94,6 +94,15 @@ def test_what_the_sandbox_applied_ahead_changes_the_key():
     assert pool_key(plan(network="on")) != base  # its stack, its seccomp
     assert pool_key(plan(policy=Policy(filesystem=Filesystem(read_only=("/usr",))))) != base  # its root
     assert pool_key(plan(policy=Policy(limits=Limits(max_inotify_watches=10)))) != base  # its kernel budgets
+    # how it holds the host's root until the session's binds (below its own, or by descriptor)
+    assert pool_key(plan(host_tree=True)) != base
+
+
+def test_the_host_root_is_held_by_descriptor_only_where_the_kernel_binds_from_one():
+    held = plan(host_tree=True).mounts
+    assert held is not None and held.host_by_fd and held.root_part().host_by_fd
+    assert plan().mounts is not None and not plan().mounts.host_by_fd  # type: ignore[union-attr]
+    assert plan(policy=Policy(filesystem=Filesystem(root="host")), host_tree=True).mounts.host_by_fd is False  # type: ignore[union-attr]
 
 
 def test_a_cgroup_is_made_for_one_session_id():
