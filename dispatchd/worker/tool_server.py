@@ -470,21 +470,34 @@ def max_channels(max_processes: int, max_open_files: int) -> int:
 
 def warm_up(plan: SessionPlan) -> None:
     """Run a session's usual first call once, on the sandbox's own files
-    (``read_file`` of the root's ``/etc/hostname``, the request decoded and
-    the reply encoded as a channel would): a sandbox made ahead does it while
-    it waits, so that the pages and caches its first real call touches are
-    ready (copied from the fork server, Python's code warmed up). Reads one
-    small system file; keeps nothing; any failure is ignored."""
+    (``read_file`` of the root's ``/etc/hostname``), the whole way a channel
+    serves it: a request framed on a socket pair, read by a channel, run by a
+    server of its own, the reply framed back and read. A sandbox made ahead
+    does it while it waits, so that the pages and caches its session's first
+    call touches are ready (copied from the fork server, Python's code warmed
+    up: the session's first call took about twice its second, 0.5 against
+    0.25 ms). On this thread, with nothing of it kept: the server, its
+    channel, the pair and the server's eventfd are closed before it returns.
+    Reads one small system file; any failure is ignored."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = protocol.FrameSocket(ours)
+    server: _Server | None = None
     try:
-        request = protocol.encode(protocol.CallTool(id=1, tool="read_file", params={"path": "hostname"}))
-        call = protocol.decode(protocol.channel_request_decoder, request[4:])
-        assert isinstance(call, protocol.CallTool)
-        ctx = ToolContext(root="/etc", limits=plan.limits, env={}, writable=False)
-        out = run_tool(TOOLS["read_file"], ctx, call.params)
-        protocol.encode(protocol.ToolReply(id=call.id, success=out.success, output=out.output, error=out.error,
-                                           metadata=out.metadata))
+        server = _Server(plan, _Control(protocol.FrameSocket(theirs)))
+        server.ctx = ToolContext(root="/etc", limits=plan.limits, env={}, writable=False)
+        server.tools = {"read_file": TOOLS["read_file"]}
+        channel = _Channel(theirs, server)
+        client.send(protocol.CallTool(id=1, tool="read_file", params={"path": "hostname"}))
+        ours.shutdown(socket.SHUT_WR)  # one request: the channel ends after it
+        channel.run()
+        client.recv(protocol.channel_reply_decoder)
     except Exception:  # noqa: BLE001 (a warm-up: nothing depends on it)
         pass
+    finally:
+        client.close()
+        theirs.close()
+        if server is not None:
+            os.close(server.records_wake)
 
 
 def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
