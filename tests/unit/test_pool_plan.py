@@ -98,6 +98,24 @@ def test_what_the_sandbox_applied_ahead_changes_the_key():
     assert pool_key(plan(host_tree=True)) != base
 
 
+def test_landlock_rules_of_paths_the_sessions_binds_cover_wait_for_them():
+    """A rule binds to the inode its path leads to: one under a path the
+    session binds at adoption (an extra path over a system path, a worktree
+    at one) is added then, not with the root; the key says so (a sandbox made
+    for the plain kind does not serve it)."""
+    base = plan()
+    assert "/etc" in base.landlock.ahead and "/tmp" in base.landlock.ahead and "/proc" in base.landlock.ahead
+    assert WT not in base.landlock.ahead and SCRATCH not in base.landlock.ahead  # the session's own
+    over = SessionPaths(worktree=WT, scratch=SCRATCH, runtime_dirs=[RUNTIME], code=[CODE], read_only=["/"])
+    assert plan(paths=over).landlock.ahead == []
+    at = SessionPaths(worktree="/etc", scratch=SCRATCH, runtime_dirs=[RUNTIME], code=[CODE])
+    assert "/etc" not in plan(paths=at).landlock.ahead and "/usr" in plan(paths=at).landlock.ahead
+    assert pool_key(plan(paths=at)) != pool_key(base)
+    # Below a session's path is fine: its own bind does not change the inode above it.
+    below = SessionPaths(worktree="/usr/src/wt", scratch=SCRATCH, runtime_dirs=[RUNTIME], code=[CODE])
+    assert "/usr" in plan(paths=below).landlock.ahead
+
+
 def test_the_host_root_is_held_by_descriptor_only_where_the_kernel_binds_from_one():
     held = plan(host_tree=True).mounts
     assert held is not None and held.host_by_fd and held.root_part().host_by_fd
