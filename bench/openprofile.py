@@ -123,7 +123,13 @@ def main() -> int:
             _row("open → first read_file, made ahead, --against (baseline)", first["against"])
             _row("open → first read_file, made ahead, this checkout", first["pool"], first["against"])
         for name in daemons:
-            steps, total = _steps(Path(daemons[name][2], "daemon.log").read_text(errors="replace"))
+            log_text = Path(daemons[name][2], "daemon.log").read_text(errors="replace")
+            slow = max(re.findall(r"event=open_steps session=(\w+) steps_ms=(\S*)", log_text),
+                       key=lambda m: sum(float(p.split(":")[1]) for p in m[1].split(",")), default=None)
+            if slow is not None:
+                ready_line = re.search(rf"event=worker_ready session={slow[0]} \S+ (.*)", log_text)
+                print(f"daemon {name}: its slowest open: {slow[1]}; {ready_line.group(1) if ready_line else ''}")
+            steps, total = _steps(log_text)
             print(f"daemon {name}: its start of the worker, p50 {statistics.median(total):.2f} ms; worker steps p50 (ms): "
                   + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in sorted(steps.items())))
     finally:
