@@ -81,7 +81,7 @@ class MountPlan(msgspec.Struct, frozen=True):
     ahead: list[str] = []
     # The host's root kept, until the session's own binds, as a detached copy
     # held by descriptor rather than a mount below the session's root (see
-    # ``_hold_host``): where the kernel binds from one (6.15+; kernel.probe).
+    # ``_hold_host``): where the kernel binds from one (6.15+; probe_host_tree, at the daemon's start).
     host_by_fd: bool = False
 
     def writable(self) -> list[str]:
