@@ -427,12 +427,16 @@ class _BigServer:
         self.server.server_close()
 
 
-def start_daemon(tmp: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(tmp: str, *extra: str, code: str = "") -> tuple[subprocess.Popen[bytes], str]:
+    """A daemon on a socket under ``tmp``; ``code``: run the ``dispatchd``
+    package of that checkout instead of this one (A/B runs)."""
     sock = os.path.join(tmp, "run", "d.sock")
     env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmp, "state"))
+    if code:
+        env["PYTHONPATH"] = code  # and run from there: `python -m` puts the working directory first
     log = open(os.path.join(tmp, "daemon.log"), "wb")  # noqa: SIM115 (lives as long as the daemon)
     proc = subprocess.Popen([sys.executable, "-m", "dispatchd", "--socket", sock, *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=code or None)
     for _ in range(400):
         if os.path.exists(sock):
             break

@@ -9,6 +9,11 @@ Prints, per daemon, the client's open → ready and open → first ``read_file``
 daemon's own steps from its debug log: the worker's steps at open (for one
 made ahead, only what it applies at adoption) and the daemon's whole start
 of the worker. A benchmark, not a test.
+
+``--against DIR`` (an A/B of two checkouts in the same minutes): the
+baseline is instead a pooled daemon running the ``dispatchd`` package of the
+checkout DIR (the same client library, this one's); each round opens on the
+two in turn, in alternating order.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _row(what: str, xs: list[float], base: list[float] | None = None) -> None:
     p50 = statistics.median(xs)
-    ratio = f"  {p50 / statistics.median(base):.2f}× of the open without" if base else ""
+    ratio = f"  {p50 / statistics.median(base):.2f}× the baseline" if base else ""
     print(f"{what:<52} {p50 * 1e3:8.2f} ms {_pct(xs, 0.99) * 1e3:8.2f} ms{ratio}")
 
 
@@ -59,6 +64,9 @@ def main() -> int:
     ap.add_argument("n", type=int, nargs="?", default=40)
     ap.add_argument("--pause", type=float, default=0.05, help="seconds between opens (default 0.05)")
     ap.add_argument("--network", default="off", help="the sessions' network mode (default off)")
+    ap.add_argument("--against", metavar="DIR", default="",
+                    help="A/B: a third daemon, pooled, running the dispatchd package of the checkout DIR "
+                         "(another branch; the same client)")
     args = ap.parse_args()
     if os.geteuid() == 0:
         print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
@@ -70,18 +78,25 @@ def main() -> int:
     os.makedirs(wt)
     Path(wt, "f.txt").write_text("hello\n" * 60)
     daemons = {}
-    for name, extra in (("pool", []), ("nopool", ["--pool", "0"])):
+    runs: list[tuple[str, list[str], str]] = [("pool", [], "")]
+    # A/B: the other checkout's pooled daemon is the baseline (no --pool 0 one: its opens only add noise).
+    runs.append(("against", [], os.path.abspath(args.against)) if args.against else ("nopool", ["--pool", "0"], ""))
+    for name, extra, code in runs:
         d = os.path.join(tmp, name)
         os.makedirs(d)
-        daemons[name] = (*start_daemon(d, "--log-level", "debug", *extra), d)
+        daemons[name] = (*start_daemon(d, "--log-level", "debug", *extra, code=code), d)
     try:
         clients = {name: dispatch.connect(sock) for name, (_, sock, _) in daemons.items()}
         ready: dict[str, list[float]] = {name: [] for name in daemons}
         first: dict[str, list[float]] = {name: [] for name in daemons}
+        calls: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in daemons}  # 1st, 2nd call
         made_ahead = 0
         time.sleep(1.0)  # the pool's first sandboxes
         for i in range(args.n + 2):
-            for name, client in clients.items():
+            # Each round in another order: an open's place after another
+            # daemon's close (its teardown) is not always the same daemon's.
+            order = list(clients.items())
+            for name, client in order[i % len(order):] + order[:i % len(order)]:
                 time.sleep(args.pause)
                 t = time.perf_counter()
                 s = client.open_session(wt, network=args.network)
@@ -89,21 +104,41 @@ def main() -> int:
                 r = s.registry.get("read_file").call({"path": "f.txt"})
                 read = time.perf_counter() - t
                 assert r.is_success, r.error
+                t2 = time.perf_counter()
+                s.registry.get("read_file").call({"path": "f.txt"})
+                second = time.perf_counter() - t2
                 if i >= 2:  # the first opens warm both daemons up
                     ready[name].append(opened)
                     first[name].append(read)
+                    calls[name][0].append(read - opened)
+                    calls[name][1].append(second)
                     if name == "pool":
                         made_ahead += bool(s.status()["protections"].get("made_ahead"))
                 s.close()
         print(f"{args.n} opens each, network {args.network}, {args.pause:g} s apart; "
               f"{made_ahead} of {args.n} served by a sandbox made ahead")
         print(f"{'what':<52} {'p50':>11} {'p99':>11}")
-        _row("open → ready, no pool (baseline)", ready["nopool"])
-        _row("open → ready, sandboxes made ahead", ready["pool"], ready["nopool"])
-        _row("open → first read_file, no pool (baseline)", first["nopool"])
-        _row("open → first read_file, sandboxes made ahead", first["pool"], first["nopool"])
+        if not args.against:
+            _row("open → ready, no pool (baseline)", ready["nopool"])
+            _row("open → ready, sandboxes made ahead", ready["pool"], ready["nopool"])
+            _row("open → first read_file, no pool (baseline)", first["nopool"])
+            _row("open → first read_file, sandboxes made ahead", first["pool"], first["nopool"])
+        else:
+            _row("open → ready, made ahead, --against (baseline)", ready["against"])
+            _row("open → ready, made ahead, this checkout", ready["pool"], ready["against"])
+            _row("open → first read_file, made ahead, --against (baseline)", first["against"])
+            _row("open → first read_file, made ahead, this checkout", first["pool"], first["against"])
         for name in daemons:
-            steps, total = _steps(Path(daemons[name][2], "daemon.log").read_text(errors="replace"))
+            print(f"daemon {name}: the session's first read_file {statistics.median(calls[name][0]) * 1e3:.3f} ms, "
+                  f"its second {statistics.median(calls[name][1]) * 1e3:.3f} ms (p50)")
+        for name in daemons:
+            log_text = Path(daemons[name][2], "daemon.log").read_text(errors="replace")
+            slow = max(re.findall(r"event=open_steps session=(\w+) steps_ms=(\S*)", log_text),
+                       key=lambda m: sum(float(p.split(":")[1]) for p in m[1].split(",")), default=None)
+            if slow is not None:
+                ready_line = re.search(rf"event=worker_ready session={slow[0]} \S+ (.*)", log_text)
+                print(f"daemon {name}: its slowest open: {slow[1]}; {ready_line.group(1) if ready_line else ''}")
+            steps, total = _steps(log_text)
             print(f"daemon {name}: its start of the worker, p50 {statistics.median(total):.2f} ms; worker steps p50 (ms): "
                   + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in sorted(steps.items())))
     finally:

@@ -190,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     log.info("event=kernel landlock_abi=%s user_namespaces=%s seccomp=%s cgroup2=%s release=%s",
              features.landlock_abi, features.user_namespaces, features.seccomp, features.cgroup2 or "none",
              features.release)
+    # Also before any thread (it forks): whether a session's root can hold the
+    # host's by descriptor until its own binds (confine/mounts.py _hold_host).
+    from dispatchd.confine.mounts import probe_host_tree
+
+    host_tree_missing = probe_host_tree() if features.user_namespaces else "no user namespaces"
+    log.info("event=host_tree by_descriptor=%s note=%r", not host_tree_missing, host_tree_missing)
     if features.landlock_abi < 1:
         print("dispatchd: this kernel has no Landlock (CONFIG_SECURITY_LANDLOCK, lsm=landlock): "
               "sessions cannot be confined, so none will be opened.", file=sys.stderr)
@@ -267,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         fork_server=fork_server, kernel=features, load_policy=policy_loader, state_dir=state,
         protected=[state, os.path.dirname(socket_path)], private=[state], runtime_dirs=sorted(runtime),
         code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation, resolver=resolver,
-        pool_size=args.pool,
+        pool_size=args.pool, host_tree=not host_tree_missing,
     )
     max_connections = capacity.connection_cap(open_files.limit, args.max_connections)
     server = Server(listener, manager, features, socket_path, policy_loader, max_connections=max_connections,

@@ -6,6 +6,8 @@ Guarantees:
 - A component is never matched in part: ``/a/bc`` is not within ``/a/b``.
 - The root works: every absolute path is within ``/`` (its prefix is ``/``,
   not ``//``).
+- ``Tops(paths).holds_below(path)`` is ``any(is_below(path, t) for t in
+  paths)``, in one lookup per component of ``path``.
 
 Lexical only, on ``str``: nothing is normalised, resolved or looked up.
 Callers pass paths already in the form they compare (resolved, normalised,
@@ -15,7 +17,9 @@ removed (``/a/b/`` is below ``/a/b``, not equal to it).
 
 from __future__ import annotations
 
-__all__ = ["is_below", "is_within", "overlap"]
+from collections.abc import Iterable
+
+__all__ = ["Tops", "is_below", "is_within", "overlap"]
 
 
 def is_within(path: str, top: str) -> bool:
@@ -32,3 +36,26 @@ def is_below(path: str, top: str) -> bool:
 def overlap(a: str, b: str) -> bool:
     """One of ``a`` and ``b`` is within the other."""
     return is_within(a, b) or is_within(b, a)
+
+
+class Tops:
+    """Paths asked, again and again, whether a path lies strictly below one
+    of them: ``holds_below(path)`` is ``any(is_below(path, t) for t in
+    tops)``, one dictionary lookup per ``/`` in ``path`` instead of a
+    comparison with every top (a session's plan asked it of each of its
+    twenty-odd binds against the others: 0.1 ms of each open)."""
+
+    def __init__(self, tops: Iterable[str]) -> None:
+        # By the prefix is_within compares (the root's is "/", not "//").
+        self._by_prefix: dict[str, set[str]] = {}
+        for top in tops:
+            self._by_prefix.setdefault(top.rstrip("/") + "/", set()).add(top)
+
+    def holds_below(self, path: str) -> bool:
+        i = path.find("/")
+        while i >= 0:
+            found = self._by_prefix.get(path[:i + 1])
+            if found and (len(found) > 1 or path not in found):
+                return True
+            i = path.find("/", i + 1)
+        return False

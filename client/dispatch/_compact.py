@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dispatch._definition import Definition
@@ -159,6 +159,11 @@ def compact(text: str, budget: int, output_id: str) -> str:
     return _text(head) + marker + _text(tail)
 
 
+# Its schema checked once per budget (every session's registry has one), for a few budgets.
+_RETRIEVE_BY_BUDGET: dict[int, Definition] = {}
+_RETRIEVE_KEPT = 16
+
+
 def retrieve_output_tool(store: OutputStore, budget: int) -> Definition:
     """``retrieve_output``: a piece of an output that a model saw compacted.
 
@@ -184,6 +189,16 @@ def retrieve_output_tool(store: OutputStore, budget: int) -> Definition:
             piece += ("" if piece.endswith("\n") or not piece else "\n") + f"[output {output_id}: {footer}]"
         return Result.success(piece, meta)
 
+    made = _RETRIEVE_BY_BUDGET.get(budget)
+    if made is None:
+        made = _retrieve_definition(budget, run)
+        if len(_RETRIEVE_BY_BUDGET) < _RETRIEVE_KEPT:
+            _RETRIEVE_BY_BUDGET.setdefault(budget, made)
+        return made
+    return made._with_func(run)
+
+
+def _retrieve_definition(budget: int, run: Callable[[dict[str, Any], Any], Result]) -> Definition:
     return Definition(
         RETRIEVE_OUTPUT,
         "Read a piece of a tool output that was too long to show whole (its marker gives the id). "

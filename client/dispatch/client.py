@@ -51,6 +51,7 @@ from dispatch.errors import (
     RequestTimeout,
     UntrustedSocket,
 )
+from dispatch._definition import ToolFunc
 from dispatch.tools import Definition, Registry, Result
 from dispatchd import paths, protocol
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
@@ -396,6 +397,30 @@ def _domain_list(domains: list[str] | None) -> list[str] | None:
     return list(domains)
 
 
+def _unbound(params: dict[str, Any], context: Any) -> Result:
+    return Result.failure("a session's tool with no session")  # never called: each session binds its own
+
+
+# The daemon's tools, checked as Definitions (their schemas and validators):
+# the last list seen, since each open and attach of a policy lists the same.
+_CHECKED: tuple[list[protocol.ToolSchema], list[Definition]] = ([], [])
+_CHECKED_LOCK = threading.Lock()
+
+
+def _checked_tools(tools: list[protocol.ToolSchema]) -> list[Definition]:
+    """One Definition per tool (its function a placeholder: ``_with_func``
+    gives each session's its own), checked once per distinct list."""
+    global _CHECKED
+    with _CHECKED_LOCK:
+        seen, checked = _CHECKED
+    if seen == tools:  # structs compare by value
+        return checked
+    checked = [Definition(t.name, t.description, t.parameters, _unbound, risk=t.risk) for t in tools]
+    with _CHECKED_LOCK:
+        _CHECKED = (list(tools), checked)
+    return checked
+
+
 class Session:
     """An open session: its id, its network, and a ``registry`` of remote tools."""
 
@@ -413,7 +438,8 @@ class Session:
         self._in_flight_lock = threading.Lock()
         self._attach(attached)
         # The policy's budget: longer results reach a model in part (retrieve_output has the rest).
-        self.registry = Registry((self._remote(t) for t in self._tools),
+        self.registry = Registry((checked._with_func(self._remote_call(checked.name))
+                                  for checked in _checked_tools(self._tools)),
                                  output_budget=self._info.limits.get("model_output_bytes"))
 
     @property
@@ -445,16 +471,14 @@ class Session:
         if old is not None:
             old.close()
 
-    def _remote(self, schema: protocol.ToolSchema) -> Definition:
-        name = schema.name
-
+    def _remote_call(self, name: str) -> ToolFunc:
         def run(params: dict[str, Any], context: Any, on_output: OutputCallback | None = None) -> Result:
             cancellation = context.get("cancellation") if isinstance(context, dict) else None
             return self.call_tool(name, params, on_output=on_output,
                                   cancellation=cancellation if isinstance(cancellation, Cancellation) else None)
 
         run.streams_output = True  # type: ignore[attr-defined]  # Definition.call passes on_output
-        return Definition(name, schema.description, schema.parameters, run, risk=schema.risk)
+        return run
 
     def cancel(self) -> int:
         """End this session's tool calls in flight made through this handle

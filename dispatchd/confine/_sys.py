@@ -24,6 +24,7 @@ if platform.machine() not in ("x86_64", "aarch64"):
     raise ImportError(f"dispatchd supports x86_64 and aarch64, not {platform.machine()}")
 
 SYS_pivot_root = 155 if platform.machine() == "x86_64" else 41
+SYS_open_tree = 428
 SYS_clone3 = 435
 SYS_openat2 = 437
 SYS_mount_setattr = 442
@@ -59,6 +60,7 @@ MS_REC = 16384
 MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 AT_RECURSIVE = 0x8000
+OPEN_TREE_CLONE = 1
 MOUNT_ATTR_RDONLY = 0x1
 
 # The same libc, called with the GIL held: ``clone3`` returns in a copy of
@@ -136,23 +138,33 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
 
 
 RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
 
 
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def open_no_symlinks(path: str, dir_fd: int = -100) -> int:
+def open_no_symlinks(path: str, dir_fd: int = -100, beneath: bool = False) -> int:
     """``openat2(O_PATH | O_NOFOLLOW, RESOLVE_NO_SYMLINKS)``: one call that
     refuses a symlink anywhere on the way (ELOOP) and returns a final symlink
-    itself (Linux 5.6+)."""
-    how = _OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0, RESOLVE_NO_SYMLINKS)
+    itself (Linux 5.6+). ``beneath``: and never above ``dir_fd`` (``..``)."""
+    how = _OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
+                   RESOLVE_NO_SYMLINKS | (RESOLVE_BENEATH if beneath else 0))
     try:
         return syscall(SYS_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
                        ctypes.c_size_t(ctypes.sizeof(how)))
     except OSError as exc:
         exc.filename = path
         raise
+
+
+def open_tree_clone(path: str) -> int:
+    """``open_tree(OPEN_TREE_CLONE | AT_RECURSIVE)``: a copy of the mount tree
+    at ``path``, detached (an anonymous mount namespace of its own), as a
+    descriptor; closing its last descriptor unmounts it all (Linux 5.2+)."""
+    return syscall(SYS_open_tree, ctypes.c_int(-100), os.fsencode(path),
+                   ctypes.c_uint(OPEN_TREE_CLONE | os.O_CLOEXEC | AT_RECURSIVE))
 
 
 def pivot_root(new_root: str, put_old: str) -> None:

@@ -17,7 +17,12 @@ A rule that cannot be added, or a ruleset the kernel enforces only partly,
 fails the step: we never run a session on a weaker ruleset than planned.
 
 Landlock binds the calling thread and its future children only, so this runs
-while the worker has exactly one thread.
+while the worker has exactly one thread. With a root of the session's own,
+the rules of the paths whose inodes there do not depend on the session (the
+system paths, ``/proc``, ``/dev``'s, the private ``/tmp``) are added with the
+root (``start_ruleset``), possibly ahead of the session; the rest, and the
+restriction itself, at ``apply_landlock``: one ruleset, the same rules, as a
+sandbox made at open.
 """
 
 from __future__ import annotations
@@ -86,6 +91,18 @@ class LandlockPlan(msgspec.Struct, frozen=True):
     scoped: int
     paths: list[PathRule]
     tcp_ports: list[tuple[int, int]] = []  # (port, access) allowed when net is handled
+    # Paths whose rules are added with the root, possibly ahead of the session
+    # (``start_ruleset``): their inodes in the session's root do not depend on
+    # the session (plan_session decides; they join the pool key).
+    ahead: list[str] = []
+
+    def ahead_part(self) -> LandlockPlan:
+        """What ``start_ruleset`` applies: the ruleset's handled rights and
+        scopes, and the rules of the ``ahead`` paths."""
+        ahead = set(self.ahead)
+        return LandlockPlan(abi=self.abi, handled_fs=self.handled_fs, handled_net=self.handled_net,
+                            scoped=self.scoped, paths=[r for r in self.paths if r.path in ahead],
+                            ahead=list(self.ahead))
 
 
 def plan_landlock(
@@ -139,39 +156,63 @@ def landlock_abi() -> int:
         return 0
 
 
-def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None) -> list[str]:
-    """Enforce the plan on the calling thread. Returns the planned paths that do
-    not exist on this machine (skipped: nothing there to grant). ``held`` maps
-    a planned path to a descriptor to grant instead of opening the path: the
-    worktree, as the daemon checked it (a rule binds to the inode)."""
-    held = held or {}
+class Ruleset:
+    """A ruleset begun by ``start_ruleset``: its descriptor and the ahead
+    paths it skipped. Restricts nothing until ``apply_landlock`` (which closes
+    it); ``close`` lets it go unused."""
+
+    def __init__(self, fd: int, skipped: list[str]) -> None:
+        self.fd = fd
+        self.skipped = skipped
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _create_ruleset(plan: LandlockPlan) -> int:
     attr = _RulesetAttr(plan.handled_fs, plan.handled_net, plan.scoped)
     # Older ABIs reject the larger struct; pass only the fields they know.
     size = 8 if plan.abi < 4 else (16 if plan.abi < 6 else 24)
     try:
-        ruleset = _sys.syscall(_sys.SYS_landlock_create_ruleset, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+        return _sys.syscall(_sys.SYS_landlock_create_ruleset, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     except OSError as exc:
         raise ConfinementError("landlock: create ruleset", exc.errno) from exc
-    skipped: list[str] = []
+
+
+def start_ruleset(plan: LandlockPlan) -> Ruleset:
+    """The ruleset created and the rules of ``plan.ahead`` added: what a
+    sandbox made ahead does with its root, before it knows its session (the
+    rules bind to inodes, which for these paths are the same then and at
+    adoption). Nothing is restricted yet: ``apply_landlock`` adds the rest and
+    restricts. The ruleset's descriptor is the caller's until then; no code
+    of the session runs while it is open."""
+    fd = _create_ruleset(plan)
     try:
-        for rule in plan.paths:
-            try:
-                fd = os.dup(held[rule.path]) if rule.path in held else os.open(rule.path, os.O_PATH | os.O_CLOEXEC)
-            except FileNotFoundError:
-                skipped.append(rule.path)
-                continue
-            except OSError as exc:
-                raise ConfinementError("landlock: open rule path", exc.errno, rule.path) from exc
-            try:
-                access = rule.access
-                if not stat.S_ISDIR(os.fstat(fd).st_mode):
-                    access &= FILE_RIGHTS  # directory rights on a file are EINVAL
-                beneath = _PathBeneathAttr(access, fd)
-                _sys.syscall(_sys.SYS_landlock_add_rule, ruleset, 1, ctypes.byref(beneath), 0)
-            except OSError as exc:
-                raise ConfinementError("landlock: add path rule", exc.errno, rule.path) from exc
-            finally:
-                os.close(fd)
+        return Ruleset(fd, _add_path_rules(fd, [r for r in plan.paths if r.path in set(plan.ahead)], {}))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None, begun: Ruleset | None = None) -> list[str]:
+    """Enforce the plan on the calling thread. Returns the planned paths that do
+    not exist on this machine (skipped: nothing there to grant). ``held`` maps
+    a planned path to a descriptor to grant instead of opening the path: the
+    worktree, as the daemon checked it (a rule binds to the inode). ``begun``:
+    ``start_ruleset``'s for this plan, whose ahead rules are in it already
+    (closed here, whatever happens)."""
+    held = held or {}
+    if begun is not None:
+        ruleset, begun.fd = begun.fd, -1
+        skipped = list(begun.skipped)
+        ahead = set(plan.ahead)
+        rules = [r for r in plan.paths if r.path not in ahead]
+    else:
+        ruleset, skipped, rules = _create_ruleset(plan), [], plan.paths
+    try:
+        skipped += _add_path_rules(ruleset, rules, held)
         for port, access in plan.tcp_ports:
             net = _NetPortAttr(access, port)
             try:
@@ -185,6 +226,30 @@ def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None) -> li
             raise ConfinementError("landlock: restrict self", exc.errno, detail=detail) from exc
     finally:
         os.close(ruleset)
+    return skipped
+
+
+def _add_path_rules(ruleset: int, rules: list[PathRule], held: dict[str, int]) -> list[str]:
+    """Each rule added to ``ruleset``; returns the paths absent here (skipped)."""
+    skipped: list[str] = []
+    for rule in rules:
+        try:
+            fd = os.dup(held[rule.path]) if rule.path in held else os.open(rule.path, os.O_PATH | os.O_CLOEXEC)
+        except FileNotFoundError:
+            skipped.append(rule.path)
+            continue
+        except OSError as exc:
+            raise ConfinementError("landlock: open rule path", exc.errno, rule.path) from exc
+        try:
+            access = rule.access
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                access &= FILE_RIGHTS  # directory rights on a file are EINVAL
+            beneath = _PathBeneathAttr(access, fd)
+            _sys.syscall(_sys.SYS_landlock_add_rule, ruleset, 1, ctypes.byref(beneath), 0)
+        except OSError as exc:
+            raise ConfinementError("landlock: add path rule", exc.errno, rule.path) from exc
+        finally:
+            os.close(fd)
     return skipped
 
 

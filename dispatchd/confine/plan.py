@@ -25,6 +25,7 @@ from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.netstack import STACK, NetworkPlan, NetworkPorts, plan_network
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
+from dispatchd.inside import Tops
 from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Limits, Policy
@@ -113,6 +114,7 @@ class PoolKey(msgspec.Struct, frozen=True):
     namespaces: NamespacePlan
     ucounts: UcountsPlan
     root: MountPlan
+    landlock: LandlockPlan  # the ruleset begun: its handled rights, scopes, and the rules added ahead
     loopback: bool
     seccomp: SeccompPlan  # compiled by the fork server when the sandbox was made
     cgroup: SessionCgroup | None  # born in it, limits written
@@ -127,8 +129,26 @@ def pool_key(plan: SessionPlan) -> bytes | None:
     if not (ns.user and ns.mount and ns.pid) or mounts is None or mounts.root != "minimal":
         return None
     return msgspec.msgpack.encode(PoolKey(namespaces=ns, ucounts=plan.ucounts, root=mounts.root_part(),
-                                          loopback=plan.loopback, seccomp=plan.seccomp, cgroup=plan.cgroup,
+                                          landlock=plan.landlock.ahead_part(), loopback=plan.loopback, seccomp=plan.seccomp, cgroup=plan.cgroup,
                                           net=plan.net))
+
+
+def _landlock_ahead(landlock: LandlockPlan, mounts: MountPlan, candidates: list[str]) -> list[str]:
+    """The paths whose Landlock rules can be added with the root, before the
+    session's own binds: a rule binds to the inode its path leads to, and
+    these lead to the same one then and once the session's paths are bound
+    (the root's own system binds, /proc, /dev's nodes, the private /tmp and
+    /dev/shm), unless a bind of the session's lands at or above one (a
+    worktree or an extra path over a system path): that one waits."""
+    own = mounts.split_binds()[1]
+    late, late_paths = Tops(b.path for b in own), {b.path for b in own}
+    wanted = set(candidates)
+    ahead: list[str] = []
+    for rule in landlock.paths:
+        path = rule.path
+        if path in wanted and path not in ahead and path not in late_paths and not late.holds_below(path):
+            ahead.append(path)
+    return ahead
 
 
 def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: GitLayout) -> list[str]:
@@ -186,7 +206,11 @@ def plan_session(
     ports: NetworkPorts | None = None,
     delegation: Delegation = Delegation(note="not looked for"),
     git_identity: dict[str, str] | None = None,
+    host_tree: bool = False,
 ) -> SessionPlan:
+    """``host_tree``: the kernel binds from a detached copy of a mount tree
+    (``mounts.probe_host_tree``, probed once at start), so a root of the
+    session's own holds the host's by descriptor until the session's binds."""
     if network not in NETWORK_MODES:
         raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
     ports = ports or NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
@@ -272,7 +296,12 @@ def plan_session(
                              over=list(git.read_only) if worktree_rw else [], devices=devices,
                              hide=list(paths.runtime_dirs), system=list(fs.read_only) + list(paths.code),
                              # The session id's own: a sandbox made ahead for it binds them early.
-                             ahead=[paths.scratch, "/tmp"])
+                             ahead=[paths.scratch, "/tmp"],
+                             host_by_fd=host_tree)
+        if mounts.root == "minimal":
+            landlock = msgspec.structs.replace(landlock, ahead=_landlock_ahead(
+                landlock, mounts, [*fs.read_only, "/proc", *paths.code, *devices, "/tmp", "/dev/shm",
+                                   *(["/"] if fs.landlock_grants_root else [])]))
         labels = {paths.scratch: "the session's scratch: HOME, TMPDIR",
                   **{p: "system" for p in fs.read_only}, **{p: "dispatchd's code" for p in paths.code},
                   **{p: "git" for p in [*git.readable, *git.writable, *git.read_only]},

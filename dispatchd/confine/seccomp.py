@@ -33,6 +33,7 @@ last, in the worker (``apply_seccomp``), as nsjail does.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import socket
 
@@ -84,6 +85,7 @@ class SeccompPlan(msgspec.Struct, frozen=True):
     allow_inet: bool
 
 
+@functools.lru_cache(maxsize=16)  # three booleans: the same plan, shared (frozen), at every open
 def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True, allow_unix: bool = False) -> SeccompPlan:
     """The filter for one session; pure. ``allow_inet`` is False only for network
     off without a network namespace, where seccomp is what holds the network.

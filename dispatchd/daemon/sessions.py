@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd import protocol
+from dispatchd import protocol, threads
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
@@ -207,8 +207,10 @@ class SessionManager:
         delegation: cgroups.Delegation = cgroups.Delegation(note="not looked for"),
         resolver: Resolver | None = None,
         pool_size: int = 0,
+        host_tree: bool = False,
     ) -> None:
         self.fork_server = fork_server
+        self.host_tree = host_tree  # plan_session's: the host's root held by descriptor (mounts._hold_host)
         self.kernel = kernel
         self.load_policy = load_policy
         self.sessions_dir = os.path.join(state_dir, "sessions")
@@ -442,7 +444,7 @@ class SessionManager:
         identity = gitidentity.identity_env(gitidentity.read_identity(self.home, self.base_env))
         return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
                             uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
-                            delegation=self.delegation, git_identity=identity)
+                            delegation=self.delegation, git_identity=identity, host_tree=self.host_tree)
 
     def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None) -> None:
         """The session's sandbox, confined and ready: ``made`` (one made ahead,
@@ -503,8 +505,10 @@ class SessionManager:
         session.generation += 1
         session.ended = threading.Event()
         log.debug("event=worker_started session=%s total_ms=%.2f", session.id, (time.perf_counter() - started) * 1e3)
-        threading.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
-                         daemon=True, name=f"watch-{session.id}").start()
+        # Not waited for (threads.py): nothing of the open needs it running
+        # yet; what the worker sends meanwhile waits in the channel.
+        threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
+                       daemon=True, name=f"watch-{session.id}").start()
 
     # --- sandboxes made ahead (pool.py) ----------------------------------------
 
@@ -535,7 +539,8 @@ class SessionManager:
                              code=self.code_paths)
         ports = _ports_of(policy)  # as a session's: sorted, each once
         plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
-                            gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation)
+                            gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation,
+                            host_tree=self.host_tree)
         key = pool_key(plan)
         if key is None:
             return None

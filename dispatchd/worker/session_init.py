@@ -66,15 +66,26 @@ class _Clock:
         self.last = now
 
 
-def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Clock, hold: list[int]) -> None:
+class Held:
+    """What ``confine_shared`` leaves open for ``confine_session``: the
+    host's root by descriptor (-1: none; ``mounts._hold_host``) and the
+    Landlock ruleset begun with the root (``landlock.start_ruleset``)."""
+
+    def __init__(self, host_fd: int = -1, ruleset: landlock.Ruleset | None = None) -> None:
+        self.host_fd = host_fd
+        self.ruleset = ruleset
+
+
+def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Clock, hold: list[int]) -> Held:
     """The part of the plan every session of its kind shares (``pool_key``):
     what a sandbox made ahead applies before it knows its session.
 
     On return only ``keep`` and ``hold`` are open (with a network namespace
-    of its own, its user and network namespaces are appended to ``keep``);
-    with a root of its own the host's root is still reachable below
-    ``mounts.OLD_ROOT``, so no code of a session may run until
-    ``confine_session`` has returned.
+    of its own, its user and network namespaces are appended to ``keep``),
+    and what it returns (``Held``): with a root of its own the host's root is
+    still reachable, below ``mounts.OLD_ROOT`` or by its descriptor
+    (``mounts._hold_host``), and a Landlock ruleset is begun, so no code of a
+    session may run until ``confine_session`` (given them) has returned.
 
     With user namespaces the caller was born in them (``clone3`` in the fork
     server, ``namespaces.spawn_in_namespaces``), in the session's cgroup, as
@@ -100,30 +111,40 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     clock("ucounts")
     if not plan.namespaces.pid:
         hygiene.child_subreaper()  # orphans come back to us, not to the host's init
+    held = Held()
     if plan.mounts is not None:
-        mounts.apply_root(plan.mounts)  # needs the namespace's capabilities: before dropping them
+        held.host_fd = mounts.apply_root(plan.mounts)  # needs the namespace's capabilities: before dropping them
         clock("root")
     if plan.loopback:
         netns.apply_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
         clock("loopback")
+    if plan.landlock.ahead:
+        # After the root: the rules bind to its inodes (restricted only at the end, in confine_session).
+        held.ruleset = landlock.start_ruleset(plan.landlock)
+        clock("landlock_ahead")
     # After the id maps (a process that is not dumpable cannot write its own);
     # from here nothing of the user's may ptrace or read us, made ahead or not.
     hygiene.not_dumpable()
     if plan.namespaces.user:
         hygiene.drop_bounding_set()  # no exec gains a capability; those in effect stay for the mounts
     clock("bounding_set")
+    return held
 
 
 def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _Clock,
-                    worktree_fd: int) -> list[str]:
+                    worktree_fd: int, held: Held | None = None) -> list[str]:
     """The rest of the plan, after ``confine_shared``, in order. Returns the
     skipped (absent) paths. ``worktree_fd`` is the daemon's descriptor of the
     worktree it checked: the mounts bind it and Landlock grants it, never the
     path by name; it is closed here. On return the caller is confined,
     single-threaded, with only ``keep`` open (under network "domains", the
-    proxy's listener appended)."""
+    proxy's listener appended). ``held``: what ``confine_shared`` returned
+    (the host's root, closed here with the session's binds; the ruleset
+    begun, restricted here)."""
+    held = held or Held()
     if plan.mounts is not None:
-        mounts.apply_session_mounts(plan.mounts, worktree_fd, clock)  # still with the namespace's capabilities
+        # Still with the namespace's capabilities.
+        mounts.apply_session_mounts(plan.mounts, worktree_fd, clock, host_fd=held.host_fd)
         clock("read_only")
     if plan.proxy_port:
         # The only door out of a "domains" session, made before any of its code
@@ -137,7 +158,7 @@ def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _
     hygiene.no_new_privs()  # required before Landlock and seccomp; setuid grants nothing
     clock("privileges")
     # After mounts: rules bind to the inodes of the new root; the worktree's from the checked fd.
-    skipped = landlock.apply_landlock(plan.landlock, {plan.paths.worktree: worktree_fd})
+    skipped = landlock.apply_landlock(plan.landlock, {plan.paths.worktree: worktree_fd}, begun=held.ruleset)
     os.close(worktree_fd)  # granted and bound: nothing in the session may hold it
     clock("landlock")
     seccomp.apply_seccomp(program)  # last: it forbids mount, unshare, ... used above
@@ -215,10 +236,10 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     keep = [control_fd]
     made_ahead = worktree_fd < 0  # a sandbox of the pool: its session comes later
     try:
-        confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd])
+        held = confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd])
         if made_ahead:
             plan, worktree_fd = _wait_for_session(control, plan, keep, clock)
-        skipped = confine_session(plan, program, keep, clock, worktree_fd)
+        skipped = confine_session(plan, program, keep, clock, worktree_fd, held)
     except ConfinementError as exc:
         _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
         os._exit(1)

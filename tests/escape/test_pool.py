@@ -126,3 +126,46 @@ def test_a_sandbox_waiting_in_the_pool_cannot_be_reached_from_a_session(
             if served:
                 break
         assert served, pooled_daemon.log()[-3000:]
+
+
+_DESCRIPTORS = """
+named = []
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink("/proc/self/fd/" + fd)
+    except OSError:
+        continue
+    if target.startswith("/") and not target.startswith(("/dev/", "/proc/")):
+        named.append(target)
+init = set()
+for fd in range(64):
+    try:
+        os.close(os.open(f"/proc/1/fd/{fd}", os.O_PATH))
+        init.add("opened")
+    except OSError as exc:
+        init.add(errno.errorcode[exc.errno])
+result = (sorted(named), sorted(init))
+"""
+
+
+def test_the_host_root_a_sandbox_held_is_out_of_its_sessions_reach(
+    sandbox: Sandbox, session: dispatch.Session,
+) -> None:
+    """A sandbox made ahead holds the host's root until its session's binds:
+    as a detached copy of the mount tree, by one descriptor
+    (``mounts._hold_host``), closed before any of the session's code runs.
+    From the session: no descriptor of its processes names a path of the
+    host's (a held tree would read as ``/``), pid 1's descriptors cannot be
+    opened (not dumpable: EACCES), nothing is left at ``/.host``, and a copy
+    of its own tree cannot be taken (``open_tree``: seccomp, EPERM). The
+    twin: the same descriptor walk outside opens its own process's."""
+    out = attempt(session, _DESCRIPTORS)
+    assert out.startswith("OK "), out
+    named, init = eval(out[3:])  # noqa: S307 (our own probe's repr)
+    assert named == [], named
+    assert "opened" not in init and set(init) <= {"EACCES", "ENOENT"}, init
+    if sandbox.mode == "full":
+        assert attempt(session, "result = os.stat('/.host')") == ENOENT
+        assert attempt(session, "result = syscall(428, -100, b'/', 1 | 0x8000)") == EPERM  # open_tree(CLONE|RECURSIVE)
+    outside = attempt_outside(_DESCRIPTORS.replace("/proc/1/", "/proc/self/"))
+    assert outside.startswith("OK ") and "opened" in outside, outside

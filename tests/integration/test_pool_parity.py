@@ -107,6 +107,38 @@ for p in (os.environ["DISPATCH_WT"] + "/new", "/tmp/x", "/dev/shm/x"):
     except OSError:
         pass
 out["open"] = opened
+# Landlock's rules one by one, where the mounts allow and the rule decides (a
+# sandbox made ahead adds most of them with its root, before its session).
+import fcntl, termios
+rules = {}
+def rule(name, f):
+    try:
+        f()
+        rules[name] = "OK"
+    except OSError as e:
+        rules[name] = errno.errorcode.get(e.errno, str(e.errno))
+def ioctl_null():
+    fd = os.open("/dev/null", os.O_RDWR)
+    try:
+        fcntl.ioctl(fd, termios.TCGETS, bytes(64))  # a device's ioctls are not granted
+    finally:
+        os.close(fd)
+rule("ioctl /dev/null", ioctl_null)
+rule("truncate /dev/null", lambda: os.truncate("/dev/null", 0))
+rule("read /proc/self/status", lambda: os.close(os.open("/proc/self/status", os.O_RDONLY)))
+rule("read /usr/bin/env", lambda: os.close(os.open("/usr/bin/env", os.O_RDONLY)))
+rule("list /etc", lambda: os.listdir("/etc"))
+rule("mkfifo /tmp", lambda: (os.mkfifo("/tmp/ff"), os.unlink("/tmp/ff")))
+rule("mkdir /dev/shm", lambda: (os.mkdir("/dev/shm/dd"), os.rmdir("/dev/shm/dd")))
+rule("symlink /tmp", lambda: (os.symlink("/etc", "/tmp/ln"), os.unlink("/tmp/ln")))
+rule("rename /tmp -> <wt>", lambda: (open("/tmp/mv", "w").close(), os.rename("/tmp/mv", os.environ["DISPATCH_WT"] + "/mv")))
+rule("mkdir <home>", lambda: (os.mkdir(os.environ["HOME"] + "/dd"), os.rmdir(os.environ["HOME"] + "/dd")))
+for p in ("/tmp/mv", os.environ["DISPATCH_WT"] + "/mv"):
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
+out["landlock_rules"] = rules
 calls = {}
 # unshare(0) is harmless; the others are refused outright, or fail on their bad arguments.
 for name, nr, args in (("unshare_user", 272, (0x10000000,)), ("unshare_mnt", 272, (0x00020000,)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatchd.inside import is_below, is_within, overlap
+from dispatchd.inside import Tops, is_below, is_within, overlap
 
 
 @pytest.mark.parametrize(("path", "top", "within", "below"), [
@@ -28,3 +28,13 @@ def test_within_and_below(path: str, top: str, within: bool, below: bool) -> Non
 def test_overlap_is_either_way() -> None:
     assert overlap("/a/b", "/a/b/c") and overlap("/a/b/c", "/a/b") and overlap("/a", "/a")
     assert not overlap("/a/b", "/a/bc") and not overlap("/a/bc", "/a/b")
+
+
+def test_tops_holds_below_is_any_is_below() -> None:
+    paths = ["/", "/a", "/a/", "/a/b", "/a/b/", "/a/bc", "/a/b/c", "/x", "/x/a/b", ".git", ".git/modules",
+             ".git/modules/x", "", "/a//b", "//a"]
+    for n in range(len(paths) + 1):
+        tops = paths[:n] + paths[n + 1:] if n % 2 else paths[n:]
+        found = Tops(tops)
+        for path in paths:
+            assert found.holds_below(path) is any(is_below(path, t) for t in tops), (path, tops)

@@ -153,8 +153,10 @@ def test_full_mode_network_off():
                                    ahead=[SCRATCH, "/tmp"])
     # The network namespace holds "off": Landlock does not handle TCP, seccomp allows inet;
     # the root and the network namespace are the session's own: Unix sockets too.
+    # Every rule but the session's own paths' (worktree, scratch) is added with the root.
     assert got.landlock == LandlockPlan(abi=7, handled_fs=0xFFFF, handled_net=0, scoped=3,
-                                        paths=landlock_paths(userns=True), tcp_ports=[])
+                                        paths=landlock_paths(userns=True), tcp_ports=[],
+                                        ahead=SYSTEM + ["/proc", CODE, "/tmp", "/dev/shm"] + DEVICES)
     assert got.seccomp == plan_seccomp(allow_inet=True, allow_unix=True)
     assert got.writable is True
     assert got.tools == ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files",

@@ -72,9 +72,9 @@ def test_the_two_parts_are_every_bind_once():
 
 
 def plan(*, policy: Policy | None = None, network: str = "off", paths: SessionPaths = PATHS, session: str = "s1",
-         userns: bool = True, delegation: Delegation = Delegation(note="none")) -> SessionPlan:
+         userns: bool = True, delegation: Delegation = Delegation(note="none"), host_tree: bool = False) -> SessionPlan:
     return plan_session(policy or Policy(), kernel(userns=userns), session=session, paths=paths, network=network,
-                        uid=UID, gid=GID, base_env={}, delegation=delegation)
+                        uid=UID, gid=GID, base_env={}, delegation=delegation, host_tree=host_tree)
 
 
 def test_sessions_of_one_policy_and_network_share_a_key_whatever_their_worktree():
@@ -94,6 +94,33 @@ def test_what_the_sandbox_applied_ahead_changes_the_key():
     assert pool_key(plan(network="on")) != base  # its stack, its seccomp
     assert pool_key(plan(policy=Policy(filesystem=Filesystem(read_only=("/usr",))))) != base  # its root
     assert pool_key(plan(policy=Policy(limits=Limits(max_inotify_watches=10)))) != base  # its kernel budgets
+    # how it holds the host's root until the session's binds (below its own, or by descriptor)
+    assert pool_key(plan(host_tree=True)) != base
+
+
+def test_landlock_rules_of_paths_the_sessions_binds_cover_wait_for_them():
+    """A rule binds to the inode its path leads to: one under a path the
+    session binds at adoption (an extra path over a system path, a worktree
+    at one) is added then, not with the root; the key says so (a sandbox made
+    for the plain kind does not serve it)."""
+    base = plan()
+    assert "/etc" in base.landlock.ahead and "/tmp" in base.landlock.ahead and "/proc" in base.landlock.ahead
+    assert WT not in base.landlock.ahead and SCRATCH not in base.landlock.ahead  # the session's own
+    over = SessionPaths(worktree=WT, scratch=SCRATCH, runtime_dirs=[RUNTIME], code=[CODE], read_only=["/"])
+    assert plan(paths=over).landlock.ahead == []
+    at = SessionPaths(worktree="/etc", scratch=SCRATCH, runtime_dirs=[RUNTIME], code=[CODE])
+    assert "/etc" not in plan(paths=at).landlock.ahead and "/usr" in plan(paths=at).landlock.ahead
+    assert pool_key(plan(paths=at)) != pool_key(base)
+    # Below a session's path is fine: its own bind does not change the inode above it.
+    below = SessionPaths(worktree="/usr/src/wt", scratch=SCRATCH, runtime_dirs=[RUNTIME], code=[CODE])
+    assert "/usr" in plan(paths=below).landlock.ahead
+
+
+def test_the_host_root_is_held_by_descriptor_only_where_the_kernel_binds_from_one():
+    held = plan(host_tree=True).mounts
+    assert held is not None and held.host_by_fd and held.root_part().host_by_fd
+    assert plan().mounts is not None and not plan().mounts.host_by_fd  # type: ignore[union-attr]
+    assert plan(policy=Policy(filesystem=Filesystem(root="host")), host_tree=True).mounts.host_by_fd is False  # type: ignore[union-attr]
 
 
 def test_a_cgroup_is_made_for_one_session_id():
