@@ -26,22 +26,23 @@ from typing import Any
 # (3.13 starts threads with a join handle of their own).
 _OURS = sys.implementation.name == "cpython" and sys.version_info < (3, 13)
 _LIMBO: dict[Any, Any] | None = getattr(threading, "_limbo", None) if _OURS else None
-_LIMBO_LOCK: Any = getattr(threading, "_active_limbo_lock", None)
 _START_NEW: Any = getattr(threading, "_start_new_thread", None)
 
 
 class Thread(threading.Thread):
     def start(self) -> None:
-        if _LIMBO is None or _LIMBO_LOCK is None or _START_NEW is None or not hasattr(self, "_bootstrap"):
+        # Looked up at each start: a fork's child gets a new one (threading._after_fork).
+        limbo_lock: Any = getattr(threading, "_active_limbo_lock", None)
+        if _LIMBO is None or limbo_lock is None or _START_NEW is None or not hasattr(self, "_bootstrap"):
             super().start()
             return
         if self._started.is_set():  # type: ignore[attr-defined]
             raise RuntimeError("threads can only be started once")
-        with _LIMBO_LOCK:
+        with limbo_lock:
             _LIMBO[self] = self
         try:
             _START_NEW(self._bootstrap, ())
         except Exception:
-            with _LIMBO_LOCK:
+            with limbo_lock:
                 del _LIMBO[self]
             raise
