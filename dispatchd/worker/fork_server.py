@@ -31,6 +31,7 @@ from dispatchd.confine import hygiene, namespaces, netstack, seccomp
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import spec
+from dispatchd.worker import forkhooks
 from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session_init import run_session
 
@@ -202,6 +203,9 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     hygiene.child_subreaper()
     spec.warm_conversions()  # once here, not at each session's first call of each tool
+    # Single-threaded for good: threading's and logging's at-fork hooks would
+    # only rebuild, in each worker, what is already right (forkhooks.py).
+    forkhooks.leave_out()
     frames = protocol.FrameSocket(sock, fds=True)
     programs: dict[bytes, bytes] = {}
     workers: set[int] = set()
@@ -253,6 +257,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=message))
             continue
         if pid == 0:
+            forkhooks.put_back()  # the worker starts threads: its own forks get every hook
             sock.close()
             run_session(plan, program, control_fd, me, worktree_fd)
         workers.add(pid)
