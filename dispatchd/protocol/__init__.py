@@ -57,6 +57,7 @@ from dispatchd.protocol.internal import (
     WorkerReady,
     ForkServerReply,
     ForkServerRequest,
+    decode_adopted_plan,
     decode_plan,
     encode_plan,
     from_worker_decoder,
@@ -132,6 +133,7 @@ __all__ = [
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
     "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerPooled",
     "WorkerReady",
-    "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
+    "ForkServerReply", "ForkServerRequest", "decode_adopted_plan", "decode_plan", "encode_plan", "from_worker_decoder",
+    "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]
