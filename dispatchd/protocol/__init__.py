@@ -62,7 +62,6 @@ from dispatchd.protocol.internal import (
     encode_plan,
     from_worker_decoder,
     to_worker_decoder,
-    warm_plan_decoders,
     fork_server_reply_decoder,
     fork_server_request_decoder,
 )
@@ -135,6 +134,6 @@ __all__ = [
     "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerPooled",
     "WorkerReady",
     "ForkServerReply", "ForkServerRequest", "decode_adopted_plan", "decode_plan", "encode_plan", "from_worker_decoder",
-    "to_worker_decoder", "warm_plan_decoders",
+    "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

@@ -221,16 +221,3 @@ def decode_adopted_plan(payload: bytes) -> AdoptedPlan:
 
         _adopted_plan_decoder = msgspec.msgpack.Decoder(AdoptedPlan)
     return _adopted_plan_decoder.decode(payload)
-
-
-def warm_plan_decoders() -> None:
-    """Build both plan decoders now: the fork server does, before its first
-    fork. A decoder's tables (msgspec's, for every struct a plan holds) made
-    in a sandbox made ahead were that sandbox's own pages, made anew in each."""
-    from dispatchd.confine.plan import AdoptedPlan, SessionPlan
-
-    global _plan_decoder, _adopted_plan_decoder
-    if _plan_decoder is None:
-        _plan_decoder = msgspec.msgpack.Decoder(SessionPlan)
-    if _adopted_plan_decoder is None:
-        _adopted_plan_decoder = msgspec.msgpack.Decoder(AdoptedPlan)

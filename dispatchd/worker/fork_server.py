@@ -203,7 +203,6 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     hygiene.child_subreaper()
     spec.warm_conversions()  # once here, not at each session's first call of each tool
-    protocol.warm_plan_decoders()  # likewise, not in each sandbox made ahead
     # Single-threaded for good: threading's and logging's at-fork hooks would
     # only rebuild, in each worker, what is already right (forkhooks.py).
     forkhooks.leave_out()
