@@ -104,17 +104,6 @@ class SessionPlan(msgspec.Struct, frozen=True):
     proxy_port: int = 0
 
 
-class AdoptedPlan(SessionPlan, frozen=True):
-    """A session's plan as the sandbox made ahead that adopts it decodes it
-    (``protocol.decode_adopted_plan``): its seccomp part stays encoded. The
-    sandbox installs the program the fork server compiled when it was made,
-    and only compares this part (``pool_key``, which encodes it as it came);
-    decoded, its 150 rules were about 900 new objects (rules, argument
-    checks, lists, names) written into the fork server's shared pages."""
-
-    seccomp: msgspec.Raw  # type: ignore[assignment]  # never compiled nor read: see above
-
-
 class PoolKey(msgspec.Struct, frozen=True):
     """Everything a sandbox made ahead has applied before it knows its
     session (``session_init.confine_shared``), and what the daemon set up for

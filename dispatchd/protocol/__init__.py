@@ -57,7 +57,6 @@ from dispatchd.protocol.internal import (
     WorkerReady,
     ForkServerReply,
     ForkServerRequest,
-    decode_adopted_plan,
     decode_plan,
     encode_plan,
     from_worker_decoder,
@@ -133,7 +132,6 @@ __all__ = [
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
     "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerPooled",
     "WorkerReady",
-    "ForkServerReply", "ForkServerRequest", "decode_adopted_plan", "decode_plan", "encode_plan", "from_worker_decoder",
-    "to_worker_decoder",
+    "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

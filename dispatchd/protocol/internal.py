@@ -31,7 +31,7 @@ from dispatchd.protocol.messages import ErrorReply, OkReply, _Msg
 from dispatchd.protocol.reports import Protections
 
 if TYPE_CHECKING:
-    from dispatchd.confine.plan import AdoptedPlan, SessionPlan
+    from dispatchd.confine.plan import SessionPlan
 
 # --- daemon <-> worker: the session's control channel ---------------------------
 
@@ -207,17 +207,3 @@ def decode_plan(payload: bytes) -> SessionPlan:
 
         _plan_decoder = msgspec.msgpack.Decoder(SessionPlan)
     return _plan_decoder.decode(payload)
-
-
-_adopted_plan_decoder: msgspec.msgpack.Decoder[AdoptedPlan] | None = None
-
-
-def decode_adopted_plan(payload: bytes) -> AdoptedPlan:
-    """The plan an ``AdoptSession`` carries, its seccomp part left encoded
-    (``AdoptedPlan``): what a sandbox made ahead decodes."""
-    global _adopted_plan_decoder
-    if _adopted_plan_decoder is None:
-        from dispatchd.confine.plan import AdoptedPlan  # the daemon's side only: see the docstring
-
-        _adopted_plan_decoder = msgspec.msgpack.Decoder(AdoptedPlan)
-    return _adopted_plan_decoder.decode(payload)

@@ -154,7 +154,7 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
     # Warm what adoption runs first (the plan's decoder, the split of the
     # binds): the pages it touches are copied from the fork server now, not
     # while a session waits.
-    protocol.decode_adopted_plan(protocol.encode_plan(made_for))
+    protocol.decode_plan(protocol.encode_plan(made_for))
     if made_for.mounts is not None:
         made_for.mounts.split_binds()
     from dispatchd.worker.tool_server import warm_up  # pre-imported by the fork server
@@ -178,9 +178,7 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
         worktree_fd = control.take_fd()
     except protocol.ProtocolError as exc:
         raise ConfinementError("pool", detail=str(exc)) from exc
-    # Its seccomp part left encoded: the program installed is the one the
-    # fork server compiled for ``made_for``, which pool_key says it is.
-    plan = protocol.decode_adopted_plan(msg.plan)
+    plan = protocol.decode_plan(msg.plan)
     if made_for_key is None or pool_key(plan) != made_for_key:
         os.close(worktree_fd)
         raise ConfinementError("pool", detail="the session's plan is not the one this sandbox was made for")

@@ -4,9 +4,6 @@ in tests/integration/test_pool.py and tests/escape/test_pool.py)."""
 
 from __future__ import annotations
 
-import msgspec
-
-from dispatchd import protocol
 from dispatchd.confine.cgroups import Delegation
 from dispatchd.confine.mounts import WORKTREE_FD, Bind, plan_mounts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
@@ -108,16 +105,3 @@ def test_a_cgroup_is_made_for_one_session_id():
 def test_no_sandbox_is_made_ahead_without_a_root_of_its_own():
     assert pool_key(plan(userns=False)) is None
     assert pool_key(plan(policy=Policy(filesystem=Filesystem(root="host")))) is None
-
-
-def test_a_plan_decoded_by_the_sandbox_that_adopts_it_has_the_same_key_and_the_same_rest():
-    # The sandbox leaves the seccomp part encoded (AdoptedPlan): its key must
-    # still be the one of the plan it was made for, or no session is adopted.
-    for network in ("off", "on"):
-        sent = plan(network=network)
-        adopted = protocol.decode_adopted_plan(protocol.encode_plan(sent))
-        assert isinstance(adopted.seccomp, msgspec.Raw)
-        assert pool_key(adopted) == pool_key(sent) == pool_key(protocol.decode_plan(protocol.encode_plan(sent)))
-        rest = {k: v for k, v in msgspec.structs.asdict(sent).items() if k != "seccomp"}
-        assert {k: v for k, v in msgspec.structs.asdict(adopted).items() if k != "seccomp"} == rest
-    assert pool_key(protocol.decode_adopted_plan(protocol.encode_plan(plan(network="on")))) != pool_key(plan())
