@@ -28,7 +28,7 @@ import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import hygiene, namespaces, netstack, seccomp
-from dispatchd.confine.plan import SessionPlan
+from dispatchd.confine.plan import SessionPlan, pool_key
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import spec
 from dispatchd.worker import forkhooks
@@ -192,6 +192,25 @@ def _spawn(plan: SessionPlan) -> tuple[int, int]:
             os.close(cgroup_fd)
 
 
+WARM_RUNS = 20  # past 3.11's warm-up (8 calls) and its first specialisations
+
+
+def _warm_workers_code(plan: SessionPlan) -> None:
+    """Run here, before the first fork, the pure code every worker runs
+    (the plan's key and decoding, the split of its binds, a first call's
+    request and reply): Python 3.11 quickens a function's bytecode (a warm-up
+    counter, then inline caches written into it) the first times it runs;
+    done here, the workers inherit it done instead of each writing its own
+    copy of those code objects' pages."""
+    payload = protocol.encode_plan(plan)
+    for _ in range(WARM_RUNS):
+        pool_key(plan)
+        protocol.decode_plan(payload)
+        if plan.mounts is not None:
+            plan.mounts.split_binds()
+        _tool_server.warm_up(plan)
+
+
 def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     hygiene.die_with_parent(daemon_pid)
     # Nothing of the daemon's but our channel (not its listening socket, not
@@ -210,6 +229,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     programs: dict[bytes, bytes] = {}
     workers: set[int] = set()
     me = os.getpid()
+    warmed = False
     while True:
         # Wake up now and then to reap workers that have ended, and to end
         # the orphans of sessions whose init was killed.
@@ -246,6 +266,9 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             continue
         try:
             plan = protocol.decode_plan(req.plan)
+            if not warmed:
+                _warm_workers_code(plan)
+                warmed = True
             key = msgspec.msgpack.encode(plan.seccomp)
             if key not in programs:
                 programs[key] = seccomp.compile_seccomp(plan.seccomp)
