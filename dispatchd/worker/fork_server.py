@@ -211,11 +211,19 @@ def _warm_workers_code(plan: SessionPlan) -> None:
     done here, the workers inherit it done instead of each writing its own
     copy of those code objects' pages."""
     payload = protocol.encode_plan(plan)
+    # What the daemon sends a worker, and what a worker reports (as it sends it).
+    to_worker = [protocol.encode(m)[4:] for m in (protocol.AdoptSession(plan=payload), protocol.AddChannel(id=1))]
+    protections = msgspec.structs.replace(plan.protections, absent_paths=[], made_ahead=True,
+                                          root=list(plan.protections.root))
     for _ in range(WARM_RUNS):
         pool_key(plan)
         protocol.decode_plan(payload)
         if plan.mounts is not None:
             plan.mounts.split_binds()
+        for m in to_worker:
+            protocol.decode(protocol.to_worker_decoder, m)
+        protocol.encode(protocol.WorkerPooled(pid=1, timings_ms={"hygiene": 0.1}, namespaces=True))
+        protocol.encode(protocol.WorkerReady(pid=1, protections=protections, timings_ms={"seccomp": 0.1}))
         _tool_server.warm_up(plan)
 
 
