@@ -77,6 +77,9 @@ def main() -> int:
     ap.add_argument("--hold", type=float, default=0.0, metavar="S",
                     help="keep the sessions open S seconds after measuring; their pids go to PIDFILE")
     ap.add_argument("--pidfile", default="/tmp/dispatchd-density.pids")
+    ap.add_argument("--pace", type=float, default=0.0, metavar="S",
+                    help="wait S seconds between opens (e.g. 0.1: every open is then served by a sandbox made "
+                         "ahead; back to back, some are made at open, which costs less memory)")
     ap.add_argument("--close-with", type=int, default=1, metavar="N",
                     help="close the sessions over N connections at once (default 1: one after another)")
     args = ap.parse_args()
@@ -116,6 +119,8 @@ def main() -> int:
                     continue
                 opens.append(time.perf_counter() - t)
                 sessions.append(s)
+                if args.pace:
+                    time.sleep(args.pace)
             time.sleep(1.0)
             during_info = meminfo()
             during = during_info["MemAvailable"]

@@ -17,6 +17,12 @@ _libc.prctl.restype = ctypes.c_int
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.unshare.argtypes = [ctypes.c_int]
+# Looked up now, at import (in the fork server), like those above: ctypes
+# makes a function object at a name's first use and stores it in the
+# library's dictionary, which a worker would otherwise do for itself (its
+# own copy of those pages) at every start.
+for _name in ("setns", "umount2", "capset"):
+    getattr(_libc, _name)
 
 if platform.machine() not in ("x86_64", "aarch64"):
     # The syscall numbers below are the asm-generic/x86_64 ones that Landlock
@@ -67,6 +73,7 @@ MOUNT_ATTR_RDONLY = 0x1
 # this process, which must find the interpreter exactly as the parent left it.
 _pylibc = ctypes.PyDLL(None, use_errno=True)
 _pylibc.syscall.restype = ctypes.c_long
+_after_fork_child = ctypes.pythonapi.PyOS_AfterFork_Child  # looked up here, not in each child (as above)
 
 
 class _CloneArgs(ctypes.Structure):
@@ -109,7 +116,7 @@ def clone3(flags: int, exit_signal: int, cgroup_fd: int = -1) -> tuple[int, int]
     ctypes.pythonapi.PyOS_BeforeFork()
     pid = _pylibc.syscall(SYS_clone3, ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
     if pid == 0:
-        ctypes.pythonapi.PyOS_AfterFork_Child()
+        _after_fork_child()
         return 0, -1
     err = ctypes.get_errno()
     ctypes.pythonapi.PyOS_AfterFork_Parent()

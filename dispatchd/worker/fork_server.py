@@ -28,9 +28,10 @@ import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import hygiene, namespaces, netstack, seccomp
-from dispatchd.confine.plan import SessionPlan
+from dispatchd.confine.plan import SessionPlan, pool_key
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import spec
+from dispatchd.worker import forkhooks
 from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session_init import run_session
 
@@ -56,13 +57,21 @@ def _sweep_orphans(workers: set[int]) -> None:
     protect it) is reparented here instead of to the host's init, and ends
     here, so closing a session still leaves nothing running.
     """
+    # Read with os.open/os.read: every half second, the fewest objects (no
+    # file object, buffer or decoder): what the fork server writes after a
+    # fork is copied for the newest worker.
     me = os.getpid()
     try:
-        with open(f"/proc/{me}/task/{me}/children", encoding="ascii") as f:
-            children = [int(p) for p in f.read().split()]
+        fd = os.open(f"/proc/{me}/task/{me}/children", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return
-    for pid in children:
+    try:
+        raw = b"".join(iter(lambda: os.read(fd, 65536), b""))
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+    for pid in map(int, raw.split()):
         if pid not in workers:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -191,6 +200,33 @@ def _spawn(plan: SessionPlan) -> tuple[int, int]:
             os.close(cgroup_fd)
 
 
+WARM_RUNS = 20  # past 3.11's warm-up (8 calls) and its first specialisations
+
+
+def _warm_workers_code(plan: SessionPlan) -> None:
+    """Run here, before the first fork, the pure code every worker runs
+    (the plan's key and decoding, the split of its binds, a first call's
+    request and reply): Python 3.11 quickens a function's bytecode (a warm-up
+    counter, then inline caches written into it) the first times it runs;
+    done here, the workers inherit it done instead of each writing its own
+    copy of those code objects' pages."""
+    payload = protocol.encode_plan(plan)
+    # What the daemon sends a worker, and what a worker reports (as it sends it).
+    to_worker = [protocol.encode(m)[4:] for m in (protocol.AdoptSession(plan=payload), protocol.AddChannel(id=1))]
+    protections = msgspec.structs.replace(plan.protections, absent_paths=[], made_ahead=True,
+                                          root=list(plan.protections.root))
+    for _ in range(WARM_RUNS):
+        pool_key(plan)
+        protocol.decode_plan(payload)
+        if plan.mounts is not None:
+            plan.mounts.split_binds()
+        for m in to_worker:
+            protocol.decode(protocol.to_worker_decoder, m)
+        protocol.encode(protocol.WorkerPooled(pid=1, timings_ms={"hygiene": 0.1}, namespaces=True))
+        protocol.encode(protocol.WorkerReady(pid=1, protections=protections, timings_ms={"seccomp": 0.1}))
+        _tool_server.warm_up(plan)
+
+
 def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     hygiene.die_with_parent(daemon_pid)
     # Nothing of the daemon's but our channel (not its listening socket, not
@@ -202,10 +238,14 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     hygiene.child_subreaper()
     spec.warm_conversions()  # once here, not at each session's first call of each tool
+    # Single-threaded for good: threading's and logging's at-fork hooks would
+    # only rebuild, in each worker, what is already right (forkhooks.py).
+    forkhooks.leave_out()
     frames = protocol.FrameSocket(sock, fds=True)
     programs: dict[bytes, bytes] = {}
     workers: set[int] = set()
     me = os.getpid()
+    warmed = False
     while True:
         # Wake up now and then to reap workers that have ended, and to end
         # the orphans of sessions whose init was killed.
@@ -242,6 +282,9 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             continue
         try:
             plan = protocol.decode_plan(req.plan)
+            if not warmed:
+                _warm_workers_code(plan)
+                warmed = True
             key = msgspec.msgpack.encode(plan.seccomp)
             if key not in programs:
                 programs[key] = seccomp.compile_seccomp(plan.seccomp)
@@ -253,6 +296,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=message))
             continue
         if pid == 0:
+            forkhooks.put_back()  # the worker starts threads: its own forks get every hook
             sock.close()
             run_session(plan, program, control_fd, me, worktree_fd)
         workers.add(pid)

@@ -1,0 +1,59 @@
+"""``worker/forkhooks.py``: threading's and logging's at-fork hooks are left
+out of a single-threaded process's forks, put back in the child, and never
+left out while a second thread runs. Each case runs in a fresh interpreter:
+the hooks are the interpreter's own lists."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+_COMMON = """
+import gc, logging, os, threading
+from dispatchd.worker import forkhooks
+
+def registered():
+    hooks = (threading._after_fork, logging._after_at_fork_child_reinit_locks, logging._acquireLock,
+             logging._releaseLock)
+    return [sum(r.count(h) for r in gc.get_referrers(h) if type(r) is list and r is not hooks) for h in hooks]
+"""
+
+
+def run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", _COMMON + textwrap.dedent(code)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_left_out_of_forks_and_put_back_in_the_child() -> None:
+    out = run("""
+        assert registered() == [1, 1, 1, 1]
+        assert forkhooks.leave_out()
+        assert registered() == [0, 0, 0, 0]
+        assert not forkhooks.leave_out()  # once
+        pid = os.fork()
+        if pid == 0:
+            forkhooks.put_back()
+            ok = registered() == [1, 1, 1, 1]
+            # The child starts threads and logs from them, as a worker does.
+            t = threading.Thread(target=logging.getLogger("x").warning, args=("from a thread",))
+            t.start()
+            t.join()
+            os._exit(0 if ok and threading.active_count() == 1 else 1)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), registered())
+    """)
+    assert out.strip() == "0 [0, 0, 0, 0]"
+
+
+def test_nothing_is_left_out_while_another_thread_runs() -> None:
+    out = run("""
+        done = threading.Event()
+        t = threading.Thread(target=done.wait)
+        t.start()
+        print(forkhooks.leave_out(), registered())
+        done.set()
+        t.join()
+    """)
+    assert out.strip() == "False [1, 1, 1, 1]"
