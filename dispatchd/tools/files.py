@@ -18,6 +18,7 @@ model reads can be passed back as ``start_line``.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 
@@ -118,23 +119,38 @@ def _occurrences(text: str, sub: str) -> int:
     return count
 
 
-# "\n0: ", "\n1: ", ... made once: numbering is most of read_file's own work.
-_PREFIXES = [f"\n{n}: " for n in range(4096)]
+# b"0: ", b"1: ", ... made once: numbering is most of read_file's own work.
+_PREFIXES = [b"%d: " % n for n in range(4096)]
 
 
-def _numbered(lines: list[str], start: int, stop: int) -> str:
-    """``lines[start:stop]``, each prefixed with its number and ": ", joined
-    with "\n". Built as one list of prefixes and lines interleaved by two
-    slice assignments and joined once: a concatenation per line (a new string
-    each) cost twice as much (11.7 against 5.3 µs for 63 lines)."""
+def _lines(data: bytes) -> list[bytes]:
+    """``data``'s lines, each with its b"\n" (the last one's, when the file
+    does not end with one, without): split at b"\n" only, never at a lone
+    b"\r" or a form feed, so the numbers agree with search_files. A file that
+    ends with a newline has no empty line after it. ``BytesIO.readlines``
+    finds each newline with ``memchr``; ``str.split`` looks at every
+    character in Python's own loop (20,000 instructions for 4 KiB against
+    about 1,000)."""
+    return io.BytesIO(data).readlines()
+
+
+def _numbered(lines: list[bytes], start: int, stop: int) -> str:
+    """``lines[start:stop]`` (from ``_lines``), each prefixed with its number
+    and ": ", the last without its newline, decoded as UTF-8 (an invalid
+    sequence becomes U+FFFD). Built as one list of prefixes and lines
+    interleaved by two slice assignments, joined and decoded once: numbering
+    and decoding the bytes gives the same text as decoding, then numbering,
+    since an invalid sequence never takes in the ASCII b"\n" that ends it,
+    and cost half as much (a concatenation per line cost twice that again)."""
     if stop <= start:
         return ""
-    prefixes = _PREFIXES[start:stop] if stop <= len(_PREFIXES) else [f"\n{n}: " for n in range(start, stop)]
-    parts = [""] * (2 * (stop - start))
+    prefixes = _PREFIXES[start:stop] if stop <= len(_PREFIXES) else [b"%d: " % n for n in range(start, stop)]
+    parts = [b""] * (2 * (stop - start))
     parts[0::2] = prefixes
     parts[1::2] = lines[start:stop]
-    parts[0] = prefixes[0][1:]  # the first line has no newline before it
-    return "".join(parts)
+    if parts[-1].endswith(b"\n"):
+        parts[-1] = parts[-1][:-1]
+    return b"".join(parts).decode("utf-8", "replace")
 
 
 # -- the tools -----------------------------------------------------------------
@@ -150,11 +166,7 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
     if end_line != -1 and start_line > end_line:
         raise ToolFailure(f"start_line {start_line} is after end_line {end_line}")
     _, rel, data = _load_text(ctx, path, "read_file only reads text")
-    # split("\n"), not splitlines(): a lone "\r" or form feed must not start a
-    # new line, or the numbers would disagree with search_files.
-    lines = data.decode("utf-8", "replace").split("\n")
-    if lines[-1] == "":  # a final newline ends the last line; it starts none
-        lines.pop()
+    lines = _lines(data)
     total = len(lines)
     if start_line >= total and not (total == 0 and start_line == 0):
         span = "it is empty" if total == 0 else f"its lines are 0 to {total - 1}"
