@@ -60,8 +60,8 @@ class _Activity:
     """What the tool server is doing, under one lock: the calls in flight (a
     count, and the calls a stop would cut, by channel and request id), when
     the last one ended, and the finished calls not yet reported to the
-    daemon. A call takes the lock three times (``begin``, ``track``, ``end``);
-    it took it five times."""
+    daemon. A call takes the lock twice (``begin``, ``end``); it took it
+    five times."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -72,14 +72,11 @@ class _Activity:
         # sent (flush_records), off the calls' path.
         self.records: list[tuple[str, float, bool]] = []
 
-    def begin(self) -> None:
+    def begin(self, key: tuple[int, int], what: tuple[_Channel, str]) -> None:
         # ``last`` is not read while a call is in flight (``idle_for``): the
         # call's end sets it.
         with self.lock:
             self.in_flight += 1
-
-    def track(self, key: tuple[int, int], what: tuple[_Channel, str]) -> None:
-        with self.lock:
             self.calls[key] = what
 
     def end(self, key: tuple[int, int] | None = None, record: tuple[str, float, bool] | None = None) -> bool:
@@ -286,7 +283,8 @@ class _Server:
                 channel.reply(protocol.ToolReply(id=req.id, success=False, error=f"{req.tool}: {refused}",
                                                  metadata={"write_locked": True}))
                 return
-        self.activity.begin()
+        key = (id(channel), req.id)
+        self.activity.begin(key, (channel, req.tool))
         if tool.spec.slow:
             rid = req.id
             emit = (lambda stream, text: channel.output(rid, stream, text)) if req.stream else None
@@ -294,23 +292,24 @@ class _Server:
             with channel.calls_lock:
                 channel.calls[rid] = control
             if tool.watches_channel and not channel.frames.buffered():
-                self._call_here(channel, req, tool, control)
+                self._call_here(channel, req, tool, key, control)
                 return
             try:
-                threading.Thread(target=self._call, args=(channel, req, tool, control), daemon=True).start()
+                threading.Thread(target=self._call, args=(channel, req, tool, key, control), daemon=True).start()
             except RuntimeError as exc:
                 # can't start new thread: the session's commands took every
                 # process the limit allows but the server's reserve (proctree).
                 with channel.calls_lock:
                     channel.calls.pop(rid, None)
-                self.activity.end()
+                self.activity.end(key)
                 channel.reply(protocol.ToolReply(id=rid, success=False, error=(
                     f"{req.tool}: the tool server cannot start a thread ({exc}): the session is at its process "
                     "limit (its commands hold every process it may have); stop some and retry")))
         else:
-            self._call(channel, req, tool)
+            self._call(channel, req, tool, key)
 
-    def _call_here(self, channel: _Channel, req: protocol.CallTool, tool: Tool, control: CallControl) -> None:
+    def _call_here(self, channel: _Channel, req: protocol.CallTool, tool: Tool, key: tuple[int, int],
+                   control: CallControl) -> None:
         """A slow call on the thread that reads its channel, which it watches
         (``Tool.watches_channel``): a thread per call cost about 0.1 ms of a
         ``shell_exec true``, and most calls end before their channel has
@@ -333,15 +332,14 @@ class _Server:
 
         control.channel_fd = channel.frames.fileno()
         control.release_channel = release
-        self._call(channel, req, tool, control)
+        self._call(channel, req, tool, key, control)
 
-    def _call(self, channel: _Channel, req: protocol.CallTool, tool: object,
+    def _call(self, channel: _Channel, req: protocol.CallTool, tool: object, key: tuple[int, int],
               control: CallControl | None = None) -> None:
+        """Run the call ``dispatch`` began (``key`` in ``activity``), reply, end it."""
         started = time.monotonic()
         success = False
         ctx = self.ctx if control is None else dataclasses.replace(self.ctx, call=control)
-        key = (id(channel), req.id)
-        self.activity.track(key, (channel, req.tool))
         try:
             out: Outcome = run_tool(tool, ctx, req.params)  # type: ignore[arg-type]
             success = out.success
