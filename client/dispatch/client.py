@@ -612,10 +612,12 @@ class Session:
         cached = self._own_limit
         if cached[0] is limits:  # the policy's limit, read once per session info
             own = cached[1]
+            if "timeout" not in params and "wait" not in params:  # the usual call: nothing more to read
+                return own, own + self._client.call_margin
         else:
             own = _seconds(limits.get("command_timeout_s")) or 120.0
             self._own_limit = (limits, own)
-        asked, wait = params.get("timeout"), params.get("wait")  # usually neither: the fast path
+        asked, wait = params.get("timeout"), params.get("wait")
         if asked is not None and (asked := _seconds(asked)) is not None:
             own = min(asked, _seconds(limits.get("max_command_timeout_s")) or asked)
         if wait is not None:

@@ -55,11 +55,11 @@ def _load_text(ctx: ToolContext, path: str, refusal: str) -> tuple[str, str, byt
         raise ToolFailure(f"file not found: {rel}") from None
     except OSError as exc:
         raise describe_os_error(exc, "read", rel) from exc
-    if stat.S_ISDIR(mode):
-        raise ToolFailure(f"{rel} is a directory; use list_files")
-    if not stat.S_ISREG(mode):
-        raise ToolFailure(f"{rel} is not a regular file")
-    if data is None:
+    if data is None:  # not a regular file, or over the cap (read_regular)
+        if stat.S_ISDIR(mode):
+            raise ToolFailure(f"{rel} is a directory; use list_files")
+        if not stat.S_ISREG(mode):
+            raise ToolFailure(f"{rel} is not a regular file")
         raise _too_big(rel, size, cap)
     if looks_binary(data):
         raise ToolFailure(f"{rel} is a binary file; {refusal}")
@@ -119,8 +119,10 @@ def _occurrences(text: str, sub: str) -> int:
     return count
 
 
-# b"0: ", b"1: ", ... made once: numbering is most of read_file's own work.
-_PREFIXES = [b"%d: " % n for n in range(4096)]
+# [b"0: ", None, b"1: ", None, ...] made once: numbering is most of read_file's
+# own work. A slice of it is the list to join, the lines put in the gaps.
+_PREFIXED: list[bytes | None] = [None] * (2 * 4096)
+_PREFIXED[0::2] = [b"%d: " % n for n in range(4096)]
 
 
 def _lines(data: bytes) -> list[bytes]:
@@ -138,19 +140,23 @@ def _numbered(lines: list[bytes], start: int, stop: int) -> str:
     """``lines[start:stop]`` (from ``_lines``), each prefixed with its number
     and ": ", the last without its newline, decoded as UTF-8 (an invalid
     sequence becomes U+FFFD). Built as one list of prefixes and lines
-    interleaved by two slice assignments, joined and decoded once: numbering
-    and decoding the bytes gives the same text as decoding, then numbering,
-    since an invalid sequence never takes in the ASCII b"\n" that ends it,
-    and cost half as much (a concatenation per line cost twice that again)."""
+    interleaved (a slice of ``_PREFIXED``, the lines assigned to its gaps),
+    joined and decoded once: numbering and decoding the bytes gives the same
+    text as decoding, then numbering, since an invalid sequence never takes
+    in the ASCII b"\n" that ends it, and cost half as much (a concatenation
+    per line cost twice that again)."""
     if stop <= start:
         return ""
-    prefixes = _PREFIXES[start:stop] if stop <= len(_PREFIXES) else [b"%d: " % n for n in range(start, stop)]
-    parts = [b""] * (2 * (stop - start))
-    parts[0::2] = prefixes
-    parts[1::2] = lines[start:stop]
-    if parts[-1].endswith(b"\n"):
-        parts[-1] = parts[-1][:-1]
-    return b"".join(parts).decode("utf-8", "replace")
+    if stop <= len(_PREFIXED) // 2:
+        parts = _PREFIXED[2 * start:2 * stop]
+    else:
+        parts = [None] * (2 * (stop - start))
+        parts[0::2] = [b"%d: " % n for n in range(start, stop)]
+    parts[1::2] = lines if start == 0 and stop == len(lines) else lines[start:stop]
+    last = parts[-1]
+    if last is not None and last.endswith(b"\n"):  # never None: a line went into every gap
+        parts[-1] = last[:-1]
+    return b"".join(parts).decode("utf-8", "replace")  # type: ignore[arg-type]  # no None left
 
 
 # -- the tools -----------------------------------------------------------------

@@ -43,7 +43,9 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
         raise ToolFailure(f"path contains a NUL byte: {path!r}")
     if path.startswith("/"):  # os.path.isabs for a str, without its three calls
         raise ToolFailure(f"absolute paths are not allowed: {path!r} (give a path relative to the worktree root)")
-    parts = [p for p in path.split("/") if p and p != "."]
+    parts = path.split("/")
+    if "" in parts or "." in parts:  # "a//b", "./a", "a/": rarely, so tested before a copy is made
+        parts = [p for p in parts if p and p != "."]
     # The lexical test only gives the clearer message for plain "../" walks
     # (without a ".." nothing can climb lexically); the realpath test below is
     # the one that decides.
@@ -94,7 +96,8 @@ def _plain_path(root: str, parts: list[str]) -> str | None:
 def relative(root: str, abspath: str) -> str:
     """``abspath`` as a worktree-relative path for display ('.' for the root)."""
     if is_below(abspath, root):  # the usual case, without relpath's work
-        return printable(abspath[len(root.rstrip("/")) + 1:])
+        rel = abspath[len(root.rstrip("/")) + 1:]
+        return rel if rel.isascii() else printable(rel)  # printable's own first test, without the call
     return printable(os.path.relpath(abspath, root))
 
 

@@ -79,9 +79,12 @@ class _Activity:
             self.in_flight += 1
             self.calls[key] = what
 
-    def end(self, key: tuple[int, int] | None = None, record: tuple[str, float, bool] | None = None) -> bool:
-        """The call is over; True when ``record`` is the first of a batch."""
-        now = time.monotonic()
+    def end(self, key: tuple[int, int] | None = None, record: tuple[str, float, bool] | None = None,
+            now: float | None = None) -> bool:
+        """The call is over (at ``now``, when the caller read the clock
+        already); True when ``record`` is the first of a batch."""
+        if now is None:
+            now = time.monotonic()
         with self.lock:
             self.in_flight -= 1
             self.last = now
@@ -350,7 +353,8 @@ class _Server:
                 with channel.calls_lock:
                     channel.calls.pop(req.id, None)
                 control.close()
-            if self.activity.end(key, (req.tool, time.monotonic() - started, success)):
+            now = time.monotonic()
+            if self.activity.end(key, (req.tool, now - started, success), now):
                 try:
                     os.eventfd_write(self.records_wake, 1)
                 except BlockingIOError:
