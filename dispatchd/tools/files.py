@@ -24,7 +24,7 @@ import stat
 
 from dispatchd.tools.atomic import atomic_write
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
-from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve
+from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve, resolve_shown
 from dispatchd.tools.spec import CreateFileParams, EditFileParams, ListFilesParams, ReadFileParams, WriteFileParams
 from dispatchd.tools.textfile import looks_binary, read_regular
 from dispatchd.tools.walk import in_git_dir, matches, walk
@@ -46,8 +46,7 @@ def _load_text(ctx: ToolContext, path: str, refusal: str) -> tuple[str, str, byt
 
     ``refusal`` ends the binary-file message ("read_file only reads text").
     """
-    target = resolve(ctx.root, path)
-    rel = relative(ctx.root, target)
+    target, rel = resolve_shown(ctx.root, path)
     cap = ctx.limits.file_size_cap_bytes
     try:
         mode, size, data = read_regular(target, cap)

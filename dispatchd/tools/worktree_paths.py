@@ -27,7 +27,7 @@ import stat
 from dispatchd.inside import is_below, is_within
 from dispatchd.tools.base import ToolFailure
 
-__all__ = ["describe_os_error", "printable", "relative", "resolve"]
+__all__ = ["describe_os_error", "printable", "relative", "resolve", "resolve_shown"]
 
 
 def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
@@ -37,6 +37,24 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
     ``ToolFailure`` when the path breaks a rule, or, with ``must_exist``, when
     nothing is there ("file not found: ...").
     """
+    return _resolve(ctx_root, path, must_exist)[0]
+
+
+def resolve_shown(ctx_root: str, path: str) -> tuple[str, str]:
+    """``resolve(ctx_root, path)`` and ``relative(ctx_root, it)``, at once:
+    where no symlink and no ".." was on the way (the usual path), the
+    relative form is the components already split, without ``relative``'s
+    three calls (read_file's every call)."""
+    real, parts = _resolve(ctx_root, path, False)
+    if parts is None:
+        return real, relative(ctx_root, real)
+    rel = "/".join(parts) if parts else "."
+    return real, rel if rel.isascii() else printable(rel)
+
+
+def _resolve(ctx_root: str, path: str, must_exist: bool) -> tuple[str, list[str] | None]:
+    """``resolve``'s path, and its components below the root when it is
+    their plain join (None when a symlink or ".." was resolved)."""
     if not path:
         raise ToolFailure("path is empty (give a path relative to the worktree root, e.g. '.')")
     if "\x00" in path:
@@ -56,7 +74,7 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
         # No symlink and no ".." on the way: the lexical path is the real one.
         if must_exist and not os.path.lexists(real):
             raise ToolFailure(f"file not found: {relative(ctx_root, real)}")
-        return real
+        return real, parts
     # realpath on the raw join (not the normalised one): "link/.." must climb
     # from the link's target, as the kernel would, not cancel out lexically.
     real = os.path.realpath(os.path.join(ctx_root, path))
@@ -68,7 +86,7 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
         raise ToolFailure(f"path runs into a symlink loop: {path!r}")
     if must_exist and not os.path.lexists(real):
         raise ToolFailure(f"file not found: {relative(ctx_root, real)}")
-    return real
+    return real, None
 
 
 def _plain_path(root: str, parts: list[str]) -> str | None:
