@@ -517,7 +517,12 @@ class Session:
                         return Result.failure(f"session {self.id} is not available: {exc}")
                     channel = self._channel
         assert channel is not None
-        own, wait = self._call_wait(params)
+        cached = self._own_limit  # _call_wait's usual answer, without the call
+        if cached[0] is self._info.limits and "timeout" not in params and "wait" not in params:
+            own = cached[1]
+            wait = own + self._client.call_margin
+        else:
+            own, wait = self._call_wait(params)
         sent: list[int] = []
         # The tools the worker runs on a thread of their own ("slow" in their
         # schema), which a cancel can end: only their calls are tracked for
@@ -612,8 +617,6 @@ class Session:
         cached = self._own_limit
         if cached[0] is limits:  # the policy's limit, read once per session info
             own = cached[1]
-            if "timeout" not in params and "wait" not in params:  # the usual call: nothing more to read
-                return own, own + self._client.call_margin
         else:
             own = _seconds(limits.get("command_timeout_s")) or 120.0
             self._own_limit = (limits, own)
