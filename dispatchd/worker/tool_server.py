@@ -145,19 +145,21 @@ class _Channel:
         me = threading.current_thread()
         if self.reader is None:
             self.reader = me
+        recv, refuse = self.frames.recv_request, self.reply  # looked up once, not on every request
+        decoder, dispatch = protocol.channel_request_decoder, self.server.dispatch
         try:
             while self.reader is me:
                 try:
                     # Anything but call_tool and cancel_call is refused there, a bad_request.
-                    req = self.frames.recv_request(protocol.channel_request_decoder, self.reply)
+                    req = recv(decoder, refuse)
                 except (protocol.ProtocolError, OSError):
                     return  # broken framing: drop this channel only
                 if req is None:
                     return
-                if isinstance(req, protocol.CancelCall):
+                if type(req) is protocol.CancelCall:  # msgspec decodes to the exact type
                     self.cancel(req.id)
                     continue
-                self.server.dispatch(self, req)
+                dispatch(self, req)
         finally:
             if self.reader is me:  # not handed over: the channel ends with this thread
                 # Nobody is left to read what calls in flight would answer: end them.
