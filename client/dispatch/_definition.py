@@ -209,7 +209,9 @@ class Definition:
         args, failure = self._arguments(params)
         if failure is not None:
             return failure
-        return self._invoke(cast(dict[str, Any], args), context, on_output)
+        # Not cast(dict[str, Any], args): a call and a new generic alias on every call.
+        assert args is not None  # (args, None) or (None, failure), which mypy cannot tie together
+        return self._invoke(args, context, on_output)
 
     def _arguments(self, params: Any) -> tuple[dict[str, Any], None] | tuple[None, Result]:
         """``(args, None)`` with the func's own copy of valid ``params``, or
