@@ -65,16 +65,12 @@ class BadMessage(ProtocolError):
 T = TypeVar("T")
 
 
-# What a payload that does not decode raises. UnicodeDecodeError: invalid
-# UTF-8 in a string field, which msgspec reports as such rather than as a
-# DecodeError.
-_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError)
-
-
 def decode(decoder: msgspec.msgpack.Decoder[T], payload: bytes) -> T:
     try:
         return decoder.decode(payload)
-    except _UNDECODABLE as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
+        # UnicodeDecodeError: invalid UTF-8 in a string field, which msgspec
+        # reports as such rather than as a DecodeError.
         raise BadMessage(f"undecodable message: {exc}") from exc
 
 
@@ -229,10 +225,9 @@ class FrameSocket:
             if payload is None:
                 return None
             try:
-                return decoder.decode(payload)  # decode() without its call: every request comes this way
-            except _UNDECODABLE as exc:
-                error = ErrorReply(id=request_id_of(payload), code="bad_request",
-                                   message=f"undecodable message: {exc}")  # decode()'s BadMessage
+                return decode(decoder, payload)
+            except BadMessage as exc:
+                error = ErrorReply(id=request_id_of(payload), code="bad_request", message=str(exc))
             del payload  # a refused frame is not kept while we wait for the next
             refuse(error)
 
