@@ -33,7 +33,7 @@ from typing import Any
 
 import fastjsonschema
 
-__all__ = ["fast_check_for"]
+__all__ = ["fast_check_for", "is_flat"]
 
 Check = Callable[[Any], bool]
 
@@ -47,6 +47,7 @@ _PLAIN = {"type", "required", "minLength", "maxLength", "minItems", "maxItems"} 
 _TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
 
 _CHECKS: dict[str, Check | None] = {}
+_FLAT: set[Check] = set()  # the checks _flat wrote out (see is_flat)
 _LOCK = threading.Lock()
 
 
@@ -183,6 +184,8 @@ def _compile(schema: dict[str, Any]) -> Check | None:
         return None
     flat = _flat(_stripped(schema))
     if flat is not None:
+        with _LOCK:
+            _FLAT.add(flat)
         return flat
     try:
         # No $ref can be left in the stripped copy (the keyword is not
@@ -212,3 +215,11 @@ def fast_check_for(schema: dict[str, Any]) -> Check | None:
     found = _compile(schema)
     with _LOCK:
         return _CHECKS.setdefault(key, found)
+
+
+def is_flat(check: Check) -> bool:
+    """Whether ``check`` is a flat schema's (``_flat``): it says yes only to a
+    dict whose every value is an exact str, int, float or bool, so a shallow
+    copy of what it accepted is a plain copy with no null to drop, and the
+    caller can skip both walks (``Definition._arguments``)."""
+    return check in _FLAT

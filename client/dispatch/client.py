@@ -157,6 +157,13 @@ class _Connection:
             self._replies[rid] = _PENDING
             if on_output is not None:
                 self._outputs[rid] = []
+            # Nobody reads (a lone caller, the usual case): this caller is the
+            # reader from here, and reads its reply as soon as it is sent,
+            # without a second trip through the lock in _wait. Nobody can
+            # have read its reply or queued its output meanwhile.
+            reader = not self._reading
+            if reader:
+                self._reading = True
         try:
             self._send(frame, deadline)
         except OSError as exc:
@@ -168,14 +175,29 @@ class _Connection:
             raise ConnectionLost(str(exc)) from exc
         except BaseException:  # RequestTimeout, or an interrupt
             self._forget(rid)
+            if reader:
+                self._hand_over()
             raise
         try:
             if sent is not None:
-                sent(rid)
+                try:
+                    sent(rid)
+                except BaseException:
+                    if reader:
+                        self._hand_over()
+                    raise
+            if reader:
+                return self._read_until(rid, deadline, timeout, on_output)
             return self._wait(rid, on_output, deadline, timeout)
         except BaseException:
             self._forget(rid)  # its reply, when it comes, is dropped
             raise
+
+    def _hand_over(self) -> None:
+        """Stop reading and wake a waiting caller to read instead."""
+        with self._cond:
+            self._reading = False
+            self._wake_a_reader()
 
     def _forget(self, rid: int) -> None:
         with self._cond:
@@ -281,10 +303,11 @@ class _Connection:
 
     def _read_until(self, rid: int, deadline: float | None, timeout: float | None,
                     on_output: OutputCallback | None = None) -> tuple[Any, int | None]:
+        frames, decoder = self._frames, self._decoder
         try:
             while True:
                 try:
-                    reply = self._frames.recv(self._decoder)
+                    payload = frames.recv_payload()
                 except (BlockingIOError, TimeoutError):  # nothing in this tick; a partial frame stays buffered
                     if deadline is not None and time.monotonic() >= deadline:
                         with self._cond:  # hand the reading over to another waiter, if any
@@ -293,9 +316,12 @@ class _Connection:
                             self._wake_a_reader()
                         raise RequestTimeout(f"no reply within {timeout:g} s") from None
                     continue
-                if reply is None:
+                if payload is None:
                     raise ConnectionLost("the peer closed the connection")
-                if isinstance(reply, protocol.ToolOutput):
+                reply = protocol.decode(decoder, payload)
+                # msgspec decodes to the exact types: no isinstance (each twice the cost) on the way
+                kind = type(reply)
+                if kind is protocol.ToolOutput:
                     if reply.id == rid and on_output is not None:
                         on_output(reply.stream, reply.text)  # the reader is its caller: no queue
                         continue
@@ -305,8 +331,16 @@ class _Connection:
                             queue.append((reply.stream, reply.text))
                             self._wake(reply.id)
                     continue
-                fd = self._frames.take_fd() if isinstance(reply, protocol.Attached) else None
+                fd = frames.take_fd() if kind is protocol.Attached else None
                 with self._lock:
+                    if reply.id == rid:  # ours, the usual case: straight back to the caller
+                        self._replies.pop(rid, None)
+                        if on_output is not None:
+                            self._outputs.pop(rid, None)
+                        self._reading = False
+                        if self._waiters:
+                            self._wake_a_reader()
+                        return reply, fd
                     if reply.id in self._replies:
                         self._replies[reply.id] = (reply, fd)
                     elif isinstance(reply, protocol.ErrorReply) and reply.id == 0:
@@ -315,10 +349,6 @@ class _Connection:
                         raise RequestFailed(reply.code, reply.message)
                     elif fd is not None:
                         os.close(fd)  # the late reply of a request that timed out
-                    if reply.id == rid:
-                        self._reading = False
-                        self._wake_a_reader()
-                        return cast(tuple[Any, int | None], self._replies.pop(rid))
                     self._wake(reply.id)
         except (OSError, protocol.ProtocolError, ConnectionLost, RequestFailed) as exc:
             self._fail(exc)
@@ -511,7 +541,12 @@ class Session:
                         return Result.failure(f"session {self.id} is not available: {exc}")
                     channel = self._channel
         assert channel is not None
-        own, wait = self._call_wait(params)
+        cached = self._own_limit  # _call_wait's usual answer, without the call
+        if cached[0] is self._info.limits and "timeout" not in params and "wait" not in params:
+            own = cached[1]
+            wait = own + self._client.call_margin
+        else:
+            own, wait = self._call_wait(params)
         sent: list[int] = []
         # The tools the worker runs on a thread of their own ("slow" in their
         # schema), which a cancel can end: only their calls are tracked for
@@ -552,7 +587,7 @@ class Session:
                 with self._in_flight_lock:
                     for rid in sent:
                         self._in_flight.pop(rid, None)
-        if isinstance(reply, protocol.ErrorReply):
+        if type(reply) is protocol.ErrorReply:
             return Result.failure(f"{name}: {reply.message}")
         if reply.success:
             return Result._from_wire(True, reply.output or "", reply.metadata)
@@ -609,7 +644,7 @@ class Session:
         else:
             own = _seconds(limits.get("command_timeout_s")) or 120.0
             self._own_limit = (limits, own)
-        asked, wait = params.get("timeout"), params.get("wait")  # usually neither: the fast path
+        asked, wait = params.get("timeout"), params.get("wait")
         if asked is not None and (asked := _seconds(asked)) is not None:
             own = min(asked, _seconds(limits.get("max_command_timeout_s")) or asked)
         if wait is not None:

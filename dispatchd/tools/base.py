@@ -89,12 +89,16 @@ class ToolContext:
     jobs: Any = None  # the session's background jobs (dispatchd.tools.jobs.Jobs)
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
+class Outcome(msgspec.Struct, frozen=True):
+    """What a tool's call came to. A frozen msgspec struct, not a frozen
+    dataclass: one is made on every call, and a frozen dataclass sets each
+    field through ``object.__setattr__`` (about 7,000 instructions against
+    1,000)."""
+
     success: bool
     output: str | None = None
     error: str | None = None
-    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    metadata: dict[str, Any] = {}  # msgspec gives each instance an empty dict of its own
 
     @classmethod
     def ok(cls, output: str, metadata: dict[str, Any] | None = None) -> Outcome:

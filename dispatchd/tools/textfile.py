@@ -26,21 +26,22 @@ SNIFF_BYTES = 8192
 
 def looks_binary(head: bytes) -> bool:
     """Whether the first bytes of a file mark it as binary (not text)."""
-    return b"\x00" in head[:SNIFF_BYTES]
+    return head.find(b"\x00", 0, SNIFF_BYTES) != -1  # memchr, without copying the first 8 KiB out
 
 
-def _read_up_to(fd: int, limit: int, expected: int) -> bytes:
-    """Up to ``limit`` bytes of a regular file, asking first for ``expected``
-    + 1 (the size fstat gave, and one more to see the end): a buffer sized to
-    the file, not to the cap (a 1 MiB buffer is an mmap and a munmap on every
-    call). Once the whole expected size is in, a read that returns less than
-    it asked for has met the end of the file, so the common case is one read;
-    a short read before that (a network file system may give one) reads on
-    until the end, as edit_file writes back what was read."""
+def _read_rest(fd: int, first: bytes, limit: int, expected: int) -> bytes:
+    """Up to ``limit`` bytes of a regular file whose first read, of
+    ``expected`` + 1 bytes at most (the size fstat gave, and one more to see
+    the end: a buffer sized to the file, not to the cap, as a 1 MiB buffer is
+    an mmap and a munmap on every call), gave ``first``. Once the whole
+    expected size is in, a read that returns less than it asked for has met
+    the end of the file, so the common case is that one read (``read_regular``
+    tests it, without this call); a short read before that (a network file
+    system may give one) reads on until the end, as edit_file writes back
+    what was read."""
     want = min(expected + 1, limit)
-    first = os.read(fd, want)
     if len(first) < want and (len(first) >= expected or not first):
-        return first  # the usual case: the whole file (or its end, or nothing) in one read
+        return first  # the whole file (or its end, or nothing) in one read
     chunks = [first]
     remaining = limit - len(first)
     want = 1 << 16
@@ -69,7 +70,11 @@ def read_regular(path: str, cap: int) -> tuple[int, int, bytes | None]:
         if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
             return st.st_mode, st.st_size, None
         # One byte past the cap tells a file that grew since fstat.
-        data = _read_up_to(fd, cap + 1, st.st_size)
+        size = st.st_size
+        want = size + 1  # at most cap + 1: size is within the cap here
+        data = os.read(fd, want)
+        if len(data) == want or (len(data) < size and data):  # not all of it in one read: _read_rest's loop
+            data = _read_rest(fd, data, cap + 1, size)
     finally:
         os.close(fd)
     if len(data) > cap:

@@ -27,7 +27,7 @@ import stat
 from dispatchd.inside import is_below, is_within
 from dispatchd.tools.base import ToolFailure
 
-__all__ = ["describe_os_error", "printable", "relative", "resolve"]
+__all__ = ["describe_os_error", "printable", "relative", "resolve", "resolve_shown"]
 
 
 def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
@@ -37,13 +37,33 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
     ``ToolFailure`` when the path breaks a rule, or, with ``must_exist``, when
     nothing is there ("file not found: ...").
     """
+    return _resolve(ctx_root, path, must_exist)[0]
+
+
+def resolve_shown(ctx_root: str, path: str) -> tuple[str, str]:
+    """``resolve(ctx_root, path)`` and ``relative(ctx_root, it)``, at once:
+    where no symlink and no ".." was on the way (the usual path), the
+    relative form is the components already split, without ``relative``'s
+    three calls (read_file's every call)."""
+    real, parts = _resolve(ctx_root, path, False)
+    if parts is None:
+        return real, relative(ctx_root, real)
+    rel = "/".join(parts) if parts else "."
+    return real, rel if rel.isascii() else printable(rel)
+
+
+def _resolve(ctx_root: str, path: str, must_exist: bool) -> tuple[str, list[str] | None]:
+    """``resolve``'s path, and its components below the root when it is
+    their plain join (None when a symlink or ".." was resolved)."""
     if not path:
         raise ToolFailure("path is empty (give a path relative to the worktree root, e.g. '.')")
     if "\x00" in path:
         raise ToolFailure(f"path contains a NUL byte: {path!r}")
-    if os.path.isabs(path):
+    if path.startswith("/"):  # os.path.isabs for a str, without its three calls
         raise ToolFailure(f"absolute paths are not allowed: {path!r} (give a path relative to the worktree root)")
-    parts = [p for p in path.split("/") if p and p != "."]
+    parts = path.split("/")
+    if "" in parts or "." in parts:  # "a//b", "./a", "a/": rarely, so tested before a copy is made
+        parts = [p for p in parts if p and p != "."]
     # The lexical test only gives the clearer message for plain "../" walks
     # (without a ".." nothing can climb lexically); the realpath test below is
     # the one that decides.
@@ -54,7 +74,7 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
         # No symlink and no ".." on the way: the lexical path is the real one.
         if must_exist and not os.path.lexists(real):
             raise ToolFailure(f"file not found: {relative(ctx_root, real)}")
-        return real
+        return real, parts
     # realpath on the raw join (not the normalised one): "link/.." must climb
     # from the link's target, as the kernel would, not cancel out lexically.
     real = os.path.realpath(os.path.join(ctx_root, path))
@@ -66,7 +86,7 @@ def resolve(ctx_root: str, path: str, *, must_exist: bool = False) -> str:
         raise ToolFailure(f"path runs into a symlink loop: {path!r}")
     if must_exist and not os.path.lexists(real):
         raise ToolFailure(f"file not found: {relative(ctx_root, real)}")
-    return real
+    return real, None
 
 
 def _plain_path(root: str, parts: list[str]) -> str | None:
@@ -94,7 +114,8 @@ def _plain_path(root: str, parts: list[str]) -> str | None:
 def relative(root: str, abspath: str) -> str:
     """``abspath`` as a worktree-relative path for display ('.' for the root)."""
     if is_below(abspath, root):  # the usual case, without relpath's work
-        return printable(abspath[len(root.rstrip("/")) + 1:])
+        rel = abspath[len(root.rstrip("/")) + 1:]
+        return rel if rel.isascii() else printable(rel)  # printable's own first test, without the call
     return printable(os.path.relpath(abspath, root))
 
 

@@ -62,8 +62,8 @@ class _Activity:
     """What the tool server is doing, under one lock: the calls in flight (a
     count, and the calls a stop would cut, by channel and request id), when
     the last one ended, and the finished calls not yet reported to the
-    daemon. A call takes the lock three times (``begin``, ``track``, ``end``);
-    it took it five times."""
+    daemon. A call takes the lock twice (``begin``, ``end``); it took it
+    five times."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -74,19 +74,19 @@ class _Activity:
         # sent (flush_records), off the calls' path.
         self.records: list[tuple[str, float, bool]] = []
 
-    def begin(self) -> None:
+    def begin(self, key: tuple[int, int], what: tuple[_Channel, str]) -> None:
         # ``last`` is not read while a call is in flight (``idle_for``): the
         # call's end sets it.
         with self.lock:
             self.in_flight += 1
-
-    def track(self, key: tuple[int, int], what: tuple[_Channel, str]) -> None:
-        with self.lock:
             self.calls[key] = what
 
-    def end(self, key: tuple[int, int] | None = None, record: tuple[str, float, bool] | None = None) -> bool:
-        """The call is over; True when ``record`` is the first of a batch."""
-        now = time.monotonic()
+    def end(self, key: tuple[int, int] | None = None, record: tuple[str, float, bool] | None = None,
+            now: float | None = None) -> bool:
+        """The call is over (at ``now``, when the caller read the clock
+        already); True when ``record`` is the first of a batch."""
+        if now is None:
+            now = time.monotonic()
         with self.lock:
             self.in_flight -= 1
             self.last = now
@@ -147,19 +147,21 @@ class _Channel:
         me = threading.current_thread()
         if self.reader is None:
             self.reader = me
+        recv, refuse = self.frames.recv_request, self.reply  # looked up once, not on every request
+        decoder, dispatch = protocol.channel_request_decoder, self.server.dispatch
         try:
             while self.reader is me:
                 try:
                     # Anything but call_tool and cancel_call is refused there, a bad_request.
-                    req = self.frames.recv_request(protocol.channel_request_decoder, self.reply)
+                    req = recv(decoder, refuse)
                 except (protocol.ProtocolError, OSError):
                     return  # broken framing: drop this channel only
                 if req is None:
                     return
-                if isinstance(req, protocol.CancelCall):
+                if type(req) is protocol.CancelCall:  # msgspec decodes to the exact type
                     self.cancel(req.id)
                     continue
-                self.server.dispatch(self, req)
+                dispatch(self, req)
         finally:
             if self.reader is me:  # not handed over: the channel ends with this thread
                 # Nobody is left to read what calls in flight would answer: end them.
@@ -323,7 +325,8 @@ class _Server:
                 channel.reply(protocol.ToolReply(id=req.id, success=False, error=f"{req.tool}: {refused}",
                                                  metadata={"write_locked": True}))
                 return
-        self.activity.begin()
+        key = (id(channel), req.id)
+        self.activity.begin(key, (channel, req.tool))
         if tool.spec.slow:
             rid = req.id
             emit = (lambda stream, text: channel.output(rid, stream, text)) if req.stream else None
@@ -331,23 +334,24 @@ class _Server:
             with channel.calls_lock:
                 channel.calls[rid] = control
             if tool.watches_channel and not channel.frames.buffered():
-                self._call_here(channel, req, tool, control)
+                self._call_here(channel, req, tool, key, control)
                 return
             try:
-                threading.Thread(target=self._call, args=(channel, req, tool, control), daemon=True).start()
+                threading.Thread(target=self._call, args=(channel, req, tool, key, control), daemon=True).start()
             except RuntimeError as exc:
                 # can't start new thread: the session's commands took every
                 # process the limit allows but the server's reserve (proctree).
                 with channel.calls_lock:
                     channel.calls.pop(rid, None)
-                self.activity.end()
+                self.activity.end(key)
                 channel.reply(protocol.ToolReply(id=rid, success=False, error=(
                     f"{req.tool}: the tool server cannot start a thread ({exc}): the session is at its process "
                     "limit (its commands hold every process it may have); stop some and retry")))
         else:
-            self._call(channel, req, tool)
+            self._call(channel, req, tool, key)
 
-    def _call_here(self, channel: _Channel, req: protocol.CallTool, tool: Tool, control: CallControl) -> None:
+    def _call_here(self, channel: _Channel, req: protocol.CallTool, tool: Tool, key: tuple[int, int],
+                   control: CallControl) -> None:
         """A slow call on the thread that reads its channel, which it watches
         (``Tool.watches_channel``): a thread per call cost about 0.1 ms of a
         ``shell_exec true``, and most calls end before their channel has
@@ -370,15 +374,14 @@ class _Server:
 
         control.channel_fd = channel.frames.fileno()
         control.release_channel = release
-        self._call(channel, req, tool, control)
+        self._call(channel, req, tool, key, control)
 
-    def _call(self, channel: _Channel, req: protocol.CallTool, tool: object,
+    def _call(self, channel: _Channel, req: protocol.CallTool, tool: object, key: tuple[int, int],
               control: CallControl | None = None) -> None:
+        """Run the call ``dispatch`` began (``key`` in ``activity``), reply, end it."""
         started = time.monotonic()
         success = False
         ctx = self.ctx if control is None else dataclasses.replace(self.ctx, call=control)
-        key = (id(channel), req.id)
-        self.activity.track(key, (channel, req.tool))
         try:
             out: Outcome = run_tool(tool, ctx, req.params)  # type: ignore[arg-type]
             success = out.success
@@ -389,7 +392,8 @@ class _Server:
                 with channel.calls_lock:
                     channel.calls.pop(req.id, None)
                 control.close()
-            if self.activity.end(key, (req.tool, time.monotonic() - started, success)):
+            now = time.monotonic()
+            if self.activity.end(key, (req.tool, now - started, success), now):
                 try:
                     os.eventfd_write(self.records_wake, 1)
                 except BlockingIOError:

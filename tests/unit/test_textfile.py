@@ -10,6 +10,11 @@ import pytest
 from dispatchd.tools import textfile
 
 
+def _read_up_to(fd: int, limit: int, expected: int) -> bytes:
+    """What read_regular reads: its first read, then _read_rest."""
+    return textfile._read_rest(fd, os.read(fd, min(expected + 1, limit)), limit, expected)
+
+
 def test_reads_a_file_whole(tmp_path: Path) -> None:
     for size in (0, 1, 4095, 4096, 70_000):
         f = tmp_path / f"f{size}"
@@ -32,7 +37,7 @@ def test_a_file_that_grew_since_fstat_is_read_to_its_end(tmp_path: Path) -> None
     try:
         with open(f, "ab") as more:
             more.write(b"b" * 100_000)
-        assert textfile._read_up_to(fd, 1 << 20, 10) == b"a" * 10 + b"b" * 100_000
+        assert _read_up_to(fd, 1 << 20, 10) == b"a" * 10 + b"b" * 100_000
     finally:
         os.close(fd)
 
@@ -44,7 +49,7 @@ def test_a_file_that_grew_past_the_cap_stops_one_byte_over(tmp_path: Path) -> No
         more.write(b"b" * 1000)
     fd = os.open(f, os.O_RDONLY)
     try:
-        assert len(textfile._read_up_to(fd, 101, 10)) == 101
+        assert len(_read_up_to(fd, 101, 10)) == 101
     finally:
         os.close(fd)
 
@@ -63,7 +68,7 @@ def test_a_short_read_before_the_expected_size_reads_on(monkeypatch: pytest.Monk
         return chunk
 
     monkeypatch.setattr(textfile.os, "read", short_read)
-    assert textfile._read_up_to(99, 1 << 20, 10) == b"0123456789"
+    assert _read_up_to(99, 1 << 20, 10) == b"0123456789"
     assert len(calls) == 4  # 3, 3, 3, then 1 (short, with all 10 in: the end)
 
 
