@@ -72,7 +72,7 @@ class Definition:
     """
 
     __slots__ = ("_name", "_description", "_parameters", "_func", "_risk", "_advertised",
-                 "_validator", "_fast", "_flat")
+                 "_validator", "_fast", "_flat", "_origin")
 
     def __init__(
         self,
@@ -121,6 +121,7 @@ class Definition:
         self._validator = validator
         self._fast: Any = _NOT_COMPILED  # compiled on the first call (1-3 ms; most tools are never called)
         self._flat = False  # set once _fast is compiled: it is a flat schema's check (_fastcheck.is_flat)
+        self._origin: Definition | None = None  # the Definition _with_func copied this one from
 
     def _with_func(self, func: ToolFunc) -> Definition:
         """This tool calling ``func`` instead: its checked schema and validator
@@ -132,6 +133,7 @@ class Definition:
         for slot in Definition.__slots__:
             object.__setattr__(twin, slot, getattr(self, slot))
         twin._func = func
+        twin._origin = self
         return twin
 
     @property
@@ -202,6 +204,13 @@ class Definition:
         fast = self._fast = fast_check_for(self._parameters)
         # After _fast: a thread that reads _flat True finds _fast compiled.
         self._flat = fast is not None and is_flat(fast)
+        origin = self._origin
+        if origin is not None and origin._fast is _NOT_COMPILED:
+            # The twins made from it later (the next sessions' registries)
+            # start compiled: a session's first call of a tool looked its
+            # check up again (a json.dumps of the schema, 11-30 µs).
+            origin._fast = fast
+            origin._flat = self._flat
         return fast
 
     def call(self, params: Any, context: Any = None, on_output: Callable[[str, str], None] | None = None) -> Result:

@@ -310,3 +310,24 @@ def test_the_schema_is_copied_in_and_out():
 def test_repr_names_the_tool():
     defn, _ = make(risk="execute")
     assert repr(defn) == "Definition(name='read_file', risk='execute', advertised=True)"
+
+
+def test_twins_made_after_a_call_start_with_the_compiled_check() -> None:
+    """A session's registry is made of twins of one checked Definition per
+    tool (``_with_func``): the first twin's first call compiles the fast
+    check, and twins made after it (the next sessions') start with it."""
+    from dispatch._definition import _NOT_COMPILED
+
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"],
+              "additionalProperties": False}
+    checked = Definition("read_file", "Reads.", schema, lambda params, context: Result.success("unbound"))
+    first = checked._with_func(lambda params, context: Result.success("first"))
+    before = checked._with_func(lambda params, context: Result.success("before"))
+    assert first._fast is _NOT_COMPILED and before._fast is _NOT_COMPILED
+    assert first.call({"path": "a"}).output == "first"
+    after = checked._with_func(lambda params, context: Result.success("after"))
+    assert after._fast is first._fast and after._fast is not _NOT_COMPILED
+    assert before._fast is _NOT_COMPILED  # made before: compiles its own on its first call
+    assert after.call({"path": "a"}).output == "after"
+    bad = after.call({"path": 3})  # the shared check still refuses what it must
+    assert not bad.is_success and "path" in (bad.error or "")
