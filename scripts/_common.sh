@@ -22,6 +22,11 @@ as_unprivileged_user() {
     # nftables, which holds "ports" inside a session's own network namespace
     command -v pasta >/dev/null || missing+=(passt)
     command -v nft >/dev/null || missing+=(nftables)
+    # the C helper of read_file and search_files (dispatchd/tools/_lines.c),
+    # built by pip at install: a compiler and the headers of Debian's Python
+    command -v gcc >/dev/null || missing+=(gcc)
+    [ -f "$(/usr/bin/python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)/Python.h" ] \
+        || missing+=(python3-dev)
     # the baseline of search_files in ./scripts/bench
     command -v rg >/dev/null || missing+=(ripgrep)
     if [ ${#missing[@]} -gt 0 ]; then

@@ -117,6 +117,8 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         say(f"daemon: {d.open_files_note}; connections {d.connections} of at most {d.max_connections}")
         if d.pool:
             say(f"sandboxes made ahead: {d.pool}")
+        if d.line_loops:
+            say(f"line loops: {d.line_loops}")
     say(f"{len(st.sessions)} session(s)")
     if not st.sessions:
         say("  a new session (policy default) would get: " + _would_get(k))

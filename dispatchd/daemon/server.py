@@ -38,6 +38,7 @@ from dispatchd.daemon.capacity import OpenFiles
 from dispatchd.daemon.sessions import Session, SessionManager
 from dispatchd.errors import DispatchdError
 from dispatchd.kernel import KernelFeatures
+from dispatchd.tools import native
 from dispatchd.tools.spec import schemas_for
 
 log = logging.getLogger("dispatchd.server")
@@ -309,7 +310,7 @@ class Server:
                                         daemon=protocol.DaemonReport(
                                             open_files=self.open_files.limit, open_files_note=self.open_files.note,
                                             connections=self.connections, max_connections=self.max_connections,
-                                            pool=m.pool.report()))
+                                            pool=m.pool.report(), line_loops=native.report()))
         if isinstance(req, protocol.ListTools):
             policy = self.load_policy(req.policy)
             return protocol.ToolsReply(id=req.id, tools=[protocol.ToolSchema(**s) for s in schemas_for(policy.tools)])

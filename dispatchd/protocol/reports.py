@@ -46,6 +46,7 @@ class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):
     connections: int  # client connections served now
     max_connections: int  # ... and at most
     pool: str = ""  # the sandboxes made ahead (daemon/pool.py), in words
+    line_loops: str = ""  # the C helper of read_file and search_files (tools/native.py), in words
 
 
 class LandlockReport(msgspec.Struct, frozen=True):

@@ -22,6 +22,7 @@ import io
 import os
 import stat
 
+from dispatchd.tools import native
 from dispatchd.tools.atomic import atomic_write
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
 from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve, resolve_shown
@@ -147,6 +148,11 @@ def _numbered(lines: list[bytes], start: int, stop: int) -> str:
     return b"".join(parts).decode("utf-8", "replace")  # type: ignore[arg-type]  # no None left
 
 
+def _past_the_end(rel: str, start_line: int, total: int) -> ToolFailure:
+    span = "it is empty" if total == 0 else f"its lines are 0 to {total - 1}"
+    return ToolFailure(f"start_line {start_line} is past the end of {rel}: it has {total} lines ({span})")
+
+
 # -- the tools -----------------------------------------------------------------
 
 
@@ -160,6 +166,12 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
     if end_line != -1 and start_line > end_line:
         raise ToolFailure(f"start_line {start_line} is after end_line {end_line}")
     _, rel, data = _load_text(ctx, path, "read_file only reads text")
+    if native.lines is not None:  # the same text, numbered in C (_lines.c)
+        output, total = native.lines.numbered(data, start_line, end_line)
+        if output is None:
+            raise _past_the_end(rel, start_line, total)
+        last = total - 1 if end_line == -1 else min(end_line, total - 1)
+        return Outcome.ok(output, {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})
     # The lines, each with its b"\n" (the last one's, when the file does not
     # end with one, without): split at b"\n" only, never at a lone b"\r" or a
     # form feed, so the numbers agree with search_files; a file that ends
@@ -169,8 +181,7 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
     lines = io.BytesIO(data).readlines()
     total = len(lines)
     if start_line >= total and not (total == 0 and start_line == 0):
-        span = "it is empty" if total == 0 else f"its lines are 0 to {total - 1}"
-        raise ToolFailure(f"start_line {start_line} is past the end of {rel}: it has {total} lines ({span})")
+        raise _past_the_end(rel, start_line, total)
     last = total - 1 if end_line == -1 else min(end_line, total - 1)
     output = _numbered(lines, start_line, last + 1)
     return Outcome.ok(output, {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})

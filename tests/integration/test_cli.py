@@ -356,7 +356,9 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     assert re.fullmatch(r"sandboxes made ahead: 2 per kind of session \(policy/network\), for the 4 kinds most "
                         r"recently opened, each at most 30 s old; \d+ session\(s\) served so far; "
                         r"default/off: \d ready.*", lines[3]), lines[3]
-    assert re.fullmatch(r"\d+ session\(s\)", lines[4])
+    assert lines[4] == ("line loops: read_file and search_files number and find lines in C "
+                        "(dispatchd.tools._lines)")
+    assert re.fullmatch(r"\d+ session\(s\)", lines[5])
     mine = [i for i, line in enumerate(lines) if line.strip().startswith(sid)]
     assert len(mine) == 1
     block = "\n".join(lines[mine[0]:mine[0] + 4])
@@ -377,6 +379,7 @@ def test_status_json(daemon: Daemon, sid: str) -> None:
     assert "op" not in st and "id" not in st  # the protocol's fields are not the status
     assert st["daemon_version"] == dispatchd.__version__
     assert st["pid"] == daemon.proc.pid and st["socket"] == daemon.socket
+    assert st["daemon"]["line_loops"].startswith("read_file and search_files number and find lines in C")
     kernel = st["kernel"]
     assert kernel["landlock_abi"] >= 1 and kernel["seccomp"] is True
     assert isinstance(kernel["user_namespaces"], bool) and "cgroup2" in kernel

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from dispatchd.policy import Limits
+from dispatchd.tools import native
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
 
@@ -56,6 +57,15 @@ def outside_file(ctx: ToolContext, content: str = "secret\n") -> Path:
 
 
 class TestReadFile:
+    @pytest.fixture(autouse=True, params=["c", "python"])
+    def line_loops(self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Each test twice: numbered by the C helper (tools/_lines.c) and by
+        the pure-Python path that runs where it was not built."""
+        if request.param == "python":
+            monkeypatch.setattr(native, "lines", None)
+        else:
+            assert native.lines is not None, native.report()
+
     def test_reads_the_whole_file_with_0_based_line_numbers(self, ctx: ToolContext) -> None:
         put(ctx, "a.txt", "alpha\nbeta\ngamma\n")
         r = call(ctx, "read_file", path="a.txt")

@@ -3,7 +3,8 @@
 and queries: CR and CRLF, invalid UTF-8, long lines cut inside a multi-byte
 character, NUL bytes before and after the binary sniff, empty and multi-line
 matches, anchors, non-ASCII and undecodable file names, symlinks, ``.git``,
-size caps, globs, paths and limits of every size.
+size caps, globs, paths and limits of every size; with the C line loops
+and without them.
 
 ``DISPATCH_SEARCH_CASES=N`` runs N cases instead of the default few hundred.
 """
@@ -21,13 +22,25 @@ import pytest
 
 from dispatchd.policy import Limits
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
-from dispatchd.tools import search
+from dispatchd.tools import native, search
 from dispatchd.tools.search import search_files
 from dispatchd.tools.spec import SearchFilesParams
 
 from tests.unit import search_reference
 
 CASES = int(os.environ.get("DISPATCH_SEARCH_CASES", "300"))
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def line_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every comparison twice: with the C line loops (tools/_lines.c) and
+    with the pure-Python path that runs where they were not built."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "lines", None)
+    else:
+        assert native.lines is not None, native.report()
+    return str(request.param)
+
 
 _PIECES = [b"a", b"b", b"ab", b"ba", b"aa", b" ", b"x", b"\n", b"\n", b"\n", b"\r\n", b"\r", b"\n\n",
            b"\xc3\xa9", b"\xe2\x82\xac", b"\xff", b"\xe9", b"\xc3", b"\t", b"value", b"needle"]

@@ -1,0 +1,181 @@
+"""The C line loops (dispatchd/tools/_lines.c) against the Python paths
+they replace, byte for byte: read_file's numbering and search_files'
+literal lines, on random bytes (CR, CRLF, invalid and cut UTF-8, NUL, long
+lines, no final newline) and on every boundary (line numbers 9/10 and
+99/100, ranges past the end, room 0, a match on the first and last line).
+
+The helper must be built where the suites run: the set-up installs gcc and
+python3-dev, and a missing helper fails here rather than leaving the
+speed unmeasured and the C path untested.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import re
+
+import pytest
+
+from dispatchd.tools import files, native, search
+
+lines = native.lines
+
+_UNITS = [b"a", b"b", b"ab", b"aa", b" ", b"\n", b"\n", b"\n", b"\r\n", b"\r", b"\xc3\xa9", b"\xe2\x82\xac",
+          b"\xff", b"\xe9", b"\xc3", b"\xe2\x82", b"\x00", b"\t", b"value"]
+_NEEDLES = ["a", "b", "ab", "aa", "aaa", "a a", "\r", "a\r", "\u00e9", "\u20ac", "value", " ", "\t", "ba"]
+
+
+def _bytes(rng: random.Random) -> bytes:
+    if rng.random() < 0.05:
+        return b""
+    body = b"".join(rng.choice(_UNITS) for _ in range(rng.randint(1, 400)))
+    if rng.random() < 0.1:  # a long line somewhere
+        at = rng.randint(0, len(body))
+        body = body[:at] + rng.choice([b"a", b"\xc3\xa9", b"\xff", b"ab"]) * rng.randint(200, 700) + body[at:]
+    return body
+
+
+def test_the_c_helper_is_built() -> None:
+    assert lines is not None, ("dispatchd.tools._lines was not built: the set-up builds it with gcc and "
+                               "Debian's python3-dev (scripts/_common.sh installs both). " + native.report())
+    assert native.report().startswith("read_file and search_files number and find lines in C")
+
+
+def test_the_report_says_when_it_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "lines", None)
+    assert native.report().startswith("absent, read_file and search_files use their pure-Python path")
+
+
+# -- read_file's numbering -----------------------------------------------------
+
+
+def _numbered_in_python(data: bytes, start: int, end: int) -> tuple[str | None, int]:
+    split = io.BytesIO(data).readlines()
+    total = len(split)
+    if start >= total and not (total == 0 and start == 0):
+        return None, total
+    last = total - 1 if end == -1 else min(end, total - 1)
+    return files._numbered(split, start, last + 1), total
+
+
+def test_numbered_the_same_on_random_bytes() -> None:
+    assert lines is not None
+    rng = random.Random(5)
+    for _ in range(3000):
+        data = _bytes(rng)
+        total = data.count(b"\n") + 2
+        start = rng.choice([0, 0, 1, 2, rng.randint(0, total + 2)])
+        end = rng.choice([-1, -1, start, start + 1, rng.randint(start, total + 3)])
+        assert lines.numbered(data, start, end) == _numbered_in_python(data, start, end), (data, start, end)
+
+
+@pytest.mark.parametrize("count", [0, 1, 9, 10, 11, 99, 100, 101, 1000, 5000])
+@pytest.mark.parametrize("end_with", [b"\n", b"", b"\r\n", b"\r"])
+def test_numbered_at_every_width_of_number(count: int, end_with: bytes) -> None:
+    assert lines is not None
+    data = b"\n".join(b"line %d \xc3\xa9" % i for i in range(count)) + (end_with if count else b"")
+    for start, end in [(0, -1), (0, 0), (8, 12), (95, 105), (count - 1, -1), (count, -1), (count, count + 5),
+                       (0, count * 2), (999, 1001)]:
+        if start < 0 or (end != -1 and start > end):
+            continue
+        assert lines.numbered(data, start, end) == _numbered_in_python(data, start, end), (count, start, end)
+
+
+def test_numbered_refuses_negative_lines() -> None:
+    assert lines is not None
+    with pytest.raises(ValueError, match="start must be >= 0 and end >= -1"):
+        lines.numbered(b"a\n", -1, -1)
+    with pytest.raises(ValueError, match="start must be >= 0 and end >= -1"):
+        lines.numbered(b"a\n", 0, -2)
+
+
+def test_numbered_with_end_before_start_is_empty_not_a_fault() -> None:
+    """read_file refuses that before calling; the helper still answers sanely."""
+    assert lines is not None
+    assert lines.numbered(b"a\nb\nc\n", 2, 0) == ("", 3)
+
+
+# -- search_files' literal lines -----------------------------------------------
+
+
+def _literal_in_python(data: bytes, query: str, room: int, name: str) -> tuple[str, int, bool]:
+    literal = search._Literal(query, re.compile(re.escape(query.encode()), re.MULTILINE))
+    first = literal.find(data, 0)
+    found = [] if first < 0 else search._literal_lines(literal, data, first, room + 1, search._Labels())
+    shown = found[:room]
+    return (name + ("\n" + name).join(shown) if shown else "", len(shown), len(found) > room)
+
+
+def _too_long(data: bytes, needle: bytes, room: int, max_bytes: int) -> bool:
+    """Whether one of the first ``room`` lines holding ``needle`` is, less one
+    final CR, longer than ``max_bytes``."""
+    seen = 0
+    for line in data.split(b"\n"):
+        if needle in line:
+            if seen == room:
+                return False
+            if len(line[:-1] if line.endswith(b"\r") else line) > max_bytes:
+                return True
+            seen += 1
+    return False
+
+
+def test_search_literal_the_same_on_random_bytes() -> None:
+    assert lines is not None
+    rng = random.Random(7)
+    fallbacks = 0
+    for _ in range(4000):
+        data = _bytes(rng)
+        query = rng.choice(_NEEDLES)
+        room = rng.choice([0, 1, 2, 3, 10, 1000])
+        name = rng.choice(["f.txt", "d/\u00e9.txt", "a\nb", "x:1"])
+        got = lines.search_literal(data, query.encode(), room, name, search._LINE_CHARS)
+        if _too_long(data, query.encode(), room, search._LINE_CHARS):
+            assert got == (None, -1, False)
+            fallbacks += 1
+            continue
+        assert got == _literal_in_python(data, query, room, name), (data, query, room)
+    assert fallbacks > 20  # the long-line case was reached
+
+
+@pytest.mark.parametrize("max_bytes", [0, 1, 3, 500])
+def test_search_literal_hands_long_lines_back(max_bytes: int) -> None:
+    """A line to show longer than ``max_bytes`` (less its CR) is cut by
+    characters in Python: the helper says None; one exactly that long it shows."""
+    assert lines is not None
+    exact = b"a" * max_bytes
+    assert lines.search_literal(b"x\n" + exact + b"\r\nb\n", b"a" * max(max_bytes, 1), 5, "f", max_bytes)[1] == (
+        1 if max_bytes else 0)
+    assert lines.search_literal(b"x\n" + exact + b"a\r\n", b"a", 5, "f", max_bytes) == (None, -1, False)
+
+
+def test_search_literal_more_is_about_lines_not_matches() -> None:
+    """Two matches on the room's last line are not "more"; one on the next line is."""
+    assert lines is not None
+    assert lines.search_literal(b"a a\nb\n", b"a", 1, "f", 500) == ("f:0: a a", 1, False)
+    assert lines.search_literal(b"a a\nb a\n", b"a", 1, "f", 500) == ("f:0: a a", 1, True)
+    assert lines.search_literal(b"b a\n", b"a", 0, "f", 500) == ("", 0, True)
+    assert lines.search_literal(b"b\n", b"a", 0, "f", 500) == ("", 0, False)
+
+
+def test_search_literal_a_name_with_a_lone_surrogate_goes_to_python() -> None:
+    assert lines is not None
+    assert lines.search_literal(b"a\n", b"a", 5, "bad\udcff", 500) == (None, -1, False)
+
+
+@pytest.mark.parametrize("needle,room", [(b"", 1), (b"a\nb", 1), (b"a", -1)])
+def test_search_literal_refuses_what_search_files_never_asks(needle: bytes, room: int) -> None:
+    assert lines is not None
+    with pytest.raises(ValueError, match="needle must be non-empty, without a newline; room >= 0"):
+        lines.search_literal(b"a\n", needle, room, "f", 500)
+
+
+def test_search_literal_on_a_large_file_numbers_every_line() -> None:
+    """Past the first line numbers of every width, with matches far apart and
+    close together (the GIL is let go for the scan)."""
+    assert lines is not None
+    data = b"".join(b"hit %d\n" % i if i % 997 == 0 or 5000 < i < 5100 else b"miss\n" for i in range(200_000))
+    text, count, more = lines.search_literal(data, b"hit", 10**6, "big", 500)
+    assert (text, count, more) == _literal_in_python(data, "hit", 10**6, "big")
+    assert text.splitlines()[-1] == "big:199400: hit 199400"
