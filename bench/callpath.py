@@ -81,7 +81,8 @@ def _session(sock: socket.socket) -> dc.Session:
     s._tools = [protocol.ToolSchema(**x) for x in schemas_for(_TOOLS)]
     s._schemas = {t.name: t for t in s._tools}
     s._in_flight, s._in_flight_lock = {}, threading.Lock()
-    s.registry = Registry((s._remote(t) for t in s._tools), output_budget=16384)
+    s.registry = Registry((checked._with_func(s._remote_call(checked.name))
+                           for checked in dc._checked_tools(s._tools)), output_budget=16384)
     return s
 
 
