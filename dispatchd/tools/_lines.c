@@ -103,7 +103,8 @@ numbered(PyObject *self, PyObject *args)
     /* One pass: the offsets where lines ``start`` and ``end + 1`` begin,
      * and the number of lines. */
     Py_ssize_t total = 0, pos = 0, begin = -1, stop_at = -1;
-    Py_ssize_t stop = end == -1 ? -1 : end + 1;
+    /* An end past any line is the last line (and end + 1 must not overflow). */
+    Py_ssize_t stop = end == -1 || end >= n ? -1 : end + 1;
     while (pos < n) {
         if (total == start)
             begin = pos;

@@ -167,7 +167,9 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
         raise ToolFailure(f"start_line {start_line} is after end_line {end_line}")
     _, rel, data = _load_text(ctx, path, "read_file only reads text")
     if native.lines is not None:  # the same text, numbered in C (_lines.c)
-        output, total = native.lines.numbered(data, start_line, end_line)
+        # Past any file's last line either way; keeps the numbers within a C ssize_t.
+        far = 1 << 62
+        output, total = native.lines.numbered(data, min(start_line, far), end_line if end_line < far else -1)
         if output is None:
             raise _past_the_end(rel, start_line, total)
         last = total - 1 if end_line == -1 else min(end_line, total - 1)

@@ -121,6 +121,17 @@ class TestReadFile:
         assert not r.success and r.output is None
         assert "start_line 3 is past the end of a.txt" in r.error and "3 lines" in r.error
 
+    @pytest.mark.parametrize("start,end", [(0, 2**63 + 5), (1, 2**64), (2**63, -1), (2**70, 2**71)])
+    def test_line_numbers_beyond_any_machine_word(self, ctx: ToolContext, start: int, end: int) -> None:
+        put(ctx, "f.txt", "a\nb\n")
+        out = call(ctx, "read_file", path="f.txt", start_line=start, end_line=end)
+        if start == 0 or start == 1:
+            assert out.success and out.output == ("0: a\n1: b" if start == 0 else "1: b")
+            assert out.metadata["end_line"] == 1
+        else:
+            assert not out.success
+            assert out.error == f"start_line {start} is past the end of f.txt: it has 2 lines (its lines are 0 to 1)"
+
     def test_start_line_after_end_line_fails(self, ctx: ToolContext) -> None:
         put(ctx, "a.txt", "l0\nl1\nl2\n")
         r = call(ctx, "read_file", path="a.txt", start_line=2, end_line=1)
