@@ -1,0 +1,51 @@
+"""The C line loops built with AddressSanitizer and UBSan and driven with
+random bytes and edge-of-range numbers: an out-of-bounds read or write, an
+overflow or a use after free stops the run with the sanitizer's report.
+The helper reads the worktree's (hostile) bytes; this is the test that it
+stays within them. Needs gcc and its libasan/libubsan (the set-up installs
+gcc, which brings both)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import dispatchd.tools
+
+_SOURCE = Path(dispatchd.tools.__file__).parent / "_lines.c"
+
+_DRIVE = r"""
+import random, sys
+sys.path.insert(0, sys.argv[1])
+import _lines as L
+M = 2**63 - 1
+rng = random.Random(int(sys.argv[2]))
+units = [b"a", b"\n", b"\r", b"\xff", b"\xc3", b"ab", b"\x00", b"\n\n", b"\xe2\x82", b"aa" * 40]
+for _ in range(40000):
+    d = b"".join(rng.choice(units) for _ in range(rng.randint(0, 40)))
+    L.numbered(d, rng.choice([0, 1, 5, M, M - 1, rng.randint(0, 12)]), rng.choice([-1, M, M - 1, rng.randint(0, 14)]))
+    L.search_literal(d, rng.choice([b"a", b"\r", b"ab", b"\xc3", b"aa", b"a" * 9]), rng.choice([0, M, rng.randint(0, 5)]),
+                     rng.choice(["n", "\u00e9", "a\nb"]), rng.choice([0, M, rng.randint(0, 6)]))
+print("clean")
+"""
+
+
+def _runtime(name: str) -> str:
+    return subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_the_line_loops_stay_within_their_buffers(tmp_path: Path) -> None:
+    built = tmp_path / ("_lines" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
+                    "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                    f"-I{sysconfig.get_paths()['include']}", str(_SOURCE), "-o", str(built)], check=True)
+    env = dict(os.environ, LD_PRELOAD=f"{_runtime('libasan.so')}:{_runtime('libubsan.so')}",
+               ASAN_OPTIONS="detect_leaks=0:abort_on_error=0", UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
+    out = subprocess.run([sys.executable, "-c", _DRIVE, str(tmp_path), "11"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr[-3000:]
+    assert "runtime error" not in out.stderr and "AddressSanitizer" not in out.stderr, out.stderr[-3000:]
