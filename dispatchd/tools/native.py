@@ -9,7 +9,7 @@ refused. The set-up builds it (gcc and Debian's ``python3-dev``).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 
 class Lines(Protocol):
@@ -17,8 +17,10 @@ class Lines(Protocol):
 
     def numbered(self, data: bytes, start: int, end: int, /) -> tuple[str | None, int]: ...
 
-    def search_literal(self, data: bytes, needle: bytes, room: int, name: str, max_bytes: int,
-                       /) -> tuple[str | None, int, bool]: ...
+    def search_literal(self, data: bytes, needle: bytes, room: int, name: str, max_bytes: int, at: int = -1,
+                       budget: int = 0, /) -> tuple[str | None, int, bool, int]: ...
+
+    def read_text(self, path: str, cap: int, sniff: int, /) -> bytes | None | Literal[False]: ...
 
 
 lines: Lines | None

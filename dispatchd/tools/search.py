@@ -37,7 +37,7 @@ from operator import add, contains
 from dispatchd.tools import native
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
 from dispatchd.tools.spec import SearchFilesParams
-from dispatchd.tools.textfile import looks_binary, read_regular
+from dispatchd.tools.textfile import SNIFF_BYTES, looks_binary, read_regular
 from dispatchd.tools.walk import in_git_dir, matches, regular_files
 from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve
 
@@ -80,7 +80,11 @@ def _compile(query: str, is_regex: bool) -> re.Pattern[bytes]:
 def _read_text_file(path: str, cap: int) -> bytes | None:
     """The file's bytes, or None when it is not a regular text file within
     the cap: ``read_regular``'s checks, with its common case inlined (one
-    read of the size fstat gave, and one byte more to see the end)."""
+    read of the size fstat gave, and one byte more to see the end), in C
+    where the helper was built (``_lines.read_text``: the same steps)."""
+    if native.lines is not None:
+        read = native.lines.read_text(path, cap, SNIFF_BYTES)
+        return read if read is not False else _read_again(path, cap)
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError:  # unreadable (or gone since the walk): not searched
@@ -95,14 +99,20 @@ def _read_text_file(path: str, cap: int) -> bytes | None:
     finally:
         os.close(fd)
     if len(data) != st.st_size:  # it grew or shrank since fstat, or a short read
-        try:
-            reread = read_regular(path, cap)[2]
-        except OSError:
-            return None
-        if reread is None:
-            return None
-        data = reread
+        return _read_again(path, cap)
     if looks_binary(data):
+        return None
+    return data
+
+
+def _read_again(path: str, cap: int) -> bytes | None:
+    """A file whose one read did not give the size fstat gave, read with
+    ``read_regular``'s loop."""
+    try:
+        data = read_regular(path, cap)[2]
+    except OSError:
+        return None
+    if data is None or looks_binary(data):
         return None
     return data
 
@@ -210,6 +220,23 @@ class _Literal:
         else:
             self.rare = b""
         self._sample = b""
+
+    def rare_for(self, data: bytes) -> tuple[int, int]:
+        """For the C helper's search of ``data``: where the rare byte is in
+        the needle (-1: none, memmem finds it) and how many of its
+        candidates may miss before it gives up on it, by the rule ``find``
+        keeps."""
+        if not self.rare:
+            return -1, 0
+        self._seen += len(data)
+        return self.at, _MISSES + self._seen // _RARE - self._misses
+
+    def missed(self, at: int, budget: int, misses: int) -> None:
+        """Take in what the C helper's search reported (``rare_for``)."""
+        if at >= 0:
+            self._misses += misses
+            if misses > budget:  # more common than learnt: memmem for good
+                self.rare = b""
 
     def find(self, data: bytes, pos: int) -> int:
         """``data.find(self.needle, pos)``."""
@@ -366,7 +393,12 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
             searched += 1
             if fast is not None:
                 assert literal is not None
-                text, found, more = fast(data, literal.needle, limit - count, printable(rel), _LINE_CHARS)
+                if literal.rare is None:
+                    literal.learn(data)
+                at, budget = literal.rare_for(data)
+                text, found, more, misses = fast(data, literal.needle, limit - count, printable(rel), _LINE_CHARS,
+                                                 at, budget)
+                literal.missed(at, budget, misses)
                 if text is not None:
                     if found:
                         chunks.append(text)

@@ -12,12 +12,15 @@ speed unmeasured and the C path untested.
 from __future__ import annotations
 
 import io
+import os
 import random
 import re
+from pathlib import Path
 
 import pytest
 
 from dispatchd.tools import files, native, search
+from dispatchd.tools.textfile import SNIFF_BYTES
 
 lines = native.lines
 
@@ -130,12 +133,17 @@ def test_search_literal_the_same_on_random_bytes() -> None:
         query = rng.choice(_NEEDLES)
         room = rng.choice([0, 1, 2, 3, 10, 1000])
         name = rng.choice(["f.txt", "d/\u00e9.txt", "a\nb", "x:1"])
-        got = lines.search_literal(data, query.encode(), room, name, search._LINE_CHARS)
-        if _too_long(data, query.encode(), room, search._LINE_CHARS):
-            assert got == (None, -1, False)
+        needle = query.encode()
+        # found by memmem, or by one of its bytes with a budget of misses that may run out midway
+        at = rng.choice([-1, rng.randrange(len(needle))])
+        budget = rng.choice([0, 1, 3, 10**6])
+        got = lines.search_literal(data, needle, room, name, search._LINE_CHARS, at, budget)
+        assert got[3] <= (budget + 1 if at >= 0 else 0)
+        if _too_long(data, needle, room, search._LINE_CHARS):
+            assert got[:3] == (None, -1, False)
             fallbacks += 1
             continue
-        assert got == _literal_in_python(data, query, room, name), (data, query, room)
+        assert got[:3] == _literal_in_python(data, query, room, name), (data, query, room, at, budget)
     assert fallbacks > 20  # the long-line case was reached
 
 
@@ -147,28 +155,43 @@ def test_search_literal_hands_long_lines_back(max_bytes: int) -> None:
     exact = b"a" * max_bytes
     assert lines.search_literal(b"x\n" + exact + b"\r\nb\n", b"a" * max(max_bytes, 1), 5, "f", max_bytes)[1] == (
         1 if max_bytes else 0)
-    assert lines.search_literal(b"x\n" + exact + b"a\r\n", b"a", 5, "f", max_bytes) == (None, -1, False)
+    assert lines.search_literal(b"x\n" + exact + b"a\r\n", b"a", 5, "f", max_bytes) == (None, -1, False, 0)
 
 
 def test_search_literal_more_is_about_lines_not_matches() -> None:
     """Two matches on the room's last line are not "more"; one on the next line is."""
     assert lines is not None
-    assert lines.search_literal(b"a a\nb\n", b"a", 1, "f", 500) == ("f:0: a a", 1, False)
-    assert lines.search_literal(b"a a\nb a\n", b"a", 1, "f", 500) == ("f:0: a a", 1, True)
-    assert lines.search_literal(b"b a\n", b"a", 0, "f", 500) == ("", 0, True)
-    assert lines.search_literal(b"b\n", b"a", 0, "f", 500) == ("", 0, False)
+    assert lines.search_literal(b"a a\nb\n", b"a", 1, "f", 500) == ("f:0: a a", 1, False, 0)
+    assert lines.search_literal(b"a a\nb a\n", b"a", 1, "f", 500) == ("f:0: a a", 1, True, 0)
+    assert lines.search_literal(b"b a\n", b"a", 0, "f", 500) == ("", 0, True, 0)
+    assert lines.search_literal(b"b\n", b"a", 0, "f", 500) == ("", 0, False, 0)
+
+
+def test_search_literal_gives_up_a_common_rare_byte_and_finds_the_same() -> None:
+    """By its byte "b" (at 1 in "ab"), every "b" not after an "a" a miss:
+    past the budget memmem takes over where the last miss was, and no line
+    is lost on the way."""
+    assert lines is not None
+    data = b"bb ab\nb\nbbbb\nxab\nab b\n"
+    want = ("f:0: bb ab\nf:3: xab\nf:4: ab b", 3, False)
+    assert lines.search_literal(data, b"ab", 10, "f", 500, -1, 0) == want + (0,)
+    # candidates run across lines: b"\nb" at 7 is one; "b" at 0 is never one (it cannot be the needle's second byte)
+    assert lines.search_literal(data, b"ab", 10, "f", 500, 1, 100) == want + (5,)
+    assert lines.search_literal(data, b"ab", 10, "f", 500, 1, 2) == want + (3,)  # gave up at the third
 
 
 def test_search_literal_a_name_with_a_lone_surrogate_goes_to_python() -> None:
     assert lines is not None
-    assert lines.search_literal(b"a\n", b"a", 5, "bad\udcff", 500) == (None, -1, False)
+    assert lines.search_literal(b"a\n", b"a", 5, "bad\udcff", 500) == (None, -1, False, 0)
 
 
-@pytest.mark.parametrize("needle,room", [(b"", 1), (b"a\nb", 1), (b"a", -1)])
-def test_search_literal_refuses_what_search_files_never_asks(needle: bytes, room: int) -> None:
+@pytest.mark.parametrize("needle,room,at", [(b"", 1, -1), (b"a\nb", 1, -1), (b"a", -1, -1), (b"ab", 1, 2),
+                                           (b"ab", 1, -2)])
+def test_search_literal_refuses_what_search_files_never_asks(needle: bytes, room: int, at: int) -> None:
     assert lines is not None
-    with pytest.raises(ValueError, match="needle must be non-empty, without a newline; room >= 0"):
-        lines.search_literal(b"a\n", needle, room, "f", 500)
+    with pytest.raises(ValueError, match=r"needle must be non-empty, without a newline; room >= 0; "
+                                         r"-1 <= at < len\(needle\)"):
+        lines.search_literal(b"a\n", needle, room, "f", 500, at, 0)
 
 
 def test_search_literal_on_a_large_file_numbers_every_line() -> None:
@@ -176,6 +199,47 @@ def test_search_literal_on_a_large_file_numbers_every_line() -> None:
     close together (the GIL is let go for the scan)."""
     assert lines is not None
     data = b"".join(b"hit %d\n" % i if i % 997 == 0 or 5000 < i < 5100 else b"miss\n" for i in range(200_000))
-    text, count, more = lines.search_literal(data, b"hit", 10**6, "big", 500)
+    text, count, more, _ = lines.search_literal(data, b"hit", 10**6, "big", 500)
     assert (text, count, more) == _literal_in_python(data, "hit", 10**6, "big")
+    assert lines.search_literal(data, b"hit", 10**6, "big", 500, 0, 10**6)[:3] == (text, count, more)
     assert text.splitlines()[-1] == "big:199400: hit 199400"
+
+
+# -- search_files' read of a file ----------------------------------------------
+
+
+def test_read_text_reads_what_the_python_path_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Text, empty, binary in the sniffed head or only past it, over the cap,
+    a directory, a symlink (not followed), a FIFO (not waited on), a missing
+    file: the same bytes or None as search's Python path."""
+    assert lines is not None
+    (tmp_path / "text").write_bytes(b"a\nb\r\n\xff")
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "nul").write_bytes(b"a" * 100 + b"\0")
+    (tmp_path / "late-nul").write_bytes(b"a" * SNIFF_BYTES + b"\0")
+    (tmp_path / "big").write_bytes(b"a" * 101)
+    (tmp_path / "dir").mkdir()
+    os.symlink("text", tmp_path / "link")
+    os.mkfifo(tmp_path / "fifo")
+    names = ["text", "empty", "nul", "late-nul", "big", "dir", "link", "fifo", "missing"]
+    got = {n: lines.read_text(str(tmp_path / n), 100 if n == "big" else 1 << 20, SNIFF_BYTES) for n in names}
+    assert got == {"text": b"a\nb\r\n\xff", "empty": b"", "nul": None, "late-nul": b"a" * SNIFF_BYTES + b"\0",
+                   "big": None, "dir": None, "link": None, "fifo": None, "missing": None}
+    monkeypatch.setattr(native, "lines", None)
+    assert {n: search._read_text_file(str(tmp_path / n), 100 if n == "big" else 1 << 20) for n in names} == got
+
+
+def test_read_text_hands_back_a_file_whose_size_changed() -> None:
+    """A read that does not give fstat's size (here a /proc file, which says
+    0 bytes and has more) is False: search_files reads it again with
+    read_regular's loop."""
+    assert lines is not None
+    assert lines.read_text("/proc/self/stat", 1 << 20, SNIFF_BYTES) is False
+    again = search._read_text_file("/proc/self/stat", 1 << 20)
+    assert again is not None and again.startswith(b"%d (" % os.getpid())
+
+
+def test_read_text_refuses_negative_sizes() -> None:
+    assert lines is not None
+    with pytest.raises(ValueError, match="cap and sniff must be >= 0"):
+        lines.read_text("/dev/null", -1, 0)

@@ -23,12 +23,15 @@ sys.path.insert(0, sys.argv[1])
 import _lines as L
 M = 2**63 - 1
 rng = random.Random(int(sys.argv[2]))
+paths = [sys.argv[1] + "/" + n for n in ("text", "empty", "nul", "missing", ".")] + ["/dev/null", "/proc/self/stat"]
 units = [b"a", b"\n", b"\r", b"\xff", b"\xc3", b"ab", b"\x00", b"\n\n", b"\xe2\x82", b"aa" * 40]
 for _ in range(40000):
     d = b"".join(rng.choice(units) for _ in range(rng.randint(0, 40)))
     L.numbered(d, rng.choice([0, 1, 5, M, M - 1, rng.randint(0, 12)]), rng.choice([-1, M, M - 1, rng.randint(0, 14)]))
-    L.search_literal(d, rng.choice([b"a", b"\r", b"ab", b"\xc3", b"aa", b"a" * 9]), rng.choice([0, M, rng.randint(0, 5)]),
-                     rng.choice(["n", "\u00e9", "a\nb"]), rng.choice([0, M, rng.randint(0, 6)]))
+    needle = rng.choice([b"a", b"\r", b"ab", b"\xc3", b"aa", b"a" * 9])
+    L.search_literal(d, needle, rng.choice([0, M, rng.randint(0, 5)]), rng.choice(["n", "\u00e9", "a\nb"]),
+                     rng.choice([0, M, rng.randint(0, 6)]), rng.randint(-1, len(needle) - 1), rng.choice([0, 2, M]))
+    L.read_text(rng.choice(paths), rng.choice([0, 3, 100, M]), rng.choice([0, 1, 8192, M]))
 print("clean")
 """
 
@@ -43,6 +46,9 @@ def test_the_line_loops_stay_within_their_buffers(tmp_path: Path) -> None:
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-g", "-fno-omit-frame-pointer",
                     "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
                     f"-I{sysconfig.get_paths()['include']}", str(_SOURCE), "-o", str(built)], check=True)
+    (tmp_path / "text").write_bytes(b"a\nb\n" * 50)
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "nul").write_bytes(b"a" * 10 + b"\0")
     env = dict(os.environ, LD_PRELOAD=f"{_runtime('libasan.so')}:{_runtime('libubsan.so')}",
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=0", UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
     out = subprocess.run([sys.executable, "-c", _DRIVE, str(tmp_path), "11"], capture_output=True, text=True,

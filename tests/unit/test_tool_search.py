@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from dispatchd.policy import Limits
+from dispatchd.tools import native
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
 
@@ -231,7 +232,10 @@ def test_symlinked_directory_outside_is_refused(ctx: ToolContext) -> None:
 def test_a_short_read_reads_the_file_again(ctx: ToolContext, monkeypatch: pytest.MonkeyPatch) -> None:
     # search_files reads a file in one read of the size fstat gave; less
     # than that (a network file system, or a file cut meanwhile) sends it
-    # to read_regular, which reads on to the end.
+    # to read_regular, which reads on to the end. (The Python path's read,
+    # which os.read can be swapped in; the C helper's is tested with a
+    # /proc file in test_native_lines.py.)
+    monkeypatch.setattr(native, "lines", None)
     put(ctx, "short.txt", "a\n" * 5000 + "needle\n")
     real_read = os.read
     calls: list[int] = []
