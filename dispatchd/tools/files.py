@@ -27,7 +27,7 @@ from dispatchd.tools.atomic import atomic_write
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
 from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve, resolve_shown
 from dispatchd.tools.spec import CreateFileParams, EditFileParams, ListFilesParams, ReadFileParams, WriteFileParams
-from dispatchd.tools.textfile import looks_binary, read_regular
+from dispatchd.tools.textfile import SNIFF_BYTES, looks_binary, read_regular
 from dispatchd.tools.walk import in_git_dir, matches, walk
 
 __all__ = ["create_file", "edit_file", "list_files", "read_file", "write_file"]
@@ -49,6 +49,13 @@ def _load_text(ctx: ToolContext, path: str, refusal: str) -> tuple[str, str, byt
     """
     target, rel = resolve_shown(ctx.root, path)
     cap = ctx.limits.file_size_cap_bytes
+    if native.lines is not None:
+        # The common case in C: a regular text file within the cap, read
+        # whole (the same open, fstat, read and sniff). Anything else is read
+        # again below, which words why.
+        text = native.lines.read_text(target, cap, SNIFF_BYTES)
+        if isinstance(text, bytes):
+            return target, rel, text
     try:
         mode, size, data = read_regular(target, cap)
     except FileNotFoundError:
