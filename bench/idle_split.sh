@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Measurement only (root): N paced sessions held, then the USS of each
+# session's processes (bench/uss_of.py), optionally again after a pause.
+#   bench/idle_split.sh N [SECOND_READ_AFTER_S]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+n=${1:-12}; again=${2:-0}
+pidfile=/tmp/idle3-$$.pids
+rm -f "$pidfile"; log=/tmp/idle3-$$.log
+./scripts/bench --density "$n" --pace 0.1 --hold $((again + 8)) --pidfile "$pidfile" >"$log" 2>&1 &
+bench=$!
+for _ in $(seq 600); do [ -s "$pidfile" ] && break; sleep 0.2; done
+sleep 1
+/tmp/rootvenv/bin/python bench/uss_of.py "$pidfile" | tail -20
+if [ "$again" != 0 ]; then echo "second processes killed:"; /tmp/rootvenv/bin/python bench/uss_of.py "$pidfile" --kill-children | tail -20; fi
+wait "$bench" || true
+grep -E "failed|USS|processes|D step" "$log"
+rm -f "$pidfile" "$log"
