@@ -16,5 +16,5 @@ sleep 1
 /tmp/rootvenv/bin/python "$here/bench/uss_of.py" "$pidfile" | tail -20
 if [ "$again" != 0 ]; then echo "second processes killed:"; /tmp/rootvenv/bin/python "$here/bench/uss_of.py" "$pidfile" --kill-children | tail -20; fi
 wait "$bench" || true
-grep -E "failed|USS|processes|D step" "$log"
+grep -E "failed|USS|processes|D step|Traceback|Error" "$log" | head -5
 rm -f "$pidfile" "$log"

@@ -29,6 +29,14 @@ def kids(pid: int) -> list[int]:
         return []
 
 
+def ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
 def main() -> None:
     pids = [int(x) for x in open(sys.argv[1]).read().split()]
     if "--kill-children" in sys.argv:  # the second processes gone: what the first keeps alone
@@ -36,14 +44,19 @@ def main() -> None:
         import signal
         import time
         listed = set(pids)
+        zyg = {q for q in listed if len([c for c in kids(q) if c in listed]) > 1}
         for p in pids:
-            if any(p in kids(q) for q in listed):
+            if p in zyg or any(p in kids(q) for q in listed - zyg):
                 continue  # a second process itself
             for c in kids(p):
                 os.kill(c, signal.SIGKILL)
         time.sleep(1)
     listed = set(pids)
-    tops = [p for p in pids if not any(p in kids(q) for q in listed)]
+    # A parent of several listed processes (a zygote) is no session: its children are.
+    zygotes = {q for q in listed if len([c for c in kids(q) if c in listed]) > 1}
+    tops = [p for p in pids if p not in zygotes and not any(p in kids(q) for q in listed - zygotes)]
+    for z in zygotes:
+        print(f"zygote {z}: {uss_kib(z)} KiB")
     firsts, seconds, totals = [], [], []
     for top in tops:
         u1 = uss_kib(top)
@@ -54,7 +67,7 @@ def main() -> None:
         firsts.append(u1)
         seconds.append(u2)
         totals.append(u1 + u2)
-        print(f"{top}: {u1} KiB; children {below}: {u2} KiB")
+        print(f"{top} (parent {ppid(top)}, its parent {ppid(ppid(top))}, uss {uss_kib(ppid(top))}): {u1} KiB; children {below}: {u2} KiB")
     if firsts:
         print(f"sessions {len(firsts)}: first process median {statistics.median(firsts)} KiB, mean "
               f"{statistics.mean(firsts):.0f}; below it median {statistics.median(seconds)}; "
