@@ -155,6 +155,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="only these rows")
     args = ap.parse_args()
     if os.geteuid() == 0:
         print("schedgroups: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
@@ -170,7 +171,8 @@ def main() -> int:
     bare_own = _BareOwnSession(tmp)
     ctx = multiprocessing.get_context("fork")
     pipes, procs = [], []
-    rows: dict[str, dict[str, list[float]]] = {k: {"rate": [], "cpu": [], "switches": [], "share": []} for k in ROWS}
+    rows: dict[str, dict[str, list[float]]] = {k: {"rate": [], "cpu": [], "switches": [], "share": []}
+                                               for k in ROWS if k in args.rows}
     try:
         for _ in range(args.clients):
             ours, theirs = ctx.Pipe()
@@ -207,7 +209,8 @@ def main() -> int:
     print(f"{args.clients} clients, medians of {args.rounds} rounds of {args.seconds:g} s; "
           f"load {os.getloadavg()[0]:.1f}")
     print(f"{'':40s} {'calls/s':>9s} {'CPU a call':>11s} {'switches':>9s} {'our share':>10s}")
-    for kind, label in ROWS.items():
+    for kind in rows:
+        label = ROWS[kind]
         m: dict[str, Any] = {k: statistics.median(v) for k, v in rows[kind].items()}
         print(f"{label:40s} {m['rate']:9,.0f} {m['cpu'] * 1e6:8.1f} µs {m['switches']:9.2f} {m['share']:9.0%}")
     return 0
