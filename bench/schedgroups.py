@@ -30,6 +30,7 @@ import argparse
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -206,6 +207,7 @@ def main() -> int:
         bare_own.close()
         daemon.terminate()
         daemon.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"{args.clients} clients, medians of {args.rounds} rounds of {args.seconds:g} s; "
           f"load {os.getloadavg()[0]:.1f}")
     print(f"{'':40s} {'calls/s':>9s} {'CPU a call':>11s} {'switches':>9s} {'our share':>10s}")
