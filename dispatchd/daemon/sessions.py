@@ -54,6 +54,7 @@ from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
 from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
+from dispatchd.daemon.planahead import PlanInputs, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import ForkServerClient, SpawnError, Worker, adopt
@@ -211,6 +212,7 @@ class SessionManager:
     ) -> None:
         self.fork_server = fork_server
         self.host_tree = host_tree  # plan_session's: the host's root held by descriptor (mounts._hold_host)
+        self._last_inputs: dict[Kind, PlanInputs] = {}  # the last open's plan inputs, per kind (planahead.py)
         self.kernel = kernel
         self.load_policy = load_policy
         self.sessions_dir = os.path.join(state_dir, "sessions")
@@ -436,15 +438,24 @@ class SessionManager:
             os.close(fd)
         return os.path.normpath(back) == worktree + "/.git"
 
-    def _plan(self, session: Session, network: NetworkMode) -> SessionPlan:
+    def _plan_inputs(self, session: Session, network: NetworkMode) -> PlanInputs:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git,
                              read_only=session.read_only)
         # Read at each worker start (open, network switch): a few µs, no git run.
         identity = gitidentity.identity_env(gitidentity.read_identity(self.home, self.base_env))
-        return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
-                            uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
-                            delegation=self.delegation, git_identity=identity, host_tree=self.host_tree)
+        return PlanInputs(session=session.id, policy=session.policy, network=network, paths=paths,
+                          ports=session.ports, git_identity=identity, kernel=self.kernel, uid=self.uid,
+                          gid=self.gid, base_env=self.base_env, delegation=self.delegation,
+                          host_tree=self.host_tree)
+
+    def _plan(self, session: Session, network: NetworkMode, made: Made | None) -> tuple[SessionPlan, bytes | None]:
+        """The session's plan and its pool key: the one made ahead with
+        ``made`` when made of equal inputs (planahead.py), else made now."""
+        inputs = self._plan_inputs(session, network)
+        # What the pool's next sandbox of this kind plans for (the next open is most often alike).
+        self._last_inputs[(session.policy.name, network)] = inputs
+        return plan_for(inputs, made.planned if made is not None else None)
 
     def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None) -> None:
         """The session's sandbox, confined and ready: ``made`` (one made ahead,
@@ -452,13 +463,12 @@ class SessionManager:
         new one."""
         started = time.perf_counter()
         try:
-            plan = self._plan(session, network)
+            plan, key = self._plan(session, network, made)
         except BaseException:
             if made is not None:
                 made.scratch = ""  # the session's: it goes with the session
                 self._let_go(made)
             raise
-        key = pool_key(plan)
         session.poolable = key is not None
         ready = self._adopt(session, plan, key, made) if made is not None else None
         if made is not None and ready is not None:
@@ -564,6 +574,12 @@ class SessionManager:
         except BaseException:
             self._let_go(made)
             raise
+        last = self._last_inputs.get(kind)
+        if last is not None:
+            try:
+                made.planned = plan_ahead(last, session=sid, scratch=paths.scratch, policy=policy)
+            except Exception as exc:  # noqa: BLE001 - then planned at open, where the same error refuses that open
+                log.debug("event=plan_ahead_failed session=%s error=%s", sid, exc)
         log.debug("event=pool_made kind=%s/%s session=%s pid=%s steps_ms=%s", policy_name, network, sid, worker.pid,
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         return made
