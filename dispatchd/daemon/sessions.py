@@ -514,7 +514,9 @@ class SessionManager:
         session.protections = msg.protections
         session.generation += 1
         session.ended = threading.Event()
-        log.debug("event=worker_started session=%s total_ms=%.2f", session.id, (time.perf_counter() - started) * 1e3)
+        log.debug("event=worker_started session=%s total_ms=%.2f planned_ahead=%d", session.id,
+                  (time.perf_counter() - started) * 1e3, made is not None and made.planned is not None
+                  and plan is made.planned.plan)
         # Not waited for (threads.py): nothing of the open needs it running
         # yet; what the worker sends meanwhile waits in the channel.
         threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
