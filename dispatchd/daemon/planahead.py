@@ -32,7 +32,7 @@ from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NetworkMode
 from dispatchd.policy import Policy
 
-__all__ = ["PlanInputs", "Planned", "plan_ahead", "plan_for"]
+__all__ = ["PlanInputs", "Planned", "make_plan", "plan_ahead", "plan_for"]
 
 
 class PlanInputs(NamedTuple):
@@ -60,7 +60,7 @@ class Planned(NamedTuple):
     key: bytes | None
 
 
-def _plan(i: PlanInputs) -> SessionPlan:
+def make_plan(i: PlanInputs) -> SessionPlan:
     return plan_session(i.policy, i.kernel, session=i.session, paths=i.paths, network=i.network, uid=i.uid,
                         gid=i.gid, base_env=i.base_env, ports=i.ports, delegation=i.delegation,
                         git_identity=i.git_identity, host_tree=i.host_tree)
@@ -72,7 +72,7 @@ def plan_ahead(last: PlanInputs, *, session: str, scratch: str, policy: Policy) 
     ``plan_session`` raises."""
     inputs = last._replace(session=session, policy=policy,
                            paths=msgspec.structs.replace(last.paths, scratch=scratch))
-    plan = _plan(inputs)
+    plan = make_plan(inputs)
     return Planned(inputs, plan, pool_key(plan))
 
 
@@ -81,5 +81,5 @@ def plan_for(inputs: PlanInputs, planned: Planned | None) -> tuple[SessionPlan, 
     equal inputs, else made now."""
     if planned is not None and planned.inputs == inputs:
         return planned.plan, planned.key
-    plan = _plan(inputs)
+    plan = make_plan(inputs)
     return plan, pool_key(plan)

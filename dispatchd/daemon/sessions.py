@@ -54,7 +54,7 @@ from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
 from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
-from dispatchd.daemon.planahead import PlanInputs, plan_ahead, plan_for
+from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import ForkServerClient, SpawnError, Worker, adopt
@@ -449,9 +449,13 @@ class SessionManager:
                           gid=self.gid, base_env=self.base_env, delegation=self.delegation,
                           host_tree=self.host_tree)
 
-    def _plan(self, session: Session, network: NetworkMode, made: Made | None) -> tuple[SessionPlan, bytes | None]:
-        """The session's plan and its pool key: the one made ahead with
-        ``made`` when made of equal inputs (planahead.py), else made now."""
+    def _plan(self, session: Session, network: NetworkMode) -> SessionPlan:
+        return make_plan(self._plan_inputs(session, network))
+
+    def _plan_and_key(self, session: Session, network: NetworkMode,
+                      made: Made | None) -> tuple[SessionPlan, bytes | None]:
+        """The session's plan and its pool key at a worker's start: the one made
+        ahead with ``made`` when made of equal inputs (planahead.py), else made now."""
         inputs = self._plan_inputs(session, network)
         # What the pool's next sandbox of this kind plans for (the next open is most often alike).
         self._last_inputs[(session.policy.name, network)] = inputs
@@ -463,7 +467,7 @@ class SessionManager:
         new one."""
         started = time.perf_counter()
         try:
-            plan, key = self._plan(session, network, made)
+            plan, key = self._plan_and_key(session, network, made)
         except BaseException:
             if made is not None:
                 made.scratch = ""  # the session's: it goes with the session
