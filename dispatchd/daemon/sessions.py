@@ -584,6 +584,8 @@ class SessionManager:
         if last is not None:
             try:
                 made.planned = plan_ahead(last, session=sid, scratch=paths.scratch, policy=policy)
+                # Not yet in the pool: nothing else writes to its channel now.
+                control.send(protocol.ExpectSession(plan=made.planned.encoded))
             except Exception as exc:  # noqa: BLE001 - then planned at open, where the same error refuses that open
                 log.debug("event=plan_ahead_failed session=%s error=%s", sid, exc)
         log.debug("event=pool_made kind=%s/%s session=%s pid=%s steps_ms=%s", policy_name, network, sid, worker.pid,
@@ -603,7 +605,7 @@ class SessionManager:
             return None
         try:
             ready = adopt(made.worker, made.control, plan, session.worktree_dir.fd, session.worktree,
-                          READY_TIMEOUT_S)
+                          READY_TIMEOUT_S, made.planned.encoded if made.planned and plan is made.planned.plan else None)
         except DispatchdError as exc:
             log.warning("event=pool_adopt_failed session=%s error=%s", session.id, exc)
             self._let_go(made)
