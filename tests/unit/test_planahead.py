@@ -88,3 +88,11 @@ def test_the_plan_made_ahead_is_for_the_sandbox_s_session_not_the_last():
     planned = plan_ahead(LAST, session=SID, scratch=SCRATCH, policy=POLICY)
     assert planned.inputs.session == SID and planned.inputs.paths.scratch == SCRATCH
     assert msgspec.structs.replace(planned.inputs.paths, scratch=LAST.paths.scratch) == LAST.paths
+
+
+def test_the_bytes_sent_ahead_are_the_plan_s_encoding():
+    from dispatchd import protocol
+
+    planned = plan_ahead(LAST, session=SID, scratch=SCRATCH, policy=POLICY)
+    assert planned.encoded == protocol.encode_plan(planned.plan)
+    assert protocol.decode_plan(planned.encoded) == planned.plan
