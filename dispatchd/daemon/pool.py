@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from dispatchd import fdwait, protocol
 from dispatchd.confine import netstack
+from dispatchd.daemon.planahead import Planned
 from dispatchd.daemon.spawn import Worker
 from dispatchd.netmodes import NetworkMode
 
@@ -95,6 +96,7 @@ class Made:
     cgroup: str = ""
     scratch: str = ""  # its session's scratch directory, made with it (until a session takes it)
     made: float = field(default_factory=time.monotonic)
+    planned: Planned | None = None  # its session's plan made ahead (planahead.py), used if equal by content
 
     # The attribute the daemon's network code reads of a session: the same here.
     @property

@@ -54,6 +54,7 @@ from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
 from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
+from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import ForkServerClient, SpawnError, Worker, adopt
@@ -211,6 +212,7 @@ class SessionManager:
     ) -> None:
         self.fork_server = fork_server
         self.host_tree = host_tree  # plan_session's: the host's root held by descriptor (mounts._hold_host)
+        self._last_inputs: dict[Kind, PlanInputs] = {}  # the last open's plan inputs, per kind (planahead.py)
         self.kernel = kernel
         self.load_policy = load_policy
         self.sessions_dir = os.path.join(state_dir, "sessions")
@@ -436,15 +438,28 @@ class SessionManager:
             os.close(fd)
         return os.path.normpath(back) == worktree + "/.git"
 
-    def _plan(self, session: Session, network: NetworkMode) -> SessionPlan:
+    def _plan_inputs(self, session: Session, network: NetworkMode) -> PlanInputs:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git,
                              read_only=session.read_only)
         # Read at each worker start (open, network switch): a few µs, no git run.
         identity = gitidentity.identity_env(gitidentity.read_identity(self.home, self.base_env))
-        return plan_session(session.policy, self.kernel, session=session.id, paths=paths, network=network,
-                            uid=self.uid, gid=self.gid, base_env=self.base_env, ports=session.ports,
-                            delegation=self.delegation, git_identity=identity, host_tree=self.host_tree)
+        return PlanInputs(session=session.id, policy=session.policy, network=network, paths=paths,
+                          ports=session.ports, git_identity=identity, kernel=self.kernel, uid=self.uid,
+                          gid=self.gid, base_env=self.base_env, delegation=self.delegation,
+                          host_tree=self.host_tree)
+
+    def _plan(self, session: Session, network: NetworkMode) -> SessionPlan:
+        return make_plan(self._plan_inputs(session, network))
+
+    def _plan_and_key(self, session: Session, network: NetworkMode,
+                      made: Made | None) -> tuple[SessionPlan, bytes | None]:
+        """The session's plan and its pool key at a worker's start: the one made
+        ahead with ``made`` when made of equal inputs (planahead.py), else made now."""
+        inputs = self._plan_inputs(session, network)
+        # What the pool's next sandbox of this kind plans for (the next open is most often alike).
+        self._last_inputs[(session.policy.name, network)] = inputs
+        return plan_for(inputs, made.planned if made is not None else None)
 
     def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None) -> None:
         """The session's sandbox, confined and ready: ``made`` (one made ahead,
@@ -452,13 +467,12 @@ class SessionManager:
         new one."""
         started = time.perf_counter()
         try:
-            plan = self._plan(session, network)
+            plan, key = self._plan_and_key(session, network, made)
         except BaseException:
             if made is not None:
                 made.scratch = ""  # the session's: it goes with the session
                 self._let_go(made)
             raise
-        key = pool_key(plan)
         session.poolable = key is not None
         ready = self._adopt(session, plan, key, made) if made is not None else None
         if made is not None and ready is not None:
@@ -504,7 +518,9 @@ class SessionManager:
         session.protections = msg.protections
         session.generation += 1
         session.ended = threading.Event()
-        log.debug("event=worker_started session=%s total_ms=%.2f", session.id, (time.perf_counter() - started) * 1e3)
+        log.debug("event=worker_started session=%s total_ms=%.2f planned_ahead=%d", session.id,
+                  (time.perf_counter() - started) * 1e3, made is not None and made.planned is not None
+                  and plan is made.planned.plan)
         # Not waited for (threads.py): nothing of the open needs it running
         # yet; what the worker sends meanwhile waits in the channel.
         threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
@@ -564,6 +580,14 @@ class SessionManager:
         except BaseException:
             self._let_go(made)
             raise
+        last = self._last_inputs.get(kind)
+        if last is not None:
+            try:
+                made.planned = plan_ahead(last, session=sid, scratch=paths.scratch, policy=policy)
+                # Not yet in the pool: nothing else writes to its channel now.
+                control.send(protocol.ExpectSession(plan=made.planned.encoded))
+            except Exception as exc:  # noqa: BLE001 - then planned at open, where the same error refuses that open
+                log.debug("event=plan_ahead_failed session=%s error=%s", sid, exc)
         log.debug("event=pool_made kind=%s/%s session=%s pid=%s steps_ms=%s", policy_name, network, sid, worker.pid,
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         return made
@@ -581,7 +605,7 @@ class SessionManager:
             return None
         try:
             ready = adopt(made.worker, made.control, plan, session.worktree_dir.fd, session.worktree,
-                          READY_TIMEOUT_S)
+                          READY_TIMEOUT_S, made.planned.encoded if made.planned and plan is made.planned.plan else None)
         except DispatchdError as exc:
             log.warning("event=pool_adopt_failed session=%s error=%s", session.id, exc)
             self._let_go(made)

@@ -103,11 +103,13 @@ def await_report(worker: Worker, control: protocol.FrameSocket, worktree: str, t
 
 
 def adopt(worker: Worker, control: protocol.FrameSocket, plan: SessionPlan, worktree_fd: int, worktree: str,
-          timeout_s: float) -> protocol.WorkerReady:
-    """Give a sandbox made ahead its session: the plan and the checked
-    worktree. Its report, as ``start_worker``'s; on any failure it is killed."""
+          timeout_s: float, encoded: bytes | None = None) -> protocol.WorkerReady:
+    """Give a sandbox made ahead its session: the plan (``encoded``: its
+    ``encode_plan``, when made already) and the checked worktree. Its
+    report, as ``start_worker``'s; on any failure it is killed."""
     try:
-        control.send(protocol.AdoptSession(plan=protocol.encode_plan(plan)), fds=[worktree_fd])
+        payload = encoded if encoded is not None else protocol.encode_plan(plan)
+        control.send(protocol.AdoptSession(plan=payload), fds=[worktree_fd])
     except OSError as exc:
         worker.kill()
         control.close()

@@ -41,6 +41,7 @@ from dispatchd.protocol.internal import (
     AcquireWriteLock,
     AddChannel,
     AdoptSession,
+    ExpectSession,
     CallRecord,
     Drain,
     ForgetWriteLock,
@@ -129,7 +130,7 @@ __all__ = [
     "DaemonReport", "GitReport", "KernelFeatures", "LandlockReport", "LifetimeReport", "LimitsReport", "MemoryHold",
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
-    "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
+    "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "ExpectSession", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
     "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerPooled",
     "WorkerReady",
     "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",

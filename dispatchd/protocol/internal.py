@@ -76,6 +76,16 @@ class AdoptSession(_Msg, tag="adopt_session", frozen=True):
     plan: bytes
 
 
+class ExpectSession(_Msg, tag="expect_session", frozen=True):
+    """Daemon -> a sandbox made ahead, before ``AdoptSession`` and without a
+    reply: the plan its session will most likely send (``plan``, encoded as
+    ``AdoptSession``'s). The sandbox decodes it and checks its ``pool_key``
+    while it waits; an ``AdoptSession`` whose ``plan`` is these same bytes is
+    then not decoded again, any other is decoded and checked as always."""
+
+    plan: bytes
+
+
 class WorkerFailed(_Msg, tag="worker_failed", frozen=True):
     """A confinement step could not be applied: the worker has exited."""
 
@@ -141,7 +151,8 @@ class SetCommandEnv(_Msg, tag="set_command_env", frozen=True):
 # Worker -> daemon: its start, then requests and records while it serves.
 FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
-ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock, AdoptSession]
+ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock, AdoptSession,
+                 ExpectSession]
 
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

@@ -186,12 +186,19 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
     for fd in keep[1:]:
         os.close(fd)  # the daemon has them; no command inherits them
     del keep[1:]
-    try:
-        msg = control.recv(protocol.to_worker_decoder)
-    except (OSError, protocol.ProtocolError):
-        os._exit(0)
-    if msg is None:
-        os._exit(0)  # retired unused
+    expected: tuple[bytes, SessionPlan] | None = None  # ExpectSession's, decoded and checked
+    while True:
+        try:
+            msg = control.recv(protocol.to_worker_decoder)
+        except (OSError, protocol.ProtocolError):
+            os._exit(0)
+        if msg is None:
+            os._exit(0)  # retired unused
+        if not isinstance(msg, protocol.ExpectSession):
+            break
+        # Decoded and checked now, while nothing waits; one of another kind is forgotten.
+        likely = protocol.decode_plan(msg.plan)
+        expected = (msg.plan, likely) if made_for_key is not None and pool_key(likely) == made_for_key else None
     clock.restart()
     if not isinstance(msg, protocol.AdoptSession):
         raise ConfinementError("pool", detail=f"expected the session's plan, got {type(msg).__name__}")
@@ -199,6 +206,8 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
         worktree_fd = control.take_fd()
     except protocol.ProtocolError as exc:
         raise ConfinementError("pool", detail=str(exc)) from exc
+    if expected is not None and msg.plan == expected[0]:
+        return expected[1], worktree_fd  # the same bytes: the plan decoded and checked above
     plan = protocol.decode_plan(msg.plan)
     if made_for_key is None or pool_key(plan) != made_for_key:
         os.close(worktree_fd)

@@ -129,6 +129,36 @@ def test_rlimits_of_an_edited_policy_reach_a_sandbox_made_ahead(pooled: Daemon, 
             assert shell(after, "ulimit -n").output == "321\n"
 
 
+def _planned_ahead(d: Daemon) -> list[tuple[str, int]]:
+    return [(m.group(1), int(m.group(2)))
+            for m in re.finditer(r"event=worker_started session=(\w+) \S+ planned_ahead=(\d)", d.log())]
+
+
+def test_a_plan_made_ahead_serves_an_open_alike_and_an_edited_policy_is_planned_afresh(
+        pooled: Daemon, policies: Path, worktree: Path) -> None:
+    """Once a session of the kind has opened, each sandbox made ahead comes
+    with its next session's plan, made as if that session opened alike
+    (planahead.py): an open alike uses it; after an edit of the policy's
+    bytes the open plans again and gets what the file says now."""
+    with pooled.connect() as client:
+        for _ in range(3):  # every sandbox in the pool made after an open alike
+            wait_ready(client)
+            with client.open_session(str(worktree)) as s:
+                assert shell(s, "ulimit -n").output == "4096\n"
+        wait_ready(client)
+        with client.open_session(str(worktree)) as alike:
+            assert alike.status()["protections"].get("made_ahead") is True
+            assert shell(alike, "ulimit -n").output == "4096\n"
+        assert _planned_ahead(pooled)[-1] == (alike.id, 1), pooled.log()
+        wait_ready(client)
+        text = (policies / "default.toml").read_text()
+        (policies / "default.toml").write_text(text.replace("[limits]\n", "[limits]\nmax_open_files = 321\n"))
+        with client.open_session(str(worktree)) as after:
+            assert after.status()["protections"].get("made_ahead") is True
+            assert shell(after, "ulimit -n").output == "321\n"
+        assert _planned_ahead(pooled)[-1] == (after.id, 0), pooled.log()
+
+
 def test_sandboxes_made_ahead_end_with_the_daemon(tmp_path: Path, worktree: Path) -> None:
     """Stopped, the daemon lets them go; killed, they die with the fork
     server (a parent-death signal), their network stacks too."""

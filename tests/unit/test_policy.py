@@ -466,3 +466,39 @@ def test_network_domains():
     p = parse_policy("p", '[network]\ndefault = "domains"\ndomains = ["pypi.org", "*.pythonhosted.org"]')
     assert p.network == Network(default="domains", domains=("pypi.org", "*.pythonhosted.org"))
     assert type(p.network.domains) is tuple
+
+
+# -- read at every load, parsed again only when the bytes changed ----------------
+
+
+def test_an_edited_policy_is_seen_at_the_next_load_even_with_the_same_size_and_times(tmp_path: Path):
+    """The parse is reused by the file's text, never by its metadata: an edit
+    that keeps the size and puts the modification time back is still seen."""
+    path = tmp_path / "p.toml"
+    path.write_text("[limits]\nmax_processes = 100\n")
+    before = os.stat(path)
+    assert load_policy(tmp_path, "p").limits.max_processes == 100
+    path.write_text("[limits]\nmax_processes = 200\n")  # same length
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert load_policy(tmp_path, "p").limits.max_processes == 200
+
+
+def test_an_unchanged_policy_loads_again_as_the_same_parse(tmp_path: Path):
+    """The twin: the same bytes give the same (frozen, shared) Policy."""
+    path = tmp_path / "p.toml"
+    path.write_text("[limits]\nmax_processes = 100\n")
+    first = load_policy(tmp_path, "p")
+    os.utime(path, ns=(1, 1))  # new times alone change nothing
+    again = load_policy(tmp_path, "p")
+    assert again is first and again.limits.max_processes == 100
+
+
+def test_a_policy_broken_after_a_good_load_is_refused_at_the_next(tmp_path: Path):
+    path = tmp_path / "p.toml"
+    path.write_text("[limits]\nmax_processes = 100\n")
+    load_policy(tmp_path, "p")
+    path.write_text("[limits]\nmax_processes = 100\nx = 1\n")
+    with pytest.raises(PolicyError):
+        load_policy(tmp_path, "p")

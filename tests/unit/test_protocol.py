@@ -76,6 +76,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
                     {"from_worker"}),
     p.WorkerPooled: (p.WorkerPooled(pid=4322, timings_ms={"root": 1.25}, namespaces=True), {"from_worker"}),
     p.AdoptSession: (p.AdoptSession(plan=b"\x00\x01\xff msgpack"), {"to_worker"}),
+    p.ExpectSession: (p.ExpectSession(plan=b"\x00\x01\xff msgpack"), {"to_worker"}),
     p.WorkerFailed: (p.WorkerFailed(step="landlock: add path rule", errno=13, path="/opt",
                                     message="cannot apply landlock: add path rule (/opt): EACCES"), {"from_worker"}),
     p.AddChannel: (p.AddChannel(id=12), {"to_worker"}),
@@ -109,7 +110,7 @@ TAGS = {
     "WorkerFailed": "worker_failed", "AddChannel": "add_channel", "SpawnWorker": "spawn_worker",
     "Spawned": "spawned", "NetRules": "net_rules", "StartStack": "start_stack", "AcquireWriteLock": "acquire_write_lock",
     "ToolCallsDone": "tool_calls_done", "Drain": "drain", "CancelCall": "cancel_call", "ToolOutput": "tool_output",
-    "SetCommandEnv": "set_command_env", "WorkerPooled": "worker_pooled", "AdoptSession": "adopt_session",
+    "SetCommandEnv": "set_command_env", "WorkerPooled": "worker_pooled", "AdoptSession": "adopt_session", "ExpectSession": "expect_session",
     "ReleaseWriteLock": "release_write_lock", "ForgetWriteLock": "forget_write_lock",
 }
 
