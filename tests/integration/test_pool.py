@@ -113,6 +113,18 @@ def test_a_policy_edited_since_the_sandbox_was_made_gets_a_new_one(pooled: Daemo
     assert "event=pool_mismatch" in pooled.log()
 
 
+def _open_after_an_edit(client: dispatch.Client, policies: Path, worktree: Path) -> dispatch.Session:
+    """Edit the default policy's open-file limit to 321, open a session from
+    the pool (closed again on return) and show the new limit reached it."""
+    wait_ready(client)
+    text = (policies / "default.toml").read_text()
+    (policies / "default.toml").write_text(text.replace("[limits]\n", "[limits]\nmax_open_files = 321\n"))
+    with client.open_session(str(worktree)) as after:
+        assert after.status()["protections"].get("made_ahead") is True
+        assert shell(after, "ulimit -n").output == "321\n"
+    return after
+
+
 def test_rlimits_of_an_edited_policy_reach_a_sandbox_made_ahead(pooled: Daemon, policies: Path,
                                                                 worktree: Path) -> None:
     """What is applied at adoption (rlimits, Landlock, seccomp, the
@@ -121,12 +133,7 @@ def test_rlimits_of_an_edited_policy_reach_a_sandbox_made_ahead(pooled: Daemon, 
         wait_ready(client)
         with client.open_session(str(worktree)) as before:
             assert shell(before, "ulimit -n").output == "4096\n"
-        wait_ready(client)
-        text = (policies / "default.toml").read_text()
-        (policies / "default.toml").write_text(text.replace("[limits]\n", "[limits]\nmax_open_files = 321\n"))
-        with client.open_session(str(worktree)) as after:
-            assert after.status()["protections"].get("made_ahead") is True
-            assert shell(after, "ulimit -n").output == "321\n"
+        _open_after_an_edit(client, policies, worktree)
 
 
 def _planned_ahead(d: Daemon) -> list[tuple[str, int]]:
@@ -150,12 +157,7 @@ def test_a_plan_made_ahead_serves_an_open_alike_and_an_edited_policy_is_planned_
             assert alike.status()["protections"].get("made_ahead") is True
             assert shell(alike, "ulimit -n").output == "4096\n"
         assert _planned_ahead(pooled)[-1] == (alike.id, 1), pooled.log()
-        wait_ready(client)
-        text = (policies / "default.toml").read_text()
-        (policies / "default.toml").write_text(text.replace("[limits]\n", "[limits]\nmax_open_files = 321\n"))
-        with client.open_session(str(worktree)) as after:
-            assert after.status()["protections"].get("made_ahead") is True
-            assert shell(after, "ulimit -n").output == "321\n"
+        after = _open_after_an_edit(client, policies, worktree)
         assert _planned_ahead(pooled)[-1] == (after.id, 0), pooled.log()
 
 
