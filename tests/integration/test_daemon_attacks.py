@@ -26,6 +26,7 @@ from tests.integration.test_protocol import (
     REPLIES,
     assert_serving,
     closed,
+    connect_unix,
     frame,
     greeted,
     raw,
@@ -77,16 +78,12 @@ def status_of(daemon: Daemon) -> protocol.StatusReply:
 def connect_raw(daemon: Daemon) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            s.connect(daemon.socket)
-            return s
-        except BlockingIOError:  # the backlog is full (EAGAIN on a Unix socket): the daemon is accepting
-            if time.monotonic() > deadline:
-                s.close()
-                raise
-            time.sleep(0.005)
+    try:
+        connect_unix(s, daemon.socket)  # again while the backlog is full: the daemon is accepting
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def send_what_it_takes(s: socket.socket, data: bytes) -> None:

@@ -29,13 +29,28 @@ HEADER = struct.Struct(">I")
 REPLIES = protocol.daemon_reply_decoder
 
 
+def connect_unix(sock: socket.socket, path: str, within: float = 10.0) -> None:
+    """``sock.connect(path)``, again while the listen backlog is full: a Unix
+    socket with a timeout says EAGAIN then, rather than waiting, while the
+    daemon is still accepting a burst of connections before this one."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+
+
 @contextlib.contextmanager
 def raw(daemon: Daemon, *, fds: bool = False) -> Iterator[protocol.FrameSocket]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     frames = protocol.FrameSocket(sock, fds=fds)
     try:
-        sock.connect(daemon.socket)
+        connect_unix(sock, daemon.socket)
         yield frames
     finally:
         frames.close()
