@@ -873,7 +873,7 @@ def _try_connect(path: str, timeout: float) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
-        sock.connect(paths.via_fd(dirfd, name))
+        _connect_within(sock, paths.via_fd(dirfd, name), timeout)
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         return None
@@ -896,6 +896,26 @@ def _try_connect(path: str, timeout: float) -> socket.socket | None:
                               "was sent to it; remove it if you can, or use a socket of your own (--socket, "
                               "$DISPATCH_SOCKET, or set XDG_RUNTIME_DIR)")
     return sock
+
+
+def _connect_within(sock: socket.socket, address: str, timeout: float) -> None:
+    """``sock.connect(address)``, waiting up to ``timeout`` seconds for room in
+    the daemon's listen backlog. A Unix socket does not wait there: with a
+    timeout set its connect fails at once with EAGAIN while the backlog is
+    full (a burst of clients the daemon is still accepting), so try again
+    until the deadline; then ``TimeoutError``, as a full wait would give."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the listen backlog stayed full") from None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
 
 
 def _python() -> list[str]:
