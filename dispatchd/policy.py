@@ -93,6 +93,10 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output_cap_bytes: int = 1024 * 1024  # per stream, for shell_exec
     file_size_cap_bytes: int = 16 * 1024 * 1024  # read_file, write_file, edit_file
     idle_timeout_s: float = 3600.0  # a session with no call for this long closes
+    # A session with no call (nor job, nor process of its own) for this long
+    # lets its processes go and is woken by its next call (README "Sessions
+    # that sleep"); 0: never. Only with user namespaces.
+    sleep_after_s: float = 30.0
     # A session whose every client connection has gone ends after this long,
     # unless it was opened detached (daemon/lifetimes.py); 0 ends it at once.
     orphan_grace_s: float = 60.0
@@ -189,6 +193,8 @@ def _check(policy: Policy, where: str) -> None:
             raise bad(f"limits.{key}", "must be a positive number of seconds")
     if not (math.isfinite(lim.orphan_grace_s) and lim.orphan_grace_s >= 0):
         raise bad("limits.orphan_grace_s", "must be a number of seconds, 0 or more")
+    if not (math.isfinite(lim.sleep_after_s) and lim.sleep_after_s >= 0):
+        raise bad("limits.sleep_after_s", "must be a number of seconds, 0 (never sleep) or more")
     if lim.command_timeout_s > lim.max_command_timeout_s:
         raise bad("limits.command_timeout_s", "exceeds limits.max_command_timeout_s")
     for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries",

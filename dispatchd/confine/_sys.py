@@ -31,6 +31,10 @@ if platform.machine() not in ("x86_64", "aarch64"):
 
 SYS_pivot_root = 155 if platform.machine() == "x86_64" else 41
 SYS_open_tree = 428
+SYS_move_mount = 429
+SYS_fsopen = 430
+SYS_fsconfig = 431
+SYS_fsmount = 432
 SYS_clone3 = 435
 SYS_openat2 = 437
 SYS_mount_setattr = 442
@@ -56,6 +60,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 CLONE_PIDFD = 0x1000
+CLONE_PARENT = 0x8000
 CLONE_INTO_CGROUP = 0x200000000
 
 MS_NOSUID = 2
@@ -131,6 +136,23 @@ def unshare(flags: int) -> None:
 
 def setns(fd: int, nstype: int) -> None:
     _check(_libc.setns(fd, nstype))
+
+
+def fresh_proc_mount() -> int:
+    """A new procfs of the caller's pid namespace, nosuid, nodev, noexec, as
+    a detached mount (its fd): made while the old ``/proc`` is still there,
+    since a user namespace may mount proc only while a full one is visible."""
+    fs = syscall(SYS_fsopen, b"proc", 1)  # FSOPEN_CLOEXEC
+    try:
+        syscall(SYS_fsconfig, fs, 6, None, None, 0)  # FSCONFIG_CMD_CREATE
+        return syscall(SYS_fsmount, fs, 1, 0x2 | 0x4 | 0x8)  # FSMOUNT_CLOEXEC; MOUNT_ATTR_NOSUID|NODEV|NOEXEC
+    finally:
+        os.close(fs)
+
+
+def move_mount(fd: int, target: str) -> None:
+    """Attach the detached mount ``fd`` at ``target``."""
+    syscall(SYS_move_mount, fd, b"", -100, os.fsencode(target), 4)  # AT_FDCWD, MOVE_MOUNT_F_EMPTY_PATH
 
 
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:

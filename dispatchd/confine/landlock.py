@@ -196,13 +196,16 @@ def start_ruleset(plan: LandlockPlan) -> Ruleset:
         raise
 
 
-def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None, begun: Ruleset | None = None) -> list[str]:
+def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None, begun: Ruleset | None = None,
+                   kept: list[int] | None = None) -> list[str]:
     """Enforce the plan on the calling thread. Returns the planned paths that do
     not exist on this machine (skipped: nothing there to grant). ``held`` maps
     a planned path to a descriptor to grant instead of opening the path: the
     worktree, as the daemon checked it (a rule binds to the inode). ``begun``:
     ``start_ruleset``'s for this plan, whose ahead rules are in it already
-    (closed here, whatever happens)."""
+    (closed here, whatever happens). ``kept``: a copy of the complete ruleset
+    is appended to it, for the daemon to confine the session's next tool
+    server with (``restrict_with``: a session that sleeps)."""
     held = held or {}
     if begun is not None:
         ruleset, begun.fd = begun.fd, -1
@@ -219,6 +222,8 @@ def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None, begun
                 _sys.syscall(_sys.SYS_landlock_add_rule, ruleset, 2, ctypes.byref(net), 0)
             except OSError as exc:
                 raise ConfinementError("landlock: add port rule", exc.errno, f"port {port}") from exc
+        if kept is not None:
+            kept.append(os.dup(ruleset))  # complete: nothing is added to it after this
         try:
             _sys.syscall(_sys.SYS_landlock_restrict_self, ruleset, 0)
         except OSError as exc:
@@ -227,6 +232,26 @@ def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None, begun
     finally:
         os.close(ruleset)
     return skipped
+
+
+def restrict_with(ruleset: int) -> None:
+    """Enforce a complete ruleset made before (``apply_landlock``'s ``kept``)
+    on the calling thread: the same rules, bound to the same inodes when they
+    were added, with no path looked up again."""
+    try:
+        _sys.syscall(_sys.SYS_landlock_restrict_self, ruleset, 0)
+    except OSError as exc:
+        detail = "no_new_privs must be set first" if exc.errno == errno.EPERM else ""
+        raise ConfinementError("landlock: restrict self", exc.errno, detail=detail) from exc
+
+
+def grant_again(ruleset: int, plan: LandlockPlan, below: str) -> None:
+    """Add the plan's rules for ``below`` and what is under it to a kept
+    ruleset (``restrict_with``), looked up now: for a mount made again since
+    the ruleset was (a woken session's fresh /proc), whose new inodes the old
+    rules do not name. Only for paths nothing of the session has touched."""
+    _add_path_rules(ruleset, [r for r in plan.paths if r.path == below or r.path.startswith(below.rstrip("/") + "/")],
+                    {})
 
 
 def _add_path_rules(ruleset: int, rules: list[PathRule], held: dict[str, int]) -> list[str]:

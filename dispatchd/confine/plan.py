@@ -105,6 +105,14 @@ class SessionPlan(msgspec.Struct, frozen=True):
     proxy_port: int = 0
 
 
+def can_sleep(plan: SessionPlan) -> bool:
+    """Whether the session's processes may go when it idles (``sleep_after_s``)
+    and be made again, confined alike: only in namespaces of its own that
+    outlive its processes (user, mount, IPC) and a pid namespace to remake."""
+    ns = plan.namespaces
+    return plan.limits.sleep_after_s > 0 and ns.user and ns.mount and ns.pid
+
+
 class PoolKey(msgspec.Struct, frozen=True):
     """Everything a sandbox made ahead has applied before it knows its
     session (``session_init.confine_shared``), and what the daemon set up for

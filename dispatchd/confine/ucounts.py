@@ -61,6 +61,22 @@ def plan_ucounts(*, user_namespace: bool, inotify_instances: int, inotify_watche
     return UcountsPlan(maxima=maxima)
 
 
+def open_pid_budget(plan: UcountsPlan) -> int:
+    """In the session's user namespace, before the mounts make /proc/sys
+    read-only: its ``max_pid_namespaces``, open for writing (-1: not
+    bounded here). For the daemon alone (a sleeping session's wake kit):
+    waking makes the session a new pid namespace, within a budget of 0, so
+    the wake raises it for that one ``unshare`` and sets it back."""
+    if "max_pid_namespaces" not in plan.maxima:
+        return -1
+    try:
+        return os.open(f"{SYSCTL_DIR}/max_pid_namespaces", os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return -1
+    except OSError as exc:
+        raise ConfinementError("ucounts", exc.errno or 0, f"{SYSCTL_DIR}/max_pid_namespaces") from exc
+
+
 def apply_ucounts(plan: UcountsPlan) -> None:
     """In the session's user namespace, with its capabilities still held."""
     for name, value in plan.maxima.items():

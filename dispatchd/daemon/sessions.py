@@ -8,6 +8,11 @@ Guarantees:
   process the session started (see ``dispatchd.worker.session_init``), and the
   session's scratch directory is removed afterwards;
 - a session whose worker ends on its own (idle timeout, crash) leaves the table;
+- a session that sleeps (``sleep_after_s``, ``dispatchd.worker.wake``) has no
+  process: the daemon holds its channels (``sleepers``) and its wake kit,
+  and wakes it, confined as at its start, at the first byte a client
+  writes; a channel attached meanwhile waits with the others; it still
+  ends at its idle timeout, and closes like any other;
 - one writer per worktree: the first session to run a mutating tool on a
   worktree holds its write lock until it ends; others get a failure naming it;
 - the daemon opens the worktree itself once, by descriptor
@@ -54,6 +59,7 @@ from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
 from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
+from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
@@ -108,6 +114,13 @@ class Session:
         # How long it outlives its last connection, and what holds its memory (status shows both).
         self.lifetime: protocol.LifetimeReport | None = None
         self.poolable = False  # its plan is one sandboxes can be made ahead for (pool_key)
+        self.plan: SessionPlan | None = None  # its sandbox's, as started: what a wake applies again
+        self.kit: list[int] = []  # what waking it needs (worker/wake.py), from its worker; empty: it never sleeps
+        self.asleep: _Nap | None = None  # asleep: its channels, held here (no process of it runs)
+        # What SetCommandEnv changed since its start, over and above the plan's
+        # environment: a woken tool server is told again.
+        self.env_set: dict[str, str] = {}
+        self.env_unset: set[str] = set()
 
     def info(self) -> protocol.SessionInfo:
         # Sessions are listed only once their worker is ready: protections are known.
@@ -119,7 +132,25 @@ class Session:
                                     network=self.network, created=self.created, protections=protections,
                                     limits=msgspec.to_builtins(self.policy.limits), note=self.note,
                                     domains=domains.describe(self.domains) if self.network == "domains" else [],
-                                    denied=denied, writes=self.writes)
+                                    denied=denied, writes=self.writes, asleep=self.asleep is not None)
+
+
+class _Nap:
+    """A session asleep: the channels its tool server handed over (ours now),
+    when it went, and which nap this is (``sleepers``)."""
+
+    naps = 0
+
+    def __init__(self, channels: list[int]) -> None:
+        _Nap.naps += 1
+        self.number = _Nap.naps
+        self.channels = channels
+        self.since = time.monotonic()
+
+    def close(self) -> None:
+        for fd in self.channels:
+            os.close(fd)
+        self.channels = []
 
 
 @functools.lru_cache(maxsize=32)
@@ -243,6 +274,8 @@ class SessionManager:
         self.watchdog = watchdog.MemoryWatchdog(self._watched, self._end_over_memory)
         # Sandboxes made ahead, per kind of session (pool.py); started by start_pool.
         self.pool = SandboxPool(size=pool_size, make=self._make_ahead, let_go=self._let_go)
+        # Sessions asleep: their channels watched by one thread (sleepers.py).
+        self.sleepers = Sleepers(self._wake, self._channel_gone, self._expire_asleep)
 
     # --- lookups -------------------------------------------------------------
 
@@ -491,10 +524,12 @@ class SessionManager:
                 worker.kill()
                 control.close()
                 raise
+        kit: list[int] = []
         try:
             self._start_proxy(session, plan, msg, control)
+            kit = self._take_kit(msg, control)
         except BaseException:  # whatever failed, the worker and what it sent go
-            for fd in ns_fds or ():
+            for fd in [*(ns_fds or ()), *kit]:
                 os.close(fd)
             if stack is not None:
                 stack.stop()
@@ -516,6 +551,8 @@ class SessionManager:
         session.control = control
         session.network = network
         session.protections = msg.protections
+        session.plan, session.kit = plan, kit
+        session.env_set, session.env_unset = {}, set()
         session.generation += 1
         session.ended = threading.Event()
         log.debug("event=worker_started session=%s total_ms=%.2f planned_ahead=%d", session.id,
@@ -653,6 +690,19 @@ class SessionManager:
         except protocol.ProtocolError as exc:
             raise ConfinementError("network: namespaces", detail=str(exc)) from exc
 
+    @staticmethod
+    def _take_kit(msg: protocol.WorkerReady, control: protocol.FrameSocket) -> list[int]:
+        """The wake kit the worker sent with ``WorkerReady`` (last of its fds)."""
+        kit: list[int] = []
+        try:
+            for _ in range(msg.wake_kit):
+                kit.append(control.take_fd())
+        except protocol.ProtocolError as exc:
+            for fd in kit:
+                os.close(fd)
+            raise ConfinementError("sleep: wake kit", detail=str(exc)) from exc
+        return kit
+
     def _namespaces(self, session: Session | Made) -> tuple[int, int]:
         if session.ns_fds is None:
             raise ConfinementError("network: namespaces", detail="the session has no network namespace of its own")
@@ -695,7 +745,7 @@ class SessionManager:
         old = session.net
         plan = self._plan(session, network)
         if old is None or plan.net is None or not netstack.switch_in_place(old, plan.net) \
-                or session.worker is None:
+                or (session.worker is None and session.asleep is None):
             return None
         self._apply_network(session, plan.net)
         if session.proxy is not None:
@@ -738,6 +788,14 @@ class SessionManager:
         ``unset`` (e.g. ``domains.proxy_env()`` when a switch keeps the sandbox)."""
         done = threading.Event()
         with session.send_lock:
+            for key in unset:
+                session.env_set.pop(key, None)
+                session.env_unset.add(key)
+            for key, value in set_env.items():
+                session.env_set[key] = value
+                session.env_unset.discard(key)
+            if session.asleep is not None:
+                return  # told when it wakes (_wake), before any call can start a command
             if session.control is None:
                 raise SessionError(f"session {session.id} has ended", session.id)
             session.ack_ids += 1
@@ -770,6 +828,9 @@ class SessionManager:
                     # would otherwise reach the worker before this grant.
                     with session.send_lock:
                         control.send(self._grant_write_lock(session, msg.id))
+                elif isinstance(msg, protocol.MaySleep):
+                    if self._sleep(session, generation, control):
+                        return  # asleep, or ended: this watch is over
         except (OSError, protocol.ProtocolError):
             pass
         ended.set()
@@ -792,6 +853,7 @@ class SessionManager:
         self._finish(session, sentence)
 
     def _stop_worker(self, session: Session) -> None:
+        self._end_nap(session)  # asleep: its channels closed (its clients see the end), nothing to stop
         worker, control = session.worker, session.control
         # The way out goes first: from here no byte of the session leaves.
         self._stop_network(session)
@@ -849,6 +911,10 @@ class SessionManager:
         self._remove_cgroup(session)
         self._forget(session)
         self._remove_scratch(session)
+        self._end_nap(session)
+        for fd in session.kit:
+            os.close(fd)
+        session.kit = []
         session.worktree_dir.close()
 
     def _sweep_temp_files(self, session: Session) -> None:
@@ -1101,6 +1167,14 @@ class SessionManager:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with session.lock:
             sent = False
+            if session.asleep is not None and not session.closed:
+                # Held with the others: its first request wakes the session.
+                fd = theirs.detach()
+                session.asleep.channels.append(fd)
+                self.sleepers.add_channel(session.id, fd)
+                if holder is not None:
+                    self.holders.hold(sid, holder)
+                return session, ours, _tool_schemas(tuple(session.policy.tools))
             if session.control is not None and not session.ended.is_set():
                 try:
                     with session.send_lock:
@@ -1116,3 +1190,125 @@ class SessionManager:
             ours.close()
         # Outside the session's lock: its watcher takes it to finish the session.
         raise self._ended_error(session)
+
+    # --- sessions that sleep (worker/wake.py, sleepers.py) ------------------------
+
+    def _sleep(self, session: Session, generation: int, control: protocol.FrameSocket) -> bool:
+        """The worker asks to sleep (``MaySleep``): let it (``Sleep``), take
+        its channels and see it gone; True when the session is asleep, or was
+        ended because that failed (this watch is then over). Refused
+        (``StayAwake``) when the session is closing, replaced, or the daemon
+        stops."""
+        failed = ""
+        with session.lock:
+            with session.send_lock:
+                if session.closed or session.generation != generation or not self.accepting \
+                        or not session.kit or session.worker is None or session.plan is None:
+                    try:
+                        control.send(protocol.StayAwake())
+                    except OSError:
+                        pass
+                    return False
+                control.send(protocol.Sleep())
+                session.control = None  # nothing more is sent to it: it hands over and exits
+            worker, session.worker = session.worker, None
+            channels: list[int] = []
+            started = time.monotonic()
+            try:
+                control.sock.settimeout(READY_TIMEOUT_S)
+                while True:
+                    msg = control.recv(protocol.from_worker_decoder)
+                    if msg is None:
+                        raise protocol.ProtocolError("its tool server ended before it handed over its channels")
+                    if isinstance(msg, protocol.Asleep):
+                        channels += [control.take_fd() for _ in range(msg.count)]
+                        if msg.last:
+                            break
+            except (OSError, protocol.ProtocolError) as exc:
+                failed = str(exc) or type(exc).__name__
+                for fd in channels:
+                    os.close(fd)
+            worker.kill()  # gone by itself, or now: its pid namespace with it
+            control.close()
+            session.ended.set()
+            session.generation += 1  # this watch's generation is over
+            if not failed:
+                session.asleep = nap = _Nap(channels)
+                deadline = started + session.policy.limits.idle_timeout_s - session.policy.limits.sleep_after_s
+                self.sleepers.add(session.id, nap.number, channels, deadline)
+                log.info("event=session_asleep session=%s channels=%d", session.id, len(channels))
+        if failed:
+            log.warning("event=sleep_failed session=%s error=%s", session.id, failed)
+            self._finish(session, f"its tool server failed going to sleep ({failed})")
+        return True
+
+    def _wake(self, sid: str, nap: int) -> None:
+        """A sleeping session's first request came: its tool server again,
+        confined as at its start (``ForkServerClient.wake_worker``), given the
+        environment changes and every channel held. On failure the session
+        ends, saying why: it never runs less confined."""
+        with self._lock:
+            session = self._sessions.get(sid)
+        if session is None:
+            return
+        failed = ""
+        with session.lock:
+            asleep = session.asleep
+            if asleep is None or asleep.number != nap or session.closed or session.plan is None:
+                return
+            self.sleepers.forget(sid)
+            started = time.perf_counter()
+            try:
+                worker, control, msg = self.fork_server.wake_worker(session.plan, session.kit, READY_TIMEOUT_S)
+            except DispatchdError as exc:
+                failed = str(exc)
+            else:
+                session.asleep = None
+                session.worker, session.control = worker, control
+                session.generation += 1
+                session.ended = threading.Event()
+                try:
+                    with session.send_lock:
+                        if session.env_set or session.env_unset:
+                            control.send(protocol.SetCommandEnv(set=session.env_set, unset=sorted(session.env_unset)))
+                        for fd in asleep.channels:
+                            control.send(protocol.AddChannel(id=0), fds=[fd])
+                except OSError as exc:
+                    failed = f"its woken tool server went away ({exc})"
+                held = len(asleep.channels)
+                asleep.close()
+                log.debug("event=worker_ready session=%s pid=%s woken=1", sid, worker.pid)
+                log.info("event=session_woken session=%s ms=%.1f channels=%d", sid,
+                         (time.perf_counter() - started) * 1e3, held)
+                threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
+                               daemon=True, name=f"watch-{sid}").start()
+        if failed:
+            log.warning("event=wake_failed session=%s error=%s", sid, failed)
+            self._finish(session, f"it could not be woken ({failed})")
+
+    def _channel_gone(self, sid: str, nap: int, fd: int) -> None:
+        """A client closed its channel to a sleeping session: let it go, unwoken."""
+        with self._lock:
+            session = self._sessions.get(sid)
+        if session is None:
+            return
+        with session.lock:
+            if session.asleep is not None and session.asleep.number == nap and fd in session.asleep.channels:
+                session.asleep.channels.remove(fd)
+                os.close(fd)
+
+    def _expire_asleep(self, sid: str, nap: int) -> None:
+        """Its idle timeout passed while it slept: it ends as an idle one does."""
+        with self._lock:
+            session = self._sessions.get(sid)
+        if session is None or session.asleep is None or session.asleep.number != nap:
+            return
+        self.end(sid, "idle", f"it ended idle (no call for {session.policy.limits.idle_timeout_s:g} s, "
+                              "the policy's idle_timeout_s)")
+
+    def _end_nap(self, session: Session) -> None:
+        """No longer asleep (closed, replaced): its channels closed, unwatched."""
+        if session.asleep is not None:
+            self.sleepers.forget(session.id)
+            session.asleep.close()
+            session.asleep = None

@@ -184,6 +184,25 @@ class ForkServerClient:
             theirs.close()
         return worker, protocol.FrameSocket(ours, fds=True)
 
+    def wake_worker(self, plan: SessionPlan, kit: list[int],
+                    timeout_s: float) -> tuple[Worker, protocol.FrameSocket, protocol.WorkerReady]:
+        """A sleeping session's tool server again (``worker/wake.py``), in the
+        namespaces and under the ruleset of its ``kit`` (sent, still ours), ready."""
+        encoded = protocol.encode_plan(plan)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            reply, pidfd = self._request(lambda rid: protocol.WakeWorker(id=rid, plan=encoded, kit=len(kit)),
+                                         [theirs.fileno(), *kit])
+            if not isinstance(reply, protocol.Spawned):
+                raise SpawnError(f"the fork server answered {type(reply).__name__}")
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        worker, control = Worker(reply.pid, pidfd), protocol.FrameSocket(ours, fds=True)
+        return worker, control, await_report(worker, control, "", timeout_s, protocol.WorkerReady)
+
     def start_stack(self, fds: list[int]) -> tuple[int, int]:
         """Have the fork server start a session's network stack (see
         ``netstack.start_stack`` for ``fds``): ``(pid, pidfd)``, or

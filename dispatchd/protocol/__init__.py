@@ -41,6 +41,11 @@ from dispatchd.protocol.internal import (
     AcquireWriteLock,
     AddChannel,
     AdoptSession,
+    Asleep,
+    MaySleep,
+    Sleep,
+    StayAwake,
+    WakeWorker,
     ExpectSession,
     CallRecord,
     Drain,
@@ -132,7 +137,7 @@ __all__ = [
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "ExpectSession", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
     "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerPooled",
-    "WorkerReady",
+    "WorkerReady", "Asleep", "MaySleep", "Sleep", "StayAwake", "WakeWorker",
     "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

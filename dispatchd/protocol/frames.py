@@ -37,6 +37,9 @@ MAX_FRAME = 64 * 1024 * 1024
 MAX_REQUEST_FRAME = 256 * 1024
 MAX_HELLO_FRAME = 4 * 1024
 _HEADER = struct.Struct(">I")
+# The most descriptors one message may carry (the kernel's SCM_MAX_FD): a
+# sleeping session's channels travel in messages of at most this many.
+SCM_MAX_FD = 253
 
 
 # --- codec ------------------------------------------------------------------
@@ -157,7 +160,7 @@ class FrameSocket:
             # Close-on-exec from the start: a descriptor received here is never
             # meant for a program this process might exec (the fork server's
             # stack child marks its own inheritable).
-            data, fds, flags, _addr = socket.recv_fds(self.sock, 1 << 16, 4, socket.MSG_CMSG_CLOEXEC)
+            data, fds, flags, _addr = socket.recv_fds(self.sock, 1 << 16, SCM_MAX_FD, socket.MSG_CMSG_CLOEXEC)
             self._fd_queue.extend(fds)
             if flags & socket.MSG_CTRUNC:
                 # The kernel dropped a descriptor it could not install here

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 # daemon reads them from the pidfd it holds: ``dispatchd.daemon.exits``).
 EXIT_IDLE = 3  # the idle timeout passed with no call
 EXIT_DRAINED = 0  # the daemon asked it to finish (stop, close)
+EXIT_ASLEEP = 4  # it handed its channels to the daemon and went to sleep (``Sleep``)
 
 
 
@@ -54,6 +55,10 @@ class WorkerReady(_Msg, tag="worker_ready", frozen=True):
     # daemon cannot open /proc/PID/ns of a worker that is not dumpable (it has
     # no CAP_SYS_PTRACE over the init namespace that owns the worker's memory).
     namespaces: bool = False
+    # Sent with this many fds, after the listener: what waking the session
+    # needs (``dispatchd.worker.wake``): its Landlock ruleset, complete, and
+    # its user, mount, IPC (and network) namespaces. 0: it never sleeps.
+    wake_kit: int = 0
 
 
 class WorkerPooled(_Msg, tag="worker_pooled", frozen=True):
@@ -148,11 +153,37 @@ class SetCommandEnv(_Msg, tag="set_command_env", frozen=True):
     unset: list[str] = []
     id: int = 0  # not 0: the worker answers ``OkReply(id)`` once later commands get it
 
+
+class MaySleep(_Msg, tag="may_sleep", frozen=True):
+    """Worker -> daemon: idle for the policy's ``sleep_after_s``, with no call,
+    job, other process or unread byte; it reads no channel until answered,
+    ``Sleep`` or ``StayAwake``."""
+
+
+class Sleep(_Msg, tag="sleep", frozen=True):
+    """Daemon -> worker, the answer to ``MaySleep``: hand the channels over
+    (``Asleep``) and exit with ``EXIT_ASLEEP``. The daemon sends nothing after it."""
+
+
+class StayAwake(_Msg, tag="stay_awake", frozen=True):
+    """Daemon -> worker, the other answer to ``MaySleep``: read on."""
+
+
+class Asleep(_Msg, tag="asleep", frozen=True):
+    """Worker -> daemon after ``Sleep``: sent with ``count`` fds, client
+    channels (at most 253 a message, the kernel's SCM_RIGHTS limit); the
+    last has ``last``. Then the worker exits."""
+
+    count: int
+    last: bool
+
+
 # Worker -> daemon: its start, then requests and records while it serves.
-FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply]
+FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply, MaySleep,
+                   Asleep]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
 ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock, AdoptSession,
-                 ExpectSession]
+                 ExpectSession, Sleep, StayAwake]
 
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
@@ -194,7 +225,19 @@ class StartStack(_Msg, tag="start_stack", frozen=True):
     id: int
 
 
-ForkServerRequest = Union[SpawnWorker, NetRules, StartStack]
+class WakeWorker(_Msg, tag="wake_worker", frozen=True):
+    """Sent with the worker's end of a new control channel, then the session's
+    wake kit (``WorkerReady.wake_kit``: ruleset, user, mount, IPC and, when
+    it has one, network namespace): make the session's tool server again, in
+    those namespaces, confined by that ruleset and the plan. Answered as
+    ``SpawnWorker`` (``Spawned`` with a pidfd); the worker reports ``WorkerReady``."""
+
+    id: int
+    plan: bytes
+    kit: int  # how many fds of the kit follow the control channel
+
+
+ForkServerRequest = Union[SpawnWorker, NetRules, StartStack, WakeWorker]
 ForkServerReply = Union[Spawned, OkReply, ErrorReply]
 
 fork_server_request_decoder = msgspec.msgpack.Decoder(ForkServerRequest)  # daemon -> fork server

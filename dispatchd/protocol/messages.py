@@ -137,6 +137,7 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     domains: list[str] = []  # under "domains": the hosts the proxy lets it reach
     denied: list[DeniedHost] = []  # under "domains": the last hosts refused, most recent first
     writes: bool = False  # holds its worktree's write lock (one writer per worktree)
+    asleep: bool = False  # no process runs: its next call wakes it (the policy's sleep_after_s)
 
 
 class HelloOk(_Msg, tag="hello_ok", frozen=True):

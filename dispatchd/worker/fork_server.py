@@ -31,7 +31,7 @@ from dispatchd.confine import hygiene, namespaces, netstack, seccomp
 from dispatchd.confine.plan import SessionPlan, pool_key
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import spec
-from dispatchd.worker import forkhooks
+from dispatchd.worker import forkhooks, wake
 from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session_init import run_session
 
@@ -172,6 +172,45 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
     return protocol.Spawned(id=req.id, pid=pid), pidfd
 
 
+def _wake(req: protocol.WakeWorker, frames: protocol.FrameSocket, sock: socket.socket,
+          programs: dict[bytes, bytes], workers: set[int]) -> None:
+    """Make a sleeping session's pid 1 again (``worker/wake.py``) and answer
+    as for a spawn: ``Spawned`` with its pidfd, or ``ErrorReply``."""
+    fds: list[int] = []
+    cgroup_fd = -1
+    try:
+        try:
+            fds.append(frames.take_fd())  # its end of the new control channel
+            plan = protocol.decode_plan(req.plan)
+            for _ in range(req.kit):
+                fds.append(frames.take_fd())
+            key = msgspec.msgpack.encode(plan.seccomp)
+            if key not in programs:
+                programs[key] = seccomp.compile_seccomp(plan.seccomp)
+            if plan.cgroup is not None:
+                try:
+                    cgroup_fd = os.open(plan.cgroup.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise ConfinementError("cgroup", exc.errno, plan.cgroup.path) from exc
+            pid = wake.spawn_woken(plan, fds[1:], cgroup_fd)
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, ConfinementError) else f"bad wake request: {exc}"
+            frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=message))
+            return
+        if pid == 0:
+            forkhooks.put_back()
+            sock.close()
+            wake.run_woken(plan, programs[key], fds[0], fds[1])
+        workers.add(pid)
+        pidfd = os.pidfd_open(pid)  # our child (CLONE_PARENT): its pid cannot be reused before we reap it
+    finally:
+        _close(cgroup_fd, *fds)
+    try:
+        frames.send(protocol.Spawned(id=req.id, pid=pid), fds=[pidfd])
+    finally:
+        os.close(pidfd)
+
+
 def _close(*fds: int) -> None:
     for fd in fds:
         if fd >= 0:
@@ -263,6 +302,9 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             os._exit(0)  # the daemon has gone
         if isinstance(req, protocol.NetRules):
             frames.send(_net_rules(req, frames))
+            continue
+        if isinstance(req, protocol.WakeWorker):
+            _wake(req, frames, sock, programs, workers)
             continue
         if isinstance(req, protocol.StartStack):
             reply, pidfd = _start_stack(req, frames, workers)

@@ -44,10 +44,10 @@ import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp, ucounts
-from dispatchd.confine.plan import SessionPlan, pool_key
+from dispatchd.confine.plan import SessionPlan, can_sleep, pool_key
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import proctree
-from dispatchd.worker import reaper
+from dispatchd.worker import reaper, wake
 
 
 class _Clock:
@@ -74,6 +74,9 @@ class Held:
     def __init__(self, host_fd: int = -1, ruleset: landlock.Ruleset | None = None) -> None:
         self.host_fd = host_fd
         self.ruleset = ruleset
+        # The session namespace's pid namespace budget, writable
+        # (ucounts.open_pid_budget): for the wake kit, or closed.
+        self.pid_budget = -1
 
 
 def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Clock, hold: list[int]) -> Held:
@@ -108,10 +111,11 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     # Needs CAP_SYS_RESOURCE in the new namespace, and /proc/sys before the
     # mounts make it read-only.
     ucounts.apply_ucounts(plan.ucounts)
+    held = Held()
+    held.pid_budget = ucounts.open_pid_budget(plan.ucounts) if plan.namespaces.pid else -1
     clock("ucounts")
     if not plan.namespaces.pid:
         hygiene.child_subreaper()  # orphans come back to us, not to the host's init
-    held = Held()
     if plan.mounts is not None:
         held.host_fd = mounts.apply_root(plan.mounts)  # needs the namespace's capabilities: before dropping them
         clock("root")
@@ -132,7 +136,7 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
 
 
 def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _Clock,
-                    worktree_fd: int, held: Held | None = None) -> list[str]:
+                    worktree_fd: int, held: Held | None = None, kit: list[int] | None = None) -> list[str]:
     """The rest of the plan, after ``confine_shared``, in order. Returns the
     skipped (absent) paths. ``worktree_fd`` is the daemon's descriptor of the
     worktree it checked: the mounts bind it and Landlock grants it, never the
@@ -140,7 +144,9 @@ def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _
     single-threaded, with only ``keep`` open (under network "domains", the
     proxy's listener appended). ``held``: what ``confine_shared`` returned
     (the host's root, closed here with the session's binds; the ruleset
-    begun, restricted here)."""
+    begun, restricted here). ``kit``: for a session that may sleep
+    (``can_sleep``), the wake kit is appended to it (``worker/wake.py``:
+    the complete ruleset, then the namespaces), for the daemon alone."""
     held = held or Held()
     if plan.mounts is not None:
         # Still with the namespace's capabilities.
@@ -152,14 +158,23 @@ def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _
         # daemon's proxy serves what it accepts.
         keep.append(netns.open_proxy_listener(plan.proxy_port))
         clock("proxy listener")
+    namespaces_kept = wake.open_kit_namespaces(plan) if kit is not None and can_sleep(plan) else []
     limits.apply_limits(plan.limits_plan)  # soft = hard, before capabilities go: none can raise them
     if plan.namespaces.user:
         hygiene.drop_capabilities()  # nothing below needs a capability
     hygiene.no_new_privs()  # required before Landlock and seccomp; setuid grants nothing
     clock("privileges")
     # After mounts: rules bind to the inodes of the new root; the worktree's from the checked fd.
-    skipped = landlock.apply_landlock(plan.landlock, {plan.paths.worktree: worktree_fd}, begun=held.ruleset)
+    ruleset_kept: list[int] | None = [] if namespaces_kept else None
+    skipped = landlock.apply_landlock(plan.landlock, {plan.paths.worktree: worktree_fd}, begun=held.ruleset,
+                                      kept=ruleset_kept)
     os.close(worktree_fd)  # granted and bound: nothing in the session may hold it
+    if kit is not None and ruleset_kept:
+        # Sent to the daemon with WorkerReady, closed here then.
+        kit += ruleset_kept + namespaces_kept + ([held.pid_budget] if held.pid_budget >= 0 else [])
+    elif held.pid_budget >= 0:
+        os.close(held.pid_budget)
+    held.pid_budget = -1
     clock("landlock")
     seccomp.apply_seccomp(program)  # last: it forbids mount, unshare, ... used above
     clock("seccomp")
@@ -243,12 +258,13 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     control = protocol.FrameSocket(socket.socket(fileno=control_fd), fds=True)
     clock = _Clock()
     keep = [control_fd]
+    kit: list[int] = []  # what waking the session will need (worker/wake.py), for the daemon
     made_ahead = worktree_fd < 0  # a sandbox of the pool: its session comes later
     try:
         held = confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd])
         if made_ahead:
             plan, worktree_fd = _wait_for_session(control, plan, keep, clock)
-        skipped = confine_session(plan, program, keep, clock, worktree_fd, held)
+        skipped = confine_session(plan, program, keep, clock, worktree_fd, held, kit)
     except ConfinementError as exc:
         _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
         os._exit(1)
@@ -265,16 +281,17 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     ready = protocol.WorkerReady(pid=os.getpid(), protections=protections, timings_ms=clock.steps,
                                  proxy_listener=bool(plan.proxy_port),
                                  # Made ahead: handed over with WorkerPooled already.
-                                 namespaces=bool(plan.namespaces.user and plan.namespaces.net) and not made_ahead)
+                                 namespaces=bool(plan.namespaces.user and plan.namespaces.net) and not made_ahead,
+                                 wake_kit=len(kit))
     if plan.namespaces.pid:
         # One process: the tool server is the session's init. Pid 1 of the
         # namespace already ignores every signal it has no handler for (no
         # command can end it), its death ends every process in the
         # namespace, and a thread of its own reaps the orphans (started at
         # the first command: before it there is nothing to reap).
-        _report(control, ready, fds=keep[1:])
-        for fd in keep[1:]:
-            os.close(fd)  # the daemon has it; no command inherits it
+        _report(control, ready, fds=keep[1:] + kit)
+        for fd in keep[1:] + kit:
+            os.close(fd)  # the daemon has it; no command inherits it (nor holds the ruleset)
         reaper.start_at_first_spawn(proctree.owns, proctree.CHILD_BORN, proctree.after_first_spawn)
         serve(control, plan)
         os._exit(0)

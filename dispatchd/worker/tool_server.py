@@ -39,14 +39,15 @@ import os
 import queue
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 
 from dispatchd import protocol, threads
-from dispatchd.confine.plan import SessionPlan
+from dispatchd.confine.plan import SessionPlan, can_sleep
 from dispatchd.policy import MUTATING_TOOLS
-from dispatchd.protocol.internal import EXIT_IDLE
+from dispatchd.protocol.internal import EXIT_ASLEEP, EXIT_IDLE
 from dispatchd.tempfiles import sweep_temp_files
 from dispatchd.tools import atomic
 from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, run_tool
@@ -73,6 +74,13 @@ class _Activity:
         # (tool, seconds, success) of each finished call: made CallRecords when
         # sent (flush_records), off the calls' path.
         self.records: list[tuple[str, float, bool]] = []
+        # A session that may sleep: the channel readers that found nothing to
+        # read for ``sleep_after_s`` and now wait without reading (they hold
+        # no byte of a request), and whether the server asked the daemon to
+        # sleep (from then on no reader reads until it stays awake).
+        self.quiet = 0
+        self.sleeping = False
+        self.awake = threading.Condition(self.lock)
 
     def begin(self, key: tuple[int, int], what: tuple[_Channel, str]) -> None:
         # ``last`` is not read while a call is in flight (``idle_for``): the
@@ -149,11 +157,30 @@ class _Channel:
             self.reader = me
         recv, refuse = self.frames.recv_request, self.reply  # looked up once, not on every request
         decoder, dispatch = protocol.channel_request_decoder, self.server.dispatch
+        activity = self.server.activity
+        with activity.lock:
+            # A channel added while the server waits to sleep reads nothing
+            # until it stays awake: handed over whole if it sleeps.
+            quiet = activity.sleeping
+            activity.quiet += quiet
         try:
             while self.reader is me:
+                if quiet:
+                    self._wait_to_read()
+                    quiet = False
                 try:
                     # Anything but call_tool and cancel_call is refused there, a bad_request.
                     req = recv(decoder, refuse)
+                except BlockingIOError:
+                    # Nothing came for sleep_after_s (SO_RCVTIMEO, set when the
+                    # session may sleep; a read inside a frame loses nothing
+                    # and goes on). Between frames, wait without reading, so
+                    # that the server may hand this channel over untouched.
+                    if not self.frames.buffered():
+                        with activity.lock:
+                            activity.quiet += 1
+                        quiet = True
+                    continue
                 except (protocol.ProtocolError, OSError):
                     return  # broken framing: drop this channel only
                 if req is None:
@@ -163,13 +190,30 @@ class _Channel:
                     continue
                 dispatch(self, req)
         finally:
+            if quiet:  # only when _wait_to_read raised
+                with activity.lock:
+                    activity.quiet -= 1
             if self.reader is me:  # not handed over: the channel ends with this thread
                 # Nobody is left to read what calls in flight would answer: end them.
                 with self.calls_lock:
                     for control in self.calls.values():
                         control.cancel()
+                self.server.channel_closed(self)
                 self.frames.close()
-                self.server.channel_closed()
+
+    def _wait_to_read(self) -> None:
+        """Until this channel has something to read and the server is not
+        waiting to sleep; then this reader counts as reading again. Nothing
+        is read here: a server that sleeps meanwhile hands over the channel
+        with every byte still in it."""
+        poller = select.poll()
+        poller.register(self.frames.fileno(), select.POLLIN)
+        poller.poll()  # readable, or hung up (the read then says which)
+        activity = self.server.activity
+        with activity.lock:
+            while activity.sleeping:
+                activity.awake.wait()
+            activity.quiet -= 1
 
 
 class _Control:
@@ -177,10 +221,11 @@ class _Control:
 
     def __init__(self, frames: protocol.FrameSocket) -> None:
         self.frames = frames
-        self._send_lock = threading.Lock()
+        self.send_lock = threading.Lock()
 
-    def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone | protocol.OkReply) -> None:
-        with self._send_lock:
+    def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone | protocol.OkReply | protocol.MaySleep
+             ) -> None:
+        with self.send_lock:
             self.frames.send(msg)
 
 
@@ -248,7 +293,11 @@ class _Server:
         # batch RECORD_INTERVAL_S later (housekeeping).
         self.records_wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self.flush_at: float | None = None
-        self.every = min(5.0, plan.limits.idle_timeout_s / 4)
+        # Sleeping (worker/wake.py): after this long with no call, nor job,
+        # nor process, nor reader holding a byte; 0: never.
+        self.sleep_after = plan.limits.sleep_after_s if can_sleep(plan) else 0.0
+        self.live: set[_Channel] = set()  # the channels a sleep hands over
+        self.every = min(5.0, plan.limits.idle_timeout_s / 4, *((self.sleep_after / 2,) if self.sleep_after else ()))
         self.next_check = time.monotonic() + self.every
         self.channels = 0
         self.max_channels = max_channels(plan.limits.max_processes, plan.limits.max_open_files)
@@ -284,10 +333,17 @@ class _Server:
 
     def add_channel(self, sock: socket.socket) -> None:
         channel = _Channel(sock, self)
+        if self.sleep_after:
+            # A read with nothing to read gives up after sleep_after_s: its
+            # reader then waits without reading (_Channel._wait_to_read).
+            # In the kernel, so a busy channel pays no extra system call.
+            whole, frac = divmod(self.sleep_after, 1.0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(whole), int(frac * 1e6)))
         with self.activity.lock:
             full = self.channels >= self.max_channels
             if not full:
                 self.channels += 1
+                self.live.add(channel)
         if full:
             channel.refuse("too_many_channels", f"this session has {self.max_channels} channels open, its limit "
                                                 "(each attach opens one): close some (Session.close or detach)")
@@ -301,12 +357,13 @@ class _Server:
             # Not waited for (threads.py): the control loop goes on meanwhile.
             threads.Thread(target=channel.run, daemon=True).start()
         except RuntimeError as exc:  # can't start new thread: the session's process limit
-            self.channel_closed()
+            self.channel_closed(channel)
             channel.refuse("busy", f"the session's tool server cannot start a thread for this channel ({exc})")
 
-    def channel_closed(self) -> None:
+    def channel_closed(self, channel: _Channel) -> None:
         with self.activity.lock:
             self.channels -= 1
+            self.live.discard(channel)
 
     def dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
         tool = self.tools.get(req.tool)
@@ -447,7 +504,50 @@ class _Server:
             if self.activity.idle_for() >= self.plan.limits.idle_timeout_s:
                 self.flush_records()
                 os._exit(EXIT_IDLE)  # the session ends with us (its pid 1, or its init sees us go)
+            if self.sleep_after and self._may_sleep():
+                try:
+                    self.control.send(protocol.MaySleep())
+                except OSError:
+                    pass  # the daemon is gone: the control loop ends
             self.next_check = now + self.every
+
+    def _may_sleep(self) -> bool:
+        """Whether the session may sleep now; if so, no reader reads from
+        here on (``sleeping``) until the daemon answers. Only when nothing
+        would be lost: no call in flight, no job (running or kept for
+        ``job_output``), no process but this one in the session, and every
+        channel's reader waiting between frames."""
+        if self.draining or self.activity.sleeping or (self.ctx.jobs is not None and self.ctx.jobs.all()):
+            return False
+        if _others_alive():
+            return False
+        activity = self.activity
+        with activity.lock:
+            if activity.in_flight or activity.quiet != self.channels or \
+                    time.monotonic() - activity.last < self.sleep_after:
+                return False
+            activity.sleeping = True
+        return True
+
+    def stay_awake(self) -> None:
+        with self.activity.lock:
+            self.activity.sleeping = False
+            self.activity.awake.notify_all()
+
+    def hand_over(self) -> None:
+        """``Sleep``: every channel to the daemon, untouched (no reader holds
+        a byte of one), at most 253 descriptors a message; then exit."""
+        self.flush_records()
+        with self.activity.lock:
+            fds = [channel.frames.fileno() for channel in self.live]
+        chunks = [fds[i:i + 253] for i in range(0, len(fds), 253)] or [[]]
+        try:
+            for i, chunk in enumerate(chunks):
+                with self.control.send_lock:
+                    self.control.frames.send(protocol.Asleep(count=len(chunk), last=i == len(chunks) - 1), fds=chunk)
+        except OSError:
+            pass  # the daemon is gone: so is the session
+        os._exit(EXIT_ASLEEP)
 
     def drain(self, deadline_s: float) -> None:
         """Refuse new calls, wait for those in flight (up to the deadline), end."""
@@ -463,6 +563,16 @@ class _Server:
                 "with this call still running; its processes are ended")))
         self.flush_records()
         os._exit(0)
+
+
+def _others_alive() -> bool:
+    """Whether any process but this one lives in the session's pid namespace
+    (its /proc): an orphan a command left running keeps the session awake."""
+    me = str(os.getpid())
+    try:
+        return any(name.isdigit() and name != me for name in os.listdir("/proc"))
+    except OSError:
+        return True  # cannot tell: stay awake
 
 
 def max_channels(max_processes: int, max_open_files: int) -> int:
@@ -542,5 +652,9 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
                     server.control.send(protocol.OkReply(id=msg.id))
                 except OSError:
                     return
+        elif isinstance(msg, protocol.Sleep):
+            server.hand_over()
+        elif isinstance(msg, protocol.StayAwake):
+            server.stay_awake()
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()
