@@ -9,6 +9,9 @@ really up, then reports:
 
 - how many opens failed, and the first error;
 - the time of each open (p50, p99) and of closing them all;
+- with ``--asleep``: the time until every session sleeps (the default
+  policy's ``sleep_after_s``), what they cost then, and what the first
+  ``read_file`` after a sleep (the wake) takes, p50 and p99;
 - what the sessions cost the host: the drop in ``MemAvailable``
   (/proc/meminfo) while they are open, which counts everything (page
   tables, kernel objects, private pages), and, per session, the processes
@@ -82,6 +85,8 @@ def main() -> int:
                          "ahead; back to back, some are made at open, which costs less memory)")
     ap.add_argument("--close-with", type=int, default=1, metavar="N",
                     help="close the sessions over N connections at once (default 1: one after another)")
+    ap.add_argument("--asleep", action="store_true",
+                    help="measure once every session sleeps (sleep_after_s), then wake each with a read_file")
     args = ap.parse_args()
     if os.geteuid() == 0:
         print("density: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
@@ -122,6 +127,17 @@ def main() -> int:
                 if args.pace:
                     time.sleep(args.pace)
             time.sleep(1.0)
+            slept_after = None
+            if args.asleep:
+                t = time.perf_counter()
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    asleep = sum(1 for info in client.list_sessions() if info.get("asleep"))
+                    if asleep >= len(sessions):
+                        slept_after = time.perf_counter() - t
+                        break
+                    time.sleep(0.5)
+                time.sleep(1.0)
             during_info = meminfo()
             during = during_info["MemAvailable"]
             own_growth = {"daemon": (uss(daemon.pid) or 0) - own_before["daemon"],
@@ -129,6 +145,12 @@ def main() -> int:
             procs = [p for p in children(daemon.pid) if p not in fork_server_and_daemon]
             private = [uss(p) for p in procs]
             readable = [u for u in private if u is not None]
+            wakes: list[float] = []
+            if args.asleep:
+                for s in sessions:
+                    c = time.perf_counter()
+                    s.registry.get("read_file").call({"path": "f.txt"})
+                    wakes.append(time.perf_counter() - c)
             if args.hold > 0:
                 Path(args.pidfile).write_text("\n".join(map(str, procs)) + "\n")
                 print(f"holding {len(sessions)} sessions for {args.hold:g} s; their pids: {args.pidfile}", flush=True)
@@ -172,6 +194,12 @@ def main() -> int:
           + (f" (first: {failures[0]})" if failures else ""))
     if opens:
         print(f"open → first read_file: p50 {fmt(statistics.median(opens)).strip()}, p99 {fmt(pct(opens, 0.99)).strip()}")
+    if args.asleep:
+        print("all asleep " + (f"{slept_after:.1f} s after the last open" if slept_after is not None
+                               else "NOT reached within 120 s"))
+        if wakes:
+            print(f"first read_file after a sleep (the wake): p50 {fmt(statistics.median(wakes)).strip()}, "
+                  f"p99 {fmt(pct(wakes, 0.99)).strip()}")
     print(f"close all: {close_all:.2f} s over {args.close_with} connection(s)"
           + (f"; each close p50 {fmt(statistics.median(closes)).strip()}, p99 {fmt(pct(closes, 0.99)).strip()}"
              if closes else ""))

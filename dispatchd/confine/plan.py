@@ -108,9 +108,12 @@ class SessionPlan(msgspec.Struct, frozen=True):
 def can_sleep(plan: SessionPlan) -> bool:
     """Whether the session's processes may go when it idles (``sleep_after_s``)
     and be made again, confined alike: only in namespaces of its own that
-    outlive its processes (user, mount, IPC) and a pid namespace to remake."""
+    outlive its processes (user, mount, IPC), a pid namespace to remake, and
+    a root of its own (the host's root, the weaker mode, would have the
+    budget held open below it refuse its read-only remount)."""
     ns = plan.namespaces
-    return plan.limits.sleep_after_s > 0 and ns.user and ns.mount and ns.pid
+    return (plan.limits.sleep_after_s > 0 and ns.user and ns.mount and ns.pid
+            and plan.mounts is not None and plan.mounts.root == "minimal")
 
 
 class PoolKey(msgspec.Struct, frozen=True):

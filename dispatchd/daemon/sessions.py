@@ -76,6 +76,9 @@ from dispatchd.tools.spec import schemas_for
 
 log = logging.getLogger("dispatchd.sessions")
 READY_TIMEOUT_S = 10.0
+# The most channels a tool server going to sleep may hand over (it serves
+# 256 at most): a worker that sends more is ended, not believed.
+MAX_HANDED_OVER = 1024
 STOP_TIMEOUT_S = 2.0
 
 
@@ -1224,6 +1227,8 @@ class SessionManager:
                         channels += [control.take_fd() for _ in range(msg.count)]
                         if msg.last:
                             break
+                        if len(channels) > MAX_HANDED_OVER:
+                            raise protocol.ProtocolError(f"it handed over more than {MAX_HANDED_OVER} channels")
             except (OSError, protocol.ProtocolError) as exc:
                 failed = str(exc) or type(exc).__name__
                 for fd in channels:

@@ -112,7 +112,7 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     # mounts make it read-only.
     ucounts.apply_ucounts(plan.ucounts)
     held = Held()
-    held.pid_budget = ucounts.open_pid_budget(plan.ucounts) if plan.namespaces.pid else -1
+    held.pid_budget = ucounts.open_pid_budget(plan.ucounts) if can_sleep(plan) else -1
     clock("ucounts")
     if not plan.namespaces.pid:
         hygiene.child_subreaper()  # orphans come back to us, not to the host's init
