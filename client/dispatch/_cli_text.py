@@ -131,7 +131,8 @@ def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:
     ll = p.landlock
     writes = "; holds the worktree's write lock" if s.writes else ""
     ahead = "; sandbox made ahead" if p.made_ahead else ""
-    say(f"  {s.id}  {s.worktree}  policy={s.policy}  mode={p.mode}{ahead}{writes}")
+    asleep = "; asleep (no process: its next call wakes it)" if s.asleep else ""
+    say(f"  {s.id}  {s.worktree}  policy={s.policy}  mode={p.mode}{ahead}{writes}{asleep}")
     say(f"    landlock ABI {ll.abi}: filesystem {ll.filesystem}; scopes: "
         f"{', '.join(ll.scopes) or 'none'}; {_TCP.get(ll.tcp, ll.tcp)}")
     say(f"    seccomp: {p.seccomp}; namespaces: {', '.join(p.namespaces.held()) or 'none'}")

@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     _session_target(op, worktree_required=True)
     cl = session.add_parser("close", help="close a session, ending every process it started")
     cl.add_argument("id")
-    ls = session.add_parser("list", help="list sessions (\"writes\": holds its worktree's write lock)")
+    ls = session.add_parser("list", help="list sessions (\"writes\": holds its worktree's write lock; "
+                                          "\"asleep\": no process, its next call wakes it)")
     ls.add_argument("--json", action="store_true", help="as JSON")
     rl = session.add_parser("release", help="give back a session's worktree write lock without closing it")
     rl.add_argument("id")
@@ -204,7 +205,7 @@ def _print_sessions(sessions: list[protocol.SessionInfo]) -> None:
         print("no sessions")
     for s in sessions:
         prot = s.protections
-        writes = "  writes" if s.writes else ""  # holds the worktree's write lock
+        writes = ("  writes" if s.writes else "") + ("  asleep" if s.asleep else "")  # write lock; no process
         print(f"{s.id}  network={s.network} ({prot.network.mechanism})  "
               f"policy={s.policy}  mode={prot.mode}{writes}  {s.worktree}")
 

@@ -18,11 +18,11 @@ from dispatchd.confine.landlock import LandlockPlan, PathRule
 from dispatchd.confine.mounts import WORKTREE_FD, Bind, MountPlan
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.netstack import NetworkPlan, nft_rules, switch_in_place
-from dispatchd.confine.plan import NetworkPorts, SessionPaths, SessionPlan, plan_session
+from dispatchd.confine.plan import NetworkPorts, SessionPaths, SessionPlan, can_sleep, plan_session
 from dispatchd.confine.seccomp import plan_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.kernel import KernelFeatures
-from dispatchd.policy import Env, Filesystem, Network, Policy, Sandbox, parse_policy
+from dispatchd.policy import Env, Filesystem, Limits, Network, Policy, Sandbox, parse_policy
 
 WT = "/home/u/src/wt"
 SCRATCH = "/home/u/.local/state/dispatchd/sessions/s1"
@@ -721,3 +721,11 @@ def test_pseudo_terminals_of_the_sessions_own_only_in_its_own_root():
     assert [r.path for r in degraded.landlock.paths if r.path.startswith("/dev/")] == ["/dev/null"]
     assert ("no pseudo-terminals (filesystem.devices lists /dev/pts): without a root of the session's own, "
             "/dev/pts would be the host's, the user's terminals; not granted") in report(degraded)["leaves_open"]
+
+
+def test_a_session_sleeps_only_in_namespaces_of_its_own_on_a_root_of_its_own() -> None:
+    assert can_sleep(plan())  # the default: full mode, a minimal root, sleep_after_s 30
+    assert plan().limits.sleep_after_s == 30.0
+    assert not can_sleep(plan(k=kernel(userns=False)))  # degraded: nothing outlives its processes
+    assert not can_sleep(plan(Policy(filesystem=Filesystem(root="host"))))  # the weaker root
+    assert not can_sleep(plan(Policy(limits=Limits(sleep_after_s=0))))  # never, by choice

@@ -203,6 +203,8 @@ def test_policy_error_code():
         ("[limits]\nmax_command_timeout_s = -5", "limits.max_command_timeout_s", POSITIVE),
         ("[limits]\nidle_timeout_s = 0", "limits.idle_timeout_s", POSITIVE),
         ("[limits]\nidle_timeout_s = -0.001", "limits.idle_timeout_s", POSITIVE),
+        ("[limits]\nsleep_after_s = -1", "limits.sleep_after_s", "must be a number of seconds, 0 (never sleep) or more"),
+        ("[limits]\nsleep_after_s = nan", "limits.sleep_after_s", "must be a number of seconds, 0 (never sleep) or more"),
         ("[limits]\ncommand_timeout_s = 3601", "limits.command_timeout_s", "exceeds limits.max_command_timeout_s"),
         ("[limits]\ncommand_timeout_s = 10\nmax_command_timeout_s = 9.5", "limits.command_timeout_s",
          "exceeds limits.max_command_timeout_s"),

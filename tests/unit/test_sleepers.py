@@ -1,0 +1,104 @@
+"""The daemon's watch over sleeping sessions' channels (daemon/sleepers.py),
+on real socket pairs: a byte wakes (and is left in the socket), an end of
+stream does not, a deadline expires, a forgotten session is left alone."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from dispatchd.daemon.sleepers import Sleepers
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.q: queue.Queue[tuple[str, ...]] = queue.Queue()
+        self.sleepers = Sleepers(lambda sid, nap: self.q.put(("wake", sid, str(nap))),
+                                 lambda sid, nap, fd: self.q.put(("hung_up", sid, str(nap), str(fd))),
+                                 lambda sid, nap: self.q.put(("expire", sid, str(nap))))
+
+    def next(self, timeout: float = 5.0) -> tuple[str, ...]:
+        return self.q.get(timeout=timeout)
+
+    def none(self, within: float = 0.3) -> None:
+        with pytest.raises(queue.Empty):
+            self.q.get(timeout=within)
+
+
+@pytest.fixture
+def calls() -> Calls:
+    return Calls()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    client, held = socket.socketpair()
+    yield client, held
+    client.close()
+    held.close()
+
+
+def test_a_request_wakes_its_session_once_and_is_left_unread(calls: Calls, pair: tuple[socket.socket, socket.socket]) -> None:
+    client, held = pair
+    calls.sleepers.add("s1", 7, [held.fileno()], time.monotonic() + 60)
+    calls.none()
+    client.sendall(b"request")
+    assert calls.next() == ("wake", "s1", "7")
+    assert held.recv(100, socket.MSG_DONTWAIT) == b"request"  # every byte still there for the tool server
+    client.sendall(b"more")
+    calls.none()  # no longer watched: one wake only
+    assert calls.sleepers.count() == 0
+
+
+def test_a_client_gone_does_not_wake_its_session(calls: Calls, pair: tuple[socket.socket, socket.socket]) -> None:
+    client, held = pair
+    other_client, other_held = socket.socketpair()
+    try:
+        calls.sleepers.add("s1", 3, [held.fileno(), other_held.fileno()], time.monotonic() + 60)
+        client.close()
+        assert calls.next() == ("hung_up", "s1", "3", str(held.fileno()))
+        calls.none()
+        # Its twin: the session's other channel still wakes it.
+        other_client.sendall(b"x")
+        assert calls.next() == ("wake", "s1", "3")
+    finally:
+        other_client.close()
+        other_held.close()
+
+
+def test_a_session_asleep_at_its_deadline_expires(calls: Calls, pair: tuple[socket.socket, socket.socket]) -> None:
+    _, held = pair
+    calls.sleepers.add("s1", 1, [held.fileno()], time.monotonic() + 0.2)
+    calls.sleepers.add("s2", 2, [], time.monotonic() + 60)
+    assert calls.next() == ("expire", "s1", "1")
+    calls.none()  # s2's deadline is far
+    assert calls.sleepers.count() == 1
+
+
+def test_a_forgotten_session_is_left_alone(calls: Calls, pair: tuple[socket.socket, socket.socket]) -> None:
+    client, held = pair
+    calls.sleepers.add("s1", 1, [held.fileno()], time.monotonic() + 0.3)
+    calls.sleepers.forget("s1")
+    client.sendall(b"x")
+    calls.none(0.6)  # neither a wake nor the expiry
+
+
+def test_a_channel_attached_while_asleep_wakes_it_too(calls: Calls, pair: tuple[socket.socket, socket.socket]) -> None:
+    client, held = pair
+    calls.sleepers.add("s1", 5, [], time.monotonic() + 60)
+    calls.sleepers.add_channel("s1", held.fileno())
+    client.sendall(b"x")
+    assert calls.next() == ("wake", "s1", "5")
+    # Not for a session that is not asleep: nothing is watched for it.
+    late_client, late_held = socket.socketpair()
+    try:
+        calls.sleepers.add_channel("s9", late_held.fileno())
+        late_client.sendall(b"x")
+        calls.none()
+    finally:
+        late_client.close()
+        late_held.close()
