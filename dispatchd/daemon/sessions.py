@@ -79,6 +79,7 @@ READY_TIMEOUT_S = 10.0
 # The most channels a tool server going to sleep may hand over (it serves
 # 256 at most): a worker that sends more is ended, not believed.
 MAX_HANDED_OVER = 1024
+MAX_KEPT_JOBS = 64  # the ended jobs a tool server keeps (tools/jobs.py MAX_KEPT)
 STOP_TIMEOUT_S = 2.0
 
 
@@ -144,16 +145,17 @@ class _Nap:
 
     naps = 0
 
-    def __init__(self, channels: list[int]) -> None:
+    def __init__(self, channels: list[int], jobs: tuple[protocol.KeptJobs, list[int]] | None = None) -> None:
         _Nap.naps += 1
         self.number = _Nap.naps
         self.channels = channels
+        self.jobs = jobs  # its ended background jobs, and their logs by descriptor
         self.since = time.monotonic()
 
     def close(self) -> None:
-        for fd in self.channels:
+        for fd in self.channels + (self.jobs[1] if self.jobs else []):
             os.close(fd)
-        self.channels = []
+        self.channels, self.jobs = [], None
 
 
 @functools.lru_cache(maxsize=32)
@@ -1216,6 +1218,7 @@ class SessionManager:
                 session.control = None  # nothing more is sent to it: it hands over and exits
             worker, session.worker = session.worker, None
             channels: list[int] = []
+            jobs: tuple[protocol.KeptJobs, list[int]] | None = None
             started = time.monotonic()
             try:
                 control.sock.settimeout(READY_TIMEOUT_S)
@@ -1223,7 +1226,9 @@ class SessionManager:
                     msg = control.recv(protocol.from_worker_decoder)
                     if msg is None:
                         raise protocol.ProtocolError("its tool server ended before it handed over its channels")
-                    if isinstance(msg, protocol.Asleep):
+                    if isinstance(msg, protocol.KeptJobs) and jobs is None and len(msg.jobs) <= MAX_KEPT_JOBS:
+                        jobs = (msg, [control.take_fd() for _ in msg.jobs])
+                    elif isinstance(msg, protocol.Asleep):
                         channels += [control.take_fd() for _ in range(msg.count)]
                         if msg.last:
                             break
@@ -1231,14 +1236,14 @@ class SessionManager:
                             raise protocol.ProtocolError(f"it handed over more than {MAX_HANDED_OVER} channels")
             except (OSError, protocol.ProtocolError) as exc:
                 failed = str(exc) or type(exc).__name__
-                for fd in channels:
+                for fd in channels + (jobs[1] if jobs else []):
                     os.close(fd)
             worker.kill()  # gone by itself, or now: its pid namespace with it
             control.close()
             session.ended.set()
             session.generation += 1  # this watch's generation is over
             if not failed:
-                session.asleep = nap = _Nap(channels)
+                session.asleep = nap = _Nap(channels, jobs)
                 deadline = started + session.policy.limits.idle_timeout_s - session.policy.limits.sleep_after_s
                 self.sleepers.add(session.id, nap.number, channels, deadline)
                 log.info("event=session_asleep session=%s channels=%d", session.id, len(channels))
@@ -1276,6 +1281,8 @@ class SessionManager:
                     with session.send_lock:
                         if session.env_set or session.env_unset:
                             control.send(protocol.SetCommandEnv(set=session.env_set, unset=sorted(session.env_unset)))
+                        if asleep.jobs is not None:
+                            control.send(asleep.jobs[0], fds=asleep.jobs[1])
                         for fd in asleep.channels:
                             control.send(protocol.AddChannel(id=0), fds=[fd])
                 except OSError as exc:

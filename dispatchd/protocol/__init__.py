@@ -42,6 +42,8 @@ from dispatchd.protocol.internal import (
     AddChannel,
     AdoptSession,
     Asleep,
+    JobRecord,
+    KeptJobs,
     MaySleep,
     Sleep,
     StayAwake,
@@ -137,7 +139,7 @@ __all__ = [
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "ExpectSession", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
     "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerPooled",
-    "WorkerReady", "Asleep", "MaySleep", "Sleep", "StayAwake", "WakeWorker",
+    "WorkerReady", "Asleep", "JobRecord", "KeptJobs", "MaySleep", "Sleep", "StayAwake", "WakeWorker",
     "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

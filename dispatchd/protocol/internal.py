@@ -178,12 +178,36 @@ class Asleep(_Msg, tag="asleep", frozen=True):
     last: bool
 
 
+class JobRecord(msgspec.Struct, frozen=True, array_like=True):
+    """A background job that has ended, as ``job_output``/``job_list`` still
+    show it; its log travels as a descriptor beside it."""
+
+    id: str
+    command: str
+    token: str
+    cap: int
+    written: int
+    truncated: bool
+    exit_code: int
+    ended_by: str
+
+
+class KeptJobs(_Msg, tag="kept_jobs", frozen=True):
+    """Worker -> daemon after ``Sleep``, before ``Asleep``, and daemon ->
+    worker after a wake, before the channels: the session's ended jobs (the
+    only ones a session that sleeps has), each with its log's descriptor, and
+    the next job's number."""
+
+    jobs: list[JobRecord]
+    next: int
+
+
 # Worker -> daemon: its start, then requests and records while it serves.
 FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply, MaySleep,
-                   Asleep]
+                   Asleep, KeptJobs]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
 ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock, AdoptSession,
-                 ExpectSession, Sleep, StayAwake]
+                 ExpectSession, Sleep, StayAwake, KeptJobs]
 
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

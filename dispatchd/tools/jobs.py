@@ -22,6 +22,9 @@ Guarantees:
   (the session's pid namespace, or its kill): nothing outlives the session.
 - At most ``MAX_RUNNING`` jobs run at once in a session, and at most
   ``MAX_KEPT`` are remembered (the oldest ended ones are forgotten first).
+- Ended jobs outlive a sleep of the session (``kept``/``restore``: their
+  state, and their logs by descriptor, held by the daemon meanwhile); a
+  session with a job running does not sleep.
 - This code runs in the confined tool server: nothing it does on a
   command's behalf goes beyond what the session may do itself.
 """
@@ -35,6 +38,7 @@ import threading
 import time
 from typing import Any
 
+from dispatchd.protocol.internal import JobRecord
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
 from dispatchd.tools.spec import JobListParams, JobOutputParams, JobStopParams
@@ -60,7 +64,7 @@ def _signal_text(code: int) -> str:
 
 
 class Job:
-    def __init__(self, jid: str, command: str, proc: subprocess.Popen[bytes], token: str, log_fd: int,
+    def __init__(self, jid: str, command: str, proc: subprocess.Popen[bytes] | None, token: str, log_fd: int,
                  cap: int, timeout: float | None) -> None:
         self.id = jid
         self.command = command
@@ -91,7 +95,7 @@ class Job:
     def pump(self) -> None:
         """The job's thread: copy its output to the log until every process
         holding it is gone, reap the leader; the job ends when both happened."""
-        assert self.proc.stdout is not None
+        assert self.proc is not None and self.proc.stdout is not None
         out = self.proc.stdout.fileno()
         sel = selectors.DefaultSelector()
         sel.register(out, selectors.EVENT_READ)
@@ -134,6 +138,7 @@ class Job:
                 self.cond.notify_all()
 
     def _reap(self, block: bool = False) -> None:
+        assert self.proc is not None
         with self.cond:
             if not self.reaped and (block or self._exited()):
                 # Our own wait, under the lock, so that kill() never kills by a
@@ -143,6 +148,7 @@ class Job:
 
     def _exited(self) -> bool:
         """Whether the leader exited, without reaping it (its pid stays ours)."""
+        assert self.proc is not None
         try:
             return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
         except ChildProcessError:
@@ -165,7 +171,7 @@ class Job:
 
     def kill(self, why: str) -> None:
         with self.cond:
-            leader = None if self.reaped else self.proc.pid
+            leader = None if self.reaped or self.proc is None else self.proc.pid
             if self.exit_code is None:
                 self.ended_by = why
             proctree.kill_tree(leader, self.token)
@@ -271,6 +277,32 @@ class Jobs:
     def all(self) -> list[Job]:
         with self._lock:
             return list(self._jobs.values())
+
+    def running(self) -> bool:
+        with self._lock:
+            return any(j.running for j in self._jobs.values())
+
+    def kept(self) -> tuple[list[JobRecord], list[int], int]:
+        """For a sleep (none running): the ended jobs, their logs'
+        descriptors (still ours: the caller sends copies), the next number."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+            records = [JobRecord(id=j.id, command=j.command, token=j.token, cap=j.cap, written=j.written,
+                                 truncated=j.truncated, exit_code=j.exit_code if j.exit_code is not None else -9,
+                                 ended_by=j.ended_by) for j in jobs]
+            return records, [j.log_fd for j in jobs], self._next
+
+    def restore(self, records: list[JobRecord], fds: list[int], next_number: int) -> None:
+        """After a wake: the ended jobs ``kept`` before the sleep, logs by
+        descriptor (``fds``, ours from here), as they were."""
+        with self._lock:
+            for rec, fd in zip(records, fds):
+                job = Job(rec.id, rec.command, None, rec.token, fd, rec.cap, None)
+                job.written, job.truncated, job.exit_code, job.ended_by = rec.written, rec.truncated, \
+                    rec.exit_code, rec.ended_by
+                job.reaped = True
+                self._jobs[rec.id] = job
+            self._next = max(self._next, next_number)
 
     def close(self) -> None:
         """Stop every job and close every descriptor (the tool server never

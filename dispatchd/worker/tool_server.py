@@ -514,10 +514,10 @@ class _Server:
     def _may_sleep(self) -> bool:
         """Whether the session may sleep now; if so, no reader reads from
         here on (``sleeping``) until the daemon answers. Only when nothing
-        would be lost: no call in flight, no job (running or kept for
-        ``job_output``), no process but this one in the session, and every
-        channel's reader waiting between frames."""
-        if self.draining or self.activity.sleeping or (self.ctx.jobs is not None and self.ctx.jobs.all()):
+        would be lost: no call in flight, no job running (ended ones are
+        handed over with the channels), no process but this one in the
+        session, and every channel's reader waiting between frames."""
+        if self.draining or self.activity.sleeping or (self.ctx.jobs is not None and self.ctx.jobs.running()):
             return False
         if _others_alive():
             return False
@@ -535,13 +535,19 @@ class _Server:
             self.activity.awake.notify_all()
 
     def hand_over(self) -> None:
-        """``Sleep``: every channel to the daemon, untouched (no reader holds
-        a byte of one), at most 253 descriptors a message; then exit."""
+        """``Sleep``: the ended jobs (``KeptJobs``, their logs by descriptor),
+        then every channel to the daemon, untouched (no reader holds a byte
+        of one), at most 253 descriptors a message; then exit."""
         self.flush_records()
         with self.activity.lock:
             fds = [channel.frames.fileno() for channel in self.live]
         chunks = [fds[i:i + 253] for i in range(0, len(fds), 253)] or [[]]
         try:
+            if self.ctx.jobs is not None:
+                records, logs, next_number = self.ctx.jobs.kept()
+                if records:  # at most jobs.MAX_KEPT: one message
+                    with self.control.send_lock:
+                        self.control.frames.send(protocol.KeptJobs(jobs=records, next=next_number), fds=logs)
             for i, chunk in enumerate(chunks):
                 with self.control.send_lock:
                     self.control.frames.send(protocol.Asleep(count=len(chunk), last=i == len(chunks) - 1), fds=chunk)
@@ -654,6 +660,10 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
                     return
         elif isinstance(msg, protocol.Sleep):
             server.hand_over()
+        elif isinstance(msg, protocol.KeptJobs):  # a woken session's, before its channels
+            logs = [control.take_fd() for _ in msg.jobs]
+            if server.ctx.jobs is not None:
+                server.ctx.jobs.restore(msg.jobs, logs, msg.next)
         elif isinstance(msg, protocol.StayAwake):
             server.stay_awake()
         elif isinstance(msg, protocol.Drain):

@@ -95,6 +95,9 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.Asleep: (p.Asleep(count=253, last=False), {"from_worker"}),
     p.Sleep: (p.Sleep(), {"to_worker"}),
     p.StayAwake: (p.StayAwake(), {"to_worker"}),
+    p.KeptJobs: (p.KeptJobs(jobs=[p.JobRecord(id="job_1", command="make", token="t0k", cap=1024, written=10,
+                                              truncated=False, exit_code=0, ended_by="")], next=2),
+                 {"to_worker", "from_worker"}),
 }
 DECODERS = {
     "daemon_request": p.daemon_request_decoder,
@@ -118,6 +121,7 @@ TAGS = {
     "SetCommandEnv": "set_command_env", "WorkerPooled": "worker_pooled", "AdoptSession": "adopt_session", "ExpectSession": "expect_session",
     "ReleaseWriteLock": "release_write_lock", "ForgetWriteLock": "forget_write_lock",
     "WakeWorker": "wake_worker", "MaySleep": "may_sleep", "Asleep": "asleep", "Sleep": "sleep", "StayAwake": "stay_awake",
+    "KeptJobs": "kept_jobs",
 }
 
 

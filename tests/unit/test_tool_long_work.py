@@ -267,3 +267,39 @@ def test_job_tools_without_jobs_say_so(tmp_path: Path) -> None:
     bare = ToolContext(root=str(tmp_path), limits=Limits(), env={})
     assert run(bare, "job_list").error == "this session runs no background jobs"
     assert run(bare, "shell_exec", command="true", background=True).error == "this session cannot run background jobs"
+
+
+def test_ended_jobs_are_kept_across_a_sleep_as_they_were(ctx: ToolContext, tmp_path: Path) -> None:
+    """What a tool server going to sleep hands over (Jobs.kept) and the woken
+    one takes back (Jobs.restore): the same job_output and job_list, the log
+    read through the descriptor handed over, the numbering going on."""
+    run(ctx, "shell_exec", command="printf 'one\\ntwo\\n'", background=True)
+    run(ctx, "shell_exec", command="exit 3", background=True)
+    deadline = time.monotonic() + 5
+    while ctx.jobs.running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not ctx.jobs.running()
+    before = (run(ctx, "job_output", job="job_1").output, run(ctx, "job_list").output)
+    records, logs, next_number = ctx.jobs.kept()
+    woken = Jobs(ctx.scratch)
+    woken.restore(records, [os.dup(fd) for fd in logs], next_number)
+    other = dataclasses.replace(ctx, jobs=woken)
+    try:
+        # Renamed by name meanwhile: the log is held by descriptor.
+        os.rename(Path(ctx.scratch) / "jobs" / "job_1.log", Path(ctx.scratch) / "jobs" / "moved")
+        assert (run(other, "job_output", job="job_1").output, run(other, "job_list").output) == before
+        assert run(other, "job_output", job="job_2").metadata["exit_code"] == 3
+        assert run(other, "shell_exec", command="true", background=True).metadata["job"] == "job_3"
+    finally:
+        woken.close()
+
+
+def test_a_session_with_a_job_running_reports_it(ctx: ToolContext) -> None:
+    """The tool server does not sleep while a job runs (Jobs.running); its
+    twin: once the job ended, it may."""
+    run(ctx, "shell_exec", command="sleep 0.3", background=True)
+    assert ctx.jobs.running()
+    deadline = time.monotonic() + 5
+    while ctx.jobs.running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not ctx.jobs.running()
