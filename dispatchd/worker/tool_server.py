@@ -517,9 +517,9 @@ class _Server:
         would be lost: no call in flight, no job running (ended ones are
         handed over with the channels), no process but this one in the
         session, and every channel's reader waiting between frames."""
-        if self.draining or self.activity.sleeping or (self.ctx.jobs is not None and self.ctx.jobs.running()):
-            return False
-        if _others_alive():
+        if self.draining or self.activity.sleeping or self.activity.idle_for() < self.sleep_after:
+            return False  # the cheap checks first: a busy session pays no more
+        if (self.ctx.jobs is not None and self.ctx.jobs.running()) or _others_alive():
             return False
         activity = self.activity
         with activity.lock:
