@@ -15,7 +15,8 @@ with the session's cgroup and the channels. The next call wakes it:
     fork server ── intermediate: setns into the kit's namespaces,
                    a new pid namespace, then clone3(CLONE_PARENT) ──┐
     fork server ── W1 (pid 1 again, born in the session's cgroup) ──┘
-                     a fresh /proc, the per-process confinement of
+                     a fresh /proc (read-only, as the first was made),
+                     the per-process confinement of
                      ``session_init.confine_session`` (limits, capabilities,
                      no_new_privs, the kept ruleset, seccomp), then serves.
 
