@@ -245,13 +245,17 @@ def restrict_with(ruleset: int) -> None:
         raise ConfinementError("landlock: restrict self", exc.errno, detail=detail) from exc
 
 
-def grant_again(ruleset: int, plan: LandlockPlan, below: str) -> None:
+def grant_again(ruleset: int, plan: LandlockPlan, below: str, root_fd: int) -> None:
     """Add the plan's rules for ``below`` and what is under it to a kept
-    ruleset (``restrict_with``), looked up now: for a mount made again since
-    the ruleset was (a woken session's fresh /proc), whose new inodes the old
-    rules do not name. Only for paths nothing of the session has touched."""
+    ruleset (``restrict_with``): for a mount made again since the ruleset
+    was (a woken session's fresh /proc), whose new inodes the old rules do
+    not name. ``below`` itself is granted by ``root_fd``, the new mount's
+    root (a rule on the directory it is mounted on would not do: Landlock's
+    walk skips the mount point it goes up through); what is under it is
+    looked up now. Only for paths nothing of the session has touched. Each
+    call names a new inode: the ruleset grows by one rule a wake."""
     _add_path_rules(ruleset, [r for r in plan.paths if r.path == below or r.path.startswith(below.rstrip("/") + "/")],
-                    {})
+                    {below: root_fd})
 
 
 def _add_path_rules(ruleset: int, rules: list[PathRule], held: dict[str, int]) -> list[str]:

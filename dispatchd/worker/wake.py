@@ -26,9 +26,8 @@ Guarantees:
   capability, seccomp forbids mount), the same Landlock rules (restricted by
   the ruleset made at the first start, never paths looked up again, so what
   the session did to its files meanwhile cannot widen them; the one rule
-  added is the plan's /proc rule on the directory the fresh /proc is
-  mounted on, the same inode at every wake), the same
-  seccomp program, limits and dropped capabilities; and pid 1 of a pid
+  added is the plan's /proc rule on the fresh /proc's root, one a wake),
+  the same seccomp program, limits and dropped capabilities; and pid 1 of a pid
   namespace of its own, so nothing inside can signal it.
 - The ruleset lives in the daemon only: the session's processes never hold
   it (a tool server that could add rules to it would widen its successor).
@@ -166,13 +165,13 @@ def confine_woken(plan: SessionPlan, program: bytes, ruleset: int, keep: list[in
         fresh = _sys.fresh_proc_mount()  # while the old /proc (of the ended namespace) is still visible
         try:
             _sys.umount2("/proc", _sys.MNT_DETACH)
-            # The kept rules name the first /proc's root, not the fresh one's:
-            # grant the directory it is mounted on, as the plan grants /proc
-            # (Landlock's walk goes up through mount points, so that covers
-            # the fresh mount). The same inode at every wake: the rule is
-            # merged with the last wake's, the ruleset does not grow.
-            landlock.grant_again(ruleset, plan.landlock, "/proc")
             _sys.move_mount(fresh, "/proc")
+            # The kept rules name the first /proc's root, not the fresh one's:
+            # grant the fresh root itself, as the plan grants /proc. Not the
+            # directory it is mounted on: Landlock's walk skips a mount point
+            # on its way up (a rule there left /proc refused, EACCES). A new
+            # inode at every wake: the kept ruleset grows by one rule a wake.
+            landlock.grant_again(ruleset, plan.landlock, "/proc", fresh)
         finally:
             os.close(fresh)
     except OSError as exc:

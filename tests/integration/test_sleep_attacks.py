@@ -1,0 +1,53 @@
+"""Sessions that sleep, read adversarially: a woken session is confined and
+served as at its first start, whatever happened meanwhile."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import dispatch
+from tests.conftest import REPO, Daemon, shell
+
+
+def _daemon(tmp_path: Path) -> Daemon:
+    policies = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "nap.toml").write_text('description = "sleeps after 0.3 s"\n[limits]\nsleep_after_s = 0.3\n')
+    (tmp_path / "d").mkdir()
+    return Daemon(tmp_path / "d", "--policies", str(policies))
+
+
+def _asleep(client: dispatch.Client, sid: str) -> bool:
+    return any(s["id"] == sid and s.get("asleep") for s in client.list_sessions())
+
+
+def _until_asleep(d: Daemon, client: dispatch.Client, sid: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not _asleep(client, sid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _asleep(client, sid), d.log()[-3000:]
+
+
+def test_proc_after_a_wake_and_sleeps_again(tmp_path: Path, worktree: Path) -> None:
+    """The woken /proc is granted as the first (it was refused: a rule on the
+    directory it is mounted on does not cover it, Landlock's walk skips the
+    mount point), and the session sleeps and wakes again, naps after naps
+    (a pid namespace each: the budget holds)."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            probe = "head -1 /proc/self/status; ls /proc | grep -c '^[0-9]'; echo out > /dev/stdout"
+            before = shell(s, probe)
+            assert before.is_success, before.error
+            for nap in range(6):
+                _until_asleep(d, client, s.id)
+                after = shell(s, probe)
+                assert after.is_success, (nap, after.error, d.log()[-2000:])
+                assert after.output == before.output, (nap, after.output)
+            assert d.log().count(f"event=session_woken session={s.id}") == 6
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
