@@ -97,6 +97,10 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # lets its processes go and is woken by its next call (README "Sessions
     # that sleep"); 0: never. Only with user namespaces.
     sleep_after_s: float = 30.0
+    # Each wake adds a rule to the session's kept Landlock ruleset (its fresh
+    # /proc), which the kernel cannot take back: past this many wakes the
+    # session stays awake, so what it holds in the kernel stays bounded.
+    max_wakes: int = 1000
     # A session whose every client connection has gone ends after this long,
     # unless it was opened detached (daemon/lifetimes.py); 0 ends it at once.
     orphan_grace_s: float = 60.0
@@ -200,7 +204,7 @@ def _check(policy: Policy, where: str) -> None:
     for key in ("output_cap_bytes", "file_size_cap_bytes", "search_max_results", "list_max_entries",
                 "model_output_bytes", "max_processes", "max_data_bytes", "max_file_bytes", "max_open_files",
                 "session_memory_bytes", "max_inotify_instances", "max_inotify_watches", "max_fanotify_groups",
-                "max_fanotify_marks", "max_pending_signals", "max_msgqueue_bytes"):
+                "max_fanotify_marks", "max_pending_signals", "max_msgqueue_bytes", "max_wakes"):
         if getattr(lim, key) < 1:
             raise bad(f"limits.{key}", "must be at least 1")
     if not 1 <= lim.cpu_weight <= 10000:

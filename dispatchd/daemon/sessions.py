@@ -121,6 +121,7 @@ class Session:
         self.plan: SessionPlan | None = None  # its sandbox's, as started: what a wake applies again
         self.kit: list[int] = []  # what waking it needs (worker/wake.py), from its worker; empty: it never sleeps
         self.asleep: _Nap | None = None  # asleep: its channels, held here (no process of it runs)
+        self.wakes = 0  # how often it was woken (the policy's max_wakes)
         # What SetCommandEnv changed since its start, over and above the plan's
         # environment: a woken tool server is told again.
         self.env_set: dict[str, str] = {}
@@ -1208,9 +1209,17 @@ class SessionManager:
         with session.lock:
             with session.send_lock:
                 if session.closed or session.generation != generation or not self.accepting \
-                        or not session.kit or session.worker is None or session.plan is None:
+                        or not session.kit or session.worker is None or session.plan is None \
+                        or session.wakes >= session.policy.limits.max_wakes:
+                    # Each wake adds a rule to its kept ruleset (its fresh
+                    # /proc's root), which the kernel cannot take back: past
+                    # max_wakes (~130 KiB at the default 1,000; 8 hours of
+                    # naps at 30 s) it stays awake, its kernel share bounded.
+                    for_good = session.wakes >= session.policy.limits.max_wakes
+                    if for_good:
+                        log.info("event=sleep_no_more session=%s wakes=%d", session.id, session.wakes)
                     try:
-                        control.send(protocol.StayAwake())
+                        control.send(protocol.StayAwake(for_good=for_good))
                     except OSError:
                         pass
                     return False
@@ -1274,6 +1283,7 @@ class SessionManager:
                 failed = str(exc)
             else:
                 session.asleep = None
+                session.wakes += 1
                 session.worker, session.control = worker, control
                 session.generation += 1
                 session.ended = threading.Event()

@@ -166,7 +166,10 @@ class Sleep(_Msg, tag="sleep", frozen=True):
 
 
 class StayAwake(_Msg, tag="stay_awake", frozen=True):
-    """Daemon -> worker, the other answer to ``MaySleep``: read on."""
+    """Daemon -> worker, the other answer to ``MaySleep``: read on; with
+    ``for_good``, and never ask again (the session has slept its most)."""
+
+    for_good: bool = False
 
 
 class Asleep(_Msg, tag="asleep", frozen=True):

@@ -529,7 +529,9 @@ class _Server:
             activity.sleeping = True
         return True
 
-    def stay_awake(self) -> None:
+    def stay_awake(self, for_good: bool = False) -> None:
+        if for_good:
+            self.sleep_after = 0.0  # on this control thread, which alone reads it
         with self.activity.lock:
             self.activity.sleeping = False
             self.activity.awake.notify_all()
@@ -665,6 +667,6 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             if server.ctx.jobs is not None:
                 server.ctx.jobs.restore(msg.jobs, logs, msg.next)
         elif isinstance(msg, protocol.StayAwake):
-            server.stay_awake()
+            server.stay_awake(msg.for_good)
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()

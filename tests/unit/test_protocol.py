@@ -94,7 +94,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.MaySleep: (p.MaySleep(), {"from_worker"}),
     p.Asleep: (p.Asleep(count=253, last=False), {"from_worker"}),
     p.Sleep: (p.Sleep(), {"to_worker"}),
-    p.StayAwake: (p.StayAwake(), {"to_worker"}),
+    p.StayAwake: (p.StayAwake(for_good=True), {"to_worker"}),
     p.KeptJobs: (p.KeptJobs(jobs=[p.JobRecord(id="job_1", command="make", token="t0k", cap=1024, written=10,
                                               truncated=False, exit_code=0, ended_by="")], next=2),
                  {"to_worker", "from_worker"}),
