@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
+from tests.sleeping import WokenClient, sleepy_policies
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -202,6 +203,13 @@ def _rmdir_tree(path: str) -> None:
 def cgroup_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[tuple[dispatch.Client, str]]:
     """A daemon managing CGROUP_BASE/daemon-XXXX, and that path."""
+    yield from cgroup_daemon_for(request.param, tmp_path_factory)
+
+
+def cgroup_daemon_for(mode: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dispatch.Client, str]]:
+    """``cgroup_daemon`` in ``mode``: "full", "degraded", or "woken" (full
+    mode, every policy sleeping after ``SLEEP_AFTER_S`` and every session
+    opened asleep: tests/sleeping.py)."""
     _refuse_root()
     if not CGROUP_BASE:
         pytest.skip("no delegated cgroup v2 subtree: DISPATCHD_TEST_CGROUP is set by ./scripts/test run as root")
@@ -213,16 +221,18 @@ def cgroup_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         except OSError:
             pass
     cgroup = f"{CGROUP_BASE}/daemon-{secrets.token_hex(4)}"
-    base = tmp_path_factory.mktemp(f"cgroups-{request.param}")
+    base = tmp_path_factory.mktemp(f"cgroups-{mode}")
     policies = base / "policies"
     shutil.copytree(REPO / "policies", policies)
     (policies / "tight.toml").write_text(CGROUP_POLICY)
+    if mode == "woken":
+        sleepy_policies(policies)
     extra = ["--policies", str(policies), "--cgroup", cgroup]
-    if request.param == "degraded":
+    if mode == "degraded":
         extra.append("--no-user-namespaces")
     d = Daemon(base, *extra)
     try:
-        with d.connect() as c:
+        with (WokenClient(d.socket) if mode == "woken" else d.connect()) as c:
             yield c, cgroup
     finally:
         assert d.stop() == 0, d.log()

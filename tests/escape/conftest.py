@@ -1,8 +1,15 @@
-"""Fixtures of the escape suite: every attempt runs against both modes.
+"""Fixtures of the escape suite: every attempt runs against every mode.
 
 ``sandbox`` is a daemon per test module and mode, ``full`` (user, mount,
-IPC, pid and network namespaces) and ``degraded`` (started with
-``--no-user-namespaces``: Landlock and seccomp alone). It overrides the root
+IPC, pid and network namespaces), ``degraded`` (started with
+``--no-user-namespaces``: Landlock and seccomp alone) and ``woken`` (full
+mode, every policy with ``[limits] sleep_after_s`` of ``SLEEP_AFTER_S``, and
+a client whose sessions are handed over asleep: the test's first call wakes
+the session in a new tool server that joins its namespaces and confines
+itself again, and the test's own pauses put it to sleep and wake it again).
+A woken session must be confined exactly like a fresh one: ``Sandbox.mode``
+is ``"full"`` there (what its status reports, what ``expect`` gives), and
+``Sandbox.woken`` says which of the two runs. It overrides the root
 conftest's ``client``, so the root ``session`` fixture, and every test taking
 it, runs once per mode. A test that needs a mark on one mode only (a known
 limit) parametrizes ``sandbox`` itself with ``MODES_WITH_LIMIT``.
@@ -26,21 +33,24 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, _refuse_root, wait_for_pool
+from tests.conftest import REPO, Daemon, _refuse_root, cgroup_daemon_for, wait_for_pool
 from tests.escape.attempts import EACCES, ENOENT, EROFS
+from tests.sleeping import WokenClient, sleepy_policies
 
-MODES = ("full", "degraded")
+MODES = ("full", "degraded", "woken")
 MODES_WITH_LIMIT = [pytest.param("full", id="full"),
-                    pytest.param("degraded", id="degraded", marks=pytest.mark.known_limit)]
+                    pytest.param("degraded", id="degraded", marks=pytest.mark.known_limit),
+                    pytest.param("woken", id="woken")]
 
 
 @dataclass
 class Sandbox:
-    mode: str
+    mode: str  # the sessions' confinement, as their status reports it: "full" or "degraded"
     daemon: Daemon
     client: dispatch.Client
     canary: str  # in the daemon's environment, never in a session's
     runtime_dir: Path  # the daemon's XDG_RUNTIME_DIR: hidden (full) or refused (degraded)
+    woken: bool = False  # full mode whose sessions sleep, handed over asleep (the "woken" mode)
 
     def expect(self, *, full: str, degraded: str) -> str:
         """The verdict this mode must give, where the two modes differ."""
@@ -65,6 +75,24 @@ class Sandbox:
         return EROFS if on_the_way else ENOENT
 
 
+def sleepy_daemon(base: Path, *extra: str, policies: dict[str, str] | None = None) -> Daemon:
+    """A full-mode daemon whose policies (the repository's, and ``policies``:
+    name to TOML text) all sleep after ``SLEEP_AFTER_S``: the woken mode's.
+    ``base``'s ``d`` is the daemon's directory."""
+    directory = base / "policies"
+    shutil.copytree(REPO / "policies", directory)
+    for name, text in (policies or {}).items():
+        (directory / f"{name}.toml").write_text(text)
+    sleepy_policies(directory)
+    (base / "d").mkdir()
+    return Daemon(base / "d", "--policies", str(directory), *extra)
+
+
+def connect(daemon: Daemon, mode: str) -> dispatch.Client:
+    """A client of ``daemon``; in woken mode, one whose sessions are opened asleep."""
+    return WokenClient(daemon.socket) if mode == "woken" else daemon.connect()
+
+
 @pytest.fixture(scope="module", params=MODES)
 def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
     _refuse_root()
@@ -77,13 +105,17 @@ def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         with pytest.MonkeyPatch.context() as env:
             env.setenv("DISPATCH_ESCAPE_CANARY", canary)
             env.setenv("XDG_RUNTIME_DIR", str(runtime))
-            daemon = Daemon(tmp_path_factory.mktemp(f"daemon-{mode}"),
-                            *(["--no-user-namespaces"] if mode == "degraded" else []))
+            base = tmp_path_factory.mktemp(f"daemon-{mode}")
+            if mode == "woken":
+                daemon = sleepy_daemon(base)
+            else:
+                daemon = Daemon(base, *(["--no-user-namespaces"] if mode == "degraded" else []))
         try:
-            with daemon.connect() as client:
-                if mode == "full" and not client.status()["kernel"]["user_namespaces"]:
+            with connect(daemon, mode) as client:
+                if mode != "degraded" and not client.status()["kernel"]["user_namespaces"]:
                     pytest.skip(f"this kernel refuses user namespaces: {client.status()['kernel']['user_namespaces_note']}")
-                yield Sandbox(mode, daemon, client, canary, runtime)
+                yield Sandbox("degraded" if mode == "degraded" else "full", daemon, client, canary, runtime,
+                              woken=mode == "woken")
         finally:
             code = daemon.stop()
         assert code == 0, f"dispatchd exited with {code}:\n{daemon.log()}"
@@ -96,19 +128,33 @@ def client(sandbox: Sandbox) -> dispatch.Client:
     return sandbox.client
 
 
+@pytest.fixture(scope="module", params=MODES)
+def cgroup_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[tuple[dispatch.Client, str]]:
+    """The root conftest's ``cgroup_daemon``, in every mode of this suite."""
+    yield from cgroup_daemon_for(request.param, tmp_path_factory)
+
+
 @pytest.fixture
 def session(client: dispatch.Client, worktree: Path, sandbox: Sandbox) -> Iterator[dispatch.Session]:
     """The root fixture's session, checked to run in the mode under test. In
     full mode its sandbox is one made ahead (the daemon's pool): every attempt
     runs against what most sessions get (tests/escape/test_pool.py compares
-    it with one made at open)."""
+    it with one made at open). Woken: it comes asleep (``WokenClient``), and
+    the test must have woken it by its end (the daemon logged it), so that
+    every attempt ran in a woken session and none passed against a session
+    that never slept."""
     if sandbox.mode == "full":
         wait_for_pool(client)
     with client.open_session(str(worktree)) as s:
-        status = s.status()["protections"]
-        assert status["mode"] == sandbox.mode
-        assert status.get("made_ahead", False) is (sandbox.mode == "full")
+        status = s.status()
+        assert status["protections"]["mode"] == sandbox.mode
+        assert status["protections"].get("made_ahead", False) is (sandbox.mode == "full")
+        assert status["asleep"] is sandbox.woken
         yield s
+    if sandbox.woken:
+        assert f"event=session_woken session={s.id} " in sandbox.daemon.log(), \
+            f"session {s.id} never woke:\n{sandbox.daemon.log()[-3000:]}"
 
 
 def _home_file(kind: str) -> Iterator[Path]:

@@ -16,6 +16,7 @@ import pytest
 
 import dispatch
 from tests.conftest import REPO, Daemon, _refuse_root, shell
+from tests.escape.conftest import connect, sleepy_daemon
 
 # Opens inotify instances until the kernel refuses; prints how many and the errno.
 INOTIFY_HOG = r"""
@@ -32,16 +33,23 @@ time.sleep(float(sys.argv[1]))
 """
 
 
-@pytest.fixture(scope="module")
-def full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dispatch.Client]]:
+@pytest.fixture(scope="module", params=["full", "woken"])
+def full(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[tuple[Daemon, dispatch.Client]]:
+    """A full-mode daemon without a cgroup (the budgets are the kernel's per
+    user); woken: its sessions are opened asleep (tests/escape/conftest.py)."""
     _refuse_root()
-    base = tmp_path_factory.mktemp("budgets")
-    policies = base / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    (policies / "smallmem.toml").write_text("[limits]\nsession_memory_bytes = 67108864\n")
-    d = Daemon(base, "--cgroup", "off", "--policies", str(policies))
+    base = tmp_path_factory.mktemp(f"budgets-{request.param}")
+    smallmem = "[limits]\nsession_memory_bytes = 67108864\n"
+    if request.param == "woken":
+        d = sleepy_daemon(base, "--cgroup", "off", policies={"smallmem": smallmem})
+    else:
+        policies = base / "policies"
+        shutil.copytree(REPO / "policies", policies)
+        (policies / "smallmem.toml").write_text(smallmem)
+        d = Daemon(base, "--cgroup", "off", "--policies", str(policies))
     try:
-        with d.connect() as c:
+        with connect(d, request.param) as c:
             yield d, c
     finally:
         assert d.stop() == 0, d.log()

@@ -9,6 +9,7 @@ with the network on, reaching the same listener outside.
 
 from __future__ import annotations
 
+import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,19 +17,29 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, _refuse_root, probe
+from tests.conftest import REPO, Daemon, _refuse_root, probe
 from tests.escape.attempts import (
     ECONNREFUSED, ENETUNREACH, DatagramListener, TcpListener, attempt, attempt_outside, background, wait_for,
 )
+from tests.escape.conftest import connect
 from tests.fake_registry import FakeRegistry, domains_daemon
+from tests.sleeping import sleepy_policies
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
+@pytest.fixture(scope="module", params=["full", "woken"])
+def client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
+    """Full mode; woken: every session opened asleep (tests/escape/conftest.py)."""
     _refuse_root()
-    d: Daemon = domains_daemon(tmp_path_factory.mktemp("escape-domains"))
+    base = tmp_path_factory.mktemp(f"escape-domains-{request.param}")
+    extra: list[str] = []
+    if request.param == "woken":
+        policies = base / "policies"
+        shutil.copytree(REPO / "policies", policies)
+        sleepy_policies(policies)
+        extra = ["--policies", str(policies)]
+    d: Daemon = domains_daemon(base / "d", *extra)
     try:
-        with d.connect() as c:
+        with connect(d, request.param) as c:
             yield c
     finally:
         assert d.stop() == 0, d.log()

@@ -3,8 +3,9 @@
 Every probe is bounded (a tight test policy, short timeouts), and each stands
 beside a control that stays within the limit. After each, the daemon and a
 second session still answer, and closing the session leaves nothing running.
-Both modes: with user namespaces the process limit is the session's own; without,
-it is what the user ran at open plus the session's budget.
+Every mode: with user namespaces the process limit is the session's own; without,
+it is what the user ran at open plus the session's budget; woken, the same
+limits hold for the tool server that woke (every session is opened asleep).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 import dispatch
 from tests.conftest import REPO, Daemon, _refuse_root, shell
+from tests.escape.conftest import MODES, connect, sleepy_daemon
 
 TIGHT = """
 description = "exhaustion tests: small limits"
@@ -31,17 +33,19 @@ command_timeout_s = 20
 """
 
 
-@pytest.fixture(scope="module", params=["full", "degraded"])
+@pytest.fixture(scope="module", params=MODES)
 def tight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
     _refuse_root()
     base = tmp_path_factory.mktemp(f"exhaust-{request.param}")
-    policies = base / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    (policies / "tight.toml").write_text(TIGHT)
-    extra = ["--policies", str(policies)] + (["--no-user-namespaces"] if request.param == "degraded" else [])
-    d = Daemon(base, *extra)
+    if request.param == "woken":
+        d = sleepy_daemon(base, policies={"tight": TIGHT})
+    else:
+        policies = base / "policies"
+        shutil.copytree(REPO / "policies", policies)
+        (policies / "tight.toml").write_text(TIGHT)
+        d = Daemon(base, "--policies", str(policies), *(["--no-user-namespaces"] if request.param == "degraded" else []))
     try:
-        with d.connect() as c:
+        with connect(d, request.param) as c:
             yield c
     finally:
         assert d.stop() == 0, d.log()

@@ -25,6 +25,7 @@ import pytest
 import dispatch
 from tests.conftest import REPO, Daemon, _refuse_root
 from tests.escape.attempts import EACCES, ENOENT, attempt, attempt_outside
+from tests.escape.conftest import connect, sleepy_daemon
 
 POLICIES = {
     "host-root": '[filesystem]\nroot = "host"\n',
@@ -32,17 +33,21 @@ POLICIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def layers_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
+@pytest.fixture(scope="module", params=["full", "woken"])
+def layers_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
+    """Full mode; woken: every session opened asleep (tests/escape/conftest.py)."""
     _refuse_root()
-    base = tmp_path_factory.mktemp("layers")
-    policies = base / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    for name, text in POLICIES.items():
-        (policies / f"{name}.toml").write_text(text)
-    d = Daemon(base, "--policies", str(policies))
+    base = tmp_path_factory.mktemp(f"layers-{request.param}")
+    if request.param == "woken":
+        d = sleepy_daemon(base, policies=POLICIES)
+    else:
+        policies = base / "policies"
+        shutil.copytree(REPO / "policies", policies)
+        for name, text in POLICIES.items():
+            (policies / f"{name}.toml").write_text(text)
+        d = Daemon(base, "--policies", str(policies))
     try:
-        with d.connect() as c:
+        with connect(d, request.param) as c:
             if not c.status()["kernel"]["user_namespaces"]:
                 pytest.fail("full mode needs user namespaces; this kernel refuses them", pytrace=False)
             yield c

@@ -6,7 +6,10 @@ the same mounts, nothing of the host's root. While it waits, nothing of a
 session's reaches it: a session in a pid namespace cannot name it, one
 without (degraded mode) cannot signal it (Landlock's signal scope). Every
 other escape test in full mode runs in a sandbox made ahead (the escape
-conftest's ``session``).
+conftest's ``session``). In woken mode the same tests compare a session
+made ahead that slept and woke with one made at open. The tests of a
+sandbox still waiting in the pool (``pooled_daemon``) have no woken variant:
+such a sandbox has no session yet, so nothing of it can sleep.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def test_a_sandbox_made_ahead_is_the_same_view_as_one_made_at_open(
     """Full mode: the session's mount table, once adopted, lists exactly what
     a sandbox made at open lists (nothing of the host's root left below, no
     ``/.host``); the twin is a daemon without a pool, on the same worktree.
+    Woken: the same, read after the session slept and woke (a fresh
+    ``/proc`` of its new pid namespace, nothing stacked or left over).
     Degraded mode has nothing to make ahead, and says so."""
     if sandbox.mode == "degraded":
         deadline = time.monotonic() + 10  # the pool's first try comes just after the daemon's start

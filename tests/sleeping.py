@@ -1,0 +1,92 @@
+"""Sessions that sleep (issue 17), as the integration and escape suites meet them.
+
+In full mode a session whose tool server has had no call for the policy's
+``limits.sleep_after_s`` hands its channels to the daemon and exits: it is
+"asleep" (``list_sessions()`` and ``status()`` say ``asleep``), and the next
+byte a client writes wakes it in a new tool server that joins the session's
+namespaces. What the tests here need of that:
+
+- ``is_asleep`` / ``wait_until_asleep`` / ``stays_awake``: the session's
+  state read from ``list_sessions()``, polled against a deadline (never a
+  fixed sleep that asserts a timing);
+- ``with_sleep_after`` / ``sleepy_policies``: a policy's text, or every
+  policy of a directory, with ``[limits] sleep_after_s`` set;
+- ``WokenClient``: a client whose ``open_session`` returns only once the
+  session is asleep, so that every call a test makes runs in a woken
+  session (the escape suite's ``woken`` mode).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import dispatch
+
+# What the escape suite's woken mode gives every policy: short enough that a
+# test's own pauses (a probe outside, a listener's wait) put the session to
+# sleep again, so it wakes more than once.
+SLEEP_AFTER_S = 0.2
+_LIMITS = re.compile(r"(?m)^\[limits\][ \t]*$")
+
+
+def is_asleep(client: dispatch.Client, sid: str) -> bool | None:
+    """What ``list_sessions()`` says of session ``sid``: asleep or not; None
+    when it is not listed (closed)."""
+    for entry in client.list_sessions():
+        if entry["id"] == sid:
+            return bool(entry["asleep"])
+    return None
+
+
+def wait_until_asleep(client: dispatch.Client, sid: str, timeout: float = 10.0, log: str = "") -> None:
+    """Until session ``sid`` is asleep; fails after ``timeout`` s (``log``: what
+    to show then, e.g. the tail of the daemon's log)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if is_asleep(client, sid):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"session {sid} did not fall asleep within {timeout} s "
+                         f"(listed: {[e for e in client.list_sessions() if e['id'] == sid]})\n{log}")
+
+
+def stays_awake(client: dispatch.Client, sid: str, seconds: float) -> bool:
+    """True if session ``sid`` is never seen asleep for ``seconds`` (polled)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if is_asleep(client, sid):
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def with_sleep_after(text: str, after_s: float) -> str:
+    """A policy's TOML text with ``[limits] sleep_after_s = after_s``."""
+    line = f"sleep_after_s = {after_s}"
+    if _LIMITS.search(text):
+        return _LIMITS.sub(f"[limits]\n{line}", text, count=1)
+    return text.rstrip("\n") + f"\n\n[limits]\n{line}\n"
+
+
+def sleepy_policies(directory: Path, after_s: float = SLEEP_AFTER_S) -> None:
+    """Every policy in ``directory`` (``*.toml``) gets ``sleep_after_s``."""
+    for path in directory.glob("*.toml"):
+        path.write_text(with_sleep_after(path.read_text(), after_s))
+
+
+class WokenClient(dispatch.Client):
+    """A client of a daemon whose sessions sleep: every session it opens is
+    handed over asleep, so the first call made through it wakes it (and a
+    session that cannot sleep fails the open, with the reason)."""
+
+    def open_session(self, *args: Any, **kwargs: Any) -> dispatch.Session:
+        session = super().open_session(*args, **kwargs)
+        try:
+            wait_until_asleep(self, session.id)
+        except BaseException:
+            session.close()
+            raise
+        return session
