@@ -6,7 +6,7 @@ In full mode a session whose tool server has had no call for the policy's
 byte a client writes wakes it in a new tool server that joins the session's
 namespaces. What the tests here need of that:
 
-- ``is_asleep`` / ``wait_until_asleep`` / ``stays_awake``: the session's
+- ``is_asleep`` / ``wait_until_asleep`` / ``stays_awake`` / ``stays_asleep``: the session's
   state read from ``list_sessions()``, polled against a deadline (never a
   fixed sleep that asserts a timing);
 - ``with_sleep_after`` / ``sleepy_policies``: a policy's text, or every
@@ -58,6 +58,16 @@ def stays_awake(client: dispatch.Client, sid: str, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if is_asleep(client, sid):
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def stays_asleep(client: dispatch.Client, sid: str, seconds: float) -> bool:
+    """True if session ``sid`` is seen asleep at every look for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not is_asleep(client, sid):
             return False
         time.sleep(0.02)
     return True
