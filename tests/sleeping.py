@@ -30,6 +30,7 @@ import dispatch
 # sleep again, so it wakes more than once.
 SLEEP_AFTER_S = 0.2
 _LIMITS = re.compile(r"(?m)^\[limits\][ \t]*$")
+_KEY = re.compile(r"(?m)^sleep_after_s[ \t]*=.*$")  # only [limits] has it
 
 
 def is_asleep(client: dispatch.Client, sid: str) -> bool | None:
@@ -74,8 +75,11 @@ def stays_asleep(client: dispatch.Client, sid: str, seconds: float) -> bool:
 
 
 def with_sleep_after(text: str, after_s: float) -> str:
-    """A policy's TOML text with ``[limits] sleep_after_s = after_s``."""
+    """A policy's TOML text with ``[limits] sleep_after_s = after_s`` (in
+    place of the value it sets, if it sets one)."""
     line = f"sleep_after_s = {after_s}"
+    if _KEY.search(text):
+        return _KEY.sub(line, text, count=1)
     if _LIMITS.search(text):
         return _LIMITS.sub(f"[limits]\n{line}", text, count=1)
     return text.rstrip("\n") + f"\n\n[limits]\n{line}\n"
