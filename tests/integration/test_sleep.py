@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -167,7 +168,24 @@ def test_a_woken_session_is_confined_like_a_fresh_one(daemon: Daemon, tmp_path: 
             _asleep(daemon, client, woken)
             woken_print = fingerprint(woken, wt)
             assert len(_woken(daemon, woken.id)) == 1
+    assert _differences(woken_print, fresh_print) == {}
     _assert_same(woken_print, fresh_print)
+
+
+def _differences(woken: dict[str, Any], fresh: dict[str, Any]) -> dict[str, Any]:
+    """Each key whose value differs: for lists, the items only one side has."""
+    differ: dict[str, Any] = {}
+    for key in sorted(set(woken) | set(fresh)):
+        a, b = woken.get(key), fresh.get(key)
+        if a == b:
+            continue
+        if isinstance(a, list) and isinstance(b, list):
+            differ[key] = {"woken only": [x for x in a if x not in b], "fresh only": [x for x in b if x not in a]}
+        elif isinstance(a, dict) and isinstance(b, dict):
+            differ[key] = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+        else:
+            differ[key] = (a, b)
+    return differ
 
 
 # ------------------------------------------------- what keeps a session awake
