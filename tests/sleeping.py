@@ -28,7 +28,7 @@ import dispatch
 # What the escape suite's woken mode gives every policy: short enough that a
 # test's own pauses (a probe outside, a listener's wait) put the session to
 # sleep again, so it wakes more than once.
-SLEEP_AFTER_S = 0.2
+SLEEP_AFTER_S = 0.1
 _LIMITS = re.compile(r"(?m)^\[limits\][ \t]*$")
 _KEY = re.compile(r"(?m)^sleep_after_s[ \t]*=.*$")  # only [limits] has it
 

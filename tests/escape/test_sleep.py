@@ -26,7 +26,7 @@ import pytest
 import dispatch
 from tests.conftest import shell
 from tests.escape.attempts import (
-    EBUSY, ECONNREFUSED, ENETUNREACH, EPERM, EROFS, SYS, TcpListener, attempt, attempt_outside, wait_for,
+    EACCES, EBUSY, ECONNREFUSED, ENETUNREACH, EPERM, EROFS, SYS, TcpListener, attempt, attempt_outside, wait_for,
 )
 from tests.escape.conftest import Sandbox
 from tests.sleeping import is_asleep, wait_until_asleep
@@ -111,6 +111,31 @@ def test_proc_shows_only_the_new_pid_namespace(sandbox: Sandbox, session: dispat
         _woke(sandbox, session, before)
     outside = attempt_outside(_PROC)
     assert outside.startswith("OK (True, 1, True, False, "), outside
+
+
+# Writes to /proc, and what the same write gives outside.
+_PROC_WRITES = {
+    "comm": ("result = open('/proc/self/comm', 'w').write('renamed')", "OK 7"),
+    "oom_score_adj": ("result = open('/proc/self/oom_score_adj', 'w').write('500')", "OK 3"),
+    "clear_refs": ("result = open('/proc/self/clear_refs', 'w').write('1')", "OK 1"),
+    "max_inotify_instances": ("result = open('/proc/sys/user/max_inotify_instances', 'w').write('128')", EACCES),
+}
+
+
+@pytest.mark.parametrize("target", _PROC_WRITES)
+def test_the_fresh_proc_is_read_only_too(sandbox: Sandbox, session: dispatch.Session, target: str) -> None:
+    """A fresh session's ``/proc`` is mounted read-only (EROFS to any write,
+    before Landlock is asked); the ``/proc`` a wake mounts for the new pid
+    namespace must be too. The twin: the same write outside goes through
+    (the process's own ``comm``, ``oom_score_adj`` raised, ``clear_refs``),
+    or, for the per-user sysctl, is refused by its permissions (EACCES: the
+    user is not root), not by a mount."""
+    write, outside = _PROC_WRITES[target]
+    assert attempt_outside(write) == outside
+    for _ in range(2):
+        before = _rest(sandbox, session)
+        assert attempt(session, write) == EROFS
+        _woke(sandbox, session, before)
 
 
 _UNSHARE = f"result = syscall({SYS['unshare']}, 0x10000000)"  # CLONE_NEWUSER
