@@ -75,17 +75,18 @@ class Sandbox:
         return EROFS if on_the_way else ENOENT
 
 
-def sleepy_daemon(base: Path, *extra: str, policies: dict[str, str] | None = None) -> Daemon:
-    """A full-mode daemon whose policies (the repository's, and ``policies``:
-    name to TOML text) all sleep after ``SLEEP_AFTER_S``: the woken mode's.
-    ``base``'s ``d`` is the daemon's directory."""
+def mode_daemon(base: Path, mode: str, *extra: str, policies: dict[str, str] | None = None) -> Daemon:
+    """A daemon in ``mode`` with the repository's policies and ``policies``
+    (name to TOML text), copied to ``base``/policies: degraded, started with
+    ``--no-user-namespaces``; woken, every policy sleeping after
+    ``SLEEP_AFTER_S`` (tests/sleeping.py)."""
     directory = base / "policies"
     shutil.copytree(REPO / "policies", directory)
     for name, text in (policies or {}).items():
         (directory / f"{name}.toml").write_text(text)
-    sleepy_policies(directory)
-    (base / "d").mkdir()
-    return Daemon(base / "d", "--policies", str(directory), *extra)
+    if mode == "woken":
+        sleepy_policies(directory)
+    return Daemon(base, "--policies", str(directory), *extra, *(["--no-user-namespaces"] if mode == "degraded" else []))
 
 
 def connect(daemon: Daemon, mode: str) -> dispatch.Client:
@@ -107,7 +108,7 @@ def sandbox(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             env.setenv("XDG_RUNTIME_DIR", str(runtime))
             base = tmp_path_factory.mktemp(f"daemon-{mode}")
             if mode == "woken":
-                daemon = sleepy_daemon(base)
+                daemon = mode_daemon(base, mode)
             else:
                 daemon = Daemon(base, *(["--no-user-namespaces"] if mode == "degraded" else []))
         try:

@@ -16,7 +16,7 @@ import pytest
 
 import dispatch
 from tests.conftest import REPO, Daemon, _refuse_root, shell
-from tests.escape.conftest import connect, sleepy_daemon
+from tests.escape.conftest import connect, mode_daemon
 
 # Opens inotify instances until the kernel refuses; prints how many and the errno.
 INOTIFY_HOG = r"""
@@ -40,14 +40,8 @@ def full(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     user); woken: its sessions are opened asleep (tests/escape/conftest.py)."""
     _refuse_root()
     base = tmp_path_factory.mktemp(f"budgets-{request.param}")
-    smallmem = "[limits]\nsession_memory_bytes = 67108864\n"
-    if request.param == "woken":
-        d = sleepy_daemon(base, "--cgroup", "off", policies={"smallmem": smallmem})
-    else:
-        policies = base / "policies"
-        shutil.copytree(REPO / "policies", policies)
-        (policies / "smallmem.toml").write_text(smallmem)
-        d = Daemon(base, "--cgroup", "off", "--policies", str(policies))
+    d = mode_daemon(base, request.param, "--cgroup", "off",
+                    policies={"smallmem": "[limits]\nsession_memory_bytes = 67108864\n"})
     try:
         with connect(d, request.param) as c:
             yield d, c

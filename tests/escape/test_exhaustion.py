@@ -11,7 +11,6 @@ limits hold for the tool server that woke (every session is opened asleep).
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import REPO, Daemon, _refuse_root, shell
-from tests.escape.conftest import MODES, connect, sleepy_daemon
+from tests.conftest import _refuse_root, shell
+from tests.escape.conftest import MODES, connect, mode_daemon
 
 TIGHT = """
 description = "exhaustion tests: small limits"
@@ -37,13 +36,7 @@ command_timeout_s = 20
 def tight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
     _refuse_root()
     base = tmp_path_factory.mktemp(f"exhaust-{request.param}")
-    if request.param == "woken":
-        d = sleepy_daemon(base, policies={"tight": TIGHT})
-    else:
-        policies = base / "policies"
-        shutil.copytree(REPO / "policies", policies)
-        (policies / "tight.toml").write_text(TIGHT)
-        d = Daemon(base, "--policies", str(policies), *(["--no-user-namespaces"] if request.param == "degraded" else []))
+    d = mode_daemon(base, request.param, policies={"tight": TIGHT})
     try:
         with connect(d, request.param) as c:
             yield c

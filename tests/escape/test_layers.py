@@ -16,16 +16,15 @@ The allowed twin, in each: the same probe reads a worktree file.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import dispatch
-from tests.conftest import REPO, Daemon, _refuse_root
+from tests.conftest import _refuse_root
 from tests.escape.attempts import EACCES, ENOENT, attempt, attempt_outside
-from tests.escape.conftest import connect, sleepy_daemon
+from tests.escape.conftest import connect, mode_daemon
 
 POLICIES = {
     "host-root": '[filesystem]\nroot = "host"\n',
@@ -38,14 +37,7 @@ def layers_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     """Full mode; woken: every session opened asleep (tests/escape/conftest.py)."""
     _refuse_root()
     base = tmp_path_factory.mktemp(f"layers-{request.param}")
-    if request.param == "woken":
-        d = sleepy_daemon(base, policies=POLICIES)
-    else:
-        policies = base / "policies"
-        shutil.copytree(REPO / "policies", policies)
-        for name, text in POLICIES.items():
-            (policies / f"{name}.toml").write_text(text)
-        d = Daemon(base, "--policies", str(policies))
+    d = mode_daemon(base, request.param, policies=POLICIES)
     try:
         with connect(d, request.param) as c:
             if not c.status()["kernel"]["user_namespaces"]:
