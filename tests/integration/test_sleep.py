@@ -208,26 +208,46 @@ def test_a_call_in_flight_keeps_a_session_awake(daemon: Daemon, worktree: Path) 
         _asleep(daemon, client, s)  # the twin: the call answered, nothing holds it
 
 
-@pytest.mark.parametrize("job", ["running", "ended"])
-def test_a_background_job_keeps_a_session_awake(daemon: Daemon, tmp_path: Path, job: str) -> None:
-    """Any entry of ``job_list``, running or ended, keeps the session awake
-    (its output and state are the tool server's to give); the twin opened
-    beside it, without a job, sleeps."""
+def test_a_running_background_job_keeps_a_session_awake(daemon: Daemon, tmp_path: Path) -> None:
+    """A running job is a process in the session's pid namespace, and its
+    output the tool server's to read: the session stays awake; the twin
+    opened beside it, without a job, sleeps. Stopped, the job no longer
+    holds it."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with daemon.connect() as client, client.open_session(str(tmp_path / "a"), policy="nap") as held, \
             client.open_session(str(tmp_path / "b"), policy="nap") as twin:
-        command = "sleep 60" if job == "running" else "echo over"
-        started = shell(held, command, background=True)
+        started = shell(held, "sleep 60", background=True)
         assert started.is_success, started.error
         name = started.metadata["job"]
-        out = held.registry.get("job_output").call({"job": name})
-        while job == "ended" and out.metadata["running"]:
-            out = held.registry.get("job_output").call({"job": name, "offset": out.metadata["next_offset"], "wait": 10})
         assert shell(twin, "true").is_success
         _twin_sleeps_and_this_one_does_not(daemon, client, held, twin)
-        state = "running" if job == "running" else "exited 0"
-        assert held.registry.get("job_list").call({}).output == f"{name}\t{state}\t{command}"
+        assert held.registry.get("job_list").call({}).output == f"{name}\trunning\tsleep 60"
+        assert held.registry.get("job_stop").call({"job": name}).is_success
+        _asleep(daemon, client, held)
+        assert held.registry.get("job_list").call({}).output == f"{name}\tstopped\tsleep 60"
+
+
+def test_an_ended_job_is_kept_across_a_sleep(daemon: Daemon, worktree: Path) -> None:
+    """A job that ended holds no process: the session sleeps, and the woken
+    tool server answers ``job_output`` and ``job_list`` as the first one did
+    (the daemon kept them), and numbers the next job after it."""
+    with daemon.connect() as client, client.open_session(str(worktree), policy="nap") as s:
+        started = shell(s, "echo one; echo two >&2; exit 3", background=True)
+        assert started.is_success, started.error
+        name = started.metadata["job"]
+        out = s.registry.get("job_output").call({"job": name, "wait": 10})
+        while out.metadata["running"]:
+            out = s.registry.get("job_output").call({"job": name, "wait": 10})
+        listed = s.registry.get("job_list").call({})
+        assert listed.output == f"{name}\texited 3\techo one; echo two >&2; exit 3"
+        _asleep(daemon, client, s)
+        again = s.registry.get("job_output").call({"job": name})
+        assert len(_woken(daemon, s.id)) == 1
+        assert (again.output, again.metadata) == (out.output, out.metadata)
+        assert s.registry.get("job_list").call({}).output == listed.output
+        after = shell(s, "true", background=True).metadata["job"]
+        assert after != name and int(after.rsplit("_", 1)[1]) == int(name.rsplit("_", 1)[1]) + 1
 
 
 @pytest.mark.parametrize("start", ["setsid sleep 1000", "nohup sleep 1000"])
