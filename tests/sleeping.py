@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,22 @@ def sleepy_policies(directory: Path, after_s: float = SLEEP_AFTER_S) -> None:
 class WokenClient(dispatch.Client):
     """A client of a daemon whose sessions sleep: every session it opens is
     handed over asleep, so the first call made through it wakes it (and a
-    session that cannot sleep fails the open, with the reason)."""
+    session that cannot sleep fails the open, with the reason).
+    ``awake_policies``: policies whose sessions never sleep by design (the
+    caller says why); theirs are checked to stay awake instead."""
+
+    def __init__(self, socket_path: str, *, awake_policies: Collection[str] = (), **kwargs: Any) -> None:
+        super().__init__(socket_path, **kwargs)
+        self.awake_policies = frozenset(awake_policies)
 
     def open_session(self, *args: Any, **kwargs: Any) -> dispatch.Session:
         session = super().open_session(*args, **kwargs)
+        policy = kwargs.get("policy", args[1] if len(args) > 1 else "default")
         try:
-            wait_until_asleep(self, session.id)
+            if policy in self.awake_policies:
+                assert stays_awake(self, session.id, 5 * SLEEP_AFTER_S), f"a session of {policy} fell asleep"
+            else:
+                wait_until_asleep(self, session.id)
         except BaseException:
             session.close()
             raise

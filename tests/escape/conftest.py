@@ -26,7 +26,7 @@ import secrets
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,9 +89,10 @@ def mode_daemon(base: Path, mode: str, *extra: str, policies: dict[str, str] | N
     return Daemon(base, "--policies", str(directory), *extra, *(["--no-user-namespaces"] if mode == "degraded" else []))
 
 
-def connect(daemon: Daemon, mode: str) -> dispatch.Client:
-    """A client of ``daemon``; in woken mode, one whose sessions are opened asleep."""
-    return WokenClient(daemon.socket) if mode == "woken" else daemon.connect()
+def connect(daemon: Daemon, mode: str, awake_policies: Collection[str] = ()) -> dispatch.Client:
+    """A client of ``daemon``; in woken mode, one whose sessions are opened
+    asleep, but for ``awake_policies`` (never asleep by design: checked)."""
+    return WokenClient(daemon.socket, awake_policies=awake_policies) if mode == "woken" else daemon.connect()
 
 
 @pytest.fixture(scope="module", params=MODES)

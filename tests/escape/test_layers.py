@@ -34,12 +34,15 @@ POLICIES = {
 
 @pytest.fixture(scope="module", params=["full", "woken"])
 def layers_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
-    """Full mode; woken: every session opened asleep (tests/escape/conftest.py)."""
+    """Full mode; woken: every session opened asleep (tests/escape/conftest.py),
+    but host-root's, which never sleeps."""
     _refuse_root()
     base = tmp_path_factory.mktemp(f"layers-{request.param}")
     d = mode_daemon(base, request.param, policies=POLICIES)
     try:
-        with connect(d, request.param) as c:
+        # host-root sessions never sleep: a session sleeps only on a root of
+        # its own (plan.can_sleep), so theirs stay awake, checked, in woken mode.
+        with connect(d, request.param, awake_policies={"host-root"}) as c:
             if not c.status()["kernel"]["user_namespaces"]:
                 pytest.fail("full mode needs user namespaces; this kernel refuses them", pytrace=False)
             yield c
