@@ -12,7 +12,9 @@ as_unprivileged_user() {
     local missing=()
     [ -x /usr/bin/python3 ] || missing+=(python3)
     /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
-    ldconfig -p | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)
+    # grep reads it all (no -q): an early exit would end ldconfig with SIGPIPE,
+    # which pipefail reports as the library missing
+    ldconfig -p | grep 'libseccomp\.so\.2' >/dev/null || missing+=(libseccomp2)
     command -v git >/dev/null || missing+=(git)
     command -v runuser >/dev/null || missing+=(util-linux)
     # systemd-analyze and systemd-socket-activate, for tests/integration/test_systemd.py

@@ -146,6 +146,9 @@ def fresh_proc_mount() -> int:
     visible."""
     fs = syscall(SYS_fsopen, b"proc", 1)  # FSOPEN_CLOEXEC
     try:
+        # Named "proc", as mount(2) names the first one: mountinfo then reads the
+        # same in a woken session as in a fresh one.
+        syscall(SYS_fsconfig, fs, 1, b"source", b"proc", 0)  # FSCONFIG_SET_STRING
         syscall(SYS_fsconfig, fs, 6, None, None, 0)  # FSCONFIG_CMD_CREATE
         # FSMOUNT_CLOEXEC; MOUNT_ATTR_RDONLY|NOSUID|NODEV|NOEXEC
         return syscall(SYS_fsmount, fs, 1, MOUNT_ATTR_RDONLY | 0x2 | 0x4 | 0x8)
