@@ -87,6 +87,24 @@ class Sandbox(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_landlock_abi: int = 1
 
 
+MAX_CHANNELS = 256  # client channels of one session at once, at most (see max_channels)
+
+
+def max_channels(max_processes: int, max_open_files: int) -> int:
+    """Channels one session may hold: each is a thread and a descriptor of the
+    tool server, so a quarter of the process budget and half the descriptors
+    at most (the rest is the session's commands'), and ``MAX_CHANNELS``.
+    The tool server refuses one more; so does the daemon while the session
+    sleeps (it holds the channels then)."""
+    return max(4, min(MAX_CHANNELS, max_processes // 4, max_open_files // 2))
+
+
+def too_many_channels(limit: int) -> str:
+    """What a channel over ``max_channels`` is told (``ErrorReply``, code ``too_many_channels``)."""
+    return (f"this session has {limit} channels open, its limit (each attach opens one): "
+            "close some (Session.close or detach)")
+
+
 class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     command_timeout_s: float = 120.0
     max_command_timeout_s: float = 3600.0

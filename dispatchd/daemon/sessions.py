@@ -70,7 +70,7 @@ from dispatchd.errors import ConfinementError, DispatchdError, SessionError, Sto
 from dispatchd.inside import is_below, is_within, overlap
 from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
-from dispatchd.policy import Policy
+from dispatchd.policy import Policy, max_channels, too_many_channels
 from dispatchd.tempfiles import sweep_temp_files
 from dispatchd.tools.spec import schemas_for
 
@@ -1174,6 +1174,18 @@ class SessionManager:
         with session.lock:
             sent = False
             if session.asleep is not None and not session.closed:
+                limit = max_channels(session.policy.limits.max_processes, session.policy.limits.max_open_files)
+                if len(session.asleep.channels) >= limit:
+                    # Refused as its tool server would: the client reads why on the channel.
+                    try:
+                        protocol.FrameSocket(theirs).send(protocol.ErrorReply(
+                            id=0, code="too_many_channels", message=too_many_channels(limit)))
+                    except OSError:
+                        pass
+                    theirs.close()
+                    if holder is not None:
+                        self.holders.hold(sid, holder)  # as an attach the tool server refuses
+                    return session, ours, _tool_schemas(tuple(session.policy.tools))
                 # Held with the others: its first request wakes the session.
                 fd = theirs.detach()
                 session.asleep.channels.append(fd)

@@ -46,7 +46,9 @@ from collections.abc import Callable
 
 from dispatchd import protocol, threads
 from dispatchd.confine.plan import SessionPlan, can_sleep
-from dispatchd.policy import MUTATING_TOOLS
+from dispatchd.policy import MAX_CHANNELS, MUTATING_TOOLS, max_channels, too_many_channels
+
+__all__ = ["MAX_CHANNELS", "max_channels", "serve", "warm_up"]
 from dispatchd.protocol.internal import EXIT_ASLEEP, EXIT_IDLE
 from dispatchd.tempfiles import sweep_temp_files
 from dispatchd.tools import atomic
@@ -56,7 +58,6 @@ from dispatchd.tools.table import TOOLS
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 FIRST_CHANNEL_WAIT_S = 5.0  # how long the first channel's thread, started ahead, waits for it
-MAX_CHANNELS = 256  # client channels of one session at once, at most (see max_channels)
 
 
 class _Activity:
@@ -345,8 +346,7 @@ class _Server:
                 self.channels += 1
                 self.live.add(channel)
         if full:
-            channel.refuse("too_many_channels", f"this session has {self.max_channels} channels open, its limit "
-                                                "(each attach opens one): close some (Session.close or detach)")
+            channel.refuse("too_many_channels", too_many_channels(self.max_channels))
             return
         with self._first_lock:
             waiting, self._first = self._first, None
@@ -581,13 +581,6 @@ def _others_alive() -> bool:
         return any(name.isdigit() and name != me for name in os.listdir("/proc"))
     except OSError:
         return True  # cannot tell: stay awake
-
-
-def max_channels(max_processes: int, max_open_files: int) -> int:
-    """Channels one session may hold: each is a thread and a descriptor of the
-    tool server, so a quarter of the process budget and half the descriptors
-    at most (the rest is the session's commands'), and ``MAX_CHANNELS``."""
-    return max(4, min(MAX_CHANNELS, max_processes // 4, max_open_files // 2))
 
 
 def warm_up(plan: SessionPlan) -> None:
