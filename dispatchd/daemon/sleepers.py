@@ -8,7 +8,8 @@ Guarantees:
   ``wake(sid, nap)`` once (on a thread of its own: a wake forks and waits for
   the new tool server); its channels are no longer watched from then on,
   and no byte is read here (``MSG_PEEK``), so the woken tool server reads
-  the whole request;
+  the whole request (a byte sent out of band wakes it too: its read drops
+  the byte, as when awake);
 - a channel whose client has gone (end of stream, or an error) is passed to
   ``hung_up(sid, nap, fd)`` and never wakes the session;
 - a session still asleep at its deadline (the policy's idle timeout after
@@ -114,6 +115,13 @@ class Sleepers:
                 peeked = socket.socket(fileno=fd)
                 try:
                     data = peeked.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    # Readable with nothing to peek: a byte sent out of band
+                    # (MSG_OOB), which a peek skips and poll reports until a
+                    # read drops it (left watched, this loop spun). Not read
+                    # here (a request's first byte may come meanwhile): the
+                    # woken tool server's read drops it, as when awake.
+                    data = b"\0"
                 finally:
                     peeked.detach()  # the session's descriptor: not ours to close
             except BlockingIOError:

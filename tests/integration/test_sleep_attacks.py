@@ -3,7 +3,9 @@ served as at its first start, whatever happened meanwhile."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -48,6 +50,37 @@ def test_proc_after_a_wake_and_sleeps_again(tmp_path: Path, worktree: Path) -> N
                 assert after.is_success, (nap, after.error, d.log()[-2000:])
                 assert after.output == before.output, (nap, after.output)
             assert d.log().count(f"event=session_woken session={s.id}") == 6
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_out_of_band_byte_does_not_spin_the_watch(tmp_path: Path, worktree: Path) -> None:
+    """A byte sent MSG_OOB to a sleeping session's channel: poll says
+    readable, a peek finds nothing (the kernel skips the OOB byte). The watch
+    spun on it at a whole CPU, and the session was never woken by it."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            _until_asleep(d, client, s.id)
+            s._channel._frames.sock.send(b"!", socket.MSG_OOB)  # type: ignore[union-attr]
+            time.sleep(0.2)
+            before = _cpu_s(d.proc.pid)
+            time.sleep(1.0)
+            used = _cpu_s(d.proc.pid) - before
+            assert used < 0.3, f"the daemon used {used:.2f} s of CPU in 1 s with one sleeping session"
+            # Woken by it at most once (its read drops the byte), then asleep again.
+            assert d.log().count(f"event=session_woken session={s.id}") <= 1
+            _until_asleep(d, client, s.id)
+            r = shell(s, "echo after")  # the next request wakes it, whole
+            assert r.is_success and r.output == "after\n", r.error
             s.detach()
     finally:
         assert d.stop() == 0, d.log()
