@@ -857,6 +857,9 @@ class SessionManager:
 
     def _stop_worker(self, session: Session) -> None:
         self._end_nap(session)  # asleep: its channels closed (its clients see the end), nothing to stop
+        # The kit wakes this sandbox only: a replacement brings its own, and
+        # a kit kept would hold this sandbox's namespaces (its mounts, its /tmp).
+        self._drop_kit(session)
         worker, control = session.worker, session.control
         # The way out goes first: from here no byte of the session leaves.
         self._stop_network(session)
@@ -915,10 +918,14 @@ class SessionManager:
         self._forget(session)
         self._remove_scratch(session)
         self._end_nap(session)
+        self._drop_kit(session)
+        session.worktree_dir.close()
+
+    @staticmethod
+    def _drop_kit(session: Session) -> None:
         for fd in session.kit:
             os.close(fd)
         session.kit = []
-        session.worktree_dir.close()
 
     def _sweep_temp_files(self, session: Session) -> None:
         """The writer's processes are gone, and it still holds the write lock

@@ -84,3 +84,46 @@ def test_an_out_of_band_byte_does_not_spin_the_watch(tmp_path: Path, worktree: P
             s.detach()
     finally:
         assert d.stop() == 0, d.log()
+
+
+def _held(pid: int) -> dict[str, int]:
+    """The daemon's descriptors of a wake kit's kinds: rulesets, namespaces."""
+    counts: dict[str, int] = {}
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        kind = "ruleset" if "landlock-ruleset" in target else target.split(":")[0] if ":[" in target else ""
+        if kind in ("ruleset", "user", "mnt", "ipc", "net"):
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def test_a_replaced_sandbox_lets_go_of_its_wake_kit(tmp_path: Path, worktree: Path) -> None:
+    """A network switch that replaces the sandbox (to or from "domains") gives
+    the session a new wake kit; the old one (ruleset, user, mount, IPC and
+    network namespaces) was kept open for good: descriptors, and the old
+    sandbox's namespaces with their mounts, held by the daemon for each switch."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            s.set_network("domains", domains=["example.com"])
+            assert shell(s, "true").is_success
+            s.set_network(False)
+            assert shell(s, "true").is_success
+            first = _held(d.proc.pid)
+            for _ in range(3):
+                s.set_network("domains", domains=["example.com"])
+                assert shell(s, "true").is_success
+                s.set_network(False)
+                assert shell(s, "true").is_success
+            now = _held(d.proc.pid)
+            assert now == first, (first, now)
+            assert now.get("ruleset", 0) <= 1 + 4, now  # this session's kit (and the pool's, none kept)
+            s.close()
+            assert _held(d.proc.pid).get("ruleset", 0) == 0, _held(d.proc.pid)
+    finally:
+        assert d.stop() == 0, d.log()
