@@ -1272,8 +1272,8 @@ class SessionManager:
             started = time.perf_counter()
             try:
                 worker, control, msg = self.fork_server.wake_worker(session.plan, session.kit, READY_TIMEOUT_S)
-            except DispatchdError as exc:
-                failed = str(exc)
+            except Exception as exc:  # noqa: BLE001 (any: left asleep, nobody would watch or wake it)
+                failed = str(exc) or type(exc).__name__
             else:
                 session.asleep = None
                 session.worker, session.control = worker, control

@@ -4,8 +4,10 @@ served as at its first start, whatever happened meanwhile."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -125,5 +127,38 @@ def test_a_replaced_sandbox_lets_go_of_its_wake_kit(tmp_path: Path, worktree: Pa
             assert now.get("ruleset", 0) <= 1 + 4, now  # this session's kit (and the pool's, none kept)
             s.close()
             assert _held(d.proc.pid).get("ruleset", 0) == 0, _held(d.proc.pid)
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_wake_that_fails_on_the_daemons_side_ends_the_session(tmp_path: Path, worktree: Path) -> None:
+    """A wake that failed with an error other than the daemon's own (here the
+    daemon out of descriptors: its socketpair for the new control channel,
+    EMFILE) killed the wake's thread and left the session asleep, watched by
+    nobody: its request never answered, never woken, never expired. It ends,
+    saying why, as a wake that failed otherwise does."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            _until_asleep(d, client, s.id)
+            pid = d.proc.pid
+            soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+            done: list[dispatch.Result] = []
+            caller = threading.Thread(target=lambda: done.append(shell(s, "echo woken")), daemon=True)
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, hard))  # no new descriptor at all
+            try:
+                caller.start()
+                deadline = time.monotonic() + 5
+                while "event=wake_failed" not in d.log() and "Traceback" not in d.log() \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+            caller.join(10)
+            assert not caller.is_alive(), "the request hangs: the session is stuck asleep\n" + d.log()[-3000:]
+            assert done and done[0].is_failure and "could not be woken" in done[0].error, done
+            assert s.id not in [x["id"] for x in client.list_sessions()]
     finally:
         assert d.stop() == 0, d.log()
