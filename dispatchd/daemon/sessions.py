@@ -1292,8 +1292,11 @@ class SessionManager:
                 log.debug("event=worker_ready session=%s pid=%s woken=1", sid, worker.pid)
                 log.info("event=session_woken session=%s ms=%.1f channels=%d", sid,
                          (time.perf_counter() - started) * 1e3, held)
-                threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
-                               daemon=True, name=f"watch-{sid}").start()
+                try:
+                    threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
+                                   daemon=True, name=f"watch-{sid}").start()
+                except RuntimeError as exc:  # can't start new thread: unwatched, its MaySleep would hang it
+                    failed = failed or f"no thread to watch it ({exc})"
         if failed:
             log.warning("event=wake_failed session=%s error=%s", sid, failed)
             self._finish(session, f"it could not be woken ({failed})")

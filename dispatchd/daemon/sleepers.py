@@ -25,6 +25,7 @@ descriptors of the same numbers) is for the receiver to ignore.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -33,6 +34,8 @@ import time
 from collections.abc import Callable
 
 from dispatchd import threads
+
+log = logging.getLogger("dispatchd.sleepers")
 
 
 class Sleepers:
@@ -84,25 +87,35 @@ class Sleepers:
             pass  # woken already
 
     def _run(self) -> None:
+        # The one watch of every sleeping session: a callback that fails
+        # (a bug, the daemon out of threads) must not end it for all.
         while True:
-            with self._lock:
-                watched = dict(self._fds)
-                due = min(self._deadlines.values(), default=None)
-            poller = select.poll()
-            poller.register(self._changed, select.POLLIN)
-            for fd in watched:
-                poller.register(fd, select.POLLIN)
-            wait_ms = None if due is None else max(0.0, (due - time.monotonic()) * 1e3)
-            ready = poller.poll(wait_ms)
-            for fd, _ in ready:
-                if fd == self._changed:
-                    try:
-                        os.eventfd_read(self._changed)
-                    except BlockingIOError:
-                        pass
-                    continue
-                self._ready(fd)
-            self._expire_due()
+            try:
+                self._once()
+            except Exception:  # noqa: BLE001
+                log.exception("event=sleepers_error")
+                time.sleep(0.1)  # not a spin, should it fail again at once
+
+    def _once(self) -> None:
+        """One poll of every watched channel, and the deadlines due."""
+        with self._lock:
+            watched = dict(self._fds)
+            due = min(self._deadlines.values(), default=None)
+        poller = select.poll()
+        poller.register(self._changed, select.POLLIN)
+        for fd in watched:
+            poller.register(fd, select.POLLIN)
+        wait_ms = None if due is None else max(0.0, (due - time.monotonic()) * 1e3)
+        ready = poller.poll(wait_ms)
+        for fd, _ in ready:
+            if fd == self._changed:
+                try:
+                    os.eventfd_read(self._changed)
+                except BlockingIOError:
+                    pass
+                continue
+            self._ready(fd)
+        self._expire_due()
 
     def _ready(self, fd: int) -> None:
         """A watched channel polled readable: a request (wake), or its end."""
@@ -138,7 +151,10 @@ class Sleepers:
         if not data:
             self._hung_up(sid, nap, fd)
         else:
-            threads.Thread(target=self._wake, args=(sid, nap), daemon=True, name=f"wake-{sid}").start()
+            try:
+                threads.Thread(target=self._wake, args=(sid, nap), daemon=True, name=f"wake-{sid}").start()
+            except RuntimeError:  # can't start new thread: the daemon at its process limit
+                self._wake(sid, nap)  # here, then: the watch waits for this one wake
 
     def _expire_due(self) -> None:
         now = time.monotonic()

@@ -162,3 +162,37 @@ def test_a_wake_that_fails_on_the_daemons_side_ends_the_session(tmp_path: Path, 
             assert s.id not in [x["id"] for x in client.list_sessions()]
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_the_watch_outlives_a_wake_it_could_not_start(tmp_path: Path, worktree: Path) -> None:
+    """The daemon at its process limit when a request comes for a sleeping
+    session: the wake's thread cannot start. That ended the one thread that
+    watches every sleeping session: none woke again, their calls hung."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            a = client.open_session(str(worktree), policy="nap")
+            (tmp_path / "other").mkdir()
+            b = client.open_session(str(tmp_path / "other"), policy="nap")
+            assert shell(a, "true").is_success and shell(b, "true").is_success
+            _until_asleep(d, client, a.id)
+            _until_asleep(d, client, b.id)
+            pid = d.proc.pid
+            soft, hard = resource.prlimit(pid, resource.RLIMIT_NPROC)
+            done: list[dispatch.Result] = []
+            caller = threading.Thread(target=lambda: done.append(shell(a, "echo a")), daemon=True)
+            resource.prlimit(pid, resource.RLIMIT_NPROC, (1, hard))  # no new thread in the daemon
+            try:
+                caller.start()
+                time.sleep(1.0)
+            finally:
+                resource.prlimit(pid, resource.RLIMIT_NPROC, (soft, hard))
+            woken: list[dispatch.Result] = []
+            other = threading.Thread(target=lambda: woken.append(shell(b, "echo b")), daemon=True)
+            other.start()
+            other.join(10)
+            assert woken and woken[0].is_success, "the other session is never woken\n" + d.log()[-3000:]
+            caller.join(10)
+            assert done and (done[0].is_success or "could not be woken" in done[0].error), done
+    finally:
+        assert d.stop() == 0, d.log()
