@@ -160,6 +160,7 @@ def test_a_wake_that_fails_on_the_daemons_side_ends_the_session(tmp_path: Path, 
             assert not caller.is_alive(), "the request hangs: the session is stuck asleep\n" + d.log()[-3000:]
             assert done and done[0].is_failure and "could not be woken" in done[0].error, done
             assert s.id not in [x["id"] for x in client.list_sessions()]
+            s.detach()
     finally:
         assert d.stop() == 0, d.log()
 
@@ -194,5 +195,7 @@ def test_the_watch_outlives_a_wake_it_could_not_start(tmp_path: Path, worktree: 
             assert woken and woken[0].is_success, "the other session is never woken\n" + d.log()[-3000:]
             caller.join(10)
             assert done and (done[0].is_success or "could not be woken" in done[0].error), done
+            a.detach()
+            b.detach()
     finally:
         assert d.stop() == 0, d.log()
