@@ -129,6 +129,8 @@ class Sleepers:
                 try:
                     data = peeked.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 except BlockingIOError:
+                    if not _readable(fd):
+                        raise  # a stale event (of a descriptor this number had before)
                     # Readable with nothing to peek: a byte sent out of band
                     # (MSG_OOB), which a peek skips and poll reports until a
                     # read drops it (left watched, this loop spun). Not read
@@ -166,3 +168,9 @@ class Sleepers:
                     del self._fds[fd]
         for sid, nap in due:
             self._expire(sid, nap)
+
+
+def _readable(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return any(events & select.POLLIN for _, events in poller.poll(0))
