@@ -139,13 +139,17 @@ def setns(fd: int, nstype: int) -> None:
 
 
 def fresh_proc_mount() -> int:
-    """A new procfs of the caller's pid namespace, nosuid, nodev, noexec, as
-    a detached mount (its fd): made while the old ``/proc`` is still there,
-    since a user namespace may mount proc only while a full one is visible."""
+    """A new procfs of the caller's pid namespace, read-only, nosuid, nodev,
+    noexec, as a detached mount (its fd): the first start's /proc, made
+    read-only with the whole root (``mounts.apply_session_mounts``). Made
+    while the old ``/proc`` is still there, since a user namespace may mount
+    proc only while a full one is visible."""
     fs = syscall(SYS_fsopen, b"proc", 1)  # FSOPEN_CLOEXEC
     try:
+        syscall(SYS_fsconfig, fs, 1, b"source", b"proc", 0)  # FSCONFIG_SET_STRING: named as mount(2) names it
         syscall(SYS_fsconfig, fs, 6, None, None, 0)  # FSCONFIG_CMD_CREATE
-        return syscall(SYS_fsmount, fs, 1, 0x2 | 0x4 | 0x8)  # FSMOUNT_CLOEXEC; MOUNT_ATTR_NOSUID|NODEV|NOEXEC
+        # FSMOUNT_CLOEXEC; MOUNT_ATTR_RDONLY|NOSUID|NODEV|NOEXEC
+        return syscall(SYS_fsmount, fs, 1, MOUNT_ATTR_RDONLY | 0x2 | 0x4 | 0x8)
     finally:
         os.close(fs)
 

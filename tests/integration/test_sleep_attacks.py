@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shlex
 import shutil
 import socket
 import threading
@@ -199,3 +200,51 @@ def test_the_watch_outlives_a_wake_it_could_not_start(tmp_path: Path, worktree: 
             b.detach()
     finally:
         assert d.stop() == 0, d.log()
+
+
+_CONFINEMENT = r"""
+for who in self 1; do
+  grep -E '^(Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp|Seccomp_filters|Uid|Gid|Groups):' /proc/$who/status | sed "s/^/$who /"
+done
+cat /proc/self/limits
+for n in user mnt ipc net uts cgroup time; do echo "$n $(readlink /proc/self/ns/$n)"; done
+cat /proc/self/cgroup
+grep -E ' / | /proc | /tmp ' /proc/self/mountinfo | awk '{print $5, $6, $9, $11}'
+touch /etc/dispatch-x 2>&1 | sed 's/.*: //'; ls /root 2>&1 | sed 's/.*: //'; ls /home 2>&1 | head -3
+"""
+
+
+def test_a_woken_session_is_confined_as_at_its_start(tmp_path: Path, worktree: Path) -> None:
+    """What a command sees of its own and of the tool server's (pid 1's)
+    confinement, before a sleep and after each of two wakes: the same
+    capabilities, no_new_privs, seccomp filters, ids, limits, namespaces
+    (user, mount, IPC, network, UTS, cgroup, time), cgroup, mounts, and the
+    same refusals; only the pid namespace is new, owned by the same user
+    namespace."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            owner = ("import fcntl, os; fd = os.open('/proc/self/ns/pid', os.O_RDONLY); "
+                     "u = fcntl.ioctl(fd, 0xb701); print(os.fstat(u).st_ino == os.stat('/proc/self/ns/user').st_ino)")
+            first = shell(s, _CONFINEMENT)
+            assert first.is_success, first.error
+            pid_ns = shell(s, "readlink /proc/self/ns/pid").output
+            for _ in range(2):
+                _until_asleep(d, client, s.id)
+                again = shell(s, _CONFINEMENT)
+                assert again.is_success, again.error
+                assert again.output == first.output
+                now = shell(s, "readlink /proc/self/ns/pid").output
+                assert now != pid_ns
+                pid_ns = now
+                assert probe_out(s, owner) == "True"
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def probe_out(s: dispatch.Session, code: str) -> str:
+    r = shell(s, f"python3 -c {shlex.quote(code)}")
+    assert r.is_success, r.error
+    return r.output.strip()
