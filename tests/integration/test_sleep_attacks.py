@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import dispatch
+from dispatchd.worker.fork_server import ORPHAN_SWEEP_S
 from tests.conftest import REPO, Daemon, shell
 
 
@@ -22,6 +23,10 @@ def _daemon(tmp_path: Path) -> Daemon:
     (policies / "nap.toml").write_text('description = "sleeps after 0.3 s"\n[limits]\nsleep_after_s = 0.3\n')
     (tmp_path / "d").mkdir()
     return Daemon(tmp_path / "d", "--policies", str(policies))
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _asleep(client: dispatch.Client, sid: str) -> bool:
@@ -53,6 +58,15 @@ def test_proc_after_a_wake_and_sleeps_again(tmp_path: Path, worktree: Path) -> N
                 assert after.is_success, (nap, after.error, d.log()[-2000:])
                 assert after.output == before.output, (nap, after.output)
             assert d.log().count(f"event=session_woken session={s.id}") == 6
+            # The fork server reaped every nap's pid 1 and intermediate: its
+            # children are this session's pid 1 (if awake) and the pool's.
+            fork_server = _children(d.proc.pid)
+            assert len(fork_server) == 1, fork_server
+            time.sleep(ORPHAN_SWEEP_S * 2)
+            kids = _children(fork_server[0])
+            states = {k: Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] for k in kids}
+            assert "Z" not in states.values(), states
+            assert len(kids) <= 1 + 2 * 2, states  # the session (awake or not) and the pool: 2 kinds of 2
             s.detach()
     finally:
         assert d.stop() == 0, d.log()
