@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import select
 import shlex
 import shutil
 import socket
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import dispatch
+from dispatchd import protocol
 from dispatchd.worker.fork_server import ORPHAN_SWEEP_S
 from tests.conftest import REPO, Daemon, shell
 
@@ -263,3 +265,88 @@ def probe_out(s: dispatch.Session, code: str) -> str:
     r = shell(s, f"python3 -c {shlex.quote(code)}")
     assert r.is_success, r.error
     return r.output.strip()
+
+
+def test_a_sleep_after_beyond_a_timeval_still_serves(tmp_path: Path, worktree: Path) -> None:
+    """limits.sleep_after_s is any finite number: one past what a socket
+    timeout holds (a 64-bit count of seconds) made every channel the tool
+    server was given fail (struct.error), so the session served nothing."""
+    policies = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "late.toml").write_text('description = "never sleeps in practice"\n[limits]\nsleep_after_s = 1e20\n')
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--policies", str(policies))
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="late")
+            r = shell(s, "echo served")
+            assert r.is_success and r.output == "served\n", (r.error, d.log()[-2000:])
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_tiny_sleep_after_neither_spins_nor_loops(tmp_path: Path, worktree: Path) -> None:
+    """limits.sleep_after_s of a microsecond passes the policy's check. The
+    woken tool server asked to sleep again before the daemon had handed it
+    the channel that woke it, so it went back to sleep with the request
+    unread, woke for it again, and so on, until the wakes came faster than
+    the kernel frees pid namespaces (ENOSPC): the session ended without
+    serving its first call. And a tool server kept awake (a process in the
+    background) ran its idle check every half microsecond: a whole CPU."""
+    policies = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "tiny.toml").write_text('description = "sleeps at once"\n[limits]\nsleep_after_s = 0.000001\n')
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--policies", str(policies))
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="tiny")
+            for i in range(3):
+                time.sleep(0.3)
+                r = shell(s, f"echo {i}")
+                assert r.is_success and r.output == f"{i}\n", r.error
+            assert d.log().count(f"event=session_woken session={s.id}") <= 3
+            assert shell(s, "sleep 60 > /dev/null 2>&1 &").is_success  # awake while it runs
+            time.sleep(0.3)
+            pid = d.worker_pid(s.id)
+            before = _cpu_s(pid)
+            time.sleep(1.0)
+            used = _cpu_s(pid) - before
+            assert used < 0.2, f"an idle tool server used {used:.2f} s of CPU in 1 s"
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_replies_left_unread_do_not_use_up_the_wakes(tmp_path: Path, worktree: Path) -> None:
+    """A reply left unread in a client's socket holds its sender's pid: a
+    client that leaves one after each of several naps (a handle given up
+    but not closed) must not use up the session's pid namespaces (a budget
+    of 4 at a wake). Checked: the kernel does not count them."""
+    d = _daemon(tmp_path)
+    kept: list[protocol.FrameSocket] = []
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            for nap in range(6):
+                _until_asleep(d, client, s.id)
+                reply, fd = client._daemon_request(lambda rid: protocol.Attach(id=rid, session=s.id))
+                assert fd is not None
+                frames = protocol.FrameSocket(socket.socket(fileno=fd))
+                kept.append(frames)
+                frames.send(protocol.CallTool(id=1, tool="read_file", params={"path": "README.md"}))
+                assert _readable_now(frames, 5), (nap, d.log()[-1500:])  # answered; left unread
+            _until_asleep(d, client, s.id)
+            r = shell(s, "echo served")
+            assert r.is_success and r.output == "served\n", (r.error, d.log()[-1500:])
+            s.detach()
+    finally:
+        for frames in kept:
+            frames.close()
+        assert d.stop() == 0, d.log()
+
+
+def _readable_now(frames: protocol.FrameSocket, timeout: float = 0.0) -> bool:
+    return bool(select.select([frames.sock], [], [], timeout)[0])
