@@ -350,3 +350,29 @@ def test_replies_left_unread_do_not_use_up_the_wakes(tmp_path: Path, worktree: P
 
 def _readable_now(frames: protocol.FrameSocket, timeout: float = 0.0) -> bool:
     return bool(select.select([frames.sock], [], [], timeout)[0])
+
+
+def test_naps_in_quick_succession(tmp_path: Path, worktree: Path) -> None:
+    """Sleeps and wakes as fast as a policy allows (sleep_after_s at its least,
+    a call right after each sleep): the pid namespaces of ended naps, which
+    the kernel frees a while later, do not use up the wake's budget."""
+    policies = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "quick.toml").write_text('description = "sleeps at once"\n[limits]\nsleep_after_s = 0.05\n')
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--policies", str(policies))
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="quick")
+            woken = 0
+            for i in range(30):
+                deadline = time.monotonic() + 5
+                while d.log().count(f"event=session_asleep session={s.id}") <= woken and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                r = shell(s, f"echo {i}")
+                assert r.is_success and r.output == f"{i}\n", (i, r.error)
+                woken = d.log().count(f"event=session_woken session={s.id}")
+            assert woken >= 20, woken
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
