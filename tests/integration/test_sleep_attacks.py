@@ -4,6 +4,7 @@ served as at its first start, whatever happened meanwhile."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 import select
 import shlex
@@ -375,4 +376,32 @@ def test_naps_in_quick_succession(tmp_path: Path, worktree: Path) -> None:
             assert woken >= 20, woken
             s.detach()
     finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_more_channels_than_one_message_carries(tmp_path: Path, worktree: Path) -> None:
+    """More channels than one message's 253 descriptors: handed over in two
+    messages, every one held while asleep and served again after."""
+    d = _daemon(tmp_path)
+    kept: list[protocol.FrameSocket] = []
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            for _ in range(255):
+                reply, fd = client._daemon_request(lambda rid: protocol.Attach(id=rid, session=s.id))
+                assert fd is not None
+                kept.append(protocol.FrameSocket(socket.socket(fileno=fd)))
+            _until_asleep(d, client, s.id)
+            assert re.findall(rf"event=session_asleep session={s.id} channels=(\d+)", d.log())[-1] == "256"
+            for i, frames in enumerate([kept[0], kept[200], kept[-1]]):
+                frames.send(protocol.CallTool(id=i + 1, tool="read_file", params={"path": "README.md"}))
+            for i, frames in enumerate([kept[0], kept[200], kept[-1]]):
+                frames.sock.settimeout(10)
+                msg = frames.recv(protocol.channel_reply_decoder)
+                assert isinstance(msg, protocol.ToolReply) and msg.id == i + 1 and msg.success, msg
+            s.detach()
+    finally:
+        for frames in kept:
+            frames.close()
         assert d.stop() == 0, d.log()
