@@ -140,13 +140,15 @@ def setns(fd: int, nstype: int) -> None:
 
 def fresh_proc_mount() -> int:
     """A new procfs of the caller's pid namespace, read-only, nosuid, nodev,
-    noexec, as a detached mount (its fd): the first start's /proc, made
-    read-only with the whole root (``mounts.apply_session_mounts``). Made
-    while the old ``/proc`` is still there, since a user namespace may mount
-    proc only while a full one is visible."""
+    noexec (as a session's first /proc is once its root is made read-only),
+    as a detached mount (its fd): made while the old ``/proc`` is still
+    there, since a user namespace may mount proc only while a full one is
+    visible."""
     fs = syscall(SYS_fsopen, b"proc", 1)  # FSOPEN_CLOEXEC
     try:
-        syscall(SYS_fsconfig, fs, 1, b"source", b"proc", 0)  # FSCONFIG_SET_STRING: named as mount(2) names it
+        # Named "proc", as mount(2) names the first one: mountinfo then reads the
+        # same in a woken session as in a fresh one.
+        syscall(SYS_fsconfig, fs, 1, b"source", b"proc", 0)  # FSCONFIG_SET_STRING
         syscall(SYS_fsconfig, fs, 6, None, None, 0)  # FSCONFIG_CMD_CREATE
         # FSMOUNT_CLOEXEC; MOUNT_ATTR_RDONLY|NOSUID|NODEV|NOEXEC
         return syscall(SYS_fsmount, fs, 1, MOUNT_ATTR_RDONLY | 0x2 | 0x4 | 0x8)
