@@ -860,6 +860,9 @@ class SessionManager:
 
     def _stop_worker(self, session: Session) -> None:
         self._end_nap(session)  # asleep: its channels closed (its clients see the end), nothing to stop
+        # The kit wakes this sandbox only: a replacement brings its own, and
+        # a kit kept would hold this sandbox's namespaces (its mounts, its /tmp).
+        self._drop_kit(session)
         worker, control = session.worker, session.control
         # The way out goes first: from here no byte of the session leaves.
         self._stop_network(session)
@@ -918,10 +921,14 @@ class SessionManager:
         self._forget(session)
         self._remove_scratch(session)
         self._end_nap(session)
+        self._drop_kit(session)
+        session.worktree_dir.close()
+
+    @staticmethod
+    def _drop_kit(session: Session) -> None:
         for fd in session.kit:
             os.close(fd)
         session.kit = []
-        session.worktree_dir.close()
 
     def _sweep_temp_files(self, session: Session) -> None:
         """The writer's processes are gone, and it still holds the write lock
@@ -1291,8 +1298,8 @@ class SessionManager:
             started = time.perf_counter()
             try:
                 worker, control, msg = self.fork_server.wake_worker(session.plan, session.kit, READY_TIMEOUT_S)
-            except DispatchdError as exc:
-                failed = str(exc)
+            except Exception as exc:  # noqa: BLE001 (any: left asleep, nobody would watch or wake it)
+                failed = str(exc) or type(exc).__name__
             else:
                 session.asleep = None
                 session.wakes += 1
@@ -1314,8 +1321,11 @@ class SessionManager:
                 log.debug("event=worker_ready session=%s pid=%s woken=1", sid, worker.pid)
                 log.info("event=session_woken session=%s ms=%.1f channels=%d", sid,
                          (time.perf_counter() - started) * 1e3, held)
-                threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
-                               daemon=True, name=f"watch-{sid}").start()
+                try:
+                    threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
+                                   daemon=True, name=f"watch-{sid}").start()
+                except RuntimeError as exc:  # can't start new thread: unwatched, its MaySleep would hang it
+                    failed = failed or f"no thread to watch it ({exc})"
         if failed:
             log.warning("event=wake_failed session=%s error=%s", sid, failed)
             self._finish(session, f"it could not be woken ({failed})")

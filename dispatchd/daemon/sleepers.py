@@ -8,7 +8,8 @@ Guarantees:
   ``wake(sid, nap)`` once (on a thread of its own: a wake forks and waits for
   the new tool server); its channels are no longer watched from then on,
   and no byte is read here (``MSG_PEEK``), so the woken tool server reads
-  the whole request;
+  the whole request (a byte sent out of band wakes it too: its read drops
+  the byte, as when awake);
 - a channel whose client has gone (end of stream, or an error) is passed to
   ``hung_up(sid, nap, fd)`` and never wakes the session;
 - a session still asleep at its deadline (the policy's idle timeout after
@@ -24,6 +25,7 @@ descriptors of the same numbers) is for the receiver to ignore.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -32,6 +34,8 @@ import time
 from collections.abc import Callable
 
 from dispatchd import threads
+
+log = logging.getLogger("dispatchd.sleepers")
 
 
 class Sleepers:
@@ -83,25 +87,35 @@ class Sleepers:
             pass  # woken already
 
     def _run(self) -> None:
+        # The one watch of every sleeping session: a callback that fails
+        # (a bug, the daemon out of threads) must not end it for all.
         while True:
-            with self._lock:
-                watched = dict(self._fds)
-                due = min(self._deadlines.values(), default=None)
-            poller = select.poll()
-            poller.register(self._changed, select.POLLIN)
-            for fd in watched:
-                poller.register(fd, select.POLLIN)
-            wait_ms = None if due is None else max(0.0, (due - time.monotonic()) * 1e3)
-            ready = poller.poll(wait_ms)
-            for fd, _ in ready:
-                if fd == self._changed:
-                    try:
-                        os.eventfd_read(self._changed)
-                    except BlockingIOError:
-                        pass
-                    continue
-                self._ready(fd)
-            self._expire_due()
+            try:
+                self._once()
+            except Exception:  # noqa: BLE001
+                log.exception("event=sleepers_error")
+                time.sleep(0.1)  # not a spin, should it fail again at once
+
+    def _once(self) -> None:
+        """One poll of every watched channel, and the deadlines due."""
+        with self._lock:
+            watched = dict(self._fds)
+            due = min(self._deadlines.values(), default=None)
+        poller = select.poll()
+        poller.register(self._changed, select.POLLIN)
+        for fd in watched:
+            poller.register(fd, select.POLLIN)
+        wait_ms = None if due is None else max(0.0, (due - time.monotonic()) * 1e3)
+        ready = poller.poll(wait_ms)
+        for fd, _ in ready:
+            if fd == self._changed:
+                try:
+                    os.eventfd_read(self._changed)
+                except BlockingIOError:
+                    pass
+                continue
+            self._ready(fd)
+        self._expire_due()
 
     def _ready(self, fd: int) -> None:
         """A watched channel polled readable: a request (wake), or its end."""
@@ -114,6 +128,15 @@ class Sleepers:
                 peeked = socket.socket(fileno=fd)
                 try:
                     data = peeked.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    if not _readable(fd):
+                        raise  # a stale event (of a descriptor this number had before)
+                    # Readable with nothing to peek: a byte sent out of band
+                    # (MSG_OOB), which a peek skips and poll reports until a
+                    # read drops it (left watched, this loop spun). Not read
+                    # here (a request's first byte may come meanwhile): the
+                    # woken tool server's read drops it, as when awake.
+                    data = b"\0"
                 finally:
                     peeked.detach()  # the session's descriptor: not ours to close
             except BlockingIOError:
@@ -130,7 +153,10 @@ class Sleepers:
         if not data:
             self._hung_up(sid, nap, fd)
         else:
-            threads.Thread(target=self._wake, args=(sid, nap), daemon=True, name=f"wake-{sid}").start()
+            try:
+                threads.Thread(target=self._wake, args=(sid, nap), daemon=True, name=f"wake-{sid}").start()
+            except RuntimeError:  # can't start new thread: the daemon at its process limit
+                self._wake(sid, nap)  # here, then: the watch waits for this one wake
 
     def _expire_due(self) -> None:
         now = time.monotonic()
@@ -142,3 +168,9 @@ class Sleepers:
                     del self._fds[fd]
         for sid, nap in due:
             self._expire(sid, nap)
+
+
+def _readable(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return any(events & select.POLLIN for _, events in poller.poll(0))

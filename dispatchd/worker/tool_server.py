@@ -58,6 +58,7 @@ from dispatchd.tools.table import TOOLS
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 FIRST_CHANNEL_WAIT_S = 5.0  # how long the first channel's thread, started ahead, waits for it
+MIN_SLEEP_AFTER_S = 0.05  # the least idle time after which a session sleeps (limits.sleep_after_s)
 
 
 class _Activity:
@@ -296,7 +297,12 @@ class _Server:
         self.flush_at: float | None = None
         # Sleeping (worker/wake.py): after this long with no call, nor job,
         # nor process, nor reader holding a byte; 0: never.
-        self.sleep_after = plan.limits.sleep_after_s if can_sleep(plan) else 0.0
+        # At least MIN_SLEEP_AFTER_S: a smaller one (the policy takes any)
+        # spun this loop (an idle check each sleep_after / 2), and a woken
+        # server asked to sleep again before the daemon had handed it back
+        # the channels that woke it, over and over (a socket timeout of less
+        # than a microsecond would even be none).
+        self.sleep_after = max(plan.limits.sleep_after_s, MIN_SLEEP_AFTER_S) if can_sleep(plan) else 0.0
         self.live: set[_Channel] = set()  # the channels a sleep hands over
         self.every = min(5.0, plan.limits.idle_timeout_s / 4, *((self.sleep_after / 2,) if self.sleep_after else ()))
         self.next_check = time.monotonic() + self.every
@@ -338,7 +344,9 @@ class _Server:
             # A read with nothing to read gives up after sleep_after_s: its
             # reader then waits without reading (_Channel._wait_to_read).
             # In the kernel, so a busy channel pays no extra system call.
-            whole, frac = divmod(self.sleep_after, 1.0)
+            # At most 2**31 s (68 years: never, in practice), what a timeval
+            # holds: a larger sleep_after_s passes the policy's check.
+            whole, frac = divmod(min(self.sleep_after, 2.0**31), 1.0)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(whole), int(frac * 1e6)))
         with self.activity.lock:
             full = self.channels >= self.max_channels
@@ -523,6 +531,13 @@ class _Server:
             return False
         activity = self.activity
         with activity.lock:
+            live = [channel.frames.fileno() for channel in self.live]
+        # Not while the daemon has sent something unread (a channel attached),
+        # nor while a channel has a request its quiet reader has yet to wake
+        # for: handed over, it would only wake the session again at once.
+        if self.control.frames.buffered() or _readable([self.control.frames.fileno(), *live]):
+            return False
+        with activity.lock:
             if activity.in_flight or activity.quiet != self.channels or \
                     time.monotonic() - activity.last < self.sleep_after:
                 return False
@@ -571,6 +586,13 @@ class _Server:
                 "with this call still running; its processes are ended")))
         self.flush_records()
         os._exit(0)
+
+
+def _readable(fds: list[int]) -> bool:
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _others_alive() -> bool:

@@ -3,11 +3,20 @@ served as at its first start, whatever happened meanwhile."""
 
 from __future__ import annotations
 
+import os
+import re
+import resource
+import select
+import shlex
 import shutil
+import socket
+import threading
 import time
 from pathlib import Path
 
 import dispatch
+from dispatchd import protocol
+from dispatchd.worker.fork_server import ORPHAN_SWEEP_S
 from tests.conftest import REPO, Daemon, shell
 
 
@@ -17,6 +26,10 @@ def _daemon(tmp_path: Path) -> Daemon:
     (policies / "nap.toml").write_text('description = "sleeps after 0.3 s"\n[limits]\nsleep_after_s = 0.3\n')
     (tmp_path / "d").mkdir()
     return Daemon(tmp_path / "d", "--policies", str(policies))
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _asleep(client: dispatch.Client, sid: str) -> bool:
@@ -48,6 +61,349 @@ def test_proc_after_a_wake_and_sleeps_again(tmp_path: Path, worktree: Path) -> N
                 assert after.is_success, (nap, after.error, d.log()[-2000:])
                 assert after.output == before.output, (nap, after.output)
             assert d.log().count(f"event=session_woken session={s.id}") == 6
+            # The fork server reaped every nap's pid 1 and intermediate: its
+            # children are this session's pid 1 (if awake) and the pool's.
+            fork_server = _children(d.proc.pid)
+            assert len(fork_server) == 1, fork_server
+            time.sleep(ORPHAN_SWEEP_S * 2)
+            kids = _children(fork_server[0])
+            states = {k: Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] for k in kids}
+            assert "Z" not in states.values(), states
+            assert len(kids) <= 1 + 2 * 2, states  # the session (awake or not) and the pool: 2 kinds of 2
             s.detach()
     finally:
+        assert d.stop() == 0, d.log()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_out_of_band_byte_does_not_spin_the_watch(tmp_path: Path, worktree: Path) -> None:
+    """A byte sent MSG_OOB to a sleeping session's channel: poll says
+    readable, a peek finds nothing (the kernel skips the OOB byte). The watch
+    spun on it at a whole CPU, and the session was never woken by it."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            _until_asleep(d, client, s.id)
+            s._channel._frames.sock.send(b"!", socket.MSG_OOB)  # type: ignore[union-attr]
+            time.sleep(0.2)
+            before = _cpu_s(d.proc.pid)
+            time.sleep(1.0)
+            used = _cpu_s(d.proc.pid) - before
+            assert used < 0.3, f"the daemon used {used:.2f} s of CPU in 1 s with one sleeping session"
+            # Woken by it at most once (its read drops the byte), then asleep again.
+            assert d.log().count(f"event=session_woken session={s.id}") <= 1
+            _until_asleep(d, client, s.id)
+            r = shell(s, "echo after")  # the next request wakes it, whole
+            assert r.is_success and r.output == "after\n", r.error
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def _held(pid: int) -> dict[str, int]:
+    """The daemon's descriptors of a wake kit's kinds: rulesets, namespaces."""
+    counts: dict[str, int] = {}
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        kind = "ruleset" if "landlock-ruleset" in target else target.split(":")[0] if ":[" in target else ""
+        if kind in ("ruleset", "user", "mnt", "ipc", "net"):
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def test_a_replaced_sandbox_lets_go_of_its_wake_kit(tmp_path: Path, worktree: Path) -> None:
+    """A network switch that replaces the sandbox (to or from "domains") gives
+    the session a new wake kit; the old one (ruleset, user, mount, IPC and
+    network namespaces) was kept open for good: descriptors, and the old
+    sandbox's namespaces with their mounts, held by the daemon for each switch."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            s.set_network("domains", domains=["example.com"])
+            assert shell(s, "true").is_success
+            s.set_network(False)
+            assert shell(s, "true").is_success
+            first = _held(d.proc.pid)
+            for _ in range(3):
+                s.set_network("domains", domains=["example.com"])
+                assert shell(s, "true").is_success
+                s.set_network(False)
+                assert shell(s, "true").is_success
+            now = _held(d.proc.pid)
+            assert now == first, (first, now)
+            assert now.get("ruleset", 0) <= 1 + 4, now  # this session's kit (and the pool's, none kept)
+            s.close()
+            assert _held(d.proc.pid).get("ruleset", 0) == 0, _held(d.proc.pid)
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_wake_that_fails_on_the_daemons_side_ends_the_session(tmp_path: Path, worktree: Path) -> None:
+    """A wake that failed with an error other than the daemon's own (here the
+    daemon out of descriptors: its socketpair for the new control channel,
+    EMFILE) killed the wake's thread and left the session asleep, watched by
+    nobody: its request never answered, never woken, never expired. It ends,
+    saying why, as a wake that failed otherwise does."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            _until_asleep(d, client, s.id)
+            pid = d.proc.pid
+            soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+            done: list[dispatch.Result] = []
+            caller = threading.Thread(target=lambda: done.append(shell(s, "echo woken")), daemon=True)
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, hard))  # no new descriptor at all
+            try:
+                caller.start()
+                deadline = time.monotonic() + 5
+                while "event=wake_failed" not in d.log() and "Traceback" not in d.log() \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+            caller.join(10)
+            assert not caller.is_alive(), "the request hangs: the session is stuck asleep\n" + d.log()[-3000:]
+            assert done and done[0].is_failure and "could not be woken" in done[0].error, done
+            assert s.id not in [x["id"] for x in client.list_sessions()]
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_the_watch_outlives_a_wake_it_could_not_start(tmp_path: Path, worktree: Path) -> None:
+    """The daemon at its process limit when a request comes for a sleeping
+    session: the wake's thread cannot start. That ended the one thread that
+    watches every sleeping session: none woke again, their calls hung."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            a = client.open_session(str(worktree), policy="nap")
+            (tmp_path / "other").mkdir()
+            b = client.open_session(str(tmp_path / "other"), policy="nap")
+            assert shell(a, "true").is_success and shell(b, "true").is_success
+            _until_asleep(d, client, a.id)
+            _until_asleep(d, client, b.id)
+            pid = d.proc.pid
+            soft, hard = resource.prlimit(pid, resource.RLIMIT_NPROC)
+            done: list[dispatch.Result] = []
+            caller = threading.Thread(target=lambda: done.append(shell(a, "echo a")), daemon=True)
+            resource.prlimit(pid, resource.RLIMIT_NPROC, (1, hard))  # no new thread in the daemon
+            try:
+                caller.start()
+                time.sleep(1.0)
+            finally:
+                resource.prlimit(pid, resource.RLIMIT_NPROC, (soft, hard))
+            woken: list[dispatch.Result] = []
+            other = threading.Thread(target=lambda: woken.append(shell(b, "echo b")), daemon=True)
+            other.start()
+            other.join(10)
+            assert woken and woken[0].is_success, "the other session is never woken\n" + d.log()[-3000:]
+            caller.join(10)
+            assert done and (done[0].is_success or "could not be woken" in done[0].error), done
+            a.detach()
+            b.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+_CONFINEMENT = r"""
+for who in self 1; do
+  grep -E '^(Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp|Seccomp_filters|Uid|Gid|Groups):' /proc/$who/status | sed "s/^/$who /"
+done
+cat /proc/self/limits
+for n in user mnt ipc net uts cgroup time; do echo "$n $(readlink /proc/self/ns/$n)"; done
+cat /proc/self/cgroup
+awk '{$1 = $2 = $3 = ""; print}' /proc/self/mountinfo | sort
+touch /etc/dispatch-x 2>&1 | sed 's/.*: //'; ls /root 2>&1 | sed 's/.*: //'; ls /home 2>&1 | head -3
+for f in fd environ maps; do ls /proc/1/$f > /dev/null 2>&1 && echo "1/$f readable" || echo "1/$f refused"; done
+kill -TERM 1 2>&1 | sed 's/.*: //'; echo "pid 1 still here: $(test -d /proc/1 && echo yes)"
+"""
+
+
+def test_a_woken_session_is_confined_as_at_its_start(tmp_path: Path, worktree: Path) -> None:
+    """What a command sees of its own and of the tool server's (pid 1's)
+    confinement, before a sleep and after each of two wakes: the same
+    capabilities, no_new_privs, seccomp filters, ids, limits, namespaces
+    (user, mount, IPC, network, UTS, cgroup, time), cgroup, every mount and
+    its options, and the
+    same refusals; only the pid namespace is new, owned by the same user
+    namespace."""
+    d = _daemon(tmp_path)
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            owner = ("import fcntl, os; fd = os.open('/proc/self/ns/pid', os.O_RDONLY); "
+                     "u = fcntl.ioctl(fd, 0xb701); print(os.fstat(u).st_ino == os.stat('/proc/self/ns/user').st_ino)")
+            first = shell(s, _CONFINEMENT)
+            assert first.is_success, first.error
+            pid_ns = shell(s, "readlink /proc/self/ns/pid").output
+            for _ in range(2):
+                _until_asleep(d, client, s.id)
+                again = shell(s, _CONFINEMENT)
+                assert again.is_success, again.error
+                assert again.output == first.output
+                now = shell(s, "readlink /proc/self/ns/pid").output
+                assert now != pid_ns
+                pid_ns = now
+                assert probe_out(s, owner) == "True"
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def probe_out(s: dispatch.Session, code: str) -> str:
+    r = shell(s, f"python3 -c {shlex.quote(code)}")
+    assert r.is_success, r.error
+    return r.output.strip()
+
+
+def test_a_sleep_after_beyond_a_timeval_still_serves(tmp_path: Path, worktree: Path) -> None:
+    """limits.sleep_after_s is any finite number: one past what a socket
+    timeout holds (a 64-bit count of seconds) made every channel the tool
+    server was given fail (struct.error), so the session served nothing."""
+    policies = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "late.toml").write_text('description = "never sleeps in practice"\n[limits]\nsleep_after_s = 1e20\n')
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--policies", str(policies))
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="late")
+            r = shell(s, "echo served")
+            assert r.is_success and r.output == "served\n", (r.error, d.log()[-2000:])
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_tiny_sleep_after_neither_spins_nor_loops(tmp_path: Path, worktree: Path) -> None:
+    """limits.sleep_after_s of a microsecond passes the policy's check. The
+    woken tool server asked to sleep again before the daemon had handed it
+    the channel that woke it, so it went back to sleep with the request
+    unread, woke for it again, and so on, until the wakes came faster than
+    the kernel frees pid namespaces (ENOSPC): the session ended without
+    serving its first call. And a tool server kept awake (a process in the
+    background) ran its idle check every half microsecond: a whole CPU."""
+    policies = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "tiny.toml").write_text('description = "sleeps at once"\n[limits]\nsleep_after_s = 0.000001\n')
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--policies", str(policies))
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="tiny")
+            for i in range(3):
+                time.sleep(0.3)
+                r = shell(s, f"echo {i}")
+                assert r.is_success and r.output == f"{i}\n", r.error
+            assert d.log().count(f"event=session_woken session={s.id}") <= 3
+            assert shell(s, "sleep 60 > /dev/null 2>&1 &").is_success  # awake while it runs
+            time.sleep(0.3)
+            pid = d.worker_pid(s.id)
+            before = _cpu_s(pid)
+            time.sleep(1.0)
+            used = _cpu_s(pid) - before
+            assert used < 0.2, f"an idle tool server used {used:.2f} s of CPU in 1 s"
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_replies_left_unread_do_not_use_up_the_wakes(tmp_path: Path, worktree: Path) -> None:
+    """A reply left unread in a client's socket holds its sender's pid: a
+    client that leaves one after each of several naps (a handle given up
+    but not closed) must not use up the session's pid namespaces (a budget
+    of 4 at a wake). Checked: the kernel does not count them."""
+    d = _daemon(tmp_path)
+    kept: list[protocol.FrameSocket] = []
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            for nap in range(6):
+                _until_asleep(d, client, s.id)
+                reply, fd = client._daemon_request(lambda rid: protocol.Attach(id=rid, session=s.id))
+                assert fd is not None
+                frames = protocol.FrameSocket(socket.socket(fileno=fd))
+                kept.append(frames)
+                frames.send(protocol.CallTool(id=1, tool="read_file", params={"path": "README.md"}))
+                assert _readable_now(frames, 5), (nap, d.log()[-1500:])  # answered; left unread
+            _until_asleep(d, client, s.id)
+            r = shell(s, "echo served")
+            assert r.is_success and r.output == "served\n", (r.error, d.log()[-1500:])
+            s.detach()
+    finally:
+        for frames in kept:
+            frames.close()
+        assert d.stop() == 0, d.log()
+
+
+def _readable_now(frames: protocol.FrameSocket, timeout: float = 0.0) -> bool:
+    return bool(select.select([frames.sock], [], [], timeout)[0])
+
+
+def test_naps_in_quick_succession(tmp_path: Path, worktree: Path) -> None:
+    """Sleeps and wakes as fast as a policy allows (sleep_after_s at its least,
+    a call right after each sleep): the pid namespaces of ended naps, which
+    the kernel frees a while later, do not use up the wake's budget."""
+    policies = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "quick.toml").write_text('description = "sleeps at once"\n[limits]\nsleep_after_s = 0.05\n')
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--policies", str(policies))
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="quick")
+            woken = 0
+            for i in range(30):
+                deadline = time.monotonic() + 5
+                while d.log().count(f"event=session_asleep session={s.id}") <= woken and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                r = shell(s, f"echo {i}")
+                assert r.is_success and r.output == f"{i}\n", (i, r.error)
+                woken = d.log().count(f"event=session_woken session={s.id}")
+            assert woken >= 20, woken
+            s.detach()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_more_channels_than_one_message_carries(tmp_path: Path, worktree: Path) -> None:
+    """More channels than one message's 253 descriptors: handed over in two
+    messages, every one held while asleep and served again after."""
+    d = _daemon(tmp_path)
+    kept: list[protocol.FrameSocket] = []
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), policy="nap")
+            assert shell(s, "true").is_success
+            for _ in range(255):
+                reply, fd = client._daemon_request(lambda rid: protocol.Attach(id=rid, session=s.id))
+                assert fd is not None
+                kept.append(protocol.FrameSocket(socket.socket(fileno=fd)))
+            _until_asleep(d, client, s.id)
+            assert re.findall(rf"event=session_asleep session={s.id} channels=(\d+)", d.log())[-1] == "256"
+            for i, frames in enumerate([kept[0], kept[200], kept[-1]]):
+                frames.send(protocol.CallTool(id=i + 1, tool="read_file", params={"path": "README.md"}))
+            for i, frames in enumerate([kept[0], kept[200], kept[-1]]):
+                frames.sock.settimeout(10)
+                msg = frames.recv(protocol.channel_reply_decoder)
+                assert isinstance(msg, protocol.ToolReply) and msg.id == i + 1 and msg.success, msg
+            s.detach()
+    finally:
+        for frames in kept:
+            frames.close()
         assert d.stop() == 0, d.log()

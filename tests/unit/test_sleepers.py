@@ -54,6 +54,28 @@ def test_a_request_wakes_its_session_once_and_is_left_unread(calls: Calls, pair:
     assert calls.sleepers.count() == 0
 
 
+def test_an_out_of_band_byte_wakes_once_and_the_watch_goes_quiet(calls: Calls,
+                                                                pair: tuple[socket.socket, socket.socket]) -> None:
+    """poll says readable, a peek finds nothing (it skips an OOB byte): left
+    watched, the thread spun on it; the woken tool server's read drops it."""
+    client, held = pair
+    calls.sleepers.add("s1", 3, [held.fileno()], time.monotonic() + 60)
+    client.send(b"!", socket.MSG_OOB)
+    assert calls.next() == ("wake", "s1", "3")
+    calls.none()
+    assert calls.sleepers.count() == 0
+
+
+def test_a_stale_readiness_wakes_nothing(calls: Calls, pair: tuple[socket.socket, socket.socket]) -> None:
+    """A readiness polled for a descriptor this number had before (closed and
+    reused meanwhile), on a channel with nothing in it: no wake."""
+    client, held = pair
+    calls.sleepers.add("s1", 4, [held.fileno()], time.monotonic() + 60)
+    calls.sleepers._ready(held.fileno())
+    calls.none()
+    assert calls.sleepers.count() == 1
+
+
 def test_a_client_gone_does_not_wake_its_session(calls: Calls, pair: tuple[socket.socket, socket.socket]) -> None:
     client, held = pair
     other_client, other_held = socket.socketpair()
