@@ -1318,7 +1318,8 @@ class SessionManager:
                     failed = f"its woken tool server went away ({exc})"
                 held = len(asleep.channels)
                 asleep.close()
-                log.debug("event=worker_ready session=%s pid=%s woken=1", sid, worker.pid)
+                log.debug("event=worker_ready session=%s pid=%s woken=1 steps_ms=%s", sid, worker.pid,
+                          ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
                 log.info("event=session_woken session=%s ms=%.1f channels=%d", sid,
                          (time.perf_counter() - started) * 1e3, held)
                 try:

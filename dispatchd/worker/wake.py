@@ -44,7 +44,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 import traceback
+from collections.abc import Callable
 from typing import NoReturn
 
 from dispatchd import protocol
@@ -106,8 +108,10 @@ def spawn_woken(plan: SessionPlan, kit: list[int], cgroup_fd: int) -> int:
             chunks.append(chunk)
     finally:
         os.close(read_end)
+        # Waited for here, not by the loop's reaping: not waiting measured
+        # no faster (bench/wake.py, A/B, fifth session).
         os.waitpid(middle, 0)
-    said = b"".join(chunks).decode(errors="replace")
+    said = b"".join(chunks).decode(errors="replace").strip()
     if not said.startswith("pid "):
         raise ConfinementError("sleep: join the session's namespaces", detail=said or "the intermediate said nothing")
     return int(said[4:])
@@ -144,7 +148,7 @@ def _intermediate(names: list[tuple[str, int]], ns_fds: list[int], budget: tuple
             os.close(report)
             return
         os.close(pidfd)
-        os.write(report, f"pid {pid}".encode())
+        os.write(report, f"pid {pid}\n".encode())
         os._exit(0)
     except BaseException as exc:  # noqa: BLE001 (said to the fork server, which fails the wake)
         try:
@@ -153,14 +157,17 @@ def _intermediate(names: list[tuple[str, int]], ns_fds: list[int], budget: tuple
             os._exit(1)
 
 
-def confine_woken(plan: SessionPlan, program: bytes, ruleset: int, keep: list[int]) -> None:
+def confine_woken(plan: SessionPlan, program: bytes, ruleset: int, keep: list[int],
+                  clock: Callable[[str], None] = lambda step: None) -> None:
     """In the new pid 1: what ``confine_shared``/``confine_session`` did per
     process, in their order, after a /proc of the new pid namespace. The
     per-namespace steps (id maps, ucounts, mounts, loopback, the proxy's
-    listener) hold from the first start. Closes ``ruleset``."""
+    listener) hold from the first start. Closes ``ruleset``. ``clock(step)``
+    after each step (milliseconds for the debug log)."""
     hygiene.new_session()
     hygiene.die_with_parent(0)  # the fork server, outside the namespace
     hygiene.close_inherited_fds([*keep, ruleset])
+    clock("hygiene")
     try:
         fresh = _sys.fresh_proc_mount()  # while the old /proc (of the ended namespace) is still visible
         try:
@@ -176,16 +183,20 @@ def confine_woken(plan: SessionPlan, program: bytes, ruleset: int, keep: list[in
             os.close(fresh)
     except OSError as exc:
         raise ConfinementError("sleep: a fresh /proc", exc.errno, "/proc") from exc
+    clock("proc")
     hygiene.not_dumpable()
     hygiene.drop_bounding_set()
     limits.apply_limits(plan.limits_plan)
     hygiene.drop_capabilities()
     hygiene.no_new_privs()
+    clock("privileges")
     try:
         landlock.restrict_with(ruleset)
     finally:
         os.close(ruleset)
+    clock("landlock")
     seccomp.apply_seccomp(program)
+    clock("seccomp")
 
 
 def run_woken(plan: SessionPlan, program: bytes, control_fd: int, ruleset: int) -> NoReturn:
@@ -198,8 +209,16 @@ def run_woken(plan: SessionPlan, program: bytes, control_fd: int, ruleset: int) 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     control = protocol.FrameSocket(socket.socket(fileno=control_fd), fds=True)
+    steps: dict[str, float] = {}
+    last = [time.perf_counter()]
+
+    def clock(step: str) -> None:
+        now = time.perf_counter()
+        steps[step] = round((now - last[0]) * 1e3, 3)
+        last[0] = now
+
     try:
-        confine_woken(plan, program, ruleset, [control_fd])
+        confine_woken(plan, program, ruleset, [control_fd], clock)
     except ConfinementError as exc:
         _say(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
         os._exit(1)
@@ -207,7 +226,7 @@ def run_woken(plan: SessionPlan, program: bytes, control_fd: int, ruleset: int) 
         _say(control, protocol.WorkerFailed(step="wake", errno=0, path="",
                                             message=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         os._exit(1)
-    _say(control, protocol.WorkerReady(pid=os.getpid(), protections=plan.protections))
+    _say(control, protocol.WorkerReady(pid=os.getpid(), protections=plan.protections, timings_ms=steps))
     reaper.start_at_first_spawn(proctree.owns, proctree.CHILD_BORN, proctree.after_first_spawn)
     serve(control, plan)
     os._exit(0)
