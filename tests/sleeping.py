@@ -11,6 +11,8 @@ namespaces. What the tests here need of that:
   fixed sleep that asserts a timing);
 - ``with_sleep_after`` / ``sleepy_policies``: a policy's text, or every
   policy of a directory, with ``[limits] sleep_after_s`` set;
+- ``daemon_with_policies``: a daemon with the repository's policies and
+  some of a test's own;
 - ``WokenClient``: a client whose ``open_session`` returns only once the
   session is asleep, so that every call a test makes runs in a woken
   session (the escape suite's ``woken`` mode).
@@ -73,6 +75,21 @@ def stays_asleep(client: dispatch.Client, sid: str, seconds: float) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def daemon_with_policies(tmp_path: Path, **policies: str) -> Any:
+    """A daemon (``tests.conftest.Daemon``) under ``tmp_path`` whose policies
+    are the repository's and ``policies`` (name: TOML text)."""
+    import shutil
+
+    from tests.conftest import REPO, Daemon
+
+    directory = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", directory)
+    for name, text in policies.items():
+        (directory / f"{name}.toml").write_text(text)
+    (tmp_path / "d").mkdir()
+    return Daemon(tmp_path / "d", "--policies", str(directory))
 
 
 def with_sleep_after(text: str, after_s: float) -> str:

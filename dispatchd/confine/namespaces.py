@@ -87,14 +87,20 @@ def open_own(plan: NamespacePlan) -> list[int]:
     or none when it has no network namespace of its own."""
     if not (plan.user and plan.net):
         return []
+    return open_namespaces(["user", "net"], "namespaces: /proc/self/ns")
+
+
+def open_namespaces(names: list[str], step: str) -> list[int]:
+    """The caller's namespaces ``names`` (``/proc/self/ns/NAME``) as
+    descriptors, all or none (``ConfinementError`` naming ``step``)."""
     fds: list[int] = []
     try:
-        for ns in ("user", "net"):
+        for ns in names:
             fds.append(os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
     except OSError as exc:
         for fd in fds:
             os.close(fd)
-        raise ConfinementError("namespaces: /proc/self/ns", exc.errno) from exc
+        raise ConfinementError(step, exc.errno) from exc
     return fds
 
 

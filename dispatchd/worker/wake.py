@@ -50,7 +50,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from dispatchd import protocol
-from dispatchd.confine import _sys, hygiene, landlock, limits, seccomp
+from dispatchd.confine import _sys, hygiene, landlock, limits, namespaces, seccomp
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.errors import ConfinementError
 
@@ -70,15 +70,8 @@ def kit_namespaces(plan: SessionPlan) -> list[tuple[str, int]]:
 def open_kit_namespaces(plan: SessionPlan) -> list[int]:
     """In the session's first process, before seccomp: its namespaces as
     descriptors for the daemon (closed here on failure)."""
-    fds: list[int] = []
-    try:
-        for name, _ in kit_namespaces(plan):
-            fds.append(os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
-    except OSError as exc:
-        for fd in fds:
-            os.close(fd)
-        raise ConfinementError("sleep: open the session's namespaces", exc.errno) from exc
-    return fds
+    return namespaces.open_namespaces([name for name, _ in kit_namespaces(plan)],
+                                      "sleep: open the session's namespaces")
 
 
 def spawn_woken(plan: SessionPlan, kit: list[int], cgroup_fd: int) -> int:

@@ -8,7 +8,6 @@ import re
 import resource
 import select
 import shlex
-import shutil
 import socket
 import threading
 import time
@@ -17,15 +16,12 @@ from pathlib import Path
 import dispatch
 from dispatchd import protocol
 from dispatchd.worker.fork_server import ORPHAN_SWEEP_S
-from tests.conftest import REPO, Daemon, shell
+from tests.conftest import Daemon, shell
+from tests.sleeping import daemon_with_policies
 
 
 def _daemon(tmp_path: Path) -> Daemon:
-    policies = tmp_path / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    (policies / "nap.toml").write_text('description = "sleeps after 0.3 s"\n[limits]\nsleep_after_s = 0.3\n')
-    (tmp_path / "d").mkdir()
-    return Daemon(tmp_path / "d", "--policies", str(policies))
+    return daemon_with_policies(tmp_path, nap='description = "sleeps after 0.3 s"\n[limits]\nsleep_after_s = 0.3\n')
 
 
 def _children(pid: int) -> list[int]:
@@ -274,11 +270,7 @@ def test_a_sleep_after_beyond_a_timeval_still_serves(tmp_path: Path, worktree: P
     """limits.sleep_after_s is any finite number: one past what a socket
     timeout holds (a 64-bit count of seconds) made every channel the tool
     server was given fail (struct.error), so the session served nothing."""
-    policies = tmp_path / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    (policies / "late.toml").write_text('description = "never sleeps in practice"\n[limits]\nsleep_after_s = 1e20\n')
-    (tmp_path / "d").mkdir()
-    d = Daemon(tmp_path / "d", "--policies", str(policies))
+    d = daemon_with_policies(tmp_path, late='description = "never sleeps in practice"\n[limits]\nsleep_after_s = 1e20\n')
     try:
         with d.connect() as client:
             s = client.open_session(str(worktree), policy="late")
@@ -297,11 +289,7 @@ def test_a_tiny_sleep_after_neither_spins_nor_loops(tmp_path: Path, worktree: Pa
     the kernel frees pid namespaces (ENOSPC): the session ended without
     serving its first call. And a tool server kept awake (a process in the
     background) ran its idle check every half microsecond: a whole CPU."""
-    policies = tmp_path / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    (policies / "tiny.toml").write_text('description = "sleeps at once"\n[limits]\nsleep_after_s = 0.000001\n')
-    (tmp_path / "d").mkdir()
-    d = Daemon(tmp_path / "d", "--policies", str(policies))
+    d = daemon_with_policies(tmp_path, tiny='description = "sleeps at once"\n[limits]\nsleep_after_s = 0.000001\n')
     try:
         with d.connect() as client:
             s = client.open_session(str(worktree), policy="tiny")
@@ -359,11 +347,7 @@ def test_naps_in_quick_succession(tmp_path: Path, worktree: Path) -> None:
     """Sleeps and wakes as fast as a policy allows (sleep_after_s at its least,
     a call right after each sleep): the pid namespaces of ended naps, which
     the kernel frees a while later, do not use up the wake's budget."""
-    policies = tmp_path / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    (policies / "quick.toml").write_text('description = "sleeps at once"\n[limits]\nsleep_after_s = 0.05\n')
-    (tmp_path / "d").mkdir()
-    d = Daemon(tmp_path / "d", "--policies", str(policies))
+    d = daemon_with_policies(tmp_path, quick='description = "sleeps at once"\n[limits]\nsleep_after_s = 0.05\n')
     try:
         with d.connect() as client:
             s = client.open_session(str(worktree), policy="quick")

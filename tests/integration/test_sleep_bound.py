@@ -6,38 +6,19 @@ while it sleeps as by its tool server while awake."""
 
 from __future__ import annotations
 
-import shutil
 import socket
-import time
 from pathlib import Path
 
-import dispatch
 from dispatchd import protocol
 from dispatchd.policy import Limits, max_channels, too_many_channels
-from tests.conftest import REPO, Daemon, shell
+from tests.conftest import Daemon, shell
 from tests.integration.test_protocol import REPLIES, greeted
+from tests.sleeping import daemon_with_policies, stays_awake, wait_until_asleep
 
 
 def _daemon(tmp_path: Path) -> Daemon:
-    policies = tmp_path / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    (policies / "twice.toml").write_text('description = "sleeps twice at most"\n'
-                                         "[limits]\nsleep_after_s = 0.3\nmax_wakes = 2\n")
-    (tmp_path / "d").mkdir()
-    return Daemon(tmp_path / "d", "--policies", str(policies))
-
-
-def _asleep(client: dispatch.Client, sid: str) -> bool:
-    return any(s["id"] == sid and s["asleep"] for s in client.list_sessions())
-
-
-def _falls_asleep(client: dispatch.Client, sid: str, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if _asleep(client, sid):
-            return True
-        time.sleep(0.05)
-    return False
+    return daemon_with_policies(tmp_path, twice='description = "sleeps twice at most"\n'
+                                                '[limits]\nsleep_after_s = 0.3\nmax_wakes = 2\n')
 
 
 def test_a_session_stays_awake_past_its_wakes(tmp_path: Path, worktree: Path) -> None:
@@ -46,11 +27,11 @@ def test_a_session_stays_awake_past_its_wakes(tmp_path: Path, worktree: Path) ->
         with d.connect() as client:
             s = client.open_session(str(worktree), policy="twice")
             for nap in (1, 2):
-                assert _falls_asleep(client, s.id, 10), f"nap {nap}: {d.log()}"
+                wait_until_asleep(client, s.id, 10, d.log())
                 r = shell(s, "ls /proc/self/fd >/dev/null && echo awake")  # wakes it; its /proc readable
                 assert r.output == "awake\n", (nap, r.error)
             # Woken twice: the most its policy allows. Asked again, it stays awake.
-            assert not _falls_asleep(client, s.id, 3), d.log()
+            assert stays_awake(client, s.id, 3), d.log()
             assert f"event=sleep_no_more session={s.id} wakes=2" in d.log()
             assert d.log().count(f"event=session_woken session={s.id}") == 2
             assert shell(s, "echo still").output == "still\n"
@@ -60,13 +41,9 @@ def test_a_session_stays_awake_past_its_wakes(tmp_path: Path, worktree: Path) ->
 
 
 def _daemon_few_channels(tmp_path: Path) -> Daemon:
-    policies = tmp_path / "policies"
-    shutil.copytree(REPO / "policies", policies)
     # max_processes 16: four channels at most (policy.max_channels).
-    (policies / "few.toml").write_text('description = "four channels"\n'
-                                       "[limits]\nsleep_after_s = 0.3\nmax_processes = 16\n")
-    (tmp_path / "d").mkdir()
-    return Daemon(tmp_path / "d", "--policies", str(policies))
+    return daemon_with_policies(tmp_path, few='description = "four channels"\n'
+                                              '[limits]\nsleep_after_s = 0.3\nmax_processes = 16\n')
 
 
 def _attach(frames: protocol.FrameSocket, rid: int, sid: str) -> protocol.FrameSocket:
@@ -108,7 +85,7 @@ def test_a_sleeping_session_refuses_a_channel_over_its_limit_as_an_awake_one_doe
             awake_channels = [_attach(frames, 10 + n, awake.id) for n in range(limit)]  # the opener's + these: over
             assert _served(awake_channels[1], 1)
             assert _refusal(awake_channels[-1]) == too_many_channels(limit)
-            assert _falls_asleep(client, asleep.id, 10), d.log()
+            wait_until_asleep(client, asleep.id, 10, d.log())
             held = [_attach(frames, 20 + n, asleep.id) for n in range(limit - 1)]  # with the opener's: the limit
             over = _attach(frames, 30, asleep.id)
             assert _refusal(over) == too_many_channels(limit)  # refused while it sleeps: no wake for it
