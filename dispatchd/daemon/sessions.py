@@ -821,6 +821,10 @@ class SessionManager:
         server is gone, on purpose (close, switch) or on its own (idle, crash)."""
         try:
             while (msg := control.recv(protocol.from_worker_decoder)) is not None:
+                # None of the messages read here carries a descriptor (those
+                # that do are read before, WorkerReady, or in _sleep): a
+                # worker that sends some anyway does not pile them up here.
+                control.drop_fds()
                 if isinstance(msg, protocol.ToolCallsDone):
                     for call in msg.calls:  # debug only: a line per call grew the log without bound
                         log.debug("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
@@ -1223,9 +1227,17 @@ class SessionManager:
         its channels and see it gone; True when the session is asleep, or was
         ended because that failed (this watch is then over). Refused
         (``StayAwake``) when the session is closing, replaced, or the daemon
-        stops."""
+        stops, or when the session's lock is busy (a close waits under it
+        for this very watch to see the worker end: asked again later)."""
         failed = ""
-        with session.lock:
+        if not session.lock.acquire(blocking=False):
+            try:
+                with session.send_lock:
+                    control.send(protocol.StayAwake())
+            except OSError:
+                pass
+            return False
+        try:
             with session.send_lock:
                 if session.closed or session.generation != generation or not self.accepting \
                         or not session.kit or session.worker is None or session.plan is None \
@@ -1254,7 +1266,11 @@ class SessionManager:
                     msg = control.recv(protocol.from_worker_decoder)
                     if msg is None:
                         raise protocol.ProtocolError("its tool server ended before it handed over its channels")
-                    if isinstance(msg, protocol.KeptJobs) and jobs is None and len(msg.jobs) <= MAX_KEPT_JOBS:
+                    if isinstance(msg, protocol.OkReply):  # a SetCommandEnv sent before Sleep, applied
+                        waiting = session.acks.pop(msg.id, None)
+                        if waiting is not None:
+                            waiting.set()
+                    elif isinstance(msg, protocol.KeptJobs) and jobs is None and len(msg.jobs) <= MAX_KEPT_JOBS:
                         jobs = (msg, [control.take_fd() for _ in msg.jobs])
                     elif isinstance(msg, protocol.Asleep):
                         channels += [control.take_fd() for _ in range(msg.count)]
@@ -1275,6 +1291,8 @@ class SessionManager:
                 deadline = started + session.policy.limits.idle_timeout_s - session.policy.limits.sleep_after_s
                 self.sleepers.add(session.id, nap.number, channels, deadline)
                 log.info("event=session_asleep session=%s channels=%d", session.id, len(channels))
+        finally:
+            session.lock.release()
         if failed:
             log.warning("event=sleep_failed session=%s error=%s", session.id, failed)
             self._finish(session, f"its tool server failed going to sleep ({failed})")

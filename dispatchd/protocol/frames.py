@@ -269,6 +269,16 @@ class FrameSocket:
             raise ProtocolError("expected a file descriptor with this message, none came")
         return self._fd_queue.pop(0)
 
+    def drop_fds(self) -> None:
+        """Close every descriptor queued and not taken: a peer that sends
+        descriptors no message of its asks for cannot make them pile up."""
+        for fd in self._fd_queue:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fd_queue.clear()
+
     def close(self) -> None:
         for fd in self._fd_queue:
             try:

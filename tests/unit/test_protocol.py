@@ -8,6 +8,7 @@ instead of hanging.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
@@ -624,6 +625,31 @@ def test_fd_passing_gives_a_working_fd(pair: tuple[socket.socket, socket.socket]
     with pytest.raises(ProtocolError) as info:
         reader.take_fd()
     assert info.value.args[0] == "expected a file descriptor with this message, none came"
+
+
+def test_descriptors_no_message_asked_for_are_dropped(pair: tuple[socket.socket, socket.socket],
+                                                      pipes: Callable[[], Pipe]):
+    """A peer that sends descriptors with messages that take none (a
+    compromised tool server, to the daemon) cannot make them pile up: the
+    reader drops them. Its twin: one taken before the drop is kept, and works."""
+    pipe, other = pipes(), pipes()
+    writer, reader = fd_pair(pair)
+    writer.send(p.AddChannel(id=1), fds=[pipe.w])
+    reader.recv(p.to_worker_decoder)
+    kept = reader.take_fd()
+    writer.send(p.MaySleep(), fds=[other.w, other.w])
+    reader.recv(p.from_worker_decoder)
+    queued = list(reader._fd_queue)
+    assert len(queued) == 2
+    reader.drop_fds()
+    for fd in queued:
+        with pytest.raises(OSError) as info:
+            os.fstat(fd)
+        assert info.value.errno == errno.EBADF
+    with pytest.raises(ProtocolError):
+        reader.take_fd()
+    assert os.write(kept, b"k") == 1 and os.read(pipe.r, 1) == b"k"
+    os.close(kept)
 
 
 def test_fd_rides_with_a_large_frame(pair: tuple[socket.socket, socket.socket], pipes: Callable[[], Pipe]):
