@@ -44,8 +44,11 @@ _TOOLS = ["read_file", "write_file", "shell_exec"]
 def _tool_server(sock: socket.socket, wt: str) -> None:
     from dispatchd.worker import tool_server
 
+    # A plan that may sleep (can_sleep), as a real session's: its channels read with SO_RCVTIMEO.
     plan = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=wt, scratch=wt + "/.scratch"),
-                                 limits=Limits(), env={}, writable=True, tools=_TOOLS)
+                                 limits=Limits(), env={}, writable=True, tools=_TOOLS,
+                                 namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
+                                 mounts=types.SimpleNamespace(root="minimal"))
     os.makedirs(plan.paths.scratch, exist_ok=True)
     tool_server._Server(plan, None).add_channel(sock)  # type: ignore[arg-type]
     while threading.active_count() > 1:  # until the channel's thread ends (valgrind then writes its counts)
@@ -90,7 +93,12 @@ def _caller(kind: str, wt: str) -> tuple[Any, int, socket.socket]:
     if kind == "read":
         sock, pid = _spawn(_tool_server, wt)
         read = _session(sock).registry.get("read_file")
-        return (lambda: read.call({"path": "f4k.txt"})), pid, sock
+
+        def call() -> None:
+            if not read.call({"path": "f4k.txt"}).success:  # a failing path would count the wrong thing
+                raise SystemExit("callpath: read_file failed")
+
+        return call, pid, sock
     sock, pid = _spawn(_bare_server, wt)
     frames = protocol.FrameSocket(sock)
 
