@@ -143,6 +143,7 @@ def timings(wt: str, calls: int, blocks: int) -> None:
 
 def loop(wt: str, kind: str, n: int) -> None:
     fn, pid, sock = _caller(kind, wt)
+    print(f"server pid {pid}", flush=True)  # for count(): pids wrap, so their order cannot say which is which
     for _ in range(200 + n):
         fn()
     sock.close()
@@ -158,10 +159,11 @@ def count(kind: str) -> None:
         for n in (300, 1300):
             out = os.path.join(tmp, str(n))
             os.mkdir(out)
-            subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p", sys.executable,
-                            __file__, "--loop", kind, str(n)], check=True, capture_output=True)
-            # the client forks the server: the lower pid is the client's (no pid wrap in between, as a rule)
-            files = sorted(glob.glob(f"{out}/cg.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
+            run = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p",
+                                  sys.executable, __file__, "--loop", kind, str(n)],
+                                 check=True, capture_output=True, text=True)
+            server = f"{out}/cg.{run.stdout.split('server pid ', 1)[1].split()[0]}"
+            files = sorted(glob.glob(f"{out}/cg.*"), key=lambda p: p == server)  # the client's, then the server's
             totals.append([next(int(line.split()[1]) for line in open(f) if line.startswith(("summary:", "totals:")))
                            for f in files])
     (c0, s0), (c1, s1) = totals
