@@ -303,7 +303,7 @@ class _Connection:
 
     def _read_until(self, rid: int, deadline: float | None, timeout: float | None,
                     on_output: OutputCallback | None = None) -> tuple[Any, int | None]:
-        frames, decoder = self._frames, self._decoder
+        frames, decode = self._frames, self._decoder.decode
         try:
             while True:
                 try:
@@ -318,7 +318,10 @@ class _Connection:
                     continue
                 if payload is None:
                     raise ConnectionLost("the peer closed the connection")
-                reply = protocol.decode(decoder, payload)
+                try:
+                    reply = decode(payload)  # protocol.decode written out: one Python call fewer a reply
+                except protocol.DECODE_ERRORS as exc:
+                    raise protocol.undecodable(exc) from exc
                 # msgspec decodes to the exact types: no isinstance (each twice the cost) on the way
                 kind = type(reply)
                 if kind is protocol.ToolOutput:
