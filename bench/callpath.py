@@ -161,7 +161,8 @@ def count(kind: str) -> None:
             os.mkdir(out)
             run = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p",
                                   sys.executable, __file__, "--loop", kind, str(n)],
-                                 check=True, capture_output=True, text=True)
+                                 check=True, capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dicts' layouts each run
             server = f"{out}/cg.{run.stdout.split('server pid ', 1)[1].split()[0]}"
             files = sorted(glob.glob(f"{out}/cg.*"), key=lambda p: p == server)  # the client's, then the server's
             totals.append([next(int(line.split()[1]) for line in open(f) if line.startswith(("summary:", "totals:")))
