@@ -568,13 +568,7 @@ class Session:
         schema = self._schemas.get(name)
         on_sent: Callable[[int], None] | None = None
         if (schema is not None and schema.slow) or cancellation is not None:
-            def on_sent(rid: int) -> None:
-                sent.append(rid)
-                with self._in_flight_lock:
-                    self._in_flight[rid] = channel
-                if cancellation is not None:
-                    cancellation._bind(lambda: channel.send(protocol.CancelCall(id=rid)))
-
+            on_sent = self._tracker(channel, cancellation, sent)
         try:
             reply, _ = channel.request(
                 lambda rid: protocol.CallTool(id=rid, tool=name, params=params, stream=on_output is not None),
@@ -606,6 +600,22 @@ class Session:
         if reply.success:
             return Result._from_wire(True, reply.output or "", reply.metadata)
         return Result._from_wire(False, reply.error or "failed", reply.metadata)
+
+    def _tracker(self, channel: _Connection, cancellation: Cancellation | None,
+                 sent: list[int]) -> Callable[[int], None]:
+        """``call_tool``'s ``on_sent`` for a call that can be cancelled. A
+        method, not a closure of call_tool: the variables a nested function
+        uses are made cells on every call of the function holding them, and
+        most calls (read_file, every fast tool) track nothing."""
+
+        def on_sent(rid: int) -> None:
+            sent.append(rid)
+            with self._in_flight_lock:
+                self._in_flight[rid] = channel
+            if cancellation is not None:
+                cancellation._bind(lambda: channel.send(protocol.CancelCall(id=rid)))
+
+        return on_sent
 
     def _lost(self, name: str, exc: ConnectionLost) -> Result:
         """The channel broke mid-call: ask the daemon what happened (by attaching
