@@ -231,9 +231,9 @@ class Definition:
             # _arguments' usual case written out here (see there): a flat
             # schema's exact arguments, copied and checked, without the call
             # and the tuple it returns (about 1,500 instructions a call).
-            args = params.copy()
-            if self._fast(args):
-                return self._invoke(args, context, on_output)
+            copied = params.copy()
+            if self._fast(copied):
+                return self._invoke(copied, context, on_output)
         args, failure = self._arguments(params)
         if failure is not None:
             return failure
