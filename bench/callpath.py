@@ -44,8 +44,11 @@ _TOOLS = ["read_file", "write_file", "shell_exec"]
 def _tool_server(sock: socket.socket, wt: str) -> None:
     from dispatchd.worker import tool_server
 
+    # A plan that may sleep (can_sleep), as a real session's: its channels read with SO_RCVTIMEO.
     plan = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=wt, scratch=wt + "/.scratch"),
-                                 limits=Limits(), env={}, writable=True, tools=_TOOLS)
+                                 limits=Limits(), env={}, writable=True, tools=_TOOLS,
+                                 namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
+                                 mounts=types.SimpleNamespace(root="minimal"))
     os.makedirs(plan.paths.scratch, exist_ok=True)
     tool_server._Server(plan, None).add_channel(sock)  # type: ignore[arg-type]
     while threading.active_count() > 1:  # until the channel's thread ends (valgrind then writes its counts)
@@ -90,7 +93,12 @@ def _caller(kind: str, wt: str) -> tuple[Any, int, socket.socket]:
     if kind == "read":
         sock, pid = _spawn(_tool_server, wt)
         read = _session(sock).registry.get("read_file")
-        return (lambda: read.call({"path": "f4k.txt"})), pid, sock
+
+        def call() -> None:
+            if not read.call({"path": "f4k.txt"}).success:  # a failing path would count the wrong thing
+                raise SystemExit("callpath: read_file failed")
+
+        return call, pid, sock
     sock, pid = _spawn(_bare_server, wt)
     frames = protocol.FrameSocket(sock)
 
@@ -135,6 +143,7 @@ def timings(wt: str, calls: int, blocks: int) -> None:
 
 def loop(wt: str, kind: str, n: int) -> None:
     fn, pid, sock = _caller(kind, wt)
+    print(f"server pid {pid}", flush=True)  # for count(): pids wrap, so their order cannot say which is which
     for _ in range(200 + n):
         fn()
     sock.close()
@@ -150,10 +159,12 @@ def count(kind: str) -> None:
         for n in (300, 1300):
             out = os.path.join(tmp, str(n))
             os.mkdir(out)
-            subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p", sys.executable,
-                            __file__, "--loop", kind, str(n)], check=True, capture_output=True)
-            # the client forks the server: the lower pid is the client's (no pid wrap in between, as a rule)
-            files = sorted(glob.glob(f"{out}/cg.*"), key=lambda p: int(p.rsplit(".", 1)[1]))
+            run = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p",
+                                  sys.executable, __file__, "--loop", kind, str(n)],
+                                 check=True, capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dicts' layouts each run
+            server = f"{out}/cg.{run.stdout.split('server pid ', 1)[1].split()[0]}"
+            files = sorted(glob.glob(f"{out}/cg.*"), key=lambda p: p == server)  # the client's, then the server's
             totals.append([next(int(line.split()[1]) for line in open(f) if line.startswith(("summary:", "totals:")))
                            for f in files])
     (c0, s0), (c1, s1) = totals

@@ -26,6 +26,7 @@ Guarantees (each module's docstring says more):
 """
 
 from dispatchd.protocol.frames import (
+    DECODE_ERRORS,
     MAX_FRAME,
     MAX_HELLO_FRAME,
     MAX_REQUEST_FRAME,
@@ -36,6 +37,7 @@ from dispatchd.protocol.frames import (
     decode,
     encode,
     request_id_of,
+    undecodable,
 )
 from dispatchd.protocol.internal import (
     AcquireWriteLock,
@@ -125,7 +127,7 @@ from dispatchd.protocol.reports import (
 __all__ = [
     # frames
     "MAX_FRAME", "MAX_HELLO_FRAME", "MAX_REQUEST_FRAME", "BadMessage", "FrameSocket", "FrameTooLarge",
-    "ProtocolError", "decode", "encode", "request_id_of",
+    "DECODE_ERRORS", "ProtocolError", "decode", "encode", "request_id_of", "undecodable",
     # the public protocol: client <-> daemon, client <-> worker
     "PROTOCOL_VERSION", "Attach", "Attached", "CallTool", "CancelCall", "ChannelReply", "ChannelRequest",
     "CloseSession", "DaemonReply", "DaemonRequest", "DeniedHost", "ErrorReply", "Hello", "HelloOk",

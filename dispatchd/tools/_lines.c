@@ -1,5 +1,5 @@
 /* dispatchd.tools._lines: the two per-line loops of read_file and
- * search_files, in C.
+ * search_files, in C (and the lstat of the path rules' walk, is_symlink).
  *
  * What it guarantees: each function returns exactly the text the pure-Python
  * path returns for the same bytes (tests/unit/test_native_lines.py compares
@@ -96,6 +96,59 @@ count_newlines(const char *p, Py_ssize_t n)
     return count;
 }
 
+/* Whether [p, p + n) is all ASCII (no byte with its high bit set), eight
+ * bytes at a time. */
+static int
+all_ascii(const char *p, Py_ssize_t n)
+{
+    uint64_t seen = 0;
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        seen |= w;
+    }
+    for (; i < n; i++)
+        seen |= (unsigned char)p[i];
+    return (seen & 0x8080808080808080ULL) == 0;
+}
+
+/* A line number counted up in decimal, its digits right-aligned in ``d``
+ * (zeros to the left): the next number is a carry from the right, where
+ * put_number divided by ten for every digit of every line. */
+typedef struct {
+    char d[24];
+    int len;
+} Counter;
+
+static void
+counter_start(Counter *c, Py_ssize_t v)
+{
+    char tmp[24];
+    char *end = put_number(tmp, v); /* v < 2**62: at most 19 digits */
+    memset(c->d, '0', sizeof c->d);
+    c->len = (int)(end - tmp);
+    memcpy(c->d + sizeof c->d - c->len, tmp, (size_t)c->len);
+}
+
+static char *
+counter_put(const Counter *c, char *w)
+{
+    memcpy(w, c->d + sizeof c->d - c->len, (size_t)c->len);
+    return w + c->len;
+}
+
+static void
+counter_next(Counter *c)
+{
+    int i = (int)sizeof c->d - 1;
+    while (c->d[i] == '9') /* stops within d: a number of 19 digits at most, and zeros to its left */
+        c->d[i--] = '0';
+    c->d[i]++;
+    if ((int)sizeof c->d - i > c->len)
+        c->len = (int)sizeof c->d - i;
+}
+
 /* The last b'\n' in [p, p + n), or NULL. */
 static const char *
 last_newline(const char *p, Py_ssize_t n)
@@ -143,7 +196,7 @@ numbered(PyObject *self, PyObject *args)
         }
         pos = nl - data + 1;
     }
-    PyObject *text;
+    PyObject *text = NULL;
     if (total == 0 && start == 0) {
         text = PyUnicode_FromStringAndSize("", 0);
     } else if (begin < 0) {
@@ -155,20 +208,39 @@ numbered(PyObject *self, PyObject *args)
             stop = start;
         if (stop_at < 0)
             stop_at = n;
+        if (stop_at < begin)
+            stop_at = begin; /* end before start: no line, an empty span (never a negative size) */
         Py_ssize_t span = stop_at - begin;
         if (span > 0 && data[stop_at - 1] == '\n')
             span--; /* the last line's newline is not shown */
         Py_ssize_t lines = stop - start;
         Py_ssize_t size = span + digits_in_range(start, stop) + 2 * lines;
-        char *buf = PyMem_Malloc(size > 0 ? (size_t)size : 1);
-        if (buf == NULL) {
-            PyBuffer_Release(&view);
-            return PyErr_NoMemory();
+        /* ASCII lines (the usual source file) are written straight into the
+         * str, as its decode would give them: no buffer and no decode (the
+         * decode cost more than this test). */
+        int ascii = all_ascii(data + begin, span);
+        char *buf;
+        if (ascii) {
+            text = PyUnicode_New(size, 127);
+            if (text == NULL) {
+                PyBuffer_Release(&view);
+                return NULL;
+            }
+            buf = (char *)PyUnicode_1BYTE_DATA(text);
+        } else {
+            buf = PyMem_Malloc(size > 0 ? (size_t)size : 1);
+            if (buf == NULL) {
+                PyBuffer_Release(&view);
+                return PyErr_NoMemory();
+            }
         }
         char *w = buf;
         Py_ssize_t at = begin, limit = begin + span;
+        Counter number;
+        counter_start(&number, start);
         for (Py_ssize_t i = start; i < stop; i++) {
-            w = put_number(w, i);
+            w = counter_put(&number, w);
+            counter_next(&number);
             *w++ = ':';
             *w++ = ' ';
             const char *nl = at < limit ? memchr(data + at, '\n', (size_t)(limit - at)) : NULL;
@@ -177,8 +249,17 @@ numbered(PyObject *self, PyObject *args)
             w += next - at;
             at = next;
         }
-        text = PyUnicode_DecodeUTF8(buf, w - buf, "replace");
-        PyMem_Free(buf);
+        if (ascii) {
+            if (w - buf != size) { /* never: size counts exactly what the loop writes */
+                Py_DECREF(text);
+                PyBuffer_Release(&view);
+                PyErr_SetString(PyExc_SystemError, "numbered: the text's size was miscounted");
+                return NULL;
+            }
+        } else {
+            text = PyUnicode_DecodeUTF8(buf, w - buf, "replace");
+            PyMem_Free(buf);
+        }
     }
     PyBuffer_Release(&view);
     if (text == NULL)
@@ -426,7 +507,36 @@ read_text(PyObject *self, PyObject *args)
     return data;
 }
 
+/* is_symlink(path) -> bool
+ *
+ * Whether ``path`` itself is a symbolic link: os.lstat(path).st_mode tested
+ * with S_ISLNK, without the stat_result os.lstat builds (about 4,500
+ * instructions, on every component of every read_file's path). An error
+ * raises what os.lstat raises: the OSError subclass of its errno, with
+ * ``path`` as its filename. The system call runs without the GIL. */
+static PyObject *
+is_symlink(PyObject *self, PyObject *path)
+{
+    PyObject *encoded;
+    if (!PyUnicode_FSConverter(path, &encoded))
+        return NULL;
+    struct stat st;
+    int failed, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    failed = lstat(PyBytes_AS_STRING(encoded), &st) != 0;
+    if (failed)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    Py_DECREF(encoded);
+    if (failed) {
+        errno = err;
+        return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+    }
+    return PyBool_FromLong(S_ISLNK(st.st_mode));
+}
+
 static PyMethodDef methods[] = {
+    {"is_symlink", is_symlink, METH_O, "read_file's path walk: whether lstat(path) is a symbolic link."},
     {"numbered", numbered, METH_VARARGS, "read_file's numbered lines: (text | None, total)."},
     {"search_literal", search_literal, METH_VARARGS,
      "search_files' lines holding a literal, labelled: (text | None, count, more, misses)."},

@@ -22,6 +22,8 @@ class Lines(Protocol):
 
     def read_text(self, path: str, cap: int, sniff: int, /) -> bytes | None | Literal[False]: ...
 
+    def is_symlink(self, path: str, /) -> bool: ...
+
 
 lines: Lines | None
 _why = ""

@@ -243,3 +243,32 @@ def test_read_text_refuses_negative_sizes() -> None:
     assert lines is not None
     with pytest.raises(ValueError, match="cap and sniff must be >= 0"):
         lines.read_text("/dev/null", -1, 0)
+
+
+# -- the path walk's lstat -----------------------------------------------------
+
+
+def test_is_symlink_answers_as_lstat(tmp_path: Path) -> None:
+    """is_symlink is S_ISLNK of os.lstat's mode, and fails as os.lstat fails
+    (the same OSError subclass, errno and filename): the path rules' walk
+    (worktree_paths._plain_path) tells symlinks and missing parts apart by them."""
+    import stat
+
+    assert lines is not None
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "link").symlink_to("file")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    (tmp_path / "dirlink").symlink_to("dir")
+    for name in ("file", "dir", "link", "dangling", "dirlink", "dirlink/", "dir/", "nowhere", "file/x",
+                 "dangling/x", "\udcff-undecodable", "dir/" + "a" * 300):
+        path = str(tmp_path / name) if not name.endswith("/") else str(tmp_path) + "/" + name
+        try:
+            expected: object = stat.S_ISLNK(os.lstat(path).st_mode)
+        except OSError as exc:
+            expected = (type(exc), exc.errno, exc.filename)
+        try:
+            got: object = lines.is_symlink(path)
+        except OSError as exc:
+            got = (type(exc), exc.errno, exc.filename)
+        assert got == expected, name
