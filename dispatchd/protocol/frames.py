@@ -293,10 +293,5 @@ class FrameSocket:
         self._fd_queue.clear()
 
     def close(self) -> None:
-        for fd in self._fd_queue:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fd_queue.clear()
+        self.drop_fds()
         self.sock.close()
