@@ -24,6 +24,13 @@ def _daemon(tmp_path: Path) -> Daemon:
     return daemon_with_policies(tmp_path, nap='description = "sleeps after 0.3 s"\n[limits]\nsleep_after_s = 0.3\n')
 
 
+def _raw_channel(client: dispatch.Client, sid: str) -> protocol.FrameSocket:
+    """A channel to session ``sid``, as frames (an attach through the client's connection)."""
+    _, fd = client._daemon_request(lambda rid: protocol.Attach(id=rid, session=sid))
+    assert fd is not None
+    return protocol.FrameSocket(socket.socket(fileno=fd))
+
+
 def _children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
@@ -323,9 +330,7 @@ def test_replies_left_unread_do_not_use_up_the_wakes(tmp_path: Path, worktree: P
             assert shell(s, "true").is_success
             for nap in range(6):
                 _until_asleep(d, client, s.id)
-                reply, fd = client._daemon_request(lambda rid: protocol.Attach(id=rid, session=s.id))
-                assert fd is not None
-                frames = protocol.FrameSocket(socket.socket(fileno=fd))
+                frames = _raw_channel(client, s.id)
                 kept.append(frames)
                 frames.send(protocol.CallTool(id=1, tool="read_file", params={"path": "README.md"}))
                 assert _readable_now(frames, 5), (nap, d.log()[-1500:])  # answered; left unread
@@ -375,9 +380,7 @@ def test_more_channels_than_one_message_carries(tmp_path: Path, worktree: Path) 
             s = client.open_session(str(worktree), policy="nap")
             assert shell(s, "true").is_success
             for _ in range(255):
-                reply, fd = client._daemon_request(lambda rid: protocol.Attach(id=rid, session=s.id))
-                assert fd is not None
-                kept.append(protocol.FrameSocket(socket.socket(fileno=fd)))
+                kept.append(_raw_channel(client, s.id))
             _until_asleep(d, client, s.id)
             assert re.findall(rf"event=session_asleep session={s.id} channels=(\d+)", d.log())[-1] == "256"
             for i, frames in enumerate([kept[0], kept[200], kept[-1]]):
