@@ -136,8 +136,11 @@ def timings(wt: str, calls: int, blocks: int) -> None:
         p50, client, server = (statistics.median(row[k]) * 1e6 for k in ("p50", "client", "server"))
         print(f"{kind:5s} p50 {p50:6.1f} µs   CPU a call: client {client:5.1f} µs, server {server:5.1f} µs "
               "(the server's in clock ticks: coarse)")
-    for _, pid, sock in callers.values():
+    # Every socket closed before any wait: the bare server, forked second,
+    # holds the read server's client end too, so it must end first.
+    for _, _, sock in callers.values():
         sock.close()
+    for _, pid, _ in reversed(callers.values()):
         os.waitpid(pid, 0)
 
 

@@ -194,6 +194,25 @@ def open_no_symlinks(path: str, dir_fd: int = -100, beneath: bool = False) -> in
         raise
 
 
+RESOLVE_NO_MAGICLINKS = 0x02
+
+
+def open_beneath(dir_fd: int, path: str, flags: int) -> int:
+    """``openat2(flags | O_NOFOLLOW | O_CLOEXEC)`` of ``path`` below the
+    directory ``dir_fd``, with RESOLVE_BENEATH, RESOLVE_NO_SYMLINKS and
+    RESOLVE_NO_MAGICLINKS: the kernel refuses any symlink on the way (ELOOP)
+    and any escape above ``dir_fd`` (EXDEV) in the walk that opens the file.
+    Raises the OSError of the errno, ``path`` its filename."""
+    how = _OpenHow(flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
+                   RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+    try:
+        return syscall(SYS_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
+                       ctypes.c_size_t(ctypes.sizeof(how)))
+    except OSError as exc:
+        exc.filename = path
+        raise
+
+
 def open_tree_clone(path: str) -> int:
     """``open_tree(OPEN_TREE_CLONE | AT_RECURSIVE)``: a copy of the mount tree
     at ``path``, detached (an anonymous mount namespace of its own), as a

@@ -1,5 +1,6 @@
 /* dispatchd.tools._lines: the two per-line loops of read_file and
- * search_files, in C (and the lstat of the path rules' walk, is_symlink).
+ * search_files, in C (and the lstat of the path rules' walk, is_symlink;
+ * read_file's usual open, read and sniff by descriptor, read_beneath).
  *
  * What it guarantees: each function returns exactly the text the pure-Python
  * path returns for the same bytes (tests/unit/test_native_lines.py compares
@@ -25,7 +26,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/openat2.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 
@@ -439,41 +442,20 @@ done:
     return result;
 }
 
-/* read_text(path, cap, sniff) -> bytes | None | False
- *
- * search_files' read of one file: opened without blocking and without
- * following a symlink at the last component, its bytes if it is a regular
- * file of at most ``cap`` bytes read whole in one read of its size and one
- * byte more, without a NUL in its first ``sniff`` bytes; None when it is
- * not (unreadable, not regular, over the cap, binary); False when one read
- * did not give the size fstat gave (it changed meanwhile: the caller reads
- * it again, in Python, with read_regular's loop). The file system calls run
- * without the GIL. */
+/* The bytes of the open file ``fd`` (closed here, always) when it is a
+ * regular file of at most ``cap`` bytes, read whole in one read of its size
+ * and one byte more, without a NUL in its first ``sniff`` bytes; None when
+ * it is not; False when the read did not give the size fstat gave. */
 static PyObject *
-read_text(PyObject *self, PyObject *args)
+read_whole(int fd, Py_ssize_t cap, Py_ssize_t sniff)
 {
-    PyObject *encoded;
-    Py_ssize_t cap, sniff;
-    if (!PyArg_ParseTuple(args, "O&nn:read_text", PyUnicode_FSConverter, &encoded, &cap, &sniff))
-        return NULL;
-    if (cap < 0 || sniff < 0) {
-        Py_DECREF(encoded);
-        PyErr_SetString(PyExc_ValueError, "cap and sniff must be >= 0");
-        return NULL;
-    }
-    const char *path = PyBytes_AS_STRING(encoded);
-    int fd, ok;
     struct stat st;
+    int ok;
     Py_BEGIN_ALLOW_THREADS
-    do {
-        fd = open(path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
-    } while (fd < 0 && errno == EINTR);
-    ok = fd >= 0 && fstat(fd, &st) == 0;
+    ok = fstat(fd, &st) == 0;
     Py_END_ALLOW_THREADS
-    Py_DECREF(encoded);
     if (!ok || !S_ISREG(st.st_mode) || st.st_size > cap || st.st_size < 0 || st.st_size >= PY_SSIZE_T_MAX) {
-        if (fd >= 0)
-            close(fd);
+        close(fd);
         Py_RETURN_NONE;
     }
     Py_ssize_t size = (Py_ssize_t)st.st_size;
@@ -504,6 +486,116 @@ read_text(PyObject *self, PyObject *args)
     }
     if (_PyBytes_Resize(&data, size) < 0)
         return NULL;
+    return data;
+}
+
+/* read_text(path, cap, sniff) -> bytes | None | False
+ *
+ * search_files' read of one file: opened without blocking and without
+ * following a symlink at the last component, then read_whole: its bytes if
+ * it is a regular text file within ``cap``; None when it is not (unreadable,
+ * not regular, over the cap, binary); False when it changed while read (the
+ * caller reads it again, in Python, with read_regular's loop). The file
+ * system calls run without the GIL. */
+static PyObject *
+read_text(PyObject *self, PyObject *args)
+{
+    PyObject *encoded;
+    Py_ssize_t cap, sniff;
+    if (!PyArg_ParseTuple(args, "O&nn:read_text", PyUnicode_FSConverter, &encoded, &cap, &sniff))
+        return NULL;
+    if (cap < 0 || sniff < 0) {
+        Py_DECREF(encoded);
+        PyErr_SetString(PyExc_ValueError, "cap and sniff must be >= 0");
+        return NULL;
+    }
+    const char *path = PyBytes_AS_STRING(encoded);
+    int fd;
+    Py_BEGIN_ALLOW_THREADS
+    do {
+        fd = open(path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    } while (fd < 0 && errno == EINTR);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(encoded);
+    if (fd < 0)
+        Py_RETURN_NONE;
+    return read_whole(fd, cap, sniff);
+}
+
+/* Whether ``path`` (``len`` bytes, no NUL) is a plain relative path: not
+ * empty, not absolute, and every '/'-separated component neither empty nor
+ * "." nor "..". Such a path is its own display form, and only it takes
+ * read_beneath's one call. */
+static int
+plain_relative(const char *path, Py_ssize_t len)
+{
+    if (len == 0 || path[0] == '/')
+        return 0;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t i = 0; i <= len; i++) {
+        if (i == len || path[i] == '/') {
+            Py_ssize_t n = i - start;
+            if (n == 0 || (n == 1 && path[start] == '.') || (n == 2 && path[start] == '.' && path[start + 1] == '.'))
+                return 0;
+            start = i + 1;
+        }
+    }
+    return 1;
+}
+
+/* read_beneath(root_fd, path, cap, sniff) -> bytes | None
+ *
+ * read_file's usual call in one open by descriptor: ``path``, a plain
+ * relative path (plain_relative), opened below the directory ``root_fd``
+ * with openat2's RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS (the kernel refuses
+ * any symlink on the way, a magic link and any escape from the root, in the
+ * same walk that opens the file: nothing to check before, nothing that can
+ * change between a check and the open), then read_whole. None for anything
+ * else: a path that is not plain, a symlink on the way, a file missing,
+ * unreadable, not regular, over the cap, binary or changing; the caller's
+ * full path (the path rules' walk and their messages) then decides, so this
+ * function never has to word an error. Never raises for the path's content. */
+static PyObject *
+read_beneath(PyObject *self, PyObject *args)
+{
+    int root_fd;
+    PyObject *path;
+    Py_ssize_t cap, sniff;
+    if (!PyArg_ParseTuple(args, "iUnn:read_beneath", &root_fd, &path, &cap, &sniff))
+        return NULL;
+    if (cap < 0 || sniff < 0) {
+        PyErr_SetString(PyExc_ValueError, "cap and sniff must be >= 0");
+        return NULL;
+    }
+    PyObject *encoded = PyUnicode_EncodeFSDefault(path);  /* surrogateescape, as os.open's */
+    if (encoded == NULL) {
+        PyErr_Clear();  /* a lone surrogate that no file name holds: the full path says so */
+        Py_RETURN_NONE;
+    }
+    const char *raw = PyBytes_AS_STRING(encoded);
+    Py_ssize_t len = PyBytes_GET_SIZE(encoded);
+    if (root_fd < 0 || (Py_ssize_t)strlen(raw) != len || !plain_relative(raw, len)) {  /* < 0: never AT_FDCWD */
+        Py_DECREF(encoded);
+        Py_RETURN_NONE;
+    }
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    long fd;
+    Py_BEGIN_ALLOW_THREADS
+    do {
+        fd = syscall(SYS_openat2, root_fd, raw, &how, sizeof how);
+    } while (fd < 0 && errno == EINTR);  /* EAGAIN (a rename raced the walk): the full path */
+    Py_END_ALLOW_THREADS
+    Py_DECREF(encoded);
+    if (fd < 0)
+        Py_RETURN_NONE;
+    PyObject *data = read_whole((int)fd, cap, sniff);
+    if (data == Py_False) {
+        Py_DECREF(data);
+        Py_RETURN_NONE;
+    }
     return data;
 }
 
@@ -541,6 +633,8 @@ static PyMethodDef methods[] = {
     {"search_literal", search_literal, METH_VARARGS,
      "search_files' lines holding a literal, labelled: (text | None, count, more, misses)."},
     {"read_text", read_text, METH_VARARGS, "search_files' read of one text file: bytes | None | False."},
+    {"read_beneath", read_beneath, METH_VARARGS,
+     "read_file's usual read: a plain relative path opened below a directory fd by openat2: bytes | None."},
     {NULL, NULL, 0, NULL},
 };
 

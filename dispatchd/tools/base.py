@@ -87,6 +87,9 @@ class ToolContext:
     scratch: str = ""  # the session's private directory (jobs keep their logs there)
     call: CallControl | None = None  # set per call for slow tools (cancel, streaming)
     jobs: Any = None  # the session's background jobs (dispatchd.tools.jobs.Jobs)
+    # ``root`` opened (O_PATH) by the tool server: read_file's usual open is
+    # made below it by descriptor (openat2, RESOLVE_BENEATH); -1: by path only.
+    root_fd: int = -1
 
 
 class Outcome(msgspec.Struct, frozen=True):

@@ -49,15 +49,23 @@ def _load_text(ctx: ToolContext, path: str, refusal: str) -> tuple[str, str, byt
     """
     target, rel = resolve_shown(ctx.root, path)
     cap = ctx.limits.file_size_cap_bytes
+    # With the worktree's root fd held (the tool server's), the file the walk
+    # found (no symlink left on its path) is opened below it by descriptor,
+    # in one openat2 that refuses any symlink planted on the way since the
+    # walk: a directory swapped for a link outside meanwhile fails the open
+    # (ELOOP) instead of being read through.
+    root_fd = ctx.root_fd
+    below = (target[len(ctx.root.rstrip("/")) + 1:] or ".") if root_fd >= 0 else target
     if native.lines is not None:
         # The common case in C: a regular text file within the cap, read
         # whole (the same open, fstat, read and sniff). Anything else is read
         # again below, which words why.
-        text = native.lines.read_text(target, cap, SNIFF_BYTES)
+        text = (native.lines.read_beneath(root_fd, below, cap, SNIFF_BYTES) if root_fd >= 0
+                else native.lines.read_text(target, cap, SNIFF_BYTES))
         if isinstance(text, bytes):
             return target, rel, text
     try:
-        mode, size, data = read_regular(target, cap)
+        mode, size, data = read_regular(below, cap, root_fd)
     except FileNotFoundError:
         raise ToolFailure(f"file not found: {rel}") from None
     except OSError as exc:
@@ -172,11 +180,22 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
         raise ToolFailure(f"end_line must be a line number or -1 (the end), not {end_line}")
     if end_line != -1 and start_line > end_line:
         raise ToolFailure(f"start_line {start_line} is after end_line {end_line}")
-    _, rel, data = _load_text(ctx, path, "read_file only reads text")
-    if native.lines is not None:  # the same text, numbered in C (_lines.c)
+    lines = native.lines
+    # The usual call, by descriptor: a plain relative path opened below the
+    # worktree's root fd in one openat2 that refuses symlinks and escapes
+    # (read_beneath), a regular text file within the cap. Its display form is
+    # itself. Anything else (a symlink on the way, "..", a missing or binary
+    # file) gets None and takes the path rules' walk, whose messages it keeps.
+    data = None if lines is None or ctx.root_fd < 0 else lines.read_beneath(
+        ctx.root_fd, path, ctx.limits.file_size_cap_bytes, SNIFF_BYTES)
+    if data is not None:
+        rel = path if path.isascii() else printable(path)
+    else:
+        _, rel, data = _load_text(ctx, path, "read_file only reads text")
+    if lines is not None:  # the same text, numbered in C (_lines.c)
         # Past any file's last line either way; keeps the numbers within a C ssize_t.
         far = 1 << 62
-        output, total = native.lines.numbered(data, min(start_line, far), end_line if end_line < far else -1)
+        output, total = lines.numbered(data, min(start_line, far), end_line if end_line < far else -1)
         if output is None:
             raise _past_the_end(rel, start_line, total)
         last = total - 1 if end_line == -1 else min(end_line, total - 1)

@@ -24,6 +24,8 @@ class Lines(Protocol):
 
     def is_symlink(self, path: str, /) -> bool: ...
 
+    def read_beneath(self, root_fd: int, path: str, cap: int, sniff: int, /) -> bytes | None: ...
+
 
 lines: Lines | None
 _why = ""

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import stat
 
+from dispatchd.confine._sys import open_beneath
+
 __all__ = ["SNIFF_BYTES", "looks_binary", "read_regular"]
 
 # A NUL byte in the first 8 KiB marks a file as binary: git and grep use the
@@ -58,13 +60,20 @@ def _read_rest(fd: int, first: bytes, limit: int, expected: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_regular(path: str, cap: int) -> tuple[int, int, bytes | None]:
+def read_regular(path: str, cap: int, dir_fd: int = -1) -> tuple[int, int, bytes | None]:
     """``(st_mode, size, content)`` of ``path``; raises ``OSError``.
 
     ``content`` is None unless ``path`` is a regular file of at most ``cap``
     bytes; ``size`` is then the size seen (more than ``cap`` when too big).
+    With ``dir_fd`` (a directory's descriptor), ``path`` is relative to it
+    and opened below it by ``open_beneath``: a symlink anywhere on the way
+    fails the open (ELOOP), as one above it would (EXDEV).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    flags = os.O_RDONLY | os.O_NONBLOCK
+    if dir_fd >= 0:
+        fd = open_beneath(dir_fd, path, flags)
+    else:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > cap:

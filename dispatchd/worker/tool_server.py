@@ -294,7 +294,8 @@ class _Server:
     def __init__(self, plan: SessionPlan, control: _Control) -> None:
         self.plan = plan
         self.ctx = ToolContext(root=plan.paths.worktree, limits=plan.limits, env=plan.env, writable=plan.writable,
-                               scratch=plan.paths.scratch, jobs=Jobs(plan.paths.scratch))
+                               scratch=plan.paths.scratch, jobs=Jobs(plan.paths.scratch),
+                               root_fd=_open_root(plan.paths.worktree))
         self.tools = {name: TOOLS[name] for name in plan.tools}
         self.activity = _Activity()
         self.control = control
@@ -599,6 +600,17 @@ class _Server:
                 "with this call still running; its processes are ended")))
         self.flush_records()
         os._exit(0)
+
+
+def _open_root(worktree: str) -> int:
+    """The worktree's root as an O_PATH descriptor, held for the session's
+    life (close-on-exec: no command inherits it): read_file opens below it
+    (ToolContext.root_fd). -1 when it cannot be opened: every call then takes
+    the path rules' walk, which says what is wrong."""
+    try:
+        return os.open(worktree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def _readable(fds: list[int]) -> bool:

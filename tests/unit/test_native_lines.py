@@ -272,3 +272,66 @@ def test_is_symlink_answers_as_lstat(tmp_path: Path) -> None:
         except OSError as exc:
             got = (type(exc), exc.errno, exc.filename)
         assert got == expected, name
+
+
+# -- read_file's open by descriptor --------------------------------------------
+
+
+def test_read_beneath_reads_plain_paths_below_the_root_fd(tmp_path: Path) -> None:
+    """A plain relative path to a regular text file within the cap: its
+    bytes, as read_text gives them by the absolute path (the allowed twin of
+    every refusal below)."""
+    assert lines is not None
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "f.txt").write_bytes(b"a\nb\r\n\xff")
+    (tmp_path / "top.txt").write_bytes(b"top\n")
+    (tmp_path / b"caf\xe9".decode("utf-8", "surrogateescape")).write_bytes(b"x\n")
+    fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        for name in ("d/e/f.txt", "top.txt", b"caf\xe9".decode("utf-8", "surrogateescape")):
+            assert lines.read_beneath(fd, name, 1 << 20, SNIFF_BYTES) == lines.read_text(
+                str(tmp_path / name), 1 << 20, SNIFF_BYTES), name
+    finally:
+        os.close(fd)
+
+
+def test_read_beneath_leaves_everything_else_to_the_path_rules(tmp_path: Path) -> None:
+    """None (the caller's full path then words why, or follows a link that
+    stays inside) for: a path that is not plain, a symlink anywhere on the
+    way (inside or out), an escape, a NUL, a lone surrogate, a missing file,
+    a directory, a FIFO (not waited on), a binary file, one over the cap."""
+    assert lines is not None
+    root = tmp_path / "wt"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "f.txt").write_bytes(b"f\n")
+    (tmp_path / "outside.txt").write_bytes(b"secret\n")
+    (root / "in-link").symlink_to("d/f.txt")
+    (root / "dir-link").symlink_to("d")
+    (root / "out-link").symlink_to(tmp_path / "outside.txt")
+    (root / "nul").write_bytes(b"a\0")
+    (root / "big").write_bytes(b"a" * 101)
+    os.mkfifo(root / "fifo")
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+    try:
+        for name in ("", ".", "./d/f.txt", "d//f.txt", "d/./f.txt", "d/../d/f.txt", "../outside.txt", "d/f.txt/",
+                     str(root / "d" / "f.txt"), "/d/f.txt", "d/f.txt\0", "d/\udcff\ud800", "in-link",
+                     "dir-link/f.txt", "out-link", "missing", "d", "fifo", "nul", "big", "d/" + "a" * 5000):
+            assert lines.read_beneath(fd, name, 100, SNIFF_BYTES) is None, name
+        # The twin: the same file by its plain path.
+        assert lines.read_beneath(fd, "d/f.txt", 100, SNIFF_BYTES) == b"f\n"
+    finally:
+        os.close(fd)
+
+
+def test_read_beneath_refuses_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert lines is not None
+    with pytest.raises(ValueError, match="cap and sniff must be >= 0"):
+        lines.read_beneath(0, "x", -1, 0)
+    with pytest.raises(TypeError):
+        lines.read_beneath(0, b"x", 1, 0)  # type: ignore[arg-type]
+    # A descriptor that is no directory, or none: None, never a read elsewhere.
+    assert lines.read_beneath(-1, "etc/hostname", 1 << 20, SNIFF_BYTES) is None
+    monkeypatch.chdir("/")  # AT_FDCWD (-100) is no root either: never the working directory
+    assert lines.read_beneath(-100, "etc/hostname", 1 << 20, SNIFF_BYTES) is None
+    with open("/etc/hostname", "rb") as f:
+        assert lines.read_beneath(f.fileno(), "x", 1 << 20, SNIFF_BYTES) is None

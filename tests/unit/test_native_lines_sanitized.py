@@ -18,12 +18,14 @@ import dispatchd.tools
 _SOURCE = Path(dispatchd.tools.__file__).parent / "_lines.c"
 
 _DRIVE = r"""
-import random, sys
+import os, random, sys
 sys.path.insert(0, sys.argv[1])
 import _lines as L
 M = 2**63 - 1
 rng = random.Random(int(sys.argv[2]))
 paths = [sys.argv[1] + "/" + n for n in ("text", "empty", "nul", "missing", ".")] + ["/dev/null", "/proc/self/stat"]
+root = os.open(sys.argv[1], os.O_PATH | os.O_DIRECTORY)
+parts = ["text", "empty", "nul", "/", ".", "..", "", "a", "\udcff", "\x00", "a" * 300]
 units = [b"a", b"\n", b"\r", b"\xff", b"\xc3", b"ab", b"\x00", b"\n\n", b"\xe2\x82", b"aa" * 40]
 for _ in range(40000):
     d = b"".join(rng.choice(units) for _ in range(rng.randint(0, 40)))
@@ -32,6 +34,8 @@ for _ in range(40000):
     L.search_literal(d, needle, rng.choice([0, M, rng.randint(0, 5)]), rng.choice(["n", "\u00e9", "a\nb"]),
                      rng.choice([0, M, rng.randint(0, 6)]), rng.randint(-1, len(needle) - 1), rng.choice([0, 2, M]))
     L.read_text(rng.choice(paths), rng.choice([0, 3, 100, M]), rng.choice([0, 1, 8192, M]))
+    name = "".join(rng.choice(parts) for _ in range(rng.randint(0, 6)))
+    L.read_beneath(rng.choice([root, -1, -100]), name, rng.choice([0, 3, 100, M]), rng.choice([0, 1, 8192, M]))
 print("clean")
 """
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -57,14 +60,28 @@ def outside_file(ctx: ToolContext, content: str = "secret\n") -> Path:
 
 
 class TestReadFile:
-    @pytest.fixture(autouse=True, params=["c", "python"])
-    def line_loops(self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-        """Each test twice: numbered by the C helper (tools/_lines.c) and by
-        the pure-Python path that runs where it was not built."""
+    @pytest.fixture(autouse=True, params=["by-fd", "c", "python"])
+    def line_loops(self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+        """Each test three times: as the tool server calls it (the C helper,
+        the worktree's root fd held: read_beneath's one openat2 first), by
+        path with the C helper (tools/_lines.c, as the warm-up calls it), and
+        by the pure-Python path that runs where it was not built (root fd
+        held: opened by read_regular's openat2)."""
         if request.param == "python":
             monkeypatch.setattr(native, "lines", None)
         else:
             assert native.lines is not None, native.report()
+        return str(request.param)
+
+    @pytest.fixture
+    def ctx(self, tmp_path: Path, line_loops: str) -> Iterator[ToolContext]:
+        root = os.path.realpath(tmp_path)
+        fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if line_loops != "c" else -1
+        try:
+            yield ToolContext(root=root, limits=Limits(), env={"PATH": "/usr/bin:/bin"}, root_fd=fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def test_reads_the_whole_file_with_0_based_line_numbers(self, ctx: ToolContext) -> None:
         put(ctx, "a.txt", "alpha\nbeta\ngamma\n")
@@ -193,9 +210,93 @@ class TestReadFile:
         r = call(ctx, "read_file", path=path)
         assert not r.success and ("escapes" in r.error or "absolute" in r.error)
 
+    def test_a_directory_on_the_way_that_links_outside_is_refused(self, ctx: ToolContext) -> None:
+        """A symlinked directory in the middle of the path (the last part a
+        plain name): refused by the walk, never read below the root fd."""
+        outside = outside_file(ctx)
+        os.symlink(outside.parent, os.path.join(ctx.root, "up"))
+        r = call(ctx, "read_file", path=f"up/{outside.name}")
+        assert r.error == f"path escapes the worktree: 'up/{outside.name}' (through a symlink that points outside it)"
+
+    def test_a_directory_on_the_way_that_links_inside_is_read_through(self, ctx: ToolContext) -> None:
+        """The twin: the same shape of path through a link that stays inside
+        is read, and named by where it leads."""
+        put(ctx, "real/in.txt", "inside\n")
+        os.symlink("real", os.path.join(ctx.root, "alias"))
+        r = call(ctx, "read_file", path="alias/in.txt")
+        assert r.output == "0: inside" and r.metadata["path"] == "real/in.txt"
+
+    @pytest.mark.parametrize("path", ["./a.txt", "d//b.txt", "d/./b.txt", "d/../a.txt", "d/b.txt"])
+    def test_paths_that_are_not_plain_read_the_same_file_named_plainly(self, ctx: ToolContext, path: str) -> None:
+        put(ctx, "a.txt", "a\n")
+        put(ctx, "d/b.txt", "b\n")
+        r = call(ctx, "read_file", path=path)
+        expected = "a.txt" if path.endswith("a.txt") else "d/b.txt"
+        assert r.success and r.metadata["path"] == expected and r.output == f"0: {expected[-5]}"
+
+    def test_a_name_that_is_not_utf8_is_read_and_shown_printably(self, ctx: ToolContext) -> None:
+        raw = os.path.join(os.fsencode(ctx.root), b"caf\xe9.txt")
+        with open(raw, "wb") as f:
+            f.write(b"x\n")
+        r = call(ctx, "read_file", path=os.fsdecode(b"caf\xe9.txt"))
+        assert r.output == "0: x" and r.metadata["path"] == "caf\ufffd.txt"
+
+
     def test_unknown_parameter_is_refused(self, ctx: ToolContext) -> None:
         r = call(ctx, "read_file", path="a.txt", start=1)
         assert not r.success and "unknown field" in r.error
+
+
+_SWAP_LOOP = """
+import os, sys
+root, away = sys.argv[1], sys.argv[2]
+d, keep, link = root + "/d", root + "/d-kept", root + "/d-link"
+os.symlink(away, link)
+while True:
+    os.rename(d, keep)
+    os.rename(link, d)
+    os.rename(d, link)
+    os.rename(keep, d)
+"""
+
+
+@pytest.mark.parametrize("helper", ["c", "python"])
+def test_a_directory_swapped_for_a_link_outside_is_never_read_through(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helper: str) -> None:
+    """read_file as the tool server runs it (the worktree's root fd held),
+    with the C helper and without: a hostile session swaps a directory of
+    the path for a symlink to outside while it is read, again and again.
+    Every read is the inside file or a refusal, never the outside file's
+    content: the file is opened below the root fd with openat2 refusing
+    symlinks, so a swap after the path walk fails the open. (By path, the
+    walk's lstat and the open are two steps, and the swap wins between them.)"""
+    if helper == "python":
+        monkeypatch.setattr(native, "lines", None)
+    root = os.path.realpath(tmp_path / "wt")
+    os.mkdir(root)
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    ctx = ToolContext(root=root, limits=Limits(), env={}, root_fd=fd)
+    put(ctx, "d/f.txt", "inside\n")
+    outside = outside_file(ctx, "secret\n")
+    away = Path(ctx.root).parent / f"{Path(ctx.root).name}-outside-dir"
+    away.mkdir()
+    (away / "f.txt").write_text("secret\n")
+    # The twin: the inside file is read while nothing swaps it.
+    assert call(ctx, "read_file", path="d/f.txt").output == "0: inside"
+    # Another process swaps, so that it races the reads for real (a thread
+    # would take turns with them under the GIL).
+    swapper = subprocess.Popen([sys.executable, "-c", _SWAP_LOOP, root, str(away)])
+    try:
+        for _ in range(3000):
+            r = call(ctx, "read_file", path="d/f.txt")
+            assert "secret" not in (r.output or "") + (r.error or "")
+            assert r.output == "0: inside" or r.error is not None
+        assert swapper.poll() is None  # the swap ran all along
+    finally:
+        swapper.kill()
+        swapper.wait()
+        os.close(fd)
+    assert outside.read_text() == "secret\n"
 
 
 # == write_file ================================================================
