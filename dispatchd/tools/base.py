@@ -134,21 +134,32 @@ class Tool:
 
 
 def run_tool(tool: Tool, ctx: ToolContext, params: Any) -> Outcome:
-    name = tool.spec.name
     try:
         typed = msgspec.convert(params, tool.spec.params_type)
     except msgspec.ValidationError as exc:
-        return Outcome.fail(f"{name}: invalid arguments: {exc}")
+        return invalid(tool, exc)
     try:
         return tool.func(ctx, typed)
-    except ToolFailure as exc:
+    except Exception as exc:  # noqa: BLE001 (failed words each kind)
+        return failed(tool, ctx, exc)
+
+
+def invalid(tool: Tool, exc: msgspec.ValidationError) -> Outcome:
+    """The Outcome of arguments that do not fit the tool's parameters."""
+    return Outcome.fail(f"{tool.spec.name}: invalid arguments: {exc}")
+
+
+def failed(tool: Tool, ctx: ToolContext, exc: Exception) -> Outcome:
+    """The Outcome of a tool function that raised ``exc``: its ToolFailure's
+    words, an OSError without the host's path, or a bug named as one."""
+    name = tool.spec.name
+    if isinstance(exc, ToolFailure):
         return Outcome.fail(exc.message, exc.metadata)
-    except OSError as exc:  # one we did not foresee (e.g. a path swapped mid-call)
+    if isinstance(exc, OSError):  # one we did not foresee (e.g. a path swapped mid-call)
         # Python puts the absolute host path in str(exc); the model gets the
         # worktree-relative one, or none.
         where = ""
         if isinstance(exc.filename, str) and is_below(exc.filename, ctx.root):
             where = f": {exc.filename[len(ctx.root.rstrip('/')) + 1:]}"
         return Outcome.fail(f"{name}: {exc.strerror or type(exc).__name__}{where}")
-    except Exception as exc:  # a bug
-        return Outcome.fail(f"{name}: {type(exc).__name__}: {exc}")
+    return Outcome.fail(f"{name}: {type(exc).__name__}: {exc}")  # a bug
