@@ -12,6 +12,10 @@ Guarantees of ``atomic_write``:
 - With ``fsync=True`` the data, then the directory entry, reach the disk
   before the function returns.
 - On any error the temporary file is removed and the target is untouched.
+- With ``dir_fd`` (the target's directory, held open) every step names the
+  file relative to that descriptor: nothing is looked up by path again, so
+  a directory of the path swapped for a symlink meanwhile cannot send the
+  write elsewhere.
 
 Replacing makes a new inode: hard links to the old file keep the old content,
 and the file ends up owned by the worker's user.
@@ -45,17 +49,18 @@ _MAX_STEM = 200
 _TEMP_ATTEMPTS = 16
 
 
-def _create_temp(directory: str, name: str) -> tuple[str, int]:
+def _create_temp(directory: str, name: str, dir_fd: int | None) -> tuple[str, int]:
     stem = name[:_MAX_STEM]
     for _ in range(_TEMP_ATTEMPTS):
-        tmp = os.path.join(directory, temp_name(stem))
+        tmp = temp_name(stem) if dir_fd is not None else os.path.join(directory, temp_name(stem))
         key = os.fsencode(os.path.basename(tmp))
         with _in_flight_lock:
             _in_flight.add(key)
         try:
             # O_NOFOLLOW: a symlink planted under the temp name is refused,
             # not written through.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                         dir_fd=dir_fd)
         except BaseException as exc:
             with _in_flight_lock:
                 _in_flight.discard(key)
@@ -73,8 +78,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def _fsync_directory(directory: str, dir_fd: int | None) -> None:
+    # "." below dir_fd: the directory held (an O_PATH descriptor cannot fsync).
+    fd = os.open("." if dir_fd is not None else directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         os.fsync(fd)
     except OSError as exc:
@@ -85,25 +91,26 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = False) -> None:
-    """Write ``data`` to ``target`` (absolute, symlink-free) atomically.
+def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = False, dir_fd: int | None = None) -> None:
+    """Write ``data`` to ``target`` (absolute, symlink-free) atomically; with
+    ``dir_fd``, ``target`` is a name in the directory ``dir_fd`` holds.
 
     Raises ``IsADirectoryError`` when ``target`` is a directory,
     ``FileExistsError`` with ``exclusive`` when it exists, and whatever
     ``OSError`` the writing met.
     """
-    directory, name = os.path.split(target)
+    directory, name = ("", target) if dir_fd is not None else os.path.split(target)
     mode = None
     if not exclusive:
         try:
-            st = os.stat(target, follow_symlinks=False)
+            st = os.stat(target, follow_symlinks=False, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
         else:
             if stat.S_ISDIR(st.st_mode):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
             mode = stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)
-    tmp, fd = _create_temp(directory, name)
+    tmp, fd = _create_temp(directory, name, dir_fd)
     key = os.fsencode(os.path.basename(tmp))
     published = False
     try:
@@ -116,9 +123,9 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
         finally:
             os.close(fd)
         if exclusive:
-            os.link(tmp, target)
+            os.link(tmp, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         else:
-            os.replace(tmp, target)
+            os.replace(tmp, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         published = True
     finally:
         # After os.replace the temp name is gone; after os.link it is a
@@ -126,10 +133,10 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
         # not hide the error that got us here, nor undo a finished create.
         if not published or exclusive:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
         with _in_flight_lock:
             _in_flight.discard(key)
     if fsync:
-        _fsync_directory(directory)
+        _fsync_directory(directory, dir_fd)

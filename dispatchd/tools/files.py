@@ -22,6 +22,7 @@ import io
 import os
 import stat
 
+from dispatchd.confine._sys import open_beneath
 from dispatchd.tools import native
 from dispatchd.tools.atomic import atomic_write
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
@@ -104,8 +105,23 @@ def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, e
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:
         raise describe_os_error(exc, "create the folder", relative(ctx.root, parent)) from exc
+    # With the worktree's root fd held (the tool server's), the folder is
+    # opened below it by descriptor, refusing any symlink on the way (the
+    # walk found none: one now was planted since), and the write happens in
+    # that directory whatever its path names meanwhile.
+    dir_fd = None
+    if ctx.root_fd >= 0:
+        try:
+            dir_fd = open_beneath(ctx.root_fd, parent[len(ctx.root.rstrip("/")) + 1:] or ".",
+                                  os.O_PATH | os.O_DIRECTORY)
+        except OSError as exc:
+            raise describe_os_error(exc, "write", rel) from exc
     try:
-        atomic_write(target, data, fsync=ctx.limits.fsync, exclusive=exclusive)
+        if dir_fd is None:
+            atomic_write(target, data, fsync=ctx.limits.fsync, exclusive=exclusive)
+        else:
+            atomic_write(os.path.basename(target), data, fsync=ctx.limits.fsync, exclusive=exclusive,
+                         dir_fd=dir_fd)
     except IsADirectoryError:
         raise ToolFailure(f"{rel} is a directory; {tool} writes files") from None
     except FileExistsError as exc:
@@ -114,6 +130,9 @@ def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, e
         raise describe_os_error(exc, "write", rel) from exc
     except OSError as exc:
         raise describe_os_error(exc, "write", rel) from exc
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
 
 
 def _exists(rel: str) -> ToolFailure:
@@ -180,22 +199,22 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
         raise ToolFailure(f"end_line must be a line number or -1 (the end), not {end_line}")
     if end_line != -1 and start_line > end_line:
         raise ToolFailure(f"start_line {start_line} is after end_line {end_line}")
-    lines = native.lines
+    helper = native.lines
     # The usual call, by descriptor: a plain relative path opened below the
     # worktree's root fd in one openat2 that refuses symlinks and escapes
     # (read_beneath), a regular text file within the cap. Its display form is
     # itself. Anything else (a symlink on the way, "..", a missing or binary
     # file) gets None and takes the path rules' walk, whose messages it keeps.
-    data = None if lines is None or ctx.root_fd < 0 else lines.read_beneath(
+    data = None if helper is None or ctx.root_fd < 0 else helper.read_beneath(
         ctx.root_fd, path, ctx.limits.file_size_cap_bytes, SNIFF_BYTES)
     if data is not None:
         rel = path if path.isascii() else printable(path)
     else:
         _, rel, data = _load_text(ctx, path, "read_file only reads text")
-    if lines is not None:  # the same text, numbered in C (_lines.c)
+    if helper is not None:  # the same text, numbered in C (_lines.c)
         # Past any file's last line either way; keeps the numbers within a C ssize_t.
         far = 1 << 62
-        output, total = lines.numbered(data, min(start_line, far), end_line if end_line < far else -1)
+        output, total = helper.numbered(data, min(start_line, far), end_line if end_line < far else -1)
         if output is None:
             raise _past_the_end(rel, start_line, total)
         last = total - 1 if end_line == -1 else min(end_line, total - 1)

@@ -23,9 +23,18 @@ from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
 
 
-@pytest.fixture
-def ctx(tmp_path: Path) -> ToolContext:
-    return ToolContext(root=os.path.realpath(tmp_path), limits=Limits(), env={"PATH": "/usr/bin:/bin"})
+@pytest.fixture(params=["by-fd", "by-path"])
+def ctx(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ToolContext]:
+    """Each test twice: as the tool server calls the tools (the worktree's
+    root fd held: files opened and written below it by descriptor), and by
+    path alone (a context without one)."""
+    root = os.path.realpath(tmp_path)
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if request.param == "by-fd" else -1
+    try:
+        yield ToolContext(root=root, limits=Limits(), env={"PATH": "/usr/bin:/bin"}, root_fd=fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def call(ctx: ToolContext, tool: str, **params: Any) -> Outcome:
@@ -248,15 +257,14 @@ class TestReadFile:
 
 
 _SWAP_LOOP = """
-import os, sys
+import ctypes, os, sys
 root, away = sys.argv[1], sys.argv[2]
-d, keep, link = root + "/d", root + "/d-kept", root + "/d-link"
-os.symlink(away, link)
-while True:
-    os.rename(d, keep)
-    os.rename(link, d)
-    os.rename(d, link)
-    os.rename(keep, d)
+os.chdir(root)
+os.symlink(away, "d-link")
+libc = ctypes.CDLL(None, use_errno=True)
+while True:  # renameat2(RENAME_EXCHANGE): "d" is the directory, then the symlink, never missing
+    if libc.syscall(316, -100, b"d", -100, b"d-link", 2) != 0:
+        sys.exit(f"renameat2: {os.strerror(ctypes.get_errno())}")
 """
 
 
@@ -297,6 +305,51 @@ def test_a_directory_swapped_for_a_link_outside_is_never_read_through(
         swapper.wait()
         os.close(fd)
     assert outside.read_text() == "secret\n"
+
+
+@pytest.mark.parametrize("tool", ["write_file", "create_file", "edit_file"])
+def test_a_directory_swapped_for_a_link_outside_is_never_written_through(tmp_path: Path, tool: str) -> None:
+    """The writing tools as the tool server runs them (the worktree's root fd
+    held), while another process swaps a directory of the path for a symlink
+    to a directory outside, again and again: nothing is ever created or
+    changed outside. The folder is opened below the root fd refusing
+    symlinks, and the temporary file, the rename or link and the fsync all
+    name their file relative to that descriptor. (By path, the check and the
+    writes are separate lookups, and the swap wins between them.)"""
+    root = os.path.realpath(tmp_path / "wt")
+    os.mkdir(root)
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    ctx = ToolContext(root=root, limits=Limits(), env={}, root_fd=fd)
+    put(ctx, "d/f.txt", "inside\n")
+    away = Path(root).parent / "outside-dir"
+    away.mkdir()
+    (away / "f.txt").write_text("inside\n")  # what edit_file would find there
+    params: dict[str, Any] = {"edit_file": {"edits": [{"old_text": "inside", "new_text": "edited"}]},
+                              "write_file": {"content": "written\n"},
+                              "create_file": {"content": "created\n"}}[tool]
+
+    def attempt(n: int) -> Outcome:
+        path = "d/f.txt" if tool == "edit_file" else f"d/new-{n}.txt"
+        return call(ctx, tool, path=path, **params)
+
+    # The twin: with nothing swapping, the write lands inside.
+    assert attempt(0).success
+    if tool == "edit_file":
+        assert Path(root, "d", "f.txt").read_text() == "edited\n"
+        Path(root, "d", "f.txt").write_text("inside\n")
+    else:
+        assert Path(root, "d", "new-0.txt").exists()
+    swapper = subprocess.Popen([sys.executable, "-c", _SWAP_LOOP, root, str(away)])
+    try:
+        for n in range(1, 1500):
+            attempt(n)
+        assert swapper.poll() is None  # the swap ran all along
+    finally:
+        swapper.kill()
+        swapper.wait()
+        os.close(fd)
+    assert sorted(p.name for p in away.iterdir()) == ["f.txt"]
+    assert (away / "f.txt").read_text() == "inside\n"
 
 
 # == write_file ================================================================
@@ -632,9 +685,9 @@ class TestCreateFile:
         # Someone creates the file after our existence check, before the link.
         real_link = os.link
 
-        def racing_link(src: str, dst: str) -> None:
-            Path(dst).write_text("theirs")
-            real_link(src, dst)
+        def racing_link(src: str, dst: str, **how: Any) -> None:
+            Path(ctx.root, os.path.basename(dst)).write_text("theirs")
+            real_link(src, dst, **how)
 
         monkeypatch.setattr(os, "link", racing_link)
         r = call(ctx, "create_file", path="contested.txt", content="ours")
