@@ -180,12 +180,11 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def open_no_symlinks(path: str, dir_fd: int = -100, beneath: bool = False) -> int:
-    """``openat2(O_PATH | O_NOFOLLOW, RESOLVE_NO_SYMLINKS)``: one call that
-    refuses a symlink anywhere on the way (ELOOP) and returns a final symlink
-    itself (Linux 5.6+). ``beneath``: and never above ``dir_fd`` (``..``)."""
-    how = _OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
-                   RESOLVE_NO_SYMLINKS | (RESOLVE_BENEATH if beneath else 0))
+RESOLVE_NO_MAGICLINKS = 0x02
+
+
+def _openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
+    how = _OpenHow(flags, 0, resolve)
     try:
         return syscall(SYS_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
                        ctypes.c_size_t(ctypes.sizeof(how)))
@@ -194,7 +193,12 @@ def open_no_symlinks(path: str, dir_fd: int = -100, beneath: bool = False) -> in
         raise
 
 
-RESOLVE_NO_MAGICLINKS = 0x02
+def open_no_symlinks(path: str, dir_fd: int = -100, beneath: bool = False) -> int:
+    """``openat2(O_PATH | O_NOFOLLOW, RESOLVE_NO_SYMLINKS)``: one call that
+    refuses a symlink anywhere on the way (ELOOP) and returns a final symlink
+    itself (Linux 5.6+). ``beneath``: and never above ``dir_fd`` (``..``)."""
+    return _openat2(dir_fd, path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    RESOLVE_NO_SYMLINKS | (RESOLVE_BENEATH if beneath else 0))
 
 
 def open_beneath(dir_fd: int, path: str, flags: int) -> int:
@@ -203,14 +207,8 @@ def open_beneath(dir_fd: int, path: str, flags: int) -> int:
     RESOLVE_NO_MAGICLINKS: the kernel refuses any symlink on the way (ELOOP)
     and any escape above ``dir_fd`` (EXDEV) in the walk that opens the file.
     Raises the OSError of the errno, ``path`` its filename."""
-    how = _OpenHow(flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0,
-                   RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-    try:
-        return syscall(SYS_openat2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
-                       ctypes.c_size_t(ctypes.sizeof(how)))
-    except OSError as exc:
-        exc.filename = path
-        raise
+    return _openat2(dir_fd, path, flags | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
 
 
 def open_tree_clone(path: str) -> int:
