@@ -101,21 +101,19 @@ def _encode(ctx: ToolContext, text: str, what: str, errors: str = "strict") -> b
 def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, exclusive: bool = False) -> None:
     """Create the parent folders, then write ``data`` atomically."""
     parent = os.path.dirname(target)
+    # With the worktree's root fd held (the tool server's), the folder is
+    # reached (and made, where missing) below it by descriptor, refusing any
+    # symlink on the way (the walk found none: one now was planted since),
+    # and the write happens in that directory whatever its path names
+    # meanwhile. Without it, by path.
+    dir_fd = None
     try:
-        os.makedirs(parent, exist_ok=True)
+        if ctx.root_fd >= 0:
+            dir_fd = _folder_below(ctx.root_fd, parent[len(ctx.root.rstrip("/")) + 1:])
+        else:
+            os.makedirs(parent, exist_ok=True)
     except OSError as exc:
         raise describe_os_error(exc, "create the folder", relative(ctx.root, parent)) from exc
-    # With the worktree's root fd held (the tool server's), the folder is
-    # opened below it by descriptor, refusing any symlink on the way (the
-    # walk found none: one now was planted since), and the write happens in
-    # that directory whatever its path names meanwhile.
-    dir_fd = None
-    if ctx.root_fd >= 0:
-        try:
-            dir_fd = open_beneath(ctx.root_fd, parent[len(ctx.root.rstrip("/")) + 1:] or ".",
-                                  os.O_PATH | os.O_DIRECTORY)
-        except OSError as exc:
-            raise describe_os_error(exc, "write", rel) from exc
     try:
         if dir_fd is None:
             atomic_write(target, data, fsync=ctx.limits.fsync, exclusive=exclusive)
@@ -133,6 +131,33 @@ def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, e
     finally:
         if dir_fd is not None:
             os.close(dir_fd)
+
+
+def _folder_below(root_fd: int, rel: str) -> int:
+    """An O_PATH descriptor of the folder ``rel`` (symlink-free, "" for the
+    root) below ``root_fd``, each missing part made (``os.makedirs`` by
+    descriptor): every step an ``open_beneath`` or a ``mkdir`` relative to
+    the folder above, so nothing is looked up by path from the root again."""
+    if not rel:
+        return open_beneath(root_fd, ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        return open_beneath(root_fd, rel, os.O_PATH | os.O_DIRECTORY)  # the usual case: it is there
+    except FileNotFoundError:
+        pass
+    fd = open_beneath(root_fd, ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        for part in rel.split("/"):
+            try:
+                os.mkdir(part, 0o777, dir_fd=fd)
+            except FileExistsError:
+                pass  # there already (or made meanwhile): opened below, as any part
+            below = open_beneath(fd, part, os.O_PATH | os.O_DIRECTORY)
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _exists(rel: str) -> ToolFailure:

@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -268,6 +269,14 @@ while True:  # renameat2(RENAME_EXCHANGE): "d" is the directory, then the symlin
 """
 
 
+def _until_swapping(root: str) -> None:
+    """Wait for _SWAP_LOOP's symlink: its loop starts next."""
+    deadline = time.monotonic() + 10
+    while not os.path.lexists(os.path.join(root, "d-link")):
+        assert time.monotonic() < deadline, "the swapping process did not start"
+        time.sleep(0.001)
+
+
 @pytest.mark.parametrize("helper", ["c", "python"])
 def test_a_directory_swapped_for_a_link_outside_is_never_read_through(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helper: str) -> None:
@@ -294,6 +303,7 @@ def test_a_directory_swapped_for_a_link_outside_is_never_read_through(
     # Another process swaps, so that it races the reads for real (a thread
     # would take turns with them under the GIL).
     swapper = subprocess.Popen([sys.executable, "-c", _SWAP_LOOP, root, str(away)])
+    _until_swapping(root)
     try:
         for _ in range(3000):
             r = call(ctx, "read_file", path="d/f.txt")
@@ -307,8 +317,8 @@ def test_a_directory_swapped_for_a_link_outside_is_never_read_through(
     assert outside.read_text() == "secret\n"
 
 
-@pytest.mark.parametrize("tool", ["write_file", "create_file", "edit_file"])
-def test_a_directory_swapped_for_a_link_outside_is_never_written_through(tmp_path: Path, tool: str) -> None:
+@pytest.mark.parametrize("how", ["write_file", "create_file", "edit_file", "write_file in a new folder"])
+def test_a_directory_swapped_for_a_link_outside_is_never_written_through(tmp_path: Path, how: str) -> None:
     """The writing tools as the tool server runs them (the worktree's root fd
     held), while another process swaps a directory of the path for a symlink
     to a directory outside, again and again: nothing is ever created or
@@ -324,12 +334,14 @@ def test_a_directory_swapped_for_a_link_outside_is_never_written_through(tmp_pat
     away = Path(root).parent / "outside-dir"
     away.mkdir()
     (away / "f.txt").write_text("inside\n")  # what edit_file would find there
+    tool = how.split()[0]
     params: dict[str, Any] = {"edit_file": {"edits": [{"old_text": "inside", "new_text": "edited"}]},
                               "write_file": {"content": "written\n"},
                               "create_file": {"content": "created\n"}}[tool]
 
     def attempt(n: int) -> Outcome:
-        path = "d/f.txt" if tool == "edit_file" else f"d/new-{n}.txt"
+        path = ("d/f.txt" if tool == "edit_file" else f"d/new-{n}/f.txt" if "folder" in how
+                else f"d/new-{n}.txt")
         return call(ctx, tool, path=path, **params)
 
     # The twin: with nothing swapping, the write lands inside.
@@ -338,8 +350,9 @@ def test_a_directory_swapped_for_a_link_outside_is_never_written_through(tmp_pat
         assert Path(root, "d", "f.txt").read_text() == "edited\n"
         Path(root, "d", "f.txt").write_text("inside\n")
     else:
-        assert Path(root, "d", "new-0.txt").exists()
+        assert Path(root, "d", "new-0/f.txt" if "folder" in how else "new-0.txt").exists()
     swapper = subprocess.Popen([sys.executable, "-c", _SWAP_LOOP, root, str(away)])
+    _until_swapping(root)
     try:
         for n in range(1, 1500):
             attempt(n)
