@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any, cast, overload
 
 import msgspec
@@ -554,6 +555,8 @@ class Session:
 
     def _remote_call(self, name: str) -> ToolFunc:
         def run(params: dict[str, Any], context: Any, on_output: OutputCallback | None = None) -> Result:
+            if not context:  # the usual call, with no context: no cancellation to look up (~RUN instructions)
+                return self.call_tool(name, params, on_output=on_output)
             cancellation = context.get("cancellation") if isinstance(context, dict) else None
             return self.call_tool(name, params, on_output=on_output,
                                   cancellation=cancellation if isinstance(cancellation, Cancellation) else None)
@@ -636,7 +639,15 @@ class Session:
         if type(reply) is protocol.ErrorReply:
             return Result.failure(f"{name}: {reply.message}")
         if reply.success:
-            return Result._from_wire(True, reply.output or "", reply.metadata)
+            # Result._from_wire(True, ...) written out (see there): one Python
+            # call fewer (~WIRE instructions a call).
+            result = object.__new__(Result)
+            fields = result.__dict__
+            fields["is_success"] = True
+            fields["output"] = reply.output or ""
+            fields["error"] = None
+            fields["metadata"] = MappingProxyType(reply.metadata)
+            return result
         return Result._from_wire(False, reply.error or "failed", reply.metadata)
 
     def _tracker(self, channel: _Connection, cancellation: Cancellation | None,
