@@ -298,6 +298,37 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def user_cpu() -> dict[int, int]:
+    """Clock ticks of CPU (user and system) of each process of this user, by
+    pid: the clients, the daemon, every session's processes (in their own
+    pid namespaces, but this user's), the bare servers."""
+    uid, ticks = os.getuid(), {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        ticks[int(name)] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def cpu_a_call(run: Callable[[], int]) -> tuple[int, float]:
+    """``run()``'s calls and the CPU seconds a call that every process of
+    this user spent meanwhile (processes there before and after only: one
+    that ended takes its ticks with it). On a shared machine the calls a
+    second move with the others' load; the CPU a call moves far less, and
+    ``os.cpu_count() / cpu`` is what this machine would reach alone."""
+    before = user_cpu()
+    calls = run()
+    after = user_cpu()
+    spent = sum(after[pid] - before[pid] for pid in after.keys() & before.keys())
+    return calls, spent / os.sysconf("SC_CLK_TCK") / max(calls, 1)
+
+
 def uss(pid: int) -> int | None:
     """Private (unique) memory of one process, or None where it cannot be read."""
     try:
@@ -510,7 +541,8 @@ def main() -> int:
                                      "open_domains", "fetch_plain", "fetch_domains",
                                      "open_on", "switch_off", "download_plain", "download",
                                      "rg_few", "search_few", "rg_many", "search_many",
-                                     "bare8", "read8", "threads8", "bare16", "read16", "open_host")}
+                                     "bare8", "read8", "threads8", "bare16", "read16", "open_host",
+                                     "bare8_cpu", "read8_cpu")}
     counts: dict[str, int] = {}
     memory: dict[str, float] = {}
     debug = None
@@ -559,8 +591,10 @@ def main() -> int:
                             cwd=search_wt, capture_output=True), 3)
                     rows[f"search_{name}"] += timed(lambda q=query: search.call({"query": q}), 3)  # type: ignore[misc]
                 # Throughput: calls per second in all, as one sample a round.
-                rows["bare8"].append(sum(clients.run(8, "bare", "for", args.seconds)) / args.seconds)
-                rows["read8"].append(sum(clients.run(8, "read", "for", args.seconds)) / args.seconds)
+                for kind in ("bare", "read"):
+                    calls, cpu = cpu_a_call(lambda k=kind: sum(clients.run(8, k, "for", args.seconds)))  # type: ignore[misc]
+                    rows[f"{kind}8"].append(calls / args.seconds)
+                    rows[f"{kind}8_cpu"].append(cpu)
                 rows["threads8"].append(threads_for(8, lambda: read.call({"path": "f4k.txt"}), args.seconds)
                                         / args.seconds)
                 for lat in clients.run(16, "bare", "calls", args.calls // 2):
@@ -676,6 +710,10 @@ def main() -> int:
             line(f"search_files over 2,000 files, {n_ours} lines (no rg)", f"search_{name}", None, "")
     rate("8 bare clients, a server process each: calls/s in all", "bare8", None, "1.00× (baseline)")
     rate("8 clients, a session each: read_file calls/s in all", "read8", "bare8", "of bare (target ≥ 40,000/s)")
+    cpus = os.cpu_count() or 1
+    line("  CPU a call, bare (every process of the run)", "bare8_cpu", None, "1.00× (baseline)")
+    line("  CPU a call, read_file (every process of the run)", "read8_cpu", "bare8_cpu",
+         f"of bare; {cpus} CPUs alone: {cpus / p50['read8_cpu']:,.0f}/s")
     rate("8 threads sharing one session: read_file calls/s", "threads8", "bare8", "of bare")
     line("16 bare clients at once, a server each (baseline)", "bare16", None, "1.00× (baseline)")
     line("16 clients at once, a session each: read_file", "read16", "bare16", "of bare")
