@@ -1,0 +1,57 @@
+"""8 clients calling read_file as fast as they can, beside 8 bare pairs:
+calls a second and the CPU a call of every process of the run, round by
+round (``./scripts/bench``'s 8-client rows alone, with longer windows).
+
+For an A/B of two trees, run it from two checkouts by turns in the same
+minutes (the machine's phase moves both figures; compare the rounds that
+ran next to each other). README "Speed and density, issue 17".
+
+    ./scripts/bench --eight [--seconds S] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench import BareClient, Clients, cpu_a_call, start_daemon  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=2.0, help="seconds a window")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix=".dispatchd-eight-", dir=os.path.expanduser("~"))
+    daemon, sock = start_daemon(tmp)
+    wt = os.path.join(tmp, "wt")
+    os.mkdir(wt)
+    Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # as ./scripts/bench's
+    many = BareClient(tmp, "bare-many.sock", forking=True)
+    clients = Clients(8, sock, wt, many.path)
+    try:
+        for kind in ("read", "bare"):  # warm up
+            clients.run(8, kind, "for", 0.5)
+        for n in range(args.rounds):
+            row = []
+            for kind in ("bare", "read"):
+                calls, cpu = cpu_a_call(lambda k=kind: sum(clients.run(8, k, "for", args.seconds)))  # type: ignore[misc]
+                row.append(f"{kind} {calls / args.seconds:8,.0f}/s {cpu * 1e6:5.1f} µs a call")
+            print(f"round {n + 1}: " + "   ".join(row), flush=True)
+    finally:
+        clients.close()
+        many.close()
+        daemon.terminate()
+        daemon.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
