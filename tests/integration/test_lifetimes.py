@@ -266,8 +266,11 @@ def test_a_write_whose_tool_server_is_killed_says_so_and_its_temp_file_goes(tmp_
             assert result.metadata["outcome_unknown"] is True
             assert f"session={session.id} reason=tool_server_killed signal=9" in d.log()
             session.detach()
-            # The daemon removed what the cut write left, before anyone else could write.
-            assert not [p.name for p in worktree.iterdir() if ".dispatchd-" in p.name]
+            # The daemon removes what the cut write left once the session's
+            # processes are gone, before it lets the write lock go (the next
+            # session's write below); the client may hear why the call failed
+            # a moment before that, so this waits for it.
+            assert _wait(lambda: not [p.name for p in worktree.iterdir() if ".dispatchd-" in p.name], timeout=10)
             # The line follows the removal: a loaded machine may show the one before the other.
             assert _wait(lambda: f"event=temp_files_removed session={session.id} count=1" in d.log(), timeout=10)
             # What a killed daemon leaves (no end of session to clean up), beside a
