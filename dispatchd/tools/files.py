@@ -56,7 +56,7 @@ def _load_text(ctx: ToolContext, path: str, refusal: str) -> tuple[str, str, byt
     # walk: a directory swapped for a link outside meanwhile fails the open
     # (ELOOP) instead of being read through.
     root_fd = ctx.root_fd
-    below = (target[len(ctx.root.rstrip("/")) + 1:] or ".") if root_fd >= 0 else target
+    below = (_below_root(ctx, target) or ".") if root_fd >= 0 else target
     if native.lines is not None:
         # The common case in C: a regular text file within the cap, read
         # whole (the same open, fstat, read and sniff). Anything else is read
@@ -109,7 +109,7 @@ def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, e
     dir_fd = None
     try:
         if ctx.root_fd >= 0:
-            dir_fd = _folder_below(ctx.root_fd, parent[len(ctx.root.rstrip("/")) + 1:])
+            dir_fd = _folder_below(ctx.root_fd, _below_root(ctx, parent))
         else:
             os.makedirs(parent, exist_ok=True)
     except OSError as exc:
@@ -131,6 +131,13 @@ def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, e
     finally:
         if dir_fd is not None:
             os.close(dir_fd)
+
+
+def _below_root(ctx: ToolContext, real: str) -> str:
+    """``real`` (absolute, within the worktree: the path rules' answer) as
+    the path below the root fd that opens it; "" for the root itself. Its
+    bytes, not ``relative``'s display form."""
+    return real[len(ctx.root.rstrip("/")) + 1:]
 
 
 def _folder_below(root_fd: int, rel: str) -> int:

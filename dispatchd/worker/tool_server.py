@@ -478,10 +478,7 @@ class _Server:
             finally:
                 lock.release()
             if first:
-                try:
-                    os.eventfd_write(self.records_wake, 1)
-                except BlockingIOError:
-                    pass  # the counter is full: the loop is woken already
+                self._records_due()
 
     def _call_here(self, channel: _Channel, req: protocol.CallTool, tool: Tool, key: int,
                    control: CallControl) -> None:
@@ -527,10 +524,15 @@ class _Server:
                 control.close()
             now = time.monotonic()
             if self.activity.end(key, (req.tool, now - started, success), now):
-                try:
-                    os.eventfd_write(self.records_wake, 1)
-                except BlockingIOError:
-                    pass  # the counter is full: the loop is woken already
+                self._records_due()
+
+    def _records_due(self) -> None:
+        """The first record of a batch: wake the control loop, which sends
+        the batch RECORD_INTERVAL_S later (housekeeping)."""
+        try:
+            os.eventfd_write(self.records_wake, 1)
+        except BlockingIOError:
+            pass  # the counter is full: the loop is woken already
 
     def set_command_env(self, msg: protocol.SetCommandEnv) -> None:
         env = {k: v for k, v in self.ctx.env.items() if k not in msg.unset}
