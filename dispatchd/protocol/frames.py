@@ -145,6 +145,12 @@ class FrameSocket:
         be readable while a whole frame sits here)."""
         return bool(self._buf) or self._large is not None
 
+    def feed(self, data: bytes | bytearray) -> None:
+        """Bytes received from this socket by someone else (the tool server's
+        fast lane, which reads a request itself and hands back what it does
+        not answer): read next, as if ``recv`` had read them."""
+        self._buf += data
+
     def send(self, msg: msgspec.Struct, fds: list[int] | None = None) -> None:
         payload = _encode(msg)  # as encode's, without a helper's call
         if len(payload) > MAX_FRAME:

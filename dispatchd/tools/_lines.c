@@ -1,6 +1,7 @@
 /* dispatchd.tools._lines: the two per-line loops of read_file and
  * search_files, in C (and the lstat of the path rules' walk, is_symlink;
- * read_file's usual open, read and sniff by descriptor, read_beneath).
+ * read_file's usual open, read and sniff by descriptor, read_beneath). The
+ * tool server's fast lane for read_file is _fastread.c, in this module too.
  *
  * What it guarantees: each function returns exactly the text the pure-Python
  * path returns for the same bytes (tests/unit/test_native_lines.py compares
@@ -31,9 +32,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-
-/* How many line ends numbered keeps from its first pass (on the stack). */
-#define NEXT_CACHED 512
+#include "_lines.h"
 
 /* Number of decimal digits of v >= 0. */
 static Py_ssize_t
@@ -162,6 +161,98 @@ last_newline(const char *p, Py_ssize_t n)
     return n > 0 ? memrchr(p, '\n', (size_t)n) : NULL;
 }
 
+/* The first pass of numbering: lines ``start`` to ``end`` (inclusive; -1:
+ * the last) of ``data``, split as read_file splits it. Fills ``plan`` and
+ * returns 0, or returns 1 when ``start`` is past the end (``plan->total``
+ * still set). 0 <= start and -1 <= end (the callers check). */
+int
+dl_number_plan(const char *data, Py_ssize_t n, Py_ssize_t start, Py_ssize_t end, DlNumbering *plan)
+{
+    /* One pass: the offsets where lines ``start`` and ``end + 1`` begin,
+     * and the number of lines; and where each of the first DL_NEXT_CACHED
+     * lines from ``start`` on ends (past its newline), so that the writing
+     * loop (dl_number_write) does not search them again (a memchr a line:
+     * about 2,000 instructions of a 63-line read). */
+    Py_ssize_t total = 0, pos = 0, begin = -1, stop_at = -1;
+    /* An end past any line is the last line (and end + 1 must not overflow). */
+    Py_ssize_t stop = end == -1 || end >= n ? -1 : end + 1;
+    while (pos < n) {
+        if (total == start)
+            begin = pos;
+        if (total == stop)
+            stop_at = pos;
+        const char *nl = memchr(data + pos, '\n', (size_t)(n - pos));
+        pos = nl == NULL ? n : nl - data + 1;
+        if (total >= start && total - start < DL_NEXT_CACHED)
+            plan->ends[total - start] = pos;
+        total++;
+    }
+    plan->total = total;
+    if (total == 0 && start == 0) {  /* an empty file: its one empty view */
+        plan->start = plan->stop = plan->begin = plan->span = plan->size = 0;
+        return 0;
+    }
+    if (begin < 0)
+        return 1;
+    if (stop == -1 || stop > total)
+        stop = total;
+    if (stop < start)
+        stop = start;
+    if (stop_at < 0)
+        stop_at = n;
+    if (stop_at < begin)
+        stop_at = begin; /* end before start: no line, an empty span (never a negative size) */
+    Py_ssize_t span = stop_at - begin;
+    if (span > 0 && data[stop_at - 1] == '\n')
+        span--; /* the last line's newline is not shown */
+    plan->start = start;
+    plan->stop = stop;
+    plan->begin = begin;
+    plan->span = span;
+    plan->size = span + digits_in_range(start, stop) + 2 * (stop - start);
+    return 0;
+}
+
+/* Whether the bytes the plan shows are all ASCII (then the text is those
+ * bytes with their labels, as its decode would give them). */
+int
+dl_number_ascii(const char *data, const DlNumbering *plan)
+{
+    return all_ascii(data + plan->begin, plan->span);
+}
+
+/* The text the plan describes, exactly plan->size bytes, written at ``w``
+ * (each line "N: " and its bytes, the last without its newline); returns
+ * the end. */
+char *
+dl_number_write(const char *data, const DlNumbering *plan, char *w)
+{
+    Py_ssize_t start = plan->start, stop = plan->stop, total = plan->total;
+    Py_ssize_t at = plan->begin, limit = plan->begin + plan->span;
+    Counter number;
+    counter_start(&number, start);
+    for (Py_ssize_t i = start; i < stop; i++) {
+        w = counter_put(&number, w);
+        counter_next(&number);
+        *w++ = ':';
+        *w++ = ' ';
+        Py_ssize_t next;
+        if (i - start < DL_NEXT_CACHED && i < total) {
+            /* The first newline from ``at`` in the whole text, as the
+             * first pass found it; within ``limit`` it is the one a
+             * search of [at, limit) finds, past it there is none there. */
+            next = plan->ends[i - start] < limit ? plan->ends[i - start] : limit;
+        } else {
+            const char *nl = at < limit ? memchr(data + at, '\n', (size_t)(limit - at)) : NULL;
+            next = nl == NULL ? limit : nl - data + 1;
+        }
+        memcpy(w, data + at, (size_t)(next - at));
+        w += next - at;
+        at = next;
+    }
+    return w;
+}
+
 /* numbered(data, start, end) -> (text | None, total)
  *
  * ``data`` split into lines as read_file splits it (after each b'\n'; a file
@@ -178,105 +269,38 @@ numbered(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*nn:numbered", &view, &start, &end))
         return NULL;
     const char *data = view.buf;
-    Py_ssize_t n = view.len;
     if (start < 0 || end < -1) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "start must be >= 0 and end >= -1");
         return NULL;
     }
-    /* One pass: the offsets where lines ``start`` and ``end + 1`` begin,
-     * and the number of lines; and where each of the first NEXT_CACHED
-     * lines from ``start`` on ends (past its newline), so that the writing
-     * loop below does not search them again (a memchr a line: about 2,000
-     * instructions of a 63-line read). */
-    Py_ssize_t ends[NEXT_CACHED];
-    Py_ssize_t total = 0, pos = 0, begin = -1, stop_at = -1;
-    /* An end past any line is the last line (and end + 1 must not overflow). */
-    Py_ssize_t stop = end == -1 || end >= n ? -1 : end + 1;
-    while (pos < n) {
-        if (total == start)
-            begin = pos;
-        if (total == stop)
-            stop_at = pos;
-        const char *nl = memchr(data + pos, '\n', (size_t)(n - pos));
-        pos = nl == NULL ? n : nl - data + 1;
-        if (total >= start && total - start < NEXT_CACHED)
-            ends[total - start] = pos;
-        total++;
-    }
+    DlNumbering plan;
     PyObject *text = NULL;
-    if (total == 0 && start == 0) {
-        text = PyUnicode_FromStringAndSize("", 0);
-    } else if (begin < 0) {
+    if (dl_number_plan(data, view.len, start, end, &plan) != 0) {
         text = Py_NewRef(Py_None);
-    } else {
-        if (stop == -1 || stop > total)
-            stop = total;
-        if (stop < start)
-            stop = start;
-        if (stop_at < 0)
-            stop_at = n;
-        if (stop_at < begin)
-            stop_at = begin; /* end before start: no line, an empty span (never a negative size) */
-        Py_ssize_t span = stop_at - begin;
-        if (span > 0 && data[stop_at - 1] == '\n')
-            span--; /* the last line's newline is not shown */
-        Py_ssize_t lines = stop - start;
-        Py_ssize_t size = span + digits_in_range(start, stop) + 2 * lines;
+    } else if (dl_number_ascii(data, &plan)) {
         /* ASCII lines (the usual source file) are written straight into the
          * str, as its decode would give them: no buffer and no decode (the
-         * decode cost more than this test). */
-        int ascii = all_ascii(data + begin, span);
-        char *buf;
-        if (ascii) {
-            text = PyUnicode_New(size, 127);
-            if (text == NULL) {
-                PyBuffer_Release(&view);
-                return NULL;
-            }
-            buf = (char *)PyUnicode_1BYTE_DATA(text);
-        } else {
-            buf = PyMem_Malloc(size > 0 ? (size_t)size : 1);
-            if (buf == NULL) {
-                PyBuffer_Release(&view);
-                return PyErr_NoMemory();
-            }
-        }
-        char *w = buf;
-        Py_ssize_t at = begin, limit = begin + span;
-        Counter number;
-        counter_start(&number, start);
-        for (Py_ssize_t i = start; i < stop; i++) {
-            w = counter_put(&number, w);
-            counter_next(&number);
-            *w++ = ':';
-            *w++ = ' ';
-            Py_ssize_t next;
-            if (i - start < NEXT_CACHED && i < total) {
-                /* The first newline from ``at`` in the whole text, as the
-                 * first pass found it; within ``limit`` it is the one a
-                 * search of [at, limit) finds, past it there is none there. */
-                next = ends[i - start] < limit ? ends[i - start] : limit;
-            } else {
-                const char *nl = at < limit ? memchr(data + at, '\n', (size_t)(limit - at)) : NULL;
-                next = nl == NULL ? limit : nl - data + 1;
-            }
-            memcpy(w, data + at, (size_t)(next - at));
-            w += next - at;
-            at = next;
-        }
-        if (ascii) {
-            if (w - buf != size) { /* never: size counts exactly what the loop writes */
-                Py_DECREF(text);
-                PyBuffer_Release(&view);
+         * decode cost more than the test). */
+        text = PyUnicode_New(plan.size, 127);
+        if (text != NULL) {
+            char *buf = (char *)PyUnicode_1BYTE_DATA(text);
+            if (dl_number_write(data, &plan, buf) - buf != plan.size) { /* never: size counts what it writes */
+                Py_CLEAR(text);
                 PyErr_SetString(PyExc_SystemError, "numbered: the text's size was miscounted");
-                return NULL;
             }
+        }
+    } else {
+        char *buf = PyMem_Malloc(plan.size > 0 ? (size_t)plan.size : 1);
+        if (buf == NULL) {
+            PyErr_NoMemory();
         } else {
+            char *w = dl_number_write(data, &plan, buf);
             text = PyUnicode_DecodeUTF8(buf, w - buf, "replace");
             PyMem_Free(buf);
         }
     }
+    Py_ssize_t total = plan.total;
     PyBuffer_Release(&view);
     if (text == NULL)
         return NULL;
@@ -459,8 +483,8 @@ done:
  * regular file of at most ``cap`` bytes, read whole in one read of its size
  * and one byte more, without a NUL in its first ``sniff`` bytes; None when
  * it is not; False when the read did not give the size fstat gave. */
-static PyObject *
-read_whole(int fd, Py_ssize_t cap, Py_ssize_t sniff)
+PyObject *
+dl_read_whole(int fd, Py_ssize_t cap, Py_ssize_t sniff)
 {
     struct stat st;
     int ok;
@@ -505,7 +529,7 @@ read_whole(int fd, Py_ssize_t cap, Py_ssize_t sniff)
 /* read_text(path, cap, sniff) -> bytes | None | False
  *
  * search_files' read of one file: opened without blocking and without
- * following a symlink at the last component, then read_whole: its bytes if
+ * following a symlink at the last component, then dl_read_whole: its bytes if
  * it is a regular text file within ``cap``; None when it is not (unreadable,
  * not regular, over the cap, binary); False when it changed while read (the
  * caller reads it again, in Python, with read_regular's loop). The file
@@ -532,7 +556,7 @@ read_text(PyObject *self, PyObject *args)
     Py_DECREF(encoded);
     if (fd < 0)
         Py_RETURN_NONE;
-    return read_whole(fd, cap, sniff);
+    return dl_read_whole(fd, cap, sniff);
 }
 
 /* Whether ``path`` (``len`` bytes, no NUL) is a plain relative path: not
@@ -556,6 +580,31 @@ plain_relative(const char *path, Py_ssize_t len)
     return 1;
 }
 
+/* ``raw`` (``len`` bytes, NUL-terminated), a plain relative path opened
+ * below the directory ``root_fd`` by openat2 with RESOLVE_BENEATH,
+ * RESOLVE_NO_SYMLINKS and RESOLVE_NO_MAGICLINKS, without blocking and
+ * close-on-exec: the descriptor, or -1 for anything else (``root_fd`` < 0,
+ * a NUL inside, a path not plain, a symlink on the way, missing,
+ * unreadable; EAGAIN, a rename racing the walk, is not retried). Runs
+ * without the GIL; the caller holds it. */
+int
+dl_open_beneath(int root_fd, const char *raw, Py_ssize_t len)
+{
+    if (root_fd < 0 || (Py_ssize_t)strlen(raw) != len || !plain_relative(raw, len))  /* < 0: never AT_FDCWD */
+        return -1;
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    long fd;
+    Py_BEGIN_ALLOW_THREADS
+    do {
+        fd = syscall(SYS_openat2, root_fd, raw, &how, sizeof how);
+    } while (fd < 0 && errno == EINTR);
+    Py_END_ALLOW_THREADS
+    return fd < 0 ? -1 : (int)fd;
+}
+
 /* read_beneath(root_fd, path, cap, sniff) -> bytes | None
  *
  * read_file's usual call in one open by descriptor: ``path``, a plain
@@ -563,7 +612,7 @@ plain_relative(const char *path, Py_ssize_t len)
  * with openat2's RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS (the kernel refuses
  * any symlink on the way, a magic link and any escape from the root, in the
  * same walk that opens the file: nothing to check before, nothing that can
- * change between a check and the open), then read_whole. None for anything
+ * change between a check and the open), then dl_read_whole. None for anything
  * else: a path that is not plain, a symlink on the way, a file missing,
  * unreadable, not regular, over the cap, binary or changing; the caller's
  * full path (the path rules' walk and their messages) then decides, so this
@@ -587,24 +636,11 @@ read_beneath(PyObject *self, PyObject *args)
     }
     const char *raw = PyBytes_AS_STRING(encoded);
     Py_ssize_t len = PyBytes_GET_SIZE(encoded);
-    if (root_fd < 0 || (Py_ssize_t)strlen(raw) != len || !plain_relative(raw, len)) {  /* < 0: never AT_FDCWD */
-        Py_DECREF(encoded);
-        Py_RETURN_NONE;
-    }
-    struct open_how how;
-    memset(&how, 0, sizeof how);
-    how.flags = O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC;
-    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
-    long fd;
-    Py_BEGIN_ALLOW_THREADS
-    do {
-        fd = syscall(SYS_openat2, root_fd, raw, &how, sizeof how);
-    } while (fd < 0 && errno == EINTR);  /* EAGAIN (a rename raced the walk): the full path */
-    Py_END_ALLOW_THREADS
+    int fd = dl_open_beneath(root_fd, raw, len);
     Py_DECREF(encoded);
     if (fd < 0)
         Py_RETURN_NONE;
-    PyObject *data = read_whole((int)fd, cap, sniff);
+    PyObject *data = dl_read_whole(fd, cap, sniff);
     if (data == Py_False) {
         Py_DECREF(data);
         Py_RETURN_NONE;
@@ -648,6 +684,8 @@ static PyMethodDef methods[] = {
     {"read_text", read_text, METH_VARARGS, "search_files' read of one text file: bytes | None | False."},
     {"read_beneath", read_beneath, METH_VARARGS,
      "read_file's usual read: a plain relative path opened below a directory fd by openat2: bytes | None."},
+    {"serve_read", dl_serve_read, METH_VARARGS,
+     "The tool server's fast lane: one request read, answered when it is the usual read_file call (_fastread.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,6 +9,7 @@ refused. The set-up builds it (gcc and Debian's ``python3-dev``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 
@@ -25,6 +26,9 @@ class Lines(Protocol):
     def is_symlink(self, path: str, /) -> bool: ...
 
     def read_beneath(self, root_fd: int, path: str, cap: int, sniff: int, /) -> bytes | None: ...
+
+    def serve_read(self, sock_fd: int, buf: bytearray, root_fd: int, cap: int, sniff: int, max_frame: int,
+                   acquire: Callable[[], object], release: Callable[[], object], server: object, /) -> float | int: ...
 
 
 lines: Lines | None

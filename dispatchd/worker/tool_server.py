@@ -53,10 +53,11 @@ from dispatchd.policy import MAX_CHANNELS, MUTATING_TOOLS, max_channels, too_man
 __all__ = ["MAX_CHANNELS", "max_channels", "serve", "warm_up"]
 from dispatchd.protocol.internal import EXIT_ASLEEP, EXIT_IDLE
 from dispatchd.tempfiles import sweep_temp_files
-from dispatchd.tools import atomic
+from dispatchd.tools import atomic, files, native
 from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed, invalid, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
+from dispatchd.tools.textfile import SNIFF_BYTES
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 _convert = msgspec.convert
@@ -181,6 +182,16 @@ class _Channel:
         recv, refuse = self.frames.recv_request, self.reply  # looked up once, not on every request
         decoder, dispatch = protocol.channel_request_decoder, self.server.dispatch
         activity = self.server.activity
+        fast = self.server.fast_read
+        if fast is not None:
+            # The fast lane (tools/_fastread.c): each request read there, and
+            # the usual read_file call answered there, whole; anything else is
+            # handed back in ``buf`` and read below as if recv had read it.
+            server, frames, lock = self.server, self.frames, activity.lock
+            limits = server.ctx.limits
+            buf = bytearray(1 << 16)  # as much as recv_payload reads at a time
+            lane = (self.frames.fileno(), buf, server.ctx.root_fd, limits.file_size_cap_bytes, SNIFF_BYTES,
+                    protocol.MAX_FRAME, self.send_lock.acquire, self.send_lock.release, server)
         with activity.lock:
             # A channel added while the server waits to sleep reads nothing
             # until it stays awake: handed over whole if it sleeps.
@@ -192,6 +203,24 @@ class _Channel:
                     self._wait_to_read()
                     quiet = False
                 try:
+                    if fast is not None and not frames.buffered():
+                        took = fast(*lane)
+                        if isinstance(took, float):  # answered: the call's record, as _call_fast's
+                            now = _monotonic()
+                            lock.acquire()  # not ``with``: see _Activity.begin
+                            try:
+                                activity.last = now
+                                records = activity.records
+                                records.append(("read_file", took, True))
+                                first = len(records) == 1
+                            finally:
+                                lock.release()
+                            if first:
+                                server._records_due()
+                            continue
+                        if not took:
+                            return  # the client closed the channel (between frames)
+                        frames.feed(buf[:took])
                     # Anything but call_tool and cancel_call is refused there, a bad_request.
                     req = recv(decoder, refuse)
                 except BlockingIOError:
@@ -305,6 +334,14 @@ class _Server:
                                scratch=plan.paths.scratch, jobs=Jobs(plan.paths.scratch),
                                root_fd=_open_root(plan.paths.worktree))
         self.tools = {name: TOOLS[name] for name in plan.tools}
+        # read_file's usual call answered in C, from the request's bytes to
+        # the reply's (tools/_fastread.c; README "The fast lane"): where the
+        # C helper is built, read_file is this session's, and the worktree's
+        # root is held by descriptor. None: every call takes dispatch.
+        read = self.tools.get("read_file")
+        self.fast_read = native.lines.serve_read if (
+            native.lines is not None and read is not None and read.func is files.read_file
+            and self.ctx.root_fd >= 0) else None
         self.activity = _Activity()
         self.control = control
         self.write_lock = _WriteLock(control)

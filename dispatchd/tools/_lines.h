@@ -1,0 +1,30 @@
+/* What _lines.c shares with _fastread.c (one extension, two files): the
+ * numbering of read_file's lines, in two steps, and its read by descriptor.
+ * _lines.c says what each guarantees. */
+#ifndef DISPATCHD_LINES_H
+#define DISPATCHD_LINES_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* How many line ends the numbering keeps from its first pass (on the stack). */
+#define DL_NEXT_CACHED 512
+
+typedef struct {
+    Py_ssize_t total;        /* the file's lines */
+    Py_ssize_t start, stop;  /* the lines shown: [start, stop) */
+    Py_ssize_t begin, span;  /* their bytes: data[begin, begin + span), the last newline left out */
+    Py_ssize_t size;         /* the numbered text's bytes (before any decode) */
+    Py_ssize_t ends[DL_NEXT_CACHED];
+} DlNumbering;
+
+int dl_number_plan(const char *data, Py_ssize_t n, Py_ssize_t start, Py_ssize_t end, DlNumbering *plan);
+int dl_number_ascii(const char *data, const DlNumbering *plan);
+char *dl_number_write(const char *data, const DlNumbering *plan, char *w);
+int dl_open_beneath(int root_fd, const char *raw, Py_ssize_t len);
+PyObject *dl_read_whole(int fd, Py_ssize_t cap, Py_ssize_t sniff);
+
+/* _fastread.c */
+PyObject *dl_serve_read(PyObject *self, PyObject *args);
+
+#endif
