@@ -6,7 +6,7 @@ For an A/B of two trees, run it from two checkouts by turns in the same
 minutes (the machine's phase moves both figures; compare the rounds that
 ran next to each other). README "Speed and density, issue 17".
 
-    ./scripts/bench --eight [--seconds S] [--rounds N]
+    ./scripts/bench --eight [--seconds S] [--rounds N] [--shared]
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench import BareClient, Clients, start_daemon, user_cpu  # noqa: E402
+import dispatch  # noqa: E402
+from bench import BareClient, Clients, start_daemon, threads_for, user_cpu  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=2.0, help="seconds a window")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shared", action="store_true", help="and 8 threads sharing one session, as a third row")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix=".dispatchd-eight-", dir=os.path.expanduser("~"))
     try:
@@ -45,6 +47,8 @@ def run(args: argparse.Namespace, tmp: str) -> None:
     Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # as ./scripts/bench's
     many = BareClient(tmp, "bare-many.sock", forking=True)
     clients = Clients(8, sock, wt, many.path)
+    shared = dispatch.connect(sock) if args.shared else None
+    read = shared.open_session(wt, network=False).registry.get("read_file") if shared else None
     try:
         for kind in ("read", "bare"):  # warm up
             clients.run(8, kind, "for", 0.5)
@@ -59,8 +63,13 @@ def run(args: argparse.Namespace, tmp: str) -> None:
                 tick = os.sysconf("SC_CLK_TCK") * max(calls, 1) / 1e6  # ticks a call -> µs
                 row.append(f"{kind} {calls / args.seconds:8,.0f}/s {sum(spent.values()) / tick:5.1f} µs a call "
                            f"(clients {ours / tick:4.1f}, servers {(sum(spent.values()) - ours) / tick:4.1f})")
+            if read is not None:
+                calls = threads_for(8, lambda: read.call({"path": "f4k.txt"}), args.seconds)
+                row.append(f"shared {calls / args.seconds:8,.0f}/s")
             print(f"round {n + 1}: " + "   ".join(row), flush=True)
     finally:
+        if shared is not None:
+            shared.close()
         clients.close()
         many.close()
         daemon.terminate()

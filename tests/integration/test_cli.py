@@ -356,8 +356,8 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     assert re.fullmatch(r"sandboxes made ahead: 2 per kind of session \(policy/network\), for the 4 kinds most "
                         r"recently opened, each at most 30 s old; \d+ session\(s\) served so far; "
                         r"default/off: \d ready.*", lines[3]), lines[3]
-    assert lines[4] == ("line loops: read_file and search_files number and find lines in C "
-                        "(dispatchd.tools._lines)")
+    assert lines[4] == ("line loops: read_file and search_files number and find lines in C, and read_file's "
+                        "usual call is answered there whole (dispatchd.tools._lines)")
     assert re.fullmatch(r"\d+ session\(s\)", lines[5])
     mine = [i for i, line in enumerate(lines) if line.strip().startswith(sid)]
     assert len(mine) == 1
