@@ -33,6 +33,7 @@ from dispatchd import protocol
 from dispatchd.policy import Limits
 from dispatchd.tools import native
 from dispatchd.worker import tool_server
+from tests.unit.mutate import mutated
 from tests.unit.test_tool_files import _SWAP_LOOP, _until_swapping
 
 pytestmark = pytest.mark.skipif(native.lines is None, reason="the C helper is not built (test_native_lines says so)")
@@ -313,17 +314,8 @@ def test_random_requests_get_the_same_answers_both_ways(pair: tuple[Server, Serv
     rng = random.Random(5)
     bases = [call(p, rid) for p in USUAL[:8] for rid in (1, 300, -40)]
     for _ in range(600):
-        body = bytearray(rng.choice(bases)[4:])
-        for _ in range(rng.randint(1, 3)):
-            at = rng.randrange(len(body) + 1)
-            what = rng.random()
-            if what < 0.5 and body:
-                body[rng.randrange(len(body))] = rng.randrange(256)
-            elif what < 0.75:
-                del body[at:at + rng.randint(1, 6)]
-            else:
-                body[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 6)))
-        got = both(pair, frame(bytes(body)), replies=1)
+        body = mutated(rng, rng.choice(bases)[4:], rng.randint(1, 3), most=6)
+        got = both(pair, frame(body), replies=1)
         if got is None:  # closed alike (both() compared): new channels
             for server in pair:
                 assert server.sock is not None

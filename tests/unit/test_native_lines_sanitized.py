@@ -39,6 +39,8 @@ for _ in range(40000):
 # The fast lane (_fastread.c) on requests cut, grown and flipped from the
 # usual read_file call, over a socketpair: whatever it answers is read back.
 import socket, struct, threading
+sys.path.insert(0, sys.argv[3])
+from mutate import mutated
 ours, lane = socket.socketpair()
 ours.setblocking(False)
 lock, buf = threading.Lock(), bytearray(1 << 16)
@@ -61,19 +63,10 @@ bodies += [call({"path": "text", "start_line": a, "end_line": b}) for a in (0, 3
            for b in (-1, 0, 5, 99, 2**62 - 1)]
 served = 0
 for i in range(20000):
-    body = bytearray(rng.choice(bodies))
     usual = i % 2 == 0  # every other request as a client sends it, to a server that answers it
-    for _ in range(0 if usual else rng.randint(1, 3)):
-        what = rng.random()
-        at = rng.randrange(len(body) + 1)
-        if what < 0.4 and body:
-            body[rng.randrange(len(body))] = rng.randrange(256)
-        elif what < 0.7:
-            del body[at:at + rng.randint(1, 8)]
-        else:
-            body[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+    body = mutated(rng, rng.choice(bodies), 0 if usual else rng.randint(1, 3))
     length = len(body) if usual or rng.random() < 0.9 else rng.randrange(1 << 32)
-    ours.send(struct.pack(">I", length) + bytes(body))
+    ours.send(struct.pack(">I", length) + body)
     server.draining = not usual and rng.random() < 0.05
     pick = (lambda *xs: xs[0]) if usual else (lambda *xs: rng.choice(xs))
     served += isinstance(L.serve_read(lane.fileno(), buf, pick(root, -1), pick(M, 0, 100), pick(8192, 0),
@@ -102,7 +95,9 @@ def test_the_line_loops_stay_within_their_buffers(tmp_path: Path) -> None:
     (tmp_path / "nul").write_bytes(b"a" * 10 + b"\0")
     env = dict(os.environ, LD_PRELOAD=f"{_runtime('libasan.so')}:{_runtime('libubsan.so')}",
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=0", UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
-    out = subprocess.run([sys.executable, "-c", _DRIVE, str(tmp_path), "11"], capture_output=True, text=True,
+    # argv: the built module's folder, the seed, and this folder (mutate.py)
+    out = subprocess.run([sys.executable, "-c", _DRIVE, str(tmp_path), "11", str(Path(__file__).parent)],
+                         capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr[-3000:]
     assert "runtime error" not in out.stderr and "AddressSanitizer" not in out.stderr, out.stderr[-3000:]
