@@ -496,3 +496,38 @@ def test_a_directory_swapped_for_a_link_outside_is_never_read_through_the_lane(
         os.close(root_fd)
     assert answered + handed == 3000 and handed > 0  # the race was run: some opens met the link
     assert (away / "f.txt").read_text() == "secret\n"
+
+
+@pytest.mark.parametrize("why", ["read_file not offered", "no C helper", "no root fd"])
+def test_without_the_lane_every_call_takes_the_python_path(worktree: str, monkeypatch: pytest.MonkeyPatch,
+                                                           why: str) -> None:
+    """The lane is on only where the session offers read_file, the C helper
+    is built and the worktree's root is held by descriptor; elsewhere a
+    read_file call gets the Python path's answer ("unknown tool" where the
+    policy leaves it out)."""
+    tools = ["list_files"] if why == "read_file not offered" else ["read_file", "list_files"]
+    if why == "no C helper":
+        monkeypatch.setattr(native, "lines", None)
+    if why == "no root fd":
+        monkeypatch.setattr(tool_server, "_open_root", lambda worktree: -1)
+    plan = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=worktree, scratch=worktree + "-scratch"),
+                                 limits=Limits(), env={}, writable=True, tools=tools,
+                                 namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
+                                 mounts=types.SimpleNamespace(root="minimal"))
+    os.makedirs(plan.paths.scratch, exist_ok=True)
+    server = tool_server._Server(plan, None)  # type: ignore[arg-type]
+    assert server.fast_read is None
+    ours, theirs = socket.socketpair()
+    server.add_channel(theirs)
+    try:
+        ours.sendall(call({"path": "one.txt"}))
+        ours.settimeout(5)
+        reply = msgspec.msgpack.decode(ours.recv(1 << 16)[4:])
+    finally:
+        ours.close()
+        if server.ctx.root_fd >= 0:
+            os.close(server.ctx.root_fd)
+    if why == "read_file not offered":
+        assert reply["success"] is False and reply["error"].startswith("unknown tool: 'read_file'")
+    else:
+        assert reply["success"] is True and reply["output"] == "0: no newline at the end"
