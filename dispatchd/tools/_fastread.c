@@ -374,57 +374,54 @@ send_all(int fd, const unsigned char *p, Py_ssize_t n)
 
 static PyObject *draining_name;
 
-/* serve_read(sock_fd, buf, root_fd, cap, sniff, max_frame, acquire, release, server) -> float | int
+/* The most one recv takes, as the Python path's (FrameSocket reads 64 KiB
+ * at a time): on the stack, whose pages are touched only as far as a recv
+ * writes (a request is a few hundred bytes), where a buffer held by each
+ * channel would cost every idle session its pages. */
+#define RECV_MAX (1 << 16)
+
+/* serve_read(sock_fd, root_fd, cap, sniff, max_frame, acquire, release, server) -> float | bytes
  *
- * One recv on ``sock_fd`` into ``buf`` (a writable buffer, its size the most
- * read), without the GIL. When what came is exactly one frame holding the
- * usual read_file call (above) and the server is not draining: the file
- * ``path`` read below ``root_fd`` (dl_open_beneath, dl_read_whole with
- * ``cap`` and ``sniff``), numbered, and the ToolReply frame sent between
- * ``acquire()`` and ``release()`` (the channel's send lock: a slow call's
- * output may be on its way); returns the seconds from the request's arrival
- * to the reply's send. Otherwise returns how many bytes came (in ``buf``,
- * untouched; 0: the peer closed). A failed recv raises its OSError
+ * One recv on ``sock_fd`` without the GIL. When what came is exactly one
+ * frame holding the usual read_file call (above) and the server is not
+ * draining: the file ``path`` read below ``root_fd`` (dl_open_beneath,
+ * dl_read_whole with ``cap`` and ``sniff``), numbered, and the ToolReply
+ * frame sent between ``acquire()`` and ``release()`` (the channel's send
+ * lock: a slow call's output may be on its way); returns the seconds from
+ * the request's arrival to the reply's send. Otherwise returns the bytes
+ * that came (b"": the peer closed). A failed recv raises its OSError
  * (BlockingIOError for SO_RCVTIMEO), as socket.recv does. */
 PyObject *
 dl_serve_read(PyObject *self, PyObject *args)
 {
     int sock_fd, root_fd;
-    Py_buffer view;
     Py_ssize_t cap, sniff, max_frame;
     PyObject *acquire, *release, *server;
-    if (!PyArg_ParseTuple(args, "iw*innnOOO:serve_read", &sock_fd, &view, &root_fd, &cap, &sniff, &max_frame,
+    if (!PyArg_ParseTuple(args, "iinnnOOO:serve_read", &sock_fd, &root_fd, &cap, &sniff, &max_frame,
                           &acquire, &release, &server))
         return NULL;
     if (cap < 0 || sniff < 0 || max_frame < 0) {
-        PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "cap, sniff and max_frame must be >= 0");
         return NULL;
     }
+    unsigned char in[RECV_MAX];
     ssize_t got;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     do {
-        got = recv(sock_fd, view.buf, (size_t)view.len, 0);
+        got = recv(sock_fd, in, sizeof in, 0);
     } while (got < 0 && errno == EINTR);
     if (got < 0)
         err = errno;
     Py_END_ALLOW_THREADS
     if (got < 0) {
-        PyBuffer_Release(&view);
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     double started = now_s();
-    const unsigned char *in = view.buf;
-    PyObject *came = PyLong_FromSsize_t(got);  /* what goes back, unless served */
     Call call;
-    if (came == NULL || got <= 4 || (Py_ssize_t)big_endian(in, 4) != got - 4 ||
-            !read_call(in + 4, got - 4, &call)) {
-        PyBuffer_Release(&view);
-        return came;
-    }
-    PyBuffer_Release(&view);  /* nothing more is read from it */
+    if (got <= 4 || (Py_ssize_t)big_endian(in, 4) != got - 4 || !read_call(in + 4, got - 4, &call))
+        return PyBytes_FromStringAndSize((const char *)in, got);  /* not ours: what came, for the Python path */
 
     if (draining_name == NULL && (draining_name = PyUnicode_InternFromString("draining")) == NULL)
         goto back;
@@ -514,14 +511,12 @@ dl_serve_read(PyObject *self, PyObject *args)
     Py_DECREF(data);
     if (w - frame != size + 4) {  /* never: size counts what is written */
         PyMem_Free(frame);
-        Py_DECREF(came);
         PyErr_SetString(PyExc_SystemError, "serve_read: the reply's size was miscounted");
         return NULL;
     }
     PyObject *held = PyObject_CallNoArgs(acquire);
     if (held == NULL) {
         PyMem_Free(frame);
-        Py_DECREF(came);
         return NULL;
     }
     Py_DECREF(held);
@@ -531,7 +526,6 @@ dl_serve_read(PyObject *self, PyObject *args)
     PyMem_Free(frame);
     double took = now_s() - started;
     PyObject *freed = PyObject_CallNoArgs(release);
-    Py_DECREF(came);
     if (freed == NULL)
         return NULL;
     Py_DECREF(freed);
@@ -539,5 +533,5 @@ dl_serve_read(PyObject *self, PyObject *args)
 
 back:
     PyErr_Clear();
-    return came;
+    return PyBytes_FromStringAndSize((const char *)in, got);
 }

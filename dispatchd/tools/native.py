@@ -27,8 +27,8 @@ class Lines(Protocol):
 
     def read_beneath(self, root_fd: int, path: str, cap: int, sniff: int, /) -> bytes | None: ...
 
-    def serve_read(self, sock_fd: int, buf: bytearray, root_fd: int, cap: int, sniff: int, max_frame: int,
-                   acquire: Callable[[], object], release: Callable[[], object], server: object, /) -> float | int: ...
+    def serve_read(self, sock_fd: int, root_fd: int, cap: int, sniff: int, max_frame: int,
+                   acquire: Callable[[], object], release: Callable[[], object], server: object, /) -> float | bytes: ...
 
 
 lines: Lines | None

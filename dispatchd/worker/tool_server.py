@@ -186,11 +186,9 @@ class _Channel:
         if fast is not None:
             # The fast lane (tools/_fastread.c): each request read there, and
             # the usual read_file call answered there, whole; anything else is
-            # handed back in ``buf`` and read below as if recv had read it.
+            # handed back, the bytes that came, and read below as if recv had read them.
             server, frames, lock = self.server, self.frames, activity.lock
-            limits = server.ctx.limits
-            buf = bytearray(1 << 16)  # as much as recv_payload reads at a time
-            lane = (self.frames.fileno(), buf, server.ctx.root_fd, limits.file_size_cap_bytes, SNIFF_BYTES,
+            lane = (self.frames.fileno(), server.ctx.root_fd, server.ctx.limits.file_size_cap_bytes, SNIFF_BYTES,
                     protocol.MAX_FRAME, self.send_lock.acquire, self.send_lock.release, server)
         with activity.lock:
             # A channel added while the server waits to sleep reads nothing
@@ -220,7 +218,7 @@ class _Channel:
                             continue
                         if not took:
                             return  # the client closed the channel (between frames)
-                        frames.feed(buf[:took])
+                        frames.feed(took)
                     # Anything but call_tool and cancel_call is refused there, a bad_request.
                     req = recv(decoder, refuse)
                 except BlockingIOError:

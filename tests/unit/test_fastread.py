@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +53,22 @@ def call(params: dict[str, Any], rid: int = 7, **fields: Any) -> bytes:
 
 
 class Counted:
-    """serve_read, counting the calls it answered."""
+    """serve_read, counting the calls it answered (when it takes the send
+    lock, just before the reply goes: counted before the client can see
+    it) and the times it returned."""
 
     def __init__(self) -> None:
         assert native.lines is not None
-        self.real, self.answered = native.lines.serve_read, 0
+        self.real, self.answered, self.returned = native.lines.serve_read, 0, 0
 
-    def __call__(self, *args: Any) -> float | int:
-        took = self.real(*args)
-        self.answered += isinstance(took, float)
+    def __call__(self, sock_fd: int, root_fd: int, cap: int, sniff: int, max_frame: int,
+                 acquire: Callable[[], object], release: Callable[[], object], server: object) -> float | bytes:
+        def counted() -> object:
+            self.answered += 1
+            return acquire()
+
+        took = self.real(sock_fd, root_fd, cap, sniff, max_frame, counted, release, server)
+        self.returned += 1
         return took
 
 
@@ -291,10 +298,14 @@ def test_two_frames_in_one_recv_and_a_frame_in_two_are_handed_back(pair: tuple[S
     assert both(pair, two, replies=2) is not None
     assert lane.counted.answered == 0
     whole = call({"path": "f4k.txt"}, 3)
+    returned = lane.counted.returned
     for server in pair:
         assert server.sock is not None
         server.sock.sendall(whole[:9])
-    time.sleep(0.1)  # the first part is read on its own
+    deadline = time.monotonic() + 10
+    while lane.counted.returned == returned:  # the lane read the first part on its own, and handed it back
+        assert time.monotonic() < deadline, "the lane never read the first part"
+        time.sleep(0.001)
     assert both(pair, whole[9:]) is not None
     assert lane.counted.answered == 0
     both(pair, whole)
@@ -361,11 +372,11 @@ class _Flag:
     draining = False
 
 
-def _serve(sock: socket.socket, root_fd: int, buf: bytearray, lock: threading.Lock | None = None,
-           max_frame: int = protocol.MAX_FRAME, server: object = None) -> float | int:
+def _serve(sock: socket.socket, root_fd: int, lock: threading.Lock | None = None,
+           max_frame: int = protocol.MAX_FRAME, server: object = None) -> float | bytes:
     assert native.lines is not None
     lock = lock or threading.Lock()
-    return native.lines.serve_read(sock.fileno(), buf, root_fd, 1 << 24, 8192, max_frame, lock.acquire,
+    return native.lines.serve_read(sock.fileno(), root_fd, 1 << 24, 8192, max_frame, lock.acquire,
                                    lock.release, server or _Flag())
 
 
@@ -387,53 +398,49 @@ def root_fd(worktree: str) -> Iterator[int]:
 
 def test_serve_read_hands_back_exactly_the_bytes_that_came(root_fd: int, sockets: Sockets) -> None:
     ours, lane = sockets
-    buf = bytearray(1 << 16)
     data = call({"path": "missing.txt"})
     ours.sendall(data)
-    assert _serve(lane, root_fd, buf) == len(data)
-    assert bytes(buf[:len(data)]) == data
+    assert _serve(lane, root_fd) == data
     ours.setblocking(False)
     with pytest.raises(BlockingIOError):  # nothing was sent
         ours.recv(1)
     # The twin: the usual call is answered, a float of seconds.
     ours.setblocking(True)
     ours.sendall(call({"path": "one.txt"}))
-    took = _serve(lane, root_fd, buf)
+    took = _serve(lane, root_fd)
     assert isinstance(took, float) and 0 <= took < 5
     reply = msgspec.msgpack.decode(ours.recv(1 << 16)[4:])
     assert reply["output"] == "0: no newline at the end"
 
 
-def test_serve_read_says_0_when_the_peer_closed_and_raises_on_a_timeout(root_fd: int, sockets: Sockets) -> None:
+def test_serve_read_says_nothing_came_when_the_peer_closed_and_raises_on_a_timeout(root_fd: int, sockets: Sockets) -> None:
     ours, lane = sockets
     lane.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
-    buf = bytearray(1 << 16)
     with pytest.raises(BlockingIOError) as caught:
-        _serve(lane, root_fd, buf)
+        _serve(lane, root_fd)
     assert caught.value.errno == 11  # EAGAIN: as socket.recv raises it, which the channel's loop expects
     ours.close()
-    assert _serve(lane, root_fd, buf) == 0
+    assert _serve(lane, root_fd) == b""
 
 
 def test_serve_read_hands_back_a_reply_over_the_frame_limit(root_fd: int, sockets: Sockets) -> None:
     ours, lane = sockets
-    buf = bytearray(1 << 16)
     data = call({"path": "f4k.txt"})
     ours.sendall(data)
-    assert _serve(lane, root_fd, buf, max_frame=4000) == len(data)  # the numbered text is over 4,400 bytes
+    assert _serve(lane, root_fd, max_frame=4000) == data  # the numbered text is over 4,400 bytes
     ours.sendall(data)
-    assert isinstance(_serve(lane, root_fd, buf, max_frame=5000), float)
+    assert isinstance(_serve(lane, root_fd, max_frame=5000), float)
 
 
 def test_serve_read_sends_only_while_it_holds_the_channels_send_lock(root_fd: int, sockets: Sockets) -> None:
     """A slow call's output may be on its way on the same channel: the reply
     waits for the send lock, so frames never interleave."""
     ours, lane = sockets
-    buf, lock = bytearray(1 << 16), threading.Lock()
+    lock = threading.Lock()
     ours.sendall(call({"path": "one.txt"}))
     lock.acquire()
-    done: list[float | int] = []
-    thread = threading.Thread(target=lambda: done.append(_serve(lane, root_fd, buf, lock)))
+    done: list[float | bytes] = []
+    thread = threading.Thread(target=lambda: done.append(_serve(lane, root_fd, lock)))
     thread.start()
     ours.settimeout(0.3)
     with pytest.raises(TimeoutError):  # nothing while the lock is held
@@ -449,9 +456,9 @@ def test_serve_read_refuses_bad_arguments(root_fd: int) -> None:
     assert native.lines is not None
     lock = threading.Lock()
     with pytest.raises(ValueError, match="must be >= 0"):
-        native.lines.serve_read(0, bytearray(8), root_fd, -1, 0, 0, lock.acquire, lock.release, _Flag())
-    with pytest.raises(TypeError):  # a read-only buffer
-        native.lines.serve_read(0, b"x" * 8, root_fd, 1, 0, 0, lock.acquire, lock.release, _Flag())
+        native.lines.serve_read(0, root_fd, -1, 0, 0, lock.acquire, lock.release, _Flag())
+    with pytest.raises(TypeError):  # a descriptor that is not an int
+        native.lines.serve_read("0", root_fd, 1, 0, 0, lock.acquire, lock.release, _Flag())
 
 
 def test_a_directory_swapped_for_a_link_outside_is_never_read_through_the_lane(
@@ -467,13 +474,12 @@ def test_a_directory_swapped_for_a_link_outside_is_never_read_through_the_lane(
     away.mkdir()
     (away / "f.txt").write_text("secret\n")
     ours, lane = sockets
-    buf = bytearray(1 << 16)
     data = call({"path": "d/f.txt"})
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         # The twin: without the swap, the inside file through the lane.
         ours.sendall(data)
-        assert isinstance(_serve(lane, root_fd, buf), float)
+        assert isinstance(_serve(lane, root_fd), float)
         assert msgspec.msgpack.decode(ours.recv(1 << 16)[4:])["output"] == "0: inside"
         swapper = subprocess.Popen([sys.executable, "-c", _SWAP_LOOP, root, str(away)])
         _until_swapping(root)
@@ -481,13 +487,13 @@ def test_a_directory_swapped_for_a_link_outside_is_never_read_through_the_lane(
         try:
             for _ in range(3000):
                 ours.sendall(data)
-                took = _serve(lane, root_fd, buf)
+                took = _serve(lane, root_fd)
                 if isinstance(took, float):
                     answered += 1
                     assert msgspec.msgpack.decode(ours.recv(1 << 16)[4:])["output"] == "0: inside"
                 else:
                     handed += 1
-                    assert took == len(data)
+                    assert took == data
             assert swapper.poll() is None  # the swap ran all along
         finally:
             swapper.kill()

@@ -43,7 +43,7 @@ sys.path.insert(0, sys.argv[3])
 from mutate import mutated
 ours, lane = socket.socketpair()
 ours.setblocking(False)
-lock, buf = threading.Lock(), bytearray(1 << 16)
+lock = threading.Lock()
 server = type("S", (), {"draining": False})()
 def call(params, rid=7, **extra):
     body = {"op": "call_tool", "id": rid, "tool": "read_file", "params": params, "stream": False, **extra}
@@ -69,7 +69,7 @@ for i in range(20000):
     ours.send(struct.pack(">I", length) + body)
     server.draining = not usual and rng.random() < 0.05
     pick = (lambda *xs: xs[0]) if usual else (lambda *xs: rng.choice(xs))
-    served += isinstance(L.serve_read(lane.fileno(), buf, pick(root, -1), pick(M, 0, 100), pick(8192, 0),
+    served += isinstance(L.serve_read(lane.fileno(), pick(root, -1), pick(M, 0, 100), pick(8192, 0),
                                       pick(1 << 26, 0, 64), lock.acquire, lock.release, server), float)
     try:
         while ours.recv(1 << 20):
