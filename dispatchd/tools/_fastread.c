@@ -12,11 +12,13 @@
  * cap or past its end, a reply over the frame limit, the server draining:
  * all go back to Python, whose messages and checks decide.
  *
- * The usual call is exactly one whole frame in one recv: a msgpack map of
- * "op": "call_tool", "id", "tool": "read_file", "params" (a map of "path",
- * printable ASCII, and at most "start_line" and "end_line", in range) and
- * "stream". Anything the decoder would read otherwise (another key, a
- * duplicate, another type or encoding, trailing bytes) is not it.
+ * The usual call is one whole frame (one recv brings one, or several sent
+ * at once by threads sharing a session: each at the front is taken in
+ * turn): a msgpack map of "op": "call_tool", "id", "tool": "read_file",
+ * "params" (a map of "path", printable ASCII, and at most "start_line" and
+ * "end_line", in range) and "stream". Anything the decoder would read
+ * otherwise (another key, a duplicate, another type or encoding, trailing
+ * bytes) is not it, and neither is any frame after one that is not.
  *
  * Why: with eight clients on two CPUs, the tool server's Python spent about
  * 30 us of CPU a call (decode, check, the tool's frame, the Outcome, the
@@ -374,58 +376,23 @@ send_all(int fd, const unsigned char *p, Py_ssize_t n)
 
 static PyObject *draining_name;
 
-/* The most one recv takes, as the Python path's (FrameSocket reads 64 KiB
- * at a time): on the stack, whose pages are touched only as far as a recv
- * writes (a request is a few hundred bytes), where a buffer held by each
- * channel would cost every idle session its pages. */
-#define RECV_MAX (1 << 16)
-
-/* serve_read(sock_fd, root_fd, cap, sniff, max_frame, acquire, release, server) -> float | bytes
- *
- * One recv on ``sock_fd`` without the GIL. When what came is exactly one
- * frame holding the usual read_file call (above) and the server is not
- * draining: the file ``path`` read below ``root_fd`` (dl_open_beneath,
- * dl_read_whole with ``cap`` and ``sniff``), numbered, and the ToolReply
- * frame sent between ``acquire()`` and ``release()`` (the channel's send
- * lock: a slow call's output may be on its way); returns the seconds from
- * the request's arrival to the reply's send. Otherwise returns the bytes
- * that came (b"": the peer closed). A failed recv raises its OSError
- * (BlockingIOError for SO_RCVTIMEO), as socket.recv does. */
-PyObject *
-dl_serve_read(PyObject *self, PyObject *args)
-{
+/* What serve_read was given, for each call it answers. */
+typedef struct {
     int sock_fd, root_fd;
     Py_ssize_t cap, sniff, max_frame;
     PyObject *acquire, *release, *server;
-    if (!PyArg_ParseTuple(args, "iinnnOOO:serve_read", &sock_fd, &root_fd, &cap, &sniff, &max_frame,
-                          &acquire, &release, &server))
-        return NULL;
-    if (cap < 0 || sniff < 0 || max_frame < 0) {
-        PyErr_SetString(PyExc_ValueError, "cap, sniff and max_frame must be >= 0");
-        return NULL;
-    }
-    unsigned char in[RECV_MAX];
-    ssize_t got;
-    int err = 0;
-    Py_BEGIN_ALLOW_THREADS
-    do {
-        got = recv(sock_fd, in, sizeof in, 0);
-    } while (got < 0 && errno == EINTR);
-    if (got < 0)
-        err = errno;
-    Py_END_ALLOW_THREADS
-    if (got < 0) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    double started = now_s();
-    Call call;
-    if (got <= 4 || (Py_ssize_t)big_endian(in, 4) != got - 4 || !read_call(in + 4, got - 4, &call))
-        return PyBytes_FromStringAndSize((const char *)in, got);  /* not ours: what came, for the Python path */
+} Lane;
 
+/* Answer ``call``: 1 once its reply is sent; 0 when it is the Python
+ * path's (the server draining, the file not opened or not text, lines past
+ * the end, a reply over the frame limit, no memory: nothing sent, no error
+ * left set); -1 with the error set (the send lock's calls failed). */
+static int
+answer(const Lane *lane, const Call *call)
+{
     if (draining_name == NULL && (draining_name = PyUnicode_InternFromString("draining")) == NULL)
         goto back;
-    PyObject *draining = PyObject_GetAttr(server, draining_name);
+    PyObject *draining = PyObject_GetAttr(lane->server, draining_name);
     if (draining == NULL)
         goto back;
     int stopping = PyObject_IsTrue(draining);
@@ -433,10 +400,10 @@ dl_serve_read(PyObject *self, PyObject *args)
     if (stopping != 0)  /* refused by the Python path, in its words (or an error: the Python path too) */
         goto back;
 
-    int fd = dl_open_beneath(root_fd, call.path, call.path_len);
+    int fd = dl_open_beneath(lane->root_fd, call->path, call->path_len);
     if (fd < 0)
         goto back;
-    PyObject *data = dl_read_whole(fd, cap, sniff);
+    PyObject *data = dl_read_whole(fd, lane->cap, lane->sniff);
     if (data == NULL)
         goto back;  /* no memory: the Python path's turn, which words it */
     if (!PyBytes_Check(data)) {  /* None or False: not a regular text file within the cap, or changing */
@@ -445,7 +412,7 @@ dl_serve_read(PyObject *self, PyObject *args)
     }
     const char *bytes = PyBytes_AS_STRING(data);
     DlNumbering plan;
-    if (dl_number_plan(bytes, PyBytes_GET_SIZE(data), (Py_ssize_t)call.start, (Py_ssize_t)call.end, &plan) != 0) {
+    if (dl_number_plan(bytes, PyBytes_GET_SIZE(data), (Py_ssize_t)call->start, (Py_ssize_t)call->end, &plan) != 0) {
         Py_DECREF(data);  /* past the end: read_file words it */
         goto back;
     }
@@ -454,30 +421,28 @@ dl_serve_read(PyObject *self, PyObject *args)
     PyObject *decoded = NULL;
     const char *text = NULL;
     Py_ssize_t text_len = plan.size;
-    char *scratch = NULL;
     if (!dl_number_ascii(bytes, &plan)) {
-        scratch = PyMem_Malloc(plan.size > 0 ? (size_t)plan.size : 1);
+        char *scratch = PyMem_Malloc(plan.size > 0 ? (size_t)plan.size : 1);
         if (scratch == NULL) {
             Py_DECREF(data);
             goto back;
         }
-        char *w = dl_number_write(bytes, &plan, scratch);
-        decoded = PyUnicode_DecodeUTF8(scratch, w - scratch, "replace");
+        char *end = dl_number_write(bytes, &plan, scratch);
+        decoded = PyUnicode_DecodeUTF8(scratch, end - scratch, "replace");
         PyMem_Free(scratch);
-        scratch = NULL;
         if (decoded == NULL || (text = PyUnicode_AsUTF8AndSize(decoded, &text_len)) == NULL) {
             Py_XDECREF(decoded);
             Py_DECREF(data);
             goto back;
         }
     }
-    int64_t last = call.end == -1 ? plan.total - 1 : (call.end < plan.total - 1 ? call.end : plan.total - 1);
-    Py_ssize_t size = (Py_ssize_t)(sizeof REPLY_HEAD - 1) + int_size(call.id) + (Py_ssize_t)(sizeof REPLY_SUCCESS - 1)
+    int64_t last = call->end == -1 ? plan.total - 1 : (call->end < plan.total - 1 ? call->end : plan.total - 1);
+    Py_ssize_t size = (Py_ssize_t)(sizeof REPLY_HEAD - 1) + int_size(call->id) + (Py_ssize_t)(sizeof REPLY_SUCCESS - 1)
         + str_header_size(text_len) + text_len + (Py_ssize_t)(sizeof REPLY_META - 1)
-        + str_header_size(call.path_len) + call.path_len + (Py_ssize_t)(sizeof REPLY_TOTAL - 1) + int_size(plan.total)
-        + (Py_ssize_t)(sizeof REPLY_START - 1) + int_size(call.start) + (Py_ssize_t)(sizeof REPLY_END - 1)
-        + int_size(last);
-    if (size > max_frame || size > (Py_ssize_t)UINT32_MAX) {  /* the Python path says it is too large */
+        + str_header_size(call->path_len) + call->path_len + (Py_ssize_t)(sizeof REPLY_TOTAL - 1)
+        + int_size(plan.total) + (Py_ssize_t)(sizeof REPLY_START - 1) + int_size(call->start)
+        + (Py_ssize_t)(sizeof REPLY_END - 1) + int_size(last);
+    if (size > lane->max_frame || size > (Py_ssize_t)UINT32_MAX) {  /* the Python path says it is too large */
         Py_XDECREF(decoded);
         Py_DECREF(data);
         goto back;
@@ -490,7 +455,7 @@ dl_serve_read(PyObject *self, PyObject *args)
     }
     unsigned char *w = put_be(frame, (uint64_t)size, 4);
     w = put_raw(w, REPLY_HEAD);
-    w = put_int(w, call.id);
+    w = put_int(w, call->id);
     w = put_raw(w, REPLY_SUCCESS);
     w = put_str_header(w, text_len);
     if (decoded == NULL)
@@ -498,13 +463,13 @@ dl_serve_read(PyObject *self, PyObject *args)
     else
         memcpy(w, text, (size_t)text_len), w += text_len;
     w = put_raw(w, REPLY_META);
-    w = put_str_header(w, call.path_len);
-    memcpy(w, call.path, (size_t)call.path_len);
-    w += call.path_len;
+    w = put_str_header(w, call->path_len);
+    memcpy(w, call->path, (size_t)call->path_len);
+    w += call->path_len;
     w = put_raw(w, REPLY_TOTAL);
     w = put_int(w, plan.total);
     w = put_raw(w, REPLY_START);
-    w = put_int(w, call.start);
+    w = put_int(w, call->start);
     w = put_raw(w, REPLY_END);
     w = put_int(w, last);
     Py_XDECREF(decoded);
@@ -512,26 +477,115 @@ dl_serve_read(PyObject *self, PyObject *args)
     if (w - frame != size + 4) {  /* never: size counts what is written */
         PyMem_Free(frame);
         PyErr_SetString(PyExc_SystemError, "serve_read: the reply's size was miscounted");
-        return NULL;
+        return -1;
     }
-    PyObject *held = PyObject_CallNoArgs(acquire);
+    PyObject *held = PyObject_CallNoArgs(lane->acquire);
     if (held == NULL) {
         PyMem_Free(frame);
-        return NULL;
+        return -1;
     }
     Py_DECREF(held);
     Py_BEGIN_ALLOW_THREADS
-    send_all(sock_fd, frame, size + 4);
+    send_all(lane->sock_fd, frame, size + 4);
     Py_END_ALLOW_THREADS
     PyMem_Free(frame);
-    double took = now_s() - started;
-    PyObject *freed = PyObject_CallNoArgs(release);
+    PyObject *freed = PyObject_CallNoArgs(lane->release);
     if (freed == NULL)
-        return NULL;
+        return -1;
     Py_DECREF(freed);
-    return PyFloat_FromDouble(took);
+    return 1;
 
 back:
     PyErr_Clear();
-    return PyBytes_FromStringAndSize((const char *)in, got);
+    return 0;
+}
+
+/* The most one recv takes, as the Python path's (FrameSocket reads 64 KiB
+ * at a time): on the stack, whose pages are touched only as far as a recv
+ * writes (a request is a few hundred bytes), where a buffer held by each
+ * channel would cost every idle session its pages. */
+#define RECV_MAX (1 << 16)
+
+/* serve_read(sock_fd, root_fd, cap, sniff, max_frame, acquire, release, server)
+ *     -> float | bytes | (list[float], bytes)
+ *
+ * One recv on ``sock_fd`` without the GIL; then each whole frame at the
+ * front of what came that holds the usual read_file call (above) is
+ * answered, in order, while the server is not draining: the file ``path``
+ * read below ``root_fd`` (dl_open_beneath, dl_read_whole with ``cap`` and
+ * ``sniff``), numbered, and the ToolReply frame sent between ``acquire()``
+ * and ``release()`` (the channel's send lock: a slow call's output may be on
+ * its way). The first frame that is not answered ends it, and it and all
+ * after it are handed back. Returns the seconds of the one call answered
+ * when it was all that came (the usual case); the bytes that came when none
+ * was answered (b"": the peer closed); else the seconds of each call
+ * answered and the bytes handed back (several calls sent at once, by threads
+ * sharing a session). A call's seconds run from the request's arrival (or
+ * the previous reply's send) to its reply's send. A failed recv raises its
+ * OSError (BlockingIOError for SO_RCVTIMEO), as socket.recv does. */
+PyObject *
+dl_serve_read(PyObject *self, PyObject *args)
+{
+    Lane lane;
+    if (!PyArg_ParseTuple(args, "iinnnOOO:serve_read", &lane.sock_fd, &lane.root_fd, &lane.cap, &lane.sniff,
+                          &lane.max_frame, &lane.acquire, &lane.release, &lane.server))
+        return NULL;
+    if (lane.cap < 0 || lane.sniff < 0 || lane.max_frame < 0) {
+        PyErr_SetString(PyExc_ValueError, "cap, sniff and max_frame must be >= 0");
+        return NULL;
+    }
+    unsigned char in[RECV_MAX];
+    ssize_t got;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    do {
+        got = recv(lane.sock_fd, in, sizeof in, 0);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    if (got < 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    double since = now_s(), first = 0.0;
+    PyObject *times = NULL;  /* the seconds of each call answered, once there are two */
+    Py_ssize_t at = 0, answered = 0;
+    while (got - at > 4) {
+        Py_ssize_t length = (Py_ssize_t)big_endian(in + at, 4);
+        Call call;
+        if (length > got - at - 4 || !read_call(in + at + 4, length, &call))
+            break;
+        int done = answer(&lane, &call);
+        if (done < 0) {
+            Py_XDECREF(times);
+            return NULL;
+        }
+        if (done == 0)
+            break;
+        double now = now_s();
+        PyObject *took = NULL;
+        if (answered == 0) {
+            first = now - since;
+        } else {
+            if (times == NULL && (times = Py_BuildValue("[d]", first)) == NULL)
+                return NULL;
+            if ((took = PyFloat_FromDouble(now - since)) == NULL || PyList_Append(times, took) < 0) {
+                Py_XDECREF(took);
+                Py_DECREF(times);
+                return NULL;
+            }
+            Py_DECREF(took);
+        }
+        since = now;
+        answered++;
+        at += 4 + length;
+    }
+    if (answered == 0)
+        return PyBytes_FromStringAndSize((const char *)in, got);  /* not ours: what came, for the Python path */
+    if (answered == 1 && at == got)
+        return PyFloat_FromDouble(first);
+    if (times == NULL && (times = Py_BuildValue("[d]", first)) == NULL)
+        return NULL;
+    return Py_BuildValue("(Ny#)", times, (const char *)in + at, (Py_ssize_t)(got - at));
 }

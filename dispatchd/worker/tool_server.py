@@ -42,7 +42,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -203,22 +203,30 @@ class _Channel:
                 try:
                     if fast is not None and not frames.buffered():
                         took = fast(*lane)
-                        if isinstance(took, float):  # answered: the call's record, as _call_fast's
+                        if isinstance(took, bytes):  # none answered: what came
+                            if not took:
+                                return  # the client closed the channel (between frames)
+                            frames.feed(took)
+                        else:
+                            # Answered: one call (a float), or several sent at
+                            # once and what came after them. Each call's
+                            # record, as _call_fast's.
+                            calls: Sequence[float]
+                            calls, rest = ((took,), b"") if isinstance(took, float) else took
                             now = _monotonic()
                             lock.acquire()  # not ``with``: see _Activity.begin
                             try:
                                 activity.last = now
                                 records = activity.records
-                                records.append(("read_file", took, True))
-                                first = len(records) == 1
+                                first = not records
+                                records.extend(("read_file", seconds, True) for seconds in calls)
                             finally:
                                 lock.release()
                             if first:
                                 server._records_due()
-                            continue
-                        if not took:
-                            return  # the client closed the channel (between frames)
-                        frames.feed(took)
+                            if not rest:
+                                continue
+                            frames.feed(rest)
                     # Anything but call_tool and cancel_call is refused there, a bad_request.
                     req = recv(decoder, refuse)
                 except BlockingIOError:

@@ -292,24 +292,56 @@ def test_anything_else_is_handed_back_and_answered_by_the_python_path(pair: tupl
     assert pair[0].counted.answered in (1, 2)
 
 
-def test_two_frames_in_one_recv_and_a_frame_in_two_are_handed_back(pair: tuple[Server, Server]) -> None:
+PIPELINED = {
+    # what one recv brings: the answers the lane gives (in order), the rest the Python path's
+    "two usual calls": ([call({"path": "one.txt"}, 1), call({"path": "crlf.txt"}, 2)], 2),
+    "three, the middle one a missing file": (
+        [call({"path": "one.txt"}, 1), call({"path": "missing.txt"}, 2), call({"path": "crlf.txt"}, 3)], 1),
+    "three, the middle one another tool": (
+        [call({"path": "one.txt"}, 1), call({"path": "d"}, 2, tool="list_files"), call({"path": "crlf.txt"}, 3)], 1),
+    "a bad request first": ([frame(b"\xc1"), call({"path": "one.txt"}, 2)], 0),
+    "a cancel first": ([frame(_E(protocol.CancelCall(id=9))), call({"path": "one.txt"}, 2)], 0),
+    "eight usual calls": ([call({"path": "f4k.txt", "start_line": i}, i) for i in range(8)], 8),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINED))
+def test_several_frames_in_one_recv_the_usual_calls_at_the_front_answered(pair: tuple[Server, Server],
+                                                                         name: str) -> None:
+    """Threads sharing a session send several requests before a reply: the
+    lane answers the usual calls at the front of what one recv brought, in
+    order, and hands back the rest from the first it does not answer; the
+    replies are the Python path's, in the same order."""
+    frames, answered = PIPELINED[name]
+    replies = sum(1 for f in frames if b"cancel_call" not in f)
     lane, python = pair
-    two = call({"path": "one.txt"}, 1) + call({"path": "crlf.txt"}, 2)
-    assert both(pair, two, replies=2) is not None
-    assert lane.counted.answered == 0
+    # Both servers' readers get the whole batch in one recv: it is sent
+    # before they read (their threads are held in the GIL-free recv of an
+    # empty socket until then, and one send is one message).
+    data = b"".join(frames)
+    got = both(pair, data, replies)
+    assert got is not None and len(got) == replies
+    assert lane.counted.answered == answered
+
+
+def test_a_frame_in_two_recvs_and_a_frame_cut_after_an_answered_one(pair: tuple[Server, Server]) -> None:
+    """A frame whose first part comes alone is handed back, and the Python
+    path reads the rest; so is the start of a frame after one answered."""
+    lane, python = pair
     whole = call({"path": "f4k.txt"}, 3)
-    returned = lane.counted.returned
-    for server in pair:
-        assert server.sock is not None
-        server.sock.sendall(whole[:9])
-    deadline = time.monotonic() + 10
-    while lane.counted.returned == returned:  # the lane read the first part on its own, and handed it back
-        assert time.monotonic() < deadline, "the lane never read the first part"
-        time.sleep(0.001)
-    assert both(pair, whole[9:]) is not None
-    assert lane.counted.answered == 0
-    both(pair, whole)
-    assert lane.counted.answered == 1
+    for data, rest, answered in ((whole[:9], whole[9:], 0), (call({"path": "one.txt"}, 1) + whole[:9], whole[9:], 1)):
+        before, returned = lane.counted.answered, lane.counted.returned
+        for server in pair:
+            assert server.sock is not None
+            server.sock.sendall(data)
+        deadline = time.monotonic() + 10
+        while lane.counted.returned == returned:  # the lane read the first part on its own, and handed it back
+            assert time.monotonic() < deadline, "the lane never read the first part"
+            time.sleep(0.001)
+        assert both(pair, rest, replies=1 + answered) is not None
+        assert lane.counted.answered - before == answered
+    both(pair, whole)  # the twin: whole, it is the lane's
+    assert lane.counted.answered == 2
 
 
 def test_a_length_over_the_frame_limit_ends_the_channel_as_before(pair: tuple[Server, Server]) -> None:
@@ -413,7 +445,8 @@ def test_serve_read_hands_back_exactly_the_bytes_that_came(root_fd: int, sockets
     assert reply["output"] == "0: no newline at the end"
 
 
-def test_serve_read_says_nothing_came_when_the_peer_closed_and_raises_on_a_timeout(root_fd: int, sockets: Sockets) -> None:
+def test_serve_read_says_nothing_came_when_the_peer_closed_and_raises_on_a_timeout(root_fd: int,
+                                                                                   sockets: Sockets) -> None:
     ours, lane = sockets
     lane.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
     with pytest.raises(BlockingIOError) as caught:
@@ -421,6 +454,29 @@ def test_serve_read_says_nothing_came_when_the_peer_closed_and_raises_on_a_timeo
     assert caught.value.errno == 11  # EAGAIN: as socket.recv raises it, which the channel's loop expects
     ours.close()
     assert _serve(lane, root_fd) == b""
+
+
+def test_serve_read_answers_the_calls_at_the_front_and_hands_back_the_rest(root_fd: int,
+                                                                          sockets: Sockets) -> None:
+    ours, lane = sockets
+    first, second = call({"path": "one.txt"}, 1), call({"path": "crlf.txt"}, 2)
+    rest = call({"path": "missing.txt"}, 3) + call({"path": "one.txt"}, 4)[:7]
+    ours.sendall(first + second + rest)
+    took = _serve(lane, root_fd)
+    assert isinstance(took, tuple)
+    seconds, back = took
+    assert len(seconds) == 2 and all(0 <= s < 5 for s in seconds) and back == rest
+    replies = ours.recv(1 << 16)
+    ids = []
+    while replies:
+        (n,) = struct.unpack(">I", replies[:4])
+        ids.append(msgspec.msgpack.decode(replies[4:4 + n])["id"])
+        replies = replies[4 + n:]
+    assert ids == [1, 2]
+    # All of it answered: the seconds of each, nothing back.
+    ours.sendall(first + second)
+    took = _serve(lane, root_fd)
+    assert isinstance(took, tuple) and len(took[0]) == 2 and took[1] == b""
 
 
 def test_serve_read_hands_back_a_reply_over_the_frame_limit(root_fd: int, sockets: Sockets) -> None:
