@@ -64,8 +64,14 @@ def run(args: argparse.Namespace, tmp: str) -> None:
                 row.append(f"{kind} {calls / args.seconds:8,.0f}/s {sum(spent.values()) / tick:5.1f} µs a call "
                            f"(clients {ours / tick:4.1f}, servers {(sum(spent.values()) - ours) / tick:4.1f})")
             if read is not None:
+                before = user_cpu()
                 calls = threads_for(8, lambda: read.call({"path": "f4k.txt"}), args.seconds)
-                row.append(f"shared {calls / args.seconds:8,.0f}/s")
+                after = user_cpu()
+                spent = {pid: after[pid] - before[pid] for pid in after.keys() & before.keys()}
+                tick = os.sysconf("SC_CLK_TCK") * max(calls, 1) / 1e6
+                ours = spent.get(os.getpid(), 0)
+                row.append(f"shared {calls / args.seconds:8,.0f}/s {sum(spent.values()) / tick:5.1f} µs a call "
+                           f"(client {ours / tick:4.1f}, server {(sum(spent.values()) - ours) / tick:4.1f})")
             print(f"round {n + 1}: " + "   ".join(row), flush=True)
     finally:
         if shared is not None:
