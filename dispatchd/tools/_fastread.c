@@ -376,6 +376,19 @@ send_all(int fd, const unsigned char *p, Py_ssize_t n)
 
 static PyObject *draining_name;
 
+/* The calls the lane is answering now, in this process: from before its
+ * look at ``draining`` to the end of the reply's send. Read (lane_calls())
+ * by a stop, which waits for them as for the Python path's calls in flight.
+ * Changed and read with the GIL held only. */
+static Py_ssize_t in_flight;
+
+/* lane_calls() -> int: how many calls the lane is answering now. */
+PyObject *
+dl_lane_calls(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromSsize_t(in_flight);
+}
+
 /* What serve_read was given, for each call it answers. */
 typedef struct {
     int sock_fd, root_fd;
@@ -556,7 +569,9 @@ dl_serve_read(PyObject *self, PyObject *args)
         Call call;
         if (length > got - at - 4 || !read_call(in + at + 4, length, &call))
             break;
+        in_flight++;  /* before answer looks at ``draining``: a stop that set it sees this call, or the call sees it */
         int done = answer(&lane, &call);
+        in_flight--;
         if (done < 0) {
             Py_XDECREF(times);
             return NULL;

@@ -686,6 +686,7 @@ static PyMethodDef methods[] = {
      "read_file's usual read: a plain relative path opened below a directory fd by openat2: bytes | None."},
     {"serve_read", dl_serve_read, METH_VARARGS,
      "The tool server's fast lane: one request read, answered when it is the usual read_file call (_fastread.c)."},
+    {"lane_calls", dl_lane_calls, METH_NOARGS, "How many calls the fast lane is answering now (_fastread.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,5 +26,6 @@ PyObject *dl_read_whole(int fd, Py_ssize_t cap, Py_ssize_t sniff);
 
 /* _fastread.c */
 PyObject *dl_serve_read(PyObject *self, PyObject *args);
+PyObject *dl_lane_calls(PyObject *self, PyObject *unused);
 
 #endif

@@ -593,3 +593,49 @@ def test_without_the_lane_every_call_takes_the_python_path(worktree: str, monkey
         assert reply["success"] is False and reply["error"].startswith("unknown tool: 'read_file'")
     else:
         assert reply["success"] is True and reply["output"] == "0: no newline at the end"
+
+
+class _Exited(Exception):
+    pass
+
+
+def test_a_stop_waits_for_the_lanes_calls_in_flight(worktree: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop (``_Server.drain``) waits for a call the lane is answering, as
+    it waits for the Python path's calls in flight: here a reply larger
+    than the socket's buffer, whose client reads it only after 0.5 s. The
+    twin: with nothing in flight the stop does not wait."""
+    assert native.lines is not None
+    Path(worktree, "big.txt").write_bytes((b"0123456789abcdef" * 4 + b"\n") * 40000)  # 2.6 MB
+    monkeypatch.setattr(tool_server.os, "_exit", lambda code: (_ for _ in ()).throw(_Exited(code)))
+    lane = Server(worktree, lane=True)
+    lane.server.flush_records = lambda: None  # type: ignore[method-assign]  # no daemon to send them to
+    try:
+        # The twin first: nothing in flight, the stop goes on at once.
+        started = time.monotonic()
+        with pytest.raises(_Exited):
+            lane.server.drain(10.0)
+        assert time.monotonic() - started < 0.3
+        lane.server.draining = False
+        assert lane.sock is not None
+        lane.sock.sendall(call({"path": "big.txt"}))
+        deadline = time.monotonic() + 10
+        while native.lines.lane_calls() != 1:  # the reply is on its way, its send blocked
+            assert time.monotonic() < deadline, "the lane never began the call"
+            time.sleep(0.001)
+
+        def read_later() -> None:
+            time.sleep(0.5)
+            lane.sock.settimeout(10)  # type: ignore[union-attr]
+            head = lane._exactly(4)
+            assert head is not None and lane._exactly(struct.unpack(">I", head)[0]) is not None
+
+        reader = threading.Thread(target=read_later)
+        reader.start()
+        started = time.monotonic()
+        with pytest.raises(_Exited):
+            lane.server.drain(10.0)
+        waited = time.monotonic() - started
+        reader.join(10)
+        assert 0.4 < waited < 9 and native.lines.lane_calls() == 0
+    finally:
+        lane.close()
