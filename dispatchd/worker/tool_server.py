@@ -622,7 +622,7 @@ class _Server:
             self.flush_at = None
             self.flush_records()
         if now >= self.next_check:
-            if self.activity.idle_for() >= self.plan.limits.idle_timeout_s:
+            if self.activity.idle_for() >= self.plan.limits.idle_timeout_s and not self._lane_busy():
                 self.flush_records()
                 os._exit(EXIT_IDLE)  # the session ends with us (its pid 1, or its init sees us go)
             if self.sleep_after and self._may_sleep():
@@ -631,6 +631,11 @@ class _Server:
                 except OSError:
                     pass  # the daemon is gone: the control loop ends
             self.next_check = now + self.every
+
+    def _lane_busy(self) -> bool:
+        """Whether the fast lane is answering a call now (its calls are not
+        in ``activity``: they never pass through Python until recorded)."""
+        return self.fast_read is not None and native.lines is not None and native.lines.lane_calls() > 0
 
     def _may_sleep(self) -> bool:
         """Whether the session may sleep now; if so, no reader reads from
@@ -691,8 +696,7 @@ class _Server:
         deadline = time.monotonic() + deadline_s
         # The fast lane's calls too: each looked at ``draining`` after it
         # counted itself (tools/_fastread.c), so none begun is missed here.
-        lane = native.lines.lane_calls if self.fast_read is not None and native.lines is not None else int
-        while (self.activity.busy() or lane()) and time.monotonic() < deadline:
+        while (self.activity.busy() or self._lane_busy()) and time.monotonic() < deadline:
             time.sleep(0.02)
         with self.activity.lock:
             cut = list(self.activity.calls.items())

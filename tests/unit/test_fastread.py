@@ -599,6 +599,11 @@ class _Exited(Exception):
     pass
 
 
+def _exit(code: int) -> None:
+    """os._exit for these tests: the stop and the idle check end the process."""
+    raise _Exited(code)
+
+
 def test_a_stop_waits_for_the_lanes_calls_in_flight(worktree: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stop (``_Server.drain``) waits for a call the lane is answering, as
     it waits for the Python path's calls in flight: here a reply larger
@@ -606,7 +611,7 @@ def test_a_stop_waits_for_the_lanes_calls_in_flight(worktree: str, monkeypatch: 
     twin: with nothing in flight the stop does not wait."""
     assert native.lines is not None
     Path(worktree, "big.txt").write_bytes((b"0123456789abcdef" * 4 + b"\n") * 40000)  # 2.6 MB
-    monkeypatch.setattr(tool_server.os, "_exit", lambda code: (_ for _ in ()).throw(_Exited(code)))
+    monkeypatch.setattr(tool_server.os, "_exit", _exit)
     lane = Server(worktree, lane=True)
     lane.server.flush_records = lambda: None  # type: ignore[method-assign]  # no daemon to send them to
     try:
@@ -637,5 +642,43 @@ def test_a_stop_waits_for_the_lanes_calls_in_flight(worktree: str, monkeypatch: 
         waited = time.monotonic() - started
         reader.join(10)
         assert 0.4 < waited < 9 and native.lines.lane_calls() == 0
+    finally:
+        lane.close()
+
+
+def test_the_idle_timeout_does_not_end_a_session_while_the_lane_answers(worktree: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle check (``housekeeping``) counts the lane's call in flight as
+    a call: a reply still on its way (a client reading slowly) holds the
+    session open past its idle timeout. The twin: once the reply is read,
+    the same check ends it."""
+    assert native.lines is not None
+    Path(worktree, "big.txt").write_bytes((b"0123456789abcdef" * 4 + b"\n") * 40000)  # 2.6 MB
+    monkeypatch.setattr(tool_server.os, "_exit", _exit)
+    lane = Server(worktree, lane=True)
+    server = lane.server
+    server.flush_records = lambda: None  # type: ignore[method-assign]  # no daemon to send them to
+    server.sleep_after = 0.0  # the idle check alone
+    try:
+        assert lane.sock is not None
+        lane.sock.sendall(call({"path": "big.txt"}))
+        deadline = time.monotonic() + 10
+        while native.lines.lane_calls() != 1:  # the reply is on its way, its send blocked
+            assert time.monotonic() < deadline, "the lane never began the call"
+            time.sleep(0.001)
+        server.activity.last = time.monotonic() - 2 * server.plan.limits.idle_timeout_s  # idle, by the record
+        server.next_check = 0.0
+        server.housekeeping(False)  # no exit: the lane is answering
+        lane.sock.settimeout(10)
+        head = lane._exactly(4)
+        assert head is not None and lane._exactly(struct.unpack(">I", head)[0]) is not None
+        deadline = time.monotonic() + 10
+        while native.lines.lane_calls():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        server.activity.last = time.monotonic() - 2 * server.plan.limits.idle_timeout_s
+        server.next_check = 0.0
+        with pytest.raises(_Exited):
+            server.housekeeping(False)
     finally:
         lane.close()
