@@ -12,6 +12,17 @@ import dispatch
 from tests.conftest import Daemon, processes_in, shell
 
 
+def _until_started(worktree: Path, marker: str) -> None:
+    """Wait for a command to have made ``marker`` in the worktree (its call
+    is in flight from then on): a fixed wait before a signal was too short
+    on a loaded machine."""
+    deadline = time.monotonic() + 15
+    while not (worktree / marker).exists():
+        assert time.monotonic() < deadline, f"the call never started ({marker} not made)"
+        time.sleep(0.02)
+    (worktree / marker).unlink()
+
+
 def test_sigterm_lets_a_call_in_flight_finish_and_leaves_nothing(tmp_path: Path, worktree: Path) -> None:
     (tmp_path / "d").mkdir()
     d = Daemon(tmp_path / "d")
@@ -19,9 +30,10 @@ def test_sigterm_lets_a_call_in_flight_finish_and_leaves_nothing(tmp_path: Path,
     with d.connect() as client:
         session = client.open_session(str(worktree))
         shell(session, "sleep 300 > /dev/null 2>&1 &")  # a background job, to be ended
-        call = threading.Thread(target=lambda: results.append(shell(session, "sleep 1; echo finished")))
+        call = threading.Thread(
+            target=lambda: results.append(shell(session, "touch .started; sleep 1; echo finished")))
         call.start()
-        time.sleep(0.3)
+        _until_started(worktree, ".started")
         d.proc.send_signal(signal.SIGTERM)
         # Meanwhile (as soon as the daemon has told the worker) a new call is
         # refused, with the reason.
@@ -73,18 +85,26 @@ def test_while_stopping_new_connections_are_answered_at_once(tmp_path: Path, wor
     results: list[dispatch.Result] = []
     with d.connect() as client:
         session = client.open_session(str(worktree))
-        call = threading.Thread(target=lambda: results.append(shell(session, "sleep 3; echo finished")))
+        call = threading.Thread(
+            target=lambda: results.append(shell(session, "touch .started; sleep 3; echo finished")))
         call.start()
-        time.sleep(0.3)
+        _until_started(worktree, ".started")
         d.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        started = time.monotonic()
-        raw = socket.socket(socket.AF_UNIX)
-        raw.settimeout(5)
-        raw.connect(d.socket)
-        frames = protocol.FrameSocket(raw)
-        reply = frames.recv(protocol.daemon_reply_decoder)
-        frames.close()
+        deadline = time.monotonic() + 5
+        while True:  # until the daemon has taken the signal (a fixed 0.3 s assumed a quiet machine)
+            raw = socket.socket(socket.AF_UNIX)
+            raw.settimeout(5)
+            raw.connect(d.socket)
+            frames = protocol.FrameSocket(raw)
+            started = time.monotonic()
+            try:
+                raw.settimeout(0.5)
+                reply = frames.recv(protocol.daemon_reply_decoder)
+            except TimeoutError:  # not stopping yet: served, waiting for our Hello
+                reply = None
+            frames.close()
+            if reply is not None or time.monotonic() > deadline:
+                break
         assert isinstance(reply, protocol.ErrorReply) and (reply.id, reply.code) == (0, "stopping")
         assert reply.message.startswith("dispatchd is stopping (it takes no new connections)")
         try:
@@ -112,9 +132,10 @@ def test_a_call_cut_at_the_stop_deadline_says_so(tmp_path: Path, worktree: Path)
     results: list[dispatch.Result] = []
     with d.connect() as client:
         session = client.open_session(str(worktree))
-        call = threading.Thread(target=lambda: results.append(shell(session, "sleep 60; echo never")))
+        call = threading.Thread(
+            target=lambda: results.append(shell(session, "touch .started; sleep 60; echo never")))
         call.start()
-        time.sleep(0.5)
+        _until_started(worktree, ".started")
         d.proc.send_signal(signal.SIGTERM)
         call.join(20)
         assert results, "the call never came back"
