@@ -745,15 +745,23 @@ def warm_up(plan: SessionPlan) -> None:
     call touches are ready (copied from the fork server, Python's code warmed
     up: the session's first call took about twice its second, 0.5 against
     0.25 ms). On this thread, with nothing of it kept: the server, its
-    channel, the pair and the server's eventfd are closed before it returns.
+    channel, the pair, the server's eventfd and the root descriptors (the
+    session's its ``_Server`` opened, and /etc's) are closed before it returns.
     Reads one small system file; any failure is ignored."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     client = protocol.FrameSocket(ours)
     server: _Server | None = None
+    etc = -1
     try:
         server = _Server(plan, _Control(protocol.FrameSocket(theirs)))
-        server.ctx = ToolContext(root="/etc", limits=plan.limits, env={}, writable=False)
+        if server.ctx.root_fd >= 0:  # the session's root, opened by the server: not this warm-up's
+            os.close(server.ctx.root_fd)
+        # /etc by descriptor, as a session's root: the call takes the fast
+        # lane where the C helper is built, as the session's first will.
+        etc = _open_root("/etc")
+        server.ctx = ToolContext(root="/etc", limits=plan.limits, env={}, writable=False, root_fd=etc)
         server.tools = {"read_file": TOOLS["read_file"]}
+        server.fast_read = native.lines.serve_read if native.lines is not None and etc >= 0 else None
         channel = _Channel(theirs, server)
         client.send(protocol.CallTool(id=1, tool="read_file", params={"path": "hostname"}))
         ours.shutdown(socket.SHUT_WR)  # one request: the channel ends after it
@@ -766,6 +774,8 @@ def warm_up(plan: SessionPlan) -> None:
         theirs.close()
         if server is not None:
             os.close(server.records_wake)
+        if etc >= 0:
+            os.close(etc)
 
 
 def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:

@@ -682,3 +682,22 @@ def test_the_idle_timeout_does_not_end_a_session_while_the_lane_answers(worktree
             server.housekeeping(False)
     finally:
         lane.close()
+
+
+def test_the_warm_up_takes_the_lane_and_keeps_no_descriptor(worktree: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox made ahead warms up with its session's usual first call
+    (``warm_up``: read_file of /etc/hostname): through the lane, as that
+    call will go, and with every descriptor it opened closed again (the
+    session's root its server opened, /etc's, the pair, the eventfd)."""
+    assert Path("/etc/hostname").is_file()  # what the warm-up reads
+    counted = Counted()
+    monkeypatch.setattr(native.lines, "serve_read", counted)
+    plan = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=worktree, scratch=worktree + "-scratch"),
+                                 limits=Limits(), env={}, writable=True, tools=["read_file"],
+                                 namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
+                                 mounts=types.SimpleNamespace(root="minimal"))
+    os.makedirs(plan.paths.scratch, exist_ok=True)
+    before = sorted(os.listdir("/proc/self/fd"))
+    tool_server.warm_up(plan)  # type: ignore[arg-type]
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert counted.answered == 1
