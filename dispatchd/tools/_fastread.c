@@ -513,11 +513,13 @@ back:
     return 0;
 }
 
-/* The most one recv takes, as the Python path's (FrameSocket reads 64 KiB
- * at a time): on the stack, whose pages are touched only as far as a recv
- * writes (a request is a few hundred bytes), where a buffer held by each
- * channel would cost every idle session its pages. */
-#define RECV_MAX (1 << 16)
+/* The most one recv takes: a page, on the stack. A read_file request is
+ * under a hundred bytes, and a page holds dozens sent together; a larger
+ * request (a write_file's content) is handed back after its first page
+ * and the Python path reads the rest. A buffer held by each channel, or a
+ * larger one on the stack (which a compiler's stack-clash probes would
+ * touch whole), would cost every waiting reader its pages. */
+#define RECV_MAX 4096
 
 /* serve_read(sock_fd, root_fd, cap, sniff, max_frame, acquire, release, server)
  *     -> float | bytes | (list[float], bytes)
