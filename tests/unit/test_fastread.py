@@ -52,6 +52,17 @@ def call(params: dict[str, Any], rid: int = 7, **fields: Any) -> bytes:
                                                           params=params, **fields)))
 
 
+def plan(root: str, tools: list[str]) -> Any:
+    """The fields of a SessionPlan a tool server reads, for ``root`` (its
+    scratch directory made beside it)."""
+    made = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=root, scratch=root + "-scratch"),
+                                 limits=Limits(), env={}, writable=True, tools=tools,
+                                 namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
+                                 mounts=types.SimpleNamespace(root="minimal"))
+    os.makedirs(made.paths.scratch, exist_ok=True)
+    return made
+
+
 class Counted:
     """serve_read, counting the calls it answered (when it takes the send
     lock, just before the reply goes: counted before the client can see
@@ -77,12 +88,7 @@ class Server:
     replies that come within ``wait`` seconds (None: the channel closed)."""
 
     def __init__(self, root: str, lane: bool) -> None:
-        plan = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=root, scratch=root + "-scratch"),
-                                     limits=Limits(), env={}, writable=True, tools=["read_file", "list_files"],
-                                     namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
-                                     mounts=types.SimpleNamespace(root="minimal"))
-        os.makedirs(plan.paths.scratch, exist_ok=True)
-        self.server = tool_server._Server(plan, None)  # type: ignore[arg-type]
+        self.server = tool_server._Server(plan(root, ["read_file", "list_files"]), None)  # type: ignore[arg-type]
         self.counted = Counted()
         assert self.server.fast_read is not None  # built, read_file offered, the root held: the lane is on
         self.server.fast_read = self.counted if lane else None
@@ -573,12 +579,7 @@ def test_without_the_lane_every_call_takes_the_python_path(worktree: str, monkey
         monkeypatch.setattr(native, "lines", None)
     if why == "no root fd":
         monkeypatch.setattr(tool_server, "_open_root", lambda worktree: -1)
-    plan = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=worktree, scratch=worktree + "-scratch"),
-                                 limits=Limits(), env={}, writable=True, tools=tools,
-                                 namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
-                                 mounts=types.SimpleNamespace(root="minimal"))
-    os.makedirs(plan.paths.scratch, exist_ok=True)
-    server = tool_server._Server(plan, None)  # type: ignore[arg-type]
+    server = tool_server._Server(plan(worktree, tools), None)
     assert server.fast_read is None
     ours, theirs = socket.socketpair()
     server.add_channel(theirs)
@@ -594,6 +595,16 @@ def test_without_the_lane_every_call_takes_the_python_path(worktree: str, monkey
         assert reply["success"] is False and reply["error"].startswith("unknown tool: 'read_file'")
     else:
         assert reply["success"] is True and reply["output"] == "0: no newline at the end"
+
+
+def _until_answering() -> None:
+    """Wait (10 s at most) until the lane is inside a call: its request
+    read, its reply not yet all sent."""
+    assert native.lines is not None
+    deadline = time.monotonic() + 10
+    while native.lines.lane_calls() != 1:
+        assert time.monotonic() < deadline, "the lane never began the call"
+        time.sleep(0.001)
 
 
 class _Exited(Exception):
@@ -624,10 +635,7 @@ def test_a_stop_waits_for_the_lanes_calls_in_flight(worktree: str, monkeypatch: 
         lane.server.draining = False
         assert lane.sock is not None
         lane.sock.sendall(call({"path": "big.txt"}))
-        deadline = time.monotonic() + 10
-        while native.lines.lane_calls() != 1:  # the reply is on its way, its send blocked
-            assert time.monotonic() < deadline, "the lane never began the call"
-            time.sleep(0.001)
+        _until_answering()  # the reply is on its way, its send blocked
 
         def read_later() -> None:
             time.sleep(0.5)
@@ -663,10 +671,7 @@ def test_the_idle_timeout_does_not_end_a_session_while_the_lane_answers(worktree
     try:
         assert lane.sock is not None
         lane.sock.sendall(call({"path": "big.txt"}))
-        deadline = time.monotonic() + 10
-        while native.lines.lane_calls() != 1:  # the reply is on its way, its send blocked
-            assert time.monotonic() < deadline, "the lane never began the call"
-            time.sleep(0.001)
+        _until_answering()  # the reply is on its way, its send blocked
         server.activity.last = time.monotonic() - 2 * server.plan.limits.idle_timeout_s  # idle, by the record
         server.next_check = 0.0
         server.housekeeping(False)  # no exit: the lane is answering
@@ -693,13 +698,9 @@ def test_the_warm_up_takes_the_lane_and_keeps_no_descriptor(worktree: str, monke
     assert Path("/etc/hostname").is_file()  # what the warm-up reads
     counted = Counted()
     monkeypatch.setattr(native.lines, "serve_read", counted)
-    plan = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=worktree, scratch=worktree + "-scratch"),
-                                 limits=Limits(), env={}, writable=True, tools=["read_file"],
-                                 namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
-                                 mounts=types.SimpleNamespace(root="minimal"))
-    os.makedirs(plan.paths.scratch, exist_ok=True)
+    made = plan(worktree, ["read_file"])
     before = sorted(os.listdir("/proc/self/fd"))
-    tool_server.warm_up(plan)  # type: ignore[arg-type]
+    tool_server.warm_up(made)
     assert sorted(os.listdir("/proc/self/fd")) == before
     assert counted.answered == 1
 
@@ -752,10 +753,7 @@ def test_a_stop_waits_for_a_lane_reply_waiting_for_the_send_lock(worktree: str,
         (channel,) = lane.server.live
         channel.send_lock.acquire()
         lane.sock.sendall(call({"path": "one.txt"}))
-        deadline = time.monotonic() + 10
-        while native.lines.lane_calls() != 1:  # read, checked, its reply made: it waits for the lock
-            assert time.monotonic() < deadline, "the lane never began the call"
-            time.sleep(0.001)
+        _until_answering()  # read, checked, its reply made: it waits for the lock
         threading.Timer(0.5, channel.send_lock.release).start()
         started = time.monotonic()
         with pytest.raises(_Exited):
