@@ -30,8 +30,10 @@
  * left before any byte is touched; the path is copied into a buffer of
  * PATH_MAX only when shorter; the reply's size is computed before it is
  * written. The function runs in the sandboxed tool server, on the client's
- * bytes: a fault here is a fault of a confined process that already runs
- * the agent's commands, never of the daemon.
+ * bytes (the agent's arguments): a fault here stays in the sandbox, never
+ * the daemon's, but would hand the tool server's channels to the attacker;
+ * hence the one narrow shape taken, and the sanitizer and differential
+ * tests (SECURITY.md, "Filesystem").
  */
 #include "_lines.h"
 
