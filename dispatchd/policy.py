@@ -160,6 +160,25 @@ class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     git_identity: bool = True
 
 
+# What the user's editors, agents and shells run or act on when they open a
+# folder: VS Code's tasks and settings, JetBrains' run configurations, Claude
+# Code's and Codex's settings and hooks, MCP servers an agent starts, direnv,
+# shell start-up files, git's per-repository files. Matched by name at any
+# depth of a worktree (daemon/treewalk.py).
+DEFAULT_PROTECTED = (
+    ".vscode", ".idea", ".claude", ".codex", ".cursor", ".devcontainer", ".mcp.json", ".envrc",
+    ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile", ".zshrc", ".zshenv", ".zprofile",
+    ".gitconfig", ".gitmodules", ".ripgreprc",
+)
+
+
+class Protect(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Names of files and directories a session may create or change only to
+    # have them moved aside at its end (``NAME.quarantined-by-dispatchd-...``):
+    # the user's tools run them. Take a name out to let sessions write it.
+    paths: tuple[str, ...] = DEFAULT_PROTECTED
+
+
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str = "default"
     description: str = ""
@@ -169,6 +188,7 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sandbox: Sandbox = Sandbox()
     limits: Limits = Limits()
     env: Env = Env()
+    protect: Protect = Protect()
 
 
 def _check(policy: Policy, where: str) -> None:
@@ -236,6 +256,9 @@ def _check(policy: Policy, where: str) -> None:
         parse_domains(policy.network.domains)
     except BadHost as exc:
         raise bad("network.domains", str(exc)) from None
+    for name in policy.protect.paths:
+        if not name or "/" in name or name in (".", ".."):
+            raise bad("protect.paths", f"{name!r}: a file or directory name, without a slash")
     if not 1 <= policy.sandbox.min_landlock_abi <= 64:
         raise bad("sandbox.min_landlock_abi", "must be between 1 and 64")
 

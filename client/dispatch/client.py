@@ -518,6 +518,8 @@ class Session:
         self._schemas: dict[str, protocol.ToolSchema] = {}  # self._tools by name
         self._in_flight: dict[int, _Connection] = {}  # tool calls sent and not answered, by request id
         self._in_flight_lock = threading.Lock()
+        # What the checks at its end moved aside or put back (``path``, ``why``), once closed.
+        self.protected: list[dict[str, Any]] = []
         self._attach(attached)
         # The policy's budget: longer results reach a model in part (retrieve_output has the rest).
         self.registry = Registry((checked._with_func(self._remote_call(checked.name))
@@ -785,7 +787,7 @@ class Session:
         if self._owned:
             self._owned = False
             try:
-                self._client.close_session(self.id)
+                self.protected = self._client.close_session(self.id)
             except RequestFailed as exc:
                 if exc.code != "unknown_session":
                     raise
@@ -875,8 +877,12 @@ class Client:
                 return Session(self, info, owned=False)
         raise RequestFailed("unknown_session", f"no such session: {session_id!r}")
 
-    def close_session(self, session_id: str) -> None:
-        self._daemon_request(lambda rid: protocol.CloseSession(id=rid, session=session_id))
+    def close_session(self, session_id: str) -> list[dict[str, Any]]:
+        """Close a session; returns what the checks at its end moved aside or
+        put back (``path``, ``why``): files the user's git or other tools
+        would have run, refs and object files."""
+        reply, _ = self._daemon_request(lambda rid: protocol.CloseSession(id=rid, session=session_id))
+        return [msgspec.to_builtins(p) for p in getattr(reply, "protected", [])]
 
     def release_write_lock(self, session_id: str) -> dict[str, Any]:
         """``Session.release_write_lock`` for a session known by id."""

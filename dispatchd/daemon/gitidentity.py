@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["identity_env", "parse_user", "read_identity"]
+__all__ = ["config_entries", "identity_env", "parse_user", "read_identity"]
 
 _SECTION = re.compile(r'^\s*\[\s*([A-Za-z0-9.-]+)\s*(?:"((?:[^"\\]|\\.)*)")?\s*\]\s*(.*)$')
 _KEY = re.compile(r"^\s*([A-Za-z][A-Za-z0-9-]*)\s*(?:=(.*))?$")
@@ -61,10 +61,13 @@ def _value(raw: str) -> str:
     return "".join(out)
 
 
-def parse_user(text: str) -> dict[str, str]:
-    """``{"name": ..., "email": ...}`` (either may be absent) from one config file's text."""
-    found: dict[str, str] = {}
-    section = ""
+def config_entries(text: str) -> list[tuple[str, str | None, str, str | None]]:
+    """Every ``(section, subsection, key, value)`` of one config file's text,
+    in order: section and key lower-cased (git's names are case-insensitive),
+    the subsection as written (None without one; ``[a.b]`` is ``a``/``b``),
+    the value None for a bare key (git's "true")."""
+    found: list[tuple[str, str | None, str, str | None]] = []
+    section, sub = "", None
     lines = text.splitlines()
     i = 0
     while i < len(lines):
@@ -79,16 +82,29 @@ def parse_user(text: str) -> dict[str, str]:
             continue
         head = _SECTION.match(line)
         if head:
-            section = head.group(1).lower() if head.group(2) is None else ""
+            name = head.group(1).lower()
+            if head.group(2) is not None:
+                section, sub = name, re.sub(r"\\(.)", r"\1", head.group(2))
+            elif "." in name:
+                section, _, sub = name.partition(".")
+            else:
+                section, sub = name, None
             line = head.group(3)
             if not line.strip():
                 continue
         key = _KEY.match(line)
-        if key is None or section != "user":
+        if key is None:
             continue
-        name = key.group(1).lower()
-        if name in ("name", "email"):
-            found[name] = _value(key.group(2) or "").strip() if key.group(2) is not None else ""
+        found.append((section, sub, key.group(1).lower(), _value(key.group(2)) if key.group(2) is not None else None))
+    return found
+
+
+def parse_user(text: str) -> dict[str, str]:
+    """``{"name": ..., "email": ...}`` (either may be absent) from one config file's text."""
+    found: dict[str, str] = {}
+    for section, sub, key, value in config_entries(text):
+        if section == "user" and sub is None and key in ("name", "email"):
+            found[key] = (value or "").strip()
     return found
 
 

@@ -56,13 +56,20 @@ import stat
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon import gitfs
+from dispatchd.daemon import gitfs, gitidentity
 from dispatchd.inside import is_within
 
 # What git reads, in a git directory, that names or runs a command or
 # redirects where configuration comes from (hooks: each entry).
 CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes")
+# State git acts on later: ``git rebase --continue`` runs a todo's ``exec``
+# lines, ``git status`` tells the user to. Compared whole, moved aside whole.
+STATE_DIRS = ("rebase-merge", "rebase-apply", "sequencer")
 _MAX_READ = 16 * 1024 * 1024  # one file of configuration or one hook
+_MAX_HASHED = 256 * 1024 * 1024  # all the bytes one walk hashes (an inode once, however many links)
+_MAX_ENTRIES = 2000  # entries of one hooks or state directory
+_MAX_DEPTH = 64  # components of a git directory's path below the worktree
+_MAX_INCLUDES = 10  # include.path chains followed (git stops at 10 too)
 _MAX_POINTER = 4096  # a gitfile
 _MAX_HASHED_INDEX = 4 * 1024 * 1024 * 1024  # an index that cannot be parsed is compared by content up to this
 MAX_GITDIRS = 5000
@@ -79,13 +86,33 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     indexes: dict[str, str] = {}  # an index that cannot be checked -> why (equal only for the same bytes)
     external: dict[str, str] = {}  # a linked worktree's own git directory, outside: absolute path -> digest
     complete: bool = True  # False: more git directories than the walk looks at
+    # Files inside the worktree that a git directory's configuration reads or
+    # runs: ``include.path``/``includeIf.*.path`` targets and ``core.hooksPath``
+    # entries, keyed by the file git would open (worktree-relative, after
+    # symlinks) -> digest.
+    included: dict[str, str] = {}
 
 
 def _never_equal(why: str) -> str:
     return f"{why}:{secrets.token_hex(8)}"
 
 
-def _hash_fd(fd: int, limit: int) -> str | None:
+class Budget:
+    """What one walk may hash: bytes in all, each inode once (a session's
+    2,000 hard links to one large file cost one read)."""
+
+    def __init__(self, limit: int = _MAX_HASHED) -> None:
+        self.left = limit
+        self.seen: dict[tuple[int, int, int, int, int], str | None] = {}
+
+
+def _hash_fd(fd: int, limit: int, budget: Budget | None = None) -> str | None:
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if budget is not None and key in budget.seen:
+        return budget.seen[key]
+    if budget is not None and min(st.st_size, limit + 1) > budget.left:
+        return None
     h = hashlib.sha256()
     total = 0
     while chunk := os.read(fd, 1 << 20):
@@ -93,10 +120,13 @@ def _hash_fd(fd: int, limit: int) -> str | None:
         if total > limit:
             return None
         h.update(chunk)
+    if budget is not None:
+        budget.left -= total
+        budget.seen[key] = h.hexdigest()
     return h.hexdigest()
 
 
-def digest_at(dir_fd: int, name: str) -> str | None:
+def digest_at(dir_fd: int, name: str, budget: Budget | None = None) -> str | None:
     """The digest of ``name`` in ``dir_fd`` (None when absent), without
     following a symlink: a regular file by mode and content, a symlink by its
     target, anything else by its type."""
@@ -121,13 +151,55 @@ def digest_at(dir_fd: int, name: str) -> str | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return _never_equal("changed type")
-        digest = _hash_fd(fd, _MAX_READ)
+        digest = _hash_fd(fd, _MAX_READ, budget)
     except OSError as exc:
         return _never_equal(f"unreadable {exc.errno}")
     finally:
         os.close(fd)
     # The mode counts: a hook made executable runs where it did not.
     return f"file:{stat.S_IMODE(st.st_mode):o}:{digest}" if digest else _never_equal("too large")
+
+
+def tree_digest(dir_fd: int, name: str, budget: Budget | None = None) -> str | None:
+    """A small directory (git's rebase or sequencer state) by the names,
+    kinds and contents of everything in it, walked without recursion and
+    bounded in entries; None when absent."""
+    top = digest_at(dir_fd, name, budget)
+    if top != "directory":
+        return top
+    h = hashlib.sha256()
+    pending: list[tuple[int, str]] = []
+    try:
+        first = _open_subdir(dir_fd, name, os.O_RDONLY)
+    except OSError as exc:
+        return _never_equal(f"unsearchable {exc.errno}")
+    if first is None:
+        return _never_equal("changed type")
+    pending.append((first, ""))
+    count = 0
+    try:
+        while pending:
+            fd, rel = pending.pop()
+            try:
+                names = sorted(os.listdir(fd))
+                for entry in names:
+                    count += 1
+                    if count > _MAX_ENTRIES or rel.count("/") > 8:
+                        return _never_equal("too many entries")
+                    digest = digest_at(fd, entry, budget)
+                    h.update(f"{rel}{entry}\0{digest}\0".encode("utf-8", "surrogateescape"))
+                    if digest == "directory":
+                        sub = _open_subdir(fd, entry, os.O_RDONLY)
+                        if sub is not None:
+                            pending.append((sub, f"{rel}{entry}/"))
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        return _never_equal(f"unreadable {exc.errno}")
+    finally:
+        for fd, _ in pending:
+            os.close(fd)
+    return "tree:" + h.hexdigest()
 
 
 def _open_subdir(dir_fd: int, name: str, flags: int = os.O_PATH) -> int | None:
@@ -139,8 +211,9 @@ def _open_subdir(dir_fd: int, name: str, flags: int = os.O_PATH) -> int | None:
         raise
 
 
-def fingerprint(dir_fd: int) -> dict[str, str]:
-    """What git reads from one git directory for configuration or commands."""
+def fingerprint(dir_fd: int, budget: Budget | None = None) -> dict[str, str]:
+    """What git reads from one git directory for configuration or commands,
+    and the rebase or sequencer state it acts on later."""
     found: dict[str, str] = {}
     for name in CONFIG_FILES:
         parent, _, leaf = name.rpartition("/")
@@ -159,10 +232,14 @@ def fingerprint(dir_fd: int) -> dict[str, str]:
                 continue
             fd = sub
         try:
-            digest = digest_at(fd, leaf)
+            digest = digest_at(fd, leaf, budget)
         finally:
             if fd != dir_fd:
                 os.close(fd)
+        if digest is not None:
+            found[name] = digest
+    for name in STATE_DIRS:
+        digest = tree_digest(dir_fd, name, budget)
         if digest is not None:
             found[name] = digest
     hooks = digest_at(dir_fd, "hooks")
@@ -176,10 +253,13 @@ def fingerprint(dir_fd: int) -> dict[str, str]:
         if hooks_fd is None:
             return found
         try:
+            if len(names) > _MAX_ENTRIES:
+                found["hooks"] = _never_equal("too many entries")
+                return found
             # git runs a hook by its exact name only: the samples git init
             # copies (pre-commit.sample...) never run, and cost the most to read.
             for name in (n for n in names if not n.endswith(".sample")):
-                digest = digest_at(hooks_fd, name)
+                digest = digest_at(hooks_fd, name, budget)
                 if digest is not None:
                     found[f"hooks/{name}"] = digest
         finally:
@@ -189,19 +269,81 @@ def fingerprint(dir_fd: int) -> dict[str, str]:
     return found
 
 
+def config_targets(dir_fd: int) -> tuple[list[str], list[str]]:
+    """The ``include.path``/``includeIf.*.path`` values and the
+    ``core.hooksPath`` values of a git directory's ``config`` and
+    ``config.worktree``, as written (relative ones are relative to that
+    directory, hooksPath's to the worktree)."""
+    includes: list[str] = []
+    hooks: list[str] = []
+    for name in ("config", "config.worktree"):
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            text = os.read(fd, 1 << 20).decode("utf-8", "surrogateescape")
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        for section, sub, key, value in gitidentity.config_entries(text):
+            if not value:
+                continue
+            if key == "path" and (section == "include" and sub is None or section == "includeif" and sub is not None):
+                includes.append(value)
+            elif section == "core" and sub is None and key == "hookspath":
+                hooks.append(value)
+    return includes, hooks
+
+
+def config_targets_of_file(dir_fd: int, name: str) -> list[str]:
+    """The include paths of one included config file (regular, bounded)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return []
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        text = os.read(fd, 1 << 20).decode("utf-8", "surrogateescape")
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    return [value for section, sub, key, value in gitidentity.config_entries(text)
+            if value and key == "path" and (section == "include" and sub is None
+                                            or section == "includeif" and sub is not None)]
+
+
 def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
 
 
 class _Walk:
-    def __init__(self, worktree: str) -> None:
+    """The walk of ``take``. Git directories found are queued, never
+    recursed into: no depth of ``modules/a/modules/a/...`` or chain of
+    gitfiles a session makes can exhaust the daemon's stack."""
+
+    def __init__(self, worktree: str, home: str = "") -> None:
         self.worktree = worktree.rstrip("/") or "/"
+        self.home = home
         self.gitdirs: dict[str, dict[str, str]] = {}
         self.pointers: dict[str, str] = {}
         self.indexes: dict[str, str] = {}
+        self.included: dict[str, str] = {}
         self.indexed: set[str] = set()
+        self.queue: list[tuple[str, str | None]] = []
+        self.budget = Budget()
         self.visits = 0
         self.complete = True
+
+    def run(self) -> None:
+        while self.queue:
+            rel, worktree = self.queue.pop()
+            self._gitdir(rel, worktree)
 
     def _budget(self) -> bool:
         self.visits += 1
@@ -218,9 +360,16 @@ class _Walk:
         return gitfs.open_dir_below(self.worktree, rel)
 
     def gitdir(self, rel: str, worktree: str | None) -> None:
-        """Record the git directory at ``rel`` and the ones below it; with
-        ``worktree`` (the directory its index's paths are relative to), the
-        submodules its index records too."""
+        """Queue the git directory at ``rel`` (see ``_gitdir``)."""
+        self.queue.append((rel, worktree))
+
+    def _gitdir(self, rel: str, worktree: str | None) -> None:
+        """Record the git directory at ``rel`` and queue the ones below it;
+        with ``worktree`` (the directory its index's paths are relative to),
+        the submodules its index records too."""
+        if rel.count("/") > _MAX_DEPTH:
+            self.complete = False
+            return
         if rel not in self.gitdirs:
             if not self._budget():
                 return
@@ -232,13 +381,104 @@ class _Walk:
             if fd is None:
                 return
             try:
-                self.gitdirs[rel] = fingerprint(fd)
+                self.gitdirs[rel] = fingerprint(fd, self.budget)
+                includes, hooks_paths = config_targets(fd)
             finally:
                 os.close(fd)
+            self.config_targets(rel, worktree or "", includes, hooks_paths)
             self.modules(_join(rel, "modules"))
         if worktree is not None and rel not in self.indexed:
             self.indexed.add(rel)
             self.index(rel, worktree)
+
+    def _inside(self, path: str) -> str | None:
+        """``path`` after symlinks, worktree-relative, when it lies in the
+        worktree (what a session can write); None otherwise."""
+        real = os.path.realpath(path)
+        if not is_within(real, self.worktree) or real == self.worktree:
+            return None
+        return os.path.relpath(real, self.worktree).replace(os.sep, "/")
+
+    def _expand(self, value: str, base: str) -> str | None:
+        if "\0" in value:
+            return None
+        if value.startswith("~/"):
+            return os.path.join(self.home, value[2:]) if self.home else None
+        return os.path.join(base, value)
+
+    def config_targets(self, gitdir_rel: str, worktree_rel: str, includes: list[str], hooks_paths: list[str]) -> None:
+        """Record what a git directory's configuration reads from or runs in
+        the worktree: include targets (followed, as git does, up to
+        ``_MAX_INCLUDES`` deep) and every entry of a ``core.hooksPath`` there."""
+        gitdir_abs = os.path.join(self.worktree, gitdir_rel)
+        pending = [(value, gitdir_abs, 0) for value in includes]
+        while pending:
+            value, base, depth = pending.pop()
+            path = self._expand(value, base)
+            rel = self._inside(path) if path else None
+            if rel is None or rel in self.included:
+                continue
+            if depth >= _MAX_INCLUDES or len(self.included) > _MAX_ENTRIES:
+                self.included[rel] = _never_equal("too many includes")
+                continue
+            self.included[rel] = self._digest_rel(rel)
+            for more in self._includes_of(rel):
+                pending.append((more, os.path.dirname(os.path.join(self.worktree, rel)), depth + 1))
+        for value in hooks_paths:
+            path = self._expand(value, os.path.join(self.worktree, worktree_rel))
+            rel = self._inside(path) if path else None
+            if rel is None:
+                continue
+            self.included[rel] = "hooks directory"
+            try:
+                fd = self.open(rel)
+            except OSError as exc:
+                self.included[rel] = _never_equal(f"unsearchable {exc.errno}")
+                continue
+            if fd is None:
+                continue
+            try:
+                listing = _open_subdir(fd, ".", os.O_RDONLY)
+                names = sorted(os.listdir(listing)) if listing is not None else []
+                if listing is not None:
+                    os.close(listing)
+                if len(names) > _MAX_ENTRIES:
+                    self.included[rel] = _never_equal("too many entries")
+                    continue
+                for name in names:
+                    digest = digest_at(fd, name, self.budget)
+                    if digest is not None:
+                        self.included[f"{rel}/{name}"] = digest
+            except OSError as exc:
+                self.included[rel] = _never_equal(f"unreadable {exc.errno}")
+            finally:
+                os.close(fd)
+
+    def _digest_rel(self, rel: str) -> str:
+        parent, _, name = rel.rpartition("/")
+        try:
+            fd = self.open(parent)
+        except OSError as exc:
+            return _never_equal(f"unsearchable {exc.errno}")
+        if fd is None:
+            return "absent"
+        try:
+            return digest_at(fd, name, self.budget) or "absent"
+        finally:
+            os.close(fd)
+
+    def _includes_of(self, rel: str) -> list[str]:
+        parent, _, name = rel.rpartition("/")
+        try:
+            fd = self.open(parent)
+        except OSError:
+            return []
+        if fd is None:
+            return []
+        try:
+            return config_targets_of_file(fd, name)
+        finally:
+            os.close(fd)
 
     def modules(self, top: str) -> None:
         """Every git directory under a ``modules``: a directory holding a
@@ -382,14 +622,16 @@ def _index_content(path: str) -> str:
     return f"an index that cannot be parsed:{digest}" if digest else _never_equal("an index too large to compare")
 
 
-def take(worktree: str, layout: GitLayout) -> GitSnapshot:
-    """Walk every git directory of the worktree's repository (see the module)."""
-    walk = _Walk(worktree)
+def take(worktree: str, layout: GitLayout, home: str = "") -> GitSnapshot:
+    """Walk every git directory of the worktree's repository (see the module);
+    ``home`` is where ``~/`` in an include path leads."""
+    walk = _Walk(worktree, home)
     by_file: list[str] = []
     external: dict[str, str] = {}
     if layout.kind == "repository":
         by_file.append(".git")
         walk.gitdir(".git", "")
+        walk.run()
         top = os.open(worktree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             st = os.stat(".git", dir_fd=top, follow_symlinks=False)
@@ -397,6 +639,7 @@ def take(worktree: str, layout: GitLayout) -> GitSnapshot:
                 # A .git the session turned into a gitfile or a symlink:
                 # where it leads is the session's choice.
                 walk.pointer(".git", "", top, st)
+                walk.run()
         except FileNotFoundError:
             pass
         finally:
@@ -424,7 +667,7 @@ def take(worktree: str, layout: GitLayout) -> GitSnapshot:
                 if entry is None:
                     continue
                 try:
-                    walk.gitdirs[rel] = fingerprint(entry)
+                    walk.gitdirs[rel] = fingerprint(entry, walk.budget)
                 finally:
                     os.close(entry)
                 by_file.append(rel)
@@ -444,12 +687,24 @@ def take(worktree: str, layout: GitLayout) -> GitSnapshot:
             except OSError:
                 continue
             try:
-                for name, digest in fingerprint(fd).items():
+                for name, digest in fingerprint(fd, walk.budget).items():
                     external[os.path.join(gitdir, name)] = digest
             finally:
                 os.close(fd)
+        # What the repository's configuration (its common directory's, this
+        # worktree's own) reads or runs inside this worktree.
+        for gitdir in layout.gitdirs + layout.readable[:1]:
+            try:
+                fd = os.open(gitdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                includes, hooks_paths = config_targets(fd)
+            finally:
+                os.close(fd)
+            walk.config_targets(gitdir, "", includes, hooks_paths)
     return GitSnapshot(gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers, indexes=walk.indexes,
-                       external=external, complete=walk.complete)
+                       external=external, complete=walk.complete, included=walk.included)
 
 
 def gitdir_paths(worktree: str, snap: GitSnapshot) -> list[str]:
@@ -476,6 +731,8 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
             found.append(rel)
     found += [rel for rel, digest in now.pointers.items() if before.pointers.get(rel) != digest]
     found += [rel for rel, why in now.indexes.items() if before.indexes.get(rel) != why]
+    found += [rel for rel, digest in now.included.items()
+              if before.included.get(rel) != digest and digest not in ("absent", "directory", "hooks directory")]
     result: list[str] = []
     for rel in sorted(set(found), key=lambda r: (r.count("/"), r)):
         if not any(is_within(rel, done) for done in result):
@@ -518,8 +775,9 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[li
             os.close(fd)
     for path, digest in now.external.items():
         old = before.external.get(path)
-        # A file new there is a redirect: gitredirects.quarantine_new_redirects moves it.
-        if old is not None and old != digest and digest != "absent":
+        # New or changed: a redirect gitredirects.quarantine_new_redirects
+        # moved already is absent from ``now``; rebase state, a hook, a config.
+        if old != digest and digest not in ("absent", "directory"):
             try:
                 moved.append(gitfs.move_aside(path))
             except OSError as exc:

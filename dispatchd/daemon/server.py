@@ -295,8 +295,9 @@ class Server:
         if isinstance(req, protocol.OpenSession):
             return protocol.SessionReply(id=req.id, session=self._open(req, conn_id).info())
         if isinstance(req, protocol.CloseSession):
-            m.close(req.session)
-            return protocol.OkReply(id=req.id)
+            found = m.close(req.session)
+            return protocol.ClosedReply(id=req.id, protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
+                                                              for p in found])
         if isinstance(req, protocol.ReleaseWriteLock):
             return protocol.SessionReply(id=req.id, session=m.release_write_lock(req.session).info())
         if isinstance(req, protocol.ListSessions):
@@ -310,7 +311,9 @@ class Server:
                                         daemon=protocol.DaemonReport(
                                             open_files=self.open_files.limit, open_files_note=self.open_files.note,
                                             connections=self.connections, max_connections=self.max_connections,
-                                            pool=m.pool.report(), line_loops=native.report()))
+                                            pool=m.pool.report(), line_loops=native.report()),
+                                        protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
+                                                   for p in m.baselines.recovered])
         if isinstance(req, protocol.ListTools):
             policy = self.load_policy(req.policy)
             return protocol.ToolsReply(id=req.id, tools=[protocol.ToolSchema(**s) for s in schemas_for(policy.tools)])

@@ -58,7 +58,8 @@ from dispatchd import protocol, threads
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
-from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog
+from dispatchd.daemon import (
+    baselines, exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog)
 from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
@@ -100,6 +101,10 @@ class Session:
         self.git = GitLayout("none")
         self.redirects_before: list[str] = []
         self.git_before = gitsnapshot.GitSnapshot()  # what git reads for configuration, by content
+        # What the checks of its worktree's baseline did (baselines.py): since
+        # it opened (for status), and at its end (for the close reply).
+        self.reports: Callable[[], list[baselines.Protected]] = list
+        self.found_at_end: list[baselines.Protected] = []
         self.protections: protocol.Protections | None = None  # from the worker, once it is ready
         self.cgroup = ""  # its cgroup, made at the first start, removed at the end
         self.worker: Worker | None = None
@@ -137,7 +142,9 @@ class Session:
                                     network=self.network, created=self.created, protections=protections,
                                     limits=msgspec.to_builtins(self.policy.limits), note=self.note,
                                     domains=domains.describe(self.domains) if self.network == "domains" else [],
-                                    denied=denied, writes=self.writes, asleep=self.asleep is not None)
+                                    denied=denied, writes=self.writes, asleep=self.asleep is not None,
+                                    protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
+                                               for p in self.reports()])
 
 
 class _Nap:
@@ -264,9 +271,11 @@ class SessionManager:
         self.home = os.path.expanduser("~")
         self._sessions: dict[str, Session] = {}
         self.write_locks = WriteLocks()  # one writer per worktree
-        # Worktrees whose git metadata a session left in a state the daemon
-        # could not make safe: refused until restart (see _check_git).
-        self._tainted: dict[str, str] = {}
+        # One trusted baseline per worktree, on disk (baselines.py); the
+        # checks a daemon that died left are finished before anything opens.
+        self.baselines = baselines.Baselines(state_dir, self.home)
+        for found in self.baselines.recover():
+            log.warning("event=recovered path=%s why=%r", found.path, found.why)
         self._lock = threading.Lock()
         self.accepting = True
         # Opens in flight: close_all waits for them (a session they register
@@ -355,12 +364,11 @@ class SessionManager:
                    detached: bool, orphan_grace_s: float | None,
                    holder: int | None, steps: dict[str, float]) -> Session:
         resolved = held.path
-        with self._lock:
-            tainted = self._tainted.get(resolved)
+        tainted = self.baselines.tainted.get(resolved)
         if tainted:
-            raise WorktreeError(f"{resolved}: a session left git metadata here that dispatchd could not move aside "
-                                f"({tainted}); look at it (your own git would read it), then restart dispatchd",
-                                resolved)
+            raise WorktreeError(f"{resolved}: a session left files here that dispatchd could not move aside "
+                                f"({tainted}); look at them (your own tools would run them), then restart "
+                                "dispatchd", resolved)
         session = Session("", held, policy, "")  # its id once its sandbox is chosen, below
         session.read_only = extra
         session.ports = _ports_for(session, ports, bind_ports)
@@ -388,6 +396,13 @@ class SessionManager:
             self._make_scratch(sid, scratch)
         try:
             steps["scratch"] = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            # The worktree's trusted baseline, on disk before any process of
+            # the session runs (taken now if no session of its domain runs).
+            self.baselines.join(sid, resolved, session.git, session.git_before, session.redirects_before,
+                                tuple(policy.protect.paths))
+            session.reports = functools.partial(self.baselines.reports_for, sid)
+            steps["baseline"] = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
             self._start_worker(session, network, made)
             steps["worker"] = (time.perf_counter() - t) * 1e3
@@ -451,7 +466,7 @@ class SessionManager:
                                                 note=f"{granted} holds the daemon's files, credentials or the "
                                                      "whole home directory; not granted")
                 break
-        session.git_before = gitsnapshot.take(resolved, session.git)
+        session.git_before = gitsnapshot.take(resolved, session.git, self.home)
         if not session.git_before.complete:
             raise WorktreeError(f"{resolved}: more git directories than dispatchd checks "
                                 f"({gitsnapshot.MAX_GITDIRS}); no session opened", resolved)
@@ -921,6 +936,7 @@ class SessionManager:
         finished opening: its cgroup, its table entry and write lock, its
         scratch directory (and the lock that marks it ours), its worktree
         descriptor. Its processes are gone before this (``_stop_worker``)."""
+        self.baselines.leave(session.id)  # an open that failed half way (a no-op after _check_git)
         self._remove_cgroup(session)
         self._forget(session)
         self._remove_scratch(session)
@@ -985,32 +1001,13 @@ class SessionManager:
         self._scratch_locks.release(session.id)
 
     def _check_git(self, session: Session) -> None:
-        """Once the session's processes are gone: move aside what it left that
-        would make the user's git run configuration of its choosing. What
-        cannot be moved, or cannot be checked, marks the worktree: no session
-        opens on it again until the daemon restarts (after a look by the user)."""
-        failed: list[str] = []
-        try:
-            if session.git.kind in ("repository", "linked"):
-                moved, failed = gitredirects.quarantine_new_redirects(session.git, session.redirects_before,
-                                                                 session.worktree)
-                for path in moved:
-                    log.warning("event=git_redirect_quarantined session=%s path=%s", session.id, path)
-                now = gitsnapshot.take(session.worktree, session.git)
-                moved, failed_changed = gitsnapshot.quarantine(session.worktree, session.git_before, now)
-                failed += failed_changed
-                for path in moved:
-                    log.warning("event=git_changed_quarantined session=%s path=%s", session.id, path)
-                # What the session goes on from (after a network switch) is the new baseline.
-                session.redirects_before = gitredirects.redirects_present(session.git, session.worktree)
-                session.git_before = gitsnapshot.take(session.worktree, session.git) if moved else now
-        except Exception as exc:  # a bug, or content we did not foresee: fail closed
-            failed.append(f"the check itself failed: {type(exc).__name__}: {exc}")
-        if failed:
-            reason = "; ".join(failed)
-            log.error("event=git_check_failed session=%s worktree=%s what=%r", session.id, session.worktree, reason)
-            with self._lock:
-                self._tainted[session.worktree] = reason
+        """Once the session's processes are gone: check its worktree's domain
+        against the trusted baseline (baselines.py) and move aside what
+        differs; at its end, leave the domain (the last one out restores the
+        repository's history). What cannot be moved or checked refuses the
+        worktree until a restart's check passes."""
+        found = self.baselines.leave(session.id) if session.closed else self.baselines.check(session.id)
+        session.found_at_end += found
 
     def _remove_cgroup(self, session: Session) -> None:
         self._remove_cgroup_path(session.cgroup, session.id)
@@ -1064,10 +1061,12 @@ class SessionManager:
         log.info("event=write_lock_released session=%s", sid)
         return session
 
-    def close(self, sid: str) -> None:
+    def close(self, sid: str) -> list[baselines.Protected]:
+        """Close ``sid``; returns what the checks at its end moved aside or put back."""
         session = self.get(sid)
         self._finish(session)
         log.info("event=session_close session=%s", sid)
+        return session.found_at_end
 
     def close_all(self, drain_s: float = 0.0) -> None:
         """End every session; with ``drain_s``, first let calls in flight finish

@@ -125,6 +125,15 @@ class DeniedHost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     last: float  # time.time() of the last refusal
 
 
+class ProtectedItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Something the checks at a session's end moved aside or put back: a
+    file the user's git or other tools would have run, a ref, object files."""
+
+    path: str
+    why: str
+    time: float = 0.0
+
+
 class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     worktree: str
@@ -138,6 +147,7 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     denied: list[DeniedHost] = []  # under "domains": the last hosts refused, most recent first
     writes: bool = False  # holds its worktree's write lock (one writer per worktree)
     asleep: bool = False  # no process runs: its next call wakes it (the policy's sleep_after_s)
+    protected: list[ProtectedItem] = []  # what checks of its worktree moved aside or put back since it opened
 
 
 class HelloOk(_Msg, tag="hello_ok", frozen=True):
@@ -164,6 +174,7 @@ class StatusReply(_Msg, tag="status_reply", frozen=True):
     kernel: KernelFeatures
     sessions: list[SessionInfo]
     daemon: DaemonReport | None = None  # its own budgets: descriptors, connections (daemon/capacity.py)
+    protected: list[ProtectedItem] = []  # what the checks a dead daemon left did at this daemon's start
 
 
 class Attached(_Msg, tag="attached", frozen=True):
@@ -183,6 +194,13 @@ class OkReply(_Msg, tag="ok", frozen=True):
     id: int
 
 
+class ClosedReply(_Msg, tag="closed", frozen=True):
+    """A session closed; what the checks at its end moved aside or put back."""
+
+    id: int
+    protected: list[ProtectedItem] = []
+
+
 class ErrorReply(_Msg, tag="error", frozen=True):
     """``code`` is stable and machine-readable; ``message`` is for people."""
 
@@ -192,7 +210,7 @@ class ErrorReply(_Msg, tag="error", frozen=True):
 
 
 DaemonReply = Union[
-    HelloOk, SessionReply, SessionsReply, StatusReply, Attached, ToolsReply, OkReply, ErrorReply
+    HelloOk, SessionReply, SessionsReply, StatusReply, Attached, ToolsReply, OkReply, ClosedReply, ErrorReply
 ]
 
 # --- client <-> worker: a channel the daemon handed over (Attach), one hop per call ---

@@ -1,0 +1,417 @@
+"""One trusted baseline per worktree, on disk, whatever the sessions and
+the daemon do: what the user's git and other tools would run, as the user
+left it, checked at every session's end and after a daemon that died.
+
+A *domain* is the set of worktrees whose sessions can change what another
+one's user would run: worktrees that overlap (one inside another) or share a
+repository (linked worktrees of one common directory). Its baseline is taken
+when the first session of the domain opens (no session of it runs then: the
+state is the user's) and kept, unchanged, until the last one ends:
+
+- a session opening while others of the domain run never takes a baseline
+  of what they may have planted: a worktree inside one already covered adds
+  nothing; a new one (a sibling, or one around those covered) adds a *part*
+  of its own, which leaves out the parts it contains, and every part stays
+  checked until the domain ends. The oldest part's record is always there;
+- every session's end (and a network switch that replaces its sandbox)
+  checks every part against its baseline and moves aside what differs
+  (``gitredirects``, ``gitsnapshot``, ``treewalk``); the last end runs with
+  no process of the domain left, so nothing can race it, and also puts back
+  the repository's history (``githistory``); then the record goes, and the
+  user's next changes are the next baseline;
+- the record (``STATE/baselines/ID.json``) is written atomically (a
+  temporary file, fsync, rename, fsync of the directory) before the session
+  that needs it starts, and a daemon holds ``ID.lock`` (flock) while the
+  domain lives. A daemon that starts finds every record whose lock it can
+  take (its daemon died: SIGKILL, the OOM killer) and runs the last end's
+  check for it before it serves anyone (``recover``); what that did is in
+  ``status``;
+- a check that cannot finish (something it cannot move, a walk over its
+  bounds) leaves the record on disk and the worktree refused until the
+  daemon restarts and a check passes.
+
+The baseline is the daemon's, not the mount's: degraded mode (no mount
+namespace) keeps all of it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import secrets
+import threading
+import time
+
+import msgspec
+
+from dispatchd.confine.plan import GitLayout
+from dispatchd.daemon import githistory, gitredirects, gitsnapshot, treewalk
+from dispatchd.errors import WorktreeError
+from dispatchd.inside import is_within, overlap
+
+log = logging.getLogger("dispatchd.baselines")
+_REPORTS_KEPT = 200
+
+
+class Protected(msgspec.Struct, frozen=True):
+    """One thing a check moved aside or put back."""
+
+    path: str
+    why: str
+    time: float = 0.0
+
+
+class Part(msgspec.Struct, frozen=True):
+    root: str  # a worktree (resolved)
+    layout: GitLayout
+    git: gitsnapshot.GitSnapshot
+    redirects: list[str]
+    tree: treewalk.TreeSnapshot
+    names: list[str]  # the protected names its walk looks for
+    excluded: list[str] = []  # parts' roots inside this one: theirs to check
+    home: str = ""
+
+    @property
+    def common(self) -> str:
+        """The repository's common git directory, or ""."""
+        if self.layout.kind == "repository":
+            return os.path.join(self.root, ".git")
+        if self.layout.kind == "linked" and self.layout.readable:
+            return self.layout.readable[0]
+        return ""
+
+    @property
+    def own_gitdir(self) -> str:
+        if self.layout.kind == "repository":
+            return os.path.join(self.root, ".git")
+        return self.layout.gitdirs[0] if self.layout.kind == "linked" and self.layout.gitdirs else ""
+
+
+class Record(msgspec.Struct):
+    """What is on disk for one domain."""
+
+    id: str
+    created: float
+    sessions: list[str] = []
+    parts: list[Part] = []
+    histories: list[githistory.History] = []
+
+
+class _Domain:
+    def __init__(self, record: Record, lock_fd: int) -> None:
+        self.record = record
+        self.lock_fd = lock_fd
+        self.reports: list[Protected] = []
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Baselines:
+    """The daemon's domains; every method is safe from many threads (one
+    lock: opens and ends of one daemon serialize here, a check at a time)."""
+
+    def __init__(self, state_dir: str, home: str = "") -> None:
+        self.dir = os.path.join(state_dir, "baselines")
+        self.keep_dir = os.path.join(state_dir, "keep")
+        self.home = home
+        self._lock = threading.RLock()
+        self._domains: dict[str, _Domain] = {}
+        self._by_session: dict[str, _Domain] = {}
+        self._joined_at: dict[str, int] = {}  # a session's first report of its domain's list
+        self.tainted: dict[str, str] = {}  # worktree -> why (refused until a restart's check passes)
+        self.recovered: list[Protected] = []  # what the start's checks did
+
+    # --- on disk ---------------------------------------------------------
+
+    def _write(self, record: Record) -> None:
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        path = os.path.join(self.dir, f"{record.id}.json")
+        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, msgspec.json.encode(record))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        _fsync_dir(self.dir)
+
+    def _take_lock(self, did: str, blocking: bool = False) -> int | None:
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        path = os.path.join(self.dir, f"{did}.lock")
+        if not blocking:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            return fd
+        # A new domain: its lock is held before anyone can see the file.
+        tmp = os.path.join(self.dir, f".{did}.lock.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, path)
+        return fd
+
+    def _drop(self, did: str, lock_fd: int) -> None:
+        for name in (f"{did}.json", f"{did}.lock"):
+            try:
+                os.unlink(os.path.join(self.dir, name))
+            except FileNotFoundError:
+                pass
+        _fsync_dir(self.dir)
+        os.close(lock_fd)
+
+    # --- start -------------------------------------------------------------
+
+    def recover(self) -> list[Protected]:
+        """Finish the checks a daemon that died left (see the module). Call
+        before serving: a session's processes die with their daemon."""
+        try:
+            names = sorted(os.listdir(self.dir))
+        except FileNotFoundError:
+            return []
+        for name in names:
+            if name.endswith(".tmp"):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except OSError:
+                    pass
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            did = name[:-5]
+            fd = self._take_lock(did)
+            if fd is None:
+                continue  # a live daemon holds it
+            try:
+                with open(os.path.join(self.dir, name), "rb") as f:
+                    record = msgspec.json.decode(f.read(), type=Record)
+            except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+                log.error("event=baseline_unreadable file=%s error=%r", name, str(exc))
+                os.close(fd)
+                continue
+            domain = _Domain(record, fd)
+            log.warning("event=baseline_recover domain=%s sessions=%s roots=%s", did, ",".join(record.sessions),
+                        ",".join(p.root for p in record.parts))
+            failed = self._check(domain, final=True)
+            self.recovered += domain.reports
+            if failed:
+                for part in record.parts:
+                    self.tainted[part.root] = "; ".join(failed)
+                os.close(fd)  # the record stays: the next start checks again
+            else:
+                self._drop(did, fd)
+        return self.recovered
+
+    # --- open --------------------------------------------------------------
+
+    def join(self, sid: str, root: str, layout: GitLayout, snapshot: gitsnapshot.GitSnapshot,
+             redirects: list[str], names: tuple[str, ...]) -> None:
+        """Make ``sid`` a session of the domain of ``root`` (see the module);
+        raises WorktreeError when the worktree cannot be recorded (a walk
+        over its bounds). Call before the session's sandbox starts."""
+        with self._lock:
+            why = self.tainted.get(root)
+            if why:
+                raise WorktreeError(f"{root}: a session left files here that dispatchd could not move aside "
+                                    f"({why}); look at them (your own tools would run them), then restart "
+                                    "dispatchd", root)
+            common = _common_of(root, layout)
+            related = [d for d in self._domains.values() if any(
+                overlap(p.root, root) or (common and p.common and os.path.realpath(p.common) == common)
+                for p in d.record.parts)]
+            if related:
+                domain = related[0]
+                for other in related[1:]:
+                    self._merge(domain, other)
+            else:
+                did = secrets.token_hex(8)
+                domain = _Domain(Record(id=did, created=time.time()), self._take_lock(did, blocking=True) or -1)
+            record = domain.record
+            covered = any(is_within(root, p.root) for p in record.parts)
+            if not covered:
+                excluded = [p.root for p in record.parts if is_within(p.root, root)]
+                tree = treewalk.take(root, names, excluded=excluded,
+                                     skip_root_git=layout.kind in ("repository", "linked"))
+                if not tree.complete:
+                    if not record.parts:
+                        self._discard(domain)
+                    raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and "
+                                        "files your tools run; no session opened", root)
+                part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
+                            names=list(names), excluded=excluded, home=self.home)
+                record.parts.append(part)
+                self._add_history(record, part)
+            record.sessions.append(sid)
+            try:
+                self._write(record)
+            except OSError as exc:
+                record.sessions.remove(sid)
+                if not record.sessions:
+                    self._discard(domain)
+                raise WorktreeError(f"{root}: its baseline cannot be recorded in {self.dir} "
+                                    f"({exc.strerror}); no session opened", root) from exc
+            self._domains[record.id] = domain
+            self._by_session[sid] = domain
+            self._joined_at[sid] = len(domain.reports)
+
+    def _add_history(self, record: Record, part: Part) -> None:
+        common = part.common
+        if not common:
+            return
+        branch = githistory.checked_out(part.own_gitdir)
+        for i, history in enumerate(record.histories):
+            if os.path.realpath(history.common) == os.path.realpath(common):
+                # A worktree joining later: its branch is its own to move only
+                # if no session has moved it since the baseline.
+                if branch and githistory.read_refs(common).get(branch) == history.refs.get(branch):
+                    record.histories[i] = msgspec.structs.replace(history, own=sorted(set(history.own) | {branch}))
+                return
+        keep = os.path.join(self.keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
+        record.histories.append(githistory.record(common, keep, [branch] if branch else []))
+
+    def _merge(self, into: _Domain, other: _Domain) -> None:
+        into.record.parts += other.record.parts
+        into.record.sessions += other.record.sessions
+        for history in other.record.histories:
+            if not any(h.common == history.common for h in into.record.histories):
+                into.record.histories.append(history)
+        into.reports += other.reports
+        for sid in other.record.sessions:
+            self._by_session[sid] = into
+        self._write(into.record)
+        self._domains.pop(other.record.id, None)
+        self._drop(other.record.id, other.lock_fd)
+
+    def _discard(self, domain: _Domain) -> None:
+        self._domains.pop(domain.record.id, None)
+        if domain.lock_fd >= 0:
+            self._drop(domain.record.id, domain.lock_fd)
+
+    # --- checks ------------------------------------------------------------
+
+    def check(self, sid: str) -> list[Protected]:
+        """A sandbox of ``sid`` ended (a network switch): check its domain
+        against the baseline; returns what this check moved aside."""
+        with self._lock:
+            domain = self._by_session.get(sid)
+            if domain is None:
+                return []
+            start = len(domain.reports)
+            failed = self._check(domain, final=False)
+            self._taint(domain, failed)
+            return domain.reports[start:]
+
+    def leave(self, sid: str) -> list[Protected]:
+        """``sid`` ended, its processes gone: check its domain; the last
+        session's end also restores history and drops the record."""
+        with self._lock:
+            domain = self._by_session.pop(sid, None)
+            self._joined_at.pop(sid, None)
+            if domain is None:
+                return []
+            record = domain.record
+            if sid in record.sessions:
+                record.sessions.remove(sid)
+            start = len(domain.reports)
+            final = not record.sessions
+            failed = self._check(domain, final=final)
+            self._taint(domain, failed)
+            if final:
+                self._domains.pop(record.id, None)
+                if failed:
+                    if domain.lock_fd >= 0:
+                        os.close(domain.lock_fd)  # kept on disk: the next start checks again
+                else:
+                    self._drop(record.id, domain.lock_fd)
+            else:
+                self._write(record)
+            return domain.reports[start:]
+
+    def reports_for(self, sid: str) -> list[Protected]:
+        """What the checks of ``sid``'s domain did since it joined."""
+        with self._lock:
+            domain = self._by_session.get(sid)
+            if domain is None:
+                return []
+            return domain.reports[self._joined_at.get(sid, 0):]
+
+    def _taint(self, domain: _Domain, failed: list[str]) -> None:
+        if failed:
+            reason = "; ".join(failed)
+            for part in domain.record.parts:
+                self.tainted[part.root] = reason
+            log.error("event=git_check_failed domain=%s what=%r", domain.record.id, reason)
+
+    def _check(self, domain: _Domain, *, final: bool) -> list[str]:
+        failed: list[str] = []
+        found: list[Protected] = []
+        now_t = time.time()
+        for part in domain.record.parts:
+            try:
+                failed += self._check_part(part, found, now_t)
+            except Exception as exc:  # a bug, or content not foreseen: fail closed
+                failed.append(f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}")
+        if final:
+            for history in domain.record.histories:
+                try:
+                    done, bad = githistory.restore(history)
+                except Exception as exc:
+                    done, bad = [], [f"{history.common}: restoring history failed: {type(exc).__name__}: {exc}"]
+                failed += bad
+                for path, why in done:
+                    log.warning("event=git_history_restored path=%s why=%r", path, why)
+                    found.append(Protected(path=path, why=why, time=now_t))
+        domain.reports += found
+        del domain.reports[:-_REPORTS_KEPT]
+        return failed
+
+    def _check_part(self, part: Part, found: list[Protected], now_t: float) -> list[str]:
+        failed: list[str] = []
+        if part.layout.kind in ("repository", "linked"):
+            moved, bad = gitredirects.quarantine_new_redirects(part.layout, part.redirects, part.root)
+            failed += bad
+            for path in moved:
+                log.warning("event=git_redirect_quarantined path=%s", path)
+                found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
+            now = gitsnapshot.take(part.root, part.layout, part.home)
+            moved, bad = gitsnapshot.quarantine(part.root, part.git, now)
+            failed += bad
+            for path in moved:
+                log.warning("event=git_changed_quarantined path=%s", path)
+                found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
+                                       time=now_t))
+        tree = treewalk.take(part.root, tuple(part.names), excluded=part.excluded,
+                             skip_root_git=part.layout.kind in ("repository", "linked"))
+        if not tree.complete:
+            failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
+                          "your tools run")
+            return failed
+        moved, bad = treewalk.quarantine(part.root, treewalk.changes(part.tree, tree))
+        failed += bad
+        for path in moved:
+            log.warning("event=tool_file_quarantined path=%s", path)
+            found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
+                                   time=now_t))
+        return failed
+
+
+def _common_of(root: str, layout: GitLayout) -> str:
+    if layout.kind == "repository":
+        return os.path.realpath(os.path.join(root, ".git"))
+    if layout.kind == "linked" and layout.readable:
+        return os.path.realpath(layout.readable[0])
+    return ""

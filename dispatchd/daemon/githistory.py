@@ -1,0 +1,252 @@
+"""A repository's history kept across sessions: the refs the user had, and
+every object file, put back when a session deletes or rewinds them.
+
+At a baseline (``record``) the daemon reads the repository's branches and
+tags (``packed-refs`` and loose refs, no git run) and keeps every object
+file (loose objects and packs) in its own state directory: a reflink clone
+where the file system has them (btrfs, XFS), else a hard link, else a copy
+(another file system) within a size budget. Kept files are added and
+dropped incrementally, so a later baseline costs a listing.
+
+When the sessions end (``restore``), with their processes gone:
+- an object file kept and now missing is put back (a session's ``rm -rf
+  .git/objects`` loses nothing);
+- a branch or tag the user had that is gone, or that no longer leads back to
+  where it was (a fast-forward is kept: the user's own commits in another
+  worktree meanwhile look the same), is written back as a loose ref; the
+  value it was moved to is kept as ``refs/dispatchd/displaced/TIME/NAME``
+  so nothing is lost either way;
+- the branches checked out in the worktrees the sessions worked in are
+  theirs to move (``own``), remote-tracking refs are left alone.
+
+What it does not protect: an object file rewritten in place (a session must
+make it writable first; a hard-linked keep shares its inode: git's objects
+are content-addressed, so ``git fsck`` finds it); reflogs; other
+worktrees' HEADs (the user's own checkouts there look the same).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import shutil
+import stat
+import time
+
+import msgspec
+
+from dispatchd.daemon import gitfs, gitobjects
+
+_OID = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
+_MAX_REFS = 100_000
+_MAX_OBJECT_FILES = 2_000_000
+_COPY_BUDGET = 4 * 1024 * 1024 * 1024  # copied (not linked) bytes a keep may hold
+_FICLONE = 0x40049409
+PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/")
+
+
+class History(msgspec.Struct, frozen=True):
+    common: str  # the repository's common git directory
+    refs: dict[str, str] = {}  # branches and tags at the baseline -> object id
+    own: list[str] = []  # branches a session may move (checked out where it works)
+    head: str = ""  # the common directory's HEAD, as it was
+    keep: str = ""  # where its object files are kept ("" when not kept)
+    note: str = ""  # what is not kept, and why
+
+
+def read_refs(common: str) -> dict[str, str]:
+    """Branches and tags: ``packed-refs``, then loose refs (which win)."""
+    refs: dict[str, str] = {}
+    packed = _read_text(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
+    for line in (packed or "").splitlines():
+        if not line or line[0] in "#^":
+            continue
+        oid, _, name = line.partition(" ")
+        if _OID.match(oid) and name.startswith(PROTECTED_PREFIXES):
+            refs[name] = oid
+    for prefix in PROTECTED_PREFIXES:
+        top = os.path.join(common, prefix.rstrip("/"))
+        pending = [(top, prefix.rstrip("/"))]
+        while pending and len(refs) < _MAX_REFS:
+            path, name = pending.pop()
+            try:
+                entries = list(os.scandir(path))
+            except OSError:
+                continue
+            for entry in entries:
+                full = f"{name}/{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((entry.path, full))
+                elif entry.is_file(follow_symlinks=False):
+                    value = (_read_text(entry.path, 256) or "").strip()
+                    if _OID.match(value):
+                        refs[full] = value
+    return refs
+
+
+def _read_text(path: str, limit: int) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def checked_out(gitdir: str) -> str:
+    """The branch a git directory's HEAD names (``refs/heads/...``), or ""."""
+    text = (_read_text(os.path.join(gitdir, "HEAD"), 4096) or "").strip()
+    return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
+
+
+def _object_files(objects: str) -> list[str]:
+    """Object files, relative to ``objects``: ``ab/cdef...`` and ``pack/*``."""
+    found: list[str] = []
+    try:
+        names = os.listdir(objects)
+    except OSError:
+        return found
+    for name in names:
+        if len(name) == 2 or name == "pack":
+            try:
+                inner = os.listdir(os.path.join(objects, name))
+            except OSError:
+                continue
+            found += [f"{name}/{n}" for n in inner if not n.startswith("tmp")]
+            if len(found) > _MAX_OBJECT_FILES:
+                break
+    return found
+
+
+def _clone(src: str, dst: str, budget: list[int]) -> None:
+    """``dst`` as a copy of ``src`` that costs as little as the file system allows."""
+    sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(sfd)
+        if not stat.S_ISREG(st.st_mode):
+            return
+        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+        try:
+            try:
+                fcntl.ioctl(dfd, _FICLONE, sfd)
+                return
+            except OSError:
+                pass
+        finally:
+            os.close(dfd)
+        os.unlink(dst)
+        try:
+            os.link(src, dst, follow_symlinks=False)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+        if st.st_size > budget[0]:
+            raise OSError(errno.EFBIG, "over the copy budget")
+        budget[0] -= st.st_size
+        shutil.copyfile(src, dst, follow_symlinks=False)
+        os.chmod(dst, 0o444)
+    finally:
+        os.close(sfd)
+
+
+def record(common: str, keep: str, own: list[str]) -> History:
+    """Read the refs and bring the keep of the object files up to date."""
+    refs = read_refs(common)
+    head = _read_text(os.path.join(common, "HEAD"), 4096) or ""
+    objects = os.path.join(common, "objects")
+    note = ""
+    try:
+        os.makedirs(keep, mode=0o700, exist_ok=True)
+        present = set(_object_files(objects))
+        kept = set(_object_files(keep))
+        budget = [_COPY_BUDGET]
+        for rel in sorted(present - kept):
+            os.makedirs(os.path.join(keep, os.path.dirname(rel)), mode=0o700, exist_ok=True)
+            try:
+                _clone(os.path.join(objects, rel), os.path.join(keep, rel), budget)
+            except FileNotFoundError:
+                continue  # git removed it meanwhile (a repack)
+        for rel in kept - present:  # the user's own gc: theirs to drop
+            try:
+                os.unlink(os.path.join(keep, rel))
+            except OSError:
+                pass
+    except OSError as exc:
+        note = f"object files not kept: {exc.strerror}"
+        keep = ""
+    return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note)
+
+
+def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
+    """Put back what the module says; returns ``(path or ref, why)`` for each
+    thing put back, and what could not be (with why)."""
+    done: list[tuple[str, str]] = []
+    failed: list[str] = []
+    common = history.common
+    if not gitfs.is_dir(common):
+        return done, [f"{common}: the repository's git directory is gone"]
+    objects = os.path.join(common, "objects")
+    if history.keep:
+        missing = sorted(set(_object_files(history.keep)) - set(_object_files(objects)))
+        for rel in missing:
+            try:
+                os.makedirs(os.path.join(objects, os.path.dirname(rel)), exist_ok=True)
+                _clone(os.path.join(history.keep, rel), os.path.join(objects, rel), [_COPY_BUDGET])
+            except OSError as exc:
+                failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}")
+        if missing:
+            done.append((objects, f"{len(missing)} object files deleted by a session put back"))
+    for sub in ("refs/heads", "refs/tags"):
+        os.makedirs(os.path.join(common, sub), exist_ok=True)
+    if history.head and not os.path.lexists(os.path.join(common, "HEAD")):
+        _write_ref(common, "HEAD", history.head.strip())
+        done.append((os.path.join(common, "HEAD"), "deleted by a session; put back"))
+    now = read_refs(common)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for name, old in sorted(history.refs.items()):
+        if name in history.own:
+            continue
+        new = now.get(name)
+        if new == old:
+            continue
+        if new is not None and name.startswith("refs/heads/") and \
+                gitobjects.is_ancestor(objects, old, new):
+            continue  # a fast-forward: history kept
+        try:
+            if new is not None:
+                _write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", new)
+            _write_ref(common, name, old)
+        except OSError as exc:
+            failed.append(f"{name}: {exc.strerror}")
+            continue
+        done.append((name, f"{'deleted' if new is None else 'moved to ' + new[:12]} by a session; "
+                           f"put back at {old[:12]}"))
+    return done, failed
+
+
+def _write_ref(common: str, name: str, value: str) -> None:
+    """A loose ref, written atomically; a file or directory in the way (a
+    session's) is moved aside first."""
+    path = os.path.join(common, name)
+    parent = os.path.dirname(path)
+    probe = common
+    for part in os.path.relpath(parent, common).split(os.sep):
+        probe = os.path.join(probe, part)
+        if os.path.lexists(probe) and not gitfs.is_dir(probe):
+            gitfs.move_aside(probe)
+    os.makedirs(parent, exist_ok=True)
+    if gitfs.is_dir(path):
+        gitfs.move_aside(path)
+    tmp = f"{path}.dispatchd-{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(value + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,226 @@
+"""The worktree walked for what the user's own tools act on: repositories
+made anywhere below it, and the files editors, agents and shells run.
+
+A session can leave, anywhere in its worktree, something the user's tools
+later run without asking: a new repository (``sub/.git`` with a
+``core.fsmonitor``; a directory that looks like a bare repository, which git
+also enters), a gitfile naming a git directory of the session's choosing,
+``.vscode/tasks.json`` (run when the folder opens), ``.mcp.json`` (servers
+the user's agent starts), ``.envrc`` (direnv), shell start-up files. ``take``
+records each such thing by content; ``changes`` lists what a later walk
+found new or different; ``quarantine`` moves those aside, within their own
+directory, to an unguessable name (``gitfs.move_aside_at``: renamed, never
+deleted).
+
+Guarantees:
+- the walk is iterative (no recursion: any depth a session makes is a loop,
+  not a stack), goes by directory descriptors opened ``O_NOFOLLOW`` from the
+  worktree's (a symlink is recorded, never entered), and is bounded in
+  entries, directories, depth and bytes hashed: over a bound it stops and
+  says so (``complete`` False, ``why``), and the caller fails closed;
+- a git directory (``.git``, or a directory holding ``HEAD``, ``objects``
+  and ``refs``) is recorded by what git reads from it for configuration or
+  commands (``gitsnapshot.fingerprint``), and a changed or new one loses
+  those files only (its objects and refs stay where they are);
+- a protected name (the policy's ``protect.paths``, ``DEFAULT_PROTECTED`` by default) matches a
+  file or directory of that name at any depth; everything below a protected
+  directory is protected too. A new protected directory is moved aside whole,
+  a changed file alone;
+- the roots in ``excluded`` (worktrees checked under baselines of their own)
+  and the worktree's own ``.git`` when ``gitsnapshot`` covers it are not
+  walked.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import msgspec
+
+from dispatchd.daemon import gitfs, gitsnapshot
+from dispatchd.inside import is_within
+from dispatchd.policy import DEFAULT_PROTECTED
+
+MAX_ENTRIES = 2_000_000
+MAX_DIRS = 250_000
+MAX_DEPTH = 256
+# Inside a git directory: large, and nothing there runs.
+_GIT_BULK = frozenset(("objects", "refs", "logs", "lfs"))
+
+
+class TreeSnapshot(msgspec.Struct, frozen=True):
+    """Worktree-relative path -> digest: ``gitdir`` for a git directory (its
+    files follow as ``PATH/config``...), ``directory`` for a protected one,
+    else a file's or symlink's digest (``gitsnapshot.digest_at``)."""
+
+    entries: dict[str, str] = {}
+    complete: bool = True
+    why: str = ""  # when not complete: the bound it reached
+
+
+class _Walk:
+    def __init__(self, root: str, names: frozenset[str], excluded: list[str], skip_root_git: bool) -> None:
+        self.root = root
+        self.names = names
+        self.excluded = [os.path.relpath(e, root) for e in excluded if e != root and is_within(e, root)]
+        self.skip_root_git = skip_root_git
+        self.entries: dict[str, str] = {}
+        self.budget = gitsnapshot.Budget()
+        self.count = 0
+        self.dirs = 0
+        self.why = ""
+
+    def run(self) -> None:
+        top = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # (directory fd, its worktree-relative path, below a protected name, inside a git directory)
+        pending: list[tuple[int, str, bool, bool]] = [(top, "", False, False)]
+        try:
+            while pending:
+                fd, rel, protected, in_git = pending.pop()
+                try:
+                    self._directory(fd, rel, protected, in_git, pending)
+                finally:
+                    os.close(fd)
+                if self.why:
+                    return
+        finally:
+            for fd, *_ in pending:
+                os.close(fd)
+
+    def _directory(self, fd: int, rel: str, protected: bool, in_git: bool,
+                   pending: list[tuple[int, str, bool, bool]]) -> None:
+        self.dirs += 1
+        if self.dirs > MAX_DIRS:
+            self.why = f"more than {MAX_DIRS} directories"
+            return
+        if rel.count("/") >= MAX_DEPTH:
+            self.why = f"deeper than {MAX_DEPTH} directories"
+            return
+        try:
+            with os.scandir(fd) as listing:
+                found = [(e.name, _kind(e)) for e in listing]
+        except OSError as exc:
+            # A directory the session made unreadable may hide anything: the
+            # user's tools would see it once the user makes it readable.
+            self.entries[rel or "."] = gitsnapshot._never_equal(f"unreadable {exc.errno}")
+            return
+        self.count += len(found)
+        if self.count > MAX_ENTRIES:
+            self.why = f"more than {MAX_ENTRIES} entries"
+            return
+        names = {name for name, _ in found}
+        if rel and {"HEAD", "objects", "refs"} <= names:
+            self._gitdir(fd, rel)
+            in_git = True
+        for name, kind in found:
+            child = f"{rel}/{name}" if rel else name
+            if child in self.excluded:
+                continue
+            if name == ".git":
+                if not rel and self.skip_root_git:
+                    continue
+                if kind == "dir":
+                    sub = _open_dir(fd, name)
+                    if sub is None:
+                        continue
+                    self._gitdir(sub, child)
+                    pending.append((sub, child, protected, True))
+                else:
+                    self.entries[child] = "gitfile:" + (gitsnapshot.digest_at(fd, name, self.budget) or "absent")
+                continue
+            mark = protected or name in self.names
+            if mark:
+                digest = gitsnapshot.digest_at(fd, name, self.budget)
+                if digest is not None:
+                    self.entries[child] = digest
+            if kind == "dir" and not (in_git and name in _GIT_BULK):
+                sub = _open_dir(fd, name)
+                if sub is not None:
+                    pending.append((sub, child, mark, in_git))
+
+    def _gitdir(self, fd: int, rel: str) -> None:
+        self.entries[rel] = "gitdir"
+        for name, digest in gitsnapshot.fingerprint(fd, self.budget).items():
+            self.entries[f"{rel}/{name}"] = digest
+
+
+def _kind(entry: os.DirEntry[str]) -> str:
+    try:
+        if entry.is_symlink():
+            return "symlink"
+        return "dir" if entry.is_dir(follow_symlinks=False) else "other"
+    except OSError:
+        return "other"
+
+
+def _open_dir(dir_fd: int, name: str) -> int | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        raise
+    return fd
+
+
+def take(root: str, names: tuple[str, ...] = DEFAULT_PROTECTED, *, excluded: list[str] | None = None,
+         skip_root_git: bool = True) -> TreeSnapshot:
+    """Walk ``root`` (see the module)."""
+    walk = _Walk(root, frozenset(names), excluded or [], skip_root_git)
+    try:
+        walk.run()
+    except OSError as exc:
+        walk.why = walk.why or f"cannot be walked: {exc.strerror} ({exc.filename or root})"
+    return TreeSnapshot(entries=walk.entries, complete=not walk.why, why=walk.why)
+
+
+def changes(before: TreeSnapshot, now: TreeSnapshot) -> list[str]:
+    """What to move aside (worktree-relative, outermost first, none inside
+    another): new or changed files and symlinks, new protected directories
+    whole; a git directory's changed or new configuration and hooks, never
+    the git directory itself."""
+    found: list[str] = []
+    for rel, digest in now.entries.items():
+        old = before.entries.get(rel)
+        if old == digest or digest == "gitdir":
+            continue
+        if digest == "directory" and old is not None:
+            continue
+        found.append(rel)
+    result: list[str] = []
+    for rel in sorted(set(found), key=lambda r: (r.count("/"), r)):
+        if not any(is_within(rel, done) for done in result):
+            result.append(rel)
+    return result
+
+
+def quarantine(root: str, todo: list[str]) -> tuple[list[str], list[str]]:
+    """Move aside each of ``todo`` (``changes``' list) once the sessions'
+    processes are gone; returns the new names (absolute) and what could not
+    be moved, with why."""
+    moved: list[str] = []
+    failed: list[str] = []
+    for rel in todo:
+        parent, _, name = rel.rpartition("/")
+        try:
+            fd = (os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if not parent
+                  else gitfs.open_dir_below(root, parent))
+        except OSError as exc:
+            failed.append(f"{os.path.join(root, rel)}: {exc.strerror}")
+            continue
+        if fd is None:
+            continue  # gone since the walk
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode) and name == ".git":
+                continue  # a git directory keeps its objects: only its files go
+            moved.append(os.path.join(root, parent, gitfs.move_aside_at(fd, name)))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            failed.append(f"{os.path.join(root, rel)}: {exc.strerror}")
+        finally:
+            os.close(fd)
+    return moved, failed

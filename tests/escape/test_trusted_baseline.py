@@ -1,0 +1,392 @@
+"""The user's own tools stay theirs: one trusted baseline per worktree that
+holds across overlapping sessions and a daemon killed half way, and every
+tool that runs what a repository says (daemon/baselines.py).
+
+Every attack plants something the user's git (or editor, agent, shell)
+would run: ``core.fsmonitor``, a hook, a rebase todo's ``exec``, a
+``.vscode/tasks.json``. The probe is a marker file outside the worktree
+that only the user's own git, run outside any sandbox by the test after
+the sessions end, can create. Each attack has its control: the same plant,
+made by the test itself with no session involved, makes the user's git run
+it (so a probe that cannot fire cannot pass).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import REPO, Daemon, _refuse_root, shell
+
+MODES = ("full", "degraded")
+IDENTITY = {"GIT_AUTHOR_NAME": "u", "GIT_AUTHOR_EMAIL": "u@example.invalid",
+            "GIT_COMMITTER_NAME": "u", "GIT_COMMITTER_EMAIL": "u@example.invalid"}
+SESSION_IDENTITY = " ".join(f"{k}={v}" for k, v in IDENTITY.items())
+
+
+def git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **IDENTITY, "GIT_EDITOR": "true"}
+    return subprocess.run(["git", *args], cwd=cwd, check=check, capture_output=True, text=True, env=env, timeout=60)
+
+
+def user_runs_git(repo: Path) -> None:
+    """What the user does after the sessions: status, a commit, a rebase's continue."""
+    git(repo, "status", check=False)
+    (repo / "user-file").write_text("x\n")
+    git(repo, "add", "user-file", check=False)
+    git(repo, "commit", "-qm", "user", check=False)
+    git(repo, "rebase", "--continue", check=False)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def mode_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Daemon]]:
+    _refuse_root()
+    d = Daemon(tmp_path_factory.mktemp(f"daemon-{request.param}"),
+               *(["--no-user-namespaces"] if request.param == "degraded" else []))
+    try:
+        yield request.param, d
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+@pytest.fixture
+def client(mode_daemon: tuple[str, Daemon]) -> Iterator[dispatch.Client]:
+    with mode_daemon[1].connect() as c:
+        yield c
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    r = tmp_path / "repo"
+    r.mkdir()
+    git(r, "init", "-q", "-b", "main")
+    for n in range(5):
+        (r / "f").write_text(f"{n}\n")
+        git(r, "add", "f")
+        git(r, "commit", "-qm", f"c{n}")
+    return r
+
+
+def fsmonitor_config(marker: Path) -> str:
+    return f"[core]\n\trepositoryformatversion = 0\n\tfsmonitor = \"touch {marker}\"\n"
+
+
+def plant_commondir(repo: Path, marker: Path) -> str:
+    """A shell script that redirects ``.git`` to an evil common directory."""
+    return (f"mkdir -p evil/objects evil/refs && cp .git/HEAD evil/HEAD && "
+            f"printf '{fsmonitor_config(marker)}' > evil/config && echo ../evil > .git/commondir")
+
+
+# --- controls: the plants work against the user's git ------------------------------------------
+
+
+def test_control_a_planted_commondir_runs_for_the_user(repo: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    subprocess.run(["bash", "-c", plant_commondir(repo, marker)], cwd=repo, check=True)
+    user_runs_git(repo)
+    assert marker.exists()
+
+
+def test_control_a_new_repository_runs_for_the_user(repo: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    (repo / "sub").mkdir()
+    git(repo / "sub", "init", "-q")
+    git(repo / "sub", "config", "core.fsmonitor", f"touch {marker}")
+    git(repo / "sub", "status", check=False)
+    assert marker.exists()
+
+
+def rebase_plant(marker: Path) -> str:
+    """Start an interactive rebase that stops at ``break`` with ``exec`` next."""
+    ed = '"$ed"'
+    return (f"ed=$(mktemp) && printf '#!/bin/sh\\nprintf \"break\\\\nexec touch {marker}\\\\n\" > \"$1\"\\n' > {ed} && "
+            f"chmod +x {ed} && GIT_SEQUENCE_EDITOR={ed} {SESSION_IDENTITY} "
+            "git rebase -q -i HEAD~1 >/dev/null 2>&1; test -d .git/rebase-merge && echo stopped")
+
+
+def test_control_a_rebase_todo_runs_for_the_user(repo: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    out = subprocess.run(["bash", "-c", rebase_plant(marker)], cwd=repo, capture_output=True, text=True)
+    assert out.stdout == "stopped\n" and not marker.exists()
+    git(repo, "rebase", "--continue", check=False)
+    assert marker.exists()
+
+
+# --- attacks --------------------------------------------------------------------------------
+
+
+def test_overlapping_sessions_cannot_carry_a_plant_past_the_baseline(client: dispatch.Client, repo: Path,
+                                                                     tmp_path: Path) -> None:
+    """A plants; B opens (its own look would include the plant); A closes
+    (moved aside); B plants again; B closes: the baseline is the user's, so
+    the second plant is moved aside too."""
+    marker = tmp_path / "ran"
+    a = client.open_session(str(repo))
+    r = shell(a, plant_commondir(repo, marker))
+    assert r.is_success, r.error
+    b = client.open_session(str(repo))
+    a.close()
+    assert any(".git/commondir" in p["path"] for p in a.protected), a.protected
+    assert not (repo / ".git" / "commondir").exists()
+    r = shell(b, "echo ../evil > .git/commondir && cat .git/commondir")
+    assert r.output == "../evil\n", r.error
+    assert any(".git/commondir" in p["path"] for p in b.status()["protected"])  # A's end, seen from B
+    b.close()
+    assert not (repo / ".git" / "commondir").exists()
+    user_runs_git(repo)
+    assert not marker.exists()
+
+
+def test_a_poisoned_test_script_run_by_two_overlapping_sessions(client: dispatch.Client, repo: Path,
+                                                               tmp_path: Path) -> None:
+    """The repository's own test script re-plants at every run: a long
+    session and a one-off one both run it."""
+    marker = tmp_path / "ran"
+    (repo / "test.sh").write_text(plant_commondir(repo, marker) + "\n")
+    git(repo, "add", "test.sh")
+    git(repo, "commit", "-qm", "tests")
+    long = client.open_session(str(repo))
+    assert shell(long, "bash test.sh").is_success
+    long.release_write_lock()  # one writer at a time: the long session lets the one-off one run
+    with client.open_session(str(repo)) as once:
+        shell(once, "bash test.sh")  # (in full mode the commondir it finds is held read-only: refused)
+    shell(long, "bash test.sh")
+    long.close()
+    user_runs_git(repo)
+    assert not marker.exists()
+
+
+def test_a_new_repository_anywhere_in_the_worktree_is_disarmed(client: dispatch.Client, repo: Path,
+                                                              tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    with client.open_session(str(repo)) as s:
+        r = shell(s, f"mkdir -p deep/er && cd deep/er && git init -q && git config core.fsmonitor 'touch {marker}' "
+                     "&& echo made")
+        assert r.output == "made\n", r.error
+    assert any("deep/er/.git/config" in p["path"] for p in s.protected), s.protected
+    git(repo / "deep" / "er", "status", check=False)
+    assert not marker.exists()
+    assert (repo / "deep" / "er" / ".git" / "HEAD").exists()  # its history is left where it is
+
+
+def test_a_worktree_inside_a_repository_gets_no_repository_of_its_own(client: dispatch.Client, repo: Path,
+                                                                     tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    sub = repo / "pkg"
+    sub.mkdir()
+    (sub / "a.txt").write_text("a\n")
+    with client.open_session(str(sub)) as s:
+        r = shell(s, f"git init -q && git config core.fsmonitor 'touch {marker}' && echo made")
+        assert r.output == "made\n", r.error
+    git(sub, "status", check=False)
+    assert not marker.exists()
+    assert (sub / "a.txt").read_text() == "a\n"  # the allowed twin: the session's files are untouched
+
+
+def test_a_rebase_todo_left_by_a_session_runs_nothing(client: dispatch.Client, repo: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    with client.open_session(str(repo)) as s:
+        r = shell(s, rebase_plant(marker))
+        assert r.output == "stopped\n", (r.output, r.error)
+    assert any("rebase-merge" in p["path"] for p in s.protected), s.protected
+    git(repo, "rebase", "--continue", check=False)
+    assert not marker.exists()
+
+
+def test_includes_and_hooks_path_in_the_worktree_are_checked(client: dispatch.Client, repo: Path,
+                                                            tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    (repo / ".githooks").mkdir()
+    hook = repo / ".githooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\nexit 0\n")
+    hook.chmod(0o755)
+    (repo / "project.gitconfig").write_text("[alias]\n\tst = status\n")
+    git(repo, "config", "core.hooksPath", ".githooks")
+    git(repo, "config", "include.path", "../project.gitconfig")
+    with client.open_session(str(repo)) as s:
+        r = shell(s, f"printf '#!/bin/sh\\ntouch {marker}\\n' > .githooks/pre-commit && "
+                     f"printf '[core]\\n\\tfsmonitor = \"touch {marker}\"\\n' > project.gitconfig && "
+                     "echo src > src.txt && echo done")
+        assert r.output == "done\n", r.error
+    moved = {Path(p["path"]).name.split(".quarantined-by-dispatchd-")[0] for p in s.protected}
+    assert {"pre-commit", "project.gitconfig"} <= moved, s.protected
+    assert (repo / "src.txt").read_text() == "src\n"  # the allowed twin
+    user_runs_git(repo)
+    assert not marker.exists()
+
+
+def test_the_users_other_tools_files_are_moved_aside(client: dispatch.Client, repo: Path) -> None:
+    (repo / ".mcp.json").write_text('{"mcpServers": {}}\n')
+    with client.open_session(str(repo)) as s:
+        r = shell(s, "mkdir -p .vscode && echo '{}' > .vscode/tasks.json && echo 'export X=1' > .envrc && "
+                     "echo '{\"mcpServers\": {\"x\": {\"command\": \"sh\"}}}' > .mcp.json && "
+                     "mkdir -p lib/.claude && echo '{}' > lib/.claude/settings.json && echo code > lib/code.py && "
+                     "echo done")
+        assert r.output == "done\n", r.error
+    names = sorted(Path(p["path"]).relative_to(repo).as_posix().split(".quarantined-by-dispatchd-")[0]
+                   for p in s.protected)
+    assert names == [".envrc", ".mcp.json", ".vscode", "lib/.claude"], s.protected
+    assert not (repo / ".vscode").exists() and not (repo / ".envrc").exists() and not (repo / ".mcp.json").exists()
+    assert (repo / "lib" / "code.py").read_text() == "code\n"  # the allowed twin
+
+
+def test_a_policy_may_let_sessions_write_a_tools_file(mode_daemon: tuple[str, Daemon], repo: Path,
+                                                     tmp_path: Path) -> None:
+    mode, daemon = mode_daemon
+    policies = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "envrc.toml").write_text('tools = ["shell_exec"]\n[protect]\npaths = [".vscode"]\n')
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--policies", str(policies), *(["--no-user-namespaces"] if mode == "degraded" else []))
+    try:
+        with d.connect() as c, c.open_session(str(repo), policy="envrc") as s:
+            assert shell(s, "echo 'export X=1' > .envrc && mkdir .vscode && echo x > .vscode/t").is_success
+        assert (repo / ".envrc").read_text() == "export X=1\n"
+        assert not (repo / ".vscode").exists()
+    finally:
+        d.stop()
+
+
+def test_history_survives_a_hostile_linked_worktree(client: dispatch.Client, repo: Path, tmp_path: Path) -> None:
+    original = git(repo, "log", "--format=%H", "main").stdout
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
+    with client.open_session(str(linked)) as s:
+        r = shell(s, "common=$(git rev-parse --git-common-dir) && git update-ref refs/heads/main HEAD~3 && "
+                     "rm -rf \"$common\"/objects/* \"$common\"/refs/*; git log main >/dev/null 2>&1 || echo destroyed")
+        assert (r.output or r.error or "").startswith("destroyed\n"), (r.output, r.error)
+    assert any(p["path"] == "refs/heads/main" for p in s.protected), s.protected
+    assert git(repo, "log", "--format=%H", "main").stdout == original
+    assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
+
+
+def test_a_fast_forward_of_another_branch_is_kept(client: dispatch.Client, repo: Path, tmp_path: Path) -> None:
+    """The user commits on main in the main worktree while a session works
+    in a linked one: their commit is kept (history only grew)."""
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
+    with client.open_session(str(linked)) as s:
+        (repo / "f").write_text("user\n")
+        git(repo, "commit", "-qam", "the user's")
+        assert shell(s, f"echo x > g && git add g && {SESSION_IDENTITY} git commit -qm agent").is_success
+    assert git(repo, "log", "-1", "--format=%s", "main").stdout == "the user's\n"
+    assert git(repo, "log", "-1", "--format=%s", "side").stdout == "agent\n"
+    assert not [p for p in s.protected if p["path"].startswith("refs/")]
+
+
+# --- a daemon killed half way -------------------------------------------------------------------
+
+
+def _daemon(base: Path, mode: str, state: Path) -> Daemon:
+    base.mkdir(parents=True, exist_ok=True)
+    return Daemon(base, *(["--no-user-namespaces"] if mode == "degraded" else []), state=state)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_plant_survives_no_sigkill_of_the_daemon(mode: str, repo: Path, tmp_path: Path) -> None:
+    _refuse_root()
+    marker = tmp_path / "ran"
+    state = tmp_path / "state"
+    d = _daemon(tmp_path / "d1", mode, state)
+    with d.connect() as c:
+        s = c.open_session(str(repo), detached=True)
+        assert shell(s, plant_commondir(repo, marker)).is_success
+        assert shell(s, f"mkdir -p n && cd n && git init -q && git config core.fsmonitor 'touch {marker}'").is_success
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        s.detach()  # the handle's channel: its daemon is gone
+    d.stop()
+    assert (repo / ".git" / "commondir").exists()  # nothing checked yet
+    d2 = _daemon(tmp_path / "d2", mode, state)
+    try:
+        with d2.connect() as c:
+            recovered = c.status()["protected"]
+            assert any(p["path"].endswith("commondir") or ".git/commondir" in p["path"] for p in recovered), recovered
+            assert any("n/.git/config" in p["path"] for p in recovered), recovered
+            with c.open_session(str(repo)) as s:  # the worktree opens again
+                assert shell(s, "true").is_success
+    finally:
+        assert d2.stop() == 0, d2.log()
+    user_runs_git(repo)
+    git(repo / "n", "status", check=False)
+    assert not marker.exists()
+
+
+def test_randomized_interleaving_with_daemon_kills(repo: Path, tmp_path: Path) -> None:
+    """Sessions on one worktree open, plant, re-plant and close in a random
+    order while the daemon is killed and restarted at random points."""
+    _refuse_root()
+    seed = int(os.environ.get("DISPATCH_INTERLEAVE_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    marker = tmp_path / "ran"
+    state = tmp_path / "state"
+    plants = [plant_commondir(repo, marker),
+              f"mkdir -p r{rng.randrange(9)} && cd r* && git init -q 2>/dev/null; git config core.fsmonitor 'touch {marker}'",
+              f"printf '#!/bin/sh\\ntouch {marker}\\n' > .git/hooks/post-commit 2>/dev/null; chmod +x .git/hooks/post-commit",
+              rebase_plant(marker)]
+    original = git(repo, "log", "--format=%H", "main").stdout
+    n = 0
+    d = _daemon(tmp_path / f"d{n}", "full", state)
+    client = d.connect()
+    open_: list[dispatch.Session] = []
+    try:
+        for _ in range(14):
+            step = rng.choice(["open", "open", "plant", "plant", "close", "kill"])
+            if step == "open" and len(open_) < 3:
+                open_.append(client.open_session(str(repo), detached=True))
+            elif step == "plant" and open_:
+                shell(rng.choice(open_), rng.choice(plants))
+            elif step == "close" and open_:
+                open_.pop(rng.randrange(len(open_))).close()
+            elif step == "kill":
+                d.proc.send_signal(signal.SIGKILL)
+                d.proc.wait()
+                d.stop()
+                for s in open_:
+                    s.detach()
+                client.close()
+                open_ = []
+                n += 1
+                d = _daemon(tmp_path / f"d{n}", "full", state)
+                client = d.connect()
+        for s in open_:
+            s.close()
+    finally:
+        client.close()
+        assert d.stop() == 0, d.log()
+    user_runs_git(repo)
+    for sub in repo.glob("r*"):
+        git(sub, "status", check=False)
+    assert not marker.exists(), f"seed {seed}"
+    assert original in git(repo, "log", "--format=%H", "main").stdout + original, f"seed {seed}"
+    assert set(original.split()) <= set(git(repo, "log", "--format=%H", "--all").stdout.split()), f"seed {seed}"
+
+
+# --- walks a session cannot break ------------------------------------------------------------
+
+
+def test_deep_trees_and_many_links_do_not_break_the_checks(client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo)) as s:
+        r = shell(s, "(cd .git/modules 2>/dev/null || { mkdir .git/modules && cd .git/modules; }; "
+                     "for i in $(seq 600); do mkdir -p a/modules && cd a/modules || exit 1; done) 2>/dev/null && "
+                     "mkdir -p .git/modules/x/hooks .git/modules/x/objects .git/modules/x/refs && "
+                     "echo ref: refs/heads/m > .git/modules/x/HEAD && head -c 16777216 /dev/zero > .git/modules/x/hooks/big && "
+                     "for i in $(seq 2000); do ln .git/modules/x/hooks/big .git/modules/x/hooks/h$i; done; echo made")
+        assert r.output == "made\n", r.error
+    try:
+        started = time.monotonic()
+        with client.open_session(str(repo)) as s:  # opens again, promptly
+            assert shell(s, "true").is_success
+        assert time.monotonic() - started < 10
+    finally:
+        # pytest's own clean-up of old temporary directories recurses
+        subprocess.run(["rm", "-rf", str(repo)], check=True)
