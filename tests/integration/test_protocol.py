@@ -407,7 +407,7 @@ def worker_channel(daemon: Daemon, worktree: Path) -> Iterator[protocol.FrameSoc
                 channel.close()
         finally:
             frames.send(protocol.CloseSession(id=4, session=sid))
-            assert frames.recv(REPLIES) == protocol.OkReply(id=4)
+            assert frames.recv(REPLIES) == protocol.ClosedReply(id=4, protected=[])
 
 
 def test_attach_hands_over_a_worker_channel(daemon: Daemon, worktree: Path) -> None:
