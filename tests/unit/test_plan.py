@@ -215,8 +215,9 @@ def test_full_mode_network_on_without_a_stack_falls_back_to_the_host_network_and
     # "off" needs no stack: unchanged, but for the room left for pasta's namespaces.
     without = plan(k=kernel(stack=False))
     assert msgspec.structs.replace(without, ucounts=plan().ucounts) == plan()
-    assert without.ucounts.maxima["max_mnt_namespaces"] == 0
-    assert plan().ucounts.maxima["max_mnt_namespaces"] == 4  # pasta joins the session's user namespace
+    # The sandbox's own detached mounts (the host's root held, a woken /proc), and pasta's.
+    assert without.ucounts.maxima["max_mnt_namespaces"] == 2
+    assert plan().ucounts.maxima["max_mnt_namespaces"] == 6  # pasta joins the session's user namespace
     assert plan().ucounts.maxima["max_user_namespaces"] == 0 and plan().ucounts.maxima["max_net_namespaces"] == 0
 
 
