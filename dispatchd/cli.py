@@ -27,6 +27,7 @@ from dispatchd.policy import Policy, default_policy_dir, load_all, load_policy
 log = logging.getLogger("dispatchd")
 TESTING_ROOT_FLAG = "--allow-root-for-testing"
 PROXY_HOSTS_FLAG = "--proxy-hosts-for-testing"
+TUN_FLAG = "--tun-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -68,6 +69,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     # and relay to it even on the host's loopback (which it never does
     # otherwise), so the tests need a fake registry on 127.0.0.1 and no internet.
     p.add_argument(PROXY_HOSTS_FLAG, action="append", default=[], metavar="NAME=ADDR", help=argparse.SUPPRESS)
+    # Testing only: the device the network stack's probe opens instead of
+    # /dev/net/tun (a file the user cannot open simulates a machine whose tun
+    # device is root's). It can only make the stack unavailable: pasta itself
+    # still opens /dev/net/tun.
+    p.add_argument(TUN_FLAG, metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--pool", type=int, default=2, metavar="N",
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
                         "recently opened: an open then takes ~half the time; 0: none (default: 2; README \"Speed\")")
@@ -186,10 +192,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from dispatchd import kernel as kernel_mod
 
-    features = kernel_mod.probe(forbid_user_namespaces=args.no_user_namespaces)
+    if args.tun_for_testing:
+        log.warning("event=testing_tun path=%s (the network stack's probe opens it instead of %s)",
+                    args.tun_for_testing, kernel_mod.TUN)
+    features = kernel_mod.probe(forbid_user_namespaces=args.no_user_namespaces,
+                                tun=args.tun_for_testing or kernel_mod.TUN)
     log.info("event=kernel landlock_abi=%s user_namespaces=%s seccomp=%s cgroup2=%s release=%s",
              features.landlock_abi, features.user_namespaces, features.seccomp, features.cgroup2 or "none",
              features.release)
+    for mode, why in features.network_unavailable.items():
+        log.warning("event=network_mode_unavailable mode=%s why=%r", mode, why)
     # Also before any thread (it forks): whether a session's root can hold the
     # host's by descriptor until its own binds (confine/mounts.py _hold_host).
     from dispatchd.confine.mounts import probe_host_tree

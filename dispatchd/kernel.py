@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 
+import msgspec
+
 from dispatchd.confine.landlock import landlock_abi
 from dispatchd.confine.namespaces import probe_user_namespaces
-from dispatchd.confine.netstack import probe_nft, probe_stack
+from dispatchd.confine.netstack import TUN, probe_nft, probe_stack, unavailable
+from dispatchd.netmodes import NETWORK_MODES
 from dispatchd.protocol.reports import KernelFeatures
 
-__all__ = ["KernelFeatures", "probe"]  # the struct is defined with the other reports
+__all__ = ["TUN", "KernelFeatures", "probe", "with_network_modes"]  # the struct is defined with the other reports
 
 
 def _seccomp_actions() -> list[str]:
@@ -37,15 +40,17 @@ def _cgroup2_mount() -> str:
     return ""
 
 
-def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
-    """Call before any thread exists (the user-namespace probe forks)."""
+def probe(*, forbid_user_namespaces: bool = False, tun: str = TUN) -> KernelFeatures:
+    """Call before any thread exists (the user-namespace probe forks).
+    ``tun``: the device the network stack needs (another path only for the
+    daemon's testing option, which can only make it unusable)."""
     if forbid_user_namespaces:
         userns, note = False, "not used: the daemon was started with --no-user-namespaces"
     else:
         userns, note = probe_user_namespaces()
     actions = _seccomp_actions()
     cgroup2 = _cgroup2_mount()
-    return KernelFeatures(
+    return with_network_modes(KernelFeatures(
         release=os.uname().release,
         landlock_abi=landlock_abi(),
         user_namespaces=userns,
@@ -53,6 +58,13 @@ def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
         seccomp="errno" in actions,
         seccomp_actions=actions,
         cgroup2=cgroup2,
-        network_stack_missing=probe_stack(),
+        network_stack_missing=probe_stack(tun),
         nftables_missing=probe_nft(),
-    )
+    ))
+
+
+def with_network_modes(k: KernelFeatures) -> KernelFeatures:
+    """``k`` with ``network_unavailable`` filled in from what it found. Pure."""
+    why = {mode: unavailable(mode, k.network_stack_missing, k.nftables_missing, use_userns=k.user_namespaces)
+           for mode in NETWORK_MODES}
+    return msgspec.structs.replace(k, network_unavailable={m: w for m, w in why.items() if w})

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from dispatchd import paths, protocol
+from dispatchd.netmodes import NETWORK_MODES
 
 
 def size(n: Any) -> str:
@@ -95,7 +96,17 @@ def _words(value: Any) -> str:
 
 def _missing(why: str) -> str:
     """A kernel probe's "" (available) or its reason, for ``dispatch status``."""
-    return "yes" if not why else f"no, on/ports use the host's network ({why})"
+    return "yes" if not why else f"no ({why})"
+
+
+def network_modes_line(k: protocol.KernelFeatures) -> str:
+    """Which network modes sessions can have here, and why not the others."""
+    unavailable = k.network_unavailable
+    available = [m for m in NETWORK_MODES if m not in unavailable]
+    line = f"network modes: {', '.join(available) or 'none'}"
+    if unavailable:
+        line += "; unavailable: " + "; ".join(f"{m} ({why})" for m, why in unavailable.items())
+    return line
 
 
 def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
@@ -112,6 +123,7 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         f"(per-session cgroups: {k.cgroup_delegation}); "
         f"network stack (pasta): {_missing(k.network_stack_missing)}; "
         f"nftables for ports: {_missing(k.nftables_missing)}")
+    say(network_modes_line(k))
     if st.daemon is not None:
         d = st.daemon
         say(f"daemon: {d.open_files_note}; connections {d.connections} of at most {d.max_connections}")

@@ -117,8 +117,8 @@ def describe(plan: UcountsPlan) -> str:
     m = plan.maxima
     return (f"in its user namespace: inotify {m['max_inotify_instances']} instances, "
             f"{m['max_inotify_watches']} watches; fanotify {m['max_fanotify_groups']} groups, "
-            f"{m['max_fanotify_marks']} marks; no namespaces made by the session's processes (mount namespaces: "
-            f"{m['max_mnt_namespaces']}, for the sandbox's detached mounts and pasta); queued signals and message queues "
+            f"{m['max_fanotify_marks']} marks; no namespaces made by the session's processes (room for the sandbox's detached "
+            "mounts and the network stack's); queued signals and message queues "
             "by rlimit (max_pending_signals, max_msgqueue_bytes)")
 
 

@@ -33,9 +33,13 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     cgroup_delegation: str = "not looked for"
     # The user-mode stack sessions reach out through, and nftables for
     # "ports": "" when usable, else why not (confine/netstack.py). Missing,
-    # "on" and "ports" fall back to the host's network, and say so.
+    # a session of full mode is refused "on" and "ports" (never the host's
+    # network instead).
     network_stack_missing: str = "not looked for"
     nftables_missing: str = "not looked for"
+    # The network modes no session can have here, each with why and what
+    # fixes it (``netstack.unavailable``); {}: every mode.
+    network_unavailable: dict[str, str] = {}
 
 
 class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):
