@@ -28,6 +28,7 @@ log = logging.getLogger("dispatchd")
 TESTING_ROOT_FLAG = "--allow-root-for-testing"
 PROXY_HOSTS_FLAG = "--proxy-hosts-for-testing"
 TUN_FLAG = "--tun-for-testing"
+FORCE_KERNEL_FLAG = "--force-kernel-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -74,6 +75,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     # device is root's). It can only make the stack unavailable: pasta itself
     # still opens /dev/net/tun.
     p.add_argument(TUN_FLAG, metavar="PATH", help=argparse.SUPPRESS)
+    # Testing only: plan and enforce as an older kernel would (kernel.py
+    # force_for_testing: landlock=N, user_namespaces=no, detached_mounts=no).
+    # It can only take features away, is logged at start and shown by status.
+    p.add_argument(FORCE_KERNEL_FLAG, metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--pool", type=int, default=2, metavar="N",
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
                         "recently opened: an open then takes ~half the time; 0: none (default: 2; README \"Speed\")")
@@ -206,7 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     # host's by descriptor until its own binds (confine/mounts.py _hold_host).
     from dispatchd.confine.mounts import probe_host_tree
 
-    host_tree_missing = probe_host_tree() if features.user_namespaces else "no user namespaces"
+    features = msgspec.structs.replace(
+        features, host_tree_missing=probe_host_tree() if features.user_namespaces else "no user namespaces")
+    if args.force_kernel_for_testing:
+        try:
+            features = kernel_mod.force_for_testing(features, args.force_kernel_for_testing)
+        except ValueError as exc:
+            print(f"dispatchd: {FORCE_KERNEL_FLAG}: {exc}", file=sys.stderr)
+            return 2
+        log.warning("event=testing_forced_kernel spec=%s landlock_abi=%s user_namespaces=%s (planned and enforced "
+                    "as that kernel would)", args.force_kernel_for_testing, features.landlock_abi,
+                    features.user_namespaces)
+    host_tree_missing = features.host_tree_missing
     log.info("event=host_tree by_descriptor=%s note=%r", not host_tree_missing, host_tree_missing)
     if features.landlock_abi < 1:
         print("dispatchd: this kernel has no Landlock (CONFIG_SECURITY_LANDLOCK, lsm=landlock): "

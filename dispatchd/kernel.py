@@ -17,7 +17,7 @@ from dispatchd.confine.netstack import TUN, probe_nft, probe_stack, unavailable
 from dispatchd.netmodes import NETWORK_MODES
 from dispatchd.protocol.reports import KernelFeatures
 
-__all__ = ["TUN", "KernelFeatures", "probe", "with_network_modes"]  # the struct is defined with the other reports
+__all__ = ["TUN", "KernelFeatures", "force_for_testing", "probe", "with_network_modes"]  # the struct is defined with the other reports
 
 
 def _seccomp_actions() -> list[str]:
@@ -68,3 +68,32 @@ def with_network_modes(k: KernelFeatures) -> KernelFeatures:
     why = {mode: unavailable(mode, k.network_stack_missing, k.nftables_missing, use_userns=k.user_namespaces)
            for mode in NETWORK_MODES}
     return msgspec.structs.replace(k, network_unavailable={m: w for m, w in why.items() if w})
+
+
+def force_for_testing(k: KernelFeatures, spec: str) -> KernelFeatures:
+    """Testing only (the daemon's ``--force-kernel-for-testing SPEC``): ``k``
+    as an older or more restricted kernel would have probed, so that the
+    tests run every mode's planning *and* its enforcement here (the session's
+    ruleset is built for the forced ABI: its handled rights, scopes and
+    struct size, as that kernel would take it). ``SPEC``: comma-separated
+    ``landlock=N`` (0 to this kernel's ABI), ``user_namespaces=no``,
+    ``detached_mounts=no``. It only takes away: asking for more than this
+    kernel has, or anything else, raises ``ValueError``. Pure."""
+    changes: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if key == "landlock" and sep and value.isdigit():
+            if int(value) > k.landlock_abi:
+                raise ValueError(f"landlock={value}: this kernel offers ABI {k.landlock_abi}; forcing only takes away")
+            changes["landlock_abi"] = int(value)
+        elif key == "user_namespaces" and value == "no":
+            changes["user_namespaces"] = False
+            changes["user_namespaces_note"] = "forced off for testing"
+            changes["host_tree_missing"] = "no user namespaces"
+        elif key == "detached_mounts" and value == "no":
+            if "host_tree_missing" not in changes:
+                changes["host_tree_missing"] = ("binding from a detached copy of the mount tree: forced off for "
+                                                "testing (as before Linux 6.15); the host's root is kept below")
+        else:
+            raise ValueError(f"{item!r}: expected landlock=N, user_namespaces=no or detached_mounts=no")
+    return with_network_modes(msgspec.structs.replace(k, **changes, forced_for_testing=spec))

@@ -122,8 +122,12 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         f"seccomp: {'yes' if k.seccomp else 'no'}; cgroup v2: {k.cgroup2 or 'not mounted'} "
         f"(per-session cgroups: {k.cgroup_delegation}); "
         f"network stack (pasta): {_missing(k.network_stack_missing)}; "
-        f"nftables for ports: {_missing(k.nftables_missing)}")
+        f"nftables for ports: {_missing(k.nftables_missing)}; "
+        f"root held as a detached mount: {_missing(k.host_tree_missing)}")
     say(network_modes_line(k))
+    if k.forced_for_testing:
+        say(f"kernel features forced for testing (--force-kernel-for-testing {k.forced_for_testing}): sessions are "
+            "planned and confined as on a kernel without them")
     if st.daemon is not None:
         d = st.daemon
         say(f"daemon: {d.open_files_note}; connections {d.connections} of at most {d.max_connections}")

@@ -178,7 +178,15 @@ def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: Gi
         ]
         if network_off and landlock_abi < 4:
             gaps.append("network off is held by seccomp alone (no Landlock TCP rules below ABI 4)")
-    if landlock_abi < 6:
+        if landlock_abi < 3:
+            gaps.append("truncate() of files the user owns on read-only paths outside the worktree (an extra "
+                        "read-only path, dispatchd's own code): Landlock handles truncation from ABI 3, and "
+                        "without user namespaces no read-only mount holds it")
+        if landlock_abi < 6:
+            gaps.append("signals: the session can signal every process of the user's, the daemon included "
+                        "(kill, SIGSTOP): without a pid namespace only Landlock's signal scope (ABI 6) would stop "
+                        "it; abstract Unix sockets stay refused (seccomp: socket(AF_UNIX))")
+    elif landlock_abi < 6:
         gaps.append("no Landlock scopes (ABI < 6): signals to the user's other processes and "
                     "abstract Unix sockets rely on seccomp and namespaces only")
     return gaps

@@ -40,6 +40,13 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     # The network modes no session can have here, each with why and what
     # fixes it (``netstack.unavailable``); {}: every mode.
     network_unavailable: dict[str, str] = {}
+    # Whether a root of the session's own can hold the host's as a detached
+    # copy (Linux 6.15+; mounts.probe_host_tree): "" when it can, else why
+    # not (the host's root then waits below the new one; as safe, slower).
+    host_tree_missing: str = "not looked for"
+    # Testing only: what the daemon was told to take away from this probe
+    # (``--force-kernel-for-testing``); "" for a real one.
+    forced_for_testing: str = ""
 
 
 class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):

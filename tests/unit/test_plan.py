@@ -41,6 +41,12 @@ TMP_GAP = "no private /tmp: the host's /tmp is simply not granted (TMPDIR is the
 SECCOMP_NET_GAP = "network off is held by seccomp alone (no Landlock TCP rules below ABI 4)"
 SCOPES_GAP = ("no Landlock scopes (ABI < 6): signals to the user's other processes and "
               "abstract Unix sockets rely on seccomp and namespaces only")
+SIGNALS_GAP = ("signals: the session can signal every process of the user's, the daemon included "
+               "(kill, SIGSTOP): without a pid namespace only Landlock's signal scope (ABI 6) would stop "
+               "it; abstract Unix sockets stay refused (seccomp: socket(AF_UNIX))")
+TRUNCATE_GAP = ("truncate() of files the user owns on read-only paths outside the worktree (an extra "
+                "read-only path, dispatchd's own code): Landlock handles truncation from ABI 3, and "
+                "without user namespaces no read-only mount holds it")
 ABSTRACT_GAP = ("abstract Unix socket names of the host can be taken (bind) by the session: a program "
                 "of the user's that binds the same name then fails (nothing can be connected to or "
                 "received through them)")
@@ -341,7 +347,7 @@ def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
     assert got.landlock.handled_fs == 0x7FFF
     assert got.landlock.scoped == 0
     assert report(got)["network"] == {"mode": "off", "mechanism": "seccomp: no IPv4/IPv6 sockets"}
-    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SCOPES_GAP, META_GAP,
+    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SIGNALS_GAP, META_GAP,
                                               UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
     assert report(got)["landlock"]["tcp"] == "not handled"
 
@@ -349,6 +355,7 @@ def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
 def test_degraded_mode_on_abi_1():
     got = plan(k=kernel(abi=1, userns=False))
     assert got.landlock.handled_fs == 0x1FFF
+    assert report(got)["leaves_open"][3:6] == [SECCOMP_NET_GAP, TRUNCATE_GAP, SIGNALS_GAP]
     assert got.landlock.paths[len(SYSTEM) + 2] == PathRule(WT, RW & 0x1FFF)
 
 
