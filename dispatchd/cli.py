@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from dispatchd import __version__, paths, systemd, units
+from dispatchd import __version__, paths, support, systemd, units
 from dispatchd.errors import DispatchdError, PolicyError
 from dispatchd.policy import Policy, default_policy_dir, load_all, load_policy
 
@@ -38,7 +38,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         epilog="other commands:\n"
                "  dispatchd install-units [--dry-run]   write systemd user units (dispatchd.socket, .service)\n"
                "                                        for this Python; see README \"Run as a service\"\n"
-               "  dispatchd uninstall-units             remove them\n")
+               "  dispatchd uninstall-units             remove them\n"
+               "  dispatchd check [--no-user-namespaces] probe this machine as the daemon would and say\n"
+               "                                        which row of docs/support.md it is in\n")
     p.add_argument("--socket", help="listening socket path (default: $DISPATCH_SOCKET, "
                    "$XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, or $XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
     p.add_argument("--policies", type=Path, help="directory of policy files (default: the installed policies)")
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in units.COMMANDS:  # install-units, uninstall-units: not the daemon
         return units.main(argv)
+    if argv[:1] and argv[0] in support.COMMANDS:  # check: which row of docs/support.md this machine is in
+        return support.main(argv)
     args = _parse(argv)
     _setup_logging(args)
     if args.pool < 0:
