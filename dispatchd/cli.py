@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("event=kernel landlock_abi=%s user_namespaces=%s seccomp=%s cgroup2=%s release=%s",
              features.landlock_abi, features.user_namespaces, features.seccomp, features.cgroup2 or "none",
              features.release)
+    if not features.user_namespaces and not args.no_user_namespaces:
+        log.warning("event=user_namespaces_unavailable note=%r: sessions run in degraded mode (docs/support.md)",
+                    features.user_namespaces_note)
     for mode, why in features.network_unavailable.items():
         log.warning("event=network_mode_unavailable mode=%s why=%r", mode, why)
     # Also before any thread (it forks): whether a session's root can hold the

@@ -8,6 +8,7 @@ the kernel lacks.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import msgspec
 
@@ -17,7 +18,7 @@ from dispatchd.confine.netstack import TUN, probe_nft, probe_stack, unavailable
 from dispatchd.netmodes import NETWORK_MODES
 from dispatchd.protocol.reports import KernelFeatures
 
-__all__ = ["TUN", "KernelFeatures", "force_for_testing", "probe", "with_network_modes"]  # the struct is defined with the other reports
+__all__ = ["APPARMOR_FIX", "TUN", "KernelFeatures", "container_hint", "userns_note", "force_for_testing", "probe", "with_network_modes"]  # the struct is defined with the other reports
 
 
 def _seccomp_actions() -> list[str]:
@@ -40,6 +41,51 @@ def _cgroup2_mount() -> str:
     return ""
 
 
+# Ubuntu (23.10+) lets a program make a user namespace with capabilities in it
+# only where an AppArmor profile allows it ("userns,"), when this is 1.
+APPARMOR_RESTRICT = "/proc/sys/kernel/apparmor_restrict_unprivileged_userns"
+APPARMOR_FIX = ("sudo packaging/apparmor/install (from dispatchd's source: a profile allowing user namespaces "
+                "to its launcher; docs/support.md)")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def userns_note(available: bool, note: str, restricted: str, label: str) -> str:
+    """The user-namespace probe's note, with what Ubuntu's AppArmor
+    restriction does here: ``restricted`` is the sysctl's value ("" where
+    there is none), ``label`` this process's AppArmor label. Pure."""
+    if restricted != "1":
+        return note
+    if available:
+        return f"{note} (AppArmor restricts them on this machine; this process's profile allows them: {label})"
+    return (f"{note}: AppArmor restricts them on this machine (kernel.apparmor_restrict_unprivileged_userns = 1) "
+            f"and no profile allows dispatchd to make them (this process: {label or 'unconfined'}); "
+            f"fix: {APPARMOR_FIX}")
+
+
+def container_hint(exists: Callable[[str], bool], cgroup: str, uid_map: str) -> str:
+    """Which container the daemon seems to run in ("" for none seen), from
+    the engines' marker files, PID 1's cgroup and our uid map. Pure: a hint
+    for status and docs/support.md's rows, never a decision."""
+    if exists("/run/.containerenv"):
+        kind = "podman (/run/.containerenv)"
+    elif exists("/.dockerenv"):
+        kind = "docker (/.dockerenv)"
+    else:
+        found = [w for w in ("kubepods", "docker", "libpod", "containerd", "lxc") if w in cgroup]
+        kind = f"a container (cgroup names {found[0]})" if found else ""
+    fields = uid_map.split()
+    if kind and len(fields) >= 3 and fields[:3] != ["0", "0", "4294967295"]:
+        kind += ", in a user namespace (rootless)"
+    return kind
+
+
 def probe(*, forbid_user_namespaces: bool = False, tun: str = TUN) -> KernelFeatures:
     """Call before any thread exists (the user-namespace probe forks).
     ``tun``: the device the network stack needs (another path only for the
@@ -48,6 +94,7 @@ def probe(*, forbid_user_namespaces: bool = False, tun: str = TUN) -> KernelFeat
         userns, note = False, "not used: the daemon was started with --no-user-namespaces"
     else:
         userns, note = probe_user_namespaces()
+        note = userns_note(userns, note, _read(APPARMOR_RESTRICT), _read("/proc/self/attr/current"))
     actions = _seccomp_actions()
     cgroup2 = _cgroup2_mount()
     return with_network_modes(KernelFeatures(
@@ -60,6 +107,7 @@ def probe(*, forbid_user_namespaces: bool = False, tun: str = TUN) -> KernelFeat
         cgroup2=cgroup2,
         network_stack_missing=probe_stack(tun),
         nftables_missing=probe_nft(),
+        container=container_hint(os.path.exists, _read("/proc/1/cgroup"), _read("/proc/self/uid_map")),
     ))
 
 

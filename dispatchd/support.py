@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
 
     k = kernel.probe(forbid_user_namespaces=argv[1:] == ["--no-user-namespaces"])
     k = msgspec.structs.replace(k, host_tree_missing=probe_host_tree() if k.user_namespaces else "no user namespaces")
-    for line in describe(k, classify(k), os_name()):
+    system = os_name() + (f" (container hint: {k.container})" if k.container else "")
+    for line in describe(k, classify(k), system):
         print(line)
     return 0 if k.landlock_abi >= 1 else 1
 

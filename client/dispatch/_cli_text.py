@@ -123,7 +123,8 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         f"(per-session cgroups: {k.cgroup_delegation}); "
         f"network stack (pasta): {_missing(k.network_stack_missing)}; "
         f"nftables for ports: {_missing(k.nftables_missing)}; "
-        f"root held as a detached mount: {_missing(k.host_tree_missing)}")
+        f"root held as a detached mount: {_missing(k.host_tree_missing)}"
+        + (f"; container hint: {k.container}" if k.container else ""))
     say(network_modes_line(k))
     if k.forced_for_testing:
         say(f"kernel features forced for testing (--force-kernel-for-testing {k.forced_for_testing}): sessions are "

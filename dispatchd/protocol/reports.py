@@ -47,6 +47,9 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     # Testing only: what the daemon was told to take away from this probe
     # (``--force-kernel-for-testing``); "" for a real one.
     forced_for_testing: str = ""
+    # The container the daemon seems to run in ("" for none seen): a hint
+    # for the reader (kernel.container_hint); the probe above decides.
+    container: str = ""
 
 
 class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -44,3 +44,31 @@ def test_it_never_adds_nor_guesses(spec: str, why: str) -> None:
         force_for_testing(REAL, spec)
     assert str(exc.value) == why
     assert force_for_testing(REAL, "").landlock_abi == 7  # nothing asked: nothing taken
+
+
+def test_ubuntus_apparmor_restriction_is_named_with_its_fix() -> None:
+    from dispatchd.kernel import APPARMOR_FIX, userns_note
+
+    refused = "refused by the kernel: Operation not permitted"
+    assert userns_note(False, refused, "", "") == refused  # no AppArmor: the probe's own words
+    assert userns_note(False, refused, "0", "unconfined") == refused  # the restriction off
+    assert userns_note(False, refused, "1", "unconfined") == (
+        f"{refused}: AppArmor restricts them on this machine (kernel.apparmor_restrict_unprivileged_userns = 1) "
+        f"and no profile allows dispatchd to make them (this process: unconfined); fix: {APPARMOR_FIX}")
+    assert userns_note(True, "available", "1", "dispatchd (unconfined)") == (
+        "available (AppArmor restricts them on this machine; this process's profile allows them: "
+        "dispatchd (unconfined))")
+
+
+@pytest.mark.parametrize(("files", "cgroup", "uid_map", "hint"), [
+    ((), "0::/init.scope\n", "0 0 4294967295", ""),
+    (("/.dockerenv",), "0::/\n", "0 0 4294967295", "docker (/.dockerenv)"),
+    (("/run/.containerenv",), "0::/\n", "0 1000 1\n1 100000 65536", "podman (/run/.containerenv), in a user "
+                                                                  "namespace (rootless)"),
+    ((), "0::/kubepods/besteffort/pod1\n", "0 0 4294967295", "a container (cgroup names kubepods)"),
+    ((), "0::/user.slice\n", "1000 1000 1", ""),  # a user namespace alone is no container
+])
+def test_containers_are_named(files: tuple[str, ...], cgroup: str, uid_map: str, hint: str) -> None:
+    from dispatchd.kernel import container_hint
+
+    assert container_hint(lambda path: path in files, cgroup, uid_map) == hint
