@@ -1,0 +1,77 @@
+"""A machine that refuses user namespaces, for real: the daemon runs under a
+seccomp filter that refuses them (tests/deny_user_namespaces.py), as a
+container engine's default profile does and as Ubuntu's AppArmor restriction
+leaves the probe. Not ``--no-user-namespaces``: the probe itself meets the
+refusal. The daemon chooses degraded mode, says why at start and in
+``status``, and the escape core holds in that mode.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import REPO, Daemon, _refuse_root, probe, shell
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dispatch.Client]]:
+    _refuse_root()
+    d = Daemon(tmp_path_factory.mktemp("userns-refused"), "--pool", "0",
+               prefix=(sys.executable, str(REPO / "tests" / "deny_user_namespaces.py")))
+    try:
+        with d.connect() as c:
+            yield d, c
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_the_probe_meets_the_refusal_and_says_so(refused: tuple[Daemon, dispatch.Client]) -> None:
+    d, c = refused
+    kernel = c.status()["kernel"]
+    assert kernel["user_namespaces"] is False
+    assert kernel["user_namespaces_note"] == "refused by the kernel: Operation not permitted"
+    assert kernel["network_unavailable"] == {"domains": "network 'domains' needs a network namespace of its own "
+                                                        "(user namespaces), and sessions have none here"}
+    assert ("event=user_namespaces_unavailable note='refused by the kernel: Operation not permitted': sessions "
+            "run in degraded mode (docs/support.md)") in d.log()
+
+
+def test_sessions_run_degraded_and_the_escape_core_holds(refused: tuple[Daemon, dispatch.Client],
+                                                         worktree: Path) -> None:
+    _, c = refused
+    secret = Path.home() / f".dispatchd-userns-secret-{os.getpid()}"
+    secret.write_text("kept out\n")
+    planted = Path.home() / f"planted-userns-{os.getpid()}"
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    try:
+        with c.open_session(str(worktree)) as s:
+            prot = s.status()["protections"]
+            assert prot["mode"] == "degraded"
+            assert prot["namespaces"] == {"user": False, "mount": False, "pid": False, "net": False}
+            assert shell(s, "echo ok > written.txt && cat README.md").metadata["stdout"] == "hello\nworld\n"
+            assert (worktree / "written.txt").read_text() == "ok\n"
+            assert shell(s, f"cat {secret}").metadata["stderr"] == f"cat: {secret}: Permission denied\n"
+            r = shell(s, f"echo x > {planted}")
+            assert r.metadata["stderr"] == f"/bin/bash: line 1: {planted}: Permission denied\n"
+            assert not planted.exists()
+            port = listener.getsockname()[1]
+            code = ("import socket\ntry:\n"
+                    f"    socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')\n"
+                    "except OSError as e:\n    print('error', e.errno)\n")
+            assert probe(s, code) == "error 1"  # EPERM: no IPv4 socket at all
+        socket.create_connection(("127.0.0.1", listener.getsockname()[1]), timeout=2).close()
+        with pytest.raises(dispatch.RequestFailed) as exc:
+            c.open_session(str(worktree), network="domains", domains=["pypi.org"])
+        assert exc.value.message.startswith("cannot apply network: network 'domains' needs a network namespace")
+    finally:
+        listener.close()
+        secret.unlink()
