@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ import pytest
 
 import dispatch
 from tests.conftest import REPO, Daemon, _refuse_root, probe, shell
+from tests.escape_core import assert_escape_core
 
 FULL = [f"landlock={abi}" for abi in range(1, 8)] + ["detached_mounts=no"]
 DEGRADED = [f"landlock={abi},user_namespaces=no" for abi in range(1, 8)]
@@ -105,34 +105,8 @@ def test_the_mode_chosen_and_what_status_says(forced: Forced, worktree: Path) ->
 
 
 def test_the_escape_core_holds(forced: Forced, worktree: Path) -> None:
-    secret = Path.home() / f".dispatchd-forced-secret-{os.getpid()}"
-    secret.write_text("kept out\n")
-    planted = Path.home() / f"planted-forced-{os.getpid()}"
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
-    port = listener.getsockname()[1]
-    try:
-        with forced.client.open_session(str(worktree)) as s:
-            # The allowed twins: the worktree is read and written.
-            assert shell(s, "cat README.md && echo ok > written.txt").metadata["stdout"] == "hello\nworld\n"
-            assert (worktree / "written.txt").read_text() == "ok\n"
-            r = shell(s, f"cat {secret}")
-            why = "No such file or directory" if forced.full else "Permission denied"
-            assert r.metadata["stderr"] == f"cat: {secret}: {why}\n"
-            r = shell(s, f"echo x > {planted}")
-            why = "Read-only file system" if forced.full else "Permission denied"
-            assert r.metadata["stderr"] == f"/bin/bash: line 1: {planted}: {why}\n" and not planted.exists()
-            code = ("import socket\ntry:\n"
-                    f"    socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')\n"
-                    "except OSError as e:\n    print('error', e.errno)\n")
-            # Full mode: the session's own loopback, where nothing listens;
-            # degraded: no IPv4 socket at all (seccomp).
-            assert probe(s, code) == ("error 111" if forced.full else "error 1")
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()  # reachable from outside
-    finally:
-        listener.close()
-        secret.unlink()
+    with forced.client.open_session(str(worktree)) as s:
+        assert_escape_core(s, worktree, full=forced.full)
 
 
 def test_the_older_ruleset_is_the_one_in_force(forced: Forced, worktree: Path, tmp_path: Path) -> None:
@@ -200,11 +174,16 @@ def test_what_the_forced_kernel_lacks_is_refused_by_name(forced: Forced, worktre
     assert c.list_sessions() == []
 
 
-def test_a_kernel_without_landlock_opens_nothing(tmp_path: Path) -> None:
+def _start(tmp_path: Path, spec: str) -> subprocess.CompletedProcess[str]:
+    """A daemon started with the forced kernel ``spec``, expected to stop at once."""
     _refuse_root()
-    out = subprocess.run([sys.executable, "-m", "dispatchd", "--socket", str(tmp_path / "s.sock"),
-                          "--force-kernel-for-testing", "landlock=0"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
+    return subprocess.run([sys.executable, "-m", "dispatchd", "--socket", str(tmp_path / "s.sock"),
+                           "--force-kernel-for-testing", spec], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
+
+
+def test_a_kernel_without_landlock_opens_nothing(tmp_path: Path) -> None:
+    out = _start(tmp_path, "landlock=0")
     assert out.returncode == 1
     assert out.stderr.endswith("dispatchd: this kernel has no Landlock (CONFIG_SECURITY_LANDLOCK, lsm=landlock): "
                                "sessions cannot be confined, so none will be opened.\n"), out.stderr
@@ -212,10 +191,7 @@ def test_a_kernel_without_landlock_opens_nothing(tmp_path: Path) -> None:
 
 
 def test_the_option_only_takes_away(tmp_path: Path) -> None:
-    _refuse_root()
-    out = subprocess.run([sys.executable, "-m", "dispatchd", "--socket", str(tmp_path / "s.sock"),
-                          "--force-kernel-for-testing", "landlock=99"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
+    out = _start(tmp_path, "landlock=99")
     assert out.returncode == 2
     last = out.stderr.splitlines()[-1]  # after the start's log lines
     assert last.startswith("dispatchd: --force-kernel-for-testing: landlock=99: this kernel offers ABI ")
