@@ -209,11 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     log.info("event=kernel landlock_abi=%s user_namespaces=%s seccomp=%s cgroup2=%s release=%s",
              features.landlock_abi, features.user_namespaces, features.seccomp, features.cgroup2 or "none",
              features.release)
-    if not features.user_namespaces and not args.no_user_namespaces:
-        log.warning("event=user_namespaces_unavailable note=%r: sessions run in degraded mode (docs/support.md)",
-                    features.user_namespaces_note)
-    for mode, why in features.network_unavailable.items():
-        log.warning("event=network_mode_unavailable mode=%s why=%r", mode, why)
     # Also before any thread (it forks): whether a session's root can hold the
     # host's by descriptor until its own binds (confine/mounts.py _hold_host).
     from dispatchd.confine.mounts import probe_host_tree
@@ -229,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("event=testing_forced_kernel spec=%s landlock_abi=%s user_namespaces=%s (planned and enforced "
                     "as that kernel would)", args.force_kernel_for_testing, features.landlock_abi,
                     features.user_namespaces)
+    # What sessions will lack here, said once at start (and by status).
+    if not features.user_namespaces and not args.no_user_namespaces:
+        log.warning("event=user_namespaces_unavailable note=%r: sessions run in degraded mode (docs/support.md)",
+                    features.user_namespaces_note)
+    for mode, why in features.network_unavailable.items():
+        log.warning("event=network_mode_unavailable mode=%s why=%r", mode, why)
     host_tree_missing = features.host_tree_missing
     log.info("event=host_tree by_descriptor=%s note=%r", not host_tree_missing, host_tree_missing)
     if features.landlock_abi < 1:

@@ -18,7 +18,9 @@ from dispatchd.confine.netstack import TUN, probe_nft, probe_stack, unavailable
 from dispatchd.netmodes import NETWORK_MODES
 from dispatchd.protocol.reports import KernelFeatures
 
-__all__ = ["APPARMOR_FIX", "TUN", "KernelFeatures", "container_hint", "userns_note", "force_for_testing", "probe", "with_network_modes"]  # the struct is defined with the other reports
+# KernelFeatures is defined with the other reports.
+__all__ = ["APPARMOR_FIX", "TUN", "KernelFeatures", "container_hint", "force_for_testing", "probe", "userns_note",
+           "with_network_modes"]
 
 
 def _seccomp_actions() -> list[str]:
@@ -94,7 +96,9 @@ def probe(*, forbid_user_namespaces: bool = False, tun: str = TUN) -> KernelFeat
         userns, note = False, "not used: the daemon was started with --no-user-namespaces"
     else:
         userns, note = probe_user_namespaces()
-        note = userns_note(userns, note, _read(APPARMOR_RESTRICT), _read("/proc/self/attr/current"))
+        # AppArmor's own label file where several LSMs are stacked, else the shared one.
+        label = _read("/proc/self/attr/apparmor/current") or _read("/proc/self/attr/current")
+        note = userns_note(userns, note, _read(APPARMOR_RESTRICT), label)
     actions = _seccomp_actions()
     cgroup2 = _cgroup2_mount()
     return with_network_modes(KernelFeatures(

@@ -40,8 +40,9 @@ class UcountsPlan(msgspec.Struct, frozen=True):
 # previous one's namespaces being freed (the kernel frees an IPC namespace
 # later, from a workqueue) when a switch starts a new one.
 STACK_NAMESPACES = {"mnt": 4, "ipc": 4, "uts": 4}
-# What the sandbox itself makes in the session's user namespace: since Linux
-# 6.15 a detached mount lives in an anonymous mount namespace of its own,
+# What the sandbox itself makes in the session's user namespace: a detached
+# mount lives in an anonymous mount namespace of its own (fsmount's always
+# did; open_tree(OPEN_TREE_CLONE)'s too on recent kernels, 6.18 here),
 # counted against max_mnt_namespaces like any other. A root of the session's
 # own holds the host's as one (``open_tree(OPEN_TREE_CLONE)``,
 # ``mounts._hold_host``) until the session's binds, and a woken session makes
