@@ -9,8 +9,9 @@ mount tree (kernels before 6.15). For each: the mode chosen and what
 directory unreadable, writes outside the worktree refused, network off
 reaching nothing); that the older ruleset is the one in force, by a telltale
 each ABI step changes (a rename across directories refused under ABI 1,
-``truncate()`` by path not checked before ABI 3, signals to the user's other
-processes not scoped before ABI 6); and that a policy needing what the
+``truncate()`` by path not checked before ABI 3, a device's ioctls not
+checked before ABI 5, signals to the user's other processes not scoped
+before ABI 6); and that a policy needing what the
 forced kernel lacks is refused, naming it.
 """
 
@@ -133,6 +134,15 @@ def test_the_older_ruleset_is_the_one_in_force(forced: Forced, worktree: Path, t
                         else "truncated" if forced.abi < 3 else "error Permission denied")
             assert probe(s, code) == expected
             assert (target.read_text() == "") is (expected == "truncated")
+            # IOCTL_DEV (ABI 5): a device's ioctls, refused unless granted (the
+            # policy grants /dev/null reading and writing only); before, the
+            # device itself answers (a terminal request to /dev/null: ENOTTY).
+            code = ("import fcntl, termios\ntry:\n"
+                    "    with open('/dev/null', 'rb') as f:\n"
+                    "        fcntl.ioctl(f, termios.TCGETS, bytes(64)); print('answered')\n"
+                    "except OSError as e:\n    print('error', e.strerror)\n")
+            assert probe(s, code) == ("error Permission denied" if forced.abi >= 5
+                                      else "error Inappropriate ioctl for device")
             # Signals (ABI 6 scopes): a process of the user's outside the session.
             code = (f"import os\ntry:\n    os.kill({sleeper.pid}, 0); print('signalled')\n"
                     "except OSError as e:\n    print('error', e.strerror)\n")
