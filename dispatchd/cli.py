@@ -20,13 +20,15 @@ from pathlib import Path
 
 import msgspec
 
-from dispatchd import __version__, paths, systemd, units
+from dispatchd import __version__, paths, support, systemd, units
 from dispatchd.errors import DispatchdError, PolicyError
 from dispatchd.policy import Policy, default_policy_dir, load_all, load_policy
 
 log = logging.getLogger("dispatchd")
 TESTING_ROOT_FLAG = "--allow-root-for-testing"
 PROXY_HOSTS_FLAG = "--proxy-hosts-for-testing"
+TUN_FLAG = "--tun-for-testing"
+FORCE_KERNEL_FLAG = "--force-kernel-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -36,7 +38,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         epilog="other commands:\n"
                "  dispatchd install-units [--dry-run]   write systemd user units (dispatchd.socket, .service)\n"
                "                                        for this Python; see README \"Run as a service\"\n"
-               "  dispatchd uninstall-units             remove them\n")
+               "  dispatchd uninstall-units             remove them\n"
+               "  dispatchd check [--no-user-namespaces] probe this machine as the daemon would and say\n"
+               "                                        which row of docs/support.md it is in\n")
     p.add_argument("--socket", help="listening socket path (default: $DISPATCH_SOCKET, "
                    "$XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, or $XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
     p.add_argument("--policies", type=Path, help="directory of policy files (default: the installed policies)")
@@ -68,6 +72,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     # and relay to it even on the host's loopback (which it never does
     # otherwise), so the tests need a fake registry on 127.0.0.1 and no internet.
     p.add_argument(PROXY_HOSTS_FLAG, action="append", default=[], metavar="NAME=ADDR", help=argparse.SUPPRESS)
+    # Testing only: the device the network stack's probe opens instead of
+    # /dev/net/tun (a file the user cannot open simulates a machine whose tun
+    # device is root's). It can only make the stack unavailable: pasta itself
+    # still opens /dev/net/tun.
+    p.add_argument(TUN_FLAG, metavar="PATH", help=argparse.SUPPRESS)
+    # Testing only: plan and enforce as an older kernel would (kernel.py
+    # force_for_testing: landlock=N, user_namespaces=no, detached_mounts=no).
+    # It can only take features away, is logged at start and shown by status.
+    p.add_argument(FORCE_KERNEL_FLAG, metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--pool", type=int, default=2, metavar="N",
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
                         "recently opened: an open then takes ~half the time; 0: none (default: 2; README \"Speed\")")
@@ -145,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in units.COMMANDS:  # install-units, uninstall-units: not the daemon
         return units.main(argv)
+    if argv[:1] and argv[0] in support.COMMANDS:  # check: which row of docs/support.md this machine is in
+        return support.main(argv)
     args = _parse(argv)
     _setup_logging(args)
     if args.pool < 0:
@@ -186,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from dispatchd import kernel as kernel_mod
 
-    features = kernel_mod.probe(forbid_user_namespaces=args.no_user_namespaces)
+    if args.tun_for_testing:
+        log.warning("event=testing_tun path=%s (the network stack's probe opens it instead of %s)",
+                    args.tun_for_testing, kernel_mod.TUN)
+    features = kernel_mod.probe(forbid_user_namespaces=args.no_user_namespaces,
+                                tun=args.tun_for_testing or kernel_mod.TUN)
     log.info("event=kernel landlock_abi=%s user_namespaces=%s seccomp=%s cgroup2=%s release=%s",
              features.landlock_abi, features.user_namespaces, features.seccomp, features.cgroup2 or "none",
              features.release)
@@ -194,7 +213,24 @@ def main(argv: list[str] | None = None) -> int:
     # host's by descriptor until its own binds (confine/mounts.py _hold_host).
     from dispatchd.confine.mounts import probe_host_tree
 
-    host_tree_missing = probe_host_tree() if features.user_namespaces else "no user namespaces"
+    features = msgspec.structs.replace(
+        features, host_tree_missing=probe_host_tree() if features.user_namespaces else "no user namespaces")
+    if args.force_kernel_for_testing:
+        try:
+            features = kernel_mod.force_for_testing(features, args.force_kernel_for_testing)
+        except ValueError as exc:
+            print(f"dispatchd: {FORCE_KERNEL_FLAG}: {exc}", file=sys.stderr)
+            return 2
+        log.warning("event=testing_forced_kernel spec=%s landlock_abi=%s user_namespaces=%s (planned and enforced "
+                    "as that kernel would)", args.force_kernel_for_testing, features.landlock_abi,
+                    features.user_namespaces)
+    # What sessions will lack here, said once at start (and by status).
+    if not features.user_namespaces and not args.no_user_namespaces:
+        log.warning("event=user_namespaces_unavailable note=%r: sessions run in degraded mode (docs/support.md)",
+                    features.user_namespaces_note)
+    for mode, why in features.network_unavailable.items():
+        log.warning("event=network_mode_unavailable mode=%s why=%r", mode, why)
+    host_tree_missing = features.host_tree_missing
     log.info("event=host_tree by_descriptor=%s note=%r", not host_tree_missing, host_tree_missing)
     if features.landlock_abi < 1:
         print("dispatchd: this kernel has no Landlock (CONFIG_SECURITY_LANDLOCK, lsm=landlock): "

@@ -8,13 +8,19 @@ the kernel lacks.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+import msgspec
 
 from dispatchd.confine.landlock import landlock_abi
 from dispatchd.confine.namespaces import probe_user_namespaces
-from dispatchd.confine.netstack import probe_nft, probe_stack
+from dispatchd.confine.netstack import TUN, probe_nft, probe_stack, unavailable
+from dispatchd.netmodes import NETWORK_MODES
 from dispatchd.protocol.reports import KernelFeatures
 
-__all__ = ["KernelFeatures", "probe"]  # the struct is defined with the other reports
+# KernelFeatures is defined with the other reports.
+__all__ = ["APPARMOR_FIX", "TUN", "KernelFeatures", "container_hint", "force_for_testing", "probe", "userns_note",
+           "with_network_modes"]
 
 
 def _seccomp_actions() -> list[str]:
@@ -37,15 +43,65 @@ def _cgroup2_mount() -> str:
     return ""
 
 
-def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
-    """Call before any thread exists (the user-namespace probe forks)."""
+# Ubuntu (23.10+) lets a program make a user namespace with capabilities in it
+# only where an AppArmor profile allows it ("userns,"), when this is 1.
+APPARMOR_RESTRICT = "/proc/sys/kernel/apparmor_restrict_unprivileged_userns"
+APPARMOR_FIX = ("sudo packaging/apparmor/install (from dispatchd's source: a profile allowing user namespaces "
+                "to its launcher; docs/support.md)")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def userns_note(available: bool, note: str, restricted: str, label: str) -> str:
+    """The user-namespace probe's note, with what Ubuntu's AppArmor
+    restriction does here: ``restricted`` is the sysctl's value ("" where
+    there is none), ``label`` this process's AppArmor label. Pure."""
+    if restricted != "1":
+        return note
+    if available:
+        return f"{note} (AppArmor restricts them on this machine; this process's profile allows them: {label})"
+    return (f"{note}: AppArmor restricts them on this machine (kernel.apparmor_restrict_unprivileged_userns = 1) "
+            f"and no profile allows dispatchd to make them (this process: {label or 'unconfined'}); "
+            f"fix: {APPARMOR_FIX}")
+
+
+def container_hint(exists: Callable[[str], bool], cgroup: str, uid_map: str) -> str:
+    """Which container the daemon seems to run in ("" for none seen), from
+    the engines' marker files, PID 1's cgroup and our uid map. Pure: a hint
+    for status and docs/support.md's rows, never a decision."""
+    if exists("/run/.containerenv"):
+        kind = "podman (/run/.containerenv)"
+    elif exists("/.dockerenv"):
+        kind = "docker (/.dockerenv)"
+    else:
+        found = [w for w in ("kubepods", "docker", "libpod", "containerd", "lxc") if w in cgroup]
+        kind = f"a container (cgroup names {found[0]})" if found else ""
+    fields = uid_map.split()
+    if kind and len(fields) >= 3 and fields[:3] != ["0", "0", "4294967295"]:
+        kind += ", in a user namespace (rootless)"
+    return kind
+
+
+def probe(*, forbid_user_namespaces: bool = False, tun: str = TUN) -> KernelFeatures:
+    """Call before any thread exists (the user-namespace probe forks).
+    ``tun``: the device the network stack needs (another path only for the
+    daemon's testing option, which can only make it unusable)."""
     if forbid_user_namespaces:
         userns, note = False, "not used: the daemon was started with --no-user-namespaces"
     else:
         userns, note = probe_user_namespaces()
+        # AppArmor's own label file where several LSMs are stacked, else the shared one.
+        label = _read("/proc/self/attr/apparmor/current") or _read("/proc/self/attr/current")
+        note = userns_note(userns, note, _read(APPARMOR_RESTRICT), label)
     actions = _seccomp_actions()
     cgroup2 = _cgroup2_mount()
-    return KernelFeatures(
+    return with_network_modes(KernelFeatures(
         release=os.uname().release,
         landlock_abi=landlock_abi(),
         user_namespaces=userns,
@@ -53,6 +109,43 @@ def probe(*, forbid_user_namespaces: bool = False) -> KernelFeatures:
         seccomp="errno" in actions,
         seccomp_actions=actions,
         cgroup2=cgroup2,
-        network_stack_missing=probe_stack(),
+        network_stack_missing=probe_stack(tun),
         nftables_missing=probe_nft(),
-    )
+        container=container_hint(os.path.exists, _read("/proc/1/cgroup"), _read("/proc/self/uid_map")),
+    ))
+
+
+def with_network_modes(k: KernelFeatures) -> KernelFeatures:
+    """``k`` with ``network_unavailable`` filled in from what it found. Pure."""
+    why = {mode: unavailable(mode, k.network_stack_missing, k.nftables_missing, use_userns=k.user_namespaces)
+           for mode in NETWORK_MODES}
+    return msgspec.structs.replace(k, network_unavailable={m: w for m, w in why.items() if w})
+
+
+def force_for_testing(k: KernelFeatures, spec: str) -> KernelFeatures:
+    """Testing only (the daemon's ``--force-kernel-for-testing SPEC``): ``k``
+    as an older or more restricted kernel would have probed, so that the
+    tests run every mode's planning *and* its enforcement here (the session's
+    ruleset is built for the forced ABI: its handled rights, scopes and
+    struct size, as that kernel would take it). ``SPEC``: comma-separated
+    ``landlock=N`` (0 to this kernel's ABI), ``user_namespaces=no``,
+    ``detached_mounts=no``. It only takes away: asking for more than this
+    kernel has, or anything else, raises ``ValueError``. Pure."""
+    changes: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if key == "landlock" and sep and value.isdigit():
+            if int(value) > k.landlock_abi:
+                raise ValueError(f"landlock={value}: this kernel offers ABI {k.landlock_abi}; forcing only takes away")
+            changes["landlock_abi"] = int(value)
+        elif key == "user_namespaces" and value == "no":
+            changes["user_namespaces"] = False
+            changes["user_namespaces_note"] = "forced off for testing"
+            changes["host_tree_missing"] = "no user namespaces"
+        elif key == "detached_mounts" and value == "no":
+            if "host_tree_missing" not in changes:
+                changes["host_tree_missing"] = ("binding from a detached copy of the mount tree: forced off for "
+                                                "testing (as before Linux 6.15); the host's root is kept below")
+        else:
+            raise ValueError(f"{item!r}: expected landlock=N, user_namespaces=no or detached_mounts=no")
+    return with_network_modes(msgspec.structs.replace(k, **changes, forced_for_testing=spec))

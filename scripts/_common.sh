@@ -31,6 +31,9 @@ as_unprivileged_user() {
         || missing+=(python3-dev)
     # the baseline of search_files in ./scripts/bench
     command -v rg >/dev/null || missing+=(ripgrep)
+    # apparmor_parser, which checks packaging/apparmor's profile (parsed only,
+    # never loaded: tests/unit/test_apparmor_profile.py)
+    [ -x /usr/sbin/apparmor_parser ] || missing+=(apparmor)
     if [ ${#missing[@]} -gt 0 ]; then
         echo "installing Debian packages: ${missing[*]}"
         apt-get update -qq

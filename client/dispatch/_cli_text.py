@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from dispatchd import paths, protocol
+from dispatchd.netmodes import NETWORK_MODES
 
 
 def size(n: Any) -> str:
@@ -95,7 +96,17 @@ def _words(value: Any) -> str:
 
 def _missing(why: str) -> str:
     """A kernel probe's "" (available) or its reason, for ``dispatch status``."""
-    return "yes" if not why else f"no, on/ports use the host's network ({why})"
+    return "yes" if not why else f"no ({why})"
+
+
+def network_modes_line(k: protocol.KernelFeatures) -> str:
+    """Which network modes sessions can have here, and why not the others."""
+    unavailable = k.network_unavailable
+    available = [m for m in NETWORK_MODES if m not in unavailable]
+    line = f"network modes: {', '.join(available) or 'none'}"
+    if unavailable:
+        line += "; unavailable: " + "; ".join(f"{m} ({why})" for m, why in unavailable.items())
+    return line
 
 
 def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
@@ -111,7 +122,13 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         f"seccomp: {'yes' if k.seccomp else 'no'}; cgroup v2: {k.cgroup2 or 'not mounted'} "
         f"(per-session cgroups: {k.cgroup_delegation}); "
         f"network stack (pasta): {_missing(k.network_stack_missing)}; "
-        f"nftables for ports: {_missing(k.nftables_missing)}")
+        f"nftables for ports: {_missing(k.nftables_missing)}; "
+        f"root held as a detached mount: {_missing(k.host_tree_missing)}"
+        + (f"; container hint: {k.container}" if k.container else ""))
+    say(network_modes_line(k))
+    if k.forced_for_testing:
+        say(f"kernel features forced for testing (--force-kernel-for-testing {k.forced_for_testing}): sessions are "
+            "planned and confined as on a kernel without them")
     if st.daemon is not None:
         d = st.daemon
         say(f"daemon: {d.open_files_note}; connections {d.connections} of at most {d.max_connections}")

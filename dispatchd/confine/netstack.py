@@ -115,7 +115,7 @@ def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft
             return NetworkPlan(mode, namespace=False, stack=False, rules="", landlock_tcp=True, seccomp_inet=False,
                                mechanism="seccomp: no IPv4/IPv6 sockets"
                                + (", Landlock: no TCP bind/connect" if landlock_abi >= 4 else ""))
-        return _host_network(mode, ports, "")
+        return _host_network(mode, ports)
     if mode == "off":
         return NetworkPlan(mode, namespace=True, stack=False, rules="", landlock_tcp=False, seccomp_inet=True,
                            mechanism="network namespace with loopback only")
@@ -132,9 +132,12 @@ def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft
                                     "carries: a listed name served by a shared CDN can be fronted for other hosts "
                                     "(SNI, ECH), and a listed host that accepts uploads is a way out for data"])
     if stack_missing:
-        return _host_network(mode, ports, f"no user-mode network stack ({stack_missing})")
+        # Refused, never the host's network instead: a session of full mode
+        # has a network namespace of its own in every mode, and the switch to
+        # "off" cuts every connection only because of it.
+        raise ConfinementError("network", detail=unavailable(mode, stack_missing, nft_missing))
     if mode == "ports" and nft_missing:
-        return _host_network(mode, ports, f"no nftables to hold 'ports' in the session's namespace ({nft_missing})")
+        raise ConfinementError("network", detail=unavailable(mode, "", nft_missing))
     via = f"own network namespace, out through {STACK} (the host's loopback is {GATEWAY})"
     if mode == "on":
         return NetworkPlan(mode, namespace=True, stack=True, rules="", landlock_tcp=False, seccomp_inet=True,
@@ -145,12 +148,24 @@ def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft
                                  "listening on any port, reachable from inside the session only")
 
 
-def _host_network(mode: NetworkMode, ports: NetworkPorts, why: str) -> NetworkPlan:
+def unavailable(mode: NetworkMode, stack_missing: str, nft_missing: str, *, use_userns: bool = True) -> str:
+    """Why ``mode`` cannot be held on this machine ("" when it can): what is
+    missing, and the command that installs or allows it. Pure."""
+    if not use_userns:
+        # Degraded mode: the host's network, held by seccomp and Landlock.
+        return ("network 'domains' needs a network namespace of its own (user namespaces), and sessions have "
+                "none here" if mode == "domains" else "")
+    if mode in ("on", "ports") and stack_missing:
+        return (f"network {mode!r} needs the user-mode network stack {STACK}, which cannot run here: "
+                f"{stack_missing}; network 'off' and 'domains' work without it")
+    if mode == "ports" and nft_missing:
+        return f"network 'ports' needs nftables in the session's own network namespace: {nft_missing}"
+    return ""
+
+
+def _host_network(mode: NetworkMode, ports: NetworkPorts) -> NetworkPlan:
+    """Degraded mode (no user namespaces): the host's network, as held by seccomp and Landlock."""
     caveats = []
-    if why:
-        caveats.append(f"network {mode!r} uses the host's network, not a namespace of its own: {why}; "
-                       "a socket set up while on outlives a switch to off (a sendfile queue keeps sending pages "
-                       "the session rewrites afterwards), and the switch replaces the sandbox")
     if mode == "ports":
         caveats.append("network 'ports' restricts TCP only (Landlock): UDP (DNS included) and ICMP reach the "
                        "host's network, and an MPTCP socket or a TCP Fast Open sendto connects to any port")
@@ -174,14 +189,23 @@ def switch_in_place(old: NetworkPlan, new: NetworkPlan) -> bool:
 # --- probing (daemon start) ----------------------------------------------------
 
 
-def probe_stack() -> str:
-    """"" when the user-mode stack can run for this user, else why not."""
+TUN = "/dev/net/tun"
+
+
+def probe_stack(tun: str = TUN) -> str:
+    """"" when the user-mode stack can run for this user, else why not and
+    the command that fixes it. ``tun``: the device pasta opens (another path
+    only for the daemon's testing option, which can only make it fail)."""
     if shutil.which(STACK) is None:
-        return f"{STACK} is not installed (Debian: apt install passt)"
+        return (f"{STACK} is not installed (install it: sudo apt install passt; Fedora, RHEL: "
+                "sudo dnf install passt)")
     try:
-        os.close(os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC))
+        os.close(os.open(tun, os.O_RDWR | os.O_CLOEXEC))
+    except FileNotFoundError:
+        return f"{TUN} does not exist (load the tun module: sudo modprobe tun); {STACK} needs it"
     except OSError as exc:
-        return f"/dev/net/tun cannot be opened by this user ({exc.strerror}); a stack needs it"
+        return (f"{TUN} cannot be opened by this user ({exc.strerror}; allow it: sudo chmod 0666 {TUN}); "
+                f"{STACK} needs it")
     return ""
 
 
@@ -189,7 +213,8 @@ def probe_nft() -> str:
     try:
         ctypes.CDLL("libnftables.so.1")
     except OSError:
-        return "libnftables is not installed (Debian: apt install nftables)"
+        return ("libnftables is not installed (install it: sudo apt install nftables; Fedora, RHEL: "
+                "sudo dnf install nftables)")
     return ""
 
 

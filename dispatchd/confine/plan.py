@@ -178,7 +178,15 @@ def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: Gi
         ]
         if network_off and landlock_abi < 4:
             gaps.append("network off is held by seccomp alone (no Landlock TCP rules below ABI 4)")
-    if landlock_abi < 6:
+        if landlock_abi < 3:
+            gaps.append("truncate() of files the user owns on read-only paths outside the worktree (an extra "
+                        "read-only path, dispatchd's own code): Landlock handles truncation from ABI 3, and "
+                        "without user namespaces no read-only mount holds it")
+        if landlock_abi < 6:
+            gaps.append("signals: the session can signal every process of the user's, the daemon included "
+                        "(kill, SIGSTOP): without a pid namespace only Landlock's signal scope (ABI 6) would stop "
+                        "it; abstract Unix sockets stay refused (seccomp: socket(AF_UNIX))")
+    elif landlock_abi < 6:
         gaps.append("no Landlock scopes (ABI < 6): signals to the user's other processes and "
                     "abstract Unix sockets rely on seccomp and namespaces only")
     return gaps
@@ -225,12 +233,6 @@ def plan_session(
     if network not in NETWORK_MODES:
         raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
     ports = ports or NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
-    use_userns = policy.sandbox.user_namespaces != "never" and kernel.user_namespaces
-    net = plan_network(network, use_userns=use_userns, stack_missing=kernel.network_stack_missing,
-                       nft_missing=kernel.nftables_missing, landlock_abi=kernel.landlock_abi, ports=ports)
-    if network == "ports" and net.landlock_tcp and kernel.landlock_abi < 4:
-        raise ConfinementError("network", detail=f"network 'ports' needs Landlock TCP rules (ABI 4); "
-                               f"this kernel offers ABI {kernel.landlock_abi}")
     if kernel.landlock_abi < max(1, policy.sandbox.min_landlock_abi):
         have = f"ABI {kernel.landlock_abi}" if kernel.landlock_abi else "Landlock is not enabled in this kernel"
         raise ConfinementError("landlock", detail=f"policy {policy.name!r} needs Landlock ABI >= "
@@ -242,6 +244,13 @@ def plan_session(
         raise ConfinementError("namespaces", detail=f"policy {policy.name!r} requires user namespaces: "
                                f"{kernel.user_namespaces_note}")
     use_userns = userns_setting != "never" and kernel.user_namespaces
+    # After the kernel's own refusals: a network mode this machine cannot hold
+    # (no pasta, no usable /dev/net/tun, no nftables) is refused here too.
+    net = plan_network(network, use_userns=use_userns, stack_missing=kernel.network_stack_missing,
+                       nft_missing=kernel.nftables_missing, landlock_abi=kernel.landlock_abi, ports=ports)
+    if network == "ports" and net.landlock_tcp and kernel.landlock_abi < 4:
+        raise ConfinementError("network", detail=f"network 'ports' needs Landlock TCP rules (ABI 4); "
+                               f"this kernel offers ABI {kernel.landlock_abi}")
     network_off = network == "off"
     if network == "domains" and not use_userns:
         # Without a namespace of its own the session shares the host's network:

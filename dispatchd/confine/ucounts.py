@@ -40,6 +40,17 @@ class UcountsPlan(msgspec.Struct, frozen=True):
 # previous one's namespaces being freed (the kernel frees an IPC namespace
 # later, from a workqueue) when a switch starts a new one.
 STACK_NAMESPACES = {"mnt": 4, "ipc": 4, "uts": 4}
+# What the sandbox itself makes in the session's user namespace: a detached
+# mount lives in an anonymous mount namespace of its own (fsmount's always
+# did; open_tree(OPEN_TREE_CLONE)'s too on recent kernels, 6.18 here),
+# counted against max_mnt_namespaces like any other. A root of the session's
+# own holds the host's as one (``open_tree(OPEN_TREE_CLONE)``,
+# ``mounts._hold_host``) until the session's binds, and a woken session makes
+# its fresh /proc as one (``fsmount``) before attaching it; one more for the
+# previous one the kernel may not have freed yet. With a budget of 0 every
+# open failed (ENOSPC at "hold the host's root") wherever pasta, whose
+# allowance used to cover it, was missing.
+SANDBOX_NAMESPACES = {"mnt": 2}
 
 
 def plan_ucounts(*, user_namespace: bool, inotify_instances: int, inotify_watches: int,
@@ -52,12 +63,18 @@ def plan_ucounts(*, user_namespace: bool, inotify_instances: int, inotify_watche
         "max_fanotify_groups": fanotify_groups,
         "max_fanotify_marks": fanotify_marks,
     }
-    # The session makes no namespace of its own (seccomp refuses it anyway):
-    # none of the user's namespace budget is the session's.
-    # The session's own processes still make none (seccomp); pasta, which
-    # the daemon runs in that user namespace, needs a few (network_stack).
+    # The session's own processes make no namespace: seccomp refuses unshare,
+    # setns, clone's namespace flags, open_tree and fsmount; they hold no
+    # capability (a mount namespace, even an anonymous one, needs
+    # CAP_SYS_ADMIN in its user namespace); and max_user_namespaces is 0, so
+    # none can get a user namespace in which it would have one. What is
+    # budgeted here is what the sandbox (SANDBOX_NAMESPACES, before any code
+    # of the session runs) and pasta (STACK_NAMESPACES, run by the daemon in
+    # that user namespace) make; none of the rest of the user's budget is
+    # the session's.
     for kind in ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup", "time"):
-        maxima[f"max_{kind}_namespaces"] = STACK_NAMESPACES.get(kind, 0) if network_stack else 0
+        maxima[f"max_{kind}_namespaces"] = (SANDBOX_NAMESPACES.get(kind, 0)
+                                            + (STACK_NAMESPACES.get(kind, 0) if network_stack else 0))
     return UcountsPlan(maxima=maxima)
 
 
@@ -101,7 +118,8 @@ def describe(plan: UcountsPlan) -> str:
     m = plan.maxima
     return (f"in its user namespace: inotify {m['max_inotify_instances']} instances, "
             f"{m['max_inotify_watches']} watches; fanotify {m['max_fanotify_groups']} groups, "
-            f"{m['max_fanotify_marks']} marks; no namespaces; queued signals and message queues "
+            f"{m['max_fanotify_marks']} marks; no namespaces made by the session's processes (room for the sandbox's detached "
+            "mounts and the network stack's); queued signals and message queues "
             "by rlimit (max_pending_signals, max_msgqueue_bytes)")
 
 

@@ -1165,8 +1165,9 @@ class SessionManager:
     def _why_replaced(self, session: Session) -> str:
         if not _has_user_namespace(session):
             return "no user namespaces: the network is held by seccomp and Landlock, fixed at the start"
-        return ("the network is on the host's, not in a namespace of its own "
-                f"({self.kernel.network_stack_missing or self.kernel.nftables_missing or 'see status'})")
+        # In full mode every network is held in the session's own namespace:
+        # only "domains" is set up at the worker's start.
+        return "to or from 'domains': its proxy's listener and variables are set up when the sandbox starts"
 
     def _ended_error(self, session: Session) -> SessionError:
         """The session's worker is gone: wait (briefly) for its watcher to say why."""

@@ -33,9 +33,23 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     cgroup_delegation: str = "not looked for"
     # The user-mode stack sessions reach out through, and nftables for
     # "ports": "" when usable, else why not (confine/netstack.py). Missing,
-    # "on" and "ports" fall back to the host's network, and say so.
+    # a session of full mode is refused "on" and "ports" (never the host's
+    # network instead).
     network_stack_missing: str = "not looked for"
     nftables_missing: str = "not looked for"
+    # The network modes no session can have here, each with why and what
+    # fixes it (``netstack.unavailable``); {}: every mode.
+    network_unavailable: dict[str, str] = {}
+    # Whether a root of the session's own can hold the host's as a detached
+    # copy (Linux 6.15+; mounts.probe_host_tree): "" when it can, else why
+    # not (the host's root then waits below the new one; as safe, slower).
+    host_tree_missing: str = "not looked for"
+    # Testing only: what the daemon was told to take away from this probe
+    # (``--force-kernel-for-testing``); "" for a real one.
+    forced_for_testing: str = ""
+    # The container the daemon seems to run in ("" for none seen): a hint
+    # for the reader (kernel.container_hint); the probe above decides.
+    container: str = ""
 
 
 class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -351,6 +351,8 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     assert lines[0] == f"dispatchd {dispatchd.__version__} (pid {daemon.proc.pid}) on {daemon.socket}"
     assert lines[1].startswith("kernel ") and "Landlock ABI" in lines[1] and "user namespaces:" in lines[1]
     assert "seccomp: yes" in lines[1] and "cgroup v2:" in lines[1]
+    assert lines[2] == "network modes: off, on, ports, domains"
+    del lines[2]
     assert re.fullmatch(r"daemon: \d+ descriptors \((raised from \d+|already the hard limit)\); "
                         r"connections \d+ of at most \d+", lines[2]), lines[2]
     assert re.fullmatch(r"sandboxes made ahead: 2 per kind of session \(policy/network\), for the 4 kinds most "

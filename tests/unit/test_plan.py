@@ -41,6 +41,12 @@ TMP_GAP = "no private /tmp: the host's /tmp is simply not granted (TMPDIR is the
 SECCOMP_NET_GAP = "network off is held by seccomp alone (no Landlock TCP rules below ABI 4)"
 SCOPES_GAP = ("no Landlock scopes (ABI < 6): signals to the user's other processes and "
               "abstract Unix sockets rely on seccomp and namespaces only")
+SIGNALS_GAP = ("signals: the session can signal every process of the user's, the daemon included "
+               "(kill, SIGSTOP): without a pid namespace only Landlock's signal scope (ABI 6) would stop "
+               "it; abstract Unix sockets stay refused (seccomp: socket(AF_UNIX))")
+TRUNCATE_GAP = ("truncate() of files the user owns on read-only paths outside the worktree (an extra "
+                "read-only path, dispatchd's own code): Landlock handles truncation from ABI 3, and "
+                "without user namespaces no read-only mount holds it")
 ABSTRACT_GAP = ("abstract Unix socket names of the host can be taken (bind) by the session: a program "
                 "of the user's that binds the same name then fails (nothing can be connected to or "
                 "received through them)")
@@ -61,13 +67,8 @@ PORTS_GAP = ("network 'ports' restricts TCP only (Landlock): UDP (DNS included) 
 SWITCH_GAP = ("switching the network off without user namespaces: a socket the session set up while on "
               "outlives the switch (a sendfile queue in FIN-WAIT keeps sending page-cache pages the off "
               "session rewrites afterwards); only a network namespace of its own closes that")
-NO_STACK = "pasta is not installed (Debian: apt install passt)"
-
-
-def fallback_gap(mode: str, why: str = f"no user-mode network stack ({NO_STACK})") -> str:
-    return (f"network {mode!r} uses the host's network, not a namespace of its own: {why}; "
-            "a socket set up while on outlives a switch to off (a sendfile queue keeps sending pages "
-            "the session rewrites afterwards), and the switch replaces the sandbox")
+NO_STACK = "pasta is not installed (install it: sudo apt install passt; Fedora, RHEL: sudo dnf install passt)"
+NO_NFT = "libnftables is not installed (install it: sudo apt install nftables; Fedora, RHEL: sudo dnf install nftables)"
 
 
 VIA_PASTA = "own network namespace, out through pasta (the host's loopback is 10.0.2.2)"
@@ -89,7 +90,7 @@ def kernel(abi: int = 7, userns: bool = True, seccomp: bool = True, stack: bool 
         cgroup2="/sys/fs/cgroup",
         cgroup_delegation="no: controllers pids, memory are not available in /sys/fs/cgroup (it has: none)",
         network_stack_missing="" if stack else NO_STACK,
-        nftables_missing="" if nft else "libnftables is not installed (Debian: apt install nftables)",
+        nftables_missing="" if nft else NO_NFT,
     )
 
 
@@ -205,18 +206,22 @@ def test_full_mode_network_on():
     assert report(got)["leaves_open"] == []
 
 
-def test_full_mode_network_on_without_a_stack_falls_back_to_the_host_network_and_says_so():
-    got = plan(k=kernel(stack=False), network="on")
-    assert got.namespaces == NamespacePlan(user=True, mount=True, pid=True, net=False, uid=UID, gid=GID)
-    assert got.loopback is False
-    assert report(got)["network"] == {"mode": "on", "mechanism": "host network"}
-    assert report(got)["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP, fallback_gap("on")]
-    assert got.seccomp == plan_seccomp(allow_inet=True, allow_unix=False)  # the host's abstract names
+@pytest.mark.parametrize("network", ["on", "ports"])
+def test_full_mode_on_and_ports_without_a_stack_are_refused_naming_the_fix(network: str):
+    err = refused(k=kernel(stack=False), network=network)
+    assert err.step == "network"
+    assert err.message == (f"cannot apply network: network {network!r} needs the user-mode network stack pasta, "
+                           f"which cannot run here: {NO_STACK}; network 'off' and 'domains' work without it")
+
+
+def test_full_mode_off_and_domains_need_no_stack():
+    assert plan(k=kernel(stack=False), network="domains").net == plan(network="domains").net
     # "off" needs no stack: unchanged, but for the room left for pasta's namespaces.
     without = plan(k=kernel(stack=False))
     assert msgspec.structs.replace(without, ucounts=plan().ucounts) == plan()
-    assert without.ucounts.maxima["max_mnt_namespaces"] == 0
-    assert plan().ucounts.maxima["max_mnt_namespaces"] == 4  # pasta joins the session's user namespace
+    # The sandbox's own detached mounts (the host's root held, a woken /proc), and pasta's.
+    assert without.ucounts.maxima["max_mnt_namespaces"] == 2
+    assert plan().ucounts.maxima["max_mnt_namespaces"] == 6  # pasta joins the session's user namespace
     assert plan().ucounts.maxima["max_user_namespaces"] == 0 and plan().ucounts.maxima["max_net_namespaces"] == 0
 
 
@@ -342,7 +347,7 @@ def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
     assert got.landlock.handled_fs == 0x7FFF
     assert got.landlock.scoped == 0
     assert report(got)["network"] == {"mode": "off", "mechanism": "seccomp: no IPv4/IPv6 sockets"}
-    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SCOPES_GAP, META_GAP,
+    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SIGNALS_GAP, META_GAP,
                                               UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
     assert report(got)["landlock"]["tcp"] == "not handled"
 
@@ -350,6 +355,7 @@ def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
 def test_degraded_mode_on_abi_1():
     got = plan(k=kernel(abi=1, userns=False))
     assert got.landlock.handled_fs == 0x1FFF
+    assert report(got)["leaves_open"][3:6] == [SECCOMP_NET_GAP, TRUNCATE_GAP, SIGNALS_GAP]
     assert got.landlock.paths[len(SYSTEM) + 2] == PathRule(WT, RW & 0x1FFF)
 
 
@@ -465,7 +471,7 @@ def test_domains_without_a_network_namespace_is_refused(k: KernelFeatures, polic
 
 def test_ports_needs_landlock_abi_4_where_landlock_holds_it():
     assert plan(k=kernel(abi=6), network="ports").net.rules  # nftables holds it in the namespace
-    err = refused(k=kernel(abi=3, stack=False), network="ports")
+    err = refused(k=kernel(abi=3, userns=False), network="ports")
     assert err.step == "network"
     assert err.message == ("cannot apply network: network 'ports' needs Landlock TCP rules (ABI 4); "
                            "this kernel offers ABI 3")
@@ -507,38 +513,20 @@ def test_switches_in_place_within_the_namespace(old: str, new: str, in_place: bo
     a, b = plan(network=old).net, plan(network=new).net
     assert a is not None and b is not None
     assert switch_in_place(a, b) is in_place
-    # Without a stack, "on" is the host's network: the sandbox must be replaced.
-    a, b = plan(k=kernel(stack=False), network=old).net, plan(k=kernel(stack=False), network=new).net
-    assert a is not None and b is not None and switch_in_place(a, b) is False
     a, b = plan(k=kernel(userns=False), network=old).net, plan(k=kernel(userns=False), network=new).net
     assert a is not None and b is not None and switch_in_place(a, b) is False
 
 
-def test_ports_without_nftables_falls_back_to_landlock_and_says_so():
-    got = plan(k=kernel(nft=False), network="ports", ports=NetworkPorts(connect=[443], bind=[]))
-    assert got.namespaces.net is False
-    assert got.landlock.tcp_ports == [(443, 2)]
-    why = "no nftables to hold 'ports' in the session's namespace (libnftables is not installed (Debian: apt install nftables))"
-    assert report(got)["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP, fallback_gap("ports", why), PORTS_GAP]
-
-
-def test_ports_in_full_mode_without_a_stack():
-    got = plan(k=kernel(stack=False), network="ports", ports=NetworkPorts(connect=[443, 80], bind=[8080]))
-    assert got.namespaces.net is False
-    assert got.seccomp == plan_seccomp(allow_inet=True)
-    assert got.landlock.handled_net == 3
-    assert got.landlock.tcp_ports == [(80, 2), (443, 2), (8080, 1)]
-    assert report(got)["network"] == {
-        "mode": "ports", "mechanism": "host network; Landlock TCP: connect to 443, 80, bind 8080",
-        "connect_ports": [443, 80], "bind_ports": [8080]}
-    # The sandbox itself is whole; the network's caveats are listed all the same.
-    assert report(got)["mode"] == "full"
-    assert report(got)["leaves_open"] == [UNIX_NET_GAP, ABSTRACT_GAP, fallback_gap("ports"), PORTS_GAP]
+def test_ports_without_nftables_is_refused_naming_the_fix():
+    err = refused(k=kernel(nft=False), network="ports")
+    assert err.message == ("cannot apply network: network 'ports' needs nftables in the session's own network "
+                           f"namespace: {NO_NFT}")
+    assert plan(k=kernel(nft=False), network="on").net == plan(network="on").net  # "on" needs none
 
 
 def test_ports_default_to_the_policys():
     policy = Policy(network=Network(default="ports", connect_ports=(22,), bind_ports=()))
-    got = plan(policy, k=kernel(stack=False), network="ports")
+    got = plan(policy, k=kernel(userns=False), network="ports")
     assert got.landlock.tcp_ports == [(22, 2)]
     assert "th dport { 22 }" in plan(policy, network="ports").net.rules  # type: ignore[union-attr]
     assert report(got)["network"]["mechanism"] == "host network; Landlock TCP: connect to 22, bind none"
