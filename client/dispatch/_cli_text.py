@@ -142,6 +142,8 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         say("  a new session (policy default) would get: " + _would_get(k))
     for s in st.sessions:
         _print_session(s, say)
+    for item in st.protected:
+        say(f"at start, moved aside or put back (a daemon that died had sessions there): {item.path}: {item.why}")
 
 
 def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:
@@ -179,6 +181,14 @@ def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:
         say(f"    budget left open: {gap}")
     for gap in p.leaves_open:
         say(f"    leaves open: {gap}")
+    for item in s.protected:
+        say(f"    moved aside or put back: {item.path}: {item.why}")
+
+
+def print_protected(items: list[dict[str, Any]], file: IO[str] | None = None) -> None:
+    """What a session's close moved aside or put back, one a line."""
+    for item in items:
+        print(f"moved aside or put back: {item['path']}: {item['why']}", file=file or sys.stdout)
 
 
 def _would_get(k: protocol.KernelFeatures) -> str:

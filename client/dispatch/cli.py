@@ -364,7 +364,7 @@ def _run(args: argparse.Namespace) -> int:
                 session.detach()
                 print(session.id)
             elif args.action == "close":
-                client.close_session(args.id)
+                _cli_text.print_protected(client.close_session(args.id))
             elif args.action == "release":
                 client.release_write_lock(args.id)
             else:
