@@ -35,7 +35,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "until SIGTERM or SIGINT.", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="other commands:\n"
                "  dispatchd install-units [--dry-run]   write systemd user units (dispatchd.socket, .service)\n"
-               "                                        for this Python; see README \"Run as a service\"\n"
+               "                                        for this Python; see docs/operations.md\n"
                "  dispatchd uninstall-units             remove them\n")
     p.add_argument("--socket", help="listening socket path (default: $DISPATCH_SOCKET, "
                    "$XDG_RUNTIME_DIR/dispatchd/dispatchd.sock, or $XDG_STATE_HOME/dispatchd/run/dispatchd.sock)")
@@ -70,7 +70,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(PROXY_HOSTS_FLAG, action="append", default=[], metavar="NAME=ADDR", help=argparse.SUPPRESS)
     p.add_argument("--pool", type=int, default=2, metavar="N",
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
-                        "recently opened: an open then takes ~half the time; 0: none (default: 2; README \"Speed\")")
+                        "recently opened: an open then takes ~half the time; 0: none (default: 2; docs/performance.md)")
     p.add_argument("--version", action="version", version=f"dispatchd {__version__}")
     return p.parse_args(argv)
 

@@ -243,7 +243,7 @@ def test_a_server_inside_an_off_session_answers_a_client_inside(mode_client, wor
             assert r.metadata["stdout"].strip() == "connected inside", r
         else:
             # Without a network namespace there is no private loopback to give:
-            # "off" refuses every IPv4/IPv6 socket, loopback included (README).
+            # "off" refuses every IPv4/IPv6 socket, loopback included (docs/network.md).
             assert r.metadata["stdout"].strip() == f"error {EPERM}"
             assert "PermissionError: [Errno 1]" in Path(worktree, "server.err").read_text()
 
