@@ -1,4 +1,4 @@
-"""Nothing outlives what it belongs to (issue 14): sessions of dead clients,
+"""Nothing outlives what it belongs to: sessions of dead clients,
 memory without a cgroup, leftovers of killed writes and killed daemons, and
 errors that name what happened. Real processes, real signals."""
 
@@ -381,7 +381,7 @@ def test_tool_calls_are_logged_at_debug_only(tmp_path: Path, worktree: Path, lev
 
 def test_an_idle_session_is_one_process_the_tool_server_as_pid_1(tmp_path: Path, worktree: Path) -> None:
     """Full mode: the fork server clones the tool server straight into the
-    session's namespaces, as their pid 1 (issue 17: fewer processes a
+    session's namespaces, as their pid 1 (one process a
     session); its twin, degraded mode, keeps an init above the tool server."""
     import psutil
 

@@ -382,7 +382,7 @@ _PLANT_REDIRECT = (
 @pytest.mark.parametrize("how", ["closed", "switch failed"])
 def test_a_session_ended_by_a_failed_switch_has_its_git_checked_too(tmp_path: Path, worktree: Path,
                                                                    monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    """Found by review: a switch that failed half way (pasta not ready, nft
+    """A switch that failed half way (pasta not ready, nft
     refusing) ended the session without the end-of-session git check, so a
     ``.git/commondir`` it planted stayed in effect for the user's own git.
     Every end now winds down one way. Its twin is the plain close. pasta is

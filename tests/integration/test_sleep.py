@@ -1,4 +1,4 @@
-"""Sessions that sleep (issue 17): an idle session costs no process.
+"""Sessions that sleep: an idle session costs no process.
 
 In full mode a session whose tool server has had no call for the policy's
 ``limits.sleep_after_s`` hands its client channels to the daemon and exits;
