@@ -30,6 +30,11 @@ PROXY_HOSTS_FLAG = "--proxy-hosts-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The daemon's options (docs/reference.md lists each; tests/unit/test_reference.py checks)."""
     p = argparse.ArgumentParser(
         prog="dispatchd", description="Sandboxed execution daemon for AI coding agents. Runs in the foreground "
         "until SIGTERM or SIGINT.", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -72,7 +77,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
                         "recently opened: an open then takes ~half the time; 0: none (default: 2; docs/performance.md)")
     p.add_argument("--version", action="version", version=f"dispatchd {__version__}")
-    return p.parse_args(argv)
+    return p
 
 
 def _code_paths() -> list[str]:
