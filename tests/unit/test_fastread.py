@@ -524,6 +524,7 @@ def test_serve_read_refuses_bad_arguments(root_fd: int) -> None:
         native.lines.serve_read("0", root_fd, 1, 0, 0, lock.acquire, lock.release, _Flag())
 
 
+@pytest.mark.process
 def test_a_directory_swapped_for_a_link_outside_is_never_read_through_the_lane(
         tmp_path: Path, sockets: Sockets) -> None:
     """The lane opens as read_beneath does (openat2 below the root fd, no

@@ -15,6 +15,8 @@ from dispatchd.daemon import gitlayout, gitsnapshot
 from tests.unit import permission_bits
 from tests.unit.gitrepo import git
 
+pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
+
 FSMONITOR = '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch PLANTED; false"\n'
 _LAYOUTS: dict[Path, GitLayout] = {}
 
