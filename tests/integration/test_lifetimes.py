@@ -108,7 +108,7 @@ def test_a_detached_session_survives_its_opener_and_an_attached_client_holds_one
         with d.connect() as client:
             # Held by no one: a held one (the twin) lives as long as its client.
             held = client.open_session(str(worktree), policy="brief")
-            time.sleep(2.5)  # more than the grace
+            time.sleep(1.5)  # more than the grace (1 s; an orphan ends at its deadline, not at a tick)
             ids = _ids(client)
             assert detached in ids and held.id in ids
             info = [s for s in client.list_sessions() if s["id"] == detached][0]
@@ -117,7 +117,7 @@ def test_a_detached_session_survives_its_opener_and_an_attached_client_holds_one
             # Another client attaches to the held one and goes: the opener still holds it.
             with d.connect() as other:
                 other.session(held.id).detach()
-            time.sleep(2)
+            time.sleep(1.5)
             assert held.id in _ids(client)
             client.close_session(detached)
             held.close()
