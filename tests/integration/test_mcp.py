@@ -200,7 +200,7 @@ def test_progress_notifications_carry_output_as_it_comes(daemon: Daemon, worktre
         async def progress(done: float, _total: float | None, message: str | None) -> None:
             seen.append((time.monotonic() - started, done, message))
 
-        result = await session.call_tool("shell_exec", {"command": "for i in 1 2 3; do echo step $i; sleep 1; done"},
+        result = await session.call_tool("shell_exec", {"command": "for i in 1 2 3; do [ $i = 1 ] || sleep 1; echo step $i; done"},
                                          progress_callback=progress)
         return result, seen
 
