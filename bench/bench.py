@@ -496,7 +496,7 @@ def main() -> int:
         return 2
     # Worktrees and the daemon's state under the home directory, where a user's
     # are: under /tmp a session's paths are mount points made inside its
-    # private /tmp, on disk, at every open (README "Sandboxes made ahead").
+    # private /tmp, on disk, at every open (docs/architecture.md).
     tmp = tempfile.mkdtemp(prefix=".dispatchd-bench-", dir=os.path.expanduser("~"))
     extra = ["--no-user-namespaces"] if args.no_user_namespaces else []
     extra += ["--proxy-hosts-for-testing", "bench.test=127.0.0.1"]

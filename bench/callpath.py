@@ -6,7 +6,7 @@ The real client path (``Registry.get("read_file").call`` through
 (``FrameSocket`` echo): what our layers cost over the frames. Timings on a
 shared VM move by 2x from one run to the next; instructions do not, so
 ``--count`` counts them with callgrind (the difference of two run lengths,
-per process). See README "Many clients".
+per process). See docs/performance.md.
 
     python bench/callpath.py [--calls N] [--blocks N]   p50 and CPU a call, alternated with the bare pair
     python bench/callpath.py --count [read|bare]        instructions a call, client and server (valgrind)
@@ -54,8 +54,8 @@ def _tool_server(sock: socket.socket, wt: str) -> None:
     server = tool_server._Server(plan, None)  # type: ignore[arg-type]
     if os.environ.get("CALLPATH_BY_PATH"):
         # Under valgrind (--count): its 3.19 does not know openat2 (ENOSYS),
-        # so read_file runs by path, without the root fd (README "read_file
-        # by descriptor"): a few thousand instructions more than the real call.
+        # so read_file runs by path, without the root fd (docs/architecture.md,
+        # "Reads by descriptor"): a few thousand instructions more than the real call.
         server.ctx = dataclasses.replace(server.ctx, root_fd=-1)
     server.add_channel(sock)
     while threading.active_count() > 1:  # until the channel's thread ends (valgrind then writes its counts)

@@ -4,7 +4,7 @@ round (``./scripts/bench``'s 8-client rows alone, with longer windows).
 
 For an A/B of two trees, run it from two checkouts by turns in the same
 minutes (the machine's phase moves both figures; compare the rounds that
-ran next to each other). README "Speed and density, issue 17".
+ran next to each other). See docs/performance.md.
 
     ./scripts/bench --eight [--seconds S] [--rounds N] [--shared]
 """

@@ -13,8 +13,8 @@ configuration, by content); at the end (and at a network switch)
 ``redirects_present``, ``gitsnapshot.take`` and ``gitsnapshot.quarantine``.
 Measured here on repositories made for the purpose: a plain one, one with a
 few submodules (one nested), one with 300 submodules, and one whose index
-holds 300,000 entries (about 30 MB). The figures go in README "Design
-decisions" (git metadata).
+holds 300,000 entries (about 30 MB). The figures go in docs/design.md
+(git metadata).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ row) also runs the unsandboxed tool server of ``bench/callpath.py`` (the real
 Rows are interleaved round by round. Per row: calls/s in all, CPU a call
 (every process of the run, from /proc), times scheduled in a call (every
 thread's ``schedstat``), and our share of the machine's CPU time (the rest
-went to whatever else ran). See README "Many clients".
+went to whatever else ran). See docs/performance.md.
 
     python bench/schedgroups.py [--clients 8] [--rounds 3] [--seconds 1]    (as an ordinary user)
 """

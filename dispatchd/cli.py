@@ -32,12 +32,17 @@ FORCE_KERNEL_FLAG = "--force-kernel-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The daemon's options (docs/reference.md lists each; tests/unit/test_reference.py checks)."""
     p = argparse.ArgumentParser(
         prog="dispatchd", description="Sandboxed execution daemon for AI coding agents. Runs in the foreground "
         "until SIGTERM or SIGINT.", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="other commands:\n"
                "  dispatchd install-units [--dry-run]   write systemd user units (dispatchd.socket, .service)\n"
-               "                                        for this Python; see README \"Run as a service\"\n"
+               "                                        for this Python; see docs/operations.md\n"
                "  dispatchd uninstall-units             remove them\n"
                "  dispatchd check [--no-user-namespaces] probe this machine as the daemon would and say\n"
                "                                        which row of docs/support.md it is in\n")
@@ -83,9 +88,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(FORCE_KERNEL_FLAG, metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--pool", type=int, default=2, metavar="N",
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
-                        "recently opened: an open then takes ~half the time; 0: none (default: 2; README \"Speed\")")
+                        "recently opened: an open then takes ~half the time; 0: none (default: 2; docs/performance.md)")
     p.add_argument("--version", action="version", version=f"dispatchd {__version__}")
-    return p.parse_args(argv)
+    return p
 
 
 def _code_paths() -> list[str]:

@@ -112,8 +112,8 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     file_size_cap_bytes: int = 16 * 1024 * 1024  # read_file, write_file, edit_file
     idle_timeout_s: float = 3600.0  # a session with no call for this long closes
     # A session with no call (nor job, nor process of its own) for this long
-    # lets its processes go and is woken by its next call (README "Sessions
-    # that sleep"); 0: never. Only with user namespaces.
+    # lets its processes go and is woken by its next call (docs/architecture.md,
+    # "Sessions that sleep"); 0: never. Only with user namespaces.
     sleep_after_s: float = 30.0
     # Each wake adds a rule to the session's kept Landlock ruleset (its fresh
     # /proc), which the kernel cannot take back: past this many wakes the

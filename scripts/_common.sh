@@ -20,7 +20,7 @@ as_unprivileged_user() {
     # systemd-analyze and systemd-socket-activate, for tests/integration/test_systemd.py
     command -v systemd-analyze >/dev/null || missing+=(systemd)
     # the user-mode network stack a session with the network on reaches out
-    # through (pasta; measured against slirp4netns, README "Network"), and
+    # through (pasta; measured against slirp4netns, docs/network.md), and
     # nftables, which holds "ports" inside a session's own network namespace
     command -v pasta >/dev/null || missing+=(passt)
     command -v nft >/dev/null || missing+=(nftables)

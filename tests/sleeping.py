@@ -1,4 +1,4 @@
-"""Sessions that sleep (issue 17), as the integration and escape suites meet them.
+"""Sessions that sleep, as the integration and escape suites meet them.
 
 In full mode a session whose tool server has had no call for the policy's
 ``limits.sleep_after_s`` hands its channels to the daemon and exits: it is

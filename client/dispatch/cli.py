@@ -62,7 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     rl = session.add_parser("release", help="give back a session's worktree write lock without closing it")
     rl.add_argument("id")
 
-    net = sub.add_parser("network", help="switch a session's network (its processes are ended)")
+    net = sub.add_parser("network", help="switch a session's network: in place between off, on and ports in full "
+                         "mode (its processes kept); to or from domains, or without user namespaces, the sandbox "
+                         "is replaced and its processes are ended (the reply says which)")
     net.add_argument("id")
     net.add_argument("state", choices=NETWORK_MODES)
     _ports_options(net)

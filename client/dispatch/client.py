@@ -113,8 +113,8 @@ class _Connection:
     Each waiting caller sleeps on a condition of its own: a reply (or
     streamed output) wakes the one caller it is for, and a reader that is
     done wakes one other caller to read (waking them all on every reply made
-    eight threads on one session spend their time in wake-ups: see README
-    "Speed").
+    eight threads on one session spend their time in wake-ups: see
+    docs/performance.md).
     """
 
     def __init__(self, sock: socket.socket, decoder: msgspec.msgpack.Decoder[Any], *, fds: bool = False) -> None:
@@ -849,7 +849,7 @@ class Client:
         shorter ``orphan_grace_s`` given here); ``detached=True`` keeps it
         open with nobody holding it, until it is closed or ends idle.
         ``network="domains"`` with ``domains=[...]``: only those hosts, through
-        the daemon's proxy (README "Network").
+        the daemon's proxy (docs/network.md).
         ``read_only``: extra paths the session may read (toolchains outside
         the system directories: ``~/.cargo``, ``~/.rustup``); the daemon refuses
         any that is or holds credentials, the home directory, or its own files."""

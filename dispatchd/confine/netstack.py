@@ -8,7 +8,7 @@ Guarantees, in full mode (user namespaces) with the stack available:
   (``start_stack``), and ends (SIGKILL, waited for) with the session and on
   every switch to "off"; a child of the fork server, it dies with it, so a
   daemon killed with SIGKILL leaves none behind. ``slirp4netns``
-  was measured against it (README "Network"): faster to start, but its own
+  was measured against it (docs/network.md): faster to start, but its own
   sandbox does not start here, and it would parse the session's packets as
   the user, unconfined; pasta isolates itself (namespaces, seccomp);
 - with the stack ended, its tap device is gone: the namespace has only its

@@ -18,7 +18,7 @@ Why a parser and not ``git config --global``: the daemon never runs git (a
 user's config can name programs git runs, and the daemon is the unconfined
 side), and reading two small files costs microseconds at each open against
 milliseconds for a process. What it does not follow (``[include]``) is
-written in the README; the policy's ``env.set`` overrides it.
+written in docs/tools.md; the policy's ``env.set`` overrides it.
 """
 
 from __future__ import annotations

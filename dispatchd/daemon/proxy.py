@@ -24,8 +24,8 @@ with ``Connection: close`` and the ``Host`` header set to the URL's host. It
 never looks inside a tunnel: TLS (SNI, ECH) is between the client and the
 host it named, which is the one the proxy checked and connected to.
 
-A small threaded proxy written for this rather than a library: see README
-"Dependencies, and why".
+A small threaded proxy written for this rather than a library: see
+docs/architecture.md, "Dependencies, and why".
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from dispatchd.errors import WorktreeError
 from dispatchd.inside import is_within, overlap
 
 # Below the home directory: what holds the user's keys and tokens (the
-# issue's ~/.ssh, ~/.gnupg, ~/.aws, ~/.config, and their usual neighbours).
+# ~/.ssh, ~/.gnupg, ~/.aws, ~/.config, and their usual neighbours).
 CREDENTIAL_DIRS = (".ssh", ".gnupg", ".aws", ".config", ".kube", ".docker", ".azure", ".password-store",
                    ".local/share/keyrings", ".pki", ".mozilla")
 

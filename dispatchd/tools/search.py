@@ -15,8 +15,8 @@ one, ``\\w``, ``\\b`` and ``(?i)`` only know ASCII, and ``.`` matches one
 byte. A literal query (the default) is found by its rarest byte with
 ``memchr`` where the tree makes that pay (``_Literal``), and where its lines
 are dense a window of the file is split into lines in C and each line
-tested with ``in``, so a common word costs no Python per match (see README
-"Speed", search_files). A pathological regex can take long; the
+tested with ``in``, so a common word costs no Python per match (see
+docs/performance.md). A pathological regex can take long; the
 worker runs this tool on a thread of its own (``slow=True``), so other calls
 are not held up. A regex query without a special character is searched as
 the literal it is; a real regex goes match by match.

@@ -77,7 +77,7 @@ def reap_orphans(owns: Callable[[int], bool], born: threading.Event) -> NoReturn
 def _reap(pid: int) -> bool:
     """Whether a zombie was reaped: a thread-group leader that exited while
     its other threads run shows as Z in /proc but cannot be waited for yet
-    (counting it as reaped made the pause 0: a spin, found by review)."""
+    (counting it as reaped would make the pause 0: a spin)."""
     try:
         return os.waitpid(pid, os.WNOHANG)[0] != 0
     except ChildProcessError:

@@ -341,7 +341,7 @@ class _Server:
                                root_fd=_open_root(plan.paths.worktree))
         self.tools = {name: TOOLS[name] for name in plan.tools}
         # read_file's usual call answered in C, from the request's bytes to
-        # the reply's (tools/_fastread.c; README "The fast lane"): where the
+        # the reply's (tools/_fastread.c; docs/architecture.md): where the
         # C helper is built, read_file is this session's, and the worktree's
         # root is held by descriptor. None: every call takes dispatch.
         read = self.tools.get("read_file")

@@ -102,7 +102,7 @@ def spawn_woken(plan: SessionPlan, kit: list[int], cgroup_fd: int) -> int:
     finally:
         os.close(read_end)
         # Waited for here, not by the loop's reaping: not waiting measured
-        # no faster (bench/wake.py, A/B, fifth session).
+        # no faster (bench/wake.py, A/B).
         os.waitpid(middle, 0)
     said = b"".join(chunks).decode(errors="replace").strip()
     if not said.startswith("pid "):

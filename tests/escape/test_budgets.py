@@ -1,4 +1,4 @@
-"""Per-user kernel budgets (issue 11, section 5): a session cannot take the
+"""Per-user kernel budgets: a session cannot take the
 user's whole inotify budget, and cannot make namespaces; what stays open is
 listed in ``leaves_open``. The session still makes a few inotify instances
 (the allowed twin), and the user's own programs keep the rest."""

@@ -83,7 +83,7 @@ def test_udp_and_dns_reach_nothing(client: dispatch.Client, worktree: Path) -> N
     send = "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nresult = s.sendto(b'escaped', {addr!r})"
     with DatagramListener(socket.AF_INET, ("127.0.0.1", 0)) as listener:
         with client.open_session(str(worktree), network=True) as on:  # the twin
-            # With pasta, the host's loopback is the gateway address (README "Network").
+            # With pasta, the host's loopback is the gateway address (docs/network.md).
             host = "10.0.2.2" if on.status()["protections"]["network"].get("stack") else "127.0.0.1"
             assert attempt(on, send.format(addr=(host, listener.address[1]))) == "OK 7"
         assert listener.drain() == [b"escaped"]

@@ -606,7 +606,7 @@ result = open(".git/modules/sub/config", "w").write({config!r})
 def test_a_rebuilt_submodule_git_directory_never_runs_in_the_users_git(
     sandbox: Sandbox, client: dispatch.Client, worktree: Path, tmp_path: Path, renamed: str,
 ) -> None:
-    """Issue 11, 1: the session renames a submodule's git directory (or the
+    """A delayed escape: the session renames a submodule's git directory (or the
     whole .git/modules) away, its read-only binds with it, and rebuilds it
     with the old HEAD, objects, refs and index and a config naming a command;
     the submodule's gitfile is untouched. Full mode: each is a mount point of

@@ -143,7 +143,7 @@ def test_switching_the_network_off_ends_connections_made_while_it_was_on(
         assert listener.closed_by_peer == [True, False]
 
 
-# --- the switch to off, against a sendfile queue (issue 13) -------------------------------
+# --- the switch to off, against a sendfile queue ------------------------------------------
 
 _PAYLOAD_MB = 48
 _SENDFILE = """
@@ -218,7 +218,7 @@ class SlowReceiver:
 def test_no_byte_written_after_the_switch_to_off_leaves(
     sandbox: Sandbox, client: dispatch.Client, worktree: Path, switch: bool,
 ) -> None:
-    """The attack of issue 13: with the network on, a background process
+    """A queued send outliving the switch: with the network on, a background process
     sendfile()s a worktree file to a slow receiver; the session switches off;
     then it pwrite()s a marker all over the file. The socket's queue holds the
     file's page-cache pages, so on the host's network the marker is sent after

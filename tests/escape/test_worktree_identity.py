@@ -1,4 +1,4 @@
-"""The worktree a session gets is the one the daemon checked (issue 11, part 2).
+"""The worktree a session gets is the one the daemon checked.
 
 A session on ``mono/`` swaps ``mono/proj`` for a symlink to a directory of
 secrets in the home directory, in a tight loop (``renameat2(RENAME_EXCHANGE)``),

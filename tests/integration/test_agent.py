@@ -1,5 +1,5 @@
 """Agent integration against a real session: the tool loop with a fake model,
-approval, the policy's output budget with retrieve_output, and the README's
+approval, the policy's output budget with retrieve_output, and the docs'
 examples, each run as written (a fake model standing in where no key exists).
 """
 
@@ -94,7 +94,7 @@ def test_a_long_command_output_is_compacted_and_retrieved_whole(session: dispatc
     assert "".join(pieces) == whole.output == "".join(f"{i}\n" for i in range(1, 30001))
 
 
-# -- the README's examples, run as written
+# -- the examples docs/agents.md shows, run as written
 
 
 def _example(daemon: Daemon, name: str, worktree: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -141,15 +141,17 @@ def test_example_mcp_client(daemon: Daemon, client: dispatch.Client, worktree: P
     assert _no_sessions_left(client, worktree)
 
 
-def test_the_readme_shows_each_example() -> None:
+def test_the_docs_show_each_example() -> None:
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Plugging into agents"):]
+    agents = (REPO / "docs" / "agents.md").read_text()
     for name in ("openai_loop.py", "anthropic_loop.py", "mcp_client.py"):
         assert f"examples/{name}" in section
+        assert f"examples/{name}" in agents
     # Its Python snippets are the examples' own lines (which the tests above run), not a paraphrase.
     examples = "".join((REPO / "examples" / n).read_text() for n in ("openai_loop.py", "anthropic_loop.py",
                                                                       "mcp_client.py"))
-    snippets = re.findall(r"<!-- not run: an excerpt of examples/[^>]*-->\n```python\n(.*?)```", section, re.S)
+    snippets = re.findall(r"<!-- not run: an excerpt of examples/[^>]*-->\n```python\n(.*?)```", agents, re.S)
     assert len(snippets) >= 2
     for line in "".join(snippets).splitlines():
         assert line.strip() in examples, line

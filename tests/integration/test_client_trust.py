@@ -1,4 +1,4 @@
-"""The client talks only to the user's own daemon (issue 11 §3).
+"""The client talks only to the user's own daemon.
 
 Another local user cannot be made by an unprivileged test, so the checks are
 tested directly: a socket directory others can write, or a symlink, is refused

@@ -1,4 +1,4 @@
-"""A hostile client of the same user cannot stop the daemon (issue 11 §4).
+"""A hostile client of the same user cannot stop the daemon.
 
 Each attack runs against a real daemon over raw frames, beside a bystander
 that must keep being served: the daemon's RSS (``/proc/PID/status``) and the

@@ -1,4 +1,4 @@
-"""Extra read-only paths (issue 12): a toolchain outside the system directories.
+"""Extra read-only paths: a toolchain outside the system directories.
 
 ``open_session(..., read_only=[...])`` (CLI ``--read-only PATH``) and the
 policy's ``filesystem.extra_read_only`` bind a path read-only into the

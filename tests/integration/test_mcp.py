@@ -200,7 +200,7 @@ def test_progress_notifications_carry_output_as_it_comes(daemon: Daemon, worktre
         async def progress(done: float, _total: float | None, message: str | None) -> None:
             seen.append((time.monotonic() - started, done, message))
 
-        result = await session.call_tool("shell_exec", {"command": "for i in 1 2 3; do echo step $i; sleep 1; done"},
+        result = await session.call_tool("shell_exec", {"command": "for i in 1 2 3; do [ $i = 1 ] || sleep 1; echo step $i; done"},
                                          progress_callback=progress)
         return result, seen
 
@@ -226,8 +226,24 @@ def test_a_cancelled_request_ends_the_command(daemon: Daemon, client: dispatch.C
         assert _text(await session.call_tool("shell_exec", {"command": "echo on"})) == "on\n"
 
     _run(daemon, worktree, tmp_path, body)
-    time.sleep(8.5)  # past the end the sleep would have had
+    # Neither the sleep nor the bash that would run the echo after it is left,
+    # so nothing can write f from here on.
+    assert _running("315.6") == []
     assert not (worktree / "f").exists()
+
+
+def _running(marker: str) -> list[int]:
+    """The processes whose command line holds ``marker`` (this test's own excepted)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(pid))
+            except OSError:
+                pass
+    return found
 
 
 def _sleeping(marker: str) -> list[int]:

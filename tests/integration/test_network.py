@@ -243,7 +243,7 @@ def test_a_server_inside_an_off_session_answers_a_client_inside(mode_client, wor
             assert r.metadata["stdout"].strip() == "connected inside", r
         else:
             # Without a network namespace there is no private loopback to give:
-            # "off" refuses every IPv4/IPv6 socket, loopback included (README).
+            # "off" refuses every IPv4/IPv6 socket, loopback included (docs/network.md).
             assert r.metadata["stdout"].strip() == f"error {EPERM}"
             assert "PermissionError: [Errno 1]" in Path(worktree, "server.err").read_text()
 
@@ -382,7 +382,7 @@ _PLANT_REDIRECT = (
 @pytest.mark.parametrize("how", ["closed", "switch failed"])
 def test_a_session_ended_by_a_failed_switch_has_its_git_checked_too(tmp_path: Path, worktree: Path,
                                                                    monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    """Found by review: a switch that failed half way (pasta not ready, nft
+    """A switch that failed half way (pasta not ready, nft
     refusing) ended the session without the end-of-session git check, so a
     ``.git/commondir`` it planted stayed in effect for the user's own git.
     Every end now winds down one way. Its twin is the plain close. pasta is

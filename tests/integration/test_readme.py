@@ -1,4 +1,5 @@
-"""Every code block of the README is accounted for, and the runnable ones run.
+"""Every code block of the README and of docs/ is accounted for, and the
+runnable ones run.
 
 Each fenced block is preceded by a marker: ``<!-- runnable -->`` (run here,
 against a real daemon, on a fresh worktree of its own) or ``<!-- not run:
@@ -6,7 +7,8 @@ WHY -->``. A block without one fails this test, so a new example cannot slip
 in untested. Substitutions make the blocks run as a user would run them:
 ``/path/to/worktree`` and ``~/src/myproject`` become the temporary worktree,
 ``.venv/bin/`` the interpreter's own bin directory, and ``DISPATCH_SOCKET``
-points at the test daemon. Relative links must name files of the repository.
+points at the test daemon. Relative links (relative to the file that holds
+them) must name files of the repository.
 """
 
 from __future__ import annotations
@@ -22,36 +24,50 @@ import pytest
 
 from tests.conftest import REPO, Daemon
 
-README = (REPO / "README.md").read_text()
+DOCS = [REPO / "README.md", REPO / "SECURITY.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:^(<!--[^\n]*-->)\n)?^```(\w*)\n(.*?)^```$", re.S | re.M)
 
 
-def blocks() -> list[tuple[int, str | None, str, str]]:
+def blocks() -> list[tuple[str, str | None, str, str]]:
+    """(where, marker, language, code) of every fenced block; where is FILE:LINE."""
     found = []
-    for m in BLOCK.finditer(README):
-        line = README.count("\n", 0, m.start(2 if m.group(1) is None else 1)) + 1
-        found.append((line, m.group(1), m.group(2), m.group(3)))
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in BLOCK.finditer(text):
+            line = text.count("\n", 0, m.start(2 if m.group(1) is None else 1)) + 1
+            found.append((f"{doc.relative_to(REPO)}:{line}", m.group(1), m.group(2), m.group(3)))
     return found
 
 
-RUNNABLE = [(line, lang, code) for line, marker, lang, code in blocks()
+RUNNABLE = [(where, lang, code) for where, marker, lang, code in blocks()
             if marker is not None and marker.startswith("<!-- runnable")]
 
 
 def test_every_block_is_marked() -> None:
-    unmarked = [f"README.md:{line}" for line, marker, _, _ in blocks()
+    unmarked = [where for where, marker, _, _ in blocks()
                 if marker is None or not (marker.startswith("<!-- runnable") or
                                           re.match(r"<!-- not run: \S.* -->$", marker))]
     assert unmarked == [], "mark each block <!-- runnable --> or <!-- not run: why -->"
+    assert len([r for r in RUNNABLE if r[0].startswith("README.md:")]) >= 4
     assert len(RUNNABLE) >= 6
 
 
 def test_relative_links_name_files_of_the_repository() -> None:
-    links = re.findall(r"\]\((?!https?://|#)([^)]+)\)", README)
-    assert links, "the README links its examples and docs"
-    missing = [link for link in links if not (REPO / link.split("#")[0]).exists()]
+    missing = []
+    for doc in DOCS:
+        text = doc.read_text()
+        links = re.findall(r"\]\((?!https?://|#)([^)]+)\)", text)
+        if doc.name == "README.md":
+            assert links, "the README links its examples and docs"
+        missing += [f"{doc.relative_to(REPO)}: {link}" for link in links
+                    if not (doc.parent / link.split("#")[0]).exists()]
+        assert "../shared" not in text
     assert missing == []
-    assert "../shared" not in README
+
+
+def test_the_readme_is_for_users() -> None:
+    """Design notes, figures and history live in docs/ and the CHANGELOG."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 400
 
 
 @pytest.fixture
@@ -64,8 +80,8 @@ def fresh_worktree(tmp_path: Path) -> Path:
     return wt
 
 
-@pytest.mark.parametrize(("line", "lang", "code"), RUNNABLE, ids=[f"line{line}" for line, _, _ in RUNNABLE])
-def test_runnable_block_runs(line: int, lang: str, code: str, daemon: Daemon, fresh_worktree: Path,
+@pytest.mark.parametrize(("where", "lang", "code"), RUNNABLE, ids=[where for where, _, _ in RUNNABLE])
+def test_runnable_block_runs(where: str, lang: str, code: str, daemon: Daemon, fresh_worktree: Path,
                              tmp_path: Path) -> None:
     if lang == "json":
         json.loads(code)
@@ -82,15 +98,15 @@ def test_runnable_block_runs(line: int, lang: str, code: str, daemon: Daemon, fr
     elif lang == "sh":
         argv = ["bash", "-e", "-c", code]
     else:
-        pytest.fail(f"README.md:{line}: no way to run a {lang!r} block")
+        pytest.fail(f"{where}: no way to run a {lang!r} block")
     out = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
                          stdin=subprocess.DEVNULL)
-    assert out.returncode == 0, f"README.md:{line} failed:\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == 0, f"{where} failed:\n{out.stdout}\n{out.stderr}"
     assert "Traceback" not in out.stderr
 
 
 def test_the_python_example_prints_what_it_says(daemon: Daemon, fresh_worktree: Path) -> None:
-    (line, _, code), = [b for b in RUNNABLE if b[1] == "python" and "model_tool_call" in b[2]]
+    (_, _, code), = [b for b in RUNNABLE if b[1] == "python" and "model_tool_call" in b[2]]
     env = {**os.environ, "DISPATCH_SOCKET": daemon.socket}
     out = subprocess.run([sys.executable, "-c", code.replace("/path/to/worktree", str(fresh_worktree))],
                          env=env, capture_output=True, text=True, timeout=120)

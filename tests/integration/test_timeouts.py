@@ -1,4 +1,4 @@
-"""Every client wait is bounded (issue 14 item 7): a daemon or tool server
+"""Every client wait is bounded: a daemon or tool server
 stopped with SIGSTOP (processes this test started) makes requests fail with a
 clear error after the configured wait, never hang; after SIGCONT the same
 connection serves again (the allowed twin)."""

@@ -1,4 +1,4 @@
-"""Unix sockets inside a session (issue 12): what ordinary work needs.
+"""Unix sockets inside a session: what ordinary work needs.
 
 Full mode, network off (the session's root and network namespace are its
 own): ``multiprocessing.Manager``, an asyncio Unix server and client, and a

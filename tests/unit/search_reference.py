@@ -1,5 +1,5 @@
 """search_files as it was before the parallel reader and the literal fast
-path (commit 801b1f0), frozen: the oracle test_tool_search_same.py compares
+path (commit 801b1f0), frozen: the oracle test_tool_search_reference.py compares
 the tool with, output byte for byte. Not used by dispatchd itself."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 16's agent-integration items: strict and Gemini schemas, null for an
+"""What agent builders meet: strict and Gemini schemas, null for an
 optional argument, hidden tools, fail-closed risk, interrupts, ids kept,
 deduplicated outputs, async approval, Definition.from_function, and the loop's
 Responses provider, stop_loop and parallel reads."""

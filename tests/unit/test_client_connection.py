@@ -1,7 +1,7 @@
 """The client's per-caller wake-ups (client.py ``_Connection``), with real
 threads and a real socket pair.
 
-They exist for speed (README "Speed"); these tests hold what must not change
+They exist for speed (docs/performance.md); these tests hold what must not change
 with them: every caller sharing one connection gets its own reply, even out
 of order and across a timeout, and a broken connection wakes every waiter.
 """

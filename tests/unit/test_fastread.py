@@ -524,6 +524,7 @@ def test_serve_read_refuses_bad_arguments(root_fd: int) -> None:
         native.lines.serve_read("0", root_fd, 1, 0, 0, lock.acquire, lock.release, _Flag())
 
 
+@pytest.mark.process
 def test_a_directory_swapped_for_a_link_outside_is_never_read_through_the_lane(
         tmp_path: Path, sockets: Sockets) -> None:
     """The lane opens as read_beneath does (openat2 below the root fd, no
@@ -710,7 +711,7 @@ def test_a_reader_waiting_for_a_request_costs_no_more_memory_with_the_lane(workt
     """Each channel's reader waits in the lane's recv between requests: what
     it reads into must not be resident memory while nothing comes (a zeroed
     64 KiB bytearray a channel was: 84 KiB a waiting reader, against 20 for
-    the Python path's recv; from review7). The lane's buffer is a page on
+    the Python path's recv). The lane's buffer is a page on
     the stack."""
 
     def rss_kib() -> int:
@@ -743,7 +744,7 @@ def test_a_stop_waits_for_a_lane_reply_waiting_for_the_send_lock(worktree: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The lane read its request and waits for the channel's send lock (a
     slow call's output on its way) when a stop comes: the stop waits for it,
-    and the reply goes out whole once the lock is free (from review7)."""
+    and the reply goes out whole once the lock is free."""
     assert native.lines is not None
     monkeypatch.setattr(tool_server.os, "_exit", _exit)
     lane = Server(worktree, lane=True)

@@ -9,6 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.process  # each case runs in a fresh interpreter
+
 _COMMON = """
 import gc, logging, os, threading
 from dispatchd.worker import forkhooks

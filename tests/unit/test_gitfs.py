@@ -13,6 +13,8 @@ from dispatchd.daemon import gitfs, gitindex
 from tests.unit import permission_bits
 from tests.unit.gitrepo import add_gitlink, git
 
+pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
+
 
 @pytest.mark.parametrize("link", ["../victim", "/abs/victim", "a/../../victim", "a//b", "./a", "a/.", ""])
 def test_submodule_paths_git_would_refuse_are_never_followed(repo: Path, link: str) -> None:

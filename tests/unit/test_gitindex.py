@@ -11,6 +11,8 @@ import pytest
 from dispatchd.daemon import gitindex
 from tests.unit.gitrepo import add_gitlink, git
 
+pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
+
 
 @pytest.mark.parametrize("version", ["2", "3", "4"])
 def test_gitlinks_are_found_in_every_index_version(repo: Path, version: str) -> None:

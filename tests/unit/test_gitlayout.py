@@ -7,8 +7,12 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from dispatchd.daemon import gitlayout
 from tests.unit.gitrepo import git, submodule_repo
+
+pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
 
 def test_inspect_a_repository(repo: Path) -> None:

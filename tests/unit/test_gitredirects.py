@@ -8,9 +8,13 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from dispatchd.daemon import gitlayout, gitredirects
 from tests.unit import permission_bits
 from tests.unit.gitrepo import git, submodule_repo
+
+pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
 
 def test_redirects_in_any_git_directory_are_moved_aside(tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ from dispatchd.daemon import gitlayout, gitsnapshot
 from tests.unit import permission_bits
 from tests.unit.gitrepo import git
 
+pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
+
 FSMONITOR = '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch PLANTED; false"\n'
 _LAYOUTS: dict[Path, GitLayout] = {}
 
@@ -86,7 +88,7 @@ def test_work_inside_submodules_changes_nothing_git_reads(superproject: Path) ->
 
 @pytest.mark.parametrize("renamed", [".git/modules/sub", ".git/modules"])
 def test_a_rebuilt_submodule_git_directory_is_moved_aside(superproject: Path, renamed: str) -> None:
-    """The attack of issue 11: rename the git directory (or .git/modules)
+    """A delayed escape: rename the git directory (or .git/modules)
     away, rebuild it around a config naming a command; the gitfile is
     untouched."""
     before = _take(superproject)

@@ -15,6 +15,8 @@ from dispatchd.daemon import gitfs, gitlayout, gitsnapshot
 from tests.unit import permission_bits
 from tests.unit.gitrepo import add_gitlink, git
 
+pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
+
 
 def _take(repo: Path) -> gitsnapshot.GitSnapshot:
     return gitsnapshot.take(str(repo), gitlayout.inspect_git(str(repo), uid=os.getuid()))

@@ -13,7 +13,11 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 import dispatchd.tools
+
+pytestmark = pytest.mark.process  # builds the C helper with a compiler, runs it in a child
 
 _SOURCES = [Path(dispatchd.tools.__file__).parent / name for name in ("_lines.c", "_fastread.c")]
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process  # runs the shell helpers in bash
+
 REPO = Path(__file__).resolve().parent.parent.parent
 
 

@@ -252,6 +252,7 @@ def _seccomp_status() -> str:
 
 
 @pytest.mark.parametrize("allow_inet", [False, True])
+@pytest.mark.process
 def test_compile_seccomp_gives_whole_bpf_instructions(allow_inet: bool):
     before = _seccomp_status()
     program = compile_seccomp(plan_seccomp(allow_inet=allow_inet))
@@ -266,6 +267,7 @@ def test_compile_seccomp_gives_whole_bpf_instructions(allow_inet: bool):
     assert (code, k) == (0x15, AUDIT_ARCH[platform.machine()])
 
 
+@pytest.mark.process
 def test_compile_seccomp_is_deterministic_and_follows_the_plan():
     assert compile_seccomp(NO_INET) == compile_seccomp(plan_seccomp(allow_inet=False))
     assert compile_seccomp(NO_INET) != compile_seccomp(INET)

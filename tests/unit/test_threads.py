@@ -7,6 +7,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from dispatchd import threads
 
 
@@ -24,6 +26,7 @@ def test_the_target_runs_once_on_a_thread_of_its_own() -> None:
     assert ran == [t.ident] and ran[0] != threading.get_ident()
 
 
+@pytest.mark.process
 def test_a_forked_child_starts_threads_although_the_parent_held_threadings_lock_at_the_fork() -> None:
     """A fork's child gets a new ``_active_limbo_lock`` (threading's at-fork
     hook); one taken at import is the parent's, held for good in the child if

@@ -278,6 +278,7 @@ def _until_swapping(root: str) -> None:
 
 
 @pytest.mark.parametrize("helper", ["c", "python"])
+@pytest.mark.process
 def test_a_directory_swapped_for_a_link_outside_is_never_read_through(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helper: str) -> None:
     """read_file as the tool server runs it (the worktree's root fd held),
@@ -318,6 +319,7 @@ def test_a_directory_swapped_for_a_link_outside_is_never_read_through(
 
 
 @pytest.mark.parametrize("how", ["write_file", "create_file", "edit_file", "write_file in a new folder"])
+@pytest.mark.process
 def test_a_directory_swapped_for_a_link_outside_is_never_written_through(tmp_path: Path, how: str) -> None:
     """The writing tools as the tool server runs them (the worktree's root fd
     held), while another process swaps a directory of the path for a symlink

@@ -21,6 +21,8 @@ from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
 
+pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
+
 
 @pytest.fixture
 def ctx(tmp_path: Path) -> Iterator[ToolContext]:

@@ -18,6 +18,8 @@ from dispatchd.policy import Limits
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
 
+pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
+
 
 @pytest.fixture
 def ctx(tmp_path: Path) -> ToolContext:

@@ -74,6 +74,7 @@ def test_risks_and_slow_tools() -> None:
     assert MUTATING_TOOLS == {"write_file", "edit_file", "create_file", "shell_exec"}
 
 
+@pytest.mark.process
 def test_the_daemon_imports_no_tool_code() -> None:
     # The daemon reads spec.py; it must not bring the implementations (or any worker code) along.
     # native.py and the C line loops it loads are not tools: the daemon's status says whether they loaded.
@@ -150,6 +151,7 @@ def test_unknown_field_is_refused_by_both(name: str) -> None:
         msgspec.convert(params, SPECS[name].params_type)
 
 
+@pytest.mark.process
 def test_examples_run_end_to_end(tmp_path) -> None:
     (tmp_path / "a.txt").write_text("x\n")
     scratch = tmp_path / "scratch"

@@ -1,5 +1,6 @@
-"""Issue 16's first-time-user items for the ``dispatch`` and ``dispatchd`` command lines,
-run as subprocesses against a real daemon."""
+"""What a first-time user meets on the ``dispatch`` and ``dispatchd`` command lines
+(arguments from stdin, help texts, errors that say what to do), run as subprocesses
+against a real daemon."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A second read of the C helper: search_files and read_file end to end,
+"""The C line loops across files: search_files and read_file end to end,
 the C path against the pure-Python path (``native.lines`` None), over
 several files at once (the room, ``more`` and ``truncated`` across files,
 ``count`` and ``files_searched``), lines at the 500-byte/character edge
