@@ -1,0 +1,301 @@
+"""The trusted baseline's parts, on real repositories made by git: the tree
+walk (repositories anywhere, the user's tools' files, its bounds), the
+commit reader, the history keep and restore, and the store's domains and
+recovery after a daemon that died (daemon/baselines.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from dispatchd.daemon import baselines, githistory, gitlayout, gitobjects, gitredirects, gitsnapshot, treewalk
+from tests.unit.gitrepo import git, make_repo
+
+pytestmark = pytest.mark.process  # git makes the repositories
+
+
+def rev(repo: Path, what: str) -> str:
+    return git(repo, "rev-parse", what).strip()
+
+
+def commits(repo: Path, n: int) -> None:
+    for i in range(n):
+        (repo / "c.txt").write_text(f"{i}\n")
+        git(repo, "add", "c.txt")
+        git(repo, "commit", "-qm", f"c{i}")
+
+
+# --- treewalk -------------------------------------------------------------------------------
+
+
+def test_a_new_repository_anywhere_is_listed_by_its_config_not_whole(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    before = treewalk.take(str(repo))
+    (repo / "d1" / "sub").mkdir()
+    git(repo / "d1" / "sub", "init", "-q")
+    now = treewalk.take(str(repo))
+    todo = treewalk.changes(before, now)
+    assert "d1/sub/.git/config" in todo and "d1/sub/.git" not in todo
+    moved, failed = treewalk.quarantine(str(repo), todo)
+    assert not failed and not (repo / "d1" / "sub" / ".git" / "config").exists()
+    assert (repo / "d1" / "sub" / ".git" / "HEAD").exists()
+
+
+def test_an_unchanged_tree_lists_nothing(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    (repo / ".vscode").mkdir()
+    (repo / ".vscode" / "settings.json").write_text("{}")
+    (repo / "d0" / "sub").mkdir()
+    git(repo / "d0" / "sub", "init", "-q")
+    assert treewalk.changes(treewalk.take(str(repo)), treewalk.take(str(repo))) == []
+
+
+def test_a_bare_looking_directory_counts_as_a_repository(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    before = treewalk.take(str(repo))
+    git(tmp_path, "init", "-q", "--bare", str(repo / "d2" / "bare"))
+    todo = treewalk.changes(before, treewalk.take(str(repo)))
+    assert "d2/bare/config" in todo
+
+
+def test_protected_names_new_directory_whole_changed_file_alone(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    (repo / ".claude").mkdir()
+    (repo / ".claude" / "keep.json").write_text("{}")
+    (repo / ".claude" / "settings.json").write_text("{}")
+    before = treewalk.take(str(repo))
+    (repo / ".claude" / "settings.json").write_text('{"hooks": 1}')
+    (repo / "d0" / ".vscode").mkdir()
+    (repo / "d0" / ".vscode" / "tasks.json").write_text("{}")
+    (repo / "d0" / "plain.txt").write_text("x")
+    todo = treewalk.changes(before, treewalk.take(str(repo)))
+    assert todo == [".claude/settings.json", "d0/.vscode"]
+
+
+def test_the_walk_is_bounded_in_depth_without_recursion(tmp_path: Path) -> None:
+    top = tmp_path / "deep"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1500):  # deeper than Python's recursion limit
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+    snap = treewalk.take(str(top))
+    assert not snap.complete and snap.why == f"deeper than {treewalk.MAX_DEPTH} directories"
+    shallow = tmp_path / "shallow"
+    (shallow / "a" / "b").mkdir(parents=True)
+    assert treewalk.take(str(shallow)).complete  # the allowed twin
+    subprocess.run(["rm", "-rf", str(top)], check=True)
+
+
+# --- gitsnapshot's new coverage ------------------------------------------------------------------
+
+
+def test_rebase_state_and_include_targets_are_compared(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    (repo / "inc.cfg").write_text("[alias]\n\tx = status\n")
+    (repo / "hooks-here").mkdir()
+    (repo / "hooks-here" / "pre-commit").write_text("#!/bin/sh\n")
+    git(repo, "config", "include.path", "../inc.cfg")
+    git(repo, "config", "core.hooksPath", "hooks-here")
+    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
+    before = gitsnapshot.take(str(repo), layout)
+    assert set(before.included) == {"inc.cfg", "hooks-here", "hooks-here/pre-commit"}
+    assert gitsnapshot.changes(before, gitsnapshot.take(str(repo), layout)) == []
+    (repo / "inc.cfg").write_text("[core]\n\tfsmonitor = x\n")
+    (repo / "hooks-here" / "post-commit").write_text("#!/bin/sh\n")
+    (repo / ".git" / "rebase-merge").mkdir()
+    (repo / ".git" / "rebase-merge" / "git-rebase-todo").write_text("exec x\n")
+    now = gitsnapshot.take(str(repo), layout)
+    assert sorted(gitsnapshot.changes(before, now)) == [".git/rebase-merge", "hooks-here/post-commit", "inc.cfg"]
+
+
+def test_many_hard_links_are_hashed_once(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    hooks = repo / ".git" / "modules" / "x" / "hooks"
+    hooks.mkdir(parents=True)
+    for d in ("objects", "refs"):
+        (hooks.parent / d).mkdir()
+    (hooks.parent / "HEAD").write_text("ref: refs/heads/m\n")
+    (hooks / "big").write_bytes(b"\0" * (4 << 20))
+    for i in range(500):
+        os.link(hooks / "big", hooks / f"h{i}")
+    walk_budget = gitsnapshot.Budget()
+    fp = gitsnapshot.fingerprint(os.open(hooks.parent, os.O_PATH), walk_budget)
+    assert len({fp[f"hooks/h{i}"] for i in range(500)}) == 1
+    assert walk_budget.left == gitsnapshot._MAX_HASHED - (4 << 20)
+
+
+def test_a_deep_modules_chain_is_no_recursion(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    path = repo / ".git" / "modules"
+    for _ in range(300):
+        path = path / "a"
+        for d in ("objects", "refs"):
+            (path / d).mkdir(parents=True)
+        (path / "HEAD").write_text("ref: refs/heads/m\n")
+        path = path / "modules"
+    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
+    snap = gitsnapshot.take(str(repo), layout)
+    assert not snap.complete  # deeper than it looks: the caller refuses, nothing crashed
+
+
+# --- gitobjects and githistory -----------------------------------------------------------------
+
+
+def test_ancestry_through_loose_and_packed_commits(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    commits(repo, 30)
+    old, mid = rev(repo, "HEAD~25"), rev(repo, "HEAD~10")
+    objects = str(repo / ".git" / "objects")
+    assert gitobjects.is_ancestor(objects, old, mid) is True
+    assert gitobjects.is_ancestor(objects, mid, old) is False
+    git(repo, "gc", "-q", "--aggressive")  # deltas in a pack
+    commits(repo, 3)  # and loose ones on top
+    head = rev(repo, "HEAD")
+    assert gitobjects.is_ancestor(objects, old, head) is True
+    assert gitobjects.is_ancestor(objects, head, old) is False
+    assert gitobjects.is_ancestor(objects, "0" * 40, head) is False
+    assert gitobjects.is_ancestor(objects, old, "1" * 40) is None  # missing: not known
+
+
+def test_history_put_back_after_refs_and_objects_are_deleted(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    commits(repo, 5)
+    git(repo, "branch", "other", "HEAD~2")
+    git(repo, "tag", "v1", "HEAD~1")
+    git(repo, "gc", "-q")
+    commits(repo, 1)  # a loose object or two as well
+    common = repo / ".git"
+    before = {name: rev(repo, name) for name in ("other", "v1", "HEAD")}
+    history = githistory.record(str(common), str(tmp_path / "keep"), own=[])
+    subprocess.run(["bash", "-c", "rm -rf objects/* refs/heads/* refs/tags/* packed-refs"], cwd=common, check=True)
+    done, failed = githistory.restore(history)
+    assert not failed
+    assert {name: rev(repo, name) for name in ("other", "v1", "HEAD")} == before
+    assert git(repo, "fsck", "--no-progress") == ""
+    assert {path for path, _ in done} >= {"refs/heads/other", "refs/tags/v1"}
+
+
+def test_a_rewound_branch_is_put_back_and_the_new_value_kept(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    commits(repo, 4)
+    git(repo, "branch", "feature")
+    tip = rev(repo, "feature")
+    history = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    git(repo, "branch", "-f", "feature", "HEAD~3")
+    githistory.restore(history)
+    assert rev(repo, "feature") == tip
+    displaced = git(repo, "for-each-ref", "--format=%(refname) %(objectname)", "refs/dispatchd/").split()
+    assert displaced[1] == rev(repo, "HEAD~3") and displaced[0].endswith("/refs/heads/feature")
+
+
+def test_a_fast_forward_and_the_own_branch_are_kept(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    git(repo, "branch", "-M", "main")
+    git(repo, "branch", "feature")
+    history = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=["refs/heads/main"])
+    commits(repo, 2)  # main moves (the own branch), then feature fast-forwards to it
+    git(repo, "branch", "-f", "feature", "main")
+    git(repo, "reset", "-q", "--hard", "HEAD~2")  # the own branch rewound: its own to move
+    done, failed = githistory.restore(history)
+    assert done == [] and failed == []
+
+
+# --- the store -----------------------------------------------------------------------------
+
+
+def _join(store: baselines.Baselines, sid: str, root: Path) -> None:
+    layout = gitlayout.inspect_git(str(root), uid=os.getuid())
+    snap = gitsnapshot.take(str(root), layout)
+    store.join(sid, str(root), layout, snap, gitredirects.redirects_present(layout, str(root)),
+               ("vscode-like",))
+
+
+def test_the_record_is_on_disk_while_a_session_lives_and_gone_after(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s1", repo)
+    files = sorted(os.listdir(tmp_path / "state" / "baselines"))
+    assert len(files) == 2 and files[0].endswith(".json") and files[1].endswith(".lock")
+    record = msgspec.json.decode((tmp_path / "state" / "baselines" / files[0]).read_bytes(), type=baselines.Record)
+    assert record.sessions == ["s1"] and record.parts[0].root == str(repo)
+    assert store.leave("s1") == []
+    assert os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_a_later_session_keeps_the_first_baseline(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "a", repo)
+    (repo / ".git" / "commondir").write_text("../evil\n")  # A's plant
+    _join(store, "b", repo)  # B's own look would hold it
+    assert [p.path for p in store.leave("a")][0].startswith(str(repo / ".git" / "commondir"))
+    (repo / ".git" / "commondir").write_text("../evil\n")  # B's plant again
+    found = store.leave("b")
+    assert found and not (repo / ".git" / "commondir").exists()
+
+
+def test_overlapping_and_linked_worktrees_share_one_domain(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked))
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "a", repo)
+    _join(store, "b", repo / "d0")  # inside: covered, no part of its own
+    _join(store, "c", linked)  # the same repository: a part of its own
+    assert len(store._domains) == 1
+    record = next(iter(store._domains.values())).record
+    assert [p.root for p in record.parts] == [str(repo), str(linked)]
+    for sid in ("a", "b", "c"):
+        store.leave(sid)
+    assert store._domains == {} and os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_a_start_finishes_the_checks_of_a_daemon_that_died(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    dead = baselines.Baselines(str(tmp_path / "state"))
+    _join(dead, "s", repo)
+    (repo / "d1" / "n").mkdir()
+    git(repo / "d1" / "n", "init", "-q")
+    os.close(next(iter(dead._domains.values())).lock_fd)  # what the kernel does for a dead daemon
+    live = baselines.Baselines(str(tmp_path / "state"))
+    found = live.recover()
+    assert [Path(p.path).relative_to(repo).as_posix().split(".quarantined")[0] for p in found] == ["d1/n/.git/config"]
+    assert os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_a_live_daemons_record_is_left_alone(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    live = baselines.Baselines(str(tmp_path / "state"))
+    _join(live, "s", repo)
+    other = baselines.Baselines(str(tmp_path / "state"))
+    assert other.recover() == []
+    assert len(os.listdir(tmp_path / "state" / "baselines")) == 2
+    live.leave("s")
+
+
+def test_a_check_that_cannot_finish_refuses_the_worktree_and_keeps_the_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s", repo)
+    monkeypatch.setattr(treewalk, "MAX_DEPTH", 3)
+    (repo / "a" / "b" / "c" / "d" / "e").mkdir(parents=True)  # deeper than the walk goes now
+    store.leave("s")
+    assert "deeper than 3 directories" in store.tainted[str(repo)]
+    assert len([n for n in os.listdir(tmp_path / "state" / "baselines") if n.endswith(".json")]) == 1
+    with pytest.raises(baselines.WorktreeError, match="could not move aside"):
+        _join(store, "t", repo)
+    monkeypatch.setattr(treewalk, "MAX_DEPTH", 256)
+    fresh = baselines.Baselines(str(tmp_path / "state"))  # a restart: the check passes now
+    fresh.recover()
+    assert fresh.tainted == {} and os.listdir(tmp_path / "state" / "baselines") == []
