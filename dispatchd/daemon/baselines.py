@@ -281,7 +281,10 @@ class Baselines:
                     record.histories[i] = msgspec.structs.replace(history, own=sorted(set(history.own) | {branch}))
                 return
         keep = os.path.join(self.keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
-        record.histories.append(githistory.record(common, keep, [branch] if branch else []))
+        history = githistory.record(common, keep, [branch] if branch else [])
+        if history.note:
+            log.warning("event=history_not_kept common=%s why=%r", common, history.note)
+        record.histories.append(history)
 
     def _merge(self, into: _Domain, other: _Domain) -> None:
         into.record.parts += other.record.parts

@@ -42,7 +42,7 @@ from dispatchd.daemon import gitfs, gitobjects
 _OID = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
 _MAX_REFS = 100_000
 _MAX_OBJECT_FILES = 2_000_000
-_COPY_BUDGET = 4 * 1024 * 1024 * 1024  # copied (not linked) bytes a keep may hold
+_COPY_BUDGET = 512 * 1024 * 1024  # bytes copied (not linked: another file system) at one baseline
 _FICLONE = 0x40049409
 PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/")
 
