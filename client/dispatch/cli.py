@@ -363,6 +363,8 @@ def _run(args: argparse.Namespace) -> int:
                                               read_only=args.read_only)
                 session.detach()
                 print(session.id)
+                for warning in session.info.get("warnings", []):
+                    print(f"dispatch: warning: {warning}", file=sys.stderr)
             elif args.action == "close":
                 client.close_session(args.id)
             elif args.action == "release":
@@ -380,6 +382,8 @@ def _run(args: argparse.Namespace) -> int:
             print(info["network"])
             if info.get("note"):
                 print(f"dispatch: {info['note']}", file=sys.stderr)
+            for warning in info.get("warnings", []):
+                print(f"dispatch: warning: {warning}", file=sys.stderr)
             return 0
         if args.command == "exec":
             return _exec(client, args)

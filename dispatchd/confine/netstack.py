@@ -37,6 +37,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Callable
 
@@ -50,6 +51,10 @@ STACK = "pasta"
 ADDRESS = "10.0.2.15"  # the session's address on its one interface
 GATEWAY = "10.0.2.2"  # its gateway; pasta maps it to the host's loopback
 DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver
+# The daemon's DNS relay (daemon/dnsrelay.py), on the session's own loopback,
+# while its stack runs: what its resolv.conf names.
+RELAY_ADDRESS = "127.0.0.53"
+DNS_PORT = 53
 READY_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0  # a SIGKILLed stack has exited long before this
 TABLE = "dispatchd"
@@ -203,11 +208,18 @@ class Stack:
     def __init__(self, pid: int, pidfd: int) -> None:
         self.pid = pid
         self.pidfd = pidfd
+        # What goes with the stack (the DNS relay's door): stopped first.
+        self.with_it: list[Callable[[], None]] = []
+        # What the session's status warns of while it runs ("" for nothing):
+        # the DNS relay's (daemon/dnsrelay.py), set by the daemon.
+        self.warning: Callable[[], str] = lambda: ""
 
     def stop(self) -> None:
         """Exited on return: nothing of it moves a byte any more, and its tap
         device (the namespace's way out) is gone with its descriptors. The fork
         server reaps it."""
+        while self.with_it:
+            self.with_it.pop()()
         if self.pidfd < 0:
             return
         try:
@@ -296,3 +308,23 @@ def apply_rules_in(userns_fd: int, netns_fd: int, rules: str) -> str:
     if lib.nft_run_cmd_from_buffer(ctx, rules.encode()) != 0:
         return "nft: " + (lib.nft_ctx_get_error_buffer(ctx) or b"failed").decode(errors="replace").strip()
     return ""
+
+
+def open_dns_sockets_in(userns_fd: int, netns_fd: int) -> tuple[int, int]:
+    """In a fresh single-threaded child (of the fork server), as
+    ``apply_rules_in``: join the session's namespaces and make the DNS relay's
+    door there, a UDP socket and a TCP listener on ``RELAY_ADDRESS`` port 53
+    of its loopback (a port below 1024: the owner of the user namespace may
+    bind it, the session, with no capability, may not). Returns their fds
+    (close-on-exec), for the daemon to serve. Raises ``OSError``."""
+    from dispatchd.confine import _sys
+
+    _sys.setns(userns_fd, _sys.CLONE_NEWUSER)
+    _sys.setns(netns_fd, _sys.CLONE_NEWNET)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    udp.bind((RELAY_ADDRESS, DNS_PORT))
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tcp.bind((RELAY_ADDRESS, DNS_PORT))
+    tcp.listen(16)
+    return udp.detach(), tcp.detach()

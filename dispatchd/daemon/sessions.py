@@ -62,6 +62,7 @@ from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsna
 from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
+from dispatchd.daemon.dnsrelay import DnsRelay, session_resolv_binds, write_resolv_conf
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import ForkServerClient, SpawnError, Worker, adopt
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
@@ -133,11 +134,13 @@ class Session:
         protections = msgspec.structs.replace(self.protections, lifetime=self.lifetime)
         denied = [protocol.DeniedHost(host=h, port=p, count=c, last=t) for h, p, c, t in self.proxy.denied()
                   ] if self.proxy else []
+        warning = self.stack.warning() if self.stack is not None else ""
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
                                     network=self.network, created=self.created, protections=protections,
                                     limits=msgspec.to_builtins(self.policy.limits), note=self.note,
                                     domains=domains.describe(self.domains) if self.network == "domains" else [],
-                                    denied=denied, writes=self.writes, asleep=self.asleep is not None)
+                                    denied=denied, writes=self.writes, asleep=self.asleep is not None,
+                                    warnings=[warning] if warning else [])
 
 
 class _Nap:
@@ -246,8 +249,11 @@ class SessionManager:
         resolver: Resolver | None = None,
         pool_size: int = 0,
         host_tree: bool = False,
+        dns: DnsRelay | None = None,
     ) -> None:
         self.fork_server = fork_server
+        self.dns = dns  # network on/ports: the DNS relay, and the resolv.conf sessions read (daemon/dnsrelay.py)
+        self.dns_resolv = write_resolv_conf(state_dir) if dns is not None and not kernel.network_stack_missing else ""
         self.host_tree = host_tree  # plan_session's: the host's root held by descriptor (mounts._hold_host)
         self._last_inputs: dict[Kind, PlanInputs] = {}  # the last open's plan inputs, per kind (planahead.py)
         self.kernel = kernel
@@ -480,7 +486,7 @@ class SessionManager:
     def _plan_inputs(self, session: Session, network: NetworkMode) -> PlanInputs:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git,
-                             read_only=session.read_only)
+                             read_only=session.read_only, resolv=session_resolv_binds(self.dns_resolv))
         # Read at each worker start (open, network switch): a few µs, no git run.
         identity = gitidentity.identity_env(gitidentity.read_identity(self.home, self.base_env))
         return PlanInputs(session=session.id, policy=session.policy, network=network, paths=paths,
@@ -548,6 +554,7 @@ class SessionManager:
         session.ns_fds, session.stack, session.net = ns_fds, stack, net
         try:
             self._apply_network(session, plan.net)  # nothing left to do for one made ahead
+            self._check_dns(session)
         except BaseException:
             self._stop_network(session)
             session.worker = None
@@ -595,7 +602,7 @@ class SessionManager:
         # placeholders, replaced by the session's plan at adoption.
         paths = SessionPaths(worktree=os.path.join(self.sessions_dir, sid, "worktree"),
                              scratch=os.path.join(self.sessions_dir, sid), runtime_dirs=self.runtime_dirs,
-                             code=self.code_paths)
+                             code=self.code_paths, resolv=session_resolv_binds(self.dns_resolv))
         ports = _ports_of(policy)  # as a session's: sorted, each once
         plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
                             gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation,
@@ -733,6 +740,29 @@ class SessionManager:
         if new.stack and session.stack is None:
             session.stack = netstack.start_stack(*self._namespaces(session), launch=self.fork_server.start_stack)
             log.debug("event=stack_started session=%s pid=%s", session.id, session.stack.pid)
+            self._open_dns_door(session, session.stack)
+
+    def _open_dns_door(self, session: Session | Made, stack: netstack.Stack) -> None:
+        """The DNS relay's door in the session's namespace, closed with its
+        stack. Not made: the session opens all the same, its status says so."""
+        if self.dns is None:
+            return
+        try:
+            udp, tcp = self.fork_server.dns_sockets(*self._namespaces(session))
+        except SpawnError as exc:
+            log.warning("event=dns_door_failed session=%s error=%s", session.id, exc)
+            why = f"DNS does not answer: the relay's door could not be made in the session's namespace ({exc})"
+            stack.warning = lambda: why
+            return
+        door = self.dns.open_door(session.id, udp, tcp)
+        stack.with_it.append(door.stop)
+        stack.warning = self.dns.warning
+
+    def _check_dns(self, session: Session) -> None:
+        """An open or a switch with the relay: ask the host's resolvers now, so
+        that the reply's ``warnings`` say whether names will resolve."""
+        if self.dns is not None and session.stack is not None and session.stack.with_it:
+            self.dns.check()
 
     def _stop_network(self, session: Session) -> None:
         if session.stack is not None:
@@ -754,6 +784,7 @@ class SessionManager:
                 or (session.worker is None and session.asleep is None):
             return None
         self._apply_network(session, plan.net)
+        self._check_dns(session)
         if session.proxy is not None:
             session.proxy.configure(network, session.domains)  # refuses all outside "domains"
         absent = session.protections.absent_paths if session.protections else None
