@@ -125,6 +125,9 @@ def resolv_conf_text() -> str:
             "options timeout:5 attempts:1\n")
 
 
+_ROOTS = ("/etc/", "/run/")  # where the file a host's resolv.conf leads to may be bound over
+
+
 def session_resolv_binds(source: str, host_path: str = HOST_RESOLV_CONF) -> list[str]:
     """``[where, source]``: where in a session's root the relay's resolv.conf
     (``source``) is bound so that the session's ``/etc/resolv.conf`` reads
@@ -138,7 +141,7 @@ def session_resolv_binds(source: str, host_path: str = HOST_RESOLV_CONF) -> list
     if not source:
         return []
     where = os.path.realpath(host_path)
-    if not (where.startswith("/etc/") or where.startswith("/run/")) or not os.path.isfile(where):
+    if not where.startswith(_ROOTS) or not os.path.isfile(where):
         return []
     return [where, source]
 
@@ -271,7 +274,9 @@ def _sockaddr(server: Server) -> tuple[str, int] | tuple[str, int, int, int]:
     address, port = server
     if ":" in address:
         info = socket.getaddrinfo(address, port, socket.AF_INET6, socket.SOCK_DGRAM, 0, socket.AI_NUMERICHOST)
-        return info[0][4]  # the scope id of a link-local address, resolved
+        found = info[0][4]  # the scope id of a link-local address, resolved
+        assert isinstance(found[0], str) and len(found) == 4
+        return found
     return (address, port)
 
 
@@ -394,12 +399,12 @@ class Door:
     def _serve(self) -> None:
         try:
             while True:
-                ready, _, _ = select.select([self.udp, self.tcp, self._wake_r], [], [])
+                ready, _, _ = select.select([self.udp.fileno(), self.tcp.fileno(), self._wake_r], [], [])
                 if self._wake_r in ready or self.stopped:
                     return
-                if self.udp in ready:
+                if self.udp.fileno() in ready:
                     self._read_udp()
-                if self.tcp in ready:
+                if self.tcp.fileno() in ready:
                     self._accept()
         except OSError as exc:
             log.warning("event=dns_door_failed session=%s error=%s", self.session, exc)
