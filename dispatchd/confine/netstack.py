@@ -22,6 +22,12 @@ Guarantees, in full mode (user namespaces) with the stack available:
   session cannot touch it: it has no capability, and seccomp refuses setns;
   the rules are applied by a child of the fork server that joins the
   session's namespaces (``apply_rules_in``);
+- DNS: while the stack runs, the daemon's relay (daemon/dnsrelay.py) has a
+  door on the namespace's loopback (``RELAY_ADDRESS`` port 53, made by
+  ``open_dns_sockets_in``, closed with the stack: ``Stack.with_it``), which
+  "ports" lets through like all loopback traffic: DNS to the host's
+  resolvers only, whatever the ports listed; DNS straight to a server
+  follows the list;
 - nothing comes in: pasta forwards no port from the host (``-t none -u
   none``), and none of the session's loopback to the host's (``-T none -U
   none``); the host's loopback is reached at the gateway address only.
@@ -147,7 +153,9 @@ def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft
     return NetworkPlan(mode, namespace=True, stack=True, rules=nft_rules(mode, ports), landlock_tcp=False,
                        seccomp_inet=True,
                        mechanism=f"{via}; nftables in it: TCP, MPTCP and UDP out only to {_ports(ports.connect)}; "
-                                 "listening on any port, reachable from inside the session only")
+                                 "listening on any port, reachable from inside the session only; "
+                                 f"DNS through the daemon's relay ({RELAY_ADDRESS}, on its loopback) to the host's "
+                                 "resolvers, whatever the ports")
 
 
 def _host_network(mode: NetworkMode, ports: NetworkPorts, why: str) -> NetworkPlan:

@@ -115,14 +115,31 @@ def parse_resolv_conf(text: str, *, ports: bool = False) -> list[Server]:
     return servers or [DEFAULT_SERVER]
 
 
-def resolv_conf_text() -> str:
+def kept_lines(text: str) -> list[str]:
+    """What a session's resolv.conf keeps of the host's: its search list
+    (the last ``search`` or ``domain`` line, as glibc reads it) and its
+    ``ndots``, so that short names resolve inside as they do outside."""
+    search, ndots = "", ""
+    for line in text.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0] in ("search", "domain") and len(words) > 1:
+            search = " ".join(["search", *words[1:]])[:1024]
+        elif words[0] == "options":
+            ndots = next((w for w in words[1:] if w.startswith("ndots:") and w[6:].isdigit()), ndots)
+    return ([search] if search else []) + ([f"options {ndots}"] if ndots else [])
+
+
+def resolv_conf_text(kept: list[str] | None = None) -> str:
     """What a session with the relay reads as its resolv.conf. One attempt:
     the relay answers every query it takes within QUERY_DEADLINE_S (an
     answer, or SERVFAIL when no resolver of the host's answers)."""
     return (f"# dispatchd: the session's DNS relay, on its own loopback; the daemon forwards\n"
             f"# queries to the host's resolvers ({HOST_RESOLV_CONF} outside the session).\n"
             f"nameserver {RELAY_ADDRESS}\n"
-            "options timeout:5 attempts:1\n")
+            + "".join(line + "\n" for line in kept or [])
+            + "options timeout:5 attempts:1\n")
 
 
 _ROOTS = ("/etc/", "/run/")  # where the file a host's resolv.conf leads to may be bound over
@@ -144,18 +161,6 @@ def session_resolv_binds(source: str, host_path: str = HOST_RESOLV_CONF) -> list
     if not where.startswith(_ROOTS) or not os.path.isfile(where):
         return []
     return [where, source]
-
-
-def write_resolv_conf(state_dir: str) -> str:
-    """The relay's resolv.conf in the daemon's state directory (written at
-    each start, atomically), as sessions bind it; its real path."""
-    path = os.path.join(os.path.realpath(state_dir), "dns-resolv.conf")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(resolv_conf_text())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return path
 
 
 def question_end(msg: bytes) -> int:
@@ -241,7 +246,9 @@ class HostResolvers:
         self._lock = threading.Lock()
         self._seen: tuple[int, int, int, int] | None = None
         self._servers: list[Server] = [DEFAULT_SERVER]
+        self.kept: list[str] = []  # kept_lines of the file
         self._looked = 0.0
+        self.on_change: Callable[[list[str]], None] | None = None  # called with new kept lines
 
     def servers(self) -> list[Server]:
         now = time.monotonic()
@@ -254,8 +261,12 @@ class HostResolvers:
                 seen = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
                 if seen != self._seen:
                     with open(self.path, encoding="utf-8", errors="replace") as f:
-                        self._servers = parse_resolv_conf(f.read(64 * 1024), ports=self.ports)
+                        text = f.read(64 * 1024)
+                    self._servers = parse_resolv_conf(text, ports=self.ports)
                     self._seen = seen
+                    kept, self.kept = self.kept, kept_lines(text)
+                    if kept != self.kept and self.on_change is not None:
+                        self.on_change(self.kept)
                     log.info("event=dns_resolvers path=%s servers=%s", self.path,
                              ",".join(f"{a}:{p}" for a, p in self._servers))
             except OSError as exc:
@@ -504,6 +515,30 @@ class DnsRelay:
         self._lock = threading.Lock()
         self._problem = ""  # why no resolver answered the last query or check; "" once one did
         self._checked: tuple[float, list[Server]] | None = None  # when a check found a problem, and of which servers
+
+    def session_file(self, state_dir: str) -> str:
+        """The resolv.conf sessions bind (in the daemon's state directory,
+        written now, atomically); its real path. When the host's search list
+        changes it is rewritten in place (a bind holds the inode), so that
+        sessions open already read the new one."""
+        path = os.path.join(os.path.realpath(state_dir), "dns-resolv.conf")
+        tmp = path + ".tmp"
+        self.resolvers.servers()  # read the host's file
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(resolv_conf_text(self.resolvers.kept))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+
+        def rewrite(kept: list[str]) -> None:
+            try:
+                with open(path, "r+", encoding="utf-8") as f:
+                    f.write(resolv_conf_text(kept))
+                    f.truncate()
+            except OSError as exc:
+                log.warning("event=dns_resolv_conf_rewrite_failed path=%s error=%s", path, exc.strerror)
+
+        self.resolvers.on_change = rewrite
+        return path
 
     def run(self, job: Callable[[], None]) -> None:
         self._pool.submit(job)

@@ -62,7 +62,7 @@ from dispatchd.daemon import exits, gitidentity, gitlayout, gitredirects, gitsna
 from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
-from dispatchd.daemon.dnsrelay import DnsRelay, session_resolv_binds, write_resolv_conf
+from dispatchd.daemon.dnsrelay import DnsRelay, session_resolv_binds
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import ForkServerClient, SpawnError, Worker, adopt
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
@@ -253,7 +253,7 @@ class SessionManager:
     ) -> None:
         self.fork_server = fork_server
         self.dns = dns  # network on/ports: the DNS relay, and the resolv.conf sessions read (daemon/dnsrelay.py)
-        self.dns_resolv = write_resolv_conf(state_dir) if dns is not None and not kernel.network_stack_missing else ""
+        self.dns_resolv = dns.session_file(state_dir) if dns is not None and not kernel.network_stack_missing else ""
         self.host_tree = host_tree  # plan_session's: the host's root held by descriptor (mounts._hold_host)
         self._last_inputs: dict[Kind, PlanInputs] = {}  # the last open's plan inputs, per kind (planahead.py)
         self.kernel = kernel

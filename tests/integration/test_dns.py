@@ -23,7 +23,7 @@ import dispatch
 from tests.conftest import Daemon, probe, shell
 from tests.dnsresponder import ADDRESS, NAME, Responder
 
-ECONNREFUSED, EPERM = 111, 1
+ECONNREFUSED, EPERM, EACCES = 111, 1, 13
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,13 @@ def test_an_off_session_cannot_reach_the_relay(dns_client: dispatch.Client, work
         assert probe(s, relay_probe(transport)) == f"answer {ADDRESS}"  # the twin: the door opens with the stack
         s.set_network(False)
         assert probe(s, relay_probe(transport)) == f"error {ECONNREFUSED}"  # and closes with it
+        # Nor can the session pose as the relay: port 53 needs a capability it does not have.
+        kind = "SOCK_DGRAM" if transport == "udp" else "SOCK_STREAM"
+        pose = (f"import socket\ns = socket.socket(socket.AF_INET, socket.{kind})\n"
+                "try:\n    s.bind(('127.0.0.53', {port}))\n    print('bound')\n"
+                "except OSError as e:\n    print('error', e.errno)\n")
+        assert probe(s, pose.format(port=53)) == f"error {EACCES}"
+        assert probe(s, pose.format(port=5353)) == "bound"  # the twin: an unprivileged port
 
 
 def _open_until(client: dispatch.Client, worktree: Path, want_warning: bool) -> dispatch.Session:

@@ -35,6 +35,34 @@ def test_resolv_conf_is_read_as_glibc_reads_it():
     assert parse_resolv_conf("nameserver 10.0.0.1\nnameserver 10.0.0.1\n") == [("10.0.0.1", 53)]
 
 
+def test_the_search_list_and_ndots_are_kept():
+    text = "domain a.example\nsearch corp.example lab.example\noptions edns0 ndots:2 timeout:9\nnameserver 10.0.0.1\n"
+    assert dnsrelay.kept_lines(text) == ["search corp.example lab.example", "options ndots:2"]
+    assert dnsrelay.kept_lines("search x.example\ndomain y.example\n") == ["search y.example"]  # the last wins
+    assert dnsrelay.resolv_conf_text(["search corp.example"]).splitlines()[2:] == [
+        "nameserver 127.0.0.53", "search corp.example", "options timeout:5 attempts:1"]
+
+
+def test_the_session_file_follows_the_hosts_search_list(tmp_path: Path):
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("search one.example\nnameserver 10.0.0.1\n")
+    relay = dnsrelay.DnsRelay(str(conf))
+    try:
+        path = relay.session_file(str(tmp_path))
+        inode = os.stat(path).st_ino
+        assert "search one.example\n" in Path(path).read_text()
+        new = tmp_path / "new"
+        new.write_text("search two.example\nnameserver 10.0.0.1\n")
+        os.replace(new, conf)
+        deadline = time.monotonic() + 5
+        while "two.example" not in Path(path).read_text() and time.monotonic() < deadline:
+            relay.resolvers.servers()  # looks at most once a second
+            time.sleep(0.05)
+        assert "search two.example\n" in Path(path).read_text() and os.stat(path).st_ino == inode  # in place
+    finally:
+        relay.stop()
+
+
 def test_ports_only_with_the_testing_option():
     text = "nameserver 127.0.0.1:5353\nnameserver [::1]:5354\nnameserver 127.0.0.1:99999\n"
     assert parse_resolv_conf(text, ports=True) == [("127.0.0.1", 5353), ("::1", 5354)]
