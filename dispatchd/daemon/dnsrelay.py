@@ -366,6 +366,10 @@ class Door:
         self.queries = 0
         self.failed = 0  # answered SERVFAIL because no resolver answered
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        # Read only when select says so, and never waited on: a datagram or a
+        # connection gone meanwhile cannot hold the serving thread.
+        udp.setblocking(False)
+        tcp.setblocking(False)
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"dns-{session}")
         self._thread.start()
 
@@ -374,10 +378,11 @@ class Door:
         sockets closed (the session's queries are refused by its loopback)."""
         with self.lock:
             if self.stopped:
-                return
+                return  # ended already: its sockets are closed
             self.stopped = True
             conns = list(self.conns)
-        os.write(self._wake_w, b"x")
+            # Under the lock: the serving thread closes the pipe under it, once stopped is set.
+            os.write(self._wake_w, b"x")
         for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -422,10 +427,10 @@ class Door:
         finally:
             with self.lock:
                 self.stopped = True
-            self.udp.close()
-            self.tcp.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+                self.udp.close()
+                self.tcp.close()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     def _read_udp(self) -> None:
         try:
@@ -463,6 +468,7 @@ class Door:
             conn, _ = self.tcp.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
+        conn.setblocking(True)  # with timeouts (_recv_exact, TCP_IDLE_S)
         with self.lock:
             full = self.stopped or len(self.conns) >= MAX_TCP
             if not full:

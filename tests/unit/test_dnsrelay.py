@@ -182,6 +182,14 @@ def _door(relay: dnsrelay.DnsRelay) -> tuple[dnsrelay.Door, tuple[str, int]]:
     return relay.open_door("t", udp, tcp), udp.getsockname()
 
 
+def _client(addr: tuple[str, int], timeout: float = 3) -> socket.socket:
+    """A session's resolver library: a UDP socket connected to the door."""
+    c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    c.settimeout(timeout)
+    c.connect(addr)
+    return c
+
+
 def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair: tuple[dnsrelay.DnsRelay, Path]):
     relay, conf = door_pair
     dead = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -192,9 +200,7 @@ def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair:
     conf.write_text(f"nameserver 127.0.0.1:{dead_port}\nnameserver 127.0.0.1:{up.port}\n")
     door, addr = _door(relay)
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
-            c.settimeout(3)
-            c.connect(addr)
+        with _client(addr) as c:
             q = query(ident=0x4321)
             c.send(q)
             reply = c.recv(4096)
@@ -224,9 +230,7 @@ def test_a_stopped_door_forwards_nothing_more(door_pair: tuple[dnsrelay.DnsRelay
     door, addr = _door(relay)
     door.stop()
     assert door.stopped and door.udp.fileno() == -1 and door.tcp.fileno() == -1
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
-        c.settimeout(1)
-        c.connect(addr)
+    with _client(addr, 1) as c:
         c.send(query())
         with pytest.raises(ConnectionRefusedError):
             c.recv(4096)
@@ -241,9 +245,7 @@ def test_in_flight_queries_are_bounded(door_pair: tuple[dnsrelay.DnsRelay, Path]
     conf.write_text(f"nameserver 127.0.0.1:{silent.port}\n")
     door, addr = _door(relay)
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c:
-            c.settimeout(3)
-            c.connect(addr)
+        with _client(addr) as c:
             for i in range(dnsrelay.MAX_IN_FLIGHT + 1):
                 c.send(query(ident=i))
             # The one past the bound: SERVFAIL at once, while the others wait for the silent resolver.
