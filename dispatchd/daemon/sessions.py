@@ -253,7 +253,12 @@ class SessionManager:
     ) -> None:
         self.fork_server = fork_server
         self.dns = dns  # network on/ports: the DNS relay, and the resolv.conf sessions read (daemon/dnsrelay.py)
-        self.dns_resolv = dns.session_file(state_dir) if dns is not None and not kernel.network_stack_missing else ""
+        self.dns_resolv = ""  # the relay's resolv.conf, which sessions bind; "": the host's
+        if dns is not None and not kernel.network_stack_missing:
+            try:
+                self.dns_resolv = dns.session_file(state_dir)
+            except OSError as exc:  # sessions read the host's: names resolve as before the relay, or not
+                log.warning("event=dns_resolv_conf_failed error=%s", exc)
         self.host_tree = host_tree  # plan_session's: the host's root held by descriptor (mounts._hold_host)
         self._last_inputs: dict[Kind, PlanInputs] = {}  # the last open's plan inputs, per kind (planahead.py)
         self.kernel = kernel

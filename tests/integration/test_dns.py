@@ -179,6 +179,11 @@ def test_a_resolver_that_does_not_answer_is_said_and_fails_fast(dns_client: disp
             said = probe(s, f"import socket\ntry:\n    socket.getaddrinfo({NAME!r}, 80)\n"
                             "except socket.gaierror as e:\n    print(e.errno, e.strerror)\n")
             assert said == f"{socket.EAI_AGAIN} Temporary failure in name resolution"
+        with dns_client.open_session(str(worktree), network="off") as s:  # a switch says it too
+            assert s.status()["warnings"] == []
+            info = dns_client.set_network(s.id, "ports", ports=[9])
+            assert info["warnings"] and info["warnings"][0].startswith("DNS does not answer"), info["warnings"]
+            assert dns_client.set_network(s.id, "off")["warnings"] == []
     finally:
         mine.stop()
         _point_at(resolv, good)
