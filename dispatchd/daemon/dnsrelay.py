@@ -63,6 +63,10 @@ MAX_QUERY = 4096  # a query: one question and an OPT record fit in far less
 MAX_REPLY = 65535
 MAX_IN_FLIGHT = 32  # per session, UDP and TCP together
 MAX_TCP = 8  # TCP connections at once, per session
+# Threads that wait for the host's resolvers, for every session: a session
+# holds at most MAX_IN_FLIGHT of them, so four sessions whose queries all
+# wait (names whose servers never answer) leave the others queued behind.
+POOL_THREADS = 128
 TCP_IDLE_S = 10.0
 UPSTREAM_TIMEOUT_S = 2.0  # per resolver: the next is tried after this
 QUERY_DEADLINE_S = 4.0  # under glibc's 5 s: the session's library hears our SERVFAIL, not its own timeout
@@ -517,7 +521,7 @@ class DnsRelay:
 
     def __init__(self, resolv_conf: str = HOST_RESOLV_CONF, *, ports: bool = False) -> None:
         self.resolvers = HostResolvers(resolv_conf, ports=ports)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dns")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="dns")
         self._lock = threading.Lock()
         self._problem = ""  # why no resolver answered the last query or check; "" once one did
         self._checked: tuple[float, list[Server]] | None = None  # when a check found a problem, and of which servers
