@@ -63,10 +63,7 @@ MAX_QUERY = 4096  # a query: one question and an OPT record fit in far less
 MAX_REPLY = 65535
 MAX_IN_FLIGHT = 32  # per session, UDP and TCP together
 MAX_TCP = 8  # TCP connections at once, per session
-# Threads that wait for the host's resolvers, for every session: a session
-# holds at most MAX_IN_FLIGHT of them, so four sessions whose queries all
-# wait (names whose servers never answer) leave the others queued behind.
-POOL_THREADS = 128
+POOL_THREADS = 16  # for ``check`` (each resolver at once); a door's own thread waits for its queries
 TCP_IDLE_S = 10.0
 UPSTREAM_TIMEOUT_S = 2.0  # per resolver: the next is tried after this
 QUERY_DEADLINE_S = 4.0  # under glibc's 5 s: the session's library hears our SERVFAIL, not its own timeout
@@ -357,6 +354,18 @@ def ask_tcp(server: Server, query: bytes, deadline: float, gate: Gate = _always)
 # --- the relay -------------------------------------------------------------------
 
 
+class _Pending:
+    """A query of a session's on its way over UDP: to which resolver, until when."""
+
+    def __init__(self, query: bytes, peer: tuple[str, int], servers: list[Server], deadline: float) -> None:
+        self.query, self.peer, self.servers, self.deadline = query, peer, servers, deadline
+        self.sent = _with_id(query, secrets.token_bytes(2))  # our own ID on the way; the client's put back
+        self.index = 0  # the resolver asked now
+        self.sock: socket.socket | None = None
+        self.until = deadline
+        self.errors: list[str] = []
+
+
 class Door:
     """One session's way to the relay: its UDP socket and TCP listener (on
     its own loopback), served by a thread of their own until ``stop``."""
@@ -417,26 +426,50 @@ class Door:
             self.in_flight -= 1
 
     def _serve(self) -> None:
+        """The door's loop: the session's datagrams, its connections, and the
+        upstream sockets of its queries in flight, in one poll (no hand-off
+        to another thread on a query's way; poll, not select: the daemon's
+        descriptors may number above 1024)."""
+        poller = select.poll()
+        udp, tcp = self.udp.fileno(), self.tcp.fileno()
+        for fd in (udp, tcp, self._wake_r):
+            poller.register(fd, select.POLLIN)
+        pending: dict[int, _Pending] = {}
         try:
             while True:
-                ready, _, _ = select.select([self.udp.fileno(), self.tcp.fileno(), self._wake_r], [], [])
+                soonest = min((p.until for p in pending.values()), default=None)
+                wait_ms = None if soonest is None else max(0, int((soonest - time.monotonic()) * 1000) + 1)
+                ready = {fd for fd, _ in poller.poll(wait_ms)}
                 if self._wake_r in ready or self.stopped:
                     return
-                if self.udp.fileno() in ready:
-                    self._read_udp()
-                if self.tcp.fileno() in ready:
+                for fd in ready & pending.keys():
+                    self._upstream_readable(poller, pending, fd)
+                if udp in ready:
+                    self._read_udp(poller, pending)
+                if tcp in ready:
                     self._accept()
+                now = time.monotonic()
+                for fd, p in list(pending.items()):
+                    if p.until <= now:
+                        server = p.servers[p.index]
+                        p.errors.append(f"{server[0]}:{server[1]}: timed out")
+                        self._drop(poller, pending, fd)
+                        p.index += 1
+                        self._launch(poller, pending, p)
         except OSError as exc:
             log.warning("event=dns_door_failed session=%s error=%s", self.session, exc)
         finally:
             with self.lock:
                 self.stopped = True
+                for p in pending.values():
+                    if p.sock is not None:
+                        p.sock.close()
                 self.udp.close()
                 self.tcp.close()
                 os.close(self._wake_r)
                 os.close(self._wake_w)
 
-    def _read_udp(self) -> None:
+    def _read_udp(self, poller: select.poll, pending: dict[int, _Pending]) -> None:
         try:
             query, peer = self.udp.recvfrom(MAX_QUERY + 1)
         except (BlockingIOError, InterruptedError):
@@ -450,16 +483,68 @@ class Door:
         if not self.take():
             self._send_udp(error_reply(query, _RCODE_SERVFAIL), peer)
             return
+        servers = self.relay.resolvers.servers()
+        self._launch(poller, pending, _Pending(query, peer, servers, time.monotonic() + QUERY_DEADLINE_S))
 
-        def answer() -> None:
+    def _launch(self, poller: select.poll, pending: dict[int, _Pending], p: _Pending) -> None:
+        """Send ``p`` to its next resolver (a socket of its own, connected to
+        it), or answer SERVFAIL when none is left or its time is up."""
+        while p.index < len(p.servers) and time.monotonic() < p.deadline:
+            server = p.servers[p.index]
+            sock = socket.socket(_family(server[0]), socket.SOCK_DGRAM)
             try:
-                reply = self.relay.resolve(self, query, tcp=False)
-                if reply is not None and not self.stopped:
-                    self._send_udp(reply, peer)
-            finally:
+                sock.setblocking(False)
+                sock.connect(_sockaddr(server))
+                sent = self.send_if_open(lambda: sock.send(p.sent))
+            except OSError as exc:
+                sock.close()
+                p.errors.append(f"{server[0]}:{server[1]}: {exc.strerror or exc}")
+                p.index += 1
+                continue
+            if not sent:  # the door is closing: nothing goes out
+                sock.close()
                 self.done()
+                return
+            p.sock, p.until = sock, min(p.deadline, time.monotonic() + UPSTREAM_TIMEOUT_S)
+            pending[sock.fileno()] = p
+            poller.register(sock.fileno(), select.POLLIN)
+            return
+        if p.index < len(p.servers):
+            p.errors.append("no answer within the relay's deadline")
+        self.relay.note("; ".join(p.errors))
+        with self.lock:
+            self.failed += 1
+        self._send_udp(error_reply(p.query, _RCODE_SERVFAIL), p.peer)
+        self.done()
 
-        self.relay.run(answer)
+    def _upstream_readable(self, poller: select.poll, pending: dict[int, _Pending], fd: int) -> None:
+        p = pending[fd]
+        assert p.sock is not None
+        server = p.servers[p.index]
+        try:
+            reply = p.sock.recv(MAX_REPLY)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # ECONNREFUSED: nothing listens there; the next one
+            p.errors.append(f"{server[0]}:{server[1]}: {exc.strerror or exc}")
+            self._drop(poller, pending, fd)
+            p.index += 1
+            self._launch(poller, pending, p)
+            return
+        if not matches(p.sent, reply):
+            return  # not an answer to this query: still waiting
+        self._drop(poller, pending, fd)
+        self.relay.note("")
+        self._send_udp(_with_id(reply, p.query[:2]), p.peer)
+        self.done()
+
+    @staticmethod
+    def _drop(poller: select.poll, pending: dict[int, _Pending], fd: int) -> None:
+        p = pending.pop(fd)
+        poller.unregister(fd)
+        if p.sock is not None:
+            p.sock.close()
+            p.sock = None
 
     def _send_udp(self, reply: bytes, peer: tuple[str, int]) -> None:
         try:
@@ -500,7 +585,7 @@ class Door:
                     reply: bytes | None = error_reply(query, _RCODE_SERVFAIL)
                 else:
                     try:
-                        reply = self.relay.resolve(self, query, tcp=True)
+                        reply = self.relay.resolve_tcp(self, query)
                     finally:
                         self.done()
                 if reply is None:
@@ -550,9 +635,6 @@ class DnsRelay:
         self.resolvers.on_change = rewrite
         return path
 
-    def run(self, job: Callable[[], None]) -> None:
-        self._pool.submit(job)
-
     def open_door(self, session: str, udp: socket.socket, tcp: socket.socket) -> Door:
         return Door(self, session, udp, tcp)
 
@@ -561,7 +643,7 @@ class DnsRelay:
         with self._lock:
             return self._problem
 
-    def _note(self, problem: str, servers: list[Server] | None = None) -> None:
+    def note(self, problem: str, servers: list[Server] | None = None) -> None:
         with self._lock:
             changed = problem != self._problem
             self._problem = problem
@@ -595,33 +677,35 @@ class DnsRelay:
             server = futures[fut]
             try:
                 fut.result()
-                self._note("")
+                self.note("")
                 return ""
             except (OSError, TimeoutError) as exc:
                 errors.append(f"{server[0]}:{server[1]}: "
                               f"{exc.strerror if isinstance(exc, OSError) and exc.strerror else exc or 'timed out'}")
-        self._note("; ".join(errors), servers)
+        self.note("; ".join(errors), servers)
         return self.warning()
 
-    def resolve(self, door: Door, query: bytes, *, tcp: bool) -> bytes | None:
-        """The reply to a session's query: the first resolver's that answers,
-        else SERVFAIL; None when the door closed meanwhile (nothing is sent
-        after ``Door.stop``)."""
+    def resolve_tcp(self, door: Door, query: bytes) -> bytes | None:
+        """The reply to a query a session sent over TCP (the retry of a
+        truncated reply; rare, so a thread of its own waits): the first
+        resolver's that answers, over TCP, else SERVFAIL; None when the door
+        closed meanwhile (nothing is sent after ``Door.stop``). UDP queries
+        are the door's own loop's (``Door._launch``)."""
         deadline = time.monotonic() + QUERY_DEADLINE_S
         errors = []
         for server in self.resolvers.servers():
             until = min(deadline, time.monotonic() + UPSTREAM_TIMEOUT_S)
             try:
-                reply = (ask_tcp if tcp else ask_udp)(server, query, until, door.send_if_open)
+                reply = ask_tcp(server, query, until, door.send_if_open)
             except (OSError, TimeoutError) as exc:
                 errors.append(f"{server[0]}:{server[1]}: "
                               f"{exc.strerror if isinstance(exc, OSError) and exc.strerror else exc or 'timed out'}")
                 continue
             if reply is None:
                 return None  # the door closed: nothing sent
-            self._note("")
+            self.note("")
             return reply
-        self._note("; ".join(errors))
+        self.note("; ".join(errors))
         with door.lock:
             door.failed += 1
         return error_reply(query, _RCODE_SERVFAIL)
