@@ -292,6 +292,11 @@ def _sockaddr(server: Server) -> tuple[str, int] | tuple[str, int, int, int]:
     return (address, port)
 
 
+def _why(server: Server, exc: OSError) -> str:
+    """What a resolver did instead of answering, as a warning says it."""
+    return f"{server[0]}:{server[1]}: {exc.strerror or exc or 'timed out'}"
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -309,21 +314,15 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
 Gate = Callable[[Callable[[], object]], bool]  # runs the send unless the door has closed; False if it had
 
 
-def _always(send: Callable[[], object]) -> bool:
-    send()
-    return True
-
-
-def ask_udp(server: Server, query: bytes, deadline: float, gate: Gate = _always) -> bytes | None:
-    """One query to one resolver over UDP, from a socket of its own connected
-    to it (only its datagrams are read); our own random ID on the way. None
-    when ``gate`` did not send it."""
+def ask_udp(server: Server, query: bytes, deadline: float) -> bytes:
+    """One query to one resolver over UDP, waited for (``DnsRelay.check``),
+    from a socket of its own connected to it (only its datagrams are read);
+    our own random ID on the way."""
     ident = secrets.token_bytes(2)
     sent = _with_id(query, ident)
     with socket.socket(_family(server[0]), socket.SOCK_DGRAM) as sock:
         sock.connect(_sockaddr(server))
-        if not gate(lambda: sock.send(sent)):
-            return None
+        sock.send(sent)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -334,8 +333,9 @@ def ask_udp(server: Server, query: bytes, deadline: float, gate: Gate = _always)
                 return _with_id(reply, query[:2])
 
 
-def ask_tcp(server: Server, query: bytes, deadline: float, gate: Gate = _always) -> bytes | None:
-    """One query to one resolver over TCP (a truncated UDP reply's retry)."""
+def ask_tcp(server: Server, query: bytes, deadline: float, gate: Gate) -> bytes | None:
+    """One query to one resolver over TCP (a truncated UDP reply's retry);
+    None when ``gate`` did not send it."""
     ident = secrets.token_bytes(2)
     sent = _with_id(query, ident)
     with socket.socket(_family(server[0]), socket.SOCK_STREAM) as sock:
@@ -452,13 +452,15 @@ class Door:
                 for fd, p in list(pending.items()):
                     if p.until <= now:
                         server = p.servers[p.index]
-                        p.errors.append(f"{server[0]}:{server[1]}: timed out")
+                        p.errors.append(_why(server, TimeoutError("timed out")))
                         self._drop(poller, pending, fd)
                         p.index += 1
                         self._launch(poller, pending, p)
         except OSError as exc:
             log.warning("event=dns_door_failed session=%s error=%s", self.session, exc)
         finally:
+            log.debug("event=dns_door_closed session=%s queries=%d unanswered=%d", self.session, self.queries,
+                      self.failed)
             with self.lock:
                 self.stopped = True
                 for p in pending.values():
@@ -498,7 +500,7 @@ class Door:
                 sent = self.send_if_open(lambda: sock.send(p.sent))
             except OSError as exc:
                 sock.close()
-                p.errors.append(f"{server[0]}:{server[1]}: {exc.strerror or exc}")
+                p.errors.append(_why(server, exc))
                 p.index += 1
                 continue
             if not sent:  # the door is closing: nothing goes out
@@ -526,7 +528,7 @@ class Door:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:  # ECONNREFUSED: nothing listens there; the next one
-            p.errors.append(f"{server[0]}:{server[1]}: {exc.strerror or exc}")
+            p.errors.append(_why(server, exc))
             self._drop(poller, pending, fd)
             p.index += 1
             self._launch(poller, pending, p)
@@ -601,8 +603,9 @@ class Door:
 
 
 class DnsRelay:
-    """The relay of every session: the host's resolvers, their last known
-    state, a bounded pool of threads that wait for them."""
+    """The relay of every session: the host's resolvers and their last known
+    state (``problem``, ``warning``, ``check``); each session's door serves
+    its own queries (``Door``)."""
 
     def __init__(self, resolv_conf: str = HOST_RESOLV_CONF, *, ports: bool = False) -> None:
         self.resolvers = HostResolvers(resolv_conf, ports=ports)
@@ -680,8 +683,7 @@ class DnsRelay:
                 self.note("")
                 return ""
             except (OSError, TimeoutError) as exc:
-                errors.append(f"{server[0]}:{server[1]}: "
-                              f"{exc.strerror if isinstance(exc, OSError) and exc.strerror else exc or 'timed out'}")
+                errors.append(_why(server, exc))
         self.note("; ".join(errors), servers)
         return self.warning()
 
@@ -698,8 +700,7 @@ class DnsRelay:
             try:
                 reply = ask_tcp(server, query, until, door.send_if_open)
             except (OSError, TimeoutError) as exc:
-                errors.append(f"{server[0]}:{server[1]}: "
-                              f"{exc.strerror if isinstance(exc, OSError) and exc.strerror else exc or 'timed out'}")
+                errors.append(_why(server, exc))
                 continue
             if reply is None:
                 return None  # the door closed: nothing sent
