@@ -22,6 +22,7 @@ import pytest
 import dispatch
 from tests.conftest import Daemon, probe, shell
 from tests.dnsresponder import ADDRESS, NAME, Responder
+from tests.integration.test_cli import dispatch_cli
 
 ECONNREFUSED, EPERM, EACCES = 111, 1, 13
 
@@ -41,15 +42,20 @@ def resolv(tmp_path_factory: pytest.TempPathFactory, responder: Responder) -> Pa
 
 
 @pytest.fixture(scope="module")
-def dns_client(tmp_path_factory: pytest.TempPathFactory, resolv: Path) -> Iterator[dispatch.Client]:
+def dns_daemon(tmp_path_factory: pytest.TempPathFactory, resolv: Path) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("daemon-dns"), "--dns-resolv-conf-for-testing", str(resolv))
     try:
-        with d.connect() as c:
-            if c.status()["kernel"]["network_stack_missing"]:
-                pytest.skip(f"no network stack: {c.status()['kernel']['network_stack_missing']}")
-            yield c
+        yield d
     finally:
         assert d.stop() == 0, d.log()
+
+
+@pytest.fixture(scope="module")
+def dns_client(dns_daemon: Daemon) -> Iterator[dispatch.Client]:
+    with dns_daemon.connect() as c:
+        if c.status()["kernel"]["network_stack_missing"]:
+            pytest.skip(f"no network stack: {c.status()['kernel']['network_stack_missing']}")
+        yield c
 
 
 def _query(name: str) -> bytes:
@@ -156,8 +162,8 @@ def _point_at(resolv: Path, text: str) -> None:
     os.replace(new, resolv)
 
 
-def test_a_resolver_that_does_not_answer_is_said_and_fails_fast(dns_client: dispatch.Client, worktree: Path,
-                                                                resolv: Path) -> None:
+def test_a_resolver_that_does_not_answer_is_said_and_fails_fast(dns_daemon: Daemon, dns_client: dispatch.Client,
+                                                                worktree: Path, resolv: Path) -> None:
     good = resolv.read_text()
     mine = Responder()
     _point_at(resolv, f"nameserver 127.0.0.1:{mine.port}\n")  # read again within a second
@@ -179,6 +185,13 @@ def test_a_resolver_that_does_not_answer_is_said_and_fails_fast(dns_client: disp
             said = probe(s, f"import socket\ntry:\n    socket.getaddrinfo({NAME!r}, 80)\n"
                             "except socket.gaierror as e:\n    print(e.errno, e.strerror)\n")
             assert said == f"{socket.EAI_AGAIN} Temporary failure in name resolution"
+        # The command line says it on stderr, and the command fails at once.
+        started = time.monotonic()
+        cli = dispatch_cli("--socket", dns_daemon.socket, "--no-autostart", "exec", "--worktree", str(worktree),
+                           "--network", "on", "--", "getent", "hosts", NAME)
+        assert cli.returncode == 2 and cli.stdout == "" and time.monotonic() - started < 10, cli
+        assert cli.stderr.startswith("dispatch: warning: DNS does not answer: no resolver of the host's answers "
+                                     f"(127.0.0.1:{mine.port}: Connection refused)"), cli.stderr
         with dns_client.open_session(str(worktree), network="off") as s:  # a switch says it too
             assert s.status()["warnings"] == []
             info = dns_client.set_network(s.id, "ports", ports=[9])
