@@ -63,7 +63,7 @@ MAX_QUERY = 4096  # a query: one question and an OPT record fit in far less
 MAX_REPLY = 65535
 MAX_IN_FLIGHT = 32  # per session, UDP and TCP together
 MAX_TCP = 8  # TCP connections at once, per session
-POOL_THREADS = 16  # for ``check`` (each resolver at once); a door's own thread waits for its queries
+POOL_THREADS = 16  # for ``check`` (each resolver at once) and doors made ahead; a door's own thread waits for its queries
 TCP_IDLE_S = 10.0
 UPSTREAM_TIMEOUT_S = 2.0  # per resolver: the next is tried after this
 QUERY_DEADLINE_S = 4.0  # under glibc's 5 s: the session's library hears our SERVFAIL, not its own timeout
@@ -637,6 +637,12 @@ class DnsRelay:
 
         self.resolvers.on_change = rewrite
         return path
+
+    def ahead(self, make: Callable[[int, int], tuple[socket.socket, socket.socket]], userns_fd: int,
+              netns_fd: int) -> concurrent.futures.Future[tuple[socket.socket, socket.socket]]:
+        """``make(userns_fd, netns_fd)`` (the fork server's ``dns_sockets``) on a
+        thread of the relay's, while the caller starts the session's stack."""
+        return self._pool.submit(make, userns_fd, netns_fd)
 
     def open_door(self, session: str, udp: socket.socket, tcp: socket.socket) -> Door:
         return Door(self, session, udp, tcp)
