@@ -54,7 +54,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from dispatchd.confine.netstack import DNS_PORT, RELAY_ADDRESS
+from dispatchd.confine.netstack import DNS_PORT, RELAY_ADDRESS, Stack
+from dispatchd.daemon.spawn import SpawnError
 
 log = logging.getLogger("dispatchd.dns")
 
@@ -602,6 +603,60 @@ class Door:
             conn.close()
 
 
+MakeDoor = Callable[[int, int], tuple[socket.socket, socket.socket]]
+
+
+class DoorAhead:
+    """A session's door being made (``DnsRelay.door_ahead``), with copies of
+    its namespace descriptors: the session's own may be closed meanwhile (a
+    stack that did not start) and are never reused under the request."""
+
+    def __init__(self, relay: DnsRelay, session: str, namespaces: tuple[int, int], make: MakeDoor) -> None:
+        self.relay, self.session = relay, session
+        userns, netns = os.dup(namespaces[0]), os.dup(namespaces[1])
+
+        def run() -> tuple[socket.socket, socket.socket]:
+            try:
+                return make(userns, netns)
+            finally:
+                os.close(userns)
+                os.close(netns)
+
+        try:
+            self._made = relay._pool.submit(run)
+        except BaseException:
+            os.close(userns)
+            os.close(netns)
+            raise
+
+    def open_with(self, stack: Stack) -> None:
+        """Serve the door, closed with ``stack``; the stack's warning follows
+        the relay's. Not made: the session opens all the same, and its
+        warning says why."""
+        started = time.perf_counter()
+        try:
+            udp, tcp = self._made.result()
+        except (SpawnError, OSError) as exc:
+            log.warning("event=dns_door_failed session=%s error=%s", self.session, exc)
+            why = f"DNS does not answer: the relay's door could not be made in the session's namespace ({exc})"
+            stack.warning = lambda: why
+            return
+        door = self.relay.open_door(self.session, udp, tcp)
+        stack.with_it.append(door.stop)
+        stack.warning = self.relay.warning
+        log.debug("event=dns_door_opened session=%s waited_ms=%.2f", self.session,
+                  (time.perf_counter() - started) * 1000)
+
+    def discard(self) -> None:
+        """The stack did not start: the door's sockets closed once made."""
+        def close(made: concurrent.futures.Future[tuple[socket.socket, socket.socket]]) -> None:
+            if not made.cancelled() and made.exception() is None:
+                for sock in made.result():
+                    sock.close()
+
+        self._made.add_done_callback(close)
+
+
 class DnsRelay:
     """The relay of every session: the host's resolvers and their last known
     state (``problem``, ``warning``, ``check``); each session's door serves
@@ -638,11 +693,12 @@ class DnsRelay:
         self.resolvers.on_change = rewrite
         return path
 
-    def ahead(self, make: Callable[[int, int], tuple[socket.socket, socket.socket]], userns_fd: int,
-              netns_fd: int) -> concurrent.futures.Future[tuple[socket.socket, socket.socket]]:
-        """``make(userns_fd, netns_fd)`` (the fork server's ``dns_sockets``) on a
-        thread of the relay's, while the caller starts the session's stack."""
-        return self._pool.submit(make, userns_fd, netns_fd)
+    def door_ahead(self, session: str, namespaces: tuple[int, int], make: MakeDoor) -> DoorAhead:
+        """Have ``make`` (the fork server's ``dns_sockets``) make a session's
+        door in its ``namespaces`` on a thread of the relay's, while the
+        caller starts its stack (the fork server is free again once pasta is
+        launched, and pasta takes ~90 ms to report ready)."""
+        return DoorAhead(self, session, namespaces, make)
 
     def open_door(self, session: str, udp: socket.socket, tcp: socket.socket) -> Door:
         return Door(self, session, udp, tcp)
@@ -669,10 +725,17 @@ class DnsRelay:
         return (f"DNS does not answer: no resolver of the host's answers ({problem}); names will not resolve "
                 f"in this session (lookups fail at once) until one does") if problem else ""
 
-    def check(self) -> str:
+    def check(self, session: str = "") -> str:
         """Ask every resolver of the host's, at once, for the root's NS
         records; any reply counts. Returns ``warning()`` after. A problem
         found less than ``CHECK_KEEP_S`` ago, with the same servers, stands."""
+        started = time.perf_counter()
+        warning = self._check()
+        log.debug("event=dns_checked session=%s ms=%.2f answers=%d", session, (time.perf_counter() - started) * 1000,
+                  not warning)
+        return warning
+
+    def _check(self) -> str:
         servers = self.resolvers.servers()
         with self._lock:
             kept = self._checked

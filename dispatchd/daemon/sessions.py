@@ -42,7 +42,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
 import os
@@ -142,13 +141,6 @@ class Session:
                                     domains=domains.describe(self.domains) if self.network == "domains" else [],
                                     denied=denied, writes=self.writes, asleep=self.asleep is not None,
                                     warnings=[warning] if warning else [])
-
-
-def _close_door_sockets(made: concurrent.futures.Future[tuple[socket.socket, socket.socket]]) -> None:
-    """A DNS door made for a stack that did not start: its sockets closed."""
-    if not made.cancelled() and made.exception() is None:
-        for sock in made.result():
-            sock.close()
 
 
 class _Nap:
@@ -751,67 +743,24 @@ class SessionManager:
             except SpawnError as exc:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
         if new.stack and session.stack is None:
-            # The DNS relay's door is made while pasta starts (the fork server
-            # is free again once pasta is launched; its readiness takes ~90 ms).
-            door = self._door_ahead(session) if self.dns else None
+            # The DNS relay's door is made while pasta starts (daemon/dnsrelay.py).
+            door = self.dns.door_ahead(session.id, self._namespaces(session), self.fork_server.dns_sockets) \
+                if self.dns else None
             try:
                 session.stack = netstack.start_stack(*self._namespaces(session), launch=self.fork_server.start_stack)
             except BaseException:
                 if door is not None:
-                    door.add_done_callback(_close_door_sockets)
+                    door.discard()
                 raise
             log.debug("event=stack_started session=%s pid=%s", session.id, session.stack.pid)
             if door is not None:
-                self._open_dns_door(session, session.stack, door)
-
-    def _door_ahead(self, session: Session | Made) -> concurrent.futures.Future[tuple[socket.socket, socket.socket]]:
-        """The fork server asked for the DNS relay's door on a thread of the
-        relay's, with copies of the namespace descriptors: the session's own
-        may be closed meanwhile (a stack that did not start), never reused
-        under the request."""
-        assert self.dns is not None
-        userns, netns = (os.dup(fd) for fd in self._namespaces(session))
-
-        def make(userns_fd: int, netns_fd: int) -> tuple[socket.socket, socket.socket]:
-            try:
-                return self.fork_server.dns_sockets(userns_fd, netns_fd)
-            finally:
-                os.close(userns_fd)
-                os.close(netns_fd)
-
-        try:
-            return self.dns.ahead(make, userns, netns)
-        except BaseException:
-            os.close(userns)
-            os.close(netns)
-            raise
-
-    def _open_dns_door(self, session: Session | Made, stack: netstack.Stack,
-                       made: concurrent.futures.Future[tuple[socket.socket, socket.socket]]) -> None:
-        """Serve the DNS relay's door ``made`` in the session's namespace, closed
-        with its stack. Not made: the session opens all the same, its status says so."""
-        assert self.dns is not None
-        started = time.perf_counter()
-        try:
-            udp, tcp = made.result()
-        except (SpawnError, OSError) as exc:
-            log.warning("event=dns_door_failed session=%s error=%s", session.id, exc)
-            why = f"DNS does not answer: the relay's door could not be made in the session's namespace ({exc})"
-            stack.warning = lambda: why
-            return
-        door = self.dns.open_door(session.id, udp, tcp)
-        stack.with_it.append(door.stop)
-        stack.warning = self.dns.warning
-        log.debug("event=dns_door_opened session=%s waited_ms=%.2f", session.id, (time.perf_counter() - started) * 1000)
+                door.open_with(session.stack)
 
     def _check_dns(self, session: Session) -> None:
         """An open or a switch with the relay: ask the host's resolvers now, so
         that the reply's ``warnings`` say whether names will resolve."""
         if self.dns is not None and session.stack is not None and session.stack.with_it:
-            started = time.perf_counter()
-            warning = self.dns.check()
-            log.debug("event=dns_checked session=%s ms=%.2f answers=%d", session.id,
-                      (time.perf_counter() - started) * 1000, not warning)
+            self.dns.check(session.id)
 
     def _stop_network(self, session: Session) -> None:
         if session.stack is not None:
