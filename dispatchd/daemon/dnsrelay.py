@@ -18,7 +18,7 @@ Guarantees:
   random ID, the same question) and parses as a reply;
 - it is bounded: a query of at most ``MAX_QUERY`` bytes, a reply of at most
   65,535, ``MAX_IN_FLIGHT`` queries at once per session (more are answered
-  SERVFAIL at once), ``MAX_TCP`` TCP connections per session, each idle at
+  SERVFAIL at once), ``MAX_PER_WINDOW`` datagrams read a ``RATE_WINDOW_S``, ``MAX_TCP`` TCP connections per session, each idle at
   most ``TCP_IDLE_S``; an upstream gets ``UPSTREAM_TIMEOUT_S``, the next one
   is tried, and a query no resolver answers is answered SERVFAIL within
   ``QUERY_DEADLINE_S``: the session's resolver library fails at once rather
@@ -66,6 +66,11 @@ MAX_IN_FLIGHT = 32  # per session, UDP and TCP together
 MAX_TCP = 8  # TCP connections at once, per session
 POOL_THREADS = 16  # for ``check`` (each resolver at once) and doors made ahead; a door's own thread waits for its queries
 TCP_IDLE_S = 10.0
+# A session's datagrams are read at most MAX_PER_WINDOW a RATE_WINDOW_S (2,000
+# a second): a session flooding its door holds one of the daemon's threads,
+# and the GIL, no more than that.
+RATE_WINDOW_S = 0.1
+MAX_PER_WINDOW = 200
 UPSTREAM_TIMEOUT_S = 2.0  # per resolver: the next is tried after this
 QUERY_DEADLINE_S = 4.0  # under glibc's 5 s: the session's library hears our SERVFAIL, not its own timeout
 CHECK_TIMEOUT_S = 1.0
@@ -436,17 +441,32 @@ class Door:
         for fd in (udp, tcp, self._wake_r):
             poller.register(fd, select.POLLIN)
         pending: dict[int, _Pending] = {}
+        # The rate bound: at most MAX_PER_WINDOW datagrams read a window; past
+        # it the socket is not polled until the window ends, and what the
+        # session sends meanwhile waits in (or overflows) its kernel buffer.
+        window_end, read, paused = 0.0, 0, False
         try:
             while True:
-                soonest = min((p.until for p in pending.values()), default=None)
+                soonest = min([p.until for p in pending.values()] + ([window_end] if paused else []), default=None)
                 wait_ms = None if soonest is None else max(0, int((soonest - time.monotonic()) * 1000) + 1)
                 ready = {fd for fd, _ in poller.poll(wait_ms)}
                 if self._wake_r in ready or self.stopped:
                     return
                 for fd in ready & pending.keys():
                     self._upstream_readable(poller, pending, fd)
-                if udp in ready:
+                now = time.monotonic()
+                if now >= window_end:
+                    window_end, read = now + RATE_WINDOW_S, 0
+                    if paused:
+                        poller.register(udp, select.POLLIN)
+                        paused = False
+                if udp in ready and not paused:
                     self._read_udp(poller, pending)
+                    read += 1
+                    if read >= MAX_PER_WINDOW:
+                        poller.unregister(udp)
+                        paused = True
+                        log.debug("event=dns_door_paused session=%s", self.session)
                 if tcp in ready:
                     self._accept()
                 now = time.monotonic()

@@ -253,3 +253,27 @@ def test_in_flight_queries_are_bounded(door_pair: tuple[dnsrelay.DnsRelay, Path]
     finally:
         door.stop()
         silent.close()
+
+
+def test_a_flood_is_read_at_the_bounded_rate(door_pair: tuple[dnsrelay.DnsRelay, Path],
+                                             monkeypatch: pytest.MonkeyPatch):
+    """Past MAX_PER_WINDOW datagrams in a window, the door waits for the next
+    window: the rest are answered later, none lost (they wait in the buffer)."""
+    monkeypatch.setattr(dnsrelay, "MAX_PER_WINDOW", 20)
+    monkeypatch.setattr(dnsrelay, "RATE_WINDOW_S", 0.5)
+    relay, conf = door_pair
+    conf.write_text("nameserver 127.0.0.1:1\n")
+    door, addr = _door(relay)
+    bad = query()[:4] + b"\x00\x02" + query()[6:]  # two questions: FORMERR at once, nothing forwarded
+    try:
+        with _client(addr) as c:
+            started = time.monotonic()
+            for _ in range(30):
+                c.send(bad)
+            times = []
+            for _ in range(30):
+                assert c.recv(4096)[3] & 0x0F == 1
+                times.append(time.monotonic() - started)
+        assert times[19] < 0.4 <= times[20], times  # 20 in the first window, the rest after it
+    finally:
+        door.stop()
