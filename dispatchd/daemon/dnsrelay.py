@@ -18,7 +18,7 @@ Guarantees:
   random ID, the same question) and parses as a reply;
 - it is bounded: a query of at most ``MAX_QUERY`` bytes, a reply of at most
   65,535, ``MAX_IN_FLIGHT`` queries at once per session (more are answered
-  SERVFAIL at once), ``MAX_PER_WINDOW`` datagrams read a ``RATE_WINDOW_S``, ``MAX_TCP`` TCP connections per session, each idle at
+  SERVFAIL at once), ``MAX_PER_WINDOW`` datagrams and connections taken a ``RATE_WINDOW_S``, ``MAX_TCP`` TCP connections per session, each idle at
   most ``TCP_IDLE_S``; an upstream gets ``UPSTREAM_TIMEOUT_S``, the next one
   is tried, and a query no resolver answers is answered SERVFAIL within
   ``QUERY_DEADLINE_S``: the session's resolver library fails at once rather
@@ -66,9 +66,9 @@ MAX_IN_FLIGHT = 32  # per session, UDP and TCP together
 MAX_TCP = 8  # TCP connections at once, per session
 POOL_THREADS = 16  # for ``check`` (each resolver at once) and doors made ahead; a door's own thread waits for its queries
 TCP_IDLE_S = 10.0
-# A session's datagrams are read at most MAX_PER_WINDOW a RATE_WINDOW_S (2,000
-# a second): a session flooding its door holds one of the daemon's threads,
-# and the GIL, no more than that.
+# A session's datagrams and connections are taken at most MAX_PER_WINDOW a
+# RATE_WINDOW_S (2,000 a second): a session flooding its door holds one of
+# the daemon's threads, and the GIL, no more than that.
 RATE_WINDOW_S = 0.1
 MAX_PER_WINDOW = 200
 UPSTREAM_TIMEOUT_S = 2.0  # per resolver: the next is tried after this
@@ -459,16 +459,20 @@ class Door:
                     window_end, read = now + RATE_WINDOW_S, 0
                     if paused:
                         poller.register(udp, select.POLLIN)
+                        poller.register(tcp, select.POLLIN)
                         paused = False
-                if udp in ready and not paused:
-                    self._read_udp(poller, pending)
-                    read += 1
+                if not paused:
+                    if udp in ready:
+                        self._read_udp(poller, pending)
+                        read += 1
+                    if tcp in ready:
+                        self._accept()
+                        read += 1
                     if read >= MAX_PER_WINDOW:
                         poller.unregister(udp)
+                        poller.unregister(tcp)
                         paused = True
                         log.debug("event=dns_door_paused session=%s", self.session)
-                if tcp in ready:
-                    self._accept()
                 now = time.monotonic()
                 for fd, p in list(pending.items()):
                     if p.until <= now:
