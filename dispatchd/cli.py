@@ -29,6 +29,7 @@ TESTING_ROOT_FLAG = "--allow-root-for-testing"
 PROXY_HOSTS_FLAG = "--proxy-hosts-for-testing"
 TUN_FLAG = "--tun-for-testing"
 FORCE_KERNEL_FLAG = "--force-kernel-for-testing"
+DNS_RESOLV_FLAG = "--dns-resolv-conf-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -86,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
     # force_for_testing: landlock=N, user_namespaces=no, detached_mounts=no).
     # It can only take features away, is logged at start and shown by status.
     p.add_argument(FORCE_KERNEL_FLAG, metavar="SPEC", help=argparse.SUPPRESS)
+    # Testing only: the DNS relay of network on/ports forwards to the
+    # nameservers of this file instead of /etc/resolv.conf's, and reads
+    # "nameserver ADDR:PORT" there (a test's resolver cannot listen on 53).
+    p.add_argument(DNS_RESOLV_FLAG, metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--pool", type=int, default=2, metavar="N",
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
                         "recently opened: an open then takes ~half the time; 0: none (default: 2; docs/performance.md)")
@@ -310,11 +315,17 @@ def main(argv: list[str] | None = None) -> int:
     if overrides:
         log.warning("event=testing_proxy_hosts hosts=%s (the domains proxy relays to these, loopback included)",
                     ",".join(f"{k}={'/'.join(v)}" for k, v in overrides.items()))
+    from dispatchd.daemon.dnsrelay import HOST_RESOLV_CONF, DnsRelay
+
+    if args.dns_resolv_conf_for_testing:
+        log.warning("event=testing_dns_resolv_conf path=%s (the DNS relay forwards to its nameservers)",
+                    args.dns_resolv_conf_for_testing)
+    dns = DnsRelay(args.dns_resolv_conf_for_testing or HOST_RESOLV_CONF, ports=bool(args.dns_resolv_conf_for_testing))
     manager = SessionManager(
         fork_server=fork_server, kernel=features, load_policy=policy_loader, state_dir=state,
         protected=[state, os.path.dirname(socket_path)], private=[state], runtime_dirs=sorted(runtime),
         code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation, resolver=resolver,
-        pool_size=args.pool, host_tree=not host_tree_missing,
+        pool_size=args.pool, host_tree=not host_tree_missing, dns=dns,
     )
     max_connections = capacity.connection_cap(open_files.limit, args.max_connections)
     server = Server(listener, manager, features, socket_path, policy_loader, max_connections=max_connections,

@@ -175,7 +175,14 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
                 args.worktree, policy=args.policy, network=args.network, ports=args.ports,
                 bind_ports=args.bind_ports, domains=args.domains, orphan_grace_s=0,
                 read_only=args.read_only) as session:
+            _print_warnings(session.info)
             yield session
+
+
+def _print_warnings(info: dict[str, Any]) -> None:
+    """What does not work as the session's mode promises (e.g. DNS), on stderr."""
+    for warning in info.get("warnings", []):
+        print(f"dispatch: warning: {warning}", file=sys.stderr)
 
 
 class Terminated(BaseException):
@@ -365,6 +372,7 @@ def _run(args: argparse.Namespace) -> int:
                                               read_only=args.read_only)
                 session.detach()
                 print(session.id)
+                _print_warnings(session.info)
             elif args.action == "close":
                 _cli_text.print_protected(client.close_session(args.id))
             elif args.action == "release":
@@ -382,6 +390,7 @@ def _run(args: argparse.Namespace) -> int:
             print(info["network"])
             if info.get("note"):
                 print(f"dispatch: {info['note']}", file=sys.stderr)
+            _print_warnings(info)
             return 0
         if args.command == "exec":
             return _exec(client, args)

@@ -117,7 +117,7 @@ def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw:
                 read_write: list[str], read_only: list[str], over: list[str] | None = None,
                 devices: list[str] | None = None, hide: list[str] | None = None,
                 system: list[str] | None = None, ahead: list[str] | None = None,
-                host_by_fd: bool = False) -> MountPlan:
+                host_by_fd: bool = False, files: list[tuple[str, str]] | None = None) -> MountPlan:
     """Pure. ``read_write`` and ``read_only`` are host paths bound at the same
     place; ``over`` is bound read-only over itself inside a writable bind. A
     path listed twice keeps its first, most writable, role; binds come out
@@ -127,6 +127,7 @@ def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw:
     ``/tmp``): see ``MountPlan.split_binds``."""
     binds: dict[str, Bind] = {}
     for b in ([Bind("/tmp", "rw", private_tmp), Bind(worktree, "rw" if worktree_rw else "ro", WORKTREE_FD)]
+              + [Bind(p, "ro", src) for p, src in files or []]
               + [Bind(p, "rw") for p in read_write] + [Bind(p, "ro") for p in read_only]
               + [Bind(p, "ro-over") for p in over or []]):
         binds.setdefault(b.path, b)

@@ -22,6 +22,12 @@ Guarantees, in full mode (user namespaces) with the stack available:
   session cannot touch it: it has no capability, and seccomp refuses setns;
   the rules are applied by a child of the fork server that joins the
   session's namespaces (``apply_rules_in``);
+- DNS: while the stack runs, the daemon's relay (daemon/dnsrelay.py) has a
+  door on the namespace's loopback (``RELAY_ADDRESS`` port 53, made by
+  ``open_dns_sockets_in``, closed with the stack: ``Stack.with_it``), which
+  "ports" lets through like all loopback traffic: DNS to the host's
+  resolvers only, whatever the ports listed; DNS straight to a server
+  follows the list;
 - nothing comes in: pasta forwards no port from the host (``-t none -u
   none``), and none of the session's loopback to the host's (``-T none -U
   none``); the host's loopback is reached at the gateway address only.
@@ -37,6 +43,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Callable
 
@@ -50,6 +57,10 @@ STACK = "pasta"
 ADDRESS = "10.0.2.15"  # the session's address on its one interface
 GATEWAY = "10.0.2.2"  # its gateway; pasta maps it to the host's loopback
 DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver
+# The daemon's DNS relay (daemon/dnsrelay.py), on the session's own loopback,
+# while its stack runs: what its resolv.conf names.
+RELAY_ADDRESS = "127.0.0.53"
+DNS_PORT = 53
 READY_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0  # a SIGKILLed stack has exited long before this
 TABLE = "dispatchd"
@@ -145,7 +156,9 @@ def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft
     return NetworkPlan(mode, namespace=True, stack=True, rules=nft_rules(mode, ports), landlock_tcp=False,
                        seccomp_inet=True,
                        mechanism=f"{via}; nftables in it: TCP, MPTCP and UDP out only to {_ports(ports.connect)}; "
-                                 "listening on any port, reachable from inside the session only")
+                                 "listening on any port, reachable from inside the session only; "
+                                 f"DNS through the daemon's relay ({RELAY_ADDRESS}, on its loopback) to the host's "
+                                 "resolvers, whatever the ports")
 
 
 def unavailable(mode: NetworkMode, stack_missing: str, nft_missing: str, *, use_userns: bool = True) -> str:
@@ -228,11 +241,18 @@ class Stack:
     def __init__(self, pid: int, pidfd: int) -> None:
         self.pid = pid
         self.pidfd = pidfd
+        # What goes with the stack (the DNS relay's door): stopped first.
+        self.with_it: list[Callable[[], None]] = []
+        # What the session's status warns of while it runs ("" for nothing):
+        # the DNS relay's (daemon/dnsrelay.py), set by the daemon.
+        self.warning: Callable[[], str] = lambda: ""
 
     def stop(self) -> None:
         """Exited on return: nothing of it moves a byte any more, and its tap
         device (the namespace's way out) is gone with its descriptors. The fork
         server reaps it."""
+        while self.with_it:
+            self.with_it.pop()()
         if self.pidfd < 0:
             return
         try:
@@ -321,3 +341,23 @@ def apply_rules_in(userns_fd: int, netns_fd: int, rules: str) -> str:
     if lib.nft_run_cmd_from_buffer(ctx, rules.encode()) != 0:
         return "nft: " + (lib.nft_ctx_get_error_buffer(ctx) or b"failed").decode(errors="replace").strip()
     return ""
+
+
+def open_dns_sockets_in(userns_fd: int, netns_fd: int) -> tuple[int, int]:
+    """In a fresh single-threaded child (of the fork server), as
+    ``apply_rules_in``: join the session's namespaces and make the DNS relay's
+    door there, a UDP socket and a TCP listener on ``RELAY_ADDRESS`` port 53
+    of its loopback (a port below 1024: the owner of the user namespace may
+    bind it, the session, with no capability, may not). Returns their fds
+    (close-on-exec), for the daemon to serve. Raises ``OSError``."""
+    from dispatchd.confine import _sys
+
+    _sys.setns(userns_fd, _sys.CLONE_NEWUSER)
+    _sys.setns(netns_fd, _sys.CLONE_NEWNET)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    udp.bind((RELAY_ADDRESS, DNS_PORT))
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tcp.bind((RELAY_ADDRESS, DNS_PORT))
+    tcp.listen(16)
+    return udp.detach(), tcp.detach()

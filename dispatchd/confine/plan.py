@@ -71,6 +71,10 @@ class SessionPaths(msgspec.Struct, frozen=True):
     # call's read_only), resolved and checked against the credential
     # deny-list by the daemon (daemon/worktree.py).
     read_only: list[str] = []
+    # ``[where, source]``: the DNS relay's resolv.conf (``source``, the
+    # daemon's) bound over the host's at ``where`` (daemon/dnsrelay.py);
+    # empty: the session reads the host's own.
+    resolv: list[str] = []
 
     @property
     def tmp(self) -> str:
@@ -274,7 +278,11 @@ def plan_session(
     # programs connecting in to a name the session listens on, so a shared
     # network namespace keeps them refused.
     unix_sockets = minimal_root and namespaces.net
-    read_only = list(fs.read_only) + ["/proc"] + list(paths.code) + list(git.readable) + list(paths.read_only)
+    # The relay's resolv.conf, where a root of the session's own can bind it
+    # and a stack runs in some mode (the relay's door opens with it).
+    resolv = paths.resolv if minimal_root and not kernel.network_stack_missing and len(paths.resolv) == 2 else []
+    read_only = (list(fs.read_only) + ["/proc"] + list(paths.code) + list(git.readable) + list(paths.read_only)
+                 + resolv[:1])
     if fs.landlock_grants_root and minimal_root:
         read_only.insert(0, "/")  # the layer test: the root alone keeps the rest out
     read_write = [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
@@ -314,6 +322,7 @@ def plan_session(
                              read_write=writable,
                              read_only=list(fs.read_only) + list(paths.code) + list(git.readable) + list(paths.read_only),
                              over=list(git.read_only) if worktree_rw else [], devices=devices,
+                             files=[(resolv[0], resolv[1])] if resolv else [],
                              hide=list(paths.runtime_dirs), system=list(fs.read_only) + list(paths.code),
                              # The session id's own: a sandbox made ahead for it binds them early.
                              ahead=[paths.scratch, "/tmp"],
@@ -326,6 +335,7 @@ def plan_session(
                   **{p: "system" for p in fs.read_only}, **{p: "dispatchd's code" for p in paths.code},
                   **{p: "git" for p in [*git.readable, *git.writable, *git.read_only]},
                   **{p: "extra read-only path" for p in paths.read_only},
+                  **{p: "the DNS relay's resolv.conf (network on, ports)" for p in resolv[:1]},
                   **{p: "policy read_write" for p in fs.read_write}}
 
     env = hygiene.session_env(

@@ -63,6 +63,7 @@ from dispatchd.daemon import (
 from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
+from dispatchd.daemon.dnsrelay import DnsRelay, session_resolv_binds
 from dispatchd.daemon.proxy import Resolver, SessionProxy, system_resolver
 from dispatchd.daemon.spawn import ForkServerClient, SpawnError, Worker, adopt
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
@@ -138,13 +139,15 @@ class Session:
         protections = msgspec.structs.replace(self.protections, lifetime=self.lifetime)
         denied = [protocol.DeniedHost(host=h, port=p, count=c, last=t) for h, p, c, t in self.proxy.denied()
                   ] if self.proxy else []
+        warning = self.stack.warning() if self.stack is not None else ""
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
                                     network=self.network, created=self.created, protections=protections,
                                     limits=msgspec.to_builtins(self.policy.limits), note=self.note,
                                     domains=domains.describe(self.domains) if self.network == "domains" else [],
                                     denied=denied, writes=self.writes, asleep=self.asleep is not None,
                                     protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
-                                               for p in self.reports()])
+                                               for p in self.reports()],
+                                    warnings=[warning] if warning else [])
 
 
 class _Nap:
@@ -253,8 +256,16 @@ class SessionManager:
         resolver: Resolver | None = None,
         pool_size: int = 0,
         host_tree: bool = False,
+        dns: DnsRelay | None = None,
     ) -> None:
         self.fork_server = fork_server
+        self.dns = dns  # network on/ports: the DNS relay, and the resolv.conf sessions read (daemon/dnsrelay.py)
+        self.dns_resolv = ""  # the relay's resolv.conf, which sessions bind; "": the host's
+        if dns is not None and not kernel.network_stack_missing:
+            try:
+                self.dns_resolv = dns.session_file(state_dir)
+            except OSError as exc:  # sessions read the host's: names resolve as before the relay, or not
+                log.warning("event=dns_resolv_conf_failed error=%s", exc)
         self.host_tree = host_tree  # plan_session's: the host's root held by descriptor (mounts._hold_host)
         self._last_inputs: dict[Kind, PlanInputs] = {}  # the last open's plan inputs, per kind (planahead.py)
         self.kernel = kernel
@@ -495,7 +506,7 @@ class SessionManager:
     def _plan_inputs(self, session: Session, network: NetworkMode) -> PlanInputs:
         paths = SessionPaths(worktree=session.worktree, scratch=session.scratch,
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git,
-                             read_only=session.read_only)
+                             read_only=session.read_only, resolv=session_resolv_binds(self.dns_resolv))
         # Read at each worker start (open, network switch): a few µs, no git run.
         identity = gitidentity.identity_env(gitidentity.read_identity(self.home, self.base_env))
         return PlanInputs(session=session.id, policy=session.policy, network=network, paths=paths,
@@ -563,6 +574,7 @@ class SessionManager:
         session.ns_fds, session.stack, session.net = ns_fds, stack, net
         try:
             self._apply_network(session, plan.net)  # nothing left to do for one made ahead
+            self._check_dns(session)
         except BaseException:
             self._stop_network(session)
             session.worker = None
@@ -610,7 +622,7 @@ class SessionManager:
         # placeholders, replaced by the session's plan at adoption.
         paths = SessionPaths(worktree=os.path.join(self.sessions_dir, sid, "worktree"),
                              scratch=os.path.join(self.sessions_dir, sid), runtime_dirs=self.runtime_dirs,
-                             code=self.code_paths)
+                             code=self.code_paths, resolv=session_resolv_binds(self.dns_resolv))
         ports = _ports_of(policy)  # as a session's: sorted, each once
         plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
                             gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation,
@@ -746,8 +758,24 @@ class SessionManager:
             except SpawnError as exc:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
         if new.stack and session.stack is None:
-            session.stack = netstack.start_stack(*self._namespaces(session), launch=self.fork_server.start_stack)
+            # The DNS relay's door is made while pasta starts (daemon/dnsrelay.py).
+            door = self.dns.door_ahead(session.id, self._namespaces(session), self.fork_server.dns_sockets) \
+                if self.dns else None
+            try:
+                session.stack = netstack.start_stack(*self._namespaces(session), launch=self.fork_server.start_stack)
+            except BaseException:
+                if door is not None:
+                    door.discard()
+                raise
             log.debug("event=stack_started session=%s pid=%s", session.id, session.stack.pid)
+            if door is not None:
+                door.open_with(session.stack)
+
+    def _check_dns(self, session: Session) -> None:
+        """An open or a switch with the relay: ask the host's resolvers now, so
+        that the reply's ``warnings`` say whether names will resolve."""
+        if self.dns is not None and session.stack is not None and session.stack.with_it:
+            self.dns.check(session.id)
 
     def _stop_network(self, session: Session) -> None:
         if session.stack is not None:
@@ -769,6 +797,7 @@ class SessionManager:
                 or (session.worker is None and session.asleep is None):
             return None
         self._apply_network(session, plan.net)
+        self._check_dns(session)
         if session.proxy is not None:
             session.proxy.configure(network, session.domains)  # refuses all outside "domains"
         absent = session.protections.absent_paths if session.protections else None

@@ -128,6 +128,11 @@ class ForkServerClient:
         """One request to the fork server and its reply, serialised: the reply
         and the descriptor that came with it (-1 if none was expected: an
         ``OkReply``). Every failure is a ``SpawnError`` saying why."""
+        reply, got = self._request_fds(make, fds)
+        return reply, (got[0] if got else -1)
+
+    def _request_fds(self, make: Callable[[int], msgspec.Struct], fds: list[int]) -> tuple[Any, list[int]]:
+        """``_request``, for a reply with any number of descriptors (``DnsDoor``: two)."""
         with self._lock:
             self._next += 1
             try:
@@ -137,7 +142,16 @@ class ForkServerClient:
                     raise SpawnError("the fork server has exited")
                 if isinstance(reply, protocol.ErrorReply):
                     raise SpawnError(reply.message)
-                return reply, (self._frames.take_fd() if isinstance(reply, protocol.Spawned) else -1)
+                wanted = 1 if isinstance(reply, protocol.Spawned) else 2 if isinstance(reply, protocol.DnsDoor) else 0
+                got: list[int] = []
+                try:
+                    for _ in range(wanted):
+                        got.append(self._frames.take_fd())
+                except protocol.ProtocolError:
+                    for fd in got:
+                        os.close(fd)
+                    raise
+                return reply, got
             except (OSError, protocol.ProtocolError) as exc:
                 raise SpawnError(f"the fork server is not answering: {exc}") from exc
 
@@ -216,6 +230,16 @@ class ForkServerClient:
         """Commit nftables ``rules`` in a session's namespaces (see
         ``netstack.apply_rules_in``); raises ``SpawnError`` with nft's message."""
         self._request(lambda rid: protocol.NetRules(id=rid, rules=rules), [userns_fd, netns_fd])
+
+    def dns_sockets(self, userns_fd: int, netns_fd: int) -> tuple[socket.socket, socket.socket]:
+        """The DNS relay's door in a session's namespaces (see
+        ``netstack.open_dns_sockets_in``): its UDP socket and TCP listener."""
+        reply, got = self._request_fds(lambda rid: protocol.DnsSockets(id=rid), [userns_fd, netns_fd])
+        if not isinstance(reply, protocol.DnsDoor) or len(got) != 2:
+            for fd in got:
+                os.close(fd)
+            raise SpawnError(f"the fork server answered {type(reply).__name__}")
+        return socket.socket(fileno=got[0]), socket.socket(fileno=got[1])
 
     def stop(self) -> None:
         self._frames.close()

@@ -12,7 +12,7 @@ Four modules, one job each, all re-exported here (``protocol.Hello``,
 - ``internal``: the daemon and its own processes. daemon <-> worker:
   ``WorkerReady``/``WorkerFailed`` once, then ``AddChannel`` and the rest;
   daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``;
-  ``StartStack`` / ``Spawned``.
+  ``StartStack`` / ``Spawned``; ``DnsSockets`` / ``DnsDoor``.
 - ``frames``: length-prefixed frames with a maximum size, the codec, fd
   passing, and ``FrameSocket.recv_request``, through which both servers read.
 
@@ -56,6 +56,8 @@ from dispatchd.protocol.internal import (
     ForgetWriteLock,
     FromWorker,
     NetRules,
+    DnsSockets,
+    DnsDoor,
     SetCommandEnv,
     Spawned,
     StartStack,
@@ -143,7 +145,7 @@ __all__ = [
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "ExpectSession", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
     "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerPooled",
-    "WorkerReady", "Asleep", "JobRecord", "KeptJobs", "MaySleep", "Sleep", "StayAwake", "WakeWorker",
+    "WorkerReady", "DnsSockets", "DnsDoor", "Asleep", "JobRecord", "KeptJobs", "MaySleep", "Sleep", "StayAwake", "WakeWorker",
     "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

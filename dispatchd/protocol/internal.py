@@ -18,7 +18,8 @@ Two conversations:
 - daemon <-> worker (control channel): ``WorkerReady``/``WorkerFailed`` once
   (a sandbox made ahead: ``WorkerPooled``, then ``AdoptSession`` first),
   then ``AddChannel``, write-lock requests and grants, call records, ``Drain``.
-- daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``.
+- daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``;
+  ``DnsSockets`` / ``DnsDoor``.
 """
 
 from __future__ import annotations
@@ -252,6 +253,20 @@ class StartStack(_Msg, tag="start_stack", frozen=True):
     id: int
 
 
+class DnsSockets(_Msg, tag="dns_sockets", frozen=True):
+    """Sent with two fds, a session's user and network namespaces: make the
+    DNS relay's door in there (``netstack.open_dns_sockets_in``). Answered by
+    ``DnsDoor`` with two fds (the UDP socket, the TCP listener) or ``ErrorReply``."""
+
+    id: int
+
+
+class DnsDoor(_Msg, tag="dns_door", frozen=True):
+    """Sent with two fds: the UDP socket and TCP listener of ``DnsSockets``."""
+
+    id: int
+
+
 class WakeWorker(_Msg, tag="wake_worker", frozen=True):
     """Sent with the worker's end of a new control channel, then the session's
     wake kit (``WorkerReady.wake_kit``: ruleset, user, mount, IPC and, when
@@ -264,8 +279,8 @@ class WakeWorker(_Msg, tag="wake_worker", frozen=True):
     kit: int  # how many fds of the kit follow the control channel
 
 
-ForkServerRequest = Union[SpawnWorker, NetRules, StartStack, WakeWorker]
-ForkServerReply = Union[Spawned, OkReply, ErrorReply]
+ForkServerRequest = Union[SpawnWorker, NetRules, StartStack, WakeWorker, DnsSockets]
+ForkServerReply = Union[Spawned, OkReply, ErrorReply, DnsDoor]
 
 fork_server_request_decoder = msgspec.msgpack.Decoder(ForkServerRequest)  # daemon -> fork server
 fork_server_reply_decoder = msgspec.msgpack.Decoder(ForkServerReply)  # fork server -> daemon

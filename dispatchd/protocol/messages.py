@@ -148,6 +148,9 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     writes: bool = False  # holds its worktree's write lock (one writer per worktree)
     asleep: bool = False  # no process runs: its next call wakes it (the policy's sleep_after_s)
     protected: list[ProtectedItem] = []  # what checks of its worktree moved aside or put back since it opened
+    # What does not work as the mode promises, e.g. "DNS does not answer: ..."
+    # (network on/ports, daemon/dnsrelay.py); empty when all is well.
+    warnings: list[str] = []
 
 
 class HelloOk(_Msg, tag="hello_ok", frozen=True):

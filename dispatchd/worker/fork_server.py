@@ -115,6 +115,51 @@ def _net_rules(req: protocol.NetRules, frames: protocol.FrameSocket) -> protocol
     return protocol.ErrorReply(id=req.id, code="spawn_failed", message=message)
 
 
+def _dns_sockets(req: protocol.DnsSockets, frames: protocol.FrameSocket) -> None:
+    """Make the DNS relay's door in a session's namespaces from a child that
+    joins them (as ``_net_rules``), and send its two sockets to the daemon
+    with ``DnsDoor``; or ``ErrorReply`` saying why. Waited for here."""
+    try:
+        userns_fd, netns_fd = frames.take_fd(), frames.take_fd()
+    except protocol.ProtocolError as exc:
+        frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)))
+        return
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    got: list[int] = []
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ours.close()
+                try:
+                    udp, tcp = netstack.open_dns_sockets_in(userns_fd, netns_fd)
+                    socket.send_fds(theirs, [b"ok"], [udp, tcp])
+                except OSError as exc:
+                    theirs.sendall(f"cannot make the DNS relay's door: {exc}".encode()[:4000])
+                os._exit(0)
+            finally:
+                os._exit(2)
+        theirs.close()
+        msg, got, _, _ = socket.recv_fds(ours, 4096, 2)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        ours.close()
+        theirs.close()
+        for fd in (userns_fd, netns_fd):
+            os.close(fd)
+    if msg == b"ok" and len(got) == 2:
+        try:
+            frames.send(protocol.DnsDoor(id=req.id), fds=got)
+        finally:
+            for fd in got:
+                os.close(fd)
+        return
+    for fd in got:
+        os.close(fd)
+    frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=(
+        msg.decode(errors="replace") or f"the DNS door's child ended with status {status}")))
+
+
 def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
                  children: set[int]) -> tuple[protocol.Spawned | protocol.ErrorReply, int]:
     """Start pasta for a session, as our child: it gets SIGKILL when we die
@@ -302,6 +347,9 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             os._exit(0)  # the daemon has gone
         if isinstance(req, protocol.NetRules):
             frames.send(_net_rules(req, frames))
+            continue
+        if isinstance(req, protocol.DnsSockets):
+            _dns_sockets(req, frames)
             continue
         if isinstance(req, protocol.WakeWorker):
             _wake(req, frames, sock, programs, workers)

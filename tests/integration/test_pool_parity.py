@@ -167,6 +167,8 @@ def _normalize(text: str, session: dispatch.Session, wt: Path) -> str:
     scratch = next(r["path"] for r in prot["root"] if "the session's scratch: HOME" in r["how"])
     cgroup = prot["limits"]["cgroup"]
     text = text.replace(scratch, "<scratch>").replace(session.id, "<sid>").replace(str(wt), "<wt>")
+    # The daemon's state directory: where the DNS relay's resolv.conf is bound from.
+    text = text.replace(os.path.dirname(os.path.dirname(scratch)) + "/", "<state>/")
     if cgroup:
         text = text.replace(os.path.dirname(cgroup), "<cgroups>")
         text = text.replace(os.path.basename(os.path.dirname(cgroup)), "<daemon-cgroup>")

@@ -484,7 +484,8 @@ def test_ports_in_full_mode():
     assert got.net is not None and got.net.stack and not got.net.landlock_tcp
     assert got.net.rules == nft_rules("ports", NetworkPorts(connect=[443, 80], bind=[8080]))
     mechanism = (f"{VIA_PASTA}; nftables in it: TCP, MPTCP and UDP out only to 443, 80; "
-                 "listening on any port, reachable from inside the session only")
+                 "listening on any port, reachable from inside the session only; DNS through the daemon's relay "
+                 "(127.0.0.53, on its loopback) to the host's resolvers, whatever the ports")
     assert report(got)["network"] == {"mode": "ports", "mechanism": mechanism, "stack": "pasta",
                                           "connect_ports": [443, 80], "bind_ports": [8080]}
     assert report(got)["mode"] == "full"
@@ -717,3 +718,21 @@ def test_a_session_sleeps_only_in_namespaces_of_its_own_on_a_root_of_its_own() -
     assert not can_sleep(plan(k=kernel(userns=False)))  # degraded: nothing outlives its processes
     assert not can_sleep(plan(Policy(filesystem=Filesystem(root="host"))))  # the weaker root
     assert not can_sleep(plan(Policy(limits=Limits(sleep_after_s=0))))  # never, by choice
+
+
+@pytest.mark.parametrize("network", ["off", "on", "ports", "domains"])
+def test_the_dns_relays_resolv_conf_is_bound_in_every_mode_where_a_stack_runs(network: str):
+    """Bound whatever the mode (the mode switches in place, the root stays):
+    with the stack off, the relay's address is the session's own loopback,
+    where nothing answers."""
+    at = "/run/NetworkManager/resolv.conf"  # where the host's /etc/resolv.conf leads (not a policy path)
+    paths = msgspec.structs.replace(PATHS, resolv=[at, "/state/dns-resolv.conf"])
+    got = plan(network=network, paths=paths)
+    assert got.mounts is not None
+    assert Bind(at, "ro", "/state/dns-resolv.conf") in got.mounts.split_binds()[1]  # the session's part
+    assert at in [r.path for r in got.landlock.paths]
+    # No stack on this machine, degraded mode, or no resolv.conf to bind over: the host's file.
+    for k, p in ((kernel(stack=False), paths), (kernel(userns=False), paths), (kernel(), PATHS)):
+        other = plan(network=network if k.user_namespaces or network != "domains" else "on", k=k, paths=p)
+        assert other.mounts is None or all(b.source != "/state/dns-resolv.conf" for b in other.mounts.binds)
+        assert at not in [r.path for r in other.landlock.paths]

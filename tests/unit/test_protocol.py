@@ -94,6 +94,8 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.Spawned: (p.Spawned(id=14, pid=999), {"fork_server_reply"}),
     p.NetRules: (p.NetRules(id=15, rules="add table inet dispatchd"), {"fork_server_request"}),
     p.StartStack: (p.StartStack(id=16), {"fork_server_request"}),
+    p.DnsSockets: (p.DnsSockets(id=18), {"fork_server_request"}),
+    p.DnsDoor: (p.DnsDoor(id=18), {"fork_server_reply"}),
     p.WakeWorker: (p.WakeWorker(id=17, plan=b"\x00 msgpack", kit=6), {"fork_server_request"}),
     p.MaySleep: (p.MaySleep(), {"from_worker"}),
     p.Asleep: (p.Asleep(count=253, last=False), {"from_worker"}),
@@ -125,7 +127,7 @@ TAGS = {
     "SetCommandEnv": "set_command_env", "WorkerPooled": "worker_pooled", "AdoptSession": "adopt_session", "ExpectSession": "expect_session",
     "ReleaseWriteLock": "release_write_lock", "ForgetWriteLock": "forget_write_lock",
     "WakeWorker": "wake_worker", "MaySleep": "may_sleep", "Asleep": "asleep", "Sleep": "sleep", "StayAwake": "stay_awake",
-    "KeptJobs": "kept_jobs",
+    "KeptJobs": "kept_jobs", "DnsSockets": "dns_sockets", "DnsDoor": "dns_door",
 }
 
 

@@ -1,0 +1,279 @@
+"""The DNS relay's pure parts: resolv.conf, the checks on queries and replies,
+where the session's resolv.conf is bound; and one relay, on loopback, against
+a responder of the test's (no namespace: a door's sockets made here)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dispatchd.confine.mounts import Bind, plan_mounts
+from dispatchd.daemon import dnsrelay
+from dispatchd.daemon.dnsrelay import (
+    DEFAULT_SERVER, check_query, error_reply, matches, parse_resolv_conf, session_resolv_binds,
+)
+
+
+def query(name: str = "a.example", qtype: int = 1, ident: int = 0x1234, flags: int = 0x0100) -> bytes:
+    return struct.pack("!HHHHHH", ident, flags, 1, 0, 0, 0) + b"".join(
+        bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\x00" + struct.pack("!HH", qtype, 1)
+
+
+def test_resolv_conf_is_read_as_glibc_reads_it():
+    text = ("# comment\nsearch example.org\nnameserver 127.0.0.53\nnameserver   10.0.0.1 \n"
+            "nameserver fe80::1%eth0\nnameserver 192.0.2.9\noptions edns0\n")
+    assert parse_resolv_conf(text) == [("127.0.0.53", 53), ("10.0.0.1", 53), ("fe80::1%eth0", 53)]  # 3 at most
+    assert parse_resolv_conf("nameserver not-an-address\nnameserver 127.0.0.1:5353\n") == [DEFAULT_SERVER]
+    assert parse_resolv_conf("") == [DEFAULT_SERVER]  # glibc's default
+    assert parse_resolv_conf("nameserver 10.0.0.1\nnameserver 10.0.0.1\n") == [("10.0.0.1", 53)]
+
+
+def test_the_search_list_and_ndots_are_kept():
+    text = "domain a.example\nsearch corp.example lab.example\noptions edns0 ndots:2 timeout:9\nnameserver 10.0.0.1\n"
+    assert dnsrelay.kept_lines(text) == ["search corp.example lab.example", "options ndots:2"]
+    assert dnsrelay.kept_lines("search x.example\ndomain y.example\n") == ["search y.example"]  # the last wins
+    assert dnsrelay.resolv_conf_text(["search corp.example"]).splitlines()[2:] == [
+        "nameserver 127.0.0.53", "search corp.example", "options timeout:5 attempts:1"]
+
+
+def test_the_session_file_follows_the_hosts_search_list(tmp_path: Path):
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("search one.example\nnameserver 10.0.0.1\n")
+    relay = dnsrelay.DnsRelay(str(conf))
+    try:
+        path = relay.session_file(str(tmp_path))
+        inode = os.stat(path).st_ino
+        assert "search one.example\n" in Path(path).read_text()
+        new = tmp_path / "new"
+        new.write_text("search two.example\nnameserver 10.0.0.1\n")
+        os.replace(new, conf)
+        deadline = time.monotonic() + 5
+        while "two.example" not in Path(path).read_text() and time.monotonic() < deadline:
+            relay.resolvers.servers()  # looks at most once a second
+            time.sleep(0.05)
+        assert "search two.example\n" in Path(path).read_text() and os.stat(path).st_ino == inode  # in place
+    finally:
+        relay.stop()
+
+
+def test_ports_only_with_the_testing_option():
+    text = "nameserver 127.0.0.1:5353\nnameserver [::1]:5354\nnameserver 127.0.0.1:99999\n"
+    assert parse_resolv_conf(text, ports=True) == [("127.0.0.1", 5353), ("::1", 5354)]
+    assert parse_resolv_conf(text) == [DEFAULT_SERVER]
+
+
+@pytest.mark.parametrize(("msg", "why"), [
+    (query(), ""),
+    (query(flags=0x8180), "a reply, not a query"),
+    (query(flags=0x2800), "not a standard query (opcode)"),  # UPDATE
+    (query()[:11], "shorter than a DNS header"),
+    (query()[:4] + b"\x00\x02" + query()[6:], "not exactly one question"),
+    (query()[:12] + b"\xc0\x0c" + b"\x00\x01\x00\x01", "compressed or extended label in a question"),
+    (query()[:12] + b"\x05abc", "question name runs past the message"),
+    (query()[:-2], "question without type and class"),
+    (query("a" * 63 + "." + "b" * 63 + "." + "c" * 63 + "." + "d" * 63), "question name longer than 255 bytes"),
+    (query() + b"\x00" * dnsrelay.MAX_QUERY, f"a query of {len(query()) + dnsrelay.MAX_QUERY} bytes (at most 4096)"),
+])
+def test_only_one_well_formed_query_is_forwarded(msg: bytes, why: str):
+    assert check_query(msg) == why
+
+
+def test_error_reply_answers_the_query():
+    q = query("x.example", ident=0xBEEF)
+    reply = error_reply(q, 2)
+    assert reply == b"\xbe\xef\x81\x82\x00\x01\x00\x00\x00\x00\x00\x00" + q[12:]
+    assert matches(q, reply)
+    assert error_reply(b"\x01\x02\x00", 1)[:4] == b"\x01\x02\x80\x81"  # the header alone
+
+
+def test_a_reply_must_answer_the_query():
+    q = query("a.example")
+    ok = q[:2] + b"\x81\x80" + q[4:]
+    assert matches(q, ok)
+    assert matches(q, ok.replace(b"example", b"ExAmPle"))  # 0x20 case randomisation
+    assert not matches(q, q)  # not a reply
+    assert not matches(q, b"\x00\x00" + ok[2:])  # another ID
+    assert not matches(q, query("b.example", flags=0x8180))
+    assert not matches(q, ok[:11])
+
+
+def test_the_relays_resolv_conf_is_bound_where_the_hosts_leads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    run = tmp_path / "run" / "systemd" / "resolve"
+    run.mkdir(parents=True)
+    (run / "stub-resolv.conf").write_text("nameserver 127.0.0.53\n")
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "resolv.conf").symlink_to("../run/systemd/resolve/stub-resolv.conf")
+    (etc / "plain.conf").write_text("nameserver 10.0.0.1\n")
+    monkeypatch.setattr(dnsrelay, "_ROOTS", (str(tmp_path) + "/",))
+    assert session_resolv_binds("/state/dns-resolv.conf", str(etc / "resolv.conf")) == [
+        str(run / "stub-resolv.conf"), "/state/dns-resolv.conf"]
+    assert session_resolv_binds("/s", str(etc / "plain.conf")) == [str(etc / "plain.conf"), "/s"]
+    assert session_resolv_binds("", str(etc / "plain.conf")) == []
+    assert session_resolv_binds("/s", str(etc / "missing.conf")) == []
+    monkeypatch.setattr(dnsrelay, "_ROOTS", ("/etc/", "/run/"))
+    assert session_resolv_binds("/s", str(etc / "plain.conf")) == []  # not under /etc or /run
+
+
+def test_the_relays_resolv_conf_wins_over_the_policys_path():
+    plan = plan_mounts(root="minimal", worktree="/w", worktree_rw=True, private_tmp="/s/tmp", read_write=[],
+                       read_only=["/etc", "/run/systemd/resolve/stub-resolv.conf"],
+                       files=[("/run/systemd/resolve/stub-resolv.conf", "/state/dns-resolv.conf")],
+                       system=["/etc", "/run/systemd/resolve/stub-resolv.conf"])
+    assert Bind("/run/systemd/resolve/stub-resolv.conf", "ro", "/state/dns-resolv.conf") in plan.binds
+    shared, session = plan.split_binds()
+    assert Bind("/etc", "ro") in shared
+    assert Bind("/run/systemd/resolve/stub-resolv.conf", "ro", "/state/dns-resolv.conf") in session
+
+
+# --- one relay, on loopback ---------------------------------------------------------
+
+
+class Upstream:
+    def __init__(self, answer: bool = True) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.seen: list[bytes] = []
+        self.answer = answer
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                q, peer = self.sock.recvfrom(4096)
+                if not q:
+                    return
+                self.seen.append(q)
+                if self.answer:
+                    self.sock.sendto(q[:2] + b"\x81\x80" + q[4:], peer)
+        except OSError:
+            return
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes its reader; ENOTCONN for UDP, done all the same
+        except OSError:
+            pass
+        self.sock.close()
+
+
+@pytest.fixture
+def door_pair(tmp_path: Path) -> Iterator[tuple[dnsrelay.DnsRelay, Path]]:
+    conf = tmp_path / "resolv.conf"
+    relay = dnsrelay.DnsRelay(str(conf), ports=True)
+    yield relay, conf
+    relay.stop()
+
+
+def _door(relay: dnsrelay.DnsRelay) -> tuple[dnsrelay.Door, tuple[str, int]]:
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(4)
+    return relay.open_door("t", udp, tcp), udp.getsockname()
+
+
+def _client(addr: tuple[str, int], timeout: float = 3) -> socket.socket:
+    """A session's resolver library: a UDP socket connected to the door."""
+    c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    c.settimeout(timeout)
+    c.connect(addr)
+    return c
+
+
+def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair: tuple[dnsrelay.DnsRelay, Path]):
+    relay, conf = door_pair
+    dead = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()
+    up = Upstream()
+    conf.write_text(f"nameserver 127.0.0.1:{dead_port}\nnameserver 127.0.0.1:{up.port}\n")
+    door, addr = _door(relay)
+    try:
+        with _client(addr) as c:
+            q = query(ident=0x4321)
+            c.send(q)
+            reply = c.recv(4096)
+            assert reply[:4] == b"\x43\x21\x81\x80" and reply[4:] == q[4:]  # the client's ID again
+            assert up.seen and up.seen[0][2:] == q[2:] and up.seen[0][:2] != b""  # our own ID on the way
+            assert relay.check() == ""
+            up.close()
+            started = time.monotonic()
+            c.send(q)
+            assert c.recv(4096)[:4] == b"\x43\x21\x81\x82"  # SERVFAIL, at once
+            assert time.monotonic() - started < 1.0
+            assert relay.warning().startswith(f"DNS does not answer: no resolver of the host's answers "
+                                              f"(127.0.0.1:{dead_port}: Connection refused; 127.0.0.1:{up.port}: "
+                                              "Connection refused)")
+            c.send(query(flags=0x8180))  # a reply, sent to the relay: dropped, nothing forwarded
+            c.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                c.recv(4096)
+    finally:
+        door.stop()
+
+
+def test_a_stopped_door_forwards_nothing_more(door_pair: tuple[dnsrelay.DnsRelay, Path]):
+    relay, conf = door_pair
+    up = Upstream()
+    conf.write_text(f"nameserver 127.0.0.1:{up.port}\n")
+    door, addr = _door(relay)
+    door.stop()
+    assert door.stopped and door.udp.fileno() == -1 and door.tcp.fileno() == -1
+    with _client(addr, 1) as c:
+        c.send(query())
+        with pytest.raises(ConnectionRefusedError):
+            c.recv(4096)
+    assert door.send_if_open(lambda: pytest.fail("sent after the stop")) is False
+    assert up.seen == []
+    up.close()
+
+
+def test_in_flight_queries_are_bounded(door_pair: tuple[dnsrelay.DnsRelay, Path]):
+    relay, conf = door_pair
+    silent = Upstream(answer=False)
+    conf.write_text(f"nameserver 127.0.0.1:{silent.port}\n")
+    door, addr = _door(relay)
+    try:
+        with _client(addr) as c:
+            for i in range(dnsrelay.MAX_IN_FLIGHT + 1):
+                c.send(query(ident=i))
+            # The one past the bound: SERVFAIL at once, while the others wait for the silent resolver.
+            assert c.recv(4096)[:4] == struct.pack("!H", dnsrelay.MAX_IN_FLIGHT) + b"\x81\x82"
+    finally:
+        door.stop()
+        silent.close()
+
+
+def test_a_flood_is_read_at_the_bounded_rate(door_pair: tuple[dnsrelay.DnsRelay, Path],
+                                             monkeypatch: pytest.MonkeyPatch):
+    """Past MAX_PER_WINDOW datagrams in a window, the door waits for the next
+    window: the rest are answered later, none lost (they wait in the buffer)."""
+    monkeypatch.setattr(dnsrelay, "MAX_PER_WINDOW", 20)
+    monkeypatch.setattr(dnsrelay, "RATE_WINDOW_S", 0.5)
+    relay, conf = door_pair
+    conf.write_text("nameserver 127.0.0.1:1\n")
+    door, addr = _door(relay)
+    bad = query()[:4] + b"\x00\x02" + query()[6:]  # two questions: FORMERR at once, nothing forwarded
+    try:
+        with _client(addr) as c:
+            started = time.monotonic()
+            for _ in range(30):
+                c.send(bad)
+            times = []
+            for _ in range(30):
+                assert c.recv(4096)[3] & 0x0F == 1
+                times.append(time.monotonic() - started)
+        assert times[19] < 0.4 <= times[20], times  # 20 in the first window, the rest after it
+    finally:
+        door.stop()
