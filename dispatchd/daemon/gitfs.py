@@ -36,9 +36,9 @@ _QUARANTINED = ".quarantined-by-dispatchd-"
 ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
-def read_small(path: str) -> str | None:
-    """A small file's text (at most 4 KiB), or None: absent, a symlink, not
-    a regular file, unreadable."""
+def read_small(path: str, limit: int = _MAX_POINTER) -> str | None:
+    """A small file's text (at most ``limit`` bytes, 4 KiB by default), or
+    None: absent, a symlink, not a regular file, unreadable."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -46,7 +46,7 @@ def read_small(path: str) -> str | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return os.read(fd, _MAX_POINTER).decode("utf-8", "replace")
+        return os.read(fd, limit).decode("utf-8", "replace")
     finally:
         os.close(fd)
 
@@ -163,6 +163,22 @@ def move_aside_at(dir_fd: int, name: str) -> str:
             os.chmod(f"/proc/self/fd/{dir_fd}", stat.S_IMODE(mode) | stat.S_IRWXU)
     os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return dst
+
+
+def move_below_aside(root: str, rel: str) -> str | None:
+    """Move ``rel`` (a path below ``root``, ``/``-separated) aside, its parent
+    reached by descriptor (``open_dir_below``: no symlink followed); returns
+    the new path, or None when it is gone. Raises OSError when it cannot."""
+    parent, _, name = rel.rpartition("/")
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if not parent else open_dir_below(root, parent)
+    if fd is None:
+        return None
+    try:
+        return os.path.join(root, parent, move_aside_at(fd, name))
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def move_aside(path: str) -> str:

@@ -59,7 +59,7 @@ class History(msgspec.Struct, frozen=True):
 def read_refs(common: str) -> dict[str, str]:
     """Branches and tags: ``packed-refs``, then loose refs (which win)."""
     refs: dict[str, str] = {}
-    packed = _read_text(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
+    packed = gitfs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
     for line in (packed or "").splitlines():
         if not line or line[0] in "#^":
             continue
@@ -80,28 +80,15 @@ def read_refs(common: str) -> dict[str, str]:
                 if entry.is_dir(follow_symlinks=False):
                     pending.append((entry.path, full))
                 elif entry.is_file(follow_symlinks=False):
-                    value = (_read_text(entry.path, 256) or "").strip()
+                    value = (gitfs.read_small(entry.path, 256) or "").strip()
                     if _OID.match(value):
                         refs[full] = value
     return refs
 
 
-def _read_text(path: str, limit: int) -> str | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, limit).decode("utf-8", "replace")
-    finally:
-        os.close(fd)
-
-
 def checked_out(gitdir: str) -> str:
     """The branch a git directory's HEAD names (``refs/heads/...``), or ""."""
-    text = (_read_text(os.path.join(gitdir, "HEAD"), 4096) or "").strip()
+    text = (gitfs.read_small(os.path.join(gitdir, "HEAD"), 4096) or "").strip()
     return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
 
 
@@ -159,7 +146,7 @@ def _clone(src: str, dst: str, budget: list[int]) -> None:
 def record(common: str, keep: str, own: list[str]) -> History:
     """Read the refs and bring the keep of the object files up to date."""
     refs = read_refs(common)
-    head = _read_text(os.path.join(common, "HEAD"), 4096) or ""
+    head = gitfs.read_small(os.path.join(common, "HEAD"), 4096) or ""
     objects = os.path.join(common, "objects")
     note = ""
     try:

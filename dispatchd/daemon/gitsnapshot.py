@@ -438,10 +438,7 @@ class _Walk:
             if fd is None:
                 continue
             try:
-                listing = _open_subdir(fd, ".", os.O_RDONLY)
-                names = sorted(os.listdir(listing)) if listing is not None else []
-                if listing is not None:
-                    os.close(listing)
+                names = _names(fd)
                 if len(names) > _MAX_ENTRIES:
                     self.included[rel] = _never_equal("too many entries")
                     continue
@@ -491,10 +488,7 @@ class _Walk:
                 if fd is None:
                     continue
                 try:
-                    listing = _open_subdir(fd, ".", os.O_RDONLY)
-                    names = sorted(os.listdir(listing)) if listing is not None else []
-                    if listing is not None:
-                        os.close(listing)
+                    names = _names(fd)
                     kinds = {name: _kind(fd, name) for name in names}
                 finally:
                     os.close(fd)
@@ -590,6 +584,17 @@ class _Walk:
                 elif not leads:
                     leads = "nothing"
         self.pointers[rel] = hashlib.sha256(os.fsencode(content)).hexdigest() + " -> " + leads
+
+
+def _names(dir_fd: int) -> list[str]:
+    """The sorted names in the directory an O_PATH descriptor holds."""
+    listing = _open_subdir(dir_fd, ".", os.O_RDONLY)
+    if listing is None:
+        return []
+    try:
+        return sorted(os.listdir(listing))
+    finally:
+        os.close(listing)
 
 
 def _kind(dir_fd: int, name: str) -> str:
@@ -755,24 +760,14 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[li
                       ".git/modules and .git/index moved aside")
         if ".git" in now.by_file:
             todo = [".git/index", ".git/modules"] + [r for r in todo if not is_within(r, ".git/modules")]
-    walk = _Walk(worktree)
     for rel in todo:
-        parent, _, name = rel.rpartition("/")
         try:
-            fd = walk.open(parent)
+            done = gitfs.move_below_aside(worktree, rel)  # None: gone since the walk
         except OSError as exc:
             failed.append(f"{os.path.join(worktree, rel)}: {exc.strerror}")
             continue
-        if fd is None:
-            continue  # gone since the walk: nothing there for git to read
-        try:
-            moved.append(os.path.join(worktree, parent, gitfs.move_aside_at(fd, name)))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            failed.append(f"{os.path.join(worktree, rel)}: {exc.strerror}")
-        finally:
-            os.close(fd)
+        if done is not None:
+            moved.append(done)
     for path, digest in now.external.items():
         old = before.external.get(path)
         # New or changed: a redirect gitredirects.quarantine_new_redirects

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 
 import msgspec
 
@@ -203,24 +202,11 @@ def quarantine(root: str, todo: list[str]) -> tuple[list[str], list[str]]:
     moved: list[str] = []
     failed: list[str] = []
     for rel in todo:
-        parent, _, name = rel.rpartition("/")
         try:
-            fd = (os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if not parent
-                  else gitfs.open_dir_below(root, parent))
+            done = gitfs.move_below_aside(root, rel)  # None: gone since the walk
         except OSError as exc:
             failed.append(f"{os.path.join(root, rel)}: {exc.strerror}")
             continue
-        if fd is None:
-            continue  # gone since the walk
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode) and name == ".git":
-                continue  # a git directory keeps its objects: only its files go
-            moved.append(os.path.join(root, parent, gitfs.move_aside_at(fd, name)))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            failed.append(f"{os.path.join(root, rel)}: {exc.strerror}")
-        finally:
-            os.close(fd)
+        if done is not None:
+            moved.append(done)
     return moved, failed
