@@ -170,7 +170,10 @@ def move_below_aside(root: str, rel: str) -> str | None:
     reached by descriptor (``open_dir_below``: no symlink followed); returns
     the new path, or None when it is gone. Raises OSError when it cannot."""
     parent, _, name = rel.rpartition("/")
-    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if not parent else open_dir_below(root, parent)
+    try:
+        fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if not parent else open_dir_below(root, parent)
+    except PermissionError:
+        fd = _open_dir_searchable(root, parent)
     if fd is None:
         return None
     try:
@@ -179,6 +182,25 @@ def move_below_aside(root: str, rel: str) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def _open_dir_searchable(root: str, rel: str) -> int | None:
+    """``open_dir_below``, giving each directory on the way that a session
+    made unsearchable its owner's rights back (the user's, so the daemon's):
+    what lies below one is moved aside all the same."""
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    for part in rel.split("/"):
+        try:
+            os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(os.stat(f"/proc/self/fd/{fd}").st_mode) | stat.S_IRWXU)
+            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in ABSENT:
+                return None
+            raise
+        os.close(fd)
+        fd = nxt
+    return fd
 
 
 def move_aside(path: str) -> str:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 import msgspec
 
@@ -70,6 +71,10 @@ class _Walk:
         self.count = 0
         self.dirs = 0
         self.why = ""
+        # Directories a session made unreadable, opened after giving their
+        # owner (the user, so the daemon) read and search rights back for
+        # the walk: directory fd -> (its O_PATH fd, the mode to put back).
+        self.lent: dict[int, tuple[int, int]] = {}
 
     def run(self) -> None:
         top = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -81,12 +86,43 @@ class _Walk:
                 try:
                     self._directory(fd, rel, protected, in_git, pending)
                 finally:
+                    self._give_back(fd)
                     os.close(fd)
                 if self.why:
                     return
         finally:
             for fd, *_ in pending:
+                self._give_back(fd)
                 os.close(fd)
+
+    def _give_back(self, fd: int) -> None:
+        lent = self.lent.pop(fd, None)
+        if lent is not None:
+            path_fd, mode = lent
+            try:
+                os.chmod(f"/proc/self/fd/{path_fd}", mode)
+            finally:
+                os.close(path_fd)
+
+    def open_dir(self, dir_fd: int, name: str) -> int | None:
+        """A directory below ``dir_fd`` for listing, never through a symlink;
+        one the session made unreadable is made readable for the walk, and
+        its mode put back once its entries are opened (the daemon is its
+        owner: nothing below it goes unchecked)."""
+        try:
+            return _open_dir(dir_fd, name)
+        except PermissionError:
+            pass
+        path_fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            mode = stat.S_IMODE(os.fstat(path_fd).st_mode)
+            os.chmod(f"/proc/self/fd/{path_fd}", mode | stat.S_IRWXU)
+            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException:
+            os.close(path_fd)
+            raise
+        self.lent[fd] = (path_fd, mode)
+        return fd
 
     def _directory(self, fd: int, rel: str, protected: bool, in_git: bool,
                    pending: list[tuple[int, str, bool, bool]]) -> None:
@@ -121,7 +157,7 @@ class _Walk:
                 if not rel and self.skip_root_git:
                     continue
                 if kind == "dir":
-                    sub = _open_dir(fd, name)
+                    sub = self.open_dir(fd, name)
                     if sub is None:
                         continue
                     self._gitdir(sub, child)
@@ -135,7 +171,7 @@ class _Walk:
                 if digest is not None:
                     self.entries[child] = digest
             if kind == "dir" and not (in_git and name in _GIT_BULK):
-                sub = _open_dir(fd, name)
+                sub = self.open_dir(fd, name)
                 if sub is not None:
                     pending.append((sub, child, mark, in_git))
 

@@ -480,7 +480,10 @@ def test_a_nested_repository_hidden_behind_an_unsearchable_directory_never_runs_
     assert "?? a/" in status.stdout.splitlines()  # an untracked directory, no submodule
     assert [p.name.startswith("index.quarantined-by-dispatchd-") for p in (worktree / ".git").iterdir()
             if p.name.startswith("index")] == [True]
-    assert (worktree / "a" / "sub" / ".git" / "config").read_text().count(marker) == 1  # nothing lost
+    # The nested repository is disarmed too (its config moved aside: a new
+    # repository in the worktree), and nothing is lost
+    aside = [p for p in (worktree / "a" / "sub" / ".git").iterdir() if p.name.startswith("config.quarantined-by-dispatchd-")]
+    assert len(aside) == 1 and aside[0].read_text().count(marker) == 1
     with client.open_session(str(worktree)) as s:  # and the worktree opens again
         assert shell(s, "true").is_success
 

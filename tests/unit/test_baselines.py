@@ -76,6 +76,23 @@ def test_protected_names_new_directory_whole_changed_file_alone(tmp_path: Path) 
     assert todo == [".claude/settings.json", "d0/.vscode"]
 
 
+def test_an_unreadable_directory_is_looked_into_and_its_mode_kept(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    before = treewalk.take(str(repo))
+    (repo / "a" / "sub").mkdir(parents=True)
+    git(repo / "a" / "sub", "init", "-q")
+    os.chmod(repo / "a", 0)
+    try:
+        now = treewalk.take(str(repo))
+        assert now.complete and os.stat(repo / "a").st_mode & 0o777 == 0  # looked into, mode put back
+        todo = treewalk.changes(before, now)
+        assert todo == ["a/sub/.git/config"]
+        moved, failed = treewalk.quarantine(str(repo), todo)
+        assert len(moved) == 1 and not failed
+    finally:
+        os.chmod(repo / "a", 0o755)
+
+
 def test_the_walk_is_bounded_in_depth_without_recursion(tmp_path: Path) -> None:
     top = tmp_path / "deep"
     top.mkdir()
