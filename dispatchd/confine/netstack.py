@@ -203,11 +203,20 @@ class Stack:
     def __init__(self, pid: int, pidfd: int) -> None:
         self.pid = pid
         self.pidfd = pidfd
+        self.stopping = False  # ended on purpose: its exit is no failure (daemon/helpers.py)
+
+    def exited(self) -> bool:
+        """Whether it has exited on its own (not by ``stop``)."""
+        pidfd = self.pidfd
+        # The flag is read after the poll: a stop meanwhile (its descriptor
+        # closed, the number reused) is seen as a stop, never as an exit.
+        return pidfd >= 0 and fdwait.readable(pidfd, 0) and not self.stopping
 
     def stop(self) -> None:
         """Exited on return: nothing of it moves a byte any more, and its tap
         device (the namespace's way out) is gone with its descriptors. The fork
         server reaps it."""
+        self.stopping = True
         if self.pidfd < 0:
             return
         try:

@@ -857,7 +857,11 @@ class SessionManager:
                 os.close(pidfd)
         word, sentence = exits.describe_exit(status, idle_timeout_s=session.policy.limits.idle_timeout_s,
                                              tool_server_is_init=_has_pid_namespace(session))
-        if not self.accepting and word == "worker_exited code=0":
+        died = self.fork_server.death(0.1 if status is None or os.WIFSIGNALED(status) else 0.0)
+        if died:  # its parent's end took the worker: that is the cause (daemon/helpers.py)
+            word, sentence = "fork_server_died", f"{died}; dispatchd exits so that a new one is started: " \
+                                                 "open the session again"
+        elif not self.accepting and word == "worker_exited code=0":
             word, sentence = "daemon_stopping", "dispatchd stopped (calls in flight were let finish first)"
         log.info("event=session_ended session=%s reason=%s", session.id, word)
         self._finish(session, sentence)
