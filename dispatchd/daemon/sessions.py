@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd import protocol, threads
+from dispatchd import protocol, threads, treewalk
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
@@ -945,7 +945,10 @@ class SessionManager:
         if not self.write_locks.holds(session.id):
             return
         started = time.perf_counter()
-        removed = sweep_temp_files(session.worktree)  # the daemon writes none: none in flight
+        budget = treewalk.Budget()
+        removed = sweep_temp_files(session.worktree, budget=budget)  # the daemon writes none: none in flight
+        if budget.skipped:
+            log.warning("event=temp_files_sweep_cut session=%s left=%r", session.id, budget.describe())
         if removed:
             log.info("event=temp_files_removed session=%s count=%d ms=%.1f", session.id, len(removed),
                      (time.perf_counter() - started) * 1e3)
