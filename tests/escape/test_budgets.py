@@ -195,3 +195,39 @@ def _q(s: str) -> str:
 
 
 _ = (REPO, shutil)  # the module shares the suite's imports
+
+
+# Linux AIO through libaio's system calls, and a plain write as the control.
+AIO = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+ctx = ctypes.c_ulong(0)
+r = libc.syscall(ctypes.c_long(206), ctypes.c_long(8), ctypes.byref(ctx))  # io_setup(8, &ctx)
+setup = 0 if r == 0 else ctypes.get_errno()
+if r == 0:
+    libc.syscall(ctypes.c_long(207), ctx)  # io_destroy
+r = libc.syscall(ctypes.c_long(209), ctypes.c_ulong(0), ctypes.c_long(0), None)  # io_submit(0, 0, NULL)
+submit = ctypes.get_errno() if r < 0 else 0
+fd = os.open("aio.txt", os.O_WRONLY | os.O_CREAT, 0o600)
+os.write(fd, b"sync")
+os.close(fd)
+print(setup, submit, open("aio.txt").read())
+"""
+
+
+def test_linux_aio_is_refused_with_enosys_and_ordinary_io_works(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    """One session could take the machine's whole fs.aio-max-nr; ENOSYS, as a
+    kernel without AIO answers (its users fall back to synchronous I/O)."""
+    import subprocess
+    import sys
+
+    _, client = full
+    outside = subprocess.run([sys.executable, "-c", AIO], capture_output=True, text=True, cwd=worktree, timeout=30)
+    # The twin: outside, io_setup succeeds and io_submit on no context says EINVAL.
+    assert outside.stdout.split() == ["0", str(errno.EINVAL), "sync"], outside
+    (worktree / "aio.txt").unlink()
+    with client.open_session(str(worktree)) as session:
+        inside = shell(session, f"/usr/bin/python3 -c {_q(AIO)}")
+        assert inside.is_success and inside.output.split() == [str(errno.ENOSYS), str(errno.ENOSYS), "sync"], inside
