@@ -17,7 +17,9 @@ Guarantees:
   right after) that leaves the tool server a reserve: commands that hit the
   session's process limit hit it ``PROCESS_RESERVE`` (or a quarter of a
   smaller budget) below the server, which keeps its threads and can still
-  spawn, answer and kill.
+  spawn, answer and kill. Likewise an RLIMIT_NOFILE ``FD_PASSING_RESERVE``
+  below the server's (``confine/limits.py``): descriptors the commands put
+  in flight cannot stop the session's own sends.
 
 Why a marker rather than a subreaper: a subreaper shared by the tool server
 cannot tell which call an orphan came from (several calls run at once, and
@@ -42,6 +44,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
+
+from dispatchd.confine.limits import FD_PASSING_RESERVE
 
 
 class _Child(Protocol):
@@ -132,12 +136,27 @@ def spawn(start: Callable[[], T], budget: int) -> T:
     return child
 
 
+def _files_limit(hard: int) -> int | None:
+    """The RLIMIT_NOFILE commands get, or None to leave them ours: ours less
+    the reserve the session's own processes keep (``limits.py``)."""
+    if hard == resource.RLIM_INFINITY or hard <= FD_PASSING_RESERVE:
+        return None
+    return hard - FD_PASSING_RESERVE
+
+
 def _start_limited(start: Callable[[], T], budget: int) -> T:
     soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     value = _command_limit(hard, budget)
-    if value is None:
+    files_soft, files_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    files = _files_limit(files_hard)
+    if value is None and files is None:
         return start()
-    resource.setrlimit(resource.RLIMIT_NPROC, (min(soft, value), hard))
+    if value is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (min(soft, value), hard))
+    if files is not None:
+        # Our own descriptors stay open; only new ones above the lowered
+        # limit would fail meanwhile (the tool server holds a few dozen).
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(files_soft, files), files_hard))
     child: T | None = None
     try:
         child = start()
@@ -145,12 +164,20 @@ def _start_limited(start: Callable[[], T], budget: int) -> T:
         pass  # EAGAIN: past the command limit already
     finally:
         resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (files_soft, files_hard))
     if child is None:
-        child = start()
-    try:
-        resource.prlimit(child.pid, resource.RLIMIT_NPROC, (value, value))
-    except (OSError, ValueError):
-        pass  # already gone: nothing to limit
+        if files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(files_soft, files), files_hard))
+        try:
+            child = start()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files_soft, files_hard))
+    for which, limit in ((resource.RLIMIT_NPROC, value), (resource.RLIMIT_NOFILE, files)):
+        if limit is not None:
+            try:
+                resource.prlimit(child.pid, which, (limit, limit))
+            except (OSError, ValueError):
+                pass  # already gone: nothing to limit
     return child
 
 

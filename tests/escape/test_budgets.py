@@ -41,7 +41,8 @@ def full(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     _refuse_root()
     base = tmp_path_factory.mktemp(f"budgets-{request.param}")
     d = mode_daemon(base, request.param, "--cgroup", "off",
-                    policies={"smallmem": "[limits]\nsession_memory_bytes = 67108864\n"})
+                    policies={"smallmem": "[limits]\nsession_memory_bytes = 67108864\n",
+                              "fewfds": "[limits]\nmax_open_files = 256\n"})
     try:
         with connect(d, request.param) as c:
             yield d, c
@@ -231,3 +232,51 @@ def test_linux_aio_is_refused_with_enosys_and_ordinary_io_works(
     with client.open_session(str(worktree)) as session:
         inside = shell(session, f"/usr/bin/python3 -c {_q(AIO)}")
         assert inside.is_success and inside.output.split() == [str(errno.ENOSYS), str(errno.ENOSYS), "sync"], inside
+
+
+# Sends descriptors over a socketpair nobody reads (200 a message, the same
+# one again and again) until the kernel refuses; prints how many are in
+# flight and the errno, then holds them.
+INFLIGHT_HOG = r"""
+import array, errno, os, socket, sys, time
+a, b = socket.socketpair()
+a.setblocking(False)
+fds = array.array("i", [a.fileno()] * 200)
+sent, err = 0, 0
+while sent < 200000:
+    try:
+        a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        sent += 200
+    except OSError as exc:
+        err = exc.errno
+        break
+print(sent, err, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_descriptors_in_flight_stop_below_what_the_session_itself_sends(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    """The kernel counts descriptors in flight per user, against the sender's
+    RLIMIT_NOFILE: commands (256 here) fill the count and are refused there,
+    and the session's own processes, which keep FD_PASSING_RESERVE more, still
+    pass theirs: a new session still opens (its worker sends descriptors to
+    the daemon), where all opens failed before."""
+    import time
+
+    _, client = full
+    with client.open_session(str(worktree), policy="fewfds") as session:
+        # Soft from birth, hard right after the spawn (proctree.spawn).
+        limits = shell(session, "ulimit -Sn; sleep 0.2; ulimit -Hn")
+        assert limits.output.split() == ["256", "256"], limits  # the commands' limit
+        shell(session, f"/usr/bin/python3 -c {_q(INFLIGHT_HOG)} 20 > inflight.out &")
+        for _ in range(200):
+            if (worktree / "inflight.out").exists() and (worktree / "inflight.out").read_text():
+                break
+            time.sleep(0.05)
+        sent, err = (int(x) for x in (worktree / "inflight.out").read_text().split())
+        assert err == errno.ETOOMANYREFS and 256 - 200 <= sent <= 256 + 253, (sent, err)
+        other = worktree.parent / "other"
+        other.mkdir()
+        with client.open_session(str(other), policy="fewfds") as second:  # its worker passes descriptors
+            assert shell(second, "echo ok").output == "ok\n"
