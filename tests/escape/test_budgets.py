@@ -280,3 +280,27 @@ def test_descriptors_in_flight_stop_below_what_the_session_itself_sends(
         other.mkdir()
         with client.open_session(str(other), policy="fewfds") as second:  # its worker passes descriptors
             assert shell(second, "echo ok").output == "ok\n"
+
+
+# Writes MiB into a memfd it never maps (its own memory stays a few MiB), then holds it.
+MEMFD_HOG = r"""
+import os, sys, time
+fd = os.memfd_create("hog")
+chunk = b"x" * 2**20
+for _ in range(int(sys.argv[1])):
+    os.write(fd, chunk)
+print("written", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_memory_written_into_a_memfd_counts_against_the_session(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        # The allowed twin: 16 MiB in a memfd, under the 64 MiB limit.
+        small = shell(session, f"/usr/bin/python3 -c {_q(MEMFD_HOG)} 16 1", timeout=30)
+        assert small.is_success and small.output == "written\n", small
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        big = shell(session, f"/usr/bin/python3 -c {_q(MEMFD_HOG)} 96 30", timeout=30)
+        assert big.is_failure and "memory watchdog" in big.error, big.error
