@@ -374,7 +374,7 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
         capture.close()
     duration = time.monotonic() - started
 
-    code = proc.returncode
+    code = proc.wait()  # reaped already (finally above): its status
     out = capture.out.decode("utf-8", "replace")
     err = capture.err.decode("utf-8", "replace")
     notes = []
