@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from dispatchd import procfs
 from dispatchd.protocol.reports import MemoryHold
 
 log = logging.getLogger("dispatchd.watchdog")
@@ -54,23 +55,7 @@ def mechanism(cgroup_memory: bool, limit: int) -> MemoryHold:
                              "and ends the session over the limit")
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (through each thread's children)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children", "rb") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                continue
-    return found
+descendants = procfs.descendants  # the processes counted: W1 and every process below it
 
 
 def rss_bytes(pids: Iterable[int]) -> int:

@@ -55,6 +55,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
+from dispatchd import procfs
 from dispatchd.confine.limits import FD_PASSING_RESERVE
 
 
@@ -268,10 +269,16 @@ def kill_tree(leader: int | None, token: str | None, budget_s: float = _KILL_BUD
             os.killpg(leader, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    return _kill_rounds(lambda: members(leader, token), budget_s, 0.005)
+
+
+def _kill_rounds(find: Callable[[], list[int]], budget_s: float, pause_s: float) -> int:
+    """SIGKILL what ``find()`` lists, again and again until it lists none (or
+    ``budget_s`` passed); how many signals were sent."""
     killed = 0
     deadline = time.monotonic() + budget_s
     while time.monotonic() < deadline:
-        found = members(leader, token)
+        found = find()
         if not found:
             break
         for pid in found:
@@ -280,7 +287,7 @@ def kill_tree(leader: int | None, token: str | None, budget_s: float = _KILL_BUD
                 killed += 1
             except (ProcessLookupError, PermissionError):
                 pass
-        time.sleep(0.005)  # let the killed ones die, so the next scan sees who is left
+        time.sleep(pause_s)  # let the killed ones die, so the next look sees who is left
     return killed
 
 
@@ -349,26 +356,8 @@ def start_command(argv: list[str], env: Mapping[str, str], cwd: str, stdin: int,
 
 
 def _live_descendants(leader: int) -> list[int]:
-    """The processes below ``leader`` (through each thread's children), zombies left out."""
-    found: list[int] = []
-    todo = [leader]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children", "rb") as f:
-                    children = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            for child in children:
-                todo.append(child)
-                if _stat(str(child)) is not None:
-                    found.append(child)
-    return found
+    """The processes below ``leader``, zombies left out."""
+    return [pid for pid in procfs.descendants(leader)[1:] if _stat(str(pid)) is not None]
 
 
 def kill_subtree(leader: int, budget_s: float = _KILL_BUDGET_S) -> int:
@@ -378,19 +367,8 @@ def kill_subtree(leader: int, budget_s: float = _KILL_BUDGET_S) -> int:
         os.kill(leader, signal.SIGSTOP)  # no exit, no reaping: nothing leaves its tree now
     except ProcessLookupError:
         return 0
-    killed = 0
-    deadline = time.monotonic() + budget_s
-    while time.monotonic() < deadline:
-        found = _live_descendants(leader)
-        if not found:
-            break
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-        time.sleep(0.001)  # the killed exit, and hand their children to the leader
+    # A short pause: the killed exit, and hand their children to the leader.
+    killed = _kill_rounds(lambda: _live_descendants(leader), budget_s, 0.001)
     try:
         os.kill(leader, signal.SIGKILL)
     except ProcessLookupError:
