@@ -49,15 +49,16 @@ def test_the_fork_server_killed_the_daemon_ends_its_sessions_with_the_cause_and_
             os.kill(pid, signal.SIGKILL)
             result = shell(session, "echo late")
             assert result.is_failure
+            # Meanwhile (before it exits) status says so, and opens are refused.
             deadline = time.monotonic() + 10
-            why = ""
-            while time.monotonic() < deadline and "fork server" not in why:
-                try:
-                    why = str(client.status())
-                except dispatch.DispatchError as exc:
-                    why = str(exc)
-                    break
+            helpers = ""
+            while time.monotonic() < deadline and "gone (" not in helpers:
+                helpers = client.status()["daemon"]["helpers"]
                 time.sleep(0.05)
+            assert f"fork server pid {pid}: gone (dispatchd's fork server (pid {pid}) was killed by signal 9" \
+                in helpers, helpers
+            with pytest.raises(dispatch.DispatchError):
+                client.open_session(str(worktree)).close()
             with contextlib.suppress(dispatch.DispatchError):
                 session.close()
         code = _wait_exit(d)
@@ -70,6 +71,15 @@ def test_the_fork_server_killed_the_daemon_ends_its_sessions_with_the_cause_and_
     assert "reason=fork_server_died" in log
     assert "event=stopped code=1" in log
     assert not os.path.exists(d.socket)  # its own socket, unlinked on the way out
+    # What systemd or autostart does next: a new daemon on the same path and state serves.
+    (tmp_path / "again").mkdir()
+    again = Daemon(tmp_path / "again", "--pool", "0", state=d.state)
+    try:
+        with again.connect() as client, client.open_session(str(worktree)) as session:
+            assert shell(session, "echo ok").output == "ok\n"
+            assert "running" in client.status()["daemon"]["helpers"]
+    finally:
+        assert again.stop() == 0, again.log()
 
 
 def test_the_session_told_why_when_the_fork_server_died(tmp_path: Path, worktree: Path) -> None:
@@ -113,6 +123,8 @@ def test_a_session_whose_network_stack_dies_ends_with_that_cause(tmp_path: Path,
                     # The allowed twin: the other session, its stack alive, goes on; so does the daemon.
                     assert shell(other, "echo ok").output == "ok\n"
                     assert "1 running, 1 ended a session" in client.status()["daemon"]["helpers"]
+                    with client.open_session(str(worktree), network=True) as third:  # a new open, its own stack
+                        assert shell(third, "echo ok").output == "ok\n"
     finally:
         assert d.stop() == 0, d.log()
 
