@@ -352,3 +352,27 @@ def test_a_background_process_of_a_call_that_ended_by_itself_runs_on(ctx: ToolCo
     finally:
         for pid in _running("30.456"):
             os.kill(pid, 9)
+
+
+def test_job_stop_ends_a_job_process_that_left_its_group_with_no_environment(ctx: ToolContext,
+                                                                            tmp_path: Path) -> None:
+    from dispatchd.tools.jobs import Jobs
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    jobs = Jobs(str(scratch))
+    ctx = dataclasses.replace(ctx, jobs=jobs)
+    try:
+        r = sh(ctx, "(setsid env -i /bin/sleep 30.789 &); sleep 30", background=True)
+        assert r.success, r
+        deadline = time.monotonic() + 5
+        while not _running("30.789") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(_running("30.789")) == 1  # the allowed twin: it runs while the job does
+        stopped = run_tool(TOOLS["job_stop"], ctx, {"job": r.metadata["job"]})
+        assert stopped.success, stopped
+        assert _running("30.789") == []
+    finally:
+        jobs.close()
+        for pid in _running("30.789"):
+            os.kill(pid, 9)
