@@ -232,6 +232,17 @@ def test_linux_aio_is_refused_with_enosys_and_ordinary_io_works(
     with client.open_session(str(worktree)) as session:
         inside = shell(session, f"/usr/bin/python3 -c {_q(AIO)}")
         assert inside.is_success and inside.output.split() == [str(errno.ENOSYS), str(errno.ENOSYS), "sync"], inside
+    _daemon_serves(*full, worktree)
+
+
+def _daemon_serves(daemon: Daemon, client: dispatch.Client, worktree: Path) -> None:
+    """After an attempt: status answers, the socket is there, a new session opens and runs."""
+    assert "fork server pid" in client.status()["daemon"]["helpers"]
+    assert os.path.exists(daemon.socket)
+    fresh = worktree.parent / "after"
+    fresh.mkdir(exist_ok=True)
+    with client.open_session(str(fresh)) as session:
+        assert shell(session, "echo ok").output == "ok\n"
 
 
 # Sends descriptors over a socketpair nobody reads (200 a message, the same
@@ -280,6 +291,7 @@ def test_descriptors_in_flight_stop_below_what_the_session_itself_sends(
         other.mkdir()
         with client.open_session(str(other), policy="fewfds") as second:  # its worker passes descriptors
             assert shell(second, "echo ok").output == "ok\n"
+    _daemon_serves(*full, worktree)
 
 
 # Writes MiB into a memfd it never maps (its own memory stays a few MiB), then holds it.
@@ -304,3 +316,4 @@ def test_memory_written_into_a_memfd_counts_against_the_session(
     with client.open_session(str(worktree), policy="smallmem") as session:
         big = shell(session, f"/usr/bin/python3 -c {_q(MEMFD_HOG)} 96 30", timeout=30)
         assert big.is_failure and "memory watchdog" in big.error, big.error
+    _daemon_serves(*full, worktree)
