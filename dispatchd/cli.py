@@ -338,12 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         closer.join(args.stop_timeout + 10)
         server.close()
         refuser.join(5)
+        # Before the unlink (a path gone is no reason to exit now) and the
+        # fork server's stop (that end is no failure).
+        watch.stop()
         # Only the inode we bound: another daemon may have bound the path since.
         if bound is not None and not bound.unlink():
             log.warning("event=socket_not_unlinked path=%s state=%s (not the socket this daemon bound)",
                         socket_path, bound.state())
         listener.close()
-        watch.stop()  # before the fork server's stop: that end is no failure
         fork_server.stop()
         log.info("event=stopped code=%d", exit_code)
     return exit_code
