@@ -119,6 +119,20 @@ def _rmdir(name: str, fd: int) -> None:
         os.rmdir(name, dir_fd=fd)
 
 
+def _move_up(name: str, fd: int, top: int) -> str:
+    """Rename directory ``name`` of ``fd`` into ``top``; its new name. A
+    directory moved to another parent must be writable (its ``..`` changes),
+    and so must the one it leaves: their owner's rights come back first."""
+    moved = f".deep-{secrets.token_hex(8)}"
+    try:
+        os.rename(name, moved, src_dir_fd=fd, dst_dir_fd=top)
+    except PermissionError:
+        os.fchmod(fd, stat.S_IRWXU)
+        _restore_rights(name, fd)
+        os.rename(name, moved, src_dir_fd=fd, dst_dir_fd=top)
+    return moved
+
+
 def remove_tree(path: str, budget: Budget | None = None) -> Budget:
     """Remove ``path`` and everything under it (see the module's guarantees).
     Never raises: the report says what was left, and why."""
@@ -181,9 +195,7 @@ def _remove_dir(base: str, parent_fd: int, path: str, budget: Budget) -> None:
                 if len(stack) >= budget.max_depth:
                     # Deeper than the descriptors we hold: moved up to the top
                     # (within the tree, by descriptor) and emptied from there.
-                    moved = f".deep-{secrets.token_hex(8)}"
-                    os.rename(child, moved, src_dir_fd=fd, dst_dir_fd=top)
-                    stack[0][2].append(moved)
+                    stack[0][2].append(_move_up(child, fd, top))
                     continue
                 cfd = _open_dir(child, fd)
             except FileNotFoundError:

@@ -59,6 +59,21 @@ def test_remove_tree_removes_a_deep_tree_with_few_descriptors(tmp_path: Path) ->
     assert report.entries >= DEEP
 
 
+def test_remove_tree_moves_up_deep_directories_made_unwritable(tmp_path: Path) -> None:
+    top = _nest(tmp_path / "t", 40)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(40):  # every level r-x: nothing can be unlinked or moved as it is
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.chmod(f"/proc/self/fd/{nfd}", stat.S_IRUSR | stat.S_IXUSR)
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+    report = treewalk.remove_tree(str(top), treewalk.Budget(max_depth=4))
+    assert report.skipped == [] and not top.exists()
+
+
 def test_remove_tree_gets_through_unreadable_directories_and_never_follows_a_symlink(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
