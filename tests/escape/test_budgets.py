@@ -103,6 +103,12 @@ def test_a_session_cannot_make_namespaces_and_budgets_left_open_are_listed(
         gaps = session.info["protections"]["limits"]["leaves_open"]
         assert any(g.startswith("epoll watches") for g in gaps)
         assert any("socket buffers" in g for g in gaps)
+        # Each with its number: what a session may hold of what it shares with the user.
+        assert any(g.startswith("descriptors in flight") and "up to 4,349 in flight" in g for g in gaps), gaps
+        assert any(g.startswith("pipe buffers") and "16,384 pages" in g for g in gaps)
+        assert any(g.startswith("open files") and "4,096 per process x 1,024 processes = 4,194,304" in g
+                   for g in gaps)
+        assert any(g.startswith("TCP buffer memory") for g in gaps)
 
 
 # Opens POSIX message queues (default size, about 80 KiB each) until refused.
