@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 
 from dispatchd import __version__, paths, support, systemd, units
+from dispatchd.daemon.helpers import BoundSocket, HelperWatch
 from dispatchd.errors import DispatchdError, PolicyError
 from dispatchd.policy import Policy, default_policy_dir, load_all, load_policy
 
@@ -116,7 +117,8 @@ def _code_paths() -> list[str]:
     return sorted(found)
 
 
-def _bind(path: str) -> socket.socket:
+def _bind(path: str) -> tuple[socket.socket, BoundSocket]:
+    """Listen on ``path``, and the inode bound there: the one a stop may unlink."""
     directory, name = os.path.split(path)
     paths.ensure_private_dir(directory)
     # Checked and used by descriptor: the directory we bind in is the one we checked.
@@ -139,10 +141,11 @@ def _bind(path: str) -> socket.socket:
             sock.bind(where)
         finally:
             os.umask(old)
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
     finally:
         os.close(dirfd)
     sock.listen(1024)  # bursts of opens (an agent platform starting hundreds) wait in it
-    return sock
+    return sock, BoundSocket(path, st.st_dev, st.st_ino)
 
 
 LOG_ROTATE_BYTES = 10 * 1024 * 1024
@@ -291,13 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         if stale:
             log.info("event=stale_scratch_removed count=%d", stale)
         listener = handed
-        owns_socket = listener is None
+        bound: BoundSocket | None = None  # None: systemd's socket, never ours to unlink
         if listener is None:
-            listener = _bind(socket_path)
+            listener, bound = _bind(socket_path)
     except (DispatchdError, paths.UnsafeDirectory, OSError) as exc:
         print(f"dispatchd: {exc}", file=sys.stderr)
         fork_server.stop()
         return 1
+    from dispatchd.confine.netstack import Stack
     from dispatchd.daemon.proxy import system_resolver
 
     overrides: dict[str, list[str]] = {}
@@ -331,11 +335,32 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(listener, manager, features, socket_path, policy_loader, max_connections=max_connections,
                     open_files=open_files)
     log.info("event=connections max=%s", max_connections)
+    exit_code = 0
 
     def stop(signum: int, _frame: object) -> None:
         log.info("event=stopping signal=%s", signal.Signals(signum).name)
         manager.accepting = False
         server.stop()
+
+    def exit_with(code: int) -> None:
+        nonlocal exit_code
+        exit_code = code
+        manager.accepting = False
+        server.stop()
+
+    def stacks() -> list[tuple[str, Stack]]:
+        return [(s.id, stack) for s in manager.sessions() if (stack := s.stack) is not None]
+
+    def end_all(why: str) -> None:
+        manager.accepting = False
+        for s in manager.sessions():
+            manager.end(s.id, "fork_server_died", why)
+
+    watch = HelperWatch(fork_server_pidfd=fork_server.pidfd, fork_server_pid=fork_server.pid,
+                        fork_server_death=fork_server.death, stacks=stacks, end_session=manager.end,
+                        end_all=end_all, idle=lambda: not manager.sessions() and server.connections == 0,
+                        exit=exit_with, socket=bound)
+    server.helpers = watch.report
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -346,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     # something else woke it. The wake-up pipe wakes it at once.
     signal.set_wakeup_fd(server.wakeup_fd())
     manager.start_pool()
+    watch.start()
     log.info("event=ready socket=%s pid=%s policies=%s pool=%s", socket_path, os.getpid(), ",".join(sorted(policies)),
              args.pool)
     systemd.notify("READY=1", f"STATUS=serving on {socket_path}")
@@ -364,15 +390,17 @@ def main(argv: list[str] | None = None) -> int:
         closer.join(args.stop_timeout + 10)
         server.close()
         refuser.join(5)
-        if owns_socket:
-            try:
-                os.unlink(socket_path)
-            except FileNotFoundError:
-                pass
+        # Before the unlink (a path gone is no reason to exit now) and the
+        # fork server's stop (that end is no failure).
+        watch.stop()
+        # Only the inode we bound: another daemon may have bound the path since.
+        if bound is not None and not bound.unlink():
+            log.warning("event=socket_not_unlinked path=%s state=%s (not the socket this daemon bound)",
+                        socket_path, bound.state())
         listener.close()
         fork_server.stop()
-        log.info("event=stopped")
-    return 0
+        log.info("event=stopped code=%d", exit_code)
+    return exit_code
 
 
 if __name__ == "__main__":

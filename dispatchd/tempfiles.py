@@ -14,7 +14,8 @@ names are registered before the files exist, ``in_flight``).
 Guarantees:
 - only names matching ``TEMP_NAME`` exactly, and only regular files:
   never a user's file of another name, never a directory or a symlink's target;
-- the walk is by descriptor (``os.fwalk``) and follows no symlink, and every
+- the walk is by descriptor (``treewalk.walk``: iterative, bounded in entries
+  and depth, never raising) and follows no symlink, and every
   unlink is relative to the directory descriptor it was found in: swapping a
   directory for a symlink mid-walk sends nothing outside the worktree;
 - ``.git`` directories are not walked (tools do not write there), nor other
@@ -33,6 +34,8 @@ import secrets
 import stat
 from collections.abc import Callable
 
+from dispatchd import treewalk
+
 __all__ = ["TEMP_NAME", "sweep_temp_files", "temp_name"]
 
 # Exactly the names temp_name makes.
@@ -44,28 +47,30 @@ def temp_name(stem: str) -> str:
     return f".{stem}.dispatchd-{secrets.token_hex(4)}.tmp"
 
 
-def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = frozenset) -> list[str]:
+def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = frozenset,
+                     budget: treewalk.Budget | None = None) -> list[str]:
     """Remove leftover temporary files under ``root``; returns their paths.
 
     ``in_flight()`` names the temporary files the caller is writing now
-    (asked again for each candidate: a write may start during the sweep)."""
+    (asked again for each candidate: a write may start during the sweep).
+    ``budget`` bounds the walk (``treewalk``: entries and depth); what it
+    skipped is noted there."""
     removed: list[str] = []
+    budget = budget or treewalk.Budget()
     try:
         root_dev = os.stat(root, follow_symlinks=False).st_dev
     except OSError:
         return removed
-    for dirpath, dirnames, filenames, dirfd in os.fwalk(os.fsencode(root), follow_symlinks=False):
-        keep = []
-        for d in dirnames:
-            if d == b".git":
-                continue
-            try:
-                if os.stat(d, dir_fd=dirfd, follow_symlinks=False).st_dev != root_dev:
-                    continue
-            except OSError:
-                continue
-            keep.append(d)
-        dirnames[:] = keep
+
+    def prune(name: bytes, dirfd: int) -> bool:
+        if name == b".git":
+            return True
+        try:
+            return os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_dev != root_dev
+        except OSError:
+            return True
+
+    for dirpath, filenames, dirfd in treewalk.walk(root, budget, prune):
         for name in filenames:
             if not TEMP_NAME.match(name):
                 continue

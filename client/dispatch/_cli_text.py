@@ -136,6 +136,8 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
             say(f"sandboxes made ahead: {d.pool}")
         if d.line_loops:
             say(f"line loops: {d.line_loops}")
+        if d.helpers:
+            say(f"helpers: {d.helpers}")
     asleep = sum(1 for s in st.sessions if s.asleep)
     say(f"{len(st.sessions)} session(s)" + (f", {asleep} asleep (no process; the next call wakes each)" if asleep else ""))
     if not st.sessions:

@@ -15,8 +15,16 @@ nothing in the session can raise them again — it has no CAP_SYS_RESOURCE):
   ``max_msgqueue_bytes`` of POSIX message queues (with a user namespace the
   kernel counts the session's own at its level, so the user keeps the rest);
 - files: no file larger than ``max_file_bytes`` (RLIMIT_FSIZE), at most
-  ``max_open_files`` descriptors per process, and no core dumps (they would
-  write a process's memory, secrets included, into the worktree).
+  ``max_open_files`` descriptors per command, and no core dumps (they would
+  write a process's memory, secrets included, into the worktree);
+- descriptors in flight: the kernel counts the descriptors sent over Unix
+  sockets (SCM_RIGHTS) and not yet received per user, and refuses a send
+  (ETOOMANYREFS) once that count is over the *sender's* RLIMIT_NOFILE. The
+  session's own processes (its init, its tool server) keep
+  ``FD_PASSING_RESERVE`` descriptors more than its commands
+  (``proctree.spawn`` lowers theirs): commands that fill the user's count
+  stop ``SCM_MAX_FD`` short of where the session's own sends (its report
+  to the daemon, a woken tool server's kit) would be refused.
 
 These hold in every mode. Where the daemon has a delegated cgroup v2 subtree,
 a per-session cgroup adds limits over the whole session (``cgroups.py``);
@@ -31,6 +39,11 @@ import resource
 import msgspec
 
 from dispatchd.errors import ConfinementError
+
+# Descriptors over the commands' RLIMIT_NOFILE that the session's own
+# processes keep: at least SCM_MAX_FD (253, what one message may carry over
+# the limit) plus what the tool server sends at once.
+FD_PASSING_RESERVE = 512
 
 
 class LimitsPlan(msgspec.Struct, frozen=True):
@@ -90,7 +103,8 @@ def apply_limits(plan: LimitsPlan) -> None:
     _set("RLIMIT_NPROC", resource.RLIMIT_NPROC, processes)
     _set("RLIMIT_DATA", resource.RLIMIT_DATA, plan.max_data_bytes)
     _set("RLIMIT_FSIZE", resource.RLIMIT_FSIZE, plan.max_file_bytes)
-    _set("RLIMIT_NOFILE", resource.RLIMIT_NOFILE, plan.max_open_files)
+    # The commands get max_open_files (proctree.spawn): see FD_PASSING_RESERVE.
+    _set("RLIMIT_NOFILE", resource.RLIMIT_NOFILE, plan.max_open_files + FD_PASSING_RESERVE)
     _set("RLIMIT_CORE", resource.RLIMIT_CORE, 0)
     _set("RLIMIT_SIGPENDING", resource.RLIMIT_SIGPENDING, plan.max_pending_signals)
     _set("RLIMIT_MSGQUEUE", resource.RLIMIT_MSGQUEUE, plan.max_msgqueue_bytes)

@@ -246,11 +246,20 @@ class Stack:
         # What the session's status warns of while it runs ("" for nothing):
         # the DNS relay's (daemon/dnsrelay.py), set by the daemon.
         self.warning: Callable[[], str] = lambda: ""
+        self.stopping = False  # ended on purpose: its exit is no failure (daemon/helpers.py)
+
+    def exited(self) -> bool:
+        """Whether it has exited on its own (not by ``stop``)."""
+        pidfd = self.pidfd
+        # The flag is read after the poll: a stop meanwhile (its descriptor
+        # closed, the number reused) is seen as a stop, never as an exit.
+        return pidfd >= 0 and fdwait.readable(pidfd, 0) and not self.stopping
 
     def stop(self) -> None:
         """Exited on return: nothing of it moves a byte any more, and its tap
         device (the namespace's way out) is gone with its descriptors. The fork
         server reaps it."""
+        self.stopping = True
         while self.with_it:
             self.with_it.pop()()
         if self.pidfd < 0:

@@ -16,7 +16,7 @@ import msgspec
 from dispatchd.confine import domains as domains_mod
 from dispatchd.confine import hygiene
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
-from dispatchd.confine.limits import LimitsPlan, plan_limits
+from dispatchd.confine.limits import FD_PASSING_RESERVE, LimitsPlan, plan_limits
 from dispatchd.confine.ucounts import UcountsPlan, budget_gaps, plan_ucounts
 from dispatchd.confine.ucounts import describe as describe_ucounts
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, PTS, LandlockPlan, plan_landlock
@@ -460,7 +460,9 @@ def describe_protections(policy: Policy, kernel: KernelFeatures, *, network: Net
         # What a session can still take from budgets it shares with the user (the
         # sandbox's own gaps are the top-level leaves_open).
         leaves_open=budget_gaps(user_namespace=use_userns, cgroup_controllers=tuple(
-            c for c, key in (("memory", "memory.max"), ("cpu", "cpu.weight")) if key in held)),
+            c for c, key in (("memory", "memory.max"), ("cpu", "cpu.weight")) if key in held),
+            max_open_files=lim.max_open_files, max_processes=lim.max_processes,
+            fd_passing_reserve=FD_PASSING_RESERVE),
     )
     return Protections(
         mode=mode, landlock=landlock_report, seccomp="enforced",

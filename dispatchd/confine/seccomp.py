@@ -22,8 +22,12 @@ Landlock (ABI 7) leaves holes that only a syscall filter closes. Once
   keyrings, userfaultfd, kernel modules, kexec, ``open_by_handle_at``;
 - push characters into a terminal (``TIOCSTI``, ``TIOCLINUX``).
 
+- use Linux AIO (``io_setup``, ``io_submit``...): its events come from one
+  machine-wide budget (``fs.aio-max-nr``);
+
 Denials answer EPERM (a plain "not permitted" that tools report sensibly),
-except ``clone3`` (ENOSYS, so glibc retries with ``clone``). Syscalls of another
+except ``clone3`` (ENOSYS, so glibc retries with ``clone``) and Linux AIO
+(ENOSYS, so its users fall back to synchronous I/O, as on a kernel without it). Syscalls of another
 architecture (32-bit entry on x86_64) kill the process: libseccomp's default.
 
 The program is compiled once per plan by the fork server and only installed,
@@ -57,6 +61,7 @@ _DENIED_ALWAYS = (
     "open_by_handle_at", "name_to_handle_at", "acct", "swapon", "swapoff", "reboot",
     "syslog", "quotactl", "lookup_dcookie", "vhangup",
 )
+_KERNEL_AIO = ("io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_cancel", "io_destroy")
 # The host's IPC objects, when the session has no IPC namespace of its own:
 # System V by key, POSIX message queues by name (Landlock checks opening one,
 # not creating or unlinking it).
@@ -94,6 +99,12 @@ def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True, allow_unix: bo
     rules = [SeccompRule(name, errno.EPERM) for name in _DENIED_ALWAYS]
     rules += [SeccompRule("clone", errno.EPERM, [ArgCheck(0, "masked_eq", f, f)]) for f in _NS_FLAGS]
     rules.append(SeccompRule("clone3", errno.ENOSYS))
+    # Linux AIO: the kernel counts its events against one machine-wide
+    # budget (fs.aio-max-nr, 65,536), which one session could take whole.
+    # ENOSYS, as a kernel built without AIO answers: libaio users (databases,
+    # fio, qemu) then fall back to synchronous or thread-pool I/O, where
+    # EPERM reads as a hard failure. glibc's POSIX aio_* uses threads, not these.
+    rules += [SeccompRule(name, errno.ENOSYS) for name in _KERNEL_AIO]
     rules += [SeccompRule("ioctl", errno.EPERM, [ArgCheck(1, "masked_eq", req, 0xFFFFFFFF)]) for req in (TIOCSTI, TIOCLINUX)]
     allowed = {socket.AF_NETLINK} | ({socket.AF_UNIX} if allow_unix else set())
     if allow_inet:

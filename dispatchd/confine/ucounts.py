@@ -123,16 +123,37 @@ def describe(plan: UcountsPlan) -> str:
             "by rlimit (max_pending_signals, max_msgqueue_bytes)")
 
 
-def budget_gaps(*, user_namespace: bool, cgroup_controllers: tuple[str, ...]) -> list[str]:
-    """What a session can still take from the user's shared kernel budgets."""
+SCM_MAX_FD = 253  # descriptors one message may carry: how far past a sender's limit the count can go
+
+
+def budget_gaps(*, user_namespace: bool, cgroup_controllers: tuple[str, ...], max_open_files: int = 4096,
+                max_processes: int = 1024, fd_passing_reserve: int = 512) -> list[str]:
+    """What a session can still take from the user's shared kernel budgets
+    (docs/budgets.md has how each was measured). Pure."""
     gaps = ["epoll watches (fs.epoll.max_user_watches) are counted per user across every namespace: "
-            "a session can take them all, and the user's other programs then get ENOSPC from epoll_ctl"]
+            "a session can take them all, and the user's other programs then get ENOSPC from epoll_ctl",
+            f"descriptors in flight over Unix sockets (SCM_RIGHTS) are counted per user: the session's commands "
+            f"can hold up to {max_open_files + SCM_MAX_FD:,} in flight (their RLIMIT_NOFILE, {max_open_files:,}, "
+            f"plus one message); meanwhile the user's programs with a lower soft RLIMIT_NOFILE (1,024 by default) "
+            f"get ETOOMANYREFS passing descriptors. The session's own processes keep {fd_passing_reserve} more, "
+            "so its opens and wakes go on; only a uid of its own would bound the user's side",
+            "pipe buffers are counted per user (fs.pipe-user-pages-soft: 16,384 pages, 64 MiB): about 1,000 "
+            "pipes of the default 64 KiB in a session leave every new pipe of the user at 2 pages (8 KiB) "
+            "until they are closed",
+            f"open files come from the machine-wide table (fs.file-max, about 2.5 million on a 16 GiB machine): "
+            f"a session may hold up to {max_open_files:,} per process x {max_processes:,} processes = "
+            f"{max_open_files * max_processes:,}; nothing but a lower policy bounds that sum",
+            "TCP buffer memory is counted machine-wide (net.ipv4.tcp_mem), whatever the namespace: loopback "
+            "connections inside a session, network off included, can put every program's TCP under memory "
+            "pressure" + ("" if "memory" in cgroup_controllers else
+                          "; without a cgroup's memory controller nothing bounds the session's share")]
     if not user_namespace:
         gaps.append("inotify and fanotify budgets (128 inotify instances by default) are shared with the "
                     "user's other programs: no user namespace to bound them in")
     if "memory" not in cgroup_controllers:
         gaps.append("kernel memory no process owns (socket buffers, pipes: about 450 MiB per process with "
-                    "4096 descriptors) is outside the memory watchdog's sum: only a cgroup's memory.max holds it")
+                    "4096 descriptors; a memfd held only by a message in flight, up to max_file_bytes each) is "
+                    "outside the memory watchdog's sum: only a cgroup's memory.max holds it")
     if "cpu" not in cgroup_controllers:
         gaps.append("CPU: without a cgroup's cpu controller, hundreds of spinning processes (each setsid makes "
                     "an autogroup of its own) slow the user's programs and the daemon")

@@ -11,9 +11,10 @@ so ownership is kept where the next daemon can read it:
   take (its daemon is dead: the kernel drops a dead process's locks) and every
   directory with no lock file at all (left by a version before this one); a
   directory whose lock another live daemon holds is left alone;
-- removal never follows a symlink (``shutil.rmtree`` works by descriptor) and
-  gets through directories the session made unsearchable (it restores the
-  owner's rights on its way, by descriptor).
+- removal never follows a symlink, works by descriptor and gets through
+  directories the session made unsearchable (``treewalk.remove_tree``:
+  iterative, any depth, bounded in entries); what it cannot remove is logged
+  and left, and the start goes on: a session's tree never stops a daemon.
 
 ``EndedSessions`` keeps why recent sessions ended, for their clients' errors.
 """
@@ -26,9 +27,9 @@ import logging
 import os
 import re
 import secrets
-import shutil
-import stat
 import threading
+
+from dispatchd import treewalk
 
 log = logging.getLogger("dispatchd.leftovers")
 _SID = re.compile(r"^[0-9a-f]{12}$")  # secrets.token_hex(6), as sessions.py names them
@@ -96,39 +97,12 @@ class ScratchLocks:
         os.close(fd)
 
 
-def _restore_and_retry(func: object, path: str, exc: object) -> None:
-    """rmtree's error handler: a directory the session made unreadable or
-    unwritable gets its owner's rights back, and the removal goes on."""
-    parent = os.path.dirname(path)
-    for target in (parent, path):
-        try:
-            fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_PATH", 0))
-        except OSError:
-            continue
-        try:
-            # fchmod on an O_PATH descriptor is refused; chmod through /proc/self/fd is not.
-            os.chmod(f"/proc/self/fd/{fd}", stat.S_IRWXU)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except OSError:
-        pass
-
-
 def remove_tree(path: str) -> None:
-    """Remove a scratch directory, whatever the session did to it."""
-    try:
-        shutil.rmtree(path, onerror=_restore_and_retry)  # onexc from 3.12 on
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.error("event=scratch_not_removed path=%s error=%r", path, exc.strerror)
+    """Remove a scratch directory, whatever the session did to it (any depth,
+    unreadable directories): never raises; what it leaves is logged."""
+    left = treewalk.remove_tree(path)
+    if left.skipped:
+        log.error("event=scratch_not_removed path=%s entries=%d left=%r", path, left.entries, left.describe())
 
 
 def plan_stale(entries: list[str], lock_entries: list[str]) -> list[str]:
@@ -145,9 +119,12 @@ def remove_stale(sessions_dir: str) -> int:
         entries = os.listdir(sessions_dir)
     except FileNotFoundError:
         return 0
+    except OSError as exc:  # reported, and the daemon starts anyway
+        log.error("event=scratch_not_removed path=%s error=%r", sessions_dir, exc.strerror)
+        return 0
     try:
         lock_entries = os.listdir(lock_dir)
-    except FileNotFoundError:
+    except OSError:
         lock_entries = []
     removed = 0
     for sid in plan_stale(entries, lock_entries):

@@ -31,6 +31,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dispatchd import __version__, protocol
@@ -91,6 +92,7 @@ class Server:
         # accept one pending connection and tell it why, instead of leaving it
         # in the backlog where it would wake us again and again.
         self._spare: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        self.helpers: Callable[[], str] = lambda: ""  # the helper processes' state (daemon/helpers.py)
 
     def stop(self) -> None:
         """Take no new connection (they are told the daemon is stopping). Safe
@@ -311,7 +313,8 @@ class Server:
                                         daemon=protocol.DaemonReport(
                                             open_files=self.open_files.limit, open_files_note=self.open_files.note,
                                             connections=self.connections, max_connections=self.max_connections,
-                                            pool=m.pool.report(), line_loops=native.report()),
+                                            pool=m.pool.report(), line_loops=native.report(),
+                                            helpers=self.helpers()),
                                         protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
                                                    for p in m.baselines.recovered])
         if isinstance(req, protocol.ListTools):

@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd import protocol, threads
+from dispatchd import protocol, threads, treewalk
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
@@ -901,7 +901,11 @@ class SessionManager:
                 os.close(pidfd)
         word, sentence = exits.describe_exit(status, idle_timeout_s=session.policy.limits.idle_timeout_s,
                                              tool_server_is_init=_has_pid_namespace(session))
-        if not self.accepting and word == "worker_exited code=0":
+        died = self.fork_server.death(0.1 if status is None or os.WIFSIGNALED(status) else 0.0)
+        if died:  # its parent's end took the worker: that is the cause (daemon/helpers.py)
+            word, sentence = "fork_server_died", f"{died}; dispatchd exits so that a new one is started: " \
+                                                 "open the session again"
+        elif not self.accepting and word == "worker_exited code=0":
             word, sentence = "daemon_stopping", "dispatchd stopped (calls in flight were let finish first)"
         log.info("event=session_ended session=%s reason=%s", session.id, word)
         self._finish(session, sentence)
@@ -986,7 +990,10 @@ class SessionManager:
         if not self.write_locks.holds(session.id):
             return
         started = time.perf_counter()
-        removed = sweep_temp_files(session.worktree)  # the daemon writes none: none in flight
+        budget = treewalk.Budget()
+        removed = sweep_temp_files(session.worktree, budget=budget)  # the daemon writes none: none in flight
+        if budget.skipped:
+            log.warning("event=temp_files_sweep_cut session=%s left=%r", session.id, budget.describe())
         if removed:
             log.info("event=temp_files_removed session=%s count=%d ms=%.1f", session.id, len(removed),
                      (time.perf_counter() - started) * 1e3)

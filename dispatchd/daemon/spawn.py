@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,6 +23,9 @@ from dispatchd import fdwait, protocol
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.errors import ConfinementError, DispatchdError, WorktreeError
+
+
+STOP_CHILDREN_S = 10.0  # how long a stop waits for the fork server's processes to have exited
 
 
 class SpawnError(DispatchdError):
@@ -120,9 +124,36 @@ def adopt(worker: Worker, control: protocol.FrameSocket, plan: SessionPlan, work
 class ForkServerClient:
     def __init__(self, pid: int, sock: socket.socket) -> None:
         self.pid = pid
+        # Held by pidfd (our child: its pid cannot be reused before we reap
+        # it), so that the daemon learns at once when it has gone (helpers.py).
+        self.pidfd = os.pidfd_open(pid)
         self._frames = protocol.FrameSocket(sock, fds=True)
         self._lock = threading.Lock()
         self._next = 0
+        self._death = ""  # how it ended, once known
+        self._death_lock = threading.Lock()
+
+    def death(self, wait_s: float = 0.0) -> str:
+        """How the fork server ended, in words ("" while it runs), waiting up
+        to ``wait_s`` for it to end. Reaps it: only the daemon may."""
+        if self._death or self.pidfd < 0 or not fdwait.readable(self.pidfd, wait_s):
+            return self._death
+        with self._death_lock:  # one reaper: a second waitpid would find no child
+            if not self._death:
+                self._death = self._reap()
+        return self._death
+
+    def _reap(self) -> str:
+        try:
+            _, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            status = 0
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            how = f"was killed by signal {sig} ({signal.strsignal(sig)})"
+        else:
+            how = f"exited with status {os.waitstatus_to_exitcode(status)}"
+        return f"dispatchd's fork server (pid {self.pid}) {how}"
 
     def _request(self, make: Callable[[int], msgspec.Struct], fds: list[int]) -> tuple[Any, int]:
         """One request to the fork server and its reply, serialised: the reply
@@ -241,10 +272,43 @@ class ForkServerClient:
             raise SpawnError(f"the fork server answered {type(reply).__name__}")
         return socket.socket(fileno=got[0]), socket.socket(fileno=got[1])
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_CHILDREN_S) -> None:
+        """End it, and wait (up to ``timeout_s``) until every process it had
+        has exited too: they die with it (their parent-death signal), but the
+        kernel tears a namespace down after its parent has gone, and a daemon
+        that returned then would leave sandboxes made ahead and their network
+        stacks running on for a second or more."""
         self._frames.close()
+        children: list[int] = []
+        if not self._death:
+            try:
+                # Stopped first, so that it reaps none of its children while
+                # we open them (a pid reaped could be another process's).
+                signal.pidfd_send_signal(self.pidfd, signal.SIGSTOP)
+                children = self._children()
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)  # its SIGTERM is the default action
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        deadline = time.monotonic() + timeout_s
+        for pidfd in children:
+            fdwait.readable(pidfd, deadline - time.monotonic())  # readable once it has exited
+            os.close(pidfd)
+
+    def _children(self) -> list[int]:
+        """A pidfd for each process the (stopped) fork server has now."""
         try:
-            os.kill(self.pid, signal.SIGTERM)
-            os.waitpid(self.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+            with open(f"/proc/{self.pid}/task/{self.pid}/children", "rb") as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            return []
+        pidfds = []
+        for pid in pids:
+            try:
+                pidfds.append(os.pidfd_open(pid))
+            except OSError:
+                continue  # gone already
+        return pidfds

@@ -19,10 +19,14 @@ Guarantees and costs:
   ``reason=memory`` in the log and the amount and limit in its client's error;
 - its cost: 0.1 ms a look for a session of 3 processes, 2 ms for 100, 30 ms
   for 1,000 (then it looks less often: at most a fifth of one core);
+- memory files count: memfds and ``/dev/shm`` files a process of the session
+  holds open are added (their allocated bytes, each file once; a mapped one
+  is in the PSS already and not added again);
 - what it does not bound: memory allocated faster than it looks (a process may
   go over for up to one interval, at most ``max_data_bytes`` per process), and
-  memory that is no process's (socket buffers, pipes, tmpfs files): SECURITY.md
-  has the numbers. A cgroup bounds all of these.
+  memory that is no process's (socket buffers, pipes, a memfd only held by a
+  message in flight, tmpfs files no process holds open): SECURITY.md and
+  docs/budgets.md have the numbers. A cgroup bounds all of these.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from dispatchd import procfs
 from dispatchd.protocol.reports import MemoryHold
 
 log = logging.getLogger("dispatchd.watchdog")
 INTERVAL_S = 0.2
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_MEMORY_FILES = ("/memfd:", "/dev/shm/")  # what a descriptor of a memory file reads as
 
 
 def mechanism(cgroup_memory: bool, limit: int) -> MemoryHold:
@@ -49,23 +55,7 @@ def mechanism(cgroup_memory: bool, limit: int) -> MemoryHold:
                              "and ends the session over the limit")
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (through each thread's children)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children", "rb") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                continue
-    return found
+descendants = procfs.descendants  # the processes counted: W1 and every process below it
 
 
 def rss_bytes(pids: Iterable[int]) -> int:
@@ -93,13 +83,60 @@ def pss_bytes(pids: Iterable[int]) -> int:
     return total
 
 
+def _shared_files(pids: Iterable[int]) -> dict[tuple[int, int], int]:
+    """Memory files (memfds, ``/dev/shm``) the processes hold open:
+    ``(dev, inode) -> bytes allocated``, each counted once however many hold it."""
+    found: dict[tuple[int, int], int] = {}
+    for p in pids:
+        base = f"/proc/{p}/fd"
+        try:
+            fds = os.listdir(base)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{base}/{fd}")
+                if not target.startswith(_MEMORY_FILES):
+                    continue
+                st = os.stat(f"{base}/{fd}")
+            except OSError:
+                continue
+            found[(st.st_dev, st.st_ino)] = st.st_blocks * 512  # allocated: a sparse one costs nothing
+    return found
+
+
+def _mapped_files(pids: Iterable[int]) -> set[tuple[int, int]]:
+    """``(dev, inode)`` of the memory files the processes map: their pages
+    are in the PSS already."""
+    mapped: set[tuple[int, int]] = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/maps", "rb") as f:
+                for line in f:
+                    if b"/memfd:" not in line and b"/dev/shm/" not in line:
+                        continue
+                    fields = line.split(None, 5)
+                    major, minor = (int(x, 16) for x in fields[3].split(b":"))
+                    mapped.add((os.makedev(major, minor), int(fields[4])))
+        except (OSError, ValueError, IndexError):
+            continue
+    return mapped
+
+
 def over_limit(pid: int, limit: int) -> int | None:
-    """The session's PSS when it is over ``limit``, else None."""
+    """The session's memory when it is over ``limit``, else None: the PSS of
+    its processes and the memory files (memfd, shmem) they hold open. A
+    memory file is no process's resident memory until mapped, and 10 GiB
+    written into memfds by a process of 9 MiB went past the limit unseen."""
     pids = descendants(pid)
-    if rss_bytes(pids) <= limit:
+    files = _shared_files(pids)
+    # The cheap sum counts a mapped memory file twice (its pages are resident
+    # too): it only decides whether to look closer.
+    if rss_bytes(pids) + sum(files.values()) <= limit:
         return None
-    pss = pss_bytes(pids)
-    return pss if pss > limit else None
+    mapped = _mapped_files(pids)
+    used = pss_bytes(pids) + sum(size for key, size in files.items() if key not in mapped)
+    return used if used > limit else None
 
 
 class MemoryWatchdog:

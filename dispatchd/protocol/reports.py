@@ -61,6 +61,7 @@ class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):
     max_connections: int  # ... and at most
     pool: str = ""  # the sandboxes made ahead (daemon/pool.py), in words
     line_loops: str = ""  # the C helper of read_file and search_files (tools/native.py), in words
+    helpers: str = ""  # the fork server, the network stacks and the socket path (daemon/helpers.py), in words
 
 
 class LandlockReport(msgspec.Struct, frozen=True):

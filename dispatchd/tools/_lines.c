@@ -687,6 +687,8 @@ static PyMethodDef methods[] = {
     {"serve_read", dl_serve_read, METH_VARARGS,
      "The tool server's fast lane: one request read, answered when it is the usual read_file call (_fastread.c)."},
     {"lane_calls", dl_lane_calls, METH_NOARGS, "How many calls the fast lane is answering now (_fastread.c)."},
+    {"spawn_subreaper", dl_spawn_subreaper, METH_VARARGS,
+     "Start a command, a child subreaper in its own session, by vfork and exec (_spawn.c): its pid."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -28,4 +28,7 @@ PyObject *dl_read_whole(int fd, Py_ssize_t cap, Py_ssize_t sniff);
 PyObject *dl_serve_read(PyObject *self, PyObject *args);
 PyObject *dl_lane_calls(PyObject *self, PyObject *unused);
 
+/* _spawn.c */
+PyObject *dl_spawn_subreaper(PyObject *self, PyObject *args);
+
 #endif

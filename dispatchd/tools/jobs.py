@@ -16,8 +16,10 @@ Guarantees:
   nothing new yet and the job still runs; ``next_offset`` is where to go on.
 - A job runs until its command has exited and nothing it started holds its
   output any more; ``exit_code`` is then the command's status.
-- ``job_stop`` SIGKILLs the job and every process it started (``proctree``),
-  even what a job that ended left running;
+- ``job_stop`` SIGKILLs the job and every process it started (``proctree``):
+  exactly while the job's bash runs (a child subreaper: nothing leaves its
+  tree, ``setsid`` and ``env -i`` included), and, by its marker, what a job
+  that ended left running;
   a job with a ``timeout`` is stopped at it. Every job ends with its session
   (the session's pid namespace, or its kill): nothing outlives the session.
 - At most ``MAX_RUNNING`` jobs run at once in a session, and at most
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import os
 import selectors
-import subprocess
 import threading
 import time
 from typing import Any
@@ -64,11 +65,12 @@ def _signal_text(code: int) -> str:
 
 
 class Job:
-    def __init__(self, jid: str, command: str, proc: subprocess.Popen[bytes] | None, token: str, log_fd: int,
-                 cap: int, timeout: float | None) -> None:
+    def __init__(self, jid: str, command: str, proc: proctree.Started | None, token: str, log_fd: int,
+                 cap: int, timeout: float | None, out_fd: int = -1) -> None:
         self.id = jid
         self.command = command
         self.proc = proc
+        self.out_fd = out_fd  # the read end of its stdout and stderr
         self.token = token
         self.log_fd = log_fd
         self.cap = cap
@@ -95,8 +97,8 @@ class Job:
     def pump(self) -> None:
         """The job's thread: copy its output to the log until every process
         holding it is gone, reap the leader; the job ends when both happened."""
-        assert self.proc is not None and self.proc.stdout is not None
-        out = self.proc.stdout.fileno()
+        assert self.proc is not None and self.out_fd >= 0
+        out = self.out_fd
         sel = selectors.DefaultSelector()
         sel.register(out, selectors.EVENT_READ)
         pidfd = None
@@ -131,7 +133,7 @@ class Job:
             sel.close()
             if pidfd is not None:
                 os.close(pidfd)
-            self.proc.stdout.close()
+            os.close(self.out_fd)
             self._reap(block=True)
             with self.cond:
                 self.exit_code = self.proc.returncode
@@ -174,6 +176,8 @@ class Job:
             leader = None if self.reaped or self.proc is None else self.proc.pid
             if self.exit_code is None:
                 self.ended_by = why
+            if leader is not None:
+                proctree.kill_subtree(leader)  # its tree, exactly (bash is a child subreaper)
             proctree.kill_tree(leader, self.token)
 
     def stop(self, why: str = "stopped") -> None:
@@ -235,17 +239,21 @@ class Jobs:
             log_fd = os.open(f"{jid}.log", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                              0o600, dir_fd=dir_fd)
             token = proctree.new_token()
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 env = proctree.spawn_env(ctx.env, token)
-                proc = proctree.spawn(lambda: subprocess.Popen(
-                    ["/bin/bash", "-c", command], cwd=workdir, env=env,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    close_fds=True, start_new_session=True,
+                proc = proctree.spawn(lambda: proctree.start_command(
+                    ["/bin/bash", "-c", command], env, workdir, null, out_w, out_w,
                 ), ctx.limits.max_processes)
             except OSError as exc:
                 os.close(log_fd)
+                os.close(out_r)
                 raise ToolFailure(f"could not start /bin/bash: {exc.strerror or exc}") from exc
-            job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout)
+            finally:
+                os.close(out_w)  # the job has its copies
+                os.close(null)
+            job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout, out_fd=out_r)
             self._jobs[jid] = job
         threading.Thread(target=job.pump, name=f"job {jid}", daemon=True).start()
         return Outcome.ok(

@@ -33,6 +33,9 @@ class Lines(Protocol):
 
     def lane_calls(self) -> int: ...
 
+    def spawn_subreaper(self, path: bytes, argv: list[bytes], envp: list[bytes], cwd: bytes, stdin_fd: int,
+                        stdout_fd: int, stderr_fd: int, /) -> int: ...
+
 
 lines: Lines | None
 _why = ""

@@ -14,7 +14,8 @@ Guarantees:
   output, and leave the job running (its later output is lost; redirect it).
 - At the timeout, or when the caller cancels the call, every process the
   command started gets SIGKILL, however it detached (``setsid``, ``nohup``,
-  ``(cmd &)``: see ``proctree``), and the call returns what was captured
+  ``(cmd &)``, ``env -i``: bash is a child subreaper, see ``proctree``), and
+  the call returns what was captured
   (a cancel: a failure with ``metadata["cancelled"]``). A command that ends
   by itself may leave ``cmd &`` running (as a terminal would); ``background:
   true`` (a job, ``jobs``) is the way meant for that.
@@ -93,7 +94,7 @@ class _Capture:
     with nothing to create, register or close per call (the epoll cost an
     ``epoll_create1``, an ``epoll_ctl`` per descriptor and a ``close``)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], out: int, err: int, cap: int,
+    def __init__(self, proc: proctree.Started, out: int, err: int, cap: int,
                  control: CallControl | None = None) -> None:
         self.proc = proc
         self.cap = cap
@@ -306,24 +307,18 @@ def _stdin() -> int:
         return _devnull
 
 
-def _start(ctx: ToolContext, command: str, workdir: str, token: str) -> tuple[subprocess.Popen[bytes], int, int]:
-    """bash started on ``command``, and the read ends of its stdout and stderr.
+def _start(ctx: ToolContext, command: str, workdir: str, token: str) -> tuple[proctree.Started, int, int]:
+    """bash started on ``command`` (a child subreaper: ``proctree.start_command``),
+    and the read ends of its stdout and stderr.
 
-    The pipes are ours, passed to Popen as descriptors: Popen would wrap its
-    own in buffered file objects (an fstat, an ioctl and an lseek each, and
-    their closing), and we only ever ``os.read`` them."""
+    The pipes are ours, passed as descriptors: Popen would wrap its own in
+    buffered file objects (an fstat, an ioctl and an lseek each, and their
+    closing), and we only ever ``os.read`` them."""
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
-        proc = proctree.spawn(lambda: subprocess.Popen(
-            [_BASH, "-c", command],
-            cwd=workdir,
-            env=proctree.spawn_env(ctx.env, token),
-            stdin=_stdin(),
-            stdout=out_w,
-            stderr=err_w,
-            close_fds=True,
-            start_new_session=True,
+        proc = proctree.spawn(lambda: proctree.start_command(
+            [_BASH, "-c", command], proctree.spawn_env(ctx.env, token), workdir, _stdin(), out_w, err_w,
         ), ctx.limits.max_processes)
     except BaseException as exc:
         os.close(out_r)
@@ -335,6 +330,14 @@ def _start(ctx: ToolContext, command: str, workdir: str, token: str) -> tuple[su
         os.close(out_w)  # the child has its copies: EOF comes when it (and what it started) closes them
         os.close(err_w)
     return proc, out_r, err_r
+
+
+def _end_call(proc: proctree.Started, token: str) -> None:
+    """Every process of the call, ended: bash's tree exactly (bash is a
+    subreaper), then what the marker and the process group still find (what
+    left a bash that had exited already). Before bash is reaped."""
+    proctree.kill_subtree(proc.pid)
+    proctree.kill_tree(proc.pid, token)
 
 
 def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
@@ -360,18 +363,18 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
         if not capture.run_until(started + limit):
             timed_out = not capture.cancelled
             exited_before_timeout = capture.bash_exited()
-            proctree.kill_tree(proc.pid, token)
+            _end_call(proc, token)
             capture.drain(_DRAIN_AFTER_KILL_S)
     except BaseException:
         if proc.returncode is None:  # not reaped, so the pid is still ours
-            proctree.kill_tree(proc.pid, token)
+            _end_call(proc, token)
         raise
     finally:
         proc.wait()
         capture.close()
     duration = time.monotonic() - started
 
-    code = proc.returncode
+    code = proc.wait()  # reaped already (finally above): its status
     out = capture.out.decode("utf-8", "replace")
     err = capture.err.decode("utf-8", "replace")
     notes = []

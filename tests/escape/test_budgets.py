@@ -41,7 +41,8 @@ def full(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     _refuse_root()
     base = tmp_path_factory.mktemp(f"budgets-{request.param}")
     d = mode_daemon(base, request.param, "--cgroup", "off",
-                    policies={"smallmem": "[limits]\nsession_memory_bytes = 67108864\n"})
+                    policies={"smallmem": "[limits]\nsession_memory_bytes = 67108864\n",
+                              "fewfds": "[limits]\nmax_open_files = 256\n"})
     try:
         with connect(d, request.param) as c:
             yield d, c
@@ -102,6 +103,12 @@ def test_a_session_cannot_make_namespaces_and_budgets_left_open_are_listed(
         gaps = session.info["protections"]["limits"]["leaves_open"]
         assert any(g.startswith("epoll watches") for g in gaps)
         assert any("socket buffers" in g for g in gaps)
+        # Each with its number: what a session may hold of what it shares with the user.
+        assert any(g.startswith("descriptors in flight") and "up to 4,349 in flight" in g for g in gaps), gaps
+        assert any(g.startswith("pipe buffers") and "16,384 pages" in g for g in gaps)
+        assert any(g.startswith("open files") and "4,096 per process x 1,024 processes = 4,194,304" in g
+                   for g in gaps)
+        assert any(g.startswith("TCP buffer memory") for g in gaps)
 
 
 # Opens POSIX message queues (default size, about 80 KiB each) until refused.
@@ -195,3 +202,124 @@ def _q(s: str) -> str:
 
 
 _ = (REPO, shutil)  # the module shares the suite's imports
+
+
+# Linux AIO through libaio's system calls, and a plain write as the control.
+AIO = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+ctx = ctypes.c_ulong(0)
+r = libc.syscall(ctypes.c_long(206), ctypes.c_long(8), ctypes.byref(ctx))  # io_setup(8, &ctx)
+setup = 0 if r == 0 else ctypes.get_errno()
+if r == 0:
+    libc.syscall(ctypes.c_long(207), ctx)  # io_destroy
+r = libc.syscall(ctypes.c_long(209), ctypes.c_ulong(0), ctypes.c_long(0), None)  # io_submit(0, 0, NULL)
+submit = ctypes.get_errno() if r < 0 else 0
+fd = os.open("aio.txt", os.O_WRONLY | os.O_CREAT, 0o600)
+os.write(fd, b"sync")
+os.close(fd)
+print(setup, submit, open("aio.txt").read())
+"""
+
+
+def test_linux_aio_is_refused_with_enosys_and_ordinary_io_works(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    """One session could take the machine's whole fs.aio-max-nr; ENOSYS, as a
+    kernel without AIO answers (its users fall back to synchronous I/O)."""
+    import subprocess
+    import sys
+
+    _, client = full
+    outside = subprocess.run([sys.executable, "-c", AIO], capture_output=True, text=True, cwd=worktree, timeout=30)
+    # The twin: outside, io_setup succeeds and io_submit on no context says EINVAL.
+    assert outside.stdout.split() == ["0", str(errno.EINVAL), "sync"], outside
+    (worktree / "aio.txt").unlink()
+    with client.open_session(str(worktree)) as session:
+        inside = shell(session, f"/usr/bin/python3 -c {_q(AIO)}")
+        assert inside.is_success and inside.output.split() == [str(errno.ENOSYS), str(errno.ENOSYS), "sync"], inside
+    _daemon_serves(*full, worktree)
+
+
+def _daemon_serves(daemon: Daemon, client: dispatch.Client, worktree: Path) -> None:
+    """After an attempt: status answers, the socket is there, a new session opens and runs."""
+    assert "fork server pid" in client.status()["daemon"]["helpers"]
+    assert os.path.exists(daemon.socket)
+    fresh = worktree.parent / "after"
+    fresh.mkdir(exist_ok=True)
+    with client.open_session(str(fresh)) as session:
+        assert shell(session, "echo ok").output == "ok\n"
+
+
+# Sends descriptors over a socketpair nobody reads (200 a message, the same
+# one again and again) until the kernel refuses; prints how many are in
+# flight and the errno, then holds them.
+INFLIGHT_HOG = r"""
+import array, errno, os, socket, sys, time
+a, b = socket.socketpair()
+a.setblocking(False)
+fds = array.array("i", [a.fileno()] * 200)
+sent, err = 0, 0
+while sent < 200000:
+    try:
+        a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        sent += 200
+    except OSError as exc:
+        err = exc.errno
+        break
+print(sent, err, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_descriptors_in_flight_stop_below_what_the_session_itself_sends(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    """The kernel counts descriptors in flight per user, against the sender's
+    RLIMIT_NOFILE: commands (256 here) fill the count and are refused there,
+    and the session's own processes, which keep FD_PASSING_RESERVE more, still
+    pass theirs: a new session still opens (its worker sends descriptors to
+    the daemon), where all opens failed before."""
+    import time
+
+    _, client = full
+    with client.open_session(str(worktree), policy="fewfds") as session:
+        # Soft from birth, hard right after the spawn (proctree.spawn).
+        limits = shell(session, "ulimit -Sn; sleep 0.2; ulimit -Hn")
+        assert limits.output.split() == ["256", "256"], limits  # the commands' limit
+        shell(session, f"/usr/bin/python3 -c {_q(INFLIGHT_HOG)} 20 > inflight.out &")
+        for _ in range(200):
+            if (worktree / "inflight.out").exists() and (worktree / "inflight.out").read_text():
+                break
+            time.sleep(0.05)
+        sent, err = (int(x) for x in (worktree / "inflight.out").read_text().split())
+        assert err == errno.ETOOMANYREFS and 256 - 200 <= sent <= 256 + 253, (sent, err)
+        other = worktree.parent / "other"
+        other.mkdir()
+        with client.open_session(str(other), policy="fewfds") as second:  # its worker passes descriptors
+            assert shell(second, "echo ok").output == "ok\n"
+    _daemon_serves(*full, worktree)
+
+
+# Writes MiB into a memfd it never maps (its own memory stays a few MiB), then holds it.
+MEMFD_HOG = r"""
+import os, sys, time
+fd = os.memfd_create("hog")
+chunk = b"x" * 2**20
+for _ in range(int(sys.argv[1])):
+    os.write(fd, chunk)
+print("written", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_memory_written_into_a_memfd_counts_against_the_session(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        # The allowed twin: 16 MiB in a memfd, under the 64 MiB limit.
+        small = shell(session, f"/usr/bin/python3 -c {_q(MEMFD_HOG)} 16 1", timeout=30)
+        assert small.is_success and small.output == "written\n", small
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        big = shell(session, f"/usr/bin/python3 -c {_q(MEMFD_HOG)} 96 30", timeout=30)
+        assert big.is_failure and "memory watchdog" in big.error, big.error
+    _daemon_serves(*full, worktree)

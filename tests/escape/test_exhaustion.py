@@ -121,3 +121,37 @@ def test_many_files_can_still_fill_the_disk_known_limit(session: dispatch.Sessio
     r = shell(session, 'for i in 1 2 3; do dd if=/dev/zero of="$TMPDIR/f$i" bs=1M count=8 status=none; done; '
                        'du -sm "$TMPDIR" | cut -f1')
     assert int(r.output) >= 24
+
+
+def _none_in(worktree: Path, within: float = 1.0) -> bool:
+    deadline = time.monotonic() + within
+    while _pids_in(worktree):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_timed_out_fork_bomb_ends_with_its_call(session: dispatch.Session, worktree: Path,
+                                                  tmp_path: Path, tight: dispatch.Client) -> None:
+    """Before, 11 to 16 of a bomb's processes still ran 11 s after its call
+    returned; now none does once it has (bash is a child subreaper: its tree
+    is ended whole). Its twin, a background job, runs on."""
+    job = session.registry.get("shell_exec").call({"command": "sleep 61.25", "background": True})
+    assert job.is_success, job
+    bomb = shell(session, "bomb() { bomb | bomb & }; bomb; sleep 30", timeout=2)
+    assert bomb.metadata["timed_out"] is True
+    jobs = shell(session, "ps -eo args | grep -c '^sleep 61.25'")
+    assert jobs.output == "1\n", jobs  # the job, alone
+    _still_serving(tight, tmp_path)
+
+
+def test_a_process_leaving_its_group_with_no_environment_ends_with_its_timed_out_call(
+        session: dispatch.Session, worktree: Path) -> None:
+    # setsid: another session and group; env -i: no marker; the subshell exits: an orphan.
+    r = shell(session, "(setsid env -i /bin/sleep 60 &); sleep 30", timeout=1)
+    assert r.metadata["timed_out"] is True
+    assert _none_in(worktree)
+    # The twin: the same in a call that ends by itself runs on (as in a terminal).
+    r = shell(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok")
+    assert r.output == "ok\n" and _pids_in(worktree)

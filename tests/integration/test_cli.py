@@ -360,7 +360,9 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
                         r"default/off: \d ready.*", lines[3]), lines[3]
     assert lines[4] == ("line loops: read_file and search_files number and find lines in C, and read_file's "
                         "usual call is answered there whole (dispatchd.tools._lines)")
-    assert re.fullmatch(r"\d+ session\(s\)", lines[5])
+    assert re.fullmatch(r"helpers: fork server pid \d+: running; network stacks: \d+ running, 0 ended a session "
+                        r"by exiting; socket: ours", lines[5]), lines[5]
+    assert re.fullmatch(r"\d+ session\(s\)", lines[6])
     mine = [i for i, line in enumerate(lines) if line.strip().startswith(sid)]
     assert len(mine) == 1
     block = "\n".join(lines[mine[0]:mine[0] + 4])

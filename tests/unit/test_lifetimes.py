@@ -144,8 +144,15 @@ def test_kernel_budgets_are_planned_in_a_user_namespace_only() -> None:
     assert plan.maxima["max_inotify_instances"] == 32 and plan.maxima["max_user_namespaces"] == 0
     assert plan_ucounts(user_namespace=False, inotify_instances=32, inotify_watches=100, fanotify_groups=4,
                         fanotify_marks=10).maxima == {}
-    assert len(budget_gaps(user_namespace=True, cgroup_controllers=("memory", "cpu"))) == 1
-    assert len(budget_gaps(user_namespace=False, cgroup_controllers=())) == 4
+    # epoll watches, descriptors in flight, pipes, the file table and TCP memory stay shared in every mode.
+    assert len(budget_gaps(user_namespace=True, cgroup_controllers=("memory", "cpu"))) == 5
+    assert len(budget_gaps(user_namespace=False, cgroup_controllers=())) == 8
+    gaps = budget_gaps(user_namespace=True, cgroup_controllers=(), max_open_files=256, max_processes=10,
+                       fd_passing_reserve=512)
+    assert any("can hold up to 509 in flight" in g and "keep 512 more" in g for g in gaps)
+    assert any("256 per process x 10 processes = 2,560" in g for g in gaps)
+    assert any(g.startswith("pipe buffers are counted per user") for g in gaps)
+    assert any(g.startswith("TCP buffer memory") and "nothing bounds" in g for g in gaps)
 
 
 def test_the_watchdog_counts_a_tree_and_names_its_mechanism() -> None:

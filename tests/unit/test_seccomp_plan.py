@@ -30,6 +30,8 @@ DENIED_ALWAYS = {
     "open_by_handle_at", "name_to_handle_at", "acct", "swapon", "swapoff", "reboot",
     "syslog", "quotactl", "lookup_dcookie", "vhangup",
 }
+# Linux AIO: one machine-wide budget (fs.aio-max-nr); ENOSYS, as a kernel without it.
+KERNEL_AIO = {"io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_cancel", "io_destroy"}
 CLONE_NEW = {
     "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
     "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
@@ -87,11 +89,12 @@ def test_plan_is_pure():
 
 def test_unconditional_denials_are_exactly_the_list(any_plan: SeccompPlan):
     unconditional = {r.syscall: r.errno for r in any_plan.rules if not r.args}
-    assert unconditional == {**{name: errno.EPERM for name in DENIED_ALWAYS}, "clone3": errno.ENOSYS}
+    assert unconditional == {**{name: errno.EPERM for name in DENIED_ALWAYS}, "clone3": errno.ENOSYS,
+                             **{name: errno.ENOSYS for name in KERNEL_AIO}}
 
 
-def test_only_clone3_answers_enosys(any_plan: SeccompPlan):
-    assert {r.syscall for r in any_plan.rules if r.errno != errno.EPERM} == {"clone3"}
+def test_only_clone3_and_kernel_aio_answer_enosys(any_plan: SeccompPlan):
+    assert {r.syscall for r in any_plan.rules if r.errno != errno.EPERM} == {"clone3", *KERNEL_AIO}
     assert {r.errno for r in any_plan.rules} == {errno.EPERM, errno.ENOSYS}
 
 
@@ -107,9 +110,9 @@ def test_the_two_plans_differ_only_in_inet_sockets():
 
 
 def test_rule_count():
-    # 40 always + 7 clone flags + clone3 + 2 ioctls + (46 families - allowed) + ge + netlink
+    # 40 always + 7 clone flags + clone3 + 6 kernel AIO + 2 ioctls + (46 families - allowed) + ge + netlink
     # + 45 socketpair families + socketpair ge + 14 socketpair kinds (all but STREAM and SEQPACKET)
-    assert len(INET.rules) == 40 + 7 + 1 + 2 + (46 - 3) + 1 + 1 + 45 + 1 + 14
+    assert len(INET.rules) == 40 + 7 + 1 + 6 + 2 + (46 - 3) + 1 + 1 + 45 + 1 + 14
     # Without an IPC namespace, the 12 System V calls and 2 POSIX queue calls too.
     assert len(plan_seccomp(allow_inet=True, ipc_namespace=False).rules) == len(INET.rules) + 14
     assert len(NO_INET.rules) == len(INET.rules) + 2

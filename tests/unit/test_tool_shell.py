@@ -298,3 +298,83 @@ def test_without_pidfd_timeouts_still_kill_everything(ctx: ToolContext) -> None:
     assert r.metadata["timed_out"] is True
     r = sh(ctx, "sleep 30 & echo $!; sleep 30", timeout=0.3)
     assert r.metadata["timed_out"] is True and gone_soon([int(r.metadata["stdout"])])
+
+
+# -- a call's processes end with it, exactly (bash is a child subreaper) --------
+
+
+def _running(needle: str) -> list[int]:
+    """Live processes whose command line holds ``needle``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if needle.encode() in f.read() and alive(int(name)):
+                        found.append(int(name))
+            except OSError:
+                continue
+    return found
+
+
+def test_the_c_helper_starts_bash_as_a_child_subreaper(ctx: ToolContext) -> None:
+    from dispatchd.tools import native
+
+    assert native.lines is not None and hasattr(native.lines, "spawn_subreaper")
+    # THP_enabled is the line before; the attribute itself is not in /proc: a
+    # double fork's orphan names bash as its parent instead of the host's init.
+    r = sh(ctx, "(sleep 0.3 & echo $! > orphan) ; sleep 0.1; ps -o ppid= -p $(cat orphan); echo $$")
+    ppid, bash = r.metadata["stdout"].split()
+    assert ppid == bash, r
+
+
+def test_a_process_that_leaves_the_group_and_clears_its_environment_ends_at_the_timeout(ctx: ToolContext) -> None:
+    # setsid: out of the call's group and session; env -i: no marker; the
+    # subshell exits at once: an orphan. Before, it outlived the call.
+    r = sh(ctx, "(setsid env -i /bin/sleep 30.123 &); sleep 30", timeout=0.5)
+    assert r.metadata["timed_out"] is True
+    assert _running("30.123") == []
+
+
+def test_a_forking_loop_is_ended_whole_at_the_timeout(ctx: ToolContext) -> None:
+    # Orphans made as fast as bash can (each detached, environment cleared),
+    # bounded by the timeout: none is left once the call has returned.
+    r = sh(ctx, "while :; do (setsid env -i /bin/sleep 7.321 &); done", timeout=1)
+    assert r.metadata["timed_out"] is True
+    assert _running("7.321") == []
+
+
+def test_a_background_process_of_a_call_that_ended_by_itself_runs_on(ctx: ToolContext) -> None:
+    """The allowed twin: ``cmd &`` in a call that ends by itself keeps running
+    (as in a terminal); only a timeout or a cancel ends the call's processes."""
+    r = sh(ctx, "(setsid env -i /bin/sleep 30.456 > /dev/null 2>&1 &); echo ok")
+    try:
+        assert r.success and r.output == "ok\n"
+        assert len(_running("30.456")) == 1
+    finally:
+        for pid in _running("30.456"):
+            os.kill(pid, 9)
+
+
+def test_job_stop_ends_a_job_process_that_left_its_group_with_no_environment(ctx: ToolContext,
+                                                                            tmp_path: Path) -> None:
+    from dispatchd.tools.jobs import Jobs
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    jobs = Jobs(str(scratch))
+    ctx = dataclasses.replace(ctx, jobs=jobs)
+    try:
+        r = sh(ctx, "(setsid env -i /bin/sleep 30.789 &); sleep 30", background=True)
+        assert r.success, r
+        deadline = time.monotonic() + 5
+        while not _running("30.789") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(_running("30.789")) == 1  # the allowed twin: it runs while the job does
+        stopped = run_tool(TOOLS["job_stop"], ctx, {"job": r.metadata["job"]})
+        assert stopped.success, stopped
+        assert _running("30.789") == []
+    finally:
+        jobs.close()
+        for pid in _running("30.789"):
+            os.kill(pid, 9)

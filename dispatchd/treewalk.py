@@ -1,0 +1,287 @@
+"""Walks of trees a session made: iterative, by descriptor, bounded (daemon and worker side).
+
+A session decides the shape of its scratch directory and of its worktree:
+1,500 nested directories made ``shutil.rmtree`` and ``os.fwalk`` (both
+recursive in Python 3.11) raise ``RecursionError``, so a close failed and
+every later start of the daemon died removing what was left. Every walk of
+such a tree goes through this module.
+
+Guarantees:
+- no recursion: a loop over an explicit stack, whatever the depth;
+- by descriptor, never following a symlink (``O_NOFOLLOW``, ``dir_fd``): a
+  directory swapped for a symlink mid-walk sends nothing outside the tree;
+- bounded: at most ``max_entries`` entries listed and at most ``max_depth``
+  directory descriptors held at once. Over budget the walk stops (or skips
+  that subtree), says so in its ``Budget`` report, and never raises;
+- ``remove_tree`` removes trees of any depth with at most ``max_depth``
+  descriptors: a directory at that depth is moved up to the top of the tree
+  being removed (a rename within it, by descriptor) and removed from there.
+  It gets through directories made unreadable or unwritable (their owner's
+  rights are restored on the way, by descriptor). What it cannot remove it
+  reports and leaves.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["Budget", "MAX_DEPTH", "MAX_ENTRIES", "remove_tree", "walk"]
+
+# A scratch directory or a worktree deeper than this is walked in parts
+# (removal) or not below it (other walks): one descriptor per level is held.
+MAX_DEPTH = 256
+# Entries listed per walk: a removal of ten million files takes minutes, and a
+# walk at a close must not hold the daemon that long.
+MAX_ENTRIES = 2_000_000
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass
+class Budget:
+    """What a walk may take, and what it took."""
+
+    max_entries: int = MAX_ENTRIES
+    max_depth: int = MAX_DEPTH
+    entries: int = 0
+    skipped: list[str] = field(default_factory=list)  # what was left, and why (at most a few)
+    over: bool = False  # the entry budget ran out: the walk stopped
+
+    def take(self, n: int) -> bool:
+        """Count ``n`` more entries; False once over the budget."""
+        self.entries += n
+        if self.entries > self.max_entries:
+            if not self.over:
+                self.note(f"stopped after {self.max_entries} entries (its budget)")
+            self.over = True
+        return not self.over
+
+    def note(self, what: str) -> None:
+        if len(self.skipped) < 20:
+            self.skipped.append(what)
+
+    def describe(self) -> str:
+        return "; ".join(self.skipped)
+
+
+def _open_dir(name: str, dir_fd: int | None) -> int:
+    """Open a directory (not through a symlink); one its owner made
+    unsearchable gets ``u+rwx`` back first (by an O_PATH descriptor)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except PermissionError:
+        _restore_rights(name, dir_fd)
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def _restore_rights(name: str, dir_fd: int | None) -> None:
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            # fchmod on an O_PATH descriptor is refused; chmod through /proc/self/fd is not.
+            os.chmod(f"/proc/self/fd/{fd}", stat.S_IRWXU)
+    finally:
+        os.close(fd)
+
+
+def _listdir(fd: int) -> list[str]:
+    try:
+        return os.listdir(fd)
+    except PermissionError:
+        os.fchmod(fd, stat.S_IRWXU)
+        return os.listdir(fd)
+
+
+def _unlink(name: str, fd: int) -> bool:
+    """Unlink a non-directory entry; False when it is a directory."""
+    try:
+        os.unlink(name, dir_fd=fd)
+    except IsADirectoryError:
+        return False
+    except PermissionError:  # on Linux, also what unlink says of a directory in some file systems
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            return False
+        os.fchmod(fd, stat.S_IRWXU)  # the directory it is in was made unwritable
+        os.unlink(name, dir_fd=fd)
+    return True
+
+
+def _rmdir(name: str, fd: int) -> None:
+    try:
+        os.rmdir(name, dir_fd=fd)
+    except PermissionError:
+        os.fchmod(fd, stat.S_IRWXU)
+        os.rmdir(name, dir_fd=fd)
+
+
+def _move_up(name: str, fd: int, top: int) -> str:
+    """Rename directory ``name`` of ``fd`` into ``top``; its new name. A
+    directory moved to another parent must be writable (its ``..`` changes),
+    and so must the one it leaves: their owner's rights come back first."""
+    moved = f".deep-{secrets.token_hex(8)}"
+    try:
+        os.rename(name, moved, src_dir_fd=fd, dst_dir_fd=top)
+    except PermissionError:
+        os.fchmod(fd, stat.S_IRWXU)
+        _restore_rights(name, fd)
+        os.rename(name, moved, src_dir_fd=fd, dst_dir_fd=top)
+    return moved
+
+
+def remove_tree(path: str, budget: Budget | None = None) -> Budget:
+    """Remove ``path`` and everything under it (see the module's guarantees).
+    Never raises: the report says what was left, and why."""
+    budget = budget or Budget()
+    parent, base = os.path.split(os.path.abspath(path))
+    try:
+        parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return budget
+    except OSError as exc:
+        budget.note(f"{parent}: {exc.strerror}")
+        return budget
+    try:
+        try:
+            if _unlink(base, parent_fd):
+                return budget  # a file or a symlink: nothing below it
+        except FileNotFoundError:
+            return budget
+        except OSError as exc:
+            budget.note(f"{path}: {exc.strerror}")
+            return budget
+        _remove_dir(base, parent_fd, path, budget)
+    finally:
+        os.close(parent_fd)
+    return budget
+
+
+def _remove_dir(base: str, parent_fd: int, path: str, budget: Budget) -> None:
+    """Empty and remove directory ``base`` of ``parent_fd``."""
+    try:
+        top = _open_dir(base, parent_fd)
+    except OSError as exc:
+        budget.note(f"{path}: {exc.strerror}")
+        return
+    # (descriptor, its name in the one above, the names left to look at)
+    stack: list[tuple[int, str, list[str]]] = []
+    try:
+        names = _listdir(top)
+        if not budget.take(len(names)):
+            return
+        stack.append((top, base, names))
+        while stack:
+            fd, name, left = stack[-1]
+            if not left:
+                stack.pop()
+                above = stack[-1][0] if stack else parent_fd
+                if fd != top:
+                    os.close(fd)
+                try:
+                    _rmdir(name, above)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    budget.note(f"{path}: a directory could not be removed: {exc.strerror}")
+                continue
+            child = left.pop()
+            try:
+                if _unlink(child, fd):
+                    continue
+                if len(stack) >= budget.max_depth:
+                    # Deeper than the descriptors we hold: moved up to the top
+                    # (within the tree, by descriptor) and emptied from there.
+                    stack[0][2].append(_move_up(child, fd, top))
+                    continue
+                cfd = _open_dir(child, fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                budget.note(f"{path}: {child}: {exc.strerror}")
+                continue
+            try:
+                names = _listdir(cfd)
+            except OSError as exc:
+                os.close(cfd)
+                budget.note(f"{path}: {child}: {exc.strerror}")
+                continue
+            stack.append((cfd, child, names))
+            if not budget.take(len(names)):
+                return
+    finally:
+        for fd, _, _ in stack:
+            if fd != top:
+                os.close(fd)
+        os.close(top)
+
+
+def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda name, dirfd: False
+         ) -> Iterator[tuple[bytes, list[bytes], int]]:
+    """Top-down, as ``os.fwalk(root, follow_symlinks=False)`` but iterative
+    and bounded: ``(dirpath, names of its non-directories, dirfd)`` for
+    every directory, ``dirfd`` valid until the next step. A directory for
+    which ``prune(name, parent_fd)`` is true is not entered; one deeper than
+    ``budget.max_depth`` is skipped (noted); the walk stops once over
+    ``budget.max_entries``. Directories it cannot read are skipped. Holds
+    one descriptor per level of the directory it is in, no more."""
+    try:
+        top = os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        budget.note(f"{root}: {exc.strerror}")
+        return
+    stack: list[tuple[int, bytes, list[bytes]]] = []
+    try:
+        files, dirs = _entries(top, budget)
+        stack.append((top, os.fsencode(root), dirs))
+        yield os.fsencode(root), files, top
+        while stack and not budget.over:
+            fd, dirpath, dirs = stack[-1]
+            if not dirs:
+                os.close(fd)
+                stack.pop()
+                continue
+            name = dirs.pop()
+            if prune(name, fd):
+                continue
+            path = os.path.join(dirpath, name)
+            if len(stack) >= budget.max_depth:
+                budget.note(f"{os.fsdecode(path)}: deeper than {budget.max_depth} levels, not walked")
+                continue
+            try:
+                cfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                files, subdirs = _entries(cfd, budget)
+            except OSError:
+                os.close(cfd)
+                continue
+            stack.append((cfd, path, subdirs))
+            yield path, files, cfd
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
+
+
+def _entries(fd: int, budget: Budget) -> tuple[list[bytes], list[bytes]]:
+    """(non-directories, directories) of directory ``fd``, counted against
+    ``budget`` (a partial listing once it is over). Directories come out
+    reversed, so that popping them walks them in listing order."""
+    files: list[bytes] = []
+    dirs: list[bytes] = []
+    with os.scandir(fd) as it:  # on a descriptor, scandir reads a duplicate of it
+        for entry in it:
+            if not budget.take(1):
+                break
+            name = os.fsencode(entry.name)
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            (dirs if is_dir else files).append(name)
+    dirs.reverse()
+    return files, dirs
