@@ -27,6 +27,7 @@ import dispatch
 import dispatch.aio
 from dispatch.client import Cancellation
 from tests.conftest import Daemon
+from tests.sshd import Sshd
 
 
 def bridge_command(daemon: Daemon, *extra: str) -> str:
@@ -174,6 +175,21 @@ def test_the_cli_through_a_bridge(daemon: Daemon, worktree: Path) -> None:
     out = subprocess.run([*base, "call", "--worktree", str(worktree), "read_file", '{"path": "README.md"}', "--text"],
                          capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
     assert out.returncode == 0 and "world" in out.stdout, out.stderr
+    # Ctrl-C cancels the command in the sandbox, through the bridge (which
+    # runs in a session of its own: the signal is the client's alone).
+    with subprocess.Popen([*base, "exec", "--worktree", str(worktree), "--", "sh", "-c", "echo started; sleep 30"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          stdin=subprocess.DEVNULL) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            assert proc.stdout.readline() == "started\n", proc.stderr.read()
+            started = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(15) == 130, proc.stderr.read()
+            assert time.monotonic() - started < 10
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     # ssh:// spelled wrong: one line, exit 2, nothing run.
     out = subprocess.run([sys.executable, "-m", "dispatch.cli", "--host", "ssh://-oProxyCommand=x", "status"],
                          capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
@@ -194,52 +210,6 @@ def test_the_asyncio_client_through_a_bridge(daemon: Daemon, worktree: Path) -> 
 
 
 # --- real ssh ---------------------------------------------------------------
-
-
-class Sshd:
-    """An sshd of this user on 127.0.0.1, with keys and configs of its own in ``base``."""
-
-    def __init__(self, base: Path, path_there: str) -> None:
-        self.base = base
-        base.mkdir(mode=0o700, exist_ok=True)
-        for name in ("host_key", "user_key"):
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(base / name)], check=True)
-        (base / "authorized_keys").write_text((base / "user_key.pub").read_text())
-        self.proc: subprocess.Popen[bytes] | None = None
-        for _attempt in range(5):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.port = s.getsockname()[1]
-            self.config = base / "sshd_config"
-            self.config.write_text("\n".join([
-                f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {base / 'host_key'}",
-                f"PidFile {base / 'sshd.pid'}", f"AuthorizedKeysFile {base / 'authorized_keys'}",
-                "StrictModes no", "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-                "PubkeyAuthentication yes", f"SetEnv PATH={path_there}", ""]))
-            self.log_path = base / "sshd.log"
-            with open(self.log_path, "wb") as log:
-                self.proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(self.config)],
-                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                if "Server listening" in self.log_path.read_text():
-                    break
-                time.sleep(0.05)
-            if self.proc.poll() is None:
-                break
-        else:
-            raise RuntimeError(f"sshd did not start: {self.log_path.read_text()}")
-        host_key = (base / "host_key.pub").read_text().split()
-        (base / "known_hosts").write_text(f"[127.0.0.1]:{self.port} {host_key[0]} {host_key[1]}\n")
-        self.client_config = base / "ssh_config"
-        self.client_config.write_text("\n".join([
-            "Host 127.0.0.1", f"  Port {self.port}", f"  IdentityFile {base / 'user_key'}", "  IdentitiesOnly yes",
-            f"  UserKnownHostsFile {base / 'known_hosts'}", "  StrictHostKeyChecking yes", ""]))
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
