@@ -26,7 +26,8 @@ import pytest
 import dispatch
 import dispatch.aio
 from dispatch.client import Cancellation
-from tests.conftest import Daemon
+from tests.conftest import REPO, Daemon
+from tests.sleeping import daemon_with_policies, wait_until_asleep, with_sleep_after
 from tests.sshd import Sshd
 
 
@@ -207,6 +208,22 @@ def test_the_asyncio_client_through_a_bridge(daemon: Daemon, worktree: Path) -> 
                 await session.close()
 
     assert asyncio.run(main()).endswith("1: world")
+
+
+def test_a_session_sleeps_and_wakes_through_a_bridge(tmp_path: Path, worktree: Path) -> None:
+    d = daemon_with_policies(tmp_path, nap=with_sleep_after((REPO / "policies" / "default.toml").read_text(), 0.3))
+    try:
+        with dispatch.connect(host_command=bridge_command(d)) as client:
+            if not client.status()["kernel"]["user_namespaces"]:
+                pytest.skip("sessions sleep in full mode only, and this kernel refuses user namespaces")
+            with client.open_session(str(worktree), policy="nap") as session:
+                assert shell(session, "echo > made-awake").is_success
+                wait_until_asleep(client, session.id, log=d.log()[-3000:])
+                # The wake is the daemon's business: the channel over the bridge stays the same.
+                assert session.registry.get("read_file").call({"path": "README.md"}).output.endswith("1: world")
+                assert shell(session, "echo woken").output == "woken\n"
+    finally:
+        assert d.stop() == 0, d.log()
 
 
 # --- real ssh ---------------------------------------------------------------
