@@ -259,8 +259,8 @@ class Link:
                     self._write_link()
                 else:
                     stream = self._by_fd.get(fd)
-                    if stream is None:
-                        continue
+                    if stream is None or self._streams.get(stream.sid) is not stream:
+                        continue  # ended earlier in this round (its fd number may be a new stream's already)
                     if events & select.POLLOUT or (stream.out and events & (select.POLLERR | select.POLLHUP)):
                         self._write_stream(stream)
                     if stream.sid in self._streams and events & (select.POLLIN | select.POLLHUP | select.POLLERR) \
