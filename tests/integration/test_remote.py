@@ -160,6 +160,18 @@ def test_a_bridge_that_cannot_reach_its_daemon_says_why(tmp_path: Path) -> None:
         dispatch.connect(host_command=command, timeout=10)
 
 
+def test_a_bridge_checks_the_socket_as_a_local_client_does(tmp_path: Path) -> None:
+    # The allowed twin is every test above: a socket in the daemon's own 0700 directory.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    command = shlex.join([sys.executable, "-m", "dispatch.cli", "--no-autostart", "bridge",
+                          "--socket", str(shared / "d.sock")])
+    with pytest.raises(dispatch.DaemonUnavailable,
+                       match=f"refusing the socket directory {shared}: .*refused before anything was sent"):
+        dispatch.connect(host_command=command, timeout=10)
+
+
 def test_a_command_that_is_not_a_bridge_is_refused_with_what_it_printed() -> None:
     with pytest.raises(dispatch.DaemonUnavailable, match=r"ended before it answered \(exit status 0\).*'hello'"):
         dispatch.connect(host_command="echo hello", timeout=10)
