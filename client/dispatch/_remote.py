@@ -33,7 +33,7 @@ import subprocess
 import threading
 import time
 
-from dispatch._mux import HANDSHAKE, Link, frame, CLOSE  # noqa: F401  (frame, CLOSE: for tests)
+from dispatch._mux import HANDSHAKE, Link
 from dispatch.errors import DaemonUnavailable
 
 _USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
