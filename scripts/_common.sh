@@ -34,6 +34,10 @@ as_unprivileged_user() {
     # apparmor_parser, which checks packaging/apparmor's profile (parsed only,
     # never loaded: tests/unit/test_apparmor_profile.py)
     [ -x /usr/sbin/apparmor_parser ] || missing+=(apparmor)
+    # sshd and ssh, for tests/integration/test_remote.py: the test starts its
+    # own unprivileged sshd on loopback to reach `dispatch bridge` over ssh
+    [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+    command -v ssh >/dev/null || missing+=(openssh-client)
     if [ ${#missing[@]} -gt 0 ]; then
         echo "installing Debian packages: ${missing[*]}"
         apt-get update -qq

@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for the daemon's answer to each request (default 30); a tool call "
                         "waits its own time limit plus this")
+    p.add_argument("--host", default=os.environ.get("DISPATCH_HOST") or None, metavar="ssh://[USER@]HOST[:PORT]",
+                   help="the daemon of that user on that host, through `ssh HOST dispatch bridge`; --socket then "
+                        "names the socket there (default: $DISPATCH_HOST; docs/remote.md)")
+    p.add_argument("--host-command", metavar="CMD",
+                   help="run CMD, whose stdin and stdout carry `dispatch bridge` "
+                        "(e.g. \"kubectl exec -i POD -- dispatch bridge\")")
     sub = p.add_subparsers(dest="command", required=True)
 
     session = sub.add_parser("session", help="open, close and list sessions").add_subparsers(dest="action", required=True)
@@ -103,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="daemon, kernel features and the protections of each session")
     st.add_argument("--json", action="store_true", help="as JSON")
+
+    br = sub.add_parser("bridge", help="carry this user's daemon over stdin and stdout (what --host runs on the "
+                        "far host; docs/remote.md)")
+    br.add_argument("--socket", dest="bridge_socket", help="the daemon's socket (default: as --socket)")
+    br.add_argument("--no-autostart", dest="bridge_no_autostart", action="store_true",
+                    help="do not start a daemon when none answers")
 
     dm = sub.add_parser("daemon", help="the background daemon").add_subparsers(dest="action", required=True)
     dm.add_parser("stop", help="stop the daemon on the socket (ending every session), and wait for it to exit")
@@ -356,7 +368,7 @@ def _mcp(client: Client, args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     client = connect(args.socket, autostart=not args.no_autostart, timeout=args.request_timeout,
-                     call_margin=args.request_timeout)
+                     call_margin=args.request_timeout, host=args.host, host_command=args.host_command)
     if client.started_daemon is not None:  # said once: the next command finds it running
         pid, log = client.started_daemon
         print(f"dispatch: started dispatchd in the background (pid {pid}) on {client.socket_path}; "
@@ -439,6 +451,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "mcp" and args.print_config:  # no daemon needed
             print(json.dumps(_cli_text.mcp_config(args), indent=2))
             return 0
+        if args.command == "bridge":
+            if args.host_command or (args.host and args.host != os.environ.get("DISPATCH_HOST")):
+                raise UsageError("dispatch bridge runs where the daemon is: it takes no --host or --host-command")
+            from dispatch import bridge
+
+            return bridge.serve(args.bridge_socket or args.socket,
+                                autostart=not (args.no_autostart or args.bridge_no_autostart),
+                                timeout=args.request_timeout)
         if args.command == "daemon" and args.no_autostart is False:
             args.no_autostart = True  # stopping a daemon must not start one
         try:

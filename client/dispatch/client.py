@@ -671,6 +671,12 @@ class Session:
     def _lost(self, name: str, exc: ConnectionLost) -> Result:
         """The channel broke mid-call: ask the daemon what happened (by attaching
         again, which also serves the next call when the session lives on)."""
+        gone = self._client._bridge_gone()
+        if gone is not None:  # not the sandbox: the way to it (dispatch._remote)
+            return Result._from_wire(False, f"{name}: {gone}; the call's outcome is unknown, and session {self.id} "
+                                     "may live on there for its orphan grace: connect again and attach to it by id "
+                                     f"(client.session({self.id!r}))", {"lost": True, "bridge_lost": True,
+                                                                          "outcome_unknown": True})
         cause = ""
         deadline = time.monotonic() + 5.0
         with self._lock:
@@ -806,13 +812,17 @@ class Client:
     its reply."""
 
     def __init__(self, socket_path: str, *, autostart: bool = False, timeout: float = 30.0,
-                 call_margin: float = 30.0) -> None:
+                 call_margin: float = 30.0, transport: Any = None) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
         self.call_margin = call_margin
         self.started_daemon: tuple[int, str] | None = None
         """``(pid, log path)`` of the daemon this client started in the background, if it did."""
-        sock = _connect(socket_path, autostart=autostart, timeout=timeout, started=self)
+        # A bridge to a daemon elsewhere (dispatch._remote.Remote): its socket
+        # stands in for the daemon's, and its reason says why it went away.
+        self._transport = transport
+        sock = _connect(socket_path, autostart=autostart, timeout=timeout, started=self) \
+            if transport is None else transport.socket
         self._conn = _Connection(sock, protocol.daemon_reply_decoder, fds=True)
         try:
             reply, _ = self._daemon_request(
@@ -833,10 +843,15 @@ class Client:
                                  f"({exc}): it is stopped, hung or overloaded (connect(timeout=...) sets the wait)"
                                  ) from exc
         except ConnectionLost as exc:
-            raise ConnectionLost(f"lost the connection to dispatchd at {self.socket_path}: {exc}") from exc
+            raise ConnectionLost(f"lost the connection to dispatchd at {self.socket_path}: "
+                                 f"{self._bridge_gone() or exc}") from exc
         if isinstance(reply, protocol.ErrorReply):
             raise RequestFailed(reply.code, reply.message)
         return reply, fd
+
+    def _bridge_gone(self) -> str | None:
+        """Why the bridge to a remote daemon went away, if it did (None locally)."""
+        return None if self._transport is None else self._transport.reason
 
     def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
                      ports: list[int] | None = None, bind_ports: list[int] | None = None,
@@ -1060,8 +1075,33 @@ def _connect(path: str, *, autostart: bool, timeout: float, started: Client | No
 
 
 def connect(socket: str | None = None, *, autostart: bool = False, timeout: float = 30.0,
-            call_margin: float = 30.0) -> Client:
+            call_margin: float = 30.0, host: str | None = None, host_command: str | None = None) -> Client:
     """Connect to the daemon at ``socket`` (default: the contract's path order).
     ``timeout`` bounds every wait for the daemon (its start, each request:
-    ``RequestTimeout``); a tool call waits its own limit plus ``call_margin``."""
-    return Client(paths.resolve_socket_path(socket), autostart=autostart, timeout=timeout, call_margin=call_margin)
+    ``RequestTimeout``); a tool call waits its own limit plus ``call_margin``.
+
+    ``host="ssh://[USER@]HOST[:PORT]"`` (default ``$DISPATCH_HOST``): the
+    daemon of that user on that host, through ``ssh HOST dispatch bridge``
+    (``socket`` then names the socket there); ``host_command``: any command
+    whose stdio carries ``dispatch bridge`` (docs/remote.md)."""
+    if host is None and host_command is None:
+        host = os.environ.get("DISPATCH_HOST") or None
+    if host is None and host_command is None:
+        return Client(paths.resolve_socket_path(socket), autostart=autostart, timeout=timeout,
+                      call_margin=call_margin)
+    return _remote_client(host, host_command, socket, autostart=autostart, timeout=timeout, call_margin=call_margin)
+
+
+def _remote_client(host: str | None, host_command: str | None, socket_path: str | None, *, autostart: bool,
+                   timeout: float, call_margin: float) -> Client:
+    from dispatch import _remote
+
+    remote = _remote.open_remote(host, host_command, socket_path, autostart=autostart, timeout=timeout)
+    try:
+        return Client(remote.label, timeout=timeout, call_margin=call_margin, transport=remote)
+    except ConnectionLost as exc:  # the bridge answered, then could not reach its daemon
+        remote.socket.close()
+        raise DaemonUnavailable(remote.reason or str(exc)) from exc
+    except BaseException:
+        remote.socket.close()
+        raise
