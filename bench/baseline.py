@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dispatchd.daemon import githistory, gitlayout, gitsnapshot, treewalk  # noqa: E402
+from dispatchd.daemon import githistory, gitlayout, gitsnapshot, runnables  # noqa: E402
 
 
 def make_repo(path: str, objects: int, files: int) -> None:
@@ -72,7 +72,7 @@ def main() -> None:
         print(f"history restore, nothing changed: {timed(lambda: githistory.restore(history), args.rounds):.1f} ms")
         layout = gitlayout.inspect_git(repo, uid=os.getuid())
         print(f"git walk: {timed(lambda: gitsnapshot.take(repo, layout), args.rounds):.2f} ms")
-        print(f"tree walk ({args.files} files): {timed(lambda: treewalk.take(repo), args.rounds):.1f} ms")
+        print(f"tree walk ({args.files} files): {timed(lambda: runnables.take(repo), args.rounds):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ state is the user's) and kept, unchanged, until the last one ends:
   checked until the domain ends. The oldest part's record is always there;
 - every session's end (and a network switch that replaces its sandbox)
   checks every part against its baseline and moves aside what differs
-  (``gitredirects``, ``gitsnapshot``, ``treewalk``); the last end runs with
+  (``gitredirects``, ``gitsnapshot``, ``runnables``); the last end runs with
   no process of the domain left, so nothing can race it, and also puts back
   the repository's history (``githistory``); then the record goes, and the
   user's next changes are the next baseline;
@@ -47,7 +47,7 @@ import time
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon import githistory, gitredirects, gitsnapshot, treewalk
+from dispatchd.daemon import githistory, gitredirects, gitsnapshot, runnables
 from dispatchd.errors import WorktreeError
 from dispatchd.inside import is_within, overlap
 
@@ -68,7 +68,7 @@ class Part(msgspec.Struct, frozen=True):
     layout: GitLayout
     git: gitsnapshot.GitSnapshot
     redirects: list[str]
-    tree: treewalk.TreeSnapshot
+    tree: runnables.TreeSnapshot
     names: list[str]  # the protected names its walk looks for
     excluded: list[str] = []  # parts' roots inside this one: theirs to check
     home: str = ""
@@ -244,7 +244,7 @@ class Baselines:
             covered = any(is_within(root, p.root) for p in record.parts)
             if not covered:
                 excluded = [p.root for p in record.parts if is_within(p.root, root)]
-                tree = treewalk.take(root, names, excluded=excluded,
+                tree = runnables.take(root, names, excluded=excluded,
                                      skip_root_git=layout.kind in ("repository", "linked"))
                 if not tree.complete:
                     if not record.parts:
@@ -397,13 +397,13 @@ class Baselines:
                 log.warning("event=git_changed_quarantined path=%s", path)
                 found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
                                        time=now_t))
-        tree = treewalk.take(part.root, tuple(part.names), excluded=part.excluded,
+        tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,
                              skip_root_git=part.layout.kind in ("repository", "linked"))
         if not tree.complete:
             failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
                           "your tools run")
             return failed
-        moved, bad = treewalk.quarantine(part.root, treewalk.changes(part.tree, tree))
+        moved, bad = runnables.quarantine(part.root, runnables.changes(part.tree, tree))
         failed += bad
         for path in moved:
             log.warning("event=tool_file_quarantined path=%s", path)

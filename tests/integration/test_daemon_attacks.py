@@ -359,4 +359,4 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
             for ch in channels:
                 ch.close()
             frames.send(protocol.CloseSession(id=3, session=sid))
-            assert frames.recv(REPLIES) == protocol.OkReply(id=3)
+            assert frames.recv(REPLIES) == protocol.ClosedReply(id=3, protected=[])

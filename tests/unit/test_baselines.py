@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dispatchd.daemon import baselines, githistory, gitlayout, gitobjects, gitredirects, gitsnapshot, treewalk
+from dispatchd.daemon import baselines, githistory, gitlayout, gitobjects, gitredirects, gitsnapshot, runnables
 from tests.unit.gitrepo import git, make_repo
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -29,18 +29,18 @@ def commits(repo: Path, n: int) -> None:
         git(repo, "commit", "-qm", f"c{i}")
 
 
-# --- treewalk -------------------------------------------------------------------------------
+# --- runnables -------------------------------------------------------------------------------
 
 
 def test_a_new_repository_anywhere_is_listed_by_its_config_not_whole(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
-    before = treewalk.take(str(repo))
+    before = runnables.take(str(repo))
     (repo / "d1" / "sub").mkdir()
     git(repo / "d1" / "sub", "init", "-q")
-    now = treewalk.take(str(repo))
-    todo = treewalk.changes(before, now)
+    now = runnables.take(str(repo))
+    todo = runnables.changes(before, now)
     assert "d1/sub/.git/config" in todo and "d1/sub/.git" not in todo
-    moved, failed = treewalk.quarantine(str(repo), todo)
+    moved, failed = runnables.quarantine(str(repo), todo)
     assert not failed and not (repo / "d1" / "sub" / ".git" / "config").exists()
     assert (repo / "d1" / "sub" / ".git" / "HEAD").exists()
 
@@ -51,14 +51,14 @@ def test_an_unchanged_tree_lists_nothing(tmp_path: Path) -> None:
     (repo / ".vscode" / "settings.json").write_text("{}")
     (repo / "d0" / "sub").mkdir()
     git(repo / "d0" / "sub", "init", "-q")
-    assert treewalk.changes(treewalk.take(str(repo)), treewalk.take(str(repo))) == []
+    assert runnables.changes(runnables.take(str(repo)), runnables.take(str(repo))) == []
 
 
 def test_a_bare_looking_directory_counts_as_a_repository(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
-    before = treewalk.take(str(repo))
+    before = runnables.take(str(repo))
     git(tmp_path, "init", "-q", "--bare", str(repo / "d2" / "bare"))
-    todo = treewalk.changes(before, treewalk.take(str(repo)))
+    todo = runnables.changes(before, runnables.take(str(repo)))
     assert "d2/bare/config" in todo
 
 
@@ -67,27 +67,27 @@ def test_protected_names_new_directory_whole_changed_file_alone(tmp_path: Path) 
     (repo / ".claude").mkdir()
     (repo / ".claude" / "keep.json").write_text("{}")
     (repo / ".claude" / "settings.json").write_text("{}")
-    before = treewalk.take(str(repo))
+    before = runnables.take(str(repo))
     (repo / ".claude" / "settings.json").write_text('{"hooks": 1}')
     (repo / "d0" / ".vscode").mkdir()
     (repo / "d0" / ".vscode" / "tasks.json").write_text("{}")
     (repo / "d0" / "plain.txt").write_text("x")
-    todo = treewalk.changes(before, treewalk.take(str(repo)))
+    todo = runnables.changes(before, runnables.take(str(repo)))
     assert todo == [".claude/settings.json", "d0/.vscode"]
 
 
 def test_an_unreadable_directory_is_looked_into_and_its_mode_kept(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
-    before = treewalk.take(str(repo))
+    before = runnables.take(str(repo))
     (repo / "a" / "sub").mkdir(parents=True)
     git(repo / "a" / "sub", "init", "-q")
     os.chmod(repo / "a", 0)
     try:
-        now = treewalk.take(str(repo))
+        now = runnables.take(str(repo))
         assert now.complete and os.stat(repo / "a").st_mode & 0o777 == 0  # looked into, mode put back
-        todo = treewalk.changes(before, now)
+        todo = runnables.changes(before, now)
         assert todo == ["a/sub/.git/config"]
-        moved, failed = treewalk.quarantine(str(repo), todo)
+        moved, failed = runnables.quarantine(str(repo), todo)
         assert len(moved) == 1 and not failed
     finally:
         os.chmod(repo / "a", 0o755)
@@ -105,11 +105,11 @@ def test_the_walk_is_bounded_in_depth_without_recursion(tmp_path: Path) -> None:
             fd = nxt
     finally:
         os.close(fd)
-    snap = treewalk.take(str(top))
-    assert not snap.complete and snap.why == f"deeper than {treewalk.MAX_DEPTH} directories"
+    snap = runnables.take(str(top))
+    assert not snap.complete and snap.why == f"deeper than {runnables.MAX_DEPTH} directories"
     shallow = tmp_path / "shallow"
     (shallow / "a" / "b").mkdir(parents=True)
-    assert treewalk.take(str(shallow)).complete  # the allowed twin
+    assert runnables.take(str(shallow)).complete  # the allowed twin
     subprocess.run(["rm", "-rf", str(top)], check=True)
 
 
@@ -305,14 +305,14 @@ def test_a_check_that_cannot_finish_refuses_the_worktree_and_keeps_the_record(
     repo = make_repo(tmp_path / "r")
     store = baselines.Baselines(str(tmp_path / "state"))
     _join(store, "s", repo)
-    monkeypatch.setattr(treewalk, "MAX_DEPTH", 3)
+    monkeypatch.setattr(runnables, "MAX_DEPTH", 3)
     (repo / "a" / "b" / "c" / "d" / "e").mkdir(parents=True)  # deeper than the walk goes now
     store.leave("s")
     assert "deeper than 3 directories" in store.tainted[str(repo)]
     assert len([n for n in os.listdir(tmp_path / "state" / "baselines") if n.endswith(".json")]) == 1
     with pytest.raises(baselines.WorktreeError, match="could not move aside"):
         _join(store, "t", repo)
-    monkeypatch.setattr(treewalk, "MAX_DEPTH", 256)
+    monkeypatch.setattr(runnables, "MAX_DEPTH", 256)
     fresh = baselines.Baselines(str(tmp_path / "state"))  # a restart: the check passes now
     fresh.recover()
     assert fresh.tainted == {} and os.listdir(tmp_path / "state" / "baselines") == []
