@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd import protocol, threads
+from dispatchd import envnames, protocol, threads
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
@@ -131,6 +131,10 @@ class Session:
         # environment: a woken tool server is told again.
         self.env_set: dict[str, str] = {}
         self.env_unset: set[str] = set()
+        # The caller's env and secrets (OpenSession), given to every tool server
+        # it has (after a switch that replaces it too); kept in memory only.
+        self.user_env: dict[str, str] = {}
+        self.secret_names: list[str] = []
 
     def info(self) -> protocol.SessionInfo:
         # Sessions are listed only once their worker is ready: protections are known.
@@ -312,7 +316,13 @@ class SessionManager:
     def open(self, worktree: str, policy_name: str, network: NetworkMode | None,
              ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
              detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None,
-             domain_list: list[str] | None = None, read_only: list[str] | None = None) -> Session:
+             domain_list: list[str] | None = None, read_only: list[str] | None = None,
+             env: dict[str, str] | None = None, secrets: dict[str, str] | None = None) -> Session:
+        try:
+            user_env = envnames.check_env(env)
+            hidden = envnames.check_secrets(secrets, user_env)
+        except envnames.EnvError as exc:
+            raise DispatchdError(str(exc)) from None
         with self._lock:
             if not self.accepting:
                 raise Stopping("the daemon is stopping and opens no new sessions")
@@ -320,7 +330,7 @@ class SessionManager:
         try:
             return self._open(worktree, policy_name, network, ports, bind_ports, detached=detached,
                               orphan_grace_s=orphan_grace_s, holder=holder, domain_list=domain_list,
-                              read_only=read_only)
+                              read_only=read_only, user_env={**user_env, **hidden}, secret_names=sorted(hidden))
         finally:
             with self._lock:
                 self._opening -= 1
@@ -328,7 +338,8 @@ class SessionManager:
 
     def _open(self, worktree: str, policy_name: str, network: NetworkMode | None, ports: list[int] | None,
               bind_ports: list[int] | None, *, detached: bool, orphan_grace_s: float | None, holder: int | None,
-              domain_list: list[str] | None, read_only: list[str] | None) -> Session:
+              domain_list: list[str] | None, read_only: list[str] | None,
+              user_env: dict[str, str], secret_names: list[str]) -> Session:
         t0 = time.perf_counter()
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         network = network or policy.network.default
@@ -340,7 +351,8 @@ class SessionManager:
         steps = {"policy": (t1 - t0) * 1e3, "worktree": (time.perf_counter() - t1) * 1e3}
         try:
             return self._open_held(held, policy, network, ports, bind_ports, extra, rules, detached=detached,
-                                   orphan_grace_s=orphan_grace_s, holder=holder, steps=steps)
+                                   orphan_grace_s=orphan_grace_s, holder=holder, steps=steps,
+                                   user_env=user_env, secret_names=secret_names)
         except BaseException:
             held.close()
             raise
@@ -362,7 +374,8 @@ class SessionManager:
     def _open_held(self, held: Worktree, policy: Policy, network: NetworkMode, ports: list[int] | None,
                    bind_ports: list[int] | None, extra: list[str], rules: tuple[domains.Rule, ...] | None, *,
                    detached: bool, orphan_grace_s: float | None,
-                   holder: int | None, steps: dict[str, float]) -> Session:
+                   holder: int | None, steps: dict[str, float],
+                   user_env: dict[str, str] | None = None, secret_names: list[str] | None = None) -> Session:
         resolved = held.path
         tainted = self.baselines.tainted.get(resolved)
         if tainted:
@@ -371,6 +384,7 @@ class SessionManager:
                                 "dispatchd", resolved)
         session = Session("", held, policy, "")  # its id once its sandbox is chosen, below
         session.read_only = extra
+        session.user_env, session.secret_names = user_env or {}, secret_names or []
         session.ports = _ports_for(session, ports, bind_ports)
         session.domains = _domains_for(session, rules)
         t = time.perf_counter()
@@ -583,6 +597,8 @@ class SessionManager:
         # yet; what the worker sends meanwhile waits in the channel.
         threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
                        daemon=True, name=f"watch-{session.id}").start()
+        if session.user_env:  # before any call can reach this tool server: attach comes after
+            self.send_command_env(session, session.user_env, [])
 
     # --- sandboxes made ahead (pool.py) ----------------------------------------
 
@@ -823,7 +839,8 @@ class SessionManager:
             rid = session.ack_ids
             session.acks[rid] = done
             try:
-                session.control.send(protocol.SetCommandEnv(set=set_env, unset=unset, id=rid))
+                session.control.send(protocol.SetCommandEnv(set=set_env, unset=unset, id=rid,
+                                                            secrets=session.secret_names))
             except OSError as exc:
                 session.acks.pop(rid, None)
                 raise SessionError(f"session {session.id} has ended", session.id) from exc
@@ -1327,7 +1344,8 @@ class SessionManager:
                 try:
                     with session.send_lock:
                         if session.env_set or session.env_unset:
-                            control.send(protocol.SetCommandEnv(set=session.env_set, unset=sorted(session.env_unset)))
+                            control.send(protocol.SetCommandEnv(set=session.env_set, unset=sorted(session.env_unset),
+                                                                secrets=session.secret_names))
                         if asleep.jobs is not None:
                             control.send(asleep.jobs[0], fds=asleep.jobs[1])
                         for fd in asleep.channels:

@@ -50,6 +50,11 @@ class OpenSession(_Msg, tag="open_session", frozen=True):
     # Extra read-only paths for this session (toolchains outside the system
     # directories: ~/.cargo, ~/.rustup), beside the policy's extra_read_only.
     read_only: list[str] = []
+    # Variables for the session's commands (dispatchd.envnames checks them),
+    # and secrets: variables too, whose values never leave the sandbox in a
+    # reply (worker/redact.py), nor reach a log or a file of the daemon.
+    env: dict[str, str] = {}
+    secrets: dict[str, str] = {}
     # Lifetime (daemon/lifetimes.py): a session ends once every connection that
     # opened or attached to it has gone for its grace, unless it is detached.
     detached: bool = False

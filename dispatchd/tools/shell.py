@@ -3,7 +3,8 @@
 Guarantees:
 - The command runs as ``/bin/bash -c COMMAND`` in the worktree root (or in
   ``cwd``, which obeys the path rules), with stdin from /dev/null, the
-  session's environment only, and no file descriptor of the worker's.
+  session's environment only (plus the call's ``env``, checked by
+  ``dispatchd.envnames``), and no file descriptor of the worker's.
 - It leads a process group and a session of its own (``start_new_session``;
   no ``preexec_fn``, which would cost about 3 ms a spawn by ruling out vfork).
 - Each of stdout and stderr is kept up to ``output_cap_bytes``; beyond that
@@ -37,6 +38,7 @@ a thread of its own (``CallControl.release_channel``).
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import math
 import os
 import select
@@ -46,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from dispatchd import envnames
 from dispatchd.policy import Limits
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
@@ -342,6 +345,11 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     command, timeout = params.command, params.timeout
     if not command.strip():
         raise ToolFailure("command is empty")
+    if params.env:
+        try:
+            ctx = dataclasses.replace(ctx, env={**ctx.env, **envnames.check_env(params.env)})
+        except envnames.EnvError as exc:
+            raise ToolFailure(str(exc)) from None
     workdir = _workdir(ctx, params.cwd)
     if params.background:
         if ctx.jobs is None:

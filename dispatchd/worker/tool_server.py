@@ -25,7 +25,10 @@ Guarantees:
   (``CallTool.stream``), streams its output as ``ToolOutput`` frames before
   its reply; the session's background jobs live here (``tools/jobs.py``).
 - ``SetCommandEnv`` from the daemon changes the environment of commands
-  started after it (the proxy variables of network "domains"), not of those running.
+  started after it (the proxy variables of network "domains", the caller's
+  ``env`` and ``secrets``), not of those running; once a secret is given,
+  every reply and streamed output has its value replaced by ``[secret NAME]``
+  (``redact.py``; read_file's C lane is turned off, as it replies on its own).
 
 Threads are safe here: Landlock and seccomp were applied before this process
 was forked, and every thread inherits them.
@@ -58,6 +61,7 @@ from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
 from dispatchd.tools.textfile import SNIFF_BYTES
+from dispatchd.worker import redact
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 _convert = msgspec.convert
@@ -158,6 +162,10 @@ class _Channel:
             control.cancel()
 
     def reply(self, msg: protocol.ToolReply | protocol.ErrorReply) -> None:
+        redactor = self.server.redactor
+        if redactor is not None and type(msg) is protocol.ToolReply:
+            msg = protocol.ToolReply(id=msg.id, success=msg.success, output=redactor.value(msg.output),
+                                     error=redactor.value(msg.error), metadata=redactor.value(msg.metadata))
         lock = self.send_lock
         lock.acquire()  # not ``with``: see _Activity.begin
         try:
@@ -350,6 +358,9 @@ class _Server:
             and self.ctx.root_fd >= 0) else None
         self.activity = _Activity()
         self.control = control
+        # The session's secrets (SetCommandEnv), redacted from every reply.
+        self.secrets: dict[str, str] = {}
+        self.redactor: redact.Redactor | None = None
         self.write_lock = _WriteLock(control)
         # The worktree is ours to write now: remove what killed writes left
         # (tempfiles.py), but not the files of our own writes already started.
@@ -461,7 +472,10 @@ class _Server:
             return
         self.activity.begin(key, (channel, req))
         rid = req.id
-        emit = (lambda stream, text: channel.output(rid, stream, text)) if req.stream else None
+        emit: Callable[[str, str], None] | None = (
+            (lambda stream, text: channel.output(rid, stream, text)) if req.stream else None)
+        if emit is not None and self.redactor is not None:
+            emit = redact.Stream(self.redactor, emit)
         control = CallControl(emit)
         with channel.calls_lock:
             channel.calls[rid] = control
@@ -558,6 +572,11 @@ class _Server:
         try:
             out: Outcome = run_tool(tool, ctx, req.params)  # type: ignore[arg-type]
             success = out.success
+            if control is not None and isinstance(control.emit, redact.Stream):
+                try:
+                    control.emit.flush()  # what waited to be told from a secret's start
+                except OSError:
+                    pass  # the caller is gone
             channel.reply(protocol.ToolReply(id=req.id, success=out.success, output=out.output,
                                              error=out.error, metadata=out.metadata))
         finally:
@@ -580,6 +599,13 @@ class _Server:
     def set_command_env(self, msg: protocol.SetCommandEnv) -> None:
         env = {k: v for k, v in self.ctx.env.items() if k not in msg.unset}
         env.update(msg.set)
+        fresh = {name: msg.set[name] for name in msg.secrets if name in msg.set}
+        if fresh:
+            # Before the commands can see them: no reply carries one unredacted.
+            # Kept once given, even when unset (a file may still hold one).
+            self.secrets.update(fresh)
+            self.redactor = redact.Redactor(self.secrets)
+            self.fast_read = None  # read_file's C lane replies without _Channel.reply: off
         # One assignment: a call starting now sees the old context or the new, whole.
         self.ctx = dataclasses.replace(self.ctx, env=env)
 
