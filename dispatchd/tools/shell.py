@@ -340,6 +340,25 @@ def _start(ctx: ToolContext, command: str, workdir: str, token: str) -> tuple[su
     return proc, out_r, err_r
 
 
+def _reap(proc: subprocess.Popen[bytes]) -> dict[str, float | None]:
+    """Wait for bash (as ``proc.wait()``) and say what it used: ``wait4`` gives
+    the CPU time of bash and of every process it waited for (its commands,
+    their children waited for in turn), and the peak resident size of the
+    largest of them. Processes it left behind (``cmd &``, then killed) are
+    not counted: their parent was no longer bash when they ended."""
+    if proc.returncode is None:
+        try:
+            _pid, status, ru = os.wait4(proc.pid, 0)
+        except ChildProcessError:  # reaped already (cannot be: proctree keeps it ours); as Popen does
+            proc.wait()
+        else:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return {"cpu_s": round(ru.ru_utime + ru.ru_stime, 4), "peak_mib": round(ru.ru_maxrss / 1024, 2)}
+    proc.wait()
+    # Reaped before (Popen.wait's fallback, with no pidfd): not known.
+    return {"cpu_s": None, "peak_mib": None}
+
+
 def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     """Run ``command`` with bash; see the module docstring for the guarantees."""
     command, timeout = params.command, params.timeout
@@ -375,7 +394,7 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
             proctree.kill_tree(proc.pid, token)
         raise
     finally:
-        proc.wait()
+        usage = _reap(proc)
         capture.close()
     duration = time.monotonic() - started
 
@@ -402,6 +421,7 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
         "duration_s": round(duration, 4),
         "stdout": out,
         "stderr": err,
+        "usage": usage,
     }
     if capture.cancelled:
         meta["cancelled"] = True

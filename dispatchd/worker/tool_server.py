@@ -40,6 +40,7 @@ import dataclasses
 import itertools
 import os
 import queue
+import resource
 import select
 import socket
 import struct
@@ -66,6 +67,18 @@ from dispatchd.worker import redact
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 _convert = msgspec.convert
 _monotonic = time.monotonic  # one global lookup where every call reads the clock twice
+
+_thread_time = time.thread_time
+
+
+def _usage(cpu_before: float) -> dict[str, float]:
+    """A call's ``metadata["usage"]`` when the tool runs in the tool server
+    (every tool but shell_exec's commands): the CPU time of the thread that
+    ran it, and the tool server's peak resident size so far (a process has
+    one peak, not one per call)."""
+    return {"cpu_s": round(_thread_time() - cpu_before, 6),
+            "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 2)}
+
 
 FIRST_CHANNEL_WAIT_S = 5.0  # how long the first channel's thread, started ahead, waits for it
 MIN_SLEEP_AFTER_S = 0.05  # the least idle time after which a session sleeps (limits.sleep_after_s)
@@ -508,6 +521,7 @@ class _Server:
         finally:
             lock.release()
         started = _monotonic()
+        cpu = _thread_time()
         success = False
         try:
             # run_tool written out too (a call fewer, about 900 instructions).
@@ -521,6 +535,7 @@ class _Server:
                 except Exception as exc:  # noqa: BLE001 (failed words each kind)
                     out = failed(tool, self.ctx, exc)
             success = out.success
+            out.metadata["usage"] = _usage(cpu)
             channel.reply(protocol.ToolReply(req.id, success, out.output, out.error, out.metadata))
         finally:
             now = _monotonic()
@@ -567,11 +582,14 @@ class _Server:
               control: CallControl | None = None) -> None:
         """Run the call ``dispatch`` began (``key`` in ``activity``), reply, end it."""
         started = time.monotonic()
+        cpu = _thread_time()
         success = False
         ctx = self.ctx if control is None else dataclasses.replace(self.ctx, call=control)
         try:
             out: Outcome = run_tool(tool, ctx, req.params)  # type: ignore[arg-type]
             success = out.success
+            if "usage" not in out.metadata:  # shell_exec's is its command's own
+                out.metadata["usage"] = _usage(cpu)
             if control is not None and isinstance(control.emit, redact.Stream):
                 try:
                     control.emit.flush()  # what waited to be told from a secret's start

@@ -138,3 +138,24 @@ def test_the_cli_passes_env_and_secrets(daemon: Daemon, worktree: Path) -> None:
                            "--secret", "NOT_SET_HERE", "--", "true")
     assert missing.returncode == 2
     assert missing.stderr.strip() == "dispatch: --secret NOT_SET_HERE: no NOT_SET_HERE in our environment to read its value from"
+
+
+# ----------------------------------------------------------------- usage
+
+
+def test_every_call_carries_its_usage(session: dispatch.Session) -> None:
+    # A command that burns about 0.3 s of CPU and holds about 64 MiB.
+    busy = shell(session, "/usr/bin/python3 -c 'b = bytearray(64 << 20); import time\n"
+                          "t = time.process_time()\nwhile time.process_time() - t < 0.3: pass'")
+    assert busy.is_success, busy.error
+    usage = busy.metadata["usage"]
+    assert 0.25 <= usage["cpu_s"] < 2.0
+    assert 64 <= usage["peak_mib"] < 200
+    idle = shell(session, "sleep 0.3")  # the twin: time passes, no CPU is used
+    assert idle.metadata["usage"]["cpu_s"] < 0.1 and idle.metadata["usage"]["peak_mib"] < 64
+    # read_file is left out: its usual call is answered by the C lane
+    # (tools/_fastread.c), which adds no usage (docs/agents-features.md).
+    for name, params in [("list_files", {}),
+                         ("search_files", {"query": "main"}), ("write_file", {"path": "x", "content": "y"})]:
+        usage = session.registry.get(name).call(params).metadata["usage"]
+        assert set(usage) == {"cpu_s", "peak_mib"} and usage["cpu_s"] >= 0 and usage["peak_mib"] > 0, name
