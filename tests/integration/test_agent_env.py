@@ -159,3 +159,19 @@ def test_every_call_carries_its_usage(session: dispatch.Session) -> None:
                          ("search_files", {"query": "main"}), ("write_file", {"path": "x", "content": "y"})]:
         usage = session.registry.get(name).call(params).metadata["usage"]
         assert set(usage) == {"cpu_s", "peak_mib"} and usage["cpu_s"] >= 0 and usage["peak_mib"] > 0, name
+
+
+# ----------------------------------------------------------------- streaming through dispatch and the loop
+
+
+def test_dispatch_and_the_loop_stream_output(session: dispatch.Session) -> None:
+    from dispatch.agent import FakeModel, run_tool_loop
+
+    seen: list[tuple[str, str]] = []
+    call = {"type": "tool_use", "id": "t1", "name": "shell_exec", "input": {"command": "echo out; echo err >&2"}}
+    reply = session.registry.dispatch(call, on_output=lambda s, t: seen.append((s, t)))
+    assert reply["is_error"] is False and sorted(seen) == [("stderr", "err\n"), ("stdout", "out\n")]
+    seen.clear()
+    model = FakeModel([[("shell_exec", {"command": "echo looped"})], "done"])
+    result = run_tool_loop(model, session.registry, [], on_output=lambda s, t: seen.append((s, t)))
+    assert result.final == "done" and seen == [("stdout", "looped\n")]
