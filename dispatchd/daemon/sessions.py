@@ -135,6 +135,7 @@ class Session:
         # it has (after a switch that replaces it too); kept in memory only.
         self.user_env: dict[str, str] = {}
         self.secret_names: list[str] = []
+        self.usage: tuple[int, float, float] = (0, 0.0, 0.0)  # calls, CPU seconds, largest peak (MiB)
 
     def info(self) -> protocol.SessionInfo:
         # Sessions are listed only once their worker is ready: protections are known.
@@ -148,7 +149,8 @@ class Session:
                                     domains=domains.describe(self.domains) if self.network == "domains" else [],
                                     denied=denied, writes=self.writes, asleep=self.asleep is not None,
                                     protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
-                                               for p in self.reports()])
+                                               for p in self.reports()],
+                                    usage=protocol.SessionUsage(*self.usage))
 
 
 class _Nap:
@@ -815,10 +817,22 @@ class SessionManager:
                 raise ConfinementError("network: proxy listener", detail=str(exc)) from exc
             if session.proxy is None:
                 session.proxy = SessionProxy(session.id, self.resolver)
+                session.proxy.on_deny = functools.partial(self._tell_denied, session)
             session.proxy.configure(plan.network, session.domains)
             session.proxy.serve(listener)
         elif session.proxy is not None:
             session.proxy.configure(plan.network, session.domains)
+
+    @staticmethod
+    def _tell_denied(session: Session, host: str, port: int, allow: str) -> None:
+        """The proxy refused ``host:port``: tell the tool server, whose calls in
+        flight carry it (an asleep one has none)."""
+        with session.send_lock:
+            if session.control is not None and session.asleep is None:
+                try:
+                    session.control.send(protocol.NetworkDenied(host=host, port=port, allow=allow))
+                except OSError:
+                    pass  # the sandbox is going: no call to tell
 
     def send_command_env(self, session: Session, set_env: dict[str, str], unset: list[str]) -> None:
         """Commands the session starts once this returns get ``set_env`` and lose
@@ -858,9 +872,12 @@ class SessionManager:
                 # worker that sends some anyway does not pile them up here.
                 control.drop_fds()
                 if isinstance(msg, protocol.ToolCallsDone):
+                    calls, cpu, peak = session.usage
                     for call in msg.calls:  # debug only: a line per call grew the log without bound
                         log.debug("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
                                  session.id, call.tool, call.duration_ms, "ok" if call.success else "failed")
+                        calls, cpu, peak = calls + 1, cpu + call.cpu_s, max(peak, call.peak_mib)
+                    session.usage = (calls, round(cpu, 4), peak)  # one assignment: info() reads it whole
                 elif isinstance(msg, protocol.OkReply):
                     waiting = session.acks.pop(msg.id, None)
                     if waiting is not None:

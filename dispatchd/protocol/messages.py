@@ -139,6 +139,16 @@ class ProtectedItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     time: float = 0.0
 
 
+class SessionUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a session's tool calls used, summed as the tool server reports
+    them (in batches, about every half second): the calls counted, their
+    CPU time, and the largest ``peak_mib`` of any of them."""
+
+    calls: int = 0
+    cpu_s: float = 0.0
+    peak_mib: float = 0.0
+
+
 class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     worktree: str
@@ -153,6 +163,7 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     writes: bool = False  # holds its worktree's write lock (one writer per worktree)
     asleep: bool = False  # no process runs: its next call wakes it (the policy's sleep_after_s)
     protected: list[ProtectedItem] = []  # what checks of its worktree moved aside or put back since it opened
+    usage: SessionUsage = SessionUsage()  # what its tool calls used so far
 
 
 class HelloOk(_Msg, tag="hello_ok", frozen=True):

@@ -36,6 +36,7 @@ was forked, and every thread inherits them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -47,6 +48,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -69,6 +71,17 @@ _convert = msgspec.convert
 _monotonic = time.monotonic  # one global lookup where every call reads the clock twice
 
 _thread_time = time.thread_time
+# A finished call, for the daemon (its log line and the session's usage):
+# tool, seconds, success, and metadata["usage"] (None: not measured).
+_Record = tuple[str, float, bool, dict[str, Any] | None]
+
+
+def _usage_numbers(usage: dict[str, Any] | None) -> tuple[float, float]:
+    if not usage:
+        return 0.0, 0.0
+    cpu, peak = usage.get("cpu_s"), usage.get("peak_mib")
+    return (float(cpu) if isinstance(cpu, (int, float)) else 0.0,
+            float(peak) if isinstance(peak, (int, float)) else 0.0)
 
 
 def _usage(cpu_before: float) -> dict[str, float]:
@@ -101,7 +114,7 @@ class _Activity:
         self.calls: dict[int, tuple[_Channel, protocol.CallTool]] = {}
         # (tool, seconds, success) of each finished call: made CallRecords when
         # sent (flush_records), off the calls' path.
-        self.records: list[tuple[str, float, bool]] = []
+        self.records: list[_Record] = []
         # A session that may sleep: the channel readers that found nothing to
         # read for ``sleep_after_s`` and now wait without reading (they hold
         # no byte of a request), and whether the server asked the daemon to
@@ -123,7 +136,7 @@ class _Activity:
         finally:
             lock.release()
 
-    def end(self, key: int | None = None, record: tuple[str, float, bool] | None = None,
+    def end(self, key: int | None = None, record: _Record | None = None,
             now: float | None = None) -> bool:
         """The call is over (at ``now``, when the caller read the clock
         already); True when ``record`` is the first of a batch."""
@@ -240,7 +253,7 @@ class _Channel:
                                 activity.last = now
                                 records = activity.records
                                 first = not records
-                                records.extend(("read_file", seconds, True) for seconds in calls)
+                                records.extend(("read_file", seconds, True, None) for seconds in calls)
                             finally:
                                 lock.release()
                             if first:
@@ -374,6 +387,9 @@ class _Server:
         # The session's secrets (SetCommandEnv), redacted from every reply.
         self.secrets: dict[str, str] = {}
         self.redactor: redact.Redactor | None = None
+        # The proxy's refusals (network "domains"), newest last: (when, "host:port", the command
+        # that allows it). A slow call carries those of its own time window.
+        self.denials: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=256)
         self.write_lock = _WriteLock(control)
         # The worktree is ours to write now: remove what killed writes left
         # (tempfiles.py), but not the files of our own writes already started.
@@ -523,6 +539,7 @@ class _Server:
         started = _monotonic()
         cpu = _thread_time()
         success = False
+        usage = None
         try:
             # run_tool written out too (a call fewer, about 900 instructions).
             try:
@@ -535,7 +552,7 @@ class _Server:
                 except Exception as exc:  # noqa: BLE001 (failed words each kind)
                     out = failed(tool, self.ctx, exc)
             success = out.success
-            out.metadata["usage"] = _usage(cpu)
+            usage = out.metadata["usage"] = _usage(cpu)
             channel.reply(protocol.ToolReply(req.id, success, out.output, out.error, out.metadata))
         finally:
             now = _monotonic()
@@ -545,7 +562,7 @@ class _Server:
                 activity.last = now
                 del activity.calls[key]
                 records = activity.records
-                records.append((req.tool, now - started, success))
+                records.append((req.tool, now - started, success, usage))
                 first = len(records) == 1
             finally:
                 lock.release()
@@ -584,12 +601,16 @@ class _Server:
         started = time.monotonic()
         cpu = _thread_time()
         success = False
+        usage = None
         ctx = self.ctx if control is None else dataclasses.replace(self.ctx, call=control)
         try:
             out: Outcome = run_tool(tool, ctx, req.params)  # type: ignore[arg-type]
+            if "HTTP_PROXY" in ctx.env or self.denials:  # network "domains" now, or before a switch
+                out = self._with_denials(out, started)
             success = out.success
             if "usage" not in out.metadata:  # shell_exec's is its command's own
                 out.metadata["usage"] = _usage(cpu)
+            usage = out.metadata["usage"]
             if control is not None and isinstance(control.emit, redact.Stream):
                 try:
                     control.emit.flush()  # what waited to be told from a secret's start
@@ -603,8 +624,46 @@ class _Server:
                     channel.calls.pop(req.id, None)
                 control.close()
             now = time.monotonic()
-            if self.activity.end(key, (req.tool, now - started, success), now):
+            if self.activity.end(key, (req.tool, now - started, success, usage), now):
                 self._records_due()
+
+    def note_denied(self, msg: protocol.NetworkDenied) -> None:
+        self.denials.append((time.monotonic(), f"{msg.host}:{msg.port}", msg.allow))
+
+    def _with_denials(self, out: Outcome, started: float) -> Outcome:
+        """``out`` with the proxy's refusals since ``started``: their list in
+        ``metadata["network_denied"]``, and one line at the end of the text
+        naming them and the command that allows them. By time window: a
+        refusal during two calls of the session at once goes to both."""
+        self._settle_control()
+        seen: dict[str, str] = {}
+        for when, where, allow in list(self.denials):
+            if when >= started:
+                seen.pop(where, None)
+                seen[where] = allow  # the last command named allows every host refused before it
+        if not seen:
+            return out
+        hosts = list(seen)
+        allow = next(reversed(seen.values()))
+        line = (f"[network: dispatchd refused {', '.join(hosts)} (not in this session's domains); "
+                f"to allow: {allow}]")
+        meta = {**out.metadata, "network_denied": hosts}
+        if out.success:
+            text = out.output or ""
+            return Outcome(True, f"{text}{'' if not text or text.endswith(chr(10)) else chr(10)}{line}", None, meta)
+        text = out.error or ""
+        return Outcome(False, None, f"{text}{'' if not text or text.endswith(chr(10)) else chr(10)}{line}", meta)
+
+    def _settle_control(self, most_s: float = 0.1) -> None:
+        """Let the control loop read what the daemon sent already: a refusal
+        is sent before the refused process hears of it, so before its call
+        can end, but the loop may not have read it yet."""
+        frames = self.control.frames
+        poller = select.poll()
+        poller.register(frames.fileno(), select.POLLIN)
+        deadline = time.monotonic() + most_s
+        while (frames.buffered() or poller.poll(0)) and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def _records_due(self) -> None:
         """The first record of a batch: wake the control loop, which sends
@@ -636,7 +695,8 @@ class _Server:
             return
         try:
             self.control.send(protocol.ToolCallsDone(
-                calls=[protocol.CallRecord(tool, round(seconds * 1e3, 3), ok) for tool, seconds, ok in records]))
+                calls=[protocol.CallRecord(tool, round(seconds * 1e3, 3), ok, *_usage_numbers(usage))
+                       for tool, seconds, ok, usage in records]))
         except OSError:
             pass  # the daemon is gone; the session is ending anyway
 
@@ -851,6 +911,8 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             server.add_channel(socket.socket(fileno=fd))
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
+        elif isinstance(msg, protocol.NetworkDenied):
+            server.note_denied(msg)
         elif isinstance(msg, protocol.ForgetWriteLock):
             server.write_lock.held = False  # the next mutating call asks the daemon again
         elif isinstance(msg, protocol.SetCommandEnv):

@@ -175,3 +175,47 @@ def test_dispatch_and_the_loop_stream_output(session: dispatch.Session) -> None:
     model = FakeModel([[("shell_exec", {"command": "echo looped"})], "done"])
     result = run_tool_loop(model, session.registry, [], on_output=lambda s, t: seen.append((s, t)))
     assert result.final == "done" and seen == [("stdout", "looped\n")]
+
+
+# ----------------------------------------------------------------- refusals in results
+
+_FETCH = ("/usr/bin/python3 -c 'import urllib.request, sys\n"
+          "try:\n    urllib.request.urlopen(\"https://{host}/\", timeout=5)\n"
+          "except OSError as e:\n    print(e)\n    sys.exit(7)'")
+
+
+def test_a_call_during_which_the_proxy_refused_a_host_says_so(client: dispatch.Client, worktree: Path) -> None:
+    with client.open_session(str(worktree), network="domains", domains=["example.org"]) as s:
+        r = shell(s, _FETCH.format(host="notallowed.invalid"))
+        assert r.is_failure and r.metadata["exit_code"] == 7
+        assert r.metadata["network_denied"] == ["notallowed.invalid:443"]
+        assert "Tunnel connection failed: 403" in r.metadata["stdout"]
+        assert r.error.splitlines()[-1] == (
+            "[network: dispatchd refused notallowed.invalid:443 (not in this session's domains); to allow: "
+            f"dispatch network {s.id} domains --domains example.org,notallowed.invalid]")
+        assert [(d["host"], d["port"], d["count"]) for d in s.status()["network"]["denied"]] == [
+            ("notallowed.invalid", 443, 1)]
+        # The twin: a call with no refusal in its time is left as it was.
+        quiet = shell(s, "echo quiet")
+        assert quiet.output == "quiet\n" and "network_denied" not in quiet.metadata
+        # A success that was refused on the way ends with the line too.
+        ok = shell(s, _FETCH.format(host="other.invalid") + "; exit 0")
+        assert ok.is_success and ok.metadata["network_denied"] == ["other.invalid:443"]
+        assert ok.output.splitlines()[-1].startswith("[network: dispatchd refused other.invalid:443 ")
+
+
+def test_status_sums_the_sessions_usage(client: dispatch.Client, worktree: Path) -> None:
+    import time
+
+    with client.open_session(str(worktree)) as s:
+        assert s.status()["usage"] == {"calls": 0, "cpu_s": 0.0, "peak_mib": 0.0}
+        burn = ("/usr/bin/python3 -c 'import time\nt = time.process_time()\n"
+                "while time.process_time() - t < 0.2: pass'")
+        used = [shell(s, burn).metadata["usage"] for _ in range(2)]
+        deadline = time.monotonic() + 5  # reported in batches, about every half second
+        while s.status()["usage"]["calls"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        total = s.status()["usage"]
+        assert total["calls"] == 2
+        assert total["cpu_s"] == pytest.approx(sum(u["cpu_s"] for u in used), abs=0.01)
+        assert total["peak_mib"] == max(u["peak_mib"] for u in used)
