@@ -59,7 +59,7 @@ from dispatchd.policy import MAX_CHANNELS, MUTATING_TOOLS, max_channels, too_man
 __all__ = ["MAX_CHANNELS", "max_channels", "serve", "warm_up"]
 from dispatchd.protocol.internal import EXIT_ASLEEP, EXIT_IDLE
 from dispatchd.tempfiles import sweep_temp_files
-from dispatchd.tools import atomic, files, native
+from dispatchd.tools import atomic, changes, files, native
 from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed, invalid, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
@@ -82,6 +82,20 @@ def _usage_numbers(usage: dict[str, Any] | None) -> tuple[float, float]:
     cpu, peak = usage.get("cpu_s"), usage.get("peak_mib")
     return (float(cpu) if isinstance(cpu, (int, float)) else 0.0,
             float(peak) if isinstance(peak, (int, float)) else 0.0)
+
+
+MAX_WATCHED_DIRS = 20_000  # a worktree with more directories is not watched (tools/changes.py)
+
+
+def _with_changes(out: Outcome, watcher: changes.Watcher, mark: float) -> Outcome:
+    """``out`` with ``metadata["changed"]``: the worktree paths changed since ``mark``."""
+    paths, truncated, unknown = watcher.since(mark)
+    out.metadata["changed"] = paths
+    if truncated:
+        out.metadata["changed_truncated"] = True
+    if unknown:
+        out.metadata["changed_unknown"] = True
+    return out
 
 
 def _usage(cpu_before: float) -> dict[str, float]:
@@ -390,6 +404,10 @@ class _Server:
         # The proxy's refusals (network "domains"), newest last: (when, "host:port", the command
         # that allows it). A slow call carries those of its own time window.
         self.denials: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=256)
+        # What commands change in the worktree (tools/changes.py): made at the
+        # first shell_exec (None: not yet; False: not watched, too large or refused).
+        self.watcher: changes.Watcher | None | bool = None
+        self.watcher_lock = threading.Lock()
         self.write_lock = _WriteLock(control)
         # The worktree is ours to write now: remove what killed writes left
         # (tempfiles.py), but not the files of our own writes already started.
@@ -603,8 +621,14 @@ class _Server:
         success = False
         usage = None
         ctx = self.ctx if control is None else dataclasses.replace(self.ctx, call=control)
+        watcher = self._watcher() if req.tool == "shell_exec" and ctx.writable else None
+        if watcher is not None:
+            watcher.drain()  # what came before this call is not its own
+            mark = time.monotonic()
         try:
             out: Outcome = run_tool(tool, ctx, req.params)  # type: ignore[arg-type]
+            if watcher is not None:
+                out = _with_changes(out, watcher, mark)
             if "HTTP_PROXY" in ctx.env or self.denials:  # network "domains" now, or before a switch
                 out = self._with_denials(out, started)
             success = out.success
@@ -626,6 +650,21 @@ class _Server:
             now = time.monotonic()
             if self.activity.end(key, (req.tool, now - started, success, usage), now):
                 self._records_due()
+
+    def _watcher(self) -> changes.Watcher | None:
+        """The worktree's watcher, made at the first call that needs it."""
+        watcher = self.watcher
+        if watcher is None:
+            with self.watcher_lock:
+                if self.watcher is None:
+                    # Half the session's inotify watches at most: its commands' own watchers need some.
+                    most = max(1, min(MAX_WATCHED_DIRS, self.plan.limits.max_inotify_watches // 2))
+                    try:
+                        self.watcher = changes.Watcher(self.ctx.root, most)
+                    except (OSError, changes.TooLarge):
+                        self.watcher = False
+                watcher = self.watcher
+        return watcher if isinstance(watcher, changes.Watcher) else None
 
     def note_denied(self, msg: protocol.NetworkDenied) -> None:
         self.denials.append((time.monotonic(), f"{msg.host}:{msg.port}", msg.allow))

@@ -219,3 +219,30 @@ def test_status_sums_the_sessions_usage(client: dispatch.Client, worktree: Path)
         assert total["calls"] == 2
         assert total["cpu_s"] == pytest.approx(sum(u["cpu_s"] for u in used), abs=0.01)
         assert total["peak_mib"] == max(u["peak_mib"] for u in used)
+
+
+# ----------------------------------------------------------------- changes
+
+
+def test_writing_calls_say_what_they_changed(session: dispatch.Session) -> None:
+    call = session.registry.call
+    assert call("write_file", {"path": "a/b.txt", "content": "x"}).metadata["changed"] == ["a/b.txt"]
+    assert call("create_file", {"path": "c.txt", "content": "x"}).metadata["changed"] == ["c.txt"]
+    edited = call("edit_file", {"path": "c.txt", "edits": [{"old_text": "x", "new_text": "y"}]})
+    assert edited.metadata["changed"] == ["c.txt"]
+    # A command: what it created, wrote, deleted, and the directories it made with what is in them.
+    r = shell(session, "mkdir -p new/dir && echo x > new/dir/f && echo y >> README.md && rm src/main.py && "
+                       "mv c.txt d.txt")
+    assert r.is_success, r.error
+    assert sorted(r.metadata["changed"]) == ["README.md", "c.txt", "d.txt", "new", "new/dir", "new/dir/f",
+                                             "src/main.py"]
+    assert "changed_truncated" not in r.metadata and "changed_unknown" not in r.metadata
+    # The twin: a command that only reads changed nothing.
+    assert shell(session, "cat README.md; ls -R > /dev/null").metadata["changed"] == []
+
+
+def test_changes_are_cut_at_a_thousand(session: dispatch.Session) -> None:
+    r = shell(session, "mkdir many && cd many && for i in $(seq 1 1100); do : > f$i; done")
+    assert r.is_success, r.error
+    assert len(r.metadata["changed"]) == 1000 and r.metadata["changed_truncated"] is True
+    assert r.metadata["changed"][0] == "many" and all(p.startswith("many/f") for p in r.metadata["changed"][1:])

@@ -206,7 +206,7 @@ def test_read_file_refuses_symlinks_out_and_follows_symlinks_in(session: dispatc
 def test_write_file_creates_a_new_file(session: dispatch.Session, worktree: Path) -> None:
     r = call(session, "write_file", path="new.txt", content="hello")
     assert ok(r) == "wrote 5 bytes to new.txt"
-    assert _meta(r) == {"path": "new.txt", "bytes": 5}
+    assert _meta(r) == {"path": "new.txt", "bytes": 5, "changed": ["new.txt"]}
     assert (worktree / "new.txt").read_text() == "hello"
 
 
@@ -373,7 +373,7 @@ def test_edit_file_empty_edits_are_refused_on_both_sides(session: dispatch.Sessi
 def test_create_file_new(session: dispatch.Session, worktree: Path) -> None:
     r = call(session, "create_file", path="docs/new.md", content="# new\n")
     assert ok(r) == "created docs/new.md (6 bytes)"
-    assert _meta(r) == {"path": "docs/new.md", "bytes": 6}
+    assert _meta(r) == {"path": "docs/new.md", "bytes": 6, "changed": ["docs/new.md"]}
     assert (worktree / "docs" / "new.md").read_text() == "# new\n"
     assert temp_files(worktree / "docs") == []
 
