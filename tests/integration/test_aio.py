@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import dispatch
 import dispatch.aio
 from dispatch.agent import FakeModel
+from tests.integration.test_long_work import _sleepers
 
 
 def run(coro):
@@ -125,22 +125,6 @@ def test_no_daemon_raises_the_same_error(tmp_path: Path) -> None:
 
     with pytest.raises(dispatch.DaemonUnavailable, match="no dispatchd is listening on"):
         run(main())
-
-
-def _sleepers(marker: str) -> list[int]:
-    """Host pids of live ``sleep MARKER`` processes (any pid namespace)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if cmdline[:2] == [b"sleep", marker.encode()] and state != "Z":
-            found.append(int(pid))
-    return found
 
 
 async def _until(predicate, seconds: float = 5.0) -> bool:

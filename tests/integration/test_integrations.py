@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import dispatch
-from tests.integration.test_aio import _sleepers
+from tests.integration.test_long_work import _sleepers
 
 
 def _gone(marker: str, seconds: float = 2.0) -> bool:
