@@ -103,7 +103,8 @@ class Watcher:
                 continue
             self._wds[wd] = d
             try:
-                entries = sorted(os.scandir(path), key=lambda e: e.name)  # a stable order
+                with os.scandir(path) as found:
+                    entries = sorted(found, key=lambda e: e.name)  # a stable order
             except OSError:
                 continue
             for entry in entries:
