@@ -204,7 +204,7 @@ def test_a_call_during_which_the_proxy_refused_a_host_says_so(client: dispatch.C
         assert ok.output.splitlines()[-1].startswith("[network: dispatchd refused other.invalid:443 ")
 
 
-def test_status_sums_the_sessions_usage(client: dispatch.Client, worktree: Path) -> None:
+def test_status_sums_the_sessions_usage(daemon: Daemon, client: dispatch.Client, worktree: Path) -> None:
     import time
 
     with client.open_session(str(worktree)) as s:
@@ -219,6 +219,9 @@ def test_status_sums_the_sessions_usage(client: dispatch.Client, worktree: Path)
         assert total["calls"] == 2
         assert total["cpu_s"] == pytest.approx(sum(u["cpu_s"] for u in used), abs=0.01)
         assert total["peak_mib"] == max(u["peak_mib"] for u in used)
+        text = dispatch_cli("--socket", daemon.socket, "--no-autostart", "status").stdout
+        assert (f"    usage: 2 calls, {total['cpu_s']:g} s CPU, largest peak {total['peak_mib']:g} MiB"
+                in text.splitlines())
 
 
 # ----------------------------------------------------------------- changes
