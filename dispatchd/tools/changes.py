@@ -6,7 +6,8 @@ the worktree (``.git`` left out: its churn is git's, and the git protection
 reports on it), and a watch added for each directory created later.
 
 Guarantees:
-- ``since(t)`` lists the worktree-relative paths created, written (closed
+- ``since(t)`` lists the worktree-relative paths (bytes that are not UTF-8
+  as ``\\xNN``) created, written (closed
   after writing), deleted or moved (both names) that were read from the
   kernel at or after ``t``, oldest first, each once, at most ``MAX_CHANGED``
   (then ``truncated``); a directory that appears is listed with everything
@@ -57,6 +58,13 @@ _MASK = (IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _shown(rel: str) -> str:
+    """A path as a reply can carry it: bytes that are not UTF-8 (kept by
+    ``os.fsdecode`` as lone surrogates, which no UTF-8 encoder takes) written
+    as ``\\xNN``."""
+    return rel.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 class TooLarge(Exception):
@@ -112,7 +120,7 @@ class Watcher:
                     continue
                 child = os.path.join(d, entry.name) if d else entry.name
                 if record:
-                    self._log.append((time.monotonic(), child))
+                    self._log.append((time.monotonic(), _shown(child)))
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(child)
 
@@ -147,7 +155,7 @@ class Watcher:
             rel = os.path.join(parent, os.fsdecode(name)) if parent else os.fsdecode(name)
             if not parent and rel == ".git":
                 continue
-            self._log.append((now, rel))
+            self._log.append((now, _shown(rel)))
             if mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
                 self._watch_tree(rel, record=True)
 

@@ -240,6 +240,9 @@ def test_writing_calls_say_what_they_changed(session: dispatch.Session) -> None:
     assert sorted(r.metadata["changed"]) == ["README.md", "c.txt", "d.txt", "new", "new/dir", "new/dir/f",
                                              "src/main.py"]
     assert "changed_truncated" not in r.metadata and "changed_unknown" not in r.metadata
+    # A name that is not UTF-8 does not break the reply.
+    odd = shell(session, "touch $'odd\\xff'")
+    assert odd.is_success and odd.metadata["changed"] == ["odd\\xff"]
     # The twin: a command that only reads changed nothing.
     assert shell(session, "cat README.md; ls -R > /dev/null").metadata["changed"] == []
 

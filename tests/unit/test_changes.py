@@ -52,3 +52,17 @@ def test_a_tree_too_large_is_not_watched(tmp_path: Path) -> None:
         (tmp_path / f"d{i}").mkdir()
     with pytest.raises(TooLarge, match="more than 3 directories"):
         Watcher(str(tmp_path), 3)
+
+
+def test_a_name_that_is_not_utf8_is_shown_escaped(tmp_path: Path) -> None:
+    w = Watcher(str(tmp_path), 100)
+    try:
+        before = time.monotonic()
+        os.close(os.open(os.path.join(os.fsencode(tmp_path), b"bad\xff"), os.O_CREAT | os.O_WRONLY))
+        os.mkdir(os.path.join(os.fsencode(tmp_path), b"dir\xfe"))
+        paths = w.since(before)[0]
+        assert sorted(paths) == ["bad\\xff", "dir\\xfe"]
+        for p in paths:
+            p.encode("utf-8")  # a reply can carry it
+    finally:
+        w.close()
