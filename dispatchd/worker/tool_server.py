@@ -98,13 +98,20 @@ def _with_changes(out: Outcome, watcher: changes.Watcher, mark: float) -> Outcom
     return out
 
 
+_peak: list[float] = [0.0, -1.0]  # the tool server's peak (MiB), and when it was read
+_PEAK_EVERY_S = 0.1  # read at most this often: a getrusage is ~1 µs of a fast call's ~20
+
+
 def _usage(cpu_before: float) -> dict[str, float]:
     """A call's ``metadata["usage"]`` when the tool runs in the tool server
     (every tool but shell_exec's commands): the CPU time of the thread that
     ran it, and the tool server's peak resident size so far (a process has
-    one peak, not one per call)."""
-    return {"cpu_s": round(_thread_time() - cpu_before, 6),
-            "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 2)}
+    one peak, not one per call; read at most every ``_PEAK_EVERY_S``)."""
+    cpu = round(_thread_time() - cpu_before, 6)
+    now = _monotonic()
+    if now - _peak[1] >= _PEAK_EVERY_S:
+        _peak[0], _peak[1] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 2), now
+    return {"cpu_s": cpu, "peak_mib": _peak[0]}
 
 
 FIRST_CHANNEL_WAIT_S = 5.0  # how long the first channel's thread, started ahead, waits for it
@@ -126,7 +133,7 @@ class _Activity:
         # as long as its call: an int key, hashed for nothing, where a
         # (channel, request id) tuple cost about 500 instructions a call).
         self.calls: dict[int, tuple[_Channel, protocol.CallTool]] = {}
-        # (tool, seconds, success) of each finished call: made CallRecords when
+        # (tool, seconds, success, usage) of each finished call: made CallRecords when
         # sent (flush_records), off the calls' path.
         self.records: list[_Record] = []
         # A session that may sleep: the channel readers that found nothing to
