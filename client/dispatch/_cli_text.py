@@ -165,6 +165,8 @@ def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:
         say("    denied: " + ", ".join(f"{d.host}:{d.port} ({d.count})" for d in s.denied))
     for warning in s.warnings:
         say(f"    warning: {warning}")
+    if s.usage.calls:
+        say(f"    usage: {s.usage.calls} calls, {s.usage.cpu_s:g} s CPU, largest peak {s.usage.peak_mib:g} MiB")
     lim = p.limits
     where = f" in {lim.cgroup}" if lim.cgroup else ""
     say(f"    limits ({lim.mechanism}{where}): processes {lim.max_processes}; "

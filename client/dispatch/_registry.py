@@ -267,7 +267,8 @@ class Registry:
             {"denied": True, "reason": reason},
         )
 
-    def dispatch(self, tool_call: Any, context: Any = None) -> dict[str, Any]:
+    def dispatch(self, tool_call: Any, context: Any = None,
+                 on_output: Callable[[str, str], None] | None = None) -> dict[str, Any]:
         """Run a tool call as a model returned it; answer in the same provider's shape.
 
         Takes a dict or an SDK object with the same attribute names:
@@ -289,8 +290,9 @@ class Registry:
         A tool that is not advertised is unknown here unless ``allow_hidden``.
         With an ``output_budget``, long content is compacted (see the class).
         ``run_call`` does the same and also returns the whole ``Result``.
+        ``on_output(stream, text)`` as in ``Definition.call``.
         """
-        return self.run_call(tool_call, context).reply
+        return self.run_call(tool_call, context, on_output).reply
 
     def run_call(self, tool_call: Any, context: Any = None,
                  on_output: Callable[[str, str], None] | None = None) -> ToolCallOutcome:

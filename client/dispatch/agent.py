@@ -111,6 +111,7 @@ def run_tool_loop(
     provider: Provider = "openai",
     context: Any = None,
     parallel_reads: int = 4,
+    on_output: Callable[[str, str], None] | None = None,
 ) -> LoopResult:
     """Ask ``model``, run its tool calls, repeat until it answers without one.
 
@@ -121,6 +122,8 @@ def run_tool_loop(
     The tools offered are the registry's advertised ones, read afresh for each
     turn, in the provider's schema shape. Consecutive ``read`` calls of a
     turn run on up to ``parallel_reads`` threads (1: one after another).
+    ``on_output(stream, text)`` gets the output of the calls that stream it
+    (``shell_exec``) as it comes, as in ``Definition.call``.
     """
     shape = _provider(provider)
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 1:
@@ -134,7 +137,7 @@ def run_tool_loop(
         calls = shape.tool_calls(message)  # type: ignore[arg-type]
         if not calls:
             return LoopResult("done", history, turn, shape.text(message))  # type: ignore[arg-type]
-        timed = _run_turn(registry, calls, context, parallel_reads)
+        timed = _run_turn(registry, calls, context, parallel_reads, on_output)
         if trace is not None:
             for outcome, took in timed:
                 trace.record(turn, outcome, took)
@@ -148,9 +151,10 @@ def run_tool_loop(
     return LoopResult("max_iterations", history, max_iterations, None)
 
 
-def _timed(registry: Registry, call: Any, context: Any) -> tuple[ToolCallOutcome, float]:
+def _timed(registry: Registry, call: Any, context: Any,
+           on_output: Callable[[str, str], None] | None = None) -> tuple[ToolCallOutcome, float]:
     started = time.monotonic()
-    outcome = registry.run_call(call, context)
+    outcome = registry.run_call(call, context, on_output)
     return outcome, time.monotonic() - started
 
 
@@ -163,7 +167,7 @@ def _is_read(registry: Registry, call: Any) -> bool:
 
 
 def _run_turn(registry: Registry, calls: list[Any], context: Any,
-              parallel: int) -> list[tuple[ToolCallOutcome, float]]:
+              parallel: int, on_output: Callable[[str, str], None] | None = None) -> list[tuple[ToolCallOutcome, float]]:
     """Every call of a turn, answered in call order. A run of consecutive read
     calls goes to threads at once; a write or execute call is a barrier, so a
     read the model asked for after a write sees the write."""
@@ -175,10 +179,10 @@ def _run_turn(registry: Registry, calls: list[Any], context: Any,
             j += 1
         if j - i > 1:
             with ThreadPoolExecutor(min(parallel, j - i)) as pool:
-                done.extend(pool.map(lambda c: _timed(registry, c, context), calls[i:j]))
+                done.extend(pool.map(lambda c: _timed(registry, c, context, on_output), calls[i:j]))
             i = j
         else:
-            done.append(_timed(registry, calls[i], context))
+            done.append(_timed(registry, calls[i], context, on_output))
             i += 1
     return done
 

@@ -3,7 +3,7 @@
     import dispatch.aio
 
     async with dispatch.aio.connect() as client:
-        async with await client.open_session("/path/to/worktree") as session:
+        async with client.open_session("/path/to/worktree") as session:
             result = await session.registry.call("shell_exec", {"command": "make test"})
             reply = await session.registry.dispatch(tool_call)
 
@@ -18,10 +18,16 @@ beside a tool call's hundreds. One code path means one set of guarantees.
 Guarantees:
 - every method that talks to the daemon or a sandbox is a coroutine; pure
   ones (``schemas``, ``get``, ``tool_names``…) are the sync registry's own;
+- ``open_session`` returns an object that is both awaitable (``s = await
+  c.open_session(wt)``) and an async context manager (``async with
+  c.open_session(wt) as s``), the latter closing the session on the way out;
 - cancellation-safe: cancelling an ``await`` stops the wait at once; the
   request it made still completes in its thread and its answer is dropped.
-  A session opened by a cancelled ``open_session`` is closed, not leaked; a
-  tool call goes on in the sandbox until it ends (or the session is closed);
+  A session opened by a cancelled ``open_session`` is closed, not leaked. A
+  tool call whose awaiting task is cancelled (``task.cancel()``, an
+  ``asyncio.wait_for`` timeout) is cancelled in the sandbox too, as
+  ``session.cancel()`` does: its processes are ended (``CancelCall`` for that
+  call only). ``await session.cancel()`` ends all the session's calls in flight;
 - an ``async def`` approval callback is awaited on the caller's loop;
 - tool calls never raise, as in the sync client; daemon requests raise the
   same ``DispatchError`` subclasses.
@@ -31,10 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
 from dispatch import client as _sync
+from dispatch.client import Cancellation
 from dispatch.agent import LoopResult
 from dispatch._asyncbridge import CALLER_LOOP, await_from_sync
 from dispatch._registry import Registry, ToolCallOutcome
@@ -55,6 +62,53 @@ async def _run(func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         CALLER_LOOP.reset(token)
 
 
+def _with_cancellation(context: Any, cancellation: Cancellation) -> Any:
+    """``context`` with ``cancellation`` in it, for a call the awaiting task can
+    cancel. A caller's own ``Cancellation`` there still cancels the call (it
+    cancels ours); a context that is not a dict is passed as it is (the call
+    then cannot be cancelled from the task: documented)."""
+    if context is None:
+        return {"cancellation": cancellation}
+    if not isinstance(context, dict):
+        return context
+    theirs = context.get("cancellation")
+    if isinstance(theirs, Cancellation):
+        theirs._bind(cancellation.cancel)
+    return {**context, "cancellation": cancellation}
+
+
+def _cancel_aside(cancellation: Cancellation) -> None:
+    """Cancel in a thread: sending ``CancelCall`` may wait for the channel's
+    send lock (bounded, 1 s), which the loop must not."""
+    threading.Thread(target=cancellation.cancel, name="dispatch-aio-cancel", daemon=True).start()
+
+
+async def _cancellable(func: Callable[..., T], args: tuple[Any, ...], context: Any, **kwargs: Any) -> T:
+    """``func(*args, context, **kwargs)`` in a thread; when the awaiting task is
+    cancelled, the tool call it made is cancelled in the sandbox."""
+    cancellation = Cancellation()
+    try:
+        return await _run(func, *args, _with_cancellation(context, cancellation), **kwargs)
+    except asyncio.CancelledError:
+        _cancel_aside(cancellation)
+        raise
+
+
+def _output_on_loop(on_output: Callable[[str, str], Any] | None) -> Callable[[str, str], None] | None:
+    """``on_output`` for the worker thread: an ``async def`` one is awaited on
+    the caller's loop; a plain one is called in the worker thread."""
+    if on_output is None:
+        return None
+    callback = on_output
+
+    def forward(stream: str, text: str) -> None:
+        value = callback(stream, text)
+        if asyncio.iscoroutine(value):
+            await_from_sync(value)
+
+    return forward
+
+
 class AsyncRegistry:
     """A session's ``Registry`` with its calls awaited. Anything not defined
     here (``schemas``, ``get``, ``has``, ``tool_names``, ``subset``…) is the
@@ -63,14 +117,17 @@ class AsyncRegistry:
     def __init__(self, registry: Registry) -> None:
         self.sync = registry
 
-    async def call(self, name: str, params: Any, context: Any = None) -> Result:
-        return await _run(self.sync.call, name, params, context)
+    async def call(self, name: str, params: Any, context: Any = None,
+                   on_output: Callable[[str, str], Any] | None = None) -> Result:
+        return await _cancellable(self.sync.call, (name, params), context, on_output=_output_on_loop(on_output))
 
-    async def dispatch(self, tool_call: Any, context: Any = None) -> dict[str, Any]:
-        return await _run(self.sync.dispatch, tool_call, context)
+    async def dispatch(self, tool_call: Any, context: Any = None,
+                       on_output: Callable[[str, str], Any] | None = None) -> dict[str, Any]:
+        return (await self.run_call(tool_call, context, on_output)).reply
 
-    async def run_call(self, tool_call: Any, context: Any = None) -> ToolCallOutcome:
-        return await _run(self.sync.run_call, tool_call, context)
+    async def run_call(self, tool_call: Any, context: Any = None,
+                       on_output: Callable[[str, str], Any] | None = None) -> ToolCallOutcome:
+        return await _cancellable(self.sync.run_call, (tool_call,), context, on_output=_output_on_loop(on_output))
 
     def with_approval(self, approve: Any) -> AsyncRegistry:
         return AsyncRegistry(self.sync.with_approval(approve))
@@ -114,8 +171,20 @@ class AsyncSession:
     def info(self) -> dict[str, Any]:
         return self.sync.info
 
-    async def call_tool(self, name: str, params: dict[str, Any]) -> Result:
-        return await _run(self.sync.call_tool, name, params)
+    async def call_tool(self, name: str, params: dict[str, Any],
+                        on_output: Callable[[str, str], Any] | None = None) -> Result:
+        cancellation = Cancellation()
+        try:
+            return await _run(self.sync.call_tool, name, params, on_output=_output_on_loop(on_output),
+                              cancellation=cancellation)
+        except asyncio.CancelledError:
+            _cancel_aside(cancellation)
+            raise
+
+    async def cancel(self) -> int:
+        """End the session's tool calls in flight (made through this handle);
+        each returns a failure with ``metadata["cancelled"]``. Returns how many."""
+        return await _run(self.sync.cancel)
 
     async def set_network(self, network: bool | str, ports: list[int] | None = None,
                           bind_ports: list[int] | None = None, **more: Any) -> bool:
@@ -155,11 +224,15 @@ class AsyncClient:
     def daemon_version(self) -> str:
         return str(self.sync.daemon_version)
 
-    async def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
-                           ports: list[int] | None = None, bind_ports: list[int] | None = None,
-                           **more: Any) -> AsyncSession:
-        future = asyncio.ensure_future(_run(self.sync.open_session, worktree, policy, network, ports,
-                                            bind_ports, **more))
+    def open_session(self, worktree: str, policy: str = "default", network: bool | str | None = None,
+                     ports: list[int] | None = None, bind_ports: list[int] | None = None,
+                     **more: Any) -> _Opening:
+        """``async with client.open_session(wt) as s`` (closed on the way out),
+        or ``s = await client.open_session(wt)``. Arguments as ``Client.open_session``."""
+        return _Opening(self, (worktree, policy, network, ports, bind_ports), more)
+
+    async def _open_session(self, args: tuple[Any, ...], more: dict[str, Any]) -> AsyncSession:
+        future = asyncio.ensure_future(_run(self.sync.open_session, *args, **more))
         try:
             return AsyncSession(await asyncio.shield(future))
         except asyncio.CancelledError:
@@ -213,6 +286,28 @@ def _quiet_close(session: _sync.Session) -> None:
         pass
 
 
+class _Opening:
+    """What ``AsyncClient.open_session`` returns: ``await`` it for a session, or
+    ``async with`` it (the session is closed when the block ends)."""
+
+    def __init__(self, client: AsyncClient, args: tuple[Any, ...], more: dict[str, Any]) -> None:
+        self._client = client
+        self._args = args
+        self._more = more
+        self._session: AsyncSession | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncSession]:
+        return self._client._open_session(self._args, self._more).__await__()
+
+    async def __aenter__(self) -> AsyncSession:
+        self._session = await self._client._open_session(self._args, self._more)
+        return self._session
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
 class _Connecting:
     """What ``connect`` returns: ``await`` it for a client, or ``async with`` it."""
 
@@ -224,7 +319,7 @@ class _Connecting:
     async def _open(self) -> AsyncClient:
         return AsyncClient(await _run(_sync.connect, self._socket, **self._kwargs))
 
-    def __await__(self):  # type: ignore[no-untyped-def]
+    def __await__(self) -> Generator[Any, None, AsyncClient]:
         return self._open().__await__()
 
     async def __aenter__(self) -> AsyncClient:

@@ -28,7 +28,7 @@ from dispatch import _cli_text
 from dispatch.client import Cancellation, Client, Session, connect
 from dispatch.errors import DispatchError
 from dispatch.tools import Registry
-from dispatchd import __version__, protocol
+from dispatchd import __version__, envnames, protocol
 from dispatchd.netmodes import NETWORK_MODES
 
 EXIT_ERROR = 2
@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     session = sub.add_parser("session", help="open, close and list sessions").add_subparsers(dest="action", required=True)
     op = session.add_parser("open", help="open a session; prints its id")
     _session_target(op, worktree_required=True)
+    _env_options(op)
     cl = session.add_parser("close", help="close a session, ending every process it started")
     cl.add_argument("id")
     ls = session.add_parser("list", help="list sessions (\"writes\": holds its worktree's write lock; "
@@ -77,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("exec", help="run a shell command in the sandbox")
     _session_target(ex)
+    _env_options(ex)
     ex.add_argument("--timeout", type=float,
                     help="seconds before the command is killed (default: the policy's command_timeout_s, 120 s "
                          "in the shipped policies)")
@@ -145,6 +147,35 @@ def _session_target(p: argparse.ArgumentParser, *, worktree_required: bool = Fal
     _ports_options(p)
 
 
+def _env_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", type=_env_pair,
+                   help="a variable for the commands (with --session: for this command only); repeatable")
+    p.add_argument("--secret", action="append", default=[], metavar="NAME", dest="secrets",
+                   help="a variable whose value is read from our own environment and never shown: each "
+                        "occurrence in output reads [secret NAME]; repeatable (not with --session)")
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    name, eq, value = text.partition("=")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, not {text!r}")
+    why = envnames.refused_name(name)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
+    return name, value
+
+
+def _env_of(args: argparse.Namespace) -> tuple[dict[str, str] | None, dict[str, str] | None]:
+    """``--env`` and ``--secret`` as ``open_session``'s ``env`` and ``secrets``."""
+    env = dict(getattr(args, "env", None) or []) or None
+    secrets: dict[str, str] = {}
+    for name in getattr(args, "secrets", None) or []:
+        if name not in os.environ:
+            raise UsageError(f"--secret {name}: no {name} in our environment to read its value from")
+        secrets[name] = os.environ[name]
+    return env, secrets or None
+
+
 def _port_list(text: str) -> list[int]:
     try:
         return [int(p) for p in text.split(",") if p.strip()]
@@ -177,7 +208,10 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
     if bool(args.session) == bool(args.worktree):
         raise UsageError("give exactly one of --session ID or --worktree DIR")
     _warn_about_ports(args)
+    env, secrets = _env_of(args)
     if args.session:
+        if secrets:
+            raise UsageError("--secret is given when a session opens: not with --session")
         with client.session(args.session) as session:
             yield session
     else:
@@ -186,7 +220,7 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
         with _closed_on_signals(), client.open_session(
                 args.worktree, policy=args.policy, network=args.network, ports=args.ports,
                 bind_ports=args.bind_ports, domains=args.domains, orphan_grace_s=0,
-                read_only=args.read_only) as session:
+                read_only=args.read_only, env=env, secrets=secrets) as session:
             _print_warnings(session.info)
             yield session
 
@@ -255,6 +289,8 @@ def _exec(client: Client, args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"command": shlex.join(words)}
     if args.timeout is not None:
         params["timeout"] = args.timeout
+    if args.session and args.env:
+        params["env"] = dict(args.env)  # an open session's: for this command only
     cancellation = Cancellation()
     state: dict[str, Any] = {"signum": None, "calling": False}
 
@@ -378,10 +414,11 @@ def _run(args: argparse.Namespace) -> int:
             if args.action == "open":
                 _warn_about_ports(args)
                 # Detached: it outlives this command and needs no client holding it.
+                env, secrets = _env_of(args)
                 session = client.open_session(args.worktree, policy=args.policy, network=args.network,
                                               ports=args.ports, bind_ports=args.bind_ports, domains=args.domains,
                                               detached=True,
-                                              read_only=args.read_only)
+                                              read_only=args.read_only, env=env, secrets=secrets)
                 session.detach()
                 print(session.id)
                 _print_warnings(session.info)

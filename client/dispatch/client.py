@@ -54,7 +54,7 @@ from dispatch.errors import (
 )
 from dispatch._definition import ToolFunc
 from dispatch.tools import Definition, Registry, Result
-from dispatchd import paths, protocol
+from dispatchd import envnames, paths, protocol
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 
 _PENDING = object()
@@ -857,7 +857,8 @@ class Client:
                      ports: list[int] | None = None, bind_ports: list[int] | None = None,
                      domains: list[str] | None = None, *,
                      detached: bool = False, orphan_grace_s: float | None = None,
-                     read_only: list[str] | None = None) -> Session:
+                     read_only: list[str] | None = None, env: dict[str, str] | None = None,
+                     secrets: dict[str, str] | None = None) -> Session:
         """Open a session on ``worktree``. It ends when closed, when idle, and
         when every connection holding it (this client, and clients that
         attached to it) has gone for the policy's ``orphan_grace_s`` (or the
@@ -867,14 +868,22 @@ class Client:
         the daemon's proxy (docs/network.md).
         ``read_only``: extra paths the session may read (toolchains outside
         the system directories: ``~/.cargo``, ``~/.rustup``); the daemon refuses
-        any that is or holds credentials, the home directory, or its own files."""
+        any that is or holds credentials, the home directory, or its own files.
+        ``env``: variables for every command of the session; ``secrets``: the
+        same, whose values never come back (each occurrence in a result or
+        streamed output reads ``[secret NAME]``), nor reach the daemon's log or
+        status (docs/agents-features.md). Refused names (``LD_*``, ``HOME``,
+        ``TMPDIR``, ``DISPATCH_*``, the proxy variables) raise ``ValueError``."""
         word, listed = _network_word(network), _domain_list(domains)
+        user_env = envnames.check_env(env)
+        hidden = envnames.check_secrets(secrets, user_env)
         path = os.path.abspath(os.fspath(worktree))
         extra = [os.path.abspath(os.path.expanduser(os.fspath(p))) for p in read_only or []]
         # Opened and attached in one round trip: the reply carries the channel.
         reply, fd = self._daemon_request(lambda rid: protocol.OpenSession(
             id=rid, worktree=path, policy=policy, network=word, ports=ports, bind_ports=bind_ports,
-            domains=listed, detached=detached, orphan_grace_s=orphan_grace_s, read_only=extra, attach=True))
+            domains=listed, detached=detached, orphan_grace_s=orphan_grace_s, read_only=extra, attach=True,
+            env=user_env, secrets=hidden))
         try:
             return Session(self, reply.session, owned=True, attached=(reply, fd))
         except BaseException:

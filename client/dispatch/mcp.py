@@ -13,7 +13,11 @@ Guarantees:
   tool call takes: validated, asked of the registry's approval (none by
   default: an MCP client asks its user itself), compacted to the policy's
   budget. The result is one ``TextContent`` with ``isError`` on failure;
-  never a protocol error, so a model can read what went wrong.
+  never a protocol error, so a model can read what went wrong. Its
+  ``structuredContent`` is the Result's metadata without the command's
+  ``stdout`` and ``stderr`` (already in the text): ``exit_code``,
+  ``duration_s``, ``timed_out``, ``truncated``, ``job``, ``usage``,
+  ``network_denied``... as the tool gives them, plus ``success``.
 - Only the protocol reaches stdout: the SDK points fd 1 at stderr while it
   serves, so nothing a tool or a library prints can corrupt the stream.
 - The network stays as the person who started the server set it
@@ -93,10 +97,21 @@ def build_server(registry: Registry, *, name: str = SERVER_NAME, version: str = 
             raise
         reply = outcome.reply
         return types.CallToolResult(content=[types.TextContent(type="text", text=reply["content"])],
-                                    is_error=reply["is_error"])
+                                    is_error=reply["is_error"], structured_content=_structured(outcome.result))
 
     return Server(name, version=version, instructions=_INSTRUCTIONS,
                   on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+_IN_THE_TEXT = ("stdout", "stderr")  # what the text content shows already
+
+
+def _structured(result: Any) -> dict[str, Any]:
+    """A call's ``structuredContent``: ``success`` and the Result's metadata,
+    without the output the text carries."""
+    structured = {k: v for k, v in result.metadata.items() if k not in _IN_THE_TEXT}
+    structured["success"] = result.is_success
+    return structured
 
 
 def _progress_token(ctx: Any) -> Any:

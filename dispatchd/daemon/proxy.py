@@ -229,6 +229,9 @@ class SessionProxy:
         self._conns: set[_Conn] = set()
         self._listener: socket.socket | None = None
         self._denied: collections.OrderedDict[tuple[str, int], list[float]] = collections.OrderedDict()
+        # Told of each refusal (host, port, the command that allows it) before
+        # the refused process gets its answer: the session's calls carry it.
+        self.on_deny: Callable[[str, int, str], None] | None = None
 
     # --- control, from the session manager --------------------------------
 
@@ -380,7 +383,7 @@ class SessionProxy:
                 f"dispatchd: this session's network is {mode!r}, not in domains mode: the proxy relays "
                 "nothing. Switch with: dispatch network " f"{self.session} domains --domains HOST,...\n"))
         if not ok:
-            self._deny(req.host, req.port)
+            self._deny(req.host, req.port, rules)
             raise HttpError(403, f"Forbidden by dispatchd: {req.host} is not in this session's domains",
                             self._denied_body(req.host, req.port, rules),
                             {"X-Dispatchd-Denied": f"{req.host}:{req.port}"})
@@ -406,8 +409,13 @@ class SessionProxy:
         raise HttpError(502, "Bad Gateway",
                         f"dispatchd proxy: cannot connect to {req.host}:{req.port} ({'; '.join(errors)})\n")
 
-    def _deny(self, host: str, port: int) -> None:
+    def _deny(self, host: str, port: int, rules: tuple[Rule, ...] = ()) -> None:
         log.info("event=proxy_denied session=%s host=%s port=%s", self.session, host, port)
+        if self.on_deny is not None:
+            try:
+                self.on_deny(host, port, self.allow_command(host, port, rules))
+            except Exception:  # telling the calls is a courtesy: the refusal stands
+                log.exception("event=proxy_deny_report_failed session=%s", self.session)
         with self._lock:
             entry = self._denied.pop((host, port), [0, 0.0])
             entry[0] += 1
@@ -416,10 +424,18 @@ class SessionProxy:
             while len(self._denied) > MAX_DENIED:
                 self._denied.popitem(last=False)
 
+    @staticmethod
+    def _wanted(host: str, port: int) -> str:
+        wanted = host if port in (80, 443) else f"{host}:{port}"
+        return f"[{wanted}]" if ":" in host and port in (80, 443) else wanted
+
+    def allow_command(self, host: str, port: int, rules: tuple[Rule, ...]) -> str:
+        """The command that allows ``host:port`` besides what ``rules`` allow."""
+        return f"dispatch network {self.session} domains --domains {','.join(describe(rules) + [self._wanted(host, port)])}"
+
     def _denied_body(self, host: str, port: int, rules: tuple[Rule, ...]) -> str:
         listed = describe(rules)
-        wanted = host if port in (80, 443) else f"{host}:{port}"
-        wanted = f"[{wanted}]" if ":" in host and port in (80, 443) else wanted
+        wanted = self._wanted(host, port)
         return (f"dispatchd: this session's network is in mode \"domains\", and {host} (port {port}) "
                 f"is not in its list.\n"
                 f"Allowed: {', '.join(listed) or 'nothing yet'}\n"

@@ -282,7 +282,8 @@ class Server:
     def _open(self, req: protocol.OpenSession, conn_id: int) -> Session:
         return self.manager.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports,
                                  detached=req.detached, orphan_grace_s=req.orphan_grace_s, holder=conn_id,
-                                 domain_list=req.domains, read_only=req.read_only)
+                                 domain_list=req.domains, read_only=req.read_only, env=req.env,
+                                 secrets=req.secrets)
 
     def _close_quietly(self, sid: str) -> None:
         try:

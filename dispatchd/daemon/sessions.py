@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd import protocol, threads, treewalk
+from dispatchd import envnames, protocol, threads, treewalk
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
@@ -132,6 +132,11 @@ class Session:
         # environment: a woken tool server is told again.
         self.env_set: dict[str, str] = {}
         self.env_unset: set[str] = set()
+        # The caller's env and secrets (OpenSession), given to every tool server
+        # it has (after a switch that replaces it too); kept in memory only.
+        self.user_env: dict[str, str] = {}
+        self.secret_names: list[str] = []
+        self.usage: tuple[int, float, float] = (0, 0.0, 0.0)  # calls, CPU seconds, largest peak (MiB)
 
     def info(self) -> protocol.SessionInfo:
         # Sessions are listed only once their worker is ready: protections are known.
@@ -147,7 +152,8 @@ class Session:
                                     denied=denied, writes=self.writes, asleep=self.asleep is not None,
                                     protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
                                                for p in self.reports()],
-                                    warnings=[warning] if warning else [])
+                                    warnings=[warning] if warning else [],
+                                    usage=protocol.SessionUsage(*self.usage))
 
 
 class _Nap:
@@ -323,7 +329,13 @@ class SessionManager:
     def open(self, worktree: str, policy_name: str, network: NetworkMode | None,
              ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
              detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None,
-             domain_list: list[str] | None = None, read_only: list[str] | None = None) -> Session:
+             domain_list: list[str] | None = None, read_only: list[str] | None = None,
+             env: dict[str, str] | None = None, secrets: dict[str, str] | None = None) -> Session:
+        try:
+            user_env = envnames.check_env(env)
+            hidden = envnames.check_secrets(secrets, user_env)
+        except envnames.EnvError as exc:
+            raise DispatchdError(str(exc)) from None
         with self._lock:
             if not self.accepting:
                 raise Stopping("the daemon is stopping and opens no new sessions")
@@ -331,7 +343,7 @@ class SessionManager:
         try:
             return self._open(worktree, policy_name, network, ports, bind_ports, detached=detached,
                               orphan_grace_s=orphan_grace_s, holder=holder, domain_list=domain_list,
-                              read_only=read_only)
+                              read_only=read_only, user_env={**user_env, **hidden}, secret_names=sorted(hidden))
         finally:
             with self._lock:
                 self._opening -= 1
@@ -339,7 +351,8 @@ class SessionManager:
 
     def _open(self, worktree: str, policy_name: str, network: NetworkMode | None, ports: list[int] | None,
               bind_ports: list[int] | None, *, detached: bool, orphan_grace_s: float | None, holder: int | None,
-              domain_list: list[str] | None, read_only: list[str] | None) -> Session:
+              domain_list: list[str] | None, read_only: list[str] | None,
+              user_env: dict[str, str], secret_names: list[str]) -> Session:
         t0 = time.perf_counter()
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         network = network or policy.network.default
@@ -351,7 +364,8 @@ class SessionManager:
         steps = {"policy": (t1 - t0) * 1e3, "worktree": (time.perf_counter() - t1) * 1e3}
         try:
             return self._open_held(held, policy, network, ports, bind_ports, extra, rules, detached=detached,
-                                   orphan_grace_s=orphan_grace_s, holder=holder, steps=steps)
+                                   orphan_grace_s=orphan_grace_s, holder=holder, steps=steps,
+                                   user_env=user_env, secret_names=secret_names)
         except BaseException:
             held.close()
             raise
@@ -373,7 +387,8 @@ class SessionManager:
     def _open_held(self, held: Worktree, policy: Policy, network: NetworkMode, ports: list[int] | None,
                    bind_ports: list[int] | None, extra: list[str], rules: tuple[domains.Rule, ...] | None, *,
                    detached: bool, orphan_grace_s: float | None,
-                   holder: int | None, steps: dict[str, float]) -> Session:
+                   holder: int | None, steps: dict[str, float],
+                   user_env: dict[str, str] | None = None, secret_names: list[str] | None = None) -> Session:
         resolved = held.path
         tainted = self.baselines.tainted.get(resolved)
         if tainted:
@@ -382,6 +397,7 @@ class SessionManager:
                                 "dispatchd", resolved)
         session = Session("", held, policy, "")  # its id once its sandbox is chosen, below
         session.read_only = extra
+        session.user_env, session.secret_names = user_env or {}, secret_names or []
         session.ports = _ports_for(session, ports, bind_ports)
         session.domains = _domains_for(session, rules)
         t = time.perf_counter()
@@ -595,6 +611,8 @@ class SessionManager:
         # yet; what the worker sends meanwhile waits in the channel.
         threads.Thread(target=self._watch, args=(session, session.generation, control, session.ended),
                        daemon=True, name=f"watch-{session.id}").start()
+        if session.user_env:  # before any call can reach this tool server: attach comes after
+            self.send_command_env(session, session.user_env, [])
 
     # --- sandboxes made ahead (pool.py) ----------------------------------------
 
@@ -828,10 +846,22 @@ class SessionManager:
                 raise ConfinementError("network: proxy listener", detail=str(exc)) from exc
             if session.proxy is None:
                 session.proxy = SessionProxy(session.id, self.resolver)
+                session.proxy.on_deny = functools.partial(self._tell_denied, session)
             session.proxy.configure(plan.network, session.domains)
             session.proxy.serve(listener)
         elif session.proxy is not None:
             session.proxy.configure(plan.network, session.domains)
+
+    @staticmethod
+    def _tell_denied(session: Session, host: str, port: int, allow: str) -> None:
+        """The proxy refused ``host:port``: tell the tool server, whose calls in
+        flight carry it (an asleep one has none)."""
+        with session.send_lock:
+            if session.control is not None and session.asleep is None:
+                try:
+                    session.control.send(protocol.NetworkDenied(host=host, port=port, allow=allow))
+                except OSError:
+                    pass  # the sandbox is going: no call to tell
 
     def send_command_env(self, session: Session, set_env: dict[str, str], unset: list[str]) -> None:
         """Commands the session starts once this returns get ``set_env`` and lose
@@ -852,7 +882,8 @@ class SessionManager:
             rid = session.ack_ids
             session.acks[rid] = done
             try:
-                session.control.send(protocol.SetCommandEnv(set=set_env, unset=unset, id=rid))
+                session.control.send(protocol.SetCommandEnv(set=set_env, unset=unset, id=rid,
+                                                            secrets=session.secret_names))
             except OSError as exc:
                 session.acks.pop(rid, None)
                 raise SessionError(f"session {session.id} has ended", session.id) from exc
@@ -870,9 +901,12 @@ class SessionManager:
                 # worker that sends some anyway does not pile them up here.
                 control.drop_fds()
                 if isinstance(msg, protocol.ToolCallsDone):
+                    calls, cpu, peak = session.usage
                     for call in msg.calls:  # debug only: a line per call grew the log without bound
                         log.debug("event=tool_call session=%s tool=%s duration_ms=%.1f outcome=%s",
                                  session.id, call.tool, call.duration_ms, "ok" if call.success else "failed")
+                        calls, cpu, peak = calls + 1, cpu + call.cpu_s, max(peak, call.peak_mib)
+                    session.usage = (calls, round(cpu, 4), peak)  # one assignment: info() reads it whole
                 elif isinstance(msg, protocol.OkReply):
                     waiting = session.acks.pop(msg.id, None)
                     if waiting is not None:
@@ -1363,7 +1397,8 @@ class SessionManager:
                 try:
                     with session.send_lock:
                         if session.env_set or session.env_unset:
-                            control.send(protocol.SetCommandEnv(set=session.env_set, unset=sorted(session.env_unset)))
+                            control.send(protocol.SetCommandEnv(set=session.env_set, unset=sorted(session.env_unset),
+                                                                secrets=session.secret_names))
                         if asleep.jobs is not None:
                             control.send(asleep.jobs[0], fds=asleep.jobs[1])
                         for fd in asleep.channels:

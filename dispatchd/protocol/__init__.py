@@ -59,6 +59,7 @@ from dispatchd.protocol.internal import (
     DnsSockets,
     DnsDoor,
     SetCommandEnv,
+    NetworkDenied,
     Spawned,
     StartStack,
     SpawnWorker,
@@ -99,6 +100,7 @@ from dispatchd.protocol.messages import (
     ProtectedItem,
     ReleaseWriteLock,
     SessionInfo,
+    SessionUsage,
     SessionReply,
     SessionsReply,
     SetNetwork,
@@ -135,7 +137,7 @@ __all__ = [
     # the public protocol: client <-> daemon, client <-> worker
     "PROTOCOL_VERSION", "Attach", "Attached", "CallTool", "CancelCall", "ChannelReply", "ChannelRequest",
     "CloseSession", "ClosedReply", "ProtectedItem", "DaemonReply", "DaemonRequest", "DeniedHost", "ErrorReply", "Hello", "HelloOk",
-    "ListSessions", "ListTools", "OkReply", "OpenSession", "ReleaseWriteLock", "SessionInfo", "SessionReply",
+    "ListSessions", "ListTools", "OkReply", "OpenSession", "ReleaseWriteLock", "SessionInfo", "SessionReply", "SessionUsage",
     "SessionsReply", "SetNetwork", "Status", "StatusReply", "ToolOutput", "ToolReply", "ToolSchema",
     "ToolsReply", "_Msg", "channel_reply_decoder", "channel_request_decoder", "daemon_reply_decoder",
     "daemon_request_decoder",
@@ -144,8 +146,9 @@ __all__ = [
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "ExpectSession", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
-    "SetCommandEnv", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed", "WorkerPooled",
-    "WorkerReady", "DnsSockets", "DnsDoor", "Asleep", "JobRecord", "KeptJobs", "MaySleep", "Sleep", "StayAwake", "WakeWorker",
+    "SetCommandEnv", "NetworkDenied", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed",
+    "WorkerPooled", "WorkerReady", "DnsSockets", "DnsDoor", "Asleep", "JobRecord", "KeptJobs", "MaySleep", "Sleep",
+    "StayAwake", "WakeWorker",
     "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

@@ -122,6 +122,8 @@ class CallRecord(msgspec.Struct, frozen=True, array_like=True):
     tool: str
     duration_ms: float
     success: bool
+    cpu_s: float = 0.0  # metadata["usage"] of the call (0: not measured)
+    peak_mib: float = 0.0
 
 
 class ToolCallsDone(_Msg, tag="tool_calls_done", frozen=True):
@@ -153,6 +155,21 @@ class SetCommandEnv(_Msg, tag="set_command_env", frozen=True):
     set: dict[str, str] = {}
     unset: list[str] = []
     id: int = 0  # not 0: the worker answers ``OkReply(id)`` once later commands get it
+    # Names in ``set`` that are secrets: their values are redacted from every
+    # reply from now on (worker/redact.py), for as long as the worker lives.
+    secrets: list[str] = []
+
+
+class NetworkDenied(_Msg, tag="network_denied", frozen=True):
+    """Daemon -> worker: the session's proxy refused ``host:port`` (network
+    "domains"). Sent before the refusal's answer goes to the process that
+    asked, so the call it belongs to learns of it before it can end; the
+    worker adds it to the calls in flight (``metadata["network_denied"]``).
+    ``allow``: the command that would allow it."""
+
+    host: str
+    port: int
+    allow: str
 
 
 class MaySleep(_Msg, tag="may_sleep", frozen=True):
@@ -211,7 +228,7 @@ FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, To
                    Asleep, KeptJobs]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
 ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock, AdoptSession,
-                 ExpectSession, Sleep, StayAwake, KeptJobs]
+                 ExpectSession, Sleep, StayAwake, KeptJobs, NetworkDenied]
 
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

@@ -50,6 +50,11 @@ class OpenSession(_Msg, tag="open_session", frozen=True):
     # Extra read-only paths for this session (toolchains outside the system
     # directories: ~/.cargo, ~/.rustup), beside the policy's extra_read_only.
     read_only: list[str] = []
+    # Variables for the session's commands (dispatchd.envnames checks them),
+    # and secrets: variables too, whose values never leave the sandbox in a
+    # reply (worker/redact.py), nor reach a log or a file of the daemon.
+    env: dict[str, str] = {}
+    secrets: dict[str, str] = {}
     # Lifetime (daemon/lifetimes.py): a session ends once every connection that
     # opened or attached to it has gone for its grace, unless it is detached.
     detached: bool = False
@@ -134,6 +139,16 @@ class ProtectedItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     time: float = 0.0
 
 
+class SessionUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a session's tool calls used, summed as the tool server reports
+    them (in batches, about every half second): the calls counted, their
+    CPU time, and the largest ``peak_mib`` of any of them."""
+
+    calls: int = 0
+    cpu_s: float = 0.0
+    peak_mib: float = 0.0
+
+
 class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     worktree: str
@@ -151,6 +166,7 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # What does not work as the mode promises, e.g. "DNS does not answer: ..."
     # (network on/ports, daemon/dnsrelay.py); empty when all is well.
     warnings: list[str] = []
+    usage: SessionUsage = SessionUsage()  # what its tool calls used so far
 
 
 class HelloOk(_Msg, tag="hello_ok", frozen=True):

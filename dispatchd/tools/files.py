@@ -276,7 +276,7 @@ def write_file(ctx: ToolContext, params: WriteFileParams) -> Outcome:
     rel = relative(ctx.root, target)
     data = _encode(ctx, params.content, "content")
     _store(ctx, target, rel, data, "write_file")
-    return Outcome.ok(f"wrote {len(data)} bytes to {rel}", {"path": rel, "bytes": len(data)})
+    return Outcome.ok(f"wrote {len(data)} bytes to {rel}", {"path": rel, "bytes": len(data), "changed": [rel]})
 
 
 def edit_file(ctx: ToolContext, params: EditFileParams) -> Outcome:
@@ -309,7 +309,8 @@ def edit_file(ctx: ToolContext, params: EditFileParams) -> Outcome:
     new_data = _encode(ctx, text, f"{rel} after the edits", "surrogateescape")
     _store(ctx, target, rel, new_data, "edit_file")
     return Outcome.ok(
-        f"applied {len(edits)} edit(s) to {rel}", {"path": rel, "edits": len(edits), "bytes": len(new_data)}
+        f"applied {len(edits)} edit(s) to {rel}",
+        {"path": rel, "edits": len(edits), "bytes": len(new_data), "changed": [rel]},
     )
 
 
@@ -325,7 +326,7 @@ def create_file(ctx: ToolContext, params: CreateFileParams) -> Outcome:
     if os.path.lexists(os.path.join(ctx.root, path)) or os.path.lexists(target):
         raise _exists(rel)
     _store(ctx, target, rel, data, "create_file", exclusive=True)
-    return Outcome.ok(f"created {rel} ({len(data)} bytes)", {"path": rel, "bytes": len(data)})
+    return Outcome.ok(f"created {rel} ({len(data)} bytes)", {"path": rel, "bytes": len(data), "changed": [rel]})
 
 
 def list_files(ctx: ToolContext, params: ListFilesParams) -> Outcome:

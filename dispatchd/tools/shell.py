@@ -3,7 +3,8 @@
 Guarantees:
 - The command runs as ``/bin/bash -c COMMAND`` in the worktree root (or in
   ``cwd``, which obeys the path rules), with stdin from /dev/null, the
-  session's environment only, and no file descriptor of the worker's.
+  session's environment only (plus the call's ``env``, checked by
+  ``dispatchd.envnames``), and no file descriptor of the worker's.
 - It leads a process group and a session of its own (``start_new_session``;
   no ``preexec_fn``, which would cost about 3 ms a spawn by ruling out vfork).
 - Each of stdout and stderr is kept up to ``output_cap_bytes``; beyond that
@@ -38,6 +39,7 @@ a thread of its own (``CallControl.release_channel``).
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import math
 import os
 import select
@@ -47,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from dispatchd import envnames
 from dispatchd.policy import Limits
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
@@ -340,11 +343,35 @@ def _end_call(proc: proctree.Started, token: str) -> None:
     proctree.kill_tree(proc.pid, token)
 
 
+def _reap(proc: proctree.Started) -> dict[str, float | None]:
+    """Wait for bash (as ``proc.wait()``) and say what it used: ``wait4`` gives
+    the CPU time of bash and of every process it waited for (its commands,
+    their children waited for in turn), and the peak resident size of the
+    largest of them. Processes it left behind (``cmd &``, then killed) are
+    not counted: their parent was no longer bash when they ended."""
+    if proc.returncode is None:
+        try:
+            _pid, status, ru = os.wait4(proc.pid, 0)
+        except ChildProcessError:  # reaped already (cannot be: proctree keeps it ours); as Popen does
+            proc.wait()
+        else:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return {"cpu_s": round(ru.ru_utime + ru.ru_stime, 4), "peak_mib": round(ru.ru_maxrss / 1024, 2)}
+    proc.wait()
+    # Reaped before (Popen.wait's fallback, with no pidfd): not known.
+    return {"cpu_s": None, "peak_mib": None}
+
+
 def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     """Run ``command`` with bash; see the module docstring for the guarantees."""
     command, timeout = params.command, params.timeout
     if not command.strip():
         raise ToolFailure("command is empty")
+    if params.env:
+        try:
+            ctx = dataclasses.replace(ctx, env={**ctx.env, **envnames.check_env(params.env)})
+        except envnames.EnvError as exc:
+            raise ToolFailure(str(exc)) from None
     workdir = _workdir(ctx, params.cwd)
     if params.background:
         if ctx.jobs is None:
@@ -370,7 +397,7 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
             _end_call(proc, token)
         raise
     finally:
-        proc.wait()
+        usage = _reap(proc)
         capture.close()
     duration = time.monotonic() - started
 
@@ -397,6 +424,7 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
         "duration_s": round(duration, 4),
         "stdout": out,
         "stderr": err,
+        "usage": usage,
     }
     if capture.cancelled:
         meta["cancelled"] = True

@@ -87,6 +87,7 @@ class ShellExecParams(_Params, frozen=True):
     timeout: float | None = None
     cwd: str | None = None
     background: bool = False
+    env: dict[str, str] | None = None
 
 
 class JobOutputParams(_Params, frozen=True):
@@ -305,6 +306,12 @@ _ALL = [
                 "description": "Run as a background job and return at once with its id (metadata 'job'). "
                 "Default false. A timeout, if given, still ends the job; otherwise it runs until job_stop "
                 "or the end of the session.",
+            },
+            "env": {
+                "type": "object",
+                "additionalProperties": {"type": "string"},
+                "description": "Environment variables for this command only, e.g. {\"RUST_LOG\": \"debug\"}. "
+                "LD_*, DISPATCH_*, HOME, TMPDIR and the proxy variables are refused.",
             },
         },
         ["command"],

@@ -25,7 +25,10 @@ Guarantees:
   (``CallTool.stream``), streams its output as ``ToolOutput`` frames before
   its reply; the session's background jobs live here (``tools/jobs.py``).
 - ``SetCommandEnv`` from the daemon changes the environment of commands
-  started after it (the proxy variables of network "domains"), not of those running.
+  started after it (the proxy variables of network "domains", the caller's
+  ``env`` and ``secrets``), not of those running; once a secret is given,
+  every reply and streamed output has its value replaced by ``[secret NAME]``
+  (``redact.py``; read_file's C lane is turned off, as it replies on its own).
 
 Threads are safe here: Landlock and seccomp were applied before this process
 was forked, and every thread inherits them.
@@ -33,16 +36,19 @@ was forked, and every thread inherits them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
 import queue
+import resource
 import select
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -53,15 +59,60 @@ from dispatchd.policy import MAX_CHANNELS, MUTATING_TOOLS, max_channels, too_man
 __all__ = ["MAX_CHANNELS", "max_channels", "serve", "warm_up"]
 from dispatchd.protocol.internal import EXIT_ASLEEP, EXIT_IDLE
 from dispatchd.tempfiles import sweep_temp_files
-from dispatchd.tools import atomic, files, native
+from dispatchd.tools import atomic, changes, files, native
 from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed, invalid, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
 from dispatchd.tools.textfile import SNIFF_BYTES
+from dispatchd.worker import redact
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 _convert = msgspec.convert
 _monotonic = time.monotonic  # one global lookup where every call reads the clock twice
+
+_thread_time = time.thread_time
+# A finished call, for the daemon (its log line and the session's usage):
+# tool, seconds, success, and metadata["usage"] (None: not measured).
+_Record = tuple[str, float, bool, dict[str, Any] | None]
+
+
+def _usage_numbers(usage: dict[str, Any] | None) -> tuple[float, float]:
+    if not usage:
+        return 0.0, 0.0
+    cpu, peak = usage.get("cpu_s"), usage.get("peak_mib")
+    return (float(cpu) if isinstance(cpu, (int, float)) else 0.0,
+            float(peak) if isinstance(peak, (int, float)) else 0.0)
+
+
+MAX_WATCHED_DIRS = 20_000  # a worktree with more directories is not watched (tools/changes.py)
+
+
+def _with_changes(out: Outcome, watcher: changes.Watcher, mark: float) -> Outcome:
+    """``out`` with ``metadata["changed"]``: the worktree paths changed since ``mark``."""
+    paths, truncated, unknown = watcher.since(mark)
+    out.metadata["changed"] = paths
+    if truncated:
+        out.metadata["changed_truncated"] = True
+    if unknown:
+        out.metadata["changed_unknown"] = True
+    return out
+
+
+_peak: list[float] = [0.0, -1.0]  # the tool server's peak (MiB), and when it was read
+_PEAK_EVERY_S = 0.1  # read at most this often: a getrusage is ~1 µs of a fast call's ~20
+
+
+def _usage(cpu_before: float) -> dict[str, float]:
+    """A call's ``metadata["usage"]`` when the tool runs in the tool server
+    (every tool but shell_exec's commands): the CPU time of the thread that
+    ran it, and the tool server's peak resident size so far (a process has
+    one peak, not one per call; read at most every ``_PEAK_EVERY_S``)."""
+    cpu = round(_thread_time() - cpu_before, 6)
+    now = _monotonic()
+    if now - _peak[1] >= _PEAK_EVERY_S:
+        _peak[0], _peak[1] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 2), now
+    return {"cpu_s": cpu, "peak_mib": _peak[0]}
+
 
 FIRST_CHANNEL_WAIT_S = 5.0  # how long the first channel's thread, started ahead, waits for it
 MIN_SLEEP_AFTER_S = 0.05  # the least idle time after which a session sleeps (limits.sleep_after_s)
@@ -82,9 +133,9 @@ class _Activity:
         # as long as its call: an int key, hashed for nothing, where a
         # (channel, request id) tuple cost about 500 instructions a call).
         self.calls: dict[int, tuple[_Channel, protocol.CallTool]] = {}
-        # (tool, seconds, success) of each finished call: made CallRecords when
+        # (tool, seconds, success, usage) of each finished call: made CallRecords when
         # sent (flush_records), off the calls' path.
-        self.records: list[tuple[str, float, bool]] = []
+        self.records: list[_Record] = []
         # A session that may sleep: the channel readers that found nothing to
         # read for ``sleep_after_s`` and now wait without reading (they hold
         # no byte of a request), and whether the server asked the daemon to
@@ -106,7 +157,7 @@ class _Activity:
         finally:
             lock.release()
 
-    def end(self, key: int | None = None, record: tuple[str, float, bool] | None = None,
+    def end(self, key: int | None = None, record: _Record | None = None,
             now: float | None = None) -> bool:
         """The call is over (at ``now``, when the caller read the clock
         already); True when ``record`` is the first of a batch."""
@@ -158,6 +209,10 @@ class _Channel:
             control.cancel()
 
     def reply(self, msg: protocol.ToolReply | protocol.ErrorReply) -> None:
+        redactor = self.server.redactor
+        if redactor is not None and type(msg) is protocol.ToolReply:
+            msg = protocol.ToolReply(id=msg.id, success=msg.success, output=redactor.value(msg.output),
+                                     error=redactor.value(msg.error), metadata=redactor.value(msg.metadata))
         lock = self.send_lock
         lock.acquire()  # not ``with``: see _Activity.begin
         try:
@@ -219,7 +274,7 @@ class _Channel:
                                 activity.last = now
                                 records = activity.records
                                 first = not records
-                                records.extend(("read_file", seconds, True) for seconds in calls)
+                                records.extend(("read_file", seconds, True, None) for seconds in calls)
                             finally:
                                 lock.release()
                             if first:
@@ -350,6 +405,16 @@ class _Server:
             and self.ctx.root_fd >= 0) else None
         self.activity = _Activity()
         self.control = control
+        # The session's secrets (SetCommandEnv), redacted from every reply.
+        self.secrets: dict[str, str] = {}
+        self.redactor: redact.Redactor | None = None
+        # The proxy's refusals (network "domains"), newest last: (when, "host:port", the command
+        # that allows it). A slow call carries those of its own time window.
+        self.denials: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=256)
+        # What commands change in the worktree (tools/changes.py): made at the
+        # first shell_exec (None: not yet; False: not watched, too large or refused).
+        self.watcher: changes.Watcher | None | bool = None
+        self.watcher_lock = threading.Lock()
         self.write_lock = _WriteLock(control)
         # The worktree is ours to write now: remove what killed writes left
         # (tempfiles.py), but not the files of our own writes already started.
@@ -461,7 +526,10 @@ class _Server:
             return
         self.activity.begin(key, (channel, req))
         rid = req.id
-        emit = (lambda stream, text: channel.output(rid, stream, text)) if req.stream else None
+        emit: Callable[[str, str], None] | None = (
+            (lambda stream, text: channel.output(rid, stream, text)) if req.stream else None)
+        if emit is not None and self.redactor is not None:
+            emit = redact.Stream(self.redactor, emit)
         control = CallControl(emit)
         with channel.calls_lock:
             channel.calls[rid] = control
@@ -494,7 +562,9 @@ class _Server:
         finally:
             lock.release()
         started = _monotonic()
+        cpu = _thread_time()
         success = False
+        usage = None
         try:
             # run_tool written out too (a call fewer, about 900 instructions).
             try:
@@ -507,6 +577,7 @@ class _Server:
                 except Exception as exc:  # noqa: BLE001 (failed words each kind)
                     out = failed(tool, self.ctx, exc)
             success = out.success
+            usage = out.metadata["usage"] = _usage(cpu)
             channel.reply(protocol.ToolReply(req.id, success, out.output, out.error, out.metadata))
         finally:
             now = _monotonic()
@@ -516,7 +587,7 @@ class _Server:
                 activity.last = now
                 del activity.calls[key]
                 records = activity.records
-                records.append((req.tool, now - started, success))
+                records.append((req.tool, now - started, success, usage))
                 first = len(records) == 1
             finally:
                 lock.release()
@@ -553,11 +624,29 @@ class _Server:
               control: CallControl | None = None) -> None:
         """Run the call ``dispatch`` began (``key`` in ``activity``), reply, end it."""
         started = time.monotonic()
+        cpu = _thread_time()
         success = False
+        usage = None
         ctx = self.ctx if control is None else dataclasses.replace(self.ctx, call=control)
+        watcher = self._watcher() if req.tool == "shell_exec" and ctx.writable else None
+        if watcher is not None:
+            watcher.drain()  # what came before this call is not its own
+            mark = time.monotonic()
         try:
             out: Outcome = run_tool(tool, ctx, req.params)  # type: ignore[arg-type]
+            if watcher is not None:
+                out = _with_changes(out, watcher, mark)
+            if "HTTP_PROXY" in ctx.env or self.denials:  # network "domains" now, or before a switch
+                out = self._with_denials(out, started)
             success = out.success
+            if "usage" not in out.metadata:  # shell_exec's is its command's own
+                out.metadata["usage"] = _usage(cpu)
+            usage = out.metadata["usage"]
+            if control is not None and isinstance(control.emit, redact.Stream):
+                try:
+                    control.emit.flush()  # what waited to be told from a secret's start
+                except OSError:
+                    pass  # the caller is gone
             channel.reply(protocol.ToolReply(id=req.id, success=out.success, output=out.output,
                                              error=out.error, metadata=out.metadata))
         finally:
@@ -566,8 +655,61 @@ class _Server:
                     channel.calls.pop(req.id, None)
                 control.close()
             now = time.monotonic()
-            if self.activity.end(key, (req.tool, now - started, success), now):
+            if self.activity.end(key, (req.tool, now - started, success, usage), now):
                 self._records_due()
+
+    def _watcher(self) -> changes.Watcher | None:
+        """The worktree's watcher, made at the first call that needs it."""
+        watcher = self.watcher
+        if watcher is None:
+            with self.watcher_lock:
+                if self.watcher is None:
+                    # Half the session's inotify watches at most: its commands' own watchers need some.
+                    most = max(1, min(MAX_WATCHED_DIRS, self.plan.limits.max_inotify_watches // 2))
+                    try:
+                        self.watcher = changes.Watcher(self.ctx.root, most)
+                    except (OSError, changes.TooLarge):
+                        self.watcher = False
+                watcher = self.watcher
+        return watcher if isinstance(watcher, changes.Watcher) else None
+
+    def note_denied(self, msg: protocol.NetworkDenied) -> None:
+        self.denials.append((time.monotonic(), f"{msg.host}:{msg.port}", msg.allow))
+
+    def _with_denials(self, out: Outcome, started: float) -> Outcome:
+        """``out`` with the proxy's refusals since ``started``: their list in
+        ``metadata["network_denied"]``, and one line at the end of the text
+        naming them and the command that allows them. By time window: a
+        refusal during two calls of the session at once goes to both."""
+        self._settle_control()
+        seen: dict[str, str] = {}
+        for when, where, allow in list(self.denials):
+            if when >= started:
+                seen.pop(where, None)
+                seen[where] = allow  # the last command named allows every host refused before it
+        if not seen:
+            return out
+        hosts = list(seen)
+        allow = next(reversed(seen.values()))
+        line = (f"[network: dispatchd refused {', '.join(hosts)} (not in this session's domains); "
+                f"to allow: {allow}]")
+        meta = {**out.metadata, "network_denied": hosts}
+        if out.success:
+            text = out.output or ""
+            return Outcome(True, f"{text}{'' if not text or text.endswith(chr(10)) else chr(10)}{line}", None, meta)
+        text = out.error or ""
+        return Outcome(False, None, f"{text}{'' if not text or text.endswith(chr(10)) else chr(10)}{line}", meta)
+
+    def _settle_control(self, most_s: float = 0.1) -> None:
+        """Let the control loop read what the daemon sent already: a refusal
+        is sent before the refused process hears of it, so before its call
+        can end, but the loop may not have read it yet."""
+        frames = self.control.frames
+        poller = select.poll()
+        poller.register(frames.fileno(), select.POLLIN)
+        deadline = time.monotonic() + most_s
+        while (frames.buffered() or poller.poll(0)) and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def _records_due(self) -> None:
         """The first record of a batch: wake the control loop, which sends
@@ -580,6 +722,13 @@ class _Server:
     def set_command_env(self, msg: protocol.SetCommandEnv) -> None:
         env = {k: v for k, v in self.ctx.env.items() if k not in msg.unset}
         env.update(msg.set)
+        fresh = {name: msg.set[name] for name in msg.secrets if name in msg.set}
+        if fresh:
+            # Before the commands can see them: no reply carries one unredacted.
+            # Kept once given, even when unset (a file may still hold one).
+            self.secrets.update(fresh)
+            self.redactor = redact.Redactor(self.secrets)
+            self.fast_read = None  # read_file's C lane replies without _Channel.reply: off
         # One assignment: a call starting now sees the old context or the new, whole.
         self.ctx = dataclasses.replace(self.ctx, env=env)
 
@@ -592,7 +741,8 @@ class _Server:
             return
         try:
             self.control.send(protocol.ToolCallsDone(
-                calls=[protocol.CallRecord(tool, round(seconds * 1e3, 3), ok) for tool, seconds, ok in records]))
+                calls=[protocol.CallRecord(tool, round(seconds * 1e3, 3), ok, *_usage_numbers(usage))
+                       for tool, seconds, ok, usage in records]))
         except OSError:
             pass  # the daemon is gone; the session is ending anyway
 
@@ -807,6 +957,8 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             server.add_channel(socket.socket(fileno=fd))
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
+        elif isinstance(msg, protocol.NetworkDenied):
+            server.note_denied(msg)
         elif isinstance(msg, protocol.ForgetWriteLock):
             server.write_lock.held = False  # the next mutating call asks the daemon again
         elif isinstance(msg, protocol.SetCommandEnv):

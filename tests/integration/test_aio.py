@@ -11,6 +11,7 @@ import pytest
 import dispatch
 import dispatch.aio
 from dispatch.agent import FakeModel
+from tests.integration.test_long_work import _sleepers
 
 
 def run(coro):
@@ -124,3 +125,99 @@ def test_no_daemon_raises_the_same_error(tmp_path: Path) -> None:
 
     with pytest.raises(dispatch.DaemonUnavailable, match="no dispatchd is listening on"):
         run(main())
+
+
+async def _until(predicate, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return bool(predicate())
+
+
+def test_open_session_is_an_async_context_manager_without_await(daemon, worktree: Path) -> None:
+    async def main():
+        async with dispatch.aio.connect(daemon.socket) as client:
+            async with client.open_session(str(worktree)) as session:
+                sid = session.id
+                assert (await session.registry.call("shell_exec", {"command": "echo hi"})).output == "hi\n"
+                assert sid in [s["id"] for s in await client.list_sessions()]
+            assert sid not in [s["id"] for s in await client.list_sessions()]
+            session = await client.open_session(str(worktree))  # awaited, it is still the session
+            try:
+                assert session.id != sid
+            finally:
+                await session.close()
+
+    run(main())
+
+
+def test_a_wait_for_timeout_ends_the_command_in_the_sandbox(daemon, worktree: Path) -> None:
+    async def main():
+        async with dispatch.aio.connect(daemon.socket) as client:
+            async with client.open_session(str(worktree)) as session:
+                # The twin: while the call is awaited, its process runs.
+                call = asyncio.ensure_future(session.registry.call("shell_exec", {"command": "sleep 4241"}))
+                assert await _until(lambda: len(_sleepers("4241")) == 1)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                assert await _until(lambda: _sleepers("4241") == [], 2.0)
+                # wait_for's timeout cancels the awaiting task: the same.
+                started = time.monotonic()
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(session.registry.call("shell_exec", {"command": "sleep 4242"}), 0.5)
+                assert time.monotonic() - started < 1.5
+                assert await _until(lambda: _sleepers("4242") == [], 2.0)
+                # The session goes on.
+                assert (await session.registry.call("shell_exec", {"command": "echo on"})).output == "on\n"
+
+    run(main())
+
+
+def test_a_cancelled_dispatch_ends_its_command(daemon, worktree: Path) -> None:
+    async def main():
+        async with dispatch.aio.connect(daemon.socket) as client:
+            async with client.open_session(str(worktree)) as session:
+                call = {"id": "c1", "type": "function",
+                        "function": {"name": "shell_exec", "arguments": '{"command": "sleep 4243"}'}}
+                task = asyncio.ensure_future(session.registry.dispatch(call))
+                assert await _until(lambda: len(_sleepers("4243")) == 1)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert await _until(lambda: _sleepers("4243") == [], 2.0)
+
+    run(main())
+
+
+def test_session_cancel_ends_every_call_in_flight(daemon, worktree: Path) -> None:
+    async def main():
+        async with dispatch.aio.connect(daemon.socket) as client:
+            async with client.open_session(str(worktree)) as session:
+                calls = [asyncio.ensure_future(session.registry.call("shell_exec", {"command": "sleep 4244"}))
+                         for _ in range(2)]
+                assert await _until(lambda: len(_sleepers("4244")) == 2)
+                assert await session.cancel() == 2
+                results = await asyncio.gather(*calls)
+                assert [r.metadata["cancelled"] for r in results] == [True, True]
+                assert await _until(lambda: _sleepers("4244") == [], 2.0)
+
+    run(main())
+
+
+def test_output_streams_to_an_async_callback_on_the_loop(daemon, worktree: Path) -> None:
+    async def main():
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[str, bool]] = []
+
+        async def on_output(stream: str, text: str) -> None:
+            seen.append((text, asyncio.get_running_loop() is loop))
+
+        async with dispatch.aio.connect(daemon.socket) as client:
+            async with client.open_session(str(worktree)) as session:
+                r = await session.registry.call("shell_exec", {"command": "echo a; sleep 0.2; echo b"},
+                                                on_output=on_output)
+        assert r.output == "a\nb\n"
+        assert "".join(t for t, _ in seen) == "a\nb\n" and all(on_loop for _, on_loop in seen)
+
+    run(main())

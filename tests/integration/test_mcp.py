@@ -112,6 +112,12 @@ def test_calls_tools_in_the_sandbox(daemon: Daemon, client: dispatch.Client, wor
     assert r["failed"].is_error is True and "partial" in _text(r["failed"])
     assert r["escape"].is_error is True and "escapes the worktree" in _text(r["escape"])
     assert _sessions_on(client, worktree) == []
+    # structuredContent: the Result's metadata, without the output the text carries.
+    failed = r["failed"].structured_content
+    assert failed is not None and "stdout" not in failed and "stderr" not in failed
+    assert (failed["success"], failed["exit_code"], failed["timed_out"], failed["truncated"]) == (False, 3, False, False)
+    assert failed["duration_s"] >= 0 and set(failed["usage"]) == {"cpu_s", "peak_mib"}
+    assert r["write"].structured_content is not None and r["write"].structured_content["path"] == "out/new.txt"
 
 
 def test_bad_calls_are_results_a_model_can_read(daemon: Daemon, worktree: Path, tmp_path: Path) -> None:

@@ -26,6 +26,11 @@ ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files"
 TEMP_NAME = re.compile(r"\.dispatchd-[0-9a-f]+\.tmp$")
 
 
+def _meta(r: dispatch.Result) -> dict[str, object]:
+    """A Result's metadata without its usage (numbers that vary from run to run)."""
+    return {k: v for k, v in r.metadata.items() if k != "usage"}
+
+
 def call(session: dispatch.Session, tool: str, **params: object) -> dispatch.Result:
     """The usual way: the registry's remote definition, validated client-side first."""
     return session.registry.get(tool).call(params)
@@ -67,7 +72,7 @@ def test_the_default_session_offers_every_tool(session: dispatch.Session) -> Non
 def test_read_file_whole_file_with_line_numbers(session: dispatch.Session) -> None:
     r = call(session, "read_file", path="src/main.py")
     assert ok(r) == "0: import os\n1: \n2: def main():\n3:     return 42"
-    assert dict(r.metadata) == {"path": "src/main.py", "total_lines": 4, "start_line": 0, "end_line": 3}
+    assert _meta(r) == {"path": "src/main.py", "total_lines": 4, "start_line": 0, "end_line": 3}
     assert str(r) == r.output
 
 
@@ -201,7 +206,7 @@ def test_read_file_refuses_symlinks_out_and_follows_symlinks_in(session: dispatc
 def test_write_file_creates_a_new_file(session: dispatch.Session, worktree: Path) -> None:
     r = call(session, "write_file", path="new.txt", content="hello")
     assert ok(r) == "wrote 5 bytes to new.txt"
-    assert dict(r.metadata) == {"path": "new.txt", "bytes": 5}
+    assert _meta(r) == {"path": "new.txt", "bytes": 5, "changed": ["new.txt"]}
     assert (worktree / "new.txt").read_text() == "hello"
 
 
@@ -368,7 +373,7 @@ def test_edit_file_empty_edits_are_refused_on_both_sides(session: dispatch.Sessi
 def test_create_file_new(session: dispatch.Session, worktree: Path) -> None:
     r = call(session, "create_file", path="docs/new.md", content="# new\n")
     assert ok(r) == "created docs/new.md (6 bytes)"
-    assert dict(r.metadata) == {"path": "docs/new.md", "bytes": 6}
+    assert _meta(r) == {"path": "docs/new.md", "bytes": 6, "changed": ["docs/new.md"]}
     assert (worktree / "docs" / "new.md").read_text() == "# new\n"
     assert temp_files(worktree / "docs") == []
 
@@ -416,7 +421,7 @@ def tree(worktree: Path) -> Path:
 def test_list_files_recursive_by_default(session: dispatch.Session, tree: Path) -> None:
     r = call(session, "list_files")
     assert ok(r) == "README.md\ndocs/guide.md\nsrc/main.py\nsrc/notes.txt\nsrc/pkg/util.py"
-    assert dict(r.metadata) == {"count": 5, "truncated": False}
+    assert _meta(r) == {"count": 5, "truncated": False}
     assert ok(call(session, "list_files", path=".", recursive=True)) == r.output
 
 
@@ -460,7 +465,7 @@ def test_list_files_stops_at_the_entry_limit(session: dispatch.Session, worktree
     assert len(lines) == 10_001
     assert lines[:2] == ["many/f00000", "many/f00001"] and lines[9_999] == "many/f09999"
     assert lines[-1] == "... (truncated at 10000 entries)"
-    assert dict(r.metadata) == {"count": 10_000, "truncated": True}
+    assert _meta(r) == {"count": 10_000, "truncated": True}
     (many / "f10000").unlink()
     r = call(session, "list_files", path="many")
     assert r.metadata["truncated"] is False and ok(r).split("\n")[-1] == "many/f09999"

@@ -374,7 +374,7 @@ class TestWriteFile:
     def test_writes_a_new_file(self, ctx: ToolContext) -> None:
         r = call(ctx, "write_file", path="new.txt", content="hello")
         assert r.success and r.output == "wrote 5 bytes to new.txt"
-        assert r.metadata == {"path": "new.txt", "bytes": 5}
+        assert r.metadata == {"path": "new.txt", "bytes": 5, "changed": ["new.txt"]}
         assert Path(ctx.root, "new.txt").read_text() == "hello"
 
     def test_overwrites_an_existing_file(self, ctx: ToolContext) -> None:
@@ -667,7 +667,7 @@ class TestCreateFile:
     def test_creates_a_new_file(self, ctx: ToolContext) -> None:
         r = call(ctx, "create_file", path="new.txt", content="fresh\n")
         assert r.success and r.output == "created new.txt (6 bytes)"
-        assert r.metadata == {"path": "new.txt", "bytes": 6}
+        assert r.metadata == {"path": "new.txt", "bytes": 6, "changed": ["new.txt"]}
         assert Path(ctx.root, "new.txt").read_text() == "fresh\n"
         assert leftovers(ctx.root) == []
 

@@ -22,7 +22,8 @@ from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.spec import SPECS, schemas_for
 from dispatchd.tools.table import TOOLS
 
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array"}
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
+               dict: "object"}
 
 
 def _json_type(annotation: Any) -> str:
@@ -115,7 +116,7 @@ def test_contract_field_names() -> None:
         "create_file": ["path", "content"],
         "list_files": ["path", "pattern", "recursive"],
         "search_files": ["query", "path", "pattern", "is_regex"],
-        "shell_exec": ["command", "timeout", "cwd", "background"],
+        "shell_exec": ["command", "timeout", "cwd", "background", "env"],
         "job_output": ["job", "offset", "wait"],
         "job_stop": ["job"],
         "job_list": [],

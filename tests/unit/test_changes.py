@@ -1,0 +1,68 @@
+"""dispatchd/tools/changes.py on a real directory (inotify needs no privilege)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from dispatchd.tools.changes import MAX_CHANGED, TooLarge, Watcher
+
+
+def test_what_changed_since_a_mark(tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("x")
+    (tmp_path / "old.txt").write_text("x")
+    (tmp_path / ".git").mkdir()
+    w = Watcher(str(tmp_path), 100)
+    try:
+        before = time.monotonic()
+        (tmp_path / "new.txt").write_text("y")
+        (tmp_path / "old.txt").unlink()
+        (tmp_path / "d" / "e").mkdir(parents=True)
+        (tmp_path / "d" / "e" / "f").write_text("z")
+        (tmp_path / ".git" / "HEAD").write_text("ref")
+        (tmp_path / "keep.txt").read_text()  # read only: not a change
+        paths, truncated, unknown = w.since(before)
+        assert sorted(paths) == ["d", "d/e", "d/e/f", "new.txt", "old.txt"]
+        assert (truncated, unknown) == (False, False)
+        later = time.monotonic()
+        assert w.since(later) == ([], False, False)  # each call its own window
+        (tmp_path / "d" / "e" / "g").write_text("a")  # a directory made after the watch started is watched
+        assert w.since(later)[0] == ["d/e/g"]
+    finally:
+        w.close()
+
+
+def test_a_long_list_is_cut(tmp_path: Path) -> None:
+    w = Watcher(str(tmp_path), 100)
+    try:
+        before = time.monotonic()
+        for i in range(MAX_CHANGED + 5):
+            os.close(os.open(tmp_path / f"f{i}", os.O_CREAT | os.O_WRONLY))
+        paths, truncated, _ = w.since(before)
+        assert len(paths) == MAX_CHANGED and truncated
+    finally:
+        w.close()
+
+
+def test_a_tree_too_large_is_not_watched(tmp_path: Path) -> None:
+    for i in range(3):
+        (tmp_path / f"d{i}").mkdir()
+    with pytest.raises(TooLarge, match="more than 3 directories"):
+        Watcher(str(tmp_path), 3)
+
+
+def test_a_name_that_is_not_utf8_is_shown_escaped(tmp_path: Path) -> None:
+    w = Watcher(str(tmp_path), 100)
+    try:
+        before = time.monotonic()
+        os.close(os.open(os.path.join(os.fsencode(tmp_path), b"bad\xff"), os.O_CREAT | os.O_WRONLY))
+        os.mkdir(os.path.join(os.fsencode(tmp_path), b"dir\xfe"))
+        paths = w.since(before)[0]
+        assert sorted(paths) == ["bad\\xff", "dir\\xfe"]
+        for p in paths:
+            p.encode("utf-8")  # a reply can carry it
+    finally:
+        w.close()
