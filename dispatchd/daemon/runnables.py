@@ -45,7 +45,8 @@ from dispatchd.policy import DEFAULT_PROTECTED
 
 MAX_ENTRIES = 2_000_000
 MAX_DIRS = 250_000
-MAX_DEPTH = 256
+MAX_DEPTH = 4096
+MAX_OPEN = 256  # directory descriptors a walk holds at once; past it, directories are reached again by name
 # Inside a git directory: large, and nothing there runs.
 _GIT_BULK = frozenset(("objects", "refs", "logs", "lfs"))
 
@@ -75,14 +76,24 @@ class _Walk:
         # owner (the user, so the daemon) read and search rights back for
         # the walk: directory fd -> (its O_PATH fd, the mode to put back).
         self.lent: dict[int, tuple[int, int]] = {}
+        self.held = 0  # directory descriptors held in the walk's pending list
 
     def run(self) -> None:
         top = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        # (directory fd, its worktree-relative path, below a protected name, inside a git directory)
+        # (directory fd, or -1 to reach it again by name, its worktree-relative
+        # path, below a protected name, inside a git directory)
         pending: list[tuple[int, str, bool, bool]] = [(top, "", False, False)]
+        self.held = 1
         try:
             while pending:
                 fd, rel, protected, in_git = pending.pop()
+                if fd < 0:
+                    reopened = self._reopen(rel)
+                    if reopened is None:
+                        continue  # gone meanwhile
+                    fd = reopened
+                else:
+                    self.held -= 1
                 try:
                     self._directory(fd, rel, protected, in_git, pending)
                 finally:
@@ -92,8 +103,34 @@ class _Walk:
                     return
         finally:
             for fd, *_ in pending:
-                self._give_back(fd)
+                if fd >= 0:
+                    self._give_back(fd)
+                    os.close(fd)
+
+    def _reopen(self, rel: str) -> int | None:
+        """The directory at ``rel``, reached from the worktree one component
+        at a time without following a symlink (a wide tree's directories past
+        ``MAX_OPEN`` held descriptors)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        for part in rel.split("/"):
+            try:
+                nxt = _open_dir(fd, part)
+            finally:
                 os.close(fd)
+            if nxt is None:
+                return None
+            fd = nxt
+        return fd
+
+    def _push(self, pending: list[tuple[int, str, bool, bool]], dir_fd: int, name: str, rel: str,
+              protected: bool, in_git: bool) -> None:
+        if self.held >= MAX_OPEN:
+            pending.append((-1, rel, protected, in_git))
+            return
+        sub = self.open_dir(dir_fd, name)
+        if sub is not None:
+            self.held += 1
+            pending.append((sub, rel, protected, in_git))
 
     def _give_back(self, fd: int) -> None:
         lent = self.lent.pop(fd, None)
@@ -160,8 +197,12 @@ class _Walk:
                     sub = self.open_dir(fd, name)
                     if sub is None:
                         continue
-                    self._gitdir(sub, child)
-                    pending.append((sub, child, protected, True))
+                    try:
+                        self._gitdir(sub, child)
+                    finally:
+                        self._give_back(sub)
+                        os.close(sub)
+                    self._push(pending, fd, name, child, protected, True)
                 else:
                     self.entries[child] = "gitfile:" + (gitsnapshot.digest_at(fd, name, self.budget) or "absent")
                 continue
@@ -171,9 +212,7 @@ class _Walk:
                 if digest is not None:
                     self.entries[child] = digest
             if kind == "dir" and not (in_git and name in _GIT_BULK):
-                sub = self.open_dir(fd, name)
-                if sub is not None:
-                    pending.append((sub, child, mark, in_git))
+                self._push(pending, fd, name, child, mark, in_git)
 
     def _gitdir(self, fd: int, rel: str) -> None:
         self.entries[rel] = "gitdir"

@@ -75,7 +75,8 @@ def test_a_session_takes_at_most_its_inotify_share_and_the_user_keeps_the_rest(
         # The allowed twin: a few instances are fine.
         few = shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG.replace('1000', '5'))} 0")
         assert few.is_success and few.output.split() == ["5", "0"], few
-        # Holding as many as it can (in the background), it gets 32, then EMFILE.
+        # Holding as many as it can (in the background), it gets 31 (the tool
+        # server holds one, its watch of what calls change), then EMFILE.
         shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG)} 30 > hog.out &")
         for _ in range(100):
             out = (worktree / "hog.out").read_text() if (worktree / "hog.out").exists() else ""
@@ -85,7 +86,7 @@ def test_a_session_takes_at_most_its_inotify_share_and_the_user_keeps_the_rest(
 
             time.sleep(0.05)
         taken, err = out.split()
-        assert int(taken) == 32 and int(err) == errno.EMFILE, out
+        assert int(taken) == 31 and int(err) == errno.EMFILE, out
         # The user's own programs still have what the session could not take.
         assert _instances_left_for_the_user() >= min(before, 128) - 32
     assert _instances_left_for_the_user() == before

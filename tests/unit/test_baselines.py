@@ -93,7 +93,7 @@ def test_an_unreadable_directory_is_looked_into_and_its_mode_kept(tmp_path: Path
         os.chmod(repo / "a", 0o755)
 
 
-def test_the_walk_is_bounded_in_depth_without_recursion(tmp_path: Path) -> None:
+def test_the_walk_is_bounded_in_depth_without_recursion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     top = tmp_path / "deep"
     top.mkdir()
     fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
@@ -103,14 +103,27 @@ def test_the_walk_is_bounded_in_depth_without_recursion(tmp_path: Path) -> None:
             nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = nxt
+        os.mkdir(".vscode", dir_fd=fd)
     finally:
         os.close(fd)
+    before = runnables.TreeSnapshot()
     snap = runnables.take(str(top))
-    assert not snap.complete and snap.why == f"deeper than {runnables.MAX_DEPTH} directories"
-    shallow = tmp_path / "shallow"
-    (shallow / "a" / "b").mkdir(parents=True)
-    assert runnables.take(str(shallow)).complete  # the allowed twin
+    assert snap.complete and runnables.changes(before, snap) == ["d/" * 1500 + ".vscode"]
+    monkeypatch.setattr(runnables, "MAX_DEPTH", 1000)
+    snap = runnables.take(str(top))
+    assert not snap.complete and snap.why == "deeper than 1000 directories"
     subprocess.run(["rm", "-rf", str(top)], check=True)
+
+
+def test_a_wide_tree_holds_few_descriptors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    top = tmp_path / "wide"
+    for i in range(300):
+        (top / f"d{i}" / "inner").mkdir(parents=True)
+    (top / "d123" / "inner" / ".envrc").write_text("x")
+    monkeypatch.setattr(runnables, "MAX_OPEN", 8)
+    snap = runnables.take(str(top))
+    assert snap.complete and list(snap.entries) == ["d123/inner/.envrc"]
+    assert len(os.listdir("/proc/self/fd")) < 64  # nothing left open
 
 
 # --- gitsnapshot's new coverage ------------------------------------------------------------------

@@ -14,6 +14,7 @@ lane's confinement is the session's, tested by the escape suite).
 from __future__ import annotations
 
 import os
+import re
 import random
 import socket
 import struct
@@ -168,10 +169,28 @@ def pair(worktree: str) -> Iterator[tuple[Server, Server]]:
     python.close()
 
 
+# metadata["usage"] (the CPU time of the call, the peak resident size): the
+# one part of a reply that differs between two answers of the same call.
+_USAGE = re.compile(rb"\xa5usage\x82\xa5cpu_s\xcb.{8}\xa8peak_mib\xcb.{8}", re.DOTALL)
+
+
+def same_but_usage(replies: list[bytes] | None) -> list[bytes] | None:
+    """The replies with their usage figures zeroed (each reply of a call
+    carries them, in the same place, both ways)."""
+    if replies is None:
+        return None
+    return [_USAGE.sub(lambda m: m.group(0)[:14] + bytes(8) + m.group(0)[22:32] + bytes(8), r) for r in replies]
+
+
 def both(pair: tuple[Server, Server], data: bytes, replies: int = 1) -> list[bytes] | None:
     lane, python = pair
     got, want = lane.ask(data, replies), python.ask(data, replies)
-    assert got == want
+    assert same_but_usage(got) == same_but_usage(want)
+    if got:
+        for reply in got:
+            decoded = msgspec.msgpack.decode(reply)
+            if decoded.get("op") == "tool_reply" and decoded.get("success"):
+                assert set(decoded["metadata"]["usage"]) == {"cpu_s", "peak_mib"}
     return got
 
 

@@ -117,7 +117,8 @@ def test_a_session_info_encodes_its_protections_in_place() -> None:
     info = p.SessionInfo(id="ab", worktree="/wt", policy="default", network="off", created=1.5, protections=typed)
     old_info = {"id": "ab", "worktree": "/wt", "policy": "default", "network": "off", "created": 1.5,
                 "protections": old, "limits": {}, "note": "", "domains": [], "denied": [], "writes": False,
-                "asleep": False, "protected": []}
+                "asleep": False, "protected": [], "warnings": [],
+                "usage": {"calls": 0, "cpu_s": 0.0, "peak_mib": 0.0}}
     assert msgspec.msgpack.encode(info) == msgspec.msgpack.encode(old_info)
 
 
