@@ -38,6 +38,13 @@ as_unprivileged_user() {
     # own unprivileged sshd on loopback to reach `dispatch bridge` over ssh
     [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
     command -v ssh >/dev/null || missing+=(openssh-client)
+    # a rootless container engine, for tests/integration/test_container.py
+    # (dispatchd inside Podman, with its defaults and with the flags of
+    # packaging/containers/README.md); runc, as crun refuses a hybrid cgroup
+    # hierarchy; uidmap for the test user's subordinate ids
+    command -v podman >/dev/null || missing+=(podman)
+    [ -x /usr/sbin/runc ] || missing+=(runc)
+    command -v newuidmap >/dev/null || missing+=(uidmap)
     if [ ${#missing[@]} -gt 0 ]; then
         echo "installing Debian packages: ${missing[*]}"
         apt-get update -qq

@@ -121,6 +121,10 @@ def apply_id_maps(plan: NamespacePlan) -> None:
             raise ConfinementError("namespaces: id map", exc.errno, path) from exc
 
 
+_UCOUNT_PROBE = "/proc/sys/user/max_inotify_instances"
+_SYS_READ_ONLY = 251  # the probe child's exit code: /proc/sys read-only in a new user namespace
+
+
 def probe_user_namespaces() -> tuple[bool, str]:
     """Can this user make a user namespace (with mount, pid, net inside)? Forks a
     throw-away child to find out, so call it before any thread exists."""
@@ -131,11 +135,27 @@ def probe_user_namespaces() -> tuple[bool, str]:
             _sys.unshare(_sys.CLONE_NEWUSER | _sys.CLONE_NEWNS | _sys.CLONE_NEWPID | _sys.CLONE_NEWNET)
             _write("/proc/self/setgroups", "deny")
             _write("/proc/self/uid_map", f"{uid} {uid} 1")
-            os._exit(0)
         except OSError as exc:
             os._exit(min(exc.errno or 1, 250))
+        try:
+            # A session's user namespace bounds its share of the user's kernel
+            # budgets here (confine/ucounts.py): a /proc/sys mounted read-only
+            # (a container's default) would refuse every open.
+            with open(_UCOUNT_PROBE, encoding="ascii") as f:
+                value = f.read()
+            _write(_UCOUNT_PROBE, value)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            os._exit(_SYS_READ_ONLY)
+        os._exit(0)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     if code == 0:
         return True, "available"
+    if code == _SYS_READ_ONLY:
+        return False, ("a user namespace can be made, but /proc/sys is read-only in it (a container's default), "
+                       "so a session's share of the user's kernel budgets cannot be bounded; for full mode run "
+                       "the container with Podman's --security-opt unmask=ALL or Docker's --security-opt "
+                       "systempaths=unconfined (packaging/containers/README.md)")
     return False, f"refused by the kernel: {os.strerror(code) if code > 0 else 'killed'}"

@@ -432,7 +432,9 @@ def test_worker_channel_deeply_nested_payload_gets_bad_request(daemon: Daemon, w
 def worker_channel_cases(channel: protocol.FrameSocket) -> None:
     replies = protocol.channel_reply_decoder
     channel.send(protocol.CallTool(id=1, tool="read_file", params={"path": "README.md"}))
-    assert channel.recv(replies) == protocol.ToolReply(
+    reply = channel.recv(replies)
+    assert isinstance(reply, protocol.ToolReply) and set(reply.metadata.pop("usage")) == {"cpu_s", "peak_mib"}
+    assert reply == protocol.ToolReply(
         id=1, success=True, output="0: hello\n1: world",
         metadata={"path": "README.md", "total_lines": 2, "start_line": 0, "end_line": 1})
     # Undecodable: an ErrorReply with the id, and the channel stays.

@@ -1,0 +1,69 @@
+"""Run inside a container by tests/integration/test_container.py (not a test
+module itself): start a daemon, open a session, and print as JSON the mode it
+got, the probe's note, and what the escape core's attempts gave."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import dispatch
+
+
+def main() -> None:
+    home = os.environ["HOME"]
+    tmp = tempfile.mkdtemp(dir=home)
+    sock = os.path.join(tmp, "run", "d.sock")
+    log = open(os.path.join(tmp, "d.log"), "wb")  # noqa: SIM115 (lives as long as the daemon)
+    daemon = subprocess.Popen([sys.executable, "-m", "dispatchd", "--socket", sock, "--pool", "0"],
+                              stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, XDG_STATE_HOME=os.path.join(tmp, "state")))
+    out: dict[str, object] = {}
+    try:
+        for _ in range(400):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.025)
+        wt = os.path.join(tmp, "wt")
+        os.makedirs(wt)
+        with open(os.path.join(wt, "README.md"), "w") as f:
+            f.write("hello\n")
+        secret = os.path.join(home, "secret.txt")
+        with open(secret, "w") as f:
+            f.write("kept out\n")
+        with dispatch.connect(sock) as client:
+            kernel = client.status()["kernel"]
+            out["user_namespaces_note"] = kernel["user_namespaces_note"]
+            out["container"] = kernel.get("container", "")
+            with client.open_session(wt) as session:
+                out["mode"] = session.status()["protections"]["mode"]
+                shell = session.registry.get("shell_exec")
+
+                def run(command: str) -> str:
+                    r = shell.call({"command": command})
+                    return str(r.metadata.get("stdout", "")) + str(r.metadata.get("stderr", ""))
+
+                out["worktree"] = run("cat README.md && echo ok > written.txt && cat written.txt")
+                out["home"] = run(f"cat {secret}")
+                out["outside"] = run(f"echo x > {home}/planted")
+                out["planted"] = os.path.exists(os.path.join(home, "planted"))
+                out["network"] = run("python3 -c \"import socket\ntry:\n socket.create_connection(('192.0.2.1', 9), "
+                                     "timeout=2)\nexcept OSError as e:\n print('errno', e.errno)\"")
+    except Exception as exc:  # noqa: BLE001 (reported to the test, with the daemon's log)
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        daemon.terminate()
+        daemon.wait(15)
+        log.close()
+        if "error" in out:
+            with open(os.path.join(tmp, "d.log"), errors="replace") as f:
+                out["log"] = f.read()[-3000:]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
