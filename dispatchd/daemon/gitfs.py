@@ -116,14 +116,17 @@ def safe_link(link: str) -> bool:
     return bool(link) and not link.startswith("/") and all(p not in ("", ".", "..") for p in parts)
 
 
-def open_dir_below(worktree: str, link: str) -> int | None:
+def open_dir_below(worktree: str, link: str, *, searchable: bool = False) -> int | None:
     """A descriptor of the submodule's directory, reached from the worktree one
     component at a time without following a symlink, or None when there is
     none (see ``ABSENT``). The daemon acts on what the index names only
     through it, so a name or a planted symlink can never make it touch a path
     outside the worktree. Raises OSError when the path cannot be looked at
     (a directory the session made unsearchable): absent for now, but not for
-    the user who makes it searchable again."""
+    the user who makes it searchable again. With ``searchable``, each
+    directory on the way that a session made unsearchable gets its owner's
+    rights back first (the user's, so the daemon's): what lies below one is
+    reached all the same."""
     if not safe_link(link):
         return None
     try:
@@ -132,6 +135,8 @@ def open_dir_below(worktree: str, link: str) -> int | None:
         return None
     for part in link.split("/"):
         try:
+            if searchable:
+                os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(os.stat(f"/proc/self/fd/{fd}").st_mode) | stat.S_IRWXU)
             nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
         except OSError as exc:
             os.close(fd)
@@ -173,7 +178,7 @@ def move_below_aside(root: str, rel: str) -> str | None:
     try:
         fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if not parent else open_dir_below(root, parent)
     except PermissionError:
-        fd = _open_dir_searchable(root, parent)
+        fd = open_dir_below(root, parent, searchable=True)
     if fd is None:
         return None
     try:
@@ -182,25 +187,6 @@ def move_below_aside(root: str, rel: str) -> str | None:
         return None
     finally:
         os.close(fd)
-
-
-def _open_dir_searchable(root: str, rel: str) -> int | None:
-    """``open_dir_below``, giving each directory on the way that a session
-    made unsearchable its owner's rights back (the user's, so the daemon's):
-    what lies below one is moved aside all the same."""
-    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    for part in rel.split("/"):
-        try:
-            os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(os.stat(f"/proc/self/fd/{fd}").st_mode) | stat.S_IRWXU)
-            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in ABSENT:
-                return None
-            raise
-        os.close(fd)
-        fd = nxt
-    return fd
 
 
 def move_aside(path: str) -> str:
