@@ -22,9 +22,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dispatch  # noqa: E402
-from bench.bench import pct, start_daemon  # noqa: E402
+from bench import pct, start_daemon  # noqa: E402
 
 
 def make_worktree(path: str, files: int) -> None:

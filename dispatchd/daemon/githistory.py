@@ -54,6 +54,16 @@ class History(msgspec.Struct, frozen=True):
     head: str = ""  # the common directory's HEAD, as it was
     keep: str = ""  # where its object files are kept ("" when not kept)
     note: str = ""  # what is not kept, and why
+    # Each object directory (fan-out and pack) -> its ctime (ns) at the look,
+    # and when the look began: a directory whose ctime is unchanged has the
+    # same entries (a session can set an mtime, never a ctime), so only the
+    # changed ones, and those changed too close to the look, are listed again.
+    stamps: dict[str, int] = {}
+    stamped_ns: int = 0
+
+
+_RACY_NS = 50_000_000  # a directory changed this close before a look is listed whatever its ctime says
+_STAMPS = ".stamps"  # in a keep: the stamps it was last brought up to date with
 
 
 def read_refs(common: str) -> dict[str, str]:
@@ -92,9 +102,9 @@ def checked_out(gitdir: str) -> str:
     return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
 
 
-def _object_files(objects: str) -> list[str]:
-    """Object files, relative to ``objects``: ``ab/cdef...`` and ``pack/*``."""
-    found: list[str] = []
+def _stamps(objects: str) -> dict[str, int]:
+    """Each object directory (``ab``, ``pack``) -> its ctime in ns."""
+    found: dict[str, int] = {}
     try:
         names = os.listdir(objects)
     except OSError:
@@ -102,12 +112,28 @@ def _object_files(objects: str) -> list[str]:
     for name in names:
         if len(name) == 2 or name == "pack":
             try:
-                inner = os.listdir(os.path.join(objects, name))
+                st = os.stat(os.path.join(objects, name), follow_symlinks=False)
             except OSError:
                 continue
-            found += [f"{name}/{n}" for n in inner if not n.startswith("tmp")]
-            if len(found) > _MAX_OBJECT_FILES:
-                break
+            if stat.S_ISDIR(st.st_mode):
+                found[name] = st.st_ctime_ns
+    return found
+
+
+def _changed(then: dict[str, int], then_ns: int, now: dict[str, int]) -> set[str]:
+    """The object directories to list again: new, gone, changed since, or
+    changed too close before the look to trust their ctime."""
+    return {d for d in then.keys() | now.keys()
+            if then.get(d) != now.get(d) or then_ns - then[d] < _RACY_NS}
+
+
+def _files_in(objects: str, dirs: set[str]) -> set[str]:
+    found: set[str] = set()
+    for name in dirs:
+        try:
+            found.update(f"{name}/{n}" for n in os.listdir(os.path.join(objects, name)) if not n.startswith("tmp"))
+        except OSError:
+            continue
     return found
 
 
@@ -149,10 +175,19 @@ def record(common: str, keep: str, own: list[str]) -> History:
     head = gitfs.read_small(os.path.join(common, "HEAD"), 4096) or ""
     objects = os.path.join(common, "objects")
     note = ""
+    stamped_ns = time.time_ns()  # before the look: what changes during it counts as racy
+    stamps = _stamps(objects)
     try:
         os.makedirs(keep, mode=0o700, exist_ok=True)
-        present = set(_object_files(objects))
-        kept = set(_object_files(keep))
+        index = gitfs.read_small(os.path.join(keep, _STAMPS), 1 << 20)
+        try:
+            last = msgspec.json.decode(index or "", type=tuple[dict[str, int], int]) if index else ({}, 0)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            last = ({}, 0)
+        # Without a record of the last look, every directory is listed.
+        dirs = _changed(last[0], last[1], stamps) if last[0] else set(stamps) | set(_stamps(keep))
+        present = _files_in(objects, dirs)
+        kept = _files_in(keep, dirs)
         budget = [_COPY_BUDGET]
         for rel in sorted(present - kept):
             os.makedirs(os.path.join(keep, os.path.dirname(rel)), mode=0o700, exist_ok=True)
@@ -165,10 +200,15 @@ def record(common: str, keep: str, own: list[str]) -> History:
                 os.unlink(os.path.join(keep, rel))
             except OSError:
                 pass
+        tmp = os.path.join(keep, f"{_STAMPS}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode((stamps, stamped_ns)))
+        os.replace(tmp, os.path.join(keep, _STAMPS))
     except OSError as exc:
         note = f"object files not kept: {exc.strerror}"
         keep = ""
-    return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note)
+    return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note,
+                   stamps=stamps, stamped_ns=stamped_ns)
 
 
 def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
@@ -181,7 +221,9 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         return done, [f"{common}: the repository's git directory is gone"]
     objects = os.path.join(common, "objects")
     if history.keep:
-        missing = sorted(set(_object_files(history.keep)) - set(_object_files(objects)))
+        dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else \
+            set(_stamps(history.keep))
+        missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
         for rel in missing:
             try:
                 os.makedirs(os.path.join(objects, os.path.dirname(rel)), exist_ok=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import msgspec
@@ -213,6 +214,25 @@ def test_history_put_back_after_refs_and_objects_are_deleted(tmp_path: Path) -> 
     assert {name: rev(repo, name) for name in ("other", "v1", "HEAD")} == before
     assert git(repo, "fsck", "--no-progress") == ""
     assert {path for path, _ in done} >= {"refs/heads/other", "refs/tags/v1"}
+
+
+def test_an_object_deleted_under_a_reset_mtime_is_put_back_and_an_unchanged_store_is_not_listed(
+        tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    commits(repo, 3)
+    objects = repo / ".git" / "objects"
+    history = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    victim = next(p for p in sorted(objects.glob("??/*")))
+    before = os.stat(victim.parent)
+    victim.unlink()
+    os.utime(victim.parent, ns=(before.st_atime_ns, before.st_mtime_ns))  # the mtime put back; the ctime moved
+    done, failed = githistory.restore(history)
+    assert not failed and victim.exists() and done == [(str(objects), "1 object files deleted by a session put back")]
+    # Nothing changed since a look: restore lists no directory (its ctime says so) and puts nothing back.
+    again = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    time.sleep(0.06)  # past the window in which a ctime is not trusted
+    again = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert githistory._changed(again.stamps, again.stamped_ns, githistory._stamps(str(objects))) == set()
 
 
 def test_a_rewound_branch_is_put_back_and_the_new_value_kept(tmp_path: Path) -> None:
