@@ -78,11 +78,17 @@ def _woken(d: Daemon, sid: str) -> list[float]:
     return [float(ms) for ms in re.findall(rf"event=session_woken session={sid} ms=([\d.]+)", d.log())]
 
 
-def _wakes(d: Daemon, sid: str) -> int:
+def _wakes(d: Daemon, sid: str, expect: int | None = None) -> int:
     """How many times session ``sid`` woke so far. Tests count wakes from a
     moment they chose (``_asleep``), not from the open: on a loaded machine a
     session may sleep between its open and its first call (more than
-    SLEEP_AFTER_S apart), and wake once more than a count from the open says."""
+    SLEEP_AFTER_S apart), and wake once more than a count from the open says.
+    With ``expect``, waits (10 s at most) until that many are logged: the woken
+    tool server answers the call itself, so its reply can reach the test
+    before the daemon has logged the wake."""
+    deadline = time.monotonic() + 10
+    while expect is not None and len(_woken(d, sid)) < expect and time.monotonic() < deadline:
+        time.sleep(0.02)
     return len(_woken(d, sid))
 
 
@@ -128,14 +134,14 @@ def test_an_idle_session_sleeps_and_its_next_call_wakes_it(daemon: Daemon, workt
         slept = _wakes(daemon, s.id)
         # The next call wakes it, in a new tool server, and is answered as before.
         assert _read(s) == "0: hello\n1: world"
-        assert _wakes(daemon, s.id) == slept + 1
+        assert _wakes(daemon, s.id, expect=slept + 1) == slept + 1
         second = daemon.worker_pid(s.id)
         assert second != first and psutil.pid_exists(second)
         assert shell(s, "echo $PPID").output == "1\n"  # the new tool server is pid 1 of its namespace
         # And again: each sleep and wake goes the same way.
         _asleep(daemon, client, s)
         assert _read(s, "src/main.py").startswith("0: import os")
-        assert _wakes(daemon, s.id) == slept + 2
+        assert _wakes(daemon, s.id, expect=slept + 2) == slept + 2
 
 
 def test_degraded_mode_never_sleeps(tmp_path: Path, worktree: Path) -> None:
@@ -176,7 +182,7 @@ def test_a_woken_session_is_confined_like_a_fresh_one(daemon: Daemon, tmp_path: 
             _asleep(daemon, client, woken)
             slept = _wakes(daemon, woken.id)
             woken_print = fingerprint(woken, wt)
-            assert _wakes(daemon, woken.id) > slept  # read from a tool server that woke
+            assert _wakes(daemon, woken.id, expect=slept + 1) > slept  # read from a tool server that woke
     assert _differences(woken_print, fresh_print) == {}
 
 
@@ -252,7 +258,7 @@ def test_an_ended_job_is_kept_across_a_sleep(daemon: Daemon, worktree: Path) -> 
         _asleep(daemon, client, s)
         slept = _wakes(daemon, s.id)
         again = s.registry.get("job_output").call({"job": name})
-        assert _wakes(daemon, s.id) == slept + 1
+        assert _wakes(daemon, s.id, expect=slept + 1) == slept + 1
         def same(r: dispatch.Result) -> dict[str, object]:
             return {k: v for k, v in r.metadata.items() if k != "usage"}  # CPU time varies
 
@@ -295,7 +301,7 @@ def test_files_in_tmp_and_home_survive_a_sleep(daemon: Daemon, tmp_path: Path) -
         _asleep(daemon, client, s)
         slept = _wakes(daemon, s.id)
         assert shell(s, 'cat /tmp/kept "$HOME/kept"; ls /tmp/d').output == "in-tmp\nin-home\ne\n"
-        assert _wakes(daemon, s.id) == slept + 1
+        assert _wakes(daemon, s.id, expect=slept + 1) == slept + 1
         with client.open_session(str(tmp_path / "b"), policy="nap") as other:
             r = shell(other, 'cat /tmp/kept "$HOME/kept"')
             assert r.metadata["exit_code"] == 1 and r.metadata["stdout"] == "", r.metadata
@@ -319,7 +325,7 @@ def test_system_v_ipc_survives_a_sleep(daemon: Daemon, tmp_path: Path) -> None:
         _asleep(daemon, client, s)
         slept = _wakes(daemon, s.id)
         listed = shell(s, "ipcs -m")
-        assert _wakes(daemon, s.id) == slept + 1
+        assert _wakes(daemon, s.id, expect=slept + 1) == slept + 1
         assert _SEGMENT.findall(listed.output) == [found.group(1)], listed.output
         with client.open_session(str(tmp_path / "b"), policy="nap") as other:
             assert _SEGMENT.findall(shell(other, "ipcs -m").output) == []
@@ -355,7 +361,8 @@ def test_the_network_mode_survives_a_sleep(daemon: Daemon, tmp_path: Path, tcp: 
         slept = (_wakes(daemon, on.id), _wakes(daemon, off.id))
         assert probe(on, tcp_probe(tcp.port, GATEWAY)) == "connected hello"
         assert probe(off, tcp_probe(tcp.port, GATEWAY)) == UNREACHABLE
-        assert (_wakes(daemon, on.id), _wakes(daemon, off.id)) == (slept[0] + 1, slept[1] + 1)
+        assert (_wakes(daemon, on.id, expect=slept[0] + 1), _wakes(daemon, off.id, expect=slept[1] + 1)) == \
+            (slept[0] + 1, slept[1] + 1)
         assert (on.status()["network"]["mode"], off.status()["network"]["mode"]) == ("on", "off")
     assert tcp.accepted == 1
 
@@ -389,7 +396,7 @@ def test_the_command_environment_survives_a_sleep(daemon: Daemon, worktree: Path
         _asleep(daemon, client, s)
         slept = _wakes(daemon, s.id)
         assert shell(s, _PROXY_VARS).output == before
-        assert _wakes(daemon, s.id) == slept + 1
+        assert _wakes(daemon, s.id, expect=slept + 1) == slept + 1
         s.set_network(False)
         assert shell(s, _PROXY_VARS).output == ""
 
@@ -462,7 +469,7 @@ def test_a_channel_closed_while_asleep_does_not_wake_the_session(daemon: Daemon,
         assert stays_asleep(client, s.id, WATCH_S), daemon.log()[-3000:]
         assert _wakes(daemon, s.id) == slept
         assert _read(s) == "0: hello\n1: world"
-        assert _wakes(daemon, s.id) == slept + 1
+        assert _wakes(daemon, s.id, expect=slept + 1) == slept + 1
 
 
 # ------------------------------------------------------------ how it ends
