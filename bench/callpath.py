@@ -37,7 +37,7 @@ from dispatch import _session as dc, _transport  # noqa: E402
 from dispatch.tools import Registry  # noqa: E402
 from dispatchd import protocol  # noqa: E402
 from dispatchd.policy import Limits  # noqa: E402
-from dispatchd.tools.spec import schemas_for  # noqa: E402
+from dispatchd.catalogue import schemas_for  # noqa: E402
 
 _TOOLS = ["read_file", "write_file", "shell_exec"]
 

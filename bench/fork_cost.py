@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dispatchd.tools import spec  # noqa: E402
+from dispatchd import catalogue as spec  # noqa: E402
 from dispatchd.worker import fork_server, forkhooks  # noqa: E402,F401
 
 spec.warm_conversions()

@@ -22,11 +22,11 @@ from typing import Literal
 
 import msgspec
 
-from dispatchd.confine.domains import BadHost, parse_domains
+from dispatchd.domains import BadHost, parse_domains
 from dispatchd.errors import PolicyError
 from dispatchd.inside import is_below
 from dispatchd.netmodes import NetworkMode
-from dispatchd.tools.spec import SPECS
+from dispatchd.catalogue import SPECS
 
 ALL_TOOLS = tuple(SPECS)
 # Background jobs are started by shell_exec: a policy offering shell_exec
@@ -73,7 +73,7 @@ class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bind_ports: tuple[int, ...] = ()
     # Under "domains": the hosts a session may reach through the proxy when the
     # caller names none ("pypi.org", "*.pythonhosted.org" for subdomains only,
-    # "host:8443" for another port than 80 and 443); see confine/domains.py.
+    # "host:8443" for another port than 80 and 443); see dispatchd/domains.py.
     domains: tuple[str, ...] = ()
 
 

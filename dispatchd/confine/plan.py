@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dispatchd.confine import domains as domains_mod
+from dispatchd import domains as domains_mod
 from dispatchd.confine import hygiene
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
 from dispatchd.confine.limits import FD_PASSING_RESERVE, LimitsPlan, plan_limits
@@ -26,11 +26,11 @@ from dispatchd.confine.netstack import STACK, NetworkPlan, NetworkPorts, plan_ne
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.inside import Tops
-from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Limits, Policy
 from dispatchd.protocol.reports import (
     GitReport,
+    KernelFeatures,
     LandlockReport,
     LimitsReport,
     NamespacesReport,
@@ -38,8 +38,6 @@ from dispatchd.protocol.reports import (
     Protections,
     RootEntry,
 )
-
-
 
 
 class GitLayout(msgspec.Struct, frozen=True):
@@ -105,7 +103,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     protections: Protections  # what status reports (with the worker's and the daemon's additions)
     net: NetworkPlan | None = None  # how the network mode is held (netstack.plan_network)
     # "domains": the port of the listener the worker makes on its own loopback
-    # and hands to the daemon's proxy (dispatchd.confine.domains); 0: none.
+    # and hands to the daemon's proxy (dispatchd.domains); 0: none.
     proxy_port: int = 0
 
 
@@ -146,6 +144,22 @@ def pool_key(plan: SessionPlan) -> bytes | None:
     return msgspec.msgpack.encode(PoolKey(namespaces=ns, ucounts=plan.ucounts, root=mounts.root_part(),
                                           landlock=plan.landlock.ahead_part(), loopback=plan.loopback, seccomp=plan.seccomp, cgroup=plan.cgroup,
                                           net=plan.net))
+
+
+def encode_plan(plan: SessionPlan) -> bytes:
+    """A plan as the fork server's messages carry it (``SpawnWorker.plan``,
+    ``ExpectSession.plan``): the protocol holds it as bytes, so that a client
+    importing ``dispatchd.protocol`` never loads the confinement code."""
+    return msgspec.msgpack.encode(plan)
+
+
+_plan_decoder = msgspec.msgpack.Decoder(SessionPlan)
+
+
+def decode_plan(payload: bytes) -> SessionPlan:
+    """The plan ``encode_plan`` encoded. Raises msgspec's errors on a bad one
+    (the fork server answers those ``spawn_failed``)."""
+    return _plan_decoder.decode(payload)
 
 
 def _landlock_ahead(landlock: LandlockPlan, mounts: MountPlan, candidates: list[str]) -> list[str]:

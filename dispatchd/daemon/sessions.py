@@ -54,8 +54,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd import envnames, protocol, threads, treewalk
-from dispatchd.confine import cgroups, domains, netstack
+from dispatchd import domains, envnames, protocol, threads, treewalk
+from dispatchd.confine import cgroups, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
 from dispatchd.daemon import (
@@ -74,7 +74,7 @@ from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Policy, max_channels, too_many_channels
 from dispatchd.tempfiles import sweep_temp_files
-from dispatchd.tools.spec import schemas_for
+from dispatchd.catalogue import schemas_for
 
 log = logging.getLogger("dispatchd.sessions")
 READY_TIMEOUT_S = 10.0

@@ -72,8 +72,6 @@ from dispatchd.protocol.internal import (
     WorkerReady,
     ForkServerReply,
     ForkServerRequest,
-    decode_plan,
-    encode_plan,
     from_worker_decoder,
     to_worker_decoder,
     fork_server_reply_decoder,
@@ -151,6 +149,6 @@ __all__ = [
     "SetCommandEnv", "NetworkDenied", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed",
     "WorkerPooled", "WorkerReady", "DnsSockets", "DnsDoor", "Asleep", "JobRecord", "KeptJobs", "MaySleep", "Sleep",
     "StayAwake", "WakeWorker",
-    "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
+    "ForkServerReply", "ForkServerRequest", "from_worker_decoder", "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

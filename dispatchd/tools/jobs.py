@@ -42,7 +42,7 @@ from typing import Any
 from dispatchd.protocol.internal import JobRecord
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
-from dispatchd.tools.spec import JobListParams, JobOutputParams, JobStopParams
+from dispatchd.catalogue import JobListParams, JobOutputParams, JobStopParams
 
 __all__ = ["Jobs", "MAX_RUNNING", "job_list", "job_output", "job_stop"]
 

@@ -54,7 +54,7 @@ from dispatchd.policy import Limits
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
 from dispatchd.tools.worktree_paths import relative, resolve
-from dispatchd.tools.spec import ShellExecParams
+from dispatchd.catalogue import ShellExecParams
 
 __all__ = ["shell_exec"]
 

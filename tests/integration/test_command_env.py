@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from dispatchd import protocol
-from dispatchd.confine.domains import proxy_env
+from dispatchd.domains import proxy_env
 from dispatchd.confine.plan import SessionPaths, plan_session
 from dispatchd.policy import Policy
 from dispatchd.worker.tool_server import serve

@@ -19,7 +19,7 @@ import pytest
 from dispatchd.policy import ALL_TOOLS, MUTATING_TOOLS, Limits
 from dispatchd.tools.base import ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
-from dispatchd.tools.spec import SPECS, schemas_for
+from dispatchd.catalogue import SPECS, schemas_for
 from dispatchd.tools.table import TOOLS
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
@@ -77,12 +77,12 @@ def test_risks_and_slow_tools() -> None:
 
 @pytest.mark.process
 def test_the_daemon_imports_no_tool_code() -> None:
-    # The daemon reads spec.py; it must not bring the implementations (or any worker code) along.
+    # The daemon reads dispatchd/catalogue.py; it must not bring the implementations (or any worker code) along.
     # native.py and the C line loops it loads are not tools: the daemon's status says whether they loaded.
     code = ("import sys, dispatchd.daemon.server, dispatchd.daemon.sessions, dispatchd.policy, dispatchd.protocol; "
             "print(sorted(m for m in sys.modules if m.startswith(('dispatchd.tools.', 'dispatchd.worker'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['dispatchd.tools._lines', 'dispatchd.tools.native', 'dispatchd.tools.spec']"
+    assert out.strip() == "['dispatchd.tools._lines', 'dispatchd.tools.native']"
 
 
 @pytest.mark.parametrize("name", ALL_TOOLS)

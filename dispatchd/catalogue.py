@@ -1,4 +1,9 @@
-"""What each tool is, without running it: parameter structs, JSON Schemas, descriptions, risks.
+"""The tool catalogue: what each tool is, without running it (parameter
+structs, JSON Schemas, descriptions, risks).
+
+It stands at the bottom of the package (it imports msgspec and nothing of
+dispatchd), so the policy, the protocol, the daemon, the worker's tools and
+the client all read it without pulling one another in.
 
 Guarantees:
 - ``SPECS`` is the one list of the tools, in the order a session offers them
@@ -12,7 +17,7 @@ Guarantees:
 - ``schemas_for`` hands out copies, in the order asked for, so a caller can
   change what it gets without touching the table.
 - No implementation is imported: the daemon imports this module and no tool
-  code (the worker binds each spec to its function in ``tools/table.py``).
+  code (the worker binds each spec to its function in ``dispatchd/tools/table.py``).
 
 The schemas are written by hand, not generated, because their descriptions
 are what a model reads to decide how to call a tool.
