@@ -7,6 +7,10 @@ Guarantees:
   tools take; no mechanism reads files or the environment on its own.
 - Policies are checked when the daemon starts and again when a session opens
   (a file edited in between is re-read, and a broken one refuses the open).
+- The structs' defaults below are the one source of every default: a key a
+  policy file leaves out takes them. policies/default.toml writes them out
+  for its readers and differs only in its description and in
+  ``filesystem.read_only`` (tests/unit/test_policy.py holds it to that).
 """
 
 from __future__ import annotations
