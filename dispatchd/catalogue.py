@@ -148,6 +148,14 @@ def _tool(
     return ToolSpec(name, description, _object(properties, required), struct, risk, slow)
 
 
+def _whole_file(name: str, struct: type[_Params], description: str, content: str) -> ToolSpec:
+    """A tool that writes a file whole: its path and its content, both required."""
+    return _tool(name, "write", struct, description, {
+        "path": {"type": "string", "description": _PATH},
+        "content": {"type": "string", "description": content},
+    }, ["path", "content"])
+
+
 _ALL = [
     _tool(
         "read_file",
@@ -174,18 +182,13 @@ _ALL = [
         },
         ["path"],
     ),
-    _tool(
+    _whole_file(
         "write_file",
-        "write",
         WriteFileParams,
         "Write a file with the given content, replacing it whole if it exists (atomically: the file is "
         "never left half written) and creating missing parent folders. To change part of a file, "
         "prefer edit_file; to make sure you do not overwrite anything, use create_file.",
-        {
-            "path": {"type": "string", "description": _PATH},
-            "content": {"type": "string", "description": "The complete new content of the file (UTF-8 text)."},
-        },
-        ["path", "content"],
+        "The complete new content of the file (UTF-8 text).",
     ),
     _tool(
         "edit_file",
@@ -219,17 +222,12 @@ _ALL = [
         },
         ["path", "edits"],
     ),
-    _tool(
+    _whole_file(
         "create_file",
-        "write",
         CreateFileParams,
         "Create a new file with the given content, creating missing parent folders. Fails if "
         "anything already exists at the path (use write_file to replace a file).",
-        {
-            "path": {"type": "string", "description": _PATH},
-            "content": {"type": "string", "description": "The content of the new file (UTF-8 text)."},
-        },
-        ["path", "content"],
+        "The content of the new file (UTF-8 text).",
     ),
     _tool(
         "list_files",
