@@ -26,11 +26,11 @@ from typing import Literal
 
 import msgspec
 
+from dispatchd.catalogue import SPECS
 from dispatchd.domains import BadHost, parse_domains
 from dispatchd.errors import PolicyError
 from dispatchd.inside import is_below
 from dispatchd.netmodes import NetworkMode
-from dispatchd.catalogue import SPECS
 
 ALL_TOOLS = tuple(SPECS)
 # Background jobs are started by shell_exec: a policy offering shell_exec

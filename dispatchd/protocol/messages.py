@@ -19,9 +19,9 @@ from typing import Any, Union
 
 import msgspec
 
+from dispatchd.catalogue import Risk
 from dispatchd.netmodes import NetworkMode
 from dispatchd.protocol.reports import DaemonReport, KernelFeatures, Protections
-from dispatchd.catalogue import Risk
 
 PROTOCOL_VERSION = 1  # sent in Hello; the daemon refuses any other
 

@@ -26,11 +26,10 @@ from typing import NoReturn
 
 import msgspec
 
-from dispatchd import protocol
+from dispatchd import catalogue, protocol
 from dispatchd.confine import hygiene, namespaces, netstack, seccomp
 from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, pool_key
 from dispatchd.errors import ConfinementError
-from dispatchd import catalogue as spec
 from dispatchd.worker import forkhooks, wake
 from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session_init import run_session
@@ -322,7 +321,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     hygiene.child_subreaper()
-    spec.warm_conversions()  # once here, not at each session's first call of each tool
+    catalogue.warm_conversions()  # once here, not at each session's first call of each tool
     # Single-threaded for good: threading's and logging's at-fork hooks would
     # only rebuild, in each worker, what is already right (forkhooks.py).
     forkhooks.leave_out()
