@@ -17,7 +17,7 @@ the default ``root = "minimal"`` (as bubblewrap and nsjail build one):
   private ``/tmp`` and ``/dev/shm`` and the policy's extra read-write paths,
   so chmod, utime and xattr changes elsewhere fail with EROFS;
 - the git metadata the user's own git would run (``.git/config``, hooks, a
-  linked worktree's pointer files; found by ``dispatchd.daemon.gitlayout``)
+  linked worktree's pointer files; found by ``dispatchd.daemon.gitguard.layouts``)
   is read-only inside the writable worktree;
 - every bind source is opened component by component without following a
   symlink, and bound from that descriptor: a path swapped for a symlink since

@@ -44,7 +44,7 @@ from dispatchd.protocol.reports import (
 
 class GitLayout(msgspec.Struct, frozen=True):
     """A worktree's git metadata, as the daemon found it at open
-    (``dispatchd.daemon.gitlayout.inspect_git``): what the plan holds
+    (``dispatchd.daemon.gitguard.inspect_git``): what the plan holds
     read-only, grants, and makes mount points."""
 
     kind: str  # "none", "repository", "linked", "refused"
@@ -66,7 +66,7 @@ class SessionPaths(msgspec.Struct, frozen=True):
     scratch: str  # the session's private directory, made by the daemon
     runtime_dirs: list[str]  # the user's runtime directories, hidden from the session
     code: list[str]  # where the worker's own Python code lives (read-only)
-    git: GitLayout = GitLayout("none")  # the worktree's git metadata (daemon/gitlayout.py)
+    git: GitLayout = GitLayout("none")  # the worktree's git metadata (daemon/gitguard/layouts.py)
     # Extra read-only paths (the policy's filesystem.extra_read_only and the
     # call's read_only), resolved and checked against the credential
     # deny-list by the daemon (daemon/worktree.py).

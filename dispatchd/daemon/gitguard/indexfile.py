@@ -8,7 +8,7 @@ Guarantees: index versions 2, 3 and 4, SHA-1 or SHA-256 (the index does not
 say which: the one that parses cleanly, its extensions ending exactly at the
 checksum); a split index's "link" extension named; any other bytes (short,
 unknown version, an entry or extension past the end) give None, never an
-exception. Bytes in, data out: the reading is ``gitfs.index_gitlinks``.
+exception. Bytes in, data out: the reading is ``fs.index_gitlinks``.
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ directory, at any depth (a name may hold slashes; a directory holding a
 and, through the index of each git directory whose worktree is known, every
 submodule it records, at any depth (a submodule's index records submodules of
 its own). Every directory is reached from the worktree one component at a
-time with ``O_NOFOLLOW`` (``gitfs.open_dir_below``), every file read with a
+time with ``O_NOFOLLOW`` (``fs.open_dir_below``), every file read with a
 bound; an index is opened by its path, ``O_NOFOLLOW`` on the file itself
-(``gitfs.index_gitlinks``). A symlink is recorded, never followed (except to
+(``fs.index_gitlinks``). A symlink is recorded, never followed (except to
 learn, with ``realpath``, whether a gitfile leads inside the worktree).
 What cannot be looked at counts as changed, every time (a random value that
 no later walk repeats): fail closed.
@@ -56,7 +56,7 @@ import stat
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon import gitfs, gitidentity
+from dispatchd.daemon.gitguard import fs, identity
 from dispatchd.inside import is_within
 
 # What git reads, in a git directory, that names or runs a command or
@@ -289,7 +289,7 @@ def config_targets(dir_fd: int) -> tuple[list[str], list[str]]:
             continue
         finally:
             os.close(fd)
-        for section, sub, key, value in gitidentity.config_entries(text):
+        for section, sub, key, value in identity.config_entries(text):
             if not value:
                 continue
             if key == "path" and (section == "include" and sub is None or section == "includeif" and sub is not None):
@@ -313,7 +313,7 @@ def config_targets_of_file(dir_fd: int, name: str) -> list[str]:
         return []
     finally:
         os.close(fd)
-    return [value for section, sub, key, value in gitidentity.config_entries(text)
+    return [value for section, sub, key, value in identity.config_entries(text)
             if value and key == "path" and (section == "include" and sub is None
                                             or section == "includeif" and sub is not None)]
 
@@ -357,7 +357,7 @@ class _Walk:
         be looked at."""
         if not rel:
             return os.open(self.worktree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        return gitfs.open_dir_below(self.worktree, rel)
+        return fs.open_dir_below(self.worktree, rel)
 
     def gitdir(self, rel: str, worktree: str | None) -> None:
         """Queue the git directory at ``rel`` (see ``_gitdir``)."""
@@ -508,14 +508,14 @@ class _Walk:
     def index(self, gitdir_rel: str, worktree: str) -> None:
         index_rel = _join(gitdir_rel, "index")
         path = os.path.join(self.worktree, index_rel)
-        links = gitfs.index_gitlinks(path)
+        links = fs.index_gitlinks(path)
         if links is None:
             self.indexes[index_rel] = _index_content(path)
             return
         for link in sorted(links):
             if not self._budget():
                 return
-            if not gitfs.safe_link(link):
+            if not fs.safe_link(link):
                 # git would not write it, but walks it: never followed here,
                 # and so never "as before"
                 self.indexes[index_rel] = _never_equal("a submodule path git would not write")
@@ -534,7 +534,7 @@ class _Walk:
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                if exc.errno in gitfs.ABSENT:
+                if exc.errno in fs.ABSENT:
                     continue
                 self.indexes[index_rel] = _never_equal(f"a submodule that cannot be looked at ({exc.errno})")
                 continue
@@ -727,7 +727,7 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
         if rel in now.by_file and "" not in now_fp:
             if old is None and rel != ".git":
                 # A linked worktree the session added: its redirects are
-                # checked by gitredirects.quarantine_new_redirects (a commondir
+                # checked by redirects.quarantine_new_redirects (a commondir
                 # leading back to this .git is what `git worktree add` writes).
                 continue
             found += [f"{rel}/{name}" for name, digest in now_fp.items()
@@ -762,7 +762,7 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[li
             todo = [".git/index", ".git/modules"] + [r for r in todo if not is_within(r, ".git/modules")]
     for rel in todo:
         try:
-            done = gitfs.move_below_aside(worktree, rel)  # None: gone since the walk
+            done = fs.move_below_aside(worktree, rel)  # None: gone since the walk
         except OSError as exc:
             failed.append(f"{os.path.join(worktree, rel)}: {exc.strerror}")
             continue
@@ -770,11 +770,11 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[li
             moved.append(done)
     for path, digest in now.external.items():
         old = before.external.get(path)
-        # New or changed: a redirect gitredirects.quarantine_new_redirects
+        # New or changed: a redirect redirects.quarantine_new_redirects
         # moved already is absent from ``now``; rebase state, a hook, a config.
         if old != digest and digest not in ("absent", "directory"):
             try:
-                moved.append(gitfs.move_aside(path))
+                moved.append(fs.move_aside(path))
             except OSError as exc:
                 failed.append(f"{path}: {exc.strerror}")
     return moved, failed

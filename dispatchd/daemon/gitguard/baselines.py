@@ -15,9 +15,9 @@ state is the user's) and kept, unchanged, until the last one ends:
   checked until the domain ends. The oldest part's record is always there;
 - every session's end (and a network switch that replaces its sandbox)
   checks every part against its baseline and moves aside what differs
-  (``gitredirects``, ``gitsnapshot``, ``runnables``); the last end runs with
+  (``redirects``, ``snapshots``, ``runnables``); the last end runs with
   no process of the domain left, so nothing can race it, and also puts back
-  the repository's history (``githistory``); then the record goes, and the
+  the repository's history (``history``); then the record goes, and the
   user's next changes are the next baseline;
 - the record (``STATE/baselines/ID.json``) is written atomically (a
   temporary file, fsync, rename, fsync of the directory) before the session
@@ -47,7 +47,7 @@ import time
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon import githistory, gitredirects, gitsnapshot, runnables
+from dispatchd.daemon.gitguard import history, redirects, runnables, snapshots
 from dispatchd.errors import WorktreeError
 from dispatchd.inside import is_within, overlap
 
@@ -66,7 +66,7 @@ class Protected(msgspec.Struct, frozen=True):
 class Part(msgspec.Struct, frozen=True):
     root: str  # a worktree (resolved)
     layout: GitLayout
-    git: gitsnapshot.GitSnapshot
+    git: snapshots.GitSnapshot
     redirects: list[str]
     tree: runnables.TreeSnapshot
     names: list[str]  # the protected names its walk looks for
@@ -96,7 +96,7 @@ class Record(msgspec.Struct):
     created: float
     sessions: list[str] = []
     parts: list[Part] = []
-    histories: list[githistory.History] = []
+    histories: list[history.History] = []
 
 
 class _Domain:
@@ -218,7 +218,7 @@ class Baselines:
 
     # --- open --------------------------------------------------------------
 
-    def join(self, sid: str, root: str, layout: GitLayout, snapshot: gitsnapshot.GitSnapshot,
+    def join(self, sid: str, root: str, layout: GitLayout, snapshot: snapshots.GitSnapshot,
              redirects: list[str], names: tuple[str, ...]) -> None:
         """Make ``sid`` a session of the domain of ``root`` (see the module);
         raises WorktreeError when the worktree cannot be recorded (a walk
@@ -272,26 +272,26 @@ class Baselines:
         common = part.common
         if not common:
             return
-        branch = githistory.checked_out(part.own_gitdir)
-        for i, history in enumerate(record.histories):
-            if os.path.realpath(history.common) == os.path.realpath(common):
+        branch = history.checked_out(part.own_gitdir)
+        for i, kept in enumerate(record.histories):
+            if os.path.realpath(kept.common) == os.path.realpath(common):
                 # A worktree joining later: its branch is its own to move only
                 # if no session has moved it since the baseline.
-                if branch and githistory.read_refs(common).get(branch) == history.refs.get(branch):
-                    record.histories[i] = msgspec.structs.replace(history, own=sorted(set(history.own) | {branch}))
+                if branch and history.read_refs(common).get(branch) == kept.refs.get(branch):
+                    record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
                 return
         keep = os.path.join(self.keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
-        history = githistory.record(common, keep, [branch] if branch else [])
-        if history.note:
-            log.warning("event=history_not_kept common=%s why=%r", common, history.note)
-        record.histories.append(history)
+        kept = history.record(common, keep, [branch] if branch else [])
+        if kept.note:
+            log.warning("event=history_not_kept common=%s why=%r", common, kept.note)
+        record.histories.append(kept)
 
     def _merge(self, into: _Domain, other: _Domain) -> None:
         into.record.parts += other.record.parts
         into.record.sessions += other.record.sessions
-        for history in other.record.histories:
-            if not any(h.common == history.common for h in into.record.histories):
-                into.record.histories.append(history)
+        for kept in other.record.histories:
+            if not any(h.common == kept.common for h in into.record.histories):
+                into.record.histories.append(kept)
         into.reports += other.reports
         for sid in other.record.sessions:
             self._by_session[sid] = into
@@ -320,7 +320,7 @@ class Baselines:
 
     def leave(self, sid: str) -> list[Protected]:
         """``sid`` ended, its processes gone: check its domain; the last
-        session's end also restores history and drops the record."""
+        session's end also restores kept and drops the record."""
         with self._lock:
             domain = self._by_session.pop(sid, None)
             self._joined_at.pop(sid, None)
@@ -369,11 +369,11 @@ class Baselines:
             except Exception as exc:  # a bug, or content not foreseen: fail closed
                 failed.append(f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}")
         if final:
-            for history in domain.record.histories:
+            for kept in domain.record.histories:
                 try:
-                    done, bad = githistory.restore(history)
+                    done, bad = history.restore(kept)
                 except Exception as exc:
-                    done, bad = [], [f"{history.common}: restoring history failed: {type(exc).__name__}: {exc}"]
+                    done, bad = [], [f"{kept.common}: restoring history failed: {type(exc).__name__}: {exc}"]
                 failed += bad
                 for path, why in done:
                     log.warning("event=git_history_restored path=%s why=%r", path, why)
@@ -385,13 +385,13 @@ class Baselines:
     def _check_part(self, part: Part, found: list[Protected], now_t: float) -> list[str]:
         failed: list[str] = []
         if part.layout.kind in ("repository", "linked"):
-            moved, bad = gitredirects.quarantine_new_redirects(part.layout, part.redirects, part.root)
+            moved, bad = redirects.quarantine_new_redirects(part.layout, part.redirects, part.root)
             failed += bad
             for path in moved:
                 log.warning("event=git_redirect_quarantined path=%s", path)
                 found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
-            now = gitsnapshot.take(part.root, part.layout, part.home)
-            moved, bad = gitsnapshot.quarantine(part.root, part.git, now)
+            now = snapshots.take(part.root, part.layout, part.home)
+            moved, bad = snapshots.quarantine(part.root, part.git, now)
             failed += bad
             for path in moved:
                 log.warning("event=git_changed_quarantined path=%s", path)

@@ -25,7 +25,7 @@ import secrets
 import stat
 import time
 
-from dispatchd.daemon import gitindex
+from dispatchd.daemon.gitguard import indexfile
 
 _MAX_POINTER = 4096  # a .git pointer file, a gitdir or commondir file
 _MAX_INDEX = 256 * 1024 * 1024
@@ -90,13 +90,13 @@ def index_gitlinks(index: str) -> set[str] | None:
     if not os.path.lexists(index):
         return set()
     data = _read_index(index)
-    parsed = gitindex.parse_index(data) if data is not None else None
+    parsed = indexfile.parse_index(data) if data is not None else None
     if parsed is None:
         return None
     links, shared = parsed.links, parsed.shared
     if shared and shared != "0" * len(shared):
         shared_data = _read_index(os.path.join(os.path.dirname(index), f"sharedindex.{shared}"))
-        shared_parsed = gitindex.parse_index(shared_data, all_names=parsed.replaced_gitlink) if shared_data else None
+        shared_parsed = indexfile.parse_index(shared_data, all_names=parsed.replaced_gitlink) if shared_data else None
         if shared_parsed is None:
             return None
         # A superset (the split part may delete entries of the shared one):
