@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dispatchd.daemon.gitguard import baselines, history, layouts, objectstore, redirects, runnables, snapshots
+from dispatchd.daemon.gitguard import baselines, digests, history, layouts, objectstore, redirects, runnables, snapshots
 from tests.unit.gitrepo import git, make_repo
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -159,10 +159,10 @@ def test_many_hard_links_are_hashed_once(tmp_path: Path) -> None:
     (hooks / "big").write_bytes(b"\0" * (4 << 20))
     for i in range(500):
         os.link(hooks / "big", hooks / f"h{i}")
-    walk_budget = snapshots.Budget()
-    fp = snapshots.fingerprint(os.open(hooks.parent, os.O_PATH), walk_budget)
+    walk_budget = digests.Budget()
+    fp = digests.fingerprint(os.open(hooks.parent, os.O_PATH), walk_budget)
     assert len({fp[f"hooks/h{i}"] for i in range(500)}) == 1
-    assert walk_budget.left == snapshots._MAX_HASHED - (4 << 20)
+    assert walk_budget.left == digests._MAX_HASHED - (4 << 20)
 
 
 def test_a_deep_modules_chain_is_no_recursion(tmp_path: Path) -> None:

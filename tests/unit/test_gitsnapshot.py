@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import layouts, snapshots
+from dispatchd.daemon.gitguard import gitdirs, layouts, snapshots
 from tests.unit import permission_bits
 from tests.unit.gitrepo import git
 
@@ -225,7 +225,7 @@ def test_a_walk_cut_short_hands_no_submodule_to_the_users_git(superproject: Path
     before = _take(superproject)
     for i in range(40):
         (superproject / ".git" / "modules" / f"d{i:02}").mkdir()
-    monkeypatch.setattr(snapshots, "_MAX_VISITS", 20)
+    monkeypatch.setattr(gitdirs, "_MAX_VISITS", 20)
     moved, failed = _quarantine(superproject, before)
     assert len(failed) == 1 and "more git directories than dispatchd checks" in failed[0]
     assert sorted(Path(m).name.split(".quarantined-by-dispatchd-")[0] for m in moved) == ["index", "modules"]

@@ -12,7 +12,8 @@ Guarantees, for what goes through here:
   no symlink planted on the way can lead outside the worktree; a name git
   itself would refuse (``..``, empty, absolute) is not walked at all;
 - what is moved aside is renamed within its own directory to an unguessable
-  name (``move_aside``, ``move_aside_at``), never deleted; a directory a
+  name (``move_aside``, ``move_aside_at``, ``move_below_aside``), never
+  deleted; a directory a
   session made read-only is made writable for its owner first (it is the
   user's, so the daemon's).
 """
@@ -187,6 +188,22 @@ def move_below_aside(root: str, rel: str) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def move_all_below_aside(root: str, todo: list[str]) -> tuple[list[str], list[str]]:
+    """``move_below_aside`` for each of ``todo``; returns the new paths, and
+    what could not be moved, with why (the rest is still moved)."""
+    moved: list[str] = []
+    failed: list[str] = []
+    for rel in todo:
+        try:
+            done = move_below_aside(root, rel)  # None: gone since the walk
+        except OSError as exc:
+            failed.append(f"{os.path.join(root, rel)}: {exc.strerror}")
+            continue
+        if done is not None:
+            moved.append(done)
+    return moved, failed
 
 
 def move_aside(path: str) -> str:
