@@ -20,7 +20,7 @@ from dispatchd.confine.limits import FD_PASSING_RESERVE, LimitsPlan, plan_limits
 from dispatchd.confine.ucounts import UcountsPlan, budget_gaps, plan_ucounts
 from dispatchd.confine.ucounts import describe as describe_ucounts
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, PTS, LandlockPlan, plan_landlock
-from dispatchd.confine.mounts import MountPlan, describe_root, plan_mounts
+from dispatchd.confine.mountplan import MountPlan, describe_root, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.netstack import STACK, NetworkPlan, NetworkPorts, plan_network
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp

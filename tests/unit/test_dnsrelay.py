@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.confine.mounts import Bind, plan_mounts
+from dispatchd.confine.mountplan import Bind, plan_mounts
 from dispatchd.daemon import dnsrelay
 from dispatchd.daemon.dnsrelay import (
     DEFAULT_SERVER, check_query, error_reply, matches, parse_resolv_conf, session_resolv_binds,
