@@ -47,7 +47,8 @@ import time
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import history, redirects, runnables, snapshots
+from dispatchd.daemon.gitguard import history, runnables, snapshots
+from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects
 from dispatchd.errors import WorktreeError
 from dispatchd.inside import is_within, overlap
 
@@ -385,7 +386,7 @@ class Baselines:
     def _check_part(self, part: Part, found: list[Protected], now_t: float) -> list[str]:
         failed: list[str] = []
         if part.layout.kind in ("repository", "linked"):
-            moved, bad = redirects.quarantine_new_redirects(part.layout, part.redirects, part.root)
+            moved, bad = quarantine_new_redirects(part.layout, part.redirects, part.root)
             failed += bad
             for path in moved:
                 log.warning("event=git_redirect_quarantined path=%s", path)
