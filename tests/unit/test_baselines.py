@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -305,6 +306,71 @@ def test_overlapping_and_linked_worktrees_share_one_domain(tmp_path: Path) -> No
     assert len(store._domains) == 1
     record = next(iter(store._domains.values())).record
     assert [p.root for p in record.parts] == [str(repo), str(linked)]
+    for sid in ("a", "b", "c"):
+        store.leave(sid)
+    assert store._domains == {} and os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def _walk_held(monkeypatch: pytest.MonkeyPatch, root: Path) -> tuple[threading.Event, threading.Event]:
+    """The first walk of ``root`` at a join waits, once it has begun, until
+    the second event is set: a large worktree's walk, as long as a test needs."""
+    walking, go_on = threading.Event(), threading.Event()
+    take = runnables.take
+
+    def held(at: str, *args: object, **kwargs: object) -> runnables.TreeSnapshot:
+        if at == str(root) and not walking.is_set():
+            walking.set()
+            assert go_on.wait(60)
+        return take(at, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runnables, "take", held)
+    return walking, go_on
+
+
+def _joining(store: baselines.Baselines, sid: str, root: Path) -> threading.Thread:
+    t = threading.Thread(target=_join, args=(store, sid, root), daemon=True)
+    t.start()
+    return t
+
+
+def test_an_open_does_not_wait_for_the_walk_of_an_unrelated_worktree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = make_repo(tmp_path / "a"), make_repo(tmp_path / "b")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    walking, go_on = _walk_held(monkeypatch, a)
+    first = _joining(store, "sa", a)
+    assert walking.wait(60)
+    second = _joining(store, "sb", b)
+    second.join(60)
+    assert not second.is_alive() and first.is_alive()  # b opened while a's walk still runs
+    assert "sb" in store._by_session and "sa" not in store._by_session
+    go_on.set()
+    first.join(60)
+    assert len(store._domains) == 2 and store._by_session["sa"] is not store._by_session["sb"]
+    assert store.leave("sa") == [] and store.leave("sb") == []
+    assert os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_opens_of_one_domain_at_once_wait_and_join_one_baseline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "r")
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked))
+    store = baselines.Baselines(str(tmp_path / "state"))
+    walking, go_on = _walk_held(monkeypatch, repo)
+    first = _joining(store, "a", repo)
+    assert walking.wait(60)
+    inside, sibling = _joining(store, "b", repo / "d0"), _joining(store, "c", linked)
+    time.sleep(0.5)
+    # Both wait for the first join's walk: neither takes a baseline of its own.
+    assert inside.is_alive() and sibling.is_alive() and store._by_session == {}
+    go_on.set()
+    for t in (first, inside, sibling):
+        t.join(60)
+        assert not t.is_alive()
+    assert len(store._domains) == 1
+    record = next(iter(store._domains.values())).record
+    assert [p.root for p in record.parts] == [str(repo), str(linked)] and sorted(record.sessions) == ["a", "b", "c"]
     for sid in ("a", "b", "c"):
         store.leave(sid)
     assert store._domains == {} and os.listdir(tmp_path / "state" / "baselines") == []

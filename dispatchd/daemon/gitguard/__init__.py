@@ -11,9 +11,10 @@ user's git identity is read for the session (``read_identity``,
 ``identity_env``). Everything else here is the package's own.
 """
 
-from dispatchd.daemon.gitguard.baselines import Baselines, Protected
+from dispatchd.daemon.gitguard.baselines import Baselines
 from dispatchd.daemon.gitguard.identity import identity_env, read_identity
 from dispatchd.daemon.gitguard.layouts import inspect_git, with_gitdirs
+from dispatchd.daemon.gitguard.parts import Protected
 from dispatchd.daemon.gitguard.redirects import redirects_present
 from dispatchd.daemon.gitguard.snapshots import MAX_GITDIRS, GitSnapshot, gitdir_paths, take
 
