@@ -376,6 +376,21 @@ def test_opens_of_one_domain_at_once_wait_and_join_one_baseline(
     assert store._domains == {} and os.listdir(tmp_path / "state" / "baselines") == []
 
 
+def test_a_worktree_over_the_walks_bounds_is_refused_and_leaves_no_domain(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    deep, plain = make_repo(tmp_path / "deep"), make_repo(tmp_path / "plain")
+    (deep / "a" / "b" / "c" / "d" / "e").mkdir(parents=True)
+    monkeypatch.setattr(runnables, "MAX_DEPTH", 3)
+    store = baselines.Baselines(str(tmp_path / "state"))
+    with pytest.raises(baselines.WorktreeError, match=r"deeper than 3 directories, more than dispatchd checks .* "
+                                                      "no session opened"):
+        _join(store, "s", deep)
+    assert store._domains == {} and store._by_session == {} and os.listdir(tmp_path / "state" / "baselines") == []
+    _join(store, "t", plain)  # the twin: within the bounds, it opens
+    assert list(store._by_session) == ["t"] and len(os.listdir(tmp_path / "state" / "baselines")) == 2
+    store.leave("t")
+
+
 def test_a_start_finishes_the_checks_of_a_daemon_that_died(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
     dead = baselines.Baselines(str(tmp_path / "state"))

@@ -216,7 +216,6 @@ class Baselines:
                 tree = runnables.take(root, names, excluded=excluded,
                                      skip_root_git=layout.kind in ("repository", "linked"))
                 if not tree.complete:
-                    self._discard_if_empty(domain)
                     raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and "
                                         "files your tools run; no session opened", root)
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
@@ -228,12 +227,14 @@ class Baselines:
                 self._write(record)
             except OSError as exc:
                 record.sessions.remove(sid)
-                self._discard_if_empty(domain)
                 raise WorktreeError(f"{root}: its baseline cannot be recorded in {self.dir} "
                                     f"({exc.strerror}); no session opened", root) from exc
             with self._lock:
                 self._by_session[sid] = domain
                 self._joined_at[sid] = len(domain.reports)
+        except BaseException:
+            self._discard_if_empty(domain)
+            raise
         finally:
             with self._lock:
                 domain.claims.remove((root, common))
@@ -320,7 +321,7 @@ class Baselines:
         """A join that failed: a domain no session has joined (the one this
         join made) goes, and its files with it."""
         with self._lock:
-            if domain.record.sessions:
+            if domain.record.sessions or not domain.alive:
                 return
             self._domains.pop(domain.record.id, None)
             domain.alive = False
