@@ -13,7 +13,7 @@ import pytest
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import gitdirs, layouts, snapshots
 from tests.unit import permission_bits
-from tests.unit.gitrepo import git
+from tests.unit.gitrepo import empty_repo, git
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -40,14 +40,8 @@ def _aside(path: Path) -> list[str]:
 def superproject(tmp_path: Path) -> Path:
     """``sub`` (its git directory in .git/modules/sub), and ``sub``'s own
     submodule ``inner`` (in .git/modules/sub/modules/inner)."""
-    inner = tmp_path / "inner-src"
-    inner.mkdir()
-    git(inner, "init", "-q")
-    git(inner, "commit", "-q", "--allow-empty", "-m", "inner")
-    lib = tmp_path / "lib-src"
-    lib.mkdir()
-    git(lib, "init", "-q")
-    git(lib, "commit", "-q", "--allow-empty", "-m", "lib")
+    inner = empty_repo(tmp_path / "inner-src", "inner")
+    lib = empty_repo(tmp_path / "lib-src", "lib")
     git(lib, "submodule", "add", "-q", str(inner), "inner")
     git(lib, "commit", "-q", "-m", "inner")
     r = tmp_path / "super"
@@ -116,10 +110,7 @@ def test_the_same_config_in_a_rebuilt_git_directory_is_left_alone(superproject: 
 
 def test_a_submodule_of_a_submodule_made_by_the_session_is_moved_aside(superproject: Path) -> None:
     before = _take(superproject)
-    nested = superproject / "sub" / "made"
-    nested.mkdir()
-    git(nested, "init", "-q")
-    git(nested, "commit", "-q", "--allow-empty", "-m", "x")
+    nested = empty_repo(superproject / "sub" / "made", "x")
     (nested / ".git" / "config").write_text(FSMONITOR)
     git(superproject / "sub", "update-index", "--add", "--cacheinfo",
         f"160000,{git(nested, 'rev-parse', 'HEAD').strip()},made")
@@ -235,10 +226,7 @@ def test_a_walk_cut_short_hands_no_submodule_to_the_users_git(superproject: Path
 def test_a_linked_worktrees_own_files_are_compared_by_content(tmp_path: Path) -> None:
     """A linked worktree: its git directory lies outside (COMMON/worktrees/N,
     writable to the session in degraded mode) and its pointer inside."""
-    r = tmp_path / "main"
-    r.mkdir()
-    git(r, "init", "-q")
-    git(r, "commit", "-q", "--allow-empty", "-m", "m")
+    r = empty_repo(tmp_path / "main", "m")
     git(r, "config", "extensions.worktreeConfig", "true")
     linked = tmp_path / "linked"
     git(r, "worktree", "add", "-q", str(linked), "-b", "side")
@@ -255,10 +243,7 @@ def test_a_linked_worktrees_own_files_are_compared_by_content(tmp_path: Path) ->
 def test_git_directories_only_the_walk_finds_are_protected_too(superproject: Path) -> None:
     """An in-place submodule of a submodule: not under .git/modules, not in
     the top index; the recursive walk finds it, and the layout holds it."""
-    nested = superproject / "sub" / "kept"
-    nested.mkdir()
-    git(nested, "init", "-q")
-    git(nested, "commit", "-q", "--allow-empty", "-m", "k")
+    nested = empty_repo(superproject / "sub" / "kept", "k")
     git(superproject / "sub", "update-index", "--add", "--cacheinfo",
         f"160000,{git(nested, 'rev-parse', 'HEAD').strip()},kept")
     layout = layouts.inspect_git(str(superproject), uid=os.getuid())
