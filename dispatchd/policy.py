@@ -168,7 +168,7 @@ class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # folder: VS Code's tasks and settings, JetBrains' run configurations, Claude
 # Code's and Codex's settings and hooks, MCP servers an agent starts, direnv,
 # shell start-up files, git's per-repository files. Matched by name at any
-# depth of a worktree (daemon/runnables.py).
+# depth of a worktree (daemon/gitguard/runnables.py).
 DEFAULT_PROTECTED = (
     ".vscode", ".idea", ".claude", ".codex", ".cursor", ".devcontainer", ".mcp.json", ".envrc",
     ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile", ".zshrc", ".zshenv", ".zprofile",

@@ -20,7 +20,7 @@ from dispatchd.confine.limits import FD_PASSING_RESERVE, LimitsPlan, plan_limits
 from dispatchd.confine.ucounts import UcountsPlan, budget_gaps, plan_ucounts
 from dispatchd.confine.ucounts import describe as describe_ucounts
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, PTS, LandlockPlan, plan_landlock
-from dispatchd.confine.mounts import MountPlan, describe_root, plan_mounts
+from dispatchd.confine.mountplan import MountPlan, describe_root, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.netstack import STACK, NetworkPlan, NetworkPorts, plan_network
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
@@ -42,7 +42,7 @@ from dispatchd.protocol.reports import (
 
 class GitLayout(msgspec.Struct, frozen=True):
     """A worktree's git metadata, as the daemon found it at open
-    (``dispatchd.daemon.gitlayout.inspect_git``): what the plan holds
+    (``dispatchd.daemon.gitguard.inspect_git``): what the plan holds
     read-only, grants, and makes mount points."""
 
     kind: str  # "none", "repository", "linked", "refused"
@@ -64,7 +64,7 @@ class SessionPaths(msgspec.Struct, frozen=True):
     scratch: str  # the session's private directory, made by the daemon
     runtime_dirs: list[str]  # the user's runtime directories, hidden from the session
     code: list[str]  # where the worker's own Python code lives (read-only)
-    git: GitLayout = GitLayout("none")  # the worktree's git metadata (daemon/gitlayout.py)
+    git: GitLayout = GitLayout("none")  # the worktree's git metadata (daemon/gitguard/layouts.py)
     # Extra read-only paths (the policy's filesystem.extra_read_only and the
     # call's read_only), resolved and checked against the credential
     # deny-list by the daemon (daemon/worktree.py).

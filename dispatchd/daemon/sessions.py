@@ -58,8 +58,11 @@ from dispatchd import domains, envnames, protocol, threads, treewalk
 from dispatchd.confine import cgroups, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
-from dispatchd.daemon import (
-    baselines, exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog)
+from dispatchd.daemon import exits, leftovers, lifetimes, watchdog
+# The git protection is one package with one face (dispatchd/daemon/gitguard);
+# bound here under the names this module's code calls it by.
+from dispatchd.daemon import gitguard as baselines, gitguard as gitidentity, gitguard as gitlayout
+from dispatchd.daemon import gitguard as gitredirects, gitguard as gitsnapshot
 from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool

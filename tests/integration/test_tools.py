@@ -667,7 +667,7 @@ def test_shell_exec_output_cap_truncates(session: dispatch.Session) -> None:
 
 # DISPATCH_CALL_ID marks the processes of one call (tools/proctree.py).
 EXPECTED_ENV = {"PATH", "HOME", "TMPDIR", "SHELL", "TERM", "LANG", "DISPATCH_SESSION", "DISPATCH_CALL_ID"}
-# The user's git identity, when their global git config has one (daemon/gitidentity.py).
+# The user's git identity, when their global git config has one (daemon/gitguard/identity.py).
 MAYBE_ENV = {"USER", "LOGNAME", "LC_ALL", "LC_CTYPE", "TZ", "GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL",
              "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"}
 BASH_ENV = {"PWD", "SHLVL", "_"}  # bash itself exports these to what it runs
