@@ -85,8 +85,10 @@ def cached_tree(key: str) -> Path:
     done = subprocess.run(["bash", str(BUILD), "--tar", str(partial)], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, f"build-image.sh failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     partial.rename(tree)  # whole or not at all: a run that dies leaves a .partial, never a tree
+    day_ago = time.time() - 86400
     for old in CACHE.iterdir():
-        if old != tree and old.name.startswith("rootfs-"):
+        # older trees; a partial one only when a day old (another run may be building it now)
+        if old != tree and old.name.startswith("rootfs-") and (old.suffix == ".tar" or old.stat().st_mtime < day_ago):
             old.unlink(missing_ok=True)
     return tree
 
