@@ -8,7 +8,8 @@
   runs, open a session on WORKTREE and run tests/escape_core.py's
   assertions in it (TESTS_ROOT holds the ``tests`` package, PYTEST_SITE
   the test venv's site-packages for pytest, looked in after the image's own
-  packages, so the client is the image's); print the mode and whether it held.
+  packages, so the client is the image's); print the mode, whether it held,
+  and what a session with the network on (pasta) reached.
 """
 
 from __future__ import annotations
@@ -89,9 +90,31 @@ def escape_core(sock: str, worktree: str, tests_root: str, pytest_site: str) -> 
             out["mode"] = session.status()["protections"]["mode"]
             assert_escape_core(session, Path(worktree), full=out["mode"] == "full")
             out["escape_core"] = "held"
+        out["network_on"] = _network_on(sock, worktree)
     except BaseException:  # noqa: BLE001 (an assertion of the core included: reported to the test)
         out["error"] = traceback.format_exc()[-3000:]
     print(json.dumps(out))
+
+
+def _network_on(sock: str, worktree: str) -> str:
+    """A session with the network on (pasta, through the container's
+    /dev/net/tun) reaching a listener on the container's loopback at the
+    gateway address: what the probe printed."""
+    import socket
+
+    from tests.conftest import probe
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    code = ("import socket\ntry:\n"
+            f"    socket.create_connection(('10.0.2.2', {listener.getsockname()[1]}), timeout=5); print('connected')\n"
+            "except OSError as e:\n    print('error', e.errno)\n")
+    try:
+        with dispatch.connect(sock) as client, client.open_session(worktree, network=True) as session:
+            return probe(session, code)
+    finally:
+        listener.close()
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def test_the_daemon_runs_as_the_manifest_says_in_full_mode(node: Node) -> None:
     assert node.socket.stat().st_uid == os.getuid()
 
 
-def test_the_escape_core_holds_in_a_session_inside(node: Node) -> None:
+def test_the_escape_core_holds_in_a_session_inside_and_pasta_works(node: Node) -> None:
     worktree = _worktree(node, "wt-core")
     # HOME is the worktrees' directory: the secret and the planted file are
     # beside the worktree, where other sessions' worktrees are on a node.
@@ -227,7 +227,9 @@ def test_the_escape_core_holds_in_a_session_inside(node: Node) -> None:
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert "error" not in found, found["error"]
     assert found["client"].startswith("/opt/dispatchd/")  # the image's client, not the checkout's
-    assert found == {"client": found["client"], "mode": "full", "escape_core": "held"}
+    # network off reached nothing outside the session (the core, above); on,
+    # through pasta and the container's /dev/net/tun, reaches its loopback
+    assert found == {"client": found["client"], "mode": "full", "escape_core": "held", "network_on": "connected"}
     assert (node.worktrees / "wt-core" / "written.txt").read_text() == "ok\n"
 
 
