@@ -7,7 +7,6 @@ has its counterpart in this table, and no more). Not a test module itself.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -122,5 +121,5 @@ def args() -> list[str]:
     return [str(a) for a in container().get("args", [])]
 
 
-def tun_usable() -> bool:
-    return os.path.exists("/dev/net/tun")
+def readiness_probe() -> list[str]:
+    return [str(a) for a in container()["readinessProbe"]["exec"]["command"]]

@@ -206,6 +206,9 @@ def test_the_daemon_runs_as_the_manifest_says_in_full_mode(node: Node) -> None:
     assert fields["CapEff"].strip() == fields["CapBnd"].strip() == "0000000000000000"  # drop: ALL
     assert fields["NoNewPrivs"].strip() == "1"  # allowPrivilegeEscalation: false
     assert fields["Seccomp"].strip() == "2"  # a filter: the profile given
+    # the manifest's readiness probe, as the kubelet would run it
+    ready = node.podman("exec", node.name, *image_podman.readiness_probe(), check=False)
+    assert ready.returncode == 0, (ready.stdout, ready.stderr)
     check = node.podman("exec", node.name, "dispatchd", "check").stdout
     assert check.startswith("support row A (docs/support.md): full;"), check
     assert "network modes: off, on, ports, domains" in check and "podman" in check
