@@ -97,6 +97,7 @@ def cached_tree(key: str) -> Path:
 class Podman:
     base: list[str]  # podman with this run's own storage
     env: dict[str, str]
+    image: str = ""
 
     def __call__(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run([*self.base, *args], capture_output=True, text=True, timeout=timeout, env=self.env)
@@ -135,7 +136,7 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Podman, s
                      "--storage-driver", "overlay", "--runtime", RUNC], env)
     key = inputs_key()
     tree = cached_tree(key)
-    image = f"localhost/dispatchd-test:{key}"
+    image = engine.image = f"localhost/dispatchd-test:{key}"
     done = subprocess.run(["bash", str(BUILD), "--import", str(tree), image], capture_output=True, text=True,
                           timeout=600, env=dict(env, DISPATCH_ENGINE=engine.command))
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
@@ -278,3 +279,45 @@ def test_dispatch_bridge_through_podman_exec(node: Node) -> None:
                              env=node.podman.env)
     assert refused.returncode != 0
     assert "no such container" in refused.stderr and "dispatch bridge" in refused.stderr, refused.stderr
+
+
+def _subordinate_uid_of(uid_in_container: int) -> int:
+    """The host uid that rootless Podman's default map gives a container uid
+    other than 0 (the user's first subordinate id is the container's 1)."""
+    import pwd
+
+    user = pwd.getpwuid(os.getuid()).pw_name
+    for line in Path("/etc/subuid").read_text().splitlines():
+        name, start, _count = line.split(":")
+        if name in (user, str(os.getuid())):
+            return int(start) + uid_in_container - 1
+    raise AssertionError(f"no subordinate ids for {user} in /etc/subuid")
+
+
+def test_where_the_pods_uid_is_not_the_node_users_the_socket_is_refused(node: Node, tmp_path: Path) -> None:
+    """The denied twin of the host client above, and what a node's process
+    meets with hostUsers: false: the container's uid 1000 is a subordinate id
+    of the host (the kubelet's range, on a node), so the socket's directory
+    is not the host user's and the client refuses it before sending a byte."""
+    run_dir = tmp_path / "run-dispatchd"
+    run_dir.mkdir(mode=0o700)
+    node.podman("unshare", "chown", "1000:1000", str(run_dir))  # as the node's set-up would, for that uid
+    flags = [f for setting, fs in image_podman.SECURITY.items() if setting[0] != "spec.hostUsers" for f in fs]
+    name = f"{node.name}-mapped"
+    engine, image = node.podman, node.podman.image
+    engine("run", "-d", "--name", name, *flags, "-v", f"{run_dir}:/run/dispatchd", *image_podman.env_flags(),
+           image, *image_podman.args())
+    try:
+        deadline = time.monotonic() + 60
+        while "dispatchd.sock" not in engine("exec", name, "ls", "/run/dispatchd", check=False).stdout:
+            assert time.monotonic() < deadline, engine("logs", name).stderr[-3000:]
+            time.sleep(0.2)
+        with pytest.raises(dispatch.UntrustedSocket) as refused:
+            dispatch.connect(str(run_dir / "dispatchd.sock"))
+        assert f"it belongs to uid {_subordinate_uid_of(1000)}, not to you (uid {os.getuid()})" in str(refused.value)
+        assert "refused before anything was sent" in str(refused.value)
+        # inside the pod's user namespace (a sidecar, or dispatch bridge) it serves
+        assert engine("exec", name, "dispatch", "--no-autostart", "status", check=False).returncode == 0
+    finally:
+        engine("rm", "-f", "-t", "5", name, check=False)
+        engine("unshare", "rm", "-rf", str(run_dir), check=False)
