@@ -9,9 +9,12 @@ AppArmor, no new privileges, an unmasked /proc, no capabilities, /dev/net/tun,
 the worktrees and the socket's directory as host paths (directories of this
 test standing for the node's disk), the state as an anonymous volume.
 
-Checked: the daemon chooses full mode and says so; the escape core
-(tests/escape_core.py) holds in a session inside the container; a client on
-the host reaches the daemon through the socket's host path; and
+Checked: the daemon chooses full mode and says so, and the manifest's
+readiness probe passes; the escape core (tests/escape_core.py) holds in a
+session inside the container, and a session with the network on gets out
+through pasta; a client on the host reaches the daemon through the socket's
+host path, and is refused it when the container's uid is not the host user's
+(a pod's with ``hostUsers: false``); and
 ``dispatch --host-command "podman exec -i CONTAINER dispatch bridge"`` drives
 it as an orchestrator's ``kubectl exec`` would.
 
@@ -144,7 +147,9 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Podman, s
         yield engine, image
     finally:
         # The storage holds files of the subordinate ids and mounts of the
-        # engine's namespace: the engine removes it.
+        # engine's namespace: the engine removes it (the image first: a reset
+        # alone took three times as long here).
+        engine("rmi", "--all", "--force", check=False)
         engine("system", "reset", "--force", check=False)
 
 
