@@ -247,6 +247,13 @@ class Walk:
         pending = [top]
         while pending and self._budget():
             rel = pending.pop()
+            if rel.count("/") > _MAX_DEPTH:
+                # Each level is reached from the worktree down, so a walk
+                # past this depth would cost its depth squared (a 600-level
+                # chain: 725,000 opens). What lies deeper is not looked
+                # into: it is never equal, so it goes aside whole.
+                self.gitdirs[rel] = {"": never_equal(f"deeper than {_MAX_DEPTH} components")}
+                continue
             try:
                 fd = self.open(rel)
                 if fd is None:
