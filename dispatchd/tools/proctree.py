@@ -30,13 +30,28 @@ Guarantees:
   to bash, and a killed process forks no more), then bash. ``kill_tree``
   then ends what left before (processes of a bash that had already exited).
 
-Why bash and not the tool server: a subreaper shared by the tool server
-cannot tell which call an orphan came from (several calls run at once, and
-a finished call's ``server &`` must live on). A subreaper per call made by
-Python is a fork of the server (``preexec_fn``: +1.5 ms a call, measured),
-a wrapper program an exec (+2 ms); ``_spawn.c`` sets the attribute between
-vfork and exec, for no measurable cost. Without the C helper,
-``preexec_fn`` does it. The marker costs nothing at spawn; it is read from
+- ``end_leftovers`` ends, when a call returns, what its bash left running
+  (``cmd &``, ``setsid env -i cmd &``, a fork loop that returned at once),
+  in a process that ``adopt_orphans`` made a child subreaper (the tool
+  server): when bash exits, the kernel gives its live descendants to the
+  nearest subreaper above it, this process. Every child of ours that no
+  ``spawn`` of ours started (``owns``) is then an orphan of a call whose
+  bash has exited (a running call's orphans stay below its living bash; a
+  background job's below its keeper, ``jobs.py``, which ``spawn`` started):
+  those, and everything below them, are killed in rounds until a look finds
+  none, and reaped. Orphans are handed to a subreaper's first live thread,
+  its main thread (the kernel's ``find_alive_thread``), which in the tool
+  server lives as long as the process: one read of its ``children`` file
+  finds them all, about 12 µs when there are none.
+
+Why bash as well as the tool server: while a call runs, the server cannot
+tell which call an orphan came from (several calls run at once); bash's
+own attribute keeps each call's tree apart until the call ends, so that a
+timeout or a cancel ends the tree of one call exactly. A subreaper per call
+made by Python is a fork of the server (``preexec_fn``: +1.5 ms a call,
+measured), a wrapper program an exec (+2 ms); ``_spawn.c`` sets the
+attribute between vfork and exec, for no measurable cost. Without the C
+helper, ``preexec_fn`` does it. The marker costs nothing at spawn; it is read from
 ``/proc/PID/environ`` only when something is to be killed. The kill reaches
 only processes we may signal: the session's own (pid namespace, or
 Landlock's signal scope).
@@ -69,8 +84,8 @@ class _Child(Protocol):
 
 T = TypeVar("T", bound=_Child)
 
-__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "Command", "Started", "after_first_spawn", "kill_subtree", "kill_tree",
-           "new_token", "owns", "spawn", "spawn_env", "start_command"]
+__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "Command", "Started", "adopt_orphans", "adopting", "after_first_spawn",
+           "end_leftovers", "kill_subtree", "kill_tree", "new_token", "owns", "spawn", "spawn_env", "start_command"]
 
 MARKER = "DISPATCH_CALL_ID"
 PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the session's budget)
@@ -374,3 +389,107 @@ def kill_subtree(leader: int, budget_s: float = _KILL_BUDGET_S) -> int:
     except ProcessLookupError:
         pass
     return killed
+
+
+# ---------------------------------------------------------------- what an ended call left
+
+_adopting = False
+_SWEEP_LOCK = threading.Lock()  # one sweep at a time: each counts what it ends for its call
+# Processes one call's sweep ended for another call (by their marker), until
+# that call's own sweep collects the count. Bounded: a count is collected at
+# once, or never (a call that had returned already cannot have left one).
+_ENDED_FOR: dict[str, int] = {}
+_MAX_ENDED_FOR = 1024
+
+
+def adopt_orphans() -> None:
+    """Make this process a child subreaper, so that ``end_leftovers`` finds
+    what an ended call left (see the module docstring). The tool server calls
+    it once, before its first command; a process with children of its own
+    that it did not start with ``spawn`` (a test runner) must not, since
+    every such child would count as left by a call."""
+    global _adopting
+    _set_subreaper()
+    _adopting = True
+
+
+def adopting() -> bool:
+    return _adopting
+
+
+def _reap_orphan(pid: int) -> bool | None:
+    """Reap a zombie child that is no command of ours: True when reaped,
+    False when it cannot be yet (a thread-group leader that exited while
+    its other threads run: alive, to be killed), None when it is gone."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:  # reaped meanwhile (the session's reaper thread)
+        return None
+
+
+def _marker_of(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return None
+    start = (b"\0" + env).find(f"\0{MARKER}=".encode())
+    if start < 0:
+        return None
+    return env[start + len(MARKER) + 1:].split(b"\0", 1)[0].decode("ascii", "replace")
+
+
+def _orphans(me: int) -> list[int]:
+    """Live processes below the children of ours that ``owns`` does not know
+    (orphans of ended calls), those children included; zombie children
+    reaped on the way."""
+    try:
+        with open(f"/proc/{me}/task/{me}/children", "rb") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    found: list[int] = []
+    for child in children:
+        if owns(child):
+            continue
+        if _stat(str(child)) is None:  # a zombie, or gone
+            reaped = _reap_orphan(child)
+            if reaped is None or reaped:
+                continue
+        found.append(child)
+        found += [pid for pid in procfs.descendants(child)[1:] if _stat(str(pid)) is not None]
+    return found
+
+
+def end_leftovers(token: str, budget_s: float = _KILL_BUDGET_S) -> int:
+    """End every process the calls that returned left running (see the
+    module docstring); how many of them were this call's (``token``), or
+    carried no marker. 0 at once in a process that does not adopt orphans.
+
+    Called once the call's bash has exited (its descendants are ours then).
+    Kills by pid, as ``kill_subtree`` does: a pid is reused only after the
+    whole pid space was gone through (the kernel allocates them in turn)."""
+    if not _adopting:
+        return 0
+    me = os.getpid()
+    with _SWEEP_LOCK:
+        signalled: set[int] = set()
+        mine = 0
+        deadline = time.monotonic() + budget_s
+        while found := _orphans(me):
+            for pid in found:
+                if pid not in signalled:
+                    signalled.add(pid)
+                    owner = _marker_of(pid)
+                    if owner is None or owner == token:
+                        mine += 1
+                    elif len(_ENDED_FOR) < _MAX_ENDED_FOR:
+                        _ENDED_FOR[owner] = _ENDED_FOR.get(owner, 0) + 1
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)  # the killed exit, and hand their children to us
+        return mine + _ENDED_FOR.pop(token, 0)

@@ -59,7 +59,7 @@ from dispatchd.policy import MAX_CHANNELS, MUTATING_TOOLS, max_channels, too_man
 __all__ = ["MAX_CHANNELS", "max_channels", "serve", "warm_up"]
 from dispatchd.protocol.internal import EXIT_ASLEEP, EXIT_IDLE
 from dispatchd.tempfiles import sweep_temp_files
-from dispatchd.tools import atomic, changes, files, native
+from dispatchd.tools import atomic, changes, files, native, proctree
 from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed, invalid, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
@@ -930,6 +930,9 @@ def warm_up(plan: SessionPlan) -> None:
 
 def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
     """Serve until the daemon closes the control channel."""
+    # What a call's bash leaves running comes to us when it exits, to be
+    # ended before the call returns (proctree.end_leftovers).
+    proctree.adopt_orphans()
     server = _Server(plan, _Control(control))
     server.expect_first_channel()
     poller = select.poll()
