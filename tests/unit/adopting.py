@@ -54,9 +54,10 @@ class Adopting:
         return self.result(self.send(tool, **params))
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()
         self.proc.wait(30)
+        self.proc.stdout.close()
 
 
 def _main(root: str, scratch: str) -> None:
