@@ -65,7 +65,10 @@ def test_a_network_switch_keeps_the_cgroup_and_empties_it(cgroup_daemon: tuple[d
     client, _ = cgroup_daemon
     with client.open_session(str(worktree), network="on") as s:
         path = _session_cgroup(s)
-        shell(s, "sleep 300 >/dev/null 2>&1 &")
+        job = shell(s, "sleep 300 >/dev/null 2>&1 &", background=True).metadata["job"]
+        # Once its command has exited: the job's keeper and the sleep are left.
+        while s.registry.get("job_output").call({"job": job, "wait": 1}).metadata["running"]:
+            pass
         before = Path(f"{path}/cgroup.procs").read_text().split()
         s.set_network(False)
         assert _session_cgroup(s) == path

@@ -244,15 +244,29 @@ def test_detached_processes_end_when_the_call_times_out(session: dispatch.Sessio
     assert _gone_within(marker, 1.0)
 
 
-def test_processes_left_by_a_call_that_ended_normally_keep_running(session: dispatch.Session) -> None:
-    r = shell(session, "setsid sleep 306.6 > /dev/null 2>&1 & echo ok")
-    assert r.is_success
-    _wait_for_sleepers("306.6", 1)
-    # ... until a later call that times out? No: only its own processes go.
-    shell(session, "sleep 30", timeout=0.5)
-    assert len(_sleepers("306.6")) == 1
-    session.close()
-    assert _gone_within("306.6", 5)
+ENDED_NOTE = ("[dispatchd: ended 1 process the command left running (a call's processes end with it); "
+              "to keep one running, start it with background: true]")
+
+
+def test_processes_left_by_a_call_that_ended_normally_have_ended_when_it_returns(session: dispatch.Session) -> None:
+    # Out of the call's group and session, with no environment (no marker),
+    # and the call returns at once.
+    r = shell(session, "(setsid env -i sleep 306.6 > /dev/null 2>&1 &); echo ok")
+    assert r.is_success and r.output == "ok\n" + ENDED_NOTE
+    assert r.metadata["ended_processes"] == 1
+    assert _sleepers("306.6") == []
+
+
+def test_a_job_keeps_what_a_call_would_end_until_job_stop(session: dispatch.Session) -> None:
+    """The allowed twin: the same process, started by a job, runs on past the
+    job's end and past other calls, until job_stop."""
+    job = shell(session, "(setsid env -i sleep 306.7 > /dev/null 2>&1 &); echo ok", background=True).metadata["job"]
+    _wait_for_sleepers("306.7", 1)
+    assert shell(session, "sleep 30", timeout=0.5).metadata["timed_out"] is True
+    assert shell(session, "true").metadata["ended_processes"] == 0
+    assert len(_sleepers("306.7")) == 1
+    assert session.registry.get("job_stop").call({"job": job}).is_success
+    assert _gone_within("306.7", 1.0)
 
 
 # ----------------------------------------------------------------- background jobs
@@ -419,6 +433,8 @@ def _in_both_modes(mode: str, s: dispatch.Session) -> None:
     r = s.registry.get("shell_exec").call({"command": "setsid sleep 310.1 & sleep 310.1"}, {"cancellation": c})
     assert r.metadata["cancelled"] is True
     assert _gone_within("310.1", 1.0)
+    r = shell(s, "(setsid env -i sleep 310.5 > /dev/null 2>&1 &); echo ok")
+    assert r.metadata["ended_processes"] == 1 and _sleepers("310.5") == []
     job = shell(s, "echo up; setsid sleep 311.2", background=True).metadata["job"]
     assert session_output(s, job).startswith("up\n")
     assert s.registry.get("job_stop").call({"job": job}).is_success
