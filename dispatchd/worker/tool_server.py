@@ -24,6 +24,9 @@ Guarantees:
   call whose caller is gone is ended, not left running) and, when asked
   (``CallTool.stream``), streams its output as ``ToolOutput`` frames before
   its reply; the session's background jobs live here (``tools/jobs.py``).
+- it is a child subreaper (``proctree.adopt_orphans``): what a call's bash
+  leaves running comes to it when bash exits, and is ended before the call
+  returns (``proctree.end_leftovers``); jobs' processes stay below their keeper.
 - ``SetCommandEnv`` from the daemon changes the environment of commands
   started after it (the proxy variables of network "domains", the caller's
   ``env`` and ``secrets``), not of those running; once a secret is given,
