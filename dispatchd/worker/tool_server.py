@@ -931,11 +931,14 @@ def warm_up(plan: SessionPlan) -> None:
             os.close(etc)
 
 
-def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
-    """Serve until the daemon closes the control channel."""
-    # What a call's bash leaves running comes to us when it exits, to be
-    # ended before the call returns (proctree.end_leftovers).
-    proctree.adopt_orphans()
+def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool = True) -> None:
+    """Serve until the daemon closes the control channel. ``adopt_orphans``
+    False only where the server runs inside another program (a test), whose
+    own children must not be taken for what a call left."""
+    if adopt_orphans:
+        # What a call's bash leaves running comes to us when it exits, to be
+        # ended before the call returns (proctree.end_leftovers).
+        proctree.adopt_orphans()
     server = _Server(plan, _Control(control))
     server.expect_first_channel()
     poller = select.poll()
