@@ -156,7 +156,7 @@ def test_cancellation_handle_ends_one_call(session: dispatch.Session) -> None:
 
 def test_a_channel_is_read_on_while_a_command_runs_on_its_thread(session: dispatch.Session) -> None:
     # A command runs on the thread that reads its channel until the channel
-    # has more to read (tool_server._call_here); then a new thread reads on.
+    # has more to read (calls.Calls._call_here); then a new thread reads on.
     results: list[dispatch.Result] = []
     first = threading.Thread(target=lambda: results.append(shell(session, "sleep 0.8; echo first")))
     first.start()
