@@ -171,16 +171,14 @@ class Calls:
         cpu = _thread_time()
         success = False
         usage = None
-        ctx = self.ctx
-        watcher: changes.Watcher | None = None
-        mark = 0.0
-        if control is not None:
-            ctx = dataclasses.replace(ctx, call=control)
-            if req.tool == "shell_exec" and ctx.writable:
-                watcher = self._watcher()
-                if watcher is not None:
-                    watcher.drain()  # what came before this call is not its own
-                    mark = _monotonic()
+        if control is None:
+            ctx = self.ctx
+        else:
+            ctx = dataclasses.replace(self.ctx, call=control)
+            watcher = self._watcher() if req.tool == "shell_exec" and ctx.writable else None
+            if watcher is not None:
+                watcher.drain()  # what came before this call is not its own
+                mark = _monotonic()
         try:
             try:
                 typed = _convert(req.params, tool.spec.params_type)
@@ -203,9 +201,10 @@ class Calls:
                         pass  # the caller is gone
             success = out.success
             metadata = out.metadata
-            if "usage" not in metadata:  # shell_exec's is its command's own
-                metadata["usage"] = call_usage(cpu)
-            usage = metadata["usage"]
+            if control is None or "usage" not in metadata:  # shell_exec's is its command's own
+                metadata["usage"] = usage = call_usage(cpu)
+            else:
+                usage = metadata["usage"]
             channel.reply(protocol.ToolReply(req.id, success, out.output, out.error, metadata))
         finally:
             if control is not None:
@@ -219,7 +218,7 @@ class Calls:
             try:
                 activity.in_flight -= 1
                 activity.last = now
-                activity.calls.pop(key, None)
+                del activity.calls[key]  # there since dispatch
                 records = activity.records
                 records.append((req.tool, now - started, success, usage))
                 first = len(records) == 1
