@@ -404,7 +404,7 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
             capture.drain(_DRAIN_AFTER_KILL_S)
         else:
             ended = proctree.end_leftovers(token)
-            if capture.detached:
+            if capture.detached and proctree.adopting():
                 capture.drain(_DRAIN_AFTER_KILL_S)  # what they wrote until the kill
     except BaseException:
         if proc.returncode is None:  # not reaped, so the pid is still ours
