@@ -8,7 +8,8 @@ each Result as one JSON line (``{"id", "success", "output", "error",
 "metadata"}``). A test runner's process cannot adopt orphans itself: every
 child of its own would count as one a call left.
 
-``Adopting`` is the test's side of it.
+``Adopting`` is the test's side of it; ``sleeping`` finds the processes a
+test left, by their marker.
 """
 
 from __future__ import annotations
@@ -20,7 +21,24 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["Adopting"]
+__all__ = ["Adopting", "sleeping"]
+
+
+def sleeping(marker: str) -> list[int]:
+    """Live ``sleep MARKER`` processes (not the shells whose command names them)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if len(argv) >= 2 and argv[0].endswith(b"sleep") and argv[1] == marker.encode() and state != b"Z":
+                found.append(int(pid))
+    return found
 
 
 class Adopting:

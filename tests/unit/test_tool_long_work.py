@@ -20,6 +20,7 @@ from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
+from tests.unit.adopting import sleeping
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -46,20 +47,7 @@ def streaming(ctx: ToolContext) -> tuple[ToolContext, list[tuple[str, str]], Cal
     return dataclasses.replace(ctx, call=control), seen, control
 
 
-def marked(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if argv[:2] == [b"sleep", marker.encode()] and state != b"Z":
-                found.append(int(pid))
-    return found
+marked = sleeping
 
 
 def gone_within(marker: str, seconds: float) -> bool:

@@ -18,7 +18,7 @@ import pytest
 from dispatchd.policy import Limits
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
-from tests.unit.adopting import Adopting
+from tests.unit.adopting import Adopting, sleeping
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -350,19 +350,7 @@ def test_a_forking_loop_is_ended_whole_at_the_timeout(ctx: ToolContext) -> None:
 # -- ... and when it returns by itself (the tool server adopts orphans) ----------
 
 
-def _sleeping(marker: str) -> list[int]:
-    """Live ``sleep MARKER`` processes (not the shells whose command names them)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if len(argv) >= 2 and argv[0].endswith(b"sleep") and argv[1] == marker.encode() and alive(int(name)):
-                found.append(int(name))
-    return found
+_sleeping = sleeping
 
 
 def _wait_for(marker: str, count: int) -> list[int]:
