@@ -257,6 +257,21 @@ def test_processes_left_by_a_call_that_ended_normally_have_ended_when_it_returns
     assert _sleepers("306.6") == []
 
 
+def test_a_call_still_running_keeps_its_processes_while_another_call_returns(session: dispatch.Session) -> None:
+    results: list[dispatch.Result] = []
+    long = threading.Thread(target=lambda: results.append(shell(
+        session, "(setsid env -i sleep 306.8 > /dev/null 2>&1 &); sleep 1.5; echo done")))
+    long.start()
+    _wait_for_sleepers("306.8", 1)
+    short = shell(session, "(setsid env -i sleep 306.9 > /dev/null 2>&1 &); echo ok")
+    assert short.metadata["ended_processes"] == 1 and _sleepers("306.9") == []
+    assert len(_sleepers("306.8")) == 1  # below its call's living bash: untouched
+    long.join(10)
+    (r,) = results
+    assert r.output.startswith("done\n") and r.metadata["ended_processes"] == 1
+    assert _sleepers("306.8") == []
+
+
 def test_a_job_keeps_what_a_call_would_end_until_job_stop(session: dispatch.Session) -> None:
     """The allowed twin: the same process, started by a job, runs on past the
     job's end and past other calls, until job_stop."""
