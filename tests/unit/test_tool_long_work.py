@@ -187,6 +187,33 @@ def test_job_stop_kills_the_job_and_its_detached_children(ctx: ToolContext) -> N
     assert run(ctx, "job_list").output == f"{job}\tstopped\tsetsid sleep 404.4 > /dev/null 2>&1 & sleep 404.4"
 
 
+def _ended(ctx: ToolContext, job: str) -> Outcome:
+    out = run(ctx, "job_output", job=job, wait=5)
+    deadline = time.monotonic() + 5
+    while out.metadata["running"] and time.monotonic() < deadline:
+        out = run(ctx, "job_output", job=job, wait=1)
+    return out
+
+
+def test_a_job_command_killed_by_a_signal_reports_bashs_status(ctx: ToolContext) -> None:
+    # The keeper (jobs._KEEPER) reports the command's status as bash's $?.
+    job = run(ctx, "shell_exec", command="kill -9 $$", background=True).metadata["job"]
+    out = _ended(ctx, job)
+    assert out.metadata["exit_code"] == 137 and out.metadata["state"] == "exited 137"
+
+
+def test_a_jobs_keeper_reads_no_startup_file(ctx: ToolContext, tmp_path: Path) -> None:
+    # bash reads ~/.bashrc when its stdin is a socket (as under sshd): the
+    # keeper's is, so it runs with --norc. The twin: a login-like bash reads it.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("echo from-bashrc\n")
+    ctx = dataclasses.replace(ctx, env={**ctx.env, "HOME": str(home)})
+    job = run(ctx, "shell_exec", command="echo hi", background=True).metadata["job"]
+    assert _ended(ctx, job).output == f"hi\n[job {job} exited 0; next_offset 3]"
+    assert run(ctx, "shell_exec", command="bash -ic true 2>/dev/null").output == "from-bashrc\n"
+
+
 def test_a_job_with_a_timeout_is_stopped_at_it(ctx: ToolContext) -> None:
     job = run(ctx, "shell_exec", command="sleep 405.5", background=True, timeout=0.3).metadata["job"]
     out = run(ctx, "job_output", job=job, wait=5)
