@@ -239,21 +239,27 @@ def _has_marker(pid: str, needle: bytes) -> bool:
     return (b"\0" + env).find(needle) >= 0
 
 
-def members(leader: int | None, token: str | None) -> list[int]:
-    """Live processes of the command led by ``leader`` (see the module docstring);
-    ``leader`` None once it was reaped (its pid may be another's now)."""
-    needle = f"\0{MARKER}={token}\0".encode() if token else None
-    me = os.getpid()
+def _table() -> dict[int, tuple[int, int, int]]:
+    """(ppid, pgrp, session) of every live process in our /proc."""
     table: dict[int, tuple[int, int, int]] = {}
     try:
         names = os.listdir("/proc")
     except OSError:
-        return []
+        return table
     for name in names:
         if name.isdigit():
             st = _stat(name)
             if st is not None:
                 table[int(name)] = st
+    return table
+
+
+def members(leader: int | None, token: str | None) -> list[int]:
+    """Live processes of the command led by ``leader`` (see the module docstring);
+    ``leader`` None once it was reaped (its pid may be another's now)."""
+    needle = f"\0{MARKER}={token}\0".encode() if token else None
+    me = os.getpid()
+    table = _table()
     found = set()
     for pid, (_ppid, pgrp, sid) in table.items():
         if pid == me:
@@ -446,8 +452,8 @@ def _orphans(me: int) -> list[int]:
     try:
         with open(f"/proc/{me}/task/{me}/children", "rb") as f:
             children = [int(c) for c in f.read().split()]
-    except OSError:
-        return []
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: the slow way, as exact
+        children = _zombie_or_live_children(me)
     found: list[int] = []
     for child in children:
         if owns(child):
@@ -458,6 +464,21 @@ def _orphans(me: int) -> list[int]:
                 continue
         found.append(child)
         found += [pid for pid in procfs.descendants(child)[1:] if _stat(str(pid)) is not None]
+    return found
+
+
+def _zombie_or_live_children(me: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            fields = raw[raw.rfind(b")") + 2:].split()
+            if len(fields) > 1 and int(fields[1]) == me:
+                found.append(int(name))
     return found
 
 
