@@ -21,7 +21,7 @@ Guarantees:
   leader, a child subreaper, and waits until no process below it is left):
   what the command leaves running stays in the keeper's tree after the
   command exited, however it detached (``setsid``, ``env -i``), so the
-  sweep that ends what finished calls left (``proctree.end_leftovers``)
+  sweep that ends what finished calls left (``orphans.end_leftovers``)
   never sees a job's processes, and ``job_stop`` ends all of them exactly,
   while the job runs and after it ended. A job with a ``timeout`` is
   stopped at it. Every job ends with its session (the session's pid

@@ -30,19 +30,8 @@ Guarantees:
   to bash, and a killed process forks no more), then bash. ``kill_tree``
   then ends what left before (processes of a bash that had already exited).
 
-- ``end_leftovers`` ends, when a call returns, what its bash left running
-  (``cmd &``, ``setsid env -i cmd &``, a fork loop that returned at once),
-  in a process that ``adopt_orphans`` made a child subreaper (the tool
-  server): when bash exits, the kernel gives its live descendants to the
-  nearest subreaper above it, this process. Every child of ours that no
-  ``spawn`` of ours started (``owns``) is then an orphan of a call whose
-  bash has exited (a running call's orphans stay below its living bash; a
-  background job's below its keeper, ``jobs.py``, which ``spawn`` started):
-  those, and everything below them, are killed in rounds until a look finds
-  none, and reaped. Orphans are handed to a subreaper's first live thread,
-  its main thread (the kernel's ``find_alive_thread``), which in the tool
-  server lives as long as the process: one read of its ``children`` file
-  finds them all, about 12 µs when there are none.
+- what a call's bash leaves running when it exits by itself is ended by
+  the tool server before the call returns (``orphans.py``).
 
 Why bash as well as the tool server: while a call runs, the server cannot
 tell which call an orphan came from (several calls run at once); bash's
@@ -84,12 +73,12 @@ class _Child(Protocol):
 
 T = TypeVar("T", bound=_Child)
 
-__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "Command", "Started", "adopt_orphans", "adopting", "after_first_spawn",
-           "end_leftovers", "kill_subtree", "kill_tree", "new_token", "owns", "spawn", "spawn_env", "start_command"]
+__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "Command", "Started", "after_first_spawn", "kill_subtree",
+           "KILL_BUDGET_S", "kill_tree", "live_stat", "new_token", "owns", "set_subreaper", "spawn", "spawn_env", "start_command"]
 
 MARKER = "DISPATCH_CALL_ID"
 PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the session's budget)
-_KILL_BUDGET_S = 3.0
+KILL_BUDGET_S = 3.0
 
 
 def new_token() -> str:
@@ -216,7 +205,7 @@ def owns(pid: int) -> bool:
         return child is not None and child.returncode is None
 
 
-def _stat(pid: str) -> tuple[int, int, int] | None:
+def live_stat(pid: str) -> tuple[int, int, int] | None:
     """(ppid, pgrp, session) of a live process, None if gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -248,7 +237,7 @@ def _table() -> dict[int, tuple[int, int, int]]:
         return table
     for name in names:
         if name.isdigit():
-            st = _stat(name)
+            st = live_stat(name)
             if st is not None:
                 table[int(name)] = st
     return table
@@ -279,7 +268,7 @@ def members(leader: int | None, token: str | None) -> list[int]:
     return sorted(found)
 
 
-def kill_tree(leader: int | None, token: str | None, budget_s: float = _KILL_BUDGET_S) -> int:
+def kill_tree(leader: int | None, token: str | None, budget_s: float = KILL_BUDGET_S) -> int:
     """SIGKILL everything of the command; returns how many processes were signalled.
 
     Call it before the leader is reaped: while its zombie holds the pid, no
@@ -349,7 +338,7 @@ class Command:
         return code
 
 
-def _set_subreaper() -> None:  # preexec_fn, without the C helper
+def set_subreaper() -> None:  # preexec_fn, without the C helper; and the tool server (orphans.py)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
@@ -373,15 +362,15 @@ def start_command(argv: list[str], env: Mapping[str, str], cwd: str, stdin: int,
                                            os.fsencode(cwd), stdin, stdout, stderr)
         return Command(pid, argv)
     return subprocess.Popen(argv, cwd=cwd, env=dict(env), stdin=stdin, stdout=stdout, stderr=stderr, close_fds=True,
-                            start_new_session=True, preexec_fn=_set_subreaper)
+                            start_new_session=True, preexec_fn=set_subreaper)
 
 
 def _live_descendants(leader: int) -> list[int]:
     """The processes below ``leader``, zombies left out."""
-    return [pid for pid in procfs.descendants(leader)[1:] if _stat(str(pid)) is not None]
+    return [pid for pid in procfs.descendants(leader)[1:] if live_stat(str(pid)) is not None]
 
 
-def kill_subtree(leader: int, budget_s: float = _KILL_BUDGET_S) -> int:
+def kill_subtree(leader: int, budget_s: float = KILL_BUDGET_S) -> int:
     """End every process below ``leader`` (a child subreaper, not reaped yet),
     then ``leader``; returns how many were signalled. See the module docstring."""
     try:
@@ -396,121 +385,3 @@ def kill_subtree(leader: int, budget_s: float = _KILL_BUDGET_S) -> int:
         pass
     return killed
 
-
-# ---------------------------------------------------------------- what an ended call left
-
-_adopting = False
-_SWEEP_LOCK = threading.Lock()  # one sweep at a time: each counts what it ends for its call
-# Processes one call's sweep ended for another call (by their marker), until
-# that call's own sweep collects the count. Bounded: a count is collected at
-# once, or never (a call that had returned already cannot have left one).
-_ENDED_FOR: dict[str, int] = {}
-_MAX_ENDED_FOR = 1024
-
-
-def adopt_orphans() -> None:
-    """Make this process a child subreaper, so that ``end_leftovers`` finds
-    what an ended call left (see the module docstring). The tool server calls
-    it once, before its first command; a process with children of its own
-    that it did not start with ``spawn`` (a test runner) must not, since
-    every such child would count as left by a call."""
-    global _adopting
-    _set_subreaper()
-    _adopting = True
-
-
-def adopting() -> bool:
-    return _adopting
-
-
-def _reap_orphan(pid: int) -> bool | None:
-    """Reap a zombie child that is no command of ours: True when reaped,
-    False when it cannot be yet (a thread-group leader that exited while
-    its other threads run: alive, to be killed), None when it is gone."""
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] != 0
-    except ChildProcessError:  # reaped meanwhile (the session's reaper thread)
-        return None
-
-
-def _marker_of(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read()
-    except OSError:
-        return None
-    start = (b"\0" + env).find(f"\0{MARKER}=".encode())
-    if start < 0:
-        return None
-    return env[start + len(MARKER) + 1:].split(b"\0", 1)[0].decode("ascii", "replace")
-
-
-def _orphans(me: int) -> list[int]:
-    """Live processes below the children of ours that ``owns`` does not know
-    (orphans of ended calls), those children included; zombie children
-    reaped on the way."""
-    try:
-        with open(f"/proc/{me}/task/{me}/children", "rb") as f:
-            children = [int(c) for c in f.read().split()]
-    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: the slow way, as exact
-        children = _zombie_or_live_children(me)
-    found: list[int] = []
-    for child in children:
-        if owns(child):
-            continue
-        if _stat(str(child)) is None:  # a zombie, or gone
-            reaped = _reap_orphan(child)
-            if reaped is None or reaped:
-                continue
-        found.append(child)
-        found += [pid for pid in procfs.descendants(child)[1:] if _stat(str(pid)) is not None]
-    return found
-
-
-def _zombie_or_live_children(me: int) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    raw = f.read()
-            except OSError:
-                continue
-            fields = raw[raw.rfind(b")") + 2:].split()
-            if len(fields) > 1 and int(fields[1]) == me:
-                found.append(int(name))
-    return found
-
-
-def end_leftovers(token: str, budget_s: float = _KILL_BUDGET_S) -> int:
-    """End every process the calls that returned left running (see the
-    module docstring); how many of them were this call's (``token``), or
-    carried no marker. 0 at once in a process that does not adopt orphans.
-
-    Called once the call's bash has exited (its descendants are ours then).
-    Kills by pid, as ``kill_subtree`` does: a pid is reused only after the
-    whole pid space was gone through (the kernel allocates them in turn)."""
-    if not _adopting:
-        return 0
-    me = os.getpid()
-    with _SWEEP_LOCK:
-        signalled: set[int] = set()
-        mine = 0
-        deadline = time.monotonic() + budget_s
-        while found := _orphans(me):
-            for pid in found:
-                if pid not in signalled:
-                    signalled.add(pid)
-                    owner = _marker_of(pid)
-                    if owner is None or owner == token:
-                        mine += 1
-                    elif len(_ENDED_FOR) < _MAX_ENDED_FOR:
-                        _ENDED_FOR[owner] = _ENDED_FOR.get(owner, 0) + 1
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.001)  # the killed exit, and hand their children to us
-        return mine + _ENDED_FOR.pop(token, 0)

@@ -16,7 +16,7 @@ Guarantees:
   however it detached (``setsid``, ``nohup``, ``(cmd &)``, ``env -i``, a
   fork loop): at the timeout or a cancel, bash's tree is killed (bash is a
   child subreaper, see ``proctree``); when bash exited by itself, what it
-  left running is killed (``proctree.end_leftovers``, in a tool server that
+  left running is killed (``orphans.end_leftovers``, in a tool server that
   adopts orphans), counted in ``metadata["ended_processes"]`` and named on
   the output's last line, which tells the model that ``background: true``
   (a job, ``jobs``) is the way to keep a process running. A cancel is a
@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 from dispatchd import envnames
 from dispatchd.policy import Limits
-from dispatchd.tools import proctree
+from dispatchd.tools import orphans, proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
 from dispatchd.tools.worktree_paths import relative, resolve
 from dispatchd.tools.spec import ShellExecParams
@@ -176,7 +176,7 @@ class _Capture:
 
         Once bash has exited, background processes it left (a dev server, say)
         may hold the pipes open forever: after a short grace we stop waiting
-        (``detached``), and the caller ends them (``proctree.end_leftovers``).
+        (``detached``), and the caller ends them (``orphans.end_leftovers``).
         """
         while self._watched:
             now = time.monotonic()
@@ -342,7 +342,7 @@ def _end_call(proc: proctree.Started, token: str) -> None:
     left a bash that had exited already). Before bash is reaped."""
     proctree.kill_subtree(proc.pid)
     proctree.kill_tree(proc.pid, token)
-    proctree.end_leftovers(token)  # what a bash that had exited left (ours, when we adopt orphans)
+    orphans.end_leftovers(token)  # what a bash that had exited left (ours, when we adopt orphans)
 
 
 def _reap(proc: proctree.Started) -> dict[str, float | None]:
@@ -403,8 +403,8 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
             _end_call(proc, token)
             capture.drain(_DRAIN_AFTER_KILL_S)
         else:
-            ended = proctree.end_leftovers(token)
-            if capture.detached and proctree.adopting():
+            ended = orphans.end_leftovers(token)
+            if capture.detached and orphans.adopting():
                 capture.drain(_DRAIN_AFTER_KILL_S)  # what they wrote until the kill
     except BaseException:
         if proc.returncode is None:  # not reaped, so the pid is still ours
@@ -421,7 +421,7 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     notes = []
     if capture.truncated:
         notes.append(f"[output truncated at {ctx.limits.output_cap_bytes} bytes per stream]")
-    if capture.detached and not proctree.adopting():
+    if capture.detached and not orphans.adopting():
         notes.append("[bash exited; background processes it started still run, their output is not captured]")
     if timed_out:
         why = " (bash had exited; processes it started kept the output open)" if exited_before_timeout else ""

@@ -24,9 +24,9 @@ Guarantees:
   call whose caller is gone is ended, not left running) and, when asked
   (``CallTool.stream``), streams its output as ``ToolOutput`` frames before
   its reply; the session's background jobs live here (``tools/jobs.py``).
-- it is a child subreaper (``proctree.adopt_orphans``): what a call's bash
+- it is a child subreaper (``orphans.adopt_orphans``): what a call's bash
   leaves running comes to it when bash exits, and is ended before the call
-  returns (``proctree.end_leftovers``); jobs' processes stay below their keeper.
+  returns (``orphans.end_leftovers``); jobs' processes stay below their keeper.
 - ``SetCommandEnv`` from the daemon changes the environment of commands
   started after it (the proxy variables of network "domains", the caller's
   ``env`` and ``secrets``), not of those running; once a secret is given,
@@ -58,7 +58,7 @@ from dispatchd import protocol, threads
 from dispatchd.confine.plan import SessionPlan, can_sleep
 from dispatchd.policy import MAX_CHANNELS, max_channels, too_many_channels
 from dispatchd.tempfiles import sweep_temp_files
-from dispatchd.tools import atomic, changes, files, native, proctree
+from dispatchd.tools import atomic, changes, files, native, orphans
 from dispatchd.tools.base import ToolContext
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
@@ -265,8 +265,8 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
     own children must not be taken for what a call left."""
     if adopt_orphans:
         # What a call's bash leaves running comes to us when it exits, to be
-        # ended before the call returns (proctree.end_leftovers).
-        proctree.adopt_orphans()
+        # ended before the call returns (orphans.end_leftovers).
+        orphans.adopt_orphans()
     server = _Server(plan, Control(control))
     server.expect_first_channel()
     poller = select.poll()

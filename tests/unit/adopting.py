@@ -1,7 +1,7 @@
 """A process that runs tools as the tool server does: it adopts orphans.
 
 ``python -m tests.unit.adopting ROOT SCRATCH`` makes itself a child
-subreaper (``proctree.adopt_orphans``), as the tool server does first, then
+subreaper (``orphans.adopt_orphans``), as the tool server does first, then
 reads one JSON request a line on stdin (``{"id", "tool", "params"}``), runs
 each on a thread of its own (calls overlap, as a session's do) and writes
 each Result as one JSON line (``{"id", "success", "output", "error",
@@ -80,12 +80,12 @@ class Adopting:
 
 def _main(root: str, scratch: str) -> None:
     from dispatchd.policy import Limits
-    from dispatchd.tools import proctree
+    from dispatchd.tools import orphans
     from dispatchd.tools.base import ToolContext, run_tool
     from dispatchd.tools.jobs import Jobs
     from dispatchd.tools.table import TOOLS
 
-    proctree.adopt_orphans()
+    orphans.adopt_orphans()
     jobs = Jobs(scratch)
     ctx = ToolContext(root=root, limits=Limits(), env={"PATH": "/usr/bin:/bin"}, jobs=jobs)
     out_lock = threading.Lock()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dispatchd.tools import proctree
+from dispatchd.tools import orphans, proctree
 
 
 @dataclasses.dataclass
@@ -49,12 +49,12 @@ def test_the_slow_look_for_children_finds_what_the_children_file_lists() -> None
     live = subprocess.Popen(["sleep", "30"])
     dead = subprocess.Popen(["true"])
     try:
-        while proctree._stat(str(dead.pid)) is not None:  # a zombie, not reaped yet
+        while proctree.live_stat(str(dead.pid)) is not None:  # a zombie, not reaped yet
             time.sleep(0.01)
         me = os.getpid()
         with open(f"/proc/{me}/task/{me}/children", "rb") as f:
             listed = {int(c) for c in f.read().split()}
-        found = set(proctree._zombie_or_live_children(me))
+        found = set(orphans._zombie_or_live_children(me))
         # The file lists the main thread's children; the look, those of every thread.
         assert {live.pid, dead.pid} <= listed <= found
     finally:
