@@ -105,18 +105,7 @@ def _orphans(me: int) -> list[int]:
 
 
 def _zombie_or_live_children(me: int) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    raw = f.read()
-            except OSError:
-                continue
-            fields = raw[raw.rfind(b")") + 2:].split()
-            if len(fields) > 1 and int(fields[1]) == me:
-                found.append(int(name))
-    return found
+    return [pid for pid, _state in procfs.children_by_stat(me)]
 
 
 def end_leftovers(token: str, budget_s: float = proctree.KILL_BUDGET_S) -> int:
