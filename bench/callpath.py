@@ -2,7 +2,7 @@
 
 The real client path (``Registry.get("read_file").call`` through
 ``Session.call_tool`` and ``_transport.Connection``) against the real tool server
-(``_Channel``/``_Server``, forked, over a socketpair), beside the bare pair
+(``Channel``/``_Server``, forked, over a socketpair), beside the bare pair
 (``FrameSocket`` echo): what our layers cost over the frames. Timings on a
 shared VM move by 2x from one run to the next; instructions do not, so
 ``--count`` counts them with callgrind (the difference of two run lengths,

@@ -289,8 +289,8 @@ _ALL = [
         "or a timeout is reported as an error that still carries the output; at the timeout the command "
         "and everything it started are killed. To keep something running (a dev server, a watcher, a "
         "long build), pass background=true: the call returns at once with a job id; read the job's "
-        "output with job_output, end it with job_stop. A plain 'cmd &' also survives bash, but its "
-        "output is lost and it is killed if the call times out.",
+        "output with job_output, end it with job_stop. A plain 'cmd &' does not outlive the call: what "
+        "the command leaves running is ended when the call returns (metadata ended_processes).",
         {
             "command": {"type": "string", "minLength": 1, "description": "The command line, run by bash -c."},
             "timeout": {
