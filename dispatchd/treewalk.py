@@ -29,7 +29,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Budget", "MAX_DEPTH", "MAX_ENTRIES", "remove_tree", "walk"]
+__all__ = ["Budget", "MAX_DEPTH", "MAX_ENTRIES", "remove_tree", "remove_tree_at", "walk"]
 
 # A scratch directory or a worktree deeper than this is walked in parts
 # (removal) or not below it (other walks): one descriptor per level is held.
@@ -157,6 +157,24 @@ def remove_tree(path: str, budget: Budget | None = None) -> Budget:
         _remove_dir(base, parent_fd, path, budget)
     finally:
         os.close(parent_fd)
+    return budget
+
+
+def remove_tree_at(parent_fd: int, name: bytes | str, budget: Budget | None = None) -> Budget:
+    """``remove_tree`` of ``name`` in the directory ``parent_fd``: nothing on
+    the way to it is looked up by path (a caller that reached ``parent_fd``
+    by descriptor keeps every guarantee). Never raises."""
+    budget = budget or Budget()
+    base = os.fsdecode(name)
+    try:
+        if _unlink(base, parent_fd):
+            return budget
+    except FileNotFoundError:
+        return budget
+    except OSError as exc:
+        budget.note(f"{base}: {exc.strerror}")
+        return budget
+    _remove_dir(base, parent_fd, base, budget)
     return budget
 
 

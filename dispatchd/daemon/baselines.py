@@ -37,7 +37,6 @@ namespace) keeps all of it.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import secrets
@@ -280,7 +279,7 @@ class Baselines:
                 if branch and githistory.read_refs(common).get(branch) == history.refs.get(branch):
                     record.histories[i] = msgspec.structs.replace(history, own=sorted(set(history.own) | {branch}))
                 return
-        keep = os.path.join(self.keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
+        keep = githistory.keep_for(self.keep_dir, common)
         history = githistory.record(common, keep, [branch] if branch else [])
         if history.note:
             log.warning("event=history_not_kept common=%s why=%r", common, history.note)

@@ -58,6 +58,7 @@ from dispatchd import envnames, protocol, threads, treewalk
 from dispatchd.confine import cgroups, domains, netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
+from dispatchd.daemon import checkpoints  # checkpoints and restores (checkpoints.py)
 from dispatchd.daemon import (
     baselines, exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog)
 from dispatchd.daemon.sleepers import Sleepers
@@ -293,6 +294,7 @@ class SessionManager:
         self.baselines = baselines.Baselines(state_dir, self.home)
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
+        self.checkpoints = checkpoints.Store(state_dir, self.baselines.keep_dir)  # checkpoints.py
         self._lock = threading.Lock()
         self.accepting = True
         # Opens in flight: close_all waits for them (a session they register
@@ -911,6 +913,10 @@ class SessionManager:
                     waiting = session.acks.pop(msg.id, None)
                     if waiting is not None:
                         waiting.set()
+                elif isinstance(msg, protocol.Paused):  # checkpoints.py
+                    self.checkpoints.pauses.answer(msg)
+                elif isinstance(msg, protocol.AcquireWriteLock) and msg.checkpoint:  # checkpoints.py
+                    checkpoints.before_write(self, session, msg, control)
                 elif isinstance(msg, protocol.AcquireWriteLock):
                     # Decided and sent under send_lock: a release in between
                     # would otherwise reach the worker before this grant.
@@ -1006,6 +1012,7 @@ class SessionManager:
         self.baselines.leave(session.id)  # an open that failed half way (a no-op after _check_git)
         self._remove_cgroup(session)
         self._forget(session)
+        self.checkpoints.drop(session.id)  # checkpoints.py: a session's go with it
         self._remove_scratch(session)
         self._end_nap(session)
         self._drop_kit(session)

@@ -64,7 +64,7 @@ from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
 from dispatchd.tools.textfile import SNIFF_BYTES
-from dispatchd.worker import redact
+from dispatchd.worker import pausegate, redact
 
 RECORD_INTERVAL_S = 0.5  # how often finished calls are reported to the daemon's log
 _convert = msgspec.convert
@@ -337,7 +337,7 @@ class _Control:
         self.send_lock = threading.Lock()
 
     def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone | protocol.OkReply | protocol.MaySleep
-             ) -> None:
+             | protocol.Paused) -> None:
         with self.send_lock:
             self.frames.send(msg)
 
@@ -353,29 +353,30 @@ class _WriteLock:
     def __init__(self, control: _Control) -> None:
         self.control = control
         self.held = False
+        self.checkpoint_each = False  # policy [checkpoints] before_writes: asked (and checkpointed) every time
         self.on_granted: Callable[[], None] | None = None  # called once, when first granted
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[threading.Event, list[object]]] = {}
         self._lock = threading.Lock()
 
-    def acquire(self) -> str | None:
+    def acquire(self, tool: str = "") -> str | None:
         """None once held; otherwise why not."""
-        if self.held:
+        if self.held and not self.checkpoint_each:
             return None
         rid = next(self._ids)
         done: tuple[threading.Event, list[object]] = (threading.Event(), [])
         with self._lock:
             self._waiting[rid] = done
         try:
-            self.control.send(protocol.AcquireWriteLock(id=rid))
+            self.control.send(protocol.AcquireWriteLock(id=rid, checkpoint=self.checkpoint_each, tool=tool))
         except OSError:
             return "the daemon is gone"
         if not done[0].wait(30):
             return "the daemon did not answer the write-lock request"
         reply = done[1][0]
         if isinstance(reply, protocol.OkReply):
-            self.held = True
-            if self.on_granted is not None:
+            first, self.held = not self.held, True
+            if first and self.on_granted is not None:
                 self.on_granted()
             return None
         return getattr(reply, "message", "refused")
@@ -416,6 +417,8 @@ class _Server:
         self.watcher: changes.Watcher | None | bool = None
         self.watcher_lock = threading.Lock()
         self.write_lock = _WriteLock(control)
+        self.write_lock.checkpoint_each = plan.checkpoint_writes  # daemon/checkpoints.py
+        self.gate = pausegate.Gate()
         # The worktree is ours to write now: remove what killed writes left
         # (tempfiles.py), but not the files of our own writes already started.
         self.write_lock.on_granted = lambda: threading.Thread(
@@ -504,6 +507,10 @@ class _Server:
             self.live.discard(channel)
 
     def dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
+        with self.gate:  # a checkpoint or restore holds calls here (worker/pausegate.py)
+            self._dispatch(channel, req)
+
+    def _dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
         tool = self.tools.get(req.tool)
         if tool is None:
             known = ", ".join(self.tools)
@@ -515,7 +522,7 @@ class _Server:
                                              error=f"{req.tool}: dispatchd is stopping and takes no new calls"))
             return
         if req.tool in MUTATING_TOOLS:
-            refused = self.write_lock.acquire()
+            refused = self.write_lock.acquire(req.tool)
             if refused is not None:
                 channel.reply(protocol.ToolReply(id=req.id, success=False, error=f"{req.tool}: {refused}",
                                                  metadata={"write_locked": True}))
@@ -978,3 +985,11 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan) -> None:
             server.stay_awake(msg.for_good)
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()
+        elif isinstance(msg, protocol.Pause):  # a checkpoint or restore (worker/pausegate.py)
+            busy = server.gate.pause(lambda: server.activity.in_flight + (1 if server._lane_busy() else 0))
+            try:
+                server.control.send(protocol.Paused(id=msg.id, busy=busy))
+            except OSError:
+                return
+        elif isinstance(msg, protocol.Resume):
+            server.gate.resume()
