@@ -21,6 +21,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="as JSON")
     rl = session.add_parser("release", help="give back a session's worktree write lock without closing it")
     rl.add_argument("id")
+    _checkpoint_parsers(session)  # checkpoint, checkpoints, restore
 
     net = sub.add_parser("network", help="switch a session's network: in place between off, on and ports in full "
                          "mode (its processes kept); to or from domains, or without user namespaces, the sandbox "
@@ -255,6 +257,37 @@ def _closed_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _checkpoint_parsers(session: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    ck = session.add_parser("checkpoint", help="keep a session's worktree (files and git metadata) as it is now; "
+                                               "prints the checkpoint's id")
+    ck.add_argument("id")
+    ck.add_argument("--label", default="", help="a few words to know it by")
+    cks = session.add_parser("checkpoints", help="list a session's checkpoints, oldest first")
+    cks.add_argument("id")
+    cks.add_argument("--json", action="store_true", help="as JSON")
+    rs = session.add_parser("restore", help="put a session's worktree back as it was at a checkpoint")
+    rs.add_argument("id")
+    rs.add_argument("checkpoint")
+
+
+def _run_checkpoint(client: Client, args: argparse.Namespace) -> None:
+    if args.action == "checkpoint":
+        print(client.checkpoint(args.id, args.label))
+    elif args.action == "restore":
+        done = client.restore(args.id, args.checkpoint)
+        print(f"restored {done['checkpoint']}: {done['removed']} removed, {done['written']} written, "
+              f"{done['made']} directories made, {done['objects']} git object files put back")
+    elif args.json:
+        print(json.dumps(client.checkpoints(args.id), indent=2))
+    else:
+        found = client.checkpoints(args.id)
+        if not found:
+            print("no checkpoints")
+        for c in found:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["created"]))
+            print(f"{c['id']}  {when}  {c['entries']} entries  {c['copied_bytes']} bytes copied  {c['label']}")
+
+
 def _print_sessions(sessions: list[protocol.SessionInfo]) -> None:
     if not sessions:
         print("no sessions")
@@ -426,6 +459,8 @@ def _run(args: argparse.Namespace) -> int:
                 _cli_text.print_protected(client.close_session(args.id))
             elif args.action == "release":
                 client.release_write_lock(args.id)
+            elif args.action in ("checkpoint", "checkpoints", "restore"):
+                _run_checkpoint(client, args)
             else:
                 if args.json:
                     print(json.dumps(client.list_sessions(), indent=2))

@@ -52,6 +52,7 @@ from dispatch.errors import (
     RequestTimeout,
     UntrustedSocket,
 )
+from dispatch._checkpoints import ClientCheckpoints, SessionCheckpoints  # checkpoint(), restore()
 from dispatch._definition import ToolFunc
 from dispatch.tools import Definition, Registry, Result
 from dispatchd import envnames, paths, protocol
@@ -503,7 +504,7 @@ def _checked_tools(tools: list[protocol.ToolSchema]) -> list[Definition]:
     return checked
 
 
-class Session:
+class Session(SessionCheckpoints):
     """An open session: its id, its network, and a ``registry`` of remote tools."""
 
     def __init__(self, client: Client, info: protocol.SessionInfo, *, owned: bool,
@@ -805,7 +806,7 @@ class Session:
         self.close()
 
 
-class Client:
+class Client(ClientCheckpoints):
     """A connection to the daemon. ``timeout``: how long to wait for the
     daemon (to start, when autostarting, and to answer each request);
     ``call_margin``: how long past a tool call's own time limit to wait for
