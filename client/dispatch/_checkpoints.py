@@ -43,8 +43,11 @@ def restore(request: Request, session: str, checkpoint_id: str) -> dict[str, Any
 class SessionCheckpoints:
     """Mixed into ``dispatch.Session``."""
 
-    id: str
     _client: Any
+
+    @property
+    def id(self) -> str:
+        raise NotImplementedError  # the session's own
 
     def checkpoint(self, label: str = "") -> str:
         """Keep the worktree's files and git metadata as they are now; returns

@@ -385,7 +385,7 @@ class Store:
     def lock(self, sid: str) -> threading.Lock:
         return self._of(sid).lock
 
-    def list(self, sid: str) -> list[CheckpointInfo]:
+    def infos(self, sid: str) -> list[CheckpointInfo]:
         with self._lock:
             s = self._sessions.get(sid)
             return [m.info for m in s.manifests] if s else []
@@ -517,7 +517,7 @@ class Store:
             s = self._sessions.get(sid)
             found = [m for m in (s.manifests if s else []) if m.info.id == cid]
         if not found:
-            known = ", ".join(i.id for i in self.list(sid)) or "none"
+            known = ", ".join(i.id for i in self.infos(sid)) or "none"
             raise CheckpointError(f"no such checkpoint: {cid!r} (session {sid} has: {known})", "unknown_checkpoint")
         return found[0]
 
@@ -819,7 +819,7 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
     session = manager.get(req.session)
     store = manager.checkpoints
     if isinstance(req, protocol.ListCheckpoints):
-        return protocol.CheckpointsReply(id=req.id, checkpoints=store.list(session.id))
+        return protocol.CheckpointsReply(id=req.id, checkpoints=store.infos(session.id))
     policy = session.policy.checkpoints
     if isinstance(req, protocol.TakeCheckpoint):
         with _quiet(manager, session, "checkpoint"), store.lock(session.id):

@@ -208,7 +208,7 @@ def test_over_the_byte_budget_a_checkpoint_is_refused_naming_it(store, tmp_path)
     assert err.value.message == ("checkpoint refused: it would copy more than 4 bytes (the policy's "
                                  "[checkpoints] max_bytes; reflink clones and links are not counted)")
     assert err.value.code == "checkpoint_refused"
-    assert store.list("s1") == []
+    assert store.infos("s1") == []
     assert os.listdir(os.path.join(store.root, "s1")) == []  # nothing half made is left
     # Its twin: within the budget, taken.
     assert store.take("s1", wt, Checkpoints(max_bytes=1024)).entries == 8
@@ -231,7 +231,7 @@ def test_over_the_entry_and_depth_budgets(store, tmp_path):
 def test_the_oldest_checkpoints_go_past_keep(store, tmp_path):
     wt = _worktree(tmp_path)
     ids = [store.take("s1", wt, Checkpoints(keep=2)).id for _ in range(3)]
-    assert [i.id for i in store.list("s1")] == ids[1:]
+    assert [i.id for i in store.infos("s1")] == ids[1:]
     assert sorted(os.listdir(os.path.join(store.root, "s1"))) == sorted(ids[1:])
     with pytest.raises(CheckpointError) as err:
         store.find("s1", ids[0])
@@ -252,7 +252,7 @@ def test_dropping_a_session_removes_its_checkpoints(store, tmp_path):
     wt = _worktree(tmp_path)
     store.take("s1", wt, POLICY)
     store.drop("s1")
-    assert store.list("s1") == [] and not os.path.exists(os.path.join(store.root, "s1"))
+    assert store.infos("s1") == [] and not os.path.exists(os.path.join(store.root, "s1"))
 
 
 def test_an_unreadable_directory_refuses_the_checkpoint(store, tmp_path):
