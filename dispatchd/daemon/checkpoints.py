@@ -9,17 +9,21 @@ removed, modes and symlinks as they were.
 Guarantees:
 - **State outside the sandbox.** Checkpoints live in the daemon's state
   directory (``STATE/checkpoints/SESSION/ID``), which no session can see.
-- **Complete or absent.** A checkpoint is built under a temporary name and
-  renamed into place once its manifest is written and synced; a daemon
-  killed half way leaves only a temporary directory, removed at the next
-  start (``Store.__init__``). Checkpoints belong to their session: they go
-  when it ends, and at the daemon's start (its sessions died with it).
-- **Cheap where the file system allows.** A file's copy is a reflink clone
-  (``FICLONE``: btrfs, XFS) where it can be; else a file unchanged since the
-  previous checkpoint (same inode, size, mtime and ctime, and not changed
-  within ``RACY_NS`` before that checkpoint began: a session can set an
-  mtime, never a ctime) is a hard link to that checkpoint's copy, never to
-  the live file (a later write would change it in place); else a copy.
+- **Complete or absent.** A checkpoint is its manifest, written under a
+  temporary name and renamed into place once the copies it names are
+  written (and, with the policy's ``limits.fsync``, on the disk); a daemon
+  killed half way leaves copies no manifest names and a temporary file,
+  removed at the next start (``Store.__init__``). Checkpoints belong to
+  their session: they go when it ends, and at the daemon's start (its
+  sessions died with it).
+- **Only what changed is copied.** The copies are a pool per session: a
+  file unchanged since the previous checkpoint (same inode, size, mtime and
+  ctime, and not changed within ``RACY_NS`` before that checkpoint began: a
+  session can set an mtime, never a ctime) shares that checkpoint's copy,
+  at no cost per file; never the live file (a later write would change it
+  in place). A new copy is a reflink clone (``FICLONE``: btrfs, XFS) where
+  the file system clones, else a copy. A copy goes when the last
+  checkpoint that names it goes (``keep``).
 - **Git objects by the history keep.** The repository's object files
   (``.git/objects``) are not copied here: they go to the keep the trusted
   baseline already holds (``githistory.keep_more``, the same reflink / hard
@@ -79,9 +83,9 @@ log = logging.getLogger("dispatchd.checkpoints")
 
 RACY_NS = 50_000_000  # a file changed this close before a checkpoint began is copied again
 _FICLONE = 0x40049409
-_MANIFEST = "manifest"
-_FILES = "files"
-_FANOUT = 4096  # stored copies per directory of the store
+_POOL = "pool"  # the session's copies, each shared by every checkpoint it is unchanged in
+_FANOUT = 4096  # copies per directory of the pool
+_FSYNC_EACH = 256  # up to this many files copied or written: an fsync each; more: one syncfs
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OBJECTS = b".git/objects"  # the repository's object files: kept by githistory, not here
 _TMP = ".tmp-"
@@ -102,7 +106,7 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
     dev: int = 0
     ino: int = 0
     target: bytes = b""  # a symlink's
-    copy: int = -1  # a file's copy in the store (files/N//FANOUT/N)
+    copy: int = -1  # a file's copy in the session's pool (pool/N//FANOUT/N), -1: none
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -286,8 +290,9 @@ def list_tree(root: str, policy: CheckpointPolicy) -> tuple[list[Entry], bool]:
 # --- copying ---------------------------------------------------------------------
 
 
-def _copy_path(store: str, n: int) -> str:
-    return os.path.join(store, _FILES, str(n // _FANOUT), str(n))
+def _copy_path(top: str, n: int) -> str:
+    """Copy ``n`` in the pool of the session whose checkpoints are in ``top``."""
+    return os.path.join(top, _POOL, str(n // _FANOUT), str(n))
 
 
 def _clone_fd(src: int, dst: int, size: int, budget: list[int]) -> bool:
@@ -359,6 +364,7 @@ class _Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     manifests: list[Manifest] = field(default_factory=list)
     count: int = 0
+    next_copy: int = 0  # the number of the pool's next copy
 
 
 class Store:
@@ -403,63 +409,92 @@ class Store:
 
     # --- take --------------------------------------------------------------------
 
-    def take(self, sid: str, worktree: str, policy: CheckpointPolicy, label: str = "") -> CheckpointInfo:
+    def take(self, sid: str, worktree: str, policy: CheckpointPolicy, label: str = "", fsync: bool = True
+             ) -> CheckpointInfo:
         """A checkpoint of ``worktree`` now; the caller holds ``lock(sid)`` and
-        has paused the session. Refused (``Refused``) over a budget."""
+        has paused the session. Refused (``Refused``) over a budget. With
+        ``fsync`` (the policy's ``limits.fsync``) it is on the disk when this
+        returns, not only complete for the daemon."""
         s = self._of(sid)
         started_ns = time.time_ns()
         entries, has_objects = list_tree(worktree, policy)
         previous = s.manifests[-1] if s.manifests else None
-        links = plan_copies(entries, previous)
+        shared = plan_copies(entries, previous)
         s.count += 1
         cid = f"c{s.count:04d}-{secrets.token_hex(4)}"
         top = os.path.join(self.root, sid)
-        os.makedirs(top, mode=0o700, exist_ok=True)
-        tmp = os.path.join(top, f"{_TMP}{cid}")
-        os.mkdir(tmp, 0o700)
+        os.makedirs(os.path.join(top, _POOL), mode=0o700, exist_ok=True)
+        made: list[int] = []  # copies this checkpoint added to the pool
+        to_copy = sum(1 for e in entries if e.kind == "f") - len(shared)
+        # Many copies: one syncfs at the end; a few: an fsync each (a syncfs
+        # would also flush what everyone else has written on that file system).
+        each = fsync and to_copy <= _FSYNC_EACH
         try:
             budget = [policy.max_bytes]
-            out, objects, keep = self._fill(tmp, worktree, entries, links, previous, budget, has_objects)
+            out, objects, keep = self._fill(s, top, worktree, entries, shared, made, budget, has_objects, each)
             info = CheckpointInfo(id=cid, created=time.time(), label=label, entries=len(out),
                                   copied_bytes=policy.max_bytes - budget[0], objects=len(objects))
             manifest = Manifest(info=info, started_ns=started_ns, entries=out, objects=sorted(objects), keep=keep)
-            path = os.path.join(tmp, _MANIFEST)
-            with open(path, "wb") as f:
+            if fsync and not each:
+                _syncfs(top)  # the copies reach the disk before the manifest says they are there
+            tmp = os.path.join(top, f"{_TMP}{cid}")
+            with open(tmp, "wb") as f:
                 f.write(msgspec.msgpack.encode(manifest))
-                f.flush()
-                os.fsync(f.fileno())
-            _syncfs(tmp)  # the copies reach the disk before the name says complete
-            os.rename(tmp, os.path.join(top, cid))
-            _fsync_dir(top)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.rename(tmp, os.path.join(top, cid))  # complete from here; absent before
+            if fsync:
+                _fsync_dir(top)
         except BaseException as exc:
-            treewalk.remove_tree(tmp)
+            for n in made:
+                with contextlib.suppress(OSError):
+                    os.unlink(_copy_path(top, n))
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(top, f"{_TMP}{cid}"))
             if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
                 raise Refused(f"checkpoint refused: it would copy more than {_mib(policy.max_bytes)} "
                               f"({_budget_words('max_bytes')}; reflink clones and links are not counted)") from exc
             raise
         s.manifests.append(manifest)
-        while len(s.manifests) > policy.keep:
-            old = s.manifests.pop(0)
-            treewalk.remove_tree(os.path.join(top, old.info.id))
-        log.info("event=checkpoint session=%s checkpoint=%s entries=%s copied_bytes=%s objects=%s",
-                 sid, cid, info.entries, info.copied_bytes, info.objects)
+        if len(s.manifests) > policy.keep:
+            self._forget_oldest(s, top, len(s.manifests) - policy.keep)
+        log.info("event=checkpoint session=%s checkpoint=%s entries=%s copied=%s copied_bytes=%s objects=%s",
+                 sid, cid, info.entries, len(made), info.copied_bytes, info.objects)
         return info
 
-    def _fill(self, tmp: str, worktree: str, entries: list[Entry], links: dict[bytes, int],
-              previous: Manifest | None, budget: list[int], has_objects: bool
+    @staticmethod
+    def _forget_oldest(s: _Session, top: str, n: int) -> None:
+        """The ``n`` oldest checkpoints go, and the copies no other one uses."""
+        gone, s.manifests = s.manifests[:n], s.manifests[n:]
+        used = {e.copy for m in s.manifests for e in m.entries if e.copy >= 0}
+        for m in gone:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(top, m.info.id))
+            for e in m.entries:
+                if e.copy >= 0 and e.copy not in used:
+                    used.add(e.copy)  # once
+                    with contextlib.suppress(OSError):
+                        os.unlink(_copy_path(top, e.copy))
+
+    def _fill(self, s: _Session, top: str, worktree: str, entries: list[Entry], shared: dict[bytes, int],
+              made: list[int], budget: list[int], has_objects: bool, fsync_each: bool
               ) -> tuple[list[Entry], set[str], str]:
+        """The entries as kept: each file's copy, shared with the previous
+        checkpoint (unchanged) or new in the pool (cloned or copied)."""
         out: list[Entry] = []
-        made_dirs: set[int] = set()
         root_fd = os.open(worktree, _DIR)
         objects: set[str] = set()
         keep = ""
-        prev_store = os.path.join(os.path.dirname(tmp), previous.info.id) if previous else ""
         try:
             parent_fd, parent = root_fd, b""
-            n = 0
             for e in entries:
                 if e.kind != "f":
                     out.append(e)
+                    continue
+                old = shared.get(e.path)
+                if old is not None:
+                    out.append(msgspec.structs.replace(e, copy=old))
                     continue
                 d = _parent(e.path)
                 if d != parent:
@@ -467,16 +502,6 @@ class Store:
                         os.close(parent_fd)
                     parent_fd = open_beneath(root_fd, os.fsdecode(d), _DIR) if d else root_fd
                     parent = d
-                if n // _FANOUT not in made_dirs:
-                    os.makedirs(os.path.join(tmp, _FILES, str(n // _FANOUT)), mode=0o700, exist_ok=True)
-                    made_dirs.add(n // _FANOUT)
-                dst = _copy_path(tmp, n)
-                old = links.get(e.path)
-                if old is not None:
-                    os.link(_copy_path(prev_store, old), dst)
-                    out.append(msgspec.structs.replace(e, copy=n))
-                    n += 1
-                    continue
                 try:
                     src = _open_readable(e.path.rpartition(b"/")[2], parent_fd)
                 except FileNotFoundError:
@@ -484,17 +509,23 @@ class Store:
                 try:
                     st = os.fstat(src)
                     if not stat.S_ISREG(st.st_mode):
-                        continue  # replaced meanwhile by something else: seen as it was listed
-                    dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+                        continue  # replaced meanwhile by something else: not a file of this checkpoint
+                    n = s.next_copy
+                    s.next_copy += 1
+                    if n % _FANOUT == 0 or n == 0 or not made:
+                        os.makedirs(os.path.dirname(_copy_path(top, n)), mode=0o700, exist_ok=True)
+                    dfd = os.open(_copy_path(top, n), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+                    made.append(n)
                     try:
                         _clone_fd(src, dfd, st.st_size, budget)
+                        if fsync_each:
+                            os.fsync(dfd)
                     finally:
                         os.close(dfd)
                     # As it was copied: a change during the copy is caught next time by its ctime.
                     found = _entry(e.path, st)
                     assert found is not None
                     out.append(msgspec.structs.replace(found, copy=n))
-                    n += 1
                 finally:
                     os.close(src)
             if parent_fd != root_fd:
@@ -521,16 +552,18 @@ class Store:
             raise CheckpointError(f"no such checkpoint: {cid!r} (session {sid} has: {known})", "unknown_checkpoint")
         return found[0]
 
-    def restore(self, sid: str, worktree: str, cid: str, policy: CheckpointPolicy) -> dict[str, int]:
+    def restore(self, sid: str, worktree: str, cid: str, policy: CheckpointPolicy, fsync: bool = True
+                ) -> dict[str, int]:
         """Put ``worktree`` back as checkpoint ``cid`` saw it; the caller holds
         ``lock(sid)`` and has made sure nothing of the session runs."""
         manifest = self.find(sid, cid)
-        store = os.path.join(self.root, sid, cid)
         now, _ = list_tree(worktree, policy)
         plan = plan_restore(manifest.entries, now)
-        done = apply_restore(worktree, store, plan)
+        each = fsync and len(plan.write) <= _FSYNC_EACH
+        done = apply_restore(worktree, os.path.join(self.root, sid), plan, fsync_each=each)
         done["objects"] = _put_objects(worktree, manifest) if manifest.objects else 0
-        _syncfs(worktree)
+        if fsync and (not each or done["objects"] or plan.remove or plan.make):
+            _syncfs(worktree)
         log.info("event=checkpoint_restored session=%s checkpoint=%s removed=%s written=%s made=%s objects=%s",
                  sid, cid, done["removed"], done["written"], done["made"], done["objects"])
         return done
@@ -581,7 +614,7 @@ class _Dirs:
         self.fd, self.path = -1, None
 
 
-def apply_restore(worktree: str, store: str, plan: RestorePlan) -> dict[str, int]:
+def apply_restore(worktree: str, top: str, plan: RestorePlan, fsync_each: bool = False) -> dict[str, int]:
     """Carry out ``plan`` in ``worktree`` (see ``_Dirs``: by descriptor, no
     symlink followed)."""
     root_fd = os.open(worktree, _DIR)
@@ -606,7 +639,7 @@ def apply_restore(worktree: str, store: str, plan: RestorePlan) -> dict[str, int
             os.mkdir(e.path.rpartition(b"/")[2], 0o700, dir_fd=fd)
         for e in plan.write:
             fd = dirs.get(_parent(e.path))
-            _put(fd, e.path.rpartition(b"/")[2], e, store)
+            _put(fd, e.path.rpartition(b"/")[2], e, top, fsync_each)
         dirs.close()
         # Children first (a directory made read-only is set after what it holds);
         # then those widened on the way that the plan leaves as they are.
@@ -627,7 +660,7 @@ def apply_restore(worktree: str, store: str, plan: RestorePlan) -> dict[str, int
     return {"removed": len(plan.remove), "written": len(plan.write), "made": len(plan.make)}
 
 
-def _put(fd: int, name: bytes, e: Entry, store: str) -> None:
+def _put(fd: int, name: bytes, e: Entry, top: str, fsync: bool) -> None:
     """Write entry ``e`` as ``name`` of directory ``fd``: under a temporary
     name, then renamed over whatever is there (a file or a symlink)."""
     tmp = f".{os.fsdecode(name)[:200]}.dispatchd-{secrets.token_hex(4)}.tmp"
@@ -637,13 +670,15 @@ def _put(fd: int, name: bytes, e: Entry, store: str) -> None:
         os.mkfifo(tmp, e.mode, dir_fd=fd)
         os.chmod(tmp, e.mode, dir_fd=fd)
     else:
-        src = os.open(_copy_path(store, e.copy), os.O_RDONLY | os.O_CLOEXEC)
+        src = os.open(_copy_path(top, e.copy), os.O_RDONLY | os.O_CLOEXEC)
         try:
             dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
             try:
                 _clone_fd(src, dst, e.size, [1 << 62])
                 os.fchmod(dst, e.mode)
                 os.utime(dst, ns=(e.mtime_ns, e.mtime_ns))
+                if fsync:
+                    os.fsync(dst)
             finally:
                 os.close(dst)
         finally:
@@ -823,11 +858,11 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
     policy = session.policy.checkpoints
     if isinstance(req, protocol.TakeCheckpoint):
         with _quiet(manager, session, "checkpoint"), store.lock(session.id):
-            info = store.take(session.id, session.worktree, policy, req.label)
+            info = store.take(session.id, session.worktree, policy, req.label, fsync=session.policy.limits.fsync)
         return protocol.CheckpointReply(id=req.id, checkpoint=info)
     store.find(session.id, req.checkpoint)  # an unknown id is refused before anything is paused
     with _quiet(manager, session, "restore"), store.lock(session.id):
-        done = store.restore(session.id, session.worktree, req.checkpoint, policy)
+        done = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=session.policy.limits.fsync)
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, **done)
 
 
@@ -843,7 +878,8 @@ def before_write(manager: SessionManager, session: Session, msg: protocol.Acquir
             try:
                 with manager.checkpoints.lock(session.id):
                     manager.checkpoints.take(session.id, session.worktree, session.policy.checkpoints,
-                                             f"before {msg.tool}" if msg.tool else "before a write")
+                                             f"before {msg.tool}" if msg.tool else "before a write",
+                                             fsync=session.policy.limits.fsync)
             except (CheckpointError, OSError) as exc:
                 why = exc.message if isinstance(exc, CheckpointError) else f"checkpoint failed: {exc}"
                 reply = protocol.ErrorReply(id=msg.id, code="checkpoint_refused",

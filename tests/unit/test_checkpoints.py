@@ -181,22 +181,29 @@ def test_take_then_restore_brings_everything_back(store, tmp_path):
     assert done == {"removed": 2, "written": 4, "made": 0, "objects": 0}
 
 
-def test_a_second_checkpoint_links_unchanged_copies_never_the_live_file(store, tmp_path):
+def _pool(store: cp.Store, sid: str) -> list[str]:
+    return [os.path.join(p, n) for p, _, names in os.walk(os.path.join(store.root, sid, "pool")) for n in names]
+
+
+def test_a_second_checkpoint_shares_unchanged_copies_never_the_live_file(store, tmp_path):
     wt = _worktree(tmp_path)
     first = store.take("s1", wt, POLICY)
     m1 = store.find("s1", first.id)
-    # Unchanged since, and older than RACY_NS before the first: linked, nothing copied.
-    m1 = cp.Manifest(info=m1.info, started_ns=m1.started_ns + cp.RACY_NS, entries=m1.entries)
-    store._of("s1").manifests[-1] = m1
-    second = store.take("s1", wt, Checkpoints(max_bytes=1))
-    assert second.copied_bytes == 0
-    m2 = store.find("s1", second.id)
-    copies = {e.path: os.stat(cp._copy_path(os.path.join(store.root, "s1", second.id), e.copy))
-              for e in m2.entries if e.kind == "f"}
-    assert all(st.st_nlink == 2 for st in copies.values())
+    # Older than RACY_NS before the first checkpoint, as if it began later: shared.
+    store._of("s1").manifests[-1] = cp.Manifest(info=m1.info, started_ns=m1.started_ns + cp.RACY_NS,
+                                                entries=m1.entries)
+    with open(os.path.join(wt, "src", "a.py"), "a") as fh:
+        fh.write("b = 2\n")
+    second = store.take("s1", wt, Checkpoints(max_bytes=20))  # only a.py's 12 bytes are copied
+    assert second.copied_bytes == 12
+    copies = lambda m: {e.path: e.copy for e in m.entries if e.kind == "f"}  # noqa: E731
+    c1, c2 = copies(m1), copies(store.find("s1", second.id))
+    assert {p for p in c1 if c1[p] == c2[p]} == {b"src/gone.py", b"run.sh", b"ro/k"}
+    assert len(_pool(store, "s1")) == 5
     # Never a link to the live worktree file: a later write there changes no copy.
-    live = {os.stat(os.path.join(wt, os.fsdecode(p))).st_ino for p in copies}
-    assert live.isdisjoint({st.st_ino for st in copies.values()})
+    live = {os.stat(os.path.join(wt, os.fsdecode(p))).st_ino for p in c2}
+    assert live.isdisjoint({os.stat(c).st_ino for c in _pool(store, "s1")})
+    assert all(os.stat(c).st_nlink == 1 for c in _pool(store, "s1"))
 
 
 def test_over_the_byte_budget_a_checkpoint_is_refused_naming_it(store, tmp_path):
@@ -209,7 +216,7 @@ def test_over_the_byte_budget_a_checkpoint_is_refused_naming_it(store, tmp_path)
                                  "[checkpoints] max_bytes; reflink clones and links are not counted)")
     assert err.value.code == "checkpoint_refused"
     assert store.infos("s1") == []
-    assert os.listdir(os.path.join(store.root, "s1")) == []  # nothing half made is left
+    assert _pool(store, "s1") == [] and os.listdir(os.path.join(store.root, "s1")) == ["pool"]  # nothing half made
     # Its twin: within the budget, taken.
     assert store.take("s1", wt, Checkpoints(max_bytes=1024)).entries == 8
 
@@ -232,7 +239,7 @@ def test_the_oldest_checkpoints_go_past_keep(store, tmp_path):
     wt = _worktree(tmp_path)
     ids = [store.take("s1", wt, Checkpoints(keep=2)).id for _ in range(3)]
     assert [i.id for i in store.infos("s1")] == ids[1:]
-    assert sorted(os.listdir(os.path.join(store.root, "s1"))) == sorted(ids[1:])
+    assert sorted(os.listdir(os.path.join(store.root, "s1"))) == sorted(ids[1:] + ["pool"])
     with pytest.raises(CheckpointError) as err:
         store.find("s1", ids[0])
     assert err.value.code == "unknown_checkpoint"
@@ -241,9 +248,10 @@ def test_the_oldest_checkpoints_go_past_keep(store, tmp_path):
 
 def test_a_half_made_checkpoint_is_gone_at_the_next_start(tmp_path):
     state = tmp_path / "state"
-    half = state / "checkpoints" / "s1" / ".tmp-c0001-deadbeef" / "files" / "0"
+    half = state / "checkpoints" / "s1" / "pool" / "0"
     half.mkdir(parents=True)
     (half / "0").write_text("x")
+    (state / "checkpoints" / "s1" / ".tmp-c0001-deadbeef").write_text("half a manifest")
     cp.Store(str(state), str(state / "keep"))
     assert os.listdir(state / "checkpoints") == []
 
@@ -289,3 +297,23 @@ def test_the_gate_closes_only_when_nothing_runs_and_holds_calls_until_resumed():
     gate.resume()
     assert passed.wait(5)
     t.join()
+
+
+def test_a_copy_goes_with_the_last_checkpoint_that_names_it(store, tmp_path):
+    wt = _worktree(tmp_path)
+    first = store.take("s1", wt, POLICY)
+    m1 = store.find("s1", first.id)
+    store._of("s1").manifests[-1] = cp.Manifest(info=m1.info, started_ns=m1.started_ns + cp.RACY_NS,
+                                                entries=m1.entries)
+    with open(os.path.join(wt, "src", "a.py"), "a") as fh:
+        fh.write("b = 2\n")
+    old_a = {e.path: e.copy for e in m1.entries}[b"src/a.py"]
+    second = store.take("s1", wt, Checkpoints(keep=1))
+    assert [i.id for i in store.infos("s1")] == [second.id]
+    assert len(_pool(store, "s1")) == 4  # the three shared, and a.py's new copy
+    assert not os.path.exists(cp._copy_path(os.path.join(store.root, "s1"), old_a))
+    with open(os.path.join(wt, "src", "a.py"), "w") as fh:
+        fh.write("changed again\n")
+    store.restore("s1", wt, second.id, POLICY)
+    with open(os.path.join(wt, "src", "a.py")) as fh:
+        assert fh.read() == "a = 1\nb = 2\n"
