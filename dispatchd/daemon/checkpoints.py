@@ -75,6 +75,7 @@ from dispatchd.daemon import githistory
 from dispatchd.errors import CheckpointError, SessionError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.protocol import CheckpointInfo
+from dispatchd.tempfiles import temp_name
 
 if TYPE_CHECKING:
     from dispatchd.daemon.sessions import Session, SessionManager
@@ -663,7 +664,7 @@ def apply_restore(worktree: str, top: str, plan: RestorePlan, fsync_each: bool =
 def _put(fd: int, name: bytes, e: Entry, top: str, fsync: bool) -> None:
     """Write entry ``e`` as ``name`` of directory ``fd``: under a temporary
     name, then renamed over whatever is there (a file or a symlink)."""
-    tmp = f".{os.fsdecode(name)[:200]}.dispatchd-{secrets.token_hex(4)}.tmp"
+    tmp = temp_name(os.fsdecode(name)[:200])  # the sweep's pattern: a restore cut short leaves nothing for good
     if e.kind == "l":
         os.symlink(e.target, tmp, dir_fd=fd)
     elif e.kind == "p":

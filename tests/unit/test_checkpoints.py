@@ -185,13 +185,18 @@ def _pool(store: cp.Store, sid: str) -> list[str]:
     return [os.path.join(p, n) for p, _, names in os.walk(os.path.join(store.root, sid, "pool")) for n in names]
 
 
-def test_a_second_checkpoint_shares_unchanged_copies_never_the_live_file(store, tmp_path):
-    wt = _worktree(tmp_path)
-    first = store.take("s1", wt, POLICY)
-    m1 = store.find("s1", first.id)
-    # Older than RACY_NS before the first checkpoint, as if it began later: shared.
+def _first_as_if_later(store: cp.Store, wt: str) -> cp.Manifest:
+    """A first checkpoint, recorded as if it began RACY_NS later: the files
+    just made count as older than the racy window, so the next one shares."""
+    m1 = store.find("s1", store.take("s1", wt, POLICY).id)
     store._of("s1").manifests[-1] = cp.Manifest(info=m1.info, started_ns=m1.started_ns + cp.RACY_NS,
                                                 entries=m1.entries)
+    return m1
+
+
+def test_a_second_checkpoint_shares_unchanged_copies_never_the_live_file(store, tmp_path):
+    wt = _worktree(tmp_path)
+    m1 = _first_as_if_later(store, wt)
     with open(os.path.join(wt, "src", "a.py"), "a") as fh:
         fh.write("b = 2\n")
     second = store.take("s1", wt, Checkpoints(max_bytes=20))  # only a.py's 12 bytes are copied
@@ -301,10 +306,7 @@ def test_the_gate_closes_only_when_nothing_runs_and_holds_calls_until_resumed():
 
 def test_a_copy_goes_with_the_last_checkpoint_that_names_it(store, tmp_path):
     wt = _worktree(tmp_path)
-    first = store.take("s1", wt, POLICY)
-    m1 = store.find("s1", first.id)
-    store._of("s1").manifests[-1] = cp.Manifest(info=m1.info, started_ns=m1.started_ns + cp.RACY_NS,
-                                                entries=m1.entries)
+    m1 = _first_as_if_later(store, wt)
     with open(os.path.join(wt, "src", "a.py"), "a") as fh:
         fh.write("b = 2\n")
     old_a = {e.path: e.copy for e in m1.entries}[b"src/a.py"]
