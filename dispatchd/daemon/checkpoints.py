@@ -229,32 +229,28 @@ def _budget_words(what: str) -> str:
     return f"the policy's [checkpoints] {what}"
 
 
-def list_tree(root: str, policy: CheckpointPolicy) -> tuple[list[Entry], bool]:
-    """Every entry below ``root`` (``.git/objects`` itself, not what it
-    holds); and whether ``.git/objects`` is a directory there. Refused over
-    the policy's budgets, or when a directory cannot be read."""
+def _is_object_dir(name: bytes) -> bool:
+    """A directory of ``.git/objects`` that holds object files (``ab``, ``pack``)."""
+    return name == b"pack" or (len(name) == 2 and all(c in b"0123456789abcdef" for c in name))
+
+
+def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint") -> tuple[list[Entry], bool]:
+    """Every entry below ``root``, but the object files of the repository at
+    its root (``.git/objects/ab/...``, ``.git/objects/pack/...``: kept by
+    githistory, never removed); and whether that repository's ``objects``
+    is a directory. Refused (``verb`` says what) over the policy's budgets,
+    or when a directory cannot be read."""
     budget = treewalk.Budget(max_entries=policy.max_files, max_depth=policy.max_depth)
     entries: list[Entry] = []
-    paths: dict[int, bytes] = {}
+    paths: dict[int, bytes] = {}  # descriptors the walk yielded -> their path (valid while open)
     expected: list[bytes] = []
     seen: set[bytes] = set()
     root_b = os.fsencode(root)
-    objects = False
 
     def prune(name: bytes, fd: int) -> bool:
-        nonlocal objects
-        rel = paths[fd] + b"/" + name if paths[fd] else name
-        if rel == _OBJECTS:
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except OSError as exc:
-                raise Refused(f"checkpoint refused: {os.fsdecode(rel)}: {exc.strerror}") from exc
-            made = _entry(rel, st)
-            if made is not None:
-                entries.append(made)
-            objects = True
+        if paths[fd] == _OBJECTS and _is_object_dir(name):
             return True
-        expected.append(rel)
+        expected.append(paths[fd] + b"/" + name if paths[fd] else name)
         return False
 
     for dirpath, files, fd in treewalk.walk(root, budget, prune):
@@ -276,16 +272,17 @@ def list_tree(root: str, policy: CheckpointPolicy) -> tuple[list[Entry], bool]:
             if made is not None:
                 entries.append(made)
     if budget.over:
-        raise Refused(f"checkpoint refused: the worktree has more than {policy.max_files} entries "
+        raise Refused(f"{verb} refused: the worktree has more than {policy.max_files} entries "
                       f"({_budget_words('max_files')})")
-    missed = [p for p in expected if p not in seen]
     if any("levels" in s for s in budget.skipped):
-        raise Refused(f"checkpoint refused: the worktree is deeper than {policy.max_depth} levels "
+        raise Refused(f"{verb} refused: the worktree is deeper than {policy.max_depth} levels "
                       f"({_budget_words('max_depth')})")
+    missed = [p for p in expected if p not in seen]
     if missed:
-        raise Refused(f"checkpoint refused: {os.fsdecode(missed[0])}: a directory that cannot be read "
-                      "(a checkpoint without it would delete it at a restore)")
-    return entries, objects
+        why = "a checkpoint without it would delete it at a restore" if verb == "checkpoint" else \
+            "what it holds cannot be compared; make it readable"
+        raise Refused(f"{verb} refused: {os.fsdecode(missed[0])}: a directory that cannot be read ({why})")
+    return entries, _OBJECTS in seen
 
 
 # --- copying ---------------------------------------------------------------------
@@ -558,7 +555,7 @@ class Store:
         """Put ``worktree`` back as checkpoint ``cid`` saw it; the caller holds
         ``lock(sid)`` and has made sure nothing of the session runs."""
         manifest = self.find(sid, cid)
-        now, _ = list_tree(worktree, policy)
+        now, _ = list_tree(worktree, policy, "restore")
         plan = plan_restore(manifest.entries, now)
         each = fsync and len(plan.write) <= _FSYNC_EACH
         done = apply_restore(worktree, os.path.join(self.root, sid), plan, fsync_each=each)

@@ -286,9 +286,15 @@ def test_an_unreadable_directory_refuses_the_checkpoint(store, tmp_path):
 
 def test_the_gate_closes_only_when_nothing_runs_and_holds_calls_until_resumed():
     gate = Gate()
-    assert gate.pause(lambda: 2) == "2 tool calls in flight"
+    assert gate.pause(lambda: 2, grace_s=0.01) == "2 tool calls in flight"
     with gate:
-        assert gate.pause(lambda: 0) == "1 tool call in flight"
+        assert gate.pause(lambda: 0, grace_s=0.01) == "1 tool call in flight"
+    # A call being counted out when the pause comes is waited for, briefly.
+    ending = threading.Timer(0.05, lambda: finished.append(1))
+    finished: list[int] = []
+    ending.start()
+    assert gate.pause(lambda: 1 - len(finished), grace_s=5) == ""
+    gate.resume()
     assert gate.pause(lambda: 0) == ""
     passed = threading.Event()
 
@@ -319,3 +325,26 @@ def test_a_copy_goes_with_the_last_checkpoint_that_names_it(store, tmp_path):
     store.restore("s1", wt, second.id, POLICY)
     with open(os.path.join(wt, "src", "a.py")) as fh:
         assert fh.read() == "a = 1\nb = 2\n"
+
+
+def test_git_object_files_come_back_from_the_keep_and_newer_ones_stay(store, tmp_path):
+    wt = _worktree(tmp_path)
+    objects = os.path.join(wt, ".git", "objects")
+    os.makedirs(os.path.join(objects, "ab"))
+    os.makedirs(os.path.join(objects, "info"))
+    with open(os.path.join(objects, "ab", "cdef"), "w") as fh:
+        fh.write("an object")
+    info = store.take("s1", wt, POLICY)
+    assert info.objects == 1
+    os.unlink(os.path.join(objects, "ab", "cdef"))
+    os.makedirs(os.path.join(objects, "12"))
+    with open(os.path.join(objects, "12", "3456"), "w") as fh:
+        fh.write("a newer object")
+    with open(os.path.join(objects, "info", "alternates"), "w") as fh:  # a file of git's, not an object
+        fh.write("/elsewhere\n")
+    done = store.restore("s1", wt, info.id, POLICY)
+    assert (done["objects"], done["removed"]) == (1, 1)
+    with open(os.path.join(objects, "ab", "cdef")) as fh:
+        assert fh.read() == "an object"
+    assert os.path.exists(os.path.join(objects, "12", "3456"))  # never removed: unreachable, git's gc drops it
+    assert not os.path.exists(os.path.join(objects, "info", "alternates"))
