@@ -1,16 +1,16 @@
 """The tool server's gate for checkpoints and restores (worker side).
 
 The daemon copies or rewrites the worktree only while no tool call runs
-(daemon/checkpoints.py). It sends ``Pause``; the control loop answers at
-once, without waiting for anything:
-- calls that come from then on wait at the gate (none is refused) until
-  ``Resume``;
+(daemon/checkpoints.py). It sends ``Pause``; the control loop answers:
+- writing calls that come from then on wait at the gate (none is refused)
+  until ``Resume``; reads are not held (a read during a restore may see a
+  file before or after it), so they pay nothing for the gate;
 - if a call is in flight (one being dispatched, or one running on a thread
   of its own) and does not end within ``GRACE_S``, the gate opens again
   and the answer says what runs.
 
-A call passes the gate in ``dispatch`` and counts until ``dispatch``
-returns; a call that goes on on a thread of its own is counted by the
+A writing call passes the gate in ``dispatch`` and counts until ``dispatch``
+returns (its wait for the write lock included); a call that goes on on a thread of its own is counted by the
 server's activity (``busy``) before ``dispatch`` returns, so nothing slips
 between the two counts.
 """

@@ -507,8 +507,11 @@ class _Server:
             self.live.discard(channel)
 
     def dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
-        with self.gate:  # a checkpoint or restore holds calls here (worker/pausegate.py)
-            self._dispatch(channel, req)
+        if req.tool in MUTATING_TOOLS:  # a checkpoint or restore holds writing calls here (worker/pausegate.py)
+            with self.gate:
+                self._dispatch(channel, req)
+            return
+        self._dispatch(channel, req)
 
     def _dispatch(self, channel: _Channel, req: protocol.CallTool) -> None:
         tool = self.tools.get(req.tool)
