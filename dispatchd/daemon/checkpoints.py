@@ -304,10 +304,10 @@ def _clone_fd(src: int, dst: int, size: int, budget: list[int]) -> bool:
         raise OSError(errno.EFBIG, "over the copy budget")
     budget[0] -= size
     offset = 0
-    while True:
-        n = os.copy_file_range(src, dst, 1 << 30, offset, offset)
+    while offset < size:  # no further: a file that grows meanwhile is kept as it was when looked at
+        n = os.copy_file_range(src, dst, min(size - offset, 1 << 30), offset, offset)
         if n == 0:
-            break
+            break  # it shrank meanwhile
         offset += n
     return False
 

@@ -20,6 +20,7 @@ import dispatch.aio
 from dispatchd.policy import default_policy_dir
 from tests.conftest import Daemon, _refuse_root, shell
 from tests.integration.test_cli import run
+from tests.sleeping import is_asleep, wait_until_asleep, with_sleep_after
 
 IDENTITY = "GIT_AUTHOR_NAME=agent GIT_AUTHOR_EMAIL=agent@example.invalid " \
            "GIT_COMMITTER_NAME=agent GIT_COMMITTER_EMAIL=agent@example.invalid"
@@ -28,7 +29,8 @@ IDENTITY = "GIT_AUTHOR_NAME=agent GIT_AUTHOR_EMAIL=agent@example.invalid " \
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """Policies: the shipped ones; 'tiny' (a checkpoint may copy 64 bytes);
-    'undo' (a checkpoint before every write); 'undo-tiny' (both)."""
+    'undo' (a checkpoint before every write); 'undo-tiny' (both); 'sleepy'
+    (sessions sleep after 0.1 s idle)."""
     _refuse_root()
     base = tmp_path_factory.mktemp("checkpoints")
     policies = base / "policies"
@@ -39,6 +41,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         (policies / f"{name}.toml").write_text(
             text.replace("before_writes = false", "").replace("max_bytes = 4294967296", "").replace(
                 "[checkpoints]", f"[checkpoints]\n{new}"))
+    (policies / "sleepy.toml").write_text(with_sleep_after(text, 0.1))
     d = Daemon(base, "--policies", str(policies))
     yield d
     assert d.stop() == 0, d.log()
@@ -250,3 +253,14 @@ def test_the_cli_and_the_asyncio_client(daemon: Daemon, client: dispatch.Client,
 
     asyncio.run(main())
     assert not (repo / "extra").exists()
+
+
+def test_an_asleep_session_is_checkpointed_and_restored_without_waking(client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo), policy="sleepy") as s:
+        ok(s.registry.get("write_file").call({"path": "a.txt", "content": "one"}))
+        wait_until_asleep(client, s.id)
+        cid = s.checkpoint()
+        (repo / "a.txt").write_text("two")
+        s.restore(cid)
+        assert is_asleep(client, s.id)  # no process was needed, none was started
+        assert ok(s.registry.get("read_file").call({"path": "a.txt"})).output == "0: one"
