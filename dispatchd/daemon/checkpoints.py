@@ -53,6 +53,8 @@ Guarantees:
 
 from __future__ import annotations
 
+import array
+import collections
 import contextlib
 import errno
 import fcntl
@@ -116,6 +118,9 @@ class Manifest(msgspec.Struct, frozen=True):
     entries: list[Entry]
     objects: list[str] = []  # the repository's object files ("ab/cdef...", "pack/..."), kept by githistory
     keep: str = ""  # where they are kept
+
+
+_manifest_decoder = msgspec.msgpack.Decoder(Manifest)
 
 
 # --- pure plans ---------------------------------------------------------------
@@ -360,7 +365,13 @@ class _Session:
     """A session's checkpoints: its store and one operation at a time."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
-    manifests: list[Manifest] = field(default_factory=list)
+    # Its checkpoints, oldest first. Only the newest manifest stays in memory
+    # (the next checkpoint shares its copies); the others are read from their
+    # files when restored, so the daemon holds a few MiB per session, not keep x that.
+    infos: list[CheckpointInfo] = field(default_factory=list)
+    last: Manifest | None = None
+    copies: dict[str, array.array[int]] = field(default_factory=dict)  # checkpoint -> the copies it names
+    refs: collections.Counter[int] = field(default_factory=collections.Counter)  # copy -> checkpoints naming it
     count: int = 0
     next_copy: int = 0  # the number of the pool's next copy
 
@@ -392,7 +403,7 @@ class Store:
     def infos(self, sid: str) -> list[CheckpointInfo]:
         with self._lock:
             s = self._sessions.get(sid)
-            return [m.info for m in s.manifests] if s else []
+            return list(s.infos) if s else []
 
     def drop(self, sid: str) -> None:
         """The session ended: its checkpoints go (waits for one being taken)."""
@@ -416,7 +427,7 @@ class Store:
         s = self._of(sid)
         started_ns = time.time_ns()
         entries, has_objects = list_tree(worktree, policy)
-        previous = s.manifests[-1] if s.manifests else None
+        previous = s.last
         shared = plan_copies(entries, previous)
         s.count += 1
         cid = f"c{s.count:04d}-{secrets.token_hex(4)}"
@@ -454,26 +465,31 @@ class Store:
                 raise Refused(f"checkpoint refused: it would copy more than {_mib(policy.max_bytes)} "
                               f"({_budget_words('max_bytes')}; reflink clones and links are not counted)") from exc
             raise
-        s.manifests.append(manifest)
-        if len(s.manifests) > policy.keep:
-            self._forget_oldest(s, top, len(s.manifests) - policy.keep)
+        named = array.array("q", sorted({e.copy for e in out if e.copy >= 0}))
+        with self._lock:
+            s.infos.append(info)
+            s.last = manifest
+            s.copies[cid] = named
+            s.refs.update(named)
+        if len(s.infos) > policy.keep:
+            self._forget_oldest(s, top, len(s.infos) - policy.keep)
         log.info("event=checkpoint session=%s checkpoint=%s entries=%s copied=%s copied_bytes=%s objects=%s",
                  sid, cid, info.entries, len(made), info.copied_bytes, info.objects)
         return info
 
-    @staticmethod
-    def _forget_oldest(s: _Session, top: str, n: int) -> None:
-        """The ``n`` oldest checkpoints go, and the copies no other one uses."""
-        gone, s.manifests = s.manifests[:n], s.manifests[n:]
-        used = {e.copy for m in s.manifests for e in m.entries if e.copy >= 0}
-        for m in gone:
+    def _forget_oldest(self, s: _Session, top: str, n: int) -> None:
+        """The ``n`` oldest checkpoints go, and the copies no other one names."""
+        with self._lock:
+            gone, s.infos = s.infos[:n], s.infos[n:]
+        for info in gone:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(top, m.info.id))
-            for e in m.entries:
-                if e.copy >= 0 and e.copy not in used:
-                    used.add(e.copy)  # once
+                os.unlink(os.path.join(top, info.id))
+            for copy in s.copies.pop(info.id, array.array("q")):
+                s.refs[copy] -= 1
+                if s.refs[copy] <= 0:
+                    del s.refs[copy]
                     with contextlib.suppress(OSError):
-                        os.unlink(_copy_path(top, e.copy))
+                        os.unlink(_copy_path(top, copy))
 
     def _fill(self, s: _Session, top: str, worktree: str, entries: list[Entry], shared: dict[bytes, int],
               made: list[int], budget: list[int], has_objects: bool, fsync_each: bool
@@ -542,13 +558,18 @@ class Store:
     # --- restore -----------------------------------------------------------------
 
     def find(self, sid: str, cid: str) -> Manifest:
+        """Checkpoint ``cid`` of session ``sid``, its manifest read from its file."""
         with self._lock:
             s = self._sessions.get(sid)
-            found = [m for m in (s.manifests if s else []) if m.info.id == cid]
-        if not found:
-            known = ", ".join(i.id for i in self.infos(sid)) or "none"
-            raise CheckpointError(f"no such checkpoint: {cid!r} (session {sid} has: {known})", "unknown_checkpoint")
-        return found[0]
+            known = [i.id for i in s.infos] if s else []
+            last = s.last if s else None
+        if cid not in known:
+            raise CheckpointError(f"no such checkpoint: {cid!r} (session {sid} has: {', '.join(known) or 'none'})",
+                                  "unknown_checkpoint")
+        if last is not None and last.info.id == cid:
+            return last
+        with open(os.path.join(self.root, sid, cid), "rb") as f:
+            return _manifest_decoder.decode(f.read())
 
     def restore(self, sid: str, worktree: str, cid: str, policy: CheckpointPolicy, fsync: bool = True
                 ) -> dict[str, int]:

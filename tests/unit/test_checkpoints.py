@@ -189,7 +189,7 @@ def _first_as_if_later(store: cp.Store, wt: str) -> cp.Manifest:
     """A first checkpoint, recorded as if it began RACY_NS later: the files
     just made count as older than the racy window, so the next one shares."""
     m1 = store.find("s1", store.take("s1", wt, POLICY).id)
-    store._of("s1").manifests[-1] = cp.Manifest(info=m1.info, started_ns=m1.started_ns + cp.RACY_NS,
+    store._of("s1").last = cp.Manifest(info=m1.info, started_ns=m1.started_ns + cp.RACY_NS,
                                                 entries=m1.entries)
     return m1
 
