@@ -828,6 +828,8 @@ def _quiet(manager: SessionManager, session: Session, verb: str) -> Iterator[Non
             raise SessionError(f"no such session: {session.id!r}", session.id)
         control = session.control
         if session.asleep is not None or control is None:
+            if verb == "restore":
+                _take_write_lock(manager, session)
             yield  # asleep: no process of it runs, and none starts while we hold its lock
             return
         rid, done, answer = manager.checkpoints.pauses.ask()
@@ -846,6 +848,7 @@ def _quiet(manager: SessionManager, session: Session, verb: str) -> Iterator[Non
                                   f"return (or end it: session.cancel()) and {verb} again", "session_busy")
         try:
             if verb == "restore":
+                _take_write_lock(manager, session)
                 running = _processes(session)
                 if running:
                     raise CheckpointError(
@@ -859,6 +862,17 @@ def _quiet(manager: SessionManager, session: Session, verb: str) -> Iterator[Non
                     control.send(protocol.Resume())
             except OSError:
                 pass  # the worker is gone: nothing waits
+
+
+def _take_write_lock(manager: SessionManager, session: Session) -> None:
+    """A restore writes the worktree: only a session that may write it, and
+    holds (or now takes) its write lock, one writer per worktree."""
+    if session.policy.filesystem.worktree == "read-only":
+        raise CheckpointError(f"restore refused: session {session.id}'s policy ({session.policy.name}) keeps the "
+                              "worktree read-only", "checkpoint_refused")
+    reply = manager._grant_write_lock(session, 0)
+    if isinstance(reply, protocol.ErrorReply):
+        raise CheckpointError(f"restore refused: {reply.message}", reply.code)
 
 
 def _processes(session: Session) -> int:

@@ -264,3 +264,25 @@ def test_an_asleep_session_is_checkpointed_and_restored_without_waking(client: d
         s.restore(cid)
         assert is_asleep(client, s.id)  # no process was needed, none was started
         assert ok(s.registry.get("read_file").call({"path": "a.txt"})).output == "0: one"
+
+
+def test_a_restore_is_a_write_one_writer_per_worktree(client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo)) as writer, client.open_session(str(repo)) as other:
+        cid = other.checkpoint()  # a checkpoint only reads: taken while another session writes
+        ok(writer.registry.get("write_file").call({"path": "a.txt", "content": "mine"}))
+        with pytest.raises(dispatch.RequestFailed) as err:
+            other.restore(cid)
+        assert err.value.code == "write_locked"
+        assert err.value.message.startswith(f"restore refused: the worktree {repo} is being written by session "
+                                            f"{writer.id} (opened ")
+        assert (repo / "a.txt").read_text() == "mine"
+        writer.close()
+        other.restore(cid)  # the twin: once the writer is gone
+        assert not (repo / "a.txt").exists()
+        assert other.status()["writes"] is True
+    with client.open_session(str(repo), policy="read-only") as reader:
+        cid = reader.checkpoint()
+        with pytest.raises(dispatch.RequestFailed) as err:
+            reader.restore(cid)
+        assert err.value.message == (f"restore refused: session {reader.id}'s policy (read-only) keeps the "
+                                     "worktree read-only")
