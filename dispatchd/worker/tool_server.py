@@ -371,7 +371,7 @@ class _WriteLock:
             self.control.send(protocol.AcquireWriteLock(id=rid, checkpoint=self.checkpoint_each, tool=tool))
         except OSError:
             return "the daemon is gone"
-        if not done[0].wait(30):
+        if not done[0].wait(600 if self.checkpoint_each else 30):  # a first checkpoint may copy a big tree
             return "the daemon did not answer the write-lock request"
         reply = done[1][0]
         if isinstance(reply, protocol.OkReply):
