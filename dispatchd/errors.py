@@ -5,6 +5,8 @@
     ├── WorktreeError              the worktree is refused                   (path)
     ├── SessionError               no such session / session gone            (session)
     ├── ConfinementError           a protection could not be applied          (step, errno, path)
+    ├── CheckpointError            a checkpoint or restore refused or cut short (code: checkpoint_refused,
+    │                              unknown_checkpoint, session_busy, restore_failed)
     └── Stopping                   the daemon is stopping: no new session
 """
 
@@ -59,6 +61,12 @@ class ConfinementError(DispatchdError):
         self.step = step
         self.errno = err
         self.path = path
+
+
+class CheckpointError(DispatchdError):
+    def __init__(self, message: str, code: str = "checkpoint_refused") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Stopping(DispatchdError):

@@ -183,6 +183,16 @@ class Protect(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     paths: tuple[str, ...] = DEFAULT_PROTECTED
 
 
+class Checkpoints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Take a checkpoint before every writing call (write_file, edit_file,
+    # create_file, shell_exec); one that cannot be taken refuses the call.
+    before_writes: bool = False
+    keep: int = 20  # checkpoints kept per session; the oldest goes first
+    max_files: int = 200_000  # entries of the worktree a checkpoint may list (files, directories, links)
+    max_bytes: int = 4 * 1024**3  # bytes one checkpoint may copy (not counting reflinks and links)
+    max_depth: int = 256  # directory levels (dispatchd/treewalk.py's MAX_DEPTH)
+
+
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str = "default"
     description: str = ""
@@ -193,6 +203,7 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     limits: Limits = Limits()
     env: Env = Env()
     protect: Protect = Protect()
+    checkpoints: Checkpoints = Checkpoints()
 
 
 def _check(policy: Policy, where: str) -> None:
@@ -249,6 +260,9 @@ def _check(policy: Policy, where: str) -> None:
                 "max_fanotify_marks", "max_pending_signals", "max_msgqueue_bytes", "max_wakes"):
         if getattr(lim, key) < 1:
             raise bad(f"limits.{key}", "must be at least 1")
+    for key in ("keep", "max_files", "max_bytes", "max_depth"):
+        if getattr(policy.checkpoints, key) < 1:
+            raise bad(f"checkpoints.{key}", "must be at least 1")
     if not 1 <= lim.cpu_weight <= 10000:
         raise bad("limits.cpu_weight", "must be between 1 and 10000 (cgroup v2 cpu.weight)")
     for key, ports in (("network.connect_ports", policy.network.connect_ports),

@@ -29,7 +29,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Budget", "MAX_DEPTH", "MAX_ENTRIES", "remove_tree", "walk"]
+__all__ = ["Budget", "MAX_DEPTH", "MAX_ENTRIES", "remove_tree", "remove_tree_at", "walk"]
 
 # A scratch directory or a worktree deeper than this is walked in parts
 # (removal) or not below it (other walks): one descriptor per level is held.
@@ -146,17 +146,28 @@ def remove_tree(path: str, budget: Budget | None = None) -> Budget:
         budget.note(f"{parent}: {exc.strerror}")
         return budget
     try:
-        try:
-            if _unlink(base, parent_fd):
-                return budget  # a file or a symlink: nothing below it
-        except FileNotFoundError:
-            return budget
-        except OSError as exc:
-            budget.note(f"{path}: {exc.strerror}")
-            return budget
-        _remove_dir(base, parent_fd, path, budget)
+        return remove_tree_at(parent_fd, base, budget, shown=path)
     finally:
         os.close(parent_fd)
+
+
+def remove_tree_at(parent_fd: int, name: bytes | str, budget: Budget | None = None, shown: str = "") -> Budget:
+    """``remove_tree`` of ``name`` in the directory ``parent_fd``: nothing on
+    the way to it is looked up by path (a caller that reached ``parent_fd``
+    by descriptor keeps every guarantee). ``shown``: its name in the notes.
+    Never raises."""
+    budget = budget or Budget()
+    base = os.fsdecode(name)
+    shown = shown or base
+    try:
+        if _unlink(base, parent_fd):
+            return budget  # a file or a symlink: nothing below it
+    except FileNotFoundError:
+        return budget
+    except OSError as exc:
+        budget.note(f"{shown}: {exc.strerror}")
+        return budget
+    _remove_dir(base, parent_fd, shown, budget)
     return budget
 
 

@@ -53,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="as JSON")
     rl = session.add_parser("release", help="give back a session's worktree write lock without closing it")
     rl.add_argument("id")
+    _checkpoint_parsers(session)  # checkpoint, checkpoints, restore
 
     net = sub.add_parser("network", help="switch a session's network: in place between off, on and ports in full "
                          "mode (its processes kept); to or from domains, or without user namespaces, the sandbox "
@@ -181,3 +182,15 @@ def _jobs_parser(sub: Any) -> None:
     out.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     stop = actions.add_parser("stop", help="stop a job and every process it started")
     stop.add_argument("job")
+
+def _checkpoint_parsers(session: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    ck = session.add_parser("checkpoint", help="keep a session's worktree (files and git metadata) as it is now; "
+                                               "prints the checkpoint's id")
+    ck.add_argument("id")
+    ck.add_argument("--label", default="", help="a few words to know it by")
+    cks = session.add_parser("checkpoints", help="list a session's checkpoints, oldest first")
+    cks.add_argument("id")
+    cks.add_argument("--json", action="store_true", help="as JSON")
+    rs = session.add_parser("restore", help="put a session's worktree back as it was at a checkpoint")
+    rs.add_argument("id")
+    rs.add_argument("checkpoint")

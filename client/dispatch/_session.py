@@ -33,6 +33,7 @@ from typing import Any, Protocol, cast, overload
 
 import msgspec
 
+from dispatch._checkpoints import SessionCheckpoints  # checkpoint(), checkpoints(), restore()
 from dispatch._definition import ToolFunc
 from dispatch._transport import Connection, OutputCallback
 from dispatch.errors import ConnectionLost, DispatchError, NotSent, RequestFailed, RequestTimeout
@@ -158,7 +159,7 @@ class DaemonLink(Protocol):
     def session_infos(self) -> list[protocol.SessionInfo]: ...
 
 
-class Session:
+class Session(SessionCheckpoints):
     """An open session: its id, its network, and a ``registry`` of remote tools."""
 
     def __init__(self, client: DaemonLink, info: protocol.SessionInfo, *, owned: bool,

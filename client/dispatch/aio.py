@@ -196,6 +196,15 @@ class AsyncSession:
     async def release_write_lock(self) -> dict[str, Any]:
         return await _run(self.sync.release_write_lock)
 
+    async def checkpoint(self, label: str = "") -> str:
+        return await _run(self.sync.checkpoint, label)
+
+    async def checkpoints(self) -> list[dict[str, Any]]:
+        return await _run(self.sync.checkpoints)
+
+    async def restore(self, checkpoint_id: str) -> dict[str, Any]:
+        return await _run(self.sync.restore, checkpoint_id)
+
     async def detach(self) -> None:
         await _run(self.sync.detach)
 
@@ -248,6 +257,15 @@ class AsyncClient:
 
     async def release_write_lock(self, session_id: str) -> dict[str, Any]:
         return await _run(self.sync.release_write_lock, session_id)
+
+    async def checkpoint(self, session_id: str, label: str = "") -> str:
+        return await _run(self.sync.checkpoint, session_id, label)
+
+    async def checkpoints(self, session_id: str) -> list[dict[str, Any]]:
+        return await _run(self.sync.checkpoints, session_id)
+
+    async def restore(self, session_id: str, checkpoint_id: str) -> dict[str, Any]:
+        return await _run(self.sync.restore, session_id, checkpoint_id)
 
     async def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
                           bind_ports: list[int] | None = None, **more: Any) -> dict[str, Any]:

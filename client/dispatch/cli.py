@@ -21,6 +21,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,6 +109,26 @@ def _closed_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+
+
+def _run_checkpoint(client: Client, args: argparse.Namespace) -> None:
+    if args.action == "checkpoint":
+        print(client.checkpoint(args.id, args.label))
+    elif args.action == "restore":
+        done = client.restore(args.id, args.checkpoint)
+        print(f"restored {done['checkpoint']}: {done['removed']} removed, {done['written']} written, "
+              f"{done['made']} directories made, {done['objects']} git object files put back")
+    elif args.json:
+        print(json.dumps(client.checkpoints(args.id), indent=2))
+    else:
+        found = client.checkpoints(args.id)
+        if not found:
+            print("no checkpoints")
+        for c in found:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["created"]))
+            print(f"{c['id']}  {when}  {c['entries']} entries  {c['copied_bytes']} bytes copied  {c['label']}")
 
 
 def _print_sessions(sessions: list[protocol.SessionInfo]) -> None:
@@ -268,6 +289,8 @@ def _run(args: argparse.Namespace) -> int:
                 _cli_text.print_protected(client.close_session(args.id))
             elif args.action == "release":
                 client.release_write_lock(args.id)
+            elif args.action in ("checkpoint", "checkpoints", "restore"):
+                _run_checkpoint(client, args)
             else:
                 if args.json:
                     print(json.dumps(client.list_sessions(), indent=2))

@@ -26,6 +26,7 @@ from typing import Any, cast
 import msgspec
 
 from dispatch._autostart import daemon_socket
+from dispatch._checkpoints import ClientCheckpoints  # checkpoint(), checkpoints(), restore() by session id
 from dispatch._session import Cancellation, Session, domain_list, info_dict, network_word
 from dispatch._transport import Connection
 from dispatch.errors import ConnectionLost, DaemonUnavailable, DispatchError, RequestFailed, RequestTimeout
@@ -34,7 +35,7 @@ from dispatchd import envnames, paths, protocol
 __all__ = ["Cancellation", "Client", "Session", "connect"]
 
 
-class Client:
+class Client(ClientCheckpoints):
     """A connection to the daemon. ``timeout``: how long to wait for the
     daemon (to start, when autostarting, and to answer each request);
     ``call_margin``: how long past a tool call's own time limit to wait for

@@ -105,6 +105,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     # "domains": the port of the listener the worker makes on its own loopback
     # and hands to the daemon's proxy (dispatchd.domains); 0: none.
     proxy_port: int = 0
+    checkpoint_writes: bool = False  # policy [checkpoints] before_writes (daemon/checkpoints.py)
 
 
 def can_sleep(plan: SessionPlan) -> bool:
@@ -397,6 +398,7 @@ def plan_session(
         tools=list(policy.tools),
         writable=worktree_rw,
         limits=policy.limits,
+        checkpoint_writes=policy.checkpoints.before_writes,
         protections=protections,
         net=net,
         proxy_port=domains_mod.PROXY_PORT if network == "domains" else 0,

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dispatchd import __version__, protocol
+from dispatchd.daemon import checkpoints
 from dispatchd.daemon.capacity import OpenFiles
 from dispatchd.daemon.sessions import Session, SessionManager
 from dispatchd.errors import DispatchdError
@@ -318,6 +319,8 @@ class Server:
                                             helpers=self.helpers()),
                                         protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
                                                    for p in m.baselines.recovered])
+        if isinstance(req, (protocol.TakeCheckpoint, protocol.ListCheckpoints, protocol.RestoreCheckpoint)):
+            return checkpoints.handle(m, req)
         if isinstance(req, protocol.ListTools):
             policy = self.load_policy(req.policy)
             return protocol.ToolsReply(id=req.id, tools=[protocol.ToolSchema(**s) for s in schemas_for(policy.tools)])

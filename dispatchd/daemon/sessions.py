@@ -63,6 +63,7 @@ from dispatchd.daemon import exits, leftovers, lifetimes, watchdog
 # bound here under the names this module's code calls it by.
 from dispatchd.daemon import gitguard as baselines, gitguard as gitidentity, gitguard as gitlayout
 from dispatchd.daemon import gitguard as gitredirects, gitguard as gitsnapshot
+from dispatchd.daemon import checkpoints  # checkpoints and restores (checkpoints.py)
 from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
@@ -296,6 +297,7 @@ class SessionManager:
         self.baselines = baselines.Baselines(state_dir, self.home)
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
+        self.checkpoints = checkpoints.Store(state_dir, self.baselines.keep_dir)  # checkpoints.py
         self._lock = threading.Lock()
         self.accepting = True
         # Opens in flight: close_all waits for them (a session they register
@@ -914,6 +916,10 @@ class SessionManager:
                     waiting = session.acks.pop(msg.id, None)
                     if waiting is not None:
                         waiting.set()
+                elif isinstance(msg, protocol.Paused):  # checkpoints.py
+                    self.checkpoints.pauses.answer(msg)
+                elif isinstance(msg, protocol.AcquireWriteLock) and msg.checkpoint:  # checkpoints.py
+                    checkpoints.before_write(self, session, msg, control)
                 elif isinstance(msg, protocol.AcquireWriteLock):
                     # Decided and sent under send_lock: a release in between
                     # would otherwise reach the worker before this grant.
@@ -1009,6 +1015,7 @@ class SessionManager:
         self.baselines.leave(session.id)  # an open that failed half way (a no-op after _check_git)
         self._remove_cgroup(session)
         self._forget(session)
+        self.checkpoints.drop(session.id)  # checkpoints.py: a session's go with it
         self._remove_scratch(session)
         self._end_nap(session)
         self._drop_kit(session)

@@ -111,6 +111,11 @@ class AcquireWriteLock(_Msg, tag="acquire_write_lock", frozen=True):
     ``ErrorReply`` (code ``write_locked``) naming the session that holds it."""
 
     id: int
+    # Policy [checkpoints] before_writes: asked before every writing call, and
+    # granted only once a checkpoint is taken (daemon/checkpoints.py), labelled
+    # with the tool; a checkpoint refused is an ``ErrorReply`` and the call fails.
+    checkpoint: bool = False
+    tool: str = ""
 
 
 class CallRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -170,6 +175,26 @@ class NetworkDenied(_Msg, tag="network_denied", frozen=True):
     allow: str
 
 
+class Pause(_Msg, tag="pause", frozen=True):
+    """Daemon -> worker, before a checkpoint or a restore (daemon/checkpoints.py):
+    start no tool call until ``Resume`` (they wait, none is refused), and say
+    whether one is in flight. Answered by ``Paused`` with the same ``id``."""
+
+    id: int
+
+
+class Paused(_Msg, tag="paused", frozen=True):
+    """Worker -> daemon: ``busy`` empty: paused, nothing in flight; otherwise
+    what is in flight (then it is not paused: no ``Resume`` is needed)."""
+
+    id: int
+    busy: str = ""
+
+
+class Resume(_Msg, tag="resume", frozen=True):
+    """Daemon -> worker: the calls that waited since ``Pause`` start."""
+
+
 class MaySleep(_Msg, tag="may_sleep", frozen=True):
     """Worker -> daemon: idle for the policy's ``sleep_after_s``, with no call,
     job, other process or unread byte; it reads no channel until answered,
@@ -223,10 +248,10 @@ class KeptJobs(_Msg, tag="kept_jobs", frozen=True):
 
 # Worker -> daemon: its start, then requests and records while it serves.
 FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply, MaySleep,
-                   Asleep, KeptJobs]
+                   Asleep, KeptJobs, Paused]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
 ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock, AdoptSession,
-                 ExpectSession, Sleep, StayAwake, KeptJobs, NetworkDenied]
+                 ExpectSession, Sleep, StayAwake, KeptJobs, NetworkDenied, Pause, Resume]
 
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

@@ -106,8 +106,34 @@ class ListTools(_Msg, tag="list_tools", frozen=True):
     policy: str = "default"
 
 
+class TakeCheckpoint(_Msg, tag="checkpoint", frozen=True):
+    """Keep the session's worktree as it is now (daemon/checkpoints.py);
+    answered by ``CheckpointReply``."""
+
+    id: int
+    session: str
+    label: str = ""
+
+
+class ListCheckpoints(_Msg, tag="list_checkpoints", frozen=True):
+    """The session's checkpoints, oldest first; answered by ``CheckpointsReply``."""
+
+    id: int
+    session: str
+
+
+class RestoreCheckpoint(_Msg, tag="restore", frozen=True):
+    """Put the worktree's files and git metadata back as they were at
+    ``checkpoint``; answered by ``RestoredReply``."""
+
+    id: int
+    session: str
+    checkpoint: str
+
+
 DaemonRequest = Union[
-    Hello, OpenSession, CloseSession, ListSessions, SetNetwork, Status, Attach, ListTools, ReleaseWriteLock
+    Hello, OpenSession, CloseSession, ListSessions, SetNetwork, Status, Attach, ListTools, ReleaseWriteLock,
+    TakeCheckpoint, ListCheckpoints, RestoreCheckpoint,
 ]
 
 # --- daemon -> client -------------------------------------------------------
@@ -220,6 +246,41 @@ class ClosedReply(_Msg, tag="closed", frozen=True):
     protected: list[ProtectedItem] = []
 
 
+class CheckpointInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A checkpoint: its id, when it was taken (``time.time()``), its label,
+    and what it holds (entries: files, directories and links; bytes copied,
+    not cloned or linked; git object files it keeps)."""
+
+    id: str
+    created: float
+    label: str = ""
+    entries: int = 0
+    copied_bytes: int = 0
+    objects: int = 0
+
+
+class CheckpointReply(_Msg, tag="checkpoint_taken", frozen=True):
+    id: int
+    checkpoint: CheckpointInfo
+
+
+class CheckpointsReply(_Msg, tag="checkpoints", frozen=True):
+    id: int
+    checkpoints: list[CheckpointInfo]
+
+
+class RestoredReply(_Msg, tag="restored", frozen=True):
+    """What a restore changed: paths removed, written (files, links) and
+    made (directories), git object files put back."""
+
+    id: int
+    checkpoint: str
+    removed: int = 0
+    written: int = 0
+    made: int = 0
+    objects: int = 0
+
+
 class ErrorReply(_Msg, tag="error", frozen=True):
     """``code`` is stable and machine-readable; ``message`` is for people."""
 
@@ -229,7 +290,8 @@ class ErrorReply(_Msg, tag="error", frozen=True):
 
 
 DaemonReply = Union[
-    HelloOk, SessionReply, SessionsReply, StatusReply, Attached, ToolsReply, OkReply, ClosedReply, ErrorReply
+    HelloOk, SessionReply, SessionsReply, StatusReply, Attached, ToolsReply, OkReply, ClosedReply, ErrorReply,
+    CheckpointReply, CheckpointsReply, RestoredReply,
 ]
 
 # --- client <-> worker: a channel the daemon handed over (Attach), one hop per call ---

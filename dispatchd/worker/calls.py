@@ -35,7 +35,7 @@ from dispatchd.confine.plan import SessionPlan
 from dispatchd.policy import MUTATING_TOOLS
 from dispatchd.tools import changes
 from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed, invalid
-from dispatchd.worker import redact
+from dispatchd.worker import pausegate, redact
 from dispatchd.worker.activity import Activity, call_usage
 from dispatchd.worker.control import Control, WriteLock
 
@@ -72,6 +72,7 @@ class Calls:
     activity: Activity
     control: Control
     write_lock: WriteLock
+    gate: pausegate.Gate
     redactor: redact.Redactor | None
     denials: collections.deque[tuple[float, str, str]]
     watcher: changes.Watcher | None | bool
@@ -80,6 +81,13 @@ class Calls:
     _records_due: Callable[[], None]
 
     def dispatch(self, channel: Channel, req: protocol.CallTool) -> None:
+        if req.tool in MUTATING_TOOLS:  # a checkpoint or restore holds writing calls here (worker/pausegate.py)
+            with self.gate:
+                self._dispatch(channel, req)
+            return
+        self._dispatch(channel, req)
+
+    def _dispatch(self, channel: Channel, req: protocol.CallTool) -> None:
         tool = self.tools.get(req.tool)
         if tool is None:
             known = ", ".join(self.tools)
@@ -91,7 +99,7 @@ class Calls:
                                              error=f"{req.tool}: dispatchd is stopping and takes no new calls"))
             return
         if req.tool in MUTATING_TOOLS:
-            refused = self.write_lock.acquire()
+            refused = self.write_lock.acquire(req.tool)
             if refused is not None:
                 channel.reply(protocol.ToolReply(id=req.id, success=False, error=f"{req.tool}: {refused}",
                                                  metadata={"write_locked": True}))

@@ -25,7 +25,7 @@ class Control:
         self.send_lock = threading.Lock()
 
     def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone | protocol.OkReply | protocol.MaySleep
-             ) -> None:
+             | protocol.Paused) -> None:
         with self.send_lock:
             self.frames.send(msg)
 
@@ -41,29 +41,30 @@ class WriteLock:
     def __init__(self, control: Control) -> None:
         self.control = control
         self.held = False
+        self.checkpoint_each = False  # policy [checkpoints] before_writes: asked (and checkpointed) every time
         self.on_granted: Callable[[], None] | None = None  # called once, when first granted
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[threading.Event, list[object]]] = {}
         self._lock = threading.Lock()
 
-    def acquire(self) -> str | None:
+    def acquire(self, tool: str = "") -> str | None:
         """None once held; otherwise why not."""
-        if self.held:
+        if self.held and not self.checkpoint_each:
             return None
         rid = next(self._ids)
         done: tuple[threading.Event, list[object]] = (threading.Event(), [])
         with self._lock:
             self._waiting[rid] = done
         try:
-            self.control.send(protocol.AcquireWriteLock(id=rid))
+            self.control.send(protocol.AcquireWriteLock(id=rid, checkpoint=self.checkpoint_each, tool=tool))
         except OSError:
             return "the daemon is gone"
-        if not done[0].wait(30):
+        if not done[0].wait(600 if self.checkpoint_each else 30):  # a first checkpoint may copy a big tree
             return "the daemon did not answer the write-lock request"
         reply = done[1][0]
         if isinstance(reply, protocol.OkReply):
-            self.held = True
-            if self.on_granted is not None:
+            first, self.held = not self.held, True
+            if first and self.on_granted is not None:
                 self.on_granted()
             return None
         return getattr(reply, "message", "refused")

@@ -62,7 +62,7 @@ from dispatchd.tools import atomic, changes, files, native, orphans
 from dispatchd.tools.base import ToolContext
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
-from dispatchd.worker import redact
+from dispatchd.worker import pausegate, redact
 from dispatchd.worker.activity import Activity
 from dispatchd.worker.calls import Calls
 from dispatchd.worker.channel import Channel
@@ -105,6 +105,8 @@ class _Server(Calls, Idle):
         self.watcher: changes.Watcher | None | bool = None
         self.watcher_lock = threading.Lock()
         self.write_lock = WriteLock(control)
+        self.write_lock.checkpoint_each = plan.checkpoint_writes  # daemon/checkpoints.py
+        self.gate = pausegate.Gate()
         # The worktree is ours to write now: remove what killed writes left
         # (tempfiles.py), but not the files of our own writes already started.
         self.write_lock.on_granted = lambda: threading.Thread(
@@ -315,3 +317,11 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
             server.stay_awake(msg.for_good)
         elif isinstance(msg, protocol.Drain):
             threading.Thread(target=server.drain, args=(msg.deadline_s,), daemon=True).start()
+        elif isinstance(msg, protocol.Pause):  # a checkpoint or restore (worker/pausegate.py)
+            busy = server.gate.pause(lambda: server.activity.in_flight + (1 if server._lane_busy() else 0))
+            try:
+                server.control.send(protocol.Paused(id=msg.id, busy=busy))
+            except OSError:
+                return
+        elif isinstance(msg, protocol.Resume):
+            server.gate.resume()

@@ -542,3 +542,17 @@ def test_a_policy_broken_after_a_good_load_is_refused_at_the_next(tmp_path: Path
     path.write_text("[limits]\nmax_processes = 100\nx = 1\n")
     with pytest.raises(PolicyError):
         load_policy(tmp_path, "p")
+
+
+def test_checkpoints_section_defaults_and_bounds():
+    from dispatchd.policy import Checkpoints
+
+    assert parse_policy("p", "").checkpoints == Checkpoints(before_writes=False, keep=20, max_files=200_000,
+                                                            max_bytes=4 * 1024**3, max_depth=256)
+    assert load_policy(POLICIES, "default").checkpoints == Checkpoints()
+    assert parse_policy("p", "[checkpoints]\nbefore_writes = true\nkeep = 3").checkpoints == Checkpoints(
+        before_writes=True, keep=3)
+    with pytest.raises(PolicyError) as err:
+        parse_policy("p", "[checkpoints]\nkeep = 0")
+    assert err.value.key == "checkpoints.keep"
+    assert "checkpoints.keep: must be at least 1" in err.value.message

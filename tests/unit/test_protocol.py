@@ -84,7 +84,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.WorkerFailed: (p.WorkerFailed(step="landlock: add path rule", errno=13, path="/opt",
                                     message="cannot apply landlock: add path rule (/opt): EACCES"), {"from_worker"}),
     p.AddChannel: (p.AddChannel(id=12), {"to_worker"}),
-    p.AcquireWriteLock: (p.AcquireWriteLock(id=13), {"from_worker"}),
+    p.AcquireWriteLock: (p.AcquireWriteLock(id=13, checkpoint=True, tool="write_file"), {"from_worker"}),
     p.ToolCallsDone: (p.ToolCallsDone(calls=[p.CallRecord("read_file", 1.5, True)]), {"from_worker"}),
     p.Drain: (p.Drain(deadline_s=30.0), {"to_worker"}),
     p.ReleaseWriteLock: (p.ReleaseWriteLock(id=4, session="a1b2c3"), {"daemon_request"}),
@@ -106,6 +106,19 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.KeptJobs: (p.KeptJobs(jobs=[p.JobRecord(id="job_1", command="make", token="t0k", cap=1024, written=10,
                                               truncated=False, exit_code=0, ended_by="")], next=2),
                  {"to_worker", "from_worker"}),
+    p.TakeCheckpoint: (p.TakeCheckpoint(id=20, session="a1b2c3", label="before the refactor"), {"daemon_request"}),
+    p.ListCheckpoints: (p.ListCheckpoints(id=21, session="a1b2c3"), {"daemon_request"}),
+    p.RestoreCheckpoint: (p.RestoreCheckpoint(id=22, session="a1b2c3", checkpoint="c0001-ab12cd34"),
+                          {"daemon_request"}),
+    p.CheckpointReply: (p.CheckpointReply(id=20, checkpoint=p.CheckpointInfo(
+        id="c0001-ab12cd34", created=1.5, label="x", entries=3, copied_bytes=10, objects=2)), {"daemon_reply"}),
+    p.CheckpointsReply: (p.CheckpointsReply(id=21, checkpoints=[p.CheckpointInfo(id="c0001-ab12cd34", created=1.5)]),
+                         {"daemon_reply"}),
+    p.RestoredReply: (p.RestoredReply(id=22, checkpoint="c0001-ab12cd34", removed=1, written=2, made=3, objects=4),
+                      {"daemon_reply"}),
+    p.Pause: (p.Pause(id=23), {"to_worker"}),
+    p.Paused: (p.Paused(id=23, busy="1 tool call in flight"), {"from_worker"}),
+    p.Resume: (p.Resume(), {"to_worker"}),
 }
 DECODERS = {
     "daemon_request": p.daemon_request_decoder,
@@ -130,6 +143,9 @@ TAGS = {
     "ReleaseWriteLock": "release_write_lock", "ForgetWriteLock": "forget_write_lock",
     "WakeWorker": "wake_worker", "MaySleep": "may_sleep", "Asleep": "asleep", "Sleep": "sleep", "StayAwake": "stay_awake",
     "KeptJobs": "kept_jobs", "DnsSockets": "dns_sockets", "DnsDoor": "dns_door",
+    "TakeCheckpoint": "checkpoint", "ListCheckpoints": "list_checkpoints", "RestoreCheckpoint": "restore",
+    "CheckpointReply": "checkpoint_taken", "CheckpointsReply": "checkpoints", "RestoredReply": "restored",
+    "Pause": "pause", "Paused": "paused", "Resume": "resume",
 }
 
 

@@ -8,10 +8,13 @@ records every git directory by content (``take``, a ``GitSnapshot``; over
 baseline (``Baselines``), which checks it at every session's end and after a
 daemon that died, and reports what it moved aside (``Protected``). The
 user's git identity is read for the session (``read_identity``,
-``identity_env``). Everything else here is the package's own.
+``identity_env``). A checkpoint keeps a repository's object files in the
+same keep as the baseline's history (``keep_for``, ``keep_more``).
+Everything else here is the package's own.
 """
 
 from dispatchd.daemon.gitguard.baselines import Baselines
+from dispatchd.daemon.gitguard.history import keep_for, keep_more
 from dispatchd.daemon.gitguard.identity import identity_env, read_identity
 from dispatchd.daemon.gitguard.layouts import inspect_git, with_gitdirs
 from dispatchd.daemon.gitguard.parts import Protected
@@ -19,4 +22,4 @@ from dispatchd.daemon.gitguard.redirects import redirects_present
 from dispatchd.daemon.gitguard.snapshots import MAX_GITDIRS, GitSnapshot, gitdir_paths, take
 
 __all__ = ["MAX_GITDIRS", "Baselines", "GitSnapshot", "Protected", "gitdir_paths", "identity_env", "inspect_git",
-           "read_identity", "redirects_present", "take", "with_gitdirs"]
+           "keep_for", "keep_more", "read_identity", "redirects_present", "take", "with_gitdirs"]

@@ -42,7 +42,6 @@ namespace) keeps all of it.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import secrets
@@ -296,7 +295,7 @@ class Baselines:
                 if branch and history.read_refs(common).get(branch) == kept.refs.get(branch):
                     record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
                 return
-        keep = os.path.join(self.keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
+        keep = history.keep_for(self.keep_dir, common)
         kept = history.record(common, keep, [branch] if branch else [])
         if kept.note:
             log.warning("event=history_not_kept common=%s why=%r", common, kept.note)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import re
 import shutil
@@ -167,6 +168,49 @@ def _clone(src: str, dst: str, budget: list[int]) -> None:
         os.chmod(dst, 0o444)
     finally:
         os.close(sfd)
+
+
+def keep_for(keep_dir: str, common: str) -> str:
+    """The keep of a repository's object files, under the daemon's ``keep_dir``."""
+    return os.path.join(keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
+
+
+def keep_more(objects_fd: int, keep: str, budget: list[int]) -> set[str]:
+    """Add the object files of the ``objects`` directory held by
+    ``objects_fd`` that the keep lacks, dropping none (a checkpoint's,
+    daemon/checkpoints.py: what a session deleted stays kept for the end's
+    ``restore``); returns every object file present. Each directory is
+    opened below ``objects_fd`` with ``O_NOFOLLOW`` and read through its
+    descriptor: a symlink a session planted there leads nowhere. ``budget``:
+    bytes it may copy (not clone or link), lowered as it goes; over it,
+    OSError EFBIG. Leaves the stamps alone: the next ``record`` lists again
+    what changed since its own look, these additions included."""
+    present: set[str] = set()
+    os.makedirs(keep, mode=0o700, exist_ok=True)
+    for name in os.listdir(objects_fd):
+        if len(name) != 2 and name != "pack":
+            continue
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
+        except OSError:
+            continue  # not a directory (a symlink included): not git's
+        try:
+            here = {n for n in os.listdir(fd) if not n.startswith("tmp")}
+            present.update(f"{name}/{n}" for n in here)
+            kept_dir = os.path.join(keep, name)
+            try:
+                kept = set(os.listdir(kept_dir))
+            except FileNotFoundError:
+                kept = set()
+            for n in sorted(here - kept):
+                os.makedirs(kept_dir, mode=0o700, exist_ok=True)
+                try:
+                    _clone(f"/proc/self/fd/{fd}/{n}", os.path.join(kept_dir, n), budget)
+                except (FileNotFoundError, FileExistsError):
+                    continue  # gone meanwhile (a repack), or kept meanwhile
+        finally:
+            os.close(fd)
+    return present
 
 
 def record(common: str, keep: str, own: list[str]) -> History:

@@ -1,0 +1,288 @@
+"""Checkpoints and restores through a real daemon and real sessions
+(dispatchd/daemon/checkpoints.py, docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+import dispatch.aio
+from dispatchd.policy import default_policy_dir
+from tests.conftest import Daemon, _refuse_root, shell
+from tests.integration.test_cli import run
+from tests.sleeping import is_asleep, wait_until_asleep, with_sleep_after
+
+IDENTITY = "GIT_AUTHOR_NAME=agent GIT_AUTHOR_EMAIL=agent@example.invalid " \
+           "GIT_COMMITTER_NAME=agent GIT_COMMITTER_EMAIL=agent@example.invalid"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """Policies: the shipped ones; 'tiny' (a checkpoint may copy 64 bytes);
+    'undo' (a checkpoint before every write); 'undo-tiny' (both); 'sleepy'
+    (sessions sleep after 0.1 s idle)."""
+    _refuse_root()
+    base = tmp_path_factory.mktemp("checkpoints")
+    policies = base / "policies"
+    shutil.copytree(default_policy_dir(), policies)
+    text = (policies / "default.toml").read_text()
+    for name, new in (("tiny", "max_bytes = 64"), ("undo", "before_writes = true"),
+                      ("undo-tiny", "before_writes = true\nmax_bytes = 64")):
+        (policies / f"{name}.toml").write_text(
+            text.replace("before_writes = false", "").replace("max_bytes = 4294967296", "").replace(
+                "[checkpoints]", f"[checkpoints]\n{new}"))
+    (policies / "sleepy.toml").write_text(with_sleep_after(text, 0.1))
+    d = Daemon(base, "--policies", str(policies))
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture(scope="module")
+def client(daemon: Daemon) -> Iterator[dispatch.Client]:
+    with daemon.connect() as c:
+        yield c
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    r = Path(os.path.realpath(tmp_path)) / "repo"
+    (r / "src").mkdir(parents=True)
+    (r / "src" / "main.py").write_text("def main():\n    return 42\n")
+    (r / "gone.txt").write_text("deleted later\n")
+    (r / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    os.chmod(r / "run.sh", 0o755)
+    os.symlink("src/main.py", r / "link")
+    (r / "dir").mkdir()
+    (r / "dir" / "inner.txt").write_text("inner\n")
+    git(r, "init", "-q", "-b", "main")
+    git(r, "config", "user.email", "user@example.invalid")
+    git(r, "config", "user.name", "user")
+    git(r, "add", "-A")
+    git(r, "commit", "-qm", "init")
+    git(r, "branch", "feature")
+    return r
+
+
+def snapshot(root: Path) -> dict[str, tuple[str, int, bytes]]:
+    """Every entry below ``root`` but git's object files (kept apart, and
+    left when newer): kind, mode, content or target."""
+    out: dict[str, tuple[str, int, bytes]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        if rel_dir == os.path.join(".git", "objects"):
+            dirnames[:] = []
+            continue
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            rel = os.path.relpath(path, root)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("l", 0, os.fsencode(os.readlink(path)))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("d", stat.S_IMODE(st.st_mode), b"")
+            else:
+                out[rel] = ("f", stat.S_IMODE(st.st_mode), Path(path).read_bytes())
+    return out
+
+
+def ok(result: dispatch.Result) -> dispatch.Result:
+    assert result.is_success, (result.error, result.metadata)
+    return result
+
+
+def test_a_restore_puts_files_and_git_back(client: dispatch.Client, repo: Path) -> None:
+    before = snapshot(repo)
+    with client.open_session(str(repo)) as s:
+        cid = s.checkpoint(label="clean")
+        assert [(c["id"], c["label"]) for c in s.checkpoints()] == [(cid, "clean")]
+        ok(s.registry.get("write_file").call({"path": "src/main.py", "content": "def main():\n    return 0\n"}))
+        ok(shell(s, "rm gone.txt && echo new > created.txt && mkdir newdir && echo x > newdir/x && chmod 600 run.sh"
+                    " && ln -sfn gone.txt link && rm -r dir && ln -s /etc dir"))
+        ok(shell(s, f"git add -A && {IDENTITY} git commit -qm change && git branch -D feature"))
+        assert "feature" not in git(repo, "branch")
+        done = s.restore(cid)
+        assert done["checkpoint"] == cid and done["removed"] >= 3 and done["written"] >= 4
+        assert snapshot(repo) == before
+        assert git(repo, "log", "--format=%s", "main") == "init\n"
+        assert git(repo, "branch", "--format=%(refname:short)").split() == ["feature", "main"]
+        assert git(repo, "status", "--porcelain") == ""
+        git(repo, "fsck", "--no-dangling")
+        # The session goes on from there.
+        assert ok(shell(s, "cat src/main.py")).output.startswith("def main():\n    return 42")
+    assert s.protected == []  # the end's checks found nothing to move aside
+
+
+def test_deleted_git_objects_come_back_from_the_keep(client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo)) as s:
+        cid = s.checkpoint()
+        ok(shell(s, "rm -rf .git/objects/* .git/refs/heads/feature"))
+        done = s.restore(cid)
+        assert done["objects"] > 0
+        git(repo, "fsck", "--no-dangling")
+        assert git(repo, "log", "--format=%s", "feature") == "init\n"
+
+
+def test_a_restore_does_not_follow_a_symlink_the_session_planted(client: dispatch.Client, repo: Path,
+                                                                  tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with client.open_session(str(repo)) as s:
+        cid = s.checkpoint()
+        # The directory swapped for a symlink to a place the session cannot
+        # write, and whose contents the restore would write if it followed it.
+        ok(shell(s, f"rm -r dir && ln -s {outside} dir && rm src/main.py && ln -s {outside}/main.py src/main.py"))
+        s.restore(cid)
+        assert os.listdir(outside) == []
+        assert not (repo / "dir").is_symlink() and (repo / "dir" / "inner.txt").read_text() == "inner\n"
+        assert not (repo / "src" / "main.py").is_symlink()
+        assert (repo / "src" / "main.py").read_text() == "def main():\n    return 42\n"
+
+
+def test_refusals_name_what_stops_them_and_their_twins_pass(client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo)) as s:
+        with pytest.raises(dispatch.RequestFailed) as err:
+            s.restore("c9999-00000000")
+        assert err.value.code == "unknown_checkpoint"
+        assert str(err.value.message) == f"no such checkpoint: 'c9999-00000000' (session {s.id} has: none)"
+        cid = s.checkpoint()
+
+        # A call in flight: refused (checkpoint and restore); once it returned, done.
+        running = threading.Thread(target=lambda: shell(s, "touch started && sleep 2"))
+        running.start()
+        deadline = time.monotonic() + 20
+        while not (repo / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for verb, attempt in (("restore", lambda: s.restore(cid)), ("checkpoint", lambda: s.checkpoint())):
+            with pytest.raises(dispatch.RequestFailed) as err:
+                attempt()
+            assert err.value.code == "session_busy"
+            assert err.value.message == (f"{verb} refused: session {s.id} has 1 tool call in flight; wait for it "
+                                         f"to return (or end it: session.cancel()) and {verb} again")
+        running.join()
+        assert s.restore(cid)["removed"] == 1  # "started"
+
+        # A background job: a restore is refused, a checkpoint is not; stopped, the restore goes.
+        job = ok(shell(s, "sleep 60", background=True)).metadata["job"]
+        assert s.checkpoint()
+        with pytest.raises(dispatch.RequestFailed) as err:
+            s.restore(cid)
+        assert err.value.code == "session_busy"
+        assert err.value.message.startswith(f"restore refused: session {s.id} has ")
+        assert err.value.message.endswith(
+            " process(es) running (a background job, or a process a command left); they could write into the "
+            "worktree while it is restored: stop them (job_stop) and restore again")
+        ok(s.registry.get("job_stop").call({"job": job}))
+        s.restore(cid)
+
+
+def test_over_the_byte_budget_a_checkpoint_is_refused(client: dispatch.Client, repo: Path) -> None:
+    (repo / "big.bin").write_bytes(b"x" * 4096)
+    with client.open_session(str(repo), policy="tiny") as s:
+        with pytest.raises(dispatch.RequestFailed) as err:
+            s.checkpoint()
+        assert err.value.code == "checkpoint_refused"
+        assert err.value.message == ("checkpoint refused: it would copy more than 64 bytes (the policy's "
+                                     "[checkpoints] max_bytes; reflink clones and links are not counted)")
+        assert s.checkpoints() == []
+    with client.open_session(str(repo)) as s:  # the twin: the shipped budget
+        assert s.checkpoint()
+
+
+def test_checkpoint_before_every_write(client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo), policy="undo") as s:
+        ok(s.registry.get("write_file").call({"path": "a.txt", "content": "one"}))
+        ok(shell(s, "echo two > a.txt"))
+        assert (repo / "a.txt").read_text() == "two\n"
+        listed = s.checkpoints()
+        assert [c["label"] for c in listed] == ["before write_file", "before shell_exec"]
+        s.restore(listed[1]["id"])
+        assert (repo / "a.txt").read_text() == "one"
+        s.restore(listed[0]["id"])
+        assert not (repo / "a.txt").exists()
+    with client.open_session(str(repo), policy="undo-tiny") as s:
+        refused = s.registry.get("write_file").call({"path": "a.txt", "content": "one"})
+        assert refused.is_failure
+        assert refused.error == ("write_file: checkpoint refused: it would copy more than 64 bytes (the policy's "
+                                 "[checkpoints] max_bytes; reflink clones and links are not counted) (the policy "
+                                 "takes one before every write)")
+        assert not (repo / "a.txt").exists()
+
+
+def test_checkpoints_go_with_their_session(client: dispatch.Client, repo: Path, daemon: Daemon) -> None:
+    with client.open_session(str(repo)) as s:
+        s.checkpoint()
+        sid = s.id
+        assert os.listdir(daemon.state / "dispatchd" / "checkpoints" / sid)
+    assert not (daemon.state / "dispatchd" / "checkpoints" / sid).exists()
+
+
+def test_the_cli_and_the_asyncio_client(daemon: Daemon, client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo)) as s:
+        out = run(daemon, "session", "checkpoint", s.id, "--label", "from the cli")
+        assert out.returncode == 0, out.stderr
+        cid = out.stdout.strip()
+        listed = run(daemon, "session", "checkpoints", s.id)
+        assert listed.returncode == 0 and cid in listed.stdout and "from the cli" in listed.stdout
+        (repo / "extra").write_text("x")
+        restored = run(daemon, "session", "restore", s.id, cid)
+        assert restored.returncode == 0, restored.stderr
+        assert restored.stdout.startswith(f"restored {cid}: 1 removed, 0 written")
+        assert not (repo / "extra").exists()
+
+    async def main() -> None:
+        async with dispatch.aio.connect(daemon.socket) as c:
+            async with c.open_session(str(repo)) as a:
+                first = await a.checkpoint("aio")
+                assert [x["label"] for x in await a.checkpoints()] == ["aio"]
+                (repo / "extra").write_text("x")
+                assert (await a.restore(first))["removed"] == 1
+
+    asyncio.run(main())
+    assert not (repo / "extra").exists()
+
+
+def test_an_asleep_session_is_checkpointed_and_restored_without_waking(client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo), policy="sleepy") as s:
+        ok(s.registry.get("write_file").call({"path": "a.txt", "content": "one"}))
+        wait_until_asleep(client, s.id)
+        cid = s.checkpoint()
+        (repo / "a.txt").write_text("two")
+        s.restore(cid)
+        assert is_asleep(client, s.id)  # no process was needed, none was started
+        assert ok(s.registry.get("read_file").call({"path": "a.txt"})).output == "0: one"
+
+
+def test_a_restore_is_a_write_one_writer_per_worktree(client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo)) as writer, client.open_session(str(repo)) as other:
+        cid = other.checkpoint()  # a checkpoint only reads: taken while another session writes
+        ok(writer.registry.get("write_file").call({"path": "a.txt", "content": "mine"}))
+        with pytest.raises(dispatch.RequestFailed) as err:
+            other.restore(cid)
+        assert err.value.code == "write_locked"
+        assert err.value.message.startswith(f"restore refused: the worktree {repo} is being written by session "
+                                            f"{writer.id} (opened ")
+        assert (repo / "a.txt").read_text() == "mine"
+        writer.close()
+        other.restore(cid)  # the twin: once the writer is gone
+        assert not (repo / "a.txt").exists()
+        assert other.status()["writes"] is True
+    with client.open_session(str(repo), policy="read-only") as reader:
+        cid = reader.checkpoint()
+        with pytest.raises(dispatch.RequestFailed) as err:
+            reader.restore(cid)
+        assert err.value.message == (f"restore refused: session {reader.id}'s policy (read-only) keeps the "
+                                     "worktree read-only")
