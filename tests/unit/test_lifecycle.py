@@ -13,25 +13,26 @@ from dispatchd.daemon.lifecycle import (
 
 S, E = State, Event
 
-# Every legal edge, written out once more by hand: the table must say exactly this.
-LEGAL = {
-    (S.OPENING, E.OPENED): S.READY,
-    (S.OPENING, E.OPEN_FAILED): S.CLOSED,
-    (S.READY, E.SLEPT): S.ASLEEP,
-    (S.ASLEEP, E.WOKEN): S.READY,
-    (S.READY, E.SWITCH): S.SWITCHING,
-    (S.ASLEEP, E.SWITCH): S.SWITCHING,
-    (S.SWITCHING, E.SWITCHED): S.READY,
-    (S.SWITCHING, E.SWITCHED_ASLEEP): S.ASLEEP,
-    (S.SWITCHING, E.SWITCH_FAILED): S.CLOSING,
-    (S.READY, E.WORKER_DIED): S.CLOSING,
-    (S.READY, E.SLEEP_FAILED): S.CLOSING,
-    (S.READY, E.WAKE_FAILED): S.CLOSING,
-    (S.ASLEEP, E.WAKE_FAILED): S.CLOSING,
-    **{(s, e): S.CLOSING for s in (S.READY, S.ASLEEP)
-       for e in (E.CLOSE, E.OVER_MEMORY, E.ORPHANED, E.IDLE, E.ENDED, E.DAEMON_STOP)},
-    (S.CLOSING, E.DISCARDED): S.CLOSED,
-}
+# Every legal edge, written out once more by hand (from, event, to): the table must say exactly this.
+EDGES = """
+opening    opened           ready
+opening    open_failed      closed
+ready      slept            asleep
+asleep     woken            ready
+ready      switch           switching
+asleep     switch           switching
+switching  switched         ready
+switching  switched_asleep  asleep
+switching  switch_failed    closing
+ready      worker_died      closing
+ready      sleep_failed     closing
+ready      wake_failed      closing
+asleep     wake_failed      closing
+closing    discarded        closed
+"""
+ENDS = ("close", "memory", "orphaned", "idle", "ended", "daemon_stop")  # asked of a session ready or asleep
+LEGAL = {(State(a), Event(e)): State(b) for a, e, b in (line.split() for line in EDGES.strip().splitlines())}
+LEGAL.update({(state, Event(e)): S.CLOSING for state in (S.READY, S.ASLEEP) for e in ENDS})
 
 
 @pytest.mark.parametrize(("state", "event"), sorted(LEGAL, key=lambda k: (k[0].value, k[1].value)),
