@@ -189,6 +189,9 @@ class Opening(Pooling):
             self._start_worker(session, network, made)
             steps["worker"] = (time.perf_counter() - t) * 1e3
         except BaseException:
+            if made is not None and made.scratch:  # refused before its start took it (_adopt, _start_worker)
+                made.scratch = ""  # the session's: it goes with the session
+                self._let_go(made)
             try:
                 self._stop_worker(session)  # one that started and was not told its environment
             finally:
