@@ -182,6 +182,7 @@ class Napping(Ending):
         if session is None:
             return
         failed = ""
+        woken: protocol.FrameSocket | None = None  # the woken tool server's channel
         with session.lock:
             asleep = session.nap
             # Closing or closed: refused; awake: woken already (another channel's byte).
@@ -199,6 +200,7 @@ class Napping(Ending):
                 session.move(Event.WOKEN)
                 session.wakes += 1
                 session.worker, session.control = worker, control
+                woken = control
                 session.ended = threading.Event()
                 try:
                     with session.send_lock:
@@ -224,7 +226,8 @@ class Napping(Ending):
                     failed = failed or f"no thread to watch it ({exc})"
         if failed:
             log.warning("event=wake_failed session=%s error=%s", sid, failed)
-            self._finish(session, f"it could not be woken ({failed})", Event.WAKE_FAILED)
+            # Woken and gone: only while that tool server is still the session's.
+            self._finish(session, f"it could not be woken ({failed})", Event.WAKE_FAILED, woken)
 
     def _channel_gone(self, sid: str, number: int, fd: int) -> None:
         """A client closed its channel to a sleeping session: let it go, unwoken."""

@@ -37,6 +37,7 @@ log = logging.getLogger("dispatchd.sessions")
 
 class Pooling(Napping):
     def _make_scratch(self, sid: str, scratch: str) -> None:
+        """A session's scratch directory (its /tmp and home), marked ours first."""
         self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
         try:
             os.makedirs(scratch + "/tmp", mode=0o700)
