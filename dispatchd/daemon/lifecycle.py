@@ -1,16 +1,16 @@
 """A session's life, as data: its states, the events that move it, and what
 each request may do in each state. Pure: no I/O, no daemon import.
 
-    opening ──opened──▶ ready ◀──woken── asleep
-       │                │  ▲ ──slept──▶   │
-  open_failed        switch  switched     │ switch
-       │                ▼  │              │ (switched_asleep: in place, back to sleep)
-       │              switching ◀─────────┘
-       │                │ switch_failed
-       ▼                ▼
-    closed ◀─closed── closing ◀── ready|asleep: close, worker_died, memory,
-                                  orphaned, idle, wake_failed, sleep_failed,
-                                  daemon_stop, ended
+    opening ──opened──▶ ready ──slept──▶ asleep
+       │                 │ ▲ ◀──woken──── │
+    open_failed     switch│ │switched      │switch
+       │                 ▼ │              ▼
+       │              switching ◀──────────┘   (switched_asleep: in place, asleep again)
+       │                 │ switch_failed
+       ▼                 ▼
+    closed ◀─discarded─ closing ◀── ready: worker_died, sleep_failed
+                                 ◀── ready|asleep: close, memory, orphaned, idle,
+                                     wake_failed, ended, daemon_stop
 
 Guarantees:
 - every change of a session's state goes through ``move(state, event)``:
