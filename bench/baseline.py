@@ -1,5 +1,5 @@
-"""What a worktree's trusted baseline costs (daemon/baselines.py): the
-history keep (githistory.record, first and again), its restore when nothing
+"""What a worktree's trusted baseline costs (daemon/gitguard/baselines.py): the
+history keep (history.record, first and again), its restore when nothing
 changed, the git walk and the tree walk, on a repository of N objects.
 
     python bench/baseline.py [--objects 100000] [--files 10000] [--loose]
@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dispatchd.daemon import githistory, gitlayout, gitsnapshot, runnables  # noqa: E402
+from dispatchd.daemon.gitguard import history, layouts, runnables, snapshots  # noqa: E402
 
 
 def make_repo(path: str, objects: int, files: int) -> None:
@@ -66,12 +66,12 @@ def main() -> None:
         common = os.path.join(repo, ".git")
         keep = os.path.join(tmp, "keep")
         t = time.perf_counter()
-        history = githistory.record(common, keep, ["refs/heads/main"])
-        print(f"history keep, first: {(time.perf_counter() - t) * 1e3:.1f} ms ({history.note or 'kept'})")
-        print(f"history keep, again: {timed(lambda: githistory.record(common, keep, []), args.rounds):.1f} ms")
-        print(f"history restore, nothing changed: {timed(lambda: githistory.restore(history), args.rounds):.1f} ms")
-        layout = gitlayout.inspect_git(repo, uid=os.getuid())
-        print(f"git walk: {timed(lambda: gitsnapshot.take(repo, layout), args.rounds):.2f} ms")
+        kept = history.record(common, keep, ["refs/heads/main"])
+        print(f"history keep, first: {(time.perf_counter() - t) * 1e3:.1f} ms ({kept.note or 'kept'})")
+        print(f"history keep, again: {timed(lambda: history.record(common, keep, []), args.rounds):.1f} ms")
+        print(f"history restore, nothing changed: {timed(lambda: history.restore(kept), args.rounds):.1f} ms")
+        layout = layouts.inspect_git(repo, uid=os.getuid())
+        print(f"git walk: {timed(lambda: snapshots.take(repo, layout), args.rounds):.2f} ms")
         print(f"tree walk ({args.files} files): {timed(lambda: runnables.take(repo), args.rounds):.1f} ms")
 
 

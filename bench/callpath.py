@@ -1,8 +1,8 @@
 """The per-call path of ``read_file``, both sides, without a sandbox or a daemon.
 
 The real client path (``Registry.get("read_file").call`` through
-``Session.call_tool`` and ``_Connection``) against the real tool server
-(``_Channel``/``_Server``, forked, over a socketpair), beside the bare pair
+``Session.call_tool`` and ``_transport.Connection``) against the real tool server
+(``Channel``/``_Server``, forked, over a socketpair), beside the bare pair
 (``FrameSocket`` echo): what our layers cost over the frames. Timings on a
 shared VM move by 2x from one run to the next; instructions do not, so
 ``--count`` counts them with callgrind (the difference of two run lengths,
@@ -33,11 +33,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "client")]
 
-from dispatch import client as dc  # noqa: E402
+from dispatch import _session as dc, _transport  # noqa: E402
 from dispatch.tools import Registry  # noqa: E402
 from dispatchd import protocol  # noqa: E402
 from dispatchd.policy import Limits  # noqa: E402
-from dispatchd.tools.spec import schemas_for  # noqa: E402
+from dispatchd.catalogue import schemas_for  # noqa: E402
 
 _TOOLS = ["read_file", "write_file", "shell_exec"]
 
@@ -87,7 +87,7 @@ def _session(sock: socket.socket) -> dc.Session:
     s._client = types.SimpleNamespace(call_margin=30.0)  # type: ignore[assignment]
     s._info = types.SimpleNamespace(limits={"command_timeout_s": 120.0}, id="bench")  # type: ignore[assignment]
     s._owned, s._own_limit, s._lock = False, (None, 0.0), threading.Lock()
-    s._channel = dc._Connection(sock, protocol.channel_reply_decoder)
+    s._channel = _transport.Connection(sock, protocol.channel_reply_decoder)
     s._tools = [protocol.ToolSchema(**x) for x in schemas_for(_TOOLS)]
     s._schemas = {t.name: t for t in s._tools}
     s._in_flight, s._in_flight_lock = {}, threading.Lock()

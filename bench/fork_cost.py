@@ -14,10 +14,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dispatchd.tools import spec  # noqa: E402
+from dispatchd import catalogue  # noqa: E402
 from dispatchd.worker import fork_server, forkhooks  # noqa: E402,F401
 
-spec.warm_conversions()
+catalogue.warm_conversions()
 forkhooks.leave_out()
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
 first, whole = [], []

@@ -7,10 +7,10 @@ close through a real daemon, on an empty directory, the plain repository and
 the one with 300 submodules (in full mode each of those is a mount point of
 its own, and its config and hooks two read-only binds).
 
-At open the daemon runs ``gitlayout.inspect_git`` (what to hold read-only),
-``gitredirects.redirects_present`` and ``gitsnapshot.take`` (what git reads for
+At open the daemon runs ``layouts.inspect_git`` (what to hold read-only),
+``redirects.redirects_present`` and ``snapshots.take`` (what git reads for
 configuration, by content); at the end (and at a network switch)
-``redirects_present``, ``gitsnapshot.take`` and ``gitsnapshot.quarantine``.
+``redirects_present``, ``snapshots.take`` and ``snapshots.quarantine``.
 Measured here on repositories made for the purpose: a plain one, one with a
 few submodules (one nested), one with 300 submodules, and one whose index
 holds 300,000 entries (about 30 MB). The figures go in docs/design.md
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dispatchd.daemon import gitlayout, gitredirects, gitsnapshot  # noqa: E402
+from dispatchd.daemon.gitguard import layouts, redirects, snapshots  # noqa: E402
 
 ENV = dict(os.environ, GIT_AUTHOR_NAME="b", GIT_AUTHOR_EMAIL="b@invalid", GIT_COMMITTER_NAME="b",
            GIT_COMMITTER_EMAIL="b@invalid")
@@ -110,14 +110,14 @@ def measure(repo: Path, runs: int) -> tuple[float, float, float]:
     opens, ends, takes = [], [], []
     for _ in range(runs):
         t0 = time.perf_counter()
-        layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
-        gitredirects.redirects_present(layout, str(repo))
+        layout = layouts.inspect_git(str(repo), uid=os.getuid())
+        redirects.redirects_present(layout, str(repo))
         t1 = time.perf_counter()
-        before = gitsnapshot.take(str(repo), layout)
+        before = snapshots.take(str(repo), layout)
         t2 = time.perf_counter()
-        gitredirects.quarantine_new_redirects(layout, gitredirects.redirects_present(layout, str(repo)), str(repo))
-        now = gitsnapshot.take(str(repo), layout)
-        moved, failed = gitsnapshot.quarantine(str(repo), before, now)
+        redirects.quarantine_new_redirects(layout, redirects.redirects_present(layout, str(repo)), str(repo))
+        now = snapshots.take(str(repo), layout)
+        moved, failed = snapshots.quarantine(str(repo), before, now)
         t3 = time.perf_counter()
         assert (moved, failed) == ([], []), (moved, failed)
         opens.append(t2 - t0)

@@ -3,7 +3,7 @@
 Where a sandboxed call's extra cost comes from, measured: each of N client
 processes (a session of a real daemon each, as ``./scripts/bench``'s 8-client
 row) also runs the unsandboxed tool server of ``bench/callpath.py`` (the real
-``_Channel``/``_Server``, no sandbox) three ways, and a bare echo pair:
+``Channel``/``_Server``, no sandbox) three ways, and a bare echo pair:
 
 - ``sandbox``: the session's tool server (confined; its own session, so its
   own scheduler autogroup, as every session's);

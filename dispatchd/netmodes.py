@@ -9,7 +9,7 @@ Guarantees:
 What each mode means: "off" (no network), "on" (the host's network, through
 the session's own stack where there is one), "ports" (TCP only to and on the
 policy's ports) and "domains" (only the named hosts, through the daemon's
-filtering proxy); see confine/netstack.py and confine/domains.py.
+filtering proxy); see confine/netstack.py and domains.py.
 """
 
 from __future__ import annotations

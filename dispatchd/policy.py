@@ -7,6 +7,10 @@ Guarantees:
   tools take; no mechanism reads files or the environment on its own.
 - Policies are checked when the daemon starts and again when a session opens
   (a file edited in between is re-read, and a broken one refuses the open).
+- The structs' defaults below are the one source of every default: a key a
+  policy file leaves out takes them. policies/default.toml writes them out
+  for its readers and differs only in its description and in
+  ``filesystem.read_only`` (tests/unit/test_policy.py holds it to that).
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from typing import Literal
 
 import msgspec
 
-from dispatchd.confine.domains import BadHost, parse_domains
+from dispatchd.catalogue import SPECS
+from dispatchd.domains import BadHost, parse_domains
 from dispatchd.errors import PolicyError
 from dispatchd.inside import is_below
 from dispatchd.netmodes import NetworkMode
-from dispatchd.tools.spec import SPECS
 
 ALL_TOOLS = tuple(SPECS)
 # Background jobs are started by shell_exec: a policy offering shell_exec
@@ -73,7 +77,7 @@ class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bind_ports: tuple[int, ...] = ()
     # Under "domains": the hosts a session may reach through the proxy when the
     # caller names none ("pypi.org", "*.pythonhosted.org" for subdomains only,
-    # "host:8443" for another port than 80 and 443); see confine/domains.py.
+    # "host:8443" for another port than 80 and 443); see dispatchd/domains.py.
     domains: tuple[str, ...] = ()
 
 
@@ -164,7 +168,7 @@ class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # folder: VS Code's tasks and settings, JetBrains' run configurations, Claude
 # Code's and Codex's settings and hooks, MCP servers an agent starts, direnv,
 # shell start-up files, git's per-repository files. Matched by name at any
-# depth of a worktree (daemon/runnables.py).
+# depth of a worktree (daemon/gitguard/runnables.py).
 DEFAULT_PROTECTED = (
     ".vscode", ".idea", ".claude", ".codex", ".cursor", ".devcontainer", ".mcp.json", ".envrc",
     ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile", ".zshrc", ".zshenv", ".zprofile",

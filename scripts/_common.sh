@@ -45,6 +45,10 @@ as_unprivileged_user() {
     command -v podman >/dev/null || missing+=(podman)
     [ -x /usr/sbin/runc ] || missing+=(runc)
     command -v newuidmap >/dev/null || missing+=(uidmap)
+    # mmdebstrap, which packaging/kubernetes/build-image.sh makes the image's
+    # tree with from the Debian archive, as the test user (its unshare mode:
+    # tests/integration/test_image.py)
+    command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
     if [ ${#missing[@]} -gt 0 ]; then
         echo "installing Debian packages: ${missing[*]}"
         apt-get update -qq

@@ -1,6 +1,16 @@
-"""Run inside a container by tests/integration/test_container.py (not a test
-module itself): start a daemon, open a session, and print as JSON the mode it
-got, the probe's note, and what the escape core's attempts gave."""
+"""Run inside a container (not a test module itself), printing JSON.
+
+- With no arguments (tests/integration/test_container.py): start a daemon,
+  open a session, and print the mode it got, the probe's note, and what the
+  escape core's attempts gave.
+- ``--escape-core SOCKET WORKTREE TESTS_ROOT PYTEST_SITE``
+  (tests/integration/test_image.py): connect to the daemon the container
+  runs, open a session on WORKTREE and run tests/escape_core.py's
+  assertions in it (TESTS_ROOT holds the ``tests`` package, PYTEST_SITE
+  the test venv's site-packages for pytest, looked in after the image's own
+  packages, so the client is the image's); print the mode, whether it held,
+  and what a session with the network on (pasta) reached.
+"""
 
 from __future__ import annotations
 
@@ -65,5 +75,50 @@ def main() -> None:
     print(json.dumps(out))
 
 
+def escape_core(sock: str, worktree: str, tests_root: str, pytest_site: str) -> None:
+    import traceback
+    from pathlib import Path
+
+    sys.path.insert(0, tests_root)
+    sys.path.append(pytest_site)
+    out: dict[str, object] = {}
+    try:
+        from tests.escape_core import assert_escape_core
+
+        out["client"] = dispatch.__file__
+        with dispatch.connect(sock) as client, client.open_session(worktree) as session:
+            out["mode"] = session.status()["protections"]["mode"]
+            assert_escape_core(session, Path(worktree), full=out["mode"] == "full")
+            out["escape_core"] = "held"
+        out["network_on"] = _network_on(sock, worktree)
+    except BaseException:  # noqa: BLE001 (an assertion of the core included: reported to the test)
+        out["error"] = traceback.format_exc()[-3000:]
+    print(json.dumps(out))
+
+
+def _network_on(sock: str, worktree: str) -> str:
+    """A session with the network on (pasta, through the container's
+    /dev/net/tun) reaching a listener on the container's loopback at the
+    gateway address: what the probe printed."""
+    import socket
+
+    from tests.conftest import probe
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    code = ("import socket\ntry:\n"
+            f"    socket.create_connection(('10.0.2.2', {listener.getsockname()[1]}), timeout=5); print('connected')\n"
+            "except OSError as e:\n    print('error', e.errno)\n")
+    try:
+        with dispatch.connect(sock) as client, client.open_session(worktree, network=True) as session:
+            return probe(session, code)
+    finally:
+        listener.close()
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--escape-core"]:
+        escape_core(*sys.argv[2:6])
+    else:
+        main()

@@ -25,14 +25,14 @@ from dispatch._fastcheck import fast_check_for, is_flat
 from dispatch._plain import non_string_key, plain
 from dispatch._result import Result
 from dispatch.errors import ExecutionError, ValidationError
-from dispatchd.tools.spec import Risk
+from dispatchd.catalogue import Risk
 
 __all__ = ["Definition", "ToolFunc"]
 
 # What OpenAI and Anthropic accept as a tool name. fullmatch, not ``$``, so a
 # trailing newline is refused too.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_RISKS: tuple[str, ...] = get_args(Risk)  # "read", "write", "execute": dispatchd/tools/spec.py spells them
+_RISKS: tuple[str, ...] = get_args(Risk)  # "read", "write", "execute": dispatchd/catalogue.py spells them
 
 ToolFunc = Callable[[dict[str, Any], Any], Result]
 

@@ -6,11 +6,9 @@ stream 0 and every channel the daemon hands over becomes a stream of its
 own, all carried by one byte stream (ssh's stdio, or any command's).
 
 Guarantees:
-- A link frame is ``dispatchd.protocol.frames``'s: a 4-byte big-endian
-  length, then that many bytes; here the bytes are a 4-byte stream id, a
-  1-byte kind and the kind's data. A length over ``MAX_LINK_FRAME`` or a
-  kind not known ends the link with a ``LinkError`` (never an allocation a
-  peer chose).
+- Link frames are ``dispatch._linkwire``'s. A length over
+  ``MAX_LINK_FRAME`` or a kind not known ends the link with a ``LinkError``
+  (never an allocation a peer chose).
 - Bounded buffers, with back-pressure per stream: a side sends at most
   ``WINDOW`` bytes of one stream that the other has not written out yet
   (credit). So a receiver holds at most ``WINDOW`` bytes a stream, a slow
@@ -35,56 +33,32 @@ import fcntl
 import os
 import select
 import socket
-import struct
 import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Final
 
-import msgspec
+from dispatch._linkwire import (
+    ATTACH,
+    CHUNK,
+    CLOSE,
+    CREDIT,
+    DATA,
+    ERROR,
+    HANDSHAKE,
+    LINK_HEADER,
+    MAX_LINK_FRAME,
+    OUT_BOUND,
+    U32,
+    WINDOW,
+    DaemonFrames,
+    LinkError,
+    frame,
+)
 
-HANDSHAKE: Final = b"dispatch-bridge 1\n"
-"""The line a bridge writes first: what it speaks, so a command that prints
-anything else (a shell's greeting) is reported as not a bridge."""
-
-# Kinds of link frame.
-DATA: Final = 0  # bytes of a stream
-ATTACH: Final = 1  # 4-byte new stream id, then bytes of stream 0 whose first byte carries that stream (bridge -> client)
-CLOSE: Final = 2  # the sender neither sends nor reads this stream any more
-CREDIT: Final = 3  # 4-byte count: that many more bytes of this stream were written out
-ERROR: Final = 4  # UTF-8 text: why the sender ends the link (bridge -> client)
-
-WINDOW: Final = 2 * 1024 * 1024
-"""Bytes of one stream a side may send and the other has not written out."""
-OUT_BOUND: Final = 1024 * 1024
-"""Past this much waiting to go out on the link, no source is read."""
-CHUNK: Final = 256 * 1024
-MAX_LINK_FRAME: Final = CHUNK + 16
+__all__ = ["HANDSHAKE", "Link", "LinkError"]
 
 _F_SETPIPE_SZ: Final = 1031  # fcntl.F_SETPIPE_SZ, named there from Python 3.10 on Linux only
-_LINK = struct.Struct(">IIB")  # length, stream id, kind
-_U32 = struct.Struct(">I")
-# The start of an ``Attached`` message: msgspec writes a struct as a map whose
-# first entry is its tag, so after the map's header come these bytes.
-_ATTACHED_MARK: Final = msgspec.msgpack.encode("op") + msgspec.msgpack.encode("attached")
-_PROBE: Final = 5 + len(_ATTACHED_MARK)  # the longest map header (map32) and the mark
-
-
-class LinkError(Exception):
-    """The far side broke the link's framing, or went away."""
-
-
-def attached_prefix(payload: bytes | bytearray | memoryview) -> bool:
-    """Whether a daemon frame's payload (its first bytes suffice) is an ``Attached`` reply."""
-    if not payload:
-        return False
-    first = payload[0]
-    skip = 1 if 0x80 <= first <= 0x8F else 3 if first == 0xDE else 5 if first == 0xDF else -1
-    return skip > 0 and bytes(payload[skip:skip + len(_ATTACHED_MARK)]) == _ATTACHED_MARK
-
-
-def frame(stream: int, kind: int, data: bytes = b"") -> bytes:
-    return _LINK.pack(5 + len(data), stream, kind) + data
 
 
 def _widen_pipe(fd: int) -> None:
@@ -111,53 +85,7 @@ class _Stream:
         self.eof = False  # sock said it is done: we read it no more
         self.peer_closed = False  # the far side said CLOSE: close sock once out is written
         self.fds = fds  # read with recv_fds (the bridge's daemon connection)
-        self.tracker: _DaemonFrames | None = None
-
-
-class _DaemonFrames:
-    """Where the daemon's frames begin on stream 0 (the bridge's side): so an
-    ``Attached`` frame's first byte can be sent as an ``ATTACH``, with the
-    descriptor that came with it."""
-
-    def __init__(self) -> None:
-        self.pending = bytearray()  # bytes at a frame's start held until it is known whether it is Attached
-        self.left = 0  # bytes of the current frame still to pass on
-        self.fds: deque[int] = deque()
-
-    def split(self, data: bytes) -> list[tuple[bytes, int | None]]:
-        """``data`` cut where ``Attached`` frames begin: (bytes, its descriptor or None)."""
-        out: list[tuple[bytes, int | None]] = []
-        buf = self.pending + data if self.pending else data
-        self.pending = bytearray()
-        pos = 0
-        plain_from = 0
-        while pos < len(buf):
-            if self.left:
-                step = min(self.left, len(buf) - pos)
-                pos += step
-                self.left -= step
-                continue
-            if len(buf) - pos < 4:
-                break
-            (length,) = _U32.unpack_from(buf, pos)
-            probe = min(length, _PROBE)
-            if len(buf) - pos - 4 < probe:
-                break
-            if attached_prefix(memoryview(buf)[pos + 4:pos + 4 + probe]):
-                if not self.fds:
-                    raise LinkError("the daemon's Attached reply came without its channel")
-                if pos > plain_from:
-                    out.append((bytes(buf[plain_from:pos]), None))
-                end = min(len(buf), pos + 4 + length)
-                out.append((bytes(buf[pos:end]), self.fds.popleft()))
-                self.left = pos + 4 + length - end
-                pos = plain_from = end
-                continue
-            self.left = 4 + length
-        if pos > plain_from:
-            out.append((bytes(buf[plain_from:pos]), None))
-        self.pending = bytearray(buf[pos:])
-        return out
+        self.tracker: DaemonFrames | None = None
 
 
 class Link:
@@ -193,7 +121,7 @@ class Link:
         self._poll.register(self._wake_r, select.POLLIN)
         s0 = _Stream(0, stream0, fds=bridge)
         if bridge:
-            s0.tracker = _DaemonFrames()
+            s0.tracker = DaemonFrames()
         self._add(s0)
 
     # --- public -----------------------------------------------------------
@@ -353,14 +281,14 @@ class Link:
         buf += data
         pos = 0
         try:
-            while len(buf) - pos >= _LINK.size:
-                length, sid, kind = _LINK.unpack_from(buf, pos)
+            while len(buf) - pos >= LINK_HEADER.size:
+                length, sid, kind = LINK_HEADER.unpack_from(buf, pos)
                 if length < 5 or length > MAX_LINK_FRAME:
                     raise LinkError(f"the far side sent a link frame of {length} bytes: not a dispatch bridge, "
                                     "or a broken one")
                 if len(buf) - pos < 4 + length:
                     break
-                body = bytes(buf[pos + _LINK.size:pos + 4 + length])
+                body = bytes(buf[pos + LINK_HEADER.size:pos + 4 + length])
                 pos += 4 + length
                 self._handle(sid, kind, body)
         finally:
@@ -374,7 +302,7 @@ class Link:
         elif kind == ATTACH:
             if self._bridge or len(body) < 4:
                 raise LinkError("an ATTACH frame where none may come")
-            (new_sid,) = _U32.unpack_from(body)
+            (new_sid,) = U32.unpack_from(body)
             if new_sid in self._streams or new_sid == 0:
                 raise LinkError(f"an ATTACH frame for stream {new_sid}, which is in use")
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -385,7 +313,7 @@ class Link:
                 theirs.close()
         elif kind == CREDIT:
             if stream is not None and len(body) == 4:
-                stream.credit += _U32.unpack(body)[0]
+                stream.credit += U32.unpack(body)[0]
                 if stream.credit > WINDOW:
                     raise LinkError("the far side gave back more credit than it was sent")
         elif kind == CLOSE:
@@ -470,7 +398,7 @@ class Link:
         # of which at most a quarter is written out here and unacknowledged,
         # the rest still to be written: whose writing crosses the quarter).
         if stream.written >= WINDOW // 4:
-            self._queue(frame(stream.sid, CREDIT, _U32.pack(stream.written)))
+            self._queue(frame(stream.sid, CREDIT, U32.pack(stream.written)))
             stream.written = 0
 
     def _read_stream(self, stream: _Stream) -> None:
@@ -510,4 +438,4 @@ class Link:
             sid = self._next_sid
             self._next_sid += 1
             self._add(_Stream(sid, socket.socket(fileno=fd)))
-            self._queue(frame(0, ATTACH, _U32.pack(sid) + part))
+            self._queue(frame(0, ATTACH, U32.pack(sid) + part))

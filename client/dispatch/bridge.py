@@ -12,7 +12,7 @@ Guarantees:
   adds no authority: whoever drives its stdio can do what that user's local
   ``dispatch`` can, no more; ssh (or the command) decides who that is.
 - Nothing but the link is written on stdout: the first line is the
-  handshake (``dispatch._mux.HANDSHAKE``), then link frames. Anything else
+  handshake (``dispatch._linkwire.HANDSHAKE``), then link frames. Anything else
   this process would print goes to stderr (fd 1 is pointed there).
 - When it cannot reach the daemon, it says why on the link (an ``ERROR``
   frame after the handshake) and on stderr, and exits 2.
@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 import sys
 
-from dispatch import _mux
-from dispatch.client import _connect
+from dispatch import _linkwire, _mux
+from dispatch._autostart import daemon_socket
 from dispatch.errors import DispatchError
 from dispatchd import paths
 
@@ -43,12 +43,13 @@ def serve(socket_path: str | None = None, *, autostart: bool = True, timeout: fl
     os.dup2(2, 1)
     path = paths.resolve_socket_path(socket_path)
     try:
-        sock = _connect(path, autostart=autostart, timeout=timeout)
+        sock, _ = daemon_socket(path, autostart=autostart, timeout=timeout)
     except DispatchError as exc:
-        _write_all(link_out, _mux.HANDSHAKE + _mux.frame(0, _mux.ERROR, f"dispatch bridge: {exc}".encode()))
+        refusal = _linkwire.frame(0, _linkwire.ERROR, f"dispatch bridge: {exc}".encode())
+        _write_all(link_out, _linkwire.HANDSHAKE + refusal)
         print(f"dispatch bridge: {exc}", file=sys.stderr)
         return 2
-    _write_all(link_out, _mux.HANDSHAKE)
+    _write_all(link_out, _linkwire.HANDSHAKE)
     reason = _mux.Link(link_in, link_out, sock, bridge=True).run()
     if reason is not None:
         print(f"dispatch bridge: {reason}", file=sys.stderr)

@@ -17,7 +17,7 @@ the default ``root = "minimal"`` (as bubblewrap and nsjail build one):
   private ``/tmp`` and ``/dev/shm`` and the policy's extra read-write paths,
   so chmod, utime and xattr changes elsewhere fail with EROFS;
 - the git metadata the user's own git would run (``.git/config``, hooks, a
-  linked worktree's pointer files; found by ``dispatchd.daemon.gitlayout``)
+  linked worktree's pointer files; found by ``dispatchd.daemon.gitguard.layouts``)
   is read-only inside the writable worktree;
 - every bind source is opened component by component without following a
   symlink, and bound from that descriptor: a path swapped for a symlink since
@@ -37,234 +37,32 @@ before the second stage has returned.
 ``root = "host"`` (a policy's choice; the benchmark's baseline) keeps the
 previous view: the host's ``/`` read-only with the user's runtime directories
 covered, Landlock alone refusing the rest (EACCES rather than ENOENT).
+
+The plan is data (``mountplan``: pure, what the daemon plans with); every
+mount is made of the steps of ``mountsteps`` (by descriptor, no symlink
+followed); this module puts them together in the session's namespace.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Literal
-
-import msgspec
 
 from dispatchd.confine import _sys
+from dispatchd.confine.mountplan import PTS, WORKTREE_FD, WORKTREE_STEP, Bind, MountPlan, describe_root, plan_mounts
+from dispatchd.confine.mountsteps import (
+    bind, bind_over_itself, fd_path, mount, mount_in, mount_point, open_nofollow)
 from dispatchd.errors import ConfinementError
-from dispatchd.inside import Tops, is_within
-from dispatchd.protocol.reports import RootEntry
+from dispatchd.inside import is_within
 
-WORKTREE_FD = "@worktree"  # a bind's source: the daemon's descriptor of the worktree
-WORKTREE_STEP = "mounts: worktree"  # the step that refuses a worktree swapped since the daemon's check
+# The plan's names, handed on: the daemon plans with them, the worker applies.
+__all__ = ["OLD_ROOT", "PTS", "WORKTREE_FD", "WORKTREE_STEP", "Bind", "MountPlan", "apply_mounts", "apply_root",
+           "apply_session_mounts", "describe_root", "plan_mounts", "probe_host_tree"]
+
 _NEW_ROOT = "/tmp"  # where the new root's tmpfs is mounted while it is built (as bubblewrap does)
 OLD_ROOT = "/.host"  # where the host's root waits, below the new one, for the session's own paths
-PTS = "/dev/pts"  # in the plan's devices: a devpts of the session's own
-
-
-class Bind(msgspec.Struct, frozen=True, array_like=True):
-    path: str  # where it appears, the same path as on the host
-    how: Literal["ro", "rw", "ro-over"]  # ro-over: read-only over a path inside a writable bind (git)
-    source: str = ""  # "" = path itself; WORKTREE_FD; or another host path (the private /tmp)
-
-
-class MountPlan(msgspec.Struct, frozen=True):
-    root: Literal["minimal", "host"]
-    binds: list[Bind]  # parents before children
-    devices: list[str]  # device nodes bound into the fresh /dev (minimal root)
-    hide: list[str] = []  # host root only: covered by an empty tmpfs (the user's runtime directories)
-    # The policy's system paths and the daemon's code: the same for every
-    # session of the policy, so bound with the root (see ``split_binds``).
-    system: list[str] = []
-    # Bound with the root too: the session id's own directories (its scratch,
-    # the private /tmp), made before the session is known.
-    ahead: list[str] = []
-    # The host's root kept, until the session's own binds, as a detached copy
-    # held by descriptor rather than a mount below the session's root (see
-    # ``_hold_host``): where the kernel binds from one (6.15+; probe_host_tree, at the daemon's start).
-    host_by_fd: bool = False
-
-    def writable(self) -> list[str]:
-        return [b.path for b in self.binds if b.how == "rw"]
-
-    def split_binds(self) -> tuple[list[Bind], list[Bind]]:
-        """Pure. ``(root, session)``: the binds known before the session (plain
-        read-only system paths, and the ``ahead`` ones: the session id's
-        scratch and private ``/tmp``), with no session bind above them, made
-        with the root by ``apply_root``, possibly ahead of the session; and
-        the rest (the worktree, git, extra paths), made by
-        ``apply_session_mounts``. Each keeps its parents before it."""
-        session = [b for b in self.binds
-                   if not ((b.how == "ro" and not b.source and b.path in self.system) or b.path in self.ahead)]
-        late = {b.path for b in session}
-        below_late = Tops(late)
-        shared = [b for b in self.binds if b.path not in late and not below_late.holds_below(b.path)]
-        kept = {b.path for b in shared}
-        return shared, [b for b in self.binds if b.path not in kept]
-
-    def root_part(self) -> MountPlan:
-        """What ``apply_root`` applies: the same for every session it can serve."""
-        return MountPlan(root=self.root, binds=self.split_binds()[0], devices=list(self.devices),
-                         hide=list(self.hide), system=list(self.system), ahead=list(self.ahead),
-                         host_by_fd=self.host_by_fd)
-
-
-def _depth_order(b: Bind) -> tuple[str, ...]:
-    return tuple(p for p in b.path.split("/") if p)
-
-
-def plan_mounts(*, root: Literal["minimal", "host"], worktree: str, worktree_rw: bool, private_tmp: str,
-                read_write: list[str], read_only: list[str], over: list[str] | None = None,
-                devices: list[str] | None = None, hide: list[str] | None = None,
-                system: list[str] | None = None, ahead: list[str] | None = None,
-                host_by_fd: bool = False, files: list[tuple[str, str]] | None = None) -> MountPlan:
-    """Pure. ``read_write`` and ``read_only`` are host paths bound at the same
-    place; ``over`` is bound read-only over itself inside a writable bind. A
-    path listed twice keeps its first, most writable, role; binds come out
-    parents first, so a path under ``/tmp`` lands in the private ``/tmp``.
-    ``system`` names the read-only paths that are the same for every session
-    of the policy, ``ahead`` those known before the session (its scratch,
-    ``/tmp``): see ``MountPlan.split_binds``."""
-    binds: dict[str, Bind] = {}
-    for b in ([Bind("/tmp", "rw", private_tmp), Bind(worktree, "rw" if worktree_rw else "ro", WORKTREE_FD)]
-              + [Bind(p, "ro", src) for p, src in files or []]
-              + [Bind(p, "rw") for p in read_write] + [Bind(p, "ro") for p in read_only]
-              + [Bind(p, "ro-over") for p in over or []]):
-        binds.setdefault(b.path, b)
-    # A read-only path inside another read-only one (the interpreter's
-    # library under /usr) is there already: one mount fewer per open.
-    plain_ro = Tops(b.path for b in binds.values() if b.how == "ro" and not b.source)
-    ordered = sorted((b for b in binds.values() if not (b.how == "ro" and not b.source and plain_ro.holds_below(b.path))),
-                     key=_depth_order)
-    keep = [b.path for b in ordered]
-    # Hiding a directory that holds a path the session needs would hide that path too.
-    hidden = [h for h in hide or [] if not any(is_within(k, h) for k in keep + [private_tmp])]
-    return MountPlan(root=root, binds=ordered, devices=list(devices or []), hide=hidden if root == "host" else [],
-                     system=[b.path for b in ordered if b.path in set(system or [])],
-                     ahead=[b.path for b in ordered if b.path in set(ahead or [])],
-                     host_by_fd=host_by_fd and root == "minimal")
-
-
-def describe_root(plan: MountPlan, labels: dict[str, str]) -> list[RootEntry]:
-    """What ``status`` shows: every path visible in the session and how."""
-    how = {"ro": "read-only", "rw": "read-write", "ro-over": "read-only (inside a writable path)"}
-    rows: list[RootEntry] = []
-    if plan.root == "host":
-        rows.append(RootEntry(path="/", how="the host's root, read-only; Landlock refuses what the rules do not grant"))
-    for b in plan.binds:
-        label = labels.get(b.path, "")
-        if b.path == "/tmp":
-            label = "private: the session's scratch tmp"
-        elif b.source == WORKTREE_FD:
-            label = "the worktree, bound from the descriptor the daemon checked"
-        rows.append(RootEntry(path=b.path, how=how[b.how] + (f" ({label})" if label else "")))
-    if plan.root == "minimal":
-        rows.append(RootEntry(path="/dev", how="fresh, read-only: " + ", ".join(plan.devices)
-                     + "; fd, stdin, stdout, stderr links"))
-    rows += [RootEntry(path="/dev/shm", how="read-write (private tmpfs)"),
-             RootEntry(path="/proc", how="fresh procfs of the session's pid namespace")]
-    rows += [RootEntry(path=h, how="covered by an empty tmpfs") for h in plan.hide]
-    return rows
-
-
-def _mount(step: str, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    try:
-        _sys.mount(source, target, fstype, flags, data)
-    except OSError as exc:
-        raise ConfinementError(f"mounts: {step}", exc.errno, target) from exc
-
-
-def _fd_path(fd: int) -> str:
-    return f"/proc/self/fd/{fd}"
-
-
-def _open_nofollow(path: str, step: str, host_fd: int = -1) -> int | None:
-    """An O_PATH descriptor of ``path``, resolved without following a symlink
-    on the way (``openat2`` ``RESOLVE_NO_SYMLINKS``: one call); a symlink as the
-    last component is returned itself. None when it does not exist.
-    ``host_fd``: the host's root held by descriptor (``_hold_host``), ``path``
-    taken below it and never above."""
-    try:
-        if host_fd >= 0:
-            return _sys.open_no_symlinks(path.lstrip("/") or ".", host_fd, beneath=True)
-        return _sys.open_no_symlinks(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        detail = ("a symlink in its path; bind sources are resolved by the daemon and never followed here"
-                  if exc.errno == errno.ELOOP else "")
-        raise ConfinementError(f"mounts: {step}", exc.errno, path, detail) from exc
-
-
-def _target_fast(root_fd: int, path: str, kind: Literal["dir", "file"] | None) -> int | None:
-    """The common cases in a few calls: the path is there already, or only its
-    last component is missing (made here). None: walk it (``_target``)."""
-    rel = path.strip("/")
-    try:
-        return _sys.open_no_symlinks(rel, root_fd)
-    except OSError as exc:
-        if exc.errno != errno.ENOENT or kind is None:
-            return None
-    parent, _, name = rel.rpartition("/")
-    try:
-        pfd = _sys.open_no_symlinks(parent, root_fd) if parent else os.dup(root_fd)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISDIR(os.fstat(pfd).st_mode):
-            return None
-        if kind == "file":
-            os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                             dir_fd=pfd))
-        else:
-            os.mkdir(name, 0o755, dir_fd=pfd)
-        return os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-    except OSError:
-        return None
-    finally:
-        os.close(pfd)
-
-
-def _target(root_fd: int, path: str, kind: Literal["dir", "file"] | None) -> int | None:
-    """An O_PATH descriptor of ``path`` below ``root_fd``, making missing
-    components (directories; the last one ``kind``) unless ``kind`` is None.
-    A symlink on the way fails the step: the new root must hold none we did
-    not make, and a bind is never aimed through one."""
-    fd = _target_fast(root_fd, path, kind)
-    if fd is not None:
-        if stat.S_ISLNK(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise ConfinementError("mounts: bind", path=path,
-                                   detail="it was replaced by a symlink since the session was planned")
-        return fd
-    fd = os.dup(root_fd)
-    parts = [p for p in path.split("/") if p]
-    try:
-        for i, name in enumerate(parts):
-            last = i == len(parts) - 1
-            try:
-                nxt = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except FileNotFoundError:
-                if kind is None:
-                    return None
-                if last and kind == "file":
-                    os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                     0o644, dir_fd=fd))
-                else:
-                    os.mkdir(name, 0o755, dir_fd=fd)
-                nxt = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-            if stat.S_ISLNK(os.fstat(fd).st_mode):
-                raise ConfinementError("mounts: bind", path=path,
-                                       detail="it was replaced by a symlink since the session was planned")
-        out, fd = fd, -1
-        return out
-    except OSError as exc:
-        raise ConfinementError("mounts: mount point", exc.errno, path) from exc
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 @contextmanager
@@ -282,13 +80,13 @@ def _sources(binds: list[Bind], worktree_fd: int, extra: list[str], host: str = 
                 continue
             if b.how == "ro-over":
                 continue  # opened in the new root, inside the worktree bound there
-            fd = _open_nofollow(host + (b.source or b.path), "open bind source", host_fd)
+            fd = open_nofollow(host + (b.source or b.path), "open bind source", host_fd)
             if fd is not None:
                 fds[b.path] = fd
         for path in extra:
             if path == PTS:
                 continue  # a devpts of the session's own, never the host's
-            fd = _open_nofollow(host + path, "open device")
+            fd = open_nofollow(host + path, "open device")
             if fd is not None:
                 fds[path] = fd
         yield fds
@@ -317,43 +115,6 @@ def _worktree_here(path: str, worktree_fd: int, host: str = "", host_fd: int = -
             return fd
         os.close(fd)
     raise ConfinementError(WORKTREE_STEP, path=path, detail="it was moved or replaced since the daemon checked it")
-
-
-def _bind(src_fd: int, root_fd: int, path: str) -> None:
-    st = os.fstat(src_fd)
-    if stat.S_ISLNK(st.st_mode):
-        # /bin -> usr/bin: the same link in the new root (its target is bound, or absent).
-        target = os.readlink("", dir_fd=src_fd)  # the link itself (O_PATH | O_NOFOLLOW), wherever it is seen
-        parent = os.dup(root_fd) if os.path.dirname(path) == "/" else _target(root_fd, os.path.dirname(path), "dir")
-        assert parent is not None
-        try:
-            os.symlink(target, os.path.basename(path), dir_fd=parent)
-        except FileExistsError:
-            pass
-        finally:
-            os.close(parent)
-        return
-    tgt = _target(root_fd, path, "dir" if stat.S_ISDIR(st.st_mode) else "file")
-    assert tgt is not None
-    try:
-        _mount("bind", _fd_path(src_fd), _fd_path(tgt), None, _sys.MS_BIND | _sys.MS_REC)
-    finally:
-        os.close(tgt)
-
-
-def _bind_over_itself(root_fd: int, path: str) -> None:
-    """Git metadata inside the writable worktree, bound read-only over itself,
-    through a descriptor opened without following a symlink: were the path
-    swapped for a symlink since it was planned (by another session on the same
-    worktree), a bind by name would protect the symlink's target and leave the
-    path itself writable. Fail closed then; absent, nothing to protect."""
-    fd = _target(root_fd, path, None)
-    if fd is None:
-        return  # gone since it was planned: nothing there for git to run
-    try:
-        _mount("bind read-only path", _fd_path(fd), _fd_path(fd), None, _sys.MS_BIND)
-    finally:
-        os.close(fd)
 
 
 def _pivot_into(root_fd: int) -> None:
@@ -430,31 +191,20 @@ def _build_dev(root_fd: int, devices: list[str], fds: dict[str, int]) -> None:
     # fewer than a tmpfs of its own), holding only the policy's device nodes.
     for path in devices:
         if path in fds:  # bound from the host: an unprivileged user cannot mknod
-            _bind(fds[path], root_fd, path)
-    dev = _target(root_fd, "/dev", "dir")
+            bind(fds[path], root_fd, path)
+    dev = mount_point(root_fd, "/dev", "dir")
     assert dev is not None
     try:
-        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                             ("stderr", "/proc/self/fd/2")):
-            os.symlink(target, name, dir_fd=dev)
+        for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                           ("stderr", "/proc/self/fd/2")):
+            os.symlink(link, name, dir_fd=dev)
         if PTS in devices:
             # Pseudo-terminals of the session's own: a new devpts instance
             # (its ptys are not the host's, and the host keeps its reserve).
-            os.mkdir("pts", 0o755, dir_fd=dev)
-            pts = os.open("pts", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dev)
-            try:
-                _mount("devpts", "devpts", _fd_path(pts), "devpts", _sys.MS_NOSUID | _sys.MS_NOEXEC,
-                       "newinstance,ptmxmode=0666,mode=0620")
-            finally:
-                os.close(pts)
+            mount_in(dev, "pts", "devpts", "devpts", _sys.MS_NOSUID | _sys.MS_NOEXEC,
+                     "newinstance,ptmxmode=0666,mode=0620")
             os.symlink("pts/ptmx", "ptmx", dir_fd=dev)
-        os.mkdir("shm", 0o755, dir_fd=dev)
-        shm = os.open("shm", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dev)
-        try:
-            _mount("private /dev/shm", "tmpfs", _fd_path(shm), "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV,
-                   "size=64m,mode=1777")
-        finally:
-            os.close(shm)
+        mount_in(dev, "shm", "private /dev/shm", "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=64m,mode=1777")
     finally:
         os.close(dev)
 
@@ -481,19 +231,19 @@ def _build_root(plan: MountPlan) -> int:
 def _build_root_over(plan: MountPlan, shared: list[Bind]) -> None:
     with _sources(shared, -1, plan.devices) as fds:
         # The sources are held: the new root may now cover the host's /tmp.
-        _mount("new root", "tmpfs", _NEW_ROOT, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=1m,mode=0755")
+        mount("new root", "tmpfs", _NEW_ROOT, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=1m,mode=0755")
         root_fd = os.open(_NEW_ROOT, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for b in shared:
                 if b.path in fds:
-                    _bind(fds[b.path], root_fd, b.path)
+                    bind(fds[b.path], root_fd, b.path)
             _build_dev(root_fd, plan.devices, fds)
-            proc = _target(root_fd, "/proc", "dir")
+            proc = mount_point(root_fd, "/proc", "dir")
             assert proc is not None
             try:
                 # Before the host's root goes: the kernel lets a user namespace
                 # mount proc only while a full proc is visible in it.
-                _mount("proc", "proc", _fd_path(proc), "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
+                mount("proc", "proc", fd_path(proc), "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
             finally:
                 os.close(proc)
             _pivot_into(root_fd)
@@ -512,9 +262,9 @@ def _bind_session_paths(plan: MountPlan, worktree_fd: int, host_fd: int) -> None
         try:
             for b in own:  # parents first: a worktree under /tmp lands in the private /tmp
                 if b.how == "ro-over":
-                    _bind_over_itself(root_fd, b.path)
+                    bind_over_itself(root_fd, b.path)
                 elif b.path in fds:
-                    _bind(fds[b.path], root_fd, b.path)
+                    bind(fds[b.path], root_fd, b.path)
         finally:
             os.close(root_fd)
 
@@ -527,21 +277,21 @@ def _apply_host(plan: MountPlan, worktree_fd: int) -> None:
     with _sources([tmp, *kept], worktree_fd, []) as fds:
         root_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            _mount("private /tmp", _fd_path(fds["/tmp"]), "/tmp", None, _sys.MS_BIND)
+            mount("private /tmp", fd_path(fds["/tmp"]), "/tmp", None, _sys.MS_BIND)
             for b in kept:
                 if b.path in fds:
-                    _bind(fds[b.path], root_fd, b.path)
+                    bind(fds[b.path], root_fd, b.path)
             for b in plan.binds:
                 if b.how == "ro-over":
-                    _bind_over_itself(root_fd, b.path)
+                    bind_over_itself(root_fd, b.path)
         finally:
             os.close(root_fd)
     for path in plan.hide:
         if os.path.isdir(path):
-            _mount("hide", "tmpfs", path, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC, "size=4k,mode=0555")
+            mount("hide", "tmpfs", path, "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC, "size=4k,mode=0555")
     if os.path.isdir("/dev/shm"):
-        _mount("private /dev/shm", "tmpfs", "/dev/shm", "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=64m,mode=1777")
-    _mount("proc", "proc", "/proc", "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
+        mount("private /dev/shm", "tmpfs", "/dev/shm", "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=64m,mode=1777")
+    mount("proc", "proc", "/proc", "proc", _sys.MS_NOSUID | _sys.MS_NODEV | _sys.MS_NOEXEC)
 
 
 def apply_root(plan: MountPlan) -> int:
@@ -550,7 +300,7 @@ def apply_root(plan: MountPlan) -> int:
     ``/proc``, pivoted into, the host's root still reachable below
     ``OLD_ROOT``, or (``host_by_fd``) by the descriptor returned (else -1):
     no session code runs before ``apply_session_mounts``, which closes it."""
-    _mount("make private", None, "/", None, _sys.MS_REC | _sys.MS_PRIVATE)
+    mount("make private", None, "/", None, _sys.MS_REC | _sys.MS_PRIVATE)
     if plan.root == "minimal":
         return _build_root(plan)
     return -1
@@ -616,7 +366,7 @@ def probe_host_tree() -> str:
             _sys.mount("tmpfs", "/tmp", "tmpfs", _sys.MS_NOSUID | _sys.MS_NODEV, "size=4k")
             os.mkdir("/tmp/p")
             src = _sys.open_no_symlinks("proc", tree, beneath=True)
-            _sys.mount(_fd_path(src), "/tmp/p", None, _sys.MS_BIND)
+            _sys.mount(fd_path(src), "/tmp/p", None, _sys.MS_BIND)
             os._exit(0)
         except OSError as exc:
             os._exit(min(exc.errno or 1, 250))

@@ -132,8 +132,8 @@ def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft
                            mechanism="network namespace with loopback only")
     if mode == "domains":
         # No stack: the daemon's proxy, reached through a listener the worker
-        # makes on the namespace's loopback, is the only way out (confine/domains.py).
-        from dispatchd.confine import domains
+        # makes on the namespace's loopback, is the only way out (dispatchd/domains.py).
+        from dispatchd import domains
 
         return NetworkPlan(mode, namespace=True, stack=False, rules="", landlock_tcp=False, seccomp_inet=True,
                            mechanism=(f"network namespace with loopback only; the daemon's filtering proxy "

@@ -13,24 +13,24 @@ from __future__ import annotations
 
 import msgspec
 
-from dispatchd.confine import domains as domains_mod
+from dispatchd import domains as domains_mod
 from dispatchd.confine import hygiene
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
 from dispatchd.confine.limits import FD_PASSING_RESERVE, LimitsPlan, plan_limits
 from dispatchd.confine.ucounts import UcountsPlan, budget_gaps, plan_ucounts
 from dispatchd.confine.ucounts import describe as describe_ucounts
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, PTS, LandlockPlan, plan_landlock
-from dispatchd.confine.mounts import MountPlan, describe_root, plan_mounts
+from dispatchd.confine.mountplan import MountPlan, describe_root, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.netstack import STACK, NetworkPlan, NetworkPorts, plan_network
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.inside import Tops
-from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Limits, Policy
 from dispatchd.protocol.reports import (
     GitReport,
+    KernelFeatures,
     LandlockReport,
     LimitsReport,
     NamespacesReport,
@@ -40,11 +40,9 @@ from dispatchd.protocol.reports import (
 )
 
 
-
-
 class GitLayout(msgspec.Struct, frozen=True):
     """A worktree's git metadata, as the daemon found it at open
-    (``dispatchd.daemon.gitlayout.inspect_git``): what the plan holds
+    (``dispatchd.daemon.gitguard.inspect_git``): what the plan holds
     read-only, grants, and makes mount points."""
 
     kind: str  # "none", "repository", "linked", "refused"
@@ -66,7 +64,7 @@ class SessionPaths(msgspec.Struct, frozen=True):
     scratch: str  # the session's private directory, made by the daemon
     runtime_dirs: list[str]  # the user's runtime directories, hidden from the session
     code: list[str]  # where the worker's own Python code lives (read-only)
-    git: GitLayout = GitLayout("none")  # the worktree's git metadata (daemon/gitlayout.py)
+    git: GitLayout = GitLayout("none")  # the worktree's git metadata (daemon/gitguard/layouts.py)
     # Extra read-only paths (the policy's filesystem.extra_read_only and the
     # call's read_only), resolved and checked against the credential
     # deny-list by the daemon (daemon/worktree.py).
@@ -105,7 +103,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     protections: Protections  # what status reports (with the worker's and the daemon's additions)
     net: NetworkPlan | None = None  # how the network mode is held (netstack.plan_network)
     # "domains": the port of the listener the worker makes on its own loopback
-    # and hands to the daemon's proxy (dispatchd.confine.domains); 0: none.
+    # and hands to the daemon's proxy (dispatchd.domains); 0: none.
     proxy_port: int = 0
 
 
@@ -146,6 +144,22 @@ def pool_key(plan: SessionPlan) -> bytes | None:
     return msgspec.msgpack.encode(PoolKey(namespaces=ns, ucounts=plan.ucounts, root=mounts.root_part(),
                                           landlock=plan.landlock.ahead_part(), loopback=plan.loopback, seccomp=plan.seccomp, cgroup=plan.cgroup,
                                           net=plan.net))
+
+
+def encode_plan(plan: SessionPlan) -> bytes:
+    """A plan as the fork server's messages carry it (``SpawnWorker.plan``,
+    ``ExpectSession.plan``): the protocol holds it as bytes, so that a client
+    importing ``dispatchd.protocol`` never loads the confinement code."""
+    return msgspec.msgpack.encode(plan)
+
+
+_plan_decoder = msgspec.msgpack.Decoder(SessionPlan)
+
+
+def decode_plan(payload: bytes) -> SessionPlan:
+    """The plan ``encode_plan`` encoded. Raises msgspec's errors on a bad one
+    (the fork server answers those ``spawn_failed``)."""
+    return _plan_decoder.decode(payload)
 
 
 def _landlock_ahead(landlock: LandlockPlan, mounts: MountPlan, candidates: list[str]) -> list[str]:

@@ -27,7 +27,7 @@ import time
 
 from dispatchd import protocol, treewalk
 from dispatchd.confine import cgroups
-from dispatchd.daemon import baselines, leftovers
+from dispatchd.daemon import gitguard, leftovers
 from dispatchd.daemon.lifecycle import Action, Event, Op, State, decide, ending_event, is_live
 from dispatchd.daemon.session import READY_TIMEOUT_S, Session, has_pid_namespace
 from dispatchd.daemon.sessionnet import stop_network
@@ -40,7 +40,7 @@ STOP_TIMEOUT_S = 2.0
 
 
 class Ending(SessionTable):
-    def close(self, sid: str) -> list[baselines.Protected]:
+    def close(self, sid: str) -> list[gitguard.Protected]:
         """Close ``sid``; returns what the checks at its end moved aside or put back."""
         session = self.get(sid)
         self._finish(session)
@@ -177,7 +177,7 @@ class Ending(SessionTable):
 
     def _check_git(self, session: Session) -> None:
         """Once the session's processes are gone: check its worktree's domain
-        against the trusted baseline (baselines.py) and move aside what
+        against the trusted baseline (gitguard/baselines.py) and move aside what
         differs; at its end, leave the domain (the last one out restores the
         repository's history). What cannot be moved or checked refuses the
         worktree until a restart's check passes."""

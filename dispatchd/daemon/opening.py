@@ -14,8 +14,8 @@ Guarantees:
   descriptor, holds it for the session's life and hands it to every worker
   of the session; extra read-only paths are resolved and checked against
   the credential deny-list at each open;
-- the worktree's git metadata is read as hostile content (``gitlayout``,
-  ``gitsnapshot``); what cannot be inspected refuses the open;
+- the worktree's git metadata is read as hostile content (``gitguard.layouts``,
+  ``gitguard.snapshots``); what cannot be inspected refuses the open;
 - a sandbox made ahead serves a session only if its plan's shared part is
   the one it was made for (``pool_key``); otherwise it is let go, and all
   the daemon held for it is freed.
@@ -31,9 +31,10 @@ import threading
 import time
 
 from dispatchd import envnames, protocol, threads
-from dispatchd.confine import cgroups, domains
+from dispatchd import domains
+from dispatchd.confine import cgroups
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan
-from dispatchd.daemon import gitidentity, gitlayout, gitredirects, gitsnapshot, lifetimes, watchdog
+from dispatchd.daemon import gitguard, lifetimes, watchdog
 from dispatchd.daemon.dnsrelay import session_resolv_binds
 from dispatchd.daemon.lifecycle import Event
 from dispatchd.daemon.pooling import Pooling
@@ -204,7 +205,7 @@ class Opening(Pooling):
 
     def _inspect_git(self, session: Session) -> None:
         resolved = session.worktree
-        session.git = gitlayout.inspect_git(resolved, uid=self.uid)
+        session.git = gitguard.inspect_git(resolved, uid=self.uid)
         if session.git.kind == "linked" and not self._points_back(session.git, resolved):
             # The worktree's path was swapped for a symlink to another
             # repository's linked worktree while git was inspected (the
@@ -225,15 +226,15 @@ class Opening(Pooling):
                                                 note=f"{granted} holds the daemon's files, credentials or the "
                                                      "whole home directory; not granted")
                 break
-        session.git_before = gitsnapshot.take(resolved, session.git, self.home)
+        session.git_before = gitguard.take(resolved, session.git, self.home)
         if not session.git_before.complete:
             raise WorktreeError(f"{resolved}: more git directories than dispatchd checks "
-                                f"({gitsnapshot.MAX_GITDIRS}); no session opened", resolved)
+                                f"({gitguard.MAX_GITDIRS}); no session opened", resolved)
         # Git directories only the recursive walk finds (submodules of
         # submodules kept in place) are held read-only too.
-        session.git = gitlayout.with_gitdirs(session.git, resolved,
-                                           gitsnapshot.gitdir_paths(resolved, session.git_before))
-        session.redirects_before = gitredirects.redirects_present(session.git, resolved)
+        session.git = gitguard.with_gitdirs(session.git, resolved,
+                                            gitguard.gitdir_paths(resolved, session.git_before))
+        session.redirects_before = gitguard.redirects_present(session.git, resolved)
 
     @staticmethod
     def _points_back(git: GitLayout, worktree: str) -> bool:
@@ -256,7 +257,7 @@ class Opening(Pooling):
                              runtime_dirs=self.runtime_dirs, code=self.code_paths, git=session.git,
                              read_only=session.read_only, resolv=session_resolv_binds(self.dns_resolv))
         # Read at each worker start (open, network switch): a few µs, no git run.
-        identity = gitidentity.identity_env(gitidentity.read_identity(self.home, self.base_env))
+        identity = gitguard.identity_env(gitguard.read_identity(self.home, self.base_env))
         return PlanInputs(session=session.id, policy=session.policy, network=network, paths=paths,
                           ports=session.ports, git_identity=identity, kernel=self.kernel, uid=self.uid,
                           gid=self.gid, base_env=self.base_env, delegation=self.delegation,

@@ -25,10 +25,9 @@ from typing import NamedTuple
 
 import msgspec
 
-from dispatchd import protocol
 from dispatchd.confine.cgroups import Delegation
 from dispatchd.confine.netstack import NetworkPorts
-from dispatchd.confine.plan import SessionPaths, SessionPlan, plan_session, pool_key
+from dispatchd.confine.plan import SessionPaths, SessionPlan, encode_plan, plan_session, pool_key
 from dispatchd.kernel import KernelFeatures
 from dispatchd.netmodes import NetworkMode
 from dispatchd.policy import Policy
@@ -59,7 +58,7 @@ class Planned(NamedTuple):
     inputs: PlanInputs
     plan: SessionPlan
     key: bytes | None
-    encoded: bytes  # protocol.encode_plan(plan): sent ahead (ExpectSession) and at adoption
+    encoded: bytes  # encode_plan(plan): sent ahead (ExpectSession) and at adoption
 
 
 def make_plan(i: PlanInputs) -> SessionPlan:
@@ -75,7 +74,7 @@ def plan_ahead(last: PlanInputs, *, session: str, scratch: str, policy: Policy) 
     inputs = last._replace(session=session, policy=policy,
                            paths=msgspec.structs.replace(last.paths, scratch=scratch))
     plan = make_plan(inputs)
-    return Planned(inputs, plan, pool_key(plan), protocol.encode_plan(plan))
+    return Planned(inputs, plan, pool_key(plan), encode_plan(plan))
 
 
 def plan_for(inputs: PlanInputs, planned: Planned | None) -> tuple[SessionPlan, bytes | None]:

@@ -5,7 +5,7 @@ Guarantees:
   made on the loopback of the session's own network namespace (handed over
   with ``WorkerReady``): no other session, and no other user, can reach it;
 - a request is relayed only while the session's mode is ``domains`` and only
-  to a host and port its rules allow (``dispatchd.confine.domains.allowed``);
+  to a host and port its rules allow (``dispatchd.domains.allowed``);
   anything else gets an HTTP error whose status line and body say why, and a
   refused host is counted for ``status()`` (the last ``MAX_DENIED``);
 - it connects only to addresses ``relayable`` allows (never the host's
@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from dispatchd.confine.domains import (
+from dispatchd.domains import (
     BadHost, Rule, allowed, describe, is_ip_literal, normalise_host, relayable,
 )
 from dispatchd.netmodes import NetworkMode

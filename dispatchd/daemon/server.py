@@ -40,7 +40,7 @@ from dispatchd.daemon.sessions import Session, SessionManager
 from dispatchd.errors import DispatchdError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.tools import native
-from dispatchd.tools.spec import schemas_for
+from dispatchd.catalogue import schemas_for
 
 log = logging.getLogger("dispatchd.server")
 

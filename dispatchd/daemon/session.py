@@ -21,17 +21,18 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import domains, netstack
+from dispatchd import domains
+from dispatchd.confine import netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPlan
-from dispatchd.daemon import baselines, gitsnapshot, lifecycle
+from dispatchd.daemon import gitguard, lifecycle
 from dispatchd.daemon.lifecycle import Event, State
 from dispatchd.daemon.proxy import SessionProxy
 from dispatchd.daemon.spawn import Worker
 from dispatchd.daemon.worktree import Worktree
 from dispatchd.netmodes import NetworkMode
 from dispatchd.policy import Policy
-from dispatchd.tools.spec import schemas_for
+from dispatchd.catalogue import schemas_for
 
 READY_TIMEOUT_S = 10.0
 
@@ -55,11 +56,11 @@ class Session:
         self.note = ""
         self.git = GitLayout("none")
         self.redirects_before: list[str] = []
-        self.git_before = gitsnapshot.GitSnapshot()  # what git reads for configuration, by content
-        # What the checks of its worktree's baseline did (baselines.py): since
+        self.git_before = gitguard.GitSnapshot()  # what git reads for configuration, by content
+        # What the checks of its worktree's baseline did (gitguard/baselines.py): since
         # it opened (for status), and at its end (for the close reply).
-        self.reports: Callable[[], list[baselines.Protected]] = list
-        self.found_at_end: list[baselines.Protected] = []
+        self.reports: Callable[[], list[gitguard.Protected]] = list
+        self.found_at_end: list[gitguard.Protected] = []
         self.protections: protocol.Protections | None = None  # from the worker, once it is ready
         self.cgroup = ""  # its cgroup, made at the first start, removed at the end
         self.worker: Worker | None = None

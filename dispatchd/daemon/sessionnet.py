@@ -21,7 +21,8 @@ import os
 import socket
 
 from dispatchd import protocol
-from dispatchd.confine import domains, netstack
+from dispatchd import domains
+from dispatchd.confine import netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.daemon.dnsrelay import DnsRelay

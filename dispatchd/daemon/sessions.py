@@ -26,16 +26,16 @@ Guarantees:
 - extra read-only paths (the policy's and the call's) are resolved and
   checked against the credential deny-list at each open;
 - the daemon runs nothing in a worktree (not even ``git``) and opens there
-  only git's metadata, as hostile content (``gitfs``: ``O_NOFOLLOW``,
-  regular files only, bounded reads): at open ``gitlayout`` walks ``.git``
-  by name, each step ``lstat``-checked, and ``gitsnapshot`` walks every git
+  only git's metadata, as hostile content (``gitguard.fs``: ``O_NOFOLLOW``,
+  regular files only, bounded reads): at open ``gitguard.layouts`` walks ``.git``
+  by name, each step ``lstat``-checked, and ``gitguard.snapshots`` walks every git
   directory and what an index names by ``O_PATH | O_NOFOLLOW`` descriptors
   from the worktree; an index is opened by its path;
 - the one thing it creates there is an empty ``hooks`` in a git directory
-  that has none (``gitlayout``, at open: so that it can be held read-only);
+  that has none (``gitguard.layouts``, at open: so that it can be held read-only);
 - once a session's processes are gone (close, network switch, end) it
   renames aside, within its own directory, what the session changed there
-  that the user's own git would run (``gitredirects``, ``gitsnapshot``),
+  that the user's own git would run (``gitguard.redirects``, ``gitguard.snapshots``),
   making a directory the session made read-only writable for its owner
   first, or refuses the worktree until restart if it cannot;
 - the daemon removes in a worktree only the temporary files of writes a
@@ -52,7 +52,7 @@ import threading
 from collections.abc import Callable
 
 from dispatchd.confine import cgroups
-from dispatchd.daemon import baselines, leftovers, lifetimes, watchdog
+from dispatchd.daemon import gitguard, leftovers, lifetimes, watchdog
 from dispatchd.daemon.dnsrelay import DnsRelay
 from dispatchd.daemon.pool import SandboxPool
 from dispatchd.daemon.proxy import Resolver, system_resolver
@@ -117,9 +117,9 @@ class SessionManager(Switching):
         self.home = os.path.expanduser("~")
         self._sessions = {}
         self.write_locks = WriteLocks()  # one writer per worktree
-        # One trusted baseline per worktree, on disk (baselines.py); the
+        # One trusted baseline per worktree, on disk (gitguard/baselines.py); the
         # checks a daemon that died left are finished before anything opens.
-        self.baselines = baselines.Baselines(state_dir, self.home)
+        self.baselines = gitguard.Baselines(state_dir, self.home)
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
         self._lock = threading.Lock()

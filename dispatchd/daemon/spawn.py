@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from dispatchd import fdwait, protocol
-from dispatchd.confine.plan import SessionPlan
+from dispatchd.confine.plan import SessionPlan, encode_plan
 from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.errors import ConfinementError, DispatchdError, WorktreeError
 
@@ -112,7 +112,7 @@ def adopt(worker: Worker, control: protocol.FrameSocket, plan: SessionPlan, work
     ``encode_plan``, when made already) and the checked worktree. Its
     report, as ``start_worker``'s; on any failure it is killed."""
     try:
-        payload = encoded if encoded is not None else protocol.encode_plan(plan)
+        payload = encoded if encoded is not None else encode_plan(plan)
         control.send(protocol.AdoptSession(plan=payload), fds=[worktree_fd])
     except OSError as exc:
         worker.kill()
@@ -189,7 +189,7 @@ class ForkServerClient:
     def spawn_worker(self, plan: SessionPlan, control_end: socket.socket, worktree_fd: int) -> Worker:
         """Fork a worker for ``plan``; ``worktree_fd`` (the checked worktree, by
         descriptor) travels with the request (SCM_RIGHTS) to be bound and granted."""
-        encoded = protocol.encode_plan(plan)
+        encoded = encode_plan(plan)
         reply, pidfd = self._request(lambda rid: protocol.SpawnWorker(id=rid, plan=encoded),
                                      [control_end.fileno(), worktree_fd])
         if not isinstance(reply, protocol.Spawned):
@@ -216,7 +216,7 @@ class ForkServerClient:
             if worktree_fd >= 0:
                 worker = self.spawn_worker(plan, theirs, worktree_fd)
             else:
-                encoded = protocol.encode_plan(plan)
+                encoded = encode_plan(plan)
                 reply, pidfd = self._request(lambda rid: protocol.SpawnWorker(id=rid, plan=encoded, pooled=True),
                                              [theirs.fileno()])
                 if not isinstance(reply, protocol.Spawned):
@@ -233,7 +233,7 @@ class ForkServerClient:
                     timeout_s: float) -> tuple[Worker, protocol.FrameSocket, protocol.WorkerReady]:
         """A sleeping session's tool server again (``worker/wake.py``), in the
         namespaces and under the ruleset of its ``kit`` (sent, still ours), ready."""
-        encoded = protocol.encode_plan(plan)
+        encoded = encode_plan(plan)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             reply, pidfd = self._request(lambda rid: protocol.WakeWorker(id=rid, plan=encoded, kit=len(kit)),

@@ -22,7 +22,8 @@ import logging
 
 import msgspec
 
-from dispatchd.confine import domains, netstack
+from dispatchd import domains
+from dispatchd.confine import netstack
 from dispatchd.daemon.lifecycle import Action, Event, Op, State
 from dispatchd.daemon.opening import Opening
 from dispatchd.daemon.session import Session, count_session_processes, has_user_namespace

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups
-from dispatchd.daemon import baselines, exits, leftovers, lifetimes, watchdog
+from dispatchd.daemon import exits, gitguard, leftovers, lifetimes, watchdog
 from dispatchd.daemon.dnsrelay import DnsRelay
 from dispatchd.daemon.lifecycle import Action, Op, State, Verdict, decide, is_live
 from dispatchd.daemon.planahead import PlanInputs
@@ -68,7 +68,7 @@ class SessionTable:
     home: str
     accepting: bool  # False once the daemon stops: no open, no sleep
     write_locks: WriteLocks
-    baselines: baselines.Baselines
+    baselines: gitguard.Baselines
     holders: lifetimes.Holders
     watchdog: watchdog.MemoryWatchdog
     pool: SandboxPool

@@ -27,6 +27,7 @@ Guarantees (each module's docstring says more):
 
 from dispatchd.protocol.frames import (
     DECODE_ERRORS,
+    FRAME_HEADER,
     MAX_FRAME,
     MAX_HELLO_FRAME,
     MAX_REQUEST_FRAME,
@@ -37,6 +38,7 @@ from dispatchd.protocol.frames import (
     decode,
     encode,
     request_id_of,
+    too_large,
     undecodable,
 )
 from dispatchd.protocol.internal import (
@@ -70,8 +72,6 @@ from dispatchd.protocol.internal import (
     WorkerReady,
     ForkServerReply,
     ForkServerRequest,
-    decode_plan,
-    encode_plan,
     from_worker_decoder,
     to_worker_decoder,
     fork_server_reply_decoder,
@@ -132,8 +132,8 @@ from dispatchd.protocol.reports import (
 
 __all__ = [
     # frames
-    "MAX_FRAME", "MAX_HELLO_FRAME", "MAX_REQUEST_FRAME", "BadMessage", "FrameSocket", "FrameTooLarge",
-    "DECODE_ERRORS", "ProtocolError", "decode", "encode", "request_id_of", "undecodable",
+    "FRAME_HEADER", "MAX_FRAME", "MAX_HELLO_FRAME", "MAX_REQUEST_FRAME", "BadMessage", "FrameSocket", "FrameTooLarge",
+    "DECODE_ERRORS", "ProtocolError", "decode", "encode", "request_id_of", "too_large", "undecodable",
     # the public protocol: client <-> daemon, client <-> worker
     "PROTOCOL_VERSION", "Attach", "Attached", "CallTool", "CancelCall", "ChannelReply", "ChannelRequest",
     "CloseSession", "ClosedReply", "ProtectedItem", "DaemonReply", "DaemonRequest", "DeniedHost", "ErrorReply", "Hello", "HelloOk",
@@ -149,6 +149,6 @@ __all__ = [
     "SetCommandEnv", "NetworkDenied", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed",
     "WorkerPooled", "WorkerReady", "DnsSockets", "DnsDoor", "Asleep", "JobRecord", "KeptJobs", "MaySleep", "Sleep",
     "StayAwake", "WakeWorker",
-    "ForkServerReply", "ForkServerRequest", "decode_plan", "encode_plan", "from_worker_decoder", "to_worker_decoder",
+    "ForkServerReply", "ForkServerRequest", "from_worker_decoder", "to_worker_decoder",
     "fork_server_reply_decoder", "fork_server_request_decoder",
 ]

@@ -36,7 +36,8 @@ MAX_FRAME = 64 * 1024 * 1024
 # daemon buffer. Before ``Hello`` only a greeting is expected: a few KiB.
 MAX_REQUEST_FRAME = 256 * 1024
 MAX_HELLO_FRAME = 4 * 1024
-_HEADER = struct.Struct(">I")
+# The length prefix of every frame (the client writes its requests out with it too).
+FRAME_HEADER = struct.Struct(">I")
 # The most descriptors one message may carry (the kernel's SCM_MAX_FD): a
 # sleeping session's channels travel in messages of at most this many.
 SCM_MAX_FD = 253
@@ -62,11 +63,11 @@ def encode(msg: msgspec.Struct) -> bytes:
     # request and reply is encoded, and a Python call costs about 1,200 instructions.
     payload = _encode(msg)
     if len(payload) > MAX_FRAME:
-        raise _too_large(len(payload))
-    return _HEADER.pack(len(payload)) + payload
+        raise too_large(len(payload))
+    return FRAME_HEADER.pack(len(payload)) + payload
 
 
-def _too_large(size: int) -> FrameTooLarge:
+def too_large(size: int) -> FrameTooLarge:
     return FrameTooLarge(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
 
 
@@ -154,8 +155,8 @@ class FrameSocket:
     def send(self, msg: msgspec.Struct, fds: list[int] | None = None) -> None:
         payload = _encode(msg)  # as encode's, without a helper's call
         if len(payload) > MAX_FRAME:
-            raise _too_large(len(payload))
-        header = _HEADER.pack(len(payload))
+            raise too_large(len(payload))
+        header = FRAME_HEADER.pack(len(payload))
         if fds:
             # The fds ride on the first byte of the frame; the rest follows.
             frame = header + payload
@@ -206,7 +207,7 @@ class FrameSocket:
             if not data:
                 return None
             if len(data) > 4:
-                (length,) = _HEADER.unpack_from(data)
+                (length,) = FRAME_HEADER.unpack_from(data)
                 if length > self.max_frame:
                     raise FrameTooLarge(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit")
                 if len(data) == 4 + length:
@@ -217,7 +218,7 @@ class FrameSocket:
                 if self._buf:
                     raise ProtocolError("connection closed inside a frame header")
                 return None
-        (length,) = _HEADER.unpack_from(self._buf)
+        (length,) = FRAME_HEADER.unpack_from(self._buf)
         if length > self.max_frame:
             raise FrameTooLarge(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit")
         if not self._fds and 4 + length - len(self._buf) > _LARGE:

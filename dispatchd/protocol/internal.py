@@ -10,9 +10,10 @@ Guarantees:
   ``to_worker_decoder`` / ``from_worker_decoder`` on a session's control
   channel, ``fork_server_request_decoder`` / ``fork_server_reply_decoder`` with the
   fork server.
-- ``SpawnWorker.plan`` is a ``SessionPlan`` encoded on its own and decoded
-  by ``decode_plan``, which imports the planner only when called: a client
-  importing ``dispatchd.protocol`` never loads the daemon's confinement code.
+- A session's plan travels as bytes (``SpawnWorker.plan``, encoded and
+  decoded by ``dispatchd.confine.plan``): the protocol sits below the
+  confinement code and imports none of it, so a client importing
+  ``dispatchd.protocol`` never loads it.
 
 Two conversations:
 - daemon <-> worker (control channel): ``WorkerReady``/``WorkerFailed`` once
@@ -24,15 +25,12 @@ Two conversations:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 import msgspec
 
 from dispatchd.protocol.messages import ErrorReply, OkReply, _Msg
 from dispatchd.protocol.reports import Protections
-
-if TYPE_CHECKING:
-    from dispatchd.confine.plan import SessionPlan
 
 # --- daemon <-> worker: the session's control channel ---------------------------
 
@@ -302,21 +300,3 @@ ForkServerReply = Union[Spawned, OkReply, ErrorReply, DnsDoor]
 fork_server_request_decoder = msgspec.msgpack.Decoder(ForkServerRequest)  # daemon -> fork server
 fork_server_reply_decoder = msgspec.msgpack.Decoder(ForkServerReply)  # fork server -> daemon
 
-
-def encode_plan(plan: SessionPlan) -> bytes:
-    """``SpawnWorker.plan`` from a plan."""
-    return msgspec.msgpack.encode(plan)
-
-
-_plan_decoder: msgspec.msgpack.Decoder[SessionPlan] | None = None
-
-
-def decode_plan(payload: bytes) -> SessionPlan:
-    """The plan a ``SpawnWorker`` carries. Raises msgspec's errors on a bad one
-    (the fork server answers those ``spawn_failed``)."""
-    global _plan_decoder
-    if _plan_decoder is None:
-        from dispatchd.confine.plan import SessionPlan  # the daemon's side only: see the docstring
-
-        _plan_decoder = msgspec.msgpack.Decoder(SessionPlan)
-    return _plan_decoder.decode(payload)

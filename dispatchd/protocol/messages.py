@@ -19,9 +19,9 @@ from typing import Any, Union
 
 import msgspec
 
+from dispatchd.catalogue import Risk
 from dispatchd.netmodes import NetworkMode
 from dispatchd.protocol.reports import DaemonReport, KernelFeatures, Protections
-from dispatchd.tools.spec import Risk
 
 PROTOCOL_VERSION = 1  # sent in Hello; the daemon refuses any other
 
@@ -117,7 +117,7 @@ class ToolSchema(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     description: str
     parameters: dict[str, Any]
-    risk: Risk = "execute"  # from tools/spec.py; a tool that does not say is treated as the riskiest
+    risk: Risk = "execute"  # from dispatchd/catalogue.py; a tool that does not say is treated as the riskiest
     slow: bool = False  # runs on a thread of its own in the worker: its calls can be cancelled
 
 

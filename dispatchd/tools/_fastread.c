@@ -1,7 +1,7 @@
 /* The tool server's fast lane for read_file: one request read from a
  * client channel and, when it is the usual read_file call, answered here
  * without a Python object for the request, its arguments, its result or
- * its reply (dispatchd/worker/tool_server.py, ``_Channel.run``).
+ * its reply (dispatchd/worker/channel.py, ``Channel.run``).
  *
  * What it guarantees: a request it answers gets the reply frame the Python
  * path would send, byte for byte (tests/unit/test_fastread.py compares the
@@ -352,7 +352,7 @@ put_raw(unsigned char *w, const char *s)
 #define REPLY_TOTAL "\xabtotal_lines"
 #define REPLY_START "\xaastart_line"
 #define REPLY_END "\xa8" "end_line"
-/* metadata["usage"], as the Python path gives every call (tool_server._usage):
+/* metadata["usage"], as the Python path gives every call (activity.call_usage):
  * the CPU time of the thread that answered, and the process's peak resident
  * size, each a float64. */
 #define REPLY_USAGE "\xa5usage\x82\xa5" "cpu_s"

@@ -22,7 +22,7 @@ import msgspec
 
 from dispatchd.inside import is_below
 from dispatchd.policy import Limits
-from dispatchd.tools.spec import ToolSpec
+from dispatchd.catalogue import ToolSpec
 
 
 def _nothing() -> None:

@@ -27,7 +27,7 @@ from dispatchd.tools import native
 from dispatchd.tools.atomic import atomic_write
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
 from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve, resolve_shown
-from dispatchd.tools.spec import CreateFileParams, EditFileParams, ListFilesParams, ReadFileParams, WriteFileParams
+from dispatchd.catalogue import CreateFileParams, EditFileParams, ListFilesParams, ReadFileParams, WriteFileParams
 from dispatchd.tools.textfile import SNIFF_BYTES, looks_binary, read_regular
 from dispatchd.tools.walk import in_git_dir, matches, walk
 

@@ -15,13 +15,17 @@ Guarantees:
   (cut at a character boundary), waiting up to ``wait`` seconds when there is
   nothing new yet and the job still runs; ``next_offset`` is where to go on.
 - A job runs until its command has exited and nothing it started holds its
-  output any more; ``exit_code`` is then the command's status.
-- ``job_stop`` SIGKILLs the job and every process it started (``proctree``):
-  exactly while the job's bash runs (a child subreaper: nothing leaves its
-  tree, ``setsid`` and ``env -i`` included), and, by its marker, what a job
-  that ended left running;
-  a job with a ``timeout`` is stopped at it. Every job ends with its session
-  (the session's pid namespace, or its kill): nothing outlives the session.
+  output any more; ``exit_code`` is then the command's status, as bash
+  gives it (128 + N for a command killed by signal N).
+- Its command runs below a keeper (``_KEEPER``: a bash that is the job's
+  leader, a child subreaper, and waits until no process below it is left):
+  what the command leaves running stays in the keeper's tree after the
+  command exited, however it detached (``setsid``, ``env -i``), so the
+  sweep that ends what finished calls left (``orphans.end_leftovers``)
+  never sees a job's processes, and ``job_stop`` ends all of them exactly,
+  while the job runs and after it ended. A job with a ``timeout`` is
+  stopped at it. Every job ends with its session (the session's pid
+  namespace, or its kill): nothing outlives the session.
 - At most ``MAX_RUNNING`` jobs run at once in a session, and at most
   ``MAX_KEPT`` are remembered (the oldest ended ones are forgotten first).
 - Ended jobs outlive a sleep of the session (``kept``/``restore``: their
@@ -33,8 +37,11 @@ Guarantees:
 
 from __future__ import annotations
 
+import math
 import os
+import select
 import selectors
+import socket
 import threading
 import time
 from typing import Any
@@ -42,7 +49,7 @@ from typing import Any
 from dispatchd.protocol.internal import JobRecord
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
-from dispatchd.tools.spec import JobListParams, JobOutputParams, JobStopParams
+from dispatchd.catalogue import JobListParams, JobOutputParams, JobStopParams
 
 __all__ = ["Jobs", "MAX_RUNNING", "job_list", "job_output", "job_stop"]
 
@@ -53,6 +60,20 @@ MAX_RUNNING = 16
 MAX_KEPT = 64
 _READ_CHUNK = 65536
 _POLL_S = 0.1  # how often a waiting job_output looks for a cancel
+# The job's leader: bash started as a child subreaper (proctree.start_command)
+# on this script, the job's command as "$1". The command runs in a bash of
+# its own, with stdin from /dev/null; the keeper's stdin is a socket to the
+# job's thread, which reads the command's status from it. Then, no longer
+# holding the job's output, the keeper stays while it has a child (the
+# orphans of the command's processes come to it, and its SIGCHLD handler
+# reaps them), looking once a second: its read of the socket times out (the
+# job's thread never writes; an end of file, the tool server gone, ends the
+# loop). About 1.6 ms more a job (an exec of bash: docs/budgets.md) and one process. --norc:
+# bash reads ~/.bashrc when its stdin is a socket (as under sshd), not this one.
+_KEEPER = r"""/bin/bash -c "$1" </dev/null
+echo "$?" >&0
+exec >/dev/null 2>&1
+while c=; read -r -d '' c </proc/$$/task/$$/children; [ -n "$c" ]; do read -r -t 1 _ <&0; (( $? > 128 )) || break; done"""
 
 
 def _signal_text(code: int) -> str:
@@ -64,13 +85,28 @@ def _signal_text(code: int) -> str:
         return f"killed by signal {-code}"
 
 
+def _exit_code(status: bytes) -> int | None:
+    """The command's status as the keeper wrote it, None when it wrote none."""
+    try:
+        return int(status.strip())
+    except ValueError:
+        return None
+
+
+def _wait_readable(fd: int, seconds: float | None) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll(None if seconds is None else math.ceil(seconds * 1e3))
+
+
 class Job:
     def __init__(self, jid: str, command: str, proc: proctree.Started | None, token: str, log_fd: int,
-                 cap: int, timeout: float | None, out_fd: int = -1) -> None:
+                 cap: int, timeout: float | None, out_fd: int = -1, status_fd: int = -1) -> None:
         self.id = jid
         self.command = command
-        self.proc = proc
+        self.proc = proc  # the keeper
         self.out_fd = out_fd  # the read end of its stdout and stderr
+        self.status_fd = status_fd  # our end of the keeper's stdin: the command's status comes on it
         self.token = token
         self.log_fd = log_fd
         self.cap = cap
@@ -95,49 +131,70 @@ class Job:
         return f"exited {self.exit_code}" if self.exit_code >= 0 else _signal_text(self.exit_code)
 
     def pump(self) -> None:
-        """The job's thread: copy its output to the log until every process
-        holding it is gone, reap the leader; the job ends when both happened."""
-        assert self.proc is not None and self.out_fd >= 0
-        out = self.out_fd
+        """The job's thread: copy its output to the log and read its
+        command's status until both are done (the job then ends), then wait
+        for the keeper, which stays while processes the command left run,
+        and reap it."""
+        assert self.proc is not None and self.out_fd >= 0 and self.status_fd >= 0
         sel = selectors.DefaultSelector()
-        sel.register(out, selectors.EVENT_READ)
-        pidfd = None
-        try:
-            pidfd = os.pidfd_open(self.proc.pid)
-            sel.register(pidfd, selectors.EVENT_READ)
-        except (AttributeError, OSError):
-            pass
+        sel.register(self.out_fd, selectors.EVENT_READ)
+        sel.register(self.status_fd, selectors.EVENT_READ)
+        status = b""
         try:
             while sel.get_map():
-                wait = None if pidfd is not None else 0.2
-                if self.deadline is not None:
-                    left = max(0.0, self.deadline - time.monotonic())
-                    wait = left if wait is None else min(wait, left)
-                events = sel.select(wait)
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    self.kill("timed out")
-                    self.deadline = None
-                if pidfd is None and not self.reaped and self._exited():
-                    self._reap()
+                events = sel.select(self._left())
+                self._at_deadline()
                 for key, _ in events:
-                    if key.fd == pidfd:
-                        sel.unregister(pidfd)
-                        self._reap()
-                        continue
-                    chunk = os.read(out, _READ_CHUNK)
-                    if not chunk:
-                        sel.unregister(out)
-                        continue
-                    self._keep(chunk)
+                    chunk = os.read(key.fd, _READ_CHUNK)
+                    if key.fd == self.status_fd:
+                        status += chunk
+                        if not chunk or b"\n" in status:
+                            sel.unregister(key.fd)
+                    elif chunk:
+                        self._keep(chunk)
+                    else:
+                        sel.unregister(key.fd)
+            code = _exit_code(status)  # None: the keeper was killed before the command ended
+            if code is not None:
+                with self.cond:
+                    self.exit_code = code
+                    self.cond.notify_all()
+            self._wait_keeper()
         finally:
             sel.close()
-            if pidfd is not None:
-                os.close(pidfd)
             os.close(self.out_fd)
             self._reap(block=True)
+            os.close(self.status_fd)
             with self.cond:
-                self.exit_code = self.proc.returncode
+                if self.exit_code is None:
+                    self.exit_code = self.proc.returncode
                 self.cond.notify_all()
+
+    def _left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def _at_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.kill("timed out")
+            self.deadline = None
+
+    def _wait_keeper(self) -> None:
+        """Until the keeper has exited (the job's timeout still applies)."""
+        assert self.proc is not None
+        try:
+            pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            pidfd = None
+        try:
+            while not self._exited():
+                if pidfd is not None:
+                    _wait_readable(pidfd, self._left())
+                else:
+                    time.sleep(0.2 if self.deadline is None else min(0.2, self._left() or 0.0))
+                self._at_deadline()
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
 
     def _reap(self, block: bool = False) -> None:
         assert self.proc is not None
@@ -177,7 +234,7 @@ class Job:
             if self.exit_code is None:
                 self.ended_by = why
             if leader is not None:
-                proctree.kill_subtree(leader)  # its tree, exactly (bash is a child subreaper)
+                proctree.kill_subtree(leader)  # its tree, exactly (the keeper is a child subreaper)
             proctree.kill_tree(leader, self.token)
 
     def stop(self, why: str = "stopped") -> None:
@@ -240,20 +297,23 @@ class Jobs:
                              0o600, dir_fd=dir_fd)
             token = proctree.new_token()
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # close-on-exec
             try:
                 env = proctree.spawn_env(ctx.env, token)
                 proc = proctree.spawn(lambda: proctree.start_command(
-                    ["/bin/bash", "-c", command], env, workdir, null, out_w, out_w,
+                    ["/bin/bash", "--norc", "-c", _KEEPER, "dispatchd-job", command], env, workdir, theirs.fileno(), out_w,
+                    out_w,
                 ), ctx.limits.max_processes)
             except OSError as exc:
                 os.close(log_fd)
                 os.close(out_r)
+                ours.close()
                 raise ToolFailure(f"could not start /bin/bash: {exc.strerror or exc}") from exc
             finally:
                 os.close(out_w)  # the job has its copies
-                os.close(null)
-            job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout, out_fd=out_r)
+                theirs.close()
+            job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout, out_fd=out_r,
+                      status_fd=ours.detach())
             self._jobs[jid] = job
         threading.Thread(target=job.pump, name=f"job {jid}", daemon=True).start()
         return Outcome.ok(
@@ -319,7 +379,7 @@ class Jobs:
             jobs, self._jobs = list(self._jobs.values()), {}
             dir_fd, self._dir_fd = self._dir_fd, None
         for job in jobs:
-            if job.running:
+            if job.running or not job.reaped:  # an ended job's keeper: what the command left
                 job.stop()
             os.close(job.log_fd)
         if dir_fd is not None:

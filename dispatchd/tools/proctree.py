@@ -30,13 +30,17 @@ Guarantees:
   to bash, and a killed process forks no more), then bash. ``kill_tree``
   then ends what left before (processes of a bash that had already exited).
 
-Why bash and not the tool server: a subreaper shared by the tool server
-cannot tell which call an orphan came from (several calls run at once, and
-a finished call's ``server &`` must live on). A subreaper per call made by
-Python is a fork of the server (``preexec_fn``: +1.5 ms a call, measured),
-a wrapper program an exec (+2 ms); ``_spawn.c`` sets the attribute between
-vfork and exec, for no measurable cost. Without the C helper,
-``preexec_fn`` does it. The marker costs nothing at spawn; it is read from
+- what a call's bash leaves running when it exits by itself is ended by
+  the tool server before the call returns (``orphans.py``).
+
+Why bash as well as the tool server: while a call runs, the server cannot
+tell which call an orphan came from (several calls run at once); bash's
+own attribute keeps each call's tree apart until the call ends, so that a
+timeout or a cancel ends the tree of one call exactly. A subreaper per call
+made by Python is a fork of the server (``preexec_fn``: +1.5 ms a call,
+measured), a wrapper program an exec (+2 ms); ``_spawn.c`` sets the
+attribute between vfork and exec, for no measurable cost. Without the C
+helper, ``preexec_fn`` does it. The marker costs nothing at spawn; it is read from
 ``/proc/PID/environ`` only when something is to be killed. The kill reaches
 only processes we may signal: the session's own (pid namespace, or
 Landlock's signal scope).
@@ -69,12 +73,12 @@ class _Child(Protocol):
 
 T = TypeVar("T", bound=_Child)
 
-__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "Command", "Started", "after_first_spawn", "kill_subtree", "kill_tree",
-           "new_token", "owns", "spawn", "spawn_env", "start_command"]
+__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "Command", "Started", "after_first_spawn", "kill_subtree",
+           "KILL_BUDGET_S", "kill_tree", "live_stat", "new_token", "owns", "set_subreaper", "spawn", "spawn_env", "start_command"]
 
 MARKER = "DISPATCH_CALL_ID"
 PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the session's budget)
-_KILL_BUDGET_S = 3.0
+KILL_BUDGET_S = 3.0
 
 
 def new_token() -> str:
@@ -201,7 +205,7 @@ def owns(pid: int) -> bool:
         return child is not None and child.returncode is None
 
 
-def _stat(pid: str) -> tuple[int, int, int] | None:
+def live_stat(pid: str) -> tuple[int, int, int] | None:
     """(ppid, pgrp, session) of a live process, None if gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -224,21 +228,27 @@ def _has_marker(pid: str, needle: bytes) -> bool:
     return (b"\0" + env).find(needle) >= 0
 
 
+def _table() -> dict[int, tuple[int, int, int]]:
+    """(ppid, pgrp, session) of every live process in our /proc."""
+    table: dict[int, tuple[int, int, int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if name.isdigit():
+            st = live_stat(name)
+            if st is not None:
+                table[int(name)] = st
+    return table
+
+
 def members(leader: int | None, token: str | None) -> list[int]:
     """Live processes of the command led by ``leader`` (see the module docstring);
     ``leader`` None once it was reaped (its pid may be another's now)."""
     needle = f"\0{MARKER}={token}\0".encode() if token else None
     me = os.getpid()
-    table: dict[int, tuple[int, int, int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in names:
-        if name.isdigit():
-            st = _stat(name)
-            if st is not None:
-                table[int(name)] = st
+    table = _table()
     found = set()
     for pid, (_ppid, pgrp, sid) in table.items():
         if pid == me:
@@ -258,7 +268,7 @@ def members(leader: int | None, token: str | None) -> list[int]:
     return sorted(found)
 
 
-def kill_tree(leader: int | None, token: str | None, budget_s: float = _KILL_BUDGET_S) -> int:
+def kill_tree(leader: int | None, token: str | None, budget_s: float = KILL_BUDGET_S) -> int:
     """SIGKILL everything of the command; returns how many processes were signalled.
 
     Call it before the leader is reaped: while its zombie holds the pid, no
@@ -328,7 +338,7 @@ class Command:
         return code
 
 
-def _set_subreaper() -> None:  # preexec_fn, without the C helper
+def set_subreaper() -> None:  # preexec_fn, without the C helper; and the tool server (orphans.py)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
@@ -352,15 +362,15 @@ def start_command(argv: list[str], env: Mapping[str, str], cwd: str, stdin: int,
                                            os.fsencode(cwd), stdin, stdout, stderr)
         return Command(pid, argv)
     return subprocess.Popen(argv, cwd=cwd, env=dict(env), stdin=stdin, stdout=stdout, stderr=stderr, close_fds=True,
-                            start_new_session=True, preexec_fn=_set_subreaper)
+                            start_new_session=True, preexec_fn=set_subreaper)
 
 
 def _live_descendants(leader: int) -> list[int]:
     """The processes below ``leader``, zombies left out."""
-    return [pid for pid in procfs.descendants(leader)[1:] if _stat(str(pid)) is not None]
+    return [pid for pid in procfs.descendants(leader)[1:] if live_stat(str(pid)) is not None]
 
 
-def kill_subtree(leader: int, budget_s: float = _KILL_BUDGET_S) -> int:
+def kill_subtree(leader: int, budget_s: float = KILL_BUDGET_S) -> int:
     """End every process below ``leader`` (a child subreaper, not reaped yet),
     then ``leader``; returns how many were signalled. See the module docstring."""
     try:
@@ -374,3 +384,4 @@ def kill_subtree(leader: int, budget_s: float = _KILL_BUDGET_S) -> int:
     except ProcessLookupError:
         pass
     return killed
+

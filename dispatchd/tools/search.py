@@ -36,7 +36,7 @@ from operator import add, contains
 
 from dispatchd.tools import native
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
-from dispatchd.tools.spec import SearchFilesParams
+from dispatchd.catalogue import SearchFilesParams
 from dispatchd.tools.textfile import SNIFF_BYTES, looks_binary, read_regular
 from dispatchd.tools.walk import in_git_dir, matches, regular_files
 from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve

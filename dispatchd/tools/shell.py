@@ -10,16 +10,17 @@ Guarantees:
 - Each of stdout and stderr is kept up to ``output_cap_bytes``; beyond that
   the output is read and dropped, so the command never blocks on a full pipe.
 - The call ends when bash has exited and both pipes are closed, or at the
-  timeout. A background job that keeps the pipes open (``server &``) does
-  not hold the call: 0.2 s after bash exits we stop reading, say so in the
-  output, and leave the job running (its later output is lost; redirect it).
-- At the timeout, or when the caller cancels the call, every process the
-  command started gets SIGKILL, however it detached (``setsid``, ``nohup``,
-  ``(cmd &)``, ``env -i``: bash is a child subreaper, see ``proctree``), and
-  the call returns what was captured
-  (a cancel: a failure with ``metadata["cancelled"]``). A command that ends
-  by itself may leave ``cmd &`` running (as a terminal would); ``background:
-  true`` (a job, ``jobs``) is the way meant for that.
+  timeout. A process bash left that keeps the pipes open (``server &``) does
+  not hold the call: 0.2 s after bash exits we stop waiting for it.
+- When the call returns, every process the command started has ended,
+  however it detached (``setsid``, ``nohup``, ``(cmd &)``, ``env -i``, a
+  fork loop): at the timeout or a cancel, bash's tree is killed (bash is a
+  child subreaper, see ``proctree``); when bash exited by itself, what it
+  left running is killed (``orphans.end_leftovers``, in a tool server that
+  adopts orphans), counted in ``metadata["ended_processes"]`` and named on
+  the output's last line, which tells the model that ``background: true``
+  (a job, ``jobs``) is the way to keep a process running. A cancel is a
+  failure with ``metadata["cancelled"]``.
 - With a caller that streams (``ctx.call.emit``), output is passed on as it
   is read, stdout and stderr each in order, up to the same cap; the Result
   at the end is the same as without streaming.
@@ -51,12 +52,12 @@ from collections.abc import Callable
 
 from dispatchd import envnames
 from dispatchd.policy import Limits
-from dispatchd.tools import proctree
+from dispatchd.tools import orphans, proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
 from dispatchd.tools.worktree_paths import relative, resolve
-from dispatchd.tools.spec import ShellExecParams
+from dispatchd.catalogue import ShellExecParams
 
-__all__ = ["shell_exec"]
+__all__ = ["ended_note", "shell_exec"]
 
 _BASH = "/bin/bash"
 _READ_CHUNK = 65536
@@ -174,8 +175,8 @@ class _Capture:
         """Read until the pipes close and bash exits; False at the deadline.
 
         Once bash has exited, background processes it left (a dev server, say)
-        may hold the pipes open forever: after a short grace we stop reading
-        and return, leaving them running (``detached``), as a terminal would.
+        may hold the pipes open forever: after a short grace we stop waiting
+        (``detached``), and the caller ends them (``orphans.end_leftovers``).
         """
         while self._watched:
             now = time.monotonic()
@@ -341,6 +342,7 @@ def _end_call(proc: proctree.Started, token: str) -> None:
     left a bash that had exited already). Before bash is reaped."""
     proctree.kill_subtree(proc.pid)
     proctree.kill_tree(proc.pid, token)
+    orphans.end_leftovers(token)  # what a bash that had exited left (ours, when we adopt orphans)
 
 
 def _reap(proc: proctree.Started) -> dict[str, float | None]:
@@ -360,6 +362,13 @@ def _reap(proc: proctree.Started) -> dict[str, float | None]:
     proc.wait()
     # Reaped before (Popen.wait's fallback, with no pidfd): not known.
     return {"cpu_s": None, "peak_mib": None}
+
+
+def ended_note(count: int) -> str:
+    """The output's last line when a call's command left processes running."""
+    what = "1 process" if count == 1 else f"{count} processes"
+    return (f"[dispatchd: ended {what} the command left running (a call's processes end with it); "
+            "to keep one running, start it with background: true]")
 
 
 def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
@@ -386,12 +395,17 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     capture = _Capture(proc, out_fd, err_fd, ctx.limits.output_cap_bytes, ctx.call)
     timed_out = False
     exited_before_timeout = False
+    ended = 0
     try:
         if not capture.run_until(started + limit):
             timed_out = not capture.cancelled
             exited_before_timeout = capture.bash_exited()
             _end_call(proc, token)
             capture.drain(_DRAIN_AFTER_KILL_S)
+        else:
+            ended = orphans.end_leftovers(token)
+            if capture.detached and orphans.adopting():
+                capture.drain(_DRAIN_AFTER_KILL_S)  # what they wrote until the kill
     except BaseException:
         if proc.returncode is None:  # not reaped, so the pid is still ours
             _end_call(proc, token)
@@ -407,7 +421,7 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     notes = []
     if capture.truncated:
         notes.append(f"[output truncated at {ctx.limits.output_cap_bytes} bytes per stream]")
-    if capture.detached:
+    if capture.detached and not orphans.adopting():
         notes.append("[bash exited; background processes it started still run, their output is not captured]")
     if timed_out:
         why = " (bash had exited; processes it started kept the output open)" if exited_before_timeout else ""
@@ -416,6 +430,8 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
         notes.append(f"[cancelled after {duration:.1f} s; the command and every process it started were ended]")
     if code != 0 and _GIT_CONFIG_BUSY in capture.err and b".git/config" in capture.err:
         notes.append(_GIT_CONFIG_NOTE)
+    if ended:
+        notes.append(ended_note(ended))
     text = _render(out, err, notes)
     meta = {
         "exit_code": code,
@@ -425,6 +441,7 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
         "stdout": out,
         "stderr": err,
         "usage": usage,
+        "ended_processes": ended,
     }
     if capture.cancelled:
         meta["cancelled"] = True

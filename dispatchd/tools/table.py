@@ -18,7 +18,7 @@ from typing import Any
 
 from dispatchd.tools import files, jobs, search, shell
 from dispatchd.tools.base import Outcome, Tool, ToolContext
-from dispatchd.tools.spec import SPECS
+from dispatchd.catalogue import SPECS
 
 __all__ = ["TOOLS"]
 

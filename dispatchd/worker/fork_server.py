@@ -26,11 +26,10 @@ from typing import NoReturn
 
 import msgspec
 
-from dispatchd import protocol
+from dispatchd import catalogue, protocol
 from dispatchd.confine import hygiene, namespaces, netstack, seccomp
-from dispatchd.confine.plan import SessionPlan, pool_key
+from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, pool_key
 from dispatchd.errors import ConfinementError
-from dispatchd.tools import spec
 from dispatchd.worker import forkhooks, wake
 from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session_init import run_session
@@ -226,7 +225,7 @@ def _wake(req: protocol.WakeWorker, frames: protocol.FrameSocket, sock: socket.s
     try:
         try:
             fds.append(frames.take_fd())  # its end of the new control channel
-            plan = protocol.decode_plan(req.plan)
+            plan = decode_plan(req.plan)
             for _ in range(req.kit):
                 fds.append(frames.take_fd())
             key = msgspec.msgpack.encode(plan.seccomp)
@@ -294,7 +293,7 @@ def _warm_workers_code(plan: SessionPlan) -> None:
     counter, then inline caches written into it) the first times it runs;
     done here, the workers inherit it done instead of each writing its own
     copy of those code objects' pages."""
-    payload = protocol.encode_plan(plan)
+    payload = encode_plan(plan)
     # What the daemon sends a worker, and what a worker reports (as it sends it).
     to_worker = [protocol.encode(m)[4:] for m in (protocol.ExpectSession(plan=payload), protocol.AdoptSession(plan=payload),
                                                      protocol.AddChannel(id=1))]
@@ -302,7 +301,7 @@ def _warm_workers_code(plan: SessionPlan) -> None:
                                           root=list(plan.protections.root))
     for _ in range(WARM_RUNS):
         pool_key(plan)
-        protocol.decode_plan(payload)
+        decode_plan(payload)
         if plan.mounts is not None:
             plan.mounts.split_binds()
         for m in to_worker:
@@ -322,7 +321,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     hygiene.child_subreaper()
-    spec.warm_conversions()  # once here, not at each session's first call of each tool
+    catalogue.warm_conversions()  # once here, not at each session's first call of each tool
     # Single-threaded for good: threading's and logging's at-fork hooks would
     # only rebuild, in each worker, what is already right (forkhooks.py).
     forkhooks.leave_out()
@@ -372,7 +371,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)))
             continue
         try:
-            plan = protocol.decode_plan(req.plan)
+            plan = decode_plan(req.plan)
             if not warmed:
                 _warm_workers_code(plan)
                 warmed = True

@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
+from dispatchd import procfs
+
 _MAX_PAUSE_S = 1.0
 
 
@@ -95,21 +97,4 @@ def _reap_hidden(owns: Callable[[int], bool]) -> int:
 
 
 def _zombie_children(parent: int) -> list[int]:
-    found = []
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        # The command name (field 2) may hold spaces or ')': split after the last ')'.
-        fields = raw[raw.rfind(b")") + 2 :].split()
-        if len(fields) >= 2 and fields[0] == b"Z" and int(fields[1]) == parent:
-            found.append(int(name))
-    return found
+    return [pid for pid, state in procfs.children_by_stat(parent) if state == b"Z"]

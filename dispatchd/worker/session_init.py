@@ -44,7 +44,7 @@ import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp, ucounts
-from dispatchd.confine.plan import SessionPlan, can_sleep, pool_key
+from dispatchd.confine.plan import SessionPlan, can_sleep, decode_plan, encode_plan, pool_key
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import proctree
 from dispatchd.worker import reaper, wake
@@ -190,7 +190,7 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
     # Warm what adoption runs first (the plan's decoder, the split of the
     # binds): the pages it touches are copied from the fork server now, not
     # while a session waits.
-    protocol.decode_plan(protocol.encode_plan(made_for))
+    decode_plan(encode_plan(made_for))
     if made_for.mounts is not None:
         made_for.mounts.split_binds()
     from dispatchd.worker.tool_server import warm_up  # pre-imported by the fork server
@@ -212,7 +212,7 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
         if not isinstance(msg, protocol.ExpectSession):
             break
         # Decoded and checked now, while nothing waits; one of another kind is forgotten.
-        likely = protocol.decode_plan(msg.plan)
+        likely = decode_plan(msg.plan)
         expected = (msg.plan, likely) if made_for_key is not None and pool_key(likely) == made_for_key else None
     clock.restart()
     if not isinstance(msg, protocol.AdoptSession):
@@ -223,7 +223,7 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
         raise ConfinementError("pool", detail=str(exc)) from exc
     if expected is not None and msg.plan == expected[0]:
         return expected[1], worktree_fd  # the same bytes: the plan decoded and checked above
-    plan = protocol.decode_plan(msg.plan)
+    plan = decode_plan(msg.plan)
     if made_for_key is None or pool_key(plan) != made_for_key:
         os.close(worktree_fd)
         raise ConfinementError("pool", detail="the session's plan is not the one this sandbox was made for")

@@ -112,7 +112,8 @@ def attempt_outside(body: str) -> str:
 
 def background(session: dispatch.Session, code: str, seconds: int) -> None:
     """Start a Python snippet in the session that outlives the call (at most ``seconds``)."""
-    r = shell(session, f"timeout {seconds} /usr/bin/python3 -c {shlex.quote(code)} >/dev/null 2>&1 &")
+    r = shell(session, f"timeout {seconds} /usr/bin/python3 -c {shlex.quote(code)} >/dev/null 2>&1",
+              background=True)
     assert r.is_success, r.error
 
 

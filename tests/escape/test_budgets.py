@@ -77,7 +77,7 @@ def test_a_session_takes_at_most_its_inotify_share_and_the_user_keeps_the_rest(
         assert few.is_success and few.output.split() == ["5", "0"], few
         # Holding as many as it can (in the background), it gets 31 (the tool
         # server holds one, its watch of what calls change), then EMFILE.
-        shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG)} 30 > hog.out &")
+        shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG)} 30 > hog.out", background=True)
         for _ in range(100):
             out = (worktree / "hog.out").read_text() if (worktree / "hog.out").exists() else ""
             if out:
@@ -180,7 +180,7 @@ def test_socket_buffers_are_outside_the_memory_watchdog_known_limit(
 
     _, client = full
     with client.open_session(str(worktree), policy="smallmem") as session:
-        shell(session, f"/usr/bin/python3 -c {_q(SOCKBUF_HOG)} > q.out &")
+        shell(session, f"/usr/bin/python3 -c {_q(SOCKBUF_HOG)} > q.out", background=True)
         for _ in range(200):
             if (worktree / "q.out").exists() and (worktree / "q.out").read_text():
                 break
@@ -287,7 +287,7 @@ def test_descriptors_in_flight_stop_below_what_the_session_itself_sends(
         # Soft from birth, hard right after the spawn (proctree.spawn).
         limits = shell(session, "ulimit -Sn; sleep 0.2; ulimit -Hn")
         assert limits.output.split() == ["256", "256"], limits  # the commands' limit
-        shell(session, f"/usr/bin/python3 -c {_q(INFLIGHT_HOG)} 20 > inflight.out &")
+        shell(session, f"/usr/bin/python3 -c {_q(INFLIGHT_HOG)} 20 > inflight.out", background=True)
         for _ in range(200):
             if (worktree / "inflight.out").exists() and (worktree / "inflight.out").read_text():
                 break

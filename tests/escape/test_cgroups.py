@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,10 @@ def test_closing_a_session_ends_whatever_left_its_process_tree(cgroup_daemon: tu
     s = client.open_session(str(worktree))
     path = _session_cgroup(s)
     # Double fork and a new session: no longer below the command that started it.
-    shell(s, "setsid sh -c 'sleep 317 &' </dev/null >/dev/null 2>&1; sleep 0.3")
+    shell(s, "setsid sh -c 'sleep 317 &' </dev/null >/dev/null 2>&1", background=True)
+    deadline = time.monotonic() + 5
+    while not _sleepers(317) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert len(_sleepers(317)) == 1  # the control: it runs
     s.close()
     assert not os.path.exists(path)

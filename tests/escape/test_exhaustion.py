@@ -152,6 +152,28 @@ def test_a_process_leaving_its_group_with_no_environment_ends_with_its_timed_out
     r = shell(session, "(setsid env -i /bin/sleep 60 &); sleep 30", timeout=1)
     assert r.metadata["timed_out"] is True
     assert _none_in(worktree)
-    # The twin: the same in a call that ends by itself runs on (as in a terminal).
+    # In a call that returns by itself, too: ended before it returns.
     r = shell(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok")
-    assert r.output == "ok\n" and _pids_in(worktree)
+    assert r.output.startswith("ok\n[dispatchd: ended 1 process") and _pids_in(worktree) == []
+    # The twin: the same in a background job runs on, until job_stop.
+    job = shell(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok", background=True)
+    deadline = time.monotonic() + 5
+    while len(_pids_in(worktree)) < 2 and time.monotonic() < deadline:  # the keeper and the sleep
+        time.sleep(0.02)
+    assert len(_pids_in(worktree)) == 2
+    assert session.registry.get("job_stop").call({"job": job.metadata["job"]}).is_success
+    assert _pids_in(worktree) == []
+
+
+def test_a_fork_bomb_that_returns_at_once_leaves_nothing(session: dispatch.Session, worktree: Path,
+                                                         tmp_path: Path, tight: dispatch.Client) -> None:
+    """Its bash exits at once, leaving the bomb to grow: every process of it
+    has ended when the call returns. Its twin, a background job, runs on."""
+    job = session.registry.get("shell_exec").call({"command": "sleep 61.5", "background": True})
+    assert job.is_success, job
+    bomb = shell(session, "bomb() { bomb | bomb & }; bomb", timeout=20)
+    assert bomb.is_success and bomb.metadata["ended_processes"] > 0, bomb.metadata
+    assert bomb.output.endswith("to keep one running, start it with background: true]")
+    jobs = shell(session, "ps -eo args | grep -c '^sleep 61.5'")
+    assert jobs.output == "1\n", jobs  # the job, alone
+    _still_serving(tight, tmp_path)

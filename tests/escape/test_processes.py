@@ -171,7 +171,7 @@ def test_another_sessions_processes_are_out_of_reach(
 ) -> None:
     other = make_worktree("other")
     with client.open_session(str(other)) as theirs:
-        assert shell(theirs, "sleep 60 >/dev/null 2>&1 &").is_success
+        assert shell(theirs, "sleep 60 >/dev/null 2>&1", background=True).is_success
         assert wait_for(lambda: bool(_sleepers(other)))
         pid = _sleepers(other)[0]
         environ = f"result = b'DISPATCH_SESSION={theirs.id}' in open('/proc/{pid}/environ', 'rb').read()"

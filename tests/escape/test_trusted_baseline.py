@@ -1,6 +1,6 @@
 """The user's own tools stay theirs: one trusted baseline per worktree that
 holds across overlapping sessions and a daemon killed half way, and every
-tool that runs what a repository says (daemon/baselines.py).
+tool that runs what a repository says (daemon/gitguard/baselines.py).
 
 Every attack plants something the user's git (or editor, agent, shell)
 would run: ``core.fsmonitor``, a hook, a rebase todo's ``exec``, a

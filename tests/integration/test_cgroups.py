@@ -50,13 +50,14 @@ def test_every_process_of_the_session_is_in_its_cgroup(cgroup_daemon: tuple[disp
     with client.open_session(str(worktree)) as s:
         path = _session_cgroup(s)
         mount = client.status()["kernel"]["cgroup2"]
-        inside = shell(s, "sleep 30 >/dev/null 2>&1 & grep '^0::' /proc/self/cgroup; sleep 0.2")
+        assert shell(s, "sleep 30 >/dev/null 2>&1", background=True).is_success
+        inside = shell(s, "grep '^0::' /proc/self/cgroup; sleep 0.2")
         assert inside.output == f"0::{path[len(mount):]}\n"
         with open(f"{path}/cgroup.procs", encoding="ascii") as f:
             procs = [int(p) for p in f.read().split()]
         # The worker's processes (the tool server, which is the session's pid 1
         # in full mode; the init and the tool server in degraded mode) and the
-        # background sleep: all of them, all here.
+        # background job's sleep (and its keeper): all of them, all here.
         assert len(procs) >= 2
         assert any(Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sleep\0") for p in procs)
 
@@ -65,7 +66,10 @@ def test_a_network_switch_keeps_the_cgroup_and_empties_it(cgroup_daemon: tuple[d
     client, _ = cgroup_daemon
     with client.open_session(str(worktree), network="on") as s:
         path = _session_cgroup(s)
-        shell(s, "sleep 300 >/dev/null 2>&1 &")
+        job = shell(s, "sleep 300 >/dev/null 2>&1 &", background=True).metadata["job"]
+        # Once its command has exited: the job's keeper and the sleep are left.
+        while s.registry.get("job_output").call({"job": job, "wait": 1}).metadata["running"]:
+            pass
         before = Path(f"{path}/cgroup.procs").read_text().split()
         s.set_network(False)
         assert _session_cgroup(s) == path

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from dispatchd import protocol
-from dispatchd.confine.domains import proxy_env
+from dispatchd.domains import proxy_env
 from dispatchd.confine.plan import SessionPaths, plan_session
 from dispatchd.policy import Policy
 from dispatchd.worker.tool_server import serve
@@ -28,7 +28,8 @@ def test_set_command_env_applies_to_later_commands(tmp_path: Path) -> None:
     ours, theirs = socket.socketpair()
     control = protocol.FrameSocket(ours, fds=True)
     server_end = protocol.FrameSocket(theirs, fds=True)
-    server = threading.Thread(target=serve, args=(server_end, plan), daemon=True)
+    # Not a child subreaper: this test process has children of its own.
+    server = threading.Thread(target=serve, args=(server_end, plan, False), daemon=True)
     server.start()
     mine, worker_end = socket.socketpair()
     control.send(protocol.AddChannel(id=0), fds=[worker_end.fileno()])

@@ -47,9 +47,15 @@ def _run(tmp_path: Path, flags: list[str]) -> dict[str, object]:
     mounts = ["-v", "/usr:/usr:ro", "-v", "/etc:/etc:ro", "-v", f"{REPO}:{REPO}:ro"]
     if not str(venv).startswith(str(REPO) + "/"):
         mounts += ["-v", f"{venv}:{venv}:ro"]
+    root = _rootfs(tmp_path)
+    for target in mounts[1::2]:
+        # The mount points, made here as the test user: the runtime would make
+        # them as the container's root, a subordinate id, which the test's
+        # clean-up could not remove.
+        (root / target.split(":")[1].lstrip("/")).mkdir(parents=True, exist_ok=True)
     command = ["podman", "--runtime", RUNC, "run", "--rm", "--userns=keep-id", *flags, *mounts,
                "-e", "HOME=/home/u", "-e", "PYTHONDONTWRITEBYTECODE=1", "-w", str(REPO),
-               "--rootfs", str(_rootfs(tmp_path)), sys.executable, "-P", str(REPO / "tests" / "container_inner.py")]
+               "--rootfs", str(root), sys.executable, "-P", str(REPO / "tests" / "container_inner.py")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, (done.stdout, done.stderr)
     found = json.loads(done.stdout.strip().splitlines()[-1])

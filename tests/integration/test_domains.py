@@ -150,7 +150,8 @@ def test_switching_into_within_and_out_of_domains(dclient: dispatch.Client, work
         assert s.set_network("domains", domains=[a]) is True
         assert curl(s, f"http://{a}/1")[0] == "200" and curl(s, f"http://{b}/1")[0] == "403"
         # Within domains, only the list changes: a process started before keeps running.
-        assert shell(s, "sleep 60 >/dev/null 2>&1 & echo $! > sleeper.pid").is_success
+        assert shell(s, "sleep 60 >/dev/null 2>&1 & echo $! > sleeper.pid", background=True).is_success
+        assert shell(s, "while [ ! -s sleeper.pid ]; do sleep 0.02; done", timeout=5).is_success
         s.set_network("domains", domains=[b])
         assert "changed in place (no process ended)" in s.status()["note"]
         assert shell(s, "kill -0 $(cat sleeper.pid) && echo alive").metadata["stdout"].strip() == "alive"

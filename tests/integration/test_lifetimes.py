@@ -450,9 +450,13 @@ def test_closing_a_session_ends_its_processes_without_the_stop_timeouts_sigkill(
         with d.connect() as client:
             session = client.open_session(str(worktree))
             server = psutil.Process(_tool_server(d))
-            assert shell(session, "sleep 60 & true").is_success
-            init = psutil.Process(server.ppid())  # the orphaned sleep is its child, not the tool server's
-            (sleeper,) = [p for p in init.children(recursive=True) if p.name() == "sleep"]
+            assert shell(session, "sleep 60", background=True).is_success
+            init = psutil.Process(server.ppid())
+            deadline = time.monotonic() + 5
+            while not (sleepers := [p for p in init.children(recursive=True) if p.name() == "sleep"]):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            (sleeper,) = sleepers
             session.close()
             # SIGKILL is delivered as the victims are scheduled: on a loaded
             # machine the close may return a moment before the last one is gone.

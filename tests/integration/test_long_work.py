@@ -156,7 +156,7 @@ def test_cancellation_handle_ends_one_call(session: dispatch.Session) -> None:
 
 def test_a_channel_is_read_on_while_a_command_runs_on_its_thread(session: dispatch.Session) -> None:
     # A command runs on the thread that reads its channel until the channel
-    # has more to read (tool_server._call_here); then a new thread reads on.
+    # has more to read (calls.Calls._call_here); then a new thread reads on.
     results: list[dispatch.Result] = []
     first = threading.Thread(target=lambda: results.append(shell(session, "sleep 0.8; echo first")))
     first.start()
@@ -244,15 +244,44 @@ def test_detached_processes_end_when_the_call_times_out(session: dispatch.Sessio
     assert _gone_within(marker, 1.0)
 
 
-def test_processes_left_by_a_call_that_ended_normally_keep_running(session: dispatch.Session) -> None:
-    r = shell(session, "setsid sleep 306.6 > /dev/null 2>&1 & echo ok")
-    assert r.is_success
-    _wait_for_sleepers("306.6", 1)
-    # ... until a later call that times out? No: only its own processes go.
-    shell(session, "sleep 30", timeout=0.5)
-    assert len(_sleepers("306.6")) == 1
-    session.close()
-    assert _gone_within("306.6", 5)
+ENDED_NOTE = ("[dispatchd: ended 1 process the command left running (a call's processes end with it); "
+              "to keep one running, start it with background: true]")
+
+
+def test_processes_left_by_a_call_that_ended_normally_have_ended_when_it_returns(session: dispatch.Session) -> None:
+    # Out of the call's group and session, with no environment (no marker),
+    # and the call returns at once.
+    r = shell(session, "(setsid env -i sleep 306.6 > /dev/null 2>&1 &); echo ok")
+    assert r.is_success and r.output == "ok\n" + ENDED_NOTE
+    assert r.metadata["ended_processes"] == 1
+    assert _sleepers("306.6") == []
+
+
+def test_a_call_still_running_keeps_its_processes_while_another_call_returns(session: dispatch.Session) -> None:
+    results: list[dispatch.Result] = []
+    long = threading.Thread(target=lambda: results.append(shell(
+        session, "(setsid env -i sleep 306.8 > /dev/null 2>&1 &); sleep 1.5; echo done")))
+    long.start()
+    _wait_for_sleepers("306.8", 1)
+    short = shell(session, "(setsid env -i sleep 306.9 > /dev/null 2>&1 &); echo ok")
+    assert short.metadata["ended_processes"] == 1 and _sleepers("306.9") == []
+    assert len(_sleepers("306.8")) == 1  # below its call's living bash: untouched
+    long.join(10)
+    (r,) = results
+    assert r.output.startswith("done\n") and r.metadata["ended_processes"] == 1
+    assert _sleepers("306.8") == []
+
+
+def test_a_job_keeps_what_a_call_would_end_until_job_stop(session: dispatch.Session) -> None:
+    """The allowed twin: the same process, started by a job, runs on past the
+    job's end and past other calls, until job_stop."""
+    job = shell(session, "(setsid env -i sleep 306.7 > /dev/null 2>&1 &); echo ok", background=True).metadata["job"]
+    _wait_for_sleepers("306.7", 1)
+    assert shell(session, "sleep 30", timeout=0.5).metadata["timed_out"] is True
+    assert shell(session, "true").metadata["ended_processes"] == 0
+    assert len(_sleepers("306.7")) == 1
+    assert session.registry.get("job_stop").call({"job": job}).is_success
+    assert _gone_within("306.7", 1.0)
 
 
 # ----------------------------------------------------------------- background jobs
@@ -419,6 +448,8 @@ def _in_both_modes(mode: str, s: dispatch.Session) -> None:
     r = s.registry.get("shell_exec").call({"command": "setsid sleep 310.1 & sleep 310.1"}, {"cancellation": c})
     assert r.metadata["cancelled"] is True
     assert _gone_within("310.1", 1.0)
+    r = shell(s, "(setsid env -i sleep 310.5 > /dev/null 2>&1 &); echo ok")
+    assert r.metadata["ended_processes"] == 1 and _sleepers("310.5") == []
     job = shell(s, "echo up; setsid sleep 311.2", background=True).metadata["job"]
     assert session_output(s, job).startswith("up\n")
     assert s.registry.get("job_stop").call({"job": job}).is_success
@@ -520,13 +551,16 @@ def test_a_fork_bomb_with_a_timeout_does_not_take_the_tool_server(tight_daemon: 
 def test_a_fork_bomb_left_running_leaves_the_tool_server_its_reserve(tight_daemon: Daemon, worktree: Path) -> None:
     with tight_daemon.connect() as c, c.open_session(str(worktree), policy="tight") as s:
         assert shell(s, "ulimit -Su; sleep 0.1; ulimit -Hu").output == "60\n60\n"  # 80 less the server's reserve (a quarter)
-        # The bomb's shell returns at once; its processes go on, at the limit.
-        shell(s, "b() { b | b & }; b", timeout=5)
+        # The bomb's shell returns at once: a call's processes end with it...
+        r = shell(s, "b() { b | b & }; b", timeout=5)
+        assert r.metadata["ended_processes"] > 0, r.metadata
+        # ... a job's go on, at the limit.
+        job = shell(s, "b() { b | b & }; b", background=True).metadata["job"]
         time.sleep(1)
         for _ in range(3):
             alive = shell(s, "echo alive")  # a new bash: the server can still spawn and answer
             assert alive.output == "alive\n", alive
-        assert s.registry.get("job_list").call({}).output == "no background jobs"
+        assert s.registry.get("job_list").call({}).output.startswith(f"{job}\t")
     # Closing the session ends the bomb.
     assert processes_in(worktree) == [] or _gone_in(worktree, 10)
 

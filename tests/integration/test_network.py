@@ -284,7 +284,7 @@ def test_a_background_process_started_while_on_cannot_reach_after_off(mode_clien
             "    time.sleep(0.05)\n")
     Path(worktree, "loop.py").write_text(loop)
     with client.open_session(str(worktree), network=True) as s:
-        assert shell(s, "nohup python3 loop.py > loop.log 2>&1 &").is_success
+        assert shell(s, "nohup python3 loop.py > loop.log 2>&1 &", background=True).is_success
         deadline = time.monotonic() + 5
         while tcp.accepted < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -296,7 +296,8 @@ def test_a_background_process_started_while_on_cannot_reach_after_off(mode_clien
         assert tcp.accepted == after  # nothing of the session reaches it any more
         if mode == "full":
             # Switched in place: the process lives on, and fails to reach out.
-            assert "switched in place, 1 process(es) of the session kept" in s.status()["note"]
+            # The loop and its job's keeper (jobs.py).
+            assert "switched in place, 2 process(es) of the session kept" in s.status()["note"]
             assert "every connection outside the session is cut" in s.status()["note"]
             # (a connect in flight at the switch times out after its 1 s; the next fail at once)
             deadline = time.monotonic() + 5
@@ -319,7 +320,8 @@ def test_a_server_started_while_on_keeps_serving_the_session_after_off(mode_clie
               "    c, _ = s.accept(); c.sendall(b'still\\n'); c.close()\n")
     Path(worktree, "server.py").write_text(server)
     with client.open_session(str(worktree), network=True) as s:
-        assert shell(s, "nohup python3 server.py > server.log 2>&1 & sleep 0.5").is_success
+        assert shell(s, "nohup python3 server.py > server.log 2>&1 &", background=True).is_success
+        assert shell(s, "sleep 0.5").is_success  # listening by then
         assert probe(s, tcp_probe(47124)) == "connected still"
         assert s.set_network(False) is False
         if mode == "degraded":

@@ -24,7 +24,7 @@ def test_killing_the_session_init_leaves_nothing_running(mode_client, worktree: 
     mode, client = mode_client
     session = client.open_session(str(worktree))
     try:
-        shell(session, "sleep 300 > /dev/null 2>&1 &")
+        shell(session, "sleep 300 > /dev/null 2>&1", background=True)
         deadline = time.monotonic() + 5
         while not processes_in(worktree) and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -81,7 +81,8 @@ def test_close_ends_every_process(client: dispatch.Client, worktree: Path) -> No
         return [pid for pid in processes_in(worktree) if _comm(pid) == "sleep"]
 
     with client.open_session(str(worktree)) as session:
-        r = shell(session, "(setsid sleep 300 >/dev/null 2>&1 & sleep 300 >/dev/null 2>&1 &) ; echo started")
+        r = shell(session, "(setsid sleep 300 >/dev/null 2>&1 & sleep 300 >/dev/null 2>&1 &) ; echo started",
+                  background=True)
         assert r.is_success, r.error
         # Until they have exec'd sleep, the children are still called bash.
         deadline = time.monotonic() + 5

@@ -270,15 +270,16 @@ def test_an_ended_job_is_kept_across_a_sleep(daemon: Daemon, worktree: Path) -> 
 
 @pytest.mark.parametrize("start", ["setsid sleep 1000", "nohup sleep 1000"])
 def test_an_orphan_keeps_a_session_awake_until_it_ends(daemon: Daemon, tmp_path: Path, start: str) -> None:
-    """A process left behind by a command (no job: its command returned)
-    lives in the session's pid namespace, which would die with the tool
-    server: the session stays awake while it runs (its twin sleeps), and
-    sleeps once it is ended."""
+    """A process left behind by a job's command (the job has ended: its
+    command returned) lives in the session's pid namespace, which would die
+    with the tool server: the session stays awake while it runs (its twin
+    sleeps), and sleeps once it is ended (its keeper then exits too)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with daemon.connect() as client, client.open_session(str(tmp_path / "a"), policy="nap") as held, \
             client.open_session(str(tmp_path / "b"), policy="nap") as twin:
-        pid = shell(held, f"{start} >/dev/null 2>&1 & echo $!").output.strip()
+        job = shell(held, f"{start} >/dev/null 2>&1 & echo $!", background=True).metadata["job"]
+        pid = held.registry.get("job_output").call({"job": job, "wait": 5}).output.split()[0]
         assert pid.isdigit(), pid
         assert shell(twin, "true").is_success
         _twin_sleeps_and_this_one_does_not(daemon, client, held, twin)

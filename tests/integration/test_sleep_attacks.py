@@ -311,7 +311,7 @@ def test_a_tiny_sleep_after_neither_spins_nor_loops(tmp_path: Path, worktree: Pa
                 r = shell(s, f"echo {i}")
                 assert r.is_success and r.output == f"{i}\n", r.error
             assert d.log().count(f"event=session_woken session={s.id}") <= 3
-            assert shell(s, "sleep 60 > /dev/null 2>&1 &").is_success  # awake while it runs
+            assert shell(s, "sleep 60 > /dev/null 2>&1", background=True).is_success  # awake while it runs
             time.sleep(0.3)
             pid = d.worker_pid(s.id)
             before = _cpu_s(pid)

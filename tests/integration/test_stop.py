@@ -29,7 +29,7 @@ def test_sigterm_lets_a_call_in_flight_finish_and_leaves_nothing(tmp_path: Path,
     results: list[dispatch.Result] = []
     with d.connect() as client:
         session = client.open_session(str(worktree))
-        shell(session, "sleep 300 > /dev/null 2>&1 &")  # a background job, to be ended
+        shell(session, "sleep 300 > /dev/null 2>&1", background=True)  # a background job, to be ended
         call = threading.Thread(
             target=lambda: results.append(shell(session, "touch .started; sleep 1; echo finished")))
         call.start()

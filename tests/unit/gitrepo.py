@@ -30,6 +30,14 @@ def make_repo(path: Path) -> Path:
     return path
 
 
+def empty_repo(path: Path, message: str) -> Path:
+    """A new repository at ``path`` with one empty commit."""
+    path.mkdir()
+    git(path, "init", "-q")
+    git(path, "commit", "-q", "--allow-empty", "-m", message)
+    return path
+
+
 def add_gitlink(repo: Path, path: str, hexsha: str = "1" * 40) -> None:
     """Record a submodule at ``path`` in the index, as a session's
     ``git update-index`` can, whatever is there."""
@@ -40,19 +48,10 @@ def submodule_repo(tmp_path: Path) -> Path:
     """A repository with a submodule named with a slash (its git directory in
     .git/modules/libs/sub), one kept in place (emb/.git), a second linked
     worktree, and no hooks directory."""
-    src = tmp_path / "src"
-    src.mkdir()
-    git(src, "init", "-q")
-    git(src, "commit", "-q", "--allow-empty", "-m", "src")
-    r = tmp_path / "super"
-    r.mkdir()
-    git(r, "init", "-q")
-    git(r, "commit", "-q", "--allow-empty", "-m", "super")
+    src = empty_repo(tmp_path / "src", "src")
+    r = empty_repo(tmp_path / "super", "super")
     git(r, "submodule", "add", "-q", str(src), "libs/sub")
-    emb = r / "emb"
-    emb.mkdir()
-    git(emb, "init", "-q")
-    git(emb, "commit", "-q", "--allow-empty", "-m", "emb")
+    emb = empty_repo(r / "emb", "emb")
     add_gitlink(r, "emb", git(emb, "rev-parse", "HEAD").strip())
     git(r, "worktree", "add", "-q", str(tmp_path / "other"), "-b", "other")
     shutil.rmtree(r / ".git" / "hooks")

@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable, Iterator
 
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
-from dispatchd.tools.spec import SearchFilesParams
+from dispatchd.catalogue import SearchFilesParams
 from dispatchd.tools.textfile import looks_binary, read_regular
 from dispatchd.tools.walk import in_git_dir, matches
 from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve

@@ -1,19 +1,20 @@
 """The trusted baseline's parts, on real repositories made by git: the tree
 walk (repositories anywhere, the user's tools' files, its bounds), the
 commit reader, the history keep and restore, and the store's domains and
-recovery after a daemon that died (daemon/baselines.py)."""
+recovery after a daemon that died (daemon/gitguard/baselines.py)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from dispatchd.daemon import baselines, githistory, gitlayout, gitobjects, gitredirects, gitsnapshot, runnables
+from dispatchd.daemon.gitguard import baselines, digests, history, layouts, objectstore, redirects, runnables, snapshots
 from tests.unit.gitrepo import git, make_repo
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -127,7 +128,7 @@ def test_a_wide_tree_holds_few_descriptors(tmp_path: Path, monkeypatch: pytest.M
     assert len(os.listdir("/proc/self/fd")) < 64  # nothing left open
 
 
-# --- gitsnapshot's new coverage ------------------------------------------------------------------
+# --- snapshots' new coverage ------------------------------------------------------------------
 
 
 def test_rebase_state_and_include_targets_are_compared(tmp_path: Path) -> None:
@@ -137,16 +138,16 @@ def test_rebase_state_and_include_targets_are_compared(tmp_path: Path) -> None:
     (repo / "hooks-here" / "pre-commit").write_text("#!/bin/sh\n")
     git(repo, "config", "include.path", "../inc.cfg")
     git(repo, "config", "core.hooksPath", "hooks-here")
-    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
-    before = gitsnapshot.take(str(repo), layout)
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    before = snapshots.take(str(repo), layout)
     assert set(before.included) == {"inc.cfg", "hooks-here", "hooks-here/pre-commit"}
-    assert gitsnapshot.changes(before, gitsnapshot.take(str(repo), layout)) == []
+    assert snapshots.changes(before, snapshots.take(str(repo), layout)) == []
     (repo / "inc.cfg").write_text("[core]\n\tfsmonitor = x\n")
     (repo / "hooks-here" / "post-commit").write_text("#!/bin/sh\n")
     (repo / ".git" / "rebase-merge").mkdir()
     (repo / ".git" / "rebase-merge" / "git-rebase-todo").write_text("exec x\n")
-    now = gitsnapshot.take(str(repo), layout)
-    assert sorted(gitsnapshot.changes(before, now)) == [".git/rebase-merge", "hooks-here/post-commit", "inc.cfg"]
+    now = snapshots.take(str(repo), layout)
+    assert sorted(snapshots.changes(before, now)) == [".git/rebase-merge", "hooks-here/post-commit", "inc.cfg"]
 
 
 def test_many_hard_links_are_hashed_once(tmp_path: Path) -> None:
@@ -159,10 +160,10 @@ def test_many_hard_links_are_hashed_once(tmp_path: Path) -> None:
     (hooks / "big").write_bytes(b"\0" * (4 << 20))
     for i in range(500):
         os.link(hooks / "big", hooks / f"h{i}")
-    walk_budget = gitsnapshot.Budget()
-    fp = gitsnapshot.fingerprint(os.open(hooks.parent, os.O_PATH), walk_budget)
+    walk_budget = digests.Budget()
+    fp = digests.fingerprint(os.open(hooks.parent, os.O_PATH), walk_budget)
     assert len({fp[f"hooks/h{i}"] for i in range(500)}) == 1
-    assert walk_budget.left == gitsnapshot._MAX_HASHED - (4 << 20)
+    assert walk_budget.left == digests._MAX_HASHED - (4 << 20)
 
 
 def test_a_deep_modules_chain_is_no_recursion(tmp_path: Path) -> None:
@@ -174,12 +175,12 @@ def test_a_deep_modules_chain_is_no_recursion(tmp_path: Path) -> None:
             (path / d).mkdir(parents=True)
         (path / "HEAD").write_text("ref: refs/heads/m\n")
         path = path / "modules"
-    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
-    snap = gitsnapshot.take(str(repo), layout)
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    snap = snapshots.take(str(repo), layout)
     assert not snap.complete  # deeper than it looks: the caller refuses, nothing crashed
 
 
-# --- gitobjects and githistory -----------------------------------------------------------------
+# --- objectstore and history ------------------------------------------------------------------
 
 
 def test_ancestry_through_loose_and_packed_commits(tmp_path: Path) -> None:
@@ -187,15 +188,15 @@ def test_ancestry_through_loose_and_packed_commits(tmp_path: Path) -> None:
     commits(repo, 30)
     old, mid = rev(repo, "HEAD~25"), rev(repo, "HEAD~10")
     objects = str(repo / ".git" / "objects")
-    assert gitobjects.is_ancestor(objects, old, mid) is True
-    assert gitobjects.is_ancestor(objects, mid, old) is False
+    assert objectstore.is_ancestor(objects, old, mid) is True
+    assert objectstore.is_ancestor(objects, mid, old) is False
     git(repo, "gc", "-q", "--aggressive")  # deltas in a pack
     commits(repo, 3)  # and loose ones on top
     head = rev(repo, "HEAD")
-    assert gitobjects.is_ancestor(objects, old, head) is True
-    assert gitobjects.is_ancestor(objects, head, old) is False
-    assert gitobjects.is_ancestor(objects, "0" * 40, head) is False
-    assert gitobjects.is_ancestor(objects, old, "1" * 40) is None  # missing: not known
+    assert objectstore.is_ancestor(objects, old, head) is True
+    assert objectstore.is_ancestor(objects, head, old) is False
+    assert objectstore.is_ancestor(objects, "0" * 40, head) is False
+    assert objectstore.is_ancestor(objects, old, "1" * 40) is None  # missing: not known
 
 
 def test_history_put_back_after_refs_and_objects_are_deleted(tmp_path: Path) -> None:
@@ -207,9 +208,9 @@ def test_history_put_back_after_refs_and_objects_are_deleted(tmp_path: Path) -> 
     commits(repo, 1)  # a loose object or two as well
     common = repo / ".git"
     before = {name: rev(repo, name) for name in ("other", "v1", "HEAD")}
-    history = githistory.record(str(common), str(tmp_path / "keep"), own=[])
+    kept = history.record(str(common), str(tmp_path / "keep"), own=[])
     subprocess.run(["bash", "-c", "rm -rf objects/* refs/heads/* refs/tags/* packed-refs"], cwd=common, check=True)
-    done, failed = githistory.restore(history)
+    done, failed = history.restore(kept)
     assert not failed
     assert {name: rev(repo, name) for name in ("other", "v1", "HEAD")} == before
     assert git(repo, "fsck", "--no-progress") == ""
@@ -221,18 +222,18 @@ def test_an_object_deleted_under_a_reset_mtime_is_put_back_and_an_unchanged_stor
     repo = make_repo(tmp_path / "r")
     commits(repo, 3)
     objects = repo / ".git" / "objects"
-    history = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
     victim = next(p for p in sorted(objects.glob("??/*")))
     before = os.stat(victim.parent)
     victim.unlink()
     os.utime(victim.parent, ns=(before.st_atime_ns, before.st_mtime_ns))  # the mtime put back; the ctime moved
-    done, failed = githistory.restore(history)
+    done, failed = history.restore(kept)
     assert not failed and victim.exists() and done == [(str(objects), "1 object files deleted by a session put back")]
     # Nothing changed since a look: restore lists no directory (its ctime says so) and puts nothing back.
-    again = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    again = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
     time.sleep(0.06)  # past the window in which a ctime is not trusted
-    again = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
-    assert githistory._changed(again.stamps, again.stamped_ns, githistory._stamps(str(objects))) == set()
+    again = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert history._changed(again.stamps, again.stamped_ns, history._stamps(str(objects))) == set()
 
 
 def test_a_rewound_branch_is_put_back_and_the_new_value_kept(tmp_path: Path) -> None:
@@ -240,9 +241,9 @@ def test_a_rewound_branch_is_put_back_and_the_new_value_kept(tmp_path: Path) -> 
     commits(repo, 4)
     git(repo, "branch", "feature")
     tip = rev(repo, "feature")
-    history = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
     git(repo, "branch", "-f", "feature", "HEAD~3")
-    githistory.restore(history)
+    history.restore(kept)
     assert rev(repo, "feature") == tip
     displaced = git(repo, "for-each-ref", "--format=%(refname) %(objectname)", "refs/dispatchd/").split()
     assert displaced[1] == rev(repo, "HEAD~3") and displaced[0].endswith("/refs/heads/feature")
@@ -252,11 +253,11 @@ def test_a_fast_forward_and_the_own_branch_are_kept(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
     git(repo, "branch", "-M", "main")
     git(repo, "branch", "feature")
-    history = githistory.record(str(repo / ".git"), str(tmp_path / "keep"), own=["refs/heads/main"])
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=["refs/heads/main"])
     commits(repo, 2)  # main moves (the own branch), then feature fast-forwards to it
     git(repo, "branch", "-f", "feature", "main")
     git(repo, "reset", "-q", "--hard", "HEAD~2")  # the own branch rewound: its own to move
-    done, failed = githistory.restore(history)
+    done, failed = history.restore(kept)
     assert done == [] and failed == []
 
 
@@ -264,9 +265,9 @@ def test_a_fast_forward_and_the_own_branch_are_kept(tmp_path: Path) -> None:
 
 
 def _join(store: baselines.Baselines, sid: str, root: Path) -> None:
-    layout = gitlayout.inspect_git(str(root), uid=os.getuid())
-    snap = gitsnapshot.take(str(root), layout)
-    store.join(sid, str(root), layout, snap, gitredirects.redirects_present(layout, str(root)),
+    layout = layouts.inspect_git(str(root), uid=os.getuid())
+    snap = snapshots.take(str(root), layout)
+    store.join(sid, str(root), layout, snap, redirects.redirects_present(layout, str(root)),
                ("vscode-like",))
 
 
@@ -308,6 +309,86 @@ def test_overlapping_and_linked_worktrees_share_one_domain(tmp_path: Path) -> No
     for sid in ("a", "b", "c"):
         store.leave(sid)
     assert store._domains == {} and os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def _walk_held(monkeypatch: pytest.MonkeyPatch, root: Path) -> tuple[threading.Event, threading.Event]:
+    """The first walk of ``root`` at a join waits, once it has begun, until
+    the second event is set: a large worktree's walk, as long as a test needs."""
+    walking, go_on = threading.Event(), threading.Event()
+    take = runnables.take
+
+    def held(at: str, *args: object, **kwargs: object) -> runnables.TreeSnapshot:
+        if at == str(root) and not walking.is_set():
+            walking.set()
+            assert go_on.wait(60)
+        return take(at, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runnables, "take", held)
+    return walking, go_on
+
+
+def _joining(store: baselines.Baselines, sid: str, root: Path) -> threading.Thread:
+    t = threading.Thread(target=_join, args=(store, sid, root), daemon=True)
+    t.start()
+    return t
+
+
+def test_an_open_does_not_wait_for_the_walk_of_an_unrelated_worktree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = make_repo(tmp_path / "a"), make_repo(tmp_path / "b")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    walking, go_on = _walk_held(monkeypatch, a)
+    first = _joining(store, "sa", a)
+    assert walking.wait(60)
+    second = _joining(store, "sb", b)
+    second.join(60)
+    assert not second.is_alive() and first.is_alive()  # b opened while a's walk still runs
+    assert "sb" in store._by_session and "sa" not in store._by_session
+    go_on.set()
+    first.join(60)
+    assert len(store._domains) == 2 and store._by_session["sa"] is not store._by_session["sb"]
+    assert store.leave("sa") == [] and store.leave("sb") == []
+    assert os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_opens_of_one_domain_at_once_wait_and_join_one_baseline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "r")
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked))
+    store = baselines.Baselines(str(tmp_path / "state"))
+    walking, go_on = _walk_held(monkeypatch, repo)
+    first = _joining(store, "a", repo)
+    assert walking.wait(60)
+    inside, sibling = _joining(store, "b", repo / "d0"), _joining(store, "c", linked)
+    time.sleep(0.5)
+    # Both wait for the first join's walk: neither takes a baseline of its own.
+    assert inside.is_alive() and sibling.is_alive() and store._by_session == {}
+    go_on.set()
+    for t in (first, inside, sibling):
+        t.join(60)
+        assert not t.is_alive()
+    assert len(store._domains) == 1
+    record = next(iter(store._domains.values())).record
+    assert [p.root for p in record.parts] == [str(repo), str(linked)] and sorted(record.sessions) == ["a", "b", "c"]
+    for sid in ("a", "b", "c"):
+        store.leave(sid)
+    assert store._domains == {} and os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_a_worktree_over_the_walks_bounds_is_refused_and_leaves_no_domain(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    deep, plain = make_repo(tmp_path / "deep"), make_repo(tmp_path / "plain")
+    (deep / "a" / "b" / "c" / "d" / "e").mkdir(parents=True)
+    monkeypatch.setattr(runnables, "MAX_DEPTH", 3)
+    store = baselines.Baselines(str(tmp_path / "state"))
+    with pytest.raises(baselines.WorktreeError, match=r"deeper than 3 directories, more than dispatchd checks .* "
+                                                      "no session opened"):
+        _join(store, "s", deep)
+    assert store._domains == {} and store._by_session == {} and os.listdir(tmp_path / "state" / "baselines") == []
+    _join(store, "t", plain)  # the twin: within the bounds, it opens
+    assert list(store._by_session) == ["t"] and len(os.listdir(tmp_path / "state" / "baselines")) == 2
+    store.leave("t")
 
 
 def test_a_start_finishes_the_checks_of_a_daemon_that_died(tmp_path: Path) -> None:

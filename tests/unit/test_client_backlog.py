@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatch.client import _try_connect
+from dispatch._transport import try_connect
 from dispatch.errors import RequestTimeout
 
 
@@ -50,7 +50,7 @@ def test_a_full_backlog_is_waited_on_then_timed_out(full_backlog: tuple[str, soc
     started = time.monotonic()
     with pytest.raises(RequestTimeout, match=r"did not take the connection within 0.3 s \(stopped, or its "
                                              r"backlog is full\)"):
-        _try_connect(path, 0.3)
+        try_connect(path, 0.3)
     assert 0.25 < time.monotonic() - started < 3
 
 
@@ -62,7 +62,7 @@ def test_room_made_in_the_backlog_lets_the_waiting_client_in(full_backlog: tuple
     timer = threading.Timer(0.2, lambda: accepted.append(listener.accept()[0]))
     timer.start()
     try:
-        sock = _try_connect(path, 5.0)
+        sock = try_connect(path, 5.0)
         assert sock is not None
         assert sock.getpeername() == path
         sock.close()

@@ -1,4 +1,4 @@
-"""The client's per-caller wake-ups (client.py ``_Connection``), with real
+"""The client's per-caller wake-ups (``dispatch._transport.Connection``), with real
 threads and a real socket pair.
 
 They exist for speed (docs/performance.md); these tests hold what must not change
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from dispatch.client import _Connection
+from dispatch._transport import Connection
 from dispatch.errors import RequestTimeout
 from dispatchd import protocol
 
@@ -45,7 +45,7 @@ class _OutOfOrderServer:
                 pending = []
 
 
-def _call(conn: _Connection, n: int, timeout: float = 10.0) -> str:
+def _call(conn: Connection, n: int, timeout: float = 10.0) -> str:
     reply, _ = conn.request(lambda rid: protocol.CallTool(id=rid, tool="t", params={"n": n}), timeout=timeout)
     return reply.output
 
@@ -53,7 +53,7 @@ def _call(conn: _Connection, n: int, timeout: float = 10.0) -> str:
 def test_each_caller_gets_its_own_reply_when_replies_come_out_of_order() -> None:
     ours, theirs = socket.socketpair()
     server = _OutOfOrderServer(theirs, batch=8)
-    conn = _Connection(ours, protocol.channel_reply_decoder)
+    conn = Connection(ours, protocol.channel_reply_decoder)
     results: dict[int, list[str]] = {i: [] for i in range(8)}
 
     def caller(i: int) -> None:
@@ -76,7 +76,7 @@ def test_a_caller_that_times_out_hands_the_reading_on() -> None:
     # never answers n=1: its caller times out, the other still gets its reply.
     ours, theirs = socket.socketpair()
     server = _OutOfOrderServer(theirs, batch=2, skip={1})
-    conn = _Connection(ours, protocol.channel_reply_decoder)
+    conn = Connection(ours, protocol.channel_reply_decoder)
     out: dict[int, object] = {}
 
     def caller(n: int, timeout: float) -> None:
@@ -101,7 +101,7 @@ def test_a_caller_that_times_out_hands_the_reading_on() -> None:
 @pytest.mark.parametrize("waiters", [1, 6])
 def test_a_broken_connection_wakes_every_waiter(waiters: int) -> None:
     ours, theirs = socket.socketpair()
-    conn = _Connection(ours, protocol.channel_reply_decoder)
+    conn = Connection(ours, protocol.channel_reply_decoder)
     errors: list[BaseException] = []
 
     def caller(n: int) -> None:

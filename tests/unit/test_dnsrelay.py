@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.confine.mounts import Bind, plan_mounts
-from dispatchd.daemon import dnsrelay
-from dispatchd.daemon.dnsrelay import (
-    DEFAULT_SERVER, check_query, error_reply, matches, parse_resolv_conf, session_resolv_binds,
-)
+from dispatchd.confine.mountplan import Bind, plan_mounts
+from dispatchd.daemon import dnsdoor, dnshost, dnsrelay, dnswire
+from dispatchd.daemon.dnshost import DEFAULT_SERVER, parse_resolv_conf, session_resolv_binds
+from dispatchd.daemon.dnswire import check_query, error_reply, matches
 
 
 def query(name: str = "a.example", qtype: int = 1, ident: int = 0x1234, flags: int = 0x0100) -> bytes:
@@ -37,9 +36,9 @@ def test_resolv_conf_is_read_as_glibc_reads_it():
 
 def test_the_search_list_and_ndots_are_kept():
     text = "domain a.example\nsearch corp.example lab.example\noptions edns0 ndots:2 timeout:9\nnameserver 10.0.0.1\n"
-    assert dnsrelay.kept_lines(text) == ["search corp.example lab.example", "options ndots:2"]
-    assert dnsrelay.kept_lines("search x.example\ndomain y.example\n") == ["search y.example"]  # the last wins
-    assert dnsrelay.resolv_conf_text(["search corp.example"]).splitlines()[2:] == [
+    assert dnshost.kept_lines(text) == ["search corp.example lab.example", "options ndots:2"]
+    assert dnshost.kept_lines("search x.example\ndomain y.example\n") == ["search y.example"]  # the last wins
+    assert dnshost.resolv_conf_text(["search corp.example"]).splitlines()[2:] == [
         "nameserver 127.0.0.53", "search corp.example", "options timeout:5 attempts:1"]
 
 
@@ -79,7 +78,7 @@ def test_ports_only_with_the_testing_option():
     (query()[:12] + b"\x05abc", "question name runs past the message"),
     (query()[:-2], "question without type and class"),
     (query("a" * 63 + "." + "b" * 63 + "." + "c" * 63 + "." + "d" * 63), "question name longer than 255 bytes"),
-    (query() + b"\x00" * dnsrelay.MAX_QUERY, f"a query of {len(query()) + dnsrelay.MAX_QUERY} bytes (at most 4096)"),
+    (query() + b"\x00" * dnswire.MAX_QUERY, f"a query of {len(query()) + dnswire.MAX_QUERY} bytes (at most 4096)"),
 ])
 def test_only_one_well_formed_query_is_forwarded(msg: bytes, why: str):
     assert check_query(msg) == why
@@ -112,13 +111,13 @@ def test_the_relays_resolv_conf_is_bound_where_the_hosts_leads(tmp_path: Path, m
     etc.mkdir()
     (etc / "resolv.conf").symlink_to("../run/systemd/resolve/stub-resolv.conf")
     (etc / "plain.conf").write_text("nameserver 10.0.0.1\n")
-    monkeypatch.setattr(dnsrelay, "_ROOTS", (str(tmp_path) + "/",))
+    monkeypatch.setattr(dnshost, "_ROOTS", (str(tmp_path) + "/",))
     assert session_resolv_binds("/state/dns-resolv.conf", str(etc / "resolv.conf")) == [
         str(run / "stub-resolv.conf"), "/state/dns-resolv.conf"]
     assert session_resolv_binds("/s", str(etc / "plain.conf")) == [str(etc / "plain.conf"), "/s"]
     assert session_resolv_binds("", str(etc / "plain.conf")) == []
     assert session_resolv_binds("/s", str(etc / "missing.conf")) == []
-    monkeypatch.setattr(dnsrelay, "_ROOTS", ("/etc/", "/run/"))
+    monkeypatch.setattr(dnshost, "_ROOTS", ("/etc/", "/run/"))
     assert session_resolv_binds("/s", str(etc / "plain.conf")) == []  # not under /etc or /run
 
 
@@ -246,10 +245,10 @@ def test_in_flight_queries_are_bounded(door_pair: tuple[dnsrelay.DnsRelay, Path]
     door, addr = _door(relay)
     try:
         with _client(addr) as c:
-            for i in range(dnsrelay.MAX_IN_FLIGHT + 1):
+            for i in range(dnsdoor.MAX_IN_FLIGHT + 1):
                 c.send(query(ident=i))
             # The one past the bound: SERVFAIL at once, while the others wait for the silent resolver.
-            assert c.recv(4096)[:4] == struct.pack("!H", dnsrelay.MAX_IN_FLIGHT) + b"\x81\x82"
+            assert c.recv(4096)[:4] == struct.pack("!H", dnsdoor.MAX_IN_FLIGHT) + b"\x81\x82"
     finally:
         door.stop()
         silent.close()
@@ -259,8 +258,8 @@ def test_a_flood_is_read_at_the_bounded_rate(door_pair: tuple[dnsrelay.DnsRelay,
                                              monkeypatch: pytest.MonkeyPatch):
     """Past MAX_PER_WINDOW datagrams in a window, the door waits for the next
     window: the rest are answered later, none lost (they wait in the buffer)."""
-    monkeypatch.setattr(dnsrelay, "MAX_PER_WINDOW", 20)
-    monkeypatch.setattr(dnsrelay, "RATE_WINDOW_S", 0.5)
+    monkeypatch.setattr(dnsdoor, "MAX_PER_WINDOW", 20)
+    monkeypatch.setattr(dnsdoor, "RATE_WINDOW_S", 0.5)
     relay, conf = door_pair
     conf.write_text("nameserver 127.0.0.1:1\n")
     door, addr = _door(relay)

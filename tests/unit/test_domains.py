@@ -1,10 +1,10 @@
-"""dispatchd.confine.domains: rules, host spellings and matching, by equality."""
+"""dispatchd.domains: rules, host spellings and matching, by equality."""
 
 from __future__ import annotations
 
 import pytest
 
-from dispatchd.confine.domains import (
+from dispatchd.domains import (
     BadHost, Rule, allowed, describe, normalise_host, parse_domains, proxy_env, relayable,
 )
 

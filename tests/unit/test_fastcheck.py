@@ -21,7 +21,7 @@ import pytest
 from dispatch import Definition, Result
 from dispatch.tools import ValidationError
 from dispatch._fastcheck import fast_check_for
-from dispatchd.tools.spec import SPECS
+from dispatchd.catalogue import SPECS
 
 _VALUES: list[Any] = [
     None, True, False, 0, 1, -1, -2, 2, 1.0, 1.5, -1.0, 0.0, 10**30, float("inf"),

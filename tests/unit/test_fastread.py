@@ -5,7 +5,7 @@ sends, byte for byte; every other request is handed back whole and answered
 by the Python path, as if the lane were not there; and a file is reached
 below the worktree's root fd only (the lane opens as read_beneath does).
 
-Two real tool servers (``_Server``/``_Channel``, threads of this process,
+Two real tool servers (``_Server``/``Channel``, threads of this process,
 over socketpairs), one with the lane and one without, are sent the same
 frames; the plan is a namespace of the fields they read (no sandbox: the
 lane's confinement is the session's, tested by the escape suite).

@@ -1,4 +1,4 @@
-"""dispatchd.daemon.gitfs: the descriptor walk to what an index names (no
+"""dispatchd.daemon.gitguard.fs: the descriptor walk to what an index names (no
 symlink, no name git would refuse, absent told from unsearchable), and a
 split index read with its shared part."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon import gitfs, gitindex
+from dispatchd.daemon.gitguard import fs, indexfile
 from tests.unit import permission_bits
 from tests.unit.gitrepo import add_gitlink, git
 
@@ -18,21 +18,21 @@ pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands,
 
 @pytest.mark.parametrize("link", ["../victim", "/abs/victim", "a/../../victim", "a//b", "./a", "a/.", ""])
 def test_submodule_paths_git_would_refuse_are_never_followed(repo: Path, link: str) -> None:
-    assert gitfs.open_dir_below(str(repo), link) is None
+    assert fs.open_dir_below(str(repo), link) is None
 
 
 def test_open_dir_below_tells_absent_from_unsearchable(repo: Path) -> None:
     (repo / "a" / "b").mkdir(parents=True)
     (repo / "file").write_text("x")
-    assert gitfs.open_dir_below(str(repo), "missing/b") is None
-    assert gitfs.open_dir_below(str(repo), "file/b") is None  # ENOTDIR
+    assert fs.open_dir_below(str(repo), "missing/b") is None
+    assert fs.open_dir_below(str(repo), "file/b") is None  # ENOTDIR
     (repo / "a").chmod(0)
     try:
         with permission_bits.obeyed(), pytest.raises(PermissionError):
-            gitfs.open_dir_below(str(repo), "a/b")
+            fs.open_dir_below(str(repo), "a/b")
     finally:
         (repo / "a").chmod(0o755)
-    fd = gitfs.open_dir_below(str(repo), "a/b")
+    fd = fs.open_dir_below(str(repo), "a/b")
     assert fd is not None
     os.close(fd)
 
@@ -42,11 +42,11 @@ def test_a_split_index_is_read_with_its_shared_part(repo: Path) -> None:
     git(repo, "update-index", "--split-index")
     add_gitlink(repo, "in/split", "2" * 40)
     index = str(repo / ".git" / "index")
-    assert gitindex.parse_gitlinks((repo / ".git" / "index").read_bytes()) == {"in/split"}  # the split part alone
-    assert gitfs.index_gitlinks(index) == {"in/shared", "in/split"}
+    assert indexfile.parse_gitlinks((repo / ".git" / "index").read_bytes()) == {"in/split"}  # the split part alone
+    assert fs.index_gitlinks(index) == {"in/shared", "in/split"}
     shared = next((repo / ".git").glob("sharedindex.*"))
     shared.unlink()
-    assert gitfs.index_gitlinks(index) is None  # cannot be checked
+    assert fs.index_gitlinks(index) is None  # cannot be checked
 
 
 def test_a_split_index_that_replaces_an_entry_by_a_submodule(repo: Path) -> None:
@@ -57,7 +57,7 @@ def test_a_split_index_that_replaces_an_entry_by_a_submodule(repo: Path) -> None
     git(repo, "update-index", "--split-index")
     add_gitlink(repo, "sub")
     index = repo / ".git" / "index"
-    parsed = gitindex.parse_index(index.read_bytes())
+    parsed = indexfile.parse_index(index.read_bytes())
     assert parsed is not None and parsed.replaced_gitlink and parsed.links == set()
-    links = gitfs.index_gitlinks(str(index))
+    links = fs.index_gitlinks(str(index))
     assert links is not None and "sub" in links

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dispatchd.daemon.gitidentity import identity_env, parse_user, read_identity
+from dispatchd.daemon.gitguard.identity import identity_env, parse_user, read_identity
 
 
 def test_plain_section():
@@ -44,7 +44,7 @@ def test_file_order_later_wins(tmp_path: Path):
 
 
 def test_missing_files_give_nothing(tmp_path: Path, monkeypatch):
-    import dispatchd.daemon.gitidentity as g
+    import dispatchd.daemon.gitguard.identity as g
 
     monkeypatch.setattr(g, "_read", lambda path: "" if path == "/etc/gitconfig" else Path(path).read_text()
                         if Path(path).exists() else "")

@@ -1,4 +1,4 @@
-"""dispatchd.daemon.gitlayout: what of a repository or a linked worktree
+"""dispatchd.daemon.gitguard.layouts: what of a repository or a linked worktree
 stays read-only, what is granted, and pointers that are not believed."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon import gitlayout
+from dispatchd.daemon.gitguard import layouts
 from tests.unit.gitrepo import git, submodule_repo
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
 
 def test_inspect_a_repository(repo: Path) -> None:
-    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
     assert layout.kind == "repository"
     assert layout.index == str(repo / ".git" / "index")
     assert layout.read_only == [str(repo / ".git" / "config"), str(repo / ".git" / "hooks")]
@@ -26,7 +26,7 @@ def test_inspect_a_repository(repo: Path) -> None:
 def test_inspect_a_linked_worktree(repo: Path, tmp_path: Path) -> None:
     linked = tmp_path / "linked"
     git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
-    layout = gitlayout.inspect_git(str(linked), uid=os.getuid())
+    layout = layouts.inspect_git(str(linked), uid=os.getuid())
     common = repo / ".git"
     gitdir = common / "worktrees" / "linked"
     assert layout.kind == "linked"
@@ -41,7 +41,7 @@ def test_a_pointer_that_does_not_point_back_is_not_believed(repo: Path, tmp_path
     fake.mkdir()
     # A .git file naming another repository's worktree entry it is not.
     (fake / ".git").write_text(f"gitdir: {repo / '.git'}\n")
-    layout = gitlayout.inspect_git(str(fake), uid=os.getuid())
+    layout = layouts.inspect_git(str(fake), uid=os.getuid())
     assert layout.kind == "refused"
     assert layout.writable == [] and layout.readable == []
     assert layout.read_only == [str(fake / ".git")]
@@ -61,7 +61,7 @@ def test_a_pointer_forged_inside_the_worktree_grants_nothing(tmp_path: Path) -> 
     (worktree / ".git").write_text("gitdir: .\n")
     (worktree / "gitdir").write_text(f"{worktree / '.git'}\n")
     (worktree / "commondir").write_text("../..\n")
-    layout = gitlayout.inspect_git(str(worktree), uid=os.getuid())
+    layout = layouts.inspect_git(str(worktree), uid=os.getuid())
     assert layout.kind == "refused" and layout.readable == [] and layout.writable == []
     assert layout.note == f"the git directory {worktree} is the worktree, inside it, or around it; not granted"
 
@@ -70,7 +70,7 @@ def test_a_common_directory_that_is_no_repository_is_not_believed(repo: Path, tm
     linked = tmp_path / "linked"
     git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
     os.rename(repo / ".git" / "objects", repo / ".git" / "objects.moved")
-    layout = gitlayout.inspect_git(str(linked), uid=os.getuid())
+    layout = layouts.inspect_git(str(linked), uid=os.getuid())
     assert layout.kind == "refused" and layout.readable == [] and layout.writable == []
     assert layout.note == f"{repo / '.git'} is not a git repository; not granted"
 
@@ -78,7 +78,7 @@ def test_a_common_directory_that_is_no_repository_is_not_believed(repo: Path, tm
 def test_every_git_directory_of_a_repository_is_protected(tmp_path: Path) -> None:
     r = submodule_repo(tmp_path)
     dotgit = r / ".git"
-    layout = gitlayout.inspect_git(str(r), uid=os.getuid())
+    layout = layouts.inspect_git(str(r), uid=os.getuid())
     assert layout.kind == "repository"
     assert layout.gitdirs == [str(dotgit), str(dotgit / "modules" / "libs" / "sub"), str(r / "emb" / ".git")]
     assert (dotgit / "hooks").is_dir()  # made, empty, to be held read-only
@@ -92,6 +92,6 @@ def test_a_hooks_symlink_into_the_worktree_protects_its_target(repo: Path) -> No
     shutil.rmtree(repo / ".git" / "hooks")
     (repo / "githooks").mkdir()
     (repo / ".git" / "hooks").symlink_to("../githooks")
-    layout = gitlayout.inspect_git(str(repo), uid=os.getuid())
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
     assert str(repo / "githooks") in layout.read_only
     assert str(repo / ".git" / "hooks") not in layout.read_only  # a symlink is not bound over

@@ -1,4 +1,4 @@
-"""dispatchd.daemon.gitsnapshot: every git directory of a repository by
+"""dispatchd.daemon.gitguard.snapshots: every git directory of a repository by
 content, and what a session changed moved aside (real repositories made by
 git, changed as a session could)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon import gitlayout, gitsnapshot
+from dispatchd.daemon.gitguard import gitdirs, layouts, snapshots
 from tests.unit import permission_bits
-from tests.unit.gitrepo import git
+from tests.unit.gitrepo import empty_repo, git
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -21,14 +21,14 @@ FSMONITOR = '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch PLANTED
 _LAYOUTS: dict[Path, GitLayout] = {}
 
 
-def _take(repo: Path) -> gitsnapshot.GitSnapshot:
+def _take(repo: Path) -> snapshots.GitSnapshot:
     """As the daemon does: the layout is the one found at open."""
-    layout = _LAYOUTS.setdefault(repo, gitlayout.inspect_git(str(repo), uid=os.getuid()))
-    return gitsnapshot.take(str(repo), layout)
+    layout = _LAYOUTS.setdefault(repo, layouts.inspect_git(str(repo), uid=os.getuid()))
+    return snapshots.take(str(repo), layout)
 
 
-def _quarantine(repo: Path, before: gitsnapshot.GitSnapshot) -> tuple[list[str], list[str]]:
-    return gitsnapshot.quarantine(str(repo), before, _take(repo))
+def _quarantine(repo: Path, before: snapshots.GitSnapshot) -> tuple[list[str], list[str]]:
+    return snapshots.quarantine(str(repo), before, _take(repo))
 
 
 def _aside(path: Path) -> list[str]:
@@ -40,14 +40,8 @@ def _aside(path: Path) -> list[str]:
 def superproject(tmp_path: Path) -> Path:
     """``sub`` (its git directory in .git/modules/sub), and ``sub``'s own
     submodule ``inner`` (in .git/modules/sub/modules/inner)."""
-    inner = tmp_path / "inner-src"
-    inner.mkdir()
-    git(inner, "init", "-q")
-    git(inner, "commit", "-q", "--allow-empty", "-m", "inner")
-    lib = tmp_path / "lib-src"
-    lib.mkdir()
-    git(lib, "init", "-q")
-    git(lib, "commit", "-q", "--allow-empty", "-m", "lib")
+    inner = empty_repo(tmp_path / "inner-src", "inner")
+    lib = empty_repo(tmp_path / "lib-src", "lib")
     git(lib, "submodule", "add", "-q", str(inner), "inner")
     git(lib, "commit", "-q", "-m", "inner")
     r = tmp_path / "super"
@@ -116,10 +110,7 @@ def test_the_same_config_in_a_rebuilt_git_directory_is_left_alone(superproject: 
 
 def test_a_submodule_of_a_submodule_made_by_the_session_is_moved_aside(superproject: Path) -> None:
     before = _take(superproject)
-    nested = superproject / "sub" / "made"
-    nested.mkdir()
-    git(nested, "init", "-q")
-    git(nested, "commit", "-q", "--allow-empty", "-m", "x")
+    nested = empty_repo(superproject / "sub" / "made", "x")
     (nested / ".git" / "config").write_text(FSMONITOR)
     git(superproject / "sub", "update-index", "--add", "--cacheinfo",
         f"160000,{git(nested, 'rev-parse', 'HEAD').strip()},made")
@@ -207,13 +198,13 @@ def test_a_plain_repository_costs_one_walk(tmp_path: Path) -> None:
 def test_mount_points_cover_every_git_directory(superproject: Path) -> None:
     (superproject / "emb").mkdir()
     git(superproject / "emb", "init", "-q")
-    layout = gitlayout.inspect_git(str(superproject), uid=os.getuid())
+    layout = layouts.inspect_git(str(superproject), uid=os.getuid())
     dotgit = str(superproject / ".git")
     assert layout.mount_points == [f"{dotgit}/modules", f"{dotgit}/modules/sub", f"{dotgit}/modules/sub/modules",
                                    f"{dotgit}/modules/sub/modules/inner"]
     assert f"{dotgit}/info/attributes" not in layout.read_only  # none: nothing to hold
     (superproject / ".git" / "info" / "attributes").write_text("")
-    assert f"{dotgit}/info/attributes" in gitlayout.inspect_git(str(superproject), uid=os.getuid()).read_only
+    assert f"{dotgit}/info/attributes" in layouts.inspect_git(str(superproject), uid=os.getuid()).read_only
 
 
 def test_a_walk_cut_short_hands_no_submodule_to_the_users_git(superproject: Path,
@@ -225,7 +216,7 @@ def test_a_walk_cut_short_hands_no_submodule_to_the_users_git(superproject: Path
     before = _take(superproject)
     for i in range(40):
         (superproject / ".git" / "modules" / f"d{i:02}").mkdir()
-    monkeypatch.setattr(gitsnapshot, "_MAX_VISITS", 20)
+    monkeypatch.setattr(gitdirs, "_MAX_VISITS", 20)
     moved, failed = _quarantine(superproject, before)
     assert len(failed) == 1 and "more git directories than dispatchd checks" in failed[0]
     assert sorted(Path(m).name.split(".quarantined-by-dispatchd-")[0] for m in moved) == ["index", "modules"]
@@ -235,10 +226,7 @@ def test_a_walk_cut_short_hands_no_submodule_to_the_users_git(superproject: Path
 def test_a_linked_worktrees_own_files_are_compared_by_content(tmp_path: Path) -> None:
     """A linked worktree: its git directory lies outside (COMMON/worktrees/N,
     writable to the session in degraded mode) and its pointer inside."""
-    r = tmp_path / "main"
-    r.mkdir()
-    git(r, "init", "-q")
-    git(r, "commit", "-q", "--allow-empty", "-m", "m")
+    r = empty_repo(tmp_path / "main", "m")
     git(r, "config", "extensions.worktreeConfig", "true")
     linked = tmp_path / "linked"
     git(r, "worktree", "add", "-q", str(linked), "-b", "side")
@@ -255,17 +243,14 @@ def test_a_linked_worktrees_own_files_are_compared_by_content(tmp_path: Path) ->
 def test_git_directories_only_the_walk_finds_are_protected_too(superproject: Path) -> None:
     """An in-place submodule of a submodule: not under .git/modules, not in
     the top index; the recursive walk finds it, and the layout holds it."""
-    nested = superproject / "sub" / "kept"
-    nested.mkdir()
-    git(nested, "init", "-q")
-    git(nested, "commit", "-q", "--allow-empty", "-m", "k")
+    nested = empty_repo(superproject / "sub" / "kept", "k")
     git(superproject / "sub", "update-index", "--add", "--cacheinfo",
         f"160000,{git(nested, 'rev-parse', 'HEAD').strip()},kept")
-    layout = gitlayout.inspect_git(str(superproject), uid=os.getuid())
+    layout = layouts.inspect_git(str(superproject), uid=os.getuid())
     assert str(nested / ".git") not in layout.gitdirs
-    snap = gitsnapshot.take(str(superproject), layout)
-    held = gitlayout.with_gitdirs(layout, str(superproject), gitsnapshot.gitdir_paths(str(superproject), snap))
+    snap = snapshots.take(str(superproject), layout)
+    held = layouts.with_gitdirs(layout, str(superproject), snapshots.gitdir_paths(str(superproject), snap))
     assert held.gitdirs == layout.gitdirs + [str(nested / ".git")]
     assert {str(nested / ".git" / "config"), str(nested / ".git" / "hooks")} <= set(held.read_only)
     assert str(nested / ".git") in held.mount_points
-    assert gitsnapshot.take(str(superproject), held) == snap  # holding it changes nothing the check compares
+    assert snapshots.take(str(superproject), held) == snap  # holding it changes nothing the check compares

@@ -1,4 +1,4 @@
-"""dispatchd.daemon.gitsnapshot, through the index: submodules a session
+"""dispatchd.daemon.gitguard.snapshots, through the index: submodules a session
 records (new, rebuilt, behind a symlink or an unsearchable directory, under a
 name git would not write) and indexes that cannot be checked."""
 
@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon import gitfs, gitlayout, gitsnapshot
+from dispatchd.daemon.gitguard import fs, layouts, snapshots
 from tests.unit import permission_bits
 from tests.unit.gitrepo import add_gitlink, git
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
 
-def _take(repo: Path) -> gitsnapshot.GitSnapshot:
-    return gitsnapshot.take(str(repo), gitlayout.inspect_git(str(repo), uid=os.getuid()))
+def _take(repo: Path) -> snapshots.GitSnapshot:
+    return snapshots.take(str(repo), layouts.inspect_git(str(repo), uid=os.getuid()))
 
 
-def _quarantine(repo: Path, before: gitsnapshot.GitSnapshot) -> tuple[list[str], list[str]]:
-    return gitsnapshot.quarantine(str(repo), before, _take(repo))
+def _quarantine(repo: Path, before: snapshots.GitSnapshot) -> tuple[list[str], list[str]]:
+    return snapshots.quarantine(str(repo), before, _take(repo))
 
 
 def _rename_in_index(index: Path, old: str, new: str) -> None:
@@ -93,7 +93,7 @@ def test_a_submodule_name_git_would_not_write_moves_the_index_aside(repo: Path, 
     placeholder = "x" * len(odd)
     add_gitlink(repo, placeholder)
     _rename_in_index(repo / ".git" / "index", placeholder, odd)
-    assert gitfs.index_gitlinks(str(repo / ".git" / "index")) == {odd}
+    assert fs.index_gitlinks(str(repo / ".git" / "index")) == {odd}
     moved, failed = _quarantine(repo, before)
     assert failed == [] and len(moved) == 1 and moved[0].startswith(f"{repo}/.git/index.quarantined-by-dispatchd-")
     assert (repo / "a" / "b" / ".git").is_dir()  # untracked now: git runs nothing there

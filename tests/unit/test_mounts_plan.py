@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dispatchd.confine.mounts import WORKTREE_FD, Bind, MountPlan, describe_root, plan_mounts
+from dispatchd.confine.mountplan import WORKTREE_FD, Bind, MountPlan, describe_root, plan_mounts
 
 WT = "/home/u/src/wt"
 SCRATCH = "/home/u/.local/state/dispatchd/sessions/s1"

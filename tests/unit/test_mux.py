@@ -1,4 +1,4 @@
-"""The bridge's link (dispatch._mux) and ssh:// parsing, on real sockets and pipes, no daemon."""
+"""The bridge's link (dispatch._mux, dispatch._linkwire) and ssh:// parsing, on real sockets and pipes, no daemon."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from dispatch import _mux
+from dispatch import _linkwire, _mux
 from dispatch._remote import ssh_command
 from dispatchd import protocol
 
@@ -25,14 +25,14 @@ def _frame(payload: bytes) -> bytes:
 
 def test_attached_is_recognised_by_its_first_bytes_and_nothing_else_is() -> None:
     info = protocol.ErrorReply(id=3, code="x", message="attached")
-    assert _mux.attached_prefix(_FAKE_ATTACHED)
-    assert _mux.attached_prefix(_FAKE_ATTACHED[:_mux._PROBE])
-    assert not _mux.attached_prefix(protocol.encode(info)[4:])
-    assert not _mux.attached_prefix(protocol.encode(protocol.OkReply(id=1))[4:])
-    assert not _mux.attached_prefix(b"")
+    assert _linkwire.attached_prefix(_FAKE_ATTACHED)
+    assert _linkwire.attached_prefix(_FAKE_ATTACHED[:_linkwire.PROBE])
+    assert not _linkwire.attached_prefix(protocol.encode(info)[4:])
+    assert not _linkwire.attached_prefix(protocol.encode(protocol.OkReply(id=1))[4:])
+    assert not _linkwire.attached_prefix(b"")
     # msgspec writes the tag first, whatever the struct's size (map16 too).
     big = msgspec.msgpack.encode({"op": "attached", **{f"k{i}": i for i in range(20)}})
-    assert big[0] == 0xDE and _mux.attached_prefix(big)
+    assert big[0] == 0xDE and _linkwire.attached_prefix(big)
 
 
 @pytest.mark.parametrize("cut", [1, 3, 5, 17, 4096])
@@ -40,7 +40,7 @@ def test_daemon_frames_are_cut_where_an_attached_frame_begins(cut: int) -> None:
     other = _frame(protocol.encode(protocol.OkReply(id=1))[4:])
     large = _frame(b"\x81\xa2op\xa5error" + b"z" * 70_000)
     stream = other + _frame(_FAKE_ATTACHED) + large + other + _frame(_FAKE_ATTACHED) + other
-    tracker = _mux._DaemonFrames()
+    tracker = _linkwire.DaemonFrames()
     tracker.fds.extend([101, 102])
     parts: list[tuple[bytes, int | None]] = []
     for i in range(0, len(stream), cut):
@@ -55,7 +55,7 @@ def test_daemon_frames_are_cut_where_an_attached_frame_begins(cut: int) -> None:
 
 def test_an_attached_frame_without_its_descriptor_ends_the_link() -> None:
     with pytest.raises(_mux.LinkError, match="came without its channel"):
-        _mux._DaemonFrames().split(_frame(_FAKE_ATTACHED))
+        _linkwire.DaemonFrames().split(_frame(_FAKE_ATTACHED))
 
 
 class Pair:
@@ -153,7 +153,7 @@ def test_a_slow_reader_holds_back_its_stream_only_and_nothing_buffers_without_bo
     assert written == stalled_at, "the source is still read"
     # The window, the link's bound, and the kernel's socket and pipe buffers.
     kernel = 4 * 1024 * 1024
-    assert written < _mux.WINDOW + _mux.OUT_BOUND + kernel, written
+    assert written < _linkwire.WINDOW + _linkwire.OUT_BOUND + kernel, written
     # The channel goes on meanwhile.
     mine.settimeout(5)
     worker.settimeout(5)

@@ -16,7 +16,7 @@ import pytest
 from dispatchd.policy import Limits
 from dispatchd.tools import files, native, search
 from dispatchd.tools.base import ToolContext
-from dispatchd.tools.spec import ReadFileParams, SearchFilesParams
+from dispatchd.catalogue import ReadFileParams, SearchFilesParams
 
 _UNITS = [b"a", b"ab", b" ", b"\n", b"\n", b"\r\n", b"\r", b"\xc3\xa9", b"\xe2\x82\xac", b"\xff", b"\xc3",
           b"\xe2\x82", b"\t", b"a\r", b"\xf0\x9f\x98\x80"]

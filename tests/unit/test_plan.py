@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from dispatchd.confine.landlock import LandlockPlan, PathRule
-from dispatchd.confine.mounts import WORKTREE_FD, Bind, MountPlan
+from dispatchd.confine.mountplan import WORKTREE_FD, Bind, MountPlan
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.netstack import NetworkPlan, nft_rules, switch_in_place
 from dispatchd.confine.plan import NetworkPorts, SessionPaths, SessionPlan, can_sleep, plan_session

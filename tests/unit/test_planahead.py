@@ -9,7 +9,7 @@ import pytest
 
 from dispatchd.confine.cgroups import Delegation
 from dispatchd.confine.netstack import NetworkPorts
-from dispatchd.confine.plan import GitLayout, SessionPaths, plan_session, pool_key
+from dispatchd.confine.plan import GitLayout, SessionPaths, decode_plan, encode_plan, plan_session, pool_key
 from dispatchd.daemon.planahead import PlanInputs, plan_ahead, plan_for
 from dispatchd.policy import parse_policy
 
@@ -94,5 +94,5 @@ def test_the_bytes_sent_ahead_are_the_plan_s_encoding():
     from dispatchd import protocol
 
     planned = plan_ahead(LAST, session=SID, scratch=SCRATCH, policy=POLICY)
-    assert planned.encoded == protocol.encode_plan(planned.plan)
-    assert protocol.decode_plan(planned.encoded) == planned.plan
+    assert planned.encoded == encode_plan(planned.plan)
+    assert decode_plan(planned.encoded) == planned.plan

@@ -8,6 +8,8 @@ the rule, not a policy that refuses everything.
 from __future__ import annotations
 
 import os
+import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -78,6 +80,42 @@ def test_shipped_default_policy():
         limits=Limits(),
         env=Env(pass_through=("LANG", "LC_ALL", "LC_CTYPE", "TZ"), set={}),
     )
+
+
+def test_default_toml_sets_each_key_to_its_built_in_default():
+    """One source for the defaults: the structs of dispatchd/policy.py. The
+    shipped default.toml spells them out for its readers, and every value it
+    sets is the built-in one, but the two it is there to choose: its
+    description, and filesystem.read_only, the system paths plus the
+    resolver's files and the CPU list."""
+    raw = tomllib.loads((POLICIES / "default.toml").read_text())
+    loaded = load_policy(POLICIES, "default")
+    # env.set is frozen as a mapping proxy once parsed: back to a dict to compare.
+    shipped = msgspec.to_builtins(msgspec.structs.replace(
+        loaded, env=msgspec.structs.replace(loaded.env, set=dict(loaded.env.set))))
+    built_in = msgspec.to_builtins(Policy(name="default"))
+
+    def keys(table: dict[str, object], where: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+        for key, value in table.items():
+            if isinstance(value, dict):
+                yield from keys(value, (*where, key))
+            else:
+                yield (*where, key)
+
+    def at(tree: object, path: tuple[str, ...]) -> object:
+        for key in path:
+            assert isinstance(tree, dict)
+            tree = tree[key]
+        return tree
+
+    differing = {".".join(path) for path in keys(raw) if at(shipped, path) != at(built_in, path)}
+    assert differing == {"description", "filesystem.read_only"}
+    read_only = loaded.filesystem.read_only
+    assert Filesystem().read_only == SYSTEM == read_only[:len(SYSTEM)]
+    assert read_only[len(SYSTEM):] == ("/run/systemd/resolve/resolv.conf", "/run/systemd/resolve/stub-resolv.conf",
+                                       "/sys/devices/system/cpu")
+    # The job tools it does not list come with shell_exec: the built-in list.
+    assert loaded.tools == ALL_TOOLS == Policy().tools
 
 
 def test_shipped_read_only_policy():

@@ -1,10 +1,15 @@
-"""proctree.after_first_spawn: the tool server's reaper starts at its first command."""
+"""proctree: the tool server's reaper starts at its first command; the slow look for children."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import time
 
-from dispatchd.tools import proctree
+import pytest
+
+from dispatchd.tools import orphans, proctree
 
 
 @dataclasses.dataclass
@@ -35,3 +40,24 @@ def test_hook_runs_after_the_first_spawn_and_again_until_it_succeeds() -> None:
         proctree.after_first_spawn(lambda: True)
         proctree.spawn(lambda: _FakeChild(pid=999_993), budget=1000)  # leave no hook for other tests
         proctree.CHILD_BORN.clear()
+
+
+@pytest.mark.process
+def test_the_slow_look_for_children_finds_what_the_children_file_lists() -> None:
+    """Where the kernel has no ``children`` file, ``end_leftovers`` looks for
+    its children in every process's stat: the same list, a zombie included."""
+    live = subprocess.Popen(["sleep", "30"])
+    dead = subprocess.Popen(["true"])
+    try:
+        while proctree.live_stat(str(dead.pid)) is not None:  # a zombie, not reaped yet
+            time.sleep(0.01)
+        me = os.getpid()
+        with open(f"/proc/{me}/task/{me}/children", "rb") as f:
+            listed = {int(c) for c in f.read().split()}
+        found = set(orphans._zombie_or_live_children(me))
+        # The file lists the main thread's children; the look, those of every thread.
+        assert {live.pid, dead.pid} <= listed <= found
+    finally:
+        live.kill()
+        live.wait()
+        dead.wait()

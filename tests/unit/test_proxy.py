@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dispatchd.confine.domains import parse_domains
+from dispatchd.domains import parse_domains
 from dispatchd.daemon import proxy
 from dispatchd.daemon.proxy import HttpError, SessionProxy, parse_head, split_authority
 

@@ -20,6 +20,7 @@ from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
+from tests.unit.adopting import sleeping
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -46,20 +47,7 @@ def streaming(ctx: ToolContext) -> tuple[ToolContext, list[tuple[str, str]], Cal
     return dataclasses.replace(ctx, call=control), seen, control
 
 
-def marked(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if argv[:2] == [b"sleep", marker.encode()] and state != b"Z":
-                found.append(int(pid))
-    return found
+marked = sleeping
 
 
 def gone_within(marker: str, seconds: float) -> bool:
@@ -124,19 +112,6 @@ def test_a_timeout_ends_detached_processes_too(ctx: ToolContext) -> None:
                                        "sleep 30", timeout=0.5)
     assert r.metadata["timed_out"] is True
     assert gone_within("402.2", 1.0)
-
-
-def test_a_command_that_ends_by_itself_leaves_its_background_processes(ctx: ToolContext) -> None:
-    r = run(ctx, "shell_exec", command="setsid sleep 403.3 > /dev/null 2>&1 & echo ok")
-    assert r.success
-    try:
-        deadline = time.monotonic() + 2
-        while not marked("403.3") and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(marked("403.3")) == 1
-    finally:
-        for pid in marked("403.3"):
-            os.kill(pid, 9)
 
 
 def test_the_marker_is_in_the_command_environment(ctx: ToolContext) -> None:
@@ -210,6 +185,33 @@ def test_job_stop_kills_the_job_and_its_detached_children(ctx: ToolContext) -> N
     assert r.output == f"job {job} stopped"
     assert gone_within("404.4", 1.0)
     assert run(ctx, "job_list").output == f"{job}\tstopped\tsetsid sleep 404.4 > /dev/null 2>&1 & sleep 404.4"
+
+
+def _ended(ctx: ToolContext, job: str) -> Outcome:
+    out = run(ctx, "job_output", job=job, wait=5)
+    deadline = time.monotonic() + 5
+    while out.metadata["running"] and time.monotonic() < deadline:
+        out = run(ctx, "job_output", job=job, wait=1)
+    return out
+
+
+def test_a_job_command_killed_by_a_signal_reports_bashs_status(ctx: ToolContext) -> None:
+    # The keeper (jobs._KEEPER) reports the command's status as bash's $?.
+    job = run(ctx, "shell_exec", command="kill -9 $$", background=True).metadata["job"]
+    out = _ended(ctx, job)
+    assert out.metadata["exit_code"] == 137 and out.metadata["state"] == "exited 137"
+
+
+def test_a_jobs_keeper_reads_no_startup_file(ctx: ToolContext, tmp_path: Path) -> None:
+    # bash reads ~/.bashrc when its stdin is a socket (as under sshd): the
+    # keeper's is, so it runs with --norc. The twin: a login-like bash reads it.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("echo from-bashrc\n")
+    ctx = dataclasses.replace(ctx, env={**ctx.env, "HOME": str(home)})
+    job = run(ctx, "shell_exec", command="echo hi", background=True).metadata["job"]
+    assert _ended(ctx, job).output == f"hi\n[job {job} exited 0; next_offset 3]"
+    assert run(ctx, "shell_exec", command="bash -ic true 2>/dev/null").output == "from-bashrc\n"
 
 
 def test_a_job_with_a_timeout_is_stopped_at_it(ctx: ToolContext) -> None:

@@ -24,7 +24,7 @@ from dispatchd.policy import Limits
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
 from dispatchd.tools import native, search
 from dispatchd.tools.search import search_files
-from dispatchd.tools.spec import SearchFilesParams
+from dispatchd.catalogue import SearchFilesParams
 
 from tests.unit import search_reference
 

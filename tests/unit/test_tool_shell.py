@@ -9,6 +9,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -17,6 +18,7 @@ import pytest
 from dispatchd.policy import Limits
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
+from tests.unit.adopting import Adopting, sleeping
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -222,7 +224,8 @@ def test_timeout_reaches_jobs_in_process_groups_of_their_own(ctx: ToolContext) -
 
 def test_background_job_holding_the_output_does_not_hold_the_call(ctx: ToolContext) -> None:
     # A dev server started with `&` keeps the pipes open; the call returns
-    # shortly after bash exits, and the job keeps running (as in a terminal).
+    # shortly after bash exits. This process adopts no orphans, so it runs
+    # on; in the tool server it is ended (the tests that use ``adopting``).
     started = time.monotonic()
     r = sh(ctx, "echo out; sleep 30 & echo $!", timeout=10)
     pid = int(r.metadata["stdout"].split()[-1])
@@ -344,15 +347,99 @@ def test_a_forking_loop_is_ended_whole_at_the_timeout(ctx: ToolContext) -> None:
     assert _running("7.321") == []
 
 
-def test_a_background_process_of_a_call_that_ended_by_itself_runs_on(ctx: ToolContext) -> None:
-    """The allowed twin: ``cmd &`` in a call that ends by itself keeps running
-    (as in a terminal); only a timeout or a cancel ends the call's processes."""
-    r = sh(ctx, "(setsid env -i /bin/sleep 30.456 > /dev/null 2>&1 &); echo ok")
+# -- ... and when it returns by itself (the tool server adopts orphans) ----------
+
+
+_sleeping = sleeping
+
+
+def _wait_for(marker: str, count: int) -> list[int]:
+    deadline = time.monotonic() + 5
+    while len(found := _sleeping(marker)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return found
+
+
+@pytest.fixture
+def adopting(tmp_path: Path) -> Iterator[Adopting]:
+    """Tools run in a process that adopts orphans, as the tool server does."""
+    (tmp_path / "scratch").mkdir()
+    runner = Adopting(os.path.realpath(tmp_path), str(tmp_path / "scratch"))
+    yield runner
+    runner.close()
+
+
+LEFT = {
+    "sleep &": "sleep 300.11 & echo ok",
+    "setsid env -i &": "(setsid env -i /bin/sleep 300.11 > /dev/null 2>&1 &); echo ok",
+    "nohup &": "nohup sleep 300.11 > /dev/null 2>&1 & echo ok",
+    "holding the output": "setsid sleep 300.11 & echo ok",
+}
+
+
+@pytest.mark.parametrize("command", list(LEFT.values()), ids=list(LEFT))
+def test_what_a_call_that_returned_by_itself_left_running_has_ended(adopting: Adopting, command: str) -> None:
+    started = time.monotonic()
+    r = adopting.call("shell_exec", command=command)
+    assert r["success"] and time.monotonic() - started < 2, r
+    assert _sleeping("300.11") == []  # when the call returns, not later
+    assert r["metadata"]["ended_processes"] == 1
+    assert r["output"] == ("ok\n[dispatchd: ended 1 process the command left running (a call's processes end "
+                           "with it); to keep one running, start it with background: true]")
+
+
+def test_a_call_that_left_nothing_says_nothing(adopting: Adopting) -> None:
+    r = adopting.call("shell_exec", command="sleep 0.05 & wait; echo ok")
+    assert r["output"] == "ok\n" and r["metadata"]["ended_processes"] == 0
+
+
+def test_a_forking_loop_that_returns_at_once_leaves_nothing(adopting: Adopting) -> None:
+    # 200 orphans, each out of the call's group with no environment (no
+    # marker), and the call returns at once: every one has ended by then.
+    r = adopting.call("shell_exec", command="for i in $(seq 200); do (setsid env -i /bin/sleep 300.22 &); done")
+    assert r["success"] and r["metadata"]["ended_processes"] == 200, r["metadata"]
+    assert _sleeping("300.22") == []
+
+
+def test_a_background_job_is_the_way_to_keep_a_process_running(adopting: Adopting) -> None:
+    """The allowed twin: the same processes started by a job run on, past
+    calls that end with leftovers of their own, until job_stop."""
+    job = adopting.call("shell_exec", command="sleep 300.33 > /dev/null 2>&1 & (setsid env -i /bin/sleep 300.33 "
+                                              "> /dev/null 2>&1 &); nohup sleep 300.33 > /dev/null 2>&1 & echo started",
+                        background=True)["metadata"]["job"]
+    assert len(_wait_for("300.33", 3)) == 3
+    deadline = time.monotonic() + 5
+    while adopting.call("job_output", job=job, offset=8, wait=1)["metadata"]["running"]:
+        assert time.monotonic() < deadline  # its command exited, and nothing holds its output
+    r = adopting.call("shell_exec", command="setsid env -i /bin/sleep 300.44 & echo ok")
+    assert r["metadata"]["ended_processes"] == 1 and _sleeping("300.44") == []
+    assert len(_sleeping("300.33")) == 3  # the job's, untouched
+    assert adopting.call("job_stop", job=job)["output"] == f"job {job} had already ended (exited 0)"
+    assert _sleeping("300.33") == []
+
+
+def test_a_call_still_running_keeps_its_processes_while_another_call_ends(adopting: Adopting) -> None:
+    # The long call's orphan (out of its group, no environment) is below its
+    # living bash; the short call's sweep must leave it alone.
+    long = adopting.send("shell_exec", command="(setsid env -i /bin/sleep 300.55 &); sleep 1.5; echo done")
+    assert len(_wait_for("300.55", 1)) == 1
+    short = adopting.call("shell_exec", command="(setsid env -i /bin/sleep 300.66 &); echo ok")
+    assert short["metadata"]["ended_processes"] == 1 and _sleeping("300.66") == []
+    assert len(_sleeping("300.55")) == 1  # untouched while its call runs
+    r = adopting.result(long)
+    assert r["success"] and r["output"].startswith("done\n") and r["metadata"]["ended_processes"] == 1
+    assert _sleeping("300.55") == []
+
+
+def test_a_process_that_adopts_no_orphans_ends_none_at_a_normal_return(ctx: ToolContext) -> None:
+    """The sweep is the tool server's: in a process with children of its own
+    (this test runner), a call's end touches nothing but its own tree."""
+    r = sh(ctx, "setsid sleep 300.77 > /dev/null 2>&1 & echo ok")
     try:
-        assert r.success and r.output == "ok\n"
-        assert len(_running("30.456")) == 1
+        assert r.success and r.metadata["ended_processes"] == 0
+        assert len(_wait_for("300.77", 1)) == 1
     finally:
-        for pid in _running("30.456"):
+        for pid in _sleeping("300.77"):
             os.kill(pid, 9)
 
 
@@ -367,14 +454,11 @@ def test_job_stop_ends_a_job_process_that_left_its_group_with_no_environment(ctx
     try:
         r = sh(ctx, "(setsid env -i /bin/sleep 30.789 &); sleep 30", background=True)
         assert r.success, r
-        deadline = time.monotonic() + 5
-        while not _running("30.789") and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(_running("30.789")) == 1  # the allowed twin: it runs while the job does
+        assert len(_wait_for("30.789", 1)) == 1  # the allowed twin: it runs while the job does
         stopped = run_tool(TOOLS["job_stop"], ctx, {"job": r.metadata["job"]})
         assert stopped.success, stopped
-        assert _running("30.789") == []
+        assert _sleeping("30.789") == []
     finally:
         jobs.close()
-        for pid in _running("30.789"):
+        for pid in _sleeping("30.789"):
             os.kill(pid, 9)

@@ -19,7 +19,7 @@ import pytest
 from dispatchd.policy import ALL_TOOLS, MUTATING_TOOLS, Limits
 from dispatchd.tools.base import ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
-from dispatchd.tools.spec import SPECS, schemas_for
+from dispatchd.catalogue import SPECS, schemas_for
 from dispatchd.tools.table import TOOLS
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
@@ -77,12 +77,12 @@ def test_risks_and_slow_tools() -> None:
 
 @pytest.mark.process
 def test_the_daemon_imports_no_tool_code() -> None:
-    # The daemon reads spec.py; it must not bring the implementations (or any worker code) along.
+    # The daemon reads dispatchd/catalogue.py; it must not bring the implementations (or any worker code) along.
     # native.py and the C line loops it loads are not tools: the daemon's status says whether they loaded.
     code = ("import sys, dispatchd.daemon.server, dispatchd.daemon.sessions, dispatchd.policy, dispatchd.protocol; "
             "print(sorted(m for m in sys.modules if m.startswith(('dispatchd.tools.', 'dispatchd.worker'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['dispatchd.tools._lines', 'dispatchd.tools.native', 'dispatchd.tools.spec']"
+    assert out.strip() == "['dispatchd.tools._lines', 'dispatchd.tools.native']"
 
 
 @pytest.mark.parametrize("name", ALL_TOOLS)
@@ -165,6 +165,63 @@ def test_examples_run_end_to_end(tmp_path) -> None:
         for name in ALL_TOOLS:
             r = run_tool(TOOLS[name], ctx, _EXAMPLES[name])
             assert r.success, (name, r.error)
+    finally:
+        ctx.jobs.close()
+
+
+def _past_each_bound(schema: dict[str, Any], example: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """For each bound a schema advertises (minimum, exclusiveMinimum,
+    minLength, minItems; in array items too): the field's name, and the
+    example with that field just outside it."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for name, prop in schema["properties"].items():
+        if "minimum" in prop:
+            out.append((name, {**example, name: prop["minimum"] - 1}))
+        if "exclusiveMinimum" in prop:
+            out.append((name, {**example, name: prop["exclusiveMinimum"]}))
+        if "minLength" in prop:
+            out.append((name, {**example, name: "x" * (prop["minLength"] - 1)}))
+        if "minItems" in prop:
+            out.append((name, {**example, name: example[name][:prop["minItems"] - 1]}))
+        if prop["type"] == "array":
+            for inner, item in _past_each_bound(prop["items"], example[name][0]):
+                out.append((inner, {**example, name: [item, *example[name][1:]]}))
+    return out
+
+
+_PAST_BOUNDS = [(name, field, params) for name in ALL_TOOLS
+                for field, params in _past_each_bound(SPECS[name].parameters, _EXAMPLES[name])]
+
+
+def test_the_bounds_are_found() -> None:
+    assert {(name, field) for name, field, _ in _PAST_BOUNDS} == {
+        ("read_file", "start_line"), ("read_file", "end_line"), ("edit_file", "edits"), ("edit_file", "old_text"),
+        ("search_files", "query"), ("shell_exec", "command"), ("shell_exec", "timeout"), ("job_output", "job"),
+        ("job_output", "offset"), ("job_output", "wait"), ("job_stop", "job")}
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(("name", "field", "params"), _PAST_BOUNDS,
+                         ids=[f"{name}.{field}" for name, field, _ in _PAST_BOUNDS])
+def test_every_bound_the_schema_advertises_the_tool_enforces(name: str, field: str, params: dict[str, Any],
+                                                             tmp_path) -> None:
+    # The schema is what a model and the client check; the struct does not
+    # carry the bounds, so the tool checks them itself, with its own words:
+    # a call that skipped the client's check (a raw CallTool) is refused too.
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(params, SPECS[name].parameters)
+    (tmp_path / "a.txt").write_text("x\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    ctx = ToolContext(root=str(tmp_path.resolve()), limits=Limits(), env={"PATH": "/usr/bin:/bin"},
+                      scratch=str(scratch), jobs=Jobs(str(scratch)))
+    try:
+        assert run_tool(TOOLS["shell_exec"], ctx, {"command": "sleep 5", "background": True}).metadata["job"] == "job_1"
+        # Its twin, the example itself, is accepted (test_examples_run_end_to_end runs each).
+        jsonschema.validate(_EXAMPLES[name], SPECS[name].parameters)
+        r = run_tool(TOOLS[name], ctx, params)
+        assert not r.success and field in (r.error or ""), (params, r.error)
+        assert (tmp_path / "a.txt").read_text() == "x\n"
     finally:
         ctx.jobs.close()
 

@@ -8,10 +8,12 @@ Guarantees: index versions 2, 3 and 4, SHA-1 or SHA-256 (the index does not
 say which: the one that parses cleanly, its extensions ending exactly at the
 checksum); a split index's "link" extension named; any other bytes (short,
 unknown version, an entry or extension past the end) give None, never an
-exception. Bytes in, data out: the reading is ``gitfs.index_gitlinks``.
+exception. Bytes in, data out: the reading is ``fs.index_gitlinks``.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import msgspec
 
@@ -23,6 +25,20 @@ class Index(msgspec.Struct):
     shared: str  # the shared index a split index names, "" if none
     replaced_gitlink: bool  # a split index replaces some shared entry by a submodule
     names: set[str]  # every path, when asked for
+
+
+def decode_varint(data: bytes | mmap.mmap, pos: int) -> tuple[int, int]:
+    """Git's offset varint at ``pos`` (varint.c: decode_varint; an index v4
+    entry's prefix length, a pack's delta offset) and the position after it.
+    Raises IndexError past the end."""
+    byte = data[pos]
+    pos += 1
+    value = byte & 0x7F
+    while byte & 0x80:
+        byte = data[pos]
+        pos += 1
+        value = ((value + 1) << 7) | (byte & 0x7F)
+    return value, pos
 
 
 def parse_gitlinks(data: bytes) -> set[str] | None:
@@ -88,13 +104,7 @@ def _parse_entries(data: bytes, version: int, count: int, hash_size: int,
             if version >= 3 and flags & 0x4000:
                 pos += 2
             if version == 4:
-                byte = data[pos]  # git's offset varint (varint.c: decode_varint)
-                pos += 1
-                strip = byte & 0x7F
-                while byte & 0x80:
-                    byte = data[pos]
-                    pos += 1
-                    strip = ((strip + 1) << 7) | (byte & 0x7F)
+                strip, pos = decode_varint(data, pos)
                 end = data.index(b"\0", pos)
                 if strip > len(previous):
                     return None

@@ -1,7 +1,7 @@
 """The user's git identity (user.name, user.email), read by the daemon for a session.
 
 Guarantees:
-- ``parse_user`` is pure: git config text in, the ``[user]`` section's
+- ``parse_user`` is pure (``configs.config_entries``): git config text in, the ``[user]`` section's
   ``name`` and ``email`` out (the last one wins, as in git); quoting,
   escapes, comments, case-insensitive names and line continuations follow
   git's config syntax. Anything else (includes, conditional includes,
@@ -24,79 +24,12 @@ written in docs/tools.md; the policy's ``env.set`` overrides it.
 from __future__ import annotations
 
 import os
-import re
 
-__all__ = ["config_entries", "identity_env", "parse_user", "read_identity"]
+from dispatchd.daemon.gitguard.configs import config_entries
 
-_SECTION = re.compile(r'^\s*\[\s*([A-Za-z0-9.-]+)\s*(?:"((?:[^"\\]|\\.)*)")?\s*\]\s*(.*)$')
-_KEY = re.compile(r"^\s*([A-Za-z][A-Za-z0-9-]*)\s*(?:=(.*))?$")
+__all__ = ["identity_env", "parse_user", "read_identity"]
+
 _MAX = 256
-
-
-def _value(raw: str) -> str:
-    """A config value: quotes removed, escapes applied, comments cut, outer space trimmed."""
-    out: list[str] = []
-    quoted = False
-    pending_space = ""
-    i = 0
-    while i < len(raw):
-        c = raw[i]
-        if c == "\\" and i + 1 < len(raw):
-            n = raw[i + 1]
-            out.append(pending_space + {"n": "\n", "t": "\t", "b": "\b"}.get(n, n))
-            pending_space = ""
-            i += 2
-            continue
-        if c == '"':
-            quoted = not quoted
-        elif not quoted and c in "#;":
-            break
-        elif not quoted and c.isspace():
-            if out:
-                pending_space += c
-        else:
-            out.append(pending_space + c)
-            pending_space = ""
-        i += 1
-    return "".join(out)
-
-
-def config_entries(text: str) -> list[tuple[str, str | None, str, str | None]]:
-    """Every ``(section, subsection, key, value)`` of one config file's text,
-    in order: section and key lower-cased (git's names are case-insensitive),
-    the subsection as written (None without one; ``[a.b]`` is ``a``/``b``),
-    the value None for a bare key (git's "true")."""
-    found: list[tuple[str, str | None, str, str | None]] = []
-    section, sub = "", None
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        i += 1
-        # A value continued on the next line ends in an unescaped backslash.
-        while line.endswith("\\") and not line.endswith("\\\\") and i < len(lines):
-            line = line[:-1] + lines[i]
-            i += 1
-        stripped = line.strip()
-        if not stripped or stripped[0] in "#;":
-            continue
-        head = _SECTION.match(line)
-        if head:
-            name = head.group(1).lower()
-            if head.group(2) is not None:
-                section, sub = name, re.sub(r"\\(.)", r"\1", head.group(2))
-            elif "." in name:
-                section, _, sub = name.partition(".")
-            else:
-                section, sub = name, None
-            line = head.group(3)
-            if not line.strip():
-                continue
-        key = _KEY.match(line)
-        if key is None:
-            continue
-        found.append((section, sub, key.group(1).lower(), _value(key.group(2)) if key.group(2) is not None else None))
-    return found
 
 
 def parse_user(text: str) -> dict[str, str]:

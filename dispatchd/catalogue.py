@@ -1,4 +1,9 @@
-"""What each tool is, without running it: parameter structs, JSON Schemas, descriptions, risks.
+"""The tool catalogue: what each tool is, without running it (parameter
+structs, JSON Schemas, descriptions, risks).
+
+It stands at the bottom of the package (it imports msgspec and nothing of
+dispatchd), so the policy, the protocol, the daemon, the worker's tools and
+the client all read it without pulling one another in.
 
 Guarantees:
 - ``SPECS`` is the one list of the tools, in the order a session offers them
@@ -12,7 +17,7 @@ Guarantees:
 - ``schemas_for`` hands out copies, in the order asked for, so a caller can
   change what it gets without touching the table.
 - No implementation is imported: the daemon imports this module and no tool
-  code (the worker binds each spec to its function in ``tools/table.py``).
+  code (the worker binds each spec to its function in ``dispatchd/tools/table.py``).
 
 The schemas are written by hand, not generated, because their descriptions
 are what a model reads to decide how to call a tool.
@@ -143,6 +148,14 @@ def _tool(
     return ToolSpec(name, description, _object(properties, required), struct, risk, slow)
 
 
+def _whole_file(name: str, struct: type[_Params], description: str, content: str) -> ToolSpec:
+    """A tool that writes a file whole: its path and its content, both required."""
+    return _tool(name, "write", struct, description, {
+        "path": {"type": "string", "description": _PATH},
+        "content": {"type": "string", "description": content},
+    }, ["path", "content"])
+
+
 _ALL = [
     _tool(
         "read_file",
@@ -169,18 +182,13 @@ _ALL = [
         },
         ["path"],
     ),
-    _tool(
+    _whole_file(
         "write_file",
-        "write",
         WriteFileParams,
         "Write a file with the given content, replacing it whole if it exists (atomically: the file is "
         "never left half written) and creating missing parent folders. To change part of a file, "
         "prefer edit_file; to make sure you do not overwrite anything, use create_file.",
-        {
-            "path": {"type": "string", "description": _PATH},
-            "content": {"type": "string", "description": "The complete new content of the file (UTF-8 text)."},
-        },
-        ["path", "content"],
+        "The complete new content of the file (UTF-8 text).",
     ),
     _tool(
         "edit_file",
@@ -214,17 +222,12 @@ _ALL = [
         },
         ["path", "edits"],
     ),
-    _tool(
+    _whole_file(
         "create_file",
-        "write",
         CreateFileParams,
         "Create a new file with the given content, creating missing parent folders. Fails if "
         "anything already exists at the path (use write_file to replace a file).",
-        {
-            "path": {"type": "string", "description": _PATH},
-            "content": {"type": "string", "description": "The content of the new file (UTF-8 text)."},
-        },
-        ["path", "content"],
+        "The content of the new file (UTF-8 text).",
     ),
     _tool(
         "list_files",
@@ -286,8 +289,8 @@ _ALL = [
         "or a timeout is reported as an error that still carries the output; at the timeout the command "
         "and everything it started are killed. To keep something running (a dev server, a watcher, a "
         "long build), pass background=true: the call returns at once with a job id; read the job's "
-        "output with job_output, end it with job_stop. A plain 'cmd &' also survives bash, but its "
-        "output is lost and it is killed if the call times out.",
+        "output with job_output, end it with job_stop. A plain 'cmd &' does not outlive the call: what "
+        "the command leaves running is ended when the call returns (metadata ended_processes).",
         {
             "command": {"type": "string", "minLength": 1, "description": "The command line, run by bash -c."},
             "timeout": {

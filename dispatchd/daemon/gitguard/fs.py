@@ -12,7 +12,8 @@ Guarantees, for what goes through here:
   no symlink planted on the way can lead outside the worktree; a name git
   itself would refuse (``..``, empty, absolute) is not walked at all;
 - what is moved aside is renamed within its own directory to an unguessable
-  name (``move_aside``, ``move_aside_at``), never deleted; a directory a
+  name (``move_aside``, ``move_aside_at``, ``move_below_aside``), never
+  deleted; a directory a
   session made read-only is made writable for its owner first (it is the
   user's, so the daemon's).
 """
@@ -25,7 +26,7 @@ import secrets
 import stat
 import time
 
-from dispatchd.daemon import gitindex
+from dispatchd.daemon.gitguard import indexfile
 
 _MAX_POINTER = 4096  # a .git pointer file, a gitdir or commondir file
 _MAX_INDEX = 256 * 1024 * 1024
@@ -90,13 +91,13 @@ def index_gitlinks(index: str) -> set[str] | None:
     if not os.path.lexists(index):
         return set()
     data = _read_index(index)
-    parsed = gitindex.parse_index(data) if data is not None else None
+    parsed = indexfile.parse_index(data) if data is not None else None
     if parsed is None:
         return None
     links, shared = parsed.links, parsed.shared
     if shared and shared != "0" * len(shared):
         shared_data = _read_index(os.path.join(os.path.dirname(index), f"sharedindex.{shared}"))
-        shared_parsed = gitindex.parse_index(shared_data, all_names=parsed.replaced_gitlink) if shared_data else None
+        shared_parsed = indexfile.parse_index(shared_data, all_names=parsed.replaced_gitlink) if shared_data else None
         if shared_parsed is None:
             return None
         # A superset (the split part may delete entries of the shared one):
@@ -187,6 +188,22 @@ def move_below_aside(root: str, rel: str) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def move_all_below_aside(root: str, todo: list[str]) -> tuple[list[str], list[str]]:
+    """``move_below_aside`` for each of ``todo``; returns the new paths, and
+    what could not be moved, with why (the rest is still moved)."""
+    moved: list[str] = []
+    failed: list[str] = []
+    for rel in todo:
+        try:
+            done = move_below_aside(root, rel)  # None: gone since the walk
+        except OSError as exc:
+            failed.append(f"{os.path.join(root, rel)}: {exc.strerror}")
+            continue
+        if done is not None:
+            moved.append(done)
+    return moved, failed
 
 
 def move_aside(path: str) -> str:

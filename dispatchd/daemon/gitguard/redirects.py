@@ -11,7 +11,7 @@ the entries of a repository's linked worktrees: there a ``commondir``
 belongs, but only one that leads back to this ``.git``. A ``.git`` a session
 turned into a symlink is itself a redirect. This runs in both modes.
 
-The daemon acts on these by name (``gitfs.move_aside``): only below a root
+The daemon acts on these by name (``fs.move_aside``): only below a root
 whose every directory on the way is a real one (``lstat``), never through a
 symlink.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitfs import is_dir, move_aside, read_small
+from dispatchd.daemon.gitguard.fs import is_dir, move_aside, read_small
 from dispatchd.inside import is_within
 
 # Files whose mere appearance in a git directory changes which configuration

@@ -37,7 +37,7 @@ import time
 
 import msgspec
 
-from dispatchd.daemon import gitfs, gitobjects
+from dispatchd.daemon.gitguard import fs, objectstore
 
 _OID = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
 _MAX_REFS = 100_000
@@ -69,7 +69,7 @@ _STAMPS = ".stamps"  # in a keep: the stamps it was last brought up to date with
 def read_refs(common: str) -> dict[str, str]:
     """Branches and tags: ``packed-refs``, then loose refs (which win)."""
     refs: dict[str, str] = {}
-    packed = gitfs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
+    packed = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
     for line in (packed or "").splitlines():
         if not line or line[0] in "#^":
             continue
@@ -90,7 +90,7 @@ def read_refs(common: str) -> dict[str, str]:
                 if entry.is_dir(follow_symlinks=False):
                     pending.append((entry.path, full))
                 elif entry.is_file(follow_symlinks=False):
-                    value = (gitfs.read_small(entry.path, 256) or "").strip()
+                    value = (fs.read_small(entry.path, 256) or "").strip()
                     if _OID.match(value):
                         refs[full] = value
     return refs
@@ -98,7 +98,7 @@ def read_refs(common: str) -> dict[str, str]:
 
 def checked_out(gitdir: str) -> str:
     """The branch a git directory's HEAD names (``refs/heads/...``), or ""."""
-    text = (gitfs.read_small(os.path.join(gitdir, "HEAD"), 4096) or "").strip()
+    text = (fs.read_small(os.path.join(gitdir, "HEAD"), 4096) or "").strip()
     return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
 
 
@@ -172,14 +172,14 @@ def _clone(src: str, dst: str, budget: list[int]) -> None:
 def record(common: str, keep: str, own: list[str]) -> History:
     """Read the refs and bring the keep of the object files up to date."""
     refs = read_refs(common)
-    head = gitfs.read_small(os.path.join(common, "HEAD"), 4096) or ""
+    head = fs.read_small(os.path.join(common, "HEAD"), 4096) or ""
     objects = os.path.join(common, "objects")
     note = ""
     stamped_ns = time.time_ns()  # before the look: what changes during it counts as racy
     stamps = _stamps(objects)
     try:
         os.makedirs(keep, mode=0o700, exist_ok=True)
-        index = gitfs.read_small(os.path.join(keep, _STAMPS), 1 << 20)
+        index = fs.read_small(os.path.join(keep, _STAMPS), 1 << 20)
         try:
             last = msgspec.json.decode(index or "", type=tuple[dict[str, int], int]) if index else ({}, 0)
         except (msgspec.ValidationError, msgspec.DecodeError):
@@ -217,7 +217,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     common = history.common
-    if not gitfs.is_dir(common):
+    if not fs.is_dir(common):
         return done, [f"{common}: the repository's git directory is gone"]
     objects = os.path.join(common, "objects")
     if history.keep:
@@ -246,7 +246,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         if new == old:
             continue
         if new is not None and name.startswith("refs/heads/") and \
-                gitobjects.is_ancestor(objects, old, new):
+                objectstore.is_ancestor(objects, old, new):
             continue  # a fast-forward: history kept
         try:
             if new is not None:
@@ -268,11 +268,11 @@ def _write_ref(common: str, name: str, value: str) -> None:
     probe = common
     for part in os.path.relpath(parent, common).split(os.sep):
         probe = os.path.join(probe, part)
-        if os.path.lexists(probe) and not gitfs.is_dir(probe):
-            gitfs.move_aside(probe)
+        if os.path.lexists(probe) and not fs.is_dir(probe):
+            fs.move_aside(probe)
     os.makedirs(parent, exist_ok=True)
-    if gitfs.is_dir(path):
-        gitfs.move_aside(path)
+    if fs.is_dir(path):
+        fs.move_aside(path)
     tmp = f"{path}.dispatchd-{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         f.write(value + "\n")

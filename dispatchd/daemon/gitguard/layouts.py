@@ -34,7 +34,7 @@ Not a pure inspection: a git directory without ``hooks`` gets an empty one
 be held read-only; a ``hooks`` that is a symlink into the worktree has its
 target held instead. What no bind can hold (a redirect file created where
 there was none, a git directory renamed away and rebuilt) is checked when
-the session ends: ``gitredirects`` and ``gitsnapshot``.
+the session ends: ``redirects`` and ``snapshots``.
 
 The read-only binds exist only in full mode (a mount namespace); without one,
 Landlock cannot carve a read-only hole in a writable tree, and the session's
@@ -42,7 +42,7 @@ Landlock cannot carve a read-only hole in a writable tree, and the session's
 
 Everything here goes by name from the resolved worktree, each step checked
 with ``lstat`` (no symlink entered), except the submodules the index names
-(``gitfs.open_dir_below``: by descriptor); a gitfile's target and a
+(``fs.open_dir_below``: by descriptor); a gitfile's target and a
 ``hooks`` symlink are resolved (``realpath``) only to learn where they lead.
 """
 
@@ -54,8 +54,8 @@ import stat
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitfs import index_gitlinks, is_dir, is_file, open_dir_below, read_small
-from dispatchd.daemon.gitredirects import REDIRECTS
+from dispatchd.daemon.gitguard.fs import index_gitlinks, is_dir, is_file, open_dir_below, read_small
+from dispatchd.daemon.gitguard.redirects import REDIRECTS
 from dispatchd.inside import is_below, overlap
 
 # What the user's git runs or reads as configuration, in any git directory.
@@ -139,7 +139,7 @@ def _protect(worktree: str, gitdir: str) -> list[str]:
 
 
 def with_gitdirs(layout: GitLayout, worktree: str, found: list[str]) -> GitLayout:
-    """The layout, with git directories found since (``gitsnapshot`` walks
+    """The layout, with git directories found since (``snapshots`` walks
     every index, recursively: in-place submodules of submodules, where a
     gitfile leads) protected like the others: read-only config and hooks,
     and a mount point of their own."""

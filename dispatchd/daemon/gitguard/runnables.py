@@ -9,7 +9,7 @@ also enters), a gitfile naming a git directory of the session's choosing,
 the user's agent starts), ``.envrc`` (direnv), shell start-up files. ``take``
 records each such thing by content; ``changes`` lists what a later walk
 found new or different; ``quarantine`` moves those aside, within their own
-directory, to an unguessable name (``gitfs.move_aside_at``: renamed, never
+directory, to an unguessable name (``fs.move_aside_at``: renamed, never
 deleted).
 
 Guarantees:
@@ -20,14 +20,14 @@ Guarantees:
   says so (``complete`` False, ``why``), and the caller fails closed;
 - a git directory (``.git``, or a directory holding ``HEAD``, ``objects``
   and ``refs``) is recorded by what git reads from it for configuration or
-  commands (``gitsnapshot.fingerprint``), and a changed or new one loses
+  commands (``digests.fingerprint``), and a changed or new one loses
   those files only (its objects and refs stay where they are);
 - a protected name (the policy's ``protect.paths``, ``DEFAULT_PROTECTED`` by default) matches a
   file or directory of that name at any depth; everything below a protected
   directory is protected too. A new protected directory is moved aside whole,
   a changed file alone;
 - the roots in ``excluded`` (worktrees checked under baselines of their own)
-  and the worktree's own ``.git`` when ``gitsnapshot`` covers it are not
+  and the worktree's own ``.git`` when ``snapshots`` covers it are not
   walked.
 """
 
@@ -39,7 +39,8 @@ import stat
 
 import msgspec
 
-from dispatchd.daemon import gitfs, gitsnapshot
+from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard.digests import Budget, digest_at, fingerprint, never_equal
 from dispatchd.inside import is_within
 from dispatchd.policy import DEFAULT_PROTECTED
 
@@ -54,7 +55,7 @@ _GIT_BULK = frozenset(("objects", "refs", "logs", "lfs"))
 class TreeSnapshot(msgspec.Struct, frozen=True):
     """Worktree-relative path -> digest: ``gitdir`` for a git directory (its
     files follow as ``PATH/config``...), ``directory`` for a protected one,
-    else a file's or symlink's digest (``gitsnapshot.digest_at``)."""
+    else a file's or symlink's digest (``digests.digest_at``)."""
 
     entries: dict[str, str] = {}
     complete: bool = True
@@ -68,7 +69,7 @@ class _Walk:
         self.excluded = [os.path.relpath(e, root) for e in excluded if e != root and is_within(e, root)]
         self.skip_root_git = skip_root_git
         self.entries: dict[str, str] = {}
-        self.budget = gitsnapshot.Budget()
+        self.budget = Budget()
         self.count = 0
         self.dirs = 0
         self.why = ""
@@ -176,7 +177,7 @@ class _Walk:
         except OSError as exc:
             # A directory the session made unreadable may hide anything: the
             # user's tools would see it once the user makes it readable.
-            self.entries[rel or "."] = gitsnapshot._never_equal(f"unreadable {exc.errno}")
+            self.entries[rel or "."] = never_equal(f"unreadable {exc.errno}")
             return
         self.count += len(found)
         if self.count > MAX_ENTRIES:
@@ -204,11 +205,11 @@ class _Walk:
                         os.close(sub)
                     self._push(pending, fd, name, child, protected, True)
                 else:
-                    self.entries[child] = "gitfile:" + (gitsnapshot.digest_at(fd, name, self.budget) or "absent")
+                    self.entries[child] = "gitfile:" + (digest_at(fd, name, self.budget) or "absent")
                 continue
             mark = protected or name in self.names
             if mark:
-                digest = gitsnapshot.digest_at(fd, name, self.budget)
+                digest = digest_at(fd, name, self.budget)
                 if digest is not None:
                     self.entries[child] = digest
             if kind == "dir" and not (in_git and name in _GIT_BULK):
@@ -216,7 +217,7 @@ class _Walk:
 
     def _gitdir(self, fd: int, rel: str) -> None:
         self.entries[rel] = "gitdir"
-        for name, digest in gitsnapshot.fingerprint(fd, self.budget).items():
+        for name, digest in fingerprint(fd, self.budget).items():
             self.entries[f"{rel}/{name}"] = digest
 
 
@@ -274,14 +275,4 @@ def quarantine(root: str, todo: list[str]) -> tuple[list[str], list[str]]:
     """Move aside each of ``todo`` (``changes``' list) once the sessions'
     processes are gone; returns the new names (absolute) and what could not
     be moved, with why."""
-    moved: list[str] = []
-    failed: list[str] = []
-    for rel in todo:
-        try:
-            done = gitfs.move_below_aside(root, rel)  # None: gone since the walk
-        except OSError as exc:
-            failed.append(f"{os.path.join(root, rel)}: {exc.strerror}")
-            continue
-        if done is not None:
-            moved.append(done)
-    return moved, failed
+    return fs.move_all_below_aside(root, todo)

@@ -15,9 +15,9 @@ state is the user's) and kept, unchanged, until the last one ends:
   checked until the domain ends. The oldest part's record is always there;
 - every session's end (and a network switch that replaces its sandbox)
   checks every part against its baseline and moves aside what differs
-  (``gitredirects``, ``gitsnapshot``, ``runnables``); the last end runs with
+  (``redirects``, ``snapshots``, ``runnables``); the last end runs with
   no process of the domain left, so nothing can race it, and also puts back
-  the repository's history (``githistory``); then the record goes, and the
+  the repository's history (``history``); then the record goes, and the
   user's next changes are the next baseline;
 - the record (``STATE/baselines/ID.json``) is written atomically (a
   temporary file, fsync, rename, fsync of the directory) before the session
@@ -28,7 +28,12 @@ state is the user's) and kept, unchanged, until the last one ends:
   ``status``;
 - a check that cannot finish (something it cannot move, a walk over its
   bounds) leaves the record on disk and the worktree refused until the
-  daemon restarts and a check passes.
+  daemon restarts and a check passes;
+- the joins and checks of one domain take turns on the domain's own lock (a
+  join claims its worktree before it walks, so a join of an overlapping or
+  linked worktree meanwhile waits for it and joins the same baseline); those
+  of unrelated domains run side by side: an open never waits for the walk
+  of a worktree it does not overlap or share a repository with.
 
 The baseline is the daemon's, not the mount's: degraded mode (no mount
 namespace) keeps all of it.
@@ -47,46 +52,13 @@ import time
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon import githistory, gitredirects, gitsnapshot, runnables
+from dispatchd.daemon.gitguard import history, runnables, snapshots
+from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
 from dispatchd.errors import WorktreeError
 from dispatchd.inside import is_within, overlap
 
 log = logging.getLogger("dispatchd.baselines")
 _REPORTS_KEPT = 200
-
-
-class Protected(msgspec.Struct, frozen=True):
-    """One thing a check moved aside or put back."""
-
-    path: str
-    why: str
-    time: float = 0.0
-
-
-class Part(msgspec.Struct, frozen=True):
-    root: str  # a worktree (resolved)
-    layout: GitLayout
-    git: gitsnapshot.GitSnapshot
-    redirects: list[str]
-    tree: runnables.TreeSnapshot
-    names: list[str]  # the protected names its walk looks for
-    excluded: list[str] = []  # parts' roots inside this one: theirs to check
-    home: str = ""
-
-    @property
-    def common(self) -> str:
-        """The repository's common git directory, or ""."""
-        if self.layout.kind == "repository":
-            return os.path.join(self.root, ".git")
-        if self.layout.kind == "linked" and self.layout.readable:
-            return self.layout.readable[0]
-        return ""
-
-    @property
-    def own_gitdir(self) -> str:
-        if self.layout.kind == "repository":
-            return os.path.join(self.root, ".git")
-        return self.layout.gitdirs[0] if self.layout.kind == "linked" and self.layout.gitdirs else ""
 
 
 class Record(msgspec.Struct):
@@ -96,14 +68,21 @@ class Record(msgspec.Struct):
     created: float
     sessions: list[str] = []
     parts: list[Part] = []
-    histories: list[githistory.History] = []
+    histories: list[history.History] = []
 
 
 class _Domain:
+    """A domain in memory. ``lock`` is held by whoever reads or changes its
+    record or its worktrees: a join (its walk), a check; ``claims`` and
+    ``alive`` are the store's, read and changed under the store's lock."""
+
     def __init__(self, record: Record, lock_fd: int) -> None:
         self.record = record
         self.lock_fd = lock_fd
         self.reports: list[Protected] = []
+        self.lock = threading.Lock()
+        self.alive = True  # False once merged into another, or ended
+        self.claims: list[tuple[str, str]] = []  # (root, common) of joins under way, before their parts exist
 
 
 def _fsync_dir(path: str) -> None:
@@ -115,8 +94,11 @@ def _fsync_dir(path: str) -> None:
 
 
 class Baselines:
-    """The daemon's domains; every method is safe from many threads (one
-    lock: opens and ends of one daemon serialize here, a check at a time)."""
+    """The daemon's domains; every method is safe from many threads. The
+    store's lock is held only to look up and change which domains there are;
+    each domain's own lock is held through a join's walk and a check, so the
+    opens and ends of one domain serialize, and those of unrelated domains
+    run side by side. Where two locks are held, a domain's comes first."""
 
     def __init__(self, state_dir: str, home: str = "") -> None:
         self.dir = os.path.join(state_dir, "baselines")
@@ -218,28 +200,15 @@ class Baselines:
 
     # --- open --------------------------------------------------------------
 
-    def join(self, sid: str, root: str, layout: GitLayout, snapshot: gitsnapshot.GitSnapshot,
+    def join(self, sid: str, root: str, layout: GitLayout, snapshot: snapshots.GitSnapshot,
              redirects: list[str], names: tuple[str, ...]) -> None:
         """Make ``sid`` a session of the domain of ``root`` (see the module);
         raises WorktreeError when the worktree cannot be recorded (a walk
-        over its bounds). Call before the session's sandbox starts."""
-        with self._lock:
-            why = self.tainted.get(root)
-            if why:
-                raise WorktreeError(f"{root}: a session left files here that dispatchd could not move aside "
-                                    f"({why}); look at them (your own tools would run them), then restart "
-                                    "dispatchd", root)
-            common = _common_of(root, layout)
-            related = [d for d in self._domains.values() if any(
-                overlap(p.root, root) or (common and p.common and os.path.realpath(p.common) == common)
-                for p in d.record.parts)]
-            if related:
-                domain = related[0]
-                for other in related[1:]:
-                    self._merge(domain, other)
-            else:
-                did = secrets.token_hex(8)
-                domain = _Domain(Record(id=did, created=time.time()), self._take_lock(did, blocking=True) or -1)
+        over its bounds). Call before the session's sandbox starts. Waits
+        only for joins and checks of the same domain."""
+        common = common_of(root, layout)
+        domain = self._enter(root, common)
+        try:
             record = domain.record
             covered = any(is_within(root, p.root) for p in record.parts)
             if not covered:
@@ -247,8 +216,6 @@ class Baselines:
                 tree = runnables.take(root, names, excluded=excluded,
                                      skip_root_git=layout.kind in ("repository", "linked"))
                 if not tree.complete:
-                    if not record.parts:
-                        self._discard(domain)
                     raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and "
                                         "files your tools run; no session opened", root)
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
@@ -260,81 +227,162 @@ class Baselines:
                 self._write(record)
             except OSError as exc:
                 record.sessions.remove(sid)
-                if not record.sessions:
-                    self._discard(domain)
                 raise WorktreeError(f"{root}: its baseline cannot be recorded in {self.dir} "
                                     f"({exc.strerror}); no session opened", root) from exc
-            self._domains[record.id] = domain
-            self._by_session[sid] = domain
-            self._joined_at[sid] = len(domain.reports)
+            with self._lock:
+                self._by_session[sid] = domain
+                self._joined_at[sid] = len(domain.reports)
+        except BaseException:
+            self._discard_if_empty(domain)
+            raise
+        finally:
+            with self._lock:
+                domain.claims.remove((root, common))
+            domain.lock.release()
+
+    def _enter(self, root: str, common: str) -> _Domain:
+        """The domain ``root`` belongs to, its lock held and ``root`` claimed
+        in it (so that a join of an overlapping worktree meanwhile finds it):
+        a new one, or the one the related domains are merged into. Waits for
+        the related domains' joins and checks, never for others'."""
+        while True:
+            with self._lock:
+                why = self.tainted.get(root)
+                if why:
+                    raise WorktreeError(f"{root}: a session left files here that dispatchd could not move aside "
+                                        f"({why}); look at them (your own tools would run them), then restart "
+                                        "dispatchd", root)
+                related = self._related(root, common)
+                if not related:
+                    did = secrets.token_hex(8)
+                    domain = _Domain(Record(id=did, created=time.time()), self._take_lock(did, blocking=True) or -1)
+                    domain.lock.acquire()  # new: nobody else holds it
+                    domain.claims.append((root, common))
+                    self._domains[did] = domain
+                    return domain
+            # One lock at a time would deadlock two joins that merge the
+            # same domains: always taken in the order of the domains' ids.
+            for d in related:
+                d.lock.acquire()
+            with self._lock:
+                if all(d.alive for d in related) and self._related(root, common) == related:
+                    into = related[0]
+                    for other in related[1:]:
+                        self._merge(into, other)
+                        other.lock.release()
+                    into.claims.append((root, common))
+                    return into
+            for d in related:  # merged, ended or joined by another meanwhile: look again
+                d.lock.release()
+
+    def _related(self, root: str, common: str) -> list[_Domain]:
+        """The live domains that ``root`` overlaps or shares a repository with,
+        by their parts and the roots their joins under way claim."""
+        def relates(other_root: str, other_common: str) -> bool:
+            return overlap(other_root, root) or bool(common and other_common and other_common == common)
+        return sorted((d for d in self._domains.values()
+                       if any(relates(p.root, os.path.realpath(p.common) if p.common else "") for p in d.record.parts)
+                       or any(relates(r, c) for r, c in d.claims)), key=lambda d: d.record.id)
 
     def _add_history(self, record: Record, part: Part) -> None:
         common = part.common
         if not common:
             return
-        branch = githistory.checked_out(part.own_gitdir)
-        for i, history in enumerate(record.histories):
-            if os.path.realpath(history.common) == os.path.realpath(common):
+        branch = history.checked_out(part.own_gitdir)
+        for i, kept in enumerate(record.histories):
+            if os.path.realpath(kept.common) == os.path.realpath(common):
                 # A worktree joining later: its branch is its own to move only
                 # if no session has moved it since the baseline.
-                if branch and githistory.read_refs(common).get(branch) == history.refs.get(branch):
-                    record.histories[i] = msgspec.structs.replace(history, own=sorted(set(history.own) | {branch}))
+                if branch and history.read_refs(common).get(branch) == kept.refs.get(branch):
+                    record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
                 return
         keep = os.path.join(self.keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
-        history = githistory.record(common, keep, [branch] if branch else [])
-        if history.note:
-            log.warning("event=history_not_kept common=%s why=%r", common, history.note)
-        record.histories.append(history)
+        kept = history.record(common, keep, [branch] if branch else [])
+        if kept.note:
+            log.warning("event=history_not_kept common=%s why=%r", common, kept.note)
+        record.histories.append(kept)
 
     def _merge(self, into: _Domain, other: _Domain) -> None:
+        """Both domains' locks and the store's held."""
         into.record.parts += other.record.parts
         into.record.sessions += other.record.sessions
-        for history in other.record.histories:
-            if not any(h.common == history.common for h in into.record.histories):
-                into.record.histories.append(history)
+        for kept in other.record.histories:
+            if not any(h.common == kept.common for h in into.record.histories):
+                into.record.histories.append(kept)
         into.reports += other.reports
         for sid in other.record.sessions:
             self._by_session[sid] = into
         self._write(into.record)
         self._domains.pop(other.record.id, None)
+        other.alive = False
         self._drop(other.record.id, other.lock_fd)
 
-    def _discard(self, domain: _Domain) -> None:
-        self._domains.pop(domain.record.id, None)
-        if domain.lock_fd >= 0:
-            self._drop(domain.record.id, domain.lock_fd)
+    def _discard_if_empty(self, domain: _Domain) -> None:
+        """A join that failed: a domain no session has joined (the one this
+        join made) goes, and its files with it."""
+        with self._lock:
+            if domain.record.sessions or not domain.alive:
+                return
+            self._domains.pop(domain.record.id, None)
+            domain.alive = False
+            if domain.lock_fd >= 0:
+                self._drop(domain.record.id, domain.lock_fd)
 
     # --- checks ------------------------------------------------------------
+
+    def _locked(self, sid: str) -> _Domain | None:
+        """``sid``'s domain with its lock held (None: no such session)."""
+        while True:
+            with self._lock:
+                domain = self._by_session.get(sid)
+            if domain is None:
+                return None
+            domain.lock.acquire()
+            with self._lock:
+                if self._by_session.get(sid) is domain:
+                    return domain
+            domain.lock.release()  # merged into another meanwhile
 
     def check(self, sid: str) -> list[Protected]:
         """A sandbox of ``sid`` ended (a network switch): check its domain
         against the baseline; returns what this check moved aside."""
-        with self._lock:
-            domain = self._by_session.get(sid)
-            if domain is None:
-                return []
+        domain = self._locked(sid)
+        if domain is None:
+            return []
+        try:
             start = len(domain.reports)
             failed = self._check(domain, final=False)
             self._taint(domain, failed)
-            return domain.reports[start:]
+            with self._lock:
+                return domain.reports[start:]
+        finally:
+            domain.lock.release()
 
     def leave(self, sid: str) -> list[Protected]:
         """``sid`` ended, its processes gone: check its domain; the last
         session's end also restores history and drops the record."""
-        with self._lock:
-            domain = self._by_session.pop(sid, None)
-            self._joined_at.pop(sid, None)
-            if domain is None:
-                return []
+        domain = self._locked(sid)
+        if domain is None:
+            with self._lock:
+                self._joined_at.pop(sid, None)
+            return []
+        try:
             record = domain.record
-            if sid in record.sessions:
-                record.sessions.remove(sid)
-            start = len(domain.reports)
+            with self._lock:
+                self._by_session.pop(sid, None)
+                self._joined_at.pop(sid, None)
+                if sid in record.sessions:
+                    record.sessions.remove(sid)
+                start = len(domain.reports)
             final = not record.sessions
             failed = self._check(domain, final=final)
             self._taint(domain, failed)
             if final:
-                self._domains.pop(record.id, None)
+                with self._lock:
+                    # A join waiting for this lock finds the domain gone and
+                    # takes a new baseline, of the tree as this check left it.
+                    self._domains.pop(record.id, None)
+                    domain.alive = False
                 if failed:
                     if domain.lock_fd >= 0:
                         os.close(domain.lock_fd)  # kept on disk: the next start checks again
@@ -342,7 +390,10 @@ class Baselines:
                     self._drop(record.id, domain.lock_fd)
             else:
                 self._write(record)
-            return domain.reports[start:]
+            with self._lock:
+                return domain.reports[start:]
+        finally:
+            domain.lock.release()
 
     def reports_for(self, sid: str) -> list[Protected]:
         """What the checks of ``sid``'s domain did since it joined."""
@@ -355,8 +406,9 @@ class Baselines:
     def _taint(self, domain: _Domain, failed: list[str]) -> None:
         if failed:
             reason = "; ".join(failed)
-            for part in domain.record.parts:
-                self.tainted[part.root] = reason
+            with self._lock:
+                for part in domain.record.parts:
+                    self.tainted[part.root] = reason
             log.error("event=git_check_failed domain=%s what=%r", domain.record.id, reason)
 
     def _check(self, domain: _Domain, *, final: bool) -> list[str]:
@@ -365,56 +417,20 @@ class Baselines:
         now_t = time.time()
         for part in domain.record.parts:
             try:
-                failed += self._check_part(part, found, now_t)
+                failed += check_part(part, found, now_t)
             except Exception as exc:  # a bug, or content not foreseen: fail closed
                 failed.append(f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}")
         if final:
-            for history in domain.record.histories:
+            for kept in domain.record.histories:
                 try:
-                    done, bad = githistory.restore(history)
+                    done, bad = history.restore(kept)
                 except Exception as exc:
-                    done, bad = [], [f"{history.common}: restoring history failed: {type(exc).__name__}: {exc}"]
+                    done, bad = [], [f"{kept.common}: restoring history failed: {type(exc).__name__}: {exc}"]
                 failed += bad
                 for path, why in done:
                     log.warning("event=git_history_restored path=%s why=%r", path, why)
                     found.append(Protected(path=path, why=why, time=now_t))
-        domain.reports += found
-        del domain.reports[:-_REPORTS_KEPT]
+        with self._lock:
+            domain.reports += found
+            del domain.reports[:-_REPORTS_KEPT]
         return failed
-
-    def _check_part(self, part: Part, found: list[Protected], now_t: float) -> list[str]:
-        failed: list[str] = []
-        if part.layout.kind in ("repository", "linked"):
-            moved, bad = gitredirects.quarantine_new_redirects(part.layout, part.redirects, part.root)
-            failed += bad
-            for path in moved:
-                log.warning("event=git_redirect_quarantined path=%s", path)
-                found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
-            now = gitsnapshot.take(part.root, part.layout, part.home)
-            moved, bad = gitsnapshot.quarantine(part.root, part.git, now)
-            failed += bad
-            for path in moved:
-                log.warning("event=git_changed_quarantined path=%s", path)
-                found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
-                                       time=now_t))
-        tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,
-                             skip_root_git=part.layout.kind in ("repository", "linked"))
-        if not tree.complete:
-            failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
-                          "your tools run")
-            return failed
-        moved, bad = runnables.quarantine(part.root, runnables.changes(part.tree, tree))
-        failed += bad
-        for path in moved:
-            log.warning("event=tool_file_quarantined path=%s", path)
-            found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
-                                   time=now_t))
-        return failed
-
-
-def _common_of(root: str, layout: GitLayout) -> str:
-    if layout.kind == "repository":
-        return os.path.realpath(os.path.join(root, ".git"))
-    if layout.kind == "linked" and layout.readable:
-        return os.path.realpath(layout.readable[0])
-    return ""

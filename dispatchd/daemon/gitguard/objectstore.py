@@ -15,6 +15,8 @@ import os
 import struct
 import zlib
 
+from dispatchd.daemon.gitguard.indexfile import decode_varint
+
 _MAX_OBJECT = 64 * 1024 * 1024
 _MAX_CHAIN = 64
 _MAX_COMMITS = 20_000
@@ -68,13 +70,7 @@ class _Pack:
         if size > _MAX_OBJECT:
             raise ValueError("object too large")
         if kind == 6:  # a delta against an object earlier in this pack
-            c = data[pos]
-            pos += 1
-            back = c & 0x7F
-            while c & 0x80:
-                c = data[pos]
-                pos += 1
-                back = ((back + 1) << 7) | (c & 0x7F)
+            back, pos = decode_varint(data, pos)
             base_kind, base = self.read(off - back, store, depth + 1)
             return base_kind, _apply(base, _inflate(data, pos, size))
         if kind == 7:  # a delta against an object named by id

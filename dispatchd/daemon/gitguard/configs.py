@@ -1,0 +1,130 @@
+"""Git's configuration syntax, and what a git directory's configuration
+makes git read or run besides itself.
+
+- ``config_entries`` is pure: one config file's text in, every
+  ``(section, subsection, key, value)`` out, following git's syntax
+  (quoting, escapes, comments, case-insensitive names, continuations);
+- ``config_targets`` and ``includes_of`` read a git directory's ``config``
+  and ``config.worktree``, or one included file, only when it is a regular
+  file (``O_NOFOLLOW | O_NONBLOCK``), at most 1 MiB of it, and return the
+  ``include.path``/``includeIf.*.path`` and ``core.hooksPath`` values as
+  written: what they lead to is the caller's to resolve and record.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+_SECTION = re.compile(r'^\s*\[\s*([A-Za-z0-9.-]+)\s*(?:"((?:[^"\\]|\\.)*)")?\s*\]\s*(.*)$')
+_KEY = re.compile(r"^\s*([A-Za-z][A-Za-z0-9-]*)\s*(?:=(.*))?$")
+def _value(raw: str) -> str:
+    """A config value: quotes removed, escapes applied, comments cut, outer space trimmed."""
+    out: list[str] = []
+    quoted = False
+    pending_space = ""
+    i = 0
+    while i < len(raw):
+        c = raw[i]
+        if c == "\\" and i + 1 < len(raw):
+            n = raw[i + 1]
+            out.append(pending_space + {"n": "\n", "t": "\t", "b": "\b"}.get(n, n))
+            pending_space = ""
+            i += 2
+            continue
+        if c == '"':
+            quoted = not quoted
+        elif not quoted and c in "#;":
+            break
+        elif not quoted and c.isspace():
+            if out:
+                pending_space += c
+        else:
+            out.append(pending_space + c)
+            pending_space = ""
+        i += 1
+    return "".join(out)
+
+
+def config_entries(text: str) -> list[tuple[str, str | None, str, str | None]]:
+    """Every ``(section, subsection, key, value)`` of one config file's text,
+    in order: section and key lower-cased (git's names are case-insensitive),
+    the subsection as written (None without one; ``[a.b]`` is ``a``/``b``),
+    the value None for a bare key (git's "true")."""
+    found: list[tuple[str, str | None, str, str | None]] = []
+    section, sub = "", None
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        # A value continued on the next line ends in an unescaped backslash.
+        while line.endswith("\\") and not line.endswith("\\\\") and i < len(lines):
+            line = line[:-1] + lines[i]
+            i += 1
+        stripped = line.strip()
+        if not stripped or stripped[0] in "#;":
+            continue
+        head = _SECTION.match(line)
+        if head:
+            name = head.group(1).lower()
+            if head.group(2) is not None:
+                section, sub = name, re.sub(r"\\(.)", r"\1", head.group(2))
+            elif "." in name:
+                section, _, sub = name.partition(".")
+            else:
+                section, sub = name, None
+            line = head.group(3)
+            if not line.strip():
+                continue
+        key = _KEY.match(line)
+        if key is None:
+            continue
+        found.append((section, sub, key.group(1).lower(), _value(key.group(2)) if key.group(2) is not None else None))
+    return found
+
+
+def _read_config(dir_fd: int, name: str) -> str | None:
+    """One config file's text, at most 1 MiB, when it is a regular file."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, 1 << 20).decode("utf-8", "surrogateescape")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _is_include(section: str, sub: str | None, key: str) -> bool:
+    return key == "path" and (section == "include" and sub is None or section == "includeif" and sub is not None)
+
+
+def config_targets(dir_fd: int) -> tuple[list[str], list[str]]:
+    """The ``include.path``/``includeIf.*.path`` values and the
+    ``core.hooksPath`` values of a git directory's ``config`` and
+    ``config.worktree``, as written (relative ones are relative to that
+    directory, hooksPath's to the worktree)."""
+    includes: list[str] = []
+    hooks: list[str] = []
+    for name in ("config", "config.worktree"):
+        text = _read_config(dir_fd, name)
+        for section, sub, key, value in config_entries(text or ""):
+            if not value:
+                continue
+            if _is_include(section, sub, key):
+                includes.append(value)
+            elif section == "core" and sub is None and key == "hookspath":
+                hooks.append(value)
+    return includes, hooks
+
+
+def includes_of(dir_fd: int, name: str) -> list[str]:
+    """The include paths of one included config file (regular, bounded)."""
+    return [value for section, sub, key, value in config_entries(_read_config(dir_fd, name) or "")
+            if value and _is_include(section, sub, key)]

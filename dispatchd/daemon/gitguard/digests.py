@@ -1,0 +1,212 @@
+"""Digests of what git reads, by content: equal only for equal content,
+and never equal for what cannot be looked at.
+
+- ``digest_at`` records one name in a directory without following a
+  symlink: a regular file by mode and content (a hook made executable runs
+  where it did not), a symlink by its target, anything else by its type;
+- ``tree_digest`` records a small directory (git's rebase or sequencer
+  state) whole, walked without recursion, bounded in entries and depth;
+- ``fingerprint`` records one git directory by what git reads from it for
+  configuration or commands (``CONFIG_FILES``, every hook but the samples,
+  ``STATE_DIRS``);
+- every read is bounded (``_MAX_READ`` a file), and one walk's reads share a
+  ``Budget`` (bytes in all, each inode once). What cannot be read, is too
+  large or changed type while looked at gets ``never_equal``: a random value
+  no later walk repeats, so that it counts as changed (fail closed).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import secrets
+import stat
+
+# What git reads, in a git directory, that names or runs a command or
+# redirects where configuration comes from (hooks: each entry).
+CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes")
+# State git acts on later: ``git rebase --continue`` runs a todo's ``exec``
+# lines, ``git status`` tells the user to. Compared whole, moved aside whole.
+STATE_DIRS = ("rebase-merge", "rebase-apply", "sequencer")
+_MAX_READ = 16 * 1024 * 1024  # one file of configuration or one hook
+_MAX_HASHED = 256 * 1024 * 1024  # all the bytes one walk hashes (an inode once, however many links)
+MAX_ENTRIES = 2000  # entries of one hooks or state directory
+
+
+def never_equal(why: str) -> str:
+    """A value no other digest equals, this one's included: what cannot be
+    looked at counts as changed, every time."""
+    return f"{why}:{secrets.token_hex(8)}"
+
+
+class Budget:
+    """What one walk may hash: bytes in all, each inode once (a session's
+    2,000 hard links to one large file cost one read)."""
+
+    def __init__(self, limit: int = _MAX_HASHED) -> None:
+        self.left = limit
+        self.seen: dict[tuple[int, int, int, int, int], str | None] = {}
+
+
+def hash_fd(fd: int, limit: int, budget: Budget | None = None) -> str | None:
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if budget is not None and key in budget.seen:
+        return budget.seen[key]
+    if budget is not None and min(st.st_size, limit + 1) > budget.left:
+        return None
+    h = hashlib.sha256()
+    total = 0
+    while chunk := os.read(fd, 1 << 20):
+        total += len(chunk)
+        if total > limit:
+            return None
+        h.update(chunk)
+    if budget is not None:
+        budget.left -= total
+        budget.seen[key] = h.hexdigest()
+    return h.hexdigest()
+
+
+def digest_at(dir_fd: int, name: str, budget: Budget | None = None) -> str | None:
+    """The digest of ``name`` in ``dir_fd`` (None when absent), without
+    following a symlink: a regular file by mode and content, a symlink by its
+    target, anything else by its type."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as exc:
+        return None if exc.errno in (errno.ENOENT, errno.ENOTDIR) else never_equal(f"unreadable {exc.errno}")
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return "symlink:" + hashlib.sha256(os.fsencode(os.readlink(name, dir_fd=dir_fd))).hexdigest()
+        except OSError as exc:
+            return never_equal(f"unreadable {exc.errno}")
+    if stat.S_ISDIR(st.st_mode):
+        return "directory"
+    if not stat.S_ISREG(st.st_mode):
+        return f"mode:{st.st_mode:o}"
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        return never_equal(f"unreadable {exc.errno}")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return never_equal("changed type")
+        digest = hash_fd(fd, _MAX_READ, budget)
+    except OSError as exc:
+        return never_equal(f"unreadable {exc.errno}")
+    finally:
+        os.close(fd)
+    # The mode counts: a hook made executable runs where it did not.
+    return f"file:{stat.S_IMODE(st.st_mode):o}:{digest}" if digest else never_equal("too large")
+
+
+def tree_digest(dir_fd: int, name: str, budget: Budget | None = None) -> str | None:
+    """A small directory (git's rebase or sequencer state) by the names,
+    kinds and contents of everything in it, walked without recursion and
+    bounded in entries; None when absent."""
+    top = digest_at(dir_fd, name, budget)
+    if top != "directory":
+        return top
+    h = hashlib.sha256()
+    pending: list[tuple[int, str]] = []
+    try:
+        first = open_subdir(dir_fd, name, os.O_RDONLY)
+    except OSError as exc:
+        return never_equal(f"unsearchable {exc.errno}")
+    if first is None:
+        return never_equal("changed type")
+    pending.append((first, ""))
+    count = 0
+    try:
+        while pending:
+            fd, rel = pending.pop()
+            try:
+                names = sorted(os.listdir(fd))
+                for entry in names:
+                    count += 1
+                    if count > MAX_ENTRIES or rel.count("/") > 8:
+                        return never_equal("too many entries")
+                    digest = digest_at(fd, entry, budget)
+                    h.update(f"{rel}{entry}\0{digest}\0".encode("utf-8", "surrogateescape"))
+                    if digest == "directory":
+                        sub = open_subdir(fd, entry, os.O_RDONLY)
+                        if sub is not None:
+                            pending.append((sub, f"{rel}{entry}/"))
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        return never_equal(f"unreadable {exc.errno}")
+    finally:
+        for fd, _ in pending:
+            os.close(fd)
+    return "tree:" + h.hexdigest()
+
+
+def open_subdir(dir_fd: int, name: str, flags: int = os.O_PATH) -> int | None:
+    try:
+        return os.open(name, flags | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        raise
+
+
+def fingerprint(dir_fd: int, budget: Budget | None = None) -> dict[str, str]:
+    """What git reads from one git directory for configuration or commands,
+    and the rebase or sequencer state it acts on later."""
+    found: dict[str, str] = {}
+    for name in CONFIG_FILES:
+        parent, _, leaf = name.rpartition("/")
+        fd = dir_fd
+        if parent:
+            try:
+                sub = open_subdir(dir_fd, parent)
+            except OSError as exc:
+                found[parent] = never_equal(f"unsearchable {exc.errno}")
+                continue
+            if sub is None:
+                # absent, or not a directory: a symlink ``info`` is recorded as such
+                digest = digest_at(dir_fd, parent)
+                if digest is not None:
+                    found[parent] = digest
+                continue
+            fd = sub
+        try:
+            digest = digest_at(fd, leaf, budget)
+        finally:
+            if fd != dir_fd:
+                os.close(fd)
+        if digest is not None:
+            found[name] = digest
+    for name in STATE_DIRS:
+        digest = tree_digest(dir_fd, name, budget)
+        if digest is not None:
+            found[name] = digest
+    hooks = digest_at(dir_fd, "hooks")
+    if hooks == "directory":
+        try:
+            hooks_fd = open_subdir(dir_fd, "hooks", os.O_RDONLY)
+            names = sorted(os.listdir(hooks_fd)) if hooks_fd is not None else []
+        except OSError as exc:
+            found["hooks"] = never_equal(f"unreadable {exc.errno}")
+            return found
+        if hooks_fd is None:
+            return found
+        try:
+            if len(names) > MAX_ENTRIES:
+                found["hooks"] = never_equal("too many entries")
+                return found
+            # git runs a hook by its exact name only: the samples git init
+            # copies (pre-commit.sample...) never run, and cost the most to read.
+            for name in (n for n in names if not n.endswith(".sample")):
+                digest = digest_at(hooks_fd, name, budget)
+                if digest is not None:
+                    found[f"hooks/{name}"] = digest
+        finally:
+            os.close(hooks_fd)
+    elif hooks is not None:
+        found["hooks"] = hooks
+    return found

@@ -1,0 +1,398 @@
+"""The walk that finds every git directory of a repository the way the
+user's git finds them, and records each by content (``digests``).
+
+Which git directories exist: the repository's ``.git``; every directory
+under a ``modules`` of a git directory, at any depth (a name may hold
+slashes; a directory holding a ``HEAD`` is a git directory, and only its own
+``modules`` is walked further); through the index of each git directory
+whose worktree is known, every submodule it records, at any depth; wherever
+a gitfile inside the worktree leads; and the files inside the worktree that
+a git directory's configuration includes or runs (``include.path``,
+``core.hooksPath``).
+
+Guarantees:
+- git directories found are queued, never recursed into: no depth of
+  ``modules/a/modules/a/...`` or chain of gitfiles exhausts the stack; the
+  walk is bounded in git directories (``MAX_GITDIRS``), directories looked
+  into, depth and includes followed, and one that stops short says so
+  (``complete`` False);
+- every directory is reached from the worktree one component at a time with
+  ``O_NOFOLLOW`` (``fs.open_dir_below``), every file read with a bound; an
+  index is opened by its path, ``O_NOFOLLOW`` on the file itself
+  (``fs.index_gitlinks``); a symlink is recorded, never followed (except to
+  learn, with ``realpath``, whether a gitfile or an include leads inside the
+  worktree);
+- what cannot be looked at is recorded as never equal (fail closed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard.configs import config_targets, includes_of
+from dispatchd.daemon.gitguard.digests import (
+    MAX_ENTRIES, Budget, digest_at, fingerprint, hash_fd, never_equal, open_subdir)
+from dispatchd.inside import is_within
+
+MAX_GITDIRS = 5000
+_MAX_VISITS = 50000  # directories looked into for git directories
+_MAX_DEPTH = 64  # components of a git directory's path below the worktree
+_MAX_INCLUDES = 10  # include.path chains followed (git stops at 10 too)
+_MAX_POINTER = 4096  # a gitfile
+_MAX_HASHED_INDEX = 4 * 1024 * 1024 * 1024  # an index that cannot be parsed is compared by content up to this
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+class Walk:
+    """The walk of ``take``. Git directories found are queued, never
+    recursed into: no depth of ``modules/a/modules/a/...`` or chain of
+    gitfiles a session makes can exhaust the daemon's stack."""
+
+    def __init__(self, worktree: str, home: str = "") -> None:
+        self.worktree = worktree.rstrip("/") or "/"
+        self.home = home
+        self.gitdirs: dict[str, dict[str, str]] = {}
+        self.pointers: dict[str, str] = {}
+        self.indexes: dict[str, str] = {}
+        self.included: dict[str, str] = {}
+        self.indexed: set[str] = set()
+        self.queue: list[tuple[str, str | None]] = []
+        self.budget = Budget()
+        self.visits = 0
+        self.complete = True
+
+    def run(self) -> None:
+        while self.queue:
+            rel, worktree = self.queue.pop()
+            self._gitdir(rel, worktree)
+
+    def _budget(self) -> bool:
+        self.visits += 1
+        if self.visits > _MAX_VISITS or len(self.gitdirs) > MAX_GITDIRS:
+            self.complete = False
+        return self.complete
+
+    def open(self, rel: str) -> int | None:
+        """An O_PATH descriptor of the directory at ``rel``, reached without
+        following a symlink; None when there is none; OSError when it cannot
+        be looked at."""
+        if not rel:
+            return os.open(self.worktree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        return fs.open_dir_below(self.worktree, rel)
+
+    def recorded(self, rel: str) -> int | None:
+        """Record the git directory at ``rel`` by what git reads from it
+        (``fingerprint``) and return its descriptor, the caller's to close;
+        None when there is none, or when it cannot be looked at (then
+        recorded as never equal: it goes aside whole)."""
+        try:
+            fd = self.open(rel)
+        except OSError as exc:
+            self.gitdirs[rel] = {"": never_equal(f"unsearchable {exc.errno}")}
+            return None
+        if fd is None:
+            return None
+        try:
+            self.gitdirs[rel] = fingerprint(fd, self.budget)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def linked_entries(self) -> list[str]:
+        """Record the entries of the repository's other linked worktrees
+        (``.git/worktrees/N``, each by what git reads from it) and return
+        those recorded by their files (the others go aside whole)."""
+        try:
+            fd = self.open(".git/worktrees")
+        except OSError as exc:
+            self.gitdirs[".git/worktrees"] = {"": never_equal(f"unsearchable {exc.errno}")}
+            return []
+        if fd is None:
+            return []
+        try:
+            names = _names(fd)
+        finally:
+            os.close(fd)
+        by_file: list[str] = []
+        for name in names:
+            entry = self.recorded(f".git/worktrees/{name}")
+            if entry is not None:
+                os.close(entry)
+                by_file.append(f".git/worktrees/{name}")
+        return by_file
+
+    def gitdir(self, rel: str, worktree: str | None) -> None:
+        """Queue the git directory at ``rel`` (see ``_gitdir``)."""
+        self.queue.append((rel, worktree))
+
+    def _gitdir(self, rel: str, worktree: str | None) -> None:
+        """Record the git directory at ``rel`` and queue the ones below it;
+        with ``worktree`` (the directory its index's paths are relative to),
+        the submodules its index records too."""
+        if rel.count("/") > _MAX_DEPTH:
+            self.complete = False
+            return
+        if rel not in self.gitdirs:
+            if not self._budget():
+                return
+            fd = self.recorded(rel)
+            if fd is None:
+                return
+            try:
+                includes, hooks_paths = config_targets(fd)
+            finally:
+                os.close(fd)
+            self.config_targets(rel, worktree or "", includes, hooks_paths)
+            self.modules(_join(rel, "modules"))
+        if worktree is not None and rel not in self.indexed:
+            self.indexed.add(rel)
+            self.index(rel, worktree)
+
+    def _inside(self, path: str) -> str | None:
+        """``path`` after symlinks, worktree-relative, when it lies in the
+        worktree (what a session can write); None otherwise."""
+        real = os.path.realpath(path)
+        if not is_within(real, self.worktree) or real == self.worktree:
+            return None
+        return os.path.relpath(real, self.worktree).replace(os.sep, "/")
+
+    def _expand(self, value: str, base: str) -> str | None:
+        if "\0" in value:
+            return None
+        if value.startswith("~/"):
+            return os.path.join(self.home, value[2:]) if self.home else None
+        return os.path.join(base, value)
+
+    def config_targets(self, gitdir_rel: str, worktree_rel: str, includes: list[str], hooks_paths: list[str]) -> None:
+        """Record what a git directory's configuration reads from or runs in
+        the worktree: include targets (followed, as git does, up to
+        ``_MAX_INCLUDES`` deep) and every entry of a ``core.hooksPath`` there."""
+        gitdir_abs = os.path.join(self.worktree, gitdir_rel)
+        pending = [(value, gitdir_abs, 0) for value in includes]
+        while pending:
+            value, base, depth = pending.pop()
+            path = self._expand(value, base)
+            rel = self._inside(path) if path else None
+            if rel is None or rel in self.included:
+                continue
+            if depth >= _MAX_INCLUDES or len(self.included) > MAX_ENTRIES:
+                self.included[rel] = never_equal("too many includes")
+                continue
+            self.included[rel] = self._digest_rel(rel)
+            for more in self._includes_of(rel):
+                pending.append((more, os.path.dirname(os.path.join(self.worktree, rel)), depth + 1))
+        for value in hooks_paths:
+            path = self._expand(value, os.path.join(self.worktree, worktree_rel))
+            rel = self._inside(path) if path else None
+            if rel is None:
+                continue
+            self.included[rel] = "hooks directory"
+            try:
+                fd = self.open(rel)
+            except OSError as exc:
+                self.included[rel] = never_equal(f"unsearchable {exc.errno}")
+                continue
+            if fd is None:
+                continue
+            try:
+                names = _names(fd)
+                if len(names) > MAX_ENTRIES:
+                    self.included[rel] = never_equal("too many entries")
+                    continue
+                for name in names:
+                    digest = digest_at(fd, name, self.budget)
+                    if digest is not None:
+                        self.included[f"{rel}/{name}"] = digest
+            except OSError as exc:
+                self.included[rel] = never_equal(f"unreadable {exc.errno}")
+            finally:
+                os.close(fd)
+
+    def _digest_rel(self, rel: str) -> str:
+        parent, _, name = rel.rpartition("/")
+        try:
+            fd = self.open(parent)
+        except OSError as exc:
+            return never_equal(f"unsearchable {exc.errno}")
+        if fd is None:
+            return "absent"
+        try:
+            return digest_at(fd, name, self.budget) or "absent"
+        finally:
+            os.close(fd)
+
+    def _includes_of(self, rel: str) -> list[str]:
+        parent, _, name = rel.rpartition("/")
+        try:
+            fd = self.open(parent)
+        except OSError:
+            return []
+        if fd is None:
+            return []
+        try:
+            return includes_of(fd, name)
+        finally:
+            os.close(fd)
+
+    def modules(self, top: str) -> None:
+        """Every git directory under a ``modules``: a directory holding a
+        ``HEAD`` is one; any other directory is a step of a name with slashes."""
+        pending = [top]
+        while pending and self._budget():
+            rel = pending.pop()
+            if rel.count("/") > _MAX_DEPTH:
+                # Each level is reached from the worktree down, so a walk
+                # past this depth would cost its depth squared (a 600-level
+                # chain: 725,000 opens). What lies deeper is not looked
+                # into: it is never equal, so it goes aside whole.
+                self.gitdirs[rel] = {"": never_equal(f"deeper than {_MAX_DEPTH} components")}
+                continue
+            try:
+                fd = self.open(rel)
+                if fd is None:
+                    continue
+                try:
+                    names = _names(fd)
+                    kinds = {name: _kind(fd, name) for name in names}
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                # A directory here the daemon cannot read may hold a git
+                # directory the user's git reaches later: it goes aside whole.
+                self.gitdirs[rel] = {"": never_equal(f"unsearchable {exc.errno}")}
+                continue
+            for name in reversed(names):
+                if kinds[name] == "gitdir":
+                    self.gitdir(_join(rel, name), None)
+                elif kinds[name] == "directory":
+                    pending.append(_join(rel, name))
+                elif kinds[name] == "unsearchable":
+                    self.gitdirs[_join(rel, name)] = {"": never_equal("unsearchable")}
+
+    def index(self, gitdir_rel: str, worktree: str) -> None:
+        index_rel = _join(gitdir_rel, "index")
+        path = os.path.join(self.worktree, index_rel)
+        links = fs.index_gitlinks(path)
+        if links is None:
+            self.indexes[index_rel] = _index_content(path)
+            return
+        for link in sorted(links):
+            if not self._budget():
+                return
+            if not fs.safe_link(link):
+                # git would not write it, but walks it: never followed here,
+                # and so never "as before"
+                self.indexes[index_rel] = never_equal("a submodule path git would not write")
+                continue
+            sub = _join(worktree, link)
+            try:
+                fd = self.open(sub)
+                if fd is None:
+                    continue  # nothing there, a file or a symlink on the way: git skips it too
+                try:
+                    st = os.stat(".git", dir_fd=fd, follow_symlinks=False)
+                    if not stat.S_ISDIR(st.st_mode):
+                        self.pointer(_join(sub, ".git"), sub, fd, st)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno in fs.ABSENT:
+                    continue
+                self.indexes[index_rel] = never_equal(f"a submodule that cannot be looked at ({exc.errno})")
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                self.gitdir(_join(sub, ".git"), sub)
+
+    def pointer(self, rel: str, worktree: str, dir_fd: int, st: os.stat_result) -> None:
+        """A ``.git`` that is a file (``gitdir: PATH``) or a symlink: its
+        content, and the git directory it leads to, which is walked too when
+        it lies in the worktree."""
+        target = ""
+        if stat.S_ISLNK(st.st_mode):
+            text = os.readlink(".git", dir_fd=dir_fd)
+            target = text
+            content = "symlink:" + text
+        elif stat.S_ISREG(st.st_mode):
+            fd = os.open(".git", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                data = os.read(fd, _MAX_POINTER + 1)
+            finally:
+                os.close(fd)
+            text = data.decode("utf-8", "surrogateescape")
+            if len(data) <= _MAX_POINTER and text.startswith("gitdir: "):
+                target = text[len("gitdir: "):].strip()
+            content = "file:" + text
+        else:
+            content = f"mode:{st.st_mode:o}"
+        leads = ""
+        if target and "\0" not in target:
+            real = os.path.realpath(os.path.join(self.worktree, worktree, target))
+            inside = os.path.relpath(real, self.worktree) if is_within(real, self.worktree) else None
+            if inside is None:
+                leads = "outside:" + real  # not the session's to write
+            elif inside == ".":
+                leads = never_equal("the worktree itself")
+            else:
+                inside = inside.replace(os.sep, "/")
+                target_fd: int | None
+                try:
+                    target_fd = self.open(inside)
+                except OSError as exc:
+                    target_fd, leads = None, never_equal(f"unsearchable {exc.errno}")
+                if target_fd is not None:
+                    os.close(target_fd)
+                    leads = "gitdir:" + inside
+                    self.gitdir(inside, worktree)
+                elif not leads:
+                    leads = "nothing"
+        self.pointers[rel] = hashlib.sha256(os.fsencode(content)).hexdigest() + " -> " + leads
+
+
+def _names(dir_fd: int) -> list[str]:
+    """The sorted names in the directory an O_PATH descriptor holds."""
+    listing = open_subdir(dir_fd, ".", os.O_RDONLY)
+    if listing is None:
+        return []
+    try:
+        return sorted(os.listdir(listing))
+    finally:
+        os.close(listing)
+
+
+def _kind(dir_fd: int, name: str) -> str:
+    """"gitdir" (a directory holding a ``HEAD``, as git's own test), "directory",
+    "unsearchable", or "other" (a file, a symlink: not walked)."""
+    try:
+        if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            return "other"
+        os.stat(f"{name}/HEAD", dir_fd=dir_fd, follow_symlinks=False)
+        return "gitdir"
+    except FileNotFoundError:
+        return "directory"
+    except OSError:
+        return "unsearchable"
+
+
+def _index_content(path: str) -> str:
+    """An index that cannot be parsed: compared by its bytes, so that the
+    user's own (too large, say) is left alone and any other goes aside."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return never_equal(f"an index that cannot be read ({exc.errno})")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return never_equal("an index that is not a file")
+        digest = hash_fd(fd, _MAX_HASHED_INDEX)
+    finally:
+        os.close(fd)
+    return f"an index that cannot be parsed:{digest}" if digest else never_equal("an index too large to compare")

@@ -1,0 +1,98 @@
+"""One part of a domain's baseline: a worktree, what it held at the
+baseline, and its check.
+
+``check_part`` compares a part's worktree now with its baseline and moves
+aside what differs: redirect files a session created (``redirects``), git's
+configuration, hooks and state (``snapshots``), repositories and files the
+user's tools run (``runnables``). It never deletes; what it cannot move, or a
+walk over its bounds, is returned as a failure (the caller fails closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+
+from dispatchd.confine.plan import GitLayout
+from dispatchd.daemon.gitguard import runnables, snapshots
+from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects
+
+log = logging.getLogger("dispatchd.baselines")
+
+
+class Protected(msgspec.Struct, frozen=True):
+    """One thing a check moved aside or put back."""
+
+    path: str
+    why: str
+    time: float = 0.0
+
+
+class Part(msgspec.Struct, frozen=True):
+    root: str  # a worktree (resolved)
+    layout: GitLayout
+    git: snapshots.GitSnapshot
+    redirects: list[str]
+    tree: runnables.TreeSnapshot
+    names: list[str]  # the protected names its walk looks for
+    excluded: list[str] = []  # parts' roots inside this one: theirs to check
+    home: str = ""
+
+    @property
+    def common(self) -> str:
+        """The repository's common git directory, or ""."""
+        if self.layout.kind == "repository":
+            return os.path.join(self.root, ".git")
+        if self.layout.kind == "linked" and self.layout.readable:
+            return self.layout.readable[0]
+        return ""
+
+    @property
+    def own_gitdir(self) -> str:
+        if self.layout.kind == "repository":
+            return os.path.join(self.root, ".git")
+        return self.layout.gitdirs[0] if self.layout.kind == "linked" and self.layout.gitdirs else ""
+
+
+def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
+    """Check one part against its baseline and move aside what differs
+    (``redirects``, ``snapshots``, ``runnables``); appends what it moved to
+    ``found`` and returns what it could not, with why."""
+    failed: list[str] = []
+    if part.layout.kind in ("repository", "linked"):
+        moved, bad = quarantine_new_redirects(part.layout, part.redirects, part.root)
+        failed += bad
+        for path in moved:
+            log.warning("event=git_redirect_quarantined path=%s", path)
+            found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
+        now = snapshots.take(part.root, part.layout, part.home)
+        moved, bad = snapshots.quarantine(part.root, part.git, now)
+        failed += bad
+        for path in moved:
+            log.warning("event=git_changed_quarantined path=%s", path)
+            found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
+                                   time=now_t))
+    tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,
+                         skip_root_git=part.layout.kind in ("repository", "linked"))
+    if not tree.complete:
+        failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
+                      "your tools run")
+        return failed
+    moved, bad = runnables.quarantine(part.root, runnables.changes(part.tree, tree))
+    failed += bad
+    for path in moved:
+        log.warning("event=tool_file_quarantined path=%s", path)
+        found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
+                               time=now_t))
+    return failed
+
+
+def common_of(root: str, layout: GitLayout) -> str:
+    """The repository's common git directory, resolved, or ""."""
+    if layout.kind == "repository":
+        return os.path.realpath(os.path.join(root, ".git"))
+    if layout.kind == "linked" and layout.readable:
+        return os.path.realpath(layout.readable[0])
+    return ""

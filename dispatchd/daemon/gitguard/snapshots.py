@@ -1,0 +1,191 @@
+"""What the user's git reads for configuration or hooks, by content, at open
+and at the end of a session; and moving aside what a session changed.
+
+Read-only binds hold names, and a session can rename the directory around a
+name (``.git/modules/sub``, ``.git/modules``, a submodule's worktree) and
+build a new one in its place, or make a git directory where there was none
+(a submodule of a submodule). This module does not care how: it records, for
+every git directory of a repository, the content of what git reads from it
+for configuration or commands — ``config``, ``config.worktree``,
+``commondir``, ``info/attributes`` and every entry of ``hooks`` (content and
+mode, a symlink by its target; ``*.sample`` never runs) — and the content of
+every gitfile (a submodule's ``.git`` file or symlink) with where it leads;
+``take`` walks, and
+``quarantine`` compares two walks by content (never by name, inode or time)
+and moves aside, to an unguessable name beside it:
+
+- a submodule's git directory (``.git/modules/**``, an in-place ``sub/.git``,
+  or wherever a gitfile inside the worktree leads) that is new or whose
+  recorded content differs: whole (the user's git then finds no repository
+  there: it runs nothing, and says so);
+- in the repository's own ``.git`` and in the entries of its other linked
+  worktrees (``.git/worktrees/N``), each changed or new file only: moving the
+  ``.git`` whole would leave the worktree no repository, and the user's git
+  would look for one in a directory above;
+- a gitfile that is new or differs (content, or where it leads);
+- an index that cannot be checked now (unparsable, recording a submodule
+  under a name git would not write, or behind a directory the daemon cannot
+  search) unless it is byte for byte the index of the open (the user's own).
+
+Which git directories exist is found the way the user's git finds them, by
+the walk of ``gitdirs`` (bounded, by descriptor, no symlink followed); each
+is recorded by ``digests`` (bounded reads). What cannot be looked at counts
+as changed, every time (a random value that no later walk repeats): fail
+closed.
+
+Call ``quarantine`` only once every process of the session is gone: nothing
+can then change the tree between the walk and the renames.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import msgspec
+
+from dispatchd.confine.plan import GitLayout
+from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard.configs import config_targets
+from dispatchd.daemon.gitguard.digests import digest_at, fingerprint
+from dispatchd.daemon.gitguard.gitdirs import MAX_GITDIRS, Walk
+from dispatchd.inside import is_within
+
+__all__ = ["MAX_GITDIRS", "GitSnapshot", "changes", "gitdir_paths", "quarantine", "take"]
+
+
+class GitSnapshot(msgspec.Struct, frozen=True):
+    """Paths are relative to the worktree (``/``-separated); values are
+    digests, equal only for equal content."""
+
+    gitdirs: dict[str, dict[str, str]] = {}  # a git directory -> {"config", "hooks/pre-commit", ...: digest}
+    by_file: list[str] = []  # git directories never moved whole (``.git``, ``.git/worktrees/N``)
+    pointers: dict[str, str] = {}  # a ``.git`` that is a file or a symlink -> digest of it and where it leads
+    indexes: dict[str, str] = {}  # an index that cannot be checked -> why (equal only for the same bytes)
+    external: dict[str, str] = {}  # a linked worktree's own git directory, outside: absolute path -> digest
+    complete: bool = True  # False: more git directories than the walk looks at
+    # Files inside the worktree that a git directory's configuration reads or
+    # runs: ``include.path``/``includeIf.*.path`` targets and ``core.hooksPath``
+    # entries, keyed by the file git would open (worktree-relative, after
+    # symlinks) -> digest.
+    included: dict[str, str] = {}
+
+
+def take(worktree: str, layout: GitLayout, home: str = "") -> GitSnapshot:
+    """Walk every git directory of the worktree's repository (see the module);
+    ``home`` is where ``~/`` in an include path leads."""
+    walk = Walk(worktree, home)
+    by_file: list[str] = []
+    external: dict[str, str] = {}
+    if layout.kind == "repository":
+        by_file.append(".git")
+        walk.gitdir(".git", "")
+        walk.run()
+        top = os.open(worktree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            st = os.stat(".git", dir_fd=top, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                # A .git the session turned into a gitfile or a symlink:
+                # where it leads is the session's choice.
+                walk.pointer(".git", "", top, st)
+                walk.run()
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(top)
+        by_file += walk.linked_entries()
+    elif layout.kind == "linked":
+        try:
+            top = os.open(worktree, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            top = None
+        if top is not None:
+            try:
+                external[os.path.join(worktree, ".git")] = digest_at(top, ".git") or "absent"
+            finally:
+                os.close(top)
+        for gitdir in layout.gitdirs:  # outside the worktree; held by Landlock, its redirects by the plan
+            try:
+                fd = os.open(gitdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                for name, digest in fingerprint(fd, walk.budget).items():
+                    external[os.path.join(gitdir, name)] = digest
+            finally:
+                os.close(fd)
+        # What the repository's configuration (its common directory's, this
+        # worktree's own) reads or runs inside this worktree.
+        for gitdir in layout.gitdirs + layout.readable[:1]:
+            try:
+                fd = os.open(gitdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                includes, hooks_paths = config_targets(fd)
+            finally:
+                os.close(fd)
+            walk.config_targets(gitdir, "", includes, hooks_paths)
+    return GitSnapshot(gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers, indexes=walk.indexes,
+                       external=external, complete=walk.complete, included=walk.included)
+
+
+def gitdir_paths(worktree: str, snap: GitSnapshot) -> list[str]:
+    """The git directories of a walk (absolute), those it could look into,
+    not the repository's ``.git`` itself nor the other worktrees' entries."""
+    return [os.path.join(worktree, rel) for rel, found in snap.gitdirs.items()
+            if rel not in snap.by_file and "" not in found]
+
+
+def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
+    """What to move aside, worktree-relative, outermost first, none inside another."""
+    found: list[str] = []
+    for rel, now_fp in now.gitdirs.items():
+        old = before.gitdirs.get(rel)
+        if rel in now.by_file and "" not in now_fp:
+            if old is None and rel != ".git":
+                # A linked worktree the session added: its redirects are
+                # checked by redirects.quarantine_new_redirects (a commondir
+                # leading back to this .git is what `git worktree add` writes).
+                continue
+            found += [f"{rel}/{name}" for name, digest in now_fp.items()
+                      if (old or {}).get(name) != digest and digest != "directory"]
+        elif old != now_fp:
+            found.append(rel)
+    found += [rel for rel, digest in now.pointers.items() if before.pointers.get(rel) != digest]
+    found += [rel for rel, why in now.indexes.items() if before.indexes.get(rel) != why]
+    found += [rel for rel, digest in now.included.items()
+              if before.included.get(rel) != digest and digest not in ("absent", "directory", "hooks directory")]
+    result: list[str] = []
+    for rel in sorted(set(found), key=lambda r: (r.count("/"), r)):
+        if not any(is_within(rel, done) for done in result):
+            result.append(rel)
+    return result
+
+
+def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[list[str], list[str]]:
+    """Move aside what ``changes`` lists; returns the new names (absolute) and
+    what could not be moved, with why. A walk that stopped short (more git
+    directories than it looks at) is itself a failure."""
+    failed: list[str] = []
+    todo = changes(before, now)
+    if not now.complete:
+        # More than the walk looks at (a session can make that many cheaply):
+        # what was not looked at is not handed to the user's git either. With
+        # .git/modules and the index aside, git knows no submodule.
+        failed.append(f"{worktree}: more git directories than dispatchd checks ({MAX_GITDIRS}); "
+                      ".git/modules and .git/index moved aside")
+        if ".git" in now.by_file:
+            todo = [".git/index", ".git/modules"] + [r for r in todo if not is_within(r, ".git/modules")]
+    moved, bad = fs.move_all_below_aside(worktree, todo)
+    failed += bad
+    for path, digest in now.external.items():
+        old = before.external.get(path)
+        # New or changed: a redirect redirects.quarantine_new_redirects
+        # moved already is absent from ``now``; rebase state, a hook, a config.
+        if old != digest and digest not in ("absent", "directory"):
+            try:
+                moved.append(fs.move_aside(path))
+            except OSError as exc:
+                failed.append(f"{path}: {exc.strerror}")
+    return moved, failed
