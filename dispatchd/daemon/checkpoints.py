@@ -67,7 +67,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -79,10 +79,20 @@ from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.protocol import CheckpointInfo
 from dispatchd.tempfiles import temp_name
 
-if TYPE_CHECKING:
-    from dispatchd.daemon.sessions import Session, SessionManager
+from dispatchd.daemon.lifecycle import Op, State, Verdict
+from dispatchd.daemon.session import Session, count_session_processes
 
 log = logging.getLogger("dispatchd.checkpoints")
+
+
+class SessionManager(Protocol):
+    """What a checkpoint asks of the daemon's sessions (``table.SessionTable``)."""
+
+    @property
+    def checkpoints(self) -> Store: ...
+    def get(self, sid: str) -> Session: ...
+    def _admit(self, session: Session, op: Op) -> Verdict: ...
+    def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply: ...
 
 RACY_NS = 50_000_000  # a file changed this close before a checkpoint began is copied again
 _FICLONE = 0x40049409
@@ -824,10 +834,9 @@ def _quiet(manager: SessionManager, session: Session, verb: str) -> Iterator[Non
     server paused (calls that come wait), nothing in flight; for a restore,
     no process of the session either. Refused otherwise, saying what runs."""
     with session.lock:
-        if session.closed:
-            raise SessionError(f"no such session: {session.id!r}", session.id)
+        manager._admit(session, Op.CHECKPOINT)  # closing or closed: refused, as any request is
         control = session.control
-        if session.asleep is not None or control is None:
+        if session.state is State.ASLEEP or control is None:
             if verb == "restore":
                 _take_write_lock(manager, session)
             yield  # asleep: no process of it runs, and none starts while we hold its lock
@@ -876,9 +885,7 @@ def _take_write_lock(manager: SessionManager, session: Session) -> None:
 
 
 def _processes(session: Session) -> int:
-    from dispatchd.daemon.sessions import _count_session_processes  # imported late: sessions imports us
-
-    return _count_session_processes(session)
+    return count_session_processes(session)
 
 
 def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.ListCheckpoints

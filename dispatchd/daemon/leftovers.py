@@ -32,7 +32,7 @@ import threading
 from dispatchd import treewalk
 
 log = logging.getLogger("dispatchd.leftovers")
-_SID = re.compile(r"^[0-9a-f]{12}$")  # secrets.token_hex(6), as sessions.py names them
+_SID = re.compile(r"^[0-9a-f]{12}$")  # secrets.token_hex(6), as opening.py and pooling.py name them
 _ENDED_KEPT = 1024
 
 

@@ -13,12 +13,9 @@ from __future__ import annotations
 import resource
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dispatchd import protocol
-
-if TYPE_CHECKING:
-    from dispatchd.worker.channel import Channel
 
 __all__ = ["Activity", "Record", "call_usage", "usage_numbers"]
 
@@ -27,6 +24,13 @@ _thread_time = time.thread_time
 # A finished call, for the daemon (its log line and the session's usage):
 # tool, seconds, success, and metadata["usage"] (None: not measured).
 Record = tuple[str, float, bool, dict[str, Any] | None]
+
+
+class Replier(Protocol):
+    """Where a call in flight is answered (``channel.Channel``): a stop
+    that cuts it replies there."""
+
+    def reply(self, msg: protocol.ToolReply | protocol.ErrorReply) -> None: ...
 
 
 def usage_numbers(usage: dict[str, Any] | None) -> tuple[float, float]:
@@ -67,7 +71,7 @@ class Activity:
         # The calls in flight, what a stop cuts: by id() of the request (alive
         # as long as its call: an int key, hashed for nothing, where a
         # (channel, request id) tuple cost about 500 instructions a call).
-        self.calls: dict[int, tuple[Channel, protocol.CallTool]] = {}
+        self.calls: dict[int, tuple[Replier, protocol.CallTool]] = {}
         # (tool, seconds, success, usage) of each finished call: made CallRecords when
         # sent (flush_records), off the calls' path.
         self.records: list[Record] = []
@@ -79,7 +83,7 @@ class Activity:
         self.sleeping = False
         self.awake = threading.Condition(self.lock)
 
-    def begin(self, key: int, what: tuple[Channel, protocol.CallTool]) -> None:
+    def begin(self, key: int, what: tuple[Replier, protocol.CallTool]) -> None:
         # ``last`` is not read while a call is in flight (``idle_for``): the
         # call's end sets it. acquire/release, not ``with``: a lock's
         # __enter__ and __exit__ cost about 800 instructions more, and every

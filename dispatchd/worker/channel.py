@@ -18,23 +18,39 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from dispatchd import protocol
-from dispatchd.tools.base import CallControl
+from dispatchd.tools.base import CallControl, ToolContext
 from dispatchd.tools.textfile import SNIFF_BYTES
-
-if TYPE_CHECKING:
-    from dispatchd.worker.tool_server import _Server
+from dispatchd.worker import redact
+from dispatchd.worker.activity import Activity
 
 __all__ = ["Channel"]
 
 _monotonic = time.monotonic
 
 
+class Server(Protocol):
+    """What a channel uses of its tool server (``tool_server._Server``)."""
+
+    @property
+    def ctx(self) -> ToolContext: ...
+    @property
+    def activity(self) -> Activity: ...
+    @property
+    def redactor(self) -> redact.Redactor | None: ...
+    @property
+    def fast_read(self) -> Callable[..., float | bytes | tuple[list[float], bytes]] | None: ...
+    @property
+    def _records_due(self) -> Callable[[], None]: ...
+    def dispatch(self, channel: Channel, req: protocol.CallTool) -> None: ...
+    def channel_closed(self, channel: Channel) -> None: ...
+
+
 class Channel:
-    def __init__(self, sock: socket.socket, server: _Server) -> None:
+    def __init__(self, sock: socket.socket, server: Server) -> None:
         self.frames = protocol.FrameSocket(sock)
         self.send_lock = threading.Lock()
         self.server = server

@@ -52,6 +52,13 @@ def read_small(path: str, limit: int = _MAX_POINTER) -> str | None:
         os.close(fd)
 
 
+def scanned(path: str) -> list[os.DirEntry[str]]:
+    """The entries of the directory at ``path``, sorted by name; the scan is
+    closed however it ends (an error half way leaves no descriptor open)."""
+    with os.scandir(path) as scan:
+        return sorted(scan, key=lambda e: e.name)
+
+
 def is_file(path: str) -> bool:
     """A regular file, not a symlink to one (``lstat``)."""
     try:

@@ -83,7 +83,7 @@ def read_refs(common: str) -> dict[str, str]:
         while pending and len(refs) < _MAX_REFS:
             path, name = pending.pop()
             try:
-                entries = list(os.scandir(path))
+                entries = fs.scanned(path)
             except OSError:
                 continue
             for entry in entries:

@@ -54,7 +54,7 @@ import stat
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard.fs import index_gitlinks, is_dir, is_file, open_dir_below, read_small
+from dispatchd.daemon.gitguard.fs import index_gitlinks, is_dir, is_file, open_dir_below, read_small, scanned
 from dispatchd.daemon.gitguard.redirects import REDIRECTS
 from dispatchd.inside import is_below, overlap
 
@@ -89,7 +89,7 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
             # them, and their HEAD, index and logs, which a session's `git
             # worktree prune` would delete (under a private /tmp their
             # worktrees look gone).
-            for entry in sorted(os.scandir(worktrees), key=lambda e: e.name):
+            for entry in scanned(worktrees):
                 if entry.is_dir(follow_symlinks=False):
                     protect.append(entry.path)
         held = ([os.path.join(d, "modules") for d in dirs] + [worktrees] + _module_steps(worktree, dirs[1:])
@@ -170,7 +170,7 @@ def _module_gitdirs(gitdir: str) -> list[str]:
         if not is_dir(top):  # lstat: a ``modules`` that is a symlink leads nowhere we go
             continue
         try:
-            entries = sorted(os.scandir(top), key=lambda e: e.name)
+            entries = scanned(top)
         except OSError:
             continue
         for entry in entries:

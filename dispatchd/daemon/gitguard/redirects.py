@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard.fs import is_dir, move_aside, read_small
+from dispatchd.daemon.gitguard.fs import is_dir, move_aside, read_small, scanned
 from dispatchd.inside import is_within
 
 # Files whose mere appearance in a git directory changes which configuration
@@ -78,7 +78,7 @@ def redirects_present(layout: GitLayout, root: str = "") -> list[str]:
     if not is_dir(worktrees):
         return found
     try:
-        entries = sorted(os.scandir(worktrees), key=lambda e: e.name)
+        entries = scanned(worktrees)
     except OSError:
         return found
     for entry in entries:

@@ -1,0 +1,232 @@
+"""How a session ends: closed by its client, ended by the daemon (orphaned,
+over its memory, idle asleep, its network stack or fork server gone), or
+by the daemon's stop.
+
+Guarantees:
+- every end goes through ``_finish`` (or, for a network switch that failed
+  half way, the same steps under the switch's lock): the state moves to
+  ``closing`` under the session's lock, its processes are ended, what they
+  left in git is moved aside and the temporary files of cut writes removed,
+  then its remains go and it is ``closed``; a second end finds it closing or
+  closed and does nothing (``lifecycle.decide``);
+- ``_wind_down`` is the one way a sandbox of the session ends (its end, a
+  network switch that replaces it): its processes gone before git is
+  checked, and before the write lock passes on;
+- ``_discard`` is the one way a session's remains go (cgroup, table entry,
+  write lock, scratch directory, channels held asleep, wake kit, worktree
+  descriptor), whether it ended or never finished opening.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+
+from dispatchd import protocol, treewalk
+from dispatchd.confine import cgroups
+from dispatchd.daemon import gitguard, leftovers
+from dispatchd.daemon.lifecycle import Action, Event, Op, State, decide, ending_event, is_live
+from dispatchd.daemon.session import READY_TIMEOUT_S, Session, has_pid_namespace
+from dispatchd.daemon.sessionnet import stop_network
+from dispatchd.daemon.table import SessionTable
+from dispatchd.protocol import FrameSocket
+from dispatchd.tempfiles import sweep_temp_files
+
+log = logging.getLogger("dispatchd.sessions")
+STOP_TIMEOUT_S = 2.0
+
+
+class Ending(SessionTable):
+    def close(self, sid: str) -> list[gitguard.Protected]:
+        """Close ``sid``; returns what the checks at its end moved aside or put back."""
+        session = self.get(sid)
+        self._finish(session)
+        log.info("event=session_close session=%s", sid)
+        return session.found_at_end
+
+    def close_all(self, drain_s: float = 0.0) -> None:
+        """End every session; with ``drain_s``, first let calls in flight finish
+        for up to that long (new calls are refused meanwhile)."""
+        self.pool.stop()  # before the sessions: nothing made ahead outlives the daemon's stop
+        with self._lock:
+            # Opens in flight finish first (new ones are refused): what they
+            # register is in the table below, or ended by the open itself.
+            self._opens_done.wait_for(lambda: self._opening == 0, timeout=drain_s + READY_TIMEOUT_S + 5)
+            # Sessions being closed by another thread too: _finish waits for
+            # that close (their lock), so none is abandoned half way (its git
+            # check, its scratch directory) when the daemon exits.
+            closing = [s for s in self._sessions.values() if not is_live(s.state)]
+        sessions = self.sessions()
+        if drain_s > 0:
+            for session in sessions:
+                try:
+                    with session.send_lock:
+                        if session.control is not None:
+                            session.control.send(protocol.Drain(deadline_s=drain_s))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + drain_s + 1.0
+            for session in sessions:
+                session.ended.wait(max(0.0, deadline - time.monotonic()))
+        for session in sessions + closing:
+            self._finish(session, "dispatchd stopped", Event.DAEMON_STOP)
+
+    def end(self, sid: str, word: str, why: str) -> None:
+        """End a session for a reason of the daemon's own (orphaned, over its
+        memory): logged with ``reason=word``; its client is told ``why``. Ends
+        it on a thread of its own: stopping a worker may take seconds, and the
+        caller (the watchdog, the orphan timer) serves every other session."""
+        with self._lock:
+            session = self._sessions.get(sid)
+        if session is None or not is_live(session.state) or self._ended.get(sid):
+            return  # gone, or being ended already (its why recorded below)
+        log.warning("event=session_ended session=%s reason=%s", sid, word)
+        self._ended.record(sid, why)  # before the end: a client asking meanwhile hears why
+        threading.Thread(target=self._finish, args=(session, why, ending_event(word)), daemon=True,
+                         name=f"end-{sid}").start()
+
+    def _end_orphan(self, sid: str) -> None:
+        with self._lock:
+            session = self._sessions.get(sid)
+        grace = session.lifetime.orphan_grace_s if session and session.lifetime else 0
+        self.end(sid, "orphaned", f"every connection that held it had gone for {grace} s (its client exited or "
+                                  "was killed; open it detached to keep it)")
+
+    def _end_over_memory(self, sid: str, used: int, limit: int) -> None:
+        self.end(sid, "memory", f"its processes used {used / 2**20:.0f} MiB of memory, over its limit of "
+                                f"{limit / 2**20:.0f} MiB (limits.session_memory_bytes); the daemon's memory "
+                                "watchdog ended it")
+
+    def _watched(self) -> list[tuple[str, int, int]]:
+        """Sessions whose memory only the watchdog bounds: (id, session init pid, limit)."""
+        out = []
+        for s in self.sessions():
+            worker = s.worker
+            if worker is not None and s.lifetime is not None and s.lifetime.memory.mechanism == "watchdog":
+                out.append((s.id, worker.pid, s.policy.limits.session_memory_bytes))
+        return out
+
+    def _finish(self, session: Session, why: str = "it was closed", event: Event = Event.CLOSE,
+                control: FrameSocket | None = None) -> None:
+        """End the session for ``event`` (``why`` for its clients), once: an
+        end that finds it closing (it waits for that end: the session's lock)
+        or closed does nothing. With ``control``: only while that is still
+        its worker's channel (a watch whose worker was replaced meanwhile
+        ends nothing)."""
+        with session.lock:
+            self._finish_locked(session, why, event, control)
+
+    def _finish_locked(self, session: Session, why: str, event: Event, control: FrameSocket | None = None) -> None:
+        if decide(session.state, Op.CLOSE).action is not Action.GO:
+            return  # closed already (under the lock, closing is never seen)
+        if control is not None and session.control is not control:
+            return
+        self._ended.record(session.id, why)
+        session.move(event)
+        try:
+            self._wind_down(session)
+        finally:
+            # Whatever the checks found, the session is over.
+            self._discard(session)
+            session.move(Event.DISCARDED)
+
+    def _wind_down(self, session: Session) -> None:
+        """The one way a sandbox of the session ends (its close, its end, a
+        network switch that replaces it, one that failed half way): its
+        processes gone, then what they left in git moved aside and the
+        temporary files of cut writes removed, before anyone else may write."""
+        self._stop_worker(session)
+        self._check_git(session)
+        self._sweep_temp_files(session)
+
+    def _stop_worker(self, session: Session) -> None:
+        # Asleep: its channels closed (its clients see the end), nothing to stop.
+        session.end_nap(self.sleepers.forget)
+        # The kit wakes this sandbox only: a replacement brings its own, and
+        # a kit kept would hold this sandbox's namespaces (its mounts, its /tmp).
+        session.drop_kit()
+        worker, control = session.worker, session.control
+        # The way out goes first: from here no byte of the session leaves.
+        stop_network(session)
+        session.worker = session.control = None
+        if session.proxy is not None:
+            session.proxy.stop()  # nothing relayed for the old sandbox from here on
+        if worker is None:
+            return
+        # Pid 1 of the session's namespace has no SIGTERM handler, and the
+        # kernel keeps from an init every signal it does not handle but SIGKILL
+        # (which ends everything in its namespace). Without a pid namespace the
+        # session init's SIGTERM handler kills its Landlock domain.
+        # The tool server holds the other end of the control channel: its EOF
+        # (session.ended) means the session's processes are gone (pid 1 of
+        # their namespace has exited, or the session init has killed its
+        # Landlock domain).
+        sig = signal.SIGKILL if has_pid_namespace(session) else signal.SIGTERM
+        if not worker.stop(sig, session.ended, STOP_TIMEOUT_S):
+            log.warning("event=worker_stop_timeout session=%s seconds=%g", session.id, STOP_TIMEOUT_S)
+        if session.cgroup and not cgroups.kill(session.cgroup):
+            log.error("event=cgroup_not_empty session=%s cgroup=%s", session.id, session.cgroup)
+        if control is not None:
+            try:
+                control.sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher if it still waits
+            except OSError:
+                pass  # the watcher has closed it already
+
+    def _check_git(self, session: Session) -> None:
+        """Once the session's processes are gone: check its worktree's domain
+        against the trusted baseline (gitguard/baselines.py) and move aside what
+        differs; at its end, leave the domain (the last one out restores the
+        repository's history). What cannot be moved or checked refuses the
+        worktree until a restart's check passes."""
+        ending = session.state is State.CLOSING  # else a switch replaces its sandbox
+        found = self.baselines.leave(session.id) if ending else self.baselines.check(session.id)
+        session.found_at_end += found
+
+    def _sweep_temp_files(self, session: Session) -> None:
+        """The writer's processes are gone, and it still holds the write lock
+        (nobody else writes meanwhile): a write its end cut short leaves no
+        temporary file behind."""
+        if not self.write_locks.holds(session.id):
+            return
+        started = time.perf_counter()
+        budget = treewalk.Budget()
+        removed = sweep_temp_files(session.worktree, budget=budget)  # the daemon writes none: none in flight
+        if budget.skipped:
+            log.warning("event=temp_files_sweep_cut session=%s left=%r", session.id, budget.describe())
+        if removed:
+            log.info("event=temp_files_removed session=%s count=%d ms=%.1f", session.id, len(removed),
+                     (time.perf_counter() - started) * 1e3)
+
+    def _discard(self, session: Session) -> None:
+        """The one way a session's remains go, whether it ended or never
+        finished opening: its cgroup, its table entry and write lock, its
+        scratch directory (and the lock that marks it ours), its worktree
+        descriptor. Its processes are gone before this (``_stop_worker``)."""
+        self.baselines.leave(session.id)  # an open that failed half way (a no-op after _check_git)
+        self._remove_cgroup(session)
+        self._forget(session)
+        self.checkpoints.drop(session.id)  # checkpoints.py: a session's go with it
+        self._remove_scratch(session)
+        session.end_nap(self.sleepers.forget)
+        session.drop_kit()
+        session.worktree_dir.close()
+
+    def _remove_scratch(self, session: Session) -> None:
+        leftovers.remove_tree(session.scratch)
+        self._scratch_locks.release(session.id)
+
+    def _remove_cgroup(self, session: Session) -> None:
+        self._remove_cgroup_path(session.cgroup, session.id)
+        session.cgroup = ""
+
+    @staticmethod
+    def _remove_cgroup_path(path: str, sid: str) -> None:
+        if not path:
+            return
+        try:
+            cgroups.remove(path)
+        except OSError as exc:
+            log.error("event=cgroup_not_removed session=%s cgroup=%s error=%r", sid, path, exc.strerror)

@@ -1,0 +1,152 @@
+"""Sandboxes made ahead (``pool.py``): made on the pool's thread with the
+shared part of a kind of session's plan, adopted by an open whose plan has
+that very shared part, or let go.
+
+Guarantees:
+- a sandbox made ahead comes with its scratch directory, its cgroup and its
+  network set up; one that cannot be made leaves none of them behind;
+- a sandbox let go is killed, and everything the daemon held for it freed
+  (its stack, namespaces, cgroup, and its scratch directory unless a
+  session took it);
+- an adoption that fails (a plan it was not made for, an error on the way)
+  is logged and let go: the open makes a sandbox of its own, which repeats
+  every check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+
+from dispatchd import protocol
+from dispatchd.confine import cgroups
+from dispatchd.confine.plan import SessionPaths, SessionPlan, plan_session, pool_key
+from dispatchd.daemon import leftovers
+from dispatchd.daemon.dnsrelay import session_resolv_binds
+from dispatchd.daemon.napping import Napping
+from dispatchd.daemon.planahead import plan_ahead
+from dispatchd.daemon.pool import Kind, Made
+from dispatchd.daemon.session import READY_TIMEOUT_S, Session
+from dispatchd.daemon.sessionnet import ports_of, take_namespaces
+from dispatchd.daemon.spawn import adopt
+from dispatchd.errors import DispatchdError, Stopping
+
+log = logging.getLogger("dispatchd.sessions")
+
+
+class Pooling(Napping):
+    def _make_scratch(self, sid: str, scratch: str) -> None:
+        """A session's scratch directory (its /tmp and home), marked ours first."""
+        self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
+        try:
+            os.makedirs(scratch + "/tmp", mode=0o700)
+            os.makedirs(scratch + "/home", mode=0o700)
+        except BaseException:
+            leftovers.remove_tree(scratch)
+            self._scratch_locks.release(sid)
+            raise
+
+    def start_pool(self) -> None:
+        """Start making sandboxes ahead, first for the default policy's default
+        network (when it loads: a broken policy only fails its own opens)."""
+        try:
+            policy = self.load_policy("default")
+            first: Kind | None = ("default", policy.network.default)
+        except Exception:
+            first = None
+        self.pool.start(first)
+
+    def _make_ahead(self, kind: Kind) -> Made | None:
+        """One sandbox of ``kind`` made ahead (on the pool's thread): its shared
+        part applied, its cgroup made, its network set up. None when sessions
+        of that kind are never made ahead (no ``pool_key``)."""
+        if not self.accepting:
+            raise Stopping("the daemon is stopping")
+        policy_name, network = kind
+        policy = self.load_policy(policy_name)
+        sid = secrets.token_hex(6)
+        # A plan of the kind: its shared part (pool_key) depends on the policy,
+        # the network and this machine only; the session's own parts are
+        # placeholders, replaced by the session's plan at adoption.
+        paths = SessionPaths(worktree=os.path.join(self.sessions_dir, sid, "worktree"),
+                             scratch=os.path.join(self.sessions_dir, sid), runtime_dirs=self.runtime_dirs,
+                             code=self.code_paths, resolv=session_resolv_binds(self.dns_resolv))
+        ports = ports_of(policy)  # as a session's: sorted, each once
+        plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
+                            gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation,
+                            host_tree=self.host_tree)
+        key = pool_key(plan)
+        if key is None:
+            return None
+        self._make_scratch(sid, paths.scratch)  # the session's, made ahead with it
+        cgroup = ""
+        try:
+            if plan.cgroup is not None:
+                cgroups.create(plan.cgroup)
+                cgroup = plan.cgroup.path
+            worker, control, msg = self.fork_server.make_ahead(plan, READY_TIMEOUT_S)
+        except BaseException:
+            self._remove_cgroup_path(cgroup, sid)
+            leftovers.remove_tree(paths.scratch)
+            self._scratch_locks.release(sid)
+            raise
+        made = Made(kind=kind, sid=sid, key=key, worker=worker, control=control, cgroup=cgroup,
+                    scratch=paths.scratch)
+        try:
+            made.ns_fds = take_namespaces(plan, msg, control)
+            self.networks.apply(made, plan.net)
+        except BaseException:
+            self._let_go(made)
+            raise
+        last = self._last_inputs.get(kind)
+        if last is not None:
+            try:
+                made.planned = plan_ahead(last, session=sid, scratch=paths.scratch, policy=policy)
+                # Not yet in the pool: nothing else writes to its channel now.
+                control.send(protocol.ExpectSession(plan=made.planned.encoded))
+            except Exception as exc:  # noqa: BLE001 - then planned at open, where the same error refuses that open
+                log.debug("event=plan_ahead_failed session=%s error=%s", sid, exc)
+        log.debug("event=pool_made kind=%s/%s session=%s pid=%s steps_ms=%s", policy_name, network, sid, worker.pid,
+                  ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
+        return made
+
+    def _adopt(self, session: Session, plan: SessionPlan, key: bytes | None,
+               made: Made) -> protocol.WorkerReady | None:
+        """Give ``made`` its session (its report), or let it go and return None (the caller
+        makes a sandbox at open instead): a plan it was not made for (the
+        policy was edited since), or a failure on the way (logged; a fresh
+        sandbox repeats every check and fails for itself if it must)."""
+        made.scratch = ""  # the session's from here: it goes with the session (_discard)
+        if key != made.key:
+            log.info("event=pool_mismatch session=%s", session.id)
+            self._let_go(made)
+            return None
+        try:
+            ready = adopt(made.worker, made.control, plan, session.worktree_dir.fd, session.worktree,
+                          READY_TIMEOUT_S, made.planned.encoded if made.planned and plan is made.planned.plan else None)
+        except DispatchdError as exc:
+            log.warning("event=pool_adopt_failed session=%s error=%s", session.id, exc)
+            self._let_go(made)
+            return None
+        session.cgroup = made.cgroup
+        self.pool.served_one()
+        return ready
+
+    def _let_go(self, made: Made) -> None:
+        """A sandbox made ahead that serves no session: killed, and what the
+        daemon holds for it freed (its stack, namespaces, cgroup)."""
+        made.worker.kill()
+        made.control.close()
+        if made.stack is not None:
+            made.stack.stop()
+            made.stack = None
+        for fd in made.ns_fds or ():
+            os.close(fd)
+        made.ns_fds = None
+        self._remove_cgroup_path(made.cgroup, made.sid)
+        made.cgroup = ""
+        if made.scratch:  # never given to a session
+            leftovers.remove_tree(made.scratch)
+            self._scratch_locks.release(made.sid)
+            made.scratch = ""

@@ -1,0 +1,181 @@
+"""A session's network as the daemon holds it: a request's network checked,
+the session's namespace brought to a mode (nftables rules, its user-mode
+stack), its "domains" proxy, and all of it let go.
+
+Guarantees:
+- a bad request (an unknown mode, a port out of range, ports or domains for
+  a mode that has none) is refused before anything changes;
+- ``apply_network`` keeps the session's processes: a stack the new mode has
+  none of is ended first (killed and reaped before it returns), the new
+  rules are committed before a stack starts; rules nft refuses raise
+  ``ConfinementError("network: nftables")``;
+- ``stop_network`` is the way out gone: from its return no byte of the
+  session leaves, and the daemon holds none of its namespaces.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+
+from dispatchd import protocol
+from dispatchd import domains
+from dispatchd.confine import netstack
+from dispatchd.confine.netstack import NetworkPorts
+from dispatchd.confine.plan import SessionPlan
+from dispatchd.daemon.dnsrelay import DnsRelay
+from dispatchd.daemon.pool import Made
+from dispatchd.daemon.proxy import Resolver, SessionProxy
+from dispatchd.daemon.session import Session
+from dispatchd.daemon.spawn import ForkServerClient, SpawnError
+from dispatchd.errors import ConfinementError, DispatchdError
+from dispatchd.netmodes import NETWORK_MODES, NetworkMode
+from dispatchd.policy import Policy
+
+log = logging.getLogger("dispatchd.sessions")
+
+
+def check_network(network: NetworkMode, ports: list[int] | None, bind_ports: list[int] | None,
+                   domain_list: list[str] | None = None) -> tuple[domains.Rule, ...] | None:
+    """Refuse a bad request before anything changes; the parsed domains, if given."""
+    if network not in NETWORK_MODES:
+        raise DispatchdError(f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
+    for port in (ports or []) + (bind_ports or []):
+        if not 1 <= port <= 65535:
+            raise DispatchdError(f"{port} is not a TCP port (1-65535)")
+    if network != "ports" and (ports or bind_ports):
+        raise DispatchdError(f"ports are only for network 'ports', not {network!r}")
+    if domain_list is None:
+        return None
+    if network != "domains":
+        raise DispatchdError(f"domains are only for network 'domains', not {network!r}")
+    try:
+        return domains.parse_domains(domain_list)
+    except domains.BadHost as exc:
+        raise DispatchdError(f"domains: {exc}") from None
+
+
+def ports_of(policy: Policy, ports: list[int] | None = None, bind_ports: list[int] | None = None) -> NetworkPorts:
+    """The call's ports, or else the policy's: sorted, each once (what the
+    rules and a sandbox made ahead name: the same list, the same pool_key)."""
+    net = policy.network
+    return NetworkPorts(connect=sorted(set(net.connect_ports if ports is None else ports)),
+                        bind=sorted(set(net.bind_ports if bind_ports is None else bind_ports)))
+
+
+def domains_for(session: Session, rules: tuple[domains.Rule, ...] | None) -> tuple[domains.Rule, ...]:
+    """The caller's list, or else the policy's (as ports do)."""
+    return domains.parse_domains(session.policy.network.domains) if rules is None else rules
+
+
+def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.WorkerPooled,
+                    control: protocol.FrameSocket) -> tuple[int, int] | None:
+    """The session's user and network namespaces, as the worker sent them
+    with ``WorkerReady`` (first of its fds), when it has its own."""
+    if not (plan.namespaces.user and plan.namespaces.net):
+        return None
+    if not msg.namespaces:
+        raise ConfinementError("network: namespaces", detail="the worker handed over no namespace descriptors")
+    try:
+        userns = control.take_fd()
+        try:
+            return userns, control.take_fd()
+        except protocol.ProtocolError:
+            os.close(userns)
+            raise
+    except protocol.ProtocolError as exc:
+        raise ConfinementError("network: namespaces", detail=str(exc)) from exc
+
+
+def stop_network(session: Session) -> None:
+    """The session's way out gone: its stack ended, its namespaces let go."""
+    if session.stack is not None:
+        session.stack.stop()
+        session.stack = None
+    if session.ns_fds is not None:
+        for fd in session.ns_fds:
+            os.close(fd)
+        session.ns_fds = None
+    session.net = None
+
+
+def tell_denied(session: Session, host: str, port: int, allow: str) -> None:
+    """The proxy refused ``host:port``: tell the tool server, whose calls in
+    flight carry it (an asleep one has none)."""
+    with session.send_lock:
+        if session.control is not None and session.nap is None:
+            try:
+                session.control.send(protocol.NetworkDenied(host=host, port=port, allow=allow))
+            except OSError:
+                pass  # the sandbox is going: no call to tell
+
+
+def namespaces(session: Session | Made) -> tuple[int, int]:
+    if session.ns_fds is None:
+        raise ConfinementError("network: namespaces", detail="the session has no network namespace of its own")
+    return session.ns_fds
+
+
+class SessionNetworks:
+    """What sets a session's network up needs of the daemon: its fork server
+    (nft and pasta run from there), its DNS relay, and the proxies' resolver."""
+
+    def __init__(self, fork_server: ForkServerClient, dns: DnsRelay | None, resolver: Resolver) -> None:
+        self.fork_server, self.dns, self.resolver = fork_server, dns, resolver
+
+    def apply(self, session: Session | Made, new: netstack.NetworkPlan | None) -> None:
+        """Bring the session's namespace to ``new``, keeping its processes: the
+        stack ended first when the new mode has none (killed and reaped before
+        this returns), the rules committed before a stack starts."""
+        old, session.net = session.net, new
+        if new is None or not new.namespace:
+            return
+        if not new.stack and session.stack is not None:
+            session.stack.stop()
+            session.stack = None
+        if new.rules != (old.rules if old is not None else ""):
+            try:
+                # No rules of the new mode's own: the old mode's table goes.
+                self.fork_server.net_rules(new.rules or netstack.reset_rules(), *namespaces(session))
+            except SpawnError as exc:
+                raise ConfinementError("network: nftables", detail=str(exc)) from exc
+        if new.stack and session.stack is None:
+            # The DNS relay's door is made while pasta starts (daemon/dnsrelay.py).
+            door = self.dns.door_ahead(session.id, namespaces(session), self.fork_server.dns_sockets) \
+                if self.dns else None
+            try:
+                session.stack = netstack.start_stack(*namespaces(session), launch=self.fork_server.start_stack)
+            except BaseException:
+                if door is not None:
+                    door.discard()
+                raise
+            log.debug("event=stack_started session=%s pid=%s", session.id, session.stack.pid)
+            if door is not None:
+                door.open_with(session.stack)
+
+    def check_dns(self, session: Session) -> None:
+        """An open or a switch with the relay: ask the host's resolvers now, so
+        that the reply's ``warnings`` say whether names will resolve."""
+        if self.dns is not None and session.stack is not None and session.stack.with_it:
+            self.dns.check(session.id)
+
+    def start_proxy(self, session: Session, plan: SessionPlan, msg: protocol.WorkerReady,
+                    control: protocol.FrameSocket) -> None:
+        """Serve the listener a "domains" worker made in its namespace; in any
+        other mode the session's proxy (if it had one) refuses everything."""
+        if plan.proxy_port and not msg.proxy_listener:
+            raise ConfinementError("network: proxy listener", detail="the worker handed over no listener")
+        if msg.proxy_listener:
+            try:
+                listener = socket.socket(fileno=control.take_fd())
+            except protocol.ProtocolError as exc:
+                raise ConfinementError("network: proxy listener", detail=str(exc)) from exc
+            if session.proxy is None:
+                session.proxy = SessionProxy(session.id, self.resolver)
+                session.proxy.on_deny = functools.partial(tell_denied, session)
+            session.proxy.configure(plan.network, session.domains)
+            session.proxy.serve(listener)
+        elif session.proxy is not None:
+            session.proxy.configure(plan.network, session.domains)

@@ -1,0 +1,189 @@
+"""The table of sessions, and what every part of the manager shares.
+
+``SessionManager`` (``sessions.py``) is built in layers, each a module with
+one job, each using only the layers below it (no import goes back up):
+
+    sessions.SessionManager    its constructor: the daemon's parts wired together
+    switching.Switching        set_network: in place, or the sandbox replaced
+    opening.Opening            open, a worker's start, sandboxes made ahead
+    napping.Napping            a worker's control channel: watch, sleep, wake, attach
+    ending.Ending              close, end, close_all: the one way a session ends
+    table.SessionTable         this: the table, lookups, the write lock, the environment
+
+Guarantees:
+- ``get`` and ``sessions`` give only sessions neither closing nor closed;
+- a request refused by the session's state (``lifecycle.decide``) raises a
+  ``SessionError`` that says so; one on a session that has ended names why,
+  as ``get`` does;
+- one writer per worktree: a grant is decided and sent under the session's
+  ``send_lock``, so a release (sent under the same lock) never overtakes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from dispatchd import protocol
+from dispatchd.confine import cgroups
+from dispatchd.daemon import exits, gitguard, leftovers, lifetimes, watchdog
+from dispatchd.daemon.checkpoints import Store as CheckpointStore
+from dispatchd.daemon.dnsrelay import DnsRelay
+from dispatchd.daemon.lifecycle import Action, Op, State, Verdict, decide, is_live
+from dispatchd.daemon.planahead import PlanInputs
+from dispatchd.daemon.pool import Kind, SandboxPool
+from dispatchd.daemon.session import READY_TIMEOUT_S, Session
+from dispatchd.daemon.sessionnet import SessionNetworks
+from dispatchd.daemon.sleepers import Sleepers
+from dispatchd.daemon.spawn import ForkServerClient
+from dispatchd.daemon.writelock import WriteLocks
+from dispatchd.errors import SessionError
+from dispatchd.kernel import KernelFeatures
+from dispatchd.policy import Policy
+
+log = logging.getLogger("dispatchd.sessions")
+
+
+class SessionTable:
+    """The sessions by id, and the daemon's parts every layer uses (set by
+    ``SessionManager.__init__``)."""
+
+    fork_server: ForkServerClient
+    networks: SessionNetworks  # nft, pasta, the DNS relay, the proxies' resolver
+    dns: DnsRelay | None
+    dns_resolv: str  # the relay's resolv.conf, which sessions bind; "": the host's
+    host_tree: bool  # plan_session's: the host's root held by descriptor (mounts._hold_host)
+    kernel: KernelFeatures
+    load_policy: Callable[[str], Policy]
+    sessions_dir: str
+    protected: list[str]
+    private: list[str]
+    runtime_dirs: list[str]
+    code_paths: list[str]
+    base_env: dict[str, str]
+    delegation: cgroups.Delegation
+    uid: int
+    gid: int
+    home: str
+    accepting: bool  # False once the daemon stops: no open, no sleep
+    write_locks: WriteLocks
+    baselines: gitguard.Baselines
+    checkpoints: CheckpointStore
+    holders: lifetimes.Holders
+    watchdog: watchdog.MemoryWatchdog
+    pool: SandboxPool
+    sleepers: Sleepers
+    _sessions: dict[str, Session]
+    _lock: threading.Lock  # the table, and the count of opens in flight
+    _opening: int
+    _opens_done: threading.Condition
+    _last_inputs: dict[Kind, PlanInputs]  # the last open's plan inputs, per kind (planahead.py)
+    _ended: leftovers.EndedSessions  # why recent sessions ended, for their clients
+    _scratch_locks: leftovers.ScratchLocks
+
+    # --- lookups -------------------------------------------------------------
+
+    def get(self, sid: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(sid)
+        if session is None or not is_live(session.state):
+            raise self._gone(sid)
+        return session
+
+    def _gone(self, sid: str) -> SessionError:
+        why = self._ended.get(sid)
+        return SessionError(f"no such session: {sid!r} (it has ended: {why})" if why else
+                            f"no such session: {sid!r}", sid)
+
+    def _admit(self, session: Session, op: Op) -> Verdict:
+        """``op``'s verdict in the session's state now; a refusal raised: one
+        on a session that has ended as ``get`` says it, one on a session
+        closing (seen before its lock is taken) naming what was asked."""
+        verdict = decide(session.state, op)
+        if verdict.action is Action.REFUSE:
+            if session.state is State.CLOSED:
+                raise self._gone(session.id)
+            raise SessionError(f"session {session.id} cannot {op.value}: {verdict.reason}", session.id)
+        return verdict
+
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return [s for s in self._sessions.values() if is_live(s.state)]
+
+    def _ended_error(self, session: Session) -> SessionError:
+        """The session's worker is gone: wait (briefly) for its watcher to say why."""
+        session.ended.wait(exits.REASON_WAIT_S)
+        deadline = time.monotonic() + exits.REASON_WAIT_S
+        while is_live(session.state) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        why = self._ended.get(session.id) or "its worker has gone"
+        return SessionError(f"session {session.id} has ended: {why}", session.id)
+
+    def _forget(self, session: Session) -> None:
+        self.holders.forget(session.id)
+        with self._lock:
+            self._sessions.pop(session.id, None)
+        # Its processes are gone (stopped before this): the next may write.
+        self.write_locks.release(session.id)
+        session.writes = False
+
+    def send_command_env(self, session: Session, set_env: dict[str, str], unset: list[str]) -> None:
+        """Commands the session starts once this returns get ``set_env`` and lose
+        ``unset`` (e.g. ``domains.proxy_env()`` when a switch keeps the sandbox)."""
+        done = threading.Event()
+        with session.send_lock:
+            for key in unset:
+                session.env_set.pop(key, None)
+                session.env_unset.add(key)
+            for key, value in set_env.items():
+                session.env_set[key] = value
+                session.env_unset.discard(key)
+            if session.nap is not None:
+                return  # told when it wakes (_wake), before any call can start a command
+            if session.control is None:
+                raise SessionError(f"session {session.id} has ended", session.id)
+            session.ack_ids += 1
+            rid = session.ack_ids
+            session.acks[rid] = done
+            try:
+                session.control.send(protocol.SetCommandEnv(set=set_env, unset=unset, id=rid,
+                                                            secrets=session.secret_names))
+            except OSError as exc:
+                session.acks.pop(rid, None)
+                raise SessionError(f"session {session.id} has ended", session.id) from exc
+        if not done.wait(READY_TIMEOUT_S):
+            session.acks.pop(rid, None)
+            raise SessionError(f"session {session.id}: its worker did not confirm the new environment", session.id)
+
+    def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply:
+        """One writer per worktree (a worktree inside another's counts as the same)."""
+        holder = self.write_locks.acquire(session.id, session.worktree)
+        if holder is not None:
+            with self._lock:
+                other = self._sessions.get(holder)
+            since = time.strftime("%H:%M:%S", time.localtime(other.created)) if other else "?"
+            return protocol.ErrorReply(id=rid, code="write_locked", message=(
+                f"the worktree {session.worktree} is being written by session {holder} (opened {since}); "
+                "only one session at a time may write a worktree: close that session, or use this one to read"))
+        session.writes = True
+        log.info("event=write_lock session=%s worktree=%s", session.id, session.worktree)
+        return protocol.OkReply(id=rid)
+
+    def release_write_lock(self, sid: str) -> Session:
+        """Give back ``sid``'s write lock (a no-op when it holds none). The
+        worker is told first, under the lock its grants are sent under, so it
+        asks again before its next mutating call. Cooperative: a call already
+        running, or a process left in the background, may still write."""
+        session = self.get(sid)
+        with session.send_lock:
+            if session.control is not None:
+                try:
+                    session.control.send(protocol.ForgetWriteLock())
+                except OSError:
+                    pass  # the worker is gone: nothing holds the lock for it
+            self.write_locks.release(sid)
+            session.writes = False
+        log.info("event=write_lock_released session=%s", sid)
+        return session
