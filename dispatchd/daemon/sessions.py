@@ -61,6 +61,8 @@ from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_se
 from dispatchd.daemon import (
     baselines, exits, gitidentity, gitlayout, gitredirects, gitsnapshot, leftovers, lifetimes, watchdog)
 from dispatchd.daemon.sleepers import Sleepers
+from dispatchd.daemon import afterwards  # what a close leaves for after its reply
+from dispatchd.daemon.beside import Beside  # the baseline taken while the sandbox starts
 from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_ahead, plan_for
 from dispatchd.daemon.pool import Kind, Made, SandboxPool
 from dispatchd.daemon.dnsrelay import DnsRelay, session_resolv_binds
@@ -291,6 +293,7 @@ class SessionManager:
         # One trusted baseline per worktree, on disk (baselines.py); the
         # checks a daemon that died left are finished before anything opens.
         self.baselines = baselines.Baselines(state_dir, self.home)
+        self.baselines.sync_dir = afterwards.fsync_dir  # a record's removal made durable after the reply
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
         self._lock = threading.Lock()
@@ -424,15 +427,21 @@ class SessionManager:
         try:
             steps["scratch"] = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
-            # The worktree's trusted baseline, on disk before any process of
-            # the session runs (taken now if no session of its domain runs).
-            self.baselines.join(sid, resolved, session.git, session.git_before, session.redirects_before,
-                                tuple(policy.protect.paths))
-            session.reports = functools.partial(self.baselines.reports_for, sid)
-            steps["baseline"] = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            self._start_worker(session, network, made)
+            # The worktree's trusted baseline, on disk before the session's
+            # first call can reach its sandbox (taken now if no session of its
+            # domain runs), taken while the sandbox is given its session (beside.py).
+            joining = Beside(functools.partial(
+                self.baselines.join, sid, resolved, session.git, session.git_before, session.redirects_before,
+                tuple(policy.protect.paths)))
+            try:
+                self._start_worker(session, network, made)
+            except BaseException:
+                joining.wait()  # whatever it recorded, before _discard undoes it
+                raise
             steps["worker"] = (time.perf_counter() - t) * 1e3
+            self._joined(session, joining)
+            steps["baseline"], steps["both"] = joining.ms, (time.perf_counter() - t) * 1e3
+            session.reports = functools.partial(self.baselines.reports_for, sid)
         except BaseException:
             self._discard(session)  # closes the worktree's descriptor too (and open()'s close is then a no-op)
             raise
@@ -459,6 +468,17 @@ class SessionManager:
                  bool(session.protections and session.protections.made_ahead), resolved)
         log.debug("event=open_steps session=%s steps_ms=%s", sid, ",".join(f"{k}:{v:.3f}" for k, v in steps.items()))
         return session
+
+    def _joined(self, session: Session, joining: Beside) -> None:
+        """The baseline taken beside the sandbox's start: refused, its sandbox
+        stops (it ran no call) and the open fails with why."""
+        try:
+            joining.result()
+        except BaseException:
+            with session.lock:
+                session.generation += 1  # its watcher ends quietly
+            self._stop_worker(session)
+            raise
 
     def _make_scratch(self, sid: str, scratch: str) -> None:
         self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
@@ -795,9 +815,10 @@ class SessionManager:
         if self.dns is not None and session.stack is not None and session.stack.with_it:
             self.dns.check(session.id)
 
-    def _stop_network(self, session: Session) -> None:
+    def _stop_network(self, session: Session, reap: Callable[[int, float], None] | None = None) -> None:
+        """``reap``: a session's end, whose processes are killed next (netstack.Stack.stop)."""
         if session.stack is not None:
-            session.stack.stop()
+            session.stack.stop(reap)
             session.stack = None
         if session.ns_fds is not None:
             for fd in session.ns_fds:
@@ -948,14 +969,16 @@ class SessionManager:
         self._end_nap(session)  # asleep: its channels closed (its clients see the end), nothing to stop
         # The kit wakes this sandbox only: a replacement brings its own, and
         # a kit kept would hold this sandbox's namespaces (its mounts, its /tmp).
-        self._drop_kit(session)
+        # Closed once the worker is gone, off the reply's path (afterwards.py).
+        kit, session.kit = session.kit, []
         worker, control = session.worker, session.control
         # The way out goes first: from here no byte of the session leaves.
-        self._stop_network(session)
+        self._stop_network(session, reap=afterwards.reap)
         session.worker = session.control = None
         if session.proxy is not None:
             session.proxy.stop()  # nothing relayed for the old sandbox from here on
         if worker is None:
+            afterwards.close_fds(kit)
             return
         # Pid 1 of the session's namespace has no SIGTERM handler, and the
         # kernel keeps from an init every signal it does not handle but SIGKILL
@@ -968,6 +991,7 @@ class SessionManager:
         sig = signal.SIGKILL if _has_pid_namespace(session) else signal.SIGTERM
         if not worker.stop(sig, session.ended, STOP_TIMEOUT_S):
             log.warning("event=worker_stop_timeout session=%s seconds=%g", session.id, STOP_TIMEOUT_S)
+        afterwards.close_fds(kit)
         if session.cgroup and not cgroups.kill(session.cgroup):
             log.error("event=cgroup_not_empty session=%s cgroup=%s", session.id, session.cgroup)
         if control is not None:
@@ -1164,6 +1188,7 @@ class SessionManager:
                 session.ended.wait(max(0.0, deadline - time.monotonic()))
         for session in sessions + closing:
             self._finish(session, "dispatchd stopped")
+        afterwards.drain()  # the stacks' exits and the namespaces' ends, before the daemon's
 
     # --- network, attach -----------------------------------------------------
 
