@@ -12,11 +12,11 @@ rely on, and the kernel makes it slow:
   (baselines.py): a daemon that dies meanwhile leaves the removal done
   (the page cache is the kernel's); only a machine's crash can undo it,
   and then the next start checks the worktree against that record, which
-  moves aside, and never deletes, what changed since;
-- descriptors of namespaces the session's processes have left (its wake
-  kit, its user and network namespace): the last one closed tears the
-  namespace down (a mount namespace's unmounts wait for an RCU grace
-  period), here rather than on the close's path.
+  moves aside, and never deletes, what changed since.
+
+Not here: the namespaces' own teardown (a mount namespace's unmounts). Moved
+after the reply, it ran into the next open and slowed it by about what the
+close gained; it stays on the close's path.
 
 Guarantees: each job runs once, in the order given, on the one thread
 (started at the first job); a job that raises is logged and the next runs;
@@ -73,20 +73,6 @@ def reap(pidfd: int, timeout_s: float) -> None:
                 log.warning("event=exit_not_seen pidfd_wait_s=%g", timeout_s)
         finally:
             os.close(pidfd)
-    later(job)
-
-
-def close_fds(fds: list[int]) -> None:
-    """Close ``fds`` on the thread (the last reference to a namespace)."""
-    if not fds:
-        return
-
-    def job() -> None:
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
     later(job)
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd import fdwait
 from dispatchd.daemon import afterwards
 
 
@@ -77,16 +76,6 @@ def test_a_process_still_alive_is_not_waited_for_forever(caplog: pytest.LogCaptu
     finally:
         proc.kill()
         proc.wait()
-
-
-def test_close_fds_closes_each_and_an_empty_list_is_nothing() -> None:
-    r, w = os.pipe()
-    afterwards.close_fds([])
-    afterwards.close_fds([w])
-    assert afterwards.drain(10)
-    assert fdwait.readable(r, 1.0)  # the write end closed: EOF
-    assert os.read(r, 1) == b""
-    os.close(r)
 
 
 def test_fsync_dir_of_a_missing_directory_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
