@@ -3,13 +3,19 @@ first call -> close on one worktree, each session closed before the next
 opens, alternating the network (off, on) and the first call (read_file,
 shell_exec true), through the public client library.
 
-    python bench/backtoback.py [--rounds 40] [--files 2000]
+    python bench/backtoback.py [--rounds 40] [--files 2000] [--against DIR]
 
 Starts its own daemon (the default pool of sandboxes made ahead) on a
 temporary socket, with a worktree that is a git repository of --files
 files. Prints p50 and p99 in milliseconds of: open to the first call's
 answer, the close, and, as the baseline of the same run, a bare Unix-socket
 round trip of the daemon's (a status request).
+
+``--against DIR`` (an A/B of two checkouts in the same minutes, on a shared
+machine): a second daemon runs the ``dispatchd`` package of the checkout
+DIR (the same client library, this one's), on a worktree of its own made
+alike; each step goes to the two in turn, in alternating order, and each
+row is printed for both, with this checkout's p50 as a ratio of DIR's.
 """
 
 from __future__ import annotations
@@ -40,46 +46,70 @@ def make_worktree(path: str, files: int) -> None:
         subprocess.run(["git", *args], cwd=path, check=True, env=env)
 
 
+def one(client: dispatch.Client, wt: str, network: bool, first: str, rows: dict[str, list[float]]) -> None:
+    """One session: open -> first call -> close, and a status round trip."""
+    t0 = time.perf_counter()
+    s = client.open_session(wt, network=network)
+    if first == "read_file":
+        r = s.registry.call("read_file", {"path": "d0/f0.py"})
+    else:
+        r = s.registry.call("shell_exec", {"command": "true"})
+    t1 = time.perf_counter()
+    assert r.is_success, r.error
+    s.close()
+    t2 = time.perf_counter()
+    key = f"{'on' if network else 'off'}/{first}"
+    rows.setdefault(f"open -> first {key}", []).append(t1 - t0)
+    rows.setdefault(f"close ({'on' if network else 'off'})", []).append(t2 - t1)
+    t = time.perf_counter()
+    client.status()
+    rows.setdefault("baseline: status round trip", []).append(time.perf_counter() - t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--against", metavar="DIR", default="",
+                    help="A/B: a second daemon running the dispatchd package of the checkout DIR")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        wt = os.path.join(tmp, "wt")
-        make_worktree(wt, args.files)
-        proc, sock = start_daemon(tmp)
+        names = ["this"] + (["against"] if args.against else [])
+        daemons = {}
+        for name in names:
+            d = os.path.join(tmp, name)
+            make_worktree(os.path.join(d, "wt"), args.files)
+            daemons[name] = start_daemon(d, code=os.path.abspath(args.against) if name == "against" else "")
         try:
-            rows: dict[str, list[float]] = {}
-            with dispatch.connect(sock) as client:
+            rows: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+            clients = {name: dispatch.connect(sock) for name, (_, sock) in daemons.items()}
+            wts = {name: os.path.join(tmp, name, "wt") for name in names}
+            for name in names:
                 for network in (False, True):  # warm the pool's kinds
-                    client.open_session(wt, network=network).close()
-                for i in range(args.rounds * 4):
-                    network = bool(i % 2)
-                    first = "read_file" if (i // 2) % 2 == 0 else "shell_exec"
-                    t0 = time.perf_counter()
-                    s = client.open_session(wt, network=network)
-                    if first == "read_file":
-                        r = s.registry.call("read_file", {"path": "d0/f0.py"})
-                    else:
-                        r = s.registry.call("shell_exec", {"command": "true"})
-                    t1 = time.perf_counter()
-                    assert r.is_success, r.error
-                    s.close()
-                    t2 = time.perf_counter()
-                    key = f"{'on' if network else 'off'}/{first}"
-                    rows.setdefault(f"open -> first {key}", []).append(t1 - t0)
-                    rows.setdefault(f"close ({'on' if network else 'off'})", []).append(t2 - t1)
-                    t = time.perf_counter()
-                    client.status()
-                    rows.setdefault("baseline: status round trip", []).append(time.perf_counter() - t)
-            width = max(len(k) for k in rows)
+                    clients[name].open_session(wts[name], network=network).close()
+            for i in range(args.rounds * 4):
+                network = bool(i % 2)
+                first = "read_file" if (i // 2) % 2 == 0 else "shell_exec"
+                order = names if i % len(names) == 0 else names[::-1]
+                for name in order:
+                    one(clients[name], wts[name], network, first, rows[name])
+            for client in clients.values():
+                client.close()
+            width = max(len(k) for k in rows["this"])
             print(f"{'pattern':<{width}}  {'p50 ms':>8}  {'p99 ms':>8}  n")
-            for key, xs in sorted(rows.items()):
-                print(f"{key:<{width}}  {pct(xs, 0.5) * 1e3:8.2f}  {pct(xs, 0.99) * 1e3:8.2f}  {len(xs)}")
+            for key in sorted(rows["this"]):
+                for name in names:
+                    xs = rows[name][key]
+                    label = key if len(names) == 1 else f"{key} [{name}]"
+                    ratio = ""
+                    if name == "this" and len(names) > 1:
+                        ratio = f"  {pct(xs, 0.5) / pct(rows['against'][key], 0.5):.2f}x against"
+                    print(f"{label:<{width + 10}}  {pct(xs, 0.5) * 1e3:8.2f}  {pct(xs, 0.99) * 1e3:8.2f}  "
+                          f"{len(xs)}{ratio}")
         finally:
-            proc.terminate()
-            proc.wait(30)
+            for proc, _ in daemons.values():
+                proc.terminate()
+                proc.wait(30)
 
 
 if __name__ == "__main__":

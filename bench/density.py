@@ -85,6 +85,7 @@ def main() -> int:
                          "ahead; back to back, some are made at open, which costs less memory)")
     ap.add_argument("--close-with", type=int, default=1, metavar="N",
                     help="close the sessions over N connections at once (default 1: one after another)")
+    ap.add_argument("--network", default="off", help="the sessions' network mode (default off)")
     ap.add_argument("--asleep", action="store_true",
                     help="measure once every session sleeps (sleep_after_s), then wake each with a read_file")
     args = ap.parse_args()
@@ -117,7 +118,7 @@ def main() -> int:
             for _ in range(args.sessions):
                 t = time.perf_counter()
                 try:
-                    s = client.open_session(wt, network=False)
+                    s = client.open_session(wt, network=args.network)
                     s.registry.get("read_file").call({"path": "f.txt"})
                 except Exception as exc:  # counted and reported, not raised
                     failures.append(f"{type(exc).__name__}: {exc}")

@@ -255,10 +255,16 @@ class Stack:
         # closed, the number reused) is seen as a stop, never as an exit.
         return pidfd >= 0 and fdwait.readable(pidfd, 0) and not self.stopping
 
-    def stop(self) -> None:
+    def stop(self, reap: Callable[[int, float], None] | None = None) -> None:
         """Exited on return: nothing of it moves a byte any more, and its tap
         device (the namespace's way out) is gone with its descriptors. The fork
-        server reaps it."""
+        server reaps it.
+
+        With ``reap`` (a session's end, whose processes are killed next and
+        waited for): SIGKILL is sent, and its exit, with the tap device's
+        removal, is waited for by ``reap(pidfd, timeout_s)``, which closes the
+        pidfd (daemon/afterwards.py). A killed stack runs none of its own code
+        again: it copies no byte more, exited or not."""
         self.stopping = True
         while self.with_it:
             self.with_it.pop()()
@@ -268,9 +274,12 @@ class Stack:
             signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        fdwait.readable(self.pidfd, STOP_TIMEOUT_S)  # readable once it has exited
-        os.close(self.pidfd)
-        self.pidfd = -1
+        pidfd, self.pidfd = self.pidfd, -1
+        if reap is not None:
+            reap(pidfd, STOP_TIMEOUT_S)
+            return
+        fdwait.readable(pidfd, STOP_TIMEOUT_S)  # readable once it has exited
+        os.close(pidfd)
 
 
 def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tuple[int, int]]) -> Stack:

@@ -27,7 +27,7 @@ import time
 
 from dispatchd import protocol, treewalk
 from dispatchd.confine import cgroups
-from dispatchd.daemon import gitguard, leftovers
+from dispatchd.daemon import afterwards, gitguard, leftovers
 from dispatchd.daemon.lifecycle import Action, Event, Op, State, decide, ending_event, is_live
 from dispatchd.daemon.session import READY_TIMEOUT_S, Session, has_pid_namespace
 from dispatchd.daemon.sessionnet import stop_network
@@ -73,6 +73,7 @@ class Ending(SessionTable):
                 session.ended.wait(max(0.0, deadline - time.monotonic()))
         for session in sessions + closing:
             self._finish(session, "dispatchd stopped", Event.DAEMON_STOP)
+        afterwards.drain()  # the stacks' exits and the records' fsyncs, before the daemon's
 
     def end(self, sid: str, word: str, why: str) -> None:
         """End a session for a reason of the daemon's own (orphaned, over its
@@ -149,8 +150,9 @@ class Ending(SessionTable):
         # a kit kept would hold this sandbox's namespaces (its mounts, its /tmp).
         session.drop_kit()
         worker, control = session.worker, session.control
-        # The way out goes first: from here no byte of the session leaves.
-        stop_network(session)
+        # The way out goes first: from here no byte of the session leaves
+        # (the stack is killed now; its exit is waited for after the reply).
+        stop_network(session, reap=afterwards.reap)
         session.worker = session.control = None
         if session.proxy is not None:
             session.proxy.stop()  # nothing relayed for the old sandbox from here on

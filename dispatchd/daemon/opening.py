@@ -35,6 +35,7 @@ from dispatchd import domains
 from dispatchd.confine import cgroups
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan
 from dispatchd.daemon import gitguard, lifetimes, watchdog
+from dispatchd.daemon.beside import Beside  # the baseline taken while the sandbox starts
 from dispatchd.daemon.dnsrelay import session_resolv_binds
 from dispatchd.daemon.lifecycle import Event
 from dispatchd.daemon.pooling import Pooling
@@ -180,15 +181,22 @@ class Opening(Pooling):
         try:
             steps["scratch"] = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
-            # The worktree's trusted baseline, on disk before any process of
-            # the session runs (taken now if no session of its domain runs).
-            self.baselines.join(sid, session.worktree, session.git, session.git_before, session.redirects_before,
-                                tuple(policy.protect.paths))
-            session.reports = functools.partial(self.baselines.reports_for, sid)
-            steps["baseline"] = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            self._start_worker(session, network, made)
+            # The worktree's trusted baseline, on disk before the session's
+            # first call can reach its sandbox (taken now if no session of its
+            # domain runs), taken while the sandbox is given its session
+            # (beside.py). Refused: the except below stops the sandbox, which
+            # ran no call.
+            joining = Beside(functools.partial(
+                self.baselines.join, sid, session.worktree, session.git, session.git_before,
+                session.redirects_before, tuple(policy.protect.paths)))
+            try:
+                self._start_worker(session, network, made)
+            finally:
+                joining.wait()  # whatever it recorded, before a failure's _discard undoes it
             steps["worker"] = (time.perf_counter() - t) * 1e3
+            joining.result()
+            session.reports = functools.partial(self.baselines.reports_for, sid)
+            steps["baseline"] = joining.ms
         except BaseException:
             if made is not None and made.scratch:  # refused before its start took it (_adopt, _start_worker)
                 made.scratch = ""  # the session's: it goes with the session

@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from dispatchd import protocol
 from dispatchd import domains
@@ -89,10 +90,12 @@ def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.Work
         raise ConfinementError("network: namespaces", detail=str(exc)) from exc
 
 
-def stop_network(session: Session) -> None:
-    """The session's way out gone: its stack ended, its namespaces let go."""
+def stop_network(session: Session, reap: Callable[[int, float], None] | None = None) -> None:
+    """The session's way out gone: its stack ended, its namespaces let go.
+    ``reap``: a session's end, whose processes are killed next: the stack's
+    exit is waited for off the reply's path (``afterwards.reap``)."""
     if session.stack is not None:
-        session.stack.stop()
+        session.stack.stop(reap)
         session.stack = None
     if session.ns_fds is not None:
         for fd in session.ns_fds:

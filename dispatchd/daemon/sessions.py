@@ -52,7 +52,7 @@ import threading
 from collections.abc import Callable
 
 from dispatchd.confine import cgroups
-from dispatchd.daemon import checkpoints, gitguard, leftovers, lifetimes, watchdog
+from dispatchd.daemon import afterwards, checkpoints, gitguard, leftovers, lifetimes, watchdog
 from dispatchd.daemon.dnsrelay import DnsRelay
 from dispatchd.daemon.pool import SandboxPool
 from dispatchd.daemon.proxy import Resolver, system_resolver
@@ -120,6 +120,7 @@ class SessionManager(Switching):
         # One trusted baseline per worktree, on disk (gitguard/baselines.py); the
         # checks a daemon that died left are finished before anything opens.
         self.baselines = gitguard.Baselines(state_dir, self.home)
+        self.baselines.sync_dir = afterwards.fsync_dir  # a record's removal made durable after the reply
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
         # Checkpoints of sessions' worktrees, their objects in the baselines' keep (checkpoints.py).

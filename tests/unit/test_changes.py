@@ -66,3 +66,28 @@ def test_a_name_that_is_not_utf8_is_shown_escaped(tmp_path: Path) -> None:
             p.encode("utf-8")  # a reply can carry it
     finally:
         w.close()
+
+
+def test_a_tree_there_before_the_watch_is_watched_whole(tmp_path: Path) -> None:
+    for d in ("a/b/c", "x", ".git/hooks", "a/.git"):
+        (tmp_path / d).mkdir(parents=True)
+    for i in range(30):
+        (tmp_path / "a" / f"f{i}").write_text("x")
+    w = Watcher(str(tmp_path), 100)
+    try:
+        # Every directory but the root's .git (git's churn, reported by the git protection).
+        assert sorted(w._wds.values()) == ["", "a", "a/.git", "a/b", "a/b/c", "x"]
+        before = time.monotonic()
+        (tmp_path / "a" / "b" / "c" / "deep").write_text("y")
+        (tmp_path / ".git" / "hooks" / "pre-commit").write_text("z")
+        assert w.since(before) == (["a/b/c/deep"], False, False)
+    finally:
+        w.close()
+
+
+def test_the_first_build_counts_directories_against_its_bound(tmp_path: Path) -> None:
+    for i in range(5):
+        (tmp_path / f"d{i}").mkdir()
+    with pytest.raises(TooLarge, match="more than 5 directories"):
+        Watcher(str(tmp_path), 5)  # six with the root
+    Watcher(str(tmp_path), 6).close()

@@ -148,3 +148,19 @@ def test_remove_stale_gets_through_a_deep_scratch_directory(tmp_path: Path) -> N
     _nest(sessions / "0123456789ab" / "tmp", DEEP)
     assert leftovers.remove_stale(str(sessions)) == 1
     assert os.listdir(sessions) == []
+
+
+def test_walk_over_its_entry_budget_lists_that_many_and_says_so(tmp_path: Path) -> None:
+    for i in range(3):
+        (tmp_path / f"d{i}").mkdir()
+        for j in range(4):
+            (tmp_path / f"d{i}" / f"f{j}").write_text("x")
+    budget = treewalk.Budget(max_entries=9)  # 3 directories + 12 files: over
+    listed = sum(len(files) for _, files, _ in treewalk.walk(str(tmp_path), budget)) + 3
+    assert budget.over and budget.entries == 10  # the one over the budget is counted, never listed
+    assert listed <= 9
+    assert budget.describe() == "stopped after 9 entries (its budget)"
+    fits = treewalk.Budget(max_entries=15)  # the twin: exactly enough
+    names = sorted(f.decode() for _, files, _ in treewalk.walk(str(tmp_path), fits) for f in files)
+    assert not fits.over and fits.entries == 15 and fits.describe() == ""
+    assert names == sorted(f"f{j}" for _ in range(3) for j in range(4))

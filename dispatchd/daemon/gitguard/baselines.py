@@ -47,6 +47,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -109,6 +110,9 @@ class Baselines:
         self._joined_at: dict[str, int] = {}  # a session's first report of its domain's list
         self.tainted: dict[str, str] = {}  # worktree -> why (refused until a restart's check passes)
         self.recovered: list[Protected] = []  # what the start's checks did
+        # How a record's removal is made durable: at once, or by the daemon
+        # after the close's reply (daemon/afterwards.py; docs/performance.md).
+        self.sync_dir: Callable[[str], None] = _fsync_dir
 
     # --- on disk ---------------------------------------------------------
 
@@ -152,7 +156,7 @@ class Baselines:
                 os.unlink(os.path.join(self.dir, name))
             except FileNotFoundError:
                 pass
-        _fsync_dir(self.dir)
+        self.sync_dir(self.dir)
         os.close(lock_fd)
 
     # --- start -------------------------------------------------------------
