@@ -11,6 +11,7 @@ import pytest
 
 from dispatchd import protocol
 from dispatchd.daemon import checkpoints as cp
+from dispatchd.daemon.checkpoints.reading import _copy_path
 from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints
 from dispatchd.worker.pausegate import Gate
@@ -319,7 +320,7 @@ def test_a_copy_goes_with_the_last_checkpoint_that_names_it(store, tmp_path):
     second = store.take("s1", wt, Checkpoints(keep=1))
     assert [i.id for i in store.infos("s1")] == [second.id]
     assert len(_pool(store, "s1")) == 4  # the three shared, and a.py's new copy
-    assert not os.path.exists(cp._copy_path(os.path.join(store.root, "s1"), old_a))
+    assert not os.path.exists(_copy_path(os.path.join(store.root, "s1"), old_a))
     with open(os.path.join(wt, "src", "a.py"), "w") as fh:
         fh.write("changed again\n")
     store.restore("s1", wt, second.id, POLICY)

@@ -1,0 +1,62 @@
+"""Checkpoints of a session's worktree, and restoring one (daemon side).
+
+A checkpoint keeps the worktree's files (contents, modes, symlinks as
+symlinks, FIFOs) and its git metadata: everything below the worktree,
+``.git`` included. A restore puts the worktree back as it was: files changed
+since are written back, deleted ones come back, ones created after are
+removed, modes and symlinks as they were.
+
+Guarantees:
+- **State outside the sandbox.** Checkpoints live in the daemon's state
+  directory (``STATE/checkpoints/SESSION/ID``), which no session can see.
+- **Complete or absent.** A checkpoint is its manifest, written under a
+  temporary name and renamed into place once the copies it names are
+  written (and, with the policy's ``limits.fsync``, on the disk); a daemon
+  killed half way leaves copies no manifest names and a temporary file,
+  removed at the next start (``Store.__init__``). Checkpoints belong to
+  their session: they go when it ends, and at the daemon's start (its
+  sessions died with it).
+- **Only what changed is copied.** The copies are a pool per session: a
+  file unchanged since the previous checkpoint (same inode, size, mtime and
+  ctime, and not changed within ``RACY_NS`` before that checkpoint began: a
+  session can set an mtime, never a ctime) shares that checkpoint's copy,
+  at no cost per file; never the live file (a later write would change it
+  in place). A new copy is a reflink clone (``FICLONE``: btrfs, XFS) where
+  the file system clones, else a copy. A copy goes when the last
+  checkpoint that names it goes (``keep``).
+- **Git objects by the history keep.** The repository's object files
+  (``.git/objects``) are not copied here: they go to the keep the trusted
+  baseline already holds (``gitguard.keep_more``, the same reflink / hard
+  link / copy, add-only), and a restore puts back, from there, those the
+  checkpoint listed and that are gone. Object files made after the
+  checkpoint stay (unreachable, git's gc drops them): nothing is lost.
+- **Bounded.** The walk is ``treewalk.walk`` (iterative, by descriptor);
+  over the policy's ``[checkpoints]`` ``max_files``, ``max_depth`` or
+  ``max_bytes`` (bytes copied, not cloned or linked) the checkpoint is
+  refused, naming the budget; a directory it cannot read refuses it too
+  (a checkpoint that misses files would delete them at a restore).
+- **No symlink followed in the worktree.** A restore opens each directory
+  below the worktree's descriptor with ``openat2(RESOLVE_BENEATH |
+  RESOLVE_NO_SYMLINKS)`` (``_sys.open_beneath``) and acts relative to it:
+  a symlink a session planted (``src -> ~/.ssh``) is removed as a link,
+  never written through. Files are written under a temporary name and
+  renamed over their place.
+- **Quiet sessions only.** The caller pauses the session's tool server first
+  (``Pause``: calls that come meanwhile wait); a restore is refused while a
+  call is in flight or while a process of the session runs (a background
+  job, a process a command left), a checkpoint while a call is in flight.
+- **The baseline still rules.** A restore writes ``.git`` like any session
+  could; the checks at the session's end compare with the trusted baseline
+  taken at open (``baselines.py``), so what a restore brings back that the
+  baseline would refuse is moved aside then, as if the session had written it.
+"""
+
+from __future__ import annotations
+
+from dispatchd.daemon.checkpoints.plan import RACY_NS, Entry, Manifest, RestorePlan, plan_copies, plan_restore
+from dispatchd.daemon.checkpoints.reading import list_tree, reflinks
+from dispatchd.daemon.checkpoints.requests import SessionManager, before_write, handle
+from dispatchd.daemon.checkpoints.store import Pauses, Store
+
+__all__ = ["RACY_NS", "Entry", "Manifest", "Pauses", "RestorePlan", "SessionManager", "Store", "before_write",
+           "handle", "list_tree", "plan_copies", "plan_restore", "reflinks"]

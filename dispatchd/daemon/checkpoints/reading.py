@@ -1,0 +1,171 @@
+"""Reading a worktree for a checkpoint: its listing, bounded by the policy
+(``list_tree``, iterative, by descriptor), and each file's copy (a reflink
+clone where the file system clones, else a copy within the byte budget).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+from dispatchd import treewalk
+from dispatchd.errors import CheckpointError
+from dispatchd.policy import Checkpoints as CheckpointPolicy
+
+from dispatchd.daemon.checkpoints.plan import Entry, Kind, _FANOUT, _FICLONE, _OBJECTS, _POOL
+
+
+# --- walking the worktree -------------------------------------------------------
+
+
+def _entry(path: bytes, st: os.stat_result, target: bytes = b"") -> Entry | None:
+    mode = st.st_mode
+    kind: Kind
+    if stat.S_ISREG(mode):
+        kind = "f"
+    elif stat.S_ISDIR(mode):
+        kind = "d"
+    elif stat.S_ISLNK(mode):
+        kind = "l"
+    elif stat.S_ISFIFO(mode):
+        kind = "p"
+    else:
+        return None  # sockets, devices: neither kept nor removed
+    return Entry(path=path, kind=kind, mode=stat.S_IMODE(mode), size=st.st_size if kind == "f" else 0,
+                 mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns, dev=st.st_dev, ino=st.st_ino, target=target)
+
+
+def Refused(message: str) -> CheckpointError:  # noqa: N802 (reads as the error it makes)
+    return CheckpointError(message, "checkpoint_refused")
+
+
+def _budget_words(what: str) -> str:
+    return f"the policy's [checkpoints] {what}"
+
+
+def _is_object_dir(name: bytes) -> bool:
+    """A directory of ``.git/objects`` that holds object files (``ab``, ``pack``)."""
+    return name == b"pack" or (len(name) == 2 and all(c in b"0123456789abcdef" for c in name))
+
+
+def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint") -> tuple[list[Entry], bool]:
+    """Every entry below ``root``, but the object files of the repository at
+    its root (``.git/objects/ab/...``, ``.git/objects/pack/...``: kept by
+    gitguard's history, never removed); and whether that repository's ``objects``
+    is a directory. Refused (``verb`` says what) over the policy's budgets,
+    or when a directory cannot be read."""
+    budget = treewalk.Budget(max_entries=policy.max_files, max_depth=policy.max_depth)
+    entries: list[Entry] = []
+    paths: dict[int, bytes] = {}  # descriptors the walk yielded -> their path (valid while open)
+    expected: list[bytes] = []
+    seen: set[bytes] = set()
+    root_b = os.fsencode(root)
+
+    def prune(name: bytes, fd: int) -> bool:
+        if paths[fd] == _OBJECTS and _is_object_dir(name):
+            return True
+        expected.append(paths[fd] + b"/" + name if paths[fd] else name)
+        return False
+
+    for dirpath, files, fd in treewalk.walk(root, budget, prune):
+        rel = os.path.relpath(dirpath, root_b) if dirpath != root_b else b""
+        rel = b"" if rel == b"." else rel
+        paths[fd] = rel
+        seen.add(rel)
+        made = _entry(rel, os.fstat(fd))
+        if made is not None:
+            entries.append(made)
+        for name in files:
+            path = rel + b"/" + name if rel else name
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                target = os.readlink(name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else b""
+            except FileNotFoundError:
+                continue
+            made = _entry(path, st, os.fsencode(target) if isinstance(target, str) else target)
+            if made is not None:
+                entries.append(made)
+    if budget.over:
+        raise Refused(f"{verb} refused: the worktree has more than {policy.max_files} entries "
+                      f"({_budget_words('max_files')})")
+    if any("levels" in s for s in budget.skipped):
+        raise Refused(f"{verb} refused: the worktree is deeper than {policy.max_depth} levels "
+                      f"({_budget_words('max_depth')})")
+    missed = [p for p in expected if p not in seen]
+    if missed:
+        why = "a checkpoint without it would delete it at a restore" if verb == "checkpoint" else \
+            "what it holds cannot be compared; make it readable"
+        raise Refused(f"{verb} refused: {os.fsdecode(missed[0])}: a directory that cannot be read ({why})")
+    return entries, _OBJECTS in seen
+
+
+# --- copying ---------------------------------------------------------------------
+
+
+def _copy_path(top: str, n: int) -> str:
+    """Copy ``n`` in the pool of the session whose checkpoints are in ``top``."""
+    return os.path.join(top, _POOL, str(n // _FANOUT), str(n))
+
+
+def _clone_fd(src: int, dst: int, size: int, budget: list[int]) -> bool:
+    """``dst`` as ``src``'s contents; True when it was cloned (no byte copied)."""
+    try:
+        fcntl.ioctl(dst, _FICLONE, src)
+        return True
+    except OSError:
+        pass
+    if size > budget[0]:
+        raise OSError(errno.EFBIG, "over the copy budget")
+    budget[0] -= size
+    offset = 0
+    while offset < size:  # no further: a file that grows meanwhile is kept as it was when looked at
+        n = os.copy_file_range(src, dst, min(size - offset, 1 << 30), offset, offset)
+        if n == 0:
+            break  # it shrank meanwhile
+        offset += n
+    return False
+
+
+def reflinks(store: str, worktree: str) -> bool:
+    """Whether copies between ``worktree`` and ``store`` are reflink clones:
+    the same file system, and one that clones (probed in ``store``)."""
+    try:
+        if os.stat(store).st_dev != os.stat(worktree).st_dev:
+            return False
+        a = os.open(store, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        os.write(a, b"x")
+        b = os.open(store, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.ioctl(b, _FICLONE, a)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(b)
+    finally:
+        os.close(a)
+
+
+def _open_readable(name: bytes, dir_fd: int) -> int:
+    """Open a worktree file to read it, without following a symlink; a file
+    the session made unreadable gets its owner's read right for the open and
+    its mode back after (it is the user's, so the daemon's)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except PermissionError:
+        pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            mode = stat.S_IMODE(os.fstat(pfd).st_mode)
+            os.chmod(f"/proc/self/fd/{pfd}", mode | stat.S_IRUSR)
+            try:
+                return os.open(f"/proc/self/fd/{pfd}", flags & ~os.O_NOFOLLOW)
+            finally:
+                os.chmod(f"/proc/self/fd/{pfd}", mode)
+        finally:
+            os.close(pfd)

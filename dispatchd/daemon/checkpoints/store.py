@@ -1,0 +1,290 @@
+"""The checkpoints of the daemon's sessions on disk: ``Store`` takes,
+lists, keeps and restores them, a manifest renamed into place once what it
+names is written (complete or absent), and removes what a killed daemon left.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import secrets
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dispatchd import protocol, treewalk
+from dispatchd.confine._sys import open_beneath
+from dispatchd.daemon import gitguard
+from dispatchd.errors import CheckpointError
+from dispatchd.policy import Checkpoints as CheckpointPolicy
+from dispatchd.protocol import CheckpointInfo
+
+from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _DIR, _FANOUT, _FSYNC_EACH, _OBJECTS, _POOL, _TMP, _manifest_decoder, _parent, plan_copies, plan_restore
+from dispatchd.daemon.checkpoints.reading import Refused, _budget_words, _clone_fd, _copy_path, _entry, _open_readable, list_tree
+from dispatchd.daemon.checkpoints.restoring import _fsync_dir, _mib, _put_objects, _syncfs, apply_restore
+
+log = logging.getLogger("dispatchd.checkpoints")
+
+
+@dataclass
+class _Session:
+    """A session's checkpoints: its store and one operation at a time."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Its checkpoints, oldest first. Only the newest manifest stays in memory
+    # (the next checkpoint shares its copies); the others are read from their
+    # files when restored, so the daemon holds a few MiB per session, not keep x that.
+    infos: list[CheckpointInfo] = field(default_factory=list)
+    last: Manifest | None = None
+    copies: dict[str, array.array[int]] = field(default_factory=dict)  # checkpoint -> the copies it names
+    refs: collections.Counter[int] = field(default_factory=collections.Counter)  # copy -> checkpoints naming it
+    count: int = 0
+    next_copy: int = 0  # the number of the pool's next copy
+
+
+class Store:
+    """Every session's checkpoints, under ``STATE/checkpoints``."""
+
+    def __init__(self, state_dir: str, keep_dir: str) -> None:
+        self.root = os.path.join(state_dir, "checkpoints")
+        self.keep_dir = keep_dir
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Session] = {}
+        self.pauses = Pauses()
+        # Checkpoints of a daemon that died belong to sessions that died with
+        # it; one half made is absent by construction (a temporary name).
+        if os.path.isdir(self.root):
+            left = treewalk.remove_tree(self.root)
+            if left.skipped:
+                log.warning("event=checkpoints_left why=%r", left.describe())
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+
+    def _of(self, sid: str) -> _Session:
+        with self._lock:
+            return self._sessions.setdefault(sid, _Session())
+
+    def lock(self, sid: str) -> threading.Lock:
+        return self._of(sid).lock
+
+    def infos(self, sid: str) -> list[CheckpointInfo]:
+        with self._lock:
+            s = self._sessions.get(sid)
+            return list(s.infos) if s else []
+
+    def drop(self, sid: str) -> None:
+        """The session ended: its checkpoints go (waits for one being taken)."""
+        with self._lock:
+            s = self._sessions.get(sid)
+        if s is None:
+            return
+        with s.lock:
+            with self._lock:
+                self._sessions.pop(sid, None)
+            treewalk.remove_tree(os.path.join(self.root, sid))
+
+    # --- take --------------------------------------------------------------------
+
+    def take(self, sid: str, worktree: str, policy: CheckpointPolicy, label: str = "", fsync: bool = True
+             ) -> CheckpointInfo:
+        """A checkpoint of ``worktree`` now; the caller holds ``lock(sid)`` and
+        has paused the session. Refused (``Refused``) over a budget. With
+        ``fsync`` (the policy's ``limits.fsync``) it is on the disk when this
+        returns, not only complete for the daemon."""
+        s = self._of(sid)
+        started_ns = time.time_ns()
+        entries, has_objects = list_tree(worktree, policy)
+        previous = s.last
+        shared = plan_copies(entries, previous)
+        s.count += 1
+        cid = f"c{s.count:04d}-{secrets.token_hex(4)}"
+        top = os.path.join(self.root, sid)
+        os.makedirs(os.path.join(top, _POOL), mode=0o700, exist_ok=True)
+        made: list[int] = []  # copies this checkpoint added to the pool
+        to_copy = sum(1 for e in entries if e.kind == "f") - len(shared)
+        # Many copies: one syncfs at the end; a few: an fsync each (a syncfs
+        # would also flush what everyone else has written on that file system).
+        each = fsync and to_copy <= _FSYNC_EACH
+        try:
+            budget = [policy.max_bytes]
+            out, objects, keep = self._fill(s, top, worktree, entries, shared, made, budget, has_objects, each)
+            info = CheckpointInfo(id=cid, created=time.time(), label=label, entries=len(out),
+                                  copied_bytes=policy.max_bytes - budget[0], objects=len(objects))
+            manifest = Manifest(info=info, started_ns=started_ns, entries=out, objects=sorted(objects), keep=keep)
+            if fsync and not each:
+                _syncfs(top)  # the copies reach the disk before the manifest says they are there
+            tmp = os.path.join(top, f"{_TMP}{cid}")
+            with open(tmp, "wb") as f:
+                f.write(msgspec.msgpack.encode(manifest))
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.rename(tmp, os.path.join(top, cid))  # complete from here; absent before
+            if fsync:
+                _fsync_dir(top)
+        except BaseException as exc:
+            for n in made:
+                with contextlib.suppress(OSError):
+                    os.unlink(_copy_path(top, n))
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(top, f"{_TMP}{cid}"))
+            if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+                raise Refused(f"checkpoint refused: it would copy more than {_mib(policy.max_bytes)} "
+                              f"({_budget_words('max_bytes')}; reflink clones and links are not counted)") from exc
+            raise
+        named = array.array("q", sorted({e.copy for e in out if e.copy >= 0}))
+        with self._lock:
+            s.infos.append(info)
+            s.last = manifest
+            s.copies[cid] = named
+            s.refs.update(named)
+        if len(s.infos) > policy.keep:
+            self._forget_oldest(s, top, len(s.infos) - policy.keep)
+        log.info("event=checkpoint session=%s checkpoint=%s entries=%s copied=%s copied_bytes=%s objects=%s",
+                 sid, cid, info.entries, len(made), info.copied_bytes, info.objects)
+        return info
+
+    def _forget_oldest(self, s: _Session, top: str, n: int) -> None:
+        """The ``n`` oldest checkpoints go, and the copies no other one names."""
+        with self._lock:
+            gone, s.infos = s.infos[:n], s.infos[n:]
+        for info in gone:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(top, info.id))
+            for copy in s.copies.pop(info.id, array.array("q")):
+                s.refs[copy] -= 1
+                if s.refs[copy] <= 0:
+                    del s.refs[copy]
+                    with contextlib.suppress(OSError):
+                        os.unlink(_copy_path(top, copy))
+
+    def _fill(self, s: _Session, top: str, worktree: str, entries: list[Entry], shared: dict[bytes, int],
+              made: list[int], budget: list[int], has_objects: bool, fsync_each: bool
+              ) -> tuple[list[Entry], set[str], str]:
+        """The entries as kept: each file's copy, shared with the previous
+        checkpoint (unchanged) or new in the pool (cloned or copied)."""
+        out: list[Entry] = []
+        root_fd = os.open(worktree, _DIR)
+        objects: set[str] = set()
+        keep = ""
+        try:
+            parent_fd, parent = root_fd, b""
+            for e in entries:
+                if e.kind != "f":
+                    out.append(e)
+                    continue
+                old = shared.get(e.path)
+                if old is not None:
+                    out.append(msgspec.structs.replace(e, copy=old))
+                    continue
+                d = _parent(e.path)
+                if d != parent:
+                    if parent_fd != root_fd:
+                        os.close(parent_fd)
+                    parent_fd = open_beneath(root_fd, os.fsdecode(d), _DIR) if d else root_fd
+                    parent = d
+                try:
+                    src = _open_readable(e.path.rpartition(b"/")[2], parent_fd)
+                except FileNotFoundError:
+                    continue  # gone since the listing (a process of the session): absent from this checkpoint
+                try:
+                    st = os.fstat(src)
+                    if not stat.S_ISREG(st.st_mode):
+                        continue  # replaced meanwhile by something else: not a file of this checkpoint
+                    n = s.next_copy
+                    s.next_copy += 1
+                    if n % _FANOUT == 0 or n == 0 or not made:
+                        os.makedirs(os.path.dirname(_copy_path(top, n)), mode=0o700, exist_ok=True)
+                    dfd = os.open(_copy_path(top, n), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+                    made.append(n)
+                    try:
+                        _clone_fd(src, dfd, st.st_size, budget)
+                        if fsync_each:
+                            os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+                    # As it was copied: a change during the copy is caught next time by its ctime.
+                    found = _entry(e.path, st)
+                    assert found is not None
+                    out.append(msgspec.structs.replace(found, copy=n))
+                finally:
+                    os.close(src)
+            if parent_fd != root_fd:
+                os.close(parent_fd)
+            if has_objects:
+                keep = gitguard.keep_for(self.keep_dir, os.path.join(worktree, ".git"))
+                ofd = open_beneath(root_fd, os.fsdecode(_OBJECTS), _DIR)
+                try:
+                    objects = gitguard.keep_more(ofd, keep, budget)
+                finally:
+                    os.close(ofd)
+        finally:
+            os.close(root_fd)
+        return out, objects, keep
+
+    # --- restore -----------------------------------------------------------------
+
+    def find(self, sid: str, cid: str) -> Manifest:
+        """Checkpoint ``cid`` of session ``sid``, its manifest read from its file."""
+        with self._lock:
+            s = self._sessions.get(sid)
+            known = [i.id for i in s.infos] if s else []
+            last = s.last if s else None
+        if cid not in known:
+            raise CheckpointError(f"no such checkpoint: {cid!r} (session {sid} has: {', '.join(known) or 'none'})",
+                                  "unknown_checkpoint")
+        if last is not None and last.info.id == cid:
+            return last
+        with open(os.path.join(self.root, sid, cid), "rb") as f:
+            return _manifest_decoder.decode(f.read())
+
+    def restore(self, sid: str, worktree: str, cid: str, policy: CheckpointPolicy, fsync: bool = True
+                ) -> dict[str, int]:
+        """Put ``worktree`` back as checkpoint ``cid`` saw it; the caller holds
+        ``lock(sid)`` and has made sure nothing of the session runs."""
+        manifest = self.find(sid, cid)
+        now, _ = list_tree(worktree, policy, "restore")
+        plan = plan_restore(manifest.entries, now)
+        each = fsync and len(plan.write) <= _FSYNC_EACH
+        done = apply_restore(worktree, os.path.join(self.root, sid), plan, fsync_each=each)
+        done["objects"] = _put_objects(worktree, manifest) if manifest.objects else 0
+        if fsync and (not each or done["objects"] or plan.remove or plan.make):
+            _syncfs(worktree)
+        log.info("event=checkpoint_restored session=%s checkpoint=%s removed=%s written=%s made=%s objects=%s",
+                 sid, cid, done["removed"], done["written"], done["made"], done["objects"])
+        return done
+
+
+class Pauses:
+    """Pause requests sent to workers and their answers (``Paused``), by id."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._waiting: dict[int, tuple[threading.Event, list[protocol.Paused]]] = {}
+
+    def ask(self) -> tuple[int, threading.Event, list[protocol.Paused]]:
+        rid = next(self._ids)
+        waiting: tuple[threading.Event, list[protocol.Paused]] = (threading.Event(), [])
+        with self._lock:
+            self._waiting[rid] = waiting
+        return rid, *waiting
+
+    def forget(self, rid: int) -> None:
+        with self._lock:
+            self._waiting.pop(rid, None)
+
+    def answer(self, msg: protocol.Paused) -> None:
+        """From the session's control channel (``SessionManager._watch``)."""
+        with self._lock:
+            waiting = self._waiting.pop(msg.id, None)
+        if waiting is not None:
+            waiting[1].append(msg)
+            waiting[0].set()
