@@ -105,7 +105,7 @@ class SessionPlan(msgspec.Struct, frozen=True):
     # "domains": the port of the listener the worker makes on its own loopback
     # and hands to the daemon's proxy (dispatchd.domains); 0: none.
     proxy_port: int = 0
-    checkpoint_writes: bool = False  # policy [checkpoints] before_writes (daemon/checkpoints.py)
+    checkpoint_writes: bool = False  # policy [checkpoints] before_writes (daemon/checkpoints/)
 
 
 def can_sleep(plan: SessionPlan) -> bool:

@@ -210,7 +210,7 @@ class Ending(SessionTable):
         self.baselines.leave(session.id)  # an open that failed half way (a no-op after _check_git)
         self._remove_cgroup(session)
         self._forget(session)
-        self.checkpoints.drop(session.id)  # checkpoints.py: a session's go with it
+        self.checkpoints.drop(session.id)  # daemon/checkpoints/: a session's go with it
         self._remove_scratch(session)
         session.end_nap(self.sleepers.forget)
         session.drop_kit()

@@ -131,7 +131,7 @@ class Op(enum.Enum):
     WAKE = "wake"  # a client wrote to a channel of it asleep
     SLEEP = "sleep"  # its tool server asks to sleep
     ATTACH = "attach"  # a new channel to it
-    CHECKPOINT = "checkpoint"  # keep its worktree, or put it back (checkpoints.py): held still meanwhile
+    CHECKPOINT = "checkpoint"  # keep its worktree, or put it back (daemon/checkpoints/): held still meanwhile
     WORKER_GONE = "worker_gone"  # its watch saw its worker's control channel close
 
 

@@ -61,7 +61,7 @@ class Napping(Ending):
                     waiting = session.acks.pop(msg.id, None)
                     if waiting is not None:
                         waiting.set()
-                elif isinstance(msg, protocol.Paused):  # a checkpoint's or restore's pause (checkpoints.py)
+                elif isinstance(msg, protocol.Paused):  # a checkpoint's or restore's pause (daemon/checkpoints/)
                     self.checkpoints.pauses.answer(msg)
                 elif isinstance(msg, protocol.AcquireWriteLock) and msg.checkpoint:  # policy before_writes
                     checkpoints.before_write(self, session, msg, control)

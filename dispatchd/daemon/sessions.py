@@ -123,7 +123,7 @@ class SessionManager(Switching):
         self.baselines.sync_dir = afterwards.fsync_dir  # a record's removal made durable after the reply
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
-        # Checkpoints of sessions' worktrees, their objects in the baselines' keep (checkpoints.py).
+        # Checkpoints of sessions' worktrees, their objects in the baselines' keep (daemon/checkpoints/).
         self.checkpoints = checkpoints.Store(state_dir, self.baselines.keep_dir)
         self._lock = threading.Lock()
         self.accepting = True

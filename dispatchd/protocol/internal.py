@@ -112,7 +112,7 @@ class AcquireWriteLock(_Msg, tag="acquire_write_lock", frozen=True):
 
     id: int
     # Policy [checkpoints] before_writes: asked before every writing call, and
-    # granted only once a checkpoint is taken (daemon/checkpoints.py), labelled
+    # granted only once a checkpoint is taken (daemon/checkpoints/), labelled
     # with the tool; a checkpoint refused is an ``ErrorReply`` and the call fails.
     checkpoint: bool = False
     tool: str = ""
@@ -176,7 +176,7 @@ class NetworkDenied(_Msg, tag="network_denied", frozen=True):
 
 
 class Pause(_Msg, tag="pause", frozen=True):
-    """Daemon -> worker, before a checkpoint or a restore (daemon/checkpoints.py):
+    """Daemon -> worker, before a checkpoint or a restore (daemon/checkpoints/):
     start no tool call until ``Resume`` (they wait, none is refused), and say
     whether one is in flight. Answered by ``Paused`` with the same ``id``."""
 

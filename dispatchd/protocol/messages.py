@@ -107,7 +107,7 @@ class ListTools(_Msg, tag="list_tools", frozen=True):
 
 
 class TakeCheckpoint(_Msg, tag="checkpoint", frozen=True):
-    """Keep the session's worktree as it is now (daemon/checkpoints.py);
+    """Keep the session's worktree as it is now (daemon/checkpoints/);
     answered by ``CheckpointReply``."""
 
     id: int

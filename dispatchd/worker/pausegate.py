@@ -1,7 +1,7 @@
 """The tool server's gate for checkpoints and restores (worker side).
 
 The daemon copies or rewrites the worktree only while no tool call runs
-(daemon/checkpoints.py). It sends ``Pause``; the control loop answers:
+(daemon/checkpoints/). It sends ``Pause``; the control loop answers:
 - writing calls that come from then on wait at the gate (none is refused)
   until ``Resume``; reads are not held (a read during a restore may see a
   file before or after it), so they pay nothing for the gate;

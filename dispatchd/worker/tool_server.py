@@ -105,7 +105,7 @@ class _Server(Calls, Idle):
         self.watcher: changes.Watcher | None | bool = None
         self.watcher_lock = threading.Lock()
         self.write_lock = WriteLock(control)
-        self.write_lock.checkpoint_each = plan.checkpoint_writes  # daemon/checkpoints.py
+        self.write_lock.checkpoint_each = plan.checkpoint_writes  # daemon/checkpoints/
         self.gate = pausegate.Gate()
         # The worktree is ours to write now: remove what killed writes left
         # (tempfiles.py), but not the files of our own writes already started.

@@ -1,5 +1,5 @@
 """Checkpoints and restores through a real daemon and real sessions
-(dispatchd/daemon/checkpoints.py, docs/checkpoints.md)."""
+(dispatchd/daemon/checkpoints/, docs/checkpoints.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checkpoints (dispatchd/daemon/checkpoints.py): the pure plans by equality,
+"""Checkpoints (dispatchd/daemon/checkpoints/): the pure plans by equality,
 then the store on a temporary directory (no daemon, no sandbox)."""
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def keep_for(keep_dir: str, common: str) -> str:
 def keep_more(objects_fd: int, keep: str, budget: list[int]) -> set[str]:
     """Add the object files of the ``objects`` directory held by
     ``objects_fd`` that the keep lacks, dropping none (a checkpoint's,
-    daemon/checkpoints.py: what a session deleted stays kept for the end's
+    daemon/checkpoints/: what a session deleted stays kept for the end's
     ``restore``); returns every object file present. Each directory is
     opened below ``objects_fd`` with ``O_NOFOLLOW`` and read through its
     descriptor: a symlink a session planted there leads nowhere. ``budget``:
