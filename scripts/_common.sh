@@ -167,3 +167,29 @@ ensure_venv() {
     [ -n "${VERBOSE_SETUP:-}" ] && echo "==> installing dispatchd into .venv (pip; about a minute the first time)"
     .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
 }
+
+# cpu_seconds: the CPU time (user + system, in seconds) used so far by this
+# run: its cgroup's subtree when ./scripts/test made one, else this shell's
+# waited-for children.
+cpu_seconds() {
+    local stat=${DISPATCHD_TEST_CGROUP:+$DISPATCHD_TEST_CGROUP/cpu.stat}
+    if [ -n "$stat" ] && [ -r "$stat" ]; then
+        awk '$1 == "usage_usec" { printf "%.1f\n", $2 / 1e6 }' "$stat"
+    else
+        # `times`, second line: the children's user and system time, "XmY.YYYs"
+        times | awk 'NR == 2 { t = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); t += a[1] * 60 + a[2] } printf "%.1f\n", t }'
+    fi
+}
+
+# run_summary START CPU_BEFORE STATS: one line of what a test run cost: wall
+# time, the load then, CPU seconds, daemons started and seconds slept (the
+# sum over the STATS lines the pytest processes appended).
+run_summary() {
+    local start=$1 cpu_before=$2 stats=$3
+    [ -f "$stats" ] || : >"$stats"
+    awk -v start="$start" -v now="$(date +%s.%N)" -v cpu0="$cpu_before" -v cpu1="$(cpu_seconds)" \
+        -v load="$(cut -d' ' -f1-3 /proc/loadavg)" -v cores="$(nproc)" '
+        { for (i = 1; i <= NF; i++) { split($i, kv, "="); sum[kv[1]] += kv[2] } }
+        END { printf "==> run: %.0f s wall (load %s on %d cores), %.0f s CPU, %d daemons started, %.0f s slept in tests\n",
+                     now - start, load, cores, cpu1 - cpu0, sum["daemons"], sum["slept"] }' "$stats"
+}

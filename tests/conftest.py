@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,36 @@ from tests.sleeping import WokenClient, sleepy_policies
 REPO = Path(__file__).resolve().parent.parent
 
 
+# --- what a run costs, beyond its wall time ---------------------------------
+# Figures that do not depend on the machine's load (docs/testing.md): how many
+# daemons the run started and how long the tests' own threads slept. Each
+# pytest process (each xdist worker too) appends one line to the file named
+# by DISPATCH_TEST_STATS; ./scripts/test adds them up with the CPU time.
+
+class _RunStats:
+    daemons = 0
+    slept = 0.0
+
+
+_real_sleep = time.sleep
+
+
+def _counted_sleep(seconds: float) -> None:
+    if threading.current_thread() is threading.main_thread():
+        _RunStats.slept += max(seconds, 0.0)
+    _real_sleep(seconds)
+
+
+time.sleep = _counted_sleep
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get("DISPATCH_TEST_STATS")
+    if path:
+        with open(path, "a", encoding="ascii") as f:
+            f.write(f"daemons={_RunStats.daemons} slept={_RunStats.slept:.1f}\n")
+
+
 class Daemon:
     def __init__(self, base: Path, *extra: str, prefix: tuple[str, ...] = (), state: Path | None = None) -> None:
         self.base = base
@@ -39,6 +70,7 @@ class Daemon:
         env["XDG_STATE_HOME"] = str(self.state)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         self._log = open(self.log_path, "wb")
+        _RunStats.daemons += 1
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "dispatchd", "--socket", self.socket, "--log-level", "debug", *extra],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
