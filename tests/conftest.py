@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 class _RunStats:
     daemons = 0
     slept = 0.0
+    base: str | None = None  # this process's temporary directory (an xdist worker's own)
 
 
 _real_sleep = time.sleep
@@ -58,6 +59,49 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if path:
         with open(path, "a", encoding="ascii") as f:
             f.write(f"daemons={_RunStats.daemons} slept={_RunStats.slept:.1f}\n")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _run_base(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _RunStats.base = os.path.realpath(tmp_path_factory.getbasetemp())
+
+
+# --- parallel runs (pytest-xdist) ---------------------------------------------
+# ./scripts/test runs the tests in several processes (`-n`, `--dist loadgroup`).
+# A test that shares a fixture wider than itself (a daemon per module, per
+# mode) goes to the worker that runs the other tests sharing it, so that the
+# fixture is made once, as in a run in one process; the others are spread one
+# by one. Each worker has its own temporary directory below the run's, so its
+# daemons' sockets, state and worktrees are its own.
+
+_SHARED_SCOPES = ("module", "class", "package")
+
+
+def xdist_group_of(item: pytest.Item) -> str | None:
+    """The group of tests ``item`` must run with: its module and the
+    parameters of its module-wide fixtures (the escape suite's mode, say);
+    None when it shares nothing but session fixtures (each worker makes
+    those once)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    shared = sorted(name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope in _SHARED_SCOPES)
+    if not shared:
+        return None
+    callspec = getattr(item, "callspec", None)
+    params = [f"{name}={callspec.indices[name]}" for name in shared
+              if callspec is not None and name in callspec.indices]
+    return "::".join([item.nodeid.split("::", 1)[0], *params])
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        group = xdist_group_of(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 class Daemon:
@@ -183,18 +227,82 @@ def probe_outside(code: str) -> str:
     return (out.stdout + out.stderr).strip()
 
 
+def _cwd_and_argv(pid: str) -> tuple[str, list[bytes]] | None:
+    """A live process's working directory and command line (None: it is gone,
+    a zombie, or not ours to read)."""
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return cwd, f.read().split(b"\0")
+    except OSError:
+        return None
+
+
+def _processes(match: Callable[[str, list[bytes]], bool]) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            seen = _cwd_and_argv(pid)
+            if seen is not None and match(*seen):
+                found.append(int(pid))
+    return found
+
+
 def processes_in(directory: Path) -> list[int]:
     """Host pids of the processes whose working directory is ``directory``: how
     the tests find a session's commands from outside, in any pid namespace."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(directory):
-                    found.append(int(pid))
-            except OSError:
-                continue
-    return found
+    return _processes(lambda cwd, _argv: cwd == str(directory))
+
+
+def _of_this_run(cwd: str) -> bool:
+    base = _RunStats.base
+    return base is not None and (cwd == base or cwd.startswith(base + "/"))
+
+
+def sleepers(marker: str) -> list[int]:
+    """Host pids of the live ``sleep MARKER`` processes of this test process
+    (any pid namespace). A process counts when its working directory lies
+    below this process's temporary directory (where every worktree of its
+    tests is), so a test run beside it (another xdist worker, another
+    checkout's run as the same user) that sleeps the same marker is not
+    counted."""
+    return _processes(lambda cwd, argv: argv[:2] == [b"sleep", marker.encode()] and _of_this_run(cwd))
+
+
+def running(marker: str) -> list[int]:
+    """Like ``sleepers``: the processes of this test process whose command line
+    holds ``marker`` anywhere (a shell running ``sleep MARKER; ...`` too)."""
+    return _processes(lambda cwd, argv: marker.encode() in b"\0".join(argv) and _of_this_run(cwd))
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds have passed;
+    return its last truth. The deadline is generous on purpose: it is only
+    reached when the awaited event never comes, so a slow, loaded machine
+    costs time, never a failure."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return bool(predicate())
+        time.sleep(interval)
+    return True
+
+
+def gone(pids: Callable[[], list[int]], timeout: float = 30.0) -> bool:
+    """Whether the processes ``pids()`` lists are all gone within ``timeout``
+    seconds (polled): ``gone(lambda: sleepers("301.1"))``."""
+    return wait_until(lambda: not pids(), timeout)
+
+
+def credential_dir(rel: str) -> Path:
+    """The user's ``~/REL`` (``.ssh``, ``.gnupg/private``...), made (0700) if
+    absent and left in place: tests in parallel, and runs beside this one as
+    the same user, use the same directory, so none may remove it from under
+    another. ./scripts/test runs as a user of its own (dispatchtest), whose
+    home holds these empty directories from then on."""
+    path = Path.home() / rel
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
 
 
 def _quote(s: str) -> str:

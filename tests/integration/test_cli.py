@@ -25,7 +25,7 @@ import pytest
 
 import dispatch
 import dispatchd
-from tests.conftest import Daemon
+from tests.conftest import Daemon, credential_dir
 
 ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
              "job_output", "job_stop", "job_list"]
@@ -527,15 +527,9 @@ def test_exec_with_an_extra_read_only_path(daemon: Daemon, worktree: Path) -> No
         assert (out.returncode, out.stdout) == (0, "1.2.3\n"), out.stderr
         without = run(daemon, "exec", "--worktree", str(worktree), "--", "cat", str(tools / "version"))
         assert without.returncode == 1 and "cat:" in without.stderr  # absent (full) or refused (degraded)
-        ssh = Path.home() / ".ssh"
-        made = not ssh.exists()
-        ssh.mkdir(exist_ok=True)
-        try:
-            assert_error(run(daemon, "exec", "--worktree", str(worktree), "--read-only", str(ssh), "--", "true"),
-                         f"read_only: {ssh} is or holds your credentials")
-        finally:
-            if made:
-                ssh.rmdir()
+        ssh = credential_dir(".ssh")
+        assert_error(run(daemon, "exec", "--worktree", str(worktree), "--read-only", str(ssh), "--", "true"),
+                     f"read_only: {ssh} is or holds your credentials")
     finally:
         (tools / "version").unlink()
         tools.rmdir()
