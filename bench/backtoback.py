@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dispatch  # noqa: E402
-from bench import pct, start_daemon  # noqa: E402
+from bench import pct, start_daemon, stop_daemon  # noqa: E402
 
 
 def make_worktree(path: str, files: int) -> None:
@@ -78,8 +78,7 @@ def main() -> None:
             for key, xs in sorted(rows.items()):
                 print(f"{key:<{width}}  {pct(xs, 0.5) * 1e3:8.2f}  {pct(xs, 0.99) * 1e3:8.2f}  {len(xs)}")
         finally:
-            proc.terminate()
-            proc.wait(30)
+            stop_daemon(proc)
 
 
 if __name__ == "__main__":

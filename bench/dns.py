@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import socket
 import statistics
 import struct
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import dispatch  # noqa: E402
-from bench import fmt, pct, start_daemon  # noqa: E402
+from bench import bench_dir, fmt, ordinary_user, pct, start_daemon, stop_daemon  # noqa: E402
 from tests.dnsresponder import NAME, Responder  # noqa: E402
 
 _INSIDE = """
@@ -86,10 +82,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rounds", type=int, nargs="?", default=2000)
     args = ap.parse_args()
-    if os.geteuid() == 0:
-        print("dns: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+    if not ordinary_user("dns"):
         return 2
-    tmp = tempfile.mkdtemp(prefix="dispatchd-dns-")
+    tmp = bench_dir("dns")
     responder = Responder()
     conf = Path(tmp, "resolv.conf")
     conf.write_text(f"nameserver 127.0.0.1:{responder.port}\n")
@@ -115,11 +110,7 @@ def main() -> int:
                 getent_no_dns = [int(x) / 1e9 for x in r.metadata["stdout"].split()]
         floor = host_floor(responder.port, args.rounds)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_daemon(daemon, 30)
         responder.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     base = statistics.median(inside["pasta"])

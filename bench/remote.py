@@ -20,7 +20,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import dispatch  # noqa: E402
-from bench import fmt, pct, start_daemon  # noqa: E402
+from bench import bench_dir, fmt, ordinary_user, pct, start_daemon, stop_daemon  # noqa: E402
 from tests.sshd import Sshd  # noqa: E402
 
 
@@ -38,10 +37,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rounds", type=int, nargs="?", default=300)
     args = ap.parse_args()
-    if os.geteuid() == 0:
-        print("remote: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+    if not ordinary_user("remote"):
         return 2
-    tmp = tempfile.mkdtemp(prefix="dispatchd-remote-")
+    tmp = bench_dir("remote")
     daemon, sock = start_daemon(tmp)
     sshd = Sshd(Path(tmp, "sshd"), f"{os.path.dirname(sys.executable)}:/usr/bin:/bin")
     wt = Path(tmp, "wt")
@@ -88,8 +86,7 @@ def main() -> int:
         for c in clients.values():
             c.close()
         sshd.stop()
-        daemon.terminate()
-        daemon.wait(15)
+        stop_daemon(daemon, 15)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

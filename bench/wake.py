@@ -15,14 +15,10 @@ steps). The machine is shared: read the ratio, not the figures.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,17 +27,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import dispatch  # noqa: E402
-from bench import fmt, pct, start_daemon  # noqa: E402
+from bench import bench_dir, fmt, ordinary_user, pct, start_daemon, stop_daemon  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rounds", type=int, nargs="?", default=30)
     args = ap.parse_args()
-    if os.geteuid() == 0:
-        print("wake: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+    if not ordinary_user("wake"):
         return 2
-    tmp = tempfile.mkdtemp(prefix="dispatchd-wake-")
+    tmp = bench_dir("wake")
     policies = Path(tmp, "policies")
     shutil.copytree(REPO / "policies", policies)
     Path(policies, "nap.toml").write_text('description = "sleeps after 0.3 s"\n[limits]\nsleep_after_s = 0.3\n')
@@ -71,11 +66,7 @@ def main() -> int:
                 awake.append(time.perf_counter() - t)
             s.close()
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_daemon(daemon, 30)
         log = Path(tmp, "daemon.log").read_text(errors="replace")
         shutil.rmtree(tmp, ignore_errors=True)
     served = [float(m) for m in re.findall(r"event=session_woken session=\w+ ms=([\d.]+)", log)]
