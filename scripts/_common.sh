@@ -56,12 +56,21 @@ as_unprivileged_user() {
     home=$(getent passwd "$user" | cut -d: -f6)
     # A copy of this tree of its own for each run (two runs at once never
     # delete each other's), with its venv kept per checkout between runs.
-    local key dest venv
+    local key dest venv venv_lock
     key=$(pwd -P | sha256sum | cut -c1-12)
     dest=$(mktemp -d "$home/dispatchd-run-XXXXXX")
     venv="$home/.cache/dispatchd-venvs/$key"
     tar --exclude=./.venv --exclude=./.git --exclude='__pycache__' --exclude=./.pytest_cache -cf - . | tar -C "$dest" -xf -
     mkdir -p "$venv"
+    # The venv's editable install points at one run's copy: a second run of
+    # the same checkout at once would point it at its own, and delete it
+    # under the first when it ends. Runs of one checkout take turns (runs of
+    # other checkouts have venvs of their own and go on side by side).
+    exec {venv_lock}>"$venv.lock"
+    if ! flock -n "$venv_lock"; then
+        echo "another run of this checkout uses $venv: waiting for it to end"
+        flock "$venv_lock"
+    fi
     chown -R "$user:" "$dest"
     chown "$user:" "$home/.cache" "$home/.cache/dispatchd-venvs" "$venv"
     local cgroup
@@ -78,7 +87,7 @@ as_unprivileged_user() {
         PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 ${CI:+CI=$CI} \
         ${DISPATCH_TYPECHECK:+DISPATCH_TYPECHECK=$DISPATCH_TYPECHECK} \
         DISPATCHD_VENV="$venv" ${cgroup:+DISPATCHD_TEST_CGROUP=$cgroup} \
-        bash "$dest/$script" "$@" || status=$?
+        bash "$dest/$script" "$@" {venv_lock}>&- || status=$?
     exit "$status"
 }
 

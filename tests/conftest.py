@@ -104,6 +104,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+def listening(path: str) -> bool:
+    """Whether something accepts connections on the Unix socket ``path``."""
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 class Daemon:
     def __init__(self, base: Path, *extra: str, prefix: tuple[str, ...] = (), state: Path | None = None) -> None:
         self.base = base
@@ -119,20 +131,15 @@ class Daemon:
             [*prefix, sys.executable, "-m", "dispatchd", "--socket", self.socket, "--log-level", "debug", *extra],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # generous: a loaded machine, never a cause of failure
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"dispatchd exited with {self.proc.returncode}:\n{self.log()}")
-            s = socket.socket(socket.AF_UNIX)
-            try:
-                s.connect(self.socket)
+            if listening(self.socket):
                 return
-            except OSError:
-                time.sleep(0.02)
-            finally:
-                s.close()
+            time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"dispatchd did not listen within 20 s:\n{self.log()}")
+        raise RuntimeError(f"dispatchd did not listen within 60 s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

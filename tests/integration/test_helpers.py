@@ -7,14 +7,13 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, shell, wait_for_pool
+from tests.conftest import Daemon, listening, shell, wait_for_pool
 
 
 def _fork_server_pid(client: dispatch.Client) -> int:
@@ -129,17 +128,6 @@ def test_a_session_whose_network_stack_dies_ends_with_that_cause(tmp_path: Path,
         assert d.stop() == 0, d.log()
 
 
-def _serving(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
 @pytest.mark.parametrize("replaced", [True, False])
 def test_a_daemon_whose_socket_path_is_taken_exits_once_idle_and_leaves_the_new_socket(
         tmp_path: Path, worktree: Path, replaced: bool) -> None:
@@ -163,7 +151,7 @@ def test_a_daemon_whose_socket_path_is_taken_exits_once_idle_and_leaves_the_new_
         if replaced:
             assert second is not None
             assert "event=socket_not_unlinked" in first.log()
-            assert os.path.exists(second.socket) and _serving(second.socket)
+            assert os.path.exists(second.socket) and listening(second.socket)
             with second.connect() as c2:
                 assert c2.status()["pid"] == second.proc.pid
     finally:

@@ -3,6 +3,7 @@ served as at its first start, whatever happened meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import resource
@@ -11,6 +12,7 @@ import shlex
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import dispatch
@@ -39,7 +41,7 @@ def _asleep(client: dispatch.Client, sid: str) -> bool:
     return any(s["id"] == sid and s.get("asleep") for s in client.list_sessions())
 
 
-def _until_asleep(d: Daemon, client: dispatch.Client, sid: str, timeout: float = 10) -> None:
+def _until_asleep(d: Daemon, client: dispatch.Client, sid: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not _asleep(client, sid) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -323,31 +325,41 @@ def test_a_tiny_sleep_after_neither_spins_nor_loops(tmp_path: Path, worktree: Pa
         assert d.stop() == 0, d.log()
 
 
-def test_replies_left_unread_do_not_use_up_the_wakes(tmp_path: Path, worktree: Path) -> None:
-    """A reply left unread in a client's socket holds its sender's pid: a
-    client that leaves one after each of several naps (a handle given up
-    but not closed) must not use up the session's pid namespaces (a budget
-    of 4 at a wake). Checked: the kernel does not count them."""
+@contextlib.contextmanager
+def _napping_with_channels(tmp_path: Path, worktree: Path
+                           ) -> Iterator[tuple[Daemon, dispatch.Client, dispatch.Session, list[protocol.FrameSocket]]]:
+    """A daemon, a client, a session of the "nap" policy that has served one
+    call, and a list for the raw channels the test opens: closed, and the
+    daemon stopped (cleanly), at the end."""
     d = _daemon(tmp_path)
     kept: list[protocol.FrameSocket] = []
     try:
         with d.connect() as client:
             s = client.open_session(str(worktree), policy="nap")
             assert shell(s, "true").is_success
-            for nap in range(6):
-                _until_asleep(d, client, s.id)
-                frames = _raw_channel(client, s.id)
-                kept.append(frames)
-                frames.send(protocol.CallTool(id=1, tool="read_file", params={"path": "README.md"}))
-                assert _readable_now(frames, 5), (nap, d.log()[-1500:])  # answered; left unread
-            _until_asleep(d, client, s.id)
-            r = shell(s, "echo served")
-            assert r.is_success and r.output == "served\n", (r.error, d.log()[-1500:])
+            yield d, client, s, kept
             s.detach()
     finally:
         for frames in kept:
             frames.close()
         assert d.stop() == 0, d.log()
+
+
+def test_replies_left_unread_do_not_use_up_the_wakes(tmp_path: Path, worktree: Path) -> None:
+    """A reply left unread in a client's socket holds its sender's pid: a
+    client that leaves one after each of several naps (a handle given up
+    but not closed) must not use up the session's pid namespaces (a budget
+    of 4 at a wake). Checked: the kernel does not count them."""
+    with _napping_with_channels(tmp_path, worktree) as (d, client, s, kept):
+        for nap in range(6):
+            _until_asleep(d, client, s.id)
+            frames = _raw_channel(client, s.id)
+            kept.append(frames)
+            frames.send(protocol.CallTool(id=1, tool="read_file", params={"path": "README.md"}))
+            assert _readable_now(frames, 30), (nap, d.log()[-1500:])  # answered; left unread
+        _until_asleep(d, client, s.id)
+        r = shell(s, "echo served")
+        assert r.is_success and r.output == "served\n", (r.error, d.log()[-1500:])
 
 
 def _readable_now(frames: protocol.FrameSocket, timeout: float = 0.0) -> bool:
@@ -364,7 +376,7 @@ def test_naps_in_quick_succession(tmp_path: Path, worktree: Path) -> None:
             s = client.open_session(str(worktree), policy="quick")
             woken = 0
             for i in range(30):
-                deadline = time.monotonic() + 5
+                deadline = time.monotonic() + 30
                 while d.log().count(f"event=session_asleep session={s.id}") <= woken and time.monotonic() < deadline:
                     time.sleep(0.002)
                 r = shell(s, f"echo {i}")
@@ -379,24 +391,14 @@ def test_naps_in_quick_succession(tmp_path: Path, worktree: Path) -> None:
 def test_more_channels_than_one_message_carries(tmp_path: Path, worktree: Path) -> None:
     """More channels than one message's 253 descriptors: handed over in two
     messages, every one held while asleep and served again after."""
-    d = _daemon(tmp_path)
-    kept: list[protocol.FrameSocket] = []
-    try:
-        with d.connect() as client:
-            s = client.open_session(str(worktree), policy="nap")
-            assert shell(s, "true").is_success
-            for _ in range(255):
-                kept.append(_raw_channel(client, s.id))
-            _until_asleep(d, client, s.id)
-            assert re.findall(rf"event=session_asleep session={s.id} channels=(\d+)", d.log())[-1] == "256"
-            for i, frames in enumerate([kept[0], kept[200], kept[-1]]):
-                frames.send(protocol.CallTool(id=i + 1, tool="read_file", params={"path": "README.md"}))
-            for i, frames in enumerate([kept[0], kept[200], kept[-1]]):
-                frames.sock.settimeout(10)
-                msg = frames.recv(protocol.channel_reply_decoder)
-                assert isinstance(msg, protocol.ToolReply) and msg.id == i + 1 and msg.success, msg
-            s.detach()
-    finally:
-        for frames in kept:
-            frames.close()
-        assert d.stop() == 0, d.log()
+    with _napping_with_channels(tmp_path, worktree) as (d, client, s, kept):
+        for _ in range(255):
+            kept.append(_raw_channel(client, s.id))
+        _until_asleep(d, client, s.id)
+        assert re.findall(rf"event=session_asleep session={s.id} channels=(\d+)", d.log())[-1] == "256"
+        for i, frames in enumerate([kept[0], kept[200], kept[-1]]):
+            frames.send(protocol.CallTool(id=i + 1, tool="read_file", params={"path": "README.md"}))
+        for i, frames in enumerate([kept[0], kept[200], kept[-1]]):
+            frames.sock.settimeout(30)
+            msg = frames.recv(protocol.channel_reply_decoder)
+            assert isinstance(msg, protocol.ToolReply) and msg.id == i + 1 and msg.success, msg
