@@ -67,41 +67,12 @@ def _run_base(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 # --- parallel runs (pytest-xdist) ---------------------------------------------
-# ./scripts/test runs the tests in several processes (`-n`, `--dist loadgroup`).
-# A test that shares a fixture wider than itself (a daemon per module, per
-# mode) goes to the worker that runs the other tests sharing it, so that the
-# fixture is made once, as in a run in one process; the others are spread one
-# by one. Each worker has its own temporary directory below the run's, so its
-# daemons' sockets, state and worktrees are its own.
-
-_SHARED_SCOPES = ("module", "class", "package")
-
-
-def xdist_group_of(item: pytest.Item) -> str | None:
-    """The group of tests ``item`` must run with: its module and the
-    parameters of its module-wide fixtures (the escape suite's mode, say);
-    None when it shares nothing but session fixtures (each worker makes
-    those once)."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return None
-    shared = sorted(name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope in _SHARED_SCOPES)
-    if not shared:
-        return None
-    callspec = getattr(item, "callspec", None)
-    params = [f"{name}={callspec.indices[name]}" for name in shared
-              if callspec is not None and name in callspec.indices]
-    return "::".join([item.nodeid.split("::", 1)[0], *params])
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        group = xdist_group_of(item)
-        if group is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
+# ./scripts/test runs the tests in several processes (`-n`, `--dist loadscope`):
+# the tests of one module run on one worker, so a fixture made once per module
+# (a daemon, one per mode in the escape suite) is made once, as in a run in
+# one process. Each worker has its own temporary directory below the run's,
+# so its daemons' sockets, state and worktrees are its own
+# (tests/unit/test_parallel.py).
 
 
 def listening(path: str) -> bool:
