@@ -20,6 +20,7 @@ from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
+from tests.conftest import gone, sleepers
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -47,26 +48,14 @@ def streaming(ctx: ToolContext) -> tuple[ToolContext, list[tuple[str, str]], Cal
 
 
 def marked(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if argv[:2] == [b"sleep", marker.encode()] and state != b"Z":
-                found.append(int(pid))
-    return found
+    """The live ``sleep MARKER`` processes of this test process (tests/conftest.py)."""
+    return sleepers(marker)
 
 
 def gone_within(marker: str, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while marked(marker) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return marked(marker) == []
+    """Whether they are gone in time; the deadline is generous (a sleep
+    left behind would run for minutes), so load never fails the test."""
+    return gone(lambda: sleepers(marker), max(seconds, 30.0))
 
 
 # ----------------------------------------------------------------- streaming

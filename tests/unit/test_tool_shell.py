@@ -17,6 +17,7 @@ import pytest
 from dispatchd.policy import Limits
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
+from tests.conftest import running, wait_until
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -304,17 +305,8 @@ def test_without_pidfd_timeouts_still_kill_everything(ctx: ToolContext) -> None:
 
 
 def _running(needle: str) -> list[int]:
-    """Live processes whose command line holds ``needle``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if needle.encode() in f.read() and alive(int(name)):
-                        found.append(int(name))
-            except OSError:
-                continue
-    return found
+    """Live processes of this test process whose command line holds ``needle`` (tests/conftest.py)."""
+    return running(needle)
 
 
 def test_the_c_helper_starts_bash_as_a_child_subreaper(ctx: ToolContext) -> None:
@@ -350,7 +342,7 @@ def test_a_background_process_of_a_call_that_ended_by_itself_runs_on(ctx: ToolCo
     r = sh(ctx, "(setsid env -i /bin/sleep 30.456 > /dev/null 2>&1 &); echo ok")
     try:
         assert r.success and r.output == "ok\n"
-        assert len(_running("30.456")) == 1
+        assert wait_until(lambda: len(_running("30.456")) == 1), _running("30.456")
     finally:
         for pid in _running("30.456"):
             os.kill(pid, 9)
@@ -367,10 +359,9 @@ def test_job_stop_ends_a_job_process_that_left_its_group_with_no_environment(ctx
     try:
         r = sh(ctx, "(setsid env -i /bin/sleep 30.789 &); sleep 30", background=True)
         assert r.success, r
-        deadline = time.monotonic() + 5
-        while not _running("30.789") and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(_running("30.789")) == 1  # the allowed twin: it runs while the job does
+        # the allowed twin: it runs while the job does (polled past the moment
+        # its shell has forked and not yet run it)
+        assert wait_until(lambda: len(_running("30.789")) == 1), _running("30.789")
         stopped = run_tool(TOOLS["job_stop"], ctx, {"job": r.metadata["job"]})
         assert stopped.success, stopped
         assert _running("30.789") == []
