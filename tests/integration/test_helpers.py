@@ -46,16 +46,18 @@ def test_the_fork_server_killed_the_daemon_ends_its_sessions_with_the_cause_and_
             assert shell(session, "echo ok").output == "ok\n"
             pid = _fork_server_pid(client)
             os.kill(pid, signal.SIGKILL)
-            result = shell(session, "echo late")
-            assert result.is_failure
-            # Meanwhile (before it exits) status says so, and opens are refused.
-            deadline = time.monotonic() + 10
+            # Once the daemon has seen it (its status says so; a call at once
+            # could come before, and be served), and before it exits, the
+            # session's calls fail and opens are refused.
+            deadline = time.monotonic() + 30
             helpers = ""
             while time.monotonic() < deadline and "gone (" not in helpers:
                 helpers = client.status()["daemon"]["helpers"]
                 time.sleep(0.05)
             assert f"fork server pid {pid}: gone (dispatchd's fork server (pid {pid}) was killed by signal 9" \
                 in helpers, helpers
+            result = shell(session, "echo late")
+            assert result.is_failure
             with pytest.raises(dispatch.DispatchError):
                 client.open_session(str(worktree)).close()
             with contextlib.suppress(dispatch.DispatchError):

@@ -18,6 +18,9 @@ from dispatch.client import Cancellation
 from tests.conftest import REPO, Daemon, _refuse_root, gone, processes_in, shell, sleepers, wait_until
 
 
+_sleepers = sleepers  # the name other test modules imported from here before it moved to tests/conftest.py
+
+
 def _wait_for_sleepers(marker: str, n: int) -> None:
     assert wait_until(lambda: len(sleepers(marker)) >= n), sleepers(marker)
     assert len(sleepers(marker)) == n
