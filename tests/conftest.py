@@ -9,6 +9,7 @@ suite must run as the ordinary user it protects (``./scripts/test`` does that).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -281,6 +282,19 @@ def credential_dir(rel: str) -> Path:
     path = Path.home() / rel
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture
+def user_budgets() -> Iterator[None]:
+    """Held while a test measures a budget the kernel keeps per user
+    (inotify instances, descriptors in flight, signals queued): every test of
+    the same user's that measures one, on another worker or in another run,
+    waits for it, so that none sees another's use as a leak."""
+    path = Path.home() / ".cache" / "dispatchd-tests" / "user-budgets.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="ascii") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _quote(s: str) -> str:
