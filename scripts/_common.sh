@@ -86,6 +86,7 @@ as_unprivileged_user() {
     runuser -u "$user" -- env -i HOME="$home" USER="$user" LOGNAME="$user" \
         PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 ${CI:+CI=$CI} \
         ${DISPATCH_TYPECHECK:+DISPATCH_TYPECHECK=$DISPATCH_TYPECHECK} \
+        ${DISPATCH_TEST_WORKERS:+DISPATCH_TEST_WORKERS=$DISPATCH_TEST_WORKERS} \
         DISPATCHD_VENV="$venv" ${cgroup:+DISPATCHD_TEST_CGROUP=$cgroup} \
         bash "$dest/$script" "$@" {venv_lock}>&- || status=$?
     exit "$status"
