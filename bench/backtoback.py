@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dispatch  # noqa: E402
-from bench import pct, start_daemon  # noqa: E402
+from bench import pct, start_daemon, stop_daemon  # noqa: E402
 
 
 def make_worktree(path: str, files: int) -> None:
@@ -108,8 +108,7 @@ def main() -> None:
                           f"{len(xs)}{ratio}")
         finally:
             for proc, _ in daemons.values():
-                proc.terminate()
-                proc.wait(30)
+                stop_daemon(proc)
 
 
 if __name__ == "__main__":

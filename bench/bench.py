@@ -58,7 +58,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -461,6 +460,45 @@ class _BigServer:
         self.server.server_close()
 
 
+def ordinary_user(name: str) -> bool:
+    """Whether this runs as an ordinary user; if not, say so: dispatchd refuses root."""
+    if os.geteuid() == 0:
+        print(f"{name}: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+        return False
+    return True
+
+
+def bench_dir(name: str, home: bool = False) -> str:
+    """A temporary directory for a bench script's daemon and worktrees; under
+    the home directory with ``home`` (where a user's are: under /tmp a
+    session's paths are mount points made inside its private /tmp, on disk,
+    at every open)."""
+    return tempfile.mkdtemp(prefix=f".dispatchd-{name}-" if home else f"dispatchd-{name}-",
+                            dir=os.path.expanduser("~") if home else None)
+
+
+def rounds_and_dir(name: str, doc: str, rounds: int) -> tuple[int, str] | None:
+    """The start of a small bench script: its one optional argument (how
+    many rounds, ``rounds`` by default), the refusal of root and its
+    temporary directory; None when it must not run."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("rounds", type=int, nargs="?", default=rounds)
+    args = ap.parse_args()
+    if not ordinary_user(name):
+        return None
+    return args.rounds, bench_dir(name)
+
+
+def stop_daemon(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM, and SIGKILL if it has not ended within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def start_daemon(tmp: str, *extra: str, code: str = "") -> tuple[subprocess.Popen[bytes], str]:
     """A daemon on a socket under ``tmp``; ``code``: run the ``dispatchd``
     package of that checkout instead of this one (A/B runs)."""
@@ -666,8 +704,7 @@ def main() -> int:
     finally:
         for proc in (daemon, plain, debug):
             if proc is not None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(20)
+                stop_daemon(proc, 20)
         shutil.rmtree(tmp, ignore_errors=True)
         big.close()
         if cgroup:

@@ -36,11 +36,8 @@ import argparse
 import os
 import resource
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -50,7 +47,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import dispatch  # noqa: E402
-from bench import descendants as children, fmt, pct, start_daemon, uss  # noqa: E402
+from bench import bench_dir, descendants as children, fmt, ordinary_user, pct, start_daemon, stop_daemon, uss  # noqa: E402
 
 
 def meminfo() -> dict[str, int]:
@@ -89,8 +86,7 @@ def main() -> int:
     ap.add_argument("--asleep", action="store_true",
                     help="measure once every session sleeps (sleep_after_s), then wake each with a read_file")
     args = ap.parse_args()
-    if os.geteuid() == 0:
-        print("density: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+    if not ordinary_user("density"):
         return 2
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
@@ -98,7 +94,7 @@ def main() -> int:
     if hard < args.sessions + 64:
         print(f"density: this process may hold {hard} descriptors, a session takes one: expect failures",
               file=sys.stderr)
-    tmp = tempfile.mkdtemp(prefix="dispatchd-density-")
+    tmp = bench_dir("density")
     daemon, sock = start_daemon(tmp)
     wt = os.path.join(tmp, "wt")
     os.mkdir(wt)
@@ -183,11 +179,7 @@ def main() -> int:
                     th.join()
             close_all = time.perf_counter() - t
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_daemon(daemon, 60)
         shutil.rmtree(tmp, ignore_errors=True)
 
     n = max(1, len(sessions))

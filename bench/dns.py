@@ -20,26 +20,19 @@ read the ratios, not the figures.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
-import signal
 import socket
 import statistics
 import struct
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import fmt, pct, rounds_and_dir, start_daemon, stop_daemon  # noqa: E402  (and the repository on the path)
 
 import dispatch  # noqa: E402
-from bench import fmt, pct, start_daemon  # noqa: E402
 from tests.dnsresponder import NAME, Responder  # noqa: E402
 
 _INSIDE = """
@@ -83,13 +76,10 @@ def host_floor(port: int, n: int) -> list[float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("rounds", type=int, nargs="?", default=2000)
-    args = ap.parse_args()
-    if os.geteuid() == 0:
-        print("dns: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+    setup = rounds_and_dir("dns", __doc__, 2000)
+    if setup is None:
         return 2
-    tmp = tempfile.mkdtemp(prefix="dispatchd-dns-")
+    rounds, tmp = setup
     responder = Responder()
     conf = Path(tmp, "resolv.conf")
     conf.write_text(f"nameserver 127.0.0.1:{responder.port}\n")
@@ -101,7 +91,7 @@ def main() -> int:
             with client.open_session(str(wt), network="on") as s:
                 shell = s.registry.get("shell_exec")
                 Path(wt, "inside.py").write_text(_INSIDE)
-                r = shell.call({"command": f"/usr/bin/python3 inside.py {args.rounds} {responder.port} "
+                r = shell.call({"command": f"/usr/bin/python3 inside.py {rounds} {responder.port} "
                                            f"{query().hex()}", "timeout": 600})
                 if not r.is_success:
                     print(r.error, file=sys.stderr)
@@ -113,17 +103,13 @@ def main() -> int:
                 r = shell.call({"command": "for i in $(seq 50); do s=$(date +%s%N); getent hosts 10.0.2.2"
                                 " >/dev/null; e=$(date +%s%N); echo $((e - s)); done"})
                 getent_no_dns = [int(x) / 1e9 for x in r.metadata["stdout"].split()]
-        floor = host_floor(responder.port, args.rounds)
+        floor = host_floor(responder.port, rounds)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_daemon(daemon, 30)
         responder.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     base = statistics.median(inside["pasta"])
-    print(f"UDP query for {NAME}, {args.rounds} rounds, interleaved (p50 / p99, ratio of p50 to pasta's):")
+    print(f"UDP query for {NAME}, {rounds} rounds, interleaved (p50 / p99, ratio of p50 to pasta's):")
     for label, xs in (("relay (127.0.0.53:53)", inside["relay"]), ("pasta (10.0.2.2:PORT)", inside["pasta"]),
                       ("host, no session", floor)):
         print(f"  {label:24} {fmt(statistics.median(xs))} / {fmt(pct(xs, 0.99))}   "

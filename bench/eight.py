@@ -15,7 +15,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,7 +22,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import dispatch  # noqa: E402
-from bench import BareClient, Clients, start_daemon, threads_for, user_cpu  # noqa: E402
+from bench import BareClient, Clients, bench_dir, ordinary_user, start_daemon, stop_daemon, threads_for, user_cpu  # noqa: E402
 
 
 def main() -> int:
@@ -32,7 +31,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shared", action="store_true", help="and 8 threads sharing one session, as a third row")
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix=".dispatchd-eight-", dir=os.path.expanduser("~"))
+    if not ordinary_user("eight"):
+        return 2
+    tmp = bench_dir("eight", home=True)
     try:
         run(args, tmp)
     finally:
@@ -78,8 +79,7 @@ def run(args: argparse.Namespace, tmp: str) -> None:
             shared.close()
         clients.close()
         many.close()
-        daemon.terminate()
-        daemon.wait()
+        stop_daemon(daemon)
 
 
 if __name__ == "__main__":

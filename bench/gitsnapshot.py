@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,44 +30,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dispatchd.daemon.gitguard import layouts, redirects, snapshots  # noqa: E402
-
-ENV = dict(os.environ, GIT_AUTHOR_NAME="b", GIT_AUTHOR_EMAIL="b@invalid", GIT_COMMITTER_NAME="b",
-           GIT_COMMITTER_EMAIL="b@invalid")
-
-
-def git(cwd: Path, *args: str, stdin: str | None = None) -> str:
-    return subprocess.run(["git", "-c", "protocol.file.allow=always", *args], cwd=cwd, check=True, text=True,
-                          capture_output=True, env=ENV, input=stdin).stdout
-
+from tests.unit.gitrepo import empty_repo, git, nested_submodules, one_file_repo  # noqa: E402
 
 def plain(root: Path) -> Path:
-    r = root / "plain"
-    r.mkdir()
-    git(r, "init", "-q")
-    (r / "f").write_text("f")
-    git(r, "add", "f")
-    git(r, "commit", "-qm", "f")
-    return r
+    return one_file_repo(root / "plain")
 
 
 def few_submodules(root: Path) -> Path:
-    inner = root / "inner-src"
-    inner.mkdir()
-    git(inner, "init", "-q")
-    git(inner, "commit", "-q", "--allow-empty", "-m", "i")
-    lib = root / "lib-src"
-    lib.mkdir()
-    git(lib, "init", "-q")
-    git(lib, "submodule", "add", "-q", str(inner), "inner")
-    git(lib, "commit", "-qm", "lib")
-    r = root / "few"
-    r.mkdir()
-    git(r, "init", "-q")
-    for i in range(4):
-        git(r, "submodule", "add", "-q", str(lib), f"libs/lib{i}")
-    git(r, "submodule", "update", "-q", "--init", "--recursive")
-    git(r, "commit", "-qm", "submodules")
-    return r
+    return nested_submodules(root, "few", [f"libs/lib{i}" for i in range(4)])
 
 
 def many_submodules(root: Path, n: int) -> Path:
@@ -77,10 +46,7 @@ def many_submodules(root: Path, n: int) -> Path:
     r = root / f"many{n}"
     r.mkdir()
     git(r, "init", "-q")
-    src = root / "one-src"
-    src.mkdir()
-    git(src, "init", "-q")
-    git(src, "commit", "-q", "--allow-empty", "-m", "one")
+    src = empty_repo(root / "one-src", "one")
     head = git(src, "rev-parse", "HEAD").strip()
     lines = []
     for i in range(n):
@@ -129,19 +95,13 @@ def measure(repo: Path, runs: int) -> tuple[float, float, float]:
 def sessions(repos: list[tuple[str, Path]], runs: int) -> None:
     import dispatch
 
-    tmp = tempfile.mkdtemp(prefix="gitsnapshot-bench-")
-    sock = os.path.join(tmp, "run", "d.sock")
+    from bench import bench_dir, start_daemon, stop_daemon
+
+    tmp = bench_dir("gitsnapshot")
     # DISPATCHD_TREE: another checkout's daemon (main's, for a before/after)
     tree = os.environ.get("DISPATCHD_TREE", str(Path(__file__).resolve().parent.parent))
-    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmp, "state"), PYTHONPATH=tree)
-    with open(os.path.join(tmp, "daemon.log"), "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dispatchd", "--socket", sock], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, cwd=tmp)
+    proc, sock = start_daemon(tmp, code=tree)
     try:
-        for _ in range(400):
-            if os.path.exists(sock):
-                break
-            time.sleep(0.025)
         with dispatch.connect(sock) as client:
             for name, repo in repos:
                 client.open_session(str(repo), network=False).close()  # warm
@@ -153,8 +113,7 @@ def sessions(repos: list[tuple[str, Path]], runs: int) -> None:
                 print(f"session open+close, {name:28} median {statistics.median(times) * 1e3:8.2f}ms, "
                       f"fastest {min(times) * 1e3:8.2f}ms")
     finally:
-        proc.terminate()
-        proc.wait()
+        stop_daemon(proc)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

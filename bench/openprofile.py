@@ -24,14 +24,13 @@ import re
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import dispatch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import start_daemon  # noqa: E402
+from bench import bench_dir, ordinary_user, start_daemon, stop_daemon  # noqa: E402
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -68,12 +67,9 @@ def main() -> int:
                     help="A/B: a third daemon, pooled, running the dispatchd package of the checkout DIR "
                          "(another branch; the same client)")
     args = ap.parse_args()
-    if os.geteuid() == 0:
-        print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+    if not ordinary_user("openprofile"):
         return 2
-    # Under the home directory, as a user's worktrees and dispatchd's state are: under /tmp the
-    # session's paths would be mount points made inside its private /tmp (on disk), each open.
-    tmp = tempfile.mkdtemp(prefix=".dispatchd-openprofile-", dir=os.path.expanduser("~"))
+    tmp = bench_dir("openprofile", home=True)
     wt = os.path.join(tmp, "wt")
     os.makedirs(wt)
     Path(wt, "f.txt").write_text("hello\n" * 60)
@@ -143,8 +139,7 @@ def main() -> int:
                   + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in sorted(steps.items())))
     finally:
         for proc, _, _ in daemons.values():
-            proc.terminate()
-            proc.wait(20)
+            stop_daemon(proc, 20)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

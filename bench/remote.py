@@ -15,33 +15,26 @@ Prints p50 and p99 of each and what the bridge adds at the median.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import fmt, pct, rounds_and_dir, start_daemon, stop_daemon  # noqa: E402  (and the repository on the path)
 
 import dispatch  # noqa: E402
-from bench import fmt, pct, start_daemon  # noqa: E402
 from tests.sshd import Sshd  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("rounds", type=int, nargs="?", default=300)
-    args = ap.parse_args()
-    if os.geteuid() == 0:
-        print("remote: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+    setup = rounds_and_dir("remote", __doc__, 300)
+    if setup is None:
         return 2
-    tmp = tempfile.mkdtemp(prefix="dispatchd-remote-")
+    rounds, tmp = setup
     daemon, sock = start_daemon(tmp)
     sshd = Sshd(Path(tmp, "sshd"), f"{os.path.dirname(sys.executable)}:/usr/bin:/bin")
     wt = Path(tmp, "wt")
@@ -63,7 +56,7 @@ def main() -> int:
         for name, read in reads.items():  # warm: first calls, caches
             for _ in range(20):
                 assert read({"path": "small.txt"}).is_success
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, read in reads.items():
                 t0 = time.perf_counter()
                 r = read({"path": "small.txt"})
@@ -75,7 +68,7 @@ def main() -> int:
                 r = read({"path": "big.txt"})
                 big[name].append(time.perf_counter() - t0)
                 assert r.is_success, r.error
-        print(f"read_file, {args.rounds} rounds (small file) and 20 (4 MiB), interleaved")
+        print(f"read_file, {rounds} rounds (small file) and 20 (4 MiB), interleaved")
         base_small, base_big = pct(small["local"], 0.5), pct(big["local"], 0.5)
         for name in reads:
             s50, b50 = pct(small[name], 0.5), pct(big[name], 0.5)
@@ -88,8 +81,7 @@ def main() -> int:
         for c in clients.values():
             c.close()
         sshd.stop()
-        daemon.terminate()
-        daemon.wait(15)
+        stop_daemon(daemon, 15)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -35,7 +35,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -158,10 +157,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="only these rows")
     args = ap.parse_args()
-    if os.geteuid() == 0:
-        print("schedgroups: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+    if not bench.ordinary_user("schedgroups"):
         return 2
-    tmp = tempfile.mkdtemp(prefix=".dispatchd-groups-", dir=os.path.expanduser("~"))
+    tmp = bench.bench_dir("groups", home=True)
     wt = os.path.join(tmp, "wt")
     os.mkdir(wt)
     Path(wt, "f4k.txt").write_text(("0123456789abcdef" * 4 + "\n") * 63)  # as ./scripts/bench's
@@ -205,8 +203,7 @@ def main() -> int:
             c.send(b"q")
         bare.close()
         bare_own.close()
-        daemon.terminate()
-        daemon.wait(10)
+        bench.stop_daemon(daemon, 10)
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"{args.clients} clients, medians of {args.rounds} rounds of {args.seconds:g} s; "
           f"load {os.getloadavg()[0]:.1f}")

@@ -14,34 +14,24 @@ steps). The machine is shared: read the ratio, not the figures.
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import REPO, fmt, pct, rounds_and_dir, start_daemon, stop_daemon  # noqa: E402  (and the repository on the path)
 
 import dispatch  # noqa: E402
-from bench import fmt, pct, start_daemon  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("rounds", type=int, nargs="?", default=30)
-    args = ap.parse_args()
-    if os.geteuid() == 0:
-        print("wake: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
+    setup = rounds_and_dir("wake", __doc__, 30)
+    if setup is None:
         return 2
-    tmp = tempfile.mkdtemp(prefix="dispatchd-wake-")
+    rounds, tmp = setup
     policies = Path(tmp, "policies")
     shutil.copytree(REPO / "policies", policies)
     Path(policies, "nap.toml").write_text('description = "sleeps after 0.3 s"\n[limits]\nsleep_after_s = 0.3\n')
@@ -56,7 +46,7 @@ def main() -> int:
             s = client.open_session(str(wt), policy="nap", network=False)
             read = s.registry.get("read_file")
             read.call({"path": "f.txt"})
-            for _ in range(args.rounds):
+            for _ in range(rounds):
                 deadline = time.monotonic() + 30
                 while not any(i["id"] == s.id and i["asleep"] for i in client.list_sessions()):
                     if time.monotonic() > deadline:
@@ -71,11 +61,7 @@ def main() -> int:
                 awake.append(time.perf_counter() - t)
             s.close()
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_daemon(daemon, 30)
         log = Path(tmp, "daemon.log").read_text(errors="replace")
         shutil.rmtree(tmp, ignore_errors=True)
     served = [float(m) for m in re.findall(r"event=session_woken session=\w+ ms=([\d.]+)", log)]
@@ -84,7 +70,7 @@ def main() -> int:
         for part in line.split(","):
             name, _, ms = part.partition(":")
             steps.setdefault(name, []).append(float(ms))
-    print(f"dispatchd wake: {args.rounds} sleeps of one session")
+    print(f"dispatchd wake: {rounds} sleeps of one session")
     print(f"first read_file after a sleep (the wake): p50 {fmt(statistics.median(woken)).strip()}, "
           f"p99 {fmt(pct(woken, 0.99)).strip()}")
     print(f"the next read_file (awake):               p50 {fmt(statistics.median(awake)).strip()}, "

@@ -60,12 +60,21 @@ as_unprivileged_user() {
     home=$(getent passwd "$user" | cut -d: -f6)
     # A copy of this tree of its own for each run (two runs at once never
     # delete each other's), with its venv kept per checkout between runs.
-    local key dest venv
+    local key dest venv venv_lock
     key=$(pwd -P | sha256sum | cut -c1-12)
     dest=$(mktemp -d "$home/dispatchd-run-XXXXXX")
     venv="$home/.cache/dispatchd-venvs/$key"
     tar --exclude=./.venv --exclude=./.git --exclude='__pycache__' --exclude=./.pytest_cache -cf - . | tar -C "$dest" -xf -
     mkdir -p "$venv"
+    # The venv's editable install points at one run's copy: a second run of
+    # the same checkout at once would point it at its own, and delete it
+    # under the first when it ends. Runs of one checkout take turns (runs of
+    # other checkouts have venvs of their own and go on side by side).
+    exec {venv_lock}>"$venv.lock"
+    if ! flock -n "$venv_lock"; then
+        echo "another run of this checkout uses $venv: waiting for it to end"
+        flock "$venv_lock"
+    fi
     chown -R "$user:" "$dest"
     chown "$user:" "$home/.cache" "$home/.cache/dispatchd-venvs" "$venv"
     local cgroup
@@ -81,8 +90,9 @@ as_unprivileged_user() {
     runuser -u "$user" -- env -i HOME="$home" USER="$user" LOGNAME="$user" \
         PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 ${CI:+CI=$CI} \
         ${DISPATCH_TYPECHECK:+DISPATCH_TYPECHECK=$DISPATCH_TYPECHECK} \
+        ${DISPATCH_TEST_WORKERS:+DISPATCH_TEST_WORKERS=$DISPATCH_TEST_WORKERS} \
         DISPATCHD_VENV="$venv" ${cgroup:+DISPATCHD_TEST_CGROUP=$cgroup} \
-        bash "$dest/$script" "$@" || status=$?
+        bash "$dest/$script" "$@" {venv_lock}>&- || status=$?
     exit "$status"
 }
 
@@ -170,4 +180,30 @@ ensure_venv() {
     fi
     [ -n "${VERBOSE_SETUP:-}" ] && echo "==> installing dispatchd into .venv (pip; about a minute the first time)"
     .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
+}
+
+# cpu_seconds: the CPU time (user + system, in seconds) used so far by this
+# run: its cgroup's subtree when ./scripts/test made one, else this shell's
+# waited-for children.
+cpu_seconds() {
+    local stat=${DISPATCHD_TEST_CGROUP:+$DISPATCHD_TEST_CGROUP/cpu.stat}
+    if [ -n "$stat" ] && [ -r "$stat" ]; then
+        awk '$1 == "usage_usec" { printf "%.1f\n", $2 / 1e6 }' "$stat"
+    else
+        # `times`, second line: the children's user and system time, "XmY.YYYs"
+        times | awk 'NR == 2 { t = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); t += a[1] * 60 + a[2] } printf "%.1f\n", t }'
+    fi
+}
+
+# run_summary START CPU_BEFORE STATS: one line of what a test run cost: wall
+# time, the load then, CPU seconds, daemons started and seconds slept (the
+# sum over the STATS lines the pytest processes appended).
+run_summary() {
+    local start=$1 cpu_before=$2 stats=$3
+    [ -f "$stats" ] || : >"$stats"
+    awk -v start="$start" -v now="$(date +%s.%N)" -v cpu0="$cpu_before" -v cpu1="$(cpu_seconds)" \
+        -v load="$(cut -d' ' -f1-3 /proc/loadavg)" -v cores="$(nproc)" '
+        { for (i = 1; i <= NF; i++) { split($i, kv, "="); sum[kv[1]] += kv[2] } }
+        END { printf "==> run: %.0f s wall (load %s on %d cores), %.0f s CPU, %d daemons started, %.0f s slept in tests\n",
+                     now - start, load, cores, cpu1 - cpu0, sum["daemons"], sum["slept"] }' "$stats"
 }

@@ -9,6 +9,7 @@ suite must run as the ordinary user it protects (``./scripts/test`` does that).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -17,8 +18,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,63 @@ import dispatch
 from tests.sleeping import WokenClient, sleepy_policies
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+# --- what a run costs, beyond its wall time ---------------------------------
+# Figures that do not depend on the machine's load (docs/testing.md): how many
+# daemons the run started and how long the tests' own threads slept. Each
+# pytest process (each xdist worker too) appends one line to the file named
+# by DISPATCH_TEST_STATS; ./scripts/test adds them up with the CPU time.
+
+class _RunStats:
+    daemons = 0
+    slept = 0.0
+    base: str | None = None  # this process's temporary directory (an xdist worker's own)
+
+
+_real_sleep = time.sleep
+
+
+def _counted_sleep(seconds: float) -> None:
+    if threading.current_thread() is threading.main_thread():
+        _RunStats.slept += max(seconds, 0.0)
+    _real_sleep(seconds)
+
+
+time.sleep = _counted_sleep
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get("DISPATCH_TEST_STATS")
+    if path:
+        with open(path, "a", encoding="ascii") as f:
+            f.write(f"daemons={_RunStats.daemons} slept={_RunStats.slept:.1f}\n")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _run_base(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _RunStats.base = os.path.realpath(tmp_path_factory.getbasetemp())
+
+
+# --- parallel runs (pytest-xdist) ---------------------------------------------
+# ./scripts/test runs the tests in several processes (`-n`, `--dist loadscope`):
+# the tests of one module run on one worker, so a fixture made once per module
+# (a daemon, one per mode in the escape suite) is made once, as in a run in
+# one process. Each worker has its own temporary directory below the run's,
+# so its daemons' sockets, state and worktrees are its own
+# (tests/unit/test_parallel.py).
+
+
+def listening(path: str) -> bool:
+    """Whether something accepts connections on the Unix socket ``path``."""
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 class Daemon:
@@ -39,24 +98,20 @@ class Daemon:
         env["XDG_STATE_HOME"] = str(self.state)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         self._log = open(self.log_path, "wb")
+        _RunStats.daemons += 1
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "dispatchd", "--socket", self.socket, "--log-level", "debug", *extra],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # generous: a loaded machine, never a cause of failure
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"dispatchd exited with {self.proc.returncode}:\n{self.log()}")
-            s = socket.socket(socket.AF_UNIX)
-            try:
-                s.connect(self.socket)
+            if listening(self.socket):
                 return
-            except OSError:
-                time.sleep(0.02)
-            finally:
-                s.close()
+            time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"dispatchd did not listen within 20 s:\n{self.log()}")
+        raise RuntimeError(f"dispatchd did not listen within 60 s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -151,18 +206,95 @@ def probe_outside(code: str) -> str:
     return (out.stdout + out.stderr).strip()
 
 
+def _cwd_and_argv(pid: str) -> tuple[str, list[bytes]] | None:
+    """A live process's working directory and command line (None: it is gone,
+    a zombie, or not ours to read)."""
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return cwd, f.read().split(b"\0")
+    except OSError:
+        return None
+
+
+def _processes(match: Callable[[str, list[bytes]], bool]) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            seen = _cwd_and_argv(pid)
+            if seen is not None and match(*seen):
+                found.append(int(pid))
+    return found
+
+
 def processes_in(directory: Path) -> list[int]:
     """Host pids of the processes whose working directory is ``directory``: how
     the tests find a session's commands from outside, in any pid namespace."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(directory):
-                    found.append(int(pid))
-            except OSError:
-                continue
-    return found
+    return _processes(lambda cwd, _argv: cwd == str(directory))
+
+
+def _of_this_run(cwd: str) -> bool:
+    base = _RunStats.base
+    return base is not None and (cwd == base or cwd.startswith(base + "/"))
+
+
+def sleepers(marker: str) -> list[int]:
+    """Host pids of the live ``sleep MARKER`` processes of this test process
+    (any pid namespace). A process counts when its working directory lies
+    below this process's temporary directory (where every worktree of its
+    tests is), so a test run beside it (another xdist worker, another
+    checkout's run as the same user) that sleeps the same marker is not
+    counted."""
+    return _processes(lambda cwd, argv: argv[:2] == [b"sleep", marker.encode()] and _of_this_run(cwd))
+
+
+def running(marker: str) -> list[int]:
+    """Like ``sleepers``: the processes of this test process whose command line
+    holds ``marker`` anywhere (a shell running ``sleep MARKER; ...`` too)."""
+    return _processes(lambda cwd, argv: marker.encode() in b"\0".join(argv) and _of_this_run(cwd))
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds have passed;
+    return its last truth. The deadline is generous on purpose: it is only
+    reached when the awaited event never comes, so a slow, loaded machine
+    costs time, never a failure."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return bool(predicate())
+        time.sleep(interval)
+    return True
+
+
+def gone(pids: Callable[[], list[int]], timeout: float = 30.0) -> bool:
+    """Whether the processes ``pids()`` lists are all gone within ``timeout``
+    seconds (polled): ``gone(lambda: sleepers("301.1"))``."""
+    return wait_until(lambda: not pids(), timeout)
+
+
+def credential_dir(rel: str) -> Path:
+    """The user's ``~/REL`` (``.ssh``, ``.gnupg/private``...), made (0700) if
+    absent and left in place: tests in parallel, and runs beside this one as
+    the same user, use the same directory, so none may remove it from under
+    another. ./scripts/test runs as a user of its own (dispatchtest), whose
+    home holds these empty directories from then on."""
+    path = Path.home() / rel
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def user_budgets() -> Iterator[None]:
+    """Held while a test measures a budget the kernel keeps per user
+    (inotify instances, descriptors in flight, signals queued): every test of
+    the same user's that measures one, on another worker or in another run,
+    waits for it, so that none sees another's use as a leak."""
+    path = Path.home() / ".cache" / "dispatchd-tests" / "user-budgets.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="ascii") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _quote(s: str) -> str:

@@ -31,6 +31,7 @@ from types import TracebackType
 
 import dispatch
 from tests.conftest import probe, probe_outside, shell
+from tests.listeners import Served
 
 
 def _denied(name: str) -> str:
@@ -125,7 +126,7 @@ def wait_for(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
     return condition()
 
 
-class TcpListener:
+class TcpListener(Served):
     """A TCP server outside the sandbox: greets every client with ``BANNER`` and
     records, per connection (in the order they came), the bytes it sent and
     whether it closed."""
@@ -133,29 +134,22 @@ class TcpListener:
     BANNER = b"dispatch-escape-banner\n"
 
     def __init__(self, host: str = "127.0.0.1", family: int = socket.AF_INET) -> None:
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.bind((host, 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.port: int = self.sock.getsockname()[1]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen(8)
+        self.port: int = sock.getsockname()[1]
         self.received: list[bytes] = []  # one entry per connection, complete once it closed
         self.closed_by_peer: list[bool] = []
-        self._stop = threading.Event()
         self._handlers: list[threading.Thread] = []
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(sock)
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            self.received.append(b"")
-            self.closed_by_peer.append(False)
-            handler = threading.Thread(target=self._handle, args=(conn, len(self.received) - 1), daemon=True)
-            self._handlers.append(handler)
-            handler.start()
+    def serve_once(self) -> None:
+        conn, _ = self.sock.accept()
+        self.received.append(b"")
+        self.closed_by_peer.append(False)
+        handler = threading.Thread(target=self._handle, args=(conn, len(self.received) - 1), daemon=True)
+        self._handlers.append(handler)
+        handler.start()
 
     def _handle(self, conn: socket.socket, index: int) -> None:
         with conn:
@@ -174,11 +168,9 @@ class TcpListener:
                 self.received[index] += data
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+        super().close()
         for handler in self._handlers:
             handler.join(5)
-        self.sock.close()
 
     def __enter__(self) -> TcpListener:
         return self

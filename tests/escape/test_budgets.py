@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import REPO, Daemon, _refuse_root, shell
+from tests.conftest import REPO, Daemon, _refuse_root, shell, wait_until
 from tests.escape.conftest import connect, mode_daemon
+
+# The budgets measured here are the user's, shared by every process of the
+# user's: the tests that measure them take turns across workers and runs.
+pytestmark = pytest.mark.usefixtures("user_budgets")
 
 # Opens inotify instances until the kernel refuses; prints how many and the errno.
 INOTIFY_HOG = r"""
@@ -78,18 +82,17 @@ def test_a_session_takes_at_most_its_inotify_share_and_the_user_keeps_the_rest(
         # Holding as many as it can (in the background), it gets 31 (the tool
         # server holds one, its watch of what calls change), then EMFILE.
         shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG)} 30 > hog.out", background=True)
-        for _ in range(100):
-            out = (worktree / "hog.out").read_text() if (worktree / "hog.out").exists() else ""
-            if out:
-                break
-            import time
-
-            time.sleep(0.05)
+        hog = worktree / "hog.out"
+        assert wait_until(lambda: hog.exists() and hog.read_text().strip() != "")
+        out = hog.read_text()
         taken, err = out.split()
         assert int(taken) == 31 and int(err) == errno.EMFILE, out
         # The user's own programs still have what the session could not take.
-        assert _instances_left_for_the_user() >= min(before, 128) - 32
-    assert _instances_left_for_the_user() == before
+        assert _instances_left_for_the_user() >= min(before, 128) - 32 - 4  # 4: sessions beside it, one each
+    # Closed: its 32 are the user's again. The count is the whole user's, and
+    # tests beside this one (other workers, other runs) open and close
+    # theirs meanwhile: compared with a little room, far from 32.
+    assert wait_until(lambda: _instances_left_for_the_user() >= before - 4), (_instances_left_for_the_user(), before)
 
 
 def test_a_session_cannot_make_namespaces_and_budgets_left_open_are_listed(

@@ -11,14 +11,12 @@ by the rlimit, and the daemon says so (tests/integration/test_cgroups.py).
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 import dispatch
-from tests.conftest import CGROUP_BASE, cgroup_controllers, shell
+from tests.conftest import CGROUP_BASE, cgroup_controllers, gone, shell, sleepers, wait_until
 
 
 def _session_cgroup(session: dispatch.Session) -> str:
@@ -50,11 +48,6 @@ def test_a_session_cannot_leave_or_loosen_its_cgroup(cgroup_daemon: tuple[dispat
             assert os.access(file, os.W_OK)
 
 
-def _sleepers(seconds: int) -> list[str]:
-    found = subprocess.run(["pgrep", "-u", str(os.getuid()), "-f", f"^sleep {seconds}$"], capture_output=True, text=True)
-    return found.stdout.split()
-
-
 def test_closing_a_session_ends_whatever_left_its_process_tree(cgroup_daemon: tuple[dispatch.Client, str],
                                                                 worktree: Path) -> None:
     client, _ = cgroup_daemon
@@ -62,13 +55,10 @@ def test_closing_a_session_ends_whatever_left_its_process_tree(cgroup_daemon: tu
     path = _session_cgroup(s)
     # Double fork and a new session: no longer below the command that started it.
     shell(s, "setsid sh -c 'sleep 317 &' </dev/null >/dev/null 2>&1", background=True)
-    deadline = time.monotonic() + 5
-    while not _sleepers(317) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert len(_sleepers(317)) == 1  # the control: it runs
+    assert wait_until(lambda: len(sleepers("317")) == 1), sleepers("317")  # the control: it runs
     s.close()
     assert not os.path.exists(path)
-    assert _sleepers(317) == []
+    assert gone(lambda: sleepers("317"))
 
 
 def test_a_fork_bomb_stops_at_pids_max_or_the_rlimit(cgroup_daemon: tuple[dispatch.Client, str], worktree: Path,

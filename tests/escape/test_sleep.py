@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 import dispatch
-from tests.conftest import shell
+from tests.conftest import credential_dir, shell
 from tests.escape.attempts import (
     EACCES, EBUSY, ECONNREFUSED, ENETUNREACH, EPERM, EROFS, SYS, TcpListener, attempt, attempt_outside, wait_for,
 )
@@ -157,17 +157,12 @@ def test_unshare_and_mount_stay_refused(sandbox: Sandbox, session: dispatch.Sess
 @pytest.fixture
 def ssh_key() -> Iterator[Path]:
     """A key file in the user's ~/.ssh (made for the test if absent)."""
-    ssh = Path.home() / ".ssh"
-    made = not ssh.exists()
-    ssh.mkdir(mode=0o700, exist_ok=True)
-    key = ssh / f"dispatch-escape-key-{secrets.token_hex(4)}"
+    key = credential_dir(".ssh") / f"dispatch-escape-key-{secrets.token_hex(4)}"
     key.write_text("PRIVATE KEY\n")
     try:
         yield key
     finally:
         key.unlink()
-        if made:
-            ssh.rmdir()
 
 
 def test_the_users_ssh_stays_unreachable(sandbox: Sandbox, session: dispatch.Session, ssh_key: Path,

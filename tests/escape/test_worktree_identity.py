@@ -24,6 +24,7 @@ import pytest
 
 import dispatch
 from dispatch.errors import RequestFailed
+from tests.conftest import credential_dir
 from tests.escape.attempts import background
 from tests.escape.conftest import Sandbox
 
@@ -97,16 +98,10 @@ def test_a_swapped_worktree_is_the_real_one_or_refused(
 def test_credential_directories_are_never_a_worktree(
     sandbox: Sandbox, client: dispatch.Client, worktree: Path, name: str,
 ) -> None:
-    cred = Path.home() / name
-    made = not cred.exists()
-    cred.mkdir(exist_ok=True)
-    try:
-        with pytest.raises(RequestFailed) as info:
-            client.open_session(str(cred))
-        assert info.value.code == "bad_worktree"
-        assert info.value.message == f"worktree {cred} is or holds your credentials ({cred}): refused"
-    finally:
-        if made:
-            cred.rmdir()
+    cred = credential_dir(name)
+    with pytest.raises(RequestFailed) as info:
+        client.open_session(str(cred))
+    assert info.value.code == "bad_worktree"
+    assert info.value.message == f"worktree {cred} is or holds your credentials ({cred}): refused"
     with client.open_session(str(worktree)) as s:  # the twin: an ordinary directory opens
         assert s.status()["protections"]["mode"] == sandbox.mode

@@ -11,7 +11,7 @@ import pytest
 import dispatch
 import dispatch.aio
 from dispatch.agent import FakeModel
-from tests.integration.test_long_work import _sleepers
+from tests.conftest import sleepers as _sleepers
 
 
 def run(coro):
@@ -127,7 +127,7 @@ def test_no_daemon_raises_the_same_error(tmp_path: Path) -> None:
         run(main())
 
 
-async def _until(predicate, seconds: float = 5.0) -> bool:
+async def _until(predicate, seconds: float = 30.0) -> bool:
     deadline = time.monotonic() + seconds
     while not predicate() and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
@@ -161,13 +161,13 @@ def test_a_wait_for_timeout_ends_the_command_in_the_sandbox(daemon, worktree: Pa
                 call.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await call
-                assert await _until(lambda: _sleepers("4241") == [], 2.0)
+                assert await _until(lambda: _sleepers("4241") == [])
                 # wait_for's timeout cancels the awaiting task: the same.
                 started = time.monotonic()
                 with pytest.raises(asyncio.TimeoutError):
                     await asyncio.wait_for(session.registry.call("shell_exec", {"command": "sleep 4242"}), 0.5)
-                assert time.monotonic() - started < 1.5
-                assert await _until(lambda: _sleepers("4242") == [], 2.0)
+                assert time.monotonic() - started < 30  # at its timeout, not at the end of the sleep
+                assert await _until(lambda: _sleepers("4242") == [])
                 # The session goes on.
                 assert (await session.registry.call("shell_exec", {"command": "echo on"})).output == "on\n"
 
@@ -185,7 +185,7 @@ def test_a_cancelled_dispatch_ends_its_command(daemon, worktree: Path) -> None:
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                assert await _until(lambda: _sleepers("4243") == [], 2.0)
+                assert await _until(lambda: _sleepers("4243") == [])
 
     run(main())
 
@@ -200,7 +200,7 @@ def test_session_cancel_ends_every_call_in_flight(daemon, worktree: Path) -> Non
                 assert await session.cancel() == 2
                 results = await asyncio.gather(*calls)
                 assert [r.metadata["cancelled"] for r in results] == [True, True]
-                assert await _until(lambda: _sleepers("4244") == [], 2.0)
+                assert await _until(lambda: _sleepers("4244") == [])
 
     run(main())
 

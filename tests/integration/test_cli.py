@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import pytest
 
 import dispatch
 import dispatchd
-from tests.conftest import Daemon
+from tests.conftest import Daemon, credential_dir, listening
 
 ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
              "job_output", "job_stop", "job_list"]
@@ -437,17 +436,6 @@ def test_no_daemon(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- autostart
 
 
-def _answers(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -477,7 +465,7 @@ def test_autostart_starts_a_daemon(tmp_path: Path) -> None:
         st = json.loads(out.stdout)
         pid = st["pid"]
         assert st["socket"] == sock
-        assert _alive(pid) and _answers(sock)
+        assert _alive(pid) and listening(sock)
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert b"dispatchd" in cmdline and sock.encode() in cmdline
         assert (tmp_path / "state" / "dispatchd" / "dispatchd.log").is_file()
@@ -491,7 +479,7 @@ def test_autostart_starts_a_daemon(tmp_path: Path) -> None:
             _stop(pid)
         shutil.rmtree(base, ignore_errors=True)
     assert not _alive(pid)
-    assert not _answers(sock)
+    assert not listening(sock)
 
 
 def test_autostart_that_cannot_start_is_one_line(tmp_path: Path) -> None:
@@ -527,15 +515,9 @@ def test_exec_with_an_extra_read_only_path(daemon: Daemon, worktree: Path) -> No
         assert (out.returncode, out.stdout) == (0, "1.2.3\n"), out.stderr
         without = run(daemon, "exec", "--worktree", str(worktree), "--", "cat", str(tools / "version"))
         assert without.returncode == 1 and "cat:" in without.stderr  # absent (full) or refused (degraded)
-        ssh = Path.home() / ".ssh"
-        made = not ssh.exists()
-        ssh.mkdir(exist_ok=True)
-        try:
-            assert_error(run(daemon, "exec", "--worktree", str(worktree), "--read-only", str(ssh), "--", "true"),
-                         f"read_only: {ssh} is or holds your credentials")
-        finally:
-            if made:
-                ssh.rmdir()
+        ssh = credential_dir(".ssh")
+        assert_error(run(daemon, "exec", "--worktree", str(worktree), "--read-only", str(ssh), "--", "true"),
+                     f"read_only: {ssh} is or holds your credentials")
     finally:
         (tools / "version").unlink()
         tools.rmdir()

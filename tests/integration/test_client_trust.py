@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,43 +26,32 @@ import pytest
 
 import dispatch
 from tests.integration.test_cli import _alive, _env, _stop, assert_error, dispatch_cli
+from tests.listeners import Served
 
 
-class FakeListener:
+class FakeListener(Served):
     """A socket that accepts and records every byte it is sent."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        sock.listen(8)
         self.connections = 0
         self.received = b""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(sock)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            self.connections += 1
-            conn.settimeout(0.5)
-            try:
-                while data := conn.recv(4096):
-                    self.received += data
-            except TimeoutError:
-                pass
-            finally:
-                conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
+    def serve_once(self) -> None:
+        conn, _ = self.sock.accept()
+        self.connections += 1
+        conn.settimeout(0.5)
+        try:
+            while data := conn.recv(4096):
+                self.received += data
+        except TimeoutError:
+            pass
+        finally:
+            conn.close()
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 
 import dispatch
 from dispatch.errors import RequestFailed
-from tests.conftest import REPO, Daemon, _refuse_root, probe, shell
+from tests.conftest import REPO, Daemon, _refuse_root, credential_dir, probe, shell
 
 
 @pytest.fixture
@@ -50,21 +50,12 @@ def test_an_extra_read_only_path_is_visible_readable_and_not_writable(
 
 @pytest.mark.parametrize("rel", [".ssh", ".gnupg/private", ".config", ""])
 def test_credentials_and_the_home_directory_are_refused(client: dispatch.Client, worktree: Path, rel: str) -> None:
-    path = Path.home() / rel if rel else Path.home()
-    made = []
-    for p in reversed([path, *path.parents]):
-        if not p.exists():
-            p.mkdir()
-            made.append(p)
-    try:
-        with pytest.raises(RequestFailed) as info:
-            client.open_session(str(worktree), read_only=[str(path)])
-        assert info.value.code == "bad_worktree"
-        assert info.value.message.startswith(f"read_only: {path} ")
-        assert "credentials" in info.value.message or "whole home directory" in info.value.message
-    finally:
-        for p in reversed(made):
-            p.rmdir()
+    path = credential_dir(rel) if rel else Path.home()
+    with pytest.raises(RequestFailed) as info:
+        client.open_session(str(worktree), read_only=[str(path)])
+    assert info.value.code == "bad_worktree"
+    assert info.value.message.startswith(f"read_only: {path} ")
+    assert "credentials" in info.value.message or "whole home directory" in info.value.message
 
 
 def test_the_policy_lists_extra_read_only_paths(tmp_path_factory: pytest.TempPathFactory, worktree: Path,
@@ -80,7 +71,7 @@ def test_the_policy_lists_extra_read_only_paths(tmp_path_factory: pytest.TempPat
         with d.connect() as c:
             with c.open_session(str(worktree), policy="rust") as s:
                 assert shell(s, f"{toolchain}/bin/cargo-ish").output == "toolchain runs\n"
-            (Path.home() / ".ssh").mkdir(exist_ok=True)
+            credential_dir(".ssh")
             with pytest.raises(RequestFailed) as info:
                 c.open_session(str(worktree), policy="bad")
             assert info.value.code == "bad_worktree"

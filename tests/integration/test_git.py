@@ -36,38 +36,28 @@ def repo(tmp_path: Path) -> Path:
     return r
 
 
-def test_git_works_in_a_repository(mode_client, repo: Path) -> None:
+@pytest.mark.parametrize("kind", ["repository", "linked"])
+def test_git_works_in_a_repository_and_in_a_linked_worktree(mode_client, repo: Path, tmp_path: Path,
+                                                            kind: str) -> None:
     mode, client = mode_client
-    with client.open_session(str(repo)) as s:
-        r = shell(s, WORKFLOW)
-        assert r.is_success, r.error
-        assert r.output == "change\ninit\nfeature\n"
-        git_status = s.status()["protections"]["git"]
-        assert git_status["kind"] == "repository"
-        if mode == "degraded":
-            assert any(g.startswith("git metadata") for g in s.status()["protections"]["leaves_open"])
-    assert git(repo, "log", "--format=%s", "feature") == "change\ninit\n"  # the commit is really there
-
-
-def test_git_works_in_a_linked_worktree(mode_client, repo: Path, tmp_path: Path) -> None:
-    _, client = mode_client
-    linked = tmp_path / "linked"
-    git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
-    with client.open_session(str(linked)) as s:
+    where = repo
+    if kind == "linked":
+        where = tmp_path / "linked"
+        git(repo, "worktree", "add", "-q", str(where), "-b", "side")
+    with client.open_session(str(where)) as s:
         r = shell(s, WORKFLOW)
         assert r.is_success, r.error
         assert r.output == "change\ninit\nfeature\n"
         st = s.status()["protections"]["git"]
-        assert st["kind"] == "linked"
-        assert str(repo / ".git" / "objects") in st["granted"]
-        # The common dir's config is there to read (and only to read).
-        assert shell(s, f"git config --file {repo}/.git/config user.name").output == "user\n"
-        assert shell(s, f"echo x >> {repo}/.git/config").is_failure
-        # The rest of the main repository stays out of write reach (under
-        # /tmp, in full mode, the write lands in the session's private /tmp).
-        shell(s, f"echo x >> {repo}/f")
-    assert (repo / "f").read_text() == "one\n"
-    assert git(repo, "log", "--format=%s", "feature") == "change\ninit\n"
+        assert st["kind"] == kind
+        if kind == "repository" and mode == "degraded":
+            assert any(g.startswith("git metadata") for g in s.status()["protections"]["leaves_open"])
+        if kind == "linked":
+            assert str(repo / ".git" / "objects") in st["granted"]
+            # The common dir's config is there to read (and only to read).
+            assert shell(s, f"git config --file {repo}/.git/config user.name").output == "user\n"
+            assert shell(s, f"echo x >> {repo}/.git/config").is_failure
+    assert git(repo, "log", "--format=%s", "feature") == "change\ninit\n"  # the commit is really there
 
 
 def test_hooks_and_config_stay_read_only_while_git_works(mode_client, repo: Path) -> None:

@@ -7,14 +7,13 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, shell, wait_for_pool
+from tests.conftest import Daemon, listening, shell, wait_for_pool
 
 
 def _fork_server_pid(client: dispatch.Client) -> int:
@@ -47,16 +46,18 @@ def test_the_fork_server_killed_the_daemon_ends_its_sessions_with_the_cause_and_
             assert shell(session, "echo ok").output == "ok\n"
             pid = _fork_server_pid(client)
             os.kill(pid, signal.SIGKILL)
-            result = shell(session, "echo late")
-            assert result.is_failure
-            # Meanwhile (before it exits) status says so, and opens are refused.
-            deadline = time.monotonic() + 10
+            # Once the daemon has seen it (its status says so; a call at once
+            # could come before, and be served), and before it exits, the
+            # session's calls fail and opens are refused.
+            deadline = time.monotonic() + 30
             helpers = ""
             while time.monotonic() < deadline and "gone (" not in helpers:
                 helpers = client.status()["daemon"]["helpers"]
                 time.sleep(0.05)
             assert f"fork server pid {pid}: gone (dispatchd's fork server (pid {pid}) was killed by signal 9" \
                 in helpers, helpers
+            result = shell(session, "echo late")
+            assert result.is_failure
             with pytest.raises(dispatch.DispatchError):
                 client.open_session(str(worktree)).close()
             with contextlib.suppress(dispatch.DispatchError):
@@ -129,17 +130,6 @@ def test_a_session_whose_network_stack_dies_ends_with_that_cause(tmp_path: Path,
         assert d.stop() == 0, d.log()
 
 
-def _serving(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
 @pytest.mark.parametrize("replaced", [True, False])
 def test_a_daemon_whose_socket_path_is_taken_exits_once_idle_and_leaves_the_new_socket(
         tmp_path: Path, worktree: Path, replaced: bool) -> None:
@@ -163,7 +153,7 @@ def test_a_daemon_whose_socket_path_is_taken_exits_once_idle_and_leaves_the_new_
         if replaced:
             assert second is not None
             assert "event=socket_not_unlinked" in first.log()
-            assert os.path.exists(second.socket) and _serving(second.socket)
+            assert os.path.exists(second.socket) and listening(second.socket)
             with second.connect() as c2:
                 assert c2.status()["pid"] == second.proc.pid
     finally:

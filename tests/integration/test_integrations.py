@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 import dispatch
-from tests.integration.test_long_work import _sleepers
-
-
-def _gone(marker: str, seconds: float = 2.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while _sleepers(marker) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return _sleepers(marker) == []
+from tests.conftest import gone, sleepers
 
 
 def test_langchain_tools_run_in_the_sandbox(session: dispatch.Session) -> None:
@@ -43,7 +35,7 @@ def test_langchain_tools_run_in_the_sandbox(session: dispatch.Session) -> None:
             await asyncio.wait_for(shell.ainvoke({"command": "sleep 4251"}), 0.5)
 
     asyncio.run(timed_out())
-    assert _gone("4251")
+    assert gone(lambda: sleepers("4251"))
     assert asyncio.run(shell.ainvoke({"command": "echo async"})) == "async\n"
 
 
@@ -69,4 +61,4 @@ def test_openai_agents_function_tools_run_in_the_sandbox(session: dispatch.Sessi
     ok, bad = asyncio.run(main())
     assert ok == "hi\n"
     assert bad.startswith("Error: command exited with status 3")
-    assert _gone("4252")
+    assert gone(lambda: sleepers("4252"))

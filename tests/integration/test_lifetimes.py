@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import REPO, Daemon, processes_in, shell
+from tests.conftest import REPO, Daemon, processes_in, shell, wait_until
 
 POLICIES = {
     "brief": "description = 'orphans end after 1 s'\n[limits]\norphan_grace_s = 1\n",
@@ -39,15 +39,6 @@ def _daemon(tmp_path: Path, name: str = "d", *extra: str) -> Daemon:
 
 def _ids(client: dispatch.Client) -> list[str]:
     return [s["id"] for s in client.list_sessions()]
-
-
-def _wait(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())
 
 
 def _client_script(d: Daemon, worktree: Path, body: str) -> subprocess.Popen[str]:
@@ -76,17 +67,18 @@ def test_a_client_killed_mid_call_takes_its_session_and_command_with_it(tmp_path
         assert proc.stdout is not None
         sid = proc.stdout.readline().strip()
         proc.stdout.close()
-        assert _wait(lambda: len(processes_in(worktree)) > 0), "the command did not start"
+        assert wait_until(lambda: len(processes_in(worktree)) > 0), "the command did not start"
         with d.connect() as client:
             assert sid in _ids(client)
             killed = time.monotonic()
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            assert _wait(lambda: sid not in _ids(client), timeout=10)
+            assert wait_until(lambda: sid not in _ids(client))
             gone_after = time.monotonic() - killed
-            assert _wait(lambda: not processes_in(worktree), timeout=5), processes_in(worktree)
-        # The grace (1 s) and no more than a few seconds of it on a loaded machine.
-        assert 0.9 <= gone_after < 8, gone_after
+            assert wait_until(lambda: not processes_in(worktree)), processes_in(worktree)
+        # The grace (1 s) at least; the bound above only tells it from the
+        # policy's 60 s, with room for a loaded machine.
+        assert 0.9 <= gone_after < 30, gone_after
         assert f"session={sid} reason=orphaned" in d.log()
     finally:
         assert d.stop() == 0, d.log()
@@ -125,7 +117,10 @@ def test_a_detached_session_survives_its_opener_and_an_attached_client_holds_one
         assert d.stop() == 0, d.log()
 
 
-def test_dispatch_exec_killed_with_sigterm_ends_its_one_off_session(tmp_path: Path, worktree: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_dispatch_exec_killed_ends_its_one_off_session(tmp_path: Path, worktree: Path, sig: signal.Signals) -> None:
+    """SIGTERM: the CLI closes its session itself. SIGKILL: the daemon ends it
+    at once, as an orphan with a grace of 0 (not the policy's 60 s)."""
     d = _daemon(tmp_path)
     try:
         env = {k: v for k, v in os.environ.items() if k != "DISPATCH_SOCKET"}
@@ -133,33 +128,15 @@ def test_dispatch_exec_killed_with_sigterm_ends_its_one_off_session(tmp_path: Pa
                                  "exec", "--worktree", str(worktree), "--", "sleep", "300"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                 stdin=subprocess.DEVNULL)
-        assert _wait(lambda: len(processes_in(worktree)) > 0, timeout=15), "the command did not start"
+        assert wait_until(lambda: len(processes_in(worktree)) > 0), "the command did not start"
         with d.connect() as client:
             assert len(_ids(client)) == 1
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(10) == 128 + signal.SIGTERM
-            assert _wait(lambda: not _ids(client), timeout=5)
-            assert _wait(lambda: not processes_in(worktree), timeout=5)
-        assert "reason=orphaned" not in d.log()  # closed by the CLI itself, not by the grace
-    finally:
-        assert d.stop() == 0, d.log()
-
-
-def test_dispatch_exec_killed_with_sigkill_ends_its_one_off_session_at_once(tmp_path: Path, worktree: Path) -> None:
-    d = _daemon(tmp_path)
-    try:
-        env = {k: v for k, v in os.environ.items() if k != "DISPATCH_SOCKET"}
-        proc = subprocess.Popen([sys.executable, "-m", "dispatch.cli", "--socket", d.socket, "--no-autostart",
-                                 "exec", "--worktree", str(worktree), "--", "sleep", "300"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                stdin=subprocess.DEVNULL)
-        assert _wait(lambda: len(processes_in(worktree)) > 0, timeout=15)
-        with d.connect() as client:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            assert _wait(lambda: not _ids(client), timeout=3)  # a grace of 0, not the policy's 60 s
-            assert _wait(lambda: not processes_in(worktree), timeout=5)
-        assert "reason=orphaned" in d.log()
+            proc.send_signal(sig)
+            assert proc.wait(10) == (128 + signal.SIGTERM if sig == signal.SIGTERM else -signal.SIGKILL)
+            assert wait_until(lambda: not _ids(client))
+            assert wait_until(lambda: not processes_in(worktree))
+        # closed by the CLI itself (SIGTERM), or by the daemon, the grace being 0 (SIGKILL)
+        assert ("reason=orphaned" in d.log()) is (sig == signal.SIGKILL)
     finally:
         assert d.stop() == 0, d.log()
 
@@ -186,7 +163,7 @@ def test_a_session_over_its_memory_is_ended_by_the_watchdog_and_says_so(tmp_path
             assert result.is_failure
             assert "over its limit of 256 MiB" in result.error and "memory watchdog" in result.error, result.error
             assert session.id not in _ids(client)
-            assert _wait(lambda: not processes_in(worktree), timeout=5)
+            assert wait_until(lambda: not processes_in(worktree))
             assert took < 20, took
         assert f"session={session.id} reason=memory" in d.log()
         assert "event=memory_exceeded" in d.log()
@@ -270,9 +247,9 @@ def test_a_write_whose_tool_server_is_killed_says_so_and_its_temp_file_goes(tmp_
             # processes are gone, before it lets the write lock go (the next
             # session's write below); the client may hear why the call failed
             # a moment before that, so this waits for it.
-            assert _wait(lambda: not [p.name for p in worktree.iterdir() if ".dispatchd-" in p.name], timeout=10)
+            assert wait_until(lambda: not [p.name for p in worktree.iterdir() if ".dispatchd-" in p.name])
             # The line follows the removal: a loaded machine may show the one before the other.
-            assert _wait(lambda: f"event=temp_files_removed session={session.id} count=1" in d.log(), timeout=10)
+            assert wait_until(lambda: f"event=temp_files_removed session={session.id} count=1" in d.log())
             # What a killed daemon leaves (no end of session to clean up), beside a
             # user's file of a near name and a symlink with our exact name aimed outside:
             # the next session granted the write lock removes ours only.
@@ -283,7 +260,7 @@ def test_a_write_whose_tool_server_is_killed_says_so_and_its_temp_file_goes(tmp_
             os.symlink(outside, worktree / ".x.dispatchd-0123abcd.tmp")
             with client.open_session(str(worktree)) as again:
                 assert again.registry.get("write_file").call({"path": "a.txt", "content": "a"}).is_success
-                assert _wait(lambda: not (worktree / ".c.txt.dispatchd-89abcdef.tmp").exists(), timeout=10)
+                assert wait_until(lambda: not (worktree / ".c.txt.dispatchd-89abcdef.tmp").exists())
             assert (worktree / ".big.txt.dispatchd-notours.tmp").read_text() == "mine"
             assert outside.read_text() == "keep"
     finally:
@@ -305,7 +282,7 @@ def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path
             os.kill(d.worker_pid(), signal.SIGKILL)  # W1, the session's first process (its init)
             # The kernel tears the session's namespace down asynchronously: a
             # call sent at once may still be served. Wait for the daemon to see it.
-            assert _wait(lambda: f"reason={word}" in d.log(), timeout=10), d.log()
+            assert wait_until(lambda: f"reason={word}" in d.log()), d.log()
             result = shell(session, "echo hi")
             assert result.is_failure
             assert said in result.error, result.error
@@ -430,7 +407,7 @@ def test_orphans_are_reaped_and_a_commands_exit_status_is_its_own(tmp_path: Path
             assert burst.is_success, burst.error
             # Counted from outside (degraded mode's ps would see the host's
             # processes): at most the job's leader, left to its Popen.
-            assert _wait(lambda: len(_zombies(d)) <= 1, timeout=5), _zombies(d)
+            assert wait_until(lambda: len(_zombies(d)) <= 1), _zombies(d)
             assert shell(session, "exit 7").metadata["exit_code"] == 7
     finally:
         assert d.stop() == 0, d.log()

@@ -15,37 +15,15 @@ import pytest
 
 import dispatch
 from dispatch.client import Cancellation
-from tests.conftest import REPO, Daemon, _refuse_root, processes_in, shell
+from tests.conftest import REPO, Daemon, _refuse_root, gone, processes_in, shell, sleepers, wait_until
 
 
-def _sleepers(marker: str) -> list[int]:
-    """Host pids of live ``sleep MARKER`` processes (any pid namespace)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if cmdline[:2] == [b"sleep", marker.encode()] and state != "Z":
-            found.append(int(pid))
-    return found
+_sleepers = sleepers  # the name other test modules imported from here before it moved to tests/conftest.py
 
 
-def _gone_within(marker: str, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while _sleepers(marker) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return _sleepers(marker) == []
-
-
-def _wait_for_sleepers(marker: str, n: int, seconds: float = 5) -> None:
-    deadline = time.monotonic() + seconds
-    while len(_sleepers(marker)) < n and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert len(_sleepers(marker)) == n
+def _wait_for_sleepers(marker: str, n: int) -> None:
+    assert wait_until(lambda: len(sleepers(marker)) >= n), sleepers(marker)
+    assert len(sleepers(marker)) == n
 
 
 # ----------------------------------------------------------------- streaming
@@ -133,7 +111,7 @@ def test_session_cancel_ends_the_command_and_its_children(session: dispatch.Sess
     assert session.cancel() == 1
     call.join(5)
     assert not call.is_alive()
-    assert _gone_within("301.1", 1.0)
+    assert gone(lambda: sleepers("301.1"))
     assert time.monotonic() - cancelled_at < 1.5
     (r,) = results
     assert r.is_failure
@@ -151,7 +129,7 @@ def test_cancellation_handle_ends_one_call(session: dispatch.Session) -> None:
     r = session.registry.get("shell_exec").call({"command": "sleep 302.2"}, {"cancellation": c})
     assert time.monotonic() - started < 2
     assert r.metadata["cancelled"] is True
-    assert _gone_within("302.2", 1.0)
+    assert gone(lambda: sleepers("302.2"))
 
 
 def test_a_channel_is_read_on_while_a_command_runs_on_its_thread(session: dispatch.Session) -> None:
@@ -172,7 +150,7 @@ def test_a_channel_is_read_on_while_a_command_runs_on_its_thread(session: dispat
     threading.Timer(0.3, c.cancel).start()
     r = session.registry.get("shell_exec").call({"command": "sleep 317.8"}, {"cancellation": c})
     assert r.metadata["cancelled"] is True
-    assert _gone_within("317.8", 1.0)
+    assert gone(lambda: sleepers("317.8"))
 
 
 _CALLER = """
@@ -193,7 +171,7 @@ def test_a_command_ends_when_its_caller_dies(daemon: Daemon, client: dispatch.Cl
         session_id = caller.stdout.readline().strip()
         _wait_for_sleepers("316.7", 1)
         caller.kill()
-        assert _gone_within("316.7", 2.0)
+        assert gone(lambda: sleepers("316.7"))
     finally:
         caller.kill()
         caller.wait()
@@ -207,7 +185,7 @@ def test_an_exception_in_on_output_cancels_the_call(session: dispatch.Session) -
 
     with pytest.raises(KeyboardInterrupt):
         session.registry.get("shell_exec").call({"command": "echo go; sleep 303.3"}, on_output=boom)
-    assert _gone_within("303.3", 1.0)
+    assert gone(lambda: sleepers("303.3"))
     assert shell(session, "echo next").output == "next\n"  # the channel is still good
 
 
@@ -229,7 +207,7 @@ def test_keyboard_interrupt_while_waiting_cancels_the_call(session: dispatch.Ses
         session.registry.get("shell_exec").call(
             {"command": "sleep 304.4 & while true; do echo tick; sleep 0.1; done"}, on_output=lambda s, t: None)
     t.join()
-    assert _gone_within("304.4", 1.0)
+    assert gone(lambda: sleepers("304.4"))
 
 
 # ----------------------------------------------------------------- detached processes
@@ -241,7 +219,7 @@ def test_detached_processes_end_when_the_call_times_out(session: dispatch.Sessio
     marker = "305.5"
     r = shell(session, how.format(m=marker) + "\nsleep 30", timeout=1)
     assert r.metadata["timed_out"] is True
-    assert _gone_within(marker, 1.0)
+    assert gone(lambda: sleepers(marker))
 
 
 ENDED_NOTE = ("[dispatchd: ended 1 process the command left running (a call's processes end with it); "
@@ -254,7 +232,7 @@ def test_processes_left_by_a_call_that_ended_normally_have_ended_when_it_returns
     r = shell(session, "(setsid env -i sleep 306.6 > /dev/null 2>&1 &); echo ok")
     assert r.is_success and r.output == "ok\n" + ENDED_NOTE
     assert r.metadata["ended_processes"] == 1
-    assert _sleepers("306.6") == []
+    assert sleepers("306.6") == []
 
 
 def test_a_call_still_running_keeps_its_processes_while_another_call_returns(session: dispatch.Session) -> None:
@@ -264,12 +242,12 @@ def test_a_call_still_running_keeps_its_processes_while_another_call_returns(ses
     long.start()
     _wait_for_sleepers("306.8", 1)
     short = shell(session, "(setsid env -i sleep 306.9 > /dev/null 2>&1 &); echo ok")
-    assert short.metadata["ended_processes"] == 1 and _sleepers("306.9") == []
-    assert len(_sleepers("306.8")) == 1  # below its call's living bash: untouched
+    assert short.metadata["ended_processes"] == 1 and sleepers("306.9") == []
+    assert len(sleepers("306.8")) == 1  # below its call's living bash: untouched
     long.join(10)
     (r,) = results
     assert r.output.startswith("done\n") and r.metadata["ended_processes"] == 1
-    assert _sleepers("306.8") == []
+    assert sleepers("306.8") == []
 
 
 def test_a_job_keeps_what_a_call_would_end_until_job_stop(session: dispatch.Session) -> None:
@@ -279,9 +257,9 @@ def test_a_job_keeps_what_a_call_would_end_until_job_stop(session: dispatch.Sess
     _wait_for_sleepers("306.7", 1)
     assert shell(session, "sleep 30", timeout=0.5).metadata["timed_out"] is True
     assert shell(session, "true").metadata["ended_processes"] == 0
-    assert len(_sleepers("306.7")) == 1
+    assert len(sleepers("306.7")) == 1
     assert session.registry.get("job_stop").call({"job": job}).is_success
-    assert _gone_within("306.7", 1.0)
+    assert gone(lambda: sleepers("306.7"))
 
 
 # ----------------------------------------------------------------- background jobs
@@ -329,7 +307,7 @@ def test_job_stop_ends_the_job_and_its_descendants(session: dispatch.Session) ->
     stopped = session.registry.get("job_stop").call({"job": job})
     assert stopped.is_success, stopped.error
     assert stopped.metadata["running"] is False
-    assert _gone_within("307.7", 1.0)
+    assert gone(lambda: sleepers("307.7"))
     assert session.registry.get("job_list").call({}).output == f"{job}\tstopped\tsleep 307.7 & setsid sleep 307.7 & sleep 307.7"
 
 
@@ -337,7 +315,7 @@ def test_jobs_end_with_their_session(client: dispatch.Client, worktree: Path) ->
     with client.open_session(str(worktree)) as s:
         shell(s, "sleep 308.8", background=True)
         _wait_for_sleepers("308.8", 1)
-    assert _gone_within("308.8", 5)
+    assert gone(lambda: sleepers("308.8"))
 
 
 def test_unknown_job_is_a_clear_failure(session: dispatch.Session) -> None:
@@ -442,18 +420,18 @@ def _in_both_modes(mode: str, s: dispatch.Session) -> None:
     assert s.status()["protections"]["mode"] == ("full" if mode == "full" else "degraded")
     r = shell(s, "setsid sleep 309.9 &\n(sleep 309.9 &)\nsleep 30", timeout=1)
     assert r.metadata["timed_out"] is True
-    assert _gone_within("309.9", 1.0)
+    assert gone(lambda: sleepers("309.9"))
     c = Cancellation()
     threading.Timer(0.5, c.cancel).start()
     r = s.registry.get("shell_exec").call({"command": "setsid sleep 310.1 & sleep 310.1"}, {"cancellation": c})
     assert r.metadata["cancelled"] is True
-    assert _gone_within("310.1", 1.0)
+    assert gone(lambda: sleepers("310.1"))
     r = shell(s, "(setsid env -i sleep 310.5 > /dev/null 2>&1 &); echo ok")
-    assert r.metadata["ended_processes"] == 1 and _sleepers("310.5") == []
+    assert r.metadata["ended_processes"] == 1 and sleepers("310.5") == []
     job = shell(s, "echo up; setsid sleep 311.2", background=True).metadata["job"]
     assert session_output(s, job).startswith("up\n")
     assert s.registry.get("job_stop").call({"job": job}).is_success
-    assert _gone_within("311.2", 1.0)
+    assert gone(lambda: sleepers("311.2"))
 
 
 def session_output(s: dispatch.Session, job: str) -> str:
@@ -498,7 +476,7 @@ def test_cli_exec_stopped_by_a_signal_ends_the_command_and_the_one_off_session(
         _wait_for_sleepers(marker, 2)
         proc.send_signal(sig)
         assert proc.wait(10) == 128 + sig
-        assert _gone_within(marker, 1.0)
+        assert gone(lambda: sleepers(marker))
         assert [s for s in client.list_sessions() if s["worktree"] == str(worktree)] == []
         assert f"dispatch: {sig.name}: the command was cancelled" in proc.stderr.read()
 
@@ -515,7 +493,7 @@ def test_cli_jobs(daemon: Daemon, client: dispatch.Client, worktree: Path) -> No
         stop = subprocess.run(_cli(daemon, "jobs", "--session", s.id, "stop", job), capture_output=True, text=True,
                               env=env)
         assert stop.returncode == 0 and stop.stdout == f"job {job} stopped\n"
-        assert _gone_within("314.5", 1.0)
+        assert gone(lambda: sleepers("314.5"))
         called = subprocess.run(_cli(daemon, "call", "--session", s.id, "job_list"), capture_output=True, text=True,
                                 env=env)
         assert '"output": "' + job + '\\tstopped\\t' in called.stdout
@@ -562,11 +540,6 @@ def test_a_fork_bomb_left_running_leaves_the_tool_server_its_reserve(tight_daemo
             assert alive.output == "alive\n", alive
         assert s.registry.get("job_list").call({}).output.startswith(f"{job}\t")
     # Closing the session ends the bomb.
-    assert processes_in(worktree) == [] or _gone_in(worktree, 10)
+    assert gone(lambda: processes_in(worktree))
 
 
-def _gone_in(directory: Path, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while processes_in(directory) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return processes_in(directory) == []

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 
 import dispatch
 from tests.conftest import probe, shell
+from tests.listeners import Served
 
 ECONNREFUSED, EPERM, EACCES, ENETUNREACH, EHOSTUNREACH = 111, 1, 13, 101, 113
 # Where a session reaches the host's loopback.
@@ -30,59 +30,39 @@ HOST = {"full": "10.0.2.2", "degraded": "127.0.0.1"}
 REFUSED = {"full": f"error {ENETUNREACH}", "degraded": f"error {EPERM}"}
 
 
-class TcpListener:
+class TcpListener(Served):
+    """Greets every client with "hello" and counts them."""
+
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.sock.settimeout(0.1)
-        self.port = self.sock.getsockname()[1]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        self.port = sock.getsockname()[1]
         self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(sock, 0.1)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.accepted += 1
-            with conn:
-                conn.sendall(b"hello\n")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
+    def serve_once(self) -> None:
+        conn, _ = self.sock.accept()
+        self.accepted += 1
+        with conn:
+            conn.sendall(b"hello\n")
 
 
-class UdpListener:
+class UdpListener(Served):
+    """Echoes every datagram, prefixed, and records them."""
+
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.1)
-        self.port = self.sock.getsockname()[1]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
         self.received: list[bytes] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(sock, 0.1)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data, addr = self.sock.recvfrom(100)
-            except OSError:
-                continue
-            self.received.append(data)
-            self.sock.sendto(b"echo:" + data, addr)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
+    def serve_once(self) -> None:
+        data, addr = self.sock.recvfrom(100)
+        self.received.append(data)
+        self.sock.sendto(b"echo:" + data, addr)
 
 
 @pytest.fixture

@@ -119,21 +119,16 @@ def test_hello_gets_hello_ok(daemon: Daemon) -> None:
         assert reply.id == 42 and reply.pid == daemon.proc.pid and reply.socket == daemon.socket
 
 
-def test_wrong_version_is_refused_then_closed(daemon: Daemon) -> None:
+@pytest.mark.parametrize(("first", "got"), [
+    (protocol.Hello(id=3, version=protocol.PROTOCOL_VERSION + 98), "version 99"),  # a wrong version
+    (protocol.Status(id=3), "Status"),  # a request before the hello
+], ids=["wrong_version", "request_before_hello"])
+def test_a_first_message_other_than_hello_is_refused_then_closed(daemon: Daemon, first: msgspec.Struct,
+                                                                   got: str) -> None:
     with raw(daemon) as frames:
-        frames.send(protocol.Hello(id=3, version=protocol.PROTOCOL_VERSION + 98))
+        frames.send(first)
         assert frames.recv(REPLIES) == protocol.ErrorReply(
-            id=3, code="bad_version", message="expected hello with protocol version 1, got version 99"
-        )
-        assert closed(frames)
-    assert_serving(daemon)
-
-
-def test_request_before_hello_is_refused_then_closed(daemon: Daemon) -> None:
-    with raw(daemon) as frames:
-        frames.send(protocol.Status(id=5))
-        assert frames.recv(REPLIES) == protocol.ErrorReply(
-            id=5, code="bad_version", message="expected hello with protocol version 1, got Status"
+            id=3, code="bad_version", message=f"expected hello with protocol version 1, got {got}"
         )
         assert closed(frames)
     assert_serving(daemon)

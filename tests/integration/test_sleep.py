@@ -28,7 +28,7 @@ import pytest
 
 import dispatch
 from dispatchd.worker.tool_server import max_channels
-from tests.conftest import REPO, Daemon, _refuse_root, cgroup_daemon_for, probe, shell
+from tests.conftest import REPO, Daemon, _refuse_root, cgroup_daemon_for, probe, shell, wait_until
 from tests.integration.test_network import TcpListener, tcp_probe
 from tests.integration.test_pool_parity import fingerprint
 from tests.sleeping import is_asleep, stays_asleep, stays_awake, wait_until_asleep, with_sleep_after
@@ -129,7 +129,8 @@ def test_an_idle_session_sleeps_and_its_next_call_wakes_it(daemon: Daemon, workt
         first = daemon.worker_pid(s.id)
         _asleep(daemon, client, s)
         assert s.status()["asleep"] is True
-        assert f"event=session_asleep session={s.id} channels=1" in daemon.log()
+        # logged once asleep: the status can say so first
+        assert wait_until(lambda: f"event=session_asleep session={s.id} channels=1" in daemon.log()), daemon.log()
         assert _gone(first), f"session {s.id} is asleep and its tool server {first} still runs"
         slept = _wakes(daemon, s.id)
         # The next call wakes it, in a new tool server, and is answered as before.

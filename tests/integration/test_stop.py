@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import dispatch
-from tests.conftest import Daemon, processes_in, shell
+from tests.conftest import Daemon, gone, processes_in, shell
 
 
 def _until_started(worktree: Path, marker: str) -> None:
@@ -23,21 +23,29 @@ def _until_started(worktree: Path, marker: str) -> None:
     (worktree / marker).unlink()
 
 
+def _sigterm_during_a_call(d: Daemon, session: dispatch.Session, worktree: Path, command: str
+                           ) -> tuple[threading.Thread, list[dispatch.Result]]:
+    """``touch .started; COMMAND`` in flight in a thread (its result in the
+    list once it returns), and the daemon sent SIGTERM once it has started."""
+    results: list[dispatch.Result] = []
+    call = threading.Thread(target=lambda: results.append(shell(session, f"touch .started; {command}")))
+    call.start()
+    _until_started(worktree, ".started")
+    d.proc.send_signal(signal.SIGTERM)
+    return call, results
+
+
 def test_sigterm_lets_a_call_in_flight_finish_and_leaves_nothing(tmp_path: Path, worktree: Path) -> None:
     (tmp_path / "d").mkdir()
     d = Daemon(tmp_path / "d")
-    results: list[dispatch.Result] = []
     with d.connect() as client:
         session = client.open_session(str(worktree))
         shell(session, "sleep 300 > /dev/null 2>&1", background=True)  # a background job, to be ended
-        call = threading.Thread(
-            target=lambda: results.append(shell(session, "touch .started; sleep 1; echo finished")))
-        call.start()
-        _until_started(worktree, ".started")
-        d.proc.send_signal(signal.SIGTERM)
+        # In flight long enough for the signal to reach the worker on a loaded machine.
+        call, results = _sigterm_during_a_call(d, session, worktree, "sleep 3; echo finished")
         # Meanwhile (as soon as the daemon has told the worker) a new call is
         # refused, with the reason.
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         refused = shell(session, "echo too late")
         while refused.is_success and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -49,10 +57,7 @@ def test_sigterm_lets_a_call_in_flight_finish_and_leaves_nothing(tmp_path: Path,
         session.detach()
     assert d.stop() == 0
     assert not os.path.exists(d.socket)  # removed on the way out
-    deadline = time.monotonic() + 5
-    while processes_in(worktree) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_in(worktree) == []
+    assert gone(lambda: processes_in(worktree))
     assert "event=tool_call session=" in d.log() and "tool=shell_exec" in d.log()
     assert "finished" not in d.log()  # outputs never reach the log
 
@@ -82,14 +87,9 @@ def test_while_stopping_new_connections_are_answered_at_once(tmp_path: Path, wor
 
     (tmp_path / "d").mkdir()
     d = Daemon(tmp_path / "d")
-    results: list[dispatch.Result] = []
     with d.connect() as client:
         session = client.open_session(str(worktree))
-        call = threading.Thread(
-            target=lambda: results.append(shell(session, "touch .started; sleep 3; echo finished")))
-        call.start()
-        _until_started(worktree, ".started")
-        d.proc.send_signal(signal.SIGTERM)
+        call, results = _sigterm_during_a_call(d, session, worktree, "sleep 3; echo finished")
         deadline = time.monotonic() + 5
         while True:  # until the daemon has taken the signal (a fixed 0.3 s assumed a quiet machine)
             raw = socket.socket(socket.AF_UNIX)
@@ -113,7 +113,7 @@ def test_while_stopping_new_connections_are_answered_at_once(tmp_path: Path, wor
             assert exc.code == "stopping"
         else:
             raise AssertionError("expected RequestFailed(stopping)")
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 15  # at once: not after the stop timeout (30 s)
         try:  # a client connected before: served, but no new session
             client.open_session(str(worktree))
         except dispatch.RequestFailed as exc:
@@ -129,14 +129,9 @@ def test_while_stopping_new_connections_are_answered_at_once(tmp_path: Path, wor
 def test_a_call_cut_at_the_stop_deadline_says_so(tmp_path: Path, worktree: Path) -> None:
     (tmp_path / "d").mkdir()
     d = Daemon(tmp_path / "d", "--stop-timeout", "1")
-    results: list[dispatch.Result] = []
     with d.connect() as client:
         session = client.open_session(str(worktree))
-        call = threading.Thread(
-            target=lambda: results.append(shell(session, "touch .started; sleep 60; echo never")))
-        call.start()
-        _until_started(worktree, ".started")
-        d.proc.send_signal(signal.SIGTERM)
+        call, results = _sigterm_during_a_call(d, session, worktree, "sleep 60; echo never")
         call.join(20)
         assert results, "the call never came back"
         result = results[0]

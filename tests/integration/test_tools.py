@@ -19,7 +19,7 @@ import pytest
 
 import dispatch
 from dispatch.tools import ToolNotFoundError
-from tests.conftest import Daemon, shell
+from tests.conftest import Daemon, gone, shell, sleepers
 
 ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
              "job_output", "job_stop", "job_list"]
@@ -593,21 +593,6 @@ def test_shell_exec_killed_by_a_signal(session: dispatch.Session) -> None:
     assert r.metadata["exit_code"] == -9
 
 
-def _sleepers(marker: str) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if cmdline[:2] == [b"sleep", marker.encode()] and state != "Z":
-            found.append(int(pid))
-    return found
-
-
 def test_shell_exec_timeout_kills_the_command(session: dispatch.Session) -> None:
     started = time.monotonic()
     r = shell(session, "echo before; sleep 31.25 & sleep 31.5", timeout=0.5)
@@ -618,10 +603,7 @@ def test_shell_exec_timeout_kills_the_command(session: dispatch.Session) -> None
     assert r.metadata["stdout"] == "before\n"
     assert 0.5 <= r.metadata["duration_s"] < 3 and elapsed < 5
     # Both the foreground sleep and the background job are gone.
-    deadline = time.monotonic() + 3
-    while (_sleepers("31.25") or _sleepers("31.5")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _sleepers("31.25") == [] and _sleepers("31.5") == []
+    assert gone(lambda: sleepers("31.25") + sleepers("31.5"))
     # The allowed twin: a command that ends in time is not cut.
     r = shell(session, "sleep 0.1; echo done", timeout=5)
     assert ok(r) == "done\n" and r.metadata["timed_out"] is False
@@ -741,7 +723,7 @@ def test_shell_exec_a_process_left_holding_the_output_is_ended_and_the_call_retu
     assert ok(r) == ("started\n[dispatchd: ended 1 process the command left running (a call's processes end "
                      "with it); to keep one running, start it with background: true]")
     assert r.metadata["ended_processes"] == 1
-    assert _sleepers("30.75") == []
+    assert sleepers("30.75") == []
 
 
 def test_shell_exec_description_agrees_with_background_jobs(session: dispatch.Session) -> None:

@@ -12,10 +12,46 @@ ENV = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@example.invalid"
            GIT_COMMITTER_NAME="a", GIT_COMMITTER_EMAIL="a@example.invalid")
 
 
-def git(cwd: Path, *args: str) -> str:
+def git(cwd: Path, *args: str, stdin: str | None = None) -> str:
     # protocol.file.allow: submodules are added from local paths here.
     return subprocess.run(["git", "-c", "protocol.file.allow=always", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True, env=ENV).stdout
+                          capture_output=True, text=True, env=ENV, input=stdin).stdout
+
+
+def empty_repo(path: Path, message: str = "empty") -> Path:
+    """A repository whose one commit is empty."""
+    path.mkdir()
+    git(path, "init", "-q")
+    git(path, "commit", "-q", "--allow-empty", "-m", message)
+    return path
+
+
+def one_file_repo(path: Path, name: str = "f") -> Path:
+    """A repository whose one commit holds one file, ``name``."""
+    path.mkdir()
+    git(path, "init", "-q")
+    (path / name).write_text(name)
+    git(path, "add", name)
+    git(path, "commit", "-qm", name)
+    return path
+
+
+def nested_submodules(root: Path, name: str, paths: list[str]) -> Path:
+    """``root/name``, with a submodule at each of ``paths`` (its git directory
+    in .git/modules), each holding its own submodule ``inner`` (in
+    .git/modules/PATH/modules/inner), checked out."""
+    inner = empty_repo(root / "inner-src", "inner")
+    lib = empty_repo(root / "lib-src", "lib")
+    git(lib, "submodule", "add", "-q", str(inner), "inner")
+    git(lib, "commit", "-q", "-m", "inner")
+    r = root / name
+    r.mkdir()
+    git(r, "init", "-q")
+    for path in paths:
+        git(r, "submodule", "add", "-q", str(lib), path)
+    git(r, "submodule", "update", "-q", "--init", "--recursive")
+    git(r, "commit", "-q", "-m", "submodules")
+    return r
 
 
 def make_repo(path: Path) -> Path:

@@ -44,7 +44,7 @@ def test_the_profile_grants_userns_to_the_launcher_alone() -> None:
     assert [line for line in rules if line.startswith("profile ")] == [rules[2]] and rules[0] == "abi <abi/4.0>,"
 
 
-@pytest.mark.process
+@pytest.mark.process  # runs apparmor_parser or a shell script
 def test_the_profile_parses(parser: None, tmp_path: Path) -> None:
     if os.path.exists(ABI4):
         out = _parse(PROFILE)
@@ -60,7 +60,7 @@ def test_the_profile_parses(parser: None, tmp_path: Path) -> None:
     assert out.returncode != 0 and "Could not open 'abi/4.0'" in out.stderr, out.stderr
 
 
-@pytest.mark.process
+@pytest.mark.process  # runs apparmor_parser or a shell script
 def test_a_broken_profile_is_refused_by_the_parser(parser: None, tmp_path: Path) -> None:
     """The twin: the parser does reject what is wrong."""
     broken = tmp_path / "broken"
@@ -68,7 +68,7 @@ def test_a_broken_profile_is_refused_by_the_parser(parser: None, tmp_path: Path)
     assert _parse(broken).returncode != 0
 
 
-@pytest.mark.process
+@pytest.mark.process  # runs apparmor_parser or a shell script
 def test_the_launcher_runs_dispatchd_isolated_and_the_installer_parses() -> None:
     launcher = (PACKAGING / "dispatchd-launch").read_text()
     assert launcher.splitlines()[-1] == 'exec @PYTHON@ -I -m dispatchd "$@"'
@@ -78,7 +78,7 @@ def test_the_launcher_runs_dispatchd_isolated_and_the_installer_parses() -> None
     assert APPARMOR_FIX.startswith("sudo packaging/apparmor/install ")  # what status tells the user to run
 
 
-@pytest.mark.process
+@pytest.mark.process  # runs apparmor_parser or a shell script
 def test_the_installer_refuses_an_ordinary_user() -> None:
     if os.geteuid() == 0:
         pytest.skip("run as root")

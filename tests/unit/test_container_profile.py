@@ -33,7 +33,7 @@ def test_full_mode_is_not_refused(name: str) -> None:
     assert name not in _denied()
 
 
-@pytest.mark.process  # loading libseccomp may run ldconfig (ctypes.util.find_library)
+@pytest.mark.process  # loading libseccomp: ctypes.util.find_library runs ldconfig
 def test_every_refused_name_is_a_system_call() -> None:
     import pyseccomp as sc
 

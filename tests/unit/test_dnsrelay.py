@@ -181,7 +181,7 @@ def _door(relay: dnsrelay.DnsRelay) -> tuple[dnsrelay.Door, tuple[str, int]]:
     return relay.open_door("t", udp, tcp), udp.getsockname()
 
 
-def _client(addr: tuple[str, int], timeout: float = 3) -> socket.socket:
+def _client(addr: tuple[str, int], timeout: float = 30) -> socket.socket:
     """A session's resolver library: a UDP socket connected to the door."""
     c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     c.settimeout(timeout)
@@ -189,7 +189,12 @@ def _client(addr: tuple[str, int], timeout: float = 3) -> socket.socket:
     return c
 
 
-def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair: tuple[dnsrelay.DnsRelay, Path]):
+def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair: tuple[dnsrelay.DnsRelay, Path],
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    # Waits far longer than "at once" below: a refusal is told from a timeout
+    # however loaded the machine.
+    monkeypatch.setattr(dnsrelay, "UPSTREAM_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(dnsrelay, "QUERY_DEADLINE_S", 120.0)
     relay, conf = door_pair
     dead = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     dead.bind(("127.0.0.1", 0))
@@ -210,7 +215,7 @@ def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair:
             started = time.monotonic()
             c.send(q)
             assert c.recv(4096)[:4] == b"\x43\x21\x81\x82"  # SERVFAIL, at once
-            assert time.monotonic() - started < 1.0
+            assert time.monotonic() - started < 20  # not after a resolver's timeout
             assert relay.warning().startswith(f"DNS does not answer: no resolver of the host's answers "
                                               f"(127.0.0.1:{dead_port}: Connection refused; 127.0.0.1:{up.port}: "
                                               "Connection refused)")
@@ -238,7 +243,10 @@ def test_a_stopped_door_forwards_nothing_more(door_pair: tuple[dnsrelay.DnsRelay
     up.close()
 
 
-def test_in_flight_queries_are_bounded(door_pair: tuple[dnsrelay.DnsRelay, Path]):
+def test_in_flight_queries_are_bounded(door_pair: tuple[dnsrelay.DnsRelay, Path], monkeypatch: pytest.MonkeyPatch):
+    # The others wait far longer than the one past the bound, however loaded the machine.
+    monkeypatch.setattr(dnsrelay, "UPSTREAM_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(dnsrelay, "QUERY_DEADLINE_S", 120.0)
     relay, conf = door_pair
     silent = Upstream(answer=False)
     conf.write_text(f"nameserver 127.0.0.1:{silent.port}\n")
@@ -259,7 +267,7 @@ def test_a_flood_is_read_at_the_bounded_rate(door_pair: tuple[dnsrelay.DnsRelay,
     """Past MAX_PER_WINDOW datagrams in a window, the door waits for the next
     window: the rest are answered later, none lost (they wait in the buffer)."""
     monkeypatch.setattr(dnsdoor, "MAX_PER_WINDOW", 20)
-    monkeypatch.setattr(dnsdoor, "RATE_WINDOW_S", 0.5)
+    monkeypatch.setattr(dnsdoor, "RATE_WINDOW_S", 3.0)  # long enough for 20 replies on a loaded machine
     relay, conf = door_pair
     conf.write_text("nameserver 127.0.0.1:1\n")
     door, addr = _door(relay)
@@ -273,6 +281,6 @@ def test_a_flood_is_read_at_the_bounded_rate(door_pair: tuple[dnsrelay.DnsRelay,
             for _ in range(30):
                 assert c.recv(4096)[3] & 0x0F == 1
                 times.append(time.monotonic() - started)
-        assert times[19] < 0.4 <= times[20], times  # 20 in the first window, the rest after it
+        assert times[19] < 3.0 <= times[20], times  # 20 in the first window, the rest after it
     finally:
         door.stop()

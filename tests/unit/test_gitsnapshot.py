@@ -13,7 +13,7 @@ import pytest
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import gitdirs, layouts, snapshots
 from tests.unit import permission_bits
-from tests.unit.gitrepo import empty_repo, git
+from tests.unit.gitrepo import empty_repo, git, nested_submodules
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -40,17 +40,7 @@ def _aside(path: Path) -> list[str]:
 def superproject(tmp_path: Path) -> Path:
     """``sub`` (its git directory in .git/modules/sub), and ``sub``'s own
     submodule ``inner`` (in .git/modules/sub/modules/inner)."""
-    inner = empty_repo(tmp_path / "inner-src", "inner")
-    lib = empty_repo(tmp_path / "lib-src", "lib")
-    git(lib, "submodule", "add", "-q", str(inner), "inner")
-    git(lib, "commit", "-q", "-m", "inner")
-    r = tmp_path / "super"
-    r.mkdir()
-    git(r, "init", "-q")
-    git(r, "submodule", "add", "-q", str(lib), "sub")
-    git(r, "submodule", "update", "-q", "--init", "--recursive")
-    git(r, "commit", "-q", "-m", "sub")
-    return r
+    return nested_submodules(tmp_path, "super", ["sub"])
 
 
 def test_every_git_directory_is_found_at_any_depth(superproject: Path) -> None:

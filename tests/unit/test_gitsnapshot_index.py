@@ -13,7 +13,7 @@ import pytest
 
 from dispatchd.daemon.gitguard import fs, layouts, snapshots
 from tests.unit import permission_bits
-from tests.unit.gitrepo import add_gitlink, git
+from tests.unit.gitrepo import add_gitlink, git, one_file_repo
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -37,12 +37,7 @@ def _rename_in_index(index: Path, old: str, new: str) -> None:
 
 def test_a_new_submodule_is_moved_aside(repo: Path) -> None:
     before = _take(repo)
-    nested = repo / "sub"
-    nested.mkdir()
-    git(nested, "init", "-q")
-    (nested / "a").write_text("a")
-    git(nested, "add", "a")
-    git(nested, "commit", "-qm", "x")
+    nested = one_file_repo(repo / "sub", "a")
     add_gitlink(repo, "sub", git(nested, "rev-parse", "HEAD").strip())
     moved, failed = _quarantine(repo, before)
     assert len(moved) == 1 and moved[0].startswith(str(nested / ".git.quarantined-by-dispatchd-")) and failed == [], moved

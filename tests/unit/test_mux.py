@@ -7,7 +7,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -102,20 +102,44 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return got
 
 
-def test_a_channel_arrives_as_a_descriptor_and_carries_both_ways(pair: Pair) -> None:
+def _channel(pair: Pair, size: int) -> tuple[socket.socket, socket.socket]:
+    """A channel the daemon's side hands over (read by the client ``size``
+    bytes at a time): the worker's end and the client's."""
     worker, channel = socket.socketpair()
     socket.send_fds(pair.daemon, [_frame(_FAKE_ATTACHED)], [channel.fileno()])
     channel.close()
     pair.client.settimeout(5)
-    data, fds, _flags, _addr = socket.recv_fds(pair.client, 1 << 16, 4)
+    data, fds, _flags, _addr = socket.recv_fds(pair.client, size, 4)
     assert fds and data == _frame(_FAKE_ATTACHED)[:len(data)]
     mine = socket.socket(fileno=fds[0])
     mine.settimeout(5)
     worker.settimeout(5)
-    mine.sendall(b"request")
-    assert _recv_exactly(worker, 7) == b"request"
-    worker.sendall(b"reply!")
-    assert _recv_exactly(mine, 6) == b"reply!"
+    return worker, mine
+
+
+def _both_ways(worker: socket.socket, mine: socket.socket, ask: bytes, answer: bytes) -> None:
+    mine.sendall(ask)
+    assert _recv_exactly(worker, len(ask)) == ask
+    worker.sendall(answer)
+    assert _recv_exactly(mine, len(answer)) == answer
+
+
+def _settled(read: Callable[[], int], quiet: float = 0.5, timeout: float = 30) -> int:
+    """``read()`` once it has not changed for ``quiet`` seconds (polled, up
+    to ``timeout``: a loaded machine only makes it slower)."""
+    deadline = time.monotonic() + timeout
+    value, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, f"still changing after {timeout} s: {read()}"
+        time.sleep(0.05)
+        if read() != value:
+            value, since = read(), time.monotonic()
+    return value
+
+
+def test_a_channel_arrives_as_a_descriptor_and_carries_both_ways(pair: Pair) -> None:
+    worker, mine = _channel(pair, 1 << 16)
+    _both_ways(worker, mine, b"request", b"reply!")
     # Closed on one side: closed on the other.
     mine.close()
     assert worker.recv(10) == b""
@@ -123,12 +147,7 @@ def test_a_channel_arrives_as_a_descriptor_and_carries_both_ways(pair: Pair) -> 
 
 
 def test_a_slow_reader_holds_back_its_stream_only_and_nothing_buffers_without_bound(pair: Pair) -> None:
-    worker, channel = socket.socketpair()
-    socket.send_fds(pair.daemon, [_frame(_FAKE_ATTACHED)], [channel.fileno()])
-    channel.close()
-    pair.client.settimeout(5)
-    data, fds, _flags, _addr = socket.recv_fds(pair.client, len(_frame(_FAKE_ATTACHED)), 4)
-    mine = socket.socket(fileno=fds[0])
+    worker, mine = _channel(pair, len(_frame(_FAKE_ATTACHED)))
     # The daemon floods stream 0; the client does not read it.
     written = 0
     stop = threading.Event()
@@ -147,26 +166,23 @@ def test_a_slow_reader_holds_back_its_stream_only_and_nothing_buffers_without_bo
 
     t = threading.Thread(target=flood, daemon=True)
     t.start()
-    time.sleep(1.0)
-    stalled_at = written
-    time.sleep(0.5)
-    assert written == stalled_at, "the source is still read"
+    deadline = time.monotonic() + 30
+    while written == 0 and time.monotonic() < deadline:  # the flood has begun
+        time.sleep(0.02)
+    stalled_at = _settled(lambda: written)  # ...and stalled: the source is no longer read
     # The window, the link's bound, and the kernel's socket and pipe buffers.
     kernel = 4 * 1024 * 1024
     assert written < _linkwire.WINDOW + _linkwire.OUT_BOUND + kernel, written
     # The channel goes on meanwhile.
-    mine.settimeout(5)
-    worker.settimeout(5)
-    mine.sendall(b"ping")
-    assert _recv_exactly(worker, 4) == b"ping"
-    worker.sendall(b"pong")
-    assert _recv_exactly(mine, 4) == b"pong"
+    _both_ways(worker, mine, b"ping", b"pong")
     # Reading stream 0 lets the flood go on.
     pair.client.settimeout(1)
     drained = 0
     while drained < stalled_at:
         drained += len(pair.client.recv(1 << 20))
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while written <= stalled_at and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert written > stalled_at
     stop.set()
     t.join(5)

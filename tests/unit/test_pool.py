@@ -68,7 +68,7 @@ def fakes() -> Iterator[Fakes]:
         os.close(w)
 
 
-def until(cond: object, timeout: float = 5.0) -> None:
+def until(cond: object, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():  # type: ignore[operator]
@@ -127,7 +127,7 @@ def test_only_the_most_recent_kinds_are_kept(fakes: Fakes) -> None:
 def test_sandboxes_are_remade_when_too_old(fakes: Fakes) -> None:
     p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release, max_age_s=0.2)
     p.start(OFF)
-    until(lambda: len(fakes.made) >= 3, timeout=5)  # made, retired, made again ...
+    until(lambda: len(fakes.made) >= 3)  # made, retired, made again ...
     assert fakes.made[0] in fakes.let_go
     assert all(time.monotonic() - m.made <= 0.2 + 0.1 for m in p._ready.get(OFF, []))
     p.stop()
@@ -195,21 +195,29 @@ class Mounts:
         return was
 
 
+def _watching(fakes: Fakes, size: int) -> tuple[SandboxPool, Mounts]:
+    """A pool of ``size`` sandboxes of OFF, started, that watches ``Mounts``."""
+    mounts = Mounts()
+    p = SandboxPool(size=size, make=fakes.make, let_go=fakes.release, mounts_changed=mounts.changed)
+    p.start(OFF)
+    return p, mounts
+
+
 def test_a_change_of_the_hosts_mounts_lets_go_of_every_sandbox_made_before(
         fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool_mod, "MOUNTS_SETTLE_S", 0.3)
-    mounts = Mounts()
-    p = SandboxPool(size=2, make=fakes.make, let_go=fakes.release, mounts_changed=mounts.changed)
-    p.start(OFF)
+    monkeypatch.setattr(pool_mod, "MOUNTS_SETTLE_S", 1.0)
+    p, mounts = _watching(fakes, 2)
     p.want(ON)
     until(lambda: ready(p, OFF) == 2 and ready(p, ON) == 2)
     before = list(fakes.made)
     mounts.change()
+    changed = time.monotonic()
     assert p.take(OFF) is None  # none made before the change is given
     assert sorted(m.sid for m in fakes.let_go) == sorted(m.sid for m in before)
     made = len(fakes.made)
     time.sleep(0.15)
-    assert len(fakes.made) == made  # none made while the mounts settle
+    if time.monotonic() - changed < 1.0:  # still within the settling time (a loaded machine may be past it)
+        assert len(fakes.made) == made  # none made while the mounts settle
     until(lambda: ready(p, OFF) == 2 and ready(p, ON) == 2)
     taken = p.take(OFF)
     assert taken is not None and taken not in before
@@ -221,13 +229,11 @@ def test_waiting_sandboxes_are_let_go_soon_after_a_change_without_an_open(
         fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
     """An unmounted filesystem is not kept busy until the next open."""
     monkeypatch.setattr(pool_mod, "MOUNTS_CHECK_S", 0.05)
-    mounts = Mounts()
-    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release, mounts_changed=mounts.changed)
-    p.start(OFF)
+    p, mounts = _watching(fakes, 1)
     until(lambda: ready(p, OFF) == 1)
     first = fakes.made[0]
     mounts.change()
-    until(lambda: first in fakes.let_go, timeout=2)
+    until(lambda: first in fakes.let_go)
     p.stop()
 
 
@@ -272,6 +278,6 @@ def test_a_bug_in_letting_go_does_not_stop_the_pool(fakes: Fakes, monkeypatch: p
 
     p = SandboxPool(size=1, make=fakes.make, let_go=flaky_release, max_age_s=0.2)
     p.start(OFF)
-    until(lambda: calls["n"] >= 2, timeout=5)  # retired again after the error: the thread lives on
+    until(lambda: calls["n"] >= 2)  # retired again after the error: the thread lives on
     until(lambda: ready(p, OFF) == 1)
     p.stop()

@@ -3,6 +3,7 @@ echoes commands, and the end-of-run cleanup of a root test run."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from pathlib import Path
 
@@ -13,9 +14,16 @@ pytestmark = pytest.mark.process  # runs the shell helpers in bash
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
+def _default_sigint() -> None:
+    # A test process may ignore SIGINT (an xdist worker does), and bash can
+    # trap no signal it was started ignoring: the scripts get it as a shell
+    # started from a terminal would.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def bash(script: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", "-c", f". scripts/_common.sh\n{script}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=30)
+                          text=True, timeout=30, preexec_fn=_default_sigint)
 
 
 def test_commands_are_echoed_with_their_quotes() -> None:

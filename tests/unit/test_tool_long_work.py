@@ -21,6 +21,7 @@ from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
 from tests.unit.adopting import sleeping
+from tests.conftest import gone, sleepers
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -51,10 +52,9 @@ marked = sleeping
 
 
 def gone_within(marker: str, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while marked(marker) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return marked(marker) == []
+    """Whether they are gone in time; the deadline is generous (a sleep
+    left behind would run for minutes), so load never fails the test."""
+    return gone(lambda: sleepers(marker), max(seconds, 30.0))
 
 
 # ----------------------------------------------------------------- streaming

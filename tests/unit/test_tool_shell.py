@@ -19,6 +19,7 @@ from dispatchd.policy import Limits
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
 from tests.unit.adopting import Adopting, sleeping
+from tests.conftest import running
 
 pytestmark = pytest.mark.process  # starts processes (git, a compiler, commands, forks)
 
@@ -307,17 +308,8 @@ def test_without_pidfd_timeouts_still_kill_everything(ctx: ToolContext) -> None:
 
 
 def _running(needle: str) -> list[int]:
-    """Live processes whose command line holds ``needle``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if needle.encode() in f.read() and alive(int(name)):
-                        found.append(int(name))
-            except OSError:
-                continue
-    return found
+    """Live processes of this test process whose command line holds ``needle`` (tests/conftest.py)."""
+    return running(needle)
 
 
 def test_the_c_helper_starts_bash_as_a_child_subreaper(ctx: ToolContext) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dispatchd.daemon.writelock import WriteLocks
 
 
@@ -12,23 +14,16 @@ def test_the_first_session_gets_the_lock_and_a_second_is_told_who_holds_it() -> 
     assert locks.holds("a") and not locks.holds("b")
 
 
-def test_the_holder_asking_again_keeps_it() -> None:
+@pytest.mark.parametrize(("who", "path", "holder"), [
+    ("a", "/home/u/wt", None),  # the holder asking again keeps it
+    ("b", "/home/u/wt/sub", "a"),  # a worktree inside the held one is the same lock
+    ("c", "/home/u", "a"),  # ...and one around it
+    ("b", "/home/u/wt2", None),  # a sibling with a shared prefix is another worktree
+], ids=["the_holder_again", "inside", "around", "a_sibling_with_a_shared_prefix"])
+def test_a_second_acquire_while_one_holds_it(who: str, path: str, holder: str | None) -> None:
     locks = WriteLocks()
     assert locks.acquire("a", "/home/u/wt") is None
-    assert locks.acquire("a", "/home/u/wt") is None
-
-
-def test_a_worktree_inside_or_around_the_held_one_is_the_same_lock() -> None:
-    locks = WriteLocks()
-    assert locks.acquire("a", "/home/u/wt") is None
-    assert locks.acquire("b", "/home/u/wt/sub") == "a"
-    assert locks.acquire("c", "/home/u") == "a"
-
-
-def test_a_sibling_with_a_shared_prefix_is_another_worktree() -> None:
-    locks = WriteLocks()
-    assert locks.acquire("a", "/home/u/wt") is None
-    assert locks.acquire("b", "/home/u/wt2") is None
+    assert locks.acquire(who, path) == holder
 
 
 def test_released_it_passes_on() -> None:

@@ -1,0 +1,34 @@
+"""Sockets a thread of the test serves, outside every sandbox, until closed:
+what a session reaches (or must not reach) on the host."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+
+class Served:
+    """``sock``, served by a daemon thread that calls ``serve_once`` until
+    ``close``. The socket's timeout lets the thread see ``close`` in time."""
+
+    def __init__(self, sock: socket.socket, timeout: float = 0.2) -> None:
+        self.sock = sock
+        sock.settimeout(timeout)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def serve_once(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.serve_once()
+            except OSError:  # a timeout (then look at the stop flag again), or a client gone
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
