@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -135,7 +136,10 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Podman, s
     env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime))
     # overlay, the kernel's own (rootless since 5.13): a container of the
     # image is made and removed at once, where vfs copies its 350 MB each way
-    engine = Podman(["podman", "--root", str(base / "storage"), "--runroot", str(base / "runroot"),
+    # podman refuses a runroot path over 50 characters (a worker's temporary
+    # directory under xdist is longer): a short one of its own under /tmp
+    runroot = tempfile.mkdtemp(prefix="dtpm-", dir="/tmp")
+    engine = Podman(["podman", "--root", str(base / "storage"), "--runroot", runroot,
                      "--storage-driver", "overlay", "--runtime", RUNC], env)
     key = inputs_key()
     tree = cached_tree(key)
@@ -151,6 +155,7 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Podman, s
         # alone took three times as long here).
         engine("rmi", "--all", "--force", check=False)
         engine("system", "reset", "--force", check=False)
+        shutil.rmtree(runroot, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def plan(root: str, tools: list[str]) -> Any:
     """The fields of a SessionPlan a tool server reads, for ``root`` (its
     scratch directory made beside it)."""
     made = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=root, scratch=root + "-scratch"),
-                                 limits=Limits(), env={}, writable=True, tools=tools,
+                                 limits=Limits(), env={}, writable=True, tools=tools, checkpoint_writes=False,
                                  namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
                                  mounts=types.SimpleNamespace(root="minimal"))
     os.makedirs(made.paths.scratch, exist_ok=True)
