@@ -37,7 +37,6 @@ import os
 import signal
 import socket
 import time
-import traceback
 from typing import NoReturn
 
 import msgspec
@@ -265,13 +264,8 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         if made_ahead:
             plan, worktree_fd = _wait_for_session(control, plan, keep, clock)
         skipped = confine_session(plan, program, keep, clock, worktree_fd, held, kit)
-    except ConfinementError as exc:
-        _report(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
-        os._exit(1)
-    except BaseException as exc:  # a bug: still say which, then go
-        _report(control, protocol.WorkerFailed(step="worker start", errno=0, path="",
-                                               message=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        os._exit(1)
+    except BaseException as exc:
+        wake.fail(control, exc, "worker start")
     # What the session sees: the planned root, less what this machine lacks.
     protections = msgspec.structs.replace(plan.protections, absent_paths=skipped, made_ahead=made_ahead,
                                           root=[r for r in plan.protections.root if r.path not in skipped])

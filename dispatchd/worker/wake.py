@@ -212,17 +212,24 @@ def run_woken(plan: SessionPlan, program: bytes, control_fd: int, ruleset: int) 
 
     try:
         confine_woken(plan, program, ruleset, [control_fd], clock)
-    except ConfinementError as exc:
-        _say(control, protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message))
-        os._exit(1)
-    except BaseException as exc:  # a bug: still say which, then go
-        _say(control, protocol.WorkerFailed(step="wake", errno=0, path="",
-                                            message=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        os._exit(1)
+    except BaseException as exc:
+        fail(control, exc, "wake")
     _say(control, protocol.WorkerReady(pid=os.getpid(), protections=plan.protections, timings_ms=steps))
     reaper.start_at_first_spawn(proctree.owns, proctree.CHILD_BORN, proctree.after_first_spawn)
     serve(control, plan)
     os._exit(0)
+
+
+def fail(control: protocol.FrameSocket, exc: BaseException, step: str) -> NoReturn:
+    """Tell the daemon why this worker cannot serve (a ConfinementError as it
+    says it; anything else is a bug: its traceback, under ``step``), then exit."""
+    if isinstance(exc, ConfinementError):
+        msg = protocol.WorkerFailed(step=exc.step, errno=exc.errno, path=exc.path, message=exc.message)
+    else:
+        msg = protocol.WorkerFailed(step=step, errno=0, path="",
+                                    message=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    _say(control, msg)
+    os._exit(1)
 
 
 def _say(control: protocol.FrameSocket, msg: protocol.WorkerReady | protocol.WorkerFailed) -> None:
