@@ -187,14 +187,21 @@ class DatagramListener:
         self.sock.bind(address)
         self.address = self.sock.getsockname()
 
-    def drain(self, timeout: float = 0.5) -> list[bytes]:
-        """Every datagram that arrives within ``timeout`` of the previous one."""
-        got = []
-        self.sock.settimeout(timeout)
+    def drain(self, timeout: float = 0.5, expect: int = 0) -> list[bytes]:
+        """Every datagram that arrives within ``timeout`` of the previous one;
+        with ``expect`` (an allowed twin's), the first ``expect`` of them are
+        waited for up to 30 s (a datagram through pasta on a loaded machine
+        may take longer than ``timeout``), the rest as before."""
+        got: list[bytes] = []
+        deadline = time.monotonic() + 30
         while True:
+            waiting = len(got) < expect
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()) if waiting else timeout)
             try:
                 got.append(self.sock.recv(65536))
             except TimeoutError:
+                if waiting and time.monotonic() < deadline:
+                    continue
                 return got
 
     def close(self) -> None:

@@ -177,9 +177,10 @@ def test_a_resolver_that_does_not_answer_is_said_and_fails_fast(dns_daemon: Daem
         mine.stop()
         with dns_client.open_session(str(worktree), network="on") as s:
             warnings = s.status()["warnings"]
-            assert len(warnings) == 1 and warnings[0].startswith(
-                f"DNS does not answer: no resolver of the host's answers (127.0.0.1:{mine.port}: "
-                "Connection refused)"), warnings
+            # refused at once, or (the ICMP answer late on a loaded machine) timed out
+            assert len(warnings) == 1 and warnings[0].startswith(tuple(
+                f"DNS does not answer: no resolver of the host's answers (127.0.0.1:{mine.port}: {why})"
+                for why in ("Connection refused", "timed out"))), warnings
             code, out, took = getent(s)
             assert (code, out) == (2, "") and took < 2.0, (code, out, took)
             said = probe(s, f"import socket\ntry:\n    socket.getaddrinfo({NAME!r}, 80)\n"
