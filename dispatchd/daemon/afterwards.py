@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable
 
 from dispatchd import fdwait
+from dispatchd.tools.atomic import fsync_directory
 
 log = logging.getLogger("dispatchd.afterwards")
 
@@ -81,13 +82,7 @@ def fsync_dir(path: str) -> None:
     durable (baselines.py). Until it is, a machine that crashes brings the
     record back, and the next start checks against it (moving aside, never
     deleting, what changed since)."""
-    def job() -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    later(job)
+    later(lambda: fsync_directory(path))
 
 
 def drain(timeout_s: float = 10.0) -> bool:

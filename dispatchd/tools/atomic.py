@@ -78,7 +78,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def _fsync_directory(directory: str, dir_fd: int | None) -> None:
+def fsync_directory(directory: str, dir_fd: int | None = None) -> None:
+    """fsync the directory ``directory`` (or the one ``dir_fd`` holds): a
+    rename or an unlink in it made durable."""
     # "." below dir_fd: the directory held (an O_PATH descriptor cannot fsync).
     fd = os.open("." if dir_fd is not None else directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
@@ -139,4 +141,4 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
         with _in_flight_lock:
             _in_flight.discard(key)
     if fsync:
-        _fsync_directory(directory, dir_fd)
+        fsync_directory(directory, dir_fd)

@@ -192,14 +192,6 @@ def _is_dir_at(fd: int, name: str) -> bool:
         return False
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, _DIR)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _syncfs(path: str) -> None:
     """``syncfs(2)`` of the file system holding ``path``: every copy made
     there reaches the disk in one call, instead of an fsync per file."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from dispatchd import protocol, treewalk
+from dispatchd.tools.atomic import fsync_directory
 from dispatchd.confine._sys import open_beneath
 from dispatchd.daemon import gitguard
 from dispatchd.errors import CheckpointError
@@ -29,7 +30,7 @@ from dispatchd.protocol import CheckpointInfo
 
 from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _DIR, _FANOUT, _FSYNC_EACH, _OBJECTS, _POOL, _TMP, _manifest_decoder, _parent, plan_copies, plan_restore
 from dispatchd.daemon.checkpoints.reading import Refused, _budget_words, _clone_fd, _copy_path, _entry, _open_readable, list_tree
-from dispatchd.daemon.checkpoints.restoring import _fsync_dir, _mib, _put_objects, _syncfs, apply_restore
+from dispatchd.daemon.checkpoints.restoring import _mib, _put_objects, _syncfs, apply_restore
 
 log = logging.getLogger("dispatchd.checkpoints")
 
@@ -128,7 +129,7 @@ class Store:
                     os.fsync(f.fileno())
             os.rename(tmp, os.path.join(top, cid))  # complete from here; absent before
             if fsync:
-                _fsync_dir(top)
+                fsync_directory(top)
         except BaseException as exc:
             for n in made:
                 with contextlib.suppress(OSError):

@@ -55,6 +55,7 @@ from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
 from dispatchd.errors import WorktreeError
+from dispatchd.tools.atomic import fsync_directory
 from dispatchd.inside import is_within, overlap
 
 log = logging.getLogger("dispatchd.baselines")
@@ -85,14 +86,6 @@ class _Domain:
         self.claims: list[tuple[str, str]] = []  # (root, common) of joins under way, before their parts exist
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Baselines:
     """The daemon's domains; every method is safe from many threads. The
     store's lock is held only to look up and change which domains there are;
@@ -112,7 +105,7 @@ class Baselines:
         self.recovered: list[Protected] = []  # what the start's checks did
         # How a record's removal is made durable: at once, or by the daemon
         # after the close's reply (daemon/afterwards.py; docs/performance.md).
-        self.sync_dir: Callable[[str], None] = _fsync_dir
+        self.sync_dir: Callable[[str], None] = fsync_directory
 
     # --- on disk ---------------------------------------------------------
 
@@ -127,7 +120,7 @@ class Baselines:
         finally:
             os.close(fd)
         os.rename(tmp, path)
-        _fsync_dir(self.dir)
+        fsync_directory(self.dir)
 
     def _take_lock(self, did: str, blocking: bool = False) -> int | None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
