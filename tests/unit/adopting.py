@@ -25,27 +25,11 @@ __all__ = ["Adopting", "sleeping"]
 
 
 def sleeping(marker: str) -> list[int]:
-    """Live ``sleep MARKER`` processes (not the shells whose command names them)
-    of this test run: their working directory lies below its temporary
-    directory (``tests.conftest.sleepers``' rule), so a run beside it as the
-    same user, sleeping the same marker, is not counted."""
-    from tests.conftest import _of_this_run  # the test's side only: the runner never calls this
+    """Live ``sleep MARKER`` processes of this test run (``tests.conftest.sleepers``:
+    a run beside it as the same user, sleeping the same marker, is not counted)."""
+    from tests.conftest import sleepers  # the test's side only: the runner never calls this
 
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-                cwd = os.readlink(f"/proc/{pid}/cwd")
-            except OSError:
-                continue
-            if len(argv) >= 2 and argv[0].endswith(b"sleep") and argv[1] == marker.encode() and state != b"Z" \
-                    and _of_this_run(cwd):
-                found.append(int(pid))
-    return found
+    return sleepers(marker)
 
 
 class Adopting:
