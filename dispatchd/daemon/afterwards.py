@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 
 from dispatchd import fdwait
-from dispatchd.tools.atomic import fsync_directory
+from dispatchd.durable import fsync_directory
 
 log = logging.getLogger("dispatchd.afterwards")
 

@@ -28,6 +28,7 @@ import os
 import stat
 import threading
 
+from dispatchd.durable import fsync_directory
 from dispatchd.tempfiles import TEMP_NAME, temp_name
 
 __all__ = ["atomic_write", "TEMP_NAME", "in_flight"]  # TEMP_NAME: tempfiles.py's, for the sweep's callers
@@ -76,21 +77,6 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
-
-
-def fsync_directory(directory: str, dir_fd: int | None = None) -> None:
-    """fsync the directory ``directory`` (or the one ``dir_fd`` holds): a
-    rename or an unlink in it made durable."""
-    # "." below dir_fd: the directory held (an O_PATH descriptor cannot fsync).
-    fd = os.open("." if dir_fd is not None else directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        # Some file systems cannot sync a directory; the data itself is safe.
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = False, dir_fd: int | None = None) -> None:

@@ -301,6 +301,7 @@ def test_invalid_utf8_on_a_tool_server_channel_gets_an_error_reply(daemon: Daemo
 # ----------------------------------------------------------------- channels of one session
 
 
+@pytest.mark.usefixtures("user_budgets")  # 256 threads and 2,200 descriptors of the user's: in turn with the budget tests
 def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: Path) -> None:
     """Each attach is a channel (a thread and a descriptor of the tool server);
     over ~1,010 they killed it. Past the cap each is answered too_many_channels,

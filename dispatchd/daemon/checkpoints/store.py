@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from dispatchd import protocol, treewalk
-from dispatchd.tools.atomic import fsync_directory
+from dispatchd.durable import fsync_directory
 from dispatchd.confine._sys import open_beneath
 from dispatchd.daemon import gitguard
 from dispatchd.errors import CheckpointError

@@ -55,7 +55,7 @@ from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
 from dispatchd.errors import WorktreeError
-from dispatchd.tools.atomic import fsync_directory
+from dispatchd.durable import fsync_directory
 from dispatchd.inside import is_within, overlap
 
 log = logging.getLogger("dispatchd.baselines")
