@@ -477,16 +477,16 @@ def bench_dir(name: str, home: bool = False) -> str:
                             dir=os.path.expanduser("~") if home else None)
 
 
-def rounds_and_dir(name: str, doc: str, rounds: int) -> tuple[int, str] | None:
-    """The start of a small bench script: its one optional argument (how
-    many rounds, ``rounds`` by default), the refusal of root and its
-    temporary directory; None when it must not run."""
+def run_small(name: str, doc: str, rounds: int, body: Callable[[int, str], int]) -> int:
+    """A small bench script, started: its one optional argument (how many
+    rounds, ``rounds`` by default), the refusal of root and its temporary
+    directory, then ``body(rounds, tmp)``; 2 when it must not run."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("rounds", type=int, nargs="?", default=rounds)
     args = ap.parse_args()
     if not ordinary_user(name):
-        return None
-    return args.rounds, bench_dir(name)
+        return 2
+    return body(args.rounds, bench_dir(name))
 
 
 def stop_daemon(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:

@@ -38,6 +38,7 @@ from dispatch.tools import Registry  # noqa: E402
 from dispatchd import protocol  # noqa: E402
 from dispatchd.policy import Limits  # noqa: E402
 from dispatchd.catalogue import schemas_for  # noqa: E402
+from dispatchd.worker.fork_server import fork_serving  # noqa: E402
 
 _TOOLS = ["read_file", "write_file", "shell_exec"]
 
@@ -69,15 +70,7 @@ def _bare_server(sock: socket.socket, wt: str) -> None:
 
 
 def _spawn(serve: Any, wt: str) -> tuple[socket.socket, int]:
-    ours, theirs = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:
-        ours.close()
-        try:
-            serve(theirs, wt)
-        finally:
-            os._exit(0)
-    theirs.close()
+    pid, ours = fork_serving(lambda theirs: serve(theirs, wt), exit_code=0)
     return ours, pid
 
 

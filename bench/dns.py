@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import fmt, pct, rounds_and_dir, start_daemon, stop_daemon  # noqa: E402  (and the repository on the path)
+from bench import fmt, pct, run_small, start_daemon, stop_daemon  # noqa: E402  (and the repository on the path)
 
 import dispatch  # noqa: E402
 from tests.dnsresponder import NAME, Responder  # noqa: E402
@@ -75,11 +75,7 @@ def host_floor(port: int, n: int) -> list[float]:
     return out
 
 
-def main() -> int:
-    setup = rounds_and_dir("dns", __doc__, 2000)
-    if setup is None:
-        return 2
-    rounds, tmp = setup
+def main(rounds: int, tmp: str) -> int:
     responder = Responder()
     conf = Path(tmp, "resolv.conf")
     conf.write_text(f"nameserver 127.0.0.1:{responder.port}\n")
@@ -122,4 +118,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_small("dns", __doc__, 2000, main))

@@ -24,17 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import fmt, pct, rounds_and_dir, start_daemon, stop_daemon  # noqa: E402  (and the repository on the path)
+from bench import fmt, pct, run_small, start_daemon, stop_daemon  # noqa: E402  (and the repository on the path)
 
 import dispatch  # noqa: E402
 from tests.sshd import Sshd  # noqa: E402
 
 
-def main() -> int:
-    setup = rounds_and_dir("remote", __doc__, 300)
-    if setup is None:
-        return 2
-    rounds, tmp = setup
+def main(rounds: int, tmp: str) -> int:
     daemon, sock = start_daemon(tmp)
     sshd = Sshd(Path(tmp, "sshd"), f"{os.path.dirname(sys.executable)}:/usr/bin:/bin")
     wt = Path(tmp, "wt")
@@ -87,4 +83,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_small("remote", __doc__, 300, main))

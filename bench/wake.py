@@ -22,16 +22,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import REPO, fmt, pct, rounds_and_dir, start_daemon, stop_daemon  # noqa: E402  (and the repository on the path)
+from bench import REPO, fmt, pct, run_small, start_daemon, stop_daemon  # noqa: E402  (and the repository on the path)
 
 import dispatch  # noqa: E402
 
 
-def main() -> int:
-    setup = rounds_and_dir("wake", __doc__, 30)
-    if setup is None:
-        return 2
-    rounds, tmp = setup
+def main(rounds: int, tmp: str) -> int:
     policies = Path(tmp, "policies")
     shutil.copytree(REPO / "policies", policies)
     Path(policies, "nap.toml").write_text('description = "sleeps after 0.3 s"\n[limits]\nsleep_after_s = 0.3\n')
@@ -84,4 +80,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_small("wake", __doc__, 30, main))

@@ -22,11 +22,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 import dispatch
 from tests.sleeping import WokenClient, sleepy_policies
+
+_T = TypeVar("_T")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -266,6 +269,21 @@ def wait_until(predicate: Callable[[], object], timeout: float = 30.0, interval:
             return bool(predicate())
         time.sleep(interval)
     return True
+
+
+def made_each(make: Callable[[], _T], end: Callable[[_T], None]) -> Iterator[Callable[[], _T]]:
+    """The body of a fixture that hands out a factory: each call makes one
+    more (``make``); after the test, each one made is ended (``end``), in order:
+    ``yield from made_each(Pipe, Pipe.close)``."""
+    made: list[_T] = []
+
+    def one() -> _T:
+        made.append(make())
+        return made[-1]
+
+    yield one
+    for thing in made:
+        end(thing)
 
 
 def gone(pids: Callable[[], list[int]], timeout: float = 30.0) -> bool:

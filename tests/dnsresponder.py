@@ -9,6 +9,8 @@ import socket
 import struct
 import threading
 
+from tests.listeners import accepted
+
 NAME, ADDRESS = "testname.example", "192.0.2.55"
 
 
@@ -68,11 +70,7 @@ class Responder:
             return  # stopped
 
     def _tcp(self) -> None:
-        while True:
-            try:
-                conn, _ = self.tcp.accept()
-            except OSError:
-                return
+        for conn in accepted(self.tcp):
             with conn:
                 conn.settimeout(5)
                 try:

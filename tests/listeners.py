@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
 
 
 class Served:
@@ -32,3 +33,14 @@ class Served:
         self._stop.set()
         self._thread.join(5)
         self.sock.close()
+
+
+def accepted(server: socket.socket) -> Iterator[socket.socket]:
+    """Each connection ``server`` accepts, until it is closed (an accept that
+    fails: the serving thread's loop ends with it)."""
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        yield conn

@@ -104,11 +104,16 @@ def close_inherited_fds(keep: list[int]) -> None:
         os.close(null)
 
 
-def no_new_privs() -> None:
+def _prctl(step: str, option: int, value: int) -> None:
+    """One prctl that is a whole step: refused, the step is named."""
     try:
-        _sys.prctl(_sys.PR_SET_NO_NEW_PRIVS, 1)
+        _sys.prctl(option, value)
     except OSError as exc:
-        raise ConfinementError("hygiene: no_new_privs", exc.errno) from exc
+        raise ConfinementError(f"hygiene: {step}", exc.errno) from exc
+
+
+def no_new_privs() -> None:
+    _prctl("no_new_privs", _sys.PR_SET_NO_NEW_PRIVS, 1)
 
 
 def drop_bounding_set() -> None:
@@ -138,14 +143,8 @@ def drop_capabilities() -> None:
 
 
 def not_dumpable() -> None:
-    try:
-        _sys.prctl(_sys.PR_SET_DUMPABLE, 0)
-    except OSError as exc:
-        raise ConfinementError("hygiene: not dumpable", exc.errno) from exc
+    _prctl("not dumpable", _sys.PR_SET_DUMPABLE, 0)
 
 
 def child_subreaper() -> None:
-    try:
-        _sys.prctl(_sys.PR_SET_CHILD_SUBREAPER, 1)
-    except OSError as exc:
-        raise ConfinementError("hygiene: child subreaper", exc.errno) from exc
+    _prctl("child subreaper", _sys.PR_SET_CHILD_SUBREAPER, 1)

@@ -36,6 +36,7 @@ import msgspec
 
 from dispatchd.confine import _sys
 from dispatchd.errors import ConfinementError
+from dispatchd.fds import close_held
 
 # Filesystem rights, by the ABI that introduced them.
 EXECUTE = 1 << 0
@@ -166,9 +167,7 @@ class Ruleset:
         self.skipped = skipped
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.fd = close_held(self.fd)
 
 
 def _create_ruleset(plan: LandlockPlan) -> int:

@@ -29,6 +29,7 @@ import os
 import stat
 
 from dispatchd.errors import WorktreeError
+from dispatchd.fds import close_held
 from dispatchd.inside import is_within, overlap
 
 # Below the home directory: what holds the user's keys and tokens (the
@@ -51,9 +52,7 @@ class Worktree:
         self.fd = fd
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.fd = close_held(self.fd)
 
 
 _MAX_LINKS = 40  # as the kernel's own limit on symlinks in one lookup

@@ -22,6 +22,7 @@ import os
 import select
 import signal
 import socket
+from collections.abc import Callable
 from typing import NoReturn
 
 import msgspec
@@ -400,14 +401,21 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
 def start_fork_server() -> tuple[int, socket.socket]:
     """Fork the fork server. Call before any thread exists. Returns its pid and
     the daemon's end of the channel to it."""
-    parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     daemon_pid = os.getpid()
+    return fork_serving(lambda child_end: serve_fork_server(child_end, daemon_pid))
+
+
+def fork_serving(serve: Callable[[socket.socket], object], exit_code: int = 1) -> tuple[int, socket.socket]:
+    """Fork a child that runs ``serve`` on its end of a new socket pair, then
+    exits with ``exit_code`` (whatever ``serve`` did: it never returns into
+    the parent's code). Returns the child's pid and the parent's end."""
+    parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
     if pid == 0:
         parent_end.close()
         try:
-            serve_fork_server(child_end, daemon_pid)
+            serve(child_end)
         finally:
-            os._exit(1)
+            os._exit(exit_code)
     child_end.close()
     return pid, parent_end

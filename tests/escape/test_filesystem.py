@@ -112,45 +112,49 @@ def test_listing_the_home_directory_is_refused(session: dispatch.Session, worktr
     assert attempt(session, listing.format(path=str(Path.home()))) in (EACCES, ENOENT)
 
 
+def _two_paths(call: str, src: Path, dst: Path) -> str:
+    """An attempt's code: ``os.<call>(src, dst)`` (link, rename)."""
+    return f"result = os.{call}({str(src)!r}, {str(dst)!r})"
+
+
+def _full_mode_home_errno(sandbox: Sandbox, session: dispatch.Session) -> str:
+    """What full mode answers a rename between the worktree and the home
+    directory: the kernel looks at the two directories first, so where the
+    root holds the way to the home directory (dispatchd's code there, a
+    read-only mount of its own) EXDEV (two mounts), else ENOENT (no home)."""
+    return EXDEV if sandbox.create_verdict(session, Path.home()) == EROFS else ENOENT
+
+
 def test_hard_linking_a_home_file_into_the_worktree_is_refused(
     sandbox: Sandbox, session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path,
 ) -> None:
-    link = "result = os.link({src!r}, {dst!r})"
-    assert attempt(session, link.format(src=str(own_file), dst=str(worktree / "own-link"))) == "OK None"
+    assert attempt(session, _two_paths("link", own_file, worktree / "own-link")) == "OK None"
     # Full mode: the home file is not in the session's root. Degraded mode:
     # one filesystem, and Landlock refuses a link that would give the file the
     # worktree's rights, with EXDEV (as it does for a refused "refer").
-    got = attempt(session, link.format(src=str(home_secret), dst=str(worktree / "secret-link")))
+    got = attempt(session, _two_paths("link", home_secret, worktree / "secret-link"))
     assert got == sandbox.expect(full=ENOENT, degraded=EXDEV)
     assert not os.path.lexists(worktree / "secret-link")
     if os.stat(Path.home()).st_dev == os.stat(worktree).st_dev:  # the link is possible at all
-        assert attempt_outside(link.format(src=str(home_secret), dst=str(worktree / "outside-link"))) == "OK None"
+        assert attempt_outside(_two_paths("link", home_secret, worktree / "outside-link")) == "OK None"
 
 
 def test_moving_a_home_file_into_the_worktree_is_refused(
     sandbox: Sandbox, session: dispatch.Session, worktree: Path, own_file: Path, home_secret: Path,
 ) -> None:
-    move = "result = os.rename({src!r}, {dst!r})"
-    assert attempt(session, move.format(src=str(own_file), dst=str(worktree / "moved-own"))) == "OK None"
-    out = attempt(session, move.format(src=str(home_secret), dst=str(worktree / "moved-secret")))
-    # Full mode: the file is not in the root; the kernel looks at the two
-    # directories first, so where the root holds the way to the home
-    # directory (dispatchd's code there) it answers EXDEV (two mounts) before ENOENT.
-    full = EXDEV if sandbox.create_verdict(session, Path.home()) == EROFS else ENOENT
-    assert out == sandbox.expect(full=full, degraded=EACCES)
+    assert attempt(session, _two_paths("rename", own_file, worktree / "moved-own")) == "OK None"
+    out = attempt(session, _two_paths("rename", home_secret, worktree / "moved-secret"))
+    assert out == sandbox.expect(full=_full_mode_home_errno(sandbox, session), degraded=EACCES)
     assert home_secret.exists() and not os.path.lexists(worktree / "moved-secret")
 
 
 def test_moving_a_worktree_file_out_to_the_home_directory_is_refused(
     sandbox: Sandbox, session: dispatch.Session, worktree: Path, own_file: Path,
 ) -> None:
-    move = "result = os.rename({src!r}, {dst!r})"
-    assert attempt(session, move.format(src=str(own_file), dst=str(worktree / "renamed"))) == "OK None"
+    assert attempt(session, _two_paths("rename", own_file, worktree / "renamed")) == "OK None"
     target = Path.home() / f"dispatch-escape-moved-{secrets.token_hex(6)}"
-    out = attempt(session, move.format(src=str(worktree / "renamed"), dst=str(target)))
-    # Full mode: a mount of its own, or no home there at all.
-    assert out == sandbox.expect(full=EXDEV if sandbox.create_verdict(session, Path.home()) == EROFS else ENOENT,
-                                 degraded=EACCES)
+    out = attempt(session, _two_paths("rename", worktree / "renamed", target))
+    assert out == sandbox.expect(full=_full_mode_home_errno(sandbox, session), degraded=EACCES)
     assert not os.path.lexists(target)
 
 
@@ -507,19 +511,7 @@ def test_no_git_directory_of_the_repository_runs_what_a_session_wrote(
     is moved aside when the session ends; the user's git status and commit
     then run nothing of the session's. Degraded mode: a KNOWN LIMIT, the
     writes go through (leaves_open says git metadata is writable)."""
-    src = tmp_path / "src"
-    src.mkdir()
-    _git(src, "init", "-q")
-    _git(src, "commit", "-q", "--allow-empty", "-m", "src")
-    _git(worktree, "init", "-q")
-    _git(worktree, "commit", "-q", "--allow-empty", "-m", "super")
-    _git(worktree, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(src), "libs/sub")
-    (worktree / "emb").mkdir()
-    _git(worktree / "emb", "init", "-q")
-    _git(worktree / "emb", "commit", "-q", "--allow-empty", "-m", "emb")
-    _git(worktree, "update-index", "--add", "--cacheinfo",
-         f"160000,{_git(worktree / 'emb', 'rev-parse', 'HEAD').strip()},emb")
-    _git(worktree, "commit", "-qm", "submodules")
+    _superproject(worktree, tmp_path, "libs/sub")
     _git(worktree, "worktree", "add", "-q", str(tmp_path / "other"), "-b", "other")
     for hooks in (worktree / ".git" / "hooks", worktree / "emb" / ".git" / "hooks"):
         subprocess.run(["rm", "-rf", str(hooks)], check=True)
@@ -560,14 +552,14 @@ def test_no_git_directory_of_the_repository_runs_what_a_session_wrote(
     assert commit.returncode == 0 and status.returncode == 0
 
 
-def _superproject(worktree: Path, tmp_path: Path) -> None:
-    """``sub``, a submodule with its git directory in .git/modules/sub, and
+def _superproject(worktree: Path, tmp_path: Path, sub: str = "sub") -> None:
+    """``sub``, a submodule with its git directory in .git/modules/<sub>, and
     ``emb``, one kept in place (emb/.git), committed."""
     lib = tmp_path / "lib"
     _git(tmp_path, "init", "-q", str(lib))
     _git(lib, "commit", "-q", "--allow-empty", "-m", "lib")
     _git(worktree, "init", "-q")
-    _git(worktree, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "sub")
+    _git(worktree, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), sub)
     (worktree / "emb").mkdir()
     _git(worktree / "emb", "init", "-q")
     _git(worktree / "emb", "commit", "-q", "--allow-empty", "-m", "emb")

@@ -182,31 +182,28 @@ class SlowReceiver:
         self.conn, _ = self.sock.accept()
 
     def trickle(self, seconds: float) -> None:
-        assert self.conn is not None
-        self.conn.settimeout(0.2)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            try:
-                self.data += self.conn.recv(1)
-            except TimeoutError:
-                pass
-            time.sleep(0.2)
+        """A byte at a time, a pause between: the sender's queues fill up."""
+        self._receive(seconds, size=1, timeout=0.2, pause=0.2)
 
     def drain(self, seconds: float) -> None:
         """Everything that arrives for ``seconds``."""
+        self._receive(seconds, size=1 << 20, timeout=0.5, pause=0.0)
+
+    def _receive(self, seconds: float, *, size: int, timeout: float, pause: float) -> None:
         assert self.conn is not None
-        self.conn.settimeout(0.5)
+        self.conn.settimeout(timeout)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             try:
-                chunk = self.conn.recv(1 << 20)
+                chunk = self.conn.recv(size)
             except TimeoutError:
                 continue
             except OSError:
-                return
+                return  # the connection is gone: what came is all there is
             if not chunk:
                 return
             self.data += chunk
+            time.sleep(pause)
 
     def close(self) -> None:
         if self.conn is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import shell
+from tests.conftest import made_each, shell
 from tests.escape.attempts import (
     EACCES, EINVAL, ENOENT, ENOSYS, EPERM, ESRCH, SYS, attempt, attempt_outside, wait_for,
 )
@@ -105,17 +105,13 @@ def test_the_daemon_cannot_be_signalled(sandbox: Sandbox, session: dispatch.Sess
 
 @pytest.fixture
 def victims() -> Iterator[Callable[[], Victim]]:
-    made: list[Victim] = []
+    yield from made_each(Victim, _end_victim)
 
-    def make() -> Victim:
-        made.append(Victim())
-        return made[-1]
 
-    yield make
-    for v in made:
-        if v.proc.returncode is None:
-            v.proc.kill()
-            v.proc.communicate()
+def _end_victim(v: Victim) -> None:
+    if v.proc.returncode is None:
+        v.proc.kill()
+        v.proc.communicate()
 
 
 def test_the_users_other_processes_cannot_be_signalled(

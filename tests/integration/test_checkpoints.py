@@ -43,14 +43,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
                 "[checkpoints]", f"[checkpoints]\n{new}"))
     (policies / "sleepy.toml").write_text(with_sleep_after(text, 0.1))
     d = Daemon(base, "--policies", str(policies))
-    yield d
+    yield d  # the client is tests/conftest.py's, connected to this daemon
     assert d.stop() == 0, d.log()
-
-
-@pytest.fixture(scope="module")
-def client(daemon: Daemon) -> Iterator[dispatch.Client]:
-    with daemon.connect() as c:
-        yield c
 
 
 def git(cwd: Path, *args: str) -> str:

@@ -18,14 +18,17 @@ _LINE_CHARS = 500
 
 
 def _compile(query: str, is_regex: bool) -> re.Pattern[bytes]:
-    if not query:
+    """The old function's three refusals, in its order, derived here on their
+    own (a lone surrogate is what UTF-8 cannot encode) rather than copied."""
+    if query == "":
         raise ToolFailure("query is empty")
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in query):
+        raise ToolFailure("query is not valid Unicode text")
+    source = query.encode("utf-8")
+    if not is_regex:
+        return re.compile(re.escape(source), re.MULTILINE)
     try:
-        source = query.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ToolFailure("query is not valid Unicode text") from None
-    try:
-        return re.compile(source if is_regex else re.escape(source), re.MULTILINE)
+        return re.compile(source, re.MULTILINE)
     except re.error as exc:
         raise ToolFailure(f"invalid regular expression: {exc}") from None
 
@@ -43,20 +46,22 @@ def _sorted_entries(directory: str, rel: str) -> list[tuple[str, tuple[str, str,
 
 
 def _walk(root: str, top: str) -> Iterator[tuple[str, str, bool, bool]]:
-    stack = [iter(_sorted_entries(top, os.path.relpath(top, root)))]
-    while stack:
-        pair = next(stack[-1], None)
-        if pair is None:
-            stack.pop()
-            continue
-        entry = pair[1]
-        if not entry[2]:
+    # Recursive, where dispatchd/tools/walk.py keeps a stack: the same order
+    # (entries sorted, depth first), reached another way.
+    yield from _below(_sorted_entries(top, os.path.relpath(top, root)))
+
+
+def _below(entries: list[tuple[str, tuple[str, str, bool, bool]]]) -> Iterator[tuple[str, str, bool, bool]]:
+    for _, entry in entries:
+        rel, path, is_dir, _ = entry
+        if not is_dir:
             yield entry
-        elif os.path.basename(entry[1]) != ".git":
+        elif os.path.basename(path) != ".git":
             try:
-                stack.append(iter(_sorted_entries(entry[1], entry[0])))
+                inner = _sorted_entries(path, rel)
             except OSError:
-                continue
+                continue  # a directory that cannot be read is skipped, as before
+            yield from _below(inner)
 
 
 def _candidates(ctx: ToolContext, top: str, rel_top: str, pattern: str | None) -> Iterable[tuple[str, str]]:

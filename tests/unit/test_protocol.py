@@ -23,6 +23,7 @@ import pytest
 from dispatchd import protocol as p
 from dispatchd.protocol import frames
 from dispatchd.protocol import FrameSocket, FrameTooLarge, ProtocolError
+from tests.conftest import made_each
 
 PROTECTIONS = p.Protections(
     mode="full", landlock=p.LandlockReport(abi=6, filesystem="enforced", scopes=["signal"], tcp="denied"),
@@ -620,15 +621,7 @@ class Pipe:
 
 @pytest.fixture
 def pipes() -> Iterator[Callable[[], Pipe]]:
-    made: list[Pipe] = []
-
-    def make() -> Pipe:
-        made.append(Pipe())
-        return made[-1]
-
-    yield make
-    for pipe in made:
-        pipe.close()
+    yield from made_each(Pipe, Pipe.close)
 
 
 def fd_pair(pair: tuple[socket.socket, socket.socket]) -> tuple[FrameSocket, FrameSocket]:

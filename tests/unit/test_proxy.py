@@ -18,6 +18,7 @@ import pytest
 from dispatchd.domains import parse_domains
 from dispatchd.daemon import proxy
 from dispatchd.daemon.proxy import HttpError, SessionProxy, parse_head, split_authority
+from tests.listeners import accepted
 
 
 @pytest.mark.parametrize("head, expected", [
@@ -80,11 +81,7 @@ class Upstream:
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
+        for conn in accepted(self.sock):
             self.accepted += 1
             threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 

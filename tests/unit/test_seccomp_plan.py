@@ -19,17 +19,15 @@ from dispatchd.confine import seccomp
 from dispatchd.confine.seccomp import ArgCheck, SeccompPlan, SeccompRule, compile_seccomp, plan_seccomp
 from dispatchd.errors import ConfinementError
 
-DENIED_ALWAYS = {
-    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot",
-    "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig", "fspick", "mount_setattr",
-    "ptrace", "process_vm_readv", "process_vm_writev",
-    "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "bpf", "perf_event_open", "userfaultfd",
-    "keyctl", "add_key", "request_key",
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-    "open_by_handle_at", "name_to_handle_at", "acct", "swapon", "swapoff", "reboot",
-    "syslog", "quotactl", "lookup_dcookie", "vhangup",
-}
+# Pinned in alphabetical order, as one text: the table the plan must deny, read
+# against the module's own grouped list rather than copied from it.
+DENIED_ALWAYS = frozenset("""
+acct add_key bpf chroot delete_module finit_module fsconfig fsmount fsopen fspick
+init_module io_uring_enter io_uring_register io_uring_setup kexec_file_load kexec_load
+keyctl lookup_dcookie mount mount_setattr move_mount name_to_handle_at open_by_handle_at
+open_tree perf_event_open pivot_root process_vm_readv process_vm_writev ptrace quotactl
+reboot request_key setns swapoff swapon syslog umount2 unshare userfaultfd vhangup
+""".split())
 # Linux AIO: one machine-wide budget (fs.aio-max-nr); ENOSYS, as a kernel without it.
 KERNEL_AIO = {"io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_cancel", "io_destroy"}
 CLONE_NEW = {

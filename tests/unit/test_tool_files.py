@@ -367,16 +367,22 @@ def test_a_directory_swapped_for_a_link_outside_is_never_written_through(tmp_pat
     assert (away / "f.txt").read_text() == "inside\n"
 
 
-# == write_file ================================================================
+# == write_file (and create_file: a new file) =================================
+
+
+@pytest.mark.parametrize(
+    ("tool", "content", "output"),
+    [("write_file", "hello", "wrote 5 bytes to new.txt"), ("create_file", "fresh\n", "created new.txt (6 bytes)")],
+)
+def test_a_new_file_is_written_and_reported(ctx: ToolContext, tool: str, content: str, output: str) -> None:
+    r = call(ctx, tool, path="new.txt", content=content)
+    assert r.success and r.output == output
+    assert r.metadata == {"path": "new.txt", "bytes": len(content), "changed": ["new.txt"]}
+    assert Path(ctx.root, "new.txt").read_text() == content
+    assert leftovers(ctx.root) == []
 
 
 class TestWriteFile:
-    def test_writes_a_new_file(self, ctx: ToolContext) -> None:
-        r = call(ctx, "write_file", path="new.txt", content="hello")
-        assert r.success and r.output == "wrote 5 bytes to new.txt"
-        assert r.metadata == {"path": "new.txt", "bytes": 5, "changed": ["new.txt"]}
-        assert Path(ctx.root, "new.txt").read_text() == "hello"
-
     def test_overwrites_an_existing_file(self, ctx: ToolContext) -> None:
         put(ctx, "a.txt", "old content that is longer\n")
         assert call(ctx, "write_file", path="a.txt", content="new\n").success
@@ -664,13 +670,6 @@ class TestEditFile:
 
 
 class TestCreateFile:
-    def test_creates_a_new_file(self, ctx: ToolContext) -> None:
-        r = call(ctx, "create_file", path="new.txt", content="fresh\n")
-        assert r.success and r.output == "created new.txt (6 bytes)"
-        assert r.metadata == {"path": "new.txt", "bytes": 6, "changed": ["new.txt"]}
-        assert Path(ctx.root, "new.txt").read_text() == "fresh\n"
-        assert leftovers(ctx.root) == []
-
     def test_fails_on_an_existing_file(self, ctx: ToolContext) -> None:
         path = put(ctx, "a.txt", "original")
         r = call(ctx, "create_file", path="a.txt", content="other")

@@ -1,6 +1,7 @@
 """dispatch.tools.Result: the seed's Result tests, then immutability and copying."""
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
@@ -9,20 +10,16 @@ from dispatch.tools import Result
 # -- the seed's list
 
 
-def test_success_factory_sets_correct_state():
-    result = Result.success("file contents")
-    assert result.is_success is True
-    assert result.is_failure is False
-    assert result.output == "file contents"
-    assert result.error is None
-
-
-def test_failure_factory_sets_correct_state():
-    result = Result.failure("File not found: src/missing.rb")
-    assert result.is_success is False
-    assert result.is_failure is True
-    assert result.error == "File not found: src/missing.rb"
-    assert result.output is None
+@pytest.mark.parametrize(
+    ("factory", "text", "succeeded"),
+    [(Result.success, "file contents", True), (Result.failure, "File not found: src/missing.rb", False)],
+    ids=["success", "failure"],
+)
+def test_factory_sets_correct_state(factory: Callable[[str], Result], text: str, succeeded: bool) -> None:
+    result = factory(text)
+    assert (result.is_success, result.is_failure) == (succeeded, not succeeded)
+    # The text is the output of a success and the error of a failure; the other is None.
+    assert (result.output, result.error) == ((text, None) if succeeded else (None, text))
 
 
 def test_metadata_defaults_to_empty():
