@@ -80,7 +80,9 @@ def _shell_once_it_can(session: dispatch.Session, command: str) -> dispatch.Resu
 def test_fork_bomb_stops_at_the_process_limit(tight: dispatch.Client, worktree: Path, tmp_path: Path) -> None:
     session = tight.open_session(str(worktree), policy="tight")
     control = shell(session, "for i in $(seq 10); do sleep 0.2 & done; wait; echo ten")
-    assert control.output == "ten\n"
+    # stdout only: in degraded mode the limit counts every process of the user's,
+    # and other tests' processes can make bash print "fork: retry" before it succeeds.
+    assert control.is_success and control.metadata["stdout"] == "ten\n", control.output
     bomb = shell(session, "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout=8)
     assert "fork: Resource temporarily unavailable" in bomb.metadata["stderr"] or \
            "fork: retry" in bomb.metadata["stderr"], bomb.metadata["stderr"][-500:]

@@ -186,9 +186,10 @@ def test_exec_stdout_and_stderr_go_to_ours(daemon: Daemon, sid: str) -> None:
 
 def test_exec_timeout_exits_124(daemon: Daemon, sid: str) -> None:
     started = time.monotonic()
-    out = run(daemon, "exec", "--session", sid, "--timeout", "0.5", "--", "sleep", "5")
+    out = run(daemon, "exec", "--session", sid, "--timeout", "0.5", "--", "sleep", "120")
     assert out.returncode == 124
-    assert time.monotonic() - started < 4
+    # Cut, not waited out: far below the command's 120 s, whatever the machine's load.
+    assert time.monotonic() - started < 60
     assert out.stdout == ""
     assert out.stderr == "dispatch: command timed out after 0.5 s\n"
     # The twin: in time, not cut.
@@ -485,15 +486,14 @@ def test_autostart_starts_a_daemon(tmp_path: Path) -> None:
 def test_autostart_that_cannot_start_is_one_line(tmp_path: Path) -> None:
     """The daemon cannot create its socket's directory (under root's /usr) and exits at
     once: the client says so in one line, with the log's reason, without waiting out
-    its whole 10 s start timeout for a daemon that is already gone."""
+    its whole start timeout for a daemon that is already gone. The words "exited with
+    status" are the proof: a client that waited the timeout out says "did not answer
+    within" (a clock would measure the machine's load, not the client)."""
     sock = "/usr/dispatchd-test-nonexistent/dispatchd.sock"
     env = _env(XDG_STATE_HOME=str(tmp_path / "state"))
-    started = time.monotonic()
     out = dispatch_cli("--socket", sock, "status", env=env, timeout=60)
-    elapsed = time.monotonic() - started
-    assert_error(out, f"started dispatchd on {sock}",
+    assert_error(out, f"started dispatchd on {sock} but it exited with status 1",
                  "its log says: dispatchd: cannot create /usr/dispatchd-test-nonexistent: Permission denied")
-    assert elapsed < 5, f"took {elapsed:.1f} s to report a daemon that exited at once"
 
 
 def test_socket_path_under_a_file_is_one_line(tmp_path: Path) -> None:

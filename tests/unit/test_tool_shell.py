@@ -373,7 +373,8 @@ LEFT = {
 def test_what_a_call_that_returned_by_itself_left_running_has_ended(adopting: Adopting, command: str) -> None:
     started = time.monotonic()
     r = adopting.call("shell_exec", command=command)
-    assert r["success"] and time.monotonic() - started < 2, r
+    # Returned, not held until the 300 s sleeper ends (far below it at any load).
+    assert r["success"] and time.monotonic() - started < 60, r
     assert _sleeping("300.11") == []  # when the call returns, not later
     assert r["metadata"]["ended_processes"] == 1
     assert r["output"] == ("ok\n[dispatchd: ended 1 process the command left running (a call's processes end "
