@@ -1,18 +1,21 @@
-"""The checks' stamp fast paths (a listing or an index's submodules reused
-while the ctime, inode, mtime and size are those they were read with) never
-hide a change a session can make: it can set an mtime back, never a ctime
-(daemon/gitguard/runnables.py, fs.index_gitlinks; docs/git-protection.md)."""
+"""What makes a close's check cheaper never makes it weaker: the stamp fast
+paths (a listing or an index's submodules reused while the ctime, inode,
+mtime and size are those they were read with) hide no change a session can
+make (it can set an mtime back, never a ctime; daemon/gitguard/runnables.py,
+fs.index_gitlinks), and the last end's record, removed after the reply,
+is there for a start's check until then (daemon/gitguard/baselines.py;
+docs/git-protection.md)."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import fs, indexfile, runnables
+from dispatchd.daemon.gitguard import baselines, fs, indexfile, layouts, redirects, runnables, snapshots
 from tests.unit.gitrepo import git, make_repo
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -167,3 +170,48 @@ def test_a_submodule_added_to_a_remembered_index_is_seen(tmp_path: Path) -> None
     assert fs.index_gitlinks(index) == set()
     git(repo, "submodule", "add", "-q", str(sub), "mod")
     assert fs.index_gitlinks(index) == {"mod"}
+
+
+# --- the last end's record, removed after the reply --------------------------------------------------
+
+
+def _join(store: baselines.Baselines, sid: str, root: Path) -> None:
+    layout = layouts.inspect_git(str(root), uid=os.getuid())
+    snap = snapshots.take(str(root), layout)
+    store.join(sid, str(root), layout, snap, redirects.redirects_present(layout, str(root)), (".vscode",))
+
+
+def test_the_last_ends_record_goes_after_the_reply_and_a_new_open_takes_its_own(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    jobs: list[Callable[[], None]] = []
+    store.later = jobs.append
+    records = tmp_path / "state" / "baselines"
+    _join(store, "s1", repo)
+    (repo / ".vscode").mkdir()  # the session's plant: the check, before the reply, moves it aside
+    found = store.leave("s1")
+    assert [Path(p.path).name.split(".quarantined")[0] for p in found] == [".vscode"]
+    assert not (repo / ".vscode").exists()
+    old = sorted(os.listdir(records))
+    assert len(old) == 2 and len(jobs) == 1  # still on disk, its lock held: no start takes it for a dead daemon's
+    assert baselines.Baselines(str(tmp_path / "state")).recover() == []
+    _join(store, "s2", repo)  # the next open: a new baseline, a record of its own
+    assert len(os.listdir(records)) == 4
+    jobs.pop()()
+    assert sorted(os.listdir(records)) != old and len(os.listdir(records)) == 2
+    assert store.leave("s2") == [] and len(jobs) == 1
+    jobs.pop()()
+    assert os.listdir(records) == []
+
+
+def test_a_daemon_that_dies_before_the_records_removal_leaves_a_check_that_moves_nothing_unchanged(
+        tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    dead = baselines.Baselines(str(tmp_path / "state"))
+    dead.later = lambda job: None  # never run: the daemon died first
+    _join(dead, "s", repo)
+    lock_fd = next(iter(dead._domains.values())).lock_fd
+    assert dead.leave("s") == []
+    os.close(lock_fd)  # what the kernel does for a dead daemon
+    live = baselines.Baselines(str(tmp_path / "state"))
+    assert live.recover() == [] and os.listdir(tmp_path / "state" / "baselines") == []
