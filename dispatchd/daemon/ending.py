@@ -74,7 +74,10 @@ class Ending(SessionTable):
                 session.ended.wait(max(0.0, deadline - time.monotonic()))
         for session in sessions + closing:
             self._finish(session, "dispatchd stopped", Event.DAEMON_STOP)
-        afterwards.drain()  # the stacks' exits and the records' fsyncs, before the daemon's
+        # The stacks' exits, the records' removals and the scratch directories,
+        # before the daemon's exit (each removal may wait for a namespace's
+        # teardown: the more sessions, the longer).
+        afterwards.drain(10.0 + 0.05 * len(sessions))
 
     def end(self, sid: str, word: str, why: str) -> None:
         """End a session for a reason of the daemon's own (orphaned, over its
