@@ -34,10 +34,11 @@ from dispatchd.daemon.session import READY_TIMEOUT_S, Session, has_pid_namespace
 from dispatchd.daemon.sessionnet import stop_network
 from dispatchd.daemon.table import SessionTable
 from dispatchd.protocol import FrameSocket
-from dispatchd.tempfiles import sweep_temp_files
+from dispatchd.tempfiles import no_temp_files, sweep_temp_files
 
 log = logging.getLogger("dispatchd.sessions")
 STOP_TIMEOUT_S = 2.0
+_SWEPT = treewalk.Listings(no_temp_files)  # the writers' ends' sweeps (``_sweep_temp_files``)
 
 
 class Ending(SessionTable):
@@ -199,7 +200,9 @@ class Ending(SessionTable):
             return
         started = time.perf_counter()
         budget = treewalk.Budget()
-        removed = sweep_temp_files(session.worktree, budget=budget)  # the daemon writes none: none in flight
+        # The daemon writes none: none in flight. Its listings are kept from
+        # one writer's end to the next (an unchanged directory is not listed).
+        removed = sweep_temp_files(session.worktree, budget=budget, listings=_SWEPT)
         if budget.skipped:
             log.warning("event=temp_files_sweep_cut session=%s left=%r", session.id, budget.describe())
         if removed:

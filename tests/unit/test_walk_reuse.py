@@ -2,7 +2,8 @@
 paths (a listing or an index's submodules reused while the ctime, inode,
 mtime and size are those they were read with) hide no change a session can
 make (it can set an mtime back, never a ctime; daemon/gitguard/runnables.py,
-fs.index_gitlinks), and the last end's record, removed after the reply,
+fs.index_gitlinks; the writers' ends' sweep of temporary files,
+treewalk.Listings), and the last end's record, removed after the reply,
 is there for a start's check until then (daemon/gitguard/baselines.py;
 docs/git-protection.md)."""
 
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from dispatchd import treewalk
 from dispatchd.daemon.gitguard import baselines, fs, indexfile, layouts, redirects, runnables, snapshots
+from dispatchd.tempfiles import no_temp_files, sweep_temp_files, temp_name
 from tests.unit.gitrepo import git, make_repo
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -215,3 +218,49 @@ def test_a_daemon_that_dies_before_the_records_removal_leaves_a_check_that_moves
     os.close(lock_fd)  # what the kernel does for a dead daemon
     live = baselines.Baselines(str(tmp_path / "state"))
     assert live.recover() == [] and os.listdir(tmp_path / "state" / "baselines") == []
+
+
+# --- the writers' ends' sweep of temporary files ---------------------------------------------------
+
+
+def _tree(root: Path) -> None:
+    for i in range(20):
+        (root / f"p{i}" / "q").mkdir(parents=True)
+        (root / f"p{i}" / "user.txt").write_text("mine\n")
+        (root / f"p{i}" / "q" / "f.py").write_text("x\n")
+
+
+def test_an_untouched_tree_is_swept_without_listing_it_again_and_keeps_every_file(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    listings = treewalk.Listings(no_temp_files)
+    settled()
+    assert sweep_temp_files(str(tmp_path), listings=listings) == [] and listings.reused == 0
+    assert sweep_temp_files(str(tmp_path), listings=listings) == []
+    assert listings.reused == 41  # every directory: the top, p*, p*/q
+    assert all((tmp_path / f"p{i}" / "user.txt").read_text() == "mine\n" for i in range(20))
+
+
+def test_a_temporary_file_left_in_a_remembered_directory_under_a_put_back_mtime_is_swept(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    listings = treewalk.Listings(no_temp_files)
+    settled()
+    sweep_temp_files(str(tmp_path), listings=listings)
+    left = tmp_path / "p3" / "q" / temp_name("f.py")
+    st = os.stat(left.parent)
+    left.write_text("cut short")
+    mtime_back(left.parent, st)
+    assert sweep_temp_files(str(tmp_path), listings=listings) == [str(left)]
+    assert not left.exists() and (tmp_path / "p3" / "q" / "f.py").exists()
+
+
+def test_a_directory_with_a_temporary_file_in_flight_is_listed_every_time(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    flying = tmp_path / "p0" / temp_name("user.txt")
+    flying.write_text("being written")
+    listings = treewalk.Listings(no_temp_files)
+    settled()
+    for _ in range(2):
+        assert sweep_temp_files(str(tmp_path), lambda: frozenset({os.fsencode(flying.name)}), listings=listings) == []
+    st = os.stat(tmp_path / "p0")
+    assert (st.st_dev, st.st_ino) not in listings.seen  # its temporary name keeps it listed
+    assert sweep_temp_files(str(tmp_path), listings=listings) == [str(flying)]  # once no longer in flight
