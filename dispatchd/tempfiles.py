@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from dispatchd import treewalk
 
-__all__ = ["TEMP_NAME", "sweep_temp_files", "temp_name"]
+__all__ = ["TEMP_NAME", "no_temp_files", "sweep_temp_files", "temp_name"]
 
 # Exactly the names temp_name makes.
 TEMP_NAME = re.compile(rb"^\..{1,800}\.dispatchd-[0-9a-f]{8}\.tmp$", re.DOTALL)
@@ -47,14 +47,23 @@ def temp_name(stem: str) -> str:
     return f".{stem}.dispatchd-{secrets.token_hex(4)}.tmp"
 
 
+def no_temp_files(names: list[bytes]) -> bool:
+    """Whether a directory's non-directories hold no temporary file's name."""
+    return not any(TEMP_NAME.match(name) for name in names)
+
+
 def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = frozenset,
-                     budget: treewalk.Budget | None = None) -> list[str]:
+                     budget: treewalk.Budget | None = None, listings: treewalk.Listings | None = None
+                     ) -> list[str]:
     """Remove leftover temporary files under ``root``; returns their paths.
 
     ``in_flight()`` names the temporary files the caller is writing now
     (asked again for each candidate: a write may start during the sweep).
     ``budget`` bounds the walk (``treewalk``: entries and depth); what it
-    skipped is noted there."""
+    skipped is noted there. ``listings`` (``treewalk.Listings(no_temp_files)``,
+    kept by the caller from one sweep to the next): a directory with no
+    temporary file when it was last listed, and unchanged since, is not
+    listed again."""
     removed: list[str] = []
     budget = budget or treewalk.Budget()
     try:
@@ -70,7 +79,7 @@ def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = froz
         except OSError:
             return True
 
-    for dirpath, filenames, dirfd in treewalk.walk(root, budget, prune):
+    for dirpath, filenames, dirfd in treewalk.walk(root, budget, prune, listings):
         for name in filenames:
             if not TEMP_NAME.match(name):
                 continue

@@ -27,10 +27,11 @@ import os
 import secrets
 import stat
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Budget", "MAX_DEPTH", "MAX_ENTRIES", "remove_tree", "remove_tree_at", "walk"]
+__all__ = ["Budget", "Listings", "MAX_DEPTH", "MAX_ENTRIES", "remove_tree", "remove_tree_at", "walk"]
 
 # A scratch directory or a worktree deeper than this is walked in parts
 # (removal) or not below it (other walks): one descriptor per level is held.
@@ -232,15 +233,60 @@ def _remove_dir(base: str, parent_fd: int, path: str, budget: Budget) -> None:
         os.close(top)
 
 
-def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda name, dirfd: False
-         ) -> Iterator[tuple[bytes, list[bytes], int]]:
+class Listings:
+    """Listings a walk may reuse: a directory whose non-directories hold
+    nothing its caller looks for (``plain``) is remembered by device and
+    inode with its ctime, mtime and size, and while all four are unchanged a
+    later walk takes its subdirectories from here and yields no
+    non-directory for it. Sound because every change of a directory's
+    entries (create, unlink, rename, replace) sets its ctime, which no
+    process can set back; a directory is remembered only when its ctime is
+    ``SETTLE_NS`` older than the walk's start (the kernel's clock for it lags
+    by up to a tick, so a change after that start cannot keep it). In
+    memory only; at most ``limit`` directories (then forgotten)."""
+
+    SETTLE_NS = 50_000_000
+
+    def __init__(self, plain: Callable[[list[bytes]], bool], limit: int = 200_000) -> None:
+        self.plain = plain
+        self.limit = limit
+        self.seen: dict[tuple[int, int], tuple[int, int, int, int, tuple[bytes, ...]]] = {}
+        self.reused = 0
+
+    def entries(self, fd: int, budget: Budget, settled_before: int) -> tuple[list[bytes], list[bytes]]:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        seen = self.seen.get(key)
+        if seen is not None and seen[:3] == (st.st_ctime_ns, st.st_mtime_ns, st.st_size):
+            self.reused += 1
+            budget.take(seen[3])
+            return [], list(seen[4])
+        files, dirs = _entries(fd, budget)
+        if not budget.over and st.st_ctime_ns < settled_before and self.plain(files):
+            if len(self.seen) >= self.limit:
+                self.seen.clear()
+            self.seen[key] = (st.st_ctime_ns, st.st_mtime_ns, st.st_size, len(files) + len(dirs), tuple(dirs))
+        return files, dirs
+
+
+def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda name, dirfd: False,
+         listings: Listings | None = None) -> Iterator[tuple[bytes, list[bytes], int]]:
     """Top-down, as ``os.fwalk(root, follow_symlinks=False)`` but iterative
     and bounded: ``(dirpath, names of its non-directories, dirfd)`` for
     every directory, ``dirfd`` valid until the next step. A directory for
     which ``prune(name, parent_fd)`` is true is not entered; one deeper than
     ``budget.max_depth`` is skipped (noted); the walk stops once over
     ``budget.max_entries``. Directories it cannot read are skipped. Holds
-    one descriptor per level of the directory it is in, no more."""
+    one descriptor per level of the directory it is in, no more. With
+    ``listings``, a directory it remembers yields no non-directory (see
+    ``Listings``)."""
+    if listings is None:
+        entries = _entries
+    else:
+        settled_before = time.time_ns() - Listings.SETTLE_NS
+
+        def entries(fd: int, budget: Budget) -> tuple[list[bytes], list[bytes]]:
+            return listings.entries(fd, budget, settled_before)
     try:
         top = os.open(root, _DIR_FLAGS)
     except OSError as exc:
@@ -248,7 +294,7 @@ def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda
         return
     stack: list[tuple[int, bytes, list[bytes]]] = []
     try:
-        files, dirs = _entries(top, budget)
+        files, dirs = entries(top, budget)
         stack.append((top, os.fsencode(root), dirs))
         yield os.fsencode(root), files, top
         while stack and not budget.over:
@@ -269,7 +315,7 @@ def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda
             except OSError:
                 continue
             try:
-                files, subdirs = _entries(cfd, budget)
+                files, subdirs = entries(cfd, budget)
             except OSError:
                 os.close(cfd)
                 continue

@@ -12,7 +12,11 @@ rely on, and the kernel makes it slow:
   (baselines.py): a daemon that dies meanwhile leaves the removal done
   (the page cache is the kernel's); only a machine's crash can undo it,
   and then the next start checks the worktree against that record, which
-  moves aside, and never deletes, what changed since.
+  moves aside, and never deletes, what changed since;
+- the session's scratch directory (its ``/tmp`` and home): its processes are
+  gone, and its removal waits in the kernel for their mount namespace's
+  teardown. Its lock goes once it is gone: a daemon that dies meanwhile
+  leaves both, and the next start removes it.
 
 Not here: the namespaces' own teardown (a mount namespace's unmounts). Moved
 after the reply, it ran into the next open and slowed it by about what the

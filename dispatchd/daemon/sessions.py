@@ -121,6 +121,7 @@ class SessionManager(Switching):
         # checks a daemon that died left are finished before anything opens.
         self.baselines = gitguard.Baselines(state_dir, self.home)
         self.baselines.sync_dir = afterwards.fsync_dir  # a record's removal made durable after the reply
+        self.baselines.later = afterwards.later  # the last end's record removed after the reply
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
         # Checkpoints of sessions' worktrees, their objects in the baselines' keep (daemon/checkpoints/).

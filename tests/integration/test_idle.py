@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import dispatch
-from tests.conftest import REPO, Daemon, shell
+from tests.conftest import REPO, Daemon, shell, wait_until
 
 
 def _daemon(tmp_path: Path) -> Daemon:
@@ -37,7 +37,7 @@ def test_an_idle_session_closes_and_a_busy_one_does_not(tmp_path: Path, worktree
             while idle.id in _ids(client) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert idle.id not in _ids(client)
-            assert not scratch.exists()  # its private directory went with it
+            assert wait_until(lambda: not scratch.exists())  # its private directory went with it (after its end)
             failed = shell(idle, "true")
             assert failed.is_failure and f"the sandbox of session {idle.id} went away" in failed.error
             assert "ended idle" in failed.error

@@ -20,7 +20,7 @@ import pytest
 
 import dispatch
 from dispatch.errors import RequestFailed
-from tests.conftest import REPO, Daemon, _refuse_root
+from tests.conftest import REPO, Daemon, _refuse_root, wait_until
 from tests.sleeping import daemon_with_policies, is_asleep, wait_until_asleep, with_sleep_after
 
 ROUNDS = 3
@@ -66,7 +66,7 @@ def _refused_as_ended(exc: BaseException | None, sid: str) -> None:
 
 def _gone_cleanly(d: Daemon, client: dispatch.Client, sid: str) -> None:
     assert is_asleep(client, sid) is None  # not listed
-    assert not (d.state / "dispatchd" / "sessions" / sid).exists()
+    assert wait_until(lambda: not (d.state / "dispatchd" / "sessions" / sid).exists())  # after the reply
     log = d.log()
     assert "illegal session transition" not in log and "Exception in thread" not in log, log[-3000:]
 

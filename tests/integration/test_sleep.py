@@ -517,7 +517,7 @@ def test_closing_an_asleep_session_leaves_nothing(daemon: Daemon, worktree: Path
         _asleep(daemon, client, s)
         s.close()
         assert is_asleep(client, s.id) is None
-        assert not scratch.exists()
+        assert wait_until(lambda: not scratch.exists())  # removed after the close's reply
         assert f"event=session_close session={s.id}" in daemon.log()
 
 

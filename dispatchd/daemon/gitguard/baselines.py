@@ -17,8 +17,10 @@ state is the user's) and kept, unchanged, until the last one ends:
   checks every part against its baseline and moves aside what differs
   (``redirects``, ``snapshots``, ``runnables``); the last end runs with
   no process of the domain left, so nothing can race it, and also puts back
-  the repository's history (``history``); then the record goes, and the
-  user's next changes are the next baseline;
+  the repository's history (``history``); then the record goes (by
+  ``later``: the daemon removes it just after the close's reply, the
+  record on disk and its lock held until then), and the user's next changes
+  are the next baseline;
 - the record (``STATE/baselines/ID.json``) is written atomically (a
   temporary file, fsync, rename, fsync of the directory) before the session
   that needs it starts, and a daemon holds ``ID.lock`` (flock) while the
@@ -60,6 +62,10 @@ from dispatchd.inside import is_within, overlap
 
 log = logging.getLogger("dispatchd.baselines")
 _REPORTS_KEPT = 200
+
+
+def _at_once(job: Callable[[], None]) -> None:
+    job()
 
 
 class Record(msgspec.Struct):
@@ -106,6 +112,10 @@ class Baselines:
         # How a record's removal is made durable: at once, or by the daemon
         # after the close's reply (daemon/afterwards.py; docs/performance.md).
         self.sync_dir: Callable[[str], None] = fsync_directory
+        # When the last end's removal of a record is done: at once, or by the
+        # daemon after the close's reply (daemon/afterwards.py): its unlink
+        # waits behind the disk's journal, 0.3-40 ms on a loaded machine.
+        self.later: Callable[[Callable[[], None]], None] = _at_once
 
     # --- on disk ---------------------------------------------------------
 
@@ -143,14 +153,23 @@ class Baselines:
         os.rename(tmp, path)
         return fd
 
-    def _drop(self, did: str, lock_fd: int) -> None:
+    def _drop(self, did: str, lock_fd: int, sync: Callable[[str], None] | None = None) -> None:
         for name in (f"{did}.json", f"{did}.lock"):
             try:
                 os.unlink(os.path.join(self.dir, name))
             except FileNotFoundError:
                 pass
-        self.sync_dir(self.dir)
+        (sync or self.sync_dir)(self.dir)
         os.close(lock_fd)
+
+    def _drop_later(self, did: str, lock_fd: int) -> None:
+        """The last end's drop, by ``later``: the domain is gone from memory
+        already (a new open takes a new baseline, under a new id); its record
+        stays on disk, its lock held, until then. A daemon that dies
+        meanwhile leaves the record, and the next start checks the worktree
+        against it: what changed since (in those milliseconds) is moved
+        aside, never deleted, and history only put back."""
+        self.later(lambda: self._drop(did, lock_fd, sync=fsync_directory))
 
     # --- start -------------------------------------------------------------
 
@@ -383,7 +402,7 @@ class Baselines:
                     if domain.lock_fd >= 0:
                         os.close(domain.lock_fd)  # kept on disk: the next start checks again
                 else:
-                    self._drop(record.id, domain.lock_fd)
+                    self._drop_later(record.id, domain.lock_fd)
             else:
                 self._write(record)
             with self._lock:

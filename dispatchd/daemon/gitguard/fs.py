@@ -75,19 +75,36 @@ def is_dir(path: str) -> bool:
         return False
 
 
-def _read_index(path: str) -> bytes | None:
+# An index's submodules by its (device, inode), reused while its ctime,
+# mtime and size are those it had when it was parsed and its ctime was older
+# than _SETTLE_NS before the read began (a later write always gets a later
+# ctime, and no process can set a ctime back; runnables.SETTLE_NS). Never
+# written to disk.
+_SETTLE_NS = 50_000_000
+_LINKS_KEPT = 10_000
+_links_seen: dict[tuple[int, int], tuple[int, int, int, frozenset[str]]] = {}
+
+
+def _read_index(path: str, known: bool = False) -> tuple[bytes | None, os.stat_result | None, set[str] | None]:
+    """The index's bytes (None: absent, not a regular file, too large,
+    unreadable) and its ``fstat``; with ``known``, instead of the bytes, the
+    submodules parsed from it before when its stamps are unchanged."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return None
+        return None, None, None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_INDEX:
-            return None
+            return None, None, None
+        if known:
+            seen = _links_seen.get((st.st_dev, st.st_ino))
+            if seen is not None and seen[:3] == (st.st_ctime_ns, st.st_mtime_ns, st.st_size):
+                return None, st, set(seen[3])
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
-        return b"".join(chunks)
+        return b"".join(chunks), st, None
     finally:
         os.close(fd)
 
@@ -97,13 +114,20 @@ def index_gitlinks(index: str) -> set[str] | None:
     included; an empty set when there is no index, None when it cannot be read."""
     if not os.path.lexists(index):
         return set()
-    data = _read_index(index)
+    began = time.time_ns()
+    data, st, known = _read_index(index, known=True)
+    if known is not None:
+        return known
     parsed = indexfile.parse_index(data) if data is not None else None
     if parsed is None:
         return None
     links, shared = parsed.links, parsed.shared
+    if st is not None and not shared and not parsed.replaced_gitlink and st.st_ctime_ns < began - _SETTLE_NS:
+        if len(_links_seen) >= _LINKS_KEPT:
+            _links_seen.clear()
+        _links_seen[(st.st_dev, st.st_ino)] = (st.st_ctime_ns, st.st_mtime_ns, st.st_size, frozenset(links))
     if shared and shared != "0" * len(shared):
-        shared_data = _read_index(os.path.join(os.path.dirname(index), f"sharedindex.{shared}"))
+        shared_data = _read_index(os.path.join(os.path.dirname(index), f"sharedindex.{shared}"))[0]
         shared_parsed = indexfile.parse_index(shared_data, all_names=parsed.replaced_gitlink) if shared_data else None
         if shared_parsed is None:
             return None

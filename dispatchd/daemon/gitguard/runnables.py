@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 
 import msgspec
 
@@ -50,6 +51,29 @@ MAX_DEPTH = 4096
 MAX_OPEN = 256  # directory descriptors a walk holds at once; past it, directories are reached again by name
 # Inside a git directory: large, and nothing there runs.
 _GIT_BULK = frozenset(("objects", "refs", "logs", "lfs"))
+# A directory's listing is reused only if its ctime is older than this
+# before the walk began: the kernel stamps a change with a clock that lags by
+# up to a tick, so a change after the walk began always gets a later ctime.
+SETTLE_NS = 50_000_000
+MAX_REMEMBERED = 200_000  # listings remembered, per set of protected names
+
+
+class _Listing(msgspec.Struct, frozen=True, array_like=True):
+    """What the walk needs of a plain directory (nothing protected, no git
+    in it or around it): its subdirectories, its entry count, and the stamps
+    of the directory when it was listed."""
+
+    ctime_ns: int
+    mtime_ns: int
+    size: int
+    count: int
+    subdirs: tuple[str, ...]
+
+
+# (device, inode) of a directory -> its last listing, for each set of
+# protected names (whether a directory is plain depends on them). Never
+# written to disk: a daemon that starts walks everything.
+_REMEMBERED: dict[frozenset[str], dict[tuple[int, int], _Listing]] = {}
 
 
 class TreeSnapshot(msgspec.Struct, frozen=True):
@@ -78,6 +102,9 @@ class _Walk:
         # the walk: directory fd -> (its O_PATH fd, the mode to put back).
         self.lent: dict[int, tuple[int, int]] = {}
         self.held = 0  # directory descriptors held in the walk's pending list
+        self.remembered = _REMEMBERED.setdefault(names, {})
+        self.settled_before = time.time_ns() - SETTLE_NS
+        self.reused = 0  # directories whose listing was reused
 
     def run(self) -> None:
         top = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -171,6 +198,27 @@ class _Walk:
         if rel.count("/") >= MAX_DEPTH:
             self.why = f"deeper than {MAX_DEPTH} directories"
             return
+        st = None
+        if not (protected or in_git or fd in self.lent):
+            # A plain directory whose ctime, inode, mtime and size are those
+            # of a listing made before: its entries are the same names of
+            # the same kinds (any entry added, removed, renamed or replaced
+            # sets its ctime, which no process can set back). Only its
+            # subdirectories matter then: nothing in it is protected or git.
+            st = os.fstat(fd)
+            seen = self.remembered.get((st.st_dev, st.st_ino))
+            if seen is not None and (seen.ctime_ns, seen.mtime_ns, seen.size) == (
+                    st.st_ctime_ns, st.st_mtime_ns, st.st_size):
+                self.reused += 1
+                self.count += seen.count
+                if self.count > MAX_ENTRIES:
+                    self.why = f"more than {MAX_ENTRIES} entries"
+                    return
+                for name in seen.subdirs:
+                    child = f"{rel}/{name}" if rel else name
+                    if child not in self.excluded:
+                        self._push(pending, fd, name, child, False, False)
+                return
         try:
             with os.scandir(fd) as listing:
                 found = [(e.name, _kind(e)) for e in listing]
@@ -184,6 +232,13 @@ class _Walk:
             self.why = f"more than {MAX_ENTRIES} entries"
             return
         names = {name for name, _ in found}
+        if st is not None and st.st_ctime_ns < self.settled_before and ".git" not in names \
+                and not ({"HEAD", "objects", "refs"} <= names) and names.isdisjoint(self.names):
+            if len(self.remembered) >= MAX_REMEMBERED:
+                self.remembered.clear()
+            self.remembered[(st.st_dev, st.st_ino)] = _Listing(
+                st.st_ctime_ns, st.st_mtime_ns, st.st_size, len(found),
+                tuple(name for name, kind in found if kind == "dir"))
         if rel and {"HEAD", "objects", "refs"} <= names:
             self._gitdir(fd, rel)
             in_git = True
