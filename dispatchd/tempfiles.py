@@ -28,6 +28,7 @@ No tool code is imported: the daemon uses this module too.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -48,13 +49,14 @@ def temp_name(stem: str) -> str:
 
 
 def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = frozenset,
-                     budget: treewalk.Budget | None = None) -> list[str]:
+                     budget: treewalk.Budget | None = None, kept: list[str] | None = None) -> list[str]:
     """Remove leftover temporary files under ``root``; returns their paths.
 
     ``in_flight()`` names the temporary files the caller is writing now
     (asked again for each candidate: a write may start during the sweep).
     ``budget`` bounds the walk (``treewalk``: entries and depth); what it
-    skipped is noted there."""
+    skipped is noted there. ``kept`` gets the paths of regular files of the
+    pattern left in place (in flight, or that could not be removed)."""
     removed: list[str] = []
     budget = budget or treewalk.Budget()
     try:
@@ -76,12 +78,16 @@ def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = froz
                 continue
             try:
                 if name in in_flight():
+                    if kept is not None:
+                        kept.append(os.fsdecode(os.path.join(dirpath, name)))
                     continue
                 st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
                 if not stat.S_ISREG(st.st_mode):
                     continue
                 os.unlink(name, dir_fd=dirfd)
                 removed.append(os.fsdecode(os.path.join(dirpath, name)))
-            except OSError:
+            except OSError as exc:
+                if kept is not None and exc.errno != errno.ENOENT:  # gone already: nothing kept
+                    kept.append(os.fsdecode(os.path.join(dirpath, name)))
                 continue
     return removed
