@@ -6,7 +6,8 @@ beside its target and renames it over the target. A tool server killed
 between the two leaves the temporary file (up to the file size cap) in the
 worktree, where ``git status`` and ``list_files`` show it. The next session
 that writes the worktree removes such files when it is granted the
-worktree's write lock, and the daemon does once a writer's processes are
+worktree's write lock (unless the grant says the daemon knows none is left:
+``daemon/writelock.py``), and the daemon does once a writer's processes are
 gone: only one session writes a worktree at a time, so no other session's
 write is in flight, and the caller's own writes in flight are skipped (their
 names are registered before the files exist, ``in_flight``).
