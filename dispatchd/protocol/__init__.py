@@ -158,7 +158,8 @@ __all__ = [
     "DaemonReport", "GitReport", "KernelFeatures", "LandlockReport", "LifetimeReport", "LimitsReport", "MemoryHold",
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
-    "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "ExpectSession", "Drain", "ForgetWriteLock", "WriteLockGranted", "FromWorker", "NetRules",
+    "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "ExpectSession", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
+    "WriteLockGranted",
     "SetCommandEnv", "NetworkDenied", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed",
     "WorkerPooled", "WorkerReady", "DnsSockets", "DnsDoor", "Asleep", "JobRecord", "KeptJobs", "MaySleep", "Sleep",
     "StayAwake", "WakeWorker", "Pause", "Paused", "Resume",

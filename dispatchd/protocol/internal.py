@@ -259,8 +259,8 @@ class KeptJobs(_Msg, tag="kept_jobs", frozen=True):
 FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply, MaySleep,
                    Asleep, KeptJobs, Paused]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
-ToWorker = Union[AddChannel, Drain, OkReply, WriteLockGranted, ErrorReply, SetCommandEnv, ForgetWriteLock, AdoptSession,
-                 ExpectSession, Sleep, StayAwake, KeptJobs, NetworkDenied, Pause, Resume]
+ToWorker = Union[AddChannel, Drain, OkReply, WriteLockGranted, ErrorReply, SetCommandEnv, ForgetWriteLock,
+                 AdoptSession, ExpectSession, Sleep, StayAwake, KeptJobs, NetworkDenied, Pause, Resume]
 
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
