@@ -90,7 +90,10 @@ def main() -> None:
             for i in range(args.rounds * 4):
                 network = bool(i % 2)
                 first = "read_file" if (i // 2) % 2 == 0 else "shell_exec"
-                order = names if i % len(names) == 0 else names[::-1]
+                # Who goes first flips every 4 steps, so that each pattern (network,
+                # first call) has either daemon first half the time: flipped with i
+                # (as the network is), "this" went first in every offline step.
+                order = names if (i // 4) % 2 == 0 else names[::-1]
                 for name in order:
                     one(clients[name], wts[name], network, first, rows[name])
             for client in clients.values():

@@ -6,7 +6,8 @@ beside its target and renames it over the target. A tool server killed
 between the two leaves the temporary file (up to the file size cap) in the
 worktree, where ``git status`` and ``list_files`` show it. The next session
 that writes the worktree removes such files when it is granted the
-worktree's write lock, and the daemon does once a writer's processes are
+worktree's write lock (unless the grant says the daemon knows none is left:
+``daemon/writelock.py``), and the daemon does once a writer's processes are
 gone: only one session writes a worktree at a time, so no other session's
 write is in flight, and the caller's own writes in flight are skipped (their
 names are registered before the files exist, ``in_flight``).
@@ -28,6 +29,7 @@ No tool code is imported: the daemon uses this module too.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -53,8 +55,8 @@ def no_temp_files(names: list[bytes]) -> bool:
 
 
 def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = frozenset,
-                     budget: treewalk.Budget | None = None, listings: treewalk.Listings | None = None
-                     ) -> list[str]:
+                     budget: treewalk.Budget | None = None, listings: treewalk.Listings | None = None,
+                     kept: list[str] | None = None) -> list[str]:
     """Remove leftover temporary files under ``root``; returns their paths.
 
     ``in_flight()`` names the temporary files the caller is writing now
@@ -63,7 +65,8 @@ def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = froz
     skipped is noted there. ``listings`` (``treewalk.Listings(no_temp_files)``,
     kept by the caller from one sweep to the next): a directory with no
     temporary file when it was last listed, and unchanged since, is not
-    listed again."""
+    listed again. ``kept`` gets the paths of regular files of the pattern
+    left in place (in flight, or that could not be removed)."""
     removed: list[str] = []
     budget = budget or treewalk.Budget()
     try:
@@ -85,12 +88,16 @@ def sweep_temp_files(root: str, in_flight: Callable[[], frozenset[bytes]] = froz
                 continue
             try:
                 if name in in_flight():
+                    if kept is not None:
+                        kept.append(os.fsdecode(os.path.join(dirpath, name)))
                     continue
                 st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
                 if not stat.S_ISREG(st.st_mode):
                     continue
                 os.unlink(name, dir_fd=dirfd)
                 removed.append(os.fsdecode(os.path.join(dirpath, name)))
-            except OSError:
+            except OSError as exc:
+                if kept is not None and exc.errno != errno.ENOENT:  # gone already: nothing kept
+                    kept.append(os.fsdecode(os.path.join(dirpath, name)))
                 continue
     return removed

@@ -144,11 +144,13 @@ class Ending(SessionTable):
         network switch that replaces it, one that failed half way): its
         processes gone, then what they left in git moved aside and the
         temporary files of cut writes removed, before anyone else may write."""
-        self._stop_worker(session)
+        gone = self._stop_worker(session)
         self._check_git(session)
-        self._sweep_temp_files(session)
+        self._sweep_temp_files(session, gone)
 
-    def _stop_worker(self, session: Session) -> None:
+    def _stop_worker(self, session: Session) -> bool:
+        """End the session's processes: False when that could not be seen done
+        (its tool server's end did not come in time, or its cgroup kept some)."""
         # Asleep: its channels closed (its clients see the end), nothing to stop.
         session.end_nap(self.sleepers.forget)
         # The kit wakes this sandbox only: a replacement brings its own, and
@@ -162,7 +164,7 @@ class Ending(SessionTable):
         if session.proxy is not None:
             session.proxy.stop()  # nothing relayed for the old sandbox from here on
         if worker is None:
-            return
+            return True
         # Pid 1 of the session's namespace has no SIGTERM handler, and the
         # kernel keeps from an init every signal it does not handle but SIGKILL
         # (which ends everything in its namespace). Without a pid namespace the
@@ -172,15 +174,18 @@ class Ending(SessionTable):
         # their namespace has exited, or the session init has killed its
         # Landlock domain).
         sig = signal.SIGKILL if has_pid_namespace(session) else signal.SIGTERM
-        if not worker.stop(sig, session.ended, STOP_TIMEOUT_S):
+        gone = worker.stop(sig, session.ended, STOP_TIMEOUT_S)
+        if not gone:
             log.warning("event=worker_stop_timeout session=%s seconds=%g", session.id, STOP_TIMEOUT_S)
         if session.cgroup and not cgroups.kill(session.cgroup):
+            gone = False
             log.error("event=cgroup_not_empty session=%s cgroup=%s", session.id, session.cgroup)
         if control is not None:
             try:
                 control.sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher if it still waits
             except OSError:
                 pass  # the watcher has closed it already
+        return gone
 
     def _check_git(self, session: Session) -> None:
         """Once the session's processes are gone: check its worktree's domain
@@ -192,17 +197,23 @@ class Ending(SessionTable):
         found = self.baselines.leave(session.id) if ending else self.baselines.check(session.id)
         session.found_at_end += found
 
-    def _sweep_temp_files(self, session: Session) -> None:
+    def _sweep_temp_files(self, session: Session, gone: bool) -> None:
         """The writer's processes are gone, and it still holds the write lock
         (nobody else writes meanwhile): a write its end cut short leaves no
-        temporary file behind."""
+        temporary file behind. A sweep that left none it would remove, its
+        processes seen gone (``gone``), marks the worktree swept: the next
+        writer's grant says so, and its tool server does not sweep again
+        (daemon/writelock.py)."""
         if not self.write_locks.holds(session.id):
             return
         started = time.perf_counter()
         budget = treewalk.Budget()
         # The daemon writes none: none in flight. Its listings are kept from
         # one writer's end to the next (an unchanged directory is not listed).
-        removed = sweep_temp_files(session.worktree, budget=budget, listings=_SWEPT)
+        kept: list[str] = []
+        removed = sweep_temp_files(session.worktree, budget=budget, listings=_SWEPT, kept=kept)
+        if gone and not budget.skipped and not kept:
+            self.write_locks.mark_swept(session.id, session.worktree)
         if budget.skipped:
             log.warning("event=temp_files_sweep_cut session=%s left=%r", session.id, budget.describe())
         if removed:

@@ -158,8 +158,10 @@ class SessionTable:
             raise SessionError(f"session {session.id}: its worker did not confirm the new environment", session.id)
 
     def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply:
-        """One writer per worktree (a worktree inside another's counts as the same)."""
-        holder = self.write_locks.acquire(session.id, session.worktree)
+        """One writer per worktree (a worktree inside another's counts as the
+        same). A grant says whether the worktree is known swept of temporary
+        files (daemon/writelock.py): the worker then skips its own sweep."""
+        holder, swept = self.write_locks.grant(session.id, session.worktree)
         if holder is not None:
             with self._lock:
                 other = self._sessions.get(holder)
@@ -169,7 +171,7 @@ class SessionTable:
                 "only one session at a time may write a worktree: close that session, or use this one to read"))
         session.writes = True
         log.info("event=write_lock session=%s worktree=%s", session.id, session.worktree)
-        return protocol.OkReply(id=rid)
+        return protocol.WriteLockGranted(id=rid, swept=swept)
 
     def release_write_lock(self, sid: str) -> Session:
         """Give back ``sid``'s write lock (a no-op when it holds none). The
@@ -183,7 +185,7 @@ class SessionTable:
                     session.control.send(protocol.ForgetWriteLock())
                 except OSError:
                     pass  # the worker is gone: nothing holds the lock for it
-            self.write_locks.release(sid)
+            self.write_locks.give_back(sid)  # its processes live on: no sweep vouches for it until its end
             session.writes = False
         log.info("event=write_lock_released session=%s", sid)
         return session

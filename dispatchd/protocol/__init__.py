@@ -56,6 +56,7 @@ from dispatchd.protocol.internal import (
     CallRecord,
     Drain,
     ForgetWriteLock,
+    WriteLockGranted,
     FromWorker,
     NetRules,
     DnsSockets,
@@ -158,6 +159,7 @@ __all__ = [
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "ExpectSession", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
+    "WriteLockGranted",
     "SetCommandEnv", "NetworkDenied", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed",
     "WorkerPooled", "WorkerReady", "DnsSockets", "DnsDoor", "Asleep", "JobRecord", "KeptJobs", "MaySleep", "Sleep",
     "StayAwake", "WakeWorker", "Pause", "Paused", "Resume",

@@ -107,8 +107,9 @@ class AddChannel(_Msg, tag="add_channel", frozen=True):
 
 class AcquireWriteLock(_Msg, tag="acquire_write_lock", frozen=True):
     """Worker -> daemon, before the session's first mutating tool call: only
-    one session at a time may write a worktree. Answered by ``OkReply`` or by
-    ``ErrorReply`` (code ``write_locked``) naming the session that holds it."""
+    one session at a time may write a worktree. Answered by ``WriteLockGranted``
+    (an ``OkReply``) or by ``ErrorReply`` (code ``write_locked``) naming the
+    session that holds it."""
 
     id: int
     # Policy [checkpoints] before_writes: asked before every writing call, and
@@ -116,6 +117,14 @@ class AcquireWriteLock(_Msg, tag="acquire_write_lock", frozen=True):
     # with the tool; a checkpoint refused is an ``ErrorReply`` and the call fails.
     checkpoint: bool = False
     tool: str = ""
+
+
+class WriteLockGranted(OkReply, tag="write_lock_granted", frozen=True):
+    """Daemon -> worker: ``AcquireWriteLock`` granted. ``swept``: the daemon
+    knows the worktree holds no temporary file of a cut write
+    (``daemon/writelock.py``), so the worker need not sweep it at this grant."""
+
+    swept: bool = False
 
 
 class CallRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -250,8 +259,8 @@ class KeptJobs(_Msg, tag="kept_jobs", frozen=True):
 FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply, MaySleep,
                    Asleep, KeptJobs, Paused]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
-ToWorker = Union[AddChannel, Drain, OkReply, ErrorReply, SetCommandEnv, ForgetWriteLock, AdoptSession,
-                 ExpectSession, Sleep, StayAwake, KeptJobs, NetworkDenied, Pause, Resume]
+ToWorker = Union[AddChannel, Drain, OkReply, WriteLockGranted, ErrorReply, SetCommandEnv, ForgetWriteLock,
+                 AdoptSession, ExpectSession, Sleep, StayAwake, KeptJobs, NetworkDenied, Pause, Resume]
 
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

@@ -109,6 +109,8 @@ class _Server(Calls, Idle):
         self.gate = pausegate.Gate()
         # The worktree is ours to write now: remove what killed writes left
         # (tempfiles.py), but not the files of our own writes already started.
+        # Not called when the grant says the daemon swept it since anyone
+        # could write it (daemon/writelock.py).
         self.write_lock.on_granted = lambda: threading.Thread(
             target=sweep_temp_files, args=(plan.paths.worktree, atomic.in_flight), daemon=True, name="sweep").start()
         self.draining = False

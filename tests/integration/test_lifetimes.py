@@ -250,19 +250,36 @@ def test_a_write_whose_tool_server_is_killed_says_so_and_its_temp_file_goes(tmp_
             assert wait_until(lambda: not [p.name for p in worktree.iterdir() if ".dispatchd-" in p.name])
             # The line follows the removal: a loaded machine may show the one before the other.
             assert wait_until(lambda: f"event=temp_files_removed session={session.id} count=1" in d.log())
-            # What a killed daemon leaves (no end of session to clean up), beside a
-            # user's file of a near name and a symlink with our exact name aimed outside:
-            # the next session granted the write lock removes ours only.
-            (worktree / ".c.txt.dispatchd-89abcdef.tmp").write_text("half a write")
-            (worktree / ".big.txt.dispatchd-notours.tmp").write_text("mine")
-            outside = tmp_path / "outside.txt"
-            outside.write_text("keep")
-            os.symlink(outside, worktree / ".x.dispatchd-0123abcd.tmp")
+            # That sweep left the worktree known clean (daemon/writelock.py): the
+            # next writer's tool server does not sweep again at its grant. A
+            # file of the pattern put there from outside dispatchd meanwhile
+            # stays until that writer's end, when the daemon sweeps.
+            stray = worktree / ".d.txt.dispatchd-0badcafe.tmp"
+            stray.write_text("not from a session")
             with client.open_session(str(worktree)) as again:
                 assert again.registry.get("write_file").call({"path": "a.txt", "content": "a"}).is_success
-                assert wait_until(lambda: not (worktree / ".c.txt.dispatchd-89abcdef.tmp").exists())
-            assert (worktree / ".big.txt.dispatchd-notours.tmp").read_text() == "mine"
-            assert outside.read_text() == "keep"
+                assert shell(again, "true").is_success
+                time.sleep(0.5)  # a sweep started at the grant (2,000 entries at most here) is over
+                assert stray.read_text() == "not from a session"
+            assert wait_until(lambda: not stray.exists())
+    finally:
+        assert d.stop() == 0, d.log()
+    # What a killed daemon leaves (no end of session to clean up), beside a
+    # user's file of a near name and a symlink with our exact name aimed outside:
+    # a daemon that starts knows no worktree swept, so the next session granted
+    # the write lock removes ours only.
+    (worktree / ".c.txt.dispatchd-89abcdef.tmp").write_text("half a write")
+    (worktree / ".big.txt.dispatchd-notours.tmp").write_text("mine")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    os.symlink(outside, worktree / ".x.dispatchd-0123abcd.tmp")
+    d = _daemon(tmp_path, "d2", *(["--no-user-namespaces"] if mode == "degraded" else []))
+    try:
+        with d.connect() as client, client.open_session(str(worktree)) as again:
+            assert again.registry.get("write_file").call({"path": "a.txt", "content": "a"}).is_success
+            assert wait_until(lambda: not (worktree / ".c.txt.dispatchd-89abcdef.tmp").exists())
+        assert (worktree / ".big.txt.dispatchd-notours.tmp").read_text() == "mine"
+        assert outside.read_text() == "keep"
     finally:
         assert d.stop() == 0, d.log()
 
