@@ -23,6 +23,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import stat
@@ -32,6 +33,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["Budget", "Listings", "MAX_DEPTH", "MAX_ENTRIES", "remove_tree", "remove_tree_at", "walk"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
 
 # A scratch directory or a worktree deeper than this is walked in parts
 # (removal) or not below it (other walks): one descriptor per level is held.
@@ -240,7 +244,8 @@ class Listings:
     later walk takes its subdirectories from here and yields no
     non-directory for it. Sound because every change of a directory's
     entries (create, unlink, rename, replace) sets its ctime, which no
-    process can set back; a directory is remembered only when its ctime is
+    process can set back, on the local file systems of ``FINE_CTIME_FS``
+    (elsewhere nothing is remembered); a directory is remembered only when its ctime is
     ``SETTLE_NS`` older than the walk's start (the kernel's clock for it lags
     by up to a tick, so a change after that start cannot keep it). In
     memory only; at most ``limit`` directories (then forgotten)."""
@@ -255,6 +260,8 @@ class Listings:
 
     def entries(self, fd: int, budget: Budget, settled_before: int) -> tuple[list[bytes], list[bytes]]:
         st = os.fstat(fd)
+        if not fine_local_ctime(fd, st.st_dev):
+            return _entries(fd, budget)  # nothing remembered: every walk lists it
         key = (st.st_dev, st.st_ino)
         seen = self.seen.get(key)
         if seen is not None and seen[:3] == (st.st_ctime_ns, st.st_mtime_ns, st.st_size):
@@ -267,6 +274,35 @@ class Listings:
                 self.seen.clear()
             self.seen[key] = (st.st_ctime_ns, st.st_mtime_ns, st.st_size, len(files) + len(dirs), tuple(dirs))
         return files, dirs
+
+
+# File systems whose ctime the local kernel sets at every change of a
+# directory's entries, to the tick (statfs f_type, linux/magic.h). Others -
+# NFS and FUSE (attributes cached, or set by a server or a user's process),
+# FAT and SMB (ctime of seconds, or none) - are listed at every walk.
+FINE_CTIME_FS = frozenset({
+    0xEF53,      # ext2/3/4
+    0x58465342,  # XFS
+    0x9123683E,  # btrfs
+    0x01021994,  # tmpfs
+    0x794C7630,  # overlayfs (the upper layer's, a local file system's)
+    0xF2F52010,  # f2fs
+})
+
+
+_fine_by_device: dict[int, bool] = {}
+
+
+def fine_local_ctime(fd: int, dev: int) -> bool:
+    """Whether the file system of ``fd`` (on device ``dev``, asked once a
+    device) is one of ``FINE_CTIME_FS``; False when that cannot be told."""
+    fine = _fine_by_device.get(dev)
+    if fine is None:
+        buf = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on x86_64 and aarch64
+        fine = _libc.fstatfs(fd, buf) == 0 and int.from_bytes(buf.raw[:8], sys.byteorder) in FINE_CTIME_FS
+        if len(_fine_by_device) < 4096:  # a device number comes back as the same kind, nearly always
+            _fine_by_device[dev] = fine
+    return fine
 
 
 def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda name, dirfd: False,

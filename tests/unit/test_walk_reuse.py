@@ -264,3 +264,58 @@ def test_a_directory_with_a_temporary_file_in_flight_is_listed_every_time(tmp_pa
     st = os.stat(tmp_path / "p0")
     assert (st.st_dev, st.st_ino) not in listings.seen  # its temporary name keeps it listed
     assert sweep_temp_files(str(tmp_path), listings=listings) == [str(flying)]  # once no longer in flight
+
+
+def test_the_file_systems_whose_ctime_is_trusted(tmp_path: Path) -> None:
+    """The test's own directory is on one of the local file systems listed
+    (the twin of the next tests); /proc is not: nothing there is remembered."""
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert treewalk.fine_local_ctime(fd, os.fstat(fd).st_dev) is True
+    finally:
+        os.close(fd)
+    fd = os.open("/proc/self", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert treewalk.fine_local_ctime(fd, os.fstat(fd).st_dev) is False
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def ctime_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file system taken for one whose ctime this kernel does not keep
+    (NFS, FUSE, FAT): as a worktree there would be."""
+    monkeypatch.setattr(treewalk, "FINE_CTIME_FS", frozenset())
+    monkeypatch.setattr(treewalk, "_fine_by_device", {})
+
+
+@pytest.mark.usefixtures("ctime_not_kept")
+def test_on_a_file_system_of_untrusted_ctimes_every_walk_lists_every_directory(
+        tmp_path: Path, listings: list[int]) -> None:
+    repo = make_repo(tmp_path / "r")
+    for i in range(30):
+        (repo / f"p{i}").mkdir()
+    baseline(repo)
+    first = listings[0]
+    runnables.take(str(repo))
+    assert listings[0] - first == first  # listed again, all of it
+    swept = treewalk.Listings(no_temp_files)
+    assert sweep_temp_files(str(repo), listings=swept) == []
+    assert sweep_temp_files(str(repo), listings=swept) == [] and swept.reused == 0
+
+
+@pytest.mark.usefixtures("ctime_not_kept")
+def test_on_a_file_system_of_untrusted_ctimes_an_index_is_parsed_every_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "r")
+    index = str(repo / ".git" / "index")
+    settled()
+    links = fs.index_gitlinks(index)
+    parsed = [0]
+    real = indexfile.parse_index
+
+    def counting(data: bytes, **kw: object) -> object:
+        parsed[0] += 1
+        return real(data, **kw)  # type: ignore[arg-type]
+    monkeypatch.setattr(fs.indexfile, "parse_index", counting)
+    assert fs.index_gitlinks(index) == links and parsed[0] == 1

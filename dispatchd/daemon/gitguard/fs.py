@@ -26,6 +26,7 @@ import secrets
 import stat
 import time
 
+from dispatchd import treewalk
 from dispatchd.daemon.gitguard import indexfile
 
 _MAX_POINTER = 4096  # a .git pointer file, a gitdir or commondir file
@@ -97,6 +98,8 @@ def _read_index(path: str, known: bool = False) -> tuple[bytes | None, os.stat_r
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_INDEX:
             return None, None, None
+        if known and not treewalk.fine_local_ctime(fd, st.st_dev):
+            known = False  # a ctime this kernel does not keep (NFS, FUSE): parsed every time
         if known:
             seen = _links_seen.get((st.st_dev, st.st_ino))
             if seen is not None and seen[:3] == (st.st_ctime_ns, st.st_mtime_ns, st.st_size):

@@ -40,6 +40,7 @@ import time
 
 import msgspec
 
+from dispatchd import treewalk
 from dispatchd.daemon.gitguard import fs
 from dispatchd.daemon.gitguard.digests import Budget, digest_at, fingerprint, never_equal
 from dispatchd.inside import is_within
@@ -206,6 +207,9 @@ class _Walk:
             # sets its ctime, which no process can set back). Only its
             # subdirectories matter then: nothing in it is protected or git.
             st = os.fstat(fd)
+            if not treewalk.fine_local_ctime(fd, st.st_dev):
+                st = None  # a ctime this kernel does not keep (NFS, FUSE): listed every time
+        if st is not None:
             seen = self.remembered.get((st.st_dev, st.st_ino))
             if seen is not None and (seen.ctime_ns, seen.mtime_ns, seen.size) == (
                     st.st_ctime_ns, st.st_mtime_ns, st.st_size):
