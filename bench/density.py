@@ -67,8 +67,11 @@ def mem_available() -> int:
 # Where the memory of idle sessions goes, as the kernel counts it host-wide:
 # process memory (anonymous pages: what copy-on-write copied), page tables,
 # kernel stacks (one per thread), kernel objects (namespaces, mounts,
-# sockets, task structs: unreclaimable slab).
-_BREAKDOWN = ("AnonPages", "PageTables", "KernelStack", "SUnreclaim", "Shmem")
+# sockets, task structs: unreclaimable slab; the dentries and inodes of each
+# session's /proc and mounts: reclaimable slab).
+_BREAKDOWN = ("AnonPages", "PageTables", "KernelStack", "SUnreclaim", "SReclaimable", "Shmem")
+_USER = ("AnonPages", "Shmem")
+_KERNEL = ("PageTables", "KernelStack", "SUnreclaim", "SReclaimable")
 
 
 def main() -> int:
@@ -200,8 +203,11 @@ def main() -> int:
           f"{(before - during) / n / 2**20:.2f} MiB a session")
     print(f"  of which the daemon's own growth {own_growth['daemon'] / n / 2**20:.2f} MiB a session, this client's "
           f"{own_growth['client'] / n / 2**20:.2f} MiB a session (its Session objects)")
-    print("  host-wide, a session: " + ", ".join(
-        f"{k} {(during_info.get(k, 0) - before_info.get(k, 0)) / n / 2**20:.2f} MiB" for k in _BREAKDOWN))
+    grew = {k: (during_info.get(k, 0) - before_info.get(k, 0)) / n / 2**20 for k in _BREAKDOWN}
+    print("  host-wide, a session: " + ", ".join(f"{k} {v:.2f} MiB" for k, v in grew.items()))
+    user, kernel = sum(grew[k] for k in _USER), sum(grew[k] for k in _KERNEL)
+    print(f"  split: user pages {user:.2f} MiB, kernel {kernel:.2f} MiB (page tables, stacks, slab), "
+          f"the rest of the drop {(before - during) / n / 2**20 - user - kernel:.2f} MiB (page cache, pipes, noise)")
     uss_text = (f"{sum(readable) / n / 2**20:.2f} MiB a session" if len(readable) == len(private)
                 else "n/a (session processes are not dumpable: run as root to read them)")
     print(f"processes: {len(procs) / n:.1f} a session; unique memory (USS): {uss_text}")

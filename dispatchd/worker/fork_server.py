@@ -29,7 +29,7 @@ import msgspec
 
 from dispatchd import catalogue, protocol
 from dispatchd.confine import hygiene, namespaces, netstack, seccomp
-from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, pool_key
+from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, leave_seccomp_encoded, pool_key, seccomp_of
 from dispatchd.errors import ConfinementError
 from dispatchd.worker import forkhooks, wake
 from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
@@ -231,7 +231,7 @@ def _wake(req: protocol.WakeWorker, frames: protocol.FrameSocket, sock: socket.s
                 fds.append(frames.take_fd())
             key = msgspec.msgpack.encode(plan.seccomp)
             if key not in programs:
-                programs[key] = seccomp.compile_seccomp(plan.seccomp)
+                programs[key] = seccomp.compile_seccomp(seccomp_of(plan))
             if plan.cgroup is not None:
                 try:
                     cgroup_fd = os.open(plan.cgroup.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -322,6 +322,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     hygiene.child_subreaper()
+    leave_seccomp_encoded()  # before any plan is decoded here: see plan.leave_seccomp_encoded
     catalogue.warm_conversions()  # once here, not at each session's first call of each tool
     # Single-threaded for good: threading's and logging's at-fork hooks would
     # only rebuild, in each worker, what is already right (forkhooks.py).
@@ -378,7 +379,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
                 warmed = True
             key = msgspec.msgpack.encode(plan.seccomp)
             if key not in programs:
-                programs[key] = seccomp.compile_seccomp(plan.seccomp)
+                programs[key] = seccomp.compile_seccomp(seccomp_of(plan))
             program = programs[key]
             pid, pidfd = _spawn(plan)
         except Exception as exc:
