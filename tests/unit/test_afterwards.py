@@ -49,6 +49,7 @@ def test_a_job_that_raises_is_logged_and_the_next_runs(caplog: pytest.LogCapture
     assert "event=afterwards_failed error=ValueError('boom')" in caplog.text
 
 
+@pytest.mark.process
 def test_reap_waits_for_the_killed_process_then_closes_its_pidfd() -> None:
     proc = subprocess.Popen(["sleep", "60"])
     pidfd = os.pidfd_open(proc.pid)
@@ -64,6 +65,7 @@ def test_reap_waits_for_the_killed_process_then_closes_its_pidfd() -> None:
             proc.wait()
 
 
+@pytest.mark.process
 def test_a_process_still_alive_is_not_waited_for_forever(caplog: pytest.LogCaptureFixture) -> None:
     proc = subprocess.Popen(["sleep", "60"])
     pidfd = os.pidfd_open(proc.pid)

@@ -31,6 +31,7 @@ def test_the_seccomp_part_stays_bytes_and_every_other_field_is_decoded(encoded: 
             assert getattr(got, field.name) == getattr(full, field.name), field.name
 
 
+@pytest.mark.process  # compiles the filter in a child (libseccomp)
 def test_the_rules_decoded_are_the_plans_and_compile_to_the_same_program(encoded: None) -> None:
     full = plan(network="on")
     got = decode_plan(encode_plan(full))
