@@ -16,12 +16,18 @@ machine): a second daemon runs the ``dispatchd`` package of the checkout
 DIR (the same client library, this one's), on a worktree of its own made
 alike; each step goes to the two in turn, in alternating order, and each
 row is printed for both, with this checkout's p50 as a ratio of DIR's.
+
+``--steps``: the daemons log at debug level, and the median milliseconds of
+each step of their opens (``event=open_steps``) and of the worker's part
+(``event=worker_ready``) are printed after the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,20 +72,39 @@ def one(client: dispatch.Client, wt: str, network: bool, first: str, rows: dict[
     rows.setdefault("baseline: status round trip", []).append(time.perf_counter() - t)
 
 
+def print_steps(name: str, log_path: str) -> None:
+    """The medians of the open's steps in one daemon's debug log."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    steps: dict[str, list[float]] = {}
+    for m in re.finditer(r"event=(open_steps|worker_ready) session=\w+ (?:pid=\d+ made_ahead=(\d) )?steps_ms=(\S*)",
+                         log):
+        prefix = "open" if m.group(1) == "open_steps" else "adopt" if m.group(2) == "1" else "fresh"
+        if prefix == "fresh":
+            continue  # the pool's sandboxes made ahead: not on an open's path
+        for part in m.group(3).split(","):
+            if ":" in part:
+                k, v = part.split(":")
+                steps.setdefault(f"{prefix} {k}", []).append(float(v))
+    print(f"[{name}] " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in steps.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--against", metavar="DIR", default="",
                     help="A/B: a second daemon running the dispatchd package of the checkout DIR")
+    ap.add_argument("--steps", action="store_true", help="also the daemons' open steps (debug log), medians")
     args = ap.parse_args()
+    extra = ["--log-level", "debug"] if args.steps else []
     with tempfile.TemporaryDirectory() as tmp:
         names = ["this"] + (["against"] if args.against else [])
         daemons = {}
         for name in names:
             d = os.path.join(tmp, name)
             make_worktree(os.path.join(d, "wt"), args.files)
-            daemons[name] = start_daemon(d, code=os.path.abspath(args.against) if name == "against" else "")
+            daemons[name] = start_daemon(d, *extra, code=os.path.abspath(args.against) if name == "against" else "")
         try:
             rows: dict[str, dict[str, list[float]]] = {name: {} for name in names}
             clients = {name: dispatch.connect(sock) for name, (_, sock) in daemons.items()}
@@ -109,6 +134,9 @@ def main() -> None:
         finally:
             for proc, _ in daemons.values():
                 stop_daemon(proc)
+        if args.steps:
+            for name in names:
+                print_steps(name, os.path.join(tmp, name, "daemon.log"))
 
 
 if __name__ == "__main__":

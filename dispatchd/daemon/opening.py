@@ -181,17 +181,21 @@ class Opening(Pooling):
         try:
             steps["scratch"] = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
-            # The worktree's trusted baseline, on disk before the session's
-            # first call can reach its sandbox (taken now if no session of its
+            # The worktree's trusted baseline (taken now if no session of its
             # domain runs), taken while the sandbox is given its session
-            # (beside.py). Refused: the except below stops the sandbox, which
-            # ran no call.
+            # (beside.py); then made durable on the same thread, after the
+            # reply: nothing that can change the worktree runs before it is
+            # (the write lock's grant waits for it; docs/git-protection.md,
+            # "When the baseline is on disk"). Refused: the except below stops
+            # the sandbox, which ran no call.
             joining = Beside(functools.partial(
                 self.baselines.join, sid, session.worktree, session.git, session.git_before,
-                session.redirects_before, tuple(policy.protect.paths)))
+                session.redirects_before, tuple(policy.protect.paths), defer=True),
+                then=functools.partial(self.baselines.durable, sid))
             try:
                 self._start_worker(session, network, made)
             finally:
+                steps["sandbox"] = (time.perf_counter() - t) * 1e3
                 joining.wait()  # whatever it recorded, before a failure's _discard undoes it
             steps["worker"] = (time.perf_counter() - t) * 1e3
             joining.result()

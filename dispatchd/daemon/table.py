@@ -158,7 +158,12 @@ class SessionTable:
             raise SessionError(f"session {session.id}: its worker did not confirm the new environment", session.id)
 
     def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply:
-        """One writer per worktree (a worktree inside another's counts as the same)."""
+        """One writer per worktree (a worktree inside another's counts as the same),
+        and only once the worktree's baseline is on disk (gitguard.baselines)."""
+        not_durable = self.baselines.durable(session.id)  # a few ms at most, once, right after an open
+        if not_durable is not None:
+            return protocol.ErrorReply(id=rid, code="baseline_not_durable", message=(
+                f"the worktree {session.worktree}: {not_durable}; this session may only read it"))
         holder = self.write_locks.acquire(session.id, session.worktree)
         if holder is not None:
             with self._lock:
