@@ -15,7 +15,8 @@ round trip of the daemon's (a status request).
 machine): a second daemon runs the ``dispatchd`` package of the checkout
 DIR (the same client library, this one's), on a worktree of its own made
 alike; each step goes to the two in turn, in alternating order, and each
-row is printed for both, with this checkout's p50 as a ratio of DIR's.
+row is printed for both, with this checkout's p50 as a ratio of DIR's
+(use an even --rounds: each daemon then goes first in as many rounds).
 
 ``--steps``: the daemons log at debug level, and the median milliseconds of
 each step of their opens (``event=open_steps``) and of the worker's part
@@ -115,7 +116,12 @@ def main() -> None:
             for i in range(args.rounds * 4):
                 network = bool(i % 2)
                 first = "read_file" if (i // 2) % 2 == 0 else "shell_exec"
-                order = names if i % len(names) == 0 else names[::-1]
+                # Who goes first flips every 4 sessions, not every session: flipped
+                # with the network (every other one), the same daemon always came
+                # right after a network-on close (pasta's exit still running in
+                # the kernel) and was slower for it. Flipped by the block of 4,
+                # each pattern has each daemon after such a close equally often.
+                order = names if (i // 4) % 2 == 0 else names[::-1]
                 for name in order:
                     one(clients[name], wts[name], network, first, rows[name])
             for client in clients.values():
