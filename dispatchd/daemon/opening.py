@@ -193,7 +193,7 @@ class Opening(Pooling):
                 session.redirects_before, tuple(policy.protect.paths), defer=True),
                 then=functools.partial(self.baselines.durable, sid))
             try:
-                self._start_worker(session, network, made)
+                self._start_worker(session, network, made, steps)
             finally:
                 steps["sandbox"] = (time.perf_counter() - t) * 1e3
                 joining.wait()  # whatever it recorded, before a failure's _discard undoes it
@@ -287,10 +287,11 @@ class Opening(Pooling):
         self._last_inputs[(session.policy.name, network)] = inputs
         return plan_for(inputs, made.planned if made is not None else None)
 
-    def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None) -> None:
+    def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None,
+                      steps: dict[str, float] | None = None) -> None:
         """The session's sandbox, confined and ready: ``made`` (one made ahead,
         taken from the pool) when its plan is the one it was made for, or a
-        new one."""
+        new one. ``steps``: the open's, given its parts' milliseconds."""
         started = time.perf_counter()
         try:
             plan, key = self._plan_and_key(session, network, made)
@@ -300,6 +301,7 @@ class Opening(Pooling):
                 self._let_go(made)
             raise
         session.poolable = key is not None
+        planned = time.perf_counter()
         ready = self._adopt(session, plan, key, made) if made is not None else None
         if made is not None and ready is not None:
             worker, control, msg = made.worker, made.control, ready
@@ -329,6 +331,10 @@ class Opening(Pooling):
             worker.kill()
             control.close()
             raise
+        ready_at = time.perf_counter()
+        if steps is not None:
+            steps["sandbox_plan"] = (planned - started) * 1e3
+            steps["sandbox_ready"] = (ready_at - planned) * 1e3
         log.debug("event=worker_ready session=%s pid=%s made_ahead=%d steps_ms=%s", session.id, worker.pid,
                   ready is not None, ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker = worker
@@ -348,6 +354,8 @@ class Opening(Pooling):
         session.plan, session.kit = plan, kit
         session.env_set, session.env_unset = {}, set()
         session.ended = threading.Event()
+        if steps is not None:
+            steps["sandbox_network"] = (time.perf_counter() - ready_at) * 1e3
         log.debug("event=worker_started session=%s total_ms=%.2f planned_ahead=%d", session.id,
                   (time.perf_counter() - started) * 1e3, made is not None and made.planned is not None
                   and plan is made.planned.plan)
@@ -357,6 +365,8 @@ class Opening(Pooling):
                        daemon=True, name=f"watch-{session.id}").start()
         if session.user_env:  # before any call can reach this tool server: attach comes after
             self.send_command_env(session, session.user_env, [])
+        if steps is not None:
+            steps["sandbox_rest"] = (time.perf_counter() - ready_at) * 1e3 - steps["sandbox_network"]
 
     @staticmethod
     def _take_kit(msg: protocol.WorkerReady, control: protocol.FrameSocket) -> list[int]:
