@@ -8,30 +8,23 @@ before the open's reply (the sandbox's tool server runs calls only, and the
 first call comes over the channel that reply carries). So they run at
 once, and the open waits for both before it answers.
 
-Guarantees: ``Beside(fn, then)`` runs ``fn`` once on its own thread; ``wait``
+Guarantees: ``Beside(fn)`` runs ``fn`` once on its own thread; ``wait``
 returns once it has returned or raised, and ``result`` then re-raises what
-it raised (``BaseException`` included) in the caller's thread. ``then``, if
-given, runs after that on the same thread, only if ``fn`` returned, and is
-waited for by no one (the baseline's fsyncs: nothing of the open needs them;
-what does, the write lock's grant, waits for them itself).
+it raised (``BaseException`` included) in the caller's thread.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 
 from dispatchd import threads
 
-log = logging.getLogger("dispatchd.sessions")
-
 
 class Beside:
-    def __init__(self, fn: Callable[[], None], then: Callable[[], object] | None = None) -> None:
+    def __init__(self, fn: Callable[[], None]) -> None:
         self._fn = fn
-        self._then = then
         self._done = threading.Event()
         self._error: BaseException | None = None
         self.ms = 0.0  # how long ``fn`` took
@@ -49,11 +42,6 @@ class Beside:
         finally:
             self.ms = (time.perf_counter() - started) * 1e3
             self._done.set()
-        if self._then is not None and self._error is None:
-            try:
-                self._then()
-            except Exception:  # noqa: BLE001 - nobody waits for it: said here
-                log.exception("event=beside_then_failed")
 
     def wait(self) -> None:
         self._done.wait()

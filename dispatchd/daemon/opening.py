@@ -29,6 +29,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 from dispatchd import envnames, protocol, threads
 from dispatchd import domains
@@ -182,23 +183,28 @@ class Opening(Pooling):
             steps["scratch"] = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
             # The worktree's trusted baseline (taken now if no session of its
-            # domain runs), taken while the sandbox is given its session
-            # (beside.py); then made durable on the same thread, after the
-            # reply: nothing that can change the worktree runs before it is
-            # (the write lock's grant waits for it; docs/git-protection.md,
-            # "When the baseline is on disk"). Refused: the except below stops
-            # the sandbox, which ran no call.
-            joining = Beside(functools.partial(
+            # domain runs), taken while the sandbox is given its session: on
+            # this thread while the worker made ahead (another process)
+            # applies it, or beside a sandbox made now (_start_worker); then
+            # made durable on a thread of its own, after the reply: nothing
+            # that can change the worktree runs before it is (the write
+            # lock's grant waits for it; docs/git-protection.md, "When the
+            # baseline is on disk"). Refused: the except below stops the
+            # sandbox, which ran no call.
+            joining = _Once(functools.partial(
                 self.baselines.join, sid, session.worktree, session.git, session.git_before,
                 session.redirects_before, tuple(policy.protect.paths), defer=True),
                 then=functools.partial(self.baselines.durable, sid))
-            try:
-                self._start_worker(session, network, made, steps)
-            finally:
-                steps["sandbox"] = (time.perf_counter() - t) * 1e3
-                joining.wait()  # whatever it recorded, before a failure's _discard undoes it
+            # Run by now, to its end, whenever the sandbox is ready (and when
+            # not, it has either not begun or ended: nothing of it is left
+            # running for a failure's _discard to race).
+            self._start_worker(session, network, made, steps, joining)
             steps["worker"] = (time.perf_counter() - t) * 1e3
-            joining.result()
+            if not joining.ran:  # cannot be: the sandbox is ready only once it has run; refused loudly
+                raise WorktreeError(f"{session.worktree}: its baseline was not taken; no session opened",
+                                    session.worktree)
+            if joining.error is not None:
+                raise joining.error
             session.reports = functools.partial(self.baselines.reports_for, sid)
             steps["baseline"] = joining.ms
         except BaseException:
@@ -288,10 +294,13 @@ class Opening(Pooling):
         return plan_for(inputs, made.planned if made is not None else None)
 
     def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None,
-                      steps: dict[str, float] | None = None) -> None:
+                      steps: dict[str, float] | None = None, meanwhile: _Once | None = None) -> None:
         """The session's sandbox, confined and ready: ``made`` (one made ahead,
         taken from the pool) when its plan is the one it was made for, or a
-        new one. ``steps``: the open's, given its parts' milliseconds."""
+        new one. ``steps``: the open's, given its parts' milliseconds.
+        ``meanwhile`` runs while the sandbox applies the session: on this
+        thread for one made ahead (between the session sent and its report
+        read), beside a new one on a thread of its own."""
         started = time.perf_counter()
         try:
             plan, key = self._plan_and_key(session, network, made)
@@ -302,7 +311,7 @@ class Opening(Pooling):
             raise
         session.poolable = key is not None
         planned = time.perf_counter()
-        ready = self._adopt(session, plan, key, made) if made is not None else None
+        ready = self._adopt(session, plan, key, made, meanwhile) if made is not None else None
         if made is not None and ready is not None:
             worker, control, msg = made.worker, made.control, ready
             ns_fds, stack, net = made.ns_fds, made.stack, made.net
@@ -310,8 +319,14 @@ class Opening(Pooling):
             if plan.cgroup is not None and not session.cgroup:
                 cgroups.create(plan.cgroup)  # limits in force before the first process joins
                 session.cgroup = plan.cgroup.path
-            worker, control, msg = self.fork_server.start_worker(plan, session.worktree_dir.fd, session.worktree,
-                                                                 READY_TIMEOUT_S)
+            # Beside a new sandbox (its start is one request, answered once ready): on a thread.
+            beside = Beside(meanwhile) if meanwhile is not None and not meanwhile.ran else None
+            try:
+                worker, control, msg = self.fork_server.start_worker(plan, session.worktree_dir.fd,
+                                                                     session.worktree, READY_TIMEOUT_S)
+            finally:
+                if beside is not None:
+                    beside.wait()
             stack, net = None, None
             try:
                 ns_fds = take_namespaces(plan, msg, control)
@@ -380,3 +395,37 @@ class Opening(Pooling):
                 os.close(fd)
             raise ConfinementError("sleep: wake kit", detail=str(exc)) from exc
         return kit
+
+
+class _Once:
+    """``fn`` run once, by whoever calls first, on that caller's thread;
+    never raises: what ``fn`` raised is kept in ``error`` for the open to
+    raise once its sandbox is in hand (to stop it). ``then`` runs after a
+    ``fn`` that returned, on a thread of its own that nobody waits for (the
+    baseline record's fsyncs: what needs them, the write lock's grant,
+    waits for them itself)."""
+
+    def __init__(self, fn: Callable[[], None], then: Callable[[], object]) -> None:
+        self._fn, self._then = fn, then
+        self._lock = threading.Lock()
+        self.ran = False
+        self.error: BaseException | None = None
+        self.ms = 0.0  # how long ``fn`` took
+
+    def __call__(self) -> None:
+        with self._lock:  # a second caller waits for the first's run
+            if self.ran:
+                return
+            self.ran = True
+            started = time.perf_counter()
+            try:
+                self._fn()
+            except BaseException as exc:  # noqa: BLE001 - raised by the open (see the class)
+                self.error = exc
+                return
+            finally:
+                self.ms = (time.perf_counter() - started) * 1e3
+        try:
+            threads.Thread(target=self._then, daemon=True, name="durable").start()
+        except RuntimeError:  # no thread to be had: the grant makes it durable when asked
+            pass
