@@ -24,7 +24,7 @@ state is the user's) and kept, unchanged, until the last one ends:
   holds ``ID.lock`` (flock) while the domain lives. The first record of a
   domain may be made durable later (``join(defer=True)``): its temporary
   file is written at once, and its fsync, rename and the directory's fsync
-  are done by ``durable`` (whoever calls it first: the open's thread, the
+  are done by ``durable`` (whoever calls it first: a thread of the open, the
   write lock's grant, the domain's next write). Nothing that can change the
   worktree runs before ``durable`` has returned None (docs/git-protection.md,
   "When the baseline is on disk"). Every later write of a domain's record
