@@ -15,13 +15,20 @@ round trip of the daemon's (a status request).
 machine): a second daemon runs the ``dispatchd`` package of the checkout
 DIR (the same client library, this one's), on a worktree of its own made
 alike; each step goes to the two in turn, in alternating order, and each
-row is printed for both, with this checkout's p50 as a ratio of DIR's.
+row is printed for both, with this checkout's p50 as a ratio of DIR's
+(use an even --rounds: each daemon then goes first in as many rounds).
+
+``--steps``: the daemons log at debug level, and the median milliseconds of
+each step of their opens (``event=open_steps``) and of the worker's part
+(``event=worker_ready``) are printed after the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,20 +73,39 @@ def one(client: dispatch.Client, wt: str, network: bool, first: str, rows: dict[
     rows.setdefault("baseline: status round trip", []).append(time.perf_counter() - t)
 
 
+def print_steps(name: str, log_path: str) -> None:
+    """The medians of the open's steps in one daemon's debug log."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    steps: dict[str, list[float]] = {}
+    for m in re.finditer(r"event=(open_steps|worker_ready) session=\w+ (?:pid=\d+ made_ahead=(\d) )?steps_ms=(\S*)",
+                         log):
+        prefix = "open" if m.group(1) == "open_steps" else "adopt" if m.group(2) == "1" else "fresh"
+        if prefix == "fresh":
+            continue  # the pool's sandboxes made ahead: not on an open's path
+        for part in m.group(3).split(","):
+            if ":" in part:
+                k, v = part.split(":")
+                steps.setdefault(f"{prefix} {k}", []).append(float(v))
+    print(f"[{name}] " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in steps.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--against", metavar="DIR", default="",
                     help="A/B: a second daemon running the dispatchd package of the checkout DIR")
+    ap.add_argument("--steps", action="store_true", help="also the daemons' open steps (debug log), medians")
     args = ap.parse_args()
+    extra = ["--log-level", "debug"] if args.steps else []
     with tempfile.TemporaryDirectory() as tmp:
         names = ["this"] + (["against"] if args.against else [])
         daemons = {}
         for name in names:
             d = os.path.join(tmp, name)
             make_worktree(os.path.join(d, "wt"), args.files)
-            daemons[name] = start_daemon(d, code=os.path.abspath(args.against) if name == "against" else "")
+            daemons[name] = start_daemon(d, *extra, code=os.path.abspath(args.against) if name == "against" else "")
         try:
             rows: dict[str, dict[str, list[float]]] = {name: {} for name in names}
             clients = {name: dispatch.connect(sock) for name, (_, sock) in daemons.items()}
@@ -90,9 +116,13 @@ def main() -> None:
             for i in range(args.rounds * 4):
                 network = bool(i % 2)
                 first = "read_file" if (i // 2) % 2 == 0 else "shell_exec"
-                # Who goes first flips every 4 steps, so that each pattern (network,
-                # first call) has either daemon first half the time: flipped with i
-                # (as the network is), "this" went first in every offline step.
+                # Who goes first flips every 4 sessions, not every session: flipped
+                # with the network (every other one), the same daemon always came
+                # right after a network-on close (pasta's exit still running in
+                # the kernel) and was slower for it. Flipped by the block of 4,
+                # each pattern has each daemon after such a close equally often.
+                # (And so each pattern, network and first call, has either daemon
+                # first half the time.)
                 order = names if (i // 4) % 2 == 0 else names[::-1]
                 for name in order:
                     one(clients[name], wts[name], network, first, rows[name])
@@ -112,6 +142,9 @@ def main() -> None:
         finally:
             for proc, _ in daemons.values():
                 stop_daemon(proc)
+        if args.steps:
+            for name in names:
+                print_steps(name, os.path.join(tmp, name, "daemon.log"))
 
 
 if __name__ == "__main__":

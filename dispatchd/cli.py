@@ -31,6 +31,7 @@ PROXY_HOSTS_FLAG = "--proxy-hosts-for-testing"
 TUN_FLAG = "--tun-for-testing"
 FORCE_KERNEL_FLAG = "--force-kernel-for-testing"
 DNS_RESOLV_FLAG = "--dns-resolv-conf-for-testing"
+BASELINE_SYNC_FLAG = "--baseline-sync-delay-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -92,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     # nameservers of this file instead of /etc/resolv.conf's, and reads
     # "nameserver ADDR:PORT" there (a test's resolver cannot listen on 53).
     p.add_argument(DNS_RESOLV_FLAG, metavar="PATH", help=argparse.SUPPRESS)
+    # Testing only: a new baseline's record is made durable SECONDS later
+    # than it would be (gitguard/baselines.py, Durable), so that a test can
+    # see what waits for it (a write) and what does not (a read). Logged at start.
+    p.add_argument(BASELINE_SYNC_FLAG, type=float, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS)
     p.add_argument("--pool", type=int, default=2, metavar="N",
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
                         "recently opened: an open then takes ~half the time; 0: none (default: 2; docs/performance.md)")
@@ -331,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation, resolver=resolver,
         pool_size=args.pool, host_tree=not host_tree_missing, dns=dns,
     )
+    if args.baseline_sync_delay_for_testing > 0:
+        log.warning("event=testing_baseline_sync_delay seconds=%s (a new baseline is made durable that much later)",
+                    args.baseline_sync_delay_for_testing)
+        manager.baselines.settle_delay_s = args.baseline_sync_delay_for_testing
     max_connections = capacity.connection_cap(open_files.limit, args.max_connections)
     server = Server(listener, manager, features, socket_path, policy_loader, max_connections=max_connections,
                     open_files=open_files)

@@ -29,6 +29,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 from dispatchd import envnames, protocol, threads
 from dispatchd import domains
@@ -181,20 +182,29 @@ class Opening(Pooling):
         try:
             steps["scratch"] = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
-            # The worktree's trusted baseline, on disk before the session's
-            # first call can reach its sandbox (taken now if no session of its
-            # domain runs), taken while the sandbox is given its session
-            # (beside.py). Refused: the except below stops the sandbox, which
-            # ran no call.
-            joining = Beside(functools.partial(
+            # The worktree's trusted baseline (taken now if no session of its
+            # domain runs), taken while the sandbox is given its session: on
+            # this thread while the worker made ahead (another process)
+            # applies it, or beside a sandbox made now (_start_worker); then
+            # made durable on a thread of its own, after the reply: nothing
+            # that can change the worktree runs before it is (the write
+            # lock's grant waits for it; docs/git-protection.md, "When the
+            # baseline is on disk"). Refused: the except below stops the
+            # sandbox, which ran no call.
+            joining = _Once(functools.partial(
                 self.baselines.join, sid, session.worktree, session.git, session.git_before,
-                session.redirects_before, tuple(policy.protect.paths)))
-            try:
-                self._start_worker(session, network, made)
-            finally:
-                joining.wait()  # whatever it recorded, before a failure's _discard undoes it
+                session.redirects_before, tuple(policy.protect.paths), defer=True),
+                then=functools.partial(self.baselines.durable, sid))
+            # Run by now, to its end, whenever the sandbox is ready (and when
+            # not, it has either not begun or ended: nothing of it is left
+            # running for a failure's _discard to race).
+            self._start_worker(session, network, made, steps, joining)
             steps["worker"] = (time.perf_counter() - t) * 1e3
-            joining.result()
+            if not joining.ran:  # cannot be: the sandbox is ready only once it has run; refused loudly
+                raise WorktreeError(f"{session.worktree}: its baseline was not taken; no session opened",
+                                    session.worktree)
+            if joining.error is not None:
+                raise joining.error
             session.reports = functools.partial(self.baselines.reports_for, sid)
             steps["baseline"] = joining.ms
         except BaseException:
@@ -283,10 +293,14 @@ class Opening(Pooling):
         self._last_inputs[(session.policy.name, network)] = inputs
         return plan_for(inputs, made.planned if made is not None else None)
 
-    def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None) -> None:
+    def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None,
+                      steps: dict[str, float] | None = None, meanwhile: _Once | None = None) -> None:
         """The session's sandbox, confined and ready: ``made`` (one made ahead,
         taken from the pool) when its plan is the one it was made for, or a
-        new one."""
+        new one. ``steps``: the open's, given its parts' milliseconds.
+        ``meanwhile`` runs while the sandbox applies the session: on this
+        thread for one made ahead (between the session sent and its report
+        read), beside a new one on a thread of its own."""
         started = time.perf_counter()
         try:
             plan, key = self._plan_and_key(session, network, made)
@@ -296,7 +310,8 @@ class Opening(Pooling):
                 self._let_go(made)
             raise
         session.poolable = key is not None
-        ready = self._adopt(session, plan, key, made) if made is not None else None
+        planned = time.perf_counter()
+        ready = self._adopt(session, plan, key, made, meanwhile) if made is not None else None
         if made is not None and ready is not None:
             worker, control, msg = made.worker, made.control, ready
             ns_fds, stack, net = made.ns_fds, made.stack, made.net
@@ -304,8 +319,14 @@ class Opening(Pooling):
             if plan.cgroup is not None and not session.cgroup:
                 cgroups.create(plan.cgroup)  # limits in force before the first process joins
                 session.cgroup = plan.cgroup.path
-            worker, control, msg = self.fork_server.start_worker(plan, session.worktree_dir.fd, session.worktree,
-                                                                 READY_TIMEOUT_S)
+            # Beside a new sandbox (its start is one request, answered once ready): on a thread.
+            beside = Beside(meanwhile) if meanwhile is not None and not meanwhile.ran else None
+            try:
+                worker, control, msg = self.fork_server.start_worker(plan, session.worktree_dir.fd,
+                                                                     session.worktree, READY_TIMEOUT_S)
+            finally:
+                if beside is not None:
+                    beside.wait()
             stack, net = None, None
             try:
                 ns_fds = take_namespaces(plan, msg, control)
@@ -325,6 +346,10 @@ class Opening(Pooling):
             worker.kill()
             control.close()
             raise
+        ready_at = time.perf_counter()
+        if steps is not None:
+            steps["sandbox_plan"] = (planned - started) * 1e3
+            steps["sandbox_ready"] = (ready_at - planned) * 1e3
         log.debug("event=worker_ready session=%s pid=%s made_ahead=%d steps_ms=%s", session.id, worker.pid,
                   ready is not None, ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker = worker
@@ -344,6 +369,8 @@ class Opening(Pooling):
         session.plan, session.kit = plan, kit
         session.env_set, session.env_unset = {}, set()
         session.ended = threading.Event()
+        if steps is not None:
+            steps["sandbox_network"] = (time.perf_counter() - ready_at) * 1e3
         log.debug("event=worker_started session=%s total_ms=%.2f planned_ahead=%d", session.id,
                   (time.perf_counter() - started) * 1e3, made is not None and made.planned is not None
                   and plan is made.planned.plan)
@@ -353,6 +380,8 @@ class Opening(Pooling):
                        daemon=True, name=f"watch-{session.id}").start()
         if session.user_env:  # before any call can reach this tool server: attach comes after
             self.send_command_env(session, session.user_env, [])
+        if steps is not None:
+            steps["sandbox_rest"] = (time.perf_counter() - ready_at) * 1e3 - steps["sandbox_network"]
 
     @staticmethod
     def _take_kit(msg: protocol.WorkerReady, control: protocol.FrameSocket) -> list[int]:
@@ -366,3 +395,37 @@ class Opening(Pooling):
                 os.close(fd)
             raise ConfinementError("sleep: wake kit", detail=str(exc)) from exc
         return kit
+
+
+class _Once:
+    """``fn`` run once, by whoever calls first, on that caller's thread;
+    never raises: what ``fn`` raised is kept in ``error`` for the open to
+    raise once its sandbox is in hand (to stop it). ``then`` runs after a
+    ``fn`` that returned, on a thread of its own that nobody waits for (the
+    baseline record's fsyncs: what needs them, the write lock's grant,
+    waits for them itself)."""
+
+    def __init__(self, fn: Callable[[], None], then: Callable[[], object]) -> None:
+        self._fn, self._then = fn, then
+        self._lock = threading.Lock()
+        self.ran = False
+        self.error: BaseException | None = None
+        self.ms = 0.0  # how long ``fn`` took
+
+    def __call__(self) -> None:
+        with self._lock:  # a second caller waits for the first's run
+            if self.ran:
+                return
+            self.ran = True
+            started = time.perf_counter()
+            try:
+                self._fn()
+            except BaseException as exc:  # noqa: BLE001 - raised by the open (see the class)
+                self.error = exc
+                return
+            finally:
+                self.ms = (time.perf_counter() - started) * 1e3
+        try:
+            threads.Thread(target=self._then, daemon=True, name="durable").start()
+        except RuntimeError:  # no thread to be had: the grant makes it durable when asked
+            pass

@@ -107,10 +107,14 @@ def await_report(worker: Worker, control: protocol.FrameSocket, worktree: str, t
 
 
 def adopt(worker: Worker, control: protocol.FrameSocket, plan: SessionPlan, worktree_fd: int, worktree: str,
-          timeout_s: float, encoded: bytes | None = None) -> protocol.WorkerReady:
+          timeout_s: float, encoded: bytes | None = None,
+          meanwhile: Callable[[], None] | None = None) -> protocol.WorkerReady:
     """Give a sandbox made ahead its session: the plan (``encoded``: its
     ``encode_plan``, when made already) and the checked worktree. Its
-    report, as ``start_worker``'s; on any failure it is killed."""
+    report, as ``start_worker``'s; on any failure it is killed.
+    ``meanwhile`` runs once the session is sent, while the worker applies
+    it (another process), before its report is read; what it raises is
+    raised, the worker killed first."""
     try:
         payload = encoded if encoded is not None else encode_plan(plan)
         control.send(protocol.AdoptSession(plan=payload), fds=[worktree_fd])
@@ -118,6 +122,13 @@ def adopt(worker: Worker, control: protocol.FrameSocket, plan: SessionPlan, work
         worker.kill()
         control.close()
         raise ConfinementError("pool", detail=f"the sandbox made ahead is gone: {exc}") from exc
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException:
+            worker.kill()
+            control.close()
+            raise
     return await_report(worker, control, worktree, timeout_s, protocol.WorkerReady)
 
 

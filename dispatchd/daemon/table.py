@@ -159,8 +159,14 @@ class SessionTable:
 
     def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply:
         """One writer per worktree (a worktree inside another's counts as the
-        same). A grant says whether the worktree is known swept of temporary
-        files (daemon/writelock.py): the worker then skips its own sweep."""
+        same), and only once the worktree's baseline is on disk
+        (gitguard.baselines). A grant says whether the worktree is known swept
+        of temporary files (daemon/writelock.py): the worker then skips its own
+        sweep."""
+        not_durable = self.baselines.durable(session.id)  # a few ms at most, once, right after an open
+        if not_durable is not None:
+            return protocol.ErrorReply(id=rid, code="baseline_not_durable", message=(
+                f"the worktree {session.worktree}: {not_durable}; this session may only read it"))
         holder, swept = self.write_locks.grant(session.id, session.worktree)
         if holder is not None:
             with self._lock:

@@ -1,15 +1,20 @@
 """An open takes the worktree's trusted baseline while its sandbox is given
 the session (dispatchd/daemon/beside.py), with a real daemon: a baseline
-refused refuses the open as before, and leaves no sandbox of it running."""
+refused refuses the open as before, and leaves no sandbox of it running;
+the open answers before the baseline's record is durable, and nothing that
+can change the worktree runs before it is."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 
@@ -57,3 +62,83 @@ def test_a_baseline_refused_beside_the_sandbox_refuses_the_open_and_ends_it(
                 assert shell(s, "echo ok").output == "ok\n"
     finally:
         assert d.stop() == 0, d.log()
+
+
+# --- the baseline made durable after the open's reply ------------------------------------
+
+DELAY_S = 2.0  # the record's fsyncs made this much later (dispatchd --baseline-sync-delay-for-testing)
+
+
+def _records(d: Daemon) -> tuple[list[str], list[str]]:
+    """The baseline records in place (``*.json``) and those still being written (``*.tmp``)."""
+    top = d.state / "dispatchd" / "baselines"
+    names = os.listdir(top) if top.exists() else []
+    return sorted(n for n in names if n.endswith(".json")), sorted(n for n in names if n.endswith(".tmp"))
+
+
+def _lands_after_the_record(d: Daemon, call: Callable[[], dispatch.Result], landed: Callable[[], bool]) -> float:
+    """Run ``call`` on a thread while watching the worktree (``landed``: its
+    write is there) and the record's directory; fails if the write was ever
+    seen while no record was in place. Returns how long the call took."""
+    out: list[dispatch.Result] = []
+    started = time.monotonic()
+    t = threading.Thread(target=lambda: out.append(call()))
+    t.start()
+    while t.is_alive():
+        if landed():  # the record looked at after: one renamed in meanwhile counts, as it should
+            assert _records(d)[0], "the call wrote the worktree before the baseline's record was in place"
+        time.sleep(0.001)
+    t.join()
+    took = time.monotonic() - started
+    assert out and out[0].is_success, out
+    assert landed() and _records(d)[0]
+    return took
+
+
+def test_a_write_right_after_the_open_waits_for_the_baseline_on_disk(tmp_path: Path, worktree: Path) -> None:
+    """The open answers before the baseline's record is durable; a read is
+    answered meanwhile (the allowed twin); every call that can change the
+    worktree (write_file, shell_exec, a checkpoint's restore) waits for the
+    record, fsynced and in place, before it runs."""
+    d = Daemon(tmp_path, "--cgroup", "off", "--baseline-sync-delay-for-testing", str(DELAY_S))
+    try:
+        assert "event=testing_baseline_sync_delay" in d.log()
+        with d.connect() as client:
+            wait_for_pool(client, "default/off", 1)
+            # write_file
+            t0 = time.monotonic()
+            with client.open_session(str(worktree)) as s:
+                assert time.monotonic() - t0 < DELAY_S, "the open waited for the record's fsyncs"
+                done, pending = _records(d)
+                assert done == [] and len(pending) == 1, (done, pending)
+                # The allowed twin: a read is answered before the record is durable.
+                t = time.monotonic()
+                read = s.registry.get("read_file").call({"path": "README.md"})
+                assert read.is_success and "hello" in (read.output or ""), read
+                assert time.monotonic() - t < DELAY_S / 2
+                assert _records(d)[0] == []
+                took = _lands_after_the_record(d, lambda: s.registry.get("write_file").call(
+                    {"path": "new.txt", "content": "x"}), (worktree / "new.txt").exists)
+                assert took > DELAY_S / 4, took  # it waited (the delay began at the open)
+                record = msgspec.json.decode((d.state / "dispatchd" / "baselines" / _records(d)[0][0]).read_bytes())
+                assert record["sessions"] == [s.id]
+                assert [p["root"] for p in record["parts"]] == [str(worktree)]
+            assert _records(d) == ([], [])  # the last end drops it
+            # shell_exec, in a session of its own (a new baseline)
+            with client.open_session(str(worktree)) as s:
+                assert _records(d)[0] == []
+                _lands_after_the_record(d, lambda: shell(s, "echo y > by-shell.txt"), (worktree / "by-shell.txt").exists)
+            # a checkpoint's restore writes the worktree too: it waits as well
+            with client.open_session(str(worktree)) as s:
+                cid = s.checkpoint()  # reads the worktree: no wait for the record
+                assert _records(d)[0] == []
+                (worktree / "README.md").write_text("changed\n")  # by the user: the restore puts it back
+                _lands_after_the_record(d, lambda: dispatch.Result.success(str(s.restore(cid))),
+                                        lambda: (worktree / "README.md").read_text() == "hello\nworld\n")
+            # A session closed while its record is made durable leaves nothing behind.
+            with client.open_session(str(worktree)) as s:
+                assert s.registry.get("read_file").call({"path": "README.md"}).is_success
+            assert _records(d) == ([], [])
+    finally:
+        assert d.stop() == 0, d.log()
+

@@ -270,11 +270,11 @@ def test_a_fast_forward_and_the_own_branch_are_kept(tmp_path: Path) -> None:
 # --- the store -----------------------------------------------------------------------------
 
 
-def _join(store: baselines.Baselines, sid: str, root: Path) -> None:
+def _join(store: baselines.Baselines, sid: str, root: Path, *, defer: bool = False) -> None:
     layout = layouts.inspect_git(str(root), uid=os.getuid())
     snap = snapshots.take(str(root), layout)
     store.join(sid, str(root), layout, snap, redirects.redirects_present(layout, str(root)),
-               ("vscode-like",))
+               ("vscode-like",), defer=defer)
 
 
 def test_the_record_is_on_disk_while_a_session_lives_and_gone_after(tmp_path: Path) -> None:
@@ -436,3 +436,82 @@ def test_a_check_that_cannot_finish_refuses_the_worktree_and_keeps_the_record(
     fresh = baselines.Baselines(str(tmp_path / "state"))  # a restart: the check passes now
     fresh.recover()
     assert fresh.tainted == {} and os.listdir(tmp_path / "state" / "baselines") == []
+
+
+# --- a new domain's record made durable after the join (join(defer=True), durable) -----------
+
+
+def _kinds(state: Path) -> list[str]:
+    """The record directory's files by kind, sorted: json, lock, tmp."""
+    return sorted(n.rsplit(".", 1)[-1] for n in os.listdir(state / "baselines"))
+
+
+def test_a_deferred_record_is_in_place_only_once_made_durable(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s", repo, defer=True)
+    assert _kinds(tmp_path / "state") == ["lock", "tmp"]  # written, not yet fsynced nor renamed
+    assert store.durable("s") is None
+    assert _kinds(tmp_path / "state") == ["json", "lock"]
+    json = next(n for n in os.listdir(tmp_path / "state" / "baselines") if n.endswith(".json"))
+    record = msgspec.json.decode((tmp_path / "state" / "baselines" / json).read_bytes(), type=baselines.Record)
+    assert record.sessions == ["s"] and record.parts[0].root == str(repo)
+    assert store.durable("s") is None  # once: a second call finds it done
+    assert store.leave("s") == []
+    assert os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_a_join_without_defer_is_durable_when_it_returns(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s", repo)
+    assert _kinds(tmp_path / "state") == ["json", "lock"]
+    store.leave("s")
+
+
+def test_a_join_into_a_domain_makes_its_deferred_record_durable_first(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "a", repo, defer=True)
+    _join(store, "b", repo / "d0", defer=True)  # a record others rely on is rewritten durably only
+    assert _kinds(tmp_path / "state") == ["json", "lock"]
+    record = next(iter(store._domains.values())).record
+    assert record.sessions == ["a", "b"]
+    assert store.durable("a") is None and store.durable("b") is None
+    store.leave("a")
+    store.leave("b")
+    assert os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_a_domain_that_ends_before_its_record_is_durable_leaves_nothing(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s", repo, defer=True)
+    assert store.leave("s") == []
+    assert os.listdir(tmp_path / "state" / "baselines") == []  # the temporary file too
+    assert store.durable("s") is None  # no such session any more: nothing to wait for
+
+
+def test_a_record_that_cannot_be_made_durable_says_why_until_rewritten_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "a", repo, defer=True)
+    fsync = os.fsync
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing)
+    why = store.durable("a")
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert why == f"its baseline could not be made durable in {tmp_path / 'state' / 'baselines'} (Input/output error)"
+    assert store.durable("a") == why  # no second try: "a" never writes
+    assert _kinds(tmp_path / "state") == ["lock"]  # nothing in place, no temporary file left
+    # The twin: the domain's next join writes the record whole, durably, and may write.
+    _join(store, "b", repo, defer=True)
+    assert _kinds(tmp_path / "state") == ["json", "lock"] and store.durable("b") is None
+    assert store.durable("a") is None  # on disk now, its part with it: "a" may write too
+    store.leave("a")
+    store.leave("b")
+    assert os.listdir(tmp_path / "state" / "baselines") == []

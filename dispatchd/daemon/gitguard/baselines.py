@@ -22,12 +22,18 @@ state is the user's) and kept, unchanged, until the last one ends:
   record on disk and its lock held until then), and the user's next changes
   are the next baseline;
 - the record (``STATE/baselines/ID.json``) is written atomically (a
-  temporary file, fsync, rename, fsync of the directory) before the session
-  that needs it starts, and a daemon holds ``ID.lock`` (flock) while the
-  domain lives. A daemon that starts finds every record whose lock it can
-  take (its daemon died: SIGKILL, the OOM killer) and runs the last end's
-  check for it before it serves anyone (``recover``); what that did is in
-  ``status``;
+  temporary file, fsync, rename, fsync of the directory), and a daemon
+  holds ``ID.lock`` (flock) while the domain lives. The first record of a
+  domain may be made durable later (``join(defer=True)``): its temporary
+  file is written at once, and its fsync, rename and the directory's fsync
+  are done by ``durable`` (whoever calls it first: a thread of the open, the
+  write lock's grant, the domain's next write). Nothing that can change the
+  worktree runs before ``durable`` has returned None (docs/git-protection.md,
+  "When the baseline is on disk"). Every later write of a domain's record
+  waits for the deferred one, and is durable before it returns. A daemon
+  that starts finds every record whose lock it can take (its daemon died:
+  SIGKILL, the OOM killer) and runs the last end's check for it before it
+  serves anyone (``recover``); what that did is in ``status``;
 - a check that cannot finish (something it cannot move, a walk over its
   bounds) leaves the record on disk and the worktree refused until the
   daemon restarts and a check passes;
@@ -43,6 +49,7 @@ namespace) keeps all of it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -78,6 +85,58 @@ class Record(msgspec.Struct):
     histories: list[history.History] = []
 
 
+class Durable:
+    """A domain's first record, written to a temporary file, to be made
+    durable: fsync, rename into place, fsync of the directory. ``settle``
+    does it once (its first caller; the others wait for that one) and
+    returns None once the record is on disk, else why not (no second try:
+    the domain's next write writes the record whole, durably, and drops
+    this one)."""
+
+    def __init__(self, fd: int, tmp: str, path: str, directory: str, delay_s: float = 0.0) -> None:
+        self._fd, self._tmp, self._path, self._dir = fd, tmp, path, directory
+        self._delay_s = delay_s  # testing only (dispatchd --baseline-sync-delay-for-testing)
+        self._lock = threading.Lock()
+        self._done = False
+        self._why: str | None = None
+
+    def settle(self) -> str | None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                try:
+                    if self._delay_s:
+                        time.sleep(self._delay_s)
+                    os.fsync(self._fd)
+                    os.rename(self._tmp, self._path)
+                    fsync_directory(self._dir)
+                except OSError as exc:
+                    self._why = f"its baseline could not be made durable in {self._dir} ({exc.strerror or exc})"
+                    log.error("event=baseline_not_durable path=%s error=%r", self._path, str(exc))
+                    try:
+                        os.unlink(self._tmp)
+                    except OSError:
+                        pass  # renamed already, or gone: the start's recover drops a .tmp
+                finally:
+                    os.close(self._fd)
+            return self._why
+
+    def abandon(self) -> None:
+        """The domain ends before its record was made durable: no session of
+        it can have written (``settle`` comes first), so it goes unsynced.
+        A no-op once settled."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            self._why = "its session has ended"
+            os.close(self._fd)
+            try:
+                os.unlink(self._tmp)
+            except OSError:
+                pass
+
+
 class _Domain:
     """A domain in memory. ``lock`` is held by whoever reads or changes its
     record or its worktrees: a join (its walk), a check; ``claims`` and
@@ -90,6 +149,7 @@ class _Domain:
         self.lock = threading.Lock()
         self.alive = True  # False once merged into another, or ended
         self.claims: list[tuple[str, str]] = []  # (root, common) of joins under way, before their parts exist
+        self.pending: Durable | None = None  # its first record, when made durable later (Baselines.durable)
 
 
 class Baselines:
@@ -116,21 +176,52 @@ class Baselines:
         # daemon after the close's reply (daemon/afterwards.py): its unlink
         # waits behind the disk's journal, 0.3-40 ms on a loaded machine.
         self.later: Callable[[Callable[[], None]], None] = _at_once
+        self.settle_delay_s = 0.0  # testing only: see Durable
 
     # --- on disk ---------------------------------------------------------
 
-    def _write(self, record: Record) -> None:
+    def _write(self, domain: _Domain, *, defer: bool = False) -> None:
+        """``domain``'s record on disk, durable when this returns; with
+        ``defer`` (its first record only), written to its temporary file,
+        and made durable by ``domain.pending.settle()``."""
+        self._settle(domain)  # a deferred rename must never land over a newer record
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        path = os.path.join(self.dir, f"{record.id}.json")
+        path = os.path.join(self.dir, f"{domain.record.id}.json")
         tmp = f"{path}.{secrets.token_hex(4)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, msgspec.json.encode(record))
+            data = msgspec.json.encode(domain.record)
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.EIO, "short write")
+            if defer:
+                domain.pending = Durable(fd, tmp, path, self.dir, self.settle_delay_s)
+                fd = -1  # the pending record's now
+                return
             os.fsync(fd)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         os.rename(tmp, path)
         fsync_directory(self.dir)
+        domain.pending = None  # what is on disk now is durable, and holds all the deferred one did
+
+    @staticmethod
+    def _settle(domain: _Domain) -> str | None:
+        return domain.pending.settle() if domain.pending is not None else None
+
+    def durable(self, sid: str) -> str | None:
+        """None once the record ``sid``'s join wrote is on disk (made durable
+        here if it is not yet: its fsyncs, a few milliseconds); else why
+        not. Call before anything that can change the session's worktree."""
+        with self._lock:
+            domain = self._by_session.get(sid)
+        return self._settle(domain) if domain is not None else None
 
     def _take_lock(self, did: str, blocking: bool = False) -> int | None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
@@ -153,23 +244,28 @@ class Baselines:
         os.rename(tmp, path)
         return fd
 
-    def _drop(self, did: str, lock_fd: int, sync: Callable[[str], None] | None = None) -> None:
+    def _drop(self, domain: _Domain, sync: Callable[[str], None] | None = None) -> None:
+        """The domain's record and lock removed; it has no session left."""
+        if domain.pending is not None:
+            domain.pending.abandon()  # before the removal: a rename after it would bring the record back
+        did, lock_fd = domain.record.id, domain.lock_fd
         for name in (f"{did}.json", f"{did}.lock"):
             try:
                 os.unlink(os.path.join(self.dir, name))
             except FileNotFoundError:
                 pass
         (sync or self.sync_dir)(self.dir)
-        os.close(lock_fd)
+        if lock_fd >= 0:
+            os.close(lock_fd)
 
-    def _drop_later(self, did: str, lock_fd: int) -> None:
+    def _drop_later(self, domain: _Domain) -> None:
         """The last end's drop, by ``later``: the domain is gone from memory
         already (a new open takes a new baseline, under a new id); its record
         stays on disk, its lock held, until then. A daemon that dies
         meanwhile leaves the record, and the next start checks the worktree
         against it: what changed since (in those milliseconds) is moved
         aside, never deleted, and history only put back."""
-        self.later(lambda: self._drop(did, lock_fd, sync=fsync_directory))
+        self.later(lambda: self._drop(domain, sync=fsync_directory))
 
     # --- start -------------------------------------------------------------
 
@@ -210,17 +306,20 @@ class Baselines:
                     self.tainted[part.root] = "; ".join(failed)
                 os.close(fd)  # the record stays: the next start checks again
             else:
-                self._drop(did, fd)
+                self._drop(domain)
         return self.recovered
 
     # --- open --------------------------------------------------------------
 
     def join(self, sid: str, root: str, layout: GitLayout, snapshot: snapshots.GitSnapshot,
-             redirects: list[str], names: tuple[str, ...]) -> None:
+             redirects: list[str], names: tuple[str, ...], *, defer: bool = False) -> None:
         """Make ``sid`` a session of the domain of ``root`` (see the module);
         raises WorktreeError when the worktree cannot be recorded (a walk
         over its bounds). Call before the session's sandbox starts. Waits
-        only for joins and checks of the same domain."""
+        only for joins and checks of the same domain. ``defer``: a new
+        domain's record is made durable by ``durable(sid)`` (a join into a
+        domain that has one rewrites it durably: a rename not yet synced
+        must never stand over a record other sessions rely on)."""
         common = common_of(root, layout)
         domain = self._enter(root, common)
         try:
@@ -239,7 +338,8 @@ class Baselines:
                 self._add_history(record, part)
             record.sessions.append(sid)
             try:
-                self._write(record)
+                self._write(domain, defer=defer and len(record.sessions) == 1 and len(record.parts) == 1
+                            and domain.pending is None)
             except OSError as exc:
                 record.sessions.remove(sid)
                 raise WorktreeError(f"{root}: its baseline cannot be recorded in {self.dir} "
@@ -327,10 +427,11 @@ class Baselines:
         into.reports += other.reports
         for sid in other.record.sessions:
             self._by_session[sid] = into
-        self._write(into.record)
+        self._settle(other)  # its record stays until ``into``'s, durable, holds its parts
+        self._write(into)
         self._domains.pop(other.record.id, None)
         other.alive = False
-        self._drop(other.record.id, other.lock_fd)
+        self._drop(other)
 
     def _discard_if_empty(self, domain: _Domain) -> None:
         """A join that failed: a domain no session has joined (the one this
@@ -341,7 +442,7 @@ class Baselines:
             self._domains.pop(domain.record.id, None)
             domain.alive = False
             if domain.lock_fd >= 0:
-                self._drop(domain.record.id, domain.lock_fd)
+                self._drop(domain)
 
     # --- checks ------------------------------------------------------------
 
@@ -399,12 +500,13 @@ class Baselines:
                     self._domains.pop(record.id, None)
                     domain.alive = False
                 if failed:
+                    self._settle(domain)
                     if domain.lock_fd >= 0:
                         os.close(domain.lock_fd)  # kept on disk: the next start checks again
                 else:
-                    self._drop_later(record.id, domain.lock_fd)
+                    self._drop_later(domain)
             else:
-                self._write(record)
+                self._write(domain)
             with self._lock:
                 return domain.reports[start:]
         finally:
