@@ -49,7 +49,7 @@ def _tool_server(sock: socket.socket, wt: str) -> None:
     plan = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=wt, scratch=wt + "/.scratch"),
                                  limits=Limits(), env={}, writable=True, tools=_TOOLS,
                                  namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
-                                 mounts=types.SimpleNamespace(root="minimal"))
+                                 mounts=types.SimpleNamespace(root="minimal"), checkpoint_writes=False)
     os.makedirs(plan.paths.scratch, exist_ok=True)
     server = tool_server._Server(plan, None)  # type: ignore[arg-type]
     if os.environ.get("CALLPATH_BY_PATH"):
@@ -102,7 +102,7 @@ def _caller(kind: str, wt: str) -> tuple[Any, int, socket.socket]:
         read = _session(sock).registry.get("read_file")
 
         def call() -> None:
-            if not read.call({"path": "f4k.txt"}).success:  # a failing path would count the wrong thing
+            if not read.call({"path": "f4k.txt"}).is_success:  # a failing path would count the wrong thing
                 raise SystemExit("callpath: read_file failed")
 
         return call, pid, sock
