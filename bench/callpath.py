@@ -9,7 +9,7 @@ shared VM move by 2x from one run to the next; instructions do not, so
 per process). See docs/performance.md.
 
     python bench/callpath.py [--calls N] [--blocks N]   p50 and CPU a call, alternated with the bare pair
-    python bench/callpath.py --count [read|bare]        instructions a call, client and server (valgrind)
+    python bench/callpath.py --count [read|registry|bare]   instructions a call, client and server (valgrind)
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _tool_server(sock: socket.socket, wt: str) -> None:
     plan = types.SimpleNamespace(paths=types.SimpleNamespace(worktree=wt, scratch=wt + "/.scratch"),
                                  limits=Limits(), env={}, writable=True, tools=_TOOLS,
                                  namespaces=types.SimpleNamespace(user=True, mount=True, pid=True),
-                                 mounts=types.SimpleNamespace(root="minimal"))
+                                 mounts=types.SimpleNamespace(root="minimal"), checkpoint_writes=False)
     os.makedirs(plan.paths.scratch, exist_ok=True)
     server = tool_server._Server(plan, None)  # type: ignore[arg-type]
     if os.environ.get("CALLPATH_BY_PATH"):
@@ -90,13 +90,17 @@ def _session(sock: socket.socket) -> dc.Session:
 
 
 def _caller(kind: str, wt: str) -> tuple[Any, int, socket.socket]:
-    if kind == "read":
+    if kind in ("read", "registry"):
         sock, pid = _spawn(_tool_server, wt)
-        read = _session(sock).registry.get("read_file")
+        registry = _session(sock).registry
+        read = registry.get("read_file")
+        params = {"path": "f4k.txt"}
 
         def call() -> None:
-            if not read.call({"path": "f4k.txt"}).success:  # a failing path would count the wrong thing
-                raise SystemExit("callpath: read_file failed")
+            # "registry": the registry's gate, Registry.call; "read": a held Definition's call.
+            result = registry.call("read_file", params) if kind == "registry" else read.call(params)
+            if not result.is_success:  # a failing path would count the wrong thing
+                raise SystemExit(f"callpath: read_file failed: {result.error}")
 
         return call, pid, sock
     sock, pid = _spawn(_bare_server, wt)
@@ -173,14 +177,14 @@ def count(kind: str) -> None:
                            for f in files])
     (c0, s0), (c1, s1) = totals
     print(f"{kind}: instructions a call: client {(c1 - c0) / 1000:,.0f}, server {(s1 - s0) / 1000:,.0f}"
-          + (" (read_file by path: valgrind lacks openat2)" if kind == "read" else ""))
+          + (" (read_file by path: valgrind lacks openat2)" if kind != "bare" else ""))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--blocks", type=int, default=5)
-    ap.add_argument("--count", nargs="?", const="read", choices=("read", "bare"))
+    ap.add_argument("--count", nargs="?", const="read", choices=("read", "registry", "bare"))
     ap.add_argument("--loop", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.count:

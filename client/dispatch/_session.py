@@ -214,10 +214,10 @@ class Session(SessionCheckpoints):
     def _remote_call(self, name: str) -> ToolFunc:
         def run(params: dict[str, Any], context: Any, on_output: OutputCallback | None = None) -> Result:
             if not context:  # the usual call, with no context: no cancellation to look up (~700-1,700 instructions)
-                return self.call_tool(name, params, on_output=on_output)
+                return self._call(name, params, on_output, None)
             cancellation = context.get("cancellation") if isinstance(context, dict) else None
-            return self.call_tool(name, params, on_output=on_output,
-                                  cancellation=cancellation if isinstance(cancellation, Cancellation) else None)
+            return self._call(name, params, on_output,
+                              cancellation if isinstance(cancellation, Cancellation) else None)
 
         run.streams_output = True  # type: ignore[attr-defined]  # Definition.call passes on_output
         return run
@@ -242,6 +242,12 @@ class Session(SessionCheckpoints):
         ``cancellation`` can end the call from another thread. An exception
         in this thread while waiting (``KeyboardInterrupt``) cancels the call
         in the sandbox, then goes on."""
+        return self._call(name, params, on_output, cancellation)
+
+    def _call(self, name: str, params: dict[str, Any], on_output: OutputCallback | None,
+              cancellation: Cancellation | None) -> Result:
+        """``call_tool``, its arguments positional: what a registry's call
+        runs (keyword arguments cost a Python call about 400 instructions more)."""
         channel = self._channel  # one read (atomic); the lock only when it has to change
         if channel is None or channel._broken is not None:
             with self._lock:
