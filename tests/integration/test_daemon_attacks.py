@@ -398,7 +398,9 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
                 except TimeoutError:
                     break  # not refused: served
                 channels.pop().close()  # refused: let it go (a slow machine may take many rounds)
-                assert refused is not None and time.monotonic() < deadline
+                assert refused is not None
+                why = protocol.decode(protocol.channel_reply_decoder, refused)
+                assert time.monotonic() < deadline, (attempt, why, daemon.log()[-3000:])
             fresh.sock.settimeout(10)
             fresh.send(protocol.CallTool(id=2, tool="shell_exec", params={"command": "echo alive"}))
             assert fresh.recv(protocol.channel_reply_decoder).output == "alive\n"
