@@ -194,6 +194,12 @@ class ForkServerClient:
                         os.close(fd)
                     raise
                 return reply, got
+            except protocol.DescriptorsLost as exc:
+                # Its answer came whole without the descriptors it carried
+                # (the daemon is out of them): this request fails, the channel
+                # to the fork server reads on. A worker it started has no
+                # control channel any more and ends by itself.
+                raise SpawnError(f"dispatchd cannot take the fork server's answer: {exc}") from exc
             except (OSError, protocol.ProtocolError) as exc:
                 raise SpawnError(f"the fork server is not answering: {exc}") from exc
 

@@ -11,6 +11,12 @@ Guarantees:
   worker's, read their requests through it.
 - File descriptors ride on a frame's first byte (SCM_RIGHTS) and are queued
   until taken; a descriptor the kernel had to drop is an error, not a silence.
+  When the receiver is out of descriptors (the kernel cuts them: MSG_CTRUNC),
+  the bytes that came are kept, the frame is read whole and ``recv_payload``
+  raises ``DescriptorsLost`` for that one frame (its payload with it, for a
+  reply that names its request); the descriptors of it that did arrive are
+  closed, and the next frame reads as if nothing had happened: a stream is
+  never misparsed for want of a descriptor.
 - A read that gives up (a socket timeout) inside a frame loses nothing: the
   next ``recv`` goes on from where it stopped, large frames included.
 """
@@ -18,6 +24,7 @@ Guarantees:
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import struct
 from collections.abc import Callable
@@ -69,6 +76,26 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def too_large(size: int) -> FrameTooLarge:
     return FrameTooLarge(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
+
+
+class DescriptorsLost(ProtocolError):
+    """A whole frame arrived but the kernel cut the descriptors sent with it
+    (this process is out of them): refuse that frame, keep the connection.
+    ``payload`` is the frame's, read and consumed."""
+
+    def __init__(self, payload: bytes) -> None:
+        super().__init__(descriptors_lost_message())
+        self.payload = payload
+
+
+def descriptors_lost_message() -> str:
+    """What ``DescriptorsLost`` says, with this process's limit."""
+    try:
+        limit = f"RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    except (OSError, ValueError):
+        limit = "RLIMIT_NOFILE"
+    return (f"the file descriptors sent with this message were cut: the receiving process (pid {os.getpid()}) "
+            f"is out of file descriptors ({limit})")
 
 
 class BadMessage(ProtocolError):
@@ -137,6 +164,11 @@ class FrameSocket:
         self._buf = bytearray()
         self._large: tuple[bytearray, int] | None = None  # a large frame's payload being read, and how much came
         self._fd_queue: list[int] = []
+        # Descriptor streams only: how many bytes were read out of the
+        # buffer so far, and where (at that count) each frame begins whose
+        # descriptors the kernel cut.
+        self._consumed = 0
+        self._cut: set[int] = set()
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -181,18 +213,36 @@ class FrameSocket:
             # meant for a program this process might exec (the fork server's
             # stack child marks its own inheritable).
             data, fds, flags, _addr = socket.recv_fds(self.sock, 1 << 16, SCM_MAX_FD, socket.MSG_CMSG_CLOEXEC)
-            self._fd_queue.extend(fds)
             if flags & socket.MSG_CTRUNC:
-                # The kernel dropped a descriptor it could not install here
-                # (EMFILE): say so, rather than "none came" later.
-                raise ProtocolError("a file descriptor sent to this process was lost: "
-                                    "it is out of descriptors (RLIMIT_NOFILE)")
+                # The kernel dropped descriptors it could not install here
+                # (EMFILE). A read stops just after the one message that
+                # carried descriptors, so those that did come are all that
+                # message's, an incomplete set: closed. Its frame is the one
+                # this read ends in; it is refused when read, whole.
+                for fd in fds:
+                    os.close(fd)
+                if data:
+                    self._cut.add(self._consumed + self._frame_at(len(self._buf) + len(data) - 1, data))
+            else:
+                self._fd_queue.extend(fds)
         else:
             data = self.sock.recv(1 << 16)
         if not data:
             return False
         self._buf += data
         return True
+
+    def _frame_at(self, index: int, more: bytes) -> int:
+        """Where, in the buffer with ``more`` appended, the frame holding byte
+        ``index`` begins (the buffer always begins with a frame)."""
+        buf = self._buf + more
+        start = 0
+        while start + 4 <= len(buf):
+            (length,) = FRAME_HEADER.unpack_from(buf, start)
+            if start + 4 + length > index:
+                break
+            start += 4 + length
+        return start
 
     def recv_payload(self) -> bytes | bytearray | None:
         """The next payload, or None on a clean end of stream between frames."""
@@ -236,6 +286,16 @@ class FrameSocket:
                 raise ProtocolError("connection closed inside a frame")
         payload = bytes(self._buf[4 : 4 + length])
         del self._buf[: 4 + length]
+        if self._fds:
+            start = self._consumed
+            self._consumed += 4 + length
+            if self._cut:
+                try:
+                    self._cut.remove(start)
+                except KeyError:
+                    pass
+                else:
+                    raise DescriptorsLost(payload)
         return payload
 
     def _recv_large(self) -> bytearray:

@@ -22,6 +22,7 @@ import os
 import select
 import signal
 import socket
+import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -342,61 +343,96 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
             continue
         try:
             req = frames.recv(protocol.fork_server_request_decoder)
+        except protocol.DescriptorsLost as exc:
+            # Out of descriptors: this one request is refused (its frame was
+            # read whole, the stream goes on), the daemon is told why.
+            frames.drop_fds()
+            _answer(frames, protocol.ErrorReply(id=protocol.request_id_of(exc.payload), code="spawn_failed",
+                                                message=f"dispatchd's fork server cannot take this request: {exc}; "
+                                                "nothing was started"))
+            continue
         except (protocol.ProtocolError, OSError):
             os._exit(1)
         if req is None:
             os._exit(0)  # the daemon has gone
-        if isinstance(req, protocol.NetRules):
-            frames.send(_net_rules(req, frames))
-            continue
-        if isinstance(req, protocol.DnsSockets):
-            _dns_sockets(req, frames)
-            continue
-        if isinstance(req, protocol.WakeWorker):
-            _wake(req, frames, sock, programs, workers)
-            continue
-        if isinstance(req, protocol.StartStack):
-            reply, pidfd = _start_stack(req, frames, workers)
-            try:
-                frames.send(reply, fds=[pidfd] if pidfd >= 0 else None)
-            finally:
-                if pidfd >= 0:
-                    os.close(pidfd)
-            continue
-        control_fd = frames.take_fd()
-        worktree_fd = -1  # none for a sandbox made ahead: its session sends it (AdoptSession)
         try:
-            if not req.pooled:
-                worktree_fd = frames.take_fd()  # the daemon's checked O_PATH descriptor of the worktree
-        except protocol.ProtocolError as exc:
-            os.close(control_fd)
-            frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)))
-            continue
-        try:
-            plan = decode_plan(req.plan)
-            if not warmed:
-                _warm_workers_code(plan)
-                warmed = True
-            key = msgspec.msgpack.encode(plan.seccomp)
-            if key not in programs:
-                programs[key] = seccomp.compile_seccomp(seccomp_of(plan))
-            program = programs[key]
-            pid, pidfd = _spawn(plan)
+            warmed = _serve_one(req, frames, sock, programs, workers, me, warmed)
         except Exception as exc:
-            _close(control_fd, worktree_fd)
-            message = str(exc) if isinstance(exc, ConfinementError) else f"bad plan: {exc}"
-            frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=message))
-            continue
-        if pid == 0:
-            forkhooks.put_back()  # the worker starts threads: its own forks get every hook
-            sock.close()
-            run_session(plan, program, control_fd, me, worktree_fd)
-        workers.add(pid)
-        _close(control_fd, worktree_fd)
+            if os.getpid() != me:  # a child of ours must never serve as the fork server
+                os._exit(127)
+            # Out of descriptors (EMFILE on a pipe, a socket pair, a pidfd) or
+            # a bug: this request fails with why, the fork server goes on.
+            # Every handler answers last, so nothing was sent for it yet.
+            traceback.print_exc()
+            frames.drop_fds()
+            _answer(frames, protocol.ErrorReply(id=req.id, code="spawn_failed",
+                                                message=f"dispatchd's fork server could not serve this request: {exc}"))
+
+
+def _answer(frames: protocol.FrameSocket, reply: protocol.ErrorReply) -> None:
+    try:
+        frames.send(reply)
+    except OSError:
+        os._exit(1)  # the daemon's end is gone
+
+
+def _serve_one(req: protocol.ForkServerRequest, frames: protocol.FrameSocket, sock: socket.socket,
+               programs: dict[bytes, bytes], workers: set[int], me: int, warmed: bool) -> bool:
+    """One request, answered (by every path but an exception raised before
+    its answer: the caller answers that). Returns whether the workers' code
+    is warmed now (``_warm_workers_code``, before the first spawn)."""
+    if isinstance(req, protocol.NetRules):
+        frames.send(_net_rules(req, frames))
+        return warmed
+    if isinstance(req, protocol.DnsSockets):
+        _dns_sockets(req, frames)
+        return warmed
+    if isinstance(req, protocol.WakeWorker):
+        _wake(req, frames, sock, programs, workers)
+        return warmed
+    if isinstance(req, protocol.StartStack):
+        reply, pidfd = _start_stack(req, frames, workers)
         try:
-            frames.send(protocol.Spawned(id=req.id, pid=pid), fds=[pidfd])
+            frames.send(reply, fds=[pidfd] if pidfd >= 0 else None)
         finally:
-            os.close(pidfd)
+            if pidfd >= 0:
+                os.close(pidfd)
+        return warmed
+    control_fd = worktree_fd = -1  # no worktree for a sandbox made ahead: its session sends it (AdoptSession)
+    try:
+        control_fd = frames.take_fd()
+        if not req.pooled:
+            worktree_fd = frames.take_fd()  # the daemon's checked O_PATH descriptor of the worktree
+    except protocol.ProtocolError as exc:
+        _close(control_fd)
+        frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)))
+        return warmed
+    try:
+        plan = decode_plan(req.plan)
+        if not warmed:
+            _warm_workers_code(plan)
+            warmed = True
+        key = msgspec.msgpack.encode(plan.seccomp)
+        if key not in programs:
+            programs[key] = seccomp.compile_seccomp(seccomp_of(plan))
+        program = programs[key]
+        pid, pidfd = _spawn(plan)
+    except Exception as exc:
+        _close(control_fd, worktree_fd)
+        message = str(exc) if isinstance(exc, ConfinementError) else f"bad plan: {exc}"
+        frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=message))
+        return warmed
+    if pid == 0:
+        forkhooks.put_back()  # the worker starts threads: its own forks get every hook
+        sock.close()
+        run_session(plan, program, control_fd, me, worktree_fd)
+    workers.add(pid)
+    _close(control_fd, worktree_fd)
+    try:
+        frames.send(protocol.Spawned(id=req.id, pid=pid), fds=[pidfd])
+    finally:
+        os.close(pidfd)
+    return True
 
 
 def start_fork_server() -> tuple[int, socket.socket]:

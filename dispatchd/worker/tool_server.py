@@ -286,6 +286,8 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
             continue
         try:
             msg = control.recv(protocol.to_worker_decoder)
+        except protocol.DescriptorsLost:
+            continue  # a channel cut on its way (out of descriptors): its client sees it closed
         except (protocol.ProtocolError, OSError):
             return
         if msg is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import resource
 import socket
 import struct
@@ -173,6 +174,51 @@ def test_out_of_descriptors_accept_backs_off_and_answers_busy(tmp_path: Path) ->
         latency = status_latency(d)
         record(f"300 connections at 128 descriptors ({busy} answered busy)", d, before, latency)
         assert_serving(d, within=5)
+
+
+def _fork_server_of(d: Daemon) -> int:
+    """The daemon's fork server: its main thread's one child (forked before any other thread)."""
+    children = Path(f"/proc/{d.proc.pid}/task/{d.proc.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def _descriptors_of(pid: int) -> set[int]:
+    return {int(name) for name in os.listdir(f"/proc/{pid}/fd")}
+
+
+def test_a_fork_server_out_of_descriptors_refuses_that_open_and_serves_on(tmp_path: Path, worktree: Path) -> None:
+    """The fork server at its descriptor limit: a request's descriptors are cut
+    (MSG_CTRUNC) though its frame came whole. That open is refused saying so,
+    what did arrive is closed, and the fork server and the daemon go on. The
+    allowed twin: the same open with room for its descriptors works."""
+    with started(tmp_path, "--pool", "0") as d:
+        fork_server = _fork_server_of(d)
+        held = _descriptors_of(fork_server)
+        free = min(set(range(len(held) + 1)) - held)
+        soft, hard = resource.prlimit(fork_server, resource.RLIMIT_NOFILE)
+        # One free slot: of the open's two descriptors (the worker's control
+        # channel, the worktree) the first is installed, the second is cut.
+        resource.prlimit(fork_server, resource.RLIMIT_NOFILE, (free + 1, hard))
+        try:
+            with greeted(d) as frames:
+                frames.send(protocol.OpenSession(id=2, worktree=str(worktree)))
+                refused = frames.recv(REPLIES)
+        finally:
+            resource.prlimit(fork_server, resource.RLIMIT_NOFILE, (soft, hard))
+        assert isinstance(refused, protocol.ErrorReply), refused
+        assert refused.message.endswith(
+            "dispatchd's fork server cannot take this request: the file descriptors sent with this message were "
+            f"cut: the receiving process (pid {fork_server}) is out of file descriptors (RLIMIT_NOFILE {free + 1}); "
+            "nothing was started"), refused.message
+        assert _fork_server_of(d) == fork_server and _descriptors_of(fork_server) == held
+        with greeted(d) as frames:
+            frames.send(protocol.OpenSession(id=3, worktree=str(worktree)))
+            opened = frames.recv(REPLIES)
+            assert isinstance(opened, protocol.SessionReply), opened
+            frames.send(protocol.CloseSession(id=4, session=opened.session.id))
+            assert frames.recv(REPLIES) == protocol.ClosedReply(id=4, protected=[])
+        assert d.proc.poll() is None and "Traceback" not in d.log()
 
 
 def test_connections_over_the_cap_are_answered_busy(tmp_path: Path) -> None:
@@ -352,7 +398,9 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
                 except TimeoutError:
                     break  # not refused: served
                 channels.pop().close()  # refused: let it go (a slow machine may take many rounds)
-                assert refused is not None and time.monotonic() < deadline
+                assert refused is not None
+                why = protocol.decode(protocol.channel_reply_decoder, refused)
+                assert time.monotonic() < deadline, (attempt, why, daemon.log()[-3000:])
             fresh.sock.settimeout(10)
             fresh.send(protocol.CallTool(id=2, tool="shell_exec", params={"command": "echo alive"}))
             assert fresh.recv(protocol.channel_reply_decoder).output == "alive\n"

@@ -225,7 +225,8 @@ def notify_abstract(tmp_path: Path) -> Iterator[NotifySocket]:
     n.close()
 
 
-def wait_for_ready(notify: NotifySocket, started: Started, timeout: float = 30) -> tuple[list[str], int]:
+def wait_for_ready(notify: NotifySocket, started: Started, timeout: float = 60) -> tuple[list[str], int]:
+    # As generous as conftest's Daemon: a start takes seconds on a loaded machine, never a cause of failure.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = notify.receive(0.05)
@@ -266,6 +267,19 @@ def test_ready_once_the_daemon_answers_and_stopping_on_sigterm(home: Path, tmp_p
         (["STOPPING=1", "STATUS=stopping: ending sessions"], started.proc.pid)]
 
 
+ACCEPTCON = 0x10000  # /proc/net/unix's Flags of a listening socket (__SO_ACCEPTCON)
+
+
+def listens(path: Path) -> bool:
+    """Whether a stream socket listens at ``path``, seen in /proc/net/unix
+    without connecting (a connection would start the activated daemon)."""
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[7] == str(path) and int(fields[3], 16) & ACCEPTCON:
+            return True
+    return False
+
+
 def _installed_exec_start(home: Path, runtime: Path) -> list[str]:
     """ExecStart= of the unit install-units wrote, as the user manager would run it."""
     out = dispatchd_cli("install-units", env=base_env(home))
@@ -292,7 +306,7 @@ def test_socket_activation_serves_the_client_that_started_it(home: Path, tmp_pat
 
     def first_client() -> None:  # connects before dispatchd exists: its connection starts it
         try:
-            with dispatch.connect(str(sock)) as client:
+            with dispatch.connect(str(sock), timeout=60) as client:  # it answers once started: wait as for READY
                 first["status"] = client.status()
                 with client.open_session(str(worktree)) as session:
                     first["env"] = shell(session, "env").metadata["stdout"]
@@ -302,12 +316,14 @@ def test_socket_activation_serves_the_client_that_started_it(home: Path, tmp_pat
     thread = threading.Thread(target=first_client)
     try:
         deadline = time.monotonic() + 10
-        while not sock.exists():  # systemd-socket-activate is listening
+        # Listening, not only bound: the path appears at bind(), and a client
+        # that came before listen() was refused and started nothing.
+        while not listens(sock):
             assert time.monotonic() < deadline and started.proc.poll() is None, started.log()
             time.sleep(0.01)
         thread.start()
         ready, sender = wait_for_ready(notify_path, started)
-        thread.join(60)
+        thread.join(90)
         assert not thread.is_alive(), started.log()
         assert "error" not in first, (first, started.log())
         assert ready == ["READY=1", f"STATUS=serving on {sock}"]

@@ -68,6 +68,7 @@ class Pair:
         self.daemon, bridge_end = socket.socketpair()
         client_pump_end, self.client = socket.socketpair()
         self.ended: list[str | None] = []
+        self.channels: list[socket.socket] = []  # those _channel made: closed with the pair, however a test ends
         self.bridge = _mux.Link(a_in, a_out, bridge_end, bridge=True)
         self.far = _mux.Link(b_in, b_out, client_pump_end, bridge=False, on_end=self.ended.append)
         self.fds = [a_in, a_out, b_in, b_out]
@@ -84,6 +85,8 @@ class Pair:
             os.close(fd)
         self.daemon.close()
         self.client.close()
+        for sock in self.channels:
+            sock.close()
 
 
 @pytest.fixture
@@ -106,12 +109,16 @@ def _channel(pair: Pair, size: int) -> tuple[socket.socket, socket.socket]:
     """A channel the daemon's side hands over (read by the client ``size``
     bytes at a time): the worker's end and the client's."""
     worker, channel = socket.socketpair()
-    socket.send_fds(pair.daemon, [_frame(_FAKE_ATTACHED)], [channel.fileno()])
-    channel.close()
+    pair.channels.append(worker)
+    try:
+        socket.send_fds(pair.daemon, [_frame(_FAKE_ATTACHED)], [channel.fileno()])
+    finally:
+        channel.close()
     pair.client.settimeout(5)
     data, fds, _flags, _addr = socket.recv_fds(pair.client, size, 4)
+    pair.channels += [socket.socket(fileno=fd) for fd in fds]  # each, mine included, a socket that closes
     assert fds and data == _frame(_FAKE_ATTACHED)[:len(data)]
-    mine = socket.socket(fileno=fds[0])
+    mine = pair.channels[-len(fds)]
     mine.settimeout(5)
     worker.settimeout(5)
     return worker, mine

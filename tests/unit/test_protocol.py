@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import socket
 import struct
 import threading
@@ -22,7 +23,7 @@ import pytest
 
 from dispatchd import protocol as p
 from dispatchd.protocol import frames
-from dispatchd.protocol import FrameSocket, FrameTooLarge, ProtocolError
+from dispatchd.protocol import DescriptorsLost, FrameSocket, FrameTooLarge, ProtocolError
 from tests.conftest import made_each
 
 PROTECTIONS = p.Protections(
@@ -741,3 +742,71 @@ def test_recv_request_raises_on_a_frame_over_the_limit(pair: tuple[socket.socket
     with pytest.raises(FrameTooLarge):
         FrameSocket(b, max_frame=p.MAX_HELLO_FRAME).recv_request(p.daemon_request_decoder, refused.append)
     assert refused == []  # the caller answers it, and closes
+
+
+def _receive_under_one_free_descriptor(sock: socket.socket, frames: int) -> dict[str, Any]:
+    """In a child whose descriptor limit leaves it one free slot: read
+    ``frames`` frames from ``sock`` and say what each was (what the kernel
+    installs is counted per process: this test process keeps its own)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            free = os.dup(0)
+            os.close(free)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (free + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            reader = FrameSocket(sock, fds=True)
+            seen: list[object] = []
+            for _ in range(frames):
+                try:
+                    msg = reader.recv(p.fork_server_request_decoder)
+                except DescriptorsLost as exc:
+                    seen.append(["lost", p.request_id_of(exc.payload), str(exc), len(exc.payload)])
+                    continue
+                assert msg is not None
+                fds = []
+                while reader._fd_queue:
+                    fd = reader.take_fd()
+                    fds.append(os.fstat(fd).st_ino)
+                    os.close(fd)
+                seen.append(["ok", msg.id, fds])
+            again = os.dup(0)  # the slot is free again: what came of a cut set was closed
+            os.write(w, msgspec.json.encode({"pid": os.getpid(), "limit": free + 1, "seen": seen,
+                                             "slot_free": again == free}))
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        out = b"".join(iter(lambda: os.read(r, 65536), b""))
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    result: dict[str, Any] = msgspec.json.decode(out)
+    return result
+
+
+@pytest.mark.parametrize("size", [10, 200_000], ids=["small", "large"])
+def test_descriptors_cut_refuse_their_frame_and_the_stream_reads_on(
+        pair: tuple[socket.socket, socket.socket], pipes: Callable[[], Pipe], size: int) -> None:
+    """A receiver out of descriptors (MSG_CTRUNC): the frame whose descriptors
+    were cut is read whole and refused with why, the one of its descriptors
+    that did arrive is closed, and the frames around it read as sent. The
+    allowed twin, on the same stream: one descriptor, which fits, arrives."""
+    pipe = pipes()
+    writer = FrameSocket(pair[0], fds=True)
+    plan = b"p" * size
+    sender = threading.Thread(target=lambda: (
+        writer.send(p.SpawnWorker(id=1, plan=plan)),
+        writer.send(p.SpawnWorker(id=2, plan=plan), fds=[pipe.r, pipe.w]),
+        writer.send(p.SpawnWorker(id=3, plan=plan, pooled=True), fds=[pipe.w])))
+    sender.start()
+    try:
+        got = _receive_under_one_free_descriptor(pair[1], 3)
+    finally:
+        sender.join()
+    message = (f"the file descriptors sent with this message were cut: the receiving process (pid {got['pid']}) "
+               f"is out of file descriptors (RLIMIT_NOFILE {got['limit']})")
+    assert got["seen"] == [["ok", 1, []], ["lost", 2, message, len(p.encode(p.SpawnWorker(id=2, plan=plan))) - 4],
+                           ["ok", 3, [os.fstat(pipe.w).st_ino]]]
+    assert got["slot_free"] is True
