@@ -193,8 +193,8 @@ def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair:
                                                                      monkeypatch: pytest.MonkeyPatch):
     # Waits far longer than "at once" below: a refusal is told from a timeout
     # however loaded the machine.
-    monkeypatch.setattr(dnsrelay, "UPSTREAM_TIMEOUT_S", 60.0)
-    monkeypatch.setattr(dnsrelay, "QUERY_DEADLINE_S", 120.0)
+    monkeypatch.setattr(dnsdoor, "UPSTREAM_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(dnsdoor, "QUERY_DEADLINE_S", 120.0)
     relay, conf = door_pair
     dead = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     dead.bind(("127.0.0.1", 0))
@@ -245,8 +245,8 @@ def test_a_stopped_door_forwards_nothing_more(door_pair: tuple[dnsrelay.DnsRelay
 
 def test_in_flight_queries_are_bounded(door_pair: tuple[dnsrelay.DnsRelay, Path], monkeypatch: pytest.MonkeyPatch):
     # The others wait far longer than the one past the bound, however loaded the machine.
-    monkeypatch.setattr(dnsrelay, "UPSTREAM_TIMEOUT_S", 60.0)
-    monkeypatch.setattr(dnsrelay, "QUERY_DEADLINE_S", 120.0)
+    monkeypatch.setattr(dnsdoor, "UPSTREAM_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(dnsdoor, "QUERY_DEADLINE_S", 120.0)
     relay, conf = door_pair
     silent = Upstream(answer=False)
     conf.write_text(f"nameserver 127.0.0.1:{silent.port}\n")
