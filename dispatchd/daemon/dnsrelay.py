@@ -56,7 +56,8 @@ import time
 from collections.abc import Callable
 
 from dispatchd.confine.netstack import Stack
-from dispatchd.daemon.dnsdoor import QUERY_DEADLINE_S, UPSTREAM_TIMEOUT_S, Door
+from dispatchd.daemon import dnsdoor
+from dispatchd.daemon.dnsdoor import Door
 from dispatchd.daemon.dnshost import (
     HOST_RESOLV_CONF, HostResolvers, Server, ask_tcp, ask_udp, resolv_conf_text, session_resolv_binds, why_not)
 from dispatchd.daemon.dnswire import RCODE_SERVFAIL, error_reply
@@ -235,10 +236,12 @@ class DnsRelay:
         resolver's that answers, over TCP, else SERVFAIL; None when the door
         closed meanwhile (nothing is sent after ``Door.stop``). UDP queries
         are the door's own loop's (``Door._launch``)."""
-        deadline = time.monotonic() + QUERY_DEADLINE_S
+        # The door's own timeouts, read from its module at each query: one
+        # setting for the UDP and the TCP path alike.
+        deadline = time.monotonic() + dnsdoor.QUERY_DEADLINE_S
         errors = []
         for server in self.resolvers.servers():
-            until = min(deadline, time.monotonic() + UPSTREAM_TIMEOUT_S)
+            until = min(deadline, time.monotonic() + dnsdoor.UPSTREAM_TIMEOUT_S)
             try:
                 reply = ask_tcp(server, query, until, door.send_if_open)
             except (OSError, TimeoutError) as exc:

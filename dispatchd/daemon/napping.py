@@ -71,7 +71,7 @@ class Napping(Ending):
                     with session.send_lock:
                         control.send(self._grant_write_lock(session, msg.id))
                 elif isinstance(msg, protocol.MaySleep):
-                    if self._sleep(session, control):
+                    if self._sleep(session, control, msg.added):
                         return  # asleep, or ended: this watch is over
         except (OSError, protocol.ProtocolError):
             pass
@@ -99,13 +99,18 @@ class Napping(Ending):
         # Only if this worker still serves it: a switch may have replaced it since.
         self._finish(session, sentence, Event.WORKER_DIED, control)
 
-    def _sleep(self, session: Session, control: protocol.FrameSocket) -> bool:
+    def _sleep(self, session: Session, control: protocol.FrameSocket, added: int) -> bool:
         """The worker asks to sleep (``MaySleep``): let it (``Sleep``), take
         its channels and see it gone; True when the session is asleep, or was
         ended because that failed (this watch is then over). Refused
         (``StayAwake``) when the session is closing, replaced, or the daemon
         stops, or when the session's lock is busy (a close waits under it
-        for this very watch to see the worker end: asked again later)."""
+        for this very watch to see the worker end: asked again later), or
+        when it asked before it had taken every channel sent to it (``added``
+        short of ``session.added``): a woken tool server's idle check may run
+        before the daemon hands back the channels that woke it, and one
+        handed over unread would only wake the session again at once, and
+        again, as long as the daemon is slower than that check."""
         failed = ""
         if not session.lock.acquire(blocking=False):
             try:
@@ -116,6 +121,12 @@ class Napping(Ending):
             return False
         try:
             with session.send_lock:
+                if added != session.added:  # a channel it had yet to see when it asked: asked again later
+                    try:
+                        control.send(protocol.StayAwake())
+                    except OSError:
+                        pass
+                    return False
                 if decide(session.state, Op.SLEEP).action is not Action.GO or session.control is not control \
                         or not self.accepting \
                         or not session.kit or session.worker is None or session.plan is None \
@@ -215,6 +226,7 @@ class Napping(Ending):
                             control.send(asleep.jobs[0], fds=asleep.jobs[1])
                         for fd in asleep.channels:
                             control.send(protocol.AddChannel(id=0), fds=[fd])
+                            session.added += 1
                 except OSError as exc:
                     failed = f"its woken tool server went away ({exc})"
                 held = len(asleep.channels)
@@ -287,6 +299,7 @@ class Napping(Ending):
                 try:
                     with session.send_lock:
                         session.control.send(protocol.AddChannel(id=0), fds=[theirs.fileno()])
+                        session.added += 1
                     sent = True
                 except OSError:
                     pass  # the worker is gone: say why below

@@ -67,7 +67,8 @@ class Session:
         self.net: netstack.NetworkPlan | None = None  # how its network is held now
         self.stack: netstack.Stack | None = None  # its user-mode stack, while one runs
         self.ns_fds: tuple[int, int] | None = None  # its user and network namespaces, sent by its worker
-        self.control: protocol.FrameSocket | None = None
+        self._control: protocol.FrameSocket | None = None
+        self.added = 0  # AddChannel messages sent to its current tool server (MaySleep.added), under send_lock
         self.lock = threading.Lock()  # one change of state, and the action it stands for, at a time
         self.send_lock = threading.Lock()  # one message at a time on the control channel
         self.state = State.OPENING
@@ -91,6 +92,16 @@ class Session:
         self.user_env: dict[str, str] = {}
         self.secret_names: list[str] = []
         self.usage: tuple[int, float, float] = (0, 0.0, 0.0)  # calls, CPU seconds, largest peak (MiB)
+
+    @property
+    def control(self) -> protocol.FrameSocket | None:
+        """The control channel of its current tool server, if one serves it."""
+        return self._control
+
+    @control.setter
+    def control(self, control: protocol.FrameSocket | None) -> None:
+        # A new tool server (started, woken, switched) has taken no channel yet.
+        self._control, self.added = control, 0
 
     def info(self) -> protocol.SessionInfo:
         # Sessions are listed only once their worker is ready: protections are known.

@@ -207,7 +207,11 @@ class Resume(_Msg, tag="resume", frozen=True):
 class MaySleep(_Msg, tag="may_sleep", frozen=True):
     """Worker -> daemon: idle for the policy's ``sleep_after_s``, with no call,
     job, other process or unread byte; it reads no channel until answered,
-    ``Sleep`` or ``StayAwake``."""
+    ``Sleep`` or ``StayAwake``. ``added``: the ``AddChannel`` messages it had
+    taken when it looked; the daemon lets it sleep only if that is every one
+    it sent (one sent after the look carries a request nobody has read)."""
+
+    added: int = 0
 
 
 class Sleep(_Msg, tag="sleep", frozen=True):

@@ -53,6 +53,7 @@ class Idle:
     every: float
     next_check: float
     channels: int
+    added: int
     live: set[Channel]
     fast_read: Callable[..., float | bytes | tuple[list[float], bytes]] | None
 
@@ -109,7 +110,7 @@ class Idle:
                 os._exit(EXIT_IDLE)  # the session ends with us (its pid 1, or its init sees us go)
             if self.sleep_after and self._may_sleep():
                 try:
-                    self.control.send(protocol.MaySleep())
+                    self.control.send(protocol.MaySleep(added=self.added))
                 except OSError:
                     pass  # the daemon is gone: the control loop ends
             self.next_check = now + self.every

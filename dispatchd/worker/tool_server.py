@@ -121,15 +121,17 @@ class _Server(Calls, Idle):
         # Sleeping (worker/wake.py): after this long with no call, nor job,
         # nor process, nor reader holding a byte; 0: never.
         # At least MIN_SLEEP_AFTER_S: a smaller one (the policy takes any)
-        # spun this loop (an idle check each sleep_after / 2), and a woken
-        # server asked to sleep again before the daemon had handed it back
-        # the channels that woke it, over and over (a socket timeout of less
-        # than a microsecond would even be none).
+        # spun this loop (an idle check each sleep_after / 2; a socket
+        # timeout of less than a microsecond would even be none). A woken
+        # server that asks to sleep before the daemon has handed it back the
+        # channels that woke it is told to stay awake (MaySleep.added): no
+        # idle time is long enough for that on a loaded machine.
         self.sleep_after = max(plan.limits.sleep_after_s, MIN_SLEEP_AFTER_S) if can_sleep(plan) else 0.0
         self.live: set[Channel] = set()  # the channels a sleep hands over
         self.every = min(5.0, plan.limits.idle_timeout_s / 4, *((self.sleep_after / 2,) if self.sleep_after else ()))
         self.next_check = time.monotonic() + self.every
         self.channels = 0
+        self.added = 0  # AddChannel messages taken from the daemon (MaySleep.added)
         self.max_channels = max_channels(plan.limits.max_processes, plan.limits.max_open_files)
         # The thread that will read the first client channel, started before
         # it comes (expect_first_channel); None once given one or gone.
@@ -293,6 +295,7 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
         if msg is None:
             return  # the daemon closed the session or went away
         if isinstance(msg, protocol.AddChannel):
+            server.added += 1  # counted as the daemon counts it: sent, whether or not its descriptor came
             try:
                 fd = control.take_fd()
             except protocol.ProtocolError:

@@ -60,6 +60,11 @@ def test_proc_after_a_wake_and_sleeps_again(tmp_path: Path, worktree: Path) -> N
             probe = "head -1 /proc/self/status; ls /proc | grep -c '^[0-9]'; echo out > /dev/stdout"
             before = shell(s, probe)
             assert before.is_success, before.error
+            # Not counted: a wake for this first call. Its tool server's idle
+            # time runs from its start, before the open's reply, and the
+            # channel comes with the first call: on a loaded machine it may
+            # sleep (0.3 s) before that call, which wakes it.
+            woken = d.log().count(f"event=session_woken session={s.id}")
             for nap in range(6):
                 _until_asleep(d, client, s.id)
                 after = shell(s, probe)
@@ -69,7 +74,8 @@ def test_proc_after_a_wake_and_sleeps_again(tmp_path: Path, worktree: Path) -> N
                 # pipeline's have started when ls reads it varies), not the host's
                 name, count, out = after.output.splitlines()
                 assert (name, out) == ("Name:\thead", "out") and 2 <= int(count) <= 8, (nap, after.output)
-            assert d.log().count(f"event=session_woken session={s.id}") == 6
+            assert d.log().count(f"event=session_woken session={s.id}") - woken == 6, \
+                "\n".join(line for line in d.log().splitlines() if f"session={s.id}" in line)
             # The fork server reaped every nap's pid 1 and intermediate: its
             # children are this session's pid 1 (if awake) and the pool's.
             fork_server = _children(d.proc.pid)
@@ -312,8 +318,13 @@ def test_a_tiny_sleep_after_neither_spins_nor_loops(tmp_path: Path, worktree: Pa
     the channel that woke it, so it went back to sleep with the request
     unread, woke for it again, and so on, until the wakes came faster than
     the kernel frees pid namespaces (ENOSPC): the session ended without
-    serving its first call. And a tool server kept awake (a process in the
-    background) ran its idle check every half microsecond: a whole CPU."""
+    serving its first call. The least idle time (MIN_SLEEP_AFTER_S) did not
+    end that on a loaded machine: a daemon slower than 50 ms to hand back the
+    channel still saw the woken server ask to sleep first, and it woke twice
+    or three times a call; it is now told to stay awake until it has taken
+    every channel sent to it (MaySleep.added). And a tool server kept awake
+    (a process in the background) ran its idle check every half microsecond:
+    a whole CPU."""
     d = daemon_with_policies(tmp_path, tiny='description = "sleeps at once"\n[limits]\nsleep_after_s = 0.000001\n')
     try:
         with d.connect() as client:
@@ -322,7 +333,14 @@ def test_a_tiny_sleep_after_neither_spins_nor_loops(tmp_path: Path, worktree: Pa
                 time.sleep(0.3)
                 r = shell(s, f"echo {i}")
                 assert r.is_success and r.output == f"{i}\n", r.error
-            assert d.log().count(f"event=session_woken session={s.id}") <= 3
+            # One wake a call at most, and each serves its call: a wake then
+            # a sleep with no write_lock (each shell_exec of a woken tool
+            # server asks for it) between them slept with the request unread.
+            events = [line for line in d.log().splitlines() if f"session={s.id}" in line]
+            assert sum("event=session_woken" in line for line in events) <= 3, "\n".join(events)
+            kinds = [k for line in events for k in ("session_woken", "write_lock", "session_asleep")
+                     if f"event={k} " in line]
+            assert ("session_woken", "session_asleep") not in zip(kinds, kinds[1:]), "\n".join(events)
             assert shell(s, "sleep 60 > /dev/null 2>&1", background=True).is_success  # awake while it runs
             time.sleep(0.3)
             pid = d.worker_pid(s.id)

@@ -156,12 +156,30 @@ class Upstream:
         except OSError:
             return
 
+    def refuse(self) -> None:
+        """From now on a query to its port is refused, and the port stays
+        ours (see ``_refusing``)."""
+        self.sock.connect(("127.0.0.1", 9))
+
     def close(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes its reader; ENOTCONN for UDP, done all the same
         except OSError:
             pass
         self.sock.close()
+
+
+def _refusing() -> socket.socket:
+    """A port nothing answers on: the kernel refuses a datagram to it (ICMP
+    port unreachable: ECONNREFUSED on the sender's connected socket). Held
+    by a socket connected elsewhere, which the kernel's lookup does not match
+    for anyone else's datagrams: a port merely closed may be taken by another
+    socket meanwhile on a busy host (tests running beside), which takes the
+    query and answers nothing, a timeout instead of a refusal."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.connect(("127.0.0.1", 9))
+    return sock
 
 
 @pytest.fixture
@@ -193,13 +211,11 @@ def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair:
                                                                      monkeypatch: pytest.MonkeyPatch):
     # Waits far longer than "at once" below: a refusal is told from a timeout
     # however loaded the machine.
-    monkeypatch.setattr(dnsrelay, "UPSTREAM_TIMEOUT_S", 60.0)
-    monkeypatch.setattr(dnsrelay, "QUERY_DEADLINE_S", 120.0)
+    monkeypatch.setattr(dnsdoor, "UPSTREAM_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(dnsdoor, "QUERY_DEADLINE_S", 120.0)
     relay, conf = door_pair
-    dead = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    dead.bind(("127.0.0.1", 0))
+    dead = _refusing()
     dead_port = dead.getsockname()[1]
-    dead.close()
     up = Upstream()
     conf.write_text(f"nameserver 127.0.0.1:{dead_port}\nnameserver 127.0.0.1:{up.port}\n")
     door, addr = _door(relay)
@@ -211,7 +227,7 @@ def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair:
             assert reply[:4] == b"\x43\x21\x81\x80" and reply[4:] == q[4:]  # the client's ID again
             assert up.seen and up.seen[0][2:] == q[2:] and up.seen[0][:2] != b""  # our own ID on the way
             assert relay.check() == ""
-            up.close()
+            up.refuse()
             started = time.monotonic()
             c.send(q)
             assert c.recv(4096)[:4] == b"\x43\x21\x81\x82"  # SERVFAIL, at once
@@ -225,6 +241,8 @@ def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair:
                 c.recv(4096)
     finally:
         door.stop()
+        dead.close()
+        up.close()
 
 
 def test_a_stopped_door_forwards_nothing_more(door_pair: tuple[dnsrelay.DnsRelay, Path]):
@@ -245,8 +263,8 @@ def test_a_stopped_door_forwards_nothing_more(door_pair: tuple[dnsrelay.DnsRelay
 
 def test_in_flight_queries_are_bounded(door_pair: tuple[dnsrelay.DnsRelay, Path], monkeypatch: pytest.MonkeyPatch):
     # The others wait far longer than the one past the bound, however loaded the machine.
-    monkeypatch.setattr(dnsrelay, "UPSTREAM_TIMEOUT_S", 60.0)
-    monkeypatch.setattr(dnsrelay, "QUERY_DEADLINE_S", 120.0)
+    monkeypatch.setattr(dnsdoor, "UPSTREAM_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(dnsdoor, "QUERY_DEADLINE_S", 120.0)
     relay, conf = door_pair
     silent = Upstream(answer=False)
     conf.write_text(f"nameserver 127.0.0.1:{silent.port}\n")
