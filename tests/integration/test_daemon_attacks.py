@@ -409,7 +409,9 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
                     naps = [line for line in log.splitlines()
                             if f"session={sid}" in line and ("asleep" in line or "woken" in line)]
                     pytest.fail(f"refused {attempt + 1} times in 60 s: {why}; the session asleep at the last "
-                                f"attach: {attached.session.asleep}; its naps: {naps}; the log's tail:\n{log[-3000:]}")
+                                f"attach: {attached.session.asleep}; its naps: {naps}; descriptors open here "
+                                f"{len(os.listdir('/proc/self/fd'))}, in the daemon "
+                                f"{len(os.listdir(f'/proc/{daemon.proc.pid}/fd'))}; the log's tail:\n{log[-3000:]}")
             fresh.sock.settimeout(10)
             fresh.send(protocol.CallTool(id=2, tool="shell_exec", params={"command": "echo alive"}))
             assert fresh.recv(protocol.channel_reply_decoder).output == "alive\n"
