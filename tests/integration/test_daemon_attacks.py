@@ -389,7 +389,8 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
             deadline = time.monotonic() + 60  # generous: the tool server sees the closes when it runs
             for attempt in itertools.count():
                 frames.send(protocol.Attach(id=5000 + attempt, session=sid))
-                assert isinstance(frames.recv(REPLIES), protocol.Attached)
+                attached = frames.recv(REPLIES)
+                assert isinstance(attached, protocol.Attached), attached
                 fresh = protocol.FrameSocket(socket.socket(fileno=frames.take_fd()))
                 channels.append(fresh)
                 fresh.sock.settimeout(0.3)
@@ -400,7 +401,17 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
                 channels.pop().close()  # refused: let it go (a slow machine may take many rounds)
                 assert refused is not None
                 why = protocol.decode(protocol.channel_reply_decoder, refused)
-                assert time.monotonic() < deadline, (attempt, why, daemon.log()[-3000:])
+                if time.monotonic() >= deadline:
+                    # Whole (an assert's message is cut short): who refused it
+                    # (the daemon while the session sleeps, else its tool
+                    # server), and the session's naps in the daemon's log.
+                    log = daemon.log()
+                    naps = [line for line in log.splitlines()
+                            if f"session={sid}" in line and ("asleep" in line or "woken" in line)]
+                    pytest.fail(f"refused {attempt + 1} times in 60 s: {why}; the session asleep at the last "
+                                f"attach: {attached.session.asleep}; its naps: {naps}; descriptors open here "
+                                f"{len(os.listdir('/proc/self/fd'))}, in the daemon "
+                                f"{len(os.listdir(f'/proc/{daemon.proc.pid}/fd'))}; the log's tail:\n{log[-3000:]}")
             fresh.sock.settimeout(10)
             fresh.send(protocol.CallTool(id=2, tool="shell_exec", params={"command": "echo alive"}))
             assert fresh.recv(protocol.channel_reply_decoder).output == "alive\n"
