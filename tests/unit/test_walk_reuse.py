@@ -143,9 +143,9 @@ def test_an_excluded_root_below_a_remembered_directory_stays_excluded(tmp_path: 
 # --- an index's submodules ---------------------------------------------------------------------
 
 
-def test_an_unchanged_index_is_not_parsed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    repo = make_repo(tmp_path / "r")
-    index = str(repo / ".git" / "index")
+def index_read_once(index: str, monkeypatch: pytest.MonkeyPatch) -> tuple[set[str] | None, list[int]]:
+    """The index's submodules, read once it has settled; then a count of the
+    parses that follow."""
     settled()
     links = fs.index_gitlinks(index)
     parsed = [0]
@@ -155,6 +155,13 @@ def test_an_unchanged_index_is_not_parsed_again(tmp_path: Path, monkeypatch: pyt
         parsed[0] += 1
         return real(data, **kw)  # type: ignore[arg-type]
     monkeypatch.setattr(fs.indexfile, "parse_index", counting)
+    return links, parsed
+
+
+def test_an_unchanged_index_is_not_parsed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "r")
+    index = str(repo / ".git" / "index")
+    links, parsed = index_read_once(index, monkeypatch)
     assert fs.index_gitlinks(index) == links and parsed[0] == 0
     # Rewritten in place, the same bytes, its mtime put back: its ctime moved, so it is read again.
     st = os.stat(index)
@@ -309,13 +316,5 @@ def test_on_a_file_system_of_untrusted_ctimes_an_index_is_parsed_every_time(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     repo = make_repo(tmp_path / "r")
     index = str(repo / ".git" / "index")
-    settled()
-    links = fs.index_gitlinks(index)
-    parsed = [0]
-    real = indexfile.parse_index
-
-    def counting(data: bytes, **kw: object) -> object:
-        parsed[0] += 1
-        return real(data, **kw)  # type: ignore[arg-type]
-    monkeypatch.setattr(fs.indexfile, "parse_index", counting)
+    links, parsed = index_read_once(index, monkeypatch)
     assert fs.index_gitlinks(index) == links and parsed[0] == 1
