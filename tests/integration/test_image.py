@@ -29,6 +29,7 @@ Podman storage of its own, removed after it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -80,20 +81,26 @@ def inputs_key() -> str:
 
 
 def cached_tree(key: str) -> Path:
-    """The image's root file system for these inputs: built once, then reused."""
+    """The image's root file system for these inputs: built once, then reused.
+    Two runs at once (another checkout's, the same user's cache) take turns:
+    the second finds the first's tree."""
     tree = CACHE / f"rootfs-{key}.tar"
     if tree.exists():
         return tree
     CACHE.mkdir(parents=True, exist_ok=True)
-    partial = CACHE / f"rootfs-{key}.tar.partial-{os.getpid()}"
-    done = subprocess.run(["bash", str(BUILD), "--tar", str(partial)], capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, f"build-image.sh failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    partial.rename(tree)  # whole or not at all: a run that dies leaves a .partial, never a tree
-    day_ago = time.time() - 86400
-    for old in CACHE.iterdir():
-        # older trees; a partial one only when a day old (another run may be building it now)
-        if old != tree and old.name.startswith("rootfs-") and (old.suffix == ".tar" or old.stat().st_mtime < day_ago):
-            old.unlink(missing_ok=True)
+    with open(CACHE / "build.lock", "a", encoding="ascii") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if tree.exists():
+            return tree
+        partial = CACHE / f"rootfs-{key}.tar.partial-{os.getpid()}"
+        done = subprocess.run(["bash", str(BUILD), "--tar", str(partial)], capture_output=True, text=True,
+                              timeout=1200)
+        assert done.returncode == 0, f"build-image.sh failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+        partial.rename(tree)  # whole or not at all: a run that dies leaves a .partial, never a tree
+        for old in CACHE.iterdir():
+            # Older trees, and partial ones a run that died left (no other builds now: the lock).
+            if old != tree and old.name.startswith("rootfs-") and (old.suffix == ".tar" or ".partial-" in old.name):
+                old.unlink(missing_ok=True)
     return tree
 
 
