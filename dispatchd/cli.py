@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     # "nameserver ADDR:PORT" there (a test's resolver cannot listen on 53).
     p.add_argument(DNS_RESOLV_FLAG, metavar="PATH", help=argparse.SUPPRESS)
     # Testing only: a new baseline's record is made durable SECONDS later
-    # than it would be (gitguard/baselines.py, Durable), so that a test can
+    # than it would be (gitguard/pending.py, Durable), so that a test can
     # see what waits for it (a write) and what does not (a read). Logged at start.
     p.add_argument(BASELINE_SYNC_FLAG, type=float, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS)
     p.add_argument("--pool", type=int, default=2, metavar="N",

@@ -17,6 +17,7 @@ import msgspec.structs
 from dispatchd import domains as domains_mod
 from dispatchd.confine import hygiene
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
+from dispatchd.confine.gaps import filesystem_gaps, leaves_open
 from dispatchd.confine.limits import FD_PASSING_RESERVE, LimitsPlan, plan_limits
 from dispatchd.confine.ucounts import UcountsPlan, budget_gaps, plan_ucounts
 from dispatchd.confine.ucounts import describe as describe_ucounts
@@ -215,56 +216,6 @@ def _landlock_ahead(landlock: LandlockPlan, mounts: MountPlan, candidates: list[
     return ahead
 
 
-def _leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git: GitLayout) -> list[str]:
-    gaps = []
-    if not use_userns and git.kind in ("repository", "linked"):
-        gaps.append("git metadata (.git/config, hooks, pointer files) is writable: without a mount namespace "
-                    "nothing holds it read-only, and the user's git outside would run what a session wrote there "
-                    "while the session is open (when it ends, what changed is moved aside)")
-    if not use_userns:
-        gaps += [
-            "chmod, chown, utime and xattr changes on files the user owns outside the worktree "
-            "(Landlock ABI <= 7 does not check them; only a read-only mount would)",
-            "the host's /proc: the user's other processes and their command lines are visible "
-            "(their memory, environment and fds stay refused by Landlock's ptrace rule)",
-            "no private /tmp: the host's /tmp is simply not granted (TMPDIR is the session's own)",
-        ]
-        if network_off and landlock_abi < 4:
-            gaps.append("network off is held by seccomp alone (no Landlock TCP rules below ABI 4)")
-        if landlock_abi < 3:
-            gaps.append("truncate() of files the user owns on read-only paths outside the worktree (an extra "
-                        "read-only path, dispatchd's own code): Landlock handles truncation from ABI 3, and "
-                        "without user namespaces no read-only mount holds it")
-        if landlock_abi < 6:
-            gaps.append("signals: the session can signal every process of the user's, the daemon included "
-                        "(kill, SIGSTOP): without a pid namespace only Landlock's signal scope (ABI 6) would stop "
-                        "it; abstract Unix sockets stay refused (seccomp: socket(AF_UNIX))")
-    elif landlock_abi < 6:
-        gaps.append("no Landlock scopes (ABI < 6): signals to the user's other processes and "
-                    "abstract Unix sockets rely on seccomp and namespaces only")
-    return gaps
-
-
-def _filesystem_gaps(minimal_root: bool, unix_sockets: bool, own_net: bool) -> list[str]:
-    """What the view of the filesystem leaves open: without a root of its own
-    (degraded mode, or root = "host") the rest of the machine is there, only
-    refused by Landlock, which does not govern metadata or connect()."""
-    gaps = []
-    if not minimal_root:
-        gaps.append("metadata of files outside the worktree: stat (size, times), readlink, getxattr and "
-                    "inotify watches work on paths Landlock refuses to open (only a root of the session's own "
-                    "hides them: full mode with root = \"minimal\")")
-        gaps.append("Unix sockets are refused (socket(AF_UNIX): EPERM; stream socketpairs work): without a root "
-                    "of the session's own, connect() could reach any socket of the user's by path (Landlock ABI "
-                    "<= 7 does not check it), so multiprocessing.Manager, Unix-socket servers and the like fail")
-    elif not unix_sockets and not own_net:
-        gaps.append("Unix sockets are refused (socket(AF_UNIX): EPERM; stream socketpairs work) while the session "
-                    "shares the host's network namespace (network on or ports): an abstract name it listened on "
-                    "would be connected to by the user's own programs (Landlock's scope stops connecting out, not "
-                    "in); with the network off they work")
-    return gaps
-
-
 def plan_session(
     policy: Policy,
     kernel: KernelFeatures,
@@ -450,9 +401,9 @@ def describe_protections(policy: Policy, kernel: KernelFeatures, *, network: Net
     fs = policy.filesystem
     network_off = network == "off"
     net_mechanism = net.mechanism
-    gaps = _leaves_open(use_userns, kernel.landlock_abi, network_off, git)
+    gaps = leaves_open(use_userns, kernel.landlock_abi, network_off, git.kind)
     mode = "full" if not gaps else "degraded"  # of the sandbox; the view's and the network's own caveats follow
-    gaps += _filesystem_gaps(minimal_root, unix_sockets, namespaces.net)
+    gaps += filesystem_gaps(minimal_root, unix_sockets, namespaces.net)
     if PTS in fs.devices and not minimal_root:
         gaps.append("no pseudo-terminals (filesystem.devices lists /dev/pts): without a root of the session's "
                     "own, /dev/pts would be the host's, the user's terminals; not granted")

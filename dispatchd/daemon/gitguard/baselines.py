@@ -24,13 +24,10 @@ state is the user's) and kept, unchanged, until the last one ends:
 - the record (``STATE/baselines/ID.json``) is written atomically (a
   temporary file, fsync, rename, fsync of the directory), and a daemon
   holds ``ID.lock`` (flock) while the domain lives. The first record of a
-  domain may be made durable later (``join(defer=True)``): its temporary
-  file is written at once, and its fsync, rename and the directory's fsync
-  are done by ``durable`` (whoever calls it first: a thread of the open, the
-  write lock's grant, the domain's next write). Nothing that can change the
-  worktree runs before ``durable`` has returned None (docs/git-protection.md,
-  "When the baseline is on disk"). Every later write of a domain's record
-  waits for the deferred one, and is durable before it returns. A daemon
+  domain may be made durable later (``join(defer=True)``; ``pending``):
+  nothing that can change the worktree runs before ``durable`` has returned
+  None. Every later write of a domain's record waits for the deferred one,
+  and is durable before it returns. A daemon
   that starts finds every record whose lock it can take (its daemon died:
   SIGKILL, the OOM killer) and runs the last end's check for it before it
   serves anyone (``recover``); what that did is in ``status``;
@@ -63,6 +60,7 @@ import msgspec
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
+from dispatchd.daemon.gitguard.pending import Durable
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
 from dispatchd.inside import is_within, overlap
@@ -83,58 +81,6 @@ class Record(msgspec.Struct):
     sessions: list[str] = []
     parts: list[Part] = []
     histories: list[history.History] = []
-
-
-class Durable:
-    """A domain's first record, written to a temporary file, to be made
-    durable: fsync, rename into place, fsync of the directory. ``settle``
-    does it once (its first caller; the others wait for that one) and
-    returns None once the record is on disk, else why not (no second try:
-    the domain's next write writes the record whole, durably, and drops
-    this one)."""
-
-    def __init__(self, fd: int, tmp: str, path: str, directory: str, delay_s: float = 0.0) -> None:
-        self._fd, self._tmp, self._path, self._dir = fd, tmp, path, directory
-        self._delay_s = delay_s  # testing only (dispatchd --baseline-sync-delay-for-testing)
-        self._lock = threading.Lock()
-        self._done = False
-        self._why: str | None = None
-
-    def settle(self) -> str | None:
-        with self._lock:
-            if not self._done:
-                self._done = True
-                try:
-                    if self._delay_s:
-                        time.sleep(self._delay_s)
-                    os.fsync(self._fd)
-                    os.rename(self._tmp, self._path)
-                    fsync_directory(self._dir)
-                except OSError as exc:
-                    self._why = f"its baseline could not be made durable in {self._dir} ({exc.strerror or exc})"
-                    log.error("event=baseline_not_durable path=%s error=%r", self._path, str(exc))
-                    try:
-                        os.unlink(self._tmp)
-                    except OSError:
-                        pass  # renamed already, or gone: the start's recover drops a .tmp
-                finally:
-                    os.close(self._fd)
-            return self._why
-
-    def abandon(self) -> None:
-        """The domain ends before its record was made durable: no session of
-        it can have written (``settle`` comes first), so it goes unsynced.
-        A no-op once settled."""
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-            self._why = "its session has ended"
-            os.close(self._fd)
-            try:
-                os.unlink(self._tmp)
-            except OSError:
-                pass
 
 
 class _Domain:

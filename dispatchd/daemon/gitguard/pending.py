@@ -1,0 +1,74 @@
+"""A baseline record written but not yet durable (daemon side).
+
+A domain's first record is written to a temporary file at the join, and
+made durable - fsync, rename into place, fsync of the directory - by
+``Durable.settle``, once, by whichever caller comes first (a thread of the
+open, the write lock's grant, the domain's next write); every other caller
+waits for that one and gets its outcome. Nothing that can change the
+worktree runs before ``settle`` has returned None (docs/git-protection.md,
+"When the baseline is on disk"). ``abandon`` drops a record whose domain
+ended first: no session of it wrote (``settle`` comes before any write).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from dispatchd.durable import fsync_directory
+
+log = logging.getLogger("dispatchd.baselines")
+
+
+class Durable:
+    """A domain's first record, written to a temporary file, to be made
+    durable: fsync, rename into place, fsync of the directory. ``settle``
+    does it once (its first caller; the others wait for that one) and
+    returns None once the record is on disk, else why not (no second try:
+    the domain's next write writes the record whole, durably, and drops
+    this one)."""
+
+    def __init__(self, fd: int, tmp: str, path: str, directory: str, delay_s: float = 0.0) -> None:
+        self._fd, self._tmp, self._path, self._dir = fd, tmp, path, directory
+        self._delay_s = delay_s  # testing only (dispatchd --baseline-sync-delay-for-testing)
+        self._lock = threading.Lock()
+        self._done = False
+        self._why: str | None = None
+
+    def settle(self) -> str | None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                try:
+                    if self._delay_s:
+                        time.sleep(self._delay_s)
+                    os.fsync(self._fd)
+                    os.rename(self._tmp, self._path)
+                    fsync_directory(self._dir)
+                except OSError as exc:
+                    self._why = f"its baseline could not be made durable in {self._dir} ({exc.strerror or exc})"
+                    log.error("event=baseline_not_durable path=%s error=%r", self._path, str(exc))
+                    try:
+                        os.unlink(self._tmp)
+                    except OSError:
+                        pass  # renamed already, or gone: the start's recover drops a .tmp
+                finally:
+                    os.close(self._fd)
+            return self._why
+
+    def abandon(self) -> None:
+        """The domain ends before its record was made durable: no session of
+        it can have written (``settle`` comes first), so it goes unsynced.
+        A no-op once settled."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            self._why = "its session has ended"
+            os.close(self._fd)
+            try:
+                os.unlink(self._tmp)
+            except OSError:
+                pass
