@@ -176,10 +176,12 @@ class Napping(Ending):
             session.ended.set()  # this watch is over (its worker is no longer session.control)
             if not failed:
                 session.nap = nap = Nap(channels, jobs)
+                # Logged before the state is seen (status reads it without the
+                # session's lock): whoever sees it asleep finds the line.
+                log.info("event=session_asleep session=%s channels=%d", session.id, len(channels))
                 session.move(Event.SLEPT)
                 deadline = started + session.policy.limits.idle_timeout_s - session.policy.limits.sleep_after_s
                 self.sleepers.add(session.id, nap.number, channels, deadline)
-                log.info("event=session_asleep session=%s channels=%d", session.id, len(channels))
         finally:
             session.lock.release()
         if failed:
