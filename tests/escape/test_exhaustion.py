@@ -79,7 +79,9 @@ def _shell_once_it_can(session: dispatch.Session, command: str) -> dispatch.Resu
     (other workers, other runs), can hold it at the limit a while."""
     deadline = time.monotonic() + 30
     r = shell(session, command)
-    while r.is_failure and "Resource temporarily unavailable" in (r.error or "") and time.monotonic() < deadline:
+    # Refused at its start (the error), or its bash could not fork (stderr).
+    while r.is_failure and "Resource temporarily unavailable" in (r.error or "") + str(r.metadata.get("stderr", "")) \
+            and time.monotonic() < deadline:
         time.sleep(0.2)
         r = shell(session, command)
     return r
