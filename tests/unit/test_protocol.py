@@ -786,6 +786,7 @@ def _receive_under_one_free_descriptor(sock: socket.socket, frames: int) -> dict
     return result
 
 
+@pytest.mark.process  # a forked receiver with one free descriptor slot
 @pytest.mark.parametrize("size", [10, 200_000], ids=["small", "large"])
 def test_descriptors_cut_refuse_their_frame_and_the_stream_reads_on(
         pair: tuple[socket.socket, socket.socket], pipes: Callable[[], Pipe], size: int) -> None:
