@@ -290,19 +290,14 @@ FINE_CTIME_FS = frozenset({
 })
 
 
-_fine_by_device: dict[int, bool] = {}
-
-
 def fine_local_ctime(fd: int, dev: int) -> bool:
-    """Whether the file system of ``fd`` (on device ``dev``, asked once a
-    device) is one of ``FINE_CTIME_FS``; False when that cannot be told."""
-    fine = _fine_by_device.get(dev)
-    if fine is None:
-        buf = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on x86_64 and aarch64
-        fine = _libc.fstatfs(fd, buf) == 0 and int.from_bytes(buf.raw[:8], sys.byteorder) in FINE_CTIME_FS
-        if len(_fine_by_device) < 4096:  # a device number comes back as the same kind, nearly always
-            _fine_by_device[dev] = fine
-    return fine
+    """Whether the file system of ``fd`` is one of ``FINE_CTIME_FS``; False
+    when that cannot be told. Asked at every directory (one ``fstatfs``, about
+    a microsecond), not remembered by device: an anonymous device number
+    (tmpfs, overlayfs) is given again to the next such mount, a FUSE one
+    among them. ``dev`` is the caller's ``st_dev`` of ``fd``, for the record."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on x86_64 and aarch64
+    return _libc.fstatfs(fd, buf) == 0 and int.from_bytes(buf.raw[:8], sys.byteorder) in FINE_CTIME_FS
 
 
 def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda name, dirfd: False,

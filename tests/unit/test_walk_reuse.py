@@ -293,7 +293,6 @@ def ctime_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file system taken for one whose ctime this kernel does not keep
     (NFS, FUSE, FAT): as a worktree there would be."""
     monkeypatch.setattr(treewalk, "FINE_CTIME_FS", frozenset())
-    monkeypatch.setattr(treewalk, "_fine_by_device", {})
 
 
 @pytest.mark.usefixtures("ctime_not_kept")
