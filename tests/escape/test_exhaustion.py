@@ -71,6 +71,17 @@ def _still_serving(client: dispatch.Client, tmp_path: Path) -> None:
         assert _stdout(shell(s, "echo alive")) == "alive\n"
 
 
+def _job_running(session: dispatch.Session, marker: str) -> None:
+    """A background job ``sleep MARKER``, seen running before a bomb starts:
+    the job's own start needs a process, which a bomb begun first (or, in
+    degraded mode, the processes of tests beside this one) may hold."""
+    job = session.registry.get("shell_exec").call({"command": f"sleep {marker}", "background": True})
+    assert job.is_success, job
+    count = f"ps -eo args | grep -c '^sleep {marker}'"
+    assert wait_until(lambda: shell(session, count).metadata.get("stdout") == "1\n", timeout=30, interval=0.2), \
+        "the background job never started"
+
+
 def _shell_once_it_can(session: dispatch.Session, command: str) -> dispatch.Result:
     """``command``, tried again while no process can be started. In degraded
     mode the process limit is the user's count at open plus the session's
@@ -147,8 +158,7 @@ def test_a_timed_out_fork_bomb_ends_with_its_call(session: dispatch.Session, wor
     # A marker of its own: in degraded mode ps sees every process of the
     # machine, a run beside this one's too.
     marker = f"61.{secrets.randbelow(10**6):06d}"
-    job = session.registry.get("shell_exec").call({"command": f"sleep {marker}", "background": True})
-    assert job.is_success, job
+    _job_running(session, marker)
     bomb = shell(session, "bomb() { bomb | bomb & }; bomb; sleep 30", timeout=2)
     assert bomb.metadata["timed_out"] is True
     jobs = _shell_once_it_can(session, f"ps -eo args | grep -c '^sleep {marker}'")
@@ -176,11 +186,11 @@ def test_a_fork_bomb_that_returns_at_once_leaves_nothing(session: dispatch.Sessi
                                                          tmp_path: Path, tight: dispatch.Client) -> None:
     """Its bash exits at once, leaving the bomb to grow: every process of it
     has ended when the call returns. Its twin, a background job, runs on."""
-    job = session.registry.get("shell_exec").call({"command": "sleep 61.5", "background": True})
-    assert job.is_success, job
+    marker = f"61.{secrets.randbelow(10**6):06d}"  # as above: ps may see a run beside this one
+    _job_running(session, marker)
     bomb = shell(session, "bomb() { bomb | bomb & }; bomb", timeout=20)
     assert bomb.is_success and bomb.metadata["ended_processes"] > 0, bomb.metadata
     assert bomb.output.endswith("to keep one running, start it with background: true]")
-    jobs = _shell_once_it_can(session, "ps -eo args | grep -c '^sleep 61.5'")
+    jobs = _shell_once_it_can(session, f"ps -eo args | grep -c '^sleep {marker}'")
     assert _stdout(jobs) == "1\n", jobs  # the job, alone
     _still_serving(tight, tmp_path)

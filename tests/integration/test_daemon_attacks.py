@@ -381,6 +381,15 @@ def test_1100_attach_on_one_session_leaves_it_working(daemon: Daemon, worktree: 
             assert isinstance(reply, protocol.ErrorReply) and (reply.id, reply.code) == (0, "too_many_channels")
             assert reply.message.startswith(f"this session has {MAX_CHANNELS} channels open, its limit")
             assert over.recv_payload() is None
+            # The tool server takes the channels in order, one at a time: on a
+            # loaded machine it is still taking the last hundreds here. A slot
+            # freed before it has refused the last would go to one of those,
+            # which this test never reads (and the twin below found the session
+            # full): wait for the last one's refusal first.
+            last = channels[-1]
+            last.sock.settimeout(60)
+            reply = protocol.decode(protocol.channel_reply_decoder, last.recv_payload())
+            assert isinstance(reply, protocol.ErrorReply) and (reply.id, reply.code) == (0, "too_many_channels")
             record("1,100 attach on one session", daemon, before, latency)
             for ch in channels[1:50]:
                 ch.close()
