@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import _refuse_root, gone, processes_in, shell, wait_until
+from tests.conftest import _refuse_root, gone, processes_in, shell, sleepers, wait_until
 from tests.escape.conftest import MODES, connect, mode_daemon
 
 # A fork bomb in degraded mode meets the user's process limit, which every
@@ -71,15 +71,16 @@ def _still_serving(client: dispatch.Client, tmp_path: Path) -> None:
         assert _stdout(shell(s, "echo alive")) == "alive\n"
 
 
-def _job_running(session: dispatch.Session, marker: str) -> None:
-    """A background job ``sleep MARKER``, seen running before a bomb starts:
-    the job's own start needs a process, which a bomb begun first (or, in
-    degraded mode, the processes of tests beside this one) may hold."""
+def _job_running(session: dispatch.Session, marker: str) -> int:
+    """A background job ``sleep MARKER``, seen running (from here, in any pid
+    namespace) before a bomb starts: its own start needs a process, which a
+    bomb begun first (or, in degraded mode, the processes of tests beside
+    this one as the same user) may hold. Returns its host pid."""
     job = session.registry.get("shell_exec").call({"command": f"sleep {marker}", "background": True})
     assert job.is_success, job
-    count = f"ps -eo args | grep -c '^sleep {marker}'"
-    assert wait_until(lambda: shell(session, count).metadata.get("stdout") == "1\n", timeout=30, interval=0.2), \
-        "the background job never started"
+    assert wait_until(lambda: len(sleepers(marker)) == 1), "the background job never started"
+    (pid,) = sleepers(marker)
+    return pid
 
 
 def _shell_once_it_can(session: dispatch.Session, command: str) -> dispatch.Result:
@@ -158,11 +159,12 @@ def test_a_timed_out_fork_bomb_ends_with_its_call(session: dispatch.Session, wor
     # A marker of its own: in degraded mode ps sees every process of the
     # machine, a run beside this one's too.
     marker = f"61.{secrets.randbelow(10**6):06d}"
-    _job_running(session, marker)
+    job = _job_running(session, marker)
     bomb = shell(session, "bomb() { bomb | bomb & }; bomb; sleep 30", timeout=2)
     assert bomb.metadata["timed_out"] is True
-    jobs = _shell_once_it_can(session, f"ps -eo args | grep -c '^sleep {marker}'")
-    assert _stdout(jobs) == "1\n", jobs  # the job, alone
+    # Read from here: in degraded mode a command in the session may wait
+    # long for a process while other tests of the same user hold the limit.
+    assert sleepers(marker) == [job]  # the job, alone, the same one
     _still_serving(tight, tmp_path)
 
 
@@ -187,10 +189,9 @@ def test_a_fork_bomb_that_returns_at_once_leaves_nothing(session: dispatch.Sessi
     """Its bash exits at once, leaving the bomb to grow: every process of it
     has ended when the call returns. Its twin, a background job, runs on."""
     marker = f"61.{secrets.randbelow(10**6):06d}"  # as above: ps may see a run beside this one
-    _job_running(session, marker)
+    job = _job_running(session, marker)
     bomb = shell(session, "bomb() { bomb | bomb & }; bomb", timeout=20)
     assert bomb.is_success and bomb.metadata["ended_processes"] > 0, bomb.metadata
     assert bomb.output.endswith("to keep one running, start it with background: true]")
-    jobs = _shell_once_it_can(session, f"ps -eo args | grep -c '^sleep {marker}'")
-    assert _stdout(jobs) == "1\n", jobs  # the job, alone
+    assert sleepers(marker) == [job]  # the job, alone, the same one
     _still_serving(tight, tmp_path)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import probe, shell
+from tests.conftest import probe, shell, wait_until
 from tests.listeners import Served
 
 ECONNREFUSED, EPERM, EACCES, ENETUNREACH, EHOSTUNREACH = 111, 1, 13, 101, 113
@@ -295,23 +295,27 @@ def test_a_background_process_started_while_on_cannot_reach_after_off(mode_clien
 
 def test_a_server_started_while_on_keeps_serving_the_session_after_off(mode_client, worktree: Path) -> None:
     mode, client = mode_client
-    server = ("import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-              "s.bind(('127.0.0.1', 47124)); s.listen(8)\nwhile True:\n"
-              "    c, _ = s.accept(); c.sendall(b'still\\n'); c.close()\n")
+    # A port the kernel picks, written once listening: in degraded mode the
+    # loopback is the host's, shared with any run beside this one.
+    server = ("import os, socket\ns = socket.socket()\n"
+              "s.bind(('127.0.0.1', 0)); s.listen(8)\n"
+              "open('port.tmp', 'w').write(str(s.getsockname()[1])); os.rename('port.tmp', 'port')\n"
+              "while True:\n    c, _ = s.accept(); c.sendall(b'still\\n'); c.close()\n")
     Path(worktree, "server.py").write_text(server)
     with client.open_session(str(worktree), network=True) as s:
         assert shell(s, "nohup python3 server.py > server.log 2>&1 &", background=True).is_success
-        assert shell(s, "sleep 0.5").is_success  # listening by then
-        assert probe(s, tcp_probe(47124)) == "connected still"
+        assert wait_until(lambda: Path(worktree, "port").exists()), Path(worktree, "server.log").read_text()
+        port = int(Path(worktree, "port").read_text())
+        assert probe(s, tcp_probe(port)) == "connected still"
         assert s.set_network(False) is False
         if mode == "degraded":
             # The sandbox was replaced (no namespace to switch in place): the server is gone.
-            assert probe(s, tcp_probe(47124)) == f"error {EPERM}"
+            assert probe(s, tcp_probe(port)) == f"error {EPERM}"
             return
-        assert probe(s, tcp_probe(47124)) == "connected still"
+        assert probe(s, tcp_probe(port)) == "connected still"
         s.set_network("ports", ports=[])
         assert s.network_mode == "ports"
-        assert probe(s, tcp_probe(47124)) == "connected still"  # the session's own loopback is not filtered
+        assert probe(s, tcp_probe(port)) == "connected still"  # the session's own loopback is not filtered
 
 
 def test_unknown_network_mode_is_refused(mode_client, worktree: Path) -> None:
