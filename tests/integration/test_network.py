@@ -215,10 +215,14 @@ def test_ports_refuses_binding_an_unlisted_port(mode_client, worktree: Path) -> 
 def test_a_server_inside_an_off_session_answers_a_client_inside(mode_client, worktree: Path) -> None:
     mode, client = mode_client
     server = ("import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-              "s.bind(('127.0.0.1', 47123)); s.listen(1); c, _ = s.accept(); c.sendall(b'inside\\n')\n")
+              "s.bind(('127.0.0.1', 47123)); s.listen(1); open('listening', 'w').close()\n"
+              "c, _ = s.accept(); c.sendall(b'inside\\n')\n")
     Path(worktree, "server.py").write_text(server)
     with client.open_session(str(worktree), network=False) as s:
-        r = shell(s, "python3 server.py 2>server.err & sleep 0.5; python3 -c \"" + tcp_probe(47123).replace('"', '\\"') + "\"; wait")
+        # The client starts once the server listens, or has failed (degraded mode).
+        wait = "for i in $(seq 300); do [ -e listening ] || [ -s server.err ] && break; sleep 0.1; done"
+        r = shell(s, f"python3 server.py 2>server.err & {wait}; python3 -c \"" + tcp_probe(47123).replace('"', '\\"')
+                  + "\"; wait")
         if mode == "full":
             assert r.metadata["stdout"].strip() == "connected inside", r
         else:
