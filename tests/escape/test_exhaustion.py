@@ -68,7 +68,23 @@ def _still_serving(client: dispatch.Client, tmp_path: Path) -> None:
     other.mkdir(exist_ok=True)
     assert client.status()["daemon_version"]
     with client.open_session(str(other), policy="tight") as s:
-        assert _stdout(shell(s, "echo alive")) == "alive\n"
+        assert _stdout(_call(s, "echo alive")) == "alive\n"
+
+
+def _call(session: dispatch.Session, command: str, **params: object) -> dispatch.Result:
+    """``shell``, tried again while the call is refused at its start for want
+    of a process ("could not start /bin/bash: Resource temporarily
+    unavailable"): in degraded mode the limit is the user's count at open
+    plus the budget, and tests beside this one as the same user (other
+    workers, other runs) can take that headroom a while. No test here is
+    about a refused start."""
+    deadline = time.monotonic() + 30
+    r = shell(session, command, **params)
+    while "exit_code" not in r.metadata and "Resource temporarily unavailable" in (r.error or "") \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+        r = shell(session, command, **params)
+    return r
 
 
 def _job_running(session: dispatch.Session, marker: str) -> int:
@@ -76,7 +92,7 @@ def _job_running(session: dispatch.Session, marker: str) -> int:
     namespace) before a bomb starts: its own start needs a process, which a
     bomb begun first (or, in degraded mode, the processes of tests beside
     this one as the same user) may hold. Returns its host pid."""
-    job = session.registry.get("shell_exec").call({"command": f"sleep {marker}", "background": True})
+    job = _call(session, f"sleep {marker}", background=True)
     assert job.is_success, job
     assert wait_until(lambda: len(sleepers(marker)) == 1), "the background job never started"
     (pid,) = sleepers(marker)
@@ -90,22 +106,22 @@ def _shell_once_it_can(session: dispatch.Session, command: str) -> dispatch.Resu
     ones being reaped, and those of tests beside this one as the same user
     (other workers, other runs), can hold it at the limit a while."""
     deadline = time.monotonic() + 30
-    r = shell(session, command)
+    r = _call(session, command)
     # Refused at its start (the error), or its bash could not fork (stderr).
     while r.is_failure and "Resource temporarily unavailable" in (r.error or "") + str(r.metadata.get("stderr", "")) \
             and time.monotonic() < deadline:
         time.sleep(0.2)
-        r = shell(session, command)
+        r = _call(session, command)
     return r
 
 
 def test_fork_bomb_stops_at_the_process_limit(tight: dispatch.Client, worktree: Path, tmp_path: Path) -> None:
     session = tight.open_session(str(worktree), policy="tight")
-    control = shell(session, "for i in $(seq 10); do sleep 0.2 & done; wait; echo ten")
+    control = _call(session, "for i in $(seq 10); do sleep 0.2 & done; wait; echo ten")
     # stdout only: in degraded mode the limit counts every process of the user's,
     # and other tests' processes can make bash print "fork: retry" before it succeeds.
     assert _stdout(control) == "ten\n", control.output
-    bomb = shell(session, "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout=8)
+    bomb = _call(session, "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout=8)
     assert "fork: Resource temporarily unavailable" in bomb.metadata["stderr"] or \
            "fork: retry" in bomb.metadata["stderr"], bomb.metadata["stderr"][-500:]
     _still_serving(tight, tmp_path)
@@ -114,29 +130,29 @@ def test_fork_bomb_stops_at_the_process_limit(tight: dispatch.Client, worktree: 
 
 
 def test_memory_hog_is_stopped_per_process(session: dispatch.Session, tight: dispatch.Client, tmp_path: Path) -> None:
-    ok = shell(session, "python3 -c 'b = bytearray(64 * 2**20); print(len(b) >> 20)'")
+    ok = _call(session, "python3 -c 'b = bytearray(64 * 2**20); print(len(b) >> 20)'")
     assert _stdout(ok) == "64\n"
-    hog = shell(session, "python3 -c 'b = bytearray(1024 * 2**20)'")
+    hog = _call(session, "python3 -c 'b = bytearray(1024 * 2**20)'")
     assert hog.is_failure and "MemoryError" in hog.metadata["stderr"]
     _still_serving(tight, tmp_path)
 
 
 def test_output_flood_is_capped(session: dispatch.Session, tight: dispatch.Client, tmp_path: Path) -> None:
-    small = shell(session, "head -c 1000 /dev/zero | tr '\\0' x")
+    small = _call(session, "head -c 1000 /dev/zero | tr '\\0' x")
     assert small.metadata["truncated"] is False and len(small.metadata["stdout"]) == 1000
-    flood = shell(session, "yes flood | head -c 200000000; yes err | head -c 50000000 >&2")
+    flood = _call(session, "yes flood | head -c 200000000; yes err | head -c 50000000 >&2")
     assert flood.is_success and flood.metadata["truncated"] is True
     assert len(flood.metadata["stdout"]) == 65536 and len(flood.metadata["stderr"]) == 65536
     _still_serving(tight, tmp_path)
 
 
 def test_a_file_over_the_size_limit_cannot_be_written(session: dispatch.Session, worktree: Path) -> None:
-    ok = shell(session, 'dd if=/dev/zero of="$TMPDIR/five" bs=1M count=5 status=none && echo ok')
+    ok = _call(session, 'dd if=/dev/zero of="$TMPDIR/five" bs=1M count=5 status=none && echo ok')
     assert _stdout(ok) == "ok\n"
     # RLIMIT_FSIZE: the write past the limit raises SIGXFSZ, which kills dd.
-    big = shell(session, 'dd if=/dev/zero of="$TMPDIR/big" bs=1M count=20 status=none')
+    big = _call(session, 'dd if=/dev/zero of="$TMPDIR/big" bs=1M count=20 status=none')
     assert big.error == "command was killed by signal 25 (SIGXFSZ)" and big.metadata["exit_code"] == -25
-    in_worktree = shell(session, "dd if=/dev/zero of=big.bin bs=1M count=20 status=none")
+    in_worktree = _call(session, "dd if=/dev/zero of=big.bin bs=1M count=20 status=none")
     assert in_worktree.metadata["exit_code"] == -25
     assert (worktree / "big.bin").stat().st_size == 10 * 2**20  # stopped at the limit
 
@@ -146,7 +162,7 @@ def test_many_files_can_still_fill_the_disk_known_limit(session: dispatch.Sessio
     # RLIMIT_FSIZE bounds each file, not their sum: three files of 8 MiB go
     # through. Only a quota or a size-limited filesystem would bound the total
     # (SECURITY.md, "Known limits").
-    r = shell(session, 'for i in 1 2 3; do dd if=/dev/zero of="$TMPDIR/f$i" bs=1M count=8 status=none; done; '
+    r = _call(session, 'for i in 1 2 3; do dd if=/dev/zero of="$TMPDIR/f$i" bs=1M count=8 status=none; done; '
                        'du -sm "$TMPDIR" | cut -f1')
     assert int(_stdout(r)) >= 24
 
@@ -160,7 +176,7 @@ def test_a_timed_out_fork_bomb_ends_with_its_call(session: dispatch.Session, wor
     # machine, a run beside this one's too.
     marker = f"61.{secrets.randbelow(10**6):06d}"
     job = _job_running(session, marker)
-    bomb = shell(session, "bomb() { bomb | bomb & }; bomb; sleep 30", timeout=2)
+    bomb = _call(session, "bomb() { bomb | bomb & }; bomb; sleep 30", timeout=2)
     assert bomb.metadata["timed_out"] is True
     # Read from here: in degraded mode a command in the session may wait
     # long for a process while other tests of the same user hold the limit.
@@ -171,14 +187,14 @@ def test_a_timed_out_fork_bomb_ends_with_its_call(session: dispatch.Session, wor
 def test_a_process_leaving_its_group_with_no_environment_ends_with_its_timed_out_call(
         session: dispatch.Session, worktree: Path) -> None:
     # setsid: another session and group; env -i: no marker; the subshell exits: an orphan.
-    r = shell(session, "(setsid env -i /bin/sleep 60 &); sleep 30", timeout=1)
+    r = _call(session, "(setsid env -i /bin/sleep 60 &); sleep 30", timeout=1)
     assert r.metadata["timed_out"] is True
     assert gone(lambda: processes_in(worktree))
     # In a call that returns by itself, too: ended before it returns.
     r = _shell_once_it_can(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok")
     assert r.output.startswith("ok\n[dispatchd: ended 1 process") and processes_in(worktree) == []
     # The twin: the same in a background job runs on, until job_stop.
-    job = shell(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok", background=True)
+    job = _call(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok", background=True)
     assert wait_until(lambda: len(processes_in(worktree)) == 2)  # the keeper and the sleep
     assert session.registry.get("job_stop").call({"job": job.metadata["job"]}).is_success
     assert gone(lambda: processes_in(worktree))
@@ -190,7 +206,7 @@ def test_a_fork_bomb_that_returns_at_once_leaves_nothing(session: dispatch.Sessi
     has ended when the call returns. Its twin, a background job, runs on."""
     marker = f"61.{secrets.randbelow(10**6):06d}"  # as above: ps may see a run beside this one
     job = _job_running(session, marker)
-    bomb = shell(session, "bomb() { bomb | bomb & }; bomb", timeout=20)
+    bomb = _call(session, "bomb() { bomb | bomb & }; bomb", timeout=20)
     assert bomb.is_success and bomb.metadata["ended_processes"] > 0, bomb.metadata
     assert bomb.output.endswith("to keep one running, start it with background: true]")
     assert sleepers(marker) == [job]  # the job, alone, the same one
