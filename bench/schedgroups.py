@@ -5,11 +5,11 @@ processes (a session of a real daemon each, as ``./scripts/bench``'s 8-client
 row) also runs the unsandboxed tool server of ``bench/callpath.py`` (the real
 ``Channel``/``_Server``, no sandbox) three ways, and a bare echo pair:
 
-- ``sandbox``: the session's tool server (confined; its own session, so its
-  own scheduler autogroup, as every session's);
+- ``sandbox``: the session's tool server (confined; in the fork server's
+  session, so one scheduler autogroup for every session's tool server);
 - ``same group``: forked by the client (same session, same autogroup);
 - ``own session``: forked by the client, then ``setsid`` (an autogroup of its
-  own, as a session's tool server, without the sandbox);
+  own, as a session's tool server had before it shared the fork server's);
 - ``one other session``: forked by one ``setsid`` process for every client
   (one autogroup for all tool servers, not the clients');
 - ``bare``: ``bench.py``'s echo pair (a process per connection), forked by

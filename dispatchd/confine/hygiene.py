@@ -1,8 +1,18 @@
 """Process hygiene for a worker: what it inherits and what it can become.
 
 Guarantees, step by step (each raises ``ConfinementError`` naming itself):
-- ``new_session``: a new session and process group, no controlling terminal
-  (so TIOCSTI has no terminal to push into, and signals to our group stay ours);
+- ``lead_session`` (the fork server's, once): a session of its own, which has
+  no controlling terminal and never gets one (its leader opens no terminal);
+  checked, so a terminal found there is an error, not a silent gap;
+- ``new_group`` (each worker's): a process group of its own, in the fork
+  server's session: no controlling terminal (so TIOCSTI has no terminal to
+  push into), and signals to our group stay ours. Every worker sharing that
+  one session puts them all in one scheduler group (the kernel's autogroup
+  is made per session): a session each made each tool server a group of its
+  own, and on a loaded machine the clients, one group for them all, got a
+  share of the CPUs a ninth of the servers' (docs/performance.md). Where the
+  session has a terminal after all (a process forked some other way), it
+  falls back to ``new_session``: a session of its own, as before;
 - ``die_with_parent``: SIGKILL when the parent dies (checked for the race);
 - ``close_inherited_fds``: every descriptor but the ones named is closed;
 - ``no_new_privs``: setuid binaries and file capabilities grant nothing;
@@ -75,6 +85,47 @@ def new_session() -> None:
         os.setsid()
     except OSError as exc:
         raise ConfinementError("hygiene: setsid", exc.errno) from exc
+
+
+def lead_session() -> None:
+    """A session of its own for the fork server, the one its workers share;
+    raises if it has a controlling terminal all the same."""
+    new_session()
+    tty = controlling_terminal()
+    if tty != 0:
+        raise ConfinementError("hygiene: controlling terminal",
+                               detail=f"a new session has the terminal {tty:#x}: its workers would share it")
+
+
+def new_group() -> None:
+    """A process group of its own, in a session with no controlling terminal:
+    the fork server's, else (a terminal found) a session of its own."""
+    if controlling_terminal() != 0:
+        new_session()  # a session and a group of its own, no terminal
+        return
+    try:
+        os.setpgid(0, 0)
+    except OSError as exc:
+        raise ConfinementError("hygiene: setpgid", exc.errno) from exc
+
+
+def controlling_terminal() -> int:
+    """The controlling terminal's device number (0: none), as the kernel
+    keeps it (``tty_nr`` of /proc/self/stat). Where /proc/self cannot be read
+    (a woken worker before its /proc is mounted), asked of /dev/tty: ENXIO
+    is no terminal; anything else counts as one (the safe answer)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[4])  # after "pid (comm) ": state ppid pgrp session tty_nr
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        return 0 if exc.errno == errno.ENXIO else -1
+    os.close(fd)
+    return -1
 
 
 def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:

@@ -315,6 +315,9 @@ def _warm_workers_code(plan: SessionPlan) -> None:
 
 def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     hygiene.die_with_parent(daemon_pid)
+    # A session of its own, with no terminal, that every worker shares
+    # (hygiene.new_group): one scheduler group for all the tool servers.
+    hygiene.lead_session()
     # Nothing of the daemon's but our channel (not its listening socket, not
     # systemd's): stdio stays, for a traceback to reach the daemon's log.
     keep = sock.fileno()

@@ -98,7 +98,7 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
         # cgroup, and cannot leave it (the cgroup files are out of its reach).
         cgroups.apply_cgroup(plan.cgroup.path)
         clock("cgroup")
-    hygiene.new_session()  # own session and group, no controlling terminal
+    hygiene.new_group()  # own group, in the fork server's session: no controlling terminal
     # The fork server gone: the session gone. As pid 1 of the session's
     # namespace, the parent (outside it) reads as pid 0.
     hygiene.die_with_parent(0 if plan.namespaces.pid else parent)

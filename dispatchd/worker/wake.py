@@ -157,7 +157,6 @@ def confine_woken(plan: SessionPlan, program: bytes, ruleset: int, keep: list[in
     per-namespace steps (id maps, ucounts, mounts, loopback, the proxy's
     listener) hold from the first start. Closes ``ruleset``. ``clock(step)``
     after each step (milliseconds for the debug log)."""
-    hygiene.new_session()
     hygiene.die_with_parent(0)  # the fork server, outside the namespace
     hygiene.close_inherited_fds([*keep, ruleset])
     clock("hygiene")
@@ -176,6 +175,8 @@ def confine_woken(plan: SessionPlan, program: bytes, ruleset: int, keep: list[in
             os.close(fresh)
     except OSError as exc:
         raise ConfinementError("sleep: a fresh /proc", exc.errno, "/proc") from exc
+    # Once /proc is the new namespace's: new_group reads the terminal there.
+    hygiene.new_group()
     clock("proc")
     hygiene.not_dumpable()
     hygiene.drop_bounding_set()

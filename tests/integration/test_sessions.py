@@ -121,3 +121,24 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def test_tool_servers_share_the_fork_servers_session_each_in_a_group_of_its_own(daemon: Daemon, client: dispatch.Client,
+                                                                               tmp_path: Path) -> None:
+    """One session for every tool server (the kernel makes a scheduler group
+    per session), which has no controlling terminal; each tool server leads a
+    process group of its own. The twin: the daemon's session is another."""
+    trees = [tmp_path / "a", tmp_path / "b"]
+    for tree in trees:
+        tree.mkdir()
+    with client.open_session(str(trees[0])) as a, client.open_session(str(trees[1])) as b:
+        workers = [daemon.worker_pid(a.id), daemon.worker_pid(b.id)]
+        sids = {os.getsid(pid) for pid in workers}
+        assert len(sids) == 1, sids
+        (fork_server,) = sids
+        for pid in (fork_server, *workers):  # tty_nr: no controlling terminal
+            assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[4] == "0"
+        assert [os.getpgid(pid) for pid in workers] == workers
+        assert [int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in workers] == \
+            [fork_server] * 2  # ppid: the session is the fork server's own
+        assert os.getsid(daemon.proc.pid) != fork_server

@@ -15,6 +15,7 @@ asleep in the same minutes, never against a fixed sleep alone.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
@@ -138,6 +139,11 @@ def test_an_idle_session_sleeps_and_its_next_call_wakes_it(daemon: Daemon, workt
         assert _wakes(daemon, s.id, expect=slept + 1) == slept + 1
         second = daemon.worker_pid(s.id)
         assert second != first and psutil.pid_exists(second)
+        # As at its first start: in the fork server's session (its parent,
+        # whose session it is), leading a process group of its own.
+        fork_server = psutil.Process(second).ppid()
+        assert (os.getsid(second), os.getpgid(second)) == (fork_server, second)
+        assert os.getsid(fork_server) == fork_server
         assert shell(s, "echo $PPID").output == "1\n"  # the new tool server is pid 1 of its namespace
         # And again: each sleep and wake goes the same way.
         _asleep(daemon, client, s)
