@@ -86,7 +86,8 @@ def await_report(worker: Worker, control: protocol.FrameSocket, worktree: str, t
     control.sock.settimeout(timeout_s)
     msg: object
     try:
-        msg = control.recv(protocol.from_worker_decoder)
+        report = control.recv(protocol.from_worker_decoder)
+        msg = report
     except (OSError, protocol.ProtocolError) as exc:
         msg = exc
     control.sock.settimeout(None)

@@ -35,6 +35,7 @@ from dispatchd.protocol.frames import (
     DescriptorsLost,
     FrameSocket,
     FrameTooLarge,
+    INVALID_UTF8,
     ProtocolError,
     decode,
     encode,
@@ -145,7 +146,7 @@ from dispatchd.protocol.reports import (
 __all__ = [
     # frames
     "FRAME_HEADER", "MAX_FRAME", "MAX_HELLO_FRAME", "MAX_REQUEST_FRAME", "BadMessage", "FrameSocket", "FrameTooLarge",
-    "DECODE_ERRORS", "DescriptorsLost", "ProtocolError", "decode", "encode", "request_id_of", "too_large", "undecodable",
+    "DECODE_ERRORS", "DescriptorsLost", "INVALID_UTF8", "ProtocolError", "decode", "encode", "request_id_of", "too_large", "undecodable",
     # the public protocol: client <-> daemon, client <-> worker
     "PROTOCOL_VERSION", "Attach", "Attached", "CallTool", "CancelCall", "ChannelReply", "ChannelRequest",
     "CloseSession", "ClosedReply", "ProtectedItem", "DaemonReply", "DaemonRequest", "DeniedHost", "ErrorReply", "Hello", "HelloOk",

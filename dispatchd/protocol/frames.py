@@ -119,8 +119,15 @@ def decode(decoder: msgspec.msgpack.Decoder[T], payload: bytes | bytearray) -> T
 
 def undecodable(exc: Exception) -> BadMessage:
     """The ``BadMessage`` for a ``DECODE_ERRORS`` exception (``decode``'s,
-    for a caller that calls the decoder itself, without ``decode``'s frame)."""
+    for a caller that calls the decoder itself, without ``decode``'s frame).
+    Invalid UTF-8 is said in words of our own: msgspec up to 0.22 raises
+    ``UnicodeDecodeError`` for it, 0.23 a ``DecodeError``, each worded its way."""
+    if isinstance(exc, UnicodeDecodeError) or str(exc).startswith("Invalid UTF-8"):
+        return BadMessage(INVALID_UTF8)
     return BadMessage(f"undecodable message: {exc}")
+
+
+INVALID_UTF8 = "undecodable message: a string is not valid UTF-8"
 
 
 class _IdOnly(msgspec.Struct):

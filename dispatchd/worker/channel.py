@@ -161,7 +161,7 @@ class Channel:
                     return  # broken framing: drop this channel only
                 if req is None:
                     return
-                if type(req) is protocol.CancelCall:  # msgspec decodes to the exact type
+                if isinstance(req, protocol.CancelCall):
                     self.cancel(req.id)
                     continue
                 dispatch(self, req)

@@ -322,7 +322,7 @@ def test_invalid_utf8_in_a_string_field_gets_an_error_reply(daemon: Daemon) -> N
         frames.sock.sendall(frame(bad))
         reply = frames.recv(REPLIES)
         assert isinstance(reply, protocol.ErrorReply) and (reply.id, reply.code) == (5, "bad_request")
-        assert reply.message.startswith("undecodable message: 'utf-8' codec can't decode byte 0xff")
+        assert reply.message == "undecodable message: a string is not valid UTF-8"
         frames.sock.sendall(frame(good))  # the twin, on the same connection
         assert frames.recv(REPLIES) == protocol.ErrorReply(id=5, code="unknown_session",
                                                            message="no such session: 'ab'")
@@ -339,7 +339,7 @@ def test_invalid_utf8_on_a_tool_server_channel_gets_an_error_reply(daemon: Daemo
         channel.sock.sendall(frame(bad))
         reply = protocol.decode(protocol.channel_reply_decoder, channel.recv_payload())
         assert isinstance(reply, protocol.ErrorReply) and (reply.id, reply.code) == (8, "bad_request")
-        assert "utf-8" in reply.message
+        assert reply.message == "undecodable message: a string is not valid UTF-8"
         channel.sock.sendall(frame(good))
         assert channel.recv(protocol.channel_reply_decoder).output == "0: hello\n1: world"
 
