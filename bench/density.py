@@ -20,6 +20,11 @@ really up, then reports:
   root: run as an ordinary user this prints "n/a" for USS and the
   ``MemAvailable`` figure carries the story.
 
+``--against DIR`` starts a second daemon from the checkout DIR (a baseline,
+e.g. main, its C helper built in place) and opens the sessions on both,
+alternately, in the same minutes: each side's figures are printed, and with
+``--hold`` its pids go to PIDFILE (this checkout) and PIDFILE.against.
+
 This process holds a channel (a descriptor) per session: it raises its own
 soft ``RLIMIT_NOFILE`` to the hard limit first, and says so when that is too
 few. ``--hold S`` keeps the sessions open S seconds after measuring and
@@ -37,6 +42,7 @@ import os
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -86,6 +92,8 @@ def main() -> int:
     ap.add_argument("--close-with", type=int, default=1, metavar="N",
                     help="close the sessions over N connections at once (default 1: one after another)")
     ap.add_argument("--network", default="off", help="the sessions' network mode (default off)")
+    ap.add_argument("--against", metavar="DIR", default="",
+                    help="also a daemon of the checkout DIR, its sessions opened alternately with ours")
     ap.add_argument("--asleep", action="store_true",
                     help="measure once every session sleeps (sleep_after_s), then wake each with a read_file")
     args = ap.parse_args()
@@ -97,6 +105,8 @@ def main() -> int:
     if hard < args.sessions + 64:
         print(f"density: this process may hold {hard} descriptors, a session takes one: expect failures",
               file=sys.stderr)
+    if args.against:
+        return against(args)
     tmp = bench_dir("density")
     daemon, sock = start_daemon(tmp)
     wt = os.path.join(tmp, "wt")
@@ -212,6 +222,74 @@ def main() -> int:
                 else "n/a (session processes are not dumpable: run as root to read them)")
     print(f"processes: {len(procs) / n:.1f} a session; unique memory (USS): {uss_text}")
     return 1 if failures else 0
+
+
+def against(args: argparse.Namespace) -> int:
+    """``--against DIR``: the same sessions on a daemon of this checkout and
+    one of DIR, opened alternately (which side goes first alternates too),
+    so that both see the same load; each side's opens, processes and USS."""
+    tmp = bench_dir("density")
+    sides = {"this": "", "against": os.path.abspath(args.against)}
+    daemons: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    wt = os.path.join(tmp, "wt")
+    os.mkdir(wt)
+    Path(wt, "f.txt").write_text("hello\n")
+    opens: dict[str, list[float]] = {name: [] for name in sides}
+    failures: dict[str, list[str]] = {name: [] for name in sides}
+    sessions: dict[str, list[dispatch.Session]] = {name: [] for name in sides}
+    clients: dict[str, dispatch.Client] = {}
+    before: dict[str, set[int]] = {}
+    try:
+        for name, code in sides.items():
+            os.mkdir(os.path.join(tmp, name))
+            daemons[name] = start_daemon(os.path.join(tmp, name), code=code)
+            clients[name] = dispatch.connect(daemons[name][1])
+        time.sleep(0.5)
+        for name, (proc, _) in daemons.items():
+            before[name] = {proc.pid, *children(proc.pid)}
+        for i in range(args.sessions):
+            for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                t = time.perf_counter()
+                try:
+                    s = clients[name].open_session(wt, network=args.network)
+                    s.registry.get("read_file").call({"path": "f.txt"})
+                except Exception as exc:  # counted and reported, not raised
+                    failures[name].append(f"{type(exc).__name__}: {exc}")
+                    continue
+                opens[name].append(time.perf_counter() - t)
+                sessions[name].append(s)
+                if args.pace:
+                    time.sleep(args.pace)
+        time.sleep(1.0)
+        procs = {name: [p for p in children(proc.pid) if p not in before[name]]
+                 for name, (proc, _) in daemons.items()}
+        for name in sides:
+            private = [uss(p) for p in procs[name]]
+            readable = [u for u in private if u is not None]
+            n = max(1, len(sessions[name]))
+            uss_text = (f"{sum(readable) / n / 1024:.0f} KiB a session" if readable and len(readable) == len(private)
+                        else "n/a (not dumpable: run bench/uss_of.py as root on the pid file)")
+            print(f"{name}: {len(sessions[name])} open, {len(failures[name])} failed"
+                  + (f" (first: {failures[name][0]})" if failures[name] else "")
+                  + (f"; open → first read_file p50 {fmt(statistics.median(opens[name])).strip()}, "
+                     f"p99 {fmt(pct(opens[name], 0.99)).strip()}" if opens[name] else "")
+                  + f"; processes {len(procs[name]) / n:.1f} a session; USS {uss_text}", flush=True)
+        if args.hold > 0:
+            for name in sides:
+                path = args.pidfile + ("" if name == "this" else ".against")
+                Path(path).write_text("\n".join(map(str, procs[name])) + "\n")
+            print(f"holding for {args.hold:g} s; pids: {args.pidfile} (this), {args.pidfile}.against", flush=True)
+            time.sleep(args.hold)
+        for name in sides:
+            for s in sessions[name]:
+                s.close()
+    finally:
+        for c in clients.values():
+            c.close()
+        for proc, _ in daemons.values():
+            stop_daemon(proc, 60)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 1 if any(failures.values()) else 0
 
 
 if __name__ == "__main__":

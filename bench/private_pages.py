@@ -101,7 +101,10 @@ def main() -> int:
     contents: collections.Counter[bytes] = collections.Counter()
     total = 0
     with open("/proc/kpagecount", "rb") as counts:
-        for pid in args.pids:
+        for pid in list(args.pids):
+            if not os.path.exists(f"/proc/{pid}/mem"):
+                args.pids.remove(pid)  # ended since it was listed (a sandbox of the pool, adopted or retired)
+                continue
             worker = open(f"/proc/{pid}/mem", "rb", buffering=0) if args.diff or args.dups else None  # noqa: SIM115
             parent = open(f"/proc/{_parent(pid)}/mem", "rb", buffering=0) if args.diff else None  # noqa: SIM115
             try:
