@@ -11,6 +11,7 @@ IPv4/IPv6 sockets, and Landlock TCP rules).
 from __future__ import annotations
 
 import errno
+import secrets
 
 import socket
 import time
@@ -266,9 +267,12 @@ def test_a_background_process_started_while_on_cannot_reach_after_off(mode_clien
             f"        socket.create_connection(({HOST[mode]!r}, {tcp.port}), timeout=1).close()\n"
             "        print('ok', flush=True)\n    except OSError as e:\n        print('error', e.errno, flush=True)\n"
             "    time.sleep(0.05)\n")
-    Path(worktree, "loop.py").write_text(loop)
+    # A name of its own: in degraded mode ps sees every process of the
+    # machine, this very test's loop in a run beside this one too.
+    script = f"loop-{secrets.token_hex(4)}.py"
+    Path(worktree, script).write_text(loop)
     with client.open_session(str(worktree), network=True) as s:
-        assert shell(s, "nohup python3 loop.py > loop.log 2>&1 &", background=True).is_success
+        assert shell(s, f"nohup python3 {script} > loop.log 2>&1 &", background=True).is_success
         deadline = time.monotonic() + 5
         while tcp.accepted < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -289,12 +293,12 @@ def test_a_background_process_started_while_on_cannot_reach_after_off(mode_clien
                 time.sleep(0.1)
             assert f"error {ENETUNREACH}" in Path(worktree, "loop.log").read_text()
             assert tcp.accepted == after
-            assert "python3 loop.py" in shell(s, "ps ax -o args").metadata["stdout"]
+            assert f"python3 {script}" in shell(s, "ps ax -o args").metadata["stdout"]
         else:
             assert "process(es) the session had started were ended" in s.status()["note"]
             assert "no user namespaces" in s.status()["note"]
             assert Path(worktree, "loop.log").stat().st_size == size  # the process is gone
-            assert "python3 loop.py" not in shell(s, "ps ax -o args").metadata["stdout"]
+            assert f"python3 {script}" not in shell(s, "ps ax -o args").metadata["stdout"]
 
 
 def test_a_server_started_while_on_keeps_serving_the_session_after_off(mode_client, worktree: Path) -> None:
