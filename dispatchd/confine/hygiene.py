@@ -93,8 +93,9 @@ def lead_session() -> None:
     new_session()
     tty = controlling_terminal()
     if tty != 0:
-        raise ConfinementError("hygiene: controlling terminal",
-                               detail=f"a new session has the terminal {tty:#x}: its workers would share it")
+        why = (f"a new session has a terminal (device {tty:#x})" if tty > 0 else
+               "cannot tell whether a new session has a terminal (/proc/self/stat unreadable, /dev/tty not ENXIO)")
+        raise ConfinementError("hygiene: controlling terminal", detail=f"{why}: its workers would share it")
 
 
 def new_group() -> None:
