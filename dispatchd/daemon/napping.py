@@ -83,13 +83,13 @@ class Napping(Ending):
             # Our own descriptor: a close meanwhile closes the worker's.
             pidfd = os.dup(session.worker.pidfd) if session.worker is not None and session.worker.pidfd >= 0 else -1
         try:
-            status = exits.exit_status(pidfd) if pidfd >= 0 else None
+            status = exits.exit_status(pidfd) if pidfd >= 0 else exits.Unknown.NO_HANDLE
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
         word, sentence = exits.describe_exit(status, idle_timeout_s=session.policy.limits.idle_timeout_s,
                                              tool_server_is_init=has_pid_namespace(session))
-        died = self.fork_server.death(0.1 if status is None or os.WIFSIGNALED(status) else 0.0)
+        died = self.fork_server.death(0.1 if isinstance(status, exits.Unknown) or os.WIFSIGNALED(status) else 0.0)
         if died:  # its parent's end took the worker: that is the cause (daemon/helpers.py)
             word, sentence = "fork_server_died", f"{died}; dispatchd exits so that a new one is started: " \
                                                  "open the session again"

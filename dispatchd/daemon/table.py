@@ -115,7 +115,7 @@ class SessionTable:
     def _ended_error(self, session: Session) -> SessionError:
         """The session's worker is gone: wait (briefly) for its watcher to say why."""
         session.ended.wait(exits.REASON_WAIT_S)
-        deadline = time.monotonic() + exits.REASON_WAIT_S
+        deadline = time.monotonic() + exits.STATUS_WAIT_S + 1.0  # the watcher's wait for the status, and its report
         while is_live(session.state) and time.monotonic() < deadline:
             time.sleep(0.01)
         why = self._ended.get(session.id) or "its worker has gone"

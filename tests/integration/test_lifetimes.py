@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
+from dispatchd.daemon import exits
 from tests.conftest import REPO, Daemon, processes_in, shell, wait_until
 
 POLICIES = {
@@ -228,6 +229,33 @@ def _cut_write(d: Daemon, client: dispatch.Client, worktree: Path) -> tuple[disp
             return session, results[0]
         session.close()  # the write won the race: again
     raise AssertionError("every write finished before it could be cut; nothing tested")
+
+
+def test_a_gone_processs_status_is_read_from_its_pidfd_once_reaped_and_unknown_until_then() -> None:
+    # The daemon is not the worker's parent: the status reaches the pidfd
+    # with the fork server's reaping. Here the test is the parent and reaps.
+    proc = subprocess.Popen(["sh", "-c", "exit 3"])
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        assert wait_until(lambda: os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None)
+        # Exited, not reaped: not known yet (and said so: not "this kernel cannot say").
+        assert exits.exit_status(pidfd, timeout_s=0.2) is exits.Unknown.NOT_YET
+        assert proc.wait() == 3
+        assert exits.exit_status(pidfd, timeout_s=0.2) == 3 << 8
+    finally:
+        os.close(pidfd)
+    # Still running: not known within the timeout, and the call waited no longer.
+    sleeper = subprocess.Popen(["sleep", "30"])
+    pidfd = os.pidfd_open(sleeper.pid)
+    try:
+        started = time.monotonic()
+        assert exits.exit_status(pidfd, timeout_s=0.2) is exits.Unknown.NOT_YET
+        assert time.monotonic() - started < 5
+        sleeper.kill()
+        sleeper.wait()
+        assert exits.exit_status(pidfd, timeout_s=0.2) == signal.SIGKILL
+    finally:
+        os.close(pidfd)
 
 
 @pytest.mark.parametrize("mode", ["full", "degraded"])

@@ -65,7 +65,11 @@ def test_exit_causes_are_named() -> None:
     assert exits.describe_exit(exits.EXIT_IDLE << 8, idle_timeout_s=5)[0] == "idle"
     assert "ended idle" in exits.describe_exit(exits.EXIT_IDLE << 8, idle_timeout_s=5)[1]
     assert exits.describe_exit(1 << 8, idle_timeout_s=1)[0] == "worker_failed code=1"
-    assert exits.describe_exit(None, idle_timeout_s=1)[0] == "worker_exited"
+    # A status not known says which: the kernel cannot tell, or it was not known in time.
+    assert exits.describe_exit(exits.Unknown.NO_KERNEL, idle_timeout_s=1) == (
+        "worker_exited", "its worker exited (this kernel does not say how: Linux 6.15+ does)")
+    assert exits.describe_exit(exits.Unknown.NOT_YET, idle_timeout_s=1) == (
+        "worker_exited", "its worker exited (how was not known within 10 s)")
 
 
 def test_stale_scratch_names_are_ours_only() -> None:
