@@ -15,14 +15,14 @@ Guarantees:
 - a slow call can be cancelled and streams its output when asked; a
   command's Result carries the worktree paths it changed
   (``metadata["changed"]``) and the hosts the network rules refused during
-  it (``metadata["network_denied"]``).
+  it (``metadata["network_denied"]``): every refusal made while it ran,
+  however late the control loop gets to run (``_with_denials``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import select
 import threading
 import time
 from collections.abc import Callable
@@ -262,8 +262,16 @@ class Calls:
         """``out`` with the proxy's refusals since ``started``: their list in
         ``metadata["network_denied"]``, and one line at the end of the text
         naming them and the command that allows them. By time window: a
-        refusal during two calls of the session at once goes to both."""
-        self._settle_control()
+        refusal during two calls of the session at once goes to both.
+
+        None is lost to a control loop slow to run: a refusal is sent on the
+        control channel before the refused process hears of it, so it is on
+        the channel before the call can end, and ``Control.settle`` waits
+        until the loop has recorded every frame there (unless the loop is
+        stuck for ``SETTLE_MOST_S``). A refusal is timed when the loop
+        records it: one made just before the call began and recorded after
+        is counted too; one made during it, always."""
+        self.control.settle()
         seen: dict[str, str] = {}
         for when, where, allow in list(self.denials):
             if when >= started:
@@ -281,14 +289,3 @@ class Calls:
             return Outcome(True, f"{text}{'' if not text or text.endswith(chr(10)) else chr(10)}{line}", None, meta)
         text = out.error or ""
         return Outcome(False, None, f"{text}{'' if not text or text.endswith(chr(10)) else chr(10)}{line}", meta)
-
-    def _settle_control(self, most_s: float = 0.1) -> None:
-        """Let the control loop read what the daemon sent already: a refusal
-        is sent before the refused process hears of it, so before its call
-        can end, but the loop may not have read it yet."""
-        frames = self.control.frames
-        poller = select.poll()
-        poller.register(frames.fileno(), select.POLLIN)
-        deadline = time.monotonic() + most_s
-        while (frames.buffered() or poller.poll(0)) and time.monotonic() < deadline:
-            time.sleep(0.002)

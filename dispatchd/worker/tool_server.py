@@ -275,6 +275,24 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
         orphans.adopt_orphans()
     server = _Server(plan, Control(control))
     server.expect_first_channel()
+    _control_loop(server)
+
+
+def _control_loop(server: _Server) -> None:
+    """Read the daemon's messages until it closes the control channel. A
+    frame is read and, if a refusal, recorded between ``Control.reading``
+    and ``Control.recorded`` (what ``Control.settle`` waits for); the other
+    messages are handled after: a call that settles never waits for one
+    (a ``Pause`` waits for the calls in flight)."""
+    try:
+        _read_control(server)
+    finally:
+        server.control.ended()  # a call settling (Control.settle) waits no more
+
+
+def _read_control(server: _Server) -> None:
+    link = server.control
+    control = link.frames
     poller = select.poll()
     poller.register(control.fileno(), select.POLLIN)
     poller.register(server.records_wake, select.POLLIN)
@@ -286,12 +304,18 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
         server.housekeeping(server.records_wake in ready)
         if not buffered and control.fileno() not in ready:
             continue
+        link.reading()
         try:
             msg = control.recv(protocol.to_worker_decoder)
+            if isinstance(msg, protocol.NetworkDenied):
+                server.note_denied(msg)
+                continue
         except protocol.DescriptorsLost:
             continue  # a channel cut on its way (out of descriptors): its client sees it closed
         except (protocol.ProtocolError, OSError):
             return
+        finally:
+            link.recorded()
         if msg is None:
             return  # the daemon closed the session or went away
         if isinstance(msg, protocol.AddChannel):
@@ -303,8 +327,6 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
             server.add_channel(socket.socket(fileno=fd))
         elif isinstance(msg, (protocol.OkReply, protocol.ErrorReply)):
             server.write_lock.answer(msg)
-        elif isinstance(msg, protocol.NetworkDenied):
-            server.note_denied(msg)
         elif isinstance(msg, protocol.ForgetWriteLock):
             server.write_lock.held = False  # the next mutating call asks the daemon again
         elif isinstance(msg, protocol.SetCommandEnv):
