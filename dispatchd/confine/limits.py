@@ -7,7 +7,14 @@ nothing in the session can raise them again — it has no CAP_SYS_RESOURCE):
   (a fork bomb stops there and the user's other processes are untouched).
   Without one the kernel counts every task (thread) of the user, so the limit
   is set to what the user runs at open, threads included, plus the session's
-  budget;
+  budget: headroom the user's processes started later take from (a call is
+  then refused, or its forks fail, until they end; SECURITY.md). With one,
+  the user's whole count is still checked at the level above the session's,
+  against the limit the namespace's creator had when it made it (Linux
+  5.14+, ``enforced_nproc_rlimit``): the fork server makes it (``clone3``)
+  with the user's own limit, before this lowers any, so the user's processes
+  elsewhere never stop the session's forks
+  (``test_long_work.py::test_a_session_forks_while_the_user_runs_more_tasks_elsewhere_than_its_limit``);
 - memory: each process's data segment is capped at ``max_data_bytes``
   (RLIMIT_DATA: heap and private writable mappings; reserved-but-unused
   address space, as V8 and the JVM make, does not count);

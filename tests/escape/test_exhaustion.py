@@ -41,13 +41,19 @@ max_file_bytes = 10485760
 output_cap_bytes = 65536
 command_timeout_s = 20
 """
+# The same but for the process budget, for a test here that is not about it:
+# in degraded mode a session's process limit is the user's count at open plus
+# its budget, and the user's processes started since (tests beside this one,
+# on other workers or in another run, as the same user) take from that
+# headroom (SECURITY.md); 2,000 is more than they come to.
+ROOMY = TIGHT.replace("max_processes = 40", "max_processes = 2000")
 
 
 @pytest.fixture(scope="module", params=MODES)
 def tight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dispatch.Client]:
     _refuse_root()
     base = tmp_path_factory.mktemp(f"exhaust-{request.param}")
-    d = mode_daemon(base, request.param, policies={"tight": TIGHT})
+    d = mode_daemon(base, request.param, policies={"tight": TIGHT, "roomy": ROOMY})
     try:
         with connect(d, request.param) as c:
             yield c
@@ -78,19 +84,33 @@ def _still_serving(client: dispatch.Client, tmp_path: Path) -> None:
 
 
 def _call(session: dispatch.Session, command: str, **params: object) -> dispatch.Result:
-    """``shell``, tried again while the call is refused at its start for want
-    of a process ("could not start /bin/bash: Resource temporarily
-    unavailable"): in degraded mode the limit is the user's count at open
-    plus the budget, and tests beside this one as the same user (other
-    workers, other runs) can take that headroom a while. No test here is
-    about a refused start."""
+    """``shell_exec`` of ``command``, tried again while refused at its start
+    (``_tool``)."""
+    return _tool(session, "shell_exec", {"command": command, **params})
+
+
+def _tool(session: dispatch.Session, tool: str, params: dict[str, object]) -> dispatch.Result:
+    """A call of ``tool``, tried again while it is refused at its start for
+    want of a process ("could not start /bin/bash: Resource temporarily
+    unavailable") or of a thread ("the tool server cannot start a thread"):
+    in degraded mode the limit is the user's count at open plus the budget,
+    and tests beside this one as the same user (other workers, other runs)
+    can take that headroom a while. A refused call ran nothing (no command,
+    no tool), so trying it again changes no outcome; a call that ran is never
+    tried again. No test here is about a refused start."""
     deadline = time.monotonic() + RETRY_S
-    r = shell(session, command, **params)
-    while "exit_code" not in r.metadata and "Resource temporarily unavailable" in (r.error or "") \
-            and time.monotonic() < deadline:
+    r = session.registry.get(tool).call(params)
+    while _refused_at_start(r) and time.monotonic() < deadline:
         time.sleep(0.2)
-        r = shell(session, command, **params)
+        r = session.registry.get(tool).call(params)
     return r
+
+
+def _refused_at_start(r: dispatch.Result) -> bool:
+    error = r.error or ""
+    return "exit_code" not in r.metadata and (
+        ("could not start " in error and "Resource temporarily unavailable" in error)
+        or "the tool server cannot start a thread" in error)
 
 
 def _job_running(session: dispatch.Session, marker: str) -> int:
@@ -103,22 +123,6 @@ def _job_running(session: dispatch.Session, marker: str) -> int:
     assert wait_until(lambda: len(sleepers(marker)) == 1), "the background job never started"
     (pid,) = sleepers(marker)
     return pid
-
-
-def _shell_once_it_can(session: dispatch.Session, command: str) -> dispatch.Result:
-    """``command``, tried again while no process can be started. In degraded
-    mode the process limit is the user's count at open plus the session's
-    budget, and that count is every process of the user's: the bomb's last
-    ones being reaped, and those of tests beside this one as the same user
-    (other workers, other runs), can hold it at the limit a while."""
-    deadline = time.monotonic() + RETRY_S
-    r = _call(session, command)
-    # Refused at its start (the error), or its bash could not fork (stderr).
-    while r.is_failure and "Resource temporarily unavailable" in (r.error or "") + str(r.metadata.get("stderr", "")) \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
-        r = _call(session, command)
-    return r
 
 
 def test_fork_bomb_stops_at_the_process_limit(tight: dispatch.Client, worktree: Path, tmp_path: Path) -> None:
@@ -191,22 +195,25 @@ def test_a_timed_out_fork_bomb_ends_with_its_call(session: dispatch.Session, wor
 
 
 def test_a_process_leaving_its_group_with_no_environment_ends_with_its_timed_out_call(
-        session: dispatch.Session, worktree: Path) -> None:
-    # setsid: another session and group; env -i: no marker; the subshell exits: an orphan.
-    r = _call(session, "(setsid env -i /bin/sleep 60 &); sleep 30", timeout=1)
-    assert r.metadata.get("timed_out") is True, r
-    assert gone(lambda: processes_in(worktree))
-    # In a call that returns by itself, too: ended before it returns.
-    r = _shell_once_it_can(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok")
-    # stdout and the count: bash may say "fork: retry" on stderr in degraded
-    # mode (the user's limit counts other runs' processes), then fork.
-    assert (_stdout(r), r.metadata["ended_processes"]) == ("ok\n", 1), r
-    assert "[dispatchd: ended 1 process" in r.output and processes_in(worktree) == []
-    # The twin: the same in a background job runs on, until job_stop.
-    job = _call(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok", background=True)
-    assert wait_until(lambda: len(processes_in(worktree)) == 2)  # the keeper and the sleep
-    assert session.registry.get("job_stop").call({"job": job.metadata["job"]}).is_success
-    assert gone(lambda: processes_in(worktree))
+        tight: dispatch.Client, worktree: Path) -> None:
+    # Not about the process limit: a roomy budget, which in degraded mode
+    # processes of tests beside this one (the user's) do not take up.
+    with tight.open_session(str(worktree), policy="roomy") as session:
+        # setsid: another session and group; env -i: no marker; the subshell
+        # exits: an orphan, started before the timeout ("started").
+        r = _call(session, "(setsid env -i /bin/sleep 60 &); echo started; sleep 30", timeout=3)
+        assert (r.metadata.get("timed_out"), r.metadata.get("stdout")) == (True, "started\n"), r
+        assert gone(lambda: processes_in(worktree))
+        # In a call that returns by itself, too: ended before it returns.
+        r = _call(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok")
+        assert (_stdout(r), r.metadata["ended_processes"]) == ("ok\n", 1), r
+        assert "[dispatchd: ended 1 process" in r.output and processes_in(worktree) == []
+        # The twin: the same in a background job runs on, until job_stop.
+        job = _call(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok", background=True)
+        assert wait_until(lambda: len(processes_in(worktree)) == 2)  # the keeper and the sleep
+        stop = _tool(session, "job_stop", {"job": job.metadata["job"]})
+        assert stop.is_success, stop
+        assert gone(lambda: processes_in(worktree))
 
 
 def test_a_fork_bomb_that_returns_at_once_leaves_nothing(session: dispatch.Session, worktree: Path,

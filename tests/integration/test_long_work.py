@@ -9,13 +9,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import dispatch
 from dispatch.client import Cancellation
-from tests.conftest import REPO, Daemon, _refuse_root, gone, processes_in, shell, sleepers, wait_until
+from tests.conftest import REPO, Daemon, _refuse_root, gone, probe, processes_in, shell, sleepers, wait_until
 
 
 _sleepers = sleepers  # the name other test modules imported from here before it moved to tests/conftest.py
@@ -530,8 +531,13 @@ def test_a_fork_bomb_left_running_leaves_the_tool_server_its_reserve(tight_daemo
     with tight_daemon.connect() as c, c.open_session(str(worktree), policy="tight") as s:
         assert shell(s, "ulimit -Su; sleep 0.1; ulimit -Hu").output == "60\n60\n"  # 80 less the server's reserve (a quarter)
         # The bomb's shell returns at once: a call's processes end with it...
-        r = shell(s, "b() { b | b & }; b", timeout=5)
-        assert r.metadata["ended_processes"] > 0, r.metadata
+        # Started with one fork (`b &`), made before the bomb exists: bash
+        # forks a pipeline's two sides itself, so a bare `b` forks twice, and
+        # on a loaded machine the first side's bomb can take the session's 60
+        # between the two, leaving bash retrying its second fork (EAGAIN)
+        # past the timeout.
+        r = shell(s, "b() { b | b & }; b &", timeout=5)
+        assert r.metadata["timed_out"] is False and r.metadata["ended_processes"] > 0, r.metadata
         # ... a job's go on, at the limit.
         job = shell(s, "b() { b | b & }; b", background=True).metadata["job"]
         time.sleep(1)
@@ -541,5 +547,73 @@ def test_a_fork_bomb_left_running_leaves_the_tool_server_its_reserve(tight_daemo
         assert s.registry.get("job_list").call({}).output.startswith(f"{job}\t")
     # Closing the session ends the bomb.
     assert gone(lambda: processes_in(worktree))
+
+
+# Tasks (threads) of the user outside any session: more than the session's
+# whole budget (80) and than its commands' limit (60).
+_ELSEWHERE = 300
+_HOLD = """
+import sys, threading
+stop = threading.Event()
+for _ in range(int(sys.argv[1])):
+    threading.Thread(target=stop.wait, daemon=True).start()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+# Forks until refused; prints the refusal's errno name (None: never refused) and how many it made.
+_FORK_UNTIL_REFUSED = """
+import errno, os, signal
+pids, refused = [], None
+while len(pids) < 200:
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        refused = errno.errorcode[exc.errno]
+        break
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    pids.append(pid)
+for pid in pids:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print(refused, len(pids))
+"""
+
+
+@pytest.fixture
+def tasks_elsewhere() -> Iterator[None]:
+    """The user runs ``_ELSEWHERE`` more tasks outside the daemon while the test runs."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(_ELSEWHERE)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+        for stream in (holder.stdin, holder.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def test_a_session_forks_while_the_user_runs_more_tasks_elsewhere_than_its_limit(
+        tight_daemon: Daemon, worktree: Path, tasks_elsewhere: None) -> None:
+    # With a user namespace the session's limit counts the session's own
+    # tasks; the user's count above it is checked against what the namespace's
+    # creator (the fork server, the user's own limit) had, never the session's.
+    with tight_daemon.connect() as c, c.open_session(str(worktree), policy="tight") as s:
+        r = shell(s, "/bin/true && /bin/true && echo forked")
+        assert r.output == "forked\n", r.metadata
+
+
+def test_the_sessions_own_limit_still_stops_its_forks_while_the_user_runs_tasks_elsewhere(
+        tight_daemon: Daemon, worktree: Path, tasks_elsewhere: None) -> None:
+    with tight_daemon.connect() as c, c.open_session(str(worktree), policy="tight") as s:
+        refused, made = probe(s, _FORK_UNTIL_REFUSED).split()
+        # Refused at the commands' 60, less what runs already (the tool
+        # server's threads, bash, python): neither at once (the user's 300
+        # elsewhere) nor never.
+        assert refused == "EAGAIN" and 40 <= int(made) < 60, (refused, made)
 
 
