@@ -568,8 +568,11 @@ def test_a_directory_swapped_for_a_link_outside_is_never_read_through_the_lane(
         swapper = subprocess.Popen([sys.executable, "-c", _SWAP_LOOP, root, str(away)])
         _until_swapping(root)
         answered = handed = 0
+        # 3,000 reads, and on until one has met the link: on a loaded machine
+        # the swapper may not have run beside the first 3,000.
+        deadline = time.monotonic() + 120
         try:
-            for _ in range(3000):
+            while answered + handed < 3000 or (handed == 0 and time.monotonic() < deadline):
                 ours.sendall(data)
                 took = _serve(lane, root_fd)
                 if isinstance(took, float):
@@ -584,7 +587,7 @@ def test_a_directory_swapped_for_a_link_outside_is_never_read_through_the_lane(
             swapper.wait()
     finally:
         os.close(root_fd)
-    assert answered + handed == 3000 and handed > 0  # the race was run: some opens met the link
+    assert answered + handed >= 3000 and handed > 0  # the race was run: some opens met the link
     assert (away / "f.txt").read_text() == "secret\n"
 
 
