@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import _refuse_root, gone, processes_in, shell, sleepers, wait_until
+from tests.conftest import _refuse_root, gone, processes_in, sleepers, wait_until
 from tests.escape.conftest import MODES, connect, mode_daemon
 
 # A fork bomb in degraded mode meets the user's process limit, which every
