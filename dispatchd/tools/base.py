@@ -144,6 +144,14 @@ def run_tool(tool: Tool, ctx: ToolContext, params: Any) -> Outcome:
         return failed(tool, ctx, exc)
 
 
+def no_thread(name: str, exc: BaseException) -> str:
+    """The words for a thread the tool server could not start (``RuntimeError:
+    can't start new thread``): the session's commands hold every process its
+    limit allows but the server's reserve (``proctree``)."""
+    return (f"{name}: the tool server cannot start a thread ({exc}): the session is at its process "
+            "limit (its commands hold every process it may have); stop some and retry")
+
+
 def invalid(tool: Tool, exc: msgspec.ValidationError) -> Outcome:
     """The Outcome of arguments that do not fit the tool's parameters."""
     return Outcome.fail(f"{tool.spec.name}: invalid arguments: {exc}")
@@ -162,4 +170,6 @@ def failed(tool: Tool, ctx: ToolContext, exc: Exception) -> Outcome:
         if isinstance(exc.filename, str) and is_below(exc.filename, ctx.root):
             where = f": {exc.filename[len(ctx.root.rstrip('/')) + 1:]}"
         return Outcome.fail(f"{name}: {exc.strerror or type(exc).__name__}{where}")
+    if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+        return Outcome.fail(no_thread(name, exc))  # the session at its process limit, not a bug
     return Outcome.fail(f"{name}: {type(exc).__name__}: {exc}")  # a bug

@@ -315,12 +315,31 @@ class Jobs:
             job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout, out_fd=out_r,
                       status_fd=ours.detach())
             self._jobs[jid] = job
-        threading.Thread(target=job.pump, name=f"job {jid}", daemon=True).start()
+            try:
+                threading.Thread(target=job.pump, name=f"job {jid}", daemon=True).start()
+            except RuntimeError:
+                # can't start new thread (the session at its process limit):
+                # no job runs that nothing reads; the call fails saying why.
+                self._unstart(job, dir_fd)
+                raise
         return Outcome.ok(
             f"started background job {jid}: read its output with job_output (job \"{jid}\"), "
             "end it with job_stop",
             {"job": jid, "running": True, "log": f"{self.scratch}/jobs/{jid}.log"},
         )
+
+    def _unstart(self, job: Job, dir_fd: int) -> None:
+        """With ``_lock`` held: end a job whose thread could not start, and
+        forget it (its processes, descriptors and log)."""
+        job.kill("not started")
+        job._reap(block=True)
+        for fd in (job.out_fd, job.status_fd, job.log_fd):
+            os.close(fd)
+        del self._jobs[job.id]
+        try:
+            os.unlink(f"{job.id}.log", dir_fd=dir_fd)
+        except OSError:
+            pass
 
     def _forget_ended(self, dir_fd: int) -> None:
         """With ``_lock`` held: make room under ``MAX_KEPT``, oldest ended jobs first."""

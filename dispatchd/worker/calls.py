@@ -34,7 +34,7 @@ from dispatchd import protocol
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.policy import MUTATING_TOOLS
 from dispatchd.tools import changes
-from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed, invalid
+from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed, invalid, no_thread
 from dispatchd.worker import pausegate, redact
 from dispatchd.worker.activity import Activity, call_usage
 from dispatchd.worker.control import Control, WriteLock
@@ -143,9 +143,7 @@ class Calls:
             with channel.calls_lock:
                 channel.calls.pop(rid, None)
             activity.end(key)
-            channel.reply(protocol.ToolReply(id=rid, success=False, error=(
-                f"{req.tool}: the tool server cannot start a thread ({exc}): the session is at its process "
-                "limit (its commands hold every process it may have); stop some and retry")))
+            channel.reply(protocol.ToolReply(id=rid, success=False, error=no_thread(req.tool, exc)))
 
     def _call_here(self, channel: Channel, req: protocol.CallTool, tool: Tool, key: int,
                    control: CallControl) -> None:

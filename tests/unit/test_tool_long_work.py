@@ -187,6 +187,33 @@ def test_job_stop_kills_the_job_and_its_detached_children(ctx: ToolContext) -> N
     assert run(ctx, "job_list").output == f"{job}\tstopped\tsetsid sleep 404.4 > /dev/null 2>&1 & sleep 404.4"
 
 
+def test_a_job_whose_thread_cannot_start_is_ended_and_the_call_says_why(
+        ctx: ToolContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session at its process limit may have room for the job's bash but
+    not for the thread that reads it: the job is ended and forgotten (none
+    runs that nothing reads), and the call says what stands in the way."""
+    start = threading.Thread.start
+
+    def no_job_thread(thread: threading.Thread) -> None:
+        if thread.name.startswith("job "):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", no_job_thread)
+    r = run(ctx, "shell_exec", command="sleep 505.5", background=True)
+    assert r.error == ("shell_exec: the tool server cannot start a thread (can't start new thread): the session is "
+                       "at its process limit (its commands hold every process it may have); stop some and retry")
+    assert gone_within("505.5", 1.0)
+    assert run(ctx, "job_list").output == "no background jobs"
+    assert not (Path(ctx.scratch) / "jobs" / "job_1.log").exists()
+    # The twin: with its thread, the same call starts a job that runs.
+    monkeypatch.undo()
+    r = run(ctx, "shell_exec", command="sleep 505.5", background=True)
+    assert r.success and run(ctx, "job_list").output == f"{r.metadata['job']}\trunning\tsleep 505.5"
+    assert run(ctx, "job_stop", job=r.metadata["job"]).success
+    assert gone_within("505.5", 1.0)
+
+
 def _ended(ctx: ToolContext, job: str) -> Outcome:
     out = run(ctx, "job_output", job=job, wait=5)
     deadline = time.monotonic() + 5
