@@ -318,7 +318,9 @@ def test_the_c_helper_starts_bash_as_a_child_subreaper(ctx: ToolContext) -> None
     assert native.lines is not None and hasattr(native.lines, "spawn_subreaper")
     # THP_enabled is the line before; the attribute itself is not in /proc: a
     # double fork's orphan names bash as its parent instead of the host's init.
-    r = sh(ctx, "(sleep 0.3 & echo $! > orphan) ; sleep 0.1; ps -o ppid= -p $(cat orphan); echo $$")
+    # The subshell has exited when bash goes on (it waits for it); the orphan
+    # lives on until killed (a short sleep could end before ps reads it).
+    r = sh(ctx, "(sleep 30.7 & echo $! > orphan); ps -o ppid= -p $(cat orphan); echo $$; kill $(cat orphan)")
     ppid, bash = r.metadata["stdout"].split()
     assert ppid == bash, r
 
