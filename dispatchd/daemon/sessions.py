@@ -129,6 +129,7 @@ class SessionManager(Switching):
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
         # Checkpoints of sessions' worktrees, their objects in the baselines' keep (daemon/checkpoints/).
         self.checkpoints = checkpoints.Store(state_dir, self.baselines.keep_dir)
+        self.checkpoints.later = afterwards.later  # a done restore's record removal made durable after the reply
         self._lock = threading.Lock()
         self.accepting = True
         # Opens in flight: close_all waits for them (a session they register

@@ -42,6 +42,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -170,9 +171,12 @@ def begin(top: str, record: Record) -> int:
     return fd
 
 
-def done(top: str, fd: int, fsync: bool) -> None:
+def done(top: str, fd: int, sync: Callable[[str], None] | None) -> None:
     """The restore is complete: its record goes (if it is still the one
-    ``fd`` holds), then its lock."""
+    ``fd`` holds), then its lock; ``sync`` (with ``limits.fsync``) makes the
+    removal durable, perhaps after the reply (``afterwards.fsync_dir``): a
+    machine that crashes before brings the record back, and the next start
+    finds the worktree restored already (or changed since: then kept)."""
     try:
         path = os.path.join(top, RECORD)
         with contextlib.suppress(FileNotFoundError):
@@ -180,8 +184,8 @@ def done(top: str, fd: int, fsync: bool) -> None:
             mine = os.fstat(fd)
             if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
                 os.unlink(path)
-                if fsync:
-                    fsync_directory(top)
+                if sync is not None:
+                    sync(top)
     finally:
         os.close(fd)
 

@@ -185,6 +185,25 @@ def _put_objects(worktree: str, manifest: Manifest) -> int:
     return put
 
 
+def fsync_dirs(worktree: str, paths: set[bytes]) -> None:
+    """fsync the directories ``paths`` below ``worktree`` (opened as a
+    restore opens them: no symlink followed): the renames in them durable."""
+    root_fd = os.open(worktree, _DIR)
+    try:
+        for path in sorted(paths):
+            fd = open_beneath(root_fd, os.fsdecode(path), _DIR) if path else root_fd
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+                    raise
+            finally:
+                if fd != root_fd:
+                    os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
 def _is_dir_at(fd: int, name: str) -> bool:
     try:
         return stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)

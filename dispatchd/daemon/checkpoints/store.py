@@ -16,6 +16,7 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,7 +32,7 @@ from dispatchd.protocol import CheckpointInfo
 from dispatchd.daemon.checkpoints import journal
 from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _DIR, _FANOUT, _FSYNC_EACH, _OBJECTS, _POOL, _TMP, _manifest_decoder, _parent, plan_copies, plan_restore
 from dispatchd.daemon.checkpoints.reading import Refused, _budget_words, _clone_fd, _copy_path, _entry, _open_readable, list_tree
-from dispatchd.daemon.checkpoints.restoring import _mib, _put_objects, _syncfs, apply_restore
+from dispatchd.daemon.checkpoints.restoring import _mib, _put_objects, _syncfs, apply_restore, fsync_dirs
 
 log = logging.getLogger("dispatchd.checkpoints")
 
@@ -63,6 +64,9 @@ class Store:
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self.pauses = Pauses()
+        # Where a done restore's record removal is made durable: at once, or
+        # after the reply (the daemon's ``afterwards.later``).
+        self.later: Callable[[Callable[[], None]], None] = lambda job: job()
         # Checkpoints of a daemon that died belong to sessions that died with
         # it; one half made is absent by construction (a temporary name). Spared:
         # a session's whose restore could not be finished (``journal``: kept,
@@ -287,7 +291,11 @@ class Store:
                                 started_ns=started_ns, max_files=policy.max_files, max_depth=policy.max_depth,
                                 fsync=fsync, pid=os.getpid())
         s = self._of(sid)
-        fd = journal.begin(top, record)
+        try:
+            fd = journal.begin(top, record)
+        except OSError as exc:  # nothing touched yet: refused, saying why
+            raise CheckpointError(f"restore refused: its record could not be written in {top}: {exc.strerror} "
+                                  "(a restore cut short could not be finished without it)", "restore_failed") from exc
         if s.record_fd >= 0:
             os.close(s.record_fd)  # the one a failed restore left: replaced by the rename
         s.record_fd, s.record_cid = fd, cid
@@ -297,11 +305,21 @@ class Store:
         done["objects"] = _put_objects(worktree, manifest) if manifest.objects else 0
         if fsync and (not each or done["objects"] or plan.remove or plan.make):
             _syncfs(worktree)
+        elif fsync and plan.write:
+            # Each file was fsynced; their renames too before the record goes.
+            fsync_dirs(worktree, {_parent(e.path) for e in plan.write})
         s.record_fd = -1
-        journal.done(top, fd, fsync)
+        journal.done(top, fd, self._sync_removal if fsync else None)
         log.info("event=checkpoint_restored session=%s checkpoint=%s removed=%s written=%s made=%s objects=%s",
                  sid, cid, done["removed"], done["written"], done["made"], done["objects"])
         return done
+
+
+    def _sync_removal(self, top: str) -> None:
+        def run() -> None:
+            with contextlib.suppress(FileNotFoundError):  # the session ended meanwhile: its directory went
+                fsync_directory(top)
+        self.later(run)
 
 
 class Pauses:
