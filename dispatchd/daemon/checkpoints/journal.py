@@ -41,6 +41,7 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable
 
@@ -51,7 +52,9 @@ from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.tempfiles import TEMP_NAME
 
-from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _manifest_decoder
+from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _manifest_decoder, plan_restore
+from dispatchd.daemon.checkpoints.reading import list_tree
+from dispatchd.daemon.checkpoints.restoring import _put_objects, _syncfs, apply_restore
 
 log = logging.getLogger("dispatchd.checkpoints")
 
@@ -101,11 +104,9 @@ def decode(data: bytes) -> Record:
 def recognise(record: Record, st: os.stat_result) -> str | None:
     """None when ``st`` (the worktree path's ``lstat``) is the worktree the
     record names; else why not."""
-    import stat as _stat
-
-    if _stat.S_ISLNK(st.st_mode):
+    if stat.S_ISLNK(st.st_mode):
         return "the worktree's path is now a symlink (not followed)"
-    if not _stat.S_ISDIR(st.st_mode):
+    if not stat.S_ISDIR(st.st_mode):
         return "the worktree's path is no longer a directory"
     if (st.st_dev, st.st_ino) != (record.dev, record.ino):
         return (f"another directory is at the worktree's path (device {st.st_dev} inode {st.st_ino}, "
@@ -242,7 +243,7 @@ def finish_all(root: str) -> tuple[list[str], list[str]]:
         try:
             why = _finish(top, fd)
         except Exception as exc:  # noqa: BLE001 (logged; the start goes on)
-            why = f"unexpected: {exc!r}"
+            why = _unfinished(top, None, f"unexpected: {exc!r}")
         if why is None:
             finished.append(sid)
         else:
@@ -251,10 +252,8 @@ def finish_all(root: str) -> tuple[list[str], list[str]]:
 
 
 def _finish(top: str, fd: int) -> str | None:
-    from dispatchd.daemon.checkpoints.reading import list_tree
-    from dispatchd.daemon.checkpoints.restoring import _put_objects, _syncfs, apply_restore
-    from dispatchd.daemon.checkpoints.plan import plan_restore
-
+    """The restore ``fd``'s record names, run again; None once done and its
+    record removed, else why not (logged)."""
     try:
         try:
             record = decode(os.read(fd, 1 << 20))
