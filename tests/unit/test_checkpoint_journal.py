@@ -244,7 +244,8 @@ def test_a_failed_restores_checkpoint_outlives_keep_and_goes_with_the_session(st
     assert store._of("s1").record_fd == -1
 
 
-def _cut_and_die(state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, dict[str, tuple[str, int, bytes]]]:
+def _cut_and_die(state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                 ) -> tuple[str, str, dict[str, tuple[str, int, bytes]]]:
     store = cp.Store(str(state), str(state / "keep"))
     wt = _worktree(tmp_path)
     before = _tree(wt)

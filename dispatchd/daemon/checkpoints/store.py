@@ -32,7 +32,8 @@ from dispatchd.protocol import CheckpointInfo
 from dispatchd.daemon.checkpoints import journal
 from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _DIR, _FANOUT, _FSYNC_EACH, _OBJECTS, _POOL, _TMP, _manifest_decoder, _parent, plan_copies, plan_restore
 from dispatchd.daemon.checkpoints.reading import Refused, _budget_words, _clone_fd, _copy_path, _entry, _open_readable, list_tree
-from dispatchd.daemon.checkpoints.restoring import _mib, _put_objects, _syncfs, apply_restore, fsync_dirs
+from dispatchd.daemon.checkpoints.restoring import (_mib, _put_objects, _syncfs, apply_restore,
+                                                    fsync_dirs)
 
 log = logging.getLogger("dispatchd.checkpoints")
 
