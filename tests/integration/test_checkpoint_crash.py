@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import dispatch
 from dispatchd.daemon.checkpoints import journal
 from tests.conftest import Daemon, _refuse_root, shell
 from tests.integration.test_checkpoints import git, snapshot
@@ -225,3 +226,71 @@ def test_a_second_daemon_on_the_state_directory_leaves_a_live_daemons_checkpoint
             assert s.restore(cid)["checkpoint"] == cid  # the twin: its own daemon still has it
     finally:
         assert first.stop() == 0, first.log()
+
+
+def test_a_failed_restore_leaves_its_record_to_its_daemon_and_restore_again_completes_it(tmp_path: Path) -> None:
+    """A symlink swapped in while the restore runs (from outside the session:
+    a paused session cannot) stops it half way, ELOOP, nothing written
+    through; its record stays, held by the live daemon: a second daemon on
+    the same state directory leaves it; "restore again" completes the
+    worktree and removes it."""
+    _refuse_root()
+    n = 3000
+    for attempt in range(ATTEMPTS):
+        root = tmp_path / f"a{attempt}"
+        wt = _worktree(root, n)
+        d = _daemon(root / "d")
+        try:
+            with d.connect() as client, client.open_session(str(wt)) as s:
+                cid = s.checkpoint()
+                before = snapshot(wt)
+                _change(wt, n)
+                outcome: list[object] = []
+
+                def restore() -> None:
+                    try:
+                        outcome.append(s.restore(cid))
+                    except dispatch.RequestFailed as exc:
+                        outcome.append(exc)
+
+                thread = threading.Thread(target=restore)
+                thread.start()
+                early, last = n // 20 + 1, n - 1
+                target = wt / _name(last).partition("/")[0]
+                aside = root / "aside"
+                deadline = time.monotonic() + 120
+                while not outcome and time.monotonic() < deadline:
+                    if _is_back(wt, early) and not _is_back(wt, last):
+                        os.rename(target, aside)
+                        os.symlink(aside, target)
+                        break
+                    time.sleep(0.001)
+                thread.join(120)
+                if not (outcome and isinstance(outcome[0], dispatch.RequestFailed)):
+                    n *= 2  # the swap came too late: a bigger tree
+                    continue
+                err = outcome[0]
+                assert err.code == "restore_failed", err.message
+                assert "a symlink on the way (not followed)" in err.message, err.message
+                assert not any(_is_back(aside, i) for i in range(last - PER_DIR + 1, last + 1))  # not written through
+                record = _checkpoints(d) / s.id / journal.RECORD
+                assert record.exists()
+                target.unlink()
+                os.rename(aside, target)
+                half = snapshot(wt)
+                (root / "b").mkdir()
+                second = Daemon(root / "b", "--cgroup", "off", state=d.state)
+                try:
+                    with second.connect() as other:
+                        other.status()
+                finally:
+                    assert second.stop() == 0, second.log()
+                assert "event=restore_resume" not in second.log()
+                assert record.exists() and snapshot(wt) == half  # left to the daemon that holds it
+                s.restore(cid)
+                assert snapshot(wt) == before
+                assert not record.exists()
+        finally:
+            assert d.stop() == 0, d.log()
+        return
+    raise AssertionError(f"no swap landed part-way in {ATTEMPTS} attempts (last tree: {n // 2} files)")

@@ -101,7 +101,10 @@ def apply_restore(worktree: str, top: str, plan: RestorePlan, fsync_each: bool =
                 dirs.set_mode(path, mode)
     except OSError as exc:
         where = os.fsdecode(exc.filename) if isinstance(exc.filename, (str, bytes)) else ""
-        why = "a symlink on the way (not followed)" if exc.errno == errno.ELOOP else exc.strerror
+        # O_NOFOLLOW | O_DIRECTORY on a symlink says ENOTDIR, RESOLVE_NO_SYMLINKS ELOOP: either way, not followed.
+        link = exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and bool(where)
+                                            and os.path.islink(os.path.join(worktree, where)))
+        why = "a symlink on the way (not followed)" if link else exc.strerror
         raise CheckpointError(f"restore stopped half way: {where or 'the worktree'}: {why}; the worktree is partly "
                               "restored: restore again", "restore_failed") from exc
     finally:
