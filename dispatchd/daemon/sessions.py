@@ -117,6 +117,9 @@ class SessionManager(Switching):
         self.home = os.path.expanduser("~")
         self._sessions = {}
         self.write_locks = WriteLocks()  # one writer per worktree
+        # A restore a killed daemon cut half way is finished first: the worktree as
+        # the checkpoint had it before its baseline is re-checked (daemon/checkpoints/journal.py).
+        checkpoints.finish_restores(state_dir)
         # One trusted baseline per worktree, on disk (gitguard/baselines.py); the
         # checks a daemon that died left are finished before anything opens.
         self.baselines = gitguard.Baselines(state_dir, self.home)
@@ -126,6 +129,7 @@ class SessionManager(Switching):
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
         # Checkpoints of sessions' worktrees, their objects in the baselines' keep (daemon/checkpoints/).
         self.checkpoints = checkpoints.Store(state_dir, self.baselines.keep_dir)
+        self.checkpoints.later = afterwards.later  # a done restore's record removal made durable after the reply
         self._lock = threading.Lock()
         self.accepting = True
         # Opens in flight: close_all waits for them (a session they register

@@ -45,6 +45,11 @@ Guarantees:
   (``Pause``: calls that come meanwhile wait); a restore is refused while a
   call is in flight or while a process of the session runs (a background
   job, a process a command left), a checkpoint while a call is in flight.
+- **A restore cut short is finished.** A restore is recorded on disk before
+  it touches the worktree and the record goes once it is done; a daemon
+  killed half way leaves it, and the next start finishes the restore before
+  it serves, or keeps the record and the checkpoint and says why not
+  (``journal``).
 - **The baseline still rules.** A restore writes ``.git`` like any session
   could; the checks at the session's end compare with the trusted baseline
   taken at open (``baselines.py``), so what a restore brings back that the
@@ -53,10 +58,20 @@ Guarantees:
 
 from __future__ import annotations
 
+import os
+
+from dispatchd.daemon.checkpoints.journal import finish_all
 from dispatchd.daemon.checkpoints.plan import RACY_NS, Entry, Manifest, RestorePlan, plan_copies, plan_restore
 from dispatchd.daemon.checkpoints.reading import list_tree, reflinks
 from dispatchd.daemon.checkpoints.requests import SessionManager, before_write, handle
 from dispatchd.daemon.checkpoints.store import Pauses, Store
 
 __all__ = ["RACY_NS", "Entry", "Manifest", "Pauses", "RestorePlan", "SessionManager", "Store", "before_write",
-           "handle", "list_tree", "plan_copies", "plan_restore", "reflinks"]
+           "finish_restores", "handle", "list_tree", "plan_copies", "plan_restore", "reflinks"]
+
+
+def finish_restores(state_dir: str) -> None:
+    """At the daemon's start, before the trusted baselines are re-checked,
+    old checkpoints removed, or anything served: every restore a killed
+    daemon cut half way is finished, or kept and logged (``journal``)."""
+    finish_all(os.path.join(state_dir, "checkpoints"))

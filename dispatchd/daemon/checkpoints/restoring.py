@@ -101,7 +101,10 @@ def apply_restore(worktree: str, top: str, plan: RestorePlan, fsync_each: bool =
                 dirs.set_mode(path, mode)
     except OSError as exc:
         where = os.fsdecode(exc.filename) if isinstance(exc.filename, (str, bytes)) else ""
-        why = "a symlink on the way (not followed)" if exc.errno == errno.ELOOP else exc.strerror
+        # O_NOFOLLOW | O_DIRECTORY on a symlink says ENOTDIR, RESOLVE_NO_SYMLINKS ELOOP: either way, not followed.
+        link = exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and bool(where)
+                                            and os.path.islink(os.path.join(worktree, where)))
+        why = "a symlink on the way (not followed)" if link else exc.strerror
         raise CheckpointError(f"restore stopped half way: {where or 'the worktree'}: {why}; the worktree is partly "
                               "restored: restore again", "restore_failed") from exc
     finally:
@@ -183,6 +186,25 @@ def _put_objects(worktree: str, manifest: Manifest) -> int:
     finally:
         os.close(root_fd)
     return put
+
+
+def fsync_dirs(worktree: str, paths: set[bytes]) -> None:
+    """fsync the directories ``paths`` below ``worktree`` (opened as a
+    restore opens them: no symlink followed): the renames in them durable."""
+    root_fd = os.open(worktree, _DIR)
+    try:
+        for path in sorted(paths):
+            fd = open_beneath(root_fd, os.fsdecode(path), _DIR) if path else root_fd
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+                    raise
+            finally:
+                if fd != root_fd:
+                    os.close(fd)
+    finally:
+        os.close(root_fd)
 
 
 def _is_dir_at(fd: int, name: str) -> bool:

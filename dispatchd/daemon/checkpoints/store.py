@@ -16,6 +16,7 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -23,14 +24,16 @@ import msgspec
 from dispatchd import protocol, treewalk
 from dispatchd.durable import fsync_directory
 from dispatchd.confine._sys import open_beneath
-from dispatchd.daemon import gitguard
+from dispatchd.daemon import gitguard, leftovers
 from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.protocol import CheckpointInfo
 
+from dispatchd.daemon.checkpoints import journal
 from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _DIR, _FANOUT, _FSYNC_EACH, _OBJECTS, _POOL, _TMP, _manifest_decoder, _parent, plan_copies, plan_restore
 from dispatchd.daemon.checkpoints.reading import Refused, _budget_words, _clone_fd, _copy_path, _entry, _open_readable, list_tree
-from dispatchd.daemon.checkpoints.restoring import _mib, _put_objects, _syncfs, apply_restore
+from dispatchd.daemon.checkpoints.restoring import (_mib, _put_objects, _syncfs, apply_restore,
+                                                    fsync_dirs)
 
 log = logging.getLogger("dispatchd.checkpoints")
 
@@ -49,6 +52,8 @@ class _Session:
     refs: collections.Counter[int] = field(default_factory=collections.Counter)  # copy -> checkpoints naming it
     count: int = 0
     next_copy: int = 0  # the number of the pool's next copy
+    record_fd: int = -1  # the lock of a restore record a failed restore left (``journal``), held while it lives
+    record_cid: str = ""  # the checkpoint it names
 
 
 class Store:
@@ -60,10 +65,24 @@ class Store:
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self.pauses = Pauses()
+        # Where a done restore's record removal is made durable: at once, or
+        # after the reply (the daemon's ``afterwards.later``).
+        self.later: Callable[[Callable[[], None]], None] = lambda job: job()
         # Checkpoints of a daemon that died belong to sessions that died with
-        # it; one half made is absent by construction (a temporary name).
-        if os.path.isdir(self.root):
-            left = treewalk.remove_tree(self.root)
+        # it; one half made is absent by construction (a temporary name). Spared:
+        # a session's whose restore could not be finished (``journal``: kept,
+        # and tried again at the next start), and a live daemon's sessions on
+        # the same state directory (their lock is held: ``leftovers``).
+        locks = leftovers.locks_dir(os.path.join(state_dir, "sessions"))
+        try:
+            names = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            top = os.path.join(self.root, name)
+            if journal.kept(top) or journal.live(locks, name):
+                continue
+            left = treewalk.remove_tree(top)
             if left.skipped:
                 log.warning("event=checkpoints_left why=%r", left.describe())
         os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -89,7 +108,13 @@ class Store:
         with s.lock:
             with self._lock:
                 self._sessions.pop(sid, None)
+            # A restore record a failed restore left goes too: the session that
+            # was told "restore again" is gone, and finishing it at a later start
+            # could overwrite what was written since.
             treewalk.remove_tree(os.path.join(self.root, sid))
+            if s.record_fd >= 0:
+                os.close(s.record_fd)
+                s.record_fd = -1
 
     # --- take --------------------------------------------------------------------
 
@@ -155,7 +180,11 @@ class Store:
     def _forget_oldest(self, s: _Session, top: str, n: int) -> None:
         """The ``n`` oldest checkpoints go, and the copies no other one names."""
         with self._lock:
-            gone, s.infos = s.infos[:n], s.infos[n:]
+            # Never the one a restore record names (a failed restore's): its
+            # manifest and copies stay while the record may be finished.
+            named = s.record_cid if s.record_fd >= 0 else ""
+            gone = [i for i in s.infos[:-1] if i.id != named][:n]  # never the newest (the next one shares it)
+            s.infos = [i for i in s.infos if i not in gone]
         for info in gone:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(top, info.id))
@@ -251,16 +280,47 @@ class Store:
         """Put ``worktree`` back as checkpoint ``cid`` saw it; the caller holds
         ``lock(sid)`` and has made sure nothing of the session runs."""
         manifest = self.find(sid, cid)
+        started_ns = time.time_ns()
         now, _ = list_tree(worktree, policy, "restore")
         plan = plan_restore(manifest.entries, now)
         each = fsync and len(plan.write) <= _FSYNC_EACH
-        done = apply_restore(worktree, os.path.join(self.root, sid), plan, fsync_each=each)
+        top = os.path.join(self.root, sid)
+        # On disk before the worktree is touched: a daemon killed from here on
+        # leaves it, and the next start finishes the restore (``journal``).
+        root = os.stat(worktree)
+        record = journal.Record(session=sid, checkpoint=cid, worktree=worktree, dev=root.st_dev, ino=root.st_ino,
+                                started_ns=started_ns, max_files=policy.max_files, max_depth=policy.max_depth,
+                                fsync=fsync, pid=os.getpid())
+        s = self._of(sid)
+        try:
+            fd = journal.begin(top, record)
+        except OSError as exc:  # nothing touched yet: refused, saying why
+            raise CheckpointError(f"restore refused: its record could not be written in {top}: {exc.strerror} "
+                                  "(a restore cut short could not be finished without it)", "restore_failed") from exc
+        if s.record_fd >= 0:
+            os.close(s.record_fd)  # the one a failed restore left: replaced by the rename
+        s.record_fd, s.record_cid = fd, cid
+        # A failure from here leaves the record (and its lock, held while the
+        # session lives): "restore again" replaces it, a restart finishes it.
+        done = apply_restore(worktree, top, plan, fsync_each=each)
         done["objects"] = _put_objects(worktree, manifest) if manifest.objects else 0
         if fsync and (not each or done["objects"] or plan.remove or plan.make):
             _syncfs(worktree)
+        elif fsync and plan.write:
+            # Each file was fsynced; their renames too before the record goes.
+            fsync_dirs(worktree, {_parent(e.path) for e in plan.write})
+        s.record_fd = -1
+        journal.done(top, fd, self._sync_removal if fsync else None)
         log.info("event=checkpoint_restored session=%s checkpoint=%s removed=%s written=%s made=%s objects=%s",
                  sid, cid, done["removed"], done["written"], done["made"], done["objects"])
         return done
+
+
+    def _sync_removal(self, top: str) -> None:
+        def run() -> None:
+            with contextlib.suppress(FileNotFoundError):  # the session ended meanwhile: its directory went
+                fsync_directory(top)
+        self.later(run)
 
 
 class Pauses:

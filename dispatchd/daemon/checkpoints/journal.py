@@ -1,0 +1,341 @@
+"""A restore in progress, recorded on disk, and finished at the next start.
+
+A restore rewrites the worktree file by file; a daemon killed half way
+(SIGKILL, the OOM killer, power loss) would leave it between two states, and
+the checkpoint that could complete it would go with the dead daemon's
+sessions. So:
+
+- **Recorded before the worktree is touched.** ``begin`` writes
+  ``STATE/checkpoints/SESSION/restoring`` (``Record``: the worktree's path,
+  the device and inode of its root, the session, the checkpoint, when the
+  restore began, the bounds of its walk and the policy's ``limits.fsync``)
+  under a temporary name, fsynced, renamed into place, the directory
+  fsynced (with ``limits.fsync``; without it, as durable as the rest of the
+  session's checkpoints). The daemon holds an ``flock`` on the record for as
+  long as it may still act on it (the session's life): another daemon on the
+  same state directory leaves it alone.
+- **Removed once the restore is done** (``done``). A restore that fails half
+  way (``restore_failed``) leaves it: "restore again" replaces it, and a
+  restart finishes it. The session's end removes it with its checkpoints.
+- **Finished at the start, before anything serves** (``finish_all``, called
+  before the trusted baselines are re-checked and before old checkpoints
+  are removed): the restore runs again against the worktree as it is now
+  (the plan compares the worktree with the manifest, so a second run
+  completes the first), then the record goes.
+- **Never a guess.** It is not finished, and nothing in the worktree is
+  removed or written, when: the path is gone, is a symlink, or is another
+  directory (another device or inode); the checkpoint's manifest cannot be
+  read; a file in the worktree was changed after the restore began and is
+  not what the restore wrote (``changed_since``: someone worked there since
+  the daemon died). Then the record and the session's checkpoints stay, the
+  reason is logged (``event=restore_unfinished``) at every start, and the
+  daemon starts anyway. A restore that stops half way while finishing (a
+  symlink planted on the way: the no-follow rules of any restore) keeps them
+  too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from dispatchd.durable import fsync_directory
+from dispatchd.errors import CheckpointError
+from dispatchd.policy import Checkpoints as CheckpointPolicy
+from dispatchd.tempfiles import TEMP_NAME
+
+from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _manifest_decoder, plan_restore
+from dispatchd.daemon.checkpoints.reading import list_tree
+from dispatchd.daemon.checkpoints.restoring import _put_objects, _syncfs, apply_restore
+
+log = logging.getLogger("dispatchd.checkpoints")
+
+RECORD = "restoring"  # in STATE/checkpoints/SESSION/, beside the manifests ("cNNNN-...") and the pool
+_TMP_PREFIX = ".restoring.tmp-"
+_VERSION = 1
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True):
+    """A restore in progress: which worktree (its path, and the device and
+    inode of its root, to recognise it), which session and checkpoint."""
+
+    version: int = _VERSION
+    session: str
+    checkpoint: str
+    worktree: str
+    dev: int
+    ino: int
+    started_ns: int  # before the restore looked at the worktree (for ``changed_since``)
+    max_files: int
+    max_depth: int
+    fsync: bool = True
+    pid: int = 0  # the daemon that began it (for the log)
+
+
+def encode(record: Record) -> bytes:
+    return msgspec.json.encode(record)
+
+
+def decode(data: bytes) -> Record:
+    """The record in ``data``; ValueError when it is not one this version reads."""
+    try:
+        record = msgspec.json.decode(data, type=Record)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"not a restore record: {exc}") from exc
+    if record.version != _VERSION:
+        raise ValueError(f"a restore record of version {record.version}; this daemon reads {_VERSION}")
+    if not record.session or "/" in record.session or record.session in (".", ".."):
+        raise ValueError(f"a restore record naming no valid session: {record.session!r}")
+    if not record.checkpoint or "/" in record.checkpoint or record.checkpoint.startswith("."):
+        raise ValueError(f"a restore record naming no valid checkpoint: {record.checkpoint!r}")
+    if not os.path.isabs(record.worktree):
+        raise ValueError(f"a restore record naming a relative worktree: {record.worktree!r}")
+    return record
+
+
+def recognise(record: Record, st: os.stat_result) -> str | None:
+    """None when ``st`` (the worktree path's ``lstat``) is the worktree the
+    record names; else why not."""
+    if stat.S_ISLNK(st.st_mode):
+        return "the worktree's path is now a symlink (not followed)"
+    if not stat.S_ISDIR(st.st_mode):
+        return "the worktree's path is no longer a directory"
+    if (st.st_dev, st.st_ino) != (record.dev, record.ino):
+        return (f"another directory is at the worktree's path (device {st.st_dev} inode {st.st_ino}, "
+                f"the restore began on device {record.dev} inode {record.ino})")
+    return None
+
+
+def _looks_restored(h: Entry, w: Entry) -> bool:
+    """Whether ``h`` (now) is what a restore writes for ``w`` (saved): the
+    same kind and, for a file, size, mtime (a restore sets it) and mode."""
+    if h.kind != w.kind:
+        return False
+    if h.kind == "f":
+        return h.size == w.size and h.mtime_ns == w.mtime_ns and h.mode == w.mode
+    if h.kind == "l":
+        return h.target == w.target
+    return h.mode == w.mode
+
+
+def changed_since(saved: list[Entry], now: list[Entry], started_ns: int) -> list[bytes]:
+    """Names (not directories) changed after ``started_ns`` that are not what
+    the restore writes: someone else's work since, which finishing the
+    restore would overwrite or delete. A directory's ctime moves when the
+    restore adds or removes in it, so directories are judged by what they
+    hold; the restore's own temporary files (``tempfiles`` names) are not
+    someone's work."""
+    want = {e.path: e for e in saved}
+    found: list[bytes] = []
+    for h in now:
+        if h.kind == "d" or h.ctime_ns < started_ns:
+            continue
+        if TEMP_NAME.match(h.path.rpartition(b"/")[2]):
+            continue
+        w = want.get(h.path)
+        if w is None or not _looks_restored(h, w):
+            found.append(h.path)
+    return sorted(found)
+
+
+# --- on disk -------------------------------------------------------------------
+
+
+def begin(top: str, record: Record) -> int:
+    """Write ``record`` as ``top/restoring`` (replacing one a failed restore
+    left): temporary name, fsync, rename, fsync of the directory (with the
+    record's ``fsync``). Returns the descriptor holding its ``flock``."""
+    tmp = os.path.join(top, f"{_TMP_PREFIX}{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held before anyone can see the name
+        data = encode(record)
+        os.write(fd, data)
+        if record.fsync:
+            os.fsync(fd)
+        os.rename(tmp, os.path.join(top, RECORD))
+        if record.fsync:
+            fsync_directory(top)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd
+
+
+def done(top: str, fd: int, sync: Callable[[str], None] | None) -> None:
+    """The restore is complete: its record goes (if it is still the one
+    ``fd`` holds), then its lock; ``sync`` (with ``limits.fsync``) makes the
+    removal durable, perhaps after the reply (``afterwards.fsync_dir``): a
+    machine that crashes before brings the record back, and the next start
+    finds the worktree restored already (or changed since: then kept)."""
+    try:
+        path = os.path.join(top, RECORD)
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(path, follow_symlinks=False)
+            mine = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(path)
+                if sync is not None:
+                    sync(top)
+    finally:
+        os.close(fd)
+
+
+def _take(path: str) -> int | None:
+    """The record at ``path``, locked; None when a live daemon holds it or it
+    went meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.stat(path, follow_symlinks=False)  # still the record: not one removed while we waited
+        mine = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+            raise FileNotFoundError(path)
+    except (BlockingIOError, FileNotFoundError):
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def pending(root: str) -> list[str]:
+    """Sessions under ``root`` (``STATE/checkpoints``) with a restore record."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    return [n for n in names if os.path.lexists(os.path.join(root, n, RECORD))]
+
+
+def finish_all(root: str) -> tuple[list[str], list[str]]:
+    """At the daemon's start, before anything serves: every restore a dead
+    daemon left is finished, its record removed. Returns the sessions
+    finished and those left (a reason logged for each). Never raises for a
+    record: a worktree's state never stops a daemon."""
+    finished: list[str] = []
+    left: list[str] = []
+    for sid in pending(root):
+        top = os.path.join(root, sid)
+        try:
+            fd = _take(os.path.join(top, RECORD))
+        except OSError as exc:
+            log.error("event=restore_unfinished session=%s why=%r kept=%s", sid, f"the record cannot be opened: "
+                      f"{exc.strerror}", top)
+            left.append(sid)
+            continue
+        if fd is None:
+            continue  # a live daemon's restore, or already gone
+        try:
+            why = _finish(top, fd)
+        except Exception as exc:  # noqa: BLE001 (logged; the start goes on)
+            why = _unfinished(top, None, f"unexpected: {exc!r}")
+        if why is None:
+            finished.append(sid)
+        else:
+            left.append(sid)
+    return finished, left
+
+
+def _finish(top: str, fd: int) -> str | None:
+    """The restore ``fd``'s record names, run again; None once done and its
+    record removed, else why not (logged)."""
+    try:
+        try:
+            record = decode(os.read(fd, 1 << 20))
+        except (OSError, ValueError) as exc:
+            return _unfinished(top, None, f"the record cannot be read: {exc}")
+        t0 = time.monotonic()
+        log.warning("event=restore_resume session=%s checkpoint=%s worktree=%s pid=%s", record.session,
+                    record.checkpoint, record.worktree, record.pid)
+        try:
+            st = os.lstat(record.worktree)
+        except FileNotFoundError:
+            return _unfinished(top, record, "the worktree is gone")
+        except OSError as exc:
+            return _unfinished(top, record, f"the worktree cannot be looked at: {exc.strerror}")
+        why = recognise(record, st)
+        if why is not None:
+            return _unfinished(top, record, why)
+        try:
+            with open(os.path.join(top, record.checkpoint), "rb") as f:
+                manifest: Manifest = _manifest_decoder.decode(f.read())
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return _unfinished(top, record, f"the checkpoint's manifest cannot be read: {exc}")
+        policy = CheckpointPolicy(max_files=record.max_files, max_depth=record.max_depth)
+        try:
+            now, _ = list_tree(record.worktree, policy, "restore")
+            later = changed_since(manifest.entries, now, record.started_ns)
+            if later:
+                more = f" and {len(later) - 1} more" if len(later) > 1 else ""
+                return _unfinished(top, record, f"{os.fsdecode(later[0])}{more} changed after the restore began "
+                                   "(not by it): finishing it would overwrite that work")
+            # The same guards as any restore: each directory opened below the
+            # worktree's descriptor, no symlink followed (ELOOP stops it).
+            if recognise(record, os.lstat(record.worktree)) is not None:
+                return _unfinished(top, record, "the worktree's path changed while it was compared")
+            plan = plan_restore(manifest.entries, now)
+            done_ = apply_restore(record.worktree, top, plan, fsync_each=False)
+            done_["objects"] = _put_objects(record.worktree, manifest) if manifest.objects else 0
+            if record.fsync:
+                _syncfs(record.worktree)
+        except CheckpointError as exc:
+            return _unfinished(top, record, exc.message)
+        except OSError as exc:
+            return _unfinished(top, record, f"{exc.filename or 'the worktree'}: {exc.strerror}")
+        path = os.path.join(top, RECORD)
+        os.unlink(path)
+        if record.fsync:
+            with contextlib.suppress(OSError):
+                fsync_directory(top)
+        log.warning("event=restore_finished session=%s checkpoint=%s worktree=%s removed=%s written=%s made=%s "
+                    "objects=%s seconds=%.2f", record.session, record.checkpoint, record.worktree,
+                    done_["removed"], done_["written"], done_["made"], done_["objects"], time.monotonic() - t0)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _unfinished(top: str, record: Record | None, why: str) -> str:
+    """Logged loudly; the record and the session's checkpoints stay (the
+    start's removal of old checkpoints spares them), and the next start
+    tries again."""
+    log.error("event=restore_unfinished session=%s checkpoint=%s worktree=%s why=%r kept=%s "
+              "(the worktree is left as it is; the next start tries again; remove the kept directory to give up)",
+              record.session if record else os.path.basename(top), record.checkpoint if record else "?",
+              record.worktree if record else "?", why, top)
+    return why
+
+
+def kept(top: str) -> bool:
+    """Whether ``top`` (a session's checkpoints) holds a restore record: kept at the start."""
+    return os.path.lexists(os.path.join(top, RECORD))
+
+
+def live(locks_dir: str, sid: str) -> bool:
+    """Whether a live daemon holds session ``sid``'s lock (``leftovers.ScratchLocks``)."""
+    try:
+        fd = os.open(os.path.join(locks_dir, f"{sid}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -1,0 +1,296 @@
+"""A restore cut half way by the daemon's death (a real SIGKILL) is finished
+by the next daemon on the same state directory, before it serves; a daemon
+killed with no restore running leaves the worktree as it was; a record whose
+worktree was replaced leaves that directory untouched and says why
+(dispatchd/daemon/checkpoints/journal.py, docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import dispatch
+from dispatchd.daemon.checkpoints import journal
+from tests.conftest import Daemon, _refuse_root, shell
+from tests.integration.test_checkpoints import git, snapshot
+
+PER_DIR = 200
+ATTEMPTS = 3  # a bigger tree each time the kill came too early or too late
+
+
+def _daemon(base: Path) -> Daemon:
+    base.mkdir(parents=True, exist_ok=True)
+    return Daemon(base, "--cgroup", "off")
+
+
+def _name(i: int) -> str:
+    return f"d{i // PER_DIR:03d}/f{i:05d}"
+
+
+def _worktree(root: Path, n: int) -> Path:
+    wt = Path(os.path.realpath(root)) / "wt"
+    for i in range(n):
+        p = wt / _name(i)
+        if i % PER_DIR == 0:
+            p.parent.mkdir(parents=True)
+        p.write_text(f"original {i}\n")
+    (wt / "README").write_text("readme\n")
+    git(wt, "init", "-q", "-b", "main")
+    git(wt, "config", "user.email", "user@example.invalid")
+    git(wt, "config", "user.name", "user")
+    git(wt, "add", "README")
+    git(wt, "commit", "-qm", "init")
+    return wt
+
+
+def _change(wt: Path, n: int) -> None:
+    """Every file changed, one in ten deleted, new files and directories, a commit."""
+    for i in range(n):
+        p = wt / _name(i)
+        if i % 10 == 3:
+            p.unlink()
+        else:
+            p.write_text(f"changed {i}\n")
+    for j in range(50):
+        (wt / "made" / f"m{j % 5}").mkdir(parents=True, exist_ok=True)
+        (wt / "made" / f"m{j % 5}" / f"n{j}").write_text("new\n")
+        (wt / f"d000/new{j}").write_text("new\n")
+    (wt / "README").write_text("readme, changed\n")
+    git(wt, "commit", "-qam", "change")
+
+
+def _is_back(wt: Path, i: int) -> bool:
+    try:
+        return (wt / _name(i)).read_text() == f"original {i}\n"
+    except FileNotFoundError:
+        return False
+
+
+def _checkpoints(d: Daemon) -> Path:
+    return d.state / "dispatchd" / "checkpoints"
+
+
+def test_a_restore_cut_by_sigkill_is_finished_at_the_next_start(tmp_path: Path) -> None:
+    _refuse_root()
+    n = 3000
+    for attempt in range(ATTEMPTS):
+        root = tmp_path / f"a{attempt}"
+        wt = _worktree(root, n)
+        d = _daemon(root / "d")
+        with d.connect() as client:
+            s = client.open_session(str(wt))
+            cid = s.checkpoint()
+            before = snapshot(wt)
+            _change(wt, n)
+            outcome: list[object] = []
+
+            def restore() -> None:
+                try:
+                    outcome.append(s.restore(cid))
+                except Exception as exc:  # noqa: BLE001 (the daemon's death: the connection goes)
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=restore)
+            thread.start()
+            # Part-way: files are written back in path order; kill once an early
+            # one is back and the last one is not yet.
+            early, last = n // 20 + 1, n - 1
+            deadline = time.monotonic() + 120
+            while not outcome and time.monotonic() < deadline:
+                if _is_back(wt, early) and not _is_back(wt, last):
+                    d.proc.send_signal(signal.SIGKILL)
+                    break
+                time.sleep(0.001)
+            d.proc.wait()
+            thread.join(60)
+            s.detach()
+        d.stop()
+        changed = [i for i in range(n)]
+        back = sum(_is_back(wt, i) for i in changed)
+        sid = s.id
+        record = _checkpoints(d) / sid / journal.RECORD
+        if outcome and isinstance(outcome[0], dict) or back in (0, len(changed)) or not record.exists():
+            print(f"attempt {attempt}: {n} files, {back} back, record {record.exists()}: again, bigger")
+            n *= 2  # the kill came too late (or too early): a bigger tree
+            continue
+        # Really cut: some files back, others not, and the record on disk.
+        assert 0 < back < len(changed)
+        assert snapshot(wt) != before
+        r = journal.decode(record.read_bytes())
+        assert (r.session, r.checkpoint, r.worktree) == (sid, cid, str(wt))
+        again = Daemon(d.base, "--cgroup", "off")
+        try:
+            with again.connect() as client:
+                # A session opened at once sees the worktree restored: the finish came before serving.
+                with client.open_session(str(wt)) as after:
+                    assert shell(after, "cat d000/f00001 README").output == "original 1\nreadme\n"
+            assert snapshot(wt) == before  # contents, deleted ones back, created ones gone, git's refs
+            assert git(wt, "log", "--format=%s") == "init\n"
+            git(wt, "fsck", "--no-dangling")
+            assert not record.exists() and not (_checkpoints(again) / sid).exists()
+            log = again.log()
+            assert f"event=restore_finished session={sid} checkpoint={cid} worktree={wt} " in log, log
+            # ... and before the trusted baseline's record (the killed session's) was re-checked.
+            assert log.index("event=restore_resume") < log.index("event=restore_finished") \
+                < log.index("event=baseline_recover"), log
+        finally:
+            assert again.stop() == 0, again.log()
+        return
+    raise AssertionError(f"no kill landed part-way in {ATTEMPTS} attempts (last tree: {n // 2} files)")
+
+
+def test_a_daemon_killed_with_no_restore_running_leaves_the_worktree_as_it_was(tmp_path: Path) -> None:
+    _refuse_root()
+    wt = _worktree(tmp_path, 300)
+    d = _daemon(tmp_path / "d")
+    with d.connect() as client:
+        s = client.open_session(str(wt))
+        s.checkpoint()
+        _change(wt, 300)
+        changed = snapshot(wt)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        s.detach()
+    d.stop()
+    again = Daemon(d.base, "--cgroup", "off")
+    try:
+        with again.connect() as client:
+            client.status()  # serving: past start-up
+        assert snapshot(wt) == changed
+        assert "event=restore_" not in again.log()
+        assert os.listdir(_checkpoints(again)) == []  # the dead session's checkpoints went
+    finally:
+        assert again.stop() == 0, again.log()
+
+
+def test_a_record_whose_worktree_was_replaced_leaves_that_directory_untouched(tmp_path: Path) -> None:
+    _refuse_root()
+    wt = _worktree(tmp_path, 300)
+    d = _daemon(tmp_path / "d")
+    with d.connect() as client:
+        s = client.open_session(str(wt))
+        cid = s.checkpoint()
+        _change(wt, 300)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        s.detach()
+    d.stop()
+    # The record a restore cut at its first step would have left ...
+    st = os.stat(wt)
+    top = _checkpoints(d) / s.id
+    (top / journal.RECORD).write_bytes(journal.encode(journal.Record(
+        session=s.id, checkpoint=cid, worktree=str(wt), dev=st.st_dev, ino=st.st_ino, started_ns=time.time_ns(),
+        max_files=200_000, max_depth=256)))
+    # ... and another directory at the worktree's path since.
+    os.rename(wt, tmp_path / "aside")
+    wt.mkdir()
+    (wt / "d000").mkdir()
+    (wt / "d000" / "f00001").write_text("someone else's\n")
+    replaced, aside = snapshot(wt), snapshot(tmp_path / "aside")
+    again = Daemon(d.base, "--cgroup", "off")
+    try:
+        with again.connect() as client:
+            client.status()  # started all the same
+        assert snapshot(wt) == replaced and snapshot(tmp_path / "aside") == aside
+        log = again.log()
+        assert f"event=restore_unfinished session={s.id} checkpoint={cid} worktree={wt} why=\"another directory " \
+               f"is at the worktree's path (device {st.st_dev} inode {os.stat(wt).st_ino}" in log, log
+        # Kept for the next start (the user may put the worktree back), not removed with the old checkpoints.
+        assert (top / journal.RECORD).exists() and (top / cid).exists()
+    finally:
+        assert again.stop() == 0, again.log()
+
+
+def test_a_second_daemon_on_the_state_directory_leaves_a_live_daemons_checkpoints(tmp_path: Path) -> None:
+    """A second daemon on the same state directory (its own socket) removes
+    only dead daemons' checkpoints (and finishes only their restores: a live
+    daemon holds the lock of its records)."""
+    _refuse_root()
+    wt = _worktree(tmp_path, 20)
+    first = _daemon(tmp_path / "a")
+    try:
+        with first.connect() as client, client.open_session(str(wt)) as s:
+            cid = s.checkpoint()
+            top = _checkpoints(first) / s.id
+            (tmp_path / "b").mkdir()
+            second = Daemon(tmp_path / "b", "--cgroup", "off", state=first.state)
+            try:
+                with second.connect() as other:
+                    other.status()
+            finally:
+                assert second.stop() == 0, second.log()
+            assert (top / cid).exists()
+            assert s.restore(cid)["checkpoint"] == cid  # the twin: its own daemon still has it
+    finally:
+        assert first.stop() == 0, first.log()
+
+
+def test_a_failed_restore_leaves_its_record_to_its_daemon_and_restore_again_completes_it(tmp_path: Path) -> None:
+    """A symlink swapped in while the restore runs (from outside the session:
+    a paused session cannot) stops it half way, ELOOP, nothing written
+    through; its record stays, held by the live daemon: a second daemon on
+    the same state directory leaves it; "restore again" completes the
+    worktree and removes it."""
+    _refuse_root()
+    n = 3000
+    for attempt in range(ATTEMPTS):
+        root = tmp_path / f"a{attempt}"
+        wt = _worktree(root, n)
+        d = _daemon(root / "d")
+        try:
+            with d.connect() as client, client.open_session(str(wt)) as s:
+                cid = s.checkpoint()
+                before = snapshot(wt)
+                _change(wt, n)
+                outcome: list[object] = []
+
+                def restore() -> None:
+                    try:
+                        outcome.append(s.restore(cid))
+                    except dispatch.RequestFailed as exc:
+                        outcome.append(exc)
+
+                thread = threading.Thread(target=restore)
+                thread.start()
+                early, last = n // 20 + 1, n - 1
+                target = wt / _name(last).partition("/")[0]
+                aside = root / "aside"
+                deadline = time.monotonic() + 120
+                while not outcome and time.monotonic() < deadline:
+                    if _is_back(wt, early) and not _is_back(wt, last):
+                        os.rename(target, aside)
+                        os.symlink(aside, target)
+                        break
+                    time.sleep(0.001)
+                thread.join(120)
+                if not (outcome and isinstance(outcome[0], dispatch.RequestFailed)):
+                    n *= 2  # the swap came too late: a bigger tree
+                    continue
+                err = outcome[0]
+                assert err.code == "restore_failed", err.message
+                assert "a symlink on the way (not followed)" in err.message, err.message
+                assert not any(_is_back(aside, i) for i in range(last - PER_DIR + 1, last + 1))  # not written through
+                record = _checkpoints(d) / s.id / journal.RECORD
+                assert record.exists()
+                target.unlink()
+                os.rename(aside, target)
+                half = snapshot(wt)
+                (root / "b").mkdir()
+                second = Daemon(root / "b", "--cgroup", "off", state=d.state)
+                try:
+                    with second.connect() as other:
+                        other.status()
+                finally:
+                    assert second.stop() == 0, second.log()
+                assert "event=restore_resume" not in second.log()
+                assert record.exists() and snapshot(wt) == half  # left to the daemon that holds it
+                s.restore(cid)
+                assert snapshot(wt) == before
+                assert not record.exists()
+        finally:
+            assert d.stop() == 0, d.log()
+        return
+    raise AssertionError(f"no swap landed part-way in {ATTEMPTS} attempts (last tree: {n // 2} files)")

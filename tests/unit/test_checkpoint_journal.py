@@ -1,0 +1,306 @@
+"""The record of a restore in progress (dispatchd/daemon/checkpoints/journal.py):
+its encoding, what is recognised, what counts as changed since; then the
+store on a temporary directory with a restore cut short (no daemon: the
+real daemon and a real SIGKILL are tests/integration/test_checkpoint_crash.py's)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon import checkpoints as cp
+from dispatchd.daemon.checkpoints import journal, store as store_module
+from dispatchd.daemon.checkpoints.plan import RestorePlan
+from dispatchd.daemon.checkpoints.restoring import apply_restore
+from dispatchd.errors import CheckpointError
+from dispatchd.policy import Checkpoints
+
+E = cp.Entry
+POLICY = Checkpoints()
+
+
+def record(**over: object) -> journal.Record:
+    fields: dict[str, object] = dict(session="0123456789ab", checkpoint="c0001-deadbeef", worktree="/home/u/wt",
+                                     dev=64769, ino=1234, started_ns=10**18, max_files=200_000, max_depth=256)
+    fields.update(over)
+    return journal.Record(**fields)  # type: ignore[arg-type]
+
+
+# --- the record, pure -------------------------------------------------------------
+
+
+def test_a_record_round_trips_and_names_what_it_needs():
+    r = record(fsync=False, pid=42)
+    assert journal.decode(journal.encode(r)) == r
+    assert set(journal.encode(r).decode().strip("{}").replace('"', "").split(",")) >= {
+        "version:1", "session:0123456789ab", "checkpoint:c0001-deadbeef", "worktree:/home/u/wt", "dev:64769",
+        "ino:1234"}
+
+
+@pytest.mark.parametrize("data, why", [
+    (b"half a rec", "not a restore record: "),
+    (b'{"session": "s"}', "not a restore record: Object missing required field"),
+    (journal.encode(record(version=2)), "a restore record of version 2; this daemon reads 1"),
+    (journal.encode(record(session="../x")), "a restore record naming no valid session: '../x'"),
+    (journal.encode(record(session="")), "a restore record naming no valid session: ''"),
+    (journal.encode(record(checkpoint="../pool")), "a restore record naming no valid checkpoint: '../pool'"),
+    (journal.encode(record(checkpoint=".tmp-c1")), "a restore record naming no valid checkpoint: '.tmp-c1'"),
+    (journal.encode(record(worktree="wt")), "a restore record naming a relative worktree: 'wt'"),
+])
+def test_what_is_not_a_record_is_refused_saying_why(data, why):
+    with pytest.raises(ValueError) as err:
+        journal.decode(data)
+    assert str(err.value).startswith(why)
+
+
+def test_the_worktree_is_recognised_by_its_device_and_inode(tmp_path):
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    st = os.lstat(wt)
+    r = record(worktree=str(wt), dev=st.st_dev, ino=st.st_ino)
+    assert journal.recognise(r, os.lstat(wt)) is None
+    os.rename(wt, tmp_path / "aside")
+    wt.mkdir()
+    other = os.lstat(wt)
+    assert journal.recognise(r, other) == (
+        f"another directory is at the worktree's path (device {other.st_dev} inode {other.st_ino}, "
+        f"the restore began on device {st.st_dev} inode {st.st_ino})")
+    wt.rmdir()
+    os.symlink(tmp_path / "aside", wt)
+    assert journal.recognise(r, os.lstat(wt)) == "the worktree's path is now a symlink (not followed)"
+    wt.unlink()
+    wt.write_text("")
+    assert journal.recognise(r, os.lstat(wt)) == "the worktree's path is no longer a directory"
+
+
+def f(path: bytes, ctime: int, size: int = 3, mtime: int = 5, mode: int = 0o644, ino: int = 1) -> cp.Entry:
+    return E(path=path, kind="f", mode=mode, size=size, mtime_ns=mtime, ctime_ns=ctime, dev=1, ino=ino)
+
+
+def test_changed_since_names_what_someone_else_wrote_after_the_restore_began():
+    start = 1000
+    saved = [E(path=b"", kind="d", mode=0o755), f(b"a", 1), f(b"b", 1), E(path=b"l", kind="l", target=b"a"),
+             E(path=b"d", kind="d", mode=0o755)]
+    now = [
+        E(path=b"", kind="d", mode=0o700, ctime_ns=2000),  # widened by the restore: directories never count
+        f(b"a", 2000, ino=9),  # written back by the restore (new inode, same size, mtime, mode)
+        f(b"b", 10),  # not yet restored: changed before the restore began
+        E(path=b"l", kind="l", target=b"a", ctime_ns=2000),  # put back
+        E(path=b"new", kind="d", ctime_ns=2000),  # a directory: judged by what it holds
+        f(b".c.dispatchd-0123abcd.tmp", 2000),  # the restore's own temporary file
+        f(b"d/.x.dispatchd-0123abcd.tmp", 2000),
+        f(b"old-new", 10),  # made by the session before the restore: the restore removes it
+    ]
+    assert journal.changed_since(saved, now, start) == []
+    later = [
+        f(b"a", 2000, mtime=7),  # rewritten since
+        f(b"b", 1000, mode=0o600),  # a chmod since (at the very start counts)
+        E(path=b"l", kind="l", target=b"elsewhere", ctime_ns=2000),
+        f(b"new/work.txt", 3000),  # made since, in a new directory
+        E(path=b"p", kind="p", ctime_ns=2000),
+        f(b"d/.x.dispatchd-0123abcd.tmp.bak", 2000),  # not our name
+    ]
+    assert journal.changed_since(saved, later, start) == [
+        b"a", b"b", b"d/.x.dispatchd-0123abcd.tmp.bak", b"l", b"new/work.txt", b"p"]
+
+
+# --- the store and the start, on a temporary directory ---------------------------
+
+
+def _tree(root: str) -> dict[str, tuple[str, int, bytes]]:
+    out: dict[str, tuple[str, int, bytes]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                out[rel] = ("l", 0, os.fsencode(os.readlink(p)))
+            elif os.path.isdir(p):
+                out[rel] = ("d", st.st_mode & 0o7777, b"")
+            else:
+                out[rel] = ("f", st.st_mode & 0o7777, Path(p).read_bytes())
+    return out
+
+
+def _worktree(tmp_path: Path) -> str:
+    wt = tmp_path / "wt"
+    for i in range(40):
+        (wt / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (wt / f"d{i % 4}" / f"f{i:02d}").write_text(f"original {i}\n")
+    os.symlink("d0/f00", wt / "link")
+    return str(wt)
+
+
+def _change(wt: str) -> None:
+    for i in range(40):
+        p = os.path.join(wt, f"d{i % 4}", f"f{i:02d}")
+        if i % 10 == 3:
+            os.unlink(p)
+        else:
+            Path(p).write_text(f"changed {i}\n")
+    os.makedirs(os.path.join(wt, "made", "deep"))
+    Path(wt, "made", "deep", "n").write_text("new\n")
+    Path(wt, "d1", "new").write_text("new\n")
+
+
+def _cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next restore stops half way through its writes, as a killed daemon's would."""
+    def half(worktree: str, top: str, plan: RestorePlan, fsync_each: bool = False) -> dict[str, int]:
+        cut = RestorePlan(remove=plan.remove, make=plan.make, write=plan.write[:len(plan.write) // 2])
+        apply_restore(worktree, top, cut, fsync_each)
+        raise CheckpointError("killed", "restore_failed")
+
+    monkeypatch.setattr(store_module, "apply_restore", half)
+
+
+def _die(store: cp.Store, sid: str) -> None:
+    """The daemon's death, as far as the record goes: its lock released."""
+    fd = store._of(sid).record_fd
+    assert fd >= 0
+    os.close(fd)
+    store._of(sid).record_fd = -1
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    s = tmp_path / "state"
+    s.mkdir()
+    return s
+
+
+def test_a_restore_done_leaves_no_record(state, tmp_path):
+    store = cp.Store(str(state), str(state / "keep"))
+    wt = _worktree(tmp_path)
+    info = store.take("s1", wt, POLICY)
+    _change(wt)
+    store.restore("s1", wt, info.id, POLICY)
+    assert not os.path.lexists(state / "checkpoints" / "s1" / journal.RECORD)
+    assert store._of("s1").record_fd == -1
+
+
+def test_a_restore_cut_half_way_is_finished_at_the_next_start(state, tmp_path, monkeypatch, caplog):
+    store = cp.Store(str(state), str(state / "keep"))
+    wt = _worktree(tmp_path)
+    before = _tree(wt)
+    info = store.take("s1", wt, POLICY)
+    _change(wt)
+    _cut(monkeypatch)
+    with pytest.raises(CheckpointError):
+        store.restore("s1", wt, info.id, POLICY)
+    half = _tree(wt)
+    assert half != before and "made" not in half  # really cut: removals done, writes half
+    assert sum(half.get(k) == v for k, v in before.items()) not in (0, len(before))
+    top = state / "checkpoints" / "s1"
+    r = journal.decode((top / journal.RECORD).read_bytes())
+    assert (r.session, r.checkpoint, r.worktree) == ("s1", info.id, wt)
+    # While its daemon lives (the lock held), another start leaves it alone.
+    assert journal.finish_all(str(state / "checkpoints")) == ([], [])
+    assert _tree(wt) == half
+    _die(store, "s1")
+    monkeypatch.undo()
+    with caplog.at_level(logging.INFO, logger="dispatchd.checkpoints"):
+        cp.finish_restores(str(state))
+    assert _tree(wt) == before
+    assert not (top / journal.RECORD).exists()
+    assert f"event=restore_finished session=s1 checkpoint={info.id} worktree={wt} " in caplog.text
+    cp.Store(str(state), str(state / "keep"))  # then the old checkpoints go
+    assert os.listdir(state / "checkpoints") == []
+
+
+def test_restore_again_completes_a_failed_restore_and_removes_its_record(state, tmp_path, monkeypatch):
+    store = cp.Store(str(state), str(state / "keep"))
+    wt = _worktree(tmp_path)
+    before = _tree(wt)
+    info = store.take("s1", wt, POLICY)
+    _change(wt)
+    _cut(monkeypatch)
+    with pytest.raises(CheckpointError):
+        store.restore("s1", wt, info.id, POLICY)
+    monkeypatch.undo()
+    store.restore("s1", wt, info.id, POLICY)
+    assert _tree(wt) == before
+    assert not (state / "checkpoints" / "s1" / journal.RECORD).exists()
+
+
+def test_a_failed_restores_checkpoint_outlives_keep_and_goes_with_the_session(state, tmp_path, monkeypatch):
+    store = cp.Store(str(state), str(state / "keep"))
+    wt = _worktree(tmp_path)
+    info = store.take("s1", wt, Checkpoints(keep=1))
+    _change(wt)
+    _cut(monkeypatch)
+    with pytest.raises(CheckpointError):
+        store.restore("s1", wt, info.id, POLICY)
+    later = store.take("s1", wt, Checkpoints(keep=1))
+    assert [i.id for i in store.infos("s1")] == [info.id, later.id]  # the record's stays
+    assert (state / "checkpoints" / "s1" / info.id).exists()
+    store.drop("s1")
+    assert not (state / "checkpoints" / "s1").exists()
+    assert store._of("s1").record_fd == -1
+
+
+def _cut_and_die(state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                 ) -> tuple[str, str, dict[str, tuple[str, int, bytes]]]:
+    store = cp.Store(str(state), str(state / "keep"))
+    wt = _worktree(tmp_path)
+    before = _tree(wt)
+    info = store.take("s1", wt, POLICY)
+    _change(wt)
+    _cut(monkeypatch)
+    with pytest.raises(CheckpointError):
+        store.restore("s1", wt, info.id, POLICY)
+    monkeypatch.undo()
+    _die(store, "s1")
+    return wt, info.id, before
+
+
+def test_a_replaced_worktree_is_left_untouched_and_the_record_kept(state, tmp_path, monkeypatch, caplog):
+    wt, cid, _ = _cut_and_die(state, tmp_path, monkeypatch)
+    os.rename(wt, tmp_path / "aside")
+    os.mkdir(wt)
+    Path(wt, "mine").write_text("someone's\n")
+    with caplog.at_level(logging.INFO, logger="dispatchd.checkpoints"):
+        cp.finish_restores(str(state))
+    assert _tree(wt) == {"mine": ("f", 0o644 & ~_umask(), b"someone's\n")}
+    assert "event=restore_unfinished session=s1 " in caplog.text
+    assert "another directory is at the worktree's path" in caplog.text
+    top = state / "checkpoints" / "s1"
+    cp.Store(str(state), str(state / "keep"))  # the start's removal spares it: the next start tries again
+    assert (top / journal.RECORD).exists() and (top / cid).exists()
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+@pytest.mark.parametrize("how", ["gone", "symlink", "changed", "manifest"])
+def test_what_cannot_be_finished_is_never_written_and_says_why(state, tmp_path, monkeypatch, caplog, how):
+    wt, cid, _ = _cut_and_die(state, tmp_path, monkeypatch)
+    top = state / "checkpoints" / "s1"
+    why = {"gone": "the worktree is gone",
+           "symlink": "the worktree's path is now a symlink (not followed)",
+           "changed": "d0/f04 changed after the restore began (not by it): finishing it would overwrite that work",
+           "manifest": "the checkpoint's manifest cannot be read: "}[how]
+    if how == "gone":
+        shutil.rmtree(wt)
+    elif how == "symlink":
+        os.rename(wt, tmp_path / "aside")
+        os.symlink(tmp_path / "aside", wt)
+    elif how == "changed":
+        time.sleep(0.01)
+        Path(wt, "d0", "f04").write_text("the user's work since\n")
+    else:
+        (top / cid).unlink()
+    seen = _tree(str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="dispatchd.checkpoints"):
+        assert journal.finish_all(str(state / "checkpoints")) == ([], ["s1"])
+    assert _tree(str(tmp_path)) == seen  # nothing written, nothing removed
+    assert f"why={why!r}" in caplog.text or f"why={why!r}"[:-1] in caplog.text, caplog.text
+    assert (top / journal.RECORD).exists()
