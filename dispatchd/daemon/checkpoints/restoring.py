@@ -12,6 +12,7 @@ import stat
 
 from dispatchd import treewalk
 from dispatchd.confine._sys import open_beneath
+from dispatchd.durable import fsync_directory
 from dispatchd.errors import CheckpointError
 from dispatchd.tempfiles import temp_name
 
@@ -196,10 +197,7 @@ def fsync_dirs(worktree: str, paths: set[bytes]) -> None:
         for path in sorted(paths):
             fd = open_beneath(root_fd, os.fsdecode(path), _DIR) if path else root_fd
             try:
-                os.fsync(fd)
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-                    raise
+                fsync_directory(".", dir_fd=fd)
             finally:
                 if fd != root_fd:
                     os.close(fd)
