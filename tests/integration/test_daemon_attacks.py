@@ -221,10 +221,27 @@ def test_a_fork_server_out_of_descriptors_refuses_that_open_and_serves_on(tmp_pa
         assert d.proc.poll() is None and "Traceback" not in d.log()
 
 
+def _hold(stack: contextlib.ExitStack, d: Daemon, n: int) -> list[protocol.FrameSocket]:
+    """``n`` greeted connections, held. One answered busy is tried again for
+    a while: a connection that closed just before (the harness's check that
+    the daemon listens, a status) counts until the daemon's thread for it
+    has seen it close, a moment later on a loaded machine."""
+    held: list[protocol.FrameSocket] = []
+    deadline = time.monotonic() + 10
+    while len(held) < n:
+        try:
+            held.append(stack.enter_context(greeted(d)))
+        except AssertionError:  # answered busy (and closed)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    return held
+
+
 def test_connections_over_the_cap_are_answered_busy(tmp_path: Path) -> None:
     with started(tmp_path, "--max-connections", "8") as d:
         with contextlib.ExitStack() as stack:
-            held = [stack.enter_context(greeted(d)) for _ in range(8)]
+            held = _hold(stack, d, 8)
             with raw(d) as extra:
                 reply = refused_then_closed(extra, "busy")
                 assert reply.message == ("dispatchd serves at most 8 connections at once and has that many; "
