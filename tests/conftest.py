@@ -196,6 +196,43 @@ def shell(session: dispatch.Session, command: str, **params: object) -> dispatch
     return session.registry.get("shell_exec").call({"command": command, **params})
 
 
+# How long a call refused at its start for want of a process or a thread is
+# tried again: in degraded mode another run's tests (as the same user) can
+# hold the user's count above a session's headroom for tens of seconds on a
+# loaded machine. Only a refused start waits this long.
+RETRY_S = 120
+
+
+def refused_at_start(r: dispatch.Result) -> bool:
+    """Whether a call was refused before it ran anything, for want of a
+    process ("could not start /bin/bash: Resource temporarily unavailable")
+    or of a thread (the tool server's, for the call or its channel)."""
+    error = r.error or ""
+    return "exit_code" not in r.metadata and (
+        ("could not start " in error and "Resource temporarily unavailable" in error)
+        or "tool server cannot start a thread" in error)
+
+
+def call_once_started(session: dispatch.Session, tool: str, params: dict[str, object]) -> dispatch.Result:
+    """A call of ``tool``, tried again while it is refused at its start
+    (``refused_at_start``): in degraded mode a session's process limit is the
+    user's count at open plus its budget, and tests beside this one as the
+    same user (other workers, other runs) can take that headroom a while. A
+    refused call ran nothing, so trying it again changes no outcome; a call
+    that ran is never tried again. For tests that are not about a refused start."""
+    deadline = time.monotonic() + RETRY_S
+    r = session.registry.get(tool).call(params)
+    while refused_at_start(r) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        r = session.registry.get(tool).call(params)
+    return r
+
+
+def shell_once_started(session: dispatch.Session, command: str, **params: object) -> dispatch.Result:
+    """``shell_exec`` of ``command``, tried again while refused at its start (``call_once_started``)."""
+    return call_once_started(session, "shell_exec", {"command": command, **params})
+
+
 def probe(session: dispatch.Session, code: str) -> str:
     """Run a Python probe inside the sandbox; return its stdout (stripped)."""
     r = shell(session, f"/usr/bin/python3 -c {_quote(code)}")
