@@ -193,7 +193,10 @@ def session(client: dispatch.Client, worktree: Path) -> Iterator[dispatch.Sessio
 
 
 def shell(session: dispatch.Session, command: str, **params: object) -> dispatch.Result:
-    return session.registry.get("shell_exec").call({"command": command, **params})
+    """``shell_exec`` of ``command``, tried again while refused at its start
+    (``call_once_started``): no test is about a start refused for want of a
+    process, and in degraded mode another run's processes can cause one."""
+    return call_once_started(session, "shell_exec", {"command": command, **params})
 
 
 # How long a call refused at its start for want of a process or a thread is
@@ -226,11 +229,6 @@ def call_once_started(session: dispatch.Session, tool: str, params: dict[str, ob
         time.sleep(0.2)
         r = session.registry.get(tool).call(params)
     return r
-
-
-def shell_once_started(session: dispatch.Session, command: str, **params: object) -> dispatch.Result:
-    """``shell_exec`` of ``command``, tried again while refused at its start (``call_once_started``)."""
-    return call_once_started(session, "shell_exec", {"command": command, **params})
 
 
 def probe(session: dispatch.Session, code: str) -> str:

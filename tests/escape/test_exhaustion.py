@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import (_refuse_root, call_once_started, gone, processes_in, shell_once_started, sleepers,
-                            wait_until)
+from tests.conftest import _refuse_root, call_once_started, gone, processes_in, shell, sleepers, wait_until
 from tests.escape.conftest import MODES, connect, mode_daemon
 
 # A fork bomb in degraded mode meets the user's process limit, which every
@@ -82,7 +81,7 @@ def _still_serving(client: dispatch.Client, tmp_path: Path) -> None:
     other.mkdir(exist_ok=True)
     assert client.status()["daemon_version"]
     with client.open_session(str(other), policy="roomy") as s:  # not about the process limit
-        assert _stdout(shell_once_started(s, "echo alive")) == "alive\n"
+        assert _stdout(shell(s, "echo alive")) == "alive\n"
 
 
 def _job_running(session: dispatch.Session, marker: str) -> int:
@@ -90,7 +89,7 @@ def _job_running(session: dispatch.Session, marker: str) -> int:
     namespace) before a bomb starts: its own start needs a process, which a
     bomb begun first (or, in degraded mode, the processes of tests beside
     this one as the same user) may hold. Returns its host pid."""
-    job = shell_once_started(session, f"sleep {marker}", background=True)
+    job = shell(session, f"sleep {marker}", background=True)
     assert job.is_success, job
     assert wait_until(lambda: len(sleepers(marker)) == 1), "the background job never started"
     (pid,) = sleepers(marker)
@@ -99,11 +98,11 @@ def _job_running(session: dispatch.Session, marker: str) -> int:
 
 def test_fork_bomb_stops_at_the_process_limit(tight: dispatch.Client, worktree: Path, tmp_path: Path) -> None:
     session = tight.open_session(str(worktree), policy="tight")
-    control = shell_once_started(session, "for i in $(seq 10); do sleep 0.2 & done; wait; echo ten")
+    control = shell(session, "for i in $(seq 10); do sleep 0.2 & done; wait; echo ten")
     # stdout only: in degraded mode the limit counts every process of the user's,
     # and other tests' processes can make bash print "fork: retry" before it succeeds.
     assert _stdout(control) == "ten\n", control.output
-    bomb = shell_once_started(session, "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout=8)
+    bomb = shell(session, "bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout=8)
     assert "fork: Resource temporarily unavailable" in bomb.metadata["stderr"] or \
            "fork: retry" in bomb.metadata["stderr"], bomb.metadata["stderr"][-500:]
     _still_serving(tight, tmp_path)
@@ -112,29 +111,29 @@ def test_fork_bomb_stops_at_the_process_limit(tight: dispatch.Client, worktree: 
 
 
 def test_memory_hog_is_stopped_per_process(roomy: dispatch.Session, tight: dispatch.Client, tmp_path: Path) -> None:
-    ok = shell_once_started(roomy, "python3 -c 'b = bytearray(64 * 2**20); print(len(b) >> 20)'")
+    ok = shell(roomy, "python3 -c 'b = bytearray(64 * 2**20); print(len(b) >> 20)'")
     assert _stdout(ok) == "64\n"
-    hog = shell_once_started(roomy, "python3 -c 'b = bytearray(1024 * 2**20)'")
+    hog = shell(roomy, "python3 -c 'b = bytearray(1024 * 2**20)'")
     assert hog.is_failure and "MemoryError" in hog.metadata["stderr"]
     _still_serving(tight, tmp_path)
 
 
 def test_output_flood_is_capped(roomy: dispatch.Session, tight: dispatch.Client, tmp_path: Path) -> None:
-    small = shell_once_started(roomy, "head -c 1000 /dev/zero | tr '\\0' x")
+    small = shell(roomy, "head -c 1000 /dev/zero | tr '\\0' x")
     assert small.metadata["truncated"] is False and len(small.metadata["stdout"]) == 1000
-    flood = shell_once_started(roomy, "yes flood | head -c 200000000; yes err | head -c 50000000 >&2")
+    flood = shell(roomy, "yes flood | head -c 200000000; yes err | head -c 50000000 >&2")
     assert flood.is_success and flood.metadata["truncated"] is True
     assert len(flood.metadata["stdout"]) == 65536 and len(flood.metadata["stderr"]) == 65536
     _still_serving(tight, tmp_path)
 
 
 def test_a_file_over_the_size_limit_cannot_be_written(roomy: dispatch.Session, worktree: Path) -> None:
-    ok = shell_once_started(roomy, 'dd if=/dev/zero of="$TMPDIR/five" bs=1M count=5 status=none && echo ok')
+    ok = shell(roomy, 'dd if=/dev/zero of="$TMPDIR/five" bs=1M count=5 status=none && echo ok')
     assert _stdout(ok) == "ok\n"
     # RLIMIT_FSIZE: the write past the limit raises SIGXFSZ, which kills dd.
-    big = shell_once_started(roomy, 'dd if=/dev/zero of="$TMPDIR/big" bs=1M count=20 status=none')
+    big = shell(roomy, 'dd if=/dev/zero of="$TMPDIR/big" bs=1M count=20 status=none')
     assert big.error == "command was killed by signal 25 (SIGXFSZ)" and big.metadata["exit_code"] == -25
-    in_worktree = shell_once_started(roomy, "dd if=/dev/zero of=big.bin bs=1M count=20 status=none")
+    in_worktree = shell(roomy, "dd if=/dev/zero of=big.bin bs=1M count=20 status=none")
     assert in_worktree.metadata["exit_code"] == -25
     assert (worktree / "big.bin").stat().st_size == 10 * 2**20  # stopped at the limit
 
@@ -144,7 +143,7 @@ def test_many_files_can_still_fill_the_disk_known_limit(roomy: dispatch.Session)
     # RLIMIT_FSIZE bounds each file, not their sum: three files of 8 MiB go
     # through. Only a quota or a size-limited filesystem would bound the total
     # (SECURITY.md, "Known limits").
-    r = shell_once_started(roomy, 'for i in 1 2 3; do dd if=/dev/zero of="$TMPDIR/f$i" bs=1M count=8 status=none; '
+    r = shell(roomy, 'for i in 1 2 3; do dd if=/dev/zero of="$TMPDIR/f$i" bs=1M count=8 status=none; '
                                   'done; du -sm "$TMPDIR" | cut -f1')
     assert int(_stdout(r)) >= 24
 
@@ -158,7 +157,7 @@ def test_a_timed_out_fork_bomb_ends_with_its_call(session: dispatch.Session, wor
     # machine, a run beside this one's too.
     marker = f"61.{secrets.randbelow(10**6):06d}"
     job = _job_running(session, marker)
-    bomb = shell_once_started(session, "bomb() { bomb | bomb & }; bomb; sleep 30", timeout=2)
+    bomb = shell(session, "bomb() { bomb | bomb & }; bomb; sleep 30", timeout=2)
     assert bomb.metadata.get("timed_out") is True, bomb
     # Read from here: in degraded mode a command in the session may wait
     # long for a process while other tests of the same user hold the limit.
@@ -173,15 +172,15 @@ def test_a_process_leaving_its_group_with_no_environment_ends_with_its_timed_out
     with tight.open_session(str(worktree), policy="roomy") as session:
         # setsid: another session and group; env -i: no marker; the subshell
         # exits: an orphan, started before the timeout ("started").
-        r = shell_once_started(session, "(setsid env -i /bin/sleep 60 &); echo started; sleep 30", timeout=3)
+        r = shell(session, "(setsid env -i /bin/sleep 60 &); echo started; sleep 30", timeout=3)
         assert (r.metadata.get("timed_out"), r.metadata.get("stdout")) == (True, "started\n"), r
         assert gone(lambda: processes_in(worktree))
         # In a call that returns by itself, too: ended before it returns.
-        r = shell_once_started(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok")
+        r = shell(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok")
         assert (_stdout(r), r.metadata["ended_processes"]) == ("ok\n", 1), r
         assert "[dispatchd: ended 1 process" in r.output and processes_in(worktree) == []
         # The twin: the same in a background job runs on, until job_stop.
-        job = shell_once_started(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok", background=True)
+        job = shell(session, "(setsid env -i /bin/sleep 60 > /dev/null 2>&1 &); echo ok", background=True)
         assert wait_until(lambda: len(processes_in(worktree)) == 2)  # the keeper and the sleep
         stop = call_once_started(session, "job_stop", {"job": job.metadata["job"]})
         assert stop.is_success, stop
@@ -197,7 +196,7 @@ def test_a_fork_bomb_that_returns_at_once_leaves_nothing(session: dispatch.Sessi
     # One fork of its bash's own (``&``): the two sides of a pipe are two, and
     # on a loaded machine the first side's bomb can take every process
     # before the second, leaving bash to retry for seconds.
-    bomb = shell_once_started(session, "bomb() { bomb | bomb & }; bomb &", timeout=20)
+    bomb = shell(session, "bomb() { bomb | bomb & }; bomb &", timeout=20)
     assert bomb.is_success and bomb.metadata["ended_processes"] > 0, bomb.metadata
     assert bomb.output.endswith("to keep one running, start it with background: true]")
     assert sleepers(marker) == [job]  # the job, alone, the same one
