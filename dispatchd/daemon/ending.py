@@ -46,6 +46,7 @@ class Ending(SessionTable):
         """Close ``sid``; returns what the checks at its end moved aside or put back."""
         session = self.get(sid)
         self._finish(session)
+        self.pool.idle()  # its calls are over: a refill waits no more
         log.info("event=session_close session=%s", sid)
         return session.found_at_end
 

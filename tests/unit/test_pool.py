@@ -100,6 +100,27 @@ def test_it_fills_the_first_kind_and_hands_each_sandbox_out_once(fakes: Fakes) -
         fakes.release(m)  # the callers' (a session's end, in the daemon)
 
 
+def test_a_close_ends_the_wait_an_open_set_for_the_refill(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refill waits after an open for the session's first calls; a close
+    says they are over, and it waits only for the close's reply. (Opened
+    back to back, each open pushed the wait on: a network-on session's
+    sandbox was not made again before the next one came.)"""
+    monkeypatch.setattr(pool_mod, "AFTER_CLOSE_S", 0.0)
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 1)
+    monkeypatch.setattr(pool_mod, "AFTER_OPEN_S", 30.0)
+    taken = p.take(OFF)
+    assert taken is not None
+    p.want(OFF)  # the open is done: its first calls come
+    time.sleep(0.2)
+    assert ready(p, OFF) == 0  # the twin: while they may run, no refill
+    p.idle()  # the session is closed
+    until(lambda: ready(p, OFF) == 1, timeout=5)
+    p.stop()
+    fakes.release(taken)
+
+
 def test_a_sandbox_that_died_is_let_go_not_handed_out(fakes: Fakes) -> None:
     p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
     p.start(OFF)
