@@ -213,32 +213,34 @@ def test_a_restore_cut_half_way_is_finished_at_the_next_start(state, tmp_path, m
     assert os.listdir(state / "checkpoints") == []
 
 
-def test_restore_again_completes_a_failed_restore_and_removes_its_record(state, tmp_path, monkeypatch):
+def _failed_restore(state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taken: Checkpoints = POLICY
+                    ) -> tuple[cp.Store, str, str, dict[str, tuple[str, int, bytes]]]:
+    """A store whose restore of a checkpoint (taken under ``taken``) stopped
+    half way: (the store, the worktree, the checkpoint, the tree it holds)."""
     store = cp.Store(str(state), str(state / "keep"))
     wt = _worktree(tmp_path)
     before = _tree(wt)
-    info = store.take("s1", wt, POLICY)
+    info = store.take("s1", wt, taken)
     _change(wt)
     _cut(monkeypatch)
     with pytest.raises(CheckpointError):
         store.restore("s1", wt, info.id, POLICY)
     monkeypatch.undo()
-    store.restore("s1", wt, info.id, POLICY)
+    return store, wt, info.id, before
+
+
+def test_restore_again_completes_a_failed_restore_and_removes_its_record(state, tmp_path, monkeypatch):
+    store, wt, cid, before = _failed_restore(state, tmp_path, monkeypatch)
+    store.restore("s1", wt, cid, POLICY)
     assert _tree(wt) == before
     assert not (state / "checkpoints" / "s1" / journal.RECORD).exists()
 
 
 def test_a_failed_restores_checkpoint_outlives_keep_and_goes_with_the_session(state, tmp_path, monkeypatch):
-    store = cp.Store(str(state), str(state / "keep"))
-    wt = _worktree(tmp_path)
-    info = store.take("s1", wt, Checkpoints(keep=1))
-    _change(wt)
-    _cut(monkeypatch)
-    with pytest.raises(CheckpointError):
-        store.restore("s1", wt, info.id, POLICY)
+    store, wt, cid, _ = _failed_restore(state, tmp_path, monkeypatch, taken=Checkpoints(keep=1))
     later = store.take("s1", wt, Checkpoints(keep=1))
-    assert [i.id for i in store.infos("s1")] == [info.id, later.id]  # the record's stays
-    assert (state / "checkpoints" / "s1" / info.id).exists()
+    assert [i.id for i in store.infos("s1")] == [cid, later.id]  # the record's stays
+    assert (state / "checkpoints" / "s1" / cid).exists()
     store.drop("s1")
     assert not (state / "checkpoints" / "s1").exists()
     assert store._of("s1").record_fd == -1
@@ -246,17 +248,9 @@ def test_a_failed_restores_checkpoint_outlives_keep_and_goes_with_the_session(st
 
 def _cut_and_die(state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                  ) -> tuple[str, str, dict[str, tuple[str, int, bytes]]]:
-    store = cp.Store(str(state), str(state / "keep"))
-    wt = _worktree(tmp_path)
-    before = _tree(wt)
-    info = store.take("s1", wt, POLICY)
-    _change(wt)
-    _cut(monkeypatch)
-    with pytest.raises(CheckpointError):
-        store.restore("s1", wt, info.id, POLICY)
-    monkeypatch.undo()
+    store, wt, cid, before = _failed_restore(state, tmp_path, monkeypatch)
     _die(store, "s1")
-    return wt, info.id, before
+    return wt, cid, before
 
 
 def test_a_replaced_worktree_is_left_untouched_and_the_record_kept(state, tmp_path, monkeypatch, caplog):
