@@ -151,9 +151,10 @@ def _change(wt: str) -> None:
 
 def _cut(monkeypatch: pytest.MonkeyPatch) -> None:
     """The next restore stops half way through its writes, as a killed daemon's would."""
-    def half(worktree: str, top: str, plan: RestorePlan, fsync_each: bool = False) -> dict[str, int]:
+    def half(worktree: str, top: str, plan: RestorePlan, fsync_each: bool = False,
+             expect: tuple[int, int] | None = None) -> dict[str, int]:
         cut = RestorePlan(remove=plan.remove, make=plan.make, write=plan.write[:len(plan.write) // 2])
-        apply_restore(worktree, top, cut, fsync_each)
+        apply_restore(worktree, top, cut, fsync_each, expect)
         raise CheckpointError("killed", "restore_failed")
 
     monkeypatch.setattr(store_module, "apply_restore", half)
@@ -298,3 +299,27 @@ def test_what_cannot_be_finished_is_never_written_and_says_why(state, tmp_path, 
     assert _tree(str(tmp_path)) == seen  # nothing written, nothing removed
     assert f"why={why!r}" in caplog.text or f"why={why!r}"[:-1] in caplog.text, caplog.text
     assert (top / journal.RECORD).exists()
+
+
+def test_a_restore_bound_to_a_directory_writes_nowhere_else(state, tmp_path):
+    """The identity is checked on the descriptor the restore then works
+    through: another directory put at the path is refused, untouched."""
+    store = cp.Store(str(state), str(state / "keep"))
+    wt = _worktree(tmp_path)
+    info = store.take("s1", wt, POLICY)
+    manifest = store.find("s1", info.id)
+    _change(wt)
+    now, _ = cp.list_tree(wt, POLICY, "restore")
+    plan = cp.plan_restore(manifest.entries, now)
+    top = str(state / "checkpoints" / "s1")
+    mine = os.stat(wt)
+    os.rename(wt, f"{wt}-moved")
+    shutil.copytree(f"{wt}-moved", wt, symlinks=True)  # another directory, the same contents
+    other = _tree(wt)
+    with pytest.raises(CheckpointError, match="restore stopped: another directory is at .* nothing was written"):
+        apply_restore(wt, top, plan, expect=(mine.st_dev, mine.st_ino))
+    assert _tree(wt) == other
+    # The twin: bound to the directory that is there, it is restored.
+    there = os.stat(wt)
+    apply_restore(wt, top, plan, expect=(there.st_dev, there.st_ino))
+    assert _tree(wt) != other

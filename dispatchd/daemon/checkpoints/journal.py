@@ -289,8 +289,9 @@ def _finish(top: str, fd: int) -> str | None:
             if recognise(record, os.lstat(record.worktree)) is not None:
                 return _unfinished(top, record, "the worktree's path changed while it was compared")
             plan = plan_restore(manifest.entries, now)
-            done_ = apply_restore(record.worktree, top, plan, fsync_each=False)
-            done_["objects"] = _put_objects(record.worktree, manifest) if manifest.objects else 0
+            ident = (record.dev, record.ino)
+            done_ = apply_restore(record.worktree, top, plan, fsync_each=False, expect=ident)
+            done_["objects"] = _put_objects(record.worktree, manifest, ident) if manifest.objects else 0
             if record.fsync:
                 _syncfs(record.worktree)
         except CheckpointError as exc:

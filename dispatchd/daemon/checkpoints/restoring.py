@@ -65,10 +65,26 @@ class _Dirs:
         self.fd, self.path = -1, None
 
 
-def apply_restore(worktree: str, top: str, plan: RestorePlan, fsync_each: bool = False) -> dict[str, int]:
+def _open_root(worktree: str, expect: tuple[int, int] | None) -> int:
+    """The worktree's descriptor; with ``expect`` (device, inode), refused
+    unless it is that directory: checked on the descriptor every step then
+    uses, not on the path, which could change between a check and the open."""
+    fd = os.open(worktree, _DIR)
+    if expect is not None:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != expect:
+            os.close(fd)
+            raise CheckpointError(f"restore stopped: another directory is at {worktree} now (device {st.st_dev} "
+                                  f"inode {st.st_ino}, not {expect[0]} {expect[1]}); nothing was written there",
+                                  "restore_failed")
+    return fd
+
+
+def apply_restore(worktree: str, top: str, plan: RestorePlan, fsync_each: bool = False,
+                  expect: tuple[int, int] | None = None) -> dict[str, int]:
     """Carry out ``plan`` in ``worktree`` (see ``_Dirs``: by descriptor, no
-    symlink followed)."""
-    root_fd = os.open(worktree, _DIR)
+    symlink followed); with ``expect``, only in that directory (``_open_root``)."""
+    root_fd = _open_root(worktree, expect)
     dirs = _Dirs(root_fd)
     try:
         for e in plan.remove:
@@ -144,9 +160,9 @@ def _put(fd: int, name: bytes, e: Entry, top: str, fsync: bool) -> None:
         raise
 
 
-def _put_objects(worktree: str, manifest: Manifest) -> int:
+def _put_objects(worktree: str, manifest: Manifest, expect: tuple[int, int] | None = None) -> int:
     """The object files the checkpoint listed and that are gone, from the keep."""
-    root_fd = os.open(worktree, _DIR)
+    root_fd = _open_root(worktree, expect)
     put = 0
     try:
         ofd = open_beneath(root_fd, os.fsdecode(_OBJECTS), _DIR)

@@ -302,8 +302,9 @@ class Store:
         s.record_fd, s.record_cid = fd, cid
         # A failure from here leaves the record (and its lock, held while the
         # session lives): "restore again" replaces it, a restart finishes it.
-        done = apply_restore(worktree, top, plan, fsync_each=each)
-        done["objects"] = _put_objects(worktree, manifest) if manifest.objects else 0
+        ident = (root.st_dev, root.st_ino)  # the directory the record names, and no other
+        done = apply_restore(worktree, top, plan, fsync_each=each, expect=ident)
+        done["objects"] = _put_objects(worktree, manifest, ident) if manifest.objects else 0
         if fsync and (not each or done["objects"] or plan.remove or plan.make):
             _syncfs(worktree)
         elif fsync and plan.write:
