@@ -242,6 +242,21 @@ def test_an_object_deleted_under_a_reset_mtime_is_put_back_and_an_unchanged_stor
     assert history._changed(again.stamps, again.stamped_ns, history._stamps(str(objects))) == set()
 
 
+def test_a_keep_up_to_date_is_not_written_again_and_a_new_object_is_kept(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    commits(repo, 2)
+    objects, keep = repo / ".git" / "objects", tmp_path / "keep"
+    time.sleep(0.06)  # past the window in which a ctime is not trusted: no directory is racy
+    history.record(str(repo / ".git"), str(keep), own=[])
+    first = os.stat(keep / ".stamps").st_ino
+    history.record(str(repo / ".git"), str(keep), own=[])
+    assert os.stat(keep / ".stamps").st_ino == first  # nothing new to say: not rewritten (a rename is a new inode)
+    commits(repo, 1)
+    history.record(str(repo / ".git"), str(keep), own=[])
+    assert os.stat(keep / ".stamps").st_ino != first
+    assert {p.relative_to(objects) for p in objects.glob("??/*")} <= {p.relative_to(keep) for p in keep.glob("??/*")}
+
+
 def test_a_rewound_branch_is_put_back_and_the_new_value_kept(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
     commits(repo, 4)

@@ -66,6 +66,49 @@ def test_an_untouched_tree_is_not_listed_again_and_reports_nothing(tmp_path: Pat
     assert listings[0] - first < 10 < first  # the plain directories' listings were reused
 
 
+def test_an_unchanged_leaf_directory_is_not_opened_again_and_a_changed_one_is(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "r")
+    for i in range(5):
+        (repo / f"p{i}").mkdir()
+        (repo / f"p{i}" / "f.py").write_text("x\n")
+    before = baseline(repo)
+    opened: list[str] = []
+    real = runnables._open_dir
+
+    def counting(dir_fd: int, name: str) -> int | None:
+        opened.append(name)
+        return real(dir_fd, name)
+    monkeypatch.setattr(runnables, "_open_dir", counting)
+    now = runnables.take(str(repo))
+    assert now.entries == before.entries and now.complete
+    assert not [n for n in opened if n.startswith("p")]  # each leaf known by a stat of its name
+    st = os.stat(repo / "p3")
+    (repo / "p3" / ".envrc").write_text("evil\n")
+    mtime_back(repo / "p3", st)
+    opened.clear()
+    assert runnables.changes(before, runnables.take(str(repo))) == ["p3/.envrc"]
+    assert "p3" in opened and "p1" not in opened  # the changed leaf opened and listed; the others not
+
+
+def test_leaves_known_by_a_stat_still_count_towards_the_walks_bounds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = make_repo(tmp_path / "r")
+    for i in range(5):
+        (repo / f"p{i}").mkdir()
+        for j in range(4):
+            (repo / f"p{i}" / f"f{j}.py").write_text("x\n")
+    full = baseline(repo)
+    assert full.complete
+    monkeypatch.setattr(runnables, "MAX_ENTRIES", 12)  # fewer than the 20 files in the leaves
+    over = runnables.take(str(repo))
+    assert not over.complete and over.why == "more than 12 entries"
+    monkeypatch.setattr(runnables, "MAX_DIRS", 3)
+    monkeypatch.setattr(runnables, "MAX_ENTRIES", 10_000)
+    over = runnables.take(str(repo))
+    assert not over.complete and over.why == "more than 3 directories"
+
+
 @pytest.mark.parametrize("name", [".envrc", ".mcp.json", ".vscode"])
 def test_a_protected_name_added_under_a_put_back_mtime_is_found(tmp_path: Path, name: str) -> None:
     repo = make_repo(tmp_path / "r")

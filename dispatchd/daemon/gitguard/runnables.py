@@ -220,8 +220,11 @@ class _Walk:
                     return
                 for name in seen.subdirs:
                     child = f"{rel}/{name}" if rel else name
-                    if child not in self.excluded:
-                        self._push(pending, fd, name, child, False, False)
+                    if child in self.excluded or self._unchanged_leaf(fd, name, child, st.st_dev):
+                        if self.why:
+                            return
+                        continue
+                    self._push(pending, fd, name, child, False, False)
                 return
         try:
             with os.scandir(fd) as listing:
@@ -272,7 +275,38 @@ class _Walk:
                 if digest is not None:
                     self.entries[child] = digest
             if kind == "dir" and not (in_git and name in _GIT_BULK):
+                if not (mark or in_git) and st is not None and self._unchanged_leaf(fd, name, child, st.st_dev):
+                    if self.why:
+                        return
+                    continue
                 self._push(pending, fd, name, child, mark, in_git)
+
+    def _unchanged_leaf(self, dir_fd: int, name: str, rel: str, dev: int) -> bool:
+        """True for a subdirectory of a reused listing that is itself a
+        remembered listing with no subdirectories, unchanged: counted from
+        a ``stat`` by name below ``dir_fd`` (no symlink followed), never
+        opened; there is nothing below it to walk. False: walk it as any
+        other (opened by descriptor), whatever the reason: another file
+        system (its ctime not known to be kept), not remembered, changed,
+        over a bound (the walk says which)."""
+        if rel.count("/") >= MAX_DEPTH or self.dirs >= MAX_DIRS:
+            return False
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        if st.st_dev != dev or not stat.S_ISDIR(st.st_mode):
+            return False
+        seen = self.remembered.get((st.st_dev, st.st_ino))
+        if seen is None or seen.subdirs or (seen.ctime_ns, seen.mtime_ns, seen.size) != (
+                st.st_ctime_ns, st.st_mtime_ns, st.st_size):
+            return False
+        self.dirs += 1
+        self.reused += 1
+        self.count += seen.count
+        if self.count > MAX_ENTRIES:
+            self.why = f"more than {MAX_ENTRIES} entries"
+        return True
 
     def _gitdir(self, fd: int, rel: str) -> None:
         self.entries[rel] = "gitdir"
