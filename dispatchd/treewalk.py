@@ -301,7 +301,7 @@ def fine_local_ctime(fd: int, dev: int) -> bool:
 
 
 def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda name, dirfd: False,
-         listings: Listings | None = None) -> Iterator[tuple[bytes, list[bytes], int]]:
+         listings: Listings | None = None, *, root_fd: int = -1) -> Iterator[tuple[bytes, list[bytes], int]]:
     """Top-down, as ``os.fwalk(root, follow_symlinks=False)`` but iterative
     and bounded: ``(dirpath, names of its non-directories, dirfd)`` for
     every directory, ``dirfd`` valid until the next step. A directory for
@@ -310,7 +310,9 @@ def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda
     ``budget.max_entries``. Directories it cannot read are skipped. Holds
     one descriptor per level of the directory it is in, no more. With
     ``listings``, a directory it remembers yields no non-directory (see
-    ``Listings``)."""
+    ``Listings``). With ``root_fd``, the directory that descriptor holds is
+    walked (reopened through it, never by the path, which only names it in
+    what is yielded)."""
     if listings is None:
         entries = _entries
     else:
@@ -319,7 +321,7 @@ def walk(root: str, budget: Budget, prune: Callable[[bytes, int], bool] = lambda
         def entries(fd: int, budget: Budget) -> tuple[list[bytes], list[bytes]]:
             return listings.entries(fd, budget, settled_before)
     try:
-        top = os.open(root, _DIR_FLAGS)
+        top = os.open(root, _DIR_FLAGS) if root_fd < 0 else os.open(".", _DIR_FLAGS, dir_fd=root_fd)
     except OSError as exc:
         budget.note(f"{root}: {exc.strerror}")
         return

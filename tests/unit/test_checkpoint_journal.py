@@ -323,3 +323,45 @@ def test_a_restore_bound_to_a_directory_writes_nowhere_else(state, tmp_path):
     there = os.stat(wt)
     apply_restore(wt, top, plan, expect=(there.st_dev, there.st_ino))
     assert _tree(wt) != other
+
+
+def test_a_restore_finished_at_start_is_planned_from_the_directory_it_writes_in(state, tmp_path, monkeypatch):
+    """Another directory put at the worktree's path only while the finish
+    lists it, then taken away: the plan is still made from the worktree
+    (listed through the descriptor proven to be it), and the restore ends
+    whole. Listed by the path, the plan would be the other directory's."""
+    wt, cid, before = _cut_and_die(state, tmp_path, monkeypatch)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "decoy").write_text("not the worktree\n")
+    real = journal.list_tree
+
+    def listed_while_swapped(*args: object, **kwargs: object) -> object:
+        os.rename(wt, f"{wt}-real")
+        os.rename(other, wt)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            os.rename(wt, other)
+            os.rename(f"{wt}-real", wt)
+    monkeypatch.setattr(journal, "list_tree", listed_while_swapped)
+    cp.finish_restores(str(state))
+    assert _tree(wt) == before
+    assert not (state / "checkpoints" / "s1" / journal.RECORD).exists()
+    assert _tree(str(other)) == {"decoy": ("f", 0o644 & ~_umask(), b"not the worktree\n")}
+
+
+def test_a_listing_bound_to_a_descriptor_lists_that_directory_not_the_path(tmp_path):
+    wt = _worktree(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "decoy").write_text("x\n")
+    fd = os.open(wt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        bound, _ = cp.list_tree(str(other), POLICY, "restore", root_fd=fd)
+    finally:
+        os.close(fd)
+    by_path, _ = cp.list_tree(str(other), POLICY, "restore")
+    paths = {e.path for e in bound}
+    assert {os.fsencode(p) for p in _tree(wt)} <= paths and b"decoy" not in paths
+    assert b"decoy" in {e.path for e in by_path}  # the twin: by path, the path's directory

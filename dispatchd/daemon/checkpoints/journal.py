@@ -54,7 +54,7 @@ from dispatchd.tempfiles import TEMP_NAME
 
 from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _manifest_decoder, plan_restore
 from dispatchd.daemon.checkpoints.reading import list_tree
-from dispatchd.daemon.checkpoints.restoring import _put_objects, _syncfs, apply_restore
+from dispatchd.daemon.checkpoints.restoring import _put_objects, _syncfs, apply_restore, open_root
 
 log = logging.getLogger("dispatchd.checkpoints")
 
@@ -277,8 +277,14 @@ def _finish(top: str, fd: int) -> str | None:
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return _unfinished(top, record, f"the checkpoint's manifest cannot be read: {exc}")
         policy = CheckpointPolicy(max_files=record.max_files, max_depth=record.max_depth)
+        ident = (record.dev, record.ino)
+        root_fd = -1
         try:
-            now, _ = list_tree(record.worktree, policy, "restore")
+            # Listed through a descriptor proven to be the recorded worktree,
+            # as the restore below is applied: the plan is made from the very
+            # directory it is carried out in, not from one swapped in meanwhile.
+            root_fd = open_root(record.worktree, ident)
+            now, _ = list_tree(record.worktree, policy, "restore", root_fd=root_fd)
             later = changed_since(manifest.entries, now, record.started_ns)
             if later:
                 more = f" and {len(later) - 1} more" if len(later) > 1 else ""
@@ -289,7 +295,6 @@ def _finish(top: str, fd: int) -> str | None:
             if recognise(record, os.lstat(record.worktree)) is not None:
                 return _unfinished(top, record, "the worktree's path changed while it was compared")
             plan = plan_restore(manifest.entries, now)
-            ident = (record.dev, record.ino)
             done_ = apply_restore(record.worktree, top, plan, fsync_each=False, expect=ident)
             done_["objects"] = _put_objects(record.worktree, manifest, ident) if manifest.objects else 0
             if record.fsync:
@@ -298,6 +303,9 @@ def _finish(top: str, fd: int) -> str | None:
             return _unfinished(top, record, exc.message)
         except OSError as exc:
             return _unfinished(top, record, f"{exc.filename or 'the worktree'}: {exc.strerror}")
+        finally:
+            if root_fd >= 0:
+                os.close(root_fd)
         path = os.path.join(top, RECORD)
         os.unlink(path)
         if record.fsync:

@@ -50,12 +50,14 @@ def _is_object_dir(name: bytes) -> bool:
     return name == b"pack" or (len(name) == 2 and all(c in b"0123456789abcdef" for c in name))
 
 
-def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint") -> tuple[list[Entry], bool]:
+def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint", *,
+              root_fd: int = -1) -> tuple[list[Entry], bool]:
     """Every entry below ``root``, but the object files of the repository at
     its root (``.git/objects/ab/...``, ``.git/objects/pack/...``: kept by
     gitguard's history, never removed); and whether that repository's ``objects``
     is a directory. Refused (``verb`` says what) over the policy's budgets,
-    or when a directory cannot be read."""
+    or when a directory cannot be read. ``root_fd``: the directory that
+    descriptor holds is listed, not whatever ``root`` names by then."""
     budget = treewalk.Budget(max_entries=policy.max_files, max_depth=policy.max_depth)
     entries: list[Entry] = []
     paths: dict[int, bytes] = {}  # descriptors the walk yielded -> their path (valid while open)
@@ -69,7 +71,7 @@ def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint") -> 
         expected.append(paths[fd] + b"/" + name if paths[fd] else name)
         return False
 
-    for dirpath, files, fd in treewalk.walk(root, budget, prune):
+    for dirpath, files, fd in treewalk.walk(root, budget, prune, root_fd=root_fd):
         rel = os.path.relpath(dirpath, root_b) if dirpath != root_b else b""
         rel = b"" if rel == b"." else rel
         paths[fd] = rel

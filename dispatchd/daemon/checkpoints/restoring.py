@@ -65,7 +65,7 @@ class _Dirs:
         self.fd, self.path = -1, None
 
 
-def _open_root(worktree: str, expect: tuple[int, int] | None) -> int:
+def open_root(worktree: str, expect: tuple[int, int] | None) -> int:
     """The worktree's descriptor; with ``expect`` (device, inode), refused
     unless it is that directory: checked on the descriptor every step then
     uses, not on the path, which could change between a check and the open."""
@@ -83,8 +83,8 @@ def _open_root(worktree: str, expect: tuple[int, int] | None) -> int:
 def apply_restore(worktree: str, top: str, plan: RestorePlan, fsync_each: bool = False,
                   expect: tuple[int, int] | None = None) -> dict[str, int]:
     """Carry out ``plan`` in ``worktree`` (see ``_Dirs``: by descriptor, no
-    symlink followed); with ``expect``, only in that directory (``_open_root``)."""
-    root_fd = _open_root(worktree, expect)
+    symlink followed); with ``expect``, only in that directory (``open_root``)."""
+    root_fd = open_root(worktree, expect)
     dirs = _Dirs(root_fd)
     try:
         for e in plan.remove:
@@ -162,7 +162,7 @@ def _put(fd: int, name: bytes, e: Entry, top: str, fsync: bool) -> None:
 
 def _put_objects(worktree: str, manifest: Manifest, expect: tuple[int, int] | None = None) -> int:
     """The object files the checkpoint listed and that are gone, from the keep."""
-    root_fd = _open_root(worktree, expect)
+    root_fd = open_root(worktree, expect)
     put = 0
     try:
         ofd = open_beneath(root_fd, os.fsdecode(_OBJECTS), _DIR)
