@@ -145,7 +145,9 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
     for s in st.sessions:
         _print_session(s, say)
     for item in st.protected:
-        say(f"at start, moved aside or put back (a daemon that died had sessions there): {item.path}: {item.why}")
+        # What this daemon's start did where a daemon that died had sessions:
+        # the baselines' checks (moved aside, put back) and cut restores.
+        say(f"at start, after a daemon that died: {item.path}: {item.why}")
 
 
 def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:

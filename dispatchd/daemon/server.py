@@ -318,7 +318,7 @@ class Server:
                                             pool=m.pool.report(), line_loops=native.report(),
                                             helpers=self.helpers()),
                                         protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
-                                                   for p in m.baselines.recovered])
+                                                   for p in m.baselines.recovered + m.restores_at_start])
         if isinstance(req, (protocol.TakeCheckpoint, protocol.ListCheckpoints, protocol.RestoreCheckpoint)):
             return checkpoints.handle(m, req)
         if isinstance(req, protocol.ListTools):

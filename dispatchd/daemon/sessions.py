@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from dispatchd.confine import cgroups
@@ -119,7 +120,9 @@ class SessionManager(Switching):
         self.write_locks = WriteLocks()  # one writer per worktree
         # A restore a killed daemon cut half way is finished first: the worktree as
         # the checkpoint had it before its baseline is re-checked (daemon/checkpoints/journal.py).
-        checkpoints.finish_restores(state_dir)
+        # What became of each is shown by status, beside what the baselines' checks did.
+        self.restores_at_start = [gitguard.Protected(path=path, why=why, time=time.time())
+                                  for path, why in checkpoints.finish_restores(state_dir)]
         # One trusted baseline per worktree, on disk (gitguard/baselines.py); the
         # checks a daemon that died left are finished before anything opens.
         self.baselines = gitguard.Baselines(state_dir, self.home)

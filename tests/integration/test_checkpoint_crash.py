@@ -127,6 +127,9 @@ def test_a_restore_cut_by_sigkill_is_finished_at_the_next_start(tmp_path: Path) 
                 # A session opened at once sees the worktree restored: the finish came before serving.
                 with client.open_session(str(wt)) as after:
                     assert shell(after, "cat d000/f00001 README").output == "original 1\nreadme\n"
+                said = [(p["path"], p["why"]) for p in client.status()["protected"]]
+                assert (str(wt), f"the restore of checkpoint {cid}, cut short by a daemon's death, was finished") \
+                    in said, said
             assert snapshot(wt) == before  # contents, deleted ones back, created ones gone, git's refs
             assert git(wt, "log", "--format=%s") == "init\n"
             git(wt, "fsck", "--no-dangling")
@@ -193,8 +196,15 @@ def test_a_record_whose_worktree_was_replaced_leaves_that_directory_untouched(tm
     again = Daemon(d.base, "--cgroup", "off")
     try:
         with again.connect() as client:
-            client.status()  # started all the same
+            said = [(p["path"], p["why"]) for p in client.status()["protected"]]  # started all the same
         assert snapshot(wt) == replaced and snapshot(tmp_path / "aside") == aside
+        # ... and says so in status until it stops.
+        assert [why for path, why in said if path == str(wt)] == [
+            f"the restore of checkpoint {cid}, cut short by a daemon's death, was not finished: another directory "
+            f"is at the worktree's path (device {st.st_dev} inode {os.stat(wt).st_ino}, the restore began on device "
+            f"{st.st_dev} inode {st.st_ino}); the "
+            f"worktree is left as it was found and the checkpoint kept in {top} (each start tries again; remove "
+            "that directory to give up)"], said
         log = again.log()
         assert f"event=restore_unfinished session={s.id} checkpoint={cid} worktree={wt} why=\"another directory " \
                f"is at the worktree's path (device {st.st_dev} inode {os.stat(wt).st_ino}" in log, log

@@ -201,7 +201,7 @@ def test_a_restore_cut_half_way_is_finished_at_the_next_start(state, tmp_path, m
     r = journal.decode((top / journal.RECORD).read_bytes())
     assert (r.session, r.checkpoint, r.worktree) == ("s1", info.id, wt)
     # While its daemon lives (the lock held), another start leaves it alone.
-    assert journal.finish_all(str(state / "checkpoints")) == ([], [])
+    assert journal.finish_all(str(state / "checkpoints")) == []
     assert _tree(wt) == half
     _die(store, "s1")
     monkeypatch.undo()
@@ -295,7 +295,8 @@ def test_what_cannot_be_finished_is_never_written_and_says_why(state, tmp_path, 
         (top / cid).unlink()
     seen = _tree(str(tmp_path))
     with caplog.at_level(logging.INFO, logger="dispatchd.checkpoints"):
-        assert journal.finish_all(str(state / "checkpoints")) == ([], ["s1"])
+        outcomes = journal.finish_all(str(state / "checkpoints"))
+    assert [(o.session, o.why) for o in outcomes] == [("s1", outcomes[0].why)] and outcomes[0].why
     assert _tree(str(tmp_path)) == seen  # nothing written, nothing removed
     assert f"why={why!r}" in caplog.text or f"why={why!r}"[:-1] in caplog.text, caplog.text
     assert (top / journal.RECORD).exists()

@@ -70,8 +70,19 @@ __all__ = ["RACY_NS", "Entry", "Manifest", "Pauses", "RestorePlan", "SessionMana
            "finish_restores", "handle", "list_tree", "plan_copies", "plan_restore", "reflinks"]
 
 
-def finish_restores(state_dir: str) -> None:
+def finish_restores(state_dir: str) -> list[tuple[str, str]]:
     """At the daemon's start, before the trusted baselines are re-checked,
     old checkpoints removed, or anything served: every restore a killed
-    daemon cut half way is finished, or kept and logged (``journal``)."""
-    finish_all(os.path.join(state_dir, "checkpoints"))
+    daemon cut half way is finished, or kept and logged (``journal``).
+    Returns ``(worktree, what became of it)`` for each, for ``status``."""
+    said: list[tuple[str, str]] = []
+    for o in finish_all(os.path.join(state_dir, "checkpoints")):
+        if o.why:
+            said.append((o.worktree, f"the restore of checkpoint {o.checkpoint}, cut short by a daemon's death, "
+                                     f"was not finished: {o.why}; the worktree is left as it was found and the "
+                                     f"checkpoint kept in {o.kept} (each start tries again; remove that directory "
+                                     "to give up)"))
+        else:
+            said.append((o.worktree, f"the restore of checkpoint {o.checkpoint}, cut short by a daemon's death, "
+                                     "was finished"))
+    return said

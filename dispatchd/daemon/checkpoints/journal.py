@@ -101,6 +101,17 @@ def decode(data: bytes) -> Record:
     return record
 
 
+class Outcome(msgspec.Struct, frozen=True):
+    """What a start did with one restore a dead daemon left (``status``
+    shows it until the daemon stops)."""
+
+    session: str
+    worktree: str  # "?" when its record could not be read
+    checkpoint: str
+    kept: str  # the session's checkpoint directory: kept while the restore is unfinished
+    why: str = ""  # why it was not finished; "" once it was
+
+
 def recognise(record: Record, st: os.stat_result) -> str | None:
     """None when ``st`` (the worktree path's ``lstat``) is the worktree the
     record names; else why not."""
@@ -222,38 +233,31 @@ def pending(root: str) -> list[str]:
     return [n for n in names if os.path.lexists(os.path.join(root, n, RECORD))]
 
 
-def finish_all(root: str) -> tuple[list[str], list[str]]:
+def finish_all(root: str) -> list[Outcome]:
     """At the daemon's start, before anything serves: every restore a dead
-    daemon left is finished, its record removed. Returns the sessions
-    finished and those left (a reason logged for each). Never raises for a
+    daemon left is finished, its record removed. Returns what became of
+    each (a reason logged for each left unfinished). Never raises for a
     record: a worktree's state never stops a daemon."""
-    finished: list[str] = []
-    left: list[str] = []
+    outcomes: list[Outcome] = []
     for sid in pending(root):
         top = os.path.join(root, sid)
         try:
             fd = _take(os.path.join(top, RECORD))
         except OSError as exc:
-            log.error("event=restore_unfinished session=%s why=%r kept=%s", sid, f"the record cannot be opened: "
-                      f"{exc.strerror}", top)
-            left.append(sid)
+            outcomes.append(_unfinished(top, None, f"the record cannot be opened: {exc.strerror}"))
             continue
         if fd is None:
             continue  # a live daemon's restore, or already gone
         try:
-            why = _finish(top, fd)
+            outcomes.append(_finish(top, fd))
         except Exception as exc:  # noqa: BLE001 (logged; the start goes on)
-            why = _unfinished(top, None, f"unexpected: {exc!r}")
-        if why is None:
-            finished.append(sid)
-        else:
-            left.append(sid)
-    return finished, left
+            outcomes.append(_unfinished(top, None, f"unexpected: {exc!r}"))
+    return outcomes
 
 
-def _finish(top: str, fd: int) -> str | None:
-    """The restore ``fd``'s record names, run again; None once done and its
-    record removed, else why not (logged)."""
+def _finish(top: str, fd: int) -> Outcome:
+    """The restore ``fd``'s record names, run again: done and its record
+    removed, or why not (logged)."""
     try:
         try:
             record = decode(os.read(fd, 1 << 20))
@@ -314,12 +318,12 @@ def _finish(top: str, fd: int) -> str | None:
         log.warning("event=restore_finished session=%s checkpoint=%s worktree=%s removed=%s written=%s made=%s "
                     "objects=%s seconds=%.2f", record.session, record.checkpoint, record.worktree,
                     done_["removed"], done_["written"], done_["made"], done_["objects"], time.monotonic() - t0)
-        return None
+        return Outcome(record.session, record.worktree, record.checkpoint, top)
     finally:
         os.close(fd)
 
 
-def _unfinished(top: str, record: Record | None, why: str) -> str:
+def _unfinished(top: str, record: Record | None, why: str) -> Outcome:
     """Logged loudly; the record and the session's checkpoints stay (the
     start's removal of old checkpoints spares them), and the next start
     tries again."""
@@ -327,7 +331,8 @@ def _unfinished(top: str, record: Record | None, why: str) -> str:
               "(the worktree is left as it is; the next start tries again; remove the kept directory to give up)",
               record.session if record else os.path.basename(top), record.checkpoint if record else "?",
               record.worktree if record else "?", why, top)
-    return why
+    return Outcome(record.session if record else os.path.basename(top), record.worktree if record else "?",
+                   record.checkpoint if record else "?", top, why)
 
 
 def kept(top: str) -> bool:
