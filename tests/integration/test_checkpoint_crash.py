@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import dispatch
@@ -69,6 +70,33 @@ def _is_back(wt: Path, i: int) -> bool:
         return False
 
 
+def _cut_part_way(s: dispatch.Session, cid: str, wt: Path, n: int, cut: Callable[[], object],
+                  caught: type[Exception]) -> list[object]:
+    """Restore ``cid`` on a thread and ``cut`` it part-way (files are written
+    back in path order: once an early one is back and the last one is not
+    yet); returns the restore's reply or what it raised (``caught``), once
+    its thread has ended (empty if it never did)."""
+    outcome: list[object] = []
+
+    def restore() -> None:
+        try:
+            outcome.append(s.restore(cid))
+        except caught as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=restore)
+    thread.start()
+    early, last = n // 20 + 1, n - 1
+    deadline = time.monotonic() + 120
+    while not outcome and time.monotonic() < deadline:
+        if _is_back(wt, early) and not _is_back(wt, last):
+            cut()
+            break
+        time.sleep(0.001)
+    thread.join(120)
+    return outcome
+
+
 def _checkpoints(d: Daemon) -> Path:
     return d.state / "dispatchd" / "checkpoints"
 
@@ -85,27 +113,9 @@ def test_a_restore_cut_by_sigkill_is_finished_at_the_next_start(tmp_path: Path) 
             cid = s.checkpoint()
             before = snapshot(wt)
             _change(wt, n)
-            outcome: list[object] = []
-
-            def restore() -> None:
-                try:
-                    outcome.append(s.restore(cid))
-                except Exception as exc:  # noqa: BLE001 (the daemon's death: the connection goes)
-                    outcome.append(exc)
-
-            thread = threading.Thread(target=restore)
-            thread.start()
-            # Part-way: files are written back in path order; kill once an early
-            # one is back and the last one is not yet.
-            early, last = n // 20 + 1, n - 1
-            deadline = time.monotonic() + 120
-            while not outcome and time.monotonic() < deadline:
-                if _is_back(wt, early) and not _is_back(wt, last):
-                    d.proc.send_signal(signal.SIGKILL)
-                    break
-                time.sleep(0.001)
+            # The daemon's death: the connection goes, whatever the call raises.
+            outcome = _cut_part_way(s, cid, wt, n, lambda: d.proc.send_signal(signal.SIGKILL), Exception)
             d.proc.wait()
-            thread.join(60)
             s.detach()
         d.stop()
         changed = [i for i in range(n)]
@@ -255,27 +265,14 @@ def test_a_failed_restore_leaves_its_record_to_its_daemon_and_restore_again_comp
                 cid = s.checkpoint()
                 before = snapshot(wt)
                 _change(wt, n)
-                outcome: list[object] = []
-
-                def restore() -> None:
-                    try:
-                        outcome.append(s.restore(cid))
-                    except dispatch.RequestFailed as exc:
-                        outcome.append(exc)
-
-                thread = threading.Thread(target=restore)
-                thread.start()
-                early, last = n // 20 + 1, n - 1
+                last = n - 1
                 target = wt / _name(last).partition("/")[0]
                 aside = root / "aside"
-                deadline = time.monotonic() + 120
-                while not outcome and time.monotonic() < deadline:
-                    if _is_back(wt, early) and not _is_back(wt, last):
-                        os.rename(target, aside)
-                        os.symlink(aside, target)
-                        break
-                    time.sleep(0.001)
-                thread.join(120)
+
+                def swap() -> None:
+                    os.rename(target, aside)
+                    os.symlink(aside, target)
+                outcome = _cut_part_way(s, cid, wt, n, swap, dispatch.RequestFailed)
                 if not (outcome and isinstance(outcome[0], dispatch.RequestFailed)):
                     n *= 2  # the swap came too late: a bigger tree
                     continue
