@@ -32,6 +32,7 @@ TUN_FLAG = "--tun-for-testing"
 FORCE_KERNEL_FLAG = "--force-kernel-for-testing"
 DNS_RESOLV_FLAG = "--dns-resolv-conf-for-testing"
 BASELINE_SYNC_FLAG = "--baseline-sync-delay-for-testing"
+PARK_AFTER_FLAG = "--park-after-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -97,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     # than it would be (gitguard/pending.py, Durable), so that a test can
     # see what waits for it (a write) and what does not (a read). Logged at start.
     p.add_argument(BASELINE_SYNC_FLAG, type=float, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS)
+    # How long a greeted connection may idle before it waits without a thread (daemon/parking.py).
+    p.add_argument(PARK_AFTER_FLAG, type=float, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS)
     p.add_argument("--pool", type=int, default=2, metavar="N",
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
                         "recently opened: an open then takes ~half the time; 0: none (default: 2; docs/performance.md)")
@@ -343,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     max_connections = capacity.connection_cap(open_files.limit, args.max_connections)
     server = Server(listener, manager, features, socket_path, policy_loader, max_connections=max_connections,
                     open_files=open_files)
+    if args.park_after_for_testing > 0:
+        server.park_after_s = args.park_after_for_testing
     log.info("event=connections max=%s", max_connections)
     exit_code = 0
 

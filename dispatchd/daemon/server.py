@@ -8,8 +8,10 @@ Guarantees:
   decode gets an ``ErrorReply`` (code ``bad_request``) and the connection stays;
 - broken framing (garbage length, oversized frame, EOF mid-frame) closes that
   connection only; every other client keeps being served;
-- each connection has its own thread (blocking I/O: measured faster than
-  asyncio for this request/response pattern, and tool calls do not come here);
+- each connection in use has its own thread (blocking I/O: measured faster
+  than asyncio for this request/response pattern, and tool calls do not come
+  here); one greeted and idle for ``parking.PARK_AFTER_S`` gives its thread
+  back and waits, with every other idle one, on one thread (parking.py);
 - no client can stop it (a hostile process of the same user included): a
   running out of descriptors or threads in ``accept`` is waited out, never
   fatal; connections over the cap, and all new ones once it is stopping, get
@@ -32,10 +34,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from dispatchd import __version__, protocol
+from dispatchd import __version__, fdwait, protocol, threads
 from dispatchd.daemon import checkpoints
+from dispatchd.daemon.parking import PARK_AFTER_S, Parking
 from dispatchd.daemon.capacity import OpenFiles
 from dispatchd.daemon.sessions import Session, SessionManager
 from dispatchd.errors import DispatchdError
@@ -52,6 +56,15 @@ HELLO_TIMEOUT_S = 10.0
 # trying again, instead of spinning on a backlog we cannot take.
 _BACKOFF_S = (0.01, 0.5)
 _EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+@dataclass
+class _Conn:
+    """One client's connection, served by one thread at a time."""
+
+    frames: protocol.FrameSocket
+    conn_id: int
+    greeted: bool = False
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -94,6 +107,9 @@ class Server:
         # in the backlog where it would wake us again and again.
         self._spare: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         self.helpers: Callable[[], str] = lambda: ""  # the helper processes' state (daemon/helpers.py)
+        # Greeted connections idle this long wait without a thread (parking.py).
+        self.park_after_s = PARK_AFTER_S
+        self._parking: Parking[_Conn] = Parking(self._resume)
 
     def stop(self) -> None:
         """Take no new connection (they are told the daemon is stopping). Safe
@@ -215,38 +231,60 @@ class Server:
             self.connections -= 1
 
     def _serve_connection(self, conn: socket.socket) -> None:
-        frames = protocol.FrameSocket(conn, max_frame=protocol.MAX_HELLO_FRAME)
-        conn_id = next(self._conn_ids)  # which sessions it holds (lifetimes.py)
+        c = _Conn(protocol.FrameSocket(conn, max_frame=protocol.MAX_HELLO_FRAME),
+                  next(self._conn_ids))  # which sessions it holds (lifetimes.py)
         try:
             pid, uid, _ = peer_credentials(conn)
             if uid != self.uid:
                 log.warning("event=peer_refused pid=%s uid=%s", pid, uid)
-                frames.send(protocol.ErrorReply(id=0, code="forbidden",
-                                                message=f"this daemon serves uid {self.uid} only"))
+                c.frames.send(protocol.ErrorReply(id=0, code="forbidden",
+                                                  message=f"this daemon serves uid {self.uid} only"))
+                self._end(c)
                 return
             conn.settimeout(HELLO_TIMEOUT_S)  # until greeted
-            greeted = False
+        except OSError as exc:
+            log.debug("event=connection_dropped reason=%s", exc)
+            self._end(c)
+            return
+        self._serve(c)
+
+    def _serve(self, c: _Conn) -> None:
+        """Serve ``c`` on this thread until it ends, or until it has been idle
+        for ``park_after_s`` once greeted: then it is parked (parking.py), and
+        its next request is served on a thread of its own."""
+        frames = c.frames
+        parked = False
+        try:
             while True:
+                if c.greeted and not frames.buffered() and \
+                        not fdwait.readable(frames.fileno(), self.park_after_s):
+                    try:
+                        self._parking.park(c, frames.fileno())
+                    except RuntimeError:  # no thread to poll with: this one keeps the connection
+                        continue
+                    parked = True
+                    log.debug("event=connection_parked conn=%s", c.conn_id)
+                    return
                 try:
                     req = frames.recv_request(protocol.daemon_request_decoder, frames.send)
                 except protocol.FrameTooLarge as exc:
                     # Answered, then closed: the rest of that frame is never read.
                     log.debug("event=connection_dropped reason=%s", exc)
                     frames.send(protocol.ErrorReply(id=0, code="frame_too_large", message=(
-                        f"{exc}{'' if greeted else ' before hello'}: the connection is closed")))
+                        f"{exc}{'' if c.greeted else ' before hello'}: the connection is closed")))
                     return
                 if req is None:
                     return
-                if not greeted:
+                if not c.greeted:
                     if not isinstance(req, protocol.Hello) or req.version != protocol.PROTOCOL_VERSION:
                         got = f"version {req.version}" if isinstance(req, protocol.Hello) else type(req).__name__
                         frames.send(protocol.ErrorReply(id=req.id, code="bad_version", message=(
                             f"expected hello with protocol version {protocol.PROTOCOL_VERSION}, got {got}")))
                         return
-                    greeted = True
-                    conn.settimeout(None)
+                    c.greeted = True
+                    frames.sock.settimeout(None)
                     frames.max_frame = protocol.MAX_REQUEST_FRAME
-                reply, fds = self._handle(req, conn_id)
+                reply, fds = self._handle(req, c.conn_id)
                 try:
                     frames.send(reply, fds=[fd.fileno() for fd in fds])
                 finally:
@@ -255,9 +293,18 @@ class Server:
         except (protocol.ProtocolError, OSError) as exc:
             log.debug("event=connection_dropped reason=%s", exc)
         finally:
-            frames.close()
-            self._release()
-            self.manager.holders.release(conn_id)  # its sessions may now be orphans
+            if not parked:
+                self._end(c)
+
+    def _resume(self, c: _Conn) -> None:
+        """A parked connection has a request (or has ended): serve it on a
+        thread of its own (RuntimeError when none can be had: it stays parked)."""
+        threads.Thread(target=self._serve, args=(c,), daemon=True, name="connection").start()
+
+    def _end(self, c: _Conn) -> None:
+        c.frames.close()
+        self._release()
+        self.manager.holders.release(c.conn_id)  # its sessions may now be orphans
 
     def _handle(self, req: Any, conn_id: int = 0) -> tuple[Any, list[socket.socket]]:
         rid = req.id
