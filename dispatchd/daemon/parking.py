@@ -19,7 +19,9 @@ Guarantees:
   (the log says so, at most every ``TELL_EVERY_S``); nothing is closed or
   lost;
 - the polling thread starts with the first connection parked (a daemon whose
-  clients stay busy has none), and serves until the process exits.
+  clients stay busy has none), and serves until the process exits; its
+  wake-up pipe is made with the ``Parking``, so parking changes none of the
+  daemon's descriptors but the parked connections' own.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class Parking(Generic[T]):
         self._new: list[tuple[int, T]] = []  # parked since the thread last looked
         self._waiting: dict[int, T] = {}  # fd -> item, in the poll set (the thread's own)
         self._later: list[tuple[float, int, T]] = []  # could not get a thread: when to try again
-        self._wake_r = self._wake_w = -1
+        # Made now, not with the thread: the daemon's descriptors stay what
+        # they were at its start however its clients come and go.
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread: threading.Thread | None = None
         self._told = 0.0  # when the log last said a connection waits for a thread
 
@@ -64,7 +68,6 @@ class Parking(Generic[T]):
         """``item`` waits, without a thread, until ``fd`` is readable."""
         with self._lock:
             if self._thread is None:
-                self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
                 # Raises RuntimeError without a thread to be had: the caller keeps serving.
                 thread = threads.Thread(target=self._run, daemon=True, name="parked")
                 thread.start()
