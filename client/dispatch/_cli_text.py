@@ -131,7 +131,8 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
             "planned and confined as on a kernel without them")
     if st.daemon is not None:
         d = st.daemon
-        say(f"daemon: {d.open_files_note}; connections {d.connections} of at most {d.max_connections}")
+        idle = f" ({d.parked} idle, waiting without a thread)" if d.parked else ""
+        say(f"daemon: {d.open_files_note}; connections {d.connections} of at most {d.max_connections}{idle}")
         if d.pool:
             say(f"sandboxes made ahead: {d.pool}")
         if d.line_loops:

@@ -362,6 +362,7 @@ class Server:
                                         daemon=protocol.DaemonReport(
                                             open_files=self.open_files.limit, open_files_note=self.open_files.note,
                                             connections=self.connections, max_connections=self.max_connections,
+                                            parked=self._parking.count(),
                                             pool=m.pool.report(), line_loops=native.report(),
                                             helpers=self.helpers()),
                                         protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)

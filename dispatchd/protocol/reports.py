@@ -59,6 +59,7 @@ class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):
     open_files_note: str  # raised, already there, or why not
     connections: int  # client connections served now
     max_connections: int  # ... and at most
+    parked: int = 0  # of those, idle and waiting without a thread (daemon/parking.py)
     pool: str = ""  # the sandboxes made ahead (daemon/pool.py), in words
     line_loops: str = ""  # the C helper of read_file and search_files (tools/native.py), in words
     helpers: str = ""  # the fork server, the network stacks and the socket path (daemon/helpers.py), in words
