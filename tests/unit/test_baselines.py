@@ -242,6 +242,19 @@ def test_an_object_deleted_under_a_reset_mtime_is_put_back_and_an_unchanged_stor
     assert history._changed(again.stamps, again.stamped_ns, history._stamps(str(objects))) == set()
 
 
+@pytest.mark.parametrize("now, expected", [
+    ({"00": 10, "ab": 20, "pack": 30}, set()),  # unchanged, none racy
+    ({"00": 10, "ab": 21, "pack": 30}, {"ab"}),  # changed since
+    ({"00": 10, "pack": 30}, {"ab"}),  # gone
+    ({"00": 10, "ab": 20, "cd": 5, "pack": 30}, {"cd"}),  # new
+])
+def test_the_object_directories_listed_again_are_the_changed_ones(now: dict[str, int], expected: set[str]) -> None:
+    then, look = {"00": 10, "ab": 20, "pack": 30}, 30 + history._RACY_NS + 1
+    assert history._changed(then, look, now) == expected
+    # A directory changed within the racy window before the look is listed again, changed or not.
+    assert history._changed(then, look - 2, now) == expected | {"pack"}
+
+
 def test_a_keep_up_to_date_is_not_written_again_and_a_new_object_is_kept(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
     commits(repo, 2)

@@ -129,8 +129,10 @@ def _stamps(objects: str) -> dict[str, int]:
 def _changed(then: dict[str, int], then_ns: int, now: dict[str, int]) -> set[str]:
     """The object directories to list again: new, gone, changed since, or
     changed too close before the look to trust their ctime."""
-    return {d for d in then.keys() | now.keys()
-            if then.get(d) != now.get(d) or then_ns - then[d] < _RACY_NS}
+    racy_after = then_ns - _RACY_NS
+    if then == now:  # the usual case, compared in C: only the racy ones
+        return {d for d, ns in then.items() if ns > racy_after}
+    return {d for d in then.keys() | now.keys() if then.get(d) != now.get(d) or then[d] > racy_after}
 
 
 def _files_in(objects: str, dirs: set[str]) -> set[str]:
