@@ -9,7 +9,8 @@ Starts its own daemon (the default pool of sandboxes made ahead) on a
 temporary socket, with a worktree that is a git repository of --files
 files. Prints p50 and p99 in milliseconds of: open to the first call's
 answer, the close, and, as the baseline of the same run, a bare Unix-socket
-round trip of the daemon's (a status request).
+round trip of the daemon's (a status request); then the CPU a session took,
+the daemon's and every process it started (pasta and the sandboxes too).
 
 ``--against DIR`` (an A/B of two checkouts in the same minutes, on a shared
 machine): a second daemon runs the ``dispatchd`` package of the checkout
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dispatch  # noqa: E402
+import psutil  # noqa: E402
 from bench import pct, start_daemon, stop_daemon  # noqa: E402
 
 
@@ -71,6 +73,21 @@ def one(client: dispatch.Client, wt: str, network: bool, first: str, rows: dict[
     t = time.perf_counter()
     client.status()
     rows.setdefault("baseline: status round trip", []).append(time.perf_counter() - t)
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and every process below it, those already
+    reaped by their parents included (their parents' children's times): the
+    difference of two readings is what the tree used between them."""
+    total = 0.0
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue  # gone meanwhile: its parent's children's times hold it at the next reading
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def print_steps(name: str, log_path: str) -> None:
@@ -113,6 +130,7 @@ def main() -> None:
             for name in names:
                 for network in (False, True):  # warm the pool's kinds
                     clients[name].open_session(wts[name], network=network).close()
+            cpu_before = {name: tree_cpu(proc.pid) for name, (proc, _) in daemons.items()}
             for i in range(args.rounds * 4):
                 network = bool(i % 2)
                 first = "read_file" if (i // 2) % 2 == 0 else "shell_exec"
@@ -126,6 +144,11 @@ def main() -> None:
                 order = names if (i // 4) % 2 == 0 else names[::-1]
                 for name in order:
                     one(clients[name], wts[name], network, first, rows[name])
+            # CPU a session, every process of the daemon's included (pasta, the
+            # sandboxes, the fork server): on a busy machine the figure that
+            # moves least from run to run, where the latencies share the CPUs.
+            cpu = {name: (tree_cpu(proc.pid) - cpu_before[name]) / (args.rounds * 4)
+                   for name, (proc, _) in daemons.items()}
             for client in clients.values():
                 client.close()
             width = max(len(k) for k in rows["this"])
@@ -139,6 +162,10 @@ def main() -> None:
                         ratio = f"  {pct(xs, 0.5) / pct(rows['against'][key], 0.5):.2f}x against"
                     print(f"{label:<{width + 10}}  {pct(xs, 0.5) * 1e3:8.2f}  {pct(xs, 0.99) * 1e3:8.2f}  "
                           f"{len(xs)}{ratio}")
+            for name in names:
+                ratio = f"  {cpu['this'] / cpu['against']:.2f}x against" if name == "this" and len(names) > 1 else ""
+                print(f"CPU a session, the daemon and every process it started [{name}]: "
+                      f"{cpu[name] * 1e3:.1f} ms{ratio}")
         finally:
             for proc, _ in daemons.values():
                 stop_daemon(proc)
