@@ -2,7 +2,8 @@
 
 The daemon serves a connection on a thread of its own while the connection
 is in use (blocking I/O: the fastest for its request and reply). A greeted
-connection that sends nothing for ``PARK_AFTER_S`` is *parked*: its thread
+connection that sends nothing for ``PARK_AFTER_S`` (its socket's receive
+timeout says so: no ``poll`` on a request's path) is *parked*: its thread
 ends, and one thread polls every parked connection; the first byte that
 comes, or its end, gives it a thread again (``resume``). Every thread is a
 task the kernel counts against the user's ``RLIMIT_NPROC``, which the

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dispatchd import __version__, fdwait, protocol, threads
+from dispatchd import __version__, protocol, threads
 from dispatchd.daemon import checkpoints
 from dispatchd.daemon.parking import PARK_AFTER_S, Parking
 from dispatchd.daemon.capacity import OpenFiles
@@ -256,17 +256,17 @@ class Server:
         parked = False
         try:
             while True:
-                if c.greeted and not frames.buffered() and \
-                        not fdwait.readable(frames.fileno(), self.park_after_s):
-                    try:
-                        self._parking.park(c, frames.fileno())
-                    except RuntimeError:  # no thread to poll with: this one keeps the connection
-                        continue
-                    parked = True
-                    log.debug("event=connection_parked conn=%s", c.conn_id)
-                    return
                 try:
                     req = frames.recv_request(protocol.daemon_request_decoder, frames.send)
+                except BlockingIOError:
+                    # Greeted, and nothing came for park_after_s (the socket's
+                    # SO_RCVTIMEO: no poll on the request's path). Inside a
+                    # frame it waits on, as it always did; between two it is
+                    # parked (its thread goes) unless no thread can poll for it.
+                    if frames.buffered() or not self._park(c):
+                        continue
+                    parked = True
+                    return
                 except protocol.FrameTooLarge as exc:
                     # Answered, then closed: the rest of that frame is never read.
                     log.debug("event=connection_dropped reason=%s", exc)
@@ -283,6 +283,9 @@ class Server:
                         return
                     c.greeted = True
                     frames.sock.settimeout(None)
+                    sec = max(self.park_after_s, 0.001)
+                    frames.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                           struct.pack("ll", int(sec), int(sec % 1 * 1e6)))
                     frames.max_frame = protocol.MAX_REQUEST_FRAME
                 reply, fds = self._handle(req, c.conn_id)
                 try:
@@ -295,6 +298,14 @@ class Server:
         finally:
             if not parked:
                 self._end(c)
+
+    def _park(self, c: _Conn) -> bool:
+        try:
+            self._parking.park(c, c.frames.fileno())
+        except RuntimeError:  # no thread to poll with: this one keeps the connection
+            return False
+        log.debug("event=connection_parked conn=%s", c.conn_id)
+        return True
 
     def _resume(self, c: _Conn) -> None:
         """A parked connection has a request (or has ended): serve it on a
