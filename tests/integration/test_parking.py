@@ -13,8 +13,10 @@ import textwrap
 import time
 from pathlib import Path
 
+from dispatchd import protocol
 from dispatchd.cli import PARK_AFTER_FLAG
 from tests.conftest import Daemon, wait_until
+from tests.integration.test_protocol import REPLIES, greeted
 from tests.integration.test_lifetimes import _daemon, _ids
 
 CLIENTS = 100
@@ -103,4 +105,24 @@ def test_a_parked_connection_holds_its_session_and_its_end_lets_it_go(tmp_path: 
             for pipe in (proc.stdin, proc.stdout):
                 if pipe is not None:
                     pipe.close()
+        assert d.stop() == 0, d.log()
+
+
+def test_a_request_cut_across_the_park_time_is_answered_and_a_parked_one_too(tmp_path: Path) -> None:
+    """Nothing for longer than the park time *inside* a frame is a slow
+    sender: the connection keeps its thread and waits for the rest, as
+    before. The twin: the same request whole, after as long a silence
+    (parked, then given a thread again), is answered alike."""
+    d = _daemon(tmp_path, "d", PARK_AFTER_FLAG, "0.2")
+    try:
+        with greeted(d) as frames:
+            for rid, cut in ((2, 3), (3, 0)):
+                data = protocol.encode(protocol.Status(id=rid))
+                frames.sock.sendall(data[:cut])
+                time.sleep(0.6)  # three park times
+                frames.sock.sendall(data[cut:])
+                reply = frames.recv(REPLIES)
+                assert isinstance(reply, protocol.StatusReply) and reply.id == rid, reply
+        assert d.log().count("event=connection_parked") >= 1
+    finally:
         assert d.stop() == 0, d.log()
