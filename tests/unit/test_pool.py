@@ -154,6 +154,23 @@ def test_sandboxes_are_remade_when_too_old(fakes: Fakes) -> None:
     p.stop()
 
 
+def test_a_kind_not_opened_for_a_while_is_let_go_and_made_again_at_its_next_open(fakes: Fakes) -> None:
+    """An idle daemon makes nothing: without this, each sandbox made ahead
+    reached its age and was remade, twice a minute, for ever."""
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release, idle_s=0.3)
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 1)
+    until(lambda: fakes.made[0] in fakes.let_go, timeout=10)  # no open since: let go
+    made = len(fakes.made)
+    time.sleep(0.5)
+    assert len(fakes.made) == made and ready(p, OFF) == 0  # and none made while idle
+    assert "none kept for default/off (no open for 0.3 s" in p.report()
+    p.want(OFF)  # an open of that kind (made at open): kept again
+    until(lambda: ready(p, OFF) == 1, timeout=5)
+    assert "none kept" not in p.report()
+    p.stop()
+
+
 def test_a_kind_that_fails_is_said_and_retried_later(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pool_mod, "RETRY_S", 0.2)
     fakes.fail = OSError("clone3: no more processes")
