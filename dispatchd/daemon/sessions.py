@@ -143,7 +143,7 @@ class SessionManager(Switching):
         self.holders = lifetimes.Holders(self._end_orphan)
         self._ended = leftovers.EndedSessions()  # why recent sessions ended, for their clients
         self._scratch_locks = leftovers.ScratchLocks(self.sessions_dir)
-        self.watchdog = watchdog.MemoryWatchdog(self._watched, self._end_over_memory)
+        self.watchdog = watchdog.MemoryWatchdog(self._watched, self._end_over_memory, lambda: bool(self._sessions))
         # Sandboxes made ahead, per kind of session (pool.py); started by start_pool.
         self.pool = SandboxPool(size=pool_size, make=self._make_ahead, let_go=self._let_go)
         # Sessions asleep: their channels watched by one thread (sleepers.py).

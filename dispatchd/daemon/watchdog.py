@@ -143,20 +143,32 @@ class MemoryWatchdog:
     """One thread for every session the cgroup does not bound.
 
     ``sessions()`` yields (session id, session init pid, limit); ``end(sid, used, limit)``
-    ends one (safe to call for a session already gone)."""
+    ends one (safe to call for a session already gone). ``any_session()``:
+    whether the daemon has a session at all, in any state: with none, the
+    thread sleeps until the next open asks (``ensure_running``), rather than
+    wake five times a second in an idle daemon. While any session exists it
+    looks every ``INTERVAL_S``, whatever they are doing: a session asleep may
+    be woken, or its sandbox replaced, without an open, and is watched from
+    its first look after that."""
 
     def __init__(self, sessions: Callable[[], list[tuple[str, int, int]]],
-                 end: Callable[[str, int, int], None]) -> None:
+                 end: Callable[[str, int, int], None],
+                 any_session: Callable[[], bool] = lambda: True) -> None:
         self._sessions = sessions
         self._end = end
+        self._any_session = any_session
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._asked = threading.Event()  # a session to watch may have come (set by ensure_running)
 
     def ensure_running(self) -> None:
+        """A session the cgroup does not bound has opened (call once it can
+        be listed by ``sessions()``): watch it, starting the thread if need be."""
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="memory-watchdog")
                 self._thread.start()
+        self._asked.set()
 
     def _run(self) -> None:
         took = 0.0
@@ -164,12 +176,15 @@ class MemoryWatchdog:
             # A session of a thousand processes takes 30 ms to sum: looking
             # less often then keeps the daemon's share of a core under 20 %.
             time.sleep(max(INTERVAL_S, 4 * took))
+            self._asked.clear()  # before the look: an open after it wakes the wait below
             started = time.perf_counter()
             try:
                 self.check_once()
             except Exception:  # a bug must not stop the bound for every other session
                 log.exception("event=watchdog_error")
             took = time.perf_counter() - started
+            if not self._any_session():
+                self._asked.wait()  # no session at all: until an open asks
 
     def check_once(self) -> None:
         for sid, pid, limit in self._sessions():

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from dispatchd.confine.ucounts import budget_gaps, plan_ucounts
 from dispatchd.daemon import exits, leftovers, lifetimes, watchdog
 from dispatchd.tools.atomic import TEMP_NAME, atomic_write, in_flight
@@ -226,3 +228,32 @@ def test_a_tool_server_that_is_pid_1_is_told_killed_from_outside_or_crashed() ->
         "its tool server crashed (signal 31, SIGSYS)")
     # Degraded mode: the init is not the tool server.
     assert exits.describe_exit(9, idle_timeout_s=1)[0] == "worker_killed signal=9"
+
+
+def test_the_watchdog_sleeps_while_the_daemon_has_no_session_and_looks_again_at_an_open(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no session at all it waits for the next open instead of waking
+    every INTERVAL_S; while any session exists (asleep ones too: they may
+    be woken without an open) it looks every INTERVAL_S."""
+    monkeypatch.setattr(watchdog, "INTERVAL_S", 0.02)
+    looks: list[float] = []
+    live: list[tuple[str, int, int]] = []
+
+    def sessions() -> list[tuple[str, int, int]]:
+        looks.append(time.monotonic())
+        return list(live)
+
+    any_session = [False]
+    dog = watchdog.MemoryWatchdog(sessions, lambda sid, used, limit: None, lambda: any_session[0])
+    dog.ensure_running()
+    time.sleep(0.3)
+    assert 1 <= len(looks) <= 2  # one look, then asleep: not one every 0.02 s
+    live.append(("s1", os.getpid(), 1 << 50))
+    any_session[0] = True
+    dog.ensure_running()  # the open
+    time.sleep(0.3)
+    assert len(looks) >= 8  # looking every INTERVAL_S again
+    live.clear()  # the session asleep: no worker to watch, but a session
+    before = len(looks)
+    time.sleep(0.3)
+    assert len(looks) - before >= 8  # still looking: it may be woken without an open
