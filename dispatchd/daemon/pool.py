@@ -198,18 +198,12 @@ class SandboxPool:
             self._quiet_until = min(self._quiet_until, time.monotonic() + AFTER_CLOSE_S)
             self._cond.notify()
 
-    def _kept(self) -> list[Kind]:
+    def _kept(self, idle: bool = False) -> list[Kind]:
         """Under the lock: the kinds sandboxes are kept for, most recent first
-        (none not opened for ``idle_s``)."""
-        now = time.monotonic()
-        return [k for k in reversed(self._wanted)
-                if k not in self._never and now - self._last_open.get(k, now) <= self._idle_s][:self._kinds]
-
-    def _idle(self) -> list[Kind]:
-        """Under the lock: the kinds among the most recent kept no more for want of an open."""
+        (none not opened for ``idle_s``); with ``idle``, those left out for that."""
         now = time.monotonic()
         return [k for k in reversed(self._wanted) if k not in self._never
-                and now - self._last_open.get(k, now) > self._idle_s][:self._kinds]
+                and (now - self._last_open.get(k, now) > self._idle_s) == idle][:self._kinds]
 
     def take(self, kind: Kind) -> Made | None:
         """A sandbox made ahead for ``kind``, now the caller's alone (to adopt
@@ -275,7 +269,7 @@ class SandboxPool:
             for kind, note in self._notes.items():
                 if kind not in kept:
                     parts.append(f"{kind[0]}/{kind[1]}: {note}")
-            idle = [f"{k[0]}/{k[1]}" for k in self._idle() if k not in self._notes]
+            idle = [f"{k[0]}/{k[1]}" for k in self._kept(idle=True) if k not in self._notes]
             if idle:
                 parts.append(f"none kept for {', '.join(idle)} (no open for {self._idle_s:g} s: "
                              "the next is made at open, then kept again)")
