@@ -289,8 +289,8 @@ class _Walk:
         other (opened by descriptor), whatever the reason: another file
         system (its ctime not known to be kept), not remembered, changed,
         over a bound (the walk says which)."""
-        if rel.count("/") >= MAX_DEPTH or self.dirs >= MAX_DIRS:
-            return False
+        if not self.remembered or rel.count("/") >= MAX_DEPTH or self.dirs >= MAX_DIRS:
+            return False  # (nothing remembered yet, a first walk: no stat that cannot pay)
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
