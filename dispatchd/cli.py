@@ -41,6 +41,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _parser() -> argparse.ArgumentParser:
     """The daemon's options (docs/reference.md lists each; tests/unit/test_reference.py checks)."""
+    from dispatchd.confine.netstack import STACK_CHOICES
+
     p = argparse.ArgumentParser(
         prog="dispatchd", description="Sandboxed execution daemon for AI coding agents. Runs in the foreground "
         "until SIGTERM or SIGINT.", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -100,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(BASELINE_SYNC_FLAG, type=float, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS)
     # How long a greeted connection may idle before it waits without a thread (daemon/parking.py).
     p.add_argument(PARK_AFTER_FLAG, type=float, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS)
+    p.add_argument("--network-stack", default="auto", choices=list(STACK_CHOICES),
+                   help="the user-mode stack network-on sessions go out through: slirp4netns (confined by "
+                        "dispatchd), pasta (confines itself), or auto, the first of those installed and usable "
+                        "(default: auto)")
     p.add_argument("--pool", type=int, default=2, metavar="N",
                    help="sandboxes made ahead per kind of session (policy and network mode), for the kinds most "
                         "recently opened: an open then takes ~half the time; 0: none (default: 2; docs/performance.md)")
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("event=testing_tun path=%s (the network stack's probe opens it instead of %s)",
                     args.tun_for_testing, kernel_mod.TUN)
     features = kernel_mod.probe(forbid_user_namespaces=args.no_user_namespaces,
-                                tun=args.tun_for_testing or kernel_mod.TUN)
+                                tun=args.tun_for_testing or kernel_mod.TUN, network_stack=args.network_stack)
     log.info("event=kernel landlock_abi=%s user_namespaces=%s seccomp=%s cgroup2=%s release=%s",
              features.landlock_abi, features.user_namespaces, features.seccomp, features.cgroup2 or "none",
              features.release)

@@ -88,10 +88,11 @@ def container_hint(exists: Callable[[str], bool], cgroup: str, uid_map: str) -> 
     return kind
 
 
-def probe(*, forbid_user_namespaces: bool = False, tun: str = TUN) -> KernelFeatures:
+def probe(*, forbid_user_namespaces: bool = False, tun: str = TUN, network_stack: str = "auto") -> KernelFeatures:
     """Call before any thread exists (the user-namespace probe forks).
     ``tun``: the device the network stack needs (another path only for the
-    daemon's testing option, which can only make it unusable)."""
+    daemon's testing option, which can only make it unusable);
+    ``network_stack``: ``dispatchd --network-stack``'s choice."""
     if forbid_user_namespaces:
         userns, note = False, "not used: the daemon was started with --no-user-namespaces"
     else:
@@ -101,15 +102,18 @@ def probe(*, forbid_user_namespaces: bool = False, tun: str = TUN) -> KernelFeat
         note = userns_note(userns, note, _read(APPARMOR_RESTRICT), label)
     actions = _seccomp_actions()
     cgroup2 = _cgroup2_mount()
+    abi = landlock_abi()
+    stack, stack_missing = probe_stack(network_stack, tun, landlock_abi=abi)
     return with_network_modes(KernelFeatures(
         release=os.uname().release,
-        landlock_abi=landlock_abi(),
+        landlock_abi=abi,
         user_namespaces=userns,
         user_namespaces_note=note,
         seccomp="errno" in actions,
         seccomp_actions=actions,
         cgroup2=cgroup2,
-        network_stack_missing=probe_stack(tun),
+        network_stack_missing=stack_missing,
+        network_stack=stack,
         nftables_missing=probe_nft(),
         container=container_hint(os.path.exists, _read("/proc/1/cgroup"), _read("/proc/self/uid_map")),
     ))

@@ -121,7 +121,7 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         f"user namespaces: {'yes' if k.user_namespaces else 'no'} ({k.user_namespaces_note}); "
         f"seccomp: {'yes' if k.seccomp else 'no'}; cgroup v2: {k.cgroup2 or 'not mounted'} "
         f"(per-session cgroups: {k.cgroup_delegation}); "
-        f"network stack (pasta): {_missing(k.network_stack_missing)}; "
+        f"network stack{f' ({k.network_stack})' if k.network_stack else ''}: {_missing(k.network_stack_missing)}; "
         f"nftables for ports: {_missing(k.nftables_missing)}; "
         f"root held as a detached mount: {_missing(k.host_tree_missing)}"
         + (f"; container hint: {k.container}" if k.container else ""))

@@ -1,16 +1,27 @@
 """A session's network: its own namespace in every mode, a user-mode stack for
 the way out, and netfilter rules inside for "ports".
 
-Guarantees, in full mode (user namespaces) with the stack available:
+Guarantees, in full mode (user namespaces) with a stack available:
 - every session has a network namespace of its own, whatever its mode; the
-  only way out of it is ``pasta`` (Debian's ``passt``), which the daemon has
-  the fork server start outside the sandbox, attached to that namespace
-  (``start_stack``), and ends (SIGKILL, waited for) with the session and on
-  every switch to "off"; a child of the fork server, it dies with it, so a
-  daemon killed with SIGKILL leaves none behind. ``slirp4netns``
-  was measured against it (docs/network.md): faster to start, but its own
-  sandbox does not start here, and it would parse the session's packets as
-  the user, unconfined; pasta isolates itself (namespaces, seccomp);
+  only way out of it is a user-mode stack the daemon has the fork server
+  start outside the sandbox, attached to that namespace (``start_stack``),
+  and ends (SIGKILL, waited for) with the session and on every switch to
+  "off"; a child of the fork server, it dies with it, so a daemon killed with
+  SIGKILL leaves none behind;
+- the stack is confined whichever it is: ``pasta`` (Debian's ``passt``)
+  isolates itself (namespaces, no filesystem, seccomp); ``slirp4netns``,
+  whose own sandbox binds the host's /etc and /run (the user's D-Bus among
+  them), is confined by the fork server before its exec
+  (``plan_stack_confinement``): Landlock (read and execute of the system's
+  programs and libraries, the tun device, nothing else; no signal out, no
+  abstract socket out), seccomp (no Unix or netlink socket, no mount, no
+  new namespace, no ptrace, no signal), and its own seccomp filter once it
+  runs. Either way a stack taken over by a crafted packet holds what a
+  network-on session already has (the network, the host's loopback) and
+  nothing of the user's files or programs. Which one runs:
+  ``dispatchd --network-stack auto|slirp4netns|pasta``; auto takes
+  slirp4netns where it can be confined, for its cost (docs/network.md:
+  0.3 MiB and ~1 ms of CPU at start, against pasta's 14-20 MiB and 40 ms);
 - with the stack ended, its tap device is gone: the namespace has only its
   loopback, so nothing the session still holds (a connected or orphaned
   socket, a ``sendfile`` queue referencing page-cache pages, a UDP socket)
@@ -28,9 +39,11 @@ Guarantees, in full mode (user namespaces) with the stack available:
   "ports" lets through like all loopback traffic: DNS to the host's
   resolvers only, whatever the ports listed; DNS straight to a server
   follows the list;
-- nothing comes in: pasta forwards no port from the host (``-t none -u
-  none``), and none of the session's loopback to the host's (``-T none -U
-  none``); the host's loopback is reached at the gateway address only.
+- nothing comes in: neither stack forwards a port from the host (pasta:
+  ``-t none -u none``; slirp4netns forwards only what its API socket asks,
+  and it has none), nor any of the session's loopback to the host's (pasta:
+  ``-T none -U none``); the host's loopback is reached at the gateway
+  address only.
 
 ``plan_network`` is the one place deciding, per mode, which namespace, whether
 the stack runs, which rules apply and what Landlock/seccomp must hold; a new
@@ -50,13 +63,21 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import fdwait
+from dispatchd.confine.landlock import LandlockPlan
+from dispatchd.confine.seccomp import SeccompPlan
 from dispatchd.errors import ConfinementError, DispatchdError
 from dispatchd.netmodes import NetworkMode
 
-STACK = "pasta"
-ADDRESS = "10.0.2.15"  # the session's address on its one interface
-GATEWAY = "10.0.2.2"  # its gateway; pasta maps it to the host's loopback
-DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver
+PASTA = "pasta"
+SLIRP4NETNS = "slirp4netns"
+STACKS = (SLIRP4NETNS, PASTA)  # what "auto" tries, in order: the lighter first
+STACK_CHOICES = ("auto", *STACKS)
+# The session's address on its one interface: pasta is told it; slirp4netns
+# gives the 100th of its network.
+ADDRESSES = {PASTA: "10.0.2.15", SLIRP4NETNS: "10.0.2.100"}
+GATEWAY = "10.0.2.2"  # its gateway; both stacks map it to the host's loopback
+DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver (slirp4netns: disabled)
+MTU = 65520  # pasta's default, and slirp4netns's largest (its default is 1500)
 # The daemon's DNS relay (daemon/dnsrelay.py), on the session's own loopback,
 # while its stack runs: what its resolv.conf names.
 RELAY_ADDRESS = "127.0.0.53"
@@ -117,9 +138,9 @@ def nft_rules(mode: NetworkMode, ports: NetworkPorts) -> str:
 
 
 def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft_missing: str, landlock_abi: int,
-                 ports: NetworkPorts) -> NetworkPlan:
+                 ports: NetworkPorts, stack: str = PASTA) -> NetworkPlan:
     """Pure: how a mode is held. ``stack_missing``/``nft_missing`` are "" when
-    available, else why not."""
+    available, else why not; ``stack``: the user-mode stack that runs."""
     if not use_userns:
         # Degraded mode: no namespace to give; today's mechanisms.
         if mode == "off":
@@ -149,7 +170,7 @@ def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft
         raise ConfinementError("network", detail=unavailable(mode, stack_missing, nft_missing))
     if mode == "ports" and nft_missing:
         raise ConfinementError("network", detail=unavailable(mode, "", nft_missing))
-    via = f"own network namespace, out through {STACK} (the host's loopback is {GATEWAY})"
+    via = f"own network namespace, out through {stack} (the host's loopback is {GATEWAY})"
     if mode == "on":
         return NetworkPlan(mode, namespace=True, stack=True, rules="", landlock_tcp=False, seccomp_inet=True,
                            mechanism=via)
@@ -169,7 +190,7 @@ def unavailable(mode: NetworkMode, stack_missing: str, nft_missing: str, *, use_
         return ("network 'domains' needs a network namespace of its own (user namespaces), and sessions have "
                 "none here" if mode == "domains" else "")
     if mode in ("on", "ports") and stack_missing:
-        return (f"network {mode!r} needs the user-mode network stack {STACK}, which cannot run here: "
+        return (f"network {mode!r} needs a user-mode network stack, which cannot run here: "
                 f"{stack_missing}; network 'off' and 'domains' work without it")
     if mode == "ports" and nft_missing:
         return f"network 'ports' needs nftables in the session's own network namespace: {nft_missing}"
@@ -205,21 +226,40 @@ def switch_in_place(old: NetworkPlan, new: NetworkPlan) -> bool:
 TUN = "/dev/net/tun"
 
 
-def probe_stack(tun: str = TUN) -> str:
-    """"" when the user-mode stack can run for this user, else why not and
-    the command that fixes it. ``tun``: the device pasta opens (another path
-    only for the daemon's testing option, which can only make it fail)."""
-    if shutil.which(STACK) is None:
-        return (f"{STACK} is not installed (install it: sudo apt install passt; Fedora, RHEL: "
-                "sudo dnf install passt)")
+_INSTALL = {
+    SLIRP4NETNS: "sudo apt install slirp4netns; Fedora, RHEL: sudo dnf install slirp4netns",
+    PASTA: "sudo apt install passt; Fedora, RHEL: sudo dnf install passt",
+}
+
+
+def probe_stack(choice: str = "auto", tun: str = TUN, *, landlock_abi: int = 0,
+                which: Callable[[str], str | None] = shutil.which) -> tuple[str, str]:
+    """The stack sessions go out through, and "" ; or "" and why none can run
+    here, with the command that fixes it. ``choice``: one of
+    ``STACK_CHOICES``; "auto" takes the first of ``STACKS`` that can run
+    confined (slirp4netns needs Landlock: ``plan_stack_confinement``).
+    ``tun``: the device both open (another path only for the daemon's
+    testing option, which can only make it fail)."""
+    names = STACKS if choice == "auto" else (choice,)
+    usable = [n for n in names if which(n) is not None]
+    if choice == SLIRP4NETNS and usable and landlock_abi < 1:
+        return "", (f"{SLIRP4NETNS} runs confined by Landlock, which this kernel does not offer "
+                    f"(use --network-stack {PASTA}, which confines itself)")
+    usable = [n for n in usable if n != SLIRP4NETNS or landlock_abi >= 1]
+    if not usable:
+        if choice != "auto":
+            return "", f"{choice} is not installed (install it: {_INSTALL[choice]})"
+        return "", (f"neither {SLIRP4NETNS} nor {PASTA} is installed (install one: "
+                    + "; or ".join(_INSTALL[n] for n in STACKS) + ")")
+    stack = usable[0]
     try:
         os.close(os.open(tun, os.O_RDWR | os.O_CLOEXEC))
     except FileNotFoundError:
-        return f"{TUN} does not exist (load the tun module: sudo modprobe tun); {STACK} needs it"
+        return "", f"{TUN} does not exist (load the tun module: sudo modprobe tun); {stack} needs it"
     except OSError as exc:
-        return (f"{TUN} cannot be opened by this user ({exc.strerror}; allow it: sudo chmod 0666 {TUN}); "
-                f"{STACK} needs it")
-    return ""
+        return "", (f"{TUN} cannot be opened by this user ({exc.strerror}; allow it: sudo chmod 0666 {TUN}); "
+                    f"{stack} needs it")
+    return stack, ""
 
 
 def probe_nft() -> str:
@@ -238,9 +278,10 @@ class Stack:
     """A running stack for one session: a child of the fork server (it dies
     with it, and so with the daemon), held by the daemon through a pidfd."""
 
-    def __init__(self, pid: int, pidfd: int) -> None:
+    def __init__(self, pid: int, pidfd: int, name: str = PASTA) -> None:
         self.pid = pid
         self.pidfd = pidfd
+        self.name = name  # which stack (STACKS)
         # What goes with the stack (the DNS relay's door): stopped first.
         self.with_it: list[Callable[[], None]] = []
         # What the session's status warns of while it runs ("" for nothing):
@@ -282,16 +323,36 @@ class Stack:
         os.close(pidfd)
 
 
-def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tuple[int, int]]) -> Stack:
+class Launch(msgspec.Struct, frozen=True):
+    """Which stack a daemon's sessions get, and the fork server's confinement
+    of it (an encoded ``StackConfinement``; empty for pasta)."""
+
+    stack: str
+    confinement: bytes = b""
+
+
+def launch_for(stack: str, landlock_abi: int) -> Launch:
+    """The daemon's ``Launch`` for ``stack`` (as probed: ``probe_stack``), its
+    confinement planned once, for every session."""
+    if not stack:
+        return Launch(PASTA)  # none can run: no session gets one (plan_network refuses)
+    path = os.path.realpath(shutil.which(stack) or stack)
+    confinement = plan_stack_confinement(stack, landlock_abi=landlock_abi, executable=path)
+    return Launch(stack, msgspec.msgpack.encode(confinement) if confinement is not None else b"")
+
+
+def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tuple[int, int]],
+                name: str = PASTA) -> Stack:
     """Start the stack attached to a session's namespaces (held by fd, never by
     pid) and return once the namespace's interface is configured.
 
     ``launch(fds)`` has the fork server start it (``ForkServerClient.start_stack``)
     with the user and network namespaces, the readiness pipe's write end and
     its stderr file, and returns ``(pid, pidfd)``; it raises ``OSError``, or a
-    ``DispatchdError`` saying why, when the fork server cannot."""
-    # pasta writes its pid file once the namespace's interface is configured:
-    # a pipe as the pid file is the readiness signal.
+    ``DispatchdError`` saying why, when the fork server cannot. ``name``: the
+    stack's, for the errors."""
+    # Both stacks write to the readiness pipe once the namespace's interface
+    # is configured (pasta: its pid file; slirp4netns: its --ready-fd).
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     err = tempfile.TemporaryFile()
     try:
@@ -299,21 +360,21 @@ def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tup
     except OSError as exc:
         os.close(ready_r)
         err.close()
-        raise ConfinementError("network: start " + STACK, exc.errno, STACK) from exc
+        raise ConfinementError("network: start " + name, exc.errno, name) from exc
     except DispatchdError as exc:
         os.close(ready_r)
         err.close()
-        raise ConfinementError("network: start " + STACK, detail=str(exc)) from exc
+        raise ConfinementError("network: start " + name, detail=str(exc)) from exc
     finally:
         os.close(ready_w)
-    stack = Stack(pid, pidfd)
+    stack = Stack(pid, pidfd, name)
     try:
         ready = fdwait.readable(ready_r, READY_TIMEOUT_S)
         if not ready or not os.read(ready_r, 16):
             stack.stop()
             err.seek(0)
             lines = err.read().decode(errors="replace").strip().splitlines()
-            raise ConfinementError("network: start " + STACK, detail=(lines[-1] if lines else
+            raise ConfinementError("network: start " + name, detail=(lines[-1] if lines else
                                    ("it did not report ready in time" if not ready else "it exited")))
     finally:
         os.close(ready_r)
@@ -321,14 +382,74 @@ def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tup
     return stack
 
 
-def stack_argv(*, userns: str, netns: str, ready: str) -> list[str]:
-    """pasta attached to a session's namespaces; pure."""
-    return [STACK, "--foreground", "--quiet", "--config-net", "--ipv4-only",
-            "--address", ADDRESS, "--netmask", "24", "--gateway", GATEWAY, "--ns-ifname", "eth0",
+def stack_argv(stack: str, *, userns_fd: int, netns_fd: int, ready_fd: int) -> list[str]:
+    """``stack`` attached to a session's namespaces, held by the descriptors
+    the fork server's child has (never by pid); it reports ready on
+    ``ready_fd`` once the namespace's interface is configured. Pure."""
+    userns, netns = f"/proc/self/fd/{userns_fd}", f"/proc/self/fd/{netns_fd}"
+    if stack == SLIRP4NETNS:
+        # No --enable-sandbox: it binds the host's /etc and /run into its
+        # root (the user's D-Bus, agents' sockets); the fork server confines
+        # it instead (plan_stack_confinement). --disable-dns: the session's
+        # resolver is the daemon's relay; 10.0.2.3 would read the host's
+        # resolv.conf, which it cannot. Its own seccomp filter, installed once
+        # it runs, blocks execve, setns, unshare, mount, ptrace and more.
+        return [SLIRP4NETNS, "--configure", f"--mtu={MTU}", "--disable-dns", "--enable-seccomp",
+                f"--ready-fd={ready_fd}", "--netns-type=path", f"--userns-path={userns}", netns, "eth0"]
+    return [PASTA, "--foreground", "--quiet", "--config-net", "--ipv4-only",
+            "--address", ADDRESSES[PASTA], "--netmask", "24", "--gateway", GATEWAY, "--ns-ifname", "eth0",
             "--dns-forward", DNS,
             # Nothing forwarded in, and the session's loopback stays its own.
             "-t", "none", "-u", "none", "-T", "none", "-U", "none",
-            "--pid", ready, "--userns", userns, "--netns", netns]
+            # pasta writes its pid file once the interface is configured:
+            # the readiness pipe as the pid file.
+            "--pid", f"/proc/self/fd/{ready_fd}", "--userns", userns, "--netns", netns]
+
+
+class StackConfinement(msgspec.Struct, frozen=True):
+    """What the fork server's child applies before it executes a stack that
+    does not confine itself."""
+
+    landlock: LandlockPlan
+    seccomp: SeccompPlan
+
+
+# Where a program and the libraries it loads live (merged /usr or not).
+SYSTEM_READ = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache"]
+
+
+def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) -> StackConfinement | None:
+    """How ``stack`` is confined (None: pasta, which confines itself). Pure.
+
+    Landlock: read and execute of the system's programs and libraries and of
+    ``executable`` (the stack's resolved path, wherever installed), and the
+    tun device, with its ioctls (the interface is made with TUNSETIFF); no
+    other file, nothing written; no signal to a process outside, no abstract
+    socket outside (ABI 6). seccomp: ``seccomp.plan_stack_seccomp``. The
+    stack's child joins the session's namespaces, which seccomp allows
+    (``setns``): it has no descriptor of any other namespace, and Landlock
+    keeps /proc, where it would find one, out of its reach."""
+    if stack != SLIRP4NETNS:
+        return None
+    from dispatchd.confine import landlock, seccomp
+
+    plan = landlock.plan_landlock(abi=landlock_abi, read_only=[*SYSTEM_READ, executable], read_write=[],
+                                  devices=[], deny_tcp=False)
+    tun = landlock.PathRule(TUN, (landlock.DEVICE | landlock.IOCTL_DEV) & plan.handled_fs)
+    plan = msgspec.structs.replace(plan, paths=[*plan.paths, tun])
+    return StackConfinement(landlock=plan, seccomp=seccomp.plan_stack_seccomp())
+
+
+def confine_stack(confinement: StackConfinement, program: bytes) -> None:
+    """In the fork server's child, right before the stack's exec: Landlock,
+    then seccomp (``program``, compiled from ``confinement.seccomp``), each
+    after no_new_privs. Raises ``ConfinementError``; the child then exits
+    without running the stack."""
+    from dispatchd.confine import hygiene, landlock, seccomp
+
+    hygiene.no_new_privs()
+    landlock.apply_landlock(confinement.landlock)
+    seccomp.apply_seccomp(program)
 
 
 def apply_rules_in(userns_fd: int, netns_fd: int, rules: str) -> str:

@@ -123,10 +123,15 @@ def namespaces(session: Session | Made) -> tuple[int, int]:
 
 class SessionNetworks:
     """What sets a session's network up needs of the daemon: its fork server
-    (nft and pasta run from there), its DNS relay, and the proxies' resolver."""
+    (nft and the stacks run from there), its DNS relay, and the proxies' resolver."""
 
-    def __init__(self, fork_server: ForkServerClient, dns: DnsRelay | None, resolver: Resolver) -> None:
+    def __init__(self, fork_server: ForkServerClient, dns: DnsRelay | None, resolver: Resolver,
+                 launch: netstack.Launch = netstack.Launch(netstack.PASTA)) -> None:
         self.fork_server, self.dns, self.resolver = fork_server, dns, resolver
+        self.launch = launch  # which stack, and how the fork server confines it
+
+    def _start(self, fds: list[int]) -> tuple[int, int]:
+        return self.fork_server.start_stack(fds, stack=self.launch.stack, confinement=self.launch.confinement)
 
     def apply(self, session: Session | Made, new: netstack.NetworkPlan | None) -> None:
         """Bring the session's namespace to ``new``, keeping its processes: the
@@ -145,11 +150,11 @@ class SessionNetworks:
             except SpawnError as exc:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
         if new.stack and session.stack is None:
-            # The DNS relay's door is made while pasta starts (daemon/dnsrelay.py).
+            # The DNS relay's door is made while the stack starts (daemon/dnsrelay.py).
             door = self.dns.door_ahead(session.id, namespaces(session), self.fork_server.dns_sockets) \
                 if self.dns else None
             try:
-                session.stack = netstack.start_stack(*namespaces(session), launch=self.fork_server.start_stack)
+                session.stack = netstack.start_stack(*namespaces(session), launch=self._start, name=self.launch.stack)
             except BaseException:
                 if door is not None:
                     door.discard()

@@ -36,6 +36,9 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     # a session of full mode is refused "on" and "ports" (never the host's
     # network instead).
     network_stack_missing: str = "not looked for"
+    # Which stack that is (netstack.STACKS: "slirp4netns" or "pasta"), as
+    # ``dispatchd --network-stack`` chose it; "" when none can run.
+    network_stack: str = ""
     nftables_missing: str = "not looked for"
     # The network modes no session can have here, each with why and what
     # fixes it (``netstack.unavailable``); {}: every mode.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import socket
 import traceback
@@ -167,11 +168,14 @@ def _dns_sockets(req: protocol.DnsSockets, frames: protocol.FrameSocket) -> None
 
 def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
                  children: set[int]) -> tuple[protocol.Spawned | protocol.ErrorReply, int]:
-    """Start pasta for a session, as our child: it gets SIGKILL when we die
-    (``PR_SET_PDEATHSIG``; we are single-threaded, so no thread of ours can
-    end first and fire it early), and we die with the daemon: a daemon killed
-    with SIGKILL leaves no stack behind. Returns the reply and a pidfd (-1 on
-    error). The daemon waits for its readiness pipe, as before."""
+    """Start a session's network stack, as our child: it gets SIGKILL when we
+    die (``PR_SET_PDEATHSIG``; we are single-threaded, so no thread of ours
+    can end first and fire it early), and we die with the daemon: a daemon
+    killed with SIGKILL leaves no stack behind. A stack that does not confine
+    itself is confined before its exec (``netstack.confine_stack``); what
+    cannot be applied ends the child, and the daemon reports its stderr.
+    Returns the reply and a pidfd (-1 on error). The daemon waits for its
+    readiness pipe, as before."""
     fds: list[int] = []
     try:
         for _ in range(4):
@@ -181,8 +185,14 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
             os.close(fd)
         return protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)), -1
     userns_fd, netns_fd, ready_w, err_fd = fds
-    argv = netstack.stack_argv(userns=f"/proc/self/fd/{userns_fd}", netns=f"/proc/self/fd/{netns_fd}",
-                               ready=f"/proc/self/fd/{ready_w}")
+    argv = netstack.stack_argv(req.stack, userns_fd=userns_fd, netns_fd=netns_fd, ready_fd=ready_w)
+    try:
+        confinement, program = _stack_confinement(req.confinement)
+    except Exception as exc:  # undecodable, or libseccomp refused it: no stack unconfined
+        for fd in fds:
+            os.close(fd)
+        return protocol.ErrorReply(id=req.id, code="spawn_failed",
+                                   message=f"cannot confine {argv[0]}: {exc}"), -1
     me = os.getpid()
     try:
         pid = os.fork()
@@ -207,8 +217,13 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
                     if fd >= low:
                         os.closerange(low, fd)
                         low = fd + 1
-                os.execvp(argv[0], argv)  # found on PATH, as the probe found it
-            except BaseException as exc:  # exec failed: say why on its stderr
+                # Found on PATH, as the probe found it: looked up before the
+                # confinement, whose rules name the path it resolved to.
+                path = shutil.which(argv[0]) or argv[0]
+                if confinement is not None:
+                    netstack.confine_stack(confinement, program)
+                os.execv(path, argv)
+            except BaseException as exc:  # confinement or exec failed: say why on its stderr
                 os.write(2, f"cannot start {argv[0]}: {exc}\n".encode())
             finally:
                 os._exit(127)
@@ -220,6 +235,21 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
         for fd in fds:
             os.close(fd)
     return protocol.Spawned(id=req.id, pid=pid), pidfd
+
+
+_stack_programs: dict[bytes, tuple[netstack.StackConfinement, bytes]] = {}
+
+
+def _stack_confinement(encoded: bytes) -> tuple[netstack.StackConfinement | None, bytes]:
+    """The confinement a StartStack asks for, decoded, with its seccomp
+    program compiled (once per distinct confinement: a daemon asks the same
+    one for every session)."""
+    if not encoded:
+        return None, b""
+    if encoded not in _stack_programs:
+        confinement = msgspec.msgpack.decode(encoded, type=netstack.StackConfinement)
+        _stack_programs[encoded] = (confinement, seccomp.compile_seccomp(confinement.seccomp))
+    return _stack_programs[encoded]
 
 
 def _wake(req: protocol.WakeWorker, frames: protocol.FrameSocket, sock: socket.socket,

@@ -2,8 +2,10 @@
 
 The listeners are real, on 127.0.0.1, started by the test outside any sandbox.
 "full" is a daemon with user namespaces: every session has a network namespace
-of its own, "on" and "ports" reach out through pasta, and the host's loopback
-is the gateway address (10.0.2.2); "degraded" is a daemon started with
+of its own, "on" and "ports" reach out through the user-mode stack the daemon
+picks (slirp4netns, where installed: the set-up installs both), and the host's
+loopback is the gateway address (10.0.2.2); "pasta" is the same with
+``--network-stack pasta``; "degraded" is a daemon started with
 --no-user-namespaces (the host's network; network off = seccomp refusing
 IPv4/IPv6 sockets, and Landlock TCP rules).
 """
@@ -21,14 +23,29 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import probe, shell, wait_until
+from tests.conftest import Daemon, probe, shell, wait_until
 from tests.listeners import Served
 
 ECONNREFUSED, EPERM, EACCES, ENETUNREACH, EHOSTUNREACH = 111, 1, 13, 101, 113
 # Where a session reaches the host's loopback.
-HOST = {"full": "10.0.2.2", "degraded": "127.0.0.1"}
+HOST = {"full": "10.0.2.2", "pasta": "10.0.2.2", "degraded": "127.0.0.1"}
 # What reaching it answers once the network is off.
-REFUSED = {"full": f"error {ENETUNREACH}", "degraded": f"error {EPERM}"}
+REFUSED = {"full": f"error {ENETUNREACH}", "pasta": f"error {ENETUNREACH}", "degraded": f"error {EPERM}"}
+# The stack each daemon runs: "auto" takes slirp4netns where it is installed.
+STACK = {"full": "slirp4netns", "pasta": "pasta"}
+DAEMON_ARGS = {"full": (), "pasta": ("--network-stack", "pasta"), "degraded": ("--no-user-namespaces",)}
+
+
+@pytest.fixture(scope="module", params=["full", "pasta", "degraded"])
+def mode_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dispatch.Client]]:
+    """As the suite's (tests/integration/conftest.py), with a full-mode daemon
+    of each stack: every test here runs through both."""
+    d = Daemon(tmp_path_factory.mktemp(f"daemon-{request.param}"), *DAEMON_ARGS[request.param])
+    try:
+        with d.connect() as c:
+            yield request.param, c
+    finally:
+        assert d.stop() == 0, d.log()
 
 
 class TcpListener(Served):
@@ -109,7 +126,7 @@ def udp_probe(port: int, host: str = "127.0.0.1") -> str:
 def test_off_reaches_no_tcp_listener_outside(mode_client, worktree: Path, tcp: TcpListener) -> None:
     mode, client = mode_client
     with client.open_session(str(worktree), network=False) as s:
-        expected = f"error {ECONNREFUSED}" if mode == "full" else f"error {EPERM}"
+        expected = f"error {ECONNREFUSED}" if mode != "degraded" else f"error {EPERM}"
         assert probe(s, tcp_probe(tcp.port)) == expected
         assert s.status()["protections"]["network"]["mode"] == "off"
     assert tcp.accepted == 0
@@ -120,7 +137,7 @@ def test_on_reaches_the_tcp_listener(mode_client, worktree: Path, tcp: TcpListen
     with client.open_session(str(worktree), network=True) as s:
         assert probe(s, tcp_probe(tcp.port, HOST[mode])) == "connected hello"
         net = s.status()["protections"]["network"]
-        if mode == "full":
+        if mode != "degraded":
             assert net["stack"] == "pasta" and net["mechanism"].startswith("own network namespace, out through pasta")
             assert not any("abstract Unix" in gap for gap in s.status()["protections"]["leaves_open"])
         else:
@@ -133,7 +150,7 @@ def test_on_has_a_loopback_of_its_own_in_full_mode(mode_client, worktree: Path, 
     never at the session's own 127.0.0.1 (pasta forwards no loopback port)."""
     mode, client = mode_client
     with client.open_session(str(worktree), network=True) as s:
-        expected = f"error {ECONNREFUSED}" if mode == "full" else "connected hello"
+        expected = f"error {ECONNREFUSED}" if mode != "degraded" else "connected hello"
         assert probe(s, tcp_probe(tcp.port, "127.0.0.1")) == expected
 
 
@@ -142,7 +159,7 @@ def test_off_reaches_no_udp_listener_outside(mode_client, worktree: Path, udp: U
     with client.open_session(str(worktree), network=False) as s:
         # Full mode: the datagram goes to the session's own loopback, where
         # nothing listens; degraded mode: no IPv4 socket can be made at all.
-        assert probe(s, udp_probe(udp.port)) == ("no reply" if mode == "full" else f"error {EPERM}")
+        assert probe(s, udp_probe(udp.port)) == ("no reply" if mode != "degraded" else f"error {EPERM}")
     time.sleep(0.2)
     assert udp.received == []
 
@@ -167,7 +184,7 @@ def test_off_reaches_no_abstract_socket(mode_client, worktree: Path) -> None:
             f"    s.connect({name!r}); print('connected')\nexcept OSError as e:\n    print('error', e.errno)\n")
     try:
         with client.open_session(str(worktree), network=False) as s:
-            assert probe(s, code) == (f"error {errno.ECONNREFUSED}" if mode == "full" else f"error {EPERM}")
+            assert probe(s, code) == (f"error {errno.ECONNREFUSED}" if mode != "degraded" else f"error {EPERM}")
         # The allowed twin: the same connect from outside the sandbox.
         outside = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         outside.connect(name)
@@ -184,7 +201,7 @@ def test_ports_reaches_a_listed_port_and_not_another(mode_client, worktree: Path
             assert s.network_mode == "ports"
             assert probe(s, tcp_probe(tcp.port, HOST[mode])) == "connected hello"
             # nftables in the session's namespace (admin-prohibited); Landlock's TCP rule in degraded mode
-            denied = f"error {EHOSTUNREACH}" if mode == "full" else f"error {EACCES}"
+            denied = f"error {EHOSTUNREACH}" if mode != "degraded" else f"error {EACCES}"
             assert probe(s, tcp_probe(other.port, HOST[mode])) == denied
             net = s.status()["protections"]["network"]
             assert net["connect_ports"] == [tcp.port] and net["bind_ports"] == []
@@ -204,7 +221,7 @@ def test_ports_refuses_binding_an_unlisted_port(mode_client, worktree: Path) -> 
     free.close()
     with client.open_session(str(worktree), network="ports", ports=[], bind_ports=[port]) as s:
         out = probe(s, code.replace("{p}", str(port)))
-    if mode == "full":
+    if mode != "degraded":
         # In its own namespace a listener is private to the session (nothing
         # is forwarded in): any port may be bound.
         assert out.splitlines()[1] == f"bound {port}" and out.splitlines()[0].startswith("bound ")
@@ -224,7 +241,7 @@ def test_a_server_inside_an_off_session_answers_a_client_inside(mode_client, wor
         wait = "for i in $(seq 300); do [ -e listening ] || [ -s server.err ] && break; sleep 0.1; done"
         r = shell(s, f"python3 server.py 2>server.err & {wait}; python3 -c \"" + tcp_probe(47123).replace('"', '\\"')
                   + "\"; wait")
-        if mode == "full":
+        if mode != "degraded":
             assert r.metadata["stdout"].strip() == "connected inside", r
         else:
             # Without a network namespace there is no private loopback to give:
@@ -282,7 +299,7 @@ def test_a_background_process_started_while_on_cannot_reach_after_off(mode_clien
         size = Path(worktree, "loop.log").stat().st_size
         time.sleep(0.5)
         assert tcp.accepted == after  # nothing of the session reaches it any more
-        if mode == "full":
+        if mode != "degraded":
             # Switched in place: the process lives on, and fails to reach out.
             # The loop and its job's keeper (jobs.py).
             assert "switched in place, 2 process(es) of the session kept" in s.status()["note"]
@@ -337,26 +354,25 @@ def test_unknown_network_mode_is_refused(mode_client, worktree: Path) -> None:
         assert s.network is False  # unchanged
 
 
+@pytest.mark.parametrize("stack", ["slirp4netns", "pasta"])
 def test_the_stack_is_the_fork_servers_child_and_dies_with_a_killed_daemon(tmp_path: Path, worktree: Path,
-                                                                           tcp: TcpListener) -> None:
-    """pasta is started by the fork server, which dies with the daemon: a
+                                                                           tcp: TcpListener, stack: str) -> None:
+    """The stack is started by the fork server, which dies with the daemon: a
     daemon killed with SIGKILL (no chance to stop anything) leaves no stack
-    idling in an empty namespace. Its twin: while the daemon lives, pasta is
-    there and carries the session's traffic."""
+    idling in an empty namespace. Its twin: while the daemon lives, the stack
+    is there and carries the session's traffic."""
     import os
     import signal
 
     import psutil
 
-    from tests.conftest import Daemon
-
-    d = Daemon(tmp_path)
+    d = Daemon(tmp_path, "--network-stack", stack)
     with d.connect() as client:
         session = client.open_session(str(worktree), network="on")
         assert probe(session, tcp_probe(tcp.port, HOST["full"])) == "connected hello"
         fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
         # The session's stack, and those of the sandboxes made ahead for sessions like it.
-        stacks = [c for c in fork_server.children() if c.name().startswith(("pasta", "passt"))]
+        stacks = [c for c in fork_server.children() if c.name().startswith((stack, "passt"))]
         assert stacks, fork_server.children()
         assert all(s.is_running() for s in stacks)
         os.kill(d.proc.pid, signal.SIGKILL)
@@ -384,7 +400,6 @@ def test_a_session_ended_by_a_failed_switch_has_its_git_checked_too(tmp_path: Pa
     import secrets
     import subprocess
 
-    from tests.conftest import Daemon
 
     subprocess.run(["git", "init", "-q", str(worktree)], check=True, timeout=30)
     bindir, starts = tmp_path / "bin", tmp_path / "pasta-starts"
@@ -396,7 +411,8 @@ def test_a_session_ended_by_a_failed_switch_has_its_git_checked_too(tmp_path: Pa
     monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
     marker = f"PLANTED-{secrets.token_hex(4)}"
     (tmp_path / "d").mkdir()
-    d = Daemon(tmp_path / "d", "--pool", "0")  # the wrapper counts pasta starts: none made ahead
+    # The wrapper counts pasta starts: none made ahead.
+    d = Daemon(tmp_path / "d", "--pool", "0", "--network-stack", "pasta")
     try:
         with d.connect() as client:
             session = client.open_session(str(worktree), network="on")
