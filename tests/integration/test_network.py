@@ -138,7 +138,8 @@ def test_on_reaches_the_tcp_listener(mode_client, worktree: Path, tcp: TcpListen
         assert probe(s, tcp_probe(tcp.port, HOST[mode])) == "connected hello"
         net = s.status()["protections"]["network"]
         if mode != "degraded":
-            assert net["stack"] == "pasta" and net["mechanism"].startswith("own network namespace, out through pasta")
+            stack = STACK[mode]
+            assert net["stack"] == stack and net["mechanism"].startswith(f"own network namespace, out through {stack}")
             assert not any("abstract Unix" in gap for gap in s.status()["protections"]["leaves_open"])
         else:
             assert net["mechanism"] == "host network"
