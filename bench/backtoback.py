@@ -19,6 +19,10 @@ alike; each step goes to the two in turn, in alternating order, and each
 row is printed for both, with this checkout's p50 as a ratio of DIR's
 (use an even --rounds: each daemon then goes first in as many rounds).
 
+``--against-args "ARGS"``: the second daemon is also started with ARGS
+(the checkout DIR's, or this one's without ``--against``): e.g.
+``--against-args "--network-stack pasta"`` sets the stacks side by side.
+
 ``--steps``: the daemons log at debug level, and the median milliseconds of
 each step of their opens (``event=open_steps``) and of the worker's part
 (``event=worker_ready``) are printed after the table.
@@ -113,16 +117,20 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--against", metavar="DIR", default="",
                     help="A/B: a second daemon running the dispatchd package of the checkout DIR")
+    ap.add_argument("--against-args", default="", metavar="ARGS",
+                    help="the second daemon's own options (with no --against: this checkout's, so started)")
     ap.add_argument("--steps", action="store_true", help="also the daemons' open steps (debug log), medians")
     args = ap.parse_args()
     extra = ["--log-level", "debug"] if args.steps else []
     with tempfile.TemporaryDirectory() as tmp:
-        names = ["this"] + (["against"] if args.against else [])
+        names = ["this"] + (["against"] if args.against or args.against_args else [])
         daemons = {}
         for name in names:
             d = os.path.join(tmp, name)
             make_worktree(os.path.join(d, "wt"), args.files)
-            daemons[name] = start_daemon(d, *extra, code=os.path.abspath(args.against) if name == "against" else "")
+            own = args.against_args.split() if name == "against" else []
+            daemons[name] = start_daemon(d, *extra, *own,
+                                         code=os.path.abspath(args.against) if name == "against" and args.against else "")
         try:
             rows: dict[str, dict[str, list[float]]] = {name: {} for name in names}
             clients = {name: dispatch.connect(sock) for name, (_, sock) in daemons.items()}

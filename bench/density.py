@@ -20,6 +20,8 @@ really up, then reports:
   root: run as an ordinary user this prints "n/a" for USS and the
   ``MemAvailable`` figure carries the story.
 
+``--daemon-args "ARGS"``: the daemon's own options (e.g. ``"--network-stack pasta"``).
+
 ``--against DIR`` starts a second daemon from the checkout DIR (a baseline,
 e.g. main, its C helper built in place) and opens the sessions on both,
 alternately, in the same minutes: each side's figures are printed, and with
@@ -94,6 +96,8 @@ def main() -> int:
     ap.add_argument("--network", default="off", help="the sessions' network mode (default off)")
     ap.add_argument("--against", metavar="DIR", default="",
                     help="also a daemon of the checkout DIR, its sessions opened alternately with ours")
+    ap.add_argument("--daemon-args", default="", metavar="ARGS",
+                    help="the daemon's own options, e.g. \"--network-stack pasta\"")
     ap.add_argument("--asleep", action="store_true",
                     help="measure once every session sleeps (sleep_after_s), then wake each with a read_file")
     args = ap.parse_args()
@@ -108,7 +112,7 @@ def main() -> int:
     if args.against:
         return against(args)
     tmp = bench_dir("density")
-    daemon, sock = start_daemon(tmp)
+    daemon, sock = start_daemon(tmp, *args.daemon_args.split())
     wt = os.path.join(tmp, "wt")
     os.mkdir(wt)
     Path(wt, "f.txt").write_text("hello\n")
