@@ -41,7 +41,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _parser() -> argparse.ArgumentParser:
     """The daemon's options (docs/reference.md lists each; tests/unit/test_reference.py checks)."""
-    from dispatchd.confine.netstack import STACK_CHOICES
+    from dispatchd.confine.stacks import STACK_CHOICES
 
     p = argparse.ArgumentParser(
         prog="dispatchd", description="Sandboxed execution daemon for AI coding agents. Runs in the foreground "

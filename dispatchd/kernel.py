@@ -14,7 +14,8 @@ import msgspec
 
 from dispatchd.confine.landlock import landlock_abi
 from dispatchd.confine.namespaces import probe_user_namespaces
-from dispatchd.confine.netstack import TUN, probe_nft, probe_stack, unavailable
+from dispatchd.confine.netstack import probe_nft, unavailable
+from dispatchd.confine.stacks import TUN, probe_stack
 from dispatchd.netmodes import NETWORK_MODES
 from dispatchd.protocol.reports import KernelFeatures
 

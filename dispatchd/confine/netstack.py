@@ -8,20 +8,8 @@ Guarantees, in full mode (user namespaces) with a stack available:
   and ends (SIGKILL, waited for) with the session and on every switch to
   "off"; a child of the fork server, it dies with it, so a daemon killed with
   SIGKILL leaves none behind;
-- the stack is confined whichever it is: ``pasta`` (Debian's ``passt``)
-  isolates itself (namespaces, no filesystem, seccomp); ``slirp4netns``,
-  whose own sandbox binds the host's /etc and /run (the user's D-Bus among
-  them), is confined by the fork server before its exec
-  (``plan_stack_confinement``): Landlock (read and execute of the system's
-  programs and libraries, the tun device, nothing else; no signal out, no
-  abstract socket out), seccomp (no Unix or netlink socket, no mount, no
-  new namespace, no ptrace, no signal), and its own seccomp filter once it
-  runs. Either way a stack taken over by a crafted packet holds what a
-  network-on session already has (the network, the host's loopback) and
-  nothing of the user's files or programs. Which one runs:
-  ``dispatchd --network-stack auto|slirp4netns|pasta``; auto takes
-  slirp4netns where it can be confined, for its cost (docs/network.md:
-  0.3 MiB and ~1 ms of CPU at start, against pasta's 14-20 MiB and 40 ms);
+- the stack is confined whichever it is (confine/stacks.py: which one runs,
+  and how each is confined);
 - with the stack ended, its tap device is gone: the namespace has only its
   loopback, so nothing the session still holds (a connected or orphaned
   socket, a ``sendfile`` queue referencing page-cache pages, a UDP socket)
@@ -54,7 +42,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import signal
 import socket
 import tempfile
@@ -63,21 +50,10 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import fdwait
-from dispatchd.confine.landlock import LandlockPlan
-from dispatchd.confine.seccomp import SeccompPlan
+from dispatchd.confine.stacks import GATEWAY, PASTA
 from dispatchd.errors import ConfinementError, DispatchdError
 from dispatchd.netmodes import NetworkMode
 
-PASTA = "pasta"
-SLIRP4NETNS = "slirp4netns"
-STACKS = (SLIRP4NETNS, PASTA)  # what "auto" tries, in order: the lighter first
-STACK_CHOICES = ("auto", *STACKS)
-# The session's address on its one interface: pasta is told it; slirp4netns
-# gives the 100th of its network.
-ADDRESSES = {PASTA: "10.0.2.15", SLIRP4NETNS: "10.0.2.100"}
-GATEWAY = "10.0.2.2"  # its gateway; both stacks map it to the host's loopback
-DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver (slirp4netns: disabled)
-MTU = 65520  # pasta's default, and slirp4netns's largest (its default is 1500)
 # The daemon's DNS relay (daemon/dnsrelay.py), on the session's own loopback,
 # while its stack runs: what its resolv.conf names.
 RELAY_ADDRESS = "127.0.0.53"
@@ -223,45 +199,6 @@ def switch_in_place(old: NetworkPlan, new: NetworkPlan) -> bool:
 # --- probing (daemon start) ----------------------------------------------------
 
 
-TUN = "/dev/net/tun"
-
-
-_INSTALL = {
-    SLIRP4NETNS: "sudo apt install slirp4netns; Fedora, RHEL: sudo dnf install slirp4netns",
-    PASTA: "sudo apt install passt; Fedora, RHEL: sudo dnf install passt",
-}
-
-
-def probe_stack(choice: str = "auto", tun: str = TUN, *, landlock_abi: int = 0,
-                which: Callable[[str], str | None] = shutil.which) -> tuple[str, str]:
-    """The stack sessions go out through, and "" ; or "" and why none can run
-    here, with the command that fixes it. ``choice``: one of
-    ``STACK_CHOICES``; "auto" takes the first of ``STACKS`` that can run
-    confined (slirp4netns needs Landlock: ``plan_stack_confinement``).
-    ``tun``: the device both open (another path only for the daemon's
-    testing option, which can only make it fail)."""
-    names = STACKS if choice == "auto" else (choice,)
-    usable = [n for n in names if which(n) is not None]
-    if choice == SLIRP4NETNS and usable and landlock_abi < 1:
-        return "", (f"{SLIRP4NETNS} runs confined by Landlock, which this kernel does not offer "
-                    f"(use --network-stack {PASTA}, which confines itself)")
-    usable = [n for n in usable if n != SLIRP4NETNS or landlock_abi >= 1]
-    if not usable:
-        if choice != "auto":
-            return "", f"{choice} is not installed (install it: {_INSTALL[choice]})"
-        return "", (f"neither {SLIRP4NETNS} nor {PASTA} is installed (install one: "
-                    + "; or ".join(_INSTALL[n] for n in STACKS) + ")")
-    stack = usable[0]
-    try:
-        os.close(os.open(tun, os.O_RDWR | os.O_CLOEXEC))
-    except FileNotFoundError:
-        return "", f"{TUN} does not exist (load the tun module: sudo modprobe tun); {stack} needs it"
-    except OSError as exc:
-        return "", (f"{TUN} cannot be opened by this user ({exc.strerror}; allow it: sudo chmod 0666 {TUN}); "
-                    f"{stack} needs it")
-    return stack, ""
-
-
 def probe_nft() -> str:
     try:
         ctypes.CDLL("libnftables.so.1")
@@ -323,24 +260,6 @@ class Stack:
         os.close(pidfd)
 
 
-class Launch(msgspec.Struct, frozen=True):
-    """Which stack a daemon's sessions get, and the fork server's confinement
-    of it (an encoded ``StackConfinement``; empty for pasta)."""
-
-    stack: str
-    confinement: bytes = b""
-
-
-def launch_for(stack: str, landlock_abi: int) -> Launch:
-    """The daemon's ``Launch`` for ``stack`` (as probed: ``probe_stack``), its
-    confinement planned once, for every session."""
-    if not stack:
-        return Launch(PASTA)  # none can run: no session gets one (plan_network refuses)
-    path = os.path.realpath(shutil.which(stack) or stack)
-    confinement = plan_stack_confinement(stack, landlock_abi=landlock_abi, executable=path)
-    return Launch(stack, msgspec.msgpack.encode(confinement) if confinement is not None else b"")
-
-
 def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tuple[int, int]],
                 name: str = PASTA) -> Stack:
     """Start the stack attached to a session's namespaces (held by fd, never by
@@ -380,76 +299,6 @@ def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tup
         os.close(ready_r)
         err.close()
     return stack
-
-
-def stack_argv(stack: str, *, userns_fd: int, netns_fd: int, ready_fd: int) -> list[str]:
-    """``stack`` attached to a session's namespaces, held by the descriptors
-    the fork server's child has (never by pid); it reports ready on
-    ``ready_fd`` once the namespace's interface is configured. Pure."""
-    userns, netns = f"/proc/self/fd/{userns_fd}", f"/proc/self/fd/{netns_fd}"
-    if stack == SLIRP4NETNS:
-        # No --enable-sandbox: it binds the host's /etc and /run into its
-        # root (the user's D-Bus, agents' sockets); the fork server confines
-        # it instead (plan_stack_confinement). --disable-dns: the session's
-        # resolver is the daemon's relay; 10.0.2.3 would read the host's
-        # resolv.conf, which it cannot. Its own seccomp filter, installed once
-        # it runs, blocks execve, setns, unshare, mount, ptrace and more.
-        return [SLIRP4NETNS, "--configure", f"--mtu={MTU}", "--disable-dns", "--enable-seccomp",
-                f"--ready-fd={ready_fd}", "--netns-type=path", f"--userns-path={userns}", netns, "eth0"]
-    return [PASTA, "--foreground", "--quiet", "--config-net", "--ipv4-only",
-            "--address", ADDRESSES[PASTA], "--netmask", "24", "--gateway", GATEWAY, "--ns-ifname", "eth0",
-            "--dns-forward", DNS,
-            # Nothing forwarded in, and the session's loopback stays its own.
-            "-t", "none", "-u", "none", "-T", "none", "-U", "none",
-            # pasta writes its pid file once the interface is configured:
-            # the readiness pipe as the pid file.
-            "--pid", f"/proc/self/fd/{ready_fd}", "--userns", userns, "--netns", netns]
-
-
-class StackConfinement(msgspec.Struct, frozen=True):
-    """What the fork server's child applies before it executes a stack that
-    does not confine itself."""
-
-    landlock: LandlockPlan
-    seccomp: SeccompPlan
-
-
-# Where a program and the libraries it loads live (merged /usr or not).
-SYSTEM_READ = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache"]
-
-
-def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) -> StackConfinement | None:
-    """How ``stack`` is confined (None: pasta, which confines itself). Pure.
-
-    Landlock: read and execute of the system's programs and libraries and of
-    ``executable`` (the stack's resolved path, wherever installed), and the
-    tun device, with its ioctls (the interface is made with TUNSETIFF); no
-    other file, nothing written; no signal to a process outside, no abstract
-    socket outside (ABI 6). seccomp: ``seccomp.plan_stack_seccomp``. The
-    stack's child joins the session's namespaces, which seccomp allows
-    (``setns``): it has no descriptor of any other namespace, and Landlock
-    keeps /proc, where it would find one, out of its reach."""
-    if stack != SLIRP4NETNS:
-        return None
-    from dispatchd.confine import landlock, seccomp
-
-    plan = landlock.plan_landlock(abi=landlock_abi, read_only=[*SYSTEM_READ, executable], read_write=[],
-                                  devices=[], deny_tcp=False)
-    tun = landlock.PathRule(TUN, (landlock.DEVICE | landlock.IOCTL_DEV) & plan.handled_fs)
-    plan = msgspec.structs.replace(plan, paths=[*plan.paths, tun])
-    return StackConfinement(landlock=plan, seccomp=seccomp.plan_stack_seccomp())
-
-
-def confine_stack(confinement: StackConfinement, program: bytes) -> None:
-    """In the fork server's child, right before the stack's exec: Landlock,
-    then seccomp (``program``, compiled from ``confinement.seccomp``), each
-    after no_new_privs. Raises ``ConfinementError``; the child then exits
-    without running the stack."""
-    from dispatchd.confine import hygiene, landlock, seccomp
-
-    hygiene.no_new_privs()
-    landlock.apply_landlock(confinement.landlock)
-    seccomp.apply_seccomp(program)
 
 
 def apply_rules_in(userns_fd: int, netns_fd: int, rules: str) -> str:

@@ -24,7 +24,8 @@ from dispatchd.confine.ucounts import describe as describe_ucounts
 from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, PTS, LandlockPlan, plan_landlock
 from dispatchd.confine.mountplan import MountPlan, describe_root, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
-from dispatchd.confine.netstack import PASTA, NetworkPlan, NetworkPorts, plan_network
+from dispatchd.confine.netstack import NetworkPlan, NetworkPorts, plan_network
+from dispatchd.confine.stacks import PASTA
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.inside import Tops

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from dispatchd import protocol
 from dispatchd import domains
-from dispatchd.confine import netstack
+from dispatchd.confine import netstack, stacks
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import SessionPlan
 from dispatchd.daemon.dnsrelay import DnsRelay
@@ -126,7 +126,7 @@ class SessionNetworks:
     (nft and the stacks run from there), its DNS relay, and the proxies' resolver."""
 
     def __init__(self, fork_server: ForkServerClient, dns: DnsRelay | None, resolver: Resolver,
-                 launch: netstack.Launch = netstack.Launch(netstack.PASTA)) -> None:
+                 launch: stacks.Launch = stacks.Launch(stacks.PASTA)) -> None:
         self.fork_server, self.dns, self.resolver = fork_server, dns, resolver
         self.launch = launch  # which stack, and how the fork server confines it
 

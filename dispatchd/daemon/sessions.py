@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from dispatchd.confine import cgroups, netstack
+from dispatchd.confine import cgroups, stacks
 from dispatchd.daemon import afterwards, checkpoints, gitguard, leftovers, lifetimes, watchdog
 from dispatchd.daemon.dnsrelay import DnsRelay
 from dispatchd.daemon.pool import SandboxPool
@@ -99,7 +99,7 @@ class SessionManager(Switching):
         self.dns = dns  # network on/ports: the DNS relay, and the resolv.conf sessions read (daemon/dnsrelay.py)
         # For the proxies of "domains" sessions, too.
         self.networks = SessionNetworks(fork_server, dns, resolver or system_resolver(),
-                                        netstack.launch_for(kernel.network_stack, kernel.landlock_abi))
+                                        stacks.launch_for(kernel.network_stack, kernel.landlock_abi))
         self.dns_resolv = ""  # the relay's resolv.conf, which sessions bind; "": the host's
         if dns is not None and not kernel.network_stack_missing:
             try:

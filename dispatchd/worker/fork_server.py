@@ -34,7 +34,7 @@ from typing import NoReturn
 import msgspec
 
 from dispatchd import catalogue, protocol
-from dispatchd.confine import hygiene, namespaces, netstack, seccomp
+from dispatchd.confine import hygiene, namespaces, netstack, seccomp, stacks
 from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, leave_seccomp_encoded, pool_key, seccomp_of
 from dispatchd.errors import ConfinementError
 from dispatchd.worker import forkhooks, wake
@@ -172,7 +172,7 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
     die (``PR_SET_PDEATHSIG``; we are single-threaded, so no thread of ours
     can end first and fire it early), and we die with the daemon: a daemon
     killed with SIGKILL leaves no stack behind. A stack that does not confine
-    itself is confined before its exec (``netstack.confine_stack``); what
+    itself is confined before its exec (``stacks.confine_stack``); what
     cannot be applied ends the child, and the daemon reports its stderr.
     Returns the reply and a pidfd (-1 on error). The daemon waits for its
     readiness pipe, as before."""
@@ -185,7 +185,7 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
             os.close(fd)
         return protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)), -1
     userns_fd, netns_fd, ready_w, err_fd = fds
-    argv = netstack.stack_argv(req.stack, userns_fd=userns_fd, netns_fd=netns_fd, ready_fd=ready_w)
+    argv = stacks.stack_argv(req.stack, userns_fd=userns_fd, netns_fd=netns_fd, ready_fd=ready_w)
     try:
         confinement, program = _stack_confinement(req.confinement)
     except Exception as exc:  # undecodable, or libseccomp refused it: no stack unconfined
@@ -221,7 +221,7 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
                 # confinement, whose rules name the path it resolved to.
                 path = shutil.which(argv[0]) or argv[0]
                 if confinement is not None:
-                    netstack.confine_stack(confinement, program)
+                    stacks.confine_stack(confinement, program)
                 os.execv(path, argv)
             except BaseException as exc:  # confinement or exec failed: say why on its stderr
                 os.write(2, f"cannot start {argv[0]}: {exc}\n".encode())
@@ -237,17 +237,17 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
     return protocol.Spawned(id=req.id, pid=pid), pidfd
 
 
-_stack_programs: dict[bytes, tuple[netstack.StackConfinement, bytes]] = {}
+_stack_programs: dict[bytes, tuple[stacks.StackConfinement, bytes]] = {}
 
 
-def _stack_confinement(encoded: bytes) -> tuple[netstack.StackConfinement | None, bytes]:
+def _stack_confinement(encoded: bytes) -> tuple[stacks.StackConfinement | None, bytes]:
     """The confinement a StartStack asks for, decoded, with its seccomp
     program compiled (once per distinct confinement: a daemon asks the same
     one for every session)."""
     if not encoded:
         return None, b""
     if encoded not in _stack_programs:
-        confinement = msgspec.msgpack.decode(encoded, type=netstack.StackConfinement)
+        confinement = msgspec.msgpack.decode(encoded, type=stacks.StackConfinement)
         _stack_programs[encoded] = (confinement, seccomp.compile_seccomp(confinement.seccomp))
     return _stack_programs[encoded]
 

@@ -210,7 +210,7 @@ def test_full_mode_network_on():
 def test_full_mode_on_and_ports_without_a_stack_are_refused_naming_the_fix(network: str):
     err = refused(k=kernel(stack=False), network=network)
     assert err.step == "network"
-    assert err.message == (f"cannot apply network: network {network!r} needs the user-mode network stack pasta, "
+    assert err.message == (f"cannot apply network: network {network!r} needs a user-mode network stack, "
                            f"which cannot run here: {NO_STACK}; network 'off' and 'domains' work without it")
 
 
@@ -735,7 +735,7 @@ def test_the_dns_relays_resolv_conf_is_bound_in_every_mode_where_a_stack_runs(ne
     for k, p in ((kernel(stack=False), paths), (kernel(userns=False), paths), (kernel(), PATHS)):
         mode = network if k.user_namespaces or network != "domains" else "on"
         if k is not None and k.network_stack_missing and k.user_namespaces and mode in ("on", "ports"):
-            with pytest.raises(ConfinementError, match="needs the user-mode network stack"):
+            with pytest.raises(ConfinementError, match="needs a user-mode network stack"):
                 plan(network=mode, k=k, paths=p)  # refused where no stack can run (docs/support.md)
             continue
         other = plan(network=mode, k=k, paths=p)

@@ -129,7 +129,7 @@ def test_kernel_features_and_daemon_report_encode_as_the_old_dicts() -> None:
     old_kernel = {"release": "6.8.0", "landlock_abi": 0, "user_namespaces": False,
                   "user_namespaces_note": "refused by AppArmor", "seccomp": True,
                   "seccomp_actions": ["kill_process", "errno"], "cgroup2": "",
-                  "cgroup_delegation": "not looked for", "network_stack_missing": "not looked for",
+                  "cgroup_delegation": "not looked for", "network_stack_missing": "not looked for", "network_stack": "",
                   "nftables_missing": "not looked for", "network_unavailable": {},
                   "host_tree_missing": "not looked for", "forced_for_testing": "", "container": ""}
     assert msgspec.msgpack.encode(kernel) == msgspec.msgpack.encode(old_kernel)

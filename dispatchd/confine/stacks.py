@@ -1,0 +1,174 @@
+"""The user-mode network stacks a session's way out runs through: which
+one this machine has, how it is started, and how it is confined.
+
+Guarantees:
+- ``probe_stack`` names the stack sessions get, or says why none can run and
+  what installs it: ``dispatchd --network-stack auto|slirp4netns|pasta``;
+  auto takes slirp4netns where it is installed and Landlock can confine it,
+  else pasta (docs/network.md, "Which stack");
+- a stack never runs unconfined: pasta confines itself (namespaces of its
+  own, no filesystem, seccomp); slirp4netns, whose own sandbox binds the
+  host's /etc and /run (the user's D-Bus among them), is confined by the
+  fork server's child before its exec (``plan_stack_confinement``, applied
+  by ``confine_stack``; a step that fails ends the child, and the open
+  fails naming it): Landlock grants reading and executing the system's
+  programs and libraries and the tun device, nothing else, and scopes
+  signals and abstract sockets (ABI 6); seccomp refuses every Unix and
+  netlink socket, mounts, new namespaces, ptrace and signals; its own
+  filter, once it runs, refuses execve, setns and unshare too. A stack
+  taken over through a crafted packet holds what a network-on session
+  already has (the network, the host's loopback at the gateway), and
+  nothing of the user's files or programs;
+- both are attached to the session's namespaces by descriptor, never by
+  pid (``stack_argv``), both configure ``eth0`` with the gateway
+  ``GATEWAY`` mapped to the host's loopback, and neither forwards anything
+  in.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+
+import msgspec
+
+from dispatchd.confine.landlock import LandlockPlan
+from dispatchd.confine.seccomp import SeccompPlan
+
+PASTA = "pasta"
+SLIRP4NETNS = "slirp4netns"
+STACKS = (SLIRP4NETNS, PASTA)  # what "auto" tries, in order: the lighter first
+STACK_CHOICES = ("auto", *STACKS)
+# The session's address on its one interface: pasta is told it; slirp4netns
+# gives the 100th of its network.
+ADDRESSES = {PASTA: "10.0.2.15", SLIRP4NETNS: "10.0.2.100"}
+GATEWAY = "10.0.2.2"  # its gateway; both stacks map it to the host's loopback
+DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver (slirp4netns: disabled)
+MTU = 65520  # pasta's default, and slirp4netns's largest (its default is 1500)
+
+TUN = "/dev/net/tun"
+
+
+_INSTALL = {
+    SLIRP4NETNS: "sudo apt install slirp4netns; Fedora, RHEL: sudo dnf install slirp4netns",
+    PASTA: "sudo apt install passt; Fedora, RHEL: sudo dnf install passt",
+}
+
+
+def probe_stack(choice: str = "auto", tun: str = TUN, *, landlock_abi: int = 0,
+                which: Callable[[str], str | None] = shutil.which) -> tuple[str, str]:
+    """The stack sessions go out through, and "" ; or "" and why none can run
+    here, with the command that fixes it. ``choice``: one of
+    ``STACK_CHOICES``; "auto" takes the first of ``STACKS`` that can run
+    confined (slirp4netns needs Landlock: ``plan_stack_confinement``).
+    ``tun``: the device both open (another path only for the daemon's
+    testing option, which can only make it fail)."""
+    names = STACKS if choice == "auto" else (choice,)
+    usable = [n for n in names if which(n) is not None]
+    if choice == SLIRP4NETNS and usable and landlock_abi < 1:
+        return "", (f"{SLIRP4NETNS} runs confined by Landlock, which this kernel does not offer "
+                    f"(use --network-stack {PASTA}, which confines itself)")
+    usable = [n for n in usable if n != SLIRP4NETNS or landlock_abi >= 1]
+    if not usable:
+        if choice != "auto":
+            return "", f"{choice} is not installed (install it: {_INSTALL[choice]})"
+        return "", (f"neither {SLIRP4NETNS} nor {PASTA} is installed (install one: "
+                    + "; or ".join(_INSTALL[n] for n in STACKS) + ")")
+    stack = usable[0]
+    try:
+        os.close(os.open(tun, os.O_RDWR | os.O_CLOEXEC))
+    except FileNotFoundError:
+        return "", f"{TUN} does not exist (load the tun module: sudo modprobe tun); {stack} needs it"
+    except OSError as exc:
+        return "", (f"{TUN} cannot be opened by this user ({exc.strerror}; allow it: sudo chmod 0666 {TUN}); "
+                    f"{stack} needs it")
+    return stack, ""
+
+
+class Launch(msgspec.Struct, frozen=True):
+    """Which stack a daemon's sessions get, and the fork server's confinement
+    of it (an encoded ``StackConfinement``; empty for pasta)."""
+
+    stack: str
+    confinement: bytes = b""
+
+
+def launch_for(stack: str, landlock_abi: int) -> Launch:
+    """The daemon's ``Launch`` for ``stack`` (as probed: ``probe_stack``), its
+    confinement planned once, for every session."""
+    if not stack:
+        return Launch(PASTA)  # none can run: no session gets one (plan_network refuses)
+    path = os.path.realpath(shutil.which(stack) or stack)
+    confinement = plan_stack_confinement(stack, landlock_abi=landlock_abi, executable=path)
+    return Launch(stack, msgspec.msgpack.encode(confinement) if confinement is not None else b"")
+
+
+def stack_argv(stack: str, *, userns_fd: int, netns_fd: int, ready_fd: int) -> list[str]:
+    """``stack`` attached to a session's namespaces, held by the descriptors
+    the fork server's child has (never by pid); it reports ready on
+    ``ready_fd`` once the namespace's interface is configured. Pure."""
+    userns, netns = f"/proc/self/fd/{userns_fd}", f"/proc/self/fd/{netns_fd}"
+    if stack == SLIRP4NETNS:
+        # No --enable-sandbox: it binds the host's /etc and /run into its
+        # root (the user's D-Bus, agents' sockets); the fork server confines
+        # it instead (plan_stack_confinement). --disable-dns: the session's
+        # resolver is the daemon's relay; 10.0.2.3 would read the host's
+        # resolv.conf, which it cannot. Its own seccomp filter, installed once
+        # it runs, blocks execve, setns, unshare, mount, ptrace and more.
+        return [SLIRP4NETNS, "--configure", f"--mtu={MTU}", "--disable-dns", "--enable-seccomp",
+                f"--ready-fd={ready_fd}", "--netns-type=path", f"--userns-path={userns}", netns, "eth0"]
+    return [PASTA, "--foreground", "--quiet", "--config-net", "--ipv4-only",
+            "--address", ADDRESSES[PASTA], "--netmask", "24", "--gateway", GATEWAY, "--ns-ifname", "eth0",
+            "--dns-forward", DNS,
+            # Nothing forwarded in, and the session's loopback stays its own.
+            "-t", "none", "-u", "none", "-T", "none", "-U", "none",
+            # pasta writes its pid file once the interface is configured:
+            # the readiness pipe as the pid file.
+            "--pid", f"/proc/self/fd/{ready_fd}", "--userns", userns, "--netns", netns]
+
+
+class StackConfinement(msgspec.Struct, frozen=True):
+    """What the fork server's child applies before it executes a stack that
+    does not confine itself."""
+
+    landlock: LandlockPlan
+    seccomp: SeccompPlan
+
+
+# Where a program and the libraries it loads live (merged /usr or not).
+SYSTEM_READ = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache"]
+
+
+def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) -> StackConfinement | None:
+    """How ``stack`` is confined (None: pasta, which confines itself). Pure.
+
+    Landlock: read and execute of the system's programs and libraries and of
+    ``executable`` (the stack's resolved path, wherever installed), and the
+    tun device, with its ioctls (the interface is made with TUNSETIFF); no
+    other file, nothing written; no signal to a process outside, no abstract
+    socket outside (ABI 6). seccomp: ``seccomp.plan_stack_seccomp``. The
+    stack's child joins the session's namespaces, which seccomp allows
+    (``setns``): it has no descriptor of any other namespace, and Landlock
+    keeps /proc, where it would find one, out of its reach."""
+    if stack != SLIRP4NETNS:
+        return None
+    from dispatchd.confine import landlock, seccomp
+
+    plan = landlock.plan_landlock(abi=landlock_abi, read_only=[*SYSTEM_READ, executable], read_write=[],
+                                  devices=[], deny_tcp=False)
+    tun = landlock.PathRule(TUN, (landlock.DEVICE | landlock.IOCTL_DEV) & plan.handled_fs)
+    plan = msgspec.structs.replace(plan, paths=[*plan.paths, tun])
+    return StackConfinement(landlock=plan, seccomp=seccomp.plan_stack_seccomp())
+
+
+def confine_stack(confinement: StackConfinement, program: bytes) -> None:
+    """In the fork server's child, right before the stack's exec: Landlock,
+    then seccomp (``program``, compiled from ``confinement.seccomp``), each
+    after no_new_privs. Raises ``ConfinementError``; the child then exits
+    without running the stack."""
+    from dispatchd.confine import hygiene, landlock, seccomp
+
+    hygiene.no_new_privs()
+    landlock.apply_landlock(confinement.landlock)
+    seccomp.apply_seccomp(program)
