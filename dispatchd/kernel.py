@@ -15,7 +15,7 @@ import msgspec
 from dispatchd.confine.landlock import landlock_abi
 from dispatchd.confine.namespaces import probe_user_namespaces
 from dispatchd.confine.netstack import probe_nft, unavailable
-from dispatchd.confine.stacks import TUN, probe_stack
+from dispatchd.confine.stacks import SLIRP4NETNS, TUN, probe_stack
 from dispatchd.netmodes import NETWORK_MODES
 from dispatchd.protocol.reports import KernelFeatures
 
@@ -153,4 +153,8 @@ def force_for_testing(k: KernelFeatures, spec: str) -> KernelFeatures:
                                                 "testing (as before Linux 6.15); the host's root is kept below")
         else:
             raise ValueError(f"{item!r}: expected landlock=N, user_namespaces=no or detached_mounts=no")
+    if changes.get("landlock_abi", k.landlock_abi) < 1 and k.network_stack == SLIRP4NETNS:
+        # Confined by Landlock, which that kernel would not have (probe_stack).
+        changes["network_stack"] = ""
+        changes["network_stack_missing"] = f"{SLIRP4NETNS} runs confined by Landlock: forced off for testing"
     return with_network_modes(msgspec.structs.replace(k, **changes, forced_for_testing=spec))

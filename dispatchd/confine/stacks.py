@@ -153,6 +153,10 @@ def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) ->
     keeps /proc, where it would find one, out of its reach."""
     if stack != SLIRP4NETNS:
         return None
+    if landlock_abi < 1:  # probe_stack never picks it then: fail closed all the same
+        from dispatchd.errors import ConfinementError
+
+        raise ConfinementError("network: confine " + stack, detail="Landlock is not available")
     from dispatchd.confine import landlock, seccomp
 
     plan = landlock.plan_landlock(abi=landlock_abi, read_only=[*SYSTEM_READ, executable], read_write=[],

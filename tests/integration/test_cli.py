@@ -376,7 +376,7 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
                       "(no cpu controller); file size 8 GiB")
     assert "tcp: not handled" not in out.stdout and "not handled" not in out.stdout
     assert "(per-session cgroups: no: " in lines[1]
-    assert "network stack (pasta): yes; nftables for ports: yes" in lines[1]
+    assert "network stack (slirp4netns): yes; nftables for ports: yes" in lines[1]
 
 
 def test_status_json(daemon: Daemon, sid: str) -> None:

@@ -1,8 +1,9 @@
 """Full mode on a machine where the network stack cannot run: offline sessions.
 
 Two daemons with user namespaces, each lacking what "on" and "ports" need:
-"no-pasta" runs with a PATH that holds every command of the system's but
-pasta (how the daemon looks for it: ``shutil.which``), "no-tun" with the
+"no-stack" runs with a PATH that holds every command of the system's but
+the two stacks, slirp4netns and pasta (how the daemon looks for them:
+``shutil.which``), "no-tun" with the
 network stack's probe opening a file the user cannot open in place of
 /dev/net/tun (the daemon's testing option, which can only take the stack
 away). In both, sessions with the network off (and "domains", which needs no
@@ -27,46 +28,48 @@ from tests.conftest import REPO, Daemon, _refuse_root, shell
 from tests.escape_core import assert_escape_core
 from tests.sleeping import with_sleep_after
 
-NO_PASTA = ("pasta is not installed (install it: sudo apt install passt; Fedora, RHEL: "
-            "sudo dnf install passt)")
+NO_STACK = ("neither slirp4netns nor pasta is installed (install one: sudo apt install slirp4netns; Fedora, "
+            "RHEL: sudo dnf install slirp4netns; or sudo apt install passt; Fedora, RHEL: sudo dnf install passt)")
 NO_TUN = ("/dev/net/tun cannot be opened by this user (Permission denied; allow it: sudo chmod 0666 "
-          "/dev/net/tun); pasta needs it")
-MISSING = {"no-pasta": NO_PASTA, "no-tun": NO_TUN}
+          "/dev/net/tun); slirp4netns needs it")
+MISSING = {"no-stack": NO_STACK, "no-tun": NO_TUN}
+STACK_PROGRAMS = ("slirp4netns", "pasta", "passt")  # passt: pasta's other name
 
 
 def refusal(mode: str, missing: str) -> str:
-    return (f"network {mode!r} needs the user-mode network stack pasta, which cannot run here: {missing}; "
+    return (f"network {mode!r} needs a user-mode network stack, which cannot run here: {missing}; "
             "network 'off' and 'domains' work without it")
 
 
-def _path_without_pasta(directory: Path) -> str:
-    """A directory of links to every command on this PATH but pasta (and
-    passt, the same program), standing in for a system without it."""
+def path_without(directory: Path, names: tuple[str, ...]) -> str:
+    """A directory of links to every command on this PATH but ``names``,
+    standing in for a system without them."""
     directory.mkdir()
     for folder in os.environ.get("PATH", "/usr/bin:/bin").split(":"):
         if not os.path.isdir(folder):
             continue
         for name in os.listdir(folder):
             link = directory / name
-            if name not in ("pasta", "passt") and not link.exists():
+            if name not in names and not link.exists():
                 link.symlink_to(os.path.join(folder, name))
     return str(directory)
 
 
-@pytest.fixture(scope="module", params=["no-pasta", "no-tun"])
+@pytest.fixture(scope="module", params=["no-stack", "no-tun"])
 def offline(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[str, Daemon, dispatch.Client]]:
     _refuse_root()
-    if shutil.which("pasta") is None:
-        pytest.skip("pasta is not installed here: the daemons below would not test taking it away")
+    if shutil.which("pasta") is None or shutil.which("slirp4netns") is None:
+        pytest.fail("slirp4netns and pasta are both installed by the set-up (scripts/_common.sh): the daemons "
+                    "below would not test taking them away", pytrace=False)
     base = tmp_path_factory.mktemp(request.param)
     policies = base / "policies"
     shutil.copytree(REPO / "policies", policies)
     (policies / "sleepy.toml").write_text(with_sleep_after("description = 'sleeps at once'\n", 0.1))
     extra: list[str] = ["--policies", str(policies)]
     prefix: tuple[str, ...] = ()
-    if request.param == "no-pasta":
-        prefix = ("env", f"PATH={_path_without_pasta(base / 'bin')}")
+    if request.param == "no-stack":
+        prefix = ("env", f"PATH={path_without(base / 'bin', STACK_PROGRAMS)}")
     else:
         tun = base / "tun"
         tun.write_bytes(b"")

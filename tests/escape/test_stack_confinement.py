@@ -1,0 +1,229 @@
+"""Escapes through the network stack: slirp4netns taken over by a crafted packet.
+
+A session with the network on sends packets that slirp4netns (libslirp)
+parses, outside the sandbox, as the user. Were a bug there to give the
+session code execution in it, that code would run under the confinement the
+fork server applies before the exec (``stacks.confine_stack``): these tests
+apply the same confinement, planned as the daemon plans it, to a process of
+their own and try from there what such code would try. Each attempt's twin
+runs in the same process before the confinement, or is the allowed case
+inside it, so a broken probe cannot pass. The last test reads the running
+stack of a real daemon: the confinement is there, and its own filter on top.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from errno import EACCES, EPERM
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, Daemon, _refuse_root, probe, wait_until
+
+# Run by a fresh interpreter: the attempts, each as "before" (unconfined, the
+# twin) and "after" (confined), printed as JSON. What the attempts import is
+# imported before the confinement (the modules live below the user's home,
+# which Landlock then refuses).
+_PROBE = textwrap.dedent("""
+    import ctypes, errno, json, os, socket, sys
+    sys.path.insert(0, {repo!r})
+    from dispatchd.confine import seccomp, stacks
+    from dispatchd.confine.landlock import landlock_abi
+
+    secret, home, unix_path, tcp_port, victim = {secret!r}, {home!r}, {unix_path!r}, {tcp_port!r}, {victim!r}
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def run(fn):
+        try:
+            out = fn()
+            return "ok" if out is None else out
+        except OSError as exc:
+            return f"error {{exc.errno}}"
+
+    def read_secret():
+        with open(secret, "rb") as f:
+            return "read " + f.read().decode()
+
+    def write_beside():
+        with open(secret + ".new", "wb") as f:
+            f.write(b"x")
+
+    def unix_connect():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(unix_path)
+
+    def abstract_connect():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect("\\0dispatchd-test-absent")
+
+    def tcp_connect():
+        with socket.create_connection(("127.0.0.1", tcp_port), timeout=5) as s:
+            return "connected " + s.recv(16).decode()
+
+    def netlink():
+        socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).close()
+
+    def signal_victim():
+        os.kill(victim, 0)
+
+    def ptrace_victim():
+        if libc.ptrace(16, victim, 0, 0) != 0:  # PTRACE_ATTACH
+            raise OSError(ctypes.get_errno(), "ptrace")
+        libc.ptrace(17, victim, 0, 0)  # PTRACE_DETACH
+
+    def new_user_namespace():
+        if libc.unshare(0x10000000) != 0:
+            raise OSError(ctypes.get_errno(), "unshare")
+
+    def tun():
+        os.close(os.open("/dev/net/tun", os.O_RDWR))
+
+    def read_system():
+        with open("/usr/bin/env", "rb") as f:
+            return "read %d" % len(f.read(4))
+
+    attempts = {{
+        "read a file of the user's": read_secret,
+        "write beside it": write_beside,
+        "list the home directory": lambda: "listed" if os.listdir(home) is not None else "",
+        "read /proc": lambda: "read " + open("/proc/self/status").read()[:4],
+        "connect to a named Unix socket": unix_connect,
+        "connect to an abstract Unix socket": abstract_connect,
+        "open a netlink socket": netlink,
+        "signal a process of the user's": signal_victim,
+        "trace a process of the user's": ptrace_victim,
+        "make a user namespace": new_user_namespace,
+        "connect to the host's loopback over TCP": tcp_connect,
+        "open the tun device": tun,
+        "read the system's programs": read_system,
+    }}
+    before = {{name: run(fn) for name, fn in attempts.items() if name != "make a user namespace"}}
+    plan = stacks.plan_stack_confinement("slirp4netns", landlock_abi=landlock_abi(),
+                                         executable=os.path.realpath({executable!r}))
+    stacks.confine_stack(plan, seccomp.compile_seccomp(plan.seccomp))
+    after = {{name: run(fn) for name, fn in attempts.items()}}
+    print(json.dumps({{"before": before, "after": after}}))
+""")
+
+
+class _Greeter:
+    """A TCP listener on the host's loopback that greets every client."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"hello")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+    """What each attempt got before and after the stack's confinement."""
+    _refuse_root()
+    if shutil.which("slirp4netns") is None:
+        pytest.fail("slirp4netns is not installed: the set-up installs it (scripts/_common.sh)", pytrace=False)
+    base = tmp_path_factory.mktemp("stack")
+    secret = base / "id_ed25519"
+    secret.write_text("SECRET")
+    unix_path = str(base / "agent.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(unix_path)
+    listener.listen(4)
+    greeter = _Greeter()
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        code = _PROBE.format(repo=str(REPO), secret=str(secret), home=str(Path.home()), unix_path=unix_path,
+                             tcp_port=greeter.port, victim=victim.pid, executable=shutil.which("slirp4netns"))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        result: dict[str, dict[str, str]] = json.loads(out.stdout)
+        return result
+    finally:
+        victim.kill()
+        victim.wait()
+        greeter.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("attempt, before, after", [
+    ("read a file of the user's", "read SECRET", f"error {EACCES}"),
+    ("write beside it", "ok", f"error {EACCES}"),
+    ("list the home directory", "listed", f"error {EACCES}"),
+    ("read /proc", "read Name", f"error {EACCES}"),
+    ("connect to a named Unix socket", "ok", f"error {EPERM}"),
+    ("open a netlink socket", "ok", f"error {EPERM}"),
+    ("signal a process of the user's", "ok", f"error {EPERM}"),
+])
+def test_a_stack_taken_over_reaches_nothing_of_the_users(outcome, attempt: str, before: str, after: str) -> None:
+    assert (outcome["before"][attempt], outcome["after"][attempt]) == (before, after)
+
+
+def test_a_stack_taken_over_cannot_trace_or_make_namespaces(outcome) -> None:
+    # Unconfined, attaching to a process of the same user is up to the
+    # machine's ptrace scope (Yama): only the confined answer is pinned.
+    assert outcome["after"]["trace a process of the user's"] == f"error {EPERM}"
+    assert outcome["after"]["make a user namespace"] == f"error {EPERM}"
+    assert outcome["after"]["connect to an abstract Unix socket"] == f"error {EPERM}"
+
+
+@pytest.mark.parametrize("attempt, expected", [
+    ("connect to the host's loopback over TCP", "connected hello"),  # its work: the host's loopback at the gateway
+    ("open the tun device", "ok"),
+    ("read the system's programs", "read 4"),
+])
+def test_what_the_stack_needs_still_works_confined(outcome, attempt: str, expected: str) -> None:
+    assert (outcome["before"][attempt], outcome["after"][attempt]) == (expected, expected)
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+def test_the_running_stack_is_confined_and_filtered_twice(tmp_path: Path, worktree: Path) -> None:
+    """A real daemon's slirp4netns: no new privileges, and two seccomp filters
+    (the fork server's, then its own --enable-seccomp). The twin: the
+    daemon itself has neither, so the probe reads what it means to."""
+    _refuse_root()
+    greeter = _Greeter()
+    d = Daemon(tmp_path, "--network-stack", "slirp4netns", "--pool", "0")
+    try:
+        with d.connect() as client, client.open_session(str(worktree), network="on") as session:
+            code = (f"import socket; s = socket.create_connection(('10.0.2.2', {greeter.port}), timeout=10); "
+                    "print('connected', s.recv(16).decode())")
+            assert probe(session, code) == "connected hello"
+            fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+            found: list[psutil.Process] = []
+            assert wait_until(lambda: found.extend(c for c in fork_server.children() if c.name() == "slirp4netns")
+                              or found), fork_server.children()
+            stack = _status(found[0].pid)
+            assert (stack["NoNewPrivs"], stack["Seccomp"], stack["Seccomp_filters"]) == ("1", "2", "2")
+            assert stack["CapEff"] == stack["CapPrm"] == "0000000000000000"
+            daemon = _status(d.proc.pid)
+            assert (daemon["NoNewPrivs"], daemon["Seccomp"]) == ("0", "0")
+    finally:
+        greeter.close()
+        assert d.stop() == 0, d.log()
+    assert os.path.exists(worktree)

@@ -1,0 +1,83 @@
+"""Which user-mode stack a daemon runs, on machines that have one or the other.
+
+Simulated as tests/integration/test_offline.py simulates a machine without
+either: a PATH that holds every command of the system's but one stack. Each
+daemon says in ``status`` which stack its sessions go out through, and a
+network-on session reaches the host's loopback at the gateway through it; a
+stack asked for by name (``--network-stack``) that is not there is named,
+with the package that installs it, and the other is not taken instead.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dispatch
+from tests.conftest import Daemon, _refuse_root, probe
+from tests.integration.test_offline import path_without
+
+OTHER = {"slirp4netns": ("pasta", "passt"), "pasta": ("slirp4netns",)}  # passt: pasta's other name
+NO_PASTA = "pasta is not installed (install it: sudo apt install passt; Fedora, RHEL: sudo dnf install passt)"
+
+
+@pytest.fixture(scope="module")
+def greeter() -> Iterator[int]:
+    """A TCP listener on the host's loopback greeting each client: its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"hello")
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+
+
+def _daemon(base: Path, without: tuple[str, ...], *extra: str) -> Daemon:
+    _refuse_root()
+    (base / "d").mkdir()
+    return Daemon(base / "d", *extra, prefix=("env", f"PATH={path_without(base / 'bin', without)}"))
+
+
+@pytest.mark.parametrize("installed", ["slirp4netns", "pasta"])
+def test_auto_takes_the_stack_that_is_installed(tmp_path: Path, worktree: Path, greeter: int, installed: str) -> None:
+    d = _daemon(tmp_path, OTHER[installed])
+    try:
+        with d.connect() as client:
+            kernel = client.status()["kernel"]
+            assert (kernel["network_stack"], kernel["network_stack_missing"]) == (installed, "")
+            with client.open_session(str(worktree), network="on") as s:
+                code = (f"import socket; s = socket.create_connection(('10.0.2.2', {greeter}), timeout=10); "
+                        "print('connected', s.recv(16).decode())")
+                assert probe(s, code) == "connected hello"
+                assert s.status()["protections"]["network"]["stack"] == installed
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_stack_asked_for_by_name_and_missing_is_named_and_not_replaced(tmp_path: Path, worktree: Path) -> None:
+    d = _daemon(tmp_path, ("pasta", "passt"), "--network-stack", "pasta")
+    try:
+        with d.connect() as client:
+            kernel = client.status()["kernel"]
+            assert (kernel["network_stack"], kernel["network_stack_missing"]) == ("", NO_PASTA)
+            with pytest.raises(dispatch.RequestFailed) as exc:
+                client.open_session(str(worktree), network="on")
+            assert exc.value.message == (f"cannot apply network: network 'on' needs a user-mode network stack, which "
+                                         f"cannot run here: {NO_PASTA}; network 'off' and 'domains' work without it")
+            # The twin: slirp4netns is installed here, and "auto" would have taken it.
+            with client.open_session(str(worktree)) as s:
+                assert s.status()["protections"]["network"]["mode"] == "off"
+    finally:
+        assert d.stop() == 0, d.log()

@@ -1,0 +1,204 @@
+"""dispatchd.confine.stacks: which user-mode stack runs, how it is started and
+confined. Pure parts only: the probe with a stand-in ``which`` and device,
+the command lines, the confinement plans (the seccomp verdicts read as
+tests/unit/test_seccomp_plan.py reads them). The confinement applied to a
+real process is in tests/escape/test_stack_confinement.py."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from dispatchd.confine import landlock, stacks
+from dispatchd.confine.seccomp import plan_seccomp, plan_stack_seccomp
+from dispatchd.errors import ConfinementError
+from dispatchd.kernel import force_for_testing
+from dispatchd.protocol.reports import KernelFeatures
+from tests.unit.test_seccomp_plan import verdict
+
+BOTH = {"slirp4netns": "/usr/bin/slirp4netns", "pasta": "/usr/bin/pasta"}
+
+
+def which_of(installed: dict[str, str]):
+    return lambda name: installed.get(name)
+
+
+@pytest.fixture
+def tun(tmp_path: Path) -> str:
+    """A device stand-in the probe can open read-write."""
+    path = tmp_path / "tun"
+    path.write_bytes(b"")
+    return str(path)
+
+
+# -- which stack ------------------------------------------------------------------
+
+
+def test_auto_takes_slirp4netns_where_both_are_installed(tun: str) -> None:
+    assert stacks.probe_stack("auto", tun, landlock_abi=7, which=which_of(BOTH)) == ("slirp4netns", "")
+
+
+def test_auto_takes_pasta_where_slirp4netns_is_missing(tun: str) -> None:
+    assert stacks.probe_stack("auto", tun, landlock_abi=7, which=which_of({"pasta": "/usr/bin/pasta"})) == ("pasta", "")
+
+
+def test_auto_takes_pasta_where_landlock_cannot_confine_slirp4netns(tun: str) -> None:
+    assert stacks.probe_stack("auto", tun, landlock_abi=0, which=which_of(BOTH)) == ("pasta", "")
+
+
+def test_an_explicit_choice_is_kept_even_where_the_other_is_lighter(tun: str) -> None:
+    assert stacks.probe_stack("pasta", tun, landlock_abi=7, which=which_of(BOTH)) == ("pasta", "")
+
+
+def test_an_explicit_slirp4netns_without_landlock_is_refused_naming_the_way_out(tun: str) -> None:
+    assert stacks.probe_stack("slirp4netns", tun, landlock_abi=0, which=which_of(BOTH)) == (
+        "", "slirp4netns runs confined by Landlock, which this kernel does not offer "
+            "(use --network-stack pasta, which confines itself)")
+
+
+def test_an_explicit_choice_not_installed_says_what_installs_it(tun: str) -> None:
+    assert stacks.probe_stack("pasta", tun, landlock_abi=7, which=which_of({"slirp4netns": "/x"})) == (
+        "", "pasta is not installed (install it: sudo apt install passt; Fedora, RHEL: sudo dnf install passt)")
+
+
+def test_neither_installed_names_both_and_their_packages(tun: str) -> None:
+    assert stacks.probe_stack("auto", tun, landlock_abi=7, which=which_of({})) == (
+        "", "neither slirp4netns nor pasta is installed (install one: sudo apt install slirp4netns; Fedora, "
+            "RHEL: sudo dnf install slirp4netns; or sudo apt install passt; Fedora, RHEL: sudo dnf install passt)")
+
+
+def test_a_tun_device_the_user_cannot_open_names_the_stack_that_needs_it(tmp_path: Path) -> None:
+    device = tmp_path / "tun"
+    device.write_bytes(b"")
+    device.chmod(0)
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root opens a file of mode 0: the tests run as the unprivileged user")
+    assert stacks.probe_stack("auto", str(device), landlock_abi=7, which=which_of(BOTH)) == (
+        "", "/dev/net/tun cannot be opened by this user (Permission denied; allow it: sudo chmod 0666 "
+            "/dev/net/tun); slirp4netns needs it")
+
+
+def test_a_missing_tun_device_says_which_module_to_load(tmp_path: Path) -> None:
+    assert stacks.probe_stack("auto", str(tmp_path / "absent"), landlock_abi=7, which=which_of(BOTH)) == (
+        "", "/dev/net/tun does not exist (load the tun module: sudo modprobe tun); slirp4netns needs it")
+
+
+def _features(**changes: object) -> KernelFeatures:
+    base = KernelFeatures(release="6.18", landlock_abi=7, user_namespaces=True, user_namespaces_note="",
+                          seccomp=True, seccomp_actions=["errno"], cgroup2="", network_stack_missing="",
+                          nftables_missing="", network_stack="slirp4netns")
+    return msgspec.structs.replace(base, **changes)
+
+
+def test_a_kernel_forced_without_landlock_has_no_slirp4netns() -> None:
+    forced = force_for_testing(_features(), "landlock=0")
+    assert (forced.network_stack, forced.network_stack_missing) == (
+        "", "slirp4netns runs confined by Landlock: forced off for testing")
+    assert "on" in forced.network_unavailable
+
+
+def test_a_kernel_forced_to_an_older_landlock_keeps_slirp4netns() -> None:
+    forced = force_for_testing(_features(), "landlock=3")
+    assert (forced.network_stack, forced.network_stack_missing) == ("slirp4netns", "")
+
+
+# -- how it is started ----------------------------------------------------------------
+
+
+def test_slirp4netns_is_attached_by_descriptor_without_its_own_sandbox_or_dns() -> None:
+    argv = stacks.stack_argv("slirp4netns", userns_fd=5, netns_fd=6, ready_fd=7)
+    assert argv == ["slirp4netns", "--configure", "--mtu=65520", "--disable-dns", "--enable-seccomp",
+                    "--ready-fd=7", "--netns-type=path", "--userns-path=/proc/self/fd/5", "/proc/self/fd/6", "eth0"]
+    assert "--enable-sandbox" not in argv  # it would bind the host's /etc and /run
+    assert not any(a.startswith(("--api-socket", "-a")) for a in argv)  # nothing forwarded in
+
+
+def test_pasta_is_attached_by_descriptor_forwarding_nothing_in() -> None:
+    argv = stacks.stack_argv("pasta", userns_fd=5, netns_fd=6, ready_fd=7)
+    assert argv[:5] == ["pasta", "--foreground", "--quiet", "--config-net", "--ipv4-only"]
+    for flag in ("-t", "-u", "-T", "-U"):
+        assert argv[argv.index(flag) + 1] == "none"
+    assert argv[-6:] == ["--pid", "/proc/self/fd/7", "--userns", "/proc/self/fd/5", "--netns", "/proc/self/fd/6"]
+
+
+# -- how it is confined ---------------------------------------------------------------
+
+
+def test_pasta_confines_itself_and_gets_no_plan() -> None:
+    assert stacks.plan_stack_confinement("pasta", landlock_abi=7, executable="/usr/bin/pasta") is None
+
+
+def test_slirp4netns_without_landlock_is_refused_not_run_unconfined() -> None:
+    with pytest.raises(ConfinementError, match="Landlock is not available"):
+        stacks.plan_stack_confinement("slirp4netns", landlock_abi=0, executable="/usr/bin/slirp4netns")
+
+
+def test_slirp4netns_may_read_and_run_only_system_code_and_open_the_tun_device() -> None:
+    plan = stacks.plan_stack_confinement("slirp4netns", landlock_abi=7, executable="/opt/s/bin/slirp4netns")
+    assert plan is not None
+    rules = {r.path: r.access for r in plan.landlock.paths}
+    read_run = landlock.EXECUTE | landlock.READ_FILE | landlock.READ_DIR
+    assert rules == {**{p: read_run for p in stacks.SYSTEM_READ}, "/opt/s/bin/slirp4netns": read_run,
+                     "/dev/net/tun": landlock.READ_FILE | landlock.WRITE_FILE | landlock.IOCTL_DEV}
+    assert plan.landlock.handled_fs == landlock.fs_rights_for_abi(7)  # everything else denied, writes included
+    assert plan.landlock.scoped == landlock.SCOPE_SIGNAL | landlock.SCOPE_ABSTRACT_UNIX_SOCKET
+    assert not any(p.startswith(("/home", "/run", "/tmp", "/proc", "/etc/")) and p != "/etc/ld.so.cache"
+                   for p in rules)
+
+
+def test_slirp4netns_on_an_older_landlock_is_granted_only_rights_that_kernel_knows() -> None:
+    plan = stacks.plan_stack_confinement("slirp4netns", landlock_abi=3, executable="/usr/bin/slirp4netns")
+    assert plan is not None
+    assert {r.path: r.access for r in plan.landlock.paths}["/dev/net/tun"] == landlock.READ_FILE | landlock.WRITE_FILE
+    assert plan.landlock.scoped == 0  # seccomp holds signals and Unix sockets there (below)
+
+
+STACK = plan_stack_seccomp()
+
+
+@pytest.mark.parametrize("family", [socket.AF_UNIX, socket.AF_NETLINK, socket.AF_PACKET, 46, 200])
+def test_the_stack_makes_no_socket_but_ipv4_and_ipv6(family: int) -> None:
+    assert verdict(STACK, "socket", family, socket.SOCK_STREAM, 0) == errno.EPERM
+    assert verdict(STACK, "socket", family, socket.SOCK_DGRAM, 0) == errno.EPERM
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_the_stack_makes_ipv4_and_ipv6_sockets(family: int) -> None:
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        assert verdict(STACK, "socket", family, kind, 0) is None
+
+
+def test_the_stack_keeps_a_stream_pair_for_its_tap_descriptor() -> None:
+    assert verdict(STACK, "socketpair", socket.AF_UNIX, socket.SOCK_STREAM, 0) is None  # its child sends the tap
+    assert verdict(STACK, "socketpair", socket.AF_UNIX, socket.SOCK_DGRAM, 0) == errno.EPERM
+
+
+@pytest.mark.parametrize("syscall", ["kill", "tkill", "tgkill", "rt_sigqueueinfo", "pidfd_send_signal", "pidfd_open",
+                                     "pidfd_getfd", "ptrace", "process_vm_readv", "mount", "unshare",
+                                     "io_uring_setup", "bpf", "shmget", "msgget"])
+def test_the_stack_signals_traces_and_mounts_nothing(syscall: str) -> None:
+    assert verdict(STACK, syscall) == errno.EPERM
+
+
+def test_the_stack_may_join_a_namespace_once_and_the_session_may_not() -> None:
+    assert verdict(STACK, "setns") is None  # its child joins the session's, by the descriptors it was given
+    assert verdict(plan_seccomp(allow_inet=True), "setns") == errno.EPERM
+
+
+def test_the_stack_makes_no_namespace_of_its_own() -> None:
+    assert verdict(STACK, "clone", 0x10000000) == errno.EPERM  # CLONE_NEWUSER
+    assert verdict(STACK, "clone", 0x01200011) is None  # fork
+
+
+def test_the_daemons_launch_carries_the_plan_for_the_fork_server() -> None:
+    launch = stacks.launch_for("slirp4netns", 7)
+    got = msgspec.msgpack.decode(launch.confinement, type=stacks.StackConfinement)
+    assert launch.stack == "slirp4netns" and got.seccomp == STACK
+    assert stacks.launch_for("pasta", 7) == stacks.Launch("pasta", b"")
+    assert stacks.launch_for("", 7) == stacks.Launch("pasta", b"")  # none can run: never started
