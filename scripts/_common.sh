@@ -19,9 +19,11 @@ as_unprivileged_user() {
     command -v runuser >/dev/null || missing+=(util-linux)
     # systemd-analyze and systemd-socket-activate, for tests/integration/test_systemd.py
     command -v systemd-analyze >/dev/null || missing+=(systemd)
-    # the user-mode network stack a session with the network on reaches out
-    # through (pasta; measured against slirp4netns, docs/network.md), and
-    # nftables, which holds "ports" inside a session's own network namespace
+    # the user-mode network stacks a session with the network on reaches out
+    # through (slirp4netns, the daemon's choice where installed, and pasta:
+    # the tests run both; docs/network.md, "Which stack"), and nftables,
+    # which holds "ports" inside a session's own network namespace
+    command -v slirp4netns >/dev/null || missing+=(slirp4netns)
     command -v pasta >/dev/null || missing+=(passt)
     command -v nft >/dev/null || missing+=(nftables)
     # the C helper of read_file and search_files (dispatchd/tools/_lines.c),
