@@ -137,12 +137,13 @@ def force_for_testing(k: KernelFeatures, spec: str) -> KernelFeatures:
     ``detached_mounts=no``. It only takes away: asking for more than this
     kernel has, or anything else, raises ``ValueError``. Pure."""
     changes: dict[str, object] = {}
+    abi = k.landlock_abi
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = item.partition("=")
         if key == "landlock" and sep and value.isdigit():
             if int(value) > k.landlock_abi:
                 raise ValueError(f"landlock={value}: this kernel offers ABI {k.landlock_abi}; forcing only takes away")
-            changes["landlock_abi"] = int(value)
+            changes["landlock_abi"] = abi = int(value)
         elif key == "user_namespaces" and value == "no":
             changes["user_namespaces"] = False
             changes["user_namespaces_note"] = "forced off for testing"
@@ -153,7 +154,7 @@ def force_for_testing(k: KernelFeatures, spec: str) -> KernelFeatures:
                                                 "testing (as before Linux 6.15); the host's root is kept below")
         else:
             raise ValueError(f"{item!r}: expected landlock=N, user_namespaces=no or detached_mounts=no")
-    if changes.get("landlock_abi", k.landlock_abi) < 1 and k.network_stack == SLIRP4NETNS:
+    if abi < 1 and k.network_stack == SLIRP4NETNS:
         # Confined by Landlock, which that kernel would not have (probe_stack).
         changes["network_stack"] = ""
         changes["network_stack_missing"] = f"{SLIRP4NETNS} runs confined by Landlock: forced off for testing"
