@@ -134,32 +134,6 @@ def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True, allow_unix: bo
     return SeccompPlan(rules=rules, allow_inet=allow_inet)
 
 
-# What a network stack confined by the fork server (netstack.plan_stack_confinement)
-# may not do, beyond what no session may: signal anyone (it has no one to
-# signal; Landlock's signal scope needs ABI 6), or make a pidfd.
-_STACK_DENIED = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal",
-                 "pidfd_open", "pidfd_getfd")
-
-
-@functools.lru_cache(maxsize=1)
-def plan_stack_seccomp() -> SeccompPlan:
-    """The filter of a user-mode network stack the fork server confines
-    (slirp4netns); pure. As a session's, with IPv4/IPv6 sockets (its work),
-    but no Unix socket at all (no abstract one, and no named one either: the
-    user's D-Bus, ssh-agent and ``systemd --user`` sockets are in the host's
-    filesystem, where Landlock does not check a connect), no netlink, no
-    signal; ``setns`` allowed, once, for the child that joins the session's
-    namespaces to make the tap device (it holds no other namespace's
-    descriptor, and Landlock keeps /proc out of reach)."""
-    base = plan_seccomp(allow_inet=True, ipc_namespace=False, allow_unix=False)
-    rules = [r for r in base.rules if r.syscall != "setns" and not (
-        r.syscall == "socket" and r.args and r.args[0].arg == 0 and r.args[0].op == "eq"
-        and r.args[0].value == socket.AF_NETLINK and len(r.args) > 1)]
-    rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_NETLINK)]))
-    rules += [SeccompRule(name, errno.EPERM) for name in _STACK_DENIED]
-    return SeccompPlan(rules=rules, allow_inet=True)
-
-
 def compile_seccomp(plan: SeccompPlan) -> bytes:
     """Compile the plan to a classic-BPF program with libseccomp (no kernel change)."""
     import pyseccomp as sc  # loaded here: only the fork server compiles

@@ -27,14 +27,17 @@ Guarantees:
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
 import shutil
+import socket
 from collections.abc import Callable
 
 import msgspec
 
 from dispatchd.confine.landlock import LandlockPlan
-from dispatchd.confine.seccomp import SeccompPlan
+from dispatchd.confine.seccomp import ArgCheck, SeccompPlan, SeccompRule, plan_seccomp
 
 PASTA = "pasta"
 SLIRP4NETNS = "slirp4netns"
@@ -44,7 +47,7 @@ STACK_CHOICES = ("auto", *STACKS)
 # gives the 100th of its network.
 ADDRESSES = {PASTA: "10.0.2.15", SLIRP4NETNS: "10.0.2.100"}
 GATEWAY = "10.0.2.2"  # its gateway; both stacks map it to the host's loopback
-DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver (slirp4netns: disabled)
+DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver (slirp4netns: nothing answers)
 MTU = 65520  # pasta's default, and slirp4netns's largest (its default is 1500)
 
 TUN = "/dev/net/tun"
@@ -112,11 +115,14 @@ def stack_argv(stack: str, *, userns_fd: int, netns_fd: int, ready_fd: int) -> l
     if stack == SLIRP4NETNS:
         # No --enable-sandbox: it binds the host's /etc and /run into its
         # root (the user's D-Bus, agents' sockets); the fork server confines
-        # it instead (plan_stack_confinement). --disable-dns: the session's
-        # resolver is the daemon's relay; 10.0.2.3 would read the host's
-        # resolv.conf, which it cannot. Its own seccomp filter, installed once
-        # it runs, blocks execve, setns, unshare, mount, ptrace and more.
-        return [SLIRP4NETNS, "--configure", f"--mtu={MTU}", "--disable-dns", "--enable-seccomp",
+        # it instead (plan_stack_confinement). Its own seccomp filter,
+        # installed once it runs, blocks execve, setns, unshare, mount, ptrace
+        # and more. Every option here is in slirp4netns 0.4 and later (Ubuntu
+        # 20.04 and 22.04 ship 0.4.3 and 1.0.1): not --disable-dns (1.1), so
+        # 10.0.2.3 stays its DNS forwarder, which answers nothing: it would
+        # read the host's resolv.conf, which Landlock keeps from it. The
+        # session's resolver is the daemon's relay (RELAY_ADDRESS).
+        return [SLIRP4NETNS, "--configure", f"--mtu={MTU}", "--enable-seccomp",
                 f"--ready-fd={ready_fd}", "--netns-type=path", f"--userns-path={userns}", netns, "eth0"]
     return [PASTA, "--foreground", "--quiet", "--config-net", "--ipv4-only",
             "--address", ADDRESSES[PASTA], "--netmask", "24", "--gateway", GATEWAY, "--ns-ifname", "eth0",
@@ -134,6 +140,10 @@ class StackConfinement(msgspec.Struct, frozen=True):
 
     landlock: LandlockPlan
     seccomp: SeccompPlan
+    # Resource limits (soft = hard): what one stack may write to a file (its
+    # stderr, a file the daemon reads), and its heap.
+    file_size: int = 1 << 20
+    data: int = 1 << 30
 
 
 # Where a program and the libraries it loads live (merged /usr or not).
@@ -147,7 +157,7 @@ def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) ->
     ``executable`` (the stack's resolved path, wherever installed), and the
     tun device, with its ioctls (the interface is made with TUNSETIFF); no
     other file, nothing written; no signal to a process outside, no abstract
-    socket outside (ABI 6). seccomp: ``seccomp.plan_stack_seccomp``. The
+    socket outside (ABI 6). seccomp: ``plan_stack_seccomp``. The
     stack's child joins the session's namespaces, which seccomp allows
     (``setns``): it has no descriptor of any other namespace, and Landlock
     keeps /proc, where it would find one, out of its reach."""
@@ -162,17 +172,79 @@ def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) ->
     plan = landlock.plan_landlock(abi=landlock_abi, read_only=[*SYSTEM_READ, executable], read_write=[],
                                   devices=[], deny_tcp=False)
     tun = landlock.PathRule(TUN, (landlock.DEVICE | landlock.IOCTL_DEV) & plan.handled_fs)
-    plan = msgspec.structs.replace(plan, paths=[*plan.paths, tun])
-    return StackConfinement(landlock=plan, seccomp=seccomp.plan_stack_seccomp())
+    # TCP binds handled, none granted (ABI 4): it connects out, and serves
+    # nothing on the host's network (listen, without a bind, is seccomp's).
+    plan = msgspec.structs.replace(plan, paths=[*plan.paths, tun],
+                                   handled_net=landlock.NET_BIND_TCP if landlock_abi >= 4 else 0)
+    return StackConfinement(landlock=plan, seccomp=plan_stack_seccomp())
 
 
 def confine_stack(confinement: StackConfinement, program: bytes) -> None:
-    """In the fork server's child, right before the stack's exec: Landlock,
-    then seccomp (``program``, compiled from ``confinement.seccomp``), each
-    after no_new_privs. Raises ``ConfinementError``; the child then exits
+    """In the fork server's child, right before the stack's exec: its resource
+    limits, Landlock, then seccomp (``program``, compiled from
+    ``confinement.seccomp``), each after no_new_privs. Raises ``ConfinementError``; the child then exits
     without running the stack."""
-    from dispatchd.confine import hygiene, landlock, seccomp
+    import resource
 
+    from dispatchd.confine import hygiene, landlock, seccomp
+    from dispatchd.errors import ConfinementError
+
+    for limit, value in ((resource.RLIMIT_FSIZE, confinement.file_size), (resource.RLIMIT_DATA, confinement.data),
+                         (resource.RLIMIT_CORE, 0)):
+        try:
+            resource.setrlimit(limit, (value, value))
+        except (OSError, ValueError) as exc:
+            raise ConfinementError("network: stack limits", getattr(exc, "errno", None), detail=str(exc)) from exc
     hygiene.no_new_privs()
     landlock.apply_landlock(confinement.landlock)
     seccomp.apply_seccomp(program)
+
+
+# What a stack the fork server confines may not do, beyond what no session may.
+_STACK_DENIED = (
+    # Signal anyone, or hold a process by a pidfd (Landlock's signal scope
+    # needs ABI 6); steer a process's SIGIO to another (F_SETOWN below).
+    "kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal", "pidfd_open",
+    "pidfd_getfd",
+    # Change a file's metadata: Landlock (to ABI 7) checks none of these,
+    # and the user owns the files (a key made readable, a setuid bit).
+    # truncate by path: Landlock checks it from ABI 3 only.
+    "chmod", "fchmod", "fchmodat", "chown", "fchown", "lchown", "fchownat", "setxattr", "lsetxattr",
+    "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "utime", "utimes", "utimensat", "futimesat",
+    "truncate",
+    # Watch the user's files, or read their extended attributes.
+    "inotify_init", "inotify_init1", "fanotify_init", "getxattr", "lgetxattr", "listxattr", "llistxattr",
+    # Change another process's priority, scheduling, memory placement.
+    "setpriority", "sched_setscheduler", "sched_setparam", "sched_setattr", "sched_setaffinity",
+    "ioprio_set", "migrate_pages", "move_pages",
+    # Wait for connections: it forwards nothing in (TCP binds are Landlock's, ABI 4).
+    "listen",
+)
+F_SETOWN, F_SETSIG, F_SETOWN_EX = 8, 10, 15
+FIOSETOWN, SIOCSPGRP = 0x8901, 0x8902
+
+
+@functools.lru_cache(maxsize=1)
+def plan_stack_seccomp() -> SeccompPlan:
+    """The filter of a stack the fork server confines (slirp4netns); pure.
+    A session's, with IPv4/IPv6 sockets (its work), but no Unix socket at
+    all (no abstract one, and no named one either: the user's D-Bus,
+    ssh-agent and ``systemd --user`` sockets are in the host's filesystem,
+    where Landlock does not check a connect), no netlink, none of
+    ``_STACK_DENIED``, no resource limit of another process (``prlimit64``
+    with a pid), no SIGIO owner. ``setns`` is allowed: the stack's child
+    joins the session's namespaces to make the tap device, by descriptors
+    it was given (Landlock keeps /proc, where it would find others, out of
+    its reach); slirp4netns's own filter refuses it, with ``execve``, before
+    the stack reads its first packet."""
+    base = plan_seccomp(allow_inet=True, ipc_namespace=False, allow_unix=False)
+    rules = [r for r in base.rules if r.syscall != "setns" and not (
+        r.syscall == "socket" and r.args and r.args[0].arg == 0 and r.args[0].op == "eq"
+        and r.args[0].value == socket.AF_NETLINK and len(r.args) > 1)]
+    rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_NETLINK)]))
+    rules += [SeccompRule(name, errno.EPERM) for name in _STACK_DENIED]
+    rules.append(SeccompRule("prlimit64", errno.EPERM, [ArgCheck(0, "ne", 0)]))
+    rules += [SeccompRule("fcntl", errno.EPERM, [ArgCheck(1, "eq", cmd)]) for cmd in (F_SETOWN, F_SETSIG, F_SETOWN_EX)]
+    rules += [SeccompRule("ioctl", errno.EPERM, [ArgCheck(1, "masked_eq", req, 0xFFFFFFFF)])
+              for req in (FIOSETOWN, SIOCSPGRP)]
+    return SeccompPlan(rules=rules, allow_inet=True)

@@ -187,7 +187,7 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
     userns_fd, netns_fd, ready_w, err_fd = fds
     argv = stacks.stack_argv(req.stack, userns_fd=userns_fd, netns_fd=netns_fd, ready_fd=ready_w)
     try:
-        confinement, program = _stack_confinement(req.confinement)
+        confinement, program = _stack_confinement(req.stack, req.confinement)
     except Exception as exc:  # undecodable, or libseccomp refused it: no stack unconfined
         for fd in fds:
             os.close(fd)
@@ -240,11 +240,13 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
 _stack_programs: dict[bytes, tuple[stacks.StackConfinement, bytes]] = {}
 
 
-def _stack_confinement(encoded: bytes) -> tuple[stacks.StackConfinement | None, bytes]:
+def _stack_confinement(stack: str, encoded: bytes) -> tuple[stacks.StackConfinement | None, bytes]:
     """The confinement a StartStack asks for, decoded, with its seccomp
     program compiled (once per distinct confinement: a daemon asks the same
     one for every session)."""
     if not encoded:
+        if stack != stacks.PASTA:  # only pasta confines itself: never one started bare
+            raise ValueError(f"{stack} needs the daemon's confinement, and none was sent")
         return None, b""
     if encoded not in _stack_programs:
         confinement = msgspec.msgpack.decode(encoded, type=stacks.StackConfinement)

@@ -83,6 +83,41 @@ _PROBE = textwrap.dedent("""
         if libc.unshare(0x10000000) != 0:
             raise OSError(ctypes.get_errno(), "unshare")
 
+    def chmod_secret():
+        os.chmod(secret, 0o600)  # its mode already: the twin changes nothing
+
+    def truncate_secret():
+        os.truncate(secret, 6)  # its length already
+
+    def limit_victim():
+        import resource
+        resource.prlimit(victim, resource.RLIMIT_CORE, resource.prlimit(victim, resource.RLIMIT_CORE))
+
+    def renice_victim():
+        os.setpriority(os.PRIO_PROCESS, victim, os.getpriority(os.PRIO_PROCESS, victim))
+
+    def sigio_to_victim():
+        import fcntl
+        a, b = socket.socketpair()
+        try:
+            fcntl.fcntl(a, fcntl.F_SETOWN, victim)
+        finally:
+            a.close(); b.close()
+
+    def watch_home():
+        fd = libc.inotify_init1(0)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        os.close(fd)
+
+    def tcp_listen():
+        with socket.socket() as s:
+            s.listen(1)
+
+    def tcp_bind():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+
     def tun():
         os.close(os.open("/dev/net/tun", os.O_RDWR))
 
@@ -101,6 +136,14 @@ _PROBE = textwrap.dedent("""
         "signal a process of the user's": signal_victim,
         "trace a process of the user's": ptrace_victim,
         "make a user namespace": new_user_namespace,
+        "change a file's mode": chmod_secret,
+        "truncate a file": truncate_secret,
+        "set a process's limits": limit_victim,
+        "set a process's priority": renice_victim,
+        "steer SIGIO to a process": sigio_to_victim,
+        "watch files": watch_home,
+        "listen on the host's network": tcp_listen,
+        "bind a TCP port on the host's network": tcp_bind,
         "connect to the host's loopback over TCP": tcp_connect,
         "open the tun device": tun,
         "read the system's programs": read_system,
@@ -175,6 +218,14 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str
     ("connect to a named Unix socket", "ok", f"error {EPERM}"),
     ("open a netlink socket", "ok", f"error {EPERM}"),
     ("signal a process of the user's", "ok", f"error {EPERM}"),
+    ("change a file's mode", "ok", f"error {EPERM}"),
+    ("truncate a file", "ok", f"error {EPERM}"),
+    ("set a process's limits", "ok", f"error {EPERM}"),
+    ("set a process's priority", "ok", f"error {EPERM}"),
+    ("steer SIGIO to a process", "ok", f"error {EPERM}"),
+    ("watch files", "ok", f"error {EPERM}"),
+    ("listen on the host's network", "ok", f"error {EPERM}"),
+    ("bind a TCP port on the host's network", "ok", f"error {EACCES}"),
 ])
 def test_a_stack_taken_over_reaches_nothing_of_the_users(outcome, attempt: str, before: str, after: str) -> None:
     assert (outcome["before"][attempt], outcome["after"][attempt]) == (before, after)

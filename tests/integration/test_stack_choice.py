@@ -81,3 +81,29 @@ def test_a_stack_asked_for_by_name_and_missing_is_named_and_not_replaced(tmp_pat
                 assert s.status()["protections"]["network"]["mode"] == "off"
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_slirp4netns_dns_forwarder_answers_nothing_and_the_relay_resolves(tmp_path: Path, worktree: Path,
+                                                                          greeter: int) -> None:
+    """slirp4netns's own DNS forwarder (10.0.2.3) would read the host's
+    resolv.conf, which Landlock keeps from it: a query there gets no answer
+    and leaves the stack serving. The session's resolver is the daemon's
+    relay, named by its /etc/resolv.conf (docs/dns.md)."""
+    _refuse_root()
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--network-stack", "slirp4netns")
+    query = ("import socket\n"
+             "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(1)\n"
+             "s.sendto(bytes.fromhex('123401000001000000000000076578616d706c6503636f6d0000010001'), "
+             "('10.0.2.3', 53))\n"
+             "try:\n    print('answer', len(s.recv(512)))\nexcept TimeoutError:\n    print('no answer')\n")
+    try:
+        with d.connect() as client, client.open_session(str(worktree), network="on") as s:
+            assert probe(s, query) == "no answer"
+            assert probe(s, "print([l for l in open('/etc/resolv.conf') if l.startswith('nameserver')])") == \
+                "['nameserver 127.0.0.53\\n']"
+            code = (f"import socket; c = socket.create_connection(('10.0.2.2', {greeter}), timeout=10); "
+                    "print('connected', c.recv(16).decode())")
+            assert probe(s, code) == "connected hello"  # the twin: the stack still serves
+    finally:
+        assert d.stop() == 0, d.log()

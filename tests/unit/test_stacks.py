@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from dispatchd.confine import landlock, stacks
-from dispatchd.confine.seccomp import plan_seccomp, plan_stack_seccomp
+from dispatchd.confine.seccomp import plan_seccomp
+from dispatchd.confine.stacks import plan_stack_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.kernel import force_for_testing
 from dispatchd.protocol.reports import KernelFeatures
@@ -111,9 +112,9 @@ def test_a_kernel_forced_to_an_older_landlock_keeps_slirp4netns() -> None:
 # -- how it is started ----------------------------------------------------------------
 
 
-def test_slirp4netns_is_attached_by_descriptor_without_its_own_sandbox_or_dns() -> None:
+def test_slirp4netns_is_attached_by_descriptor_without_its_own_sandbox() -> None:
     argv = stacks.stack_argv("slirp4netns", userns_fd=5, netns_fd=6, ready_fd=7)
-    assert argv == ["slirp4netns", "--configure", "--mtu=65520", "--disable-dns", "--enable-seccomp",
+    assert argv == ["slirp4netns", "--configure", "--mtu=65520", "--enable-seccomp",
                     "--ready-fd=7", "--netns-type=path", "--userns-path=/proc/self/fd/5", "/proc/self/fd/6", "eth0"]
     assert "--enable-sandbox" not in argv  # it would bind the host's /etc and /run
     assert not any(a.startswith(("--api-socket", "-a")) for a in argv)  # nothing forwarded in
@@ -148,6 +149,9 @@ def test_slirp4netns_may_read_and_run_only_system_code_and_open_the_tun_device()
                      "/dev/net/tun": landlock.READ_FILE | landlock.WRITE_FILE | landlock.IOCTL_DEV}
     assert plan.landlock.handled_fs == landlock.fs_rights_for_abi(7)  # everything else denied, writes included
     assert plan.landlock.scoped == landlock.SCOPE_SIGNAL | landlock.SCOPE_ABSTRACT_UNIX_SOCKET
+    # TCP binds handled with no port granted: it serves nothing on the host's network.
+    assert (plan.landlock.handled_net, plan.landlock.tcp_ports) == (landlock.NET_BIND_TCP, [])
+    assert (plan.file_size, plan.data) == (1 << 20, 1 << 30)
     assert not any(p.startswith(("/home", "/run", "/tmp", "/proc", "/etc/")) and p != "/etc/ld.so.cache"
                    for p in rules)
 
@@ -157,6 +161,7 @@ def test_slirp4netns_on_an_older_landlock_is_granted_only_rights_that_kernel_kno
     assert plan is not None
     assert {r.path: r.access for r in plan.landlock.paths}["/dev/net/tun"] == landlock.READ_FILE | landlock.WRITE_FILE
     assert plan.landlock.scoped == 0  # seccomp holds signals and Unix sockets there (below)
+    assert plan.landlock.handled_net == 0  # no TCP rules before ABI 4: listen stays seccomp's
 
 
 STACK = plan_stack_seccomp()
@@ -186,7 +191,28 @@ def test_the_stack_signals_traces_and_mounts_nothing(syscall: str) -> None:
     assert verdict(STACK, syscall) == errno.EPERM
 
 
-def test_the_stack_may_join_a_namespace_once_and_the_session_may_not() -> None:
+@pytest.mark.parametrize("syscall", ["chmod", "fchmod", "fchmodat", "chown", "fchown", "lchown", "fchownat",
+                                     "setxattr", "fsetxattr", "removexattr", "utime", "utimensat", "truncate",
+                                     "inotify_init1", "fanotify_init", "getxattr", "listxattr", "listen",
+                                     "setpriority", "sched_setscheduler", "sched_setaffinity", "ioprio_set"])
+def test_the_stack_changes_no_metadata_priority_or_listener_that_landlock_does_not_see(syscall: str) -> None:
+    assert verdict(STACK, syscall) == errno.EPERM
+    assert verdict(plan_seccomp(allow_inet=True), syscall) is None  # a session may, in its own root
+
+
+def test_the_stack_sets_its_own_limits_only() -> None:
+    assert verdict(STACK, "prlimit64", 0, 7) is None  # setrlimit: its own
+    assert verdict(STACK, "prlimit64", 4242, 7) == errno.EPERM
+
+
+@pytest.mark.parametrize("cmd", [8, 10, 15])  # F_SETOWN, F_SETSIG, F_SETOWN_EX
+def test_the_stack_steers_no_sigio_to_another_process(cmd: int) -> None:
+    assert verdict(STACK, "fcntl", 3, cmd) == errno.EPERM
+    assert verdict(STACK, "fcntl", 3, 4) is None  # F_SETFL: O_NONBLOCK, which it uses
+    assert verdict(STACK, "ioctl", 3, 0x8901) == verdict(STACK, "ioctl", 3, 0x8902) == errno.EPERM
+
+
+def test_the_stack_may_join_a_namespace_and_the_session_may_not() -> None:
     assert verdict(STACK, "setns") is None  # its child joins the session's, by the descriptors it was given
     assert verdict(plan_seccomp(allow_inet=True), "setns") == errno.EPERM
 
