@@ -81,6 +81,8 @@ def describe(k: KernelFeatures, row: Row, system: str) -> list[str]:
              f"  leaves open: {row.leaves_open}"]
     if row.full_mode:
         lines.append(f"  for full mode: {row.full_mode}")
+    if k.network_stack and k.user_namespaces:
+        lines.append(f"  network stack: {k.network_stack} (dispatchd --network-stack; docs/network.md)")
     lines += [f"  network {mode} unavailable: {why}" for mode, why in unavailable.items()]
     return lines
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dispatchd.kernel import KernelFeatures, force_for_testing, with_network_modes
@@ -52,3 +53,10 @@ def test_os_name(tmp_path: Path) -> None:
     (tmp_path / "os-release").write_text('NAME="Debian GNU/Linux"\nPRETTY_NAME="Debian GNU/Linux 13 (trixie)"\n')
     assert os_name(str(tmp_path / "os-release")) == "Debian GNU/Linux 13 (trixie)"
     assert os_name(str(tmp_path / "absent")) == "unknown distribution"
+
+
+def test_check_names_the_network_stack_where_sessions_use_one() -> None:
+    k = msgspec.structs.replace(HERE, network_stack="slirp4netns")
+    assert describe(k, classify(k), "Debian")[1:] == [
+        "  leaves open: nothing beyond the list every mode shares",
+        "  network stack: slirp4netns (dispatchd --network-stack; docs/network.md)"]
