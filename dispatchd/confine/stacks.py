@@ -51,6 +51,8 @@ DNS = "10.0.2.3"  # pasta forwards DNS sent here to the host's first resolver (s
 MTU = 65520  # pasta's default, and slirp4netns's largest (its default is 1500)
 
 TUN = "/dev/net/tun"
+# The whole environment a stack is started with.
+STACK_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
 _INSTALL = {

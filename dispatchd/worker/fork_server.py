@@ -222,7 +222,9 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
                 path = shutil.which(argv[0]) or argv[0]
                 if confinement is not None:
                     stacks.confine_stack(confinement, program)
-                os.execv(path, argv)
+                # Nothing of the daemon's environment (a token the user
+                # exported where the daemon was started): neither stack reads one.
+                os.execve(path, argv, stacks.STACK_ENV)
             except BaseException as exc:  # confinement or exec failed: say why on its stderr
                 os.write(2, f"cannot start {argv[0]}: {exc}\n".encode())
             finally:

@@ -254,12 +254,14 @@ def _status(pid: int) -> dict[str, str]:
 
 
 def test_the_running_stack_is_confined_and_filtered_twice(tmp_path: Path, worktree: Path) -> None:
-    """A real daemon's slirp4netns: no new privileges, and two seccomp filters
-    (the fork server's, then its own --enable-seccomp). The twin: the
-    daemon itself has neither, so the probe reads what it means to."""
+    """A real daemon's slirp4netns: no new privileges, two seccomp filters
+    (the fork server's, then its own --enable-seccomp), and none of the
+    daemon's environment (a token exported where it was started). The twin:
+    the daemon itself has neither filter, and has the token."""
     _refuse_root()
     greeter = _Greeter()
-    d = Daemon(tmp_path, "--network-stack", "slirp4netns", "--pool", "0")
+    canary = "DISPATCH_TEST_TOKEN=s3cr3t"
+    d = Daemon(tmp_path, "--network-stack", "slirp4netns", "--pool", "0", prefix=("env", canary))
     try:
         with d.connect() as client, client.open_session(str(worktree), network="on") as session:
             code = (f"import socket; s = socket.create_connection(('10.0.2.2', {greeter.port}), timeout=10); "
@@ -272,8 +274,12 @@ def test_the_running_stack_is_confined_and_filtered_twice(tmp_path: Path, worktr
             stack = _status(found[0].pid)
             assert (stack["NoNewPrivs"], stack["Seccomp"], stack["Seccomp_filters"]) == ("1", "2", "2")
             assert stack["CapEff"] == stack["CapPrm"] == "0000000000000000"
+            with open(f"/proc/{found[0].pid}/environ", "rb") as f:
+                assert sorted(f.read().split(b"\0")[:-1]) == [b"LC_ALL=C", b"PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
             daemon = _status(d.proc.pid)
             assert (daemon["NoNewPrivs"], daemon["Seccomp"]) == ("0", "0")
+            with open(f"/proc/{d.proc.pid}/environ", "rb") as f:
+                assert canary.encode() in f.read().split(b"\0")
     finally:
         greeter.close()
         assert d.stop() == 0, d.log()
