@@ -206,3 +206,30 @@ def test_the_option_only_takes_away(tmp_path: Path) -> None:
     last = out.stderr.splitlines()[-1]  # after the start's log lines
     assert last.startswith("dispatchd: --force-kernel-for-testing: landlock=99: this kernel offers ABI ")
     assert last.endswith("; forcing only takes away")
+
+
+def test_network_on_goes_out_through_slirp4netns_confined_for_that_kernel(forced: Forced, worktree: Path) -> None:
+    """Full mode: the stack's Landlock ruleset is planned for the forced ABI
+    (its handled rights and scopes, as that kernel would take them) and still
+    lets slirp4netns start and carry the session to the host's loopback.
+    Degraded mode has no stack: "on" is the host's network (the twin)."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def greet() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(b"hello")
+
+    threading.Thread(target=greet, daemon=True).start()
+    host = "10.0.2.2" if forced.full else "127.0.0.1"
+    try:
+        with forced.client.open_session(str(worktree), network="on") as s:
+            code = (f"import socket; c = socket.create_connection(({host!r}, {server.getsockname()[1]}), "
+                    "timeout=10); print('connected', c.recv(16).decode())")
+            assert probe(s, code) == "connected hello"
+            assert s.status()["protections"]["network"].get("stack", "") == ("slirp4netns" if forced.full else "")
+    finally:
+        server.close()
