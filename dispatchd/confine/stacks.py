@@ -13,9 +13,11 @@ Guarantees:
   by ``confine_stack``; a step that fails ends the child, and the open
   fails naming it): Landlock grants reading and executing the system's
   programs and libraries and the tun device, nothing else, and scopes
-  signals and abstract sockets (ABI 6); seccomp refuses every Unix and
-  netlink socket, mounts, new namespaces, ptrace and signals; its own
-  filter, once it runs, refuses execve, setns and unshare too. A stack
+  signals and abstract sockets (ABI 6); seccomp refuses what Landlock does
+  not see: every Unix and netlink socket, changes to a file's metadata,
+  signals, other processes' limits and priorities, ``listen``, mounts, new
+  namespaces, ptrace; its own filter, once it runs, refuses execve, setns
+  and unshare too. A stack
   taken over through a crafted packet holds what a network-on session
   already has (the network, the host's loopback at the gateway), and
   nothing of the user's files or programs;
@@ -36,8 +38,10 @@ from collections.abc import Callable
 
 import msgspec
 
+from dispatchd.confine import landlock
 from dispatchd.confine.landlock import LandlockPlan
 from dispatchd.confine.seccomp import ArgCheck, SeccompPlan, SeccompRule, plan_seccomp
+from dispatchd.errors import ConfinementError
 
 PASTA = "pasta"
 SLIRP4NETNS = "slirp4netns"
@@ -78,6 +82,9 @@ def probe_stack(choice: str = "auto", tun: str = TUN, *, landlock_abi: int = 0,
     if not usable:
         if choice != "auto":
             return "", f"{choice} is not installed (install it: {_INSTALL[choice]})"
+        if which(SLIRP4NETNS) is not None:  # installed, but nothing here to confine it with
+            return "", (f"{SLIRP4NETNS} runs confined by Landlock, which this kernel does not offer, and {PASTA} "
+                        f"is not installed (install it: {_INSTALL[PASTA]})")
         return "", (f"neither {SLIRP4NETNS} nor {PASTA} is installed (install one: "
                     + "; or ".join(_INSTALL[n] for n in STACKS) + ")")
     stack = usable[0]
@@ -166,11 +173,7 @@ def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) ->
     if stack != SLIRP4NETNS:
         return None
     if landlock_abi < 1:  # probe_stack never picks it then: fail closed all the same
-        from dispatchd.errors import ConfinementError
-
         raise ConfinementError("network: confine " + stack, detail="Landlock is not available")
-    from dispatchd.confine import landlock, seccomp
-
     plan = landlock.plan_landlock(abi=landlock_abi, read_only=[*SYSTEM_READ, executable], read_write=[],
                                   devices=[], deny_tcp=False)
     tun = landlock.PathRule(TUN, (landlock.DEVICE | landlock.IOCTL_DEV) & plan.handled_fs)
@@ -184,12 +187,11 @@ def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) ->
 def confine_stack(confinement: StackConfinement, program: bytes) -> None:
     """In the fork server's child, right before the stack's exec: its resource
     limits, Landlock, then seccomp (``program``, compiled from
-    ``confinement.seccomp``), each after no_new_privs. Raises ``ConfinementError``; the child then exits
-    without running the stack."""
+    ``confinement.seccomp``), each after no_new_privs. Raises
+    ``ConfinementError``; the child then exits without running the stack."""
     import resource
 
-    from dispatchd.confine import hygiene, landlock, seccomp
-    from dispatchd.errors import ConfinementError
+    from dispatchd.confine import hygiene, seccomp
 
     for limit, value in ((resource.RLIMIT_FSIZE, confinement.file_size), (resource.RLIMIT_DATA, confinement.data),
                          (resource.RLIMIT_CORE, 0)):

@@ -10,9 +10,9 @@ Guarantees, once ``HelperWatch.start`` has run:
   from a process with a single thread (``worker/fork_server.py``), which the
   daemon no longer is. A whole new daemon is what systemd's
   ``Restart=on-failure`` and the client's autostart give;
-- a session's network stack (pasta or slirp4netns) that exits while the session lives ends
-  that session, with that cause, within ``CHECK_S``: a session whose way out
-  is gone would fail every connection with no word why;
+- a session's network stack (slirp4netns or pasta) that exits while the
+  session lives ends that session, with that cause, within ``CHECK_S``: a
+  session whose way out is gone would fail every connection with no word why;
 - the listening socket's path: the daemon knows the inode it bound
   (``BoundSocket``) and unlinks that one only, never a socket another daemon
   bound at the same path since; when the path is gone or holds another file,
@@ -169,7 +169,8 @@ class HelperWatch:
                 self._ending.add(sid)
                 self._stacks_ended += 1
                 log.error("event=helper_died helper=network_stack session=%s pid=%s", sid, stack.pid)
-                self._end_session(sid, "network_stack_died", f"its network stack ({stack.name}, pid {stack.pid}) exited: "
+                self._end_session(sid, "network_stack_died",
+                                  f"its network stack ({stack.name}, pid {stack.pid}) exited: "
                                   "the session had no way out any more; open it again")
 
     def _check_socket(self) -> bool:

@@ -269,7 +269,7 @@ class ForkServerClient:
     def start_stack(self, fds: list[int], *, stack: str, confinement: bytes) -> tuple[int, int]:
         """Have the fork server start a session's network stack ``stack``,
         confined by ``confinement`` (see ``netstack.start_stack`` for ``fds``,
-        ``netstack.Launch`` for the rest): ``(pid, pidfd)``, or ``SpawnError``
+        ``stacks.Launch`` for the rest): ``(pid, pidfd)``, or ``SpawnError``
         with the fork server's reason."""
         reply, pidfd = self._request(lambda rid: protocol.StartStack(id=rid, stack=stack, confinement=confinement),
                                      fds)

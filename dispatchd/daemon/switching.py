@@ -134,8 +134,8 @@ class Switching(Opening):
         session.network = network
         kept = count_session_processes(session)
         if network == "off":
-            cut = (f"its way out ({self.networks.launch.stack}) was stopped: every connection outside the session is cut; "
-                   "servers inside still serve the session's own clients")
+            cut = (f"its way out ({self.networks.launch.stack}) was stopped: every connection outside the session "
+                   "is cut; servers inside still serve the session's own clients")
         elif network == "ports":
             cut = ("nftables in its namespace now lets out only TCP, MPTCP and UDP to ports "
                    f"{', '.join(map(str, session.ports.connect)) or 'none'}: connections to any other are cut")

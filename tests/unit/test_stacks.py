@@ -51,6 +51,12 @@ def test_auto_takes_pasta_where_landlock_cannot_confine_slirp4netns(tun: str) ->
     assert stacks.probe_stack("auto", tun, landlock_abi=0, which=which_of(BOTH)) == ("pasta", "")
 
 
+def test_auto_without_landlock_or_pasta_says_both(tun: str) -> None:
+    assert stacks.probe_stack("auto", tun, landlock_abi=0, which=which_of({"slirp4netns": "/x"})) == (
+        "", "slirp4netns runs confined by Landlock, which this kernel does not offer, and pasta is not installed "
+            "(install it: sudo apt install passt; Fedora, RHEL: sudo dnf install passt)")
+
+
 def test_an_explicit_choice_is_kept_even_where_the_other_is_lighter(tun: str) -> None:
     assert stacks.probe_stack("pasta", tun, landlock_abi=7, which=which_of(BOTH)) == ("pasta", "")
 
