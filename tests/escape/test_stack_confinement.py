@@ -118,6 +118,15 @@ _PROBE = textwrap.dedent("""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
 
+    def fork_once():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+    def stat_secret():
+        return "size %d" % os.stat(secret).st_size
+
     def tun():
         os.close(os.open("/dev/net/tun", os.O_RDWR))
 
@@ -144,6 +153,8 @@ _PROBE = textwrap.dedent("""
         "watch files": watch_home,
         "listen on the host's network": tcp_listen,
         "bind a TCP port on the host's network": tcp_bind,
+        "fork": fork_once,
+        "stat a file of the user's": stat_secret,
         "connect to the host's loopback over TCP": tcp_connect,
         "open the tun device": tun,
         "read the system's programs": read_system,
@@ -246,6 +257,18 @@ def test_a_stack_taken_over_cannot_trace_or_make_namespaces(outcome) -> None:
 ])
 def test_what_the_stack_needs_still_works_confined(outcome, attempt: str, expected: str) -> None:
     assert (outcome["before"][attempt], outcome["after"][attempt]) == (expected, expected)
+
+
+@pytest.mark.known_limit
+def test_a_stack_taken_over_can_fork_and_stat_known_limit(outcome) -> None:
+    """What the confinement leaves: slirp4netns forks its child after our
+    filter is installed (so ``fork`` cannot be refused), and a taken-over
+    stack could fork more, spending the user's process budget; it can
+    ``stat`` a path it can name (the size, never the contents or a listing:
+    the attempts above). pasta's own allowlist refuses both."""
+    assert (outcome["before"]["fork"], outcome["after"]["fork"]) == ("ok", "ok")
+    assert (outcome["before"]["stat a file of the user's"], outcome["after"]["stat a file of the user's"]) == (
+        "size 6", "size 6")
 
 
 def _status(pid: int) -> dict[str, str]:
