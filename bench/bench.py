@@ -528,6 +528,8 @@ def main() -> int:
                          "default: $DISPATCHD_TEST_CGROUP)")
     ap.add_argument("--log-cost", action="store_true",
                     help="also read_file through a daemon at --log-level debug (a log line per call)")
+    ap.add_argument("--daemon-args", default="", metavar="ARGS",
+                    help="the daemon's own options, e.g. \"--network-stack pasta\"")
     args = ap.parse_args()
     if os.geteuid() == 0:
         print("bench: run as an ordinary user (dispatchd refuses root)", file=sys.stderr)
@@ -537,7 +539,7 @@ def main() -> int:
     # private /tmp, on disk, at every open (docs/architecture.md).
     tmp = tempfile.mkdtemp(prefix=".dispatchd-bench-", dir=os.path.expanduser("~"))
     extra = ["--no-user-namespaces"] if args.no_user_namespaces else []
-    extra += ["--proxy-hosts-for-testing", "bench.test=127.0.0.1"]
+    extra += ["--proxy-hosts-for-testing", "bench.test=127.0.0.1", *args.daemon_args.split()]
     big = _BigServer()
     cgroup = ""
     if args.cgroup is not None:
