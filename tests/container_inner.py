@@ -97,9 +97,10 @@ def escape_core(sock: str, worktree: str, tests_root: str, pytest_site: str) -> 
 
 
 def _network_on(sock: str, worktree: str) -> str:
-    """A session with the network on (pasta, through the container's
-    /dev/net/tun) reaching a listener on the container's loopback at the
-    gateway address: what the probe printed."""
+    """A session with the network on (the image's stack, slirp4netns,
+    through the container's /dev/net/tun) reaching a listener on the
+    container's loopback at the gateway address: what the probe printed,
+    after the stack's name."""
     import socket
 
     from tests.conftest import probe
@@ -112,7 +113,8 @@ def _network_on(sock: str, worktree: str) -> str:
             "except OSError as e:\n    print('error', e.errno)\n")
     try:
         with dispatch.connect(sock) as client, client.open_session(worktree, network=True) as session:
-            return probe(session, code)
+            stack = session.status()["protections"]["network"]["stack"]
+            return f"{stack} {probe(session, code)}"
     finally:
         listener.close()
 

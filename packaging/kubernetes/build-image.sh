@@ -106,9 +106,10 @@ grep -q '^dispatchd/tools/_lines\..*\.so$' <<<"$unzip_list" \
     || { echo "build-image.sh: the wheel has no C helper (gcc and python3-dev are needed to build it)" >&2; exit 1; }
 
 # What dispatchd needs at run time (scripts/_common.sh has the reasons): Python
-# and its venv module, libseccomp, git, pasta (passt), nftables; bash for the
-# shell tool; passwd for useradd (in every variant, named for clarity).
-run_pkgs=python3,python3-venv,libseccomp2,git,passt,nftables,ca-certificates,bash,passwd
+# and its venv module, libseccomp, git, the network stacks (slirp4netns, the
+# daemon's choice, and pasta from passt, for --network-stack pasta), nftables;
+# bash for the shell tool; passwd for useradd (in every variant, named for clarity).
+run_pkgs=python3,python3-venv,libseccomp2,git,slirp4netns,passt,nftables,ca-certificates,bash,passwd
 # mmdebstrap runs the hooks with $1 the tree; in unshare mode as root of a user
 # namespace of the caller's, so the ownership below is the image's own.
 # --skip=cleanup/run: /run/dispatchd, the socket's directory, is made here.

@@ -12,7 +12,7 @@ test standing for the node's disk), the state as an anonymous volume.
 Checked: the daemon chooses full mode and says so, and the manifest's
 readiness probe passes; the escape core (tests/escape_core.py) holds in a
 session inside the container, and a session with the network on gets out
-through pasta; a client on the host reaches the daemon through the socket's
+through slirp4netns; a client on the host reaches the daemon through the socket's
 host path, and is refused it when the container's uid is not the host user's
 (a pod's with ``hostUsers: false``); and
 ``dispatch --host-command "podman exec -i CONTAINER dispatch bridge"`` drives
@@ -237,7 +237,7 @@ def test_the_daemon_runs_as_the_manifest_says_in_full_mode(node: Node) -> None:
     assert node.socket.stat().st_uid == os.getuid()
 
 
-def test_the_escape_core_holds_in_a_session_inside_and_pasta_works(node: Node) -> None:
+def test_the_escape_core_holds_in_a_session_inside_and_the_network_stack_works(node: Node) -> None:
     worktree = _worktree(node, "wt-core")
     # HOME is the worktrees' directory: the secret and the planted file are
     # beside the worktree, where other sessions' worktrees are on a node.
@@ -249,8 +249,10 @@ def test_the_escape_core_holds_in_a_session_inside_and_pasta_works(node: Node) -
     assert "error" not in found, found["error"]
     assert found["client"].startswith("/opt/dispatchd/")  # the image's client, not the checkout's
     # network off reached nothing outside the session (the core, above); on,
-    # through pasta and the container's /dev/net/tun, reaches its loopback
-    assert found == {"client": found["client"], "mode": "full", "escape_core": "held", "network_on": "connected"}
+    # through slirp4netns (confined inside the container as outside) and the
+    # container's /dev/net/tun, reaches its loopback
+    assert found == {"client": found["client"], "mode": "full", "escape_core": "held",
+                     "network_on": "slirp4netns connected"}
     assert (node.worktrees / "wt-core" / "written.txt").read_text() == "ok\n"
 
 
