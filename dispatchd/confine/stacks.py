@@ -99,10 +99,13 @@ def probe_stack(choice: str = "auto", tun: str = TUN, *, landlock_abi: int = 0,
 
 
 class Launch(msgspec.Struct, frozen=True):
-    """Which stack a daemon's sessions get, and the fork server's confinement
-    of it (an encoded ``StackConfinement``; empty for pasta)."""
+    """Which stack a daemon's sessions get, the file executed for it (found
+    on PATH once, at the daemon's start: the file its Landlock rules name),
+    and the fork server's confinement of it (an encoded
+    ``StackConfinement``; empty for pasta)."""
 
     stack: str
+    executable: str = ""
     confinement: bytes = b""
 
 
@@ -113,7 +116,7 @@ def launch_for(stack: str, landlock_abi: int) -> Launch:
         return Launch(PASTA)  # none can run: no session gets one (plan_network refuses)
     path = os.path.realpath(shutil.which(stack) or stack)
     confinement = plan_stack_confinement(stack, landlock_abi=landlock_abi, executable=path)
-    return Launch(stack, msgspec.msgpack.encode(confinement) if confinement is not None else b"")
+    return Launch(stack, path, msgspec.msgpack.encode(confinement) if confinement is not None else b"")
 
 
 def stack_argv(stack: str, *, userns_fd: int, netns_fd: int, ready_fd: int) -> list[str]:

@@ -131,7 +131,8 @@ class SessionNetworks:
         self.launch = launch  # which stack, and how the fork server confines it
 
     def _start(self, fds: list[int]) -> tuple[int, int]:
-        return self.fork_server.start_stack(fds, stack=self.launch.stack, confinement=self.launch.confinement)
+        return self.fork_server.start_stack(fds, stack=self.launch.stack, executable=self.launch.executable,
+                                            confinement=self.launch.confinement)
 
     def apply(self, session: Session | Made, new: netstack.NetworkPlan | None) -> None:
         """Bring the session's namespace to ``new``, keeping its processes: the

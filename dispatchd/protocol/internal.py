@@ -300,13 +300,14 @@ class NetRules(_Msg, tag="net_rules", frozen=True):
 class StartStack(_Msg, tag="start_stack", frozen=True):
     """Sent with four fds, a session's user and network namespaces, the write
     end of the readiness pipe and the file for its stderr: start the network
-    stack ``stack`` attached to them, as a child of the fork server that dies
-    with it, confined first by ``confinement`` (an encoded
+    stack ``stack`` (the file ``executable``) attached to them, as a child of
+    the fork server that dies with it, confined first by ``confinement`` (an encoded
     ``netstack.StackConfinement``; empty for pasta, which confines itself).
     Answered by ``Spawned`` (with a pidfd) or ``ErrorReply``."""
 
     id: int
     stack: str = "pasta"
+    executable: str = ""  # the file to execute ("": found on PATH)
     confinement: bytes = b""
 
 

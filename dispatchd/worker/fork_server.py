@@ -217,9 +217,9 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
                     if fd >= low:
                         os.closerange(low, fd)
                         low = fd + 1
-                # Found on PATH, as the probe found it: looked up before the
-                # confinement, whose rules name the path it resolved to.
-                path = shutil.which(argv[0]) or argv[0]
+                # The file the daemon's probe found (and its Landlock rules
+                # name); else found on PATH, as the probe would.
+                path = req.executable or shutil.which(argv[0]) or argv[0]
                 if confinement is not None:
                     stacks.confine_stack(confinement, program)
                 # Nothing of the daemon's environment (a token the user

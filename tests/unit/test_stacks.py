@@ -7,6 +7,8 @@ real process is in tests/escape/test_stack_confinement.py."""
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -82,8 +84,6 @@ def test_a_tun_device_the_user_cannot_open_names_the_stack_that_needs_it(tmp_pat
     device = tmp_path / "tun"
     device.write_bytes(b"")
     device.chmod(0)
-    import os
-
     if os.geteuid() == 0:
         pytest.skip("root opens a file of mode 0: the tests run as the unprivileged user")
     assert stacks.probe_stack("auto", str(device), landlock_abi=7, which=which_of(BOTH)) == (
@@ -232,5 +232,7 @@ def test_the_daemons_launch_carries_the_plan_for_the_fork_server() -> None:
     launch = stacks.launch_for("slirp4netns", 7)
     got = msgspec.msgpack.decode(launch.confinement, type=stacks.StackConfinement)
     assert launch.stack == "slirp4netns" and got.seccomp == STACK
-    assert stacks.launch_for("pasta", 7) == stacks.Launch("pasta", b"")
-    assert stacks.launch_for("", 7) == stacks.Launch("pasta", b"")  # none can run: never started
+    assert launch.executable == os.path.realpath(shutil.which("slirp4netns") or "slirp4netns")
+    pasta = stacks.launch_for("pasta", 7)
+    assert (pasta.stack, pasta.confinement) == ("pasta", b"")  # it confines itself
+    assert stacks.launch_for("", 7) == stacks.Launch("pasta")  # none can run: never started
