@@ -35,6 +35,26 @@ class Served:
         self.sock.close()
 
 
+class Greeter(Served):
+    """A TCP listener on the host's loopback that greets every client with
+    "hello" and counts them."""
+
+    def __init__(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        self.port = sock.getsockname()[1]
+        self.accepted = 0
+        super().__init__(sock, 0.1)
+
+    def serve_once(self) -> None:
+        conn, _ = self.sock.accept()
+        self.accepted += 1
+        with conn:
+            conn.sendall(b"hello\n")
+
+
 def accepted(server: socket.socket) -> Iterator[socket.socket]:
     """Each connection ``server`` accepts, until it is closed (an accept that
     fails: the serving thread's loop ends with it)."""

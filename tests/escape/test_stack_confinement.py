@@ -27,6 +27,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, Daemon, _refuse_root, probe, wait_until
+from tests.listeners import Greeter
 
 # Run by a fresh interpreter: the attempts, each as "before" (unconfined, the
 # twin) and "after" (confined), printed as JSON. What the attempts import is
@@ -66,7 +67,7 @@ _PROBE = textwrap.dedent("""
 
     def tcp_connect():
         with socket.create_connection(("127.0.0.1", tcp_port), timeout=5) as s:
-            return "connected " + s.recv(16).decode()
+            return "connected " + s.recv(16).decode().strip()
 
     def netlink():
         socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).close()
@@ -168,30 +169,6 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-class _Greeter:
-    """A TCP listener on the host's loopback that greets every client."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.sendall(b"hello")
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
     """What each attempt got before and after the stack's confinement."""
@@ -205,7 +182,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(unix_path)
     listener.listen(4)
-    greeter = _Greeter()
+    greeter = Greeter()
     victim = subprocess.Popen(["sleep", "60"])
     try:
         code = _PROBE.format(repo=str(REPO), secret=str(secret), home=str(Path.home()), unix_path=unix_path,
@@ -282,7 +259,7 @@ def test_the_running_stack_is_confined_and_filtered_twice(tmp_path: Path, worktr
     daemon's environment (a token exported where it was started). The twin:
     the daemon itself has neither filter, and has the token."""
     _refuse_root()
-    greeter = _Greeter()
+    greeter = Greeter()
     canary = "DISPATCH_TEST_TOKEN=s3cr3t"
     d = Daemon(tmp_path, "--network-stack", "slirp4netns", "--pool", "0", prefix=("env", canary))
     try:

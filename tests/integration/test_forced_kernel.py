@@ -213,21 +213,13 @@ def test_network_on_goes_out_through_slirp4netns_confined_for_that_kernel(forced
     (its handled rights and scopes, as that kernel would take them) and still
     lets slirp4netns start and carry the session to the host's loopback.
     Degraded mode has no stack: "on" is the host's network (the twin)."""
-    import socket
-    import threading
+    from tests.listeners import Greeter
 
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def greet() -> None:
-        conn, _ = server.accept()
-        with conn:
-            conn.sendall(b"hello")
-
-    threading.Thread(target=greet, daemon=True).start()
+    server = Greeter()
     host = "10.0.2.2" if forced.full else "127.0.0.1"
     try:
         with forced.client.open_session(str(worktree), network="on") as s:
-            code = (f"import socket; c = socket.create_connection(({host!r}, {server.getsockname()[1]}), "
+            code = (f"import socket; c = socket.create_connection(({host!r}, {server.port}), "
                     "timeout=10); print('connected', c.recv(16).decode())")
             assert probe(s, code) == "connected hello"
             assert s.status()["protections"]["network"].get("stack", "") == ("slirp4netns" if forced.full else "")

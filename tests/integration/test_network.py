@@ -24,7 +24,7 @@ import pytest
 
 import dispatch
 from tests.conftest import Daemon, probe, shell, wait_until
-from tests.listeners import Served
+from tests.listeners import Greeter, Served
 
 ECONNREFUSED, EPERM, EACCES, ENETUNREACH, EHOSTUNREACH = 111, 1, 13, 101, 113
 # Where a session reaches the host's loopback.
@@ -48,23 +48,7 @@ def mode_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         assert d.stop() == 0, d.log()
 
 
-class TcpListener(Served):
-    """Greets every client with "hello" and counts them."""
-
-    def __init__(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(16)
-        self.port = sock.getsockname()[1]
-        self.accepted = 0
-        super().__init__(sock, 0.1)
-
-    def serve_once(self) -> None:
-        conn, _ = self.sock.accept()
-        self.accepted += 1
-        with conn:
-            conn.sendall(b"hello\n")
+TcpListener = Greeter  # greets every client with "hello" and counts them
 
 
 class UdpListener(Served):

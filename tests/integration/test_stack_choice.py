@@ -10,8 +10,6 @@ with the package that installs it, and the other is not taken instead.
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pytest
 
 import dispatch
 from tests.conftest import Daemon, _refuse_root, probe
+from tests.listeners import Greeter
 from tests.integration.test_offline import path_without
 
 OTHER = {"slirp4netns": ("pasta", "passt"), "pasta": ("slirp4netns",)}  # passt: pasta's other name
@@ -28,20 +27,9 @@ NO_PASTA = "pasta is not installed (install it: sudo apt install passt; Fedora, 
 @pytest.fixture(scope="module")
 def greeter() -> Iterator[int]:
     """A TCP listener on the host's loopback greeting each client: its port."""
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            with conn:
-                conn.sendall(b"hello")
-
-    threading.Thread(target=serve, daemon=True).start()
-    yield server.getsockname()[1]
-    server.close()
+    served = Greeter()
+    yield served.port
+    served.close()
 
 
 def _daemon(base: Path, without: tuple[str, ...], *extra: str) -> Daemon:
