@@ -24,8 +24,10 @@ row is printed for both, with this checkout's p50 as a ratio of DIR's
 ``--against-args "--network-stack pasta"`` sets the stacks side by side.
 
 ``--steps``: the daemons log at debug level, and the median milliseconds of
-each step of their opens (``event=open_steps``) and of the worker's part
-(``event=worker_ready``) are printed after the table.
+each step of their opens (``event=open_steps``), of the worker's part
+(``event=worker_ready``) and of their closes (``event=close_steps``: the
+network stopped, the processes' exit, the git check, the sweep) are printed
+after the table.
 """
 
 from __future__ import annotations
@@ -95,13 +97,14 @@ def tree_cpu(pid: int) -> float:
 
 
 def print_steps(name: str, log_path: str) -> None:
-    """The medians of the open's steps in one daemon's debug log."""
+    """The medians of the open's and the close's steps in one daemon's debug log."""
     with open(log_path, encoding="utf-8", errors="replace") as f:
         log = f.read()
     steps: dict[str, list[float]] = {}
-    for m in re.finditer(r"event=(open_steps|worker_ready) session=\w+ (?:pid=\d+ made_ahead=(\d) )?steps_ms=(\S*)",
-                         log):
-        prefix = "open" if m.group(1) == "open_steps" else "adopt" if m.group(2) == "1" else "fresh"
+    for m in re.finditer(r"event=(open_steps|worker_ready|close_steps) session=\w+ (?:pid=\d+ made_ahead=(\d) )?"
+                         r"steps_ms=(\S*)", log):
+        prefix = {"open_steps": "open", "close_steps": "close"}.get(m.group(1)) or (
+            "adopt" if m.group(2) == "1" else "fresh")
         if prefix == "fresh":
             continue  # the pool's sandboxes made ahead: not on an open's path
         for part in m.group(3).split(","):

@@ -145,11 +145,20 @@ class Ending(SessionTable):
         network switch that replaces it, one that failed half way): its
         processes gone, then what they left in git moved aside and the
         temporary files of cut writes removed, before anyone else may write."""
-        gone = self._stop_worker(session)
+        steps: dict[str, float] = {}
+        started = time.perf_counter()
+        gone = self._stop_worker(session, steps)
+        stopped = time.perf_counter()
         self._check_git(session)
+        checked = time.perf_counter()
         self._sweep_temp_files(session, gone)
+        # Where an end's time goes (the bench's --steps reads it), as the open's event=open_steps.
+        steps.update(git=(checked - stopped) * 1e3, sweep=(time.perf_counter() - checked) * 1e3,
+                     all=(time.perf_counter() - started) * 1e3)
+        log.debug("event=close_steps session=%s steps_ms=%s", session.id,
+                  ",".join(f"{k}:{v:.3f}" for k, v in steps.items()))
 
-    def _stop_worker(self, session: Session) -> bool:
+    def _stop_worker(self, session: Session, steps: dict[str, float] | None = None) -> bool:
         """End the session's processes: False when that could not be seen done
         (its tool server's end did not come in time, or its cgroup kept some)."""
         # Asleep: its channels closed (its clients see the end), nothing to stop.
@@ -158,9 +167,11 @@ class Ending(SessionTable):
         # a kit kept would hold this sandbox's namespaces (its mounts, its /tmp).
         session.drop_kit()
         worker, control = session.worker, session.control
+        started = time.perf_counter()
         # The way out goes first: from here no byte of the session leaves
         # (the stack is killed now; its exit is waited for after the reply).
         stop_network(session, reap=afterwards.reap)
+        network = time.perf_counter()
         session.worker = session.control = None
         if session.proxy is not None:
             session.proxy.stop()  # nothing relayed for the old sandbox from here on
@@ -176,6 +187,8 @@ class Ending(SessionTable):
         # Landlock domain).
         sig = signal.SIGKILL if has_pid_namespace(session) else signal.SIGTERM
         gone = worker.stop(sig, session.ended, STOP_TIMEOUT_S)
+        if steps is not None:
+            steps.update(network=(network - started) * 1e3, exit=(time.perf_counter() - network) * 1e3)
         if not gone:
             log.warning("event=worker_stop_timeout session=%s seconds=%g", session.id, STOP_TIMEOUT_S)
         if session.cgroup and not cgroups.kill(session.cgroup):
