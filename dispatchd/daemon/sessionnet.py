@@ -130,9 +130,9 @@ class SessionNetworks:
         self.fork_server, self.dns, self.resolver = fork_server, dns, resolver
         self.launch = launch  # which stack, and how the fork server confines it
 
-    def _start(self, fds: list[int]) -> tuple[int, int]:
+    def _start(self, fds: list[int], cgroup: str) -> tuple[int, int]:
         return self.fork_server.start_stack(fds, stack=self.launch.stack, executable=self.launch.executable,
-                                            confinement=self.launch.confinement)
+                                            confinement=self.launch.confinement, cgroup=cgroup)
 
     def apply(self, session: Session | Made, new: netstack.NetworkPlan | None) -> None:
         """Bring the session's namespace to ``new``, keeping its processes: the
@@ -155,7 +155,11 @@ class SessionNetworks:
             door = self.dns.door_ahead(session.id, namespaces(session), self.fork_server.dns_sockets) \
                 if self.dns else None
             try:
-                session.stack = netstack.start_stack(*namespaces(session), launch=self._start, name=self.launch.stack)
+                # In the session's cgroup, where it has one: its limits
+                # (pids.max, memory.max, cpu.weight) hold the stack too.
+                cgroup = session.cgroup
+                session.stack = netstack.start_stack(*namespaces(session), launch=lambda fds: self._start(fds, cgroup),
+                                                     name=self.launch.stack)
             except BaseException:
                 if door is not None:
                     door.discard()

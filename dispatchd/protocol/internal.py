@@ -309,6 +309,7 @@ class StartStack(_Msg, tag="start_stack", frozen=True):
     stack: str = "pasta"
     executable: str = ""  # the file to execute ("": found on PATH)
     confinement: bytes = b""
+    cgroup: str = ""  # the session's cgroup, joined first ("": none; the fork server's)
 
 
 class DnsSockets(_Msg, tag="dns_sockets", frozen=True):

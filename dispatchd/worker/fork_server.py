@@ -34,7 +34,7 @@ from typing import NoReturn
 import msgspec
 
 from dispatchd import catalogue, protocol
-from dispatchd.confine import hygiene, namespaces, netstack, seccomp, stacks
+from dispatchd.confine import cgroups, hygiene, namespaces, netstack, seccomp, stacks
 from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, leave_seccomp_encoded, pool_key, seccomp_of
 from dispatchd.errors import ConfinementError
 from dispatchd.worker import forkhooks, wake
@@ -199,6 +199,8 @@ def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
         if pid == 0:
             try:
                 hygiene.die_with_parent(me)
+                if req.cgroup:  # the session's: its limits hold the stack, or it does not start
+                    cgroups.apply_cgroup(req.cgroup)
                 # As subprocess's restore_signals: an exec keeps what is ignored
                 # (Python ignores SIGPIPE and SIGXFSZ, we SIGINT), and pasta
                 # refuses to start unless it finds its signals as a new process would.

@@ -240,9 +240,11 @@ def test_what_the_stack_needs_still_works_confined(outcome, attempt: str, expect
 def test_a_stack_taken_over_can_fork_and_stat_known_limit(outcome) -> None:
     """What the confinement leaves: slirp4netns forks its child after our
     filter is installed (so ``fork`` cannot be refused), and a taken-over
-    stack could fork more, spending the user's process budget; it can
-    ``stat`` a path it can name (the size, never the contents or a listing:
-    the attempts above). pasta's own allowlist refuses both."""
+    stack could fork more: up to its session's ``pids.max`` where the session
+    has a cgroup (tests/integration/test_cgroups.py), else up to the user's
+    process limit; it can ``stat`` a path it can name (the size, never the
+    contents or a listing: the attempts above). pasta's own allowlist
+    refuses both."""
     assert (outcome["before"]["fork"], outcome["after"]["fork"]) == ("ok", "ok")
     assert (outcome["before"]["stat a file of the user's"], outcome["after"]["stat a file of the user's"]) == (
         "size 6", "size 6")

@@ -71,14 +71,45 @@ def test_a_network_switch_keeps_the_cgroup_and_empties_it(cgroup_daemon: tuple[d
         while s.registry.get("job_output").call({"job": job, "wait": 1}).metadata["running"]:
             pass
         before = Path(f"{path}/cgroup.procs").read_text().split()
+        stack = {p for p in before if _comm(p) in ("slirp4netns", "pasta", "passt")}
         s.set_network(False)
         assert _session_cgroup(s) == path
         after = Path(f"{path}/cgroup.procs").read_text().split()
         if "switched in place" in s.status()["note"]:
-            # Full mode with pasta: the sandbox stays, its processes (the sleep too) with it.
-            assert after and set(after) == set(before)
+            # Full mode: the sandbox stays, its processes (the sleep too) with
+            # it; its network stack, which was in the session's cgroup, is gone.
+            assert len(stack) == 1, before
+            assert after and set(after) == set(before) - stack
         else:
             assert after and not set(before) & set(after)  # the new worker alone
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_the_network_stack_is_in_the_sessions_cgroup(cgroup_daemon: tuple[dispatch.Client, str],
+                                                     worktree: Path) -> None:
+    """Full mode: the session's network stack runs in the session's cgroup,
+    so its limits (``pids.max``: a stack taken over cannot fork past them;
+    ``memory.max``, ``cpu.weight``) hold it too. The twin: an offline
+    session's cgroup holds no stack. Degraded mode has none."""
+    client, _ = cgroup_daemon
+    with client.open_session(str(worktree), network="on") as on, client.open_session(str(worktree)) as off:
+        stacks_on = [p for p in Path(f"{_session_cgroup(on)}/cgroup.procs").read_text().split()
+                     if _comm(p) == "slirp4netns"]
+        stacks_off = [p for p in Path(f"{_session_cgroup(off)}/cgroup.procs").read_text().split()
+                      if _comm(p) == "slirp4netns"]
+        if on.status()["protections"]["mode"] == "full":
+            assert len(stacks_on) == 1, stacks_on
+            assert Path(f"/proc/{stacks_on[0]}/cgroup").read_text().strip().endswith(
+                _session_cgroup(on).rsplit("/", 1)[1])
+        else:
+            assert stacks_on == []
+        assert stacks_off == []
 
 
 def test_a_cgroup_outside_the_hierarchy_stops_the_daemon(tmp_path: Path) -> None:
