@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import select
-import shutil
 import signal
 import socket
 import traceback
@@ -34,10 +33,10 @@ from typing import NoReturn
 import msgspec
 
 from dispatchd import catalogue, protocol
-from dispatchd.confine import cgroups, hygiene, namespaces, netstack, seccomp, stacks
+from dispatchd.confine import hygiene, namespaces, netstack, seccomp
 from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, leave_seccomp_encoded, pool_key, seccomp_of
 from dispatchd.errors import ConfinementError
-from dispatchd.worker import forkhooks, wake
+from dispatchd.worker import forkhooks, stackstart, wake
 from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session_init import run_session
 
@@ -164,98 +163,6 @@ def _dns_sockets(req: protocol.DnsSockets, frames: protocol.FrameSocket) -> None
         os.close(fd)
     frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=(
         msg.decode(errors="replace") or f"the DNS door's child ended with status {status}")))
-
-
-def _start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
-                 children: set[int]) -> tuple[protocol.Spawned | protocol.ErrorReply, int]:
-    """Start a session's network stack, as our child: it gets SIGKILL when we
-    die (``PR_SET_PDEATHSIG``; we are single-threaded, so no thread of ours
-    can end first and fire it early), and we die with the daemon: a daemon
-    killed with SIGKILL leaves no stack behind. A stack that does not confine
-    itself is confined before its exec (``stacks.confine_stack``); what
-    cannot be applied ends the child, and the daemon reports its stderr.
-    Returns the reply and a pidfd (-1 on error). The daemon waits for its
-    readiness pipe, as before."""
-    fds: list[int] = []
-    try:
-        for _ in range(4):
-            fds.append(frames.take_fd())
-    except protocol.ProtocolError as exc:
-        for fd in fds:
-            os.close(fd)
-        return protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)), -1
-    userns_fd, netns_fd, ready_w, err_fd = fds
-    argv = stacks.stack_argv(req.stack, userns_fd=userns_fd, netns_fd=netns_fd, ready_fd=ready_w)
-    try:
-        confinement, program = _stack_confinement(req.stack, req.confinement)
-    except Exception as exc:  # undecodable, or libseccomp refused it: no stack unconfined
-        for fd in fds:
-            os.close(fd)
-        return protocol.ErrorReply(id=req.id, code="spawn_failed",
-                                   message=f"cannot confine {argv[0]}: {exc}"), -1
-    me = os.getpid()
-    try:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                hygiene.die_with_parent(me)
-                if req.cgroup:  # the session's: its limits hold the stack, or it does not start
-                    cgroups.apply_cgroup(req.cgroup)
-                # As subprocess's restore_signals: an exec keeps what is ignored
-                # (Python ignores SIGPIPE and SIGXFSZ, we SIGINT), and pasta
-                # refuses to start unless it finds its signals as a new process would.
-                for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGTERM):
-                    signal.signal(sig, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_SETMASK, [])
-                null = os.open(os.devnull, os.O_RDWR)
-                os.dup2(null, 0)
-                os.dup2(null, 1)
-                os.dup2(err_fd, 2)
-                keep = {0, 1, 2, userns_fd, netns_fd, ready_w}
-                for fd in (userns_fd, netns_fd, ready_w):
-                    os.set_inheritable(fd, True)
-                low = 3
-                for fd in sorted(keep | {1 << 20}):
-                    if fd >= low:
-                        os.closerange(low, fd)
-                        low = fd + 1
-                # The file the daemon's probe found (and its Landlock rules
-                # name); else found on PATH, as the probe would.
-                path = req.executable or shutil.which(argv[0]) or argv[0]
-                if confinement is not None:
-                    stacks.confine_stack(confinement, program)
-                # Nothing of the daemon's environment (a token the user
-                # exported where the daemon was started): neither stack reads one.
-                os.execve(path, argv, stacks.STACK_ENV)
-            except BaseException as exc:  # confinement or exec failed: say why on its stderr
-                os.write(2, f"cannot start {argv[0]}: {exc}\n".encode())
-            finally:
-                os._exit(127)
-        children.add(pid)
-        pidfd = os.pidfd_open(pid)
-    except OSError as exc:
-        return protocol.ErrorReply(id=req.id, code="spawn_failed", message=f"cannot fork for {argv[0]}: {exc}"), -1
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return protocol.Spawned(id=req.id, pid=pid), pidfd
-
-
-_stack_programs: dict[bytes, tuple[stacks.StackConfinement, bytes]] = {}
-
-
-def _stack_confinement(stack: str, encoded: bytes) -> tuple[stacks.StackConfinement | None, bytes]:
-    """The confinement a StartStack asks for, decoded, with its seccomp
-    program compiled (once per distinct confinement: a daemon asks the same
-    one for every session)."""
-    if not encoded:
-        if stack != stacks.PASTA:  # only pasta confines itself: never one started bare
-            raise ValueError(f"{stack} needs the daemon's confinement, and none was sent")
-        return None, b""
-    if encoded not in _stack_programs:
-        confinement = msgspec.msgpack.decode(encoded, type=stacks.StackConfinement)
-        _stack_programs[encoded] = (confinement, seccomp.compile_seccomp(confinement.seccomp))
-    return _stack_programs[encoded]
 
 
 def _wake(req: protocol.WakeWorker, frames: protocol.FrameSocket, sock: socket.socket,
@@ -434,7 +341,7 @@ def _serve_one(req: protocol.ForkServerRequest, frames: protocol.FrameSocket, so
         _wake(req, frames, sock, programs, workers)
         return warmed
     if isinstance(req, protocol.StartStack):
-        reply, pidfd = _start_stack(req, frames, workers)
+        reply, pidfd = stackstart.start_stack(req, frames, workers)
         try:
             frames.send(reply, fds=[pidfd] if pidfd >= 0 else None)
         finally:

@@ -236,3 +236,11 @@ def test_the_daemons_launch_carries_the_plan_for_the_fork_server() -> None:
     pasta = stacks.launch_for("pasta", 7)
     assert (pasta.stack, pasta.confinement) == ("pasta", b"")  # it confines itself
     assert stacks.launch_for("", 7) == stacks.Launch("pasta")  # none can run: never started
+
+
+def test_the_fork_server_starts_no_stack_but_pasta_without_a_confinement() -> None:
+    from dispatchd.worker import stackstart
+
+    with pytest.raises(ValueError, match="slirp4netns needs the daemon's confinement, and none was sent"):
+        stackstart._stack_confinement("slirp4netns", b"")
+    assert stackstart._stack_confinement("pasta", b"") == (None, b"")  # pasta confines itself
