@@ -4,7 +4,8 @@ With a cgroup subtree of its own (systemd's ``Delegate=yes``, or ``--cgroup
 PATH``), the daemon gives every session a cgroup, and guarantees:
 - every process of the session is in it: the session's first process joins it
   before it forks anything, and a process cannot leave it (the cgroup files
-  are read-only to the session: a read-only mount and Landlock);
+  are read-only to the session: a read-only mount and Landlock); so is its
+  network stack, outside the sandbox (worker/stackstart.py);
 - the limits the policy sets hold over the whole session, not per process:
   ``pids.max`` (a fork bomb stops there), ``memory.max``, ``cpu.weight`` —
   each where its controller is delegated; ``status`` says which;
