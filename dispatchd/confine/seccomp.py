@@ -91,11 +91,13 @@ class SeccompPlan(msgspec.Struct, frozen=True):
 
 
 @functools.lru_cache(maxsize=16)  # three booleans: the same plan, shared (frozen), at every open
-def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True, allow_unix: bool = False) -> SeccompPlan:
+def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True, allow_unix: bool = False,
+                 netlink: bool = True) -> SeccompPlan:
     """The filter for one session; pure. ``allow_inet`` is False only for network
     off without a network namespace, where seccomp is what holds the network.
     ``allow_unix``: ``socket(AF_UNIX)`` is allowed (the session's root and
-    network namespace are its own: the mounts and namespaces hold it)."""
+    network namespace are its own: the mounts and namespaces hold it).
+    ``netlink``: route queries allowed (what ``ip addr`` needs); else none."""
     rules = [SeccompRule(name, errno.EPERM) for name in _DENIED_ALWAYS]
     rules += [SeccompRule("clone", errno.EPERM, [ArgCheck(0, "masked_eq", f, f)]) for f in _NS_FLAGS]
     rules.append(SeccompRule("clone3", errno.ENOSYS))
@@ -106,15 +108,15 @@ def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True, allow_unix: bo
     # EPERM reads as a hard failure. glibc's POSIX aio_* uses threads, not these.
     rules += [SeccompRule(name, errno.ENOSYS) for name in _KERNEL_AIO]
     rules += [SeccompRule("ioctl", errno.EPERM, [ArgCheck(1, "masked_eq", req, 0xFFFFFFFF)]) for req in (TIOCSTI, TIOCLINUX)]
-    allowed = {socket.AF_NETLINK} | ({socket.AF_UNIX} if allow_unix else set())
+    allowed = ({socket.AF_NETLINK} if netlink else set()) | ({socket.AF_UNIX} if allow_unix else set())
     if allow_inet:
         allowed |= {socket.AF_INET, socket.AF_INET6}
     for family in range(_AF_MAX):
         if family not in allowed:
             rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", family)]))
     rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "ge", _AF_MAX)]))
-    # Netlink only for route queries (what `ip addr` needs), not audit, uevents...
-    rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_NETLINK), ArgCheck(2, "ne", 0)]))
+    if netlink:  # only for route queries (what `ip addr` needs), not audit, uevents...
+        rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_NETLINK), ArgCheck(2, "ne", 0)]))
     # socketpair(AF_UNIX, SOCK_STREAM) stays (asyncio, multiprocessing use it):
     # (kept as it is where socket(AF_UNIX) is allowed too: nothing needs a datagram pair)
     # a connected stream pair cannot be reconnected elsewhere. A datagram pair

@@ -33,7 +33,6 @@ import errno
 import functools
 import os
 import shutil
-import socket
 from collections.abc import Callable
 
 import msgspec
@@ -244,11 +243,8 @@ def plan_stack_seccomp() -> SeccompPlan:
     it was given (Landlock keeps /proc, where it would find others, out of
     its reach); slirp4netns's own filter refuses it, with ``execve``, before
     the stack reads its first packet."""
-    base = plan_seccomp(allow_inet=True, ipc_namespace=False, allow_unix=False)
-    rules = [r for r in base.rules if r.syscall != "setns" and not (
-        r.syscall == "socket" and r.args and r.args[0].arg == 0 and r.args[0].op == "eq"
-        and r.args[0].value == socket.AF_NETLINK and len(r.args) > 1)]
-    rules.append(SeccompRule("socket", errno.EPERM, [ArgCheck(0, "eq", socket.AF_NETLINK)]))
+    base = plan_seccomp(allow_inet=True, ipc_namespace=False, allow_unix=False, netlink=False)
+    rules = [r for r in base.rules if r.syscall != "setns"]
     rules += [SeccompRule(name, errno.EPERM) for name in _STACK_DENIED]
     rules.append(SeccompRule("prlimit64", errno.EPERM, [ArgCheck(0, "ne", 0)]))
     rules += [SeccompRule("fcntl", errno.EPERM, [ArgCheck(1, "eq", cmd)]) for cmd in (F_SETOWN, F_SETSIG, F_SETOWN_EX)]
