@@ -114,7 +114,7 @@ def nft_rules(mode: NetworkMode, ports: NetworkPorts) -> str:
 
 
 def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft_missing: str, landlock_abi: int,
-                 ports: NetworkPorts, stack: str = PASTA) -> NetworkPlan:
+                 ports: NetworkPorts, stack: str) -> NetworkPlan:
     """Pure: how a mode is held. ``stack_missing``/``nft_missing`` are "" when
     available, else why not; ``stack``: the user-mode stack that runs."""
     if not use_userns:

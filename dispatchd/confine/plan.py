@@ -25,7 +25,6 @@ from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, PTS, Landl
 from dispatchd.confine.mountplan import MountPlan, describe_root, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.netstack import NetworkPlan, NetworkPorts, plan_network
-from dispatchd.confine.stacks import PASTA
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
 from dispatchd.inside import Tops
@@ -217,12 +216,6 @@ def _landlock_ahead(landlock: LandlockPlan, mounts: MountPlan, candidates: list[
     return ahead
 
 
-def stack_of(kernel: KernelFeatures) -> str:
-    """The user-mode stack of ``kernel``'s probe; pasta for a probe that does
-    not name one (made before the choice existed, as pasta was the only one)."""
-    return kernel.network_stack or PASTA
-
-
 def plan_session(
     policy: Policy,
     kernel: KernelFeatures,
@@ -259,7 +252,7 @@ def plan_session(
     # (no pasta, no usable /dev/net/tun, no nftables) is refused here too.
     net = plan_network(network, use_userns=use_userns, stack_missing=kernel.network_stack_missing,
                        nft_missing=kernel.nftables_missing, landlock_abi=kernel.landlock_abi, ports=ports,
-                       stack=stack_of(kernel))
+                       stack=kernel.network_stack)
     if network == "ports" and net.landlock_tcp and kernel.landlock_abi < 4:
         raise ConfinementError("network", detail=f"network 'ports' needs Landlock TCP rules (ABI 4); "
                                f"this kernel offers ABI {kernel.landlock_abi}")
@@ -435,7 +428,7 @@ def describe_protections(policy: Policy, kernel: KernelFeatures, *, network: Net
         tcp="denied" if landlock.handled_net & (NET_BIND_TCP | NET_CONNECT_TCP) else "not handled",
     )
     network_report = NetworkReport(
-        mode=network, mechanism=net_mechanism, stack=stack_of(kernel) if net.stack else "",
+        mode=network, mechanism=net_mechanism, stack=kernel.network_stack if net.stack else "",
         connect_ports=ports.connect if network == "ports" else None,
         bind_ports=ports.bind if network == "ports" else None)
     # Every path visible in the session, and how (full mode); the host's root otherwise.

@@ -90,6 +90,7 @@ def kernel(abi: int = 7, userns: bool = True, seccomp: bool = True, stack: bool 
         cgroup2="/sys/fs/cgroup",
         cgroup_delegation="no: controllers pids, memory are not available in /sys/fs/cgroup (it has: none)",
         network_stack_missing="" if stack else NO_STACK,
+        network_stack="pasta" if stack else "",
         nftables_missing="" if nft else NO_NFT,
     )
 
