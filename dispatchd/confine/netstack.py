@@ -50,7 +50,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import fdwait
-from dispatchd.confine.stacks import GATEWAY, PASTA
+from dispatchd.confine.stacks import GATEWAY
 from dispatchd.errors import ConfinementError, DispatchdError
 from dispatchd.netmodes import NetworkMode
 
@@ -215,7 +215,7 @@ class Stack:
     """A running stack for one session: a child of the fork server (it dies
     with it, and so with the daemon), held by the daemon through a pidfd."""
 
-    def __init__(self, pid: int, pidfd: int, name: str = PASTA) -> None:
+    def __init__(self, pid: int, pidfd: int, name: str) -> None:
         self.pid = pid
         self.pidfd = pidfd
         self.name = name  # which stack (STACKS)
@@ -261,7 +261,7 @@ class Stack:
 
 
 def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tuple[int, int]],
-                name: str = PASTA) -> Stack:
+                name: str) -> Stack:
     """Start the stack attached to a session's namespaces (held by fd, never by
     pid) and return once the namespace's interface is configured.
 

@@ -126,7 +126,7 @@ class SessionNetworks:
     (nft and the stacks run from there), its DNS relay, and the proxies' resolver."""
 
     def __init__(self, fork_server: ForkServerClient, dns: DnsRelay | None, resolver: Resolver,
-                 launch: stacks.Launch = stacks.Launch(stacks.PASTA)) -> None:
+                 launch: stacks.Launch) -> None:
         self.fork_server, self.dns, self.resolver = fork_server, dns, resolver
         self.launch = launch  # which stack, and how the fork server confines it
 
