@@ -131,6 +131,35 @@ class DoorAhead:
         self._made.add_done_callback(close)
 
 
+class Check:
+    """A check of the host's resolvers under way (``DnsRelay.begin_check``)."""
+
+    def __init__(self, relay: DnsRelay, servers: list[Server],
+                 asked: dict[concurrent.futures.Future[object], Server]) -> None:
+        self._relay, self._servers, self._asked = relay, servers, asked
+        self._started = time.perf_counter()
+
+    def result(self, session: str = "") -> str:
+        """The first reply counts; none (every resolver failed, or none
+        answered in ``CHECK_TIMEOUT_S``) notes the problem. ``warning()`` after."""
+        relay = self._relay
+        if self._asked:  # else a problem found less than CHECK_KEEP_S ago stands
+            errors = []
+            for fut in concurrent.futures.as_completed(self._asked):
+                try:
+                    fut.result()
+                except (OSError, TimeoutError) as exc:
+                    errors.append(why_not(self._asked[fut], exc))
+                    continue
+                errors = []
+                break
+            relay.note("; ".join(errors), self._servers if errors else None)
+        warning = relay.warning()
+        log.debug("event=dns_checked session=%s ms=%.2f answers=%d", session,
+                  (time.perf_counter() - self._started) * 1000, not warning)
+        return warning
+
+
 class DnsRelay:
     """The relay of every session: the host's resolvers and their last known
     state (``problem``, ``warning``, ``check``); each session's door serves
@@ -203,32 +232,22 @@ class DnsRelay:
         """Ask every resolver of the host's, at once, for the root's NS
         records; any reply counts. Returns ``warning()`` after. A problem
         found less than ``CHECK_KEEP_S`` ago, with the same servers, stands."""
-        started = time.perf_counter()
-        warning = self._check()
-        log.debug("event=dns_checked session=%s ms=%.2f answers=%d", session, (time.perf_counter() - started) * 1000,
-                  not warning)
-        return warning
+        return self.begin_check().result(session)
 
-    def _check(self) -> str:
+    def begin_check(self) -> Check:
+        """``check``, its queries sent now and its answer read by
+        ``Check.result``: an open sends them before its sandbox is in hand,
+        so the resolvers answer while it is made ready. A check whose result
+        is never read changes nothing (the relay's problem is noted by
+        ``result`` alone)."""
         servers = self.resolvers.servers()
         with self._lock:
             kept = self._checked
         if kept is not None and kept[1] == servers and time.monotonic() - kept[0] < CHECK_KEEP_S:
-            return self.warning()
+            return Check(self, servers, {})
         query = struct.pack("!HHHHHH", 0, 0x0100, 1, 0, 0, 0) + b"\x00" + struct.pack("!HH", 2, 1)
         deadline = time.monotonic() + CHECK_TIMEOUT_S
-        futures = {self._pool.submit(ask_udp, s, query, deadline): s for s in servers}
-        errors = []
-        for fut in concurrent.futures.as_completed(futures):
-            server = futures[fut]
-            try:
-                fut.result()
-                self.note("")
-                return ""
-            except (OSError, TimeoutError) as exc:
-                errors.append(why_not(server, exc))
-        self.note("; ".join(errors), servers)
-        return self.warning()
+        return Check(self, servers, {self._pool.submit(ask_udp, s, query, deadline): s for s in servers})
 
     def resolve_tcp(self, door: Door, query: bytes) -> bytes | None:
         """The reply to a query a session sent over TCP (the retry of a

@@ -311,6 +311,7 @@ class Opening(Pooling):
             raise
         session.poolable = key is not None
         planned = time.perf_counter()
+        dns = self.networks.begin_dns_check(plan)
         ready = self._adopt(session, plan, key, made, meanwhile) if made is not None else None
         if made is not None and ready is not None:
             worker, control, msg = made.worker, made.control, ready
@@ -356,7 +357,7 @@ class Opening(Pooling):
         session.ns_fds, session.stack, session.net = ns_fds, stack, net
         try:
             self.networks.apply(session, plan.net)  # nothing left to do for one made ahead
-            self.networks.check_dns(session)
+            self.networks.check_dns(session, dns)
         except BaseException:
             stop_network(session)
             session.worker = None

@@ -26,7 +26,7 @@ from dispatchd import domains
 from dispatchd.confine import netstack, stacks
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import SessionPlan
-from dispatchd.daemon.dnsrelay import DnsRelay
+from dispatchd.daemon.dnsrelay import Check, DnsRelay
 from dispatchd.daemon.pool import Made
 from dispatchd.daemon.proxy import Resolver, SessionProxy
 from dispatchd.daemon.session import Session
@@ -168,11 +168,18 @@ class SessionNetworks:
             if door is not None:
                 door.open_with(session.stack)
 
-    def check_dns(self, session: Session) -> None:
-        """An open or a switch with the relay: ask the host's resolvers now, so
-        that the reply's ``warnings`` say whether names will resolve."""
+    def begin_dns_check(self, plan: SessionPlan) -> Check | None:
+        """``check_dns``'s queries, sent as soon as an open has its plan (one
+        with a stack, and so the relay's door): the resolvers answer while
+        the sandbox is made ready, off the open's path."""
+        return self.dns.begin_check() if self.dns is not None and plan.net is not None and plan.net.stack else None
+
+    def check_dns(self, session: Session, begun: Check | None = None) -> None:
+        """An open or a switch with the relay: ask the host's resolvers now
+        (or read the answers to ``begun``), so that the reply's ``warnings``
+        say whether names will resolve."""
         if self.dns is not None and session.stack is not None and session.stack.with_it:
-            self.dns.check(session.id)
+            (begun or self.dns.begin_check()).result(session.id)
 
     def start_proxy(self, session: Session, plan: SessionPlan, msg: protocol.WorkerReady,
                     control: protocol.FrameSocket) -> None:

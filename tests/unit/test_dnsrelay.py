@@ -302,3 +302,31 @@ def test_a_flood_is_read_at_the_bounded_rate(door_pair: tuple[dnsrelay.DnsRelay,
         assert times[19] < 3.0 <= times[20], times  # 20 in the first window, the rest after it
     finally:
         door.stop()
+
+
+def test_a_check_asks_when_begun_and_notes_only_when_read(door_pair: tuple[dnsrelay.DnsRelay, Path],
+                                                         monkeypatch: pytest.MonkeyPatch):
+    # An open begins the check as soon as it has its plan and reads it once
+    # its sandbox is ready; an open that fails in between leaves no trace.
+    monkeypatch.setattr(dnshost, "RELOAD_EVERY_S", 0.0)  # the file is read at each check
+    relay, conf = door_pair
+    dead = _refusing()
+    up = Upstream()
+    try:
+        conf.write_text(f"nameserver 127.0.0.1:{dead.getsockname()[1]}\n")
+        relay.begin_check()  # never read: refused, and noted nowhere
+        time.sleep(0.2)
+        assert relay.problem() == "" and relay.warning() == ""
+        refused = relay.begin_check()
+        assert refused.result("s1").startswith("DNS does not answer: no resolver of the host's answers "
+                                               f"(127.0.0.1:{dead.getsockname()[1]}: Connection refused)")
+        conf.write_text(f"nameserver 127.0.0.1:{up.port}\n")  # other servers: asked again at once
+        begun = relay.begin_check()
+        deadline = time.monotonic() + 30
+        while not up.seen and time.monotonic() < deadline:  # asked before anyone reads the answer
+            time.sleep(0.01)
+        assert len(up.seen) == 1
+        assert begun.result("s2") == "" and relay.problem() == ""
+    finally:
+        dead.close()
+        up.close()
