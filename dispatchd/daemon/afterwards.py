@@ -13,6 +13,9 @@ rely on, and the kernel makes it slow:
   (the page cache is the kernel's); only a machine's crash can undo it,
   and then the next start checks the worktree against that record, which
   moves aside, and never deletes, what changed since;
+- the worktree watch its tool server made and handed over (``WatchHeld``):
+  the last close of an inotify instance waits for the kernel to tear its
+  marks down (grace periods, 2-20 ms measured), nothing anyone waits for;
 - the session's scratch directory (its ``/tmp`` and home): its processes are
   gone, and its removal waits in the kernel for their mount namespace's
   teardown. Its lock goes once it is gone: a daemon that dies meanwhile

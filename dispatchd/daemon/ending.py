@@ -189,6 +189,8 @@ class Ending(SessionTable):
         gone = worker.stop(sig, session.ended, STOP_TIMEOUT_S)
         if steps is not None:
             steps.update(network=(network - started) * 1e3, exit=(time.perf_counter() - network) * 1e3)
+        # Its tool server is gone: the watch it made is ours alone, closed after the reply.
+        session.drop_watch()
         if not gone:
             log.warning("event=worker_stop_timeout session=%s seconds=%g", session.id, STOP_TIMEOUT_S)
         if session.cgroup and not cgroups.kill(session.cgroup):
@@ -246,6 +248,7 @@ class Ending(SessionTable):
         self._remove_scratch(session)
         session.end_nap(self.sleepers.forget)
         session.drop_kit()
+        session.drop_watch()  # a sandbox that never started to end (an open that failed half way)
         session.worktree_dir.close()
 
     def _remove_scratch(self, session: Session) -> None:

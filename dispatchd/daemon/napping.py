@@ -46,9 +46,11 @@ class Napping(Ending):
         server is gone, on purpose (close, switch) or on its own (idle, crash)."""
         try:
             while (msg := control.recv(protocol.from_worker_decoder)) is not None:
-                # None of the messages read here carries a descriptor (those
-                # that do are read before, WorkerReady, or in _sleep): a
-                # worker that sends some anyway does not pile them up here.
+                if isinstance(msg, protocol.WatchHeld):
+                    self._keep_watch(session, control)
+                # No other message read here carries a descriptor (those that
+                # do are read before, WorkerReady, or in _sleep): a worker
+                # that sends some anyway does not pile them up here.
                 control.drop_fds()
                 if isinstance(msg, protocol.ToolCallsDone):
                     calls, cpu, peak = session.usage
@@ -98,6 +100,24 @@ class Napping(Ending):
         log.info("event=session_ended session=%s reason=%s", session.id, word)
         # Only if this worker still serves it: a switch may have replaced it since.
         self._finish(session, sentence, Event.WORKER_DIED, control)
+
+    @staticmethod
+    def _keep_watch(session: Session, control: protocol.FrameSocket) -> None:
+        """The descriptor ``WatchHeld`` carried, held by the session when it
+        is an inotify instance (anything else a worker sends is dropped)."""
+        try:
+            fd = control.take_fd()
+        except protocol.ProtocolError:
+            return
+        try:
+            what = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            what = ""
+        if what != "anon_inode:inotify":
+            log.warning("event=watch_refused session=%s what=%s", session.id, what or "unknown")
+            os.close(fd)
+            return
+        session.keep_watch(control, fd)
 
     def _sleep(self, session: Session, control: protocol.FrameSocket, added: int) -> bool:
         """The worker asks to sleep (``MaySleep``): let it (``Sleep``), take
@@ -172,6 +192,7 @@ class Napping(Ending):
                 for fd in channels + (jobs[1] if jobs else []):
                     os.close(fd)
             worker.kill()  # gone by itself, or now: its pid namespace with it
+            session.drop_watch()  # a woken tool server makes its own
             control.close()
             session.ended.set()  # this watch is over (its worker is no longer session.control)
             if not failed:

@@ -7,7 +7,11 @@ Guarantees:
   the manager calls it under ``Session.lock``;
 - ``Session.nap`` (the channels its tool server handed over) is set exactly
   while it sleeps: set with ``slept``, cleared when it is woken, replaced, or
-  ends (``end_nap``: its descriptors closed once).
+  ends (``end_nap``: its descriptors closed once);
+- ``Session.watch`` (the inotify instance of its tool server's worktree
+  watch, ``WatchHeld``) is held only while the sandbox that made it runs:
+  ``drop_watch`` at that sandbox's end hands it to the thread that finishes
+  after the reply (``afterwards``), where its teardown waits for the kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dispatchd import domains
 from dispatchd.confine import netstack
 from dispatchd.confine.netstack import NetworkPorts
 from dispatchd.confine.plan import GitLayout, SessionPlan
-from dispatchd.daemon import gitguard, lifecycle
+from dispatchd.daemon import afterwards, gitguard, lifecycle
 from dispatchd.daemon.lifecycle import Event, State
 from dispatchd.daemon.proxy import SessionProxy
 from dispatchd.daemon.spawn import Worker
@@ -81,6 +85,8 @@ class Session:
         self.poolable = False  # its plan is one sandboxes can be made ahead for (pool_key)
         self.plan: SessionPlan | None = None  # its sandbox's, as started: what a wake applies again
         self.kit: list[int] = []  # what waking it needs (worker/wake.py), from its worker; empty: it never sleeps
+        self.watch = -1  # its tool server's worktree watch, held too (WatchHeld); -1: none
+        self._watch_lock = threading.Lock()
         self.nap: Nap | None = None  # asleep: its channels, held here (no process of it runs)
         self.wakes = 0  # how often it was woken (the policy's max_wakes)
         # What SetCommandEnv changed since its start, over and above the plan's
@@ -131,6 +137,25 @@ class Session:
             forget(self.id)
             self.nap.close()
             self.nap = None
+
+    def keep_watch(self, control: protocol.FrameSocket, fd: int) -> None:
+        """Hold ``fd``, the watch the tool server behind ``control`` made; one
+        from a tool server already let go (``control`` is no longer this
+        session's) goes at once, as does one held before (a worker never
+        makes two: a second is not kept)."""
+        with self._watch_lock:  # against drop_watch, on the thread that ends the sandbox
+            if control is self._control and self.watch < 0:
+                fd, self.watch = -1, fd
+        if fd >= 0:
+            afterwards.later(functools.partial(os.close, fd))
+
+    def drop_watch(self) -> None:
+        """Its sandbox is gone (or going to sleep, or replaced): the watch is
+        closed after the reply, by ``afterwards``."""
+        with self._watch_lock:
+            fd, self.watch = self.watch, -1
+        if fd >= 0:
+            afterwards.later(functools.partial(os.close, fd))
 
     def drop_kit(self) -> None:
         """The wake kit goes: it wakes this sandbox only."""

@@ -170,7 +170,9 @@ class FrameSocket:
         self.max_frame = max_frame  # the largest payload accepted; the daemon lowers it per phase
         self._buf = bytearray()
         self._large: tuple[bytearray, int] | None = None  # a large frame's payload being read, and how much came
-        self._fd_queue: list[int] = []
+        # Descriptors received and not taken, each with where (in bytes read
+        # out of the buffer, ``_consumed``) the frame it came with begins.
+        self._fd_queue: list[tuple[int, int]] = []
         # Descriptor streams only: how many bytes were read out of the
         # buffer so far, and where (at that count) each frame begins whose
         # descriptors the kernel cut.
@@ -230,8 +232,10 @@ class FrameSocket:
                     os.close(fd)
                 if data:
                     self._cut.add(self._consumed + self._frame_at(len(self._buf) + len(data) - 1, data))
-            else:
-                self._fd_queue.extend(fds)
+            elif fds:
+                # They came with the frame this read ends in (as the cut ones above).
+                at = self._consumed + self._frame_at(len(self._buf) + len(data) - 1, data)
+                self._fd_queue.extend((at, fd) for fd in fds)
         else:
             data = self.sock.recv(1 << 16)
         if not data:
@@ -354,18 +358,28 @@ class FrameSocket:
     def take_fd(self) -> int:
         if not self._fd_queue:
             raise ProtocolError("expected a file descriptor with this message, none came")
-        return self._fd_queue.pop(0)
+        return self._fd_queue.pop(0)[1]
 
     def drop_fds(self) -> None:
-        """Close every descriptor queued and not taken: a peer that sends
-        descriptors no message of its asks for cannot make them pile up."""
-        for fd in self._fd_queue:
+        """Close every descriptor queued and not taken that came with a frame
+        read already: a peer that sends descriptors no message of its asks
+        for cannot make them pile up. Those of a frame still in the buffer
+        (one read can bring a frame and, behind it, the next with its
+        descriptors) stay for it."""
+        self._drop(lambda at: at < self._consumed)
+
+    def _drop(self, which: Callable[[int], bool]) -> None:
+        kept = []
+        for at, fd in self._fd_queue:
+            if not which(at):
+                kept.append((at, fd))
+                continue
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self._fd_queue.clear()
+        self._fd_queue = kept
 
     def close(self) -> None:
-        self.drop_fds()
+        self._drop(lambda _: True)
         self.sock.close()

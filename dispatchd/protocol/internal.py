@@ -146,6 +146,16 @@ class ToolCallsDone(_Msg, tag="tool_calls_done", frozen=True):
     calls: list[CallRecord]
 
 
+class WatchHeld(_Msg, tag="watch_held", frozen=True):
+    """Worker -> daemon, with one fd: the inotify instance of the worktree's
+    watch (``tools/changes.py``), made at the session's first writing call.
+    The daemon holds it until the sandbox that made it is gone, then closes
+    it after the reply: the last close of an instance waits for the kernel to
+    tear its marks down (grace periods: 2-20 ms measured), which the sandbox's
+    exit, and so a close's reply, waited for when the tool server held the
+    only reference."""
+
+
 class Drain(_Msg, tag="drain", frozen=True):
     """Daemon -> worker when the daemon stops: take no new call, let calls in
     flight finish for up to ``deadline_s``, then end the session."""
@@ -261,7 +271,7 @@ class KeptJobs(_Msg, tag="kept_jobs", frozen=True):
 
 # Worker -> daemon: its start, then requests and records while it serves.
 FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply, MaySleep,
-                   Asleep, KeptJobs, Paused]
+                   Asleep, KeptJobs, Paused, WatchHeld]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
 ToWorker = Union[AddChannel, Drain, OkReply, WriteLockGranted, ErrorReply, SetCommandEnv, ForgetWriteLock,
                  AdoptSession, ExpectSession, Sleep, StayAwake, KeptJobs, NetworkDenied, Pause, Resume]

@@ -250,8 +250,19 @@ class Calls:
                         self.watcher = changes.Watcher(self.ctx.root, most)
                     except (OSError, changes.TooLarge):
                         self.watcher = False
+                    else:
+                        self._hand_over(self.watcher)
                 watcher = self.watcher
         return watcher if isinstance(watcher, changes.Watcher) else None
+
+    def _hand_over(self, watcher: changes.Watcher) -> None:
+        """The daemon holds the watch too (``WatchHeld``): this sandbox's
+        exit then never waits for its teardown; the daemon's close of it,
+        after its reply, does."""
+        try:
+            self.control.send(protocol.WatchHeld(), fds=[watcher.fd])
+        except OSError:
+            pass  # the daemon is gone: the session ends with it
 
     def note_denied(self, msg: protocol.NetworkDenied) -> None:
         self.denials.append((time.monotonic(), f"{msg.host}:{msg.port}", msg.allow))

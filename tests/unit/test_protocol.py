@@ -120,6 +120,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
                       {"daemon_reply"}),
     p.Pause: (p.Pause(id=23), {"to_worker"}),
     p.Paused: (p.Paused(id=23, busy="1 tool call in flight"), {"from_worker"}),
+    p.WatchHeld: (p.WatchHeld(), {"from_worker"}),
     p.Resume: (p.Resume(), {"to_worker"}),
 }
 DECODERS = {
@@ -147,7 +148,7 @@ TAGS = {
     "KeptJobs": "kept_jobs", "DnsSockets": "dns_sockets", "DnsDoor": "dns_door",
     "TakeCheckpoint": "checkpoint", "ListCheckpoints": "list_checkpoints", "RestoreCheckpoint": "restore",
     "CheckpointReply": "checkpoint_taken", "CheckpointsReply": "checkpoints", "RestoredReply": "restored",
-    "Pause": "pause", "Paused": "paused", "Resume": "resume",
+    "Pause": "pause", "Paused": "paused", "Resume": "resume", "WatchHeld": "watch_held",
 }
 
 
@@ -657,7 +658,7 @@ def test_descriptors_no_message_asked_for_are_dropped(pair: tuple[socket.socket,
     kept = reader.take_fd()
     writer.send(p.MaySleep(), fds=[other.w, other.w])
     reader.recv(p.from_worker_decoder)
-    queued = list(reader._fd_queue)
+    queued = [fd for _, fd in reader._fd_queue]
     assert len(queued) == 2
     reader.drop_fds()
     for fd in queued:
@@ -668,6 +669,29 @@ def test_descriptors_no_message_asked_for_are_dropped(pair: tuple[socket.socket,
         reader.take_fd()
     assert os.write(kept, b"k") == 1 and os.read(pipe.r, 1) == b"k"
     os.close(kept)
+
+
+def test_the_descriptors_of_a_frame_still_buffered_are_kept_for_it(pair: tuple[socket.socket, socket.socket],
+                                                                    pipes: Callable[[], Pipe]):
+    """One read can bring a frame that takes no descriptor and, behind it,
+    the next one with its own (a worker's ToolCallsDone, then its WatchHeld):
+    the drop after the first leaves the second's. Its twin: a descriptor
+    that came with the first frame itself is dropped."""
+    pipe, stray = pipes(), pipes()
+    writer, reader = fd_pair(pair)
+    writer.send(p.MaySleep(), fds=[stray.w])
+    writer.send(p.ToolCallsDone(calls=[]))
+    writer.send(p.WatchHeld(), fds=[pipe.w])  # all three in the socket before the first read
+    stray.close_write()
+    assert reader.recv(p.from_worker_decoder) == p.MaySleep()
+    reader.drop_fds()
+    assert os.read(stray.r, 1) == b""  # the first frame's: closed (its only write end was queued)
+    assert reader.recv(p.from_worker_decoder) == p.ToolCallsDone(calls=[])
+    reader.drop_fds()  # read with the frame above, not this one's: kept
+    assert reader.recv(p.from_worker_decoder) == p.WatchHeld()
+    fd = reader.take_fd()
+    assert os.write(fd, b"w") == 1 and os.read(pipe.r, 1) == b"w"
+    os.close(fd)
 
 
 def test_fd_rides_with_a_large_frame(pair: tuple[socket.socket, socket.socket], pipes: Callable[[], Pipe]):
