@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "client")]
 
-from dispatch import _session as dc, _transport  # noqa: E402
+from dispatch import _lost, _session as dc  # noqa: E402
 from dispatch.tools import Registry  # noqa: E402
 from dispatchd import protocol  # noqa: E402
 from dispatchd.policy import Limits  # noqa: E402
@@ -80,7 +80,7 @@ def _session(sock: socket.socket) -> dc.Session:
     s._client = types.SimpleNamespace(call_margin=30.0)  # type: ignore[assignment]
     s._info = types.SimpleNamespace(limits={"command_timeout_s": 120.0}, id="bench")  # type: ignore[assignment]
     s._owned, s._own_limit, s._lock = False, (None, 0.0), threading.Lock()
-    s._channel = _transport.Connection(sock, protocol.channel_reply_decoder)
+    s._channel = _lost.Channel(sock, 1)  # the open's sandbox
     s._tools = [protocol.ToolSchema(**x) for x in schemas_for(_TOOLS)]
     s._schemas = {t.name: t for t in s._tools}
     s._in_flight, s._in_flight_lock = {}, threading.Lock()

@@ -23,7 +23,6 @@ A ``Session`` talks to the daemon through what ``DaemonLink`` names (a
 
 from __future__ import annotations
 
-import select
 import socket
 import threading
 import time
@@ -35,6 +34,7 @@ import msgspec
 
 from dispatch._checkpoints import SessionCheckpoints  # checkpoint(), checkpoints(), restore()
 from dispatch._definition import ToolFunc
+from dispatch._lost import HELD_S, LOST_WAIT_S, Channel, cause, hung_up, refusal
 from dispatch._transport import Connection, OutputCallback
 from dispatch.errors import ConnectionLost, DispatchError, NotSent, RequestFailed, RequestTimeout
 from dispatch.tools import Definition, Registry, Result
@@ -169,7 +169,7 @@ class Session(SessionCheckpoints):
         self._owned = owned
         self._own_limit: tuple[object, float] = (None, 0.0)  # (limits, the command timeout it gives): _call_wait
         self._lock = threading.Lock()
-        self._channel: Connection | None = None
+        self._channel: Channel | None = None
         self._tools: list[protocol.ToolSchema] = []
         self._schemas: dict[str, protocol.ToolSchema] = {}  # self._tools by name
         self._in_flight: dict[int, Connection] = {}  # tool calls sent and not answered, by request id
@@ -207,7 +207,7 @@ class Session(SessionCheckpoints):
         assert isinstance(reply, protocol.Attached) and fd is not None
         self._info, self._tools = reply.session, reply.tools
         self._schemas = {t.name: t for t in reply.tools}
-        old, self._channel = self._channel, Connection(socket.socket(fileno=fd), protocol.channel_reply_decoder)
+        old, self._channel = self._channel, Channel(socket.socket(fileno=fd), reply.session.sandbox)
         if old is not None:
             old.close()
 
@@ -254,7 +254,7 @@ class Session(SessionCheckpoints):
                 channel = self._channel
                 if channel is None or channel.broken:
                     try:
-                        self._attach()  # the sandbox was replaced (network switch)
+                        self._attach()  # closed by a sandbox replaced, or gone with a lost call
                     except DispatchError as exc:
                         return Result.failure(f"session {self.id} is not available: {exc}")
                     channel = self._channel
@@ -286,7 +286,7 @@ class Session(SessionCheckpoints):
         except RequestFailed as exc:
             return Result.failure(f"{name}: {exc.message}", {"refused": exc.code})
         except ConnectionLost as exc:
-            return self._lost(name, exc)
+            return self._lost(name, exc, channel)
         except NotSent as exc:
             return Result.failure(f"{name}: the arguments cannot be sent: {exc}")
         except BaseException:
@@ -330,36 +330,45 @@ class Session(SessionCheckpoints):
 
         return on_sent
 
-    def _lost(self, name: str, exc: ConnectionLost) -> Result:
-        """The channel broke mid-call: ask the daemon what happened (by attaching
-        again, which also serves the next call when the session lives on)."""
+    def _lost(self, name: str, exc: ConnectionLost, channel: Channel) -> Result:
+        """``channel`` broke mid-call: ask the daemon what happened (by
+        attaching again, which also serves the next call when the session
+        lives on), and say what it said (``dispatch._lost``)."""
         gone = self._client._bridge_gone()
         if gone is not None:  # not the sandbox: the way to it (dispatch._remote)
             return Result._from_wire(False, f"{name}: {gone}; the call's outcome is unknown, and session {self.id} "
                                      "may live on there for its orphan grace: connect again and attach to it by id "
                                      f"(client.session({self.id!r}))", {"lost": True, "bridge_lost": True,
                                                                           "outcome_unknown": True})
-        cause = ""
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + LOST_WAIT_S
+        text = f"the sandbox of session {self.id} went away during {name}"
         with self._lock:
-            while True:
+            why: str | None = None
+            now = self._channel
+            if now is None:  # close() or detach() of this handle, from another thread: not the sandbox
+                text, why = f"{name}: this handle of session {self.id} was closed", "close() or detach() ran meanwhile"
+            elif now is not channel and now.sandbox > channel.sandbox and not now.broken:
+                # Attached again already, by a call that broke beside this one: no new channel needed.
+                why = cause(channel.sandbox, now.sandbox, self._info.replaced, hung_up=False)
+            while why is None:
                 try:
                     self._attach()
                 except ConnectionLost as lost:
-                    cause = f"dispatchd is gone ({lost}); the session ended with it"
+                    why = f"dispatchd is gone ({lost}); the session ended with it"
                     break
-                except DispatchError as err:
-                    cause = str(err)
+                except DispatchError as err:  # the session ended: the daemon says why
+                    why = str(err)
                     break
-                # Attached: a new sandbox (a network switch), or the old one
-                # not yet seen gone by the daemon (then the new channel hangs
-                # up at once): ask again until the daemon knows.
-                if not self._channel_hung_up() or time.monotonic() > deadline:
-                    cause = ("the session's sandbox was replaced (its network was switched); "
-                             "the call's processes were ended")
-                    break
-                time.sleep(0.05)
-        text = f"the sandbox of session {self.id} went away during {name}: {cause}"
+                now = self._channel
+                assert now is not None
+                same = now.sandbox <= channel.sandbox
+                closed = same and hung_up(now, HELD_S)
+                late = time.monotonic() > deadline
+                why = cause(channel.sandbox, now.sandbox, self._info.replaced, hung_up=closed,
+                            refused=refusal(now) if closed and late else "", waited_s=LOST_WAIT_S if late else None)
+                if why is None:
+                    time.sleep(0.05)
+        text = f"{text}: {why}"
         meta: dict[str, Any] = {"lost": True}
         schema = self._schemas.get(name)
         if schema is not None and schema.risk == "write":
@@ -369,13 +378,6 @@ class Session(SessionCheckpoints):
             meta["outcome_unknown"] = True
         return Result._from_wire(False, f"{text} ({exc})", meta)
 
-    def _channel_hung_up(self, wait_s: float = 0.1) -> bool:
-        channel = self._channel
-        if channel is None:
-            return True
-        poller = select.poll()
-        poller.register(channel._frames.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-        return bool(poller.poll(wait_s * 1000))
     def _call_wait(self, params: dict[str, Any]) -> tuple[float, float]:
         """(the call's own time limit, how long to wait for its reply): a
         command's ``timeout`` (capped by the policy), else the policy's command

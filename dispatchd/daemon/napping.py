@@ -290,12 +290,22 @@ class Napping(Ending):
         self.end(sid, "idle", f"it ended idle (no call for {session.policy.limits.idle_timeout_s:g} s, "
                               "the policy's idle_timeout_s)")
 
-    def attach(self, sid: str, holder: int | None = None) -> tuple[Session, socket.socket, list[protocol.ToolSchema]]:
-        """A new stream socket to the session's tool server (the client's end)."""
+    def attach(self, sid: str, holder: int | None = None) -> tuple[protocol.SessionInfo, socket.socket,
+                                                                    list[protocol.ToolSchema]]:
+        """A new stream socket to the session's tool server (the client's end),
+        and the session's info, naming the sandbox that socket reaches."""
         session = self.get(sid)
+        sandbox, ours = self._add_channel(session, holder)
+        return session.info(sandbox), ours, tool_schemas(tuple(session.policy.tools))
+
+    def _add_channel(self, session: Session, holder: int | None) -> tuple[tuple[int, str], socket.socket]:
+        """``attach``'s channel, and the sandbox it reaches (``Session.sandbox``),
+        both under the session's lock: a switch cannot come in between."""
+        sid = session.id
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with session.lock:
             sent = False
+            sandbox = session.sandbox
             go = decide(session.state, Op.ATTACH).action is Action.GO  # else closed meanwhile: why, below
             nap = session.nap
             if go and session.state is State.ASLEEP and nap is not None:
@@ -310,14 +320,14 @@ class Napping(Ending):
                     theirs.close()
                     if holder is not None:
                         self.holders.hold(sid, holder)  # as an attach the tool server refuses
-                    return session, ours, tool_schemas(tuple(session.policy.tools))
+                    return sandbox, ours
                 # Held with the others: its first request wakes the session.
                 fd = theirs.detach()
                 nap.channels.append(fd)
                 self.sleepers.add_channel(session.id, fd)
                 if holder is not None:
                     self.holders.hold(sid, holder)
-                return session, ours, tool_schemas(tuple(session.policy.tools))
+                return sandbox, ours
             if go and session.control is not None and not session.ended.is_set():
                 try:
                     with session.send_lock:
@@ -330,7 +340,7 @@ class Napping(Ending):
             if sent:
                 if holder is not None:
                     self.holders.hold(sid, holder)
-                return session, ours, tool_schemas(tuple(session.policy.tools))
+                return sandbox, ours
             ours.close()
         # Outside the session's lock: its watcher takes it to finish the session.
         raise self._ended_error(session)

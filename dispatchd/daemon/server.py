@@ -325,12 +325,12 @@ class Server:
                 # channel straight to the worker, so tool calls make one hop.
                 sid = req.session if isinstance(req, protocol.Attach) else self._open(req, conn_id).id
                 try:
-                    session, sock, tools = self.manager.attach(sid, holder=conn_id)
+                    info, sock, tools = self.manager.attach(sid, holder=conn_id)
                 except BaseException:
                     if isinstance(req, protocol.OpenSession):  # opened, not attachable: not left open
                         self._close_quietly(sid)
                     raise
-                return protocol.Attached(id=rid, session=session.info(), tools=tools), [sock]
+                return protocol.Attached(id=rid, session=info, tools=tools), [sock]
             return self._route(req, conn_id), []
         except DispatchdError as exc:
             return protocol.ErrorReply(id=rid, code=exc.code, message=exc.message), []

@@ -89,6 +89,11 @@ class Session:
         self._watch_lock = threading.Lock()
         self.nap: Nap | None = None  # asleep: its channels, held here (no process of it runs)
         self.wakes = 0  # how often it was woken (the policy's max_wakes)
+        # Which of its sandboxes serves it (1: the first), and why the last
+        # replacement happened (protocol.REPLACED_*): one tuple, read whole
+        # without the lock. Changed under the lock by what replaces it
+        # (switching.py); a wake is no replacement (its channels carry over).
+        self.sandbox: tuple[int, str] = (1, "")
         # What SetCommandEnv changed since its start, over and above the plan's
         # environment: a woken tool server is told again.
         self.env_set: dict[str, str] = {}
@@ -109,13 +114,16 @@ class Session:
         # A new tool server (started, woken, switched) has taken no channel yet.
         self._control, self.added = control, 0
 
-    def info(self) -> protocol.SessionInfo:
+    def info(self, sandbox: tuple[int, str] | None = None) -> protocol.SessionInfo:
+        """What a client is told of it; ``sandbox``: the one a channel was
+        attached to, as seen under the lock (default: the one now)."""
         # Sessions are listed only once their worker is ready: protections are known.
         assert self.protections is not None, f"session {self.id} has no worker yet"
         protections = msgspec.structs.replace(self.protections, lifetime=self.lifetime)
         denied = [protocol.DeniedHost(host=h, port=p, count=c, last=t) for h, p, c, t in self.proxy.denied()
                   ] if self.proxy else []
         warning = self.stack.warning() if self.stack is not None else ""
+        number, why = sandbox or self.sandbox
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,
                                     network=self.network, created=self.created, protections=protections,
                                     limits=msgspec.to_builtins(self.policy.limits), note=self.note,
@@ -124,7 +132,7 @@ class Session:
                                     protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
                                                for p in self.reports()],
                                     warnings=[warning] if warning else [],
-                                    usage=protocol.SessionUsage(*self.usage))
+                                    usage=protocol.SessionUsage(*self.usage), sandbox=number, replaced=why)
 
     def move(self, event: Event) -> None:
         """Its state after ``event`` (``lifecycle.move``: raises ``IllegalTransition``)."""

@@ -13,7 +13,9 @@ Guarantees:
   (``switch_failed``), its worktree checked as at every end, rather than
   leave it running under a setting nobody asked for;
 - a sandbox replaced is wound down (``Ending._wind_down``) before the new
-  one starts: nothing started under the old setting keeps its connections.
+  one starts: nothing started under the old setting keeps its connections;
+  the session's ``sandbox`` number goes up by one, its reason
+  ``REPLACED_NETWORK``, before any attach can reach the new one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 
 import msgspec
 
-from dispatchd import domains
+from dispatchd import domains, protocol
 from dispatchd.confine import netstack
 from dispatchd.daemon.lifecycle import Action, Event, Op, State
 from dispatchd.daemon.opening import Opening
@@ -93,6 +95,9 @@ class Switching(Opening):
         self._wind_down(session)
         try:
             self._start_worker(session, network)
+            # Before the lock is let go: an attach waiting for it (a client
+            # whose call the old sandbox took with it) learns why.
+            session.sandbox = (session.sandbox[0] + 1, protocol.REPLACED_NETWORK)
             session.note = (f"network {network}: the sandbox was replaced ({self._why_replaced(session)}); "
                             f"{ended} process(es) the session had started were ended")
         except BaseException as exc:

@@ -86,6 +86,7 @@ from dispatchd.protocol.internal import (
 )
 from dispatchd.protocol.messages import (
     PROTOCOL_VERSION,
+    REPLACED_NETWORK,
     Attach,
     Attached,
     CallTool,
@@ -149,7 +150,7 @@ __all__ = [
     "FRAME_HEADER", "MAX_FRAME", "MAX_HELLO_FRAME", "MAX_REQUEST_FRAME", "BadMessage", "FrameSocket", "FrameTooLarge",
     "DECODE_ERRORS", "DescriptorsLost", "INVALID_UTF8", "ProtocolError", "decode", "encode", "request_id_of", "too_large", "undecodable",
     # the public protocol: client <-> daemon, client <-> worker
-    "PROTOCOL_VERSION", "Attach", "Attached", "CallTool", "CancelCall", "ChannelReply", "ChannelRequest",
+    "PROTOCOL_VERSION", "REPLACED_NETWORK", "Attach", "Attached", "CallTool", "CancelCall", "ChannelReply", "ChannelRequest",
     "CloseSession", "ClosedReply", "ProtectedItem", "DaemonReply", "DaemonRequest", "DeniedHost", "ErrorReply", "Hello", "HelloOk",
     "ListSessions", "ListTools", "OkReply", "OpenSession", "ReleaseWriteLock", "SessionInfo", "SessionReply", "SessionUsage",
     "SessionsReply", "SetNetwork", "Status", "StatusReply", "ToolOutput", "ToolReply", "ToolSchema",

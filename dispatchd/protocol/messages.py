@@ -175,6 +175,13 @@ class SessionUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     peak_mib: float = 0.0
 
 
+# Why a session's sandbox was last replaced (``SessionInfo.replaced``): a
+# phrase a client shows as it is, one it does not know included. A wake from
+# sleep replaces no sandbox here: its tool server hands every channel, whole,
+# to the next, and sleeps only with no call in flight.
+REPLACED_NETWORK = "its network was switched"  # a switch that could not be made in place (switching.py)
+
+
 class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     worktree: str
@@ -193,6 +200,12 @@ class SessionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (network on/ports, daemon/dnsrelay.py); empty when all is well.
     warnings: list[str] = []
     usage: SessionUsage = SessionUsage()  # what its tool calls used so far
+    # Which of its sandboxes serves it: 1 at its open, one more each time the
+    # daemon replaces it, ending its processes and closing its channels (the
+    # calls in flight on them are lost); 0 from a daemon that does not say.
+    # A channel attached to one sandbox is served by that one only.
+    sandbox: int = 0
+    replaced: str = ""  # why the last replacement happened (REPLACED_*); "" while it has its first
 
 
 class HelloOk(_Msg, tag="hello_ok", frozen=True):

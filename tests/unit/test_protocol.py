@@ -219,6 +219,16 @@ def test_defaults_fill_omitted_fields():
         id=1, worktree="/w", policy="default", network=None, ports=None, bind_ports=None)
 
 
+def test_an_info_from_a_daemon_that_does_not_number_its_sandboxes_reads_as_sandbox_0():
+    info = msgspec.to_builtins(msgspec.structs.replace(INFO, sandbox=3, replaced=p.REPLACED_NETWORK))
+    assert (info["sandbox"], info["replaced"]) == (3, "its network was switched")
+    del info["sandbox"], info["replaced"]  # what a daemon older than the numbers sends
+    got = p.decode(p.daemon_reply_decoder, msgspec.msgpack.encode({"op": "attached", "id": 1, "session": info,
+                                                                    "tools": []}))
+    assert isinstance(got, p.Attached) and (got.session.sandbox, got.session.replaced) == (0, "")
+    assert got.session == INFO
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [

@@ -118,7 +118,7 @@ def test_a_session_info_encodes_its_protections_in_place() -> None:
     old_info = {"id": "ab", "worktree": "/wt", "policy": "default", "network": "off", "created": 1.5,
                 "protections": old, "limits": {}, "note": "", "domains": [], "denied": [], "writes": False,
                 "asleep": False, "protected": [], "warnings": [],
-                "usage": {"calls": 0, "cpu_s": 0.0, "peak_mib": 0.0}}
+                "usage": {"calls": 0, "cpu_s": 0.0, "peak_mib": 0.0}, "sandbox": 0, "replaced": ""}
     assert msgspec.msgpack.encode(info) == msgspec.msgpack.encode(old_info)
 
 
