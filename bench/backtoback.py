@@ -3,7 +3,7 @@ first call -> close on one worktree, each session closed before the next
 opens, alternating the network (off, on) and the first call (read_file,
 shell_exec true), through the public client library.
 
-    python bench/backtoback.py [--rounds 40] [--files 2000] [--against DIR]
+    python bench/backtoback.py [--rounds 40] [--files 2000] [--against DIR] [--steps] [--under DIR]
 
 Starts its own daemon (the default pool of sandboxes made ahead) on a
 temporary socket, with a worktree that is a git repository of --files
@@ -27,7 +27,11 @@ row is printed for both, with this checkout's p50 as a ratio of DIR's
 each step of their opens (``event=open_steps``), of the worker's part
 (``event=worker_ready``) and of their closes (``event=close_steps``: the
 network stopped, the processes' exit, the git check, the sweep) are printed
-after the table.
+after the table, and how many opens of each network found a sandbox made
+ahead.
+
+``--under DIR``: where the worktrees and the daemons' state are made
+(default: the home directory, where users keep theirs).
 """
 
 from __future__ import annotations
@@ -115,6 +119,11 @@ def print_steps(name: str, log_path: str) -> None:
                 k, v = part.split(":")
                 steps.setdefault(f"{prefix} {k}", []).append(float(v))
     print(f"[{name}] " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in steps.items()))
+    # Which opens found a sandbox made ahead (the pool keeping up), by network.
+    served: dict[str, list[int]] = {}
+    for m in re.finditer(r"event=session_open session=\w+ policy=\S+ network=(\w+) mode=\S+ made_ahead=(\d)", log):
+        served.setdefault(m.group(1), []).append(int(m.group(2)))
+    print(f"[{name}] made ahead: " + "  ".join(f"network {k} {sum(v)}/{len(v)}" for k, v in sorted(served.items())))
 
 
 def main() -> None:
@@ -126,9 +135,14 @@ def main() -> None:
     ap.add_argument("--against-args", default="", metavar="ARGS",
                     help="the second daemon's own options (with no --against: this checkout's, so started)")
     ap.add_argument("--steps", action="store_true", help="also the daemons' open steps (debug log), medians")
+    ap.add_argument("--under", default=os.path.expanduser("~"), metavar="DIR",
+                    help="where the worktrees and the daemons' state go (default: the home directory)")
     args = ap.parse_args()
     extra = ["--log-level", "debug"] if args.steps else []
-    with tempfile.TemporaryDirectory() as tmp:
+    # Under the home directory by default, where a user's worktrees are (as
+    # bench.py): a worktree under /tmp is bound at a mount point made in the
+    # session's private /tmp, on disk, at every open (--under /tmp measures that).
+    with tempfile.TemporaryDirectory(prefix=".dispatchd-b2b-", dir=args.under) as tmp:
         names = ["this"] + (["against"] if args.against or args.against_args else [])
         daemons = {}
         for name in names:
