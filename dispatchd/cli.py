@@ -244,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         features, host_tree_missing=probe_host_tree() if features.user_namespaces else "no user namespaces")
     if args.force_kernel_for_testing:
         try:
-            features = kernel_mod.force_for_testing(features, args.force_kernel_for_testing)
+            from dispatchd.confine.stacks import probe_stack
+
+            tun = args.tun_for_testing or kernel_mod.TUN
+            features = kernel_mod.force_for_testing(
+                features, args.force_kernel_for_testing,
+                restack=lambda abi: probe_stack(args.network_stack, tun, landlock_abi=abi))
         except ValueError as exc:
             print(f"dispatchd: {FORCE_KERNEL_FLAG}: {exc}", file=sys.stderr)
             return 2

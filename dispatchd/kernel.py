@@ -15,7 +15,7 @@ import msgspec
 from dispatchd.confine.landlock import landlock_abi
 from dispatchd.confine.namespaces import probe_user_namespaces
 from dispatchd.confine.netstack import probe_nft, unavailable
-from dispatchd.confine.stacks import SLIRP4NETNS, TUN, probe_stack
+from dispatchd.confine.stacks import TUN, probe_stack
 from dispatchd.netmodes import NETWORK_MODES
 from dispatchd.protocol.reports import KernelFeatures
 
@@ -127,7 +127,8 @@ def with_network_modes(k: KernelFeatures) -> KernelFeatures:
     return msgspec.structs.replace(k, network_unavailable={m: w for m, w in why.items() if w})
 
 
-def force_for_testing(k: KernelFeatures, spec: str) -> KernelFeatures:
+def force_for_testing(k: KernelFeatures, spec: str,
+                      restack: Callable[[int], tuple[str, str]] | None = None) -> KernelFeatures:
     """Testing only (the daemon's ``--force-kernel-for-testing SPEC``): ``k``
     as an older or more restricted kernel would have probed, so that the
     tests run every mode's planning *and* its enforcement here (the session's
@@ -135,7 +136,10 @@ def force_for_testing(k: KernelFeatures, spec: str) -> KernelFeatures:
     struct size, as that kernel would take it). ``SPEC``: comma-separated
     ``landlock=N`` (0 to this kernel's ABI), ``user_namespaces=no``,
     ``detached_mounts=no``. It only takes away: asking for more than this
-    kernel has, or anything else, raises ``ValueError``. Pure."""
+    kernel has, or anything else, raises ``ValueError``. ``restack(abi)``:
+    the network stack that kernel's probe would choose, and why none
+    (``probe_stack`` for the forced ABI: slirp4netns needs Landlock); without
+    it the probed stack stays. Pure but for what ``restack`` looks at."""
     changes: dict[str, object] = {}
     abi = k.landlock_abi
     for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -154,8 +158,7 @@ def force_for_testing(k: KernelFeatures, spec: str) -> KernelFeatures:
                                                 "testing (as before Linux 6.15); the host's root is kept below")
         else:
             raise ValueError(f"{item!r}: expected landlock=N, user_namespaces=no or detached_mounts=no")
-    if abi < 1 and k.network_stack == SLIRP4NETNS:
-        # Confined by Landlock, which that kernel would not have (probe_stack).
-        changes["network_stack"] = ""
-        changes["network_stack_missing"] = f"{SLIRP4NETNS} runs confined by Landlock: forced off for testing"
+    if restack is not None and abi != k.landlock_abi:
+        # Chosen as that kernel's probe would (slirp4netns is confined by Landlock).
+        changes["network_stack"], changes["network_stack_missing"] = restack(abi)
     return with_network_modes(msgspec.structs.replace(k, **changes, forced_for_testing=spec))

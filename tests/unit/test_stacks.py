@@ -103,16 +103,27 @@ def _features(**changes: object) -> KernelFeatures:
     return msgspec.structs.replace(base, **changes)
 
 
-def test_a_kernel_forced_without_landlock_has_no_slirp4netns() -> None:
-    forced = force_for_testing(_features(), "landlock=0")
-    assert (forced.network_stack, forced.network_stack_missing) == (
-        "", "slirp4netns runs confined by Landlock: forced off for testing")
-    assert "on" in forced.network_unavailable
+def _restack(installed: dict[str, str]):
+    """``probe_stack`` of the daemon's default choice, for the forced ABI."""
+    return lambda abi: stacks.probe_stack("auto", "/dev/null", landlock_abi=abi, which=which_of(installed))
+
+
+def test_a_kernel_forced_without_landlock_chooses_its_stack_as_that_kernel_would() -> None:
+    # slirp4netns is confined by Landlock: without it, pasta where installed, else none (and why).
+    forced = force_for_testing(_features(), "landlock=0", restack=_restack(BOTH))
+    assert (forced.network_stack, forced.network_stack_missing) == ("pasta", "")
+    assert "on" not in forced.network_unavailable
+    alone = force_for_testing(_features(), "landlock=0", restack=_restack({"slirp4netns": "/usr/bin/slirp4netns"}))
+    assert (alone.network_stack, alone.network_stack_missing) == (
+        "", "slirp4netns runs confined by Landlock, which this kernel does not offer, and pasta is not installed "
+            "(install it: sudo apt install passt; Fedora, RHEL: sudo dnf install passt)")
+    assert "on" in alone.network_unavailable
 
 
 def test_a_kernel_forced_to_an_older_landlock_keeps_slirp4netns() -> None:
-    forced = force_for_testing(_features(), "landlock=3")
+    forced = force_for_testing(_features(), "landlock=3", restack=_restack(BOTH))
     assert (forced.network_stack, forced.network_stack_missing) == ("slirp4netns", "")
+    assert force_for_testing(_features(), "landlock=0").network_stack == "slirp4netns"  # nothing to choose with
 
 
 # -- how it is started ----------------------------------------------------------------
