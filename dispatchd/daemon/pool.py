@@ -20,8 +20,10 @@ Guarantees:
   made for (checked by the daemon and again by the sandbox); otherwise, or
   when giving it its session fails, the session's sandbox is made at open, as
   without a pool: a pool can make an open faster, never different;
-- making them never holds up an open: one at a time, on a thread of their
-  own, and an open that finds none makes its own;
+- making them never holds up an open for long: one at a time, on a thread
+  of their own; an open that finds none waits for the one of its kind being
+  made, if one is, at most ``TAKE_WAIT_S`` (it is most of the way there, and
+  a second made beside it takes the same CPUs), else makes its own;
 - at most ``size`` per kind (policy and network mode), for the ``kinds`` most
   recently opened, each at most ``max_age_s`` old, and only for kinds opened
   in the last ``idle_s`` (an idle daemon keeps none, and makes none);
@@ -66,6 +68,10 @@ KINDS = 4
 # so a pool kept for ever remakes its sandboxes (and their pastas) twice a
 # minute, every minute (measured: 8 in 65 s, 280 ms of CPU, two kinds).
 IDLE_S = 300.0
+# How long an open that finds no sandbox of its kind waits for the one being
+# made (a make takes 5-10 ms idle, a few times that loaded; one made at open
+# takes as long and more, beside it): past it, the open makes its own.
+TAKE_WAIT_S = 0.1
 MOUNTS_CHECK_S = 1.0  # how often the host's mount table is looked at while sandboxes wait
 MOUNTS_SETTLE_S = 1.0  # after it changed, before the next sandbox is made
 
@@ -150,7 +156,10 @@ class SandboxPool:
         self._not_before: dict[Kind, float] = {}  # after a failure
         self._notes: dict[Kind, str] = {}  # why a kind is not made ahead
         self._never: set[Kind] = set()  # kinds that cannot be made ahead (asked again after a while)
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the pool's thread waits on it
+        self._made = threading.Condition(lock)  # opens waiting for the make under way
+        self._making: Kind | None = None  # the kind being made now, if any
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.served = 0  # sessions given a sandbox made ahead
@@ -205,21 +214,29 @@ class SandboxPool:
         return [k for k in reversed(self._wanted) if k not in self._never
                 and (now - self._last_open.get(k, now) > self._idle_s) == idle][:self._kinds]
 
-    def take(self, kind: Kind) -> Made | None:
+    def take(self, kind: Kind, wait_s: float = TAKE_WAIT_S) -> Made | None:
         """A sandbox made ahead for ``kind``, now the caller's alone (to adopt
-        or to let go), or None. The caller says ``want(kind)`` once its open
-        is done: a refill made meanwhile would compete with it for the CPUs
-        (measured: the open's own steps took twice as long)."""
+        or to let go), or None: none ready, and none of that kind made within
+        ``wait_s`` by the make under way. The caller says ``want(kind)`` once
+        its open is done: a refill made meanwhile would compete with it for
+        the CPUs (measured: the open's own steps took twice as long)."""
         found = None
+        dead: list[Made] = []
+        deadline = time.monotonic() + wait_s
         with self._cond:
-            dead = self._stale()  # made with a mount table older than the host's now
-            ready = self._ready.get(kind, [])
-            while ready and found is None:
-                made = ready.pop(0)  # the oldest first: fewer reach their age unused
-                if made.alive():
-                    found = made
-                else:
-                    dead.append(made)
+            while True:
+                dead += self._stale()  # made with a mount table older than the host's now
+                ready = self._ready.get(kind, [])
+                while ready and found is None:
+                    made = ready.pop(0)  # the oldest first: fewer reach their age unused
+                    if made.alive():
+                        found = made
+                    else:
+                        dead.append(made)
+                left = deadline - time.monotonic()
+                if found is not None or self._making != kind or left <= 0 or self._stopped:
+                    break
+                self._made.wait(left)  # the make's end (kept, let go, or failed) wakes it
         for made in dead:
             self._let_go(made)
         return found
@@ -246,6 +263,7 @@ class SandboxPool:
         with self._cond:
             self._stopped = True
             self._cond.notify()
+            self._made.notify_all()
             left = [m for ready in self._ready.values() for m in ready]
             self._ready.clear()
         if self._thread is not None:
@@ -329,6 +347,15 @@ class SandboxPool:
     def _make_one(self, kind: Kind) -> None:
         with self._cond:
             epoch = self._epoch
+            self._making = kind
+        try:
+            self._make_kept(kind, epoch)
+        finally:
+            with self._cond:
+                self._making = None
+                self._made.notify_all()
+
+    def _make_kept(self, kind: Kind, epoch: int) -> None:
         try:
             made = self._make(kind)
         except Exception as exc:  # logged and shown by status; opens go on without
@@ -350,6 +377,7 @@ class SandboxPool:
             keep = not self._stopped and kind in self._kept() and self._epoch == epoch
             if keep:
                 self._ready.setdefault(kind, []).append(made)
+                self._made.notify_all()  # before the lock is let go: an open waiting takes it first
         for m in old:
             self._let_go(m)
         if not keep:

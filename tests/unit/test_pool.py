@@ -319,3 +319,90 @@ def test_a_bug_in_letting_go_does_not_stop_the_pool(fakes: Fakes, monkeypatch: p
     until(lambda: calls["n"] >= 2)  # retired again after the error: the thread lives on
     until(lambda: ready(p, OFF) == 1)
     p.stop()
+
+
+class Gated(Fakes):
+    """make() of ``gate_kind`` waits for ``go``: a make under way, held."""
+
+    def __init__(self, gate_kind: Kind) -> None:
+        super().__init__()
+        self.gate_kind = gate_kind
+        self.go = threading.Event()
+        self.started = threading.Event()
+
+    def make(self, kind: Kind) -> Made | None:
+        if kind == self.gate_kind:
+            self.started.set()
+            assert self.go.wait(30)
+        return super().make(kind)  # raises ``fail``, if set
+
+
+def _take_beside(p: SandboxPool, kind: Kind, wait_s: float) -> tuple[threading.Thread, list[Made | None]]:
+    got: list[Made | None] = []
+    t = threading.Thread(target=lambda: got.append(p.take(kind, wait_s)))
+    t.start()
+    return t, got
+
+
+def test_an_open_that_finds_none_waits_for_the_one_of_its_kind_being_made() -> None:
+    fakes = Gated(OFF)
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    assert fakes.started.wait(30)  # the first make is under way, and held
+    t, got = _take_beside(p, OFF, 30.0)
+    time.sleep(0.1)
+    assert t.is_alive() and got == []  # waiting, not making its own
+    fakes.go.set()
+    t.join(30)
+    assert got and got[0] is fakes.made[0]  # the one made, handed to the open that waited
+    assert ready(p, OFF) == 0
+    p.stop()
+    fakes.release(got[0])
+
+
+def test_an_open_of_another_kind_or_with_nothing_under_way_does_not_wait() -> None:
+    fakes = Gated(ON)
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
+    p.start(ON)
+    assert fakes.started.wait(30)
+    started = time.monotonic()
+    assert p.take(OFF, 30.0) is None  # ON is being made, not OFF: at once
+    assert time.monotonic() - started < 10
+    fakes.go.set()
+    until(lambda: ready(p, ON) == 1)
+    taken = p.take(ON, 30.0)
+    assert taken is not None
+    started = time.monotonic()
+    assert p.take(ON, 30.0) is None  # none ready, none under way (the refill waits for want()): at once
+    assert time.monotonic() - started < 10
+    p.stop()
+    fakes.release(taken)
+
+
+def test_an_open_waiting_for_a_make_that_fails_goes_on_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    fakes = Gated(OFF)
+    fakes.fail = OSError("the fork server is gone")
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    assert fakes.started.wait(30)
+    t, got = _take_beside(p, OFF, 30.0)
+    time.sleep(0.1)
+    assert t.is_alive()
+    started = time.monotonic()
+    fakes.go.set()
+    t.join(30)
+    assert got == [None] and time.monotonic() - started < 10  # woken by the failure, not the wait's end
+    p.stop()
+
+
+def test_an_open_waits_no_longer_than_it_was_told() -> None:
+    fakes = Gated(OFF)
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    assert fakes.started.wait(30)
+    started = time.monotonic()
+    assert p.take(OFF, 0.2) is None
+    assert 0.15 < time.monotonic() - started < 10
+    fakes.go.set()
+    until(lambda: ready(p, OFF) == 1)
+    p.stop()
