@@ -312,15 +312,21 @@ class SandboxPool:
             wake = min(wake, MOUNTS_CHECK_S)  # a filesystem unmounted meanwhile is let go of soon
         if now < self._settle_until:
             return old, None, min(wake, self._settle_until - now)  # the host's mounts are changing
+        short = []
         for kind in kept:  # the most recent first
             later = self._not_before.get(kind, 0.0) - now
             if later > 0:
                 wake = min(wake, later)
                 continue
             if len(self._ready.get(kind, [])) < self.size:
-                if now < self._quiet_until:
-                    return old, None, self._quiet_until - now
-                return old, kind, 0.0
+                short.append(kind)
+        if short:
+            if now < self._quiet_until:
+                return old, None, self._quiet_until - now
+            # The kind with the fewest ready, the most recent of those: kinds
+            # opened in turn are made in turn (the most recent first starved
+            # the other while opens of one kind took each as it was made).
+            return old, min(short, key=lambda k: len(self._ready.get(k, []))), 0.0
         for ready in self._ready.values():
             for m in ready:
                 wake = min(wake, m.made + self._max_age_s - now)

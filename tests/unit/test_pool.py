@@ -406,3 +406,25 @@ def test_an_open_waits_no_longer_than_it_was_told() -> None:
     fakes.go.set()
     until(lambda: ready(p, OFF) == 1)
     p.stop()
+
+
+def test_the_kind_with_the_fewest_ready_is_made_first(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kinds opened in turn are made in turn: the most recent kind first
+    starved the other while its opens took each sandbox as it was made."""
+    monkeypatch.setattr(pool_mod, "AFTER_OPEN_S", 0.0)
+    p = SandboxPool(size=2, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    p.want(ON)
+    until(lambda: ready(p, OFF) == 2 and ready(p, ON) == 2)
+    with p._cond:  # both kinds taken from, ON the most recent: ON keeps 1, OFF none
+        taken = p._ready[OFF] + p._ready[ON][:1]
+        p._ready[OFF], p._ready[ON] = [], p._ready[ON][1:]
+        p._wanted.move_to_end(ON)
+        made_before = len(fakes.made)
+        p._cond.notify()
+    until(lambda: ready(p, OFF) == 2 and ready(p, ON) == 2)
+    # OFF (none ready) before ON (one); then, one each, the most recent (ON); then OFF.
+    assert [m.kind for m in fakes.made[made_before:]] == [OFF, ON, OFF]
+    p.stop()
+    for m in taken:
+        fakes.release(m)
