@@ -124,6 +124,10 @@ def print_steps(name: str, log_path: str) -> None:
     for m in re.finditer(r"event=session_open session=\w+ policy=\S+ network=(\w+) mode=\S+ made_ahead=(\d)", log):
         served.setdefault(m.group(1), []).append(int(m.group(2)))
     print(f"[{name}] made ahead: " + "  ".join(f"network {k} {sum(v)}/{len(v)}" for k, v in sorted(served.items())))
+    pool: dict[str, int] = {}
+    for m in re.finditer(r"event=(pool_\w+)", log):
+        pool[m.group(1)] = pool.get(m.group(1), 0) + 1
+    print(f"[{name}] the pool's events: " + "  ".join(f"{k} {v}" for k, v in sorted(pool.items())))
 
 
 def main() -> None:
