@@ -88,9 +88,14 @@ as_unprivileged_user() {
     trap _end_run EXIT
     trap 'exit 130' INT TERM
     echo "dispatchd runs as an ordinary user: continuing as $user in $dest"
+    # DISPATCH_TEST_PATH_FIRST=DIR: DIR ahead of the system's on the run's PATH,
+    # for another build of a program the tests run (a stack: docs/network.md,
+    # "Versions verified"); it must be readable by $user.
+    [ -z "${DISPATCH_TEST_PATH_FIRST:-}" ] || echo "PATH starts with $DISPATCH_TEST_PATH_FIRST"
     local status=0
     runuser -u "$user" -- env -i HOME="$home" USER="$user" LOGNAME="$user" \
-        PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 ${CI:+CI=$CI} \
+        PATH=${DISPATCH_TEST_PATH_FIRST:+$DISPATCH_TEST_PATH_FIRST:}/usr/local/bin:/usr/bin:/bin \
+        LANG=C.UTF-8 ${CI:+CI=$CI} \
         ${DISPATCH_TYPECHECK:+DISPATCH_TYPECHECK=$DISPATCH_TYPECHECK} \
         ${DISPATCH_TEST_WORKERS:+DISPATCH_TEST_WORKERS=$DISPATCH_TEST_WORKERS} \
         DISPATCHD_VENV="$venv" ${cgroup:+DISPATCHD_TEST_CGROUP=$cgroup} \
