@@ -4,8 +4,9 @@ one this machine has, how it is started, and how it is confined.
 Guarantees:
 - ``probe_stack`` names the stack sessions get, or says why none can run and
   what installs it: ``dispatchd --network-stack auto|slirp4netns|pasta``;
-  auto takes slirp4netns where it is installed and Landlock can confine it,
-  else pasta (docs/network.md, "Which stack");
+  auto takes slirp4netns where it is installed, knows the options it is
+  started with (0.4.0 and later) and Landlock can confine it, else pasta
+  (docs/network.md, "Which stack");
 - a stack never runs unconfined: pasta confines itself (namespaces of its
   own, no filesystem, seccomp); slirp4netns, whose own sandbox binds the
   host's /etc and /run (the user's D-Bus among them), is confined by the
@@ -64,23 +65,61 @@ _INSTALL = {
 }
 
 
+# The long options ``stack_argv`` passes slirp4netns, as its getopt table
+# names them. 0.4.0 added the last three (0.3.x refuses --enable-seccomp);
+# 0.4.3, 1.0.1, 1.1.12 and 1.2.0 were run with the network suites
+# (docs/network.md, "Versions verified").
+SLIRP4NETNS_OPTIONS = ("configure", "mtu", "ready-fd", "enable-seccomp", "netns-type", "userns-path")
+
+
+def slirp4netns_lacks(path: str) -> list[str]:
+    """The options of ``SLIRP4NETNS_OPTIONS`` the program at ``path`` does not
+    know, read from the file, never run (it runs only confined): each long
+    option's name is a string of its own in the executable. Nothing is
+    judged of a file that is not an ELF executable (a wrapper script) or
+    that this user cannot read: there the stack's own refusal, at the
+    first open, names what it lacks."""
+    try:
+        with open(os.path.realpath(path), "rb") as f:
+            data = f.read(64 << 20)
+    except OSError:
+        return []
+    if not data.startswith(b"\x7fELF"):
+        return []
+    return [name for name in SLIRP4NETNS_OPTIONS if name.encode() + b"\0" not in data]
+
+
 def probe_stack(choice: str = "auto", tun: str = TUN, *, landlock_abi: int = 0,
-                which: Callable[[str], str | None] = shutil.which) -> tuple[str, str]:
+                which: Callable[[str], str | None] = shutil.which,
+                lacks: Callable[[str], list[str]] = slirp4netns_lacks) -> tuple[str, str]:
     """The stack sessions go out through, and "" ; or "" and why none can run
     here, with the command that fixes it. ``choice``: one of
     ``STACK_CHOICES``; "auto" takes the first of ``STACKS`` that can run
-    confined (slirp4netns needs Landlock: ``plan_stack_confinement``).
-    ``tun``: the device both open (another path only for the daemon's
-    testing option, which can only make it fail)."""
+    confined (slirp4netns needs Landlock: ``plan_stack_confinement``; and
+    the options it is started with: ``lacks``, given its path, names those
+    it does not know). ``tun``: the device both open (another path only for
+    the daemon's testing option, which can only make it fail)."""
     names = STACKS if choice == "auto" else (choice,)
     usable = [n for n in names if which(n) is not None]
     if choice == SLIRP4NETNS and usable and landlock_abi < 1:
         return "", (f"{SLIRP4NETNS} runs confined by Landlock, which this kernel does not offer "
                     f"(use --network-stack {PASTA}, which confines itself)")
     usable = [n for n in usable if n != SLIRP4NETNS or landlock_abi >= 1]
+    too_old = ""
+    if SLIRP4NETNS in usable:
+        path = which(SLIRP4NETNS) or SLIRP4NETNS
+        missing = lacks(path)
+        if missing:
+            too_old = (f"{SLIRP4NETNS} ({path}) lacks " + ", ".join("--" + m for m in missing)
+                       + ", which dispatchd starts it with (slirp4netns 0.4.0 and later have them: upgrade it")
+            if choice == SLIRP4NETNS:
+                return "", f"{too_old}, or use --network-stack {PASTA})"
+            usable.remove(SLIRP4NETNS)
     if not usable:
         if choice != "auto":
             return "", f"{choice} is not installed (install it: {_INSTALL[choice]})"
+        if too_old:
+            return "", f"{too_old}), and {PASTA} is not installed (install it: {_INSTALL[PASTA]})"
         if which(SLIRP4NETNS) is not None:  # installed, but nothing here to confine it with
             return "", (f"{SLIRP4NETNS} runs confined by Landlock, which this kernel does not offer, and {PASTA} "
                         f"is not installed (install it: {_INSTALL[PASTA]})")
@@ -128,8 +167,9 @@ def stack_argv(stack: str, *, userns_fd: int, netns_fd: int, ready_fd: int) -> l
         # root (the user's D-Bus, agents' sockets); the fork server confines
         # it instead (plan_stack_confinement). Its own seccomp filter,
         # installed once it runs, blocks execve, setns, unshare, mount, ptrace
-        # and more. Every option here is in slirp4netns 0.4 and later (Ubuntu
-        # 20.04 and 22.04 ship 0.4.3 and 1.0.1): not --disable-dns (1.1), so
+        # and more. Every option here is in slirp4netns 0.4.0 and later
+        # (SLIRP4NETNS_OPTIONS, checked by the probe; 0.4.3 and 1.0.1, which
+        # Ubuntu 20.04 and 22.04 ship, were run): not --disable-dns (1.1), so
         # 10.0.2.3 stays its DNS forwarder, which answers nothing: it would
         # read the host's resolv.conf, which Landlock keeps from it. The
         # session's resolver is the daemon's relay (RELAY_ADDRESS).

@@ -10,6 +10,8 @@ with the package that installs it, and the other is not taken instead.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,3 +97,41 @@ def test_slirp4netns_dns_forwarder_answers_nothing_and_the_relay_resolves(tmp_pa
             assert probe(s, code) == "connected hello"  # the twin: the stack still serves
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_a_slirp4netns_without_the_options_it_is_started_with_is_passed_over_naming_them(
+        tmp_path: Path, worktree: Path, greeter: int) -> None:
+    """slirp4netns before 0.4.0 lacks --enable-seccomp, --netns-type and
+    --userns-path (0.3.3 refuses the first: every network-on open failed,
+    though the probe had taken it). The probe reads them from the
+    executable: "auto" takes pasta, and slirp4netns asked for by name is
+    refused saying what it lacks. Stood in for by an executable that names
+    none of them (``true``); the twin: the real one, in the tests above."""
+    _refuse_root()
+    bindir = tmp_path / "bin"
+    path = path_without(bindir, ("slirp4netns",))
+    (bindir / "slirp4netns").symlink_to(os.path.realpath(shutil.which("true") or "/bin/true"))
+    lacks = ("slirp4netns (" + str(bindir / "slirp4netns") + ") lacks --configure, --mtu, --ready-fd, "
+             "--enable-seccomp, --netns-type, --userns-path, which dispatchd starts it with (slirp4netns 0.4.0 "
+             "and later have them: upgrade it, or use --network-stack pasta)")
+    for choice, expected in (("auto", ("pasta", "")), ("slirp4netns", ("", lacks))):
+        (tmp_path / choice).mkdir()
+        d = Daemon(tmp_path / choice, "--network-stack", choice, prefix=("env", f"PATH={path}"))
+        try:
+            with d.connect() as client:
+                kernel = client.status()["kernel"]
+                assert (kernel["network_stack"], kernel["network_stack_missing"]) == expected
+                if choice == "auto":
+                    with client.open_session(str(worktree), network="on") as s:
+                        code = (f"import socket; c = socket.create_connection(('10.0.2.2', {greeter}), timeout=10); "
+                                "print('connected', c.recv(16).decode())")
+                        assert probe(s, code) == "connected hello"
+                        assert s.status()["protections"]["network"]["stack"] == "pasta"
+                else:
+                    with pytest.raises(dispatch.RequestFailed) as exc:
+                        client.open_session(str(worktree), network="on")
+                    assert exc.value.message == (f"cannot apply network: network 'on' needs a user-mode network "
+                                                 f"stack, which cannot run here: {lacks}; network 'off' and "
+                                                 "'domains' work without it")
+        finally:
+            assert d.stop() == 0, d.log()

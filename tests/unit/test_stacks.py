@@ -96,6 +96,58 @@ def test_a_missing_tun_device_says_which_module_to_load(tmp_path: Path) -> None:
         "", "/dev/net/tun does not exist (load the tun module: sudo modprobe tun); slirp4netns needs it")
 
 
+OLD = ["enable-seccomp", "netns-type", "userns-path"]  # what slirp4netns 0.3 lacks
+
+
+def lacking(missing: list[str]):
+    return lambda path: missing if path == BOTH["slirp4netns"] else []
+
+
+def test_auto_passes_over_a_slirp4netns_without_the_options_it_is_started_with(tun: str) -> None:
+    assert stacks.probe_stack("auto", tun, landlock_abi=7, which=which_of(BOTH), lacks=lacking(OLD)) == ("pasta", "")
+    # The twin: one that has them all is taken.
+    assert stacks.probe_stack("auto", tun, landlock_abi=7, which=which_of(BOTH), lacks=lacking([])) == (
+        "slirp4netns", "")
+
+
+def test_slirp4netns_asked_for_by_name_and_too_old_says_what_it_lacks(tun: str) -> None:
+    assert stacks.probe_stack("slirp4netns", tun, landlock_abi=7, which=which_of(BOTH), lacks=lacking(OLD)) == (
+        "", "slirp4netns (/usr/bin/slirp4netns) lacks --enable-seccomp, --netns-type, --userns-path, which "
+            "dispatchd starts it with (slirp4netns 0.4.0 and later have them: upgrade it, or use --network-stack "
+            "pasta)")
+
+
+def test_a_too_old_slirp4netns_without_pasta_names_both_fixes(tun: str) -> None:
+    only = {"slirp4netns": BOTH["slirp4netns"]}
+    assert stacks.probe_stack("auto", tun, landlock_abi=7, which=which_of(only), lacks=lacking(OLD)) == (
+        "", "slirp4netns (/usr/bin/slirp4netns) lacks --enable-seccomp, --netns-type, --userns-path, which "
+            "dispatchd starts it with (slirp4netns 0.4.0 and later have them: upgrade it), and pasta is not "
+            "installed (install it: sudo apt install passt; Fedora, RHEL: sudo dnf install passt)")
+
+
+def test_the_options_are_read_from_the_executable_never_run(tmp_path: Path) -> None:
+    """Each long option's name is a string of its own in the executable (as
+    in 0.3.3's, which lacks three, and 0.4.3's to 1.2.0's, which have all)."""
+    names = b"".join(n.encode() + b"\0" for n in stacks.SLIRP4NETNS_OPTIONS if n not in OLD)
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.write_bytes(b"\x7fELF" + b"\0" * 60 + names + b"--enable-seccomp  enable seccomp\n")
+    new.write_bytes(b"\x7fELF" + b"\0" * 60 + names + b"userns-path\0--netns-type\0enable-seccomp\0")
+    assert stacks.slirp4netns_lacks(str(old)) == OLD
+    assert stacks.slirp4netns_lacks(str(new)) == []
+    link = tmp_path / "link"
+    link.symlink_to(old)
+    assert stacks.slirp4netns_lacks(str(link)) == OLD  # the file executed: the link's target
+    # Not judged: a wrapper script (the program it runs is not this file),
+    # a file this user cannot read, none at all.
+    script = tmp_path / "script"
+    script.write_text("#!/bin/sh\nexec /usr/lib/slirp4netns/slirp4netns \"$@\"\n")
+    assert stacks.slirp4netns_lacks(str(script)) == []
+    assert stacks.slirp4netns_lacks(str(tmp_path / "absent")) == []
+    if os.geteuid() != 0:  # root reads a file of mode 0
+        old.chmod(0o111)
+        assert stacks.slirp4netns_lacks(str(old)) == []
+
+
 def _features(**changes: object) -> KernelFeatures:
     base = KernelFeatures(release="6.18", landlock_abi=7, user_namespaces=True, user_namespaces_note="",
                           seccomp=True, seccomp_actions=["errno"], cgroup2="", network_stack_missing="",
