@@ -337,6 +337,15 @@ class Gated(Fakes):
         return super().make(kind)  # raises ``fail``, if set
 
 
+def _gated(kind: Kind) -> tuple[Gated, SandboxPool]:
+    """A pool whose first make, of ``kind``, is under way and held."""
+    fakes = Gated(kind)
+    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
+    p.start(kind)
+    assert fakes.started.wait(30)
+    return fakes, p
+
+
 def _take_beside(p: SandboxPool, kind: Kind, wait_s: float) -> tuple[threading.Thread, list[Made | None]]:
     got: list[Made | None] = []
     t = threading.Thread(target=lambda: got.append(p.take(kind, wait_s)))
@@ -345,10 +354,7 @@ def _take_beside(p: SandboxPool, kind: Kind, wait_s: float) -> tuple[threading.T
 
 
 def test_an_open_that_finds_none_waits_for_the_one_of_its_kind_being_made() -> None:
-    fakes = Gated(OFF)
-    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
-    p.start(OFF)
-    assert fakes.started.wait(30)  # the first make is under way, and held
+    fakes, p = _gated(OFF)  # the first make is under way, and held
     t, got = _take_beside(p, OFF, 30.0)
     time.sleep(0.1)
     assert t.is_alive() and got == []  # waiting, not making its own
@@ -361,10 +367,7 @@ def test_an_open_that_finds_none_waits_for_the_one_of_its_kind_being_made() -> N
 
 
 def test_an_open_of_another_kind_or_with_nothing_under_way_does_not_wait() -> None:
-    fakes = Gated(ON)
-    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
-    p.start(ON)
-    assert fakes.started.wait(30)
+    fakes, p = _gated(ON)
     started = time.monotonic()
     assert p.take(OFF, 30.0) is None  # ON is being made, not OFF: at once
     assert time.monotonic() - started < 10
@@ -380,11 +383,8 @@ def test_an_open_of_another_kind_or_with_nothing_under_way_does_not_wait() -> No
 
 
 def test_an_open_waiting_for_a_make_that_fails_goes_on_without(monkeypatch: pytest.MonkeyPatch) -> None:
-    fakes = Gated(OFF)
-    fakes.fail = OSError("the fork server is gone")
-    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
-    p.start(OFF)
-    assert fakes.started.wait(30)
+    fakes, p = _gated(OFF)
+    fakes.fail = OSError("the fork server is gone")  # the make under way fails once let go on
     t, got = _take_beside(p, OFF, 30.0)
     time.sleep(0.1)
     assert t.is_alive()
@@ -396,10 +396,7 @@ def test_an_open_waiting_for_a_make_that_fails_goes_on_without(monkeypatch: pyte
 
 
 def test_an_open_waits_no_longer_than_it_was_told() -> None:
-    fakes = Gated(OFF)
-    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
-    p.start(OFF)
-    assert fakes.started.wait(30)
+    fakes, p = _gated(OFF)
     started = time.monotonic()
     assert p.take(OFF, 0.2) is None
     assert 0.15 < time.monotonic() - started < 10

@@ -17,6 +17,7 @@ from dispatchd.daemon.napping import Napping
 from dispatchd.daemon.session import Session
 from dispatchd.daemon.worktree import Worktree
 from dispatchd.policy import Policy
+from tests.unit.test_afterwards import _is_open
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -25,14 +26,6 @@ def _inotify() -> int:
     fd = _libc.inotify_init1(os.O_CLOEXEC)
     assert fd >= 0, os.strerror(ctypes.get_errno())
     return fd
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 def _what(fd: int) -> str:
