@@ -163,6 +163,7 @@ class SandboxPool:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.served = 0  # sessions given a sandbox made ahead
+        self.asked = 0  # opens that asked for one (``take``)
 
     def start(self, kind: Kind | None) -> None:
         """Start making sandboxes, first of ``kind`` (the default policy's)."""
@@ -224,6 +225,7 @@ class SandboxPool:
         dead: list[Made] = []
         deadline = time.monotonic() + wait_s
         with self._cond:
+            self.asked += 1
             while True:
                 dead += self._stale()  # made with a mount table older than the host's now
                 ready = self._ready.get(kind, [])
@@ -292,7 +294,8 @@ class SandboxPool:
                 parts.append(f"none kept for {', '.join(idle)} (no open for {self._idle_s:g} s: "
                              "the next is made at open, then kept again)")
         return (f"{self.size} per kind of session (policy/network), for the {self._kinds} kinds most "
-                f"recently opened, each at most {self._max_age_s:g} s old; {self.served} session(s) served so far"
+                f"recently opened, each at most {self._max_age_s:g} s old; {self.served} of {self.asked} "
+                f"opens so far served by one"
                 + ("; " + "; ".join(parts) if parts else ""))
 
     # --- the pool's thread -----------------------------------------------------

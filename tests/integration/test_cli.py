@@ -359,7 +359,7 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     assert re.fullmatch(r"daemon: \d+ descriptors \((raised from \d+|already the hard limit)\); "
                         r"connections \d+ of at most \d+( \(\d+ idle, waiting without a thread\))?", lines[2]), lines[2]
     assert re.fullmatch(r"sandboxes made ahead: 2 per kind of session \(policy/network\), for the 4 kinds most "
-                        r"recently opened, each at most 30 s old; \d+ session\(s\) served so far; "
+                        r"recently opened, each at most 30 s old; \d+ of \d+ opens so far served by one; "
                         r"default/off: \d ready.*", lines[3]), lines[3]
     assert lines[4] == ("line loops: read_file and search_files number and find lines in C, and read_file's "
                         "usual call is answered there whole (dispatchd.tools._lines)")

@@ -73,7 +73,7 @@ def test_a_session_gets_a_sandbox_made_ahead_and_each_serves_one_session(pooled:
                 assert pooled.worker_pid(c.id) != pooled.worker_pid(a.id)
                 assert _pid_ns(c) != _pid_ns(a)  # a sandbox of its own, never one served before
         status = client.status()["daemon"]["pool"]
-        assert re.search(r"; [2-9]\d* session\(s\) served so far", status), status
+        assert re.search(r"; [2-9]\d* of \d+ opens so far served by one", status), status
     # Each sandbox made ahead served at most one session.
     served = re.findall(r"event=worker_ready session=\w+ pid=(\d+) made_ahead=1", pooled.log())
     assert len(served) == len(set(served)) >= 2
