@@ -152,6 +152,10 @@ class Ending(SessionTable):
         self._check_git(session)
         checked = time.perf_counter()
         self._sweep_temp_files(session, gone)
+        # Its tool server is gone: the watch it made is ours alone, closed after
+        # the reply; queued after the check's own work there (the baseline
+        # record's removal), which its teardown's wait would hold up.
+        session.drop_watch()
         # Where an end's time goes (the bench's --steps reads it), as the open's event=open_steps.
         steps.update(git=(checked - stopped) * 1e3, sweep=(time.perf_counter() - checked) * 1e3,
                      all=(time.perf_counter() - started) * 1e3)
@@ -189,8 +193,6 @@ class Ending(SessionTable):
         gone = worker.stop(sig, session.ended, STOP_TIMEOUT_S)
         if steps is not None:
             steps.update(network=(network - started) * 1e3, exit=(time.perf_counter() - network) * 1e3)
-        # Its tool server is gone: the watch it made is ours alone, closed after the reply.
-        session.drop_watch()
         if not gone:
             log.warning("event=worker_stop_timeout session=%s seconds=%g", session.id, STOP_TIMEOUT_S)
         if session.cgroup and not cgroups.kill(session.cgroup):

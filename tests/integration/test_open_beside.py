@@ -128,6 +128,7 @@ def test_a_write_right_after_the_open_waits_for_the_baseline_on_disk(tmp_path: P
             with client.open_session(str(worktree)) as s:
                 assert _records(d)[0] == []
                 _lands_after_the_record(d, lambda: shell(s, "echo y > by-shell.txt"), (worktree / "by-shell.txt").exists)
+            assert wait_until(lambda: _records(d) == ([], [])), _records(d)  # removed after the reply, as above
             # a checkpoint's restore writes the worktree too: it waits as well
             with client.open_session(str(worktree)) as s:
                 cid = s.checkpoint()  # reads the worktree: no wait for the record
