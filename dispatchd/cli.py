@@ -9,6 +9,7 @@ bound and served.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -397,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.set_wakeup_fd(server.wakeup_fd())
     manager.start_pool()
     watch.start()
+    # What the start made (modules, policies, tables) lives as long as the
+    # daemon: kept out of the collector's way, a full collection walks only
+    # what sessions made since (docs/performance.md, "The collector").
+    gc.freeze()
     log.info("event=ready socket=%s pid=%s policies=%s pool=%s", socket_path, os.getpid(), ",".join(sorted(policies)),
              args.pool)
     systemd.notify("READY=1", f"STATUS=serving on {socket_path}")
