@@ -56,6 +56,7 @@ HELLO_TIMEOUT_S = 10.0
 # trying again, instead of spinning on a backlog we cannot take.
 _BACKOFF_S = (0.01, 0.5)
 _EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+SPARES = 8  # descriptors held back to refuse connections with (Server._refuse_with_spares)
 
 
 @dataclass
@@ -102,10 +103,14 @@ class Server:
         # The wake-up pipe: stop() writes a byte, so the accept loop sleeps in
         # poll() instead of waking every tenth of a second to look.
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        # A descriptor held in reserve: out of descriptors, we close it to
-        # accept one pending connection and tell it why, instead of leaving it
-        # in the backlog where it would wake us again and again.
-        self._spare: int | None = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        # Descriptors held in reserve: out of descriptors, we close them to
+        # accept each pending connection and tell it why, instead of leaving it
+        # in the backlog where it would wake us again and again
+        # (``_refuse_with_spares``). Several: another thread may take a slot
+        # the moment one is freed (with one spare that race was lost often
+        # enough that most of a burst went unanswered).
+        self._spares: list[int] = []
+        self._take_spares()
         self.helpers: Callable[[], str] = lambda: ""  # the helper processes' state (daemon/helpers.py)
         # Greeted connections idle this long wait without a thread (parking.py).
         self.park_after_s = PARK_AFTER_S
@@ -168,7 +173,7 @@ class Server:
                         time.sleep(backoff)
                         break
                     log.warning("event=accept_exhausted error=%s connections=%s", exc, self.connections)
-                    self._refuse_one_with_spare()
+                    self._refuse_with_spares()
                     time.sleep(backoff)
                     backoff = min(backoff * 2, _BACKOFF_S[1])
                     break
@@ -176,14 +181,24 @@ class Server:
                 conn.setblocking(True)
                 take(conn)
 
-    def _refuse_one_with_spare(self) -> None:
-        """Out of descriptors: give up the spare and, through the descriptor it
-        frees, take each pending connection, tell it, close it; then take the
-        spare back. Clients get an answer at once, not a hang in the backlog."""
-        if self._spare is None:
+    def _take_spares(self) -> None:
+        while len(self._spares) < SPARES:
+            try:
+                self._spares.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                return  # taken back on a later round
+
+    def _refuse_with_spares(self) -> None:
+        """Out of descriptors: give up the spares and, through the descriptors
+        they free, take each pending connection, tell it, close it; then take
+        the spares back. Clients get an answer at once, not a hang in the
+        backlog."""
+        if not self._spares:
+            self._take_spares()  # what other threads let go of since
             return
-        os.close(self._spare)
-        self._spare = None
+        for fd in self._spares:
+            os.close(fd)
+        self._spares = []
         for _ in range(1024):
             try:
                 conn, _ = self.listener.accept()
@@ -191,10 +206,7 @@ class Server:
                 break
             self._refuse(conn, "busy", "dispatchd is out of file descriptors (RLIMIT_NOFILE); "
                                        "close some connections or sessions, or try again shortly")
-        try:
-            self._spare = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            pass  # taken back on a later round
+        self._take_spares()
 
     @staticmethod
     def _refuse(conn: socket.socket, code: str, message: str) -> None:
