@@ -181,17 +181,30 @@ class SessionTable:
 
     def release_write_lock(self, sid: str) -> Session:
         """Give back ``sid``'s write lock (a no-op when it holds none). The
-        worker is told first, under the lock its grants are sent under, so it
-        asks again before its next mutating call. Cooperative: a call already
-        running, or a process left in the background, may still write."""
+        worker is told first, under the lock its grants are sent under, and
+        this returns once it has answered: its next mutating call asks again.
+        Cooperative: a call already running, or a process left in the
+        background, may still write."""
         session = self.get(sid)
+        done: threading.Event | None = None
         with session.send_lock:
             if session.control is not None:
+                session.ack_ids += 1
+                rid = session.ack_ids
+                done = session.acks[rid] = threading.Event()
                 try:
-                    session.control.send(protocol.ForgetWriteLock())
+                    session.control.send(protocol.ForgetWriteLock(id=rid))
                 except OSError:
-                    pass  # the worker is gone: nothing holds the lock for it
+                    session.acks.pop(rid, None)
+                    done = None  # the worker is gone: nothing holds the lock for it
             self.write_locks.give_back(sid)  # its processes live on: no sweep vouches for it until its end
             session.writes = False
+        # Answered once the worker has forgotten it (outside the lock: the
+        # watch that reads the answer may be sending a grant under it): a
+        # mutating call made after this returns asks again, and is refused
+        # while another session writes.
+        if done is not None and not done.wait(READY_TIMEOUT_S):
+            session.acks.pop(rid, None)
+            log.warning("event=write_lock_release_unconfirmed session=%s", sid)
         log.info("event=write_lock_released session=%s", sid)
         return session

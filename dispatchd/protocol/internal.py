@@ -166,7 +166,11 @@ class Drain(_Msg, tag="drain", frozen=True):
 class ForgetWriteLock(_Msg, tag="forget_write_lock", frozen=True):
     """Daemon -> worker: the write lock was given back; ask again before the
     next mutating call. Sent under the same lock as the grants, so a grant
-    and a release reach the worker in the order the daemon decided them."""
+    and a release reach the worker in the order the daemon decided them.
+    ``id``: answered with ``OkReply(id)`` once forgotten; the release returns
+    only then, so a call made after it asks again (0: no answer)."""
+
+    id: int = 0
 
 
 class SetCommandEnv(_Msg, tag="set_command_env", frozen=True):

@@ -329,6 +329,11 @@ def _read_control(server: _Server) -> None:
             server.write_lock.answer(msg)
         elif isinstance(msg, protocol.ForgetWriteLock):
             server.write_lock.held = False  # the next mutating call asks the daemon again
+            if msg.id:
+                try:
+                    server.control.send(protocol.OkReply(id=msg.id))
+                except OSError:
+                    return
         elif isinstance(msg, protocol.SetCommandEnv):
             server.set_command_env(msg)
             if msg.id:

@@ -70,6 +70,25 @@ def test_the_holder_is_shown_and_can_give_the_lock_back(client: dispatch.Client,
         assert first.status()["writes"] is True
 
 
+def test_a_release_is_in_force_when_it_returns(client: dispatch.Client, worktree: Path) -> None:
+    """Handed back and forth: once ``release_write_lock`` returns, the
+    session's tool server has forgotten the lock (it answered), so its next
+    write asks again and is refused while the other holds it. (Told without
+    an answer, a write made right after could still find the lock held in
+    the tool server, and two sessions wrote at once.) Its twin in each
+    round: the holder's own write succeeds."""
+    with client.open_session(str(worktree)) as a, client.open_session(str(worktree)) as b:
+        holder, other = a, b
+        for i in range(20):
+            assert holder.registry.get("write_file").call({"path": "a.txt", "content": f"{i}"}).is_success
+            holder.release_write_lock()
+            holder, other = other, holder
+            assert holder.registry.get("write_file").call({"path": "a.txt", "content": f"{i}+"}).is_success
+            refused = other.registry.get("write_file").call({"path": "a.txt", "content": "late"})
+            assert refused.metadata == {"write_locked": True}, (i, refused.error, refused.metadata)
+            assert (worktree / "a.txt").read_text() == f"{i}+"
+
+
 def test_releasing_an_unknown_session_is_an_error(client: dispatch.Client) -> None:
     import pytest
 

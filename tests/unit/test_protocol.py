@@ -90,7 +90,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.ToolCallsDone: (p.ToolCallsDone(calls=[p.CallRecord("read_file", 1.5, True)]), {"from_worker"}),
     p.Drain: (p.Drain(deadline_s=30.0), {"to_worker"}),
     p.ReleaseWriteLock: (p.ReleaseWriteLock(id=4, session="a1b2c3"), {"daemon_request"}),
-    p.ForgetWriteLock: (p.ForgetWriteLock(), {"to_worker"}),
+    p.ForgetWriteLock: (p.ForgetWriteLock(id=17), {"to_worker"}),
     p.SetCommandEnv: (p.SetCommandEnv(set={"HTTP_PROXY": "http://127.0.0.1:3128"}, unset=["http_proxy"]), {"to_worker"}),
     p.NetworkDenied: (p.NetworkDenied(host="notallowed.invalid", port=443,
                                       allow="dispatch network s1 domains --domains notallowed.invalid"), {"to_worker"}),
