@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from dispatchd import protocol
 from dispatchd.confine import cgroups
 from dispatchd.daemon import exits, gitguard, leftovers, lifetimes, watchdog
@@ -132,7 +134,6 @@ class SessionTable:
     def send_command_env(self, session: Session, set_env: dict[str, str], unset: list[str]) -> None:
         """Commands the session starts once this returns get ``set_env`` and lose
         ``unset`` (e.g. ``domains.proxy_env()`` when a switch keeps the sandbox)."""
-        done = threading.Event()
         with session.send_lock:
             for key in unset:
                 session.env_set.pop(key, None)
@@ -142,19 +143,11 @@ class SessionTable:
                 session.env_unset.discard(key)
             if session.nap is not None:
                 return  # told when it wakes (_wake), before any call can start a command
-            if session.control is None:
+            asked = _ask(session, lambda rid: protocol.SetCommandEnv(set=set_env, unset=unset, id=rid,
+                                                                      secrets=session.secret_names))
+            if asked is None:
                 raise SessionError(f"session {session.id} has ended", session.id)
-            session.ack_ids += 1
-            rid = session.ack_ids
-            session.acks[rid] = done
-            try:
-                session.control.send(protocol.SetCommandEnv(set=set_env, unset=unset, id=rid,
-                                                            secrets=session.secret_names))
-            except OSError as exc:
-                session.acks.pop(rid, None)
-                raise SessionError(f"session {session.id} has ended", session.id) from exc
-        if not done.wait(READY_TIMEOUT_S):
-            session.acks.pop(rid, None)
+        if not _answered(session, asked):
             raise SessionError(f"session {session.id}: its worker did not confirm the new environment", session.id)
 
     def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply:
@@ -186,25 +179,42 @@ class SessionTable:
         Cooperative: a call already running, or a process left in the
         background, may still write."""
         session = self.get(sid)
-        done: threading.Event | None = None
         with session.send_lock:
-            if session.control is not None:
-                session.ack_ids += 1
-                rid = session.ack_ids
-                done = session.acks[rid] = threading.Event()
-                try:
-                    session.control.send(protocol.ForgetWriteLock(id=rid))
-                except OSError:
-                    session.acks.pop(rid, None)
-                    done = None  # the worker is gone: nothing holds the lock for it
+            # None: the worker is gone (or asleep): nothing holds the lock for it.
+            asked = _ask(session, lambda rid: protocol.ForgetWriteLock(id=rid))
             self.write_locks.give_back(sid)  # its processes live on: no sweep vouches for it until its end
             session.writes = False
         # Answered once the worker has forgotten it (outside the lock: the
         # watch that reads the answer may be sending a grant under it): a
         # mutating call made after this returns asks again, and is refused
         # while another session writes.
-        if done is not None and not done.wait(READY_TIMEOUT_S):
-            session.acks.pop(rid, None)
+        if asked is not None and not _answered(session, asked):
             log.warning("event=write_lock_release_unconfirmed session=%s", sid)
         log.info("event=write_lock_released session=%s", sid)
         return session
+
+
+def _ask(session: Session, make: Callable[[int], msgspec.Struct]) -> tuple[int, threading.Event] | None:
+    """Under ``session.send_lock``: send its worker ``make(id)``, a message it
+    answers with ``OkReply(id)`` (read by the session's watch); None when
+    there is no worker to send it to."""
+    if session.control is None:
+        return None
+    session.ack_ids += 1
+    rid = session.ack_ids
+    done = session.acks[rid] = threading.Event()
+    try:
+        session.control.send(make(rid))
+    except OSError:
+        session.acks.pop(rid, None)
+        return None
+    return rid, done
+
+
+def _answered(session: Session, asked: tuple[int, threading.Event]) -> bool:
+    """Outside the send lock: whether ``_ask``'s message was answered in time."""
+    rid, done = asked
+    if done.wait(READY_TIMEOUT_S):
+        return True
+    session.acks.pop(rid, None)
+    return False
