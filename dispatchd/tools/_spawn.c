@@ -1,5 +1,5 @@
 /* spawn_subreaper: start a command as subprocess.Popen would (vfork, then
- * exec), made a child subreaper first.
+ * exec), made a child subreaper first, under the resource limits it is given.
  *
  * Why: every process a call starts must be found when the call is ended
  * (tools/proctree.py). A child subreaper receives the orphans of its
@@ -20,6 +20,13 @@
  *   exec anyway: about a millisecond);
  * - an exec that fails writes its errno to a close-on-exec pipe: the caller
  *   gets the OSError, and the child is reaped here.
+ *
+ * The limits (RLIMIT_NPROC, RLIMIT_NOFILE; soft = hard) are set in the child
+ * before its exec: the command's first instruction, and every process it
+ * forks, runs under them. A vfork child has limits of its own (no
+ * CLONE_THREAD: its own signal struct), so the caller's are untouched. Set
+ * by the caller after the spawn instead, a command that forked or raised its
+ * soft limit back first kept the caller's hard one.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -29,6 +36,7 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -66,9 +74,19 @@ bytes_array(PyObject *seq, const char *what)
     return out;
 }
 
+/* Soft and hard ``value`` for ``which``; a negative ``value`` leaves it. */
+static int
+limit_to(int which, long long value)
+{
+    if (value < 0)
+        return 0;
+    struct rlimit r = {(rlim_t)value, (rlim_t)value};
+    return setrlimit(which, &r);
+}
+
 static void
 child_after_vfork(const char *path, char **argv, char **envp, const char *cwd, int in, int out, int err,
-                  int errpipe, const sigset_t *unblocked)
+                  int errpipe, const sigset_t *unblocked, long long nproc, long long nofile)
 {
     struct sigaction dfl, old;
     memset(&dfl, 0, sizeof dfl);
@@ -83,7 +101,8 @@ child_after_vfork(const char *path, char **argv, char **envp, const char *cwd, i
     }
     int code = 0;
     if (setsid() < 0 || prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0 || dup2(in, 0) < 0 || dup2(out, 1) < 0
-        || dup2(err, 2) < 0 || chdir(cwd) != 0)
+        || dup2(err, 2) < 0 || chdir(cwd) != 0 || limit_to(RLIMIT_NPROC, nproc) != 0
+        || limit_to(RLIMIT_NOFILE, nofile) != 0)
         code = errno;
     if (code == 0) {
         /* Nothing of the caller's but stdio and the error pipe (close-on-exec). */
@@ -99,18 +118,21 @@ child_after_vfork(const char *path, char **argv, char **envp, const char *cwd, i
     _exit(127);
 }
 
-/* spawn_subreaper(path, argv, envp, cwd, stdin_fd, stdout_fd, stderr_fd) -> pid
+/* spawn_subreaper(path, argv, envp, cwd, stdin_fd, stdout_fd, stderr_fd, nproc, nofile) -> pid
  *
  * All three descriptors must be 3 or above (the caller's pipes and its
- * /dev/null). Raises OSError as the fork or the exec failed (BlockingIOError:
- * EAGAIN, the process limit). */
+ * /dev/null). ``nproc`` and ``nofile``: the child's RLIMIT_NPROC and
+ * RLIMIT_NOFILE, soft and hard, or -1 to leave it the caller's. Raises
+ * OSError as the fork, a limit or the exec failed (BlockingIOError: EAGAIN,
+ * the process limit). */
 PyObject *
 dl_spawn_subreaper(PyObject *self, PyObject *args)
 {
     PyObject *path_obj, *argv_obj, *envp_obj, *cwd_obj;
     int in, out, err;
-    if (!PyArg_ParseTuple(args, "SO!O!Siii", &path_obj, &PyList_Type, &argv_obj, &PyList_Type, &envp_obj,
-                          &cwd_obj, &in, &out, &err))
+    long long nproc, nofile;
+    if (!PyArg_ParseTuple(args, "SO!O!SiiiLL", &path_obj, &PyList_Type, &argv_obj, &PyList_Type, &envp_obj,
+                          &cwd_obj, &in, &out, &err, &nproc, &nofile))
         return NULL;
     if (in < 3 || out < 3 || err < 3) {
         PyErr_SetString(PyExc_ValueError, "spawn_subreaper: the descriptors must be 3 or above");
@@ -142,7 +164,7 @@ dl_spawn_subreaper(PyObject *self, PyObject *args)
     pthread_sigmask(SIG_SETMASK, &all, &old);
     pid_t pid = pipefd[1] < 0 ? -1 : vfork();
     if (pid == 0)
-        child_after_vfork(path, argv, envp, cwd, in, out, err, pipefd[1], &unblocked);
+        child_after_vfork(path, argv, envp, cwd, in, out, err, pipefd[1], &unblocked, nproc, nofile);
     int fork_errno = errno;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (pipefd[1] >= 0)

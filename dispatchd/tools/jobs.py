@@ -300,9 +300,9 @@ class Jobs:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # close-on-exec
             try:
                 env = proctree.spawn_env(ctx.env, token)
-                proc = proctree.spawn(lambda: proctree.start_command(
+                proc = proctree.spawn(lambda limits: proctree.start_command(
                     ["/bin/bash", "--norc", "-c", _KEEPER, "dispatchd-job", command], env, workdir, theirs.fileno(), out_w,
-                    out_w,
+                    out_w, limits,
                 ), ctx.limits.max_processes)
             except OSError as exc:
                 os.close(log_fd)

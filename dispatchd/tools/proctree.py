@@ -13,13 +13,14 @@ Guarantees:
   it: ``owns(pid)`` tells the session's orphan reaper (the tool server is pid
   1 of the session in full mode) which zombies to leave to their ``Popen``,
   whose exit status it would otherwise steal;
-- ``spawn`` gives a new command an RLIMIT_NPROC (soft from birth, hard
-  right after) that leaves the tool server a reserve: commands that hit the
-  session's process limit hit it ``PROCESS_RESERVE`` (or a quarter of a
-  smaller budget) below the server, which keeps its threads and can still
-  spawn, answer and kill. Likewise an RLIMIT_NOFILE ``FD_PASSING_RESERVE``
-  below the server's (``confine/limits.py``): descriptors the commands put
-  in flight cannot stop the session's own sends.
+- ``spawn`` gives a new command an RLIMIT_NPROC (soft and hard, set in the
+  child before its exec: in force from the command's first instruction)
+  that leaves the tool server a reserve: commands that hit the session's
+  process limit hit it ``PROCESS_RESERVE`` (or a quarter of a smaller
+  budget) below the server, which keeps its threads and can still spawn,
+  answer and kill. Likewise an RLIMIT_NOFILE ``FD_PASSING_RESERVE`` below
+  the server's (``confine/limits.py``): descriptors the commands put in
+  flight cannot stop the session's own sends.
 
 - ``start_command`` starts a call's bash as a child subreaper
   (``_spawn.c``): every process the call starts stays in bash's tree while
@@ -57,7 +58,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from dispatchd import procfs
 from dispatchd.confine.limits import FD_PASSING_RESERVE
@@ -73,8 +74,9 @@ class _Child(Protocol):
 
 T = TypeVar("T", bound=_Child)
 
-__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "Command", "Started", "after_first_spawn", "kill_subtree",
-           "KILL_BUDGET_S", "kill_tree", "live_stat", "new_token", "owns", "set_subreaper", "spawn", "spawn_env", "start_command"]
+__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "Command", "Limits", "Started", "after_first_spawn",
+           "apply_limits", "command_limits", "kill_subtree", "KILL_BUDGET_S", "kill_tree", "live_stat", "new_token",
+           "owns", "set_subreaper", "spawn", "spawn_env", "start_command"]
 
 MARKER = "DISPATCH_CALL_ID"
 PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the session's budget)
@@ -130,25 +132,40 @@ def _command_limit(hard: int, budget: int) -> int | None:
     return value if 0 < value < hard else None
 
 
-def spawn(start: Callable[[], T], budget: int) -> T:
-    """``start()`` (a ``subprocess.Popen``), its child under the command limit.
+class Limits(NamedTuple):
+    """The resource limits a command is started under (soft = hard), each
+    None to leave it the tool server's."""
 
-    Our soft RLIMIT_NPROC is lowered around the spawn, so the child is born
-    with it and cannot fork past it; the child's hard limit is then lowered
-    too (a soft one could be raised back). Spawns are serialised meanwhile
-    (rlimits are per process, not per thread). When we are already past the
-    command limit (a bomb holds it), the spawn is tried again under our own
-    limit: the new bash then runs, but cannot fork. ``preexec_fn`` would do
-    this in the child, but rules out vfork (+3 ms).
+    processes: int | None
+    files: int | None
+
+
+def spawn(start: Callable[[Limits], T], budget: int) -> T:
+    """``start(limits)`` (``start_command``, or a ``subprocess.Popen`` that
+    applies ``limits`` in its child), its child under the command limits.
+
+    The limits are set in the child, before its exec, never by us after the
+    spawn: set after, a command that forked at once, or raised its soft limit
+    back to the hard one first, kept ours. The fork itself is counted
+    against our own limit, so a command starts while commands hold theirs
+    (a bomb), and cannot fork past it.
     """
     with _SPAWN_LOCK:  # held until the child is recorded: owns() waits for it
-        child = _start_limited(start, budget)
+        child = start(command_limits(budget))
         for pid in [pid for pid, c in _CHILDREN.items() if c.returncode is not None]:
             del _CHILDREN[pid]  # reaped by their Popen: their pids may be anyone's now
         _CHILDREN[child.pid] = child
     CHILD_BORN.set()
     _run_first_spawn()
     return child
+
+
+def command_limits(budget: int) -> Limits:
+    """The limits a command gets, from ours now and the session's process
+    budget (the policy's ``max_processes``)."""
+    _, processes = resource.getrlimit(resource.RLIMIT_NPROC)
+    _, files = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return Limits(_command_limit(processes, budget), _files_limit(files))
 
 
 def _files_limit(hard: int) -> int | None:
@@ -159,41 +176,11 @@ def _files_limit(hard: int) -> int | None:
     return hard - FD_PASSING_RESERVE
 
 
-def _start_limited(start: Callable[[], T], budget: int) -> T:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
-    value = _command_limit(hard, budget)
-    files_soft, files_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    files = _files_limit(files_hard)
-    if value is None and files is None:
-        return start()
-    if value is not None:
-        resource.setrlimit(resource.RLIMIT_NPROC, (min(soft, value), hard))
-    if files is not None:
-        # Our own descriptors stay open; only new ones above the lowered
-        # limit would fail meanwhile (the tool server holds a few dozen).
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(files_soft, files), files_hard))
-    child: T | None = None
-    try:
-        child = start()
-    except BlockingIOError:
-        pass  # EAGAIN: past the command limit already
-    finally:
-        resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (files_soft, files_hard))
-    if child is None:
-        if files is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(files_soft, files), files_hard))
-        try:
-            child = start()
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (files_soft, files_hard))
-    for which, limit in ((resource.RLIMIT_NPROC, value), (resource.RLIMIT_NOFILE, files)):
-        if limit is not None:
-            try:
-                resource.prlimit(child.pid, which, (limit, limit))
-            except (OSError, ValueError):
-                pass  # already gone: nothing to limit
-    return child
+def apply_limits(limits: Limits) -> None:
+    """In a command's child before its exec (``preexec_fn``): ``limits``, soft and hard."""
+    for which, value in ((resource.RLIMIT_NPROC, limits.processes), (resource.RLIMIT_NOFILE, limits.files)):
+        if value is not None:
+            resource.setrlimit(which, (value, value))
 
 
 def owns(pid: int) -> bool:
@@ -351,18 +338,25 @@ Started = Command | subprocess.Popen[bytes]  # what start_command gives
 
 
 def start_command(argv: list[str], env: Mapping[str, str], cwd: str, stdin: int, stdout: int,
-                  stderr: int) -> Started:
+                  stderr: int, limits: Limits = Limits(None, None)) -> Started:
     """``argv`` started in a session of its own, a child subreaper (see the
-    module docstring), with these descriptors as its stdio and no other."""
+    module docstring), with these descriptors as its stdio and no other, and
+    ``limits`` set in the child before its exec."""
     from dispatchd.tools import native  # the C helper, when it was built
 
     if native.lines is not None and min(stdin, stdout, stderr) >= 3:
         envp = [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()]
-        pid = native.lines.spawn_subreaper(os.fsencode(argv[0]), [os.fsencode(a) for a in argv], envp,
-                                           os.fsencode(cwd), stdin, stdout, stderr)
+        pid = native.lines.spawn_subreaper(
+            os.fsencode(argv[0]), [os.fsencode(a) for a in argv], envp, os.fsencode(cwd), stdin, stdout, stderr,
+            -1 if limits.processes is None else limits.processes, -1 if limits.files is None else limits.files)
         return Command(pid, argv)
+
+    def before_exec() -> None:
+        set_subreaper()
+        apply_limits(limits)
+
     return subprocess.Popen(argv, cwd=cwd, env=dict(env), stdin=stdin, stdout=stdout, stderr=stderr, close_fds=True,
-                            start_new_session=True, preexec_fn=set_subreaper)
+                            start_new_session=True, preexec_fn=before_exec)
 
 
 def _live_descendants(leader: int) -> list[int]:

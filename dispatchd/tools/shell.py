@@ -321,8 +321,8 @@ def _start(ctx: ToolContext, command: str, workdir: str, token: str) -> tuple[pr
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
-        proc = proctree.spawn(lambda: proctree.start_command(
-            [_BASH, "-c", command], proctree.spawn_env(ctx.env, token), workdir, _stdin(), out_w, err_w,
+        proc = proctree.spawn(lambda limits: proctree.start_command(
+            [_BASH, "-c", command], proctree.spawn_env(ctx.env, token), workdir, _stdin(), out_w, err_w, limits,
         ), ctx.limits.max_processes)
     except BaseException as exc:
         os.close(out_r)

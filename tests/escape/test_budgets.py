@@ -287,8 +287,8 @@ def test_descriptors_in_flight_stop_below_what_the_session_itself_sends(
 
     _, client = full
     with client.open_session(str(worktree), policy="fewfds") as session:
-        # Soft from birth, hard right after the spawn (proctree.spawn).
-        limits = shell(session, "ulimit -Sn; sleep 0.2; ulimit -Hn")
+        # Soft and hard from its first instruction (set before its exec: proctree.spawn).
+        limits = shell(session, "ulimit -Sn; ulimit -Hn")
         assert limits.output.split() == ["256", "256"], limits  # the commands' limit
         shell(session, f"/usr/bin/python3 -c {_q(INFLIGHT_HOG)} 20 > inflight.out", background=True)
         for _ in range(200):
