@@ -26,6 +26,10 @@ as_unprivileged_user() {
     command -v slirp4netns >/dev/null || missing+=(slirp4netns)
     command -v pasta >/dev/null || missing+=(passt)
     command -v nft >/dev/null || missing+=(nftables)
+    # patchelf, which gives a copy of slirp4netns a RUNPATH outside the
+    # system's directories (tests/integration/test_stack_choice.py: a stack
+    # built into /opt or a home directory loads its libraries from there)
+    command -v patchelf >/dev/null || missing+=(patchelf)
     # the C helper of read_file and search_files (dispatchd/tools/_lines.c),
     # built by pip at install: a compiler and the headers of Debian's Python
     command -v gcc >/dev/null || missing+=(gcc)

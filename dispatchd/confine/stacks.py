@@ -13,7 +13,8 @@ Guarantees:
   fork server's child before its exec (``plan_stack_confinement``, applied
   by ``confine_stack``; a step that fails ends the child, and the open
   fails naming it): Landlock grants reading and executing the system's
-  programs and libraries and the tun device, nothing else, and scopes
+  programs and libraries, the stack's own executable and the files it
+  loads wherever they are (``elfloads``), and the tun device, nothing else, and scopes
   signals and abstract sockets (ABI 6); seccomp refuses what Landlock does
   not see: every Unix and netlink socket, changes to a file's metadata,
   signals, other processes' limits and priorities, ``listen``, mounts, new
@@ -32,16 +33,20 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
-from dispatchd.confine import landlock
+from dispatchd.confine import elfloads, landlock
 from dispatchd.confine.landlock import LandlockPlan
 from dispatchd.confine.seccomp import ArgCheck, SeccompPlan, SeccompRule, plan_seccomp
 from dispatchd.errors import ConfinementError
+from dispatchd.inside import is_within
+
+log = logging.getLogger("dispatchd.stacks")
 
 PASTA = "pasta"
 SLIRP4NETNS = "slirp4netns"
@@ -147,13 +152,21 @@ class Launch(msgspec.Struct, frozen=True):
     confinement: bytes = b""
 
 
-def launch_for(stack: str, landlock_abi: int) -> Launch:
+def launch_for(stack: str, landlock_abi: int,
+               loads: Callable[[str, Mapping[str, str]], tuple[list[str], str]] = elfloads.loaded_files) -> Launch:
     """The daemon's ``Launch`` for ``stack`` (as probed: ``probe_stack``), its
-    confinement planned once, for every session."""
+    confinement planned once, for every session. ``loads``: the files the
+    program loads to start, and why not all could be found (logged: the
+    stack's own start then names what it could not load)."""
     if not stack:
         return Launch(PASTA)  # none can run: no session gets one (plan_network refuses)
     path = os.path.realpath(shutil.which(stack) or stack)
-    confinement = plan_stack_confinement(stack, landlock_abi=landlock_abi, executable=path)
+    files: list[str] = []
+    if stack != PASTA:  # pasta confines itself, after loading what it needs
+        files, why = loads(path, STACK_ENV)
+        if why:
+            log.warning("event=stack_libraries_unknown stack=%s error=%s", path, why)
+    confinement = plan_stack_confinement(stack, landlock_abi=landlock_abi, executable=path, loads=files)
     return Launch(stack, path, msgspec.msgpack.encode(confinement) if confinement is not None else b"")
 
 
@@ -201,11 +214,15 @@ class StackConfinement(msgspec.Struct, frozen=True):
 SYSTEM_READ = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache"]
 
 
-def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) -> StackConfinement | None:
+def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str,
+                           loads: Sequence[str] = ()) -> StackConfinement | None:
     """How ``stack`` is confined (None: pasta, which confines itself). Pure.
 
-    Landlock: read and execute of the system's programs and libraries and of
-    ``executable`` (the stack's resolved path, wherever installed), and the
+    Landlock: read and execute of the system's programs and libraries, of
+    ``executable`` (the stack's resolved path, wherever installed) and of
+    each file of ``loads`` outside them (its interpreter and libraries,
+    ``elfloads.loaded_files``: one built into /opt or a home directory
+    loads them from there; the files alone, never their directories), and the
     tun device, with its ioctls (the interface is made with TUNSETIFF); no
     other file, nothing written; no signal to a process outside, no abstract
     socket outside (ABI 6). seccomp: ``plan_stack_seccomp``. The
@@ -216,7 +233,9 @@ def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str) ->
         return None
     if landlock_abi < 1:  # probe_stack never picks it then: fail closed all the same
         raise ConfinementError("network: confine " + stack, detail="Landlock is not available")
-    plan = landlock.plan_landlock(abi=landlock_abi, read_only=[*SYSTEM_READ, executable], read_write=[],
+    own = [path for path in dict.fromkeys([executable, *loads])
+           if not any(is_within(path, top) for top in SYSTEM_READ)]
+    plan = landlock.plan_landlock(abi=landlock_abi, read_only=[*SYSTEM_READ, *own], read_write=[],
                                   devices=[], deny_tcp=False)
     tun = landlock.PathRule(TUN, (landlock.DEVICE | landlock.IOCTL_DEV) & plan.handled_fs)
     # TCP binds handled, none granted (ABI 4): it connects out, and serves

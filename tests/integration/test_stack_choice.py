@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 import dispatch
@@ -135,3 +137,54 @@ def test_a_slirp4netns_without_the_options_it_is_started_with_is_passed_over_nam
                                                  "'domains' work without it")
         finally:
             assert d.stop() == 0, d.log()
+
+
+def test_a_slirp4netns_built_elsewhere_loads_its_libraries_from_there(tmp_path: Path, worktree: Path,
+                                                                      greeter: int) -> None:
+    """slirp4netns built into /opt or a home directory finds libslirp there
+    through its RUNPATH, outside the system's directories its Landlock rules
+    granted: it could not load it ("Permission denied"), and every
+    network-on open failed though the probe had taken it. The daemon now
+    lists what it loads (its loader's ``--list``) and grants those files.
+    Stood in for by a copy of the system's slirp4netns and libslirp under
+    the test's directory, the copy's RUNPATH set to the library's copy
+    (patchelf); the stack is seen running with that copy mapped. The twin
+    (the packaged one, every library in the system's directories) is in the
+    tests above."""
+    _refuse_root()
+    if shutil.which("patchelf") is None:
+        pytest.fail("patchelf is installed by the set-up (scripts/_common.sh)", pytrace=False)
+    system = os.path.realpath(shutil.which("slirp4netns") or "slirp4netns")
+    listed = subprocess.run(["ldd", system], capture_output=True, text=True, check=True).stdout
+    libslirp = next(line.split("=>")[1].split()[0] for line in listed.splitlines() if "libslirp.so" in line)
+    built = tmp_path / "built"
+    (built / "bin").mkdir(parents=True)
+    (built / "lib").mkdir()
+    shutil.copy(system, built / "bin" / "slirp4netns")
+    shutil.copy(os.path.realpath(libslirp), built / "lib" / os.path.basename(libslirp))
+    subprocess.run(["patchelf", "--set-rpath", str(built / "lib"), str(built / "bin" / "slirp4netns")], check=True)
+    ours = subprocess.run(["ldd", str(built / "bin" / "slirp4netns")], capture_output=True, text=True, check=True)
+    assert str(built / "lib" / os.path.basename(libslirp)) in ours.stdout, ours.stdout  # the copy is what loads
+    bindir = tmp_path / "bin"
+    path = path_without(bindir, ("slirp4netns",))
+    (bindir / "slirp4netns").symlink_to(built / "bin" / "slirp4netns")
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--network-stack", "slirp4netns", prefix=("env", f"PATH={path}"))
+    try:
+        with d.connect() as client:
+            kernel = client.status()["kernel"]
+            assert (kernel["network_stack"], kernel["network_stack_missing"]) == ("slirp4netns", "")
+            with client.open_session(str(worktree), network="on") as s:
+                code = (f"import socket; c = socket.create_connection(('10.0.2.2', {greeter}), timeout=10); "
+                        "print('connected', c.recv(16).decode())")
+                assert probe(s, code) == "connected hello"
+                assert s.status()["protections"]["network"]["stack"] == "slirp4netns"
+                # This session's, and those of sandboxes made ahead: each one the copy, with its library.
+                stacks = [p for p in psutil.Process(d.proc.pid).children(recursive=True)
+                          if p.name() == "slirp4netns"]
+                assert stacks and {p.exe() for p in stacks} == {str(built / "bin" / "slirp4netns")}
+                for stack in stacks:
+                    mapped = {m.path for m in stack.memory_maps()}
+                    assert str(built / "lib" / os.path.basename(libslirp)) in mapped, mapped
+    finally:
+        assert d.stop() == 0, d.log()

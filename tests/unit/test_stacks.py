@@ -292,13 +292,40 @@ def test_the_stack_makes_no_namespace_of_its_own() -> None:
 
 
 def test_the_daemons_launch_carries_the_plan_for_the_fork_server() -> None:
-    launch = stacks.launch_for("slirp4netns", 7)
+    asked: list[tuple[str, dict[str, str]]] = []
+
+    def loads(path: str, env: dict[str, str]) -> tuple[list[str], str]:
+        asked.append((path, dict(env)))
+        return ["/opt/libslirp/lib/libslirp.so.0", "/lib/x86_64-linux-gnu/libc.so.6"], ""
+
+    launch = stacks.launch_for("slirp4netns", 7, loads=loads)
     got = msgspec.msgpack.decode(launch.confinement, type=stacks.StackConfinement)
     assert launch.stack == "slirp4netns" and got.seccomp == STACK
     assert launch.executable == os.path.realpath(shutil.which("slirp4netns") or "slirp4netns")
-    pasta = stacks.launch_for("pasta", 7)
+    assert asked == [(launch.executable, stacks.STACK_ENV)]  # listed as it is started: the same search
+    assert landlock.PathRule("/opt/libslirp/lib/libslirp.so.0", landlock.READ_ONLY) in got.landlock.paths
+    pasta = stacks.launch_for("pasta", 7, loads=loads)
     assert (pasta.stack, pasta.confinement) == ("pasta", b"")  # it confines itself
+    assert len(asked) == 1  # and loads what it needs before it does: nothing to list
     assert stacks.launch_for("", 7) == stacks.Launch("pasta")  # none can run: never started
+
+
+def test_a_stack_installed_outside_the_system_reads_its_own_files_and_nothing_beside() -> None:
+    """slirp4netns built into /opt or a home directory, with its libraries
+    there (its RUNPATH) and its own loader: each file it loads gets a rule
+    of its own, and no directory holding them does; files in the system's
+    directories add none (already read)."""
+    loads = ["/opt/slirp/lib/ld-linux-x86-64.so.2", "/home/u/.local/lib/libslirp.so.0",
+             "/usr/lib/x86_64-linux-gnu/libglib-2.0.so.0", "/home/u/.local/lib/libslirp.so.0"]
+    plan = stacks.plan_stack_confinement("slirp4netns", landlock_abi=7, executable="/home/u/.local/bin/slirp4netns",
+                                         loads=loads).landlock
+    granted = [rule.path for rule in plan.paths if rule.path not in stacks.SYSTEM_READ and rule.path != stacks.TUN]
+    assert granted == ["/home/u/.local/bin/slirp4netns", "/opt/slirp/lib/ld-linux-x86-64.so.2",
+                       "/home/u/.local/lib/libslirp.so.0"]
+    # The twin: a packaged one needs nothing beyond the system's directories.
+    packaged = stacks.plan_stack_confinement("slirp4netns", landlock_abi=7, executable="/usr/bin/slirp4netns",
+                                             loads=loads[2:3]).landlock
+    assert [rule.path for rule in packaged.paths] == [*stacks.SYSTEM_READ, stacks.TUN]
 
 
 def test_the_fork_server_starts_no_stack_but_pasta_without_a_confinement() -> None:
