@@ -5,7 +5,7 @@ changed, the git walk and the tree walk, on a repository of N objects.
     python bench/baseline.py [--objects 100000] [--files 10000] [--loose]
 
 Makes the repository with ``git fast-import`` in a temporary directory (N/3
-commits, each one blob and one tree), packed (``git gc``) unless --loose,
+commits, each one blob and one tree), packed (``git gc``), or with --loose every object a file of its own,
 with a worktree of --files files checked out. Prints milliseconds, the
 median of --rounds runs.
 """
@@ -38,6 +38,20 @@ def make_repo(path: str, objects: int, files: int) -> None:
     subprocess.run(["git", "checkout", "-q", "main"], cwd=path, check=True)
 
 
+def unpack(repo: str) -> None:
+    """Every object loose (fast-import writes a pack): as a repository whose
+    objects were made one by one (``git add``, ``git commit``) and never packed."""
+    packs = os.path.join(repo, ".git", "objects", "pack")
+    for name in sorted(os.listdir(packs)):
+        if name.endswith(".pack"):
+            aside = os.path.join(repo, name)
+            os.rename(os.path.join(packs, name), aside)
+            os.unlink(os.path.join(packs, name[:-5] + ".idx"))
+            with open(aside, "rb") as f:
+                subprocess.run(["git", "unpack-objects", "-q"], cwd=repo, stdin=f, check=True)
+            os.unlink(aside)
+
+
 def timed(fn: object, rounds: int) -> float:
     times = []
     for _ in range(rounds):
@@ -60,6 +74,8 @@ def main() -> None:
         make_repo(repo, args.objects, args.files)
         if not args.loose:
             subprocess.run(["git", "gc", "-q"], cwd=repo, check=True)
+        else:
+            unpack(repo)
         count = subprocess.run(["git", "count-objects", "-v"], cwd=repo, capture_output=True, text=True).stdout
         print(f"repository made in {time.perf_counter() - t:.1f} s: "
               + ", ".join(line for line in count.splitlines() if line.split(":")[0] in ("count", "in-pack")))

@@ -145,23 +145,54 @@ def _files_in(objects: str, dirs: set[str]) -> set[str]:
     return found
 
 
-def _clone(src: str, dst: str, budget: list[int]) -> None:
-    """``dst`` as a copy of ``src`` that costs as little as the file system allows."""
+# What FICLONE answers where the file system has no reflinks (ext4: EOPNOTSUPP),
+# or the two files are on different ones (EXDEV).
+_NO_REFLINK = frozenset({errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL, errno.EXDEV, errno.ENOSYS})
+
+
+class Ways:
+    """The ways of copying a file one batch of ``_clone`` found refused, by
+    (source device, destination device): asked once each, not once a
+    file. On a file system without reflinks each attempt made the
+    destination, asked, then removed it: a repository's first baseline
+    (every object file) took 30-40x a plain hard link's time (ext4, 2,042
+    files: 1.0-1.3 s against 32 ms)."""
+
+    def __init__(self) -> None:
+        self.no_reflink: set[tuple[int, int]] = set()
+        self._devices: dict[str, int] = {}
+
+    def between(self, src_dev: int, dst: str) -> tuple[int, int]:
+        """(source device, device of ``dst``'s directory), the latter looked up once a directory."""
+        folder = os.path.dirname(dst)
+        dev = self._devices.get(folder)
+        if dev is None:
+            dev = self._devices[folder] = os.stat(folder).st_dev
+        return src_dev, dev
+
+
+def _clone(src: str, dst: str, budget: list[int], ways: Ways | None = None) -> None:
+    """``dst`` as a copy of ``src`` that costs as little as the file system
+    allows: a reflink, else a hard link, else a copy within ``budget``.
+    ``ways``: what this batch found refused (one per batch; none: ask)."""
     sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(sfd)
         if not stat.S_ISREG(st.st_mode):
             return
-        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-        try:
+        where = ways.between(st.st_dev, dst) if ways is not None else (st.st_dev, 0)
+        if ways is None or where not in ways.no_reflink:
+            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
             try:
-                fcntl.ioctl(dfd, _FICLONE, sfd)
-                return
-            except OSError:
-                pass
-        finally:
-            os.close(dfd)
-        os.unlink(dst)
+                try:
+                    fcntl.ioctl(dfd, _FICLONE, sfd)
+                    return
+                except OSError as exc:
+                    if ways is not None and exc.errno in _NO_REFLINK:
+                        ways.no_reflink.add(where)
+            finally:
+                os.close(dfd)
+            os.unlink(dst)
         try:
             os.link(src, dst, follow_symlinks=False)
             return
@@ -193,6 +224,7 @@ def keep_more(objects_fd: int, keep: str, budget: list[int]) -> set[str]:
     OSError EFBIG. Leaves the stamps alone: the next ``record`` lists again
     what changed since its own look, these additions included."""
     present: set[str] = set()
+    ways = Ways()
     os.makedirs(keep, mode=0o700, exist_ok=True)
     for name in os.listdir(objects_fd):
         if len(name) != 2 and name != "pack":
@@ -209,10 +241,12 @@ def keep_more(objects_fd: int, keep: str, budget: list[int]) -> set[str]:
                 kept = set(os.listdir(kept_dir))
             except FileNotFoundError:
                 kept = set()
-            for n in sorted(here - kept):
+            missing = sorted(here - kept)
+            if missing:
                 os.makedirs(kept_dir, mode=0o700, exist_ok=True)
+            for n in missing:
                 try:
-                    _clone(f"/proc/self/fd/{fd}/{n}", os.path.join(kept_dir, n), budget)
+                    _clone(f"/proc/self/fd/{fd}/{n}", os.path.join(kept_dir, n), budget, ways)
                 except (FileNotFoundError, FileExistsError):
                     continue  # gone meanwhile (a repack), or kept meanwhile
         finally:
@@ -240,10 +274,15 @@ def record(common: str, keep: str, own: list[str]) -> History:
         present = _files_in(objects, dirs)
         kept = _files_in(keep, dirs)
         budget = [_COPY_BUDGET]
+        ways = Ways()
+        made: set[str] = set()  # each fan-out directory made once, not once a file
         for rel in sorted(present - kept):
-            os.makedirs(os.path.join(keep, os.path.dirname(rel)), mode=0o700, exist_ok=True)
+            folder = os.path.dirname(rel)
+            if folder not in made:
+                os.makedirs(os.path.join(keep, folder), mode=0o700, exist_ok=True)
+                made.add(folder)
             try:
-                _clone(os.path.join(objects, rel), os.path.join(keep, rel), budget)
+                _clone(os.path.join(objects, rel), os.path.join(keep, rel), budget, ways)
             except FileNotFoundError:
                 continue  # git removed it meanwhile (a repack)
         for rel in kept - present:  # the user's own gc: theirs to drop
@@ -279,10 +318,11 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else \
             set(_stamps(history.keep))
         missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
+        ways = Ways()
         for rel in missing:
             try:
                 os.makedirs(os.path.join(objects, os.path.dirname(rel)), exist_ok=True)
-                _clone(os.path.join(history.keep, rel), os.path.join(objects, rel), [_COPY_BUDGET])
+                _clone(os.path.join(history.keep, rel), os.path.join(objects, rel), [_COPY_BUDGET], ways)
             except OSError as exc:
                 failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}")
         if missing:

@@ -1,0 +1,103 @@
+"""gitguard.history: how object files are kept. Where the file system has no
+reflinks, a batch asks once (FICLONE refused), then hard-links the rest:
+each attempt made the destination, asked and removed it, a repository's
+first baseline 30-40x a plain link. The kernel's answer is stood in for
+(the fake ``ioctl``), the links and copies are real."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon.gitguard import history
+
+
+def _files(folder: Path, n: int) -> list[Path]:
+    folder.mkdir()
+    out = []
+    for i in range(n):
+        path = folder / f"{i:02x}"
+        path.write_bytes(b"object %d" % i)
+        out.append(path)
+    return out
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, answer: Callable[[], None]) -> list[int]:
+    asked: list[int] = []
+
+    def ioctl(fd: int, request: int, arg: int) -> int:
+        assert request == history._FICLONE
+        asked.append(fd)
+        answer()
+        return 0
+    monkeypatch.setattr(history.fcntl, "ioctl", ioctl)
+    return asked
+
+
+def _refuse(code: int) -> Callable[[], None]:
+    def answer() -> None:
+        raise OSError(code, os.strerror(code))
+    return answer
+
+
+def test_a_file_system_without_reflinks_is_asked_once_a_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = _counting(monkeypatch, _refuse(errno.EOPNOTSUPP))
+    sources = _files(tmp_path / "objects", 20)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    ways = history.Ways()
+    for src in sources:
+        history._clone(str(src), str(keep / src.name), [0], ways)
+    assert len(asked) == 1
+    for src in sources:  # every one kept, each a hard link (the same inode), nothing copied (budget 0)
+        assert os.stat(keep / src.name).st_ino == os.stat(src).st_ino
+    # A new batch asks again (a file system can be another by then).
+    history._clone(str(sources[0]), str(tmp_path / "again"), [0], history.Ways())
+    assert len(asked) == 2
+
+
+def test_a_reflink_that_works_is_asked_for_every_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twin: a file system with reflinks (btrfs, XFS) keeps every file as
+    one; nothing is remembered as refused."""
+    asked = _counting(monkeypatch, lambda: None)
+    sources = _files(tmp_path / "objects", 5)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    ways = history.Ways()
+    for src in sources:
+        history._clone(str(src), str(keep / src.name), [0], ways)
+    assert len(asked) == 5 and not ways.no_reflink
+    assert all(os.stat(keep / src.name).st_ino != os.stat(src).st_ino for src in sources)  # not links
+
+
+def test_another_failure_is_not_taken_for_no_reflinks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC (say) says nothing of the file system's reflinks: each file
+    asks again, and is kept by a hard link meanwhile."""
+    asked = _counting(monkeypatch, _refuse(errno.ENOSPC))
+    sources = _files(tmp_path / "objects", 3)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    ways = history.Ways()
+    for src in sources:
+        history._clone(str(src), str(keep / src.name), [0], ways)
+    assert len(asked) == 3 and not ways.no_reflink
+    assert all(os.stat(keep / src.name).st_ino == os.stat(src).st_ino for src in sources)
+
+
+def test_the_real_file_system_keeps_the_same_way_with_and_without_the_memory(tmp_path: Path) -> None:
+    """No stand-in: whatever this file system does (a link on ext4, a
+    reflink on btrfs), a batch with ``Ways`` keeps each file as one without."""
+    sources = _files(tmp_path / "objects", 4)
+    for name, ways in (("plain", None), ("remembered", history.Ways())):
+        keep = tmp_path / name
+        keep.mkdir()
+        for src in sources:
+            history._clone(str(src), str(keep / src.name), [1 << 20], ways)
+    for src in sources:
+        plain, remembered = os.stat(tmp_path / "plain" / src.name), os.stat(tmp_path / "remembered" / src.name)
+        assert (plain.st_ino == os.stat(src).st_ino) == (remembered.st_ino == os.stat(src).st_ino)
+        assert (tmp_path / "remembered" / src.name).read_bytes() == src.read_bytes()
