@@ -360,3 +360,50 @@ def test_on_a_file_system_of_untrusted_ctimes_an_index_is_parsed_every_time(
     index = str(repo / ".git" / "index")
     links, parsed = index_read_once(index, monkeypatch)
     assert fs.index_gitlinks(index) == links and parsed[0] == 1
+
+
+def _counted_fine(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    asked: list[int] = []
+    real = treewalk.fine_local_ctime
+
+    def counting(fd: int, dev: int) -> bool:
+        asked.append(dev)
+        return real(fd, dev)
+    monkeypatch.setattr(treewalk, "fine_local_ctime", counting)
+    return asked
+
+
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+def test_a_walk_asks_a_block_devices_file_system_once_and_an_anonymous_ones_at_each_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """The file system's type (fstatfs) was asked at every directory of a
+    remembered walk, a third of its time: a block device's is asked once a
+    walk. An anonymous device number (tmpfs here, btrfs, FUSE) can be given
+    to another mount, so it is asked at each directory as before. The same
+    sweep, either way: nothing left, every file kept."""
+    if where == "shm":
+        root = Path("/dev/shm") / f"dispatchd-test-{os.getpid()}"
+        root.mkdir()
+    else:
+        root = tmp_path / "tree"
+        root.mkdir()
+    try:
+        _tree(root)
+        block = os.major(os.stat(root).st_dev) != 0
+        listings = treewalk.Listings(no_temp_files)
+        settled()
+        asked = _counted_fine(monkeypatch)
+        for _ in range(2):
+            assert sweep_temp_files(str(root), listings=listings) == []
+        assert len(asked) == (2 if block else 2 * 41)  # once a walk, or every directory (the top, p*, p*/q)
+        assert listings.reused == 41
+        assert all((root / f"p{i}" / "user.txt").read_text() == "mine\n" for i in range(20))
+    finally:
+        if where == "shm":
+            treewalk.remove_tree(str(root))
+
+
+def test_the_shm_case_above_is_an_anonymous_device() -> None:
+    """So that the parametrised test above covers both branches wherever
+    the test's own directory is: /dev/shm is a tmpfs."""
+    assert os.major(os.stat("/dev/shm").st_dev) == 0
