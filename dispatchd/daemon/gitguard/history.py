@@ -10,7 +10,9 @@ dropped incrementally, so a later baseline costs a listing.
 
 When the sessions end (``restore``), with their processes gone:
 - an object file kept and now missing is put back (a session's ``rm -rf
-  .git/objects`` loses nothing);
+  .git/objects`` loses nothing), unless it is a loose object that a pack
+  holds now, read back and hashed to its id (git packed it meanwhile:
+  ``packed_meanwhile``);
 - a branch or tag the user had that is gone, or that no longer leads back to
   where it was (a fast-forward is kept: the user's own commits in another
   worktree meanwhile look the same), is written back as a loose ref; the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -39,6 +42,8 @@ import time
 import msgspec
 
 from dispatchd.daemon.gitguard import fs, objectstore
+
+_log = logging.getLogger("dispatchd.history")
 
 _OID = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
 _MAX_REFS = 100_000
@@ -305,6 +310,35 @@ def record(common: str, keep: str, own: list[str]) -> History:
                    stamps=stamps, stamped_ns=stamped_ns)
 
 
+_LOOSE = re.compile(r"^[0-9a-f]{2}/[0-9a-f]{38}$")  # a SHA-1 loose object file, as kept
+PACKED_CHECK_S = 5.0  # at most this long reading objects back from packs; the rest are put back
+_PACKED_CACHE = 64 * 1024 * 1024  # bytes of delta bases kept while checking
+
+
+def packed_meanwhile(objects: str, gone: list[str], budget_s: float = PACKED_CHECK_S) -> set[str]:
+    """The loose object files of ``gone`` whose objects a pack of
+    ``objects`` holds now, each read back and hashed to its id
+    (``objectstore.Store.packed``): git packed them while the session ran
+    (``git gc``, or the ``gc --auto`` after a commit), and removed the loose
+    copies. Put back, they were counted as deleted by a session, and made
+    loose again what git had just packed: its next ``gc --auto`` packed them
+    again, and the next session's end put them back again. A pack index
+    that names them without holding them leaves them to be put back; past
+    ``budget_s``, the rest are put back unread."""
+    loose = [rel for rel in gone if _LOOSE.match(rel)]
+    if not loose:
+        return set()
+    store = objectstore.Store(objects, cache_bytes=_PACKED_CACHE)
+    deadline = time.monotonic() + budget_s
+    found: set[str] = set()
+    for rel in loose:
+        if time.monotonic() > deadline:
+            break
+        if store.packed(bytes.fromhex(rel[:2] + rel[3:])):
+            found.add(rel)
+    return found
+
+
 def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     """Put back what the module says; returns ``(path or ref, why)`` for each
     thing put back, and what could not be (with why)."""
@@ -317,7 +351,9 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     if history.keep:
         dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else \
             set(_stamps(history.keep))
-        missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
+        gone = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
+        packed = packed_meanwhile(objects, gone)
+        missing = [rel for rel in gone if rel not in packed]
         ways = Ways()
         for rel in missing:
             try:
@@ -327,6 +363,8 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
                 failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}")
         if missing:
             done.append((objects, f"{len(missing)} object files deleted by a session put back"))
+        if packed:
+            _log.info("event=history_packed_meanwhile objects=%s count=%d", objects, len(packed))
     for sub in ("refs/heads", "refs/tags"):
         os.makedirs(os.path.join(common, sub), exist_ok=True)
     if history.head and not os.path.lexists(os.path.join(common, "HEAD")):

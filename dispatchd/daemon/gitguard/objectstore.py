@@ -1,6 +1,8 @@
-"""Reading a repository's commits without running git: loose objects and
-packs (version 2 indexes, deltas applied), for one question: is one commit
-an ancestor of another.
+"""Reading a repository's objects without running git: loose objects and
+packs (version 2 indexes, deltas applied), for two questions: is one commit
+an ancestor of another (``is_ancestor``), and does a pack hold an object,
+read back and hashed to its id (``Store.packed``: a loose object file that
+git packed while a session ran is not lost).
 
 The repository is hostile content: every read is bounded (an object's size,
 a delta chain's length, the commits visited), a malformed object is "not
@@ -10,6 +12,7 @@ Object ids are SHA-1 (a SHA-256 repository's answer is "not known").
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -59,6 +62,14 @@ class _Pack:
     def read(self, off: int, store: Store, depth: int = 0) -> tuple[int, bytes]:
         if depth > _MAX_CHAIN:
             raise ValueError("delta chain too long")
+        cached = store.cached(self, off)
+        if cached is not None:
+            return cached
+        found = self._read(off, store, depth)
+        store.keep(self, off, found)
+        return found
+
+    def _read(self, off: int, store: Store, depth: int) -> tuple[int, bytes]:
         data = self.data
         c = data[off]
         kind, size, shift, pos = (c >> 4) & 7, c & 15, 4, off + 1
@@ -134,13 +145,46 @@ def _apply(base: bytes, delta: bytes) -> bytes:
 
 
 class Store:
-    """The objects of one ``objects`` directory."""
+    """The objects of one ``objects`` directory. ``cache_bytes``: how much of
+    the objects read from packs is kept, for delta chains read again (a
+    pack's objects read one after the other share their bases)."""
 
     _KINDS = {b"commit": 1, b"tree": 2, b"blob": 3, b"tag": 4}
+    _NAMES = {v: k for k, v in _KINDS.items()}
 
-    def __init__(self, objects: str) -> None:
+    def __init__(self, objects: str, cache_bytes: int = 0) -> None:
         self.objects = objects
         self._packs: list[_Pack] | None = None
+        self._cache: dict[tuple[int, int], tuple[int, bytes]] = {}
+        self._cache_left = cache_bytes
+
+    def cached(self, pack: _Pack, off: int) -> tuple[int, bytes] | None:
+        return self._cache.get((id(pack), off)) if self._cache else None
+
+    def keep(self, pack: _Pack, off: int, found: tuple[int, bytes]) -> None:
+        if len(found[1]) <= self._cache_left:
+            self._cache[(id(pack), off)] = found
+            self._cache_left -= len(found[1])
+
+    def packed(self, oid: bytes) -> bool:
+        """Whether a pack of this directory holds object ``oid`` (SHA-1): read
+        out of it, deltas applied, and hashed to that id. A pack index that
+        names the object but does not hold it (made by a session, or damaged)
+        says no; so does anything malformed."""
+        if len(oid) != 20:
+            return False
+        try:
+            for pack in self._load_packs():
+                off = pack.offset(oid)
+                if off is None:
+                    continue
+                kind, body = pack.read(off, self)
+                name = self._NAMES.get(kind)
+                if name is not None and hashlib.sha1(name + b" %d\0" % len(body) + body).digest() == oid:
+                    return True
+        except (ValueError, IndexError, zlib.error, OSError, struct.error, MemoryError):
+            return False
+        return False
 
     def _load_packs(self) -> list[_Pack]:
         if self._packs is None:
