@@ -42,6 +42,7 @@ import os
 import select
 import selectors
 import socket
+import subprocess
 import threading
 import time
 from typing import Any
@@ -304,11 +305,11 @@ class Jobs:
                     ["/bin/bash", "--norc", "-c", _KEEPER, "dispatchd-job", command], env, workdir, theirs.fileno(), out_w,
                     out_w, limits,
                 ), ctx.limits.max_processes)
-            except OSError as exc:
+            except (OSError, subprocess.SubprocessError) as exc:  # the latter: a preexec_fn that failed
                 os.close(log_fd)
                 os.close(out_r)
                 ours.close()
-                raise ToolFailure(f"could not start /bin/bash: {exc.strerror or exc}") from exc
+                raise ToolFailure(f"could not start /bin/bash: {getattr(exc, 'strerror', None) or exc}") from exc
             finally:
                 os.close(out_w)  # the job has its copies
                 theirs.close()

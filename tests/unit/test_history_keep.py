@@ -101,3 +101,46 @@ def test_the_real_file_system_keeps_the_same_way_with_and_without_the_memory(tmp
         plain, remembered = os.stat(tmp_path / "plain" / src.name), os.stat(tmp_path / "remembered" / src.name)
         assert (plain.st_ino == os.stat(src).st_ino) == (remembered.st_ino == os.stat(src).st_ino)
         assert (tmp_path / "remembered" / src.name).read_bytes() == src.read_bytes()
+
+
+def test_a_fifo_among_the_object_files_is_left_and_waited_on_never(tmp_path: Path) -> None:
+    """A FIFO a session planted under an object's name: opened to be kept,
+    a blocking open waited for a writer for good (the next open of the
+    repository hung, holding its domain's lock). Now it is seen not to be a
+    regular file and left; the real object beside it is kept (the twin)."""
+    objects = tmp_path / "objects"
+    (objects / "ab").mkdir(parents=True)
+    real = objects / "ab" / ("1" * 38)
+    real.write_bytes(b"object")
+    os.mkfifo(objects / "ab" / ("2" * 38))
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "ab").mkdir()
+    ways = history.Ways()
+    for name in ("1" * 38, "2" * 38):
+        history._clone(str(objects / "ab" / name), str(keep / "ab" / name), [1 << 20], ways)
+    assert os.listdir(keep / "ab") == ["1" * 38]
+
+
+def test_a_keep_on_another_file_system_is_a_copy_within_the_budget(tmp_path: Path) -> None:
+    """No reflink and no hard link across devices (/dev/shm is a tmpfs): a
+    copy through the source's descriptor, read-only, counted against the
+    budget; past the budget, EFBIG and nothing left half made."""
+    src = tmp_path / "object"
+    src.write_bytes(b"x" * 10_000)
+    shm = Path("/dev/shm") / f"dispatchd-test-keep-{os.getpid()}"
+    shm.mkdir()
+    try:
+        assert os.stat(shm).st_dev != os.stat(src).st_dev
+        budget = [15_000]
+        history._clone(str(src), str(shm / "kept"), budget, history.Ways())
+        assert (shm / "kept").read_bytes() == src.read_bytes()
+        assert os.stat(shm / "kept").st_ino != os.stat(src).st_ino and budget == [5_000]
+        assert not os.stat(shm / "kept").st_mode & 0o222  # read-only
+        with pytest.raises(OSError) as exc:
+            history._clone(str(src), str(shm / "over"), budget, history.Ways())
+        assert exc.value.errno == errno.EFBIG and not (shm / "over").exists()
+    finally:
+        for f in shm.iterdir():
+            f.unlink()
+        shm.rmdir()

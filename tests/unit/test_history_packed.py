@@ -1,10 +1,12 @@
 """gitguard.history at the sessions' end: a loose object file that git packed
-while a session ran (``git gc``, the ``gc --auto`` after a commit) is not
-put back, once its object is read back out of the pack and hashed to its
-id; one deleted outright is, and so is one that a forged pack index names
-without holding. Put back, git's own packing was reported as a session
-deleting objects, and made loose again what git had just packed: its next
-``gc --auto`` packed them again, and the next end put them back again."""
+while a session ran (``git gc``, the ``gc --auto`` after a commit) is put
+back as a loose copy like any other, but not reported as deleted by the
+session (it was reported so, after every ``git gc`` an agent ran). Put
+back all the same: a pack index can name objects its pack does not hold,
+and a pack can be one git cannot read; a loose copy makes sure nothing is
+lost, and git's next ``gc`` removes it. And the object store's reads of a
+hostile ``objects`` directory: no symlink followed, no FIFO waited on, no
+index read past its bound, no read past its time."""
 
 from __future__ import annotations
 
@@ -35,18 +37,20 @@ def _loose(objects: Path) -> set[str]:
     return {f"{d.name}/{f.name}" for d in objects.iterdir() if len(d.name) == 2 for f in d.iterdir()}
 
 
-def test_objects_git_packed_meanwhile_are_not_put_back(tmp_path: Path) -> None:
+def test_objects_git_packed_meanwhile_are_put_back_unreported(tmp_path: Path) -> None:
     repo = _repo(tmp_path / "repo")
     objects = repo / ".git" / "objects"
     before = _loose(objects)
     kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
     git(repo, "gc", "-q", "--prune=now")  # as a session's git would: packed, the loose copies removed
     assert _loose(objects) == set()
+    assert history.packed_meanwhile(str(objects), sorted(before)) == before
     done, failed = history.restore(kept)
     assert (done, failed) == ([], [])  # nothing reported as deleted by a session
-    assert _loose(objects) == set()  # and nothing made loose again
+    assert _loose(objects) == before  # loose copies beside the pack
     git(repo, "fsck", "--strict")
-    assert history.packed_meanwhile(str(objects), sorted(before)) == before
+    git(repo, "prune-packed")  # what git's next gc does with them
+    assert _loose(objects) == set()
 
 
 def test_objects_deleted_are_put_back(tmp_path: Path) -> None:
@@ -62,16 +66,6 @@ def test_objects_deleted_are_put_back(tmp_path: Path) -> None:
     assert done == [(str(objects), f"{len(before)} object files deleted by a session put back")]
     assert _loose(objects) == before
     git(repo, "fsck", "--strict")
-
-
-def test_past_the_budget_the_rest_are_put_back_unread(tmp_path: Path) -> None:
-    repo = _repo(tmp_path / "repo")
-    objects = repo / ".git" / "objects"
-    before = _loose(objects)
-    history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
-    git(repo, "gc", "-q", "--prune=now")
-    assert history.packed_meanwhile(str(objects), sorted(before), budget_s=0.0) == set()
-    assert history.packed_meanwhile(str(objects), sorted(before), budget_s=60.0) == before
 
 
 def _forged_index(pack_dir: Path, names: list[bytes]) -> None:
@@ -91,7 +85,10 @@ def _forged_index(pack_dir: Path, names: list[bytes]) -> None:
     forged.with_suffix(".pack").write_bytes(real.read_bytes())
 
 
-def test_a_forged_pack_index_naming_deleted_objects_does_not_keep_them_from_being_put_back(tmp_path: Path) -> None:
+def test_a_forged_pack_index_loses_nothing(tmp_path: Path) -> None:
+    """A session deletes loose objects and writes an index naming them
+    beside a pack that does not hold them: they are put back all the same
+    (the report leaves them out: the index says git packed them)."""
     repo = _repo(tmp_path / "repo")
     objects = repo / ".git" / "objects"
     git(repo, "gc", "-q")  # a real pack to point into; then new loose objects, kept
@@ -104,26 +101,65 @@ def test_a_forged_pack_index_naming_deleted_objects_does_not_keep_them_from_bein
     for rel in loose:
         os.unlink(objects / rel)
     _forged_index(objects / "pack", [bytes.fromhex(rel.replace("/", "")) for rel in loose])
-    assert history.packed_meanwhile(str(objects), sorted(loose)) == set()
+    assert history.packed_meanwhile(str(objects), sorted(loose)) == loose
     done, failed = history.restore(kept)
-    assert failed == [] and done == [(str(objects), f"{len(loose)} object files deleted by a session put back")]
-    assert _loose(objects) == loose
+    assert failed == [] and _loose(objects) == loose
+    (objects / "pack" / "pack-forged.idx").unlink()
+    (objects / "pack" / "pack-forged.pack").unlink()
+    git(repo, "fsck", "--strict")
 
 
-def test_the_store_reads_a_packed_object_back_to_its_id(tmp_path: Path) -> None:
-    """``Store.packed``: yes for each object git packed (deltas among them:
-    the same file grown commit after commit), no for an id no pack holds,
-    and no for a malformed id."""
-    repo = _repo(tmp_path / "repo", files=1)
-    for i in range(6):  # one file grown: git stores later versions as deltas
-        (repo / "f0.txt").write_text("".join(f"line {j} of a file grown\n" for j in range(40 * (i + 2))))
-        git(repo, "commit", "-qam", f"grow {i}")
-    ids = git(repo, "rev-list", "--objects", "--all").split()
-    oids = [bytes.fromhex(x) for x in ids if len(x) == 40]
-    git(repo, "gc", "-q", "--aggressive", "--prune=now")
-    store = objectstore.Store(str(repo / ".git" / "objects"), cache_bytes=1 << 20)
-    assert all(store.packed(oid) for oid in oids)
+def test_the_indexes_name_what_git_packed_and_nothing_else(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo", files=3)
+    oids = [bytes.fromhex(x) for x in git(repo, "rev-list", "--objects", "--all").split() if len(x) == 40]
+    objects = repo / ".git" / "objects"
+    assert objectstore.indexed(str(objects), oids) == set()  # all loose: no pack yet
+    git(repo, "gc", "-q")
     absent = hashlib.sha1(b"blob 7\0absent\n").digest()
-    assert not store.packed(absent)
-    assert not store.packed(b"\x01" * 19)
+    assert objectstore.indexed(str(objects), [*oids, absent, b"short"]) == set(oids)
 
+
+def _fifo_instead_of(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def test_a_fifo_or_a_symlink_for_an_index_is_not_read(tmp_path: Path) -> None:
+    """A FIFO planted for a pack index hung the read for good; a symlink to
+    /dev/zero read until memory ran out. Neither is read now (the twin:
+    the real index, above, is)."""
+    repo = _repo(tmp_path / "repo", files=3)
+    git(repo, "gc", "-q")
+    oids = [bytes.fromhex(x) for x in git(repo, "rev-list", "--objects", "--all").split() if len(x) == 40]
+    pack_dir = repo / ".git" / "objects" / "pack"
+    idx = next(p for p in pack_dir.iterdir() if p.suffix == ".idx")
+    saved = idx.read_bytes()
+    _fifo_instead_of(idx)
+    assert objectstore.indexed(str(repo / ".git" / "objects"), oids) == set()  # returned: not waiting on the FIFO
+    idx.unlink()
+    idx.symlink_to("/dev/zero")
+    assert objectstore.indexed(str(repo / ".git" / "objects"), oids) == set()
+    idx.unlink()
+    idx.write_bytes(saved[:8 + 256 * 4 + 20])  # shorter than its count says
+    assert objectstore.indexed(str(repo / ".git" / "objects"), oids) == set()
+    idx.write_bytes(saved)
+    assert objectstore.indexed(str(repo / ".git" / "objects"), oids) == set(oids)
+
+
+def test_a_fifo_for_a_loose_object_and_a_spent_budget_answer_not_known(tmp_path: Path) -> None:
+    """``is_ancestor`` reads commits: a FIFO where a loose commit should be
+    is "not known" at once (it hung), and so is any read past the store's
+    deadline; the twin, the real objects, answers."""
+    repo = _repo(tmp_path / "repo", files=1)
+    first = git(repo, "rev-parse", "HEAD").strip()
+    (repo / "g.txt").write_text("g\n")
+    git(repo, "add", "g.txt")
+    git(repo, "commit", "-qm", "g")
+    head = git(repo, "rev-parse", "HEAD").strip()
+    objects = repo / ".git" / "objects"
+    assert objectstore.is_ancestor(str(objects), first, head) is True
+    store = objectstore.Store(str(objects), deadline=0.0)
+    with pytest.raises(objectstore.OutOfTime):
+        store.read(bytes.fromhex(head))
+    _fifo_instead_of(objects / head[:2] / head[2:])
+    assert objectstore.is_ancestor(str(objects), first, head) is None

@@ -10,9 +10,9 @@ dropped incrementally, so a later baseline costs a listing.
 
 When the sessions end (``restore``), with their processes gone:
 - an object file kept and now missing is put back (a session's ``rm -rf
-  .git/objects`` loses nothing), unless it is a loose object that a pack
-  holds now, read back and hashed to its id (git packed it meanwhile:
-  ``packed_meanwhile``);
+  .git/objects`` loses nothing); a loose one that a pack index names now
+  (git packed it meanwhile: ``packed_meanwhile``) is put back too, but not
+  reported as deleted by a session;
 - a branch or tag the user had that is gone, or that no longer leads back to
   where it was (a fast-forward is kept: the user's own commits in another
   worktree meanwhile look the same), is written back as a loose ref; the
@@ -35,7 +35,6 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 import stat
 import time
 
@@ -151,8 +150,10 @@ def _files_in(objects: str, dirs: set[str]) -> set[str]:
 
 
 # What FICLONE answers where the file system has no reflinks (ext4: EOPNOTSUPP),
-# or the two files are on different ones (EXDEV).
-_NO_REFLINK = frozenset({errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL, errno.EXDEV, errno.ENOSYS})
+# or the two files are on different ones (EXDEV). Not EINVAL: on btrfs it is
+# one file's answer (no checksums: chattr +C), and a session could plant such
+# a file first in the batch to have the rest hard-linked (sharing inodes).
+_NO_REFLINK = frozenset({errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.ENOSYS})
 
 
 class Ways:
@@ -179,8 +180,12 @@ class Ways:
 def _clone(src: str, dst: str, budget: list[int], ways: Ways | None = None) -> None:
     """``dst`` as a copy of ``src`` that costs as little as the file system
     allows: a reflink, else a hard link, else a copy within ``budget``.
-    ``ways``: what this batch found refused (one per batch; none: ask)."""
-    sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    ``ways``: what this batch found refused (one per batch; none: ask).
+    ``src`` is opened without blocking and copied through that descriptor:
+    a FIFO a session planted among the object files (a blocking open waits
+    for a writer for good, holding its domain's lock) is not a regular
+    file, and is left."""
+    sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(sfd)
         if not stat.S_ISREG(st.st_mode):
@@ -207,8 +212,19 @@ def _clone(src: str, dst: str, budget: list[int], ways: Ways | None = None) -> N
         if st.st_size > budget[0]:
             raise OSError(errno.EFBIG, "over the copy budget")
         budget[0] -= st.st_size
-        shutil.copyfile(src, dst, follow_symlinks=False)
-        os.chmod(dst, 0o444)
+        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+        try:
+            left = st.st_size
+            while left > 0:  # no further: a file that grows meanwhile is kept as it was when looked at
+                n = os.sendfile(dfd, sfd, None, min(left, 1 << 30))
+                if n == 0:
+                    break
+                left -= n
+        except BaseException:
+            os.close(dfd)
+            os.unlink(dst)
+            raise
+        os.close(dfd)
     finally:
         os.close(sfd)
 
@@ -311,32 +327,21 @@ def record(common: str, keep: str, own: list[str]) -> History:
 
 
 _LOOSE = re.compile(r"^[0-9a-f]{2}/[0-9a-f]{38}$")  # a SHA-1 loose object file, as kept
-PACKED_CHECK_S = 5.0  # at most this long reading objects back from packs; the rest are put back
-_PACKED_CACHE = 64 * 1024 * 1024  # bytes of delta bases kept while checking
 
 
-def packed_meanwhile(objects: str, gone: list[str], budget_s: float = PACKED_CHECK_S) -> set[str]:
-    """The loose object files of ``gone`` whose objects a pack of
-    ``objects`` holds now, each read back and hashed to its id
-    (``objectstore.Store.packed``): git packed them while the session ran
-    (``git gc``, or the ``gc --auto`` after a commit), and removed the loose
-    copies. Put back, they were counted as deleted by a session, and made
-    loose again what git had just packed: its next ``gc --auto`` packed them
-    again, and the next session's end put them back again. A pack index
-    that names them without holding them leaves them to be put back; past
-    ``budget_s``, the rest are put back unread."""
+def packed_meanwhile(objects: str, gone: list[str]) -> set[str]:
+    """The loose object files of ``gone`` that a pack index of ``objects``
+    names now (``objectstore.indexed``): git packed them while the session
+    ran (``git gc``, the ``gc --auto`` after a commit) and removed the loose
+    copies. They are put back all the same (an index can name an object its
+    pack does not hold, and a pack can be one git cannot read: only a loose
+    copy makes sure nothing is lost; git's next ``gc`` removes the copies),
+    but not reported as deleted by a session."""
     loose = [rel for rel in gone if _LOOSE.match(rel)]
     if not loose:
         return set()
-    store = objectstore.Store(objects, cache_bytes=_PACKED_CACHE)
-    deadline = time.monotonic() + budget_s
-    found: set[str] = set()
-    for rel in loose:
-        if time.monotonic() > deadline:
-            break
-        if store.packed(bytes.fromhex(rel[:2] + rel[3:])):
-            found.add(rel)
-    return found
+    named = objectstore.indexed(objects, [bytes.fromhex(rel[:2] + rel[3:]) for rel in loose])
+    return {rel for rel in loose if bytes.fromhex(rel[:2] + rel[3:]) in named}
 
 
 def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
@@ -351,20 +356,23 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     if history.keep:
         dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else \
             set(_stamps(history.keep))
-        gone = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
-        packed = packed_meanwhile(objects, gone)
-        missing = [rel for rel in gone if rel not in packed]
+        missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
+        packed = packed_meanwhile(objects, missing)
         ways = Ways()
+        put: list[str] = []
         for rel in missing:
             try:
                 os.makedirs(os.path.join(objects, os.path.dirname(rel)), exist_ok=True)
                 _clone(os.path.join(history.keep, rel), os.path.join(objects, rel), [_COPY_BUDGET], ways)
+                put.append(rel)
             except OSError as exc:
                 failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}")
-        if missing:
-            done.append((objects, f"{len(missing)} object files deleted by a session put back"))
-        if packed:
-            _log.info("event=history_packed_meanwhile objects=%s count=%d", objects, len(packed))
+        deleted = [rel for rel in put if rel not in packed]
+        if deleted:
+            done.append((objects, f"{len(deleted)} object files deleted by a session put back"))
+        if len(deleted) < len(put):
+            _log.info("event=history_packed_meanwhile objects=%s count=%d (loose copies put back)", objects,
+                      len(put) - len(deleted))
     for sub in ("refs/heads", "refs/tags"):
         os.makedirs(os.path.join(common, sub), exist_ok=True)
     if history.head and not os.path.lexists(os.path.join(common, "HEAD")):

@@ -1,21 +1,25 @@
 """Reading a repository's objects without running git: loose objects and
 packs (version 2 indexes, deltas applied), for two questions: is one commit
-an ancestor of another (``is_ancestor``), and does a pack hold an object,
-read back and hashed to its id (``Store.packed``: a loose object file that
-git packed while a session ran is not lost).
+an ancestor of another (``is_ancestor``), and which object ids do the pack
+indexes name (``indexed``).
 
 The repository is hostile content: every read is bounded (an object's size,
-a delta chain's length, the commits visited), a malformed object is "not
-known" (never an exception past ``is_ancestor``), and nothing is written.
-Object ids are SHA-1 (a SHA-256 repository's answer is "not known").
+a delta chain's length, the commits visited, the packs and the size of
+their indexes, the time: ``Store.deadline``), every file is opened without
+following a symlink, without blocking, and read only if it is a regular file
+(a FIFO planted for an index or an object hung the read for good; a symlink
+to /dev/zero read until memory ran out); a malformed object is "not known"
+(never an exception past ``is_ancestor`` or ``indexed``), and nothing is
+written. Object ids are SHA-1 (a SHA-256 repository's answer is "not known").
 """
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
+import stat
 import struct
+import time
 import zlib
 
 from dispatchd.daemon.gitguard.indexfile import decode_varint
@@ -23,16 +27,59 @@ from dispatchd.daemon.gitguard.indexfile import decode_varint
 _MAX_OBJECT = 64 * 1024 * 1024
 _MAX_CHAIN = 64
 _MAX_COMMITS = 20_000
+_MAX_PACKS = 1024  # pack indexes read from one objects directory
+_MAX_INDEX = 512 * 1024 * 1024  # bytes of one pack index (about 19 million objects)
+BUDGET_S = 5.0  # is_ancestor's time, past which the answer is "not known"
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class OutOfTime(ValueError):
+    pass
+
+
+def _open_regular(name: str, dir_fd: int, limit: int) -> tuple[int, int]:
+    """``(fd, size)`` of the regular file ``name`` below ``dir_fd``, opened
+    without following a symlink and without blocking (a FIFO answers at
+    once), at most ``limit`` bytes. Raises ``OSError`` or ``ValueError``."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{name}: not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{name}: larger than {limit} bytes")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    chunks, left = [], size
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 class _Pack:
-    def __init__(self, idx_path: str, pack_path: str) -> None:
-        with open(idx_path, "rb") as f:
-            self.idx = f.read()
-        if self.idx[:8] != b"\377tOc\0\0\0\2":
+    def __init__(self, pack_dir: int, idx_name: str, pack_name: str, *, with_data: bool = True) -> None:
+        fd, size = _open_regular(idx_name, pack_dir, _MAX_INDEX)
+        try:
+            self.idx = _read_all(fd, size)
+        finally:
+            os.close(fd)
+        if self.idx[:8] != b"\377tOc\0\0\0\2" or len(self.idx) < 8 + 256 * 4:
             raise ValueError("not a version 2 pack index")
         self.count = struct.unpack(">I", self.idx[8 + 255 * 4:8 + 256 * 4])[0]
-        fd = os.open(pack_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if len(self.idx) < 8 + 256 * 4 + self.count * 28 + 40:
+            raise ValueError("a pack index shorter than its count says")
+        if not with_data:
+            return
+        fd, _ = _open_regular(pack_name, pack_dir, 1 << 62)
         try:
             self.data = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         finally:
@@ -62,14 +109,7 @@ class _Pack:
     def read(self, off: int, store: Store, depth: int = 0) -> tuple[int, bytes]:
         if depth > _MAX_CHAIN:
             raise ValueError("delta chain too long")
-        cached = store.cached(self, off)
-        if cached is not None:
-            return cached
-        found = self._read(off, store, depth)
-        store.keep(self, off, found)
-        return found
-
-    def _read(self, off: int, store: Store, depth: int) -> tuple[int, bytes]:
+        store.in_time()
         data = self.data
         c = data[off]
         kind, size, shift, pos = (c >> 4) & 7, c & 15, 4, off + 1
@@ -83,12 +123,12 @@ class _Pack:
         if kind == 6:  # a delta against an object earlier in this pack
             back, pos = decode_varint(data, pos)
             base_kind, base = self.read(off - back, store, depth + 1)
-            return base_kind, _apply(base, _inflate(data, pos, size))
+            return base_kind, _apply(base, _inflate(data, pos, size), store)
         if kind == 7:  # a delta against an object named by id
             found = store.read(bytes(data[pos:pos + 20]), depth + 1)
             if found is None:
                 raise ValueError("delta base missing")
-            return found[0], _apply(found[1], _inflate(data, pos + 20, size))
+            return found[0], _apply(found[1], _inflate(data, pos + 20, size), store)
         return kind, _inflate(data, pos, size)
 
 
@@ -111,13 +151,17 @@ def _varint(delta: bytes, pos: int) -> tuple[int, int]:
             return value, pos
 
 
-def _apply(base: bytes, delta: bytes) -> bytes:
+def _apply(base: bytes, delta: bytes, store: Store | None = None) -> bytes:
     src, pos = _varint(delta, 0)
     dst, pos = _varint(delta, pos)
     if src != len(base) or dst > _MAX_OBJECT:
         raise ValueError("delta does not fit its base")
     out = bytearray()
+    ops = 0
     while pos < len(delta):
+        ops += 1
+        if store is not None and not ops & 0xFFFF:
+            store.in_time()  # a delta of millions of one-byte inserts takes seconds
         op = delta[pos]
         pos += 1
         if op & 0x80:
@@ -144,71 +188,96 @@ def _apply(base: bytes, delta: bytes) -> bytes:
     return bytes(out)
 
 
+def _packs_in(objects: str, *, with_data: bool) -> list[_Pack]:
+    """The packs of ``objects`` whose index can be read (at most
+    ``_MAX_PACKS``; neither ``objects`` nor ``pack`` followed if a symlink)."""
+    packs: list[_Pack] = []
+    try:
+        top = os.open(objects, _DIR)
+    except OSError:
+        return packs
+    try:
+        pack_dir = os.open("pack", _DIR, dir_fd=top)
+    except OSError:
+        os.close(top)
+        return packs
+    os.close(top)
+    try:
+        for name in sorted(os.listdir(pack_dir)):
+            if len(packs) >= _MAX_PACKS:
+                break
+            if name.endswith(".idx"):
+                try:
+                    packs.append(_Pack(pack_dir, name, name[:-4] + ".pack", with_data=with_data))
+                except (OSError, ValueError, struct.error):
+                    continue
+    except OSError:
+        pass
+    finally:
+        os.close(pack_dir)
+    return packs
+
+
+def indexed(objects: str, oids: list[bytes]) -> set[bytes]:
+    """Which of ``oids`` a pack index of ``objects`` names, read from the
+    indexes alone (bounded; no object read). Says what git may have packed:
+    an index names an object without proving the pack holds it."""
+    found: set[bytes] = set()
+    packs = _packs_in(objects, with_data=False)
+    for oid in oids:
+        if len(oid) == 20:
+            try:
+                if any(pack.offset(oid) is not None for pack in packs):
+                    found.add(oid)
+            except (ValueError, IndexError, struct.error):
+                continue
+    return found
+
+
 class Store:
-    """The objects of one ``objects`` directory. ``cache_bytes``: how much of
-    the objects read from packs is kept, for delta chains read again (a
-    pack's objects read one after the other share their bases)."""
+    """The objects of one ``objects`` directory; past ``deadline``
+    (``time.monotonic``), every read raises ``OutOfTime``."""
 
     _KINDS = {b"commit": 1, b"tree": 2, b"blob": 3, b"tag": 4}
-    _NAMES = {v: k for k, v in _KINDS.items()}
 
-    def __init__(self, objects: str, cache_bytes: int = 0) -> None:
+    def __init__(self, objects: str, deadline: float | None = None) -> None:
         self.objects = objects
+        self.deadline = deadline
         self._packs: list[_Pack] | None = None
-        self._cache: dict[tuple[int, int], tuple[int, bytes]] = {}
-        self._cache_left = cache_bytes
 
-    def cached(self, pack: _Pack, off: int) -> tuple[int, bytes] | None:
-        return self._cache.get((id(pack), off)) if self._cache else None
-
-    def keep(self, pack: _Pack, off: int, found: tuple[int, bytes]) -> None:
-        if len(found[1]) <= self._cache_left:
-            self._cache[(id(pack), off)] = found
-            self._cache_left -= len(found[1])
-
-    def packed(self, oid: bytes) -> bool:
-        """Whether a pack of this directory holds object ``oid`` (SHA-1): read
-        out of it, deltas applied, and hashed to that id. A pack index that
-        names the object but does not hold it (made by a session, or damaged)
-        says no; so does anything malformed."""
-        if len(oid) != 20:
-            return False
-        try:
-            for pack in self._load_packs():
-                off = pack.offset(oid)
-                if off is None:
-                    continue
-                kind, body = pack.read(off, self)
-                name = self._NAMES.get(kind)
-                if name is not None and hashlib.sha1(name + b" %d\0" % len(body) + body).digest() == oid:
-                    return True
-        except (ValueError, IndexError, zlib.error, OSError, struct.error, MemoryError):
-            return False
-        return False
+    def in_time(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise OutOfTime("out of time")
 
     def _load_packs(self) -> list[_Pack]:
         if self._packs is None:
-            self._packs = []
-            pack_dir = os.path.join(self.objects, "pack")
-            try:
-                names = sorted(os.listdir(pack_dir))
-            except OSError:
-                names = []
-            for name in names:
-                if name.endswith(".idx"):
-                    try:
-                        self._packs.append(_Pack(os.path.join(pack_dir, name),
-                                                 os.path.join(pack_dir, name[:-4] + ".pack")))
-                    except (OSError, ValueError):
-                        continue
+            self._packs = _packs_in(self.objects, with_data=True)
         return self._packs
 
-    def read(self, oid: bytes, depth: int = 0) -> tuple[int, bytes] | None:
-        hexid = oid.hex()
+    def _loose(self, hexid: str) -> int:
+        """A loose object's file, opened as ``_open_regular`` does (its
+        fan-out directory not followed either), or -1."""
         try:
-            fd = os.open(os.path.join(self.objects, hexid[:2], hexid[2:]), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            top = os.open(self.objects, _DIR)
         except OSError:
-            fd = -1
+            return -1
+        try:
+            fan = os.open(hexid[:2], _DIR, dir_fd=top)
+        except OSError:
+            return -1
+        finally:
+            os.close(top)
+        try:
+            return _open_regular(hexid[2:], fan, _MAX_OBJECT)[0]
+        except (OSError, ValueError):
+            return -1
+        finally:
+            os.close(fan)
+
+    def read(self, oid: bytes, depth: int = 0) -> tuple[int, bytes] | None:
+        self.in_time()
+        hexid = oid.hex()
+        fd = self._loose(hexid)
         if fd >= 0:
             try:
                 raw = os.read(fd, _MAX_OBJECT)
@@ -241,12 +310,12 @@ class Store:
 def is_ancestor(objects: str, old: str, new: str) -> bool | None:
     """Whether commit ``old`` is ``new`` or one of its ancestors; None when
     it cannot be told (an object missing or malformed, a SHA-256 id, more
-    than ``_MAX_COMMITS`` commits to look at)."""
+    than ``_MAX_COMMITS`` commits to look at, more than ``BUDGET_S``)."""
     if old == new:
         return True
     if len(old) != 40 or len(new) != 40:
         return None
-    store = Store(objects)
+    store = Store(objects, deadline=time.monotonic() + BUDGET_S)
     target = bytes.fromhex(old)
     seen = {bytes.fromhex(new)}
     todo = [bytes.fromhex(new)]
