@@ -83,6 +83,11 @@ def fs_rights_for_abi(abi: int) -> int:
 class PathRule(msgspec.Struct, frozen=True, array_like=True):
     path: str
     access: int
+    # A rule for one file: at apply, the path must be that regular file, not
+    # followed if a symlink (else the step fails): a file the plan named
+    # that became a directory, or a symlink to one, would grant what is
+    # below it.
+    file_only: bool = False
 
 
 class LandlockPlan(msgspec.Struct, frozen=True):
@@ -262,7 +267,8 @@ def _add_path_rules(ruleset: int, rules: list[PathRule], held: dict[str, int]) -
     skipped: list[str] = []
     for rule in rules:
         try:
-            fd = os.dup(held[rule.path]) if rule.path in held else os.open(rule.path, os.O_PATH | os.O_CLOEXEC)
+            flags = os.O_PATH | os.O_CLOEXEC | (os.O_NOFOLLOW if rule.file_only else 0)
+            fd = os.dup(held[rule.path]) if rule.path in held else os.open(rule.path, flags)
         except FileNotFoundError:
             skipped.append(rule.path)
             continue
@@ -270,7 +276,11 @@ def _add_path_rules(ruleset: int, rules: list[PathRule], held: dict[str, int]) -
             raise ConfinementError("landlock: open rule path", exc.errno, rule.path) from exc
         try:
             access = rule.access
-            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            mode = os.fstat(fd).st_mode
+            if rule.file_only and not stat.S_ISREG(mode):
+                raise ConfinementError("landlock: file rule", detail=f"{rule.path} is no longer a regular file "
+                                                                     "(a symlink or a directory now)")
+            if not stat.S_ISDIR(mode):
                 access &= FILE_RIGHTS  # directory rights on a file are EINVAL
             beneath = _PathBeneathAttr(access, fd)
             _sys.syscall(_sys.SYS_landlock_add_rule, ruleset, 1, ctypes.byref(beneath), 0)

@@ -235,12 +235,15 @@ def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str,
         raise ConfinementError("network: confine " + stack, detail="Landlock is not available")
     own = [path for path in dict.fromkeys([executable, *loads])
            if not any(is_within(path, top) for top in SYSTEM_READ)]
-    plan = landlock.plan_landlock(abi=landlock_abi, read_only=[*SYSTEM_READ, *own], read_write=[],
+    plan = landlock.plan_landlock(abi=landlock_abi, read_only=list(SYSTEM_READ), read_write=[],
                                   devices=[], deny_tcp=False)
+    # Its own files, each a rule for that file alone (landlock.PathRule.file_only).
+    files = [landlock.PathRule(path, (landlock.READ_FILE | landlock.EXECUTE) & plan.handled_fs, file_only=True)
+             for path in own]
     tun = landlock.PathRule(TUN, (landlock.DEVICE | landlock.IOCTL_DEV) & plan.handled_fs)
     # TCP binds handled, none granted (ABI 4): it connects out, and serves
     # nothing on the host's network (listen, without a bind, is seccomp's).
-    plan = msgspec.structs.replace(plan, paths=[*plan.paths, tun],
+    plan = msgspec.structs.replace(plan, paths=[*plan.paths, *files, tun],
                                    handled_net=landlock.NET_BIND_TCP if landlock_abi >= 4 else 0)
     return StackConfinement(landlock=plan, seccomp=plan_stack_seccomp())
 

@@ -7,6 +7,9 @@ constant fails here instead of being copied into the expectation.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from dispatchd.confine import landlock
@@ -150,3 +153,31 @@ def test_landlock_abi_probe_returns_a_version():
     assert isinstance(abi, int)
     assert abi >= 0
     assert landlock_abi() == abi  # a read-only probe: asking twice changes nothing
+
+
+@pytest.mark.process
+def test_a_file_rule_is_refused_when_its_path_is_no_longer_that_file(tmp_path: Path) -> None:
+    """``PathRule.file_only`` (a stack's own libraries, planned as files at
+    the daemon's start): a directory or a symlink found at the path when the
+    rule is added fails the step, where a directory would have granted what
+    is below it. Rules are added to a ruleset never enforced (this process
+    stays unconfined). The twins: the regular file is added, and a rule
+    without ``file_only`` takes the directory as before."""
+    from dispatchd.errors import ConfinementError
+
+    plan = landlock.plan_landlock(abi=landlock.landlock_abi(), read_only=[], read_write=[], devices=[],
+                                  deny_tcp=False)
+    ruleset = landlock._create_ruleset(plan)
+    try:
+        lib = tmp_path / "libx.so"
+        lib.write_bytes(b"\x7fELF")
+        rights = landlock.READ_FILE | landlock.EXECUTE
+        assert landlock._add_path_rules(ruleset, [landlock.PathRule(str(lib), rights, file_only=True)], {}) == []
+        (tmp_path / "dir").mkdir()
+        (tmp_path / "link").symlink_to(lib)
+        for path in (tmp_path / "dir", tmp_path / "link"):
+            with pytest.raises(ConfinementError, match="is no longer a regular file"):
+                landlock._add_path_rules(ruleset, [landlock.PathRule(str(path), rights, file_only=True)], {})
+        assert landlock._add_path_rules(ruleset, [landlock.PathRule(str(tmp_path / "dir"), rights)], {}) == []
+    finally:
+        os.close(ruleset)

@@ -214,7 +214,8 @@ def test_slirp4netns_may_read_and_run_only_system_code_and_open_the_tun_device()
     assert plan is not None
     rules = {r.path: r.access for r in plan.landlock.paths}
     read_run = landlock.EXECUTE | landlock.READ_FILE | landlock.READ_DIR
-    assert rules == {**{p: read_run for p in stacks.SYSTEM_READ}, "/opt/s/bin/slirp4netns": read_run,
+    assert rules == {**{p: read_run for p in stacks.SYSTEM_READ},
+                     "/opt/s/bin/slirp4netns": landlock.EXECUTE | landlock.READ_FILE,  # that file alone
                      "/dev/net/tun": landlock.READ_FILE | landlock.WRITE_FILE | landlock.IOCTL_DEV}
     assert plan.landlock.handled_fs == landlock.fs_rights_for_abi(7)  # everything else denied, writes included
     assert plan.landlock.scoped == landlock.SCOPE_SIGNAL | landlock.SCOPE_ABSTRACT_UNIX_SOCKET
@@ -303,7 +304,8 @@ def test_the_daemons_launch_carries_the_plan_for_the_fork_server() -> None:
     assert launch.stack == "slirp4netns" and got.seccomp == STACK
     assert launch.executable == os.path.realpath(shutil.which("slirp4netns") or "slirp4netns")
     assert asked == [(launch.executable, stacks.STACK_ENV)]  # listed as it is started: the same search
-    assert landlock.PathRule("/opt/libslirp/lib/libslirp.so.0", landlock.READ_ONLY) in got.landlock.paths
+    assert landlock.PathRule("/opt/libslirp/lib/libslirp.so.0", landlock.READ_FILE | landlock.EXECUTE,
+                             file_only=True) in got.landlock.paths
     pasta = stacks.launch_for("pasta", 7, loads=loads)
     assert (pasta.stack, pasta.confinement) == ("pasta", b"")  # it confines itself
     assert len(asked) == 1  # and loads what it needs before it does: nothing to list
@@ -319,9 +321,10 @@ def test_a_stack_installed_outside_the_system_reads_its_own_files_and_nothing_be
              "/usr/lib/x86_64-linux-gnu/libglib-2.0.so.0", "/home/u/.local/lib/libslirp.so.0"]
     plan = stacks.plan_stack_confinement("slirp4netns", landlock_abi=7, executable="/home/u/.local/bin/slirp4netns",
                                          loads=loads).landlock
-    granted = [rule.path for rule in plan.paths if rule.path not in stacks.SYSTEM_READ and rule.path != stacks.TUN]
-    assert granted == ["/home/u/.local/bin/slirp4netns", "/opt/slirp/lib/ld-linux-x86-64.so.2",
-                       "/home/u/.local/lib/libslirp.so.0"]
+    granted = [rule for rule in plan.paths if rule.path not in stacks.SYSTEM_READ and rule.path != stacks.TUN]
+    assert [rule.path for rule in granted] == ["/home/u/.local/bin/slirp4netns", "/opt/slirp/lib/ld-linux-x86-64.so.2",
+                                               "/home/u/.local/lib/libslirp.so.0"]
+    assert all(rule.file_only and rule.access == landlock.READ_FILE | landlock.EXECUTE for rule in granted)
     # The twin: a packaged one needs nothing beyond the system's directories.
     packaged = stacks.plan_stack_confinement("slirp4netns", landlock_abi=7, executable="/usr/bin/slirp4netns",
                                              loads=loads[2:3]).landlock
