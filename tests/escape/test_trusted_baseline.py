@@ -272,11 +272,16 @@ def test_history_survives_a_hostile_linked_worktree(client: dispatch.Client, rep
 def test_objects_a_session_packed_with_git_gc_are_not_reported_deleted(client: dispatch.Client, repo: Path) -> None:
     """A session's ``git gc`` packs the loose objects and removes them: its
     end puts loose copies back (nothing a session packs can be lost that
-    way) but no longer reports them as deleted by the session. The twin,
-    objects deleted outright and reported, is the test above."""
+    way) but no longer reports them as deleted by the session; nor the old
+    pack (a repository already packed, as a clone is, with a commit since).
+    The twin, objects deleted outright and reported, is the test above."""
     objects = repo / ".git" / "objects"
+    git(repo, "gc", "-q")
+    (repo / "since.txt").write_text("since\n")
+    git(repo, "add", "since.txt")
+    git(repo, "commit", "-qm", "since")
     loose = sorted(f.name for d in objects.iterdir() if len(d.name) == 2 for f in d.iterdir())
-    assert loose  # the fixture's commits are loose
+    assert loose and any(p.suffix == ".pack" for p in (objects / "pack").iterdir())
     with client.open_session(str(repo)) as s:
         r = shell(s, "git gc -q --prune=now && git count-objects")
         assert r.is_success and r.output.startswith("0 objects"), (r.output, r.error)

@@ -163,3 +163,43 @@ def test_a_fifo_for_a_loose_object_and_a_spent_budget_answer_not_known(tmp_path:
         store.read(bytes.fromhex(head))
     _fifo_instead_of(objects / head[:2] / head[2:])
     assert objectstore.is_ancestor(str(objects), first, head) is None
+
+
+def _packs(objects: Path) -> set[str]:
+    return {p.name for p in (objects / "pack").iterdir()}
+
+
+def test_a_pack_git_repacked_meanwhile_is_put_back_unreported(tmp_path: Path) -> None:
+    """A repository already packed (as a clone is): ``git gc`` writes a new
+    pack and removes the old one. The old pack's files are put back (git's
+    next gc removes them) and, every object of theirs being in the new pack's
+    index, not reported as deleted by the session."""
+    repo = _repo(tmp_path / "repo")
+    objects = repo / ".git" / "objects"
+    git(repo, "gc", "-q")
+    (repo / "more.txt").write_text("more\n")
+    git(repo, "add", "more.txt")
+    git(repo, "commit", "-qm", "more")
+    old = _packs(objects)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    git(repo, "gc", "-q", "--prune=now")
+    assert not old & _packs(objects)  # the old pack is gone, another holds everything
+    done, failed = history.restore(kept)
+    assert (done, failed) == ([], [])
+    assert old <= _packs(objects)  # put back beside the new one
+    git(repo, "fsck", "--strict")
+
+
+def test_a_pack_deleted_is_put_back_and_reported(tmp_path: Path) -> None:
+    """The twin: the pack's files removed with no pack holding its objects."""
+    repo = _repo(tmp_path / "repo")
+    objects = repo / ".git" / "objects"
+    git(repo, "gc", "-q")
+    old = _packs(objects)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    for name in old:
+        os.unlink(objects / "pack" / name)
+    done, failed = history.restore(kept)
+    assert failed == [] and done == [(str(objects), f"{len(old)} object files deleted by a session put back")]
+    assert _packs(objects) == old
+    git(repo, "fsck", "--strict")

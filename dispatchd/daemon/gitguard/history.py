@@ -329,19 +329,41 @@ def record(common: str, keep: str, own: list[str]) -> History:
 _LOOSE = re.compile(r"^[0-9a-f]{2}/[0-9a-f]{38}$")  # a SHA-1 loose object file, as kept
 
 
-def packed_meanwhile(objects: str, gone: list[str]) -> set[str]:
-    """The loose object files of ``gone`` that a pack index of ``objects``
-    names now (``objectstore.indexed``): git packed them while the session
-    ran (``git gc``, the ``gc --auto`` after a commit) and removed the loose
-    copies. They are put back all the same (an index can name an object its
-    pack does not hold, and a pack can be one git cannot read: only a loose
-    copy makes sure nothing is lost; git's next ``gc`` removes the copies),
-    but not reported as deleted by a session."""
-    loose = [rel for rel in gone if _LOOSE.match(rel)]
-    if not loose:
+_PACK_FILE = re.compile(r"^pack/(pack-[0-9a-f]{40,64})\.[a-z]+$")  # a pack and its .idx, .rev, .bitmap...
+_PACKED_MAX = 1_000_000  # objects of one gone pack looked up in the packs there now; past it, reported
+
+
+def packed_meanwhile(objects: str, gone: list[str], keep: str = "") -> set[str]:
+    """The object files of ``gone`` whose objects a pack index of
+    ``objects`` names now (``objectstore.indexed``): a loose object, or
+    every file of a pack (``keep``'s copy of its index lists its objects).
+    Git packed them while the session ran (``git gc``, the ``gc --auto``
+    after a commit, ``git repack``) and removed the old files. They are put
+    back all the same (an index can name an object its pack does not hold,
+    and a pack can be one git cannot read: only the old file makes sure
+    nothing is lost; git's next ``gc`` removes it), but not reported as
+    deleted by a session."""
+    loose = {rel: bytes.fromhex(rel[:2] + rel[3:]) for rel in gone if _LOOSE.match(rel)}
+    stems: dict[str, list[str]] = {}
+    for rel in gone:
+        m = _PACK_FILE.match(rel)
+        if m:
+            stems.setdefault(m.group(1), []).append(rel)
+    wanted = list(loose.values())
+    in_packs: dict[str, list[bytes]] = {}
+    for stem in stems:
+        names = objectstore.names_in_index(os.path.join(keep, "pack"), stem + ".idx", _PACKED_MAX) if keep else None
+        if names is not None:
+            in_packs[stem] = names
+            wanted += names
+    if not wanted:
         return set()
-    named = objectstore.indexed(objects, [bytes.fromhex(rel[:2] + rel[3:]) for rel in loose])
-    return {rel for rel in loose if bytes.fromhex(rel[:2] + rel[3:]) in named}
+    named = objectstore.indexed(objects, wanted)
+    found = {rel for rel, oid in loose.items() if oid in named}
+    for stem, names in in_packs.items():
+        if all(oid in named for oid in names):
+            found.update(stems[stem])
+    return found
 
 
 def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
@@ -357,7 +379,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else \
             set(_stamps(history.keep))
         missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
-        packed = packed_meanwhile(objects, missing)
+        packed = packed_meanwhile(objects, missing, history.keep)
         ways = Ways()
         put: list[str] = []
         for rel in missing:

@@ -218,6 +218,26 @@ def _packs_in(objects: str, *, with_data: bool) -> list[_Pack]:
     return packs
 
 
+def names_in_index(directory: str, name: str, limit: int) -> list[bytes] | None:
+    """The object ids the pack index ``directory/name`` lists, or None (not a
+    readable version 2 index, or more than ``limit`` of them); ``directory``
+    and ``name`` not followed if symlinks."""
+    try:
+        fd = os.open(directory, _DIR)
+    except OSError:
+        return None
+    try:
+        pack = _Pack(fd, name, "", with_data=False)
+    except (OSError, ValueError, struct.error):
+        return None
+    finally:
+        os.close(fd)
+    if pack.count > limit:
+        return None
+    start = 8 + 256 * 4
+    return [pack.idx[start + i * 20:start + i * 20 + 20] for i in range(pack.count)]
+
+
 def indexed(objects: str, oids: list[bytes]) -> set[bytes]:
     """Which of ``oids`` a pack index of ``objects`` names, read from the
     indexes alone (bounded; no object read). Says what git may have packed:
