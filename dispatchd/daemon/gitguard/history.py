@@ -330,7 +330,7 @@ _LOOSE = re.compile(r"^[0-9a-f]{2}/[0-9a-f]{38}$")  # a SHA-1 loose object file,
 
 
 _PACK_FILE = re.compile(r"^pack/(pack-[0-9a-f]{40,64})\.[a-z]+$")  # a pack and its .idx, .rev, .bitmap...
-_PACKED_MAX = 1_000_000  # objects of one gone pack looked up in the packs there now; past it, reported
+_PACKED_MAX = 500_000  # objects of one gone pack looked up in the packs there now; past it, reported
 
 
 def packed_meanwhile(objects: str, gone: list[str], keep: str = "") -> set[str]:
