@@ -222,3 +222,26 @@ def test_many_ids_are_looked_up_as_a_set_with_the_same_answer(tmp_path: Path) ->
     few = set().union(*(objectstore.indexed(str(objects), names[i:i + 1000]) for i in range(0, len(names), 1000)))
     assert many == few == set(names)
     assert objectstore.names_in_index(str(objects / "pack"), idx, 10) is None  # more than the limit: not read
+
+
+def test_the_indexes_read_from_one_directory_are_bounded_in_all(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each index was bounded, not their sum: a session could plant a
+    thousand large (sparse) ones for the daemon to read into memory. Past
+    the bound, the rest are left out, as if absent (the twin: within it,
+    both packs are read)."""
+    repo = _repo(tmp_path / "repo", files=2)
+    git(repo, "gc", "-q")
+    (repo / "again.txt").write_text("again\n")
+    git(repo, "add", "again.txt")
+    git(repo, "commit", "-qm", "again")
+    git(repo, "repack", "-q")  # a second pack beside the first
+    objects = repo / ".git" / "objects"
+    idxs = sorted(p for p in (objects / "pack").iterdir() if p.suffix == ".idx")
+    assert len(idxs) == 2
+    oids = [bytes.fromhex(x) for x in git(repo, "rev-list", "--objects", "--all").split() if len(x) == 40]
+    both = objectstore.indexed(str(objects), oids)
+    assert both == set(oids)
+    monkeypatch.setattr(objectstore, "_MAX_INDEX", idxs[0].stat().st_size + 100)
+    first_only = objectstore.indexed(str(objects), oids)
+    assert first_only and first_only < both

@@ -4,8 +4,8 @@ an ancestor of another (``is_ancestor``), and which object ids do the pack
 indexes name (``indexed``).
 
 The repository is hostile content: every read is bounded (an object's size,
-a delta chain's length, the commits visited, the packs and the size of
-their indexes, the time: ``Store.deadline``), every file is opened without
+a delta chain's length, the commits visited, the packs and their
+indexes, 256 MiB in all from one directory, the time: ``Store.deadline``), every file is opened without
 following a symlink, without blocking, and read only if it is a regular file
 (a FIFO planted for an index or an object hung the read for good; a symlink
 to /dev/zero read until memory ran out); a malformed object is "not known"
@@ -28,7 +28,7 @@ _MAX_OBJECT = 64 * 1024 * 1024
 _MAX_CHAIN = 64
 _MAX_COMMITS = 20_000
 _MAX_PACKS = 1024  # pack indexes read from one objects directory
-_MAX_INDEX = 512 * 1024 * 1024  # bytes of one pack index (about 19 million objects)
+_MAX_INDEX = 256 * 1024 * 1024  # bytes of all the pack indexes read from one directory (about 9 million objects)
 _LOOKUPS = 4096  # ids looked up one by one in ``indexed``; more: each index read as a set
 _SET_MAX = 2_000_000  # names of one index read as a set (about 150 MiB); a bigger one is searched
 BUDGET_S = 5.0  # is_ancestor's time, past which the answer is "not known"
@@ -68,8 +68,9 @@ def _read_all(fd: int, size: int) -> bytes:
 
 
 class _Pack:
-    def __init__(self, pack_dir: int, idx_name: str, pack_name: str, *, with_data: bool = True) -> None:
-        fd, size = _open_regular(idx_name, pack_dir, _MAX_INDEX)
+    def __init__(self, pack_dir: int, idx_name: str, pack_name: str, *, with_data: bool = True,
+                 limit: int = _MAX_INDEX) -> None:
+        fd, size = _open_regular(idx_name, pack_dir, limit)
         try:
             self.idx = _read_all(fd, size)
         finally:
@@ -192,8 +193,11 @@ def _apply(base: bytes, delta: bytes, store: Store | None = None) -> bytes:
 
 def _packs_in(objects: str, *, with_data: bool) -> list[_Pack]:
     """The packs of ``objects`` whose index can be read (at most
-    ``_MAX_PACKS``; neither ``objects`` nor ``pack`` followed if a symlink)."""
+    ``_MAX_PACKS``, their indexes ``_MAX_INDEX`` bytes in all: the rest are
+    left out, as if absent; neither ``objects`` nor ``pack`` followed if a
+    symlink)."""
     packs: list[_Pack] = []
+    left = _MAX_INDEX
     try:
         top = os.open(objects, _DIR)
     except OSError:
@@ -210,9 +214,11 @@ def _packs_in(objects: str, *, with_data: bool) -> list[_Pack]:
                 break
             if name.endswith(".idx"):
                 try:
-                    packs.append(_Pack(pack_dir, name, name[:-4] + ".pack", with_data=with_data))
+                    pack = _Pack(pack_dir, name, name[:-4] + ".pack", with_data=with_data, limit=left)
                 except (OSError, ValueError, struct.error):
                     continue
+                packs.append(pack)
+                left -= len(pack.idx)
     except OSError:
         pass
     finally:
