@@ -144,3 +144,29 @@ def test_a_keep_on_another_file_system_is_a_copy_within_the_budget(tmp_path: Pat
         for f in shm.iterdir():
             f.unlink()
         shm.rmdir()
+
+
+def test_a_file_swapped_for_a_fifo_before_its_link_is_not_kept(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hard link is made by path after the file was opened and looked
+    at: a session swapping a FIFO in between had the FIFO linked into the
+    keep (and a later blocking open of it hung). The link is kept only if it
+    is the inode looked at. The swap is made by a wrapper around the real
+    link; the twin, the same wrapper swapping nothing, keeps the file."""
+    real_link = os.link
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    keep = tmp_path / "keep"
+    keep.mkdir()
+
+    def swapping(src: str, dst: str, **kwargs: object) -> None:
+        if src.endswith("swapped"):
+            os.unlink(src)
+            os.mkfifo(src)
+        real_link(src, dst, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(history.os, "link", swapping)
+    for name in ("swapped", "plain"):
+        (objects / name).write_bytes(b"object")
+        history._clone(str(objects / name), str(keep / name), [0], history.Ways())
+    assert os.listdir(keep) == ["plain"]
+    assert os.stat(keep / "plain").st_ino == os.stat(objects / "plain").st_ino

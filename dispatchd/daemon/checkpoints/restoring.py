@@ -185,8 +185,13 @@ def _put_objects(worktree: str, manifest: Manifest, expect: tuple[int, int] | No
                         os.mkdir(d, 0o755, dir_fd=ofd)
                 dfd = os.open(d, _DIR, dir_fd=ofd)
                 try:
-                    src = os.open(os.path.join(manifest.keep, d, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    # Without blocking, and only a regular file: what a keep holds is what
+                    # history._clone linked, a regular file's inode (never a FIFO to wait on).
+                    src = os.open(os.path.join(manifest.keep, d, name),
+                                  os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
                     try:
+                        if not stat.S_ISREG(os.fstat(src).st_mode):
+                            continue
                         out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                       0o444, dir_fd=dfd)
                         try:

@@ -205,10 +205,16 @@ def _clone(src: str, dst: str, budget: list[int], ways: Ways | None = None) -> N
             os.unlink(dst)
         try:
             os.link(src, dst, follow_symlinks=False)
-            return
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
+        else:
+            # Linked by path: kept only if it is the inode opened and looked at
+            # (a session swapping a FIFO in meanwhile would have it in the keep).
+            linked = os.stat(dst, follow_symlinks=False)
+            if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):
+                os.unlink(dst)
+            return
         if st.st_size > budget[0]:
             raise OSError(errno.EFBIG, "over the copy budget")
         budget[0] -= st.st_size
