@@ -289,6 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     # A socket systemd passed is where clients connect, whatever --socket says.
     socket_path = handed.getsockname() if handed is not None else paths.resolve_socket_path(args.socket)
     state = paths.state_dir()
+    # How the network stack is started and confined, its files listed by a
+    # child process (confine/elfloads.py): before the fork server, so that
+    # this process's one child from here on is the fork server, and before
+    # the socket listens, so that a client finds the daemon started.
+    from dispatchd.confine import stacks as stack_plans
+
+    launch = stack_plans.launch_for(features.network_stack, features.landlock_abi)
     # The fork server first: it must be forked while we have a single thread.
     from dispatchd.daemon.spawn import ForkServerClient
     from dispatchd.worker.fork_server import start_fork_server
@@ -349,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         fork_server=fork_server, kernel=features, load_policy=policy_loader, state_dir=state,
         protected=[state, os.path.dirname(socket_path)], private=[state], runtime_dirs=sorted(runtime),
         code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation, resolver=resolver,
-        pool_size=args.pool, host_tree=not host_tree_missing, dns=dns,
+        pool_size=args.pool, host_tree=not host_tree_missing, dns=dns, launch=launch,
     )
     if args.baseline_sync_delay_for_testing > 0:
         log.warning("event=testing_baseline_sync_delay seconds=%s (a new baseline is made durable that much later)",

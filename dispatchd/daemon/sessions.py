@@ -94,12 +94,15 @@ class SessionManager(Switching):
         pool_size: int = 0,
         host_tree: bool = False,
         dns: DnsRelay | None = None,
+        launch: stacks.Launch | None = None,
     ) -> None:
         self.fork_server = fork_server
         self.dns = dns  # network on/ports: the DNS relay, and the resolv.conf sessions read (daemon/dnsrelay.py)
         # For the proxies of "domains" sessions, too.
+        # ``launch``: the daemon's, planned before its fork server and socket
+        # (cli.py: the stack's files listed by a child process it waits for).
         self.networks = SessionNetworks(fork_server, dns, resolver or system_resolver(),
-                                        stacks.launch_for(kernel.network_stack, kernel.landlock_abi))
+                                        launch or stacks.launch_for(kernel.network_stack, kernel.landlock_abi))
         self.dns_resolv = ""  # the relay's resolv.conf, which sessions bind; "": the host's
         if dns is not None and not kernel.network_stack_missing:
             try:
