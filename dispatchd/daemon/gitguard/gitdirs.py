@@ -118,6 +118,9 @@ class Walk:
             return []
         try:
             names = _names(fd)
+        except OSError as exc:  # unreadable (chmod 000): what is in it cannot be known
+            self.gitdirs[".git/worktrees"] = {"": never_equal(f"unreadable {exc.errno}")}
+            return []
         finally:
             os.close(fd)
         by_file: list[str] = []
@@ -158,7 +161,10 @@ class Walk:
     def _inside(self, path: str) -> str | None:
         """``path`` after symlinks, worktree-relative, when it lies in the
         worktree (what a session can write); None otherwise."""
-        real = os.path.realpath(path)
+        try:
+            real = os.path.realpath(path)
+        except (RecursionError, ValueError):  # a chain of a thousand symlinks: git cannot follow it either
+            return None
         if not is_within(real, self.worktree) or real == self.worktree:
             return None
         return os.path.relpath(real, self.worktree).replace(os.sep, "/")
@@ -334,8 +340,12 @@ class Walk:
         else:
             content = f"mode:{st.st_mode:o}"
         leads = ""
-        if target and "\0" not in target:
-            real = os.path.realpath(os.path.join(self.worktree, worktree, target))
+        try:
+            real = os.path.realpath(os.path.join(self.worktree, worktree, target)) \
+                if target and "\0" not in target else ""
+        except RecursionError:  # a chain of a thousand symlinks (realpath recurses once a link)
+            real, leads = "", never_equal("a chain of symlinks too long to follow")
+        if real:
             inside = os.path.relpath(real, self.worktree) if is_within(real, self.worktree) else None
             if inside is None:
                 leads = "outside:" + real  # not the session's to write

@@ -35,6 +35,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import stat
 import time
 
@@ -71,9 +72,25 @@ _RACY_NS = 50_000_000  # a directory changed this close before a look is listed 
 _STAMPS = ".stamps"  # in a keep: the stamps it was last brought up to date with
 
 
+_MAX_REF_DIRS = 100_000  # directories of loose refs looked at
+
+
+def _real_dirs(common: str, rel: str) -> bool:
+    """Whether every component of ``rel`` below ``common`` is a directory,
+    not a symlink to one (``.git/refs/heads -> /`` walked the whole disk)."""
+    path = common
+    for part in rel.split("/"):
+        path = os.path.join(path, part)
+        if not fs.is_dir(path):
+            return False
+    return True
+
+
 def read_refs(common: str) -> dict[str, str]:
-    """Branches and tags: ``packed-refs``, then loose refs (which win)."""
+    """Branches and tags: ``packed-refs``, then loose refs (which win); loose
+    ones only below real directories, at most ``_MAX_REF_DIRS`` of them."""
     refs: dict[str, str] = {}
+    dirs = 0
     packed = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
     for line in (packed or "").splitlines():
         if not line or line[0] in "#^":
@@ -82,10 +99,13 @@ def read_refs(common: str) -> dict[str, str]:
         if _OID.match(oid) and name.startswith(PROTECTED_PREFIXES):
             refs[name] = oid
     for prefix in PROTECTED_PREFIXES:
+        if not _real_dirs(common, prefix.rstrip("/")):
+            continue
         top = os.path.join(common, prefix.rstrip("/"))
         pending = [(top, prefix.rstrip("/"))]
-        while pending and len(refs) < _MAX_REFS:
+        while pending and len(refs) < _MAX_REFS and dirs < _MAX_REF_DIRS:
             path, name = pending.pop()
+            dirs += 1
             try:
                 entries = fs.scanned(path)
             except OSError:
@@ -288,6 +308,11 @@ def record(common: str, keep: str, own: list[str]) -> History:
     objects = os.path.join(common, "objects")
     note = ""
     stamped_ns = time.time_ns()  # before the look: what changes during it counts as racy
+    if not fs.is_dir(objects):
+        # A symlink (a session's): its target's two-letter directories would be
+        # linked into the keep, and put back into the repository from there.
+        return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep="",
+                       note="object files not kept: objects is not a directory (a symlink?)")
     stamps = _stamps(objects)
     try:
         os.makedirs(keep, mode=0o700, exist_ok=True)
@@ -381,7 +406,17 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     if not fs.is_dir(common):
         return done, [f"{common}: the repository's git directory is gone"]
     objects = os.path.join(common, "objects")
+    # Nothing written through a symlink a session left for a directory the
+    # restore writes in: it goes aside, and a directory takes its place.
+    for rel in ("objects", "refs", "refs/heads", "refs/tags"):
+        path = os.path.join(common, rel)
+        if os.path.lexists(path) and not fs.is_dir(path):
+            try:
+                fs.move_aside(path)
+            except OSError as exc:
+                return done, [f"{path}: not a directory, and cannot be moved aside ({exc.strerror})"]
     if history.keep:
+        os.makedirs(objects, exist_ok=True)
         dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else \
             set(_stamps(history.keep))
         missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
@@ -442,9 +477,23 @@ def _write_ref(common: str, name: str, value: str) -> None:
     os.makedirs(parent, exist_ok=True)
     if fs.is_dir(path):
         fs.move_aside(path)
-    tmp = f"{path}.dispatchd-{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(value + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    # A name of our own, made here (O_EXCL, O_NOFOLLOW): a name that could be
+    # guessed (the daemon's pid) let a session plant a symlink there, to a file
+    # of the user's the ref's value was written into, or a FIFO the write
+    # waited on for good.
+    while True:
+        tmp = f"{path}.dispatchd-{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            break
+        except FileExistsError:
+            continue
+    try:
+        os.write(fd, (value + "\n").encode())
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
     os.replace(tmp, path)

@@ -20,6 +20,8 @@ import msgspec
 GITLINK = 0o160000  # the mode git records a submodule with
 
 
+_MAX_NAME = 4096  # bytes of a path in an index (git's own PATH_MAX)
+
 class Index(msgspec.Struct):
     links: set[str]  # the paths recorded as submodules
     shared: str  # the shared index a split index names, "" if none
@@ -106,8 +108,8 @@ def _parse_entries(data: bytes, version: int, count: int, hash_size: int,
             if version == 4:
                 strip, pos = decode_varint(data, pos)
                 end = data.index(b"\0", pos)
-                if strip > len(previous):
-                    return None
+                if strip > len(previous) or len(previous) - strip + end - pos > _MAX_NAME:
+                    return None  # each name is the last one grown: unbounded, its sum grew as the square
                 name = previous[:len(previous) - strip] + data[pos:end]
                 pos = end + 1
             else:

@@ -180,8 +180,12 @@ def _apply(base: bytes, delta: bytes, store: Store | None = None) -> bytes:
             length = length or 0x10000
             if start + length > len(base):
                 raise ValueError("delta copies past its base")
+            if len(out) + length > dst:  # checked as it grows: a one-byte op copies 64 KiB
+                raise ValueError("delta result larger than it says")
             out += base[start:start + length]
         elif op:
+            if len(out) + op > dst:
+                raise ValueError("delta result larger than it says")
             out += delta[pos:pos + op]
             pos += op
         else:
@@ -372,6 +376,6 @@ def is_ancestor(objects: str, old: str, new: str) -> bool | None:
                 if parent not in seen:
                     seen.add(parent)
                     todo.append(parent)
-    except (ValueError, IndexError, zlib.error, OSError, struct.error):
+    except (ValueError, IndexError, zlib.error, OSError, struct.error, MemoryError, RecursionError):
         return None
     return False

@@ -49,7 +49,7 @@ def _leads_back(entry: str, dotgit: str) -> bool:
     text = read_small(os.path.join(entry, "commondir"))
     try:
         return text is not None and os.path.realpath(os.path.join(entry, text.strip())) == os.path.realpath(dotgit)
-    except (ValueError, OSError):
+    except (ValueError, OSError, RecursionError):  # the last: a chain of a thousand symlinks (realpath recurses)
         return False
 
 
