@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["Tops", "is_below", "is_within", "overlap"]
+__all__ = ["Tops", "is_below", "is_within", "outermost", "overlap"]
 
 
 def is_within(path: str, top: str) -> bool:
@@ -31,6 +31,23 @@ def is_within(path: str, top: str) -> bool:
 def is_below(path: str, top: str) -> bool:
     """``path`` lies strictly below ``top`` (``/`` is not below itself)."""
     return path != top and is_within(path, top)
+
+
+def outermost(paths: Iterable[str]) -> list[str]:
+    """``paths`` (relative, "/"-separated), each once, less those within
+    another of them; shallowest first, then by name. One set lookup per
+    ``/`` of each path, where comparing each with every one kept grew as the
+    square of their number (40,000 planted files: 150 s at a session's end)."""
+    kept: list[str] = []
+    seen: set[str] = set()
+    for path in sorted(set(paths), key=lambda p: (p.count("/"), p)):
+        i = path.find("/")
+        while i >= 0 and path[:i] not in seen:
+            i = path.find("/", i + 1)
+        if i < 0 and path.rstrip("/") not in seen:
+            kept.append(path)
+            seen.add(path.rstrip("/"))
+    return kept
 
 
 def overlap(a: str, b: str) -> bool:

@@ -38,3 +38,12 @@ def test_tops_holds_below_is_any_is_below() -> None:
         found = Tops(tops)
         for path in paths:
             assert found.holds_below(path) is any(is_below(path, t) for t in tops), (path, tops)
+
+
+def test_outermost_keeps_each_path_not_within_another_shallowest_first() -> None:
+    from dispatchd.inside import outermost
+
+    found = ["a/b/c", "b", "a/b", "ab/c", "a/bc", ".git/hooks/x", ".git/hooks", "a/b", "c/d"]
+    assert outermost(found) == ["b", ".git/hooks", "a/b", "a/bc", "ab/c", "c/d"]
+    assert outermost([]) == []
+

@@ -43,7 +43,7 @@ import msgspec
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import fs
 from dispatchd.daemon.gitguard.digests import Budget, digest_at, fingerprint, never_equal
-from dispatchd.inside import is_within
+from dispatchd.inside import is_within, outermost
 from dispatchd.policy import DEFAULT_PROTECTED
 
 MAX_ENTRIES = 2_000_000
@@ -357,11 +357,7 @@ def changes(before: TreeSnapshot, now: TreeSnapshot) -> list[str]:
         if digest == "directory" and old is not None:
             continue
         found.append(rel)
-    result: list[str] = []
-    for rel in sorted(set(found), key=lambda r: (r.count("/"), r)):
-        if not any(is_within(rel, done) for done in result):
-            result.append(rel)
-    return result
+    return outermost(found)
 
 
 def quarantine(root: str, todo: list[str]) -> tuple[list[str], list[str]]:

@@ -49,7 +49,7 @@ from dispatchd.daemon.gitguard import fs
 from dispatchd.daemon.gitguard.configs import config_targets
 from dispatchd.daemon.gitguard.digests import digest_at, fingerprint
 from dispatchd.daemon.gitguard.gitdirs import MAX_GITDIRS, Walk
-from dispatchd.inside import is_within
+from dispatchd.inside import is_within, outermost
 
 __all__ = ["MAX_GITDIRS", "GitSnapshot", "changes", "gitdir_paths", "quarantine", "take"]
 
@@ -156,11 +156,7 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
     found += [rel for rel, why in now.indexes.items() if before.indexes.get(rel) != why]
     found += [rel for rel, digest in now.included.items()
               if before.included.get(rel) != digest and digest not in ("absent", "directory", "hooks directory")]
-    result: list[str] = []
-    for rel in sorted(set(found), key=lambda r: (r.count("/"), r)):
-        if not any(is_within(rel, done) for done in result):
-            result.append(rel)
-    return result
+    return outermost(found)
 
 
 def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[list[str], list[str]]:
