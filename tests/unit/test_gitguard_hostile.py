@@ -158,3 +158,29 @@ def test_an_unreadable_worktrees_directory_is_recorded_not_raised(tmp_path: Path
         assert snapshots.take(str(repo), layout) is not None
     finally:
         os.chmod(repo / ".git" / "worktrees", 0o755)
+
+
+def test_the_moved_branches_share_one_store_and_one_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each moved branch read the packs again under a deadline of its own
+    (100,000 branches: hours). One store, one deadline for all: past it a
+    branch is put back, its moved value kept aside (nothing lost). The
+    twin: within it, a fast-forward is kept."""
+    repo = _repo(tmp_path / "repo")
+    git(repo, "branch", "other")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / "g").write_text("g\n")
+    git(repo, "add", "g")
+    git(repo, "commit", "-qm", "two")
+    tip = git(repo, "rev-parse", "HEAD").strip()
+    git(repo, "update-ref", "refs/heads/other", tip)  # fast-forwarded, as the user's own commits look
+    done, failed = history.restore(kept)
+    assert failed == [] and not [d for d in done if d[0] == "refs/heads/other"]
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / "h").write_text("h\n")
+    git(repo, "add", "h")
+    git(repo, "commit", "-qm", "three")
+    git(repo, "update-ref", "refs/heads/other", git(repo, "rev-parse", "HEAD").strip())
+    monkeypatch.setattr(objectstore, "BUDGET_S", 0.0)  # the deadline spent before the first question
+    done, failed = history.restore(kept)
+    assert failed == [] and [d for d in done if d[0] == "refs/heads/other"]
+    assert git(repo, "rev-parse", "refs/heads/other").strip() == tip

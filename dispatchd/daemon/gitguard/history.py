@@ -98,6 +98,8 @@ def read_refs(common: str) -> dict[str, str]:
         oid, _, name = line.partition(" ")
         if _OID.match(oid) and name.startswith(PROTECTED_PREFIXES):
             refs[name] = oid
+            if len(refs) >= _MAX_REFS:
+                break
     for prefix in PROTECTED_PREFIXES:
         if not _real_dirs(common, prefix.rstrip("/")):
             continue
@@ -441,6 +443,10 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     if history.head and not os.path.lexists(os.path.join(common, "HEAD")):
         _write_ref(common, "HEAD", history.head.strip())
         done.append((os.path.join(common, "HEAD"), "deleted by a session; put back"))
+    # One store for every moved branch (its packs' indexes read once) and one
+    # deadline for all of them: past it, a branch is put back without asking
+    # whether it was fast-forwarded (is_ancestor says "not known").
+    store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2)
     now = read_refs(common)
     stamp = time.strftime("%Y%m%dT%H%M%S")
     for name, old in sorted(history.refs.items()):
@@ -450,7 +456,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         if new == old:
             continue
         if new is not None and name.startswith("refs/heads/") and \
-                objectstore.is_ancestor(objects, old, new):
+                objectstore.is_ancestor(objects, old, new, store):
             continue  # a fast-forward: history kept
         try:
             if new is not None:

@@ -351,15 +351,18 @@ class Store:
         return parents
 
 
-def is_ancestor(objects: str, old: str, new: str) -> bool | None:
+def is_ancestor(objects: str, old: str, new: str, store: Store | None = None) -> bool | None:
     """Whether commit ``old`` is ``new`` or one of its ancestors; None when
     it cannot be told (an object missing or malformed, a SHA-256 id, more
-    than ``_MAX_COMMITS`` commits to look at, more than ``BUDGET_S``)."""
+    than ``_MAX_COMMITS`` commits to look at, past ``BUDGET_S``, or past the
+    deadline of ``store``, one shared by a caller's many questions: its
+    packs read once)."""
     if old == new:
         return True
     if len(old) != 40 or len(new) != 40:
         return None
-    store = Store(objects, deadline=time.monotonic() + BUDGET_S)
+    if store is None:
+        store = Store(objects, deadline=time.monotonic() + BUDGET_S)
     target = bytes.fromhex(old)
     seen = {bytes.fromhex(new)}
     todo = [bytes.fromhex(new)]
