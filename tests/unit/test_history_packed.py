@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import history, objectstore
+from dispatchd.daemon.gitguard import history, objectstore, packed
 from tests.unit.gitrepo import git
 
 pytestmark = pytest.mark.process  # git makes and packs the repositories
@@ -44,7 +44,7 @@ def test_objects_git_packed_meanwhile_are_put_back_unreported(tmp_path: Path) ->
     kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
     git(repo, "gc", "-q", "--prune=now")  # as a session's git would: packed, the loose copies removed
     assert _loose(objects) == set()
-    assert history.packed_meanwhile(str(objects), sorted(before)) == before
+    assert packed.packed_meanwhile(str(objects), sorted(before)) == before
     done, failed = history.restore(kept)
     assert (done, failed) == ([], [])  # nothing reported as deleted by a session
     assert _loose(objects) == before  # loose copies beside the pack
@@ -101,7 +101,7 @@ def test_a_forged_pack_index_loses_nothing(tmp_path: Path) -> None:
     for rel in loose:
         os.unlink(objects / rel)
     _forged_index(objects / "pack", [bytes.fromhex(rel.replace("/", "")) for rel in loose])
-    assert history.packed_meanwhile(str(objects), sorted(loose)) == loose
+    assert packed.packed_meanwhile(str(objects), sorted(loose)) == loose
     done, failed = history.restore(kept)
     assert failed == [] and _loose(objects) == loose
     (objects / "pack" / "pack-forged.idx").unlink()

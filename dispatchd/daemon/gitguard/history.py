@@ -11,7 +11,7 @@ dropped incrementally, so a later baseline costs a listing.
 When the sessions end (``restore``), with their processes gone:
 - an object file kept and now missing is put back (a session's ``rm -rf
   .git/objects`` loses nothing); a loose one that a pack index names now
-  (git packed it meanwhile: ``packed_meanwhile``) is put back too, but not
+  (git packed it meanwhile: ``packed.py``) is put back too, but not
   reported as deleted by a session;
 - a branch or tag the user had that is gone, or that no longer leads back to
   where it was (a fast-forward is kept: the user's own commits in another
@@ -41,7 +41,7 @@ import time
 
 import msgspec
 
-from dispatchd.daemon.gitguard import fs, objectstore
+from dispatchd.daemon.gitguard import fs, objectstore, packed
 
 _log = logging.getLogger("dispatchd.history")
 
@@ -91,8 +91,8 @@ def read_refs(common: str) -> dict[str, str]:
     ones only below real directories, at most ``_MAX_REF_DIRS`` of them."""
     refs: dict[str, str] = {}
     dirs = 0
-    packed = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
-    for line in (packed or "").splitlines():
+    packed_text = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
+    for line in (packed_text or "").splitlines():
         if not line or line[0] in "#^":
             continue
         oid, _, name = line.partition(" ")
@@ -359,46 +359,6 @@ def record(common: str, keep: str, own: list[str]) -> History:
                    stamps=stamps, stamped_ns=stamped_ns)
 
 
-_LOOSE = re.compile(r"^[0-9a-f]{2}/[0-9a-f]{38}$")  # a SHA-1 loose object file, as kept
-
-
-_PACK_FILE = re.compile(r"^pack/(pack-[0-9a-f]{40,64})\.[a-z]+$")  # a pack and its .idx, .rev, .bitmap...
-_PACKED_MAX = 500_000  # objects of one gone pack looked up in the packs there now; past it, reported
-
-
-def packed_meanwhile(objects: str, gone: list[str], keep: str = "") -> set[str]:
-    """The object files of ``gone`` whose objects a pack index of
-    ``objects`` names now (``objectstore.indexed``): a loose object, or
-    every file of a pack (``keep``'s copy of its index lists its objects).
-    Git packed them while the session ran (``git gc``, the ``gc --auto``
-    after a commit, ``git repack``) and removed the old files. They are put
-    back all the same (an index can name an object its pack does not hold,
-    and a pack can be one git cannot read: only the old file makes sure
-    nothing is lost; git's next ``gc`` removes it), but not reported as
-    deleted by a session."""
-    loose = {rel: bytes.fromhex(rel[:2] + rel[3:]) for rel in gone if _LOOSE.match(rel)}
-    stems: dict[str, list[str]] = {}
-    for rel in gone:
-        m = _PACK_FILE.match(rel)
-        if m:
-            stems.setdefault(m.group(1), []).append(rel)
-    wanted = list(loose.values())
-    in_packs: dict[str, list[bytes]] = {}
-    for stem in stems:
-        names = objectstore.names_in_index(os.path.join(keep, "pack"), stem + ".idx", _PACKED_MAX) if keep else None
-        if names is not None:
-            in_packs[stem] = names
-            wanted += names
-    if not wanted:
-        return set()
-    named = objectstore.indexed(objects, wanted)
-    found = {rel for rel, oid in loose.items() if oid in named}
-    for stem, names in in_packs.items():
-        if all(oid in named for oid in names):
-            found.update(stems[stem])
-    return found
-
-
 def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     """Put back what the module says; returns ``(path or ref, why)`` for each
     thing put back, and what could not be (with why)."""
@@ -422,7 +382,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else \
             set(_stamps(history.keep))
         missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
-        packed = packed_meanwhile(objects, missing, history.keep)
+        by_git = packed.packed_meanwhile(objects, missing, history.keep)
         ways = Ways()
         put: list[str] = []
         for rel in missing:
@@ -432,7 +392,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
                 put.append(rel)
             except OSError as exc:
                 failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}")
-        deleted = [rel for rel in put if rel not in packed]
+        deleted = [rel for rel in put if rel not in by_git]
         if deleted:
             done.append((objects, f"{len(deleted)} object files deleted by a session put back"))
         if len(deleted) < len(put):
