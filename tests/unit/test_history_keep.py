@@ -44,14 +44,20 @@ def _refuse(code: int) -> Callable[[], None]:
     return answer
 
 
-def test_a_file_system_without_reflinks_is_asked_once_a_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    asked = _counting(monkeypatch, _refuse(errno.EOPNOTSUPP))
-    sources = _files(tmp_path / "objects", 20)
+def _keep_in_one_batch(tmp_path: Path, sources: list[Path]) -> tuple[Path, history.Ways]:
+    """Each of ``sources`` kept in ``tmp_path/keep`` by one batch (no copy budget)."""
     keep = tmp_path / "keep"
     keep.mkdir()
     ways = history.Ways()
     for src in sources:
         history._clone(str(src), str(keep / src.name), [0], ways)
+    return keep, ways
+
+
+def test_a_file_system_without_reflinks_is_asked_once_a_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = _counting(monkeypatch, _refuse(errno.EOPNOTSUPP))
+    sources = _files(tmp_path / "objects", 20)
+    keep, ways = _keep_in_one_batch(tmp_path, sources)
     assert len(asked) == 1
     for src in sources:  # every one kept, each a hard link (the same inode), nothing copied (budget 0)
         assert os.stat(keep / src.name).st_ino == os.stat(src).st_ino
@@ -65,11 +71,7 @@ def test_a_reflink_that_works_is_asked_for_every_file(tmp_path: Path, monkeypatc
     one; nothing is remembered as refused."""
     asked = _counting(monkeypatch, lambda: None)
     sources = _files(tmp_path / "objects", 5)
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    ways = history.Ways()
-    for src in sources:
-        history._clone(str(src), str(keep / src.name), [0], ways)
+    keep, ways = _keep_in_one_batch(tmp_path, sources)
     assert len(asked) == 5 and not ways.no_reflink
     assert all(os.stat(keep / src.name).st_ino != os.stat(src).st_ino for src in sources)  # not links
 
@@ -79,11 +81,7 @@ def test_another_failure_is_not_taken_for_no_reflinks(tmp_path: Path, monkeypatc
     asks again, and is kept by a hard link meanwhile."""
     asked = _counting(monkeypatch, _refuse(errno.ENOSPC))
     sources = _files(tmp_path / "objects", 3)
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    ways = history.Ways()
-    for src in sources:
-        history._clone(str(src), str(keep / src.name), [0], ways)
+    keep, ways = _keep_in_one_batch(tmp_path, sources)
     assert len(asked) == 3 and not ways.no_reflink
     assert all(os.stat(keep / src.name).st_ino == os.stat(src).st_ino for src in sources)
 
