@@ -197,3 +197,25 @@ def test_config_continuation_lines_join_as_before() -> None:
                                              ("core", None, "z", "e\\")]
     many = "[core]\n\tx = " + "a\\\n" * 50_000 + "b\n"
     assert configs.config_entries(many) == [("core", None, "x", "a" * 50_000 + "b")]
+
+
+def test_an_object_is_put_back_through_no_symlinked_fan_out_directory(tmp_path: Path) -> None:
+    """A session deletes an object and makes its fan-out directory a symlink
+    to a directory of the user's: the put-back wrote the object file there.
+    The symlink goes aside and the object is put back in the repository
+    (the twin: a plain deletion is put back in place, test_history_packed)."""
+    repo = _repo(tmp_path / "repo")
+    objects = repo / ".git" / "objects"
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    victim = next(p for p in objects.iterdir() if len(p.name) == 2)
+    names = sorted(os.listdir(victim))
+    for name in names:
+        os.unlink(victim / name)
+    victim.rmdir()
+    users = tmp_path / "users-dir"
+    users.mkdir()
+    victim.symlink_to(users)
+    done, failed = history.restore(kept)
+    assert failed == [] and done and os.listdir(users) == []
+    assert victim.is_dir() and not victim.is_symlink() and sorted(os.listdir(victim)) == names
+    git(repo, "fsck", "--strict")

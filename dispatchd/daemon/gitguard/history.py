@@ -385,9 +385,17 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         by_git = packed.packed_meanwhile(objects, missing, history.keep)
         ways = Ways()
         put: list[str] = []
+        made: set[str] = set()
         for rel in missing:
             try:
-                os.makedirs(os.path.join(objects, os.path.dirname(rel)), exist_ok=True)
+                folder = os.path.join(objects, os.path.dirname(rel))
+                if folder not in made:
+                    # A fan-out or pack directory a session replaced by a symlink
+                    # goes aside: put back through it, a file landed outside.
+                    if os.path.lexists(folder) and not fs.is_dir(folder):
+                        fs.move_aside(folder)
+                    os.makedirs(folder, exist_ok=True)
+                    made.add(folder)
                 _clone(os.path.join(history.keep, rel), os.path.join(objects, rel), [_COPY_BUDGET], ways)
                 put.append(rel)
             except OSError as exc:
