@@ -27,10 +27,11 @@ state is the user's) and kept, unchanged, until the last one ends:
   domain may be made durable later (``join(defer=True)``; ``pending``):
   nothing that can change the worktree runs before ``durable`` has returned
   None. Every later write of a domain's record waits for the deferred one,
-  and is durable before it returns. A daemon
-  that starts finds every record whose lock it can take (its daemon died:
-  SIGKILL, the OOM killer) and runs the last end's check for it before it
-  serves anyone (``recover``); what that did is in ``status``;
+  and is durable before it returns. A daemon that starts finds every record
+  whose lock it can take (its daemon died: SIGKILL, the OOM killer) and runs
+  the last end's check for it before it serves anyone (``recover``), then
+  removes what a ref's write cut short left (``reftemp``); ``status`` says
+  what it did;
 - a check that cannot finish (something it cannot move, a walk over its
   bounds) leaves the record on disk and the worktree refused until the
   daemon restarts and a check passes;
@@ -46,6 +47,7 @@ namespace) keeps all of it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -58,7 +60,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import history, runnables, snapshots
+from dispatchd.daemon.gitguard import history, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
 from dispatchd.daemon.gitguard.pending import Durable
 from dispatchd.errors import WorktreeError
@@ -222,12 +224,9 @@ class Baselines:
             names = sorted(os.listdir(self.dir))
         except FileNotFoundError:
             return []
-        for name in names:
-            if name.endswith(".tmp"):
-                try:
-                    os.unlink(os.path.join(self.dir, name))
-                except OSError:
-                    pass
+        for name in (n for n in names if n.endswith(".tmp")):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.dir, name))
         for name in names:
             if not name.endswith(".json"):
                 continue
@@ -246,6 +245,8 @@ class Baselines:
             log.warning("event=baseline_recover domain=%s sessions=%s roots=%s", did, ",".join(record.sessions),
                         ",".join(p.root for p in record.parts))
             failed = self._check(domain, final=True)
+            for kept in record.histories:
+                reftemp.sweep(kept.common, [*kept.refs, "HEAD"])
             self.recovered += domain.reports
             if failed:
                 for part in record.parts:

@@ -35,13 +35,12 @@ import hashlib
 import logging
 import os
 import re
-import secrets
 import stat
 import time
 
 import msgspec
 
-from dispatchd.daemon.gitguard import fs, objectstore, packed
+from dispatchd.daemon.gitguard import fs, objectstore, packed, reftemp
 
 _log = logging.getLogger("dispatchd.history")
 
@@ -454,9 +453,10 @@ def _write_ref(common: str, name: str, value: str) -> None:
     # A name of our own, made here (O_EXCL, O_NOFOLLOW): a name that could be
     # guessed (the daemon's pid) let a session plant a symlink there, to a file
     # of the user's the ref's value was written into, or a FIFO the write
-    # waited on for good.
+    # waited on for good. Its ".lock" end: left by a daemon killed before the
+    # rename, git lists it as no branch (reftemp.py), and the next start removes it.
     while True:
-        tmp = f"{path}.dispatchd-{secrets.token_hex(8)}.tmp"
+        tmp = reftemp.temp_name(path)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             break

@@ -1,0 +1,80 @@
+"""The temporary files a ref is written through, and what a killed daemon
+left of them.
+
+A ref put back (``history._write_ref``) is written to a temporary file
+beside it, then renamed over it. A daemon killed between the two leaves the
+temporary file. Its name ends in ``.lock``: git refuses a ref name whose
+component ends so (``git check-ref-format``), so it lists no such file as a
+branch or tag, packs none, and takes none for its own lock (git's lock of
+``main`` is ``main.lock``; ours is ``main.dispatchd-<16 hex>.lock``).
+
+Guarantees:
+- ``temp_name`` gives a name nobody can guess (a session cannot plant a
+  symlink or a FIFO there first; the caller opens it ``O_EXCL |
+  O_NOFOLLOW``);
+- ``sweep`` removes only regular files whose whole name is ours
+  (``<name>.dispatchd-<16 hex>.lock``), and only in the directories a put
+  back writes in: never a ref git reads, never git's own lock, never a
+  directory, nothing through a symlink.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import stat
+
+log = logging.getLogger("dispatchd.gitguard")
+
+_OURS = re.compile(r".+\.dispatchd-[0-9a-f]{16}\.lock")
+_MAX_DIRS = 10_000  # refs/dispatchd/displaced is ours, but a session may have filled it
+
+
+def temp_name(path: str) -> str:
+    """A temporary name beside ``path`` for writing it."""
+    return f"{path}.dispatchd-{secrets.token_hex(8)}.lock"
+
+
+def sweep(common: str, refs: list[str]) -> list[str]:
+    """Remove what an interrupted write of ``refs`` (names below ``common``,
+    ``HEAD`` included) or of a displaced ref left; returns the paths removed."""
+    dirs = {os.path.dirname(os.path.join(common, name)) for name in refs} | {common}
+    pending = [os.path.join(common, "refs", "dispatchd", "displaced")]
+    while pending and len(dirs) < _MAX_DIRS:
+        path = pending.pop()
+        try:
+            with os.scandir(path) as scan:
+                below = [e.path for e in scan if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        dirs.add(path)
+        pending += below
+    removed: list[str] = []
+    for path in sorted(dirs):
+        removed += _sweep_dir(path)
+    return removed
+
+
+def _sweep_dir(path: str) -> list[str]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return []
+    removed: list[str] = []
+    try:
+        for name in os.listdir(fd):
+            if not _OURS.fullmatch(name):
+                continue
+            try:
+                if stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=fd)
+                    removed.append(os.path.join(path, name))
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+    for gone in removed:
+        log.info("event=ref_temporary_removed path=%s", gone)
+    return removed

@@ -1,0 +1,101 @@
+"""A ref the daemon puts back is written through a temporary file: what a
+daemon killed before the rename leaves is listed by git as no branch, and
+the next start removes it, and nothing else."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon.gitguard import baselines, history, layouts, redirects, reftemp, snapshots
+from tests.unit.gitrepo import git
+
+pytestmark = pytest.mark.process  # git makes the repositories
+
+
+class Killed(BaseException):
+    """The daemon's death between the temporary file and its rename."""
+
+
+def _repo(path: Path) -> tuple[Path, str]:
+    path.mkdir()
+    git(path, "init", "-q", "-b", "main")
+    (path / "f").write_text("f\n")
+    git(path, "add", "f")
+    git(path, "commit", "-qm", "one")
+    return path, git(path, "rev-parse", "HEAD").strip()
+
+
+def _refs(repo: Path) -> list[str]:
+    return git(repo, "for-each-ref", "--format=%(refname)").split()
+
+
+def _killed_at_rename(monkeypatch: pytest.MonkeyPatch) -> None:
+    def replace(src: str, dst: str) -> None:
+        raise Killed
+
+    monkeypatch.setattr(history.os, "replace", replace)
+
+
+def test_a_put_back_cut_short_leaves_a_file_git_lists_as_no_ref(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, head = _repo(tmp_path / "repo")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / ".git" / "refs" / "heads" / "main").unlink()  # a session's deed
+    _killed_at_rename(monkeypatch)
+    with pytest.raises(Killed):
+        history.restore(kept)
+    left = [n for n in os.listdir(repo / ".git" / "refs" / "heads")]
+    assert len(left) == 1 and left[0].startswith("main.dispatchd-") and left[0].endswith(".lock")
+    assert (repo / ".git" / "refs" / "heads" / left[0]).read_text() == head + "\n"  # the value was written
+    git(repo, "update-ref", "refs/heads/other", head)
+    assert _refs(repo) == ["refs/heads/other"]
+    # The twin: the same file under the name the daemon used before is a branch to git.
+    os.rename(repo / ".git" / "refs" / "heads" / left[0], repo / ".git" / "refs" / "heads" / "main.dispatchd-1.tmp")
+    assert _refs(repo) == ["refs/heads/main.dispatchd-1.tmp", "refs/heads/other"]
+
+
+def test_a_start_removes_what_a_put_back_cut_short_left_and_nothing_else(tmp_path: Path) -> None:
+    repo, head = _repo(tmp_path / "repo")
+    dead = baselines.Baselines(str(tmp_path / "state"))
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    dead.join("s", str(repo), layout, snapshots.take(str(repo), layout),
+              redirects.redirects_present(layout, str(repo)), ())
+    heads = repo / ".git" / "refs" / "heads"
+    ours = heads / "main.dispatchd-0123456789abcdef.lock"
+    ours.write_text(head + "\n")
+    displaced = repo / ".git" / "refs" / "dispatchd" / "displaced" / "20261130T000000" / "refs" / "heads"
+    displaced.mkdir(parents=True)
+    (displaced / "main.dispatchd-fedcba9876543210.lock").write_text(head + "\n")
+    (repo / ".git" / "HEAD.dispatchd-00000000000000aa.lock").write_text("ref: refs/heads/main\n")
+    # What stays: git's own lock, a name not wholly ours, a directory and a symlink named like ours.
+    (heads / "main.lock").write_text(head + "\n")
+    (heads / "main.dispatchd-0123456789abcdef.tmp").write_text(head + "\n")
+    (heads / "x.dispatchd-1111111111111111.lock").mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("the user's\n")
+    (heads / "y.dispatchd-2222222222222222.lock").symlink_to(victim)
+    os.close(next(iter(dead._domains.values())).lock_fd)  # what the kernel does for a dead daemon
+    baselines.Baselines(str(tmp_path / "state")).recover()
+    assert sorted(os.listdir(heads)) == ["main", "main.dispatchd-0123456789abcdef.tmp", "main.lock",
+                                         "x.dispatchd-1111111111111111.lock", "y.dispatchd-2222222222222222.lock"]
+    assert os.listdir(displaced) == [] and not (repo / ".git" / "HEAD.dispatchd-00000000000000aa.lock").exists()
+    assert victim.read_text() == "the user's\n"
+
+
+def test_the_sweep_goes_into_no_symlinked_directory(tmp_path: Path) -> None:
+    common = tmp_path / "git"
+    (common / "refs" / "dispatchd").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "a.dispatchd-0123456789abcdef.lock").write_text("x\n")
+    (common / "refs" / "dispatchd" / "displaced").symlink_to(elsewhere)
+    (common / "refs" / "heads").symlink_to(elsewhere)
+    assert reftemp.sweep(str(common), ["refs/heads/a"]) == []
+    assert os.listdir(elsewhere) == ["a.dispatchd-0123456789abcdef.lock"]
+    os.unlink(common / "refs" / "heads")  # the twin: a real directory is swept
+    (common / "refs" / "heads").mkdir()
+    os.rename(elsewhere / "a.dispatchd-0123456789abcdef.lock", common / "refs" / "heads" / "a.dispatchd-0123456789abcdef.lock")
+    assert reftemp.sweep(str(common), ["refs/heads/a"]) == [str(common / "refs" / "heads" / "a.dispatchd-0123456789abcdef.lock")]
