@@ -342,6 +342,14 @@ def open_dns_sockets_in(userns_fd: int, netns_fd: int) -> tuple[int, int]:
 
     _sys.setns(userns_fd, _sys.CLONE_NEWUSER)
     _sys.setns(netns_fd, _sys.CLONE_NEWNET)
+    return open_dns_door()
+
+
+def open_dns_door() -> tuple[int, int]:
+    """The DNS relay's door on this process's network namespace's loopback
+    (``open_dns_sockets_in``'s, once there): a sandbox that still holds its
+    namespace's capabilities, before any code of its session runs, makes it
+    itself (``SessionPlan.dns_door``). Raises ``OSError``."""
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     udp.bind((RELAY_ADDRESS, DNS_PORT))

@@ -108,6 +108,10 @@ class SessionPlan(msgspec.Struct, frozen=True):
     # and hands to the daemon's proxy (dispatchd.domains); 0: none.
     proxy_port: int = 0
     checkpoint_writes: bool = False  # policy [checkpoints] before_writes (daemon/checkpoints/)
+    # The sandbox makes the DNS relay's door on its loopback while it holds its
+    # namespace's capabilities, and hands it over with its namespaces: a
+    # stack runs, the daemon has a relay (no child of the fork server then).
+    dns_door: bool = False
 
 
 def can_sleep(plan: SessionPlan) -> bool:
@@ -135,6 +139,7 @@ class PoolKey(msgspec.Struct, frozen=True):
     seccomp: SeccompPlan  # compiled by the fork server when the sandbox was made
     cgroup: SessionCgroup | None  # born in it, limits written
     net: NetworkPlan | None  # rules committed (those of "ports" name its ports), stack started
+    dns_door: bool = False  # the relay's door made, handed over with the namespaces
 
 
 def pool_key(plan: SessionPlan) -> bytes | None:
@@ -146,7 +151,7 @@ def pool_key(plan: SessionPlan) -> bytes | None:
         return None
     return msgspec.msgpack.encode(PoolKey(namespaces=ns, ucounts=plan.ucounts, root=mounts.root_part(),
                                           landlock=plan.landlock.ahead_part(), loopback=plan.loopback, seccomp=plan.seccomp, cgroup=plan.cgroup,
-                                          net=plan.net))
+                                          net=plan.net, dns_door=plan.dns_door))
 
 
 def encode_plan(plan: SessionPlan) -> bytes:
@@ -230,10 +235,13 @@ def plan_session(
     delegation: Delegation = Delegation(note="not looked for"),
     git_identity: dict[str, str] | None = None,
     host_tree: bool = False,
+    dns_door: bool = False,
 ) -> SessionPlan:
     """``host_tree``: the kernel binds from a detached copy of a mount tree
     (``mounts.probe_host_tree``, probed once at start), so a root of the
-    session's own holds the host's by descriptor until the session's binds."""
+    session's own holds the host's by descriptor until the session's binds.
+    ``dns_door``: the daemon runs the DNS relay (its door is made by the
+    sandbox when a stack runs in namespaces of its own)."""
     if network not in NETWORK_MODES:
         raise ConfinementError("network", detail=f"network must be one of {', '.join(NETWORK_MODES)}, not {network!r}")
     ports = ports or NetworkPorts(connect=list(policy.network.connect_ports), bind=list(policy.network.bind_ports))
@@ -388,6 +396,7 @@ def plan_session(
         protections=protections,
         net=net,
         proxy_port=domains_mod.PROXY_PORT if network == "domains" else 0,
+        dns_door=dns_door and net.stack and namespaces.user and namespaces.net,
     )
 
 

@@ -85,8 +85,14 @@ class DoorAhead:
     its namespace descriptors: the session's own may be closed meanwhile (a
     stack that did not start) and are never reused under the request."""
 
-    def __init__(self, relay: DnsRelay, session: str, namespaces: tuple[int, int], make: MakeDoor) -> None:
+    def __init__(self, relay: DnsRelay, session: str, namespaces: tuple[int, int], make: MakeDoor,
+                 made: tuple[socket.socket, socket.socket] | None = None) -> None:
         self.relay, self.session = relay, session
+        self._made: concurrent.futures.Future[tuple[socket.socket, socket.socket]]
+        if made is not None:  # the sandbox made it (SessionPlan.dns_door)
+            self._made = concurrent.futures.Future()
+            self._made.set_result(made)
+            return
         userns, netns = os.dup(namespaces[0]), os.dup(namespaces[1])
 
         def run() -> tuple[socket.socket, socket.socket]:
@@ -196,12 +202,14 @@ class DnsRelay:
         self.resolvers.on_change = rewrite
         return path
 
-    def door_ahead(self, session: str, namespaces: tuple[int, int], make: MakeDoor) -> DoorAhead:
+    def door_ahead(self, session: str, namespaces: tuple[int, int], make: MakeDoor,
+                   made: tuple[socket.socket, socket.socket] | None = None) -> DoorAhead:
         """Have ``make`` (the fork server's ``dns_sockets``) make a session's
         door in its ``namespaces`` on a thread of the relay's, while the
         caller starts its stack (the fork server is free again once pasta is
-        launched, and pasta takes ~90 ms to report ready)."""
-        return DoorAhead(self, session, namespaces, make)
+        launched, and pasta takes ~90 ms to report ready); or serve ``made``,
+        the door its sandbox made itself (``SessionPlan.dns_door``)."""
+        return DoorAhead(self, session, namespaces, make, made)
 
     def open_door(self, session: str, udp: socket.socket, tcp: socket.socket) -> Door:
         return Door(self, session, udp, tcp)

@@ -43,7 +43,7 @@ from dispatchd.daemon.pooling import Pooling
 from dispatchd.daemon.planahead import PlanInputs, make_plan, plan_for
 from dispatchd.daemon.pool import Made
 from dispatchd.daemon.session import READY_TIMEOUT_S, Session
-from dispatchd.daemon.sessionnet import check_network, domains_for, ports_of, stop_network, take_namespaces
+from dispatchd.daemon.sessionnet import check_network, domains_for, ports_of, stop_network, take_door, take_namespaces
 from dispatchd.daemon.worktree import Worktree, check_read_only_path, credential_dirs, open_worktree
 from dispatchd.errors import ConfinementError, DispatchdError, Stopping, WorktreeError
 from dispatchd.inside import is_below, is_within, overlap
@@ -279,7 +279,7 @@ class Opening(Pooling):
         return PlanInputs(session=session.id, policy=session.policy, network=network, paths=paths,
                           ports=session.ports, git_identity=identity, kernel=self.kernel, uid=self.uid,
                           gid=self.gid, base_env=self.base_env, delegation=self.delegation,
-                          host_tree=self.host_tree)
+                          host_tree=self.host_tree, dns_door=self.dns is not None)
 
     def _plan(self, session: Session, network: NetworkMode) -> SessionPlan:
         return make_plan(self._plan_inputs(session, network))
@@ -316,6 +316,7 @@ class Opening(Pooling):
         if made is not None and ready is not None:
             worker, control, msg = made.worker, made.control, ready
             ns_fds, stack, net = made.ns_fds, made.stack, made.net
+            door = None  # made ahead: its door served with its stack already
         else:
             if plan.cgroup is not None and not session.cgroup:
                 cgroups.create(plan.cgroup)  # limits in force before the first process joins
@@ -331,6 +332,12 @@ class Opening(Pooling):
             stack, net = None, None
             try:
                 ns_fds = take_namespaces(plan, msg, control)
+                try:
+                    door = take_door(msg, control)
+                except BaseException:
+                    for fd in ns_fds or ():
+                        os.close(fd)
+                    raise
             except BaseException:
                 worker.kill()
                 control.close()
@@ -342,6 +349,8 @@ class Opening(Pooling):
         except BaseException:  # whatever failed, the worker and what it sent go
             for fd in [*(ns_fds or ()), *kit]:
                 os.close(fd)
+            for sock in door or ():
+                sock.close()
             if stack is not None:
                 stack.stop()
             worker.kill()
@@ -354,7 +363,7 @@ class Opening(Pooling):
         log.debug("event=worker_ready session=%s pid=%s made_ahead=%d steps_ms=%s", session.id, worker.pid,
                   ready is not None, ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker = worker
-        session.ns_fds, session.stack, session.net = ns_fds, stack, net
+        session.ns_fds, session.stack, session.net, session.door = ns_fds, stack, net, door
         try:
             self.networks.apply(session, plan.net)  # nothing left to do for one made ahead
             self.networks.check_dns(session, dns)

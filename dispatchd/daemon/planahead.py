@@ -50,6 +50,7 @@ class PlanInputs(NamedTuple):
     base_env: dict[str, str]
     delegation: Delegation
     host_tree: bool
+    dns_door: bool = False
 
 
 class Planned(NamedTuple):
@@ -64,7 +65,7 @@ class Planned(NamedTuple):
 def make_plan(i: PlanInputs) -> SessionPlan:
     return plan_session(i.policy, i.kernel, session=i.session, paths=i.paths, network=i.network, uid=i.uid,
                         gid=i.gid, base_env=i.base_env, ports=i.ports, delegation=i.delegation,
-                        git_identity=i.git_identity, host_tree=i.host_tree)
+                        git_identity=i.git_identity, host_tree=i.host_tree, dns_door=i.dns_door)
 
 
 def plan_ahead(last: PlanInputs, *, session: str, scratch: str, policy: Policy) -> Planned:

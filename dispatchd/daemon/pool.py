@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -105,6 +106,7 @@ class Made:
     worker: Worker
     control: protocol.FrameSocket
     ns_fds: tuple[int, int] | None = None  # its user and network namespaces
+    door: tuple[socket.socket, socket.socket] | None = None  # the DNS relay's door it made, until its stack starts
     net: netstack.NetworkPlan | None = None  # how its network is held
     stack: netstack.Stack | None = None  # its network stack, started
     cgroup: str = ""

@@ -29,7 +29,7 @@ from dispatchd.daemon.napping import Napping
 from dispatchd.daemon.planahead import plan_ahead
 from dispatchd.daemon.pool import Kind, Made
 from dispatchd.daemon.session import READY_TIMEOUT_S, Session
-from dispatchd.daemon.sessionnet import ports_of, take_namespaces
+from dispatchd.daemon.sessionnet import drop_door, ports_of, take_door, take_namespaces
 from dispatchd.daemon.spawn import adopt
 from dispatchd.errors import DispatchdError, Stopping
 
@@ -76,7 +76,7 @@ class Pooling(Napping):
         ports = ports_of(policy)  # as a session's: sorted, each once
         plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
                             gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation,
-                            host_tree=self.host_tree)
+                            host_tree=self.host_tree, dns_door=self.dns is not None)
         key = pool_key(plan)
         if key is None:
             return None
@@ -96,6 +96,7 @@ class Pooling(Napping):
                     scratch=paths.scratch)
         try:
             made.ns_fds = take_namespaces(plan, msg, control)
+            made.door = take_door(msg, control)
             self.networks.apply(made, plan.net)
         except BaseException:
             self._let_go(made)
@@ -148,6 +149,7 @@ class Pooling(Napping):
         for fd in made.ns_fds or ():
             os.close(fd)
         made.ns_fds = None
+        drop_door(made)
         self._remove_cgroup_path(made.cgroup, made.sid)
         made.cgroup = ""
         if made.scratch:  # never given to a session

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +72,7 @@ class Session:
         self.net: netstack.NetworkPlan | None = None  # how its network is held now
         self.stack: netstack.Stack | None = None  # its user-mode stack, while one runs
         self.ns_fds: tuple[int, int] | None = None  # its user and network namespaces, sent by its worker
+        self.door: tuple[socket.socket, socket.socket] | None = None  # the DNS relay's door it made, until its stack starts
         self._control: protocol.FrameSocket | None = None
         self.added = 0  # AddChannel messages sent to its current tool server (MaySleep.added), under send_lock
         self.lock = threading.Lock()  # one change of state, and the action it stands for, at a time

@@ -90,10 +90,36 @@ def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.Work
         raise ConfinementError("network: namespaces", detail=str(exc)) from exc
 
 
+def take_door(msg: protocol.WorkerReady | protocol.WorkerPooled,
+              control: protocol.FrameSocket) -> tuple[socket.socket, socket.socket] | None:
+    """The DNS relay's door the worker made (``SessionPlan.dns_door``), sent
+    right after its namespaces; None when it made none (the fork server
+    makes it then, as for a switch)."""
+    if not msg.dns_door:
+        return None
+    try:
+        udp = socket.socket(fileno=control.take_fd())
+        try:
+            return udp, socket.socket(fileno=control.take_fd())
+        except protocol.ProtocolError:
+            udp.close()
+            raise
+    except protocol.ProtocolError as exc:
+        raise ConfinementError("network: DNS relay's door", detail=str(exc)) from exc
+
+
+def drop_door(holder: Session | Made) -> None:
+    """A door the worker made and no stack served: closed."""
+    door, holder.door = holder.door, None
+    for sock in door or ():
+        sock.close()
+
+
 def stop_network(session: Session, reap: Callable[[int, float], None] | None = None) -> None:
     """The session's way out gone: its stack ended, its namespaces let go.
     ``reap``: a session's end, whose processes are killed next: the stack's
     exit is waited for off the reply's path (``afterwards.reap``)."""
+    drop_door(session)
     if session.stack is not None:
         session.stack.stop(reap)
         session.stack = None
@@ -152,8 +178,13 @@ class SessionNetworks:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
         if new.stack and session.stack is None:
             # The DNS relay's door is made while the stack starts (daemon/dnsrelay.py).
-            door = self.dns.door_ahead(session.id, namespaces(session), self.fork_server.dns_sockets) \
+            made = session.door  # made by the worker: no child of the fork server's
+            session.door = None
+            door = self.dns.door_ahead(session.id, namespaces(session), self.fork_server.dns_sockets, made) \
                 if self.dns else None
+            if door is None:
+                for sock in made or ():
+                    sock.close()
             try:
                 # In the session's cgroup, where it has one: its limits
                 # (pids.max, memory.max, cpu.weight) hold the stack too.

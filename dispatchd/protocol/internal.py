@@ -54,6 +54,10 @@ class WorkerReady(_Msg, tag="worker_ready", frozen=True):
     # daemon cannot open /proc/PID/ns of a worker that is not dumpable (it has
     # no CAP_SYS_PTRACE over the init namespace that owns the worker's memory).
     namespaces: bool = False
+    # Sent with two fds when true, right after the namespaces: the DNS relay's
+    # door (its UDP socket and TCP listener), made by the worker on its own
+    # loopback (``SessionPlan.dns_door``).
+    dns_door: bool = False
     # Sent with this many fds, after the listener: what waking the session
     # needs (``dispatchd.worker.wake``): its Landlock ruleset, complete, and
     # its user, mount, IPC (and network) namespaces. 0: it never sleeps.
@@ -64,11 +68,13 @@ class WorkerPooled(_Msg, tag="worker_pooled", frozen=True):
     """A sandbox made ahead (``SpawnWorker.pooled``) has applied what every
     session of its kind shares and waits for ``AdoptSession``. Sent with two
     fds when ``namespaces``: its user and network namespaces, as with
-    ``WorkerReady``, which then sends none."""
+    ``WorkerReady``, which then sends none; and two more when ``dns_door``
+    (as ``WorkerReady``'s)."""
 
     pid: int
     timings_ms: dict[str, float] = {}
     namespaces: bool = False
+    dns_door: bool = False
 
 
 class AdoptSession(_Msg, tag="adopt_session", frozen=True):

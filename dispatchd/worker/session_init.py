@@ -42,7 +42,7 @@ from typing import NoReturn
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, seccomp, ucounts
+from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, netstack, seccomp, ucounts
 from dispatchd.confine.plan import SessionPlan, can_sleep, decode_plan, encode_plan, pool_key
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import proctree
@@ -73,6 +73,7 @@ class Held:
     def __init__(self, host_fd: int = -1, ruleset: landlock.Ruleset | None = None) -> None:
         self.host_fd = host_fd
         self.ruleset = ruleset
+        self.dns_door = False  # the DNS relay's door made, after the namespaces in ``keep``
         # The session namespace's pid namespace budget, writable
         # (ucounts.open_pid_budget): for the wake kit, or closed.
         self.pid_budget = -1
@@ -121,6 +122,16 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     if plan.loopback:
         netns.apply_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
         clock("loopback")
+    if plan.dns_door:
+        # Port 53 of its loopback needs the namespace's CAP_NET_BIND_SERVICE:
+        # now, before any of its session's code, handed over with the
+        # namespaces. Not made: the daemon has the fork server make it.
+        try:
+            keep += netstack.open_dns_door()
+            held.dns_door = True
+        except OSError:
+            pass
+        clock("dns_door")
     if plan.landlock.ahead:
         # After the root: the rules bind to its inodes (restricted only at the end, in confine_session).
         held.ruleset = landlock.start_ruleset(plan.landlock)
@@ -181,7 +192,7 @@ def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _
 
 
 def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep: list[int],
-                      clock: _Clock) -> tuple[SessionPlan, int]:
+                      clock: _Clock, dns_door: bool) -> tuple[SessionPlan, int]:
     """A sandbox made ahead: say so, hand over the namespaces, and wait for
     the session (its plan and worktree). Leaves quietly when the daemon lets
     go of it; refuses a plan it was not made for (``pool_key``)."""
@@ -195,8 +206,8 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
     from dispatchd.worker.tool_server import warm_up  # pre-imported by the fork server
 
     warm_up(made_for)
-    _report(control, protocol.WorkerPooled(pid=os.getpid(), timings_ms=clock.steps, namespaces=len(keep) > 1),
-            fds=keep[1:])
+    _report(control, protocol.WorkerPooled(pid=os.getpid(), timings_ms=clock.steps, namespaces=len(keep) > 1,
+                                           dns_door=dns_door), fds=keep[1:])
     for fd in keep[1:]:
         os.close(fd)  # the daemon has them; no command inherits them
     del keep[1:]
@@ -262,7 +273,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     try:
         held = confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd])
         if made_ahead:
-            plan, worktree_fd = _wait_for_session(control, plan, keep, clock)
+            plan, worktree_fd = _wait_for_session(control, plan, keep, clock, held.dns_door)
         skipped = confine_session(plan, program, keep, clock, worktree_fd, held, kit)
     except BaseException as exc:
         wake.fail(control, exc, "worker start")
@@ -276,6 +287,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
                                  proxy_listener=bool(plan.proxy_port),
                                  # Made ahead: handed over with WorkerPooled already.
                                  namespaces=bool(plan.namespaces.user and plan.namespaces.net) and not made_ahead,
+                                 dns_door=held.dns_door and not made_ahead,
                                  wake_kit=len(kit))
     if plan.namespaces.pid:
         # One process: the tool server is the session's init. Pid 1 of the

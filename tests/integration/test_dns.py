@@ -11,6 +11,7 @@ connected to); every other name NXDOMAIN.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, probe, shell
+from tests.conftest import Daemon, probe, shell, wait_for_pool
 from tests.dnsresponder import ADDRESS, NAME, Responder
 from tests.integration.test_cli import dispatch_cli
 
@@ -143,6 +144,48 @@ def test_an_off_session_cannot_reach_the_relay(dns_client: dispatch.Client, work
                 "except OSError as e:\n    print('error', e.errno)\n")
         assert probe(s, pose.format(port=53)) == f"error {EACCES}"
         assert probe(s, pose.format(port=5353)) == "bound"  # the twin: an unprivileged port
+
+
+def _worker_steps(d: Daemon, sid: str, made_ahead: bool) -> str:
+    """The confinement steps its sandbox reported before it knew its session:
+    with ``pool_made`` (made ahead), else with ``worker_ready`` (made at open)."""
+    event = "pool_made kind=\\S+" if made_ahead else "worker_ready"
+    found = re.findall(rf"event={event} session={sid} .*steps_ms=(\S+)", d.log())
+    assert found, d.log()
+    return found[-1]
+
+
+@pytest.mark.parametrize("pool", ["2", "0"])
+def test_a_sandbox_opened_with_the_network_on_makes_the_relays_door_itself(
+        tmp_path_factory: pytest.TempPathFactory, resolv: Path, worktree: Path, pool: str) -> None:
+    """Made ahead or at open, a network-on sandbox binds the relay's door while
+    it still holds its namespace's capabilities (no child of the fork server
+    joins its namespaces for it); the door answers. The twin: an offline
+    sandbox makes none, and a switch to on (the sandbox confined by then)
+    gets its door from the fork server, and it answers too."""
+    d = Daemon(tmp_path_factory.mktemp("daemon-door"), "--dns-resolv-conf-for-testing", str(resolv), "--pool", pool)
+    try:
+        with d.connect() as c:
+            if c.status()["kernel"]["network_stack_missing"]:
+                pytest.skip(f"no network stack: {c.status()['kernel']['network_stack_missing']}")
+            if pool != "0":
+                c.open_session(str(worktree), network="on").close()  # the pool keeps that kind from here
+                wait_for_pool(c, "default/on")
+            with c.open_session(str(worktree), network="on") as s:
+                assert s.status()["protections"].get("made_ahead", False) is (pool != "0")
+                code, out, _ = getent(s)
+                assert (code, out.split()) == (0, [ADDRESS, NAME])
+                assert probe(s, relay_probe("tcp")) == f"answer {ADDRESS}"
+                assert "dns_door:" in _worker_steps(d, s.id, made_ahead=pool != "0")
+            with c.open_session(str(worktree), network="off") as s:
+                made = s.status()["protections"].get("made_ahead", False)
+                assert "loopback:" in _worker_steps(d, s.id, made_ahead=made)  # the steps before the door's
+                assert "dns_door:" not in _worker_steps(d, s.id, made_ahead=made)
+                s.set_network(True)
+                code, out, _ = getent(s)
+                assert (code, out.split()) == (0, [ADDRESS, NAME])
+    finally:
+        assert d.stop() == 0, d.log()
 
 
 def _open_until(client: dispatch.Client, worktree: Path, want_warning: bool) -> dispatch.Session:

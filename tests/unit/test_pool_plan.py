@@ -4,6 +4,8 @@ in tests/integration/test_pool.py and tests/escape/test_pool.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from dispatchd.confine.cgroups import Delegation
 from dispatchd.confine.mounts import WORKTREE_FD, Bind, plan_mounts
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan, plan_session, pool_key
@@ -132,3 +134,24 @@ def test_a_cgroup_is_made_for_one_session_id():
 def test_no_sandbox_is_made_ahead_without_a_root_of_its_own():
     assert pool_key(plan(userns=False)) is None
     assert pool_key(plan(policy=Policy(filesystem=Filesystem(root="host")))) is None
+
+
+@pytest.mark.parametrize(("network", "userns", "relay", "door"), [
+    ("on", True, True, True), ("ports", True, True, True),
+    ("on", True, False, False),  # no relay: no door to make
+    ("off", True, True, False), ("domains", True, True, False),  # no stack
+    ("on", False, True, False),  # degraded: the host's network, no namespace to bind in
+])
+def test_the_sandbox_makes_the_relays_door_where_a_stack_runs_in_its_own_namespaces(
+        network: str, userns: bool, relay: bool, door: bool) -> None:
+    got = plan_session(Policy(), kernel(userns=userns), session="s1", paths=PATHS, network=network, uid=UID,
+                       gid=GID, base_env={}, dns_door=relay)
+    assert got.dns_door is door
+
+
+def test_a_sandbox_that_made_the_relays_door_serves_only_plans_that_want_it():
+    with_door = plan_session(Policy(), kernel(), session="s1", paths=PATHS, network="on", uid=UID, gid=GID,
+                             base_env={}, dns_door=True)
+    without = plan(network="on")
+    assert with_door.dns_door and not without.dns_door
+    assert pool_key(with_door) != pool_key(without)
