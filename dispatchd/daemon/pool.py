@@ -60,7 +60,7 @@ log = logging.getLogger("dispatchd.pool")
 Kind = tuple[str, NetworkMode]  # (policy, network mode)
 RETRY_S = 10.0  # after a kind failed to be made ahead
 MAX_AGE_S = 30.0
-AFTER_OPEN_S = 0.02  # a refill waits this long after an open (its first calls)
+AFTER_OPEN_S = 0.02  # a refill waits this long after an open (its first calls), unless its kind has none left
 AFTER_CLOSE_S = 0.005  # and this long after a close (its reply goes first)
 KINDS = 4
 # A kind not opened for this long is kept no more: its sandboxes are let go
@@ -326,7 +326,13 @@ class SandboxPool:
             if len(self._ready.get(kind, [])) < self.size:
                 short.append(kind)
         if short:
-            if now < self._quiet_until:
+            # The wait for an open's first calls holds while every kind short
+            # of sandboxes still has one: a kind with none would have its next
+            # open make its own (a whole make, network stack and all, on that
+            # open's path), far worse than a refill beside a first call. Back
+            # to back, the wait let sessions take a kind's last sandbox before
+            # its refill began: a quarter of the opens found none.
+            if now < self._quiet_until and all(self._ready.get(k) for k in short):
                 return old, None, self._quiet_until - now
             # The kind with the fewest ready, the most recent of those: kinds
             # opened in turn are made in turn (the most recent first starved

@@ -106,19 +106,41 @@ def test_a_close_ends_the_wait_an_open_set_for_the_refill(fakes: Fakes, monkeypa
     back to back, each open pushed the wait on: a network-on session's
     sandbox was not made again before the next one came.)"""
     monkeypatch.setattr(pool_mod, "AFTER_CLOSE_S", 0.0)
-    p = SandboxPool(size=1, make=fakes.make, let_go=fakes.release)
+    p = SandboxPool(size=2, make=fakes.make, let_go=fakes.release)
     p.start(OFF)
-    until(lambda: ready(p, OFF) == 1)
+    until(lambda: ready(p, OFF) == 2)
     monkeypatch.setattr(pool_mod, "AFTER_OPEN_S", 30.0)
     taken = p.take(OFF)
     assert taken is not None
     p.want(OFF)  # the open is done: its first calls come
     time.sleep(0.2)
-    assert ready(p, OFF) == 0  # the twin: while they may run, no refill
+    assert ready(p, OFF) == 1  # the twin: while they may run, no refill
     p.idle()  # the session is closed
-    until(lambda: ready(p, OFF) == 1, timeout=5)
+    until(lambda: ready(p, OFF) == 2, timeout=5)
     p.stop()
     fakes.release(taken)
+
+
+def test_a_kind_left_with_none_is_refilled_at_once_first_calls_or_not(
+        fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its next open would make its own sandbox, on its path: the refill does
+    not wait for the first calls of the open that took the last one. The
+    twin: with one left, it waits (the test above)."""
+    p = SandboxPool(size=2, make=fakes.make, let_go=fakes.release)
+    p.start(OFF)
+    until(lambda: ready(p, OFF) == 2)
+    monkeypatch.setattr(pool_mod, "AFTER_OPEN_S", 30.0)
+    monkeypatch.setattr(pool_mod, "AFTER_CLOSE_S", 30.0)
+    taken = [p.take(OFF), p.take(OFF)]
+    assert None not in taken
+    p.want(OFF)  # the open that took the last one is done; no close comes
+    until(lambda: ready(p, OFF) == 1, timeout=5)
+    time.sleep(0.2)
+    assert ready(p, OFF) == 1  # one there: the rest waits for the first calls, as before
+    p.stop()
+    for m in taken:
+        assert m is not None
+        fakes.release(m)
 
 
 def test_a_sandbox_that_died_is_let_go_not_handed_out(fakes: Fakes) -> None:
