@@ -30,7 +30,7 @@ from dispatchd.daemon.planahead import plan_ahead
 from dispatchd.daemon.pool import Kind, Made
 from dispatchd.daemon.session import READY_TIMEOUT_S, Session
 from dispatchd.daemon.sessionnet import drop_door, ports_of, take_door, take_namespaces
-from dispatchd.daemon.spawn import adopt
+from dispatchd.daemon.spawn import Worker, adopt
 from dispatchd.errors import DispatchdError, Stopping
 
 log = logging.getLogger("dispatchd.sessions")
@@ -82,25 +82,35 @@ class Pooling(Napping):
             return None
         self._make_scratch(sid, paths.scratch)  # the session's, made ahead with it
         cgroup = ""
+        box: list[Made] = []  # the sandbox, once it has a process
+
+        def with_namespaces(worker: Worker, control: protocol.FrameSocket,
+                            msg: protocol.WorkerNamespaces | protocol.WorkerPooled) -> None:
+            box.append(Made(kind=kind, sid=sid, key=key, worker=worker, control=control, cgroup=cgroup,
+                            scratch=paths.scratch))
+            box[0].ns_fds = take_namespaces(plan, msg, control)
+            box[0].door = take_door(msg, control)
+            # Sent as soon as they were made: the stack starts while the
+            # sandbox builds its root (a network-on make no longer waits
+            # for the one, then the other).
+            self.networks.apply(box[0], plan.net)
+
         try:
             if plan.cgroup is not None:
                 cgroups.create(plan.cgroup)
                 cgroup = plan.cgroup.path
-            worker, control, msg = self.fork_server.make_ahead(plan, READY_TIMEOUT_S)
+            worker, control, msg = self.fork_server.make_ahead(plan, READY_TIMEOUT_S, with_namespaces)
+            if not box:  # no namespaces of its own: none sent early
+                with_namespaces(worker, control, msg)
         except BaseException:
-            self._remove_cgroup_path(cgroup, sid)
-            leftovers.remove_tree(paths.scratch)
-            self._scratch_locks.release(sid)
+            if box:
+                self._let_go(box[0])
+            else:
+                self._remove_cgroup_path(cgroup, sid)
+                leftovers.remove_tree(paths.scratch)
+                self._scratch_locks.release(sid)
             raise
-        made = Made(kind=kind, sid=sid, key=key, worker=worker, control=control, cgroup=cgroup,
-                    scratch=paths.scratch)
-        try:
-            made.ns_fds = take_namespaces(plan, msg, control)
-            made.door = take_door(msg, control)
-            self.networks.apply(made, plan.net)
-        except BaseException:
-            self._let_go(made)
-            raise
+        made = box[0]
         last = self._last_inputs.get(kind)
         if last is not None:
             try:

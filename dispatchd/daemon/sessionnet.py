@@ -71,7 +71,7 @@ def domains_for(session: Session, rules: tuple[domains.Rule, ...] | None) -> tup
     return domains.parse_domains(session.policy.network.domains) if rules is None else rules
 
 
-def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.WorkerPooled,
+def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.WorkerPooled | protocol.WorkerNamespaces,
                     control: protocol.FrameSocket) -> tuple[int, int] | None:
     """The session's user and network namespaces, as the worker sent them
     with ``WorkerReady`` (first of its fds), when it has its own."""
@@ -90,7 +90,7 @@ def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.Work
         raise ConfinementError("network: namespaces", detail=str(exc)) from exc
 
 
-def take_door(msg: protocol.WorkerReady | protocol.WorkerPooled,
+def take_door(msg: protocol.WorkerReady | protocol.WorkerPooled | protocol.WorkerNamespaces,
               control: protocol.FrameSocket) -> tuple[socket.socket, socket.socket] | None:
     """The DNS relay's door the worker made (``SessionPlan.dns_door``), sent
     right after its namespaces; None when it made none (the fork server

@@ -73,7 +73,7 @@ class Worker:
         return in_time
 
 
-_Report = TypeVar("_Report", protocol.WorkerReady, protocol.WorkerPooled)
+_Report = TypeVar("_Report", protocol.WorkerReady, protocol.WorkerPooled, protocol.WorkerNamespaces)
 
 
 def await_report(worker: Worker, control: protocol.FrameSocket, worktree: str, timeout_s: float,
@@ -221,11 +221,26 @@ class ForkServerClient:
         worker, control = self._spawn_with_channel(plan, worktree_fd)
         return worker, control, await_report(worker, control, worktree, timeout_s, protocol.WorkerReady)
 
-    def make_ahead(self, plan: SessionPlan, timeout_s: float) -> tuple[Worker, protocol.FrameSocket,
-                                                                       protocol.WorkerPooled]:
+    def make_ahead(self, plan: SessionPlan, timeout_s: float,
+                   early: Callable[[Worker, protocol.FrameSocket, protocol.WorkerNamespaces], None] | None = None,
+                   ) -> tuple[Worker, protocol.FrameSocket, protocol.WorkerPooled]:
         """A sandbox made ahead for sessions of ``plan``'s kind (its ``pool_key``
-        part applied), waiting for ``adopt``."""
+        part applied), waiting for ``adopt``. With namespaces of its own it
+        sends them first (``WorkerNamespaces``): ``early`` is given them while
+        the sandbox goes on (its network started meanwhile); what it raises is
+        raised, the worker killed first."""
         worker, control = self._spawn_with_channel(plan, -1)
+        if plan.namespaces.user and plan.namespaces.net:
+            first = await_report(worker, control, "", timeout_s, protocol.WorkerNamespaces)
+            try:
+                if early is not None:
+                    early(worker, control, first)
+            except BaseException:
+                worker.kill()
+                control.close()
+                raise
+            finally:
+                control.drop_fds()  # those ``early`` did not take
         return worker, control, await_report(worker, control, "", timeout_s, protocol.WorkerPooled)
 
     def _spawn_with_channel(self, plan: SessionPlan, worktree_fd: int) -> tuple[Worker, protocol.FrameSocket]:

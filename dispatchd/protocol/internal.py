@@ -17,7 +17,8 @@ Guarantees:
 
 Two conversations:
 - daemon <-> worker (control channel): ``WorkerReady``/``WorkerFailed`` once
-  (a sandbox made ahead: ``WorkerPooled``, then ``AdoptSession`` first),
+  (a sandbox made ahead: ``WorkerNamespaces`` when it has its own,
+  ``WorkerPooled``, then ``AdoptSession`` first),
   then ``AddChannel``, write-lock requests and grants, call records, ``Drain``.
 - daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``;
   ``DnsSockets`` / ``DnsDoor``.
@@ -75,6 +76,18 @@ class WorkerPooled(_Msg, tag="worker_pooled", frozen=True):
     timings_ms: dict[str, float] = {}
     namespaces: bool = False
     dns_door: bool = False
+
+
+class WorkerNamespaces(_Msg, tag="worker_namespaces", frozen=True):
+    """A sandbox made ahead with namespaces of its own, as soon as they are
+    made (before its root): sent with two fds, its user and network
+    namespaces, and two more when ``dns_door`` (as ``WorkerReady``'s), so
+    that the daemon starts its network stack while it goes on. Its
+    ``WorkerPooled`` then sends none."""
+
+    pid: int
+    dns_door: bool = False
+    namespaces: bool = True  # as WorkerReady's and WorkerPooled's: the fds are there
 
 
 class AdoptSession(_Msg, tag="adopt_session", frozen=True):
@@ -280,7 +293,7 @@ class KeptJobs(_Msg, tag="kept_jobs", frozen=True):
 
 
 # Worker -> daemon: its start, then requests and records while it serves.
-FromWorker = Union[WorkerReady, WorkerPooled, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply, MaySleep,
+FromWorker = Union[WorkerReady, WorkerPooled, WorkerNamespaces, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply, MaySleep,
                    Asleep, KeptJobs, Paused, WatchHeld]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
 ToWorker = Union[AddChannel, Drain, OkReply, WriteLockGranted, ErrorReply, SetCommandEnv, ForgetWriteLock,

@@ -33,10 +33,12 @@ keeps the tool server and the commands from signalling W1.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import msgspec
@@ -79,7 +81,8 @@ class Held:
         self.pid_budget = -1
 
 
-def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Clock, hold: list[int]) -> Held:
+def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Clock, hold: list[int],
+                   early: Callable[[list[int], bool], None] | None = None) -> Held:
     """The part of the plan every session of its kind shares (``pool_key``):
     what a sandbox made ahead applies before it knows its session.
 
@@ -93,6 +96,10 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     With user namespaces the caller was born in them (``clone3`` in the fork
     server, ``namespaces.spawn_in_namespaces``), in the session's cgroup, as
     pid 1; without, it is a plain fork and joins the cgroup here.
+
+    ``early(fds, dns_door)``: given its namespaces (and the DNS relay's door)
+    as soon as they are made, before the root (the daemon starts the network
+    stack meanwhile); it must close them, and they are not left in ``keep``.
     """
     if plan.cgroup is not None and not plan.namespaces.user:
         # First, before any fork: every process of the session is born in its
@@ -114,13 +121,8 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     held = Held()
     held.pid_budget = ucounts.open_pid_budget(plan.ucounts) if can_sleep(plan) else -1
     clock("ucounts")
-    if not plan.namespaces.pid:
-        hygiene.child_subreaper()  # orphans come back to us, not to the host's init
-    if plan.mounts is not None:
-        held.host_fd = mounts.apply_root(plan.mounts)  # needs the namespace's capabilities: before dropping them
-        clock("root")
     if plan.loopback:
-        netns.apply_loopback()  # likewise needs CAP_NET_ADMIN in the namespace
+        netns.apply_loopback()  # needs CAP_NET_ADMIN in the namespace (no mount: before the root)
         clock("loopback")
     if plan.dns_door:
         # Port 53 of its loopback needs the namespace's CAP_NET_BIND_SERVICE:
@@ -132,6 +134,16 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
         except OSError:
             pass
         clock("dns_door")
+    if early is not None and len(keep) > 1:
+        early(keep[1:], held.dns_door)
+        del keep[1:]
+        held.dns_door = False  # handed over already
+        clock("namespaces_sent")
+    if not plan.namespaces.pid:
+        hygiene.child_subreaper()  # orphans come back to us, not to the host's init
+    if plan.mounts is not None:
+        held.host_fd = mounts.apply_root(plan.mounts)  # needs the namespace's capabilities: before dropping them
+        clock("root")
     if plan.landlock.ahead:
         # After the root: the rules bind to its inodes (restricted only at the end, in confine_session).
         held.ruleset = landlock.start_ruleset(plan.landlock)
@@ -189,6 +201,16 @@ def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _
     seccomp.apply_seccomp(program)  # last: it forbids mount, unshare, ... used above
     clock("seccomp")
     return skipped
+
+
+def _hand_over_namespaces(control: protocol.FrameSocket, fds: list[int], dns_door: bool) -> None:
+    """A sandbox made ahead: its namespaces (and the relay's door) to the
+    daemon now, and closed here: no command of its session inherits them."""
+    try:
+        _report(control, protocol.WorkerNamespaces(pid=os.getpid(), dns_door=dns_door), fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep: list[int],
@@ -271,7 +293,8 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     kit: list[int] = []  # what waking the session will need (worker/wake.py), for the daemon
     made_ahead = worktree_fd < 0  # a sandbox of the pool: its session comes later
     try:
-        held = confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd])
+        held = confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd],
+                              early=functools.partial(_hand_over_namespaces, control) if made_ahead else None)
         if made_ahead:
             plan, worktree_fd = _wait_for_session(control, plan, keep, clock, held.dns_door)
         skipped = confine_session(plan, program, keep, clock, worktree_fd, held, kit)
@@ -364,7 +387,8 @@ def _passed_up(status: int) -> int:
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
 
 
-def _report(control: protocol.FrameSocket, msg: protocol.WorkerReady | protocol.WorkerPooled | protocol.WorkerFailed,
+def _report(control: protocol.FrameSocket,
+            msg: protocol.WorkerReady | protocol.WorkerPooled | protocol.WorkerNamespaces | protocol.WorkerFailed,
             fds: list[int] | None = None) -> None:
     try:
         control.send(msg, fds=fds)

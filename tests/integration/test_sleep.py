@@ -537,6 +537,33 @@ def test_closing_an_asleep_session_leaves_nothing(daemon: Daemon, worktree: Path
         assert f"event=session_close session={s.id}" in daemon.log()
 
 
+def _held_by_daemon(daemon: Daemon, link: str) -> bool:
+    """Whether a descriptor of the daemon's names ``link`` (``mnt:[INODE]``)."""
+    fds = Path(f"/proc/{daemon.proc.pid}/fd")
+    found = False
+    for fd in fds.iterdir():
+        try:
+            found = found or os.readlink(fd) == link
+        except OSError:
+            continue  # closed meanwhile
+    return found
+
+
+def test_the_wake_kit_goes_after_the_close_and_holds_the_sandboxs_mounts_until_then(
+        daemon: Daemon, worktree: Path) -> None:
+    """The kit holds the sandbox's mount namespace while the session lives
+    (the twin: it is there); the close lets go of it after its reply, so the
+    namespace's teardown is not on the close's path, and nothing of it is
+    left held."""
+    with daemon.connect() as client:
+        s = client.open_session(str(worktree), policy="nap")
+        link = probe(s, "import os; print(os.readlink('/proc/self/ns/mnt'))")
+        assert link.startswith("mnt:[")
+        assert _held_by_daemon(daemon, link)
+        s.close()
+        assert wait_until(lambda: not _held_by_daemon(daemon, link)), daemon.log()[-2000:]
+
+
 @pytest.fixture(scope="module")
 def cgroup_woken(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dispatch.Client, str]]:
     """A daemon with a delegated cgroup whose policies sleep after 0.2 s,
