@@ -169,17 +169,9 @@ class Session:
 
     def drop_kit(self) -> None:
         """The wake kit goes: it wakes this sandbox only."""
-        self.take_kit()()
-
-    def take_kit(self) -> Callable[[], None]:
-        """The wake kit, no longer the session's: the returned function closes it."""
-        kit, self.kit = self.kit, []
-        return functools.partial(_close_all, kit)
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
-
+        for fd in self.kit:
+            os.close(fd)
+        self.kit = []
 
 class Nap:
     """A session asleep: the channels its tool server handed over (ours now),

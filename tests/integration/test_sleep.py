@@ -549,12 +549,12 @@ def _held_by_daemon(daemon: Daemon, link: str) -> bool:
     return found
 
 
-def test_the_wake_kit_goes_after_the_close_and_holds_the_sandboxs_mounts_until_then(
+def test_the_wake_kit_holds_the_sandboxs_mounts_until_the_close_and_not_after(
         daemon: Daemon, worktree: Path) -> None:
     """The kit holds the sandbox's mount namespace while the session lives
-    (the twin: it is there); the close lets go of it after its reply, so the
-    namespace's teardown is not on the close's path, and nothing of it is
-    left held."""
+    (the twin: it is there); the close lets go of it, and nothing of it is
+    left held. (Closed after the reply instead, the namespace's teardown ran
+    into the next open: docs/performance.md.)"""
     with daemon.connect() as client:
         s = client.open_session(str(worktree), policy="nap")
         link = probe(s, "import os; print(os.readlink('/proc/self/ns/mnt'))")

@@ -18,7 +18,7 @@ from pathlib import Path
 import dispatch
 from dispatchd import protocol
 from dispatchd.worker.fork_server import ORPHAN_SWEEP_S
-from tests.conftest import Daemon, shell, wait_until
+from tests.conftest import Daemon, shell
 from tests.sleeping import daemon_with_policies
 
 
@@ -148,19 +148,6 @@ def _held(pid: int) -> dict[str, int]:
     return counts
 
 
-def _steady_held(pid: int) -> dict[str, int]:
-    """``_held`` once two looks 50 ms apart agree (the kit a switch replaced
-    is closed just after its reply)."""
-    last, deadline = _held(pid), time.monotonic() + 10
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = _held(pid)
-        if now == last:
-            return now
-        last = now
-    return last
-
-
 def test_a_replaced_sandbox_lets_go_of_its_wake_kit(tmp_path: Path, worktree: Path) -> None:
     """A network switch that replaces the sandbox (to or from "domains") gives
     the session a new wake kit; the old one (ruleset, user, mount, IPC and
@@ -175,27 +162,23 @@ def test_a_replaced_sandbox_lets_go_of_its_wake_kit(tmp_path: Path, worktree: Pa
             assert shell(s, "true").is_success
             s.set_network(False)
             assert shell(s, "true").is_success
-            first = _steady_held(d.proc.pid)
+            first = _held(d.proc.pid)
             for _ in range(3):
                 s.set_network("domains", domains=["example.com"])
                 assert shell(s, "true").is_success
                 s.set_network(False)
                 assert shell(s, "true").is_success
+            now = _held(d.proc.pid)
             # The pool of sandboxes made ahead holds a user and a network
             # namespace of its own for each it keeps, refilled at its own
             # pace: one more or less of those between the two looks is the
             # pool, not a kit (a kit kept would be six more of each: every
             # switch above replaced the sandbox). Rulesets are the kits' alone.
-            # A replaced kit is closed just after the switch's reply (its
-            # mount namespace's teardown off the switch's path): waited for.
-            def settled() -> bool:
-                now = _held(d.proc.pid)
-                return (now.get("ruleset", 0) == first.get("ruleset", 0) <= 1 + 4
-                        and all(abs(now.get(k, 0) - first.get(k, 0)) <= 1 for k in ("user", "mnt", "ipc", "net")))
-
-            assert wait_until(settled), (first, _held(d.proc.pid))
+            assert now.get("ruleset", 0) == first.get("ruleset", 0), (first, now)
+            assert all(abs(now.get(k, 0) - first.get(k, 0)) <= 1 for k in ("user", "mnt", "ipc", "net")), (first, now)
+            assert now.get("ruleset", 0) <= 1 + 4, now  # this session's kit (and the pool's, none kept)
             s.close()
-            assert wait_until(lambda: _held(d.proc.pid).get("ruleset", 0) == 0), _held(d.proc.pid)
+            assert _held(d.proc.pid).get("ruleset", 0) == 0, _held(d.proc.pid)
     finally:
         assert d.stop() == 0, d.log()
 
