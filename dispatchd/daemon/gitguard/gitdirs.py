@@ -30,7 +30,9 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import time
 
+from dispatchd import treewalk
 from dispatchd.daemon.gitguard import fs
 from dispatchd.daemon.gitguard.configs import config_targets, includes_of
 from dispatchd.daemon.gitguard.digests import (
@@ -43,6 +45,13 @@ _MAX_DEPTH = 64  # components of a git directory's path below the worktree
 _MAX_INCLUDES = 10  # include.path chains followed (git stops at 10 too)
 _MAX_POINTER = 4096  # a gitfile
 _MAX_HASHED_INDEX = 4 * 1024 * 1024 * 1024  # an index that cannot be parsed is compared by content up to this
+# ... and the indexes of one walk up to this in all: a session's thousands of
+# sparse 4 GiB indexes (no disk space) were each hashed, for hours.
+_MAX_HASHED_INDEXES = 8 * 1024 * 1024 * 1024
+# An unparsable index whose inode, size and ctime are those of the look
+# before is that index (any write sets its ctime, which nothing can set
+# back), unless that ctime was within this of the look (the clock's tick).
+_SETTLE_NS = 50_000_000
 
 
 def _join(*parts: str) -> str:
@@ -54,12 +63,18 @@ class Walk:
     recursed into: no depth of ``modules/a/modules/a/...`` or chain of
     gitfiles a session makes can exhaust the daemon's stack."""
 
-    def __init__(self, worktree: str, home: str = "") -> None:
+    def __init__(self, worktree: str, home: str = "",
+                 known: dict[str, tuple[str, list[int]]] | None = None) -> None:
         self.worktree = worktree.rstrip("/") or "/"
         self.home = home
         self.gitdirs: dict[str, dict[str, str]] = {}
         self.pointers: dict[str, str] = {}
         self.indexes: dict[str, str] = {}
+        # Of the unparsable indexes: their stamps at this look, and (``known``)
+        # what the look before recorded of each (its value, its stamps).
+        self.index_stamps: dict[str, list[int]] = {}
+        self.known = known or {}
+        self.index_budget = Budget(_MAX_HASHED_INDEXES)
         self.included: dict[str, str] = {}
         self.indexed: set[str] = set()
         self.queue: list[tuple[str, str | None]] = []
@@ -287,7 +302,9 @@ class Walk:
         path = os.path.join(self.worktree, index_rel)
         links = fs.index_gitlinks(path)
         if links is None:
-            self.indexes[index_rel] = _index_content(path)
+            self.indexes[index_rel], stamps = _index_content(path, self.known.get(index_rel), self.index_budget)
+            if stamps:
+                self.index_stamps[index_rel] = stamps
             return
         for link in sorted(links):
             if not self._budget():
@@ -392,17 +409,29 @@ def _kind(dir_fd: int, name: str) -> str:
         return "unsearchable"
 
 
-def _index_content(path: str) -> str:
+def _index_content(path: str, known: tuple[str, list[int]] | None, budget: Budget) -> tuple[str, list[int]]:
     """An index that cannot be parsed: compared by its bytes, so that the
-    user's own (too large, say) is left alone and any other goes aside."""
+    user's own (too large, say) is left alone and any other goes aside; and
+    its stamps (device, inode, size, ctime, mtime, when looked at). With
+    ``known`` (the look before: value, stamps), one whose stamps are
+    unchanged, its ctime settled before that look, is not read again. Each
+    is hashed up to ``_MAX_HASHED_INDEX`` bytes, and up to ``budget`` in all:
+    past either it is never equal (it goes aside)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        return never_equal(f"an index that cannot be read ({exc.errno})")
+        return never_equal(f"an index that cannot be read ({exc.errno})"), []
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return never_equal("an index that is not a file")
-        digest = hash_fd(fd, _MAX_HASHED_INDEX)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return never_equal("an index that is not a file"), []
+        stamps = [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns, time.time_ns()]
+        if known is not None and len(known[1]) == 6 and known[1][:5] == stamps[:5] \
+                and known[1][3] < known[1][5] - _SETTLE_NS and treewalk.fine_local_ctime(fd, st.st_dev):
+            return known[0], known[1]
+        digest = hash_fd(fd, _MAX_HASHED_INDEX, budget)
     finally:
         os.close(fd)
-    return f"an index that cannot be parsed:{digest}" if digest else never_equal("an index too large to compare")
+    if not digest:
+        return never_equal("an index too large to compare"), []
+    return f"an index that cannot be parsed:{digest}", stamps

@@ -67,7 +67,7 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
         for path in moved:
             log.warning("event=git_redirect_quarantined path=%s", path)
             found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
-        now = snapshots.take(part.root, part.layout, part.home)
+        now = snapshots.take(part.root, part.layout, part.home, before=part.git)
         moved, bad = snapshots.quarantine(part.root, part.git, now)
         failed += bad
         for path in moved:

@@ -62,6 +62,9 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     by_file: list[str] = []  # git directories never moved whole (``.git``, ``.git/worktrees/N``)
     pointers: dict[str, str] = {}  # a ``.git`` that is a file or a symlink -> digest of it and where it leads
     indexes: dict[str, str] = {}  # an index that cannot be checked -> why (equal only for the same bytes)
+    # An unparsable index -> its stamps at the look (gitdirs._index_content):
+    # the next look reads it again only if they changed.
+    index_stamps: dict[str, list[int]] = {}
     external: dict[str, str] = {}  # a linked worktree's own git directory, outside: absolute path -> digest
     complete: bool = True  # False: more git directories than the walk looks at
     # Files inside the worktree that a git directory's configuration reads or
@@ -71,10 +74,14 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     included: dict[str, str] = {}
 
 
-def take(worktree: str, layout: GitLayout, home: str = "") -> GitSnapshot:
+def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot | None = None) -> GitSnapshot:
     """Walk every git directory of the worktree's repository (see the module);
-    ``home`` is where ``~/`` in an include path leads."""
-    walk = Walk(worktree, home)
+    ``home`` is where ``~/`` in an include path leads; ``before``: the look
+    this one is compared with (an unparsable index unchanged since is not
+    read again)."""
+    known = {rel: (value, before.index_stamps[rel]) for rel, value in before.indexes.items()
+             if rel in before.index_stamps} if before is not None else None
+    walk = Walk(worktree, home, known)
     by_file: list[str] = []
     external: dict[str, str] = {}
     if layout.kind == "repository":
@@ -127,7 +134,8 @@ def take(worktree: str, layout: GitLayout, home: str = "") -> GitSnapshot:
                 os.close(fd)
             walk.config_targets(gitdir, "", includes, hooks_paths)
     return GitSnapshot(gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers, indexes=walk.indexes,
-                       external=external, complete=walk.complete, included=walk.included)
+                       index_stamps=walk.index_stamps, external=external, complete=walk.complete,
+                       included=walk.included)
 
 
 def gitdir_paths(worktree: str, snap: GitSnapshot) -> list[str]:
