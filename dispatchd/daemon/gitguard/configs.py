@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import re
-import stat
+
+from dispatchd.daemon.gitguard import fs
 
 _SECTION = re.compile(r'^\s*\[\s*([A-Za-z0-9.-]+)\s*(?:"((?:[^"\\]|\\.)*)")?\s*\]\s*(.*)$')
 _KEY = re.compile(r"^\s*([A-Za-z][A-Za-z0-9-]*)\s*(?:=(.*))?$")
@@ -96,12 +97,13 @@ def config_entries(text: str) -> list[tuple[str, str | None, str, str | None]]:
 def _read_config(dir_fd: int, name: str) -> str | None:
     """One config file's text, at most 1 MiB, when it is a regular file."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        opened = fs.open_regular(name, dir_fd)
     except OSError:
         return None
+    if opened is None:
+        return None
+    fd = opened[0]
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         return os.read(fd, 1 << 20).decode("utf-8", "surrogateescape")
     except OSError:
         return None

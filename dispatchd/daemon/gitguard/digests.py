@@ -23,6 +23,8 @@ import os
 import secrets
 import stat
 
+from dispatchd.daemon.gitguard import fs
+
 # What git reads, in a git directory, that names or runs a command or
 # redirects where configuration comes from (hooks: each entry).
 CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes")
@@ -87,13 +89,13 @@ def digest_at(dir_fd: int, name: str, budget: Budget | None = None) -> str | Non
     if not stat.S_ISREG(st.st_mode):
         return f"mode:{st.st_mode:o}"
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        opened = fs.open_regular(name, dir_fd)
     except OSError as exc:
         return never_equal(f"unreadable {exc.errno}")
+    if opened is None:
+        return never_equal("changed type")
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return never_equal("changed type")
         digest = hash_fd(fd, _MAX_READ, budget)
     except OSError as exc:
         return never_equal(f"unreadable {exc.errno}")

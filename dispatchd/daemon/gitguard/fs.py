@@ -38,19 +38,39 @@ _QUARANTINED = ".quarantined-by-dispatchd-"
 ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
+def open_regular(name: str, dir_fd: int | None = None) -> tuple[int, os.stat_result] | None:
+    """``name`` (below ``dir_fd``) opened for reading as every read here is:
+    ``O_NOFOLLOW | O_NONBLOCK`` (no symlink followed, no FIFO waited on);
+    ``(fd, its fstat)`` when it is a regular file, the descriptor the
+    caller's to close, else None (closed here). Raises ``OSError`` when it
+    cannot be opened."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
+
+
 def read_small(path: str, limit: int = _MAX_POINTER) -> str | None:
     """A small file's text (at most ``limit`` bytes, 4 KiB by default), or
     None: absent, a symlink, not a regular file, unreadable."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        opened = open_regular(path)
+        if opened is None:
+            return None
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, limit).decode("utf-8", "replace")
+        return os.read(opened[0], limit).decode("utf-8", "replace")
+    except OSError:
+        return None
     finally:
-        os.close(fd)
+        os.close(opened[0])
 
 
 def scanned(path: str) -> list[os.DirEntry[str]]:
@@ -91,12 +111,14 @@ def _read_index(path: str, known: bool = False) -> tuple[bytes | None, os.stat_r
     unreadable) and its ``fstat``; with ``known``, instead of the bytes, the
     submodules parsed from it before when its stamps are unchanged."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        opened = open_regular(path)
     except OSError:
         return None, None, None
+    if opened is None:
+        return None, None, None
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_INDEX:
+        if st.st_size > _MAX_INDEX:
             return None, None, None
         if known and not treewalk.fine_local_ctime(fd, st.st_dev):
             known = False  # a ctime this kernel does not keep (NFS, FUSE): parsed every time

@@ -344,12 +344,11 @@ class Walk:
             text = os.readlink(".git", dir_fd=dir_fd)
             target = text
             content = "symlink:" + text
-        elif stat.S_ISREG(st.st_mode):
-            fd = os.open(".git", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        elif stat.S_ISREG(st.st_mode) and (opened := fs.open_regular(".git", dir_fd)) is not None:
             try:
-                data = os.read(fd, _MAX_POINTER + 1)
+                data = os.read(opened[0], _MAX_POINTER + 1)
             finally:
-                os.close(fd)
+                os.close(opened[0])
             text = data.decode("utf-8", "surrogateescape")
             if len(data) <= _MAX_POINTER and text.startswith("gitdir: "):
                 target = text[len("gitdir: "):].strip()
@@ -418,13 +417,13 @@ def _index_content(path: str, known: tuple[str, list[int]] | None, budget: Budge
     is hashed up to ``_MAX_HASHED_INDEX`` bytes, and up to ``budget`` in all:
     past either it is never equal (it goes aside)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        opened = fs.open_regular(path)
     except OSError as exc:
         return never_equal(f"an index that cannot be read ({exc.errno})"), []
+    if opened is None:
+        return never_equal("an index that is not a file"), []
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return never_equal("an index that is not a file"), []
         stamps = [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns, time.time_ns()]
         if known is not None and len(known[1]) == 6 and known[1][:5] == stamps[:5] \
                 and known[1][3] < known[1][5] - _SETTLE_NS and treewalk.fine_local_ctime(fd, st.st_dev):

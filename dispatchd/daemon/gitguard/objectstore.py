@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import struct
 import time
 import zlib
 
+from dispatchd.daemon.gitguard import fs
 from dispatchd.daemon.gitguard.indexfile import decode_varint
 
 _MAX_OBJECT = 64 * 1024 * 1024
@@ -43,11 +43,11 @@ def _open_regular(name: str, dir_fd: int, limit: int) -> tuple[int, int]:
     """``(fd, size)`` of the regular file ``name`` below ``dir_fd``, opened
     without following a symlink and without blocking (a FIFO answers at
     once), at most ``limit`` bytes. Raises ``OSError`` or ``ValueError``."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    opened = fs.open_regular(name, dir_fd)
+    if opened is None:
+        raise ValueError(f"{name}: not a regular file")
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{name}: not a regular file")
         if st.st_size > limit:
             raise ValueError(f"{name}: larger than {limit} bytes")
     except BaseException:
