@@ -282,7 +282,8 @@ class Listings:
             budget.take(seen[3])
             return [], list(seen[4])
         files, dirs = _entries(fd, budget)
-        if not budget.over and st.st_ctime_ns < settled_before and self.plain(files):
+        if not budget.over and settled(st.st_ctime_ns, settled_before + self.SETTLE_NS, self.SETTLE_NS) \
+                and self.plain(files):
             if len(self.seen) >= self.limit:
                 self.seen.clear()
             self.seen[key] = (st.st_ctime_ns, st.st_mtime_ns, st.st_size, len(files) + len(dirs), tuple(dirs))
@@ -301,6 +302,21 @@ FINE_CTIME_FS = frozenset({
     0x794C7630,  # overlayfs (the upper layer's, a local file system's)
     0xF2F52010,  # f2fs
 })
+
+
+# A ctime in whole seconds comes from a file system that keeps seconds only
+# (ext2, ext3, ext4 with 128-byte inodes, which report the ext4 magic): a
+# change later in the same second keeps the same ctime. Trusted only once it
+# is older than this (a fine one, by chance a whole second, a billion to one,
+# is only trusted later).
+COARSE_SETTLE_NS = 2_000_000_000
+
+
+def settled(ctime_ns: int, look_ns: int, margin_ns: int) -> bool:
+    """Whether a ctime seen at ``look_ns`` is old enough that any change
+    since sets another: older than ``margin_ns`` (the clock's tick), or two
+    seconds for one in whole seconds (``COARSE_SETTLE_NS``)."""
+    return ctime_ns < look_ns - (COARSE_SETTLE_NS if ctime_ns % 1_000_000_000 == 0 else margin_ns)
 
 
 def fine_local_ctime(fd: int, dev: int) -> bool:

@@ -352,8 +352,13 @@ def open_dns_door() -> tuple[int, int]:
     itself (``SessionPlan.dns_door``). Raises ``OSError``."""
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    udp.bind((RELAY_ADDRESS, DNS_PORT))
-    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    tcp.bind((RELAY_ADDRESS, DNS_PORT))
-    tcp.listen(16)
+    try:
+        udp.bind((RELAY_ADDRESS, DNS_PORT))
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        tcp.bind((RELAY_ADDRESS, DNS_PORT))
+        tcp.listen(16)
+    except BaseException:
+        udp.close()
+        tcp.close()
+        raise
     return udp.detach(), tcp.detach()

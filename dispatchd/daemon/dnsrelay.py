@@ -88,6 +88,7 @@ class DoorAhead:
     def __init__(self, relay: DnsRelay, session: str, namespaces: tuple[int, int], make: MakeDoor,
                  made: tuple[socket.socket, socket.socket] | None = None) -> None:
         self.relay, self.session = relay, session
+        self.by = "sandbox" if made is not None else "fork_server"  # who made it, for the debug log
         self._made: concurrent.futures.Future[tuple[socket.socket, socket.socket]]
         if made is not None:  # the sandbox made it (SessionPlan.dns_door)
             self._made = concurrent.futures.Future()
@@ -124,7 +125,7 @@ class DoorAhead:
         door = self.relay.open_door(self.session, udp, tcp)
         stack.with_it.append(door.stop)
         stack.warning = self.relay.warning
-        log.debug("event=dns_door_opened session=%s waited_ms=%.2f", self.session,
+        log.debug("event=dns_door_opened session=%s by=%s waited_ms=%.2f", self.session, self.by,
                   (time.perf_counter() - started) * 1000)
 
     def discard(self) -> None:

@@ -97,14 +97,20 @@ def take_door(msg: protocol.WorkerReady | protocol.WorkerPooled | protocol.Worke
     makes it then, as for a switch)."""
     if not msg.dns_door:
         return None
+    fds: list[int] = []
     try:
-        udp = socket.socket(fileno=control.take_fd())
+        for _ in range(2):
+            fds.append(control.take_fd())
+        udp = socket.socket(fileno=fds[0])
+        fds.pop(0)
         try:
-            return udp, socket.socket(fileno=control.take_fd())
-        except protocol.ProtocolError:
+            return udp, socket.socket(fileno=fds[0])
+        except BaseException:
             udp.close()
             raise
-    except protocol.ProtocolError as exc:
+    except (protocol.ProtocolError, OSError) as exc:
+        for fd in fds:
+            os.close(fd)
         raise ConfinementError("network: DNS relay's door", detail=str(exc)) from exc
 
 
@@ -179,9 +185,13 @@ class SessionNetworks:
         if new.stack and session.stack is None:
             # The DNS relay's door is made while the stack starts (daemon/dnsrelay.py).
             made = session.door  # made by the worker: no child of the fork server's
+            try:
+                door = self.dns.door_ahead(session.id, namespaces(session), self.fork_server.dns_sockets, made) \
+                    if self.dns else None
+            except BaseException:
+                drop_door(session)
+                raise
             session.door = None
-            door = self.dns.door_ahead(session.id, namespaces(session), self.fork_server.dns_sockets, made) \
-                if self.dns else None
             if door is None:
                 for sock in made or ():
                     sock.close()

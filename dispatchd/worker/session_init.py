@@ -131,9 +131,9 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
         try:
             keep += netstack.open_dns_door()
             held.dns_door = True
-        except OSError:
-            pass
-        clock("dns_door")
+            clock("dns_door")
+        except OSError as exc:
+            clock(f"dns_door_failed_errno_{exc.errno}")  # the daemon's debug log says so
     if early is not None and len(keep) > 1:
         early(keep[1:], held.dns_door)
         del keep[1:]

@@ -177,7 +177,8 @@ def test_a_sandbox_opened_with_the_network_on_makes_the_relays_door_itself(
                 assert (code, out.split()) == (0, [ADDRESS, NAME])
                 assert probe(s, relay_probe("tcp")) == f"answer {ADDRESS}"
                 steps = [step.split(":")[0] for step in _worker_steps(d, s.id, made_ahead=pool != "0").split(",")]
-                assert "dns_door" in steps
+                assert "dns_door" in steps  # made (a failure is named dns_door_failed_errno_N)
+                assert re.findall(rf"event=dns_door_opened session={s.id} by=(\w+)", d.log()) == ["sandbox"]
                 if pool != "0":  # made ahead: handed over with its namespaces before its root, its stack started meanwhile
                     assert steps.index("dns_door") < steps.index("namespaces_sent") < steps.index("root"), steps
             with c.open_session(str(worktree), network="off") as s:
@@ -187,6 +188,7 @@ def test_a_sandbox_opened_with_the_network_on_makes_the_relays_door_itself(
                 s.set_network(True)
                 code, out, _ = getent(s)
                 assert (code, out.split()) == (0, [ADDRESS, NAME])
+                assert re.findall(rf"event=dns_door_opened session={s.id} by=(\w+)", d.log()) == ["fork_server"]
     finally:
         assert d.stop() == 0, d.log()
 

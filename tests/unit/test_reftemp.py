@@ -86,16 +86,29 @@ def test_a_start_removes_what_a_put_back_cut_short_left_and_nothing_else(tmp_pat
 
 
 def test_the_sweep_goes_into_no_symlinked_directory(tmp_path: Path) -> None:
+    """Neither as the last component nor on the way: ``refs`` or
+    ``refs/dispatchd/displaced`` a symlink to the user's files (with
+    directories below it). The twin: the same files in real directories go."""
     common = tmp_path / "git"
     (common / "refs" / "dispatchd").mkdir(parents=True)
     elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (elsewhere / "a.dispatchd-0123456789abcdef.lock").write_text("x\n")
+    (elsewhere / "heads").mkdir(parents=True)
+    (elsewhere / "sub").mkdir()
+    ours = "a.dispatchd-0123456789abcdef.lock"
+    for d in (elsewhere, elsewhere / "heads", elsewhere / "sub"):
+        (d / ours).write_text("x\n")
     (common / "refs" / "dispatchd" / "displaced").symlink_to(elsewhere)
-    (common / "refs" / "heads").symlink_to(elsewhere)
-    assert reftemp.sweep(str(common), ["refs/heads/a"]) == []
-    assert os.listdir(elsewhere) == ["a.dispatchd-0123456789abcdef.lock"]
-    os.unlink(common / "refs" / "heads")  # the twin: a real directory is swept
-    (common / "refs" / "heads").mkdir()
-    os.rename(elsewhere / "a.dispatchd-0123456789abcdef.lock", common / "refs" / "heads" / "a.dispatchd-0123456789abcdef.lock")
-    assert reftemp.sweep(str(common), ["refs/heads/a"]) == [str(common / "refs" / "heads" / "a.dispatchd-0123456789abcdef.lock")]
+    assert reftemp.sweep(str(common), ["refs/heads/a", "refs/sub/a"]) == []
+    os.rename(common / "refs", tmp_path / "refs-aside")
+    (common / "refs").symlink_to(elsewhere)  # refs/heads/ and refs/sub/ then lead into the user's files
+    assert reftemp.sweep(str(common), ["refs/heads/a", "refs/sub/a"]) == []
+    assert all((d / ours).exists() for d in (elsewhere, elsewhere / "heads", elsewhere / "sub"))
+    os.unlink(common / "refs")  # the twin: real directories are swept, displaced ones at any depth
+    (common / "refs" / "heads").mkdir(parents=True)
+    (common / "refs" / "heads" / ours).write_text("x\n")
+    deep = common / "refs" / "dispatchd" / "displaced" / "20261130T000000" / "refs" / "sub"
+    deep.mkdir(parents=True)
+    (deep / ours).write_text("x\n")
+    assert reftemp.sweep(str(common), ["refs/heads/a"]) == sorted(
+        [str(common / "refs" / "dispatchd" / "displaced" / "20261130T000000" / "refs" / "sub" / ours),
+         str(common / "refs" / "heads" / ours)])

@@ -148,3 +148,26 @@ def test_a_symlink_on_the_way_is_not_followed(tmp_path: Path, monkeypatch: pytes
         assert runnables._path_below(top, "absent/b") is None
     finally:
         os.close(top)
+
+
+def test_a_deep_tree_of_long_multibyte_names_is_walked_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunks of a path are counted in bytes: 20 levels of 85 three-byte
+    characters (255 bytes a name) are 5,100 bytes, past PATH_MAX in one path,
+    though 1,720 characters."""
+    name = "語" * 85
+    root = tmp_path / "wt"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(20):
+        for side in ("s1", "s2", "s3"):
+            os.mkdir(side, dir_fd=fd)
+        os.mkdir(name, dir_fd=fd)
+        nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(os.open(".envrc", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    os.close(fd)
+    monkeypatch.setattr(runnables, "MAX_OPEN", 2)
+    snap = runnables.take(str(root), (".envrc",))
+    assert snap.complete, snap.why
+    assert list(snap.entries) == [f"{name}/" * 20 + ".envrc"]

@@ -147,7 +147,8 @@ def index_gitlinks(index: str) -> set[str] | None:
     if parsed is None:
         return None
     links, shared = parsed.links, parsed.shared
-    if st is not None and not shared and not parsed.replaced_gitlink and st.st_ctime_ns < began - _SETTLE_NS:
+    if st is not None and not shared and not parsed.replaced_gitlink and treewalk.settled(st.st_ctime_ns, began,
+                                                                                         _SETTLE_NS):
         if len(_links_seen) >= _LINKS_KEPT:
             _links_seen.clear()
         _links_seen[(st.st_dev, st.st_ino)] = (st.st_ctime_ns, st.st_mtime_ns, st.st_size, frozenset(links))

@@ -426,7 +426,8 @@ def _index_content(path: str, known: tuple[str, list[int]] | None, budget: Budge
     try:
         stamps = [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns, time.time_ns()]
         if known is not None and len(known[1]) == 6 and known[1][:5] == stamps[:5] \
-                and known[1][3] < known[1][5] - _SETTLE_NS and treewalk.fine_local_ctime(fd, st.st_dev):
+                and treewalk.settled(known[1][3], known[1][5], _SETTLE_NS) \
+                and treewalk.fine_local_ctime(fd, st.st_dev):
             return known[0], known[1]
         digest = hash_fd(fd, _MAX_HASHED_INDEX, budget)
     finally:

@@ -40,6 +40,7 @@ import time
 
 import msgspec
 
+from dispatchd import treewalk
 from dispatchd.daemon.gitguard import fs, objectstore, packed, reftemp
 
 _log = logging.getLogger("dispatchd.history")
@@ -154,10 +155,10 @@ def _stamps(objects: str) -> dict[str, int]:
 def _changed(then: dict[str, int], then_ns: int, now: dict[str, int]) -> set[str]:
     """The object directories to list again: new, gone, changed since, or
     changed too close before the look to trust their ctime."""
-    racy_after = then_ns - _RACY_NS
     if then == now:  # the usual case, compared in C: only the racy ones
-        return {d for d, ns in then.items() if ns > racy_after}
-    return {d for d in then.keys() | now.keys() if then.get(d) != now.get(d) or then[d] > racy_after}
+        return {d for d, ns in then.items() if not treewalk.settled(ns, then_ns, _RACY_NS)}
+    return {d for d in then.keys() | now.keys()
+            if then.get(d) != now.get(d) or not treewalk.settled(then[d], then_ns, _RACY_NS)}
 
 
 def _files_in(objects: str, dirs: set[str]) -> set[str]:

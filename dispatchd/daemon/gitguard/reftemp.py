@@ -30,6 +30,7 @@ log = logging.getLogger("dispatchd.gitguard")
 
 _OURS = re.compile(r".+\.dispatchd-[0-9a-f]{16}\.lock")
 _MAX_DIRS = 10_000  # refs/dispatchd/displaced is ours, but a session may have filled it
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 def temp_name(path: str) -> str:
@@ -39,29 +40,59 @@ def temp_name(path: str) -> str:
 
 def sweep(common: str, refs: list[str]) -> list[str]:
     """Remove what an interrupted write of ``refs`` (names below ``common``,
-    ``HEAD`` included) or of a displaced ref left; returns the paths removed."""
-    dirs = {os.path.dirname(os.path.join(common, name)) for name in refs} | {common}
-    pending = [os.path.join(common, "refs", "dispatchd", "displaced")]
-    while pending and len(dirs) < _MAX_DIRS:
-        path = pending.pop()
-        try:
-            with os.scandir(path) as scan:
-                below = [e.path for e in scan if e.is_dir(follow_symlinks=False)]
-        except OSError:
-            continue
-        dirs.add(path)
-        pending += below
+    ``HEAD`` included) or of a displaced ref left; returns the paths removed.
+    Every directory is reached from ``common`` one component at a time,
+    ``O_NOFOLLOW``: a symlink a session left anywhere on the way (``refs``,
+    ``refs/dispatchd/displaced``, a directory below) is not entered."""
+    try:
+        top = os.open(common, _DIR | os.O_NOFOLLOW)
+    except OSError:
+        return []
     removed: list[str] = []
-    for path in sorted(dirs):
-        removed += _sweep_dir(path)
+    try:
+        dirs = {os.path.dirname(name) for name in refs if "/" in name} | {""}
+        pending = ["refs/dispatchd/displaced"]
+        while pending and len(dirs) < _MAX_DIRS:
+            rel = pending.pop()
+            fd = _below(top, rel)
+            if fd is None:
+                continue
+            try:
+                with os.scandir(fd) as scan:
+                    pending += [f"{rel}/{e.name}" for e in scan if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            dirs.add(rel)
+        for rel in sorted(dirs):
+            fd = _below(top, rel)
+            if fd is not None:
+                removed += _sweep_dir(fd, os.path.join(common, rel) if rel else common)
+    finally:
+        os.close(top)
+    for gone in removed:
+        log.info("event=ref_temporary_removed path=%s", gone)
     return removed
 
 
-def _sweep_dir(path: str) -> list[str]:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return []
+def _below(top: int, rel: str) -> int | None:
+    """The directory ``rel`` below ``top``, never through a symlink."""
+    fd = os.dup(top)
+    for part in rel.split("/") if rel else []:
+        try:
+            nxt = os.open(part, _DIR | os.O_NOFOLLOW, dir_fd=fd) if part not in ("", ".", "..") else -1
+        except OSError:
+            nxt = -1
+        os.close(fd)
+        if nxt < 0:
+            return None
+        fd = nxt
+    return fd
+
+
+def _sweep_dir(fd: int, path: str) -> list[str]:
+    """Our leftovers in the directory ``fd`` (``path``, for the log), which is closed."""
     removed: list[str] = []
     try:
         for name in os.listdir(fd):
@@ -73,8 +104,8 @@ def _sweep_dir(path: str) -> list[str]:
                     removed.append(os.path.join(path, name))
             except OSError:
                 continue
+    except OSError:
+        pass
     finally:
         os.close(fd)
-    for gone in removed:
-        log.info("event=ref_temporary_removed path=%s", gone)
     return removed

@@ -247,7 +247,8 @@ class _Walk:
             self.why = f"more than {MAX_ENTRIES} entries"
             return
         names = {name for name, _ in found}
-        if st is not None and st.st_ctime_ns < self.settled_before and ".git" not in names \
+        if st is not None and treewalk.settled(st.st_ctime_ns, self.settled_before + SETTLE_NS, SETTLE_NS) \
+                and ".git" not in names \
                 and not ({"HEAD", "objects", "refs"} <= names) and names.isdisjoint(self.names):
             if len(self.remembered) >= MAX_REMEMBERED:
                 self.remembered.clear()
@@ -345,12 +346,13 @@ def _path_below(dir_fd: int, rel: str) -> int | None:
     ``MAX_OPEN`` took minutes a walk. Without ``openat2``, one component at a
     time all the same."""
     parts = rel.split("/")
+    sizes = [len(os.fsencode(part)) for part in parts]  # bytes: a name of 85 CJK characters is 255 of them
     fd = os.dup(dir_fd)
     i = 0
     while i < len(parts):
-        j, size = i + 1, len(parts[i])
-        while j < len(parts) and size + 1 + len(parts[j]) <= _CHUNK:
-            size += 1 + len(parts[j])
+        j, size = i + 1, sizes[i]
+        while j < len(parts) and size + 1 + sizes[j] <= _CHUNK:
+            size += 1 + sizes[j]
             j += 1
         try:
             nxt = _chunk_below(fd, parts[i:j])
@@ -372,7 +374,9 @@ def _chunk_below(dir_fd: int, parts: list[str]) -> int | None:
                 return None
             if exc.errno == errno.ENOSYS:
                 _openat2[0] = False
-            elif exc.errno != errno.EAGAIN:  # a rename raced the lookup: one component at a time, below
+            # EAGAIN: a rename raced the lookup; ENAMETOOLONG: not expected (the
+            # chunks are short enough), but one component at a time goes all the same.
+            elif exc.errno not in (errno.EAGAIN, errno.ENAMETOOLONG):
                 raise
     fd = os.dup(dir_fd)
     for part in parts:
