@@ -171,3 +171,34 @@ def test_a_deep_tree_of_long_multibyte_names_is_walked_whole(tmp_path: Path, mon
     snap = runnables.take(str(root), (".envrc",))
     assert snap.complete, snap.why
     assert list(snap.entries) == [f"{name}/" * 20 + ".envrc"]
+
+
+@pytest.mark.parametrize("openat2", [True, False])
+def test_directories_below_one_the_session_made_unsearchable_are_reached_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, openat2: bool) -> None:
+    """Past the held descriptors, a directory is reached again by name: below
+    a directory the session made mode 0 (the walk lends it its owner's
+    rights, as to one it lists, and puts its mode back), not the walk
+    refused; deeper too, with one on the way. The twin: the same tree
+    searchable gives the same walk."""
+    if not openat2:
+        _no_openat2(monkeypatch)
+    root = tmp_path / "wt"
+    for i in range(6):
+        (root / "x" / f"c{i}" / "y" / f"d{i}").mkdir(parents=True)
+    (root / "x" / "c5" / "y" / "d5" / ".envrc").write_text("export X=1\n")
+    monkeypatch.setattr(runnables, "MAX_OPEN", 2)
+    searchable = runnables.take(str(root), (".envrc",))
+    assert searchable.complete and list(searchable.entries) == ["x/c5/y/d5/.envrc"]
+    for closed in (root / "x" / "c5" / "y", root / "x"):
+        os.chmod(closed, 0)
+    try:
+        if os.access(root / "x", os.X_OK):
+            pytest.fail("the tests run as the unprivileged user (root searches a mode-0 directory)", pytrace=False)
+        runnables._REMEMBERED.clear()
+        snap = runnables.take(str(root), (".envrc",))
+        assert snap == searchable, snap
+        assert os.stat(root / "x").st_mode & 0o777 == 0  # its mode put back
+    finally:
+        os.chmod(root / "x", 0o755)
+        os.chmod(root / "x" / "c5" / "y", 0o755)

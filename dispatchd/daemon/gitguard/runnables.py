@@ -33,10 +33,12 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 import time
+from collections.abc import Iterator
 
 import msgspec
 
@@ -151,7 +153,11 @@ class _Walk:
         if below is None:
             return None
         try:
-            return self.open_dir(below, name)
+            try:
+                return self.open_dir(below, name)
+            except PermissionError:  # below, a directory the session made unsearchable
+                with _lent(below):
+                    return self.open_dir(below, name)
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                 return None  # gone or replaced meanwhile
@@ -375,13 +381,17 @@ def _chunk_below(dir_fd: int, parts: list[str]) -> int | None:
             if exc.errno == errno.ENOSYS:
                 _openat2[0] = False
             # EAGAIN: a rename raced the lookup; ENAMETOOLONG: not expected (the
-            # chunks are short enough), but one component at a time goes all the same.
-            elif exc.errno not in (errno.EAGAIN, errno.ENAMETOOLONG):
+            # chunks are short enough), but one component at a time goes all the
+            # same; EACCES: a directory on the way the session made unsearchable.
+            elif exc.errno not in (errno.EAGAIN, errno.ENAMETOOLONG, errno.EACCES):
                 raise
     fd = os.dup(dir_fd)
     for part in parts:
         try:
-            nxt = os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                nxt = os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except PermissionError:
+                nxt = _open_lent(fd, part, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                 return None
@@ -390,6 +400,27 @@ def _chunk_below(dir_fd: int, parts: list[str]) -> int | None:
             os.close(fd)
         fd = nxt
     return fd
+
+
+@contextlib.contextmanager
+def _lent(dir_fd: int) -> Iterator[None]:
+    """The directory ``dir_fd``, which the session made unsearchable, given
+    its owner's rights (the user's, so the daemon's) for what is done inside,
+    its mode put back right after, as the walk lends them to a directory it
+    lists (``_Walk.open_dir``): the directories reached again by name past
+    ``MAX_OPEN`` are walked below one too, not the walk refused."""
+    proc = f"/proc/self/fd/{dir_fd}"
+    mode = stat.S_IMODE(os.stat(proc).st_mode)
+    os.chmod(proc, mode | stat.S_IRWXU)
+    try:
+        yield
+    finally:
+        os.chmod(proc, mode)
+
+
+def _open_lent(dir_fd: int, name: str, flags: int) -> int:
+    with _lent(dir_fd):
+        return os.open(name, flags, dir_fd=dir_fd)
 
 
 def _open_dir(dir_fd: int, name: str) -> int | None:
