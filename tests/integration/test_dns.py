@@ -179,6 +179,16 @@ def test_a_sandbox_opened_with_the_network_on_makes_the_relays_door_itself(
                 steps = [step.split(":")[0] for step in _worker_steps(d, s.id, made_ahead=pool != "0").split(",")]
                 assert "dns_door" in steps  # made (a failure is named dns_door_failed_errno_N)
                 assert re.findall(rf"event=dns_door_opened session={s.id} by=(\w+)", d.log()) == ["sandbox"]
+                # Its sockets are the daemon's alone: none among the session's
+                # descriptors (the twin: the probe's own socket is found).
+                held = probe(s, "import os, socket\nmine = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                                "mine.bind(('127.0.0.53', 5353))\nfound = []\n"
+                                "for fd in map(int, os.listdir('/proc/self/fd')):\n"
+                                "    try:\n        s = socket.socket(fileno=os.dup(fd))\n"
+                                "    except OSError:\n        continue\n"
+                                "    try:\n        found.append(s.getsockname())\n    except OSError:\n        pass\n"
+                                "    s.close()\nprint(sorted(map(str, found)))")
+                assert "('127.0.0.53', 5353)" in held and "('127.0.0.53', 53)" not in held, held
                 if pool != "0":  # made ahead: handed over with its namespaces before its root, its stack started meanwhile
                     assert steps.index("dns_door") < steps.index("namespaces_sent") < steps.index("root"), steps
             with c.open_session(str(worktree), network="off") as s:
