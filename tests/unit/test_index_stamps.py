@@ -61,8 +61,12 @@ def test_an_unparsable_index_unchanged_since_the_look_is_not_read_again(
 
 def test_an_index_changed_just_before_the_look_is_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     repo = _repo(tmp_path / "r")
-    (repo / ".git" / "index").write_bytes(b"not an index git wrote" * 1000)  # within the clock's tick of the look
-    before = _take(repo)
+    index = repo / ".git" / "index"
+    index.write_bytes(b"not an index git wrote" * 1000)
+    # The look 10 ms after that write, within the clock's tick, however loaded the machine.
+    with monkeypatch.context() as m:
+        m.setattr(gitdirs.time, "time_ns", lambda: os.stat(index).st_ctime_ns + 10_000_000)
+        before = _take(repo)
     hashed = _hashes(monkeypatch)
     now = _take(repo, before)
     assert hashed == [22000] and now.indexes == before.indexes
