@@ -162,8 +162,8 @@ def _hold_host() -> int:
       and it is held by the same process, before any session code runs;
     - it is a descriptor of this process only: opened after the inherited
       descriptors were closed (``hygiene.close_inherited_fds``), close-on-exec,
-      in no list handed to the daemon (``WorkerPooled`` carries only the
-      namespaces) and in none a command inherits; nothing is exec'd while
+      in no list handed to the daemon (``WorkerNamespaces`` carries only the
+      namespaces and the DNS relay's door) and in none a command inherits; nothing is exec'd while
       the sandbox waits, and nothing but the daemon's ``AdoptSession`` is
       read;
     - ``apply_session_mounts`` closes it right after the session's binds

@@ -85,11 +85,12 @@ class Pooling(Napping):
         box: list[Made] = []  # the sandbox, once it has a process
 
         def with_namespaces(worker: Worker, control: protocol.FrameSocket,
-                            msg: protocol.WorkerNamespaces | protocol.WorkerPooled) -> None:
+                            msg: protocol.WorkerNamespaces | None) -> None:
             box.append(Made(kind=kind, sid=sid, key=key, worker=worker, control=control, cgroup=cgroup,
                             scratch=paths.scratch))
-            box[0].ns_fds = take_namespaces(plan, msg, control)
-            box[0].door = take_door(msg, control)
+            if msg is not None:
+                box[0].ns_fds = take_namespaces(plan, msg, control)
+                box[0].door = take_door(msg, control)
             # Sent as soon as they were made: the stack starts while the
             # sandbox builds its root (a network-on make no longer waits
             # for the one, then the other).
@@ -101,7 +102,7 @@ class Pooling(Napping):
                 cgroup = plan.cgroup.path
             worker, control, msg = self.fork_server.make_ahead(plan, READY_TIMEOUT_S, with_namespaces)
             if not box:  # no namespaces of its own: none sent early
-                with_namespaces(worker, control, msg)
+                with_namespaces(worker, control, None)
         except BaseException:
             if box:
                 self._let_go(box[0])

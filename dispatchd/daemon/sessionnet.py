@@ -71,7 +71,7 @@ def domains_for(session: Session, rules: tuple[domains.Rule, ...] | None) -> tup
     return domains.parse_domains(session.policy.network.domains) if rules is None else rules
 
 
-def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.WorkerPooled | protocol.WorkerNamespaces,
+def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.WorkerNamespaces,
                     control: protocol.FrameSocket) -> tuple[int, int] | None:
     """The session's user and network namespaces, as the worker sent them
     with ``WorkerReady`` (first of its fds), when it has its own."""
@@ -90,34 +90,36 @@ def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.Work
         raise ConfinementError("network: namespaces", detail=str(exc)) from exc
 
 
-def take_door(msg: protocol.WorkerReady | protocol.WorkerPooled | protocol.WorkerNamespaces,
+def take_door(msg: protocol.WorkerReady | protocol.WorkerNamespaces,
               control: protocol.FrameSocket) -> tuple[socket.socket, socket.socket] | None:
     """The DNS relay's door the worker made (``SessionPlan.dns_door``), sent
     right after its namespaces; None when it made none (the fork server
     makes it then, as for a switch)."""
     if not msg.dns_door:
         return None
-    fds: list[int] = []
+    socks: list[socket.socket] = []
     try:
         for _ in range(2):
-            fds.append(control.take_fd())
-        udp = socket.socket(fileno=fds[0])
-        fds.pop(0)
-        try:
-            return udp, socket.socket(fileno=fds[0])
-        except BaseException:
-            udp.close()
-            raise
+            fd = control.take_fd()
+            try:
+                socks.append(socket.socket(fileno=fd))
+            except OSError:  # not a socket: ours to close
+                os.close(fd)
+                raise
     except (protocol.ProtocolError, OSError) as exc:
-        for fd in fds:
-            os.close(fd)
+        _close_all(tuple(socks))
         raise ConfinementError("network: DNS relay's door", detail=str(exc)) from exc
+    return socks[0], socks[1]
 
 
 def drop_door(holder: Session | Made) -> None:
     """A door the worker made and no stack served: closed."""
     door, holder.door = holder.door, None
-    for sock in door or ():
+    _close_all(door)
+
+
+def _close_all(socks: tuple[socket.socket, ...] | None) -> None:
+    for sock in socks or ():
         sock.close()
 
 
@@ -184,17 +186,14 @@ class SessionNetworks:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
         if new.stack and session.stack is None:
             # The DNS relay's door is made while the stack starts (daemon/dnsrelay.py).
-            made = session.door  # made by the worker: no child of the fork server's
+            made, session.door = session.door, None  # made by the worker: no child of the fork server's
+            door = None
             try:
-                door = self.dns.door_ahead(session.id, namespaces(session), self.fork_server.dns_sockets, made) \
-                    if self.dns else None
-            except BaseException:
-                drop_door(session)
-                raise
-            session.door = None
-            if door is None:
-                for sock in made or ():
-                    sock.close()
+                if self.dns:
+                    door = self.dns.door_ahead(session.id, namespaces(session), self.fork_server.dns_sockets, made)
+            finally:
+                if door is None:  # no relay, or refused: the worker's door goes
+                    _close_all(made)
             try:
                 # In the session's cgroup, where it has one: its limits
                 # (pids.max, memory.max, cpu.weight) hold the stack too.

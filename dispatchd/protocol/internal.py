@@ -67,27 +67,23 @@ class WorkerReady(_Msg, tag="worker_ready", frozen=True):
 
 class WorkerPooled(_Msg, tag="worker_pooled", frozen=True):
     """A sandbox made ahead (``SpawnWorker.pooled``) has applied what every
-    session of its kind shares and waits for ``AdoptSession``. Sent with two
-    fds when ``namespaces``: its user and network namespaces, as with
-    ``WorkerReady``, which then sends none; and two more when ``dns_door``
-    (as ``WorkerReady``'s)."""
+    session of its kind shares and waits for ``AdoptSession``. Sent with no
+    fd: one with namespaces of its own sent them first (``WorkerNamespaces``),
+    and its ``WorkerReady`` sends none either."""
 
     pid: int
     timings_ms: dict[str, float] = {}
-    namespaces: bool = False
-    dns_door: bool = False
 
 
 class WorkerNamespaces(_Msg, tag="worker_namespaces", frozen=True):
     """A sandbox made ahead with namespaces of its own, as soon as they are
     made (before its root): sent with two fds, its user and network
     namespaces, and two more when ``dns_door`` (as ``WorkerReady``'s), so
-    that the daemon starts its network stack while it goes on. Its
-    ``WorkerPooled`` then sends none."""
+    that the daemon starts its network stack while it goes on."""
 
     pid: int
     dns_door: bool = False
-    namespaces: bool = True  # as WorkerReady's and WorkerPooled's: the fds are there
+    namespaces: bool = True  # as WorkerReady's: the fds are there
 
 
 class AdoptSession(_Msg, tag="adopt_session", frozen=True):

@@ -255,7 +255,7 @@ def _warm_workers_code(plan: SessionPlan) -> None:
             plan.mounts.split_binds()
         for m in to_worker:
             protocol.decode(protocol.to_worker_decoder, m)
-        protocol.encode(protocol.WorkerPooled(pid=1, timings_ms={"hygiene": 0.1}, namespaces=True))
+        protocol.encode(protocol.WorkerPooled(pid=1, timings_ms={"hygiene": 0.1}))
         protocol.encode(protocol.WorkerReady(pid=1, protections=protections, timings_ms={"seccomp": 0.1}))
         _tool_server.warm_up(plan)
 

@@ -113,7 +113,7 @@ def confine_shared(plan: SessionPlan, parent: int, keep: list[int], clock: _Cloc
     hygiene.close_inherited_fds([*keep, *hold])  # only the control channel (and the worktree)
     clock("hygiene")
     namespaces.apply_id_maps(plan.namespaces)  # born in them: only the ids are left to map
-    keep += namespaces.open_own(plan.namespaces)  # for the daemon, with WorkerReady (or WorkerPooled)
+    keep += namespaces.open_own(plan.namespaces)  # for the daemon, with WorkerReady (or WorkerNamespaces)
     clock("namespaces")
     # Needs CAP_SYS_RESOURCE in the new namespace, and /proc/sys before the
     # mounts make it read-only.
@@ -213,11 +213,12 @@ def _hand_over_namespaces(control: protocol.FrameSocket, fds: list[int], dns_doo
             os.close(fd)
 
 
-def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep: list[int],
-                      clock: _Clock, dns_door: bool) -> tuple[SessionPlan, int]:
-    """A sandbox made ahead: say so, hand over the namespaces, and wait for
-    the session (its plan and worktree). Leaves quietly when the daemon lets
-    go of it; refuses a plan it was not made for (``pool_key``)."""
+def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
+                      clock: _Clock) -> tuple[SessionPlan, int]:
+    """A sandbox made ahead (its namespaces handed over already, by
+    ``confine_shared``'s ``early``): say so, and wait for the session (its
+    plan and worktree). Leaves quietly when the daemon lets go of it;
+    refuses a plan it was not made for (``pool_key``)."""
     made_for_key = pool_key(made_for)  # now, while nothing waits
     # Warm what adoption runs first (the plan's decoder, the split of the
     # binds): the pages it touches are copied from the fork server now, not
@@ -228,11 +229,7 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, keep
     from dispatchd.worker.tool_server import warm_up  # pre-imported by the fork server
 
     warm_up(made_for)
-    _report(control, protocol.WorkerPooled(pid=os.getpid(), timings_ms=clock.steps, namespaces=len(keep) > 1,
-                                           dns_door=dns_door), fds=keep[1:])
-    for fd in keep[1:]:
-        os.close(fd)  # the daemon has them; no command inherits them
-    del keep[1:]
+    _report(control, protocol.WorkerPooled(pid=os.getpid(), timings_ms=clock.steps))
     expected: tuple[bytes, SessionPlan] | None = None  # ExpectSession's, decoded and checked
     while True:
         try:
@@ -296,7 +293,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         held = confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd],
                               early=functools.partial(_hand_over_namespaces, control) if made_ahead else None)
         if made_ahead:
-            plan, worktree_fd = _wait_for_session(control, plan, keep, clock, held.dns_door)
+            plan, worktree_fd = _wait_for_session(control, plan, clock)
         skipped = confine_session(plan, program, keep, clock, worktree_fd, held, kit)
     except BaseException as exc:
         wake.fail(control, exc, "worker start")
@@ -308,7 +305,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
 
     ready = protocol.WorkerReady(pid=os.getpid(), protections=protections, timings_ms=clock.steps,
                                  proxy_listener=bool(plan.proxy_port),
-                                 # Made ahead: handed over with WorkerPooled already.
+                                 # Made ahead: handed over with WorkerNamespaces already.
                                  namespaces=bool(plan.namespaces.user and plan.namespaces.net) and not made_ahead,
                                  dns_door=held.dns_door and not made_ahead,
                                  wake_kit=len(kit))

@@ -80,7 +80,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
                               metadata={"exit_code": 1, "stdout": "", "truncated": False}), {"channel_reply"}),
     p.WorkerReady: (p.WorkerReady(pid=4321, protections=PROTECTIONS, timings_ms={"landlock": 0.25}),
                     {"from_worker"}),
-    p.WorkerPooled: (p.WorkerPooled(pid=4322, timings_ms={"root": 1.25}, namespaces=True), {"from_worker"}),
+    p.WorkerPooled: (p.WorkerPooled(pid=4322, timings_ms={"root": 1.25}), {"from_worker"}),
     p.WorkerNamespaces: (p.WorkerNamespaces(pid=4322, dns_door=True), {"from_worker"}),
     p.AdoptSession: (p.AdoptSession(plan=b"\x00\x01\xff msgpack"), {"to_worker"}),
     p.ExpectSession: (p.ExpectSession(plan=b"\x00\x01\xff msgpack"), {"to_worker"}),

@@ -1,8 +1,8 @@
 """The worktree walk reaches a directory past its held descriptors again by
-name (``runnables._reopen``): below the worktree, never through a symlink,
-by ``openat2`` a few thousand bytes of the path at a time (one component at
-a time in Python made a deep tree with many directories a walk of minutes),
-and one component at a time where the kernel has no ``openat2``."""
+name (``runnables._reopen``, ``fs.path_below``): below the worktree, never
+through a symlink, by ``openat2`` a few thousand bytes of the path at a time
+(one component at a time in Python made a deep tree with many directories a
+walk of minutes), and one component at a time where the kernel has none."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dispatchd.confine import _sys
-from dispatchd.daemon.gitguard import runnables
+from dispatchd.daemon.gitguard import fs, runnables
 
 DEEP = 1_600  # "dd/" a level: 4,800 bytes, past PATH_MAX in one path
 
@@ -71,7 +71,7 @@ def _no_openat2(monkeypatch: pytest.MonkeyPatch) -> None:
         raise OSError(errno.ENOSYS, "Function not implemented")
 
     monkeypatch.setattr(_sys, "open_beneath", refuse)
-    monkeypatch.setattr(runnables, "_openat2", [True])
+    monkeypatch.setattr(fs, "_openat2", [True])
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -128,7 +128,7 @@ def test_without_openat2_the_same_walk_goes_one_component_at_a_time(
     _no_openat2(monkeypatch)
     without = runnables.take(str(root), (".envrc",))
     assert without == with_it and without.complete and list(without.entries) == ["dd/" * 200 + ".envrc"]
-    assert runnables._openat2 == [False]  # the kernel's answer remembered
+    assert fs._openat2 == [False]  # the kernel's answer remembered
 
 
 @pytest.mark.parametrize("openat2", [True, False])
@@ -139,13 +139,13 @@ def test_a_symlink_on_the_way_is_not_followed(tmp_path: Path, monkeypatch: pytes
     (tmp_path / "outside" / "b").mkdir(parents=True)
     top = os.open(tmp_path / "wt", os.O_PATH | os.O_DIRECTORY)
     try:
-        fd = runnables._path_below(top, "a/b")  # the twin: the real path is reached
+        fd = fs.path_below(top, "a/b", lend=True)  # the twin: the real path is reached
         assert fd is not None and os.path.samestat(os.fstat(fd), os.stat(tmp_path / "wt" / "a" / "b"))
         os.close(fd)
         os.rename(tmp_path / "wt" / "a", tmp_path / "wt" / "a-aside")
         (tmp_path / "wt" / "a").symlink_to(tmp_path / "outside")  # swapped after the listing
-        assert runnables._path_below(top, "a/b") is None
-        assert runnables._path_below(top, "absent/b") is None
+        assert fs.path_below(top, "a/b", lend=True) is None
+        assert fs.path_below(top, "absent/b", lend=True) is None
     finally:
         os.close(top)
 

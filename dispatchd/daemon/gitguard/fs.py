@@ -20,13 +20,16 @@ Guarantees, for what goes through here:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
 import stat
 import time
+from collections.abc import Iterator
 
 from dispatchd import treewalk
+from dispatchd.confine import _sys
 from dispatchd.daemon.gitguard import indexfile
 
 _MAX_POINTER = 4096  # a .git pointer file, a gitdir or commondir file
@@ -280,3 +283,87 @@ def move_aside(path: str) -> str:
     os.rename(path, dst)  # once more, after the chmod: raises if it still fails
     return dst
 
+
+_CHUNK = 3000  # bytes of a path one openat2 resolves (PATH_MAX is 4096; a name at most 255)
+_openat2 = [True]  # False once the kernel said it has none (before Linux 5.6)
+
+
+def path_below(dir_fd: int, rel: str, *, lend: bool = False) -> int | None:
+    """An ``O_PATH`` descriptor of the directory ``rel`` below ``dir_fd``, or
+    None when there is none (absent, not a directory, or a symlink on the
+    way, which is never followed). By ``openat2`` (RESOLVE_BENEATH,
+    RESOLVE_NO_SYMLINKS) a few thousand bytes of the path at a time: reached
+    from the worktree one component at a time in Python, a directory 3,000
+    deep cost 3,000 opens, and a deep tree with many directories past
+    ``runnables.MAX_OPEN`` took minutes a walk. Without ``openat2``, one component at a
+    time all the same. ``lend``: a directory on the way the session made
+    unsearchable is lent its owner's rights for the one open (``lent``);
+    without, there is none below it."""
+    parts = rel.split("/")
+    sizes = [len(os.fsencode(part)) for part in parts]  # bytes: a name of 85 CJK characters is 255 of them
+    fd = os.dup(dir_fd)
+    i = 0
+    while i < len(parts):
+        j, size = i + 1, sizes[i]
+        while j < len(parts) and size + 1 + sizes[j] <= _CHUNK:
+            size += 1 + sizes[j]
+            j += 1
+        try:
+            nxt = _chunk_below(fd, parts[i:j], lend)
+        finally:
+            os.close(fd)
+        if nxt is None:
+            return None
+        fd, i = nxt, j
+    return fd
+
+
+def _chunk_below(dir_fd: int, parts: list[str], lend: bool) -> int | None:
+    flags = os.O_PATH | os.O_DIRECTORY
+    if _openat2[0]:
+        try:
+            return _sys.open_beneath(dir_fd, "/".join(parts), flags)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+                return None
+            if exc.errno == errno.ENOSYS:
+                _openat2[0] = False
+            # EAGAIN: a rename raced the lookup; ENAMETOOLONG: not expected (the
+            # chunks are short enough), but one component at a time goes all the
+            # same; EACCES: a directory on the way the session made unsearchable.
+            elif exc.errno not in (errno.EAGAIN, errno.ENAMETOOLONG, errno.EACCES):
+                raise
+    fd = os.dup(dir_fd)
+    for part in parts:
+        try:
+            try:
+                nxt = os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except PermissionError:
+                if not lend:
+                    return None
+                with lent(fd):
+                    nxt = os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                return None
+            raise
+        finally:
+            os.close(fd)
+        fd = nxt
+    return fd
+
+
+@contextlib.contextmanager
+def lent(dir_fd: int) -> Iterator[None]:
+    """The directory ``dir_fd``, which the session made unsearchable, given
+    its owner's rights (the user's, so the daemon's) for what is done inside,
+    its mode put back right after, as the worktree walk lends them to a
+    directory it lists (``runnables._Walk.open_dir``): the directories it
+    reaches again by name are walked below one too, not the walk refused."""
+    proc = f"/proc/self/fd/{dir_fd}"
+    mode = stat.S_IMODE(os.stat(proc).st_mode)
+    os.chmod(proc, mode | stat.S_IRWXU)
+    try:
+        yield
+    finally:
+        os.chmod(proc, mode)

@@ -26,6 +26,8 @@ import re
 import secrets
 import stat
 
+from dispatchd.daemon.gitguard import fs
+
 log = logging.getLogger("dispatchd.gitguard")
 
 _OURS = re.compile(r".+\.dispatchd-[0-9a-f]{16}\.lock")
@@ -41,8 +43,8 @@ def temp_name(path: str) -> str:
 def sweep(common: str, refs: list[str]) -> list[str]:
     """Remove what an interrupted write of ``refs`` (names below ``common``,
     ``HEAD`` included) or of a displaced ref left; returns the paths removed.
-    Every directory is reached from ``common`` one component at a time,
-    ``O_NOFOLLOW``: a symlink a session left anywhere on the way (``refs``,
+    Every directory is reached from ``common`` without following a symlink
+    (``fs.path_below``): one a session left anywhere on the way (``refs``,
     ``refs/dispatchd/displaced``, a directory below) is not entered."""
     try:
         top = os.open(common, _DIR | os.O_NOFOLLOW)
@@ -77,18 +79,16 @@ def sweep(common: str, refs: list[str]) -> list[str]:
 
 
 def _below(top: int, rel: str) -> int | None:
-    """The directory ``rel`` below ``top``, never through a symlink."""
-    fd = os.dup(top)
-    for part in rel.split("/") if rel else []:
-        try:
-            nxt = os.open(part, _DIR | os.O_NOFOLLOW, dir_fd=fd) if part not in ("", ".", "..") else -1
-        except OSError:
-            nxt = -1
-        os.close(fd)
-        if nxt < 0:
-            return None
-        fd = nxt
-    return fd
+    """The directory ``rel`` below ``top``, for listing, never through a symlink."""
+    at = fs.path_below(top, rel) if rel else os.dup(top)
+    if at is None:
+        return None
+    try:
+        return os.open(".", _DIR, dir_fd=at)
+    except OSError:
+        return None
+    finally:
+        os.close(at)
 
 
 def _sweep_dir(fd: int, path: str) -> list[str]:

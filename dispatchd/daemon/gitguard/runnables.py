@@ -33,17 +33,14 @@ Guarantees:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import stat
 import time
-from collections.abc import Iterator
 
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.confine import _sys
 from dispatchd.daemon.gitguard import fs
 from dispatchd.daemon.gitguard.digests import Budget, digest_at, fingerprint, never_equal
 from dispatchd.inside import is_within, outermost
@@ -142,12 +139,12 @@ class _Walk:
     def _reopen(self, rel: str) -> int | None:
         """The directory at ``rel`` (a wide tree's directories past
         ``MAX_OPEN`` held descriptors), reached from the worktree without
-        following a symlink (``_path_below``), and opened as ``open_dir``
+        following a symlink (``fs.path_below``), and opened as ``open_dir``
         opens one: a directory made unreadable is lent its owner's rights."""
         parent, _, name = rel.rpartition("/")
         top = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            below = _path_below(top, parent) if parent else os.dup(top)
+            below = fs.path_below(top, parent, lend=True) if parent else os.dup(top)
         finally:
             os.close(top)
         if below is None:
@@ -156,7 +153,7 @@ class _Walk:
             try:
                 return self.open_dir(below, name)
             except PermissionError:  # below, a directory the session made unsearchable
-                with _lent(below):
+                with fs.lent(below):
                     return self.open_dir(below, name)
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
@@ -336,91 +333,6 @@ def _kind(entry: os.DirEntry[str]) -> str:
         return "dir" if entry.is_dir(follow_symlinks=False) else "other"
     except OSError:
         return "other"
-
-
-_CHUNK = 3000  # bytes of a path one openat2 resolves (PATH_MAX is 4096; a name at most 255)
-_openat2 = [True]  # False once the kernel said it has none (before Linux 5.6)
-
-
-def _path_below(dir_fd: int, rel: str) -> int | None:
-    """An ``O_PATH`` descriptor of the directory ``rel`` below ``dir_fd``, or
-    None when there is none (absent, not a directory, or a symlink on the
-    way, which is never followed). By ``openat2`` (RESOLVE_BENEATH,
-    RESOLVE_NO_SYMLINKS) a few thousand bytes of the path at a time: reached
-    from the worktree one component at a time in Python, a directory 3,000
-    deep cost 3,000 opens, and a deep tree with many directories past
-    ``MAX_OPEN`` took minutes a walk. Without ``openat2``, one component at a
-    time all the same."""
-    parts = rel.split("/")
-    sizes = [len(os.fsencode(part)) for part in parts]  # bytes: a name of 85 CJK characters is 255 of them
-    fd = os.dup(dir_fd)
-    i = 0
-    while i < len(parts):
-        j, size = i + 1, sizes[i]
-        while j < len(parts) and size + 1 + sizes[j] <= _CHUNK:
-            size += 1 + sizes[j]
-            j += 1
-        try:
-            nxt = _chunk_below(fd, parts[i:j])
-        finally:
-            os.close(fd)
-        if nxt is None:
-            return None
-        fd, i = nxt, j
-    return fd
-
-
-def _chunk_below(dir_fd: int, parts: list[str]) -> int | None:
-    flags = os.O_PATH | os.O_DIRECTORY
-    if _openat2[0]:
-        try:
-            return _sys.open_beneath(dir_fd, "/".join(parts), flags)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
-                return None
-            if exc.errno == errno.ENOSYS:
-                _openat2[0] = False
-            # EAGAIN: a rename raced the lookup; ENAMETOOLONG: not expected (the
-            # chunks are short enough), but one component at a time goes all the
-            # same; EACCES: a directory on the way the session made unsearchable.
-            elif exc.errno not in (errno.EAGAIN, errno.ENAMETOOLONG, errno.EACCES):
-                raise
-    fd = os.dup(dir_fd)
-    for part in parts:
-        try:
-            try:
-                nxt = os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except PermissionError:
-                nxt = _open_lent(fd, part, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                return None
-            raise
-        finally:
-            os.close(fd)
-        fd = nxt
-    return fd
-
-
-@contextlib.contextmanager
-def _lent(dir_fd: int) -> Iterator[None]:
-    """The directory ``dir_fd``, which the session made unsearchable, given
-    its owner's rights (the user's, so the daemon's) for what is done inside,
-    its mode put back right after, as the walk lends them to a directory it
-    lists (``_Walk.open_dir``): the directories reached again by name past
-    ``MAX_OPEN`` are walked below one too, not the walk refused."""
-    proc = f"/proc/self/fd/{dir_fd}"
-    mode = stat.S_IMODE(os.stat(proc).st_mode)
-    os.chmod(proc, mode | stat.S_IRWXU)
-    try:
-        yield
-    finally:
-        os.chmod(proc, mode)
-
-
-def _open_lent(dir_fd: int, name: str, flags: int) -> int:
-    with _lent(dir_fd):
-        return os.open(name, flags, dir_fd=dir_fd)
 
 
 def _open_dir(dir_fd: int, name: str) -> int | None:
