@@ -220,12 +220,7 @@ def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None, begun
         ruleset, skipped, rules = _create_ruleset(plan), [], plan.paths
     try:
         skipped += _add_path_rules(ruleset, rules, held)
-        for port, access in plan.tcp_ports:
-            net = _NetPortAttr(access, port)
-            try:
-                _sys.syscall(_sys.SYS_landlock_add_rule, ruleset, 2, ctypes.byref(net), 0)
-            except OSError as exc:
-                raise ConfinementError("landlock: add port rule", exc.errno, f"port {port}") from exc
+        _add_port_rules(ruleset, plan)
         if kept is not None:
             kept.append(os.dup(ruleset))  # complete: nothing is added to it after this
         try:
@@ -236,6 +231,30 @@ def apply_landlock(plan: LandlockPlan, held: dict[str, int] | None = None, begun
     finally:
         os.close(ruleset)
     return skipped
+
+
+def build_ruleset(plan: LandlockPlan) -> int:
+    """The plan's complete ruleset, restricting nothing yet: its descriptor
+    (close-on-exec), for a child to restrict itself with before its exec
+    (``restrict_with``; the stack's launch, tools/_confined.c). Paths absent
+    here are skipped, as ``apply_landlock`` skips them."""
+    ruleset = _create_ruleset(plan)
+    try:
+        _add_path_rules(ruleset, plan.paths, {})
+        _add_port_rules(ruleset, plan)
+    except BaseException:
+        os.close(ruleset)
+        raise
+    return ruleset
+
+
+def _add_port_rules(ruleset: int, plan: LandlockPlan) -> None:
+    for port, access in plan.tcp_ports:
+        net = _NetPortAttr(access, port)
+        try:
+            _sys.syscall(_sys.SYS_landlock_add_rule, ruleset, 2, ctypes.byref(net), 0)
+        except OSError as exc:
+            raise ConfinementError("landlock: add port rule", exc.errno, f"port {port}") from exc
 
 
 def restrict_with(ruleset: int) -> None:

@@ -248,6 +248,16 @@ def plan_stack_confinement(stack: str, *, landlock_abi: int, executable: str,
     return StackConfinement(landlock=plan, seccomp=plan_stack_seccomp())
 
 
+def stack_limits(confinement: StackConfinement) -> list[tuple[int, int]]:
+    """The resource limits a confined stack runs under (soft = hard), as
+    ``(RLIMIT_*, value)``: ``confine_stack`` and the launch by vfork
+    (worker/stackstart.py) set these same ones. Pure."""
+    import resource
+
+    return [(resource.RLIMIT_FSIZE, confinement.file_size), (resource.RLIMIT_DATA, confinement.data),
+            (resource.RLIMIT_CORE, 0)]
+
+
 def confine_stack(confinement: StackConfinement, program: bytes) -> None:
     """In the fork server's child, right before the stack's exec: its resource
     limits, Landlock, then seccomp (``program``, compiled from
@@ -257,8 +267,7 @@ def confine_stack(confinement: StackConfinement, program: bytes) -> None:
 
     from dispatchd.confine import hygiene, seccomp
 
-    for limit, value in ((resource.RLIMIT_FSIZE, confinement.file_size), (resource.RLIMIT_DATA, confinement.data),
-                         (resource.RLIMIT_CORE, 0)):
+    for limit, value in stack_limits(confinement):
         try:
             resource.setrlimit(limit, (value, value))
         except (OSError, ValueError) as exc:

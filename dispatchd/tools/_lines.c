@@ -689,6 +689,8 @@ static PyMethodDef methods[] = {
     {"lane_calls", dl_lane_calls, METH_NOARGS, "How many calls the fast lane is answering now (_fastread.c)."},
     {"spawn_subreaper", dl_spawn_subreaper, METH_VARARGS,
      "Start a command, a child subreaper in its own session, by vfork and exec (_spawn.c): its pid."},
+    {"spawn_confined", dl_spawn_confined, METH_VARARGS,
+     "Start a program by vfork and exec, confined in the child before its exec (_confined.c): its pid."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -31,4 +31,7 @@ PyObject *dl_lane_calls(PyObject *self, PyObject *unused);
 /* _spawn.c */
 PyObject *dl_spawn_subreaper(PyObject *self, PyObject *args);
 
+/* _confined.c */
+PyObject *dl_spawn_confined(PyObject *self, PyObject *args);
+
 #endif

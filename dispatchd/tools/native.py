@@ -36,6 +36,10 @@ class Lines(Protocol):
     def spawn_subreaper(self, path: bytes, argv: list[bytes], envp: list[bytes], cwd: bytes, stdin_fd: int,
                         stdout_fd: int, stderr_fd: int, nproc: int, nofile: int, /) -> int: ...
 
+    def spawn_confined(self, path: bytes, argv: list[bytes], envp: list[bytes], stdin_fd: int, stdout_fd: int,
+                       stderr_fd: int, keep: list[int], cgroup_procs_fd: int, limits: list[tuple[int, int]],
+                       ruleset_fd: int, seccomp_program: bytes, parent: int, /) -> int: ...
+
 
 lines: Lines | None
 _why = ""

@@ -13,7 +13,14 @@ Guarantees:
   applied before its exec; a step that cannot be applied ends the child,
   which says why on its stderr (the daemon reports it);
 - the file executed is the one the daemon's probe found, with nothing of the
-  daemon's environment, and only the descriptors it needs.
+  daemon's environment, and only the descriptors it needs;
+- started by vfork where the C helper is built (``tools/_confined.c``: the
+  same steps, in the same order, as system calls on what is prepared here,
+  the Landlock ruleset built whole before the vfork), else by a fork that
+  confines itself in Python: the same confinement either way, the vfork
+  without a copy of the fork server's memory (about 1.5 ms a stack). A step
+  that fails in the vfork's child is answered as an error naming it; in the
+  fork's, written to the stack's stderr, which the daemon reports.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import signal
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import cgroups, hygiene, seccomp, stacks
+from dispatchd.confine import cgroups, hygiene, landlock, seccomp, stacks
+from dispatchd.errors import ConfinementError
+from dispatchd.tools import native
 
 
 def start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
@@ -51,6 +60,18 @@ def start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
         return protocol.ErrorReply(id=req.id, code="spawn_failed",
                                    message=f"cannot confine {argv[0]}: {exc}"), -1
     me = os.getpid()
+    # The file the daemon's probe found (and its Landlock rules name); else
+    # found on PATH, as the probe would.
+    path = req.executable or shutil.which(argv[0]) or argv[0]
+    if native.lines is not None:
+        try:
+            pid = _launch_by_vfork(native.lines, req.cgroup, path, argv, confinement, program, fds, me)
+        except (OSError, ConfinementError) as exc:
+            for fd in fds:
+                os.close(fd)
+            return protocol.ErrorReply(id=req.id, code="spawn_failed",
+                                       message=f"cannot start {argv[0]}: {_launch_error(exc, path)}"), -1
+        return _started(req.id, pid, fds, children)
     try:
         pid = os.fork()
         if pid == 0:
@@ -76,9 +97,6 @@ def start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
                     if fd >= low:
                         os.closerange(low, fd)
                         low = fd + 1
-                # The file the daemon's probe found (and its Landlock rules
-                # name); else found on PATH, as the probe would.
-                path = req.executable or shutil.which(argv[0]) or argv[0]
                 if confinement is not None:
                     stacks.confine_stack(confinement, program)
                 # Nothing of the daemon's environment (a token the user
@@ -96,6 +114,58 @@ def start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
         for fd in fds:
             os.close(fd)
     return protocol.Spawned(id=req.id, pid=pid), pidfd
+
+
+def _started(rid: int, pid: int, fds: list[int], children: set[int]) -> tuple[protocol.Spawned | protocol.ErrorReply, int]:
+    """The reply for a stack started by vfork (its descriptors closed here)."""
+    try:
+        children.add(pid)
+        pidfd = os.pidfd_open(pid)
+    except OSError as exc:  # cannot be: our child, not reaped
+        return protocol.ErrorReply(id=rid, code="spawn_failed", message=f"cannot hold the stack's process: {exc}"), -1
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return protocol.Spawned(id=rid, pid=pid), pidfd
+
+
+def _launch_by_vfork(lines: native.Lines, cgroup: str, path: str, argv: list[str],
+                     confinement: stacks.StackConfinement | None, program: bytes, fds: list[int], me: int) -> int:
+    """The stack started by vfork (``tools/_confined.c``), confined as the
+    fork path confines it: its pid. Raises ``OSError`` (its filename the
+    step that failed) or ``ConfinementError`` (its cgroup, its ruleset)."""
+    userns_fd, netns_fd, ready_w, err_fd = fds
+    held: list[int] = []
+    try:
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        held.append(null)
+        cgroup_fd = -1
+        if cgroup:  # the session's: its limits hold the stack, or it does not start
+            try:
+                cgroup_fd = os.open(f"{cgroup}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+            except OSError as exc:  # as cgroups.apply_cgroup says it in the fork's child
+                raise ConfinementError("cgroup", exc.errno, f"{cgroup}/cgroup.procs") from exc
+            held.append(cgroup_fd)
+        ruleset, limits = -1, []
+        if confinement is not None:
+            ruleset = landlock.build_ruleset(confinement.landlock)
+            held.append(ruleset)
+            limits = stacks.stack_limits(confinement)
+        return lines.spawn_confined(
+            os.fsencode(path), [os.fsencode(a) for a in argv],
+            [os.fsencode(f"{k}={v}") for k, v in stacks.STACK_ENV.items()],
+            null, null, err_fd, [userns_fd, netns_fd, ready_w], cgroup_fd, limits, ruleset, program, me)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _launch_error(exc: OSError | ConfinementError, path: str) -> str:
+    """What failed, in words, as the fork's child says it: the step and the
+    system's reason (the C helper's OSError names the step it failed at)."""
+    if isinstance(exc, OSError) and isinstance(exc.filename, str):
+        exc = ConfinementError(exc.filename, exc.errno, path if exc.filename == "exec" else "")
+    return str(exc)
 
 
 _stack_programs: dict[bytes, tuple[stacks.StackConfinement, bytes]] = {}

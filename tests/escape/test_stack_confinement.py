@@ -33,11 +33,17 @@ from tests.listeners import Greeter
 # twin) and "after" (confined), printed as JSON. What the attempts import is
 # imported before the confinement (the modules live below the user's home,
 # which Landlock then refuses).
+#
+# Run with "fork", it confines itself as the fork path of the stack's launch
+# does (``stacks.confine_stack``, in Python, after a fork); run with "once",
+# it makes the attempts once, as it was started: by the launch by vfork
+# (``tools/_confined.c``), confined before its exec, or unconfined (the twin).
 _PROBE = textwrap.dedent("""
     import ctypes, errno, json, os, socket, sys
-    sys.path.insert(0, {repo!r})
-    from dispatchd.confine import seccomp, stacks
-    from dispatchd.confine.landlock import landlock_abi
+    if sys.argv[1] == "fork":
+        sys.path.insert(0, {repo!r})
+        from dispatchd.confine import seccomp, stacks
+        from dispatchd.confine.landlock import landlock_abi
 
     secret, home, unix_path, tcp_port, victim = {secret!r}, {home!r}, {unix_path!r}, {tcp_port!r}, {victim!r}
     libc = ctypes.CDLL(None, use_errno=True)
@@ -178,6 +184,9 @@ _PROBE = textwrap.dedent("""
         "open the tun device": tun,
         "read the system's programs": read_system,
     }}
+    if sys.argv[1] == "once":
+        print(json.dumps({{name: run(fn) for name, fn in attempts.items()}}))
+        sys.exit(0)
     before = {{name: run(fn) for name, fn in attempts.items()}}
     plan = stacks.plan_stack_confinement("slirp4netns", landlock_abi=landlock_abi(),
                                          executable=os.path.realpath({executable!r}))
@@ -187,9 +196,12 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
-    """What each attempt got before and after the stack's confinement."""
+@pytest.fixture(scope="module", params=["fork", "vfork"])
+def outcome(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+    """What each attempt got before and after the stack's confinement, as
+    each launch applies it: the fork's child confining itself in Python, and
+    the vfork's child confined before its exec (the daemon's way where the C
+    helper is built)."""
     _refuse_root()
     if shutil.which("slirp4netns") is None:
         pytest.fail("slirp4netns is not installed: the set-up installs it (scripts/_common.sh)", pytrace=False)
@@ -205,7 +217,9 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str
     try:
         code = _PROBE.format(repo=str(REPO), secret=str(secret), home=str(Path.home()), unix_path=unix_path,
                              tcp_port=greeter.port, victim=victim.pid, executable=shutil.which("slirp4netns"))
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        if request.param == "vfork":
+            return {"before": _once(code), "after": _once_by_vfork(code)}
+        out = subprocess.run([sys.executable, "-c", code, "fork"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         result: dict[str, dict[str, str]] = json.loads(out.stdout)
         return result
@@ -269,6 +283,59 @@ def test_a_stack_taken_over_can_fork_and_stat_known_limit(outcome) -> None:
         "size 6", "size 6")
 
 
+# The system's interpreter, isolated: the confined probe reads nothing below
+# the home directory (a venv's site-packages, the user's).
+_PYTHON = ["/usr/bin/python3", "-I", "-c"]
+
+
+def _once(code: str) -> dict[str, str]:
+    """The attempts made once, unconfined: the twin of ``_once_by_vfork``."""
+    out = subprocess.run([*_PYTHON, code, "once"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result: dict[str, str] = json.loads(out.stdout)
+    return result
+
+
+def _once_by_vfork(code: str) -> dict[str, str]:
+    """The attempts made once by a process the launch by vfork started under
+    the stack's confinement, planned as the daemon plans it."""
+    from dispatchd.confine import landlock, seccomp, stacks
+    from dispatchd.tools import native
+
+    if native.lines is None:
+        pytest.fail("the C helper is not built: the set-up builds it (gcc, python3-dev)", pytrace=False)
+    plan = stacks.plan_stack_confinement("slirp4netns", landlock_abi=landlock.landlock_abi(),
+                                         executable=os.path.realpath(shutil.which("slirp4netns") or "slirp4netns"))
+    assert plan is not None
+    ruleset = landlock.build_ruleset(plan.landlock)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        pid = native.lines.spawn_confined(
+            os.fsencode(_PYTHON[0]), [os.fsencode(a) for a in [*_PYTHON, code, "once"]],
+            [b"PATH=/usr/bin:/bin", b"LC_ALL=C"], null, out_w, err_w, [], -1, stacks.stack_limits(plan),
+            ruleset, seccomp.compile_seccomp(plan.seccomp), os.getpid())
+    finally:
+        for fd in (ruleset, out_w, err_w, null):
+            os.close(fd)
+    with os.fdopen(out_r, "rb") as out, os.fdopen(err_r, "rb") as err:
+        printed, complaint = out.read(), err.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, complaint.decode(errors="replace")
+    result: dict[str, str] = json.loads(printed)
+    return result
+
+
+def _limits(pid: int) -> dict[str, tuple[str, str]]:
+    """The file size, data and core limits of ``pid`` (soft, hard), from /proc."""
+    with open(f"/proc/{pid}/limits", encoding="ascii") as f:
+        rows = f.read().splitlines()[1:]
+    names = ("Max file size", "Max data size", "Max core file size")
+    return {name: tuple(row[len(name):].split()[:2]) for row in rows for name in names
+            if row.startswith(name + " ")}
+
+
 def _status(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
         return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
@@ -276,9 +343,10 @@ def _status(pid: int) -> dict[str, str]:
 
 def test_the_running_stack_is_confined_and_filtered_twice(tmp_path: Path, worktree: Path) -> None:
     """A real daemon's slirp4netns: no new privileges, two seccomp filters
-    (the fork server's, then its own --enable-seccomp), and none of the
-    daemon's environment (a token exported where it was started). The twin:
-    the daemon itself has neither filter, and has the token."""
+    (the fork server's, then its own --enable-seccomp), its limits, and none
+    of the daemon's environment (a token exported where it was started). The
+    twin: the daemon itself has neither filter, nor those limits, and has the
+    token."""
     _refuse_root()
     greeter = Greeter()
     canary = "DISPATCH_TEST_TOKEN=s3cr3t"
@@ -295,6 +363,11 @@ def test_the_running_stack_is_confined_and_filtered_twice(tmp_path: Path, worktr
             stack = _status(found[0].pid)
             assert (stack["NoNewPrivs"], stack["Seccomp"], stack["Seccomp_filters"]) == ("1", "2", "2")
             assert stack["CapEff"] == stack["CapPrm"] == "0000000000000000"
+            # Its limits, soft = hard (stacks.stack_limits); the daemon's own are not.
+            assert _limits(found[0].pid) == {"Max file size": ("1048576", "1048576"),
+                                             "Max data size": ("1073741824", "1073741824"),
+                                             "Max core file size": ("0", "0")}
+            assert _limits(d.proc.pid)["Max file size"] == ("unlimited", "unlimited")
             with open(f"/proc/{found[0].pid}/environ", "rb") as f:
                 assert sorted(f.read().split(b"\0")[:-1]) == [b"LC_ALL=C", b"PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
             daemon = _status(d.proc.pid)
