@@ -95,15 +95,7 @@ report(int errpipe, int step, int code)
 static void
 child_after_vfork(const Launch *l)
 {
-    struct sigaction dfl, old;
-    memset(&dfl, 0, sizeof dfl);
-    dfl.sa_handler = SIG_DFL;
-    for (int sig = 1; sig < NSIG; sig++) {
-        if (sig == SIGKILL || sig == SIGSTOP)
-            continue;
-        if (sigaction(sig, NULL, &old) == 0 && old.sa_handler != SIG_DFL)
-            sigaction(sig, &dfl, NULL);
-    }
+    dl_default_signals(1);
     if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0)
         report(l->errpipe, S_PARENT, errno);
     if (getppid() != l->parent)
@@ -140,27 +132,6 @@ child_after_vfork(const Launch *l)
     sigprocmask(SIG_SETMASK, l->unblocked, NULL);
     execve(l->path, l->argv, l->envp);
     report(l->errpipe, S_EXEC, errno);
-}
-
-static char **
-bytes_list(PyObject *seq, const char *what)
-{
-    Py_ssize_t n = PyList_GET_SIZE(seq);
-    char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
-    if (out == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(seq, i);
-        if (!PyBytes_Check(item) || (Py_ssize_t)strlen(PyBytes_AS_STRING(item)) != PyBytes_GET_SIZE(item)) {
-            PyMem_Free(out);
-            PyErr_Format(PyExc_ValueError, "spawn_confined: %s must be bytes without NUL", what);
-            return NULL;
-        }
-        out[i] = PyBytes_AS_STRING(item);
-    }
-    return out;
 }
 
 static int
@@ -246,10 +217,10 @@ dl_spawn_confined(PyObject *self, PyObject *args)
     }
     if (prepare(&l, keep_obj, cgroup_fd, limits_obj, ruleset_fd, &program) < 0)
         goto done;
-    l.argv = bytes_list(argv_obj, "argv");
+    l.argv = dl_bytes_array(argv_obj, "spawn_confined", "argv");
     if (l.argv == NULL)
         goto done;
-    l.envp = bytes_list(envp_obj, "envp");
+    l.envp = dl_bytes_array(envp_obj, "spawn_confined", "envp");
     if (l.envp == NULL)
         goto done;
     l.path = PyBytes_AS_STRING(path_obj);

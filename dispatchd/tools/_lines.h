@@ -30,6 +30,8 @@ PyObject *dl_lane_calls(PyObject *self, PyObject *unused);
 
 /* _spawn.c */
 PyObject *dl_spawn_subreaper(PyObject *self, PyObject *args);
+char **dl_bytes_array(PyObject *seq, const char *fn, const char *what);
+void dl_default_signals(int ignored_too);
 
 /* _confined.c */
 PyObject *dl_spawn_confined(PyObject *self, PyObject *args);

@@ -48,13 +48,14 @@
 #endif
 
 /* A NULL-terminated array of the bytes objects in ``seq`` (borrowed pointers:
- * ``seq`` must outlive it). NULL with an exception set on failure. */
-static char **
-bytes_array(PyObject *seq, const char *what)
+ * ``seq`` must outlive it; PyMem_Free it). NULL with an exception set on
+ * failure, which names ``fn`` and ``what``. */
+char **
+dl_bytes_array(PyObject *seq, const char *fn, const char *what)
 {
     Py_ssize_t n = PyList_Check(seq) ? PyList_GET_SIZE(seq) : -1;
     if (n < 0) {
-        PyErr_Format(PyExc_TypeError, "spawn_subreaper: %s must be a list of bytes", what);
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a list of bytes", fn, what);
         return NULL;
     }
     char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
@@ -66,7 +67,7 @@ bytes_array(PyObject *seq, const char *what)
         PyObject *item = PyList_GET_ITEM(seq, i);
         if (!PyBytes_Check(item) || (Py_ssize_t)strlen(PyBytes_AS_STRING(item)) != PyBytes_GET_SIZE(item)) {
             PyMem_Free(out);
-            PyErr_Format(PyExc_ValueError, "spawn_subreaper: %s must be bytes without NUL", what);
+            PyErr_Format(PyExc_ValueError, "%s: %s must be bytes without NUL", fn, what);
             return NULL;
         }
         out[i] = PyBytes_AS_STRING(item);
@@ -84,9 +85,12 @@ limit_to(int which, long long value)
     return setrlimit(which, &r);
 }
 
-static void
-child_after_vfork(const char *path, char **argv, char **envp, const char *cwd, int in, int out, int err,
-                  int errpipe, const sigset_t *unblocked, long long nproc, long long nofile)
+/* In a vfork's child: every handled signal back to its default, and
+ * SIGPIPE and SIGXFSZ (which Python ignores), as subprocess's
+ * restore_signals; with ``ignored_too``, every ignored one as well. The
+ * child's handlers are its own (no CLONE_SIGHAND): the caller's stay. */
+void
+dl_default_signals(int ignored_too)
 {
     struct sigaction dfl, old;
     memset(&dfl, 0, sizeof dfl);
@@ -94,11 +98,18 @@ child_after_vfork(const char *path, char **argv, char **envp, const char *cwd, i
     for (int sig = 1; sig < NSIG; sig++) {
         if (sig == SIGKILL || sig == SIGSTOP)
             continue;
-        if (sigaction(sig, NULL, &old) != 0)
+        if (sigaction(sig, NULL, &old) != 0 || old.sa_handler == SIG_DFL)
             continue;
-        if (old.sa_handler != SIG_IGN || sig == SIGPIPE || sig == SIGXFSZ)
+        if (old.sa_handler != SIG_IGN || ignored_too || sig == SIGPIPE || sig == SIGXFSZ)
             sigaction(sig, &dfl, NULL);
     }
+}
+
+static void
+child_after_vfork(const char *path, char **argv, char **envp, const char *cwd, int in, int out, int err,
+                  int errpipe, const sigset_t *unblocked, long long nproc, long long nofile)
+{
+    dl_default_signals(0);
     int code = 0;
     if (setsid() < 0 || prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0 || dup2(in, 0) < 0 || dup2(out, 1) < 0
         || dup2(err, 2) < 0 || chdir(cwd) != 0 || limit_to(RLIMIT_NPROC, nproc) != 0
@@ -138,10 +149,10 @@ dl_spawn_subreaper(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "spawn_subreaper: the descriptors must be 3 or above");
         return NULL;
     }
-    char **argv = bytes_array(argv_obj, "argv");
+    char **argv = dl_bytes_array(argv_obj, "spawn_subreaper", "argv");
     if (argv == NULL)
         return NULL;
-    char **envp = bytes_array(envp_obj, "envp");
+    char **envp = dl_bytes_array(envp_obj, "spawn_subreaper", "envp");
     if (envp == NULL) {
         PyMem_Free(argv);
         return NULL;

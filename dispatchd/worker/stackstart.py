@@ -66,7 +66,7 @@ def start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
     if native.lines is not None:
         try:
             pid = _launch_by_vfork(native.lines, req.cgroup, path, argv, confinement, program, fds, me)
-        except (OSError, ConfinementError) as exc:
+        except Exception as exc:  # noqa: BLE001 - answered, whatever it was: nothing was started
             for fd in fds:
                 os.close(fd)
             return protocol.ErrorReply(id=req.id, code="spawn_failed",
@@ -160,7 +160,7 @@ def _launch_by_vfork(lines: native.Lines, cgroup: str, path: str, argv: list[str
             os.close(fd)
 
 
-def _launch_error(exc: OSError | ConfinementError, path: str) -> str:
+def _launch_error(exc: Exception, path: str) -> str:
     """What failed, in words, as the fork's child says it: the step and the
     system's reason (the C helper's OSError names the step it failed at)."""
     if isinstance(exc, OSError) and isinstance(exc.filename, str):
