@@ -24,14 +24,16 @@ _ENV = [b"PATH=/usr/bin:/bin", b"LC_ALL=C"]
 
 
 def _spawn(argv: list[str], *, limits: list[tuple[int, int]] | None = None, ruleset: int = -1,
-           program: bytes = b"", cgroup_fd: int = -1, keep: list[int] | None = None) -> tuple[int, str]:
+           program: bytes = b"", cgroup_fd: int = -1, keep: list[int] | None = None,
+           stdin_fd: int | None = None) -> tuple[int, str]:
     """``argv`` started confined as asked: its exit code and its output."""
     assert native.lines is not None
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
-        pid = native.lines.spawn_confined(os.fsencode(argv[0]), [os.fsencode(a) for a in argv], _ENV, null, out_w,
-                                          out_w, keep or [], cgroup_fd, limits or [], ruleset, program, os.getpid())
+        pid = native.lines.spawn_confined(os.fsencode(argv[0]), [os.fsencode(a) for a in argv], _ENV,
+                                          null if stdin_fd is None else stdin_fd, out_w, out_w, keep or [],
+                                          cgroup_fd, limits or [], ruleset, program, os.getpid())
     finally:
         os.close(out_w)
         os.close(null)
@@ -120,10 +122,18 @@ def test_the_child_keeps_only_the_descriptors_it_is_given() -> None:
     assert (code, out.split("\n")[:2]) == (0, [f"open {kept}", f"closed {other}"])
 
 
+# An instruction no BPF machine has: the kernel refuses the program.
+_NOT_BPF = b"\xff\xff\x00\x00\x00\x00\x00\x00"
+_CLOSED = 1000  # a descriptor number nothing here has open
+
+
 @pytest.mark.parametrize("step, err", [
     ("landlock: restrict self", errno.EBADFD),  # a descriptor that is no ruleset
     ("limits", errno.EPERM),  # a hard limit raised past the caller's
     ("cgroup", errno.EBADF),  # a cgroup.procs not open for writing
+    ("seccomp", errno.EINVAL),
+    ("stdio", errno.EBADF),
+    ("descriptors", errno.EBADF),  # a descriptor to keep that is not open
     ("exec", errno.ENOENT),
 ])
 def test_a_step_that_fails_is_named_and_nothing_runs(tmp_path: Path, step: str, err: int) -> None:
@@ -136,8 +146,13 @@ def test_a_step_that_fails_is_named_and_nothing_runs(tmp_path: Path, step: str, 
         "landlock: restrict self": {"ruleset": not_ruleset},
         "limits": {"limits": [(resource.RLIMIT_NOFILE, hard + 1)]},
         "cgroup": {"cgroup_fd": read_only},
+        "seccomp": {"program": _NOT_BPF},
+        "stdio": {"stdin_fd": _CLOSED},
+        "descriptors": {"keep": [_CLOSED]},
         "exec": {},
     }[step]
+    with pytest.raises(OSError):
+        os.fstat(_CLOSED)  # closed indeed: the failure is the step's, not the test's
     try:
         with pytest.raises(OSError) as caught:
             _spawn(argv, **asked)  # type: ignore[arg-type]
