@@ -107,14 +107,18 @@ child_after_vfork(const Launch *l)
     for (int i = 0; i < l->nkeep; i++)
         if (fcntl(l->keep[i], F_SETFD, 0) != 0)
             report(l->errpipe, S_FDS, errno);
+    /* Every other descriptor closed, or no start: close_range (Linux 5.9)
+     * is older than Landlock (5.13), which the daemon requires, so a
+     * failure here is no kernel's answer to expect, and fails closed. */
     unsigned low = 3;
     for (int i = 0; i < l->nhold; i++) {
-        if ((unsigned)l->hold[i] > low)
-            syscall(SYS_close_range, low, (unsigned)l->hold[i] - 1, 0U);
+        if ((unsigned)l->hold[i] > low && syscall(SYS_close_range, low, (unsigned)l->hold[i] - 1, 0U) != 0)
+            report(l->errpipe, S_FDS, errno);
         if ((unsigned)l->hold[i] >= low)
             low = (unsigned)l->hold[i] + 1;
     }
-    syscall(SYS_close_range, low, ~0U, 0U);
+    if (syscall(SYS_close_range, low, ~0U, 0U) != 0)
+        report(l->errpipe, S_FDS, errno);
     for (int i = 0; i < l->nlimits; i++) {
         struct rlimit r = {l->limit_value[i], l->limit_value[i]};
         if (setrlimit(l->limit_which[i], &r) != 0)
