@@ -44,3 +44,9 @@ def _no_process_in_the_fast_tier(request: pytest.FixtureRequest, monkeypatch: py
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve"):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, _refused(f"os.{name}"))
+    # The C helper's own launches (vfork and exec: tools/_spawn.c, _confined.c).
+    from dispatchd.tools import native
+
+    if native.lines is not None:
+        for name in ("spawn_subreaper", "spawn_confined"):
+            monkeypatch.setattr(native.lines, name, _refused(f"the C helper's {name}"))

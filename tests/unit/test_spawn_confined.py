@@ -18,7 +18,8 @@ import pytest
 from dispatchd.confine import landlock, seccomp, stacks
 from dispatchd.tools import native
 
-pytestmark = pytest.mark.skipif(native.lines is None, reason="the C helper is not built (test_native_lines says so)")
+pytestmark = [pytest.mark.process,
+              pytest.mark.skipif(native.lines is None, reason="the C helper is not built (test_native_lines says so)")]
 
 _ENV = [b"PATH=/usr/bin:/bin", b"LC_ALL=C"]
 

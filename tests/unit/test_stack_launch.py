@@ -24,6 +24,8 @@ import pytest
 
 from tests.conftest import REPO, _refuse_root
 
+pytestmark = pytest.mark.process  # each starts an interpreter, which starts a stack
+
 # The stand-in: reports, on its stderr (the file the daemon reads), then says
 # ready on the descriptor its --ready-fd names, as slirp4netns does.
 _STACK = textwrap.dedent("""\
