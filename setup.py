@@ -9,7 +9,8 @@ tests import it.
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("dispatchd.tools._lines", ["dispatchd/tools/_lines.c", "dispatchd/tools/_fastread.c",
-                                                        "dispatchd/tools/_spawn.c", "dispatchd/tools/_confined.c"],
+                                                        "dispatchd/tools/_spawn.c", "dispatchd/tools/_confined.c",
+                                                        "dispatchd/tools/_ctimes.c"],
                              depends=["dispatchd/tools/_lines.h"],
                              extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
                              optional=True)])

@@ -691,6 +691,8 @@ static PyMethodDef methods[] = {
      "Start a command, a child subreaper in its own session, by vfork and exec (_spawn.c): its pid."},
     {"spawn_confined", dl_spawn_confined, METH_VARARGS,
      "Start a program by vfork and exec, confined in the child before its exec (_confined.c): its pid."},
+    {"subdir_ctimes", dl_subdir_ctimes, METH_VARARGS,
+     "The ctime of each subdirectory of a directory fd, by name, those of a length or named (_ctimes.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -36,4 +36,7 @@ void dl_default_signals(int ignored_too);
 /* _confined.c */
 PyObject *dl_spawn_confined(PyObject *self, PyObject *args);
 
+/* _ctimes.c */
+PyObject *dl_subdir_ctimes(PyObject *self, PyObject *args);
+
 #endif

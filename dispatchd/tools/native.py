@@ -40,6 +40,8 @@ class Lines(Protocol):
                        stderr_fd: int, keep: list[int], cgroup_procs_fd: int, limits: list[tuple[int, int]],
                        ruleset_fd: int, seccomp_program: bytes, parent: int, /) -> int: ...
 
+    def subdir_ctimes(self, fd: int, length: int, also: tuple[str, ...], /) -> dict[str, int]: ...
+
 
 lines: Lines | None
 _why = ""

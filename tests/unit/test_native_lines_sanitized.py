@@ -20,7 +20,7 @@ import dispatchd.tools
 pytestmark = pytest.mark.process  # builds the C helper with a compiler, runs it in a child
 
 _SOURCES = [Path(dispatchd.tools.__file__).parent / name
-            for name in ("_lines.c", "_fastread.c", "_spawn.c", "_confined.c")]
+            for name in ("_lines.c", "_fastread.c", "_spawn.c", "_confined.c", "_ctimes.c")]
 
 _DRIVE = r"""
 import os, random, sys

@@ -1,0 +1,84 @@
+"""The look at git's object directories (``history._stamps``) by the C
+helper (tools/_ctimes.c) gives what the Python look gives, entry for entry:
+only directories (a file or a symbolic link of the same name left out),
+of two characters as ``os.listdir`` decodes them or named ``pack``, with
+their ctime in nanoseconds; an entry that is no longer there is left out."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon.gitguard import history
+from dispatchd.tools import native
+
+pytestmark = pytest.mark.skipif(native.lines is None, reason="the C helper is not built (test_native_lines says so)")
+
+
+@pytest.fixture
+def objects(tmp_path: Path) -> Path:
+    """An object directory with what a session could leave in one."""
+    top = tmp_path / "objects"
+    top.mkdir()
+    for name in ("ab", "00", "pack", "info", "abc", "a"):
+        (top / name).mkdir()
+    (top / "cd").write_text("a file")  # two characters, not a directory
+    (top / "ef").symlink_to(top / "ab")  # a link to a directory: not followed
+    (top / "gh").symlink_to(top / "gone")  # a dangling one
+    os.mkdir(os.fsencode(top) + b"/\xc3\xa9")  # "é": two bytes, one character
+    os.mkdir(os.fsencode(top) + b"/\xff\xfe")  # two undecodable bytes: two characters
+    os.mkdir(os.fsencode(top) + b"/\xff")  # one undecodable byte
+    return top
+
+
+def _both(objects: Path) -> tuple[dict[str, int], dict[str, int]]:
+    assert native.lines is not None
+    fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return native.lines.subdir_ctimes(fd, 2, ("pack",)), history._stamps_below(fd)
+    finally:
+        os.close(fd)
+
+
+def test_the_c_look_gives_what_the_python_look_gives(objects: Path) -> None:
+    by_c, by_python = _both(objects)
+    assert by_c == by_python
+    assert sorted(by_c) == sorted(["00", "ab", "pack", os.fsdecode(b"\xff\xfe")])
+    assert by_c["ab"] == os.stat(objects / "ab").st_ctime_ns
+
+
+def test_the_look_used_is_the_c_one_and_reads_the_same(objects: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_stamps`` by the helper, then without it: equal."""
+    with_helper = history._stamps(str(objects))
+    monkeypatch.setattr(native, "lines", None)
+    assert history._stamps(str(objects)) == with_helper and "ab" in with_helper
+
+
+def test_a_directory_that_changes_has_a_new_ctime(objects: Path) -> None:
+    """The twin that shows the figure moves: an object added changes its
+    directory's ctime, and the look sees it."""
+    before, _ = _both(objects)
+    os.utime(objects / "ab", ns=(1, 1))  # a ctime of now, whatever the clock's tick
+    after, _ = _both(objects)
+    assert after["ab"] != before["ab"] and after["00"] == before["00"]
+
+
+def test_an_empty_or_missing_directory(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _both(empty) == ({}, {})
+    assert history._stamps(str(tmp_path / "missing")) == {}
+
+
+def test_the_callers_descriptor_is_left_as_it_was(objects: Path) -> None:
+    """Read through a duplicate: the caller's descriptor still lists the same."""
+    fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        assert native.lines is not None
+        first = native.lines.subdir_ctimes(fd, 2, ("pack",))
+        assert native.lines.subdir_ctimes(fd, 2, ("pack",)) == first
+        assert sorted(os.listdir(fd)) == sorted(os.listdir(objects))
+    finally:
+        os.close(fd)
