@@ -116,7 +116,8 @@ def start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
     return protocol.Spawned(id=req.id, pid=pid), pidfd
 
 
-def _started(rid: int, pid: int, fds: list[int], children: set[int]) -> tuple[protocol.Spawned | protocol.ErrorReply, int]:
+def _started(rid: int, pid: int, fds: list[int],
+             children: set[int]) -> tuple[protocol.Spawned | protocol.ErrorReply, int]:
     """The reply for a stack started by vfork (its descriptors closed here)."""
     try:
         children.add(pid)
