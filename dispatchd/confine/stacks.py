@@ -11,7 +11,9 @@ Guarantees:
   own, no filesystem, seccomp); slirp4netns, whose own sandbox binds the
   host's /etc and /run (the user's D-Bus among them), is confined by the
   fork server's child before its exec (``plan_stack_confinement``, applied
-  by ``confine_stack``; a step that fails ends the child, and the open
+  by ``confine_stack`` in a fork, or, where the C helper is built, by the
+  child of a vfork with the same limits, ruleset and program,
+  ``worker/stackstart.py``; a step that fails ends the child, and the open
   fails naming it): Landlock grants reading and executing the system's
   programs and libraries, the stack's own executable and the files it
   loads wherever they are (``elfloads``), and the tun device, nothing else, and scopes
