@@ -330,3 +330,28 @@ def test_a_check_asks_when_begun_and_notes_only_when_read(door_pair: tuple[dnsre
     finally:
         dead.close()
         up.close()
+
+
+def test_an_answered_check_stands_a_second_and_a_querys_word_ends_it(door_pair: tuple[dnsrelay.DnsRelay, Path],
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    """Opened back to back, network-on sessions do not each ask the host's
+    resolvers: an answer had less than CHECK_ANSWERED_KEEP_S ago stands (the
+    second check sends nothing); past it, or once a session's query had its
+    own word, the next check asks again (the twins)."""
+    monkeypatch.setattr(dnshost, "RELOAD_EVERY_S", 0.0)
+    monkeypatch.setattr(dnsrelay, "CHECK_ANSWERED_KEEP_S", 0.5)
+    relay, conf = door_pair
+    up = Upstream()
+    try:
+        conf.write_text(f"nameserver 127.0.0.1:{up.port}\n")
+        assert relay.begin_check().result("s1") == "" and len(up.seen) == 1
+        assert relay.begin_check().result("s2") == "" and len(up.seen) == 1  # stood: nothing sent
+        time.sleep(0.6)
+        assert relay.begin_check().result("s3") == "" and len(up.seen) == 2  # past it: asked again
+        relay.note("")  # a session's query answered: the next open asks for itself
+        assert relay.begin_check().result("s4") == "" and len(up.seen) == 3
+        up.answer = False
+        up.refuse()  # refused from now on, the same server: the answer still stands
+        assert relay.begin_check().result("s5") == "" and len(up.seen) == 3
+    finally:
+        up.close()
