@@ -63,62 +63,70 @@ def start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
     # The file the daemon's probe found (and its Landlock rules name); else
     # found on PATH, as the probe would.
     path = req.executable or shutil.which(argv[0]) or argv[0]
+    pid, why = -1, ""
     if native.lines is not None:
         try:
             pid = _launch_by_vfork(native.lines, req.cgroup, path, argv, confinement, program, fds, me)
         except Exception as exc:  # noqa: BLE001 - answered, whatever it was: nothing was started
-            for fd in fds:
-                os.close(fd)
-            return protocol.ErrorReply(id=req.id, code="spawn_failed",
-                                       message=f"cannot start {argv[0]}: {_launch_error(exc, path)}"), -1
-        return _started(req.id, pid, fds, children)
-    try:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                hygiene.die_with_parent(me)
-                if req.cgroup:  # the session's: its limits hold the stack, or it does not start
-                    cgroups.apply_cgroup(req.cgroup)
-                # As subprocess's restore_signals: an exec keeps what is ignored
-                # (Python ignores SIGPIPE and SIGXFSZ, we SIGINT), and pasta
-                # refuses to start unless it finds its signals as a new process would.
-                for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGTERM):
-                    signal.signal(sig, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_SETMASK, [])
-                null = os.open(os.devnull, os.O_RDWR)
-                os.dup2(null, 0)
-                os.dup2(null, 1)
-                os.dup2(err_fd, 2)
-                keep = {0, 1, 2, userns_fd, netns_fd, ready_w}
-                for fd in (userns_fd, netns_fd, ready_w):
-                    os.set_inheritable(fd, True)
-                low = 3
-                for fd in sorted(keep | {1 << 20}):
-                    if fd >= low:
-                        os.closerange(low, fd)
-                        low = fd + 1
-                if confinement is not None:
-                    stacks.confine_stack(confinement, program)
-                # Nothing of the daemon's environment (a token the user
-                # exported where the daemon was started): neither stack reads one.
-                os.execve(path, argv, stacks.STACK_ENV)
-            except BaseException as exc:  # confinement or exec failed: say why on its stderr
-                os.write(2, f"cannot start {argv[0]}: {exc}\n".encode())
-            finally:
-                os._exit(127)
-        children.add(pid)
-        pidfd = os.pidfd_open(pid)
-    except OSError as exc:
-        return protocol.ErrorReply(id=req.id, code="spawn_failed", message=f"cannot fork for {argv[0]}: {exc}"), -1
-    finally:
+            why = f"cannot start {argv[0]}: {_launch_error(exc, path)}"
+    else:
+        try:
+            pid = _launch_by_fork(req.cgroup, path, argv, confinement, program, fds, me)
+        except OSError as exc:
+            why = f"cannot fork for {argv[0]}: {exc}"
+    if why:
         for fd in fds:
             os.close(fd)
-    return protocol.Spawned(id=req.id, pid=pid), pidfd
+        return protocol.ErrorReply(id=req.id, code="spawn_failed", message=why), -1
+    return _started(req.id, pid, fds, children)
+
+
+def _launch_by_fork(cgroup: str, path: str, argv: list[str], confinement: stacks.StackConfinement | None,
+                    program: bytes, fds: list[int], me: int) -> int:
+    """The stack started by a fork that confines itself in Python (no C
+    helper): its pid. A step that fails in the child is written on its
+    stderr (the fork server's own until its stdio is the stack's), and the
+    child exits before its exec. Raises ``OSError`` when it cannot fork."""
+    userns_fd, netns_fd, ready_w, err_fd = fds
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    try:
+        hygiene.die_with_parent(me)
+        if cgroup:  # the session's: its limits hold the stack, or it does not start
+            cgroups.apply_cgroup(cgroup)
+        # As subprocess's restore_signals: an exec keeps what is ignored
+        # (Python ignores SIGPIPE and SIGXFSZ, we SIGINT), and pasta
+        # refuses to start unless it finds its signals as a new process would.
+        for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(err_fd, 2)
+        keep = {0, 1, 2, userns_fd, netns_fd, ready_w}
+        for fd in (userns_fd, netns_fd, ready_w):
+            os.set_inheritable(fd, True)
+        low = 3
+        for fd in sorted(keep | {1 << 20}):
+            if fd >= low:
+                os.closerange(low, fd)
+                low = fd + 1
+        if confinement is not None:
+            stacks.confine_stack(confinement, program)
+        # Nothing of the daemon's environment (a token the user
+        # exported where the daemon was started): neither stack reads one.
+        os.execve(path, argv, stacks.STACK_ENV)
+    except BaseException as exc:  # confinement or exec failed: say why on its stderr
+        os.write(2, f"cannot start {argv[0]}: {exc}\n".encode())
+    finally:
+        os._exit(127)
 
 
 def _started(rid: int, pid: int, fds: list[int],
              children: set[int]) -> tuple[protocol.Spawned | protocol.ErrorReply, int]:
-    """The reply for a stack started by vfork (its descriptors closed here)."""
+    """The reply for a stack started, either way (its descriptors closed here)."""
     try:
         children.add(pid)
         pidfd = os.pidfd_open(pid)
