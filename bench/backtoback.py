@@ -108,8 +108,8 @@ def print_steps(name: str, log_path: str) -> None:
     with open(log_path, encoding="utf-8", errors="replace") as f:
         log = f.read()
     steps: dict[str, list[float]] = {}
-    for m in re.finditer(r"event=(open_steps|worker_ready|close_steps) session=\w+ (?:pid=\d+ made_ahead=(\d) )?"
-                         r"steps_ms=(\S*)", log):
+    for m in re.finditer(r"event=(open_steps|worker_ready|close_steps) session=\w+ "
+                         r"(?:pid=\d+ made_ahead=(\d) (?:channel_ahead=\d )?)?steps_ms=(\S*)", log):
         prefix = {"open_steps": "open", "close_steps": "close"}.get(m.group(1)) or (
             "adopt" if m.group(2) == "1" else "fresh")
         if prefix == "fresh":

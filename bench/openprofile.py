@@ -45,7 +45,7 @@ def _row(what: str, xs: list[float], base: list[float] | None = None) -> None:
 
 def _steps(log: str) -> tuple[dict[str, list[float]], list[float]]:
     steps: dict[str, list[float]] = {}
-    for m in re.finditer(r"event=worker_ready session=\w+ pid=\d+ made_ahead=(\d) steps_ms=(\S*)", log):
+    for m in re.finditer(r"event=worker_ready session=\w+ pid=\d+ made_ahead=(\d) channel_ahead=\d steps_ms=(\S*)", log):
         for part in m.group(2).split(","):
             if ":" in part:
                 name, ms = part.split(":")

@@ -250,6 +250,7 @@ class Ending(SessionTable):
         self._remove_scratch(session)
         session.end_nap(self.sleepers.forget)
         session.drop_kit()
+        session.drop_first_channel()
         session.drop_watch()  # a sandbox that never started to end (an open that failed half way)
         session.worktree_dir.close()
 

@@ -302,6 +302,16 @@ class Napping(Ending):
         """``attach``'s channel, and the sandbox it reaches (``Session.sandbox``),
         both under the session's lock: a switch cannot come in between."""
         sid = session.id
+        with session.lock:
+            sandbox = session.sandbox
+            go = decide(session.state, Op.ATTACH).action is Action.GO  # else closed meanwhile: why, below
+            ahead = session.take_first_channel()  # the opener's, sent with the session
+            if ahead is not None:
+                if go:
+                    if holder is not None:
+                        self.holders.hold(sid, holder)
+                    return sandbox, ahead
+                ahead.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with session.lock:
             sent = False

@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -58,7 +59,11 @@ class Opening(Pooling):
              ports: list[int] | None = None, bind_ports: list[int] | None = None, *,
              detached: bool = False, orphan_grace_s: float | None = None, holder: int | None = None,
              domain_list: list[str] | None = None, read_only: list[str] | None = None,
-             env: dict[str, str] | None = None, secrets: dict[str, str] | None = None) -> Session:
+             env: dict[str, str] | None = None, secrets: dict[str, str] | None = None,
+             attach: bool = False) -> Session:
+        """``attach``: the opener attaches next (``OpenSession.attach``), and
+        its channel may be sent to the sandbox with the session (``attach``
+        then hands it over)."""
         try:
             user_env = envnames.check_env(env)
             hidden = envnames.check_secrets(secrets, user_env)
@@ -71,7 +76,8 @@ class Opening(Pooling):
         try:
             return self._open(worktree, policy_name, network, ports, bind_ports, detached=detached,
                               orphan_grace_s=orphan_grace_s, holder=holder, domain_list=domain_list,
-                              read_only=read_only, user_env={**user_env, **hidden}, secret_names=sorted(hidden))
+                              read_only=read_only, user_env={**user_env, **hidden}, secret_names=sorted(hidden),
+                              attach=attach)
         finally:
             with self._lock:
                 self._opening -= 1
@@ -80,7 +86,7 @@ class Opening(Pooling):
     def _open(self, worktree: str, policy_name: str, network: NetworkMode | None, ports: list[int] | None,
               bind_ports: list[int] | None, *, detached: bool, orphan_grace_s: float | None, holder: int | None,
               domain_list: list[str] | None, read_only: list[str] | None,
-              user_env: dict[str, str], secret_names: list[str]) -> Session:
+              user_env: dict[str, str], secret_names: list[str], attach: bool = False) -> Session:
         t0 = time.perf_counter()
         policy = self.load_policy(policy_name)  # re-read: a broken edit refuses the open
         network = network or policy.network.default
@@ -93,7 +99,7 @@ class Opening(Pooling):
         try:
             return self._open_held(held, policy, network, ports, bind_ports, extra, rules, detached=detached,
                                    orphan_grace_s=orphan_grace_s, holder=holder, steps=steps,
-                                   user_env=user_env, secret_names=secret_names)
+                                   user_env=user_env, secret_names=secret_names, attach=attach)
         except BaseException:
             held.close()
             raise
@@ -115,7 +121,8 @@ class Opening(Pooling):
                    bind_ports: list[int] | None, extra: list[str], rules: tuple[domains.Rule, ...] | None, *,
                    detached: bool, orphan_grace_s: float | None,
                    holder: int | None, steps: dict[str, float],
-                   user_env: dict[str, str] | None = None, secret_names: list[str] | None = None) -> Session:
+                   user_env: dict[str, str] | None = None, secret_names: list[str] | None = None,
+                   attach: bool = False) -> Session:
         resolved = held.path
         tainted = self.baselines.tainted.get(resolved)
         if tainted:
@@ -125,6 +132,10 @@ class Opening(Pooling):
         session = Session("", held, policy, "")  # its id once its sandbox is chosen, below
         session.read_only = extra
         session.user_env, session.secret_names = user_env or {}, secret_names or []
+        # Not with an environment of the caller's: the tool server must have
+        # it (SetCommandEnv: secrets turn read_file's C lane off) before any
+        # channel of the session's is read.
+        session.attach_ahead = attach and not session.user_env
         session.ports = ports_of(session.policy, ports, bind_ports)
         session.domains = domains_for(session, rules)
         t = time.perf_counter()
@@ -312,7 +323,24 @@ class Opening(Pooling):
         session.poolable = key is not None
         planned = time.perf_counter()
         dns = self.networks.begin_dns_check(plan)
-        ready = self._adopt(session, plan, key, made, meanwhile) if made is not None else None
+        ready = None
+        ahead, session.attach_ahead = session.attach_ahead, False  # the open's start only
+        if made is not None:
+            # The opener's channel goes with the session made ahead: its tool
+            # server then serves it from its start, where an attach after the
+            # reply found it setting up (a channel's thread started, a control
+            # message read) while the first call waited.
+            pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if ahead else None
+            try:
+                ready = self._adopt(session, plan, key, made, meanwhile, pair[1].fileno() if pair else -1)
+            finally:
+                if pair is not None:
+                    pair[1].close()  # the worker has its own (or the sandbox is gone)
+            if pair is not None:
+                if ready is None:
+                    pair[0].close()  # a sandbox made now instead: attach makes its channel
+                else:
+                    session.first_channel = (made.control, pair[0])  # _discard closes it on a failure below
         if made is not None and ready is not None:
             worker, control, msg = made.worker, made.control, ready
             ns_fds, stack, net = made.ns_fds, made.stack, made.net
@@ -360,8 +388,9 @@ class Opening(Pooling):
         if steps is not None:
             steps["sandbox_plan"] = (planned - started) * 1e3
             steps["sandbox_ready"] = (ready_at - planned) * 1e3
-        log.debug("event=worker_ready session=%s pid=%s made_ahead=%d steps_ms=%s", session.id, worker.pid,
-                  ready is not None, ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
+        log.debug("event=worker_ready session=%s pid=%s made_ahead=%d channel_ahead=%d steps_ms=%s", session.id,
+                  worker.pid, ready is not None, session.first_channel is not None,
+                  ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         session.worker = worker
         session.ns_fds, session.stack, session.net, session.door = ns_fds, stack, net, door
         try:
@@ -374,6 +403,8 @@ class Opening(Pooling):
             control.close()
             raise
         session.control = control
+        if session.first_channel is not None and session.first_channel[0] is control:
+            session.added = 1  # AdoptSession's channel, counted as the worker counts it
         session.network = network
         session.protections = msg.protections
         session.plan, session.kit = plan, kit

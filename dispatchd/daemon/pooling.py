@@ -125,13 +125,15 @@ class Pooling(Napping):
         return made
 
     def _adopt(self, session: Session, plan: SessionPlan, key: bytes | None,
-               made: Made, meanwhile: Callable[[], None] | None = None) -> protocol.WorkerReady | None:
+               made: Made, meanwhile: Callable[[], None] | None = None,
+               channel_fd: int = -1) -> protocol.WorkerReady | None:
         """Give ``made`` its session (its report), or let it go and return None (the caller
         makes a sandbox at open instead): a plan it was not made for (the
         policy was edited since), or a failure on the way (logged; a fresh
         sandbox repeats every check and fails for itself if it must).
         ``meanwhile`` runs while the worker applies the session (spawn.adopt);
-        it must not raise."""
+        it must not raise. ``channel_fd``: the opener's channel, sent with the
+        session (-1: none)."""
         made.scratch = ""  # the session's from here: it goes with the session (_discard)
         if key != made.key:
             log.info("event=pool_mismatch session=%s", session.id)
@@ -140,7 +142,7 @@ class Pooling(Napping):
         try:
             ready = adopt(made.worker, made.control, plan, session.worktree_dir.fd, session.worktree,
                           READY_TIMEOUT_S, made.planned.encoded if made.planned and plan is made.planned.plan else None,
-                          meanwhile)
+                          meanwhile, channel_fd)
         except DispatchdError as exc:
             log.warning("event=pool_adopt_failed session=%s error=%s", session.id, exc)
             self._let_go(made)

@@ -335,7 +335,8 @@ class Server:
             if isinstance(req, protocol.Attach) or (isinstance(req, protocol.OpenSession) and req.attach):
                 # The one reply that carries an fd: the client's end of a
                 # channel straight to the worker, so tool calls make one hop.
-                sid = req.session if isinstance(req, protocol.Attach) else self._open(req, conn_id).id
+                sid = (req.session if isinstance(req, protocol.Attach)
+                       else self._open(req, conn_id, attach=True).id)
                 try:
                     info, sock, tools = self.manager.attach(sid, holder=conn_id)
                 except BaseException:
@@ -350,11 +351,11 @@ class Server:
             log.exception("event=internal_error request=%s", type(req).__name__)
             return protocol.ErrorReply(id=rid, code="internal", message=f"internal error: {type(exc).__name__}: {exc}"), []
 
-    def _open(self, req: protocol.OpenSession, conn_id: int) -> Session:
+    def _open(self, req: protocol.OpenSession, conn_id: int, attach: bool = False) -> Session:
         return self.manager.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports,
                                  detached=req.detached, orphan_grace_s=req.orphan_grace_s, holder=conn_id,
                                  domain_list=req.domains, read_only=req.read_only, env=req.env,
-                                 secrets=req.secrets)
+                                 secrets=req.secrets, attach=attach)
 
     def _close_quietly(self, sid: str) -> None:
         try:

@@ -75,6 +75,12 @@ class Session:
         self.door: tuple[socket.socket, socket.socket] | None = None  # the DNS relay's door it made, until its stack starts
         self._control: protocol.FrameSocket | None = None
         self.added = 0  # AddChannel messages sent to its current tool server (MaySleep.added), under send_lock
+        # Its opener's channel, sent to a sandbox made ahead with the session
+        # (AdoptSession.channel) and handed to the opener by its attach: the
+        # client's end, and the control channel of the tool server holding
+        # the other (a channel to a sandbox since replaced is no channel).
+        self.attach_ahead = False  # wanted: an open that attaches (OpenSession.attach)
+        self.first_channel: tuple[protocol.FrameSocket, socket.socket] | None = None
         self.lock = threading.Lock()  # one change of state, and the action it stands for, at a time
         self.send_lock = threading.Lock()  # one message at a time on the control channel
         self.state = State.OPENING
@@ -166,6 +172,25 @@ class Session:
             fd, self.watch = self.watch, -1
         if fd >= 0:
             afterwards.later(functools.partial(os.close, fd))
+
+    def take_first_channel(self) -> socket.socket | None:
+        """Under ``lock``: the opener's channel, if one was sent ahead to the
+        tool server that serves it now; one sent to another goes."""
+        first, self.first_channel = self.first_channel, None
+        if first is None:
+            return None
+        control, ours = first
+        if control is self._control and not self.ended.is_set() and self.nap is None:
+            return ours
+        ours.close()
+        return None
+
+    def drop_first_channel(self) -> None:
+        """The opener's channel, never attached (an open that failed after its
+        sandbox took the session), goes."""
+        first, self.first_channel = self.first_channel, None
+        if first is not None:
+            first[1].close()
 
     def drop_kit(self) -> None:
         """The wake kit goes: it wakes this sandbox only."""

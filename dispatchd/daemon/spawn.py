@@ -109,16 +109,18 @@ def await_report(worker: Worker, control: protocol.FrameSocket, worktree: str, t
 
 def adopt(worker: Worker, control: protocol.FrameSocket, plan: SessionPlan, worktree_fd: int, worktree: str,
           timeout_s: float, encoded: bytes | None = None,
-          meanwhile: Callable[[], None] | None = None) -> protocol.WorkerReady:
+          meanwhile: Callable[[], None] | None = None, channel_fd: int = -1) -> protocol.WorkerReady:
     """Give a sandbox made ahead its session: the plan (``encoded``: its
-    ``encode_plan``, when made already) and the checked worktree. Its
-    report, as ``start_worker``'s; on any failure it is killed.
+    ``encode_plan``, when made already), the checked worktree and, when
+    ``channel_fd`` is one, the opener's channel. Its report, as
+    ``start_worker``'s; on any failure it is killed.
     ``meanwhile`` runs once the session is sent, while the worker applies
     it (another process), before its report is read; what it raises is
     raised, the worker killed first."""
     try:
         payload = encoded if encoded is not None else encode_plan(plan)
-        control.send(protocol.AdoptSession(plan=payload), fds=[worktree_fd])
+        fds = [worktree_fd] if channel_fd < 0 else [worktree_fd, channel_fd]
+        control.send(protocol.AdoptSession(plan=payload, channel=channel_fd >= 0), fds=fds)
     except OSError as exc:
         worker.kill()
         control.close()

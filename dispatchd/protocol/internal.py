@@ -90,9 +90,12 @@ class AdoptSession(_Msg, tag="adopt_session", frozen=True):
     """Daemon -> a sandbox made ahead, sent with one fd (the worktree the
     daemon checked, O_PATH): become this session (``plan``, an encoded
     ``SessionPlan`` whose ``pool_key`` must equal the one it was made for).
+    With ``channel``, a second fd: the opener's client channel, served from
+    the tool server's start as an ``AddChannel``'s (it counts as one).
     Answered by ``WorkerReady`` or ``WorkerFailed``, as a fresh worker."""
 
     plan: bytes
+    channel: bool = False
 
 
 class ExpectSession(_Msg, tag="expect_session", frozen=True):

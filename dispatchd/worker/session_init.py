@@ -214,11 +214,12 @@ def _hand_over_namespaces(control: protocol.FrameSocket, fds: list[int], dns_doo
 
 
 def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
-                      clock: _Clock) -> tuple[SessionPlan, int]:
+                      clock: _Clock) -> tuple[SessionPlan, int, int]:
     """A sandbox made ahead (its namespaces handed over already, by
     ``confine_shared``'s ``early``): say so, and wait for the session (its
-    plan and worktree). Leaves quietly when the daemon lets go of it;
-    refuses a plan it was not made for (``pool_key``)."""
+    plan, worktree and, when sent, the opener's channel: -1 if not). Leaves
+    quietly when the daemon lets go of it; refuses a plan it was not made
+    for (``pool_key``)."""
     made_for_key = pool_key(made_for)  # now, while nothing waits
     # Warm what adoption runs first (the plan's decoder, the split of the
     # binds): the pages it touches are copied from the fork server now, not
@@ -248,15 +249,18 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
         raise ConfinementError("pool", detail=f"expected the session's plan, got {type(msg).__name__}")
     try:
         worktree_fd = control.take_fd()
+        channel_fd = control.take_fd() if msg.channel else -1
     except protocol.ProtocolError as exc:
         raise ConfinementError("pool", detail=str(exc)) from exc
     if expected is not None and msg.plan == expected[0]:
-        return expected[1], worktree_fd  # the same bytes: the plan decoded and checked above
+        return expected[1], worktree_fd, channel_fd  # the same bytes: the plan decoded and checked above
     plan = decode_plan(msg.plan)
     if made_for_key is None or pool_key(plan) != made_for_key:
-        os.close(worktree_fd)
+        for fd in (worktree_fd, channel_fd):
+            if fd >= 0:
+                os.close(fd)
         raise ConfinementError("pool", detail="the session's plan is not the one this sandbox was made for")
-    return plan, worktree_fd
+    return plan, worktree_fd, channel_fd
 
 
 def _kill_session(plan: SessionPlan) -> None:
@@ -289,11 +293,12 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
     keep = [control_fd]
     kit: list[int] = []  # what waking the session will need (worker/wake.py), for the daemon
     made_ahead = worktree_fd < 0  # a sandbox of the pool: its session comes later
+    channel_fd = -1  # the opener's channel, when it came with the session
     try:
         held = confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd],
                               early=functools.partial(_hand_over_namespaces, control) if made_ahead else None)
         if made_ahead:
-            plan, worktree_fd = _wait_for_session(control, plan, clock)
+            plan, worktree_fd, channel_fd = _wait_for_session(control, plan, clock)
         skipped = confine_session(plan, program, keep, clock, worktree_fd, held, kit)
     except BaseException as exc:
         wake.fail(control, exc, "worker start")
@@ -319,7 +324,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         for fd in keep[1:] + kit:
             os.close(fd)  # the daemon has it; no command inherits it (nor holds the ruleset)
         reaper.start_at_first_spawn(proctree.owns, proctree.CHILD_BORN, proctree.after_first_spawn)
-        serve(control, plan)
+        serve(control, plan, first_channel=channel_fd)
         os._exit(0)
     try:
         server = os.fork()
@@ -343,10 +348,10 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         _report(control, ready, fds=keep[1:])
         for fd in keep[1:]:
             os.close(fd)  # the daemon has it; no command inherits it
-        serve(control, plan)
+        serve(control, plan, first_channel=channel_fd)
         os._exit(0)
     control.close()
-    for fd in keep[1:]:
+    for fd in keep[1:] + ([channel_fd] if channel_fd >= 0 else []):
         os.close(fd)
     # Only now, confined by Landlock's signal scope, may SIGTERM mean
     # "kill(-1)": from here it reaches the session's processes alone. The

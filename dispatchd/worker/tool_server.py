@@ -265,16 +265,23 @@ def warm_up(plan: SessionPlan) -> None:
             os.close(etc)
 
 
-def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool = True) -> None:
+def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool = True,
+          first_channel: int = -1) -> None:
     """Serve until the daemon closes the control channel. ``adopt_orphans``
     False only where the server runs inside another program (a test), whose
-    own children must not be taken for what a call left."""
+    own children must not be taken for what a call left. ``first_channel``:
+    the opener's channel, when it came with the session (AdoptSession),
+    served from here as an ``AddChannel``'s."""
     if adopt_orphans:
         # What a call's bash leaves running comes to us when it exits, to be
         # ended before the call returns (orphans.end_leftovers).
         orphans.adopt_orphans()
     server = _Server(plan, Control(control))
-    server.expect_first_channel()
+    if first_channel >= 0:
+        server.added += 1  # counted as the daemon counts it (MaySleep.added)
+        server.add_channel(socket.socket(fileno=first_channel))
+    else:
+        server.expect_first_channel()
     _control_loop(server)
 
 

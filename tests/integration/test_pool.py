@@ -79,6 +79,43 @@ def test_a_session_gets_a_sandbox_made_ahead_and_each_serves_one_session(pooled:
     assert len(served) == len(set(served)) >= 2
 
 
+def _channel_ahead(d: Daemon, sid: str) -> str:
+    return re.findall(rf"event=worker_ready session={sid} pid=\d+ made_ahead=\d channel_ahead=(\d)", d.log())[-1]
+
+
+def test_the_openers_channel_comes_with_a_sandbox_made_ahead(pooled: Daemon, worktree: Path) -> None:
+    """An open that attaches sends its channel with the session to a sandbox
+    made ahead (AdoptSession.channel): served from the tool server's start,
+    counted as an attach's, and any later attach gets one of its own."""
+    (worktree / "a.txt").write_text("one\n")
+    with pooled.connect() as client:
+        wait_ready(client)
+        with client.open_session(str(worktree)) as s:
+            assert s.status()["protections"].get("made_ahead") is True
+            assert _channel_ahead(pooled, s.id) == "1"
+            assert s.registry.call("read_file", {"path": "a.txt"}).output == "0: one"
+            assert shell(s, "echo hi").output == "hi\n"
+            # A second channel (AddChannel, as always); closed here, it leaves the session open.
+            with pooled.connect() as other, other.session(s.id) as again:
+                assert again.registry.call("read_file", {"path": "a.txt"}).output == "0: one"
+            assert shell(s, "echo still").output == "still\n"  # the first one serves on
+
+
+def test_an_open_with_secrets_attaches_after_its_environment_is_set(pooled: Daemon, worktree: Path) -> None:
+    """The twin: a session given secrets gets no channel with the session, so
+    none of its channels is read before the tool server knows what to
+    redact; read_file's answer (its C lane off then) hides the secret."""
+    token = "tok-" + "7" * 24
+    (worktree / "leak.txt").write_text(f"key={token}\n")
+    with pooled.connect() as client:
+        wait_ready(client)
+        with client.open_session(str(worktree), secrets={"TOKEN": token}) as s:
+            assert s.status()["protections"].get("made_ahead") is True
+            assert _channel_ahead(pooled, s.id) == "0"
+            out = s.registry.call("read_file", {"path": "leak.txt"}).output
+            assert token not in out and "key=" in out
+
+
 def test_without_a_pool_every_sandbox_is_made_at_open(tmp_path: Path, worktree: Path) -> None:
     _refuse_root()
     d = daemon_in(tmp_path / "d", "--pool", "0")
