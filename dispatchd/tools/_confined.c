@@ -74,13 +74,12 @@ typedef struct {
     int in, out, err;
     int keep[MAX_KEEP], nkeep;  /* made inheritable */
     int hold[MAX_KEEP + 3], nhold;  /* kept open until the exec: keep, the error pipe, the ruleset; sorted */
-    int cgroup_fd, ruleset_fd, errpipe;
+    int cgroup_fd, ruleset_fd;
     int limit_which[MAX_LIMITS];
     rlim_t limit_value[MAX_LIMITS];
     int nlimits;
     struct sock_fprog prog;
     pid_t parent;
-    const sigset_t *unblocked;
 } Launch;
 
 static void
@@ -93,49 +92,50 @@ report(int errpipe, int step, int code)
 }
 
 static void
-child_after_vfork(const Launch *l)
+child_after_vfork(const void *arg, int errpipe, const sigset_t *unblocked)
 {
+    const Launch *l = arg;
     dl_default_signals(1);
     if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0)
-        report(l->errpipe, S_PARENT, errno);
+        report(errpipe, S_PARENT, errno);
     if (getppid() != l->parent)
         _exit(1);  /* the parent died before the prctl: nobody to start it for */
     if (l->cgroup_fd >= 0 && write(l->cgroup_fd, "0", 1) != 1)
-        report(l->errpipe, S_CGROUP, errno);
+        report(errpipe, S_CGROUP, errno);
     if (dup2(l->in, 0) < 0 || dup2(l->out, 1) < 0 || dup2(l->err, 2) < 0)
-        report(l->errpipe, S_STDIO, errno);
+        report(errpipe, S_STDIO, errno);
     for (int i = 0; i < l->nkeep; i++)
         if (fcntl(l->keep[i], F_SETFD, 0) != 0)
-            report(l->errpipe, S_FDS, errno);
+            report(errpipe, S_FDS, errno);
     /* Every other descriptor closed, or no start: close_range (Linux 5.9)
      * is older than Landlock (5.13), which the daemon requires, so a
      * failure here is no kernel's answer to expect, and fails closed. */
     unsigned low = 3;
     for (int i = 0; i < l->nhold; i++) {
         if ((unsigned)l->hold[i] > low && syscall(SYS_close_range, low, (unsigned)l->hold[i] - 1, 0U) != 0)
-            report(l->errpipe, S_FDS, errno);
+            report(errpipe, S_FDS, errno);
         if ((unsigned)l->hold[i] >= low)
             low = (unsigned)l->hold[i] + 1;
     }
     if (syscall(SYS_close_range, low, ~0U, 0U) != 0)
-        report(l->errpipe, S_FDS, errno);
+        report(errpipe, S_FDS, errno);
     for (int i = 0; i < l->nlimits; i++) {
         struct rlimit r = {l->limit_value[i], l->limit_value[i]};
         if (setrlimit(l->limit_which[i], &r) != 0)
-            report(l->errpipe, S_LIMITS, errno);
+            report(errpipe, S_LIMITS, errno);
     }
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
-        report(l->errpipe, S_NNP, errno);
+        report(errpipe, S_NNP, errno);
     if (l->ruleset_fd >= 0) {
         if (syscall(SYS_landlock_restrict_self, l->ruleset_fd, 0U) != 0)
-            report(l->errpipe, S_LANDLOCK, errno);
+            report(errpipe, S_LANDLOCK, errno);
         close(l->ruleset_fd);
     }
     if (l->prog.len > 0 && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &l->prog, 0, 0) != 0)
-        report(l->errpipe, S_SECCOMP, errno);
-    sigprocmask(SIG_SETMASK, l->unblocked, NULL);
+        report(errpipe, S_SECCOMP, errno);
+    sigprocmask(SIG_SETMASK, unblocked, NULL);
     execve(l->path, l->argv, l->envp);
-    report(l->errpipe, S_EXEC, errno);
+    report(errpipe, S_EXEC, errno);
 }
 
 static int
@@ -215,6 +215,9 @@ dl_spawn_confined(PyObject *self, PyObject *args)
     memset(&l, 0, sizeof l);
     PyObject *result = NULL;
     int pipefd[2] = {-1, -1};
+    int msg[2] = {0, 0};
+    ssize_t got = 0;
+    pid_t pid;
     if (in < 0 || out < 0 || err < 0) {
         PyErr_SetString(PyExc_ValueError, "spawn_confined: stdio needs three open descriptors");
         goto done;
@@ -229,55 +232,24 @@ dl_spawn_confined(PyObject *self, PyObject *args)
         goto done;
     l.path = PyBytes_AS_STRING(path_obj);
     l.in = in, l.out = out, l.err = err, l.parent = (pid_t)parent;
-    if (pipe2(pipefd, O_CLOEXEC) != 0) {
+    if (dl_error_pipe(pipefd) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    if (pipefd[1] < 3) { /* the child's stdio goes to 0-2: its error pipe must be above */
-        int moved = fcntl(pipefd[1], F_DUPFD_CLOEXEC, 3);
-        close(pipefd[1]);
-        pipefd[1] = moved;
-        if (moved < 0) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-    }
-    l.errpipe = pipefd[1];
     memcpy(l.hold, l.keep, sizeof(int) * (size_t)l.nkeep);
     l.nhold = l.nkeep;
-    l.hold[l.nhold++] = l.errpipe;
+    l.hold[l.nhold++] = pipefd[1];
     if (ruleset_fd >= 0)
         l.hold[l.nhold++] = ruleset_fd;
     qsort(l.hold, (size_t)l.nhold, sizeof(int), int_cmp);
-    sigset_t all, old, unblocked;
-    sigfillset(&all);
-    sigemptyset(&unblocked);
-    l.unblocked = &unblocked;
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    pid_t pid = vfork();
-    if (pid == 0)
-        child_after_vfork(&l);
-    int fork_errno = errno;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    close(pipefd[1]);
-    pipefd[1] = -1;
+    pid = dl_vfork_run(child_after_vfork, &l, pipefd, msg, sizeof msg, &got);
     if (pid < 0) {
-        errno = fork_errno;
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    int msg[2] = {0, 0};
-    ssize_t got;
-    do {
-        got = read(pipefd[0], msg, sizeof msg);
-    } while (got < 0 && errno == EINTR);
-    if (got != 0) { /* a step failed (or its report cannot be read): end and reap it, say which */
+    if (got != 0) { /* a step failed (or its report cannot be read): the child reaped, say which */
         int code = got == (ssize_t)sizeof msg ? msg[1] : (got < 0 ? errno : EIO);
         int step = got == (ssize_t)sizeof msg && msg[0] >= 1 && msg[0] <= S_EXEC ? msg[0] : S_EXEC;
-        if (got < 0)
-            kill(pid, SIGKILL); /* it may have run its exec: never leave it running unknown */
-        while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
-            ;
         PyObject *e = Py_BuildValue("(isz)", code, strerror(code), steps[step]);
         if (e != NULL) {
             PyErr_SetObject(PyExc_OSError, e);

@@ -6,6 +6,8 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <signal.h>
+#include <sys/types.h>
 
 /* How many line ends the numbering keeps from its first pass (on the stack). */
 #define DL_NEXT_CACHED 512
@@ -32,6 +34,13 @@ PyObject *dl_lane_calls(PyObject *self, PyObject *unused);
 PyObject *dl_spawn_subreaper(PyObject *self, PyObject *args);
 char **dl_bytes_array(PyObject *seq, const char *fn, const char *what);
 void dl_default_signals(int ignored_too);
+
+/* A vfork's child: runs in the caller's memory until its exec, makes system
+ * calls only, and never returns (a failure is written to ``errpipe``, then
+ * _exit). ``unblocked``: the signal mask to exec with. */
+typedef void (*dl_vfork_child)(const void *arg, int errpipe, const sigset_t *unblocked);
+int dl_error_pipe(int fds[2]);
+pid_t dl_vfork_run(dl_vfork_child child, const void *arg, int fds[2], void *report, size_t size, ssize_t *got);
 
 /* _confined.c */
 PyObject *dl_spawn_confined(PyObject *self, PyObject *args);

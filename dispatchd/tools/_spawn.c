@@ -105,15 +105,22 @@ dl_default_signals(int ignored_too)
     }
 }
 
+typedef struct {
+    const char *path, *cwd;
+    char **argv, **envp;
+    int in, out, err;
+    long long nproc, nofile;
+} Command;
+
 static void
-child_after_vfork(const char *path, char **argv, char **envp, const char *cwd, int in, int out, int err,
-                  int errpipe, const sigset_t *unblocked, long long nproc, long long nofile)
+child_after_vfork(const void *arg, int errpipe, const sigset_t *unblocked)
 {
+    const Command *c = arg;
     dl_default_signals(0);
     int code = 0;
-    if (setsid() < 0 || prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0 || dup2(in, 0) < 0 || dup2(out, 1) < 0
-        || dup2(err, 2) < 0 || chdir(cwd) != 0 || limit_to(RLIMIT_NPROC, nproc) != 0
-        || limit_to(RLIMIT_NOFILE, nofile) != 0)
+    if (setsid() < 0 || prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0 || dup2(c->in, 0) < 0 || dup2(c->out, 1) < 0
+        || dup2(c->err, 2) < 0 || chdir(c->cwd) != 0 || limit_to(RLIMIT_NPROC, c->nproc) != 0
+        || limit_to(RLIMIT_NOFILE, c->nofile) != 0)
         code = errno;
     if (code == 0) {
         /* Nothing of the caller's but stdio and the error pipe (close-on-exec). */
@@ -121,12 +128,82 @@ child_after_vfork(const char *path, char **argv, char **envp, const char *cwd, i
             syscall(SYS_close_range, 3U, (unsigned)errpipe - 1, 0U);
         syscall(SYS_close_range, (unsigned)errpipe + 1, ~0U, 0U);
         sigprocmask(SIG_SETMASK, unblocked, NULL);
-        execve(path, argv, envp);
+        execve(c->path, c->argv, c->envp);
         code = errno;
     }
     while (write(errpipe, &code, sizeof code) < 0 && errno == EINTR)
         ;
     _exit(127);
+}
+
+/* A close-on-exec pipe for a vfork child's report, its write end 3 or above
+ * (the child's stdio goes to 0-2). 0, or -1 with errno set. */
+int
+dl_error_pipe(int fds[2])
+{
+    if (pipe2(fds, O_CLOEXEC) != 0)
+        return -1;
+    if (fds[1] < 3) { /* cannot be in the tool server or the fork server (0-2 are open), but may elsewhere */
+        int moved = fcntl(fds[1], F_DUPFD_CLOEXEC, 3);
+        int saved = errno;
+        close(fds[1]);
+        fds[1] = moved;
+        if (moved < 0) {
+            close(fds[0]);
+            fds[0] = -1;
+            errno = saved;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The frame both launches share: ``child(arg)`` run in a vfork's child with
+ * every signal blocked across the vfork (no Python handler can run in it;
+ * the child unblocks them before its exec), the caller's mask back after,
+ * then the child's report read from ``fds`` (a dl_error_pipe, both ends
+ * closed here). Returns the child's pid, with ``*got`` 0 when it reported
+ * nothing (its exec happened); ``*got`` otherwise what the read returned,
+ * ``size`` bytes of ``report`` when whole, and the child reaped, killed
+ * first when its report could not be read (it may have run its exec: never
+ * left running unknown). -1 with errno set when vfork failed. */
+pid_t
+dl_vfork_run(dl_vfork_child child, const void *arg, int fds[2], void *report, size_t size, ssize_t *got)
+{
+    sigset_t all, old, unblocked;
+    sigfillset(&all);
+    sigemptyset(&unblocked);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pid_t pid = vfork();
+    if (pid == 0)
+        child(arg, fds[1], &unblocked);
+    int fork_errno = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    close(fds[1]);
+    fds[1] = -1;
+    if (pid < 0) {
+        close(fds[0]);
+        fds[0] = -1;
+        errno = fork_errno;
+        return -1;
+    }
+    ssize_t n;
+    do {
+        n = read(fds[0], report, size);
+    } while (n < 0 && errno == EINTR);
+    int read_errno = errno;
+    close(fds[0]);
+    fds[0] = -1;
+    *got = n;
+    if (n != 0) {
+        if (n < 0)
+            kill(pid, SIGKILL);
+        while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
+            ;
+        if (n < 0)
+            errno = read_errno;
+    }
+    return pid;
 }
 
 /* spawn_subreaper(path, argv, envp, cwd, stdin_fd, stdout_fd, stderr_fd, nproc, nofile) -> pid
@@ -140,63 +217,37 @@ PyObject *
 dl_spawn_subreaper(PyObject *self, PyObject *args)
 {
     PyObject *path_obj, *argv_obj, *envp_obj, *cwd_obj;
-    int in, out, err;
-    long long nproc, nofile;
+    Command c;
     if (!PyArg_ParseTuple(args, "SO!O!SiiiLL", &path_obj, &PyList_Type, &argv_obj, &PyList_Type, &envp_obj,
-                          &cwd_obj, &in, &out, &err, &nproc, &nofile))
+                          &cwd_obj, &c.in, &c.out, &c.err, &c.nproc, &c.nofile))
         return NULL;
-    if (in < 3 || out < 3 || err < 3) {
+    if (c.in < 3 || c.out < 3 || c.err < 3) {
         PyErr_SetString(PyExc_ValueError, "spawn_subreaper: the descriptors must be 3 or above");
         return NULL;
     }
-    char **argv = dl_bytes_array(argv_obj, "spawn_subreaper", "argv");
-    if (argv == NULL)
+    c.argv = dl_bytes_array(argv_obj, "spawn_subreaper", "argv");
+    if (c.argv == NULL)
         return NULL;
-    char **envp = dl_bytes_array(envp_obj, "spawn_subreaper", "envp");
-    if (envp == NULL) {
-        PyMem_Free(argv);
+    c.envp = dl_bytes_array(envp_obj, "spawn_subreaper", "envp");
+    if (c.envp == NULL) {
+        PyMem_Free(c.argv);
         return NULL;
     }
-    const char *path = PyBytes_AS_STRING(path_obj), *cwd = PyBytes_AS_STRING(cwd_obj);
-    int pipefd[2];
-    if (pipe2(pipefd, O_CLOEXEC) != 0) {
-        PyMem_Free(argv);
-        PyMem_Free(envp);
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    if (pipefd[1] < 3) { /* cannot be (0, 1 and 2 are open in the tool server), but the child needs it above */
-        int moved = fcntl(pipefd[1], F_DUPFD_CLOEXEC, 3);
-        close(pipefd[1]);
-        pipefd[1] = moved;
-    }
-    sigset_t all, old, unblocked;
-    sigfillset(&all);
-    sigemptyset(&unblocked);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    pid_t pid = pipefd[1] < 0 ? -1 : vfork();
-    if (pid == 0)
-        child_after_vfork(path, argv, envp, cwd, in, out, err, pipefd[1], &unblocked, nproc, nofile);
-    int fork_errno = errno;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (pipefd[1] >= 0)
-        close(pipefd[1]);
-    PyMem_Free(argv);
-    PyMem_Free(envp);
-    if (pid < 0) {
-        close(pipefd[0]);
-        errno = fork_errno;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    c.path = PyBytes_AS_STRING(path_obj);
+    c.cwd = PyBytes_AS_STRING(cwd_obj);
+    int fds[2];
     int code = 0;
-    ssize_t got;
-    do {
-        got = read(pipefd[0], &code, sizeof code);
-    } while (got < 0 && errno == EINTR);
-    close(pipefd[0]);
-    if (got == (ssize_t)sizeof code) { /* the exec failed: reap the child, say why */
-        while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
-            ;
-        errno = code;
+    ssize_t got = 0;
+    pid_t pid = dl_error_pipe(fds) != 0 ? -1 : dl_vfork_run(child_after_vfork, &c, fds, &code, sizeof code, &got);
+    PyMem_Free(c.argv);
+    PyMem_Free(c.envp);
+    if (pid < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    if (got != 0) { /* the exec failed (reaped): say why */
+        if (got == (ssize_t)sizeof code)
+            errno = code;
+        else if (got > 0)
+            errno = EIO;
         return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path_obj);
     }
     return PyLong_FromLong((long)pid);
