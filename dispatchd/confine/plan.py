@@ -156,7 +156,7 @@ def pool_key(plan: SessionPlan) -> bytes | None:
 
 def encode_plan(plan: SessionPlan) -> bytes:
     """A plan as the fork server's messages carry it (``SpawnWorker.plan``,
-    ``ExpectSession.plan``): the protocol holds it as bytes, so that a client
+    ``AdoptSession.plan``): the protocol holds it as bytes, so that a client
     importing ``dispatchd.protocol`` never loads the confinement code."""
     return msgspec.msgpack.encode(plan)
 

@@ -1,10 +1,11 @@
 """A session's plan made ahead with its sandbox, used only when equal by content.
 
-``plan_session`` is pure: the same inputs give the same plan. Once the pool
-has made a sandbox for session id S, its thread plans S as if its session
-were the last one opened of that kind (same policy, worktree, git layout,
-extra paths, ports, git identity), and keeps the inputs, the plan and its
-``pool_key`` with the sandbox. The open that takes the sandbox builds its
+``plan_session`` is pure: the same inputs give the same plan. The pool's
+thread plans the session id S of the sandbox it is about to make as if its
+session were the last one opened of that kind (same policy, worktree, git
+layout, extra paths, ports, git identity), makes the sandbox with that plan
+(it applies only its shared part, ``pool_key``), and keeps the inputs, the
+plan and its key with the sandbox. The open that takes the sandbox builds its
 inputs as always (the policy re-read, the worktree checked, git inspected,
 the identity read) and uses the kept plan only when those inputs are equal
 to the kept ones, field by field (``==`` of the structs and dicts, by
@@ -59,7 +60,7 @@ class Planned(NamedTuple):
     inputs: PlanInputs
     plan: SessionPlan
     key: bytes | None
-    encoded: bytes  # encode_plan(plan): sent ahead (ExpectSession) and at adoption
+    encoded: bytes  # encode_plan(plan): the sandbox is made with it (SpawnWorker) and given it at adoption
 
 
 def make_plan(i: PlanInputs) -> SessionPlan:

@@ -26,12 +26,13 @@ from dispatchd.confine.plan import SessionPaths, SessionPlan, plan_session, pool
 from dispatchd.daemon import leftovers
 from dispatchd.daemon.dnsrelay import session_resolv_binds
 from dispatchd.daemon.napping import Napping
-from dispatchd.daemon.planahead import plan_ahead
+from dispatchd.daemon.planahead import Planned, plan_ahead
 from dispatchd.daemon.pool import Kind, Made
 from dispatchd.daemon.session import READY_TIMEOUT_S, Session
 from dispatchd.daemon.sessionnet import drop_door, ports_of, take_door, take_namespaces
 from dispatchd.daemon.spawn import Worker, adopt
 from dispatchd.errors import DispatchdError, Stopping
+from dispatchd.policy import Policy
 
 log = logging.getLogger("dispatchd.sessions")
 
@@ -67,27 +68,39 @@ class Pooling(Napping):
         policy_name, network = kind
         policy = self.load_policy(policy_name)
         sid = secrets.token_hex(6)
-        # A plan of the kind: its shared part (pool_key) depends on the policy,
-        # the network and this machine only; the session's own parts are
-        # placeholders, replaced by the session's plan at adoption.
-        paths = SessionPaths(worktree=os.path.join(self.sessions_dir, sid, "worktree"),
-                             scratch=os.path.join(self.sessions_dir, sid), runtime_dirs=self.runtime_dirs,
-                             code=self.code_paths, resolv=session_resolv_binds(self.dns_resolv))
-        ports = ports_of(policy)  # as a session's: sorted, each once
-        plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
-                            gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation,
-                            host_tree=self.host_tree, dns_door=self.dns is not None)
-        key = pool_key(plan)
+        scratch = os.path.join(self.sessions_dir, sid)
+        # Made with the plan of its likely session: the last open of the
+        # kind's, as this session (planahead.py). The sandbox applies only its
+        # shared part (pool_key), which depends on the policy, the network and
+        # this machine: the same as a plan of the kind's own would have, and a
+        # session whose plan has that key is given it (checked at adoption by
+        # both sides, as always). That plan's bytes are the session's at its
+        # adoption most often, then neither planned nor decoded again.
+        planned = self._plan_likely(kind, sid, scratch, policy)
+        if planned is not None:
+            plan, key = planned.plan, planned.key
+        else:
+            # None opened yet (or its plan has no key): a plan of the kind,
+            # the session's own parts placeholders, replaced by the session's
+            # plan at adoption.
+            paths = SessionPaths(worktree=os.path.join(scratch, "worktree"), scratch=scratch,
+                                 runtime_dirs=self.runtime_dirs, code=self.code_paths,
+                                 resolv=session_resolv_binds(self.dns_resolv))
+            ports = ports_of(policy)  # as a session's: sorted, each once
+            plan = plan_session(policy, self.kernel, session=sid, paths=paths, network=network, uid=self.uid,
+                                gid=self.gid, base_env=self.base_env, ports=ports, delegation=self.delegation,
+                                host_tree=self.host_tree, dns_door=self.dns is not None)
+            key = pool_key(plan)
         if key is None:
             return None
-        self._make_scratch(sid, paths.scratch)  # the session's, made ahead with it
+        self._make_scratch(sid, scratch)  # the session's, made ahead with it
         cgroup = ""
         box: list[Made] = []  # the sandbox, once it has a process
 
         def with_namespaces(worker: Worker, control: protocol.FrameSocket,
                             msg: protocol.WorkerNamespaces | None) -> None:
             box.append(Made(kind=kind, sid=sid, key=key, worker=worker, control=control, cgroup=cgroup,
-                            scratch=paths.scratch))
+                            scratch=scratch, planned=planned))
             if msg is not None:
                 box[0].ns_fds = take_namespaces(plan, msg, control)
                 box[0].door = take_door(msg, control)
@@ -100,7 +113,8 @@ class Pooling(Napping):
             if plan.cgroup is not None:
                 cgroups.create(plan.cgroup)
                 cgroup = plan.cgroup.path
-            worker, control, msg = self.fork_server.make_ahead(plan, READY_TIMEOUT_S, with_namespaces)
+            worker, control, msg = self.fork_server.make_ahead(plan, READY_TIMEOUT_S, with_namespaces,
+                                                               planned.encoded if planned is not None else None)
             if not box:  # no namespaces of its own: none sent early
                 with_namespaces(worker, control, None)
         except BaseException:
@@ -108,21 +122,27 @@ class Pooling(Napping):
                 self._let_go(box[0])
             else:
                 self._remove_cgroup_path(cgroup, sid)
-                leftovers.remove_tree(paths.scratch)
+                leftovers.remove_tree(scratch)
                 self._scratch_locks.release(sid)
             raise
         made = box[0]
-        last = self._last_inputs.get(kind)
-        if last is not None:
-            try:
-                made.planned = plan_ahead(last, session=sid, scratch=paths.scratch, policy=policy)
-                # Not yet in the pool: nothing else writes to its channel now.
-                control.send(protocol.ExpectSession(plan=made.planned.encoded))
-            except Exception as exc:  # noqa: BLE001 - then planned at open, where the same error refuses that open
-                log.debug("event=plan_ahead_failed session=%s error=%s", sid, exc)
         log.debug("event=pool_made kind=%s/%s session=%s pid=%s steps_ms=%s", policy_name, network, sid, worker.pid,
                   ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
         return made
+
+    def _plan_likely(self, kind: Kind, sid: str, scratch: str, policy: Policy) -> Planned | None:
+        """The plan of session ``sid`` if it opens as the kind's last open
+        did, or None: no open of the kind yet, a plan that cannot be made (an
+        open like it is then refused as always) or has no pool key."""
+        last = self._last_inputs.get(kind)
+        if last is None:
+            return None
+        try:
+            planned = plan_ahead(last, session=sid, scratch=scratch, policy=policy)
+        except Exception as exc:  # noqa: BLE001 - then planned at open, where the same error refuses that open
+            log.debug("event=plan_ahead_failed session=%s error=%s", sid, exc)
+            return None
+        return planned if planned.key is not None else None
 
     def _adopt(self, session: Session, plan: SessionPlan, key: bytes | None,
                made: Made, meanwhile: Callable[[], None] | None = None,

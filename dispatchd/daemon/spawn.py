@@ -225,13 +225,14 @@ class ForkServerClient:
 
     def make_ahead(self, plan: SessionPlan, timeout_s: float,
                    early: Callable[[Worker, protocol.FrameSocket, protocol.WorkerNamespaces], None] | None = None,
-                   ) -> tuple[Worker, protocol.FrameSocket, protocol.WorkerPooled]:
+                   encoded: bytes | None = None) -> tuple[Worker, protocol.FrameSocket, protocol.WorkerPooled]:
         """A sandbox made ahead for sessions of ``plan``'s kind (its ``pool_key``
         part applied), waiting for ``adopt``. With namespaces of its own it
         sends them first (``WorkerNamespaces``): ``early`` is given them while
         the sandbox goes on (its network started meanwhile); what it raises is
-        raised, the worker killed first."""
-        worker, control = self._spawn_with_channel(plan, -1)
+        raised, the worker killed first. ``encoded``: ``encode_plan(plan)``,
+        when made already."""
+        worker, control = self._spawn_with_channel(plan, -1, encoded)
         if plan.namespaces.user and plan.namespaces.net:
             first = await_report(worker, control, "", timeout_s, protocol.WorkerNamespaces)
             try:
@@ -245,14 +246,15 @@ class ForkServerClient:
                 control.drop_fds()  # those ``early`` did not take
         return worker, control, await_report(worker, control, "", timeout_s, protocol.WorkerPooled)
 
-    def _spawn_with_channel(self, plan: SessionPlan, worktree_fd: int) -> tuple[Worker, protocol.FrameSocket]:
+    def _spawn_with_channel(self, plan: SessionPlan, worktree_fd: int,
+                            encoded: bytes | None = None) -> tuple[Worker, protocol.FrameSocket]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             if worktree_fd >= 0:
                 worker = self.spawn_worker(plan, theirs, worktree_fd)
             else:
-                encoded = encode_plan(plan)
-                reply, pidfd = self._request(lambda rid: protocol.SpawnWorker(id=rid, plan=encoded, pooled=True),
+                payload = encoded if encoded is not None else encode_plan(plan)
+                reply, pidfd = self._request(lambda rid: protocol.SpawnWorker(id=rid, plan=payload, pooled=True),
                                              [theirs.fileno()])
                 if not isinstance(reply, protocol.Spawned):
                     raise SpawnError(f"the fork server answered {type(reply).__name__}")

@@ -54,7 +54,6 @@ from dispatchd.protocol.internal import (
     Sleep,
     StayAwake,
     WakeWorker,
-    ExpectSession,
     CallRecord,
     Drain,
     ForgetWriteLock,
@@ -163,7 +162,7 @@ __all__ = [
     "DaemonReport", "GitReport", "KernelFeatures", "LandlockReport", "LifetimeReport", "LimitsReport", "MemoryHold",
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
-    "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "ExpectSession", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
+    "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
     "WriteLockGranted",
     "SetCommandEnv", "NetworkDenied", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed",
     "WatchHeld",

@@ -98,16 +98,6 @@ class AdoptSession(_Msg, tag="adopt_session", frozen=True):
     channel: bool = False
 
 
-class ExpectSession(_Msg, tag="expect_session", frozen=True):
-    """Daemon -> a sandbox made ahead, before ``AdoptSession`` and without a
-    reply: the plan its session will most likely send (``plan``, encoded as
-    ``AdoptSession``'s). The sandbox decodes it and checks its ``pool_key``
-    while it waits; an ``AdoptSession`` whose ``plan`` is these same bytes is
-    then not decoded again, any other is decoded and checked as always."""
-
-    plan: bytes
-
-
 class WorkerFailed(_Msg, tag="worker_failed", frozen=True):
     """A confinement step could not be applied: the worker has exited."""
 
@@ -296,7 +286,7 @@ FromWorker = Union[WorkerReady, WorkerPooled, WorkerNamespaces, WorkerFailed, Ac
                    Asleep, KeptJobs, Paused, WatchHeld]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
 ToWorker = Union[AddChannel, Drain, OkReply, WriteLockGranted, ErrorReply, SetCommandEnv, ForgetWriteLock,
-                 AdoptSession, ExpectSession, Sleep, StayAwake, KeptJobs, NetworkDenied, Pause, Resume]
+                 AdoptSession, Sleep, StayAwake, KeptJobs, NetworkDenied, Pause, Resume]
 
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

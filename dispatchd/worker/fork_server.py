@@ -244,7 +244,7 @@ def _warm_workers_code(plan: SessionPlan) -> None:
     copy of those code objects' pages."""
     payload = encode_plan(plan)
     # What the daemon sends a worker, and what a worker reports (as it sends it).
-    to_worker = [protocol.encode(m)[4:] for m in (protocol.ExpectSession(plan=payload), protocol.AdoptSession(plan=payload),
+    to_worker = [protocol.encode(m)[4:] for m in (protocol.AdoptSession(plan=payload),
                                                      protocol.AddChannel(id=1))]
     protections = msgspec.structs.replace(plan.protections, absent_paths=[], made_ahead=True,
                                           root=list(plan.protections.root))

@@ -221,29 +221,25 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
     quietly when the daemon lets go of it; refuses a plan it was not made
     for (``pool_key``)."""
     made_for_key = pool_key(made_for)  # now, while nothing waits
-    # Warm what adoption runs first (the plan's decoder, the split of the
+    # The daemon makes a sandbox with the plan of its likely session (the
+    # kind's last open, as this one): an AdoptSession of these same bytes is
+    # that plan, taken as decoded and checked here (another is decoded and
+    # checked at adoption). Warm what adoption runs first (the split of the
     # binds): the pages it touches are copied from the fork server now, not
     # while a session waits.
-    decode_plan(encode_plan(made_for))
+    made_bytes = encode_plan(made_for)
     if made_for.mounts is not None:
         made_for.mounts.split_binds()
     from dispatchd.worker.tool_server import warm_up  # pre-imported by the fork server
 
     warm_up(made_for)
     _report(control, protocol.WorkerPooled(pid=os.getpid(), timings_ms=clock.steps))
-    expected: tuple[bytes, SessionPlan] | None = None  # ExpectSession's, decoded and checked
-    while True:
-        try:
-            msg = control.recv(protocol.to_worker_decoder)
-        except (OSError, protocol.ProtocolError):
-            os._exit(0)
-        if msg is None:
-            os._exit(0)  # retired unused
-        if not isinstance(msg, protocol.ExpectSession):
-            break
-        # Decoded and checked now, while nothing waits; one of another kind is forgotten.
-        likely = decode_plan(msg.plan)
-        expected = (msg.plan, likely) if made_for_key is not None and pool_key(likely) == made_for_key else None
+    try:
+        msg = control.recv(protocol.to_worker_decoder)
+    except (OSError, protocol.ProtocolError):
+        os._exit(0)
+    if msg is None:
+        os._exit(0)  # retired unused
     clock.restart()
     if not isinstance(msg, protocol.AdoptSession):
         raise ConfinementError("pool", detail=f"expected the session's plan, got {type(msg).__name__}")
@@ -252,8 +248,8 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
         channel_fd = control.take_fd() if msg.channel else -1
     except protocol.ProtocolError as exc:
         raise ConfinementError("pool", detail=str(exc)) from exc
-    if expected is not None and msg.plan == expected[0]:
-        return expected[1], worktree_fd, channel_fd  # the same bytes: the plan decoded and checked above
+    if made_for_key is not None and msg.plan == made_bytes:
+        return made_for, worktree_fd, channel_fd  # the same bytes: the plan it was made with, its key checked above
     plan = decode_plan(msg.plan)
     if made_for_key is None or pool_key(plan) != made_for_key:
         for fd in (worktree_fd, channel_fd):

@@ -309,3 +309,34 @@ def test_a_worktree_in_the_home_directory(pair: tuple[Daemon, Daemon]) -> None:
     finally:
         shutil.rmtree(wt)
     _assert_same(ahead, at_open)
+
+
+def test_a_sandbox_planned_for_another_worktree_serves_this_one_as_one_made_at_open(
+        pair: tuple[Daemon, Daemon]) -> None:
+    """The pool makes a sandbox with the plan of the kind's last open (its
+    worktree's); a session on another worktree gets it all the same (the
+    same pool key), and sees what a sandbox made at open shows, nothing of
+    the worktree it was planned for: neither a mount nor a path."""
+    first = Path.home() / f"parity-first-{secrets.token_hex(3)}"
+    second = Path.home() / f"parity-second-{secrets.token_hex(3)}"
+    for wt in (first, second):
+        wt.mkdir()
+        (wt / "README.md").write_text("hello\n")
+    pooled, plain = pair
+    try:
+        with pooled.connect() as a, plain.connect() as b:
+            with a.open_session(str(first)):
+                pass
+            wait_for_pool(a, "default/off", 2)  # each planned for a worktree opened before: none for the second
+            with a.open_session(str(second)) as s:
+                assert s.status()["protections"].get("made_ahead") is True, pooled.log()[-3000:]
+                ahead = fingerprint(s, second)
+                seen = probe(s, f"import os; print(os.path.exists({str(first)!r}), os.path.exists({str(second)!r}))")
+            with b.open_session(str(second)) as s:
+                at_open = fingerprint(s, second)
+    finally:
+        shutil.rmtree(first)
+        shutil.rmtree(second)
+    _assert_same(ahead, at_open)
+    assert not any(first.name in line for line in ahead["mountinfo"])
+    assert seen.split() == ["False", "True"]  # the twin: its own worktree is there

@@ -31,6 +31,17 @@ def test_the_seccomp_part_stays_bytes_and_every_other_field_is_decoded(encoded: 
             assert getattr(got, field.name) == getattr(full, field.name), field.name
 
 
+@pytest.mark.parametrize("network", ["off", "on"])
+def test_a_plan_decoded_so_encodes_to_the_daemons_bytes(encoded: None, network: str) -> None:
+    """A sandbox made ahead encodes the plan it was made with and takes an
+    AdoptSession of the same bytes as that plan (worker/session_init.py):
+    the daemon's plan and the sandbox's copy must encode alike."""
+    sent = encode_plan(plan(network=network))
+    assert encode_plan(decode_plan(sent)) == sent
+    # The twin: any other plan's bytes differ, and are decoded and checked.
+    assert encode_plan(decode_plan(encode_plan(plan(network="off" if network != "off" else "on")))) != sent
+
+
 @pytest.mark.process  # compiles the filter in a child (libseccomp)
 def test_the_rules_decoded_are_the_plans_and_compile_to_the_same_program(encoded: None) -> None:
     full = plan(network="on")

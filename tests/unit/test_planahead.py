@@ -90,7 +90,7 @@ def test_the_plan_made_ahead_is_for_the_sandbox_s_session_not_the_last():
     assert msgspec.structs.replace(planned.inputs.paths, scratch=LAST.paths.scratch) == LAST.paths
 
 
-def test_the_bytes_sent_ahead_are_the_plan_s_encoding():
+def test_the_bytes_a_sandbox_is_made_with_are_the_plan_s_encoding():
     from dispatchd import protocol
 
     planned = plan_ahead(LAST, session=SID, scratch=SCRATCH, policy=POLICY)
