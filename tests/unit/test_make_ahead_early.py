@@ -38,8 +38,8 @@ class Said:
             os.close(w)
         self.theirs.send(protocol.WorkerPooled(pid=self.proc.pid, timings_ms={"root": 1.0}))
         self.client = ForkServerClient.__new__(ForkServerClient)
-        monkeypatch.setattr(self.client, "_spawn_with_channel", lambda plan, fd, encoded=None: (self.worker, self.control),
-                            raising=False)
+        monkeypatch.setattr(self.client, "_spawn_with_channel",
+                            lambda plan, fd, encoded=None: (self.worker, self.control), raising=False)
 
     def close(self) -> None:
         self.proc.kill()
