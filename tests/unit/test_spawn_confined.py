@@ -11,6 +11,7 @@ import errno
 import os
 import resource
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,17 +25,13 @@ pytestmark = [pytest.mark.process,
 _ENV = [b"PATH=/usr/bin:/bin", b"LC_ALL=C"]
 
 
-def _spawn(argv: list[str], *, limits: list[tuple[int, int]] | None = None, ruleset: int = -1,
-           program: bytes = b"", cgroup_fd: int = -1, keep: list[int] | None = None,
-           stdin_fd: int | None = None) -> tuple[int, str]:
-    """``argv`` started confined as asked: its exit code and its output."""
-    assert native.lines is not None
+def run_to_end(start: Callable[[int, int], int]) -> tuple[int, str]:
+    """``start(null, out)`` launched (a pid), with /dev/null and a pipe's
+    write end: the exit code and what it wrote there, once ended."""
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
-        pid = native.lines.spawn_confined(os.fsencode(argv[0]), [os.fsencode(a) for a in argv], _ENV,
-                                          null if stdin_fd is None else stdin_fd, out_w, out_w, keep or [],
-                                          cgroup_fd, limits or [], ruleset, program, os.getpid())
+        pid = start(null, out_w)
     finally:
         os.close(out_w)
         os.close(null)
@@ -42,6 +39,17 @@ def _spawn(argv: list[str], *, limits: list[tuple[int, int]] | None = None, rule
         out = f.read().decode()
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), out
+
+
+def _spawn(argv: list[str], *, limits: list[tuple[int, int]] | None = None, ruleset: int = -1,
+           program: bytes = b"", cgroup_fd: int = -1, keep: list[int] | None = None,
+           stdin_fd: int | None = None) -> tuple[int, str]:
+    """``argv`` started confined as asked: its exit code and its output."""
+    assert native.lines is not None
+    lines = native.lines
+    return run_to_end(lambda null, out: lines.spawn_confined(
+        os.fsencode(argv[0]), [os.fsencode(a) for a in argv], _ENV, null if stdin_fd is None else stdin_fd, out, out,
+        keep or [], cgroup_fd, limits or [], ruleset, program, os.getpid()))
 
 
 def _system_only() -> int:

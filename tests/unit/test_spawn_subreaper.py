@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dispatchd.tools import native
+from tests.unit.test_spawn_confined import run_to_end
 
 pytestmark = [pytest.mark.process,
               pytest.mark.skipif(native.lines is None, reason="the C helper is not built (test_native_lines says so)")]
@@ -36,18 +37,9 @@ def _spawn(argv: list[str], cwd: str = "/", nproc: int = -1, nofile: int = -1) -
 def _run(command: str, cwd: str = "/", nproc: int = -1, nofile: int = -1) -> tuple[int, str]:
     """bash -c ``command`` started by the helper: its exit code and stdout."""
     assert native.lines is not None
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        pid = native.lines.spawn_subreaper(b"/bin/bash", [b"bash", b"-c", os.fsencode(command)], _ENV,
-                                           os.fsencode(cwd), null, out_w, null, nproc, nofile)
-    finally:
-        os.close(out_w)
-        os.close(null)
-    with os.fdopen(out_r, "rb") as f:
-        out = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), out
+    lines = native.lines
+    return run_to_end(lambda null, out: lines.spawn_subreaper(
+        b"/bin/bash", [b"bash", b"-c", os.fsencode(command)], _ENV, os.fsencode(cwd), null, out, null, nproc, nofile))
 
 
 def _children() -> set[int]:
