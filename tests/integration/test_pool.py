@@ -57,6 +57,10 @@ def _pid_ns(session: dispatch.Session) -> str:
     return str(result.output).strip()
 
 
+def _channel_ahead(d: Daemon, sid: str) -> str:
+    return re.findall(rf"event=worker_ready session={sid} pid=\d+ made_ahead=\d channel_ahead=(\d)", d.log())[-1]
+
+
 def test_a_session_gets_a_sandbox_made_ahead_and_each_serves_one_session(pooled: Daemon, worktree: Path,
                                                                         tmp_path: Path) -> None:
     other = tmp_path / "other"  # a worktree of its own: one writer per worktree
@@ -77,10 +81,6 @@ def test_a_session_gets_a_sandbox_made_ahead_and_each_serves_one_session(pooled:
     # Each sandbox made ahead served at most one session.
     served = re.findall(r"event=worker_ready session=\w+ pid=(\d+) made_ahead=1", pooled.log())
     assert len(served) == len(set(served)) >= 2
-
-
-def _channel_ahead(d: Daemon, sid: str) -> str:
-    return re.findall(rf"event=worker_ready session={sid} pid=\d+ made_ahead=\d channel_ahead=(\d)", d.log())[-1]
 
 
 def test_the_openers_channel_comes_with_a_sandbox_made_ahead(pooled: Daemon, worktree: Path) -> None:
@@ -146,6 +146,8 @@ def test_a_policy_edited_since_the_sandbox_was_made_gets_a_new_one(pooled: Daemo
         (policies / "default.toml").write_text(text.replace('"/etc", "/opt",', '"/etc",'))
         with client.open_session(str(worktree)) as after:
             assert after.status()["protections"].get("made_ahead", False) is False
+            # The channel made for the sandbox let go of is closed; attach made one.
+            assert _channel_ahead(pooled, after.id) == "0"
             assert shell(after, "test -e /opt || echo gone").output == "gone\n"
     assert "event=pool_mismatch" in pooled.log()
 
