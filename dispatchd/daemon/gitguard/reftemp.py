@@ -53,26 +53,26 @@ def sweep(common: str, refs: list[str]) -> list[str]:
     removed: list[str] = []
     try:
         dirs = {os.path.dirname(name) for name in refs if "/" in name} | {""}
-        pending = ["refs/dispatchd/displaced"]
-        while pending and len(dirs) < _MAX_DIRS:
+        # The displaced refs' tree, each directory listed once: swept, and
+        # its subdirectories taken from the same listing.
+        pending, seen = ["refs/dispatchd/displaced"], 0
+        while pending and seen < _MAX_DIRS:
             rel = pending.pop()
             fd = _below(top, rel)
             if fd is None:
                 continue
-            try:
-                with os.scandir(fd) as scan:
-                    pending += [f"{rel}/{e.name}" for e in scan if e.is_dir(follow_symlinks=False)]
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-            dirs.add(rel)
+            seen += 1
+            dirs.discard(rel)
+            swept, below = _sweep_dir(fd, os.path.join(common, rel), subdirs=True)
+            removed += swept
+            pending += [f"{rel}/{name}" for name in below]
         for rel in sorted(dirs):
             fd = _below(top, rel)
             if fd is not None:
-                removed += _sweep_dir(fd, os.path.join(common, rel) if rel else common)
+                removed += _sweep_dir(fd, os.path.join(common, rel) if rel else common)[0]
     finally:
         os.close(top)
+    removed.sort()
     for gone in removed:
         log.info("event=ref_temporary_removed path=%s", gone)
     return removed
@@ -91,21 +91,29 @@ def _below(top: int, rel: str) -> int | None:
         os.close(at)
 
 
-def _sweep_dir(fd: int, path: str) -> list[str]:
-    """Our leftovers in the directory ``fd`` (``path``, for the log), which is closed."""
+def _sweep_dir(fd: int, path: str, subdirs: bool = False) -> tuple[list[str], list[str]]:
+    """Our leftovers in the directory ``fd`` (``path``, for the log), which is
+    closed, removed; and with ``subdirs``, the names of its subdirectories
+    (not a symlink), from the same listing."""
     removed: list[str] = []
+    below: list[str] = []
     try:
-        for name in os.listdir(fd):
-            if not _OURS.fullmatch(name):
+        with os.scandir(fd) as scan:
+            entries = list(scan)
+        for e in entries:
+            if subdirs and e.is_dir(follow_symlinks=False):
+                below.append(e.name)
+                continue
+            if not _OURS.fullmatch(e.name):
                 continue
             try:
-                if stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                    os.unlink(name, dir_fd=fd)
-                    removed.append(os.path.join(path, name))
+                if stat.S_ISREG(os.stat(e.name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    os.unlink(e.name, dir_fd=fd)
+                    removed.append(os.path.join(path, e.name))
             except OSError:
                 continue
     except OSError:
         pass
     finally:
         os.close(fd)
-    return removed
+    return removed, below
