@@ -77,7 +77,7 @@ def take_namespaces(plan: SessionPlan, msg: protocol.WorkerReady | protocol.Work
     with ``WorkerReady`` (first of its fds), when it has its own."""
     if not (plan.namespaces.user and plan.namespaces.net):
         return None
-    if not msg.namespaces:
+    if isinstance(msg, protocol.WorkerReady) and not msg.namespaces:  # WorkerNamespaces always brings them
         raise ConfinementError("network: namespaces", detail="the worker handed over no namespace descriptors")
     try:
         userns = control.take_fd()

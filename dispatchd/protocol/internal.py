@@ -83,7 +83,6 @@ class WorkerNamespaces(_Msg, tag="worker_namespaces", frozen=True):
 
     pid: int
     dns_door: bool = False
-    namespaces: bool = True  # as WorkerReady's: the fds are there
 
 
 class AdoptSession(_Msg, tag="adopt_session", frozen=True):
