@@ -62,7 +62,7 @@ def test_the_namespaces_come_first_and_the_rest_after(monkeypatch: pytest.Monkey
     got: list[int] = []
 
     def early(worker: Worker, control: protocol.FrameSocket, msg: protocol.WorkerNamespaces) -> None:
-        assert worker is said.worker and msg.namespaces
+        assert worker is said.worker and isinstance(msg, protocol.WorkerNamespaces)
         for _ in range(2):
             fd = control.take_fd()
             got.append(os.fstat(fd).st_ino)
