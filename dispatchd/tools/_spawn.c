@@ -239,8 +239,10 @@ dl_spawn_subreaper(PyObject *self, PyObject *args)
     int code = 0;
     ssize_t got = 0;
     pid_t pid = dl_error_pipe(fds) != 0 ? -1 : dl_vfork_run(child_after_vfork, &c, fds, &code, sizeof code, &got);
+    int saved = errno; /* EAGAIN at the process limit: BlockingIOError, which the caller tells apart */
     PyMem_Free(c.argv);
     PyMem_Free(c.envp);
+    errno = saved;
     if (pid < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     if (got != 0) { /* the exec failed (reaped): say why */

@@ -94,3 +94,38 @@ def test_descriptors_below_three_are_refused_before_any_process() -> None:
     with pytest.raises(ValueError, match="3 or above"):
         native.lines.spawn_subreaper(b"/bin/true", [b"true"], _ENV, b"/", 0, 1, 2, -1, -1)
     assert _children() == before
+
+
+def test_the_process_limit_is_a_blocking_io_error_and_its_twin_starts() -> None:
+    """At RLIMIT_NPROC the vfork fails with EAGAIN: BlockingIOError, which
+    the tool server tells from any other failure (its reserve, proctree).
+    Run in a child of this test, whose limit alone is lowered."""
+    import resource
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.close(r)
+            outcome = []
+            hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+            for limit in (1, hard):  # this user runs more than one process already
+                resource.setrlimit(resource.RLIMIT_NPROC, (limit, hard))
+                try:
+                    started = _spawn(["/bin/true"])
+                    os.waitpid(started, 0)
+                    outcome.append("started")
+                except BlockingIOError as exc:
+                    outcome.append(f"BlockingIOError {exc.errno}")
+                except OSError as exc:
+                    outcome.append(f"OSError {exc.errno}")
+            os.write(w, ",".join(outcome).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        said = f.read().decode()
+    os.waitpid(pid, 0)
+    if os.geteuid() == 0:
+        pytest.fail("run as root: RLIMIT_NPROC is not enforced (the suite runs as its test user)")
+    assert said == f"BlockingIOError {errno.EAGAIN},started", said
