@@ -333,6 +333,10 @@ class Opening(Pooling):
             pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if ahead else None
             try:
                 ready = self._adopt(session, plan, key, made, meanwhile, pair[1].fileno() if pair else -1)
+            except BaseException:
+                if pair is not None:
+                    pair[0].close()
+                raise
             finally:
                 if pair is not None:
                     pair[1].close()  # the worker has its own (or the sandbox is gone)
