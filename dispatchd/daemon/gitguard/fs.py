@@ -197,7 +197,7 @@ def open_dir_below(worktree: str, link: str, *, searchable: bool = False) -> int
     for part in link.split("/"):
         try:
             if searchable:
-                os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(os.stat(f"/proc/self/fd/{fd}").st_mode) | stat.S_IRWXU)
+                lend(fd)  # not given back: on the way to a quarantine (see above)
             nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
         except OSError as exc:
             os.close(fd)
@@ -223,10 +223,9 @@ def move_aside_at(dir_fd: int, name: str) -> str:
             os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return dst
         except PermissionError:
-            # A directory the session made read-only: ours to make writable.
-            # (An O_PATH descriptor cannot fchmod; /proc/self/fd names it.)
-            mode = os.stat(f"/proc/self/fd/{dir_fd}").st_mode
-            os.chmod(f"/proc/self/fd/{dir_fd}", stat.S_IMODE(mode) | stat.S_IRWXU)
+            # A directory the session made read-only: ours to make writable
+            # (and left so: what it held was moved aside).
+            lend(dir_fd)
     os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return dst
 
@@ -353,6 +352,22 @@ def _chunk_below(dir_fd: int, parts: list[str], lend: bool) -> int | None:
     return fd
 
 
+def lend(fd: int) -> int:
+    """The directory ``fd`` (an ``O_PATH`` descriptor will do: /proc/self/fd
+    names it) given its owner's rights, read, write and search (the user's,
+    so the daemon's: a session made it unsearchable or read-only); returns
+    its mode before, for ``give_back``."""
+    proc = f"/proc/self/fd/{fd}"
+    mode = stat.S_IMODE(os.stat(proc).st_mode)
+    os.chmod(proc, mode | stat.S_IRWXU)
+    return mode
+
+
+def give_back(fd: int, mode: int) -> None:
+    """The directory ``fd``'s mode as ``lend`` found it."""
+    os.chmod(f"/proc/self/fd/{fd}", mode)
+
+
 @contextlib.contextmanager
 def lent(dir_fd: int) -> Iterator[None]:
     """The directory ``dir_fd``, which the session made unsearchable, given
@@ -360,10 +375,8 @@ def lent(dir_fd: int) -> Iterator[None]:
     its mode put back right after, as the worktree walk lends them to a
     directory it lists (``runnables._Walk.open_dir``): the directories it
     reaches again by name are walked below one too, not the walk refused."""
-    proc = f"/proc/self/fd/{dir_fd}"
-    mode = stat.S_IMODE(os.stat(proc).st_mode)
-    os.chmod(proc, mode | stat.S_IRWXU)
+    mode = lend(dir_fd)
     try:
         yield
     finally:
-        os.chmod(proc, mode)
+        give_back(dir_fd, mode)

@@ -177,7 +177,7 @@ class _Walk:
         if lent is not None:
             path_fd, mode = lent
             try:
-                os.chmod(f"/proc/self/fd/{path_fd}", mode)
+                fs.give_back(path_fd, mode)
             finally:
                 os.close(path_fd)
 
@@ -192,9 +192,12 @@ class _Walk:
             pass
         path_fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
-            mode = stat.S_IMODE(os.fstat(path_fd).st_mode)
-            os.chmod(f"/proc/self/fd/{path_fd}", mode | stat.S_IRWXU)
-            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            mode = fs.lend(path_fd)
+            try:
+                fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except BaseException:
+                fs.give_back(path_fd, mode)  # not listed: as the session left it
+                raise
         except BaseException:
             os.close(path_fd)
             raise
