@@ -202,3 +202,40 @@ def test_directories_below_one_the_session_made_unsearchable_are_reached_again(
     finally:
         os.chmod(root / "x", 0o755)
         os.chmod(root / "x" / "c5" / "y", 0o755)
+
+
+def test_a_directory_lent_its_rights_gets_its_mode_back_when_its_listing_cannot_be_opened(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_Walk.open_dir``: the directory a session made mode 0 is lent its
+    owner's rights to be opened for listing; when that open fails (here the
+    descriptor table full, EMFILE, injected), its mode is the session's again
+    and the error is the walk's. The twin: opened, it is lent until given back."""
+    root = tmp_path / "wt"
+    (root / "x").mkdir(parents=True)
+    os.chmod(root / "x", 0)
+    walk = runnables._Walk(str(root), frozenset({".envrc"}), [], skip_root_git=False)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    real_open = os.open
+
+    def no_listing(path: object, *args: object, **kwargs: object) -> int:
+        if isinstance(path, str) and path.startswith("/proc/self/fd/"):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    try:
+        if os.access(root / "x", os.X_OK):
+            pytest.fail("the tests run as the unprivileged user (root searches a mode-0 directory)", pytrace=False)
+        with monkeypatch.context() as m:
+            m.setattr(runnables.os, "open", no_listing)
+            with pytest.raises(OSError) as info:
+                walk.open_dir(root_fd, "x")
+        assert info.value.errno == errno.EMFILE
+        assert os.stat(root / "x").st_mode & 0o777 == 0 and walk.lent == {}
+        fd = walk.open_dir(root_fd, "x")  # the twin
+        assert fd is not None and os.stat(root / "x").st_mode & 0o700 == 0o700
+        walk._give_back(fd)
+        os.close(fd)
+        assert os.stat(root / "x").st_mode & 0o777 == 0
+    finally:
+        os.close(root_fd)
+        os.chmod(root / "x", 0o755)
