@@ -220,13 +220,14 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
     plan, worktree and, when sent, the opener's channel: -1 if not). Leaves
     quietly when the daemon lets go of it; refuses a plan it was not made
     for (``pool_key``)."""
-    made_for_key = pool_key(made_for)  # now, while nothing waits
     # The daemon makes a sandbox with the plan of its likely session (the
     # kind's last open, as this one): an AdoptSession of these same bytes is
-    # that plan, taken as decoded and checked here (another is decoded and
-    # checked at adoption). Warm what adoption runs first (the split of the
-    # binds): the pages it touches are copied from the fork server now, not
-    # while a session waits.
+    # that plan, taken as it is; any other is decoded, and both keys are
+    # computed and compared then (at adoption, beside the daemon's longer
+    # join: computed here, for every sandbox, the key's objects cost each
+    # some 50-80 KiB of copied pages). Warm what adoption runs first (the
+    # split of the binds): the pages it touches are copied from the fork
+    # server now, not while a session waits.
     made_bytes = encode_plan(made_for)
     if made_for.mounts is not None:
         made_for.mounts.split_binds()
@@ -248,9 +249,10 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
         channel_fd = control.take_fd() if msg.channel else -1
     except protocol.ProtocolError as exc:
         raise ConfinementError("pool", detail=str(exc)) from exc
-    if made_for_key is not None and msg.plan == made_bytes:
-        return made_for, worktree_fd, channel_fd  # the same bytes: the plan it was made with, its key checked above
+    if msg.plan == made_bytes:
+        return made_for, worktree_fd, channel_fd  # the same bytes: the plan it was made with
     plan = decode_plan(msg.plan)
+    made_for_key = pool_key(made_for)
     if made_for_key is None or pool_key(plan) != made_for_key:
         for fd in (worktree_fd, channel_fd):
             if fd >= 0:
