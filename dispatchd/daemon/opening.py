@@ -132,10 +132,6 @@ class Opening(Pooling):
         session = Session("", held, policy, "")  # its id once its sandbox is chosen, below
         session.read_only = extra
         session.user_env, session.secret_names = user_env or {}, secret_names or []
-        # Not with an environment of the caller's: the tool server must have
-        # it (SetCommandEnv: secrets turn read_file's C lane off) before any
-        # channel of the session's is read.
-        session.attach_ahead = attach and not session.user_env
         session.ports = ports_of(session.policy, ports, bind_ports)
         session.domains = domains_for(session, rules)
         t = time.perf_counter()
@@ -159,7 +155,11 @@ class Opening(Pooling):
         # Held until it is in the table: its watch, should its worker end
         # meanwhile, sees it ready (and ends it) or closed (and leaves it).
         with session.lock:
-            self._open_locked(session, network, made, steps)
+            # The opener's channel goes with the session, not with an
+            # environment of the caller's: the tool server must have it
+            # (SetCommandEnv: secrets turn read_file's C lane off) before any
+            # channel of the session's is read.
+            self._open_locked(session, network, made, steps, channel_ahead=attach and not session.user_env)
             grace = lifetimes.effective_grace(policy.limits.orphan_grace_s, orphan_grace_s)
             cgroup_memory = bool(session.cgroup) and "memory" in self.delegation.controllers
             session.lifetime = protocol.LifetimeReport(
@@ -183,7 +183,7 @@ class Opening(Pooling):
         return session
 
     def _open_locked(self, session: Session, network: NetworkMode, made: Made | None,
-                     steps: dict[str, float]) -> None:
+                     steps: dict[str, float], *, channel_ahead: bool = False) -> None:
         """The opening session's scratch directory, baseline and worker; on
         failure, all of it goes (``open_failed``)."""
         policy, sid = session.policy, session.id
@@ -209,7 +209,7 @@ class Opening(Pooling):
             # Run by now, to its end, whenever the sandbox is ready (and when
             # not, it has either not begun or ended: nothing of it is left
             # running for a failure's _discard to race).
-            self._start_worker(session, network, made, steps, joining)
+            self._start_worker(session, network, made, steps, joining, channel_ahead=channel_ahead)
             steps["worker"] = (time.perf_counter() - t) * 1e3
             if not joining.ran:  # cannot be: the sandbox is ready only once it has run; refused loudly
                 raise WorktreeError(f"{session.worktree}: its baseline was not taken; no session opened",
@@ -305,13 +305,16 @@ class Opening(Pooling):
         return plan_for(inputs, made.planned if made is not None else None)
 
     def _start_worker(self, session: Session, network: NetworkMode, made: Made | None = None,
-                      steps: dict[str, float] | None = None, meanwhile: _Once | None = None) -> None:
+                      steps: dict[str, float] | None = None, meanwhile: _Once | None = None, *,
+                      channel_ahead: bool = False) -> None:
         """The session's sandbox, confined and ready: ``made`` (one made ahead,
         taken from the pool) when its plan is the one it was made for, or a
         new one. ``steps``: the open's, given its parts' milliseconds.
         ``meanwhile`` runs while the sandbox applies the session: on this
         thread for one made ahead (between the session sent and its report
-        read), beside a new one on a thread of its own."""
+        read), beside a new one on a thread of its own. ``channel_ahead``
+        (an open's, to be attached): a sandbox made ahead is sent the
+        opener's channel with the session (``Session.first_channel``)."""
         started = time.perf_counter()
         try:
             plan, key = self._plan_and_key(session, network, made)
@@ -324,13 +327,12 @@ class Opening(Pooling):
         planned = time.perf_counter()
         dns = self.networks.begin_dns_check(plan)
         ready = None
-        ahead, session.attach_ahead = session.attach_ahead, False  # the open's start only
         if made is not None:
             # The opener's channel goes with the session made ahead: its tool
             # server then serves it from its start, where an attach after the
             # reply found it setting up (a channel's thread started, a control
             # message read) while the first call waited.
-            pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if ahead else None
+            pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if channel_ahead else None
             try:
                 ready = self._adopt(session, plan, key, made, meanwhile, pair[1].fileno() if pair else -1)
             except BaseException:

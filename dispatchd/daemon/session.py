@@ -79,7 +79,6 @@ class Session:
         # (AdoptSession.channel) and handed to the opener by its attach: the
         # client's end, and the control channel of the tool server holding
         # the other (a channel to a sandbox since replaced is no channel).
-        self.attach_ahead = False  # wanted: an open that attaches (OpenSession.attach)
         self.first_channel: tuple[protocol.FrameSocket, socket.socket] | None = None
         self.lock = threading.Lock()  # one change of state, and the action it stands for, at a time
         self.send_lock = threading.Lock()  # one message at a time on the control channel
