@@ -303,6 +303,7 @@ class Napping(Ending):
         both under the session's lock: a switch cannot come in between."""
         sid = session.id
         with session.lock:
+            sent = False
             sandbox = session.sandbox
             go = decide(session.state, Op.ATTACH).action is Action.GO  # else closed meanwhile: why, below
             ahead = session.take_first_channel()  # the opener's, sent with the session
@@ -312,11 +313,7 @@ class Napping(Ending):
                         self.holders.hold(sid, holder)
                     return sandbox, ahead
                 ahead.close()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with session.lock:
-            sent = False
-            sandbox = session.sandbox
-            go = decide(session.state, Op.ATTACH).action is Action.GO  # else closed meanwhile: why, below
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             nap = session.nap
             if go and session.state is State.ASLEEP and nap is not None:
                 limit = max_channels(session.policy.limits.max_processes, session.policy.limits.max_open_files)
