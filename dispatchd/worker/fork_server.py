@@ -375,7 +375,7 @@ def _serve_one(req: protocol.ForkServerRequest, frames: protocol.FrameSocket, so
     if pid == 0:
         forkhooks.put_back()  # the worker starts threads: its own forks get every hook
         sock.close()
-        run_session(plan, program, control_fd, me, worktree_fd)
+        run_session(plan, program, control_fd, me, worktree_fd, req.plan)
     workers.add(pid)
     _close(control_fd, worktree_fd)
     try:

@@ -45,7 +45,7 @@ import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups, hygiene, landlock, limits, mounts, namespaces, netns, netstack, seccomp, ucounts
-from dispatchd.confine.plan import SessionPlan, can_sleep, decode_plan, encode_plan, pool_key
+from dispatchd.confine.plan import SessionPlan, can_sleep, decode_plan, pool_key
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import proctree
 from dispatchd.worker import reaper, wake
@@ -213,13 +213,13 @@ def _hand_over_namespaces(control: protocol.FrameSocket, fds: list[int], dns_doo
             os.close(fd)
 
 
-def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
+def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan, made_bytes: bytes,
                       clock: _Clock) -> tuple[SessionPlan, int, int]:
     """A sandbox made ahead (its namespaces handed over already, by
     ``confine_shared``'s ``early``): say so, and wait for the session (its
     plan, worktree and, when sent, the opener's channel: -1 if not). Leaves
     quietly when the daemon lets go of it; refuses a plan it was not made
-    for (``pool_key``)."""
+    for (``pool_key``). ``made_bytes``: ``made_for`` as the daemon encoded it."""
     # The daemon makes a sandbox with the plan of its likely session (the
     # kind's last open, as this one): an AdoptSession of these same bytes is
     # that plan, taken as it is; any other is decoded, and both keys are
@@ -228,7 +228,6 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
     # some 50-80 KiB of copied pages). Warm what adoption runs first (the
     # split of the binds): the pages it touches are copied from the fork
     # server now, not while a session waits.
-    made_bytes = encode_plan(made_for)
     if made_for.mounts is not None:
         made_for.mounts.split_binds()
     from dispatchd.worker.tool_server import warm_up  # pre-imported by the fork server
@@ -249,7 +248,7 @@ def _wait_for_session(control: protocol.FrameSocket, made_for: SessionPlan,
         channel_fd = control.take_fd() if msg.channel else -1
     except protocol.ProtocolError as exc:
         raise ConfinementError("pool", detail=str(exc)) from exc
-    if msg.plan == made_bytes:
+    if made_bytes and msg.plan == made_bytes:
         return made_for, worktree_fd, channel_fd  # the same bytes: the plan it was made with
     plan = decode_plan(msg.plan)
     made_for_key = pool_key(made_for)
@@ -281,8 +280,10 @@ def _kill_session(plan: SessionPlan) -> None:
                 pass
 
 
-def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int, worktree_fd: int) -> NoReturn:
-    """Entry point of the fork server's child. Never returns."""
+def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int, worktree_fd: int,
+                plan_bytes: bytes = b"") -> NoReturn:
+    """Entry point of the fork server's child. Never returns. ``plan_bytes``:
+    ``plan`` as the daemon encoded it (the request's)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -296,7 +297,7 @@ def run_session(plan: SessionPlan, program: bytes, control_fd: int, parent: int,
         held = confine_shared(plan, parent, keep, clock, [] if made_ahead else [worktree_fd],
                               early=functools.partial(_hand_over_namespaces, control) if made_ahead else None)
         if made_ahead:
-            plan, worktree_fd, channel_fd = _wait_for_session(control, plan, clock)
+            plan, worktree_fd, channel_fd = _wait_for_session(control, plan, plan_bytes, clock)
         skipped = confine_session(plan, program, keep, clock, worktree_fd, held, kit)
     except BaseException as exc:
         wake.fail(control, exc, "worker start")

@@ -35,7 +35,8 @@ def _adopt(made_for: Any, sent: bytes, tmp_path: Path) -> tuple[Any, list[int], 
 
     def run() -> None:
         try:
-            out["got"] = session_init._wait_for_session(worker, made_for, session_init._Clock())
+            made_bytes = encode_plan(made_for)  # as the fork server hands it on: the daemon's request's
+            out["got"] = session_init._wait_for_session(worker, made_for, made_bytes, session_init._Clock())
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             out["error"] = exc
 

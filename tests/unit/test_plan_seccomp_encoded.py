@@ -33,9 +33,9 @@ def test_the_seccomp_part_stays_bytes_and_every_other_field_is_decoded(encoded: 
 
 @pytest.mark.parametrize("network", ["off", "on"])
 def test_a_plan_decoded_so_encodes_to_the_daemons_bytes(encoded: None, network: str) -> None:
-    """A sandbox made ahead encodes the plan it was made with and takes an
-    AdoptSession of the same bytes as that plan (worker/session_init.py):
-    the daemon's plan and the sandbox's copy must encode alike."""
+    """Nothing of a plan is lost or reordered in the fork server's decode:
+    its copy encodes to the daemon's bytes (a sandbox made ahead compares an
+    AdoptSession's bytes with those of the plan it was made with)."""
     sent = encode_plan(plan(network=network))
     assert encode_plan(decode_plan(sent)) == sent
     # The twin: any other plan's bytes differ, and are decoded and checked.
