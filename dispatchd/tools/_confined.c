@@ -42,6 +42,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <signal.h>
@@ -156,14 +157,14 @@ prepare(Launch *l, PyObject *keep, int cgroup_fd, PyObject *limits, int ruleset_
     }
     l->nkeep = (int)n;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int fd = PyLong_AsLong(PyList_GET_ITEM(keep, i));
+        long fd = PyLong_AsLong(PyList_GET_ITEM(keep, i));
         if (fd == -1 && PyErr_Occurred())
             return -1;
-        if (fd < 3) {
+        if (fd < 3 || fd > INT_MAX) {
             PyErr_SetString(PyExc_ValueError, "spawn_confined: the descriptors kept must be 3 or above");
             return -1;
         }
-        l->keep[i] = fd;
+        l->keep[i] = (int)fd;
     }
     n = PyList_GET_SIZE(limits);
     if (n > MAX_LIMITS) {

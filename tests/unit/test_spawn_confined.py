@@ -207,6 +207,7 @@ def test_the_child_joins_the_cgroup_before_it_runs() -> None:
 
 @pytest.mark.parametrize("asked, words", [
     ({"keep": [1]}, "the descriptors kept must be 3 or above"),
+    ({"keep": [(1 << 32) + 5]}, "the descriptors kept must be 3 or above"),  # not taken for fd 5
     ({"program": b"1234567"}, "the seccomp program is not a whole BPF program"),
 ])
 def test_what_it_is_given_is_checked_before_the_vfork(asked: dict[str, object], words: str) -> None:
