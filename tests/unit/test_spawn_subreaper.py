@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dispatchd import procfs
 from dispatchd.tools import native
 from tests.unit.test_spawn_confined import run_to_end
 
@@ -43,8 +44,8 @@ def _run(command: str, cwd: str = "/", nproc: int = -1, nofile: int = -1) -> tup
 
 
 def _children() -> set[int]:
-    with open(f"/proc/self/task/{os.getpid()}/children", encoding="ascii") as f:
-        return {int(p) for p in f.read().split()}
+    """This process's children and theirs, zombies included: one left unreaped shows."""
+    return set(procfs.descendants(os.getpid())[1:])
 
 
 def test_a_command_runs_in_a_session_of_its_own_as_a_subreaper_under_its_limits(tmp_path: Path) -> None:
