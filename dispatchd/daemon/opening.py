@@ -409,8 +409,8 @@ class Opening(Pooling):
             control.close()
             raise
         session.control = control
-        if session.first_channel is not None and session.first_channel[0] is control:
-            session.added = 1  # AdoptSession's channel, counted as the worker counts it
+        if session.first_channel is not None:  # sent with AdoptSession, to this control's tool server
+            session.added = 1  # counted as the worker counts it
         session.network = network
         session.protections = msg.protections
         session.plan, session.kit = plan, kit
