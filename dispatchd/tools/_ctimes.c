@@ -9,10 +9,12 @@
  * fstatat whose ctime alone is kept: 0.26 ms, the kernel's part.
  *
  * What it returns is what the Python look returns, entry for entry: the
- * names as os.listdir gives them (decoded as the file system's names, so
- * an undecodable byte is one character), those of ``length`` characters or
- * in ``also``, each a directory itself (a symbolic link is not followed, and
- * is left out), its st_ctime_ns. An entry gone between the listing and its
+ * names as os.listdir gives them (decoded as the file system's names), those
+ * of ``hex_digits`` lowercase hexadecimal digits (git's fan-out directories:
+ * ``ab``) or in ``also``, each a directory itself (a symbolic link is not
+ * followed, and is left out), its st_ctime_ns. No other name is looked at:
+ * a session that fills ``objects`` with directories of other names costs a
+ * look their listing, not a stat each. An entry gone between the listing and its
  * stat is left out. The directory is read through a duplicate of ``fd``
  * (which shares its offset), from its start, and left rewound, as
  * os.listdir leaves it.
@@ -29,14 +31,26 @@
 
 #include "_lines.h"
 
-/* subdir_ctimes(fd, length, also) -> dict[str, int] */
+/* A name of exactly ``digits`` lowercase hexadecimal digits. */
+static int
+is_hex_name(const char *raw, Py_ssize_t digits)
+{
+    Py_ssize_t i = 0;
+    for (; raw[i] != '\0'; i++) {
+        if (i >= digits || !((raw[i] >= '0' && raw[i] <= '9') || (raw[i] >= 'a' && raw[i] <= 'f')))
+            return 0;
+    }
+    return i == digits;
+}
+
+/* subdir_ctimes(fd, hex_digits, also) -> dict[str, int] */
 PyObject *
 dl_subdir_ctimes(PyObject *self, PyObject *args)
 {
     int fd;
-    Py_ssize_t length;
+    Py_ssize_t digits;
     PyObject *also;
-    if (!PyArg_ParseTuple(args, "inO!", &fd, &length, &PyTuple_Type, &also))
+    if (!PyArg_ParseTuple(args, "inO!", &fd, &digits, &PyTuple_Type, &also))
         return NULL;
     int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0)
@@ -65,10 +79,11 @@ dl_subdir_ctimes(PyObject *self, PyObject *args)
             continue;
         if (entry->d_type != DT_DIR && entry->d_type != DT_UNKNOWN)
             continue; /* a file or a link: not a directory, as its stat would say */
+        int hex = is_hex_name(raw, digits);
         PyObject *name = PyUnicode_DecodeFSDefault(raw);
         if (name == NULL)
             goto fail;
-        int wanted = PyUnicode_GET_LENGTH(name) == length;
+        int wanted = hex;
         if (!wanted) {
             wanted = PySequence_Contains(also, name);
             if (wanted < 0) {

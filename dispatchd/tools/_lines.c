@@ -692,7 +692,7 @@ static PyMethodDef methods[] = {
     {"spawn_confined", dl_spawn_confined, METH_VARARGS,
      "Start a program by vfork and exec, confined in the child before its exec (_confined.c): its pid."},
     {"subdir_ctimes", dl_subdir_ctimes, METH_VARARGS,
-     "The ctime of each subdirectory of a directory fd, by name, those of a length or named (_ctimes.c)."},
+     "The ctime of each subdirectory of a directory fd, by name, those of so many hex digits or named (_ctimes.c)."},
     {NULL, NULL, 0, NULL},
 };
 

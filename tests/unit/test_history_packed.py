@@ -34,7 +34,27 @@ def _repo(path: Path, files: int = 12) -> Path:
 
 
 def _loose(objects: Path) -> set[str]:
-    return {f"{d.name}/{f.name}" for d in objects.iterdir() if len(d.name) == 2 for f in d.iterdir()}
+    return {f"{d.name}/{f.name}" for d in objects.iterdir() if history.is_object_dir(d.name) and d.name != "pack"
+            for f in d.iterdir()}
+
+
+def test_only_git_s_object_directories_are_kept_and_looked_at(tmp_path: Path) -> None:
+    """Directories of other names a session makes in ``objects`` (git reads
+    only ``ab``, lowercase, and ``pack``) are neither kept nor stamped: a
+    session cannot have the daemon copy what it puts there, nor stat
+    thousands of them at every open and close. The twin in the same
+    record: git's loose objects are kept, each."""
+    repo = _repo(tmp_path / "repo")
+    objects = repo / ".git" / "objects"
+    for name in ("zz", "AB", "0g", "\u00e9a"):
+        (objects / name).mkdir()
+        (objects / name / ("0" * 38)).write_text("not an object git reads")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    keep = Path(kept.keep)
+    assert _loose(objects) and _loose(keep) == _loose(objects)
+    assert sorted(d.name for d in keep.iterdir() if not history.is_object_dir(d.name)) == [history._STAMPS]
+    assert set(kept.stamps) == {d.name for d in objects.iterdir() if history.is_object_dir(d.name)}
+    assert not {"zz", "AB", "0g", "\u00e9a"} & set(kept.stamps)
 
 
 def test_objects_git_packed_meanwhile_are_put_back_unreported(tmp_path: Path) -> None:

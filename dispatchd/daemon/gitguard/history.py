@@ -130,8 +130,20 @@ def checked_out(gitdir: str) -> str:
     return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
 
 
+# git's object directories: the fan-out ones (``ab``: lowercase, as git names
+# them and looks them up) and ``pack``. Any other name a session makes in
+# ``objects`` is nothing git reads: not kept, not looked at (and, being plain
+# content, in a checkpoint: checkpoints/reading.py leaves out only these).
+_FANOUT = frozenset(f"{i:02x}" for i in range(256))
+
+
+def is_object_dir(name: str) -> bool:
+    """A directory of ``objects`` whose files are git's objects."""
+    return name in _FANOUT or name == "pack"
+
+
 def _stamps(objects: str) -> dict[str, int]:
-    """Each object directory (``ab``, ``pack``) -> its ctime in ns. Each is
+    """Each object directory (``is_object_dir``) -> its ctime in ns. Each is
     looked at below a descriptor of ``objects`` (no path walked again: a
     third less time for git's 257 directories); by the C helper where it is
     built (``tools/_ctimes.c``: the same entries, 0.41 -> 0.26 ms for 256
@@ -154,7 +166,7 @@ def _stamps_below(fd: int) -> dict[str, int]:
     """``_stamps`` in Python: the C helper's twin (tests/unit/test_ctimes.py)."""
     found: dict[str, int] = {}
     for name in os.listdir(fd):
-        if len(name) == 2 or name == "pack":
+        if is_object_dir(name):
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
@@ -288,7 +300,7 @@ def keep_more(objects_fd: int, keep: str, budget: list[int]) -> set[str]:
     ways = Ways()
     os.makedirs(keep, mode=0o700, exist_ok=True)
     for name in os.listdir(objects_fd):
-        if len(name) != 2 and name != "pack":
+        if not is_object_dir(name):
             continue
         try:
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
