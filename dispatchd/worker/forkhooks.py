@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import threading
 
 # (list, index, hook): the interpreter's at-fork lists and what was taken out.
@@ -35,13 +36,15 @@ _taken: list[tuple[list[object], int, object]] = []
 
 
 def _hooks() -> list[object]:
-    # Those os.register_at_fork was given (threading.py, logging/__init__.py,
-    # Python 3.11): the child's, then logging's before and after_in_parent pair.
+    # Those os.register_at_fork was given (threading.py, logging/__init__.py):
+    # the child's, then logging's before and after_in_parent pair, which
+    # Python 3.13 renamed (_acquireLock and _releaseLock on 3.11 and 3.12).
+    pair = ("_acquireLock", "_releaseLock") if sys.version_info < (3, 13) else ("_prepareFork", "_afterFork")
     names = (
         (threading, "_after_fork"),
         (logging, "_after_at_fork_child_reinit_locks"),
-        (logging, "_acquireLock"),
-        (logging, "_releaseLock"),
+        (logging, pair[0]),
+        (logging, pair[1]),
     )
     return [getattr(module, name) for module, name in names if hasattr(module, name)]
 

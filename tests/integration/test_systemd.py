@@ -140,20 +140,23 @@ def test_install_units_dry_run_prints_the_units_and_writes_nothing(home: Path) -
 
 
 def test_install_units_refuses_a_python_systemd_could_not_start_dispatchd_with(home: Path) -> None:
-    """/usr/bin/python3 reaches this checkout only through PYTHONPATH, which
-    systemd would not give it: no unit is written, and the message says why."""
+    """The venv's own interpreter (``/usr/bin/python3`` here; whichever the
+    venv was made from) reaches this checkout only through PYTHONPATH,
+    which systemd would not give it: no unit is written, and the message
+    says why."""
+    python = sys._base_executable  # the same version: it can load the venv's compiled packages
     site = next(Path(sys.prefix, "lib").glob("python3*/site-packages"))
     env = base_env(home, PYTHONPATH=f"{REPO}:{site}")
-    out = dispatchd_cli("install-units", env=env, python="/usr/bin/python3")
+    out = dispatchd_cli("install-units", env=env, python=python)
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert out.stdout == ""
-    assert out.stderr == ("dispatchd: /usr/bin/python3 cannot import dispatchd without this directory or "
+    assert out.stderr == (f"dispatchd: {python} cannot import dispatchd without this directory or "
                           "PYTHONPATH, as systemd would start it: install dispatchd for it (pip install .), "
                           "or run install-units with the Python it is installed for\n")
     assert not (home / ".config").exists()
-    dry = dispatchd_cli("install-units", "--dry-run", env=env, python="/usr/bin/python3")
-    assert dry.returncode == 0 and "ExecStart=/usr/bin/python3 -P -m dispatchd" in dry.stdout
-    assert dry.stderr.startswith("dispatchd: warning: /usr/bin/python3 cannot import dispatchd")
+    dry = dispatchd_cli("install-units", "--dry-run", env=env, python=python)
+    assert dry.returncode == 0 and f"ExecStart={python} -P -m dispatchd" in dry.stdout
+    assert dry.stderr.startswith(f"dispatchd: warning: {python} cannot import dispatchd")
 
 
 def test_uninstall_units_removes_the_units_and_the_enable_link(home: Path) -> None:

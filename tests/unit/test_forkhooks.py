@@ -17,15 +17,21 @@ _COMMON = """
 import gc, logging, os, threading
 from dispatchd.worker import forkhooks
 
+# The hooks by their names on this interpreter (logging's pair was renamed in 3.13).
+PAIR = ("_acquireLock", "_releaseLock") if hasattr(logging, "_acquireLock") else ("_prepareFork", "_afterFork")
+
 def registered():
-    hooks = (threading._after_fork, logging._after_at_fork_child_reinit_locks, logging._acquireLock,
-             logging._releaseLock)
+    hooks = (threading._after_fork, logging._after_at_fork_child_reinit_locks, getattr(logging, PAIR[0]),
+             getattr(logging, PAIR[1]))
     return [sum(r.count(h) for r in gc.get_referrers(h) if type(r) is list and r is not hooks) for h in hooks]
 """
 
 
 def run(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", _COMMON + textwrap.dedent(code)], capture_output=True, text=True)
+    # A bound: a case that fails with its second thread still waiting would
+    # otherwise never end.
+    out = subprocess.run([sys.executable, "-c", _COMMON + textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
