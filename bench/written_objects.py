@@ -1,8 +1,13 @@
 """What a session's private pages were written for, by the kind of object (root only).
 
     git apply bench/objmap.patch        # in a copy: the fork server maps its objects
-    ./scripts/bench --density 12 --hold 40 --pidfile /tmp/w.pids   # from that copy
-    sudo .venv/bin/python bench/written_objects.py /tmp/objmap-FS.txt $(head -6 /tmp/w.pids)
+    ./scripts/bench --density 16 --hold 40 --pidfile /tmp/w.pids   # from that copy
+    sudo .venv/bin/python bench/written_objects.py /tmp/objmap-FS.txt $(head -12 /tmp/w.pids)
+
+(FS: the fork server's pid. The pid file lists the pool's sandboxes made
+ahead too, last: leave those out, as ``head`` does here. A pid that has
+ended, or whose parent is not the fork server the map is of, is skipped
+and said.)
 
 For each page a worker holds alone (``private_pages.py``) and that differs
 from the fork server's page at the same address, each 8-byte word that
@@ -35,7 +40,20 @@ def main() -> int:
     rows = sorted((int(a), int(b), c.strip()) for a, b, c in
                   (line.split(None, 2) for line in open(sys.argv[1], encoding="utf-8")))
     starts = [r[0] for r in rows]
-    pids = [int(p) for p in sys.argv[2:]]
+    fork_server = int(os.path.basename(sys.argv[1]).removeprefix("objmap-").removesuffix(".txt"))
+    pids = []
+    for pid in map(int, sys.argv[2:]):
+        try:
+            parent = _parent(pid)
+        except OSError:
+            print(f"{pid}: ended, skipped", file=sys.stderr)
+            continue
+        if parent != fork_server:
+            print(f"{pid}: a child of {parent}, not of the fork server {fork_server}: skipped", file=sys.stderr)
+            continue
+        pids.append(pid)
+    if not pids:
+        return 2
 
     def owner(addr: int) -> tuple[str | None, int]:
         i = bisect.bisect_right(starts, addr) - 1

@@ -26,6 +26,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
@@ -277,7 +278,12 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
     catalogue.warm_conversions()  # once here, not at each session's first call of each tool
     # Single-threaded for good: threading's and logging's at-fork hooks would
     # only rebuild, in each worker, what is already right (forkhooks.py).
-    forkhooks.leave_out()
+    if not forkhooks.leave_out():
+        # Nothing breaks (every hook runs, as in any fork), but each sandbox
+        # writes more pages: said once, for whoever reads the log.
+        print(f"dispatchd: fork server: threading's and logging's at-fork hooks not found where Python "
+              f"{sys.version_info.major}.{sys.version_info.minor} keeps them; left in (each sandbox runs them)",
+              file=sys.stderr, flush=True)
     frames = protocol.FrameSocket(sock, fds=True)
     programs: dict[bytes, bytes] = {}
     workers: set[int] = set()

@@ -60,8 +60,8 @@ def leave_out() -> bool:
     found: list[tuple[list[object], int, object]] = []
     for hook in hooks:
         # The interpreter keeps them in plain lists (``before_forkers``,
-        # ``after_forkers_parent``, ``after_forkers_child``); _acquireLock and
-        # _releaseLock are also module globals, found through the same referrers.
+        # ``after_forkers_parent``, ``after_forkers_child``); logging's pair
+        # are also module globals, found through the same referrers.
         lists = [r for r in gc.get_referrers(hook) if type(r) is list and r is not hooks and r.count(hook) == 1]
         if len(lists) != 1:
             return False

@@ -140,10 +140,10 @@ def test_install_units_dry_run_prints_the_units_and_writes_nothing(home: Path) -
 
 
 def test_install_units_refuses_a_python_systemd_could_not_start_dispatchd_with(home: Path) -> None:
-    """The venv's own interpreter (``/usr/bin/python3`` here; whichever the
-    venv was made from) reaches this checkout only through PYTHONPATH,
-    which systemd would not give it: no unit is written, and the message
-    says why."""
+    """The interpreter the venv was made from (Debian's python3 here)
+    reaches this checkout only through PYTHONPATH, which systemd would not
+    give it: no unit is written, and the message says why. The suite runs
+    from a venv (scripts/test makes it), which this test needs."""
     python = sys._base_executable  # the same version: it can load the venv's compiled packages
     site = next(Path(sys.prefix, "lib").glob("python3*/site-packages"))
     env = base_env(home, PYTHONPATH=f"{REPO}:{site}")

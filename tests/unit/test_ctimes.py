@@ -23,7 +23,9 @@ def objects(tmp_path: Path) -> Path:
     """An object directory with what a session could leave in one."""
     top = tmp_path / "objects"
     top.mkdir()
-    for name in ("ab", "00", "ff", "pack", "info", "abc", "a", "zz", "AB", "0g", "packs"):
+    # Beside each of git's names, one just past it: a character on either
+    # side of 0-9 and a-f (":" and "`"), upper case, a longer or shorter name.
+    for name in ("ab", "00", "ff", "pack", "info", "abc", "a", "zz", "AB", "0g", "0:", "`a", "packs"):
         (top / name).mkdir()
     (top / "cd").write_text("a file")  # two characters, not a directory
     (top / "ef").symlink_to(top / "ab")  # a link to a directory: not followed

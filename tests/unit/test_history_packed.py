@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dispatchd.daemon.gitguard import history, objectstore, packed
+from dispatchd.tools import native
 from tests.unit.gitrepo import git
 
 pytestmark = pytest.mark.process  # git makes and packs the repositories
@@ -33,28 +36,80 @@ def _repo(path: Path, files: int = 12) -> Path:
     return path
 
 
+_FANOUT = re.compile(r"[0-9a-f]{2}")  # git's loose object directories, written out here, not taken from the code
+
+
 def _loose(objects: Path) -> set[str]:
-    return {f"{d.name}/{f.name}" for d in objects.iterdir() if history.is_object_dir(d.name) and d.name != "pack"
-            for f in d.iterdir()}
+    return {f"{d.name}/{f.name}" for d in objects.iterdir() if _FANOUT.fullmatch(d.name) for f in d.iterdir()}
 
 
-def test_only_git_s_object_directories_are_kept_and_looked_at(tmp_path: Path) -> None:
+_NOT_GITS = ("zz", "AB", "0g", "0:", "\u00e9a")
+
+
+def _with_other_dirs(objects: Path) -> None:
+    """Directories of names git reads no object from, each with a file named as an object would be."""
+    for name in _NOT_GITS:
+        (objects / name).mkdir()
+        (objects / name / ("0" * 38)).write_text("not an object git reads")
+
+
+@pytest.mark.parametrize("helper", ["C", "Python"])
+def test_only_git_s_object_directories_are_kept_and_looked_at(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              helper: str) -> None:
     """Directories of other names a session makes in ``objects`` (git reads
     only ``ab``, lowercase, and ``pack``) are neither kept nor stamped: a
     session cannot have the daemon copy what it puts there, nor stat
     thousands of them at every open and close. The twin in the same
-    record: git's loose objects are kept, each."""
+    record: git's loose objects are kept, each. By the C look and by the
+    Python one."""
+    if helper == "Python":
+        monkeypatch.setattr(native, "lines", None)
     repo = _repo(tmp_path / "repo")
     objects = repo / ".git" / "objects"
-    for name in ("zz", "AB", "0g", "\u00e9a"):
-        (objects / name).mkdir()
-        (objects / name / ("0" * 38)).write_text("not an object git reads")
+    _with_other_dirs(objects)
     kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
     keep = Path(kept.keep)
     assert _loose(objects) and _loose(keep) == _loose(objects)
-    assert sorted(d.name for d in keep.iterdir() if not history.is_object_dir(d.name)) == [history._STAMPS]
-    assert set(kept.stamps) == {d.name for d in objects.iterdir() if history.is_object_dir(d.name)}
-    assert not {"zz", "AB", "0g", "\u00e9a"} & set(kept.stamps)
+    others = {d.name for d in keep.iterdir() if not _FANOUT.fullmatch(d.name)}
+    assert history._STAMPS in others and others <= {history._STAMPS, "pack"}
+    assert set(kept.stamps) == {d.name for d in objects.iterdir() if _FANOUT.fullmatch(d.name) or d.name == "pack"}
+    assert not set(_NOT_GITS) & set(kept.stamps)
+
+
+def test_an_older_daemon_s_stamps_of_other_names_are_not_listed_again(tmp_path: Path) -> None:
+    """A keep whose stamps an older daemon wrote (naming ``zz`` too): the next
+    record neither lists ``zz`` nor keeps what a session put there since.
+    The twin: a fan-out directory of those stamps changed since is listed
+    again, its new object kept."""
+    repo = _repo(tmp_path / "repo")
+    objects = repo / ".git" / "objects"
+    _with_other_dirs(objects)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    stamps_file = Path(kept.keep) / history._STAMPS
+    stamps, stamped_ns = msgspec.json.decode(stamps_file.read_bytes(), type=tuple[dict[str, int], int])
+    stamps["zz"] = 1  # as an older daemon recorded it
+    stamps_file.write_bytes(msgspec.json.encode((stamps, stamped_ns)))
+    (objects / "zz" / ("1" * 38)).write_text("put there since")
+    (tmp_path / "new.txt").write_text("a new object\n")
+    new = git(repo, "hash-object", "-w", str(tmp_path / "new.txt")).strip()
+    again = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert not (Path(again.keep) / "zz").exists()
+    assert (Path(again.keep) / new[:2] / new[2:]).is_file()
+
+
+def test_a_checkpoint_s_keep_leaves_other_names_out(tmp_path: Path) -> None:
+    """``keep_more`` (a checkpoint's) keeps and lists git's object files only;
+    the twin: a loose object is kept and listed."""
+    repo = _repo(tmp_path / "repo")
+    objects = repo / ".git" / "objects"
+    _with_other_dirs(objects)
+    fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        present = history.keep_more(fd, str(tmp_path / "keep"), [1 << 30])
+    finally:
+        os.close(fd)
+    assert present == _loose(objects) | {f"pack/{p.name}" for p in (objects / "pack").iterdir()}
+    assert {p.name for p in (tmp_path / "keep").iterdir() if not _FANOUT.fullmatch(p.name)} <= {"pack"}
 
 
 def test_objects_git_packed_meanwhile_are_put_back_unreported(tmp_path: Path) -> None:

@@ -347,6 +347,8 @@ def record(common: str, keep: str, own: list[str]) -> History:
             last = msgspec.json.decode(index or "", type=tuple[dict[str, int], int]) if index else ({}, 0)
         except (msgspec.ValidationError, msgspec.DecodeError):
             last = ({}, 0)
+        # An older daemon stamped any two-character directory: only git's are looked at.
+        last = ({d: ns for d, ns in last[0].items() if is_object_dir(d)}, last[1])
         # Without a record of the last look, every directory is listed.
         dirs = _changed(last[0], last[1], stamps) if last[0] else set(stamps) | set(_stamps(keep))
         present = _files_in(objects, dirs)
