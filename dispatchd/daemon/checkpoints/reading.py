@@ -15,6 +15,7 @@ from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 
 from dispatchd.daemon.checkpoints.plan import Entry, Kind, _FANOUT, _FICLONE, _OBJECTS, _POOL
+from dispatchd.daemon.gitguard.history import is_object_dir  # the directories the history keeps
 
 
 # --- walking the worktree -------------------------------------------------------
@@ -45,11 +46,6 @@ def _budget_words(what: str) -> str:
     return f"the policy's [checkpoints] {what}"
 
 
-def _is_object_dir(name: bytes) -> bool:
-    """A directory of ``.git/objects`` that holds object files (``ab``, ``pack``)."""
-    return name == b"pack" or (len(name) == 2 and all(c in b"0123456789abcdef" for c in name))
-
-
 def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint", *,
               root_fd: int = -1) -> tuple[list[Entry], bool]:
     """Every entry below ``root``, but the object files of the repository at
@@ -66,7 +62,7 @@ def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint", *,
     root_b = os.fsencode(root)
 
     def prune(name: bytes, fd: int) -> bool:
-        if paths[fd] == _OBJECTS and _is_object_dir(name):
+        if paths[fd] == _OBJECTS and is_object_dir(os.fsdecode(name)):
             return True
         expected.append(paths[fd] + b"/" + name if paths[fd] else name)
         return False

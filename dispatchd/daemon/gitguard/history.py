@@ -133,7 +133,7 @@ def checked_out(gitdir: str) -> str:
 # git's object directories: the fan-out ones (``ab``: lowercase, as git names
 # them and looks them up) and ``pack``. Any other name a session makes in
 # ``objects`` is nothing git reads: not kept, not looked at (and, being plain
-# content, in a checkpoint: checkpoints/reading.py leaves out only these).
+# content, in a checkpoint: checkpoints/reading.py leaves out these alone).
 _FANOUT = frozenset(f"{i:02x}" for i in range(256))
 
 
