@@ -63,6 +63,7 @@ from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.spawn import ForkServerClient
 from dispatchd.daemon.switching import Switching
 from dispatchd.daemon.writelock import WriteLocks
+from dispatchd.daemon.writers import Writers
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
 
@@ -121,7 +122,8 @@ class SessionManager(Switching):
         self.uid, self.gid = os.getuid(), os.getgid()
         self.home = os.path.expanduser("~")
         self._sessions = {}
-        self.write_locks = WriteLocks()  # one writer per worktree
+        # One writer per worktree, across every daemon on this state directory (writers.py).
+        self.write_locks = WriteLocks(Writers(os.path.join(state_dir, "writers")))
         # A restore a killed daemon cut half way is finished first: the worktree as
         # the checkpoint had it before its baseline is re-checked (daemon/checkpoints/journal.py).
         # What became of each is shown by status, beside what the baselines' checks did.
