@@ -47,8 +47,11 @@ the check, the TCP retry).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import logging
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -186,23 +189,32 @@ class DnsRelay:
         self._checked: tuple[float, list[Server], bool] | None = None
 
     def session_file(self, state_dir: str) -> str:
-        """The resolv.conf sessions bind (in the daemon's state directory,
-        written now, atomically); its real path. When the host's search list
-        changes it is rewritten in place (a bind holds the inode), so that
-        sessions open already read the new one."""
+        """The resolv.conf sessions bind (in the daemon's state directory);
+        its real path. Made whole (a temporary file of this daemon's, renamed)
+        when there is none; one there already is rewritten in place, as it is
+        when the host's search list changes: a bind holds the inode, and
+        another daemon on the state directory may have bound it into its
+        sessions (replaced, they would read the old one for good; their
+        texts are the same, the host's)."""
         path = os.path.join(os.path.realpath(state_dir), "dns-resolv.conf")
-        tmp = path + ".tmp"
         self.resolvers.servers()  # read the host's file
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(resolv_conf_text(self.resolvers.kept))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        text = resolv_conf_text(self.resolvers.kept)
+        if not _rewrite_in_place(path, text):
+            tmp = f"{path}.{secrets.token_hex(4)}.tmp"  # two daemons starting at once write one each
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
 
         def rewrite(kept: list[str]) -> None:
             try:
-                with open(path, "r+", encoding="utf-8") as f:
-                    f.write(resolv_conf_text(kept))
-                    f.truncate()
+                if not _rewrite_in_place(path, resolv_conf_text(kept)):
+                    raise FileNotFoundError(errno.ENOENT, "gone")
             except OSError as exc:
                 log.warning("event=dns_resolv_conf_rewrite_failed path=%s error=%s", path, exc.strerror)
 
@@ -298,3 +310,20 @@ class DnsRelay:
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _rewrite_in_place(path: str, text: str) -> bool:
+    """``text`` written over the file at ``path`` (its inode kept); False
+    when there is none. The same text over the same bytes reads the same
+    to a session reading it meanwhile."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        data = text.encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+    return True

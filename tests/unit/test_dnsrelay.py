@@ -4,6 +4,7 @@ a responder of the test's (no namespace: a door's sockets made here)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import struct
@@ -60,6 +61,31 @@ def test_the_session_file_follows_the_hosts_search_list(tmp_path: Path):
         assert "search two.example\n" in Path(path).read_text() and os.stat(path).st_ino == inode  # in place
     finally:
         relay.stop()
+
+
+def test_two_daemons_on_one_state_directory_share_the_session_file(tmp_path: Path):
+    """The second daemon's start rewrites the file in place: the first one's
+    sessions, which bind its inode, read what it says from then on too; and
+    two starting at once each write a temporary file of their own."""
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("search one.example\nnameserver 10.0.0.1\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    relays = [dnsrelay.DnsRelay(str(conf)) for _ in range(2)]
+    try:
+        first = relays[0].session_file(str(state))
+        inode = os.stat(first).st_ino
+        assert relays[1].session_file(str(state)) == first and os.stat(first).st_ino == inode
+        assert "search one.example\n" in Path(first).read_text()
+        os.unlink(first)  # none there: each of two at once makes it whole
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            for _ in range(20):
+                assert list(ex.map(lambda r: r.session_file(str(state)), relays)) == [first, first]
+        assert Path(first).read_text().count("search one.example\n") == 1
+        assert sorted(os.listdir(state)) == ["dns-resolv.conf"]  # no temporary file left
+    finally:
+        for relay in relays:
+            relay.stop()
 
 
 def test_ports_only_with_the_testing_option():
