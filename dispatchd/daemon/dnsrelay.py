@@ -199,6 +199,7 @@ class DnsRelay:
         path = os.path.join(os.path.realpath(state_dir), "dns-resolv.conf")
         self.resolvers.servers()  # read the host's file
         text = resolv_conf_text(self.resolvers.kept)
+        _remove_stale_temporaries(path)
         if not _rewrite_in_place(path, text):
             tmp = f"{path}.{secrets.token_hex(4)}.tmp"  # two daemons starting at once write one each
             try:
@@ -327,3 +328,22 @@ def _rewrite_in_place(path: str, text: str) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+STALE_TMP_S = 60.0  # a temporary file this old was left by a daemon killed between its write and rename
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """``PATH.HEX.tmp`` files a daemon killed half way left (another one's,
+    being written now, is a few microseconds old: kept)."""
+    directory, name = os.path.split(path)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    now = time.time()
+    for found in names:
+        if found.startswith(name + ".") and found.endswith(".tmp"):
+            with contextlib.suppress(OSError):
+                if now - os.lstat(os.path.join(directory, found)).st_mtime > STALE_TMP_S:
+                    os.unlink(os.path.join(directory, found))

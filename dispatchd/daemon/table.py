@@ -181,6 +181,19 @@ class SessionTable:
             return protocol.ErrorReply(id=rid, code="write_locked", message=(
                 f"the worktree {session.worktree} is being written by session {holder} (opened {since}); "
                 "only one session at a time may write a worktree: close that session, or use this one to read"))
+        with self._lock:
+            # Out of the table, and not for being still opened (its watch
+            # serves its first calls before the open puts it there): its end
+            # has taken it out, and released its locks or is about to.
+            gone = self._sessions.get(session.id) is not session and session.state is not State.OPENING
+        if gone:
+            # Granted after that release (a checkpoint's grant runs on a
+            # thread of its own): given back here. In either order no lock
+            # outlives its session; one its end may still need (its sweep,
+            # under it) is never taken from it, as it is still in the table.
+            self.write_locks.release(session.id)
+            return protocol.ErrorReply(id=rid, code="session_ended", message=(
+                f"the worktree {session.worktree}: session {session.id} has ended"))
         session.writes = True
         log.info("event=write_lock session=%s worktree=%s", session.id, session.worktree)
         return protocol.WriteLockGranted(id=rid, swept=swept)

@@ -97,8 +97,11 @@ class Writers:
                     return entry, False
             log = self._read_log()
             stands = mark is not None and log is not None and self._stands(mark, log, worktree)
-            self._put(session, "held", worktree)
+            # The log first: a grant logged whose entry then fails only keeps
+            # a mark from standing; an entry left whose grant failed would
+            # hold the worktree for a session that holds nothing.
             self._log_grant(log, worktree)
+            self._put(session, "held", worktree)
         return None, stands
 
     def give_back(self, session: str) -> None:
@@ -143,7 +146,7 @@ class Writers:
 
     def _live(self) -> list[Foreign]:
         """The other daemons' entries whose files are locked; those that are
-        not (their daemon is gone) and leftover temporary files removed."""
+        not (their daemon is gone) removed."""
         found: list[Foreign] = []
         try:
             names = os.listdir(self.dir)
@@ -192,12 +195,13 @@ class Writers:
         kept the held one) is kept."""
         if (session, kind) in self._fds:
             return
-        text = json.dumps({"session": session, "pid": self.pid, "worktree": worktree, "since": time.time()})
+        data = json.dumps({"session": session, "pid": self.pid, "worktree": worktree, "since": time.time()}).encode()
         path = os.path.join(self.dir, f"{self.token}.{session}.{kind}")
+        _unlink(path)  # one this daemon could not remove before (its name is ours alone, and unlocked)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
-            os.write(fd, text.encode())
+            _write_whole(fd, data)
         except BaseException:
             _unlink(path)
             os.close(fd)
@@ -210,7 +214,7 @@ class Writers:
             try:
                 _unlink(os.path.join(self.dir, f"{self.token}.{session}.{kind}"))  # gone before unlocked
             except OSError:
-                pass  # left unlocked: the next look removes it
+                pass  # left unlocked: the other daemons' next look removes it, this one's next _put
             os.close(fd)
 
     def _read_log(self) -> _Log | None:
@@ -237,7 +241,7 @@ class Writers:
         fd = os.open(os.path.join(self.dir, "grants"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         try:
-            os.pwrite(fd, data, 0)
+            _write_whole(fd, data)
             os.ftruncate(fd, len(data))
         finally:
             os.close(fd)
@@ -285,6 +289,13 @@ class _Mutex:
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
         self.fd = -1
+
+
+def _write_whole(fd: int, data: bytes) -> None:
+    """``data`` at the file's start, all of it, or OSError (a short write:
+    the file system full)."""
+    if os.pwrite(fd, data, 0) != len(data):
+        raise OSError(errno.ENOSPC, "a short write")
 
 
 def _unlink(path: str) -> None:

@@ -6,6 +6,7 @@ once (dispatchd/daemon/writers.py)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, shell
+from tests.conftest import Daemon, shell, wait_for_pool, wait_until
 
 
 @pytest.fixture
@@ -118,3 +119,67 @@ def test_a_killed_daemon_s_lock_is_gone_with_it(two: tuple[Daemon, Daemon], work
         c1.close()
         assert shell(s2, "touch by-second").is_success
         assert (worktree / "by-second").exists()
+
+
+def _writers_dir(d: Daemon) -> Path:
+    return d.state / "dispatchd" / "writers"
+
+
+def test_a_grant_that_cannot_be_recorded_is_refused(two: tuple[Daemon, Daemon], worktree: Path) -> None:
+    """Fail closed: the other daemons could not be told, so the session reads only."""
+    first, _ = two
+    with first.connect() as c1, c1.open_session(str(worktree)) as s1, c1.open_session(str(worktree)) as s2:
+        assert shell(s1, "true").is_success  # the table exists
+        s1.close()
+        _writers_dir(first).chmod(0o500)
+        try:
+            refused = s2.registry.get("write_file").call({"path": "a.txt", "content": "x"})
+        finally:
+            _writers_dir(first).chmod(0o700)
+        assert refused.error == (f"write_file: the worktree {worktree}: its write lock could not be recorded for "
+                                 "the other daemons on this state directory (Permission denied); this session may "
+                                 "only read it"), refused.error
+        assert not (worktree / "a.txt").exists()
+        # The twin: recorded, it writes.
+        assert s2.registry.get("write_file").call({"path": "a.txt", "content": "x"}).is_success
+
+
+def test_an_entry_that_cannot_be_read_refuses_every_worktree(two: tuple[Daemon, Daemon], worktree: Path) -> None:
+    """A locked entry of another daemon's that does not parse (never written
+    so: each is whole before it is seen) holds everything while it stands."""
+    first, _ = two
+    with first.connect() as c1, c1.open_session(str(worktree)) as s1:
+        assert s1.registry.get("read_file").call({"path": "README.md"}).is_success
+        _writers_dir(first).mkdir(mode=0o700, exist_ok=True)
+        planted = _writers_dir(first) / "999-00000000.000000000000.held"
+        fd = os.open(planted, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, b"{not json")
+            refused = s1.registry.get("write_file").call({"path": "a.txt", "content": "x"})
+            assert refused.error.startswith(f"write_file: the worktree {worktree} is being written by a session "
+                                            "of another dispatchd, on this state directory; "), refused.error
+        finally:
+            os.close(fd)
+        assert s1.registry.get("write_file").call({"path": "a.txt", "content": "x"}).is_success  # unlocked: gone
+        assert not planted.exists()
+
+
+def test_writing_sessions_leave_no_descriptor_and_no_entry(two: tuple[Daemon, Daemon], worktree: Path) -> None:
+    first, _ = two
+    with first.connect() as c1:
+        with c1.open_session(str(worktree)) as s:
+            assert shell(s, "true").is_success  # the first grant: what a grant opens for good, if anything
+        wait_for_pool(c1, "default/off", 2)  # the pool's sandboxes hold descriptors of the daemon's too
+        fds = len(os.listdir(f"/proc/{first.proc.pid}/fd"))
+        for i in range(5):
+            with c1.open_session(str(worktree)) as s:
+                assert s.registry.get("write_file").call({"path": "a.txt", "content": f"{i}"}).is_success
+                s.release_write_lock()
+                assert shell(s, f"echo {i} > b.txt").is_success
+                assert sorted(n.rpartition(".")[2] for n in os.listdir(_writers_dir(first)) if n[0] != ".") == \
+                    ["grants", "held", "loose"]  # held again, and loose since the release: its processes live
+        wait_for_pool(c1, "default/off", 2)
+        assert wait_until(lambda: len(os.listdir(f"/proc/{first.proc.pid}/fd")) == fds), \
+            (fds, os.listdir(f"/proc/{first.proc.pid}/fd"))
+        assert sorted(os.listdir(_writers_dir(first))) == [".mutex", "grants"]

@@ -301,3 +301,42 @@ def test_a_give_back_that_cannot_be_recorded_keeps_the_lock_held_for_the_others(
         os.chmod(tmp_path / "w", 0o700)
     one.release("s1")
     assert two.acquire("t1", "/home/u/wt") is None  # the twin: gone at its end
+
+
+def test_a_grant_whose_log_cannot_be_written_leaves_no_entry(tmp_path: Path) -> None:
+    """The log is written before the entry: a grant that fails there holds
+    nothing for the other daemons; the twin, the log writable again, holds."""
+    if os.geteuid() == 0:
+        pytest.fail("run the unit tests as an ordinary user: root writes anywhere (./scripts/test)")
+    a, b = _two(tmp_path)
+    assert a.grant("s0", "/elsewhere")[0] is None  # the log exists
+    (tmp_path / "w" / "grants").chmod(0o400)
+    with pytest.raises(PermissionError):
+        a.grant("s1", "/home/u/wt")
+    assert not [n for n in os.listdir(tmp_path / "w") if ".s1." in n]
+    (tmp_path / "w" / "grants").chmod(0o600)
+    assert b.grant("s2", "/home/u/wt")[0] is None  # nothing of s1's holds it
+    b.release("s2")
+    assert a.grant("s1", "/home/u/wt")[0] is None
+    assert b.grant("s2", "/home/u/wt")[0] is not None
+
+
+def test_an_entry_written_short_is_not_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short write (the file system full) fails the grant: an entry cut
+    short would be read by the others as one that holds every worktree."""
+    a, b = _two(tmp_path)
+    real = os.pwrite
+    monkeypatch.setattr(writers.os, "pwrite", lambda fd, data, at: real(fd, data[:5], at))
+    with pytest.raises(OSError, match="a short write"):
+        a.grant("s1", "/home/u/wt")
+    monkeypatch.undo()
+    assert not [n for n in os.listdir(tmp_path / "w") if ".s1." in n]
+    assert b.grant("s2", "/home/v")[0] is None  # the twin: nothing of a's holds anything
+
+
+def test_an_entry_of_its_own_it_could_not_remove_is_made_again(tmp_path: Path) -> None:
+    a = Writers(str(tmp_path / "w"), pid=111)
+    assert a.grant("s0", "/x")[0] is None  # the directory exists
+    (tmp_path / "w" / f"{a.token}.s1.held").write_text("{}")  # left unlocked: an unlink that failed
+    assert a.grant("s1", "/home/u/wt")[0] is None
+    assert json.loads((tmp_path / "w" / f"{a.token}.s1.held").read_text())["worktree"] == "/home/u/wt"
