@@ -5,14 +5,17 @@ Guarantees:
   interpreter): never a ``dispatchd`` of the current directory (a worktree an
   agent wrote);
 - its output goes to the state directory's ``dispatchd.log`` (made private
-  first), and a start that fails says why: its exit status and the log's
-  last line, as soon as it exits, or after ``timeout`` seconds at most;
+  first), or, for a socket other than the default one, ``dispatchd-HASH.log``
+  (``log_name``: two daemons would rotate one file under each other), and a
+  start that fails says why: its exit status and the log's last line, as
+  soon as it exits, or after ``timeout`` seconds at most;
 - the socket, found or started, is checked as ``_transport.try_connect``
   checks every socket before anything is sent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -38,13 +41,23 @@ def _python() -> list[str]:
     return [sys.executable, *flags]
 
 
+def log_name(path: str) -> str:
+    """The log file of the daemon autostarted on ``path``: ``dispatchd.log``
+    for the default socket, ``dispatchd-`` and 8 hex digits of the socket's
+    path's SHA-256 for any other. Each daemon rotates its own file (at 10
+    MiB, renaming it): two on one file would move it from under each other."""
+    if path == paths.default_socket_path():
+        return "dispatchd.log"
+    return f"dispatchd-{hashlib.sha256(os.fsencode(path)).hexdigest()[:8]}.log"
+
+
 def _start_daemon(path: str) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``dispatchd`` in the background on ``path``; returns it and its log file.
     From ``/`` and with ``-P``: a ``dispatchd`` package in the caller's
     directory (a worktree an agent wrote) is never what runs."""
     log_dir = paths.state_dir()
     paths.ensure_private_dir(log_dir)
-    log_path = os.path.join(log_dir, "dispatchd.log")
+    log_path = os.path.join(log_dir, log_name(path))
     with open(log_path, "ab") as log:
         # The daemon rotates its log (--log-file); stderr stays for what comes
         # before logging starts (a refused start), read back below.

@@ -8,6 +8,7 @@ alone on a line, the command's own status from ``exec`` (124 on a timeout),
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -469,7 +470,10 @@ def test_autostart_starts_a_daemon(tmp_path: Path) -> None:
         assert _alive(pid) and listening(sock)
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert b"dispatchd" in cmdline and sock.encode() in cmdline
-        assert (tmp_path / "state" / "dispatchd" / "dispatchd.log").is_file()
+        # Its own log, named by its socket (not the default one's: two daemons would rotate one file).
+        log = f"dispatchd-{hashlib.sha256(sock.encode()).hexdigest()[:8]}.log"
+        assert sorted(p.name for p in (tmp_path / "state" / "dispatchd").glob("*.log")) == [log]
+        assert "event=kernel" in (tmp_path / "state" / "dispatchd" / log).read_text()
         # Now it answers: the next command uses it and starts no other.
         out = dispatch_cli("--socket", sock, "--no-autostart", "status", "--json", env=env)
         assert out.returncode == 0 and json.loads(out.stdout)["pid"] == pid
