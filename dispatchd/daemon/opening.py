@@ -36,7 +36,7 @@ from dispatchd import envnames, protocol, threads
 from dispatchd import domains
 from dispatchd.confine import cgroups
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan
-from dispatchd.daemon import gitguard, lifetimes, watchdog
+from dispatchd.daemon import claims, gitguard, lifetimes, watchdog
 from dispatchd.daemon.beside import Beside  # the baseline taken while the sandbox starts
 from dispatchd.daemon.dnsrelay import session_resolv_binds
 from dispatchd.daemon.lifecycle import Event
@@ -202,6 +202,7 @@ class Opening(Pooling):
             # lock's grant waits for it; docs/git-protection.md, "When the
             # baseline is on disk"). Refused: the except below stops the
             # sandbox, which ran no call.
+            claims.claim(self.in_use, self.baselines, session, self.state_dir, self.restores_at_start)
             joining = _Once(functools.partial(
                 self.baselines.join, sid, session.worktree, session.git, session.git_before,
                 session.redirects_before, tuple(policy.protect.paths), defer=True),

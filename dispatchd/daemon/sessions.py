@@ -46,6 +46,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -63,7 +64,7 @@ from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.spawn import ForkServerClient
 from dispatchd.daemon.switching import Switching
 from dispatchd.daemon.writelock import WriteLocks
-from dispatchd.daemon.writers import Writers
+from dispatchd.daemon.inuse import InUse
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
 
@@ -114,6 +115,7 @@ class SessionManager(Switching):
         self._last_inputs = {}
         # What every plan is made of beside the session's own (planahead.py).
         self.kernel, self.load_policy, self.base_env, self.delegation = kernel, load_policy, base_env, delegation
+        self.state_dir = state_dir
         self.sessions_dir = os.path.join(state_dir, "sessions")
         # What a worktree or an extra read-only path may not be, nor hold (worktree.py).
         self.protected, self.private = protected, private
@@ -122,13 +124,14 @@ class SessionManager(Switching):
         self.uid, self.gid = os.getuid(), os.getgid()
         self.home = os.path.expanduser("~")
         self._sessions = {}
-        # One writer per worktree, across every daemon on this state directory (writers.py).
-        self.write_locks = WriteLocks(Writers(os.path.join(state_dir, "writers")))
+        self.write_locks = WriteLocks()  # one writer per worktree
+        # The worktrees this daemon's sessions use, for the other daemons on the state directory (claims.py).
+        self.in_use: InUse | None = InUse(os.path.join(state_dir, "inuse"))
         # A restore a killed daemon cut half way is finished first: the worktree as
         # the checkpoint had it before its baseline is re-checked (daemon/checkpoints/journal.py).
         # What became of each is shown by status, beside what the baselines' checks did.
         self.restores_at_start = [gitguard.Protected(path=path, why=why, time=time.time())
-                                  for path, why in checkpoints.finish_restores(state_dir)]
+                                  for path, why in checkpoints.finish_restores(state_dir, self.in_use)]
         # One trusted baseline per worktree, on disk (gitguard/baselines.py); the
         # checks a daemon that died left are finished before anything opens.
         self.baselines = gitguard.Baselines(state_dir, self.home)
@@ -136,6 +139,9 @@ class SessionManager(Switching):
         self.baselines.later = afterwards.later  # the last end's record removed after the reply
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
+        if self.in_use is not None:  # the dead daemons' sessions' claims: their baselines are checked above
+            with contextlib.suppress(OSError):
+                self.in_use.forget_dead()
         # Checkpoints of sessions' worktrees, their objects in the baselines' keep (daemon/checkpoints/).
         self.checkpoints = checkpoints.Store(state_dir, self.baselines.keep_dir)
         self.checkpoints.later = afterwards.later  # a done restore's record removal made durable after the reply

@@ -40,7 +40,8 @@ from dispatchd.daemon.session import READY_TIMEOUT_S, Session
 from dispatchd.daemon.sessionnet import SessionNetworks
 from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.spawn import ForkServerClient
-from dispatchd.daemon.writelock import Foreign, WriteLocks
+from dispatchd.daemon.inuse import InUse
+from dispatchd.daemon.writelock import WriteLocks
 from dispatchd.errors import SessionError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
@@ -71,6 +72,9 @@ class SessionTable:
     home: str
     accepting: bool  # False once the daemon stops: no open, no sleep
     write_locks: WriteLocks
+    in_use: InUse | None  # the worktrees its sessions use, for the other daemons on the state directory
+    state_dir: str
+    restores_at_start: list[gitguard.Protected]  # and those a dead daemon left, finished at a related open
     baselines: gitguard.Baselines
     checkpoints: CheckpointStore
     holders: lifetimes.Holders
@@ -127,8 +131,11 @@ class SessionTable:
         self.holders.forget(session.id)
         with self._lock:
             self._sessions.pop(session.id, None)
-        # Its processes are gone (stopped before this): the next may write.
+        # Its processes are gone (stopped before this): the next may write,
+        # and another daemon's sessions may use its worktree (claims.py).
         self.write_locks.release(session.id)
+        if self.in_use is not None:
+            self.in_use.release(session.id)
         session.writes = False
 
     def send_command_env(self, session: Session, set_env: dict[str, str], unset: list[str]) -> None:
@@ -160,20 +167,7 @@ class SessionTable:
         if not_durable is not None:
             return protocol.ErrorReply(id=rid, code="baseline_not_durable", message=(
                 f"the worktree {session.worktree}: {not_durable}; this session may only read it"))
-        try:
-            holder, swept = self.write_locks.grant(session.id, session.worktree)
-        except OSError as exc:  # the other daemons on the state directory could not be told: refused
-            log.warning("event=write_lock_unrecorded session=%s error=%s", session.id, exc)
-            return protocol.ErrorReply(id=rid, code="write_lock_unrecorded", message=(
-                f"the worktree {session.worktree}: its write lock could not be recorded for the other daemons "
-                f"on this state directory ({exc.strerror or exc}); this session may only read it"))
-        if isinstance(holder, Foreign):
-            since = time.strftime("%H:%M:%S", time.localtime(holder.since)) if holder.since else "?"
-            who = (f"session {holder.session} of another dispatchd (pid {holder.pid}; holds it since {since})"
-                   if holder.pid else "a session of another dispatchd")
-            return protocol.ErrorReply(id=rid, code="write_locked", message=(
-                f"the worktree {session.worktree} is being written by {who}, on this state directory; "
-                "only one session at a time may write a worktree: close that session, or use this one to read"))
+        holder, swept = self.write_locks.grant(session.id, session.worktree)
         if holder is not None:
             with self._lock:
                 other = self._sessions.get(holder)

@@ -366,3 +366,29 @@ def test_a_listing_bound_to_a_descriptor_lists_that_directory_not_the_path(tmp_p
     paths = {e.path for e in bound}
     assert {os.fsencode(p) for p in _tree(wt)} <= paths and b"decoy" not in paths
     assert b"decoy" in {e.path for e in by_path}  # the twin: by path, the path's directory
+
+
+def test_a_cut_restore_is_not_finished_under_another_daemon_s_session(state, tmp_path, monkeypatch, caplog):
+    """Another daemon on the state directory has a session on the worktree
+    (daemon/inuse.py): finishing the restore would write under it; the
+    record is kept for the next start. The twin: once that session has
+    ended, the restore is finished, the worktree claimed meanwhile."""
+    from dispatchd.daemon.inuse import InUse
+
+    store, wt, cid, before = _failed_restore(state, tmp_path, monkeypatch)
+    _die(store, "s1")
+    half = _tree(wt)
+    other, mine = InUse(str(state / "inuse"), pid=222), InUse(str(state / "inuse"), pid=111)
+    assert other.claim("t1", wt, "") == (None, [])
+    with caplog.at_level(logging.INFO, logger="dispatchd.checkpoints"):
+        said = cp.finish_restores(str(state), mine)
+    assert said == [(wt, f"the restore of checkpoint {cid}, cut short by a daemon's death, was not finished: "
+                         f"session t1 of another dispatchd (pid 222) uses {wt}; the worktree is left as it was "
+                         f"found and the checkpoint kept in {state / 'checkpoints' / 's1'} (each start tries "
+                         "again; remove that directory to give up)")]
+    assert _tree(wt) == half and (state / "checkpoints" / "s1" / journal.RECORD).exists()
+    other.release("t1")
+    assert cp.finish_restores(str(state), mine) == [
+        (wt, f"the restore of checkpoint {cid}, cut short by a daemon's death, was finished")]
+    assert _tree(wt) == before
+    assert sorted(os.listdir(state / "inuse")) == [".mutex"]  # its claim released after

@@ -59,24 +59,40 @@ Guarantees:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from dispatchd.daemon.checkpoints.journal import finish_all
 from dispatchd.daemon.checkpoints.plan import RACY_NS, Entry, Manifest, RestorePlan, plan_copies, plan_restore
 from dispatchd.daemon.checkpoints.reading import list_tree, reflinks
 from dispatchd.daemon.checkpoints.requests import SessionManager, before_write, handle
 from dispatchd.daemon.checkpoints.store import Pauses, Store
+from dispatchd.daemon.inuse import InUse
 
 __all__ = ["RACY_NS", "Entry", "Manifest", "Pauses", "RestorePlan", "SessionManager", "Store", "before_write",
            "finish_restores", "handle", "list_tree", "plan_copies", "plan_restore", "reflinks"]
 
 
-def finish_restores(state_dir: str) -> list[tuple[str, str]]:
+def finish_restores(state_dir: str, in_use: InUse | None = None) -> list[tuple[str, str]]:
     """At the daemon's start, before the trusted baselines are re-checked,
     old checkpoints removed, or anything served: every restore a killed
-    daemon cut half way is finished, or kept and logged (``journal``).
-    Returns ``(worktree, what became of it)`` for each, for ``status``."""
+    daemon cut half way is finished, or kept and logged (``journal``); each
+    with its worktree claimed from the other daemons on the state directory
+    (``in_use``: one whose session uses it keeps the record for the next
+    start). Returns ``(worktree, what became of it)`` for each, for ``status``."""
+    def hold(session: str, worktree: str) -> Callable[[], None] | str:
+        if in_use is None:
+            return lambda: None
+        name = f"restore-{session}"
+        try:
+            other, _ = in_use.claim(name, worktree, "")
+        except OSError as exc:
+            return f"its use could not be recorded for the other daemons on this state directory ({exc.strerror})"
+        if other is not None:
+            return f"session {other.session} of another dispatchd (pid {other.pid}) uses {other.worktree}"
+        return lambda: in_use.release(name)
+
     said: list[tuple[str, str]] = []
-    for o in finish_all(os.path.join(state_dir, "checkpoints")):
+    for o in finish_all(os.path.join(state_dir, "checkpoints"), hold):
         if o.why:
             said.append((o.worktree, f"the restore of checkpoint {o.checkpoint}, cut short by a daemon's death, "
                                      f"was not finished: {o.why}; the worktree is left as it was found and the "

@@ -233,11 +233,18 @@ def pending(root: str) -> list[str]:
     return [n for n in names if os.path.lexists(os.path.join(root, n, RECORD))]
 
 
-def finish_all(root: str) -> list[Outcome]:
+Hold = Callable[[str, str], Callable[[], None] | str]
+
+
+def finish_all(root: str, hold: Hold | None = None) -> list[Outcome]:
     """At the daemon's start, before anything serves: every restore a dead
     daemon left is finished, its record removed. Returns what became of
     each (a reason logged for each left unfinished). Never raises for a
-    record: a worktree's state never stops a daemon."""
+    record: a worktree's state never stops a daemon. ``hold(session,
+    worktree)``: the worktree claimed from the other daemons on the state
+    directory while the restore runs (a release to call after), or why not
+    (another daemon's session uses it: the record is kept for the next
+    start, as for any worktree changed since)."""
     outcomes: list[Outcome] = []
     for sid in pending(root):
         top = os.path.join(root, sid)
@@ -248,10 +255,25 @@ def finish_all(root: str) -> list[Outcome]:
             continue
         if fd is None:
             continue  # a live daemon's restore, or already gone
+        held: Callable[[], None] | str | None = None
+        if hold is not None:
+            try:
+                peek = decode(os.pread(fd, 1 << 20, 0))
+            except (OSError, ValueError):
+                pass  # _finish says why
+            else:
+                held = hold(peek.session, peek.worktree)
+                if isinstance(held, str):
+                    os.close(fd)
+                    outcomes.append(_unfinished(top, peek, held))
+                    continue
         try:
             outcomes.append(_finish(top, fd))
         except Exception as exc:  # noqa: BLE001 (logged; the start goes on)
             outcomes.append(_unfinished(top, None, f"unexpected: {exc!r}"))
+        finally:
+            if callable(held):
+                held()
     return outcomes
 
 

@@ -62,7 +62,7 @@ import msgspec
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
-from dispatchd.daemon.gitguard.pending import Durable
+from dispatchd.daemon.gitguard.pending import Durable, held_elsewhere
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
 from dispatchd.inside import is_within, overlap
@@ -218,14 +218,14 @@ class Baselines:
     # --- start -------------------------------------------------------------
 
     def recover(self) -> list[Protected]:
-        """Finish the checks a daemon that died left (see the module). Call
-        before serving: a session's processes die with their daemon."""
+        """Finish the checks a daemon that died left (see the module): at
+        start, and at an open that another's dead session relates to."""
         try:
             names = sorted(os.listdir(self.dir))
         except FileNotFoundError:
             return []
-        for name in (n for n in names if n.endswith(".tmp")):
-            with contextlib.suppress(OSError):
+        for name in (n for n in names if n.endswith(".tmp") and not held_elsewhere(self.dir, n.partition(".")[0])):
+            with contextlib.suppress(OSError):  # left by a killed daemon; not a live one's, being made durable
                 os.unlink(os.path.join(self.dir, name))
         for name in names:
             if not name.endswith(".json"):

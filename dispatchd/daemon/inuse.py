@@ -1,0 +1,233 @@
+"""The worktrees every daemon on one state directory has sessions on: ``InUse``.
+
+Daemons of one user may share a state directory (the systemd service and one
+started by hand on a socket of its own). Each keeps its own trusted baseline
+of a worktree and its own keep of the repository's objects (``gitguard/``),
+so their sessions must not use one worktree, one inside the other, or two
+worktrees of one repository at the same time (``claims.py`` says why, and
+refuses the open); this is where each daemon says which it uses.
+
+On disk, in ``STATE/inuse/`` (0700): an entry per open session
+(``TOKEN.SID.uses``: its session, daemon pid, worktree, repository's common
+directory and time, in JSON), flock'ed ``LOCK_EX`` by its daemon from the
+open until the session's end; ``.mutex``, whose flock every claim and look
+holds.
+
+Guarantees:
+- an entry counts only while its file is locked: the kernel drops a killed
+  daemon's locks with it, at any step; such an entry stays on disk, listed
+  to the claims it relates to, until ``forget_dead`` (its daemon's baselines
+  are checked first: ``claims.py``);
+- a claim is decided and recorded under the mutex, which every look holds:
+  two daemons never both claim related worktrees, and no entry is seen half
+  made (one a killed daemon left half made is unlocked: dead);
+- an entry that is locked and cannot be read relates to every worktree
+  (fail closed);
+- what cannot be written or read (the state directory full, unwritable)
+  raises ``OSError``: the caller refuses the open.
+
+This daemon's own entries are not consulted: its baselines' domains are exact
+for its own sessions.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+from dispatchd.inside import overlap
+
+__all__ = ["MUTEX_WAIT_S", "InUse", "Use"]
+
+MUTEX_WAIT_S = 2.0  # each step under the mutex takes well under a millisecond
+_SUFFIX = ".uses"
+
+
+@dataclass(frozen=True)
+class Use:
+    """Another daemon's session on ``worktree`` (of the repository whose
+    common git directory is ``common``, "" without one)."""
+
+    session: str
+    pid: int
+    worktree: str
+    since: float
+    common: str = ""
+
+    def relates(self, worktree: str, common: str) -> bool:
+        """Whether ``worktree`` overlaps this one, or shares its repository."""
+        return overlap(self.worktree, worktree) or bool(common and self.common == common)
+
+
+_UNREADABLE = Use("?", 0, "/", 0.0)  # "/" overlaps every worktree
+
+
+class InUse:
+    """This daemon's entries in ``directory``, and its looks at the others'."""
+
+    def __init__(self, directory: str, pid: int | None = None) -> None:
+        self.dir = directory
+        self.pid = os.getpid() if pid is None else pid
+        self.token = f"{self.pid}-{secrets.token_hex(4)}"  # a pid is reused; this daemon is not
+        self._fds: dict[str, int] = {}  # session -> its entry's locked descriptor
+        self._lock = threading.Lock()
+        self._mutex = _Mutex(directory)
+
+    def claim(self, session: str, worktree: str, common: str) -> tuple[Use | None, list[str]]:
+        """Record that ``session`` uses ``worktree`` (of the repository whose
+        common directory is ``common``), or return the other daemon's session
+        that uses a related one (nothing recorded then). With the claim: the
+        entries of related sessions of daemons that have died, by name, for
+        ``forget_dead`` once their baselines are checked."""
+        dead: list[tuple[str, Use]] = []
+        with self._lock, self._mutex:
+            for use in self._live(dead):
+                if use.relates(worktree, common):
+                    return use, []
+            self._put(session, worktree, common)
+        return None, [name for name, use in dead if use.relates(worktree, common)]
+
+    def release(self, session: str) -> None:
+        """``session``'s entry gone (at its end): removed, then unlocked."""
+        with self._lock:
+            fd = self._fds.pop(session, None)
+            if fd is not None:
+                try:
+                    _unlink(os.path.join(self.dir, f"{self.token}.{session}{_SUFFIX}"))
+                except OSError:
+                    pass  # left unlocked: dead, for the others' next claim
+                os.close(fd)
+
+    def forget_dead(self, names: list[str] | None = None) -> None:
+        """Remove these entries (every other daemon's, with None) whose
+        daemon is gone."""
+        with self._lock, self._mutex:
+            for name in os.listdir(self.dir) if names is None else names:
+                if name.endswith(_SUFFIX) and not name.startswith(self.token + "."):
+                    path = os.path.join(self.dir, name)
+                    read = self._read(path)
+                    if read is not None and not read[1]:  # nobody holds it: never locked again (its name is
+                        _unlink(path)  # its daemon's alone)
+
+    # --- under the mutex -----------------------------------------------------
+
+    def _live(self, dead: list[tuple[str, Use]]) -> list[Use]:
+        """The other daemons' entries whose files are locked; ``dead``: those
+        that are not (left on disk)."""
+        found: list[Use] = []
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return found
+        for name in names:
+            if not name.endswith(_SUFFIX) or name.startswith(self.token + "."):
+                continue
+            read = self._read(os.path.join(self.dir, name))
+            if read is None:
+                continue
+            text, live = read
+            try:
+                e = json.loads(text)
+                use = Use(str(e["session"]), int(e["pid"]), str(e["worktree"]), float(e["since"]),
+                          str(e.get("common", "")))
+            except (ValueError, KeyError, TypeError):
+                use = _UNREADABLE
+            if live:
+                found.append(use)
+            else:
+                dead.append((name, use))
+        return found
+
+    @staticmethod
+    def _read(path: str) -> tuple[bytes, bool] | None:
+        """An entry's text, and whether its daemon holds it; None: gone."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return os.pread(fd, 65536, 0), True
+            return os.pread(fd, 65536, 0), False
+        finally:
+            os.close(fd)
+
+    def _put(self, session: str, worktree: str, common: str) -> None:
+        """This daemon's entry (under the mutex: nobody looks before it is whole)."""
+        if session in self._fds:
+            return
+        entry: dict[str, object] = {"session": session, "pid": self.pid, "worktree": worktree, "since": time.time()}
+        if common:
+            entry["common"] = common
+        data = json.dumps(entry).encode()
+        path = os.path.join(self.dir, f"{self.token}.{session}{_SUFFIX}")
+        _unlink(path)  # one this daemon could not remove before (its name is ours alone, and unlocked)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
+            if os.pwrite(fd, data, 0) != len(data):
+                raise OSError(errno.ENOSPC, "a short write")
+        except BaseException:
+            _unlink(path)
+            os.close(fd)
+            raise
+        self._fds[session] = fd
+
+
+class _Mutex:
+    """``.mutex``'s flock, waited for at most ``MUTEX_WAIT_S`` (a daemon
+    stopped while holding it is said, not waited for for ever). Opened at
+    each use (the daemon keeps no descriptor between claims), and again when
+    the file locked is not the one at its path any more (the directory
+    removed and made again meanwhile): every daemon locks the same. Used
+    under ``InUse._lock``: one thread at a time."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        self.path = os.path.join(directory, ".mutex")
+        self.fd = -1
+
+    def __enter__(self) -> _Mutex:
+        deadline = time.monotonic() + MUTEX_WAIT_S
+        while True:
+            if self.fd < 0:
+                os.makedirs(self.dir, mode=0o700, exist_ok=True)
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    self.fd = -1
+                    raise OSError(errno.EWOULDBLOCK, f"the table of worktrees in use {self.dir} is held by "
+                                                     f"another daemon for over {MUTEX_WAIT_S:g} s") from None
+                time.sleep(0.001)
+                continue
+            mine = os.fstat(self.fd)
+            try:
+                there = os.stat(self.path, follow_symlinks=False)
+                if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                    return self
+            except FileNotFoundError:
+                pass
+            os.close(self.fd)  # not the file the others lock: theirs, from the start
+            self.fd = -1
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,199 @@
+"""dispatchd.daemon.inuse: the worktrees every daemon on one state directory
+has sessions on. Two ``InUse`` on one directory stand for two daemons (their
+flocks are on descriptors of their own, so they exclude each other within
+one process as across two); a daemon killed is a child process that ends."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon import inuse
+from dispatchd.daemon.inuse import InUse, Use
+
+REPO = "/home/u/repo/.git"
+
+
+def _two(tmp_path: Path) -> tuple[InUse, InUse]:
+    return InUse(str(tmp_path / "u"), pid=111), InUse(str(tmp_path / "u"), pid=222)
+
+
+def test_another_daemon_s_session_is_refused_and_named(tmp_path: Path) -> None:
+    a, b = _two(tmp_path)
+    before = time.time()
+    assert a.claim("s1", "/home/u/repo", REPO) == (None, [])
+    other, dead = b.claim("s2", "/home/u/repo", REPO)
+    assert other is not None and dead == []
+    assert (other.session, other.pid, other.worktree, other.common) == ("s1", 111, "/home/u/repo", REPO)
+    assert before <= other.since <= time.time()
+    assert [n for n in os.listdir(tmp_path / "u") if n.startswith(b.token)] == []  # nothing of b's recorded
+
+
+@pytest.mark.parametrize(("path", "common", "refused"), [
+    ("/home/u/repo", REPO, True),
+    ("/home/u/repo/sub", REPO, True),  # inside
+    ("/home/u", "", True),  # around
+    ("/", "", True),
+    ("/home/u/linked", REPO, True),  # another worktree of the same repository
+    ("/home/u/repo2", "/home/u/repo2/.git", False),  # a sibling with a shared prefix
+    ("/home/v", "", False),
+], ids=["same", "inside", "around", "root", "same_repository", "sibling_with_shared_prefix", "elsewhere"])
+def test_a_claim_is_refused_when_related(tmp_path: Path, path: str, common: str, refused: bool) -> None:
+    a, b = _two(tmp_path)
+    assert a.claim("s1", "/home/u/repo", REPO)[0] is None
+    assert (b.claim("s2", path, common)[0] is not None) is refused
+
+
+def test_a_release_lets_the_other_daemon_claim_and_leaves_no_file(tmp_path: Path) -> None:
+    a, b = _two(tmp_path)
+    assert a.claim("s1", "/home/u/repo", REPO)[0] is None
+    assert b.claim("s2", "/home/u/repo", REPO)[0] is not None
+    a.release("s1")
+    assert b.claim("s2", "/home/u/repo", REPO) == (None, [])
+    assert sorted(os.listdir(tmp_path / "u")) == [".mutex", f"{b.token}.s2.uses"]
+    b.release("s2")
+    b.release("s2")  # a no-op
+    assert sorted(os.listdir(tmp_path / "u")) == [".mutex"]
+
+
+def test_a_daemon_s_own_sessions_are_left_to_its_baselines(tmp_path: Path) -> None:
+    a = InUse(str(tmp_path / "u"), pid=111)
+    assert a.claim("s1", "/home/u/repo", REPO)[0] is None
+    assert a.claim("s2", "/home/u/repo", REPO)[0] is None
+
+
+def _killed_daemon_using(directory: Path, worktree: str) -> int:
+    """A child that claims ``worktree``, says so, and sleeps until killed: its pid."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            InUse(str(directory), pid=os.getpid()).claim("dead", worktree, "")
+            os.write(w, b"x")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"x"
+    os.close(r)
+    return pid
+
+
+@pytest.mark.process
+def test_a_killed_daemon_s_entry_is_listed_dead_until_forgotten(tmp_path: Path) -> None:
+    pid = _killed_daemon_using(tmp_path / "u", "/home/u/repo")
+    b = InUse(str(tmp_path / "u"), pid=222)
+    try:
+        other = b.claim("s2", "/home/u/repo", "")[0]
+        assert other is not None and other.pid == pid  # the twin: alive, it is in use
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    name = f"{pid}-"
+    assert b.claim("s3", "/elsewhere", "") == (None, [])  # dead, but unrelated: not listed
+    other, dead = b.claim("s2", "/home/u/repo/sub", "")
+    assert other is None and len(dead) == 1 and dead[0].startswith(name) and dead[0].endswith(".dead.uses")
+    assert (tmp_path / "u" / dead[0]).exists()  # kept until its baselines are checked
+    b.release("s2")
+    assert b.claim("s2", "/home/u/repo", "")[1] == dead  # still listed to the next claim
+    b.forget_dead(dead)
+    assert not (tmp_path / "u" / dead[0]).exists()
+
+
+def test_forget_dead_leaves_a_live_entry(tmp_path: Path) -> None:
+    a, b = _two(tmp_path)
+    assert a.claim("s1", "/home/u/repo", "")[0] is None
+    b.forget_dead()
+    b.forget_dead([f"{a.token}.s1.uses"])
+    assert b.claim("s2", "/home/u/repo", "")[0] is not None
+
+
+def test_an_entry_a_killed_daemon_left_half_made_is_dead(tmp_path: Path) -> None:
+    d = tmp_path / "u"
+    d.mkdir()
+    (d / "999-00000000.sx.uses").write_text("")  # made, not yet locked nor written
+    b = InUse(str(d), pid=222)
+    assert b.claim("s2", "/home/u/repo", "") == (None, ["999-00000000.sx.uses"])  # unreadable: related to all
+
+
+def test_a_locked_entry_that_cannot_be_read_refuses_every_claim(tmp_path: Path) -> None:
+    d = tmp_path / "u"
+    d.mkdir()
+    path = d / "999-00000000.sx.uses"
+    path.write_text("not json")
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    b = InUse(str(d), pid=222)
+    try:
+        assert b.claim("s2", "/anywhere/at/all", "")[0] == Use("?", 0, "/", 0.0)
+    finally:
+        os.close(fd)
+    assert b.claim("s2", "/anywhere/at/all", "") == (None, ["999-00000000.sx.uses"])  # the twin: unlocked
+
+
+def test_the_mutex_held_too_long_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = InUse(str(tmp_path / "u"), pid=111)
+    assert a.claim("s1", "/x", "")[0] is None
+    fd = os.open(tmp_path / "u" / ".mutex", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    monkeypatch.setattr(inuse, "MUTEX_WAIT_S", 0.05)
+    try:
+        with pytest.raises(OSError, match=r"the table of worktrees in use .* is held by another daemon for over "
+                                          r"0.05 s"):
+            a.claim("s2", "/y", "")
+    finally:
+        os.close(fd)
+    assert a.claim("s2", "/y", "")[0] is None
+
+
+def test_the_directory_removed_and_made_again_is_locked_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon that kept locking the old mutex would exclude no one."""
+    monkeypatch.setattr(inuse, "MUTEX_WAIT_S", 0.05)
+    a = InUse(str(tmp_path / "u"), pid=111)
+    assert a.claim("s1", "/x", "")[0] is None
+    a.release("s1")
+    shutil.rmtree(tmp_path / "u")
+    (tmp_path / "u").mkdir()
+    fd = os.open(tmp_path / "u" / ".mutex", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another daemon, in the new one
+    try:
+        with pytest.raises(OSError, match="held by another daemon"):
+            a.claim("s2", "/y", "")
+    finally:
+        os.close(fd)
+    assert a.claim("s2", "/y", "")[0] is None
+
+
+def test_an_unwritable_directory_raises(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.fail("run the unit tests as an ordinary user: root writes anywhere (./scripts/test)")
+    (tmp_path / "u").mkdir(mode=0o500)
+    with pytest.raises(PermissionError):
+        InUse(str(tmp_path / "u"), pid=111).claim("s1", "/x", "")
+
+
+def test_an_entry_written_short_is_not_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short write (the file system full) fails the claim: an entry cut
+    short would be read by the others as one that relates to everything."""
+    a, b = _two(tmp_path)
+    real = os.pwrite
+    monkeypatch.setattr(inuse.os, "pwrite", lambda fd, data, at: real(fd, data[:5], at))
+    with pytest.raises(OSError, match="a short write"):
+        a.claim("s1", "/home/u/repo", "")
+    monkeypatch.undo()
+    assert not [n for n in os.listdir(tmp_path / "u") if ".s1." in n]
+    assert b.claim("s2", "/home/u/repo", "") == (None, [])  # the twin: nothing of a's relates
+
+
+def test_an_entry_of_its_own_it_could_not_remove_is_made_again(tmp_path: Path) -> None:
+    a = InUse(str(tmp_path / "u"), pid=111)
+    assert a.claim("s0", "/x", "")[0] is None  # the directory exists
+    (tmp_path / "u" / f"{a.token}.s1.uses").write_text("{}")  # left unlocked: an unlink that failed
+    assert a.claim("s1", "/home/u/repo", "")[0] is None
+    assert json.loads((tmp_path / "u" / f"{a.token}.s1.uses").read_text())["worktree"] == "/home/u/repo"
