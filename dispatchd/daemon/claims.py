@@ -10,41 +10,56 @@ sessions at a time use a worktree and its repository:
 
 Guarantees:
 - ``claim`` records the session's worktree and repository (``inuse.py``: an
-  entry flock'ed while the session lives, released at its end with its
-  write lock), or refuses the open with the other daemon's session named;
-  decided under the table's flock: two daemons' opens never both pass;
+  entry flock'ed while the session lives, decided under the table's flock:
+  two daemons' opens never both pass), or refuses the open with the other
+  daemon's session named; ``release`` gives it back after the session's
+  end, once its baseline's record is gone (its last end's check passed), or
+  never while this daemon runs when that check failed: the worktree is then
+  refused by every daemon, as by this one, until this one stops;
 - when the entry of a dead daemon's session relates to this worktree, what
   that daemon left is finished before this session's baseline is taken, as a
   daemon's start does: the restores it cut short (``finish_restores``), then
-  its baselines' checks (``Baselines.recover``: what its sessions planted is
-  moved aside, the repository's history put back); only then is the entry
-  forgotten, and ``said`` gets what became of the restores (for ``status``);
+  the checks of its baselines' records that relate to this worktree
+  (``Baselines.recover``: what its sessions planted is moved aside, the
+  repository's history put back); one at a time in this daemon; the entry is
+  forgotten only once they passed, and the open refused when they did not;
+  ``claim`` returns True then, and the caller inspects the worktree's git
+  metadata again (the recovery may have moved some aside);
 - what cannot be recorded refuses the open (fail closed).
+
+Left: a session given back while processes of its may remain (its end could
+not see them gone) is released as its write lock is.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 from dispatchd.daemon import checkpoints
 from dispatchd.daemon.gitguard import Baselines, Protected
 from dispatchd.daemon.gitguard.parts import common_of
+from dispatchd.daemon.inuse import InUse, Use
 from dispatchd.daemon.session import Session
-from dispatchd.daemon.inuse import InUse
 from dispatchd.errors import WorktreeError
+from dispatchd.inside import overlap
 
 log = logging.getLogger("dispatchd.sessions")
+_RECOVERING = threading.Lock()  # a dead daemon's remains are finished by one open at a time
 
 
 def claim(in_use: InUse | None, baselines: Baselines, session: Session, state_dir: str,
-          said: list[Protected]) -> None:
-    """Before the session's baseline is taken (``Baselines.join``)."""
+          said: list[Protected]) -> bool:
+    """Before the session's baseline is taken (``Baselines.join``); True when
+    a dead daemon's remains were finished here (inspect the git metadata again)."""
     if in_use is None:
-        return
+        return False
     root = session.worktree
+    common = common_of(root, session.git)
     try:
-        other, dead = in_use.claim(session.id, root, common_of(root, session.git))
+        other, dead = in_use.claim(session.id, root, common)
     except OSError as exc:
         raise WorktreeError(f"{root}: its use could not be recorded for the other daemons on this state directory "
                             f"({exc.strerror or exc}); no session opened", root) from exc
@@ -55,9 +70,41 @@ def claim(in_use: InUse | None, baselines: Baselines, session: Session, state_di
                             "shares its repository; each dispatchd keeps its own baseline of a worktree, so the "
                             "sessions of one at a time use it: close that session, or open this one through that "
                             "dispatchd; no session opened", root)
-    if dead:
+    if not dead:
+        return False
+    with _RECOVERING:
         log.warning("event=dead_daemon_sessions_found session=%s entries=%s", session.id, ",".join(dead))
         said += [Protected(path=path, why=why, time=time.time())
                  for path, why in checkpoints.finish_restores(state_dir, in_use)]
-        baselines.recover()  # what they planted moved aside, before this session's baseline is taken
+        baselines.recover(related=lambda roots, commons: any(overlap(r, root) for r in roots)
+                          or bool(common and common in commons))
+        why = tainted(baselines, root)
+        if why:
+            raise WorktreeError(f"{root}: a session of a dispatchd that died left files here that could not be moved "
+                                f"aside ({why}); look at them (your own tools would run them), then restart "
+                                "dispatchd", root)
         in_use.forget_dead(dead)
+    return True
+
+
+def tainted(baselines: Baselines, root: str) -> str:
+    """Why a check that failed left a worktree overlapping ``root`` refused ("" if none did)."""
+    return next((why for r, why in list(baselines.tainted.items()) if overlap(r, root)), "")
+
+
+def finished(dead: list[tuple[str, Use]], baselines: Baselines) -> list[str]:
+    """Of a start's dead entries, those whose remains its start finished:
+    all but those a failed check left refused."""
+    return [name for name, use in dead if not tainted(baselines, use.worktree)]
+
+
+def release(in_use: InUse | None, baselines: Baselines, session: Session,
+            later: Callable[[Callable[[], None]], None]) -> None:
+    """At the session's end, its processes gone: after its baseline's record
+    is dropped (``later``, the same queue), unless its check failed."""
+    if in_use is None:
+        return
+    if tainted(baselines, session.worktree):
+        log.warning("event=worktree_kept_in_use session=%s worktree=%s", session.id, session.worktree)
+        return
+    later(lambda: in_use.release(session.id))

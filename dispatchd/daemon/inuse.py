@@ -104,11 +104,18 @@ class InUse:
                     pass  # left unlocked: dead, for the others' next claim
                 os.close(fd)
 
-    def forget_dead(self, names: list[str] | None = None) -> None:
-        """Remove these entries (every other daemon's, with None) whose
-        daemon is gone."""
+    def dead(self) -> list[tuple[str, Use]]:
+        """The entries of daemons that have died, by name (a start's: noted
+        before it finishes what they left, forgotten after)."""
+        found: list[tuple[str, Use]] = []
         with self._lock, self._mutex:
-            for name in os.listdir(self.dir) if names is None else names:
+            self._live(found)
+        return found
+
+    def forget_dead(self, names: list[str]) -> None:
+        """Remove these entries, if their daemon is gone."""
+        with self._lock, self._mutex:
+            for name in names:
                 if name.endswith(_SUFFIX) and not name.startswith(self.token + "."):
                     path = os.path.join(self.dir, name)
                     read = self._read(path)
@@ -156,6 +163,8 @@ class InUse:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 return os.pread(fd, 65536, 0), True
+            if os.fstat(fd).st_nlink == 0:
+                return None  # released meanwhile (removed, then unlocked, outside the mutex): gone, not dead
             return os.pread(fd, 65536, 0), False
         finally:
             os.close(fd)

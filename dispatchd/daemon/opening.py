@@ -202,7 +202,8 @@ class Opening(Pooling):
             # lock's grant waits for it; docs/git-protection.md, "When the
             # baseline is on disk"). Refused: the except below stops the
             # sandbox, which ran no call.
-            claims.claim(self.in_use, self.baselines, session, self.state_dir, self.restores_at_start)
+            if claims.claim(self.in_use, self.baselines, session, self.state_dir, self.restores_at_start):
+                self._inspect_git(session)  # the worktree as the dead daemon's remains were left
             joining = _Once(functools.partial(
                 self.baselines.join, sid, session.worktree, session.git, session.git_before,
                 session.redirects_before, tuple(policy.protect.paths), defer=True),

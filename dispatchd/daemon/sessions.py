@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable
 
 from dispatchd.confine import cgroups, stacks
-from dispatchd.daemon import afterwards, checkpoints, gitguard, leftovers, lifetimes, watchdog
+from dispatchd.daemon import afterwards, checkpoints, claims, gitguard, leftovers, lifetimes, watchdog
 from dispatchd.daemon.dnsrelay import DnsRelay
 from dispatchd.daemon.pool import SandboxPool
 from dispatchd.daemon.proxy import Resolver, system_resolver
@@ -127,6 +127,11 @@ class SessionManager(Switching):
         self.write_locks = WriteLocks()  # one writer per worktree
         # The worktrees this daemon's sessions use, for the other daemons on the state directory (claims.py).
         self.in_use: InUse | None = InUse(os.path.join(state_dir, "inuse"))
+        try:  # noted before what they left is finished below: forgotten after, those finished only
+            dead = self.in_use.dead()
+        except OSError as exc:
+            log.warning("event=inuse_unreadable error=%s", exc)
+            dead = []
         # A restore a killed daemon cut half way is finished first: the worktree as
         # the checkpoint had it before its baseline is re-checked (daemon/checkpoints/journal.py).
         # What became of each is shown by status, beside what the baselines' checks did.
@@ -139,9 +144,8 @@ class SessionManager(Switching):
         self.baselines.later = afterwards.later  # the last end's record removed after the reply
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
-        if self.in_use is not None:  # the dead daemons' sessions' claims: their baselines are checked above
-            with contextlib.suppress(OSError):
-                self.in_use.forget_dead()
+        with contextlib.suppress(OSError):
+            self.in_use.forget_dead(claims.finished(dead, self.baselines))
         # Checkpoints of sessions' worktrees, their objects in the baselines' keep (daemon/checkpoints/).
         self.checkpoints = checkpoints.Store(state_dir, self.baselines.keep_dir)
         self.checkpoints.later = afterwards.later  # a done restore's record removal made durable after the reply

@@ -30,7 +30,7 @@ import msgspec
 
 from dispatchd import protocol
 from dispatchd.confine import cgroups
-from dispatchd.daemon import exits, gitguard, leftovers, lifetimes, watchdog
+from dispatchd.daemon import claims, exits, gitguard, leftovers, lifetimes, watchdog
 from dispatchd.daemon.checkpoints import Store as CheckpointStore
 from dispatchd.daemon.dnsrelay import DnsRelay
 from dispatchd.daemon.lifecycle import Action, Op, State, Verdict, decide, is_live
@@ -134,8 +134,7 @@ class SessionTable:
         # Its processes are gone (stopped before this): the next may write,
         # and another daemon's sessions may use its worktree (claims.py).
         self.write_locks.release(session.id)
-        if self.in_use is not None:
-            self.in_use.release(session.id)
+        claims.release(self.in_use, self.baselines, session, self.baselines.later)
         session.writes = False
 
     def send_command_env(self, session: Session, set_env: dict[str, str], unset: list[str]) -> None:

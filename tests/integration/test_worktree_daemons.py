@@ -77,9 +77,9 @@ def test_a_second_daemon_s_open_is_refused_while_the_first_s_session_lives(two: 
         with c2.open_session(str(elsewhere)) as beside:  # the twin: an unrelated worktree
             assert shell(beside, "touch x").is_success
         s1.close()
-        with c2.open_session(str(repo)) as s2:  # and once the first's session has ended
+        with _when_free(c2, repo) as s2:  # and once the first's session has ended
             assert shell(s2, "touch y").is_success
-        assert sorted(os.listdir(first.state / "dispatchd" / "inuse")) == [".mutex"]
+        assert wait_until(lambda: sorted(os.listdir(first.state / "dispatchd" / "inuse")) == [".mutex"])
 
 
 def test_the_first_daemon_s_keep_is_not_undone(two: tuple[Daemon, Daemon], repo: Path) -> None:
@@ -98,7 +98,7 @@ def test_the_first_daemon_s_keep_is_not_undone(two: tuple[Daemon, Daemon], repo:
                 c2.open_session(str(repo))
         assert sorted(p.relative_to(repo) for p in (repo / ".git" / "objects").glob("??/*")) == objects
         git(repo, "fsck", "--strict")
-        with c2.open_session(str(repo)) as s2:  # the twin: once it has ended, the other daemon opens
+        with _when_free(c2, repo) as s2:  # the twin: once it has ended, the other daemon opens
             assert shell(s2, "git log --format=%s").output == "init\n"
 
 
@@ -124,7 +124,65 @@ def test_a_killed_daemon_s_baseline_is_checked_before_another_daemon_opens(two: 
                  if p["path"].startswith(f"{repo}/.envrc.quarantined-by-dispatchd-")]
         assert moved, c2.status()["protected"]
         assert "event=dead_daemon_sessions_found" in second.log()
-    assert sorted(os.listdir(second.state / "dispatchd" / "inuse")) == [".mutex"]
+    assert wait_until(lambda: sorted(os.listdir(second.state / "dispatchd" / "inuse")) == [".mutex"])
+
+
+def _when_free(client: dispatch.Client, root: Path) -> dispatch.Session:
+    """A session on ``root`` once the other daemon's last session there has
+    given it back (after its close's reply, once its baseline's record is gone)."""
+    opened: list[dispatch.Session] = []
+
+    def attempt() -> bool:
+        try:
+            opened.append(client.open_session(str(root)))
+        except dispatch.DispatchError as exc:
+            assert "of another dispatchd" in str(exc), str(exc)
+            return False
+        return True
+    assert wait_until(attempt, timeout=10)
+    return opened[0]
+
+
+@pytest.fixture
+def two_degraded(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = Daemon(tmp_path / "a", "--cgroup", "off", "--no-user-namespaces")
+    second = None
+    try:
+        second = Daemon(tmp_path / "b", "--cgroup", "off", "--no-user-namespaces", state=first.state)
+        yield first, second
+    finally:
+        for d, killed in ((second, False), (first, first.proc.poll() == -signal.SIGKILL)):
+            if d is not None:
+                assert d.stop() == (-signal.SIGKILL if killed else 0), d.log()
+
+
+def test_the_git_metadata_is_looked_at_again_after_a_dead_daemon_s_remains(two_degraded: tuple[Daemon, Daemon],
+                                                                           repo: Path) -> None:
+    """Degraded mode (git metadata writable while a session runs): a hook a
+    dead daemon's session planted is moved aside by the open that finds it;
+    the baseline of that open's session is taken after, so the same hook
+    planted again is moved aside at its end too, not taken for the user's."""
+    first, second = two_degraded
+    plant = "printf '#!/bin/sh\nexit 0\n' > .git/hooks/pre-commit && chmod +x .git/hooks/pre-commit"
+    c1 = first.connect()
+    s1 = c1.open_session(str(repo))
+    assert shell(s1, plant).is_success
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait(timeout=10)
+    with contextlib.suppress(dispatch.DispatchError, OSError):
+        s1.close()
+    c1.close()
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    assert hook.exists()
+    with second.connect() as c2:
+        s2 = _when_free(c2, repo)
+        assert not hook.exists()  # moved aside before this session's baseline
+        assert shell(s2, plant).is_success
+        s2.close()
+        assert not hook.exists(), "the hook planted again was taken into the baseline"
+        assert [p for p in c2.status()["protected"] if "/.git/hooks/pre-commit.quarantined-by-dispatchd-" in p["path"]]
 
 
 def _opens(client: dispatch.Client, root: Path) -> bool:
@@ -159,10 +217,11 @@ def test_sessions_leave_no_descriptor_and_no_entry(two: tuple[Daemon, Daemon], r
         wait_for_pool(c1, "default/off", 2)  # the pool's sandboxes hold descriptors of the daemon's too
         fds = len(os.listdir(f"/proc/{first.proc.pid}/fd"))
         for _ in range(5):
-            with c1.open_session(str(repo)) as s, c1.open_session(str(repo / "src")):
+            with c1.open_session(str(repo)) as s, c1.open_session(str(repo / "src")) as inner:
                 assert shell(s, "true").is_success
-                assert len([n for n in os.listdir(first.state / "dispatchd" / "inuse") if n.endswith(".uses")]) == 2
+                names = os.listdir(first.state / "dispatchd" / "inuse")
+                assert [sid for sid in (s.id, inner.id) if any(f".{sid}.uses" in n for n in names)] == [s.id, inner.id]
         wait_for_pool(c1, "default/off", 2)
         assert wait_until(lambda: len(os.listdir(f"/proc/{first.proc.pid}/fd")) == fds), \
             (fds, os.listdir(f"/proc/{first.proc.pid}/fd"))
-        assert sorted(os.listdir(first.state / "dispatchd" / "inuse")) == [".mutex"]
+        assert wait_until(lambda: sorted(os.listdir(first.state / "dispatchd" / "inuse")) == [".mutex"])

@@ -438,6 +438,29 @@ def test_a_start_finishes_the_checks_of_a_daemon_that_died(tmp_path: Path) -> No
     assert os.listdir(tmp_path / "state" / "baselines") == []
 
 
+def test_a_related_open_finishes_only_the_related_checks(tmp_path: Path) -> None:
+    """At an open (daemon/claims.py), a dead daemon's records are checked
+    only where they relate to the worktree opened: another's, a live
+    session's of the user elsewhere, is not touched. The twin: the related
+    one is finished."""
+    here, there = make_repo(tmp_path / "here"), make_repo(tmp_path / "there")
+    dead = baselines.Baselines(str(tmp_path / "state"))
+    _join(dead, "s", here)
+    _join(dead, "t", there)
+    for repo in (here, there):
+        (repo / "d1" / "n").mkdir()
+        git(repo / "d1" / "n", "init", "-q")
+    for domain in dead._domains.values():
+        os.close(domain.lock_fd)  # what the kernel does for a dead daemon
+    live = baselines.Baselines(str(tmp_path / "state"))
+    found = live.recover(related=lambda roots, commons: str(here) in roots)
+    assert [Path(p.path).parent for p in found] == [here / "d1" / "n" / ".git"]
+    assert (there / "d1" / "n" / ".git" / "config").exists()  # not related: left for its own open, or a start
+    assert len([n for n in os.listdir(tmp_path / "state" / "baselines") if n.endswith(".json")]) == 1
+    assert [Path(p.path).parent for p in live.recover()] == [here / "d1" / "n" / ".git", there / "d1" / "n" / ".git"]
+    assert not (there / "d1" / "n" / ".git" / "config").exists()  # all that the start's reports add up
+
+
 def test_a_live_daemons_record_is_left_alone(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
     live = baselines.Baselines(str(tmp_path / "state"))

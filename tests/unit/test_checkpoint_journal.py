@@ -388,7 +388,16 @@ def test_a_cut_restore_is_not_finished_under_another_daemon_s_session(state, tmp
                          "again; remove that directory to give up)")]
     assert _tree(wt) == half and (state / "checkpoints" / "s1" / journal.RECORD).exists()
     other.release("t1")
+    real = journal.apply_restore
+    during: list[object] = []
+
+    def watched(*args: object, **kwargs: object) -> dict[str, int]:
+        during.append(other.claim("t2", wt, "")[0])  # another daemon's open meanwhile: refused
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(journal, "apply_restore", watched)
     assert cp.finish_restores(str(state), mine) == [
         (wt, f"the restore of checkpoint {cid}, cut short by a daemon's death, was finished")]
+    assert len(during) == 1 and during[0] is not None and during[0].session == "restore-s1"
     assert _tree(wt) == before
     assert sorted(os.listdir(state / "inuse")) == [".mutex"]  # its claim released after

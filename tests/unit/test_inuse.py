@@ -109,9 +109,39 @@ def test_a_killed_daemon_s_entry_is_listed_dead_until_forgotten(tmp_path: Path) 
 def test_forget_dead_leaves_a_live_entry(tmp_path: Path) -> None:
     a, b = _two(tmp_path)
     assert a.claim("s1", "/home/u/repo", "")[0] is None
-    b.forget_dead()
+    assert b.dead() == []
     b.forget_dead([f"{a.token}.s1.uses"])
     assert b.claim("s2", "/home/u/repo", "")[0] is not None
+
+
+@pytest.mark.process
+def test_a_start_notes_the_dead_entries(tmp_path: Path) -> None:
+    pid = _killed_daemon_using(tmp_path / "u", "/home/u/repo")
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    b = InUse(str(tmp_path / "u"), pid=222)
+    (name, use), = b.dead()
+    assert name.startswith(f"{pid}-") and (use.session, use.pid, use.worktree) == ("dead", pid, "/home/u/repo")
+    b.forget_dead([name])
+    assert b.dead() == []
+
+
+def test_an_entry_released_while_it_is_looked_at_is_gone_not_dead(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release unlinks, then unlocks, outside the mutex: a look that opened
+    the entry before and locks it after finds it unlinked, and counts it
+    gone (a dead one would have its daemon's remains finished again)."""
+    a, b = _two(tmp_path)
+    assert a.claim("s1", "/home/u/repo", "")[0] is None
+    real = fcntl.flock
+
+    def flock(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_SH | fcntl.LOCK_NB:
+            a.release("s1")  # between the look's open and its lock
+        real(fd, op)
+
+    monkeypatch.setattr(inuse.fcntl, "flock", flock)
+    assert b.claim("s2", "/home/u/repo", "") == (None, [])
 
 
 def test_an_entry_a_killed_daemon_left_half_made_is_dead(tmp_path: Path) -> None:

@@ -71,10 +71,6 @@ log = logging.getLogger("dispatchd.baselines")
 _REPORTS_KEPT = 200
 
 
-def _at_once(job: Callable[[], None]) -> None:
-    job()
-
-
 class Record(msgspec.Struct):
     """What is on disk for one domain."""
 
@@ -117,13 +113,13 @@ class Baselines:
         self._joined_at: dict[str, int] = {}  # a session's first report of its domain's list
         self.tainted: dict[str, str] = {}  # worktree -> why (refused until a restart's check passes)
         self.recovered: list[Protected] = []  # what the start's checks did
-        # How a record's removal is made durable: at once, or by the daemon
-        # after the close's reply (daemon/afterwards.py; docs/performance.md).
+        # How a record's removal is made durable: at once, or by the daemon after
+        # the close's reply (daemon/afterwards.py; docs/performance.md).
         self.sync_dir: Callable[[str], None] = fsync_directory
         # When the last end's removal of a record is done: at once, or by the
         # daemon after the close's reply (daemon/afterwards.py): its unlink
         # waits behind the disk's journal, 0.3-40 ms on a loaded machine.
-        self.later: Callable[[Callable[[], None]], None] = _at_once
+        self.later: Callable[[Callable[[], None]], None] = lambda job: job()  # at once
         self.settle_delay_s = 0.0  # testing only: see Durable
 
     # --- on disk ---------------------------------------------------------
@@ -217,9 +213,9 @@ class Baselines:
 
     # --- start -------------------------------------------------------------
 
-    def recover(self) -> list[Protected]:
+    def recover(self, related: Callable[[list[str], list[str]], bool] | None = None) -> list[Protected]:
         """Finish the checks a daemon that died left (see the module): at
-        start, and at an open that another's dead session relates to."""
+        start; at an open, those ``related(roots, commons)`` to its worktree."""
         try:
             names = sorted(os.listdir(self.dir))
         except FileNotFoundError:
@@ -239,6 +235,10 @@ class Baselines:
                     record = msgspec.json.decode(f.read(), type=Record)
             except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.error("event=baseline_unreadable file=%s error=%r", name, str(exc))
+                os.close(fd)
+                continue
+            if related is not None and not related([p.root for p in record.parts],
+                                                   [os.path.realpath(p.common) for p in record.parts if p.common]):
                 os.close(fd)
                 continue
             domain = _Domain(record, fd)
