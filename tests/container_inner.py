@@ -16,12 +16,24 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import dispatch
+
+
+def _accepts(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 def main() -> None:
@@ -36,8 +48,10 @@ def main() -> None:
     try:
         # As tests/conftest.py's Daemon: up to 60 s (a loaded machine starts
         # a daemon in a container slower; 10 s was seen to pass first).
+        # Until it accepts, not until its socket exists: bound, it may not
+        # listen yet (its start's last steps come between).
         for _ in range(2400):
-            if os.path.exists(sock) or daemon.poll() is not None:
+            if _accepts(sock) or daemon.poll() is not None:
                 break
             time.sleep(0.025)
         wt = os.path.join(tmp, "wt")
