@@ -202,11 +202,15 @@ class Opening(Pooling):
             # lock's grant waits for it; docs/git-protection.md, "When the
             # baseline is on disk"). Refused: the except below stops the
             # sandbox, which ran no call.
-            if claims.claim(self.in_use, self.baselines, session, self.state_dir, self.restores_at_start):
+            recovered, record = claims.claim(self.in_use, self.baselines, session, self.state_dir,
+                                             self.restores_at_start)
+            if recovered:
                 self._inspect_git(session)  # the worktree as the dead daemon's remains were left
-            joining = _Once(functools.partial(
+            steps["claim"] = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            joining = _Once(claims.then(record, functools.partial(
                 self.baselines.join, sid, session.worktree, session.git, session.git_before,
-                session.redirects_before, tuple(policy.protect.paths), defer=True),
+                session.redirects_before, tuple(policy.protect.paths), defer=True)),
                 then=functools.partial(self.baselines.durable, sid))
             # Run by now, to its end, whenever the sandbox is ready (and when
             # not, it has either not begun or ended: nothing of it is left

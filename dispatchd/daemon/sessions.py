@@ -46,7 +46,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -144,8 +143,11 @@ class SessionManager(Switching):
         self.baselines.later = afterwards.later  # the last end's record removed after the reply
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
-        with contextlib.suppress(OSError):
+        try:
             self.in_use.forget_dead(claims.finished(dead, self.baselines))
+            self.in_use.prepare()  # the spare entries an open's claim writes in place
+        except OSError as exc:  # each claim then makes its own, or refuses its open
+            log.warning("event=inuse_unwritable error=%s", exc)
         # Checkpoints of sessions' worktrees, their objects in the baselines' keep (daemon/checkpoints/).
         self.checkpoints = checkpoints.Store(state_dir, self.baselines.keep_dir)
         self.checkpoints.later = afterwards.later  # a done restore's record removal made durable after the reply

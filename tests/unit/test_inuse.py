@@ -24,6 +24,12 @@ def _two(tmp_path: Path) -> tuple[InUse, InUse]:
     return InUse(str(tmp_path / "u"), pid=111), InUse(str(tmp_path / "u"), pid=222)
 
 
+def _claims(d: Path) -> dict[str, str]:
+    """The sessions the entries in ``d`` hold, by file name (spares hold none)."""
+    return {n: json.loads(text)["session"] for n in os.listdir(d) if n.endswith(".uses")
+            if (text := (d / n).read_text()).strip()}
+
+
 def test_another_daemon_s_session_is_refused_and_named(tmp_path: Path) -> None:
     a, b = _two(tmp_path)
     before = time.time()
@@ -33,6 +39,7 @@ def test_another_daemon_s_session_is_refused_and_named(tmp_path: Path) -> None:
     assert (other.session, other.pid, other.worktree, other.common) == ("s1", 111, "/home/u/repo", REPO)
     assert before <= other.since <= time.time()
     assert [n for n in os.listdir(tmp_path / "u") if n.startswith(b.token)] == []  # nothing of b's recorded
+    assert list(_claims(tmp_path / "u").values()) == ["s1"]
 
 
 @pytest.mark.parametrize(("path", "common", "refused"), [
@@ -56,10 +63,33 @@ def test_a_release_lets_the_other_daemon_claim_and_leaves_no_file(tmp_path: Path
     assert b.claim("s2", "/home/u/repo", REPO)[0] is not None
     a.release("s1")
     assert b.claim("s2", "/home/u/repo", REPO) == (None, [])
-    assert sorted(os.listdir(tmp_path / "u")) == [".mutex", f"{b.token}.s2.uses"]
+    assert list(_claims(tmp_path / "u").values()) == ["s2"]
     b.release("s2")
     b.release("s2")  # a no-op
-    assert sorted(os.listdir(tmp_path / "u")) == [".mutex"]
+    assert _claims(tmp_path / "u") == {}  # each entry kept as a spare (spaces): nothing claimed
+    assert sorted(n.split(".")[0] for n in os.listdir(tmp_path / "u") if n.endswith(".uses")) == \
+        sorted([a.token, b.token])
+
+
+def test_a_claim_writes_a_spare_in_place_and_its_release_gives_it_back(tmp_path: Path) -> None:
+    """No file is made on an open's path: the spares ``prepare`` made are
+    written, and given back; beyond ``SPARES`` an entry goes with its session."""
+    a, b = _two(tmp_path)
+    a.prepare()
+    spares = sorted(os.listdir(tmp_path / "u"))
+    assert len(spares) == inuse.SPARES + 1 and all((tmp_path / "u" / n).stat().st_size == inuse.SIZE
+                                                    for n in spares if n != ".mutex")
+    sessions = [f"s{i}" for i in range(inuse.SPARES + 2)]
+    for i, sid in enumerate(sessions):
+        assert a.claim(sid, f"/home/u/w{i}", "")[0] is None
+    assert sorted(_claims(tmp_path / "u").values()) == sessions
+    assert set(spares) <= set(os.listdir(tmp_path / "u"))  # the spares were written, two files made beyond
+    other = b.claim("t", "/home/u/w3/sub", "")[0]  # a spare written is a claim like any other
+    assert other is not None and other.session == "s3"
+    for sid in sessions:
+        a.release(sid)
+    assert _claims(tmp_path / "u") == {}
+    assert len([n for n in os.listdir(tmp_path / "u") if n.endswith(".uses")]) == inuse.SPARES
 
 
 def test_a_daemon_s_own_sessions_are_left_to_its_baselines(tmp_path: Path) -> None:
@@ -98,7 +128,8 @@ def test_a_killed_daemon_s_entry_is_listed_dead_until_forgotten(tmp_path: Path) 
     name = f"{pid}-"
     assert b.claim("s3", "/elsewhere", "") == (None, [])  # dead, but unrelated: not listed
     other, dead = b.claim("s2", "/home/u/repo/sub", "")
-    assert other is None and len(dead) == 1 and dead[0].startswith(name) and dead[0].endswith(".dead.uses")
+    assert other is None and len(dead) == 1 and dead[0].startswith(name)
+    assert json.loads((tmp_path / "u" / dead[0]).read_text())["session"] == "dead"
     assert (tmp_path / "u" / dead[0]).exists()  # kept until its baselines are checked
     b.release("s2")
     assert b.claim("s2", "/home/u/repo", "")[1] == dead  # still listed to the next claim
@@ -144,18 +175,24 @@ def test_an_entry_released_while_it_is_looked_at_is_gone_not_dead(tmp_path: Path
     assert b.claim("s2", "/home/u/repo", "") == (None, [])
 
 
-def test_an_entry_a_killed_daemon_left_half_made_is_dead(tmp_path: Path) -> None:
+def test_an_entry_a_killed_daemon_left_half_made_or_spare_is_removed(tmp_path: Path) -> None:
+    """Made, not yet locked nor written (or a spare of spaces): no session's,
+    so nothing to finish. The twin: a dead entry holding a session is kept."""
     d = tmp_path / "u"
     d.mkdir()
-    (d / "999-00000000.sx.uses").write_text("")  # made, not yet locked nor written
+    (d / "999-00000000.0.uses").write_text("")
+    (d / "999-00000000.1.uses").write_text(" " * inuse.SIZE)
+    (d / "999-00000000.2.uses").write_text(json.dumps({"session": "x", "pid": 999, "worktree": "/elsewhere",
+                                                       "since": 0.0}))
     b = InUse(str(d), pid=222)
-    assert b.claim("s2", "/home/u/repo", "") == (None, ["999-00000000.sx.uses"])  # unreadable: related to all
+    assert b.claim("s2", "/home/u/repo", "") == (None, [])
+    assert sorted(n for n in os.listdir(d) if n.startswith("999-")) == ["999-00000000.2.uses"]
 
 
 def test_a_locked_entry_that_cannot_be_read_refuses_every_claim(tmp_path: Path) -> None:
     d = tmp_path / "u"
     d.mkdir()
-    path = d / "999-00000000.sx.uses"
+    path = d / "999-00000000.0.uses"
     path.write_text("not json")
     fd = os.open(path, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -164,7 +201,7 @@ def test_a_locked_entry_that_cannot_be_read_refuses_every_claim(tmp_path: Path) 
         assert b.claim("s2", "/anywhere/at/all", "")[0] == Use("?", 0, "/", 0.0)
     finally:
         os.close(fd)
-    assert b.claim("s2", "/anywhere/at/all", "") == (None, ["999-00000000.sx.uses"])  # the twin: unlocked
+    assert b.claim("s2", "/anywhere/at/all", "") == (None, ["999-00000000.0.uses"])  # the twin: unlocked
 
 
 def test_the_mutex_held_too_long_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,7 +260,7 @@ def test_an_entry_written_short_is_not_left(tmp_path: Path, monkeypatch: pytest.
 
 def test_an_entry_of_its_own_it_could_not_remove_is_made_again(tmp_path: Path) -> None:
     a = InUse(str(tmp_path / "u"), pid=111)
-    assert a.claim("s0", "/x", "")[0] is None  # the directory exists
-    (tmp_path / "u" / f"{a.token}.s1.uses").write_text("{}")  # left unlocked: an unlink that failed
-    assert a.claim("s1", "/home/u/repo", "")[0] is None
-    assert json.loads((tmp_path / "u" / f"{a.token}.s1.uses").read_text())["worktree"] == "/home/u/repo"
+    assert a.claim("s0", "/x", "")[0] is None  # the directory exists; its entry .0
+    (tmp_path / "u" / f"{a.token}.1.uses").write_text("{}")  # left unlocked: an unlink that failed
+    assert a.claim("s1", "/home/u/repo", "")[0] is None  # made as .1
+    assert json.loads((tmp_path / "u" / f"{a.token}.1.uses").read_text())["worktree"] == "/home/u/repo"
