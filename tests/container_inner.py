@@ -26,6 +26,7 @@ import dispatch
 
 
 def _accepts(path: str) -> bool:
+    """tests/conftest.py's ``listening``: that module brings pytest, which this container has not."""
     s = socket.socket(socket.AF_UNIX)
     try:
         s.connect(path)

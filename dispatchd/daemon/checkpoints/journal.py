@@ -47,6 +47,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from dispatchd import flocks
 from dispatchd.durable import fsync_directory
 from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
@@ -364,14 +365,4 @@ def kept(top: str) -> bool:
 
 def live(locks_dir: str, sid: str) -> bool:
     """Whether a live daemon holds session ``sid``'s lock (``leftovers.ScratchLocks``)."""
-    try:
-        fd = os.open(os.path.join(locks_dir, f"{sid}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return flocks.held(os.path.join(locks_dir, f"{sid}.lock"))

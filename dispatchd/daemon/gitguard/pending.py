@@ -12,12 +12,12 @@ ended first: no session of it wrote (``settle`` comes before any write).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
 import time
 
+from dispatchd import flocks
 from dispatchd.durable import fsync_directory
 
 log = logging.getLogger("dispatchd.baselines")
@@ -79,15 +79,5 @@ def held_elsewhere(directory: str, did: str) -> bool:
     """Whether a daemon holds ``did``'s lock (``ID.lock`` in ``directory``):
     its temporary record (``ID.json.X.tmp``) is then one being made durable
     here, or by another daemon on the state directory, not one a killed
-    daemon left. Probed with a lock of its own, never created."""
-    try:
-        fd = os.open(os.path.join(directory, f"{did}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    daemon left."""
+    return flocks.held(os.path.join(directory, f"{did}.lock"))
