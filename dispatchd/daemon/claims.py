@@ -22,8 +22,10 @@ Guarantees:
   daemon's start does: the restores it cut short (``finish_restores``), then
   the checks of its baselines' records that relate to this worktree
   (``Baselines.recover``: what its sessions planted is moved aside, the
-  repository's history put back); one at a time in this daemon; the entry is
-  forgotten only once they passed, and the open refused when they did not;
+  repository's history put back; every record when a dead entry cannot be
+  read); one at a time in this daemon; the entry is forgotten only once they
+  passed, and the open refused when they did not, or when another daemon is
+  checking a related record still (its start, or its open);
   ``claim`` returns True then, and the caller inspects the worktree's git
   metadata again (the recovery may have moved some aside);
 - what cannot be recorded refuses the open (fail closed).
@@ -36,12 +38,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+
+from dispatchd import flocks
 from dispatchd.daemon import checkpoints
 from dispatchd.daemon.gitguard import Baselines, Protected
+from dispatchd.daemon.gitguard.baselines import Record
 from dispatchd.daemon.gitguard.parts import common_of
 from dispatchd.daemon.inuse import InUse, Use
 from dispatchd.daemon.session import Session
@@ -78,8 +85,13 @@ def claim(in_use: InUse | None, baselines: Baselines, session: Session, state_di
         log.warning("event=dead_daemon_sessions_found session=%s entries=%s", session.id, ",".join(dead))
         said += [Protected(path=path, why=why, time=time.time())
                  for path, why in checkpoints.finish_restores(state_dir, in_use)]
-        baselines.recover(related=lambda roots, commons: any(overlap(r, root) for r in roots)
-                          or bool(common and common in commons))
+        def related(roots: list[str], commons: list[str]) -> bool:
+            return any(overlap(r, root) for r in roots) or bool(common and common in commons)
+        # An entry that cannot be read may stand for any worktree: every record checked then.
+        baselines.recover(related=None if in_use.unreadable & set(dead) else related)
+        if _checked_elsewhere(baselines, related):
+            raise WorktreeError(f"{root}: another dispatchd is checking what a dispatchd that died left here; "
+                                "open it again in a moment; no session opened", root)
         why = tainted(baselines, root)
         if why:
             raise WorktreeError(f"{root}: a session of a dispatchd that died left files here that could not be moved "
@@ -114,6 +126,29 @@ def _refusal(root: str, other: Use) -> WorktreeError:
                          "shares its repository; each dispatchd keeps its own baseline of a worktree, so the "
                          "sessions of one at a time use it: close that session, or open this one through that "
                          "dispatchd; no session opened", root)
+
+
+def _checked_elsewhere(baselines: Baselines, related: Callable[[list[str], list[str]], bool]) -> bool:
+    """Whether a related record is still there, its lock held by another
+    daemon: one whose start (or open) is checking it now, which ``recover``
+    left to it. This daemon's own domains' records are not that."""
+    ours = set(baselines._domains)
+    try:
+        names = os.listdir(baselines.dir)
+    except FileNotFoundError:
+        return False
+    for name in names:
+        did = name[:-5]
+        if not name.endswith(".json") or did in ours or not flocks.held(os.path.join(baselines.dir, f"{did}.lock")):
+            continue
+        try:
+            with open(os.path.join(baselines.dir, name), "rb") as f:
+                record = msgspec.json.decode(f.read(), type=Record)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return True  # cannot tell: as if related
+        if related([p.root for p in record.parts], [os.path.realpath(p.common) for p in record.parts if p.common]):
+            return True
+    return False
 
 
 def tainted(baselines: Baselines, root: str) -> str:

@@ -12,7 +12,8 @@ flock'ed ``LOCK_EX`` by its daemon from when it is made, of ``SIZE`` bytes:
 a session's use (its session, daemon pid, worktree, repository's common
 directory and time, in JSON, padded with spaces) from the open until the
 session's end, else spaces (a spare). A claim writes a spare in place, one
-page in one ``pwrite`` (a reader sees it whole, before or after): making a
+page in one ``pwrite``, under the mutex every reader holds (a page written
+while it is read may be read half old, half new), as a release does: making a
 file on an open's path waited behind the file system's journal, which the
 baselines' fsyncs keep busy (0.9 ms p50 back to back, against 0.02 written
 in place). ``prepare`` makes the spares (the start), and a release keeps
@@ -86,6 +87,7 @@ class InUse:
         self.token = f"{self.pid}-{secrets.token_hex(4)}"  # a pid is reused; this daemon is not
         self._fds: dict[str, tuple[str, int]] = {}  # session -> its entry's name and locked descriptor
         self._spares: list[tuple[str, int]] = []  # entries of spaces, locked, ready for a claim
+        self.unreadable: set[str] = set()  # dead entries seen that could not be read (they relate to all)
         self._made = itertools.count()
         self._lock = threading.Lock()
         self._mutex = _Mutex(directory)
@@ -126,21 +128,31 @@ class InUse:
         a spare (up to ``SPARES``), or removed, then unlocked."""
         with self._lock:
             entry = self._fds.pop(session, None)
-            if entry is None:
-                return
-            name, fd = entry
-            if len(self._spares) < SPARES and os.fstat(fd).st_size == SIZE:
-                try:
-                    _write_whole(fd, b" " * SIZE)
-                    self._spares.append(entry)
-                    return
-                except OSError:
-                    pass
+            if entry is not None:
+                self._give_back(*entry)
+
+    def _give_back(self, name: str, fd: int, mutex_held: bool = False) -> None:
+        """Under ``_lock``: the entry rewritten to spaces under the mutex (a
+        page written while another daemon reads it may be read half old, half
+        new: what it reads is written only under the mutex it reads under),
+        kept as a spare; or, past ``SPARES``, or that failing, removed (it
+        was never readable half made: removed, then unlocked)."""
+        if len(self._spares) < SPARES and os.fstat(fd).st_size == SIZE:
             try:
-                _unlink(os.path.join(self.dir, name))
+                if mutex_held:
+                    _write_whole(fd, b" " * SIZE)
+                else:
+                    with self._mutex:
+                        _write_whole(fd, b" " * SIZE)
+                self._spares.append((name, fd))
+                return
             except OSError:
-                pass  # left unlocked: dead, for the others' next claim
-            os.close(fd)
+                pass
+        try:
+            _unlink(os.path.join(self.dir, name))
+        except OSError:
+            pass  # left unlocked: dead, for the others' next claim
+        os.close(fd)
 
     def dead(self) -> list[tuple[str, Use]]:
         """The entries of daemons that have died, by name (a start's: noted
@@ -187,6 +199,8 @@ class InUse:
                           str(e.get("common", "")))
             except (ValueError, KeyError, TypeError):
                 use = _UNREADABLE
+                if not live:
+                    self.unreadable.add(name)
             if live:
                 found.append(use)
             else:
@@ -225,7 +239,7 @@ class InUse:
             try:
                 _write_whole(fd, data.ljust(SIZE))
             except BaseException:
-                self._spares.append((name, fd))
+                self._give_back(name, fd, mutex_held=True)  # spaces again, or gone: never a page half written
                 raise
             self._fds[session] = (name, fd)
             return

@@ -159,9 +159,11 @@ def test_a_start_notes_the_dead_entries(tmp_path: Path) -> None:
 
 def test_an_entry_released_while_it_is_looked_at_is_gone_not_dead(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A release unlinks, then unlocks, outside the mutex: a look that opened
-    the entry before and locks it after finds it unlinked, and counts it
-    gone (a dead one would have its daemon's remains finished again)."""
+    """A release that cannot have the mutex (another daemon looking) unlinks,
+    then unlocks, outside it: a look that opened the entry before and locks
+    it after finds it unlinked, and counts it gone (a dead one would have its
+    daemon's remains finished again)."""
+    monkeypatch.setattr(inuse, "MUTEX_WAIT_S", 0.05)
     a, b = _two(tmp_path)
     assert a.claim("s1", "/home/u/repo", "")[0] is None
     real = fcntl.flock
@@ -264,3 +266,59 @@ def test_an_entry_of_its_own_it_could_not_remove_is_made_again(tmp_path: Path) -
     (tmp_path / "u" / f"{a.token}.1.uses").write_text("{}")  # left unlocked: an unlink that failed
     assert a.claim("s1", "/home/u/repo", "")[0] is None  # made as .1
     assert json.loads((tmp_path / "u" / f"{a.token}.1.uses").read_text())["worktree"] == "/home/u/repo"
+
+
+def test_a_spare_whose_write_failed_half_way_is_no_claim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page half written would read as an entry that cannot be read, which
+    relates to every worktree: the spare is written back to spaces (or
+    removed). The twin, the write whole: a claim."""
+    a, b = _two(tmp_path)
+    a.prepare()
+    real = os.pwrite
+    calls: list[int] = []
+
+    def half(fd: int, data: bytes, at: int) -> int:
+        calls.append(len(data))
+        return real(fd, data[:5], at) if len(calls) == 1 else real(fd, data, at)  # the claim's write only
+
+    monkeypatch.setattr(inuse.os, "pwrite", half)
+    with pytest.raises(OSError, match="a short write"):
+        a.claim("s1", "/home/u/repo", "")
+    monkeypatch.undo()
+    assert _claims(tmp_path / "u") == {}
+    assert b.claim("s2", "/elsewhere", "") == (None, [])
+    assert a.claim("s1", "/home/u/repo", "")[0] is None
+    assert list(_claims(tmp_path / "u").values()).count("s1") == 1
+
+
+def test_a_release_rewrites_its_entry_only_under_the_mutex(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reader holds the mutex: a page rewritten while one reads could be
+    read half old, half new. A release that cannot have the mutex removes
+    its entry instead of keeping it as a spare; the twin, with it, keeps it."""
+    monkeypatch.setattr(inuse, "MUTEX_WAIT_S", 0.05)
+    a = InUse(str(tmp_path / "u"), pid=111)
+    for sid in ("s1", "s2"):
+        assert a.claim(sid, f"/home/u/{sid}", "")[0] is None
+    a.release("s1")  # the twin: kept, spaces
+    assert len([n for n in os.listdir(tmp_path / "u") if n.endswith(".uses")]) == 2
+    fd = os.open(tmp_path / "u" / ".mutex", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another daemon, looking
+    try:
+        a.release("s2")
+    finally:
+        os.close(fd)
+    assert len([n for n in os.listdir(tmp_path / "u") if n.endswith(".uses")]) == 1
+    assert _claims(tmp_path / "u") == {}
+
+
+def test_a_dead_entry_that_cannot_be_read_is_marked(tmp_path: Path) -> None:
+    """It may stand for any worktree: the open that finds it checks every
+    record a dead daemon left (daemon/claims.py), not the related ones only."""
+    d = tmp_path / "u"
+    d.mkdir()
+    (d / "999-00000000.0.uses").write_text("{not json")
+    (d / "999-00000000.1.uses").write_text(json.dumps({"session": "x", "pid": 999, "worktree": "/w", "since": 0.0}))
+    b = InUse(str(d), pid=222)
+    other, dead = b.look("/w", "")
+    assert other is None and sorted(dead) == ["999-00000000.0.uses", "999-00000000.1.uses"]
+    assert b.unreadable == {"999-00000000.0.uses"}
