@@ -401,3 +401,34 @@ def test_a_cut_restore_is_not_finished_under_another_daemon_s_session(state, tmp
     assert len(during) == 1 and during[0] is not None and during[0].session == "restore-s1"
     assert _tree(wt) == before
     assert not [n for n in os.listdir(state / "inuse") if (state / "inuse" / n).read_text().strip()]  # released
+
+
+@pytest.mark.process
+def test_a_cut_restore_waits_for_another_daemon_s_session_on_a_worktree_of_its_repository(state, tmp_path,
+                                                                                          monkeypatch):
+    """The restore puts objects back from the keep, which another daemon's
+    open of a linked worktree of the same repository records anew: its claim
+    names the repository too. The twin: a session elsewhere does not stop it."""
+    import subprocess
+
+    from dispatchd.daemon.inuse import InUse
+
+    store = cp.Store(str(state), str(state / "keep"))
+    wt = _worktree(tmp_path)
+    subprocess.run(["git", "init", "-q", wt], check=True, timeout=30)
+    info = store.take("s1", wt, POLICY)
+    _change(wt)
+    _cut(monkeypatch)
+    with pytest.raises(CheckpointError):
+        store.restore("s1", wt, info.id, POLICY)
+    monkeypatch.undo()
+    _die(store, "s1")
+    other, mine = InUse(str(state / "inuse"), pid=222), InUse(str(state / "inuse"), pid=111)
+    common = os.path.realpath(os.path.join(wt, ".git"))
+    assert other.claim("t1", str(tmp_path / "linked"), common)[0] is None
+    (said,) = cp.finish_restores(str(state), mine)
+    assert f"session t1 of another dispatchd (pid 222) uses {tmp_path / 'linked'}" in said[1]
+    other.release("t1")
+    assert other.claim("t2", str(tmp_path / "elsewhere"), "")[0] is None
+    assert cp.finish_restores(str(state), mine) == [
+        (wt, f"the restore of checkpoint {info.id}, cut short by a daemon's death, was finished")]

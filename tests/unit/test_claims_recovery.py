@@ -10,10 +10,14 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from dispatchd.daemon import claims
 from dispatchd.daemon.gitguard import baselines, layouts, redirects, snapshots
 from dispatchd.inside import overlap
 from tests.unit.gitrepo import make_repo
+
+pytestmark = pytest.mark.process  # git makes the repositories
 
 
 def _join(store: baselines.Baselines, sid: str, root: Path) -> None:

@@ -322,3 +322,26 @@ def test_a_dead_entry_that_cannot_be_read_is_marked(tmp_path: Path) -> None:
     other, dead = b.look("/w", "")
     assert other is None and sorted(dead) == ["999-00000000.0.uses", "999-00000000.1.uses"]
     assert b.unreadable == {"999-00000000.0.uses"}
+
+
+def test_a_use_longer_than_a_page_gets_a_file_of_its_own(tmp_path: Path) -> None:
+    a, b = _two(tmp_path)
+    a.prepare()
+    deep = "/home/u/" + "/".join(["d" * 200] * 30)  # 6 KB of path: more than a page of JSON
+    assert a.claim("s1", deep, "")[0] is None
+    other = b.claim("s2", deep + "/sub", "")[0]
+    assert other is not None and other.session == "s1" and other.worktree == deep
+    before = len(os.listdir(tmp_path / "u"))
+    a.release("s1")  # not kept as a spare: removed
+    assert len(os.listdir(tmp_path / "u")) == before - 1 and _claims(tmp_path / "u") == {}
+
+
+def test_a_claim_made_between_a_look_and_a_record_refuses_the_record(tmp_path: Path) -> None:
+    """The open looks on its path and records beside the sandbox's start:
+    the record looks again, under the same flock as it writes."""
+    a, b = _two(tmp_path)
+    assert a.look("/home/u/repo", "") == (None, [])
+    assert b.claim("t", "/home/u/repo/sub", "")[0] is None  # another daemon's, meanwhile
+    other = a.claim("s", "/home/u/repo", "")[0]
+    assert other is not None and other.session == "t"
+    assert list(_claims(tmp_path / "u").values()) == ["t"]

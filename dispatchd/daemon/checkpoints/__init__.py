@@ -66,6 +66,8 @@ from dispatchd.daemon.checkpoints.plan import RACY_NS, Entry, Manifest, RestoreP
 from dispatchd.daemon.checkpoints.reading import list_tree, reflinks
 from dispatchd.daemon.checkpoints.requests import SessionManager, before_write, handle
 from dispatchd.daemon.checkpoints.store import Pauses, Store
+from dispatchd.daemon.gitguard.layouts import inspect_git
+from dispatchd.daemon.gitguard.parts import common_of
 from dispatchd.daemon.inuse import InUse
 
 __all__ = ["RACY_NS", "Entry", "Manifest", "Pauses", "RestorePlan", "SessionManager", "Store", "before_write",
@@ -84,7 +86,13 @@ def finish_restores(state_dir: str, in_use: InUse | None = None) -> list[tuple[s
             return lambda: None
         name = f"restore-{session}"
         try:
-            other, _ = in_use.claim(name, worktree, "")
+            # Its repository too: the restore puts back objects from the keep,
+            # which another daemon's open of a linked worktree would record anew.
+            common = common_of(worktree, inspect_git(worktree, uid=os.getuid()))
+        except Exception:  # noqa: BLE001 (a worktree half restored, unreadable: its path alone)
+            common = ""
+        try:
+            other, _ = in_use.claim(name, worktree, common)
         except OSError as exc:
             return f"its use could not be recorded for the other daemons on this state directory ({exc.strerror})"
         if other is not None:
