@@ -14,9 +14,9 @@ Guarantees:
   two daemons' opens never both pass; looked at on the open's path, made
   with the baseline's join, before it), or refuses the open with the other
   daemon's session named; ``release`` gives it back after the session's
-  end, once its baseline's record is gone (its last end's check passed), or
-  never while this daemon runs when that check failed: the worktree is then
-  refused by every daemon, as by this one, until this one stops;
+  end, once its baseline's record is gone; a worktree whose check failed is
+  claimed by itself (``unchecked-…``) for as long as this daemon runs: it
+  is then refused by every daemon, as by this one, until this one stops;
 - when the entry of a dead daemon's session relates to this worktree, what
   that daemon left is finished before this session's baseline is taken, as a
   daemon's start does: the restores it cut short (``finish_restores``), then
@@ -37,6 +37,7 @@ not see them gone) is released as its write lock is.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import threading
@@ -164,13 +165,20 @@ def finished(dead: list[tuple[str, Use]], baselines: Baselines) -> list[str]:
 
 def release(in_use: InUse | None, baselines: Baselines, session: Session,
             later: Callable[[Callable[[], None]], None]) -> None:
-    """At the session's end, its processes gone: after its baseline's record
-    is dropped (``later``, the same queue), unless its check failed."""
+    """At the session's end, its processes gone: given back after its
+    baseline's record is dropped (``later``, the same queue). A worktree a
+    failed check left refused (here, overlapping the session's) is claimed
+    once, by itself, for as long as this daemon runs: one entry however many
+    sessions end near it."""
     if in_use is None:
         return
-    if tainted(baselines, session.worktree):
-        log.warning("event=worktree_kept_in_use session=%s worktree=%s", session.id, session.worktree)
-        return
+    for root in [r for r in list(baselines.tainted) if overlap(r, session.worktree)]:
+        name = "unchecked-" + hashlib.sha256(os.fsencode(root)).hexdigest()[:12]
+        try:
+            in_use.claim(name, root, "")  # once: a name it holds already is kept as it is
+        except OSError as exc:
+            log.warning("event=tainted_unrecorded worktree=%s error=%s", root, exc)
+        log.warning("event=worktree_kept_in_use worktree=%s session=%s", root, session.id)
     later(lambda: in_use.release(session.id))
 
 

@@ -137,7 +137,8 @@ class InUse:
         new: what it reads is written only under the mutex it reads under),
         kept as a spare; or, past ``SPARES``, or that failing, removed (it
         was never readable half made: removed, then unlocked)."""
-        if len(self._spares) < SPARES and os.fstat(fd).st_size == SIZE:
+        st = os.fstat(fd)
+        if len(self._spares) < SPARES and st.st_size == SIZE and st.st_nlink > 0:
             try:
                 if mutex_held:
                     _write_whole(fd, b" " * SIZE)
@@ -234,6 +235,8 @@ class InUse:
         if common:
             entry["common"] = common
         data = json.dumps(entry).encode()
+        while self._spares and os.fstat(self._spares[-1][1]).st_nlink == 0:
+            os.close(self._spares.pop()[1])  # removed meanwhile (the directory with it): no one would read it
         if self._spares and len(data) <= SIZE:
             name, fd = self._spares.pop()
             try:

@@ -6,6 +6,7 @@ one process as across two); a daemon killed is a child process that ends."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -345,3 +346,41 @@ def test_a_claim_made_between_a_look_and_a_record_refuses_the_record(tmp_path: P
     other = a.claim("s", "/home/u/repo", "")[0]
     assert other is not None and other.session == "t"
     assert list(_claims(tmp_path / "u").values()) == ["t"]
+
+
+def test_spares_removed_with_the_directory_are_not_written(tmp_path: Path) -> None:
+    """A claim written into an entry nobody can see any more would be no
+    claim: the directory removed while the daemons run, the next claim makes
+    a new entry, and the other daemon sees it. The twin: its release keeps
+    no removed entry as a spare."""
+    a, b = _two(tmp_path)
+    a.prepare()
+    shutil.rmtree(tmp_path / "u")
+    assert a.claim("s1", "/w", "")[0] is None
+    other = b.look("/w", "")[0]
+    assert other is not None and other.session == "s1"
+    a.release("s1")
+    assert b.look("/w", "") == (None, [])
+    assert all(os.fstat(fd).st_nlink == 1 for _, fd in a._spares)
+
+
+def test_a_worktree_left_refused_is_claimed_once_however_many_sessions_end_near_it(tmp_path: Path) -> None:
+    """A failed end's check leaves the worktree refused while the daemon
+    runs: the other daemons must refuse it too, by one entry of its own;
+    each session's entry goes as usual (none kept for ever, one per
+    session: descriptors and files without bound)."""
+    from types import SimpleNamespace
+
+    from dispatchd.daemon import claims
+
+    a, b = _two(tmp_path)
+    baselines = SimpleNamespace(tainted={"/repo": "a file that could not be moved aside"})
+    for i in range(20):
+        assert a.claim(f"s{i}", "/repo/sub", "")[0] is None
+        claims.release(a, baselines, SimpleNamespace(id=f"s{i}", worktree="/repo/sub"),  # type: ignore[arg-type]
+                       lambda job: job())
+    assert list(_claims(tmp_path / "u").values()) == ["unchecked-" + hashlib.sha256(b"/repo").hexdigest()[:12]]
+    assert len(a._fds) == 1
+    other = b.claim("t", "/repo/other", "")[0]  # refused, as this daemon refuses it
+    assert other is not None and other.worktree == "/repo"
+    assert b.claim("t", "/elsewhere", "")[0] is None  # the twin
