@@ -124,7 +124,8 @@ class Opening(Pooling):
                    user_env: dict[str, str] | None = None, secret_names: list[str] | None = None,
                    attach: bool = False) -> Session:
         resolved = held.path
-        tainted = self.baselines.tainted.get(resolved)
+        # Inside or around one too: its baseline would take what was left there for the user's.
+        tainted = claims.tainted(self.baselines, resolved)
         if tainted:
             raise WorktreeError(f"{resolved}: a session left files here that dispatchd could not move aside "
                                 f"({tainted}); look at them (your own tools would run them), then restart "
