@@ -79,6 +79,19 @@ def _run_base(tmp_path_factory: pytest.TempPathFactory) -> None:
 # (tests/unit/test_parallel.py).
 
 
+def deep_tree(top: Path, levels: int) -> None:
+    """``levels`` nested directories ``d`` under ``top`` (by descriptor: no path is that long)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+
+
 def listening(path: str) -> bool:
     """Whether something accepts connections on the Unix socket ``path``."""
     s = socket.socket(socket.AF_UNIX)

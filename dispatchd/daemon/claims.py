@@ -65,9 +65,8 @@ def claim(in_use: InUse | None, baselines: Baselines, session: Session, state_di
     """Before the session's baseline is taken (``Baselines.join``): whether a
     dead daemon's remains were finished here (inspect the git metadata again),
     and the claim's record, to run before the join. Its look is on the open's
-    path; its record, a file made where the baselines' fsyncs wait on the
-    file system's journal (0.1-3 ms, 0.9 p50 back to back), is made beside
-    the sandbox's start with the join, and looks again: a claim made
+    path; its record (a spare entry written, ``inuse.py``) beside the
+    sandbox's start with the join, and it looks again: a claim made
     meanwhile by another daemon refuses the open then."""
     if in_use is None:
         return False, lambda: None

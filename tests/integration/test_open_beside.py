@@ -19,20 +19,7 @@ import psutil
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, shell, wait_for_pool, wait_until
-
-
-def _deep(top: Path, levels: int) -> None:
-    """``levels`` nested directories under ``top`` (by descriptor: no path is that long)."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(levels):
-            os.mkdir("d", dir_fd=fd)
-            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-    finally:
-        os.close(fd)
+from tests.conftest import Daemon, deep_tree, shell, wait_for_pool, wait_until
 
 
 def test_a_baseline_refused_beside_the_sandbox_refuses_the_open_and_ends_it(
@@ -41,7 +28,7 @@ def test_a_baseline_refused_beside_the_sandbox_refuses_the_open_and_ends_it(
     try:
         with d.connect() as client:
             wait_for_pool(client, "default/off", 2)
-            _deep(worktree, 4100)  # deeper than the baseline's walk goes (runnables.MAX_DEPTH)
+            deep_tree(worktree, 4100)  # deeper than the baseline's walk goes (runnables.MAX_DEPTH)
             with pytest.raises(dispatch.DispatchError, match=(
                     "deeper than 4096 directories, more than dispatchd checks for repositories and files "
                     "your tools run; no session opened")):

@@ -11,20 +11,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon
-
-
-def _deep(top: Path, levels: int) -> None:
-    """``levels`` nested directories under ``top`` (by descriptor: no path is that long)."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(levels):
-            os.mkdir("d", dir_fd=fd)
-            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-    finally:
-        os.close(fd)
+from tests.conftest import Daemon, deep_tree
 
 
 def test_a_worktree_left_unchecked_refuses_those_inside_and_around_it(tmp_path: Path) -> None:
@@ -37,7 +24,7 @@ def test_a_worktree_left_unchecked_refuses_those_inside_and_around_it(tmp_path: 
     try:
         with d.connect() as client:
             with client.open_session(str(worktree)):
-                _deep(worktree / "src", 4100)  # made while the session ran: its, to the check
+                deep_tree(worktree / "src", 4100)  # made while the session ran: its, to the check
             for root in (worktree, worktree / "src", worktree.parent):  # the same, inside, around
                 with pytest.raises(dispatch.DispatchError, match="could not move aside"):
                     client.open_session(str(root))
