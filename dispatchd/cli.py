@@ -405,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.set_wakeup_fd(server.wakeup_fd())
     manager.start_pool()
     watch.start()
+    # The history keeps of repositories gone since (daemon/gitguard/keeps.py):
+    # after the start's own checks, on a thread of their own, nothing waiting.
+    from dispatchd.daemon.gitguard import keeps
+
+    threading.Thread(target=keeps.sweep, args=(manager.baselines.keep_dir, state), daemon=True,
+                     name="keep-sweep").start()
     # What the start made (modules, policies, tables) lives as long as the
     # daemon: kept out of the collector's way, a full collection walks only
     # what sessions made since (docs/performance.md, "The collector").

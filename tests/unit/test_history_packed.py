@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dispatchd.daemon.gitguard import history, objectstore, packed
+from dispatchd.daemon.gitguard import history, keeps, objectstore, packed
 from dispatchd.tools import native
 from tests.unit.gitrepo import git
 
@@ -71,7 +71,7 @@ def test_only_git_s_object_directories_are_kept_and_looked_at(tmp_path: Path, mo
     keep = Path(kept.keep)
     assert _loose(objects) and _loose(keep) == _loose(objects)
     others = {d.name for d in keep.iterdir() if not _FANOUT.fullmatch(d.name)}
-    assert history._STAMPS in others and others <= {history._STAMPS, "pack"}
+    assert history._STAMPS in others and others <= {history._STAMPS, "pack", keeps.REPO}
     assert set(kept.stamps) == {d.name for d in objects.iterdir() if _FANOUT.fullmatch(d.name) or d.name == "pack"}
     assert not set(_NOT_GITS) & set(kept.stamps)
 
@@ -105,11 +105,11 @@ def test_a_checkpoint_s_keep_leaves_other_names_out(tmp_path: Path) -> None:
     _with_other_dirs(objects)
     fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        present = history.keep_more(fd, str(tmp_path / "keep"), [1 << 30])
+        present = history.keep_more(fd, str(tmp_path / "keep"), str(tmp_path / "repo" / ".git"), [1 << 30])
     finally:
         os.close(fd)
     assert present == _loose(objects) | {f"pack/{p.name}" for p in (objects / "pack").iterdir()}
-    assert {p.name for p in (tmp_path / "keep").iterdir() if not _FANOUT.fullmatch(p.name)} <= {"pack"}
+    assert {p.name for p in (tmp_path / "keep").iterdir() if not _FANOUT.fullmatch(p.name)} <= {"pack", keeps.REPO}
 
 
 def test_objects_git_packed_meanwhile_are_put_back_unreported(tmp_path: Path) -> None:

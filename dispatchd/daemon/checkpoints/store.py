@@ -249,10 +249,11 @@ class Store:
             if parent_fd != root_fd:
                 os.close(parent_fd)
             if has_objects:
-                keep = gitguard.keep_for(self.keep_dir, os.path.join(worktree, ".git"))
+                common = os.path.join(worktree, ".git")
+                keep = gitguard.keep_for(self.keep_dir, common)
                 ofd = open_beneath(root_fd, os.fsdecode(_OBJECTS), _DIR)
                 try:
-                    objects = gitguard.keep_more(ofd, keep, budget)
+                    objects = gitguard.keep_more(ofd, keep, common, budget)
                 finally:
                     os.close(ofd)
         finally:

@@ -47,7 +47,6 @@ namespace) keeps all of it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import logging
@@ -62,7 +61,7 @@ import msgspec
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
-from dispatchd.daemon.gitguard.pending import Durable, held_elsewhere
+from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
 from dispatchd.inside import is_within, overlap
@@ -220,9 +219,7 @@ class Baselines:
             names = sorted(os.listdir(self.dir))
         except FileNotFoundError:
             return []
-        for name in (n for n in names if n.endswith(".tmp") and not held_elsewhere(self.dir, n.partition(".")[0])):
-            with contextlib.suppress(OSError):  # left by a killed daemon; not a live one's, being made durable
-                os.unlink(os.path.join(self.dir, name))
+        remove_strays(self.dir, names)  # killed daemons' temporary records and lone locks; no live daemon's
         for name in names:
             if not name.endswith(".json"):
                 continue

@@ -41,7 +41,7 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, objectstore, packed, reftemp
+from dispatchd.daemon.gitguard import fs, keeps, objectstore, packed, reftemp
 from dispatchd.tools import native
 
 _log = logging.getLogger("dispatchd.history")
@@ -286,7 +286,7 @@ def keep_for(keep_dir: str, common: str) -> str:
     return os.path.join(keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
 
 
-def keep_more(objects_fd: int, keep: str, budget: list[int]) -> set[str]:
+def keep_more(objects_fd: int, keep: str, common: str, budget: list[int]) -> set[str]:
     """Add the object files of the ``objects`` directory held by
     ``objects_fd`` that the keep lacks, dropping none (a checkpoint's,
     daemon/checkpoints/: what a session deleted stays kept for the end's
@@ -298,32 +298,32 @@ def keep_more(objects_fd: int, keep: str, budget: list[int]) -> set[str]:
     what changed since its own look, these additions included."""
     present: set[str] = set()
     ways = Ways()
-    os.makedirs(keep, mode=0o700, exist_ok=True)
-    for name in os.listdir(objects_fd):
-        if not is_object_dir(name):
-            continue
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
-        except OSError:
-            continue  # not a directory (a symlink included): not git's
-        try:
-            here = {n for n in os.listdir(fd) if not n.startswith("tmp")}
-            present.update(f"{name}/{n}" for n in here)
-            kept_dir = os.path.join(keep, name)
+    with keeps.hold(keep, common):
+        for name in os.listdir(objects_fd):
+            if not is_object_dir(name):
+                continue
             try:
-                kept = set(os.listdir(kept_dir))
-            except FileNotFoundError:
-                kept = set()
-            missing = sorted(here - kept)
-            if missing:
-                os.makedirs(kept_dir, mode=0o700, exist_ok=True)
-            for n in missing:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
+            except OSError:
+                continue  # not a directory (a symlink included): not git's
+            try:
+                here = {n for n in os.listdir(fd) if not n.startswith("tmp")}
+                present.update(f"{name}/{n}" for n in here)
+                kept_dir = os.path.join(keep, name)
                 try:
-                    _clone(f"/proc/self/fd/{fd}/{n}", os.path.join(kept_dir, n), budget, ways)
-                except (FileNotFoundError, FileExistsError):
-                    continue  # gone meanwhile (a repack), or kept meanwhile
-        finally:
-            os.close(fd)
+                    kept = set(os.listdir(kept_dir))
+                except FileNotFoundError:
+                    kept = set()
+                missing = sorted(here - kept)
+                if missing:
+                    os.makedirs(kept_dir, mode=0o700, exist_ok=True)
+                for n in missing:
+                    try:
+                        _clone(f"/proc/self/fd/{fd}/{n}", os.path.join(kept_dir, n), budget, ways)
+                    except (FileNotFoundError, FileExistsError):
+                        continue  # gone meanwhile (a repack), or kept meanwhile
+            finally:
+                os.close(fd)
     return present
 
 
@@ -341,43 +341,43 @@ def record(common: str, keep: str, own: list[str]) -> History:
                        note="object files not kept: objects is not a directory (a symlink?)")
     stamps = _stamps(objects)
     try:
-        os.makedirs(keep, mode=0o700, exist_ok=True)
-        index = fs.read_small(os.path.join(keep, _STAMPS), 1 << 20)
-        try:
-            last = msgspec.json.decode(index or "", type=tuple[dict[str, int], int]) if index else ({}, 0)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            last = ({}, 0)
-        # An older daemon stamped any two-character directory: only git's are looked at.
-        last = ({d: ns for d, ns in last[0].items() if is_object_dir(d)}, last[1])
-        # Without a record of the last look, every directory is listed.
-        dirs = _changed(last[0], last[1], stamps) if last[0] else set(stamps) | set(_stamps(keep))
-        present = _files_in(objects, dirs)
-        kept = _files_in(keep, dirs)
-        budget = [_COPY_BUDGET]
-        ways = Ways()
-        made: set[str] = set()  # each fan-out directory made once, not once a file
-        for rel in sorted(present - kept):
-            folder = os.path.dirname(rel)
-            if folder not in made:
-                os.makedirs(os.path.join(keep, folder), mode=0o700, exist_ok=True)
-                made.add(folder)
+        with keeps.hold(keep, common):  # named, and spared by a sweep while this works
+            index = fs.read_small(os.path.join(keep, _STAMPS), 1 << 20)
             try:
-                _clone(os.path.join(objects, rel), os.path.join(keep, rel), budget, ways)
-            except FileNotFoundError:
-                continue  # git removed it meanwhile (a repack)
-        for rel in kept - present:  # the user's own gc: theirs to drop
-            try:
-                os.unlink(os.path.join(keep, rel))
-            except OSError:
-                pass
-        if not (last[0] == stamps and not dirs):
-            # Written only when it says something new: a keep whose stamps
-            # are those of the last look, none of them racy then, is as
-            # up to date as that look said (the back-to-back open's case).
-            tmp = os.path.join(keep, f"{_STAMPS}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(msgspec.json.encode((stamps, stamped_ns)))
-            os.replace(tmp, os.path.join(keep, _STAMPS))
+                last = msgspec.json.decode(index or "", type=tuple[dict[str, int], int]) if index else ({}, 0)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                last = ({}, 0)
+            # An older daemon stamped any two-character directory: only git's are looked at.
+            last = ({d: ns for d, ns in last[0].items() if is_object_dir(d)}, last[1])
+            # Without a record of the last look, every directory is listed.
+            dirs = _changed(last[0], last[1], stamps) if last[0] else set(stamps) | set(_stamps(keep))
+            present = _files_in(objects, dirs)
+            kept = _files_in(keep, dirs)
+            budget = [_COPY_BUDGET]
+            ways = Ways()
+            made: set[str] = set()  # each fan-out directory made once, not once a file
+            for rel in sorted(present - kept):
+                folder = os.path.dirname(rel)
+                if folder not in made:
+                    os.makedirs(os.path.join(keep, folder), mode=0o700, exist_ok=True)
+                    made.add(folder)
+                try:
+                    _clone(os.path.join(objects, rel), os.path.join(keep, rel), budget, ways)
+                except FileNotFoundError:
+                    continue  # git removed it meanwhile (a repack)
+            for rel in kept - present:  # the user's own gc: theirs to drop
+                try:
+                    os.unlink(os.path.join(keep, rel))
+                except OSError:
+                    pass
+            if not (last[0] == stamps and not dirs):
+                # Written only when it says something new: a keep whose stamps
+                # are those of the last look, none of them racy then, is as
+                # up to date as that look said (the back-to-back open's case).
+                tmp = os.path.join(keep, f"{_STAMPS}.{os.getpid()}.tmp")
+                with open(tmp, "wb") as f:
+                    f.write(msgspec.json.encode((stamps, stamped_ns)))
+                os.replace(tmp, os.path.join(keep, _STAMPS))
     except OSError as exc:
         note = f"object files not kept: {exc.strerror}"
         keep = ""

@@ -12,6 +12,7 @@ ended first: no session of it wrote (``settle`` comes before any write).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -81,3 +82,60 @@ def held_elsewhere(directory: str, did: str) -> bool:
     here, or by another daemon on the state directory, not one a killed
     daemon left."""
     return flocks.held(os.path.join(directory, f"{did}.lock"))
+
+
+_TEMP_LOCK_AGE_S = 60.0  # a lock under its temporary name this old is no live daemon's rename to come
+
+
+def remove_strays(directory: str, names: list[str], now: float | None = None) -> list[str]:
+    """What killed daemons left beside the records, none of it a live
+    daemon's (the start's and a related open's ``recover``): a temporary
+    record (``ID.json.X.tmp``) whose lock nobody holds; a lock without its
+    record (``ID.lock``: killed between a record's removal and its lock's,
+    or before its first record was made durable), removed under its own
+    flock, taken at once or not at all; a lock still under its temporary
+    name (``.ID.lock.X``), only once older than a minute (a live daemon
+    makes, locks and renames one within microseconds). Returns the names
+    removed."""
+    present, removed = set(names), []
+    now = time.time() if now is None else now
+    for name in names:
+        did = name.lstrip(".").partition(".")[0]
+        path = os.path.join(directory, name)
+        try:
+            if name.endswith(".tmp"):
+                gone = not held_elsewhere(directory, did) and _unlink(path)
+            elif name.startswith(".") and ".lock." in name:
+                gone = now - os.lstat(path).st_mtime >= _TEMP_LOCK_AGE_S and not flocks.held(path) and _unlink(path)
+            elif name == f"{did}.lock" and f"{did}.json" not in present:
+                gone = _unlink_unheld(directory, did)
+            else:
+                gone = False
+        except OSError:
+            gone = False  # gone meanwhile, or not ours to remove: looked at again at the next recover
+        if gone:
+            removed.append(name)
+    return removed
+
+
+def _unlink(path: str) -> bool:
+    os.unlink(path)
+    return True
+
+
+def _unlink_unheld(directory: str, did: str) -> bool:
+    """``ID.lock`` removed if nobody holds it and ``ID.json`` is absent,
+    both looked at under the lock (only its holder writes the record)."""
+    path = os.path.join(directory, f"{did}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if os.path.lexists(os.path.join(directory, f"{did}.json")):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
