@@ -189,3 +189,19 @@ def test_what_killed_daemons_left_beside_the_records_goes_and_a_live_one_s_stays
     # The live ones' daemon gone: theirs go at the next look.
     assert sorted(pending.remove_strays(str(d), sorted(os.listdir(d)))) == ["live.lock", "livetmp.json.00.tmp",
                                                                             "livetmp.lock"]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("named_later", [True, False])
+def test_a_record_made_after_the_first_reading_keeps_its_keep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              named_later: bool) -> None:
+    """The records are read again once the keep's lock is taken: one written
+    between the two readings (an open's, whose session then moved its
+    repository away) keeps the keep. The twin: still named by none, it goes."""
+    repo = _repo(tmp_path / "r")
+    keep = _kept(tmp_path, repo)
+    os.rename(repo, tmp_path / "r-moved")
+    readings = iter([set(), {str(keep)} if named_later else set()])
+    monkeypatch.setattr(keeps, "named", lambda state_dir: next(readings))
+    assert _sweep(tmp_path) == ([] if named_later else [(keep.name, f"its repository {repo}/.git is gone")])
+    assert keep.is_dir() == named_later

@@ -19,7 +19,9 @@ every repository ever opened. So:
   keep goes when its exclusive lock can be taken at once (nobody uses it),
   no record on disk names it (a baseline's of any daemon, its temporary
   files too, or a checkpoint's manifest: a live session's, or one a
-  restore left), and its repository is gone (``lstat``: no such file or not
+  restore left; read again once the lock is taken: a baseline's record is
+  on disk before its session can change anything, so a repository a session
+  moved away is always named), and its repository is gone (``lstat``: no such file or not
   a directory; any other error, an unmounted disk's ``EACCES`` say, keeps
   it). It is renamed to ``.gone-*`` under the lock, then removed (a
   ``.gone-*`` a killed sweep left goes at the next).
@@ -190,7 +192,7 @@ def sweep(keep_dir: str, state_dir: str, now: float | None = None) -> list[tuple
         for name in _listing(keep_dir):
             if name.startswith("."):
                 continue
-            why = _sweep_one(os.path.join(keep_dir, name), names, time.time() if now is None else now)
+            why = _sweep_one(os.path.join(keep_dir, name), names, state_dir, time.time() if now is None else now)
             if why is not None:
                 removed.append((name, why))
     except Exception as exc:  # noqa: BLE001 - logged; a keep left is bytes, a daemon not started is worse
@@ -200,7 +202,7 @@ def sweep(keep_dir: str, state_dir: str, now: float | None = None) -> list[tuple
     return removed
 
 
-def _sweep_one(keep: str, names: set[str], now: float) -> str | None:
+def _sweep_one(keep: str, names: set[str], state_dir: str, now: float) -> str | None:
     try:
         fd = os.open(keep, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -213,6 +215,9 @@ def _sweep_one(keep: str, names: set[str], now: float) -> str | None:
         repo = _read_name(fd)
         why = why_remove(repo, repo is not None and repository_gone(repo), keep in names, now - _last_used(fd))
         if why is None:
+            return None
+        again = named(state_dir)  # read again under the lock: a record made since the first reading
+        if keep in again or "*" in again:
             return None
         # Under the lock: a holder waiting for it finds a new keep at the path
         # (``hold``). Never moved back: that holder may have made it already.
