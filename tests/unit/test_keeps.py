@@ -201,7 +201,79 @@ def test_a_record_made_after_the_first_reading_keeps_its_keep(tmp_path: Path, mo
     repo = _repo(tmp_path / "r")
     keep = _kept(tmp_path, repo)
     os.rename(repo, tmp_path / "r-moved")
-    readings = iter([set(), {str(keep)} if named_later else set()])
+    readings = iter([set(), {keep.name} if named_later else set()])
     monkeypatch.setattr(keeps, "named", lambda state_dir: next(readings))
     assert _sweep(tmp_path) == ([] if named_later else [(keep.name, f"its repository {repo}/.git is gone")])
     assert keep.is_dir() == named_later
+
+
+@pytest.mark.process
+def test_a_record_written_under_another_spelling_of_the_state_directory_names_its_keep(tmp_path: Path) -> None:
+    """A daemon started with ``XDG_STATE_HOME`` through a symlink wrote the
+    record: the keep is named all the same. The twin: a record naming
+    another keep does not keep this one."""
+    repo = _repo(tmp_path / "r")
+    keep = _kept(tmp_path, repo)
+    (tmp_path / "alias").symlink_to(tmp_path / "state")
+    os.rename(repo, tmp_path / "r-moved")
+    base = tmp_path / "state" / "baselines"
+    base.mkdir()
+    for other, expect in ((False, []), (True, [keep.name])):
+        named = "0" * 16 if other else keep.name
+        record = {"id": "d3", "created": 0.0, "histories": [{"common": str(repo / ".git"),
+                                                             "keep": str(tmp_path / "alias" / "keep" / named)}]}
+        (base / "d3.json").write_bytes(msgspec.json.encode(record))
+        assert [n for n, _ in _sweep(tmp_path)] == expect
+
+
+@pytest.mark.process
+def test_a_temporary_record_renamed_after_the_listing_is_read_under_its_new_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = _repo(tmp_path / "r")
+    keep = _kept(tmp_path, repo)
+    base = tmp_path / "state" / "baselines"
+    base.mkdir()
+    record = {"id": "d4", "created": 0.0, "histories": [{"common": str(repo / ".git"), "keep": str(keep)}]}
+    (base / "d4.json").write_bytes(msgspec.json.encode(record))  # the listing saw d4.json.00.tmp
+    real = keeps._listing
+    monkeypatch.setattr(keeps, "_listing", lambda p: ["d4.json.00.tmp"] if p == str(base) else real(p))
+    assert keeps.named(str(tmp_path / "state")) == {keep.name}
+
+
+@pytest.mark.process
+def test_a_keep_moved_and_made_again_before_the_sweep_s_lock_is_left(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another daemon's sweep moved the keep aside and an open made a new one
+    between this sweep's open of the keep and its lock: the new one is left."""
+    repo = _repo(tmp_path / "r")
+    keep = _kept(tmp_path, repo)
+    os.rename(repo, tmp_path / "r-moved")
+    real = fcntl.flock
+
+    def swapped(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_EX | fcntl.LOCK_NB and not (tmp_path / "aside").exists():
+            os.rename(keep, tmp_path / "aside")
+            keep.mkdir()
+            (keep / keeps.REPO).write_text(str(repo / ".git"))
+        real(fd, op)
+    monkeypatch.setattr(keeps.fcntl, "flock", swapped)
+    assert _sweep(tmp_path) == [] and keep.is_dir()
+    monkeypatch.setattr(keeps.fcntl, "flock", real)
+    assert [n for n, _ in _sweep(tmp_path)] == [keep.name]  # the twin: unchanged since, it goes
+
+
+@pytest.mark.process
+def test_a_keep_that_cannot_be_named_still_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    repo = _repo(tmp_path / "r")
+    real = os.open
+
+    def full(path: str, *args: object, **kwargs: object) -> int:
+        if str(path).startswith(keeps.REPO + "."):
+            raise OSError(28, "No space left on device")
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(keeps.os, "open", full)
+    with caplog.at_level(logging.WARNING, logger="dispatchd.keeps"):
+        keep = _kept(tmp_path, repo)
+    assert "event=keep_not_named" in caplog.text and not (keep / keeps.REPO).exists()
+    assert any(p.is_file() for p in keep.rglob("*") if p.name != ".stamps")  # the objects are kept

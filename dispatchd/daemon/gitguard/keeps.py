@@ -14,16 +14,20 @@ every repository ever opened. So:
 - **Held while used.** ``hold`` takes a shared ``flock`` on the keep's
   directory, and makes sure the directory it locked is still the one at the
   keep's path (a sweep may have moved it aside meanwhile: then a new one is
-  made). ``record``, ``keep_more`` and ``restore`` hold it while they work.
+  made). ``record`` and ``keep_more`` hold it while they work; a restore
+  reads a keep that a record on disk names, which no sweep removes.
 - **Swept** (``sweep``, at the daemon's start, on a thread of its own): a
   keep goes when its exclusive lock can be taken at once (nobody uses it),
   no record on disk names it (a baseline's of any daemon, its temporary
   files too, or a checkpoint's manifest: a live session's, or one a
-  restore left; read again once the lock is taken: a baseline's record is
-  on disk before its session can change anything, so a repository a session
-  moved away is always named), and its repository is gone (``lstat``: no such file or not
-  a directory; any other error, an unmounted disk's ``EACCES`` say, keeps
-  it). It is renamed to ``.gone-*`` under the lock, then removed (a
+  restore left; compared by the keep's name, whatever the spelling of the
+  state directory a record was written under; read again once the lock is
+  taken: a baseline's record is on disk before its session can change
+  anything, so a repository a session moved away is always named), and its
+  repository is gone (``lstat``: no such file, or not a directory; any other
+  error keeps it; a repository on a disk not mounted is gone, and loses
+  only its head start). The directory locked must be the one at the path
+  (another daemon's sweep may have moved it and an open made a new one). It is renamed to ``.gone-*`` under the lock, then removed (a
   ``.gone-*`` a killed sweep left goes at the next).
   A keep without ``.repo`` (made before keeps were named) whose repository
   is not opened again goes after ``_UNNAMED_DAYS`` unused.
@@ -100,38 +104,54 @@ def hold(keep: str, common: str) -> Iterator[int]:
 
 
 def _name(fd: int, common: str) -> None:
+    """``.repo`` written once. Best effort: a keep is kept unnamed rather than
+    not at all (a full disk still takes hard links); unnamed, it goes only
+    after ``_UNNAMED_DAYS`` unused."""
     try:
         os.stat(REPO, dir_fd=fd, follow_symlinks=False)
         return
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        log.warning("event=keep_not_named common=%s error=%r", common, exc.strerror)
+        return
     tmp = f"{REPO}.{secrets.token_hex(4)}.tmp"
-    wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
     try:
-        os.write(wfd, os.fsencode(os.path.realpath(common)))
-    finally:
-        os.close(wfd)
-    os.rename(tmp, REPO, src_dir_fd=fd, dst_dir_fd=fd)
+        wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+        try:
+            os.write(wfd, os.fsencode(os.path.realpath(common)))
+        finally:
+            os.close(wfd)
+        os.rename(tmp, REPO, src_dir_fd=fd, dst_dir_fd=fd)
+    except OSError as exc:
+        log.warning("event=keep_not_named common=%s error=%r", common, exc.strerror)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=fd)
 
 
 def named(state_dir: str) -> set[str]:
-    """The keeps a record on disk names: every baseline record (and its
-    temporary files: a record being made durable) and every checkpoint's
-    manifest. A record that cannot be read names every keep (``{"*"}``):
-    nothing is swept on a guess."""
+    """The keeps (by name: their directory's, whatever the spelling of the
+    state directory the record was written under) a record on disk names:
+    every baseline record (and its temporary files: a record being made
+    durable) and every checkpoint's manifest. A record that cannot be read
+    names every keep (``{"*"}``): nothing is swept on a guess."""
     found: set[str] = set()
     base = os.path.join(state_dir, "baselines")
     for name in _listing(base):
         if ".json" not in name:
             continue
-        try:
-            with open(os.path.join(base, name), "rb") as f:
-                found.update(h.keep for h in _baseline.decode(f.read()).histories)
-        except FileNotFoundError:
-            continue  # dropped or renamed meanwhile: a renamed one is read under its new name, listed below
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-            if not name.endswith(".tmp"):  # a temporary file half written says nothing yet
-                return {"*"}
+        # A temporary file renamed since the listing is read under its new name.
+        for candidate in (name, name.partition(".")[0] + ".json") if name.endswith(".tmp") else (name,):
+            try:
+                with open(os.path.join(base, candidate), "rb") as f:
+                    found.update(os.path.basename(h.keep) for h in _baseline.decode(f.read()).histories)
+                break
+            except FileNotFoundError:
+                continue  # dropped meanwhile: the domain has ended
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+                if not candidate.endswith(".tmp"):  # a temporary file half written says nothing yet
+                    return {"*"}
+                break
     tops = os.path.join(state_dir, "checkpoints")
     for sid in _listing(tops):
         for name in _listing(os.path.join(tops, sid)):
@@ -139,7 +159,7 @@ def named(state_dir: str) -> set[str]:
                 continue
             try:
                 with open(os.path.join(tops, sid, name), "rb") as f:
-                    found.add(_manifest.decode(f.read()).keep)
+                    found.add(os.path.basename(_manifest.decode(f.read()).keep))
             except FileNotFoundError:
                 continue
             except (OSError, msgspec.DecodeError, msgspec.ValidationError):
@@ -212,12 +232,16 @@ def _sweep_one(keep: str, names: set[str], state_dir: str, now: float) -> str | 
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return None  # in use
+        st, now_st = os.fstat(fd), os.lstat(keep)
+        if (st.st_dev, st.st_ino) != (now_st.st_dev, now_st.st_ino):
+            return None  # moved aside by another daemon's sweep, and made again since: someone's
+        name = os.path.basename(keep)
         repo = _read_name(fd)
-        why = why_remove(repo, repo is not None and repository_gone(repo), keep in names, now - _last_used(fd))
+        why = why_remove(repo, repo is not None and repository_gone(repo), name in names, now - _last_used(fd))
         if why is None:
             return None
         again = named(state_dir)  # read again under the lock: a record made since the first reading
-        if keep in again or "*" in again:
+        if name in again or "*" in again:
             return None
         # Under the lock: a holder waiting for it finds a new keep at the path
         # (``hold``). Never moved back: that holder may have made it already.
