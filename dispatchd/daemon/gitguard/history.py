@@ -12,7 +12,8 @@ When the sessions end (``restore``), with their processes gone:
 - an object file kept and now missing is put back (a session's ``rm -rf
   .git/objects`` loses nothing); a loose one that a pack index names now
   (git packed it meanwhile: ``packed.py``) is put back too, but not
-  reported as deleted by a session;
+  reported as deleted by a session; one a session replaced by another file
+  is put back, the session's moved aside (``replaced.py``);
 - a branch or tag the user had that is gone, or that no longer leads back to
   where it was (a fast-forward is kept: the user's own commits in another
   worktree meanwhile look the same), is written back as a loose ref; the
@@ -41,7 +42,7 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, keeps, objectstore, packed, reftemp
+from dispatchd.daemon.gitguard import fs, keeps, objectstore, packed, reftemp, replaced
 from dispatchd.tools import native
 
 _log = logging.getLogger("dispatchd.history")
@@ -429,13 +430,22 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         deleted = [rel for rel in put if rel not in by_git]
         if deleted:
             done.append((objects, f"{len(deleted)} object files deleted by a session put back"))
+        # Another file at a kept name (``mv -f garbage .git/objects/ab/...``): the kept one put back.
+        swapped = replaced.find(objects, history.keep, dirs, history.stamped_ns) if history.stamped_ns else []
+        aside, bad = replaced.put_back(objects, history.keep, swapped,
+                                       lambda src, dst: _clone(src, dst, [_COPY_BUDGET], ways))
+        failed += bad
+        if aside:
+            done.append((objects, f"{len(aside)} object files a session replaced put back (its files moved aside: "
+                                  f"{', '.join(os.path.relpath(a, objects) for a in aside[:5])}"
+                                  f"{', ...' if len(aside) > 5 else ''})"))
         if len(deleted) < len(put):
             _log.info("event=history_packed_meanwhile objects=%s count=%d (loose copies put back)", objects,
                       len(put) - len(deleted))
     for sub in ("refs/heads", "refs/tags"):
         os.makedirs(os.path.join(common, sub), exist_ok=True)
     if history.head and not os.path.lexists(os.path.join(common, "HEAD")):
-        _write_ref(common, "HEAD", history.head.strip())
+        reftemp.write_ref(common, "HEAD", history.head.strip())
         done.append((os.path.join(common, "HEAD"), "deleted by a session; put back"))
     # One store for every moved branch (its packs' indexes read once) and one
     # deadline for all of them: past it, a branch is put back without asking
@@ -454,8 +464,8 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
             continue  # a fast-forward: history kept
         try:
             if new is not None:
-                _write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", new)
-            _write_ref(common, name, old)
+                reftemp.write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", new)
+            reftemp.write_ref(common, name, old)
         except OSError as exc:
             failed.append(f"{name}: {exc.strerror}")
             continue
@@ -463,38 +473,3 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
                            f"put back at {old[:12]}"))
     return done, failed
 
-
-def _write_ref(common: str, name: str, value: str) -> None:
-    """A loose ref, written atomically; a file or directory in the way (a
-    session's) is moved aside first."""
-    path = os.path.join(common, name)
-    parent = os.path.dirname(path)
-    probe = common
-    for part in os.path.relpath(parent, common).split(os.sep):
-        probe = os.path.join(probe, part)
-        if os.path.lexists(probe) and not fs.is_dir(probe):
-            fs.move_aside(probe)
-    os.makedirs(parent, exist_ok=True)
-    if fs.is_dir(path):
-        fs.move_aside(path)
-    # A name of our own, made here (O_EXCL, O_NOFOLLOW): a name that could be
-    # guessed (the daemon's pid) let a session plant a symlink there, to a file
-    # of the user's the ref's value was written into, or a FIFO the write
-    # waited on for good. Its ".lock" end: left by a daemon killed before the
-    # rename, git lists it as no branch (reftemp.py), and the next start removes it.
-    while True:
-        tmp = reftemp.temp_name(path)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            break
-        except FileExistsError:
-            continue
-    try:
-        os.write(fd, (value + "\n").encode())
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)

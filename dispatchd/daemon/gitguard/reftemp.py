@@ -1,7 +1,7 @@
 """The temporary files a ref is written through, and what a killed daemon
 left of them.
 
-A ref put back (``history._write_ref``) is written to a temporary file
+A ref put back (``write_ref``, for ``history.restore``) is written to a temporary file
 beside it, then renamed over it. A daemon killed between the two leaves the
 temporary file. Its name ends in ``.lock``: git refuses a ref name whose
 component ends so (``git check-ref-format``), so it lists no such file as a
@@ -38,6 +38,42 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 def temp_name(path: str) -> str:
     """A temporary name beside ``path`` for writing it."""
     return f"{path}.dispatchd-{secrets.token_hex(8)}.lock"
+
+
+def write_ref(common: str, name: str, value: str) -> None:
+    """A loose ref, written atomically; a file or directory in the way (a
+    session's) is moved aside first."""
+    path = os.path.join(common, name)
+    parent = os.path.dirname(path)
+    probe = common
+    for part in os.path.relpath(parent, common).split(os.sep):
+        probe = os.path.join(probe, part)
+        if os.path.lexists(probe) and not fs.is_dir(probe):
+            fs.move_aside(probe)
+    os.makedirs(parent, exist_ok=True)
+    if fs.is_dir(path):
+        fs.move_aside(path)
+    # A name of our own, made here (O_EXCL, O_NOFOLLOW): a name that could be
+    # guessed (the daemon's pid) let a session plant a symlink there, to a file
+    # of the user's the ref's value was written into, or a FIFO the write
+    # waited on for good. Its ".lock" end: left by a daemon killed before the
+    # rename, git lists it as no branch (reftemp.py), and the next start removes it.
+    while True:
+        tmp = temp_name(path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            break
+        except FileExistsError:
+            continue
+    try:
+        os.write(fd, (value + "\n").encode())
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
 
 
 def sweep(common: str, refs: list[str]) -> list[str]:

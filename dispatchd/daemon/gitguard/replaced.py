@@ -1,0 +1,171 @@
+"""Kept object files a session replaced: found, and put back.
+
+The history's keep (``history.py``) puts back an object file a session
+deleted. A session can also put another file at its name: ``mv -f garbage
+.git/objects/ab/cdef...`` needs only the directory's write permission, which
+git's own writes need, and leaves every name present, so nothing looked
+missing and the user's history stayed broken (``git fsck``: "object corrupt").
+The keep still holds the original (a hard link keeps the old inode, a clone
+or a copy its bytes), so at the domain's last end (``put_back``):
+
+- only the object directories whose ctime changed since the baseline are
+  looked at (a rename into a directory changes it; ``history._changed``);
+- a name is looked at only if it is kept (a loose object, a pack or its
+  index: what git derives from them, ``.rev``, ``.bitmap``, the
+  ``multi-pack-index``, it writes again at will) and now names another inode than
+  the kept one, that changed since the baseline (its ctime is later: a
+  rename or a link sets it, and no session can set it back); an untouched
+  file, a hard link of the keep's, costs two ``fstatat``;
+- it was *replaced* unless it is a regular file with the kept bytes, or a
+  loose object that is valid under its name (git recompressed it: the same
+  object). Bytes are compared within ``_COMPARE_BUDGET`` a restore; past it,
+  or for a loose object over ``_LOOSE_MAX``, a changed file counts as
+  replaced (nothing is lost either way: the session's file is moved aside);
+- a replaced file is moved aside (renamed beside, never deleted) and the
+  kept one put back at its name.
+
+What it cannot undo: a kept file rewritten *in place* (a session must first
+make it writable with ``chmod``): where the keep is a hard link it shares the
+inode, and the bytes are gone in both (docs/git-protection.md, "What is left
+open").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import zlib
+from collections.abc import Callable
+
+from dispatchd import treewalk
+from dispatchd.daemon.gitguard import fs
+
+_COMPARE_BUDGET = 256 * 1024 * 1024  # bytes read to compare a restore's changed files
+_LOOSE_MAX = 64 * 1024 * 1024  # a loose object read (inflated) to check it against its name
+_RACY_NS = 50_000_000  # as history's: a file changed this close before the baseline's look is looked at
+_CHUNK = 1 << 20
+
+
+def find(objects: str, keep: str, dirs: set[str], since_ns: int) -> list[str]:
+    """The kept object files (``dir/name``) in ``dirs`` that a session
+    replaced (see the module). ``since_ns``: when the baseline's look began."""
+    found: list[str] = []
+    budget = [_COMPARE_BUDGET]
+    for d in sorted(dirs):
+        kfd = _open_dir(keep, d)
+        if kfd is None:
+            continue
+        try:
+            ofd = _open_dir(objects, d)
+            if ofd is None:
+                continue
+            try:
+                for name in sorted(set(os.listdir(kfd)) & set(os.listdir(ofd))):
+                    if _replaced(kfd, ofd, name, d, since_ns, budget):
+                        found.append(f"{d}/{name}")
+            finally:
+                os.close(ofd)
+        finally:
+            os.close(kfd)
+    return found
+
+
+def put_back(objects: str, keep: str, found: list[str],
+             clone: Callable[[str, str], None]) -> tuple[list[str], list[str]]:
+    """Each of ``found`` moved aside and the kept file put back at its name
+    (``clone``: the history's way, a reflink, link or copy). Returns the
+    session's files as moved aside, and what could not be done (with why)."""
+    aside: list[str] = []
+    failed: list[str] = []
+    for rel in found:
+        path = os.path.join(objects, rel)
+        try:
+            aside.append(fs.move_aside(path))
+            clone(os.path.join(keep, rel), path)
+        except OSError as exc:
+            failed.append(f"{path}: replaced by a session, and the kept file cannot be put back ({exc.strerror})")
+    return aside, failed
+
+
+def _open_dir(top: str, d: str) -> int | None:
+    try:
+        return os.open(os.path.join(top, d), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None  # not there, or not a directory: history.restore puts a directory back first
+
+
+def _replaced(kfd: int, ofd: int, name: str, d: str, since_ns: int, budget: list[int]) -> bool:
+    if d == "pack" and not name.endswith((".pack", ".idx")):
+        return False  # what git derives from a pack and writes again at will (.rev, .bitmap, multi-pack-index)
+    try:
+        kept = os.stat(name, dir_fd=kfd, follow_symlinks=False)
+        now = os.stat(name, dir_fd=ofd, follow_symlinks=False)
+    except OSError:
+        return False  # gone meanwhile: a missing file is history's to put back
+    if not stat.S_ISREG(kept.st_mode) or (kept.st_dev, kept.st_ino) == (now.st_dev, now.st_ino):
+        return False  # the kept file itself (a hard link); or nothing the keep can put back
+    if treewalk.settled(now.st_ctime_ns, since_ns, _RACY_NS):
+        return False  # unchanged since before the baseline: the repository's own copy (a clone's or copy's keep)
+    if not stat.S_ISREG(now.st_mode):
+        return True  # a directory, symlink or FIFO where an object file was
+    try:
+        if now.st_size == kept.st_size and _same_bytes(kfd, ofd, name, now.st_size, budget):
+            return False
+        return not (d != "pack" and _valid_loose(ofd, name, d + name))
+    except OSError:
+        return True  # unreadable (a mode the session set): not the kept file
+
+
+def _same_bytes(kfd: int, ofd: int, name: str, size: int, budget: list[int]) -> bool:
+    """Whether both files hold the same bytes; False past the budget."""
+    if size > budget[0]:
+        return False
+    budget[0] -= size
+    a = fs.open_regular(name, kfd)
+    if a is None:
+        return False
+    try:
+        b = fs.open_regular(name, ofd)
+        if b is None:
+            return False
+        try:
+            while True:
+                x, y = os.read(a[0], _CHUNK), os.read(b[0], _CHUNK)
+                if x != y:
+                    return False
+                if not x:
+                    return True
+        finally:
+            os.close(b[0])
+    finally:
+        os.close(a[0])
+
+
+def _valid_loose(ofd: int, name: str, oid: str) -> bool:
+    """Whether the loose object file ``name`` inflates to an object whose
+    hash (SHA-1 or SHA-256, by the name's length) is ``oid``."""
+    algorithm = {40: "sha1", 64: "sha256"}.get(len(oid))
+    opened = fs.open_regular(name, ofd)
+    if algorithm is None or opened is None:
+        return False
+    fd, st = opened
+    try:
+        if st.st_size > _LOOSE_MAX:
+            return False
+        data = os.read(fd, st.st_size + 1)
+    finally:
+        os.close(fd)
+    inflater = zlib.decompressobj()
+    try:
+        body = inflater.decompress(data, _LOOSE_MAX + 1)
+    except zlib.error:
+        return False
+    if len(body) > _LOOSE_MAX or not inflater.eof:
+        return False
+    header, nul, content = body.partition(b"\0")
+    kind, _, size = header.partition(b" ")
+    if not nul or kind not in (b"blob", b"tree", b"commit", b"tag") or not size.isdigit() or \
+            int(size) != len(content):
+        return False
+    return hashlib.new(algorithm, body).hexdigest() == oid
