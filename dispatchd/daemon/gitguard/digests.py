@@ -26,8 +26,10 @@ import stat
 from dispatchd.daemon.gitguard import fs
 
 # What git reads, in a git directory, that names or runs a command or
-# redirects where configuration comes from (hooks: each entry).
-CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes")
+# redirects where configuration comes from (hooks: each entry); and
+# ``info/grafts``, which gives commits other parents in every history the
+# user's git shows (a review's ``git log`` among them) until it is removed.
+CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes", "info/grafts")
 # State git acts on later: ``git rebase --continue`` runs a todo's ``exec``
 # lines, ``git status`` tells the user to. Compared whole, moved aside whole.
 STATE_DIRS = ("rebase-merge", "rebase-apply", "sequencer")

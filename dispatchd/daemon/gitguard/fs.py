@@ -209,7 +209,7 @@ def open_dir_below(worktree: str, link: str, *, searchable: bool = False) -> int
     return fd
 
 
-def _aside_name(name: str) -> str:
+def aside_name(name: str) -> str:
     # The time for the user who finds it; the random part so that a session
     # cannot take the name in advance (it can guess the time).
     return f"{name}{_QUARANTINED}{int(time.time())}-{secrets.token_hex(6)}"
@@ -218,7 +218,7 @@ def _aside_name(name: str) -> str:
 def move_aside_at(dir_fd: int, name: str) -> str:
     """``move_aside`` relative to a directory descriptor."""
     for _ in range(2):
-        dst = _aside_name(name)
+        dst = aside_name(name)
         try:
             os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return dst
@@ -272,7 +272,7 @@ def move_aside(path: str) -> str:
     says so loudly."""
     parent, name = os.path.split(path)
     for _ in range(2):
-        dst = os.path.join(parent, _aside_name(name))
+        dst = os.path.join(parent, aside_name(name))
         try:
             os.rename(path, dst)
             return dst

@@ -42,7 +42,7 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, keeps, objectstore, packed, reftemp, replaced
+from dispatchd.daemon.gitguard import fs, keeps, objectstore, packed, reftemp, replacerefs, replaced
 from dispatchd.tools import native
 
 _log = logging.getLogger("dispatchd.history")
@@ -68,6 +68,7 @@ class History(msgspec.Struct, frozen=True):
     # changed ones, and those changed too close to the look, are listed again.
     stamps: dict[str, int] = {}
     stamped_ns: int = 0
+    replaces: dict[str, str] | None = None  # ``git replace`` refs at the baseline (None: not read, an older record)
 
 
 _RACY_NS = 50_000_000  # a directory changed this close before a look is listed whatever its ctime says
@@ -339,7 +340,8 @@ def record(common: str, keep: str, own: list[str]) -> History:
         # A symlink (a session's): its target's two-letter directories would be
         # linked into the keep, and put back into the repository from there.
         return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep="",
-                       note="object files not kept: objects is not a directory (a symlink?)")
+                       note="object files not kept: objects is not a directory (a symlink?)",
+                       replaces=replacerefs.read(common)[0])
     stamps = _stamps(objects)
     try:
         with keeps.hold(keep, common):  # named, and spared by a sweep while this works
@@ -383,7 +385,7 @@ def record(common: str, keep: str, own: list[str]) -> History:
         note = f"object files not kept: {exc.strerror}"
         keep = ""
     return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note,
-                   stamps=stamps, stamped_ns=stamped_ns)
+                   stamps=stamps, stamped_ns=stamped_ns, replaces=replacerefs.read(common)[0])
 
 
 def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
@@ -471,5 +473,9 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
             continue
         done.append((name, f"{'deleted' if new is None else 'moved to ' + new[:12]} by a session; "
                            f"put back at {old[:12]}"))
+    if history.replaces is not None:  # what git would show and check out in place of the user's objects
+        replaced_refs, bad = replacerefs.restore(common, history.replaces, stamp)
+        done += replaced_refs
+        failed += bad
     return done, failed
 

@@ -27,7 +27,8 @@ every repository ever opened. So:
   repository is gone (``lstat``: no such file, or not a directory; any other
   error keeps it; a repository on a disk not mounted is gone, and loses
   only its head start). The directory locked must be the one at the path
-  (another daemon's sweep may have moved it and an open made a new one). It is renamed to ``.gone-*`` under the lock, then removed (a
+  (another daemon's sweep may have moved it and an open made a new one).
+  It is renamed to ``.gone-*`` under the lock, then removed (a
   ``.gone-*`` a killed sweep left goes at the next).
   A keep without ``.repo`` (made before keeps were named) whose repository
   is not opened again goes after ``_UNNAMED_DAYS`` unused.
