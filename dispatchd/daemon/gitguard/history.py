@@ -42,7 +42,7 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, keeps, objectstore, packed, reftemp, replacerefs, replaced
+from dispatchd.daemon.gitguard import fs, hangs, keeps, objectstore, packed, reftemp, replacerefs, replaced
 from dispatchd.tools import native
 
 _log = logging.getLogger("dispatchd.history")
@@ -406,10 +406,15 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
                 fs.move_aside(path)
             except OSError as exc:
                 return done, [f"{path}: not a directory, and cannot be moved aside ({exc.strerror})"]
+    dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else set()
+    # A FIFO where git opens a file would hang every later git command of the user's.
+    moved, bad = hangs.sweep(common, {d for d in dirs if d != "pack"})
+    done += moved
+    failed += bad
     if history.keep:
         os.makedirs(objects, exist_ok=True)
-        dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else \
-            set(_stamps(history.keep))
+        if not history.stamped_ns:
+            dirs = set(_stamps(history.keep))
         missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
         by_git = packed.packed_meanwhile(objects, missing, history.keep)
         ways = Ways()

@@ -1,0 +1,85 @@
+"""A FIFO, socket or device where git reads a file is moved out of the way
+at the last end, so that the user's git does not hang on it afterwards
+(dispatchd/daemon/gitguard/hangs.py). The twins: regular files, directories
+and symlinks are left where they are."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon.gitguard import hangs, history
+from tests.unit.gitrepo import git
+
+pytestmark = pytest.mark.process
+
+PLACES = ["packed-refs", "shallow", "objects/info/alternates", "refs/remotes/origin/main", "logs/HEAD",
+          "info/exclude", "objects/pack/pack-0.idx", "worktrees/wt/index"]
+
+
+def _repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "f").write_text("a\n")
+    git(repo, "add", "f")
+    git(repo, "commit", "-qm", "one")
+    return repo
+
+
+def _git_log(repo: Path, seconds: int = 10) -> int:
+    return subprocess.run(["timeout", str(seconds), "git", "log", "--oneline"], cwd=repo,
+                          capture_output=True).returncode
+
+
+@pytest.mark.parametrize("rel", PLACES)
+def test_a_fifo_where_git_reads_is_moved_out_of_the_way(tmp_path: Path, rel: str) -> None:
+    repo = _repo(tmp_path)
+    common = repo / ".git"
+    kept = history.record(str(common), str(tmp_path / "keep"), own=[])
+    path = common / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        path.unlink()
+    os.mkfifo(path)
+    done, failed = history.restore(kept)
+    assert not failed and not os.path.lexists(path), (done, failed)
+    aside = [p for p in common.iterdir() if p.name.startswith("hang-" + rel.replace("/", "-") + ".quarantined")]
+    assert len(aside) == 1 and any("would hang the user's git" in why for _, why in done)
+    assert _git_log(repo) == 0
+
+
+def test_a_control_fifo_hangs_the_users_git(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    os.mkfifo(repo / ".git" / "shallow")
+    assert _git_log(repo, 1) == 124  # timeout's: git waited for a writer
+
+
+def test_a_socket_and_a_new_object_s_fifo_go_and_files_dirs_and_symlinks_stay(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    common = repo / ".git"
+    kept = history.record(str(common), str(tmp_path / "keep"), own=[])
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(common / "refs" / "sock"))
+    sock.close()
+    (common / "objects" / "ee").mkdir(exist_ok=True)
+    os.mkfifo(common / "objects" / "ee" / ("e" * 38))
+    (common / "refs" / "heads" / "plain").write_text(git(repo, "rev-parse", "HEAD"))
+    (common / "info" / "link").symlink_to("/nonexistent")
+    (common / "refs" / "sub").mkdir()
+    done, failed = history.restore(kept)
+    assert not failed and sorted(p for p, _ in done) == sorted([str(common / "refs" / "sock"),
+                                                                 str(common / "objects" / "ee" / ("e" * 38))])
+    assert (common / "refs" / "heads" / "plain").is_file() and (common / "info" / "link").is_symlink()
+    assert (common / "refs" / "sub").is_dir()
+
+
+def test_past_the_bound_the_rest_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = _repo(tmp_path)
+    monkeypatch.setattr(hangs, "_MAX_ENTRIES", 3)
+    done, failed = hangs.sweep(str(repo / ".git"), set())
+    assert done == [] and failed == [f"{repo / '.git'}: more than 3 entries; the rest was not looked at for FIFOs"]
