@@ -29,7 +29,6 @@ git follows). Nothing is deleted.
 from __future__ import annotations
 
 import os
-import stat
 
 from dispatchd.daemon.gitguard import fs
 
@@ -75,12 +74,13 @@ def _scan(top: str, found: list[str], left: list[int], *, deep: bool) -> None:
             left[0] -= 1
             if left[0] <= 0:
                 return
-            try:
-                mode = entry.stat(follow_symlinks=False).st_mode
+            try:  # the directory entry's type where the file system gives it: no stat
+                if entry.is_dir(follow_symlinks=False):
+                    if deep:
+                        pending.append(entry.path)
+                    continue
+                if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                    continue
             except OSError:
                 continue
-            if stat.S_ISDIR(mode):
-                if deep:
-                    pending.append(entry.path)
-            elif not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                found.append(entry.path)
+            found.append(entry.path)
