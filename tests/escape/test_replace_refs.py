@@ -72,3 +72,17 @@ def test_a_sessions_grafts_are_moved_aside(client: dispatch.Client, repo: Path) 
         assert r.is_success and r.output == "1\n", (r.output, r.error)  # the plant works in the session
     assert any("info/grafts.quarantined-by-dispatchd-" in p["path"] for p in s.protected), s.protected
     assert git(repo, "rev-list", "--count", "HEAD").stdout.strip() == count
+
+
+def test_a_sessions_shallow_and_alternates_are_put_back(client: dispatch.Client, repo: Path) -> None:
+    """``shallow`` hides history as grafts did; ``alternates`` leads the
+    user's git to the session's objects. The control is in
+    tests/unit/test_viewfiles.py (each plant working on git)."""
+    count = git(repo, "rev-list", "--count", "HEAD").stdout.strip()
+    with client.open_session(str(repo)) as s:
+        r = shell(s, "mkdir -p evil-objects .git/objects/info && git rev-parse HEAD > .git/shallow && "
+                     "echo \"$PWD/evil-objects\" > .git/objects/info/alternates && git rev-list --count HEAD")
+        assert r.is_success and r.output == "1\n", (r.output, r.error)  # the plant works in the session
+    assert len([p for p in s.protected if "made or deleted by a session" in p["why"]]) == 2, s.protected
+    assert git(repo, "rev-list", "--count", "HEAD").stdout.strip() == count
+    assert not (repo / ".git" / "objects" / "info" / "alternates").exists()

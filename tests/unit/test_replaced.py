@@ -141,3 +141,14 @@ def test_past_the_compare_budget_a_changed_file_counts_as_replaced(tmp_path: Pat
     assert replaced.find(str(objects), kept.keep, dirs, kept.stamped_ns) == []  # a valid loose object still
     monkeypatch.setattr(replaced, "_valid_loose", lambda *args: False)
     assert replaced.find(str(objects), kept.keep, dirs, kept.stamped_ns) == [victim]
+
+
+@pytest.mark.process
+def test_a_valid_object_with_bytes_after_its_stream_is_replaced(tmp_path: Path) -> None:
+    """git refuses such a file ("garbage at end of loose object"); the twin
+    above, a clean recompression, is left."""
+    repo = _repo(tmp_path)
+    kept, objects = _kept(tmp_path, repo)
+    victim = _loose(objects)[0]
+    _replace(objects / victim, (objects / victim).read_bytes() + b"junk")
+    assert replaced.find(str(objects), kept.keep, _dirs(objects, kept), kept.stamped_ns) == [victim]

@@ -5,6 +5,7 @@ are real and changed by git, as a session would change them."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -46,9 +47,9 @@ def test_a_session_s_replacement_is_taken_out_and_kept_aside(tmp_path: Path) -> 
     assert _show(repo) == "evil\n"  # the attack works
     done, failed = history.restore(kept)
     assert not failed and _show(repo) == "user\n"
-    assert any(name == f"refs/replace/{blob}" and "git replace" in why for name, why in done), done
-    displaced = git(repo, "for-each-ref", "--format=%(refname) %(objectname)", "refs/dispatchd/displaced").split()
-    assert displaced[0].endswith(f"/refs/replace/{blob}") and displaced[1] == evil
+    assert any(path.endswith(f"refs/replace/{blob}") and "git replace" in why for path, why in done), done
+    aside = [p for p in (repo / ".git").iterdir() if p.name.startswith(f"replace-ref-{blob}.quarantined")]
+    assert len(aside) == 1 and aside[0].read_text().strip() == evil  # kept, out of refs/
 
 
 def test_a_packed_replacement_goes_and_every_other_line_stays(tmp_path: Path) -> None:
@@ -73,16 +74,15 @@ def test_the_user_s_own_replacement_stays_and_is_put_back(tmp_path: Path) -> Non
     blob, mine = _evil(repo, "mine\n")
     git(repo, "replace", blob, mine)
     kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
-    assert kept.replaces == {f"refs/replace/{blob}": mine}
+    assert kept.replaces == {f"refs/replace/{blob}": mine} and kept.replaces_packed == []
     assert history.restore(kept) == ([], []) and _show(repo) == "mine\n"  # untouched: nothing done
     _, evil = _evil(repo)
     git(repo, "replace", "-f", blob, evil)  # changed by a session
     done, failed = history.restore(kept)
-    assert not failed and _show(repo) == "mine\n" and "put back" in done[0][1]
+    assert not failed and _show(repo) == "mine\n" and "put back" in done[-1][1]
     git(repo, "replace", "-d", blob)  # deleted by a session
     done, failed = history.restore(kept)
-    assert not failed and _show(repo) == "mine\n" and done == [(f"refs/replace/{blob}",
-                                                                f"deleted by a session; put back at {mine[:12]}")]
+    assert not failed and _show(repo) == "mine\n" and [n for n, _ in done] == [f"refs/replace/{blob}"]
 
 
 def test_what_is_not_a_ref_file_under_refs_replace_is_moved_aside_unfollowed(tmp_path: Path) -> None:
@@ -135,4 +135,92 @@ def test_an_older_record_without_replacements_read_leaves_them(tmp_path: Path) -
                             stamped_ns=kept.stamped_ns)
     assert older.replaces is None and history.restore(older) == ([], []) and _show(repo) == "evil\n"
     assert os.path.isfile(repo / ".git" / "refs" / "replace" / blob)
-    assert replacerefs.read(str(repo / ".git")) == ({f"refs/replace/{blob}": evil}, [])
+    found = replacerefs.read(str(repo / ".git"))
+    assert (found.loose, found.packed, found.odd) == ({f"refs/replace/{blob}": evil}, [], [])
+
+
+def _plant_packed(repo: Path, *lines: bytes) -> Path:
+    packed = repo / ".git" / "packed-refs"
+    old = packed.read_bytes() if packed.exists() else b"# pack-refs with: peeled fully-peeled sorted \n"
+    packed.write_bytes(old + b"".join(line + b"\n" for line in lines))
+    return packed
+
+
+def test_a_packed_name_that_climbs_out_touches_nothing_outside(tmp_path: Path) -> None:
+    """A name is never made into a path: the line goes, the file it names stays."""
+    repo = _repo(tmp_path)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    _, evil = _evil(repo)
+    (repo / ".git" / "refs" / "replace").mkdir()
+    packed = _plant_packed(repo, evil.encode() + b" refs/replace/" + b"../" * 30 + os.fsencode(victim)[1:])
+    done, failed = history.restore(kept)
+    assert not failed and victim.read_text() == "precious\n" and b"refs/replace" not in packed.read_bytes()
+
+
+@pytest.mark.parametrize("name", [b"UPPER", b"\xff", "\u0085".encode(), "\u2028".encode(), b"0\x00x"])
+def test_packed_lines_git_reads_are_taken_out_byte_for_byte(tmp_path: Path, name: bytes) -> None:
+    """An id in capitals, a name with bytes that are not UTF-8 or that a text
+    split would cut, a NUL: each line goes, and a real replacement after it."""
+    repo = _repo(tmp_path)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    blob, evil = _evil(repo)
+    oid = evil.upper().encode() if name == b"UPPER" else evil.encode()
+    packed = _plant_packed(repo, oid + b" refs/replace/" + (blob.encode() if name == b"UPPER" else name),
+                           evil.encode() + f" refs/replace/{blob}".encode())
+    done, failed = history.restore(kept)
+    assert not failed and b"refs/replace/" not in packed.read_bytes()
+    assert subprocess.run(["git", "show", "HEAD:f"], cwd=repo, capture_output=True).stdout == b"user\n"
+
+
+def test_a_symlinked_packed_refs_is_moved_aside(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    blob, evil = _evil(repo)
+    git(repo, "replace", blob, evil)
+    git(repo, "pack-refs", "--all")
+    common = repo / ".git"
+    os.rename(common / "packed-refs", tmp_path / "elsewhere")
+    (common / "packed-refs").symlink_to(tmp_path / "elsewhere")
+    assert _show(repo) == "evil\n"  # git reads through it
+    done, failed = history.restore(kept)
+    assert not failed and _show(repo) == "user\n" and not (common / "packed-refs").is_symlink()
+    assert (tmp_path / "elsewhere").read_text().count("refs/replace/") == 1  # untouched
+
+
+def test_a_packed_refs_too_large_to_read_fails_closed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = _repo(tmp_path)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    git(repo, "pack-refs", "--all")
+    monkeypatch.setattr(replacerefs, "_PACKED_MAX", 8)
+    done, failed = history.restore(kept)
+    assert failed == [f"{repo / '.git' / 'packed-refs'}: over 8 bytes; not looked at for replacement refs"]
+
+
+def test_a_read_only_refs_replace_and_many_refs_are_moved_aside(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = _repo(tmp_path)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    blob, evil = _evil(repo)
+    git(repo, "replace", blob, evil)
+    top = repo / ".git" / "refs" / "replace"
+    os.chmod(top, 0o555)
+    done, failed = history.restore(kept)
+    assert not failed and _show(repo) == "user\n"
+    git(repo, "replace", blob, evil)
+    for n in range(5):
+        (top / f"{n:040x}").write_text(evil + "\n")
+    monkeypatch.setattr(replacerefs, "_MAX_MOVED", 3)
+    done, failed = history.restore(kept)
+    assert not failed and _show(repo) == "user\n" and not top.exists() and len(done) == 1
+
+
+def test_the_packed_refs_mode_is_kept(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    blob, evil = _evil(repo)
+    packed = _plant_packed(repo, evil.encode() + f" refs/replace/{blob}".encode())
+    os.chmod(packed, 0o640)
+    done, failed = history.restore(kept)
+    assert not failed and stat.S_IMODE(packed.stat().st_mode) == 0o640

@@ -42,7 +42,7 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, hangs, keeps, objectstore, packed, reftemp, replacerefs, replaced
+from dispatchd.daemon.gitguard import fs, hangs, keeps, objectstore, packed, reftemp, replacerefs, replaced, viewfiles
 from dispatchd.tools import native
 
 _log = logging.getLogger("dispatchd.history")
@@ -68,7 +68,11 @@ class History(msgspec.Struct, frozen=True):
     # changed ones, and those changed too close to the look, are listed again.
     stamps: dict[str, int] = {}
     stamped_ns: int = 0
-    replaces: dict[str, str] | None = None  # ``git replace`` refs at the baseline (None: not read, an older record)
+    # ``git replace`` refs at the baseline: loose (None: not read, an older
+    # record) and the lines of packed-refs (replacerefs.py).
+    replaces: dict[str, str] | None = None
+    replaces_packed: list[str] = []
+    views: dict[str, str | None] | None = None  # shallow and alternates as they were (viewfiles.py)
 
 
 _RACY_NS = 50_000_000  # a directory changed this close before a look is listed whatever its ctime says
@@ -332,6 +336,7 @@ def keep_more(objects_fd: int, keep: str, common: str, budget: list[int]) -> set
 def record(common: str, keep: str, own: list[str]) -> History:
     """Read the refs and bring the keep of the object files up to date."""
     refs = read_refs(common)
+    replacing = replacerefs.read(common)
     head = fs.read_small(os.path.join(common, "HEAD"), 4096) or ""
     objects = os.path.join(common, "objects")
     note = ""
@@ -341,7 +346,7 @@ def record(common: str, keep: str, own: list[str]) -> History:
         # linked into the keep, and put back into the repository from there.
         return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep="",
                        note="object files not kept: objects is not a directory (a symlink?)",
-                       replaces=replacerefs.read(common)[0])
+                       replaces=replacing.loose, replaces_packed=replacing.packed, views=viewfiles.read(common))
     stamps = _stamps(objects)
     try:
         with keeps.hold(keep, common):  # named, and spared by a sweep while this works
@@ -385,7 +390,8 @@ def record(common: str, keep: str, own: list[str]) -> History:
         note = f"object files not kept: {exc.strerror}"
         keep = ""
     return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note,
-                   stamps=stamps, stamped_ns=stamped_ns, replaces=replacerefs.read(common)[0])
+                   stamps=stamps, stamped_ns=stamped_ns, replaces=replacing.loose,
+                   replaces_packed=replacing.packed, views=viewfiles.read(common))
 
 
 def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
@@ -399,7 +405,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     objects = os.path.join(common, "objects")
     # Nothing written through a symlink a session left for a directory the
     # restore writes in: it goes aside, and a directory takes its place.
-    for rel in ("objects", "refs", "refs/heads", "refs/tags"):
+    for rel in ("objects", "objects/info", "refs", "refs/heads", "refs/tags"):
         path = os.path.join(common, rel)
         if os.path.lexists(path) and not fs.is_dir(path):
             try:
@@ -479,8 +485,12 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         done.append((name, f"{'deleted' if new is None else 'moved to ' + new[:12]} by a session; "
                            f"put back at {old[:12]}"))
     if history.replaces is not None:  # what git would show and check out in place of the user's objects
-        replaced_refs, bad = replacerefs.restore(common, history.replaces, stamp)
+        replaced_refs, bad = replacerefs.restore(common, history.replaces, history.replaces_packed)
         done += replaced_refs
+        failed += bad
+    if history.views is not None:  # shallow, alternates: which history and objects git shows
+        put, bad = viewfiles.restore(common, history.views)
+        done += put
         failed += bad
     return done, failed
 

@@ -161,8 +161,8 @@ def _valid_loose(ofd: int, name: str, oid: str) -> bool:
         body = inflater.decompress(data, _LOOSE_MAX + 1)
     except zlib.error:
         return False
-    if len(body) > _LOOSE_MAX or not inflater.eof:
-        return False
+    if len(body) > _LOOSE_MAX or not inflater.eof or inflater.unused_data:
+        return False  # too large, cut short, or bytes after the stream (git: "garbage at end of loose object")
     header, nul, content = body.partition(b"\0")
     kind, _, size = header.partition(b" ")
     if not nul or kind not in (b"blob", b"tree", b"commit", b"tag") or not size.isdigit() or \

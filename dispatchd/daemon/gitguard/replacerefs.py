@@ -9,67 +9,98 @@ file, which the end's check had just found unchanged, and a reviewer's ``git
 show`` of the session's commit showed what the session chose while ``git
 push`` sent the real one. So, beside the branches and tags (``history``):
 
-- at the baseline, ``read`` records the replacement refs the user had (loose
-  and in ``packed-refs``);
-- at the last end, ``restore``: one that is new, or whose value changed, is
-  kept as ``refs/dispatchd/displaced/STAMP/refs/replace/ID`` (nothing is
-  lost, and git does not read it as a replacement) and taken out: its loose
-  file removed, its line (and its peeled line) taken out of ``packed-refs``,
-  rewritten through a temporary file renamed over it, every other line as
-  it was; one of the user's whose value changed gets it back, one that is
-  gone is written back;
-- whatever else a session left under ``refs/replace`` (a symlink, which
-  git's files backend reads through; a symbolic ref; a FIFO; a directory
-  it cannot search; ``refs/replace`` itself not a directory) is moved out
-  of ``refs`` to ``<git directory>/replace-ref-NAME.quarantined-by-dispatchd-…``,
-  never followed: renamed beside it, git would still read it (it takes a
-  replacement's id from the first 40 hex digits of its name).
+- at the baseline, ``read`` records the replacement refs the user had: the
+  loose ones (name -> value) and the lines of ``packed-refs`` under
+  ``refs/replace/``, byte for byte;
+- at the last end, ``restore``:
+  - every loose file under ``refs/replace`` that is not one of the user's,
+    as it was (a new or changed replacement, a symlink, which git's files
+    backend reads through, a symbolic ref, a FIFO, a directory it cannot
+    search) is moved out of ``refs`` to ``<git directory>/replace-ref-NAME
+    .quarantined-by-dispatchd-…``: renamed beside, git would still read it
+    (it takes a replacement's id from the first 40 hex digits of its name).
+    More than ``_MAX_MOVED`` of them: ``refs/replace`` goes whole;
+  - every line of ``packed-refs`` under ``refs/replace/`` that is not one of
+    the user's lines (and its peeled line) is taken out, all of them kept in
+    one file beside, ``replace-refs.quarantined-by-dispatchd-…``, and the file
+    rewritten through a temporary file renamed over it, every other line
+    byte for byte, its mode kept. A ``packed-refs`` that is not a regular
+    file (a symlink git follows) is moved aside; one over ``_PACKED_MAX`` is
+    reported, not read (fail closed: the worktree is refused);
+  - one of the user's that is gone or changed is written back (a loose ref,
+    which wins over a packed one).
 
-Every directory is read by ``lstat`` and ``scandir`` without following a
-symlink, at most ``_MAX_DIRS`` of them; files are read with ``fs.read_small``
-(no symlink followed, no FIFO waited on). ``packed-refs`` is read up to 64
-MiB, as ``history.read_refs`` reads it; a longer one is left as it is and
-reported.
+Names a session wrote are never made into paths: lines of ``packed-refs``
+are compared as bytes and only filtered, and loose refs are moved by the
+path their directory walk found (``lstat``, ``scandir``, never through a
+symlink, at most ``_MAX_DIRS`` directories). A directory the session made
+read-only is made writable for the move (it is the user's).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 
 from dispatchd.daemon.gitguard import fs, reftemp
 
 PREFIX = "refs/replace/"
-_OID = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
+_BPREFIX = PREFIX.encode()
+_OID = re.compile(r"^[0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?$")
 _MAX_DIRS = 10_000
-_PACKED_MAX = 64 * 1024 * 1024
+_MAX_MOVED = 1_000
+_PACKED_MAX = 256 * 1024 * 1024
+# A name git accepts for a ref (check_refname_format, the parts that matter
+# for a path): written back only if so.
+_BAD_NAME = re.compile(r"(^|/)\.|\.\.|//|\.lock(/|$)|[\x00-\x20\x7f~^:?*\[\\]|@\{|/$")
 
 
-def read(common: str) -> tuple[dict[str, str], list[str]]:
-    """The replacement refs (name -> object id; loose ones win over packed
-    ones, as in git) and the paths below ``refs/replace`` that are not a
-    plain directory or a ref file (what ``restore`` moves aside)."""
-    refs: dict[str, str] = {}
-    for line in _packed_lines(common) or []:
-        oid, _, name = line.partition(" ")
-        if _OID.match(oid) and name.startswith(PREFIX):
-            refs[name] = oid
-    odd: list[str] = []
+class Baseline:
+    """What ``read`` found: loose refs (name -> value), the lines of
+    ``packed-refs`` under ``refs/replace/`` (latin-1: every byte kept), what
+    is odd (paths ``restore`` moves aside) and why ``packed-refs`` could not
+    be read ("" if it could)."""
+
+    def __init__(self) -> None:
+        self.loose: dict[str, str] = {}
+        self.packed: list[str] = []
+        self.odd: list[str] = []
+        self.why = ""
+
+    def refs(self) -> dict[str, str]:
+        """The replacements in effect, as git reads them (a loose one wins)."""
+        found = {}
+        for line in self.packed:
+            oid, _, name = line.partition(" ")
+            if _OID.match(oid):
+                found[name] = oid.lower()
+        found.update({n: v.lower() for n, v in self.loose.items()})
+        return found
+
+
+def read(common: str) -> Baseline:
+    """The replacement refs of the repository at ``common`` (see the module)."""
+    found = Baseline()
+    lines, found.why = _packed(common)
+    found.packed = [line.decode("latin-1") for line in lines or [] if _is_replace_line(line)]
     top = os.path.join(common, "refs", "replace")
     if not os.path.lexists(top):
-        return refs, odd
+        return found
     if not fs.is_dir(top):
-        return refs, [top]
+        found.odd = [top]
+        return found
     pending, dirs = [(top, PREFIX.rstrip("/"))], 0
     while pending:
         if dirs >= _MAX_DIRS:
-            return refs, [top]  # more than is looked at: moved aside whole (the user's put back after)
+            found.odd = [top]  # more than is looked at: moved aside whole (the user's written back after)
+            return found
         path, name = pending.pop()
         dirs += 1
         try:
             entries = fs.scanned(path)
         except OSError:
-            odd.append(path)  # unsearchable: what it holds cannot be told
+            found.odd.append(path)  # unsearchable: what it holds cannot be told
             continue
         for entry in entries:
             full = f"{name}/{entry.name}"
@@ -78,129 +109,169 @@ def read(common: str) -> tuple[dict[str, str], list[str]]:
                 continue
             value = (fs.read_small(entry.path, 256) or "").strip() if entry.is_file(follow_symlinks=False) else ""
             if _OID.match(value):
-                refs[full] = value
+                found.loose[full] = value
             elif not entry.name.endswith(".lock"):  # git's own lock while it writes: no ref
-                odd.append(entry.path)
-    return refs, odd
+                found.odd.append(entry.path)
+    return found
 
 
-def restore(common: str, baseline: dict[str, str], stamp: str) -> tuple[list[tuple[str, str]], list[str]]:
+def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """Take out what a session did to the replacement refs (see the module);
-    ``baseline``: ``read``'s refs at the baseline. Returns ``(ref or path,
-    what was done)`` and what could not be done."""
+    ``loose`` and ``packed``: ``read``'s at the baseline. Returns ``(ref or
+    path, what was done)`` and what could not be done (with why)."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
-    now, odd = read(common)
-    for path in odd:
-        # Out of refs/: git reads a replacement by its name's first 40 hex
-        # digits, so one renamed beside (``<id>.quarantined…``) still counts.
-        dst = os.path.join(common, fs.aside_name("replace-ref-" + os.path.basename(path)))
-        try:
-            os.rename(path, dst)
-            done.append((path, f"not a replacement ref git writes (a symlink, a symbolic ref, a FIFO...); moved "
-                               f"aside to {dst}"))
-        except OSError as exc:
-            failed.append(f"{path}: cannot be moved aside ({exc.strerror})")
-    if odd:
-        now, _ = read(common)
-    drop: set[str] = set()
-    for name, value in sorted(now.items()):
-        if baseline.get(name) == value:
+    now = read(common)
+    moving = now.odd + sorted(os.path.join(common, n) for n, v in now.loose.items() if loose.get(n) != v)
+    top = os.path.join(common, "refs", "replace")
+    if len(moving) > _MAX_MOVED:
+        moving = [top]
+    for path in moving:
+        _move_out(common, path, "replace-ref-" + os.path.relpath(path, top).replace(os.sep, "-"),
+                  "not one of the user's replacement refs (a session's git replace, a symlink, a symbolic ref...)",
+                  done, failed)
+    packed_path = os.path.join(common, "packed-refs")
+    if os.path.lexists(packed_path) and not fs.is_file(packed_path):
+        _move_out(common, packed_path, "packed-refs", "not a regular file (git follows a symlink there)", done,
+                  failed)
+    elif now.why:
+        failed.append(f"{packed_path}: {now.why}; not looked at for replacement refs")
+    else:
+        extra = sorted(set(now.packed) - set(packed))
+        if extra:
+            why = _drop_packed(common, {line.encode("latin-1") for line in extra})
+            if why:
+                failed.append(why)
+            else:
+                done.append((packed_path, f"{len(extra)} replacement refs a session made (git replace) taken "
+                                          f"out of it: {', '.join(e.partition(' ')[2] for e in extra[:5])}"
+                                          f"{', ...' if len(extra) > 5 else ''}"))
+    after = read(common).refs()
+    for name, value in sorted({**_refs(packed), **loose}.items()):
+        if after.get(name) == value.lower() or _BAD_NAME.search(name):
             continue
         try:
-            reftemp.write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", value)
-            if name in baseline:  # written loose: a loose ref wins over a packed one
-                reftemp.write_ref(common, name, baseline[name])
-                done.append((name, f"changed by a session (git replace) to {value[:12]}; put back at "
-                                   f"{baseline[name][:12]}, the session's kept as refs/dispatchd/displaced/{stamp}/"))
-            else:
-                _unlink_loose(common, name)
-                drop.add(name)
-                done.append((name, f"made by a session (git replace): taken out, kept as "
-                                   f"refs/dispatchd/displaced/{stamp}/{name}"))
-        except OSError as exc:
-            failed.append(f"{name}: {exc.strerror}")
-    for name, value in sorted(baseline.items()):
-        if name not in now:
-            try:
-                reftemp.write_ref(common, name, value)
-                done.append((name, f"deleted by a session; put back at {value[:12]}"))
-            except OSError as exc:
-                failed.append(f"{name}: {exc.strerror}")
-    why = _drop_packed(common, drop) if drop else ""
-    if why:
-        failed.append(why)
+            reftemp.write_ref(common, name, value)
+            done.append((name, f"one of the user's replacement refs, changed or deleted by a session; put back "
+                               f"at {value[:12]}"))
+        except (OSError, ValueError) as exc:
+            failed.append(f"{name}: cannot be written back ({exc})")
     return done, failed
 
 
-def _packed_lines(common: str) -> list[str] | None:
-    text = fs.read_small(os.path.join(common, "packed-refs"), _PACKED_MAX)
-    return None if text is None else text.splitlines()
+def _refs(packed: list[str]) -> dict[str, str]:
+    found = Baseline()
+    found.packed = packed
+    return found.refs()
 
 
-def _packed_bytes(path: str) -> bytes | None:
-    """``packed-refs`` as bytes (ref names need not be UTF-8), or None."""
-    opened = fs.open_regular(path)
-    if opened is None:
-        return None
-    fd, st = opened
-    try:
-        return None if st.st_size >= _PACKED_MAX else os.read(fd, _PACKED_MAX)
-    finally:
-        os.close(fd)
+def _is_replace_line(line: bytes) -> bool:
+    return not line.startswith((b"#", b"^")) and line.partition(b" ")[2].startswith(_BPREFIX)
 
 
-def _unlink_loose(common: str, name: str) -> None:
-    path = os.path.join(common, name)
-    if fs.is_file(path):
-        os.unlink(path)
-
-
-def _drop_packed(common: str, names: set[str]) -> str:
-    """``packed-refs`` without the lines of ``names`` (and their peeled
-    lines), every other line as it was; "" when done or nothing to do, else
-    why not."""
+def _packed(common: str) -> tuple[list[bytes] | None, str]:
+    """The lines of ``packed-refs`` (split at ``\\n`` only, as git does), or
+    None and why not ("" when there is none, or it is not a regular file:
+    ``restore`` moves that aside)."""
     path = os.path.join(common, "packed-refs")
     try:
-        data = _packed_bytes(path)
+        opened = fs.open_regular(path)
     except FileNotFoundError:
-        return ""
+        return None, ""
     except OSError as exc:
-        return f"{path}: replacement refs could not be taken out ({exc.strerror})"
-    if data is None:
-        return f"{path}: not a regular file under {_PACKED_MAX} bytes; replacement refs left in it: " \
-               f"{', '.join(sorted(names))}"
+        return None, f"cannot be read ({exc.strerror})"
+    if opened is None:
+        return None, ""
+    fd, st = opened
+    try:
+        if st.st_size > _PACKED_MAX:
+            return None, f"over {_PACKED_MAX} bytes"
+        chunks, left = [], st.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > _PACKED_MAX:
+        return None, f"over {_PACKED_MAX} bytes"
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    encoded = {os.fsencode(n) for n in names}
+    return lines, ""
+
+
+def _drop_packed(common: str, drop: set[bytes]) -> str:
+    """``packed-refs`` without the lines ``drop`` (and their peeled lines),
+    which are kept in a file beside; "" when done, else why not."""
+    path = os.path.join(common, "packed-refs")
+    lines, why = _packed(common)
+    if lines is None:
+        return f"{path}: {why or 'gone meanwhile'}; replacement refs could not be taken out"
     kept: list[bytes] = []
+    dropped: list[bytes] = []
     dropping = False
     for line in lines:
-        if line.startswith(b"^"):  # the peeled value of the line before
-            if not dropping:
-                kept.append(line)
-            continue
-        dropping = line.partition(b" ")[2] in encoded
-        if not dropping:
-            kept.append(line)
-    if len(kept) == len(lines):
-        return ""
-    tmp = reftemp.temp_name(path)
+        if not line.startswith(b"^"):  # a peeled line belongs to the line before it
+            dropping = line in drop
+        (dropped if dropping else kept).append(line)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            data = b"".join(line + b"\n" for line in kept)
-            if os.write(fd, data) != len(data):
-                raise OSError(5, "short write")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        _write(os.path.join(common, fs.aside_name("replace-refs")), dropped, 0o600)
+        _write(path, kept, mode, replace=True)
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         return f"{path}: replacement refs could not be taken out ({exc.strerror})"
     return ""
+
+
+def _write(path: str, lines: list[bytes], mode: int, *, replace: bool = False) -> None:
+    """``lines`` written to ``path`` (through a temporary file renamed over it, fsynced, when ``replace``)."""
+    target = reftemp.temp_name(path) if replace else path
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        data = b"".join(line + b"\n" for line in lines)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(target)
+        raise
+    os.close(fd)
+    if replace:
+        try:
+            os.replace(target, path)
+        except BaseException:
+            os.unlink(target)
+            raise
+
+
+def _move_out(common: str, path: str, name: str, why: str, done: list[tuple[str, str]], failed: list[str]) -> None:
+    """``path`` renamed to ``common``'s top level (out of ``refs``), under an
+    unguessable name; a directory the session made read-only is made
+    writable for it (the user's, so ours)."""
+    dst = os.path.join(common, fs.aside_name(name))
+    for attempt in range(2):
+        try:
+            os.rename(path, dst)
+            done.append((path, f"{why}; moved aside to {dst}"))
+            return
+        except PermissionError:
+            if attempt:
+                break
+            for folder in (os.path.dirname(path), common):
+                try:
+                    st = os.lstat(folder)
+                    if stat.S_ISDIR(st.st_mode):
+                        os.chmod(folder, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
+                except OSError:
+                    pass
+        except OSError as exc:
+            failed.append(f"{path}: {why}; cannot be moved aside ({exc.strerror})")
+            return
+    failed.append(f"{path}: {why}; cannot be moved aside (permission denied)")
