@@ -489,8 +489,8 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         done += replaced_refs
         failed += bad
     if history.views is not None:  # shallow, alternates: which history and objects git shows
-        put, bad = viewfiles.restore(common, history.views)
-        done += put
+        views_put, bad = viewfiles.restore(common, history.views)
+        done += views_put
         failed += bad
     return done, failed
 

@@ -23,6 +23,7 @@ any file, and is moved aside too.
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from dispatchd.daemon.gitguard import fs, reftemp
 
@@ -62,7 +63,7 @@ def restore(common: str, baseline: dict[str, str | None]) -> tuple[list[tuple[st
     return done, failed
 
 
-def _bytes(path: str) -> bytes | None | bool:
+def _bytes(path: str) -> bytes | None | Literal[False]:
     """The file's bytes; None when absent; False when it is there but not a
     regular file under ``_MAX`` that can be read (compared: differs)."""
     try:
