@@ -36,6 +36,17 @@ def one_file_repo(path: Path, name: str = "f") -> Path:
     return path
 
 
+def commits_repo(path: Path, n: int = 3) -> Path:
+    """A repository of ``n`` commits, each writing ``f`` (``0``, ``1``, ...)."""
+    path.mkdir()
+    git(path, "init", "-q")
+    for i in range(n):
+        (path / "f").write_text(f"{i}\n")
+        git(path, "add", "f")
+        git(path, "commit", "-qm", f"c{i}")
+    return path
+
+
 def nested_submodules(root: Path, name: str, paths: list[str]) -> Path:
     """``root/name``, with a submodule at each of ``paths`` (its git directory
     in .git/modules), each holding its own submodule ``inner`` (in

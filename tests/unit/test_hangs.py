@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dispatchd.daemon.gitguard import hangs, history
-from tests.unit.gitrepo import git
+from tests.unit.gitrepo import commits_repo, git
 
 pytestmark = pytest.mark.process
 
@@ -22,13 +22,7 @@ PLACES = ["packed-refs", "shallow", "objects/info/alternates", "refs/remotes/ori
 
 
 def _repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q")
-    (repo / "f").write_text("a\n")
-    git(repo, "add", "f")
-    git(repo, "commit", "-qm", "one")
-    return repo
+    return commits_repo(tmp_path / "repo", 1)
 
 
 def _git_log(repo: Path, seconds: int = 10) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dispatchd.daemon.gitguard import history, replaced
-from tests.unit.gitrepo import git
+from tests.unit.gitrepo import commits_repo, git
 
 
 def _fsck(repo: Path) -> int:
@@ -24,14 +24,7 @@ def _fsck(repo: Path) -> int:
 
 
 def _repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q")
-    for n in range(3):
-        (repo / "f").write_text(f"{n}\n")
-        git(repo, "add", "f")
-        git(repo, "commit", "-qm", f"c{n}")
-    return repo
+    return commits_repo(tmp_path / "repo")
 
 
 def _loose(objects: Path) -> list[str]:

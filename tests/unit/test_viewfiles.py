@@ -12,20 +12,13 @@ from pathlib import Path
 import pytest
 
 from dispatchd.daemon.gitguard import history
-from tests.unit.gitrepo import git
+from tests.unit.gitrepo import commits_repo, git
 
 pytestmark = pytest.mark.process
 
 
 def _repo(tmp_path: Path, name: str = "repo") -> Path:
-    repo = tmp_path / name
-    repo.mkdir()
-    git(repo, "init", "-q")
-    for n in range(3):
-        (repo / "f").write_text(f"{n}\n")
-        git(repo, "add", "f")
-        git(repo, "commit", "-qm", f"c{n}")
-    return repo
+    return commits_repo(tmp_path / name)
 
 
 def _count(repo: Path) -> str:

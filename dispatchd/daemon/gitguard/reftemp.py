@@ -58,22 +58,38 @@ def write_ref(common: str, name: str, value: str) -> None:
     # of the user's the ref's value was written into, or a FIFO the write
     # waited on for good. Its ".lock" end: left by a daemon killed before the
     # rename, git lists it as no branch (reftemp.py), and the next start removes it.
+    write_file(path, (value + "\n").encode())
+
+
+def write_file(path: str, data: bytes, mode: int | None = None) -> None:
+    """``path`` holding ``data``, whole or not at all: written to a temporary
+    name of our own beside it (``O_EXCL | O_NOFOLLOW``), fsynced, renamed over
+    it. ``mode``: its permission bits (None: 0644 less the umask, as git's)."""
     while True:
         tmp = temp_name(path)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644 if mode is None else 0o600)
             break
         except FileExistsError:
             continue
     try:
-        os.write(fd, (value + "\n").encode())
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if mode is not None:
+            os.fchmod(fd, mode)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
         raise
     os.close(fd)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        os.unlink(tmp)
+        raise
 
 
 def sweep(common: str, refs: list[str]) -> list[str]:

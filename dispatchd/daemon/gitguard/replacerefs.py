@@ -220,36 +220,16 @@ def _drop_packed(common: str, drop: set[bytes]) -> str:
         (dropped if dropping else kept).append(line)
     try:
         mode = stat.S_IMODE(os.lstat(path).st_mode)
-        _write(os.path.join(common, fs.aside_name("replace-refs")), dropped, 0o600)
-        _write(path, kept, mode, replace=True)
+        reftemp.write_file(os.path.join(common, fs.aside_name("replace-refs")), _joined(dropped), 0o600)
+        reftemp.write_file(path, _joined(kept), mode)
     except OSError as exc:
         return f"{path}: replacement refs could not be taken out ({exc.strerror})"
     return ""
 
 
-def _write(path: str, lines: list[bytes], mode: int, *, replace: bool = False) -> None:
-    """``lines`` written to ``path`` (through a temporary file renamed over it, fsynced, when ``replace``)."""
-    target = reftemp.temp_name(path) if replace else path
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        data = b"".join(line + b"\n" for line in lines)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(target)
-        raise
-    os.close(fd)
-    if replace:
-        try:
-            os.replace(target, path)
-        except BaseException:
-            os.unlink(target)
-            raise
 
+def _joined(lines: list[bytes]) -> bytes:
+    return b"".join(line + b"\n" for line in lines)
 
 def _move_out(common: str, path: str, name: str, why: str, done: list[tuple[str, str]], failed: list[str]) -> None:
     """``path`` renamed to ``common``'s top level (out of ``refs``), under an

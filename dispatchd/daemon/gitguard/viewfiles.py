@@ -55,7 +55,7 @@ def restore(common: str, baseline: dict[str, str | None]) -> tuple[list[tuple[st
             moved = fs.move_aside(path) if os.path.lexists(path) else ""
             if was is not None:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                _write(path, was.encode("latin-1"))
+                reftemp.write_file(path, was.encode("latin-1"))
             done.append((path, f"changed, made or deleted by a session; {'put back' if was is not None else 'gone'}"
                                f"{f', the session' + chr(39) + 's moved aside to ' + moved if moved else ''}"))
         except OSError as exc:
@@ -82,18 +82,3 @@ def _bytes(path: str) -> bytes | None | Literal[False]:
     finally:
         os.close(fd)
 
-
-def _write(path: str, data: bytes) -> None:
-    tmp = reftemp.temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
