@@ -76,4 +76,4 @@ def test_past_the_bound_the_rest_is_reported(tmp_path: Path, monkeypatch: pytest
     repo = _repo(tmp_path)
     monkeypatch.setattr(hangs, "_MAX_ENTRIES", 3)
     done, failed = hangs.sweep(str(repo / ".git"), set())
-    assert done == [] and failed == [f"{repo / '.git'}: more than 3 entries; the rest was not looked at for FIFOs"]
+    assert done == [] and f"{repo / '.git'}: more than 3 entries; the rest was not looked at for FIFOs" in failed

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import secrets
 import stat
@@ -209,10 +210,29 @@ def open_dir_below(worktree: str, link: str, *, searchable: bool = False) -> int
     return fd
 
 
+_ASIDE_KEPT = 150  # bytes of a name kept in its aside name: with the suffix, well under NAME_MAX (255)
+
+
 def aside_name(name: str) -> str:
     # The time for the user who finds it; the random part so that a session
-    # cannot take the name in advance (it can guess the time).
+    # cannot take the name in advance (it can guess the time). A long name
+    # (a session's) is cut, with a hash of the whole: renamed, it must fit.
+    raw = os.fsencode(name)
+    if len(raw) > _ASIDE_KEPT:
+        name = os.fsdecode(raw[:_ASIDE_KEPT - 13]) + "-" + hashlib.sha256(raw).hexdigest()[:12]
     return f"{name}{_QUARANTINED}{int(time.time())}-{secrets.token_hex(6)}"
+
+
+def lend_path(path: str) -> None:
+    """The directory at ``path`` (not a symlink: ``lstat``) given its owner's
+    rights, and left so (as ``move_aside`` does): a session made it
+    read-only or unsearchable, and the end writes in it. Never raises."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
+    except OSError:
+        pass
 
 
 def move_aside_at(dir_fd: int, name: str) -> str:

@@ -18,17 +18,24 @@ moved out of the way:
   its top level, never beside: renamed within ``refs`` or ``logs`` it
   would still be a ref git opens.
 
-The walk goes by ``lstat`` and ``scandir``, never through a symlink, at most
-``_MAX_ENTRIES`` entries (past them, the rest is not looked at, and the
-report says so). A symlink is left: git does not follow one for an object
-or a pack, and one to a FIFO elsewhere is a session's ordinary file
-(``redirects``, ``snapshots`` and the history's own checks deal with those
-git follows). Nothing is deleted.
+Git follows a symlink there too (a pack index, the commit-graph, a loose
+object, a ref): a symlink whose target is a FIFO, a socket or a device goes
+the same way (``stat``: a FIFO's does not block), and below ``refs``,
+``logs``, ``objects`` and ``worktrees``, where git makes none, every symlink
+that does not lead to a regular file (one to a directory would lead git to
+what it holds). At the top level a symlink to a directory is the user's to
+have (a shared ``hooks``).
+
+The walk goes by ``scandir`` (the entry's type from the directory) without
+entering a symlink, at most ``_MAX_ENTRIES`` entries in each area (past
+them, the rest of that area is not looked at, and the report says so: junk
+at the top level cannot hide a FIFO in ``refs``). Nothing is deleted.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 
 from dispatchd.daemon.gitguard import fs
 
@@ -40,14 +47,16 @@ def sweep(common: str, object_dirs: set[str]) -> tuple[list[tuple[str, str]], li
     """Move aside what would hang the user's git (see the module): returns
     ``(path, what was done)`` and what could not be done."""
     found: list[str] = []
-    left = [_MAX_ENTRIES]
-    _scan(common, found, left, deep=False)
-    for rel in _BELOW + tuple(f"objects/{d}" for d in sorted(object_dirs)):
-        top = os.path.join(common, rel)
-        if fs.is_dir(top):
-            _scan(top, found, left, deep=True)
     done: list[tuple[str, str]] = []
     failed: list[str] = []
+    for rel in ("",) + _BELOW + tuple(f"objects/{d}" for d in sorted(object_dirs)):
+        top = os.path.join(common, rel) if rel else common
+        if rel and not fs.is_dir(top):
+            continue
+        left = [_MAX_ENTRIES]
+        _scan(top, found, left, deep=bool(rel))
+        if left[0] <= 0:
+            failed.append(f"{top}: more than {_MAX_ENTRIES} entries; the rest was not looked at for FIFOs")
     for path in found:
         rel = os.path.relpath(path, common).replace(os.sep, "-")
         dst = os.path.join(common, fs.aside_name(f"hang-{rel}"))
@@ -57,8 +66,6 @@ def sweep(common: str, object_dirs: set[str]) -> tuple[list[tuple[str, str]], li
                                f"moved aside to {dst}"))
         except OSError as exc:
             failed.append(f"{path}: a FIFO, socket or device where git reads, cannot be moved aside ({exc.strerror})")
-    if left[0] <= 0:
-        failed.append(f"{common}: more than {_MAX_ENTRIES} entries; the rest was not looked at for FIFOs")
     return done, failed
 
 
@@ -79,8 +86,21 @@ def _scan(top: str, found: list[str], left: list[int], *, deep: bool) -> None:
                     if deep:
                         pending.append(entry.path)
                     continue
-                if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                if entry.is_file(follow_symlinks=False):
+                    continue
+                if entry.is_symlink() and _harmless_link(entry.path, deep):
                     continue
             except OSError:
                 continue
             found.append(entry.path)
+
+
+def _harmless_link(path: str, deep: bool) -> bool:
+    """Whether git following the symlink ``path`` finds nothing to hang on:
+    a regular file, nothing (dangling, a loop), or at the top level a
+    directory."""
+    try:
+        mode = os.stat(path).st_mode  # follows it: a FIFO's stat does not wait
+    except OSError:
+        return True
+    return stat.S_ISREG(mode) or (not deep and stat.S_ISDIR(mode))

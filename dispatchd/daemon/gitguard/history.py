@@ -42,7 +42,7 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, hangs, keeps, objectstore, packed, reftemp, replacerefs, replaced, viewfiles
+from dispatchd.daemon.gitguard import fs, keeps, objectstore, packed, reftemp, replacerefs, replaced, shown, viewfiles
 from dispatchd.tools import native
 
 _log = logging.getLogger("dispatchd.history")
@@ -73,6 +73,7 @@ class History(msgspec.Struct, frozen=True):
     replaces: dict[str, str] | None = None
     replaces_packed: list[str] = []
     views: dict[str, str | None] | None = None  # shallow and alternates as they were (viewfiles.py)
+    view_stamps: dict[str, list[int] | None] | None = None  # the commit-graph and the like (viewfiles.py)
 
 
 _RACY_NS = 50_000_000  # a directory changed this close before a look is listed whatever its ctime says
@@ -346,7 +347,8 @@ def record(common: str, keep: str, own: list[str]) -> History:
         # linked into the keep, and put back into the repository from there.
         return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep="",
                        note="object files not kept: objects is not a directory (a symlink?)",
-                       replaces=replacing.loose, replaces_packed=replacing.packed, views=viewfiles.read(common))
+                       replaces=replacing.loose, replaces_packed=replacing.packed, views=viewfiles.read(common),
+                       view_stamps=viewfiles.read_stamps(common))
     stamps = _stamps(objects)
     try:
         with keeps.hold(keep, common):  # named, and spared by a sweep while this works
@@ -391,7 +393,8 @@ def record(common: str, keep: str, own: list[str]) -> History:
         keep = ""
     return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note,
                    stamps=stamps, stamped_ns=stamped_ns, replaces=replacing.loose,
-                   replaces_packed=replacing.packed, views=viewfiles.read(common))
+                   replaces_packed=replacing.packed, views=viewfiles.read(common),
+                   view_stamps=viewfiles.read_stamps(common))
 
 
 def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
@@ -403,18 +406,15 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     if not fs.is_dir(common):
         return done, [f"{common}: the repository's git directory is gone"]
     objects = os.path.join(common, "objects")
-    # Nothing written through a symlink a session left for a directory the
-    # restore writes in: it goes aside, and a directory takes its place.
-    for rel in ("objects", "objects/info", "refs", "refs/heads", "refs/tags"):
-        path = os.path.join(common, rel)
-        if os.path.lexists(path) and not fs.is_dir(path):
-            try:
-                fs.move_aside(path)
-            except OSError as exc:
-                return done, [f"{path}: not a directory, and cannot be moved aside ({exc.strerror})"]
+    # Nothing read or written through a symlink a session left for a directory:
+    # it goes aside, and a directory takes its place (shown.py).
+    done, failed = shown.clear(common)
+    if failed:
+        return done, failed
     dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else set()
-    # A FIFO where git opens a file would hang every later git command of the user's.
-    moved, bad = hangs.sweep(common, {d for d in dirs if d != "pack"})
+    # FIFOs where git reads, replacements, shallow, alternates: each a step of its own.
+    moved, bad = shown.after(common, {d for d in dirs if d != "pack"}, history.replaces, history.replaces_packed,
+                             history.views, history.view_stamps)
     done += moved
     failed += bad
     if history.keep:
@@ -455,11 +455,14 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         if len(deleted) < len(put):
             _log.info("event=history_packed_meanwhile objects=%s count=%d (loose copies put back)", objects,
                       len(put) - len(deleted))
-    for sub in ("refs/heads", "refs/tags"):
-        os.makedirs(os.path.join(common, sub), exist_ok=True)
-    if history.head and not os.path.lexists(os.path.join(common, "HEAD")):
-        reftemp.write_ref(common, "HEAD", history.head.strip())
-        done.append((os.path.join(common, "HEAD"), "deleted by a session; put back"))
+    try:
+        for sub in ("refs/heads", "refs/tags"):
+            os.makedirs(os.path.join(common, sub), exist_ok=True)
+        if history.head and not os.path.lexists(os.path.join(common, "HEAD")):
+            reftemp.write_ref(common, "HEAD", history.head.strip())
+            done.append((os.path.join(common, "HEAD"), "deleted by a session; put back"))
+    except OSError as exc:
+        failed.append(f"{common}: refs or HEAD cannot be made again ({exc.strerror})")
     # One store for every moved branch (its packs' indexes read once) and one
     # deadline for all of them: past it, a branch is put back without asking
     # whether it was fast-forwarded (is_ancestor says "not known").
@@ -484,13 +487,5 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
             continue
         done.append((name, f"{'deleted' if new is None else 'moved to ' + new[:12]} by a session; "
                            f"put back at {old[:12]}"))
-    if history.replaces is not None:  # what git would show and check out in place of the user's objects
-        replaced_refs, bad = replacerefs.restore(common, history.replaces, history.replaces_packed)
-        done += replaced_refs
-        failed += bad
-    if history.views is not None:  # shallow, alternates: which history and objects git shows
-        views_put, bad = viewfiles.restore(common, history.views)
-        done += views_put
-        failed += bad
     return done, failed
 

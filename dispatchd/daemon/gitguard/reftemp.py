@@ -65,6 +65,7 @@ def write_file(path: str, data: bytes, mode: int | None = None) -> None:
     """``path`` holding ``data``, whole or not at all: written to a temporary
     name of our own beside it (``O_EXCL | O_NOFOLLOW``), fsynced, renamed over
     it. ``mode``: its permission bits (None: 0644 less the umask, as git's)."""
+    lent = False
     while True:
         tmp = temp_name(path)
         try:
@@ -73,6 +74,11 @@ def write_file(path: str, data: bytes, mode: int | None = None) -> None:
             break
         except FileExistsError:
             continue
+        except PermissionError:
+            if lent:
+                raise
+            fs.lend_path(os.path.dirname(path))  # a directory a session made read-only: the user's, so ours
+            lent = True
     try:
         view = memoryview(data)
         while view:

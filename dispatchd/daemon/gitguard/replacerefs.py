@@ -50,7 +50,7 @@ _BPREFIX = PREFIX.encode()
 _OID = re.compile(r"^[0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?$")
 _MAX_DIRS = 10_000
 _MAX_MOVED = 1_000
-_PACKED_MAX = 256 * 1024 * 1024
+_PACKED_MAX = 64 * 1024 * 1024  # as history.read_refs reads it; past it, fail closed
 # A name git accepts for a ref (check_refname_format, the parts that matter
 # for a path): written back only if so.
 _BAD_NAME = re.compile(r"(^|/)\.|\.\.|//|\.lock(/|$)|[\x00-\x20\x7f~^:?*\[\\]|@\{|/$")
@@ -126,10 +126,12 @@ def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list
     top = os.path.join(common, "refs", "replace")
     if len(moving) > _MAX_MOVED:
         moving = [top]
+    why = "not one of the user's replacement refs (a session's git replace, a symlink, a symbolic ref...)"
     for path in moving:
-        _move_out(common, path, "replace-ref-" + os.path.relpath(path, top).replace(os.sep, "-"),
-                  "not one of the user's replacement refs (a session's git replace, a symlink, a symbolic ref...)",
-                  done, failed)
+        if not _move_out(common, path, "replace-ref-" + os.path.relpath(path, top).replace(os.sep, "-"), why,
+                         done, failed) and path != top and os.path.lexists(top):
+            _move_out(common, top, "replace-refs-all", why, done, failed)  # the whole, the user's written back
+            break
     packed_path = os.path.join(common, "packed-refs")
     if os.path.lexists(packed_path) and not fs.is_file(packed_path):
         _move_out(common, packed_path, "packed-refs", "not a regular file (git follows a symlink there)", done,
@@ -231,27 +233,25 @@ def _drop_packed(common: str, drop: set[bytes]) -> str:
 def _joined(lines: list[bytes]) -> bytes:
     return b"".join(line + b"\n" for line in lines)
 
-def _move_out(common: str, path: str, name: str, why: str, done: list[tuple[str, str]], failed: list[str]) -> None:
+def _move_out(common: str, path: str, name: str, why: str, done: list[tuple[str, str]], failed: list[str]) -> bool:
     """``path`` renamed to ``common``'s top level (out of ``refs``), under an
-    unguessable name; a directory the session made read-only is made
-    writable for it (the user's, so ours)."""
+    unguessable name of bounded length; a directory the session made
+    read-only (its parent, the git directory, a directory moved: a rename
+    writes its ``..``) is made writable for it (the user's, so ours).
+    Whether it was moved."""
     dst = os.path.join(common, fs.aside_name(name))
     for attempt in range(2):
         try:
             os.rename(path, dst)
             done.append((path, f"{why}; moved aside to {dst}"))
-            return
+            return True
         except PermissionError:
             if attempt:
                 break
-            for folder in (os.path.dirname(path), common):
-                try:
-                    st = os.lstat(folder)
-                    if stat.S_ISDIR(st.st_mode):
-                        os.chmod(folder, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
-                except OSError:
-                    pass
+            for folder in (os.path.dirname(path), common, path):
+                fs.lend_path(folder)
         except OSError as exc:
             failed.append(f"{path}: {why}; cannot be moved aside ({exc.strerror})")
-            return
+            return False
     failed.append(f"{path}: {why}; cannot be moved aside (permission denied)")
+    return False

@@ -18,6 +18,18 @@ baseline's bytes back through a temporary file renamed into place; one that
 was absent is only moved aside. Files are read with ``fs.open_regular`` (no
 symlink followed, no FIFO waited on); a symlink or FIFO there differs from
 any file, and is moved aside too.
+
+Likewise the indexes git trusts for what a commit's parents and tree are,
+or where an object lies (``STAMPED``: the commit-graph, its chain, the
+multi-pack index): a session's (a commit given no parents and another tree,
+seen in ``git log`` and ``git diff``) is moved aside, and git builds them
+again at will; a commit-graph that agrees with every commit's object (what
+a session's ``git gc`` writes: ``commitgraph.py``) is kept. They can be large: ``read_stamps`` keeps each one's inode,
+size and ctime, which no session can set back, not its bytes; one the user
+had that a session removed is not put back (git reads the objects instead).
+The directories on the way are given their owner's rights first
+(``fs.lend_path``): a ``chmod 000 objects/info`` hid an alternates file from
+the look, and a ``chmod 555`` kept one from being written back.
 """
 
 from __future__ import annotations
@@ -25,10 +37,25 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from dispatchd.daemon.gitguard import fs, reftemp
+from dispatchd.daemon.gitguard import commitgraph, fs, reftemp
 
 NAMES = ("shallow", "objects/info/alternates", "objects/info/http-alternates")
+STAMPED = ("objects/info/commit-graph", "objects/info/commit-graphs/commit-graph-chain",
+           "objects/pack/multi-pack-index")
 _MAX = 16 * 1024 * 1024
+
+
+def read_stamps(common: str) -> dict[str, list[int] | None]:
+    """Each of ``STAMPED`` -> [inode, size, ctime], None when absent."""
+    return {name: _stamp(os.path.join(common, name)) for name in STAMPED}
+
+
+def _stamp(path: str) -> list[int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_ctime_ns]
 
 
 def read(common: str) -> dict[str, str | None]:
@@ -42,10 +69,31 @@ def read(common: str) -> dict[str, str | None]:
     return found
 
 
-def restore(common: str, baseline: dict[str, str | None]) -> tuple[list[tuple[str, str]], list[str]]:
-    """Put back what differs from ``baseline`` (see the module)."""
+def restore(common: str, baseline: dict[str, str | None],
+            stamps: dict[str, list[int] | None]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Put back what differs from ``baseline``, move aside what differs from
+    ``stamps`` (see the module)."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
+    for name in sorted(set(baseline) | set(stamps)):
+        parent = common
+        for part in name.split("/")[:-1]:
+            parent = os.path.join(parent, part)
+            fs.lend_path(parent)
+    for name, stamp in sorted(stamps.items()):
+        path = os.path.join(common, name)
+        now_stamp = _stamp(path)
+        if now_stamp is None or now_stamp == stamp:
+            continue
+        why = "written by a session" if name != STAMPED[0] else \
+            commitgraph.disagrees(os.path.join(common, "objects"), path)
+        if why is None:
+            continue  # a session's git gc wrote it, and it says what the objects say
+        try:
+            done.append((path, f"{why} (git trusts it for parents, trees and where objects lie); moved aside to "
+                               f"{fs.move_aside(path)}, git builds it again"))
+        except OSError as exc:
+            failed.append(f"{path}: {why}, cannot be moved aside ({exc.strerror})")
     for name, was in sorted(baseline.items()):
         path = os.path.join(common, name)
         now = _bytes(path)

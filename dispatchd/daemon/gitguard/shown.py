@@ -1,0 +1,84 @@
+"""What the last end clears out of the user's git's way before and beside
+putting the history back (``history.restore``): each step on its own, so
+that one that fails (reported) never keeps the next from running.
+
+``clear``, first:
+- a directory the restore reads or writes in that is not one (``objects``,
+  ``objects/info``, ``objects/pack``, every fan-out directory ``objects/ab``,
+  ``refs``, ``refs/heads``, ``refs/tags``) is moved aside, and a directory
+  takes its place when needed: a symlinked fan-out or pack directory showed
+  every kept name present (nothing put back) while git read the session's
+  files through it;
+- those directories and the git directory itself, made read-only or
+  unsearchable by the session, are given their owner's rights back (the
+  user's, so the daemon's), and left so: a ``chmod 555 refs`` kept a
+  branch from being written back, and everything after it from running.
+
+``after`` (once the changed object directories are known): the FIFOs and
+the like where git reads (``hangs``), the replacement refs
+(``replacerefs``), ``shallow``, the alternates and the object indexes
+(``viewfiles``), each in a step of its own: an error in one is reported as
+a failure of the check and the others still run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from dispatchd.daemon.gitguard import fs, hangs, replacerefs, viewfiles
+
+_DIRS = ("objects", "objects/info", "objects/pack", "refs", "refs/heads", "refs/tags")
+_FANOUT = frozenset(f"{i:02x}" for i in range(256))
+
+Step = tuple[list[tuple[str, str]], list[str]]
+
+
+def clear(common: str) -> Step:
+    """Move aside what stands for a directory, and lend the directories
+    (see the module). A failure here stops the restore (its writes would go
+    through what could not be moved)."""
+    done: list[tuple[str, str]] = []
+    failed: list[str] = []
+    fs.lend_path(common)
+    objects = os.path.join(common, "objects")
+    names = list(_DIRS)
+    if fs.is_dir(objects):
+        fs.lend_path(objects)
+        try:
+            with os.scandir(objects) as scan:
+                names += sorted(f"objects/{e.name}" for e in scan
+                                if e.name in _FANOUT and not e.is_dir(follow_symlinks=False))
+        except OSError as exc:
+            failed.append(f"{objects}: cannot be listed ({exc.strerror})")
+    for rel in names:
+        path = os.path.join(common, rel)
+        if os.path.lexists(path) and not fs.is_dir(path):
+            try:
+                done.append((path, f"not a directory (git reads through a symlink); moved aside to "
+                                   f"{fs.move_aside(path)}"))
+            except OSError as exc:
+                failed.append(f"{path}: not a directory, and cannot be moved aside ({exc.strerror})")
+        else:
+            fs.lend_path(path)
+    return done, failed
+
+
+def after(common: str, object_dirs: set[str], replaces: dict[str, str] | None, replaces_packed: list[str],
+          views: dict[str, str | None] | None, view_stamps: dict[str, list[int] | None] | None) -> Step:
+    """The steps of the module's ``after``, each on its own."""
+    done: list[tuple[str, str]] = []
+    failed: list[str] = []
+    steps: list[tuple[str, Callable[[], Step]]] = [("hangs", lambda: hangs.sweep(common, object_dirs))]
+    if replaces is not None:  # what git would show and check out in place of the user's objects
+        steps.append(("replacement refs", lambda: replacerefs.restore(common, replaces, replaces_packed)))
+    if views is not None:  # shallow, alternates, commit-graph: which history and objects git shows
+        steps.append(("shallow and alternates", lambda: viewfiles.restore(common, views, view_stamps or {})))
+    for what, step in steps:
+        try:
+            d, f = step()
+        except Exception as exc:  # noqa: BLE001 - reported: the check fails, the next step runs
+            d, f = [], [f"{common}: the check of {what} failed: {type(exc).__name__}: {exc}"]
+        done += d
+        failed += f
+    return done, failed

@@ -1,0 +1,179 @@
+"""What a session can leave in ``.git`` to defeat the end's restore, each
+beside the user's git showing the attack working (the control) and the
+restore undoing it (dispatchd/daemon/gitguard/shown.py and the modules it
+runs). The repositories are real; the session's deeds are done with git
+and the shell as a session would."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon.gitguard import hangs, history
+from tests.unit.gitrepo import commits_repo, git
+
+pytestmark = pytest.mark.process
+
+
+def _run(repo: Path, *args: str, seconds: int = 10) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["timeout", str(seconds), "git", *args], cwd=repo, capture_output=True, timeout=60)
+
+
+def _show(repo: Path) -> bytes:
+    return _run(repo, "show", "HEAD:f").stdout
+
+
+def _start(tmp_path: Path) -> tuple[Path, history.History]:
+    repo = commits_repo(tmp_path / "repo")
+    return repo, history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+
+
+def _evil_loose(blob: str) -> bytes:
+    return zlib.compress(b"blob 5\0evil\n")  # under the user's blob's name: git does not check on read
+
+
+def test_a_symlinked_fanout_directory_is_moved_aside_and_the_objects_put_back(tmp_path: Path) -> None:
+    repo, kept = _start(tmp_path)
+    blob = git(repo, "rev-parse", "HEAD:f").strip()
+    objects = repo / ".git" / "objects"
+    copy = tmp_path / "x"
+    shutil.copytree(objects / blob[:2], copy)  # new inodes: the keep's hard links are not touched
+    os.chmod(copy / blob[2:], 0o644)
+    (copy / blob[2:]).write_bytes(_evil_loose(blob))
+    shutil.rmtree(objects / blob[:2])
+    (objects / blob[:2]).symlink_to(copy)
+    assert _show(repo) == b"evil\n"  # the control
+    done, failed = history.restore(kept)
+    assert not failed and _show(repo) == b"2\n" and not (objects / blob[:2]).is_symlink()
+
+
+def test_a_symlinked_pack_directory_is_moved_aside(tmp_path: Path) -> None:
+    repo, kept = _start(tmp_path)
+    git(repo, "gc", "-q")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    objects = repo / ".git" / "objects"
+    shutil.copytree(objects / "pack", tmp_path / "p")
+    shutil.rmtree(objects / "pack")
+    for p in (tmp_path / "p").iterdir():
+        os.chmod(p, 0o644)
+        if p.suffix == ".pack":
+            p.write_bytes(p.read_bytes()[:40])
+    (objects / "pack").symlink_to(tmp_path / "p")
+    assert _show(repo) != b"2\n"  # the control: unreadable
+    done, failed = history.restore(kept)
+    assert not failed and _show(repo) == b"2\n"
+
+
+@pytest.mark.parametrize("rel", ["refs/heads/zz", "objects/info/commit-graph", "objects/pack/multi-pack-index"])
+def test_a_symlink_to_a_fifo_where_git_reads_is_moved_aside(tmp_path: Path, rel: str) -> None:
+    repo, kept = _start(tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    path = repo / ".git" / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(fifo)
+    assert _run(repo, "log", "--all", seconds=1).returncode == 124  # the control: git hangs
+    done, failed = history.restore(kept)
+    assert not failed and not os.path.lexists(path) and _run(repo, "log", "--all").returncode == 0
+
+
+def test_long_names_are_moved_aside_too(tmp_path: Path) -> None:
+    repo, kept = _start(tmp_path)
+    blob = git(repo, "rev-parse", "HEAD:f").strip()
+    evil = git(repo, "hash-object", "-w", "--stdin", stdin="evil\n").strip()
+    top = repo / ".git" / "refs" / "replace"
+    top.mkdir()
+    (top / (blob + "x" * 200)).write_text(evil + "\n")
+    os.mkfifo(repo / ".git" / "refs" / "heads" / ("y" * 240))
+    assert _show(repo) == b"evil\n"
+    done, failed = history.restore(kept)
+    assert not failed and _show(repo) == b"2\n" and _run(repo, "log", "--all").returncode == 0
+
+
+def test_read_only_directories_do_not_keep_what_the_end_takes_out(tmp_path: Path) -> None:
+    """``chmod 555`` on ``.git``, ``refs`` and ``objects/info`` after the
+    plants, ``refs/tags`` removed: each step still runs."""
+    repo, kept = _start(tmp_path)
+    blob = git(repo, "rev-parse", "HEAD:f").strip()
+    evil = git(repo, "hash-object", "-w", "--stdin", stdin="evil\n").strip()
+    git(repo, "replace", blob, evil)
+    git(repo, "pack-refs", "--all")
+    common = repo / ".git"
+    (common / "shallow").write_text(git(repo, "rev-parse", "HEAD"))
+    (common / "refs" / "tags").rmdir()
+    for d in ("refs", "objects/info", ""):
+        os.chmod(common / d, 0o555)
+    assert _show(repo) == b"evil\n" and _run(repo, "rev-list", "--count", "HEAD").stdout == b"1\n"
+    done, failed = history.restore(kept)
+    assert not failed, failed
+    assert _show(repo) == b"2\n" and _run(repo, "rev-list", "--count", "HEAD").stdout == b"3\n"
+
+
+def test_an_unsearchable_objects_info_does_not_hide_a_planted_alternates(tmp_path: Path) -> None:
+    repo, kept = _start(tmp_path)
+    info = repo / ".git" / "objects" / "info"
+    info.mkdir(exist_ok=True)
+    (info / "alternates").write_text(str(tmp_path / "elsewhere") + "\n")
+    os.chmod(info, 0)
+    done, failed = history.restore(kept)
+    assert not failed and not (info / "alternates").exists()
+    assert any("gone, the session's moved aside" in why for _, why in done), done
+
+
+def _forge_commit_graph(repo: Path) -> None:
+    """HEAD given no parents in the commit-graph (git trusts it)."""
+    path = repo / ".git" / "objects" / "info" / "commit-graph"
+    b = bytearray(path.read_bytes())
+    chunks = {struct.unpack(">4sQ", b[8 + 12 * i: 20 + 12 * i])[0]: struct.unpack(">4sQ", b[8 + 12 * i: 20 + 12 * i])[1]
+              for i in range(b[6])}
+    head = bytes.fromhex(git(repo, "rev-parse", "HEAD").strip())
+    n = struct.unpack(">I", b[chunks[b"OIDF"] + 255 * 4: chunks[b"OIDF"] + 256 * 4])[0]
+    idx = [bytes(b[chunks[b"OIDL"] + 20 * i: chunks[b"OIDL"] + 20 * i + 20]) for i in range(n)].index(head)
+    c = chunks[b"CDAT"] + 36 * idx
+    b[c + 20:c + 24] = struct.pack(">I", 0x70000000)
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(b))
+
+
+def test_a_commit_graph_a_session_wrote_is_moved_aside_and_the_user_s_stays(tmp_path: Path) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "commit-graph", "write", "--reachable")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert history.restore(kept) == ([], [])  # the twin: the user's, unchanged, stays
+    _forge_commit_graph(repo)
+    assert _run(repo, "rev-list", "--count", "HEAD").stdout == b"1\n"  # the control
+    done, failed = history.restore(kept)
+    assert not failed and _run(repo, "rev-list", "--count", "HEAD").stdout == b"3\n"
+    assert "disagrees with the object of commit" in done[0][1] and "git builds it again" in done[0][1]
+
+
+def test_a_commit_graph_git_wrote_in_a_session_is_kept(tmp_path: Path) -> None:
+    """The twin of the forged graph: a session's commit and ``git gc`` write
+    an honest one, which agrees with every commit's object."""
+    repo = commits_repo(tmp_path / "repo")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / "g").write_text("g\n")
+    git(repo, "add", "g")
+    git(repo, "commit", "-qm", "g")
+    git(repo, "gc", "-q")
+    graph = repo / ".git" / "objects" / "info" / "commit-graph"
+    assert graph.is_file()
+    done, failed = history.restore(kept)
+    assert not failed and graph.is_file() and not [d for d in done if "commit-graph" in d[0]], done
+
+
+def test_junk_at_the_top_does_not_hide_a_fifo_in_refs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, kept = _start(tmp_path)
+    monkeypatch.setattr(hangs, "_MAX_ENTRIES", 40)
+    for n in range(50):
+        (repo / ".git" / f"junk{n}").write_text("")
+    os.mkfifo(repo / ".git" / "refs" / "heads" / "zz")
+    done, failed = history.restore(kept)
+    assert _run(repo, "log", "--all").returncode == 0
+    assert failed == [f"{repo / '.git'}: more than 40 entries; the rest was not looked at for FIFOs"]
