@@ -4,11 +4,11 @@ that one that fails (reported) never keeps the next from running.
 
 ``clear``, first:
 - a directory the restore reads or writes in that is not one (``objects``,
-  ``objects/info``, ``objects/pack``, every fan-out directory ``objects/ab``,
-  ``refs``, ``refs/heads``, ``refs/tags``) is moved aside, and a directory
-  takes its place when needed: a symlinked fan-out or pack directory showed
-  every kept name present (nothing put back) while git read the session's
-  files through it;
+  ``objects/info``, ``objects/pack``, ``refs``, ``refs/heads``,
+  ``refs/tags``; a fan-out directory ``objects/ab`` in ``after``, among the
+  changed ones) is moved aside, and a directory takes its place when
+  needed: a symlinked fan-out or pack directory showed every kept name
+  present (nothing put back) while git read the session's files through it;
 - those directories and the git directory itself, made read-only or
   unsearchable by the session, are given their owner's rights back (the
   user's, so the daemon's), and left so: a ``chmod 555 refs`` kept a
@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dispatchd.daemon.gitguard import fs, hangs, replacerefs, viewfiles
 
 _DIRS = ("objects", "objects/info", "objects/pack", "refs", "refs/heads", "refs/tags")
-_FANOUT = frozenset(f"{i:02x}" for i in range(256))
 
 Step = tuple[list[tuple[str, str]], list[str]]
 
@@ -41,17 +40,7 @@ def clear(common: str) -> Step:
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     fs.lend_path(common)
-    objects = os.path.join(common, "objects")
-    names = list(_DIRS)
-    if fs.is_dir(objects):
-        fs.lend_path(objects)
-        try:
-            with os.scandir(objects) as scan:
-                names += sorted(f"objects/{e.name}" for e in scan
-                                if e.name in _FANOUT and not e.is_dir(follow_symlinks=False))
-        except OSError as exc:
-            failed.append(f"{objects}: cannot be listed ({exc.strerror})")
-    for rel in names:
+    for rel in _DIRS:
         path = os.path.join(common, rel)
         if os.path.lexists(path) and not fs.is_dir(path):
             try:
@@ -69,6 +58,16 @@ def after(common: str, object_dirs: set[str], replaces: dict[str, str] | None, r
     """The steps of the module's ``after``, each on its own."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
+    # A fan-out directory replaced by a symlink: its ctime's look (history._stamps,
+    # directories only) misses it, so it is among the changed ones.
+    for d in sorted(object_dirs):
+        path = os.path.join(common, "objects", d)
+        if os.path.lexists(path) and not fs.is_dir(path):
+            try:
+                done.append((path, f"not a directory (git reads through a symlink); moved aside to "
+                                   f"{fs.move_aside(path)}"))
+            except OSError as exc:
+                failed.append(f"{path}: not a directory, and cannot be moved aside ({exc.strerror})")
     steps: list[tuple[str, Callable[[], Step]]] = [("hangs", lambda: hangs.sweep(common, object_dirs))]
     if replaces is not None:  # what git would show and check out in place of the user's objects
         steps.append(("replacement refs", lambda: replacerefs.restore(common, replaces, replaces_packed)))
