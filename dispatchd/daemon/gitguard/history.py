@@ -77,6 +77,10 @@ class History(msgspec.Struct, frozen=True):
 
 
 _RACY_NS = 50_000_000  # a directory changed this close before a look is listed whatever its ctime says
+try:  # the coarse clock's tick, which file times follow (1-10 ms); 50 ms where it cannot be asked
+    _TICK_NS = max(1_000_000, int(time.clock_getres(5) * 1e9))  # CLOCK_REALTIME_COARSE
+except OSError:
+    _TICK_NS = _RACY_NS
 _STAMPS = ".stamps"  # in a keep: the stamps it was last brought up to date with
 
 
@@ -183,13 +187,13 @@ def _stamps_below(fd: int) -> dict[str, int]:
     return found
 
 
-def _changed(then: dict[str, int], then_ns: int, now: dict[str, int]) -> set[str]:
+def _changed(then: dict[str, int], then_ns: int, now: dict[str, int], margin_ns: int = _RACY_NS) -> set[str]:
     """The object directories to list again: new, gone, changed since, or
-    changed too close before the look to trust their ctime."""
+    changed too close before the look to trust their ctime (``margin_ns``)."""
     if then == now:  # the usual case, compared in C: only the racy ones
-        return {d for d, ns in then.items() if not treewalk.settled(ns, then_ns, _RACY_NS)}
+        return {d for d, ns in then.items() if not treewalk.settled(ns, then_ns, margin_ns)}
     return {d for d in then.keys() | now.keys()
-            if then.get(d) != now.get(d) or not treewalk.settled(then[d], then_ns, _RACY_NS)}
+            if then.get(d) != now.get(d) or not treewalk.settled(then[d], then_ns, margin_ns)}
 
 
 def _files_in(objects: str, dirs: set[str]) -> set[str]:
@@ -411,10 +415,14 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     done, failed = shown.clear(common)
     if failed:
         return done, failed
-    dirs = _changed(history.stamps, history.stamped_ns, _stamps(objects)) if history.stamped_ns else set()
-    # FIFOs where git reads, replacements, shallow, alternates: each a step of its own.
-    moved, bad = shown.after(common, {d for d in dirs if d != "pack"}, history.replaces, history.replaces_packed,
-                             history.views, history.view_stamps)
+    now_stamps = _stamps(objects)
+    dirs = _changed(history.stamps, history.stamped_ns, now_stamps) if history.stamped_ns else set()
+    # What a session did shows in a ctime (it began after the baseline's look), but for
+    # a change within the coarse clock's tick of it: only those are looked at for FIFOs
+    # and replacements, not every one the keep lists again (changed within 50 ms).
+    touched = _changed(history.stamps, history.stamped_ns, now_stamps, _TICK_NS) if history.stamped_ns else set()
+    moved, bad = shown.after(common, {d for d in touched if d != "pack"}, history.replaces,
+                             history.replaces_packed, history.views, history.view_stamps)
     done += moved
     failed += bad
     if history.keep:
@@ -444,7 +452,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         if deleted:
             done.append((objects, f"{len(deleted)} object files deleted by a session put back"))
         # Another file at a kept name (``mv -f garbage .git/objects/ab/...``): the kept one put back.
-        swapped = replaced.find(objects, history.keep, dirs, history.stamped_ns) if history.stamped_ns else []
+        swapped = replaced.find(objects, history.keep, touched, history.stamped_ns) if history.stamped_ns else []
         aside, bad = replaced.put_back(objects, history.keep, swapped,
                                        lambda src, dst: _clone(src, dst, [_COPY_BUDGET], ways))
         failed += bad

@@ -15,7 +15,9 @@ or a copy its bytes), so at the domain's last end (``put_back``):
   ``multi-pack-index``, it writes again at will) and now names another inode than
   the kept one, that changed since the baseline (its ctime is later: a
   rename or a link sets it, and no session can set it back); an untouched
-  file, a hard link of the keep's, costs two ``fstatat``;
+  file, a hard link of the keep's, costs nothing past the two listings
+  (the inode each name holds, from the directory), a clone's or a copy's
+  two ``fstatat``;
 - it was *replaced* unless it is a regular file with the kept bytes, or a
   loose object that is valid under its name (git recompressed it: the same
   object). Bytes are compared within ``_COMPARE_BUDGET`` a restore; past it,
@@ -61,7 +63,13 @@ def find(objects: str, keep: str, dirs: set[str], since_ns: int) -> list[str]:
             if ofd is None:
                 continue
             try:
-                for name in sorted(set(os.listdir(kfd)) & set(os.listdir(ofd))):
+                # The inode each name holds, from the listings (no stat): a name
+                # holding the keep's own inode (a hard link) is the kept file.
+                same_dev = os.fstat(kfd).st_dev == os.fstat(ofd).st_dev
+                kept, now = _inodes(kfd), _inodes(ofd)
+                for name in sorted(kept.keys() & now.keys()):
+                    if same_dev and kept[name] == now[name]:
+                        continue
                     if _replaced(kfd, ofd, name, d, since_ns, budget):
                         found.append(f"{d}/{name}")
             finally:
@@ -86,6 +94,11 @@ def put_back(objects: str, keep: str, found: list[str],
         except OSError as exc:
             failed.append(f"{path}: replaced by a session, and the kept file cannot be put back ({exc.strerror})")
     return aside, failed
+
+
+def _inodes(dir_fd: int) -> dict[str, int]:
+    with os.scandir(dir_fd) as scan:
+        return {e.name: e.inode() for e in scan}
 
 
 def _open_dir(top: str, d: str) -> int | None:
