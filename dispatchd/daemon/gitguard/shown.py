@@ -75,9 +75,9 @@ def after(common: str, object_dirs: set[str], replaces: dict[str, str] | None, r
         steps.append(("shallow and alternates", lambda: viewfiles.restore(common, views, view_stamps or {})))
     for what, step in steps:
         try:
-            d, f = step()
+            did, not_done = step()
         except Exception as exc:  # noqa: BLE001 - reported: the check fails, the next step runs
-            d, f = [], [f"{common}: the check of {what} failed: {type(exc).__name__}: {exc}"]
-        done += d
-        failed += f
+            did, not_done = [], [f"{common}: the check of {what} failed: {type(exc).__name__}: {exc}"]
+        done += did
+        failed += not_done
     return done, failed
