@@ -177,3 +177,17 @@ def test_junk_at_the_top_does_not_hide_a_fifo_in_refs(tmp_path: Path, monkeypatc
     done, failed = history.restore(kept)
     assert _run(repo, "log", "--all").returncode == 0
     assert failed == [f"{repo / '.git'}: more than 40 entries; the rest was not looked at for FIFOs"]
+
+
+def test_a_step_that_raises_is_reported_and_the_next_still_runs(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, kept = _start(tmp_path)
+    blob = git(repo, "rev-parse", "HEAD:f").strip()
+    git(repo, "replace", blob, git(repo, "hash-object", "-w", "--stdin", stdin="evil\n").strip())
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(hangs, "sweep", broken)
+    done, failed = history.restore(kept)
+    assert failed == [f"{repo / '.git'}: the check of hangs failed: RuntimeError: a bug"]
+    assert _show(repo) == b"2\n"  # the replacement step ran all the same
