@@ -191,3 +191,117 @@ def test_a_step_that_raises_is_reported_and_the_next_still_runs(tmp_path: Path,
     done, failed = history.restore(kept)
     assert failed == [f"{repo / '.git'}: the check of hangs failed: RuntimeError: a bug"]
     assert _show(repo) == b"2\n"  # the replacement step ran all the same
+
+
+def _graph(repo: Path) -> tuple[Path, bytearray, dict[bytes, int], int]:
+    """The commit-graph, its bytes, its chunks, and HEAD's entry."""
+    path = repo / ".git" / "objects" / "info" / "commit-graph"
+    b = bytearray(path.read_bytes())
+    chunks = {}
+    for i in range(b[6] + 1):
+        cid, off = struct.unpack_from(">4sQ", b, 8 + 12 * i)
+        chunks[cid] = off
+    head = bytes.fromhex(git(repo, "rev-parse", "HEAD").strip())
+    n = struct.unpack_from(">I", b, chunks[b"OIDF"] + 255 * 4)[0]
+    entry = [bytes(b[chunks[b"OIDL"] + 20 * k: chunks[b"OIDL"] + 20 * k + 20]) for k in range(n)].index(head)
+    return path, b, chunks, entry
+
+
+def _written(path: Path, b: bytearray) -> None:
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(b))
+
+
+def _graphed(tmp_path: Path) -> tuple[Path, history.History]:
+    repo = commits_repo(tmp_path / "repo")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    git(repo, "commit-graph", "write", "--reachable")  # the session's
+    return repo, kept
+
+
+def _count(repo: Path) -> bytes:
+    return _run(repo, "rev-list", "--count", "HEAD").stdout
+
+
+def test_a_graph_read_as_git_reads_it_first_parent_none(tmp_path: Path) -> None:
+    """git stops at a first parent "none", whatever the second says."""
+    repo, kept = _graphed(tmp_path)
+    path, b, chunks, entry = _graph(repo)
+    at = chunks[b"CDAT"] + 36 * entry + 20
+    p1, _ = struct.unpack_from(">II", b, at)
+    struct.pack_into(">II", b, at, 0x70000000, p1)
+    _written(path, b)
+    assert _count(repo) == b"1\n"  # the control
+    done, failed = history.restore(kept)
+    assert not failed and _count(repo) == b"3\n" and "disagrees" in done[0][1]
+
+
+def test_a_graph_s_generation_data_is_checked(tmp_path: Path) -> None:
+    repo, kept = _graphed(tmp_path)
+    path, b, chunks, entry = _graph(repo)
+    gda = chunks.get(b"GDA2", chunks.get(b"GDAT"))
+    at = chunks[b"CDAT"] + 36 * entry + 28
+    if gda is not None:
+        struct.pack_into(">I", b, gda + 4 * entry, 0)  # HEAD's corrected date: its own date
+    struct.pack_into(">Q", b, at, (1 << 34) | (struct.unpack_from(">Q", b, at)[0] & ((1 << 34) - 1)))  # level 1
+    _written(path, b)
+    done, failed = history.restore(kept)
+    assert not failed and any("is not what its parents give" in why for _, why in done), done
+
+
+def test_changed_path_filters_and_a_split_graph_are_moved_aside(tmp_path: Path) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    git(repo, "commit-graph", "write", "--reachable", "--changed-paths")
+    done, failed = history.restore(kept)
+    assert not failed and "changed-path filters" in done[0][1]
+    git(repo, "commit-graph", "write", "--reachable", "--split")
+    done, failed = history.restore(kept)
+    info = repo / ".git" / "objects" / "info"
+    assert not failed and not (info / "commit-graphs").exists() and _count(repo) == b"3\n", done
+
+
+def test_a_graph_that_cannot_be_parsed_and_a_shallow_beside_it_both_go(tmp_path: Path) -> None:
+    repo, kept = _start(tmp_path)
+    info = repo / ".git" / "objects" / "info"
+    info.mkdir(exist_ok=True)
+    (info / "commit-graph").write_bytes(b"CGPH\x01\x01\x00\x00" + struct.pack(">4sQ", b"\0\0\0\0", 20) + b"\0" * 20)
+    (repo / ".git" / "shallow").write_text(git(repo, "rev-parse", "HEAD"))
+    done, failed = history.restore(kept)
+    assert not failed and not (info / "commit-graph").exists() and _count(repo) == b"3\n", (done, failed)
+
+
+def test_a_loose_object_with_a_size_of_thousands_of_digits_stops_nothing(tmp_path: Path) -> None:
+    repo, kept = _start(tmp_path)
+    blob = git(repo, "rev-parse", "HEAD:f").strip()
+    path = repo / ".git" / "objects" / blob[:2] / blob[2:]
+    (path.parent / "n").write_bytes(zlib.compress(b"blob " + b"1" * 5000 + b"\0"))
+    os.rename(path.parent / "n", path)
+    git(repo, "update-ref", "refs/heads/master", "HEAD~2")
+    done, failed = history.restore(kept)
+    assert not failed and _show(repo) == b"2\n" and _count(repo) == b"3\n"
+
+
+def test_a_fifo_in_a_directory_the_session_made_unlistable_is_found(tmp_path: Path) -> None:
+    repo, kept = _start(tmp_path)
+    hidden = repo / ".git" / "refs" / "heads" / "h"
+    hidden.mkdir()
+    os.mkfifo(hidden / "b")
+    os.chmod(hidden, 0o311)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/h/b\n")  # git opens it by name, listed or not
+    assert _run(repo, "log", seconds=1).returncode == 124  # the control
+    done, failed = history.restore(kept)
+    assert not failed and _run(repo, "log").returncode != 124 and not os.path.lexists(hidden / "b")
+
+
+def test_a_symlinked_split_graph_directory_is_moved_aside_and_nothing_outside_changes(tmp_path: Path) -> None:
+    repo, kept = _start(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "commit-graph-chain").write_text("x\n")
+    os.chmod(outside, 0o755)
+    (repo / ".git" / "objects" / "info" / "commit-graphs").symlink_to(outside)
+    done, failed = history.restore(kept)
+    assert not failed and sorted(os.listdir(outside)) == ["commit-graph-chain"]
+    assert oct(outside.stat().st_mode & 0o777) == "0o755"
+    assert not (repo / ".git" / "objects" / "info" / "commit-graphs").is_symlink()

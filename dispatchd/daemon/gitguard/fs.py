@@ -298,6 +298,8 @@ def move_aside(path: str) -> str:
             return dst
         except PermissionError:
             mode = os.lstat(parent).st_mode
+            if not stat.S_ISDIR(mode):
+                raise  # a symlink on the way: a chmod would follow it, out of the repository
             os.chmod(parent, stat.S_IMODE(mode) | stat.S_IRWXU)
     os.rename(path, dst)  # once more, after the chmod: raises if it still fails
     return dst

@@ -75,8 +75,14 @@ def _scan(top: str, found: list[str], left: list[int], *, deep: bool) -> None:
         path = pending.pop()
         try:
             entries = fs.scanned(path)
+        except PermissionError:
+            fs.lend_path(path)  # a session's chmod 311: git reaches a name in it all the same
+            try:
+                entries = fs.scanned(path)
+            except OSError:
+                continue
         except OSError:
-            continue  # unsearchable: git cannot open what is below either
+            continue
         for entry in entries:
             left[0] -= 1
             if left[0] <= 0:

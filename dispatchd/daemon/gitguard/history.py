@@ -68,9 +68,7 @@ class History(msgspec.Struct, frozen=True):
     # changed ones, and those changed too close to the look, are listed again.
     stamps: dict[str, int] = {}
     stamped_ns: int = 0
-    # ``git replace`` refs at the baseline: loose (None: not read, an older
-    # record) and the lines of packed-refs (replacerefs.py).
-    replaces: dict[str, str] | None = None
+    replaces: dict[str, str] | None = None  # ``git replace`` refs (None: an older record): replacerefs.py
     replaces_packed: list[str] = []
     views: dict[str, str | None] | None = None  # shallow and alternates as they were (viewfiles.py)
     view_stamps: dict[str, list[int] | None] | None = None  # the commit-graph and the like (viewfiles.py)
@@ -410,8 +408,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     if not fs.is_dir(common):
         return done, [f"{common}: the repository's git directory is gone"]
     objects = os.path.join(common, "objects")
-    # Nothing read or written through a symlink a session left for a directory:
-    # it goes aside, and a directory takes its place (shown.py).
+    # Nothing read or written through a symlink a session left for a directory (shown.py).
     done, failed = shown.clear(common)
     if failed:
         return done, failed
@@ -452,7 +449,10 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         if deleted:
             done.append((objects, f"{len(deleted)} object files deleted by a session put back"))
         # Another file at a kept name (``mv -f garbage .git/objects/ab/...``): the kept one put back.
-        swapped = replaced.find(objects, history.keep, touched, history.stamped_ns) if history.stamped_ns else []
+        try:
+            swapped = replaced.find(objects, history.keep, touched, history.stamped_ns) if history.stamped_ns else []
+        except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
+            swapped, failed = [], failed + [f"{objects}: the look for replaced files failed: {exc!r}"]
         aside, bad = replaced.put_back(objects, history.keep, swapped,
                                        lambda src, dst: _clone(src, dst, [_COPY_BUDGET], ways))
         failed += bad

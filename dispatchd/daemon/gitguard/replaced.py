@@ -178,7 +178,7 @@ def _valid_loose(ofd: int, name: str, oid: str) -> bool:
         return False  # too large, cut short, or bytes after the stream (git: "garbage at end of loose object")
     header, nul, content = body.partition(b"\0")
     kind, _, size = header.partition(b" ")
-    if not nul or kind not in (b"blob", b"tree", b"commit", b"tag") or not size.isdigit() or \
+    if not nul or kind not in (b"blob", b"tree", b"commit", b"tag") or not size.isdigit() or len(size) > 20 or \
             int(size) != len(content):
         return False
     return hashlib.new(algorithm, body).hexdigest() == oid

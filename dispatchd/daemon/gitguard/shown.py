@@ -4,7 +4,7 @@ that one that fails (reported) never keeps the next from running.
 
 ``clear``, first:
 - a directory the restore reads or writes in that is not one (``objects``,
-  ``objects/info``, ``objects/pack``, ``refs``, ``refs/heads``,
+  ``objects/info``, ``objects/info/commit-graphs``, ``objects/pack``, ``refs``, ``refs/heads``,
   ``refs/tags``; a fan-out directory ``objects/ab`` in ``after``, among the
   changed ones) is moved aside, and a directory takes its place when
   needed: a symlinked fan-out or pack directory showed every kept name
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from dispatchd.daemon.gitguard import fs, hangs, replacerefs, viewfiles
 
-_DIRS = ("objects", "objects/info", "objects/pack", "refs", "refs/heads", "refs/tags")
+_DIRS = ("objects", "objects/info", "objects/info/commit-graphs", "objects/pack", "refs", "refs/heads", "refs/tags")
 
 Step = tuple[list[tuple[str, str]], list[str]]
 

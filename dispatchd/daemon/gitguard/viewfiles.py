@@ -20,8 +20,8 @@ symlink followed, no FIFO waited on); a symlink or FIFO there differs from
 any file, and is moved aside too.
 
 Likewise the indexes git trusts for what a commit's parents and tree are,
-or where an object lies (``STAMPED``: the commit-graph, its chain, the
-multi-pack index): a session's (a commit given no parents and another tree,
+or where an object lies (``STAMPED``: the commit-graph, the directory of a
+split one, the multi-pack index): a session's (a commit given no parents and another tree,
 seen in ``git log`` and ``git diff``) is moved aside, and git builds them
 again at will; a commit-graph that agrees with every commit's object (what
 a session's ``git gc`` writes: ``commitgraph.py``) is kept. They can be large: ``read_stamps`` keeps each one's inode,
@@ -35,13 +35,15 @@ the look, and a ``chmod 555`` kept one from being written back.
 from __future__ import annotations
 
 import os
+import stat
+import time
 from typing import Literal
 
 from dispatchd.daemon.gitguard import commitgraph, fs, reftemp
 
 NAMES = ("shallow", "objects/info/alternates", "objects/info/http-alternates")
-STAMPED = ("objects/info/commit-graph", "objects/info/commit-graphs/commit-graph-chain",
-           "objects/pack/multi-pack-index")
+STAMPED = ("objects/info/commit-graph", "objects/info/commit-graphs", "objects/pack/multi-pack-index")
+_MAX_CHAIN = 1_000  # files of a split graph's directory stamped one by one
 _MAX = 16 * 1024 * 1024
 
 
@@ -51,11 +53,26 @@ def read_stamps(common: str) -> dict[str, list[int] | None]:
 
 
 def _stamp(path: str) -> list[int] | None:
+    """[inode, size, ctime]; for a directory (a split graph's chain and its
+    graphs, which git reads without checking the tip's hash) its own and the
+    latest ctime of what it holds, and how many it holds. None: absent."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return [st.st_ino, st.st_size, st.st_ctime_ns]
+    if not stat.S_ISDIR(st.st_mode):
+        return [st.st_ino, st.st_size, st.st_ctime_ns]
+    latest, count = st.st_ctime_ns, 0
+    try:
+        with os.scandir(path) as scan:
+            for entry in scan:
+                count += 1
+                if count > _MAX_CHAIN:
+                    return [st.st_ino, -1, time.time_ns()]  # never equal: moved aside
+                latest = max(latest, entry.stat(follow_symlinks=False).st_ctime_ns)
+    except OSError:
+        return [st.st_ino, -1, time.time_ns()]
+    return [st.st_ino, count, latest]
 
 
 def read(common: str) -> dict[str, str | None]:
