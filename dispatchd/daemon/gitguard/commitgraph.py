@@ -43,23 +43,12 @@ def disagrees(objects: str, path: str) -> str | None:
         try:
             if st.st_size > _MAX_BYTES:
                 return f"over {_MAX_BYTES} bytes"
-            data = _read(fd, st.st_size)
+            data = fs.read_all(fd, st.st_size)
         finally:
             os.close(fd)
         return _check(objects, data)
     except Exception as exc:  # noqa: BLE001 - a graph that cannot be checked is not kept
         return f"cannot be checked ({type(exc).__name__}: {exc})"
-
-
-def _read(fd: int, size: int) -> bytes:
-    chunks, left = [], size
-    while left > 0:
-        chunk = os.read(fd, min(left, 1 << 24))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 def _chunks(b: bytes) -> dict[bytes, int] | str:

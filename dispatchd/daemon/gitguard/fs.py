@@ -60,6 +60,19 @@ def open_regular(name: str, dir_fd: int | None = None) -> tuple[int, os.stat_res
     return fd, st
 
 
+def read_all(fd: int, size: int) -> bytes:
+    """Up to ``size`` bytes of ``fd``, read in chunks of 16 MiB (one
+    ``read`` returns less past 2 GiB); fewer when the file ends first."""
+    chunks, left = [], size
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def read_small(path: str, limit: int = _MAX_POINTER) -> str | None:
     """A small file's text (at most ``limit`` bytes, 4 KiB by default), or
     None: absent, a symlink, not a regular file, unreadable."""

@@ -56,23 +56,13 @@ def _open_regular(name: str, dir_fd: int, limit: int) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _read_all(fd: int, size: int) -> bytes:
-    chunks, left = [], size
-    while left > 0:
-        chunk = os.read(fd, min(left, 1 << 24))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
 
 class _Pack:
     def __init__(self, pack_dir: int, idx_name: str, pack_name: str, *, with_data: bool = True,
                  limit: int = _MAX_INDEX) -> None:
         fd, size = _open_regular(idx_name, pack_dir, limit)
         try:
-            self.idx = _read_all(fd, size)
+            self.idx = fs.read_all(fd, size)
         finally:
             os.close(fd)
         if self.idx[:8] != b"\377tOc\0\0\0\2" or len(self.idx) < 8 + 256 * 4:

@@ -188,16 +188,9 @@ def _packed(common: str) -> tuple[list[bytes] | None, str]:
     try:
         if st.st_size > _PACKED_MAX:
             return None, f"over {_PACKED_MAX} bytes"
-        chunks, left = [], st.st_size + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
+        data = fs.read_all(fd, st.st_size + 1)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > _PACKED_MAX:
         return None, f"over {_PACKED_MAX} bytes"
     lines = data.split(b"\n")

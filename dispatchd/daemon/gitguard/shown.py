@@ -42,15 +42,21 @@ def clear(common: str) -> Step:
     fs.lend_path(common)
     for rel in _DIRS:
         path = os.path.join(common, rel)
-        if os.path.lexists(path) and not fs.is_dir(path):
-            try:
-                done.append((path, f"not a directory (git reads through a symlink); moved aside to "
-                                   f"{fs.move_aside(path)}"))
-            except OSError as exc:
-                failed.append(f"{path}: not a directory, and cannot be moved aside ({exc.strerror})")
-        else:
+        if not _aside_unless_dir(path, done, failed):
             fs.lend_path(path)
     return done, failed
+
+
+def _aside_unless_dir(path: str, done: list[tuple[str, str]], failed: list[str]) -> bool:
+    """``path`` moved aside when something other than a directory is there;
+    whether it was (or tried to be)."""
+    if not os.path.lexists(path) or fs.is_dir(path):
+        return False
+    try:
+        done.append((path, f"not a directory (git reads through a symlink); moved aside to {fs.move_aside(path)}"))
+    except OSError as exc:
+        failed.append(f"{path}: not a directory, and cannot be moved aside ({exc.strerror})")
+    return True
 
 
 def after(common: str, object_dirs: set[str], replaces: dict[str, str] | None, replaces_packed: list[str],
@@ -61,13 +67,7 @@ def after(common: str, object_dirs: set[str], replaces: dict[str, str] | None, r
     # A fan-out directory replaced by a symlink: its ctime's look (history._stamps,
     # directories only) misses it, so it is among the changed ones.
     for d in sorted(object_dirs):
-        path = os.path.join(common, "objects", d)
-        if os.path.lexists(path) and not fs.is_dir(path):
-            try:
-                done.append((path, f"not a directory (git reads through a symlink); moved aside to "
-                                   f"{fs.move_aside(path)}"))
-            except OSError as exc:
-                failed.append(f"{path}: not a directory, and cannot be moved aside ({exc.strerror})")
+        _aside_unless_dir(os.path.join(common, "objects", d), done, failed)
     steps: list[tuple[str, Callable[[], Step]]] = [("hangs", lambda: hangs.sweep(common, object_dirs))]
     if replaces is not None:  # what git would show and check out in place of the user's objects
         steps.append(("replacement refs", lambda: replacerefs.restore(common, replaces, replaces_packed)))
