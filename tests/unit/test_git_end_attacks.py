@@ -305,3 +305,25 @@ def test_a_symlinked_split_graph_directory_is_moved_aside_and_nothing_outside_ch
     assert not failed and sorted(os.listdir(outside)) == ["commit-graph-chain"]
     assert oct(outside.stat().st_mode & 0o777) == "0o755"
     assert not (repo / ".git" / "objects" / "info" / "commit-graphs").is_symlink()
+
+
+def test_a_shared_clone_s_fast_forward_through_its_alternate_is_kept(tmp_path: Path) -> None:
+    """The user's merge, during a session, of history their shared clone
+    borrows from its source: the fast-forward is told through the alternates
+    the user had (a branch of theirs was rewound when the look could not read
+    the borrowed commits)."""
+    src = commits_repo(tmp_path / "src")
+    git(src, "checkout", "-qb", "feature")
+    (src / "g").write_text("g\n")
+    git(src, "add", "g")
+    git(src, "commit", "-qm", "feature")
+    git(src, "checkout", "-q", "master")
+    repo = tmp_path / "repo"
+    git(tmp_path, "clone", "-q", "--shared", str(src), str(repo))
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / "f").write_text("three\n")
+    git(repo, "commit", "-qam", "three")
+    git(repo, "merge", "-q", "--no-ff", "-m", "merge", "origin/feature")  # the user's, meanwhile
+    before = git(repo, "rev-parse", "HEAD")
+    done, failed = history.restore(kept)
+    assert not failed and not done and git(repo, "rev-parse", "HEAD") == before, done

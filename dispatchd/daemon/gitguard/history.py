@@ -474,7 +474,8 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
     # One store for every moved branch (its packs' indexes read once) and one
     # deadline for all of them: past it, a branch is put back without asking
     # whether it was fast-forwarded (is_ancestor says "not known").
-    store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2)
+    borrowed = objectstore.alternates(objects, (history.views or {}).get("objects/info/alternates"))  # the user's
+    store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
     now = read_refs(common)
     stamp = time.strftime("%Y%m%dT%H%M%S")
     for name, old in sorted(history.refs.items()):

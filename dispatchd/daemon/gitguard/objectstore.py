@@ -35,6 +35,23 @@ BUDGET_S = 5.0  # is_ancestor's time, past which the answer is "not known"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+_MAX_ALTERNATES = 16
+
+
+def alternates(objects: str, text: str | None) -> list[str]:
+    """The object directories an ``objects/info/alternates`` text names
+    (one a line, ``#`` comments, relative ones to ``objects``), as git reads
+    them; only directories that exist."""
+    found = []
+    for line in (text or "").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            path = os.path.normpath(os.path.join(objects, line))
+            if os.path.isdir(path) and path != os.path.normpath(objects):
+                found.append(path)
+    return found[:_MAX_ALTERNATES]
+
+
 class OutOfTime(ValueError):
     pass
 
@@ -269,15 +286,19 @@ def indexed(objects: str, oids: list[bytes]) -> set[bytes]:
 
 
 class Store:
-    """The objects of one ``objects`` directory; past ``deadline``
-    (``time.monotonic``), every read raises ``OutOfTime``."""
+    """The objects of one ``objects`` directory, then of the ``alternates``
+    given (the object stores a shared clone borrows from, as the user's
+    ``objects/info/alternates`` named them at the baseline: never a session's;
+    at most ``_MAX_ALTERNATES``, none of theirs followed further); past
+    ``deadline`` (``time.monotonic``), every read raises ``OutOfTime``."""
 
     _KINDS = {b"commit": 1, b"tree": 2, b"blob": 3, b"tag": 4}
 
-    def __init__(self, objects: str, deadline: float | None = None) -> None:
+    def __init__(self, objects: str, deadline: float | None = None, alternates: list[str] | None = None) -> None:
         self.objects = objects
         self.deadline = deadline
         self._packs: list[_Pack] | None = None
+        self._others = [Store(a, deadline) for a in (alternates or [])[:_MAX_ALTERNATES]]
 
     def in_time(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -326,6 +347,10 @@ class Store:
             off = pack.offset(oid)
             if off is not None:
                 return pack.read(off, self, depth)
+        for other in self._others:
+            found = other.read(oid, depth)
+            if found is not None:
+                return found
         return None
 
     def parents(self, oid: bytes) -> list[bytes] | None:
