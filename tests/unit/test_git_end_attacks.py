@@ -327,3 +327,18 @@ def test_a_shared_clone_s_fast_forward_through_its_alternate_is_kept(tmp_path: P
     before = git(repo, "rev-parse", "HEAD")
     done, failed = history.restore(kept)
     assert not failed and not done and git(repo, "rev-parse", "HEAD") == before, done
+
+
+def test_a_session_s_gc_over_a_multi_pack_index_is_not_reported_as_deleted_objects(tmp_path: Path) -> None:
+    """The twin of a deletion: git's own repack drops the multi-pack index
+    and its bitmap, which are put back (as every kept file is) unreported."""
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "repack", "-q", "-a", "-d", "--write-midx", "--write-bitmap-index")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / "g").write_text("g\n")
+    git(repo, "add", "g")
+    git(repo, "commit", "-qm", "g")
+    git(repo, "gc", "-q")
+    done, failed = history.restore(kept)
+    assert not failed and not [d for d in done if "deleted by a session" in d[1]], done
+    assert _run(repo, "fsck", "--no-progress").returncode == 0

@@ -48,10 +48,13 @@ def packed_meanwhile(objects: str, gone: list[str], keep: str = "") -> set[str]:
         if names is not None:
             in_packs[stem] = names
             wanted += names
+    # What git derives from packs and writes again at will (a multi-pack
+    # index, its bitmap and reverse index): not the user's objects.
+    derived = {rel for rel in gone if rel.startswith("pack/multi-pack-index")}
     if not wanted:
-        return set()
+        return derived
     named = objectstore.indexed(objects, wanted)
-    found = {rel for rel, oid in loose.items() if oid in named}
+    found = derived | {rel for rel, oid in loose.items() if oid in named}
     for stem, names in in_packs.items():
         if all(oid in named for oid in names):
             found.update(stems[stem])
