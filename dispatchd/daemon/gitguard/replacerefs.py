@@ -70,13 +70,19 @@ class Baseline:
 
     def refs(self) -> dict[str, str]:
         """The replacements in effect, as git reads them (a loose one wins)."""
-        found = {}
-        for line in self.packed:
-            oid, _, name = line.partition(" ")
-            if _OID.match(oid):
-                found[name] = oid.lower()
-        found.update({n: v.lower() for n, v in self.loose.items()})
-        return found
+        return in_effect(self.loose, self.packed)
+
+
+def in_effect(loose: dict[str, str], packed: list[str]) -> dict[str, str]:
+    """Replacement name -> object id (lowercase), from loose refs and lines
+    of ``packed-refs``, a loose one winning as in git."""
+    found = {}
+    for line in packed:
+        oid, _, name = line.partition(" ")
+        if _OID.match(oid):
+            found[name] = oid.lower()
+    found.update({n: v.lower() for n, v in loose.items()})
+    return found
 
 
 def read(common: str) -> Baseline:
@@ -149,8 +155,8 @@ def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list
                                           f"out of it: {', '.join(e.partition(' ')[2] for e in extra[:5])}"
                                           f"{', ...' if len(extra) > 5 else ''}"))
     after = read(common).refs()
-    for name, value in sorted({**_refs(packed), **loose}.items()):
-        if after.get(name) == value.lower() or _BAD_NAME.search(name):
+    for name, value in sorted(in_effect(loose, packed).items()):
+        if after.get(name) == value or _BAD_NAME.search(name):
             continue
         try:
             reftemp.write_ref(common, name, value)
@@ -159,12 +165,6 @@ def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list
         except (OSError, ValueError) as exc:
             failed.append(f"{name}: cannot be written back ({exc})")
     return done, failed
-
-
-def _refs(packed: list[str]) -> dict[str, str]:
-    found = Baseline()
-    found.packed = packed
-    return found.refs()
 
 
 def _is_replace_line(line: bytes) -> bool:

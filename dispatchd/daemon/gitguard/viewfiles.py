@@ -27,9 +27,9 @@ again at will; a commit-graph that agrees with every commit's object (what
 a session's ``git gc`` writes: ``commitgraph.py``) is kept. They can be large: ``read_stamps`` keeps each one's inode,
 size and ctime, which no session can set back, not its bytes; one the user
 had that a session removed is not put back (git reads the objects instead).
-The directories on the way are given their owner's rights first
-(``fs.lend_path``): a ``chmod 000 objects/info`` hid an alternates file from
-the look, and a ``chmod 555`` kept one from being written back.
+Call after ``shown.clear``, which gives the directories on the way their
+owner's rights back: a ``chmod 000 objects/info`` hid an alternates file
+from the look, and a ``chmod 555`` kept one from being written back.
 """
 
 from __future__ import annotations
@@ -92,11 +92,6 @@ def restore(common: str, baseline: dict[str, str | None],
     ``stamps`` (see the module)."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
-    for name in sorted(set(baseline) | set(stamps)):
-        parent = common
-        for part in name.split("/")[:-1]:
-            parent = os.path.join(parent, part)
-            fs.lend_path(parent)
     for name, stamp in sorted(stamps.items()):
         path = os.path.join(common, name)
         now_stamp = _stamp(path)
