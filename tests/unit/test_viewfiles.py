@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import history
+from dispatchd.daemon.gitguard import history, viewfiles
 from tests.unit.gitrepo import commits_repo, git
 
 pytestmark = pytest.mark.process
@@ -85,3 +85,11 @@ def test_a_symlinked_objects_info_is_moved_aside_and_nothing_written_through_it(
     done, failed = history.restore(kept)
     assert not failed and not info.is_symlink()
     assert sorted(os.listdir(outside)) == ["alternates"] and (outside / "alternates").read_text() == "precious\n"
+
+
+def test_a_file_over_the_bound_at_the_baseline_is_left_unchecked(tmp_path: Path) -> None:
+    """Its bytes would go into every open's record; the twin, a small one, is kept."""
+    repo = _repo(tmp_path)
+    (repo / ".git" / "shallow").write_bytes(b"0" * (viewfiles._MAX + 1))
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert kept.views is not None and "shallow" not in kept.views and "objects/info/alternates" in kept.views

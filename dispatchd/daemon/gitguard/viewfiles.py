@@ -12,7 +12,8 @@ back as they were at the end: ``shallow``, ``objects/info/alternates`` and
   deleted, left the repository without its objects.
 
 At the baseline ``read`` keeps each one's bytes (None: absent; a file over
-``_MAX`` is not checked). At the last end ``restore`` moves aside (renamed
+``_MAX`` is not checked: the bytes go into the baseline's record, written and
+fsynced at every open). At the last end ``restore`` moves aside (renamed
 beside: git reads only the exact name) each one that differs, and writes the
 baseline's bytes back through a temporary file renamed into place; one that
 was absent is only moved aside. Files are read with ``fs.open_regular`` (no
@@ -44,7 +45,7 @@ from dispatchd.daemon.gitguard import commitgraph, fs, reftemp
 NAMES = ("shallow", "objects/info/alternates", "objects/info/http-alternates")
 STAMPED = ("objects/info/commit-graph", "objects/info/commit-graphs", "objects/pack/multi-pack-index")
 _MAX_CHAIN = 1_000  # files of a split graph's directory stamped one by one
-_MAX = 16 * 1024 * 1024
+_MAX = 1024 * 1024  # kept in the baseline's record, written at every open: a shallow of 25,000 roots
 
 
 def read_stamps(common: str) -> dict[str, list[int] | None]:
