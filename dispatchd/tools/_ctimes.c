@@ -112,3 +112,110 @@ fail:
     Py_XDECREF(found);
     return NULL;
 }
+
+/* recent_files: the files of those subdirectories changed since a time.
+ *
+ * Why: a loose object rewritten in place (made writable with chmod first)
+ * changes its own ctime, not its directory's, so the end of a session
+ * looks at every loose object's (dispatchd/daemon/gitguard/replaced.py,
+ * find_rewritten): an fstatat each, on the close's path. In Python each
+ * built a stat_result of 19 fields (1.7 us a file, 2.1 ms for the listings
+ * of 256 directories).
+ *
+ * recent_files(fd, hex_digits, since_ns, limit) -> (list[str], bool): each
+ * "dir/name" (``dir`` of ``hex_digits`` lowercase hex digits, a directory
+ * opened below ``fd`` without following a symbolic link or blocking; every
+ * entry of it but "." and "..", whatever its kind, not followed) whose
+ * st_ctime_ns is ``since_ns`` or later; and whether every entry was looked
+ * at (False past ``limit`` entries in all: the caller reports the look as
+ * cut short). An entry gone between the listing and its stat is left out.
+ */
+PyObject *
+dl_recent_files(PyObject *self, PyObject *args)
+{
+    int fd;
+    Py_ssize_t digits;
+    long long since;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "inLn", &fd, &digits, &since, &limit))
+        return NULL;
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    DIR *top = fdopendir(own);
+    if (top == NULL) {
+        close(own);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    rewinddir(top);
+    PyObject *found = PyList_New(0);
+    Py_ssize_t seen = 0;
+    int complete = 1;
+    if (found == NULL)
+        goto fail;
+    for (;;) {
+        errno = 0;
+        struct dirent *entry = readdir(top);
+        if (entry == NULL) {
+            if (errno != 0) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto fail;
+            }
+            break;
+        }
+        const char *dname = entry->d_name;
+        if (!is_hex_name(dname, digits) || (entry->d_type != DT_DIR && entry->d_type != DT_UNKNOWN))
+            continue;
+        int sub = openat(dirfd(top), dname, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+        if (sub < 0)
+            continue; /* gone, or not a directory (a symlink): nothing git reads as one */
+        DIR *dir = fdopendir(sub);
+        if (dir == NULL) {
+            close(sub);
+            continue;
+        }
+        for (;;) {
+            errno = 0;
+            struct dirent *e = readdir(dir);
+            if (e == NULL)
+                break; /* the end, or an error reading it: what was listed is looked at */
+            const char *raw = e->d_name;
+            if (raw[0] == '.' && (raw[1] == '\0' || (raw[1] == '.' && raw[2] == '\0')))
+                continue;
+            if (++seen > limit) {
+                complete = 0;
+                break;
+            }
+            struct stat st;
+            if (fstatat(dirfd(dir), raw, &st, AT_SYMLINK_NOFOLLOW) != 0)
+                continue;
+            long long ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
+            if (ns < since)
+                continue;
+            PyObject *rel = PyUnicode_FromFormat("%s/", dname);
+            PyObject *name = PyUnicode_DecodeFSDefault(raw);
+            if (rel != NULL && name != NULL)
+                PyUnicode_Append(&rel, name);
+            Py_XDECREF(name);
+            if (rel == NULL || name == NULL || PyList_Append(found, rel) < 0) {
+                Py_XDECREF(rel);
+                closedir(dir);
+                goto fail;
+            }
+            Py_DECREF(rel);
+        }
+        closedir(dir);
+        if (!complete)
+            break;
+    }
+    rewinddir(top);
+    closedir(top);
+    PyObject *result = Py_BuildValue("(OO)", found, complete ? Py_True : Py_False);
+    Py_DECREF(found);
+    return result;
+fail:
+    rewinddir(top);
+    closedir(top);
+    Py_XDECREF(found);
+    return NULL;
+}

@@ -42,6 +42,8 @@ class Lines(Protocol):
 
     def subdir_ctimes(self, fd: int, hex_digits: int, also: tuple[str, ...], /) -> dict[str, int]: ...
 
+    def recent_files(self, fd: int, hex_digits: int, since_ns: int, limit: int, /) -> tuple[list[str], bool]: ...
+
 
 lines: Lines | None
 _why = ""

@@ -36,3 +36,49 @@ def test_a_session_s_own_commits_and_gc_are_not_reported_replaced(client: dispat
         assert r.is_success, (r.output, r.error)
     assert not [p for p in s.protected if "replaced" in p["why"]], s.protected
     assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
+
+
+REWRITE_IN_PLACE = ("for f in .git/objects/??/*; do chmod u+w \"$f\" && printf garbage > \"$f\" && chmod a-w \"$f\"; "
+                    "done; git log >/dev/null 2>&1 || echo broken")
+
+
+def test_loose_objects_rewritten_in_place_are_put_back(client: dispatch.Client, repo: Path) -> None:
+    """``chmod`` is not refused (a session's own files need it), and the
+    write keeps the inode and its directory's ctime: the kept bytes, a copy
+    of their own, are put back all the same."""
+    original = git(repo, "log", "--format=%H").stdout
+    with client.open_session(str(repo)) as s:
+        r = shell(s, REWRITE_IN_PLACE)
+        assert (r.output or "").startswith("broken"), (r.output, r.error)  # the attack landed
+    reports = [p["why"] for p in s.protected if p["path"].endswith("objects")]
+    assert any("object files a session replaced put back" in why for why in reports), s.protected
+    assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
+    assert git(repo, "log", "--format=%H").stdout == original
+
+
+def test_the_user_s_packs_cannot_be_changed_in_a_session(mode_daemon: tuple[str, object], client: dispatch.Client,
+                                                         repo: Path) -> None:
+    """Full mode: each pack file the repository had is read-only over itself
+    (chmod: EROFS, so a write stays refused; rm: EBUSY), while git's own work, a commit
+    and a gc writing new packs, succeeds (the twin). Degraded mode: no mount
+    namespace to hold them, and the session's report says so."""
+    git(repo, "gc", "-q")
+    pack = next(p for p in (repo / ".git" / "objects" / "pack").iterdir() if p.suffix == ".pack")
+    rel = pack.relative_to(repo)
+    before = pack.read_bytes()
+    with client.open_session(str(repo)) as s:
+        gaps = s.status()["protections"]["leaves_open"]
+        if mode_daemon[0] == "full":
+            r = shell(s, f"chmod u+w {rel}; printf x >> {rel}; rm -f {rel}; ls {rel}")
+            assert f"chmod: changing permissions of '{rel}': Read-only file system" in (r.output or ""), r.output
+            # The write: its mode, which the chmod could not change, refuses it.
+            assert f"{rel}: Permission denied" in (r.output or "") and \
+                f"rm: cannot remove '{rel}': Device or resource busy" in (r.output or ""), r.output
+            assert not [g for g in gaps if "packs can be made writable" in g], gaps
+        else:
+            assert any(g.startswith("the repository's packs can be made writable (chmod)") for g in gaps), gaps
+        r = shell(s, "git -c user.name=u -c user.email=u@example.invalid commit -q --allow-empty -m more && "
+                     "git gc -q && git count-objects -v | grep packs")
+        assert r.is_success, (r.output, r.error)
+    assert pack.read_bytes() == before
+    assert git(repo, "fsck", "--no-progress", check=False).returncode == 0

@@ -8,6 +8,7 @@ longer there is left out, and so is any other name a session made there."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -83,5 +84,34 @@ def test_the_callers_descriptor_is_left_as_it_was(objects: Path) -> None:
         first = native.lines.subdir_ctimes(fd, 2, ("pack",))
         assert native.lines.subdir_ctimes(fd, 2, ("pack",)) == first
         assert sorted(os.listdir(fd)) == sorted(os.listdir(objects))
+    finally:
+        os.close(fd)
+
+
+def test_the_c_look_for_recent_files_gives_what_the_python_one_gives(tmp_path: Path) -> None:
+    """``recent_files``: every entry of each fan-out directory whose ctime is
+    the time given or later, whatever its kind, none through a symlink; the
+    limit counts every entry looked at, and says the look was cut short."""
+    from dispatchd.daemon.gitguard import replaced
+    assert native.lines is not None
+    top = tmp_path / "objects"
+    for d in ("ab", "cd", "pack", "zz"):
+        (top / d).mkdir(parents=True)
+    (top / "ab" / "old").write_text("old")
+    (top / "ef").symlink_to(top / "ab")  # not followed
+    since = os.stat(top / "ab" / "old").st_ctime_ns + 1
+    time.sleep(0.02)
+    for rel in ("ab/new", "cd/new", "pack/new", "zz/new"):
+        (top / rel).write_text("new")
+    os.mkfifo(top / "cd" / "fifo")
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        by_c = native.lines.recent_files(fd, 2, since, 100)
+        by_python = replaced.recent_files(fd, since, 100)
+        assert (sorted(by_c[0]), by_c[1]) == (sorted(by_python[0]), by_python[1]) == (["ab/new", "cd/fifo", "cd/new"],
+                                                                                     True)
+        assert native.lines.recent_files(fd, 2, 0, 100)[0].count("ab/old") == 1
+        for look in (native.lines.recent_files(fd, 2, since, 2), replaced.recent_files(fd, since, 2)):
+            assert look[1] is False
     finally:
         os.close(fd)

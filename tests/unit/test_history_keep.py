@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import history
+from dispatchd.daemon.gitguard import clones, history
 
 
 def _files(folder: Path, n: int) -> list[Path]:
@@ -30,11 +30,11 @@ def _counting(monkeypatch: pytest.MonkeyPatch, answer: Callable[[], None]) -> li
     asked: list[int] = []
 
     def ioctl(fd: int, request: int, arg: int) -> int:
-        assert request == history._FICLONE
+        assert request == clones.FICLONE
         asked.append(fd)
         answer()
         return 0
-    monkeypatch.setattr(history.fcntl, "ioctl", ioctl)
+    monkeypatch.setattr(clones.fcntl, "ioctl", ioctl)
     return asked
 
 
@@ -44,13 +44,13 @@ def _refuse(code: int) -> Callable[[], None]:
     return answer
 
 
-def _keep_in_one_batch(tmp_path: Path, sources: list[Path]) -> tuple[Path, history.Ways]:
+def _keep_in_one_batch(tmp_path: Path, sources: list[Path]) -> tuple[Path, clones.Ways]:
     """Each of ``sources`` kept in ``tmp_path/keep`` by one batch (no copy budget)."""
     keep = tmp_path / "keep"
     keep.mkdir()
-    ways = history.Ways()
+    ways = clones.Ways()
     for src in sources:
-        history._clone(str(src), str(keep / src.name), [0], ways)
+        clones.clone(str(src), str(keep / src.name), [0], ways)
     return keep, ways
 
 
@@ -62,7 +62,7 @@ def test_a_file_system_without_reflinks_is_asked_once_a_batch(tmp_path: Path, mo
     for src in sources:  # every one kept, each a hard link (the same inode), nothing copied (budget 0)
         assert os.stat(keep / src.name).st_ino == os.stat(src).st_ino
     # A new batch asks again (a file system can be another by then).
-    history._clone(str(sources[0]), str(tmp_path / "again"), [0], history.Ways())
+    clones.clone(str(sources[0]), str(tmp_path / "again"), [0], clones.Ways())
     assert len(asked) == 2
 
 
@@ -90,11 +90,11 @@ def test_the_real_file_system_keeps_the_same_way_with_and_without_the_memory(tmp
     """No stand-in: whatever this file system does (a link on ext4, a
     reflink on btrfs), a batch with ``Ways`` keeps each file as one without."""
     sources = _files(tmp_path / "objects", 4)
-    for name, ways in (("plain", None), ("remembered", history.Ways())):
+    for name, ways in (("plain", None), ("remembered", clones.Ways())):
         keep = tmp_path / name
         keep.mkdir()
         for src in sources:
-            history._clone(str(src), str(keep / src.name), [1 << 20], ways)
+            clones.clone(str(src), str(keep / src.name), [1 << 20], ways)
     for src in sources:
         plain, remembered = os.stat(tmp_path / "plain" / src.name), os.stat(tmp_path / "remembered" / src.name)
         assert (plain.st_ino == os.stat(src).st_ino) == (remembered.st_ino == os.stat(src).st_ino)
@@ -114,9 +114,9 @@ def test_a_fifo_among_the_object_files_is_left_and_waited_on_never(tmp_path: Pat
     keep = tmp_path / "keep"
     keep.mkdir()
     (keep / "ab").mkdir()
-    ways = history.Ways()
+    ways = clones.Ways()
     for name in ("1" * 38, "2" * 38):
-        history._clone(str(objects / "ab" / name), str(keep / "ab" / name), [1 << 20], ways)
+        clones.clone(str(objects / "ab" / name), str(keep / "ab" / name), [1 << 20], ways)
     assert os.listdir(keep / "ab") == ["1" * 38]
 
 
@@ -131,12 +131,12 @@ def test_a_keep_on_another_file_system_is_a_copy_within_the_budget(tmp_path: Pat
     try:
         assert os.stat(shm).st_dev != os.stat(src).st_dev
         budget = [15_000]
-        history._clone(str(src), str(shm / "kept"), budget, history.Ways())
+        clones.clone(str(src), str(shm / "kept"), budget, clones.Ways())
         assert (shm / "kept").read_bytes() == src.read_bytes()
         assert os.stat(shm / "kept").st_ino != os.stat(src).st_ino and budget == [5_000]
         assert not os.stat(shm / "kept").st_mode & 0o222  # read-only
         with pytest.raises(OSError) as exc:
-            history._clone(str(src), str(shm / "over"), budget, history.Ways())
+            clones.clone(str(src), str(shm / "over"), budget, clones.Ways())
         assert exc.value.errno == errno.EFBIG and not (shm / "over").exists()
     finally:
         for f in shm.iterdir():
@@ -162,9 +162,9 @@ def test_a_file_swapped_for_a_fifo_before_its_link_is_not_kept(tmp_path: Path,
             os.unlink(src)
             os.mkfifo(src)
         real_link(src, dst, **kwargs)  # type: ignore[arg-type]
-    monkeypatch.setattr(history.os, "link", swapping)
+    monkeypatch.setattr(clones.os, "link", swapping)
     for name in ("swapped", "plain"):
         (objects / name).write_bytes(b"object")
-        history._clone(str(objects / name), str(keep / name), [0], history.Ways())
+        clones.clone(str(objects / name), str(keep / name), [0], clones.Ways())
     assert os.listdir(keep) == ["plain"]
     assert os.stat(keep / "plain").st_ino == os.stat(objects / "plain").st_ino

@@ -32,6 +32,7 @@ def _loose(objects: Path) -> list[str]:
 
 
 def _kept(tmp_path: Path, repo: Path) -> tuple[history.History, Path]:
+    time.sleep(0.06)  # the repository's files settled: only what comes next is looked at
     kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
     time.sleep(0.06)  # past the racy margin: what the session does next is later
     return kept, repo / ".git" / "objects"

@@ -3,10 +3,11 @@ every object file, put back when a session deletes or rewinds them.
 
 At a baseline (``record``) the daemon reads the repository's branches and
 tags (``packed-refs`` and loose refs, no git run) and keeps every object
-file (loose objects and packs) in its own state directory: a reflink clone
-where the file system has them (btrfs, XFS), else a hard link, else a copy
-(another file system) within a size budget. Kept files are added and
-dropped incrementally, so a later baseline costs a listing.
+file (loose objects and packs) in its own state directory (``clones.py``:
+a loose object as a reflink clone or a copy of its own, a pack as a reflink
+clone or a hard link, a copy on another file system, within a size budget).
+Kept files are added and dropped incrementally, so a later baseline costs a
+listing.
 
 When the sessions end (``restore``), with their processes gone:
 - an object file kept and now missing is put back (a session's ``rm -rf
@@ -22,16 +23,16 @@ When the sessions end (``restore``), with their processes gone:
 - the branches checked out in the worktrees the sessions worked in are
   theirs to move (``own``), remote-tracking refs are left alone.
 
-What it does not protect: an object file rewritten in place (a session must
-make it writable first; a hard-linked keep shares its inode: git's objects
-are content-addressed, so ``git fsck`` finds it); reflogs; other
-worktrees' HEADs (the user's own checkouts there look the same).
+An object file rewritten in place (made writable first with ``chmod``):
+a loose one is found by its ctime and put back from the keep's own bytes
+(``replaced.find_rewritten``); a pack cannot be, in full mode (bound
+read-only in the session), and shares its inode with the keep otherwise.
+What it does not protect: reflogs; other worktrees' HEADs (the user's own
+checkouts there look the same).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import logging
 import os
@@ -42,7 +43,7 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, keeps, objectstore, packed, reftemp, replacerefs, replaced, shown, viewfiles
+from dispatchd.daemon.gitguard import clones, fs, keeps, objectstore, packed, reftemp, replacerefs, replaced, shown, viewfiles
 from dispatchd.tools import native
 
 _log = logging.getLogger("dispatchd.history")
@@ -50,8 +51,6 @@ _log = logging.getLogger("dispatchd.history")
 _OID = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
 _MAX_REFS = 100_000
 _MAX_OBJECT_FILES = 2_000_000
-_COPY_BUDGET = 512 * 1024 * 1024  # bytes copied (not linked: another file system) at one baseline
-_FICLONE = 0x40049409
 PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/")
 
 
@@ -204,92 +203,6 @@ def _files_in(objects: str, dirs: set[str]) -> set[str]:
     return found
 
 
-# What FICLONE answers where the file system has no reflinks (ext4: EOPNOTSUPP),
-# or the two files are on different ones (EXDEV). Not EINVAL: on btrfs it is
-# one file's answer (no checksums: chattr +C), and a session could plant such
-# a file first in the batch to have the rest hard-linked (sharing inodes).
-_NO_REFLINK = frozenset({errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.ENOSYS})
-
-
-class Ways:
-    """The ways of copying a file one batch of ``_clone`` found refused, by
-    (source device, destination device): asked once each, not once a
-    file. On a file system without reflinks each attempt made the
-    destination, asked, then removed it: a repository's first baseline
-    (every object file) took 30-40x a plain hard link's time (ext4, 2,042
-    files: 1.0-1.3 s against 32 ms)."""
-
-    def __init__(self) -> None:
-        self.no_reflink: set[tuple[int, int]] = set()
-        self._devices: dict[str, int] = {}
-
-    def between(self, src_dev: int, dst: str) -> tuple[int, int]:
-        """(source device, device of ``dst``'s directory), the latter looked up once a directory."""
-        folder = os.path.dirname(dst)
-        dev = self._devices.get(folder)
-        if dev is None:
-            dev = self._devices[folder] = os.stat(folder).st_dev
-        return src_dev, dev
-
-
-def _clone(src: str, dst: str, budget: list[int], ways: Ways | None = None) -> None:
-    """``dst`` as a copy of ``src`` that costs as little as the file system
-    allows: a reflink, else a hard link, else a copy within ``budget``.
-    ``ways``: what this batch found refused (one per batch; none: ask).
-    ``src`` is opened without blocking and copied through that descriptor:
-    a FIFO a session planted among the object files (a blocking open waits
-    for a writer for good, holding its domain's lock) is not a regular
-    file, and is left."""
-    sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(sfd)
-        if not stat.S_ISREG(st.st_mode):
-            return
-        where = ways.between(st.st_dev, dst) if ways is not None else (st.st_dev, 0)
-        if ways is None or where not in ways.no_reflink:
-            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-            try:
-                try:
-                    fcntl.ioctl(dfd, _FICLONE, sfd)
-                    return
-                except OSError as exc:
-                    if ways is not None and exc.errno in _NO_REFLINK:
-                        ways.no_reflink.add(where)
-            finally:
-                os.close(dfd)
-            os.unlink(dst)
-        try:
-            os.link(src, dst, follow_symlinks=False)
-        except OSError as exc:
-            if exc.errno != errno.EXDEV:
-                raise
-        else:
-            # Linked by path: kept only if it is the inode opened and looked at
-            # (a session swapping a FIFO in meanwhile would have it in the keep).
-            linked = os.stat(dst, follow_symlinks=False)
-            if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):
-                os.unlink(dst)
-            return
-        if st.st_size > budget[0]:
-            raise OSError(errno.EFBIG, "over the copy budget")
-        budget[0] -= st.st_size
-        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-        try:
-            left = st.st_size
-            while left > 0:  # no further: a file that grows meanwhile is kept as it was when looked at
-                n = os.sendfile(dfd, sfd, None, min(left, 1 << 30))
-                if n == 0:
-                    break
-                left -= n
-        except BaseException:
-            os.close(dfd)
-            os.unlink(dst)
-            raise
-        os.close(dfd)
-    finally:
-        os.close(sfd)
-
-
 def keep_for(keep_dir: str, common: str) -> str:
     """The keep of a repository's object files, under the daemon's ``keep_dir``."""
     return os.path.join(keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
@@ -306,7 +219,7 @@ def keep_more(objects_fd: int, keep: str, common: str, budget: list[int]) -> set
     OSError EFBIG. Leaves the stamps alone: the next ``record`` lists again
     what changed since its own look, these additions included."""
     present: set[str] = set()
-    ways = Ways()
+    ways = clones.Ways()
     with keeps.hold(keep, common):
         for name in os.listdir(objects_fd):
             if not is_object_dir(name):
@@ -328,7 +241,8 @@ def keep_more(objects_fd: int, keep: str, common: str, budget: list[int]) -> set
                     os.makedirs(kept_dir, mode=0o700, exist_ok=True)
                 for n in missing:
                     try:
-                        _clone(f"/proc/self/fd/{fd}/{n}", os.path.join(kept_dir, n), budget, ways)
+                        clones.clone(f"/proc/self/fd/{fd}/{n}", os.path.join(kept_dir, n), budget, ways,
+                                     own=name != "pack")
                     except (FileNotFoundError, FileExistsError):
                         continue  # gone meanwhile (a repack), or kept meanwhile
             finally:
@@ -365,8 +279,10 @@ def record(common: str, keep: str, own: list[str]) -> History:
             dirs = _changed(last[0], last[1], stamps) if last[0] else set(stamps) | set(_stamps(keep))
             present = _files_in(objects, dirs)
             kept = _files_in(keep, dirs)
-            budget = [_COPY_BUDGET]
-            ways = Ways()
+            budget = [clones.COPY_BUDGET]
+            # A keep an older daemon made hard-linked the loose objects: copies of their own, once.
+            clones.own_loose(keep, _FANOUT, budget)
+            ways = clones.Ways()
             made: set[str] = set()  # each fan-out directory made once, not once a file
             for rel in sorted(present - kept):
                 folder = os.path.dirname(rel)
@@ -374,7 +290,8 @@ def record(common: str, keep: str, own: list[str]) -> History:
                     os.makedirs(os.path.join(keep, folder), mode=0o700, exist_ok=True)
                     made.add(folder)
                 try:
-                    _clone(os.path.join(objects, rel), os.path.join(keep, rel), budget, ways)
+                    clones.clone(os.path.join(objects, rel), os.path.join(keep, rel), budget, ways,
+                                 own=clones.is_loose(rel))
                 except FileNotFoundError:
                     continue  # git removed it meanwhile (a repack)
             for rel in kept - present:  # the user's own gc: theirs to drop
@@ -428,7 +345,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
             dirs = set(_stamps(history.keep))
         missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
         by_git = packed.packed_meanwhile(objects, missing, history.keep)
-        ways = Ways()
+        ways = clones.Ways()
         put: list[str] = []
         made: set[str] = set()
         for rel in missing:
@@ -441,7 +358,8 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
                         fs.move_aside(folder)
                     os.makedirs(folder, exist_ok=True)
                     made.add(folder)
-                _clone(os.path.join(history.keep, rel), os.path.join(objects, rel), [_COPY_BUDGET], ways)
+                clones.clone(os.path.join(history.keep, rel), os.path.join(objects, rel), [clones.COPY_BUDGET], ways,
+                             own=clones.is_loose(rel))
                 put.append(rel)
             except OSError as exc:
                 failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}")
@@ -449,12 +367,18 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         if deleted:
             done.append((objects, f"{len(deleted)} object files deleted by a session put back"))
         # Another file at a kept name (``mv -f garbage .git/objects/ab/...``): the kept one put back.
+        # And a kept loose object rewritten in place (chmod first): its own ctime tells.
         try:
             swapped = replaced.find(objects, history.keep, touched, history.stamped_ns) if history.stamped_ns else []
+            if history.stamped_ns:
+                rewritten, cut = replaced.find_rewritten(objects, history.keep, history.stamped_ns, touched)
+                swapped += rewritten
+                failed += [f"{objects}: {cut}"] if cut else []
         except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
             swapped, failed = [], failed + [f"{objects}: the look for replaced files failed: {exc!r}"]
         aside, bad = replaced.put_back(objects, history.keep, swapped,
-                                       lambda src, dst: _clone(src, dst, [_COPY_BUDGET], ways))
+                                       lambda src, dst: clones.clone(src, dst, [clones.COPY_BUDGET], ways,
+                                                                     own=clones.is_loose(os.path.relpath(dst, objects))))
         failed += bad
         if aside:
             done.append((objects, f"{len(aside)} object files a session replaced put back (its files moved aside: "

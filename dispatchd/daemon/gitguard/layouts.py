@@ -29,6 +29,16 @@ rules (``dispatchd.confine.plan``):
   worktree and around neither it, ``COMMON`` is a repository and belongs to the
   user: a pointer forged inside the worktree grants nothing.
 
+The repository's packs (``objects/pack/pack-*`` of the common directory:
+the pack, its index, and what git derives from them, ``.rev``, ``.bitmap``,
+``.mtimes``) are bound read-only over themselves too (``held_packs``, at
+most ``MAX_HELD_PACK_FILES``): git never writes a pack again, it writes
+new ones, and a session that made one writable with ``chmod`` could rewrite
+it in place (the history's keep hard-links packs, so the kept bytes would
+be gone too: ``clones.py``). A session's ``git gc`` still works: it writes
+its new pack and fails, quietly, to delete the old ones (EBUSY), which the
+end would put back anyway.
+
 Not a pure inspection: a git directory without ``hooks`` gets an empty one
 (``mkdir``, the one thing the daemon creates in a worktree), so that it can
 be held read-only; a ``hooks`` that is a symlink into the worktree has its
@@ -64,6 +74,36 @@ _MAX_GITDIRS = 1000  # submodule git directories walked at the most (the daemon'
 _MAX_VISITS = 10000  # directories looked into for them
 
 
+MAX_HELD_PACK_FILES = 256  # pack files bound read-only (git repacks past 50 packs: gc.autoPackLimit)
+_PACK_SUFFIXES = (".pack", ".idx", ".rev", ".bitmap", ".mtimes")
+
+
+def held_packs(common: str) -> tuple[list[str], int]:
+    """The pack files of ``common``'s objects bound read-only in a session
+    (see the module), and how many more there are past
+    ``MAX_HELD_PACK_FILES`` (left writable: the layout's note says so).
+    Regular files only, looked at without following a symlink; a pack
+    directory that is a symlink holds nothing of the repository's."""
+    pack = os.path.join(common, "objects", "pack")
+    if not is_dir(pack):
+        return [], 0
+    held: list[str] = []
+    over = 0
+    for entry in sorted(scanned(pack), key=lambda e: e.name):
+        if entry.name.startswith("pack-") and entry.name.endswith(_PACK_SUFFIXES) and \
+                entry.is_file(follow_symlinks=False):
+            if len(held) < MAX_HELD_PACK_FILES:
+                held.append(entry.path)
+            else:
+                over += 1
+    return held, over
+
+
+def _over_note(over: int) -> str:
+    return (f"{over} pack files past the first {MAX_HELD_PACK_FILES} are not held read-only (git gc packs them "
+            "into one)") if over else ""
+
+
 def _existing(paths: list[str]) -> list[str]:
     return [p for p in paths if os.path.lexists(p) and not os.path.islink(p)]
 
@@ -94,8 +134,9 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
                     protect.append(entry.path)
         held = ([os.path.join(d, "modules") for d in dirs] + [worktrees] + _module_steps(worktree, dirs[1:])
                 + dirs[1:])
-        return GitLayout("repository", index=index, read_only=_existing(protect), gitdirs=dirs,
-                         mount_points=sorted(p for p in set(held) if is_dir(p)))
+        packs, over = held_packs(dotgit)
+        return GitLayout("repository", index=index, read_only=_existing(protect) + packs, gitdirs=dirs,
+                         mount_points=sorted(p for p in set(held) if is_dir(p)), note=_over_note(over))
     if not stat.S_ISREG(st.st_mode):
         return GitLayout("refused", note=".git is neither a directory nor a file")
     text = read_small(dotgit) or ""
@@ -128,8 +169,9 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         return GitLayout("refused", read_only=[dotgit], note=f"{common} cannot be inspected")
     writable = [gitdir] + [os.path.join(common, d) for d in ("objects", "refs", "logs") if os.path.isdir(os.path.join(common, d))]
     read_only = _existing([dotgit] + [os.path.join(gitdir, n) for n in ("commondir", "gitdir", "config.worktree")])
-    return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only, readable=[common],
-                     writable=writable, gitdirs=[gitdir])
+    packs, over = held_packs(common)
+    return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only + packs, readable=[common],
+                     writable=writable, gitdirs=[gitdir], note=_over_note(over))
 
 
 def _protect(worktree: str, gitdir: str) -> list[str]:

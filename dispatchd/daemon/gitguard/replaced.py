@@ -26,10 +26,16 @@ or a copy its bytes), so at the domain's last end (``put_back``):
 - a replaced file is moved aside (renamed beside, never deleted) and the
   kept one put back at its name.
 
-What it cannot undo: a kept file rewritten *in place* (a session must first
-make it writable with ``chmod``): where the keep is a hard link it shares the
-inode, and the bytes are gone in both (docs/git-protection.md, "What is left
-open").
+A kept loose object rewritten *in place* (a session makes it writable
+with ``chmod`` first, which neither Landlock nor a path-blind seccomp filter
+can refuse for these files alone) keeps its inode and its directory's
+ctime, so ``find_rewritten`` looks at every loose object's own ctime (in C
+where the helper is built: ``recent_files``, an ``fstatat`` each) and
+hands those changed since the baseline to the same test. The keep holds a
+loose object's bytes in a file of its own (``clones.py``), which is put
+back. A pack cannot be rewritten in place in full mode (bound read-only
+over itself in the session); without a mount namespace its hard-linked
+keep shares its inode (docs/git-protection.md, "What is left open").
 """
 
 from __future__ import annotations
@@ -42,11 +48,13 @@ from collections.abc import Callable
 
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import fs
+from dispatchd.tools import native
 
 _COMPARE_BUDGET = 256 * 1024 * 1024  # bytes read to compare a restore's changed files
 _LOOSE_MAX = 64 * 1024 * 1024  # a loose object read (inflated) to check it against its name
 _RACY_NS = 50_000_000  # as history's: a file changed this close before the baseline's look is looked at
 _CHUNK = 1 << 20
+_MAX_LOOSE = 2_000_000  # entries of the fan-out directories looked at for in-place rewrites
 
 
 def find(objects: str, keep: str, dirs: set[str], since_ns: int) -> list[str]:
@@ -77,6 +85,71 @@ def find(objects: str, keep: str, dirs: set[str], since_ns: int) -> list[str]:
         finally:
             os.close(kfd)
     return found
+
+
+def find_rewritten(objects: str, keep: str, since_ns: int, looked: set[str]) -> tuple[list[str], str]:
+    """The kept loose objects outside the directories ``looked`` at by
+    ``find`` that a session changed in place (see the module), and what cut
+    the look short ("": nothing)."""
+    # Every file whose ctime could be a session's: the widest margin ``_replaced`` allows.
+    since = since_ns - max(treewalk.COARSE_SETTLE_NS, _RACY_NS)
+    try:
+        fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return [], ""
+    try:
+        recent, complete = (native.lines.recent_files(fd, 2, since, _MAX_LOOSE) if native.lines is not None
+                            else recent_files(fd, since, _MAX_LOOSE))
+    finally:
+        os.close(fd)
+    by_dir: dict[str, list[str]] = {}
+    for rel in recent:
+        d, _, name = rel.partition("/")
+        if d not in looked and not name.startswith("tmp"):
+            by_dir.setdefault(d, []).append(name)
+    found: list[str] = []
+    budget = [_COMPARE_BUDGET]
+    for d, names in sorted(by_dir.items()):
+        kfd = _open_dir(keep, d)
+        if kfd is None:
+            continue  # nothing kept there: the session's own objects
+        try:
+            ofd = _open_dir(objects, d)
+            if ofd is None:
+                continue
+            try:
+                found += [f"{d}/{name}" for name in sorted(names) if _replaced(kfd, ofd, name, d, since_ns, budget)]
+            finally:
+                os.close(ofd)
+        finally:
+            os.close(kfd)
+    return found, "" if complete else f"more than {_MAX_LOOSE} files in the object directories; not all looked at"
+
+
+def recent_files(fd: int, since_ns: int, limit: int) -> tuple[list[str], bool]:
+    """The C helper's ``recent_files`` in Python, its twin (tests/unit/test_ctimes.py)."""
+    found: list[str] = []
+    seen = 0
+    for d in os.listdir(fd):
+        if len(d) != 2 or d.strip("0123456789abcdef"):
+            continue
+        try:
+            sub = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            continue
+        try:
+            for name in os.listdir(sub):
+                seen += 1
+                if seen > limit:
+                    return found, False
+                try:
+                    if os.stat(name, dir_fd=sub, follow_symlinks=False).st_ctime_ns >= since_ns:
+                        found.append(f"{d}/{name}")
+                except OSError:
+                    continue
+        finally:
+            os.close(sub)
+    return found, True
 
 
 def put_back(objects: str, keep: str, found: list[str],

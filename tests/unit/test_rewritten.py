@@ -1,0 +1,158 @@
+"""A kept loose object a session rewrote *in place* (``chmod u+w``, then a
+write: the inode and its directory's ctime stay) is found by its own ctime
+and put back from the keep, whose loose objects are files of their own
+(``gitguard/clones.py``, ``replaced.find_rewritten``). Each twin shows what
+is left: the untouched objects, a mode changed and set back, the session's
+own new objects. And the packs a session could rewrite so are bound
+read-only in its mount namespace (``layouts.held_packs``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon.gitguard import clones, history, layouts, replaced
+from tests.unit.gitrepo import commits_repo, git
+
+pytestmark = pytest.mark.process
+
+
+def _fsck(repo: Path) -> int:
+    return subprocess.run(["git", "fsck", "--no-progress"], cwd=repo, capture_output=True, timeout=60).returncode
+
+
+def _loose(objects: Path) -> list[str]:
+    return sorted(f"{d.name}/{f.name}" for d in objects.iterdir() if len(d.name) == 2 for f in d.iterdir())
+
+
+def _kept(tmp_path: Path, repo: Path) -> tuple[history.History, Path]:
+    time.sleep(0.06)  # the repository's files settled: only what comes next is looked at
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    time.sleep(0.06)  # past the racy margin: what the session does next is later
+    return kept, repo / ".git" / "objects"
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> None:
+    """What a session can do to a file it owns: make it writable, write into it."""
+    ino = path.stat().st_ino
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate()
+    os.chmod(path, 0o444)
+    assert path.stat().st_ino == ino
+
+
+def test_the_keep_holds_loose_objects_as_files_of_their_own(tmp_path: Path) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    for rel in _loose(objects):
+        mine, theirs = (Path(kept.keep) / rel).stat(), (objects / rel).stat()
+        assert mine.st_ino != theirs.st_ino and mine.st_nlink == 1 and theirs.st_nlink == 1
+        assert (Path(kept.keep) / rel).read_bytes() == (objects / rel).read_bytes()
+    assert (Path(kept.keep) / clones.OWN_MARK).exists()
+
+
+def test_a_loose_object_rewritten_in_place_is_found_and_put_back(tmp_path: Path) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    victim, other = _loose(objects)[:2]
+    original = (objects / victim).read_bytes()
+    _rewrite_in_place(objects / victim, b"garbage")
+    assert _fsck(repo) != 0  # the attack works on the user's git
+    # Its directory's ctime did not change: the look at replaced files alone misses it.
+    assert replaced.find(str(objects), kept.keep, history._changed(kept.stamps, kept.stamped_ns,
+                                                                   history._stamps(str(objects))),
+                         kept.stamped_ns) == []
+    assert replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set()) == ([victim], "")
+    done, failed = history.restore(kept)
+    assert not failed and any("1 object files a session replaced put back" in why for _, why in done), done
+    assert (objects / victim).read_bytes() == original and _fsck(repo) == 0
+    aside = [p for p in (objects / victim).parent.iterdir() if p.name.startswith(Path(victim).name + ".")]
+    assert len(aside) == 1 and aside[0].read_bytes() == b"garbage"
+    # Put back as a copy: the repository's file and the keep do not share an inode again.
+    assert (objects / victim).stat().st_ino != (Path(kept.keep) / victim).stat().st_ino
+    assert (objects / other).read_bytes() == (Path(kept.keep) / other).read_bytes()
+
+
+def test_a_mode_changed_and_the_session_s_own_objects_are_left(tmp_path: Path) -> None:
+    """The twin: a ctime that changed over the same bytes (a chmod and back),
+    and the objects a session's commit wrote (not kept), are not taken."""
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    first = _loose(objects)[0]
+    os.chmod(objects / first, 0o644)
+    os.chmod(objects / first, 0o444)
+    (repo / "new").write_text("new\n")
+    git(repo, "add", "new")
+    git(repo, "commit", "-qm", "new")
+    assert replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set()) == ([], "")
+    done, failed = history.restore(kept)
+    assert not failed and not [why for _, why in done if "replaced" in why], done
+
+
+def test_the_look_is_bounded_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    monkeypatch.setattr(replaced, "_MAX_LOOSE", 1)
+    found, cut = replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set())
+    assert found == [] and cut == "more than 1 files in the object directories; not all looked at"
+
+
+def test_an_older_keep_s_hard_links_become_copies_once(tmp_path: Path) -> None:
+    """A keep an older daemon made hard-linked the loose objects: the next
+    record makes them copies of their own and marks the keep; the twin, a
+    keep already marked, is not walked again (a link planted there stays)."""
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    keep = Path(kept.keep)
+    rel = _loose(objects)[0]
+    (keep / rel).unlink()
+    os.link(objects / rel, keep / rel)
+    (keep / clones.OWN_MARK).unlink()
+    history.record(str(repo / ".git"), str(keep), own=[])
+    assert (keep / rel).stat().st_ino != (objects / rel).stat().st_ino and (keep / clones.OWN_MARK).exists()
+    assert not [n for d in keep.iterdir() if d.is_dir() for n in os.listdir(d) if n.startswith("tmp")]
+    (keep / rel).unlink()
+    os.link(objects / rel, keep / rel)
+    history.record(str(repo / ".git"), str(keep), own=[])
+    assert (keep / rel).stat().st_ino == (objects / rel).stat().st_ino
+
+
+def test_past_the_copy_budget_a_loose_object_is_linked(tmp_path: Path) -> None:
+    src = tmp_path / "object"
+    src.write_bytes(b"x" * 100)
+    budget = [50]
+    clones.clone(str(src), str(tmp_path / "linked"), budget, own=True)
+    assert (tmp_path / "linked").stat().st_ino == src.stat().st_ino and budget == [50]
+    budget = [150]
+    clones.clone(str(src), str(tmp_path / "copied"), budget, own=True)
+    assert (tmp_path / "copied").stat().st_ino != src.stat().st_ino and budget == [50]
+
+
+def test_the_packs_are_held_read_only_and_only_they(tmp_path: Path) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "gc", "-q")
+    pack = repo / ".git" / "objects" / "pack"
+    (pack / "pack-planted.idx").symlink_to(repo / "f")  # a symlink: not the repository's
+    (pack / "notapack.pack").write_text("x")
+    (pack / "pack-x.keep").write_text("")
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    held = sorted(os.path.basename(p) for p in layout.read_only if p.startswith(str(pack)))
+    assert held and all(n.startswith("pack-") and n.endswith((".pack", ".idx", ".rev", ".bitmap")) for n in held)
+    assert "pack-planted.idx" not in held and "pack-x.keep" not in held and layout.note == ""
+    assert set(held) >= {p.name for p in pack.iterdir()
+                         if p.suffix in (".pack", ".idx") and p.name.startswith("pack-") and not p.is_symlink()}
+
+
+def test_past_the_bound_the_packs_left_writable_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "gc", "-q")
+    monkeypatch.setattr(layouts, "MAX_HELD_PACK_FILES", 1)
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    assert len([p for p in layout.read_only if "/objects/pack/" in p]) == 1
+    assert layout.note.startswith("1 pack files past the first 1 are not held read-only"), layout.note
