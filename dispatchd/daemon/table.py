@@ -188,6 +188,7 @@ class SessionTable:
             return protocol.ErrorReply(id=rid, code="session_ended", message=(
                 f"the worktree {session.worktree}: session {session.id} has ended"))
         session.writes = True
+        self.baselines.writing(session.id)
         log.info("event=write_lock session=%s worktree=%s", session.id, session.worktree)
         return protocol.WriteLockGranted(id=rid, swept=swept)
 

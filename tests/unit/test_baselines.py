@@ -566,3 +566,33 @@ def test_a_record_that_cannot_be_made_durable_says_why_until_rewritten_whole(
     store.leave("a")
     store.leave("b")
     assert os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_the_in_place_look_runs_when_a_session_could_write_or_it_is_not_known(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look at every loose object's ctime (an fstatat each, on the
+    close's path) is skipped only for a domain none of whose sessions was
+    granted the write lock: no process of theirs ran. Granted to one of two
+    sessions, or a dead daemon's record (not known): it runs."""
+    asked: list[bool] = []
+    real = history.restore
+    monkeypatch.setattr(history, "restore", lambda kept, in_place=True: (asked.append(in_place), real(kept))[1])
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "reader", repo)
+    assert store.leave("reader") == [] and asked == [False]
+    _join(store, "a", repo)
+    _join(store, "b", repo)
+    store.writing("b")
+    store.leave("a")
+    store.leave("b")
+    assert asked == [False, True]
+    _join(store, "dead", repo)
+    store.writing("unknown")  # no such session: nothing marked, nothing raised
+    record = next(p for p in (tmp_path / "state" / "baselines").iterdir() if p.suffix == ".json")
+    again = baselines.Baselines(str(tmp_path / "state"))
+    os.close(store._by_session["dead"].lock_fd)  # the first daemon is gone: its lock with it
+    store._by_session["dead"].lock_fd = -1
+    assert record.exists()
+    again.recover()
+    assert asked == [False, True, True]

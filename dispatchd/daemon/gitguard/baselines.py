@@ -36,13 +36,10 @@ state is the user's) and kept, unchanged, until the last one ends:
   bounds) leaves the record on disk and the worktree refused until the
   daemon restarts and a check passes;
 - the joins and checks of one domain take turns on the domain's own lock (a
-  join claims its worktree before it walks, so a join of an overlapping or
-  linked worktree meanwhile waits for it and joins the same baseline); those
-  of unrelated domains run side by side: an open never waits for the walk
-  of a worktree it does not overlap or share a repository with.
+  join claims its worktree before it walks: an overlapping or linked one
+  waits, and joins the same baseline); unrelated domains run side by side.
 
-The baseline is the daemon's, not the mount's: degraded mode (no mount
-namespace) keeps all of it.
+The baseline is the daemon's: degraded mode (no mount namespace) keeps it.
 """
 
 from __future__ import annotations
@@ -72,7 +69,6 @@ _REPORTS_KEPT = 200
 
 class Record(msgspec.Struct):
     """What is on disk for one domain."""
-
     id: str
     created: float
     sessions: list[str] = []
@@ -85,8 +81,9 @@ class _Domain:
     record or its worktrees: a join (its walk), a check; ``claims`` and
     ``alive`` are the store's, read and changed under the store's lock."""
 
-    def __init__(self, record: Record, lock_fd: int) -> None:
+    def __init__(self, record: Record, lock_fd: int, *, wrote: bool = True) -> None:
         self.record = record
+        self.wrote = wrote  # a session was granted the write lock, or not known: restore(in_place=)
         self.lock_fd = lock_fd
         self.reports: list[Protected] = []
         self.lock = threading.Lock()
@@ -112,12 +109,11 @@ class Baselines:
         self._joined_at: dict[str, int] = {}  # a session's first report of its domain's list
         self.tainted: dict[str, str] = {}  # worktree -> why (refused until a restart's check passes)
         self.recovered: list[Protected] = []  # what the start's checks did
-        # How a record's removal is made durable: at once, or by the daemon after
-        # the close's reply (daemon/afterwards.py; docs/performance.md).
+        # How a record's removal is made durable, and when the last end's removal
+        # is done: at once, or by the daemon after the close's reply
+        # (daemon/afterwards.py): its unlink waits behind the disk's journal,
+        # 0.3-40 ms on a loaded machine (docs/performance.md).
         self.sync_dir: Callable[[str], None] = fsync_directory
-        # When the last end's removal of a record is done: at once, or by the
-        # daemon after the close's reply (daemon/afterwards.py): its unlink
-        # waits behind the disk's journal, 0.3-40 ms on a loaded machine.
         self.later: Callable[[Callable[[], None]], None] = lambda job: job()  # at once
         self.settle_delay_s = 0.0  # testing only: see Durable
 
@@ -166,6 +162,12 @@ class Baselines:
             domain = self._by_session.get(sid)
         return self._settle(domain) if domain is not None else None
 
+    def writing(self, sid: str) -> None:
+        """``sid`` was granted its worktree's write lock (see ``_Domain.wrote``)."""
+        with self._lock:
+            if sid in self._by_session:
+                self._by_session[sid].wrote = True
+
     def _take_lock(self, did: str, blocking: bool = False) -> int | None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         path = os.path.join(self.dir, f"{did}.lock")
@@ -203,11 +205,10 @@ class Baselines:
 
     def _drop_later(self, domain: _Domain) -> None:
         """The last end's drop, by ``later``: the domain is gone from memory
-        already (a new open takes a new baseline, under a new id); its record
-        stays on disk, its lock held, until then. A daemon that dies
-        meanwhile leaves the record, and the next start checks the worktree
-        against it: what changed since (in those milliseconds) is moved
-        aside, never deleted, and history only put back."""
+        already (a new open takes a new baseline); its record stays on disk,
+        its lock held, until then. A daemon that dies meanwhile leaves the
+        record, and the next start checks against it (moved aside, never
+        deleted; history only put back)."""
         self.later(lambda: self._drop(domain, sync=fsync_directory))
 
     # --- start -------------------------------------------------------------
@@ -314,7 +315,8 @@ class Baselines:
                 related = self._related(root, common)
                 if not related:
                     did = secrets.token_hex(8)
-                    domain = _Domain(Record(id=did, created=time.time()), self._take_lock(did, blocking=True) or -1)
+                    domain = _Domain(Record(id=did, created=time.time()), self._take_lock(did, blocking=True) or -1,
+                                     wrote=False)
                     domain.lock.acquire()  # new: nobody else holds it
                     domain.claims.append((root, common))
                     self._domains[did] = domain
@@ -369,6 +371,7 @@ class Baselines:
             if not any(h.common == kept.common for h in into.record.histories):
                 into.record.histories.append(kept)
         into.reports += other.reports
+        into.wrote |= other.wrote
         for sid in other.record.sessions:
             self._by_session[sid] = into
         self._settle(other)  # its record stays until ``into``'s, durable, holds its parts
@@ -484,7 +487,7 @@ class Baselines:
         if final:
             for kept in domain.record.histories:
                 try:
-                    done, bad = history.restore(kept)
+                    done, bad = history.restore(kept, in_place=domain.wrote)
                 except Exception as exc:
                     done, bad = [], [f"{kept.common}: restoring history failed: {type(exc).__name__}: {exc}"]
                 failed += bad

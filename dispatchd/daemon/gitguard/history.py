@@ -316,9 +316,11 @@ def record(common: str, keep: str, own: list[str]) -> History:
                    view_stamps=viewfiles.read_stamps(common))
 
 
-def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
+def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
     """Put back what the module says; returns ``(path or ref, why)`` for each
-    thing put back, and what could not be (with why)."""
+    thing put back, and what could not be (with why). ``in_place``: look for
+    loose objects rewritten in place (an ``fstatat`` each): False only when
+    no session ran a process (none was granted the write lock)."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     common = history.common
@@ -370,7 +372,7 @@ def restore(history: History) -> tuple[list[tuple[str, str]], list[str]]:
         # And a kept loose object rewritten in place (chmod first): its own ctime tells.
         try:
             swapped = replaced.find(objects, history.keep, touched, history.stamped_ns) if history.stamped_ns else []
-            if history.stamped_ns:
+            if history.stamped_ns and in_place:
                 rewritten, cut = replaced.find_rewritten(objects, history.keep, history.stamped_ns, touched)
                 swapped += rewritten
                 failed += [f"{objects}: {cut}"] if cut else []
