@@ -122,11 +122,13 @@ fail:
  * built a stat_result of 19 fields (1.7 us a file, 2.1 ms for the listings
  * of 256 directories).
  *
- * recent_files(fd, hex_digits, since_ns, limit) -> (list[str], bool): each
- * "dir/name" (``dir`` of ``hex_digits`` lowercase hex digits, a directory
- * opened below ``fd`` without following a symbolic link or blocking; every
- * entry of it but "." and "..", whatever its kind, not followed) whose
- * st_ctime_ns is ``since_ns`` or later; and whether every entry was looked
+ * recent_files(fd, hex_digits, since_ns, coarse_since_ns, limit) ->
+ * (list[str], bool): each "dir/name" (``dir`` of ``hex_digits`` lowercase
+ * hex digits, a directory opened below ``fd`` without following a symbolic
+ * link or blocking; every entry of it but "." and "..", whatever its kind,
+ * not followed) whose st_ctime_ns is ``since_ns`` or later, or
+ * ``coarse_since_ns`` or later for a ctime in whole seconds (a file system
+ * that keeps no finer: treewalk.settled's rule); and whether every entry was looked
  * at (False past ``limit`` entries in all: the caller reports the look as
  * cut short). An entry gone between the listing and its stat is left out.
  */
@@ -135,9 +137,9 @@ dl_recent_files(PyObject *self, PyObject *args)
 {
     int fd;
     Py_ssize_t digits;
-    long long since;
+    long long since, coarse_since;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "inLn", &fd, &digits, &since, &limit))
+    if (!PyArg_ParseTuple(args, "inLLn", &fd, &digits, &since, &coarse_since, &limit))
         return NULL;
     int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0)
@@ -190,7 +192,7 @@ dl_recent_files(PyObject *self, PyObject *args)
             if (fstatat(dirfd(dir), raw, &st, AT_SYMLINK_NOFOLLOW) != 0)
                 continue;
             long long ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
-            if (ns < since)
+            if (ns < (ns % 1000000000LL == 0 ? coarse_since : since))
                 continue;
             PyObject *rel = PyUnicode_FromFormat("%s/", dname);
             PyObject *name = PyUnicode_DecodeFSDefault(raw);

@@ -106,12 +106,12 @@ def test_the_c_look_for_recent_files_gives_what_the_python_one_gives(tmp_path: P
     os.mkfifo(top / "cd" / "fifo")
     fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        by_c = native.lines.recent_files(fd, 2, since, 100)
-        by_python = replaced.recent_files(fd, since, 100)
+        by_c = native.lines.recent_files(fd, 2, since, since, 100)
+        by_python = replaced.recent_files(fd, since, since, 100)
         assert (sorted(by_c[0]), by_c[1]) == (sorted(by_python[0]), by_python[1]) == (["ab/new", "cd/fifo", "cd/new"],
                                                                                      True)
-        assert native.lines.recent_files(fd, 2, 0, 100)[0].count("ab/old") == 1
-        for look in (native.lines.recent_files(fd, 2, since, 2), replaced.recent_files(fd, since, 2)):
+        assert native.lines.recent_files(fd, 2, 0, 0, 100)[0].count("ab/old") == 1
+        for look in (native.lines.recent_files(fd, 2, since, since, 2), replaced.recent_files(fd, since, since, 2)):
             assert look[1] is False
     finally:
         os.close(fd)

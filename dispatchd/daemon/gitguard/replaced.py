@@ -91,15 +91,15 @@ def find_rewritten(objects: str, keep: str, since_ns: int, looked: set[str]) -> 
     """The kept loose objects outside the directories ``looked`` at by
     ``find`` that a session changed in place (see the module), and what cut
     the look short ("": nothing)."""
-    # Every file whose ctime could be a session's: the widest margin ``_replaced`` allows.
-    since = since_ns - max(treewalk.COARSE_SETTLE_NS, _RACY_NS)
+    # Every file whose ctime is not settled (``_replaced``'s rule: treewalk.settled).
+    since, coarse = since_ns - _RACY_NS, since_ns - treewalk.COARSE_SETTLE_NS
     try:
         fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return [], ""
     try:
-        recent, complete = (native.lines.recent_files(fd, 2, since, _MAX_LOOSE) if native.lines is not None
-                            else recent_files(fd, since, _MAX_LOOSE))
+        recent, complete = (native.lines.recent_files(fd, 2, since, coarse, _MAX_LOOSE) if native.lines is not None
+                            else recent_files(fd, since, coarse, _MAX_LOOSE))
     finally:
         os.close(fd)
     by_dir: dict[str, list[str]] = {}
@@ -126,7 +126,7 @@ def find_rewritten(objects: str, keep: str, since_ns: int, looked: set[str]) -> 
     return found, "" if complete else f"more than {_MAX_LOOSE} files in the object directories; not all looked at"
 
 
-def recent_files(fd: int, since_ns: int, limit: int) -> tuple[list[str], bool]:
+def recent_files(fd: int, since_ns: int, coarse_since_ns: int, limit: int) -> tuple[list[str], bool]:
     """The C helper's ``recent_files`` in Python, its twin (tests/unit/test_ctimes.py)."""
     found: list[str] = []
     seen = 0
@@ -143,7 +143,8 @@ def recent_files(fd: int, since_ns: int, limit: int) -> tuple[list[str], bool]:
                 if seen > limit:
                     return found, False
                 try:
-                    if os.stat(name, dir_fd=sub, follow_symlinks=False).st_ctime_ns >= since_ns:
+                    ns = os.stat(name, dir_fd=sub, follow_symlinks=False).st_ctime_ns
+                    if ns >= (coarse_since_ns if ns % 1_000_000_000 == 0 else since_ns):
                         found.append(f"{d}/{name}")
                 except OSError:
                     continue
