@@ -23,6 +23,10 @@ class _Baselines:
     def durable(sid: str) -> None:
         return None
 
+    @staticmethod
+    def writing(sid: str) -> None:
+        return None
+
 
 def _grant(state: State, in_table: bool) -> tuple[object, WriteLocks]:
     session = SimpleNamespace(id="s1", worktree="/home/u/wt", state=state, writes=False, created=0.0)
