@@ -9,31 +9,15 @@ read-only in its mount namespace (``layouts.held_packs``)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from dispatchd.daemon.gitguard import clones, history, layouts, replaced
 from tests.unit.gitrepo import commits_repo, git
+from tests.unit.test_replaced import _fsck, _kept, _loose
 
 pytestmark = pytest.mark.process
-
-
-def _fsck(repo: Path) -> int:
-    return subprocess.run(["git", "fsck", "--no-progress"], cwd=repo, capture_output=True, timeout=60).returncode
-
-
-def _loose(objects: Path) -> list[str]:
-    return sorted(f"{d.name}/{f.name}" for d in objects.iterdir() if len(d.name) == 2 for f in d.iterdir())
-
-
-def _kept(tmp_path: Path, repo: Path) -> tuple[history.History, Path]:
-    time.sleep(0.06)  # the repository's files settled: only what comes next is looked at
-    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
-    time.sleep(0.06)  # past the racy margin: what the session does next is later
-    return kept, repo / ".git" / "objects"
 
 
 def _rewrite_in_place(path: Path, data: bytes) -> None:
