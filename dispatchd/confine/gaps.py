@@ -18,8 +18,8 @@ def leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git_kind
                     "nothing holds it read-only, and the user's git outside would run what a session wrote there "
                     "while the session is open (when it ends, what changed is moved aside)")
         gaps.append("the repository's packs can be made writable (chmod) and rewritten in place: without a mount "
-                    "namespace nothing holds them read-only, and the history's keep shares their inodes (a loose "
-                    "object rewritten in place is put back at the end)")
+                    "namespace nothing holds them read-only; the history keeps copies of them, put back at the "
+                    "end, within its budget (512 MiB a baseline), and past it shares their inodes")
     if not use_userns:
         gaps += [
             "chmod, chown, utime and xattr changes on files the user owns outside the worktree "

@@ -24,6 +24,8 @@
 #include <Python.h>
 #include <dirent.h>
 #include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -113,111 +115,182 @@ fail:
     return NULL;
 }
 
-/* recent_files: the files of those subdirectories changed since a time.
+/* recent_kept: the kept object files whose repository file changed since a time.
  *
  * Why: a loose object rewritten in place (made writable with chmod first)
  * changes its own ctime, not its directory's, so the end of a session
- * looks at every loose object's (dispatchd/daemon/gitguard/replaced.py,
+ * looks at every kept object's (dispatchd/daemon/gitguard/replaced.py,
  * find_rewritten): an fstatat each, on the close's path. In Python each
- * built a stat_result of 19 fields (1.7 us a file, 2.1 ms for the listings
- * of 256 directories).
+ * built a stat_result of 19 fields. The names come from the keep, not the
+ * repository: what a session adds there (a million empty files) is not
+ * looked at, and cannot cut the look short. The walk runs with the
+ * interpreter's lock let go (the daemon's other threads go on).
  *
- * recent_files(fd, hex_digits, since_ns, coarse_since_ns, limit) ->
- * (list[str], bool): each "dir/name" (``dir`` of ``hex_digits`` lowercase
- * hex digits, a directory opened below ``fd`` without following a symbolic
- * link or blocking; every entry of it but "." and "..", whatever its kind,
- * not followed) whose st_ctime_ns is ``since_ns`` or later, or
- * ``coarse_since_ns`` or later for a ctime in whole seconds (a file system
- * that keeps no finer: treewalk.settled's rule); and whether every entry was looked
- * at (False past ``limit`` entries in all: the caller reports the look as
- * cut short). An entry gone between the listing and its stat is left out.
+ * recent_kept(keep_fd, objects_fd, hex_digits, also, since_ns,
+ * coarse_since_ns, limit) -> (list[str], bool): for each directory of
+ * ``keep_fd`` named by ``hex_digits`` lowercase hex digits or in ``also``
+ * (opened without following a symbolic link), each of its names (none
+ * starting with "." or "tmp") as "dir/name" when the entry of that name
+ * below ``objects_fd`` (not followed) has a st_ctime_ns of ``since_ns`` or
+ * later (``coarse_since_ns`` for a ctime in whole seconds: treewalk.settled's
+ * rule), or cannot be looked at for another reason than not being there
+ * (EACCES: the caller decides); and whether every kept name was looked at
+ * (False past ``limit`` names, or a directory that could not be read).
  */
-PyObject *
-dl_recent_files(PyObject *self, PyObject *args)
+struct names {
+    char *buf;
+    size_t len, cap;
+};
+
+static int
+names_add(struct names *n, const char *dir, const char *name)
 {
-    int fd;
-    Py_ssize_t digits;
-    long long since, coarse_since;
-    Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "inLLn", &fd, &digits, &since, &coarse_since, &limit))
-        return NULL;
-    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    size_t need = strlen(dir) + 1 + strlen(name) + 1;
+    if (n->len + need > n->cap) {
+        size_t cap = n->cap ? n->cap * 2 : 65536;
+        while (cap < n->len + need)
+            cap *= 2;
+        char *grown = realloc(n->buf, cap);
+        if (grown == NULL)
+            return -1;
+        n->buf = grown;
+        n->cap = cap;
+    }
+    n->len += (size_t)sprintf(n->buf + n->len, "%s/%s", dir, name) + 1;
+    return 0;
+}
+
+/* The walk, without the interpreter's lock: 0, or -1 with errno (out of memory). */
+static int
+walk_kept(int keep_fd, int objects_fd, Py_ssize_t digits, char **also, Py_ssize_t n_also, long long since,
+          long long coarse_since, Py_ssize_t limit, struct names *out, int *complete)
+{
+    int own = fcntl(keep_fd, F_DUPFD_CLOEXEC, 0);
     if (own < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
     DIR *top = fdopendir(own);
     if (top == NULL) {
         close(own);
-        return PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
     }
-    rewinddir(top);
-    PyObject *found = PyList_New(0);
+    rewinddir(top); /* the duplicate shares the caller's offset: from the start, and left rewound */
     Py_ssize_t seen = 0;
-    int complete = 1;
-    if (found == NULL)
-        goto fail;
+    char path[600];
     for (;;) {
         errno = 0;
         struct dirent *entry = readdir(top);
         if (entry == NULL) {
-            if (errno != 0) {
-                PyErr_SetFromErrno(PyExc_OSError);
-                goto fail;
-            }
+            if (errno != 0)
+                *complete = 0;
             break;
         }
         const char *dname = entry->d_name;
-        if (!is_hex_name(dname, digits) || (entry->d_type != DT_DIR && entry->d_type != DT_UNKNOWN))
+        int wanted = is_hex_name(dname, digits);
+        for (Py_ssize_t i = 0; !wanted && i < n_also; i++)
+            wanted = strcmp(dname, also[i]) == 0;
+        if (!wanted || (entry->d_type != DT_DIR && entry->d_type != DT_UNKNOWN))
             continue;
         int sub = openat(dirfd(top), dname, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
         if (sub < 0)
-            continue; /* gone, or not a directory (a symlink): nothing git reads as one */
+            continue; /* not a directory: the keep holds nothing there */
         DIR *dir = fdopendir(sub);
         if (dir == NULL) {
             close(sub);
+            *complete = 0;
             continue;
         }
         for (;;) {
             errno = 0;
             struct dirent *e = readdir(dir);
-            if (e == NULL)
-                break; /* the end, or an error reading it: what was listed is looked at */
-            const char *raw = e->d_name;
-            if (raw[0] == '.' && (raw[1] == '\0' || (raw[1] == '.' && raw[2] == '\0')))
-                continue;
-            if (++seen > limit) {
-                complete = 0;
+            if (e == NULL) {
+                if (errno != 0)
+                    *complete = 0;
                 break;
             }
-            struct stat st;
-            if (fstatat(dirfd(dir), raw, &st, AT_SYMLINK_NOFOLLOW) != 0)
+            const char *raw = e->d_name;
+            if (raw[0] == '.' || strncmp(raw, "tmp", 3) == 0)
                 continue;
-            long long ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
-            if (ns < (ns % 1000000000LL == 0 ? coarse_since : since))
-                continue;
-            PyObject *rel = PyUnicode_FromFormat("%s/", dname);
-            PyObject *name = PyUnicode_DecodeFSDefault(raw);
-            if (rel != NULL && name != NULL)
-                PyUnicode_Append(&rel, name);
-            Py_XDECREF(name);
-            if (rel == NULL || name == NULL || PyList_Append(found, rel) < 0) {
-                Py_XDECREF(rel);
-                closedir(dir);
-                goto fail;
+            if (++seen > limit) {
+                *complete = 0;
+                break;
             }
-            Py_DECREF(rel);
+            if ((size_t)snprintf(path, sizeof path, "%s/%s", dname, raw) >= sizeof path)
+                continue; /* longer than any object's name: nothing git keeps */
+            struct stat st;
+            int recent;
+            if (fstatat(objects_fd, path, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+                recent = errno != ENOENT && errno != ENOTDIR; /* gone: the restore's to put back */
+            } else {
+                long long ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
+                recent = ns >= (ns % 1000000000LL == 0 ? coarse_since : since);
+            }
+            if (recent && names_add(out, dname, raw) < 0) {
+                closedir(dir);
+                rewinddir(top);
+                closedir(top);
+                return -1;
+            }
         }
         closedir(dir);
-        if (!complete)
+        if (seen > limit)
             break;
     }
     rewinddir(top);
     closedir(top);
+    return 0;
+}
+
+PyObject *
+dl_recent_kept(PyObject *self, PyObject *args)
+{
+    int keep_fd, objects_fd;
+    Py_ssize_t digits, limit;
+    PyObject *also;
+    long long since, coarse_since;
+    if (!PyArg_ParseTuple(args, "iinO!LLn", &keep_fd, &objects_fd, &digits, &PyTuple_Type, &also, &since,
+                          &coarse_since, &limit))
+        return NULL;
+    Py_ssize_t n_also = PyTuple_GET_SIZE(also);
+    if (n_also > 8) {
+        PyErr_SetString(PyExc_ValueError, "at most 8 other names");
+        return NULL;
+    }
+    char *names_also[8];
+    for (Py_ssize_t i = 0; i < n_also; i++) {
+        PyObject *item = PyTuple_GET_ITEM(also, i);
+        if (!PyUnicode_Check(item)) {
+            PyErr_SetString(PyExc_TypeError, "the other names are strings");
+            return NULL;
+        }
+        names_also[i] = (char *)PyUnicode_AsUTF8(item); /* kept alive by the tuple */
+        if (names_also[i] == NULL)
+            return NULL;
+    }
+    struct names out = {NULL, 0, 0};
+    int complete = 1, rc, saved = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = walk_kept(keep_fd, objects_fd, digits, names_also, n_also, since, coarse_since, limit, &out, &complete);
+    saved = errno;
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        free(out.buf);
+        errno = saved;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *found = PyList_New(0);
+    for (size_t at = 0; found != NULL && at < out.len; at += strlen(out.buf + at) + 1) {
+        PyObject *rel = PyUnicode_DecodeFSDefault(out.buf + at);
+        if (rel == NULL || PyList_Append(found, rel) < 0) {
+            Py_XDECREF(rel);
+            Py_CLEAR(found);
+            break;
+        }
+        Py_DECREF(rel);
+    }
+    free(out.buf);
+    if (found == NULL)
+        return NULL;
     PyObject *result = Py_BuildValue("(OO)", found, complete ? Py_True : Py_False);
     Py_DECREF(found);
     return result;
-fail:
-    rewinddir(top);
-    closedir(top);
-    Py_XDECREF(found);
-    return NULL;
 }

@@ -42,8 +42,8 @@ class Lines(Protocol):
 
     def subdir_ctimes(self, fd: int, hex_digits: int, also: tuple[str, ...], /) -> dict[str, int]: ...
 
-    def recent_files(self, fd: int, hex_digits: int, since_ns: int, coarse_since_ns: int, limit: int,
-                     /) -> tuple[list[str], bool]: ...
+    def recent_kept(self, keep_fd: int, objects_fd: int, hex_digits: int, also: tuple[str, ...], since_ns: int,
+                    coarse_since_ns: int, limit: int, /) -> tuple[list[str], bool]: ...
 
 
 lines: Lines | None

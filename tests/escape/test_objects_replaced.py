@@ -82,3 +82,27 @@ def test_the_user_s_packs_cannot_be_changed_in_a_session(mode_daemon: tuple[str,
         assert r.is_success, (r.output, r.error)
     assert pack.read_bytes() == before
     assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
+
+
+def test_a_pack_given_a_second_name_cannot_be_rewritten_by_a_later_session(client: dispatch.Client,
+                                                                           repo: Path) -> None:
+    """A session repacks (its new pack is not held: it did not exist at the
+    open) and hard-links the pack under a name of its own in the worktree;
+    a later session makes that name writable and rewrites it in place. The
+    first session's end made the repository's pack an inode of its own, so
+    the later write lands on the session's file only; the user's history
+    and ``git fsck`` are untouched (the control: the two names did share
+    the inode while the first session ran)."""
+    with client.open_session(str(repo)) as s:
+        r = shell(s, "git repack -q -a -d && ln .git/objects/pack/pack-*.pack .git/mine && "
+                     "stat -c %h .git/objects/pack/pack-*.pack")
+        assert r.is_success and (r.output or "").strip().endswith("2"), (r.output, r.error)  # shared, then
+    assert any("pack files a session gave another name made the repository's own again" in p["why"]
+               for p in s.protected), s.protected
+    original = git(repo, "log", "--format=%H").stdout
+    with client.open_session(str(repo)) as s:
+        r = shell(s, "chmod u+w .git/mine && printf garbage | dd of=.git/mine bs=1 seek=12 conv=notrunc status=none && "
+                     "echo written")
+        assert (r.output or "").strip() == "written", (r.output, r.error)
+    assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
+    assert git(repo, "log", "--format=%H").stdout == original

@@ -88,30 +88,43 @@ def test_the_callers_descriptor_is_left_as_it_was(objects: Path) -> None:
         os.close(fd)
 
 
-def test_the_c_look_for_recent_files_gives_what_the_python_one_gives(tmp_path: Path) -> None:
-    """``recent_files``: every entry of each fan-out directory whose ctime is
-    the time given or later, whatever its kind, none through a symlink; the
-    limit counts every entry looked at, and says the look was cut short."""
+def test_the_c_look_at_the_kept_files_gives_what_the_python_one_gives(tmp_path: Path) -> None:
+    """``recent_kept``: for each name the keep holds (its fan-out directories
+    and ``pack``; none starting with "." or "tmp"), the repository's entry of
+    that name when its ctime is the time given or later, whatever its kind,
+    not followed, or when it cannot be looked at (an unsearchable directory);
+    a name gone from the repository is left out, and so is every file only
+    the repository has (a session's: not counted against the limit either).
+    The limit counts the kept names, and says the look was cut short."""
     from dispatchd.daemon.gitguard import replaced
     assert native.lines is not None
-    top = tmp_path / "objects"
-    for d in ("ab", "cd", "pack", "zz"):
+    keep, top = tmp_path / "keep", tmp_path / "objects"
+    for d in ("ab", "cd", "ef", "pack", "zz"):
+        (keep / d).mkdir(parents=True)
         (top / d).mkdir(parents=True)
+    for rel in ("ab/old", "ab/new", "cd/fifo", "cd/gone", "ef/hidden", "pack/new", "zz/new", "ab/tmp_x", "ab/.x"):
+        (keep / rel).write_text("kept")
     (top / "ab" / "old").write_text("old")
-    (top / "ef").symlink_to(top / "ab")  # not followed
     since = os.stat(top / "ab" / "old").st_ctime_ns + 1
     time.sleep(0.02)
-    for rel in ("ab/new", "cd/new", "pack/new", "zz/new"):
+    for rel in ("ab/new", "pack/new", "zz/new", "ab/tmp_x", "ab/.x", "ef/hidden"):
         (top / rel).write_text("new")
+    for n in range(50):
+        (top / "ab" / f"session{n}").write_text("junk")  # the repository's alone: not looked at
     os.mkfifo(top / "cd" / "fifo")
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    os.chmod(top / "ef", 0)
+    kfd = os.open(keep, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    ofd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        by_c = native.lines.recent_files(fd, 2, since, since, 100)
-        by_python = replaced.recent_files(fd, since, since, 100)
-        assert (sorted(by_c[0]), by_c[1]) == (sorted(by_python[0]), by_python[1]) == (["ab/new", "cd/fifo", "cd/new"],
-                                                                                     True)
-        assert native.lines.recent_files(fd, 2, 0, 0, 100)[0].count("ab/old") == 1
-        for look in (native.lines.recent_files(fd, 2, since, since, 2), replaced.recent_files(fd, since, since, 2)):
+        by_c = native.lines.recent_kept(kfd, ofd, 2, ("pack",), since, since, 100)
+        by_python = replaced.recent_kept(kfd, ofd, since, since, 100)
+        expected = ["ab/new", "cd/fifo", "ef/hidden", "pack/new"]  # zz is no fan-out name
+        assert (sorted(by_c[0]), by_c[1]) == (sorted(by_python[0]), by_python[1]) == (expected, True)
+        assert "ab/old" in native.lines.recent_kept(kfd, ofd, 2, ("pack",), 0, 0, 100)[0]
+        for look in (native.lines.recent_kept(kfd, ofd, 2, ("pack",), since, since, 2),
+                     replaced.recent_kept(kfd, ofd, since, since, 2)):
             assert look[1] is False
     finally:
-        os.close(fd)
+        os.chmod(top / "ef", 0o755)
+        os.close(kfd)
+        os.close(ofd)

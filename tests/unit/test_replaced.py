@@ -133,7 +133,7 @@ def test_past_the_compare_budget_a_changed_file_counts_as_replaced(tmp_path: Pat
     assert replaced.find(str(objects), kept.keep, dirs, kept.stamped_ns) == []
     monkeypatch.setattr(replaced, "_COMPARE_BUDGET", 1)
     assert replaced.find(str(objects), kept.keep, dirs, kept.stamped_ns) == []  # a valid loose object still
-    monkeypatch.setattr(replaced, "_valid_loose", lambda *args: False)
+    monkeypatch.setattr(replaced, "_same_object", lambda *args: False)
     assert replaced.find(str(objects), kept.keep, dirs, kept.stamped_ns) == [victim]
 
 

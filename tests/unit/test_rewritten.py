@@ -9,6 +9,7 @@ read-only in its mount namespace (``layouts.held_packs``)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def test_a_loose_object_rewritten_in_place_is_found_and_put_back(tmp_path: Path)
     assert replaced.find(str(objects), kept.keep, history._changed(kept.stamps, kept.stamped_ns,
                                                                    history._stamps(str(objects))),
                          kept.stamped_ns) == []
-    assert replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set()) == ([victim], "")
+    assert replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set()) == ([victim], [], "")
     done, failed = history.restore(kept)
     assert not failed and any("1 object files a session replaced put back" in why for _, why in done), done
     assert (objects / victim).read_bytes() == original and _fsck(repo) == 0
@@ -74,7 +75,7 @@ def test_a_mode_changed_and_the_session_s_own_objects_are_left(tmp_path: Path) -
     (repo / "new").write_text("new\n")
     git(repo, "add", "new")
     git(repo, "commit", "-qm", "new")
-    assert replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set()) == ([], "")
+    assert replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set()) == ([], [], "")
     done, failed = history.restore(kept)
     assert not failed and not [why for _, why in done if "replaced" in why], done
 
@@ -83,8 +84,9 @@ def test_the_look_is_bounded_and_says_so(tmp_path: Path, monkeypatch: pytest.Mon
     repo = commits_repo(tmp_path / "repo")
     kept, objects = _kept(tmp_path, repo)
     monkeypatch.setattr(replaced, "_MAX_LOOSE", 1)
-    found, cut = replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set())
-    assert found == [] and cut == "more than 1 files in the object directories; not all looked at"
+    found, lost, cut = replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set())
+    assert found == lost == [] and cut == ("more than 1 kept object files, or a keep directory unreadable; "
+                                           "not all looked at")
 
 
 def test_an_older_keep_s_hard_links_become_copies_once(tmp_path: Path) -> None:
@@ -140,3 +142,128 @@ def test_past_the_bound_the_packs_left_writable_are_named(tmp_path: Path, monkey
     layout = layouts.inspect_git(str(repo), uid=os.getuid())
     assert len([p for p in layout.read_only if "/objects/pack/" in p]) == 1
     assert layout.note.startswith("1 pack files past the first 1 are not held read-only"), layout.note
+
+
+def _packed(tmp_path: Path) -> Path:
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "gc", "-q")
+    return repo
+
+
+def _pack_files(repo: Path) -> list[Path]:
+    return sorted(p for p in (repo / ".git" / "objects" / "pack").iterdir() if p.suffix in (".pack", ".idx"))
+
+
+def test_a_pack_given_a_second_name_is_made_the_repository_s_own_again(tmp_path: Path) -> None:
+    """A pack a session made, or one it does not hold, can be hard-linked
+    under a name of the session's, and rewritten through it in a later
+    session, which no bind by path holds. At the end it is copied to a new
+    inode under its own name and the keep follows it; the other name keeps
+    the old inode. The twin: a pack with as many names as at the baseline (a
+    ``git clone --local`` shares its source's inodes) is left."""
+    repo = _packed(tmp_path)
+    shared = tmp_path / "source-link"
+    first, second = _pack_files(repo)
+    os.link(second, shared)  # the user's own second name, at the baseline (a local clone's source)
+    kept, objects = _kept(tmp_path, repo)
+    assert kept.pack_links is not None and kept.pack_links[second.name] == 3  # the repository, the keep, the clone
+    other = tmp_path / "session-name"
+    os.link(first, other)  # the session's
+    before = first.stat().st_ino
+    done, failed = history.restore(kept)
+    assert not failed and any("1 pack files a session gave another name" in why for _, why in done), done
+    assert first.stat().st_ino != before and other.stat().st_ino == before and first.read_bytes() == other.read_bytes()
+    assert (Path(kept.keep) / "pack" / first.name).stat().st_ino == first.stat().st_ino  # the keep follows
+    assert second.stat().st_nlink == 3 and shared.stat().st_ino == second.stat().st_ino  # the twin: left
+    assert _fsck(repo) == 0
+
+
+def test_packs_not_held_are_kept_as_copies_and_held_ones_linked(tmp_path: Path) -> None:
+    """A pack the session does not hold read-only (past the bound, degraded
+    mode) is kept as a copy of its own, so one rewritten in place is put
+    back; the held ones stay hard links (the twin: cheap, and unwritable in
+    the session). A link kept before, not held now, becomes a copy."""
+    repo = _packed(tmp_path)
+    first, second = _pack_files(repo)
+    time.sleep(0.06)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[], held=frozenset({second.name}))
+    keep = Path(kept.keep) / "pack"
+    assert (keep / first.name).stat().st_ino != first.stat().st_ino
+    assert (keep / second.name).stat().st_ino == second.stat().st_ino
+    history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[], held=frozenset())
+    assert (keep / second.name).stat().st_ino != second.stat().st_ino  # converted
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[], held=frozenset())
+    time.sleep(0.06)
+    original = first.read_bytes()
+    data = bytearray(original)
+    data[40] ^= 0xFF
+    _rewrite_in_place(first, bytes(data))
+    assert _fsck(repo) != 0
+    done, failed = history.restore(kept)
+    assert not failed and first.read_bytes() == original and _fsck(repo) == 0, (done, failed)
+
+
+def test_a_loose_object_the_keep_shares_past_its_budget_is_reported_when_broken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the copy budget a loose object is hard-linked: rewritten in
+    place, nothing can be put back, and the end says so (a failure of the
+    check) rather than nothing. The twin: one only chmodded is not."""
+    monkeypatch.setattr(clones, "COPY_BUDGET", 0)
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    victim, other = _loose(objects)[:2]
+    assert (Path(kept.keep) / victim).stat().st_ino == (objects / victim).stat().st_ino
+    time.sleep(0.06)
+    _rewrite_in_place(objects / victim, b"garbage")
+    os.chmod(objects / other, 0o644)
+    done, failed = history.restore(kept)
+    assert [f for f in failed if "rewritten in place by a session, and the keep shares its inode" in f] == [
+        f"{objects / victim}: rewritten in place by a session, and the keep shares its inode (kept past the copy "
+        "budget): it cannot be put back (git fsck names it)"], failed
+    assert len(failed) == 1
+
+
+def test_an_object_directory_made_unsearchable_is_lent_and_looked_into(tmp_path: Path) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    victim = _loose(objects)[0]
+    original = (objects / victim).read_bytes()
+    _rewrite_in_place(objects / victim, b"garbage")
+    os.chmod((objects / victim).parent, 0)
+    done, failed = history.restore(kept)
+    assert not failed and (objects / victim).read_bytes() == original and _fsck(repo) == 0, (done, failed)
+
+
+def test_another_object_at_a_kept_name_is_put_back_whatever_its_hash_says(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"The same object compressed again" is decided by inflating both, not
+    by hashing the new file (hashlib's SHA-1 would take a collision twin):
+    with the hash standing in as always right, another object is still put
+    back; the twin, a recompression of the kept one, is left."""
+    import zlib
+    monkeypatch.setattr(replaced, "_valid_loose", lambda *args: True)
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    first, second, third = _loose(objects)[:3]
+    _rewrite_in_place(objects / first, (objects / third).read_bytes())
+    _rewrite_in_place(objects / second, zlib.compress(zlib.decompress((objects / second).read_bytes()), 1))
+    found, lost, cut = replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set())
+    assert (found, lost, cut) == ([first], [], "")
+
+
+def test_only_git_s_pack_names_are_held_and_the_oldest_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's junk named like a pack but not as git names one
+    (``pack-!1.idx``) takes no place in the bound; past it, the newest are
+    the ones left out (a ctime no session can set back)."""
+    repo = _packed(tmp_path)
+    pack = repo / ".git" / "objects" / "pack"
+    oldest = sorted(_pack_files(repo), key=lambda p: p.stat().st_ctime_ns)[0]
+    for n in range(5):
+        (pack / f"pack-!{n}.idx").write_text("junk")
+    time.sleep(0.02)
+    newer = pack / ("pack-" + "0" * 40 + ".idx")
+    newer.write_text("newer")  # a git name, sorting first by name: last by age
+    monkeypatch.setattr(layouts, "MAX_HELD_PACK_FILES", 1)
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    held = [p for p in layout.read_only if "/objects/pack/" in p]
+    assert held == [str(oldest)], held

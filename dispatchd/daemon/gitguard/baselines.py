@@ -56,7 +56,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import history, reftemp, runnables, snapshots
+from dispatchd.daemon.gitguard import history, packlinks, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
@@ -115,7 +115,7 @@ class Baselines:
         # 0.3-40 ms on a loaded machine (docs/performance.md).
         self.sync_dir: Callable[[str], None] = fsync_directory
         self.later: Callable[[Callable[[], None]], None] = lambda job: job()  # at once
-        self.settle_delay_s = 0.0  # testing only: see Durable
+        self.settle_delay_s, self.binds_held = 0.0, True  # testing only (Durable); read-only paths bound
 
     # --- on disk ---------------------------------------------------------
 
@@ -191,8 +191,8 @@ class Baselines:
 
     def _drop(self, domain: _Domain, sync: Callable[[str], None] | None = None) -> None:
         """The domain's record and lock removed; it has no session left."""
-        if domain.pending is not None:
-            domain.pending.abandon()  # before the removal: a rename after it would bring the record back
+        if domain.pending is not None:  # abandoned first: a rename after the removal would bring the record back
+            domain.pending.abandon()
         did, lock_fd = domain.record.id, domain.lock_fd
         for name in (f"{did}.json", f"{did}.lock"):
             try:
@@ -352,13 +352,13 @@ class Baselines:
         branch = history.checked_out(part.own_gitdir)
         for i, kept in enumerate(record.histories):
             if os.path.realpath(kept.common) == os.path.realpath(common):
-                # A worktree joining later: its branch is its own to move only
-                # if no session has moved it since the baseline.
+                # A worktree joining later: its branch is its own to move only if no session moved it since.
                 if branch and history.read_refs(common).get(branch) == kept.refs.get(branch):
                     record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
                 return
         keep = history.keep_for(self.keep_dir, common)
-        kept = history.record(common, keep, [branch] if branch else [])
+        held = packlinks.held_names(part.layout.read_only, common) if self.binds_held else frozenset()
+        kept = history.record(common, keep, [branch] if branch else [], held)
         if kept.note:
             log.warning("event=history_not_kept common=%s why=%r", common, kept.note)
         record.histories.append(kept)

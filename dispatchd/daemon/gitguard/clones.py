@@ -7,10 +7,14 @@ bytes are the repository's: rewritten in place (a session makes the file
 writable with ``chmod`` first; neither Landlock nor a path-blind seccomp
 filter can refuse that for these files alone), they are gone from both. So:
 
-- a **pack** (``pack/*``) is hard-linked where there is no reflink: its
-  files are large, and a session cannot rewrite them in place (each is
-  bound read-only over itself in the session's mount namespace:
-  ``layouts.held_packs``);
+- a **pack** (``pack/*``) the session holds read-only (each of its files
+  bound over itself in the session's mount namespace:
+  ``layouts.held_packs``) is hard-linked where there is no reflink: its
+  files are large, and the session cannot rewrite them in place. One it
+  does not hold (past the bound; degraded mode, no mount namespace) is a
+  copy of its own within the budget (``own_unheld`` for one linked
+  before), and a pack a session gave a second name is made the
+  repository's own again at the end (``packlinks.py``);
 - a **loose object** (``own=True``) is never hard-linked while the budget
   lasts: a reflink, else a copy (they are small: the commits not yet
   packed). Past the budget it is linked, as before (``own_loose`` counts
@@ -66,10 +70,11 @@ def is_loose(rel: str) -> bool:
     return not rel.startswith("pack/")
 
 
-def clone(src: str, dst: str, budget: list[int], ways: Ways | None = None, *, own: bool = False) -> None:
+def clone(src: str, dst: str, budget: list[int], ways: Ways | None = None, *, own: bool = False,
+          never_link: bool = False) -> None:
     """``dst`` as a copy of ``src`` (see the module). ``ways``: what this
     batch found refused (one per batch; none: ask). ``own``: not a hard
-    link while ``budget`` lasts. ``src`` is opened without blocking and
+    link while ``budget`` lasts; ``never_link``: past it, EFBIG. ``src`` is opened without blocking and
     copied through that descriptor: a FIFO a session planted among the
     object files (a blocking open waits for a writer for good, holding its
     domain's lock) is not a regular file, and is left."""
@@ -91,7 +96,7 @@ def clone(src: str, dst: str, budget: list[int], ways: Ways | None = None, *, ow
             finally:
                 os.close(dfd)
             os.unlink(dst)
-        if own and st.st_size <= budget[0]:
+        if never_link or (own and st.st_size <= budget[0]):
             _copy(sfd, st, dst, budget)
             return
         try:
@@ -166,4 +171,32 @@ def own_loose(keep: str, is_fanout: frozenset[str], budget: list[int]) -> int:
     if not shared:
         with open(os.path.join(keep, OWN_MARK), "wb"):
             pass
+    return shared
+
+
+def own_unheld(keep: str, objects: str, held: frozenset[str], budget: list[int]) -> int:
+    """Each pack file the keep holds as the repository's own inode (a hard
+    link) that the session does not hold read-only: replaced by a copy of its
+    own within ``budget``, through a temporary name. Returns how many stay
+    linked (past the budget). Two listings: the inodes from the directories."""
+    shared = 0
+    try:
+        with os.scandir(os.path.join(keep, "pack")) as scan:
+            kept = {e.name: e.inode() for e in scan if not e.name.startswith("tmp")}
+        with os.scandir(os.path.join(objects, "pack")) as scan:
+            now = {e.name: e.inode() for e in scan}
+    except OSError:
+        return 0
+    for name in sorted(kept.keys() & now.keys()):
+        if name in held or kept[name] != now[name]:
+            continue
+        path = os.path.join(keep, "pack", name)
+        tmp = os.path.join(keep, "pack", f"tmp-own-{name}")
+        try:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            clone(path, tmp, budget, never_link=True)
+            os.replace(tmp, path)
+        except OSError:
+            shared += 1
     return shared

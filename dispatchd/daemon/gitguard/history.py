@@ -43,7 +43,8 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import clones, fs, keeps, objectstore, packed, reftemp, replacerefs, replaced, shown, viewfiles
+from dispatchd.daemon.gitguard import (clones, fs, keeps, objectstore, packed, packlinks, reftemp, replacerefs,
+                                       replaced, shown, viewfiles)
 from dispatchd.tools import native
 
 _log = logging.getLogger("dispatchd.history")
@@ -71,6 +72,7 @@ class History(msgspec.Struct, frozen=True):
     replaces_packed: list[str] = []
     views: dict[str, str | None] | None = None  # shallow and alternates as they were (viewfiles.py)
     view_stamps: dict[str, list[int] | None] | None = None  # the commit-graph and the like (viewfiles.py)
+    pack_links: dict[str, int] | None = None  # each pack file -> its names, the keep's included (packlinks.py)
 
 
 _RACY_NS = 50_000_000  # a directory changed this close before a look is listed whatever its ctime says
@@ -250,8 +252,10 @@ def keep_more(objects_fd: int, keep: str, common: str, budget: list[int]) -> set
     return present
 
 
-def record(common: str, keep: str, own: list[str]) -> History:
-    """Read the refs and bring the keep of the object files up to date."""
+def record(common: str, keep: str, own: list[str], held: frozenset[str] | None = None) -> History:
+    """Read the refs and bring the keep of the object files up to date.
+    ``held``: the pack files the session holds read-only (``layouts.held_packs``;
+    None: all of them); the others are kept as copies of their own."""
     refs = read_refs(common)
     replacing = replacerefs.read(common)
     head = fs.read_small(os.path.join(common, "HEAD"), 4096) or ""
@@ -291,9 +295,11 @@ def record(common: str, keep: str, own: list[str]) -> History:
                     made.add(folder)
                 try:
                     clones.clone(os.path.join(objects, rel), os.path.join(keep, rel), budget, ways,
-                                 own=clones.is_loose(rel))
+                                 own=clones.is_loose(rel) or (held is not None and rel[5:] not in held))
                 except FileNotFoundError:
                     continue  # git removed it meanwhile (a repack)
+            if held is not None:  # a pack kept as a link, not held now (past the bound, degraded mode)
+                clones.own_unheld(keep, objects, held, budget)
             for rel in kept - present:  # the user's own gc: theirs to drop
                 try:
                     os.unlink(os.path.join(keep, rel))
@@ -313,7 +319,7 @@ def record(common: str, keep: str, own: list[str]) -> History:
     return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note,
                    stamps=stamps, stamped_ns=stamped_ns, replaces=replacing.loose,
                    replaces_packed=replacing.packed, views=viewfiles.read(common),
-                   view_stamps=viewfiles.read_stamps(common))
+                   view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects))
 
 
 def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
@@ -343,6 +349,18 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
     failed += bad
     if history.keep:
         os.makedirs(objects, exist_ok=True)
+        # First, before anything is put back: a pack a session gave a second name, the repository's own again.
+        try:
+            if history.pack_links is not None and in_place:
+                unshared, bad = packlinks.unshare(objects, history.keep, history.pack_links,
+                                                  lambda src, dst: clones.clone(src, dst, [clones.COPY_BUDGET],
+                                                                                never_link=True))
+                failed += bad
+                if unshared:
+                    done.append((objects, f"{len(unshared)} pack files a session gave another name made the "
+                                          f"repository's own again ({', '.join(unshared[:3])})"))
+        except Exception as exc:  # noqa: BLE001 - reported; the rest still runs
+            failed.append(f"{objects}: the look for packs given another name failed: {exc!r}")
         if not history.stamped_ns:
             dirs = set(_stamps(history.keep))
         missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
@@ -360,8 +378,9 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                         fs.move_aside(folder)
                     os.makedirs(folder, exist_ok=True)
                     made.add(folder)
+                # A copy of its own (the keep's file never the repository's again), past the budget a link.
                 clones.clone(os.path.join(history.keep, rel), os.path.join(objects, rel), [clones.COPY_BUDGET], ways,
-                             own=clones.is_loose(rel))
+                             own=True)
                 put.append(rel)
             except OSError as exc:
                 failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}")
@@ -369,18 +388,22 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         if deleted:
             done.append((objects, f"{len(deleted)} object files deleted by a session put back"))
         # Another file at a kept name (``mv -f garbage .git/objects/ab/...``): the kept one put back.
-        # And a kept loose object rewritten in place (chmod first): its own ctime tells.
         try:
             swapped = replaced.find(objects, history.keep, touched, history.stamped_ns) if history.stamped_ns else []
-            if history.stamped_ns and in_place:
-                rewritten, cut = replaced.find_rewritten(objects, history.keep, history.stamped_ns, touched)
-                swapped += rewritten
-                failed += [f"{objects}: {cut}"] if cut else []
         except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
             swapped, failed = [], failed + [f"{objects}: the look for replaced files failed: {exc!r}"]
+        # And a kept object file rewritten in place (chmod first): its own ctime tells.
+        try:
+            if history.stamped_ns and in_place:
+                rewritten, lost, cut = replaced.find_rewritten(objects, history.keep, history.stamped_ns, touched)
+                swapped += rewritten
+                failed += ([f"{objects}: {cut}"] if cut else []) + [
+                    f"{os.path.join(objects, rel)}: rewritten in place by a session, and the keep shares its inode "
+                    "(kept past the copy budget): it cannot be put back (git fsck names it)" for rel in lost]
+        except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
+            failed.append(f"{objects}: the look for files rewritten in place failed: {exc!r}")
         aside, bad = replaced.put_back(objects, history.keep, swapped,
-                                       lambda src, dst: clones.clone(src, dst, [clones.COPY_BUDGET], ways,
-                                                                     own=clones.is_loose(os.path.relpath(dst, objects))))
+                                       lambda src, dst: clones.clone(src, dst, [clones.COPY_BUDGET], ways, own=True))
         failed += bad
         if aside:
             done.append((objects, f"{len(aside)} object files a session replaced put back (its files moved aside: "

@@ -65,6 +65,7 @@ import msgspec
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard.fs import index_gitlinks, is_dir, is_file, open_dir_below, read_small, scanned
+from dispatchd.daemon.gitguard.packlinks import is_pack_file
 from dispatchd.daemon.gitguard.redirects import REDIRECTS
 from dispatchd.inside import is_below, overlap
 
@@ -75,33 +76,37 @@ _MAX_VISITS = 10000  # directories looked into for them
 
 
 MAX_HELD_PACK_FILES = 256  # pack files bound read-only (git repacks past 50 packs: gc.autoPackLimit)
-_PACK_SUFFIXES = (".pack", ".idx", ".rev", ".bitmap", ".mtimes")
 
 
 def held_packs(common: str) -> tuple[list[str], int]:
     """The pack files of ``common``'s objects bound read-only in a session
     (see the module), and how many more there are past
-    ``MAX_HELD_PACK_FILES`` (left writable: the layout's note says so).
-    Regular files only, looked at without following a symlink; a pack
-    directory that is a symlink holds nothing of the repository's."""
+    ``MAX_HELD_PACK_FILES`` (left writable: the layout's note says so; the
+    history's keep holds those as copies of their own). Only names git
+    gives (``pack-<id>.<ext>``: ``packlinks.is_pack_file``), regular files,
+    looked at without following a symlink; a pack directory that is a
+    symlink holds nothing of the repository's."""
     pack = os.path.join(common, "objects", "pack")
     if not is_dir(pack):
         return [], 0
-    held: list[str] = []
-    over = 0
-    for entry in sorted(scanned(pack), key=lambda e: e.name):
-        if entry.name.startswith("pack-") and entry.name.endswith(_PACK_SUFFIXES) and \
-                entry.is_file(follow_symlinks=False):
-            if len(held) < MAX_HELD_PACK_FILES:
-                held.append(entry.path)
-            else:
-                over += 1
-    return held, over
+    files: list[tuple[int, str]] = []
+    for entry in scanned(pack):
+        if is_pack_file(entry.name):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files.append((st.st_ctime_ns, entry.path))
+    # The oldest first (a ctime no session can set back): a session's own
+    # packs, however many, never push the user's out of the bound.
+    files.sort()
+    return [p for _, p in files[:MAX_HELD_PACK_FILES]], max(0, len(files) - MAX_HELD_PACK_FILES)
 
 
 def _over_note(over: int) -> str:
-    return (f"{over} pack files past the first {MAX_HELD_PACK_FILES} are not held read-only (git gc packs them "
-            "into one)") if over else ""
+    return (f"{over} pack files past the first {MAX_HELD_PACK_FILES} are not held read-only (the history keeps "
+            "copies of them within its budget; git gc packs them into one)") if over else ""
 
 
 def _existing(paths: list[str]) -> list[str]:

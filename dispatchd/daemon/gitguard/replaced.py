@@ -26,16 +26,21 @@ or a copy its bytes), so at the domain's last end (``put_back``):
 - a replaced file is moved aside (renamed beside, never deleted) and the
   kept one put back at its name.
 
-A kept loose object rewritten *in place* (a session makes it writable
-with ``chmod`` first, which neither Landlock nor a path-blind seccomp filter
-can refuse for these files alone) keeps its inode and its directory's
-ctime, so ``find_rewritten`` looks at every loose object's own ctime (in C
-where the helper is built: ``recent_files``, an ``fstatat`` each) and
-hands those changed since the baseline to the same test. The keep holds a
-loose object's bytes in a file of its own (``clones.py``), which is put
-back. A pack cannot be rewritten in place in full mode (bound read-only
-over itself in the session); without a mount namespace its hard-linked
-keep shares its inode (docs/git-protection.md, "What is left open").
+A kept object file rewritten *in place* (a session makes it writable with
+``chmod`` first, which neither Landlock nor a path-blind seccomp filter can
+refuse for these files alone) keeps its inode and its directory's ctime,
+so ``find_rewritten`` looks at the ctime of each file the keep holds (in C
+where the helper is built: ``recent_kept``, an ``fstatat`` each, the names
+the keep's: what a session adds is not counted) and hands those changed
+since the baseline to the same test. The keep holds a loose object's bytes
+in a file of its own (``clones.py``), which is put back; one it shares the
+inode of (past the copy budget) is reported when it no longer holds a
+valid object. A pack is bound read-only over itself in the session, or
+kept as a copy of its own where it is not (``clones.py``).
+
+"The kept bytes, compressed again" is decided by inflating both files, not
+by hashing the new one: hashlib's SHA-1 has no collision detection, git's
+has.
 """
 
 from __future__ import annotations
@@ -87,70 +92,111 @@ def find(objects: str, keep: str, dirs: set[str], since_ns: int) -> list[str]:
     return found
 
 
-def find_rewritten(objects: str, keep: str, since_ns: int, looked: set[str]) -> tuple[list[str], str]:
-    """The kept loose objects outside the directories ``looked`` at by
-    ``find`` that a session changed in place (see the module), and what cut
-    the look short ("": nothing)."""
+def find_rewritten(objects: str, keep: str, since_ns: int,
+                   looked: set[str]) -> tuple[list[str], list[str], str]:
+    """The kept object files outside the directories ``looked`` at by
+    ``find`` that a session changed in place (see the module); those it
+    changed that cannot be put back (a loose object the keep shares its
+    inode with, past the copy budget: no longer a valid object of its name);
+    and what cut the look short ("": nothing). The names are the keep's: a
+    session's own files are not looked at, nor counted."""
     # Every file whose ctime is not settled (``_replaced``'s rule: treewalk.settled).
     since, coarse = since_ns - _RACY_NS, since_ns - treewalk.COARSE_SETTLE_NS
+    kfd = _open_dir(keep, ".")
+    if kfd is None:
+        return [], [], ""
     try:
-        fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return [], ""
-    try:
-        recent, complete = (native.lines.recent_files(fd, 2, since, coarse, _MAX_LOOSE) if native.lines is not None
-                            else recent_files(fd, since, coarse, _MAX_LOOSE))
+        ofd = _open_dir(objects, ".")
+        if ofd is None:
+            return [], [], ""
+        try:
+            walk = getattr(native.lines, "recent_kept", None)  # None too for a helper built before it
+            recent, complete = (walk(kfd, ofd, 2, ("pack",), since, coarse, _MAX_LOOSE) if walk is not None
+                                else recent_kept(kfd, ofd, since, coarse, _MAX_LOOSE))
+        finally:
+            os.close(ofd)
     finally:
-        os.close(fd)
+        os.close(kfd)
     by_dir: dict[str, list[str]] = {}
     for rel in recent:
         d, _, name = rel.partition("/")
-        if d not in looked and not name.startswith("tmp"):
+        if d not in looked:
             by_dir.setdefault(d, []).append(name)
     found: list[str] = []
+    lost: list[str] = []
     budget = [_COMPARE_BUDGET]
     for d, names in sorted(by_dir.items()):
         kfd = _open_dir(keep, d)
         if kfd is None:
-            continue  # nothing kept there: the session's own objects
+            continue
         try:
             ofd = _open_dir(objects, d)
             if ofd is None:
                 continue
             try:
-                found += [f"{d}/{name}" for name in sorted(names) if _replaced(kfd, ofd, name, d, since_ns, budget)]
+                for name in sorted(names):
+                    if _replaced(kfd, ofd, name, d, since_ns, budget):
+                        found.append(f"{d}/{name}")
+                    elif d != "pack" and _shared_and_broken(kfd, ofd, name, d + name):
+                        lost.append(f"{d}/{name}")
             finally:
                 os.close(ofd)
         finally:
             os.close(kfd)
-    return found, "" if complete else f"more than {_MAX_LOOSE} files in the object directories; not all looked at"
+    cut = "" if complete else (f"more than {_MAX_LOOSE} kept object files, or a keep directory unreadable; "
+                               "not all looked at")
+    return found, lost, cut
 
 
-def recent_files(fd: int, since_ns: int, coarse_since_ns: int, limit: int) -> tuple[list[str], bool]:
-    """The C helper's ``recent_files`` in Python, its twin (tests/unit/test_ctimes.py)."""
+def _shared_and_broken(kfd: int, ofd: int, name: str, oid: str) -> bool:
+    """Whether the kept file is the repository's own inode (a hard link, past
+    the copy budget) and no longer a valid object of its name."""
+    try:
+        kept = os.stat(name, dir_fd=kfd, follow_symlinks=False)
+        now = os.stat(name, dir_fd=ofd, follow_symlinks=False)
+    except OSError:
+        return False
+    return (kept.st_dev, kept.st_ino) == (now.st_dev, now.st_ino) and not _valid_loose(ofd, name, oid)
+
+
+def recent_kept(keep_fd: int, objects_fd: int, since_ns: int, coarse_since_ns: int,
+                limit: int) -> tuple[list[str], bool]:
+    """The C helper's ``recent_kept`` in Python (fan-out directories and
+    ``pack``), its twin (tests/unit/test_ctimes.py)."""
     found: list[str] = []
     seen = 0
-    for d in os.listdir(fd):
-        if len(d) != 2 or d.strip("0123456789abcdef"):
+    complete = True
+    for d in os.listdir(keep_fd):
+        if d != "pack" and (len(d) != 2 or d.strip("0123456789abcdef")):
             continue
         try:
-            sub = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+            sub = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                          dir_fd=keep_fd)
         except OSError:
             continue
         try:
-            for name in os.listdir(sub):
-                seen += 1
-                if seen > limit:
-                    return found, False
-                try:
-                    ns = os.stat(name, dir_fd=sub, follow_symlinks=False).st_ctime_ns
-                    if ns >= (coarse_since_ns if ns % 1_000_000_000 == 0 else since_ns):
-                        found.append(f"{d}/{name}")
-                except OSError:
-                    continue
+            names = os.listdir(sub)
+        except OSError:
+            complete = False
+            continue
         finally:
             os.close(sub)
-    return found, True
+        for name in names:
+            if name.startswith((".", "tmp")):
+                continue
+            seen += 1
+            if seen > limit:
+                return found, False
+            try:
+                ns = os.stat(f"{d}/{name}", dir_fd=objects_fd, follow_symlinks=False).st_ctime_ns
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError:
+                found.append(f"{d}/{name}")  # there, and not to be looked at: the caller decides
+                continue
+            if ns >= (coarse_since_ns if ns % 1_000_000_000 == 0 else since_ns):
+                found.append(f"{d}/{name}")
+    return found, complete
 
 
 def put_back(objects: str, keep: str, found: list[str],
@@ -187,9 +233,14 @@ def _replaced(kfd: int, ofd: int, name: str, d: str, since_ns: int, budget: list
         return False  # what git derives from a pack and writes again at will (.rev, .bitmap, multi-pack-index)
     try:
         kept = os.stat(name, dir_fd=kfd, follow_symlinks=False)
-        now = os.stat(name, dir_fd=ofd, follow_symlinks=False)
     except OSError:
+        return False  # nothing the keep can put back
+    try:
+        now = os.stat(name, dir_fd=ofd, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
         return False  # gone meanwhile: a missing file is history's to put back
+    except OSError:
+        return True  # there, and not to be looked at (its directory made unsearchable): not the kept file
     if not stat.S_ISREG(kept.st_mode) or (kept.st_dev, kept.st_ino) == (now.st_dev, now.st_ino):
         return False  # the kept file itself (a hard link); or nothing the keep can put back
     if treewalk.settled(now.st_ctime_ns, since_ns, _RACY_NS):
@@ -199,7 +250,7 @@ def _replaced(kfd: int, ofd: int, name: str, d: str, since_ns: int, budget: list
     try:
         if now.st_size == kept.st_size and _same_bytes(kfd, ofd, name, now.st_size, budget):
             return False
-        return not (d != "pack" and _valid_loose(ofd, name, d + name))
+        return not (d != "pack" and _same_object(kfd, ofd, name, d + name))
     except OSError:
         return True  # unreadable (a mode the session set): not the kept file
 
@@ -229,17 +280,36 @@ def _same_bytes(kfd: int, ofd: int, name: str, size: int, budget: list[int]) -> 
         os.close(a[0])
 
 
+def _same_object(kfd: int, ofd: int, name: str, oid: str) -> bool:
+    """Whether the loose object file ``name`` holds the kept object, compressed
+    again: both inflate to the same bytes. Not a hash of the new one alone: a
+    session holding a chosen-prefix SHA-1 collision twin of an object it wrote
+    would pass that (git's own SHA-1 detects such collisions; hashlib's does
+    not). A kept file that cannot be inflated: the hash of the new one."""
+    kept = _inflated(kfd, name)
+    if kept is None:
+        return _valid_loose(ofd, name, oid)
+    return _inflated(ofd, name) == kept
+
+
 def _valid_loose(ofd: int, name: str, oid: str) -> bool:
     """Whether the loose object file ``name`` inflates to an object whose
     hash (SHA-1 or SHA-256, by the name's length) is ``oid``."""
     algorithm = {40: "sha1", 64: "sha256"}.get(len(oid))
-    opened = fs.open_regular(name, ofd)
-    if algorithm is None or opened is None:
-        return False
+    body = _inflated(ofd, name) if algorithm is not None else None
+    return body is not None and hashlib.new(algorithm or "sha1", body).hexdigest() == oid
+
+
+def _inflated(dir_fd: int, name: str) -> bytes | None:
+    """The object a loose object file holds, header included, inflated; None
+    when it is not one git would read."""
+    opened = fs.open_regular(name, dir_fd)
+    if opened is None:
+        return None
     fd, st = opened
     try:
         if st.st_size > _LOOSE_MAX:
-            return False
+            return None
         data = os.read(fd, st.st_size + 1)
     finally:
         os.close(fd)
@@ -247,12 +317,12 @@ def _valid_loose(ofd: int, name: str, oid: str) -> bool:
     try:
         body = inflater.decompress(data, _LOOSE_MAX + 1)
     except zlib.error:
-        return False
+        return None
     if len(body) > _LOOSE_MAX or not inflater.eof or inflater.unused_data:
-        return False  # too large, cut short, or bytes after the stream (git: "garbage at end of loose object")
+        return None  # too large, cut short, or bytes after the stream (git: "garbage at end of loose object")
     header, nul, content = body.partition(b"\0")
     kind, _, size = header.partition(b" ")
     if not nul or kind not in (b"blob", b"tree", b"commit", b"tag") or not size.isdigit() or len(size) > 20 or \
             int(size) != len(content):
-        return False
-    return hashlib.new(algorithm, body).hexdigest() == oid
+        return None
+    return body

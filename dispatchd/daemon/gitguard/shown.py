@@ -14,7 +14,8 @@ that one that fails (reported) never keeps the next from running.
   user's, so the daemon's), and left so: a ``chmod 555 refs`` kept a
   branch from being written back, and everything after it from running.
 
-``after`` (once the changed object directories are known): the FIFOs and
+``after`` (once the changed object directories are known): a fan-out
+directory made unsearchable lent back; the FIFOs and
 the like where git reads (``hangs``), the replacement refs
 (``replacerefs``), ``shallow``, the alternates and the object indexes
 (``viewfiles``), each in a step of its own: an error in one is reported as
@@ -67,7 +68,10 @@ def after(common: str, object_dirs: set[str], replaces: dict[str, str] | None, r
     # A fan-out directory replaced by a symlink: its ctime's look (history._stamps,
     # directories only) misses it, so it is among the changed ones.
     for d in sorted(object_dirs):
-        _aside_unless_dir(os.path.join(common, "objects", d), done, failed)
+        # And one made unsearchable (``chmod 000``: its ctime changed) is given its
+        # owner's rights back: the looks for replaced and rewritten files go in.
+        if not _aside_unless_dir(os.path.join(common, "objects", d), done, failed):
+            fs.lend_path(os.path.join(common, "objects", d))
     steps: list[tuple[str, Callable[[], Step]]] = [("hangs", lambda: hangs.sweep(common, object_dirs))]
     if replaces is not None:  # what git would show and check out in place of the user's objects
         steps.append(("replacement refs", lambda: replacerefs.restore(common, replaces, replaces_packed)))
