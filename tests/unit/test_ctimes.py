@@ -121,6 +121,16 @@ def test_the_c_look_at_the_kept_files_gives_what_the_python_one_gives(tmp_path: 
         expected = ["ab/new", "cd/fifo", "ef/hidden", "pack/new"]  # zz is no fan-out name
         assert (sorted(by_c[0]), by_c[1]) == (sorted(by_python[0]), by_python[1]) == (expected, True)
         assert "ab/old" in native.lines.recent_kept(kfd, ofd, 2, ("pack",), 0, 0, 100)[0]
+        # Split in two parts (each with its descriptors): together, the whole; apart, no name twice.
+        halves = []
+        for part in (0, 1):
+            k = os.open(keep, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                halves.append(native.lines.recent_kept(k, ofd, 2, ("pack",), since, since, 100, part, 2)[0])
+            finally:
+                os.close(k)
+        assert sorted(halves[0] + halves[1]) == expected and halves[0] and halves[1]
+        assert "pack/new" in halves[0]
         for look in (native.lines.recent_kept(kfd, ofd, 2, ("pack",), since, since, 2),
                      replaced.recent_kept(kfd, ofd, since, since, 2)):
             assert look[1] is False

@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import threading
 import zlib
 from collections.abc import Callable
 
@@ -101,22 +102,7 @@ def find_rewritten(objects: str, keep: str, since_ns: int,
     and what cut the look short ("": nothing). The names are the keep's: a
     session's own files are not looked at, nor counted."""
     # Every file whose ctime is not settled (``_replaced``'s rule: treewalk.settled).
-    since, coarse = since_ns - _RACY_NS, since_ns - treewalk.COARSE_SETTLE_NS
-    kfd = _open_dir(keep, ".")
-    if kfd is None:
-        return [], [], ""
-    try:
-        ofd = _open_dir(objects, ".")
-        if ofd is None:
-            return [], [], ""
-        try:
-            walk = getattr(native.lines, "recent_kept", None)  # None too for a helper built before it
-            recent, complete = (walk(kfd, ofd, 2, ("pack",), since, coarse, _MAX_LOOSE) if walk is not None
-                                else recent_kept(kfd, ofd, since, coarse, _MAX_LOOSE))
-        finally:
-            os.close(ofd)
-    finally:
-        os.close(kfd)
+    recent, complete = _walk(keep, objects, since_ns - _RACY_NS, since_ns - treewalk.COARSE_SETTLE_NS)
     by_dir: dict[str, list[str]] = {}
     for rel in recent:
         d, _, name = rel.partition("/")
@@ -146,6 +132,46 @@ def find_rewritten(objects: str, keep: str, since_ns: int,
     cut = "" if complete else (f"more than {_MAX_LOOSE} kept object files, or a keep directory unreadable; "
                                "not all looked at")
     return found, lost, cut
+
+
+def _walk(keep: str, objects: str, since: int, coarse: int) -> tuple[list[str], bool]:
+    """``recent_kept`` over the keep: in C, the fan-out directories split
+    between this thread and another where there are two CPUs (the system
+    calls are most of it, and run without the interpreter's lock: 3.9 ms ->
+    2.2 for 2,042 objects); else in Python."""
+    walk = getattr(native.lines, "recent_kept", None)  # None too for a helper built before it
+    parts = 2 if walk is not None and (os.cpu_count() or 1) > 1 else 1
+    results: list[tuple[list[str], bool] | BaseException | None] = [None] * parts
+
+    def run(part: int) -> None:
+        kfd, ofd = _open_dir(keep, "."), _open_dir(objects, ".")
+        try:
+            if kfd is None or ofd is None:
+                results[part] = ([], True)
+            elif walk is None:
+                results[part] = recent_kept(kfd, ofd, since, coarse, _MAX_LOOSE)
+            else:  # each part its own descriptors: a directory's offset is its descriptor's
+                results[part] = walk(kfd, ofd, 2, ("pack",), since, coarse, _MAX_LOOSE // parts, part, parts)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            results[part] = exc
+        finally:
+            for fd in (kfd, ofd):
+                if fd is not None:
+                    os.close(fd)
+    helpers = [threading.Thread(target=run, args=(part,), name="dispatchd-rewritten") for part in range(1, parts)]
+    for t in helpers:
+        t.start()
+    run(0)
+    for t in helpers:
+        t.join()
+    found: list[str] = []
+    complete = True
+    for result in results:
+        if not isinstance(result, tuple):
+            raise result if isinstance(result, BaseException) else RuntimeError("a part of the walk did not run")
+        found += result[0]
+        complete = complete and result[1]
+    return found, complete
 
 
 def _shared_and_broken(kfd: int, ofd: int, name: str, oid: str) -> bool:
