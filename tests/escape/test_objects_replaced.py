@@ -106,3 +106,41 @@ def test_a_pack_given_a_second_name_cannot_be_rewritten_by_a_later_session(clien
         assert (r.output or "").strip() == "written", (r.output, r.error)
     assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
     assert git(repo, "log", "--format=%H").stdout == original
+
+
+FORGE_PACK = r"""set -e
+out=$(echo {other} | git pack-objects -q .git/objects/pack/tmp)
+python3 - "$out" <<'PY'
+import os, sys
+d = ".git/objects/pack"
+data = bytearray(open(f"{{d}}/tmp-{{sys.argv[1]}}.idx", "rb").read())
+victim = bytes.fromhex("{victim}")
+data[8 + 1024:8 + 1024 + 20] = victim
+for i in range(256):
+    data[8 + i * 4:12 + i * 4] = (1 if i >= victim[0] else 0).to_bytes(4, "big")
+open(f"{{d}}/pack-{forged}.idx", "wb").write(bytes(data))
+os.rename(f"{{d}}/tmp-{{sys.argv[1]}}.pack", f"{{d}}/pack-{forged}.pack")
+os.unlink(f"{{d}}/tmp-{{sys.argv[1]}}.idx")
+PY
+touch -d "@$(( $(date +%s) + 100 ))" .git/objects/pack/pack-{forged}.pack
+git show {victim}
+"""
+
+
+def test_a_pack_naming_the_user_s_objects_for_other_bytes_is_moved_aside(client: dispatch.Client,
+                                                                         repo: Path) -> None:
+    """A session writes a pack whose index names one of the user's objects
+    (the blob of ``f`` at ``HEAD``) at the bytes of another; git reads the
+    newest pack first, so the user's ``git show`` and ``checkout`` would
+    read the session's bytes (the control: inside the session they do).
+    The end reads each of the user's objects a new pack names, and moves
+    this one aside; the twin, a session's honest gc, is left (above)."""
+    victim = git(repo, "rev-parse", "HEAD:f").stdout.strip()
+    other = git(repo, "rev-parse", "HEAD~2:f").stdout.strip()
+    original = git(repo, "show", victim).stdout
+    with client.open_session(str(repo)) as s:
+        r = shell(s, FORGE_PACK.format(other=other, victim=victim, forged="e" * 40))
+        assert r.is_success and (r.output or "") == git(repo, "show", other).stdout, (r.output, r.error)
+    assert any("names your objects for other bytes" in p["why"] for p in s.protected), s.protected
+    assert git(repo, "show", victim).stdout == original
+    assert git(repo, "fsck", "--no-progress", check=False).returncode == 0

@@ -43,8 +43,8 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import (clones, fs, keeps, objectstore, packed, packlinks, reftemp, replacerefs,
-                                       replaced, shown, viewfiles)
+from dispatchd.daemon.gitguard import (clones, fs, keeps, newpacks, objectstore, packed, packlinks, reftemp,
+                                       replacerefs, replaced, shown, viewfiles)
 from dispatchd.tools import native
 
 _log = logging.getLogger("dispatchd.history")
@@ -402,6 +402,13 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                     "(kept past the copy budget): it cannot be put back (git fsck names it)" for rel in lost]
         except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
             failed.append(f"{objects}: the look for files rewritten in place failed: {exc!r}")
+        try:  # a new pack naming the user's objects for other bytes (git reads packs first)
+            if in_place:
+                verified, bad = newpacks.check(objects, history.keep)
+                done += verified
+                failed += bad
+        except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
+            failed.append(f"{objects}: the look at new packs failed: {exc!r}")
         aside, bad = replaced.put_back(objects, history.keep, swapped,
                                        lambda src, dst: clones.clone(src, dst, [clones.COPY_BUDGET], ways, own=True))
         failed += bad
