@@ -24,7 +24,7 @@ def _show(repo: Path, rev: str) -> str:
     return subprocess.run(["git", "show", rev], cwd=repo, capture_output=True, text=True, timeout=30).stdout
 
 
-def _forge(repo: Path, victim: str, other: str) -> Path:
+def _forge(repo: Path, victim: str, other: str, name: str) -> Path:
     """A pack whose index names ``victim`` at ``other``'s bytes: ``other``'s
     pack, its index rewritten to say ``victim`` (the names sorted again, the
     checksums left: git does not check them on a read)."""
@@ -39,7 +39,6 @@ def _forge(repo: Path, victim: str, other: str) -> Path:
     fan = bytes.fromhex(victim)[0]
     for i in range(256):  # one object: the fan-out counts it from its first byte on
         data[8 + i * 4:12 + i * 4] = (1 if i >= fan else 0).to_bytes(4, "big")
-    name = "pack-" + "f" * 40
     (pack_dir / f"{name}.idx").write_bytes(bytes(data))
     os.rename(pack_dir / f"tmp-{out}.pack", pack_dir / f"{name}.pack")
     idx.unlink()
@@ -48,8 +47,11 @@ def _forge(repo: Path, victim: str, other: str) -> Path:
     return pack_dir / f"{name}.pack"
 
 
-@pytest.mark.parametrize("user_s", ["loose", "packed"])
-def test_a_pack_naming_the_user_s_object_at_other_bytes_is_moved_aside(tmp_path: Path, user_s: str) -> None:
+@pytest.mark.parametrize("user_s,name", [("loose", "pack-" + "f" * 40), ("packed", "pack-" + "f" * 40),
+                                         ("loose", "evil")])
+def test_a_pack_naming_the_user_s_object_at_other_bytes_is_moved_aside(tmp_path: Path, user_s: str,
+                                                                      name: str) -> None:
+    """Whatever the pack's name: git reads any ``*.idx`` of ``objects/pack``."""
     repo = commits_repo(tmp_path / "repo")
     if user_s == "packed":
         git(repo, "gc", "-q")
@@ -57,7 +59,7 @@ def test_a_pack_naming_the_user_s_object_at_other_bytes_is_moved_aside(tmp_path:
     victim = git(repo, "rev-parse", "HEAD:f").strip()
     other = git(repo, "rev-parse", "HEAD~1:f").strip()
     original = _show(repo, victim)
-    forged = _forge(repo, victim, other)
+    forged = _forge(repo, victim, other, name)
     assert _show(repo, victim) != original  # the attack works on the user's git
     done, failed = history.restore(kept)
     assert not failed and any("names your objects for other bytes" in why for _, why in done), done

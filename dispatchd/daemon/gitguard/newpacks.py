@@ -31,7 +31,6 @@ import struct
 import time
 
 from dispatchd.daemon.gitguard import fs, objectstore
-from dispatchd.daemon.gitguard.packlinks import is_pack_file
 
 BUDGET_S = 2.0
 MAX_OBJECTS = 200_000  # the user's objects read at one end
@@ -52,7 +51,8 @@ def check(objects: str, keep: str) -> tuple[list[tuple[str, str]], list[str]]:
     except OSError:
         kept = set()
     try:
-        new = sorted(n for n in os.listdir(pack_dir) if n.endswith(".idx") and is_pack_file(n) and n not in kept)
+        # Every index, whatever its name: git reads any ``*.idx`` there as a pack's (``evil.idx``, ``evil.pack``).
+        new = sorted(n for n in os.listdir(pack_dir) if n.endswith(".idx") and n not in kept)
     except OSError:
         return done, failed
     if not new:
