@@ -81,16 +81,103 @@ def test_a_session_s_gc_repack_and_new_objects_are_verified_and_left(tmp_path: P
     assert sorted(p.name for p in (objects / "pack").iterdir()) == packs and _fsck(repo) == 0
 
 
-def test_past_the_budget_a_pack_is_reported_not_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_the_bounds_a_pack_naming_the_user_s_objects_is_moved_aside(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail closed: a pack that cannot be verified within the bounds (the
+    user's objects it names, the time) is moved aside, said so, and nothing
+    of the user's is lost (the objects the session's gc packed are put back
+    loose from the keep)."""
     repo = commits_repo(tmp_path / "repo")
     kept, objects = _kept(tmp_path, repo)
     git(repo, "gc", "-q")
     monkeypatch.setattr(newpacks, "MAX_OBJECTS", 2)
     done, failed = history.restore(kept)
-    assert not failed and any("not verified (it names" in why and "git fsck checks it" in why for _, why in done)
-    assert _fsck(repo) == 0
-    monkeypatch.setattr(newpacks, "MAX_OBJECTS", 200_000)
+    assert not failed and any("could not be verified (it names 9 of your objects, past the 2 read at one end); "
+                              "moved aside" in why for _, why in done), done
+    assert not [p for p in (objects / "pack").iterdir() if p.name.endswith(".idx")] and _fsck(repo) == 0
+    git(repo, "gc", "-q")
+    monkeypatch.setattr(newpacks, "MAX_OBJECTS", 2_000_000)
     monkeypatch.setattr(newpacks, "BUDGET_S", 0.0)
     time.sleep(0.01)
     done, failed = newpacks.check(str(objects), kept.keep)
-    assert not failed and any("past the 0 s read at one end" in why for _, why in done), done
+    assert not failed and any("could not be verified (past the 0 s read at one end)" in why for _, why in done), done
+
+
+def _entry(kind: int, size: int) -> bytes:
+    c, size, out = (kind << 4) | (size & 15), size >> 4, bytearray()
+    while size:
+        out.append(c | 0x80)
+        c, size = size & 0x7F, size >> 7
+    return bytes(out + bytes([c]))
+
+
+def _pack(stem: Path, entries: list[tuple[bytes, bytes]]) -> None:
+    """A pack and its version 2 index, by hand: (id named, raw entry) each."""
+    import hashlib
+    import struct
+    import zlib
+    body = bytearray(b"PACK" + struct.pack(">II", 2, len(entries)))
+    rows = []
+    for oid, raw in entries:
+        rows.append((oid, len(body), zlib.crc32(raw)))
+        body += raw
+    body += hashlib.sha1(body).digest()
+    stem.with_suffix(".pack").write_bytes(bytes(body))
+    rows.sort()
+    idx = bytearray(b"\377tOc" + struct.pack(">I", 2))
+    for i in range(256):
+        idx += struct.pack(">I", sum(1 for oid, _, _ in rows if oid[0] <= i))
+    idx += b"".join(o for o, _, _ in rows) + b"".join(struct.pack(">I", c) for _, _, c in rows)
+    idx += b"".join(struct.pack(">I", off) for _, off, _ in rows) + body[-20:]
+    stem.with_suffix(".idx").write_bytes(bytes(idx + hashlib.sha1(idx).digest()))
+
+
+def test_a_delta_s_base_is_read_from_the_same_pack_as_git_reads_it(tmp_path: Path) -> None:
+    """The user's blob stored as a delta on a base named by id, that base in
+    the same pack holding the session's bytes; a loose object at the base's
+    id holds the user's. Git takes a delta's base from the same pack only:
+    it reads the session's bytes (the control); a reader taking the base
+    from anywhere else would hash the user's and pass the pack. Moved aside."""
+    import zlib
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    victim = git(repo, "rev-parse", "HEAD:f").strip()
+    original = _show(repo, victim)
+    forged = b"X" * len(original.encode())
+    base = bytes.fromhex("ab" * 20)
+    n = len(forged)
+    delta = bytes([n, n, 0x90, n])  # sizes, then copy n bytes from offset 0 (n < 128)
+    _pack(objects / "pack" / ("pack-" + "d" * 40), [
+        (base, _entry(3, n) + zlib.compress(forged)),
+        (bytes.fromhex(victim), _entry(7, len(delta)) + base + zlib.compress(delta))])
+    later = time.time() + 100
+    os.utime(objects / "pack" / ("pack-" + "d" * 40 + ".pack"), (later, later))
+    (objects / "ab").mkdir(exist_ok=True)
+    body = b"blob %d\0" % n + original.encode()
+    (objects / "ab" / ("ab" * 19)).write_bytes(zlib.compress(body))
+    assert _show(repo, victim) == forged.decode()  # the attack works on the user's git
+    done, failed = history.restore(kept)
+    assert not failed and any("names your objects for other bytes" in why for _, why in done), done
+    assert _show(repo, victim) == original
+
+
+def test_objects_the_user_borrows_through_alternates_are_verified(tmp_path: Path) -> None:
+    """A ``git clone --shared`` holds none of its history: its objects are
+    the source's, through ``objects/info/alternates``. A pack naming one of
+    those for other bytes is read first by git (local packs before the
+    alternates'): verified against the alternates the user had, and moved
+    aside."""
+    source = commits_repo(tmp_path / "source")
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", "--shared", str(source), str(clone))
+    time.sleep(0.06)
+    kept = history.record(str(clone / ".git"), str(tmp_path / "keep"), own=[])
+    time.sleep(0.06)
+    victim = git(clone, "rev-parse", "HEAD:f").strip()
+    other = git(clone, "rev-parse", "HEAD~1:f").strip()
+    original = _show(clone, victim)
+    _forge(clone, victim, other, "pack-" + "c" * 40)
+    assert _show(clone, victim) != original  # the attack works on the user's git
+    done, failed = history.restore(kept)
+    assert not failed and any("names your objects for other bytes" in why for _, why in done), done
+    assert _show(clone, victim) == original

@@ -267,3 +267,52 @@ def test_only_git_s_pack_names_are_held_and_the_oldest_first(tmp_path: Path, mon
     layout = layouts.inspect_git(str(repo), uid=os.getuid())
     held = [p for p in layout.read_only if "/objects/pack/" in p]
     assert held == [str(oldest)], held
+
+
+def test_packs_given_names_are_copied_once_an_inode_within_one_budget(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One inode under two pack names of the repository and a name of the
+    session's: copied once, both names on the copy; the next pack past the
+    budget (one for the whole end, not one a file: a sparse file under many
+    names filled the disk) is reported, not copied."""
+    from dispatchd.daemon.gitguard import packlinks
+    repo = _packed(tmp_path)
+    kept, objects = _kept(tmp_path, repo)
+    pack_dir = objects / "pack"
+    first = _pack_files(repo)[0]
+    twin = pack_dir / ("pack-" + "a" * 40 + ".pack")
+    os.link(first, twin)
+    os.link(first, tmp_path / "session-name")
+    budget = first.stat().st_size
+    done, failed = packlinks.unshare(str(objects), kept.keep, kept.pack_links or {},
+                                     lambda src, dst, left: clones.clone(src, dst, left, never_link=True), budget)
+    assert sorted(done) == sorted([first.name, twin.name]) and not failed
+    assert first.stat().st_ino == twin.stat().st_ino != (tmp_path / "session-name").stat().st_ino
+    second = _pack_files(repo)[1]
+    os.link(second, tmp_path / "other-name")
+    done, failed = packlinks.unshare(str(objects), kept.keep, kept.pack_links or {},
+                                     lambda src, dst, left: clones.clone(src, dst, left, never_link=True), 0)
+    assert done == [] and f"{second}: a session gave it another name, and it cannot be made the repository's own " \
+        "again (over the copy budget)" in failed, failed
+    monkeypatch.setattr(packlinks, "MAX_FILES", 2)
+    assert packlinks.unshare(str(objects), kept.keep, {}, lambda *a: None, 0) == (
+        [], [f"{pack_dir}: more than 2 pack files; those given another name not looked for"])
+
+
+def test_a_keep_linked_to_an_inode_no_longer_the_repository_s_is_linked_again(tmp_path: Path) -> None:
+    """A daemon killed between making the repository's pack an inode of its
+    own and moving the keep's link: the keep shares the session's name's
+    inode. The next end links it to the repository's file again."""
+    from dispatchd.daemon.gitguard import packlinks
+    repo = _packed(tmp_path)
+    kept, objects = _kept(tmp_path, repo)
+    first = _pack_files(repo)[0]
+    keep_file = Path(kept.keep) / "pack" / first.name
+    assert keep_file.stat().st_ino == first.stat().st_ino
+    os.link(first, tmp_path / "session-name")
+    copy = first.parent / "copy"
+    clones.clone(str(first), str(copy), [1 << 30], never_link=True)
+    os.replace(copy, first)  # the repository's file made its own; the keep not moved (killed here)
+    assert keep_file.stat().st_ino == (tmp_path / "session-name").stat().st_ino
+    packlinks.unshare(str(objects), kept.keep, kept.pack_links or {}, lambda *a: None, 0)
+    assert keep_file.stat().st_ino == first.stat().st_ino

@@ -319,7 +319,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note,
                    stamps=stamps, stamped_ns=stamped_ns, replaces=replacing.loose,
                    replaces_packed=replacing.packed, views=viewfiles.read(common),
-                   view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects))
+                   view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects) or {})
 
 
 def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
@@ -353,8 +353,8 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         try:
             if history.pack_links is not None and in_place:
                 unshared, bad = packlinks.unshare(objects, history.keep, history.pack_links,
-                                                  lambda src, dst: clones.clone(src, dst, [clones.COPY_BUDGET],
-                                                                                never_link=True))
+                                                  lambda src, dst, left: clones.clone(src, dst, left, never_link=True),
+                                                  clones.COPY_BUDGET)
                 failed += bad
                 if unshared:
                     done.append((objects, f"{len(unshared)} pack files a session gave another name made the "
@@ -404,7 +404,8 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
             failed.append(f"{objects}: the look for files rewritten in place failed: {exc!r}")
         try:  # a new pack naming the user's objects for other bytes (git reads packs first)
             if in_place:
-                verified, bad = newpacks.check(objects, history.keep)
+                verified, bad = newpacks.check(objects, history.keep, objectstore.alternates(
+                    objects, (history.views or {}).get("objects/info/alternates")), common)
                 done += verified
                 failed += bad
         except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below

@@ -1,26 +1,31 @@
-"""Packs a session made that name the user's objects: each of those objects
-read from the new pack and hashed, at the domain's last end.
+"""Packs a session made that name the user's objects: each such object read
+from the new pack and hashed, at the domain's last end; a pack that cannot
+be verified is moved aside.
 
-Git looks an object up in the packs before the loose objects, and in the
-newest pack first, so a pack a session writes whose index names one of the
-user's object ids at bytes of the session's own has the user's ``git
-show`` and ``git checkout`` read the session's bytes for that id (only
-``git fsck`` tells). The keep holds the user's objects, but nothing was
-missing, so nothing was put back. Honest new packs name the user's objects
-too (a session's ``git gc``, ``git repack``, a fetch of what the user has),
-so a pack is not refused for naming them: each object it names that the
-user had (in the keep: its packs' indexes, its loose names) is read from
-the new pack as git would (deltas applied: ``objectstore``) and hashed
-against its id. A pack with one that does not hash to its id, or cannot be
-read, has its files moved aside (its index first: git reads a pack through
-its ``.idx``; a name ending otherwise is no pack to git), reported.
+Git looks an object up in the packs before the loose objects, in the
+newest pack first and then the one it last found something in, so a pack a
+session writes whose index names one of the user's object ids at bytes of
+its own has the user's ``git show`` and ``git checkout`` read the session's
+bytes (only ``git fsck`` tells). The keep holds the user's objects, but
+nothing was missing, so nothing was put back. Honest new packs name the
+user's objects too (a session's ``git gc``, ``git repack``, a fetch of what
+the user has), so a pack is not refused for naming them: each object it
+names that the user had (the keep's pack indexes and loose names, and the
+object stores the user's ``objects/info/alternates`` named at the
+baseline) is read from the new pack as git reads it (``objectstore``:
+deltas applied, a delta's base looked up *in the same pack* only, as git
+does) and hashed against its id.
 
-Bounded: ``BUDGET_S`` of reading and ``MAX_OBJECTS`` objects at one end;
-past either, the packs not yet verified are reported as such (``git fsck``
-checks them), not refused: a session's ``git gc`` on a large repository
-would otherwise fail every end. Only packs whose index is not in the keep
-(new since the baseline) are read. SHA-1 repositories only (a SHA-256
-one's packs are reported not verified).
+**Fail closed.** A pack with an object that does not hash to its id, or
+that cannot be read, and a pack that cannot be verified within the bounds
+(``BUDGET_S`` of reading at one end, ``MAX_OBJECTS`` of the user's objects,
+``MAX_NAMES`` names in the new indexes, ``MAX_PACKS`` new indexes, delta
+chains of 64: deeper than git's default of 50) has its files moved aside
+(its ``.idx`` first: git reads any ``*.idx`` of ``objects/pack`` as a pack,
+and a name ending otherwise as none), and the report says which and why: a
+session's honest ``git gc`` of a very large repository is moved aside too,
+to be renamed back by the user who trusts it. A SHA-256 repository's new
+packs are reported as not verified and left (the reader knows SHA-1 ids).
 """
 
 from __future__ import annotations
@@ -32,17 +37,52 @@ import time
 
 from dispatchd.daemon.gitguard import fs, objectstore
 
-BUDGET_S = 2.0
-MAX_OBJECTS = 200_000  # the user's objects read at one end
-_MAX_NAMES = 10_000_000  # names of one new index looked up (200 MiB of index)
+BUDGET_S = 20.0
+MAX_OBJECTS = 2_000_000  # the user's objects read at one end
+MAX_NAMES = 2_000_000  # names of the new indexes, all told (about 120 MiB as a set)
+MAX_PACKS = 256  # new indexes at one end
+_CACHE_BYTES = 64 * 1024 * 1024  # a pack's inflated delta bases kept while it is read
 _KINDS = {1: b"commit", 2: b"tree", 3: b"blob", 4: b"tag"}
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def check(objects: str, keep: str) -> tuple[list[tuple[str, str]], list[str]]:
-    """Verify the new packs of ``objects`` against the keep (see the module):
-    ``(path, why)`` for each pack moved aside or left not verified, and what
-    could not be done."""
+class _OnePack:
+    """What ``objectstore._Pack.read`` asks of a store, answered from the
+    pack being read alone (git: a delta's base "must be in the same pack"),
+    and its own reads of a delta's base by offset, both through a cache of
+    inflated objects (a chain's bases are read once, not once a delta)."""
+
+    def __init__(self, pack: objectstore._Pack, deadline: float) -> None:
+        self.pack, self.deadline = pack, deadline
+        self.cache: dict[int, tuple[int, bytes]] = {}
+        self.cached = 0
+        pack.read = lambda off, store, depth=0: self.at(off, depth)  # type: ignore[method-assign]
+
+    def in_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise objectstore.OutOfTime("out of time")
+
+    def read(self, oid: bytes, depth: int = 0) -> tuple[int, bytes] | None:
+        off = self.pack.offset(oid)
+        return None if off is None else self.at(off, depth)
+
+    def at(self, off: int, depth: int = 0) -> tuple[int, bytes]:
+        found = self.cache.get(off)
+        if found is None:
+            found = objectstore._Pack.read(self.pack, off, self, depth)  # type: ignore[arg-type]
+            if self.cached + len(found[1]) > _CACHE_BYTES:
+                self.cache.clear()
+                self.cached = 0
+            self.cache[off] = found
+            self.cached += len(found[1])
+        return found
+
+
+def check(objects: str, keep: str, alternates: list[str] | None = None,
+          common: str = "") -> tuple[list[tuple[str, str]], list[str]]:
+    """Verify the new packs of ``objects`` against the keep and the user's
+    ``alternates`` (see the module): ``(path, why)`` for each pack moved
+    aside or left not verified, and what could not be done."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     pack_dir = os.path.join(objects, "pack")
@@ -57,33 +97,87 @@ def check(objects: str, keep: str) -> tuple[list[tuple[str, str]], list[str]]:
         return done, failed
     if not new:
         return done, failed
-    loose = _kept_loose(keep)
+    if common and _sha256(common):
+        return [(os.path.join(pack_dir, n), "a pack a session made, in a SHA-256 repository: not verified "
+                                             "(git fsck checks it)") for n in new], failed
     deadline = time.monotonic() + BUDGET_S
-    store = objectstore.Store(objects, deadline=deadline)
-    left = [MAX_OBJECTS]
+    verdicts = _verdicts(pack_dir, new, keep, alternates or [], deadline)
     for idx in new:
-        path = os.path.join(pack_dir, idx[:-4] + ".pack")
-        verdict = _verify(pack_dir, idx, keep, loose, store, left)
-        if verdict == "forged":
-            moved, bad = _aside(pack_dir, idx[:-4])
-            failed += bad
-            done.append((path, "a pack a session made names your objects for other bytes (git would have read "
-                               f"them in place of yours); moved aside: {', '.join(moved)}"))
-        elif verdict:
-            done.append((path, f"a pack a session made, naming your objects, not verified ({verdict}): "
-                               "git fsck checks it"))
+        verdict = verdicts.get(idx, "past the bounds of one end")
+        if not verdict:
+            continue
+        moved, bad = _aside(pack_dir, idx[:-4])
+        failed += bad
+        why = ("names your objects for other bytes (git would have read them in place of yours)"
+               if verdict == "forged" else f"names your objects and could not be verified ({verdict})")
+        done.append((os.path.join(pack_dir, idx), f"a pack a session made {why}; moved aside: {', '.join(moved)}"))
     return done, failed
 
 
-def _kept_loose(keep: str) -> set[bytes]:
+def _verdicts(pack_dir: str, new: list[str], keep: str, alternates: list[str], deadline: float) -> dict[str, str]:
+    """Each new index -> "" (verified, or naming none of the user's objects),
+    "forged", or why it could not be verified; an index left out is past the
+    bounds."""
+    verdicts: dict[str, str] = {}
+    names: dict[str, list[bytes]] = {}
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for idx in new[:MAX_PACKS]:
+        try:
+            st = os.stat(os.path.join(pack_dir, idx), follow_symlinks=False)
+        except OSError:
+            continue  # gone: nothing for git to read
+        if (st.st_dev, st.st_ino) in seen:
+            verdicts[idx] = "the same index as another new one"  # hard links: one read, the rest aside
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        listed = objectstore.names_in_index(pack_dir, idx, MAX_NAMES - total)
+        if listed is None:
+            verdicts[idx] = "its index is not one of version 2 with SHA-1 ids, or names too many objects"
+            continue
+        total += len(listed)
+        names[idx] = listed
+        if time.monotonic() > deadline:
+            break
+    # The user's objects among all of them, the keep's indexes read once.
+    wanted = list({oid for listed in names.values() for oid in listed})
+    users = _users(wanted, keep, alternates)
+    left = MAX_OBJECTS
+    for idx, listed in names.items():
+        mine = sorted(oid for oid in listed if oid in users)
+        if not mine:
+            verdicts[idx] = ""
+        elif len(mine) > left:
+            verdicts[idx] = f"it names {len(mine)} of your objects, past the {MAX_OBJECTS} read at one end"
+        else:
+            left -= len(mine)
+            verdicts[idx] = _verify(pack_dir, idx, mine, deadline)
+    return verdicts
+
+
+def _users(oids: list[bytes], keep: str, alternates: list[str]) -> set[bytes]:
+    """Which of ``oids`` the user had: in the keep (its pack indexes, its
+    loose names) or in an object store of the user's alternates."""
+    found: set[bytes] = set()
+    for store in [keep, *alternates]:
+        if os.path.isdir(os.path.join(store, "pack")):
+            found |= objectstore.indexed(store, [oid for oid in oids if oid not in found])
+        loose = _loose(store)
+        if loose:
+            found |= loose.intersection(oids)
+    return found
+
+
+def _loose(store: str) -> set[bytes]:
+    """The ids of an object store's loose objects, from its listings."""
     found: set[bytes] = set()
     try:
-        dirs = [d for d in os.listdir(keep) if len(d) == 2 and not d.strip("0123456789abcdef")]
+        dirs = [d for d in os.listdir(store) if len(d) == 2 and not d.strip("0123456789abcdef")]
     except OSError:
         return found
     for d in dirs:
         try:
-            names = os.listdir(os.path.join(keep, d))
+            names = os.listdir(os.path.join(store, d))
         except OSError:
             continue
         for n in names:
@@ -95,20 +189,8 @@ def _kept_loose(keep: str) -> set[bytes]:
     return found
 
 
-def _verify(pack_dir: str, idx: str, keep: str, loose: set[bytes], store: objectstore.Store,
-            left: list[int]) -> str:
-    """"" (every object of the user's it names hashes right), "forged", or
-    why it was not verified."""
-    names = objectstore.names_in_index(pack_dir, idx, _MAX_NAMES)
-    if names is None:
-        return "its index is not one of version 2 with SHA-1 ids, or names too many objects"
-    users = sorted((objectstore.indexed(keep, names) if os.path.isdir(os.path.join(keep, "pack")) else set())
-                   | (loose & set(names)))
-    if not users:
-        return ""
-    if len(users) > left[0]:
-        return f"it names {len(users)} of your objects, past the {MAX_OBJECTS} read at one end"
-    left[0] -= len(users)
+def _verify(pack_dir: str, idx: str, mine: list[bytes], deadline: float) -> str:
+    """"" (each of ``mine`` hashes right, read from this pack alone), "forged", or why not verified."""
     try:
         fd = os.open(pack_dir, _DIR)
     except OSError as exc:
@@ -119,22 +201,33 @@ def _verify(pack_dir: str, idx: str, keep: str, loose: set[bytes], store: object
         return "forged"  # an index naming your objects over a pack that cannot be read
     finally:
         os.close(fd)
+    one = _OnePack(pack, deadline)
     try:
-        for oid in users:
+        for oid in mine:
             off = pack.offset(oid)
             if off is None:
                 return "forged"
-            kind, body = pack.read(off, store)
+            kind, body = one.at(off)
             name = _KINDS.get(kind)
             if name is None or hashlib.sha1(name + b" %d\0" % len(body) + body).digest() != oid:
                 return "forged"
     except objectstore.OutOfTime:
         return f"past the {BUDGET_S:g} s read at one end"
-    except (ValueError, IndexError, struct.error, OSError, MemoryError):
+    except ValueError as exc:
+        if str(exc) == "delta chain too long":
+            return "a delta chain deeper than 64"
         return "forged"  # git could not read it either: nothing of yours is to be read there
+    except (IndexError, struct.error, OSError, MemoryError, RecursionError):
+        return "forged"
     finally:
+        one.cache.clear()
         pack.data.close()
     return ""
+
+
+def _sha256(common: str) -> bool:
+    text = (fs.read_small(os.path.join(common, "config"), 1 << 20) or "").lower().replace(" ", "")
+    return "objectformat=sha256" in text
 
 
 def _aside(pack_dir: str, stem: str) -> tuple[list[str], list[str]]:
@@ -146,5 +239,5 @@ def _aside(pack_dir: str, stem: str) -> tuple[list[str], list[str]]:
             try:
                 moved.append(os.path.basename(fs.move_aside(path)))
             except OSError as exc:
-                failed.append(f"{path}: a forged pack that cannot be moved aside ({exc.strerror})")
+                failed.append(f"{path}: a pack that cannot be moved aside ({exc.strerror})")
     return moved, failed

@@ -10,13 +10,16 @@ later session rewrites it in place through that other name (``chmod u+w
 x``), which no bind by path holds and which the history's keep would share.
 
 So at the domain's last end (``history.restore``, with no process of the
-sessions left), each of git's pack files (``pack-*``, regular) that has
-more names than at the baseline (``links``, taken once the keep is up to
+sessions left), each pack file (any name git reads: ``*.idx`` and the files
+beside it; regular) that has more names than at the baseline (``links``, taken once the keep is up to
 date: a pack of a ``git clone --local`` shares its inode with the source's,
 and keeps the count it had) is copied to a new inode under its own name
-(``unshare``; a temporary name, then a rename over it); the keep's hard
-link to the old inode, if any, is made one to the new. The other name keeps
-the old inode, and nothing of the repository's shares it any more.
+(``unshare``; a temporary name, then a rename over it; one copy an inode,
+within one budget: a sparse file linked under many names is not copied
+again for each); the keep's hard link to the old inode, if any, is made
+one to the new. The other name keeps the old inode, and nothing of the
+repository's shares it any more. A session's junk in ``objects/pack`` past
+``MAX_FILES`` fails the check rather than hiding a pack.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import stat
 from collections.abc import Callable
 
 _PACK_FILE = re.compile(r"^pack-[0-9a-f]{40}(?:[0-9a-f]{24})?\.(?:pack|idx|rev|bitmap|mtimes)$")
-_MAX_FILES = 4096  # pack files looked at
+_PACKISH = (".pack", ".idx", ".rev", ".bitmap", ".mtimes")  # what git reads of a pack, whatever its name
+MAX_FILES = 4096  # pack files looked at; past it the check fails (a session's junk must not hide one)
 
 
 def is_pack_file(name: str) -> bool:
@@ -35,50 +39,66 @@ def is_pack_file(name: str) -> bool:
     return bool(_PACK_FILE.match(name))
 
 
-def links(objects: str) -> dict[str, int]:
-    """Each pack file of ``objects/pack`` -> its number of names."""
+def links(objects: str) -> dict[str, int] | None:
+    """Each pack file of ``objects/pack`` (any name git would read: ``*.idx``
+    and the files beside it) -> its number of names; None past ``MAX_FILES``."""
     found: dict[str, int] = {}
     try:
-        entries = list(os.scandir(os.path.join(objects, "pack")))
+        entries = [e for e in os.scandir(os.path.join(objects, "pack")) if e.name.endswith(_PACKISH)]
     except OSError:
         return found
-    for entry in entries[:_MAX_FILES]:
-        if is_pack_file(entry.name):
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                found[entry.name] = st.st_nlink
+    if len(entries) > MAX_FILES:
+        return None
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found[entry.name] = st.st_nlink
     return found
 
 
 def unshare(objects: str, keep: str, before: dict[str, int],
-            copy: Callable[[str, str], None]) -> tuple[list[str], list[str]]:
+            copy: Callable[[str, str, list[int]], None], budget: int) -> tuple[list[str], list[str]]:
     """Each pack file with more names than ``before`` gave it (one for a pack
-    not there then) copied to a new inode under its name (``copy``: the
-    history's way, never a hard link), the keep's link moved to it. Returns
-    the names unshared, and what could not be (with why)."""
+    not there then) given a new inode under its name: a copy (``copy(src,
+    dst, budget)``: the history's way, never a hard link; one ``budget`` for
+    all), made once an inode, the other names of the repository's sharing it
+    linked to that copy; the keep's link moved to it. And a kept pack file
+    linked to an inode the repository's file no longer is (a daemon killed
+    between the two) linked again. Returns the names unshared, and what
+    could not be (with why)."""
     done: list[str] = []
     failed: list[str] = []
     pack = os.path.join(objects, "pack")
-    for name, count in sorted(links(objects).items()):
-        if count <= before.get(name, 1):
-            continue
+    now = links(objects)
+    if now is None:
+        return done, [f"{pack}: more than {MAX_FILES} pack files; those given another name not looked for"]
+    left = [budget]
+    copies: dict[tuple[int, int], str] = {}  # an old inode -> its copy's path
+    for name, count in sorted(now.items()):
         path = os.path.join(pack, name)
-        tmp = os.path.join(pack, f"tmp-unshared-{name}")
+        kept = os.path.join(keep, "pack", name) if keep else ""
         try:
             old = os.lstat(path)
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            copy(path, tmp)
-            os.replace(tmp, path)
-            kept = os.path.join(keep, "pack", name)
-            if keep and os.path.lexists(kept) and (os.lstat(kept).st_dev, os.lstat(kept).st_ino) == \
-                    (old.st_dev, old.st_ino):
-                os.unlink(kept)
-                os.link(path, kept, follow_symlinks=False)
-            done.append(name)
+            if count > before.get(name, 1):
+                tmp = os.path.join(pack, f"tmp-unshared-{name}")
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
+                first = copies.get((old.st_dev, old.st_ino))
+                if first is None:
+                    copy(path, tmp, left)
+                    copies[(old.st_dev, old.st_ino)] = path
+                else:
+                    os.link(first, tmp, follow_symlinks=False)
+                os.replace(tmp, path)
+                done.append(name)
+            if kept and os.path.lexists(kept):
+                k, here = os.lstat(kept), os.lstat(path)
+                if k.st_nlink > 1 and (k.st_dev, k.st_ino) != (here.st_dev, here.st_ino):
+                    os.unlink(kept)  # a link to what is no longer the repository's file
+                    os.link(path, kept, follow_symlinks=False)
         except OSError as exc:
             failed.append(f"{path}: a session gave it another name, and it cannot be made the repository's own "
                           f"again ({exc.strerror})")
