@@ -50,7 +50,7 @@ import os
 import stat
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import fs
@@ -68,6 +68,22 @@ def find(objects: str, keep: str, dirs: set[str], since_ns: int) -> list[str]:
     replaced (see the module). ``since_ns``: when the baseline's look began."""
     found: list[str] = []
     budget = [_COMPARE_BUDGET]
+    for d, kfd, ofd in _dir_pairs(keep, objects, dirs):
+        # The inode each name holds, from the listings (no stat): a name
+        # holding the keep's own inode (a hard link) is the kept file.
+        same_dev = os.fstat(kfd).st_dev == os.fstat(ofd).st_dev
+        kept, now = _inodes(kfd), _inodes(ofd)
+        for name in sorted(kept.keys() & now.keys()):
+            if same_dev and kept[name] == now[name]:
+                continue
+            if _replaced(kfd, ofd, name, d, since_ns, budget):
+                found.append(f"{d}/{name}")
+    return found
+
+
+def _dir_pairs(keep: str, objects: str, dirs: Iterable[str]) -> Iterator[tuple[str, int, int]]:
+    """Each of ``dirs`` that both the keep and the repository have, opened in
+    both (not followed), closed once the next is asked for."""
     for d in sorted(dirs):
         kfd = _open_dir(keep, d)
         if kfd is None:
@@ -77,20 +93,11 @@ def find(objects: str, keep: str, dirs: set[str], since_ns: int) -> list[str]:
             if ofd is None:
                 continue
             try:
-                # The inode each name holds, from the listings (no stat): a name
-                # holding the keep's own inode (a hard link) is the kept file.
-                same_dev = os.fstat(kfd).st_dev == os.fstat(ofd).st_dev
-                kept, now = _inodes(kfd), _inodes(ofd)
-                for name in sorted(kept.keys() & now.keys()):
-                    if same_dev and kept[name] == now[name]:
-                        continue
-                    if _replaced(kfd, ofd, name, d, since_ns, budget):
-                        found.append(f"{d}/{name}")
+                yield d, kfd, ofd
             finally:
                 os.close(ofd)
         finally:
             os.close(kfd)
-    return found
 
 
 def find_rewritten(objects: str, keep: str, since_ns: int,
@@ -111,24 +118,12 @@ def find_rewritten(objects: str, keep: str, since_ns: int,
     found: list[str] = []
     lost: list[str] = []
     budget = [_COMPARE_BUDGET]
-    for d, names in sorted(by_dir.items()):
-        kfd = _open_dir(keep, d)
-        if kfd is None:
-            continue
-        try:
-            ofd = _open_dir(objects, d)
-            if ofd is None:
-                continue
-            try:
-                for name in sorted(names):
-                    if _replaced(kfd, ofd, name, d, since_ns, budget):
-                        found.append(f"{d}/{name}")
-                    elif d != "pack" and _shared_and_broken(kfd, ofd, name, d + name):
-                        lost.append(f"{d}/{name}")
-            finally:
-                os.close(ofd)
-        finally:
-            os.close(kfd)
+    for d, kfd, ofd in _dir_pairs(keep, objects, by_dir):
+        for name in sorted(by_dir[d]):
+            if _replaced(kfd, ofd, name, d, since_ns, budget):
+                found.append(f"{d}/{name}")
+            elif d != "pack" and _shared_and_broken(kfd, ofd, name, d + name):
+                lost.append(f"{d}/{name}")
     cut = "" if complete else (f"more than {_MAX_LOOSE} kept object files, or a keep directory unreadable; "
                                "not all looked at")
     return found, lost, cut
