@@ -37,6 +37,7 @@ from dispatchd import domains
 from dispatchd.confine import cgroups
 from dispatchd.confine.plan import GitLayout, SessionPaths, SessionPlan
 from dispatchd.daemon import claims, gitguard, lifetimes, watchdog
+from dispatchd.daemon.gitguard.layouts import without_packs
 from dispatchd.daemon.beside import Beside  # the baseline taken while the sandbox starts
 from dispatchd.daemon.dnsrelay import session_resolv_binds
 from dispatchd.daemon.lifecycle import Event
@@ -271,6 +272,8 @@ class Opening(Pooling):
         session.git = gitguard.with_gitdirs(session.git, resolved,
                                             gitguard.gitdir_paths(resolved, session.git_before))
         session.redirects_before = gitguard.redirects_present(session.git, resolved)
+        if session.policy.sandbox.user_namespaces == "never" or not self.kernel.user_namespaces:
+            session.git = without_packs(session.git)  # no mount namespace: no pack held (the keep copies)
 
     @staticmethod
     def _points_back(git: GitLayout, worktree: str) -> bool:

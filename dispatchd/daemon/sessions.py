@@ -141,7 +141,6 @@ class SessionManager(Switching):
         self.baselines = gitguard.Baselines(state_dir, self.home)
         self.baselines.sync_dir = afterwards.fsync_dir  # a record's removal made durable after the reply
         self.baselines.later = afterwards.later  # the last end's record removed after the reply
-        self.baselines.binds_held = kernel.user_namespaces  # the packs held read-only, or kept as copies
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
         try:

@@ -61,7 +61,8 @@ def test_the_user_s_packs_cannot_be_changed_in_a_session(mode_daemon: tuple[str,
     """Full mode: each pack file the repository had is read-only over itself
     (chmod: EROFS, so a write stays refused; rm: EBUSY), while git's own work, a commit
     and a gc writing new packs, succeeds (the twin). Degraded mode: no mount
-    namespace to hold them, and the session's report says so."""
+    namespace to hold them, and the session's report says so; the keep holds
+    copies of them, and one rewritten in place is put back at the end."""
     git(repo, "gc", "-q")
     pack = next(p for p in (repo / ".git" / "objects" / "pack").iterdir() if p.suffix == ".pack")
     rel = pack.relative_to(repo)
@@ -77,10 +78,14 @@ def test_the_user_s_packs_cannot_be_changed_in_a_session(mode_daemon: tuple[str,
             assert not [g for g in gaps if "packs can be made writable" in g], gaps
         else:
             assert any(g.startswith("the repository's packs can be made writable (chmod)") for g in gaps), gaps
+            # Nothing holds them: the keep holds copies, and the end puts the bytes back.
+            r = shell(s, f"chmod u+w {rel} && printf garbage | dd of={rel} bs=1 seek=100 conv=notrunc status=none")
+            assert r.is_success and pack.read_bytes() != before, (r.output, r.error)  # the attack landed
+    assert pack.read_bytes() == before
+    with client.open_session(str(repo)) as s:
         r = shell(s, "git -c user.name=u -c user.email=u@example.invalid commit -q --allow-empty -m more && "
                      "git gc -q && git count-objects -v | grep packs")
         assert r.is_success, (r.output, r.error)
-    assert pack.read_bytes() == before
     assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
 
 
@@ -97,7 +102,7 @@ def test_a_pack_given_a_second_name_cannot_be_rewritten_by_a_later_session(clien
         r = shell(s, "git repack -q -a -d && ln .git/objects/pack/pack-*.pack .git/mine && "
                      "stat -c %h .git/objects/pack/pack-*.pack")
         assert r.is_success and (r.output or "").strip().endswith("2"), (r.output, r.error)  # shared, then
-    assert any("pack files a session gave another name made the repository's own again" in p["why"]
+    assert any("pack files with more names than at the baseline (hard links made meanwhile) given an inode of their own" in p["why"]
                for p in s.protected), s.protected
     original = git(repo, "log", "--format=%H").stdout
     with client.open_session(str(repo)) as s:

@@ -115,7 +115,7 @@ class Baselines:
         # 0.3-40 ms on a loaded machine (docs/performance.md).
         self.sync_dir: Callable[[str], None] = fsync_directory
         self.later: Callable[[Callable[[], None]], None] = lambda job: job()  # at once
-        self.settle_delay_s, self.binds_held = 0.0, True  # testing only (Durable); read-only paths bound
+        self.settle_delay_s = 0.0  # testing only: see Durable
 
     # --- on disk ---------------------------------------------------------
 
@@ -357,8 +357,8 @@ class Baselines:
                     record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
                 return
         keep = history.keep_for(self.keep_dir, common)
-        held = packlinks.held_names(part.layout.read_only, common) if self.binds_held else frozenset()
-        kept = history.record(common, keep, [branch] if branch else [], held)
+        kept = history.record(common, keep, [branch] if branch else [],
+                              packlinks.held_names(part.layout.read_only, common))
         if kept.note:
             log.warning("event=history_not_kept common=%s why=%r", common, kept.note)
         record.histories.append(kept)

@@ -149,10 +149,13 @@ def own_loose(keep: str, is_fanout: frozenset[str], budget: list[int]) -> int:
         for name in os.listdir(folder):
             path = os.path.join(folder, name)
             try:
+                if name.startswith("tmp-own-") and name.endswith(".part"):
+                    os.unlink(path)  # a killed daemon's copy half made
+                    continue
                 if name.startswith("tmp") or os.lstat(path).st_nlink <= 1:
                     continue
                 # "tmp": a name no listing of the keep takes for an object's (history._files_in).
-                tmp = os.path.join(folder, f"tmp-own-{name}")
+                tmp = os.path.join(folder, f"tmp-own-{name}.part")
                 if os.path.lexists(tmp):
                     os.unlink(tmp)
                 clone(path, tmp, budget, own=True)
@@ -182,7 +185,11 @@ def own_unheld(keep: str, objects: str, held: frozenset[str], budget: list[int])
     shared = 0
     try:
         with os.scandir(os.path.join(keep, "pack")) as scan:
-            kept = {e.name: e.inode() for e in scan if not e.name.startswith("tmp")}
+            entries = list(scan)
+        for e in entries:  # a killed daemon's copy half made
+            if e.name.startswith("tmp-own-") and e.name.endswith(".part"):
+                os.unlink(e.path)
+        kept = {e.name: e.inode() for e in entries if not e.name.startswith("tmp")}
         with os.scandir(os.path.join(objects, "pack")) as scan:
             now = {e.name: e.inode() for e in scan}
     except OSError:
@@ -191,7 +198,7 @@ def own_unheld(keep: str, objects: str, held: frozenset[str], budget: list[int])
         if name in held or kept[name] != now[name]:
             continue
         path = os.path.join(keep, "pack", name)
-        tmp = os.path.join(keep, "pack", f"tmp-own-{name}")
+        tmp = os.path.join(keep, "pack", f"tmp-own-{name}.part")
         try:
             if os.path.lexists(tmp):
                 os.unlink(tmp)

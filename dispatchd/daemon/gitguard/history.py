@@ -244,7 +244,7 @@ def keep_more(objects_fd: int, keep: str, common: str, budget: list[int]) -> set
                 for n in missing:
                     try:
                         clones.clone(f"/proc/self/fd/{fd}/{n}", os.path.join(kept_dir, n), budget, ways,
-                                     own=name != "pack")
+                                     own=True)  # a pack too: a link would count as a second name
                     except (FileNotFoundError, FileExistsError):
                         continue  # gone meanwhile (a repack), or kept meanwhile
             finally:
@@ -319,7 +319,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note,
                    stamps=stamps, stamped_ns=stamped_ns, replaces=replacing.loose,
                    replaces_packed=replacing.packed, views=viewfiles.read(common),
-                   view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects) or {})
+                   view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects))
 
 
 def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
@@ -357,8 +357,9 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                                                   clones.COPY_BUDGET)
                 failed += bad
                 if unshared:
-                    done.append((objects, f"{len(unshared)} pack files a session gave another name made the "
-                                          f"repository's own again ({', '.join(unshared[:3])})"))
+                    done.append((objects, f"{len(unshared)} pack files with more names than at the baseline "
+                                          f"(hard links made meanwhile) given an inode of their own "
+                                          f"({', '.join(unshared[:3])})"))
         except Exception as exc:  # noqa: BLE001 - reported; the rest still runs
             failed.append(f"{objects}: the look for packs given another name failed: {exc!r}")
         if not history.stamped_ns:
@@ -405,7 +406,8 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         try:  # a new pack naming the user's objects for other bytes (git reads packs first)
             if in_place:
                 verified, bad = newpacks.check(objects, history.keep, objectstore.alternates(
-                    objects, (history.views or {}).get("objects/info/alternates")), common)
+                    objects, (history.views or {}).get("objects/info/alternates")), common,
+                    set(history.pack_links) if history.pack_links is not None else None)
                 done += verified
                 failed += bad
         except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below

@@ -104,6 +104,15 @@ def held_packs(common: str) -> tuple[list[str], int]:
     return [p for _, p in files[:MAX_HELD_PACK_FILES]], max(0, len(files) - MAX_HELD_PACK_FILES)
 
 
+def without_packs(layout: GitLayout) -> GitLayout:
+    """The layout of a session with no mount namespace (degraded mode, or a
+    policy's ``user_namespaces = "never"``): nothing is bound there, so no
+    pack is held, and the history keeps copies of them all."""
+    return msgspec.structs.replace(layout, read_only=[
+        p for p in layout.read_only
+        if not (is_pack_file(os.path.basename(p)) and os.path.dirname(p).endswith(os.path.join("objects", "pack")))])
+
+
 def _over_note(over: int) -> str:
     return (f"{over} pack files past the first {MAX_HELD_PACK_FILES} are not held read-only (the history keeps "
             "copies of them within its budget; git gc packs them into one)") if over else ""

@@ -1,6 +1,6 @@
 """Packs a session made that name the user's objects: each such object read
-from the new pack and hashed, at the domain's last end; a pack that cannot
-be verified is moved aside.
+from the new pack and hashed, at the domain's last end; a forged pack moved
+aside, one that cannot be verified reported.
 
 Git looks an object up in the packs before the loose objects, in the
 newest pack first and then the one it last found something in, so a pack a
@@ -16,16 +16,20 @@ baseline) is read from the new pack as git reads it (``objectstore``:
 deltas applied, a delta's base looked up *in the same pack* only, as git
 does) and hashed against its id.
 
-**Fail closed.** A pack with an object that does not hash to its id, or
-that cannot be read, and a pack that cannot be verified within the bounds
-(``BUDGET_S`` of reading at one end, ``MAX_OBJECTS`` of the user's objects,
-``MAX_NAMES`` names in the new indexes, ``MAX_PACKS`` new indexes, delta
-chains of 64: deeper than git's default of 50) has its files moved aside
-(its ``.idx`` first: git reads any ``*.idx`` of ``objects/pack`` as a pack,
-and a name ending otherwise as none), and the report says which and why: a
-session's honest ``git gc`` of a very large repository is moved aside too,
-to be renamed back by the user who trusts it. A SHA-256 repository's new
-packs are reported as not verified and left (the reader knows SHA-1 ids).
+A pack with an object of the user's that, read as git reads it, hashes to
+another id has its files moved aside (its ``.idx`` first: git reads any
+``*.idx`` of ``objects/pack`` as a pack, and a name ending otherwise as
+none). One the end cannot verify is reported and left where it is: past the
+bounds (``BUDGET_S`` of reading at one end, ``MAX_OBJECTS`` of the user's
+objects, ``MAX_NAMES`` names in the new indexes, ``MAX_PACKS`` new
+indexes), with a delta chain deeper than 64 or a delta larger than 64 MiB,
+or an object git could not read either (git then reads the user's own copy:
+it marks the packed entry bad and looks again). Moving it aside would lose
+what a session's honest ``git gc`` left there alone (its own new objects,
+pruned from loose): the user runs ``git fsck``, which the report says. A
+whole object of any size is hashed as it streams. A SHA-256 repository's
+new packs are reported as not verified and left (the reader knows SHA-1
+ids).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import hashlib
 import os
 import struct
 import time
+import zlib
 
 from dispatchd.daemon.gitguard import fs, objectstore
 
@@ -42,6 +47,7 @@ MAX_OBJECTS = 2_000_000  # the user's objects read at one end
 MAX_NAMES = 2_000_000  # names of the new indexes, all told (about 120 MiB as a set)
 MAX_PACKS = 256  # new indexes at one end
 _CACHE_BYTES = 64 * 1024 * 1024  # a pack's inflated delta bases kept while it is read
+_CHUNK = 1 << 20  # compressed bytes inflated at a time, for an object past objectstore's bound
 _KINDS = {1: b"commit", 2: b"tree", 3: b"blob", 4: b"tag"}
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -78,18 +84,22 @@ class _OnePack:
         return found
 
 
-def check(objects: str, keep: str, alternates: list[str] | None = None,
-          common: str = "") -> tuple[list[tuple[str, str]], list[str]]:
+def check(objects: str, keep: str, alternates: list[str] | None = None, common: str = "",
+          known: set[str] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """Verify the new packs of ``objects`` against the keep and the user's
     ``alternates`` (see the module): ``(path, why)`` for each pack moved
-    aside or left not verified, and what could not be done."""
+    aside or left not verified, and what could not be done. ``known``: the
+    pack files at the baseline (``History.pack_links``: a checkpoint adds a
+    session's packs to the keep meanwhile); None: the keep's."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     pack_dir = os.path.join(objects, "pack")
-    try:
-        kept = set(os.listdir(os.path.join(keep, "pack")))
-    except OSError:
-        kept = set()
+    kept = known
+    if kept is None:
+        try:
+            kept = set(os.listdir(os.path.join(keep, "pack")))
+        except OSError:
+            kept = set()
     try:
         # Every index, whatever its name: git reads any ``*.idx`` there as a pack's (``evil.idx``, ``evil.pack``).
         new = sorted(n for n in os.listdir(pack_dir) if n.endswith(".idx") and n not in kept)
@@ -106,11 +116,18 @@ def check(objects: str, keep: str, alternates: list[str] | None = None,
         verdict = verdicts.get(idx, "past the bounds of one end")
         if not verdict:
             continue
+        if verdict != "forged":
+            # Not moved: it may hold the only copy of the session's own new
+            # objects (its gc pruned them), and what it names of yours reads
+            # right or not at all so far as the end could tell.
+            done.append((os.path.join(pack_dir, idx), f"a pack a session made names your objects and was not "
+                                                      f"verified ({verdict}): git fsck checks it"))
+            continue
         moved, bad = _aside(pack_dir, idx[:-4])
         failed += bad
-        why = ("names your objects for other bytes (git would have read them in place of yours)"
-               if verdict == "forged" else f"names your objects and could not be verified ({verdict})")
-        done.append((os.path.join(pack_dir, idx), f"a pack a session made {why}; moved aside: {', '.join(moved)}"))
+        done.append((os.path.join(pack_dir, idx), "a pack a session made names your objects for other bytes (git "
+                                                  f"would have read them in place of yours); moved aside: "
+                                                  f"{', '.join(moved)}"))
     return done, failed
 
 
@@ -120,17 +137,21 @@ def _verdicts(pack_dir: str, new: list[str], keep: str, alternates: list[str], d
     bounds."""
     verdicts: dict[str, str] = {}
     names: dict[str, list[bytes]] = {}
-    seen: set[tuple[int, int]] = set()
+    first: dict[tuple[int, ...], str] = {}  # an (index, pack) pair of inodes -> the first name read for it
+    twins: dict[str, str] = {}
     total = 0
     for idx in new[:MAX_PACKS]:
+        key: tuple[int, ...]
         try:
-            st = os.stat(os.path.join(pack_dir, idx), follow_symlinks=False)
+            i = os.stat(os.path.join(pack_dir, idx), follow_symlinks=False)
+            p = os.stat(os.path.join(pack_dir, idx[:-4] + ".pack"), follow_symlinks=False)
+            key = (i.st_dev, i.st_ino, p.st_dev, p.st_ino)
         except OSError:
-            continue  # gone: nothing for git to read
-        if (st.st_dev, st.st_ino) in seen:
-            verdicts[idx] = "the same index as another new one"  # hard links: one read, the rest aside
+            key = (id(idx),)  # no pack beside it (git reads nothing there), or gone: read on its own
+        if key in first:
+            twins[idx] = first[key]  # hard links of one pair: read once
             continue
-        seen.add((st.st_dev, st.st_ino))
+        first[key] = idx
         listed = objectstore.names_in_index(pack_dir, idx, MAX_NAMES - total)
         if listed is None:
             verdicts[idx] = "its index is not one of version 2 with SHA-1 ids, or names too many objects"
@@ -152,6 +173,9 @@ def _verdicts(pack_dir: str, new: list[str], keep: str, alternates: list[str], d
         else:
             left -= len(mine)
             verdicts[idx] = _verify(pack_dir, idx, mine, deadline)
+    for twin, of in twins.items():
+        if of in verdicts:
+            verdicts[twin] = verdicts[of]
     return verdicts
 
 
@@ -190,15 +214,19 @@ def _loose(store: str) -> set[bytes]:
 
 
 def _verify(pack_dir: str, idx: str, mine: list[bytes], deadline: float) -> str:
-    """"" (each of ``mine`` hashes right, read from this pack alone), "forged", or why not verified."""
+    """"" (each of ``mine`` hashes right, read from this pack alone),
+    "forged" (one read as git reads it hashes to another id), or why it was
+    not verified. What git itself cannot read is not forged: git reads
+    such an object from the user's own store instead (it marks the packed
+    entry bad and looks again)."""
     try:
         fd = os.open(pack_dir, _DIR)
     except OSError as exc:
         return f"its directory cannot be opened: {exc.strerror}"
     try:
         pack = objectstore._Pack(fd, idx, idx[:-4] + ".pack")
-    except (OSError, ValueError, struct.error):
-        return "forged"  # an index naming your objects over a pack that cannot be read
+    except (OSError, ValueError, struct.error) as exc:
+        return f"it cannot be read: {exc}"
     finally:
         os.close(fd)
     one = _OnePack(pack, deadline)
@@ -206,23 +234,56 @@ def _verify(pack_dir: str, idx: str, mine: list[bytes], deadline: float) -> str:
         for oid in mine:
             off = pack.offset(oid)
             if off is None:
-                return "forged"
-            kind, body = one.at(off)
-            name = _KINDS.get(kind)
-            if name is None or hashlib.sha1(name + b" %d\0" % len(body) + body).digest() != oid:
+                return "its index cannot be searched"
+            digest = _large(pack, off, one)
+            if digest is None:
+                kind, body = one.at(off)
+                name = _KINDS.get(kind)
+                if name is None:
+                    return f"an object of kind {kind}, which git does not read"
+                digest = hashlib.sha1(name + b" %d\0" % len(body) + body).digest()
+            if digest != oid:
                 return "forged"
     except objectstore.OutOfTime:
         return f"past the {BUDGET_S:g} s read at one end"
-    except ValueError as exc:
-        if str(exc) == "delta chain too long":
-            return "a delta chain deeper than 64"
-        return "forged"  # git could not read it either: nothing of yours is to be read there
-    except (IndexError, struct.error, OSError, MemoryError, RecursionError):
-        return "forged"
+    except (ValueError, IndexError, struct.error, OSError, MemoryError, RecursionError, zlib.error) as exc:
+        return f"an object of yours it names cannot be read as git reads it ({exc})"
     finally:
         one.cache.clear()
         pack.data.close()
     return ""
+
+
+def _large(pack: objectstore._Pack, off: int, one: _OnePack) -> bytes | None:
+    """The id of a whole (not delta) object past ``objectstore``'s size
+    bound, inflated and hashed as it streams; None for any other."""
+    data = pack.data
+    c = data[off]
+    kind, size, shift, pos = (c >> 4) & 7, c & 15, 4, off + 1
+    while c & 0x80:
+        c = data[pos]
+        pos += 1
+        size |= (c & 0x7F) << shift
+        shift += 7
+    if kind not in _KINDS or size <= objectstore._MAX_OBJECT:
+        return None
+    digest = hashlib.sha1(_KINDS[kind] + b" %d\0" % size)
+    inflater = zlib.decompressobj()
+    done = 0
+    while not inflater.eof:
+        one.in_time()
+        chunk = data[pos:pos + _CHUNK]
+        if not chunk:
+            raise ValueError("the pack ends inside an object")
+        pos += len(chunk)
+        out = inflater.decompress(chunk)
+        done += len(out)
+        if done > size:
+            raise ValueError("an object larger than its size")
+        digest.update(out)
+    if done != size:
+        raise ValueError("an object shorter than its size")
+    return digest.digest()
 
 
 def _sha256(common: str) -> bool:

@@ -77,13 +77,15 @@ def unshare(objects: str, keep: str, before: dict[str, int],
         return done, [f"{pack}: more than {MAX_FILES} pack files; those given another name not looked for"]
     left = [budget]
     copies: dict[tuple[int, int], str] = {}  # an old inode -> its copy's path
+    _sweep(pack, "tmp-unshared-")  # a killed daemon's copy half made
     for name, count in sorted(now.items()):
         path = os.path.join(pack, name)
         kept = os.path.join(keep, "pack", name) if keep else ""
         try:
             old = os.lstat(path)
             if count > before.get(name, 1):
-                tmp = os.path.join(pack, f"tmp-unshared-{name}")
+                # "tmp-", and no pack's ending: no listing of git's, the keep's or newpacks' takes it for one.
+                tmp = os.path.join(pack, f"tmp-unshared-{name}.part")
                 if os.path.lexists(tmp):
                     os.unlink(tmp)
                 first = copies.get((old.st_dev, old.st_ino))
@@ -100,9 +102,23 @@ def unshare(objects: str, keep: str, before: dict[str, int],
                     os.unlink(kept)  # a link to what is no longer the repository's file
                     os.link(path, kept, follow_symlinks=False)
         except OSError as exc:
-            failed.append(f"{path}: a session gave it another name, and it cannot be made the repository's own "
-                          f"again ({exc.strerror})")
+            failed.append(f"{path}: more names than at the baseline, and it cannot be given an inode of its own "
+                          f"({exc.strerror})")
     return done, failed
+
+
+def _sweep(directory: str, prefix: str) -> None:
+    """Remove the files named ``prefix*.part`` in ``directory`` (ours, left by a killed daemon)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".part"):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
 
 
 def held_names(read_only: list[str], common: str) -> frozenset[str]:
