@@ -258,13 +258,7 @@ def _large(pack: objectstore._Pack, off: int, one: _OnePack) -> bytes | None:
     """The id of a whole (not delta) object past ``objectstore``'s size
     bound, inflated and hashed as it streams; None for any other."""
     data = pack.data
-    c = data[off]
-    kind, size, shift, pos = (c >> 4) & 7, c & 15, 4, off + 1
-    while c & 0x80:
-        c = data[pos]
-        pos += 1
-        size |= (c & 0x7F) << shift
-        shift += 7
+    kind, size, pos = objectstore.entry_header(data, off)
     if kind not in _KINDS or size <= objectstore._MAX_OBJECT:
         return None
     digest = hashlib.sha1(_KINDS[kind] + b" %d\0" % size)

@@ -121,13 +121,7 @@ class _Pack:
             raise ValueError("delta chain too long")
         store.in_time()
         data = self.data
-        c = data[off]
-        kind, size, shift, pos = (c >> 4) & 7, c & 15, 4, off + 1
-        while c & 0x80:
-            c = data[pos]
-            pos += 1
-            size |= (c & 0x7F) << shift
-            shift += 7
+        kind, size, pos = entry_header(data, off)
         if size > _MAX_OBJECT:
             raise ValueError("object too large")
         if kind == 6:  # a delta against an object earlier in this pack
@@ -140,6 +134,18 @@ class _Pack:
                 raise ValueError("delta base missing")
             return found[0], _apply(found[1], _inflate(data, pos + 20, size), store)
         return kind, _inflate(data, pos, size)
+
+
+def entry_header(data: mmap.mmap, off: int) -> tuple[int, int, int]:
+    """A pack entry's ``(kind, size, where its data begins)``."""
+    c = data[off]
+    kind, size, shift, pos = (c >> 4) & 7, c & 15, 4, off + 1
+    while c & 0x80:
+        c = data[pos]
+        pos += 1
+        size |= (c & 0x7F) << shift
+        shift += 7
+    return kind, size, pos
 
 
 def _inflate(data: mmap.mmap, pos: int, size: int) -> bytes:
