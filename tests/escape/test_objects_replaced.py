@@ -1,11 +1,17 @@
 """A session that puts garbage at the names of the user's git objects
 (``mv -f``: a directory's write permission is all it takes, which git's own
-writes need) loses the user nothing: the kept files are put back at the
-session's end, the session's moved aside (daemon/gitguard/replaced.py)."""
+writes need), or writes it into them in place, loses the user nothing: the
+kept files are put back at the session's end, the session's moved aside
+(daemon/gitguard/replaced.py). The packs are read-only in the session, a
+pack given a second name is made the repository's own again, and a new
+pack naming the user's objects at other bytes is moved aside (packlinks.py,
+newpacks.py). Each attack beside its control and git's honest work."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 import dispatch
 from tests.conftest import shell
@@ -15,10 +21,20 @@ REPLACE = ("for f in .git/objects/??/*; do printf garbage > .git/planted && mv -
            "git log >/dev/null 2>&1 || echo broken")
 
 
-def test_objects_replaced_by_a_session_are_put_back(client: dispatch.Client, repo: Path) -> None:
+REWRITE_IN_PLACE = ("for f in .git/objects/??/*; do chmod u+w \"$f\" && printf garbage > \"$f\" && chmod a-w \"$f\"; "
+                    "done; git log >/dev/null 2>&1 || echo broken")
+
+
+@pytest.mark.parametrize("attack", [REPLACE, REWRITE_IN_PLACE], ids=["replaced", "rewritten_in_place"])
+def test_objects_replaced_or_rewritten_in_place_by_a_session_are_put_back(client: dispatch.Client, repo: Path,
+                                                                          attack: str) -> None:
+    """Garbage at the names of the user's objects, by a rename or written in
+    place (``chmod`` is not refused: a session's own files need it; the write
+    keeps the inode and its directory's ctime): the kept bytes, a copy of
+    their own, are put back."""
     original = git(repo, "log", "--format=%H").stdout
     with client.open_session(str(repo)) as s:
-        r = shell(s, REPLACE)
+        r = shell(s, attack)
         assert (r.output or "").startswith("broken"), (r.output, r.error)  # the attack landed
     reports = [p["why"] for p in s.protected if p["path"].endswith("objects")]
     assert any("object files a session replaced put back" in why for why in reports), s.protected
@@ -36,24 +52,6 @@ def test_a_session_s_own_commits_and_gc_are_not_reported_replaced(client: dispat
         assert r.is_success, (r.output, r.error)
     assert not [p for p in s.protected if "replaced" in p["why"]], s.protected
     assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
-
-
-REWRITE_IN_PLACE = ("for f in .git/objects/??/*; do chmod u+w \"$f\" && printf garbage > \"$f\" && chmod a-w \"$f\"; "
-                    "done; git log >/dev/null 2>&1 || echo broken")
-
-
-def test_loose_objects_rewritten_in_place_are_put_back(client: dispatch.Client, repo: Path) -> None:
-    """``chmod`` is not refused (a session's own files need it), and the
-    write keeps the inode and its directory's ctime: the kept bytes, a copy
-    of their own, are put back all the same."""
-    original = git(repo, "log", "--format=%H").stdout
-    with client.open_session(str(repo)) as s:
-        r = shell(s, REWRITE_IN_PLACE)
-        assert (r.output or "").startswith("broken"), (r.output, r.error)  # the attack landed
-    reports = [p["why"] for p in s.protected if p["path"].endswith("objects")]
-    assert any("object files a session replaced put back" in why for why in reports), s.protected
-    assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
-    assert git(repo, "log", "--format=%H").stdout == original
 
 
 def test_the_user_s_packs_cannot_be_changed_in_a_session(mode_daemon: tuple[str, object], client: dispatch.Client,

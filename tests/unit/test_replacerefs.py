@@ -52,12 +52,18 @@ def test_a_session_s_replacement_is_taken_out_and_kept_aside(tmp_path: Path) -> 
     assert len(aside) == 1 and aside[0].read_text().strip() == evil  # kept, out of refs/
 
 
-def test_a_packed_replacement_goes_and_every_other_line_stays(tmp_path: Path) -> None:
+def _packed_replacement(tmp_path: Path) -> tuple[Path, history.History, str, str]:
+    """A repository kept, then a session's replacement of its blob, packed."""
     repo = _repo(tmp_path)
     kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
     blob, evil = _evil(repo)
     git(repo, "replace", blob, evil)
     git(repo, "pack-refs", "--all")
+    return repo, kept, blob, evil
+
+
+def test_a_packed_replacement_goes_and_every_other_line_stays(tmp_path: Path) -> None:
+    repo, kept, blob, evil = _packed_replacement(tmp_path)
     packed = repo / ".git" / "packed-refs"
     before = packed.read_bytes()
     assert f"refs/replace/{blob}".encode() in before and b"^" in before  # the tag's peeled line
@@ -175,11 +181,7 @@ def test_packed_lines_git_reads_are_taken_out_byte_for_byte(tmp_path: Path, name
 
 
 def test_a_symlinked_packed_refs_is_moved_aside(tmp_path: Path) -> None:
-    repo = _repo(tmp_path)
-    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
-    blob, evil = _evil(repo)
-    git(repo, "replace", blob, evil)
-    git(repo, "pack-refs", "--all")
+    repo, kept, blob, evil = _packed_replacement(tmp_path)
     common = repo / ".git"
     os.rename(common / "packed-refs", tmp_path / "elsewhere")
     (common / "packed-refs").symlink_to(tmp_path / "elsewhere")

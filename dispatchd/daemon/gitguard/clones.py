@@ -33,6 +33,8 @@ import fcntl
 import os
 import stat
 
+from dispatchd.daemon.gitguard import fs
+
 COPY_BUDGET = 512 * 1024 * 1024  # bytes copied (not cloned or linked) at one baseline
 FICLONE = 0x40049409
 OWN_MARK = ".own-loose"  # in a keep: its loose objects are copies of their own
@@ -135,7 +137,7 @@ def _copy(sfd: int, st: os.stat_result, dst: str, budget: list[int]) -> None:
     os.close(dfd)
 
 
-def own_loose(keep: str, is_fanout: frozenset[str], budget: list[int]) -> int:
+def own_loose(keep: str, budget: list[int]) -> int:
     """Once a keep (``OWN_MARK`` absent): each of its loose objects that
     shares its inode (more than one link: a hard link of the repository's)
     replaced by a copy of its own, through a temporary name; returns how
@@ -144,7 +146,7 @@ def own_loose(keep: str, is_fanout: frozenset[str], budget: list[int]) -> int:
     if os.path.exists(os.path.join(keep, OWN_MARK)):
         return 0
     shared = 0
-    for d in sorted(set(os.listdir(keep)) & is_fanout):
+    for d in sorted(set(os.listdir(keep)) & fs.FANOUT):
         folder = os.path.join(keep, d)
         for name in os.listdir(folder):
             path = os.path.join(folder, name)

@@ -40,6 +40,11 @@ _QUARANTINED = ".quarantined-by-dispatchd-"
 # What makes a submodule path plainly absent for git too: nothing there, a
 # file on the way, or a symlink (git does not follow one into a submodule).
 ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+# git's fan-out directories of loose objects (``ab``: lowercase, as git names
+# them and looks them up). Any other name a session makes in ``objects`` is
+# nothing git reads: not kept, not looked at (and, being plain content, in a
+# checkpoint: checkpoints/reading.py leaves out these alone).
+FANOUT = frozenset(f"{i:02x}" for i in range(256))
 
 
 def open_regular(name: str, dir_fd: int | None = None) -> tuple[int, os.stat_result] | None:

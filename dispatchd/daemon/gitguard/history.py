@@ -23,12 +23,13 @@ When the sessions end (``restore``), with their processes gone:
 - the branches checked out in the worktrees the sessions worked in are
   theirs to move (``own``), remote-tracking refs are left alone.
 
-An object file rewritten in place (made writable first with ``chmod``):
-a loose one is found by its ctime and put back from the keep's own bytes
-(``replaced.find_rewritten``); a pack cannot be, in full mode (bound
-read-only in the session), and shares its inode with the keep otherwise.
-What it does not protect: reflogs; other worktrees' HEADs (the user's own
-checkouts there look the same).
+An object file rewritten in place (made writable first with ``chmod``) is
+found by its ctime and put back from the keep's own bytes
+(``replaced.find_rewritten``); a pack the session holds read-only cannot
+be; one given a second name is made the repository's own again
+(``packlinks.py``). A new pack naming the user's objects at other bytes is
+moved aside (``newpacks.py``). What it does not protect: reflogs; other
+worktrees' HEADs (the user's own checkouts there look the same).
 """
 
 from __future__ import annotations
@@ -140,16 +141,10 @@ def checked_out(gitdir: str) -> str:
     return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
 
 
-# git's object directories: the fan-out ones (``ab``: lowercase, as git names
-# them and looks them up) and ``pack``. Any other name a session makes in
-# ``objects`` is nothing git reads: not kept, not looked at (and, being plain
-# content, in a checkpoint: checkpoints/reading.py leaves out these alone).
-_FANOUT = frozenset(f"{i:02x}" for i in range(256))
-
-
 def is_object_dir(name: str) -> bool:
-    """A directory of ``objects`` whose files are git's objects."""
-    return name in _FANOUT or name == "pack"
+    """A directory of ``objects`` whose files are git's objects: a fan-out
+    one (``fs.FANOUT``) or ``pack``."""
+    return name in fs.FANOUT or name == "pack"
 
 
 def _stamps(objects: str) -> dict[str, int]:
@@ -285,7 +280,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
             kept = _files_in(keep, dirs)
             budget = [clones.COPY_BUDGET]
             # A keep an older daemon made hard-linked the loose objects: copies of their own, once.
-            clones.own_loose(keep, _FANOUT, budget)
+            clones.own_loose(keep, budget)
             ways = clones.Ways()
             made: set[str] = set()  # each fan-out directory made once, not once a file
             for rel in sorted(present - kept):
@@ -325,8 +320,9 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
 def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
     """Put back what the module says; returns ``(path or ref, why)`` for each
     thing put back, and what could not be (with why). ``in_place``: look for
-    loose objects rewritten in place (an ``fstatat`` each): False only when
-    no session ran a process (none was granted the write lock)."""
+    object files rewritten in place (an ``fstatat`` each), packs given a
+    second name and new packs: False only when no session ran a process
+    (none was granted the write lock)."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     common = history.common

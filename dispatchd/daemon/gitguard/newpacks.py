@@ -196,7 +196,7 @@ def _loose(store: str) -> set[bytes]:
     """The ids of an object store's loose objects, from its listings."""
     found: set[bytes] = set()
     try:
-        dirs = [d for d in os.listdir(store) if len(d) == 2 and not d.strip("0123456789abcdef")]
+        dirs = [d for d in os.listdir(store) if d in fs.FANOUT]
     except OSError:
         return found
     for d in dirs:

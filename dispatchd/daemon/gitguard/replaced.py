@@ -188,7 +188,7 @@ def recent_kept(keep_fd: int, objects_fd: int, since_ns: int, coarse_since_ns: i
     seen = 0
     complete = True
     for d in os.listdir(keep_fd):
-        if d != "pack" and (len(d) != 2 or d.strip("0123456789abcdef")):
+        if d != "pack" and d not in fs.FANOUT:
             continue
         try:
             sub = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
