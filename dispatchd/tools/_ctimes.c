@@ -115,31 +115,28 @@ fail:
     return NULL;
 }
 
-/* recent_kept: the kept object files whose repository file changed since a time.
+/* recent_named: the kept object files whose repository file changed since a time.
  *
  * Why: a loose object rewritten in place (made writable with chmod first)
  * changes its own ctime, not its directory's, so the end of a session
  * looks at every kept object's (dispatchd/daemon/gitguard/replaced.py,
  * find_rewritten): an fstatat each, on the close's path. In Python each
  * built a stat_result of 19 fields. The names come from the keep, not the
- * repository: what a session adds there (a million empty files) is not
- * looked at, and cannot cut the look short. The walk runs with the
- * interpreter's lock let go (the daemon's other threads go on).
+ * repository (gitguard/keptnames.py lists it, and remembers the listings of
+ * its directories that have not changed): what a session adds there (a
+ * million empty files) is not looked at, and cannot cut the look short.
+ * The look runs with the interpreter's lock let go (the daemon's other
+ * threads go on).
  *
- * recent_kept(keep_fd, objects_fd, hex_digits, also, since_ns,
- * coarse_since_ns, limit, part=0, parts=1) -> (list[str], bool): for each
- * directory of
- * ``keep_fd`` named by ``hex_digits`` lowercase hex digits or in ``also``
- * (opened without following a symbolic link), each of its names (none
- * starting with "." or "tmp") as "dir/name" when the entry of that name
- * below ``objects_fd`` (not followed) has a st_ctime_ns of ``since_ns`` or
- * later (``coarse_since_ns`` for a ctime in whole seconds: treewalk.settled's
- * rule), or cannot be looked at for another reason than not being there
- * (EACCES: the caller decides); and whether every kept name was looked at
- * (False past ``limit`` names, or a directory that could not be read).
- * With ``parts`` > 1, only the directories whose hex value modulo ``parts``
- * is ``part`` ("pack" is part 0's): two threads, each with descriptors of
- * its own, walk the keep in half the time on two CPUs.
+ * recent_named(objects_fd, names, since_ns, coarse_since_ns, part=0,
+ * parts=1) -> list[str]: ``names`` is "dir/name" entries, each ended by a
+ * NUL byte; each is returned (decoded as the file system's names) when the
+ * entry of that name below ``objects_fd`` (its last part not followed) has
+ * a st_ctime_ns of ``since_ns`` or later (``coarse_since_ns`` for a ctime
+ * in whole seconds: treewalk.settled's rule), or cannot be looked at for
+ * another reason than not being there (EACCES: the caller decides). With
+ * ``parts`` > 1, only the entries whose place in ``names`` modulo ``parts``
+ * is ``part``: two threads look at half each, in half the time on two CPUs.
  */
 struct names {
     char *buf;
@@ -147,12 +144,11 @@ struct names {
 };
 
 static int
-names_add(struct names *n, const char *dir, const char *name)
+names_add(struct names *n, const char *rel, size_t len)
 {
-    size_t need = strlen(dir) + 1 + strlen(name) + 1;
-    if (n->len + need > n->cap) {
+    if (n->len + len + 1 > n->cap) {
         size_t cap = n->cap ? n->cap * 2 : 65536;
-        while (cap < n->len + need)
+        while (cap < n->len + len + 1)
             cap *= 2;
         char *grown = realloc(n->buf, cap);
         if (grown == NULL)
@@ -160,134 +156,65 @@ names_add(struct names *n, const char *dir, const char *name)
         n->buf = grown;
         n->cap = cap;
     }
-    n->len += (size_t)sprintf(n->buf + n->len, "%s/%s", dir, name) + 1;
+    memcpy(n->buf + n->len, rel, len);
+    n->buf[n->len + len] = '\0';
+    n->len += len + 1;
     return 0;
 }
 
-/* The walk, without the interpreter's lock: 0, or -1 with errno (out of memory). */
+/* The look, without the interpreter's lock: 0, or -1 (out of memory). */
 static int
-walk_kept(int keep_fd, int objects_fd, Py_ssize_t digits, char **also, Py_ssize_t n_also, long long since,
-          long long coarse_since, Py_ssize_t limit, int part, int parts, struct names *out, int *complete)
+look_named(int objects_fd, const char *names, size_t size, long long since, long long coarse_since, int part,
+           int parts, struct names *out)
 {
-    int own = fcntl(keep_fd, F_DUPFD_CLOEXEC, 0);
-    if (own < 0)
-        return -1;
-    DIR *top = fdopendir(own);
-    if (top == NULL) {
-        close(own);
-        return -1;
-    }
-    rewinddir(top); /* the duplicate shares the caller's offset: from the start, and left rewound */
-    Py_ssize_t seen = 0;
     char path[600];
-    for (;;) {
-        errno = 0;
-        struct dirent *entry = readdir(top);
-        if (entry == NULL) {
-            if (errno != 0)
-                *complete = 0;
-            break;
+    size_t at = 0;
+    for (long long i = 0; at < size; i++) {
+        const char *rel = names + at;
+        const char *end = memchr(rel, '\0', size - at);
+        size_t len = end != NULL ? (size_t)(end - rel) : size - at;
+        at += len + 1;
+        if (i % parts != part || len == 0 || len >= sizeof path)
+            continue; /* another part's, or longer than any object's name: nothing git keeps */
+        memcpy(path, rel, len);
+        path[len] = '\0';
+        struct stat st;
+        int recent;
+        if (fstatat(objects_fd, path, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+            recent = errno != ENOENT && errno != ENOTDIR; /* gone: the restore's to put back */
+        } else {
+            long long ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
+            recent = ns >= (ns % 1000000000LL == 0 ? coarse_since : since);
         }
-        const char *dname = entry->d_name;
-        int wanted = is_hex_name(dname, digits);
-        for (Py_ssize_t i = 0; !wanted && i < n_also; i++)
-            wanted = strcmp(dname, also[i]) == 0;
-        if (!wanted || (entry->d_type != DT_DIR && entry->d_type != DT_UNKNOWN))
-            continue;
-        if (parts > 1 && (int)(strtol(dname, NULL, 16) % parts) != part)
-            continue; /* another part's (a name not hex, "pack", is part 0's) */
-        int sub = openat(dirfd(top), dname, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-        if (sub < 0)
-            continue; /* not a directory: the keep holds nothing there */
-        DIR *dir = fdopendir(sub);
-        if (dir == NULL) {
-            close(sub);
-            *complete = 0;
-            continue;
-        }
-        for (;;) {
-            errno = 0;
-            struct dirent *e = readdir(dir);
-            if (e == NULL) {
-                if (errno != 0)
-                    *complete = 0;
-                break;
-            }
-            const char *raw = e->d_name;
-            if (raw[0] == '.' || strncmp(raw, "tmp", 3) == 0)
-                continue;
-            if (++seen > limit) {
-                *complete = 0;
-                break;
-            }
-            if ((size_t)snprintf(path, sizeof path, "%s/%s", dname, raw) >= sizeof path)
-                continue; /* longer than any object's name: nothing git keeps */
-            struct stat st;
-            int recent;
-            if (fstatat(objects_fd, path, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-                recent = errno != ENOENT && errno != ENOTDIR; /* gone: the restore's to put back */
-            } else {
-                long long ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
-                recent = ns >= (ns % 1000000000LL == 0 ? coarse_since : since);
-            }
-            if (recent && names_add(out, dname, raw) < 0) {
-                closedir(dir);
-                rewinddir(top);
-                closedir(top);
-                return -1;
-            }
-        }
-        closedir(dir);
-        if (seen > limit)
-            break;
+        if (recent && names_add(out, path, len) < 0)
+            return -1;
     }
-    rewinddir(top);
-    closedir(top);
     return 0;
 }
 
 PyObject *
-dl_recent_kept(PyObject *self, PyObject *args)
+dl_recent_named(PyObject *self, PyObject *args)
 {
-    int keep_fd, objects_fd;
-    Py_ssize_t digits, limit;
-    PyObject *also;
+    int objects_fd;
+    Py_buffer names;
     long long since, coarse_since;
     int part = 0, parts = 1;
-    if (!PyArg_ParseTuple(args, "iinO!LLn|ii", &keep_fd, &objects_fd, &digits, &PyTuple_Type, &also, &since,
-                          &coarse_since, &limit, &part, &parts))
+    if (!PyArg_ParseTuple(args, "iy*LL|ii", &objects_fd, &names, &since, &coarse_since, &part, &parts))
         return NULL;
     if (parts < 1 || part < 0 || part >= parts) {
+        PyBuffer_Release(&names);
         PyErr_SetString(PyExc_ValueError, "part must be below parts");
         return NULL;
     }
-    Py_ssize_t n_also = PyTuple_GET_SIZE(also);
-    if (n_also > 8) {
-        PyErr_SetString(PyExc_ValueError, "at most 8 other names");
-        return NULL;
-    }
-    char *names_also[8];
-    for (Py_ssize_t i = 0; i < n_also; i++) {
-        PyObject *item = PyTuple_GET_ITEM(also, i);
-        if (!PyUnicode_Check(item)) {
-            PyErr_SetString(PyExc_TypeError, "the other names are strings");
-            return NULL;
-        }
-        names_also[i] = (char *)PyUnicode_AsUTF8(item); /* kept alive by the tuple */
-        if (names_also[i] == NULL)
-            return NULL;
-    }
     struct names out = {NULL, 0, 0};
-    int complete = 1, rc, saved = 0;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = walk_kept(keep_fd, objects_fd, digits, names_also, n_also, since, coarse_since, limit, part, parts, &out,
-                   &complete);
-    saved = errno;
+    rc = look_named(objects_fd, names.buf, (size_t)names.len, since, coarse_since, part, parts, &out);
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&names);
     if (rc < 0) {
         free(out.buf);
-        errno = saved;
-        return PyErr_SetFromErrno(PyExc_OSError);
+        return PyErr_NoMemory();
     }
     PyObject *found = PyList_New(0);
     for (size_t at = 0; found != NULL && at < out.len; at += strlen(out.buf + at) + 1) {
@@ -300,9 +227,5 @@ dl_recent_kept(PyObject *self, PyObject *args)
         Py_DECREF(rel);
     }
     free(out.buf);
-    if (found == NULL)
-        return NULL;
-    PyObject *result = Py_BuildValue("(OO)", found, complete ? Py_True : Py_False);
-    Py_DECREF(found);
-    return result;
+    return found;
 }

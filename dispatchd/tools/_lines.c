@@ -693,7 +693,7 @@ static PyMethodDef methods[] = {
      "Start a program by vfork and exec, confined in the child before its exec (_confined.c): its pid."},
     {"subdir_ctimes", dl_subdir_ctimes, METH_VARARGS,
      "The ctime of each subdirectory of a directory fd, by name, those of so many hex digits or named (_ctimes.c)."},
-    {"recent_kept", dl_recent_kept, METH_VARARGS,
+    {"recent_named", dl_recent_named, METH_VARARGS,
      "The kept object files whose repository file changed since a time (_ctimes.c)."},
     {NULL, NULL, 0, NULL},
 };

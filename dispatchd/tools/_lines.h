@@ -47,6 +47,6 @@ PyObject *dl_spawn_confined(PyObject *self, PyObject *args);
 
 /* _ctimes.c */
 PyObject *dl_subdir_ctimes(PyObject *self, PyObject *args);
-PyObject *dl_recent_kept(PyObject *self, PyObject *args);
+PyObject *dl_recent_named(PyObject *self, PyObject *args);
 
 #endif

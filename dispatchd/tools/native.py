@@ -42,8 +42,8 @@ class Lines(Protocol):
 
     def subdir_ctimes(self, fd: int, hex_digits: int, also: tuple[str, ...], /) -> dict[str, int]: ...
 
-    def recent_kept(self, keep_fd: int, objects_fd: int, hex_digits: int, also: tuple[str, ...], since_ns: int,
-                    coarse_since_ns: int, limit: int, part: int = 0, parts: int = 1, /) -> tuple[list[str], bool]: ...
+    def recent_named(self, objects_fd: int, names: bytes, since_ns: int, coarse_since_ns: int, part: int = 0,
+                     parts: int = 1, /) -> list[str]: ...
 
 
 lines: Lines | None

@@ -1,4 +1,4 @@
-"""The look at git's object directories (``history._stamps``) by the C
+"""The look at git's object directories (``objectdirs.ctimes``) by the C
 helper (tools/_ctimes.c) gives what the Python look gives, entry for entry:
 only directories (a file or a symbolic link of the same name left out),
 named as git names its fan-out directories (two lowercase hexadecimal
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import history
+from dispatchd.daemon.gitguard import history, objectdirs
 from dispatchd.tools import native
 
 pytestmark = pytest.mark.skipif(native.lines is None, reason="the C helper is not built (test_native_lines says so)")
@@ -41,7 +41,7 @@ def _both(objects: Path) -> tuple[dict[str, int], dict[str, int]]:
     assert native.lines is not None
     fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return native.lines.subdir_ctimes(fd, 2, ("pack",)), history._stamps_below(fd)
+        return native.lines.subdir_ctimes(fd, 2, ("pack",)), objectdirs.ctimes_below(fd)
     finally:
         os.close(fd)
 
@@ -89,13 +89,14 @@ def test_the_callers_descriptor_is_left_as_it_was(objects: Path) -> None:
 
 
 def test_the_c_look_at_the_kept_files_gives_what_the_python_one_gives(tmp_path: Path) -> None:
-    """``recent_kept``: for each name the keep holds (its fan-out directories
-    and ``pack``; none starting with "." or "tmp"), the repository's entry of
-    that name when its ctime is the time given or later, whatever its kind,
-    not followed, or when it cannot be looked at (an unsearchable directory);
-    a name gone from the repository is left out, and so is every file only
-    the repository has (a session's: not counted against the limit either).
-    The limit counts the kept names, and says the look was cut short."""
+    """``recent_named``: for each name the keep holds (its fan-out directories
+    and ``pack``, as ``objectdirs.KeptNames`` lists them: none starting with
+    "." or "tmp"), the repository's entry of that name when its ctime is the
+    time given or later, whatever its kind, not followed, or when it cannot
+    be looked at (an unsearchable directory); a name gone from the
+    repository is left out, and so is every file only the repository has (a
+    session's: not counted against the limit either). The limit counts the
+    kept names, and says the look was cut short."""
     from dispatchd.daemon.gitguard import replaced
     assert native.lines is not None
     keep, top = tmp_path / "keep", tmp_path / "objects"
@@ -116,24 +117,21 @@ def test_the_c_look_at_the_kept_files_gives_what_the_python_one_gives(tmp_path: 
     kfd = os.open(keep, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     ofd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        by_c = native.lines.recent_kept(kfd, ofd, 2, ("pack",), since, since, 100)
-        by_python = replaced.recent_kept(kfd, ofd, since, since, 100)
-        expected = ["ab/new", "cd/fifo", "ef/hidden", "pack/new"]  # zz is no fan-out name
-        assert (sorted(by_c[0]), by_c[1]) == (sorted(by_python[0]), by_python[1]) == (expected, True)
-        assert "ab/old" in native.lines.recent_kept(kfd, ofd, 2, ("pack",), 0, 0, 100)[0]
-        # Split in two parts (each with its descriptors): together, the whole; apart, no name twice.
-        halves = []
-        for part in (0, 1):
-            k = os.open(keep, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                halves.append(native.lines.recent_kept(k, ofd, 2, ("pack",), since, since, 100, part, 2)[0])
-            finally:
-                os.close(k)
+        names, complete = objectdirs.KeptNames().names(kfd, 100)
+        assert complete and sorted(names.split(b"\0")) == [b"", b"ab/new", b"ab/old", b"cd/fifo", b"cd/gone",
+                                                            b"ef/hidden", b"pack/new"]  # zz is no fan-out name
+        by_c = native.lines.recent_named(ofd, names, since, since)
+        by_python = replaced.recent_named(ofd, names, since, since)
+        expected = ["ab/new", "cd/fifo", "ef/hidden", "pack/new"]
+        assert sorted(by_c) == sorted(by_python) == expected
+        assert "ab/old" in native.lines.recent_named(ofd, names, 0, 0)
+        # Split in two parts: together, the whole; apart, no name twice.
+        halves = [native.lines.recent_named(ofd, names, since, since, part, 2) for part in (0, 1)]
         assert sorted(halves[0] + halves[1]) == expected and halves[0] and halves[1]
-        assert "pack/new" in halves[0]
-        for look in (native.lines.recent_kept(kfd, ofd, 2, ("pack",), since, since, 2),
-                     replaced.recent_kept(kfd, ofd, since, since, 2)):
-            assert look[1] is False
+        assert not set(halves[0]) & set(halves[1])
+        with pytest.raises(ValueError, match="part must be below parts"):
+            native.lines.recent_named(ofd, names, since, since, 2, 2)
+        assert objectdirs.KeptNames().names(kfd, 2)[1] is False
     finally:
         os.chmod(top / "ef", 0o755)
         os.close(kfd)

@@ -15,7 +15,7 @@ from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 
 from dispatchd.daemon.checkpoints.plan import Entry, Kind, _FANOUT, _FICLONE, _OBJECTS, _POOL
-from dispatchd.daemon.gitguard.history import is_object_dir  # the directories the history keeps
+from dispatchd.daemon.gitguard.objectdirs import is_object_dir  # the directories the history keeps
 
 
 # --- walking the worktree -------------------------------------------------------

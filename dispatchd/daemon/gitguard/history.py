@@ -38,15 +38,13 @@ import hashlib
 import logging
 import os
 import re
-import stat
 import time
 
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import (clones, fs, keeps, newpacks, objectstore, packed, packlinks, reftemp,
-                                       replacerefs, replaced, shown, viewfiles)
-from dispatchd.tools import native
+from dispatchd.daemon.gitguard import (clones, fs, keeps, newpacks, objectdirs, objectstore, packed, packlinks,
+                                       reftemp, replacerefs, replaced, shown, viewfiles)
 
 _log = logging.getLogger("dispatchd.history")
 
@@ -141,18 +139,11 @@ def checked_out(gitdir: str) -> str:
     return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
 
 
-def is_object_dir(name: str) -> bool:
-    """A directory of ``objects`` whose files are git's objects: a fan-out
-    one (``fs.FANOUT``) or ``pack``."""
-    return name in fs.FANOUT or name == "pack"
-
-
 def _stamps(objects: str) -> dict[str, int]:
-    """Each object directory (``is_object_dir``) -> its ctime in ns. Each is
-    looked at below a descriptor of ``objects`` (no path walked again: a
-    third less time for git's 257 directories); by the C helper where it is
-    built (``tools/_ctimes.c``: the same entries, 0.41 -> 0.26 ms for 256
-    directories, on every open and close)."""
+    """Each object directory (``objectdirs.is_object_dir``) -> its ctime in
+    ns, on every open and close. Each is looked at below a descriptor of
+    ``objects`` (no path walked again: a third less time for git's 257
+    directories)."""
     try:
         # Never through a symlink: the callers refuse a symlinked objects, and
         # one swapped in after their look is not followed here either.
@@ -160,25 +151,9 @@ def _stamps(objects: str) -> dict[str, int]:
     except OSError:
         return {}
     try:
-        if native.lines is not None:
-            return native.lines.subdir_ctimes(fd, 2, ("pack",))
-        return _stamps_below(fd)
+        return objectdirs.ctimes(fd)
     finally:
         os.close(fd)
-
-
-def _stamps_below(fd: int) -> dict[str, int]:
-    """``_stamps`` in Python: the C helper's twin (tests/unit/test_ctimes.py)."""
-    found: dict[str, int] = {}
-    for name in os.listdir(fd):
-        if is_object_dir(name):
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                found[name] = st.st_ctime_ns
-    return found
 
 
 def _changed(then: dict[str, int], then_ns: int, now: dict[str, int], margin_ns: int = _RACY_NS) -> set[str]:
@@ -219,7 +194,7 @@ def keep_more(objects_fd: int, keep: str, common: str, budget: list[int]) -> set
     ways = clones.Ways()
     with keeps.hold(keep, common):
         for name in os.listdir(objects_fd):
-            if not is_object_dir(name):
+            if not objectdirs.is_object_dir(name):
                 continue
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
@@ -273,7 +248,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
             except (msgspec.ValidationError, msgspec.DecodeError):
                 last = ({}, 0)
             # An older daemon stamped any two-character directory: only git's are looked at.
-            last = ({d: ns for d, ns in last[0].items() if is_object_dir(d)}, last[1])
+            last = ({d: ns for d, ns in last[0].items() if objectdirs.is_object_dir(d)}, last[1])
             # Without a record of the last look, every directory is listed.
             dirs = _changed(last[0], last[1], stamps) if last[0] else set(stamps) | set(_stamps(keep))
             present = _files_in(objects, dirs)

@@ -30,8 +30,9 @@ A kept object file rewritten *in place* (a session makes it writable with
 ``chmod`` first, which neither Landlock nor a path-blind seccomp filter can
 refuse for these files alone) keeps its inode and its directory's ctime,
 so ``find_rewritten`` looks at the ctime of each file the keep holds (in C
-where the helper is built: ``recent_kept``, an ``fstatat`` each, the names
-the keep's: what a session adds is not counted) and hands those changed
+where the helper is built: ``recent_named``, an ``fstatat`` each, the names
+the keep's, its listings remembered while unchanged (``objectdirs.KeptNames``):
+what a session adds is not counted) and hands those changed
 since the baseline to the same test. The keep holds a loose object's bytes
 in a file of its own (``clones.py``), which is put back; one it shares the
 inode of (past the copy budget) is reported when it no longer holds a
@@ -53,7 +54,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard import fs, objectdirs
 from dispatchd.tools import native
 
 _COMPARE_BUDGET = 256 * 1024 * 1024  # bytes read to compare a restore's changed files
@@ -61,6 +62,8 @@ _LOOSE_MAX = 64 * 1024 * 1024  # a loose object read (inflated) to check it agai
 _RACY_NS = 50_000_000  # as history's: a file changed this close before the baseline's look is looked at
 _CHUNK = 1 << 20
 _MAX_LOOSE = 2_000_000  # entries of the fan-out directories looked at for in-place rewrites
+_SPLIT_BYTES = 16 * 1024  # kept names (about 45 bytes each) past which two threads look, where there are two CPUs
+KEPT = objectdirs.KeptNames()  # the keeps' names, remembered from one end to the next
 
 
 def find(objects: str, keep: str, dirs: set[str], since_ns: int) -> list[str]:
@@ -130,43 +133,42 @@ def find_rewritten(objects: str, keep: str, since_ns: int,
 
 
 def _walk(keep: str, objects: str, since: int, coarse: int) -> tuple[list[str], bool]:
-    """``recent_kept`` over the keep: in C, the fan-out directories split
-    between this thread and another where there are two CPUs (the system
-    calls are most of it, and run without the interpreter's lock: 3.9 ms ->
-    2.2 for 2,042 objects); else in Python."""
-    walk = getattr(native.lines, "recent_kept", None)  # None too for a helper built before it
-    parts = 2 if walk is not None and (os.cpu_count() or 1) > 1 else 1
-    results: list[tuple[list[str], bool] | BaseException | None] = [None] * parts
+    """``recent_named`` over the keep's names (``KEPT``): in C, the names
+    split between this thread and another where there are two CPUs (the
+    system calls are most of it, and run without the interpreter's lock:
+    3.9 ms -> 2.2 for 2,042 objects, the keep listed then); else in Python."""
+    kfd, ofd = _open_dir(keep, "."), _open_dir(objects, ".")
+    try:
+        if kfd is None or ofd is None:
+            return [], True
+        names, complete = KEPT.names(kfd, _MAX_LOOSE)
+        look = getattr(native.lines, "recent_named", None)  # None too for a helper built before it
+        if look is None:
+            return recent_named(ofd, names, since, coarse), complete
+        parts = 2 if (os.cpu_count() or 1) > 1 and len(names) > _SPLIT_BYTES else 1
+        results: list[list[str] | BaseException | None] = [None] * parts
 
-    def run(part: int) -> None:
-        kfd, ofd = _open_dir(keep, "."), _open_dir(objects, ".")
-        try:
-            if kfd is None or ofd is None:
-                results[part] = ([], True)
-            elif walk is None:
-                results[part] = recent_kept(kfd, ofd, since, coarse, _MAX_LOOSE)
-            else:  # each part its own descriptors: a directory's offset is its descriptor's
-                results[part] = walk(kfd, ofd, 2, ("pack",), since, coarse, _MAX_LOOSE // parts, part, parts)
-        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
-            results[part] = exc
-        finally:
-            for fd in (kfd, ofd):
-                if fd is not None:
-                    os.close(fd)
-    helpers = [threading.Thread(target=run, args=(part,), name="dispatchd-rewritten") for part in range(1, parts)]
-    for t in helpers:
-        t.start()
-    run(0)
-    for t in helpers:
-        t.join()
-    found: list[str] = []
-    complete = True
-    for result in results:
-        if not isinstance(result, tuple):
-            raise result if isinstance(result, BaseException) else RuntimeError("a part of the walk did not run")
-        found += result[0]
-        complete = complete and result[1]
-    return found, complete
+        def run(part: int) -> None:
+            try:
+                results[part] = look(ofd, names, since, coarse, part, parts)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                results[part] = exc
+        helpers = [threading.Thread(target=run, args=(part,), name="dispatchd-rewritten") for part in range(1, parts)]
+        for t in helpers:
+            t.start()
+        run(0)
+        for t in helpers:
+            t.join()
+        found: list[str] = []
+        for result in results:
+            if not isinstance(result, list):
+                raise result if isinstance(result, BaseException) else RuntimeError("a part of the look did not run")
+            found += result
+        return found, complete
+    finally:
+        for fd in (kfd, ofd):
+            if fd is not None:
+                os.close(fd)
 
 
 def _shared_and_broken(kfd: int, ofd: int, name: str, oid: str) -> bool:
@@ -180,44 +182,23 @@ def _shared_and_broken(kfd: int, ofd: int, name: str, oid: str) -> bool:
     return (kept.st_dev, kept.st_ino) == (now.st_dev, now.st_ino) and not _valid_loose(ofd, name, oid)
 
 
-def recent_kept(keep_fd: int, objects_fd: int, since_ns: int, coarse_since_ns: int,
-                limit: int) -> tuple[list[str], bool]:
-    """The C helper's ``recent_kept`` in Python (fan-out directories and
-    ``pack``), its twin (tests/unit/test_ctimes.py)."""
+def recent_named(objects_fd: int, names: bytes, since_ns: int, coarse_since_ns: int) -> list[str]:
+    """The C helper's ``recent_named`` in Python, its twin (tests/unit/test_ctimes.py)."""
     found: list[str] = []
-    seen = 0
-    complete = True
-    for d in os.listdir(keep_fd):
-        if d != "pack" and d not in fs.FANOUT:
+    for raw in names.split(b"\0"):
+        if not raw:
             continue
+        rel = os.fsdecode(raw)
         try:
-            sub = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                          dir_fd=keep_fd)
-        except OSError:
+            ns = os.stat(rel, dir_fd=objects_fd, follow_symlinks=False).st_ctime_ns
+        except (FileNotFoundError, NotADirectoryError):
             continue
-        try:
-            names = os.listdir(sub)
         except OSError:
-            complete = False
+            found.append(rel)  # there, and not to be looked at: the caller decides
             continue
-        finally:
-            os.close(sub)
-        for name in names:
-            if name.startswith((".", "tmp")):
-                continue
-            seen += 1
-            if seen > limit:
-                return found, False
-            try:
-                ns = os.stat(f"{d}/{name}", dir_fd=objects_fd, follow_symlinks=False).st_ctime_ns
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            except OSError:
-                found.append(f"{d}/{name}")  # there, and not to be looked at: the caller decides
-                continue
-            if ns >= (coarse_since_ns if ns % 1_000_000_000 == 0 else since_ns):
-                found.append(f"{d}/{name}")
-    return found, complete
+        if ns >= (coarse_since_ns if ns % 1_000_000_000 == 0 else since_ns):
+            found.append(rel)
+    return found
 
 
 def put_back(objects: str, keep: str, found: list[str],
