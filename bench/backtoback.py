@@ -3,11 +3,13 @@ first call -> close on one worktree, each session closed before the next
 opens, alternating the network (off, on) and the first call (read_file,
 shell_exec true), through the public client library.
 
-    python bench/backtoback.py [--rounds 40] [--files 2000] [--against DIR] [--steps] [--under DIR]
+    python bench/backtoback.py [--rounds 40] [--files 2000] [--packed] [--against DIR] [--steps] [--under DIR]
 
 Starts its own daemon (the default pool of sandboxes made ahead) on a
 temporary socket, with a worktree that is a git repository of --files
-files. Prints p50 and p99 in milliseconds of: open to the first call's
+files, committed once: its 2,042 objects loose, the worst case of the end's
+look at each kept object file (``--packed``: ``git gc`` then, one pack, as a
+clone leaves a repository). Prints p50 and p99 in milliseconds of: open to the first call's
 answer, the close, and, as the baseline of the same run, a bare Unix-socket
 round trip of the daemon's (a status request); then the CPU a session took,
 the daemon's and every process it started (pasta and the sandboxes too).
@@ -26,7 +28,8 @@ row is printed for both, with this checkout's p50 as a ratio of DIR's
 ``--steps``: the daemons log at debug level, and the median milliseconds of
 each step of their opens (``event=open_steps``), of the worker's part
 (``event=worker_ready``) and of their closes (``event=close_steps``: the
-network stopped, the processes' exit, the git check, the sweep) are printed
+network stopped, the processes' exit, the git check, the sweep; told apart by the
+session's first call) are printed
 after the table, and how many opens of each network found a sandbox made
 ahead.
 
@@ -53,7 +56,7 @@ import psutil  # noqa: E402
 from bench import pct, start_daemon, stop_daemon  # noqa: E402
 
 
-def make_worktree(path: str, files: int) -> None:
+def make_worktree(path: str, files: int, packed: bool = False) -> None:
     os.makedirs(path)
     for i in range(files):
         d = os.path.join(path, f"d{i % 40}")
@@ -61,8 +64,11 @@ def make_worktree(path: str, files: int) -> None:
         with open(os.path.join(d, f"f{i}.py"), "w") as f:
             f.write(f"x = {i}\n")
     env = dict(os.environ, GIT_AUTHOR_NAME="b", GIT_AUTHOR_EMAIL="b@x", GIT_COMMITTER_NAME="b", GIT_COMMITTER_EMAIL="b@x")
-    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]) + ((["gc", "-q"],) if packed else ()):
         subprocess.run(["git", *args], cwd=path, check=True, env=env)
+
+
+FIRST: dict[str, str] = {}  # session id -> its first call: the close's steps told apart by it (--steps)
 
 
 def one(client: dispatch.Client, wt: str, network: bool, first: str, rows: dict[str, list[float]]) -> None:
@@ -75,6 +81,7 @@ def one(client: dispatch.Client, wt: str, network: bool, first: str, rows: dict[
         r = s.registry.call("shell_exec", {"command": "true"})
     t1 = time.perf_counter()
     assert r.is_success, r.error
+    FIRST[s.id] = first
     s.close()
     t2 = time.perf_counter()
     key = f"{'on' if network else 'off'}/{first}"
@@ -108,13 +115,15 @@ def print_steps(name: str, log_path: str) -> None:
     with open(log_path, encoding="utf-8", errors="replace") as f:
         log = f.read()
     steps: dict[str, list[float]] = {}
-    for m in re.finditer(r"event=(open_steps|worker_ready|close_steps) session=\w+ "
+    for m in re.finditer(r"event=(open_steps|worker_ready|close_steps) session=(\w+) "
                          r"(?:pid=\d+ made_ahead=(\d) (?:channel_ahead=\d )?)?steps_ms=(\S*)", log):
         prefix = {"open_steps": "open", "close_steps": "close"}.get(m.group(1)) or (
-            "adopt" if m.group(2) == "1" else "fresh")
+            "adopt" if m.group(3) == "1" else "fresh")
+        if prefix == "close" and m.group(2) in FIRST:
+            prefix = f"close/{FIRST[m.group(2)]}"
         if prefix == "fresh":
             continue  # the pool's sandboxes made ahead: not on an open's path
-        for part in m.group(3).split(","):
+        for part in m.group(4).split(","):
             if ":" in part:
                 k, v = part.split(":")
                 steps.setdefault(f"{prefix} {k}", []).append(float(v))
@@ -138,6 +147,7 @@ def main() -> None:
                     help="A/B: a second daemon running the dispatchd package of the checkout DIR")
     ap.add_argument("--against-args", default="", metavar="ARGS",
                     help="the second daemon's own options (with no --against: this checkout's, so started)")
+    ap.add_argument("--packed", action="store_true", help="the worktree's objects in one pack (git gc), as cloned")
     ap.add_argument("--steps", action="store_true", help="also the daemons' open steps (debug log), medians")
     ap.add_argument("--under", default=os.path.expanduser("~"), metavar="DIR",
                     help="where the worktrees and the daemons' state go (default: the home directory)")
@@ -151,7 +161,7 @@ def main() -> None:
         daemons = {}
         for name in names:
             d = os.path.join(tmp, name)
-            make_worktree(os.path.join(d, "wt"), args.files)
+            make_worktree(os.path.join(d, "wt"), args.files, args.packed)
             own = args.against_args.split() if name == "against" else []
             daemons[name] = start_daemon(d, *extra, *own,
                                          code=os.path.abspath(args.against) if name == "against" and args.against else "")
