@@ -29,7 +29,7 @@ row is printed for both, with this checkout's p50 as a ratio of DIR's
 each step of their opens (``event=open_steps``), of the worker's part
 (``event=worker_ready``) and of their closes (``event=close_steps``: the
 network stopped, the processes' exit, the git check, the sweep; told apart by the
-session's first call) are printed
+session's network and first call) are printed
 after the table, and how many opens of each network found a sandbox made
 ahead.
 
@@ -68,7 +68,7 @@ def make_worktree(path: str, files: int, packed: bool = False) -> None:
         subprocess.run(["git", *args], cwd=path, check=True, env=env)
 
 
-FIRST: dict[str, str] = {}  # session id -> its first call: the close's steps told apart by it (--steps)
+FIRST: dict[str, str] = {}  # session id -> its network and first call: the close's steps told apart (--steps)
 
 
 def one(client: dispatch.Client, wt: str, network: bool, first: str, rows: dict[str, list[float]]) -> None:
@@ -81,10 +81,10 @@ def one(client: dispatch.Client, wt: str, network: bool, first: str, rows: dict[
         r = s.registry.call("shell_exec", {"command": "true"})
     t1 = time.perf_counter()
     assert r.is_success, r.error
-    FIRST[s.id] = first
+    key = f"{'on' if network else 'off'}/{first}"
+    FIRST[s.id] = key
     s.close()
     t2 = time.perf_counter()
-    key = f"{'on' if network else 'off'}/{first}"
     rows.setdefault(f"open -> first {key}", []).append(t1 - t0)
     rows.setdefault(f"close ({'on' if network else 'off'})", []).append(t2 - t1)
     # A close after a command also ends what the command left (its watch of
