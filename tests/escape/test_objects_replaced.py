@@ -5,16 +5,20 @@ kept files are put back at the session's end, the session's moved aside
 (daemon/gitguard/replaced.py). The packs are read-only in the session, a
 pack given a second name is made the repository's own again, and a new
 pack naming the user's objects at other bytes is moved aside (packlinks.py,
-newpacks.py). Each attack beside its control and git's honest work."""
+newpacks.py); a session without namespaces joining a full-mode one's
+worktree finds the keep owning copies (history.own_unheld_packs). Each
+attack beside its control and git's honest work."""
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import dispatch
-from tests.conftest import shell
+from tests.conftest import REPO, Daemon, _refuse_root, shell
 from tests.escape.test_trusted_baseline import client, git, mode_daemon, repo  # noqa: F401 (fixtures)
 
 REPLACE = ("for f in .git/objects/??/*; do printf garbage > .git/planted && mv -f .git/planted \"$f\"; done; "
@@ -146,4 +150,39 @@ def test_a_pack_naming_the_user_s_objects_for_other_bytes_is_moved_aside(client:
         assert r.is_success and (r.output or "") == git(repo, "show", other).stdout, (r.output, r.error)
     assert any("names your objects for other bytes" in p["why"] for p in s.protected), s.protected
     assert git(repo, "show", victim).stdout == original
+    assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def mixed_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A full-mode daemon with a policy whose sessions run without namespaces."""
+    _refuse_root()
+    base = tmp_path_factory.mktemp("mixed")
+    (base / "d").mkdir()
+    policies = base / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "nons.toml").write_text("description = 'no namespaces'\n[sandbox]\nuser_namespaces = \"never\"\n")
+    d = Daemon(base / "d", "--policies", str(policies))
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def test_a_session_without_namespaces_joining_cannot_rewrite_the_packs_for_good(mixed_daemon: Daemon,
+                                                                                repo: Path) -> None:
+    """A full-mode session holds the user's packs read-only, and its keep
+    linked them; a session of a policy without namespaces then joins the
+    same worktree, where nothing holds them, and rewrites one in place. Its
+    join made the keep own copies, so the last end puts the bytes back; the
+    control: the rewrite landed (and git, inside, reads the broken pack)."""
+    git(repo, "gc", "-q")
+    pack = next((repo / ".git" / "objects" / "pack").glob("*.pack"))
+    rel, original = pack.relative_to(repo), pack.read_bytes()
+    with mixed_daemon.connect() as client:
+        with client.open_session(str(repo)) as held, client.open_session(str(repo), policy="nons") as loose:
+            assert held.status()["protections"]["mode"] == "full"
+            assert loose.status()["protections"]["mode"] == "degraded"
+            r = shell(loose, f"chmod u+w {rel} && printf garbage | dd of={rel} bs=1 seek=100 conv=notrunc "
+                             "status=none && git fsck --no-progress >/dev/null 2>&1 || echo broken")
+            assert (r.output or "").strip() == "broken", (r.output, r.error)  # the attack landed
+    assert pack.read_bytes() == original
     assert git(repo, "fsck", "--no-progress", check=False).returncode == 0

@@ -109,10 +109,9 @@ class Baselines:
         self._joined_at: dict[str, int] = {}  # a session's first report of its domain's list
         self.tainted: dict[str, str] = {}  # worktree -> why (refused until a restart's check passes)
         self.recovered: list[Protected] = []  # what the start's checks did
-        # How a record's removal is made durable, and when the last end's removal
-        # is done: at once, or by the daemon after the close's reply
-        # (daemon/afterwards.py): its unlink waits behind the disk's journal,
-        # 0.3-40 ms on a loaded machine (docs/performance.md).
+        # How a record's removal is made durable, and when the last end's removal is done: at once,
+        # or by the daemon after the close's reply (daemon/afterwards.py): its unlink waits behind
+        # the disk's journal, 0.3-40 ms on a loaded machine (docs/performance.md).
         self.sync_dir: Callable[[str], None] = fsync_directory
         self.later: Callable[[Callable[[], None]], None] = lambda job: job()  # at once
         self.settle_delay_s = 0.0  # testing only: see Durable
@@ -281,6 +280,7 @@ class Baselines:
                             names=list(names), excluded=excluded, home=self.home)
                 record.parts.append(part)
                 self._add_history(record, part)
+            history.own_unheld_packs(record.histories, common, packlinks.held_names(layout.read_only, common))
             record.sessions.append(sid)
             try:
                 self._write(domain, defer=defer and len(record.sessions) == 1 and len(record.parts) == 1

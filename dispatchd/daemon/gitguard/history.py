@@ -45,6 +45,7 @@ import msgspec
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import (clones, derived, fs, keeps, newpacks, objectdirs, objectstore, packed,
                                        packlinks, reftemp, replacerefs, replaced, shown, viewfiles)
+from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
 
@@ -290,6 +291,22 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
                    stamps=stamps, stamped_ns=stamped_ns, replaces=replacing.loose,
                    replaces_packed=replacing.packed, views=viewfiles.read(common),
                    view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects))
+
+
+def own_unheld_packs(histories: list[History], common: str, held: frozenset[str]) -> None:
+    """A session joins a domain holding ``held`` of ``common``'s packs
+    read-only (none without a mount namespace): the keep of ``common`` then
+    owns copies of the others (``clones.own_unheld``, within the copy
+    budget), so that one it rewrites in place can be put back. The session
+    that made the keep may have held them all (full mode), and linked them."""
+    for kept in histories:
+        if kept.keep and os.path.realpath(kept.common) == os.path.realpath(common):
+            try:
+                with keeps.hold(kept.keep, kept.common):
+                    clones.own_unheld(kept.keep, os.path.join(kept.common, "objects"), held, [clones.COPY_BUDGET])
+            except OSError as exc:  # fail closed: its rewrite of a linked pack could not be undone
+                raise WorktreeError(f"{common}: the keep of its object files cannot be made to own its packs "
+                                    f"({exc.strerror}); no session opened", common) from exc
 
 
 def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
