@@ -84,7 +84,7 @@ def test_made_or_changed_since_the_baseline_goes_aside_settled_stays(repo: Path)
     new = [p.name for p in _pack(repo).iterdir() if p.name not in user]
     (_pack(repo) / "multi-pack-index-1234.rev").write_bytes(b"RIDX")
     (_pack(repo) / "junk.bitmap").symlink_to("/etc/passwd")
-    moved, failed = derived.clear(str(repo / ".git" / "objects"), since)
+    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", since)
     assert not failed
     assert len(moved) == 3, moved
     left = sorted(p.name for p in _pack(repo).iterdir())
@@ -106,11 +106,11 @@ def test_a_reverse_index_out_of_order_or_for_another_pack_goes_aside(repo: Path)
     since = _baseline()
     os.chmod(rev, 0o644)
     rev.write_bytes(bytes(forged))
-    moved, _ = derived.clear(str(repo / ".git" / "objects"), since)
+    moved, _ = derived.clear(str(repo / ".git" / "objects"), "", since)
     assert len(moved) == 1 and not rev.exists()
     # The twin: git's own bytes, written again after the baseline, are kept.
     rev.write_bytes(honest)
-    assert derived.clear(str(repo / ".git" / "objects"), since) == ([], [])
+    assert derived.clear(str(repo / ".git" / "objects"), "", since) == ([], [])
     assert rev.read_bytes() == honest
 
 
@@ -120,11 +120,11 @@ def test_past_the_bound_a_reverse_index_is_not_read(repo: Path, monkeypatch: pyt
     monkeypatch.setattr(derived, "MAX_OBJECTS", 2)  # the pack holds 9
     rev = next(_pack(repo).glob("*.rev"))
     honest = rev.read_bytes()
-    moved, _ = derived.clear(str(repo / ".git" / "objects"), since)
+    moved, _ = derived.clear(str(repo / ".git" / "objects"), "", since)
     assert len(moved) == 1 and os.path.basename(moved[0]).startswith(rev.name)
     monkeypatch.setattr(derived, "MAX_OBJECTS", 9)  # the twin: at the bound, read and kept
     rev.write_bytes(honest)
-    assert derived.clear(str(repo / ".git" / "objects"), since) == ([], [])
+    assert derived.clear(str(repo / ".git" / "objects"), "", since) == ([], [])
 
 
 def test_the_restore_moves_a_forged_bitmap_and_puts_the_kept_one_back(repo: Path, tmp_path: Path) -> None:
@@ -147,3 +147,117 @@ def test_the_restore_moves_a_forged_bitmap_and_puts_the_kept_one_back(repo: Path
     assert any("1 pack bitmaps or reverse indexes made or changed by a session moved aside" in why
                for _, why in done), done
     assert bitmap.read_bytes() == original
+
+
+def _recorded(repo: Path, tmp_path: Path) -> history.History:
+    """The user's pack with its bitmap and reverse index, a keep of copies
+    (no pack held: a session without a mount namespace), settled."""
+    git(repo, "-c", "repack.writeBitmaps=true", "-c", "pack.writeReverseIndex=true", "repack", "-q", "-a", "-d")
+    time.sleep(SETTLE_S)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), ["refs/heads/main"], held=frozenset())
+    time.sleep(SETTLE_S)
+    return kept
+
+
+def test_a_reverse_index_matching_a_rewritten_index_is_checked_against_the_kept_one(repo: Path,
+                                                                                      tmp_path: Path) -> None:
+    """The session rewrites the user's index (two offsets swapped) and writes
+    the reverse index that index gives: against the kept index it is wrong,
+    and goes aside; the index itself is put back by the restore."""
+    kept = _recorded(repo, tmp_path)
+    idx, rev = next(_pack(repo).glob("*.idx")), next(_pack(repo).glob("*.rev"))
+    original_idx, original_rev = idx.read_bytes(), rev.read_bytes()
+    forged = bytearray(original_idx)
+    count = struct.unpack_from(">I", forged, 8 + 255 * 4)[0]
+    at = 8 + 1024 + 24 * count
+    forged[at:at + 4], forged[at + 4:at + 8] = original_idx[at + 4:at + 8], original_idx[at:at + 4]
+    os.chmod(idx, 0o644)
+    idx.write_bytes(bytes(forged))
+    os.chmod(rev, 0o644)
+    rev.write_bytes(derived.expected_rev(bytes(forged)) or b"")
+    assert rev.read_bytes() != original_rev  # the control: the forged pair agree with each other
+    done, failed = history.restore(kept, in_place=True)
+    assert not failed, failed
+    assert any("1 pack bitmaps or reverse indexes" in why for _, why in done), done
+    assert idx.read_bytes() == original_idx and rev.read_bytes() == original_rev
+
+
+def test_a_reverse_index_the_keep_linked_is_not_put_back_with_the_session_s_bytes(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the copy budget the keep links: a rewrite in place changes the
+    kept bytes too. A reverse index out of order is moved aside and the
+    keep's link removed: nothing of the session's comes back. (A bitmap
+    the keep links is left, like the pack it belongs to: see the module.)"""
+    from dispatchd.daemon.gitguard import clones
+    monkeypatch.setattr(clones, "COPY_BUDGET", 0)
+    kept = _recorded(repo, tmp_path)
+    rev = next(_pack(repo).glob("*.rev"))
+    data = bytearray(rev.read_bytes())
+    data[12:16], data[16:20] = data[16:20], data[12:16]
+    os.chmod(rev, 0o644)
+    with open(rev, "r+b") as f:  # in place: the keep's link sees it
+        f.write(bytes(data))
+    assert (tmp_path / "keep" / "pack" / rev.name).read_bytes() == bytes(data)  # the control: shared
+    done, failed = history.restore(kept, in_place=True)
+    assert not failed, failed
+    assert not rev.exists() and not (tmp_path / "keep" / "pack" / rev.name).exists()
+    assert any("1 pack bitmaps or reverse indexes" in why for _, why in done), done
+
+
+def test_a_bitmap_the_keep_holds_as_its_link_is_not_looked_at(repo: Path, tmp_path: Path) -> None:
+    """Full mode: the session holds the pack's files read-only, the keep
+    links them, and the link sets their ctime after the baseline's look:
+    the user's bitmap stays, unreported (the twin of the forged ones)."""
+    git(repo, "-c", "repack.writeBitmaps=true", "repack", "-q", "-a", "-d")
+    time.sleep(SETTLE_S)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), ["refs/heads/main"])  # all held: linked
+    bitmap = next(_pack(repo).glob("*.bitmap"))
+    assert os.stat(bitmap).st_ctime_ns >= kept.stamped_ns  # the keep's link made it
+    done, failed = history.restore(kept, in_place=True)
+    assert not failed and not [why for _, why in done if "bitmaps" in why], done
+    assert bitmap.exists()
+
+
+def test_a_restore_run_again_reports_nothing_new(repo: Path, tmp_path: Path) -> None:
+    """A daemon killed after its restore runs it again at the next start:
+    the user's bitmap, put back as a fresh copy, holds the kept bytes and
+    stays; an identical rewrite is not reported either."""
+    kept = _recorded(repo, tmp_path)
+    bitmap = next(_pack(repo).glob("*.bitmap"))
+    data = bitmap.read_bytes()
+    os.chmod(bitmap, 0o644)
+    bitmap.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    done, _ = history.restore(kept, in_place=True)
+    assert any("bitmaps" in why for _, why in done) and bitmap.read_bytes() == data
+    for _ in range(2):
+        done, failed = history.restore(kept, in_place=True)
+        assert not failed and not [why for _, why in done if "bitmaps" in why], done
+    os.chmod(bitmap, 0o644)
+    bitmap.write_bytes(data)  # rewritten, the same bytes
+    done, _ = history.restore(kept, in_place=True)
+    assert not [why for _, why in done if "bitmaps" in why], done
+    aside = [p for p in _pack(repo).iterdir() if not p.name.endswith((".pack", ".idx", ".bitmap", ".rev"))]
+    assert len(aside) == 1  # the forged one, from the first restore; none of the user's since
+
+
+def test_past_the_bound_of_names_the_check_fails_and_renames_nothing(repo: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from dispatchd.daemon.gitguard import packlinks
+    since = _baseline()
+    for n in range(5):
+        (_pack(repo) / f"junk{n}.bitmap").write_text("")
+    monkeypatch.setattr(packlinks, "MAX_FILES", 4)
+    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", since)
+    assert moved == [] and failed and "more than 4 pack bitmaps and reverse indexes" in failed[0]
+    assert len(list(_pack(repo).glob("junk*.bitmap"))) == 5
+    monkeypatch.setattr(packlinks, "MAX_FILES", 5)  # the twin: at the bound, looked at
+    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", since)
+    assert len(moved) == 5 and not failed
+
+
+def test_past_the_read_budget_a_reverse_index_goes_aside_unread(repo: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    git(repo, "-c", "pack.writeReverseIndex=true", "repack", "-q", "-a", "-d")
+    since = time.time_ns() - 10**9
+    monkeypatch.setattr(derived, "READ_BUDGET", 100)  # the index alone is larger
+    assert len(derived.clear(str(repo / ".git" / "objects"), "", since)[0]) == 1

@@ -104,6 +104,21 @@ def test_nothing_is_remembered_where_ctimes_are_not_the_kernels(keep: tuple[Path
     assert kept.listed == 6
 
 
+def test_what_was_remembered_is_not_used_where_ctimes_are_no_longer_the_kernels(
+        keep: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An anonymous device number (tmpfs, FUSE) is given again to the next
+    such mount: a keep at the same device and inode on a file system that
+    does not set ctimes itself is listed, whatever was remembered."""
+    top, fd = keep
+    kept = objectdirs.KeptNames()
+    kept.names(fd, 100)
+    stamps = objectdirs.ctimes(fd)
+    (top / "ab" / "5555").write_text("kept later")
+    monkeypatch.setattr(treewalk, "fine_local_ctime", lambda fd, dev: False)
+    monkeypatch.setattr(objectdirs, "ctimes", lambda fd: stamps)  # ctimes that did not move
+    assert "ab/5555" in _set(kept.names(fd, 100)[0])
+
+
 def test_past_the_bound_a_keep_is_listed_whole_each_time(keep: tuple[Path, int]) -> None:
     _, fd = keep
     kept = objectdirs.KeptNames(max_names=4)  # the keep holds 5

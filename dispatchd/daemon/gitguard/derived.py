@@ -15,20 +15,32 @@ maps a bitmap's bits to objects: a forged one does the same to the user's
 own bitmap.
 
 So at the end (``history.restore``, when a session of the domain was
-granted the write lock), each ``*.bitmap`` and ``*.rev`` in
-``objects/pack`` whose ctime has not settled before the baseline's look
-(made, linked, renamed there or rewritten since: each sets the ctime, which
-no session can set back; ``treewalk.settled``) is
+granted the write lock, before anything is put back), each ``*.bitmap`` and
+``*.rev`` in ``objects/pack`` whose ctime has not settled before the
+baseline's look (made, linked, renamed there or rewritten since: each sets
+the ctime, which no session can set back; ``treewalk.settled``) is
 
+- kept when the keep holds it as a link, the same inode (a bitmap: held
+  read-only in the session, or past the copy budget, where a pack is not
+  protected either; its ctime is that link's), or holds the same bytes in
+  a copy of its own (the user's: put back by an earlier end, or rewritten
+  the same);
 - kept when it is a pack's reverse index (``pack-<id>.rev``) holding
-  exactly what its index gives (the index positions ordered by offset, the
-  pack's checksum, its own SHA-1: ``expected_rev``) - git 2.41 and later
+  exactly what its pack's index gives (the index positions ordered by
+  offset, the pack's checksum, its own SHA-1: ``expected_rev``), the index
+  as the keep holds it where it does (a session can rewrite the
+  repository's, which the end puts back only later) - git 2.41 and later
   write one with every pack;
-- else moved aside (renamed beside, never deleted; a kept one of the
-  user's is then put back from the keep). Git works without either (it
-  walks, and orders the index in memory) and writes them again at the next
-  repack that asks for them: what a bitmap says cannot be checked short of
-  the walk it saves.
+- else moved aside (renamed beside, never deleted), and the user's kept one
+  put back by the restore; a reverse index the keep held as a link goes
+  from the keep too: it holds the session's bytes. Git
+  works without either (it walks, and orders the index in memory) and
+  writes them again at the next repack that asks for them: what a bitmap
+  says cannot be checked short of the walk it saves.
+
+Bounded: ``READ_BUDGET`` bytes read at one end (past it, moved aside
+unread), and past ``packlinks.MAX_FILES`` names the check fails, saying so,
+rather than rename a session's junk one by one under the domain's lock.
 """
 
 from __future__ import annotations
@@ -46,49 +58,77 @@ from dispatchd.daemon.gitguard import fs, packlinks
 DERIVED = (".bitmap", ".rev")
 _RACY_NS = 50_000_000  # as history's: a file changed this close before the baseline's look is looked at
 MAX_OBJECTS = 1_000_000  # a reverse index checked up to this many objects (under a second); past it, aside
+READ_BUDGET = 256 * 1024 * 1024  # bytes read at one end to check them; past it, the rest aside unread
 _IDX_MAGIC = b"\xfftOc\x00\x00\x00\x02"
 _FANOUT_END = 8 + 256 * 4
 
 
-def clear(objects: str, since_ns: int) -> tuple[list[str], list[str]]:
+def clear(objects: str, keep: str, since_ns: int) -> tuple[list[str], list[str]]:
     """Move aside what the module says; returns the names moved (their new
-    paths), and what could not be moved (with why)."""
+    paths), and what could not be done (with why). ``keep``: the history's
+    keep ("" when there is none), whose copies tell the user's own files."""
     pack_dir = os.path.join(objects, "pack")
     try:
         fd = os.open(pack_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return [], []  # no pack directory (history.restore makes what it puts back)
+    kfd = _open_dir(os.path.join(keep, "pack")) if keep else None
     moved: list[str] = []
     failed: list[str] = []
+    budget = [READ_BUDGET]
     try:
-        for name in sorted(n for n in os.listdir(fd) if n.endswith(DERIVED)):
+        names = sorted(n for n in os.listdir(fd) if n.endswith(DERIVED))
+        if len(names) > packlinks.MAX_FILES:  # a session's junk: a rename each would hold the domain's lock
+            return [], [f"{pack_dir}: more than {packlinks.MAX_FILES} pack bitmaps and reverse indexes, not looked "
+                        "at; git trusts them: remove those you did not make"]
+        for name in names:
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
             if treewalk.settled(st.st_ctime_ns, since_ns, _RACY_NS):
                 continue  # the user's, as it was at the baseline
-            if name.endswith(".rev") and stat.S_ISREG(st.st_mode) and _rev_holds(fd, name):
+            kept = _stat(name, kfd)
+            shared = kept is not None and (kept.st_dev, kept.st_ino) == (st.st_dev, st.st_ino)
+            is_rev = name.endswith(".rev") and stat.S_ISREG(st.st_mode)
+            if shared and not is_rev:
+                continue  # the keep's own link (its ctime is that link's): held read-only, or past the copy budget
+            if not shared and kept is not None and kept.st_size == st.st_size and _same(fd, kfd, name, budget):
+                continue  # the user's bytes, as kept (a put-back's copy, an identical rewrite)
+            if is_rev and _rev_holds(fd, kfd, name, budget):
                 continue
             try:
                 moved.append(os.path.join(pack_dir, fs.move_aside_at(fd, name)))
             except OSError as exc:
                 failed.append(f"{os.path.join(pack_dir, name)}: made or changed by a session, and it cannot be "
                               f"moved aside ({exc.strerror}); git trusts it: remove it")
+                continue
+            if shared and kfd is not None:
+                # Kept as a link (past the copy budget): it holds the session's bytes, not to be put back.
+                try:
+                    os.unlink(name, dir_fd=kfd)
+                except OSError as exc:
+                    failed.append(f"{os.path.join(keep, 'pack', name)}: the keep's link to a file a session "
+                                  f"changed cannot be removed ({exc.strerror})")
     finally:
         os.close(fd)
+        if kfd is not None:
+            os.close(kfd)
     return moved, failed
 
 
-def _rev_holds(fd: int, name: str) -> bool:
-    """Whether ``name`` is the reverse index of the pack beside it, byte for byte."""
+def _rev_holds(fd: int, kfd: int | None, name: str, budget: list[int]) -> bool:
+    """Whether ``name`` is the reverse index of its pack, byte for byte: the
+    pack's index as the keep holds it (a session can rewrite the
+    repository's, which the end puts back after this look), else the
+    repository's (a pack new since the baseline)."""
     if not packlinks.is_pack_file(name):
         return False  # a multi-pack-index's, or a name of the session's: git's order is not checked here
-    idx = _read(fd, name[:-4] + ".idx", _FANOUT_END + 28 * MAX_OBJECTS + 8 * MAX_OBJECTS + 40)
-    if idx is None:
-        return False
-    expected = expected_rev(idx)
-    return expected is not None and _read(fd, name, len(expected)) == expected
+    idx_name = name[:-4] + ".idx"
+    limit = _FANOUT_END + 36 * MAX_OBJECTS + 40
+    idx = _read(kfd, idx_name, budget, limit) if _stat(idx_name, kfd) is not None else _read(fd, idx_name, budget, limit)
+    expected = expected_rev(idx) if idx is not None else None
+    return expected is not None and _read(fd, name, budget, len(expected)) == expected
 
 
 def expected_rev(idx: bytes) -> bytes | None:
@@ -121,8 +161,33 @@ def expected_rev(idx: bytes) -> bytes | None:
     return body + hashlib.sha1(body).digest()
 
 
-def _read(fd: int, name: str, limit: int) -> bytes | None:
-    """A regular file's bytes, ``limit`` at most (else None), not followed."""
+def _same(fd: int, kfd: int | None, name: str, budget: list[int]) -> bool:
+    """Whether the repository's ``name`` holds the keep's bytes (both regular files)."""
+    ours = _read(fd, name, budget)
+    return ours is not None and ours == _read(kfd, name, budget)
+
+
+def _open_dir(path: str) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _stat(name: str, fd: int | None) -> os.stat_result | None:
+    if fd is None:
+        return None
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _read(fd: int | None, name: str, budget: list[int], limit: int = READ_BUDGET) -> bytes | None:
+    """A regular file's bytes (not followed), taken from ``budget``; None
+    when it is not one, is over ``limit`` or the budget, or cannot be read."""
+    if fd is None:
+        return None
     try:
         opened = fs.open_regular(name, fd)
     except OSError:
@@ -131,10 +196,11 @@ def _read(fd: int, name: str, limit: int) -> bytes | None:
         return None
     own, st = opened
     try:
-        if st.st_size > limit:
+        if st.st_size > min(limit, budget[0]):
             return None
         with os.fdopen(own, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
+            data = f.read(st.st_size + 1)
     finally:
         os.close(own)
-    return data if len(data) <= limit else None
+    budget[0] -= len(data)
+    return data if len(data) == st.st_size else None

@@ -335,6 +335,20 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                              history.replaces_packed, history.views, history.view_stamps)
     done += moved
     failed += bad
+    # A pack's bitmap or reverse index a session made or changed (git trusts both): aside before
+    # the put-back, which then puts a kept one of the user's back.
+    try:
+        if history.stamped_ns and in_place:
+            aside, bad = derived.clear(objects, history.keep, history.stamped_ns)
+            failed += bad
+            if aside:
+                dirs.add("pack")
+                done.append((objects, f"{len(aside)} pack bitmaps or reverse indexes made or changed by a "
+                                      f"session moved aside (git does without them, and writes them again): "
+                                      f"{', '.join(os.path.relpath(a, objects) for a in aside[:5])}"
+                                      f"{', ...' if len(aside) > 5 else ''}"))
+    except Exception as exc:  # noqa: BLE001 - reported; the rest still runs
+        failed.append(f"{objects}: the look at pack bitmaps failed: {exc!r}")
     if history.keep:
         os.makedirs(objects, exist_ok=True)
         # First, before anything is put back: a pack a session gave a second name, the repository's own again.
@@ -352,20 +366,6 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
             failed.append(f"{objects}: the look for packs given another name failed: {exc!r}")
         if not history.stamped_ns:
             dirs = set(_stamps(history.keep))
-        # A pack's bitmap or reverse index a session made or changed (git trusts both): aside before
-        # the put-back, which then puts a kept one of the user's back.
-        try:
-            if history.stamped_ns and in_place:
-                aside, bad = derived.clear(objects, history.stamped_ns)
-                failed += bad
-                if aside:
-                    dirs.add("pack")
-                    done.append((objects, f"{len(aside)} pack bitmaps or reverse indexes made or changed by a "
-                                          f"session moved aside (git does without them, and writes them again): "
-                                          f"{', '.join(os.path.relpath(a, objects) for a in aside[:5])}"
-                                          f"{', ...' if len(aside) > 5 else ''}"))
-        except Exception as exc:  # noqa: BLE001 - reported; the rest still runs
-            failed.append(f"{objects}: the look at pack bitmaps failed: {exc!r}")
         missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
         by_git = packed.packed_meanwhile(objects, missing, history.keep)
         ways = clones.Ways()

@@ -89,7 +89,7 @@ class KeptNames:
         key = (st.st_dev, st.st_ino)
         fine = treewalk.fine_local_ctime(keep_fd, st.st_dev)
         with self._lock:
-            known = self._keeps.get(key, {})
+            known = self._keeps.get(key, {}) if fine else {}  # a device number is given again to another file system
         now: dict[str, tuple[int, bytes, int]] = {}
         parts: list[bytes] = []
         count = 0
