@@ -168,6 +168,17 @@ def wait_for_pool(client: dispatch.Client, kind: str = "default/off", n: int = 1
     raise AssertionError(f"the pool never held {n} of {kind}: {client.status()['daemon']['pool']}")
 
 
+def daemon_with_nons(base: Path) -> Daemon:
+    """A full-mode daemon whose policies also hold ``nons``, whose sessions
+    run without namespaces (degraded) beside the full-mode ones."""
+    _refuse_root()
+    (base / "d").mkdir()
+    policies = base / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "nons.toml").write_text("description = 'no namespaces'\n[sandbox]\nuser_namespaces = \"never\"\n")
+    return Daemon(base / "d", "--policies", str(policies))
+
+
 def _refuse_root() -> None:
     if os.geteuid() == 0:
         pytest.fail("the integration and escape suites run as an unprivileged user: use ./scripts/test, "

@@ -11,14 +11,13 @@ attack beside its control and git's honest work."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import dispatch
-from tests.conftest import REPO, Daemon, _refuse_root, shell
+from tests.conftest import Daemon, daemon_with_nons, shell
 from tests.escape.test_trusted_baseline import client, git, mode_daemon, repo  # noqa: F401 (fixtures)
 
 REPLACE = ("for f in .git/objects/??/*; do printf garbage > .git/planted && mv -f .git/planted \"$f\"; done; "
@@ -156,13 +155,7 @@ def test_a_pack_naming_the_user_s_objects_for_other_bytes_is_moved_aside(client:
 @pytest.fixture(scope="module")
 def mixed_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A full-mode daemon with a policy whose sessions run without namespaces."""
-    _refuse_root()
-    base = tmp_path_factory.mktemp("mixed")
-    (base / "d").mkdir()
-    policies = base / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    (policies / "nons.toml").write_text("description = 'no namespaces'\n[sandbox]\nuser_namespaces = \"never\"\n")
-    d = Daemon(base / "d", "--policies", str(policies))
+    d = daemon_with_nons(tmp_path_factory.mktemp("mixed"))
     yield d
     assert d.stop() == 0, d.log()
 

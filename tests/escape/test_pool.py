@@ -15,7 +15,6 @@ such a sandbox has no session yet, so nothing of it can sleep.
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import psutil
 import pytest
 
 import dispatch
-from tests.conftest import REPO, Daemon, _refuse_root, wait_for_pool
+from tests.conftest import Daemon, daemon_with_nons, wait_for_pool
 from tests.escape.attempts import ENOENT, EPERM, ESRCH, attempt, attempt_outside
 from tests.escape.conftest import Sandbox
 
@@ -85,13 +84,7 @@ def test_a_sandbox_made_ahead_is_the_same_view_as_one_made_at_open(
 def pooled_daemon(tmp_path_factory: pytest.TempPathFactory) -> Daemon:
     """A full-mode daemon with a pool, and a policy whose sessions run
     without namespaces (degraded) beside the pool's sandboxes."""
-    _refuse_root()
-    base = tmp_path_factory.mktemp("pooled")
-    (base / "d").mkdir()
-    policies = base / "policies"
-    shutil.copytree(REPO / "policies", policies)
-    (policies / "nons.toml").write_text("description = 'no namespaces'\n[sandbox]\nuser_namespaces = \"never\"\n")
-    d = Daemon(base / "d", "--policies", str(policies))
+    d = daemon_with_nons(tmp_path_factory.mktemp("pooled"))
     yield d  # type: ignore[misc]
     assert d.stop() == 0, d.log()
 

@@ -9,35 +9,22 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from dispatchd.daemon.gitguard import derived, history
+from tests.unit.gitrepo import commits_repo, git
 
 pytestmark = pytest.mark.process  # runs git
 
-ENV = {**os.environ, "GIT_AUTHOR_NAME": "u", "GIT_AUTHOR_EMAIL": "u@example.invalid", "GIT_COMMITTER_NAME": "u",
-       "GIT_COMMITTER_EMAIL": "u@example.invalid"}
 SETTLE_S = 0.07  # past derived's 50 ms margin
-
-
-def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, env=ENV).stdout
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    r = tmp_path / "repo"
-    r.mkdir()
-    git(r, "init", "-q", "-b", "main")
-    for n in range(3):
-        (r / "f").write_text(f"{n}\n")
-        git(r, "add", "f")
-        git(r, "commit", "-qm", f"c{n}")
-    return r
+    return commits_repo(tmp_path / "repo")
 
 
 def _pack(repo: Path) -> Path:
