@@ -179,3 +179,33 @@ def test_a_session_without_namespaces_joining_cannot_rewrite_the_packs_for_good(
             assert (r.output or "").strip() == "broken", (r.output, r.error)  # the attack landed
     assert pack.read_bytes() == original
     assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
+
+
+def test_a_session_on_a_worktree_around_the_repository_cannot_rewrite_its_packs_for_good(
+        mixed_daemon: Daemon, tmp_path: Path) -> None:
+    """A full-mode session holds ``inner``'s packs read-only, and its keep
+    linked them; a full-mode session on ``outer``, around it, holds only its
+    own repository's packs, and rewrites one of ``inner``'s in place. Its
+    join made ``inner``'s keep own copies, so the last end puts the bytes
+    back (the control: the rewrite landed)."""
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    git(outer, "init", "-q", "-b", "main")
+    inner = outer / "inner"
+    inner.mkdir()
+    git(inner, "init", "-q", "-b", "main")
+    (inner / "f").write_text("inner\n")
+    git(inner, "add", "f")
+    git(inner, "commit", "-qm", "inner")
+    git(inner, "gc", "-q")
+    pack = next((inner / ".git" / "objects" / "pack").glob("*.pack"))
+    original = pack.read_bytes()
+    with mixed_daemon.connect() as client:
+        with client.open_session(str(inner)) as held, client.open_session(str(outer)) as around:
+            assert held.status()["protections"]["mode"] == around.status()["protections"]["mode"] == "full"
+            rel = pack.relative_to(outer)
+            r = shell(around, f"chmod u+w {rel} && printf garbage | dd of={rel} bs=1 seek=100 conv=notrunc "
+                              "status=none && git -C inner fsck --no-progress >/dev/null 2>&1 || echo broken")
+            assert (r.output or "").strip() == "broken", (r.output, r.error)  # the attack landed
+    assert pack.read_bytes() == original
+    assert git(inner, "fsck", "--no-progress", check=False).returncode == 0

@@ -71,7 +71,7 @@ def test_made_or_changed_since_the_baseline_goes_aside_settled_stays(repo: Path)
     new = [p.name for p in _pack(repo).iterdir() if p.name not in user]
     (_pack(repo) / "multi-pack-index-1234.rev").write_bytes(b"RIDX")
     (_pack(repo) / "junk.bitmap").symlink_to("/etc/passwd")
-    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", since)
+    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", since, None)
     assert not failed
     assert len(moved) == 3, moved
     left = sorted(p.name for p in _pack(repo).iterdir())
@@ -93,11 +93,11 @@ def test_a_reverse_index_out_of_order_or_for_another_pack_goes_aside(repo: Path)
     since = _baseline()
     os.chmod(rev, 0o644)
     rev.write_bytes(bytes(forged))
-    moved, _ = derived.clear(str(repo / ".git" / "objects"), "", since)
+    moved, _ = derived.clear(str(repo / ".git" / "objects"), "", since, None)
     assert len(moved) == 1 and not rev.exists()
     # The twin: git's own bytes, written again after the baseline, are kept.
     rev.write_bytes(honest)
-    assert derived.clear(str(repo / ".git" / "objects"), "", since) == ([], [])
+    assert derived.clear(str(repo / ".git" / "objects"), "", since, None) == ([], [])
     assert rev.read_bytes() == honest
 
 
@@ -107,11 +107,11 @@ def test_past_the_bound_a_reverse_index_is_not_read(repo: Path, monkeypatch: pyt
     monkeypatch.setattr(derived, "MAX_OBJECTS", 2)  # the pack holds 9
     rev = next(_pack(repo).glob("*.rev"))
     honest = rev.read_bytes()
-    moved, _ = derived.clear(str(repo / ".git" / "objects"), "", since)
+    moved, _ = derived.clear(str(repo / ".git" / "objects"), "", since, None)
     assert len(moved) == 1 and os.path.basename(moved[0]).startswith(rev.name)
     monkeypatch.setattr(derived, "MAX_OBJECTS", 9)  # the twin: at the bound, read and kept
     rev.write_bytes(honest)
-    assert derived.clear(str(repo / ".git" / "objects"), "", since) == ([], [])
+    assert derived.clear(str(repo / ".git" / "objects"), "", since, None) == ([], [])
 
 
 def test_the_restore_moves_a_forged_bitmap_and_puts_the_kept_one_back(repo: Path, tmp_path: Path) -> None:
@@ -234,11 +234,11 @@ def test_past_the_bound_of_names_the_check_fails_and_renames_nothing(repo: Path,
     for n in range(5):
         (_pack(repo) / f"junk{n}.bitmap").write_text("")
     monkeypatch.setattr(packlinks, "MAX_FILES", 4)
-    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", since)
+    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", since, None)
     assert moved == [] and failed and "more than 4 pack bitmaps and reverse indexes" in failed[0]
     assert len(list(_pack(repo).glob("junk*.bitmap"))) == 5
     monkeypatch.setattr(packlinks, "MAX_FILES", 5)  # the twin: at the bound, looked at
-    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", since)
+    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", since, None)
     assert len(moved) == 5 and not failed
 
 
@@ -247,4 +247,51 @@ def test_past_the_read_budget_a_reverse_index_goes_aside_unread(repo: Path,
     git(repo, "-c", "pack.writeReverseIndex=true", "repack", "-q", "-a", "-d")
     since = time.time_ns() - 10**9
     monkeypatch.setattr(derived, "READ_BUDGET", 100)  # the index alone is larger
-    assert len(derived.clear(str(repo / ".git" / "objects"), "", since)[0]) == 1
+    assert len(derived.clear(str(repo / ".git" / "objects"), "", since, None)[0]) == 1
+
+
+def test_a_name_new_since_the_baseline_is_never_taken_for_the_user_s(repo: Path, tmp_path: Path) -> None:
+    """A checkpoint keeps what the session made (``keep_more``): a forged
+    bitmap of the session's own pack, copied into the keep, holds the same
+    bytes as the keep's file; its name was not there at the baseline, so it
+    still goes aside (the twin: the user's own name, the same bytes, stays)."""
+    kept = _recorded(repo, tmp_path)
+    (repo / "f").write_text("new\n")
+    git(repo, "commit", "-qam", "more")
+    git(repo, "-c", "repack.writeBitmaps=true", "repack", "-q", "-a")
+    new = next(p for p in _pack(repo).glob("*.bitmap") if p.name not in (kept.pack_links or {}))
+    (tmp_path / "keep" / "pack" / new.name).write_bytes(new.read_bytes())  # as keep_more would
+    done, failed = history.restore(kept, in_place=True)
+    assert not failed and any("1 pack bitmaps or reverse indexes" in why for _, why in done), done
+    assert not new.exists() and len(list(_pack(repo).glob("*.bitmap"))) == 1  # the user's
+
+
+def test_the_read_budget_is_one_for_the_whole_end(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two packs' reverse indexes, the budget enough for one index and its
+    reverse index: the first is read and kept, the second goes aside unread."""
+    git(repo, "-c", "pack.writeReverseIndex=true", "repack", "-q", "-a", "-d")
+    (repo / "f").write_text("new\n")
+    git(repo, "commit", "-qam", "more")
+    git(repo, "-c", "pack.writeReverseIndex=true", "repack", "-q")
+    revs = sorted(_pack(repo).glob("*.rev"))
+    assert len(revs) == 2
+    one = max((r.with_suffix(".idx").stat().st_size + r.stat().st_size for r in revs))
+    monkeypatch.setattr(derived, "READ_BUDGET", one + 8)
+    moved, failed = derived.clear(str(repo / ".git" / "objects"), "", time.time_ns() - 10**9, None)
+    assert len(moved) == 1 and not failed
+    monkeypatch.setattr(derived, "READ_BUDGET", 2 * one + 8)  # the twin: enough for both
+    (moved_back := Path(moved[0])).rename(_pack(repo) / os.path.basename(moved[0]).split(".quarantined")[0])
+    assert not moved_back.exists()
+    assert derived.clear(str(repo / ".git" / "objects"), "", time.time_ns() - 10**9, None) == ([], [])
+
+
+def test_without_a_keep_the_end_still_moves_a_forged_bitmap(repo: Path, tmp_path: Path) -> None:
+    """A record that could not keep the object files (its note says why)
+    still has its time: a bitmap made since goes aside all the same."""
+    import msgspec
+    kept = msgspec.structs.replace(_recorded(repo, tmp_path), keep="")
+    (repo / "f").write_text("new\n")
+    git(repo, "commit", "-qam", "more")
+    git(repo, "-c", "repack.writeBitmaps=true", "repack", "-q", "-a")
+    done, _ = history.restore(kept, in_place=True)
+    assert any("1 pack bitmaps or reverse indexes" in why for _, why in done), done

@@ -268,6 +268,7 @@ class Baselines:
         domain = self._enter(root, common)
         try:
             record = domain.record
+            history.own_unheld_packs(record.histories, layout.read_only)  # before anything of it is recorded
             covered = any(is_within(root, p.root) for p in record.parts)
             if not covered:
                 excluded = [p.root for p in record.parts if is_within(p.root, root)]
@@ -280,7 +281,6 @@ class Baselines:
                             names=list(names), excluded=excluded, home=self.home)
                 record.parts.append(part)
                 self._add_history(record, part)
-            history.own_unheld_packs(record.histories, common, packlinks.held_names(layout.read_only, common))
             record.sessions.append(sid)
             try:
                 self._write(domain, defer=defer and len(record.sessions) == 1 and len(record.parts) == 1
@@ -357,8 +357,8 @@ class Baselines:
                     record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
                 return
         keep = history.keep_for(self.keep_dir, common)
-        kept = history.record(common, keep, [branch] if branch else [],
-                              packlinks.held_names(part.layout.read_only, common))
+        held = frozenset() if record.sessions else packlinks.held_names(part.layout.read_only, common)  # theirs: none
+        kept = history.record(common, keep, [branch] if branch else [], held)
         if kept.note:
             log.warning("event=history_not_kept common=%s why=%r", common, kept.note)
         record.histories.append(kept)

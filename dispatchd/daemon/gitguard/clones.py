@@ -33,7 +33,7 @@ import fcntl
 import os
 import stat
 
-from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard import fs, packlinks
 
 COPY_BUDGET = 512 * 1024 * 1024  # bytes copied (not cloned or linked) at one baseline
 FICLONE = 0x40049409
@@ -191,7 +191,9 @@ def own_unheld(keep: str, objects: str, held: frozenset[str], budget: list[int])
         for e in entries:  # a killed daemon's copy half made
             if e.name.startswith("tmp-own-") and e.name.endswith(".part"):
                 os.unlink(e.path)
-        kept = {e.name: e.inode() for e in entries if not e.name.startswith("tmp")}
+        # What git reads only (a session's junk beside it is not copied at every join).
+        kept = {e.name: e.inode() for e in entries
+                if not e.name.startswith("tmp") and e.name.endswith(packlinks.PACKISH)}
         with os.scandir(os.path.join(objects, "pack")) as scan:
             now = {e.name: e.inode() for e in scan}
     except OSError:

@@ -20,7 +20,8 @@ granted the write lock, before anything is put back), each ``*.bitmap`` and
 baseline's look (made, linked, renamed there or rewritten since: each sets
 the ctime, which no session can set back; ``treewalk.settled``) is
 
-- kept when the keep holds it as a link, the same inode (a bitmap: held
+- of a name ``objects/pack`` had at the baseline, kept when the keep
+  holds it as a link, the same inode (a bitmap: held
   read-only in the session, or past the copy budget, where a pack is not
   protected either; its ctime is that link's), or holds the same bytes in
   a copy of its own (the user's: put back by an earlier end, or rewritten
@@ -32,8 +33,9 @@ the ctime, which no session can set back; ``treewalk.settled``) is
   repository's, which the end puts back only later) - git 2.41 and later
   write one with every pack;
 - else moved aside (renamed beside, never deleted), and the user's kept one
-  put back by the restore; a reverse index the keep held as a link goes
-  from the keep too: it holds the session's bytes. Git
+  put back by the restore; a reverse index the keep held as a link, and
+  any file the keep took since the baseline (a checkpoint), goes from the
+  keep too: it holds the session's bytes. Git
   works without either (it walks, and orders the index in memory) and
   writes them again at the next repack that asks for them: what a bitmap
   says cannot be checked short of the walk it saves.
@@ -63,10 +65,13 @@ _IDX_MAGIC = b"\xfftOc\x00\x00\x00\x02"
 _FANOUT_END = 8 + 256 * 4
 
 
-def clear(objects: str, keep: str, since_ns: int) -> tuple[list[str], list[str]]:
+def clear(objects: str, keep: str, since_ns: int, baseline: set[str] | None) -> tuple[list[str], list[str]]:
     """Move aside what the module says; returns the names moved (their new
     paths), and what could not be done (with why). ``keep``: the history's
-    keep ("" when there is none), whose copies tell the user's own files."""
+    keep ("" when there is none), whose files tell the user's own of the
+    names in ``baseline`` (``objects/pack`` at the baseline; None: past its
+    bound, none told). Another name's file in the keep is a session's (a
+    checkpoint keeps what the session made): never taken for the user's."""
     pack_dir = os.path.join(objects, "pack")
     try:
         fd = os.open(pack_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -88,7 +93,7 @@ def clear(objects: str, keep: str, since_ns: int) -> tuple[list[str], list[str]]
                 continue
             if treewalk.settled(st.st_ctime_ns, since_ns, _RACY_NS):
                 continue  # the user's, as it was at the baseline
-            kept = _stat(name, kfd)
+            kept = _stat(name, kfd) if baseline is not None and name in baseline else None
             shared = kept is not None and (kept.st_dev, kept.st_ino) == (st.st_dev, st.st_ino)
             is_rev = name.endswith(".rev") and stat.S_ISREG(st.st_mode)
             if shared and not is_rev:
@@ -103,8 +108,10 @@ def clear(objects: str, keep: str, since_ns: int) -> tuple[list[str], list[str]]
                 failed.append(f"{os.path.join(pack_dir, name)}: made or changed by a session, and it cannot be "
                               f"moved aside ({exc.strerror}); git trusts it: remove it")
                 continue
-            if shared and kfd is not None:
-                # Kept as a link (past the copy budget): it holds the session's bytes, not to be put back.
+            if kfd is not None and (shared or not (baseline is not None and name in baseline)) \
+                    and _stat(name, kfd) is not None:
+                # Kept as a link (past the copy budget), or kept since the baseline (a checkpoint):
+                # the session's bytes, not to be put back.
                 try:
                     os.unlink(name, dir_fd=kfd)
                 except OSError as exc:

@@ -293,20 +293,24 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
                    view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects))
 
 
-def own_unheld_packs(histories: list[History], common: str, held: frozenset[str]) -> None:
-    """A session joins a domain holding ``held`` of ``common``'s packs
-    read-only (none without a mount namespace): the keep of ``common`` then
-    owns copies of the others (``clones.own_unheld``, within the copy
-    budget), so that one it rewrites in place can be put back. The session
-    that made the keep may have held them all (full mode), and linked them."""
+def own_unheld_packs(histories: list[History], read_only: list[str]) -> None:
+    """A session joins a domain holding read-only the pack files among
+    ``read_only`` (its layout's: none without a mount namespace, none of a
+    repository below its worktree that is not its own): the keep of each of
+    the domain's repositories then owns copies of the packs it does not hold
+    (``clones.own_unheld``, within the copy budget), so that one it rewrites
+    in place can be put back. The session that made a keep may have held
+    them all (full mode, on that repository), and linked them."""
     for kept in histories:
-        if kept.keep and os.path.realpath(kept.common) == os.path.realpath(common):
-            try:
-                with keeps.hold(kept.keep, kept.common):
-                    clones.own_unheld(kept.keep, os.path.join(kept.common, "objects"), held, [clones.COPY_BUDGET])
-            except OSError as exc:  # fail closed: its rewrite of a linked pack could not be undone
-                raise WorktreeError(f"{common}: the keep of its object files cannot be made to own its packs "
-                                    f"({exc.strerror}); no session opened", common) from exc
+        if not kept.keep:
+            continue
+        try:
+            with keeps.hold(kept.keep, kept.common):
+                clones.own_unheld(kept.keep, os.path.join(kept.common, "objects"),
+                                  packlinks.held_names(read_only, kept.common), [clones.COPY_BUDGET])
+        except OSError as exc:  # fail closed: its rewrite of a linked pack could not be undone
+            raise WorktreeError(f"{kept.common}: the keep of its object files cannot be made to own its packs "
+                                f"({exc.strerror}); no session opened", kept.common) from exc
 
 
 def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
@@ -339,7 +343,8 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
     # the put-back, which then puts a kept one of the user's back.
     try:
         if history.stamped_ns and in_place:
-            aside, bad = derived.clear(objects, history.keep, history.stamped_ns)
+            aside, bad = derived.clear(objects, history.keep, history.stamped_ns,
+                                       set(history.pack_links) if history.pack_links is not None else None)
             failed += bad
             if aside:
                 dirs.add("pack")

@@ -30,7 +30,7 @@ import stat
 from collections.abc import Callable
 
 _PACK_FILE = re.compile(r"^pack-[0-9a-f]{40}(?:[0-9a-f]{24})?\.(?:pack|idx|rev|bitmap|mtimes)$")
-_PACKISH = (".pack", ".idx", ".rev", ".bitmap", ".mtimes")  # what git reads of a pack, whatever its name
+PACKISH = (".pack", ".idx", ".rev", ".bitmap", ".mtimes")  # what git reads of a pack, whatever its name
 MAX_FILES = 4096  # pack files looked at; past it the check fails (a session's junk must not hide one)
 
 
@@ -44,7 +44,7 @@ def links(objects: str) -> dict[str, int] | None:
     and the files beside it) -> its number of names; None past ``MAX_FILES``."""
     found: dict[str, int] = {}
     try:
-        entries = [e for e in os.scandir(os.path.join(objects, "pack")) if e.name.endswith(_PACKISH)]
+        entries = [e for e in os.scandir(os.path.join(objects, "pack")) if e.name.endswith(PACKISH)]
     except OSError:
         return found
     if len(entries) > MAX_FILES:
