@@ -55,6 +55,16 @@ def overlap(a: str, b: str) -> bool:
     return is_within(a, b) or is_within(b, a)
 
 
+def worktrees_relate(root: str, common: str, other_root: str, other_common: str) -> bool:
+    """Whether two worktrees (each with its repository's common git
+    directory, or "") are one for the checks: they overlap, share a
+    repository, or one's repository lies within the other (a linked
+    worktree whose repository is inside another worktree: a session there
+    can write the repository's files)."""
+    return overlap(root, other_root) or bool(common and common == other_common) \
+        or bool(common and overlap(common, other_root)) or bool(other_common and overlap(other_common, root))
+
+
 class Tops:
     """Paths asked, again and again, whether a path lies strictly below one
     of them: ``holds_below(path)`` is ``any(is_below(path, t) for t in

@@ -54,7 +54,7 @@ from dispatchd.daemon.gitguard.parts import common_of
 from dispatchd.daemon.inuse import InUse, Use
 from dispatchd.daemon.session import Session
 from dispatchd.errors import WorktreeError
-from dispatchd.inside import overlap
+from dispatchd.inside import overlap, worktrees_relate
 
 log = logging.getLogger("dispatchd.sessions")
 _RECOVERING = threading.Lock()  # a dead daemon's remains are finished by one open at a time
@@ -85,8 +85,8 @@ def claim(in_use: InUse | None, baselines: Baselines, session: Session, state_di
         log.warning("event=dead_daemon_sessions_found session=%s entries=%s", session.id, ",".join(dead))
         said += [Protected(path=path, why=why, time=time.time())
                  for path, why in checkpoints.finish_restores(state_dir, in_use)]
-        def related(roots: list[str], commons: list[str]) -> bool:
-            return any(overlap(r, root) for r in roots) or bool(common and common in commons)
+        def related(roots: list[str], commons: list[str]) -> bool:  # a record's parts: each root with each common
+            return any(worktrees_relate(root, common, r, c) for r in roots for c in commons or [""])
         # An entry that cannot be read may stand for any worktree: every record checked then.
         baselines.recover(related=None if in_use.unreadable & set(dead) else related)
         if _checked_elsewhere(baselines, related):
@@ -122,10 +122,10 @@ def _unrecorded(root: str, exc: OSError) -> WorktreeError:
 def _refusal(root: str, other: Use) -> WorktreeError:
     who = f"session {other.session} of another dispatchd (pid {other.pid})" if other.pid else \
         "a session of another dispatchd"
-    return WorktreeError(f"{root}: {who} on this state directory uses {other.worktree}, which overlaps it or "
-                         "shares its repository; each dispatchd keeps its own baseline of a worktree, so the "
-                         "sessions of one at a time use it: close that session, or open this one through that "
-                         "dispatchd; no session opened", root)
+    return WorktreeError(f"{root}: {who} on this state directory uses {other.worktree}, which overlaps it, "
+                         "shares its repository or holds it; each dispatchd keeps its own baseline of a worktree, "
+                         "so the sessions of one at a time use it: close that session, or open this one through "
+                         "that dispatchd; no session opened", root)
 
 
 def _checked_elsewhere(baselines: Baselines, related: Callable[[list[str], list[str]], bool]) -> bool:

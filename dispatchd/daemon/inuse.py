@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dispatchd.inside import overlap
+from dispatchd.inside import worktrees_relate
 
 __all__ = ["MUTEX_WAIT_S", "InUse", "Use"]
 
@@ -71,8 +71,8 @@ class Use:
     common: str = ""
 
     def relates(self, worktree: str, common: str) -> bool:
-        """Whether ``worktree`` overlaps this one, or shares its repository."""
-        return overlap(self.worktree, worktree) or bool(common and self.common == common)
+        """Whether ``worktree`` relates to this one (``worktrees_relate``)."""
+        return worktrees_relate(worktree, common, self.worktree, self.common)
 
 
 _UNREADABLE = Use("?", 0, "/", 0.0)  # "/" overlaps every worktree

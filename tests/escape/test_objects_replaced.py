@@ -209,3 +209,34 @@ def test_a_session_on_a_worktree_around_the_repository_cannot_rewrite_its_packs_
             assert (r.output or "").strip() == "broken", (r.output, r.error)  # the attack landed
     assert pack.read_bytes() == original
     assert git(inner, "fsck", "--no-progress", check=False).returncode == 0
+
+
+@pytest.mark.parametrize("linked_first", [True, False], ids=["linked_first", "around_first"])
+def test_a_session_around_a_linked_worktree_s_repository_cannot_rewrite_its_packs_for_good(
+        mixed_daemon: Daemon, tmp_path: Path, linked_first: bool) -> None:
+    """A full-mode session on ``w``, a linked worktree of ``x/r``, holds r's
+    packs read-only (its keep linked them); a session on ``x`` holds r's
+    files as its own worktree's and rewrites a pack in place. The two are
+    one domain (``inside.worktrees_relate``: x holds w's repository), so
+    r's keep owns copies and the last end puts the bytes back, whichever
+    opened first (the control: the rewrite landed)."""
+    x = tmp_path / "x"
+    r = x / "r"
+    r.mkdir(parents=True)
+    git(r, "init", "-q", "-b", "main")
+    (r / "f").write_text("x\n")
+    git(r, "add", "f")
+    git(r, "commit", "-qm", "one")
+    git(r, "gc", "-q")
+    git(r, "worktree", "add", "-q", str(tmp_path / "w"), "-b", "side")
+    pack = next((r / ".git" / "objects" / "pack").glob("*.pack"))
+    rel, original = pack.relative_to(x), pack.read_bytes()
+    with mixed_daemon.connect() as client:
+        first, second = (tmp_path / "w", x) if linked_first else (x, tmp_path / "w")
+        with client.open_session(str(first)) as one, client.open_session(str(second)) as two:
+            around = two if linked_first else one
+            out = shell(around, f"chmod u+w {rel} && printf garbage | dd of={rel} bs=1 seek=100 conv=notrunc "
+                                "status=none && git -C r fsck --no-progress >/dev/null 2>&1 || echo broken")
+            assert (out.output or "").strip() == "broken", (out.output, out.error)  # the attack landed
+    assert pack.read_bytes() == original
+    assert git(r, "fsck", "--no-progress", check=False).returncode == 0

@@ -64,9 +64,9 @@ def two(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
 
 def _refused(root: Path, sid: str, daemon: Daemon, uses: Path) -> str:
     return (f"{root}: session {sid} of another dispatchd (pid {daemon.proc.pid}) on this state directory uses "
-            f"{uses}, which overlaps it or shares its repository; each dispatchd keeps its own baseline of a "
-            "worktree, so the sessions of one at a time use it: close that session, or open this one through that "
-            "dispatchd; no session opened")
+            f"{uses}, which overlaps it, shares its repository or holds it; each dispatchd keeps its own baseline "
+            "of a worktree, so the sessions of one at a time use it: close that session, or open this one through "
+            "that dispatchd; no session opened")
 
 
 def test_a_second_daemon_s_open_is_refused_while_the_first_s_session_lives(two: tuple[Daemon, Daemon],

@@ -295,3 +295,48 @@ def test_without_a_keep_the_end_still_moves_a_forged_bitmap(repo: Path, tmp_path
     git(repo, "-c", "repack.writeBitmaps=true", "repack", "-q", "-a")
     done, _ = history.restore(kept, in_place=True)
     assert any("1 pack bitmaps or reverse indexes" in why for _, why in done), done
+
+
+def _checkpoint(repo: Path, tmp_path: Path) -> None:
+    """What a checkpoint keeps: every object file the keep lacks (``keep_more``)."""
+    ofd = os.open(repo / ".git" / "objects", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        history.keep_more(ofd, str(tmp_path / "keep"), str(repo / ".git"), [1 << 30])
+    finally:
+        os.close(ofd)
+
+
+def test_a_checkpointed_bitmap_the_session_deleted_is_not_put_back(repo: Path, tmp_path: Path) -> None:
+    """The session's pack and its bitmap, kept by a checkpoint, then deleted
+    by the session: the pack is put back (it may hold the session's work),
+    its bitmap is not (git would take it at its word)."""
+    kept = _recorded(repo, tmp_path)
+    user = {p.name for p in _pack(repo).iterdir()}
+    (repo / "f").write_text("new\n")
+    git(repo, "commit", "-qam", "more")
+    git(repo, "-c", "repack.writeBitmaps=true", "repack", "-q", "-a")
+    _checkpoint(repo, tmp_path)
+    new = [p for p in _pack(repo).iterdir() if p.name not in user]
+    assert any(p.suffix == ".bitmap" for p in new) and all((tmp_path / "keep" / "pack" / p.name).exists() for p in new)
+    for p in new:
+        p.unlink()
+    done, failed = history.restore(kept, in_place=True)
+    assert not failed, failed
+    back = {p.name for p in _pack(repo).iterdir()} - user
+    assert back and not [n for n in back if n.endswith(derived.DERIVED)], back  # the pack and index only
+    assert git(repo, "fsck", "--no-progress") == ""
+
+
+def test_the_user_s_reverse_index_the_keep_links_stays_when_it_cannot_be_read(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full mode: the keep links the user's reverse index (its ctime is the
+    link's); past ``MAX_OBJECTS`` it is not read, and is left, unreported,
+    at every end (the twin: within the bound it is read, and holds)."""
+    git(repo, "-c", "pack.writeReverseIndex=true", "repack", "-q", "-a", "-d")
+    time.sleep(SETTLE_S)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), ["refs/heads/main"])  # all held: linked
+    for bound in (2, derived.MAX_OBJECTS):
+        monkeypatch.setattr(derived, "MAX_OBJECTS", bound)
+        done, failed = history.restore(kept, in_place=True)
+        assert not failed and not [why for _, why in done if "bitmaps" in why], done
+        assert len(list(_pack(repo).glob("*.rev"))) == 1

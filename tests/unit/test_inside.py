@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatchd.inside import Tops, is_below, is_within, overlap
+from dispatchd.inside import Tops, is_below, is_within, overlap, worktrees_relate
 
 
 @pytest.mark.parametrize(("path", "top", "within", "below"), [
@@ -28,6 +28,19 @@ def test_within_and_below(path: str, top: str, within: bool, below: bool) -> Non
 def test_overlap_is_either_way() -> None:
     assert overlap("/a/b", "/a/b/c") and overlap("/a/b/c", "/a/b") and overlap("/a", "/a")
     assert not overlap("/a/b", "/a/bc") and not overlap("/a/bc", "/a/b")
+
+
+@pytest.mark.parametrize(("a", "b", "related"), [
+    (("/w/a", ""), ("/w/a/b", ""), True),  # one inside the other
+    (("/w/a", "/r/.git"), ("/v/b", "/r/.git"), True),  # linked worktrees of one repository
+    (("/x", ""), ("/w", "/x/r/.git"), True),  # a worktree holding another's repository
+    (("/x/r/.git/y", ""), ("/w", "/x/r/.git"), True),
+    (("/x", "/x/.git"), ("/w", "/y/r/.git"), False),  # the twins: siblings, other repositories
+    (("/x", ""), ("/w", ""), False),
+    (("/x", ""), ("/w", "/xr/.git"), False),  # the prefix trap
+])
+def test_worktrees_relate_either_way(a: tuple[str, str], b: tuple[str, str], related: bool) -> None:
+    assert worktrees_relate(*a, *b) is related and worktrees_relate(*b, *a) is related
 
 
 def test_tops_holds_below_is_any_is_below() -> None:

@@ -3,8 +3,8 @@ the daemon do: what the user's git and other tools would run, as the user
 left it, checked at every session's end and after a daemon that died.
 
 A *domain* is the set of worktrees whose sessions can change what another
-one's user would run: worktrees that overlap (one inside another) or share a
-repository (linked worktrees of one common directory). Its baseline is taken
+one's user would run: worktrees that overlap, share a repository (linked
+ones) or hold another's (``inside.worktrees_relate``). Its baseline is taken
 when the first session of the domain opens (no session of it runs then: the
 state is the user's) and kept, unchanged, until the last one ends:
 
@@ -61,7 +61,7 @@ from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
-from dispatchd.inside import is_within, overlap
+from dispatchd.inside import is_within, worktrees_relate
 
 log = logging.getLogger("dispatchd.baselines")
 _REPORTS_KEPT = 200
@@ -337,10 +337,10 @@ class Baselines:
                 d.lock.release()
 
     def _related(self, root: str, common: str) -> list[_Domain]:
-        """The live domains that ``root`` overlaps or shares a repository with,
-        by their parts and the roots their joins under way claim."""
+        """The live domains ``root`` relates to (``worktrees_relate``), by
+        their parts and the roots their joins under way claim."""
         def relates(other_root: str, other_common: str) -> bool:
-            return overlap(other_root, root) or bool(common and other_common and other_common == common)
+            return worktrees_relate(root, common, other_root, other_common)
         return sorted((d for d in self._domains.values()
                        if any(relates(p.root, os.path.realpath(p.common) if p.common else "") for p in d.record.parts)
                        or any(relates(r, c) for r, c in d.claims)), key=lambda d: d.record.id)

@@ -21,11 +21,11 @@ baseline's look (made, linked, renamed there or rewritten since: each sets
 the ctime, which no session can set back; ``treewalk.settled``) is
 
 - of a name ``objects/pack`` had at the baseline, kept when the keep
-  holds it as a link, the same inode (a bitmap: held
-  read-only in the session, or past the copy budget, where a pack is not
-  protected either; its ctime is that link's), or holds the same bytes in
-  a copy of its own (the user's: put back by an earlier end, or rewritten
-  the same);
+  holds it as a link, the same inode (held read-only in the session, or
+  past the copy budget, where a pack is not protected either; its ctime is
+  that link's; a reverse index so held is checked below where it can be),
+  or holds the same bytes in a copy of its own (the user's: put back by an
+  earlier end, or rewritten the same);
 - kept when it is a pack's reverse index (``pack-<id>.rev``) holding
   exactly what its pack's index gives (the index positions ordered by
   offset, the pack's checksum, its own SHA-1: ``expected_rev``), the index
@@ -93,14 +93,16 @@ def clear(objects: str, keep: str, since_ns: int, baseline: set[str] | None) -> 
                 continue
             if treewalk.settled(st.st_ctime_ns, since_ns, _RACY_NS):
                 continue  # the user's, as it was at the baseline
-            kept = _stat(name, kfd) if baseline is not None and name in baseline else None
+            told = baseline is None or name in baseline  # else the keep's file is a checkpoint's: the session's
+            kept = _stat(name, kfd) if told else None
             shared = kept is not None and (kept.st_dev, kept.st_ino) == (st.st_dev, st.st_ino)
             is_rev = name.endswith(".rev") and stat.S_ISREG(st.st_mode)
-            if shared and not is_rev:
+            holds = _rev_holds(fd, kfd, name, budget) if is_rev else None
+            if shared and holds is not False:
                 continue  # the keep's own link (its ctime is that link's): held read-only, or past the copy budget
             if not shared and kept is not None and kept.st_size == st.st_size and _same(fd, kfd, name, budget):
                 continue  # the user's bytes, as kept (a put-back's copy, an identical rewrite)
-            if is_rev and _rev_holds(fd, kfd, name, budget):
+            if holds:
                 continue
             try:
                 moved.append(os.path.join(pack_dir, fs.move_aside_at(fd, name)))
@@ -108,8 +110,7 @@ def clear(objects: str, keep: str, since_ns: int, baseline: set[str] | None) -> 
                 failed.append(f"{os.path.join(pack_dir, name)}: made or changed by a session, and it cannot be "
                               f"moved aside ({exc.strerror}); git trusts it: remove it")
                 continue
-            if kfd is not None and (shared or not (baseline is not None and name in baseline)) \
-                    and _stat(name, kfd) is not None:
+            if kfd is not None and (shared or not told) and _stat(name, kfd) is not None:
                 # Kept as a link (past the copy budget), or kept since the baseline (a checkpoint):
                 # the session's bytes, not to be put back.
                 try:
@@ -124,18 +125,21 @@ def clear(objects: str, keep: str, since_ns: int, baseline: set[str] | None) -> 
     return moved, failed
 
 
-def _rev_holds(fd: int, kfd: int | None, name: str, budget: list[int]) -> bool:
+def _rev_holds(fd: int, kfd: int | None, name: str, budget: list[int]) -> bool | None:
     """Whether ``name`` is the reverse index of its pack, byte for byte: the
     pack's index as the keep holds it (a session can rewrite the
     repository's, which the end puts back after this look), else the
-    repository's (a pack new since the baseline)."""
+    repository's (a pack new since the baseline); None when that cannot be
+    told (no such index, another kind, over ``MAX_OBJECTS`` or the budget)."""
     if not packlinks.is_pack_file(name):
-        return False  # a multi-pack-index's, or a name of the session's: git's order is not checked here
+        return None  # a multi-pack-index's, or a name of the session's: git's order is not checked here
     idx_name = name[:-4] + ".idx"
     limit = _FANOUT_END + 36 * MAX_OBJECTS + 40
-    idx = _read(kfd, idx_name, budget, limit) if _stat(idx_name, kfd) is not None else _read(fd, idx_name, budget, limit)
+    idx = _read(kfd if _stat(idx_name, kfd) is not None else fd, idx_name, budget, limit)
     expected = expected_rev(idx) if idx is not None else None
-    return expected is not None and _read(fd, name, budget, len(expected)) == expected
+    if expected is None:
+        return None
+    return _read(fd, name, budget, len(expected)) == expected
 
 
 def expected_rev(idx: bytes) -> bytes | None:

@@ -372,6 +372,11 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         if not history.stamped_ns:
             dirs = set(_stamps(history.keep))
         missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
+        # A bitmap or reverse index the repository did not have at the baseline is not put back (a
+        # checkpoint kept the session's; derived.clear moved it aside, or the session deleted it).
+        baseline = history.pack_links or {}
+        missing = [rel for rel in missing if not (rel.startswith("pack/") and rel.endswith(derived.DERIVED)
+                                                  and rel[5:] not in baseline)]
         by_git = packed.packed_meanwhile(objects, missing, history.keep)
         ways = clones.Ways()
         put: list[str] = []
