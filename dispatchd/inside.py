@@ -6,6 +6,8 @@ Guarantees:
 - A component is never matched in part: ``/a/bc`` is not within ``/a/b``.
 - The root works: every absolute path is within ``/`` (its prefix is ``/``,
   not ``//``).
+- ``worktrees_relate``: two worktrees overlap, share a repository's common
+  directory, or one holds the other's.
 - ``Tops(paths).holds_below(path)`` is ``any(is_below(path, t) for t in
   paths)``, in one lookup per component of ``path``.
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["Tops", "is_below", "is_within", "outermost", "overlap"]
+__all__ = ["Tops", "is_below", "is_within", "outermost", "overlap", "worktrees_relate"]
 
 
 def is_within(path: str, top: str) -> bool:

@@ -146,7 +146,7 @@ def _checked_elsewhere(baselines: Baselines, related: Callable[[list[str], list[
                 record = msgspec.json.decode(f.read(), type=Record)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             return True  # cannot tell: as if related
-        if related([p.root for p in record.parts], [os.path.realpath(p.common) for p in record.parts if p.common]):
+        if related([p.root for p in record.parts], [p.related_common for p in record.parts if p.common]):
             return True
     return False
 

@@ -235,7 +235,7 @@ class Baselines:
                 os.close(fd)
                 continue
             if related is not None and not related([p.root for p in record.parts],
-                                                   [os.path.realpath(p.common) for p in record.parts if p.common]):
+                                                   [p.related_common for p in record.parts if p.common]):
                 os.close(fd)
                 continue
             domain = _Domain(record, fd)
@@ -278,7 +278,7 @@ class Baselines:
                     raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and "
                                         "files your tools run; no session opened", root)
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
-                            names=list(names), excluded=excluded, home=self.home)
+                            names=list(names), excluded=excluded, home=self.home, resolved_common=common)
                 record.parts.append(part)
                 self._add_history(record, part)
             record.sessions.append(sid)
@@ -342,7 +342,7 @@ class Baselines:
         def relates(other_root: str, other_common: str) -> bool:
             return worktrees_relate(root, common, other_root, other_common)
         return sorted((d for d in self._domains.values()
-                       if any(relates(p.root, os.path.realpath(p.common) if p.common else "") for p in d.record.parts)
+                       if any(relates(p.root, p.related_common) for p in d.record.parts)
                        or any(relates(r, c) for r, c in d.claims)), key=lambda d: d.record.id)
 
     def _add_history(self, record: Record, part: Part) -> None:

@@ -39,6 +39,13 @@ class Part(msgspec.Struct, frozen=True):
     names: list[str]  # the protected names its walk looks for
     excluded: list[str] = []  # parts' roots inside this one: theirs to check
     home: str = ""
+    resolved_common: str = ""  # ``common_of`` at its join: never resolved again (a session can plant links)
+
+    @property
+    def related_common(self) -> str:
+        """The common directory the domains relate by: as resolved at the
+        join (a record of an older daemon: resolved now, "/" if it cannot be)."""
+        return self.resolved_common or (_resolved(self.common) if self.common else "")
 
     @property
     def common(self) -> str:
@@ -87,6 +94,16 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
         found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
                                time=now_t))
     return failed
+
+
+def _resolved(path: str) -> str:
+    """``os.path.realpath(path)``, or "/" (which overlaps every path) where
+    it cannot be told: a loop, a chain of symbolic links deeper than the
+    interpreter follows (a session can make one)."""
+    try:
+        return os.path.realpath(path)
+    except (OSError, RecursionError, ValueError):
+        return "/"
 
 
 def common_of(root: str, layout: GitLayout) -> str:
