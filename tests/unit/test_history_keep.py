@@ -168,3 +168,29 @@ def test_a_file_swapped_for_a_fifo_before_its_link_is_not_kept(tmp_path: Path,
         clones.clone(str(objects / name), str(keep / name), [0], clones.Ways())
     assert os.listdir(keep) == ["plain"]
     assert os.stat(keep / "plain").st_ino == os.stat(objects / "plain").st_ino
+
+
+@pytest.mark.parametrize(("rel", "reads"), [
+    ("ab/" + "1" * 38, True), ("ab/" + "f" * 62, True),  # SHA-1, SHA-256
+    ("pack/pack-" + "1" * 40 + ".pack", True), ("pack/pack-" + "1" * 40 + ".keep", True),
+    ("pack/evil.idx", True), ("pack/multi-pack-index", True), ("pack/multi-pack-index-1.bitmap", True),
+    ("ab/junk", False), ("ab/" + "1" * 37, False), ("ab/" + "A" * 38, False), ("pack/junk.bin", False),
+])
+def test_what_git_reads_among_the_object_files(rel: str, reads: bool) -> None:
+    assert clones.git_reads(rel) is reads
+
+
+def test_a_session_s_junk_among_the_object_files_is_not_kept(tmp_path: Path) -> None:
+    """A sparse file of a gigabyte under a name git never reads, in a
+    fan-out directory and in ``pack``: the keep copied it (within its budget)
+    at every record of a new one. Not kept now; the object beside it is (the twin)."""
+    common = tmp_path / "repo" / ".git"
+    (common / "objects" / "ab").mkdir(parents=True)
+    (common / "objects" / "pack").mkdir()
+    (common / "objects" / "ab" / ("1" * 38)).write_bytes(b"object")
+    for rel in ("ab/junk", "pack/junk.bin"):
+        with open(common / "objects" / rel, "wb") as f:
+            f.truncate(1 << 30)
+    kept = history.record(str(common), str(tmp_path / "keep"), [])
+    assert sorted(os.listdir(tmp_path / "keep" / "ab")) == ["1" * 38] and kept.keep
+    assert not (tmp_path / "keep" / "pack").exists() or os.listdir(tmp_path / "keep" / "pack") == []

@@ -67,6 +67,18 @@ class Ways:
         return src_dev, dev
 
 
+def git_reads(rel: str) -> bool:
+    """Whether git reads ``rel`` (below ``objects``): a loose object's name
+    (SHA-1 or SHA-256), or a pack's file (git's ``pack-`` and
+    ``multi-pack-index`` names, and any name a pack's files end in). What
+    else a session leaves there (a sparse file of gigabytes among it) is not
+    kept: the keep would copy it at every record."""
+    d, _, name = rel.partition("/")
+    if d == "pack":
+        return name.endswith(packlinks.PACKISH) or name.startswith(("pack-", "multi-pack-index"))
+    return len(name) in (38, 62) and all(c in "0123456789abcdef" for c in name)
+
+
 def is_loose(rel: str) -> bool:
     """Whether ``rel`` (``ab/cdef...`` or ``pack/...``, below ``objects``) is a loose object's file."""
     return not rel.startswith("pack/")

@@ -259,7 +259,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
             clones.own_loose(keep, budget)
             ways = clones.Ways()
             made: set[str] = set()  # each fan-out directory made once, not once a file
-            for rel in sorted(present - kept):
+            for rel in sorted(r for r in present - kept if clones.git_reads(r)):
                 folder = os.path.dirname(rel)
                 if folder not in made:
                     os.makedirs(os.path.join(keep, folder), mode=0o700, exist_ok=True)
