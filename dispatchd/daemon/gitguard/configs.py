@@ -13,7 +13,6 @@ makes git read or run besides itself.
 
 from __future__ import annotations
 
-import os
 import re
 
 from dispatchd.daemon.gitguard import fs
@@ -96,19 +95,8 @@ def config_entries(text: str) -> list[tuple[str, str | None, str, str | None]]:
 
 def _read_config(dir_fd: int, name: str) -> str | None:
     """One config file's text, at most 1 MiB, when it is a regular file."""
-    try:
-        opened = fs.open_regular(name, dir_fd)
-    except OSError:
-        return None
-    if opened is None:
-        return None
-    fd = opened[0]
-    try:
-        return os.read(fd, 1 << 20).decode("utf-8", "surrogateescape")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    read = fs.read_regular(name, dir_fd, 1 << 20)
+    return read[0].decode("utf-8", "surrogateescape") if read is not None else None
 
 
 def _is_include(section: str, sub: str | None, key: str) -> bool:

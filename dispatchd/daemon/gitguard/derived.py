@@ -197,21 +197,9 @@ def _stat(name: str, fd: int | None) -> os.stat_result | None:
 def _read(fd: int | None, name: str, budget: list[int], limit: int = READ_BUDGET) -> bytes | None:
     """A regular file's bytes (not followed), taken from ``budget``; None
     when it is not one, is over ``limit`` or the budget, or cannot be read."""
-    if fd is None:
+    read = fs.read_regular(name, fd, min(limit, budget[0]), whole=True) if fd is not None else None
+    if read is None:
         return None
-    try:
-        opened = fs.open_regular(name, fd)
-    except OSError:
-        return None
-    if opened is None:
-        return None
-    own, st = opened
-    try:
-        if st.st_size > min(limit, budget[0]):
-            return None
-        with os.fdopen(own, "rb", closefd=False) as f:
-            data = f.read(st.st_size + 1)
-    finally:
-        os.close(own)
+    data, size = read
     budget[0] -= len(data)
-    return data if len(data) == st.st_size else None
+    return data if len(data) == size else None

@@ -78,21 +78,33 @@ def read_all(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_small(path: str, limit: int = _MAX_POINTER) -> str | None:
-    """A small file's text (at most ``limit`` bytes, 4 KiB by default), or
-    None: absent, a symlink, not a regular file, unreadable."""
+def read_regular(name: str, dir_fd: int | None = None, limit: int = _MAX_POINTER, *,
+                 whole: bool = False) -> tuple[bytes, int] | None:
+    """A regular file's first ``limit`` bytes and its size (``open_regular``:
+    no symlink followed, no FIFO waited on), or None: absent, not a regular
+    file, unreadable, or (``whole``) larger than ``limit``, then not read."""
     try:
-        opened = open_regular(path)
+        opened = open_regular(name, dir_fd)
         if opened is None:
             return None
     except OSError:
         return None
+    fd, st = opened
     try:
-        return os.read(opened[0], limit).decode("utf-8", "replace")
+        if whole and st.st_size > limit:
+            return None
+        return read_all(fd, limit), st.st_size
     except OSError:
         return None
     finally:
-        os.close(opened[0])
+        os.close(fd)
+
+
+def read_small(path: str, limit: int = _MAX_POINTER) -> str | None:
+    """A small file's text (at most ``limit`` bytes, 4 KiB by default), or
+    None: absent, a symlink, not a regular file, unreadable."""
+    read = read_regular(path, limit=limit)
+    return read[0].decode("utf-8", "replace") if read is not None else None
 
 
 def scanned(path: str) -> list[os.DirEntry[str]]:
