@@ -340,3 +340,48 @@ def test_the_user_s_reverse_index_the_keep_links_stays_when_it_cannot_be_read(
         done, failed = history.restore(kept, in_place=True)
         assert not failed and not [why for _, why in done if "bitmaps" in why], done
         assert len(list(_pack(repo).glob("*.rev"))) == 1
+
+
+def test_a_daemon_killed_while_it_moves_a_forged_reverse_index_does_not_bring_it_back(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keep's link to the session's bytes goes before the move: a daemon
+    killed between the two (the move stands for it) leaves nothing the next
+    start's restore would put back (the control: the link is gone at once)."""
+    from dispatchd.daemon.gitguard import clones, fs
+    monkeypatch.setattr(clones, "COPY_BUDGET", 0)
+    kept = _recorded(repo, tmp_path)
+    rev = next(_pack(repo).glob("*.rev"))
+    data = bytearray(rev.read_bytes())
+    data[12:16], data[16:20] = data[16:20], data[12:16]
+    os.chmod(rev, 0o644)
+    with open(rev, "r+b") as f:
+        f.write(bytes(data))
+
+    def killed(dir_fd: int, name: str) -> str:
+        raise KeyboardInterrupt  # the daemon's end, half way
+    monkeypatch.setattr(fs, "move_aside_at", killed)
+    with pytest.raises(KeyboardInterrupt):
+        history.restore(kept, in_place=True)
+    assert not (tmp_path / "keep" / "pack" / rev.name).exists()
+    monkeypatch.undo()
+    done, failed = history.restore(kept, in_place=True)  # the next start's
+    assert not failed and not rev.exists(), (done, failed)
+
+
+def test_a_pack_directory_that_cannot_be_resolved_holds_none(tmp_path: Path) -> None:
+    """A chain of symbolic links too deep to follow where a pack directory
+    was (a session's): no pack taken for held, so the keep copies them all,
+    instead of an error on every join (the twin: a plain one names its own)."""
+    from dispatchd.daemon.gitguard import packlinks
+    common = tmp_path / "repo" / ".git"
+    (common / "objects" / "pack").mkdir(parents=True)
+    name = "pack-" + "1" * 40 + ".pack"
+    assert packlinks.held_names([str(common / "objects" / "pack" / name)], str(common)) == {name}
+    target = tmp_path / "end"
+    target.mkdir()
+    for i in range(1200):
+        (tmp_path / f"l{i}").symlink_to(target)
+        target = tmp_path / f"l{i}"
+    os.rmdir(common / "objects" / "pack")
+    (common / "objects" / "pack").symlink_to(target)
+    assert packlinks.held_names([str(common / "objects" / "pack" / name)], str(common)) == frozenset()

@@ -104,20 +104,21 @@ def clear(objects: str, keep: str, since_ns: int, baseline: set[str] | None) -> 
                 continue  # the user's bytes, as kept (a put-back's copy, an identical rewrite)
             if holds:
                 continue
-            try:
-                moved.append(os.path.join(pack_dir, fs.move_aside_at(fd, name)))
-            except OSError as exc:
-                failed.append(f"{os.path.join(pack_dir, name)}: made or changed by a session, and it cannot be "
-                              f"moved aside ({exc.strerror}); git trusts it: remove it")
-                continue
             if kfd is not None and (shared or not told) and _stat(name, kfd) is not None:
-                # Kept as a link (past the copy budget), or kept since the baseline (a checkpoint):
-                # the session's bytes, not to be put back.
+                # Kept as a link (past the copy budget), or kept since the baseline (a checkpoint): the
+                # session's bytes, never to be put back. First: a daemon killed after the move below
+                # would have the restore's next run put them back from the keep.
                 try:
                     os.unlink(name, dir_fd=kfd)
                 except OSError as exc:
                     failed.append(f"{os.path.join(keep, 'pack', name)}: the keep's link to a file a session "
                                   f"changed cannot be removed ({exc.strerror})")
+                    continue
+            try:
+                moved.append(os.path.join(pack_dir, fs.move_aside_at(fd, name)))
+            except OSError as exc:
+                failed.append(f"{os.path.join(pack_dir, name)}: made or changed by a session, and it cannot be "
+                              f"moved aside ({exc.strerror}); git trusts it: remove it")
     finally:
         os.close(fd)
         if kfd is not None:

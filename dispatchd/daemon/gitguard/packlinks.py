@@ -122,7 +122,12 @@ def _sweep(directory: str, prefix: str) -> None:
 
 
 def held_names(read_only: list[str], common: str) -> frozenset[str]:
-    """The names of ``common``'s pack files among a layout's read-only paths."""
-    pack = os.path.realpath(os.path.join(common, "objects", "pack"))
-    return frozenset(os.path.basename(p) for p in read_only
-                     if is_pack_file(os.path.basename(p)) and os.path.realpath(os.path.dirname(p)) == pack)
+    """The names of ``common``'s pack files among a layout's read-only paths;
+    none where a path cannot be resolved (a loop, a chain of symlinks too
+    deep to follow, a session's): the keep then copies them all."""
+    try:
+        pack = os.path.realpath(os.path.join(common, "objects", "pack"))
+        return frozenset(os.path.basename(p) for p in read_only
+                         if is_pack_file(os.path.basename(p)) and os.path.realpath(os.path.dirname(p)) == pack)
+    except (OSError, RecursionError, ValueError):
+        return frozenset()
