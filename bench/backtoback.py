@@ -128,6 +128,14 @@ def print_steps(name: str, log_path: str) -> None:
                 k, v = part.split(":")
                 steps.setdefault(f"{prefix} {k}", []).append(float(v))
     print(f"[{name}] " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in steps.items()))
+    # The pool's makes (off every open's path, but on the same CPUs), by kind.
+    made: dict[str, list[float]] = {}
+    for m in re.finditer(r"event=pool_made kind=\S+/(\w+) session=\w+ pid=\d+ steps_ms=(\S*)", log):
+        for part in m.group(2).split(","):
+            if ":" in part:
+                k, v = part.split(":")
+                made.setdefault(f"make/{m.group(1)} {k}", []).append(float(v))
+    print(f"[{name}] " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in made.items()))
     # Which opens found a sandbox made ahead (the pool keeping up), by network.
     served: dict[str, list[int]] = {}
     for m in re.finditer(r"event=session_open session=\w+ policy=\S+ network=(\w+) mode=\S+ made_ahead=(\d)", log):
@@ -147,6 +155,10 @@ def main() -> None:
                     help="A/B: a second daemon running the dispatchd package of the checkout DIR")
     ap.add_argument("--against-args", default="", metavar="ARGS",
                     help="the second daemon's own options (with no --against: this checkout's, so started)")
+    ap.add_argument("--daemon-args", default="", metavar="ARGS",
+                    help="this checkout's daemon's own options, e.g. \"--pool 100\"")
+    ap.add_argument("--settle", type=float, default=0.0, metavar="S",
+                    help="seconds to wait after the warm-up (the pool's first makes done)")
     ap.add_argument("--packed", action="store_true", help="the worktree's objects in one pack (git gc), as cloned")
     ap.add_argument("--steps", action="store_true", help="also the daemons' open steps (debug log), medians")
     ap.add_argument("--under", default=os.path.expanduser("~"), metavar="DIR",
@@ -162,7 +174,7 @@ def main() -> None:
         for name in names:
             d = os.path.join(tmp, name)
             make_worktree(os.path.join(d, "wt"), args.files, args.packed)
-            own = args.against_args.split() if name == "against" else []
+            own = args.against_args.split() if name == "against" else args.daemon_args.split()
             daemons[name] = start_daemon(d, *extra, *own,
                                          code=os.path.abspath(args.against) if name == "against" and args.against else "")
         try:
@@ -172,6 +184,7 @@ def main() -> None:
             for name in names:
                 for network in (False, True):  # warm the pool's kinds
                     clients[name].open_session(wts[name], network=network).close()
+            time.sleep(args.settle)
             cpu_before = {name: tree_cpu(proc.pid) for name, (proc, _) in daemons.items()}
             for i in range(args.rounds * 4):
                 network = bool(i % 2)

@@ -30,6 +30,7 @@ import secrets
 import threading
 
 from dispatchd import treewalk
+from dispatchd.daemon import scratchdirs
 
 log = logging.getLogger("dispatchd.leftovers")
 _SID = re.compile(r"^[0-9a-f]{12}$")  # secrets.token_hex(6), as opening.py and pooling.py name them
@@ -64,10 +65,76 @@ class ScratchLocks:
 
     def __init__(self, sessions_dir: str) -> None:
         self.dir = locks_dir(sessions_dir)
+        self.sessions_dir = sessions_dir
         self._fds: dict[str, int] = {}
+        self._spares: list[str] = []  # emptied scratch directories kept for the next sessions (scratchdirs.py)
         self._lock = threading.Lock()
 
-    def take(self, sid: str) -> None:
+    def take(self, sid: str) -> bool:
+        """Lock ``sid``'s scratch directory, ours from now on: True when an
+        emptied one kept from an earlier session now stands at its place
+        (``keep``), else the caller makes it."""
+        with self._lock:
+            spare = self._spares.pop() if self._spares else None
+        if spare is not None:
+            if self._rename(spare, sid):
+                try:
+                    os.rename(os.path.join(self.sessions_dir, spare), os.path.join(self.sessions_dir, sid))
+                    return True
+                except OSError:
+                    # Removed meanwhile (a start of another daemon found it without
+                    # its lock, between the two renames): the lock is sid's now.
+                    return False
+            remove_tree(os.path.join(self.sessions_dir, spare))
+            self.release(spare)
+        self._take_new(sid)
+        return False
+
+    def keep(self, sid: str) -> bool:
+        """Keep ``sid``'s scratch directory, emptied and checked by the caller
+        (``scratchdirs.empty_for_reuse``), for a later ``take``: renamed, with
+        its lock, to an id no session has. False (nothing done) when enough
+        are kept, or a rename fails: the caller removes it and releases."""
+        with self._lock:
+            if len(self._spares) >= scratchdirs.KEEP or sid not in self._fds:
+                return False
+        spare = secrets.token_hex(6)
+        if not self._rename(sid, spare):
+            return False
+        try:
+            os.rename(os.path.join(self.sessions_dir, sid), os.path.join(self.sessions_dir, spare))
+        except OSError:
+            self._rename(spare, sid)
+            return False
+        with self._lock:
+            self._spares.append(spare)
+        return True
+
+    def _rename(self, old: str, new: str) -> bool:
+        """The lock of ``old`` (held) moved to ``new``'s name: the same file, still locked."""
+        with self._lock:
+            fd = self._fds.pop(old, None)
+        if fd is None:
+            return False
+        try:
+            os.rename(os.path.join(self.dir, f"{old}.lock"), os.path.join(self.dir, f"{new}.lock"))
+        except OSError:
+            with self._lock:
+                self._fds[old] = fd
+            return False
+        with self._lock:
+            self._fds[new] = fd
+        return True
+
+    def drop_spares(self) -> None:
+        """The kept directories removed, their locks released (the daemon's stop)."""
+        with self._lock:
+            spares, self._spares = self._spares, []
+        for spare in spares:
+            remove_tree(os.path.join(self.sessions_dir, spare))
+            self.release(spare)
+
+    def _take_new(self, sid: str) -> None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         tmp = os.path.join(self.dir, f".{sid}.lock.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

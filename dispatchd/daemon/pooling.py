@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 
 from dispatchd import protocol
@@ -40,7 +41,8 @@ log = logging.getLogger("dispatchd.sessions")
 class Pooling(Napping):
     def _make_scratch(self, sid: str, scratch: str) -> None:
         """A session's scratch directory (its /tmp and home), marked ours first."""
-        self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
+        if self._scratch_locks.take(sid):  # before the directory: a later start knows it is ours
+            return  # one kept from an earlier session, emptied (scratchdirs.py)
         try:
             os.makedirs(scratch + "/tmp", mode=0o700)
             os.makedirs(scratch + "/home", mode=0o700)
@@ -65,6 +67,7 @@ class Pooling(Napping):
         of that kind are never made ahead (no ``pool_key``)."""
         if not self.accepting:
             raise Stopping("the daemon is stopping")
+        cpu0 = time.thread_time()
         policy_name, network = kind
         policy = self.load_policy(policy_name)
         sid = secrets.token_hex(6)
@@ -126,8 +129,9 @@ class Pooling(Napping):
                 self._scratch_locks.release(sid)
             raise
         made = box[0]
-        log.debug("event=pool_made kind=%s/%s session=%s pid=%s steps_ms=%s", policy_name, network, sid, worker.pid,
-                  ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
+        log.debug("event=pool_made kind=%s/%s session=%s pid=%s steps_ms=%s,daemon_cpu:%.2f", policy_name, network, sid,
+                  worker.pid, ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()),
+                  (time.thread_time() - cpu0) * 1e3)
         return made
 
     def _plan_likely(self, kind: Kind, sid: str, scratch: str, policy: Policy) -> Planned | None:

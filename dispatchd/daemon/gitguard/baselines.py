@@ -45,7 +45,6 @@ The baseline is the daemon's: degraded mode (no mount namespace) keeps it.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import secrets
@@ -58,6 +57,7 @@ import msgspec
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, packlinks, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
+from dispatchd.daemon.gitguard.domainlocks import DomainLocks
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
@@ -102,6 +102,7 @@ class Baselines:
     def __init__(self, state_dir: str, home: str = "") -> None:
         self.dir = os.path.join(state_dir, "baselines")
         self.keep_dir = os.path.join(state_dir, "keep")
+        self.locks = DomainLocks(self.dir)
         self.home = home
         self._lock = threading.RLock()
         self._domains: dict[str, _Domain] = {}
@@ -168,39 +169,20 @@ class Baselines:
                 self._by_session[sid].wrote = True
 
     def _take_lock(self, did: str, blocking: bool = False) -> int | None:
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        path = os.path.join(self.dir, f"{did}.lock")
-        if not blocking:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except FileNotFoundError:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                return None
-            return fd
-        # A new domain: its lock is held before anyone can see the file.
-        tmp = os.path.join(self.dir, f".{did}.lock.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(tmp, path)
-        return fd
+        return self.locks.take(did, blocking)  # domainlocks.py
 
     def _drop(self, domain: _Domain, sync: Callable[[str], None] | None = None) -> None:
         """The domain's record and lock removed; it has no session left."""
         if domain.pending is not None:  # abandoned first: a rename after the removal would bring the record back
             domain.pending.abandon()
-        did, lock_fd = domain.record.id, domain.lock_fd
-        for name in (f"{did}.json", f"{did}.lock"):
-            try:
-                os.unlink(os.path.join(self.dir, name))
-            except FileNotFoundError:
-                pass
+        did = domain.record.id
+        try:
+            os.unlink(os.path.join(self.dir, f"{did}.json"))
+        except FileNotFoundError:
+            pass
+        self.locks.give(did, domain.lock_fd)  # its name gone too; the file kept for a new domain
+        domain.lock_fd = -1
         (sync or self.sync_dir)(self.dir)
-        if lock_fd >= 0:
-            os.close(lock_fd)
 
     def _drop_later(self, domain: _Domain) -> None:
         """The last end's drop, by ``later``: the domain is gone from memory
