@@ -155,15 +155,15 @@ def _as_before(before: tuple[int, int, list[str]], after: tuple[int, int, list[s
     """The daemon holds what it held before, but for what it keeps for
     sessions to come: emptied scratch directories (each with its lock's
     descriptor, ``scratchdirs.KEEP`` at most) and domains' lock files
-    (``domainlocks.KEEP`` at most); each kept directory empty."""
+    (``spares.KEEP`` at most); each kept directory empty."""
     from dispatchd.daemon import scratchdirs
-    from dispatchd.daemon.gitguard import domainlocks
+    from dispatchd.daemon.gitguard import spares
 
     sessions = d.state / "dispatchd" / "sessions"
     kept = [n for n in after[2] if not (sessions / n / "tmp").exists() or not any((sessions / n / "tmp").iterdir())]
     extra = len(after[2]) - len(before[2])
     return (after[1] == before[1] and 0 <= extra <= scratchdirs.KEEP and len(kept) >= extra
-            and before[0] <= after[0] <= before[0] + extra + domainlocks.KEEP)
+            and before[0] <= after[0] <= before[0] + extra + spares.KEEP)
 
 
 def test_what_sandboxes_made_ahead_hold_goes_after_a_stop_and_after_sigkill(tmp_path: Path, worktree: Path) -> None:

@@ -300,11 +300,13 @@ def test_a_fast_forward_and_the_own_branch_are_kept(tmp_path: Path) -> None:
 
 
 def _listed(directory: Path) -> list[str]:
-    """The record directory's names, but the lock files kept, locked, for
-    domains to come (``domainlocks.DomainLocks``): a domain gone leaves none
-    of its own."""
+    """The record directory's names, but the files kept for domains to come
+    (``spares.py``): lock files kept locked under a temporary name, and the
+    keeper's (``kept-K.lock``, held, and its temporary files). A domain gone
+    leaves none of its own."""
     return [n for n in os.listdir(directory)
-            if not (n.startswith(".") and ".lock." in n and flocks.held(str(directory / n)))]
+            if not (n.startswith(".") and ".lock." in n and flocks.held(str(directory / n)))
+            and not (n.startswith("kept-") and flocks.held(str(directory / (n.partition(".")[0] + ".lock"))))]
 
 
 def _join(store: baselines.Baselines, sid: str, root: Path, *, defer: bool = False) -> None:
@@ -605,3 +607,21 @@ def test_the_in_place_look_runs_when_a_session_could_write_or_it_is_not_known(
     assert record.exists()
     again.recover()
     assert asked == [False, True, True]
+
+
+def test_sessions_one_after_the_other_record_in_the_same_files(tmp_path: Path) -> None:
+    """The second domain's lock and record are the first's files, kept
+    (spares.py), and hold the second's record alone."""
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    inodes = []
+    for sid in ("s1", "s2"):
+        _join(store, sid, repo)
+        files = sorted(_listed(tmp_path / "state" / "baselines"))
+        assert len(files) == 2 and files[0].endswith(".json") and files[1].endswith(".lock")
+        record = msgspec.json.decode((tmp_path / "state" / "baselines" / files[0]).read_bytes(), type=baselines.Record)
+        assert record.sessions == [sid]
+        inodes.append([(tmp_path / "state" / "baselines" / f).stat().st_ino for f in files])
+        assert store.leave(sid) == []
+        assert _listed(tmp_path / "state" / "baselines") == []
+    assert inodes[0] == inodes[1]

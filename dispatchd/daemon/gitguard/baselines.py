@@ -57,7 +57,7 @@ import msgspec
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, packlinks, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
-from dispatchd.daemon.gitguard.domainlocks import DomainLocks
+from dispatchd.daemon.gitguard.spares import DomainLocks, RecordFiles
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
@@ -103,6 +103,7 @@ class Baselines:
         self.dir = os.path.join(state_dir, "baselines")
         self.keep_dir = os.path.join(state_dir, "keep")
         self.locks = DomainLocks(self.dir)
+        self.records = RecordFiles(self.dir)
         self.home = home
         self._lock = threading.RLock()
         self._domains: dict[str, _Domain] = {}
@@ -126,8 +127,7 @@ class Baselines:
         self._settle(domain)  # a deferred rename must never land over a newer record
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         path = os.path.join(self.dir, f"{domain.record.id}.json")
-        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        tmp, fd = self.records.open(path)  # spares.py: a file kept from a dropped domain, emptied
         try:
             data = msgspec.json.encode(domain.record)
             if os.write(fd, data) != len(data):
@@ -169,20 +169,19 @@ class Baselines:
                 self._by_session[sid].wrote = True
 
     def _take_lock(self, did: str, blocking: bool = False) -> int | None:
-        return self.locks.take(did, blocking)  # domainlocks.py
+        return self.locks.take(did, blocking)  # spares.py
 
     def _drop(self, domain: _Domain, sync: Callable[[str], None] | None = None) -> None:
         """The domain's record and lock removed; it has no session left."""
         if domain.pending is not None:  # abandoned first: a rename after the removal would bring the record back
-            domain.pending.abandon()
+            domain.pending.abandon(self.records.reuse)
         did = domain.record.id
-        try:
-            os.unlink(os.path.join(self.dir, f"{did}.json"))
-        except FileNotFoundError:
-            pass
+        # Kept (renamed) only where the directory's fsync below is done before it returns.
+        kept = self.records.give(os.path.join(self.dir, f"{did}.json"), keep=sync is fsync_directory)
         self.locks.give(did, domain.lock_fd)  # its name gone too; the file kept for a new domain
         domain.lock_fd = -1
         (sync or self.sync_dir)(self.dir)
+        self.records.kept(kept)  # its rename durable: it may serve a new record
 
     def _drop_later(self, domain: _Domain) -> None:
         """The last end's drop, by ``later``: the domain is gone from memory
