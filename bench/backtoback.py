@@ -4,6 +4,7 @@ opens, alternating the network (off, on) and the first call (read_file,
 shell_exec true), through the public client library.
 
     python bench/backtoback.py [--rounds 40] [--files 2000] [--packed] [--against DIR] [--steps] [--under DIR]
+                               [--daemon-args ARGS] [--settle S]
 
 Starts its own daemon (the default pool of sandboxes made ahead) on a
 temporary socket, with a worktree that is a git repository of --files
@@ -35,6 +36,13 @@ ahead.
 
 ``--under DIR``: where the worktrees and the daemons' state are made
 (default: the home directory, where users keep theirs).
+
+``--daemon-args "ARGS"``: this checkout's daemon's own options; with
+``--settle S`` (seconds to wait after the warm-up) e.g. ``--daemon-args
+"--pool 85" --settle 8`` has every sandbox made before the rounds begin, so
+that no make of the pool runs beside a session (docs/performance.md,
+"Scratch directories kept"). ``--steps`` also prints the pool's makes'
+steps (``make/off ...``), the daemon's CPU for each among them.
 """
 
 from __future__ import annotations
