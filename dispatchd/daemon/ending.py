@@ -181,7 +181,8 @@ class Ending(SessionTable):
         if session.proxy is not None:
             session.proxy.stop()  # nothing relayed for the old sandbox from here on
         if worker is None:
-            session.processes_gone = True
+            # Asleep (its sleep saw its processes end) or never started.
+            session.processes_gone = has_pid_namespace(session)
             return True
         # Pid 1 of the session's namespace has no SIGTERM handler, and the
         # kernel keeps from an init every signal it does not handle but SIGKILL
@@ -272,8 +273,8 @@ class Ending(SessionTable):
         reusable = session.processes_gone
 
         def remove() -> None:
-            # Emptied and kept for the next session where it can be (scratchdirs.py).
-            if reusable and scratchdirs.empty_for_reuse(scratch, self.uid) and self._scratch_locks.keep(sid):
+            # Its tmp and home removed, the directory kept for the next session where it can be (scratchdirs.py).
+            if reusable and scratchdirs.clear_for_reuse(scratch, self.uid) and self._scratch_locks.keep(sid):
                 return
             try:
                 leftovers.remove_tree(scratch)

@@ -71,68 +71,72 @@ class ScratchLocks:
         self._lock = threading.Lock()
 
     def take(self, sid: str) -> bool:
-        """Lock ``sid``'s scratch directory, ours from now on: True when an
-        emptied one kept from an earlier session now stands at its place
-        (``keep``), else the caller makes it."""
+        """Lock ``sid``'s scratch directory, ours from now on: True when one
+        kept from an earlier session (emptied: ``keep``) now stands at its
+        place, else the caller makes it."""
         with self._lock:
             spare = self._spares.pop() if self._spares else None
         if spare is not None:
-            if self._rename(spare, sid):
-                try:
-                    os.rename(os.path.join(self.sessions_dir, spare), os.path.join(self.sessions_dir, sid))
-                    return True
-                except OSError:
-                    # Removed meanwhile (a start of another daemon found it without
-                    # its lock, between the two renames): the lock is sid's now.
-                    return False
-            remove_tree(os.path.join(self.sessions_dir, spare))
-            self.release(spare)
+            if self._move(spare, sid):
+                return True
+            self._drop(spare)
         self._take_new(sid)
         return False
 
     def keep(self, sid: str) -> bool:
         """Keep ``sid``'s scratch directory, emptied and checked by the caller
-        (``scratchdirs.empty_for_reuse``), for a later ``take``: renamed, with
+        (``scratchdirs.clear_for_reuse``), for a later ``take``: moved, with
         its lock, to an id no session has. False (nothing done) when enough
-        are kept, or a rename fails: the caller removes it and releases."""
+        are kept, or it cannot be moved: the caller removes it and releases."""
         with self._lock:
             if len(self._spares) >= scratchdirs.KEEP or sid not in self._fds:
                 return False
         spare = secrets.token_hex(6)
-        if not self._rename(sid, spare):
-            return False
-        try:
-            os.rename(os.path.join(self.sessions_dir, sid), os.path.join(self.sessions_dir, spare))
-        except OSError:
-            self._rename(spare, sid)
+        if not self._move(sid, spare):
             return False
         with self._lock:
             self._spares.append(spare)
         return True
 
-    def _rename(self, old: str, new: str) -> bool:
-        """The lock of ``old`` (held) moved to ``new``'s name: the same file, still locked."""
+    def _move(self, old: str, new: str) -> bool:
+        """The locked scratch directory ``old`` renamed ``new``, its lock with
+        it: the lock file's new name first (a hard link: the same locked
+        file), then the directory's, then the lock's old name removed, so
+        that every name the directory has is backed by its held lock (a start
+        of another daemon removes a directory whose lock it can take, or that
+        has none). False, nothing changed, when it cannot be."""
         with self._lock:
-            fd = self._fds.pop(old, None)
+            fd = self._fds.get(old)
         if fd is None:
             return False
+        old_lock, new_lock = os.path.join(self.dir, f"{old}.lock"), os.path.join(self.dir, f"{new}.lock")
         try:
-            os.rename(os.path.join(self.dir, f"{old}.lock"), os.path.join(self.dir, f"{new}.lock"))
+            os.link(old_lock, new_lock)
         except OSError:
-            with self._lock:
-                self._fds[old] = fd
+            return False
+        try:
+            os.rename(os.path.join(self.sessions_dir, old), os.path.join(self.sessions_dir, new))
+        except OSError:
+            os.unlink(new_lock)
             return False
         with self._lock:
-            self._fds[new] = fd
+            self._fds[new] = self._fds.pop(old)
+        try:
+            os.unlink(old_lock)
+        except OSError:
+            pass  # left to the next start: a lone lock file with no directory
         return True
+
+    def _drop(self, spare: str) -> None:
+        remove_tree(os.path.join(self.sessions_dir, spare))
+        self.release(spare)
 
     def drop_spares(self) -> None:
         """The kept directories removed, their locks released (the daemon's stop)."""
         with self._lock:
             spares, self._spares = self._spares, []
         for spare in spares:
-            remove_tree(os.path.join(self.sessions_dir, spare))
-            self.release(spare)
+            self._drop(spare)
 
     def _take_new(self, sid: str) -> None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)

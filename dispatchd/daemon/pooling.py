@@ -41,8 +41,9 @@ log = logging.getLogger("dispatchd.sessions")
 class Pooling(Napping):
     def _make_scratch(self, sid: str, scratch: str) -> None:
         """A session's scratch directory (its /tmp and home), marked ours first."""
-        if self._scratch_locks.take(sid):  # before the directory: a later start knows it is ours
-            return  # one kept from an earlier session, emptied (scratchdirs.py)
+        # Before the directory: a later start knows it is ours. One kept from
+        # an earlier session may stand there already, empty (scratchdirs.py).
+        self._scratch_locks.take(sid)
         try:
             os.makedirs(scratch + "/tmp", mode=0o700)
             os.makedirs(scratch + "/home", mode=0o700)

@@ -53,15 +53,18 @@ class Worker:
             os.close(self.pidfd)
             self.pidfd = -1
 
-    def kill(self, timeout_s: float = 5.0) -> None:
+    def kill(self, timeout_s: float = 5.0) -> bool:
         """SIGKILL, wait until it has exited (at most ``timeout_s``), and let
         go of it. With a pid namespace the worker is its pid 1, which exits only
         once every other process in it is gone: what follows (the git check,
-        the write lock passing on) never races a process of the session."""
+        the write lock passing on) never races a process of the session.
+        False when its exit was not seen in time."""
         self.signal(signal.SIGKILL)
+        exited = True
         if self.pidfd >= 0:
-            fdwait.readable(self.pidfd, timeout_s)  # readable once it has exited
+            exited = fdwait.readable(self.pidfd, timeout_s)  # readable once it has exited
         self.close()
+        return exited
 
     def stop(self, sig: int, ended: threading.Event, timeout_s: float) -> bool:
         """Send ``sig`` (what ends this worker's session: see the caller), wait
@@ -69,8 +72,7 @@ class Worker:
         let go. False when ``ended`` did not come in time."""
         self.signal(sig)
         in_time = ended.wait(timeout_s)
-        self.kill()
-        return in_time
+        return self.kill() and in_time
 
 
 _Report = TypeVar("_Report", protocol.WorkerReady, protocol.WorkerPooled, protocol.WorkerNamespaces)

@@ -1,15 +1,21 @@
-"""The baselines' domain locks (gitguard/spares.py): held before their
-name exists, kept locked under a temporary name when their domain goes, and
-renamed into place for the next domain; removed by a start once unheld."""
+"""Files of the baselines' directory kept for the next domain
+(gitguard/spares.py): a domain's lock, held before its name exists, kept
+locked under a temporary name when its domain goes and renamed into place
+for the next; a record file, used again only once its rename away is
+durable; both removed by a start once their daemon is dead. And a record
+under a name not its own is never checked for either domain."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 
+import pytest
+
 from dispatchd import flocks
-from dispatchd.daemon.gitguard import spares, pending
+from dispatchd.daemon.gitguard import pending, spares
 
 
 def test_a_domains_lock_file_is_given_to_the_next_domain(tmp_path: Path) -> None:
@@ -124,3 +130,26 @@ def test_at_most_a_few_records_are_kept(tmp_path: Path) -> None:
         path.write_bytes(b"x")
         records.kept(records.give(str(path)))
     assert len([n for n in os.listdir(tmp_path) if n.endswith(".tmp")]) == spares.KEEP
+
+
+def test_a_record_that_names_another_domain_is_not_checked_for_it(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A start finds ``X.json`` holding domain Y's record (a file system
+    that cannot sync a directory, a crash): refused as unreadable, never
+    taken for X, nor for Y (whose files may be another daemon's)."""
+    from dispatchd.daemon.gitguard import baselines
+
+    directory = tmp_path / "state" / "baselines"
+    directory.mkdir(parents=True)
+    record = baselines.Record(id="b" * 16, created=0.0)
+    import msgspec
+
+    (directory / f"{'a' * 16}.json").write_bytes(msgspec.json.encode(record))
+    store = baselines.Baselines(str(tmp_path / "state"))
+    with caplog.at_level(logging.ERROR, logger="dispatchd.baselines"):
+        assert store.recover() == []
+    assert f"it names domain {'b' * 16}" in caplog.text and "baseline_recover" not in caplog.text
+    assert (directory / f"{'a' * 16}.json").exists()  # left, for a person to look at
+    # The twin: a record under its own name is taken up (and, checking nothing, dropped).
+    (directory / f"{'b' * 16}.json").write_bytes(msgspec.json.encode(record))
+    assert store.recover() == [] and not (directory / f"{'b' * 16}.json").exists()

@@ -60,7 +60,7 @@ from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_
 from dispatchd.daemon.gitguard.spares import DomainLocks, RecordFiles
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
-from dispatchd.durable import fsync_directory
+from dispatchd.durable import directory_synced, fsync_directory
 from dispatchd.inside import is_within, worktrees_relate
 
 log = logging.getLogger("dispatchd.baselines")
@@ -180,8 +180,10 @@ class Baselines:
         kept = self.records.give(os.path.join(self.dir, f"{did}.json"), keep=sync is fsync_directory)
         self.locks.give(did, domain.lock_fd)  # its name gone too; the file kept for a new domain
         domain.lock_fd = -1
-        (sync or self.sync_dir)(self.dir)
-        self.records.kept(kept)  # its rename durable: it may serve a new record
+        if kept is not None and directory_synced(self.dir):
+            self.records.kept(kept)  # its rename durable: it may serve a new record
+        else:
+            (sync or self.sync_dir)(self.dir)
 
     def _drop_later(self, domain: _Domain) -> None:
         """The last end's drop, by ``later``: the domain is gone from memory
@@ -213,6 +215,10 @@ class Baselines:
                     record = msgspec.json.decode(f.read(), type=Record)
             except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.error("event=baseline_unreadable file=%s error=%r", name, str(exc))
+                os.close(fd)
+                continue
+            if record.id != did:  # never written so: not taken for another domain's
+                log.error("event=baseline_unreadable file=%s error=%r", name, f"it names domain {record.id}")
                 os.close(fd)
                 continue
             if related is not None and not related([p.root for p in record.parts],
