@@ -40,9 +40,9 @@ ahead.
 ``--daemon-args "ARGS"``: this checkout's daemon's own options; with
 ``--settle S`` (seconds to wait after the warm-up) e.g. ``--daemon-args
 "--pool 85" --settle 8`` has every sandbox made before the rounds begin, so
-that no make of the pool runs beside a session (docs/performance.md,
-"Scratch directories kept"). ``--steps`` also prints the pool's makes'
-steps (``make/off ...``), the daemon's CPU for each among them.
+that no make of the pool runs beside a session (docs/performance.md, "What
+the pool's make costs the session beside it"). ``--steps`` also prints the
+pool's makes' steps (``make/off ...``), the daemon's CPU for each among them.
 """
 
 from __future__ import annotations

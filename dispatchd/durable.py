@@ -13,27 +13,19 @@ from __future__ import annotations
 import errno
 import os
 
-__all__ = ["directory_synced", "fsync_directory"]
+__all__ = ["fsync_directory"]
 
 
 def fsync_directory(directory: str, dir_fd: int | None = None) -> None:
     """fsync the directory ``directory`` (or the one ``dir_fd`` holds): a
     rename or an unlink in it made durable."""
-    directory_synced(directory, dir_fd)
-
-
-def directory_synced(directory: str, dir_fd: int | None = None) -> bool:
-    """``fsync_directory``, and whether it was: False where the file system
-    cannot sync a directory (then nothing says a rename in it is durable)."""
     # "." below dir_fd: the directory held (an O_PATH descriptor cannot fsync).
     fd = os.open("." if dir_fd is not None else directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         os.fsync(fd)
-        return True
     except OSError as exc:
         # Some file systems cannot sync a directory; the data itself is safe.
         if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
             raise
-        return False
     finally:
         os.close(fd)

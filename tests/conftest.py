@@ -156,20 +156,6 @@ class Daemon:
         return self.proc.returncode
 
 
-def baseline_files(directory: Path) -> list[str]:
-    """The baselines directory's names, but the files the daemon keeps for
-    domains to come (``gitguard/spares.py``): lock files kept locked under a
-    temporary name, and its keeper's (``kept-K.lock``, held, and its
-    temporary files). A domain gone leaves none of its own."""
-    from dispatchd import flocks
-
-    if not directory.exists():
-        return []
-    return [n for n in os.listdir(directory)
-            if not (n.startswith(".") and ".lock." in n and flocks.held(str(directory / n)))
-            and not (n.startswith("kept-") and flocks.held(str(directory / (n.partition(".")[0] + ".lock"))))]
-
-
 def wait_for_pool(client: dispatch.Client, kind: str = "default/off", n: int = 1, timeout: float = 20) -> None:
     """Until the daemon's pool holds ``n`` sandboxes made ahead of ``kind``
     ("policy/network"), as its status says."""

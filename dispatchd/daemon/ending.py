@@ -28,7 +28,7 @@ import time
 
 from dispatchd import protocol, treewalk
 from dispatchd.confine import cgroups
-from dispatchd.daemon import afterwards, gitguard, leftovers, scratchdirs
+from dispatchd.daemon import afterwards, gitguard, leftovers
 from dispatchd.daemon.lifecycle import Action, Event, Op, State, decide, ending_event, is_live
 from dispatchd.daemon.session import READY_TIMEOUT_S, Session, has_pid_namespace
 from dispatchd.daemon.sessionnet import stop_network
@@ -80,7 +80,6 @@ class Ending(SessionTable):
         # before the daemon's exit (each removal may wait for a namespace's
         # teardown: the more sessions, the longer).
         afterwards.drain(10.0 + 0.05 * len(sessions))
-        self._scratch_locks.drop_spares()  # the emptied scratch directories kept for sessions to come
 
     def end(self, sid: str, word: str, why: str) -> None:
         """End a session for a reason of the daemon's own (orphaned, over its
@@ -181,8 +180,6 @@ class Ending(SessionTable):
         if session.proxy is not None:
             session.proxy.stop()  # nothing relayed for the old sandbox from here on
         if worker is None:
-            # Asleep (its sleep saw its processes end) or never started.
-            session.processes_gone = has_pid_namespace(session)
             return True
         # Pid 1 of the session's namespace has no SIGTERM handler, and the
         # kernel keeps from an init every signal it does not handle but SIGKILL
@@ -206,8 +203,6 @@ class Ending(SessionTable):
                 control.sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher if it still waits
             except OSError:
                 pass  # the watcher has closed it already
-        # Without a pid namespace the session init's word is all there is.
-        session.processes_gone = gone and has_pid_namespace(session)
         return gone
 
     def _check_git(self, session: Session) -> None:
@@ -270,12 +265,8 @@ class Ending(SessionTable):
         if not scratch:
             self._scratch_locks.release(sid)
             return
-        reusable = session.processes_gone
 
         def remove() -> None:
-            # Its tmp and home removed, the directory kept for the next session where it can be (scratchdirs.py).
-            if reusable and scratchdirs.clear_for_reuse(scratch, self.uid) and self._scratch_locks.keep(sid):
-                return
             try:
                 leftovers.remove_tree(scratch)
             finally:

@@ -30,7 +30,6 @@ import secrets
 import threading
 
 from dispatchd import treewalk
-from dispatchd.daemon import scratchdirs
 
 log = logging.getLogger("dispatchd.leftovers")
 _SID = re.compile(r"^[0-9a-f]{12}$")  # secrets.token_hex(6), as opening.py and pooling.py name them
@@ -65,80 +64,10 @@ class ScratchLocks:
 
     def __init__(self, sessions_dir: str) -> None:
         self.dir = locks_dir(sessions_dir)
-        self.sessions_dir = sessions_dir
         self._fds: dict[str, int] = {}
-        self._spares: list[str] = []  # emptied scratch directories kept for the next sessions (scratchdirs.py)
         self._lock = threading.Lock()
 
-    def take(self, sid: str) -> bool:
-        """Lock ``sid``'s scratch directory, ours from now on: True when one
-        kept from an earlier session (emptied: ``keep``) now stands at its
-        place, else the caller makes it."""
-        with self._lock:
-            spare = self._spares.pop() if self._spares else None
-        if spare is not None:
-            if self._move(spare, sid):
-                return True
-            self._drop(spare)
-        self._take_new(sid)
-        return False
-
-    def keep(self, sid: str) -> bool:
-        """Keep ``sid``'s scratch directory, emptied and checked by the caller
-        (``scratchdirs.clear_for_reuse``), for a later ``take``: moved, with
-        its lock, to an id no session has. False (nothing done) when enough
-        are kept, or it cannot be moved: the caller removes it and releases."""
-        with self._lock:
-            if len(self._spares) >= scratchdirs.KEEP or sid not in self._fds:
-                return False
-        spare = secrets.token_hex(6)
-        if not self._move(sid, spare):
-            return False
-        with self._lock:
-            self._spares.append(spare)
-        return True
-
-    def _move(self, old: str, new: str) -> bool:
-        """The locked scratch directory ``old`` renamed ``new``, its lock with
-        it: the lock file's new name first (a hard link: the same locked
-        file), then the directory's, then the lock's old name removed, so
-        that every name the directory has is backed by its held lock (a start
-        of another daemon removes a directory whose lock it can take, or that
-        has none). False, nothing changed, when it cannot be."""
-        with self._lock:
-            fd = self._fds.get(old)
-        if fd is None:
-            return False
-        old_lock, new_lock = os.path.join(self.dir, f"{old}.lock"), os.path.join(self.dir, f"{new}.lock")
-        try:
-            os.link(old_lock, new_lock)
-        except OSError:
-            return False
-        try:
-            os.rename(os.path.join(self.sessions_dir, old), os.path.join(self.sessions_dir, new))
-        except OSError:
-            os.unlink(new_lock)
-            return False
-        with self._lock:
-            self._fds[new] = self._fds.pop(old)
-        try:
-            os.unlink(old_lock)
-        except OSError:
-            pass  # left to the next start: a lone lock file with no directory
-        return True
-
-    def _drop(self, spare: str) -> None:
-        remove_tree(os.path.join(self.sessions_dir, spare))
-        self.release(spare)
-
-    def drop_spares(self) -> None:
-        """The kept directories removed, their locks released (the daemon's stop)."""
-        with self._lock:
-            spares, self._spares = self._spares, []
-        for spare in spares:
-            self._drop(spare)
-
-    def _take_new(self, sid: str) -> None:
+    def take(self, sid: str) -> None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         tmp = os.path.join(self.dir, f".{sid}.lock.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -41,9 +41,7 @@ log = logging.getLogger("dispatchd.sessions")
 class Pooling(Napping):
     def _make_scratch(self, sid: str, scratch: str) -> None:
         """A session's scratch directory (its /tmp and home), marked ours first."""
-        # Before the directory: a later start knows it is ours. One kept from
-        # an earlier session may stand there already, empty (scratchdirs.py).
-        self._scratch_locks.take(sid)
+        self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
         try:
             os.makedirs(scratch + "/tmp", mode=0o700)
             os.makedirs(scratch + "/home", mode=0o700)
@@ -68,7 +66,7 @@ class Pooling(Napping):
         of that kind are never made ahead (no ``pool_key``)."""
         if not self.accepting:
             raise Stopping("the daemon is stopping")
-        cpu0 = time.thread_time()
+        cpu0 = time.thread_time()  # the make's share of the daemon's CPU, for the debug log (the bench's --steps)
         policy_name, network = kind
         policy = self.load_policy(policy_name)
         sid = secrets.token_hex(6)

@@ -66,9 +66,6 @@ class Session:
         # it opened (for status), and at its end (for the close reply).
         self.reports: Callable[[], list[gitguard.Protected]] = list
         self.found_at_end: list[gitguard.Protected] = []
-        # Its processes seen gone, every one (a pid namespace's end, or none
-        # left asleep): its scratch directory may be kept for the next session.
-        self.processes_gone = False
         self.protections: protocol.Protections | None = None  # from the worker, once it is ready
         self.cgroup = ""  # its cgroup, made at the first start, removed at the end
         self.worker: Worker | None = None

@@ -69,7 +69,8 @@ class Worker:
     def stop(self, sig: int, ended: threading.Event, timeout_s: float) -> bool:
         """Send ``sig`` (what ends this worker's session: see the caller), wait
         for ``ended`` (its tool server gone), then SIGKILL whatever is left and
-        let go. False when ``ended`` did not come in time."""
+        let go. False when ``ended`` did not come in time, or its exit was not
+        seen (``kill``): its processes are then not known gone."""
         self.signal(sig)
         in_time = ended.wait(timeout_s)
         return self.kill() and in_time

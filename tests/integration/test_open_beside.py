@@ -60,9 +60,7 @@ def _records(d: Daemon) -> tuple[list[str], list[str]]:
     """The baseline records in place (``*.json``) and those still being written (``*.tmp``)."""
     top = d.state / "dispatchd" / "baselines"
     names = os.listdir(top) if top.exists() else []
-    # (Not the files kept for domains to come, gitguard/spares.py: the keeper's.)
-    return (sorted(n for n in names if n.endswith(".json")),
-            sorted(n for n in names if n.endswith(".tmp") and not n.startswith("kept-")))
+    return sorted(n for n in names if n.endswith(".json")), sorted(n for n in names if n.endswith(".tmp"))
 
 
 def _lands_after_the_record(d: Daemon, call: Callable[[], dispatch.Result], landed: Callable[[], bool]) -> float:

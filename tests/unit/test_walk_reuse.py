@@ -19,7 +19,6 @@ import pytest
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import baselines, fs, indexfile, layouts, redirects, runnables, snapshots
 from dispatchd.tempfiles import no_temp_files, sweep_temp_files, temp_name
-from tests.conftest import baseline_files
 from tests.unit.gitrepo import git, make_repo
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -246,16 +245,16 @@ def test_the_last_ends_record_goes_after_the_reply_and_a_new_open_takes_its_own(
     found = store.leave("s1")
     assert [Path(p.path).name.split(".quarantined")[0] for p in found] == [".vscode"]
     assert not (repo / ".vscode").exists()
-    old = sorted(baseline_files(records))
+    old = sorted(os.listdir(records))
     assert len(old) == 2 and len(jobs) == 1  # still on disk, its lock held: no start takes it for a dead daemon's
     assert baselines.Baselines(str(tmp_path / "state")).recover() == []
     _join(store, "s2", repo)  # the next open: a new baseline, a record of its own
-    assert len(baseline_files(records)) == 4
+    assert len(os.listdir(records)) == 4
     jobs.pop()()
-    assert sorted(baseline_files(records)) != old and len(baseline_files(records)) == 2
+    assert sorted(os.listdir(records)) != old and len(os.listdir(records)) == 2
     assert store.leave("s2") == [] and len(jobs) == 1
     jobs.pop()()
-    assert baseline_files(records) == []
+    assert os.listdir(records) == []
 
 
 def test_a_daemon_that_dies_before_the_records_removal_leaves_a_check_that_moves_nothing_unchanged(
@@ -268,7 +267,7 @@ def test_a_daemon_that_dies_before_the_records_removal_leaves_a_check_that_moves
     assert dead.leave("s") == []
     os.close(lock_fd)  # what the kernel does for a dead daemon
     live = baselines.Baselines(str(tmp_path / "state"))
-    assert live.recover() == [] and baseline_files(tmp_path / "state" / "baselines") == []
+    assert live.recover() == [] and os.listdir(tmp_path / "state" / "baselines") == []
 
 
 # --- the writers' ends' sweep of temporary files ---------------------------------------------------

@@ -93,3 +93,31 @@ def test_stop_returns_only_once_every_process_of_the_namespace_is_gone(tmp_path:
         # ... and wrote nothing once it returned.
         assert max(stamps) < done, f"try {i}: a write {(max(stamps) - done) / 1e3:.0f} us after stop returned"
         channel.close()
+
+
+def test_a_stop_whose_exit_was_not_seen_does_not_count_the_processes_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stop`` is True only when the tool server's end came and the worker's
+    exit was seen (its pidfd readable); a pidfd that stays unreadable (a
+    process stuck in the kernel past the wait, faked here: the wait's
+    answer) makes it False, whatever the end said. The twin: a real child
+    stopped, seen gone."""
+    from dispatchd import fdwait
+    from dispatchd.daemon import spawn
+
+    def child() -> Worker:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - a forked child
+            time.sleep(60)
+            os._exit(0)
+        return Worker(pid, os.pidfd_open(pid))
+
+    ended = threading.Event()
+    ended.set()
+    worker = child()
+    assert worker.stop(signal.SIGKILL, ended, 5.0) is True
+    os.waitpid(worker.pid, 0)
+    worker = child()
+    monkeypatch.setattr(spawn.fdwait, "readable", lambda fd, timeout_s: False)
+    assert worker.stop(signal.SIGKILL, ended, 5.0) is False
+    monkeypatch.setattr(spawn.fdwait, "readable", fdwait.readable)
+    os.waitpid(worker.pid, 0)

@@ -45,6 +45,7 @@ The baseline is the daemon's: degraded mode (no mount namespace) keeps it.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -57,10 +58,9 @@ import msgspec
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, packlinks, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
-from dispatchd.daemon.gitguard.spares import DomainLocks, RecordFiles
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
-from dispatchd.durable import directory_synced, fsync_directory
+from dispatchd.durable import fsync_directory
 from dispatchd.inside import is_within, worktrees_relate
 
 log = logging.getLogger("dispatchd.baselines")
@@ -102,8 +102,6 @@ class Baselines:
     def __init__(self, state_dir: str, home: str = "") -> None:
         self.dir = os.path.join(state_dir, "baselines")
         self.keep_dir = os.path.join(state_dir, "keep")
-        self.locks = DomainLocks(self.dir)
-        self.records = RecordFiles(self.dir)
         self.home = home
         self._lock = threading.RLock()
         self._domains: dict[str, _Domain] = {}
@@ -127,7 +125,8 @@ class Baselines:
         self._settle(domain)  # a deferred rename must never land over a newer record
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         path = os.path.join(self.dir, f"{domain.record.id}.json")
-        tmp, fd = self.records.open(path)  # spares.py: a file kept from a dropped domain, emptied
+        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             data = msgspec.json.encode(domain.record)
             if os.write(fd, data) != len(data):
@@ -169,21 +168,39 @@ class Baselines:
                 self._by_session[sid].wrote = True
 
     def _take_lock(self, did: str, blocking: bool = False) -> int | None:
-        return self.locks.take(did, blocking)  # spares.py
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        path = os.path.join(self.dir, f"{did}.lock")
+        if not blocking:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            return fd
+        # A new domain: its lock is held before anyone can see the file.
+        tmp = os.path.join(self.dir, f".{did}.lock.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, path)
+        return fd
 
     def _drop(self, domain: _Domain, sync: Callable[[str], None] | None = None) -> None:
         """The domain's record and lock removed; it has no session left."""
         if domain.pending is not None:  # abandoned first: a rename after the removal would bring the record back
-            domain.pending.abandon(self.records.reuse)
-        did = domain.record.id
-        # Kept (renamed) only where the directory's fsync below is done before it returns.
-        kept = self.records.give(os.path.join(self.dir, f"{did}.json"), keep=sync is fsync_directory)
-        self.locks.give(did, domain.lock_fd)  # its name gone too; the file kept for a new domain
-        domain.lock_fd = -1
-        if kept is not None and directory_synced(self.dir):
-            self.records.kept(kept)  # its rename durable: it may serve a new record
-        else:
-            (sync or self.sync_dir)(self.dir)
+            domain.pending.abandon()
+        did, lock_fd = domain.record.id, domain.lock_fd
+        for name in (f"{did}.json", f"{did}.lock"):
+            try:
+                os.unlink(os.path.join(self.dir, name))
+            except FileNotFoundError:
+                pass
+        (sync or self.sync_dir)(self.dir)
+        if lock_fd >= 0:
+            os.close(lock_fd)
 
     def _drop_later(self, domain: _Domain) -> None:
         """The last end's drop, by ``later``: the domain is gone from memory
@@ -215,10 +232,6 @@ class Baselines:
                     record = msgspec.json.decode(f.read(), type=Record)
             except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.error("event=baseline_unreadable file=%s error=%r", name, str(exc))
-                os.close(fd)
-                continue
-            if record.id != did:  # never written so: not taken for another domain's
-                log.error("event=baseline_unreadable file=%s error=%r", name, f"it names domain {record.id}")
                 os.close(fd)
                 continue
             if related is not None and not related([p.root for p in record.parts],

@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from dispatchd import flocks
 from dispatchd.durable import fsync_directory
@@ -61,20 +60,16 @@ class Durable:
                     os.close(self._fd)
             return self._why
 
-    def abandon(self, reuse: Callable[[str], None] | None = None) -> None:
+    def abandon(self) -> None:
         """The domain ends before its record was made durable: no session of
-        it can have written (``settle`` comes first), so it goes unsynced:
-        its temporary file, never a record's name, unlinked or given to
-        ``reuse`` (``spares.RecordFiles``). A no-op once settled."""
+        it can have written (``settle`` comes first), so it goes unsynced.
+        A no-op once settled."""
         with self._lock:
             if self._done:
                 return
             self._done = True
             self._why = "its session has ended"
             os.close(self._fd)
-            if reuse is not None:
-                reuse(self._tmp)
-                return
             try:
                 os.unlink(self._tmp)
             except OSError:

@@ -1,11 +1,15 @@
 """A session's /tmp and home as later sessions get them.
 
-The daemon keeps the directory that held a session's scratch for a later
-session (dispatchd/daemon/scratchdirs.py), never its ``tmp`` and ``home``:
-a session can hand a descriptor of its /tmp to another session running
-beside it, which keeps it after the first one ends, and no later session's
-files may ever show through it. Every session gets a new ``tmp`` and
-``home``, empty.
+A session's scratch directory is removed at its end, ``tmp`` and ``home``
+with it: no later session is ever handed anything of it. Not even through
+a descriptor: a session can hand one of its /tmp to another session running
+beside it (a Unix socket in a directory both may write), which keeps it
+after the first one ends, and Landlock checks no listing, ``stat`` or
+``fchmod`` through a descriptor already open. A daemon that kept emptied
+scratch directories for later sessions (measured, for the inodes it would
+spare: docs/performance.md, "Scratch directories kept, measured and not
+kept") would show that holder every later session's files; these tests
+fail on it.
 """
 
 from __future__ import annotations
@@ -141,7 +145,7 @@ def test_a_descriptor_of_an_ended_sessions_tmp_shows_no_later_sessions_files(
             assert given.is_success, given.error
             # The twin: the descriptor works, B lists A's /tmp.
             assert wait_until(lambda: "a_file" in listed(), timeout=10), listed()
-        time.sleep(0.3)  # A's end, and its directory kept for a later session
+        time.sleep(0.3)  # A's end: its scratch directory removed
         for i in range(6):
             with client.open_session(str(wa), policy="sharing" if i % 2 else "default") as later:
                 wrote = shell(later, f'echo secret > {_T}/later_{i} && ls {_T}')
