@@ -118,6 +118,14 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
+def _add_steps(into: dict[str, list[float]], prefix: str, text: str) -> None:
+    """A log line's ``steps_ms`` (``name:ms,name:ms``) added to ``into``, each under ``prefix name``."""
+    for part in text.split(","):
+        if ":" in part:
+            k, v = part.split(":")
+            into.setdefault(f"{prefix} {k}", []).append(float(v))
+
+
 def print_steps(name: str, log_path: str) -> None:
     """The medians of the open's and the close's steps in one daemon's debug log."""
     with open(log_path, encoding="utf-8", errors="replace") as f:
@@ -131,18 +139,12 @@ def print_steps(name: str, log_path: str) -> None:
             prefix = f"close/{FIRST[m.group(2)]}"
         if prefix == "fresh":
             continue  # the pool's sandboxes made ahead: not on an open's path
-        for part in m.group(4).split(","):
-            if ":" in part:
-                k, v = part.split(":")
-                steps.setdefault(f"{prefix} {k}", []).append(float(v))
+        _add_steps(steps, prefix, m.group(4))
     print(f"[{name}] " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in steps.items()))
     # The pool's makes (off every open's path, but on the same CPUs), by kind.
     made: dict[str, list[float]] = {}
     for m in re.finditer(r"event=pool_made kind=\S+/(\w+) session=\w+ pid=\d+ steps_ms=(\S*)", log):
-        for part in m.group(2).split(","):
-            if ":" in part:
-                k, v = part.split(":")
-                made.setdefault(f"make/{m.group(1)} {k}", []).append(float(v))
+        _add_steps(made, f"make/{m.group(1)}", m.group(2))
     print(f"[{name}] " + "  ".join(f"{k} {statistics.median(v):.2f}" for k, v in made.items()))
     # Which opens found a sandbox made ahead (the pool keeping up), by network.
     served: dict[str, list[int]] = {}
