@@ -169,12 +169,11 @@ def test_a_reverse_index_matching_a_rewritten_index_is_checked_against_the_kept_
     assert idx.read_bytes() == original_idx and rev.read_bytes() == original_rev
 
 
-def test_a_reverse_index_the_keep_linked_is_not_put_back_with_the_session_s_bytes(
-        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past the copy budget the keep links: a rewrite in place changes the
-    kept bytes too. A reverse index out of order is moved aside and the
-    keep's link removed: nothing of the session's comes back. (A bitmap
-    the keep links is left, like the pack it belongs to: see the module.)"""
+def _linked_rev_forged(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                       ) -> tuple[history.History, Path, bytes]:
+    """The keep recorded past its copy budget (it links the pack's files),
+    then the pack's reverse index rewritten in place out of order, through
+    the link the keep shares: the history, the reverse index, its bytes."""
     from dispatchd.daemon.gitguard import clones
     monkeypatch.setattr(clones, "COPY_BUDGET", 0)
     kept = _recorded(repo, tmp_path)
@@ -184,7 +183,17 @@ def test_a_reverse_index_the_keep_linked_is_not_put_back_with_the_session_s_byte
     os.chmod(rev, 0o644)
     with open(rev, "r+b") as f:  # in place: the keep's link sees it
         f.write(bytes(data))
-    assert (tmp_path / "keep" / "pack" / rev.name).read_bytes() == bytes(data)  # the control: shared
+    return kept, rev, bytes(data)
+
+
+def test_a_reverse_index_the_keep_linked_is_not_put_back_with_the_session_s_bytes(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the copy budget the keep links: a rewrite in place changes the
+    kept bytes too. A reverse index out of order is moved aside and the
+    keep's link removed: nothing of the session's comes back. (A bitmap
+    the keep links is left, like the pack it belongs to: see the module.)"""
+    kept, rev, data = _linked_rev_forged(repo, tmp_path, monkeypatch)
+    assert (tmp_path / "keep" / "pack" / rev.name).read_bytes() == data  # the control: shared
     done, failed = history.restore(kept, in_place=True)
     assert not failed, failed
     assert not rev.exists() and not (tmp_path / "keep" / "pack" / rev.name).exists()
@@ -347,15 +356,8 @@ def test_a_daemon_killed_while_it_moves_a_forged_reverse_index_does_not_bring_it
     """The keep's link to the session's bytes goes before the move: a daemon
     killed between the two (the move stands for it) leaves nothing the next
     start's restore would put back (the control: the link is gone at once)."""
-    from dispatchd.daemon.gitguard import clones, fs
-    monkeypatch.setattr(clones, "COPY_BUDGET", 0)
-    kept = _recorded(repo, tmp_path)
-    rev = next(_pack(repo).glob("*.rev"))
-    data = bytearray(rev.read_bytes())
-    data[12:16], data[16:20] = data[16:20], data[12:16]
-    os.chmod(rev, 0o644)
-    with open(rev, "r+b") as f:
-        f.write(bytes(data))
+    from dispatchd.daemon.gitguard import fs
+    kept, rev, _ = _linked_rev_forged(repo, tmp_path, monkeypatch)
 
     def killed(dir_fd: int, name: str) -> str:
         raise KeyboardInterrupt  # the daemon's end, half way
