@@ -249,6 +249,41 @@ def test_a_graph_s_generation_data_is_checked(tmp_path: Path) -> None:
     assert not failed and any("is not what its parents give" in why for _, why in done), done
 
 
+def _incremental_midx(repo: Path, layer: bytes) -> Path:
+    """Git 2.47's incremental multi-pack index, as a newer git than this
+    machine's writes it: a chain file naming its layers, each a ``.midx``
+    that maps object ids to packs and offsets (read without the packs' ``.idx``)."""
+    d = repo / ".git" / "objects" / "pack" / "multi-pack-index.d"
+    d.mkdir(exist_ok=True)
+    name = "a" * 40
+    (d / f"multi-pack-index-{name}.midx").write_bytes(b"MIDX\1\1" + layer)
+    (d / "multi-pack-index-chain").write_text(name + "\n")
+    return d
+
+
+def test_an_incremental_multi_pack_index_a_session_planted_is_moved_aside(tmp_path: Path) -> None:
+    repo, kept = _start(tmp_path)
+    d = _incremental_midx(repo, b"the session's offsets")
+    done, failed = history.restore(kept)
+    assert not failed and not d.exists(), done
+    why = [w for p, w in done if p == str(d)]
+    assert why and why[0].startswith("written by a session") and "git builds it again" in why[0]
+    assert _show(repo) == b"2\n"
+
+
+def test_the_user_s_incremental_multi_pack_index_stays_unless_a_session_rewrites_it(tmp_path: Path) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    d = _incremental_midx(repo, b"the user's offsets")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert history.restore(kept) == ([], [])  # the twin: the user's, unchanged, stays
+    layer = d / f"multi-pack-index-{'a' * 40}.midx"
+    os.chmod(layer, 0o644)
+    with open(layer, "r+b") as f:  # rewritten in place: the same inode and size
+        f.write(b"MIDX\1\1the session's")
+    done, failed = history.restore(kept)
+    assert not failed and not d.exists() and [p for p, _ in done] == [str(d)], done
+
+
 def test_changed_path_filters_and_a_split_graph_are_moved_aside(tmp_path: Path) -> None:
     repo = commits_repo(tmp_path / "repo")
     kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])

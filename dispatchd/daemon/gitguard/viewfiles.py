@@ -22,7 +22,7 @@ any file, and is moved aside too.
 
 Likewise the indexes git trusts for what a commit's parents and tree are,
 or where an object lies (``STAMPED``: the commit-graph, the directory of a
-split one, the multi-pack index): a session's (a commit given no parents and another tree,
+split one, the multi-pack index and the directory of an incremental one): a session's (a commit given no parents and another tree,
 seen in ``git log`` and ``git diff``) is moved aside, and git builds them
 again at will; a commit-graph that agrees with every commit's object (what
 a session's ``git gc`` writes: ``commitgraph.py``) is kept. They can be large: ``read_stamps`` keeps each one's inode,
@@ -43,7 +43,11 @@ from typing import Literal
 from dispatchd.daemon.gitguard import commitgraph, fs, reftemp
 
 NAMES = ("shallow", "objects/info/alternates", "objects/info/http-alternates")
-STAMPED = ("objects/info/commit-graph", "objects/info/commit-graphs", "objects/pack/multi-pack-index")
+# Git 2.47's incremental multi-pack index (``multi-pack-index.d``: a chain file
+# and its layers) is read by the user's newer git whatever git the sandbox has,
+# and names packs by offset without their ``.idx``: stamped like the single one.
+STAMPED = ("objects/info/commit-graph", "objects/info/commit-graphs", "objects/pack/multi-pack-index",
+           "objects/pack/multi-pack-index.d")
 _MAX_CHAIN = 1_000  # files of a split graph's directory stamped one by one
 _MAX = 1024 * 1024  # kept in the baseline's record, written at every open: a shallow of 25,000 roots
 
