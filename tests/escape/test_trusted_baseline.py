@@ -304,6 +304,52 @@ def test_a_fast_forward_of_another_branch_is_kept(client: dispatch.Client, repo:
     assert not [p for p in s.protected if p["path"].startswith("refs/")]
 
 
+# A session's own pack whose index names the user's blob at another blob's
+# bytes (the newest pack: git reads it first), made inside the session with
+# git and python3 as an agent could; SHA-1 or SHA-256 ids by their length.
+FORGE_PACK = """
+import os, subprocess, sys, time
+victim, other = sys.argv[1], sys.argv[2]
+d = ".git/objects/pack"
+out = subprocess.run(["git", "pack-objects", "-q", d + "/tmp"], input=other + "\\n", text=True,
+                     capture_output=True, check=True).stdout.strip()
+data = bytearray(open(f"{d}/tmp-{out}.idx", "rb").read())
+h, start = len(victim) // 2, 8 + 256 * 4
+data[start:start + h] = bytes.fromhex(victim)
+for i in range(256):
+    data[8 + i * 4:12 + i * 4] = (1 if i >= data[start] else 0).to_bytes(4, "big")
+name = d + "/pack-" + "f" * len(victim)
+open(name + ".idx", "wb").write(bytes(data))
+os.rename(f"{d}/tmp-{out}.pack", name + ".pack")
+os.unlink(f"{d}/tmp-{out}.idx")
+later = time.time() + 100
+os.utime(name + ".pack", (later, later))
+"""
+
+
+def test_a_forged_pack_in_a_sha256_repository_is_moved_aside(client: dispatch.Client, tmp_path: Path) -> None:
+    """A SHA-256 repository's new packs are verified as a SHA-1 one's: the
+    forged one goes, and the user's git reads the user's bytes again; the
+    twin, the session's honest ``git gc`` beside it, is left unreported."""
+    repo = tmp_path / "repo256"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main", "--object-format=sha256")
+    for n in range(3):
+        (repo / "f").write_text(f"{n}\n")
+        git(repo, "add", "f")
+        git(repo, "commit", "-qm", f"c{n}")
+    victim = git(repo, "rev-parse", "HEAD:f").stdout.strip()
+    other = git(repo, "rev-parse", "HEAD~1:f").stdout.strip()
+    assert len(victim) == 64
+    with client.open_session(str(repo)) as s:
+        r = shell(s, f"git gc -q && python3 -c '{FORGE_PACK}' {victim} {other} && git cat-file -p {victim}")
+        assert r.is_success and r.output == "1\n", (r.output, r.error)  # the control: git reads the session's bytes
+    moved = [p for p in s.protected if "names your objects for other bytes" in p.get("why", "")]
+    assert moved and [p for p in s.protected if "objects/pack" in p["path"]] == moved, s.protected
+    assert git(repo, "cat-file", "-p", victim).stdout == "2\n"
+    assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
+
+
 # --- a daemon killed half way -------------------------------------------------------------------
 
 

@@ -36,10 +36,11 @@ def one_file_repo(path: Path, name: str = "f") -> Path:
     return path
 
 
-def commits_repo(path: Path, n: int = 3) -> Path:
-    """A repository of ``n`` commits, each writing ``f`` (``0``, ``1``, ...)."""
+def commits_repo(path: Path, n: int = 3, object_format: str = "sha1") -> Path:
+    """A repository of ``n`` commits, each writing ``f`` (``0``, ``1``, ...),
+    its object ids SHA-1 or (``object_format="sha256"``) SHA-256."""
     path.mkdir()
-    git(path, "init", "-q")
+    git(path, "init", "-q", f"--object-format={object_format}")
     for i in range(n):
         (path / "f").write_text(f"{i}\n")
         git(path, "add", "f")

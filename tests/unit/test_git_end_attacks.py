@@ -133,10 +133,11 @@ def _forge_commit_graph(repo: Path) -> None:
     chunks = {struct.unpack(">4sQ", b[8 + 12 * i: 20 + 12 * i])[0]: struct.unpack(">4sQ", b[8 + 12 * i: 20 + 12 * i])[1]
               for i in range(b[6])}
     head = bytes.fromhex(git(repo, "rev-parse", "HEAD").strip())
+    h = len(head)  # SHA-1 or SHA-256
     n = struct.unpack(">I", b[chunks[b"OIDF"] + 255 * 4: chunks[b"OIDF"] + 256 * 4])[0]
-    idx = [bytes(b[chunks[b"OIDL"] + 20 * i: chunks[b"OIDL"] + 20 * i + 20]) for i in range(n)].index(head)
-    c = chunks[b"CDAT"] + 36 * idx
-    b[c + 20:c + 24] = struct.pack(">I", 0x70000000)
+    idx = [bytes(b[chunks[b"OIDL"] + h * i: chunks[b"OIDL"] + h * i + h]) for i in range(n)].index(head)
+    c = chunks[b"CDAT"] + (h + 16) * idx
+    b[c + h:c + h + 4] = struct.pack(">I", 0x70000000)
     os.chmod(path, 0o644)
     path.write_bytes(bytes(b))
 

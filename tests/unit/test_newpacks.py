@@ -33,9 +33,9 @@ def _forge(repo: Path, victim: str, other: str, name: str) -> Path:
                          capture_output=True, text=True, check=True).stdout.strip()
     idx = pack_dir / f"tmp-{out}.idx"
     data = bytearray(idx.read_bytes())
-    start = 8 + 256 * 4
-    assert data[start:start + 20] == bytes.fromhex(other)
-    data[start:start + 20] = bytes.fromhex(victim)
+    start, h = 8 + 256 * 4, len(victim) // 2  # SHA-1 or SHA-256 ids
+    assert data[start:start + h] == bytes.fromhex(other)
+    data[start:start + h] = bytes.fromhex(victim)
     fan = bytes.fromhex(victim)[0]
     for i in range(256):  # one object: the fan-out counts it from its first byte on
         data[8 + i * 4:12 + i * 4] = (1 if i >= fan else 0).to_bytes(4, "big")

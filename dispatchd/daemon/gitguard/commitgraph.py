@@ -11,7 +11,7 @@ first parent "none" is no parents, whatever the second says), and each
 commit's topological level, date and corrected date (``GDA2``/``GDAT``,
 ``GDOV``: what ``merge-base`` and ``--contains`` trust) as computed from
 those. Anything else is a reason to move it aside (``viewfiles``), and git
-builds it again: a graph of another hash or a chain of graphs, changed-path
+builds it again: a graph whose hash is neither SHA-1 nor SHA-256, a chain of graphs, changed-path
 filters (``BIDX``/``BDAT``: checking them is a diff a commit), a chunk named
 twice or out of the file, more than ``MAX_COMMITS`` commits, a read past
 ``BUDGET_S``, a malformed file, any error while checking.
@@ -73,8 +73,9 @@ def _chunks(b: bytes) -> dict[bytes, int] | str:
 def _check(objects: str, b: bytes) -> str | None:
     if b[:4] != b"CGPH" or b[4] != 1:
         return "not a commit-graph of version 1"
-    if b[5] != 1:
-        return "not a SHA-1 graph (not checked)"
+    h = {1: 20, 2: 32}.get(b[5])  # git's hash versions: SHA-1, SHA-256
+    if h is None:
+        return f"a graph of hash version {b[5]} (not checked)"
     if b[7] != 0:
         return "a graph with base graphs (not checked)"
     chunks = _chunks(b)
@@ -84,12 +85,12 @@ def _check(objects: str, b: bytes) -> str | None:
     n = struct.unpack_from(">I", b, fanout + 255 * 4)[0]
     if n > MAX_COMMITS:
         return f"more than {MAX_COMMITS} commits (not checked)"
-    ids = [b[oids + 20 * i: oids + 20 * i + 20] for i in range(n)]
+    ids = [b[oids + h * i: oids + h * i + h] for i in range(n)]
     store = objectstore.Store(objects, deadline=time.monotonic() + BUDGET_S)
     parents: list[list[int]] = []
     dates: list[int] = []
     for i, oid in enumerate(ids):
-        tree, p1, p2 = struct.unpack_from(">20sII", b, cdat + 36 * i)
+        tree, p1, p2 = struct.unpack_from(f">{h}sII", b, cdat + (h + 16) * i)
         mine = [] if p1 == _NONE else [p1] + _more(b, chunks.get(b"EDGE"), p2)  # as git reads them
         try:
             found = store.read(oid)
@@ -105,7 +106,7 @@ def _check(objects: str, b: bytes) -> str | None:
         committer = next((line for line in header if line.startswith(b"committer ")), b"")
         dates.append(int(committer.rsplit(b" ", 2)[-2]) if committer.count(b" ") >= 2 else 0)
         parents.append(mine)
-    return _generations(b, chunks, parents, dates)
+    return _generations(b, chunks, parents, dates, h)
 
 
 def _more(b: bytes, edges: int | None, p2: int) -> list[int]:
@@ -125,7 +126,8 @@ def _more(b: bytes, edges: int | None, p2: int) -> list[int]:
         at += 1
 
 
-def _generations(b: bytes, chunks: dict[bytes, int], parents: list[list[int]], dates: list[int]) -> str | None:
+def _generations(b: bytes, chunks: dict[bytes, int], parents: list[list[int]], dates: list[int],
+                 h: int) -> str | None:
     """Whether each commit's level, date and corrected date are those its
     parents give it (walked parents first, without recursion)."""
     n = len(parents)
@@ -150,7 +152,7 @@ def _generations(b: bytes, chunks: dict[bytes, int], parents: list[list[int]], d
                 corrected[c] = max([dates[c]] + [corrected[p] + 1 for p in parents[c]])
     gda = chunks.get(b"GDA2", chunks.get(b"GDAT"))
     for c in range(n):
-        word = struct.unpack_from(">Q", b, chunks[b"CDAT"] + 36 * c + 28)[0]
+        word = struct.unpack_from(">Q", b, chunks[b"CDAT"] + (h + 16) * c + h + 8)[0]
         if word >> 34 != min(level[c], 0x3FFFFFFF) or word & ((1 << 34) - 1) != dates[c] & ((1 << 34) - 1):
             return f"a commit's level or date (entry {c}) is not what its parents give"
         if gda is not None:

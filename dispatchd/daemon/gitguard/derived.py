@@ -55,7 +55,7 @@ import struct
 import sys
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, packlinks
+from dispatchd.daemon.gitguard import fs, objectstore, packlinks
 
 DERIVED = (".bitmap", ".rev")
 _RACY_NS = 50_000_000  # as history's: a file changed this close before the baseline's look is looked at
@@ -135,7 +135,7 @@ def _rev_holds(fd: int, kfd: int | None, name: str, budget: list[int]) -> bool |
     if not packlinks.is_pack_file(name):
         return None  # a multi-pack-index's, or a name of the session's: git's order is not checked here
     idx_name = name[:-4] + ".idx"
-    limit = _FANOUT_END + 36 * MAX_OBJECTS + 40
+    limit = _FANOUT_END + 48 * MAX_OBJECTS + 64  # SHA-256 ids, and a large offset each
     idx = _read(kfd if _stat(idx_name, kfd) is not None else fd, idx_name, budget, limit)
     expected = expected_rev(idx) if idx is not None else None
     if expected is None:
@@ -144,20 +144,24 @@ def _rev_holds(fd: int, kfd: int | None, name: str, budget: list[int]) -> bool |
 
 
 def expected_rev(idx: bytes) -> bytes | None:
-    """The reverse index git writes for the (SHA-1, version 2) pack index
-    ``idx``; None for an index it cannot be computed from (another version or
-    hash, malformed, over ``MAX_OBJECTS``)."""
+    """The reverse index git writes for the (version 2, SHA-1 or SHA-256)
+    pack index ``idx``; None for an index it cannot be computed from
+    (another version, malformed, over ``MAX_OBJECTS``)."""
     if len(idx) < _FANOUT_END + 40 or idx[:8] != _IDX_MAGIC:
         return None
     (count,) = struct.unpack_from(">I", idx, _FANOUT_END - 4)
-    at = _FANOUT_END + 24 * count  # past the names (20 bytes each) and the CRCs (4)
-    if count > MAX_OBJECTS or len(idx) < at + 4 * count + 40:
+    try:
+        h = objectstore.index_hash_size(len(idx), count)
+    except ValueError:
+        return None
+    at = _FANOUT_END + (h + 4) * count  # past the names and the CRCs (4 bytes each)
+    if count > MAX_OBJECTS:
         return None
     small = array.array("I", idx[at:at + 4 * count])
     if sys.byteorder == "little":
         small.byteswap()
     large_at = at + 4 * count
-    large_count = (len(idx) - 40 - large_at) // 8
+    large_count = (len(idx) - 2 * h - large_at) // 8
     offsets: list[int] = []
     for value in small:
         if value & 0x80000000:
@@ -169,8 +173,9 @@ def expected_rev(idx: bytes) -> bytes | None:
     order = array.array("I", sorted(range(count), key=offsets.__getitem__))
     if sys.byteorder == "little":
         order.byteswap()
-    body = b"RIDX" + struct.pack(">II", 1, 1) + order.tobytes() + idx[-40:-20]  # version 1, SHA-1; the pack's checksum
-    return body + hashlib.sha1(body).digest()
+    # Version 1, the hash's id (1 SHA-1, 2 SHA-256); the pack's checksum; its own.
+    body = b"RIDX" + struct.pack(">II", 1, 1 if h == 20 else 2) + order.tobytes() + idx[-2 * h:-h]
+    return body + (hashlib.sha1(body) if h == 20 else hashlib.sha256(body)).digest()
 
 
 def _same(fd: int, kfd: int | None, name: str, budget: list[int]) -> bool:

@@ -418,7 +418,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         try:  # a new pack naming the user's objects for other bytes (git reads packs first)
             if in_place:
                 verified, bad = newpacks.check(objects, history.keep, objectstore.alternates(
-                    objects, (history.views or {}).get("objects/info/alternates")), common,
+                    objects, (history.views or {}).get("objects/info/alternates")),
                     set(history.pack_links) if history.pack_links is not None else None)
                 done += verified
                 failed += bad

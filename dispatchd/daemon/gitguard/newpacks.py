@@ -27,9 +27,8 @@ or an object git could not read either (git then reads the user's own copy:
 it marks the packed entry bad and looks again). Moving it aside would lose
 what a session's honest ``git gc`` left there alone (its own new objects,
 pruned from loose): the user runs ``git fsck``, which the report says. A
-whole object of any size is hashed as it streams. A SHA-256 repository's
-new packs are reported as not verified and left (the reader knows SHA-1
-ids).
+whole object of any size is hashed as it streams, with the hash its id's
+length names (SHA-1 or SHA-256: ``objectstore.index_hash_size``).
 """
 
 from __future__ import annotations
@@ -84,7 +83,7 @@ class _OnePack:
         return found
 
 
-def check(objects: str, keep: str, alternates: list[str] | None = None, common: str = "",
+def check(objects: str, keep: str, alternates: list[str] | None = None,
           known: set[str] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """Verify the new packs of ``objects`` against the keep and the user's
     ``alternates`` (see the module): ``(path, why)`` for each pack moved
@@ -107,9 +106,6 @@ def check(objects: str, keep: str, alternates: list[str] | None = None, common: 
         return done, failed
     if not new:
         return done, failed
-    if common and _sha256(common):
-        return [(os.path.join(pack_dir, n), "a pack a session made, in a SHA-256 repository: not verified "
-                                             "(git fsck checks it)") for n in new], failed
     deadline = time.monotonic() + BUDGET_S
     verdicts = _verdicts(pack_dir, new, keep, alternates or [], deadline)
     for idx in new:
@@ -154,7 +150,7 @@ def _verdicts(pack_dir: str, new: list[str], keep: str, alternates: list[str], d
         first[key] = idx
         listed = objectstore.names_in_index(pack_dir, idx, MAX_NAMES - total)
         if listed is None:
-            verdicts[idx] = "its index is not one of version 2 with SHA-1 ids, or names too many objects"
+            verdicts[idx] = "its index is not one git reads (version 2, SHA-1 or SHA-256), or names too many objects"
             continue
         total += len(listed)
         names[idx] = listed
@@ -205,7 +201,7 @@ def _loose(store: str) -> set[bytes]:
         except OSError:
             continue
         for n in names:
-            if len(n) == 38:
+            if len(n) in (38, 62):  # SHA-1, SHA-256
                 try:
                     found.add(bytes.fromhex(d + n))
                 except ValueError:
@@ -241,7 +237,7 @@ def _verify(pack_dir: str, idx: str, mine: list[bytes], deadline: float) -> str:
                 name = _KINDS.get(kind)
                 if name is None:
                     return f"an object of kind {kind}, which git does not read"
-                digest = hashlib.sha1(name + b" %d\0" % len(body) + body).digest()
+                digest = _hasher(pack.hash_size, name + b" %d\0" % len(body) + body).digest()
             if digest != oid:
                 return "forged"
     except objectstore.OutOfTime:
@@ -261,7 +257,7 @@ def _large(pack: objectstore._Pack, off: int, one: _OnePack) -> bytes | None:
     kind, size, pos = objectstore.entry_header(data, off)
     if kind not in _KINDS or size <= objectstore._MAX_OBJECT:
         return None
-    digest = hashlib.sha1(_KINDS[kind] + b" %d\0" % size)
+    digest = _hasher(pack.hash_size, _KINDS[kind] + b" %d\0" % size)
     inflater = zlib.decompressobj()
     done = 0
     while not inflater.eof:
@@ -280,9 +276,10 @@ def _large(pack: objectstore._Pack, off: int, one: _OnePack) -> bytes | None:
     return digest.digest()
 
 
-def _sha256(common: str) -> bool:
-    text = (fs.read_small(os.path.join(common, "config"), 1 << 20) or "").lower().replace(" ", "")
-    return "objectformat=sha256" in text
+def _hasher(hash_size: int, data: bytes) -> "hashlib._Hash":
+    """The hash of a pack's ids (SHA-256 for 32 bytes, else SHA-1), begun
+    with ``data``."""
+    return hashlib.sha256(data) if hash_size == 32 else hashlib.sha1(data)
 
 
 def _aside(pack_dir: str, stem: str) -> tuple[list[str], list[str]]:

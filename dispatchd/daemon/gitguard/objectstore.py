@@ -10,7 +10,9 @@ following a symlink, without blocking, and read only if it is a regular file
 (a FIFO planted for an index or an object hung the read for good; a symlink
 to /dev/zero read until memory ran out); a malformed object is "not known"
 (never an exception past ``is_ancestor`` or ``indexed``), and nothing is
-written. Object ids are SHA-1 (a SHA-256 repository's answer is "not known").
+written. Object ids are SHA-1 or SHA-256: a pack index's size tells which
+(``_Pack``: the two formats' sizes never meet for one count, so it is read as
+git reads it whenever git reads it at all), and an id's length does elsewhere.
 """
 
 from __future__ import annotations
@@ -85,8 +87,7 @@ class _Pack:
         if self.idx[:8] != b"\377tOc\0\0\0\2" or len(self.idx) < 8 + 256 * 4:
             raise ValueError("not a version 2 pack index")
         self.count = struct.unpack(">I", self.idx[8 + 255 * 4:8 + 256 * 4])[0]
-        if len(self.idx) < 8 + 256 * 4 + self.count * 28 + 40:
-            raise ValueError("a pack index shorter than its count says")
+        self.hash_size = index_hash_size(len(self.idx), self.count)
         if not with_data:
             return
         fd, _ = _open_regular(pack_name, pack_dir, 1 << 62)
@@ -96,15 +97,18 @@ class _Pack:
             os.close(fd)
 
     def offset(self, oid: bytes) -> int | None:
+        h = self.hash_size
+        if len(oid) != h:
+            return None  # an id of the other format: this index names none
         first = oid[0]
         lo = struct.unpack(">I", self.idx[8 + (first - 1) * 4:8 + first * 4])[0] if first else 0
         hi = struct.unpack(">I", self.idx[8 + first * 4:12 + first * 4])[0]
         names = 8 + 256 * 4
         while lo < hi:
             mid = (lo + hi) // 2
-            name = self.idx[names + mid * 20:names + mid * 20 + 20]
+            name = self.idx[names + mid * h:names + mid * h + h]
             if name == oid:
-                offsets = names + self.count * 24
+                offsets = names + self.count * (h + 4)
                 off = struct.unpack(">I", self.idx[offsets + mid * 4:offsets + mid * 4 + 4])[0]
                 if off & 0x80000000:
                     large = offsets + self.count * 4 + (off & 0x7FFFFFFF) * 8
@@ -129,11 +133,31 @@ class _Pack:
             base_kind, base = self.read(off - back, store, depth + 1)
             return base_kind, _apply(base, _inflate(data, pos, size), store)
         if kind == 7:  # a delta against an object named by id
-            found = store.read(bytes(data[pos:pos + 20]), depth + 1)
+            h = self.hash_size
+            found = store.read(bytes(data[pos:pos + h]), depth + 1)
             if found is None:
                 raise ValueError("delta base missing")
-            return found[0], _apply(found[1], _inflate(data, pos + 20, size), store)
+            return found[0], _apply(found[1], _inflate(data, pos + h, size), store)
         return kind, _inflate(data, pos, size)
+
+    def names(self) -> list[bytes]:
+        """Every object id the index lists, in its order."""
+        h, start = self.hash_size, 8 + 256 * 4
+        return [self.idx[start + i * h:start + i * h + h] for i in range(self.count)]
+
+
+def index_hash_size(size: int, count: int) -> int:
+    """20 (SHA-1) or 32 (SHA-256): the id length a version 2 pack index of
+    ``size`` bytes listing ``count`` objects has, as git checks it (the
+    header and fan-out, the ids, a CRC and an offset each, at most one large
+    offset per object but the first, the two trailing checksums). The two
+    ranges never overlap for one ``count``; outside both, git reads no such
+    index: raises ``ValueError``."""
+    for h in (20, 32):
+        least = 8 + 256 * 4 + count * (h + 8) + 2 * h
+        if least <= size <= least + max(count - 1, 0) * 8:
+            return h
+    raise ValueError("a pack index whose size does not fit its count")
 
 
 def entry_header(data: mmap.mmap, off: int) -> tuple[int, int, int]:
@@ -259,8 +283,7 @@ def names_in_index(directory: str, name: str, limit: int) -> list[bytes] | None:
         os.close(fd)
     if pack.count > limit:
         return None
-    start = 8 + 256 * 4
-    return [pack.idx[start + i * 20:start + i * 20 + 20] for i in range(pack.count)]
+    return pack.names()
 
 
 def indexed(objects: str, oids: list[bytes]) -> set[bytes]:
@@ -272,22 +295,19 @@ def indexed(objects: str, oids: list[bytes]) -> set[bytes]:
     if len(oids) > _LOOKUPS:
         # Many ids (an old pack's): each index's names as a set, once, where
         # a search each took ~10 us in Python (a million ids: 10 s).
-        start = 8 + 256 * 4
-        wanted = {oid for oid in oids if len(oid) == 20}
+        wanted = set(oids)
         for pack in packs:
             if pack.count > _SET_MAX:
                 continue  # searched below, for what is still missing
-            names = {pack.idx[start + i * 20:start + i * 20 + 20] for i in range(pack.count)}
-            found |= wanted & names
+            found |= wanted.intersection(pack.names())
         oids = [oid for oid in oids if oid not in found]
         packs = [pack for pack in packs if pack.count > _SET_MAX]
     for oid in oids:
-        if len(oid) == 20:
-            try:
-                if any(pack.offset(oid) is not None for pack in packs):
-                    found.add(oid)
-            except (ValueError, IndexError, struct.error):
-                continue
+        try:
+            if any(pack.offset(oid) is not None for pack in packs):
+                found.add(oid)
+        except (ValueError, IndexError, struct.error):
+            continue
     return found
 
 
@@ -368,19 +388,19 @@ class Store:
             if not line:
                 break
             if line.startswith(b"parent "):
-                parents.append(bytes.fromhex(line[7:47].decode("ascii")))
+                parents.append(bytes.fromhex(line[7:].decode("ascii")))  # 40 or 64 digits, as the repository's
         return parents
 
 
 def is_ancestor(objects: str, old: str, new: str, store: Store | None = None) -> bool | None:
     """Whether commit ``old`` is ``new`` or one of its ancestors; None when
-    it cannot be told (an object missing or malformed, a SHA-256 id, more
+    it cannot be told (an object missing or malformed, ids of two lengths, more
     than ``_MAX_COMMITS`` commits to look at, past ``BUDGET_S``, or past the
     deadline of ``store``, one shared by a caller's many questions: its
     packs read once)."""
     if old == new:
         return True
-    if len(old) != 40 or len(new) != 40:
+    if len(old) != len(new) or len(old) not in (40, 64):
         return None
     if store is None:
         store = Store(objects, deadline=time.monotonic() + BUDGET_S)

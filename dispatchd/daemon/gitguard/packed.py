@@ -20,7 +20,7 @@ import re
 
 from dispatchd.daemon.gitguard import objectstore
 
-_LOOSE = re.compile(r"^[0-9a-f]{2}/[0-9a-f]{38}$")  # a SHA-1 loose object file, as kept
+_LOOSE = re.compile(r"^[0-9a-f]{2}/(?:[0-9a-f]{38}|[0-9a-f]{62})$")  # a loose object file (SHA-1, SHA-256), as kept
 _PACK_FILE = re.compile(r"^pack/(pack-[0-9a-f]{40,64})\.[a-z]+$")  # a pack and its .idx, .rev, .bitmap...
 _PACKED_MAX = 500_000  # objects of one gone pack looked up in the packs there now; past it, reported
 
