@@ -37,19 +37,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import time
 
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import (clones, derived, fs, keeps, newpacks, objectdirs, objectstore, packed,
-                                       packlinks, reftemp, replacerefs, replaced, shown, viewfiles)
+from dispatchd.daemon.gitguard import (clones, derived, fs, keeps, newloose, newpacks, objectdirs, objectstore, packed,
+                                       packlinks, reftemp, refvalues, replacerefs, replaced, shown, viewfiles)
 from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
 
-_OID = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")
 _MAX_REFS = 100_000
 _MAX_OBJECT_FILES = 2_000_000
 PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/")
@@ -98,17 +96,19 @@ def _real_dirs(common: str, rel: str) -> bool:
 
 
 def read_refs(common: str) -> dict[str, str]:
-    """Branches and tags: ``packed-refs``, then loose refs (which win); loose
-    ones only below real directories, at most ``_MAX_REF_DIRS`` of them."""
+    """Branches and tags, each valued as git reads it (``refvalues``):
+    ``packed-refs``, then loose refs (which win); loose ones only below real
+    directories, at most ``_MAX_REF_DIRS`` of them. A name ``packed-refs``
+    gives two values has neither (git's binary search finds one or the
+    other): it differs from any baseline."""
     refs: dict[str, str] = {}
     dirs = 0
     packed_text = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
-    for line in (packed_text or "").splitlines():
-        if not line or line[0] in "#^":
-            continue
-        oid, _, name = line.partition(" ")
-        if _OID.match(oid) and name.startswith(PROTECTED_PREFIXES):
-            refs[name] = oid
+    for line in (packed_text or "").split("\n"):
+        record = refvalues.packed_record(line)
+        if record is not None and record[1].startswith(PROTECTED_PREFIXES):
+            oid, name = record
+            refs[name] = oid if refs.get(name, oid) == oid else "named twice in packed-refs"
             if len(refs) >= _MAX_REFS:
                 break
     for prefix in PROTECTED_PREFIXES:
@@ -127,10 +127,8 @@ def read_refs(common: str) -> dict[str, str]:
                 full = f"{name}/{entry.name}"
                 if entry.is_dir(follow_symlinks=False):
                     pending.append((entry.path, full))
-                elif entry.is_file(follow_symlinks=False):
-                    value = (fs.read_small(entry.path, 256) or "").strip()
-                    if _OID.match(value):
-                        refs[full] = value
+                elif not entry.name.endswith(".lock"):  # git's own lock while it writes: no ref
+                    refs[full] = refvalues.loose(entry.path)
     return refs
 
 
@@ -336,7 +334,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
     # and replacements, not every one the keep lists again (changed within 50 ms).
     touched = _changed(history.stamps, history.stamped_ns, now_stamps, _TICK_NS) if history.stamped_ns else set()
     moved, bad = shown.after(common, {d for d in touched if d != "pack"}, history.replaces,
-                             history.replaces_packed, history.views, history.view_stamps)
+                             history.replaces_packed, history.views)
     done += moved
     failed += bad
     # A pack's bitmap or reverse index a session made or changed (git trusts both): aside before
@@ -420,10 +418,14 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                 verified, bad = newpacks.check(objects, history.keep, objectstore.alternates(
                     objects, (history.views or {}).get("objects/info/alternates")),
                     set(history.pack_links) if history.pack_links is not None else None)
-                done += verified
-                failed += bad
+                fanout = {d for d in touched if d != "pack"}
+                loose, bad_loose = newloose.check(objects, history.keep, objectstore.alternates(
+                    objects, (history.views or {}).get("objects/info/alternates")),
+                    sorted(_files_in(objects, fanout) - _files_in(history.keep, fanout)))
+                done += verified + loose
+                failed += bad + bad_loose
         except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
-            failed.append(f"{objects}: the look at new packs failed: {exc!r}")
+            failed.append(f"{objects}: the look at new packs and loose files failed: {exc!r}")
         aside, bad = replaced.put_back(objects, history.keep, swapped,
                                        lambda src, dst: clones.clone(src, dst, [clones.COPY_BUDGET], ways, own=True))
         failed += bad
@@ -434,6 +436,12 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         if len(deleted) < len(put):
             _log.info("event=history_packed_meanwhile objects=%s count=%d (loose copies put back)", objects,
                       len(put) - len(deleted))
+    try:  # the commit-graph and multi-pack indexes, against the objects as they now are: the user's
+        moved, bad = viewfiles.restore_stamped(common, history.view_stamps or {})
+        done += moved
+        failed += bad
+    except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
+        failed.append(f"{common}: the check of the object indexes failed: {exc!r}")
     try:
         for sub in ("refs/heads", "refs/tags"):
             os.makedirs(os.path.join(common, sub), exist_ok=True)
@@ -455,17 +463,20 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         new = now.get(name)
         if new == old:
             continue
-        if new is not None and name.startswith("refs/heads/") and \
-                objectstore.is_ancestor(objects, old, new, store):
+        if new is not None and name.startswith("refs/heads/") and refvalues.is_id(old) and \
+                refvalues.is_id(new) and objectstore.is_ancestor(objects, old, new, store):
             continue  # a fast-forward: history kept
+        if not refvalues.writable(old):
+            failed.append(f"{name}: changed by a session, and its baseline ({old}) cannot be written back")
+            continue
         try:
-            if new is not None:
+            if new is not None and refvalues.is_id(new):
                 reftemp.write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", new)
             reftemp.write_ref(common, name, old)
         except OSError as exc:
             failed.append(f"{name}: {exc.strerror}")
             continue
-        done.append((name, f"{'deleted' if new is None else 'moved to ' + new[:12]} by a session; "
-                           f"put back at {old[:12]}"))
+        what = "deleted" if new is None else f"moved to {new[:12]}" if refvalues.is_id(new) else f"made {new[:60]}"
+        done.append((name, f"{what} by a session; put back at {old[:12] if refvalues.is_id(old) else old}"))
     return done, failed
 

@@ -158,10 +158,10 @@ def _verdicts(pack_dir: str, new: list[str], keep: str, alternates: list[str], d
             break
     # The user's objects among all of them, the keep's indexes read once.
     wanted = list({oid for listed in names.values() for oid in listed})
-    users = _users(wanted, keep, alternates)
+    theirs = users(wanted, keep, alternates)
     left = MAX_OBJECTS
     for idx, listed in names.items():
-        mine = sorted(oid for oid in listed if oid in users)
+        mine = sorted(oid for oid in listed if oid in theirs)
         if not mine:
             verdicts[idx] = ""
         elif len(mine) > left:
@@ -175,7 +175,7 @@ def _verdicts(pack_dir: str, new: list[str], keep: str, alternates: list[str], d
     return verdicts
 
 
-def _users(oids: list[bytes], keep: str, alternates: list[str]) -> set[bytes]:
+def users(oids: list[bytes], keep: str, alternates: list[str]) -> set[bytes]:
     """Which of ``oids`` the user had: in the keep (its pack indexes, its
     loose names) or in an object store of the user's alternates."""
     found: set[bytes] = set()

@@ -356,28 +356,35 @@ class Store:
             os.close(fan)
 
     def read(self, oid: bytes, depth: int = 0) -> tuple[int, bytes] | None:
+        """``(kind, body)`` of ``oid`` as git finds it: in the packs first
+        (this store's, then its alternates'), then loose. A loose file a
+        session planted at the id of a packed object is never what git
+        reads, and so never what a check here trusts."""
         self.in_time()
-        hexid = oid.hex()
-        fd = self._loose(hexid)
-        if fd >= 0:
-            try:
-                raw = os.read(fd, _MAX_OBJECT)
-            finally:
-                os.close(fd)
-            d = zlib.decompressobj()
-            body = d.decompress(raw, _MAX_OBJECT + 64)
-            head, _, rest = body.partition(b"\0")
-            kind, _, _ = head.partition(b" ")
-            return self._KINDS.get(kind, 0), rest
-        for pack in self._load_packs():
-            off = pack.offset(oid)
-            if off is not None:
-                return pack.read(off, self, depth)
-        for other in self._others:
-            found = other.read(oid, depth)
+        for store in (self, *self._others):
+            for pack in store._load_packs():
+                off = pack.offset(oid)
+                if off is not None:
+                    return pack.read(off, self, depth)
+        for store in (self, *self._others):
+            found = store._read_loose(oid.hex())
             if found is not None:
                 return found
         return None
+
+    def _read_loose(self, hexid: str) -> tuple[int, bytes] | None:
+        fd = self._loose(hexid)
+        if fd < 0:
+            return None
+        try:
+            raw = os.read(fd, _MAX_OBJECT)
+        finally:
+            os.close(fd)
+        d = zlib.decompressobj()
+        body = d.decompress(raw, _MAX_OBJECT + 64)
+        head, _, rest = body.partition(b"\0")
+        kind, _, _ = head.partition(b" ")
+        return self._KINDS.get(kind, 0), rest
 
     def parents(self, oid: bytes) -> list[bytes] | None:
         found = self.read(oid)

@@ -43,10 +43,9 @@ import os
 import re
 import stat
 
-from dispatchd.daemon.gitguard import fs, reftemp
+from dispatchd.daemon.gitguard import fs, reftemp, refvalues
 
 PREFIX = "refs/replace/"
-_BPREFIX = PREFIX.encode()
 _OID = re.compile(r"^[0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?$")
 _MAX_DIRS = 10_000
 _MAX_MOVED = 1_000
@@ -78,9 +77,9 @@ def in_effect(loose: dict[str, str], packed: list[str]) -> dict[str, str]:
     of ``packed-refs``, a loose one winning as in git."""
     found = {}
     for line in packed:
-        oid, _, name = line.partition(" ")
-        if _OID.match(oid):
-            found[name] = oid.lower()
+        record = refvalues.packed_record(line)
+        if record is not None:
+            found[record[1]] = record[0]
     found.update({n: v.lower() for n, v in loose.items()})
     return found
 
@@ -152,7 +151,7 @@ def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list
                 failed.append(why)
             else:
                 done.append((packed_path, f"{len(extra)} replacement refs a session made (git replace) taken "
-                                          f"out of it: {', '.join(e.partition(' ')[2] for e in extra[:5])}"
+                                          f"out of it: {', '.join((refvalues.packed_record(e) or ('', e))[1] for e in extra[:5])}"
                                           f"{', ...' if len(extra) > 5 else ''}"))
     after = read(common).refs()
     for name, value in sorted(in_effect(loose, packed).items()):
@@ -168,7 +167,10 @@ def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list
 
 
 def _is_replace_line(line: bytes) -> bool:
-    return not line.startswith((b"#", b"^")) and line.partition(b" ")[2].startswith(_BPREFIX)
+    """A record git reads as a replacement (its id, then a space or a tab
+    or any other whitespace, then the name: ``refvalues``)."""
+    record = refvalues.packed_record(line.decode("latin-1"))
+    return record is not None and record[1].startswith(PREFIX)
 
 
 def _packed(common: str) -> tuple[list[bytes] | None, str]:

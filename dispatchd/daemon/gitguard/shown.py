@@ -17,8 +17,8 @@ that one that fails (reported) never keeps the next from running.
 ``after`` (once the changed object directories are known): a fan-out
 directory made unsearchable lent back; the FIFOs and
 the like where git reads (``hangs``), the replacement refs
-(``replacerefs``), ``shallow``, the alternates and the object indexes
-(``viewfiles``), each in a step of its own: an error in one is reported as
+(``replacerefs``), ``shallow`` and the alternates (``viewfiles``; the object
+indexes it checks once the objects are put back: ``history.restore``), each in a step of its own: an error in one is reported as
 a failure of the check and the others still run.
 """
 
@@ -61,7 +61,7 @@ def _aside_unless_dir(path: str, done: list[tuple[str, str]], failed: list[str])
 
 
 def after(common: str, object_dirs: set[str], replaces: dict[str, str] | None, replaces_packed: list[str],
-          views: dict[str, str | None] | None, view_stamps: dict[str, list[int] | None] | None) -> Step:
+          views: dict[str, str | None] | None) -> Step:
     """The steps of the module's ``after``, each on its own."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
@@ -75,8 +75,8 @@ def after(common: str, object_dirs: set[str], replaces: dict[str, str] | None, r
     steps: list[tuple[str, Callable[[], Step]]] = [("hangs", lambda: hangs.sweep(common, object_dirs))]
     if replaces is not None:  # what git would show and check out in place of the user's objects
         steps.append(("replacement refs", lambda: replacerefs.restore(common, replaces, replaces_packed)))
-    if views is not None:  # shallow, alternates, commit-graph: which history and objects git shows
-        steps.append(("shallow and alternates", lambda: viewfiles.restore(common, views, view_stamps or {})))
+    if views is not None:  # shallow, alternates: which history and objects git shows
+        steps.append(("shallow and alternates", lambda: viewfiles.restore(common, views)))
     for what, step in steps:
         try:
             did, not_done = step()

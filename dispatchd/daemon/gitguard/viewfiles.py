@@ -91,10 +91,11 @@ def read(common: str) -> dict[str, str | None]:
     return found
 
 
-def restore(common: str, baseline: dict[str, str | None],
-            stamps: dict[str, list[int] | None]) -> tuple[list[tuple[str, str]], list[str]]:
-    """Put back what differs from ``baseline``, move aside what differs from
-    ``stamps`` (see the module)."""
+def restore_stamped(common: str, stamps: dict[str, list[int] | None]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Move aside what differs from ``stamps`` (see the module). Call once
+    the objects are the user's again (put back, forged packs moved aside):
+    a graph is checked against the objects git will read, not against a
+    loose commit a session replaced, which the end then puts back."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     for name, stamp in sorted(stamps.items()):
@@ -111,6 +112,13 @@ def restore(common: str, baseline: dict[str, str | None],
                                f"{fs.move_aside(path)}, git builds it again"))
         except OSError as exc:
             failed.append(f"{path}: {why}, cannot be moved aside ({exc.strerror})")
+    return done, failed
+
+
+def restore(common: str, baseline: dict[str, str | None]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Put back what differs from ``baseline`` (see the module)."""
+    done: list[tuple[str, str]] = []
+    failed: list[str] = []
     for name, was in sorted(baseline.items()):
         path = os.path.join(common, name)
         now = _bytes(path)

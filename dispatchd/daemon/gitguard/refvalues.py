@@ -1,0 +1,72 @@
+"""A ref's value as git reads it, from a line of ``packed-refs`` or a loose
+ref file: what the end compares with the baseline, so that a ref git reads
+one way is never taken for unchanged because it reads another way here.
+
+Git (its files and packed backends) reads:
+- a ``packed-refs`` record as the object id (40 or 64 hex digits, either
+  case), then one whitespace character of any kind (a tab as well as a
+  space), then the name up to ``\\n``; lines are split at ``\\n`` only;
+- a loose ref as a symbolic ref when it begins ``ref:`` (the target after
+  any whitespace, trailing whitespace cut), else as the object id at its
+  start followed by the end or any whitespace and then anything at all
+  (``<id> junk`` is that id); anything else is a broken ref, which hides a
+  packed one of the same name;
+- a symlink below ``refs`` through its target (or, naming ``refs/...``, as
+  a symbolic ref).
+
+``loose`` gives every loose ref a value: the id (lowercase), ``ref: TARGET``,
+or for anything git reads otherwise (a symlink, a broken file, no regular
+file) a value no baseline id or symbolic ref equals, so the end takes it
+for changed and writes the baseline's value back (a loose ref wins).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from dispatchd.daemon.gitguard import fs
+
+_PACKED = re.compile(r"([0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?)[ \t\n\v\f\r](.*)", re.S)
+_LOOSE_ID = re.compile(r"([0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?)(?:[ \t\n\v\f\r]|$)")
+_ID = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
+
+
+def packed_record(line: str) -> tuple[str, str] | None:
+    """``(id, name)`` of a ``packed-refs`` line (no ``\\n`` in it), the id
+    lowercase; None for the header, a peeled line, or one git would not read."""
+    if not line or line[0] in "#^":
+        return None
+    m = _PACKED.fullmatch(line)
+    return (m.group(1).lower(), m.group(2)) if m else None
+
+
+def parse_loose(text: str) -> str:
+    """A loose ref file's content -> its value (see the module)."""
+    if text.startswith("ref:"):
+        return "ref: " + text[4:].strip()
+    m = _LOOSE_ID.match(text)
+    return m.group(1).lower() if m else "broken: " + repr(text[:80])
+
+
+def loose(path: str) -> str:
+    """The value of the loose ref at ``path`` (not followed if a symlink)."""
+    if os.path.islink(path):
+        try:
+            return "symlink to " + os.readlink(path)
+        except OSError:
+            return "symlink"
+    if not fs.is_file(path):
+        return "not a regular file"
+    return parse_loose(fs.read_small(path, 4096) or "")
+
+
+def is_id(value: str) -> bool:
+    """Whether ``value`` is an object id (lowercase, SHA-1 or SHA-256)."""
+    return _ID.fullmatch(value) is not None
+
+
+def writable(value: str) -> bool:
+    """Whether ``value`` can be written back as a loose ref: an id, or a
+    symbolic ref to a name below ``refs/``."""
+    return is_id(value) or (value.startswith("ref: refs/") and "\n" not in value)

@@ -1,0 +1,149 @@
+"""Branches, tags and replacement refs read as git reads them
+(``gitguard/refvalues.py``): a session that writes one in a form git reads
+and a stricter reader skipped (``<id> junk``, a symbolic ref, a symlink, an
+id in capitals, a tab in ``packed-refs``, a name packed twice) had the
+user's ``git show v1.0`` read its commit after an end that reported
+nothing. Each beside its control, the user's git reading the forgery."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon.gitguard import history, refvalues
+from tests.unit.gitrepo import commits_repo, git
+
+pytestmark = pytest.mark.process
+
+
+def _user_reads(repo: Path, rev: str) -> str:
+    return subprocess.run(["git", "show", f"{rev}:f"], cwd=repo, capture_output=True, text=True, timeout=30).stdout
+
+
+def _setup(tmp_path: Path) -> tuple[Path, history.History, str]:
+    """A repository with a tag and a second branch, all packed (``git
+    pack-refs``: loose refs a session writes then win), its baseline, and
+    a commit of the session's own, on no branch and of no parent (a
+    fast-forward of a branch is the session's to make)."""
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "tag", "v1.0")
+    git(repo, "branch", "release")
+    git(repo, "pack-refs", "--all")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    tree = git(repo, "mktree", stdin=f"100644 blob {git(repo, 'hash-object', '-w', '--stdin', stdin='evil').strip()}"
+                                     f"\tf\n").strip()
+    evil = git(repo, "commit-tree", tree, "-m", "the session's", stdin="").strip()  # no fast-forward
+    return repo, kept, evil
+
+
+def _loose(text: str) -> Callable[[Path, str, str], None]:
+    def plant(repo: Path, name: str, evil: str) -> None:
+        path = repo / ".git" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text.format(evil=evil))
+    return plant
+
+
+def _symlink(repo: Path, name: str, evil: str) -> None:
+    target = repo / ".git" / "elsewhere"
+    target.write_text(evil + "\n")
+    path = repo / ".git" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target)
+
+
+def _symref(repo: Path, name: str, evil: str) -> None:
+    git(repo, "update-ref", "refs/hidden/x", evil)
+    _loose("ref: refs/hidden/x\n")(repo, name, evil)
+
+
+def _packed(sep: str, twice: bool = False) -> Callable[[Path, str, str], None]:
+    def plant(repo: Path, name: str, evil: str) -> None:
+        path = repo / ".git" / "packed-refs"
+        # No header (unsorted: git sorts the records itself); the user's record kept or not.
+        lines = [line for line in path.read_text().split("\n")
+                 if line and not line.startswith("#") and (twice or not line.endswith(" " + name))]
+        path.write_text("\n".join(lines + [f"{evil}{sep}{name}"]) + "\n")
+    return plant
+
+
+PLANTS = {
+    "an id then junk": _loose("{evil} x\n"),
+    "an id in capitals": lambda repo, name, evil: _loose(evil.upper())(repo, name, evil),
+    "an id and no newline": _loose("{evil}"),
+    "a symbolic ref": _symref,
+    "a symlink": _symlink,
+    "a tab in packed-refs": _packed("\t"),
+    "a name packed twice": _packed(" ", twice=True),
+}
+
+
+@pytest.mark.parametrize("name", ["refs/tags/v1.0", "refs/heads/release"])
+@pytest.mark.parametrize("how", sorted(PLANTS))
+def test_a_ref_git_reads_as_the_session_s_commit_is_put_back(tmp_path: Path, how: str, name: str) -> None:
+    repo, kept, evil = _setup(tmp_path)
+    PLANTS[how](repo, name, evil)
+    if how != "a name packed twice":  # git reads either: the control shows the reader's one form
+        assert _user_reads(repo, name) == "evil", how  # the control: the user's git reads the session's
+    done, failed = history.restore(kept)
+    assert not failed and [ref for ref, _ in done] == [name], done
+    assert "put back at" in done[0][1]
+    assert _user_reads(repo, name) == "2\n"
+
+
+def test_untouched_refs_and_a_session_s_own_new_ones_are_left(tmp_path: Path) -> None:
+    """The twin: packed and loose refs as git wrote them, a new branch of
+    the session's and a symbolic ref the user had, unchanged, are no change."""
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "tag", "v1.0")
+    git(repo, "pack-refs", "--all")
+    git(repo, "branch", "loose-one")
+    git(repo, "symbolic-ref", "refs/heads/alias", "refs/heads/loose-one")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert kept.refs["refs/heads/alias"] == "ref: refs/heads/loose-one"
+    git(repo, "branch", "the-session-s")
+    assert history.restore(kept) == ([], [])
+
+
+def test_a_user_s_symbolic_ref_a_session_pointed_elsewhere_is_put_back(tmp_path: Path) -> None:
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "branch", "stable", "HEAD~1")
+    git(repo, "symbolic-ref", "refs/heads/alias", "refs/heads/stable")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    git(repo, "symbolic-ref", "refs/heads/alias", "refs/heads/master")
+    done, failed = history.restore(kept)
+    assert not failed and done == [("refs/heads/alias", "made ref: refs/heads/master by a session; put back at "
+                                                        "ref: refs/heads/stable")], done
+    assert git(repo, "symbolic-ref", "refs/heads/alias").strip() == "refs/heads/stable"
+
+
+def test_a_replacement_after_a_tab_in_packed_refs_is_taken_out(tmp_path: Path) -> None:
+    repo, kept, evil = _setup(tmp_path)
+    blob = git(repo, "rev-parse", "HEAD:f").strip()
+    evil_blob = git(repo, "rev-parse", f"{evil}:f").strip()
+    path = repo / ".git" / "packed-refs"
+    path.write_text(path.read_text().replace("# pack-refs with: peeled fully-peeled sorted \n", "")
+                    + f"{evil_blob}\trefs/replace/{blob}\n")
+    assert _user_reads(repo, "HEAD") == "evil"  # the control
+    done, failed = history.restore(kept)
+    assert not failed and any(f"refs/replace/{blob}" in why for _, why in done), done
+    assert _user_reads(repo, "HEAD") == "2\n"
+
+
+@pytest.mark.parametrize("text,value", [
+    ("ref: refs/heads/x\n", "ref: refs/heads/x"), ("ref:refs/heads/x", "ref: refs/heads/x"),
+    ("A" * 40 + "\tjunk", "a" * 40), ("b" * 64 + "\n", "b" * 64), ("c" * 41, "broken: '" + "c" * 41 + "'"),
+    ("", "broken: ''"),
+])
+def test_a_loose_ref_s_value(text: str, value: str) -> None:
+    assert refvalues.parse_loose(text) == value
+
+
+def test_a_packed_record() -> None:
+    assert refvalues.packed_record("a" * 40 + " refs/heads/x") == ("a" * 40, "refs/heads/x")
+    assert refvalues.packed_record("A" * 40 + "\trefs/heads/x") == ("a" * 40, "refs/heads/x")
+    for line in ("# pack-refs with: peeled", "^" + "a" * 40, "a" * 39 + " refs/heads/x", "a" * 40 + "refs/x", ""):
+        assert refvalues.packed_record(line) is None, line
