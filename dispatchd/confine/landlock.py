@@ -4,7 +4,13 @@ Guarantees, once ``apply_landlock`` has returned:
 - every filesystem access right the kernel's ABI knows is *handled*: a path is
   reachable only beneath a rule, with only that rule's rights;
 - system paths are read+execute only; the worktree, the session's scratch
-  directory and the policy's extra paths are read-write; device files get
+  directory and the policy's extra paths are read-write; a Unix socket can
+  be made (``bind``, a rename or link of one) only in the session's own
+  scratch, ``/tmp`` and ``/dev/shm``, which no other session can reach: one
+  in the worktree or a shared path would let a session running beside it
+  connect, and be handed descriptors (a file open for writing that outlives
+  its giver's end and check, a TCP socket for a session with the network
+  off); device files get
   read+write on the file itself; everything else (the rest of the home
   directory, other worktrees, the daemon's files) is denied with EACCES;
 - where the ABI has scopes (6+), the session cannot connect to abstract Unix
@@ -69,6 +75,9 @@ READ_ONLY = EXECUTE | READ_FILE | READ_DIR
 # Everything but creating device nodes, which an unprivileged user cannot do
 # anyway: refusing it here keeps a future capability slip from mattering.
 READ_WRITE = ((1 << 16) - 1) & ~(MAKE_CHAR | MAKE_BLOCK)
+# Paths another session may reach too (the worktree, the policy's read_write
+# paths): read-write, but no Unix socket made there (the module says why).
+SHARED = READ_WRITE & ~MAKE_SOCK
 DEVICE = READ_FILE | WRITE_FILE
 # The session's own pseudo-terminals (a devpts of its own, full mode only):
 # a terminal needs its ioctls (TCGETS, TIOCGPTN...); TIOCSTI stays refused by seccomp.
@@ -120,14 +129,19 @@ def plan_landlock(
     deny_tcp: bool,
     connect_ports: list[int] | None = None,
     bind_ports: list[int] | None = None,
+    shared: list[str] | None = None,
 ) -> LandlockPlan:
     """The ruleset for one session; pure, so tests compare it by equality.
+
+    ``read_write``: the session's own paths; ``shared``: read-write paths
+    another session may reach as well (``SHARED``: no Unix socket made).
 
     ``deny_tcp`` handles TCP: every bind and connect is denied except to the
     listed ports (none: all TCP denied). It needs ABI 4; the caller checks."""
     handled = fs_rights_for_abi(abi)
     rules = [PathRule(p, READ_ONLY & handled) for p in read_only]
     rules += [PathRule(p, READ_WRITE & handled) for p in read_write]
+    rules += [PathRule(p, SHARED & handled) for p in shared or []]
     rules += [PathRule(p, (TERMINALS if p == PTS else DEVICE) & handled) for p in devices]
     handled_net = (NET_BIND_TCP | NET_CONNECT_TCP) if (deny_tcp and abi >= 4) else 0
     scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0

@@ -21,13 +21,13 @@ from dispatchd.confine.gaps import filesystem_gaps, leaves_open
 from dispatchd.confine.limits import FD_PASSING_RESERVE, LimitsPlan, plan_limits
 from dispatchd.confine.ucounts import UcountsPlan, budget_gaps, plan_ucounts
 from dispatchd.confine.ucounts import describe as describe_ucounts
-from dispatchd.confine.landlock import NET_BIND_TCP, NET_CONNECT_TCP, PTS, LandlockPlan, plan_landlock
+from dispatchd.confine.landlock import MAKE_REG, MAKE_SOCK, NET_BIND_TCP, NET_CONNECT_TCP, PTS, LandlockPlan, plan_landlock
 from dispatchd.confine.mountplan import MountPlan, describe_root, plan_mounts
 from dispatchd.confine.namespaces import NamespacePlan, plan_namespaces
 from dispatchd.confine.netstack import NetworkPlan, NetworkPorts, plan_network
 from dispatchd.confine.seccomp import SeccompPlan, plan_seccomp
 from dispatchd.errors import ConfinementError
-from dispatchd.inside import Tops
+from dispatchd.inside import Tops, is_within
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Limits, Policy
 from dispatchd.protocol.reports import (
@@ -294,8 +294,11 @@ def plan_session(
                  + resolv[:1])
     if fs.landlock_grants_root and minimal_root:
         read_only.insert(0, "/")  # the layer test: the root alone keeps the rest out
-    read_write = [paths.scratch] + list(fs.read_write) + (list(git.writable) if worktree_rw else [])
-    (read_write if worktree_rw else read_only).insert(0, paths.worktree)
+    # The session's own (its scratch; /tmp and /dev/shm below) and what another
+    # session may reach as well (no Unix socket made there: landlock.SHARED).
+    read_write = [paths.scratch]
+    shared = list(fs.read_write) + (list(git.writable) if worktree_rw else [])
+    (shared if worktree_rw else read_only).insert(0, paths.worktree)
     # /dev/pts is a devpts of the session's own, mounted in its root; without
     # one it would be the host's, the user's terminals: never granted then.
     devices = [d for d in fs.devices if d != PTS or minimal_root]
@@ -306,6 +309,7 @@ def plan_session(
         abi=kernel.landlock_abi,
         read_only=read_only,
         read_write=read_write,
+        shared=shared,
         devices=devices,
         # Without a network namespace, "off" is held by seccomp and Landlock TCP
         # rules; "ports" is held by Landlock TCP rules in every mode.
@@ -444,8 +448,21 @@ def describe_protections(policy: Policy, kernel: KernelFeatures, *, network: Net
     root = describe_root(mounts, labels) if mounts is not None else [
         RootEntry(path="/", how="the host's root (no mount namespace); Landlock refuses what the rules do not "
                                 "grant: " + ", ".join(r.path for r in landlock.paths))]
+    made = [labels.get(r.path, r.path).split(":")[0] if r.path not in ("/tmp", "/dev/shm") else r.path
+            for r in landlock.paths if r.access & MAKE_SOCK]
+    # A rule holds below its path across mounts: a worktree bound below the
+    # private /tmp gets /tmp's right to make sockets (Landlock cannot take it away).
+    socketable = [r.path for r in landlock.paths if r.access & MAKE_SOCK]
+    covered = [r.path for r in landlock.paths if r.access & MAKE_REG and not r.access & MAKE_SOCK
+               and any(is_within(r.path, p) for p in socketable)]
+    if unix_sockets and covered:
+        gaps.append(f"Unix sockets can be made in {', '.join(covered)}: it lies below the session's private "
+                    f"/tmp or /dev/shm, whose right to make them holds below (Landlock); another session given "
+                    f"this path could connect to one and be handed descriptors (keep worktrees out of /tmp)")
     unix_report = ("allowed: pathname sockets inside the session's own root, abstract names in its own "
-                   "network namespace" if unix_sockets else "refused (seccomp: socket(AF_UNIX) -> EPERM)")
+                   f"network namespace; made only in {', '.join(made)} (nowhere another session reaches: "
+                   "the worktree and read_write paths make none)" if unix_sockets
+                   else "refused (seccomp: socket(AF_UNIX) -> EPERM)")
     git_report = GitReport(kind=git.kind, read_only=list(git.read_only) if use_userns else [],
                            granted=list(git.writable), note=git.note)
     hygiene_report = ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",

@@ -175,8 +175,14 @@ def test_creating_anything_in_the_home_directory_is_refused(
 ) -> None:
     code, ok = CREATE[kind]
     name = f"dispatch-escape-created-{secrets.token_hex(6)}"
-    assert attempt(session, code.format(path=name)) == ok  # relative: in the worktree, the command's cwd
-    assert os.path.lexists(worktree / name)
+    if kind == "unix socket":
+        # The twin where a session makes its sockets: its own TMPDIR (never the
+        # worktree, which another session may reach: test_ipc.py).
+        here = "os.chdir(os.environ.get('TMPDIR', '/tmp'))\n"
+        assert attempt(session, here + code.format(path=name)) == ok
+    else:
+        assert attempt(session, code.format(path=name)) == ok  # relative: in the worktree, the command's cwd
+        assert os.path.lexists(worktree / name)
     target = Path.home() / name
     assert attempt(session, code.format(path=str(target))) == sandbox.create_verdict(session, Path.home())
     assert not os.path.lexists(target)

@@ -65,7 +65,9 @@ def test_each_layer_keeps_a_home_file_out_alone(
     with layers_client.open_session(str(worktree), policy=policy) as s:
         prot = s.status()["protections"]
         assert prot["mode"] == "full"
-        assert [g for g in prot["leaves_open"] if not any(g.startswith(p) for p in leaves_open)] == []
+        # This suite's worktrees lie below /tmp: that one gap is the layout's (test_ipc.py).
+        said = leaves_open + [f"Unix sockets can be made in {worktree}: it lies below"]
+        assert [g for g in prot["leaves_open"] if not any(g.startswith(p) for p in said)] == []
         assert attempt(s, read.format(path=str(own_file))) == f"OK {own_file.read_text()!r}"  # the twin
         assert attempt(s, read.format(path=str(home_secret))) == verdict
         if policy == "root-only":

@@ -2,9 +2,11 @@
 
 A session's scratch directory is removed at its end, ``tmp`` and ``home``
 with it: no later session is ever handed anything of it. Not even through
-a descriptor: a session can hand one of its /tmp to another session running
-beside it (a Unix socket in a directory both may write), which keeps it
-after the first one ends, and Landlock checks no listing, ``stat`` or
+a descriptor: a session could hand one of its /tmp to another session
+running beside it (a Unix socket in a directory both may write: possible
+only where that directory lies below /tmp, as in this suite, and said in
+``leaves_open``; elsewhere no socket is made there, tests/escape/test_ipc.py),
+which keeps it after the first one ends, and Landlock checks no listing, ``stat`` or
 ``fchmod`` through a descriptor already open. A daemon that kept emptied
 scratch directories for later sessions (measured, for the inodes it would
 spare: docs/performance.md, "Scratch directories kept, measured and not

@@ -2,7 +2,7 @@
 
 Full mode, network off (the session's root and network namespace are its
 own): ``multiprocessing.Manager``, an asyncio Unix server and client, and a
-server on a socket in the worktree reached by another command all work.
+server on a socket in the session's TMPDIR reached by another command all work.
 Where the session could reach the host's sockets — degraded mode (no root of
 its own), or the host's network namespace (network on: an abstract name the
 session listened on would take the user's programs' connections) —
@@ -50,7 +50,7 @@ asyncio.run(main())
 SERVER = """
 import socket, os
 l = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-l.bind("srv.sock")
+l.bind(os.path.join(os.environ["TMPDIR"], "srv.sock"))
 l.listen(1)
 open("srv.ready", "w").close()
 c, _ = l.accept()
@@ -65,7 +65,7 @@ for _ in range(100):
         break
     time.sleep(0.05)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect("srv.sock")
+s.connect(os.path.join(os.environ["TMPDIR"], "srv.sock"))
 print(s.recv(100).decode())
 """
 
@@ -103,18 +103,21 @@ def test_unix_socket_workloads_work_in_full_mode(client: dispatch.Client, worktr
         prot = s.status()["protections"]
         assert (prot["mode"], prot["unix_sockets"]) == (
             "full", "allowed: pathname sockets inside the session's own root, abstract names in its own network "
-                    "namespace")
+                    "namespace; made only in the session's scratch, /tmp, /dev/shm (nowhere another session "
+                    "reaches: the worktree and read_write paths make none)")
         r = shell(s, f"/usr/bin/python3 -c {shlex.quote(code)}", timeout=60)
         assert r.metadata["stdout"].strip() == out, r.metadata["stderr"]
 
 
-def test_a_server_on_a_socket_in_the_worktree_serves_another_command(client: dispatch.Client, worktree: Path) -> None:
+def test_a_server_on_a_socket_in_tmp_serves_another_command(client: dispatch.Client, worktree: Path) -> None:
+    """In the session's own TMPDIR: no other session reaches it (a worktree
+    makes no socket: tests/escape/test_ipc.py)."""
     _full(client)
     with client.open_session(str(worktree)) as s:
         r = shell(s, f"/usr/bin/python3 -c {shlex.quote(SERVER)} & "
                      f"/usr/bin/python3 -c {shlex.quote(CLIENT)}; wait", timeout=60)
         assert r.metadata["stdout"].strip() == "from the worktree server", r.metadata["stderr"]
-    assert (worktree / "srv.sock").is_socket()  # in the user's worktree, where the session made it
+    assert not (worktree / "srv.sock").exists()
 
 
 def test_with_the_network_on_unix_sockets_stay_refused(client: dispatch.Client, worktree: Path) -> None:

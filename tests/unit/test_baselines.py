@@ -151,6 +151,41 @@ def test_rebase_state_and_include_targets_are_compared(tmp_path: Path) -> None:
     assert sorted(snapshots.changes(before, now)) == [".git/rebase-merge", "hooks-here/post-commit", "inc.cfg"]
 
 
+@pytest.mark.parametrize("where", ["~/.gitconfig", "an include of it", "$GIT_CONFIG_GLOBAL"])
+def test_a_relative_hooks_path_of_the_user_s_own_config_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    where: str) -> None:
+    """``core.hooksPath = .githooks`` in the user's global configuration (as
+    husky-like set-ups do) names a directory in every worktree: a hook a
+    session writes there ran at the user's next commit. The twin: without
+    that setting, the same file is only a file."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.delenv("GIT_CONFIG_GLOBAL", raising=False)
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.setenv("GIT_CONFIG_SYSTEM", str(tmp_path / "no-system-config"))
+    setting = "[core]\n\thooksPath = .githooks\n"
+    if where == "~/.gitconfig":
+        (home / ".gitconfig").write_text(setting)
+    elif where == "an include of it":
+        (home / ".gitconfig").write_text("[include]\n\tpath = ~/.gitconfig.local\n")
+        (home / ".gitconfig.local").write_text(setting)
+    else:
+        (tmp_path / "global").write_text(setting)
+        monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "global"))
+
+    def session_writes_a_hook(repo: Path, home: Path) -> list[str]:
+        layout = layouts.inspect_git(str(repo), uid=os.getuid())
+        before = snapshots.take(str(repo), layout, str(home))
+        (repo / ".githooks").mkdir()
+        (repo / ".githooks" / "pre-commit").write_text("#!/bin/sh\ntouch /tmp/ran\n")
+        return snapshots.changes(before, snapshots.take(str(repo), layout, str(home)))
+
+    assert session_writes_a_hook(make_repo(tmp_path / "r"), home) == [".githooks/pre-commit"]
+    monkeypatch.delenv("GIT_CONFIG_GLOBAL", raising=False)
+    (tmp_path / "nobody").mkdir()
+    assert session_writes_a_hook(make_repo(tmp_path / "plain"), tmp_path / "nobody") == []  # the twin
+
+
 def test_many_hard_links_are_hashed_once(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
     hooks = repo / ".git" / "modules" / "x" / "hooks"

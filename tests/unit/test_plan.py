@@ -32,6 +32,7 @@ SYSTEM = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"
 DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"]
 PATHS = SessionPaths(worktree=WT, scratch=SCRATCH, runtime_dirs=[RUNTIME], code=[CODE])
 RO, RW, DEV = 13, 0xF7BF, 6
+SHARED = RW & ~(1 << 9)  # read-write, but no Unix socket made: another session may reach the path
 UID, GID = 1000, 1001
 CHMOD_GAP = ("chmod, chown, utime and xattr changes on files the user owns outside the worktree "
              "(Landlock ABI <= 7 does not check them; only a read-only mount would)")
@@ -132,11 +133,11 @@ SYSTEM_BOUND = ["/bin", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "
 def landlock_paths(*, userns: bool, worktree_rw: bool = True) -> list[PathRule]:
     ro = SYSTEM + ["/proc", CODE]
     rw = [SCRATCH] + (["/tmp", "/dev/shm"] if userns else [])
-    if worktree_rw:
-        rw.insert(0, WT)
-    else:
+    shared = [WT] if worktree_rw else []
+    if not worktree_rw:
         ro.insert(0, WT)
-    return [PathRule(p, RO) for p in ro] + [PathRule(p, RW) for p in rw] + [PathRule(p, DEV) for p in DEVICES]
+    return [PathRule(p, RO) for p in ro] + [PathRule(p, RW) for p in rw] + [PathRule(p, SHARED) for p in shared] \
+        + [PathRule(p, DEV) for p in DEVICES]
 
 
 # -- full mode -----------------------------------------------------------------
@@ -178,7 +179,8 @@ def test_full_mode_protections():
     assert prot["worktree"] == "read-write"
     assert prot["hygiene"] == HYGIENE + ["no capabilities"]
     assert prot["unix_sockets"] == ("allowed: pathname sockets inside the session's own root, abstract names in "
-                                    "its own network namespace")
+                                    "its own network namespace; made only in the session's scratch, /tmp, /dev/shm "
+                                    "(nowhere another session reaches: the worktree and read_write paths make none)")
     assert prot["root"][3] == {"path": WT, "how": "read-write (the worktree, bound from the descriptor the daemon "  # type: ignore[index]
                                                   "checked)"}
     assert [r["path"] for r in prot["root"]] == [b.path for b in root_binds()] + ["/dev", "/dev/shm", "/proc"]  # type: ignore[attr-defined]
@@ -187,8 +189,32 @@ def test_full_mode_protections():
 def test_tmp_and_dev_shm_are_granted_only_with_a_mount_namespace():
     full = [r.path for r in plan().landlock.paths if r.access == RW]
     degraded = [r.path for r in plan(k=kernel(userns=False)).landlock.paths if r.access == RW]
-    assert full == [WT, SCRATCH, "/tmp", "/dev/shm"]
-    assert degraded == [WT, SCRATCH]
+    assert full == [SCRATCH, "/tmp", "/dev/shm"]
+    assert degraded == [SCRATCH]
+
+
+def test_a_worktree_below_tmp_can_hold_the_session_s_sockets_and_status_says_so():
+    """Landlock's rule for the private /tmp holds below it, across the
+    worktree's bind: the one layout where a socket can be made in the
+    worktree, stated in leaves_open (only with Unix sockets allowed)."""
+    gap = "Unix sockets can be made in /tmp/agent/wt: it lies below the session's private /tmp"
+    below = plan(paths=msgspec.structs.replace(PATHS, worktree="/tmp/agent/wt"))
+    assert any(g.startswith(gap) for g in report(below)["leaves_open"]), report(below)["leaves_open"]
+    assert not [g for g in report(plan())["leaves_open"] if g.startswith("Unix sockets can be made")]
+    degraded = plan(k=kernel(userns=False), paths=msgspec.structs.replace(PATHS, worktree="/tmp/agent/wt"))
+    assert not [g for g in report(degraded)["leaves_open"] if g.startswith("Unix sockets can be made")]
+
+
+def test_a_unix_socket_is_made_only_where_no_other_session_reaches():
+    """The worktree and the policy's read_write paths may be another
+    session's too (its worktree given read-only, one path in two policies):
+    a socket there is a rendezvous, and descriptors pass through it."""
+    policy = Policy(filesystem=Filesystem(read_write=("/home/u/.cache",)))
+    for k in (kernel(), kernel(userns=False)):
+        rules = {r.path: r.access for r in plan(policy, k).landlock.paths}
+        assert rules[WT] == rules["/home/u/.cache"] == SHARED and rules[SCRATCH] == RW, rules
+        assert [p for p, a in rules.items() if a & (1 << 9)] == [SCRATCH] + (["/tmp", "/dev/shm"] if k.user_namespaces
+                                                                             else [])
 
 
 def test_full_mode_network_on():
@@ -263,8 +289,8 @@ def test_policy_paths_reach_landlock_and_mounts():
     got = plan(policy)
     assert got.landlock.paths == [
         PathRule("/usr", RO), PathRule("/proc", RO), PathRule(CODE, RO),
-        PathRule(WT, RW), PathRule(SCRATCH, RW), PathRule("/home/u/.cache", RW), PathRule("/tmp", RW),
-        PathRule("/dev/shm", RW), PathRule("/dev/tty", DEV),
+        PathRule(SCRATCH, RW), PathRule("/tmp", RW), PathRule("/dev/shm", RW),
+        PathRule(WT, SHARED), PathRule("/home/u/.cache", SHARED), PathRule("/dev/tty", DEV),
     ]
     assert got.mounts is not None
     assert got.mounts.writable() == ["/home/u/.cache", SCRATCH, WT, "/tmp"]
@@ -357,7 +383,7 @@ def test_degraded_mode_on_abi_1():
     got = plan(k=kernel(abi=1, userns=False))
     assert got.landlock.handled_fs == 0x1FFF
     assert report(got)["leaves_open"][3:6] == [SECCOMP_NET_GAP, TRUNCATE_GAP, SIGNALS_GAP]
-    assert got.landlock.paths[len(SYSTEM) + 2] == PathRule(WT, RW & 0x1FFF)
+    assert got.landlock.paths[len(SYSTEM) + 3] == PathRule(WT, SHARED & 0x1FFF)
 
 
 # -- the policy's user_namespaces choice -----------------------------------------

@@ -8,12 +8,20 @@ makes git read or run besides itself.
   and ``config.worktree``, or one included file, only when it is a regular
   file (``O_NOFOLLOW | O_NONBLOCK``), at most 1 MiB of it, and return the
   ``include.path``/``includeIf.*.path`` and ``core.hooksPath`` values as
-  written: what they lead to is the caller's to resolve and record.
+  written: what they lead to is the caller's to resolve and record;
+- ``user_hooks_paths`` reads the user's own configuration (the system's,
+  ``~/.gitconfig``, ``$XDG_CONFIG_HOME/git/config``, and what they include,
+  outside any worktree) for ``core.hooksPath``: a relative one there (husky
+  and the like set ``.husky``, ``.githooks``) names a directory in *every*
+  worktree, which a session can write like any other file of it.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+from collections.abc import Mapping
 
 from dispatchd.daemon.gitguard import fs
 
@@ -126,3 +134,56 @@ def includes_of(dir_fd: int, name: str) -> list[str]:
     """The include paths of one included config file (regular, bounded)."""
     return [value for section, sub, key, value in config_entries(_read_config(dir_fd, name) or "")
             if value and _is_include(section, sub, key)]
+
+
+_MAX_USER_FILES = 32  # the user's config files read, includes and all
+
+
+def user_hooks_paths(home: str, env: Mapping[str, str] = os.environ) -> list[str]:
+    """The ``core.hooksPath`` values of the user's own git configuration, as
+    written: the system's and the global files git reads (``$GIT_CONFIG_SYSTEM``
+    and ``$GIT_CONFIG_GLOBAL`` where the daemon's environment sets them), and
+    every file they include (``includeIf`` taken as met: a value that may
+    apply is recorded). Each read as git does, through a symlink (dotfiles
+    are often linked), but only a regular file, without waiting on a FIFO,
+    up to 1 MiB."""
+    xdg = env.get("XDG_CONFIG_HOME") or (os.path.join(home, ".config") if home else "")
+    files = [env.get("GIT_CONFIG_SYSTEM") or "/etc/gitconfig"]
+    if env.get("GIT_CONFIG_GLOBAL"):
+        files.append(env["GIT_CONFIG_GLOBAL"])
+    else:
+        files += [os.path.join(xdg, "git", "config")] if xdg else []
+        files += [os.path.join(home, ".gitconfig")] if home else []
+    found: list[str] = []
+    seen: set[str] = set()
+    while files and len(seen) < _MAX_USER_FILES:
+        path = files.pop(0)
+        if not path or path in seen:
+            continue
+        seen.add(path)
+        for section, sub, key, value in config_entries(_read_followed(path)):
+            if not value:
+                continue
+            if section == "core" and sub is None and key == "hookspath":
+                found.append(value)
+            elif _is_include(section, sub, key):
+                if value.startswith("~/"):
+                    files.append(os.path.join(home, value[2:]) if home else "")
+                else:
+                    files.append(os.path.join(os.path.dirname(path), value))
+    return found
+
+
+def _read_followed(path: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.read(fd, 1 << 20).decode("utf-8", "surrogateescape")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)

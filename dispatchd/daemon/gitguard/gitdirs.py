@@ -34,7 +34,7 @@ import time
 
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import fs
-from dispatchd.daemon.gitguard.configs import config_targets, includes_of
+from dispatchd.daemon.gitguard.configs import config_targets, includes_of, user_hooks_paths
 from dispatchd.daemon.gitguard.digests import (
     MAX_ENTRIES, Budget, digest_at, fingerprint, hash_fd, never_equal, open_subdir)
 from dispatchd.inside import is_within
@@ -67,6 +67,9 @@ class Walk:
                  known: dict[str, tuple[str, list[int]]] | None = None) -> None:
         self.worktree = worktree.rstrip("/") or "/"
         self.home = home
+        # A relative core.hooksPath of the user's own configuration names a
+        # directory in every worktree: its hooks are checked as the repository's are.
+        self.user_hooks = user_hooks_paths(home)
         self.gitdirs: dict[str, dict[str, str]] = {}
         self.pointers: dict[str, str] = {}
         self.indexes: dict[str, str] = {}
@@ -209,7 +212,7 @@ class Walk:
             self.included[rel] = self._digest_rel(rel)
             for more in self._includes_of(rel):
                 pending.append((more, os.path.dirname(os.path.join(self.worktree, rel)), depth + 1))
-        for value in hooks_paths:
+        for value in hooks_paths + self.user_hooks:
             path = self._expand(value, os.path.join(self.worktree, worktree_rel))
             rel = self._inside(path) if path else None
             if rel is None:
