@@ -20,7 +20,7 @@ import os
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -650,3 +650,29 @@ def test_the_users_runtime_directory_is_out_of_reach(sandbox: Sandbox, session: 
     assert attempt_outside(read) == f"OK {sandbox.canary!r}"
     # Full mode: covered by an empty tmpfs. Degraded: not granted.
     assert attempt(session, read) == sandbox.expect(full=ENOENT, degraded=EACCES)
+
+
+# Holds a read lock on a file of the system for a while, and says so.
+_LOCKER = ("import fcntl, os, time\nfd = os.open('/usr/bin/true', os.O_RDONLY)\nfcntl.lockf(fd, fcntl.LOCK_SH)\n"
+           "open('locked', 'w').close()\ntime.sleep(20)\n")
+# Asks whether a write lock on the same file would conflict (F_GETLK).
+_ASK = ("import fcntl, struct\nfd = os.open('/usr/bin/true', os.O_RDONLY)\n"
+        "got = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack('hhqqi', fcntl.F_WRLCK, 0, 0, 0, 0))\n"
+        "result = struct.unpack('hhqqi', got)[0] == fcntl.F_RDLCK")
+
+
+@pytest.mark.known_limit
+def test_two_sessions_see_each_others_locks_on_system_files_known_limit(
+    sandbox: Sandbox, client: dispatch.Client, session: dispatch.Session, make_worktree: Callable[[str], Path],
+) -> None:
+    """KNOWN LIMIT, both modes: lock state is per inode, and the system's
+    inodes are every session's; no layer of the sandbox has a say over it.
+    A session on another worktree, with no path in common, sees a read lock
+    this one holds (a bit of a storage channel: SECURITY.md, "Known limits").
+    The twin: before the lock, it sees none."""
+    assert attempt(session, _ASK) == "OK False"
+    elsewhere = make_worktree("other")
+    with client.open_session(str(elsewhere)) as other:
+        background(other, _LOCKER, 25)
+        assert wait_for(lambda: (elsewhere / "locked").exists(), 10)
+        assert attempt(session, _ASK) == "OK True"

@@ -350,6 +350,43 @@ def test_a_forged_pack_in_a_sha256_repository_is_moved_aside(client: dispatch.Cl
     assert git(repo, "fsck", "--no-progress", check=False).returncode == 0
 
 
+# The session's edit of ``f`` staged, then the index's entry given the
+# committed object id back (its stat data still the file's): git takes the
+# file as unchanged.
+HIDE_EDIT = """
+import hashlib, subprocess, time
+committed = subprocess.run(["git", "rev-parse", "HEAD:f"], capture_output=True, text=True).stdout.strip()
+open("f", "w").write("BACKDOOR\\n")
+time.sleep(1.1)
+subprocess.run(["git", "add", "f"], check=True)
+data = bytearray(open(".git/index", "rb").read())
+at = data.index(b"f\\0") - 2 - 20
+data[at:at + 20] = bytes.fromhex(committed)
+data[-20:] = hashlib.sha1(bytes(data[:-20])).digest()
+open(".git/index", "wb").write(bytes(data))
+print(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout, end="")
+"""
+
+
+def test_an_index_hiding_a_session_s_edit_shows_it_after_the_end(client: dispatch.Client, repo: Path) -> None:
+    with client.open_session(str(repo)) as s:
+        r = shell(s, f"python3 -c '{HIDE_EDIT}'")
+        assert r.is_success and r.output == "", (r.output, r.error)  # the control: git says clean
+    assert (repo / "f").read_text() == "BACKDOOR\n"
+    assert git(repo, "status", "--porcelain").stdout == " M f\n"
+    assert "+BACKDOOR" in git(repo, "diff").stdout
+    assert [p["path"] for p in s.protected if "their entries reset" in p["why"]] == [str(repo / ".git" / "index")]
+
+
+def test_an_honest_commit_s_index_says_nothing(client: dispatch.Client, repo: Path) -> None:
+    """The twin: a session's add and commit; nothing said, the user's git shows it."""
+    with client.open_session(str(repo)) as s:
+        r = shell(s, f"echo more >> f && git add f && {SESSION_IDENTITY} git commit -qm agent && git status --porcelain")
+        assert r.is_success and r.output == "", (r.output, r.error)
+    assert not [p for p in s.protected if "index" in p["path"]], s.protected
+    assert git(repo, "status", "--porcelain").stdout == "" and git(repo, "log", "-1", "--format=%s").stdout == "agent\n"
+
+
 # --- a daemon killed half way -------------------------------------------------------------------
 
 

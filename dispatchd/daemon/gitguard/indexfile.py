@@ -72,38 +72,42 @@ def parse_index(data: bytes, all_names: bool = False) -> Index | None:
 
 
 def _shared_index(data: bytes, pos: int, hash_size: int) -> str | None:
-    """Walk the extensions after the entries: the hash a "link" extension
-    names (a split index keeps most entries in ``sharedindex.<hash>``), "" for
-    none, None if the extensions do not end exactly at the checksum."""
-    shared = ""
-    end = len(data) - hash_size
-    while pos < end:
-        if pos + 8 > end:
-            return None
-        signature, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "big")
-        if pos + 8 + size > end:
-            return None
-        if signature == b"link":
-            shared = data[pos + 8:pos + 8 + hash_size].hex()
-        pos += 8 + size
-    return shared if pos == end else None
+    """The hash a "link" extension names (a split index keeps most entries
+    in ``sharedindex.<hash>``), "" for none, None if the extensions do not
+    end exactly at the checksum."""
+    found = extensions(data, pos, hash_size)
+    if found is None:
+        return None
+    return next((data[start + 8:start + 8 + hash_size].hex() for sig, start, _ in found if sig == b"link"), "")
 
 
-def _parse_entries(data: bytes, version: int, count: int, hash_size: int,
-                   names: set[str] | None = None) -> tuple[set[str], int, bool, bool] | None:
-    """(gitlinks, where the entries end, whether some entries replace a shared
-    index's, whether one of those is a submodule); every path into ``names``."""
-    links: set[str] = set()
-    replaced_gitlink = False
-    pos, previous, replaced = 12, b"", False
+class Entry(msgspec.Struct, frozen=True, array_like=True):
+    """One index entry: where it starts, its mode, where its 16-bit flags
+    and (-1: none) its extended flags lie, and its path's bytes."""
+
+    start: int
+    mode: int
+    flags_at: int
+    extended_at: int
+    name: bytes
+
+
+def walk_entries(data: bytes, version: int, count: int, hash_size: int) -> tuple[list[Entry], int] | None:
+    """Each entry of an index of ``version`` whose ids are ``hash_size``
+    bytes, and where the entries end; None when they do not parse."""
+    entries: list[Entry] = []
+    pos, previous = 12, b""
     try:
         for _ in range(count):
             start = pos
             mode = int.from_bytes(data[pos + 24:pos + 28], "big")
             pos += 40 + hash_size
+            flags_at = pos
             flags = int.from_bytes(data[pos:pos + 2], "big")
             pos += 2
+            extended_at = -1
             if version >= 3 and flags & 0x4000:
+                extended_at = pos
                 pos += 2
             if version == 4:
                 strip, pos = decode_varint(data, pos)
@@ -120,17 +124,75 @@ def _parse_entries(data: bytes, version: int, count: int, hash_size: int,
             if length != 0xFFF and length != len(name) or pos > len(data):
                 return None
             previous = name
-            if not name:
-                # Only a split index has these: an entry that replaces the
-                # shared index's entry at a position its "link" extension
-                # gives, under that entry's name.
-                replaced = True
-                replaced_gitlink |= mode & 0o170000 == GITLINK
-                continue
-            if names is not None:
-                names.add(name.decode("utf-8", "surrogateescape"))
-            if mode & 0o170000 == GITLINK:
-                links.add(name.decode("utf-8", "surrogateescape"))
+            entries.append(Entry(start, mode, flags_at, extended_at, name))
     except (IndexError, ValueError):
         return None
-    return links, pos, replaced, replaced_gitlink
+    return entries, pos
+
+
+def extensions(data: bytes, pos: int, hash_size: int) -> list[tuple[bytes, int, int]] | None:
+    """The extensions after the entries: (signature, where it starts, where
+    it ends); None if they do not end exactly at the checksum."""
+    found = []
+    end = len(data) - hash_size
+    while pos < end:
+        if pos + 8 > end:
+            return None
+        size = int.from_bytes(data[pos + 4:pos + 8], "big")
+        if pos + 8 + size > end:
+            return None
+        found.append((bytes(data[pos:pos + 4]), pos, pos + 8 + size))
+        pos += 8 + size
+    return found if pos == end else None
+
+
+def _parse_entries(data: bytes, version: int, count: int, hash_size: int,
+                   names: set[str] | None = None) -> tuple[set[str], int, bool, bool] | None:
+    """(gitlinks, where the entries end, whether some entries replace a shared
+    index's, whether one of those is a submodule); every path into ``names``."""
+    walked = walk_entries(data, version, count, hash_size)
+    if walked is None:
+        return None
+    links: set[str] = set()
+    replaced = replaced_gitlink = False
+    for entry in walked[0]:
+        if not entry.name:
+            # Only a split index has these: an entry that replaces the
+            # shared index's entry at a position its "link" extension
+            # gives, under that entry's name.
+            replaced = True
+            replaced_gitlink |= entry.mode & 0o170000 == GITLINK
+            continue
+        if names is not None:
+            names.add(entry.name.decode("utf-8", "surrogateescape"))
+        if entry.mode & 0o170000 == GITLINK:
+            links.add(entry.name.decode("utf-8", "surrogateescape"))
+    return links, walked[1], replaced, replaced_gitlink
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """Where an index's parts lie: its version, its ids' length, its
+    entries and its extensions (``extensions``)."""
+
+    version: int
+    hash_size: int
+    entries: list[Entry]
+    extensions: list[tuple[bytes, int, int]]
+
+
+def layout(data: bytes) -> Layout | None:
+    """The layout of an index (versions 2-4, SHA-1 or SHA-256: the one
+    whose entries and extensions end exactly at the checksum); None when
+    the bytes are not an index we can read."""
+    if len(data) < 12 or data[:4] != b"DIRC":
+        return None
+    version = int.from_bytes(data[4:8], "big")
+    count = int.from_bytes(data[8:12], "big")
+    if version not in (2, 3, 4):
+        return None
+    for hash_size in (20, 32):
+        walked = walk_entries(data, version, count, hash_size)
+        found = extensions(data, walked[1], hash_size) if walked is not None else None
+        if walked is not None and found is not None:
+            return Layout(version, hash_size, walked[0], found)
+    return None

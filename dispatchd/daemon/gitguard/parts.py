@@ -16,7 +16,7 @@ import os
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import runnables, snapshots
+from dispatchd.daemon.gitguard import indexreview, runnables, snapshots
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects
 
 log = logging.getLogger("dispatchd.baselines")
@@ -81,6 +81,15 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
             log.warning("event=git_changed_quarantined path=%s", path)
             found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
                                    time=now_t))
+        if part.own_gitdir:  # the index, made to show what the worktree holds (indexreview.py)
+            review = indexreview.review(part.own_gitdir, part.root, part.git.taken_ns)
+            if review.why_not:
+                log.warning("event=git_index_not_reviewed gitdir=%s why=%s", part.own_gitdir, review.why_not)
+            if review.hid:
+                found.append(Protected(path=os.path.join(part.own_gitdir, "index"), time=now_t, why=(
+                    f"said {len(review.hid)} files the session changed were unchanged ({', '.join(review.hid[:5])}"
+                    f"{', ...' if len(review.hid) > 5 else ''}; or a filter such as Git LFS's makes them differ): "
+                    f"their entries reset, git compares their content at its next look")))
     tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,
                          skip_root_git=part.layout.kind in ("repository", "linked"))
     if not tree.complete:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import msgspec
 
@@ -59,6 +60,7 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     digests, equal only for equal content."""
 
     gitdirs: dict[str, dict[str, str]] = {}  # a git directory -> {"config", "hooks/pre-commit", ...: digest}
+    taken_ns: int = 0  # when the look began (0: an older record's, before any file's time)
     by_file: list[str] = []  # git directories never moved whole (``.git``, ``.git/worktrees/N``)
     pointers: dict[str, str] = {}  # a ``.git`` that is a file or a symlink -> digest of it and where it leads
     indexes: dict[str, str] = {}  # an index that cannot be checked -> why (equal only for the same bytes)
@@ -79,6 +81,7 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
     ``home`` is where ``~/`` in an include path leads; ``before``: the look
     this one is compared with (an unparsable index unchanged since is not
     read again)."""
+    taken_ns = time.time_ns()  # before the look: what changes from here on is after it
     known = {rel: (value, before.index_stamps[rel]) for rel, value in before.indexes.items()
              if rel in before.index_stamps} if before is not None else None
     walk = Walk(worktree, home, known)
@@ -133,7 +136,8 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
             finally:
                 os.close(fd)
             walk.config_targets(gitdir, "", includes, hooks_paths)
-    return GitSnapshot(gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers, indexes=walk.indexes,
+    return GitSnapshot(taken_ns=taken_ns, gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers,
+                       indexes=walk.indexes,
                        index_stamps=walk.index_stamps, external=external, complete=walk.complete,
                        included=walk.included)
 

@@ -1,0 +1,197 @@
+"""The index a session wrote, made to show the user what the worktree holds.
+
+Git trusts its index to say which files changed: an entry whose cached
+``stat`` data still match the file is taken as unchanged, without reading
+it; an entry marked assume-unchanged or skip-worktree is not looked at; the
+cache-tree extension names the trees a commit writes for the directories it
+covers, the untracked cache and the fsmonitor bitmap what ``git status``
+skips. A session writes the index as it likes (``git add``, or bytes of
+its own): one that edited a file, added it, and then set the entry's object
+id back to the committed one had ``git status`` and ``git diff`` say
+"clean" over the session's edit, and ``git commit -a`` leave it out.
+
+So at the part's check, when the worktree's own index (``own_gitdir/index``)
+changed since the baseline's look, it is read, and written again (through
+git's own ``index.lock``, renamed over it) only where it says what it must
+not:
+
+- an entry of a file changed since the look (its ``ctime``, which no
+  session can set back; within ``_RACY_NS`` before it too) that git would
+  take as unchanged without reading it (marked assume-unchanged or
+  skip-worktree, or its cached size and mtime the file's) and whose object
+  is not the file's bytes hashed as a blob (or that is flagged, or past the
+  hashing budget) gets a cached size of 0, which git reads as "never
+  looked at": its next look compares the file's content with the entry's
+  object; its flags are cleared. Those that hid a change are reported;
+- the cache-tree (``cachetree.agrees``: each valid directory's tree hashed
+  from the entries), unless it says what the entries say, the untracked
+  cache and the fsmonitor bitmap (which can hide a file whatever the
+  entries say) are left out, with the offset tables over them; git makes
+  them again;
+- the checksum is computed again (SHA-1 or SHA-256, the index's own).
+
+An honest session's index (``git add``, ``git commit``: each entry the
+file's blob, the cache-tree the entries' trees) is left byte for byte.
+Nothing is lost: the entries' objects and stages stay the session's, as
+git would have them. Not done (logged, left as it is): a split index
+(``link``), an index git could not read either, one over ``_MAX_BYTES``,
+one a running git holds locked; submodules' and other worktrees' indexes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+
+from dispatchd.daemon.gitguard import cachetree, fs, indexfile
+
+log = logging.getLogger("dispatchd.baselines")
+
+_MAX_BYTES = 256 * 1024 * 1024
+_RACY_NS = 50_000_000
+_ASSUME_VALID = 0x8000
+_SKIP_WORKTREE = 0x4000  # of the extended flags
+_DIR_MODE = 0o040000  # a sparse index's directory entry
+# Caches git makes again, which can hide a file from git status whatever the
+# entries say: the untracked cache, the fsmonitor bitmap (entries it marks are not looked at).
+_CACHES = {b"UNTR", b"FSMN"}
+_OFFSETS = {b"EOIE", b"IEOT"}  # offset tables over the entries and extensions, for reading in threads
+_HASH_BUDGET = 64 * 1024 * 1024  # bytes of changed files hashed at one review, to tell what an entry hid
+
+
+class Review:
+    """What ``review`` did: whether the index was written again, why not
+    when it could not be, and the files whose entries hid a change (git
+    would have taken them as unchanged)."""
+
+    def __init__(self) -> None:
+        self.rewritten = False
+        self.why_not = ""
+        self.hid: list[str] = []
+        self.dropped: list[str] = []  # the extensions left out
+
+
+def review(gitdir: str, worktree: str, since_ns: int) -> Review:
+    """Rewrite ``gitdir/index`` as the module says when it changed since
+    ``since_ns`` and says something it must not."""
+    done = Review()
+    path = os.path.join(gitdir, "index")
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return done
+    if not stat.S_ISREG(st.st_mode) or st.st_ctime_ns < since_ns - _RACY_NS:
+        return done
+    read = fs.read_regular(path, limit=_MAX_BYTES, whole=True)
+    found = indexfile.layout(read[0]) if read is not None else None
+    if read is None or found is None or any(sig == b"link" for sig, _, _ in found.extensions):
+        done.why_not = ("over its bounds or unreadable" if read is None else "not an index git reads"
+                        if found is None else "a split index")
+        return done
+    data = bytearray(read[0])
+    changed = _distrust_entries(data, found, worktree, since_ns, done.hid)
+    dropped = {sig for sig, a, b in found.extensions
+               if sig in _CACHES or sig == b"TREE" and not cachetree.agrees(read[0], found.entries, found.hash_size,
+                                                                           a, b)}
+    if dropped:
+        dropped |= _OFFSETS  # their tables cover the extensions: made again by git
+    if not changed and not dropped:
+        return done
+    kept = [(sig, a, b) for sig, a, b in found.extensions if sig not in dropped]
+    entries_end = found.extensions[0][1] if found.extensions else len(data) - found.hash_size
+    body = bytes(data[:entries_end]) + b"".join(bytes(data[a:b]) for _, a, b in kept)
+    digest = hashlib.sha256(body) if found.hash_size == 32 else hashlib.sha1(body)
+    done.dropped = sorted(sig.decode("ascii", "replace") for sig in dropped if sig in {e[0] for e in found.extensions})
+    done.rewritten, done.why_not = _replace(gitdir, body + digest.digest(), stat.S_IMODE(st.st_mode))
+    return done
+
+
+def _distrust_entries(data: bytearray, found: indexfile.Layout, worktree: str, since_ns: int,
+                      hid: list[str]) -> int:
+    """Each entry of a file changed since ``since_ns`` that git would take
+    as unchanged without reading it, unless the file is the object it names:
+    cached size 0, its assume-unchanged and skip-worktree flags cleared.
+    How many; ``hid`` gets the files that are not what their entry names."""
+    changed = 0
+    budget = [_HASH_BUDGET]
+    for entry in found.entries:
+        name = os.fsdecode(entry.name)
+        if not name or name.startswith("/") or ".." in name.split("/") or entry.mode & 0o170000 == _DIR_MODE:
+            continue  # a name git refuses, a split index's placeholder, a sparse directory: no file of it
+        try:
+            st = os.lstat(os.path.join(worktree, name))
+        except OSError:
+            continue  # gone: git shows it deleted whatever the entry says
+        if st.st_ctime_ns < since_ns - _RACY_NS:
+            continue
+        verdict = _verdict(data, entry, found.hash_size, worktree, name, st, budget)
+        if verdict == "true":
+            continue
+        if verdict == "hides":
+            hid.append(name)
+        data[entry.start + 36:entry.start + 40] = b"\0\0\0\0"  # the size git cached: "never looked at"
+        flags = int.from_bytes(data[entry.flags_at:entry.flags_at + 2], "big")
+        data[entry.flags_at:entry.flags_at + 2] = (flags & ~_ASSUME_VALID).to_bytes(2, "big")
+        if entry.extended_at >= 0:
+            extended = int.from_bytes(data[entry.extended_at:entry.extended_at + 2], "big")
+            data[entry.extended_at:entry.extended_at + 2] = (extended & ~_SKIP_WORKTREE).to_bytes(2, "big")
+        changed += 1
+    return changed
+
+
+def _verdict(data: bytearray, entry: indexfile.Entry, hash_size: int, worktree: str, name: str,
+             st: os.stat_result, budget: list[int]) -> str:
+    """"true": git reads the file (its stat data differ from the entry's),
+    or takes it as unchanged and it is the object the entry names (hashed
+    as a blob); "hides": git would take it as unchanged (the entry marked
+    assume-unchanged or skip-worktree, or its cached size and mtime the
+    file's) and it is not (a clean filter such as Git LFS's also makes them
+    differ); "unknown": not a regular file, or past the hashing ``budget``."""
+    flags = int.from_bytes(data[entry.flags_at:entry.flags_at + 2], "big")
+    extended = int.from_bytes(data[entry.extended_at:entry.extended_at + 2], "big") if entry.extended_at >= 0 else 0
+    size = int.from_bytes(data[entry.start + 36:entry.start + 40], "big")
+    mtime = int.from_bytes(data[entry.start + 8:entry.start + 12], "big")
+    flagged = flags & _ASSUME_VALID or extended & _SKIP_WORKTREE
+    if not flagged and (size != st.st_size & 0xFFFFFFFF or mtime != int(st.st_mtime) & 0xFFFFFFFF or size == 0):
+        return "true"  # git compares the stat data it cached, sees them differ, and reads the file
+    if not stat.S_ISREG(st.st_mode) or st.st_size > budget[0]:
+        return "unknown"
+    read = fs.read_regular(os.path.join(worktree, name), limit=st.st_size, whole=True)
+    if read is None:
+        return "unknown"
+    budget[0] -= len(read[0])
+    blob = b"blob %d\0" % len(read[0]) + read[0]
+    digest = (hashlib.sha256(blob) if hash_size == 32 else hashlib.sha1(blob)).digest()
+    if digest != bytes(data[entry.start + 40:entry.start + 40 + hash_size]):
+        return "hides"
+    return "hides" if flagged else "true"  # a flag on a changed file hides its next change
+
+
+def _replace(gitdir: str, data: bytes, mode: int) -> tuple[bool, str]:
+    """``data`` as the index, through git's lock: written to ``index.lock``
+    (made here, never followed; one there is a running git's), renamed over."""
+    lock = os.path.join(gitdir, "index.lock")
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        return False, "locked by a running git (index.lock)"
+    except OSError as exc:
+        return False, f"its lock cannot be made ({exc.strerror})"
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(lock, os.path.join(gitdir, "index"))
+    except OSError as exc:
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+        return False, f"cannot be written ({exc.strerror})"
+    return True, ""

@@ -1,0 +1,184 @@
+"""The index a session wrote, made to show what the worktree holds
+(``gitguard/indexreview.py``): an entry that says a changed file is the
+committed one (its object id set back, or marked assume-unchanged or
+skip-worktree) had ``git status`` and ``git diff`` say "clean" over the
+session's edit. Each beside its control, the user's git fooled; the twins,
+an honest ``git add`` and an index the session never wrote, keep what they
+say."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon.gitguard import indexfile, indexreview
+from tests.unit.gitrepo import commits_repo, git
+
+pytestmark = pytest.mark.process
+
+
+def _status(repo: Path) -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
+                          timeout=30).stdout
+
+
+def _start(tmp_path: Path) -> tuple[Path, int]:
+    repo = commits_repo(tmp_path / "repo")
+    time.sleep(0.06)  # past the review's racy margin: only what comes next is the session's
+    return repo, time.time_ns()
+
+
+def _set_oid(repo: Path, name: str, oid: str) -> None:
+    """The entry of ``name`` given ``oid``, the checksum made again (what a
+    session can write with a few lines of Python)."""
+    index = repo / ".git" / "index"
+    data = bytearray(index.read_bytes())
+    found = indexfile.layout(bytes(data))
+    assert found is not None
+    entry = next(e for e in found.entries if e.name == name.encode())
+    data[entry.start + 40:entry.start + 40 + found.hash_size] = bytes.fromhex(oid)
+    data[-found.hash_size:] = hashlib.sha1(bytes(data[:-found.hash_size])).digest()
+    index.write_bytes(bytes(data))
+
+
+def _edit(repo: Path) -> None:
+    (repo / "f").write_text("BACKDOOR\n")
+    time.sleep(1.1)  # the index written a second later: git's "racy" re-check does not apply
+
+
+def _hide_by_id(repo: Path) -> None:
+    committed = git(repo, "rev-parse", "HEAD:f").strip()
+    _edit(repo)
+    git(repo, "add", "f")
+    _set_oid(repo, "f", committed)
+
+
+def _hide_by_flag(flag: str):  # type: ignore[no-untyped-def]
+    def hide(repo: Path) -> None:
+        _edit(repo)
+        git(repo, "update-index", flag, "f")
+    return hide
+
+
+HIDES = {"the committed id": _hide_by_id, "assume-unchanged": _hide_by_flag("--assume-unchanged"),
+         "skip-worktree": _hide_by_flag("--skip-worktree")}
+
+
+@pytest.mark.parametrize("how", sorted(HIDES))
+def test_an_entry_hiding_a_session_s_edit_is_reset(tmp_path: Path, how: str) -> None:
+    repo, since = _start(tmp_path)
+    HIDES[how](repo)
+    assert (repo / "f").read_text() == "BACKDOOR\n" and _status(repo) == ""  # the control: git says clean
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert done.rewritten and not done.why_not and done.hid == ["f"], vars(done)
+    assert _status(repo) == " M f\n"
+    assert "+BACKDOOR" in git(repo, "diff")
+
+
+def test_an_honest_add_is_left_byte_for_byte(tmp_path: Path) -> None:
+    """The twin: the session's ``git add`` of a new and a changed file, a
+    commit, another add; nothing hides, and the index is left as it is."""
+    repo, since = _start(tmp_path)
+    _edit(repo)
+    (repo / "new").write_text("new\n")
+    git(repo, "add", "f", "new")
+    git(repo, "commit", "-qm", "the session's")
+    (repo / "g").write_text("staged\n")
+    git(repo, "add", "g")
+    before = (_status(repo), git(repo, "diff", "--cached"), (repo / ".git" / "index").read_bytes())
+    assert b"TREE" in before[2]  # a cache-tree, which agrees with the entries
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert not done.rewritten and done.hid == [] and not done.why_not, vars(done)
+    assert (_status(repo), git(repo, "diff", "--cached"), (repo / ".git" / "index").read_bytes()) == before
+    assert subprocess.run(["git", "fsck", "--no-progress"], cwd=repo, capture_output=True).returncode == 0
+
+
+def test_an_index_the_session_never_wrote_is_left(tmp_path: Path) -> None:
+    repo, since = _start(tmp_path)
+    index = repo / ".git" / "index"
+    was = index.read_bytes()
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert not done.rewritten and not done.why_not and index.read_bytes() == was
+
+
+def test_a_running_git_s_lock_is_left_and_said(tmp_path: Path) -> None:
+    repo, since = _start(tmp_path)
+    _hide_by_id(repo)
+    (repo / ".git" / "index.lock").write_bytes(b"")
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert not done.rewritten and done.why_not == "locked by a running git (index.lock)"
+    assert (repo / ".git" / "index.lock").read_bytes() == b""
+
+
+def _forge_cache_tree(repo: Path, directory: str, tree: str) -> None:
+    """The index's cache-tree says ``directory`` is ``tree`` (its count kept)."""
+    index = repo / ".git" / "index"
+    data = bytearray(index.read_bytes())
+    found = indexfile.layout(bytes(data))
+    assert found is not None
+    start, end = next((a, b) for sig, a, b in found.extensions if sig == b"TREE")
+    at = data.index(directory.encode() + b"\0", start, end)
+    at = data.index(b"\n", at) + 1
+    data[at:at + 20] = bytes.fromhex(tree)
+    data[-20:] = hashlib.sha1(bytes(data[:-20])).digest()
+    index.write_bytes(bytes(data))
+
+
+def test_a_cache_tree_naming_another_tree_is_left_out(tmp_path: Path) -> None:
+    """``git commit`` writes a valid cache-tree directory's tree as named:
+    the user's next ``git add`` and commit recorded the session's ``d``."""
+    repo = commits_repo(tmp_path / "repo")
+    (repo / "d").mkdir()
+    (repo / "d" / "x").write_text("old\n")
+    git(repo, "add", "d")
+    git(repo, "commit", "-qm", "d")
+    old_d = git(repo, "rev-parse", "HEAD:d").strip()
+    (repo / "d" / "x").write_text("new\n")
+    git(repo, "commit", "-qam", "d again")
+    time.sleep(0.06)
+    since = time.time_ns()
+    control = tmp_path / "control"
+    subprocess.run(["cp", "-a", str(repo), str(control)], check=True)
+    for r in (repo, control):
+        git(r, "read-tree", "HEAD")  # a full cache-tree, every directory valid
+        _forge_cache_tree(r, "d", old_d)
+    (control / "f").write_text("user\n")
+    git(control, "add", "f")
+    git(control, "commit", "-qm", "the user's")
+    assert git(control, "rev-parse", "HEAD:d").strip() == old_d  # the control: the session's tree committed
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert done.rewritten and "TREE" in done.dropped, vars(done)
+    (repo / "f").write_text("user\n")
+    git(repo, "add", "f")
+    git(repo, "commit", "-qm", "the user's")
+    assert git(repo, "show", "HEAD:d/x") == "new\n"
+
+
+@pytest.mark.parametrize("object_format", ["sha1", "sha256"])
+def test_git_s_own_cache_tree_agrees(tmp_path: Path, object_format: str) -> None:
+    """Names git orders with a directory's as if it ended in ``/`` (``a``,
+    ``a-b``, ``a.c``, ``a/b``), nesting, a symlink and an executable: every
+    directory of a full cache-tree hashed as git wrote it."""
+    from dispatchd.daemon.gitguard import cachetree
+    repo = commits_repo(tmp_path / "repo", object_format=object_format)
+    for name in ("a-b", "a.c", "a/b", "a/b c/d", "z/y/x/w", "a0"):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(name + "\n")
+    (repo / "run").write_text("#!/bin/sh\n")
+    (repo / "run").chmod(0o755)
+    (repo / "link").symlink_to("a.c")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "shapes")
+    git(repo, "read-tree", "HEAD")
+    data = (repo / ".git" / "index").read_bytes()
+    found = indexfile.layout(data)
+    assert found is not None
+    start, end = next((a, b) for sig, a, b in found.extensions if sig == b"TREE")
+    assert cachetree.agrees(data, found.entries, found.hash_size, start, end)
+    forged = bytearray(data)
+    forged[end - 1] ^= 1  # the last node's id, one bit off
+    assert not cachetree.agrees(bytes(forged), found.entries, found.hash_size, start, end)
