@@ -14,6 +14,7 @@ exception. Bytes in, data out: the reading is ``fs.index_gitlinks``.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterator
 
 import msgspec
 
@@ -53,32 +54,29 @@ def parse_gitlinks(data: bytes) -> set[str] | None:
 def parse_index(data: bytes, all_names: bool = False) -> Index | None:
     """The index's submodules and the shared index it names; with
     ``all_names``, every path it records too. None when unreadable."""
-    if len(data) < 12 or data[:4] != b"DIRC":
-        return None
-    version = int.from_bytes(data[4:8], "big")
-    count = int.from_bytes(data[8:12], "big")
-    if version not in (2, 3, 4):
-        return None
-    for hash_size in (20, 32):  # the index does not say which; one parses cleanly
-        names: set[str] | None = set() if all_names else None
-        parsed = _parse_entries(data, version, count, hash_size, names)
-        if parsed is None:
-            continue
-        links, pos, replaced, replaced_gitlink = parsed
-        shared = _shared_index(data, pos, hash_size)
-        if shared is not None and (shared or not replaced):
-            return Index(links=links, shared=shared, replaced_gitlink=replaced_gitlink, names=names or set())
+    for found in _layouts(data):
+        links: set[str] = set()
+        names: set[str] = set()
+        replaced = replaced_gitlink = False
+        for entry in found.entries:
+            gitlink = entry.mode & 0o170000 == GITLINK
+            if not entry.name:
+                # Only a split index has these: an entry that replaces the
+                # shared index's entry at a position its "link" extension
+                # gives, under that entry's name.
+                replaced = True
+                replaced_gitlink |= gitlink
+                continue
+            name = entry.name.decode("utf-8", "surrogateescape")
+            if all_names:
+                names.add(name)
+            if gitlink:
+                links.add(name)
+        shared = next((data[start + 8:start + 8 + found.hash_size].hex() for sig, start, _ in found.extensions
+                       if sig == b"link"), "")
+        if shared or not replaced:
+            return Index(links=links, shared=shared, replaced_gitlink=replaced_gitlink, names=names)
     return None
-
-
-def _shared_index(data: bytes, pos: int, hash_size: int) -> str | None:
-    """The hash a "link" extension names (a split index keeps most entries
-    in ``sharedindex.<hash>``), "" for none, None if the extensions do not
-    end exactly at the checksum."""
-    found = extensions(data, pos, hash_size)
-    if found is None:
-        return None
-    return next((data[start + 8:start + 8 + hash_size].hex() for sig, start, _ in found if sig == b"link"), "")
 
 
 class Entry(msgspec.Struct, frozen=True, array_like=True):
@@ -146,30 +144,6 @@ def extensions(data: bytes, pos: int, hash_size: int) -> list[tuple[bytes, int, 
     return found if pos == end else None
 
 
-def _parse_entries(data: bytes, version: int, count: int, hash_size: int,
-                   names: set[str] | None = None) -> tuple[set[str], int, bool, bool] | None:
-    """(gitlinks, where the entries end, whether some entries replace a shared
-    index's, whether one of those is a submodule); every path into ``names``."""
-    walked = walk_entries(data, version, count, hash_size)
-    if walked is None:
-        return None
-    links: set[str] = set()
-    replaced = replaced_gitlink = False
-    for entry in walked[0]:
-        if not entry.name:
-            # Only a split index has these: an entry that replaces the
-            # shared index's entry at a position its "link" extension
-            # gives, under that entry's name.
-            replaced = True
-            replaced_gitlink |= entry.mode & 0o170000 == GITLINK
-            continue
-        if names is not None:
-            names.add(entry.name.decode("utf-8", "surrogateescape"))
-        if entry.mode & 0o170000 == GITLINK:
-            links.add(entry.name.decode("utf-8", "surrogateescape"))
-    return links, walked[1], replaced, replaced_gitlink
-
-
 class Layout(msgspec.Struct, frozen=True):
     """Where an index's parts lie: its version, its ids' length, its
     entries and its extensions (``extensions``)."""
@@ -184,15 +158,20 @@ def layout(data: bytes) -> Layout | None:
     """The layout of an index (versions 2-4, SHA-1 or SHA-256: the one
     whose entries and extensions end exactly at the checksum); None when
     the bytes are not an index we can read."""
+    return next(_layouts(data), None)
+
+
+def _layouts(data: bytes) -> Iterator[Layout]:
+    """Each reading of the index that parses cleanly, SHA-1 ids first (the
+    index does not say which its ids are)."""
     if len(data) < 12 or data[:4] != b"DIRC":
-        return None
+        return
     version = int.from_bytes(data[4:8], "big")
     count = int.from_bytes(data[8:12], "big")
     if version not in (2, 3, 4):
-        return None
+        return
     for hash_size in (20, 32):
         walked = walk_entries(data, version, count, hash_size)
         found = extensions(data, walked[1], hash_size) if walked is not None else None
         if walked is not None and found is not None:
-            return Layout(version, hash_size, walked[0], found)
-    return None
+            yield Layout(version, hash_size, walked[0], found)
