@@ -28,8 +28,10 @@ from dispatchd.daemon.gitguard import fs
 # What git reads, in a git directory, that names or runs a command or
 # redirects where configuration comes from (hooks: each entry); and
 # ``info/grafts``, which gives commits other parents in every history the
-# user's git shows (a review's ``git log`` among them) until it is removed.
-CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes", "info/grafts")
+# user's git shows (a review's ``git log`` among them) until it is removed;
+# ``info/exclude``, which hides a file the session made from ``git status``
+# (a new ``conftest.py`` the user's next test run loads, unreviewed).
+CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes", "info/grafts", "info/exclude")
 # State git acts on later: ``git rebase --continue`` runs a todo's ``exec``
 # lines, ``git status`` tells the user to. Compared whole, moved aside whole.
 STATE_DIRS = ("rebase-merge", "rebase-apply", "sequencer")
