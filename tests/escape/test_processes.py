@@ -11,6 +11,7 @@ signal and ptrace scope in degraded mode (EPERM, EACCES).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ import pytest
 import dispatch
 from tests.conftest import made_each, shell
 from tests.escape.attempts import (
-    EACCES, EINVAL, ENOENT, ENOSYS, EPERM, ESRCH, SYS, attempt, attempt_outside, wait_for,
+    EACCES, EINVAL, ENOENT, ENOSYS, EPERM, ESRCH, SYS, attempt, attempt_outside, background, wait_for,
 )
 from tests.escape.conftest import Sandbox, Victim
 
@@ -90,6 +91,40 @@ def test_the_workers_descriptors_cannot_be_taken(session: dispatch.Session) -> N
         open=SYS["pidfd_open"], get=SYS["pidfd_getfd"])
     assert attempt(session, _on_own_child(take.format(pid="pid"))) == "OK True"
     assert attempt(session, take.format(pid="worker_pid()")) == EPERM
+
+
+def test_another_sessions_descriptors_cannot_be_taken(
+    sandbox: Sandbox, client: dispatch.Client, session: dispatch.Session, make_worktree: Callable[[str], Path],
+) -> None:
+    """No descriptor passes between two sessions running at once: not by a
+    Unix socket (test_ipc.py), nor by ``pidfd_getfd`` on the other's
+    process (a file of its worktree open for writing; a TCP socket of a
+    session with the network on). Full mode: its pid is not in this
+    session's pid namespace (ESRCH); degraded mode: the host's pids are
+    shared, and Landlock refuses a process outside the session's own
+    domain (EPERM). The twin: the same on the session's own child works."""
+    take = "pidfd = syscall({open}, {{pid}}, 0)\nresult = syscall({get}, pidfd, 0, 0) >= 0".format(
+        open=SYS["pidfd_open"], get=SYS["pidfd_getfd"])
+    assert attempt(session, _on_own_child(take.format(pid="pid"))) == "OK True"
+    marker = f"dispatch-escape-holder-{secrets.token_hex(4)}"
+    elsewhere = make_worktree("other")
+    with client.open_session(str(elsewhere)) as other:
+        background(other, f"import time\nf = open('held', 'w')\ntime.sleep(20)  # {marker}", 25)
+        assert wait_for(lambda: bool(_pids_of(marker)), 10)
+        for pid in _pids_of(marker):
+            assert attempt(session, take.format(pid=pid)) == sandbox.expect(full=ESRCH, degraded=EPERM), pid
+
+
+def _pids_of(marker: str) -> list[int]:
+    """The host's pids of the processes whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 _KILL = "result = os.kill({pid}, signal.{sig})"
