@@ -387,6 +387,30 @@ def test_an_honest_commit_s_index_says_nothing(client: dispatch.Client, repo: Pa
     assert git(repo, "status", "--porcelain").stdout == "" and git(repo, "log", "-1", "--format=%s").stdout == "agent\n"
 
 
+def test_a_merge_head_left_by_a_session_is_moved_aside(client: dispatch.Client, repo: Path, tmp_path: Path) -> None:
+    """``MERGE_HEAD`` makes the user's next ``git commit`` a merge that takes
+    the named commit, history and all, as a parent (here the only one: git
+    drops the user's, an ancestor of it). The control: the same plant made
+    by hand does; after a session's, the user's commit does not."""
+    plant = (f"git checkout -q -b side && echo s > s && git add s && {SESSION_IDENTITY} git commit -qm side && "
+             f"git checkout -q main && git rev-parse side > .git/MERGE_HEAD")
+    control = tmp_path / "control"
+    shutil.copytree(repo, control, symlinks=True)
+    subprocess.run(["bash", "-c", plant], cwd=control, check=True, env={**os.environ, **IDENTITY})
+
+    def users_commit_takes_side(r: Path) -> bool:
+        (r / "u").write_text("the user's\n")
+        git(r, "add", "u")
+        git(r, "commit", "-qm", "the user's")
+        return git(r, "merge-base", "--is-ancestor", "side", "HEAD", check=False).returncode == 0
+
+    assert users_commit_takes_side(control)  # the control
+    with client.open_session(str(repo)) as s:
+        assert shell(s, plant).is_success
+    assert any("MERGE_HEAD.quarantined-by-dispatchd-" in p["path"] for p in s.protected), s.protected
+    assert not users_commit_takes_side(repo)
+
+
 # --- a daemon killed half way -------------------------------------------------------------------
 
 

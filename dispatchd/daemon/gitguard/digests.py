@@ -28,10 +28,14 @@ from dispatchd.daemon.gitguard import fs
 # What git reads, in a git directory, that names or runs a command or
 # redirects where configuration comes from (hooks: each entry); and
 # ``info/grafts``, which gives commits other parents in every history the
-# user's git shows (a review's ``git log`` among them) until it is removed;
-# ``info/exclude``, which hides a file the session made from ``git status``
-# (a new ``conftest.py`` the user's next test run loads, unreviewed).
-CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes", "info/grafts", "info/exclude")
+# user's git shows (a review's ``git log`` among them) until it is removed.
+CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes", "info/grafts")
+# In the repository's own git directories (not a new one a session made, which
+# is the session's): ``info/exclude``, which hides a file the session made from
+# ``git status`` (a new ``conftest.py`` the user's next test run loads,
+# unreviewed), and the heads a merge, cherry-pick or revert in progress names,
+# which make the user's next ``git commit`` take a commit of the session's as a parent.
+REVIEW_FILES = ("info/exclude", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD")
 # State git acts on later: ``git rebase --continue`` runs a todo's ``exec``
 # lines, ``git status`` tells the user to. Compared whole, moved aside whole.
 STATE_DIRS = ("rebase-merge", "rebase-apply", "sequencer")
@@ -160,11 +164,12 @@ def open_subdir(dir_fd: int, name: str, flags: int = os.O_PATH) -> int | None:
         raise
 
 
-def fingerprint(dir_fd: int, budget: Budget | None = None) -> dict[str, str]:
+def fingerprint(dir_fd: int, budget: Budget | None = None, review: bool = True) -> dict[str, str]:
     """What git reads from one git directory for configuration or commands,
-    and the rebase or sequencer state it acts on later."""
+    and the rebase or sequencer state it acts on later; with ``review``,
+    what hides a change from the user's review (``REVIEW_FILES``) too."""
     found: dict[str, str] = {}
-    for name in CONFIG_FILES:
+    for name in CONFIG_FILES + (REVIEW_FILES if review else ()):
         parent, _, leaf = name.rpartition("/")
         fd = dir_fd
         if parent:

@@ -325,7 +325,7 @@ class _Walk:
 
     def _gitdir(self, fd: int, rel: str) -> None:
         self.entries[rel] = "gitdir"
-        for name, digest in fingerprint(fd, self.budget).items():
+        for name, digest in fingerprint(fd, self.budget, review=False).items():
             self.entries[f"{rel}/{name}"] = digest
 
 
