@@ -9,6 +9,7 @@ say."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -182,3 +183,85 @@ def test_git_s_own_cache_tree_agrees(tmp_path: Path, object_format: str) -> None
     forged = bytearray(data)
     forged[end - 1] ^= 1  # the last node's id, one bit off
     assert not cachetree.agrees(bytes(forged), found.entries, found.hash_size, start, end)
+
+
+def test_bytes_git_passes_over_do_not_hide_an_index(tmp_path: Path) -> None:
+    """Git reads extensions while 8 bytes or more are left before the
+    checksum, and passes over fewer: 4 such bytes made a stricter reader
+    take the index for one of SHA-256 ids (other entries, none hiding
+    anything). Read with the repository's ids, as git does."""
+    repo, since = _start(tmp_path)
+    _hide_by_flag("--assume-unchanged")(repo)
+    index = repo / ".git" / "index"
+    data = index.read_bytes()
+    padded = data[:-20] + b"\0\0\0\0"
+    index.write_bytes(padded + hashlib.sha1(padded).digest())
+    assert _status(repo) == ""  # the control: git reads it, and says clean
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert done.rewritten and done.hid == ["f"], vars(done)
+    assert _status(repo) == " M f\n"
+
+
+def _match_stat(repo: Path, name: str) -> None:
+    """The entry of ``name`` given the file's stat data (its object id
+    kept): git then takes the file as the entry's object without reading it."""
+    index = repo / ".git" / "index"
+    data = bytearray(index.read_bytes())
+    found = indexfile.layout(bytes(data))
+    assert found is not None
+    entry = next(e for e in found.entries if e.name == name.encode())
+    st = os.lstat(repo / name)
+    fields = [int(st.st_ctime), st.st_ctime_ns % 10**9, int(st.st_mtime), st.st_mtime_ns % 10**9,
+              st.st_dev & 0xFFFFFFFF, st.st_ino & 0xFFFFFFFF]
+    data[entry.start:entry.start + 24] = b"".join(v.to_bytes(4, "big") for v in fields)
+    data[entry.start + 36:entry.start + 40] = st.st_size.to_bytes(4, "big")
+    data[-20:] = hashlib.sha1(bytes(data[:-20])).digest()
+    index.write_bytes(bytes(data))
+
+
+def test_a_directory_made_before_the_open_and_swapped_in_is_looked_into(tmp_path: Path) -> None:
+    """Renaming a directory changes its own ctime, not its files': a copy of
+    ``src`` edited before the open, swapped in after it, its entries given
+    the new files' stat data, hid the edit from a look at files' ctimes."""
+    repo = commits_repo(tmp_path / "repo")
+    (repo / "src").mkdir()
+    (repo / "src" / "app.py").write_text("print('app')\n")
+    git(repo, "add", "src")
+    git(repo, "commit", "-qm", "src")
+    (repo / "build").mkdir()
+    subprocess.run(["cp", "-a", str(repo / "src"), str(repo / "build" / "src")], check=True)
+    (repo / "build" / "src" / "app.py").write_text("print('app')\nimport os; os.system('evil')\n")
+    time.sleep(0.06)
+    since = time.time_ns()  # the open: what is above was made before it
+    time.sleep(0.06)
+    os.rename(repo / "src", repo / "build" / "src.orig")
+    os.rename(repo / "build" / "src", repo / "src")
+    time.sleep(1.1)  # the index written a second after the file: git's "racy" re-check does not apply
+    _match_stat(repo, "src/app.py")
+    assert _status(repo) == "?? build/\n"  # the control: git says src/app.py is unchanged
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert done.rewritten and done.hid == ["src/app.py"], vars(done)
+    assert " M src/app.py\n" in _status(repo)
+
+
+def test_a_split_index_a_session_made_is_moved_aside(tmp_path: Path) -> None:
+    """``git update-index --split-index`` keeps most entries in a shared
+    index, changed by bitmaps the review does not read: one a session made
+    hid its edit (assume-unchanged) after the end. It is moved aside; the
+    twin, a split index the user's configuration asks for, is left (and
+    logged as not reviewed)."""
+    for splits in (False, True):
+        (tmp_path / str(splits)).mkdir()
+        repo, since = _start(tmp_path / str(splits))
+        if splits:
+            git(repo, "config", "core.splitIndex", "true")
+        _hide_by_flag("--assume-unchanged")(repo)
+        git(repo, "update-index", "--split-index")
+        assert _status(repo) == ""  # the control: git says clean
+        done = indexreview.review(str(repo / ".git"), str(repo), since, splits=splits)
+        if splits:
+            assert not done.moved_aside and done.why_not == "a split index (core.splitIndex)"
+            continue
+        assert done.moved_aside and not (repo / ".git" / "index").exists(), vars(done)
+        git(repo, "reset", "-q")
+        assert _status(repo) == " M f\n"

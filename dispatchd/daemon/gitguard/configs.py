@@ -187,3 +187,19 @@ def _read_followed(path: str) -> str:
         return ""
     finally:
         os.close(fd)
+
+
+def repo_setting(common: str, section: str, key: str) -> str | None:
+    """The last value of ``section.key`` (lower-case names) in the
+    repository's own ``config``; "true" for a bare key; None when unset."""
+    text = _read_followed(os.path.join(common, "config"))
+    values = [value if value is not None else "true" for s, sub, k, value in config_entries(text)
+              if s == section and sub is None and k == key]
+    return values[-1] if values else None
+
+
+def object_id_size(common: str) -> int:
+    """32 when the repository's configuration names SHA-256 as its object
+    format (``extensions.objectFormat``), else 20: the ids git reads its
+    index and packs with (it does not guess them from the files)."""
+    return 32 if (repo_setting(common, "extensions", "objectformat") or "").lower() == "sha256" else 20

@@ -104,7 +104,7 @@ def walk_entries(data: bytes, version: int, count: int, hash_size: int) -> tuple
             flags = int.from_bytes(data[pos:pos + 2], "big")
             pos += 2
             extended_at = -1
-            if version >= 3 and flags & 0x4000:
+            if flags & 0x4000:  # git reads extended flags whatever the version says (create_from_disk)
                 extended_at = pos
                 pos += 2
             if version == 4:
@@ -129,19 +129,21 @@ def walk_entries(data: bytes, version: int, count: int, hash_size: int) -> tuple
 
 
 def extensions(data: bytes, pos: int, hash_size: int) -> list[tuple[bytes, int, int]] | None:
-    """The extensions after the entries: (signature, where it starts, where
-    it ends); None if they do not end exactly at the checksum."""
+    """The extensions after the entries, as git reads them: (signature,
+    where it starts, where it ends), while 8 bytes or more are left before
+    the checksum (fewer are passed over, as git does); None if one runs
+    past the checksum."""
     found = []
     end = len(data) - hash_size
-    while pos < end:
-        if pos + 8 > end:
-            return None
+    if pos > end:
+        return None
+    while pos + 8 <= end:
         size = int.from_bytes(data[pos + 4:pos + 8], "big")
         if pos + 8 + size > end:
             return None
         found.append((bytes(data[pos:pos + 4]), pos, pos + 8 + size))
         pos += 8 + size
-    return found if pos == end else None
+    return found
 
 
 class Layout(msgspec.Struct, frozen=True):
@@ -152,18 +154,19 @@ class Layout(msgspec.Struct, frozen=True):
     hash_size: int
     entries: list[Entry]
     extensions: list[tuple[bytes, int, int]]
+    entries_end: int
 
 
-def layout(data: bytes) -> Layout | None:
-    """The layout of an index (versions 2-4, SHA-1 or SHA-256: the one
-    whose entries and extensions end exactly at the checksum); None when
-    the bytes are not an index we can read."""
-    return next(_layouts(data), None)
+def layout(data: bytes, hash_size: int = 0) -> Layout | None:
+    """The layout of an index (versions 2-4) whose ids are ``hash_size``
+    bytes, as the repository's git reads it (0: SHA-1, or SHA-256 where
+    SHA-1 does not parse); None when the bytes are not an index git reads."""
+    return next((found for found in _layouts(data) if found.hash_size == hash_size or not hash_size), None)
 
 
 def _layouts(data: bytes) -> Iterator[Layout]:
-    """Each reading of the index that parses cleanly, SHA-1 ids first (the
-    index does not say which its ids are)."""
+    """Each reading of the index that parses, SHA-1 ids first (the index
+    does not say which its ids are: the repository's configuration does)."""
     if len(data) < 12 or data[:4] != b"DIRC":
         return
     version = int.from_bytes(data[4:8], "big")
@@ -174,4 +177,4 @@ def _layouts(data: bytes) -> Iterator[Layout]:
         walked = walk_entries(data, version, count, hash_size)
         found = extensions(data, walked[1], hash_size) if walked is not None else None
         if walked is not None and found is not None:
-            yield Layout(version, hash_size, walked[0], found)
+            yield Layout(version, hash_size, walked[0], found, walked[1])

@@ -72,11 +72,14 @@ class Review:
         self.why_not = ""
         self.hid: list[str] = []
         self.dropped: list[str] = []  # the extensions left out
+        self.moved_aside = ""  # where a split index a session made went
 
 
-def review(gitdir: str, worktree: str, since_ns: int) -> Review:
+def review(gitdir: str, worktree: str, since_ns: int, hash_size: int = 20, splits: bool = False) -> Review:
     """Rewrite ``gitdir/index`` as the module says when it changed since
-    ``since_ns`` and says something it must not."""
+    ``since_ns`` and says something it must not; ``hash_size``: the
+    repository's ids' (its configuration's object format), as git reads it;
+    ``splits``: the user's configuration asks for a split index."""
     done = Review()
     path = os.path.join(gitdir, "index")
     try:
@@ -86,10 +89,18 @@ def review(gitdir: str, worktree: str, since_ns: int) -> Review:
     if not stat.S_ISREG(st.st_mode) or st.st_ctime_ns < since_ns - _RACY_NS:
         return done
     read = fs.read_regular(path, limit=_MAX_BYTES, whole=True)
-    found = indexfile.layout(read[0]) if read is not None else None
+    found = indexfile.layout(read[0], hash_size) if read is not None else None
+    if found is not None and not splits and any(sig == b"link" for sig, _, _ in found.extensions):
+        # A split index (``git update-index --split-index``) the user's configuration does not ask
+        # for: its entries are a shared index's, changed by bitmaps; not read here, so not kept.
+        try:
+            done.moved_aside = fs.move_aside(path)
+        except OSError as exc:
+            done.why_not = f"a split index a session made, which cannot be moved aside ({exc.strerror})"
+        return done
     if read is None or found is None or any(sig == b"link" for sig, _, _ in found.extensions):
         done.why_not = ("over its bounds or unreadable" if read is None else "not an index git reads"
-                        if found is None else "a split index")
+                        if found is None else "a split index (core.splitIndex)")
         return done
     data = bytearray(read[0])
     changed = _distrust_entries(data, found, worktree, since_ns, done.hid)
@@ -101,8 +112,8 @@ def review(gitdir: str, worktree: str, since_ns: int) -> Review:
     if not changed and not dropped:
         return done
     kept = [(sig, a, b) for sig, a, b in found.extensions if sig not in dropped]
-    entries_end = found.extensions[0][1] if found.extensions else len(data) - found.hash_size
-    body = bytes(data[:entries_end]) + b"".join(bytes(data[a:b]) for _, a, b in kept)
+    # Fewer than 8 bytes after the extensions, which git passes over, are left out too.
+    body = bytes(data[:found.entries_end]) + b"".join(bytes(data[a:b]) for _, a, b in kept)
     digest = hashlib.sha256(body) if found.hash_size == 32 else hashlib.sha1(body)
     done.dropped = sorted(sig.decode("ascii", "replace") for sig in dropped if sig in {e[0] for e in found.extensions})
     done.rewritten, done.why_not = _replace(gitdir, body + digest.digest(), stat.S_IMODE(st.st_mode))
@@ -126,8 +137,6 @@ def _distrust_entries(data: bytearray, found: indexfile.Layout, worktree: str, s
             st = os.lstat(os.path.join(worktree, name))
         except OSError:
             continue  # gone: git shows it deleted whatever the entry says
-        if st.st_ctime_ns < since_ns - _RACY_NS:
-            continue
         verdict = _verdict(data, entry, found.hash_size, worktree, name, st, budget)
         if verdict == "true":
             continue
@@ -145,22 +154,30 @@ def _distrust_entries(data: bytearray, found: indexfile.Layout, worktree: str, s
 
 def _recent(worktree: str, entries: list[indexfile.Entry], since_ns: int) -> set[bytes]:
     """The entries' names whose file changed since ``since_ns`` (or cannot
-    be looked at): an ``fstatat`` each below the worktree's descriptor, in C
-    where the helper is built (``recent_named``, the interpreter's lock let
-    go: ~1 µs a file), and only names git would check out (not absolute,
-    no ``..``, not a split index's placeholder or a sparse directory)."""
-    names = b"".join(e.name + b"\0" for e in entries if e.name and not e.name.startswith(b"/")
-                     and b".." not in e.name.split(b"/") and b"\0" not in e.name
-                     and e.mode & 0o170000 != _DIR_MODE)
+    be looked at), or lies in a directory that did: a directory renamed
+    into place changes its own ctime, not its files' (a copy made before
+    the open, edited, swapped in for ``src``). An ``fstatat`` a file and a
+    directory, in C where the helper is built (``recent_named``, the
+    interpreter's lock let go: ~1 µs each); only names git would check out
+    (not absolute, no ``..``, not a split index's placeholder or a sparse
+    directory)."""
+    names = [e.name for e in entries if e.name and not e.name.startswith(b"/") and b".." not in e.name.split(b"/")
+             and b"\0" not in e.name and e.mode & 0o170000 != _DIR_MODE]
+    dirs = {name[:i] for name in names for i in range(len(name)) if name[i:i + 1] == b"/"}
     try:
         fd = os.open(worktree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return set()
     try:
         look = getattr(native.lines, "recent_named", None) or replaced.recent_named
-        return {os.fsencode(name) for name in look(fd, names, since_ns, since_ns)}
+        recent = {os.fsencode(n) for n in look(fd, b"".join(n + b"\0" for n in names), since_ns, since_ns)}
+        moved = {os.fsencode(n) for n in look(fd, b"".join(d + b"\0" for d in sorted(dirs)), since_ns, since_ns)}
     finally:
         os.close(fd)
+    if moved:
+        recent |= {name for name in names if any(name[:i] in moved for i in range(len(name))
+                                                 if name[i:i + 1] == b"/")}
+    return recent
 
 
 def _verdict(data: bytearray, entry: indexfile.Entry, hash_size: int, worktree: str, name: str,

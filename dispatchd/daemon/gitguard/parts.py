@@ -16,7 +16,7 @@ import os
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import indexreview, runnables, snapshots
+from dispatchd.daemon.gitguard import configs, indexreview, runnables, snapshots
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects
 
 log = logging.getLogger("dispatchd.baselines")
@@ -82,7 +82,15 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
             found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
                                    time=now_t))
         if part.own_gitdir:  # the index, made to show what the worktree holds (indexreview.py)
-            review = indexreview.review(part.own_gitdir, part.root, part.git.taken_ns)
+            common = part.common
+            review = indexreview.review(part.own_gitdir, part.root, part.git.taken_ns,
+                                        configs.object_id_size(common) if common else 20,
+                                        splits=bool(common) and configs.repo_setting(common, "core", "splitindex")
+                                        in ("true", "yes", "on", "1"))
+            if review.moved_aside:
+                found.append(Protected(path=os.path.join(part.own_gitdir, "index"), time=now_t, why=(
+                    f"a split index a session made (your configuration asks for none), which the check cannot "
+                    f"review: moved aside to {review.moved_aside}; `git reset` makes a new one from HEAD")))
             if review.why_not:
                 log.warning("event=git_index_not_reviewed gitdir=%s why=%s", part.own_gitdir, review.why_not)
             if review.hid:
