@@ -147,3 +147,49 @@ def test_a_packed_record() -> None:
     assert refvalues.packed_record("A" * 40 + "\trefs/heads/x") == ("a" * 40, "refs/heads/x")
     for line in ("# pack-refs with: peeled", "^" + "a" * 40, "a" * 39 + " refs/heads/x", "a" * 40 + "refs/x", ""):
         assert refvalues.packed_record(line) is None, line
+
+
+def _sorted_with_moved_records(repo: Path, names: list[str]) -> None:
+    """``packed-refs`` keeps its ``sorted`` header with the records of
+    ``names`` moved to its end: git's binary search no longer finds them."""
+    path = repo / ".git" / "packed-refs"
+    lines = path.read_text().split("\n")
+    moved = [line for line in lines if any(line.endswith(" " + n) for n in names)]
+    path.write_text("\n".join([line for line in lines if line and line not in moved] + moved) + "\n")
+
+
+@pytest.mark.parametrize("how", ["the git directory's top", "refs/NAME", "a tag of the branch's name"])
+def test_a_ref_in_front_of_a_short_name_is_moved_aside(tmp_path: Path, how: str) -> None:
+    """Git resolves ``v1.0`` at ``.git/v1.0``, then ``refs/v1.0``, then
+    ``refs/tags/v1.0``, then ``refs/heads/v1.0``: a ref of the session's in
+    front (with the user's records hidden from git's binary search, so that
+    git does not even say the name is ambiguous) showed its commit."""
+    repo, kept, evil = _setup(tmp_path)
+    short, ahead = {"the git directory's top": ("v1.0", ".git/v1.0"), "refs/NAME": ("v1.0", ".git/refs/v1.0"),
+                    "a tag of the branch's name": ("release", ".git/refs/tags/release")}[how]
+    _sorted_with_moved_records(repo, ["refs/tags/v1.0", "refs/heads/release"])
+    (repo / ahead).write_text(evil + "\n")
+    assert _user_reads(repo, short) == "evil"  # the control
+    done, failed = history.restore(kept)
+    assert not failed and any(p == str(repo / ahead) and "in front of one of your branches" in why
+                              for p, why in done), done
+    assert _user_reads(repo, short) == "2\n" and _user_reads(repo, f"refs/heads/release") == "2\n"
+
+
+def test_a_packed_tag_in_front_of_a_branch_is_taken_out_and_the_user_s_own_stays(tmp_path: Path) -> None:
+    """The twin first: a tag and a branch of one name the user had at the
+    baseline are the user's. Then a new packed tag named as a branch goes."""
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "branch", "release")
+    git(repo, "branch", "both")
+    git(repo, "tag", "both", "HEAD~1")
+    git(repo, "pack-refs", "--all")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert history.restore(kept) == ([], [])
+    path = repo / ".git" / "packed-refs"
+    path.write_text(path.read_text().replace("# pack-refs with: peeled fully-peeled sorted \n", "")
+                    + git(repo, "rev-parse", "HEAD~2").strip() + " refs/tags/release\n")
+    assert _user_reads(repo, "release") == "0\n"  # the control: the tag comes first
+    done, failed = history.restore(kept)
+    assert not failed and any("refs/tags/release taken out" in why for _, why in done), done
+    assert _user_reads(repo, "release") == "2\n" and _user_reads(repo, "both") == "1\n"

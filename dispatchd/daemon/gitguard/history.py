@@ -43,7 +43,8 @@ import msgspec
 
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import (clones, derived, fs, keeps, newloose, newpacks, objectdirs, objectstore, packed,
-                                       packlinks, reftemp, refvalues, replacerefs, replaced, shown, viewfiles)
+                                       packlinks, reftemp, refvalues, replacerefs, replaced, shadows, shown,
+                                       viewfiles)
 from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
@@ -71,6 +72,7 @@ class History(msgspec.Struct, frozen=True):
     views: dict[str, str | None] | None = None  # shallow and alternates as they were (viewfiles.py)
     view_stamps: dict[str, list[int] | None] | None = None  # the commit-graph and the like (viewfiles.py)
     pack_links: dict[str, int] | None = None  # each pack file -> its names, the keep's included (packlinks.py)
+    shadows: list[str] | None = None  # what stood in front of the refs' short names (shadows.py; None: older)
 
 
 _RACY_NS = 50_000_000  # a directory changed this close before a look is listed whatever its ctime says
@@ -103,12 +105,14 @@ def read_refs(common: str) -> dict[str, str]:
     other): it differs from any baseline."""
     refs: dict[str, str] = {}
     dirs = 0
-    packed_text = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024)
-    for line in (packed_text or "").split("\n"):
+    packed_text = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024) or ""
+    unsorted = refvalues.packed_out_of_order(packed_text)  # git's binary search misses what we would read
+    for line in packed_text.split("\n"):
         record = refvalues.packed_record(line)
         if record is not None and record[1].startswith(PROTECTED_PREFIXES):
             oid, name = record
-            refs[name] = oid if refs.get(name, oid) == oid else "named twice in packed-refs"
+            refs[name] = "out of order in a sorted packed-refs" if unsorted else \
+                oid if refs.get(name, oid) == oid else "named twice in packed-refs"
             if len(refs) >= _MAX_REFS:
                 break
     for prefix in PROTECTED_PREFIXES:
@@ -237,7 +241,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
         return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep="",
                        note="object files not kept: objects is not a directory (a symlink?)",
                        replaces=replacing.loose, replaces_packed=replacing.packed, views=viewfiles.read(common),
-                       view_stamps=viewfiles.read_stamps(common))
+                       view_stamps=viewfiles.read_stamps(common), shadows=shadows.present(common, list(refs)))
     stamps = _stamps(objects)
     try:
         with keeps.hold(keep, common):  # named, and spared by a sweep while this works
@@ -288,7 +292,8 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note,
                    stamps=stamps, stamped_ns=stamped_ns, replaces=replacing.loose,
                    replaces_packed=replacing.packed, views=viewfiles.read(common),
-                   view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects))
+                   view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects),
+                   shadows=shadows.present(common, list(refs)))
 
 
 def own_unheld_packs(histories: list[History], read_only: list[str]) -> None:
@@ -442,6 +447,12 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         failed += bad
     except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
         failed.append(f"{common}: the check of the object indexes failed: {exc!r}")
+    try:  # a ref of the session's in front of a short name of the user's
+        moved, bad = shadows.clear(common, list(history.refs), history.shadows) if history.shadows is not None \
+            else ([], [])
+        done, failed = done + moved, failed + bad
+    except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
+        failed.append(f"{common}: the look at refs in front of yours failed: {exc!r}")
     try:
         for sub in ("refs/heads", "refs/tags"):
             os.makedirs(os.path.join(common, sub), exist_ok=True)

@@ -41,6 +41,19 @@ def packed_record(line: str) -> tuple[str, str] | None:
     return (m.group(1).lower(), m.group(2)) if m else None
 
 
+def packed_out_of_order(text: str) -> bool:
+    """Whether a ``packed-refs`` whose header says ``sorted`` is not: git
+    then looks a name up by binary search and misses records out of place
+    (a tag moved to the end was no tag to git, and a file of the session's
+    at ``.git/v1.0`` took its name), where a reading line by line finds them."""
+    lines = text.split("\n")
+    if not lines or not lines[0].startswith("# pack-refs with:") or " sorted" not in lines[0] + " ":
+        return False
+    names = [record[1] for record in map(packed_record, lines[1:]) if record is not None]
+    return any(a.encode("utf-8", "surrogateescape") >= b.encode("utf-8", "surrogateescape")
+               for a, b in zip(names, names[1:]))
+
+
 def parse_loose(text: str) -> str:
     """A loose ref file's content -> its value (see the module)."""
     if text.startswith("ref:"):

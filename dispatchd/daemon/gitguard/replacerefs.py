@@ -87,7 +87,7 @@ def in_effect(loose: dict[str, str], packed: list[str]) -> dict[str, str]:
 def read(common: str) -> Baseline:
     """The replacement refs of the repository at ``common`` (see the module)."""
     found = Baseline()
-    lines, found.why = _packed(common)
+    lines, found.why = packed_lines(common)
     found.packed = [line.decode("latin-1") for line in lines or [] if _is_replace_line(line)]
     top = os.path.join(common, "refs", "replace")
     if not os.path.lexists(top):
@@ -146,7 +146,7 @@ def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list
     else:
         extra = sorted(set(now.packed) - set(packed))
         if extra:
-            why = _drop_packed(common, {line.encode("latin-1") for line in extra})
+            why = drop_packed(common, {line.encode("latin-1") for line in extra})
             if why:
                 failed.append(why)
             else:
@@ -173,7 +173,7 @@ def _is_replace_line(line: bytes) -> bool:
     return record is not None and record[1].startswith(PREFIX)
 
 
-def _packed(common: str) -> tuple[list[bytes] | None, str]:
+def packed_lines(common: str) -> tuple[list[bytes] | None, str]:
     """The lines of ``packed-refs`` (split at ``\\n`` only, as git does), or
     None and why not ("" when there is none, or it is not a regular file:
     ``restore`` moves that aside)."""
@@ -201,11 +201,11 @@ def _packed(common: str) -> tuple[list[bytes] | None, str]:
     return lines, ""
 
 
-def _drop_packed(common: str, drop: set[bytes]) -> str:
+def drop_packed(common: str, drop: set[bytes]) -> str:
     """``packed-refs`` without the lines ``drop`` (and their peeled lines),
     which are kept in a file beside; "" when done, else why not."""
     path = os.path.join(common, "packed-refs")
-    lines, why = _packed(common)
+    lines, why = packed_lines(common)
     if lines is None:
         return f"{path}: {why or 'gone meanwhile'}; replacement refs could not be taken out"
     kept: list[bytes] = []
