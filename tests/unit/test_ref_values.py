@@ -173,7 +173,7 @@ def test_a_ref_in_front_of_a_short_name_is_moved_aside(tmp_path: Path, how: str)
     done, failed = history.restore(kept)
     assert not failed and any(p == str(repo / ahead) and "in front of one of your branches" in why
                               for p, why in done), done
-    assert _user_reads(repo, short) == "2\n" and _user_reads(repo, f"refs/heads/release") == "2\n"
+    assert _user_reads(repo, short) == "2\n" and _user_reads(repo, "refs/heads/release") == "2\n"
 
 
 def test_a_packed_tag_in_front_of_a_branch_is_taken_out_and_the_user_s_own_stays(tmp_path: Path) -> None:
