@@ -265,3 +265,14 @@ def test_a_split_index_a_session_made_is_moved_aside(tmp_path: Path) -> None:
         assert done.moved_aside and not (repo / ".git" / "index").exists(), vars(done)
         git(repo, "reset", "-q")
         assert _status(repo) == " M f\n"
+
+
+def test_a_cache_tree_count_is_read_as_git_reads_it_or_not_at_all() -> None:
+    """``1_0`` is 10 to Python's ``int`` and 1 to git's ``strtol``: only
+    plain digits (and -1) are read; anything else leaves the extension out."""
+    from dispatchd.daemon.gitguard import cachetree
+    oid = b"\x01" * 20
+    assert cachetree._nodes(b"\x001 0\n" + oid, 20) == [(b"", 1, oid)]
+    assert cachetree._nodes(b"\x00-1 0\n", 20) == [(b"", -1, b"")]
+    for bad in (b"\x001_0 0\n" + oid, b"\x00 1 0\n" + oid, b"\x00+1 0\n" + oid, b"\x001 0 \n" + oid):
+        assert cachetree._nodes(bad, 20) is None, bad

@@ -18,10 +18,12 @@ are not followed here), more than ``MAX_ENTRIES``, a malformed extension.
 from __future__ import annotations
 
 import hashlib
+import re
 
 from dispatchd.daemon.gitguard.indexfile import Entry
 
 MAX_ENTRIES = 200_000
+_COUNTS = re.compile(rb"(-1|[0-9]+) ([0-9]+)")
 _INTENT_TO_ADD = 0x2000  # of the extended flags
 _STAGE = 0x3000
 
@@ -59,8 +61,10 @@ def _nodes(ext: bytes, hash_size: int) -> list[tuple[bytes, int, bytes]] | None:
             nul = ext.index(b"\0", pos)
             name = ext[pos:nul]
             nl = ext.index(b"\n", nul)
-            count_text, subtrees_text = ext[nul + 1:nl].split(b" ")
-            count, subtrees = int(count_text), int(subtrees_text)
+            counts = _COUNTS.fullmatch(ext[nul + 1:nl])
+            if counts is None:
+                return None  # only what git's strtol and Python's int read alike: digits (a count may be -1)
+            count, subtrees = int(counts.group(1)), int(counts.group(2))
             pos = nl + 1
             oid = b""
             if count >= 0:
