@@ -276,3 +276,17 @@ def test_a_cache_tree_count_is_read_as_git_reads_it_or_not_at_all() -> None:
     assert cachetree._nodes(b"\x00-1 0\n", 20) == [(b"", -1, b"")]
     for bad in (b"\x001_0 0\n" + oid, b"\x00 1 0\n" + oid, b"\x00+1 0\n" + oid, b"\x001 0 \n" + oid):
         assert cachetree._nodes(bad, 20) is None, bad
+
+
+def test_an_index_that_is_a_symlink_is_moved_aside(tmp_path: Path) -> None:
+    """Git follows a symlink at ``.git/index`` to an index of the session's
+    choosing (here one hiding its edit); the review reads no such file, so
+    it is not left either."""
+    repo, since = _start(tmp_path)
+    _hide_by_flag("--assume-unchanged")(repo)
+    index = repo / ".git" / "index"
+    os.rename(index, repo / "elsewhere")
+    index.symlink_to(repo / "elsewhere")
+    assert "f" not in _status(repo).split()  # the control: git reads it, f said clean
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert done.moved_aside and not os.path.lexists(index), vars(done)

@@ -72,7 +72,7 @@ class Review:
         self.why_not = ""
         self.hid: list[str] = []
         self.dropped: list[str] = []  # the extensions left out
-        self.moved_aside = ""  # where a split index a session made went
+        self.moved_aside = ""  # where an index not to be read went (a split index, a symlink)
 
 
 def review(gitdir: str, worktree: str, since_ns: int, hash_size: int = 20, splits: bool = False) -> Review:
@@ -86,7 +86,15 @@ def review(gitdir: str, worktree: str, since_ns: int, hash_size: int = 20, split
         st = os.lstat(path)
     except OSError:
         return done
-    if not stat.S_ISREG(st.st_mode) or st.st_ctime_ns < since_ns - _RACY_NS:
+    if not stat.S_ISREG(st.st_mode):
+        # A symlink git would follow to an index of the session's choosing, a FIFO it would wait on:
+        # not one to read here, so not one to leave.
+        try:
+            done.moved_aside = fs.move_aside(path)
+        except OSError as exc:
+            done.why_not = f"not a regular file, and cannot be moved aside ({exc.strerror})"
+        return done
+    if st.st_ctime_ns < since_ns - _RACY_NS:
         return done
     read = fs.read_regular(path, limit=_MAX_BYTES, whole=True)
     found = indexfile.layout(read[0], hash_size) if read is not None else None

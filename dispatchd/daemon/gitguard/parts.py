@@ -89,8 +89,8 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
                                         in ("true", "yes", "on", "1"))
             if review.moved_aside:
                 found.append(Protected(path=os.path.join(part.own_gitdir, "index"), time=now_t, why=(
-                    f"a split index a session made (your configuration asks for none), which the check cannot "
-                    f"review: moved aside to {review.moved_aside}; `git reset` makes a new one from HEAD")))
+                    f"an index the check cannot review (a split index your configuration asks for none of, a "
+                    f"symlink, a FIFO): moved aside to {review.moved_aside}; `git reset` makes a new one from HEAD")))
             if review.why_not:
                 log.warning("event=git_index_not_reviewed gitdir=%s why=%s", part.own_gitdir, review.why_not)
             if review.hid:
