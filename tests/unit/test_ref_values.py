@@ -193,3 +193,23 @@ def test_a_packed_tag_in_front_of_a_branch_is_taken_out_and_the_user_s_own_stays
     done, failed = history.restore(kept)
     assert not failed and any("refs/tags/release taken out" in why for _, why in done), done
     assert _user_reads(repo, "release") == "2\n" and _user_reads(repo, "both") == "1\n"
+
+
+def test_a_ref_in_front_inside_a_directory_is_moved_aside(tmp_path: Path) -> None:
+    """A branch ``feature/x``: ``.git/feature/x`` stands in front of it,
+    in a directory the session made (moved whole) or one the user had
+    (only the file goes)."""
+    for user_had_the_directory in (False, True):
+        base = tmp_path / str(user_had_the_directory)
+        base.mkdir()
+        repo = commits_repo(base / "repo")
+        git(repo, "branch", "feature/x", "HEAD~1")
+        if user_had_the_directory:
+            (repo / ".git" / "feature").mkdir()
+        kept = history.record(str(repo / ".git"), str(base / "keep"), own=[])
+        (repo / ".git" / "feature").mkdir(exist_ok=True)
+        (repo / ".git" / "feature" / "x").write_text(git(repo, "rev-parse", "HEAD~2").strip() + "\n")
+        assert _user_reads(repo, "feature/x") == "0\n"  # the control
+        done, failed = history.restore(kept)
+        assert not failed and _user_reads(repo, "feature/x") == "1\n", done
+        assert (repo / ".git" / "feature").is_dir() == user_had_the_directory

@@ -49,8 +49,8 @@ def in_front(common: str, refs: list[str]) -> tuple[set[str], set[str]]:
     for ref in refs[:_MAX_REFS]:
         kind, _, short = ref[len("refs/"):].partition("/")
         first = short.split("/", 1)[0]
-        if first not in _GITS_OWN:
-            loose.update(os.path.join(top, first) if top else first for top in tops)
+        if first not in _GITS_OWN:  # the name's first part (a directory a session made), and the name in it
+            loose.update(os.path.join(top, part) if top else part for top in tops for part in {first, short})
         ahead = [f"refs/{short}"] + ([f"refs/tags/{short}"] if kind == "heads" else [])
         loose.update(ahead)
         names.update(ahead)
@@ -87,12 +87,14 @@ def clear(common: str, refs: list[str], baseline: list[str]) -> tuple[list[tuple
     failed: list[str] = []
     had = set(baseline)
     why = "a ref a session made in front of one of your branches or tags (git resolves its short name there first)"
+    moved: list[str] = []
     for item in present(common, refs):
-        if item in had:
-            continue
         kind, _, rel = item.partition(":")
+        if item in had or any(rel.startswith(m + "/") for m in moved):
+            continue  # the user's, or inside a directory moved aside just before (sorted: parents first)
         path = os.path.join(common, rel)
         if kind == "loose":
+            moved.append(rel)
             try:
                 done.append((path, f"{why}; moved aside to {fs.move_aside(path)}"))
             except OSError as exc:
