@@ -290,3 +290,30 @@ def test_an_index_that_is_a_symlink_is_moved_aside(tmp_path: Path) -> None:
     assert "f" not in _status(repo).split()  # the control: git reads it, f said clean
     done = indexreview.review(str(repo / ".git"), str(repo), since)
     assert done.moved_aside and not os.path.lexists(index), vars(done)
+
+
+def test_a_sparse_index_a_session_made_is_moved_aside(tmp_path: Path) -> None:
+    """A sparse index's directory entry stands for every file below it, each
+    skip-worktree: the user's git expands it and never looks at them (an
+    edit of ``src/a.py`` hidden). Made in a clone with sparse-checkout and
+    copied in; the user's configuration asks for none, so it is moved aside."""
+    repo = commits_repo(tmp_path / "repo")
+    (repo / "src").mkdir()
+    (repo / "src" / "a.py").write_text("a\n")
+    git(repo, "add", "src")
+    git(repo, "commit", "-qm", "src")
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(repo), str(clone))
+    git(clone, "sparse-checkout", "set", "--cone", "--sparse-index", "nothing")
+    time.sleep(0.06)
+    since = time.time_ns()
+    (repo / "src" / "a.py").write_text("a\nimport os; os.system('evil')\n")
+    subprocess.run(["cp", str(clone / ".git" / "index"), str(repo / ".git" / "index")], check=True)
+    control = tmp_path / "control"  # git's own look expands the index (and writes it): on a copy
+    subprocess.run(["cp", "-a", str(repo), str(control)], check=True)
+    assert _status(control) == ""  # the control: git says clean over the edit
+    assert b"sdir" in (repo / ".git" / "index").read_bytes()
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert done.moved_aside and not (repo / ".git" / "index").exists(), vars(done)
+    git(repo, "reset", "-q")
+    assert _status(repo) == " M src/a.py\n"

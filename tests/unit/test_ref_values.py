@@ -213,3 +213,24 @@ def test_a_ref_in_front_inside_a_directory_is_moved_aside(tmp_path: Path) -> Non
         done, failed = history.restore(kept)
         assert not failed and _user_reads(repo, "feature/x") == "1\n", done
         assert (repo / ".git" / "feature").is_dir() == user_had_the_directory
+
+
+@pytest.mark.parametrize("header", ["# pack-refs with:sorted", "# pack-refs with: peeled fully-peeled sorted "])
+def test_a_sorted_header_as_git_reads_it(header: str) -> None:
+    """Git cuts the header's traits at each space: ``with:sorted`` is sorted."""
+    records = ["b" * 40 + " refs/tags/b", "a" * 40 + " refs/tags/a"]
+    assert refvalues.packed_out_of_order("\n".join([header] + records))
+    assert not refvalues.packed_out_of_order("\n".join([header] + records[::-1]))
+    assert not refvalues.packed_out_of_order("\n".join(["# pack-refs with: peeled"] + records))
+
+
+def test_a_packed_record_named_as_the_short_name_itself_is_taken_out(tmp_path: Path) -> None:
+    """``$GIT_DIR/v1.0`` falls back to a packed-refs record named ``v1.0``
+    (no ``refs/``), in front of ``refs/tags/v1.0``."""
+    repo, kept, evil = _setup(tmp_path)
+    path = repo / ".git" / "packed-refs"
+    path.write_text(path.read_text() + f"{evil} release\n{evil} v1.0\n")  # still sorted: after refs/
+    assert _user_reads(repo, "v1.0") == "evil" and _user_reads(repo, "release") == "evil"  # the control
+    done, failed = history.restore(kept)
+    assert not failed and any("release, v1.0 taken out" in why for _, why in done), done
+    assert _user_reads(repo, "v1.0") == "2\n" and _user_reads(repo, "release") == "2\n"

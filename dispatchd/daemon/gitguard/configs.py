@@ -198,6 +198,11 @@ def repo_setting(common: str, section: str, key: str) -> str | None:
     return values[-1] if values else None
 
 
+def repo_flag(common: str, section: str, key: str) -> bool:
+    """Whether the repository's own ``config`` sets ``section.key`` true (git's spellings)."""
+    return (repo_setting(common, section, key) or "").lower() in ("true", "yes", "on", "1")
+
+
 def object_id_size(common: str) -> int:
     """32 when the repository's configuration names SHA-256 as its object
     format (``extensions.objectFormat``), else 20: the ids git reads its

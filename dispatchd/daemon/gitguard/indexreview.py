@@ -72,14 +72,16 @@ class Review:
         self.why_not = ""
         self.hid: list[str] = []
         self.dropped: list[str] = []  # the extensions left out
-        self.moved_aside = ""  # where an index not to be read went (a split index, a symlink)
+        self.moved_aside = ""  # where an index not to be read went (a split or sparse index, a symlink)
 
 
-def review(gitdir: str, worktree: str, since_ns: int, hash_size: int = 20, splits: bool = False) -> Review:
+def review(gitdir: str, worktree: str, since_ns: int, hash_size: int = 20, splits: bool = False,
+           sparse: bool = False) -> Review:
     """Rewrite ``gitdir/index`` as the module says when it changed since
     ``since_ns`` and says something it must not; ``hash_size``: the
     repository's ids' (its configuration's object format), as git reads it;
-    ``splits``: the user's configuration asks for a split index."""
+    ``splits``, ``sparse``: the user's configuration asks for a split, a
+    sparse index."""
     done = Review()
     path = os.path.join(gitdir, "index")
     try:
@@ -98,17 +100,21 @@ def review(gitdir: str, worktree: str, since_ns: int, hash_size: int = 20, split
         return done
     read = fs.read_regular(path, limit=_MAX_BYTES, whole=True)
     found = indexfile.layout(read[0], hash_size) if read is not None else None
-    if found is not None and not splits and any(sig == b"link" for sig, _, _ in found.extensions):
-        # A split index (``git update-index --split-index``) the user's configuration does not ask
-        # for: its entries are a shared index's, changed by bitmaps; not read here, so not kept.
+    signatures = {sig for sig, _, _ in found.extensions} if found is not None else set()
+    if found is not None and (b"link" in signatures and not splits or b"sdir" in signatures and not sparse):
+        # A split index (``git update-index --split-index``) or a sparse one the user's configuration
+        # does not ask for: a split one's entries are a shared index's, changed by bitmaps; a sparse
+        # one's directory entry stands for every file below it, each skip-worktree (git expands it, and
+        # never looks at those files). Not read here, so not kept.
         try:
             done.moved_aside = fs.move_aside(path)
         except OSError as exc:
             done.why_not = f"a split index a session made, which cannot be moved aside ({exc.strerror})"
         return done
-    if read is None or found is None or any(sig == b"link" for sig, _, _ in found.extensions):
+    if read is None or found is None or b"link" in signatures or b"sdir" in signatures:
         done.why_not = ("over its bounds or unreadable" if read is None else "not an index git reads"
-                        if found is None else "a split index (core.splitIndex)")
+                        if found is None else "a split index (core.splitIndex)" if b"link" in signatures
+                        else "a sparse index (index.sparse)")
         return done
     data = bytearray(read[0])
     changed = _distrust_entries(data, found, worktree, since_ns, done.hid)

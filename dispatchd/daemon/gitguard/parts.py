@@ -82,22 +82,7 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
             found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
                                    time=now_t))
         if part.own_gitdir:  # the index, made to show what the worktree holds (indexreview.py)
-            common = part.common
-            review = indexreview.review(part.own_gitdir, part.root, part.git.taken_ns,
-                                        configs.object_id_size(common) if common else 20,
-                                        splits=bool(common) and configs.repo_setting(common, "core", "splitindex")
-                                        in ("true", "yes", "on", "1"))
-            if review.moved_aside:
-                found.append(Protected(path=os.path.join(part.own_gitdir, "index"), time=now_t, why=(
-                    f"an index the check cannot review (a split index your configuration asks for none of, a "
-                    f"symlink, a FIFO): moved aside to {review.moved_aside}; `git reset` makes a new one from HEAD")))
-            if review.why_not:
-                log.warning("event=git_index_not_reviewed gitdir=%s why=%s", part.own_gitdir, review.why_not)
-            if review.hid:
-                found.append(Protected(path=os.path.join(part.own_gitdir, "index"), time=now_t, why=(
-                    f"said {len(review.hid)} files the session changed were unchanged ({', '.join(review.hid[:5])}"
-                    f"{', ...' if len(review.hid) > 5 else ''}; or a filter such as Git LFS's makes them differ): "
-                    f"their entries reset, git compares their content at its next look")))
+            _review_index(part, found, now_t)
     tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,
                          skip_root_git=part.layout.kind in ("repository", "linked"))
     if not tree.complete:
@@ -111,6 +96,26 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
         found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
                                time=now_t))
     return failed
+
+
+def _review_index(part: Part, found: list[Protected], now_t: float) -> None:
+    common = part.common
+    review = indexreview.review(part.own_gitdir, part.root, part.git.taken_ns,
+                                configs.object_id_size(common) if common else 20,
+                                splits=bool(common) and configs.repo_flag(common, "core", "splitindex"),
+                                sparse=bool(common) and configs.repo_flag(common, "index", "sparse"))
+    index = os.path.join(part.own_gitdir, "index")
+    if review.why_not:
+        log.warning("event=git_index_not_reviewed gitdir=%s why=%s", part.own_gitdir, review.why_not)
+    if review.moved_aside:
+        found.append(Protected(path=index, time=now_t, why=(
+            f"an index the check cannot review (a split or sparse index your configuration asks for none of, a "
+            f"symlink, a FIFO): moved aside to {review.moved_aside}; `git reset` makes a new one from HEAD")))
+    if review.hid:
+        found.append(Protected(path=index, time=now_t, why=(
+            f"said {len(review.hid)} files the session changed were unchanged ({', '.join(review.hid[:5])}"
+            f"{', ...' if len(review.hid) > 5 else ''}; or a filter such as Git LFS's makes them differ): "
+            f"their entries reset, git compares their content at its next look")))
 
 
 def _resolved(path: str) -> str:

@@ -47,7 +47,9 @@ def packed_out_of_order(text: str) -> bool:
     (a tag moved to the end was no tag to git, and a file of the session's
     at ``.git/v1.0`` took its name), where a reading line by line finds them."""
     lines = text.split("\n")
-    if not lines or not lines[0].startswith("# pack-refs with:") or " sorted" not in lines[0] + " ":
+    # git's traits: the header's text after "with:" cut at each space (``with:sorted`` is sorted).
+    if not lines or not lines[0].startswith("# pack-refs with:") or \
+            "sorted" not in lines[0][len("# pack-refs with:"):].split(" "):
         return False
     names = [record[1] for record in map(packed_record, lines[1:]) if record is not None]
     return any(a.encode("utf-8", "surrogateescape") >= b.encode("utf-8", "surrogateescape")

@@ -53,7 +53,8 @@ def in_front(common: str, refs: list[str]) -> tuple[set[str], set[str]]:
             loose.update(os.path.join(top, part) if top else part for top in tops for part in {first, short})
         ahead = [f"refs/{short}"] + ([f"refs/tags/{short}"] if kind == "heads" else [])
         loose.update(ahead)
-        names.update(ahead)
+        # git's first place, ``$GIT_DIR/X``, falls back to a packed-refs record named ``X`` itself.
+        names.update(ahead + [short])
     return loose, names
 
 
