@@ -9,7 +9,9 @@ commit-graph agreeing with a planted commit was kept), what ``git fsck``
 fails on ("hash-path mismatch"), and what git reads once a repack leaves
 the object loose-only. An honest one (``git gc`` loosens the objects it
 finds unreachable, ``git unpack-objects``) holds the object its name says,
-and stays. A file at a name the user had loose is ``replaced.py``'s.
+and stays. A file at a name the user had loose is ``replaced.py``'s; one at an id an
+alternate holds loose is looked at too (git reads a local loose file before
+an alternate's).
 
 Bounded: ``MAX_FILES`` files checked at one end, each up to
 ``replaced._LOOSE_MAX`` inflated; past the count, the rest is reported and
@@ -21,10 +23,22 @@ from __future__ import annotations
 import os
 import re
 
-from dispatchd.daemon.gitguard import fs, newpacks, replaced
+from dispatchd.daemon.gitguard import fs, objectstore, replaced
 
 MAX_FILES = 100_000
 _NAME = re.compile(r"[0-9a-f]{2}/(?:[0-9a-f]{38}|[0-9a-f]{62})")
+
+
+def _packed_or_borrowed(oids: list[bytes], keep: str, alternates: list[str]) -> set[bytes]:
+    """Which of ``oids`` the user had in a pack (the keep's indexes, an
+    alternate's) or loose in an alternate (git reads a local loose file
+    before an alternate's): each looked up, no store listed whole."""
+    found = objectstore.indexed(keep, oids) if os.path.isdir(os.path.join(keep, "pack")) else set()
+    for store in alternates:
+        rest = [oid for oid in oids if oid not in found]
+        found |= objectstore.indexed(store, rest)
+        found |= {oid for oid in rest if os.path.lexists(os.path.join(store, oid.hex()[:2], oid.hex()[2:]))}
+    return found
 
 
 def check(objects: str, keep: str, alternates: list[str], names: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
@@ -33,7 +47,9 @@ def check(objects: str, keep: str, alternates: list[str], names: list[str]) -> t
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     ids = {bytes.fromhex(n[:2] + n[3:]): n for n in names if _NAME.fullmatch(n)}
-    theirs = sorted(newpacks.users(list(ids), keep, alternates))
+    if not ids:
+        return done, failed  # the usual end: no new loose file, and no store listed
+    theirs = sorted(_packed_or_borrowed(list(ids), keep, alternates))
     if len(theirs) > MAX_FILES:
         failed.append(f"{objects}: {len(theirs)} new loose files at ids of your packed objects, past the "
                       f"{MAX_FILES} checked at one end: the rest not looked at (git fsck checks them)")
