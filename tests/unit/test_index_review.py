@@ -258,7 +258,7 @@ def test_a_split_index_a_session_made_is_moved_aside(tmp_path: Path) -> None:
         _hide_by_flag("--assume-unchanged")(repo)
         git(repo, "update-index", "--split-index")
         assert _status(repo) == ""  # the control: git says clean
-        done = indexreview.review(str(repo / ".git"), str(repo), since, splits=splits)
+        done = indexreview.review(str(repo / ".git"), str(repo), since, str(repo / ".git"))
         if splits:
             assert not done.moved_aside and done.why_not == "a split index (core.splitIndex)"
             continue

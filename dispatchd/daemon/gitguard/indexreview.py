@@ -45,7 +45,7 @@ import logging
 import os
 import stat
 
-from dispatchd.daemon.gitguard import cachetree, fs, indexfile, replaced
+from dispatchd.daemon.gitguard import cachetree, configs, fs, indexfile, replaced
 from dispatchd.tools import native
 
 log = logging.getLogger("dispatchd.baselines")
@@ -75,13 +75,11 @@ class Review:
         self.moved_aside = ""  # where an index not to be read went (a split or sparse index, a symlink)
 
 
-def review(gitdir: str, worktree: str, since_ns: int, hash_size: int = 20, splits: bool = False,
-           sparse: bool = False) -> Review:
+def review(gitdir: str, worktree: str, since_ns: int, common: str = "") -> Review:
     """Rewrite ``gitdir/index`` as the module says when it changed since
-    ``since_ns`` and says something it must not; ``hash_size``: the
-    repository's ids' (its configuration's object format), as git reads it;
-    ``splits``, ``sparse``: the user's configuration asks for a split, a
-    sparse index."""
+    ``since_ns`` and says something it must not. ``common``: the repository's
+    common git directory, whose configuration says its ids' length (read as
+    git reads it) and whether the user asks for a split or a sparse index."""
     done = Review()
     path = os.path.join(gitdir, "index")
     try:
@@ -97,7 +95,10 @@ def review(gitdir: str, worktree: str, since_ns: int, hash_size: int = 20, split
             done.why_not = f"not a regular file, and cannot be moved aside ({exc.strerror})"
         return done
     if st.st_ctime_ns < since_ns - _RACY_NS:
-        return done
+        return done  # the usual end: nothing read, not even the configuration
+    hash_size = configs.object_id_size(common) if common else 20
+    splits = bool(common) and configs.repo_flag(common, "core", "splitindex")
+    sparse = bool(common) and configs.repo_flag(common, "index", "sparse")
     read = fs.read_regular(path, limit=_MAX_BYTES, whole=True)
     found = indexfile.layout(read[0], hash_size) if read is not None else None
     signatures = {sig for sig, _, _ in found.extensions} if found is not None else set()

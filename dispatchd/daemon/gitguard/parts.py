@@ -16,7 +16,7 @@ import os
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import configs, indexreview, runnables, snapshots
+from dispatchd.daemon.gitguard import indexreview, runnables, snapshots
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects
 
 log = logging.getLogger("dispatchd.baselines")
@@ -99,11 +99,7 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
 
 
 def _review_index(part: Part, found: list[Protected], now_t: float) -> None:
-    common = part.common
-    review = indexreview.review(part.own_gitdir, part.root, part.git.taken_ns,
-                                configs.object_id_size(common) if common else 20,
-                                splits=bool(common) and configs.repo_flag(common, "core", "splitindex"),
-                                sparse=bool(common) and configs.repo_flag(common, "index", "sparse"))
+    review = indexreview.review(part.own_gitdir, part.root, part.git.taken_ns, part.common)
     index = os.path.join(part.own_gitdir, "index")
     if review.why_not:
         log.warning("event=git_index_not_reviewed gitdir=%s why=%s", part.own_gitdir, review.why_not)
