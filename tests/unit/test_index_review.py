@@ -317,3 +317,30 @@ def test_a_sparse_index_a_session_made_is_moved_aside(tmp_path: Path) -> None:
     assert done.moved_aside and not (repo / ".git" / "index").exists(), vars(done)
     git(repo, "reset", "-q")
     assert _status(repo) == " M src/a.py\n"
+
+
+@pytest.mark.parametrize("setting", [("core.trustctime", "false"), ("core.checkStat", "minimal")])
+def test_an_edit_with_its_mtime_set_back_is_shown_where_git_trusts_less_than_ctime(
+        tmp_path: Path, setting: tuple[str, str]) -> None:
+    """A same-size edit whose mtime the session set back, the index never
+    written: git sees nothing where the user's configuration does not trust
+    ctime. The review then runs whatever the index's own ctime says; the
+    twin, without that setting, git itself shows the edit."""
+    from dispatchd.daemon.gitguard import configs
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "config", *setting)
+    assert configs.weak_stat(str(tmp_path / "nobody"), str(repo / ".git"))
+    time.sleep(1.1)
+    git(repo, "update-index", "--really-refresh")  # the index a second after the files: none racily clean
+    time.sleep(0.06)
+    since = time.time_ns()
+    st = os.stat(repo / "f")
+    (repo / "f").write_text("X\n")  # the size of "2\n"
+    os.utime(repo / "f", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _status(repo) == ""  # the control
+    assert not indexreview.review(str(repo / ".git"), str(repo), since).rewritten  # the index: not written
+    done = indexreview.review(str(repo / ".git"), str(repo), since, str(repo / ".git"), always=True)
+    assert done.rewritten and done.hid == ["f"], vars(done)
+    assert _status(repo) == " M f\n"
+    git(repo, "config", "--unset", setting[0])
+    assert not configs.weak_stat(str(tmp_path / "nobody"), str(repo / ".git"))

@@ -136,6 +136,7 @@ def test_a_replacement_after_a_tab_in_packed_refs_is_taken_out(tmp_path: Path) -
 @pytest.mark.parametrize("text,value", [
     ("ref: refs/heads/x\n", "ref: refs/heads/x"), ("ref:refs/heads/x", "ref: refs/heads/x"),
     ("A" * 40 + "\tjunk", "a" * 40), ("b" * 64 + "\n", "b" * 64), ("c" * 41, "broken: '" + "c" * 41 + "'"),
+    ("d" * 40 + "\v", "broken: '" + "d" * 40 + "\\x0b'"), ("ref: refs/x\f", "ref: refs/x\f"),
     ("", "broken: ''"),
 ])
 def test_a_loose_ref_s_value(text: str, value: str) -> None:
@@ -145,8 +146,11 @@ def test_a_loose_ref_s_value(text: str, value: str) -> None:
 def test_a_packed_record() -> None:
     assert refvalues.packed_record("a" * 40 + " refs/heads/x") == ("a" * 40, "refs/heads/x")
     assert refvalues.packed_record("A" * 40 + "\trefs/heads/x") == ("a" * 40, "refs/heads/x")
-    for line in ("# pack-refs with: peeled", "^" + "a" * 40, "a" * 39 + " refs/heads/x", "a" * 40 + "refs/x", ""):
+    for line in ("# pack-refs with: peeled", "^" + "a" * 40, "a" * 39 + " refs/heads/x", "a" * 40 + " ", ""):
         assert refvalues.packed_record(line) is None, line
+    # Git's lookup takes the name from the character after the separator on, whatever the separator.
+    assert refvalues.packed_record("a" * 40 + "xrefs/tags/v") == ("a" * 40, "refs/tags/v")
+    assert refvalues.packed_record("b" * 64 + " refs/tags/v", 64) == ("b" * 64, "refs/tags/v")
 
 
 def _sorted_with_moved_records(repo: Path, names: list[str]) -> None:
@@ -234,3 +238,34 @@ def test_a_packed_record_named_as_the_short_name_itself_is_taken_out(tmp_path: P
     done, failed = history.restore(kept)
     assert not failed and any("release, v1.0 taken out" in why for _, why in done), done
     assert _user_reads(repo, "v1.0") == "2\n" and _user_reads(repo, "release") == "2\n"
+
+
+def test_a_record_git_s_binary_search_reads_past_any_separator_counts(tmp_path: Path) -> None:
+    """``<id>xrefs/tags/v1.0``: git's lookup in a sorted ``packed-refs``
+    takes the name from the character after the id's and one more, whatever
+    that one is; a reader that wanted whitespace there saw only the user's
+    record of the name, unchanged."""
+    repo, kept, evil = _setup(tmp_path)
+    path = repo / ".git" / "packed-refs"
+    lines = path.read_text().split("\n")
+    extra = [f"{evil}xrefs/heads/release", f"{evil}xrefs/tags/v1.0"]
+    path.write_text("\n".join(sorted([line for line in lines[1:] if line] + extra,
+                                     key=lambda line: line[41:])).join([lines[0] + "\n", "\n"]))
+    assert "evil" in (_user_reads(repo, "v1.0"), _user_reads(repo, "release"))  # the control: one of them is found
+    done, failed = history.restore(kept)
+    assert not failed and {"refs/tags/v1.0", "refs/heads/release"} <= {name for name, _ in done}, done
+    assert _user_reads(repo, "v1.0") == "2\n" and _user_reads(repo, "release") == "2\n"
+
+
+def test_a_loose_ref_ending_in_a_vertical_tab_is_broken_to_git(tmp_path: Path) -> None:
+    """Git's whitespace is space, tab, LF and CR: ``<id>\\v`` is a broken
+    ref, which git skips for the next place of a short name (a branch of
+    the tag's name, the session's)."""
+    repo, kept, evil = _setup(tmp_path)
+    tag = repo / ".git" / "refs" / "tags" / "v1.0"
+    tag.write_text(git(repo, "rev-parse", "v1.0").strip() + "\v")
+    git(repo, "update-ref", "refs/heads/v1.0", evil)
+    assert _user_reads(repo, "v1.0") == "evil"  # the control
+    done, failed = history.restore(kept)
+    assert not failed and "refs/tags/v1.0" in [name for name, _ in done], done
+    assert _user_reads(repo, "v1.0") == "2\n"

@@ -141,12 +141,18 @@ _MAX_USER_FILES = 32  # the user's config files read, includes and all
 
 def user_hooks_paths(home: str, env: Mapping[str, str] = os.environ) -> list[str]:
     """The ``core.hooksPath`` values of the user's own git configuration, as
-    written: the system's and the global files git reads (``$GIT_CONFIG_SYSTEM``
-    and ``$GIT_CONFIG_GLOBAL`` where the daemon's environment sets them), and
-    every file they include (``includeIf`` taken as met: a value that may
-    apply is recorded). Each read as git does, through a symlink (dotfiles
-    are often linked), but only a regular file, without waiting on a FIFO,
-    up to 1 MiB."""
+    written (``user_entries``)."""
+    return [value for section, sub, key, value in user_entries(home, env)
+            if section == "core" and sub is None and key == "hookspath" and value]
+
+
+def user_entries(home: str, env: Mapping[str, str] = os.environ) -> list[tuple[str, str | None, str, str | None]]:
+    """Every entry of the user's own git configuration: the system's and the
+    global files git reads (``$GIT_CONFIG_SYSTEM`` and ``$GIT_CONFIG_GLOBAL``
+    where the daemon's environment sets them), and every file they include
+    (``includeIf`` taken as met: a value that may apply is counted). Each
+    read as git does, through a symlink (dotfiles are often linked), but
+    only a regular file, without waiting on a FIFO, up to 1 MiB."""
     xdg = env.get("XDG_CONFIG_HOME") or (os.path.join(home, ".config") if home else "")
     files = [env.get("GIT_CONFIG_SYSTEM") or "/etc/gitconfig"]
     if env.get("GIT_CONFIG_GLOBAL"):
@@ -154,7 +160,7 @@ def user_hooks_paths(home: str, env: Mapping[str, str] = os.environ) -> list[str
     else:
         files += [os.path.join(xdg, "git", "config")] if xdg else []
         files += [os.path.join(home, ".gitconfig")] if home else []
-    found: list[str] = []
+    found: list[tuple[str, str | None, str, str | None]] = []
     seen: set[str] = set()
     while files and len(seen) < _MAX_USER_FILES:
         path = files.pop(0)
@@ -162,16 +168,30 @@ def user_hooks_paths(home: str, env: Mapping[str, str] = os.environ) -> list[str
             continue
         seen.add(path)
         for section, sub, key, value in config_entries(_read_followed(path)):
-            if not value:
-                continue
-            if section == "core" and sub is None and key == "hookspath":
-                found.append(value)
-            elif _is_include(section, sub, key):
+            found.append((section, sub, key, value))
+            if value and _is_include(section, sub, key):
                 if value.startswith("~/"):
                     files.append(os.path.join(home, value[2:]) if home else "")
                 else:
                     files.append(os.path.join(os.path.dirname(path), value))
     return found
+
+
+def weak_stat(home: str, common: str) -> bool:
+    """Whether the user's git (their own configuration or the repository's)
+    takes a file as unchanged on less than its ctime: ``core.trustctime``
+    false, ``core.checkStat`` minimal, ``core.ignoreStat`` true. A session
+    can then hide a same-size edit whose mtime it set back without writing
+    the index."""
+    entries = user_entries(home) + (config_entries(_read_followed(os.path.join(common, "config"))) if common else [])
+    for section, sub, key, value in entries:
+        if section != "core" or sub is not None:
+            continue
+        text = (value if value is not None else "true").lower()
+        if key == "trustctime" and text in ("false", "no", "off", "0") or key == "checkstat" and text == "minimal" \
+                or key == "ignorestat" and text in ("true", "yes", "on", "1"):
+            return True
+    return False
 
 
 def _read_followed(path: str) -> str:

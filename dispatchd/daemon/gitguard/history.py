@@ -42,8 +42,8 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import (clones, derived, fs, keeps, newloose, newpacks, objectdirs, objectstore, packed,
-                                       packlinks, reftemp, refvalues, replacerefs, replaced, shadows, shown,
+from dispatchd.daemon.gitguard import (clones, configs, derived, fs, keeps, newloose, newpacks, objectdirs, objectstore,
+                                       packed, packlinks, reftemp, refvalues, replacerefs, replaced, shadows, shown,
                                        viewfiles)
 from dispatchd.errors import WorktreeError
 
@@ -106,9 +106,10 @@ def read_refs(common: str) -> dict[str, str]:
     refs: dict[str, str] = {}
     dirs = 0
     packed_text = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024) or ""
-    unsorted = refvalues.packed_out_of_order(packed_text)  # git's binary search misses what we would read
+    hexsz = configs.object_id_size(common) * 2
+    unsorted = refvalues.packed_out_of_order(packed_text, hexsz)  # git's binary search misses what we read
     for line in packed_text.split("\n"):
-        record = refvalues.packed_record(line)
+        record = refvalues.packed_record(line, hexsz)
         if record is not None and record[1].startswith(PROTECTED_PREFIXES):
             oid, name = record
             refs[name] = "out of order in a sorted packed-refs" if unsorted else \

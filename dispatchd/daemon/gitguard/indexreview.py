@@ -75,9 +75,11 @@ class Review:
         self.moved_aside = ""  # where an index not to be read went (a split or sparse index, a symlink)
 
 
-def review(gitdir: str, worktree: str, since_ns: int, common: str = "") -> Review:
+def review(gitdir: str, worktree: str, since_ns: int, common: str = "", always: bool = False) -> Review:
     """Rewrite ``gitdir/index`` as the module says when it changed since
-    ``since_ns`` and says something it must not. ``common``: the repository's
+    ``since_ns`` (or ``always``: the user's git trusts less than a file's
+    ctime, ``configs.weak_stat``, so an edit hides without the index
+    written) and says something it must not. ``common``: the repository's
     common git directory, whose configuration says its ids' length (read as
     git reads it) and whether the user asks for a split or a sparse index."""
     done = Review()
@@ -94,7 +96,7 @@ def review(gitdir: str, worktree: str, since_ns: int, common: str = "") -> Revie
         except OSError as exc:
             done.why_not = f"not a regular file, and cannot be moved aside ({exc.strerror})"
         return done
-    if st.st_ctime_ns < since_ns - _RACY_NS:
+    if st.st_ctime_ns < since_ns - _RACY_NS and not always:
         return done  # the usual end: nothing read, not even the configuration
     hash_size = configs.object_id_size(common) if common else 20
     splits = bool(common) and configs.repo_flag(common, "core", "splitindex")

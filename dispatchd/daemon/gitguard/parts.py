@@ -16,7 +16,7 @@ import os
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import indexreview, runnables, snapshots
+from dispatchd.daemon.gitguard import configs, indexreview, runnables, snapshots
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects
 
 log = logging.getLogger("dispatchd.baselines")
@@ -99,7 +99,8 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
 
 
 def _review_index(part: Part, found: list[Protected], now_t: float) -> None:
-    review = indexreview.review(part.own_gitdir, part.root, part.git.taken_ns, part.common)
+    review = indexreview.review(part.own_gitdir, part.root, part.git.taken_ns, part.common,
+                                always=configs.weak_stat(part.home, part.common))
     index = os.path.join(part.own_gitdir, "index")
     if review.why_not:
         log.warning("event=git_index_not_reviewed gitdir=%s why=%s", part.own_gitdir, review.why_not)

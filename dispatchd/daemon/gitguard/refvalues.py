@@ -3,14 +3,16 @@ ref file: what the end compares with the baseline, so that a ref git reads
 one way is never taken for unchanged because it reads another way here.
 
 Git (its files and packed backends) reads:
-- a ``packed-refs`` record as the object id (40 or 64 hex digits, either
-  case), then one whitespace character of any kind (a tab as well as a
-  space), then the name up to ``\\n``; lines are split at ``\\n`` only;
+- a ``packed-refs`` record, when it looks a name up, as the object id (the
+  repository's 40 or 64 hex digits, either case), then any one character
+  (a space, a tab, an ``x``: its binary search takes the name from there
+  on), then the name up to ``\\n``; lines are split at ``\\n`` only;
 - a loose ref as a symbolic ref when it begins ``ref:`` (the target after
   any whitespace, trailing whitespace cut), else as the object id at its
-  start followed by the end or any whitespace and then anything at all
-  (``<id> junk`` is that id); anything else is a broken ref, which hides a
-  packed one of the same name;
+  start followed by the end or whitespace and then anything at all (``<id>
+  junk`` is that id); anything else is a broken ref, which hides a packed
+  one of the same name and lets git's look go on to the next place. Its
+  whitespace is git's own: space, tab, LF, CR, never ``\\v`` or ``\\f``;
 - a symlink below ``refs`` through its target (or, naming ``refs/...``, as
   a symbolic ref).
 
@@ -27,21 +29,26 @@ import re
 
 from dispatchd.daemon.gitguard import fs
 
-_PACKED = re.compile(r"([0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?)[ \t\n\v\f\r](.*)", re.S)
-_LOOSE_ID = re.compile(r"([0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?)(?:[ \t\n\v\f\r]|$)")
+# git's own isspace (sane_ctype): space, tab, LF, CR; not \v or \f.
+_SPACE = " \t\n\r"
+_LOOSE_ID = re.compile(r"([0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?)(?:[ \t\n\r]|$)")
+_HEX = re.compile(r"[0-9a-fA-F]+")
 _ID = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
 
 
-def packed_record(line: str) -> tuple[str, str] | None:
-    """``(id, name)`` of a ``packed-refs`` line (no ``\\n`` in it), the id
-    lowercase; None for the header, a peeled line, or one git would not read."""
-    if not line or line[0] in "#^":
+def packed_record(line: str, hexsz: int = 40) -> tuple[str, str] | None:
+    """``(id, name)`` of a ``packed-refs`` line (no ``\\n`` in it) of a
+    repository whose ids are ``hexsz`` digits, as git's lookup of a name
+    reads it: the id, then *any* one character (the binary search takes the
+    name from ``hexsz + 1`` on; only a listing insists on a space), then the
+    name; the id lowercase. None for the header, a peeled line, or one no
+    lookup reads."""
+    if not line or line[0] in "#^" or len(line) < hexsz + 2 or not _HEX.fullmatch(line[:hexsz]):
         return None
-    m = _PACKED.fullmatch(line)
-    return (m.group(1).lower(), m.group(2)) if m else None
+    return line[:hexsz].lower(), line[hexsz + 1:]
 
 
-def packed_out_of_order(text: str) -> bool:
+def packed_out_of_order(text: str, hexsz: int = 40) -> bool:
     """Whether a ``packed-refs`` whose header says ``sorted`` is not: git
     then looks a name up by binary search and misses records out of place
     (a tag moved to the end was no tag to git, and a file of the session's
@@ -51,7 +58,7 @@ def packed_out_of_order(text: str) -> bool:
     if not lines or not lines[0].startswith("# pack-refs with:") or \
             "sorted" not in lines[0][len("# pack-refs with:"):].split(" "):
         return False
-    names = [record[1] for record in map(packed_record, lines[1:]) if record is not None]
+    names = [record[1] for record in (packed_record(line, hexsz) for line in lines[1:]) if record is not None]
     return any(a.encode("utf-8", "surrogateescape") >= b.encode("utf-8", "surrogateescape")
                for a, b in zip(names, names[1:]))
 
@@ -59,7 +66,7 @@ def packed_out_of_order(text: str) -> bool:
 def parse_loose(text: str) -> str:
     """A loose ref file's content -> its value (see the module)."""
     if text.startswith("ref:"):
-        return "ref: " + text[4:].strip()
+        return "ref: " + text[4:].strip(_SPACE)
     m = _LOOSE_ID.match(text)
     return m.group(1).lower() if m else "broken: " + repr(text[:80])
 

@@ -43,7 +43,7 @@ import os
 import re
 import stat
 
-from dispatchd.daemon.gitguard import fs, reftemp, refvalues
+from dispatchd.daemon.gitguard import configs, fs, reftemp, refvalues
 
 PREFIX = "refs/replace/"
 _OID = re.compile(r"^[0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?$")
@@ -61,23 +61,24 @@ class Baseline:
     is odd (paths ``restore`` moves aside) and why ``packed-refs`` could not
     be read ("" if it could)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hexsz: int = 40) -> None:
         self.loose: dict[str, str] = {}
         self.packed: list[str] = []
         self.odd: list[str] = []
         self.why = ""
+        self.hexsz = hexsz  # the repository's ids' hex digits
 
     def refs(self) -> dict[str, str]:
         """The replacements in effect, as git reads them (a loose one wins)."""
-        return in_effect(self.loose, self.packed)
+        return in_effect(self.loose, self.packed, self.hexsz)
 
 
-def in_effect(loose: dict[str, str], packed: list[str]) -> dict[str, str]:
+def in_effect(loose: dict[str, str], packed: list[str], hexsz: int = 40) -> dict[str, str]:
     """Replacement name -> object id (lowercase), from loose refs and lines
     of ``packed-refs``, a loose one winning as in git."""
     found = {}
     for line in packed:
-        record = refvalues.packed_record(line)
+        record = refvalues.packed_record(line, hexsz)
         if record is not None:
             found[record[1]] = record[0]
     found.update({n: v.lower() for n, v in loose.items()})
@@ -86,9 +87,9 @@ def in_effect(loose: dict[str, str], packed: list[str]) -> dict[str, str]:
 
 def read(common: str) -> Baseline:
     """The replacement refs of the repository at ``common`` (see the module)."""
-    found = Baseline()
+    found = Baseline(configs.object_id_size(common) * 2)
     lines, found.why = packed_lines(common)
-    found.packed = [line.decode("latin-1") for line in lines or [] if _is_replace_line(line)]
+    found.packed = [line.decode("latin-1") for line in lines or [] if _is_replace_line(line, found.hexsz)]
     top = os.path.join(common, "refs", "replace")
     if not os.path.lexists(top):
         return found
@@ -150,11 +151,11 @@ def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list
             if why:
                 failed.append(why)
             else:
+                names = [(refvalues.packed_record(e, now.hexsz) or ("", e))[1] for e in extra[:5]]
                 done.append((packed_path, f"{len(extra)} replacement refs a session made (git replace) taken "
-                                          f"out of it: {', '.join((refvalues.packed_record(e) or ('', e))[1] for e in extra[:5])}"
-                                          f"{', ...' if len(extra) > 5 else ''}"))
+                                          f"out of it: {', '.join(names)}{', ...' if len(extra) > 5 else ''}"))
     after = read(common).refs()
-    for name, value in sorted(in_effect(loose, packed).items()):
+    for name, value in sorted(in_effect(loose, packed, now.hexsz).items()):
         if after.get(name) == value or _BAD_NAME.search(name):
             continue
         try:
@@ -166,10 +167,11 @@ def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list
     return done, failed
 
 
-def _is_replace_line(line: bytes) -> bool:
-    """A record git reads as a replacement (its id, then a space or a tab
-    or any other whitespace, then the name: ``refvalues``)."""
-    record = refvalues.packed_record(line.decode("latin-1"))
+def _is_replace_line(line: bytes, hexsz: int) -> bool:
+    """A record git may read as a replacement (its id, then one character,
+    then the name: ``refvalues``; git's listing of them wants a space or a
+    tab there, and fails on any other: taken out all the same)."""
+    record = refvalues.packed_record(line.decode("latin-1"), hexsz)
     return record is not None and record[1].startswith(PREFIX)
 
 
