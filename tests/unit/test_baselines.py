@@ -631,3 +631,17 @@ def test_the_in_place_look_runs_when_a_session_could_write_or_it_is_not_known(
     assert record.exists()
     again.recover()
     assert asked == [False, True, True]
+
+
+def test_a_rerere_cache_a_session_made_is_changed_state(tmp_path: Path) -> None:
+    """``.git/rr-cache`` turns rerere on (unless the configuration says
+    otherwise), and a resolution recorded there is what the user's next
+    conflicting merge takes, without conflict markers: compared whole, as
+    the rebase state is. The twin: none made, nothing changed."""
+    repo = make_repo(tmp_path / "r")
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    before = snapshots.take(str(repo), layout)
+    assert snapshots.changes(before, snapshots.take(str(repo), layout)) == []
+    (repo / ".git" / "rr-cache" / ("a" * 40)).mkdir(parents=True)
+    (repo / ".git" / "rr-cache" / ("a" * 40) / "postimage").write_text("the session's resolution\n")
+    assert snapshots.changes(before, snapshots.take(str(repo), layout)) == [".git/rr-cache"]

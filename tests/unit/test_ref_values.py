@@ -269,3 +269,52 @@ def test_a_loose_ref_ending_in_a_vertical_tab_is_broken_to_git(tmp_path: Path) -
     done, failed = history.restore(kept)
     assert not failed and "refs/tags/v1.0" in [name for name, _ in done], done
     assert _user_reads(repo, "v1.0") == "2\n"
+
+
+def _with_remote(tmp_path: Path) -> tuple[Path, str]:
+    """A clone of a repository with a branch ``feature`` upstream (what a
+    user's clone looks like), and a commit of the session's on its HEAD."""
+    upstream = commits_repo(tmp_path / "upstream")
+    git(upstream, "branch", "-m", "main")
+    git(upstream, "branch", "feature")
+    repo = tmp_path / "repo"
+    git(tmp_path, "clone", "-q", str(upstream), str(repo))
+    tree = git(repo, "mktree", stdin=f"100644 blob {git(repo, 'hash-object', '-w', '--stdin', stdin='evil')}".strip()
+               + "\tf\n").strip()
+    evil = git(repo, "commit-tree", tree, "-p", "HEAD", "-m", "the session's", stdin="").strip()
+    return repo, evil
+
+
+def test_a_remote_tracking_branch_moved_even_forward_is_put_back(tmp_path: Path) -> None:
+    """A plain ``git merge`` takes the upstream's branch: a session's commit
+    on top of ``origin/main`` was merged as a fast-forward."""
+    repo, evil = _with_remote(tmp_path)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert history.restore(kept) == ([], [])  # the twin: untouched, nothing said
+    git(repo, "update-ref", "refs/remotes/origin/main", evil)
+    control = tmp_path / "control"
+    subprocess.run(["cp", "-a", str(repo), str(control)], check=True)
+    git(control, "merge", "-q")
+    assert _user_reads(control, "HEAD") == "evil"  # the control: a plain merge takes it
+    done, failed = history.restore(kept)
+    assert not failed and [name for name, _ in done] == ["refs/remotes/origin/main"], done
+    git(repo, "merge", "-q")
+    assert _user_reads(repo, "HEAD") == "2\n"
+
+
+def test_new_remote_tracking_refs_notes_and_stash_are_taken_out(tmp_path: Path) -> None:
+    """A new ``origin/feature2`` is what ``git checkout feature2`` makes a
+    branch from; new notes show in ``git log``; a new stash is what ``git
+    stash pop`` applies. A new branch of the session's stays (its work)."""
+    repo, evil = _with_remote(tmp_path)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    for ref in ("refs/remotes/origin/feature2", "refs/notes/commits", "refs/stash", "refs/heads/work"):
+        git(repo, "update-ref", ref, evil)
+    git(repo, "pack-refs", "--all")  # packed or loose alike
+    done, failed = history.restore(kept)
+    assert not failed and sorted(n for n, _ in done) == ["refs/notes/commits", "refs/remotes/origin/feature2",
+                                                        "refs/stash"], done
+    assert git(repo, "for-each-ref", "--format=%(refname)", "refs/remotes", "refs/notes", "refs/stash",
+               "refs/heads/work").split() == ["refs/heads/work", "refs/remotes/origin/HEAD",
+                                             "refs/remotes/origin/feature", "refs/remotes/origin/main"]
+    assert git(repo, "rev-parse", f"refs/dispatchd/displaced/{done[0][1].split('/')[3]}/refs/stash").strip() == evil

@@ -38,7 +38,9 @@ CONFIG_FILES = ("config", "config.worktree", "commondir", "info/attributes", "in
 REVIEW_FILES = ("info/exclude", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD")
 # State git acts on later: ``git rebase --continue`` runs a todo's ``exec``
 # lines, ``git status`` tells the user to. Compared whole, moved aside whole.
-STATE_DIRS = ("rebase-merge", "rebase-apply", "sequencer")
+# ``rr-cache``: its being there turns rerere on, and the user's next merge
+# with a conflict takes a resolution a session recorded, with no markers.
+STATE_DIRS = ("rebase-merge", "rebase-apply", "sequencer", "rr-cache")
 _MAX_READ = 16 * 1024 * 1024  # one file of configuration or one hook
 _MAX_HASHED = 256 * 1024 * 1024  # all the bytes one walk hashes (an inode once, however many links)
 MAX_ENTRIES = 2000  # entries of one hooks or state directory

@@ -1,13 +1,10 @@
 """A repository's history kept across sessions: the refs the user had, and
 every object file, put back when a session deletes or rewinds them.
 
-At a baseline (``record``) the daemon reads the repository's branches and
-tags (``packed-refs`` and loose refs, no git run) and keeps every object
-file (loose objects and packs) in its own state directory (``clones.py``:
-a loose object as a reflink clone or a copy of its own, a pack as a reflink
-clone or a hard link, a copy on another file system, within a size budget).
-Kept files are added and dropped incrementally, so a later baseline costs a
-listing.
+At a baseline (``record``) the daemon reads the repository's refs (as git
+reads them: ``refvalues.py``; no git run) and keeps every object file in
+its own state directory (``clones.py``: a reflink clone, a copy of its own
+or, for a held pack, a hard link; within a size budget), incrementally.
 
 When the sessions end (``restore``), with their processes gone:
 - an object file kept and now missing is put back (a session's ``rm -rf
@@ -21,7 +18,8 @@ When the sessions end (``restore``), with their processes gone:
   value it was moved to is kept as ``refs/dispatchd/displaced/TIME/NAME``
   so nothing is lost either way;
 - the branches checked out in the worktrees the sessions worked in are
-  theirs to move (``own``), remote-tracking refs are left alone.
+  theirs to move (``own``); remote-tracking refs, notes and the stash are
+  put back however they moved, and new ones taken out (``newrefs.py``).
 
 An object file rewritten in place (made writable first with ``chmod``) is
 found by its ctime and put back from the keep's own bytes
@@ -42,16 +40,17 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import (clones, configs, derived, fs, keeps, newloose, newpacks, objectdirs, objectstore,
-                                       packed, packlinks, reftemp, refvalues, replacerefs, replaced, shadows, shown,
-                                       viewfiles)
+from dispatchd.daemon.gitguard import (clones, configs, derived, fs, keeps, newloose, newpacks, newrefs, objectdirs,
+                                       objectstore, packed, packlinks, reftemp, refvalues, replacerefs, replaced,
+                                       shadows, shown, viewfiles)
 from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
 
 _MAX_REFS = 100_000
 _MAX_OBJECT_FILES = 2_000_000
-PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/")
+# Branches, tags, remote-tracking branches (a plain `git merge` takes the upstream's), notes, the stash.
+PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/", "refs/remotes/", "refs/notes/", "refs/stash")
 
 
 class History(msgspec.Struct, frozen=True):
@@ -117,6 +116,11 @@ def read_refs(common: str) -> dict[str, str]:
             if len(refs) >= _MAX_REFS:
                 break
     for prefix in PROTECTED_PREFIXES:
+        if not prefix.endswith("/"):  # one ref, not a directory of them (refs/stash)
+            parent = os.path.dirname(prefix)
+            if _real_dirs(common, parent) and os.path.lexists(os.path.join(common, prefix)):
+                refs[prefix] = refvalues.loose(os.path.join(common, prefix))
+            continue
         if not _real_dirs(common, prefix.rstrip("/")):
             continue
         top = os.path.join(common, prefix.rstrip("/"))
@@ -449,8 +453,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
     except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
         failed.append(f"{common}: the check of the object indexes failed: {exc!r}")
     try:  # a ref of the session's in front of a short name of the user's
-        moved, bad = shadows.clear(common, list(history.refs), history.shadows) if history.shadows is not None \
-            else ([], [])
+        moved, bad = ([], []) if history.shadows is None else shadows.clear(common, list(history.refs), history.shadows)
         done, failed = done + moved, failed + bad
     except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
         failed.append(f"{common}: the look at refs in front of yours failed: {exc!r}")
@@ -490,5 +493,6 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
             continue
         what = "deleted" if new is None else f"moved to {new[:12]}" if refvalues.is_id(new) else f"made {new[:60]}"
         done.append((name, f"{what} by a session; put back at {old[:12] if refvalues.is_id(old) else old}"))
-    return done, failed
+    moved, bad = newrefs.clear(common, now, history.refs, stamp)  # new upstream-tracking refs, notes, stash
+    return done + moved, failed + bad
 

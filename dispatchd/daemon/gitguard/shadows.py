@@ -48,10 +48,13 @@ def in_front(common: str, refs: list[str]) -> tuple[set[str], set[str]]:
     names: set[str] = set()
     for ref in refs[:_MAX_REFS]:
         kind, _, short = ref[len("refs/"):].partition("/")
+        if kind not in ("heads", "tags", "remotes") or not short:
+            continue  # notes, the stash: not named short
         first = short.split("/", 1)[0]
         if first not in _GITS_OWN:  # the name's first part (a directory a session made), and the name in it
             loose.update(os.path.join(top, part) if top else part for top in tops for part in {first, short})
-        ahead = [f"refs/{short}"] + ([f"refs/tags/{short}"] if kind == "heads" else [])
+        ahead = [f"refs/{short}"] + {"heads": [f"refs/tags/{short}"], "tags": [],
+                                     "remotes": [f"refs/tags/{short}", f"refs/heads/{short}"]}[kind]
         loose.update(ahead)
         # git's first place, ``$GIT_DIR/X``, falls back to a packed-refs record named ``X`` itself.
         names.update(ahead + [short])

@@ -1,0 +1,54 @@
+"""Refs a session made where the user's git takes them for the upstream's,
+for notes or for a stash: taken out at the end.
+
+A new branch or tag is a session's work, and stays. But a new
+remote-tracking branch (``refs/remotes/origin/feature``) is what the user's
+``git checkout feature`` makes a branch from, taking it for the remote's;
+new notes (``refs/notes/commits``) show under the user's commits in ``git
+log``; a new ``refs/stash`` is what ``git stash pop`` applies. Each such
+ref the baseline did not have is taken out: its value kept as
+``refs/dispatchd/displaced/TIME/NAME`` (nothing is lost), its loose file
+removed, its ``packed-refs`` record taken out (kept in a file beside:
+``replacerefs.drop_packed``). Changed ones the baseline had are put back by
+``history.restore`` with the branches and tags.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dispatchd.daemon.gitguard import configs, refvalues, reftemp
+from dispatchd.daemon.gitguard.replacerefs import drop_packed, packed_lines
+
+TAKEN = ("refs/remotes/", "refs/notes/", "refs/stash")
+
+
+def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
+          ) -> tuple[list[tuple[str, str]], list[str]]:
+    """Take out each ref of ``now`` under ``TAKEN`` that ``baseline`` has not."""
+    done: list[tuple[str, str]] = []
+    failed: list[str] = []
+    new = sorted(n for n in now if n.startswith(TAKEN) and n not in baseline)
+    if not new:
+        return done, failed
+    why = "made by a session where your git takes it for the upstream's, for notes or for a stash"
+    for name in new:
+        value = now[name]
+        try:
+            if refvalues.is_id(value):
+                reftemp.write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", value)
+            path = os.path.join(common, name)
+            if os.path.lexists(path) and not os.path.isdir(path):
+                os.unlink(path)  # its value kept just above
+        except OSError as exc:
+            failed.append(f"{name}: {why}, cannot be taken out ({exc.strerror})")
+            continue
+        done.append((name, f"{why}; taken out (its value kept as refs/dispatchd/displaced/{stamp}/{name})"))
+    hexsz = configs.object_id_size(common) * 2
+    wanted = set(new)
+    lines = [line for line in packed_lines(common)[0] or []
+             if (refvalues.packed_record(line.decode("utf-8", "surrogateescape"), hexsz) or ("", ""))[1] in wanted]
+    problem = drop_packed(common, set(lines)) if lines else ""
+    if problem:
+        failed.append(problem)
+    return done, failed
