@@ -327,7 +327,7 @@ def test_a_fast_forward_and_the_own_branch_are_kept(tmp_path: Path) -> None:
     git(repo, "branch", "-f", "feature", "main")
     git(repo, "reset", "-q", "--hard", "HEAD~2")  # the own branch rewound: its own to move
     done, failed = history.restore(kept)
-    assert done == [] and failed == []
+    assert [w for _, w in done if not w.startswith("moved forward while a session ran, kept")] == [] and failed == []
 
 
 # --- the store -----------------------------------------------------------------------------

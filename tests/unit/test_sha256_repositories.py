@@ -32,7 +32,7 @@ def _count(repo: Path) -> str:
     return git(repo, "rev-list", "--count", "HEAD").strip()
 
 
-def test_a_session_s_commit_and_gc_are_kept_and_not_reported(tmp_path: Path) -> None:
+def test_a_session_s_commit_and_gc_are_kept(tmp_path: Path) -> None:
     repo = _repo(tmp_path)
     kept, _ = _kept(tmp_path, repo)
     (repo / "g").write_text("the session's\n")
@@ -41,7 +41,8 @@ def test_a_session_s_commit_and_gc_are_kept_and_not_reported(tmp_path: Path) -> 
     head = git(repo, "rev-parse", "HEAD").strip()
     git(repo, "gc", "-q")  # a pack, its commit-graph, the loose objects pruned
     assert (repo / ".git" / "objects" / "info" / "commit-graph").is_file()
-    assert history.restore(kept) == ([], [])
+    done, failed = history.restore(kept)  # the branch (no session's own here) moved forward: said, kept
+    assert not failed and [(n, w[:39]) for n, w in done] == [("refs/heads/master", "moved forward while a session ran, kept")]
     assert git(repo, "rev-parse", "HEAD").strip() == head and _count(repo) == "4" and _fsck(repo) == 0
 
 

@@ -480,7 +480,9 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
             continue
         if new is not None and name.startswith("refs/heads/") and refvalues.is_id(old) and \
                 refvalues.is_id(new) and objectstore.is_ancestor(objects, old, new, store):
-            continue  # a fast-forward: history kept
+            done.append((name, f"moved forward while a session ran, kept (a fast-forward; your own commits look the "
+                               f"same): review git log {old[:12]}..{new[:12]}"))  # what it carries goes where it goes
+            continue
         if not refvalues.writable(old):
             failed.append(f"{name}: changed by a session, and its baseline ({old}) cannot be written back")
             continue
