@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import history, indexfile, objectstore, redirects
+from dispatchd.daemon.gitguard import history, indexfile, objectstore, redirects, refsback
 from tests.unit.gitrepo import git
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -62,13 +62,13 @@ def test_loose_refs_are_read_below_real_directories_only(tmp_path: Path) -> None
     repo = _repo(tmp_path / "repo")
     common = repo / ".git"
     head = git(repo, "rev-parse", "HEAD").strip()
-    assert history.read_refs(str(common)) == {"refs/heads/main": head}
+    assert refsback.read_refs(str(common)) == {"refs/heads/main": head}
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "planted").write_text(head + "\n")
     os.rename(common / "refs" / "heads", tmp_path / "heads-aside")
     (common / "refs" / "heads").symlink_to(elsewhere)
-    assert history.read_refs(str(common)) == {}
+    assert refsback.read_refs(str(common)) == {}
 
 
 def test_a_symlinked_objects_directory_is_neither_kept_nor_written_through(tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import history, packlinks, reftemp, runnables, snapshots
+from dispatchd.daemon.gitguard import history, packlinks, refsback, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
@@ -349,11 +349,11 @@ class Baselines:
         common = part.common
         if not common:
             return
-        branch = history.checked_out(part.own_gitdir)
+        branch = refsback.checked_out(part.own_gitdir)
         for i, kept in enumerate(record.histories):
             if os.path.realpath(kept.common) == os.path.realpath(common):
                 # A worktree joining later: its branch is its own to move only if no session moved it since.
-                if branch and history.read_refs(common).get(branch) == kept.refs.get(branch):
+                if branch and refsback.read_refs(common).get(branch) == kept.refs.get(branch):
                     record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
                 return
         keep = history.keep_for(self.keep_dir, common)

@@ -12,14 +12,11 @@ When the sessions end (``restore``), with their processes gone:
   (git packed it meanwhile: ``packed.py``) is put back too, but not
   reported as deleted by a session; one a session replaced by another file
   is put back, the session's moved aside (``replaced.py``);
-- a branch or tag the user had that is gone, or that no longer leads back to
-  where it was (a fast-forward is kept: the user's own commits in another
-  worktree meanwhile look the same), is written back as a loose ref; the
-  value it was moved to is kept as ``refs/dispatchd/displaced/TIME/NAME``
-  so nothing is lost either way;
-- the branches checked out in the worktrees the sessions worked in are
-  theirs to move (``own``); remote-tracking refs, notes and the stash are
-  put back however they moved, and new ones taken out (``newrefs.py``).
+- then the refs (``refsback.put_back``): a branch or tag the user had that
+  is gone, or no longer leads back to where it was (a fast-forward is kept,
+  and said), written back; remote-tracking refs, notes and the stash put
+  back however they moved; the branches the sessions had checked out are
+  theirs to move (``own``).
 
 An object file rewritten in place (made writable first with ``chmod``) is
 found by its ctime and put back from the keep's own bytes
@@ -40,17 +37,13 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import (clones, configs, derived, fs, keeps, newloose, newpacks, newrefs, objectdirs,
-                                       objectstore, packed, packlinks, reftemp, refvalues, replacerefs, replaced,
-                                       shadows, shown, viewfiles)
+from dispatchd.daemon.gitguard import (clones, derived, fs, keeps, newloose, newpacks, objectdirs, objectstore, packed,
+                                       packlinks, refsback, replacerefs, replaced, shadows, shown, viewfiles)
 from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
 
-_MAX_REFS = 100_000
 _MAX_OBJECT_FILES = 2_000_000
-# Branches, tags, remote-tracking branches (a plain `git merge` takes the upstream's), notes, the stash.
-PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/", "refs/remotes/", "refs/notes/", "refs/stash")
 
 
 class History(msgspec.Struct, frozen=True):
@@ -80,71 +73,6 @@ try:  # the coarse clock's tick, which file times follow (1-10 ms); 50 ms where 
 except OSError:
     _TICK_NS = _RACY_NS
 _STAMPS = ".stamps"  # in a keep: the stamps it was last brought up to date with
-
-
-_MAX_REF_DIRS = 100_000  # directories of loose refs looked at
-
-
-def _real_dirs(common: str, rel: str) -> bool:
-    """Whether every component of ``rel`` below ``common`` is a directory,
-    not a symlink to one (``.git/refs/heads -> /`` walked the whole disk)."""
-    path = common
-    for part in rel.split("/"):
-        path = os.path.join(path, part)
-        if not fs.is_dir(path):
-            return False
-    return True
-
-
-def read_refs(common: str) -> dict[str, str]:
-    """Branches and tags, each valued as git reads it (``refvalues``):
-    ``packed-refs``, then loose refs (which win); loose ones only below real
-    directories, at most ``_MAX_REF_DIRS`` of them. A name ``packed-refs``
-    gives two values has neither (git's binary search finds one or the
-    other): it differs from any baseline."""
-    refs: dict[str, str] = {}
-    dirs = 0
-    packed_text = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024) or ""
-    hexsz = configs.object_id_size(common) * 2
-    unsorted = refvalues.packed_out_of_order(packed_text, hexsz)  # git's binary search misses what we read
-    for line in packed_text.split("\n"):
-        record = refvalues.packed_record(line, hexsz)
-        if record is not None and record[1].startswith(PROTECTED_PREFIXES):
-            oid, name = record
-            refs[name] = "out of order in a sorted packed-refs" if unsorted else \
-                oid if refs.get(name, oid) == oid else "named twice in packed-refs"
-            if len(refs) >= _MAX_REFS:
-                break
-    for prefix in PROTECTED_PREFIXES:
-        if not prefix.endswith("/"):  # one ref, not a directory of them (refs/stash)
-            parent = os.path.dirname(prefix)
-            if _real_dirs(common, parent) and os.path.lexists(os.path.join(common, prefix)):
-                refs[prefix] = refvalues.loose(os.path.join(common, prefix))
-            continue
-        if not _real_dirs(common, prefix.rstrip("/")):
-            continue
-        top = os.path.join(common, prefix.rstrip("/"))
-        pending = [(top, prefix.rstrip("/"))]
-        while pending and len(refs) < _MAX_REFS and dirs < _MAX_REF_DIRS:
-            path, name = pending.pop()
-            dirs += 1
-            try:
-                entries = fs.scanned(path)
-            except OSError:
-                continue
-            for entry in entries:
-                full = f"{name}/{entry.name}"
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append((entry.path, full))
-                elif not entry.name.endswith(".lock"):  # git's own lock while it writes: no ref
-                    refs[full] = refvalues.loose(entry.path)
-    return refs
-
-
-def checked_out(gitdir: str) -> str:
-    """The branch a git directory's HEAD names (``refs/heads/...``), or ""."""
-    text = (fs.read_small(os.path.join(gitdir, "HEAD"), 4096) or "").strip()
-    return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
 
 
 def _stamps(objects: str) -> dict[str, int]:
@@ -234,7 +162,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     """Read the refs and bring the keep of the object files up to date.
     ``held``: the pack files the session holds read-only (``layouts.held_packs``;
     None: all of them); the others are kept as copies of their own."""
-    refs = read_refs(common)
+    refs = refsback.read_refs(common)
     replacing = replacerefs.read(common)
     head = fs.read_small(os.path.join(common, "HEAD"), 4096) or ""
     objects = os.path.join(common, "objects")
@@ -452,49 +380,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         failed += bad
     except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
         failed.append(f"{common}: the check of the object indexes failed: {exc!r}")
-    try:  # a ref of the session's in front of a short name of the user's
-        moved, bad = ([], []) if history.shadows is None else shadows.clear(common, list(history.refs), history.shadows)
-        done, failed = done + moved, failed + bad
-    except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
-        failed.append(f"{common}: the look at refs in front of yours failed: {exc!r}")
-    try:
-        for sub in ("refs/heads", "refs/tags"):
-            os.makedirs(os.path.join(common, sub), exist_ok=True)
-        if history.head and not os.path.lexists(os.path.join(common, "HEAD")):
-            reftemp.write_ref(common, "HEAD", history.head.strip())
-            done.append((os.path.join(common, "HEAD"), "deleted by a session; put back"))
-    except OSError as exc:
-        failed.append(f"{common}: refs or HEAD cannot be made again ({exc.strerror})")
-    # One store for every moved branch (its packs' indexes read once) and one
-    # deadline for all of them: past it, a branch is put back without asking
-    # whether it was fast-forwarded (is_ancestor says "not known").
     borrowed = objectstore.alternates(objects, (history.views or {}).get("objects/info/alternates"))  # the user's
-    store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
-    now = read_refs(common)
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    for name, old in sorted(history.refs.items()):
-        if name in history.own:
-            continue
-        new = now.get(name)
-        if new == old:
-            continue
-        if new is not None and name.startswith("refs/heads/") and refvalues.is_id(old) and \
-                refvalues.is_id(new) and objectstore.is_ancestor(objects, old, new, store):
-            done.append((name, f"moved forward while a session ran, kept (a fast-forward; your own commits look the "
-                               f"same): review git log {old[:12]}..{new[:12]}"))  # what it carries goes where it goes
-            continue
-        if not refvalues.writable(old):
-            failed.append(f"{name}: changed by a session, and its baseline ({old}) cannot be written back")
-            continue
-        try:
-            if new is not None and refvalues.is_id(new):
-                reftemp.write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", new)
-            reftemp.write_ref(common, name, old)
-        except OSError as exc:
-            failed.append(f"{name}: {exc.strerror}")
-            continue
-        what = "deleted" if new is None else f"moved to {new[:12]}" if refvalues.is_id(new) else f"made {new[:60]}"
-        done.append((name, f"{what} by a session; put back at {old[:12] if refvalues.is_id(old) else old}"))
-    moved, bad = newrefs.clear(common, now, history.refs, stamp)  # new upstream-tracking refs, notes, stash
+    moved, bad = refsback.put_back(common, history.refs, history.own, history.head, history.shadows, borrowed)
     return done + moved, failed + bad
 

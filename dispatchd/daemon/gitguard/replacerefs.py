@@ -49,7 +49,7 @@ PREFIX = "refs/replace/"
 _OID = re.compile(r"^[0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?$")
 _MAX_DIRS = 10_000
 _MAX_MOVED = 1_000
-_PACKED_MAX = 64 * 1024 * 1024  # as history.read_refs reads it; past it, fail closed
+_PACKED_MAX = 64 * 1024 * 1024  # as refsback.read_refs reads it; past it, fail closed
 # A name git accepts for a ref (check_refname_format, the parts that matter
 # for a path): written back only if so.
 _BAD_NAME = re.compile(r"(^|/)\.|\.\.|//|\.lock(/|$)|[\x00-\x20\x7f~^:?*\[\\]|@\{|/$")

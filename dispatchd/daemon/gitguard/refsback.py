@@ -1,0 +1,148 @@
+"""The refs the user had: read as git reads them at a baseline, put back
+at the end (``history.restore`` calls ``put_back`` once the objects are).
+
+- ``read_refs``: branches, tags, remote-tracking branches, notes and the
+  stash (``PROTECTED_PREFIXES``), each valued as git reads it
+  (``refvalues``): ``packed-refs``, then loose refs (which win); loose ones
+  only below real directories, bounded;
+- ``put_back``: what stands in front of a short name of the user's taken
+  out (``shadows``); each ref that is gone or moved written back as a loose
+  ref, the value it was moved to kept as ``refs/dispatchd/displaced/TIME/
+  NAME`` (nothing lost either way), but for a branch that only moved
+  forward (kept, and said: the user's own commits in another worktree look
+  the same) and the branches the sessions had checked out (``own``: theirs
+  to move); new remote-tracking refs, notes and stash taken out
+  (``newrefs``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from dispatchd.daemon.gitguard import configs, fs, newrefs, objectstore, refvalues, reftemp, shadows
+
+_MAX_REFS = 100_000
+# Branches, tags, remote-tracking branches (a plain `git merge` takes the upstream's), notes, the stash.
+PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/", "refs/remotes/", "refs/notes/", "refs/stash")
+
+
+_MAX_REF_DIRS = 100_000  # directories of loose refs looked at
+
+
+def _real_dirs(common: str, rel: str) -> bool:
+    """Whether every component of ``rel`` below ``common`` is a directory,
+    not a symlink to one (``.git/refs/heads -> /`` walked the whole disk)."""
+    path = common
+    for part in rel.split("/"):
+        path = os.path.join(path, part)
+        if not fs.is_dir(path):
+            return False
+    return True
+
+
+def read_refs(common: str) -> dict[str, str]:
+    """Branches and tags, each valued as git reads it (``refvalues``):
+    ``packed-refs``, then loose refs (which win); loose ones only below real
+    directories, at most ``_MAX_REF_DIRS`` of them. A name ``packed-refs``
+    gives two values has neither (git's binary search finds one or the
+    other): it differs from any baseline."""
+    refs: dict[str, str] = {}
+    dirs = 0
+    packed_text = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024) or ""
+    hexsz = configs.object_id_size(common) * 2
+    unsorted = refvalues.packed_out_of_order(packed_text, hexsz)  # git's binary search misses what we read
+    for line in packed_text.split("\n"):
+        record = refvalues.packed_record(line, hexsz)
+        if record is not None and record[1].startswith(PROTECTED_PREFIXES):
+            oid, name = record
+            refs[name] = "out of order in a sorted packed-refs" if unsorted else \
+                oid if refs.get(name, oid) == oid else "named twice in packed-refs"
+            if len(refs) >= _MAX_REFS:
+                break
+    for prefix in PROTECTED_PREFIXES:
+        if not prefix.endswith("/"):  # one ref, not a directory of them (refs/stash)
+            parent = os.path.dirname(prefix)
+            if _real_dirs(common, parent) and os.path.lexists(os.path.join(common, prefix)):
+                refs[prefix] = refvalues.loose(os.path.join(common, prefix))
+            continue
+        if not _real_dirs(common, prefix.rstrip("/")):
+            continue
+        top = os.path.join(common, prefix.rstrip("/"))
+        pending = [(top, prefix.rstrip("/"))]
+        while pending and len(refs) < _MAX_REFS and dirs < _MAX_REF_DIRS:
+            path, name = pending.pop()
+            dirs += 1
+            try:
+                entries = fs.scanned(path)
+            except OSError:
+                continue
+            for entry in entries:
+                full = f"{name}/{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((entry.path, full))
+                elif not entry.name.endswith(".lock"):  # git's own lock while it writes: no ref
+                    refs[full] = refvalues.loose(entry.path)
+    return refs
+
+
+def checked_out(gitdir: str) -> str:
+    """The branch a git directory's HEAD names (``refs/heads/...``), or ""."""
+    text = (fs.read_small(os.path.join(gitdir, "HEAD"), 4096) or "").strip()
+    return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
+
+
+def put_back(common: str, refs: dict[str, str], own: list[str], head: str, shadows_before: list[str] | None,
+             borrowed: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Put back ``refs`` (the baseline's) as the module says; ``own``: the
+    branches the sessions had checked out; ``head``: the common directory's
+    HEAD as it was; ``shadows_before``: what stood in front of the short
+    names at the baseline (None: an older record's, not looked at);
+    ``borrowed``: the object stores the user's alternates name."""
+    done: list[tuple[str, str]] = []
+    failed: list[str] = []
+    objects = os.path.join(common, "objects")
+    try:  # a ref of the session's in front of a short name of the user's
+        moved, bad = ([], []) if shadows_before is None else shadows.clear(common, list(refs), shadows_before)
+        done, failed = done + moved, failed + bad
+    except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
+        failed.append(f"{common}: the look at refs in front of yours failed: {exc!r}")
+    try:
+        for sub in ("refs/heads", "refs/tags"):
+            os.makedirs(os.path.join(common, sub), exist_ok=True)
+        if head and not os.path.lexists(os.path.join(common, "HEAD")):
+            reftemp.write_ref(common, "HEAD", head.strip())
+            done.append((os.path.join(common, "HEAD"), "deleted by a session; put back"))
+    except OSError as exc:
+        failed.append(f"{common}: refs or HEAD cannot be made again ({exc.strerror})")
+    # One store for every moved branch (its packs' indexes read once) and one
+    # deadline for all of them: past it, a branch is put back without asking
+    # whether it was fast-forwarded (is_ancestor says "not known").
+    store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
+    now = read_refs(common)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for name, old in sorted(refs.items()):
+        if name in own:
+            continue
+        new = now.get(name)
+        if new == old:
+            continue
+        if new is not None and name.startswith("refs/heads/") and refvalues.is_id(old) and \
+                refvalues.is_id(new) and objectstore.is_ancestor(objects, old, new, store):
+            done.append((name, f"moved forward while a session ran, kept (a fast-forward; your own commits look the "
+                               f"same): review git log {old[:12]}..{new[:12]}"))  # what it carries goes where it goes
+            continue
+        if not refvalues.writable(old):
+            failed.append(f"{name}: changed by a session, and its baseline ({old}) cannot be written back")
+            continue
+        try:
+            if new is not None and refvalues.is_id(new):
+                reftemp.write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", new)
+            reftemp.write_ref(common, name, old)
+        except OSError as exc:
+            failed.append(f"{name}: {exc.strerror}")
+            continue
+        what = "deleted" if new is None else f"moved to {new[:12]}" if refvalues.is_id(new) else f"made {new[:60]}"
+        done.append((name, f"{what} by a session; put back at {old[:12] if refvalues.is_id(old) else old}"))
+    moved, bad = newrefs.clear(common, now, refs, stamp)  # new upstream-tracking refs, notes, stash
+    return done + moved, failed + bad
