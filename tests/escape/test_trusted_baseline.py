@@ -413,6 +413,69 @@ def test_a_merge_head_left_by_a_session_is_moved_aside(client: dispatch.Client, 
     assert not users_commit_takes_side(repo)
 
 
+def _linked_with_submodule(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A repository with a submodule, a linked worktree of it where the
+    submodule is checked out (its git directory then is the linked
+    worktree's own: ``.git/worktrees/linked/modules/sub``), and that
+    git directory."""
+    src = tmp_path / "sub-src"
+    src.mkdir(parents=True)
+    git(src, "init", "-q", "-b", "main")
+    git(src, "commit", "-q", "--allow-empty", "-m", "sub")
+    main = tmp_path / "main"
+    main.mkdir()
+    git(main, "init", "-q", "-b", "main")
+    git(main, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(src), "sub")
+    git(main, "commit", "-qm", "with sub")
+    linked = tmp_path / "linked"
+    git(main, "worktree", "add", "-q", str(linked), "-b", "side")
+    git(linked, "-c", "protocol.file.allow=always", "submodule", "update", "-q", "--init")
+    moddir = main / ".git" / "worktrees" / "linked" / "modules" / "sub"
+    assert (moddir / "config").is_file()
+    return main, linked, moddir
+
+
+def test_a_linked_worktrees_submodule_config_a_session_wrote_runs_nothing(client: dispatch.Client,
+                                                                         tmp_path: Path) -> None:
+    """A linked worktree keeps its submodules' git directories below its
+    own entry (``.git/worktrees/N/modules``), outside the worktree: a
+    session there wrote ``core.fsmonitor`` into one, and the user's ``git
+    status`` in the linked worktree ran it. The control: the same plant by
+    hand runs."""
+    marker = tmp_path / "PWNED"
+    main, linked, moddir = _linked_with_submodule(tmp_path / "control")
+    git(linked / "sub", "config", "core.fsmonitor", f"touch {marker}; false")
+    git(linked, "status", check=False)
+    assert marker.exists()  # the control
+    marker.unlink()
+    main, linked, moddir = _linked_with_submodule(tmp_path / "attack")
+    with client.open_session(str(linked)) as s:
+        r = shell(s, f"cd sub && git config core.fsmonitor 'touch {marker}; false' && echo WROTE")
+        assert r.is_success and r.output == "WROTE\n", (r.output, r.error)
+    assert any("modules/sub" in p["path"] for p in s.protected), s.protected
+    git(linked, "status", check=False)
+    assert not marker.exists()
+
+
+def test_a_linked_worktrees_submodule_config_from_the_main_worktree(mode_daemon: tuple[str, Daemon],
+                                                                   tmp_path: Path) -> None:
+    """The same git directory written from a session on the main worktree:
+    full mode holds ``.git/worktrees`` read-only (EROFS); degraded mode
+    cannot, and the end moves the config aside."""
+    mode, daemon = mode_daemon
+    marker = tmp_path / "PWNED"
+    main, linked, moddir = _linked_with_submodule(tmp_path)
+    with daemon.connect() as c, c.open_session(str(main)) as s:
+        r = shell(s, f"git config -f .git/worktrees/linked/modules/sub/config core.fsmonitor 'touch {marker}; false'")
+        assert r.is_success == (mode == "degraded"), (r.output, r.error)
+        if mode == "full":  # held: a read-only bind (a file one: EBUSY when git renames its lock over it)
+            assert "Device or resource busy" in str(r.error) or "Read-only file system" in str(r.error), r
+    if mode == "degraded":  # the submodule's git directory changed: moved aside whole, as below .git/modules
+        assert any("worktrees/linked/modules/sub" in p["path"] for p in s.protected), s.protected
+    git(linked, "status", check=False)
+    assert not marker.exists()
+
+
 # --- a daemon killed half way -------------------------------------------------------------------
 
 

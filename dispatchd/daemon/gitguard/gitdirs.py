@@ -147,6 +147,9 @@ class Walk:
             if entry is not None:
                 os.close(entry)
                 by_file.append(f".git/worktrees/{name}")
+                # Its submodules' git directories (``git submodule update`` run in that worktree).
+                self.modules(f".git/worktrees/{name}/modules")
+        self.run()
         return by_file
 
     def gitdir(self, rel: str, worktree: str | None) -> None:
