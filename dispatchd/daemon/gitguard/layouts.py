@@ -21,8 +21,9 @@ rules (``dispatchd.confine.plan``):
   ``.git/worktrees`` and every submodule's git directory are also mount
   points of their own (``mount_points``): renaming one fails (EBUSY);
 - a linked worktree (``WORKTREE/.git`` is a file naming ``COMMON/worktrees/N``):
-  the pointer file and ``N``'s own ``commondir``, ``gitdir`` and
-  ``config.worktree`` are read-only; ``COMMON`` is readable, and only
+  the pointer file, ``N``'s own ``commondir``, ``gitdir`` and
+  ``config.worktree``, and the configuration and hooks of the git
+  directories of its submodules (``N/modules/**``) are read-only; ``COMMON`` is readable, and only
   ``COMMON/objects``, ``COMMON/refs``, ``COMMON/logs`` and ``COMMON/worktrees/N``
   are writable. A pointer is believed only if git itself would (``N/gitdir``
   names this worktree's ``.git`` back), ``N`` and ``COMMON`` lie outside the
@@ -183,6 +184,9 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         return GitLayout("refused", read_only=[dotgit], note=f"{common} cannot be inspected")
     writable = [gitdir] + [os.path.join(common, d) for d in ("objects", "refs", "logs") if os.path.isdir(os.path.join(common, d))]
     read_only = _existing([dotgit] + [os.path.join(gitdir, n) for n in ("commondir", "gitdir", "config.worktree")])
+    # This worktree's own submodules' git directories (``git submodule update`` run here keeps them in
+    # ``N/modules``): their configuration and hooks held as the main worktree's ``.git/modules`` are.
+    read_only += _existing([p for d in _module_gitdirs(gitdir) for p in _protect(worktree, d)])
     packs, over = held_packs(common)
     return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only + packs, readable=[common],
                      writable=writable, gitdirs=[gitdir], note=_over_note(over))
