@@ -35,7 +35,7 @@ def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
     for name in new:
         value = now[name]
         try:
-            if refvalues.is_id(value):
+            if refvalues.writable(value):  # an id, or a symbolic ref: kept as it was
                 reftemp.write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", value)
             path = os.path.join(common, name)
             if os.path.lexists(path) and not os.path.isdir(path):
