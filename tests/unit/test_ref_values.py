@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import history, refvalues
+from dispatchd.daemon.gitguard import history, refsback, refvalues
 from tests.unit.gitrepo import commits_repo, git
 
 pytestmark = pytest.mark.process
@@ -318,3 +318,22 @@ def test_new_remote_tracking_refs_notes_and_stash_are_taken_out(tmp_path: Path) 
                "refs/heads/work").split() == ["refs/heads/work", "refs/remotes/origin/HEAD",
                                              "refs/remotes/origin/feature", "refs/remotes/origin/main"]
     assert git(repo, "rev-parse", f"refs/dispatchd/displaced/{done[0][1].split('/')[3]}/refs/stash").strip() == evil
+
+
+def test_a_packed_record_naming_a_path_out_of_refs_is_never_made_into_one(tmp_path: Path) -> None:
+    """``refs/remotes/../../config`` in a session's ``packed-refs`` is no ref
+    to git (its name fails check_refname_format); taken for a new
+    remote-tracking ref, its removal by path deleted ``.git/config``, and a
+    branch of such a name, kept as the session's work, was written back
+    over a file of the worktree at the next end. The twin: a new
+    remote-tracking ref of a plain name is taken out."""
+    repo, kept, evil = _setup(tmp_path)
+    config = (repo / ".git" / "config").read_bytes()
+    path = repo / ".git" / "packed-refs"
+    records = [line for line in path.read_text().split("\n") if line and not line.startswith("#")]  # unsorted
+    path.write_text("\n".join(records + [f"{evil} refs/remotes/../../config", f"{evil} refs/heads/../../../f",
+                                          f"{evil} refs/remotes/origin/plain"]) + "\n")
+    done, failed = history.restore(kept)
+    assert not failed and [n for n, _ in done] == ["refs/remotes/origin/plain"], done
+    assert (repo / ".git" / "config").read_bytes() == config and (repo / "f").read_text() == "2\n"
+    assert "refs/heads/../../../f" not in refsback.read_refs(str(repo / ".git"))

@@ -54,7 +54,7 @@ def read_refs(common: str) -> dict[str, str]:
     unsorted = refvalues.packed_out_of_order(packed_text, hexsz)  # git's binary search misses what we read
     for line in packed_text.split("\n"):
         record = refvalues.packed_record(line, hexsz)
-        if record is not None and record[1].startswith(PROTECTED_PREFIXES):
+        if record is not None and record[1].startswith(PROTECTED_PREFIXES) and refvalues.safe_name(record[1]):
             oid, name = record
             refs[name] = "out of order in a sorted packed-refs" if unsorted else \
                 oid if refs.get(name, oid) == oid else "named twice in packed-refs"
@@ -81,7 +81,7 @@ def read_refs(common: str) -> dict[str, str]:
                 full = f"{name}/{entry.name}"
                 if entry.is_dir(follow_symlinks=False):
                     pending.append((entry.path, full))
-                elif not entry.name.endswith(".lock"):  # git's own lock while it writes: no ref
+                elif refvalues.safe_name(full):  # not git's own lock while it writes (``.lock``), no ref
                     refs[full] = refvalues.loose(entry.path)
     return refs
 

@@ -33,6 +33,10 @@ from dispatchd.daemon.gitguard import fs
 _SPACE = " \t\n\r"
 _LOOSE_ID = re.compile(r"([0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?)(?:[ \t\n\r]|$)")
 _HEX = re.compile(r"[0-9a-fA-F]+")
+# What git's check_refname_format refuses, of the parts that matter for a path
+# (``..``, a leading dot, ``//``, a ``.lock`` part, control characters...):
+# git resolves no such ref, and its name is never made into a path here.
+_BAD_NAME = re.compile(r"(^|/)\.|\.\.|//|\.lock(/|$)|[\x00-\x20\x7f~^:?*\[\\]|@\{|/$")
 _ID = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
 
 
@@ -81,6 +85,13 @@ def loose(path: str) -> str:
     if not fs.is_file(path):
         return "not a regular file"
     return parse_loose(fs.read_small(path, 4096) or "")
+
+
+def safe_name(name: str) -> bool:
+    """Whether ``name`` is a ref name git resolves, and so one the end may
+    write or remove by path (``refs/remotes/../../config`` in a session's
+    ``packed-refs`` is neither)."""
+    return _BAD_NAME.search(name) is None
 
 
 def is_id(value: str) -> bool:

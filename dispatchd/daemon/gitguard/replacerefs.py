@@ -50,9 +50,6 @@ _OID = re.compile(r"^[0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?$")
 _MAX_DIRS = 10_000
 _MAX_MOVED = 1_000
 _PACKED_MAX = 64 * 1024 * 1024  # as refsback.read_refs reads it; past it, fail closed
-# A name git accepts for a ref (check_refname_format, the parts that matter
-# for a path): written back only if so.
-_BAD_NAME = re.compile(r"(^|/)\.|\.\.|//|\.lock(/|$)|[\x00-\x20\x7f~^:?*\[\\]|@\{|/$")
 
 
 class Baseline:
@@ -156,7 +153,7 @@ def restore(common: str, loose: dict[str, str], packed: list[str]) -> tuple[list
                                           f"out of it: {', '.join(names)}{', ...' if len(extra) > 5 else ''}"))
     after = read(common).refs()
     for name, value in sorted(in_effect(loose, packed, now.hexsz).items()):
-        if after.get(name) == value or _BAD_NAME.search(name):
+        if after.get(name) == value or not refvalues.safe_name(name):
             continue
         try:
             reftemp.write_ref(common, name, value)
