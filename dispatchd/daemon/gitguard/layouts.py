@@ -133,7 +133,7 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         return GitLayout("none")
     if stat.S_ISDIR(st.st_mode):
         index = os.path.join(dotgit, "index")
-        dirs = [dotgit] + _module_gitdirs(dotgit) + _embedded_gitdirs(worktree, index)
+        dirs = [dotgit] + module_gitdirs(dotgit) + _embedded_gitdirs(worktree, index)
         protect: list[str] = []
         for gitdir in dirs:
             protect += _protect(worktree, gitdir)
@@ -186,7 +186,7 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
     read_only = _existing([dotgit] + [os.path.join(gitdir, n) for n in ("commondir", "gitdir", "config.worktree")])
     # This worktree's own submodules' git directories (``git submodule update`` run here keeps them in
     # ``N/modules``): their configuration and hooks held as the main worktree's ``.git/modules`` are.
-    read_only += _existing([p for d in _module_gitdirs(gitdir) for p in _protect(worktree, d)])
+    read_only += _existing([p for d in module_gitdirs(gitdir) for p in _protect(worktree, d)])
     packs, over = held_packs(common)
     return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only + packs, readable=[common],
                      writable=writable, gitdirs=[gitdir], note=_over_note(over))
@@ -217,10 +217,11 @@ def _is_gitdir(path: str) -> bool:
     return is_file(os.path.join(path, "HEAD")) and is_dir(os.path.join(path, "objects"))
 
 
-def _module_gitdirs(gitdir: str) -> list[str]:
+def module_gitdirs(gitdir: str, unsearchable: list[str] | None = None) -> list[str]:
     """The git directories of submodules kept under ``modules/``, at any depth:
     a submodule's name may hold slashes (``modules/libs/sub``), and a submodule
-    has submodules of its own (``modules/a/modules/b``). No symlink is followed."""
+    has submodules of its own (``modules/a/modules/b``). No symlink is followed;
+    a directory that cannot be listed goes into ``unsearchable``."""
     found: list[str] = []
     pending = [os.path.join(gitdir, "modules")]
     visited = 0
@@ -232,6 +233,8 @@ def _module_gitdirs(gitdir: str) -> list[str]:
         try:
             entries = scanned(top)
         except OSError:
+            if unsearchable is not None:
+                unsearchable.append(top)
             continue
         for entry in entries:
             if not entry.is_dir(follow_symlinks=False):
@@ -279,7 +282,7 @@ def _embedded_gitdirs(worktree: str, index: str) -> list[str]:
             os.close(fd)
         if stat.S_ISDIR(st.st_mode):
             embedded = os.path.join(worktree, link, ".git")
-            found += [embedded] + _module_gitdirs(embedded)
+            found += [embedded] + module_gitdirs(embedded)
         if len(found) >= _MAX_GITDIRS:
             break
     return found

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 
-from dispatchd.daemon.gitguard import configs, refvalues, reftemp
-from dispatchd.daemon.gitguard.replacerefs import drop_packed, packed_lines
+from dispatchd.daemon.gitguard import refvalues, reftemp
+from dispatchd.daemon.gitguard.replacerefs import drop_named
 
 TAKEN = ("refs/remotes/", "refs/notes/", "refs/stash")
 
@@ -44,11 +44,7 @@ def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
             failed.append(f"{name}: {why}, cannot be taken out ({exc.strerror})")
             continue
         done.append((name, f"{why}; taken out (its value kept as refs/dispatchd/displaced/{stamp}/{name})"))
-    hexsz = configs.object_id_size(common) * 2
-    wanted = set(new)
-    lines = [line for line in packed_lines(common)[0] or []
-             if (refvalues.packed_record(line.decode("utf-8", "surrogateescape"), hexsz) or ("", ""))[1] in wanted]
-    problem = drop_packed(common, set(lines)) if lines else ""
+    problem = drop_named(common, set(new))
     if problem:
         failed.append(problem)
     return done, failed

@@ -224,6 +224,20 @@ def drop_packed(common: str, drop: set[bytes]) -> str:
 
 
 
+def packed_names(common: str) -> dict[bytes, str]:
+    """Each line of ``packed-refs`` -> the ref it names as git's lookup reads
+    it (``refvalues.packed_record``, the repository's id length), "" for none."""
+    hexsz = configs.object_id_size(common) * 2
+    return {line: (refvalues.packed_record(line.decode("utf-8", "surrogateescape"), hexsz) or ("", ""))[1]
+            for line in packed_lines(common)[0] or []}
+
+
+def drop_named(common: str, names: set[str]) -> str:
+    """``packed-refs`` without the records of ``names`` (``drop_packed``)."""
+    lines = {line for line, name in packed_names(common).items() if name in names}
+    return drop_packed(common, lines) if lines else ""
+
+
 def _joined(lines: list[bytes]) -> bytes:
     return b"".join(line + b"\n" for line in lines)
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import os
 
-from dispatchd.daemon.gitguard import configs, fs, refvalues
-from dispatchd.daemon.gitguard.replacerefs import drop_packed, packed_lines
+from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard.replacerefs import drop_named, packed_names
 
 # What git keeps at a git directory's top level: a short name beginning with
 # one of these is not taken for a ref of the session's (moving it would break git).
@@ -106,9 +106,7 @@ def clear(common: str, refs: list[str], baseline: list[str]) -> tuple[list[tuple
     new_packed = {item.partition(":")[2] for item in present(common, refs)
                   if item.startswith("packed:") and item not in had}
     if new_packed:
-        hexsz = configs.object_id_size(common) * 2
-        drop = {line for line in packed_lines(common)[0] or [] if _name(line, hexsz) in new_packed}
-        problem = drop_packed(common, drop)
+        problem = drop_named(common, new_packed)
         if problem:
             failed.append(problem)
         else:
@@ -125,11 +123,4 @@ def _worktree_dirs(common: str) -> list[str]:
 
 
 def _packed_names(common: str) -> set[str]:
-    hexsz = configs.object_id_size(common) * 2
-    return {name for name in (_name(line, hexsz) for line in packed_lines(common)[0] or []) if name}
-
-
-def _name(line: bytes, hexsz: int) -> str:
-    """The ref a ``packed-refs`` line names as git's lookup reads it, "" for none."""
-    record = refvalues.packed_record(line.decode("utf-8", "surrogateescape"), hexsz)
-    return record[1] if record is not None else ""
+    return {name for name in packed_names(common).values() if name}

@@ -50,6 +50,7 @@ from dispatchd.daemon.gitguard import fs
 from dispatchd.daemon.gitguard.configs import config_targets
 from dispatchd.daemon.gitguard.digests import digest_at, fingerprint, never_equal
 from dispatchd.daemon.gitguard.gitdirs import MAX_GITDIRS, Walk
+from dispatchd.daemon.gitguard.layouts import module_gitdirs
 from dispatchd.inside import is_within, outermost
 
 __all__ = ["MAX_GITDIRS", "GitSnapshot", "changes", "gitdir_paths", "quarantine", "take"]
@@ -76,36 +77,24 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     included: dict[str, str] = {}
 
 
-_MAX_EXTERNAL_MODULES = 1000  # directories looked into below a linked worktree's own ``modules``
-
-
-def _external_modules(top: str, external: dict[str, str], walk: Walk) -> None:
+def _external_modules(gitdir: str, external: dict[str, str], walk: Walk) -> None:
     """Each git directory below a linked worktree's own ``modules`` (its
     submodules', made by ``git submodule update`` in that worktree: outside
     the worktree, where the walk's relative paths do not reach), recorded as
-    the worktree's own git directory is, by absolute path: a directory holding
-    ``HEAD`` is one (its ``modules`` looked into too), any other a step of a
-    name with slashes. No symlink followed; bounded."""
-    pending, seen = [top], 0
-    while pending and seen < _MAX_EXTERNAL_MODULES:
-        path = pending.pop()
-        seen += 1
+    the worktree's own git directory is, by absolute path; one that cannot
+    be listed is never equal (moved aside)."""
+    unsearchable: list[str] = []
+    for found in module_gitdirs(gitdir, unsearchable):
         try:
-            fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(found, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
+            unsearchable.append(found)
             continue
         try:
-            if os.path.lexists(os.path.join(path, "HEAD")):
-                for name, digest in fingerprint(fd, walk.budget).items():
-                    external[os.path.join(path, name)] = digest
-                pending.append(os.path.join(path, "modules"))
-                continue
+            external.update({os.path.join(found, name): digest for name, digest in fingerprint(fd, walk.budget).items()})
         finally:
             os.close(fd)
-        try:
-            pending += [e.path for e in fs.scanned(path) if e.is_dir(follow_symlinks=False)]
-        except OSError:
-            external[path] = never_equal("unsearchable")
+    external.update({path: never_equal("unsearchable") for path in unsearchable})
 
 
 def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot | None = None) -> GitSnapshot:
@@ -156,7 +145,7 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
                     external[os.path.join(gitdir, name)] = digest
             finally:
                 os.close(fd)
-            _external_modules(os.path.join(gitdir, "modules"), external, walk)
+            _external_modules(gitdir, external, walk)
         # What the repository's configuration (its common directory's, this
         # worktree's own) reads or runs inside this worktree.
         for gitdir in layout.gitdirs + layout.readable[:1]:
