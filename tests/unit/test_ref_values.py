@@ -337,3 +337,22 @@ def test_a_packed_record_naming_a_path_out_of_refs_is_never_made_into_one(tmp_pa
     assert not failed and [n for n, _ in done] == ["refs/remotes/origin/plain"], done
     assert (repo / ".git" / "config").read_bytes() == config and (repo / "f").read_text() == "2\n"
     assert "refs/heads/../../../f" not in refsback.read_refs(str(repo / ".git"))
+
+
+def test_a_ref_in_front_behind_a_symlink_is_not_moved_through_it(tmp_path: Path) -> None:
+    """A directory of the git directory's top the user had, swapped for a
+    symlink to a directory elsewhere holding a file of the short name's:
+    nothing there is renamed (it may be the user's), the check fails and
+    says so. The twin is the test above, the directory a real one."""
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "branch", "feature/x", "HEAD~1")
+    (repo / ".git" / "feature").mkdir()
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "x").write_text(git(repo, "rev-parse", "HEAD~2").strip() + "\n")
+    (repo / ".git" / "feature").rmdir()
+    (repo / ".git" / "feature").symlink_to(elsewhere)
+    done, failed = history.restore(kept)
+    assert [f for f in failed if "behind a symlink; not moved" in f], (done, failed)
+    assert (elsewhere / "x").is_file()

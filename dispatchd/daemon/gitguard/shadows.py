@@ -97,7 +97,10 @@ def clear(common: str, refs: list[str], baseline: list[str]) -> tuple[list[tuple
         if item in had or any(rel.startswith(m + "/") for m in moved):
             continue  # the user's, or inside a directory moved aside just before (sorted: parents first)
         path = os.path.join(common, rel)
-        if kind == "loose":
+        if kind == "loose" and not _real_parents(common, rel):
+            # A symlink on its way (to a directory elsewhere): never moved through, fail closed.
+            failed.append(f"{path}: {why}, behind a symlink; not moved, remove it")
+        elif kind == "loose":
             moved.append(rel)
             try:
                 done.append((path, f"{why}; moved aside to {fs.move_aside(path)}"))
@@ -120,6 +123,16 @@ def _worktree_dirs(common: str) -> list[str]:
                 if fs.is_dir(os.path.join(common, "worktrees", n))]
     except OSError:
         return []
+
+
+def _real_parents(common: str, rel: str) -> bool:
+    """Whether every directory on ``rel``'s way below ``common`` is one, not a symlink."""
+    path = common
+    for part in rel.split("/")[:-1]:
+        path = os.path.join(path, part)
+        if not fs.is_dir(path):
+            return False
+    return True
 
 
 def _packed_names(common: str) -> set[str]:
