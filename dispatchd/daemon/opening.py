@@ -263,7 +263,7 @@ class Opening(Pooling):
                                                 note=f"{granted} holds the daemon's files, credentials or the "
                                                      "whole home directory; not granted")
                 break
-        session.git_before = gitguard.take(resolved, session.git, self.home)
+        session.git_before = gitguard.take(resolved, session.git, self.home, keep=True)
         if not session.git_before.complete:
             raise WorktreeError(f"{resolved}: more git directories than dispatchd checks "
                                 f"({gitguard.MAX_GITDIRS}); no session opened", resolved)

@@ -435,6 +435,46 @@ def _linked_with_submodule(tmp_path: Path) -> tuple[Path, Path, Path]:
     return main, linked, moddir
 
 
+def test_the_users_config_and_hook_stay_theirs_after_a_session_rewrote_them(mode_daemon: tuple[str, Daemon],
+                                                                          repo: Path, tmp_path: Path) -> None:
+    """A session rewrites ``.git/config`` (``core.fsmonitor``) and deletes the
+    user's pre-commit hook. Full mode: held read-only (EROFS).
+    Degraded mode: written; the end moves the session's config aside and
+    puts the user's config and hook back, byte for byte, the hook's mode
+    with it: the user's git runs nothing of the session's, keeps their
+    settings, and their own hook runs at their next commit. The control: the
+    same config by hand runs."""
+    mode, daemon = mode_daemon
+    marker, hook_ran = tmp_path / "PWNED", tmp_path / "hook-ran"
+    git(repo, "config", "user.email", "me@example.invalid")
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    hook.write_text(f"#!/bin/sh\ntouch {hook_ran}\n")
+    hook.chmod(0o750)
+    config = repo / ".git" / "config"
+    original = config.read_bytes()
+    config.write_text(fsmonitor_config(marker))
+    git(repo, "status", check=False)
+    assert marker.exists()  # the control
+    marker.unlink()
+    config.write_bytes(original)
+    with daemon.connect() as c, c.open_session(str(repo)) as s:
+        r = shell(s, f"printf '{fsmonitor_config(marker)}' > .git/config && rm .git/hooks/pre-commit && echo WROTE")
+        assert r.is_success == (mode == "degraded"), (r.output, r.error)
+        if mode == "full":
+            assert ".git/config: Read-only file system" in str(r.error), r
+    if mode == "degraded":
+        put = {p["path"]: p["why"] for p in s.protected if "put back" in p["why"]}
+        assert put == {str(config): "yours, as it was before the session changed it, put back",
+                       str(hook): "yours, as it was before the session deleted it, put back"}, s.protected
+        [aside] = [p for p in config.parent.iterdir() if p.name.startswith("config.quarantined-by-dispatchd-")]
+        assert "fsmonitor" in aside.read_text()  # the session's, beside, for review
+    assert config.read_bytes() == original
+    assert hook.stat().st_mode & 0o7777 == 0o750
+    user_runs_git(repo)
+    assert not marker.exists() and hook_ran.exists()
+    assert git(repo, "config", "user.email").stdout == "me@example.invalid\n"
+
+
 def test_a_linked_worktrees_submodule_config_a_session_wrote_runs_nothing(mode_daemon: tuple[str, Daemon],
                                                                          tmp_path: Path) -> None:
     """A linked worktree keeps its submodules' git directories below its

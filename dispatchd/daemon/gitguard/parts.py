@@ -4,7 +4,8 @@ baseline, and its check.
 ``check_part`` compares a part's worktree now with its baseline and moves
 aside what differs: redirect files a session created (``redirects``), git's
 configuration, hooks and state (``snapshots``), repositories and files the
-user's tools run (``runnables``). It never deletes; what it cannot move, or a
+user's tools run (``runnables``), and writes back the user's own git files
+a session changed or deleted (``keptfiles``). It never deletes; what it cannot move, or a
 walk over its bounds, is returned as a failure (the caller fails closed).
 """
 
@@ -16,7 +17,7 @@ import os
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import configs, indexreview, runnables, snapshots
+from dispatchd.daemon.gitguard import configs, indexreview, keptfiles, runnables, snapshots
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects
 
 log = logging.getLogger("dispatchd.baselines")
@@ -81,6 +82,11 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
             log.warning("event=git_changed_quarantined path=%s", path)
             found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
                                    time=now_t))
+        put, bad = keptfiles.put_back(part.root, part.git.kept, now.gitdirs, now.external)
+        failed += bad
+        for path, why in put:
+            log.warning("event=git_file_put_back path=%s", path)
+            found.append(Protected(path=path, why=why, time=now_t))
         if part.own_gitdir:  # the index, made to show what the worktree holds (indexreview.py)
             _review_index(part, found, now_t)
     tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,

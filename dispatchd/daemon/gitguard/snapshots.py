@@ -46,7 +46,7 @@ import time
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard import fs, keptfiles
 from dispatchd.daemon.gitguard.configs import config_targets
 from dispatchd.daemon.gitguard.digests import digest_at, fingerprint, never_equal
 from dispatchd.daemon.gitguard.gitdirs import MAX_GITDIRS, Walk
@@ -75,6 +75,9 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     # entries, keyed by the file git would open (worktree-relative, after
     # symlinks) -> digest.
     included: dict[str, str] = {}
+    # The user's own config, hooks and review files, by bytes, to put back
+    # where a session changed or deleted them (``keptfiles``); a baseline's only.
+    kept: list[keptfiles.Kept] = []
 
 
 def _external_modules(gitdir: str, external: dict[str, str], walk: Walk) -> None:
@@ -97,11 +100,13 @@ def _external_modules(gitdir: str, external: dict[str, str], walk: Walk) -> None
     external.update({path: never_equal("unsearchable") for path in unsearchable})
 
 
-def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot | None = None) -> GitSnapshot:
+def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot | None = None, *,
+         keep: bool = False) -> GitSnapshot:
     """Walk every git directory of the worktree's repository (see the module);
     ``home`` is where ``~/`` in an include path leads; ``before``: the look
     this one is compared with (an unparsable index unchanged since is not
-    read again)."""
+    read again); ``keep``: a baseline's look, which keeps the user's own
+    small files' bytes (``keptfiles``)."""
     taken_ns = time.time_ns()  # before the look: what changes from here on is after it
     known = {rel: (value, before.index_stamps[rel]) for rel, value in before.indexes.items()
              if rel in before.index_stamps} if before is not None else None
@@ -158,10 +163,11 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
             finally:
                 os.close(fd)
             walk.config_targets(gitdir, "", includes, hooks_paths)
+    kept = keptfiles.read(worktree, walk.gitdirs, by_file, external,
+                          layout.gitdirs if layout.kind == "linked" else []) if keep else []
     return GitSnapshot(taken_ns=taken_ns, gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers,
-                       indexes=walk.indexes,
-                       index_stamps=walk.index_stamps, external=external, complete=walk.complete,
-                       included=walk.included)
+                       indexes=walk.indexes, index_stamps=walk.index_stamps, external=external,
+                       complete=walk.complete, included=walk.included, kept=kept)
 
 
 def gitdir_paths(worktree: str, snap: GitSnapshot) -> list[str]:

@@ -1,0 +1,231 @@
+"""The user's own small git files, kept by content at the baseline and
+written back where a session changed or deleted them.
+
+``snapshots.quarantine`` moves aside what a session changed in a repository's
+git directory, and that alone left the user without it: a ``.git/config`` a
+session rewrote (degraded mode, where nothing holds it read-only) took the
+user's remotes, identity and every local setting aside with it, until they
+renamed the file back; a hook a session rewrote or deleted was simply gone,
+and the user's next commit ran no check of theirs.
+
+- ``read``, at the baseline, keeps the bytes and mode of each regular file
+  git reads for configuration or commands in the repository's own git
+  directories (``.git`` and ``.git/worktrees/N``, or a linked worktree's
+  own git directory): ``digests.CONFIG_FILES``, ``REVIEW_FILES`` and every
+  hook. Each is kept only when its bytes hash to the digest the same look
+  recorded (a file that changed between the two reads is not kept), within
+  ``MAX_FILE`` each and ``MAX_TOTAL`` in all (past them: moved aside as
+  before, not put back).
+- ``put_back``, at each end, after ``snapshots.quarantine``: each kept file
+  whose digest differs now, or which is gone, is written back whole or not
+  at all: a temporary name of its own (``O_EXCL | O_NOFOLLOW``) in its
+  directory, fsynced, renamed over it. The directory is reached by
+  descriptor from the worktree (or the linked worktree's git directory),
+  one component at a time, no symlink followed: a symlink or a file a
+  session put in the way is moved aside and the directory made again, so
+  nothing is ever written outside. What stands at the name (the session's,
+  when the quarantine could not move it) is moved aside first: never
+  deleted.
+- Not put back: the heads of a merge, cherry-pick or revert in progress
+  that a session removed (``git commit``, ``--continue`` or ``--abort``
+  remove them: the session finished or ended the user's operation).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import secrets
+import stat
+
+import msgspec
+
+from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES
+
+MAX_FILE = 256 * 1024  # one file kept (a config, a hook)
+MAX_TOTAL = 1024 * 1024  # all of one baseline's: the record is written at every open
+_NAMES = frozenset(CONFIG_FILES + REVIEW_FILES)
+_HEADS = frozenset(("MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD"))
+_DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class Kept(msgspec.Struct, frozen=True):
+    """One file as the baseline found it: ``rel`` below ``base`` (the
+    worktree when "", else a linked worktree's git directory)."""
+
+    base: str
+    rel: str
+    mode: int
+    data: str  # latin-1: every byte kept
+    gitdir: str = ""  # the snapshot's key of its git directory ("": ``base`` itself)
+    name: str = ""  # its name in that git directory's fingerprint
+
+
+def _wanted(name: str) -> bool:
+    return name in _NAMES or (name.startswith("hooks/") and name.count("/") == 1)
+
+
+def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
+         external: dict[str, str], linked: list[str]) -> list[Kept]:
+    """What of ``by_file``'s git directories (``gitdirs``' keys, worktree
+    relative) and of the ``linked`` git directories (``external``'s paths
+    below them) to keep."""
+    kept: list[Kept] = []
+    left = MAX_TOTAL
+    wanted: list[tuple[str, str, str, str, str]] = []  # base, rel, gitdir, name, digest
+    for gitdir in by_file:
+        for name, digest in gitdirs.get(gitdir, {}).items():
+            if _wanted(name) and digest.startswith("file:"):
+                wanted.append(("", f"{gitdir}/{name}", gitdir, name, digest))
+    for base in linked:
+        for path, digest in external.items():
+            name = os.path.relpath(path, base)
+            if os.path.dirname(path) in (base, os.path.join(base, "hooks"), os.path.join(base, "info")) \
+                    and _wanted(name) and digest.startswith("file:"):
+                wanted.append((base, name, "", name, digest))
+    for base, rel, gitdir, name, digest in wanted:
+        got = _read(base or worktree, rel)
+        if got is None or _digest(*got) != digest:
+            continue  # gone or changed since the look: not the look's
+        mode, data = got
+        if len(data) > left:
+            continue
+        left -= len(data)
+        kept.append(Kept(base=base, rel=rel, mode=mode, data=data.decode("latin-1"), gitdir=gitdir, name=name))
+    return kept
+
+
+def _digest(mode: int, data: bytes) -> str:
+    # As digests.digest_at records a regular file.
+    return f"file:{mode:o}:{hashlib.sha256(data).hexdigest()}"
+
+
+def _read(top: str, rel: str) -> tuple[int, bytes] | None:
+    parent, _, leaf = rel.rpartition("/")
+    try:
+        base = os.open(top, _DIR)
+    except OSError:
+        return None
+    try:
+        fd = fs.path_below(base, parent) if parent else os.dup(base)
+    except OSError:
+        fd = None
+    finally:
+        os.close(base)
+    if fd is None:
+        return None
+    try:
+        opened = fs.open_regular(leaf, fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if opened is None:
+        return None
+    file_fd, st = opened
+    try:
+        if st.st_size > MAX_FILE:
+            return None
+        return stat.S_IMODE(st.st_mode), fs.read_all(file_fd, MAX_FILE + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(file_fd)
+
+
+def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]],
+             external: dict[str, str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Write back each of ``kept`` that the look now (``gitdirs``,
+    ``external``: a snapshot's, taken before the quarantine) found changed or
+    gone; returns what was put back, with why, and what could not be."""
+    done: list[tuple[str, str]] = []
+    failed: list[str] = []
+    for k in kept:
+        path = os.path.join(k.base or worktree, k.rel)
+        now = gitdirs.get(k.gitdir, {}).get(k.name) if not k.base else external.get(path)
+        data = k.data.encode("latin-1")
+        if now == _digest(k.mode, data):
+            continue
+        if now is None and k.name in _HEADS:
+            continue  # removed: the operation was finished or aborted
+        try:
+            aside = _write(k.base or worktree, k.rel, data, k.mode)
+        except OSError as exc:
+            failed.append(f"{path}: changed by a session, yours cannot be put back ({exc.strerror})")
+            continue
+        what = "deleted" if now is None else "changed"
+        done.append((path, f"yours, as it was before the session {what} it, put back"
+                           + (f" (what stood there moved aside to {aside})" if aside else "")))
+    return done, failed
+
+
+def _write(top: str, rel: str, data: bytes, mode: int) -> str:
+    """``rel`` below ``top`` holding ``data`` (see the module); returns where
+    what stood at the name went, or ""."""
+    parent, _, leaf = rel.rpartition("/")
+    fd = os.open(top, _DIR)
+    try:
+        for part in parent.split("/") if parent else []:
+            nxt = _subdir(fd, part)
+            os.close(fd)
+            fd = nxt
+        aside = ""
+        try:
+            st = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode and _same(fd, leaf, data):
+                return ""
+            aside = os.path.join(top, parent, fs.move_aside_at(fd, leaf))
+        tmp = f"{leaf}.dispatchd-{secrets.token_hex(8)}.lock"  # git reads no such name
+        try:
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
+        except PermissionError:
+            with fs.lent(fd):  # a directory the session made read-only: the user's, so ours
+                out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                              dir_fd=fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(out, view):]
+            os.fchmod(out, mode)
+            os.fsync(out)
+        except BaseException:
+            os.close(out)
+            os.unlink(tmp, dir_fd=fd)
+            raise
+        os.close(out)
+        try:
+            os.rename(tmp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
+        except OSError:
+            os.unlink(tmp, dir_fd=fd)
+            raise
+        return aside
+    finally:
+        os.close(fd)
+
+
+def _subdir(fd: int, name: str) -> int:
+    """The directory ``name`` in ``fd``, opened without following a symlink;
+    made when absent; a symlink or anything else there moved aside first."""
+    try:
+        return os.open(name, _DIR, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            raise
+        if exc.errno != errno.ENOENT:
+            fs.move_aside_at(fd, name)
+    try:
+        os.mkdir(name, 0o755, dir_fd=fd)
+    except PermissionError:
+        with fs.lent(fd):
+            os.mkdir(name, 0o755, dir_fd=fd)
+    return os.open(name, _DIR, dir_fd=fd)
+
+
+def _same(fd: int, leaf: str, data: bytes) -> bool:
+    got = fs.read_regular(leaf, fd, limit=len(data) + 1)
+    return got is not None and got[0] == data

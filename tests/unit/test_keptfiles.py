@@ -1,0 +1,194 @@
+"""dispatchd.daemon.gitguard.keptfiles: the user's own config, hooks and
+review files kept by bytes at the baseline and written back at the end
+where a session changed or deleted them; the session's version moved
+aside, never deleted; nothing written through a symlink (real repositories
+made by git, changed as a session could)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from dispatchd.daemon.gitguard import keptfiles, layouts, snapshots
+from tests.unit.gitrepo import empty_repo, git
+
+pytestmark = pytest.mark.process  # starts git
+
+FSMONITOR = '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch PLANTED; false"\n'
+HOOK = "#!/bin/sh\nexec ./check-before-commit\n"
+
+
+def _take(repo: Path, keep: bool = False) -> snapshots.GitSnapshot:
+    return snapshots.take(str(repo), layouts.inspect_git(str(repo), uid=os.getuid()), keep=keep)
+
+
+def _end(repo: Path, before: snapshots.GitSnapshot) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """As ``parts.check_part`` does: the look, the quarantine, the put-back."""
+    now = _take(repo)
+    moved, failed = snapshots.quarantine(str(repo), before, now)
+    put, bad = keptfiles.put_back(str(repo), before.kept, now.gitdirs, now.external)
+    return moved, put, failed + bad
+
+
+def _aside(path: Path) -> list[Path]:
+    return sorted(p for p in path.parent.iterdir() if p.name.startswith(path.name + ".quarantined-by-dispatchd-"))
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    r = empty_repo(tmp_path / "repo", "empty")
+    git(r, "config", "user.email", "me@example.invalid")
+    git(r, "remote", "add", "origin", "https://example.invalid/me/repo.git")
+    hook = r / ".git" / "hooks" / "pre-commit"
+    hook.write_text(HOOK)
+    hook.chmod(0o750)
+    (r / ".git" / "info" / "exclude").write_text("secrets.env\n")
+    return r
+
+
+def test_the_baseline_keeps_config_hooks_and_excludes_by_bytes(repo: Path) -> None:
+    snap = _take(repo, keep=True)
+    kept = {k.rel: k for k in snap.kept}
+    assert {".git/config", ".git/hooks/pre-commit", ".git/info/exclude"} <= set(kept)
+    assert kept[".git/hooks/pre-commit"].data == HOOK and kept[".git/hooks/pre-commit"].mode == 0o750
+    assert "me@example.invalid" in kept[".git/config"].data
+    assert not any(k.rel.endswith(".sample") for k in snap.kept)  # git never runs those
+    # The record carries them (JSON, as the baseline's record is written).
+    again = msgspec.json.decode(msgspec.json.encode(snap), type=snapshots.GitSnapshot)
+    assert again.kept == snap.kept
+    assert _take(repo).kept == []  # an end's look keeps nothing
+
+
+def test_an_unchanged_repository_is_left_byte_for_byte(repo: Path) -> None:
+    """The allowed twin: commits and a branch, nothing of the kept files
+    touched: nothing moved, nothing written."""
+    before = _take(repo, keep=True)
+    config_ino = (repo / ".git" / "config").stat().st_ino
+    (repo / "f").write_text("x\n")
+    git(repo, "add", "f")
+    git(repo, "commit", "-qm", "work", "--no-verify")
+    git(repo, "branch", "side")
+    assert _end(repo, before) == ([], [], [])
+    assert (repo / ".git" / "config").stat().st_ino == config_ino
+
+
+def test_a_rewritten_config_is_moved_aside_and_the_users_put_back(repo: Path) -> None:
+    config = repo / ".git" / "config"
+    original = config.read_bytes()
+    before = _take(repo, keep=True)
+    config.write_text(FSMONITOR)
+    moved, put, failed = _end(repo, before)
+    assert failed == [] and moved == [str(_aside(config)[0])]
+    assert put == [(str(config), "yours, as it was before the session changed it, put back")]
+    assert config.read_bytes() == original
+    assert _aside(config)[0].read_text() == FSMONITOR  # the session's, kept beside for review
+    assert git(repo, "config", "user.email").strip() == "me@example.invalid"
+    assert _end(repo, before) == ([], [], [])  # a later end finds it as the baseline had it
+
+
+def test_a_deleted_config_and_hook_come_back_with_their_mode(repo: Path) -> None:
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    before = _take(repo, keep=True)
+    (repo / ".git" / "config").unlink()
+    hook.unlink()
+    moved, put, failed = _end(repo, before)
+    assert failed == [] and moved == []
+    assert sorted(p for p, _ in put) == [str(repo / ".git" / "config"), str(hook)]
+    assert all("deleted it, put back" in why for _, why in put)
+    assert hook.read_text() == HOOK and hook.stat().st_mode & 0o7777 == 0o750
+    assert git(repo, "remote", "get-url", "origin").strip() == "https://example.invalid/me/repo.git"
+
+
+def test_a_hook_made_executable_gets_its_mode_back(repo: Path) -> None:
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    before = _take(repo, keep=True)
+    hook.chmod(0o755)
+    moved, put, failed = _end(repo, before)
+    assert failed == [] and len(moved) == 1 and len(put) == 1
+    assert hook.stat().st_mode & 0o7777 == 0o750 and hook.read_text() == HOOK
+
+
+def test_a_symlinked_hooks_directory_is_never_written_through(repo: Path, tmp_path: Path) -> None:
+    """A session replaces ``.git/hooks`` with a symlink to a directory of the
+    user's: the put-back makes a real ``hooks`` again and writes nothing
+    there (the twin above: the same hook put back in place)."""
+    elsewhere = tmp_path / "users-dir"
+    elsewhere.mkdir()
+    hooks = repo / ".git" / "hooks"
+    before = _take(repo, keep=True)
+    hooks.rename(repo / ".git" / "hooks-gone")
+    hooks.symlink_to(elsewhere)
+    moved, put, failed = _end(repo, before)
+    assert failed == [] and [Path(m).is_symlink() for m in moved] == [True], moved
+    assert list(elsewhere.iterdir()) == []
+    assert hooks.is_dir() and not hooks.is_symlink() and (hooks / "pre-commit").read_text() == HOOK
+    assert [p for p, _ in put] == [str(hooks / "pre-commit")]
+
+
+def test_a_file_in_the_way_of_info_is_moved_aside(repo: Path) -> None:
+    info = repo / ".git" / "info"
+    before = _take(repo, keep=True)
+    (info / "exclude").unlink()
+    info.rmdir()
+    info.write_text("a file where a directory was\n")
+    moved, put, failed = _end(repo, before)
+    assert failed == [], failed
+    assert (info / "exclude").read_text() == "secrets.env\n"
+    assert [p.read_text() for p in _aside(info)] == ["a file where a directory was\n"]
+
+
+def test_a_merge_the_session_finished_is_not_brought_back(repo: Path) -> None:
+    """MERGE_HEAD removed (a session's ``git commit`` ended the user's merge)
+    stays removed; one a session rewrote gets the user's value back."""
+    head = git(repo, "rev-parse", "HEAD")
+    merge_head = repo / ".git" / "MERGE_HEAD"
+    merge_head.write_text(head + "\n")
+    before = _take(repo, keep=True)
+    merge_head.write_text("1" * 40 + "\n")
+    _, put, failed = _end(repo, before)
+    assert failed == [] and merge_head.read_text() == head + "\n" and len(put) == 1
+    merge_head.unlink()
+    assert _end(repo, before) == ([], [], [])
+    assert not merge_head.exists()
+
+
+def test_a_file_changed_between_the_two_reads_is_not_kept(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bytes kept are the ones the look's digest names: a write between
+    the look and the read (the user's own git) leaves the file unkept, and
+    a change to it is moved aside as before, never replaced by other bytes."""
+    real = keptfiles._read
+
+    def racing(top: str, rel: str) -> tuple[int, bytes] | None:
+        if rel == ".git/config":
+            with open(os.path.join(top, rel), "a") as f:
+                f.write("[user]\n\tname = raced\n")
+        return real(top, rel)
+
+    monkeypatch.setattr(keptfiles, "_read", racing)
+    snap = _take(repo, keep=True)
+    assert ".git/config" not in {k.rel for k in snap.kept} and ".git/hooks/pre-commit" in {k.rel for k in snap.kept}
+
+
+def test_past_the_bounds_a_file_is_not_kept(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keptfiles, "MAX_TOTAL", len(HOOK) + 1)
+    snap = _take(repo, keep=True)
+    assert sum(len(k.data) for k in snap.kept) <= len(HOOK) + 1
+
+
+def test_a_linked_worktrees_own_config_is_put_back(tmp_path: Path) -> None:
+    r = empty_repo(tmp_path / "main", "m")
+    git(r, "config", "extensions.worktreeConfig", "true")
+    linked = tmp_path / "linked"
+    git(r, "worktree", "add", "-q", str(linked), "-b", "side")
+    own = r / ".git" / "worktrees" / "linked" / "config.worktree"
+    own.write_text("[user]\n\tname = u\n")
+    before = _take(linked, keep=True)
+    assert ("config.worktree", str(own.parent)) in [(k.rel, k.base) for k in before.kept], before.kept
+    own.write_text(FSMONITOR)
+    moved, put, failed = _end(linked, before)
+    assert failed == [] and len(moved) == 1 and put == [(str(own), "yours, as it was before the session changed "
+                                                                   "it, put back")]
+    assert own.read_text() == "[user]\n\tname = u\n"
