@@ -167,12 +167,17 @@ class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # What the user's editors, agents and shells run or act on when they open a
 # folder: VS Code's tasks and settings, JetBrains' run configurations, Claude
 # Code's and Codex's settings and hooks, MCP servers an agent starts, direnv,
-# shell start-up files, git's per-repository files. Matched by name at any
-# depth of a worktree (daemon/gitguard/runnables.py).
+# Vim's and Neovim's per-folder start-up files (with ``exrc`` set), shell
+# start-up files, git's per-repository files; and, for a worktree that is a
+# home directory's dotfiles, ``.ssh`` (its ``config`` runs ``ProxyCommand``
+# at the user's next ssh, its ``authorized_keys`` lets others in). Matched by
+# name at any depth of a worktree (daemon/gitguard/runnables.py).
 DEFAULT_PROTECTED = (
     ".vscode", ".idea", ".claude", ".codex", ".cursor", ".devcontainer", ".mcp.json", ".envrc",
-    ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile", ".zshrc", ".zshenv", ".zprofile",
-    ".gitconfig", ".gitmodules", ".ripgreprc",
+    ".exrc", ".nvim.lua", ".nvimrc",
+    ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile",
+    ".zshrc", ".zshenv", ".zprofile", ".zlogin", ".zlogout",
+    ".gitconfig", ".gitmodules", ".ripgreprc", ".ssh",
 )
 
 

@@ -78,6 +78,25 @@ def test_protected_names_new_directory_whole_changed_file_alone(tmp_path: Path) 
     assert todo == [".claude/settings.json", "d0/.vscode"]
 
 
+def test_dotfiles_a_login_or_an_editor_runs_are_protected_by_default(tmp_path: Path) -> None:
+    """A worktree that is a home directory's dotfiles: zsh's login files,
+    ``.ssh`` (its ``config``'s ``ProxyCommand``, ``authorized_keys``), Vim's
+    and Neovim's per-folder files. The twin: a file beside them, and one
+    named like them but not them, are no change."""
+    repo = make_repo(tmp_path / "r")
+    (repo / ".ssh").mkdir()
+    (repo / ".ssh" / "known_hosts").write_text("")
+    before = runnables.take(str(repo))
+    (repo / ".ssh" / "config").write_text("Host *\n  ProxyCommand sh -c 'touch PWNED'\n")
+    for name in (".zlogin", ".zlogout", ".exrc", ".nvim.lua", ".nvimrc"):
+        (repo / "home" / name).parent.mkdir(exist_ok=True)
+        (repo / "home" / name).write_text("x\n")
+    (repo / "home" / "zlogin").write_text("x\n")
+    (repo / "home" / "notes.txt").write_text("x\n")
+    todo = runnables.changes(before, runnables.take(str(repo)))
+    assert todo == [".ssh/config", "home/.exrc", "home/.nvim.lua", "home/.nvimrc", "home/.zlogin", "home/.zlogout"]
+
+
 def test_an_unreadable_directory_is_looked_into_and_its_mode_kept(tmp_path: Path) -> None:
     repo = make_repo(tmp_path / "r")
     before = runnables.take(str(repo))
