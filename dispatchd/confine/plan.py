@@ -311,13 +311,13 @@ def plan_session(
         read_write=read_write,
         shared=shared,
         devices=devices,
-        # Without a network namespace, "off" is held by seccomp and Landlock TCP
-        # rules; "ports" is held by Landlock TCP rules in every mode.
+        # Without a network namespace, "off" is held by seccomp and Landlock TCP rules; "ports" by Landlock's in every mode.
         deny_tcp=net.landlock_tcp,
         connect_ports=ports.connect if net.landlock_tcp and network == "ports" else None,
         bind_ports=ports.bind if net.landlock_tcp and network == "ports" else None,
     )
-    seccomp = plan_seccomp(allow_inet=net.seccomp_inet, ipc_namespace=use_userns, allow_unix=unix_sockets)
+    seccomp = plan_seccomp(allow_inet=net.seccomp_inet, ipc_namespace=use_userns, allow_unix=unix_sockets,
+                           pid_namespace=namespaces.pid)
     mounts = None
     labels: dict[str, str] = {}
     if use_userns:

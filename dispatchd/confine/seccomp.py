@@ -20,7 +20,11 @@ Landlock (ABI 7) leaves holes that only a syscall filter closes. Once
 - trace or read other processes' memory (``ptrace``, ``process_vm_*``);
 - reach kernel surfaces an agent has no use for: io_uring, bpf, perf events,
   keyrings, userfaultfd, kernel modules, kexec, ``open_by_handle_at``;
-- push characters into a terminal (``TIOCSTI``, ``TIOCLINUX``).
+- push characters into a terminal (``TIOCSTI``, ``TIOCLINUX``);
+- set another process's resource limits, priority, scheduling or I/O
+  class (``prlimit64``, ``setpriority``, ``sched_set*``, ``ioprio_set``):
+  without a pid namespace, any process but itself; with one, its tool
+  server (pid 1). Its own (pid 0) and reading anyone's stay.
 
 - use Linux AIO (``io_setup``, ``io_submit``...): its events come from one
   machine-wide budget (``fs.aio-max-nr``);
@@ -67,6 +71,15 @@ _KERNEL_AIO = ("io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_can
 # not creating or unlinking it).
 _HOST_IPC = ("shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl",
              "semget", "semop", "semtimedop", "semctl", "mq_open", "mq_unlink")
+# Calls that act on a process named by pid, asking only that it be the same
+# user's: no ptrace check, so neither Landlock's ptrace rule nor its signal
+# scope covers them. Without a pid namespace a session named the daemon by
+# pid and set its RLIMIT_NOFILE to 3 (it accepted no one again, and only
+# CAP_SYS_RESOURCE raises a hard limit), its RLIMIT_CPU to 1 s (SIGXCPU), or
+# SCHED_IDLE; PRIO_USER reached every process of the user at once.
+_SCHED_BY_PID = ("sched_setscheduler", "sched_setparam", "sched_setattr", "sched_setaffinity")
+PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
+_PID_BITS = 0xFFFFFFFF  # the kernel reads a pid as a 32-bit int: 0x1_00000001 is pid 1
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 _AF_MAX = 46  # families are below this on 6.x kernels; anything at or above is denied
@@ -90,15 +103,38 @@ class SeccompPlan(msgspec.Struct, frozen=True):
     allow_inet: bool
 
 
-@functools.lru_cache(maxsize=16)  # three booleans: the same plan, shared (frozen), at every open
+def _other_processes(pid_namespace: bool) -> list[SeccompRule]:
+    """No limit, priority, scheduling or I/O class set on another process
+    (see ``_SCHED_BY_PID``). Without a pid namespace: none but the caller's
+    own (pid 0; a thread's own by its tid is refused too). With one, only the
+    session's own processes are there, and pid 1, its tool server, is held.
+    A process group or a user's every process (``PRIO_PGRP``,
+    ``PRIO_USER``, their I/O twins) is refused in both."""
+    if pid_namespace:  # pid 1, by its low 32 bits
+        target = [ArgCheck(0, "masked_eq", 1, _PID_BITS)]
+        who = [ArgCheck(1, "masked_eq", 1, _PID_BITS)]
+    else:  # anything but 0: a wider value the kernel would cut to 0 is refused too, harmlessly
+        target, who = [ArgCheck(0, "ne", 0)], [ArgCheck(1, "ne", 0)]
+    rules = [SeccompRule("prlimit64", errno.EPERM, [*target, ArgCheck(2, "ne", 0)])]  # reading one's limits stays
+    rules += [SeccompRule(name, errno.EPERM, target) for name in _SCHED_BY_PID]
+    rules += [SeccompRule("setpriority", errno.EPERM, [ArgCheck(0, "ne", PRIO_PROCESS)]),
+              SeccompRule("setpriority", errno.EPERM, who),
+              SeccompRule("ioprio_set", errno.EPERM, [ArgCheck(0, "ne", IOPRIO_WHO_PROCESS)]),
+              SeccompRule("ioprio_set", errno.EPERM, who)]
+    return rules
+
+
+@functools.lru_cache(maxsize=32)  # four booleans: the same plan, shared (frozen), at every open
 def plan_seccomp(*, allow_inet: bool, ipc_namespace: bool = True, allow_unix: bool = False,
-                 netlink: bool = True) -> SeccompPlan:
+                 netlink: bool = True, pid_namespace: bool = True) -> SeccompPlan:
     """The filter for one session; pure. ``allow_inet`` is False only for network
     off without a network namespace, where seccomp is what holds the network.
     ``allow_unix``: ``socket(AF_UNIX)`` is allowed (the session's root and
     network namespace are its own: the mounts and namespaces hold it).
-    ``netlink``: route queries allowed (what ``ip addr`` needs); else none."""
+    ``netlink``: route queries allowed (what ``ip addr`` needs); else none.
+    ``pid_namespace``: the session has one (``_other_processes``)."""
     rules = [SeccompRule(name, errno.EPERM) for name in _DENIED_ALWAYS]
+    rules += _other_processes(pid_namespace)
     rules += [SeccompRule("clone", errno.EPERM, [ArgCheck(0, "masked_eq", f, f)]) for f in _NS_FLAGS]
     rules.append(SeccompRule("clone3", errno.ENOSYS))
     # Linux AIO: the kernel counts its events against one machine-wide

@@ -316,7 +316,7 @@ def plan_stack_seccomp() -> SeccompPlan:
     it was given (Landlock keeps /proc, where it would find others, out of
     its reach); slirp4netns's own filter refuses it, with ``execve``, before
     the stack reads its first packet."""
-    base = plan_seccomp(allow_inet=True, ipc_namespace=False, allow_unix=False, netlink=False)
+    base = plan_seccomp(allow_inet=True, ipc_namespace=False, allow_unix=False, netlink=False, pid_namespace=False)
     rules = [r for r in base.rules if r.syscall != "setns"]
     rules += [SeccompRule(name, errno.EPERM) for name in _STACK_DENIED]
     rules.append(SeccompRule("prlimit64", errno.EPERM, [ArgCheck(0, "ne", 0)]))

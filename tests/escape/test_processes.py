@@ -161,6 +161,56 @@ def test_the_users_other_processes_cannot_be_signalled(
     assert "GOT SIGWINCH" in outside.finish()
 
 
+# Calls that set another process's limits, priority, scheduling or I/O
+# class: the kernel asks only that it be the same user's (no ptrace check).
+_ON_PID = {
+    "a resource limit": "import resource\nresource.prlimit({pid}, resource.RLIMIT_NOFILE, (64, 64))\nresult = 'set'",
+    "a priority": "os.setpriority(os.PRIO_PROCESS, {pid}, 10)\nresult = 'set'",
+    "a scheduling policy": "os.sched_setscheduler({pid}, os.SCHED_IDLE, os.sched_param(0))\nresult = 'set'",
+    "a CPU affinity": "os.sched_setaffinity({pid}, {{0}})\nresult = 'set'",
+    "an I/O class": "result = syscall(251, 1, {pid}, 3 << 13)",  # ioprio_set(IOPRIO_WHO_PROCESS, pid, IDLE)
+}
+_PRIO_USER = "os.setpriority(os.PRIO_USER, 0, 10)\nresult = 'set'"
+
+
+def _limits(pid: int) -> tuple[str, str]:
+    lines = Path(f"/proc/{pid}/limits").read_text().splitlines()
+    return next(line for line in lines if line.startswith("Max open files")), Path(f"/proc/{pid}/stat").read_text()
+
+
+@pytest.mark.parametrize("what", sorted(_ON_PID))
+def test_the_users_other_processes_keep_their_limits_and_priority(
+    sandbox: Sandbox, session: dispatch.Session, victims: Callable[[], Victim], what: str,
+) -> None:
+    """Without a pid namespace (degraded mode) a session named the daemon by
+    pid and set its RLIMIT_NOFILE to 3: it accepted no client again. Full
+    mode: no such pid (ESRCH); degraded: EPERM (seccomp). The twins: the same
+    call on the session's own process (pid 0) works inside, and outside
+    on the same kind of process it goes through."""
+    inside, outside = victims(), victims()
+    nofile, stat_before = _limits(inside.pid)
+    assert attempt(session, _ON_PID[what].format(pid=inside.pid)) == sandbox.expect(full=ESRCH, degraded=EPERM)
+    assert _limits(inside.pid)[0] == nofile and _limits(inside.pid)[1].split()[17:19] == stat_before.split()[17:19]
+    assert attempt(session, _ON_PID[what].format(pid=0)) in ("OK 'set'", "OK 0")  # its own
+    assert attempt_outside(_ON_PID[what].format(pid=outside.pid)) in ("OK 'set'", "OK 0")
+    assert inside.alive() and inside.finish() == ""
+
+
+def test_the_tool_server_keeps_its_limits_and_every_process_of_the_user_its_priority(
+    session: dispatch.Session,
+) -> None:
+    """pid 1 of a full-mode session is its tool server: a command that set its
+    RLIMIT_NOFILE to 5 broke every call after. ``PRIO_USER`` names every
+    process of the user at once (in degraded mode, all of the machine's).
+    Reading a limit stays (``/proc`` shows it anyway); the twin: ``nice``."""
+    limit = "import resource\nresult = resource.prlimit(worker_pid(), resource.RLIMIT_NOFILE{new})"
+    assert attempt(session, limit.format(new=", (5, 5)")) == EPERM
+    assert attempt(session, limit.format(new="")).startswith("OK (")
+    assert attempt(session, _PRIO_USER) == EPERM
+    assert attempt(session, "result = os.nice(1)") == "OK 1"
+    assert shell(session, "cat a-file-that-is-not-there 2>/dev/null; echo served").output == "served\n"
+
+
 _SIGIO = """
 r, w = os.pipe()
 fcntl.fcntl(r, fcntl.F_SETOWN, {pid})

@@ -343,7 +343,7 @@ def test_degraded_mode_network_off():
     assert got.loopback is False
     assert got.mounts is None
     # No network namespace: seccomp refuses inet sockets and Landlock every TCP bind/connect.
-    assert got.seccomp == plan_seccomp(allow_inet=False, ipc_namespace=False)
+    assert got.seccomp == plan_seccomp(allow_inet=False, ipc_namespace=False, pid_namespace=False)
     assert got.landlock == LandlockPlan(abi=7, handled_fs=0xFFFF, handled_net=3, scoped=3,
                                         paths=landlock_paths(userns=False), tcp_ports=[])
     prot = report(got)
@@ -361,7 +361,7 @@ def test_degraded_mode_network_off():
 
 def test_degraded_mode_network_on():
     got = plan(k=kernel(userns=False), network="on")
-    assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False)
+    assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False, pid_namespace=False)
     assert got.landlock.handled_net == 0
     assert report(got)["network"] == {"mode": "on", "mechanism": "host network"}
     assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
@@ -369,7 +369,7 @@ def test_degraded_mode_network_on():
 
 def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
     got = plan(k=kernel(abi=3, userns=False))
-    assert got.seccomp == plan_seccomp(allow_inet=False, ipc_namespace=False)
+    assert got.seccomp == plan_seccomp(allow_inet=False, ipc_namespace=False, pid_namespace=False)
     assert got.landlock.handled_net == 0
     assert got.landlock.handled_fs == 0x7FFF
     assert got.landlock.scoped == 0
@@ -562,7 +562,7 @@ def test_ports_default_to_the_policys():
 
 def test_ports_in_degraded_mode():
     got = plan(k=kernel(userns=False), network="ports", ports=NetworkPorts(connect=[], bind=[]))
-    assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False)
+    assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False, pid_namespace=False)
     assert got.landlock.handled_net == 3
     assert got.landlock.tcp_ports == []
     assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, PORTS_GAP,

@@ -97,7 +97,9 @@ def test_only_clone3_and_kernel_aio_answer_enosys(any_plan: SeccompPlan):
 
 
 def test_conditional_rules_touch_only_these_syscalls(any_plan: SeccompPlan):
-    assert {r.syscall for r in any_plan.rules if r.args} == {"clone", "ioctl", "socket", "socketpair"}
+    assert {r.syscall for r in any_plan.rules if r.args} == {"clone", "ioctl", "socket", "socketpair", "prlimit64",
+                                                             "setpriority", "ioprio_set", "sched_setscheduler",
+                                                             "sched_setparam", "sched_setattr", "sched_setaffinity"}
 
 
 def test_the_two_plans_differ_only_in_inet_sockets():
@@ -110,10 +112,41 @@ def test_the_two_plans_differ_only_in_inet_sockets():
 def test_rule_count():
     # 40 always + 7 clone flags + clone3 + 6 kernel AIO + 2 ioctls + (46 families - allowed) + ge + netlink
     # + 45 socketpair families + socketpair ge + 14 socketpair kinds (all but STREAM and SEQPACKET)
-    assert len(INET.rules) == 40 + 7 + 1 + 6 + 2 + (46 - 3) + 1 + 1 + 45 + 1 + 14
+    # + another process's limit, 4 scheduling calls, 2 priority and 2 I/O class rules
+    assert len(INET.rules) == 40 + 7 + 1 + 6 + 2 + (46 - 3) + 1 + 1 + 45 + 1 + 14 + 1 + 4 + 2 + 2
     # Without an IPC namespace, the 12 System V calls and 2 POSIX queue calls too.
     assert len(plan_seccomp(allow_inet=True, ipc_namespace=False).rules) == len(INET.rules) + 14
     assert len(NO_INET.rules) == len(INET.rules) + 2
+
+
+PRLIMIT_SET = 0x7FFE0000  # a new limit's address: set, not only read
+SCHED = ("sched_setscheduler", "sched_setparam", "sched_setattr", "sched_setaffinity")
+
+
+@pytest.mark.parametrize("pid_namespace", [False, True], ids=["degraded", "full"])
+def test_another_processs_limits_and_priority_are_refused(pid_namespace: bool):
+    """Without a pid namespace any pid but 0 (the caller) is refused; with
+    one, pid 1 (the tool server), also by a wider value the kernel cuts to
+    it. Reading a limit, and a process's own, stay allowed."""
+    p = plan_seccomp(allow_inet=True, pid_namespace=pid_namespace)
+    other = 1234
+    assert verdict(p, "prlimit64", other, 7, PRLIMIT_SET) == (None if pid_namespace else errno.EPERM)
+    assert verdict(p, "prlimit64", 1, 7, PRLIMIT_SET) == errno.EPERM
+    assert verdict(p, "prlimit64", (1 << 32) | 1, 7, PRLIMIT_SET) == errno.EPERM
+    assert verdict(p, "prlimit64", 1, 7, 0, 0x7FFE1000) is None  # read only
+    assert verdict(p, "prlimit64", 0, 7, PRLIMIT_SET) is None
+    for name in SCHED:
+        assert verdict(p, name, 1, 0, 0) == errno.EPERM
+        assert verdict(p, name, other, 0, 0) == (None if pid_namespace else errno.EPERM)
+        assert verdict(p, name, 0, 0, 0) is None
+    for name, process in (("setpriority", 0), ("ioprio_set", 1)):
+        assert verdict(p, name, process, 0, 10) is None
+        assert verdict(p, name, process, 1, 10) == errno.EPERM
+        assert verdict(p, name, process, other, 10) == (None if pid_namespace else errno.EPERM)
+        assert verdict(p, name, process + 1, 0, 10) == errno.EPERM  # a process group
+        assert verdict(p, name, process + 2, 0, 10) == errno.EPERM  # every process of the user
+    for name in ("getpriority", "sched_getaffinity", "ioprio_get", "sched_getscheduler"):
+        assert verdict(p, name, 1, 1, 0) is None
 
 
 @pytest.mark.parametrize("name", sorted(DENIED_ALWAYS))
