@@ -4,7 +4,9 @@ then the store on a temporary directory (no daemon, no sandbox)."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 import threading
 
 import pytest
@@ -180,6 +182,32 @@ def test_take_then_restore_brings_everything_back(store, tmp_path):
     done = store.restore("s1", wt, info.id, POLICY)
     assert _tree(wt) == before
     assert done == {"removed": 2, "written": 4, "made": 0, "objects": 0}
+
+
+def test_a_worktree_on_another_file_system_than_the_state_is_kept_and_restored(tmp_path):
+    """A worktree on a tmpfs (or another disk) and the state on the home's
+    file system: ``copy_file_range`` answers EXDEV there, and the take
+    failed with it. Now the bytes go through the daemon. The twin: the
+    test above, on one file system."""
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="dispatchd-test-")
+    try:
+        wt = _worktree(type(tmp_path)(shm))
+        state = tmp_path / "state"
+        state.mkdir()
+        assert os.stat(wt).st_dev != os.stat(state).st_dev  # two file systems, or the test proves nothing
+        store = cp.Store(str(state), str(state / "keep"))
+        before = _tree(wt)
+        info = store.take("s1", wt, POLICY, "first")
+        with open(os.path.join(wt, "src", "a.py"), "w") as fh:
+            fh.write("a = 2, and longer\n")
+        os.unlink(os.path.join(wt, "src", "gone.py"))
+        store.restore("s1", wt, info.id, POLICY)
+        assert _tree(wt) == before
+    finally:
+        for top, dirs, _ in os.walk(shm):
+            for name in dirs:
+                os.chmod(os.path.join(top, name), 0o755)
+        shutil.rmtree(shm)
 
 
 def _pool(store: cp.Store, sid: str) -> list[str]:

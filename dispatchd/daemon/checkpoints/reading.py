@@ -119,11 +119,32 @@ def _clone_fd(src: int, dst: int, size: int, budget: list[int]) -> bool:
     budget[0] -= size
     offset = 0
     while offset < size:  # no further: a file that grows meanwhile is kept as it was when looked at
-        n = os.copy_file_range(src, dst, min(size - offset, 1 << 30), offset, offset)
+        try:
+            n = os.copy_file_range(src, dst, min(size - offset, 1 << 30), offset, offset)
+        except OSError as exc:
+            # Two file systems (a worktree on another disk or a tmpfs than the
+            # state directory: EXDEV), or one without the call: bytes through us.
+            if exc.errno not in _NO_COPY_RANGE:
+                raise
+            n = _copy_chunk(src, dst, min(size - offset, 1 << 20), offset)
         if n == 0:
             break  # it shrank meanwhile
         offset += n
     return False
+
+
+_NO_COPY_RANGE = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def _copy_chunk(src: int, dst: int, size: int, offset: int) -> int:
+    """Up to ``size`` bytes of ``src`` at ``offset`` written to ``dst`` at
+    the same offset; how many (0: ``src`` ends there)."""
+    data = os.pread(src, size, offset)
+    view, at = memoryview(data), offset
+    while view:
+        n = os.pwrite(dst, view, at)
+        view, at = view[n:], at + n
+    return len(data)
 
 
 def reflinks(store: str, worktree: str) -> bool:
