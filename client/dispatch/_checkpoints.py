@@ -61,8 +61,11 @@ class SessionCheckpoints:
 
     def restore(self, checkpoint_id: str) -> dict[str, Any]:
         """Put the worktree's files and git metadata back as they were at the
-        checkpoint. Refused while a call is in flight or a process of the
-        session runs (a background job: stop it first)."""
+        checkpoint; what was there just before is kept first as a checkpoint
+        of its own (``"before"`` in the answer: restore it to undo). Refused
+        while a call is in flight or a process of the session runs (a
+        background job: stop it first), and when what is there now cannot be
+        kept (over the policy's budgets): nothing is then changed."""
         return restore(self._client._daemon_request, self.id, checkpoint_id)
 
 

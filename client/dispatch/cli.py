@@ -119,7 +119,8 @@ def _run_checkpoint(client: Client, args: argparse.Namespace) -> None:
     elif args.action == "restore":
         done = client.restore(args.id, args.checkpoint)
         print(f"restored {done['checkpoint']}: {done['removed']} removed, {done['written']} written, "
-              f"{done['made']} directories made, {done['objects']} git object files put back")
+              f"{done['made']} directories made, {done['objects']} git object files put back; "
+              f"what was there before is checkpoint {done['before']} (restore it to undo)")
     elif args.json:
         print(json.dumps(client.checkpoints(args.id), indent=2))
     else:

@@ -284,10 +284,12 @@ class CheckpointsReply(_Msg, tag="checkpoints", frozen=True):
 
 class RestoredReply(_Msg, tag="restored", frozen=True):
     """What a restore changed: paths removed, written (files, links) and
-    made (directories), git object files put back."""
+    made (directories), git object files put back; ``before``: the
+    checkpoint of the worktree as it was just before (restore it to undo)."""
 
     id: int
     checkpoint: str
+    before: str = ""
     removed: int = 0
     written: int = 0
     made: int = 0

@@ -29,6 +29,7 @@ IDENTITY = "GIT_AUTHOR_NAME=agent GIT_AUTHOR_EMAIL=agent@example.invalid " \
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """Policies: the shipped ones; 'tiny' (a checkpoint may copy 64 bytes);
+    'small' (256 KiB: the test repository, not 1 MiB more);
     'undo' (a checkpoint before every write); 'undo-tiny' (both); 'sleepy'
     (sessions sleep after 0.1 s idle)."""
     _refuse_root()
@@ -36,7 +37,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     policies = base / "policies"
     shutil.copytree(default_policy_dir(), policies)
     text = (policies / "default.toml").read_text()
-    for name, new in (("tiny", "max_bytes = 64"), ("undo", "before_writes = true"),
+    for name, new in (("tiny", "max_bytes = 64"), ("small", "max_bytes = 262144"), ("undo", "before_writes = true"),
                       ("undo-tiny", "before_writes = true\nmax_bytes = 64")):
         (policies / f"{name}.toml").write_text(
             text.replace("before_writes = false", "").replace("max_bytes = 4294967296", "").replace(
@@ -118,6 +119,51 @@ def test_a_restore_puts_files_and_git_back(client: dispatch.Client, repo: Path) 
         # The session goes on from there.
         assert ok(shell(s, "cat src/main.py")).output.startswith("def main():\n    return 42")
     assert s.protected == []  # the end's checks found nothing to move aside
+
+
+def test_a_restore_keeps_what_it_replaces_and_is_undone_by_restoring_that(client: dispatch.Client,
+                                                                          repo: Path) -> None:
+    """The user works beside the session after its checkpoint: a secret git
+    ignores, notes, an edit and a commit. A restore removes them from the
+    worktree (what a restore is), and keeps them first in a checkpoint of
+    their own (``before``): restoring it brings every one back, the commit
+    on its branch. Before, nothing of them was kept anywhere."""
+    with client.open_session(str(repo)) as s:
+        cid = s.checkpoint()
+        (repo / ".gitignore").write_text(".env\n")
+        (repo / ".env").write_text("TOKEN=the-users\n")
+        (repo / "NOTES.md").write_text("mine\n")
+        (repo / "src" / "main.py").write_text("def main():\n    return 7\n")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-qm", "the user's own")
+        users, head = snapshot(repo), git(repo, "rev-parse", "HEAD")
+        done = s.restore(cid)
+        assert not (repo / ".env").exists() and git(repo, "log", "--format=%s", "main") == "init\n"
+        assert done["before"] != cid and [c["label"] for c in s.checkpoints()][-1] == f"before restoring {cid}"
+        undone = s.restore(done["before"])
+        assert snapshot(repo) == users and git(repo, "rev-parse", "HEAD") == head
+        assert (repo / ".env").read_text() == "TOKEN=the-users\n"
+        assert undone["before"] not in (cid, done["before"])
+
+
+def test_a_restore_that_cannot_keep_what_is_there_changes_nothing(client: dispatch.Client, repo: Path) -> None:
+    """Over the byte budget, the worktree as it is cannot be kept first: the
+    restore is refused and nothing is removed. The twin: under the budget
+    (the same file gone), the restore goes through."""
+    with client.open_session(str(repo), policy="small") as s:
+        cid = s.checkpoint()
+        (repo / "big.bin").write_bytes(b"x" * 1024 * 1024)
+        with pytest.raises(dispatch.RequestFailed) as err:
+            s.restore(cid)
+        assert err.value.code == "checkpoint_refused"
+        assert err.value.message == (
+            "restore refused: the worktree as it is now could not be kept first, and a restore would lose it "
+            "(checkpoint refused: it would copy more than 262144 bytes (the policy's [checkpoints] max_bytes; "
+            "reflink clones and links are not counted)); nothing was changed")
+        assert (repo / "big.bin").read_bytes() == b"x" * 1024 * 1024
+        (repo / "big.bin").unlink()
+        (repo / "small.txt").write_text("s\n")
+        assert s.restore(cid)["removed"] == 1 and not (repo / "small.txt").exists()
 
 
 def test_deleted_git_objects_come_back_from_the_keep(client: dispatch.Client, repo: Path) -> None:

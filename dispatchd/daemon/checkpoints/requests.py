@@ -110,8 +110,18 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         return protocol.CheckpointReply(id=req.id, checkpoint=info)
     store.find(session.id, req.checkpoint)  # an unknown id is refused before anything is paused
     with _quiet(manager, session, "restore"), store.lock(session.id):
+        # What the worktree holds now is kept first, so that a restore loses
+        # nothing: files the user made beside the session since the
+        # checkpoint (an .env, notes, a commit) are what a restore removes.
+        # It can be restored in turn (undo). Not kept: not restored.
+        try:
+            before = store.take(session.id, session.worktree, policy, f"before restoring {req.checkpoint}",
+                                fsync=session.policy.limits.fsync, spare=req.checkpoint)
+        except CheckpointError as exc:
+            raise CheckpointError(f"restore refused: the worktree as it is now could not be kept first, and a "
+                                  f"restore would lose it ({exc.message}); nothing was changed", exc.code) from exc
         done = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=session.policy.limits.fsync)
-    return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, **done)
+    return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before.id, **done)
 
 
 def before_write(manager: SessionManager, session: Session, msg: protocol.AcquireWriteLock,

@@ -118,12 +118,13 @@ class Store:
 
     # --- take --------------------------------------------------------------------
 
-    def take(self, sid: str, worktree: str, policy: CheckpointPolicy, label: str = "", fsync: bool = True
-             ) -> CheckpointInfo:
+    def take(self, sid: str, worktree: str, policy: CheckpointPolicy, label: str = "", fsync: bool = True,
+             spare: str = "") -> CheckpointInfo:
         """A checkpoint of ``worktree`` now; the caller holds ``lock(sid)`` and
         has paused the session. Refused (``Refused``) over a budget. With
         ``fsync`` (the policy's ``limits.fsync``) it is on the disk when this
-        returns, not only complete for the daemon."""
+        returns, not only complete for the daemon. ``spare``: a checkpoint
+        the policy's ``keep`` does not forget to make room (a restore's)."""
         s = self._of(sid)
         started_ns = time.time_ns()
         entries, has_objects = list_tree(worktree, policy)
@@ -172,18 +173,18 @@ class Store:
             s.copies[cid] = named
             s.refs.update(named)
         if len(s.infos) > policy.keep:
-            self._forget_oldest(s, top, len(s.infos) - policy.keep)
+            self._forget_oldest(s, top, len(s.infos) - policy.keep, spare)
         log.info("event=checkpoint session=%s checkpoint=%s entries=%s copied=%s copied_bytes=%s objects=%s",
                  sid, cid, info.entries, len(made), info.copied_bytes, info.objects)
         return info
 
-    def _forget_oldest(self, s: _Session, top: str, n: int) -> None:
-        """The ``n`` oldest checkpoints go, and the copies no other one names."""
+    def _forget_oldest(self, s: _Session, top: str, n: int, spare: str = "") -> None:
+        """The ``n`` oldest checkpoints go (never ``spare``), and the copies no other one names."""
         with self._lock:
             # Never the one a restore record names (a failed restore's): its
             # manifest and copies stay while the record may be finished.
             named = s.record_cid if s.record_fd >= 0 else ""
-            gone = [i for i in s.infos[:-1] if i.id != named][:n]  # never the newest (the next one shares it)
+            gone = [i for i in s.infos[:-1] if i.id not in (named, spare)][:n]  # never the newest (the next one shares it)
             s.infos = [i for i in s.infos if i not in gone]
         for info in gone:
             with contextlib.suppress(OSError):
