@@ -212,7 +212,8 @@ class Opening(Pooling):
             t = time.perf_counter()
             joining = _Once(claims.then(record, functools.partial(
                 self.baselines.join, sid, session.worktree, session.git, session.git_before,
-                session.redirects_before, tuple(policy.protect.paths), defer=True)),
+                session.redirects_before, tuple(policy.protect.paths), defer=True,
+                writable=policy.filesystem.worktree == "read-write" or bool(policy.filesystem.read_write))),
                 then=functools.partial(self.baselines.durable, sid))
             # Run by now, to its end, whenever the sandbox is ready (and when
             # not, it has either not begun or ended: nothing of it is left

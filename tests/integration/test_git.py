@@ -124,3 +124,30 @@ def test_an_index_the_session_garbled_is_moved_aside_and_the_worktree_opens_agai
         r = shell(s, "git status --porcelain")
         assert (r.metadata["exit_code"], r.metadata["stdout"]) == (0, "D  f\n?? f\n"), r.metadata["stderr"]
 
+
+
+def test_the_users_own_work_beside_a_read_only_session_stays(mode_client, repo: Path) -> None:
+    """A session of the read-only policy (the kernel holds its worktree
+    read-only; no command runs) cannot have changed anything, so what
+    changed while it was open is the user's: their ``git push -u``-like
+    config, a new branch and an ``.envrc`` stay as they made them, and
+    nothing is reported. Before, the end moved the whole ``.git/config``
+    aside as a session's. The twin: the same by a default-policy session
+    that ran a command is moved aside (it could have)."""
+    _, client = mode_client
+    for policy, ran in (("read-only", False), ("default", True)):
+        with client.open_session(str(repo), policy=policy) as s:
+            if ran:
+                assert shell(s, "true").is_success
+            git(repo, "config", f"branch.{policy}.remote", "origin")
+            git(repo, "branch", f"users-{policy}")
+            (repo / ".envrc").write_text(f"export FROM={policy}\n")
+        if not ran:
+            assert s.protected == []
+            assert git(repo, "config", "branch.read-only.remote") == "origin\n"
+            assert (repo / ".envrc").read_text() == "export FROM=read-only\n"
+        else:
+            assert {".git/config", ".envrc"} <= {p["path"].removeprefix(f"{repo}/").split(".quarantined")[0]
+                                                 for p in s.protected}, s.protected
+            assert git(repo, "config", "branch.read-only.remote") == "origin\n"  # the baseline's, put back
+        assert f"users-{policy}" in git(repo, "branch")

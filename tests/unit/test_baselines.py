@@ -352,11 +352,11 @@ def test_a_fast_forward_and_the_own_branch_are_kept(tmp_path: Path) -> None:
 # --- the store -----------------------------------------------------------------------------
 
 
-def _join(store: baselines.Baselines, sid: str, root: Path, *, defer: bool = False) -> None:
+def _join(store: baselines.Baselines, sid: str, root: Path, *, defer: bool = False, writable: bool = True) -> None:
     layout = layouts.inspect_git(str(root), uid=os.getuid())
     snap = snapshots.take(str(root), layout)
     store.join(sid, str(root), layout, snap, redirects.redirects_present(layout, str(root)),
-               ("vscode-like",), defer=defer)
+               ("vscode-like",), defer=defer, writable=writable)
 
 
 def test_the_record_is_on_disk_while_a_session_lives_and_gone_after(tmp_path: Path) -> None:
@@ -490,6 +490,30 @@ def test_a_start_finishes_the_checks_of_a_daemon_that_died(tmp_path: Path) -> No
     found = live.recover()
     assert [Path(p.path).relative_to(repo).as_posix().split(".quarantined")[0] for p in found] == ["d1/n/.git/config"]
     assert os.listdir(tmp_path / "state" / "baselines") == []
+
+
+def test_after_a_daemon_died_a_read_only_domain_leaves_the_users_work(tmp_path: Path) -> None:
+    """A domain whose sessions all had their worktree held read-only by the
+    kernel: what changed after the daemon died (the user worked on, days
+    maybe) is the user's, and the start's check leaves it. The record says
+    so on disk. The twin: a writable session's domain, checked as above."""
+    repo = make_repo(tmp_path / "r")
+    dead = baselines.Baselines(str(tmp_path / "state"))
+    _join(dead, "s", repo, writable=False)
+    git(repo, "config", "branch.main.remote", "origin")
+    (repo / "d1" / "n").mkdir()
+    git(repo / "d1" / "n", "init", "-q")
+    os.close(next(iter(dead._domains.values())).lock_fd)  # what the kernel does for a dead daemon
+    assert baselines.Baselines(str(tmp_path / "state")).recover() == []
+    assert git(repo, "config", "branch.main.remote") == "origin\n" and (repo / "d1" / "n" / ".git" / "config").exists()
+    assert os.listdir(tmp_path / "state" / "baselines") == []
+    dead = baselines.Baselines(str(tmp_path / "state"))
+    _join(dead, "s", repo, writable=False)
+    _join(dead, "w", repo)  # a writable session joins: the domain is writable from then on
+    git(repo, "config", "branch.main.merge", "refs/heads/main")
+    os.close(next(iter(dead._domains.values())).lock_fd)
+    found = baselines.Baselines(str(tmp_path / "state")).recover()
+    assert [Path(p.path).relative_to(repo).as_posix().split(".quarantined")[0] for p in found] == [".git/config"]
 
 
 def test_a_related_open_finishes_only_the_related_checks(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ import msgspec
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, packlinks, refsback, reftemp, runnables, snapshots
-from dispatchd.daemon.gitguard.parts import Part, Protected, check_part, common_of
+from dispatchd.daemon.gitguard.parts import Part, Protected, Record, check_part, common_of
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
@@ -65,15 +65,6 @@ from dispatchd.inside import is_within, worktrees_relate
 
 log = logging.getLogger("dispatchd.baselines")
 _REPORTS_KEPT = 200
-
-
-class Record(msgspec.Struct):
-    """What is on disk for one domain."""
-    id: str
-    created: float
-    sessions: list[str] = []
-    parts: list[Part] = []
-    histories: list[history.History] = []
 
 
 class _Domain:
@@ -256,14 +247,15 @@ class Baselines:
     # --- open --------------------------------------------------------------
 
     def join(self, sid: str, root: str, layout: GitLayout, snapshot: snapshots.GitSnapshot,
-             redirects: list[str], names: tuple[str, ...], *, defer: bool = False) -> None:
+             redirects: list[str], names: tuple[str, ...], *, defer: bool = False, writable: bool = True) -> None:
         """Make ``sid`` a session of the domain of ``root`` (see the module);
         raises WorktreeError when the worktree cannot be recorded (a walk
         over its bounds). Call before the session's sandbox starts. Waits
         only for joins and checks of the same domain. ``defer``: a new
         domain's record is made durable by ``durable(sid)`` (a join into a
         domain that has one rewrites it durably: a rename not yet synced
-        must never stand over a record other sessions rely on)."""
+        must never stand over a record other sessions rely on). ``writable``:
+        False when the kernel holds the session's worktree read-only (``Record.writable``)."""
         common = common_of(root, layout)
         domain = self._enter(root, common)
         try:
@@ -282,6 +274,7 @@ class Baselines:
                 record.parts.append(part)
                 self._add_history(record, part)
             record.sessions.append(sid)
+            record.writable = record.writable or writable
             try:
                 self._write(domain, defer=defer and len(record.sessions) == 1 and len(record.parts) == 1
                             and domain.pending is None)
@@ -315,8 +308,8 @@ class Baselines:
                 related = self._related(root, common)
                 if not related:
                     did = secrets.token_hex(8)
-                    domain = _Domain(Record(id=did, created=time.time()), self._take_lock(did, blocking=True) or -1,
-                                     wrote=False)
+                    domain = _Domain(Record(id=did, created=time.time(), writable=False),
+                                     self._take_lock(did, blocking=True) or -1, wrote=False)
                     domain.lock.acquire()  # new: nobody else holds it
                     domain.claims.append((root, common))
                     self._domains[did] = domain
@@ -372,6 +365,7 @@ class Baselines:
                 into.record.histories.append(kept)
         into.reports += other.reports
         into.wrote |= other.wrote
+        into.record.writable = into.record.writable or other.record.writable
         for sid in other.record.sessions:
             self._by_session[sid] = into
         self._settle(other)  # its record stays until ``into``'s, durable, holds its parts
@@ -476,6 +470,8 @@ class Baselines:
             log.error("event=git_check_failed domain=%s what=%r", domain.record.id, reason)
 
     def _check(self, domain: _Domain, *, final: bool) -> list[str]:
+        if not domain.record.writable:
+            return []  # no session could write any of it: what changed is the user's
         failed: list[str] = []
         found: list[Protected] = []
         now_t = time.time()

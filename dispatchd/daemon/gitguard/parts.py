@@ -17,7 +17,7 @@ import os
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import configs, indexreview, keptfiles, runnables, snapshots
+from dispatchd.daemon.gitguard import configs, history, indexreview, keptfiles, runnables, snapshots
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects
 
 log = logging.getLogger("dispatchd.baselines")
@@ -62,6 +62,21 @@ class Part(msgspec.Struct, frozen=True):
         if self.layout.kind == "repository":
             return os.path.join(self.root, ".git")
         return self.layout.gitdirs[0] if self.layout.kind == "linked" and self.layout.gitdirs else ""
+
+
+class Record(msgspec.Struct):
+    """What is on disk for one domain."""
+    id: str
+    created: float
+    sessions: list[str] = []
+    parts: list[Part] = []
+    histories: list[history.History] = []
+    # False while every session that joined had its worktree held read-only
+    # by the kernel (a read-only policy, no ``read_write`` path): nothing of
+    # theirs can have changed it, so the ends check nothing, and what changed
+    # meanwhile is the user's own (their ``git push -u`` in the config, an
+    # ``.envrc`` they edited, had been moved aside as a session's).
+    writable: bool = True
 
 
 def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
