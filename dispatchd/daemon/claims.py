@@ -49,7 +49,7 @@ import msgspec
 from dispatchd import flocks
 from dispatchd.daemon import checkpoints
 from dispatchd.daemon.gitguard import Baselines, Protected
-from dispatchd.daemon.gitguard.baselines import Record
+from dispatchd.daemon.gitguard.parts import Record
 from dispatchd.daemon.gitguard.parts import common_of
 from dispatchd.daemon.inuse import InUse, Use
 from dispatchd.daemon.session import Session
