@@ -17,8 +17,19 @@ Guarantees of ``atomic_write``:
   a directory of the path swapped for a symlink meanwhile cannot send the
   write elsewhere.
 
+- Replacing copies the old file's extended attributes (``user.*``, its ACL)
+  that its owner may set; others (``security.*``) are left to the kernel.
+- Only a regular file is replaced: a FIFO, socket or device at the name is
+  refused (``NotRegular``), never turned into a file.
+- With ``expect`` (the file's ``stat`` before the caller read it), a file
+  that changed since (another process wrote it: its inode, size, mtime or
+  ctime differ) is not replaced (``ChangedMeanwhile``), so an edit never
+  lands over a write it did not see. The check is just before the rename:
+  a write in the microseconds between them is still lost.
+
 Replacing makes a new inode: hard links to the old file keep the old content,
-and the file ends up owned by the worker's user.
+a process that holds the old file open goes on writing to it, and the file
+ends up owned by the worker's user.
 """
 
 from __future__ import annotations
@@ -31,7 +42,25 @@ import threading
 from dispatchd.durable import fsync_directory
 from dispatchd.tempfiles import TEMP_NAME, temp_name
 
-__all__ = ["atomic_write", "TEMP_NAME", "in_flight"]  # TEMP_NAME: tempfiles.py's, for the sweep's callers
+__all__ = ["ChangedMeanwhile", "NotRegular", "atomic_write", "TEMP_NAME", "in_flight"]  # TEMP_NAME: tempfiles.py's
+
+
+class NotRegular(Exception):
+    """The target is not a regular file (``kind``: "FIFO", "socket", "device")."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class ChangedMeanwhile(Exception):
+    """The target changed after the caller read it (``atomic_write(expect=)``)."""
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    """The same inode with the same size and times: unchanged, as far as the kernel says."""
+    return (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == \
+        (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns, b.st_ctime_ns)
 
 # Names of the temporary files this process is writing now, registered before
 # they exist (the random part makes a name unique): a sweep skips them.
@@ -79,25 +108,32 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = False, dir_fd: int | None = None) -> None:
+def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = False, dir_fd: int | None = None,
+                 expect: os.stat_result | None = None) -> None:
     """Write ``data`` to ``target`` (absolute, symlink-free) atomically; with
     ``dir_fd``, ``target`` is a name in the directory ``dir_fd`` holds.
 
     Raises ``IsADirectoryError`` when ``target`` is a directory,
-    ``FileExistsError`` with ``exclusive`` when it exists, and whatever
-    ``OSError`` the writing met.
+    ``NotRegular`` when it is another kind of file, ``FileExistsError`` with
+    ``exclusive`` when it exists, ``ChangedMeanwhile`` when it is not
+    ``expect`` (see the module), and whatever ``OSError`` the writing met.
     """
     directory, name = ("", target) if dir_fd is not None else os.path.split(target)
     mode = None
+    old: os.stat_result | None = None
     if not exclusive:
         try:
-            st = os.stat(target, follow_symlinks=False, dir_fd=dir_fd)
+            old = os.stat(target, follow_symlinks=False, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
         else:
-            if stat.S_ISDIR(st.st_mode):
+            if stat.S_ISDIR(old.st_mode):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
-            mode = stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)
+            if not stat.S_ISREG(old.st_mode):
+                raise NotRegular(_KINDS.get(stat.S_IFMT(old.st_mode), "special file"))
+            mode = stat.S_IMODE(old.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)
+    if expect is not None and (old is None or not same_file(old, expect)):
+        raise ChangedMeanwhile()
     tmp, fd = _create_temp(directory, name, dir_fd)
     key = os.fsencode(os.path.basename(tmp))
     published = False
@@ -106,10 +142,15 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
             _write_all(fd, data)
             if mode is not None:
                 os.fchmod(fd, mode)
+                _copy_xattrs(target, dir_fd, fd)
             if fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if expect is not None:
+            now = os.stat(target, follow_symlinks=False, dir_fd=dir_fd)
+            if not same_file(now, expect):
+                raise ChangedMeanwhile()
         if exclusive:
             os.link(tmp, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         else:
@@ -128,3 +169,28 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
             _in_flight.discard(key)
     if fsync:
         fsync_directory(directory, dir_fd)
+
+
+_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "device", stat.S_IFBLK: "device",
+          stat.S_IFLNK: "symlink"}
+
+
+def _copy_xattrs(target: str, dir_fd: int | None, to_fd: int) -> None:
+    """The old file's extended attributes onto the new one, those its owner
+    may set (``user.*``, an ACL); the rest, and a file system without them,
+    are left as they are."""
+    try:
+        src = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        names = os.listxattr(src)
+        for attr in names:
+            try:
+                os.setxattr(to_fd, attr, os.getxattr(src, attr))
+            except OSError:
+                continue  # security.*, trusted.*: not the owner's to set
+    except OSError:
+        pass  # no extended attributes here
+    finally:
+        os.close(src)

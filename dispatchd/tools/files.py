@@ -24,10 +24,10 @@ import stat
 
 from dispatchd.confine._sys import open_beneath
 from dispatchd.tools import native
-from dispatchd.tools.atomic import atomic_write
+from dispatchd.tools.atomic import ChangedMeanwhile, NotRegular, atomic_write
 from dispatchd.tools.base import Outcome, ToolContext, ToolFailure
 from dispatchd.tools.worktree_paths import describe_os_error, printable, relative, resolve, resolve_shown
-from dispatchd.catalogue import CreateFileParams, EditFileParams, ListFilesParams, ReadFileParams, WriteFileParams
+from dispatchd.catalogue import CreateFileParams, Edit, EditFileParams, ListFilesParams, ReadFileParams, WriteFileParams
 from dispatchd.tools.textfile import SNIFF_BYTES, looks_binary, read_regular
 from dispatchd.tools.walk import in_git_dir, matches, walk
 
@@ -98,8 +98,10 @@ def _encode(ctx: ToolContext, text: str, what: str, errors: str = "strict") -> b
     return data
 
 
-def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, exclusive: bool = False) -> None:
-    """Create the parent folders, then write ``data`` atomically."""
+def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, exclusive: bool = False,
+           expect: os.stat_result | None = None) -> None:
+    """Create the parent folders, then write ``data`` atomically (``expect``:
+    ``atomic_write``'s; ``ChangedMeanwhile`` is the caller's to handle)."""
     parent = os.path.dirname(target)
     # With the worktree's root fd held (the tool server's), the folder is
     # reached (and made, where missing) below it by descriptor, refusing any
@@ -116,12 +118,15 @@ def _store(ctx: ToolContext, target: str, rel: str, data: bytes, tool: str, *, e
         raise describe_os_error(exc, "create the folder", relative(ctx.root, parent)) from exc
     try:
         if dir_fd is None:
-            atomic_write(target, data, fsync=ctx.limits.fsync, exclusive=exclusive)
+            atomic_write(target, data, fsync=ctx.limits.fsync, exclusive=exclusive, expect=expect)
         else:
             atomic_write(os.path.basename(target), data, fsync=ctx.limits.fsync, exclusive=exclusive,
-                         dir_fd=dir_fd)
+                         dir_fd=dir_fd, expect=expect)
     except IsADirectoryError:
         raise ToolFailure(f"{rel} is a directory; {tool} writes files") from None
+    except NotRegular as exc:
+        raise ToolFailure(f"{rel} is a {exc.kind}, not a regular file; {tool} writes regular files only, "
+                          "and left it as it is") from None
     except FileExistsError as exc:
         if exclusive:  # lost a race: someone created it after our check
             raise _exists(rel) from None
@@ -279,13 +284,46 @@ def write_file(ctx: ToolContext, params: WriteFileParams) -> Outcome:
     return Outcome.ok(f"wrote {len(data)} bytes to {rel}", {"path": rel, "bytes": len(data), "changed": [rel]})
 
 
+_EDIT_ATTEMPTS = 3  # reads of a file another process keeps writing, before the edit gives up
+
+
 def edit_file(ctx: ToolContext, params: EditFileParams) -> Outcome:
-    """Apply each ``old_text`` → ``new_text`` replacement in order; all or nothing."""
+    """Apply each ``old_text`` → ``new_text`` replacement in order; all or nothing.
+    A file another process writes between the read and the replace is read
+    again and edited again (``atomic_write(expect=)``): its write is never lost."""
     path, edits = params.path, params.edits
     _require_writable(ctx)
     if not edits:
         raise ToolFailure("edits is empty: give at least one {old_text, new_text}")
-    target, rel, data = _load_text(ctx, path, "edit_file only edits text")
+    for _ in range(_EDIT_ATTEMPTS):
+        before = _stat_below(ctx, path)  # before the read: a write after it differs at the replace
+        target, rel, data = _load_text(ctx, path, "edit_file only edits text")
+        new_data = _edited(ctx, rel, data, edits)
+        try:
+            _store(ctx, target, rel, new_data, "edit_file", expect=before)
+        except ChangedMeanwhile:
+            continue
+        return Outcome.ok(
+            f"applied {len(edits)} edit(s) to {rel}",
+            {"path": rel, "edits": len(edits), "bytes": len(new_data), "changed": [rel]},
+        )
+    raise ToolFailure(f"{rel} changed each of the {_EDIT_ATTEMPTS} times it was read for the edit (another "
+                      "process keeps writing it); nothing was changed: stop what writes it, or edit it later")
+
+
+def _stat_below(ctx: ToolContext, path: str) -> os.stat_result | None:
+    """The file's ``stat`` as the edit's read will find it (no symlink
+    followed at its name), or None (absent: the read says so)."""
+    try:
+        target, _ = resolve_shown(ctx.root, path)
+        if ctx.root_fd >= 0:
+            return os.stat(_below_root(ctx, target) or ".", dir_fd=ctx.root_fd, follow_symlinks=False)
+        return os.stat(target, follow_symlinks=False)
+    except (OSError, ToolFailure):
+        return None
+
+
+def _edited(ctx: ToolContext, rel: str, data: bytes, edits: list[Edit]) -> bytes:
     # surrogateescape keeps bytes that are not UTF-8 exactly as they were in
     # the parts of the file the edits do not touch.
     text = data.decode("utf-8", "surrogateescape")
@@ -306,12 +344,7 @@ def edit_file(ctx: ToolContext, params: EditFileParams) -> Outcome:
                 f"so that it matches exactly once; nothing was changed"
             )
         text = text.replace(edit.old_text, edit.new_text, 1)
-    new_data = _encode(ctx, text, f"{rel} after the edits", "surrogateescape")
-    _store(ctx, target, rel, new_data, "edit_file")
-    return Outcome.ok(
-        f"applied {len(edits)} edit(s) to {rel}",
-        {"path": rel, "edits": len(edits), "bytes": len(new_data), "changed": [rel]},
-    )
+    return _encode(ctx, text, f"{rel} after the edits", "surrogateescape")
 
 
 def create_file(ctx: ToolContext, params: CreateFileParams) -> Outcome:

@@ -542,6 +542,79 @@ class TestWriteFile:
 # == edit_file =================================================================
 
 
+class TestWritesLoseNothing:
+    """What a write or an edit must not lose: another process's write between
+    the edit's read and its replace, a FIFO at the name, the file's extended
+    attributes."""
+
+    def test_a_write_between_the_read_and_the_replace_is_kept(self, ctx: ToolContext,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+        """The user's process appends while the edit runs (once, right after
+        the edit's first read): the edit reads again and lands on top of it.
+        The twin: no writer, one read (below)."""
+        from dispatchd.tools import files
+        path = put(ctx, "log.txt", "header\nline 1\n")
+        real, reads = files._load_text, []
+
+        def racing(*args: Any) -> Any:
+            got = real(*args)
+            reads.append(got[2])
+            if len(reads) == 1:
+                with open(path, "a") as f:
+                    f.write("the user's line\n")
+            return got
+
+        monkeypatch.setattr(files, "_load_text", racing)
+        r = call(ctx, "edit_file", path="log.txt", edits=[{"old_text": "header", "new_text": "HEADER"}])
+        assert r.success, r.error
+        assert path.read_text() == "HEADER\nline 1\nthe user's line\n" and len(reads) == 2
+        reads.clear()
+        reads.append(b"")  # no more writes: the twin reads once
+        assert call(ctx, "edit_file", path="log.txt", edits=[{"old_text": "line 1", "new_text": "LINE 1"}]).success
+        assert len(reads) == 2 and leftovers(ctx.root) == []
+
+    def test_a_file_written_at_every_read_is_left_to_its_writer(self, ctx: ToolContext,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+        from dispatchd.tools import files
+        path = put(ctx, "busy.txt", "a\n")
+        real = files._load_text
+
+        def racing(*args: Any) -> Any:
+            got = real(*args)
+            with open(path, "a") as f:
+                f.write("w\n")
+            return got
+
+        monkeypatch.setattr(files, "_load_text", racing)
+        r = call(ctx, "edit_file", path="busy.txt", edits=[{"old_text": "a", "new_text": "b"}])
+        assert not r.success and r.error == ("busy.txt changed each of the 3 times it was read for the edit (another "
+                                             "process keeps writing it); nothing was changed: stop what writes it, "
+                                             "or edit it later")
+        assert path.read_text() == "a\nw\nw\nw\n" and leftovers(ctx.root) == []
+
+    @pytest.mark.parametrize("tool", ["write_file", "edit_file"])
+    def test_a_fifo_at_the_name_is_refused_and_left(self, ctx: ToolContext, tool: str) -> None:
+        fifo = Path(ctx.root, "pipe")
+        os.mkfifo(fifo)
+        args: dict[str, Any] = {"content": "x\n"} if tool == "write_file" else \
+            {"edits": [{"old_text": "x", "new_text": "y"}]}
+        r = call(ctx, tool, path="pipe", **args)
+        assert not r.success and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+        assert r.error == ("pipe is a FIFO, not a regular file; write_file writes regular files only, and left it "
+                           "as it is" if tool == "write_file" else "pipe is not a regular file")
+        put(ctx, "plain", "x\n")  # the twin
+        assert call(ctx, tool, path="plain", **args).success
+
+    @pytest.mark.parametrize("tool", ["write_file", "edit_file"])
+    def test_extended_attributes_stay_with_the_file(self, ctx: ToolContext, tool: str) -> None:
+        path = put(ctx, "tagged.txt", "x\n")
+        os.setxattr(path, "user.origin", b"the user's")
+        args: dict[str, Any] = {"content": "y\n"} if tool == "write_file" else \
+            {"edits": [{"old_text": "x", "new_text": "y"}]}
+        assert call(ctx, tool, path="tagged.txt", **args).success
+        assert path.read_text() == "y\n" and os.getxattr(path, "user.origin") == b"the user's"
+
+
 class TestEditFile:
     def test_single_edit(self, ctx: ToolContext) -> None:
         path = put(ctx, "a.py", "def f():\n    return 1\n")
