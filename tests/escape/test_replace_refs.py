@@ -77,9 +77,10 @@ def test_a_sessions_grafts_are_moved_aside(client: dispatch.Client, repo: Path) 
 def test_a_file_the_session_hid_with_info_exclude_is_shown_again(client: dispatch.Client, repo: Path) -> None:
     """``.git/info/exclude`` hides an untracked file from ``git status``: a
     session's new ``conftest.py`` that the user's next test run would load,
-    unreviewed. The exclude is moved aside whole, the user's own lines with
-    it (kept beside: what it hid shows until they put it back); the twin,
-    an exclude no session touched, hides what it hid."""
+    unreviewed. The session's exclude is moved aside (kept beside) and the
+    user's own written back: what the user hid stays hidden, what the
+    session hid shows; the twin, an exclude no session touched, hides what
+    it hid."""
     (repo / ".git" / "info").mkdir(exist_ok=True)
     (repo / ".git" / "info" / "exclude").write_text("*.log\n")
     (repo / "user.log").write_text("x\n")
@@ -88,8 +89,9 @@ def test_a_file_the_session_hid_with_info_exclude_is_shown_again(client: dispatc
                      "git status --porcelain")
         assert r.is_success and r.output == "", (r.output, r.error)  # the plant works in the session
     assert any("info/exclude.quarantined-by-dispatchd-" in p["path"] for p in s.protected), s.protected
-    assert git(repo, "status", "--porcelain").stdout == "?? conftest.py\n?? user.log\n"
-    (repo / ".git" / "info" / "exclude").write_text("*.log\n")  # the user puts theirs back
+    assert any(p["path"].endswith("info/exclude") and "put back" in p["why"] for p in s.protected), s.protected
+    assert (repo / ".git" / "info" / "exclude").read_text() == "*.log\n"
+    assert git(repo, "status", "--porcelain").stdout == "?? conftest.py\n"
     with client.open_session(str(repo)) as s:
         assert shell(s, "git status --porcelain").output == "?? conftest.py\n"
     assert not [p for p in s.protected if "exclude" in p["path"]], s.protected

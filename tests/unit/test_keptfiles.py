@@ -192,3 +192,19 @@ def test_a_linked_worktrees_own_config_is_put_back(tmp_path: Path) -> None:
     assert failed == [] and len(moved) == 1 and put == [(str(own), "yours, as it was before the session changed "
                                                                    "it, put back")]
     assert own.read_text() == "[user]\n\tname = u\n"
+
+
+def test_nothing_is_made_where_the_git_directory_is_gone(repo: Path, tmp_path: Path) -> None:
+    """Another directory at the worktree's path (no ``.git``), or a ``.git``
+    without ``HEAD``: no config or hook is written into it. The twin: with
+    ``HEAD`` there, the deleted config comes back."""
+    before = _take(repo, keep=True)
+    repo.rename(tmp_path / "aside")
+    repo.mkdir()
+    (repo / "theirs.txt").write_text("someone else's\n")
+    assert _end(repo, before) == ([], [], []) and sorted(p.name for p in repo.iterdir()) == ["theirs.txt"]
+    (repo / ".git").mkdir()
+    assert _end(repo, before)[1] == [] and not (repo / ".git" / "config").exists()
+    assert not (repo / ".git" / "hooks" / "pre-commit").exists()
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert str(repo / ".git" / "config") in [p for p, _ in _end(repo, before)[1]]

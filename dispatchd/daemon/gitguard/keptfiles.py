@@ -28,7 +28,10 @@ and the user's next commit ran no check of theirs.
   deleted.
 - Not put back: the heads of a merge, cherry-pick or revert in progress
   that a session removed (``git commit``, ``--continue`` or ``--abort``
-  remove them: the session finished or ended the user's operation).
+  remove them: the session finished or ended the user's operation); and
+  anything of a git directory that is gone as a whole, or is no git
+  directory any more (no ``HEAD``): nothing is made where another directory
+  now stands at the worktree's path.
 """
 
 from __future__ import annotations
@@ -142,7 +145,13 @@ def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]]
     gone; returns what was put back, with why, and what could not be."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
+    present: dict[str, bool] = {}
     for k in kept:
+        gitdir = k.base or os.path.join(worktree, k.gitdir)
+        if gitdir not in present:
+            present[gitdir] = _is_gitdir(gitdir)
+        if not present[gitdir]:
+            continue  # the git directory itself is gone (or another directory is at the worktree's path)
         path = os.path.join(k.base or worktree, k.rel)
         now = gitdirs.get(k.gitdir, {}).get(k.name) if not k.base else external.get(path)
         data = k.data.encode("latin-1")
@@ -159,6 +168,15 @@ def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]]
         done.append((path, f"yours, as it was before the session {what} it, put back"
                            + (f" (what stood there moved aside to {aside})" if aside else "")))
     return done, failed
+
+
+def _is_gitdir(path: str) -> bool:
+    """A directory (not a symlink to one) with a ``HEAD``: a git directory
+    still there to put a file back in."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and os.path.lexists(os.path.join(path, "HEAD"))
+    except OSError:
+        return False
 
 
 def _write(top: str, rel: str, data: bytes, mode: int) -> str:
