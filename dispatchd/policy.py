@@ -79,6 +79,12 @@ class Network(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # caller names none ("pypi.org", "*.pythonhosted.org" for subdomains only,
     # "host:8443" for another port than 80 and 443); see dispatchd/domains.py.
     domains: tuple[str, ...] = ()
+    # Under "on" and "ports": whether the host's loopback (its 127.0.0.1:
+    # databases, dev servers, a local model server) answers at the gateway
+    # (10.0.2.2). False closes it (the stack's --disable-host-loopback,
+    # --no-map-gw); a mode that cannot hold that (degraded mode, which is
+    # the host's network) is then refused.
+    host_loopback: bool = True
 
 
 class Sandbox(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

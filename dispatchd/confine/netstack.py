@@ -79,6 +79,7 @@ class NetworkPlan(msgspec.Struct, frozen=True):
     seccomp_inet: bool  # IPv4/IPv6 sockets may be made
     mechanism: str
     caveats: list[str] = []
+    host_loopback: bool = True  # the stack maps the gateway to the host's loopback
 
 
 def _ports(ports: list[int]) -> str:
@@ -114,11 +115,17 @@ def nft_rules(mode: NetworkMode, ports: NetworkPorts) -> str:
 
 
 def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft_missing: str, landlock_abi: int,
-                 ports: NetworkPorts, stack: str) -> NetworkPlan:
+                 ports: NetworkPorts, stack: str, host_loopback: bool = True) -> NetworkPlan:
     """Pure: how a mode is held. ``stack_missing``/``nft_missing`` are "" when
-    available, else why not; ``stack``: the user-mode stack that runs."""
+    available, else why not; ``stack``: the user-mode stack that runs;
+    ``host_loopback``: the policy's (False: the gateway is not the host's
+    loopback, and a mode that cannot hold that is refused)."""
     if not use_userns:
         # Degraded mode: no namespace to give; today's mechanisms.
+        if mode in ("on", "ports") and not host_loopback:
+            raise ConfinementError("network", detail=f"network {mode!r} without user namespaces is the host's "
+                                   "network, its loopback included; the policy closes the host's loopback "
+                                   "([network] host_loopback = false)")
         if mode == "off":
             return NetworkPlan(mode, namespace=False, stack=False, rules="", landlock_tcp=True, seccomp_inet=False,
                                mechanism="seccomp: no IPv4/IPv6 sockets"
@@ -146,12 +153,13 @@ def plan_network(mode: NetworkMode, *, use_userns: bool, stack_missing: str, nft
         raise ConfinementError("network", detail=unavailable(mode, stack_missing, nft_missing))
     if mode == "ports" and nft_missing:
         raise ConfinementError("network", detail=unavailable(mode, "", nft_missing))
-    via = f"own network namespace, out through {stack} (the host's loopback is {GATEWAY})"
+    via = f"own network namespace, out through {stack} " + \
+        (f"(the host's loopback is {GATEWAY})" if host_loopback else "(the host's loopback closed)")
     if mode == "on":
         return NetworkPlan(mode, namespace=True, stack=True, rules="", landlock_tcp=False, seccomp_inet=True,
-                           mechanism=via)
+                           mechanism=via, host_loopback=host_loopback)
     return NetworkPlan(mode, namespace=True, stack=True, rules=nft_rules(mode, ports), landlock_tcp=False,
-                       seccomp_inet=True,
+                       seccomp_inet=True, host_loopback=host_loopback,
                        mechanism=f"{via}; nftables in it: TCP, MPTCP and UDP out only to {_ports(ports.connect)}; "
                                  "listening on any port, reachable from inside the session only; "
                                  f"DNS through the daemon's relay ({RELAY_ADDRESS}, on its loopback) to the host's "

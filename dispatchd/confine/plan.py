@@ -260,7 +260,7 @@ def plan_session(
     # (no pasta, no usable /dev/net/tun, no nftables) is refused here too.
     net = plan_network(network, use_userns=use_userns, stack_missing=kernel.network_stack_missing,
                        nft_missing=kernel.nftables_missing, landlock_abi=kernel.landlock_abi, ports=ports,
-                       stack=kernel.network_stack)
+                       stack=kernel.network_stack, host_loopback=policy.network.host_loopback)
     if network == "ports" and net.landlock_tcp and kernel.landlock_abi < 4:
         raise ConfinementError("network", detail=f"network 'ports' needs Landlock TCP rules (ABI 4); "
                                f"this kernel offers ABI {kernel.landlock_abi}")

@@ -75,8 +75,10 @@ _INSTALL = {
 # The long options ``stack_argv`` passes slirp4netns, as its getopt table
 # names them. 0.4.0 added the last three (0.3.x refuses --enable-seccomp);
 # 0.4.3, 1.0.1, 1.1.12 and 1.2.0 were run with the network suites
-# (docs/network.md, "Versions verified").
-SLIRP4NETNS_OPTIONS = ("configure", "mtu", "ready-fd", "enable-seccomp", "netns-type", "userns-path")
+# (docs/network.md, "Versions verified"). ``disable-host-loopback`` (0.3.0)
+# only for a policy that closes the host's loopback.
+SLIRP4NETNS_OPTIONS = ("configure", "mtu", "ready-fd", "enable-seccomp", "netns-type", "userns-path",
+                       "disable-host-loopback")
 
 
 def slirp4netns_lacks(path: str) -> list[str]:
@@ -172,10 +174,11 @@ def launch_for(stack: str, landlock_abi: int,
     return Launch(stack, path, msgspec.msgpack.encode(confinement) if confinement is not None else b"")
 
 
-def stack_argv(stack: str, *, userns_fd: int, netns_fd: int, ready_fd: int) -> list[str]:
+def stack_argv(stack: str, *, userns_fd: int, netns_fd: int, ready_fd: int, host_loopback: bool = True) -> list[str]:
     """``stack`` attached to a session's namespaces, held by the descriptors
     the fork server's child has (never by pid); it reports ready on
-    ``ready_fd`` once the namespace's interface is configured. Pure."""
+    ``ready_fd`` once the namespace's interface is configured; the gateway
+    is the host's loopback unless ``host_loopback`` is False. Pure."""
     userns, netns = f"/proc/self/fd/{userns_fd}", f"/proc/self/fd/{netns_fd}"
     if stack == SLIRP4NETNS:
         # No --enable-sandbox: it binds the host's /etc and /run into its
@@ -189,12 +192,14 @@ def stack_argv(stack: str, *, userns_fd: int, netns_fd: int, ready_fd: int) -> l
         # read the host's resolv.conf, which Landlock keeps from it. The
         # session's resolver is the daemon's relay (RELAY_ADDRESS).
         return [SLIRP4NETNS, "--configure", f"--mtu={MTU}", "--enable-seccomp",
+                *([] if host_loopback else ["--disable-host-loopback"]),  # since slirp4netns 0.3.0
                 f"--ready-fd={ready_fd}", "--netns-type=path", f"--userns-path={userns}", netns, "eth0"]
     return [PASTA, "--foreground", "--quiet", "--config-net", "--ipv4-only",
             "--address", ADDRESSES[PASTA], "--netmask", "24", "--gateway", GATEWAY, "--ns-ifname", "eth0",
             "--dns-forward", DNS,
             # Nothing forwarded in, and the session's loopback stays its own.
             "-t", "none", "-u", "none", "-T", "none", "-U", "none",
+            *([] if host_loopback else ["--no-map-gw"]),  # the gateway no more the host's loopback
             # pasta writes its pid file once the interface is configured:
             # the readiness pipe as the pid file.
             "--pid", f"/proc/self/fd/{ready_fd}", "--userns", userns, "--netns", netns]

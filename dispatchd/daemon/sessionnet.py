@@ -164,9 +164,10 @@ class SessionNetworks:
         self.fork_server, self.dns, self.resolver = fork_server, dns, resolver
         self.launch = launch  # which stack, and how the fork server confines it
 
-    def _start(self, fds: list[int], cgroup: str) -> tuple[int, int]:
+    def _start(self, fds: list[int], cgroup: str, host_loopback: bool) -> tuple[int, int]:
         return self.fork_server.start_stack(fds, stack=self.launch.stack, executable=self.launch.executable,
-                                            confinement=self.launch.confinement, cgroup=cgroup)
+                                            confinement=self.launch.confinement, cgroup=cgroup,
+                                            host_loopback=host_loopback)
 
     def apply(self, session: Session | Made, new: netstack.NetworkPlan | None) -> None:
         """Bring the session's namespace to ``new``, keeping its processes: the
@@ -198,8 +199,9 @@ class SessionNetworks:
                 # In the session's cgroup, where it has one: its limits
                 # (pids.max, memory.max, cpu.weight) hold the stack too.
                 cgroup = session.cgroup
-                session.stack = netstack.start_stack(*namespaces(session), launch=lambda fds: self._start(fds, cgroup),
-                                                     name=self.launch.stack)
+                session.stack = netstack.start_stack(
+                    *namespaces(session), launch=lambda fds: self._start(fds, cgroup, new.host_loopback),
+                    name=self.launch.stack)
             except BaseException:
                 if door is not None:
                     door.discard()

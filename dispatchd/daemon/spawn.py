@@ -289,14 +289,15 @@ class ForkServerClient:
         return worker, control, await_report(worker, control, "", timeout_s, protocol.WorkerReady)
 
     def start_stack(self, fds: list[int], *, stack: str, executable: str, confinement: bytes,
-                    cgroup: str = "") -> tuple[int, int]:
+                    cgroup: str = "", host_loopback: bool = True) -> tuple[int, int]:
         """Have the fork server start a session's network stack ``stack``,
         confined by ``confinement`` (see ``netstack.start_stack`` for ``fds``,
         ``stacks.Launch`` for the rest), in the session's ``cgroup`` when it
         has one: ``(pid, pidfd)``, or ``SpawnError`` with the fork server's
         reason."""
         reply, pidfd = self._request(lambda rid: protocol.StartStack(id=rid, stack=stack, executable=executable,
-                                                                     confinement=confinement, cgroup=cgroup), fds)
+                                                                     confinement=confinement, cgroup=cgroup,
+                                                                     host_loopback=host_loopback), fds)
         if not isinstance(reply, protocol.Spawned):
             raise SpawnError(f"the fork server answered {type(reply).__name__}")
         return reply.pid, pidfd

@@ -331,6 +331,7 @@ class StartStack(_Msg, tag="start_stack", frozen=True):
     executable: str = ""  # the file to execute ("": found on PATH)
     confinement: bytes = b""
     cgroup: str = ""  # the session's cgroup, joined first ("": none; the fork server's)
+    host_loopback: bool = True  # the gateway maps to the host's loopback (stacks.stack_argv)
 
 
 class DnsSockets(_Msg, tag="dns_sockets", frozen=True):

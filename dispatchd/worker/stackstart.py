@@ -51,7 +51,8 @@ def start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
             os.close(fd)
         return protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc)), -1
     userns_fd, netns_fd, ready_w, err_fd = fds
-    argv = stacks.stack_argv(req.stack, userns_fd=userns_fd, netns_fd=netns_fd, ready_fd=ready_w)
+    argv = stacks.stack_argv(req.stack, userns_fd=userns_fd, netns_fd=netns_fd, ready_fd=ready_w,
+                             host_loopback=req.host_loopback)
     try:
         confinement, program = _stack_confinement(req.stack, req.confinement)
     except Exception as exc:  # undecodable, or libseccomp refused it: no stack unconfined

@@ -427,3 +427,46 @@ def test_a_session_ended_by_a_failed_switch_has_its_git_checked_too(tmp_path: Pa
         assert marker not in after.stderr
     finally:
         assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("mode", ["full", "pasta", "degraded"])
+def test_a_policy_can_close_the_hosts_loopback(mode: str, tmp_path: Path, worktree: Path, tcp: TcpListener) -> None:
+    """``[network] host_loopback = false``: a network-on session no longer
+    reaches the host's 127.0.0.1 at the gateway (slirp4netns's
+    --disable-host-loopback: ENETUNREACH; pasta's --no-map-gw), and the
+    listener sees no one; where that cannot be held (degraded mode: the host's network)
+    the session is refused, saying why. The twin: the shipped policy
+    reaches the same listener."""
+    import shutil
+
+    from dispatchd.policy import default_policy_dir
+
+    policies = tmp_path / "policies"
+    shutil.copytree(default_policy_dir(), policies)
+    text = (policies / "default.toml").read_text()
+    (policies / "closed.toml").write_text(text.replace("host_loopback = true", "host_loopback = false"))
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--policies", str(policies), *DAEMON_ARGS[mode])
+    try:
+        with d.connect() as client:
+            with client.open_session(str(worktree), network=True) as s:  # the twin
+                assert probe(s, tcp_probe(tcp.port, HOST[mode])) == "connected hello"
+            assert tcp.accepted == 1
+            if mode == "degraded":
+                with pytest.raises(dispatch.RequestFailed) as err:
+                    client.open_session(str(worktree), network=True, policy="closed")
+                assert "network 'on' without user namespaces is the host's network, its loopback included; the " \
+                       "policy closes the host's loopback ([network] host_loopback = false)" in err.value.message
+                with client.open_session(str(worktree), network=False, policy="closed") as s:
+                    assert s.status()["protections"]["network"]["mode"] == "off"
+                return
+            with client.open_session(str(worktree), network=True, policy="closed") as s:
+                assert "the host's loopback closed" in s.status()["protections"]["network"]["mechanism"]
+                if mode == "full":  # slirp4netns refuses the gateway's connections itself
+                    assert probe(s, tcp_probe(tcp.port, HOST[mode])) == f"error {ENETUNREACH}"
+                # pasta with --no-map-gw routes 10.0.2.2 like any outside address: a probe
+                # would leave the machine, which tests never do (tests/unit/test_stacks.py
+                # checks its argument; the session above opened with it).
+            assert tcp.accepted == 1
+    finally:
+        assert d.stop() == 0, d.log()

@@ -197,6 +197,18 @@ def test_pasta_is_attached_by_descriptor_forwarding_nothing_in() -> None:
     assert argv[-6:] == ["--pid", "/proc/self/fd/7", "--userns", "/proc/self/fd/5", "--netns", "/proc/self/fd/6"]
 
 
+def test_a_closed_host_loopback_is_each_stacks_own_flag() -> None:
+    """``[network] host_loopback = false``: slirp4netns's
+    --disable-host-loopback (0.3.0 and later), pasta's --no-map-gw; the
+    twin: neither by default (the two tests above)."""
+    slirp = stacks.stack_argv("slirp4netns", userns_fd=5, netns_fd=6, ready_fd=7, host_loopback=False)
+    pasta = stacks.stack_argv("pasta", userns_fd=5, netns_fd=6, ready_fd=7, host_loopback=False)
+    assert "--disable-host-loopback" in slirp and "--no-map-gw" in pasta
+    assert [a for a in slirp if a != "--disable-host-loopback"] == stacks.stack_argv(
+        "slirp4netns", userns_fd=5, netns_fd=6, ready_fd=7)
+    assert [a for a in pasta if a != "--no-map-gw"] == stacks.stack_argv("pasta", userns_fd=5, netns_fd=6, ready_fd=7)
+
+
 # -- how it is confined ---------------------------------------------------------------
 
 
