@@ -20,7 +20,9 @@ Guarantees of ``atomic_write``:
 - Replacing copies the old file's extended attributes (``user.*``, its ACL)
   that its owner may set; others (``security.*``) are left to the kernel.
 - Only a regular file is replaced: a FIFO, socket or device at the name is
-  refused (``NotRegular``), never turned into a file.
+  refused (``NotRegular``), never turned into a file; and only one its owner
+  may write (a file made read-only, ``chmod a-w``, is refused with EACCES,
+  as ``open`` for writing would refuse it).
 - With ``expect`` (the file's ``stat`` before the caller read it), a file
   that changed since (another process wrote it: its inode, size, mtime or
   ctime differ) is not replaced (``ChangedMeanwhile``), so an edit never
@@ -131,6 +133,9 @@ def atomic_write(target: str, data: bytes, *, fsync: bool, exclusive: bool = Fal
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
             if not stat.S_ISREG(old.st_mode):
                 raise NotRegular(_KINDS.get(stat.S_IFMT(old.st_mode), "special file"))
+            if not old.st_mode & stat.S_IWUSR:
+                raise PermissionError(errno.EACCES, f"the file is read-only (mode {stat.S_IMODE(old.st_mode):04o}); "
+                                      "make it writable first (chmod u+w) if it should change", target)
             mode = stat.S_IMODE(old.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)
     if expect is not None and (old is None or not same_file(old, expect)):
         raise ChangedMeanwhile()

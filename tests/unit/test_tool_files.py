@@ -606,6 +606,19 @@ class TestWritesLoseNothing:
         assert call(ctx, tool, path="plain", **args).success
 
     @pytest.mark.parametrize("tool", ["write_file", "edit_file"])
+    def test_a_file_made_read_only_is_refused_and_left(self, ctx: ToolContext, tool: str) -> None:
+        path = put(ctx, "locked.txt", "x\n")
+        path.chmod(0o444)
+        args: dict[str, Any] = {"content": "y\n"} if tool == "write_file" else \
+            {"edits": [{"old_text": "x", "new_text": "y"}]}
+        r = call(ctx, tool, path="locked.txt", **args)
+        assert not r.success and r.error == ("cannot write locked.txt: the file is read-only (mode 0444); make it "
+                                             "writable first (chmod u+w) if it should change")
+        assert path.read_text() == "x\n" and leftovers(ctx.root) == []
+        path.chmod(0o644)  # the twin
+        assert call(ctx, tool, path="locked.txt", **args).success and path.read_text() == "y\n"
+
+    @pytest.mark.parametrize("tool", ["write_file", "edit_file"])
     def test_extended_attributes_stay_with_the_file(self, ctx: ToolContext, tool: str) -> None:
         path = put(ctx, "tagged.txt", "x\n")
         os.setxattr(path, "user.origin", b"the user's")
