@@ -352,9 +352,10 @@ def test_a_fast_forward_and_the_own_branch_are_kept(tmp_path: Path) -> None:
 # --- the store -----------------------------------------------------------------------------
 
 
-def _join(store: baselines.Baselines, sid: str, root: Path, *, defer: bool = False, writable: bool = True) -> None:
+def _join(store: baselines.Baselines, sid: str, root: Path, *, defer: bool = False, writable: bool = True,
+          keep: bool = False) -> None:
     layout = layouts.inspect_git(str(root), uid=os.getuid())
-    snap = snapshots.take(str(root), layout)
+    snap = snapshots.take(str(root), layout, keep=keep)
     store.join(sid, str(root), layout, snap, redirects.redirects_present(layout, str(root)),
                ("vscode-like",), defer=defer, writable=writable)
 
@@ -688,3 +689,38 @@ def test_a_rerere_cache_a_session_made_is_changed_state(tmp_path: Path) -> None:
     (repo / ".git" / "rr-cache" / ("a" * 40)).mkdir(parents=True)
     (repo / ".git" / "rr-cache" / ("a" * 40) / "postimage").write_text("the session's resolution\n")
     assert snapshots.changes(before, snapshots.take(str(repo), layout)) == [".git/rr-cache"]
+
+
+@pytest.mark.parametrize("plant", ["config.worktree", "commondir"])
+def test_a_part_joined_while_a_session_runs_never_puts_its_plant_back(tmp_path: Path, plant: str) -> None:
+    """A session on a linked worktree writes its own git directory's
+    ``config.worktree`` (``core.fsmonitor``) or ``commondir``; a second
+    session then opens on the main worktree, whose part's baseline takes the
+    plant for the user's. Each part covers ``.git/worktrees/N``: the first
+    part's baseline judges it (the plant moved aside, the user's put back),
+    and the later part neither puts the plant back nor moves the user's
+    aside. The twin: without the second session, the same."""
+    for second in (True, False):
+        main = make_repo(tmp_path / f"main-{second}")
+        git(main, "config", "extensions.worktreeConfig", "true")
+        linked = tmp_path / f"linked-{second}"
+        git(main, "worktree", "add", "-q", str(linked), "-b", "side")
+        own = main / ".git" / "worktrees" / linked.name
+        original = (own / "commondir").read_text()
+        store = baselines.Baselines(str(tmp_path / f"state-{second}"))
+        _join(store, "L", linked, keep=True)
+        (own / plant).write_text('[core]\n\tfsmonitor = "touch PWNED; false"\n' if plant == "config.worktree"
+                                 else "elsewhere\n")
+        if second:
+            _join(store, "P", main, keep=True)
+            store.leave("L")
+        store.leave("P" if second else "L")
+        for _ in range(2):  # a later session's end: nothing moves again
+            _join(store, "again", linked)
+            store.leave("again")
+        if plant == "config.worktree":
+            assert not (own / plant).exists()
+        else:
+            assert (own / plant).read_text() == original
+        aside = [p.name for p in own.iterdir() if ".quarantined-by-dispatchd-" in p.name]
+        assert len(aside) == 1 and aside[0].startswith(plant + "."), aside

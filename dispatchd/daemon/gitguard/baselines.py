@@ -269,6 +269,8 @@ class Baselines:
                 if not tree.complete:
                     raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and "
                                         "files your tools run; no session opened", root)
+                if record.sessions:  # sessions of the domain run: their bytes are no one's to put back
+                    snapshot = msgspec.structs.replace(snapshot, kept=[])
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
                             names=list(names), excluded=excluded, home=self.home, resolved_common=common)
                 record.parts.append(part)
@@ -475,9 +477,10 @@ class Baselines:
         failed: list[str] = []
         found: list[Protected] = []
         now_t = time.time()
+        covered: set[str] = set()  # the first part's baseline is the user's: a later one's may not be
         for part in domain.record.parts:
             try:
-                failed += check_part(part, found, now_t)
+                failed += check_part(part, found, now_t, covered)
             except Exception as exc:  # a bug, or content not foreseen: fail closed
                 failed.append(f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}")
         if final:

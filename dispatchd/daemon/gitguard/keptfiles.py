@@ -8,7 +8,9 @@ user's remotes, identity and every local setting aside with it, until they
 renamed the file back; a hook a session rewrote or deleted was simply gone,
 and the user's next commit ran no check of theirs.
 
-- ``read``, at the baseline, keeps the bytes and mode of each regular file
+- ``read``, at the baseline of a domain's first part (taken when no session
+  of the domain runs: a part joined later may hold what a running session
+  wrote, and its bytes would be the session's), keeps the bytes and mode of each regular file
   git reads for configuration or commands in the repository's own git
   directories (``.git`` and ``.git/worktrees/N``, or a linked worktree's
   own git directory): ``digests.CONFIG_FILES``, ``REVIEW_FILES`` and every
@@ -41,6 +43,7 @@ import hashlib
 import os
 import secrets
 import stat
+from collections.abc import Callable
 
 import msgspec
 
@@ -139,10 +142,12 @@ def _read(top: str, rel: str) -> tuple[int, bytes] | None:
 
 
 def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]],
-             external: dict[str, str]) -> tuple[list[tuple[str, str]], list[str]]:
+             external: dict[str, str], skip: Callable[[str], bool] = lambda path: False,
+             ) -> tuple[list[tuple[str, str]], list[str]]:
     """Write back each of ``kept`` that the look now (``gitdirs``,
     ``external``: a snapshot's, taken before the quarantine) found changed or
-    gone; returns what was put back, with why, and what could not be."""
+    gone, but those ``skip`` says an earlier part judges; returns what was
+    put back, with why, and what could not be."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     present: dict[str, bool] = {}
@@ -153,6 +158,8 @@ def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]]
         if not present[gitdir]:
             continue  # the git directory itself is gone (or another directory is at the worktree's path)
         path = os.path.join(k.base or worktree, k.rel)
+        if skip(path):
+            continue
         now = gitdirs.get(k.gitdir, {}).get(k.name) if not k.base else external.get(path)
         data = k.data.encode("latin-1")
         if now == _digest(k.mode, data):

@@ -79,11 +79,14 @@ class Record(msgspec.Struct):
     writable: bool = True
 
 
-def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
+def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None) -> list[str]:
     """Check one part against its baseline and move aside what differs
     (``redirects``, ``snapshots``, ``runnables``); appends what it moved to
-    ``found`` and returns what it could not, with why."""
+    ``found`` and returns what it could not, with why. ``covered``: git's
+    files the domain's earlier parts judge, left to them (``snapshots.covered``);
+    this part's are added."""
     failed: list[str] = []
+    skip = covered if covered is not None else set()
     if part.layout.kind in ("repository", "linked"):
         moved, bad = quarantine_new_redirects(part.layout, part.redirects, part.root)
         failed += bad
@@ -91,13 +94,16 @@ def check_part(part: Part, found: list[Protected], now_t: float) -> list[str]:
             log.warning("event=git_redirect_quarantined path=%s", path)
             found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
         now = snapshots.take(part.root, part.layout, part.home, before=part.git)
-        moved, bad = snapshots.quarantine(part.root, part.git, now)
+        moved, bad = snapshots.quarantine(part.root, part.git, now, skip)
         failed += bad
         for path in moved:
             log.warning("event=git_changed_quarantined path=%s", path)
             found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
                                    time=now_t))
-        put, bad = keptfiles.put_back(part.root, part.git.kept, now.gitdirs, now.external)
+        put, bad = keptfiles.put_back(part.root, part.git.kept, now.gitdirs, now.external,
+                                      lambda path: snapshots.skipped(path, skip))
+        if covered is not None:
+            covered |= snapshots.covered(part.root, part.git, now)
         failed += bad
         for path, why in put:
             log.warning("event=git_file_put_back path=%s", path)

@@ -199,12 +199,35 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
     return outermost(found)
 
 
-def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[list[str], list[str]]:
+def covered(worktree: str, before: GitSnapshot, now: GitSnapshot) -> set[str]:
+    """What of git's files a part judges (absolute paths: a git directory
+    moved whole, or a file of one checked by file), for ``quarantine(skip=)``
+    of the parts after it."""
+    found = {os.path.join(worktree, rel) for rel in now.gitdirs if rel not in now.by_file}
+    for snap in (before, now):
+        found |= {os.path.join(worktree, rel, name) for rel in snap.by_file for name in snap.gitdirs.get(rel, {})}
+        found |= set(snap.external)
+    return found
+
+
+def skipped(path: str, skip: set[str]) -> bool:
+    """``path`` is, or lies in, one of ``skip``: an earlier part's to judge."""
+    return path in skip or any(is_within(path, s) for s in skip)
+
+
+def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
+               skip: set[str] | None = None) -> tuple[list[str], list[str]]:
     """Move aside what ``changes`` lists; returns the new names (absolute) and
     what could not be moved, with why. A walk that stopped short (more git
-    directories than it looks at) is itself a failure."""
+    directories than it looks at) is itself a failure. ``skip``: absolute
+    paths an earlier part of the domain judges (``covered``): two parts
+    cover a linked worktree's own git directory (the repository's
+    ``.git/worktrees/N`` and the linked worktree's), and the later one's
+    baseline may hold what a session of the earlier wrote before it joined."""
     failed: list[str] = []
     todo = changes(before, now)
+    if skip:
+        todo = [r for r in todo if not skipped(os.path.join(worktree, r), skip)]
     if not now.complete:
         # More than the walk looks at (a session can make that many cheaply):
         # what was not looked at is not handed to the user's git either. With
@@ -219,7 +242,7 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot) -> tuple[li
         old = before.external.get(path)
         # New or changed: a redirect redirects.quarantine_new_redirects
         # moved already is absent from ``now``; rebase state, a hook, a config.
-        if old != digest and digest not in ("absent", "directory"):
+        if old != digest and digest not in ("absent", "directory") and not (skip and skipped(path, skip)):
             try:
                 moved.append(fs.move_aside(path))
             except OSError as exc:
