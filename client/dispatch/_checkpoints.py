@@ -32,8 +32,9 @@ def checkpoints(request: Request, session: str) -> list[dict[str, Any]]:
     return [msgspec.to_builtins(c) for c in reply.checkpoints]
 
 
-def restore(request: Request, session: str, checkpoint_id: str) -> dict[str, Any]:
-    reply, _ = request(lambda rid: protocol.RestoreCheckpoint(id=rid, session=session, checkpoint=checkpoint_id))
+def restore(request: Request, session: str, checkpoint_id: str, force: bool = False) -> dict[str, Any]:
+    reply, _ = request(lambda rid: protocol.RestoreCheckpoint(id=rid, session=session, checkpoint=checkpoint_id,
+                                                              force=force))
     done: dict[str, Any] = msgspec.to_builtins(reply)
     done.pop("id", None)
     done.pop("op", None)
@@ -59,14 +60,15 @@ class SessionCheckpoints:
         """The session's checkpoints, oldest first: ``id``, ``created``, ``label``."""
         return checkpoints(self._client._daemon_request, self.id)
 
-    def restore(self, checkpoint_id: str) -> dict[str, Any]:
+    def restore(self, checkpoint_id: str, force: bool = False) -> dict[str, Any]:
         """Put the worktree's files and git metadata back as they were at the
         checkpoint; what was there just before is kept first as a checkpoint
         of its own (``"before"`` in the answer: restore it to undo). Refused
         while a call is in flight or a process of the session runs (a
         background job: stop it first), and when what is there now cannot be
-        kept (over the policy's budgets): nothing is then changed."""
-        return restore(self._client._daemon_request, self.id, checkpoint_id)
+        kept (over the policy's budgets, an unreadable directory): nothing is
+        then changed, unless ``force`` (then ``"before"`` is "": not kept)."""
+        return restore(self._client._daemon_request, self.id, checkpoint_id, force)
 
 
 class ClientCheckpoints:
@@ -80,5 +82,5 @@ class ClientCheckpoints:
     def checkpoints(self, session_id: str) -> list[dict[str, Any]]:
         return checkpoints(self._daemon_request, session_id)
 
-    def restore(self, session_id: str, checkpoint_id: str) -> dict[str, Any]:
-        return restore(self._daemon_request, session_id, checkpoint_id)
+    def restore(self, session_id: str, checkpoint_id: str, force: bool = False) -> dict[str, Any]:
+        return restore(self._daemon_request, session_id, checkpoint_id, force)

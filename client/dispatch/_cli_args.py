@@ -194,3 +194,5 @@ def _checkpoint_parsers(session: "argparse._SubParsersAction[argparse.ArgumentPa
     rs = session.add_parser("restore", help="put a session's worktree back as it was at a checkpoint")
     rs.add_argument("id")
     rs.add_argument("checkpoint")
+    rs.add_argument("--force", action="store_true",
+                    help="restore even when the worktree as it is cannot be kept first (it is then lost)")

@@ -202,8 +202,8 @@ class AsyncSession:
     async def checkpoints(self) -> list[dict[str, Any]]:
         return await _run(self.sync.checkpoints)
 
-    async def restore(self, checkpoint_id: str) -> dict[str, Any]:
-        return await _run(self.sync.restore, checkpoint_id)
+    async def restore(self, checkpoint_id: str, force: bool = False) -> dict[str, Any]:
+        return await _run(self.sync.restore, checkpoint_id, force)
 
     async def detach(self) -> None:
         await _run(self.sync.detach)
@@ -264,8 +264,8 @@ class AsyncClient:
     async def checkpoints(self, session_id: str) -> list[dict[str, Any]]:
         return await _run(self.sync.checkpoints, session_id)
 
-    async def restore(self, session_id: str, checkpoint_id: str) -> dict[str, Any]:
-        return await _run(self.sync.restore, session_id, checkpoint_id)
+    async def restore(self, session_id: str, checkpoint_id: str, force: bool = False) -> dict[str, Any]:
+        return await _run(self.sync.restore, session_id, checkpoint_id, force)
 
     async def set_network(self, session_id: str, network: bool | str, ports: list[int] | None = None,
                           bind_ports: list[int] | None = None, **more: Any) -> dict[str, Any]:

@@ -117,10 +117,11 @@ def _run_checkpoint(client: Client, args: argparse.Namespace) -> None:
     if args.action == "checkpoint":
         print(client.checkpoint(args.id, args.label))
     elif args.action == "restore":
-        done = client.restore(args.id, args.checkpoint)
+        done = client.restore(args.id, args.checkpoint, force=args.force)
+        kept = f"checkpoint {done['before']} (restore it to undo)" if done["before"] else "not kept (--force)"
         print(f"restored {done['checkpoint']}: {done['removed']} removed, {done['written']} written, "
               f"{done['made']} directories made, {done['objects']} git object files put back; "
-              f"what was there before is checkpoint {done['before']} (restore it to undo)")
+              f"what was there before: {kept}")
     elif args.json:
         print(json.dumps(client.checkpoints(args.id), indent=2))
     else:

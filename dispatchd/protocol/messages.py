@@ -124,11 +124,13 @@ class ListCheckpoints(_Msg, tag="list_checkpoints", frozen=True):
 
 class RestoreCheckpoint(_Msg, tag="restore", frozen=True):
     """Put the worktree's files and git metadata back as they were at
-    ``checkpoint``; answered by ``RestoredReply``."""
+    ``checkpoint``; answered by ``RestoredReply``. ``force``: restore even
+    when the worktree as it is cannot be kept first (it is then lost)."""
 
     id: int
     session: str
     checkpoint: str
+    force: bool = False
 
 
 DaemonRequest = Union[

@@ -159,11 +159,19 @@ def test_a_restore_that_cannot_keep_what_is_there_changes_nothing(client: dispat
         assert err.value.message == (
             "restore refused: the worktree as it is now could not be kept first, and a restore would lose it "
             "(checkpoint refused: it would copy more than 262144 bytes (the policy's [checkpoints] max_bytes; "
-            "reflink clones and links are not counted)); nothing was changed")
+            "reflink clones and links are not counted)); nothing was changed (force=True, `dispatch session restore "
+            "--force`: restore anyway, without keeping it)")
         assert (repo / "big.bin").read_bytes() == b"x" * 1024 * 1024
         (repo / "big.bin").unlink()
         (repo / "small.txt").write_text("s\n")
         assert s.restore(cid)["removed"] == 1 and not (repo / "small.txt").exists()
+        # A session can make the worktree unkeepable on purpose (a sparse file of 5 GiB costs
+        # no disk): the user can still restore, choosing to lose what is there.
+        ok(shell(s, "truncate -s 5G sparse.bin"))
+        with pytest.raises(dispatch.RequestFailed):
+            s.restore(cid)
+        done = s.restore(cid, force=True)
+        assert done["before"] == "" and not (repo / "sparse.bin").exists()
 
 
 def test_deleted_git_objects_come_back_from_the_keep(client: dispatch.Client, repo: Path) -> None:

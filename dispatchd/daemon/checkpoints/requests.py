@@ -116,12 +116,16 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         # It can be restored in turn (undo). Not kept: not restored.
         try:
             before = store.take(session.id, session.worktree, policy, f"before restoring {req.checkpoint}",
-                                fsync=session.policy.limits.fsync, spare=req.checkpoint)
+                                fsync=session.policy.limits.fsync, spare=req.checkpoint).id
         except CheckpointError as exc:
-            raise CheckpointError(f"restore refused: the worktree as it is now could not be kept first, and a "
-                                  f"restore would lose it ({exc.message}); nothing was changed", exc.code) from exc
+            if not req.force:
+                raise CheckpointError(f"restore refused: the worktree as it is now could not be kept first, and a "
+                                      f"restore would lose it ({exc.message}); nothing was changed (force=True, "
+                                      "`dispatch session restore --force`: restore anyway, without keeping it)",
+                                      exc.code) from exc
+            before = ""  # the caller chose to lose it (a session can make it unkeepable on purpose)
         done = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=session.policy.limits.fsync)
-    return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before.id, **done)
+    return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, **done)
 
 
 def before_write(manager: SessionManager, session: Session, msg: protocol.AcquireWriteLock,
