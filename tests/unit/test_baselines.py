@@ -724,3 +724,30 @@ def test_a_part_joined_while_a_session_runs_never_puts_its_plant_back(tmp_path: 
             assert (own / plant).read_text() == original
         aside = [p.name for p in own.iterdir() if ".quarantined-by-dispatchd-" in p.name]
         assert len(aside) == 1 and aside[0].startswith(plant + "."), aside
+
+
+def test_a_writable_session_joining_a_read_only_domain_takes_the_users_work_as_the_baseline(tmp_path: Path) -> None:
+    """A read-only session opens; the user adds a remote, a hook, a
+    tool's file and a commit by hand; a writable session joins, does nothing,
+    and both end. What the user did while only the read-only session ran is
+    theirs: nothing moved aside, no old bytes put back, the branch kept. The
+    twin: what the writable session's own time changes is still judged."""
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "ro", repo, writable=False, keep=True)
+    git(repo, "remote", "add", "origin", "https://example.invalid/r.git")
+    (repo / ".git" / "hooks" / "pre-commit").write_text("#!/bin/sh\n")
+    (repo / "d0" / "vscode-like").write_text("export A=1\n")
+    commits(repo, 1)
+    head = rev(repo, "HEAD")
+    _join(store, "rw", repo, keep=True)
+    found = store.leave("rw") + store.leave("ro")
+    assert found == [], found
+    assert git(repo, "remote", "get-url", "origin") == "https://example.invalid/r.git\n"
+    assert (repo / ".git" / "hooks" / "pre-commit").exists() and (repo / "d0" / "vscode-like").exists()
+    assert rev(repo, "HEAD") == head
+    _join(store, "ro", repo, writable=False, keep=True)  # the twin
+    _join(store, "rw", repo, keep=True)
+    (repo / "d0" / "vscode-like").write_text("export A=2\n")  # in the writable session's time
+    found = store.leave("rw") + store.leave("ro")
+    assert [Path(p.path).relative_to(repo).as_posix().split(".quarantined")[0] for p in found] == ["d0/vscode-like"]

@@ -56,8 +56,8 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import history, packlinks, refsback, reftemp, runnables, snapshots
-from dispatchd.daemon.gitguard.parts import Part, Protected, Record, check_part, common_of
+from dispatchd.daemon.gitguard import history, reftemp, runnables, snapshots
+from dispatchd.daemon.gitguard.parts import Part, Protected, Record, add_history, check_part, common_of, renew
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
@@ -274,7 +274,9 @@ class Baselines:
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
                             names=list(names), excluded=excluded, home=self.home, resolved_common=common)
                 record.parts.append(part)
-                self._add_history(record, part)
+                add_history(record, part, self.keep_dir)
+            if writable and not record.writable and record.parts:
+                renew(record, self.keep_dir)  # no session of it could write: what is there is the user's
             record.sessions.append(sid)
             record.writable = record.writable or writable
             try:
@@ -339,24 +341,6 @@ class Baselines:
         return sorted((d for d in self._domains.values()
                        if any(relates(p.root, p.related_common) for p in d.record.parts)
                        or any(relates(r, c) for r, c in d.claims)), key=lambda d: d.record.id)
-
-    def _add_history(self, record: Record, part: Part) -> None:
-        common = part.common
-        if not common:
-            return
-        branch = refsback.checked_out(part.own_gitdir)
-        for i, kept in enumerate(record.histories):
-            if os.path.realpath(kept.common) == os.path.realpath(common):
-                # A worktree joining later: its branch is its own to move only if no session moved it since.
-                if branch and refsback.read_refs(common).get(branch) == kept.refs.get(branch):
-                    record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
-                return
-        keep = history.keep_for(self.keep_dir, common)
-        held = frozenset() if record.sessions else packlinks.held_names(part.layout.read_only, common)  # theirs: none
-        kept = history.record(common, keep, [branch] if branch else [], held)
-        if kept.note:
-            log.warning("event=history_not_kept common=%s why=%r", common, kept.note)
-        record.histories.append(kept)
 
     def _merge(self, into: _Domain, other: _Domain) -> None:
         """Both domains' locks and the store's held."""

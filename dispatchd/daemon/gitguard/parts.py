@@ -17,8 +17,9 @@ import os
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import configs, history, indexreview, keptfiles, runnables, snapshots
-from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects
+from dispatchd.daemon.gitguard import configs, history, indexreview, keptfiles, packlinks, refsback, runnables, snapshots
+from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects, redirects_present
+from dispatchd.errors import WorktreeError
 
 log = logging.getLogger("dispatchd.baselines")
 
@@ -77,6 +78,47 @@ class Record(msgspec.Struct):
     # meanwhile is the user's own (their ``git push -u`` in the config, an
     # ``.envrc`` they edited, had been moved aside as a session's).
     writable: bool = True
+
+
+def add_history(record: Record, part: Part, keep_dir: str) -> None:
+    """The history of ``part``'s repository kept at its join, once per
+    repository (a worktree joining later adds its checked-out branch)."""
+    common = part.common
+    if not common:
+        return
+    branch = refsback.checked_out(part.own_gitdir)
+    for i, kept in enumerate(record.histories):
+        if os.path.realpath(kept.common) == os.path.realpath(common):
+            # A worktree joining later: its branch is its own to move only if no session moved it since.
+            if branch and refsback.read_refs(common).get(branch) == kept.refs.get(branch):
+                record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
+            return
+    keep = history.keep_for(keep_dir, common)
+    held = frozenset() if record.sessions else packlinks.held_names(part.layout.read_only, common)  # theirs: none
+    kept = history.record(common, keep, [branch] if branch else [], held)
+    if kept.note:
+        log.warning("event=history_not_kept common=%s why=%r", common, kept.note)
+    record.histories.append(kept)
+
+
+def renew(record: Record, keep_dir: str) -> None:
+    """A domain whose sessions could write none of it (``Record.writable``
+    False) joined by one that can: what is there now is the user's, their
+    changes since the baseline included (a remote they added, a hook, an
+    ``.envrc``, commits), so every part's baseline and the history are taken
+    again. Otherwise the writable session's end judged the user's work by
+    the read-only session's old baseline, and put its old bytes back."""
+    old, record.parts, record.histories = record.parts, [], []
+    for p in old:
+        tree = runnables.take(p.root, tuple(p.names), excluded=p.excluded,
+                              skip_root_git=p.layout.kind in ("repository", "linked"))
+        if not tree.complete:
+            raise WorktreeError(f"{p.root}: {tree.why}, more than dispatchd checks for repositories and files "
+                                "your tools run; no session opened", p.root)
+        part = msgspec.structs.replace(p, git=snapshots.take(p.root, p.layout, p.home, keep=True), tree=tree,
+                                       redirects=redirects_present(p.layout, p.root))
+        record.parts.append(part)
+        add_history(record, part, keep_dir)
 
 
 def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None) -> list[str]:
