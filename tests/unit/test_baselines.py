@@ -514,7 +514,10 @@ def test_after_a_daemon_died_a_read_only_domain_leaves_the_users_work(tmp_path: 
     git(repo, "config", "branch.main.merge", "refs/heads/main")
     os.close(next(iter(dead._domains.values())).lock_fd)
     found = baselines.Baselines(str(tmp_path / "state")).recover()
-    assert [Path(p.path).relative_to(repo).as_posix().split(".quarantined")[0] for p in found] == [".git/config"]
+    assert {Path(p.path).relative_to(repo).as_posix().split(".quarantined")[0] for p in found} == {".git/config"}
+    # The baseline renewed at the writable join (the remote the user added is in it) is put back.
+    assert git(repo, "config", "branch.main.remote") == "origin\n"
+    assert subprocess.run(["git", "config", "branch.main.merge"], cwd=repo).returncode == 1
 
 
 def test_a_related_open_finishes_only_the_related_checks(tmp_path: Path) -> None:
