@@ -75,10 +75,9 @@ _INSTALL = {
 # The long options ``stack_argv`` passes slirp4netns, as its getopt table
 # names them. 0.4.0 added the last three (0.3.x refuses --enable-seccomp);
 # 0.4.3, 1.0.1, 1.1.12 and 1.2.0 were run with the network suites
-# (docs/network.md, "Versions verified"). ``disable-host-loopback`` (0.3.0)
-# only for a policy that closes the host's loopback.
-SLIRP4NETNS_OPTIONS = ("configure", "mtu", "ready-fd", "enable-seccomp", "netns-type", "userns-path",
-                       "disable-host-loopback")
+# (docs/network.md, "Versions verified"). ``--disable-host-loopback``, for
+# a policy that closes the host's loopback, is older (0.3.0): implied.
+SLIRP4NETNS_OPTIONS = ("configure", "mtu", "ready-fd", "enable-seccomp", "netns-type", "userns-path")
 
 
 def slirp4netns_lacks(path: str) -> list[str]:
