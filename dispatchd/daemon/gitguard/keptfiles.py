@@ -41,13 +41,12 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import secrets
 import stat
 from collections.abc import Callable
 
 import msgspec
 
-from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard import fs, reftemp
 from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES
 
 MAX_FILE = 256 * 1024  # one file kept (a config, a hook)
@@ -205,29 +204,7 @@ def _write(top: str, rel: str, data: bytes, mode: int) -> str:
             if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode and _same(fd, leaf, data):
                 return ""
             aside = os.path.join(top, parent, fs.move_aside_at(fd, leaf))
-        tmp = f"{leaf}.dispatchd-{secrets.token_hex(8)}.lock"  # git reads no such name
-        try:
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
-        except PermissionError:
-            with fs.lent(fd):  # a directory the session made read-only: the user's, so ours
-                out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                              dir_fd=fd)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(out, view):]
-            os.fchmod(out, mode)
-            os.fsync(out)
-        except BaseException:
-            os.close(out)
-            os.unlink(tmp, dir_fd=fd)
-            raise
-        os.close(out)
-        try:
-            os.rename(tmp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
-        except OSError:
-            os.unlink(tmp, dir_fd=fd)
-            raise
+        reftemp.write_at(fd, leaf, data, mode)
         return aside
     finally:
         os.close(fd)

@@ -98,6 +98,35 @@ def write_file(path: str, data: bytes, mode: int | None = None) -> None:
         raise
 
 
+def write_at(dir_fd: int, leaf: str, data: bytes, mode: int) -> None:
+    """``write_file`` in the directory ``dir_fd`` (reached by descriptor:
+    nothing looked up by path again), ``leaf`` given ``mode``; a directory
+    the session made read-only is lent its owner's rights for the create."""
+    tmp = os.path.basename(temp_name(leaf))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        out = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    except PermissionError:
+        with fs.lent(dir_fd):  # the user's directory, so ours
+            out = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out, view):]
+        os.fchmod(out, mode)
+        os.fsync(out)
+    except BaseException:
+        os.close(out)
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(out)
+    try:
+        os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
 def sweep(common: str, refs: list[str]) -> list[str]:
     """Remove what an interrupted write of ``refs`` (names below ``common``,
     ``HEAD`` included) or of a displaced ref left; returns the paths removed.
