@@ -33,10 +33,16 @@ def _refs(repo: Path) -> list[str]:
 
 
 def _killed_at_rename(monkeypatch: pytest.MonkeyPatch) -> None:
-    def replace(src: str, dst: str) -> None:
-        raise Killed
+    """The daemon killed between writing a ref's temporary file and its
+    rename over the ref (``reftemp.write_at``'s)."""
+    real = os.rename
 
-    monkeypatch.setattr(history.os, "replace", replace)
+    def rename(src: str, dst: str, *args: object, **kwargs: object) -> None:
+        if "src_dir_fd" in kwargs and str(src).endswith(".lock") and ".dispatchd-" in str(src):
+            raise Killed
+        real(src, dst, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(history.os, "rename", rename)
 
 
 def test_a_put_back_cut_short_leaves_a_file_git_lists_as_no_ref(tmp_path: Path,

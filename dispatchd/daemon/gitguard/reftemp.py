@@ -65,55 +65,39 @@ def write_file(path: str, data: bytes, mode: int | None = None) -> None:
     """``path`` holding ``data``, whole or not at all: written to a temporary
     name of our own beside it (``O_EXCL | O_NOFOLLOW``), fsynced, renamed over
     it. ``mode``: its permission bits (None: 0644 less the umask, as git's)."""
+    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        write_at(fd, os.path.basename(path), data, mode)
+    finally:
+        os.close(fd)
+
+
+def write_at(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> None:
+    """``write_file`` in the directory ``dir_fd`` (reached by descriptor:
+    nothing looked up by path again). A directory the session made
+    read-only is given its owner's rights, and left so (the user's, so ours;
+    as ``fs.move_aside`` does)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     lent = False
     while True:
-        tmp = temp_name(path)
+        # A name of our own, made here (write_ref says why).
+        tmp = os.path.basename(temp_name(leaf))
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o644 if mode is None else 0o600)
+            out = os.open(tmp, flags, 0o644 if mode is None else 0o600, dir_fd=dir_fd)
             break
         except FileExistsError:
             continue
         except PermissionError:
             if lent:
                 raise
-            fs.lend_path(os.path.dirname(path))  # a directory a session made read-only: the user's, so ours
+            fs.lend(dir_fd)
             lent = True
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
-        if mode is not None:
-            os.fchmod(fd, mode)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except OSError:
-        os.unlink(tmp)
-        raise
-
-
-def write_at(dir_fd: int, leaf: str, data: bytes, mode: int) -> None:
-    """``write_file`` in the directory ``dir_fd`` (reached by descriptor:
-    nothing looked up by path again), ``leaf`` given ``mode``; a directory
-    the session made read-only is lent its owner's rights for the create."""
-    tmp = os.path.basename(temp_name(leaf))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        out = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-    except PermissionError:
-        with fs.lent(dir_fd):  # the user's directory, so ours
-            out = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-    try:
-        view = memoryview(data)
-        while view:
             view = view[os.write(out, view):]
-        os.fchmod(out, mode)
+        if mode is not None:
+            os.fchmod(out, mode)
         os.fsync(out)
     except BaseException:
         os.close(out)
