@@ -208,3 +208,19 @@ def test_nothing_is_made_where_the_git_directory_is_gone(repo: Path, tmp_path: P
     assert not (repo / ".git" / "hooks" / "pre-commit").exists()
     (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     assert str(repo / ".git" / "config") in [p for p, _ in _end(repo, before)[1]]
+
+
+def test_a_hooks_directory_made_read_only_still_gets_the_hook_back(repo: Path) -> None:
+    """A session rewrote the hook and made ``hooks`` read-only (``chmod 555``):
+    the directory is the user's, so the end gives it its owner's rights to
+    move the session's hook aside and write the user's back."""
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    before = _take(repo, keep=True)
+    hook.write_text("#!/bin/sh\ntouch PLANTED\n")
+    hook.parent.chmod(0o555)
+    try:
+        moved, put, failed = _end(repo, before)
+    finally:
+        hook.parent.chmod(0o755)
+    assert failed == [] and len(moved) == 1 and [p for p, _ in put] == [str(hook)]
+    assert hook.read_text() == HOOK
