@@ -754,3 +754,103 @@ def test_a_writable_session_joining_a_read_only_domain_takes_the_users_work_as_t
     (repo / "d0" / "vscode-like").write_text("export A=2\n")  # in the writable session's time
     found = store.leave("rw") + store.leave("ro")
     assert [Path(p.path).relative_to(repo).as_posix().split(".quarantined")[0] for p in found] == ["d0/vscode-like"]
+
+
+def _aside_below(top: Path) -> list[str]:
+    return sorted(str(p.relative_to(top)) for p in top.rglob("*") if ".quarantined-by-dispatchd-" in p.name)
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_a_plant_in_a_worktree_entry_added_while_a_session_ran_is_moved_aside(tmp_path: Path, second: bool) -> None:
+    """The user adds a linked worktree while a session on the main worktree
+    runs (and, ``second``, opens a session there); the first session writes
+    a rebase's todo into the new entry (`exec` runs at the user's `git rebase
+    --continue`). The first part's baseline has no such entry: everything
+    in it but the `commondir` git writes is a plant, moved aside; nor does
+    that part claim the entry, so the linked worktree's own part judges it
+    too. The twin: the entry as `git worktree add` made it is left alone."""
+    main = make_repo(tmp_path / "m")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "M", main, keep=True)
+    linked = tmp_path / "l2"
+    git(main, "worktree", "add", "-q", str(linked), "-b", "l2")
+    if second:
+        _join(store, "L", linked, keep=True)
+    entry = main / ".git" / "worktrees" / "l2"
+    (entry / "rebase-merge").mkdir()
+    (entry / "rebase-merge" / "git-rebase-todo").write_text("exec touch PWNED\n")
+    if second:
+        store.leave("L")
+    store.leave("M")
+    assert not (entry / "rebase-merge").exists() and _aside_below(entry) != []
+    assert (entry / "commondir").exists() and (entry / "HEAD").exists() and (entry / "gitdir").exists()
+    _join(store, "M", main, keep=True)  # the twin: a worktree added the same way, nothing planted
+    git(main, "worktree", "add", "-q", str(tmp_path / "l3"), "-b", "l3")
+    assert store.leave("M") == [] and _aside_below(main / ".git" / "worktrees" / "l3") == []
+
+
+def test_a_repository_inside_another_s_worktree_is_judged_by_its_own_part(tmp_path: Path) -> None:
+    """A session on a repository inside another worktree changes its
+    exclude; a session then opens on the outer worktree, whose baseline
+    takes the inner `.git` as it is then. The inner part puts the user's
+    file back, and the outer part leaves the inner `.git` to it: before, it
+    moved the whole inner repository aside (and `git -C inner` then acted
+    on the outer one)."""
+    outer = make_repo(tmp_path / "outer")
+    inner = make_repo(outer / "inner")
+    git(outer, "add", "inner")  # a gitlink: a submodule kept in place, its .git a directory
+    git(outer, "commit", "-qm", "inner")
+    exclude = inner / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(exist_ok=True)
+    exclude.write_text("*.log\n")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "I", inner, keep=True)
+    with open(exclude, "a") as f:
+        f.write("conftest.py\n")
+    _join(store, "O", outer, keep=True)
+    store.leave("I")
+    store.leave("O")
+    assert (inner / ".git").is_dir() and exclude.read_text() == "*.log\n"
+    aside = _aside_below(outer)
+    assert len(aside) == 1 and aside[0].startswith("inner/.git/info/exclude.quarantined-by-dispatchd-"), aside
+    assert git(inner, "rev-parse", "--show-toplevel").strip() == str(inner)
+
+
+def test_a_config_worktree_put_back_is_no_new_redirect_to_a_later_part(tmp_path: Path) -> None:
+    """The user's own `config.worktree` of a linked worktree, deleted by a
+    session on the main worktree; a session on the linked worktree opens
+    then (its baseline: no such file). The first part puts it back, and the
+    later part's redirect check leaves it: before, it moved it aside as a
+    new redirect, and the user's setting was gone."""
+    main = make_repo(tmp_path / "m")
+    git(main, "config", "extensions.worktreeConfig", "true")
+    linked = tmp_path / "l"
+    git(main, "worktree", "add", "-q", str(linked), "-b", "l")
+    own = main / ".git" / "worktrees" / "l" / "config.worktree"
+    own.write_text("[user]\n\temail = me@example.invalid\n")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "M", main, keep=True)
+    own.unlink()
+    _join(store, "L", linked, keep=True)
+    store.leave("M")
+    store.leave("L")
+    assert own.read_text() == "[user]\n\temail = me@example.invalid\n"
+
+
+def test_a_read_only_domain_merged_into_a_writable_one_is_renewed(tmp_path: Path) -> None:
+    """A read-only session on A, a writable one on B (two domains); the user
+    adds a remote in A; a session on the directory holding both merges the
+    domains. A's part is taken again then: the user's remote stays. The
+    twin: B's part, whose session could write, is still judged."""
+    top = tmp_path / "top"
+    top.mkdir()
+    a, b = make_repo(top / "a"), make_repo(top / "b")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "ra", a, writable=False, keep=True)
+    _join(store, "wb", b, keep=True)
+    git(a, "remote", "add", "origin", "https://example.invalid/a.git")
+    (b / "d0" / "vscode-like").write_text("planted\n")
+    _join(store, "top", top, writable=False, keep=True)
+    found = store.leave("top") + store.leave("wb") + store.leave("ra")
+    assert git(a, "remote", "get-url", "origin") == "https://example.invalid/a.git\n"
+    assert [Path(p.path).relative_to(top).as_posix().split(".quarantined")[0] for p in found] == ["b/d0/vscode-like"]

@@ -224,3 +224,16 @@ def test_a_hooks_directory_made_read_only_still_gets_the_hook_back(repo: Path) -
         hook.parent.chmod(0o755)
     assert failed == [] and len(moved) == 1 and [p for p, _ in put] == [str(hook)]
     assert hook.read_text() == HOOK
+
+
+def test_what_an_end_moved_aside_among_the_hooks_is_no_new_hook_at_the_next(repo: Path) -> None:
+    """git runs a hook by its exact name: ``pre-commit.quarantined-by-…``
+    never runs, and a later end of the same domain took it for a new hook,
+    renaming it again at every end (``….quarantined-….quarantined-…``)."""
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    before = _take(repo, keep=True)
+    hook.write_text("#!/bin/sh\ntouch PLANTED\n")
+    assert len(_end(repo, before)[0]) == 1
+    assert _end(repo, before) == ([], [], [])
+    [aside] = _aside(hook)
+    assert aside.name.count(".quarantined-by-dispatchd-") == 1 and aside.read_text() == "#!/bin/sh\ntouch PLANTED\n"

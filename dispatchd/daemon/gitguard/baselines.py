@@ -272,11 +272,12 @@ class Baselines:
                 if record.sessions:  # sessions of the domain run: their bytes are no one's to put back
                     snapshot = msgspec.structs.replace(snapshot, kept=[])
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
-                            names=list(names), excluded=excluded, home=self.home, resolved_common=common)
+                            names=list(names), excluded=excluded, home=self.home, resolved_common=common,
+                            unwritten=not (record.writable or writable))
                 record.parts.append(part)
                 add_history(record, part, self.keep_dir)
-            if writable and not record.writable and record.parts:
-                renew(record, self.keep_dir)  # no session of it could write: what is there is the user's
+            if (writable or record.writable) and any(p.unwritten for p in record.parts):
+                renew(record, self.keep_dir)  # no session of those parts could write: what is there is the user's
             record.sessions.append(sid)
             record.writable = record.writable or writable
             try:

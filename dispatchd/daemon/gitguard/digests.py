@@ -213,8 +213,10 @@ def fingerprint(dir_fd: int, budget: Budget | None = None, review: bool = True) 
                 found["hooks"] = never_equal("too many entries")
                 return found
             # git runs a hook by its exact name only: the samples git init
-            # copies (pre-commit.sample...) never run, and cost the most to read.
-            for name in (n for n in names if not n.endswith(".sample")):
+            # copies (pre-commit.sample...) never run, and cost the most to
+            # read; nor does what an end moved aside (``fs.aside_name``),
+            # which a later end of the domain took for a new hook again.
+            for name in (n for n in names if not n.endswith(".sample") and fs.QUARANTINED not in n):
                 digest = digest_at(hooks_fd, name, budget)
                 if digest is not None:
                     found[f"hooks/{name}"] = digest

@@ -35,7 +35,7 @@ from dispatchd.daemon.gitguard import indexfile
 
 _MAX_POINTER = 4096  # a .git pointer file, a gitdir or commondir file
 _MAX_INDEX = 256 * 1024 * 1024
-_QUARANTINED = ".quarantined-by-dispatchd-"
+QUARANTINED = ".quarantined-by-dispatchd-"
 
 # What makes a submodule path plainly absent for git too: nothing there, a
 # file on the way, or a symlink (git does not follow one into a submodule).
@@ -250,7 +250,7 @@ def aside_name(name: str) -> str:
     raw = os.fsencode(name)
     if len(raw) > _ASIDE_KEPT:
         name = os.fsdecode(raw[:_ASIDE_KEPT - 13]) + "-" + hashlib.sha256(raw).hexdigest()[:12]
-    return f"{name}{_QUARANTINED}{int(time.time())}-{secrets.token_hex(6)}"
+    return f"{name}{QUARANTINED}{int(time.time())}-{secrets.token_hex(6)}"
 
 
 def lend_path(path: str) -> None:

@@ -42,6 +42,10 @@ class Part(msgspec.Struct, frozen=True):
     excluded: list[str] = []  # parts' roots inside this one: theirs to check
     home: str = ""
     resolved_common: str = ""  # ``common_of`` at its join: never resolved again (a session can plant links)
+    # Added while no session of its domain could write (``Record.writable``):
+    # its baseline is taken again (``renew``) once one that can joins, or the
+    # domain is merged with one that can.
+    unwritten: bool = False
 
     @property
     def related_common(self) -> str:
@@ -102,23 +106,29 @@ def add_history(record: Record, part: Part, keep_dir: str) -> None:
 
 
 def renew(record: Record, keep_dir: str) -> None:
-    """A domain whose sessions could write none of it (``Record.writable``
-    False) joined by one that can: what is there now is the user's, their
-    changes since the baseline included (a remote they added, a hook, an
-    ``.envrc``, commits), so every part's baseline and the history are taken
-    again. Otherwise the writable session's end judged the user's work by
-    the read-only session's old baseline, and put its old bytes back."""
-    old, record.parts, record.histories = record.parts, [], []
-    for p in old:
+    """The parts no session could write (``Part.unwritten``) of a domain that
+    one that can joins (or was merged into one that can): what is there now
+    is the user's, their changes since the baseline included (a remote they
+    added, a hook, an ``.envrc``, commits), so those parts' baselines and
+    their repositories' histories are taken again. Otherwise a writable
+    session's end judged the user's work by a read-only session's old
+    baseline, and put its old bytes and refs back. Call with no session of
+    those parts able to write."""
+    stale = [p for p in record.parts if p.unwritten]
+    commons = {os.path.realpath(p.common) for p in stale if p.common}
+    record.histories = [h for h in record.histories if os.path.realpath(h.common) not in commons]
+    for i, p in enumerate(record.parts):
+        if not p.unwritten:
+            continue
         tree = runnables.take(p.root, tuple(p.names), excluded=p.excluded,
                               skip_root_git=p.layout.kind in ("repository", "linked"))
         if not tree.complete:
             raise WorktreeError(f"{p.root}: {tree.why}, more than dispatchd checks for repositories and files "
                                 "your tools run; no session opened", p.root)
-        part = msgspec.structs.replace(p, git=snapshots.take(p.root, p.layout, p.home, keep=True), tree=tree,
-                                       redirects=redirects_present(p.layout, p.root))
-        record.parts.append(part)
-        add_history(record, part, keep_dir)
+        record.parts[i] = msgspec.structs.replace(p, git=snapshots.take(p.root, p.layout, p.home, keep=True),
+                                                  tree=tree, redirects=redirects_present(p.layout, p.root),
+                                                  unwritten=False)
+        add_history(record, record.parts[i], keep_dir)
 
 
 def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None) -> list[str]:
@@ -130,7 +140,8 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
     failed: list[str] = []
     skip = covered if covered is not None else set()
     if part.layout.kind in ("repository", "linked"):
-        moved, bad = quarantine_new_redirects(part.layout, part.redirects, part.root)
+        moved, bad = quarantine_new_redirects(part.layout, part.redirects, part.root,
+                                              lambda path: snapshots.skipped(path, skip))
         failed += bad
         for path in moved:
             log.warning("event=git_redirect_quarantined path=%s", path)

@@ -19,6 +19,7 @@ symlink.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard.fs import is_dir, move_aside, read_small, scanned
@@ -93,13 +94,15 @@ def redirects_present(layout: GitLayout, root: str = "") -> list[str]:
     return found
 
 
-def quarantine_new_redirects(layout: GitLayout, before: list[str], root: str = "") -> tuple[list[str], list[str]]:
+def quarantine_new_redirects(layout: GitLayout, before: list[str], root: str = "",
+                             skip: Callable[[str], bool] = lambda path: False) -> tuple[list[str], list[str]]:
     """Move aside redirecting files a session created; call only once every
     process of the session is gone (nothing can race the rename then).
-    Returns what was moved, and what could not be (with why)."""
+    Returns what was moved, and what could not be (with why). ``skip``: paths
+    an earlier part of the domain judges against its own baseline."""
     moved, failed = [], []
     for src in redirects_present(layout, root):
-        if src in before:
+        if src in before or skip(src):
             continue
         try:
             moved.append(move_aside(src))

@@ -184,9 +184,15 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
         old = before.gitdirs.get(rel)
         if rel in now.by_file and "" not in now_fp:
             if old is None and rel != ".git":
-                # A linked worktree the session added: its redirects are
-                # checked by redirects.quarantine_new_redirects (a commondir
-                # leading back to this .git is what `git worktree add` writes).
+                # A linked worktree added since the baseline (by the session,
+                # or by the user while it ran): `git worktree add` writes none
+                # of what is checked but its commondir, which
+                # redirects.quarantine_new_redirects judges (one leading back
+                # to this .git is git's). Anything else there, a rebase's
+                # todo above all, a session planted: `git rebase --continue`
+                # in that worktree ran its `exec` line.
+                found += [f"{rel}/{name}" for name, digest in now_fp.items()
+                          if name != "commondir" and digest != "directory"]
                 continue
             found += [f"{rel}/{name}" for name, digest in now_fp.items()
                       if (old or {}).get(name) != digest and digest != "directory"]
@@ -200,19 +206,27 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
 
 
 def covered(worktree: str, before: GitSnapshot, now: GitSnapshot) -> set[str]:
-    """What of git's files a part judges (absolute paths: a git directory
-    moved whole, or a file of one checked by file), for ``quarantine(skip=)``
-    of the parts after it."""
-    found = {os.path.join(worktree, rel) for rel in now.gitdirs if rel not in now.by_file}
+    """What of git's files a part judges against its baseline (absolute
+    paths: a git directory it compares whole, a file of one it checks file
+    by file, a linked worktree's own files), for the parts after it
+    (``skipped``). Not an entry of another linked worktree new since the
+    baseline: ``changes`` leaves its files to the redirect check, so a
+    later part, whose own baseline holds that worktree, must judge them."""
+    found = {os.path.join(worktree, rel) for rel in now.gitdirs
+             if rel not in now.by_file and rel in before.gitdirs}
     for snap in (before, now):
-        found |= {os.path.join(worktree, rel, name) for rel in snap.by_file for name in snap.gitdirs.get(rel, {})}
+        found |= {os.path.join(worktree, rel, name) for rel in snap.by_file if rel in before.gitdirs
+                  for name in snap.gitdirs.get(rel, {})}
         found |= set(snap.external)
     return found
 
 
 def skipped(path: str, skip: set[str]) -> bool:
-    """``path`` is, or lies in, one of ``skip``: an earlier part's to judge."""
-    return path in skip or any(is_within(path, s) for s in skip)
+    """``path`` is, lies in, or holds one of ``skip``: an earlier part's to
+    judge (a git directory compared whole that holds files an earlier part
+    checks one by one, a worktree inside another's: the earlier part's
+    baseline is the user's; the later one's was taken while it ran)."""
+    return path in skip or any(is_within(path, s) or is_within(s, path) for s in skip)
 
 
 def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
