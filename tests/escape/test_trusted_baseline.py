@@ -435,6 +435,66 @@ def _linked_with_submodule(tmp_path: Path) -> tuple[Path, Path, Path]:
     return main, linked, moddir
 
 
+@pytest.mark.parametrize("second", [False, True])
+def test_a_submodule_git_directory_rebuilt_with_a_symlinked_head_runs_nothing(mode_daemon: tuple[str, Daemon],
+                                                                             tmp_path: Path, second: bool) -> None:
+    """A session on a linked worktree rebuilds its submodule's git directory
+    (`.git/worktrees/N/modules/sub`: moved away, copied back, the binds go
+    with the old one) with `HEAD` a symlink, which git takes, and
+    `core.fsmonitor` in its config; ``second``: a session on the main
+    worktree opens after it. The check had walked only directories with a
+    regular `HEAD`: the rebuilt one dropped out of the linked part's look,
+    and the main part, which saw it, left it to the linked part. The
+    control: the same plant by hand runs in the user's `git status`."""
+    mode, daemon = mode_daemon
+    marker = tmp_path / "PWNED"
+    plant = ("cd {m}/.. && mv sub sub.old && cp -a sub.old sub && cd sub && "
+             "git rev-parse HEAD > refs/heads/x 2>/dev/null || cp ../sub.old/HEAD refs/heads/x; "
+             "cd {m} && rm HEAD && ln -s refs/heads/x HEAD && "
+             "printf '[core]\\n\\tfsmonitor = \"touch {marker}; false\"\\n' >> config && echo PLANTED")
+    main, linked, moddir = _linked_with_submodule(tmp_path / "control")
+    subprocess.run(["bash", "-c", plant.format(m=moddir, marker=marker)], check=True, capture_output=True)
+    git(linked / "sub", "status", check=False)
+    assert marker.exists()  # the control
+    marker.unlink()
+    main, linked, moddir = _linked_with_submodule(tmp_path / "attack")
+    with daemon.connect() as c:
+        s = c.open_session(str(linked))
+        r = shell(s, plant.format(m=moddir, marker=marker))
+        assert r.is_success and "PLANTED" in r.output, (r.output, r.error)
+        t = c.open_session(str(main)) if second else None
+        s.close()
+        if t is not None:
+            t.close()
+    git(linked / "sub", "status", check=False)
+    assert not marker.exists(), (s.protected, t.protected if t else None)
+
+
+def test_a_linked_worktrees_git_file_made_a_repository_runs_nothing(mode_daemon: tuple[str, Daemon],
+                                                                    tmp_path: Path) -> None:
+    """A session on a linked worktree replaces its `.git` file with a
+    repository of its own (`git init`) whose config names a command. Full
+    mode: the file is held (EBUSY). Degraded mode: the directory is moved
+    aside at the end (before: a directory there was taken for nothing to
+    judge). The control: the same by hand runs in the user's `git status`."""
+    mode, daemon = mode_daemon
+    marker = tmp_path / "PWNED"
+    plant = f"rm .git && git init -q . && git config core.fsmonitor 'touch {marker}; false' && echo PLANTED"
+    main, linked, _ = _linked_with_submodule(tmp_path / "control")
+    subprocess.run(["bash", "-c", plant], cwd=linked, check=True, capture_output=True)
+    git(linked, "status", check=False)
+    assert marker.exists()  # the control
+    marker.unlink()
+    main, linked, _ = _linked_with_submodule(tmp_path / "attack")
+    with daemon.connect() as c, c.open_session(str(linked)) as s:
+        r = shell(s, plant)
+        assert r.is_success == (mode == "degraded"), (r.output, r.error)
+    if mode == "degraded":
+        assert any(p["path"].startswith(f"{linked}/.git.quarantined-by-dispatchd-") for p in s.protected), s.protected
+    git(linked, "status", check=False)
+    assert not marker.exists()
+
+
 def test_the_users_config_and_hook_stay_theirs_after_a_session_rewrote_them(mode_daemon: tuple[str, Daemon],
                                                                           repo: Path, tmp_path: Path) -> None:
     """A session rewrites ``.git/config`` (``core.fsmonitor``) and deletes the

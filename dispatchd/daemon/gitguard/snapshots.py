@@ -75,12 +75,16 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     # entries, keyed by the file git would open (worktree-relative, after
     # symlinks) -> digest.
     included: dict[str, str] = {}
+    # The submodules' git directories outside the worktree this look found
+    # and fingerprinted (a linked worktree's ``modules/**``), absolute: what
+    # it judges whole. (Its own git directory: file by file, ``external``.)
+    external_roots: list[str] = []
     # The user's own config, hooks and review files, by bytes, to put back
     # where a session changed or deleted them (``keptfiles``); a baseline's only.
     kept: list[keptfiles.Kept] = []
 
 
-def _external_modules(gitdir: str, external: dict[str, str], walk: Walk) -> None:
+def _external_modules(gitdir: str, external: dict[str, str], walk: Walk, roots: list[str]) -> None:
     """Each git directory below a linked worktree's own ``modules`` (its
     submodules', made by ``git submodule update`` in that worktree: outside
     the worktree, where the walk's relative paths do not reach), recorded as
@@ -95,6 +99,7 @@ def _external_modules(gitdir: str, external: dict[str, str], walk: Walk) -> None
             continue
         try:
             external.update({os.path.join(found, name): digest for name, digest in fingerprint(fd, walk.budget).items()})
+            roots.append(found)
         finally:
             os.close(fd)
     external.update({path: never_equal("unsearchable") for path in unsearchable})
@@ -113,6 +118,7 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
     walk = Walk(worktree, home, known)
     by_file: list[str] = []
     external: dict[str, str] = {}
+    roots: list[str] = []
     if layout.kind == "repository":
         by_file.append(".git")
         walk.gitdir(".git", "")
@@ -150,7 +156,7 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
                     external[os.path.join(gitdir, name)] = digest
             finally:
                 os.close(fd)
-            _external_modules(gitdir, external, walk)
+            _external_modules(gitdir, external, walk, roots)
         # What the repository's configuration (its common directory's, this
         # worktree's own) reads or runs inside this worktree.
         for gitdir in layout.gitdirs + layout.readable[:1]:
@@ -167,7 +173,8 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
                           layout.gitdirs if layout.kind == "linked" else []) if keep else []
     return GitSnapshot(taken_ns=taken_ns, gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers,
                        indexes=walk.indexes, index_stamps=walk.index_stamps, external=external,
-                       complete=walk.complete, included=walk.included, kept=kept)
+                       complete=walk.complete, included=walk.included, kept=kept,
+                       external_roots=roots)
 
 
 def gitdir_paths(worktree: str, snap: GitSnapshot) -> list[str]:
@@ -206,27 +213,24 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
 
 
 def covered(worktree: str, before: GitSnapshot, now: GitSnapshot) -> set[str]:
-    """What of git's files a part judges against its baseline (absolute
-    paths: a git directory it compares whole, a file of one it checks file
-    by file, a linked worktree's own files), for the parts after it
-    (``skipped``). Not an entry of another linked worktree new since the
-    baseline: ``changes`` leaves its files to the redirect check, so a
-    later part, whose own baseline holds that worktree, must judge them."""
+    """What a part judged against its baseline at this end (absolute paths),
+    for the parts after it (``skipped``): the git directories it walked now
+    (compared whole, or file by file where its baseline had them, with
+    every file below), the files outside the worktree it compared, and
+    the git directories there it fingerprinted now. Not what it did not
+    walk: a git directory its walk no longer recognises is judged by a
+    later part that does; nor an entry of a linked worktree new since its
+    baseline (a later part whose baseline holds it judges it too)."""
     found = {os.path.join(worktree, rel) for rel in now.gitdirs
-             if rel not in now.by_file and rel in before.gitdirs}
-    for snap in (before, now):
-        found |= {os.path.join(worktree, rel, name) for rel in snap.by_file if rel in before.gitdirs
-                  for name in snap.gitdirs.get(rel, {})}
-        found |= set(snap.external)
+             if rel not in now.by_file or rel in before.gitdirs}
+    found |= set(before.external) | set(now.external) | set(now.external_roots)
     return found
 
 
 def skipped(path: str, skip: set[str]) -> bool:
-    """``path`` is, lies in, or holds one of ``skip``: an earlier part's to
-    judge (a git directory compared whole that holds files an earlier part
-    checks one by one, a worktree inside another's: the earlier part's
-    baseline is the user's; the later one's was taken while it ran)."""
-    return path in skip or any(is_within(path, s) or is_within(s, path) for s in skip)
+    """``path`` is, or lies in, one of ``skip``: an earlier part's to judge
+    (its baseline is the user's; a later part's was taken while it ran)."""
+    return path in skip or any(is_within(path, s) for s in skip)
 
 
 def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
@@ -252,11 +256,19 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
             todo = [".git/index", ".git/modules"] + [r for r in todo if not is_within(r, ".git/modules")]
     moved, bad = fs.move_all_below_aside(worktree, todo)
     failed += bad
-    for path, digest in now.external.items():
+    gone = {path: "unrecognised" for path in before.external if path not in now.external and os.path.lexists(path)}
+    for path, digest in {**now.external, **gone}.items():
         old = before.external.get(path)
         # New or changed: a redirect redirects.quarantine_new_redirects
         # moved already is absent from ``now``; rebase state, a hook, a config.
-        if old != digest and digest not in ("absent", "directory") and not (skip and skipped(path, skip)):
+        # A directory where the baseline had a file: a linked worktree's
+        # ``.git`` made a repository of its own (``git init`` there). A file
+        # the baseline had in a git directory the walk no longer recognises
+        # (its ``HEAD`` made a symlink: git still takes it): what git reads
+        # there is no more what was checked.
+        changed = old != digest and (digest not in ("absent", "directory") or
+                                     (digest == "directory" and old not in (None, "absent", "directory")))
+        if changed and not (skip and skipped(path, skip)):
             try:
                 moved.append(fs.move_aside(path))
             except OSError as exc:
