@@ -213,24 +213,28 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
 
 
 def covered(worktree: str, before: GitSnapshot, now: GitSnapshot) -> set[str]:
-    """What a part judged against its baseline at this end (absolute paths),
-    for the parts after it (``skipped``): the git directories it walked now
-    (compared whole, or file by file where its baseline had them, with
-    every file below), the files outside the worktree it compared, and
-    the git directories there it fingerprinted now. Not what it did not
-    walk: a git directory its walk no longer recognises is judged by a
-    later part that does; nor an entry of a linked worktree new since its
+    """What a part judged against its baseline at this end, exactly
+    (absolute paths), for the parts after it (``skipped``): the git
+    directories its walk found now (one compared whole; one checked file by
+    file where its baseline had it, and each of those files), the files
+    outside the worktree it compared, and the submodule git directories
+    there it found now. Only these paths, nothing below them: a git
+    directory its walk no longer recognises (a rebuilt submodule's) is a
+    later part's to catch; nor an entry of a linked worktree new since its
     baseline (a later part whose baseline holds it judges it too)."""
-    found = {os.path.join(worktree, rel) for rel in now.gitdirs
-             if rel not in now.by_file or rel in before.gitdirs}
+    judged = [rel for rel in now.gitdirs if rel not in now.by_file or rel in before.gitdirs]
+    found = {os.path.join(worktree, rel) for rel in judged}
+    for snap in (before, now):
+        found |= {os.path.join(worktree, rel, name) for rel in snap.by_file if rel in before.gitdirs
+                  for name in snap.gitdirs.get(rel, {})}
     found |= set(before.external) | set(now.external) | set(now.external_roots)
     return found
 
 
 def skipped(path: str, skip: set[str]) -> bool:
-    """``path`` is, or lies in, one of ``skip``: an earlier part's to judge
-    (its baseline is the user's; a later part's was taken while it ran)."""
-    return path in skip or any(is_within(path, s) for s in skip)
+    """``path`` is one an earlier part judged (``covered``): its baseline is
+    the user's; a later part's was taken while sessions ran."""
+    return path in skip
 
 
 def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
