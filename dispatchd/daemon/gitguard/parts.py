@@ -114,10 +114,8 @@ def renew(record: Record, keep_dir: str) -> None:
     session's end judged the user's work by a read-only session's old
     baseline, and put its old bytes and refs back. Call with no session of
     those parts able to write."""
-    stale = [p for p in record.parts if p.unwritten]
-    commons = {os.path.realpath(p.common) for p in stale if p.common}
-    record.histories = [h for h in record.histories if os.path.realpath(h.common) not in commons]
-    for i, p in enumerate(record.parts):
+    renewed: dict[int, Part] = {}
+    for i, p in enumerate(record.parts):  # every walk first: one over its bounds changes nothing
         if not p.unwritten:
             continue
         tree = runnables.take(p.root, tuple(p.names), excluded=p.excluded,
@@ -125,10 +123,14 @@ def renew(record: Record, keep_dir: str) -> None:
         if not tree.complete:
             raise WorktreeError(f"{p.root}: {tree.why}, more than dispatchd checks for repositories and files "
                                 "your tools run; no session opened", p.root)
-        record.parts[i] = msgspec.structs.replace(p, git=snapshots.take(p.root, p.layout, p.home, keep=True),
-                                                  tree=tree, redirects=redirects_present(p.layout, p.root),
-                                                  unwritten=False)
-        add_history(record, record.parts[i], keep_dir)
+        renewed[i] = msgspec.structs.replace(p, git=snapshots.take(p.root, p.layout, p.home, keep=True),
+                                             tree=tree, redirects=redirects_present(p.layout, p.root),
+                                             unwritten=False)
+    commons = {os.path.realpath(p.common) for p in renewed.values() if p.common}
+    record.histories = [h for h in record.histories if os.path.realpath(h.common) not in commons]
+    for i, part in renewed.items():
+        record.parts[i] = part
+        add_history(record, part, keep_dir)
 
 
 def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None) -> list[str]:
