@@ -213,7 +213,8 @@ class Opening(Pooling):
             joining = _Once(claims.then(record, functools.partial(
                 self.baselines.join, sid, session.worktree, session.git, session.git_before,
                 session.redirects_before, tuple(policy.protect.paths), defer=True,
-                writable=policy.filesystem.worktree == "read-write" or bool(policy.filesystem.read_write))),
+                writable=policy.filesystem.worktree == "read-write" or bool(policy.filesystem.read_write),
+                reach=_reach(session, policy))),
                 then=functools.partial(self.baselines.durable, sid))
             # Run by now, to its end, whenever the sandbox is ready (and when
             # not, it has either not begun or ended: nothing of it is left
@@ -487,3 +488,11 @@ class _Once:
             threads.Thread(target=self._then, daemon=True, name="durable").start()
         except RuntimeError:  # no thread to be had: the grant makes it durable when asked
             pass
+
+
+def _reach(session: Session, policy: Policy) -> tuple[str, ...]:
+    """What the session's commands can write of the host's files (the
+    worktree, git's writable directories, the policy's ``read_write``):
+    ``Baselines.join``'s ``reach``."""
+    rw = policy.filesystem.worktree == "read-write"
+    return ((session.worktree, *session.git.writable) if rw else ()) + tuple(policy.filesystem.read_write)

@@ -470,6 +470,44 @@ def test_a_submodule_git_directory_rebuilt_with_a_symlinked_head_runs_nothing(mo
     assert not marker.exists(), (s.protected, t.protected if t else None)
 
 
+@pytest.mark.parametrize("link", ["modules/sub", "modules"])
+def test_a_submodule_git_directory_behind_a_symlink_is_moved_aside_at_once(mode_daemon: tuple[str, Daemon],
+                                                                           tmp_path: Path, link: str) -> None:
+    """A session on a linked worktree copies its submodule's git directory
+    aside with `core.fsmonitor` in the copy's config, and puts a symlink at
+    `.git/worktrees/N/modules/sub` (or at `modules`) to a directory whose
+    `commondir` leads there; a session on the main worktree runs on. The
+    linked session's own end moves the symlink aside (before: only the
+    domain's last end's sweep did, and the user's `git status` in the linked
+    worktree ran the command meanwhile). The control: the plant by hand runs."""
+    mode, daemon = mode_daemon
+    marker = tmp_path / "PWNED"
+    entry = "{m}/../.."
+    plant = ("cd {e} && cp -a modules/sub xe && printf '[core]\\n\\tfsmonitor = \"touch {marker}; false\"\\n' >> xe/config"
+             " && mkdir -p xl/sub && cp modules/sub/HEAD modules/sub/index xl/sub/ 2>/dev/null; "
+             "echo ../../xe > xl/sub/commondir && " +
+             ("mv modules/sub sub.orig && ln -s ../xl/sub modules/sub" if link == "modules/sub" else
+              "mv modules modules.orig && ln -s xl modules") + " && echo PLANTED")
+    main, linked, moddir = _linked_with_submodule(tmp_path / "control")
+    subprocess.run(["bash", "-c", plant.format(e=entry.format(m=moddir), marker=marker)], check=True,
+                   capture_output=True)
+    git(linked / "sub", "status", check=False)
+    assert marker.exists()  # the control
+    marker.unlink()
+    main, linked, moddir = _linked_with_submodule(tmp_path / "attack")
+    with daemon.connect() as c:
+        m = c.open_session(str(main))
+        s = c.open_session(str(linked))
+        r = shell(s, plant.format(e=entry.format(m=moddir), marker=marker))
+        assert r.is_success and "PLANTED" in r.output, (r.output, r.error)
+        s.close()
+        git(linked / "sub", "status", check=False)  # while the main worktree's session still runs
+        assert not marker.exists(), s.protected
+        m.close()
+    git(linked / "sub", "status", check=False)
+    assert not marker.exists()
+
+
 def test_a_linked_worktrees_git_file_made_a_repository_runs_nothing(mode_daemon: tuple[str, Daemon],
                                                                     tmp_path: Path) -> None:
     """A session on a linked worktree replaces its `.git` file with a

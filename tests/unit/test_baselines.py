@@ -357,7 +357,8 @@ def _join(store: baselines.Baselines, sid: str, root: Path, *, defer: bool = Fal
     layout = layouts.inspect_git(str(root), uid=os.getuid())
     snap = snapshots.take(str(root), layout, keep=keep)
     store.join(sid, str(root), layout, snap, redirects.redirects_present(layout, str(root)),
-               ("vscode-like",), defer=defer, writable=writable)
+               ("vscode-like",), defer=defer, writable=writable,
+               reach=(str(root), *layout.writable) if writable else ())  # as the daemon's open gives it
 
 
 def test_the_record_is_on_disk_while_a_session_lives_and_gone_after(tmp_path: Path) -> None:
@@ -854,3 +855,30 @@ def test_a_read_only_domain_merged_into_a_writable_one_is_renewed(tmp_path: Path
     found = store.leave("top") + store.leave("wb") + store.leave("ra")
     assert git(a, "remote", "get-url", "origin") == "https://example.invalid/a.git\n"
     assert [Path(p.path).relative_to(top).as_posix().split(".quarantined")[0] for p in found] == ["b/d0/vscode-like"]
+
+
+def test_a_part_joined_after_a_linked_worktrees_session_keeps_the_users_config_and_hooks(tmp_path: Path) -> None:
+    """A session on a linked worktree opens first; one on the main worktree
+    then deletes the user's hook and rewrites `.git/config`. A linked
+    worktree's session can write neither (its reach: its worktree, its own
+    git directory, objects, refs, logs), so the main worktree's part, joined
+    while it ran, keeps their bytes, and the end puts both back. What the
+    linked session could write (`.git/worktrees/N/...`) it keeps none of."""
+    main = make_repo(tmp_path / "m")
+    git(main, "remote", "add", "origin", "https://example.invalid/m.git")
+    hook = main / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\nexec ./check\n")
+    hook.chmod(0o755)
+    linked = tmp_path / "l"
+    git(main, "worktree", "add", "-q", str(linked), "-b", "l")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "L", linked, keep=True)
+    _join(store, "M", main, keep=True)
+    kept = {k.rel for k in store._by_session["M"].record.parts[1].git.kept}
+    assert {".git/config", ".git/hooks/pre-commit"} <= kept and not any("worktrees" in k for k in kept), kept
+    hook.unlink()
+    (main / ".git" / "config").write_text('[core]\n\tfsmonitor = "touch PWNED"\n')
+    store.leave("M")
+    store.leave("L")
+    assert git(main, "remote", "get-url", "origin") == "https://example.invalid/m.git\n"
+    assert hook.read_text() == "#!/bin/sh\nexec ./check\n" and hook.stat().st_mode & 0o777 == 0o755

@@ -153,7 +153,10 @@ def test_a_gitfile_that_now_leads_outside_through_a_symlink_is_moved_aside(super
     modules.rename(tmp_path / "outside")
     modules.symlink_to(tmp_path / "outside")
     moved, failed = _quarantine(superproject, before)
-    assert failed == [] and [Path(m).parent for m in moved] == [superproject / "sub"], moved
+    # The gitfile, and the symlinked modules (a git directory of the baseline
+    # now behind a symlink: git follows it), moved aside, not through.
+    assert failed == [] and sorted(Path(m).name.split(".quarantined")[0] for m in moved) == [".git", "modules"], moved
+    assert (superproject / ".git").is_dir() and not (superproject / ".git" / "modules").exists()
     assert sorted(p.name for p in (tmp_path / "outside").iterdir()) == ["sub"]  # nothing outside touched
 
 

@@ -57,7 +57,8 @@ import msgspec
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, reftemp, runnables, snapshots
-from dispatchd.daemon.gitguard.parts import Part, Protected, Record, add_history, check_part, common_of, renew
+from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
+                                             keep_outside, renew)
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
@@ -247,7 +248,8 @@ class Baselines:
     # --- open --------------------------------------------------------------
 
     def join(self, sid: str, root: str, layout: GitLayout, snapshot: snapshots.GitSnapshot,
-             redirects: list[str], names: tuple[str, ...], *, defer: bool = False, writable: bool = True) -> None:
+             redirects: list[str], names: tuple[str, ...], *, defer: bool = False, writable: bool = True,
+             reach: tuple[str, ...] = ()) -> None:
         """Make ``sid`` a session of the domain of ``root`` (see the module);
         raises WorktreeError when the worktree cannot be recorded (a walk
         over its bounds). Call before the session's sandbox starts. Waits
@@ -255,7 +257,8 @@ class Baselines:
         domain's record is made durable by ``durable(sid)`` (a join into a
         domain that has one rewrites it durably: a rename not yet synced
         must never stand over a record other sessions rely on). ``writable``:
-        False when the kernel holds the session's worktree read-only (``Record.writable``)."""
+        False when the kernel holds the session's worktree read-only (``Record.writable``); ``reach``:
+        what it can write (``Record.reach``)."""
         common = common_of(root, layout)
         domain = self._enter(root, common)
         try:
@@ -269,8 +272,8 @@ class Baselines:
                 if not tree.complete:
                     raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and "
                                         "files your tools run; no session opened", root)
-                if record.sessions:  # sessions of the domain run: their bytes are no one's to put back
-                    snapshot = msgspec.structs.replace(snapshot, kept=[])
+                if record.sessions:  # sessions of the domain run: what they could write is no one's to put back
+                    snapshot = keep_outside(snapshot, root, record.reach)
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
                             names=list(names), excluded=excluded, home=self.home, resolved_common=common,
                             unwritten=not (record.writable or writable))
@@ -280,6 +283,8 @@ class Baselines:
                 renew(record, self.keep_dir)  # no session of those parts could write: what is there is the user's
             record.sessions.append(sid)
             record.writable = record.writable or writable
+            if record.reach is not None:
+                record.reach = sorted(set(record.reach) | set(reach))
             try:
                 self._write(domain, defer=defer and len(record.sessions) == 1 and len(record.parts) == 1
                             and domain.pending is None)
@@ -313,7 +318,7 @@ class Baselines:
                 related = self._related(root, common)
                 if not related:
                     did = secrets.token_hex(8)
-                    domain = _Domain(Record(id=did, created=time.time(), writable=False),
+                    domain = _Domain(Record(id=did, created=time.time(), writable=False, reach=[]),
                                      self._take_lock(did, blocking=True) or -1, wrote=False)
                     domain.lock.acquire()  # new: nobody else holds it
                     domain.claims.append((root, common))
@@ -353,6 +358,8 @@ class Baselines:
         into.reports += other.reports
         into.wrote |= other.wrote
         into.record.writable = into.record.writable or other.record.writable
+        if into.record.reach is not None:
+            into.record.reach = None if other.record.reach is None else sorted({*into.record.reach, *other.record.reach})
         for sid in other.record.sessions:
             self._by_session[sid] = into
         self._settle(other)  # its record stays until ``into``'s, durable, holds its parts

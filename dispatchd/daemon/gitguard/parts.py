@@ -20,6 +20,7 @@ from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import configs, history, indexreview, keptfiles, packlinks, refsback, runnables, snapshots
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects, redirects_present
 from dispatchd.errors import WorktreeError
+from dispatchd.inside import is_within
 
 log = logging.getLogger("dispatchd.baselines")
 
@@ -76,6 +77,12 @@ class Record(msgspec.Struct):
     sessions: list[str] = []
     parts: list[Part] = []
     histories: list[history.History] = []
+    # What the domain's sessions could write, all that joined since its
+    # baseline (their worktrees, ``read_write`` paths, git's writable
+    # directories): a part joined while they ran keeps the bytes of the
+    # user's files outside it only (``keep_outside``). None: not known (an
+    # older daemon's record): it keeps none.
+    reach: list[str] | None = None
     # False while every session that joined had its worktree held read-only
     # by the kernel (a read-only policy, no ``read_write`` path): nothing of
     # theirs can have changed it, so the ends check nothing, and what changed
@@ -131,6 +138,18 @@ def renew(record: Record, keep_dir: str) -> None:
     for i, part in renewed.items():
         record.parts[i] = part
         add_history(record, part, keep_dir)
+
+
+def keep_outside(snapshot: snapshots.GitSnapshot, root: str, reach: list[str] | None) -> snapshots.GitSnapshot:
+    """``snapshot`` of a part joined while sessions of its domain run, its
+    kept bytes only of files none of them could write (``Record.reach``): a
+    session on a linked worktree cannot write the repository's config or
+    hooks, so a session on the main worktree opened after it still has the
+    user's to put back."""
+    if reach is None:
+        return msgspec.structs.replace(snapshot, kept=[])
+    kept = [k for k in snapshot.kept if not any(is_within(os.path.join(k.base or root, k.rel), r) for r in reach)]
+    return msgspec.structs.replace(snapshot, kept=kept)
 
 
 def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None) -> list[str]:

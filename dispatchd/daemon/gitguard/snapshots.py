@@ -237,6 +237,24 @@ def skipped(path: str, skip: set[str]) -> bool:
     return path in skip
 
 
+def _replaced(top: str, rel: str) -> str | None:
+    """The first component of ``rel`` below ``top`` that is there but is no
+    real directory (a symlink, a file), or ``rel`` itself when every one is
+    a directory; None when it is gone (``rel``-relative, ``/``-separated)."""
+    path, done = top, []
+    for part in rel.split("/"):
+        path = os.path.join(path, part)
+        done.append(part)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return "/".join(done)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return "/".join(done)  # what cannot be looked at goes aside
+    return rel
+
+
 def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
                skip: set[str] | None = None) -> tuple[list[str], list[str]]:
     """Move aside what ``changes`` lists; returns the new names (absolute) and
@@ -248,6 +266,11 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
     baseline may hold what a session of the earlier wrote before it joined."""
     failed: list[str] = []
     todo = changes(before, now)
+    # A git directory of the baseline the walk no longer finds, but not gone:
+    # one of its directories made a symlink (git follows it to a directory of
+    # the session's), or it lost its HEAD. Until the last end's sweep of
+    # symlinks it ran for the user's git while another session lived.
+    todo += [r for r in (_replaced(worktree, rel) for rel in before.gitdirs if rel not in now.gitdirs) if r]
     if skip:
         todo = [r for r in todo if not skipped(os.path.join(worktree, r), skip)]
     if not now.complete:
@@ -258,8 +281,17 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
                       ".git/modules and .git/index moved aside")
         if ".git" in now.by_file:
             todo = [".git/index", ".git/modules"] + [r for r in todo if not is_within(r, ".git/modules")]
-    moved, bad = fs.move_all_below_aside(worktree, todo)
+    moved, bad = fs.move_all_below_aside(worktree, outermost(todo))
     failed += bad
+    for root in before.external_roots:
+        base = root[:root.find("/modules/")] if "/modules/" in root else ""
+        found = _replaced(base, root[len(base) + 1:]) if base and root not in now.external_roots else None
+        path = os.path.join(base, found) if found is not None else ""
+        if path and os.path.lexists(path) and not (skip and skipped(path, skip)):
+            try:
+                moved.append(fs.move_aside(path))
+            except OSError as exc:
+                failed.append(f"{path}: {exc.strerror}")
     gone = {path: "unrecognised" for path in before.external if path not in now.external and os.path.lexists(path)}
     for path, digest in {**now.external, **gone}.items():
         old = before.external.get(path)
