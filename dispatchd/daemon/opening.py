@@ -495,4 +495,6 @@ def _reach(session: Session, policy: Policy) -> tuple[str, ...]:
     worktree, git's writable directories, the policy's ``read_write``):
     ``Baselines.join``'s ``reach``."""
     rw = policy.filesystem.worktree == "read-write"
-    return ((session.worktree, *session.git.writable) if rw else ()) + tuple(policy.filesystem.read_write)
+    paths = ((session.worktree, *session.git.writable) if rw else ()) + tuple(policy.filesystem.read_write)
+    # Landlock and the binds follow a symlink to what it names: both count.
+    return tuple(sorted({*paths, *(os.path.realpath(p) for p in paths)}))

@@ -508,6 +508,40 @@ def test_a_submodule_git_directory_behind_a_symlink_is_moved_aside_at_once(mode_
     assert not marker.exists()
 
 
+def test_a_symlinked_logs_grants_no_later_linked_session_the_repository(mode_daemon: tuple[str, Daemon],
+                                                                         tmp_path: Path) -> None:
+    """A session on the main worktree makes `.git/logs` a symlink to `.git`
+    itself. A linked worktree's session is granted `logs` writable (its
+    reflogs): the grant had followed the symlink, and a later session on the
+    linked worktree wrote the repository's config (`core.fsmonitor`), which
+    the user's `git status` ran. The end moves the symlink aside, and a
+    linked worktree's open refuses one (its git directory not granted). The
+    twin: with `logs` a directory, the linked session cannot write the config
+    (EROFS in full mode, EACCES in degraded)."""
+    mode, daemon = mode_daemon
+    marker = tmp_path / "PWNED"
+    main, linked, _ = _linked_with_submodule(tmp_path / "repo")
+    write_config = (f"printf '[core]\\n\\tfsmonitor = \"touch {marker}; false\"\\n' >> {main}/.git/config "
+                    "&& echo WROTE")
+    with daemon.connect() as c:
+        with c.open_session(str(linked)) as s:  # the twin: logs a directory
+            r = shell(s, write_config)
+            assert not r.is_success and ("Read-only file system" if mode == "full" else "Permission denied") in \
+                str(r.error), r
+        with c.open_session(str(main)) as a:
+            assert shell(a, "rm -rf .git/logs && ln -s . .git/logs && echo LINKED").output == "LINKED\n"
+        assert any(p["path"] == f"{main}/.git/logs" and "not a directory" in p["why"] for p in a.protected), \
+            a.protected
+        os.symlink(".", main / ".git" / "logs.tmp")  # the same by anyone: the open refuses it
+        os.replace(main / ".git" / "logs.tmp", main / ".git" / "logs")
+        with c.open_session(str(linked)) as s:
+            r = shell(s, write_config)
+            assert not r.is_success, r
+            assert "is not a directory (a symlink?); not granted" in s.status()["protections"]["git"]["note"]
+    git(main, "status", check=False)
+    assert not marker.exists()
+
+
 def test_a_linked_worktrees_git_file_made_a_repository_runs_nothing(mode_daemon: tuple[str, Daemon],
                                                                     tmp_path: Path) -> None:
     """A session on a linked worktree replaces its `.git` file with a

@@ -182,7 +182,15 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
             return GitLayout("refused", read_only=[dotgit], note=f"{common} belongs to another user; not granted")
     except OSError:
         return GitLayout("refused", read_only=[dotgit], note=f"{common} cannot be inspected")
-    writable = [gitdir] + [os.path.join(common, d) for d in ("objects", "refs", "logs") if os.path.isdir(os.path.join(common, d))]
+    logs = os.path.join(common, "logs")
+    if os.path.lexists(logs) and not is_dir(logs):
+        # A symlink there (a session's on the main worktree: ``ln -s .
+        # .git/logs``) had the grant follow it: the whole common directory,
+        # its config and hooks, or any directory of the user's, writable.
+        return GitLayout("refused", read_only=[dotgit],
+                         note=f"{logs} is not a directory (a symlink?); not granted")
+    # lstat (``is_dir``), never followed: what is granted is the directory itself.
+    writable = [gitdir] + [os.path.join(common, d) for d in ("objects", "refs", "logs") if is_dir(os.path.join(common, d))]
     read_only = _existing([dotgit] + [os.path.join(gitdir, n) for n in ("commondir", "gitdir", "config.worktree")])
     # This worktree's own submodules' git directories (``git submodule update`` run here keeps them in
     # ``N/modules``): their configuration and hooks held as the main worktree's ``.git/modules`` are.

@@ -5,7 +5,7 @@ that one that fails (reported) never keeps the next from running.
 ``clear``, first:
 - a directory the restore reads or writes in that is not one (``objects``,
   ``objects/info``, ``objects/info/commit-graphs``, ``objects/pack``, ``refs``, ``refs/heads``,
-  ``refs/tags``; a fan-out directory ``objects/ab`` in ``after``, among the
+  ``refs/tags``, ``logs``, which a linked worktree's session is granted; a fan-out directory ``objects/ab`` in ``after``, among the
   changed ones) is moved aside, and a directory takes its place when
   needed: a symlinked fan-out or pack directory showed every kept name
   present (nothing put back) while git read the session's files through it;
@@ -29,7 +29,10 @@ from collections.abc import Callable
 
 from dispatchd.daemon.gitguard import fs, hangs, replacerefs, viewfiles
 
-_DIRS = ("objects", "objects/info", "objects/info/commit-graphs", "objects/pack", "refs", "refs/heads", "refs/tags")
+# ``logs`` too: a linked worktree's session is granted it writable, and a
+# symlink there led the grant to the whole common directory.
+_DIRS = ("objects", "objects/info", "objects/info/commit-graphs", "objects/pack", "refs", "refs/heads", "refs/tags",
+         "logs")
 
 Step = tuple[list[tuple[str, str]], list[str]]
 
