@@ -497,4 +497,8 @@ def _reach(session: Session, policy: Policy) -> tuple[str, ...]:
     rw = policy.filesystem.worktree == "read-write"
     paths = ((session.worktree, *session.git.writable) if rw else ()) + tuple(policy.filesystem.read_write)
     # Landlock and the binds follow a symlink to what it names: both count.
-    return tuple(sorted({*paths, *(os.path.realpath(p) for p in paths)}))
+    # One that cannot be resolved (swapped while looked at) counts as all.
+    try:
+        return tuple(sorted({*paths, *(os.path.realpath(p) for p in paths)}))
+    except OSError:
+        return ("/",)
