@@ -542,6 +542,46 @@ def test_a_symlinked_logs_grants_no_later_linked_session_the_repository(mode_dae
     assert not marker.exists()
 
 
+def test_a_hard_link_of_the_repositorys_config_grants_no_linked_session_a_write(mode_daemon: tuple[str, Daemon],
+                                                                                 tmp_path: Path) -> None:
+    """A session on the main worktree hard-links `.git/config` into
+    `.git/logs` (degraded mode; full mode: EXDEV, the config a mount of its
+    own): the content unchanged, nothing differed at its end, and a later
+    linked worktree's session, granted `logs` writable, wrote the config
+    through the link (`core.fsmonitor`, run by the user's `git status`).
+    Now the end makes the config a file of its own, and a linked open
+    refuses a common directory whose config has another link (one made by
+    hand here). The twin: the linked session's write through the left-over
+    name changes only that file."""
+    mode, daemon = mode_daemon
+    marker = tmp_path / "PWNED"
+    main, linked, _ = _linked_with_submodule(tmp_path / "repo")
+    config = main / ".git" / "config"
+    before = config.read_bytes()
+    plant = (f"printf '[core]\\n\\tfsmonitor = \"touch {marker}; false\"\\n' >> {main}/.git/logs/cfg "
+             "&& echo WROTE")
+    with daemon.connect() as c:
+        with c.open_session(str(main)) as a:
+            r = shell(a, "ln .git/config .git/logs/cfg && echo LINKED")
+            assert r.is_success == (mode == "degraded"), (r.output, r.error)
+            if mode == "full":
+                assert "Invalid cross-device link" in str(r.error), r
+        if mode == "degraded":
+            assert any(p["path"] == str(config) and "other hard link" in p["why"] for p in a.protected), a.protected
+            assert config.stat().st_nlink == 1
+            with c.open_session(str(linked)) as s:  # the twin: the left-over name is a file of its own now
+                assert shell(s, plant).output == "WROTE\n"
+        assert config.read_bytes() == before
+        (main / ".git" / "logs" / "cfg").unlink(missing_ok=True)
+        os.link(config, main / ".git" / "logs" / "cfg")  # the same by anyone: the open refuses it
+        with c.open_session(str(linked)) as s:
+            assert "has another hard link" in s.status()["protections"]["git"]["note"]
+            assert not shell(s, plant).is_success
+    (main / ".git" / "logs" / "cfg").unlink()
+    git(main, "status", check=False)
+    assert not marker.exists() and config.read_bytes() == before
+
+
 def test_a_linked_worktrees_git_file_made_a_repository_runs_nothing(mode_daemon: tuple[str, Daemon],
                                                                     tmp_path: Path) -> None:
     """A session on a linked worktree replaces its `.git` file with a

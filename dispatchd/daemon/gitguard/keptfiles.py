@@ -231,3 +231,50 @@ def _subdir(fd: int, name: str) -> int:
 def _same(fd: int, leaf: str, data: bytes) -> bool:
     got = fs.read_regular(leaf, fd, limit=len(data) + 1)
     return got is not None and got[0] == data
+
+
+def detach(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str]) -> list[tuple[str, str]]:
+    """Each of the repository's own files git runs or reads for
+    configuration (``_wanted``, in ``by_file``'s git directories) that has
+    another hard link made a file of its own, the same bytes and mode: a
+    session linked ``.git/config`` into ``logs`` (its content unchanged,
+    so nothing differed), and a later session of a linked worktree, granted
+    ``logs`` writable, wrote the config through it. Returns what was made
+    so, with why."""
+    done: list[tuple[str, str]] = []
+    for rel in by_file:
+        for name in gitdirs.get(rel, {}):
+            if not _wanted(name):
+                continue
+            path = os.path.join(worktree, rel, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2 or st.st_size > MAX_FILE:
+                continue
+            got = _read(worktree, f"{rel}/{name}")
+            if got is None:
+                continue
+            parent, _, leaf = f"{rel}/{name}".rpartition("/")
+            try:
+                top = os.open(worktree, _DIR)
+            except OSError:
+                continue
+            try:
+                fd = fs.path_below(top, parent)
+            except OSError:
+                fd = None
+            finally:
+                os.close(top)
+            if fd is None:
+                continue
+            try:
+                reftemp.write_at(fd, leaf, got[1], got[0])
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            done.append((path, f"had {st.st_nlink - 1} other hard link(s), a way to write it from where a "
+                               "session could; made a file of its own (the other names keep the old one)"))
+    return done

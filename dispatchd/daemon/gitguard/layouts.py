@@ -65,6 +65,7 @@ import stat
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
+from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES
 from dispatchd.daemon.gitguard.fs import index_gitlinks, is_dir, is_file, open_dir_below, read_small, scanned
 from dispatchd.daemon.gitguard.packlinks import is_pack_file
 from dispatchd.daemon.gitguard.redirects import REDIRECTS
@@ -182,6 +183,13 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
             return GitLayout("refused", read_only=[dotgit], note=f"{common} belongs to another user; not granted")
     except OSError:
         return GitLayout("refused", read_only=[dotgit], note=f"{common} cannot be inspected")
+    linked_to = _hard_linked(common)
+    if linked_to:
+        # Landlock and the binds hold names: another name of the same file
+        # below the objects, refs or logs granted writable is a write to it.
+        return GitLayout("refused", read_only=[dotgit],
+                         note=f"{linked_to} has another hard link (a name elsewhere for the same file, which a "
+                              "write through would change); not granted")
     logs = os.path.join(common, "logs")
     if os.path.lexists(logs) and not is_dir(logs):
         # A symlink there (a session's on the main worktree: ``ln -s .
@@ -198,6 +206,25 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
     packs, over = held_packs(common)
     return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only + packs, readable=[common],
                      writable=writable, gitdirs=[gitdir], note=_over_note(over))
+
+
+def _hard_linked(gitdir: str) -> str:
+    """The first of the git directory's files git runs or reads for
+    configuration (``digests.CONFIG_FILES``, ``REVIEW_FILES``, the hooks)
+    that has another hard link, or ""."""
+    names = [*CONFIG_FILES, *REVIEW_FILES]
+    try:
+        names += [f"hooks/{n}" for n in os.listdir(os.path.join(gitdir, "hooks")) if not n.endswith(".sample")]
+    except OSError:
+        pass
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(gitdir, name))
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            return os.path.join(gitdir, name)
+    return ""
 
 
 def _protect(worktree: str, gitdir: str) -> list[str]:

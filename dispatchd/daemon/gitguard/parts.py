@@ -176,6 +176,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
                                    time=now_t))
         put, bad = keptfiles.put_back(part.root, part.git.kept, now.gitdirs, now.external,
                                       lambda path: snapshots.skipped(path, skip))
+        put += keptfiles.detach(part.root, now.gitdirs, now.by_file)
         if covered is not None:
             covered |= snapshots.covered(part.root, part.git, now)
         failed += bad
