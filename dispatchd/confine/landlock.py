@@ -324,6 +324,33 @@ def _add_path_rules(ruleset: int, rules: list[PathRule], held: dict[str, int]) -
     return skipped
 
 
+def open_exact(paths: list[str]) -> dict[str, int]:
+    """Each of ``paths`` (absolute, resolved by the daemon) that exists,
+    opened with no symlink anywhere on the way (``openat2``
+    RESOLVE_NO_SYMLINKS from ``/``), for ``apply_landlock``'s ``held``: a
+    rule opened by name followed a symlink a session on another worktree
+    swapped in after the daemon's look (a linked worktree's ``logs`` made a
+    link to the user's home: that directory was granted writable). One that
+    is a symlink now, or lies behind one, refuses the session (fail closed)."""
+    held: dict[str, int] = {}
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for path in paths:
+            try:
+                held[path] = _sys.open_beneath(root, path.lstrip("/"), os.O_PATH | os.O_DIRECTORY)
+            except FileNotFoundError:
+                continue  # absent: its rule is skipped, as one opened by name would be
+            except OSError as exc:
+                for fd in held.values():
+                    os.close(fd)
+                raise ConfinementError("landlock: git directory", exc.errno,
+                                       f"{path} (a symlink now, or behind one, where the daemon found a "
+                                       "directory)") from exc
+    finally:
+        os.close(root)
+    return held
+
+
 def scope_signals_below() -> None:
     """A nested Landlock domain that restricts nothing but signals: processes
     started from here on cannot signal the ones above (the session init),

@@ -188,8 +188,16 @@ def confine_session(plan: SessionPlan, program: bytes, keep: list[int], clock: _
     clock("privileges")
     # After mounts: rules bind to the inodes of the new root; the worktree's from the checked fd.
     ruleset_kept: list[int] | None = [] if namespaces_kept else None
-    skipped = landlock.apply_landlock(plan.landlock, {plan.paths.worktree: worktree_fd}, begun=held.ruleset,
-                                      kept=ruleset_kept)
+    # Without a mount namespace git's directories are granted where they are:
+    # each opened with no symlink on the way, so that what is bound is what
+    # the daemon looked at (in full mode the binds are, and refuse a swap).
+    exact = landlock.open_exact(list(plan.paths.git.writable)) if not plan.namespaces.mount else {}
+    try:
+        skipped = landlock.apply_landlock(plan.landlock, {**exact, plan.paths.worktree: worktree_fd},
+                                          begun=held.ruleset, kept=ruleset_kept)
+    finally:
+        for fd in exact.values():
+            os.close(fd)
     os.close(worktree_fd)  # granted and bound: nothing in the session may hold it
     if kit is not None and ruleset_kept:
         # Sent to the daemon with WorkerReady, closed here then.
