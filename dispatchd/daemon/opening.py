@@ -214,7 +214,8 @@ class Opening(Pooling):
                 self.baselines.join, sid, session.worktree, session.git, session.git_before,
                 session.redirects_before, tuple(policy.protect.paths), defer=True,
                 writable=policy.filesystem.worktree == "read-write" or bool(policy.filesystem.read_write),
-                reach=_reach(session, policy))),
+                reach=gitguard.session_reach(session.worktree, session.git.writable, policy.filesystem.read_write,
+                                             policy.filesystem.worktree == "read-write"))),
                 then=functools.partial(self.baselines.durable, sid))
             # Run by now, to its end, whenever the sandbox is ready (and when
             # not, it has either not begun or ended: nothing of it is left
@@ -489,16 +490,3 @@ class _Once:
         except RuntimeError:  # no thread to be had: the grant makes it durable when asked
             pass
 
-
-def _reach(session: Session, policy: Policy) -> tuple[str, ...]:
-    """What the session's commands can write of the host's files (the
-    worktree, git's writable directories, the policy's ``read_write``):
-    ``Baselines.join``'s ``reach``."""
-    rw = policy.filesystem.worktree == "read-write"
-    paths = ((session.worktree, *session.git.writable) if rw else ()) + tuple(policy.filesystem.read_write)
-    # Landlock and the binds follow a symlink to what it names: both count.
-    # One that cannot be resolved (swapped while looked at) counts as all.
-    try:
-        return tuple(sorted({*paths, *(os.path.realpath(p) for p in paths)}))
-    except OSError:
-        return ("/",)

@@ -140,6 +140,20 @@ def renew(record: Record, keep_dir: str) -> None:
         add_history(record, part, keep_dir)
 
 
+def session_reach(worktree: str, git_writable: list[str], read_write: tuple[str, ...],
+                  worktree_rw: bool) -> tuple[str, ...]:
+    """What a session's commands can write of the host's files (its
+    worktree and git's writable directories when the worktree is writable,
+    the policy's ``read_write``): ``Baselines.join``'s ``reach``. Landlock
+    and the binds follow a symlink to what it names: both count; one that
+    cannot be resolved (swapped while looked at) counts as everything."""
+    paths = ((worktree, *git_writable) if worktree_rw else ()) + tuple(read_write)
+    try:
+        return tuple(sorted({*paths, *(os.path.realpath(p) for p in paths)}))
+    except OSError:
+        return ("/",)
+
+
 def keep_outside(snapshot: snapshots.GitSnapshot, root: str, reach: list[str] | None) -> snapshots.GitSnapshot:
     """``snapshot`` of a part joined while sessions of its domain run, its
     kept bytes only of files none of them could write (``Record.reach``): a
