@@ -8,9 +8,9 @@ user's remotes, identity and every local setting aside with it, until they
 renamed the file back; a hook a session rewrote or deleted was simply gone,
 and the user's next commit ran no check of theirs.
 
-- ``read``, at the baseline of a domain's first part (taken when no session
-  of the domain runs: a part joined later may hold what a running session
-  wrote, and its bytes would be the session's), keeps the bytes and mode of each regular file
+- ``read``, at a part's baseline (of a part joined while sessions of its
+  domain run, only the files none of them could write are kept:
+  ``parts.keep_outside``), keeps the bytes and mode of each regular file
   git reads for configuration or commands in the repository's own git
   directories (``.git`` and ``.git/worktrees/N``, or a linked worktree's
   own git directory): ``digests.CONFIG_FILES``, ``REVIEW_FILES`` and every
