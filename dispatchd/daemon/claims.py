@@ -48,6 +48,7 @@ import msgspec
 
 from dispatchd import flocks
 from dispatchd.daemon import checkpoints
+from dispatchd.daemon import gitguard
 from dispatchd.daemon.gitguard import Baselines, Protected
 from dispatchd.daemon.gitguard.parts import Record
 from dispatchd.daemon.gitguard.parts import common_of
@@ -84,7 +85,7 @@ def claim(in_use: InUse | None, baselines: Baselines, session: Session, state_di
         _record(in_use, session.id, root, common, dead_ok=True)
         log.warning("event=dead_daemon_sessions_found session=%s entries=%s", session.id, ",".join(dead))
         said += [Protected(path=path, why=why, time=time.time())
-                 for path, why in checkpoints.finish_restores(state_dir, in_use)]
+                 for path, why in checkpoints.finish_restores(state_dir, in_use, gitguard.unheld_roots(state_dir))]
         def related(roots: list[str], commons: list[str]) -> bool:  # a record's parts: each root with each common
             return any(worktrees_relate(root, common, r, c) for r in roots for c in commons or [""])
         # An entry that cannot be read may stand for any worktree: every record checked then.

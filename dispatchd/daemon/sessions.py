@@ -135,7 +135,8 @@ class SessionManager(Switching):
         # the checkpoint had it before its baseline is re-checked (daemon/checkpoints/journal.py).
         # What became of each is shown by status, beside what the baselines' checks did.
         self.restores_at_start = [gitguard.Protected(path=path, why=why, time=time.time())
-                                  for path, why in checkpoints.finish_restores(state_dir, self.in_use)]
+                                  for path, why in checkpoints.finish_restores(state_dir, self.in_use,
+                                                                               gitguard.unheld_roots(state_dir))]
         # One trusted baseline per worktree, on disk (gitguard/baselines.py); the
         # checks a daemon that died left are finished before anything opens.
         self.baselines = gitguard.Baselines(state_dir, self.home)

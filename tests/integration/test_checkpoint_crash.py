@@ -301,3 +301,43 @@ def test_a_failed_restore_leaves_its_record_to_its_daemon_and_restore_again_comp
             assert d.stop() == 0, d.log()
         return
     raise AssertionError(f"no swap landed part-way in {ATTEMPTS} attempts (last tree: {n // 2} files)")
+
+
+def test_a_restore_whose_baseline_was_checked_before_is_not_finished_unchecked(tmp_path: Path) -> None:
+    """A restore cut short whose worktree's baseline an earlier start already
+    checked and dropped (the finish was blocked then, the blocker gone
+    since): finishing it now would write the checkpoint's files (a session's
+    planted config, hooks, `.envrc`) with no check after. It is kept, not
+    finished, and said. The twin: with the dead daemon's baseline on disk,
+    the same record is finished (the tests above)."""
+    _refuse_root()
+    wt = _worktree(tmp_path, 30)
+    d = _daemon(tmp_path / "d")
+    with d.connect() as client:
+        s = client.open_session(str(wt))
+        cid = s.checkpoint()
+        _change(wt, 30)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        s.detach()
+    d.stop()
+    st = os.stat(wt)
+    top = _checkpoints(d) / s.id
+    (top / journal.RECORD).write_bytes(journal.encode(journal.Record(
+        session=s.id, checkpoint=cid, worktree=str(wt), dev=st.st_dev, ino=st.st_ino, started_ns=time.time_ns(),
+        max_files=200_000, max_depth=256)))
+    baselines = d.state / "dispatchd" / "baselines"
+    assert list(baselines.glob("*.json"))  # the dead daemon's record: the twin's case
+    for record in baselines.glob("*.json"):  # what an earlier start's check did
+        record.unlink()
+    changed = snapshot(wt)
+    again = Daemon(d.base, "--cgroup", "off")
+    try:
+        with again.connect() as client:
+            said = [why for path, why in ((p["path"], p["why"]) for p in client.status()["protected"])
+                    if path == str(wt)]
+        assert snapshot(wt) == changed
+        assert len(said) == 1 and "no baseline of it is left to check what the restore would write" in said[0], said
+        assert (top / journal.RECORD).exists()
+    finally:
+        assert again.stop() == 0, again.log()

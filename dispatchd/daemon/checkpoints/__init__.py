@@ -69,19 +69,27 @@ from dispatchd.daemon.checkpoints.store import Pauses, Store
 from dispatchd.daemon.gitguard.layouts import inspect_git
 from dispatchd.daemon.gitguard.parts import common_of
 from dispatchd.daemon.inuse import InUse
+from dispatchd.inside import is_within
 
 __all__ = ["RACY_NS", "Entry", "Manifest", "Pauses", "RestorePlan", "SessionManager", "Store", "before_write",
            "finish_restores", "handle", "list_tree", "plan_copies", "plan_restore", "reflinks"]
 
 
-def finish_restores(state_dir: str, in_use: InUse | None = None) -> list[tuple[str, str]]:
+def finish_restores(state_dir: str, in_use: InUse | None = None,
+                    checked: list[str] | None = None) -> list[tuple[str, str]]:
     """At the daemon's start, before the trusted baselines are re-checked,
     old checkpoints removed, or anything served: every restore a killed
     daemon cut half way is finished, or kept and logged (``journal``); each
     with its worktree claimed from the other daemons on the state directory
     (``in_use``: one whose session uses it keeps the record for the next
-    start). Returns ``(worktree, what became of it)`` for each, for ``status``."""
+    start). ``checked``: the worktrees a baseline's check will look at next
+    (``gitguard.unheld_roots``); a restore elsewhere is not finished: what
+    it would write (a checkpoint's config, hooks, ``.envrc``) would then be
+    checked by nothing. Returns ``(worktree, what became of it)`` for each, for ``status``."""
     def hold(session: str, worktree: str) -> Callable[[], None] | str:
+        if checked is not None and not any(is_within(worktree, root) for root in checked):
+            return ("no baseline of it is left to check what the restore would write (its daemon's was "
+                    "checked at an earlier start)")
         if in_use is None:
             return lambda: None
         name = f"restore-{session}"

@@ -18,9 +18,9 @@ from dispatchd.daemon.gitguard.baselines import Baselines
 from dispatchd.daemon.gitguard.history import keep_for, keep_more
 from dispatchd.daemon.gitguard.identity import identity_env, read_identity
 from dispatchd.daemon.gitguard.layouts import inspect_git, with_gitdirs
-from dispatchd.daemon.gitguard.parts import Protected, session_reach
+from dispatchd.daemon.gitguard.parts import Protected, session_reach, unheld_roots
 from dispatchd.daemon.gitguard.redirects import redirects_present
 from dispatchd.daemon.gitguard.snapshots import MAX_GITDIRS, GitSnapshot, gitdir_paths, take
 
 __all__ = ["MAX_GITDIRS", "Baselines", "GitSnapshot", "Protected", "gitdir_paths", "identity_env", "inspect_git",
-           "keep_for", "keep_more", "read_identity", "redirects_present", "session_reach", "take", "with_gitdirs"]
+           "keep_for", "keep_more", "read_identity", "redirects_present", "session_reach", "take", "unheld_roots", "with_gitdirs"]
