@@ -44,9 +44,16 @@ __all__ = ["TEMP_NAME", "no_temp_files", "sweep_temp_files", "temp_name"]
 TEMP_NAME = re.compile(rb"^\..{1,800}\.dispatchd-[0-9a-f]{8}\.tmp$", re.DOTALL)
 
 
+_STEM_BYTES = 200  # with the rest (24 bytes), under NAME_MAX (255)
+
+
 def temp_name(stem: str) -> str:
-    """A fresh temporary name for a file named ``stem`` (random: retry on EEXIST)."""
-    return f".{stem}.dispatchd-{secrets.token_hex(4)}.tmp"
+    """A fresh temporary name for a file named ``stem`` (random: retry on
+    EEXIST), the stem cut to ``_STEM_BYTES`` bytes: cut to 200 characters,
+    a name of multibyte ones was over NAME_MAX, and every write or restore of
+    that file failed (``File name too long``)."""
+    raw = os.fsencode(stem)[:_STEM_BYTES]
+    return f".{os.fsdecode(raw)}.dispatchd-{secrets.token_hex(4)}.tmp"
 
 
 def no_temp_files(names: list[bytes]) -> bool:

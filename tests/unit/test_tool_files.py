@@ -918,3 +918,17 @@ class TestListFiles:
         with open(os.path.join(os.fsencode(ctx.root), b"bad\xff.txt"), "w"):
             pass
         assert lines(call(ctx, "list_files")) == ["bad\ufffd.txt"]
+
+
+@pytest.mark.parametrize("tool", ["write_file", "edit_file"])
+def test_a_file_whose_name_is_long_in_bytes_is_written(ctx: ToolContext, tool: str) -> None:
+    """A name of 85 three-byte characters (255 bytes, NAME_MAX): its
+    temporary name was cut to 200 characters, over NAME_MAX in bytes, and
+    every write failed (``File name too long``)."""
+    name = "é" * 127  # 254 bytes
+    path = put(ctx, name, "x\n")
+    args: dict[str, Any] = {"content": "y\n"} if tool == "write_file" else \
+        {"edits": [{"old_text": "x", "new_text": "y"}]}
+    r = call(ctx, tool, path=name, **args)
+    assert r.success, r.error
+    assert path.read_text() == "y\n" and leftovers(ctx.root) == []
