@@ -179,24 +179,32 @@ def test_a_daemon_killed_with_no_restore_running_leaves_the_worktree_as_it_was(t
         assert again.stop() == 0, again.log()
 
 
-def test_a_record_whose_worktree_was_replaced_leaves_that_directory_untouched(tmp_path: Path) -> None:
+def _record_cut_at_its_first_step(tmp_path: Path, n: int) -> tuple[Path, Daemon, str, str, os.stat_result, Path]:
+    """A session's checkpoint, the worktree changed, the daemon killed with
+    the session open, and the record a restore cut at its first step would
+    have left: (worktree, the dead daemon, session id, checkpoint id, the
+    worktree's stat, the session's checkpoints directory)."""
     _refuse_root()
-    wt = _worktree(tmp_path, 300)
+    wt = _worktree(tmp_path, n)
     d = _daemon(tmp_path / "d")
     with d.connect() as client:
         s = client.open_session(str(wt))
         cid = s.checkpoint()
-        _change(wt, 300)
+        _change(wt, n)
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait()
         s.detach()
     d.stop()
-    # The record a restore cut at its first step would have left ...
     st = os.stat(wt)
     top = _checkpoints(d) / s.id
     (top / journal.RECORD).write_bytes(journal.encode(journal.Record(
         session=s.id, checkpoint=cid, worktree=str(wt), dev=st.st_dev, ino=st.st_ino, started_ns=time.time_ns(),
         max_files=200_000, max_depth=256)))
+    return wt, d, s.id, cid, st, top
+
+
+def test_a_record_whose_worktree_was_replaced_leaves_that_directory_untouched(tmp_path: Path) -> None:
+    wt, d, sid, cid, st, top = _record_cut_at_its_first_step(tmp_path, 300)
     # ... and another directory at the worktree's path since.
     os.rename(wt, tmp_path / "aside")
     wt.mkdir()
@@ -216,7 +224,7 @@ def test_a_record_whose_worktree_was_replaced_leaves_that_directory_untouched(tm
             f"worktree is left as it was found and the checkpoint kept in {top} (each start tries again; remove "
             "that directory to give up)"], said
         log = again.log()
-        assert f"event=restore_unfinished session={s.id} checkpoint={cid} worktree={wt} why=\"another directory " \
+        assert f"event=restore_unfinished session={sid} checkpoint={cid} worktree={wt} why=\"another directory " \
                f"is at the worktree's path (device {st.st_dev} inode {os.stat(wt).st_ino}" in log, log
         # Kept for the next start (the user may put the worktree back), not removed with the old checkpoints.
         assert (top / journal.RECORD).exists() and (top / cid).exists()
@@ -310,22 +318,7 @@ def test_a_restore_whose_baseline_was_checked_before_is_not_finished_unchecked(t
     planted config, hooks, `.envrc`) with no check after. It is kept, not
     finished, and said. The twin: with the dead daemon's baseline on disk,
     the same record is finished (the tests above)."""
-    _refuse_root()
-    wt = _worktree(tmp_path, 30)
-    d = _daemon(tmp_path / "d")
-    with d.connect() as client:
-        s = client.open_session(str(wt))
-        cid = s.checkpoint()
-        _change(wt, 30)
-        d.proc.send_signal(signal.SIGKILL)
-        d.proc.wait()
-        s.detach()
-    d.stop()
-    st = os.stat(wt)
-    top = _checkpoints(d) / s.id
-    (top / journal.RECORD).write_bytes(journal.encode(journal.Record(
-        session=s.id, checkpoint=cid, worktree=str(wt), dev=st.st_dev, ino=st.st_ino, started_ns=time.time_ns(),
-        max_files=200_000, max_depth=256)))
+    wt, d, _, _, _, top = _record_cut_at_its_first_step(tmp_path, 30)
     baselines = d.state / "dispatchd" / "baselines"
     assert list(baselines.glob("*.json"))  # the dead daemon's record: the twin's case
     for record in baselines.glob("*.json"):  # what an earlier start's check did
