@@ -112,7 +112,12 @@ def digest_at(dir_fd: int, name: str, budget: Budget | None = None) -> str | Non
     finally:
         os.close(fd)
     # The mode counts: a hook made executable runs where it did not.
-    return f"file:{stat.S_IMODE(st.st_mode):o}:{digest}" if digest else never_equal("too large")
+    return file_digest(stat.S_IMODE(st.st_mode), digest) if digest else never_equal("too large")
+
+
+def file_digest(mode: int, sha256_hex: str) -> str:
+    """A regular file's digest: its permission bits and its content's hash."""
+    return f"file:{mode:o}:{sha256_hex}"
 
 
 def tree_digest(dir_fd: int, name: str, budget: Budget | None = None) -> str | None:

@@ -47,7 +47,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd.daemon.gitguard import fs, reftemp
-from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES
+from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES, file_digest
 
 MAX_FILE = 256 * 1024  # one file kept (a config, a hook)
 MAX_TOTAL = 1024 * 1024  # all of one baseline's: the record is written at every open
@@ -103,8 +103,7 @@ def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
 
 
 def _digest(mode: int, data: bytes) -> str:
-    # As digests.digest_at records a regular file.
-    return f"file:{mode:o}:{hashlib.sha256(data).hexdigest()}"
+    return file_digest(mode, hashlib.sha256(data).hexdigest())
 
 
 def _read(top: str, rel: str) -> tuple[int, bytes] | None:
