@@ -19,7 +19,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -435,6 +435,28 @@ def _linked_with_submodule(tmp_path: Path) -> tuple[Path, Path, Path]:
     return main, linked, moddir
 
 
+def _held_in_full_mode(mode: str, r: dispatch.Result, full_error: str) -> None:
+    """A write the read-only binds refuse in full mode (with ``full_error``)
+    and degraded mode lets through (the end then deals with it)."""
+    assert r.is_success == (mode == "degraded"), (r.output, r.error)
+    if mode == "full":
+        assert full_error in str(r.error), r
+
+
+def _controlled(tmp_path: Path, marker: Path, plant: Callable[[Path, Path, Path], str],
+                probe: Callable[[Path, Path], Path]) -> tuple[Path, Path, Path]:
+    """The control: ``plant`` (a shell script, given main, linked and the
+    submodule's git directory) made by hand on a repository of its own
+    makes the user's `git status` (in ``probe(main, linked)``) run the
+    command; then a fresh repository for the attack: (main, linked, moddir)."""
+    main, linked, moddir = _linked_with_submodule(tmp_path / "control")
+    subprocess.run(["bash", "-c", plant(main, linked, moddir)], check=True, capture_output=True, cwd=linked)
+    git(probe(main, linked), "status", check=False)
+    assert marker.exists()  # the control
+    marker.unlink()
+    return _linked_with_submodule(tmp_path / "attack")
+
+
 @pytest.mark.parametrize("second", [False, True])
 def test_a_submodule_git_directory_rebuilt_with_a_symlinked_head_runs_nothing(mode_daemon: tuple[str, Daemon],
                                                                              tmp_path: Path, second: bool) -> None:
@@ -452,12 +474,8 @@ def test_a_submodule_git_directory_rebuilt_with_a_symlinked_head_runs_nothing(mo
              "git rev-parse HEAD > refs/heads/x 2>/dev/null || cp ../sub.old/HEAD refs/heads/x; "
              "cd {m} && rm HEAD && ln -s refs/heads/x HEAD && "
              "printf '[core]\\n\\tfsmonitor = \"touch {marker}; false\"\\n' >> config && echo PLANTED")
-    main, linked, moddir = _linked_with_submodule(tmp_path / "control")
-    subprocess.run(["bash", "-c", plant.format(m=moddir, marker=marker)], check=True, capture_output=True)
-    git(linked / "sub", "status", check=False)
-    assert marker.exists()  # the control
-    marker.unlink()
-    main, linked, moddir = _linked_with_submodule(tmp_path / "attack")
+    main, linked, moddir = _controlled(tmp_path, marker, lambda m, l, d: plant.format(m=d, marker=marker),
+                                       lambda m, l: l / "sub")
     with daemon.connect() as c:
         s = c.open_session(str(linked))
         r = shell(s, plant.format(m=moddir, marker=marker))
@@ -488,13 +506,9 @@ def test_a_submodule_git_directory_behind_a_symlink_is_moved_aside_at_once(mode_
              "echo ../../xe > xl/sub/commondir && " +
              ("mv modules/sub sub.orig && ln -s ../xl/sub modules/sub" if link == "modules/sub" else
               "mv modules modules.orig && ln -s xl modules") + " && echo PLANTED")
-    main, linked, moddir = _linked_with_submodule(tmp_path / "control")
-    subprocess.run(["bash", "-c", plant.format(e=entry.format(m=moddir), marker=marker)], check=True,
-                   capture_output=True)
-    git(linked / "sub", "status", check=False)
-    assert marker.exists()  # the control
-    marker.unlink()
-    main, linked, moddir = _linked_with_submodule(tmp_path / "attack")
+    main, linked, moddir = _controlled(tmp_path, marker,
+                                       lambda m, l, d: plant.format(e=entry.format(m=d), marker=marker),
+                                       lambda m, l: l / "sub")
     with daemon.connect() as c:
         m = c.open_session(str(main))
         s = c.open_session(str(linked))
@@ -592,12 +606,7 @@ def test_a_linked_worktrees_git_file_made_a_repository_runs_nothing(mode_daemon:
     mode, daemon = mode_daemon
     marker = tmp_path / "PWNED"
     plant = f"rm .git && git init -q . && git config core.fsmonitor 'touch {marker}; false' && echo PLANTED"
-    main, linked, _ = _linked_with_submodule(tmp_path / "control")
-    subprocess.run(["bash", "-c", plant], cwd=linked, check=True, capture_output=True)
-    git(linked, "status", check=False)
-    assert marker.exists()  # the control
-    marker.unlink()
-    main, linked, _ = _linked_with_submodule(tmp_path / "attack")
+    main, linked, _ = _controlled(tmp_path, marker, lambda m, l, d: plant, lambda m, l: l)
     with daemon.connect() as c, c.open_session(str(linked)) as s:
         r = shell(s, plant)
         assert r.is_success == (mode == "degraded"), (r.output, r.error)
@@ -630,10 +639,8 @@ def test_the_users_config_and_hook_stay_theirs_after_a_session_rewrote_them(mode
     marker.unlink()
     config.write_bytes(original)
     with daemon.connect() as c, c.open_session(str(repo)) as s:
-        r = shell(s, f"printf '{fsmonitor_config(marker)}' > .git/config && rm .git/hooks/pre-commit && echo WROTE")
-        assert r.is_success == (mode == "degraded"), (r.output, r.error)
-        if mode == "full":
-            assert ".git/config: Read-only file system" in str(r.error), r
+        plant = f"printf '{fsmonitor_config(marker)}' > .git/config && rm .git/hooks/pre-commit && echo WROTE"
+        _held_in_full_mode(mode, shell(s, plant), ".git/config: Read-only file system")
     if mode == "degraded":
         put = {p["path"]: p["why"] for p in s.protected if "put back" in p["why"]}
         assert put == {str(config): "yours, as it was before the session changed it, put back",
@@ -665,10 +672,8 @@ def test_a_linked_worktrees_submodule_config_a_session_wrote_runs_nothing(mode_d
     marker.unlink()
     main, linked, moddir = _linked_with_submodule(tmp_path / "attack")
     with daemon.connect() as c, c.open_session(str(linked)) as s:
-        r = shell(s, f"cd sub && git config core.fsmonitor 'touch {marker}; false' && echo WROTE")
-        assert r.is_success == (mode == "degraded"), (r.output, r.error)
-        if mode == "full":
-            assert "config: Device or resource busy" in str(r.error), r
+        plant = f"cd sub && git config core.fsmonitor 'touch {marker}; false' && echo WROTE"
+        _held_in_full_mode(mode, shell(s, plant), "config: Device or resource busy")
     if mode == "degraded":
         assert any("modules/sub" in p["path"] for p in s.protected), s.protected
     git(linked, "status", check=False)
