@@ -300,7 +300,23 @@ def main(argv: list[str] | None = None) -> int:
     from dispatchd.daemon.spawn import ForkServerClient
     from dispatchd.worker.fork_server import start_fork_server
 
-    fork_server = ForkServerClient(*start_fork_server())
+    # Every session's user namespace below one of the daemon's: all of them
+    # together hold at most half of the user's inotify and fanotify budgets
+    # (confine/ucounts.py), whatever each one's share.
+    from dispatchd.confine import ucounts
+
+    shared = ucounts.plan_shared(ucounts.read_user_limits()) if features.user_namespaces else None
+    fork_server = ForkServerClient(*start_fork_server(shared))
+    try:
+        shared_missing = fork_server.hello() or ("" if shared is not None else "no user namespaces")
+    except DispatchdError as exc:
+        print(f"dispatchd: {exc}", file=sys.stderr)
+        fork_server.stop()
+        return 1
+    features = msgspec.structs.replace(
+        features, shared_budgets=ucounts.describe_shared(shared) if shared is not None and not shared_missing else "",
+        shared_budgets_missing=shared_missing)
+    log.info("event=shared_budgets bound=%r missing=%r", features.shared_budgets, shared_missing)
 
     from dispatchd.daemon import leftovers
     from dispatchd.daemon.server import Server

@@ -126,6 +126,7 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         f"root held as a detached mount: {_missing(k.host_tree_missing)}"
         + (f"; container hint: {k.container}" if k.container else ""))
     say(network_modes_line(k))
+    say(f"kernel budgets: {k.shared_budgets or 'all sessions together not bounded: ' + k.shared_budgets_missing}")
     if k.forced_for_testing:
         say(f"kernel features forced for testing (--force-kernel-for-testing {k.forced_for_testing}): sessions are "
             "planned and confined as on a kernel without them")

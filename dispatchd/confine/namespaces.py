@@ -14,7 +14,12 @@ Guarantees, where the kernel allows unprivileged user namespaces:
 - ``open_own`` gives the daemon the session's user and network namespaces as
   descriptors (by descriptor from the process itself: no pid to recycle, and
   /proc/PID/ns of the non-dumpable worker is not the daemon's to open);
-- nothing here is undone later: seccomp forbids ``unshare``/``setns`` after.
+- nothing here is undone later: seccomp forbids ``unshare``/``setns`` after;
+- ``enter_shared`` (the fork server, at its start) puts the fork server, so
+  every session's user namespace and every process it starts, below one user
+  namespace of the daemon's: the user's own ids mapped, the maxima of
+  ``ucounts.plan_shared`` written (all sessions together hold at most those
+  of the user's inotify and fanotify budgets), then no capability left in it.
 
 Where user namespaces are refused, ``probe_user_namespaces`` says so and the
 session runs without them (policy ``user_namespaces = "auto"``) or refuses to
@@ -23,12 +28,14 @@ open (``"required"``).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
 import msgspec
 
 from dispatchd.confine import _sys
+from dispatchd.confine.ucounts import UcountsPlan, apply_ucounts
 from dispatchd.errors import ConfinementError
 
 
@@ -119,6 +126,37 @@ def apply_id_maps(plan: NamespacePlan) -> None:
             _write(path, text)
         except OSError as exc:
             raise ConfinementError("namespaces: id map", exc.errno, path) from exc
+
+
+def enter_shared(shared: UcountsPlan, uid: int, gid: int) -> str:
+    """Move this (single-threaded) process into a new user namespace, the
+    parent of every session's, bounded by ``shared``. Returns "" once in it,
+    or why it could not be made (nothing changed then). Raises
+    ``ConfinementError`` when it was made but could not be finished: a fork
+    server in a half-made namespace must not serve.
+
+    Nothing a session could use is gained: this namespace maps only the user's
+    own uid and gid (so no process in it is root), its capabilities are
+    dropped here, bounding set first, before any child exists; a session's
+    own namespace, below it, is what it always was. What changes for a
+    process here is only where the kernel counts its objects."""
+    try:
+        _sys.unshare(_sys.CLONE_NEWUSER)
+    except OSError as exc:
+        return f"a user namespace for all sessions cannot be made here: {os.strerror(exc.errno or 0)}"
+    apply_id_maps(NamespacePlan(user=True, mount=False, pid=False, net=False, uid=uid, gid=gid))
+    apply_ucounts(shared)
+    try:
+        for cap in range(64):
+            try:
+                _sys.prctl(_sys.PR_CAPBSET_DROP, cap)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # past this kernel's last capability
+                    raise
+        _sys.clear_capabilities()
+    except OSError as exc:
+        raise ConfinementError("namespaces: the sessions' namespace's capabilities", exc.errno) from exc
+    return ""
 
 
 _UCOUNT_PROBE = "/proc/sys/user/max_inotify_instances"

@@ -484,13 +484,13 @@ def describe_protections(policy: Policy, kernel: KernelFeatures, *, network: Net
         max_data_bytes_per_process=lim.max_data_bytes,
         max_file_bytes=lim.max_file_bytes,
         max_open_files_per_process=lim.max_open_files,
-        kernel_budgets=describe_ucounts(ucounts),
+        kernel_budgets=describe_ucounts(ucounts, kernel.shared_budgets),
         # What a session can still take from budgets it shares with the user (the
         # sandbox's own gaps are the top-level leaves_open).
         leaves_open=budget_gaps(user_namespace=use_userns, cgroup_controllers=tuple(
             c for c, key in (("memory", "memory.max"), ("cpu", "cpu.weight")) if key in held),
             max_open_files=lim.max_open_files, max_processes=lim.max_processes,
-            fd_passing_reserve=FD_PASSING_RESERVE),
+            fd_passing_reserve=FD_PASSING_RESERVE, shared_missing=kernel.shared_budgets_missing),
     )
     return Protections(
         mode=mode, landlock=landlock_report, seccomp="enforced",

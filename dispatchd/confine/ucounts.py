@@ -15,6 +15,15 @@ it drops its capabilities; after that nothing in the session can raise them
 most those many of each, and the rest of the user's budget stays free. A
 value that cannot be written refuses the session (the policy asked for it).
 
+All sessions together, too: a share each is no bound on their sum (four
+sessions of 32 inotify instances took the user's 128). Every session's user
+namespace is made below one of the daemon's (``plan_shared``: half of each
+of the user's limits; made by the fork server, ``namespaces.enter_shared``),
+and the kernel counts a session's objects at each level up, so the sessions
+of a daemon hold at most that half between them and the user's own programs
+keep the rest, however many sessions are open. Where that namespace cannot
+be made, ``budget_gaps`` says the sum is not bounded.
+
 Without a user namespace nothing here applies; ``budget_gaps`` says which
 budgets stay shared whatever the mode (epoll watches, socket buffers, CPU
 without a cgroup), for ``status``'s ``leaves_open``.
@@ -112,24 +121,71 @@ def apply_ucounts(plan: UcountsPlan) -> None:
             os.close(fd)
 
 
-def describe(plan: UcountsPlan) -> str:
+def describe(plan: UcountsPlan, shared: str = "") -> str:
+    """A session's bounds in words; ``shared``: what all sessions together
+    may hold (``describe_shared``), "" when that is not bounded."""
     if not plan.maxima:
         return "shared with the user (no user namespace of its own)"
     m = plan.maxima
-    return (f"in its user namespace: inotify {m['max_inotify_instances']} instances, "
+    return (f"{shared + '; ' if shared else ''}in its user namespace: inotify {m['max_inotify_instances']} instances, "
             f"{m['max_inotify_watches']} watches; fanotify {m['max_fanotify_groups']} groups, "
             f"{m['max_fanotify_marks']} marks; no namespaces made by the session's processes (room for the sandbox's detached "
             "mounts and the network stack's); queued signals and message queues "
             "by rlimit (max_pending_signals, max_msgqueue_bytes)")
 
 
+# The user's limits of the budgets bounded here: the initial namespace's
+# sysctl, and the daemon's own namespace's maximum (a container's), the lower
+# counting.
+_USER_LIMITS = {
+    "max_inotify_instances": "fs/inotify/max_user_instances",
+    "max_inotify_watches": "fs/inotify/max_user_watches",
+    "max_fanotify_groups": "fs/fanotify/max_user_groups",
+    "max_fanotify_marks": "fs/fanotify/max_user_marks",
+}
+
+
+def read_user_limits(proc_sys: str = "/proc/sys") -> dict[str, int]:
+    """The user's limit of each budget ``plan_shared`` bounds (one this kernel
+    lacks is left out)."""
+    found: dict[str, int] = {}
+    for name, sysctl in _USER_LIMITS.items():
+        values: list[int] = []
+        for path in (f"{proc_sys}/{sysctl}", f"{proc_sys}/user/{name}"):
+            try:
+                with open(path, encoding="ascii") as f:
+                    values.append(int(f.read()))
+            except (OSError, ValueError):
+                continue
+        if values:
+            found[name] = min(values)
+    return found
+
+
+def plan_shared(limits: dict[str, int]) -> UcountsPlan:
+    """What all sessions of a daemon may hold together: half of each of the
+    user's ``limits`` (at least one), the other half left to the user's own
+    programs (an editor's file watching, a build tool's). Pure."""
+    return UcountsPlan(maxima={name: max(1, value // 2) for name, value in sorted(limits.items())})
+
+
+def describe_shared(plan: UcountsPlan) -> str:
+    """``plan_shared``'s bound in words, for ``status``."""
+    m = plan.maxima
+    words = {"max_inotify_instances": "inotify instances", "max_inotify_watches": "inotify watches",
+             "max_fanotify_groups": "fanotify groups", "max_fanotify_marks": "fanotify marks"}
+    return ("all sessions together at most " + ", ".join(f"{m[k]:,} {w}" for k, w in words.items() if k in m)
+            + " (half of the user's)")
+
+
 SCM_MAX_FD = 253  # descriptors one message may carry: how far past a sender's limit the count can go
 
 
 def budget_gaps(*, user_namespace: bool, cgroup_controllers: tuple[str, ...], max_open_files: int = 4096,
-                max_processes: int = 1024, fd_passing_reserve: int = 512) -> list[str]:
+                max_processes: int = 1024, fd_passing_reserve: int = 512, shared_missing: str = "") -> list[str]:
     """What a session can still take from the user's shared kernel budgets
-    (docs/budgets.md has how each was measured). Pure."""
+    (docs/budgets.md has how each was measured); ``shared_missing``: why all
+    sessions together are not bounded (``plan_shared``), "" when they are. Pure."""
     gaps = ["epoll watches (fs.epoll.max_user_watches) are counted per user across every namespace: "
             "a session can take them all, and the user's other programs then get ENOSPC from epoll_ctl",
             f"descriptors in flight over Unix sockets (SCM_RIGHTS) are counted per user: the session's commands "
@@ -147,9 +203,15 @@ def budget_gaps(*, user_namespace: bool, cgroup_controllers: tuple[str, ...], ma
             "connections inside a session, network off included, can put every program's TCP under memory "
             "pressure" + ("" if "memory" in cgroup_controllers else
                           "; without a cgroup's memory controller nothing bounds the session's share")]
-    if not user_namespace:
+    if not user_namespace and shared_missing:
         gaps.append("inotify and fanotify budgets (128 inotify instances by default) are shared with the "
                     "user's other programs: no user namespace to bound them in")
+    elif not user_namespace:
+        gaps.append("inotify and fanotify budgets: no share of its own (no user namespace of its own), so the "
+                    "session may take all that the sessions together may hold; the user's programs keep the rest")
+    elif shared_missing:
+        gaps.append(f"inotify and fanotify budgets: each session holds at most its share, but all sessions "
+                    f"together are not bounded (a few sessions can take all of the user's): {shared_missing}")
     if "memory" not in cgroup_controllers:
         gaps.append("kernel memory no process owns (socket buffers, pipes: about 450 MiB per process with "
                     "4096 descriptors; a memfd held only by a message in flight, up to max_file_bytes each) is "

@@ -150,6 +150,26 @@ class ForkServerClient:
         self._death = ""  # how it ended, once known
         self._death_lock = threading.Lock()
 
+    def hello(self, timeout_s: float = 10.0) -> str:
+        """The fork server's first frame: "" when it is below the sessions'
+        user namespace it was asked for (or none was asked), else why not.
+        Raises ``SpawnError`` when it said nothing (it exited: its standard
+        error, the daemon's log, says why)."""
+        self._frames.sock.settimeout(timeout_s)
+        try:
+            reply = self._frames.recv(protocol.fork_server_reply_decoder)
+        except (OSError, protocol.ProtocolError) as exc:
+            raise SpawnError(f"the fork server did not start: {exc}") from exc
+        finally:
+            self._frames.sock.settimeout(None)
+        if reply is None:
+            raise SpawnError(f"the fork server did not start ({self.death(1.0) or 'it closed its channel'})")
+        if isinstance(reply, protocol.ErrorReply):
+            return reply.message
+        if not isinstance(reply, protocol.OkReply):
+            raise SpawnError(f"the fork server began with {type(reply).__name__}")
+        return ""
+
     def death(self, wait_s: float = 0.0) -> str:
         """How the fork server ended, in words ("" while it runs), waiting up
         to ``wait_s`` for it to end. Reaps it: only the daemon may."""

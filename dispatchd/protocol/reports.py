@@ -47,6 +47,11 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     # copy (Linux 6.15+; mounts.probe_host_tree): "" when it can, else why
     # not (the host's root then waits below the new one; as safe, slower).
     host_tree_missing: str = "not looked for"
+    # What all sessions together may hold of the user's inotify and fanotify
+    # budgets (confine/ucounts.py, plan_shared), and why that is not bounded
+    # ("" when it is; "not looked for" before the fork server has said).
+    shared_budgets: str = ""
+    shared_budgets_missing: str = "not looked for"
     # Testing only: what the daemon was told to take away from this probe
     # (``--force-kernel-for-testing``); "" for a real one.
     forced_for_testing: str = ""

@@ -35,6 +35,7 @@ import msgspec
 
 from dispatchd import catalogue, protocol
 from dispatchd.confine import hygiene, namespaces, netstack, seccomp
+from dispatchd.confine.ucounts import UcountsPlan
 from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, leave_seccomp_encoded, pool_key, seccomp_of
 from dispatchd.errors import ConfinementError
 from dispatchd.worker import forkhooks, stackstart, wake
@@ -261,8 +262,20 @@ def _warm_workers_code(plan: SessionPlan) -> None:
         _tool_server.warm_up(plan)
 
 
-def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
+def serve_fork_server(sock: socket.socket, daemon_pid: int, shared: UcountsPlan | None = None) -> NoReturn:
     hygiene.die_with_parent(daemon_pid)
+    # First of all, before any child: below the user namespace every session's
+    # is made in (namespaces.enter_shared), when the daemon asked for one. Its
+    # first frame tells the daemon whether it is (OkReply) or why not.
+    hello: protocol.OkReply | protocol.ErrorReply = protocol.OkReply(id=0)
+    if shared is not None:
+        try:
+            why = namespaces.enter_shared(shared, os.getuid(), os.getgid())
+        except ConfinementError as exc:
+            print(f"dispatchd: fork server: {exc}", file=sys.stderr, flush=True)
+            os._exit(1)
+        if why:
+            hello = protocol.ErrorReply(id=0, code="shared_budgets", message=why)
     # A session of its own, with no terminal, that every worker shares
     # (hygiene.new_group): one scheduler group for all the tool servers.
     hygiene.lead_session()
@@ -285,6 +298,7 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int) -> NoReturn:
               f"{sys.version_info.major}.{sys.version_info.minor} keeps them; left in (each sandbox runs them)",
               file=sys.stderr, flush=True)
     frames = protocol.FrameSocket(sock, fds=True)
+    frames.send(hello)
     programs: dict[bytes, bytes] = {}
     workers: set[int] = set()
     me = os.getpid()
@@ -391,11 +405,13 @@ def _serve_one(req: protocol.ForkServerRequest, frames: protocol.FrameSocket, so
     return True
 
 
-def start_fork_server() -> tuple[int, socket.socket]:
-    """Fork the fork server. Call before any thread exists. Returns its pid and
-    the daemon's end of the channel to it."""
+def start_fork_server(shared: UcountsPlan | None = None) -> tuple[int, socket.socket]:
+    """Fork the fork server (below a user namespace bounded by ``shared``,
+    when given: ``namespaces.enter_shared``). Call before any thread exists.
+    Returns its pid and the daemon's end of the channel to it, whose first
+    frame says how that went (``ForkServerClient.hello``)."""
     daemon_pid = os.getpid()
-    return fork_serving(lambda child_end: serve_fork_server(child_end, daemon_pid))
+    return fork_serving(lambda child_end: serve_fork_server(child_end, daemon_pid, shared))
 
 
 def fork_serving(serve: Callable[[socket.socket], object], exit_code: int = 1) -> tuple[int, socket.socket]:

@@ -95,6 +95,90 @@ def test_a_session_takes_at_most_its_inotify_share_and_the_user_keeps_the_rest(
     assert wait_until(lambda: _instances_left_for_the_user() >= before - 4), (_instances_left_for_the_user(), before)
 
 
+def _user_limit() -> int:
+    """The user's inotify instances (confine/ucounts.py's reading of it)."""
+    values = []
+    for path in ("/proc/sys/fs/inotify/max_user_instances", "/proc/sys/user/max_inotify_instances"):
+        values.append(int(Path(path).read_text()))
+    return min(values)
+
+
+def test_all_sessions_together_take_at_most_half_of_the_users_inotify_instances(
+        full: tuple[Daemon, dispatch.Client], tmp_path: Path) -> None:
+    _, client = full
+    half = _user_limit() // 2
+    assert client.status()["kernel"]["shared_budgets"].startswith(f"all sessions together at most {half:,} inotify")
+    n = half // 32 + 1  # one session more than their shares of 32 need to reach the half
+    assert n <= 8, f"the user may have {_user_limit()} inotify instances: more sessions than this test opens"
+    before = _instances_left_for_the_user()
+    sessions = []
+    try:
+        taken = []
+        for i in range(n):
+            wt = tmp_path / f"wt{i}"
+            wt.mkdir()
+            sessions.append(client.open_session(str(wt)))
+            session = sessions[-1]
+            assert f"at most {half:,} inotify instances" in session.info["protections"]["limits"]["kernel_budgets"]
+            shell(session, f"/usr/bin/python3 -c {_q(INOTIFY_HOG)} 30 > hog.out", background=True)
+            hog = wt / "hog.out"
+            assert wait_until(lambda: hog.exists() and hog.read_text().strip() != "")
+            got, err = (int(x) for x in hog.read_text().split())
+            assert err == errno.EMFILE, hog.read_text()
+            taken.append(got)
+        # The first takes its whole share (the allowed twin: 31 and its tool
+        # server's watch); the sessions together never more than the half,
+        # and the last finds none left, however many are open.
+        assert taken[0] == 31, taken
+        assert sum(taken) <= half and taken[-1] == 0, (taken, half)
+        # The user's own programs keep the other half (4: sessions of other tests beside these).
+        assert _instances_left_for_the_user() >= min(before, _user_limit() - half) - 4, (before, half)
+    finally:
+        for session in sessions:
+            session.close()
+    assert wait_until(lambda: _instances_left_for_the_user() >= before - 4), (_instances_left_for_the_user(), before)
+
+
+def _status_of(pid: int) -> dict[str, str]:
+    return dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+
+
+def _fork_server_pid(client: dispatch.Client) -> int:
+    helpers = client.status()["daemon"]["helpers"]
+    return int(helpers.split("fork server pid ", 1)[1].split(":", 1)[0])
+
+
+def test_the_fork_server_is_below_a_user_namespace_of_its_own_with_no_capability(
+        full: tuple[Daemon, dispatch.Client], tmp_path: Path) -> None:
+    daemon, client = full
+    fork_server = _fork_server_pid(client)
+    assert os.readlink(f"/proc/{fork_server}/ns/user") != os.readlink(f"/proc/{daemon.proc.pid}/ns/user")
+    status = _status_of(fork_server)
+    # Nothing gained in it: no capability, none an exec could get, only the user's own ids.
+    assert status["CapEff"] == status["CapPrm"] == status["CapBnd"] == "0000000000000000", status
+    assert Path(f"/proc/{fork_server}/uid_map").read_text().split() == [str(os.getuid()), str(os.getuid()), "1"]
+    # The twin: a degraded daemon's (below).
+
+
+def test_without_user_namespaces_the_sum_is_not_bounded_and_status_says_so(tmp_path: Path) -> None:
+    _refuse_root()
+    d = mode_daemon(tmp_path, "degraded", "--cgroup", "off")
+    try:
+        with d.connect() as client:
+            kernel = client.status()["kernel"]
+            assert kernel["shared_budgets"] == "" and kernel["shared_budgets_missing"] == "no user namespaces"
+            fork_server = _fork_server_pid(client)
+            assert os.readlink(f"/proc/{fork_server}/ns/user") == os.readlink(f"/proc/{d.proc.pid}/ns/user")
+            wt = tmp_path / "wt"
+            wt.mkdir()
+            with client.open_session(str(wt)) as session:
+                gaps = session.info["protections"]["limits"]["leaves_open"]
+                assert any(g.startswith("inotify and fanotify budgets (128 inotify instances by default) are "
+                                        "shared with the user's other programs") for g in gaps), gaps
+    finally:
+        assert d.stop() == 0, d.log()
+
+
 def test_a_session_cannot_make_namespaces_and_budgets_left_open_are_listed(
         full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
     _, client = full

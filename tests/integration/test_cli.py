@@ -357,6 +357,9 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     assert "seccomp: yes" in lines[1] and "cgroup v2:" in lines[1]
     assert lines[2] == "network modes: off, on, ports, domains"
     del lines[2]
+    assert re.fullmatch(r"kernel budgets: all sessions together at most [\d,]+ inotify instances, .* "
+                        r"\(half of the user's\)", lines[2]), lines[2]
+    del lines[2]
     assert re.fullmatch(r"daemon: \d+ descriptors \((raised from \d+|already the hard limit)\); "
                         r"connections \d+ of at most \d+( \(\d+ idle, waiting without a thread\))?", lines[2]), lines[2]
     assert re.fullmatch(r"sandboxes made ahead: 2 per kind of session \(policy/network\), for the 4 kinds most "
