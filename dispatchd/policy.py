@@ -180,10 +180,11 @@ class Env(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # name at any depth of a worktree (daemon/gitguard/runnables.py).
 DEFAULT_PROTECTED = (
     ".vscode", ".idea", ".claude", ".codex", ".cursor", ".devcontainer", ".mcp.json", ".envrc",
-    ".exrc", ".nvim.lua", ".nvimrc",
-    ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile",
+    ".exrc", ".nvim.lua", ".nvimrc", ".vimrc", ".gvimrc",
+    ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".bash_aliases", ".profile",
     ".zshrc", ".zshenv", ".zprofile", ".zlogin", ".zlogout",
-    ".gitconfig", ".gitmodules", ".ripgreprc", ".ssh",
+    ".gitconfig", ".gitconfig.local", ".gitmodules", ".ripgreprc", ".ssh", ".tmux.conf",
+    ".husky", ".helix", ".zed", ".gemini", "opencode.json", ".devcontainer.json",
 )
 
 

@@ -390,7 +390,10 @@ class Server:
                                             pool=m.pool.report(), line_loops=native.report(),
                                             helpers=self.helpers()),
                                         protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
-                                                   for p in m.baselines.recovered + m.restores_at_start])
+                                                   for p in m.baselines.recovered + m.restores_at_start]
+                                        + [protocol.ProtectedItem(path=root, why=f"NOT checked whole ({why}): sessions "
+                                                                  "on it are refused until a restart's check passes")
+                                           for root, why in list(m.baselines.tainted.items())])
         if isinstance(req, (protocol.TakeCheckpoint, protocol.ListCheckpoints, protocol.RestoreCheckpoint)):
             return checkpoints.handle(m, req)
         if isinstance(req, protocol.ListTools):

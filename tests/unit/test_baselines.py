@@ -559,14 +559,15 @@ def test_a_check_that_cannot_finish_refuses_the_worktree_and_keeps_the_record(
     repo = make_repo(tmp_path / "r")
     store = baselines.Baselines(str(tmp_path / "state"))
     _join(store, "s", repo)
-    monkeypatch.setattr(runnables, "MAX_DEPTH", 3)
-    (repo / "a" / "b" / "c" / "d" / "e").mkdir(parents=True)  # deeper than the walk goes now
-    store.leave("s")
-    assert "deeper than 3 directories" in store.tainted[str(repo)]
+    monkeypatch.setattr(runnables, "MAX_DIRS", 3)
+    (repo / "a" / "b" / "c" / "d" / "e").mkdir(parents=True)  # more directories than the walk goes through now
+    [said] = store.leave("s")  # the close says so, not only the log
+    assert said.path == str(repo) and said.why.startswith("NOT checked whole: ") and "more than 3 directories" in said.why
+    assert "more than 3 directories" in store.tainted[str(repo)]
     assert len([n for n in os.listdir(tmp_path / "state" / "baselines") if n.endswith(".json")]) == 1
     with pytest.raises(baselines.WorktreeError, match="could not move aside"):
         _join(store, "t", repo)
-    monkeypatch.setattr(runnables, "MAX_DEPTH", 256)
+    monkeypatch.setattr(runnables, "MAX_DIRS", 250_000)
     fresh = baselines.Baselines(str(tmp_path / "state"))  # a restart: the check passes now
     fresh.recover()
     assert fresh.tainted == {} and os.listdir(tmp_path / "state" / "baselines") == []

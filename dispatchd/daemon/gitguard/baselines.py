@@ -58,7 +58,7 @@ import msgspec
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
-                                             keep_outside, renew)
+                                             keep_outside, renew, unchecked)
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
@@ -472,9 +472,11 @@ class Baselines:
         covered: set[str] = set()  # the first part's baseline is the user's: a later one's may not be
         for part in domain.record.parts:
             try:
-                failed += check_part(part, found, now_t, covered)
+                bad = check_part(part, found, now_t, covered)
             except Exception as exc:  # a bug, or content not foreseen: fail closed
-                failed.append(f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}")
+                bad = [f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}"]
+            failed += bad
+            found += [unchecked(part.root, bad, now_t)] if bad else []  # said at the close, not only logged
         if final:
             for kept in domain.record.histories:
                 try:

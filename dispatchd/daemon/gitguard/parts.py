@@ -34,6 +34,14 @@ class Protected(msgspec.Struct, frozen=True):
     time: float = 0.0
 
 
+def unchecked(root: str, failures: list[str], now_t: float) -> Protected:
+    """What the close says (and status, until a restart's check passes) of
+    a worktree its check could not finish: not only the daemon's log."""
+    return Protected(path=root, time=now_t, why=(
+        f"NOT checked whole: {'; '.join(failures)}. What the session left there may still be live: look before "
+        "you run git or your tools in it; dispatchd refuses sessions on it until a restart's check passes"))
+
+
 class Part(msgspec.Struct, frozen=True):
     root: str  # a worktree (resolved)
     layout: GitLayout
@@ -201,7 +209,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         if part.own_gitdir:  # the index, made to show what the worktree holds (indexreview.py)
             _review_index(part, found, now_t)
     tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,
-                         skip_root_git=part.layout.kind in ("repository", "linked"))
+                         skip_root_git=part.layout.kind in ("repository", "linked"), ending=True)
     if not tree.complete:
         failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
                       "your tools run")

@@ -17,7 +17,9 @@ Guarantees:
   not a stack), goes by directory descriptors opened ``O_NOFOLLOW`` from the
   worktree's (a symlink is recorded, never entered), and is bounded in
   entries, directories, depth and bytes hashed: over a bound it stops and
-  says so (``complete`` False, ``why``), and the caller fails closed;
+  says so (``complete`` False, ``why``), and the caller fails closed (the
+  close says so); at a session's end (``ending``) a directory past the depth
+  bound is the session's (no baseline has one) and is moved aside instead;
 - a git directory (``.git``, or a directory holding ``HEAD``, ``objects``
   and ``refs``) is recorded by what git reads from it for configuration or
   commands (``digests.fingerprint``), and a changed or new one loses
@@ -28,7 +30,13 @@ Guarantees:
   a changed file alone;
 - the roots in ``excluded`` (worktrees checked under baselines of their own)
   and the worktree's own ``.git`` when ``snapshots`` covers it are not
-  walked.
+  walked; a symlink whose text names a path through a git directory or its
+  bulk, where the walk does not look, is recorded (``_into_blind_spot``): a
+  repository hidden there (``.git/objects/tools``) and reached by ``cd``
+  through a new link loses the link;
+- the worktree's root itself, made to look like a git directory (``HEAD``,
+  ``objects``, ``refs``: git enters it when no ``.git`` is found first), has
+  what git reads there recorded.
 """
 
 from __future__ import annotations
@@ -88,8 +96,10 @@ class TreeSnapshot(msgspec.Struct, frozen=True):
 
 
 class _Walk:
-    def __init__(self, root: str, names: frozenset[str], excluded: list[str], skip_root_git: bool) -> None:
+    def __init__(self, root: str, names: frozenset[str], excluded: list[str], skip_root_git: bool,
+                 ending: bool = False) -> None:
         self.root = root
+        self.ending = ending
         self.names = names
         self.excluded = [os.path.relpath(e, root) for e in excluded if e != root and is_within(e, root)]
         self.skip_root_git = skip_root_git
@@ -211,6 +221,12 @@ class _Walk:
             self.why = f"more than {MAX_DIRS} directories"
             return
         if rel.count("/") >= MAX_DEPTH:
+            if self.ending:
+                # Deeper than any baseline can be (an open over it is refused):
+                # the session's, moved aside whole rather than the walk given
+                # up (the rest of the tree, where a plant may wait, walked on).
+                self.entries[rel] = never_equal(f"deeper than {MAX_DEPTH} directories")
+                return
             self.why = f"deeper than {MAX_DEPTH} directories"
             return
         st = None
@@ -261,9 +277,21 @@ class _Walk:
             self.remembered[(st.st_dev, st.st_ino)] = _Listing(
                 st.st_ctime_ns, st.st_mtime_ns, st.st_size, len(found),
                 tuple(name for name, kind in found if kind == "dir"))
-        if rel and {"HEAD", "objects", "refs"} <= names:
-            self._gitdir(fd, rel)
-            in_git = True
+        if {"HEAD", "objects", "refs"} <= names:
+            if rel:
+                self._gitdir(fd, rel)
+                in_git = True
+            else:
+                # The worktree itself made to look like a git directory: git
+                # enters it when it finds no .git first (a monorepo's
+                # subdirectory, a directory in no repository). What git reads
+                # there is recorded, its HEAD first (a new one moved aside, git
+                # no longer takes the directory for one); directories of those
+                # names are the project's (a ``config/``): the rest is walked as
+                # a worktree still.
+                self.entries["HEAD"] = digest_at(fd, "HEAD", self.budget) or "absent"
+                self.entries.update((k, v) for k, v in fingerprint(fd, self.budget, review=False).items()
+                                    if v != "directory")
         for name, kind in found:
             child = f"{rel}/{name}" if rel else name
             if child in self.excluded:
@@ -285,6 +313,8 @@ class _Walk:
                     self.entries[child] = "gitfile:" + (digest_at(fd, name, self.budget) or "absent")
                 continue
             mark = protected or name in self.names
+            if kind == "symlink" and not mark and _into_blind_spot(fd, name, rel, self.root):
+                mark = True  # recorded: a new one is moved aside (its target is not)
             if mark:
                 digest = digest_at(fd, name, self.budget)
                 if digest is not None:
@@ -329,6 +359,25 @@ class _Walk:
             self.entries[f"{rel}/{name}"] = digest
 
 
+def _into_blind_spot(fd: int, name: str, rel: str, root: str) -> bool:
+    """Whether the symlink ``name`` (in the directory ``rel``) names a path
+    through a git directory or its bulk (``.git``, ``objects``, ``refs``,
+    ``logs``, ``lfs``): places the walk does not look into, where a
+    repository can be hidden and then reached by ``cd`` through the link.
+    Read as its text says (lexically); a chain of links passes through one
+    whose text does, and that one is caught."""
+    try:
+        target = os.readlink(name, dir_fd=fd)
+    except OSError:
+        return False
+    if os.path.isabs(target):
+        if not is_within(target, root):
+            return False
+        target = os.path.relpath(target, root)
+    parts = os.path.normpath(os.path.join(rel, target)).split("/")
+    return ".git" in parts or not _GIT_BULK.isdisjoint(parts)
+
+
 def _kind(entry: os.DirEntry[str]) -> str:
     try:
         if entry.is_symlink():
@@ -349,9 +398,11 @@ def _open_dir(dir_fd: int, name: str) -> int | None:
 
 
 def take(root: str, names: tuple[str, ...] = DEFAULT_PROTECTED, *, excluded: list[str] | None = None,
-         skip_root_git: bool = True) -> TreeSnapshot:
-    """Walk ``root`` (see the module)."""
-    walk = _Walk(root, frozenset(names), excluded or [], skip_root_git)
+         skip_root_git: bool = True, ending: bool = False) -> TreeSnapshot:
+    """Walk ``root`` (see the module); ``ending``: at a session's end, a
+    directory past the depth bound is recorded as changed (moved aside)
+    rather than the walk stopped."""
+    walk = _Walk(root, frozenset(names), excluded or [], skip_root_git, ending)
     try:
         walk.run()
     except OSError as exc:
