@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from dispatchd import __version__, paths, support, systemd, units
+from dispatchd import __version__, paths, statemodes, support, systemd, units
 from dispatchd.daemon.helpers import BoundSocket, HelperWatch
 from dispatchd.errors import DispatchdError, PolicyError
 from dispatchd.policy import Policy, default_policy_dir, load_all, load_policy
@@ -157,10 +157,11 @@ def _bind(path: str) -> tuple[socket.socket, BoundSocket]:
         finally:
             os.umask(old)
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        dst = os.fstat(dirfd)
     finally:
         os.close(dirfd)
     sock.listen(1024)  # bursts of opens (an agent platform starting hundreds) wait in it
-    return sock, BoundSocket(path, st.st_dev, st.st_ino)
+    return sock, BoundSocket(path, st.st_dev, st.st_ino, dst.st_dev, dst.st_ino)
 
 
 LOG_ROTATE_BYTES = 10 * 1024 * 1024
@@ -328,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     runtime = [d for d in {os.environ.get("XDG_RUNTIME_DIR", ""), f"/run/user/{os.getuid()}",
                            os.path.dirname(socket_path)} if d and os.path.isdir(d)]
     try:
+        # Modes a session changed (degraded mode: Landlock does not govern
+        # chmod) set back before anything reads the state: the daemon's own
+        # files, healed parents first, never through a symlink (statemodes.py).
+        statemodes.own(state)
+        statemodes.heal_tree(state)
         paths.ensure_private_dir(state)
         paths.ensure_private_dir(os.path.join(state, "sessions"))
         paths.ensure_private_dir(os.path.join(state, "session-locks"))  # daemon/leftovers.py

@@ -11,11 +11,15 @@ from __future__ import annotations
 import fcntl
 import os
 
+from dispatchd.statemodes import retried
+
 
 def held(path: str) -> bool:
     """Whether a process holds ``path``'s flock (False: none, or no such file)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # A lock whose mode was changed (chmod 000) would read as nobody's:
+        # its mode is set back first (statemodes.py), its holder's lock stays.
+        fd = retried(lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), path, 0o600)
     except OSError:
         return False
     try:

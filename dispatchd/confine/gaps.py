@@ -8,6 +8,16 @@ applied (``plan.describe_protections``).
 
 from __future__ import annotations
 
+# Said once here; SECURITY.md's known limits say the same.
+CHMOD_GAP = ("chmod, chown, utime and xattr changes on files the user owns outside the worktree "
+             "(Landlock ABI <= 7 does not check them; only a read-only mount would): chmod can make the user's "
+             "files readable to other local users (chmod 644 ~/.ssh/id_ed25519 with chmod 755 ~), never to the "
+             "session itself; dispatchd's own state and socket directories are among them, and it sets their "
+             "modes back (at its start, when an open of its files is refused, and each second for the socket's)")
+PROC_PEEK_GAP = ("the host's /proc: other processes' mountinfo and net/tcp, udp and unix are readable (no ptrace "
+                 "check guards them): another session's worktree, scratch path and extra read-only paths, the "
+                 "sockets of its private network namespace, and, through the daemon's pid, the host's Unix sockets")
+
 
 def leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git_kind: str) -> list[str]:
     """What the sandbox's mode leaves open: without user namespaces, or with
@@ -22,10 +32,10 @@ def leaves_open(use_userns: bool, landlock_abi: int, network_off: bool, git_kind
                     "end, within its budget (512 MiB a baseline), and past it shares their inodes")
     if not use_userns:
         gaps += [
-            "chmod, chown, utime and xattr changes on files the user owns outside the worktree "
-            "(Landlock ABI <= 7 does not check them; only a read-only mount would)",
+            CHMOD_GAP,
             "the host's /proc: the user's other processes and their command lines are visible "
             "(their memory, environment and fds stay refused by Landlock's ptrace rule)",
+            PROC_PEEK_GAP,
             "no private /tmp: the host's /tmp is simply not granted (TMPDIR is the session's own)",
         ]
         if network_off and landlock_abi < 4:

@@ -20,6 +20,12 @@ Guarantees, once ``HelperWatch.start`` has run:
   connections and sessions it has, and exits once it holds none (status 0
   when another daemon's socket is there, ``SOCKET_GONE_EXIT`` when nothing
   is, so that a service manager starts one again);
+- the modes of the socket's directory and of the socket are set back to
+  those the daemon gave them (0700, 0600) when they changed (a degraded
+  session can chmod them: Landlock does not govern chmod), looked at every
+  ``CHECK_S`` before the path, the directory only while it is the one the
+  daemon bound in, never through a symlink (``statemodes.heal``): 0777
+  would make every client refuse it, 000 would read as the path lost;
 - ``report()`` says each helper's state for ``status``.
 """
 
@@ -34,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dispatchd import fdwait
+from dispatchd import fdwait, statemodes
 
 if TYPE_CHECKING:
     from dispatchd.confine.netstack import Stack
@@ -44,6 +50,7 @@ log = logging.getLogger("dispatchd.helpers")
 CHECK_S = 1.0  # how often the network stacks and the socket path are looked at
 HELPER_DIED_EXIT = 1  # a helper died: systemd (Restart=on-failure) or autostart start a new daemon
 SOCKET_GONE_EXIT = 3
+SOCKET_MODE = 0o600  # what the daemon binds it with (cli.py: umask 0177)
 TELL_WHY_S = 3.0  # after a helper died, how long the daemon still answers (a client asks why its session ended)  # our socket path was removed and nothing replaced it
 
 
@@ -54,6 +61,8 @@ class BoundSocket:
     path: str
     dev: int
     ino: int
+    dir_dev: int = 0  # the directory it was bound in (0: not known, never healed)
+    dir_ino: int = 0
 
     def state(self) -> str:
         """"ours", "gone", or "replaced" (another file, maybe another daemon's socket)."""
@@ -66,6 +75,19 @@ class BoundSocket:
         if (st.st_dev, st.st_ino) == (self.dev, self.ino) and stat.S_ISSOCK(st.st_mode):
             return "ours"
         return "replaced"
+
+    def heal(self) -> list[statemodes.Repair]:
+        """The modes of its directory (0700) and of the socket (0600) set
+        back, if they changed, while the directory is the one it was bound
+        in (a directory put in its place is not ours to change)."""
+        directory = os.path.dirname(self.path)
+        try:
+            st = os.lstat(directory)
+        except OSError:
+            return []
+        if not self.dir_ino or (st.st_dev, st.st_ino) != (self.dir_dev, self.dir_ino):
+            return []
+        return statemodes.heal(self.path, SOCKET_MODE, top=directory)
 
     def unlink(self) -> bool:
         """Unlink the path if it is still the inode we bound; True if it was.
@@ -177,6 +199,10 @@ class HelperWatch:
         """True once the daemon has been told to exit (its path lost, and idle)."""
         if self.socket is None:
             return False
+        try:
+            self.socket.heal()  # logged by statemodes: event=state_mode_repaired
+        except OSError as exc:
+            log.warning("event=state_mode_not_repaired path=%s why=%r", self.socket.path, str(exc))
         now = self.socket.state()
         if now != self._socket_state and now != "ours":
             log.warning("event=socket_path_lost path=%s state=%s: new clients cannot reach this daemon; it "

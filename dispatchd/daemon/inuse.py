@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 
 from dispatchd.inside import worktrees_relate
+from dispatchd.statemodes import retried
 
 __all__ = ["MUTEX_WAIT_S", "InUse", "Use"]
 
@@ -180,7 +181,7 @@ class InUse:
         that are not (left on disk)."""
         found: list[Use] = []
         try:
-            names = os.listdir(self.dir)
+            names = retried(lambda: os.listdir(self.dir), self.dir, None)  # its mode set back (statemodes.py)
         except FileNotFoundError:
             return found
         for name in names:
@@ -212,7 +213,7 @@ class InUse:
     def _read(path: str) -> tuple[bytes, bool] | None:
         """An entry's text, and whether its daemon holds it; None: gone."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = retried(lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), path, 0o600)
         except FileNotFoundError:
             return None
         try:
@@ -253,7 +254,8 @@ class InUse:
         """A new entry holding ``data``, locked (under the mutex)."""
         path = os.path.join(self.dir, name)
         _unlink(path)  # one this daemon could not remove before (its name is ours alone, and unlocked)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = retried(lambda: os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                     path, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
             _write_whole(fd, data)
@@ -282,7 +284,8 @@ class _Mutex:
         while True:
             if self.fd < 0:
                 os.makedirs(self.dir, mode=0o700, exist_ok=True)
-                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                self.fd = retried(lambda: os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                                  0o600), self.path, 0o600)
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

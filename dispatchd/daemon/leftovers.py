@@ -30,6 +30,7 @@ import secrets
 import threading
 
 from dispatchd import treewalk
+from dispatchd.statemodes import retried
 
 log = logging.getLogger("dispatchd.leftovers")
 _SID = re.compile(r"^[0-9a-f]{12}$")  # secrets.token_hex(6), as opening.py and pooling.py name them
@@ -70,7 +71,8 @@ class ScratchLocks:
     def take(self, sid: str) -> None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         tmp = os.path.join(self.dir, f".{sid}.lock.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = retried(lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                     tmp, 0o600)  # the directory's mode set back, if changed (statemodes.py)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.rename(tmp, os.path.join(self.dir, f"{sid}.lock"))

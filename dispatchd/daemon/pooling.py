@@ -34,6 +34,7 @@ from dispatchd.daemon.sessionnet import drop_door, ports_of, take_door, take_nam
 from dispatchd.daemon.spawn import Worker, adopt
 from dispatchd.errors import DispatchdError, Stopping
 from dispatchd.policy import Policy
+from dispatchd.statemodes import retried
 
 log = logging.getLogger("dispatchd.sessions")
 
@@ -43,7 +44,8 @@ class Pooling(Napping):
         """A session's scratch directory (its /tmp and home), marked ours first."""
         self._scratch_locks.take(sid)  # before the directory: a later start knows it is ours
         try:
-            os.makedirs(scratch + "/tmp", mode=0o700)
+            # sessions/'s mode set back, if changed (statemodes.py)
+            retried(lambda: os.makedirs(scratch + "/tmp", mode=0o700), scratch, None)
             os.makedirs(scratch + "/home", mode=0o700)
         except BaseException:
             leftovers.remove_tree(scratch)

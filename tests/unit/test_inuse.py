@@ -240,12 +240,25 @@ def test_the_directory_removed_and_made_again_is_locked_anew(tmp_path: Path, mon
     assert a.claim("s2", "/y", "")[0] is None
 
 
-def test_an_unwritable_directory_raises(tmp_path: Path) -> None:
+def test_a_directory_out_of_reach_raises(tmp_path: Path) -> None:
+    """Its parent cannot be searched (not the daemon's to change): the claim fails."""
     if os.geteuid() == 0:
         pytest.fail("run the unit tests as an ordinary user: root writes anywhere (./scripts/test)")
+    (tmp_path / "p" / "u").mkdir(parents=True)
+    (tmp_path / "p").chmod(0o600)
+    try:
+        with pytest.raises(PermissionError):
+            InUse(str(tmp_path / "p" / "u"), pid=111).claim("s1", "/x", "")
+    finally:
+        (tmp_path / "p").chmod(0o700)
+
+
+def test_an_unwritable_directory_is_set_back_and_the_claim_made(tmp_path: Path) -> None:
+    """The daemon's own directory, its mode changed (a degraded session's
+    chmod): set back (statemodes.py), and the claim goes through."""
     (tmp_path / "u").mkdir(mode=0o500)
-    with pytest.raises(PermissionError):
-        InUse(str(tmp_path / "u"), pid=111).claim("s1", "/x", "")
+    assert InUse(str(tmp_path / "u"), pid=111).claim("s1", "/x", "")[0] is None
+    assert (tmp_path / "u").stat().st_mode & 0o777 == 0o700
 
 
 def test_an_entry_written_short_is_not_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,7 +35,13 @@ RO, RW, DEV = 13, 0xF7BF, 6
 SHARED = RW & ~(1 << 9)  # read-write, but no Unix socket made: another session may reach the path
 UID, GID = 1000, 1001
 CHMOD_GAP = ("chmod, chown, utime and xattr changes on files the user owns outside the worktree "
-             "(Landlock ABI <= 7 does not check them; only a read-only mount would)")
+             "(Landlock ABI <= 7 does not check them; only a read-only mount would): chmod can make the user's "
+             "files readable to other local users (chmod 644 ~/.ssh/id_ed25519 with chmod 755 ~), never to the "
+             "session itself; dispatchd's own state and socket directories are among them, and it sets their "
+             "modes back (at its start, when an open of its files is refused, and each second for the socket's)")
+PROC_PEEK_GAP = ("the host's /proc: other processes' mountinfo and net/tcp, udp and unix are readable (no ptrace "
+                 "check guards them): another session's worktree, scratch path and extra read-only paths, the "
+                 "sockets of its private network namespace, and, through the daemon's pid, the host's Unix sockets")
 PROC_GAP = ("the host's /proc: the user's other processes and their command lines are visible "
             "(their memory, environment and fds stay refused by Landlock's ptrace rule)")
 TMP_GAP = "no private /tmp: the host's /tmp is simply not granted (TMPDIR is the session's own)"
@@ -348,7 +354,7 @@ def test_degraded_mode_network_off():
                                         paths=landlock_paths(userns=False), tcp_ports=[])
     prot = report(got)
     assert prot["mode"] == "degraded"
-    assert prot["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
+    assert prot["leaves_open"] == [CHMOD_GAP, PROC_GAP, PROC_PEEK_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
     assert prot["unix_sockets"] == "refused (seccomp: socket(AF_UNIX) -> EPERM)"
     assert "chmod" in prot["leaves_open"][0]  # type: ignore[index]
     assert prot["namespaces"] == {"user": False, "mount": False, "pid": False, "net": False}
@@ -364,7 +370,7 @@ def test_degraded_mode_network_on():
     assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False, pid_namespace=False)
     assert got.landlock.handled_net == 0
     assert report(got)["network"] == {"mode": "on", "mechanism": "host network"}
-    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
+    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, PROC_PEEK_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
 
 
 def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
@@ -374,7 +380,7 @@ def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
     assert got.landlock.handled_fs == 0x7FFF
     assert got.landlock.scoped == 0
     assert report(got)["network"] == {"mode": "off", "mechanism": "seccomp: no IPv4/IPv6 sockets"}
-    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, SECCOMP_NET_GAP, SIGNALS_GAP, META_GAP,
+    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, PROC_PEEK_GAP, TMP_GAP, SECCOMP_NET_GAP, SIGNALS_GAP, META_GAP,
                                               UNIX_GAP, ABSTRACT_GAP, SWITCH_GAP]
     assert report(got)["landlock"]["tcp"] == "not handled"
 
@@ -382,7 +388,7 @@ def test_degraded_mode_on_abi_3_holds_network_off_by_seccomp_alone():
 def test_degraded_mode_on_abi_1():
     got = plan(k=kernel(abi=1, userns=False))
     assert got.landlock.handled_fs == 0x1FFF
-    assert report(got)["leaves_open"][3:6] == [SECCOMP_NET_GAP, TRUNCATE_GAP, SIGNALS_GAP]
+    assert report(got)["leaves_open"][4:7] == [SECCOMP_NET_GAP, TRUNCATE_GAP, SIGNALS_GAP]
     assert got.landlock.paths[len(SYSTEM) + 3] == PathRule(WT, SHARED & 0x1FFF)
 
 
@@ -565,7 +571,7 @@ def test_ports_in_degraded_mode():
     assert got.seccomp == plan_seccomp(allow_inet=True, ipc_namespace=False, pid_namespace=False)
     assert got.landlock.handled_net == 3
     assert got.landlock.tcp_ports == []
-    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, PORTS_GAP,
+    assert report(got)["leaves_open"] == [CHMOD_GAP, PROC_GAP, PROC_PEEK_GAP, TMP_GAP, META_GAP, UNIX_GAP, ABSTRACT_GAP, PORTS_GAP,
                                               SWITCH_GAP]
 
 

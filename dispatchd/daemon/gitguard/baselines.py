@@ -56,6 +56,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
+from dispatchd.statemodes import retried
 from dispatchd.daemon.gitguard import history, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
                                              keep_outside, renew, unchecked)
@@ -118,7 +119,8 @@ class Baselines:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         path = os.path.join(self.dir, f"{domain.record.id}.json")
         tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = retried(lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                     tmp, 0o600)  # the directory's mode set back, if changed (statemodes.py)
         try:
             data = msgspec.json.encode(domain.record)
             if os.write(fd, data) != len(data):
@@ -163,10 +165,11 @@ class Baselines:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         path = os.path.join(self.dir, f"{did}.lock")
         if not blocking:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:  # modes set back, if changed (statemodes.py)
+                fd = retried(lambda: os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), path, 0o600)
             except FileNotFoundError:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                fd = retried(lambda: os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                             path, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -175,7 +178,8 @@ class Baselines:
             return fd
         # A new domain: its lock is held before anyone can see the file.
         tmp = os.path.join(self.dir, f".{did}.lock.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = retried(lambda: os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                     tmp, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.rename(tmp, path)
         return fd
@@ -220,7 +224,8 @@ class Baselines:
             if fd is None:
                 continue  # a live daemon holds it
             try:
-                with open(os.path.join(self.dir, name), "rb") as f:
+                path = os.path.join(self.dir, name)
+                with retried(lambda: open(path, "rb"), path, 0o600) as f:
                     record = msgspec.json.decode(f.read(), type=Record)
             except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.error("event=baseline_unreadable file=%s error=%r", name, str(exc))

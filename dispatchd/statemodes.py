@@ -1,0 +1,216 @@
+"""The modes of the daemon's own files set back: ``heal``, ``retried``, ``heal_tree``.
+
+Without user namespaces (degraded mode) nothing stops a session's chmod of a
+file the user owns, the daemon's state and socket directories included
+(Landlock ABI <= 7 does not govern chmod). A mode of 000 on
+``inuse/.mutex`` would make every later open of every daemon on the state
+directory fail, for good; 0777 on the socket's directory makes every client
+refuse it. The daemon owns these files, and chmod needs no permission on the
+file itself, only a search of the directories on its path: so the daemon
+puts its own modes back, parents first.
+
+Guarantees:
+- a path is healed from its top (a tree the daemon owns: the state
+  directory, registered at start with ``own``; else the path's own
+  directory) down, one component at a time, each looked up relative to its
+  parent's ``O_PATH | O_NOFOLLOW`` descriptor and changed through
+  ``/proc/self/fd/N``: a symlink is never followed (it is refused, and
+  said), nor is a file of another uid changed; the directories on the way
+  get ``DIR_MODE``, the last component the mode its maker gives it;
+- every change is logged: ``event=state_mode_repaired path=... was=0o...``;
+- ``retried`` runs an open again once after a ``PermissionError`` (EACCES,
+  EPERM) and the heal (another daemon may have healed it meanwhile: a heal
+  that changed nothing is no reason to give up); a second refusal stands;
+- ``heal_tree`` (at start) sets the state directory's known directories and
+  files (``STATE_LAYOUT``) back, parents first.
+
+Several daemons may share a state directory: each heals the same modes (its
+makers' own), so their heals agree, whichever runs first. What the daemon
+never changes: the directories above its top (the user's), and what sessions
+make in their scratch directories.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+__all__ = ["DIR_MODE", "STATE_LAYOUT", "Repair", "heal", "heal_tree", "own", "retried"]
+
+log = logging.getLogger("dispatchd.statemodes")
+
+T = TypeVar("T")
+DIR_MODE = 0o700  # every directory the daemon makes under its state directory
+
+# What the daemon makes in its state directory, by pattern (relative), and
+# the mode its maker gives it (None: a directory, ``DIR_MODE``); parents
+# listed before their children.
+STATE_LAYOUT: tuple[tuple[str, int | None], ...] = (
+    ("inuse", None), ("inuse/.mutex", 0o600), ("inuse/*.uses", 0o600),  # daemon/inuse.py
+    ("baselines", None), ("baselines/*.json", 0o600), ("baselines/*.lock", 0o600),  # gitguard/baselines.py
+    ("sessions", None), ("session-locks", None), ("session-locks/*.lock", 0o600),  # daemon/leftovers.py
+    ("keep", None), ("keep/*", None),  # gitguard/keeps.py: a repository's history copies
+    ("checkpoints", None), ("checkpoints/*", None),  # daemon/checkpoints/store.py: a session's
+    ("run", None),  # the socket's directory when $XDG_RUNTIME_DIR is unset (paths.py)
+    ("dns-resolv.conf", 0o644),  # daemon/dnsrelay.py: sessions read it
+)
+
+_tops: list[tuple[str, str]] = []  # the trees the daemon owns, as named and as real paths, most specific first
+
+
+@dataclass(frozen=True)
+class Repair:
+    """A mode set back: ``path`` was ``was``, is ``now``."""
+
+    path: str
+    was: int
+    now: int
+
+
+def own(top: str) -> None:
+    """Register ``top`` (the state directory, at start) as a tree the daemon
+    owns: a path inside it is healed from it down."""
+    # Walked from its real path: a symlink the user made to it (or above
+    # it) is theirs; a session cannot write there. Nothing under it is
+    # resolved: a path is matched by its name.
+    real = os.path.realpath(top)
+    for named in {os.path.abspath(top), real}:
+        if (named, real) not in _tops:
+            _tops.append((named, real))
+    _tops.sort(key=lambda t: len(t[0]), reverse=True)
+
+
+def _top_of(path: str) -> tuple[str, str]:
+    """The owned tree holding ``path`` (else its directory) and ``path``
+    under that tree's real path."""
+    for named, real in _tops:
+        if path == named or path.startswith(named.rstrip("/") + "/"):
+            return real, real + path[len(named):]
+    return os.path.dirname(path), path
+
+
+def heal(path: str, mode: int | None, top: str | None = None) -> list[Repair]:
+    """``path``'s mode set to ``mode`` (None: it is a directory, set to
+    ``DIR_MODE``), and every directory from ``top`` (by default: the owned
+    tree that holds it, else its directory) down to it to ``DIR_MODE``,
+    parents first; what changed. A component that is missing ends the walk
+    (nothing under it to heal); one that is a symlink, not the user's, or
+    not of the kind expected ends it too (the first two are said)."""
+    path = os.path.abspath(path)
+    if top is None:
+        top, path = _top_of(path)
+    top = os.path.abspath(top)
+    rel = os.path.relpath(path, top)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        raise ValueError(f"{path} is not inside {top}")
+    names = [] if rel == os.curdir else rel.split(os.sep)
+    repairs: list[Repair] = []
+    try:
+        # The top by its path (the directories above it are the user's), but never a symlink itself.
+        fd = os.open(top, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return repairs
+    try:
+        where = top
+        if not _fix(fd, where, mode if not names else None, repairs):
+            return repairs
+        for i, name in enumerate(names):
+            try:
+                child = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                return repairs
+            os.close(fd)
+            fd = child
+            where = os.path.join(where, name)
+            if not _fix(fd, where, mode if i == len(names) - 1 else None, repairs):
+                return repairs
+    finally:
+        os.close(fd)
+    return repairs
+
+
+def _fix(fd: int, path: str, mode: int | None, repairs: list[Repair]) -> bool:
+    """The file open as ``fd`` (``O_PATH``) set to ``mode`` (None: a
+    directory, to ``DIR_MODE``); False when the walk must stop here (a
+    symlink, another uid's, a directory where a file was expected or the
+    other way round: nothing of the daemon's)."""
+    st = os.fstat(fd)
+    if stat.S_ISLNK(st.st_mode):
+        log.warning("event=state_mode_not_repaired path=%s why=%r", path,
+                    "a symlink: dispatchd never follows one to change a mode")
+        return False
+    if st.st_uid != os.getuid():
+        log.warning("event=state_mode_not_repaired path=%s why=%r", path, f"it belongs to uid {st.st_uid}")
+        return False
+    if stat.S_ISDIR(st.st_mode) != (mode is None):
+        return False
+    want = DIR_MODE if mode is None else mode
+    was = stat.S_IMODE(st.st_mode)
+    if was != want:
+        # chmod through the descriptor's magic link: the inode looked up, never a path again.
+        os.chmod(f"/proc/self/fd/{fd}", want)
+        repairs.append(Repair(path, was, want))
+        log.warning("event=state_mode_repaired path=%s was=0o%03o now=0o%03o", path, was, want)
+    return True
+
+
+def retried(opener: Callable[[], T], path: str, mode: int | None) -> T:
+    """``opener()``; when the kernel refuses it (EACCES, EPERM), ``path``
+    healed (``heal``: its directories, then itself, to ``mode``; None: a
+    directory) and ``opener()`` once more. A path that does not exist yet (a
+    file to create) heals its directories."""
+    try:
+        return opener()
+    except PermissionError as exc:
+        try:
+            heal(path, mode)
+        except OSError as heal_exc:  # a directory on the way it cannot search (above its top): said
+            log.warning("event=state_mode_not_repaired path=%s why=%r", path, str(heal_exc))
+            raise exc from None
+    return opener()
+
+
+def heal_tree(state: str, layout: tuple[tuple[str, int | None], ...] = STATE_LAYOUT) -> list[Repair]:
+    """At start: ``state`` itself (``DIR_MODE``) and what ``layout`` lists
+    in it set back to their modes, parents first; what changed. Files are
+    found by listing their directory (healed before): a name is never
+    followed through a symlink (``heal`` refuses those)."""
+    state = os.path.realpath(state)  # as ``own``
+    repairs = heal(state, None, top=state)
+    for pattern, mode in layout:
+        directory, _, leaf = pattern.rpartition("/")
+        for parent in _matches(state, directory):
+            try:
+                names = os.listdir(os.path.join(state, parent)) if any(c in leaf for c in "*?[") else [leaf]
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EPERM):
+                    raise
+                continue  # a directory it could not heal (said): its files stay as they are
+            for name in names:
+                if fnmatch.fnmatchcase(name, leaf) and (leaf.startswith(".") or not name.startswith(".")):
+                    repairs += heal(os.path.join(state, parent, name), mode, top=state)
+    return repairs
+
+
+def _matches(state: str, directory: str) -> list[str]:
+    """The directories (relative to ``state``) a layout pattern's directory
+    part names: "" for the top, else listed level by level."""
+    found = [""]
+    for part in directory.split("/") if directory else []:
+        nxt = []
+        for d in found:
+            try:
+                names = os.listdir(os.path.join(state, d)) if any(c in part for c in "*?[") else [part]
+            except OSError:
+                continue
+            nxt += [os.path.join(d, n) for n in names if fnmatch.fnmatchcase(n, part) and not n.startswith(".")]
+        found = nxt
+    return found
