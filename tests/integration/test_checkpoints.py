@@ -348,6 +348,7 @@ def test_the_cli_and_the_asyncio_client(daemon: Daemon, client: dispatch.Client,
         restored = run(daemon, "session", "restore", s.id, cid)
         assert restored.returncode == 0, restored.stderr
         assert restored.stdout.startswith(f"restored {cid}: 1 removed, 0 written")
+        assert f", its files kept in {daemon.state / 'dispatchd' / 'before-restore'}/" in restored.stdout
         assert not (repo / "extra").exists()
 
     async def main() -> None:
