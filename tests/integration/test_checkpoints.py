@@ -192,6 +192,36 @@ def test_what_a_restore_replaces_outlives_the_session(client: dispatch.Client, r
     assert git(repo, "log", "-1", "--format=%s", ref) == "the user's own commit\n"
 
 
+def test_a_restore_whose_replaced_files_cannot_be_kept_changes_nothing(client: dispatch.Client, repo: Path,
+                                                                        daemon: Daemon) -> None:
+    """Where what the worktree holds cannot be kept past the session (the
+    directory refuses it), the restore is refused and nothing is removed;
+    the twin: once it can, the restore goes through; forced, it goes
+    through without (its ``before`` still named for an undo meanwhile)."""
+    kept_dir = daemon.state / "dispatchd" / "before-restore"
+    kept_dir.mkdir(mode=0o700, exist_ok=True)  # made by the first restore kept, whichever test ran it
+    with client.open_session(str(repo)) as s:
+        cid = s.checkpoint()
+        (repo / "mine.txt").write_text("mine\n")
+        os.chmod(kept_dir, 0o500)
+        try:
+            with pytest.raises(dispatch.RequestFailed) as err:
+                s.restore(cid)
+            assert (repo / "mine.txt").read_text() == "mine\n"
+            forced = s.restore(cid, force=True)
+        finally:
+            os.chmod(kept_dir, 0o700)
+        assert err.value.code == "checkpoint_refused"
+        assert err.value.message == (
+            "restore refused: the worktree as it is now could not be kept first, and a restore would lose it "
+            f"(checkpoint refused: it could not be kept past the session in {kept_dir} (Permission denied)); nothing "
+            "was changed (force=True, `dispatch session restore --force`: restore anyway, without keeping it)")
+        assert forced["kept"] == "" and forced["before"] and not (repo / "mine.txt").exists()
+        (repo / "mine.txt").write_text("mine again\n")
+        done = s.restore(cid)
+        assert (Path(done["kept"]) / "worktree" / "mine.txt").read_text() == "mine again\n"
+
+
 def test_a_restore_that_moves_no_ref_keeps_none(client: dispatch.Client, repo: Path) -> None:
     """The twin: a restore that changes files only leaves no displaced ref
     (what it replaced is still kept as files)."""

@@ -117,6 +117,7 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         # And past the session's end, as plain files (``preimages``): a session's
         # checkpoints go with it, the user's .env must not.
         fsync = session.policy.limits.fsync
+        before = kept = ""
         try:
             before = store.take(session.id, session.worktree, policy, f"before restoring {req.checkpoint}",
                                 fsync=fsync, spare=req.checkpoint).id
@@ -127,7 +128,8 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
                                       f"restore would lose it ({exc.message}); nothing was changed (force=True, "
                                       "`dispatch session restore --force`: restore anyway, without keeping it)",
                                       exc.code) from exc
-            before = kept = ""  # the caller chose to lose it (a session can make it unkeepable on purpose)
+            # The caller chose to lose it (a session can make it unkeepable on purpose);
+            # a before taken but not kept past the session is still named, for an undo meanwhile.
         done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept)
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,
                                   displaced=displaced, **done)
