@@ -3,7 +3,8 @@
 ``Session.checkpoint(label="") -> str``, ``Session.checkpoints() -> list[dict]``
 (``id``, ``created``, ``label``, and what it holds: ``entries``,
 ``copied_bytes``, ``objects``), ``Session.restore(checkpoint_id) -> dict``
-(what it changed: ``removed``, ``written``, ``made``, ``objects``); the
+(what it changed: ``removed``, ``written``, ``made``, ``objects``; what it
+kept: ``before``, ``kept``, ``displaced``); the
 same on ``Client`` for a session known by id. A refusal raises
 ``RequestFailed`` with its code: ``checkpoint_refused`` (over a budget),
 ``unknown_checkpoint``, ``session_busy`` (a call in flight; for a restore,
@@ -63,7 +64,10 @@ class SessionCheckpoints:
     def restore(self, checkpoint_id: str, force: bool = False) -> dict[str, Any]:
         """Put the worktree's files and git metadata back as they were at the
         checkpoint; what was there just before is kept first as a checkpoint
-        of its own (``"before"`` in the answer: restore it to undo). Refused
+        of its own (``"before"`` in the answer: restore it to undo), and as
+        plain files past the session's end, for 7 days, in the directory
+        ``"kept"`` names; the refs it moves back or deletes keep their values
+        under ``refs/dispatchd/displaced/`` (``"displaced"``). Refused
         while a call is in flight or a process of the session runs (a
         background job: stop it first), and when what is there now cannot be
         kept (over the policy's budgets, an unreadable directory): nothing is

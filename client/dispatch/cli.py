@@ -119,9 +119,13 @@ def _run_checkpoint(client: Client, args: argparse.Namespace) -> None:
     elif args.action == "restore":
         done = client.restore(args.id, args.checkpoint, force=args.force)
         kept = f"checkpoint {done['before']} (restore it to undo)" if done["before"] else "not kept (--force)"
+        if done.get("kept"):
+            kept += f", its files kept in {done['kept']}"
         print(f"restored {done['checkpoint']}: {done['removed']} removed, {done['written']} written, "
               f"{done['made']} directories made, {done['objects']} git object files put back; "
               f"what was there before: {kept}")
+        for ref in done.get("displaced", []):
+            print(f"a value it moved is kept as {ref}")
     elif args.json:
         print(json.dumps(client.checkpoints(args.id), indent=2))
     else:

@@ -287,7 +287,10 @@ class CheckpointsReply(_Msg, tag="checkpoints", frozen=True):
 class RestoredReply(_Msg, tag="restored", frozen=True):
     """What a restore changed: paths removed, written (files, links) and
     made (directories), git object files put back; ``before``: the
-    checkpoint of the worktree as it was just before (restore it to undo)."""
+    checkpoint of the worktree as it was just before (restore it to undo);
+    ``kept``: the directory where the same files are kept past the session
+    (docs/checkpoints.md); ``displaced``: the refs under
+    ``refs/dispatchd/displaced/`` that keep the values it moved."""
 
     id: int
     checkpoint: str
@@ -296,6 +299,8 @@ class RestoredReply(_Msg, tag="restored", frozen=True):
     written: int = 0
     made: int = 0
     objects: int = 0
+    kept: str = ""
+    displaced: list[str] = []
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):

@@ -6,6 +6,7 @@ worktree was replaced leaves that directory untouched and says why
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -113,6 +114,7 @@ def test_a_restore_cut_by_sigkill_is_finished_at_the_next_start(tmp_path: Path) 
             cid = s.checkpoint()
             before = snapshot(wt)
             _change(wt, n)
+            change = git(wt, "rev-parse", "main").strip()  # a commit made beside the session, by hand
             # The daemon's death: the connection goes, whatever the call raises.
             outcome = _cut_part_way(s, cid, wt, n, lambda: d.proc.send_signal(signal.SIGKILL), Exception)
             d.proc.wait()
@@ -131,6 +133,10 @@ def test_a_restore_cut_by_sigkill_is_finished_at_the_next_start(tmp_path: Path) 
         assert snapshot(wt) != before
         r = journal.decode(record.read_bytes())
         assert (r.session, r.checkpoint, r.worktree) == (sid, cid, str(wt))
+        assert r.refs["refs/heads/main"] == change
+        kept = Path(r.kept)  # made before the worktree was touched
+        assert kept.parent == d.state / "dispatchd" / "before-restore"
+        assert (kept / "worktree" / "README").read_text() == "readme, changed\n"
         again = Daemon(d.base, "--cgroup", "off")
         try:
             with again.connect() as client:
@@ -138,12 +144,18 @@ def test_a_restore_cut_by_sigkill_is_finished_at_the_next_start(tmp_path: Path) 
                 with client.open_session(str(wt)) as after:
                     assert shell(after, "cat d000/f00001 README").output == "original 1\nreadme\n"
                 said = [(p["path"], p["why"]) for p in client.status()["protected"]]
-                assert (str(wt), f"the restore of checkpoint {cid}, cut short by a daemon's death, was finished") \
-                    in said, said
+                assert (str(wt), f"the restore of checkpoint {cid}, cut short by a daemon's death, was finished; "
+                                 f"what the worktree held before it is kept in {kept}") in said, said
             assert snapshot(wt) == before  # contents, deleted ones back, created ones gone, git's refs
             assert git(wt, "log", "--format=%s") == "init\n"
             git(wt, "fsck", "--no-dangling")
             assert not record.exists() and not (_checkpoints(again) / sid).exists()
+            # What the restore replaced outlives the session's checkpoints: the files, and the
+            # commit by a ref the finish wrote (the one the cut restore may have written went with its files).
+            assert (kept / "worktree" / "made" / "m0" / "n0").read_text() == "new\n"
+            assert (kept / "worktree" / _name(1)).read_text() == "changed 1\n"
+            [ref] = git(wt, "for-each-ref", "--format=%(refname)", "--contains", change).split()
+            assert ref.startswith("refs/dispatchd/displaced/") and ref.endswith("/refs/heads/main")
             log = again.log()
             assert f"event=restore_finished session={sid} checkpoint={cid} worktree={wt} " in log, log
             # ... and before the trusted baseline's record (the killed session's) was re-checked.
@@ -175,6 +187,33 @@ def test_a_daemon_killed_with_no_restore_running_leaves_the_worktree_as_it_was(t
         assert snapshot(wt) == changed
         assert "event=restore_" not in again.log()
         assert os.listdir(_checkpoints(again)) == []  # the dead session's checkpoints went
+    finally:
+        assert again.stop() == 0, again.log()
+
+
+def test_what_restores_replaced_is_kept_seven_days_and_swept_at_a_start(tmp_path: Path) -> None:
+    """A kept pre-image older than its retention goes at the next start; the
+    twin: a younger one stays, whole."""
+    _refuse_root()
+    wt = _worktree(tmp_path, 20)
+    d = _daemon(tmp_path / "d")
+    with d.connect() as client, client.open_session(str(wt)) as s:
+        cid = s.checkpoint()
+        (wt / "a.txt").write_text("a\n")
+        old = Path(s.restore(cid)["kept"])
+        (wt / "b.txt").write_text("b\n")
+        young = Path(s.restore(cid)["kept"])
+    assert d.stop() == 0, d.log()
+    about = json.loads((old / "about.json").read_text())
+    about["created"] -= 7 * 86400 + 60
+    (old / "about.json").write_text(json.dumps(about))
+    again = Daemon(d.base, "--cgroup", "off")
+    try:
+        with again.connect() as client:
+            client.status()
+        assert not old.exists()
+        assert (young / "worktree" / "b.txt").read_text() == "b\n" and not (young / "worktree" / "a.txt").exists()
+        assert f"event=before_restore_expired path={old}" in again.log()
     finally:
         assert again.stop() == 0, again.log()
 

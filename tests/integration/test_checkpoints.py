@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import stat
@@ -74,13 +75,16 @@ def repo(tmp_path: Path) -> Path:
 
 def snapshot(root: Path) -> dict[str, tuple[str, int, bytes]]:
     """Every entry below ``root`` but git's object files (kept apart, and
-    left when newer): kind, mode, content or target."""
+    left when newer) and ``.git/refs/dispatchd`` (the values a restore kept:
+    each test asserts them apart): kind, mode, content or target."""
     out: dict[str, tuple[str, int, bytes]] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
         if rel_dir == os.path.join(".git", "objects"):
             dirnames[:] = []
             continue
+        if rel_dir == os.path.join(".git", "refs"):
+            dirnames[:] = [d for d in dirnames if d != "dispatchd"]
         for name in dirnames + filenames:
             path = os.path.join(dirpath, name)
             st = os.lstat(path)
@@ -109,9 +113,14 @@ def test_a_restore_puts_files_and_git_back(client: dispatch.Client, repo: Path) 
                     " && ln -sfn gone.txt link && rm -r dir && ln -s /etc dir"))
         ok(shell(s, f"git add -A && {IDENTITY} git commit -qm change && git branch -D feature"))
         assert "feature" not in git(repo, "branch")
+        change = git(repo, "rev-parse", "main").strip()
         done = s.restore(cid)
         assert done["checkpoint"] == cid and done["removed"] >= 3 and done["written"] >= 4
         assert snapshot(repo) == before
+        # The value main was moved from is kept (feature, deleted before, had none to keep).
+        assert len(done["displaced"]) == 1 and done["displaced"][0].startswith("refs/dispatchd/displaced/")
+        assert done["displaced"][0].endswith("/refs/heads/main")
+        assert git(repo, "rev-parse", done["displaced"][0]).strip() == change
         assert git(repo, "log", "--format=%s", "main") == "init\n"
         assert git(repo, "branch", "--format=%(refname:short)").split() == ["feature", "main"]
         assert git(repo, "status", "--porcelain") == ""
@@ -144,6 +153,86 @@ def test_a_restore_keeps_what_it_replaces_and_is_undone_by_restoring_that(client
         assert snapshot(repo) == users and git(repo, "rev-parse", "HEAD") == head
         assert (repo / ".env").read_text() == "TOKEN=the-users\n"
         assert undone["before"] not in (cid, done["before"])
+        # main moved forward again (nothing new to keep); the value the first restore
+        # kept, which the second removed with the files made since, is written back.
+        assert undone["displaced"] == done["displaced"] and len(done["displaced"]) == 1
+        assert git(repo, "rev-parse", done["displaced"][0]) == head
+
+
+def test_what_a_restore_replaces_outlives_the_session(client: dispatch.Client, repo: Path, daemon: Daemon) -> None:
+    """The user writes a secret git ignores and makes a commit by hand beside
+    a session; the session restores an earlier checkpoint and ends. The
+    secret's bytes are in the kept files named by the reply, the commit is
+    reachable from a ref under refs/dispatchd/displaced/ (a gc keeps it),
+    though the session's checkpoints went with it."""
+    with client.open_session(str(repo)) as s:
+        cid = s.checkpoint(label="agent milestone")
+        ok(shell(s, "echo agent-edit >> dir/inner.txt"))
+        (repo / ".env").write_text("API_KEY=user-secret-123\n")
+        git(repo, "commit", "-qam", "the user's own commit")
+        users = git(repo, "rev-parse", "HEAD").strip()
+        done = s.restore(cid)
+        assert not (repo / ".env").exists() and git(repo, "rev-parse", "main").strip() != users
+        sid = s.id
+    assert not (daemon.state / "dispatchd" / "checkpoints" / sid).exists()  # the session's went
+    kept = Path(done["kept"])
+    assert kept.parent == daemon.state / "dispatchd" / "before-restore"
+    assert kept.name.endswith(f"-{sid}-{done['before']}")
+    assert (kept / "worktree" / ".env").read_bytes() == b"API_KEY=user-secret-123\n"
+    assert (kept / "worktree" / "dir" / "inner.txt").read_text() == "inner\nagent-edit\n"
+    about = json.loads((kept / "about.json").read_text())
+    assert (about["worktree"], about["session"], about["restored"], about["before"]) == (
+        str(repo), sid, cid, done["before"])
+    assert about["expires"] - about["created"] == 7 * 86400
+    [ref] = done["displaced"]
+    assert ref.endswith("/refs/heads/main")
+    assert git(repo, "for-each-ref", "--format=%(refname)", "--contains", users) == f"{ref}\n"
+    git(repo, "gc", "-q", "--prune=now")
+    assert users in git(repo, "log", "--all", "--format=%H")
+    assert git(repo, "log", "-1", "--format=%s", ref) == "the user's own commit\n"
+
+
+def test_a_restore_whose_replaced_files_cannot_be_kept_changes_nothing(client: dispatch.Client, repo: Path,
+                                                                        daemon: Daemon) -> None:
+    """Where what the worktree holds cannot be kept past the session (the
+    directory refuses it), the restore is refused and nothing is removed;
+    the twin: once it can, the restore goes through; forced, it goes
+    through without (its ``before`` still named for an undo meanwhile)."""
+    kept_dir = daemon.state / "dispatchd" / "before-restore"
+    kept_dir.mkdir(mode=0o700, exist_ok=True)  # made by the first restore kept, whichever test ran it
+    with client.open_session(str(repo)) as s:
+        cid = s.checkpoint()
+        (repo / "mine.txt").write_text("mine\n")
+        os.chmod(kept_dir, 0o500)
+        try:
+            with pytest.raises(dispatch.RequestFailed) as err:
+                s.restore(cid)
+            assert (repo / "mine.txt").read_text() == "mine\n"
+            forced = s.restore(cid, force=True)
+        finally:
+            os.chmod(kept_dir, 0o700)
+        assert err.value.code == "checkpoint_refused"
+        assert err.value.message == (
+            "restore refused: the worktree as it is now could not be kept first, and a restore would lose it "
+            f"(checkpoint refused: it could not be kept past the session in {kept_dir} (Permission denied)); nothing "
+            "was changed (force=True, `dispatch session restore --force`: restore anyway, without keeping it)")
+        assert forced["kept"] == "" and forced["before"] and not (repo / "mine.txt").exists()
+        (repo / "mine.txt").write_text("mine again\n")
+        done = s.restore(cid)
+        assert (Path(done["kept"]) / "worktree" / "mine.txt").read_text() == "mine again\n"
+
+
+def test_a_restore_that_moves_no_ref_keeps_none(client: dispatch.Client, repo: Path) -> None:
+    """The twin: a restore that changes files only leaves no displaced ref
+    (what it replaced is still kept as files)."""
+    with client.open_session(str(repo)) as s:
+        cid = s.checkpoint()
+        ok(shell(s, "echo scratch > scratch.txt"))
+        done = s.restore(cid)
+    assert done["removed"] == 1 and done["displaced"] == []
+    assert git(repo, "for-each-ref", "refs/dispatchd/") == ""
+    assert not (repo / ".git" / "refs" / "dispatchd").exists()
+    assert (Path(done["kept"]) / "worktree" / "scratch.txt").read_text() == "scratch\n"
 
 
 def test_a_restore_that_cannot_keep_what_is_there_changes_nothing(client: dispatch.Client, repo: Path) -> None:
@@ -289,6 +378,7 @@ def test_the_cli_and_the_asyncio_client(daemon: Daemon, client: dispatch.Client,
         restored = run(daemon, "session", "restore", s.id, cid)
         assert restored.returncode == 0, restored.stderr
         assert restored.stdout.startswith(f"restored {cid}: 1 removed, 0 written")
+        assert f", its files kept in {daemon.state / 'dispatchd' / 'before-restore'}/" in restored.stdout
         assert not (repo / "extra").exists()
 
     async def main() -> None:

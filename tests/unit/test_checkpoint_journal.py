@@ -95,6 +95,7 @@ def test_changed_since_names_what_someone_else_wrote_after_the_restore_began():
         f(b".c.dispatchd-0123abcd.tmp", 2000),  # the restore's own temporary file
         f(b"d/.x.dispatchd-0123abcd.tmp", 2000),
         f(b"old-new", 10),  # made by the session before the restore: the restore removes it
+        f(b".git/refs/dispatchd/displaced/20250101T000000/refs/heads/main", 2000),  # a value it kept
     ]
     assert journal.changed_since(saved, now, start) == []
     later = [
@@ -104,9 +105,10 @@ def test_changed_since_names_what_someone_else_wrote_after_the_restore_began():
         f(b"new/work.txt", 3000),  # made since, in a new directory
         E(path=b"p", kind="p", ctime_ns=2000),
         f(b"d/.x.dispatchd-0123abcd.tmp.bak", 2000),  # not our name
+        f(b".git/refs/heads/topic", 2000),  # a branch made since: someone's work
     ]
     assert journal.changed_since(saved, later, start) == [
-        b"a", b"b", b"d/.x.dispatchd-0123abcd.tmp.bak", b"l", b"new/work.txt", b"p"]
+        b".git/refs/heads/topic", b"a", b"b", b"d/.x.dispatchd-0123abcd.tmp.bak", b"l", b"new/work.txt", b"p"]
 
 
 # --- the store and the start, on a temporary directory ---------------------------

@@ -50,6 +50,12 @@ Guarantees:
   killed half way leaves it, and the next start finishes the restore before
   it serves, or keeps the record and the checkpoint and says why not
   (``journal``).
+- **Nothing of the user's lost.** What the worktree holds as a restore
+  begins is kept first (its ``before`` checkpoint), and also as plain files
+  past the session, for 7 days (``preimages``); the refs the restore moves
+  or deletes are kept under ``refs/dispatchd/displaced/`` as the end keeps
+  a session's (``gitguard.keep_moved_refs``), a restore finished at a
+  start included.
 - **The baseline still rules.** A restore writes ``.git`` like any session
   could; the checks at the session's end compare with the trusted baseline
   taken at open (``baselines.py``), so what a restore brings back that the
@@ -109,12 +115,14 @@ def finish_restores(state_dir: str, in_use: InUse | None = None,
 
     said: list[tuple[str, str]] = []
     for o in finish_all(os.path.join(state_dir, "checkpoints"), hold):
+        # Where the files it replaced are: the session's checkpoints go at this start.
+        before = f"; what the worktree held before it is kept in {o.before}" if o.before else ""
         if o.why:
             said.append((o.worktree, f"the restore of checkpoint {o.checkpoint}, cut short by a daemon's death, "
                                      f"was not finished: {o.why}; the worktree is left as it was found and the "
                                      f"checkpoint kept in {o.kept} (each start tries again; remove that directory "
-                                     "to give up)"))
+                                     f"to give up){before}"))
         else:
             said.append((o.worktree, f"the restore of checkpoint {o.checkpoint}, cut short by a daemon's death, "
-                                     "was finished"))
+                                     f"was finished{before}"))
     return said

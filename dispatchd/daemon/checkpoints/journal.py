@@ -22,6 +22,11 @@ sessions. So:
   are removed): the restore runs again against the worktree as it is now
   (the plan compares the worktree with the manifest, so a second run
   completes the first), then the record goes.
+- **Nothing of the user's lost.** The record holds the repository's refs
+  as they were before (``refs``) and where the worktree's files as they
+  were are kept (``kept``, ``preimages``): a finish keeps the refs it
+  moves as the restore would have (``keep_refs``), and the start's removal
+  of the session's checkpoints leaves those files.
 - **Never a guess.** It is not finished, and nothing in the worktree is
   removed or written, when: the path is gone, is a symlink, or is another
   directory (another device or inode); the checkpoint's manifest cannot be
@@ -48,6 +53,7 @@ from collections.abc import Callable
 import msgspec
 
 from dispatchd import flocks
+from dispatchd.daemon import gitguard
 from dispatchd.durable import fsync_directory
 from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
@@ -59,6 +65,7 @@ from dispatchd.daemon.checkpoints.restoring import _put_objects, _syncfs, apply_
 
 log = logging.getLogger("dispatchd.checkpoints")
 
+_DISPLACED = b".git/refs/dispatchd/displaced/"
 RECORD = "restoring"  # in STATE/checkpoints/SESSION/, beside the manifests ("cNNNN-...") and the pool
 _TMP_PREFIX = ".restoring.tmp-"
 _VERSION = 1
@@ -79,6 +86,8 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
     max_depth: int
     fsync: bool = True
     pid: int = 0  # the daemon that began it (for the log)
+    refs: dict[str, str] = {}  # the repository's refs before (``read_refs``), for ``keep_refs``
+    kept: str = ""  # where the worktree's files as they were are kept (``preimages``), for the log and status
 
 
 def encode(record: Record) -> bytes:
@@ -111,6 +120,61 @@ class Outcome(msgspec.Struct, frozen=True):
     checkpoint: str
     kept: str  # the session's checkpoint directory: kept while the restore is unfinished
     why: str = ""  # why it was not finished; "" once it was
+    before: str = ""  # where what the worktree held before the restore is kept (``preimages``), if it is
+
+
+_MAX_RECORD = 64 * 1024 * 1024  # its refs included (a repository's 100,000 tags fit)
+
+
+def read_record(fd: int) -> bytes:
+    """The whole record ``fd`` holds (from its start), at most ``_MAX_RECORD`` bytes."""
+    parts: list[bytes] = []
+    at = 0
+    while at < _MAX_RECORD:
+        chunk = os.pread(fd, min(1 << 20, _MAX_RECORD - at), at)
+        if not chunk:
+            break
+        parts.append(chunk)
+        at += len(chunk)
+    return b"".join(parts)
+
+
+def _common(worktree: str) -> str | None:
+    """The repository at the worktree's root (``.git``, a directory: what a
+    checkpoint keeps and a restore writes back), or None."""
+    common = os.path.join(worktree, ".git")
+    try:
+        return common if stat.S_ISDIR(os.lstat(common).st_mode) else None
+    except OSError:
+        return None
+
+
+def read_refs(worktree: str) -> dict[str, str]:
+    """The refs of the repository at the worktree's root before a restore
+    (``gitguard.read_all_refs``): what ``keep_refs`` compares with after."""
+    common = _common(worktree)
+    if common is None:
+        return {}
+    try:
+        return gitguard.read_all_refs(common)
+    except OSError as exc:
+        log.warning("event=restore_refs_unread worktree=%s error=%s", worktree, exc)
+        return {}
+
+
+def keep_refs(worktree: str, refs: dict[str, str], session: str) -> list[str]:
+    """After a restore: each ref of ``refs`` it deleted or moved other than
+    forward kept under ``refs/dispatchd/displaced/`` (``gitguard.keep_moved_refs``,
+    as the end keeps a session's moves); the names written."""
+    common = _common(worktree)
+    if common is None or not refs:
+        return []
+    kept, failed = gitguard.keep_moved_refs(common, refs)
+    for name in kept:
+        log.warning("event=restore_ref_kept session=%s worktree=%s ref=%s", session, worktree, name)
+    for why in failed:
+        log.error("event=restore_ref_not_kept session=%s worktree=%s why=%r", session, worktree, why)
+    return kept
 
 
 def recognise(record: Record, st: os.stat_result) -> str | None:
@@ -150,6 +214,8 @@ def changed_since(saved: list[Entry], now: list[Entry], started_ns: int) -> list
     for h in now:
         if h.kind == "d" or h.ctime_ns < started_ns:
             continue
+        if h.path.startswith(_DISPLACED):
+            continue  # the values the cut restore kept (``keep_refs``): written after it, by it
         if TEMP_NAME.match(h.path.rpartition(b"/")[2]):
             continue
         w = want.get(h.path)
@@ -259,7 +325,7 @@ def finish_all(root: str, hold: Hold | None = None) -> list[Outcome]:
         held: Callable[[], None] | str | None = None
         if hold is not None:
             try:
-                peek = decode(os.pread(fd, 1 << 20, 0))
+                peek = decode(read_record(fd))
             except (OSError, ValueError):
                 pass  # _finish says why
             else:
@@ -283,7 +349,7 @@ def _finish(top: str, fd: int) -> Outcome:
     removed, or why not (logged)."""
     try:
         try:
-            record = decode(os.read(fd, 1 << 20))
+            record = decode(read_record(fd))
         except (OSError, ValueError) as exc:
             return _unfinished(top, None, f"the record cannot be read: {exc}")
         t0 = time.monotonic()
@@ -324,6 +390,7 @@ def _finish(top: str, fd: int) -> Outcome:
             plan = plan_restore(manifest.entries, now)
             done_ = apply_restore(record.worktree, top, plan, fsync_each=False, expect=ident)
             done_["objects"] = _put_objects(record.worktree, manifest, ident) if manifest.objects else 0
+            displaced = keep_refs(record.worktree, record.refs, record.session)
             if record.fsync:
                 _syncfs(record.worktree)
         except CheckpointError as exc:
@@ -339,9 +406,10 @@ def _finish(top: str, fd: int) -> Outcome:
             with contextlib.suppress(OSError):
                 fsync_directory(top)
         log.warning("event=restore_finished session=%s checkpoint=%s worktree=%s removed=%s written=%s made=%s "
-                    "objects=%s seconds=%.2f", record.session, record.checkpoint, record.worktree,
-                    done_["removed"], done_["written"], done_["made"], done_["objects"], time.monotonic() - t0)
-        return Outcome(record.session, record.worktree, record.checkpoint, top)
+                    "objects=%s displaced=%s before=%s seconds=%.2f", record.session, record.checkpoint,
+                    record.worktree, done_["removed"], done_["written"], done_["made"], done_["objects"],
+                    len(displaced), record.kept or "-", time.monotonic() - t0)
+        return Outcome(record.session, record.worktree, record.checkpoint, top, before=record.kept)
     finally:
         os.close(fd)
 
@@ -355,7 +423,7 @@ def _unfinished(top: str, record: Record | None, why: str) -> Outcome:
               record.session if record else os.path.basename(top), record.checkpoint if record else "?",
               record.worktree if record else "?", why, top)
     return Outcome(record.session if record else os.path.basename(top), record.worktree if record else "?",
-                   record.checkpoint if record else "?", top, why)
+                   record.checkpoint if record else "?", top, why, before=record.kept if record else "")
 
 
 def kept(top: str) -> bool:

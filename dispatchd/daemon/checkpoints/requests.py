@@ -114,18 +114,25 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         # nothing: files the user made beside the session since the
         # checkpoint (an .env, notes, a commit) are what a restore removes.
         # It can be restored in turn (undo). Not kept: not restored.
+        # And past the session's end, as plain files (``preimages``): a session's
+        # checkpoints go with it, the user's .env must not.
+        fsync = session.policy.limits.fsync
+        before = kept = ""
         try:
             before = store.take(session.id, session.worktree, policy, f"before restoring {req.checkpoint}",
-                                fsync=session.policy.limits.fsync, spare=req.checkpoint).id
+                                fsync=fsync, spare=req.checkpoint).id
+            kept = store.keep_before(session.id, session.worktree, before, req.checkpoint, fsync=fsync)
         except CheckpointError as exc:
             if not req.force:
                 raise CheckpointError(f"restore refused: the worktree as it is now could not be kept first, and a "
                                       f"restore would lose it ({exc.message}); nothing was changed (force=True, "
                                       "`dispatch session restore --force`: restore anyway, without keeping it)",
                                       exc.code) from exc
-            before = ""  # the caller chose to lose it (a session can make it unkeepable on purpose)
-        done = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=session.policy.limits.fsync)
-    return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, **done)
+            # The caller chose to lose it (a session can make it unkeepable on purpose);
+            # a before taken but not kept past the session is still named, for an undo meanwhile.
+        done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept)
+    return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,
+                                  displaced=displaced, **done)
 
 
 def before_write(manager: SessionManager, session: Session, msg: protocol.AcquireWriteLock,

@@ -29,7 +29,7 @@ from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.protocol import CheckpointInfo
 
-from dispatchd.daemon.checkpoints import journal
+from dispatchd.daemon.checkpoints import journal, preimages
 from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _DIR, _FANOUT, _FSYNC_EACH, _OBJECTS, _POOL, _TMP, _manifest_decoder, _parent, plan_copies, plan_restore
 from dispatchd.daemon.checkpoints.reading import Refused, _budget_words, _clone_fd, _copy_path, _entry, _open_readable, list_tree
 from dispatchd.daemon.checkpoints.restoring import (_mib, _put_objects, _syncfs, apply_restore,
@@ -62,6 +62,9 @@ class Store:
     def __init__(self, state_dir: str, keep_dir: str) -> None:
         self.root = os.path.join(state_dir, "checkpoints")
         self.keep_dir = keep_dir
+        # What restores replaced, kept past their sessions (``preimages``); the expired swept now.
+        self.before_dir = os.path.join(state_dir, preimages.DIR)
+        preimages.sweep(self.before_dir)
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self.pauses = Pauses()
@@ -277,12 +280,29 @@ class Store:
         with open(os.path.join(self.root, sid, cid), "rb") as f:
             return _manifest_decoder.decode(f.read())
 
-    def restore(self, sid: str, worktree: str, cid: str, policy: CheckpointPolicy, fsync: bool = True
-                ) -> dict[str, int]:
+    def keep_before(self, sid: str, worktree: str, before: str, restored: str, fsync: bool = True) -> str:
+        """Checkpoint ``before`` (what the worktree holds as the restore of
+        ``restored`` begins) kept as plain files past the session
+        (``preimages``); returns its directory. Refused (``Refused``) when it
+        cannot be made: the restore then loses nothing, it does not run."""
+        manifest = self.find(sid, before)
+        try:
+            return preimages.keep(self.before_dir, os.path.join(self.root, sid), manifest, worktree, sid, restored,
+                                  fsync)
+        except OSError as exc:
+            raise Refused(f"checkpoint refused: it could not be kept past the session in {self.before_dir} "
+                          f"({exc.strerror})") from exc
+
+    def restore(self, sid: str, worktree: str, cid: str, policy: CheckpointPolicy, fsync: bool = True,
+                kept: str = "") -> tuple[dict[str, int], list[str]]:
         """Put ``worktree`` back as checkpoint ``cid`` saw it; the caller holds
-        ``lock(sid)`` and has made sure nothing of the session runs."""
+        ``lock(sid)`` and has made sure nothing of the session runs. ``kept``:
+        where what it holds now is kept (``keep_before``), for the record.
+        Returns what it changed, and the refs it kept in the repository at
+        ``.git`` (``journal.keep_refs``: those it moved, as the end does)."""
         manifest = self.find(sid, cid)
         started_ns = time.time_ns()
+        refs = journal.read_refs(worktree)  # before anything moves: what keep_refs compares with
         now, _ = list_tree(worktree, policy, "restore")
         plan = plan_restore(manifest.entries, now)
         each = fsync and len(plan.write) <= _FSYNC_EACH
@@ -292,7 +312,7 @@ class Store:
         root = os.stat(worktree)
         record = journal.Record(session=sid, checkpoint=cid, worktree=worktree, dev=root.st_dev, ino=root.st_ino,
                                 started_ns=started_ns, max_files=policy.max_files, max_depth=policy.max_depth,
-                                fsync=fsync, pid=os.getpid())
+                                fsync=fsync, pid=os.getpid(), refs=refs, kept=kept)
         s = self._of(sid)
         try:
             fd = journal.begin(top, record)
@@ -307,6 +327,7 @@ class Store:
         ident = (root.st_dev, root.st_ino)  # the directory the record names, and no other
         done = apply_restore(worktree, top, plan, fsync_each=each, expect=ident)
         done["objects"] = _put_objects(worktree, manifest, ident) if manifest.objects else 0
+        displaced = journal.keep_refs(worktree, refs, sid)
         if fsync and (not each or done["objects"] or plan.remove or plan.make):
             _syncfs(worktree)
         elif fsync and plan.write:
@@ -314,9 +335,10 @@ class Store:
             fsync_dirs(worktree, {_parent(e.path) for e in plan.write})
         s.record_fd = -1
         journal.done(top, fd, self._sync_removal if fsync else None)
-        log.info("event=checkpoint_restored session=%s checkpoint=%s removed=%s written=%s made=%s objects=%s",
-                 sid, cid, done["removed"], done["written"], done["made"], done["objects"])
-        return done
+        log.info("event=checkpoint_restored session=%s checkpoint=%s removed=%s written=%s made=%s objects=%s "
+                 "displaced=%s", sid, cid, done["removed"], done["written"], done["made"], done["objects"],
+                 len(displaced))
+        return done, displaced
 
 
     def _sync_removal(self, top: str) -> None:

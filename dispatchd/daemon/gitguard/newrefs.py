@@ -36,7 +36,7 @@ def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
         value = now[name]
         try:
             if refvalues.writable(value):  # an id, or a symbolic ref: kept as it was
-                reftemp.write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", value)
+                reftemp.keep_displaced(common, stamp, name, value)
             path = os.path.join(common, name)
             if os.path.lexists(path) and not os.path.isdir(path):
                 os.unlink(path)  # its value kept just above

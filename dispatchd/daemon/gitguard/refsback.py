@@ -12,7 +12,13 @@ at the end (``history.restore`` calls ``put_back`` once the objects are).
   forward (kept, and said: the user's own commits in another worktree look
   the same) and the branches the sessions had checked out (``own``: theirs
   to move); new remote-tracking refs, notes and stash taken out
-  (``newrefs``).
+  (``newrefs``);
+- ``read_all`` and ``keep_moved``: around a checkpoint's restore, which
+  writes ``.git`` back as the checkpoint had it (refs, ``packed-refs``,
+  logs): each ref it moved other than forward, or deleted, kept as
+  ``refs/dispatchd/displaced/TIME/NAME`` by the same writer
+  (``reftemp.keep_displaced``), and the displaced refs it removed written
+  back: a commit made beside a session stays reachable.
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ def _real_dirs(common: str, rel: str) -> bool:
     return True
 
 
-def read_refs(common: str) -> dict[str, str]:
-    """Branches and tags, each valued as git reads it (``refvalues``):
+def read_refs(common: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> dict[str, str]:
+    """Branches and tags (the refs below ``prefixes``), each valued as git reads it (``refvalues``):
     ``packed-refs``, then loose refs (which win); loose ones only below real
     directories, at most ``_MAX_REF_DIRS`` of them. A name ``packed-refs``
     gives two values has neither (git's binary search finds one or the
@@ -54,13 +60,13 @@ def read_refs(common: str) -> dict[str, str]:
     unsorted = refvalues.packed_out_of_order(packed_text, hexsz)  # git's binary search misses what we read
     for line in packed_text.split("\n"):
         record = refvalues.packed_record(line, hexsz)
-        if record is not None and record[1].startswith(PROTECTED_PREFIXES) and refvalues.safe_name(record[1]):
+        if record is not None and record[1].startswith(prefixes) and refvalues.safe_name(record[1]):
             oid, name = record
             refs[name] = "out of order in a sorted packed-refs" if unsorted else \
                 oid if refs.get(name, oid) == oid else "named twice in packed-refs"
             if len(refs) >= _MAX_REFS:
                 break
-    for prefix in PROTECTED_PREFIXES:
+    for prefix in prefixes:
         if not prefix.endswith("/"):  # one ref, not a directory of them (refs/stash)
             parent = os.path.dirname(prefix)
             if _real_dirs(common, parent) and os.path.lexists(os.path.join(common, prefix)):
@@ -120,7 +126,7 @@ def put_back(common: str, refs: dict[str, str], own: list[str], head: str, shado
     # whether it was fast-forwarded (is_ancestor says "not known").
     store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
     now = read_refs(common)
-    stamp = time.strftime("%Y%m%dT%H%M%S")
+    stamp = reftemp.stamp()
     for name, old in sorted(refs.items()):
         if name in own:
             continue
@@ -137,7 +143,7 @@ def put_back(common: str, refs: dict[str, str], own: list[str], head: str, shado
             continue
         try:
             if new is not None and refvalues.is_id(new):
-                reftemp.write_ref(common, f"refs/dispatchd/displaced/{stamp}/{name}", new)
+                reftemp.keep_displaced(common, stamp, name, new)
             reftemp.write_ref(common, name, old)
         except OSError as exc:
             failed.append(f"{name}: {exc.strerror}")
@@ -146,3 +152,43 @@ def put_back(common: str, refs: dict[str, str], own: list[str], head: str, shado
         done.append((name, f"{what} by a session; put back at {old[:12] if refvalues.is_id(old) else old}"))
     moved, bad = newrefs.clear(common, now, refs, stamp)  # new upstream-tracking refs, notes, stash
     return done + moved, failed + bad
+
+
+def read_all(common: str) -> dict[str, str]:
+    """Every ref below ``refs/`` (the displaced ones included), and ``HEAD``
+    when it is detached (a commit made there is named by nothing else)."""
+    refs = read_refs(common, ("refs/",))
+    head = (fs.read_small(os.path.join(common, "HEAD"), 4096) or "").strip()
+    if refvalues.is_id(head):
+        refs["HEAD"] = head
+    return refs
+
+
+def keep_moved(common: str, before: dict[str, str]) -> tuple[list[str], list[str]]:
+    """After a restore wrote ``common``'s refs back: each ref of ``before``
+    (``read_all`` just before it) that it deleted or moved other than
+    forward kept as ``refs/dispatchd/displaced/TIME/NAME``, as the end's put
+    back keeps a session's moves (``reftemp.keep_displaced``); one moved
+    forward is not (its old value is still reachable: an ancestor). A
+    displaced ref the restore removed or changed (made after the checkpoint)
+    is written back under its own name. Returns the names written and what
+    failed. An ancestry that cannot be told in time keeps the value."""
+    now = read_all(common)
+    objects = os.path.join(common, "objects")
+    store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2)
+    when = reftemp.stamp()
+    kept: list[str] = []
+    failed: list[str] = []
+    for name, old in sorted(before.items()):
+        new = now.get(name)
+        if new == old or not refvalues.is_id(old):
+            continue  # unmoved, or a symbolic ref: nothing it names becomes unreachable
+        try:
+            if name.startswith(reftemp.DISPLACED):
+                reftemp.write_ref(common, name, old)  # ours: a restore never takes one away
+                kept.append(name)
+            elif not (new is not None and refvalues.is_id(new) and objectstore.is_ancestor(objects, old, new, store)):
+                kept.append(reftemp.keep_displaced(common, when, name, old))
+        except OSError as exc:
+            failed.append(f"{name}: its value {old[:12]} could not be kept ({exc.strerror})")
+    return kept, failed

@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import stat
+import time
 
 from dispatchd.daemon.gitguard import fs
 
@@ -33,6 +34,25 @@ log = logging.getLogger("dispatchd.gitguard")
 _OURS = re.compile(r".+\.dispatchd-[0-9a-f]{16}\.lock")
 _MAX_DIRS = 10_000  # refs/dispatchd/displaced is ours, but a session may have filled it
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+DISPLACED = "refs/dispatchd/displaced/"  # a moved ref's value kept as DISPLACED + TIME/NAME: git log finds it
+
+
+def stamp() -> str:
+    """The TIME of the values one put back or one restore keeps (local time, to the second)."""
+    return time.strftime("%Y%m%dT%H%M%S")
+
+
+def keep_displaced(common: str, when: str, name: str, value: str) -> str:
+    """``value`` (an id, or a symbolic ref), which ``name`` held before the
+    daemon moved or deleted it, kept as ``refs/dispatchd/displaced/WHEN/NAME``:
+    what it names stays reachable (``git gc`` keeps it, ``git log`` shows it).
+    Returns the name it is kept under. The one writer of such refs: the
+    end's put back and a checkpoint's restore name them alike."""
+    kept = f"{DISPLACED}{when}/{name}"
+    write_ref(common, kept, value)
+    return kept
 
 
 def temp_name(path: str) -> str:

@@ -1,0 +1,153 @@
+"""What a worktree held just before a restore, kept past its session.
+
+A restore removes what was made since its checkpoint, and not all of that
+is the session's: a file the user wrote by hand beside it (an ``.env``,
+notes) is removed too. The restore's ``before`` checkpoint keeps it, but a
+session's checkpoints go when it ends. So each ``before`` is also kept here,
+as plain files, where the user finds it without the daemon:
+
+    STATE/before-restore/TIME-SESSION-CHECKPOINT/
+        about.json    the worktree, the session, the checkpoint restored, when, until when
+        worktree/     every file, directory and symlink the worktree held (FIFOs left out)
+
+Guarantees:
+- **Complete or absent.** Made under ``.tmp-NAME`` and renamed into place
+  (with the policy's ``limits.fsync``, on the disk first) before the restore
+  touches the worktree: a daemon killed during the restore leaves it whole.
+- **No second copy of the bytes.** A file is a hard link to its copy in the
+  session's pool (a file of its own, never the live one: ``store``), so it
+  is read-only (0400) and costs a directory entry; it outlives the pool. A
+  link refused (another file system, a link count at its limit) is a copy.
+- **Nowhere a session looks.** In the daemon's state directory (0700),
+  which no sandbox binds. Directories are 0700 here whatever their mode in
+  the worktree (one a session made 000 would keep out the user and the sweep).
+- **Kept for ``RETENTION_S`` (7 days)**, by time alone: a count would let a
+  session push the user's file out by restoring again and again. Swept at
+  the daemon's start and at each new one (``sweep``): what is older goes,
+  and what a killed daemon left half made (``.tmp-``) after a day.
+- git's object files are not here (a checkpoint keeps none: the history
+  keep does); a restore never removes one, and the refs it moves are kept
+  in the repository (``gitguard.keep_moved_refs``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import time
+
+import msgspec
+
+from dispatchd import treewalk
+from dispatchd.durable import fsync_directory
+
+from dispatchd.daemon.checkpoints.plan import Manifest
+from dispatchd.daemon.checkpoints.reading import _copy_path
+from dispatchd.daemon.checkpoints.restoring import _syncfs
+
+log = logging.getLogger("dispatchd.checkpoints")
+
+DIR = "before-restore"  # in the daemon's state directory
+TREE = "worktree"
+ABOUT = "about.json"
+RETENTION_S = 7 * 86400
+_TMP = ".tmp-"
+_TMP_AFTER_S = 86400  # a half-made one older than this was left by a killed daemon
+_LINK_REFUSED = (errno.EXDEV, errno.EMLINK, errno.EPERM)
+
+
+class About(msgspec.Struct, frozen=True, kw_only=True):
+    """``about.json``: what the kept files are."""
+
+    worktree: str
+    session: str
+    restored: str  # the checkpoint the restore put back
+    before: str  # the session's checkpoint of the same files (gone with the session)
+    created: float  # seconds since the epoch
+    expires: float
+
+
+def keep(kept_dir: str, top: str, manifest: Manifest, worktree: str, session: str, restored: str,
+         fsync: bool = True) -> str:
+    """``manifest`` (a ``before`` checkpoint of the session whose pool is in
+    ``top``) as plain files under ``kept_dir``; returns its directory.
+    Raises OSError when it cannot be made (nothing is left of it then)."""
+    os.makedirs(kept_dir, mode=0o700, exist_ok=True)
+    sweep(kept_dir)
+    now = time.time()
+    name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(now))}-{session}-{manifest.info.id}"
+    tmp, final = os.path.join(kept_dir, _TMP + name), os.path.join(kept_dir, name)
+    try:
+        os.mkdir(tmp, 0o700)
+        tree = os.fsencode(os.path.join(tmp, TREE))
+        os.mkdir(tree, 0o700)
+        for e in sorted(manifest.entries, key=lambda e: e.path):  # parents first
+            if not e.path:
+                continue
+            dst = os.path.join(tree, e.path)
+            if e.kind == "d":
+                os.mkdir(dst, 0o700)
+            elif e.kind == "l":
+                os.symlink(e.target, dst)
+            elif e.kind == "f" and e.copy >= 0:
+                src = os.fsencode(_copy_path(top, e.copy))
+                try:
+                    os.link(src, dst, follow_symlinks=False)
+                except OSError as exc:
+                    if exc.errno not in _LINK_REFUSED:
+                        raise
+                    shutil.copyfile(src, dst, follow_symlinks=False)
+                    os.chmod(dst, 0o400)
+            # A FIFO holds no bytes (and one would stall a `grep -r` of this directory).
+        about = About(worktree=worktree, session=session, restored=restored, before=manifest.info.id,
+                      created=now, expires=now + RETENTION_S)
+        with open(os.path.join(tmp, ABOUT), "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(about)) + b"\n")
+        if fsync:
+            _syncfs(tmp)  # the links on the disk before the name says they are all there
+        os.rename(tmp, final)
+        if fsync:
+            fsync_directory(kept_dir)
+    except BaseException:
+        treewalk.remove_tree(tmp)
+        raise
+    log.info("event=before_restore_kept session=%s checkpoint=%s kept=%s", session, manifest.info.id, final)
+    return final
+
+
+def sweep(kept_dir: str, now: float | None = None) -> list[str]:
+    """Remove what is older than ``RETENTION_S`` (by its ``about.json``, else
+    its directory's mtime), and a half-made one a day old; returns their paths."""
+    now = time.time() if now is None else now
+    try:
+        names = sorted(os.listdir(kept_dir))
+    except FileNotFoundError:
+        return []
+    gone: list[str] = []
+    for name in names:
+        path = os.path.join(kept_dir, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue  # not ours
+        if name.startswith(_TMP):
+            expired = now - st.st_mtime > _TMP_AFTER_S
+        else:
+            created = st.st_mtime
+            with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
+                with open(os.path.join(path, ABOUT), "rb") as f:
+                    created = msgspec.json.decode(f.read(1 << 16), type=About).created
+            expired = now - created > RETENTION_S
+        if expired:
+            left = treewalk.remove_tree(path)
+            if left.skipped:
+                log.warning("event=before_restore_left path=%s why=%r", path, left.describe())
+            else:
+                log.info("event=before_restore_expired path=%s", path)
+                gone.append(path)
+    return gone
