@@ -148,8 +148,12 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         _print_session(s, say)
     for item in st.protected:
         # What this daemon's start did where a daemon that died had sessions:
-        # the baselines' checks (moved aside, put back) and cut restores.
-        say(f"at start, after a daemon that died: {item.path}: {item.why}")
+        # the baselines' checks (moved aside, put back) and cut restores; and
+        # the worktrees whose check could not finish (refused until a restart's passes).
+        if item.why.startswith("NOT checked whole"):
+            say(f"refused worktree: {item.path}: {item.why}")
+        else:
+            say(f"at start, after a daemon that died: {item.path}: {item.why}")
 
 
 def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:

@@ -115,3 +115,35 @@ def test_the_files_the_users_tools_run_are_protected_by_default(tmp_path: Path, 
     (repo / "notes" / name).write_text("x\n")
     (repo / "notes" / "plain.txt").write_text("x\n")  # the twin: a file no tool runs
     assert _changes(repo, before) == [f"notes/{name.split('/')[0]}"]
+
+
+@pytest.mark.parametrize("text", ["/proc/self/cwd/.git/objects/tools", "//{repo}/.git/objects/tools",
+                                  "{parent}/./r/.git/objects/tools", "/dev/fd/3/tools", "/proc/1/root/x"])
+def test_an_absolute_link_text_is_read_as_the_kernel_reads_it(tmp_path: Path, text: str) -> None:
+    repo = make_repo(tmp_path / "r")
+    before = runnables.take(str(repo))
+    os.symlink(text.format(repo=str(repo).lstrip("/"), parent=tmp_path), repo / "tools")
+    os.symlink("/usr/bin/python3", repo / "python")  # the twin: a venv's interpreter link, left alone
+    assert _changes(repo, before) == ["tools"]
+
+
+def test_a_git_directory_of_head_and_commondir_is_one(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    (repo / "docs").mkdir()
+    before = runnables.take(str(repo))
+    store = repo / ".cache" / "store"
+    for name in ("objects", "refs"):
+        (store / name).mkdir(parents=True)
+    (store / "config").write_text("[core]\n\tpager = touch PWNED\n")
+    (repo / "docs" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / "docs" / "commondir").write_text("../.cache/store\n")
+    assert _changes(repo, before) == ["docs/commondir"]  # git no longer takes docs/ for a repository
+
+
+def test_a_root_of_head_and_commondir_loses_both(tmp_path: Path) -> None:
+    root = tmp_path / "plain"
+    root.mkdir()
+    before = runnables.take(str(root), skip_root_git=False)
+    (root / "HEAD").write_text("ref: refs/heads/main\n")
+    (root / "commondir").write_text("store\n")
+    assert sorted(_changes(root, before, skip_root_git=False)) == ["HEAD", "commondir"]

@@ -20,8 +20,8 @@ Guarantees:
   says so (``complete`` False, ``why``), and the caller fails closed (the
   close says so); at a session's end (``ending``) a directory past the depth
   bound is the session's (no baseline has one) and is moved aside instead;
-- a git directory (``.git``, or a directory holding ``HEAD``, ``objects``
-  and ``refs``) is recorded by what git reads from it for configuration or
+- a git directory (``.git``, or a directory holding ``HEAD`` with ``objects``
+  and ``refs``, or with a ``commondir`` naming where they are) is recorded by what git reads from it for configuration or
   commands (``digests.fingerprint``), and a changed or new one loses
   those files only (its objects and refs stay where they are);
 - a protected name (the policy's ``protect.paths``, ``DEFAULT_PROTECTED`` by default) matches a
@@ -31,12 +31,13 @@ Guarantees:
 - the roots in ``excluded`` (worktrees checked under baselines of their own)
   and the worktree's own ``.git`` when ``snapshots`` covers it are not
   walked; a symlink whose text names a path through a git directory or its
-  bulk, where the walk does not look, is recorded (``_into_blind_spot``): a
+  bulk, where the walk does not look, or through the kernel's own links
+  (``/proc/self/cwd/...``), is recorded (``_into_blind_spot``): a
   repository hidden there (``.git/objects/tools``) and reached by ``cd``
   through a new link loses the link;
-- the worktree's root itself, made to look like a git directory (``HEAD``,
-  ``objects``, ``refs``: git enters it when no ``.git`` is found first), has
-  what git reads there recorded.
+- the worktree's root itself, made to look like a git directory (a
+  ``HEAD`` with ``objects`` and ``refs``, or with a ``commondir``: git enters
+  it when no ``.git`` is found first), has what git reads there recorded.
 """
 
 from __future__ import annotations
@@ -269,15 +270,15 @@ class _Walk:
             self.why = f"more than {MAX_ENTRIES} entries"
             return
         names = {name for name, _ in found}
+        looks_git = _looks_git(names)
         if st is not None and treewalk.settled(st.st_ctime_ns, self.settled_before + SETTLE_NS, SETTLE_NS) \
-                and ".git" not in names \
-                and not ({"HEAD", "objects", "refs"} <= names) and names.isdisjoint(self.names):
+                and ".git" not in names and not looks_git and names.isdisjoint(self.names):
             if len(self.remembered) >= MAX_REMEMBERED:
                 self.remembered.clear()
             self.remembered[(st.st_dev, st.st_ino)] = _Listing(
                 st.st_ctime_ns, st.st_mtime_ns, st.st_size, len(found),
                 tuple(name for name, kind in found if kind == "dir"))
-        if {"HEAD", "objects", "refs"} <= names:
+        if looks_git:
             if rel:
                 self._gitdir(fd, rel)
                 in_git = True
@@ -313,7 +314,7 @@ class _Walk:
                     self.entries[child] = "gitfile:" + (digest_at(fd, name, self.budget) or "absent")
                 continue
             mark = protected or name in self.names
-            if kind == "symlink" and not mark and _into_blind_spot(fd, name, rel, self.root):
+            if kind == "symlink" and not mark and _into_blind_spot(fd, name, rel):
                 mark = True  # recorded: a new one is moved aside (its target is not)
             if mark:
                 digest = digest_at(fd, name, self.budget)
@@ -359,7 +360,14 @@ class _Walk:
             self.entries[f"{rel}/{name}"] = digest
 
 
-def _into_blind_spot(fd: int, name: str, rel: str, root: str) -> bool:
+def _looks_git(names: set[str]) -> bool:
+    """Whether a directory of these entries is one git enters as a git
+    directory: a ``HEAD`` with ``objects`` and ``refs`` beside it, or with a
+    ``commondir`` naming where they are (git looks for them there)."""
+    return "HEAD" in names and ({"objects", "refs"} <= names or "commondir" in names)
+
+
+def _into_blind_spot(fd: int, name: str, rel: str) -> bool:
     """Whether the symlink ``name`` (in the directory ``rel``) names a path
     through a git directory or its bulk (``.git``, ``objects``, ``refs``,
     ``logs``, ``lfs``): places the walk does not look into, where a
@@ -371,10 +379,16 @@ def _into_blind_spot(fd: int, name: str, rel: str, root: str) -> bool:
     except OSError:
         return False
     if os.path.isabs(target):
-        if not is_within(target, root):
-            return False
-        target = os.path.relpath(target, root)
-    parts = os.path.normpath(os.path.join(rel, target)).split("/")
+        # Through the kernel's own links (a process's cwd, root, descriptors)
+        # a text names anything: recorded whatever it says next. Otherwise
+        # read as the kernel reads it (``//``, ``/./``, ``..`` taken away),
+        # wherever it points: a path through another repository's bulk is as blind.
+        normal = os.path.normpath(target)
+        if normal.startswith(("/proc/", "/dev/fd")) or normal in ("/proc", "/dev/fd"):
+            return True
+        parts = normal.split("/")
+    else:
+        parts = os.path.normpath(os.path.join(rel, target)).split("/")
     return ".git" in parts or not _GIT_BULK.isdisjoint(parts)
 
 
