@@ -489,6 +489,7 @@ class Baselines:
                 except Exception as exc:
                     done, bad = [], [f"{kept.common}: restoring history failed: {type(exc).__name__}: {exc}"]
                 failed += bad
+                found += [unchecked(kept.common, bad, now_t)] if bad else []
                 for path, why in done:
                     log.warning("event=git_history_restored path=%s why=%r", path, why)
                     found.append(Protected(path=path, why=why, time=now_t))
