@@ -21,7 +21,7 @@ import pytest
 
 import dispatch
 from dispatchd.daemon import inusedir
-from tests.conftest import REPO, Daemon, shell, wait_for_pool, wait_until
+from tests.conftest import REPO, Daemon, open_when_free, shell, wait_for_pool, wait_until
 
 
 def _claims(d: Daemon, top: Path | None = None) -> list[str]:
@@ -56,36 +56,34 @@ def repo(tmp_path: Path) -> Path:
     return r
 
 
-@pytest.fixture
-def two(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
+@contextlib.contextmanager
+def _pair(tmp_path: Path, *extra: str, one_state: bool) -> Iterator[tuple[Daemon, Daemon]]:
+    """Two daemons, each on its own socket: on one state directory, or each
+    on its own (another XDG_STATE_HOME each). The first may be killed."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    first = Daemon(tmp_path / "a", "--cgroup", "off")
+    first = Daemon(tmp_path / "a", "--cgroup", "off", *extra)
     second = None
     try:
-        second = Daemon(tmp_path / "b", "--cgroup", "off", state=first.state)
+        second = Daemon(tmp_path / "b", "--cgroup", "off", *extra, state=first.state if one_state else None)
+        assert (first.state == second.state) is one_state
         yield first, second
     finally:
         for d, killed in ((second, False), (first, first.proc.poll() == -signal.SIGKILL)):
             if d is not None:
                 assert d.stop() == (-signal.SIGKILL if killed else 0), d.log()
+
+
+@pytest.fixture
+def two(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
+    with _pair(tmp_path, one_state=True) as pair:
+        yield pair
 
 
 @pytest.fixture
 def apart(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
-    """Two daemons on state directories of their own (another XDG_STATE_HOME each)."""
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first = Daemon(tmp_path / "a", "--cgroup", "off")
-    second = None
-    try:
-        second = Daemon(tmp_path / "b", "--cgroup", "off")
-        assert first.state != second.state
-        yield first, second
-    finally:
-        for d, killed in ((second, False), (first, first.proc.poll() == -signal.SIGKILL)):
-            if d is not None:
-                assert d.stop() == (-signal.SIGKILL if killed else 0), d.log()
+    with _pair(tmp_path, one_state=False) as pair:
+        yield pair
 
 
 def _refused(root: Path, sid: str, daemon: Daemon, uses: Path) -> str:
@@ -118,7 +116,7 @@ def test_a_second_daemon_s_open_is_refused_while_the_first_s_session_lives(pair:
         with c2.open_session(str(other)) as beside:
             assert shell(beside, "touch x").is_success
         s1.close()
-        with _when_free(c2, repo) as s2:  # and once the first's session has ended
+        with open_when_free(c2, repo) as s2:  # and once the first's session has ended
             assert shell(s2, "touch y").is_success
         assert wait_until(lambda: _claims(first) == [])
 
@@ -139,7 +137,7 @@ def test_the_first_daemon_s_keep_is_not_undone(two: tuple[Daemon, Daemon], repo:
                 c2.open_session(str(repo))
         assert sorted(p.relative_to(repo) for p in (repo / ".git" / "objects").glob("??/*")) == objects
         git(repo, "fsck", "--strict")
-        with _when_free(c2, repo) as s2:  # the twin: once it has ended, the other daemon opens
+        with open_when_free(c2, repo) as s2:  # the twin: once it has ended, the other daemon opens
             assert shell(s2, "git log --format=%s").output == "init\n"
 
 
@@ -169,35 +167,10 @@ def test_a_killed_daemon_s_baseline_is_checked_before_another_daemon_opens(pair:
     assert wait_until(lambda: _claims(second) == [])
 
 
-def _when_free(client: dispatch.Client, root: Path) -> dispatch.Session:
-    """A session on ``root`` once the other daemon's last session there has
-    given it back (after its close's reply, once its baseline's record is gone)."""
-    opened: list[dispatch.Session] = []
-
-    def attempt() -> bool:
-        try:
-            opened.append(client.open_session(str(root)))
-        except dispatch.DispatchError as exc:
-            assert "of another dispatchd" in str(exc), str(exc)
-            return False
-        return True
-    assert wait_until(attempt, timeout=10)
-    return opened[0]
-
-
 @pytest.fixture
 def two_degraded(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first = Daemon(tmp_path / "a", "--cgroup", "off", "--no-user-namespaces")
-    second = None
-    try:
-        second = Daemon(tmp_path / "b", "--cgroup", "off", "--no-user-namespaces", state=first.state)
-        yield first, second
-    finally:
-        for d, killed in ((second, False), (first, first.proc.poll() == -signal.SIGKILL)):
-            if d is not None:
-                assert d.stop() == (-signal.SIGKILL if killed else 0), d.log()
+    with _pair(tmp_path, "--no-user-namespaces", one_state=True) as pair:
+        yield pair
 
 
 def test_the_git_metadata_is_looked_at_again_after_a_dead_daemon_s_remains(two_degraded: tuple[Daemon, Daemon],
@@ -219,7 +192,7 @@ def test_the_git_metadata_is_looked_at_again_after_a_dead_daemon_s_remains(two_d
     hook = repo / ".git" / "hooks" / "pre-commit"
     assert hook.exists()
     with second.connect() as c2:
-        s2 = _when_free(c2, repo)
+        s2 = open_when_free(c2, repo)
         assert not hook.exists()  # moved aside before this session's baseline
         assert shell(s2, plant).is_success
         s2.close()
@@ -247,7 +220,7 @@ def test_an_open_whose_use_cannot_be_recorded_is_refused(tmp_path: Path, repo: P
     try:
         with first.connect() as c1:
             c1.open_session(str(repo)).close()  # the table exists
-            assert _claims(first, mutex.parent) == []
+            assert wait_until(lambda: _claims(first, mutex.parent) == [])  # given back after the close's reply
             mutex.chmod(0o000)  # what every claim locks cannot be opened
             try:
                 with pytest.raises(dispatch.DispatchError) as err:
@@ -290,17 +263,8 @@ def _fewest_fds(d: Daemon) -> int:
 def apart_in_mode(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Daemon, Daemon]]:
     """``apart``, in both modes (degraded: the git metadata writable while a session runs)."""
     extra = ("--no-user-namespaces",) if request.param == "degraded" else ()
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first = Daemon(tmp_path / "a", "--cgroup", "off", *extra)
-    try:
-        second = Daemon(tmp_path / "b", "--cgroup", "off", *extra)
-        try:
-            yield request.param, first, second
-        finally:
-            assert second.stop() == 0, second.log()
-    finally:
-        assert first.stop() == 0, first.log()
+    with _pair(tmp_path, *extra, one_state=False) as (first, second):
+        yield request.param, first, second
 
 
 # What a session can change that the user's git runs: in degraded mode the
@@ -337,7 +301,7 @@ def test_a_plant_is_never_put_back_by_a_daemon_on_another_state_directory(
         assert str(err.value) == _refused(repo, s1.id, first, repo), str(err.value)
         assert c2.list_sessions() == []
         s1.close()
-        with _when_free(c2, repo) as s2:  # the twin: once the first's session has ended, it opens
+        with open_when_free(c2, repo) as s2:  # the twin: once the first's session has ended, it opens
             assert shell(s2, "git status --short").is_success
     for what in (".git/commondir", ".git/hooks/pre-push"):
         assert not (repo / what).exists(), what
