@@ -374,9 +374,20 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("event=testing_dns_resolv_conf path=%s (the DNS relay forwards to its nameservers)",
                     args.dns_resolv_conf_for_testing)
     dns = DnsRelay(args.dns_resolv_conf_for_testing or HOST_RESOLV_CONF, ports=bool(args.dns_resolv_conf_for_testing))
+    from dispatchd.daemon import inusedir
+
+    # The table that keeps two daemons' sessions off one worktree: the user's,
+    # whatever XDG_STATE_HOME says; this state directory's alone, said, when it cannot be.
+    in_use = inusedir.choose(state)
+    statemodes.own(in_use.path)  # its files' modes set back as the state directory's are (statemodes.py)
+    if in_use.shared:
+        log.info("event=inuse_table path=%s shared=yes", in_use.path)
+    else:
+        log.warning("event=inuse_table path=%s shared=no why=%r", in_use.path, in_use.note)
     manager = SessionManager(
-        fork_server=fork_server, kernel=features, load_policy=policy_loader, state_dir=state,
-        protected=[state, os.path.dirname(socket_path)], private=[state], runtime_dirs=sorted(runtime),
+        fork_server=fork_server, kernel=features, load_policy=policy_loader, state_dir=state, in_use_table=in_use,
+        protected=[state, os.path.dirname(socket_path), in_use.path], private=[state, in_use.path],
+        runtime_dirs=sorted(runtime),
         code_paths=_code_paths(), base_env=dict(os.environ), delegation=delegation, resolver=resolver,
         pool_size=args.pool, host_tree=not host_tree_missing, dns=dns, launch=launch,
     )

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -315,6 +315,23 @@ def running(marker: str) -> list[int]:
     """Like ``sleepers``: the processes of this test process whose command line
     holds ``marker`` anywhere (a shell running ``sleep MARKER; ...`` too)."""
     return _processes(lambda cwd, argv: marker.encode() in b"\0".join(argv) and _of_this_run(cwd))
+
+
+def open_when_free(client: dispatch.Client, root: Path, **request: Any) -> dispatch.Session:
+    """A session on ``root`` once another daemon's last session there has
+    given it back: after its close's reply, once its baseline's record is
+    gone (every daemon of the user shares one table: daemon/inusedir.py)."""
+    opened: list[dispatch.Session] = []
+
+    def attempt() -> bool:
+        try:
+            opened.append(client.open_session(str(root), **request))
+        except dispatch.DispatchError as exc:
+            assert "of another dispatchd" in str(exc), str(exc)
+            return False
+        return True
+    assert wait_until(attempt, timeout=10)
+    return opened[0]
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.02) -> bool:

@@ -140,6 +140,8 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
             say(f"line loops: {d.line_loops}")
         if d.helpers:
             say(f"helpers: {d.helpers}")
+        if d.in_use:
+            say(("" if d.in_use_shared else "warning: ") + f"worktrees in use recorded in {d.in_use}")
     asleep = sum(1 for s in st.sessions if s.asleep)
     say(f"{len(st.sessions)} session(s)" + (f", {asleep} asleep (no process; the next call wakes each)" if asleep else ""))
     if not st.sessions:

@@ -1,4 +1,4 @@
-"""A session's worktree claimed from the other daemons on the state directory.
+"""A session's worktree claimed from the user's other daemons, whatever their state directories.
 
 Each daemon keeps its own trusted baseline of a worktree and its own keep of
 the repository's objects (``gitguard/``): a second daemon's session on the
@@ -11,7 +11,8 @@ sessions at a time use a worktree and its repository:
 Guarantees:
 - ``claim`` records the session's worktree and repository (``inuse.py``: an
   entry flock'ed while the session lives, decided under the table's flock:
-  two daemons' opens never both pass; looked at on the open's path, made
+  two daemons' opens never both pass, on one state directory or two (the
+  table is the user's: ``inusedir.py``); looked at on the open's path, made
   with the baseline's join, before it), or refuses the open with the other
   daemon's session named; ``release`` gives it back after the session's
   end, once its baseline's record is gone; a worktree whose check failed is
@@ -19,7 +20,8 @@ Guarantees:
   is then refused by every daemon, as by this one, until this one stops;
 - when the entry of a dead daemon's session relates to this worktree, what
   that daemon left is finished before this session's baseline is taken, as a
-  daemon's start does: the restores it cut short (``finish_restores``), then
+  daemon's start does, in the state directory its entry names (a store of
+  its own when that is not this daemon's): the restores it cut short (``finish_restores``), then
   the checks of its baselines' records that relate to this worktree
   (``Baselines.recover``: what its sessions planted is moved aside, the
   repository's history put back; every record when a dead entry cannot be
@@ -84,22 +86,37 @@ def claim(in_use: InUse | None, baselines: Baselines, session: Session, state_di
     with _RECOVERING:
         _record(in_use, session.id, root, common, dead_ok=True)
         log.warning("event=dead_daemon_sessions_found session=%s entries=%s", session.id, ",".join(dead))
-        said += [Protected(path=path, why=why, time=time.time())
-                 for path, why in checkpoints.finish_restores(state_dir, in_use, gitguard.unheld_roots(state_dir))]
         def related(roots: list[str], commons: list[str]) -> bool:  # a record's parts: each root with each common
             return any(worktrees_relate(root, common, r, c) for r in roots for c in commons or [""])
-        # An entry that cannot be read may stand for any worktree: every record checked then.
-        baselines.recover(related=None if in_use.unreadable & set(dead) else related)
-        if _checked_elsewhere(baselines, related):
-            raise WorktreeError(f"{root}: another dispatchd is checking what a dispatchd that died left here; "
-                                "open it again in a moment; no session opened", root)
-        why = tainted(baselines, root)
-        if why:
-            raise WorktreeError(f"{root}: a session of a dispatchd that died left files here that could not be moved "
-                                f"aside ({why}); look at them (your own tools would run them), then restart "
-                                "dispatchd", root)
+        for state, names in _by_state(in_use, dead, state_dir).items():
+            _finish(in_use, state, baselines, state == state_dir, related, names, root, said)
         in_use.forget_dead(dead)
     return True, lambda: None
+
+
+def _finish(in_use: InUse, state: str, baselines: Baselines, own: bool,
+            related: Callable[[list[str], list[str]], bool], names: list[str], root: str,
+            said: list[Protected]) -> None:
+    """What the dead daemons on ``state`` left, finished as their start
+    would: their restores cut short, then their baselines' records that
+    relate (every record when one of their entries cannot be read: it may
+    stand for any worktree); raises when the worktree is left refused.
+    ``own``: ``state`` is this daemon's (``baselines``'); another's records
+    are checked by a store of their own, what it did said with the restores."""
+    said += [Protected(path=path, why=why, time=time.time())
+             for path, why in checkpoints.finish_restores(state, in_use, gitguard.unheld_roots(state))]
+    store = baselines if own else Baselines(state, baselines.home)
+    found = store.recover(related=None if in_use.unreadable & set(names) else related)
+    if not own:
+        said += found
+    if _checked_elsewhere(store, related):
+        raise WorktreeError(f"{root}: another dispatchd is checking what a dispatchd that died left here; "
+                            "open it again in a moment; no session opened", root)
+    why = tainted(store, root)
+    if why:
+        raise WorktreeError(f"{root}: a session of a dispatchd that died left files here that could not be moved "
+                            f"aside ({why}); look at them (your own tools would run them), then "
+                            f"{'restart dispatchd' if own else 'open it again (they are checked again)'}", root)
 
 
 def _record(in_use: InUse, sid: str, root: str, common: str, dead_ok: bool = False) -> None:
@@ -115,15 +132,33 @@ def _record(in_use: InUse, sid: str, root: str, common: str, dead_ok: bool = Fal
                             "(its remains are finished first); no session opened", root)
 
 
+def _by_state(in_use: InUse, dead: list[str], state_dir: str) -> dict[str, list[str]]:
+    """The dead entries ``dead`` by the state directory their daemon kept its
+    baselines' records in: this daemon's own for one that names none (or
+    cannot be read), and first."""
+    uses = dict(in_use.dead())
+    found: dict[str, list[str]] = {state_dir: []}
+    for name in dead:
+        use = uses.get(name)
+        state = use.state if use is not None and use.state else state_dir
+        found.setdefault(state_dir if same_state(state, state_dir) else state, []).append(name)
+    return {state: names for state, names in found.items() if names}
+
+
+def same_state(state: str, mine: str) -> bool:
+    """Whether an entry's state directory is ``mine`` (by real path: either may be spelled another way)."""
+    return os.path.realpath(state) == os.path.realpath(mine)
+
+
 def _unrecorded(root: str, exc: OSError) -> WorktreeError:
-    return WorktreeError(f"{root}: its use could not be recorded for the other daemons on this state directory "
+    return WorktreeError(f"{root}: its use could not be recorded for your other dispatchd daemons "
                          f"({exc.strerror or exc}); no session opened", root)
 
 
 def _refusal(root: str, other: Use) -> WorktreeError:
     who = f"session {other.session} of another dispatchd (pid {other.pid})" if other.pid else \
         "a session of another dispatchd"
-    return WorktreeError(f"{root}: {who} on this state directory uses {other.worktree}, which overlaps it, "
+    return WorktreeError(f"{root}: {who} uses {other.worktree}, which overlaps it, "
                          "shares its repository or holds it; each dispatchd keeps its own baseline of a worktree, "
                          "so the sessions of one at a time use it: close that session, or open this one through "
                          "that dispatchd; no session opened", root)
@@ -157,10 +192,15 @@ def tainted(baselines: Baselines, root: str) -> str:
     return next((why for r, why in list(baselines.tainted.items()) if overlap(r, root)), "")
 
 
-def finished(dead: list[tuple[str, Use]], baselines: Baselines) -> list[str]:
+def finished(dead: list[tuple[str, Use]], baselines: Baselines, state_dir: str) -> list[str]:
     """Of a start's dead entries, those whose remains its start finished:
-    all but those a failed check left refused."""
-    return [name for name, use in dead if not tainted(baselines, use.worktree)]
+    those of daemons on its state directory (``state_dir``; an entry that
+    names none was made there) but those a failed check left refused, and
+    those whose state directory is gone (nothing of theirs is left to check).
+    Another state directory's are left to a related open, or to a start there."""
+    return [name for name, use in dead
+            if (not use.state or same_state(use.state, state_dir)) and not tainted(baselines, use.worktree)
+            or use.state and not os.path.isdir(use.state)]
 
 
 def release(in_use: InUse | None, baselines: Baselines, session: Session,

@@ -1,16 +1,20 @@
-"""The worktrees every daemon on one state directory has sessions on: ``InUse``.
+"""The worktrees every daemon of the user has sessions on: ``InUse``.
 
-Daemons of one user may share a state directory (the systemd service and one
-started by hand on a socket of its own). Each keeps its own trusted baseline
+Daemons of one user may run side by side (the systemd service and one
+started by hand on a socket of its own), on one state directory or on
+several (another ``XDG_STATE_HOME``). Each keeps its own trusted baseline
 of a worktree and its own keep of the repository's objects (``gitguard/``),
 so their sessions must not use one worktree, one inside the other, or two
 worktrees of one repository at the same time (``claims.py`` says why, and
 refuses the open); this is where each daemon says which it uses.
 
-On disk, in ``STATE/inuse/`` (0700): entries (``TOKEN.N.uses``), each
-flock'ed ``LOCK_EX`` by its daemon from when it is made, of ``SIZE`` bytes:
-a session's use (its session, daemon pid, worktree, repository's common
-directory and time, in JSON, padded with spaces) from the open until the
+On disk, in one directory of the user's whatever the state directory
+(``inusedir.py``: ``~/.local/state/dispatchd/inuse/`` of the passwd entry's
+home, 0700; ``STATE/inuse/`` when that cannot be used): entries
+(``TOKEN.N.uses``), each flock'ed ``LOCK_EX`` by its daemon from when it is
+made, of ``SIZE`` bytes: a session's use (its session, daemon pid,
+worktree, repository's common directory, time, and the daemon's state
+directory, where its baseline records are, in JSON, padded with spaces) from the open until the
 session's end, else spaces (a spare). A claim writes a spare in place, one
 page in one ``pwrite``, under the mutex every reader holds (a page written
 while it is read may be read half old, half new), as a release does: making a
@@ -24,14 +28,16 @@ Guarantees:
 - an entry counts only while its file is locked: the kernel drops a killed
   daemon's locks with it, at any step; such an entry stays on disk, listed
   to the claims it relates to, until ``forget_dead`` (its daemon's baselines
-  are checked first: ``claims.py``);
+  are checked first, in the state directory the entry names: ``claims.py``);
 - a claim is decided and recorded under the mutex, which every look holds:
   two daemons never both claim related worktrees, and no entry is seen half
   made (one a killed daemon left half made is unlocked: dead);
 - an entry that is locked and cannot be read relates to every worktree
   (fail closed); one of spaces only is a spare (nothing; removed when dead);
 - what cannot be written or read (the state directory full, unwritable)
-  raises ``OSError``: the caller refuses the open.
+  raises ``OSError``: the caller refuses the open;
+- a daemon's entries are many daemons' reading (every daemon of the user):
+  one that is made and given back stays one page written in place.
 
 This daemon's own entries are not consulted: its baselines' domains are exact
 for its own sessions.
@@ -70,6 +76,7 @@ class Use:
     worktree: str
     since: float
     common: str = ""
+    state: str = ""  # its daemon's state directory (its baselines' records); "": not known (unreadable)
 
     def relates(self, worktree: str, common: str) -> bool:
         """Whether ``worktree`` relates to this one (``worktrees_relate``)."""
@@ -82,8 +89,9 @@ _UNREADABLE = Use("?", 0, "/", 0.0)  # "/" overlaps every worktree
 class InUse:
     """This daemon's entries in ``directory``, and its looks at the others'."""
 
-    def __init__(self, directory: str, pid: int | None = None) -> None:
+    def __init__(self, directory: str, pid: int | None = None, state: str = "") -> None:
         self.dir = directory
+        self.state = state  # this daemon's state directory, in each entry, for a recovery after its death
         self.pid = os.getpid() if pid is None else pid
         self.token = f"{self.pid}-{secrets.token_hex(4)}"  # a pid is reused; this daemon is not
         self._fds: dict[str, tuple[str, int]] = {}  # session -> its entry's name and locked descriptor
@@ -197,8 +205,10 @@ class InUse:
                 continue
             try:
                 e = json.loads(text)
+                # An entry that names no state directory was made by a daemon that kept the
+                # table in its state directory: the table's parent.
                 use = Use(str(e["session"]), int(e["pid"]), str(e["worktree"]), float(e["since"]),
-                          str(e.get("common", "")))
+                          str(e.get("common", "")), str(e.get("state", "")) or os.path.dirname(self.dir))
             except (ValueError, KeyError, TypeError):
                 use = _UNREADABLE
                 if not live:
@@ -235,6 +245,8 @@ class InUse:
         entry: dict[str, object] = {"session": session, "pid": self.pid, "worktree": worktree, "since": time.time()}
         if common:
             entry["common"] = common
+        if self.state:
+            entry["state"] = self.state
         data = json.dumps(entry).encode()
         while self._spares and os.fstat(self._spares[-1][1]).st_nlink == 0:
             os.close(self._spares.pop()[1])  # removed meanwhile (the directory with it): no one would read it

@@ -388,7 +388,8 @@ class Server:
                                             connections=self.connections, max_connections=self.max_connections,
                                             parked=self._parking.count(),
                                             pool=m.pool.report(), line_loops=native.report(),
-                                            helpers=self.helpers()),
+                                            helpers=self.helpers(), in_use=m.in_use_table.note,
+                                            in_use_shared=m.in_use_table.shared),
                                         protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
                                                    for p in m.baselines.recovered + m.restores_at_start]
                                         + [protocol.ProtectedItem(path=root, why=f"NOT checked whole ({why}): sessions "

@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable
 
 from dispatchd.confine import cgroups, stacks
-from dispatchd.daemon import afterwards, checkpoints, claims, gitguard, leftovers, lifetimes, watchdog
+from dispatchd.daemon import afterwards, checkpoints, claims, gitguard, inusedir, leftovers, lifetimes, watchdog
 from dispatchd.daemon.dnsrelay import DnsRelay
 from dispatchd.daemon.pool import SandboxPool
 from dispatchd.daemon.proxy import Resolver, system_resolver
@@ -96,6 +96,7 @@ class SessionManager(Switching):
         host_tree: bool = False,
         dns: DnsRelay | None = None,
         launch: stacks.Launch | None = None,
+        in_use_table: inusedir.Table | None = None,
     ) -> None:
         self.fork_server = fork_server
         self.dns = dns  # network on/ports: the DNS relay, and the resolv.conf sessions read (daemon/dnsrelay.py)
@@ -124,8 +125,10 @@ class SessionManager(Switching):
         self.home = os.path.expanduser("~")
         self._sessions = {}
         self.write_locks = WriteLocks()  # one writer per worktree
-        # The worktrees this daemon's sessions use, for the other daemons on the state directory (claims.py).
-        self.in_use: InUse | None = InUse(os.path.join(state_dir, "inuse"))
+        # The worktrees this daemon's sessions use, for the user's other daemons (claims.py): in one
+        # table of the user's whatever the state directory, or this one's alone (said: inusedir.py).
+        self.in_use_table = in_use_table or inusedir.choose(state_dir)
+        self.in_use: InUse | None = InUse(self.in_use_table.path, state=os.path.realpath(state_dir))
         try:  # noted before what they left is finished below: forgotten after, those finished only
             dead = self.in_use.dead()
         except OSError as exc:
@@ -145,7 +148,7 @@ class SessionManager(Switching):
         for found in self.baselines.recover():
             log.warning("event=recovered path=%s why=%r", found.path, found.why)
         try:
-            self.in_use.forget_dead(claims.finished(dead, self.baselines))
+            self.in_use.forget_dead(claims.finished(dead, self.baselines, state_dir))
             self.in_use.prepare()  # the spare entries an open's claim writes in place
         except OSError as exc:  # each claim then makes its own, or refuses its open
             log.warning("event=inuse_unwritable error=%s", exc)

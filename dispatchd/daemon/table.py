@@ -72,7 +72,7 @@ class SessionTable:
     home: str
     accepting: bool  # False once the daemon stops: no open, no sleep
     write_locks: WriteLocks
-    in_use: InUse | None  # the worktrees its sessions use, for the other daemons on the state directory
+    in_use: InUse | None  # the worktrees its sessions use, for the user's other daemons (claims.py)
     state_dir: str
     restores_at_start: list[gitguard.Protected]  # and those a dead daemon left, finished at a related open
     baselines: gitguard.Baselines

@@ -71,6 +71,8 @@ class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):
     pool: str = ""  # the sandboxes made ahead (daemon/pool.py), in words
     line_loops: str = ""  # the C helper of read_file and search_files (tools/native.py), in words
     helpers: str = ""  # the fork server, the network stacks and the socket path (daemon/helpers.py), in words
+    in_use: str = ""  # the table of worktrees in use (daemon/inusedir.py): where, and which daemons see it
+    in_use_shared: bool = True  # False: only the daemons on this state directory see it (a weaker mode)
 
 
 class LandlockReport(msgspec.Struct, frozen=True):

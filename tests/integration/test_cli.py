@@ -25,6 +25,7 @@ import pytest
 
 import dispatch
 import dispatchd
+from dispatchd.daemon import inusedir
 from tests.conftest import Daemon, credential_dir, listening
 
 ALL_TOOLS = ["read_file", "write_file", "edit_file", "create_file", "list_files", "search_files", "shell_exec",
@@ -369,7 +370,9 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
                         "usual call is answered there whole (dispatchd.tools._lines)")
     assert re.fullmatch(r"helpers: fork server pid \d+: running; network stacks: \d+ running, 0 ended a session "
                         r"by exiting; socket: ours", lines[5]), lines[5]
-    assert re.fullmatch(r"\d+ session\(s\)", lines[6])
+    assert lines[6] == (f"worktrees in use recorded in {inusedir.shared_path(os.getuid())}, shared by every "
+                        "dispatchd of yours whatever its state directory")
+    assert re.fullmatch(r"\d+ session\(s\)", lines[7])
     mine = [i for i, line in enumerate(lines) if line.strip().startswith(sid)]
     assert len(mine) == 1
     block = "\n".join(lines[mine[0]:mine[0] + 4])

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 import dispatch
-from tests.conftest import CGROUP_BASE, REPO, Daemon, _refuse_root, probe, wait_for_pool
+from tests.conftest import CGROUP_BASE, REPO, Daemon, _refuse_root, open_when_free, probe, wait_for_pool
 
 _FINGERPRINT = r'''
 import ctypes, errno, json, os, socket
@@ -226,7 +226,7 @@ def _open_both(pair: tuple[Daemon, Daemon], wt: Path, *, expect_made_ahead: bool
         with a.open_session(str(wt), **request) as s:
             assert s.status()["protections"].get("made_ahead", False) is expect_made_ahead, pooled.log()[-3000:]
             ahead = fingerprint(s, wt)
-        with b.open_session(str(wt), **request) as s:
+        with open_when_free(b, wt, **request) as s:  # the pooled daemon's gives it back after its close's reply
             assert s.status()["protections"].get("made_ahead", False) is False
             at_open = fingerprint(s, wt)
     return ahead, at_open
@@ -332,7 +332,7 @@ def test_a_sandbox_planned_for_another_worktree_serves_this_one_as_one_made_at_o
                 assert s.status()["protections"].get("made_ahead") is True, pooled.log()[-3000:]
                 ahead = fingerprint(s, second)
                 seen = probe(s, f"import os; print(os.path.exists({str(first)!r}), os.path.exists({str(second)!r}))")
-            with b.open_session(str(second)) as s:
+            with open_when_free(b, second) as s:
                 at_open = fingerprint(s, second)
     finally:
         shutil.rmtree(first)

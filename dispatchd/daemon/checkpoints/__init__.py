@@ -86,7 +86,7 @@ def finish_restores(state_dir: str, in_use: InUse | None = None,
     """At the daemon's start, before the trusted baselines are re-checked,
     old checkpoints removed, or anything served: every restore a killed
     daemon cut half way is finished, or kept and logged (``journal``); each
-    with its worktree claimed from the other daemons on the state directory
+    with its worktree claimed from the user's other daemons
     (``in_use``: one whose session uses it keeps the record for the next
     start). ``checked``: the worktrees a baseline's check will look at next
     (``gitguard.unheld_roots``); a restore elsewhere is not finished: what
@@ -108,7 +108,7 @@ def finish_restores(state_dir: str, in_use: InUse | None = None,
         try:
             other, _ = in_use.claim(name, worktree, common)
         except OSError as exc:
-            return f"its use could not be recorded for the other daemons on this state directory ({exc.strerror})"
+            return f"its use could not be recorded for your other dispatchd daemons ({exc.strerror})"
         if other is not None:
             return f"session {other.session} of another dispatchd (pid {other.pid}) uses {other.worktree}"
         return lambda: in_use.release(name)

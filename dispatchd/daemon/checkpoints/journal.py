@@ -308,8 +308,7 @@ def finish_all(root: str, hold: Hold | None = None) -> list[Outcome]:
     daemon left is finished, its record removed. Returns what became of
     each (a reason logged for each left unfinished). Never raises for a
     record: a worktree's state never stops a daemon. ``hold(session,
-    worktree)``: the worktree claimed from the other daemons on the state
-    directory while the restore runs (a release to call after), or why not
+    worktree)``: the worktree claimed from the user's other daemons while the restore runs (a release to call after), or why not
     (another daemon's session uses it: the record is kept for the next
     start, as for any worktree changed since)."""
     outcomes: list[Outcome] = []
