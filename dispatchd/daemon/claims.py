@@ -42,13 +42,14 @@ import functools
 import hashlib
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
 
 import msgspec
 
-from dispatchd import flocks
+from dispatchd import flocks, statemodes
 from dispatchd.daemon import checkpoints
 from dispatchd.daemon import gitguard
 from dispatchd.daemon.gitguard import Baselines, Protected
@@ -103,6 +104,8 @@ def _finish(in_use: InUse, state: str, baselines: Baselines, own: bool,
     stand for any worktree); raises when the worktree is left refused.
     ``own``: ``state`` is this daemon's (``baselines``'); another's records
     are checked by a store of their own, what it did said with the restores."""
+    if not own:
+        _reach(state, root)
     said += [Protected(path=path, why=why, time=time.time())
              for path, why in checkpoints.finish_restores(state, in_use, gitguard.unheld_roots(state))]
     store = baselines if own else Baselines(state, baselines.home)
@@ -200,7 +203,35 @@ def finished(dead: list[tuple[str, Use]], baselines: Baselines, state_dir: str) 
     Another state directory's are left to a related open, or to a start there."""
     return [name for name, use in dead
             if (not use.state or same_state(use.state, state_dir)) and not tainted(baselines, use.worktree)
-            or use.state and not os.path.isdir(use.state)]
+            or use.state and _gone(use.state)]
+
+
+def _gone(state: str) -> bool:
+    """Whether a state directory is gone for good: not there, or no
+    directory. One a session made unreadable (a chmod, in degraded mode) is
+    not: its records are still to be checked."""
+    try:
+        return not stat.S_ISDIR(os.stat(state).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+
+
+def _reach(state: str, root: str) -> None:
+    """Another daemon's state directory made readable again if a session
+    changed its mode (it is the user's, as this daemon's is: statemodes.py),
+    or the open refused, saying which directory and why: its records must be
+    checked before this worktree's baseline is taken."""
+    try:
+        statemodes.heal(state, None, top=state)
+        statemodes.heal_tree(state)
+        os.listdir(state)
+    except OSError as exc:
+        raise WorktreeError(f"{root}: a dispatchd that died had sessions related to this worktree, and its state "
+                            f"directory {state} cannot be read ({exc.strerror or exc}), so what they left cannot be "
+                            f"checked; make it readable (chmod 700 {state}) and open again; no session opened",
+                            root) from exc
 
 
 def release(in_use: InUse | None, baselines: Baselines, session: Session,

@@ -227,6 +227,8 @@ class InUse:
         except FileNotFoundError:
             return None
         try:
+            if os.fstat(fd).st_uid != os.getuid():
+                return None  # another user's, made while others could write here (inusedir.py): never read
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:

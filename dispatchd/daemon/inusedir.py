@@ -14,8 +14,9 @@ Guarantees:
   ``.local/state/dispatchd/inuse``; every daemon of the user, whatever its
   state directory, finds the same one (its real path);
 - it is used only when it is a directory, not a symlink, owned by the uid,
-  of mode 0700 (made so when this daemon makes it), in which a file can be
-  made and flock'ed: checked once, at the start;
+  in which a file can be made and flock'ed: checked once, at the start; a
+  mode other than 0700 is set back (a session's chmod never makes a daemon
+  fall back), and an entry not owned by the uid is never read;
 - otherwise the daemon falls back to its own state directory's ``inuse``,
   which only daemons on that state directory see; ``Table.shared`` is then
   False and ``Table.note`` says why, for the log and ``dispatch status``.
@@ -30,12 +31,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import pwd
 import stat
 from dataclasses import dataclass
 
 __all__ = ["Table", "choose", "shared_path"]
+
+log = logging.getLogger("dispatchd")
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,13 @@ def _unfit(path: str, uid: int) -> str:
         if st.st_uid != uid:
             return f"it belongs to uid {st.st_uid}, not to you (uid {uid})"
         if stat.S_IMODE(st.st_mode) != 0o700:
-            # Not chmod'ed: entries made while others could write there are not to be trusted.
-            return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0700"
+            # Set back, never a reason to fall back: a session (degraded mode:
+            # Landlock does not govern chmod) would otherwise choose, with one
+            # chmod, that the next daemon sees no other's sessions. An entry
+            # another user made while others could write here is not read
+            # (inuse.py: an entry not the user's is left out).
+            log.warning("event=state_mode_repaired path=%s was=0o%03o now=0o700", path, stat.S_IMODE(st.st_mode))
+            os.chmod(f"/proc/self/fd/{fd}", 0o700)
         # What every claim does first (inuse._Mutex): make the mutex and flock it.
         mutex = os.open(".mutex", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
         try:

@@ -56,18 +56,30 @@ def test_the_table_is_the_user_s_whatever_the_state_directory(tmp_path: Path) ->
         assert d.stop() == 0, d.log()
 
 
-@pytest.mark.parametrize("broken", ["unwritable_home", "group_readable"])
+def test_a_table_whose_mode_was_changed_is_set_back_and_stays_shared(tmp_path: Path) -> None:
+    """A session's chmod (degraded mode) must not choose that the next daemon
+    falls back to a table no other daemon sees: the mode is set back."""
+    home = tmp_path / "home"
+    table = home / ".local" / "state" / "dispatchd" / "inuse"
+    table.mkdir(parents=True)
+    table.chmod(0o755)
+    d = _daemon(tmp_path / "d", home)
+    try:
+        with d.connect() as c:
+            assert c.status()["daemon"].get("in_use_shared", True) is True
+        assert (table.stat().st_mode & 0o777) == 0o700
+        assert f"event=state_mode_repaired path={table} was=0o755 now=0o700" in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("broken", ["unwritable_home"])
 def test_a_table_that_cannot_be_the_user_s_is_the_state_directory_s_and_said(tmp_path: Path, broken: str) -> None:
     home = tmp_path / "home"
     home.mkdir()
     table = home / ".local" / "state" / "dispatchd" / "inuse"
-    if broken == "unwritable_home":
-        home.chmod(0o500)
-        why = f"{home / '.local'}: Permission denied"  # the first directory it could not make
-    else:
-        table.mkdir(parents=True, mode=0o750)
-        table.chmod(0o750)
-        why = "its mode is 0750, not 0700"
+    home.chmod(0o500)
+    why = f"{home / '.local'}: Permission denied"  # the first directory it could not make
     d = _daemon(tmp_path / "d", home)
     own = d.state / "dispatchd" / "inuse"
     note = (f"{own}, seen only by the dispatchd daemons on this state directory ({table} cannot be used: {why}): "

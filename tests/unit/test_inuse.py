@@ -43,6 +43,21 @@ def test_another_daemon_s_session_is_refused_and_named(tmp_path: Path) -> None:
     assert list(_claims(tmp_path / "u").values()) == ["s1"]
 
 
+def test_an_entry_not_the_user_s_is_never_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry another user made while the table's mode let others write
+    there (a session's chmod in degraded mode): not read, so it can neither
+    refuse an open nor name a state directory for a recovery to read."""
+    a, b = _two(tmp_path)
+    assert a.claim("s1", "/home/u/repo", REPO) == (None, [])
+    real = os.getuid()
+    monkeypatch.setattr(inuse.os, "getuid", lambda: real + 1)  # as if every entry were another user's
+    assert b.claim("s2", "/home/u/repo", REPO) == (None, [])
+    monkeypatch.setattr(inuse.os, "getuid", lambda: real)
+    b.release("s2")
+    other, _ = b.claim("s3", "/home/u/repo", REPO)  # the twin: the user's own entry refuses it
+    assert other is not None and other.session == "s1"
+
+
 @pytest.mark.parametrize(("path", "common", "refused"), [
     ("/home/u/repo", REPO, True),
     ("/home/u/repo/sub", REPO, True),  # inside
