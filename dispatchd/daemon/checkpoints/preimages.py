@@ -112,10 +112,10 @@ def keep(kept_dir: str, top: str, manifest: Manifest, worktree: str, session: st
                       created=now, expires=now + RETENTION_S)
         with open(os.path.join(tmp, ABOUT), "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(about)) + b"\n")
-        if fsync:
-            _syncfs(tmp)  # the links on the disk before the name says they are all there
         # Measured as made (directories, links, copies where a link was refused), renamed only if it fits.
         with sizes.admitting(tmp, name) if sizes is not None else contextlib.nullcontext():
+            if fsync:
+                _syncfs(tmp)  # the links on the disk before the name says they are all there
             os.rename(tmp, final)
         if fsync:
             fsync_directory(kept_dir)
