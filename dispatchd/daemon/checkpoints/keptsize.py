@@ -23,8 +23,9 @@ Guarantees:
   never low.
 - **The budget** (``limit``): the lower of ``DEFAULT_BYTES`` (8 GiB) and a
   quarter of the space free on the state directory's file system, looked at
-  each time a restore keeps files. So the kept files never hold more than a
-  third of what is left free: they can never be what fills the disk.
+  each time a restore keeps files. So as each is kept, what is still free
+  is at least four times what they all hold: they are never what fills the
+  disk (their own size is used space already, never counted as free).
 - **Never evicts.** Over the budget the new one is refused; what is kept
   stays until it expires or the user removes it by hand. No request frees
   it, so no session can make room by pushing the user's files out.
