@@ -34,6 +34,7 @@ FORCE_KERNEL_FLAG = "--force-kernel-for-testing"
 DNS_RESOLV_FLAG = "--dns-resolv-conf-for-testing"
 BASELINE_SYNC_FLAG = "--baseline-sync-delay-for-testing"
 PARK_AFTER_FLAG = "--park-after-for-testing"
+BEFORE_RESTORE_FLAG = "--before-restore-budget-for-testing"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -103,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(BASELINE_SYNC_FLAG, type=float, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS)
     # How long a greeted connection may idle before it waits without a thread (daemon/parking.py).
     p.add_argument(PARK_AFTER_FLAG, type=float, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS)
+    # Testing only: what restores replaced, kept past their sessions, may hold
+    # at most BYTES instead of 8 GiB (daemon/checkpoints/keptsize.py; a quarter
+    # of the free space still bounds it), so that a test reaches the budget
+    # with small files. Logged at start and named in status.
+    p.add_argument(BEFORE_RESTORE_FLAG, type=int, default=0, metavar="BYTES", help=argparse.SUPPRESS)
     p.add_argument("--network-stack", default="auto", choices=list(STACK_CHOICES),
                    help="the user-mode stack network-on sessions go out through: slirp4netns (confined by "
                         "dispatchd), pasta (confines itself), or auto, the first of those installed and usable "
@@ -395,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("event=testing_baseline_sync_delay seconds=%s (a new baseline is made durable that much later)",
                     args.baseline_sync_delay_for_testing)
         manager.baselines.settle_delay_s = args.baseline_sync_delay_for_testing
+    if args.before_restore_budget_for_testing > 0:
+        log.warning("event=testing_before_restore_budget bytes=%s (what restores replaced may hold that much at most)",
+                    args.before_restore_budget_for_testing)
+        manager.checkpoints.kept_sizes.fixed = args.before_restore_budget_for_testing
+        manager.checkpoints.kept_sizes.fixed_why = f"as set by {BEFORE_RESTORE_FLAG}"
     max_connections = capacity.connection_cap(open_files.limit, args.max_connections)
     server = Server(listener, manager, features, socket_path, policy_loader, max_connections=max_connections,
                     open_files=open_files)

@@ -4,7 +4,8 @@
 (``id``, ``created``, ``label``, and what it holds: ``entries``,
 ``copied_bytes``, ``objects``), ``Session.restore(checkpoint_id) -> dict``
 (what it changed: ``removed``, ``written``, ``made``, ``objects``; what it
-kept: ``before``, ``kept``, ``displaced``); the
+kept: ``before``, ``kept``, ``displaced``, and with ``kept`` all that
+restores keep there and its budget: ``kept_total``); the
 same on ``Client`` for a session known by id. A refusal raises
 ``RequestFailed`` with its code: ``checkpoint_refused`` (over a budget),
 ``unknown_checkpoint``, ``session_busy`` (a call in flight; for a restore,
@@ -66,12 +67,14 @@ class SessionCheckpoints:
         checkpoint; what was there just before is kept first as a checkpoint
         of its own (``"before"`` in the answer: restore it to undo), and as
         plain files past the session's end, for 7 days, in the directory
-        ``"kept"`` names; the refs it moves back or deletes keep their values
+        ``"kept"`` names (``"kept_total"``: how many are kept there, their
+        ``bytes`` and ``budget``); the refs it moves back or deletes keep their values
         under ``refs/dispatchd/displaced/`` (``"displaced"``). Refused
         while a call is in flight or a process of the session runs (a
         background job: stop it first), and when what is there now cannot be
-        kept (over the policy's budgets, an unreadable directory): nothing is
-        then changed, unless ``force`` (then ``"before"`` is "": not kept)."""
+        kept (over the policy's budgets or the budget of all that restores
+        keep, an unreadable directory): nothing is then changed, unless
+        ``force`` (then ``"kept"`` is "": not kept past the session)."""
         return restore(self._client._daemon_request, self.id, checkpoint_id, force)
 
 

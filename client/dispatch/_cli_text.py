@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
+import msgspec
+
 from dispatchd import paths, protocol
 from dispatchd.netmodes import NETWORK_MODES
 
@@ -109,6 +111,17 @@ def network_modes_line(k: protocol.KernelFeatures) -> str:
     return line
 
 
+def before_restore_words(kept: Mapping[str, Any]) -> str:
+    """What restores replaced, kept past their sessions (a status report's
+    ``before_restore``, a restore's ``kept_total``), and its budget."""
+    if not kept["budget"]:
+        return f"{kept['budget_why']}"
+    over = kept["bytes"] > kept["budget"]
+    return (f"{kept['count']} kept there, {size(kept['bytes'])} of at most {size(kept['budget'])} "
+            f"({_words(kept['budget_why'])})" + (": over it, a restore keeps nothing more and is refused unless "
+                                                 "forced" if over else ""))
+
+
 def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
     out = file or sys.stdout
     k = st.kernel
@@ -142,6 +155,11 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
             say(f"helpers: {d.helpers}")
         if d.in_use:
             say(("" if d.in_use_shared else "warning: ") + f"worktrees in use recorded in {d.in_use}")
+        if d.before_restore is not None:
+            b = d.before_restore
+            say(("warning: " if b.bytes > b.budget else "") + f"what restores replaced: in {b.path}, "
+                f"{before_restore_words(msgspec.structs.asdict(b))}; each kept 7 days, remove old ones by hand "
+                "to make room")
     asleep = sum(1 for s in st.sessions if s.asleep)
     say(f"{len(st.sessions)} session(s)" + (f", {asleep} asleep (no process; the next call wakes each)" if asleep else ""))
     if not st.sessions:

@@ -121,6 +121,9 @@ def _run_checkpoint(client: Client, args: argparse.Namespace) -> None:
         kept = f"checkpoint {done['before']} (restore it to undo)" if done["before"] else "not kept (--force)"
         if done.get("kept"):
             kept += f", its files kept in {done['kept']}"
+            total = done.get("kept_total")
+            if total:
+                kept += f" ({_cli_text.before_restore_words(total)})"
         print(f"restored {done['checkpoint']}: {done['removed']} removed, {done['written']} written, "
               f"{done['made']} directories made, {done['objects']} git object files put back; "
               f"what was there before: {kept}")

@@ -389,7 +389,8 @@ class Server:
                                             parked=self._parking.count(),
                                             pool=m.pool.report(), line_loops=native.report(),
                                             helpers=self.helpers(), in_use=m.in_use_table.note,
-                                            in_use_shared=m.in_use_table.shared),
+                                            in_use_shared=m.in_use_table.shared,
+                                            before_restore=m.checkpoints.kept_sizes.report()),
                                         protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
                                                    for p in m.baselines.recovered + m.restores_at_start]
                                         + [protocol.ProtectedItem(path=root, why=f"NOT checked whole ({why}): sessions "

@@ -132,6 +132,7 @@ from dispatchd.protocol.messages import (
     daemon_request_decoder,
 )
 from dispatchd.protocol.reports import (
+    BeforeRestoreReport,
     DaemonReport,
     GitReport,
     KernelFeatures,
@@ -159,7 +160,7 @@ __all__ = [
     "CheckpointInfo", "CheckpointReply", "CheckpointsReply", "ListCheckpoints", "RestoreCheckpoint", "RestoredReply",
     "TakeCheckpoint",
     # reports
-    "DaemonReport", "GitReport", "KernelFeatures", "LandlockReport", "LifetimeReport", "LimitsReport", "MemoryHold",
+    "BeforeRestoreReport", "DaemonReport", "GitReport", "KernelFeatures", "LandlockReport", "LifetimeReport", "LimitsReport", "MemoryHold",
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",

@@ -21,7 +21,7 @@ import msgspec
 
 from dispatchd.catalogue import Risk
 from dispatchd.netmodes import NetworkMode
-from dispatchd.protocol.reports import DaemonReport, KernelFeatures, Protections
+from dispatchd.protocol.reports import BeforeRestoreReport, DaemonReport, KernelFeatures, Protections
 
 PROTOCOL_VERSION = 1  # sent in Hello; the daemon refuses any other
 
@@ -290,7 +290,8 @@ class RestoredReply(_Msg, tag="restored", frozen=True):
     checkpoint of the worktree as it was just before (restore it to undo);
     ``kept``: the directory where the same files are kept past the session
     (docs/checkpoints.md); ``displaced``: the refs under
-    ``refs/dispatchd/displaced/`` that keep the values it moved."""
+    ``refs/dispatchd/displaced/`` that keep the values it moved;
+    ``kept_total``: with ``kept``, all that restores keep there, and its budget."""
 
     id: int
     checkpoint: str
@@ -301,6 +302,7 @@ class RestoredReply(_Msg, tag="restored", frozen=True):
     objects: int = 0
     kept: str = ""
     displaced: list[str] = []
+    kept_total: BeforeRestoreReport | None = None
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):

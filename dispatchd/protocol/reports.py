@@ -60,6 +60,17 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     container: str = ""
 
 
+class BeforeRestoreReport(msgspec.Struct, frozen=True):
+    """What restores replaced, kept past their sessions: all of them, of every
+    session (``daemon/checkpoints/keptsize.py``, docs/checkpoints.md)."""
+
+    path: str  # STATE/before-restore
+    count: int  # kept ones there (a directory each)
+    bytes: int  # what they hold on disk, each inode once at its allocated size, links to checkpoints included
+    budget: int  # what they may hold at most: a restore that would take them over keeps nothing and is refused
+    budget_why: str  # which bound gave it, in words
+
+
 class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):
     """The daemon's own budgets (``daemon/capacity.py``)."""
 
@@ -73,6 +84,7 @@ class DaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):
     helpers: str = ""  # the fork server, the network stacks and the socket path (daemon/helpers.py), in words
     in_use: str = ""  # the table of worktrees in use (daemon/inusedir.py): where, and which daemons see it
     in_use_shared: bool = True  # False: only the daemons on this state directory see it (a weaker mode)
+    before_restore: BeforeRestoreReport | None = None  # what restores replaced, kept past the sessions, and its budget
 
 
 class LandlockReport(msgspec.Struct, frozen=True):

@@ -372,7 +372,11 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
                         r"by exiting; socket: ours", lines[5]), lines[5]
     assert lines[6] == (f"worktrees in use recorded in {inusedir.shared_path(os.getuid())}, shared by every "
                         "dispatchd of yours whatever its state directory")
-    assert re.fullmatch(r"\d+ session\(s\)", lines[7])
+    kept = re.escape(str(daemon.state / "dispatchd" / "before-restore"))
+    assert re.fullmatch(rf"what restores replaced: in {kept}, \d+ kept there, [\d.]+ [KMG]?i?B of at most [\d.]+ "
+                        r"[KMG]iB \((dispatchd's fixed bound|a quarter of the [\d.]+ [KMGT]iB free on its file "
+                        r"system)\); each kept 7 days, remove old ones by hand to make room", lines[7]), lines[7]
+    assert re.fullmatch(r"\d+ session\(s\)", lines[8])
     mine = [i for i, line in enumerate(lines) if line.strip().startswith(sid)]
     assert len(mine) == 1
     block = "\n".join(lines[mine[0]:mine[0] + 4])
@@ -394,6 +398,11 @@ def test_status_json(daemon: Daemon, sid: str) -> None:
     assert st["daemon_version"] == dispatchd.__version__
     assert st["pid"] == daemon.proc.pid and st["socket"] == daemon.socket
     assert st["daemon"]["line_loops"].startswith("read_file and search_files number and find lines in C")
+    kept = st["daemon"]["before_restore"]  # what restores replaced, kept past their sessions (docs/checkpoints.md)
+    assert sorted(kept) == ["budget", "budget_why", "bytes", "count", "path"]
+    assert kept["path"] == str(daemon.state / "dispatchd" / "before-restore") and 0 < kept["budget"] <= 8 << 30
+    assert kept["budget_why"] == "dispatchd's fixed bound" if kept["budget"] == 8 << 30 else \
+        kept["budget_why"].startswith("a quarter of the ")
     kernel = st["kernel"]
     assert kernel["landlock_abi"] >= 1 and kernel["seccomp"] is True
     assert isinstance(kernel["user_namespaces"], bool) and "cgroup2" in kernel

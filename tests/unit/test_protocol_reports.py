@@ -148,3 +148,20 @@ def test_a_newer_daemons_extra_key_is_read_not_refused() -> None:
     _, old = CASES["planned"]
     back = msgspec.msgpack.decode(msgspec.msgpack.encode({**old, "something_new": 1}), type=p.Protections)
     assert back == CASES["planned"][0]
+
+
+def test_a_client_that_knows_no_before_restore_reads_the_status_of_a_daemon_that_sends_it() -> None:
+    class OlderDaemonReport(msgspec.Struct, frozen=True, omit_defaults=True):  # as released before the field
+        open_files: int
+        open_files_note: str
+        connections: int
+        max_connections: int
+
+    sent = p.DaemonReport(open_files=4096, open_files_note="raised", connections=1, max_connections=2016,
+                          before_restore=p.BeforeRestoreReport(path="/s/before-restore", count=3, bytes=1 << 20,
+                                                               budget=8 << 30, budget_why="dispatchd's fixed bound"))
+    read = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=OlderDaemonReport)
+    assert read == OlderDaemonReport(open_files=4096, open_files_note="raised", connections=1, max_connections=2016)
+    # ... and a newer client, an older daemon's (no such key): None.
+    old = msgspec.msgpack.encode(read)
+    assert msgspec.msgpack.decode(old, type=p.DaemonReport).before_restore is None

@@ -25,6 +25,10 @@ Guarantees:
   session push the user's file out by restoring again and again. Swept at
   the daemon's start and at each new one (``sweep``): what is older goes,
   and what a killed daemon left half made (``.tmp-``) after a day.
+- **Within one budget, never by eviction.** All of them together stay
+  within ``keptsize``'s budget: one that would take them over it is removed
+  before it is renamed into place and refused (the restore with it, unless
+  forced); nothing kept is removed to make room.
 - git's object files are not here (a checkpoint keeps none: the history
   keep does); a restore never removes one, and the refs it moves are kept
   in the repository (``gitguard.keep_moved_refs``).
@@ -44,6 +48,7 @@ import msgspec
 from dispatchd import treewalk
 from dispatchd.durable import fsync_directory
 
+from dispatchd.daemon.checkpoints.keptsize import KeptSizes
 from dispatchd.daemon.checkpoints.plan import Manifest
 from dispatchd.daemon.checkpoints.reading import _copy_path
 from dispatchd.daemon.checkpoints.restoring import _syncfs
@@ -71,10 +76,11 @@ class About(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def keep(kept_dir: str, top: str, manifest: Manifest, worktree: str, session: str, restored: str,
-         fsync: bool = True) -> str:
+         fsync: bool = True, sizes: KeptSizes | None = None) -> str:
     """``manifest`` (a ``before`` checkpoint of the session whose pool is in
     ``top``) as plain files under ``kept_dir``; returns its directory.
-    Raises OSError when it cannot be made (nothing is left of it then)."""
+    Raises OSError when it cannot be made, ``Refused`` when it would take
+    what ``sizes`` counts over its budget (nothing is left of it then)."""
     os.makedirs(kept_dir, mode=0o700, exist_ok=True)
     sweep(kept_dir)
     now = time.time()
@@ -106,9 +112,11 @@ def keep(kept_dir: str, top: str, manifest: Manifest, worktree: str, session: st
                       created=now, expires=now + RETENTION_S)
         with open(os.path.join(tmp, ABOUT), "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(about)) + b"\n")
-        if fsync:
-            _syncfs(tmp)  # the links on the disk before the name says they are all there
-        os.rename(tmp, final)
+        # Measured as made (directories, links, copies where a link was refused), renamed only if it fits.
+        with sizes.admitting(tmp, name) if sizes is not None else contextlib.nullcontext():
+            if fsync:
+                _syncfs(tmp)  # the links on the disk before the name says they are all there
+            os.rename(tmp, final)
         if fsync:
             fsync_directory(kept_dir)
     except BaseException:

@@ -132,7 +132,7 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
             # a before taken but not kept past the session is still named, for an undo meanwhile.
         done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept)
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,
-                                  displaced=displaced, **done)
+                                  displaced=displaced, kept_total=store.kept_sizes.report() if kept else None, **done)
 
 
 def before_write(manager: SessionManager, session: Session, msg: protocol.AcquireWriteLock,

@@ -29,7 +29,7 @@ from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.protocol import CheckpointInfo
 
-from dispatchd.daemon.checkpoints import journal, preimages
+from dispatchd.daemon.checkpoints import journal, keptsize, preimages
 from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _DIR, _FANOUT, _FSYNC_EACH, _OBJECTS, _POOL, _TMP, _manifest_decoder, _parent, plan_copies, plan_restore
 from dispatchd.daemon.checkpoints.reading import Refused, _budget_words, _clone_fd, _copy_path, _entry, _open_readable, list_tree
 from dispatchd.daemon.checkpoints.restoring import (_mib, _put_objects, _syncfs, apply_restore,
@@ -65,6 +65,7 @@ class Store:
         # What restores replaced, kept past their sessions (``preimages``); the expired swept now.
         self.before_dir = os.path.join(state_dir, preimages.DIR)
         preimages.sweep(self.before_dir)
+        self.kept_sizes = keptsize.KeptSizes(self.before_dir)  # their total, within one budget
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self.pauses = Pauses()
@@ -284,11 +285,12 @@ class Store:
         """Checkpoint ``before`` (what the worktree holds as the restore of
         ``restored`` begins) kept as plain files past the session
         (``preimages``); returns its directory. Refused (``Refused``) when it
-        cannot be made: the restore then loses nothing, it does not run."""
+        cannot be made or would take all that is kept there over its budget
+        (``keptsize``): the restore then loses nothing, it does not run."""
         manifest = self.find(sid, before)
         try:
             return preimages.keep(self.before_dir, os.path.join(self.root, sid), manifest, worktree, sid, restored,
-                                  fsync)
+                                  fsync, self.kept_sizes)
         except OSError as exc:
             raise Refused(f"checkpoint refused: it could not be kept past the session in {self.before_dir} "
                           f"({exc.strerror})") from exc
