@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         if listener is None:
             listener, bound = _bind(socket_path)
     except (DispatchdError, paths.UnsafeDirectory, OSError) as exc:
-        print(f"dispatchd: {exc}", file=sys.stderr)
+        where = exc.filename if isinstance(exc, PermissionError) and isinstance(exc.filename, str) else ""
+        why = paths.unsearchable(where) if where else ""  # the directory that keeps it out, if one does
+        print(f"dispatchd: {exc}{'; ' + why if why else ''}", file=sys.stderr)
         fork_server.stop()
         return 1
     from dispatchd.confine.netstack import Stack
@@ -378,8 +380,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # The table that keeps two daemons' sessions off one worktree: the user's,
     # whatever XDG_STATE_HOME says; this state directory's alone, said, when it cannot be.
+    try:  # the table's directory (~/.local/state/dispatchd) back to 0700: made 000, every daemon would lose it
+        if os.path.isabs(above := os.path.dirname(inusedir.shared_path(os.getuid()))):
+            statemodes.heal(above, None, top=above)  # only itself: the user's, never a symlink (statemodes.py)
+    except (KeyError, OSError) as exc:  # no passwd entry, or out of reach: inusedir.choose says why
+        log.warning("event=state_mode_not_repaired path=inuse-parent why=%r", str(exc))
     in_use = inusedir.choose(state)
-    statemodes.own(in_use.path)  # its files' modes set back as the state directory's are (statemodes.py)
+    # Its files' modes set back as the state directory's are (statemodes.py);
+    # and the directory holding it (the default state directory, dispatchd's
+    # by name): made 000, it would keep every daemon of the user's out.
+    statemodes.own(in_use.path)
+    statemodes.own(os.path.dirname(in_use.path))
     if in_use.shared:
         log.info("event=inuse_table path=%s shared=yes", in_use.path)
     else:

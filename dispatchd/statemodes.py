@@ -11,8 +11,11 @@ puts its own modes back, parents first.
 
 Guarantees:
 - a path is healed from its top (a tree the daemon owns: the state
-  directory, registered at start with ``own``; else the path's own
-  directory) down, one component at a time, each looked up relative to its
+  directory and the table of worktrees in use with the directory that
+  holds it, registered at start with ``own``; else the path's own
+  directory) down; when the most specific owned top cannot be opened (a
+  directory above it made unsearchable), from the owned top that encloses
+  it, one component at a time, each looked up relative to its
   parent's ``O_PATH | O_NOFOLLOW`` descriptor and changed through
   ``/proc/self/fd/N``: a symlink is never followed (it is refused, and
   said), nor is a file of another uid changed; the directories on the way
@@ -22,7 +25,11 @@ Guarantees:
   EPERM) and the heal (another daemon may have healed it meanwhile: a heal
   that changed nothing is no reason to give up); a second refusal stands;
 - ``heal_tree`` (at start) sets the state directory's known directories and
-  files (``STATE_LAYOUT``) back, parents first.
+  files (``STATE_LAYOUT``) back, parents first; what already has its mode
+  (one ``lstat``) is not walked again, so the keep's fan-out directories
+  (hundreds a repository) cost a listing and a stat each;
+- ``heal_at`` sets one entry below a directory the daemon holds open back
+  (the keep's walks, which look below a descriptor).
 
 Several daemons may share a state directory: each heals the same modes (its
 makers' own), so their heals agree, whichever runs first. What the daemon
@@ -41,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["DIR_MODE", "STATE_LAYOUT", "Repair", "heal", "heal_tree", "own", "retried"]
+__all__ = ["DIR_MODE", "STATE_LAYOUT", "Repair", "heal", "heal_at", "heal_tree", "owned", "own", "retried"]
 
 log = logging.getLogger("dispatchd.statemodes")
 
@@ -56,7 +63,10 @@ STATE_LAYOUT: tuple[tuple[str, int | None], ...] = (
     ("baselines", None), ("baselines/*.json", 0o600), ("baselines/*.lock", 0o600),  # gitguard/baselines.py
     ("sessions", None), ("session-locks", None), ("session-locks/*.lock", 0o600),  # daemon/leftovers.py
     ("keep", None), ("keep/*", None),  # gitguard/keeps.py: a repository's history copies
+    ("keep/*/*", None),  # gitguard/history.py: its object directories (fan-out, pack); files are left alone
     ("checkpoints", None), ("checkpoints/*", None),  # daemon/checkpoints/store.py: a session's
+    # daemon/checkpoints/preimages.py: what restores replaced, kept 7 days
+    ("before-restore", None), ("before-restore/*", None), ("before-restore/*/worktree", None),
     ("run", None),  # the socket's directory when $XDG_RUNTIME_DIR is unset (paths.py)
     ("dns-resolv.conf", 0o644),  # daemon/dnsrelay.py: sessions read it
 )
@@ -86,13 +96,18 @@ def own(top: str) -> None:
     _tops.sort(key=lambda t: len(t[0]), reverse=True)
 
 
-def _top_of(path: str) -> tuple[str, str]:
-    """The owned tree holding ``path`` (else its directory) and ``path``
-    under that tree's real path."""
-    for named, real in _tops:
-        if path == named or path.startswith(named.rstrip("/") + "/"):
-            return real, real + path[len(named):]
-    return os.path.dirname(path), path
+def _tops_of(path: str) -> list[tuple[str, str]]:
+    """The owned trees holding ``path``, most specific first, each with
+    ``path`` under that tree's real path; else ``path``'s directory."""
+    found = [(real, real + path[len(named):]) for named, real in _tops
+             if path == named or path.startswith(named.rstrip("/") + "/")]
+    return found or [(os.path.dirname(path), path)]
+
+
+def owned(path: str) -> bool:
+    """Whether ``path`` lies in (or is) a tree the daemon owns (``own``)."""
+    path = os.path.abspath(path)
+    return any(path == named or path.startswith(named.rstrip("/") + "/") for named, _ in _tops)
 
 
 def heal(path: str, mode: int | None, top: str | None = None) -> list[Repair]:
@@ -101,11 +116,23 @@ def heal(path: str, mode: int | None, top: str | None = None) -> list[Repair]:
     tree that holds it, else its directory) down to it to ``DIR_MODE``,
     parents first; what changed. A component that is missing ends the walk
     (nothing under it to heal); one that is a symlink, not the user's, or
-    not of the kind expected ends it too (the first two are said)."""
+    not of the kind expected ends it too (the first two are said). With no
+    ``top`` given, a top that cannot be opened (EACCES: a directory above it
+    is unsearchable) gives way to the owned tree enclosing it: the table of
+    worktrees in use sits in a directory the daemon owns too."""
     path = os.path.abspath(path)
-    if top is None:
-        top, path = _top_of(path)
-    top = os.path.abspath(top)
+    tops = [(os.path.abspath(top), path)] if top is not None else _tops_of(path)
+    for i, (where, inside) in enumerate(tops):
+        try:
+            return _heal_from(where, inside, mode)
+        except PermissionError:
+            if i == len(tops) - 1:
+                raise
+    return []  # never reached: the last top's refusal is raised
+
+
+def _heal_from(top: str, path: str, mode: int | None) -> list[Repair]:
+    """``heal`` from ``top`` (raises PermissionError when it cannot be opened)."""
     rel = os.path.relpath(path, top)
     if rel == os.pardir or rel.startswith(os.pardir + os.sep):
         raise ValueError(f"{path} is not inside {top}")
@@ -130,6 +157,21 @@ def heal(path: str, mode: int | None, top: str | None = None) -> list[Repair]:
             where = os.path.join(where, name)
             if not _fix(fd, where, mode if i == len(names) - 1 else None, repairs):
                 return repairs
+    finally:
+        os.close(fd)
+    return repairs
+
+
+def heal_at(dir_fd: int, name: str, where: str, mode: int | None = None) -> list[Repair]:
+    """Entry ``name`` of the directory open as ``dir_fd`` (``where``, for
+    the log) set to ``mode`` (None: a directory, ``DIR_MODE``); what
+    changed. For a walk that looks below a descriptor the daemon holds
+    (the keep's): the directory itself was searchable, its entry is not.
+    Raises OSError when the entry cannot be looked up (gone: nothing)."""
+    repairs: list[Repair] = []
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        _fix(fd, os.path.join(where, name), mode, repairs)
     finally:
         os.close(fd)
     return repairs
@@ -196,8 +238,27 @@ def heal_tree(state: str, layout: tuple[tuple[str, int | None], ...] = STATE_LAY
                 continue  # a directory it could not heal (said): its files stay as they are
             for name in names:
                 if fnmatch.fnmatchcase(name, leaf) and (leaf.startswith(".") or not name.startswith(".")):
-                    repairs += heal(os.path.join(state, parent, name), mode, top=state)
+                    path = os.path.join(state, parent, name)
+                    if not _as_made(path, mode):
+                        repairs += heal(path, mode, top=state)
     return repairs
+
+
+def _as_made(path: str, mode: int | None) -> bool:
+    """Whether ``path`` (one ``lstat``) is already as ``heal`` would leave
+    it: the user's, of its mode, or not of the kind expected (which ``heal``
+    leaves alone too); a symlink, or one that cannot be looked at, is not."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    if stat.S_ISDIR(st.st_mode) != (mode is None):
+        return True
+    return stat.S_IMODE(st.st_mode) == (DIR_MODE if mode is None else mode)
 
 
 def _matches(state: str, directory: str) -> list[str]:
