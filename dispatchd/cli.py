@@ -380,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # The table that keeps two daemons' sessions off one worktree: the user's,
     # whatever XDG_STATE_HOME says; this state directory's alone, said, when it cannot be.
-    try:  # the table's directory (~/.local/state/dispatchd) back to 0700: made 000, every daemon would lose it
+    try:  # the table and its directory (~/.local/state/dispatchd, made 0700) set back, as the state is
         if os.path.isabs(above := os.path.dirname(inusedir.shared_path(os.getuid()))):
-            statemodes.heal(above, None, top=above)  # only itself: the user's, never a symlink (statemodes.py)
+            os.makedirs(above, mode=0o700, exist_ok=True)  # made 000, it kept every daemon of the user's out
+            statemodes.heal_tree(above, statemodes.TABLE_LAYOUT)  # never a symlink followed (statemodes.py)
     except (KeyError, OSError) as exc:  # no passwd entry, or out of reach: inusedir.choose says why
         log.warning("event=state_mode_not_repaired path=inuse-parent why=%r", str(exc))
     in_use = inusedir.choose(state)

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["DIR_MODE", "STATE_LAYOUT", "Repair", "heal", "heal_at", "heal_tree", "owned", "own", "retried"]
+__all__ = ["DIR_MODE", "STATE_LAYOUT", "TABLE_LAYOUT", "Repair", "heal", "heal_at", "heal_tree", "owned", "own", "retried"]
 
 log = logging.getLogger("dispatchd.statemodes")
 
@@ -58,8 +58,10 @@ DIR_MODE = 0o700  # every directory the daemon makes under its state directory
 # What the daemon makes in its state directory, by pattern (relative), and
 # the mode its maker gives it (None: a directory, ``DIR_MODE``); parents
 # listed before their children.
-STATE_LAYOUT: tuple[tuple[str, int | None], ...] = (
+TABLE_LAYOUT: tuple[tuple[str, int | None], ...] = (
     ("inuse", None), ("inuse/.mutex", 0o600), ("inuse/*.uses", 0o600),  # daemon/inuse.py
+)  # the user's table of worktrees in use, in ~/.local/state/dispatchd (daemon/inusedir.py), else the state's
+STATE_LAYOUT: tuple[tuple[str, int | None], ...] = TABLE_LAYOUT + (
     ("baselines", None), ("baselines/*.json", 0o600), ("baselines/*.lock", 0o600),  # gitguard/baselines.py
     ("sessions", None), ("session-locks", None), ("session-locks/*.lock", 0o600),  # daemon/leftovers.py
     ("keep", None), ("keep/*", None),  # gitguard/keeps.py: a repository's history copies
