@@ -380,10 +380,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # The table that keeps two daemons' sessions off one worktree: the user's,
     # whatever XDG_STATE_HOME says; this state directory's alone, said, when it cannot be.
-    try:  # the table and its directory (~/.local/state/dispatchd, made 0700) set back, as the state is
-        if os.path.isabs(above := os.path.dirname(inusedir.shared_path(os.getuid()))):
+    try:  # the table's directory (~/.local/state/dispatchd, made 0700) set back, as the state is
+        if os.path.isabs(above := os.path.dirname(table := inusedir.shared_path(os.getuid()))):
             os.makedirs(above, mode=0o700, exist_ok=True)  # made 000, it kept every daemon of the user's out
-            statemodes.heal_tree(above, statemodes.TABLE_LAYOUT)  # never a symlink followed (statemodes.py)
+            statemodes.heal(above, None, top=above)  # itself only, never a symlink (statemodes.py)
+            if os.path.isdir(table) and os.lstat(table).st_mode & 0o777 == 0o700:  # else inusedir's to judge
+                statemodes.heal_tree(table, statemodes.TABLE_FILES)  # its mutex and entries (000: a fallback)
     except (KeyError, OSError) as exc:  # no passwd entry, or out of reach: inusedir.choose says why
         log.warning("event=state_mode_not_repaired path=inuse-parent why=%r", str(exc))
     in_use = inusedir.choose(state)

@@ -13,7 +13,7 @@ Guarantees:
 - a path is healed from its top (a tree the daemon owns: the state
   directory and the table of worktrees in use with the directory that
   holds it, registered at start with ``own``; else the path's own
-  directory) down; when the most specific owned top cannot be opened (a
+  directory, or a directory alone) down; when the most specific owned top cannot be opened (a
   directory above it made unsearchable), from the owned top that encloses
   it, one component at a time, each looked up relative to its
   parent's ``O_PATH | O_NOFOLLOW`` descriptor and changed through
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["DIR_MODE", "STATE_LAYOUT", "TABLE_LAYOUT", "Repair", "heal", "heal_at", "heal_tree", "owned", "own", "retried"]
+__all__ = ["DIR_MODE", "STATE_LAYOUT", "TABLE_FILES", "Repair", "heal", "heal_at", "heal_tree", "owned", "own", "retried"]
 
 log = logging.getLogger("dispatchd.statemodes")
 
@@ -58,10 +58,11 @@ DIR_MODE = 0o700  # every directory the daemon makes under its state directory
 # What the daemon makes in its state directory, by pattern (relative), and
 # the mode its maker gives it (None: a directory, ``DIR_MODE``); parents
 # listed before their children.
-TABLE_LAYOUT: tuple[tuple[str, int | None], ...] = (
-    ("inuse", None), ("inuse/.mutex", 0o600), ("inuse/*.uses", 0o600),  # daemon/inuse.py
-)  # the user's table of worktrees in use, in ~/.local/state/dispatchd (daemon/inusedir.py), else the state's
-STATE_LAYOUT: tuple[tuple[str, int | None], ...] = TABLE_LAYOUT + (
+# The files of the table of worktrees in use (daemon/inuse.py), relative to
+# it: the user's, in ~/.local/state/dispatchd (daemon/inusedir.py), else the state's.
+TABLE_FILES: tuple[tuple[str, int | None], ...] = ((".mutex", 0o600), ("*.uses", 0o600))
+STATE_LAYOUT: tuple[tuple[str, int | None], ...] = (("inuse", None),) + tuple(
+    (f"inuse/{pattern}", mode) for pattern, mode in TABLE_FILES) + (
     ("baselines", None), ("baselines/*.json", 0o600), ("baselines/*.lock", 0o600),  # gitguard/baselines.py
     ("sessions", None), ("session-locks", None), ("session-locks/*.lock", 0o600),  # daemon/leftovers.py
     ("keep", None), ("keep/*", None),  # gitguard/keeps.py: a repository's history copies
@@ -98,12 +99,14 @@ def own(top: str) -> None:
     _tops.sort(key=lambda t: len(t[0]), reverse=True)
 
 
-def _tops_of(path: str) -> list[tuple[str, str]]:
+def _tops_of(path: str, mode: int | None) -> list[tuple[str, str]]:
     """The owned trees holding ``path``, most specific first, each with
-    ``path`` under that tree's real path; else ``path``'s directory."""
+    ``path`` under that tree's real path; else, for a file, its directory,
+    and for a directory (``mode`` None) itself: never the one above it,
+    which is not known to be the daemon's."""
     found = [(real, real + path[len(named):]) for named, real in _tops
              if path == named or path.startswith(named.rstrip("/") + "/")]
-    return found or [(os.path.dirname(path), path)]
+    return found or [(path if mode is None else os.path.dirname(path), path)]
 
 
 def owned(path: str) -> bool:
@@ -115,7 +118,7 @@ def owned(path: str) -> bool:
 def heal(path: str, mode: int | None, top: str | None = None) -> list[Repair]:
     """``path``'s mode set to ``mode`` (None: it is a directory, set to
     ``DIR_MODE``), and every directory from ``top`` (by default: the owned
-    tree that holds it, else its directory) down to it to ``DIR_MODE``,
+    tree that holds it, else its directory, or a directory itself) down to it to ``DIR_MODE``,
     parents first; what changed. A component that is missing ends the walk
     (nothing under it to heal); one that is a symlink, not the user's, or
     not of the kind expected ends it too (the first two are said). With no
@@ -123,7 +126,7 @@ def heal(path: str, mode: int | None, top: str | None = None) -> list[Repair]:
     is unsearchable) gives way to the owned tree enclosing it: the table of
     worktrees in use sits in a directory the daemon owns too."""
     path = os.path.abspath(path)
-    tops = [(os.path.abspath(top), path)] if top is not None else _tops_of(path)
+    tops = [(os.path.abspath(top), path)] if top is not None else _tops_of(path, mode)
     for i, (where, inside) in enumerate(tops):
         try:
             return _heal_from(where, inside, mode)
