@@ -11,11 +11,11 @@ puts its own modes back, parents first.
 
 Guarantees:
 - a path is healed from its top (a tree the daemon owns: the state
-  directory and the table of worktrees in use with the directory that
+  directory, and the table of worktrees in use with the directory that
   holds it, registered at start with ``own``; else the path's own
-  directory, or a directory alone) down; when the most specific owned top cannot be opened (a
-  directory above it made unsearchable), from the owned top that encloses
-  it, one component at a time, each looked up relative to its
+  directory, or a directory alone) down; when the most specific owned top
+  cannot be opened (a directory above it made unsearchable), from the
+  owned top around it; one component at a time, each looked up relative to its
   parent's ``O_PATH | O_NOFOLLOW`` descriptor and changed through
   ``/proc/self/fd/N``: a symlink is never followed (it is refused, and
   said), nor is a file of another uid changed; the directories on the way
@@ -33,8 +33,10 @@ Guarantees:
 
 Several daemons may share a state directory: each heals the same modes (its
 makers' own), so their heals agree, whichever runs first. What the daemon
-never changes: the directories above its top (the user's), and what sessions
-make in their scratch directories.
+never changes: the directories above its top (the user's: ``$XDG_RUNTIME_DIR``
+above the socket's directory too), the files of its keeps (a kept object
+may be the repository's inode), and what sessions make in their scratch
+directories.
 """
 
 from __future__ import annotations
