@@ -307,9 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     from dispatchd.daemon.spawn import ForkServerClient
     from dispatchd.worker.fork_server import start_fork_server
 
-    # Every session's user namespace below one of the daemon's: all of them
-    # together hold at most half of the user's inotify and fanotify budgets
-    # (confine/ucounts.py), whatever each one's share.
+    # Sessions' user namespaces below one of the daemon's: together at most half the user's inotify (ucounts.py).
     from dispatchd.confine import ucounts
 
     shared = ucounts.plan_shared(ucounts.read_user_limits()) if features.user_namespaces else None
@@ -353,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         if listener is None:
             listener, bound = _bind(socket_path)
     except (DispatchdError, paths.UnsafeDirectory, OSError) as exc:
-        print(f"dispatchd: {exc}", file=sys.stderr)
+        where = exc.filename if isinstance(exc, PermissionError) and isinstance(exc.filename, str) else ""
+        why = paths.unsearchable(where) if where else ""  # the directory that keeps it out, if one does
+        print(f"dispatchd: {exc}{'; ' + why if why else ''}", file=sys.stderr)
         fork_server.stop()
         return 1
     from dispatchd.confine.netstack import Stack
@@ -385,7 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     # The table that keeps two daemons' sessions off one worktree: the user's,
     # whatever XDG_STATE_HOME says; this state directory's alone, said, when it cannot be.
     in_use = inusedir.choose(state)
-    statemodes.own(in_use.path)  # its files' modes set back as the state directory's are (statemodes.py)
+    # Its files' modes set back as the state directory's are (statemodes.py);
+    # and the directory holding it (the default state directory, dispatchd's
+    # by name): made 000, it would keep every daemon of the user's out.
+    statemodes.own(in_use.path)
+    statemodes.own(os.path.dirname(in_use.path))
     if in_use.shared:
         log.info("event=inuse_table path=%s shared=yes", in_use.path)
     else:

@@ -111,6 +111,24 @@ def open_socket_dir(directory: str) -> int:
     return fd
 
 
+def unsearchable(path: str) -> str:
+    """The first directory on ``path``'s way that this user cannot search,
+    in words ("" when none: the refusal is elsewhere): a chmod that took
+    its search right away (a degraded session's, say) keeps everyone out."""
+    path = os.path.abspath(path)
+    parts = path.split(os.sep)[1:-1]
+    for i in range(len(parts) + 1):
+        directory = os.sep + os.path.join(*parts[:i]) if i else os.sep
+        try:
+            st = os.lstat(directory)
+        except OSError:
+            return ""
+        if stat.S_ISDIR(st.st_mode) and not os.access(directory, os.X_OK):
+            return (f"the directory {directory} cannot be searched (mode {stat.S_IMODE(st.st_mode):04o}); "
+                    f"if it is yours, set its mode back (chmod 700 {directory})")
+    return ""
+
+
 def via_fd(fd: int, name: str) -> str:
     """The path of ``name`` inside the directory open as ``fd``, for bind and
     connect: it names exactly the directory that was checked."""

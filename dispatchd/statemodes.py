@@ -11,8 +11,11 @@ puts its own modes back, parents first.
 
 Guarantees:
 - a path is healed from its top (a tree the daemon owns: the state
-  directory, registered at start with ``own``; else the path's own
-  directory) down, one component at a time, each looked up relative to its
+  directory, and the table of worktrees in use with the directory that
+  holds it, registered at start with ``own``; else the path's own
+  directory, or a directory alone) down; when the most specific owned top
+  cannot be opened (a directory above it made unsearchable), from the
+  owned top around it; one component at a time, each looked up relative to its
   parent's ``O_PATH | O_NOFOLLOW`` descriptor and changed through
   ``/proc/self/fd/N``: a symlink is never followed (it is refused, and
   said), nor is a file of another uid changed; the directories on the way
@@ -22,12 +25,18 @@ Guarantees:
   EPERM) and the heal (another daemon may have healed it meanwhile: a heal
   that changed nothing is no reason to give up); a second refusal stands;
 - ``heal_tree`` (at start) sets the state directory's known directories and
-  files (``STATE_LAYOUT``) back, parents first.
+  files (``STATE_LAYOUT``) back, parents first; what already has its mode
+  (one ``lstat``) is not walked again, so the keep's fan-out directories
+  (hundreds a repository) cost a listing and a stat each;
+- ``heal_at`` sets one entry below a directory the daemon holds open back
+  (the keep's walks, which look below a descriptor).
 
 Several daemons may share a state directory: each heals the same modes (its
 makers' own), so their heals agree, whichever runs first. What the daemon
-never changes: the directories above its top (the user's), and what sessions
-make in their scratch directories.
+never changes: the directories above its top (the user's: ``$XDG_RUNTIME_DIR``
+above the socket's directory too), the files of its keeps (a kept object
+may be the repository's inode), and what sessions make in their scratch
+directories.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["DIR_MODE", "STATE_LAYOUT", "Repair", "heal", "heal_tree", "own", "retried"]
+__all__ = ["DIR_MODE", "STATE_LAYOUT", "TABLE_FILES", "Repair", "heal", "heal_at", "heal_tree", "owned", "own", "retried"]
 
 log = logging.getLogger("dispatchd.statemodes")
 
@@ -51,12 +60,18 @@ DIR_MODE = 0o700  # every directory the daemon makes under its state directory
 # What the daemon makes in its state directory, by pattern (relative), and
 # the mode its maker gives it (None: a directory, ``DIR_MODE``); parents
 # listed before their children.
-STATE_LAYOUT: tuple[tuple[str, int | None], ...] = (
-    ("inuse", None), ("inuse/.mutex", 0o600), ("inuse/*.uses", 0o600),  # daemon/inuse.py
+# The files of the table of worktrees in use (daemon/inuse.py), relative to
+# it: the user's, in ~/.local/state/dispatchd (daemon/inusedir.py), else the state's.
+TABLE_FILES: tuple[tuple[str, int | None], ...] = ((".mutex", 0o600), ("*.uses", 0o600))
+STATE_LAYOUT: tuple[tuple[str, int | None], ...] = (("inuse", None),) + tuple(
+    (f"inuse/{pattern}", mode) for pattern, mode in TABLE_FILES) + (
     ("baselines", None), ("baselines/*.json", 0o600), ("baselines/*.lock", 0o600),  # gitguard/baselines.py
     ("sessions", None), ("session-locks", None), ("session-locks/*.lock", 0o600),  # daemon/leftovers.py
     ("keep", None), ("keep/*", None),  # gitguard/keeps.py: a repository's history copies
+    ("keep/*/*", None),  # gitguard/history.py: its object directories (fan-out, pack); files are left alone
     ("checkpoints", None), ("checkpoints/*", None),  # daemon/checkpoints/store.py: a session's
+    # daemon/checkpoints/preimages.py: what restores replaced, kept 7 days
+    ("before-restore", None), ("before-restore/*", None), ("before-restore/*/worktree", None),
     ("run", None),  # the socket's directory when $XDG_RUNTIME_DIR is unset (paths.py)
     ("dns-resolv.conf", 0o644),  # daemon/dnsrelay.py: sessions read it
 )
@@ -86,26 +101,45 @@ def own(top: str) -> None:
     _tops.sort(key=lambda t: len(t[0]), reverse=True)
 
 
-def _top_of(path: str) -> tuple[str, str]:
-    """The owned tree holding ``path`` (else its directory) and ``path``
-    under that tree's real path."""
-    for named, real in _tops:
-        if path == named or path.startswith(named.rstrip("/") + "/"):
-            return real, real + path[len(named):]
-    return os.path.dirname(path), path
+def _tops_of(path: str, mode: int | None) -> list[tuple[str, str]]:
+    """The owned trees holding ``path``, most specific first, each with
+    ``path`` under that tree's real path; else, for a file, its directory,
+    and for a directory (``mode`` None) itself: never the one above it,
+    which is not known to be the daemon's."""
+    found = [(real, real + path[len(named):]) for named, real in _tops
+             if path == named or path.startswith(named.rstrip("/") + "/")]
+    return found or [(path if mode is None else os.path.dirname(path), path)]
+
+
+def owned(path: str) -> bool:
+    """Whether ``path`` lies in (or is) a tree the daemon owns (``own``)."""
+    path = os.path.abspath(path)
+    return any(path == named or path.startswith(named.rstrip("/") + "/") for named, _ in _tops)
 
 
 def heal(path: str, mode: int | None, top: str | None = None) -> list[Repair]:
     """``path``'s mode set to ``mode`` (None: it is a directory, set to
     ``DIR_MODE``), and every directory from ``top`` (by default: the owned
-    tree that holds it, else its directory) down to it to ``DIR_MODE``,
+    tree that holds it, else its directory, or a directory itself) down to it to ``DIR_MODE``,
     parents first; what changed. A component that is missing ends the walk
     (nothing under it to heal); one that is a symlink, not the user's, or
-    not of the kind expected ends it too (the first two are said)."""
+    not of the kind expected ends it too (the first two are said). With no
+    ``top`` given, a top that cannot be opened (EACCES: a directory above it
+    is unsearchable) gives way to the owned tree enclosing it: the table of
+    worktrees in use sits in a directory the daemon owns too."""
     path = os.path.abspath(path)
-    if top is None:
-        top, path = _top_of(path)
-    top = os.path.abspath(top)
+    tops = [(os.path.abspath(top), path)] if top is not None else _tops_of(path, mode)
+    for i, (where, inside) in enumerate(tops):
+        try:
+            return _heal_from(where, inside, mode)
+        except PermissionError:
+            if i == len(tops) - 1:
+                raise
+    return []  # never reached: the last top's refusal is raised
+
+
+def _heal_from(top: str, path: str, mode: int | None) -> list[Repair]:
+    """``heal`` from ``top`` (raises PermissionError when it cannot be opened)."""
     rel = os.path.relpath(path, top)
     if rel == os.pardir or rel.startswith(os.pardir + os.sep):
         raise ValueError(f"{path} is not inside {top}")
@@ -130,6 +164,21 @@ def heal(path: str, mode: int | None, top: str | None = None) -> list[Repair]:
             where = os.path.join(where, name)
             if not _fix(fd, where, mode if i == len(names) - 1 else None, repairs):
                 return repairs
+    finally:
+        os.close(fd)
+    return repairs
+
+
+def heal_at(dir_fd: int, name: str, where: str, mode: int | None = None) -> list[Repair]:
+    """Entry ``name`` of the directory open as ``dir_fd`` (``where``, for
+    the log) set to ``mode`` (None: a directory, ``DIR_MODE``); what
+    changed. For a walk that looks below a descriptor the daemon holds
+    (the keep's): the directory itself was searchable, its entry is not.
+    Raises OSError when the entry cannot be looked up (gone: nothing)."""
+    repairs: list[Repair] = []
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        _fix(fd, os.path.join(where, name), mode, repairs)
     finally:
         os.close(fd)
     return repairs
@@ -196,8 +245,27 @@ def heal_tree(state: str, layout: tuple[tuple[str, int | None], ...] = STATE_LAY
                 continue  # a directory it could not heal (said): its files stay as they are
             for name in names:
                 if fnmatch.fnmatchcase(name, leaf) and (leaf.startswith(".") or not name.startswith(".")):
-                    repairs += heal(os.path.join(state, parent, name), mode, top=state)
+                    path = os.path.join(state, parent, name)
+                    if not _as_made(path, mode):
+                        repairs += heal(path, mode, top=state)
     return repairs
+
+
+def _as_made(path: str, mode: int | None) -> bool:
+    """Whether ``path`` (one ``lstat``) is already as ``heal`` would leave
+    it: the user's, of its mode, or not of the kind expected (which ``heal``
+    leaves alone too); a symlink, or one that cannot be looked at, is not."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    if stat.S_ISDIR(st.st_mode) != (mode is None):
+        return True
+    return stat.S_IMODE(st.st_mode) == (DIR_MODE if mode is None else mode)
 
 
 def _matches(state: str, directory: str) -> list[str]:

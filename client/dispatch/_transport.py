@@ -396,6 +396,9 @@ def try_connect(path: str, timeout: float) -> socket.socket | None:
         return None
     except paths.UnsafeDirectory as exc:
         raise UntrustedSocket(f"{exc} (refused before anything was sent)") from exc
+    except PermissionError as exc:  # a directory on its way made unsearchable: which, and what to do
+        raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}: "
+                                f"{paths.unsearchable(path) or paths.what_to_do()}") from exc
     except OSError as exc:
         raise DaemonUnavailable(f"cannot connect to dispatchd at {path}: {exc.strerror}; "
                                 f"{paths.what_to_do()}") from exc

@@ -25,7 +25,12 @@ Guarantees, once ``HelperWatch.start`` has run:
   session can chmod them: Landlock does not govern chmod), looked at every
   ``CHECK_S`` before the path, the directory only while it is the one the
   daemon bound in, never through a symlink (``statemodes.heal``): 0777
-  would make every client refuse it, 000 would read as the path lost;
+  would make every client refuse it, 000 would read as the path lost; a
+  directory above the socket's is changed only when it lies in the state
+  directory (the socket in ``STATE/run``): ``$XDG_RUNTIME_DIR`` is the
+  system's (logind makes it, other programs keep sockets there), so one
+  made unsearchable is said (``event=socket_unreachable``, naming it) and
+  waited out: the daemon keeps serving what it holds and does not exit;
 - ``report()`` says each helper's state for ``status``.
 """
 
@@ -40,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dispatchd import fdwait, statemodes
+from dispatchd import fdwait, paths, statemodes
 
 if TYPE_CHECKING:
     from dispatchd.confine.netstack import Stack
@@ -65,11 +70,15 @@ class BoundSocket:
     dir_ino: int = 0
 
     def state(self) -> str:
-        """"ours", "gone", or "replaced" (another file, maybe another daemon's socket)."""
+        """"ours", "gone", "replaced" (another file, maybe another daemon's
+        socket), or "unreachable" (a directory on its way cannot be searched:
+        the socket may be there still, and is again once its mode is back)."""
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
             return "gone"
+        except PermissionError:
+            return "unreachable"
         except OSError:
             return "replaced"  # cannot even look: not ours to rely on
         if (st.st_dev, st.st_ino) == (self.dev, self.ino) and stat.S_ISSOCK(st.st_mode):
@@ -81,13 +90,19 @@ class BoundSocket:
         back, if they changed, while the directory is the one it was bound
         in (a directory put in its place is not ours to change)."""
         directory = os.path.dirname(self.path)
+        repairs: list[statemodes.Repair] = []
         try:
+            st = os.lstat(directory)
+        except PermissionError:
+            if not statemodes.owned(directory):
+                return []  # above it the user's ($XDG_RUNTIME_DIR): never changed, said (_check_socket)
+            repairs = statemodes.heal(directory, None)  # from the state directory down (its ``run``)
             st = os.lstat(directory)
         except OSError:
             return []
         if not self.dir_ino or (st.st_dev, st.st_ino) != (self.dir_dev, self.dir_ino):
             return []
-        return statemodes.heal(self.path, SOCKET_MODE, top=directory)
+        return repairs + statemodes.heal(self.path, SOCKET_MODE, top=directory)
 
     def unlink(self) -> bool:
         """Unlink the path if it is still the inode we bound; True if it was.
@@ -204,12 +219,17 @@ class HelperWatch:
         except OSError as exc:
             log.warning("event=state_mode_not_repaired path=%s why=%r", self.socket.path, str(exc))
         now = self.socket.state()
-        if now != self._socket_state and now != "ours":
+        if now != self._socket_state and now == "unreachable":
+            # Not the daemon's to change (the runtime directory is the system's): said, and waited out.
+            log.error("event=socket_unreachable path=%s why=%r: new clients cannot reach this daemon until "
+                      "then; it serves the connections and sessions it has, and goes on", self.socket.path,
+                      paths.unsearchable(self.socket.path) or "permission denied")
+        elif now != self._socket_state and now != "ours":
             log.warning("event=socket_path_lost path=%s state=%s: new clients cannot reach this daemon; it "
                         "serves the connections and sessions it has and exits once it holds none",
                         self.socket.path, now)
         self._socket_state = now
-        if now != "ours" and self._idle():
+        if now not in ("ours", "unreachable") and self._idle():
             log.warning("event=stopping reason=socket_%s path=%s", now, self.socket.path)
             self._exit(0 if now == "replaced" else SOCKET_GONE_EXIT)
             return True

@@ -297,7 +297,9 @@ class _Mutex:
         deadline = time.monotonic() + MUTEX_WAIT_S
         while True:
             if self.fd < 0:
-                os.makedirs(self.dir, mode=0o700, exist_ok=True)
+                # The directory above may be the one made 000 (the table's, or the state
+                # directory): made or reached with the modes on its way set back too.
+                retried(lambda: os.makedirs(self.dir, mode=0o700, exist_ok=True), self.dir, None)
                 self.fd = retried(lambda: os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                                                   0o600), self.path, 0o600)
             try:

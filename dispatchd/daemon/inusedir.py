@@ -37,6 +37,8 @@ import pwd
 import stat
 from dataclasses import dataclass
 
+from dispatchd import statemodes
+
 __all__ = ["Table", "choose", "shared_path"]
 
 log = logging.getLogger("dispatchd")
@@ -66,16 +68,31 @@ def choose(state_dir: str, uid: int | None = None) -> Table:
         return _weaker(fallback, f"uid {uid} has no passwd entry, so no home to keep it in")
     if not os.path.isabs(path):
         return _weaker(fallback, f"the passwd entry's home {os.path.dirname(path)!r} is not an absolute path")
+    _heal_above(path)
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         path = os.path.realpath(path)
         why = _unfit(path, uid)
+        if not why:
+            statemodes.heal_tree(path, statemodes.TABLE_FILES)  # its mutex and entries (000: every open refused)
     except OSError as exc:
         failed = os.path.join(path, exc.filename) if exc.filename else path  # the part that failed
         why = f"{failed}: {exc.strerror or exc}"
     if why:
         return _weaker(fallback, why, path)
     return Table(path, True, f"{path}, shared by every dispatchd of yours whatever its state directory")
+
+
+def _heal_above(table: str) -> None:
+    """The table's directory (``~/.local/state/dispatchd``, made 0700) set
+    back, as the state directory is: made 000 by a session, it kept every
+    daemon of the user's out. Itself only, never through a symlink."""
+    above = os.path.dirname(table)
+    try:
+        os.makedirs(above, mode=0o700, exist_ok=True)
+        statemodes.heal(above, None, top=above)
+    except OSError as exc:  # out of reach: choose says why when the table is
+        log.warning("event=state_mode_not_repaired path=%s why=%r", above, str(exc))
 
 
 def _unfit(path: str, uid: int) -> str:

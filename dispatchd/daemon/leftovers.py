@@ -69,7 +69,9 @@ class ScratchLocks:
         self._lock = threading.Lock()
 
     def take(self, sid: str) -> None:
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        # Made, or reached, with the modes on its way set back (statemodes.py): a
+        # state directory a session made 000 would refuse every open otherwise.
+        retried(lambda: os.makedirs(self.dir, mode=0o700, exist_ok=True), self.dir, None)
         tmp = os.path.join(self.dir, f".{sid}.lock.{secrets.token_hex(4)}")
         fd = retried(lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
                      tmp, 0o600)  # the directory's mode set back, if changed (statemodes.py)

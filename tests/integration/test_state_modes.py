@@ -18,19 +18,31 @@ import re
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, shell, wait_until
+from tests.conftest import REPO, Daemon, shell, wait_until
 
 
-def _degraded(base: Path) -> Daemon:
+def _degraded(base: Path, state: Path | None = None, home: Path | None = None) -> Daemon:
+    """A degraded daemon whose passwd home is ``home`` (``base/home``): its
+    table of worktrees in use (``inusedir.py``) is its own, never the one the
+    other test daemons share, so that chmod-ing it here keeps none of them out."""
+    home = home or base / "home"
+    home.mkdir(parents=True, exist_ok=True)
     base.mkdir(parents=True, exist_ok=True)
     # No pool: each open makes its own scratch directory (what a changed sessions/ refused).
-    return Daemon(base, "--no-user-namespaces", "--cgroup", "off", "--pool", "0")
+    return Daemon(base, "--no-user-namespaces", "--cgroup", "off", "--pool", "0", state=state,
+                  prefix=(sys.executable, str(REPO / "tests" / "passwd_home.py"), str(home)))
+
+
+def _table(d: Daemon) -> Path:
+    """The table of worktrees in use of a daemon of ``_degraded`` (its passwd home's)."""
+    return d.base / "home" / ".local" / "state" / "dispatchd" / "inuse"
 
 
 def _repo(path: Path) -> Path:
@@ -64,7 +76,7 @@ def test_a_state_file_made_000_by_a_session_is_set_back_by_the_next_open(tmp_pat
                                                                          mode: int) -> None:
     d = _degraded(tmp_path / "d")
     first, second = _repo(tmp_path / "w" / "first"), _repo(tmp_path / "w" / "second")
-    path = d.state / "dispatchd" / target
+    path = _table(d) / target[len("inuse/"):] if target.startswith("inuse") else d.state / "dispatchd" / target
     try:
         with d.connect() as client:
             with client.open_session(str(first)) as s:
@@ -84,7 +96,7 @@ def test_a_mutex_and_a_baseline_lock_made_000_are_set_back_at_the_next_start(tmp
     d = _degraded(tmp_path / "d")
     wt = _repo(tmp_path / "w" / "repo")
     top = d.state / "dispatchd"
-    mutex = top / "inuse" / ".mutex"
+    mutex = _table(d) / ".mutex"
     with d.connect() as client:
         s = client.open_session(str(wt))
         lock = next((top / "baselines").glob("*.lock"))
@@ -96,7 +108,7 @@ def test_a_mutex_and_a_baseline_lock_made_000_are_set_back_at_the_next_start(tmp
         s.detach()
     d.stop()
     assert (_mode(mutex), _mode(lock)) == (0, 0)  # what the next daemon finds
-    again = Daemon(d.base, "--no-user-namespaces", "--cgroup", "off", "--pool", "0")
+    again = _degraded(d.base)
     try:
         assert _repaired(again, mutex, 0) and _repaired(again, lock, 0), again.log()
         assert _mode(mutex) == 0o600

@@ -40,8 +40,8 @@ def _set(names: bytes) -> set[str]:
 
 def test_the_names_are_the_object_directories_files(keep: tuple[Path, int]) -> None:
     _, fd = keep
-    names, complete = objectdirs.KeptNames().names(fd, 100)
-    assert complete
+    names, cut = objectdirs.KeptNames().names(fd, 100)
+    assert cut == ""
     assert _set(names) == {"ab/1111", "ab/2222", "cd/3333", "pack/pack-1.pack", "pack/pack-1.idx"}
     assert names.endswith(b"\0")
 
@@ -123,8 +123,8 @@ def test_past_the_bound_a_keep_is_listed_whole_each_time(keep: tuple[Path, int])
     _, fd = keep
     kept = objectdirs.KeptNames(max_names=4)  # the keep holds 5
     for _ in range(2):
-        names, complete = kept.names(fd, 100)
-        assert complete and len(_set(names)) == 5
+        names, cut = kept.names(fd, 100)
+        assert cut == "" and len(_set(names)) == 5
     assert kept.listed == 6
 
 
@@ -150,6 +150,6 @@ def test_the_oldest_keep_is_forgotten_past_the_bound(tmp_path: Path) -> None:
 
 def test_the_limit_cuts_the_names_and_says_so(keep: tuple[Path, int]) -> None:
     _, fd = keep
-    names, complete = objectdirs.KeptNames().names(fd, 2)
-    assert not complete and len(_set(names)) <= 2
-    assert objectdirs.KeptNames().names(fd, 5)[1]
+    names, cut = objectdirs.KeptNames().names(fd, 2)
+    assert cut == "more than 2 kept object files; not all looked at" and len(_set(names)) <= 2
+    assert objectdirs.KeptNames().names(fd, 5)[1] == ""

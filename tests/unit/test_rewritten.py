@@ -9,11 +9,13 @@ read-only in its mount namespace (``layouts.held_packs``)."""
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 
 import pytest
 
+from dispatchd import statemodes
 from dispatchd.daemon.gitguard import clones, history, layouts, replaced
 from tests.unit.gitrepo import commits_repo, git
 from tests.unit.test_replaced import _fsck, _kept, _loose
@@ -85,8 +87,42 @@ def test_the_look_is_bounded_and_says_so(tmp_path: Path, monkeypatch: pytest.Mon
     kept, objects = _kept(tmp_path, repo)
     monkeypatch.setattr(replaced, "_MAX_LOOSE", 1)
     found, lost, cut = replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set())
-    assert found == lost == [] and cut == ("more than 1 kept object files, or a keep directory unreadable; "
-                                           "not all looked at")
+    assert found == lost == [] and cut == "more than 1 kept object files; not all looked at"
+
+
+def test_a_keep_directory_made_unreadable_is_set_back_and_looked_at(tmp_path: Path) -> None:
+    """A fan-out directory of the keep a session made 000: set back, and its
+    files looked at (it once cut the look short, and every later open was refused)."""
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    fanout = sorted(p for p in Path(kept.keep).iterdir() if len(p.name) == 2)
+    for d in fanout:
+        os.chmod(d, 0)
+    assert replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set()) == ([], [], "")
+    assert all(stat.S_IMODE(d.stat().st_mode) == 0o700 for d in fanout)
+
+
+def test_a_keep_directory_that_cannot_be_set_back_is_named_as_such(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the user's (the heal refuses another uid's file: here the uid is
+    told otherwise), it is said to be a keep directory that cannot be read."""
+    repo = commits_repo(tmp_path / "repo")
+    kept, objects = _kept(tmp_path, repo)
+    first = sorted(p for p in Path(kept.keep).iterdir() if len(p.name) == 2)[0]
+    os.chmod(first, 0)
+    try:
+        if os.access(first, os.R_OK):
+            pytest.skip("this user reads any directory")
+        monkeypatch.setattr(statemodes.os, "getuid", lambda: 1 << 30)
+        found, lost, cut = replaced.find_rewritten(str(objects), kept.keep, kept.stamped_ns, set())
+        monkeypatch.undo()
+        assert (found, lost) == ([], [])
+        assert cut == (f"{first}: a directory of dispatchd's keep of this repository's objects cannot be read "
+                       f"(Permission denied), even after setting its mode back; make it readable again "
+                       f"(chmod 700 {first}), then open the session again")
+        assert stat.S_IMODE(first.stat().st_mode) == 0  # the twin, above, sets it back
+    finally:
+        os.chmod(first, 0o700)
 
 
 def test_an_older_keep_s_hard_links_become_copies_once(tmp_path: Path) -> None:

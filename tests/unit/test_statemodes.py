@@ -73,3 +73,40 @@ def test_the_start_heals_the_layout_and_leaves_the_rest(state: Path) -> None:
     assert _mode(state / "keep" / "k1" / ".stamps") == 0o644
     assert _mode(state / "sessions" / "s1" / "home") == 0o755
     assert statemodes.heal_tree(str(state)) == []  # a second start finds nothing to do
+
+
+def test_a_top_that_cannot_be_opened_gives_way_to_the_owned_tree_around_it(state: Path) -> None:
+    """The table of worktrees in use is a top of its own inside the state
+    directory: the state directory made 000, the heal starts above it."""
+    table, mutex = state / "inuse", state / "inuse" / ".mutex"
+    statemodes.own(str(state))
+    statemodes.own(str(table))
+    state.chmod(0)
+    try:
+        with pytest.raises(PermissionError):  # the twin: nothing below it can be reached
+            os.close(os.open(mutex, os.O_RDWR))
+        assert statemodes.heal(str(mutex), 0o600) == [Repair(str(state), 0, 0o700)]
+    finally:
+        state.chmod(0o700)
+    assert _mode(mutex) == 0o600
+
+
+def test_the_start_heals_the_keep_s_directories_and_the_restore_preimages(state: Path) -> None:
+    keep = state / "keep" / "k1"
+    for d in ("ab", "cd", "pack"):
+        (keep / d).mkdir(parents=True, mode=0o700)
+    (keep / "ab" / "0123").write_bytes(b"")
+    (keep / "ab" / "0123").chmod(0o444)  # an object file: maybe the repository's inode, never changed
+    before = state / "before-restore" / "20260101T000000Z-s-c"
+    (before / "worktree").mkdir(parents=True, mode=0o700)
+    for d in (state / "before-restore", before, state / "keep", keep):
+        d.chmod(0o700)  # as the daemon makes them (the parents above made at 0755)
+    for d in (keep / "ab", keep / "pack", before / "worktree", state / "before-restore"):
+        d.chmod(0)
+    got = statemodes.heal_tree(str(state))
+    assert got == [Repair(str(state / "keep" / "k1" / "ab"), 0, 0o700),
+                   Repair(str(state / "keep" / "k1" / "pack"), 0, 0o700),
+                   Repair(str(state / "before-restore"), 0, 0o700),
+                   Repair(str(before / "worktree"), 0, 0o700)]
+    assert _mode(keep / "ab" / "0123") == 0o444 and _mode(keep / "cd") == 0o700
+    assert statemodes.heal_tree(str(state)) == []  # as made: one lstat each, nothing walked again

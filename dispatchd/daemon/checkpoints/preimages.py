@@ -24,7 +24,9 @@ Guarantees:
 - **Kept for ``RETENTION_S`` (7 days)**, by time alone: a count would let a
   session push the user's file out by restoring again and again. Swept at
   the daemon's start and at each new one (``sweep``): what is older goes,
-  and what a killed daemon left half made (``.tmp-``) after a day.
+  and what a killed daemon left half made (``.tmp-``) after a day. A sweep
+  that cannot list the directory (after its mode is set back:
+  ``statemodes``) raises; at the start it is logged and the start goes on.
 - **Within one budget, never by eviction.** All of them together stay
   within ``keptsize``'s budget: one that would take them over it is removed
   before it is renamed into place and refused (the restore with it, unless
@@ -47,6 +49,7 @@ import msgspec
 
 from dispatchd import treewalk
 from dispatchd.durable import fsync_directory
+from dispatchd.statemodes import retried
 
 from dispatchd.daemon.checkpoints.keptsize import KeptSizes
 from dispatchd.daemon.checkpoints.plan import Manifest
@@ -81,7 +84,8 @@ def keep(kept_dir: str, top: str, manifest: Manifest, worktree: str, session: st
     ``top``) as plain files under ``kept_dir``; returns its directory.
     Raises OSError when it cannot be made, ``Refused`` when it would take
     what ``sizes`` counts over its budget (nothing is left of it then)."""
-    os.makedirs(kept_dir, mode=0o700, exist_ok=True)
+    # Made or reached with the modes on its way set back (a session's chmod 000: statemodes.py).
+    retried(lambda: os.makedirs(kept_dir, mode=0o700, exist_ok=True), kept_dir, None)
     sweep(kept_dir)
     now = time.time()
     name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(now))}-{session}-{manifest.info.id}"
@@ -131,7 +135,7 @@ def sweep(kept_dir: str, now: float | None = None) -> list[str]:
     its directory's mtime), and a half-made one a day old; returns their paths."""
     now = time.time() if now is None else now
     try:
-        names = sorted(os.listdir(kept_dir))
+        names = sorted(retried(lambda: os.listdir(kept_dir), kept_dir, None))  # its mode set back (statemodes.py)
     except FileNotFoundError:
         return []
     gone: list[str] = []

@@ -64,7 +64,10 @@ class Store:
         self.keep_dir = keep_dir
         # What restores replaced, kept past their sessions (``preimages``); the expired swept now.
         self.before_dir = os.path.join(state_dir, preimages.DIR)
-        preimages.sweep(self.before_dir)
+        try:
+            preimages.sweep(self.before_dir)
+        except OSError as exc:  # a sweep never stops a start: what it could not look at waits for the next
+            log.error("event=before_restore_not_swept path=%s error=%r", self.before_dir, str(exc))
         self.kept_sizes = keptsize.KeptSizes(self.before_dir)  # their total, within one budget
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}

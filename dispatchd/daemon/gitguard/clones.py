@@ -33,7 +33,7 @@ import fcntl
 import os
 import stat
 
-from dispatchd.daemon.gitguard import fs, packlinks
+from dispatchd.daemon.gitguard import fs, keepdirs, packlinks
 
 COPY_BUDGET = 512 * 1024 * 1024  # bytes copied (not cloned or linked) at one baseline
 FICLONE = 0x40049409
@@ -158,9 +158,9 @@ def own_loose(keep: str, budget: list[int]) -> int:
     if os.path.exists(os.path.join(keep, OWN_MARK)):
         return 0
     shared = 0
-    for d in sorted(set(os.listdir(keep)) & fs.FANOUT):
+    for d in sorted(set(keepdirs.listdir(keep)) & fs.FANOUT):  # modes a session changed set back
         folder = os.path.join(keep, d)
-        for name in os.listdir(folder):
+        for name in keepdirs.listdir(folder):
             path = os.path.join(folder, name)
             try:
                 if name.startswith("tmp-own-") and name.endswith(".part"):
@@ -198,6 +198,7 @@ def own_unheld(keep: str, objects: str, held: frozenset[str], budget: list[int])
     linked (past the budget). Two listings: the inodes from the directories."""
     shared = 0
     try:
+        keepdirs.listdir(os.path.join(keep, "pack"))  # its mode set back, if a session changed it
         with os.scandir(os.path.join(keep, "pack")) as scan:
             entries = list(scan)
         for e in entries:  # a killed daemon's copy half made

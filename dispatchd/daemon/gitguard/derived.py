@@ -55,7 +55,7 @@ import struct
 import sys
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, objectstore, packlinks
+from dispatchd.daemon.gitguard import fs, keepdirs, objectstore, packlinks
 
 DERIVED = (".bitmap", ".rev")
 _RACY_NS = 50_000_000  # as history's: a file changed this close before the baseline's look is looked at
@@ -77,7 +77,10 @@ def clear(objects: str, keep: str, since_ns: int, baseline: set[str] | None) -> 
         fd = os.open(pack_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return [], []  # no pack directory (history.restore makes what it puts back)
-    kfd = _open_dir(os.path.join(keep, "pack")) if keep else None
+    try:
+        kfd = keepdirs.open_dir(os.path.join(keep, "pack")) if keep else None  # its mode set back, if changed
+    except keepdirs.Unreadable:
+        kfd = None  # looked at as when the keep has no pack directory
     moved: list[str] = []
     failed: list[str] = []
     budget = [READ_BUDGET]

@@ -37,8 +37,9 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import (clones, derived, fs, keeps, newloose, newpacks, objectdirs, objectstore, packed,
-                                       packlinks, refsback, replacerefs, replaced, shadows, shown, viewfiles)
+from dispatchd.daemon.gitguard import (clones, derived, fs, keepdirs, keeps, newloose, newpacks, objectdirs,
+                                       objectstore, packed, packlinks, refsback, replacerefs, replaced, shadows,
+                                       shown, viewfiles)
 from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
@@ -75,7 +76,7 @@ except OSError:
 _STAMPS = ".stamps"  # in a keep: the stamps it was last brought up to date with
 
 
-def _stamps(objects: str) -> dict[str, int]:
+def _stamps(objects: str, kept: bool = False) -> dict[str, int]:
     """Each object directory (``objectdirs.is_object_dir``) -> its ctime in
     ns, on every open and close. Each is looked at below a descriptor of
     ``objects`` (no path walked again: a third less time for git's 257
@@ -83,9 +84,15 @@ def _stamps(objects: str) -> dict[str, int]:
     try:
         # Never through a symlink: the callers refuse a symlinked objects, and
         # one swapped in after their look is not followed here either.
-        fd = os.open(objects, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        opened = keepdirs.open_dir(objects) if kept else os.open(
+            objects, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except keepdirs.Unreadable:
+        raise
     except OSError:
         return {}
+    if opened is None:
+        return {}
+    fd = opened
     try:
         return objectdirs.ctimes(fd)
     finally:
@@ -101,14 +108,26 @@ def _changed(then: dict[str, int], then_ns: int, now: dict[str, int], margin_ns:
             if then.get(d) != now.get(d) or not treewalk.settled(then[d], then_ns, margin_ns)}
 
 
-def _files_in(objects: str, dirs: set[str]) -> set[str]:
+def _files_in(objects: str, dirs: set[str], kept: bool = False) -> set[str]:
+    """The files of ``dirs`` in ``objects``; ``kept``: ``objects`` is a keep,
+    whose directories' modes are set back and which raises
+    ``keepdirs.Unreadable`` rather than leave one out (what it holds would
+    not be put back)."""
     found: set[str] = set()
     for name in dirs:
         try:
-            found.update(f"{name}/{n}" for n in os.listdir(os.path.join(objects, name)) if not n.startswith("tmp"))
+            names = keepdirs.listdir(os.path.join(objects, name)) if kept else os.listdir(os.path.join(objects, name))
+        except keepdirs.Unreadable:
+            raise
         except OSError:
             continue
+        found.update(f"{name}/{n}" for n in names if not n.startswith("tmp"))
     return found
+
+
+def _said(exc: Exception) -> str:
+    """An error as the user reads it: a keep directory's in words, else its repr."""
+    return str(exc) if isinstance(exc, keepdirs.Unreadable) else repr(exc)
 
 
 def keep_for(keep_dir: str, common: str) -> str:
@@ -186,9 +205,9 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
             # An older daemon stamped any two-character directory: only git's are looked at.
             last = ({d: ns for d, ns in last[0].items() if objectdirs.is_object_dir(d)}, last[1])
             # Without a record of the last look, every directory is listed.
-            dirs = _changed(last[0], last[1], stamps) if last[0] else set(stamps) | set(_stamps(keep))
+            dirs = _changed(last[0], last[1], stamps) if last[0] else set(stamps) | set(_stamps(keep, kept=True))
             present = _files_in(objects, dirs)
-            kept = _files_in(keep, dirs)
+            kept = _files_in(keep, dirs, kept=True)
             budget = [clones.COPY_BUDGET]
             # A keep an older daemon made hard-linked the loose objects: copies of their own, once.
             clones.own_loose(keep, budget)
@@ -305,9 +324,12 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                                           f"({', '.join(unshared[:3])})"))
         except Exception as exc:  # noqa: BLE001 - reported; the rest still runs
             failed.append(f"{objects}: the look for packs given another name failed: {exc!r}")
-        if not history.stamped_ns:
-            dirs = set(_stamps(history.keep))
-        missing = sorted(_files_in(history.keep, dirs) - _files_in(objects, dirs))
+        try:
+            if not history.stamped_ns:
+                dirs = set(_stamps(history.keep, kept=True))
+            missing = sorted(_files_in(history.keep, dirs, kept=True) - _files_in(objects, dirs))
+        except keepdirs.Unreadable as exc:  # what it holds cannot be put back: said, never passed over
+            missing, failed = [], failed + [f"{objects}: {exc}"]
         # A bitmap or reverse index the repository did not have at the baseline is not put back (a
         # checkpoint kept the session's; derived.clear moved it aside, or the session deleted it).
         baseline = history.pack_links or {}
@@ -340,7 +362,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         try:
             swapped = replaced.find(objects, history.keep, touched, history.stamped_ns) if history.stamped_ns else []
         except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
-            swapped, failed = [], failed + [f"{objects}: the look for replaced files failed: {exc!r}"]
+            swapped, failed = [], failed + [f"{objects}: the look for replaced files failed: {_said(exc)}"]
         # And a kept object file rewritten in place (chmod first): its own ctime tells.
         try:
             if history.stamped_ns and in_place:
@@ -350,7 +372,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                     f"{os.path.join(objects, rel)}: rewritten in place by a session, and the keep shares its inode "
                     "(kept past the copy budget): it cannot be put back (git fsck names it)" for rel in lost]
         except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
-            failed.append(f"{objects}: the look for files rewritten in place failed: {exc!r}")
+            failed.append(f"{objects}: the look for files rewritten in place failed: {_said(exc)}")
         try:  # a new pack naming the user's objects for other bytes (git reads packs first)
             if in_place:
                 verified, bad = newpacks.check(objects, history.keep, objectstore.alternates(
@@ -359,7 +381,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                 fanout = {d for d in touched if d != "pack"}
                 loose, bad_loose = newloose.check(objects, history.keep, objectstore.alternates(
                     objects, (history.views or {}).get("objects/info/alternates")),
-                    sorted(_files_in(objects, fanout) - _files_in(history.keep, fanout)))
+                    sorted(_files_in(objects, fanout) - _files_in(history.keep, fanout, kept=True)))
                 done += verified + loose
                 failed += bad + bad_loose
         except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below

@@ -79,6 +79,8 @@ _manifest = msgspec.msgpack.Decoder(_Manifest)
 def hold(keep: str, common: str) -> Iterator[int]:
     """The keep's directory, made if need be and named, its shared lock held
     (a descriptor, for as long as the ``with``): a sweep leaves it alone."""
+    # STATE/keep too at 0700 (makedirs gives the mode to the last one alone).
+    os.makedirs(os.path.dirname(keep), mode=0o700, exist_ok=True)
     for _ in range(100):  # a sweep moves a keep aside once: a second round finds a new one
         os.makedirs(keep, mode=0o700, exist_ok=True)
         fd = os.open(keep, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -39,7 +39,7 @@ import struct
 import time
 import zlib
 
-from dispatchd.daemon.gitguard import fs, objectstore
+from dispatchd.daemon.gitguard import fs, keepdirs, objectstore
 
 BUDGET_S = 20.0
 MAX_OBJECTS = 2_000_000  # the user's objects read at one end
@@ -96,7 +96,7 @@ def check(objects: str, keep: str, alternates: list[str] | None = None,
     kept = known
     if kept is None:
         try:
-            kept = set(os.listdir(os.path.join(keep, "pack")))
+            kept = set(keepdirs.listdir(os.path.join(keep, "pack")))  # its mode set back, if changed
         except OSError:
             kept = set()
     try:

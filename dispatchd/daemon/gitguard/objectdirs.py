@@ -30,8 +30,8 @@ import threading
 import time
 from collections import OrderedDict
 
-from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs
+from dispatchd import statemodes, treewalk
+from dispatchd.daemon.gitguard import fs, keepdirs
 from dispatchd.tools import native
 
 MAX_NAMES = 500_000  # remembered in all (about 45 bytes a name)
@@ -80,10 +80,11 @@ class KeptNames:
         self._keeps: OrderedDict[tuple[int, int], dict[str, tuple[int, bytes, int]]] = OrderedDict()
         self._count = 0
 
-    def names(self, keep_fd: int, limit: int) -> tuple[bytes, bool]:
+    def names(self, keep_fd: int, limit: int, where: str = "") -> tuple[bytes, str]:
         """Every ``dir/name`` of the keep's object directories, each ended by
-        a NUL byte; and whether all were given (False past ``limit`` names,
-        or a directory that could not be listed)."""
+        a NUL byte; and why not all were given ("": all were): past ``limit``
+        names, or a directory of the keep ``where`` that could not be
+        listed, even with its mode set back (``statemodes.heal_at``)."""
         look_ns = time.time_ns()  # before the ctimes: a change after it sets a later one
         st = os.fstat(keep_fd)
         key = (st.st_dev, st.st_ino)
@@ -93,13 +94,13 @@ class KeptNames:
         now: dict[str, tuple[int, bytes, int]] = {}
         parts: list[bytes] = []
         count = 0
-        complete = True
+        why = ""
         for d, ctime in sorted(ctimes(keep_fd).items()):
             entry = known.get(d)
             if entry is None or entry[0] != ctime:
-                listed = self._list(keep_fd, d)
-                if listed is None:
-                    complete = False
+                listed = self._list(keep_fd, d, where)
+                if isinstance(listed, str):
+                    why = why or listed
                     continue
                 entry = (ctime, listed[0], listed[1])
                 if fine and treewalk.settled(ctime, look_ns, treewalk.Listings.SETTLE_NS):
@@ -108,7 +109,7 @@ class KeptNames:
                 now[d] = entry
             count += entry[2]
             if count > limit:
-                complete = False
+                why = f"more than {limit} kept object files; not all looked at"
                 break
             parts.append(entry[1])
         with self._lock:
@@ -118,21 +119,32 @@ class KeptNames:
                 self._count += _total(now)
             while len(self._keeps) > self.max_keeps:
                 self._count -= _total(self._keeps.popitem(last=False)[1])
-        return b"".join(parts), complete
+        return b"".join(parts), why
 
-    def _list(self, keep_fd: int, d: str) -> tuple[bytes, int] | None:
+    def _list(self, keep_fd: int, d: str, where: str) -> tuple[bytes, int] | str:
         """Directory ``d``'s names as ``dir/name\\0`` entries, and how many;
-        None when it cannot be listed."""
+        why not when it cannot be listed. Refused (a session's chmod), its
+        mode is set back and it is listed once more."""
         self.listed += 1
-        try:
-            sub = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                          dir_fd=keep_fd)
-        except OSError as exc:
-            return (b"", 0) if exc.errno in fs.ABSENT else None  # gone, or not a directory: nothing kept there
+        for attempt in (1, 2):
+            try:
+                sub = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                              dir_fd=keep_fd)
+            except OSError as exc:
+                if exc.errno in fs.ABSENT:
+                    return b"", 0  # gone, or not a directory: nothing kept there
+                if attempt == 1 and isinstance(exc, PermissionError):
+                    try:
+                        statemodes.heal_at(keep_fd, d, where)  # logged: event=state_mode_repaired
+                        continue
+                    except OSError:
+                        pass
+                return str(keepdirs.unreadable(os.path.join(where, d), exc))
+            break
         try:
             names = [n for n in os.listdir(sub) if not n.startswith((".", "tmp"))]
-        except OSError:
-            return None
+        except OSError as exc:
+            return str(keepdirs.unreadable(os.path.join(where, d), exc))
         finally:
             os.close(sub)
         prefix = os.fsencode(d) + b"/"

@@ -54,7 +54,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, objectdirs
+from dispatchd.daemon.gitguard import fs, keepdirs, objectdirs
 from dispatchd.tools import native
 
 _COMPARE_BUDGET = 256 * 1024 * 1024  # bytes read to compare a restore's changed files
@@ -88,7 +88,7 @@ def _dir_pairs(keep: str, objects: str, dirs: Iterable[str]) -> Iterator[tuple[s
     """Each of ``dirs`` that both the keep and the repository have, opened in
     both (not followed), closed once the next is asked for."""
     for d in sorted(dirs):
-        kfd = _open_dir(keep, d)
+        kfd = keepdirs.open_dir(os.path.join(keep, d))  # its mode set back, else keepdirs.Unreadable
         if kfd is None:
             continue
         try:
@@ -112,7 +112,7 @@ def find_rewritten(objects: str, keep: str, since_ns: int,
     and what cut the look short ("": nothing). The names are the keep's: a
     session's own files are not looked at, nor counted."""
     # Every file whose ctime is not settled (``_replaced``'s rule: treewalk.settled).
-    recent, complete = _walk(keep, objects, since_ns - _RACY_NS, since_ns - treewalk.COARSE_SETTLE_NS)
+    recent, cut = _walk(keep, objects, since_ns - _RACY_NS, since_ns - treewalk.COARSE_SETTLE_NS)
     by_dir: dict[str, list[str]] = {}
     for rel in recent:
         d, _, name = rel.partition("/")
@@ -127,24 +127,26 @@ def find_rewritten(objects: str, keep: str, since_ns: int,
                 found.append(f"{d}/{name}")
             elif d != "pack" and _shared_and_broken(kfd, ofd, name, d + name):
                 lost.append(f"{d}/{name}")
-    cut = "" if complete else (f"more than {_MAX_LOOSE} kept object files, or a keep directory unreadable; "
-                               "not all looked at")
     return found, lost, cut
 
 
-def _walk(keep: str, objects: str, since: int, coarse: int) -> tuple[list[str], bool]:
+def _walk(keep: str, objects: str, since: int, coarse: int) -> tuple[list[str], str]:
     """``recent_named`` over the keep's names (``KEPT``): in C, the names
     split between this thread and another where there are two CPUs (the
     system calls are most of it, and run without the interpreter's lock:
     3.9 ms -> 2.2 for 2,042 objects, the keep listed then); else in Python."""
-    kfd, ofd = _open_dir(keep, "."), _open_dir(objects, ".")
+    try:
+        kfd = keepdirs.open_dir(keep)
+    except keepdirs.Unreadable as exc:
+        return [], str(exc)
+    ofd = _open_dir(objects, ".")
     try:
         if kfd is None or ofd is None:
-            return [], True
-        names, complete = KEPT.names(kfd, _MAX_LOOSE)
+            return [], ""
+        names, cut = KEPT.names(kfd, _MAX_LOOSE, keep)
         look = getattr(native.lines, "recent_named", None)  # None too for a helper built before it
         if look is None:
-            return recent_named(ofd, names, since, coarse), complete
+            return recent_named(ofd, names, since, coarse), cut
         parts = 2 if (os.cpu_count() or 1) > 1 and len(names) > _SPLIT_BYTES else 1
         results: list[list[str] | BaseException | None] = [None] * parts
 
@@ -164,7 +166,7 @@ def _walk(keep: str, objects: str, since: int, coarse: int) -> tuple[list[str], 
             if not isinstance(result, list):
                 raise result if isinstance(result, BaseException) else RuntimeError("a part of the look did not run")
             found += result
-        return found, complete
+        return found, cut
     finally:
         for fd in (kfd, ofd):
             if fd is not None:
