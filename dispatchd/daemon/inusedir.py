@@ -73,8 +73,6 @@ def choose(state_dir: str, uid: int | None = None) -> Table:
         os.makedirs(path, mode=0o700, exist_ok=True)
         path = os.path.realpath(path)
         why = _unfit(path, uid)
-        if not why:
-            statemodes.heal_tree(path, statemodes.TABLE_FILES)  # its mutex and entries (000: every open refused)
     except OSError as exc:
         failed = os.path.join(path, exc.filename) if exc.filename else path  # the part that failed
         why = f"{failed}: {exc.strerror or exc}"
@@ -110,6 +108,7 @@ def _unfit(path: str, uid: int) -> str:
             # (inuse.py: an entry not the user's is left out).
             log.warning("event=state_mode_repaired path=%s was=0o%03o now=0o700", path, stat.S_IMODE(st.st_mode))
             os.chmod(f"/proc/self/fd/{fd}", 0o700)
+        statemodes.heal_tree(path, statemodes.TABLE_FILES)  # its mutex and entries (000: every open refused)
         # What every claim does first (inuse._Mutex): make the mutex and flock it.
         mutex = os.open(".mutex", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
         try:
