@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dispatchd.daemon.gitguard import runnables
+from tests.conftest import deep_tree
 from tests.unit.gitrepo import git, make_repo
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -71,26 +72,13 @@ def test_a_git_directory_looking_root_the_user_had_keeps_it(tmp_path: Path) -> N
     assert _changes(root, before, skip_root_git=False) == ["config"]
 
 
-def _chain(top: Path, depth: int) -> Path:
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(depth):
-            os.mkdir("d", dir_fd=fd)
-            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-    finally:
-        os.close(fd)
-    return top
-
-
 def test_at_an_end_a_chain_past_the_depth_bound_is_moved_aside_and_the_rest_still_walked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runnables, "MAX_DEPTH", 100)
     repo = make_repo(tmp_path / "r")
     before = runnables.take(str(repo))
     (repo / "a").mkdir()
-    _chain(repo / "a", 120)
+    deep_tree(repo / "a", 120)
     git(tmp_path, "init", "-q", str(repo / "z" / "sub"))  # walked after the chain, whatever the order
     (repo / "z" / "sub" / ".envrc").write_text("touch PWNED\n")
     # A baseline over the bound is refused (the open says why) ...
