@@ -91,3 +91,37 @@ def test_a_worktree_root_made_a_git_directory_runs_nothing(client: dispatch.Clie
     git(pkg, "status", check=False)
     assert not marker.exists()
     assert (pkg / "f").read_text() == "x\n"  # the session's other files are its own
+
+
+def test_another_sessions_root_swapped_for_a_link_into_the_objects_runs_nothing(client: dispatch.Client,
+                                                                               repo: Path, tmp_path: Path) -> None:
+    """A session on the repository moves the directory another session works
+    in into .git/objects, links its name there, and makes .git/objects look
+    like a git directory; the part of the other session walked through the
+    link and the repository's part left that name to it."""
+    marker = tmp_path / "ran"
+    inner = client.open_session(str(repo / "pkg"))
+    try:
+        with client.open_session(str(repo)) as outer:
+            r = shell(outer, "mv pkg .git/objects/a0 && ln -s .git/objects/a0 pkg && cd .git/objects && "
+                             "echo 'ref: refs/heads/main' > HEAD && mkdir -p refs objects && "
+                             f"printf '[core]\\n\\trepositoryformatversion = 0\\n\\tworktree = a0\\n"
+                             f"\\tfsmonitor = \"touch {marker}\"\\n' > config && echo made")
+            assert r.output == "made\n", r
+    finally:
+        inner.close()
+    assert not (repo / "pkg").is_symlink()
+    if (repo / "pkg").exists():
+        git(repo / "pkg", "status", check=False)
+    git(repo, "status", check=False)
+    assert not marker.exists()
+
+
+def test_control_a_root_swapped_for_a_link_into_the_objects_runs_for_the_user(repo: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    subprocess.run(["bash", "-c", "mv pkg .git/objects/a0 && ln -s .git/objects/a0 pkg && cd .git/objects && "
+                                  "echo 'ref: refs/heads/main' > HEAD && mkdir -p refs objects && "
+                                  f"printf '[core]\\n\\trepositoryformatversion = 0\\n\\tworktree = a0\\n"
+                                  f"\\tfsmonitor = \"touch {marker}\"\\n' > config"], cwd=repo, check=True)
+    git(repo / "pkg", "status", check=False)
+    assert marker.exists()

@@ -30,8 +30,8 @@ def test_a_baseline_refused_beside_the_sandbox_refuses_the_open_and_ends_it(
             wait_for_pool(client, "default/off", 2)
             deep_tree(worktree, 4100)  # deeper than the baseline's walk goes (runnables.MAX_DEPTH)
             with pytest.raises(dispatch.DispatchError, match=(
-                    "deeper than 4096 directories, more than dispatchd checks for repositories and files "
-                    "your tools run; no session opened")):
+                    r"deeper than 4096 directories \(below d/d/d/...; remove that chain to open sessions here\), "
+                    "more than dispatchd checks for repositories and files your tools run; no session opened")):
                 client.open_session(str(worktree))
             assert client.list_sessions() == []
             # The sandbox it was given (made ahead) is gone, not left waiting.

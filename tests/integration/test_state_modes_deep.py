@@ -154,3 +154,31 @@ def test_the_socket_runtime_directory_made_000_is_said_and_waited_out(tmp_path: 
     finally:
         os.chmod(runtime, 0o700)
         assert d.stop() == 0, d.log()
+
+
+def test_kept_object_files_made_000_and_the_repository_s_deleted_are_put_back(tmp_path: Path) -> None:
+    """The session makes the keep's copies unreadable, then deletes the
+    repository's own object files: the end gives the copies read back (git's
+    own 0444) and puts every object back; the user's repository is whole."""
+    import subprocess
+
+    d = _degraded(tmp_path / "d")
+    wt = _repo(tmp_path / "w" / "repo")
+    keep = Path(history.keep_for(str(d.state / "dispatchd" / "keep"), str(wt / ".git")))
+    try:
+        with d.connect() as client:
+            with client.open_session(str(wt)) as s:
+                kept = sorted(p for folder in _fanout(keep) for p in folder.iterdir())
+                assert kept
+                r = shell(s, " && ".join(f"chmod 000 '{p}'" for p in kept) + " && rm -rf .git/objects/?? && echo done")
+                assert r.output == "done\n", r
+                assert [_mode(p) for p in kept] == [0] * len(kept)  # the twin: changed indeed
+                bad = subprocess.run(["git", "-C", str(wt), "fsck"], capture_output=True, text=True, timeout=60)
+                assert bad.returncode != 0  # and the repository broken, before the end
+            assert any("object files deleted by a session put back" in p["why"] for p in s.protected), s.protected
+        fsck = subprocess.run(["git", "-C", str(wt), "fsck"], capture_output=True, text=True, timeout=60)
+        assert fsck.returncode == 0, fsck.stderr
+        assert all(_mode(p) == 0o444 for p in kept)
+        assert all(f"event=state_mode_repaired path={p} was=0o000 now=0o444" in d.log() for p in kept)
+    finally:
+        assert d.stop() == 0, d.log()

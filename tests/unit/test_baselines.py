@@ -132,7 +132,7 @@ def test_the_walk_is_bounded_in_depth_without_recursion(tmp_path: Path, monkeypa
     assert snap.complete and runnables.changes(before, snap) == ["d/" * 1500 + ".vscode"]
     monkeypatch.setattr(runnables, "MAX_DEPTH", 1000)
     snap = runnables.take(str(top))
-    assert not snap.complete and snap.why == "deeper than 1000 directories"
+    assert not snap.complete and snap.why.startswith("deeper than 1000 directories (below d/d/d/...")
     subprocess.run(["rm", "-rf", str(top)], check=True)
 
 
@@ -472,8 +472,9 @@ def test_a_worktree_over_the_walks_bounds_is_refused_and_leaves_no_domain(
     (deep / "a" / "b" / "c" / "d" / "e").mkdir(parents=True)
     monkeypatch.setattr(runnables, "MAX_DEPTH", 3)
     store = baselines.Baselines(str(tmp_path / "state"))
-    with pytest.raises(baselines.WorktreeError, match=r"deeper than 3 directories, more than dispatchd checks .* "
-                                                      "no session opened"):
+    with pytest.raises(baselines.WorktreeError, match=r"deeper than 3 directories \(below a/b/c/\.\.\.; remove "
+                                                      r"that chain to open sessions here\), more than dispatchd "
+                                                      "checks .* no session opened"):
         _join(store, "s", deep)
     assert store._domains == {} and store._by_session == {} and os.listdir(tmp_path / "state" / "baselines") == []
     _join(store, "t", plain)  # the twin: within the bounds, it opens

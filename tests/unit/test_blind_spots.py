@@ -20,8 +20,8 @@ from tests.unit.gitrepo import git, make_repo
 pytestmark = pytest.mark.process  # git makes the repositories
 
 
-def _changes(repo: Path, before: runnables.TreeSnapshot, **kwargs: bool) -> list[str]:
-    return runnables.changes(before, runnables.take(str(repo), **kwargs))
+def _changes(repo: Path, before: runnables.TreeSnapshot, **kwargs: object) -> list[str]:
+    return runnables.changes(before, runnables.take(str(repo), **kwargs))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("hidden", [".git/objects/tools", ".git/refs/tools", "sub/.git/logs/x", "bare/objects/t"])
@@ -83,7 +83,7 @@ def test_at_an_end_a_chain_past_the_depth_bound_is_moved_aside_and_the_rest_stil
     (repo / "z" / "sub" / ".envrc").write_text("touch PWNED\n")
     # A baseline over the bound is refused (the open says why) ...
     snap = runnables.take(str(repo))
-    assert not snap.complete and snap.why == "deeper than 100 directories"
+    assert not snap.complete and snap.why.startswith("deeper than 100 directories (below a/d/d/...")
     # ... an end walks on and moves the part past it aside with the rest.
     end = runnables.take(str(repo), ending=True)
     assert end.complete
@@ -135,3 +135,33 @@ def test_a_root_of_head_and_commondir_loses_both(tmp_path: Path) -> None:
     (root / "HEAD").write_text("ref: refs/heads/main\n")
     (root / "commondir").write_text("store\n")
     assert sorted(_changes(root, before, skip_root_git=False)) == ["HEAD", "commondir"]
+
+
+def test_another_parts_root_replaced_by_a_link_is_moved_aside(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    (repo / "a").mkdir()
+    (repo / "a" / "f").write_text("x\n")
+    before = runnables.take(str(repo), excluded=[str(repo / "a")])
+    assert "a" not in before.entries  # walked by its own part
+    (repo / "a").rename(repo / ".git" / "objects" / "a0")
+    os.symlink("elsewhere", repo / "a")  # whatever its text says: that part's root is no directory now
+    assert _changes(repo, before, excluded=[str(repo / "a")]) == ["a"]
+
+
+@pytest.mark.parametrize("name", [".gitignore", ".gitattributes", ".mailmap"])
+def test_a_fifo_where_git_reads_a_file_is_moved_aside_and_a_file_is_not(tmp_path: Path, name: str) -> None:
+    repo = make_repo(tmp_path / "r")
+    (repo / "d").mkdir()
+    before = runnables.take(str(repo))
+    (repo / name).write_text("x\n")  # the twin: the project's own file, edited freely
+    os.mkfifo(repo / "d" / name)
+    assert _changes(repo, before) == [f"d/{name}"]
+
+
+def test_a_baseline_over_the_depth_says_where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runnables, "MAX_DEPTH", 10)
+    repo = make_repo(tmp_path / "r")
+    (repo / "a").mkdir()
+    deep_tree(repo / "a", 12)
+    snap = runnables.take(str(repo))
+    assert snap.why == "deeper than 10 directories (below a/d/d/...; remove that chain to open sessions here)"

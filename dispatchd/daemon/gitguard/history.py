@@ -350,11 +350,17 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                     os.makedirs(folder, exist_ok=True)
                     made.add(folder)
                 # A copy of its own (the keep's file never the repository's again), past the budget a link.
-                clones.clone(os.path.join(history.keep, rel), os.path.join(objects, rel), [clones.COPY_BUDGET], ways,
-                             own=True)
+                src = os.path.join(history.keep, rel)
+                try:
+                    clones.clone(src, os.path.join(objects, rel), [clones.COPY_BUDGET], ways, own=True)
+                except PermissionError:  # a kept file a session made 000 (degraded mode): readable again, once
+                    if not keepdirs.readable_file(src):
+                        raise
+                    clones.clone(src, os.path.join(objects, rel), [clones.COPY_BUDGET], ways, own=True)
                 put.append(rel)
             except OSError as exc:
-                failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}")
+                failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}"
+                              + (f" (its kept copy {exc.filename})" if exc.filename else ""))
         deleted = [rel for rel in put if rel not in by_git]
         if deleted:
             done.append((objects, f"{len(deleted)} object files deleted by a session put back"))

@@ -13,8 +13,9 @@ Guarantees:
 - a directory refused (EACCES, EPERM) is set back to 0700, with those above
   it up to the state directory (``statemodes.retried``: never through a
   symlink, never a file of another uid's, each change logged), and tried
-  once more; the keep's files are left as they are (a loose object or a
-  pack may share its inode with the repository's);
+  once more; a kept file is only ever given read back, at git's own 0444
+  for objects (``readable_file``: a loose object or a pack may share its
+  inode with the repository's, which git made 0444 too);
 - one that is missing (or not a directory) is ``None`` / empty: nothing
   is kept there;
 - one still refused raises ``Unreadable``, whose words say that it is
@@ -23,13 +24,16 @@ Guarantees:
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 
 from dispatchd.daemon.gitguard import fs
 from dispatchd.statemodes import retried
 
-__all__ = ["Unreadable", "listdir", "open_dir", "unreadable"]
+__all__ = ["Unreadable", "listdir", "open_dir", "readable_file", "unreadable"]
 
+_log = logging.getLogger("dispatchd.statemodes")
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -64,5 +68,28 @@ def listdir(path: str) -> list[str]:
         return []
     try:
         return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+def readable_file(path: str) -> bool:
+    """A kept file (an object, a pack) a session made unreadable, given git's
+    own mode for object files back (0444: harmless on an inode the keep may
+    share with the repository's file, whose mode git made so); never through
+    a symlink, never another uid's file. True when it changed something."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & stat.S_IRUSR:
+            return False
+        os.chmod(f"/proc/self/fd/{fd}", 0o444)
+        _log.warning(
+            "event=state_mode_repaired path=%s was=0o%03o now=0o444", path, stat.S_IMODE(st.st_mode))
+        return True
+    except OSError:
+        return False
     finally:
         os.close(fd)

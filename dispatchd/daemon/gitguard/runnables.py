@@ -66,6 +66,8 @@ _GIT_BULK = frozenset(("objects", "refs", "logs", "lfs"))
 # up to a tick, so a change after the walk began always gets a later ctime.
 SETTLE_NS = 50_000_000
 MAX_REMEMBERED = 200_000  # listings remembered, per set of protected names
+# Files git opens to read wherever they are in a worktree (a FIFO there hangs the user's git).
+_GIT_READS = frozenset((".gitignore", ".gitattributes", ".mailmap", ".gitmodules"))
 
 
 class _Listing(msgspec.Struct, frozen=True, array_like=True):
@@ -228,7 +230,9 @@ class _Walk:
                 # up (the rest of the tree, where a plant may wait, walked on).
                 self.entries[rel] = never_equal(f"deeper than {MAX_DEPTH} directories")
                 return
-            self.why = f"deeper than {MAX_DEPTH} directories"
+            first = rel.split("/", 3)
+            self.why = (f"deeper than {MAX_DEPTH} directories (below {'/'.join(first[:3])}/...; remove that "
+                        "chain to open sessions here)")
             return
         st = None
         if not (protected or in_git or fd in self.lent):
@@ -296,6 +300,13 @@ class _Walk:
         for name, kind in found:
             child = f"{rel}/{name}" if rel else name
             if child in self.excluded:
+                if kind != "dir":  # another part's root replaced (a symlink to a tree that part walks through)
+                    self.entries[child] = digest_at(fd, name, self.budget) or "absent"
+                continue
+            if kind == "other" and name in _GIT_READS and _not_regular(fd, name):
+                # A FIFO (or a socket, a device) where git opens a file to read
+                # it (.gitignore at any depth): the user's git waits on it for good.
+                self.entries[child] = digest_at(fd, name, self.budget) or "absent"
                 continue
             if name == ".git":
                 if not rel and self.skip_root_git:
@@ -390,6 +401,13 @@ def _into_blind_spot(fd: int, name: str, rel: str) -> bool:
     else:
         parts = os.path.normpath(os.path.join(rel, target)).split("/")
     return ".git" in parts or not _GIT_BULK.isdisjoint(parts)
+
+
+def _not_regular(fd: int, name: str) -> bool:
+    try:
+        return not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _kind(entry: os.DirEntry[str]) -> str:
