@@ -185,6 +185,8 @@ DEFAULT_PROTECTED = (
     ".zshrc", ".zshenv", ".zprofile", ".zlogin", ".zlogout",
     ".gitconfig", ".gitconfig.local", ".gitmodules", ".ripgreprc", ".ssh", ".tmux.conf",
     ".husky", ".helix", ".zed", ".gemini", "opencode.json", ".devcontainer.json",
+    ".opencode", "crush.json", ".amazonq", ".kiro", ".continue", ".qwen",
+    "mise.toml", ".mise.toml", "mise.local.toml", ".mise.local.toml",
 )
 
 

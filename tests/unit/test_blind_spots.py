@@ -94,7 +94,8 @@ def test_at_an_end_a_chain_past_the_depth_bound_is_moved_aside_and_the_rest_stil
 
 @pytest.mark.parametrize("name", [".vimrc", ".gvimrc", ".bash_aliases", ".gitconfig.local", ".tmux.conf",
                                   ".husky/pre-commit", ".helix/languages.toml", ".zed/settings.json",
-                                  ".gemini/settings.json", "opencode.json", ".devcontainer.json"])
+                                  ".gemini/settings.json", "opencode.json", ".devcontainer.json",
+                                  ".kiro/settings/mcp.json", "crush.json", "mise.toml", ".mise.toml"])
 def test_the_files_the_users_tools_run_are_protected_by_default(tmp_path: Path, name: str) -> None:
     repo = make_repo(tmp_path / "r")
     (repo / "notes").mkdir()
