@@ -24,7 +24,7 @@ import pytest
 
 import dispatch
 from dispatchd.daemon.gitguard import fs, history
-from tests.conftest import shell
+from tests.conftest import shell, wait_until
 from tests.integration.test_state_modes import _chmod_from, _degraded, _mode, _repaired, _repo
 
 
@@ -41,7 +41,7 @@ def test_restore_preimages_made_000_are_set_back_and_the_next_start_serves(tmp_p
     assert _mode(kept) == 0  # what the next start finds (it crashed there: a PermissionError in the sweep)
     again = _degraded(d.base)
     try:
-        assert _repaired(again, kept, 0), again.log()
+        assert wait_until(lambda: _repaired(again, kept, 0)), again.log()
         assert _mode(kept) == 0o700
         with again.connect() as client, client.open_session(str(wt)) as s:
             cid = s.checkpoint()
@@ -79,7 +79,7 @@ def test_keep_directories_made_000_are_set_back_and_the_repository_opens_again(t
     d.stop()
     daemon = _degraded(d.base) if restart else d
     try:
-        assert all(_repaired(daemon, p, 0) for p in dirs), daemon.log()
+        assert wait_until(lambda: all(_repaired(daemon, p, 0) for p in dirs)), daemon.log()
         assert [_mode(p) for p in dirs] == [0o700] * len(dirs)
         if restart:
             with daemon.connect() as client, client.open_session(str(wt)) as t:
@@ -101,12 +101,12 @@ def test_the_state_directory_above_the_table_made_000_keeps_no_daemon_out(tmp_pa
             assert _mode(top) == 0  # the twin: changed indeed
             with c.open_session(str(second)) as t:  # refused before ("its use could not be recorded")
                 assert shell(t, "cat a.txt").output == "a\n"
-            assert _repaired(other, top, 0), other.log()
+            assert wait_until(lambda: _repaired(other, top, 0)), other.log()
             assert _mode(top) == 0o700
             assert _chmod_from(s, top, "000") == "0"  # again, for the daemon whose state it is
             with shared.connect() as c2, c2.open_session(str(third)) as t:  # refused before ("session-locks")
                 assert shell(t, "cat a.txt").output == "a\n"
-            assert _repaired(shared, top, 0), shared.log()
+            assert wait_until(lambda: _repaired(shared, top, 0)), shared.log()
             assert _mode(top) == 0o700
     finally:
         os.chmod(top, 0o700)
