@@ -125,3 +125,21 @@ def test_control_a_root_swapped_for_a_link_into_the_objects_runs_for_the_user(re
                                   f"\\tfsmonitor = \"touch {marker}\"\\n' > config"], cwd=repo, check=True)
     git(repo / "pkg", "status", check=False)
     assert marker.exists()
+
+
+def _status_rc(repo: Path) -> int:
+    return subprocess.run(["timeout", "5", "git", "status"], cwd=repo, capture_output=True, timeout=30).returncode
+
+
+def test_a_fifo_head_in_a_new_repository_hangs_no_git_of_the_user_s(client: dispatch.Client, repo: Path) -> None:
+    plant = "mkdir -p sub/.git/objects sub/.git/refs && mkfifo sub/.git/HEAD && echo made"
+    with client.open_session(str(repo)) as s:
+        assert shell(s, plant).output == "made\n"
+    assert any(p["path"].startswith(str(repo / "sub" / ".git" / "HEAD.quarantined-by-dispatchd-")) for p in s.protected)
+    assert _status_rc(repo) == 0
+
+
+def test_control_a_fifo_head_in_a_new_repository_hangs_the_user_s_git(repo: Path) -> None:
+    subprocess.run(["bash", "-c", "mkdir -p sub/.git/objects sub/.git/refs && mkfifo sub/.git/HEAD"], cwd=repo,
+                   check=True)
+    assert _status_rc(repo) == 124  # timeout's: git waited on the FIFO

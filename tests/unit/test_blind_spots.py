@@ -166,3 +166,13 @@ def test_a_baseline_over_the_depth_says_where(tmp_path: Path, monkeypatch: pytes
     deep_tree(repo / "a", 12)
     snap = runnables.take(str(repo))
     assert snap.why == "deeper than 10 directories (below a/d/d/...; remove that chain to open sessions here)"
+
+
+def test_a_fifo_among_a_new_git_directory_s_files_is_moved_aside(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "r")
+    before = runnables.take(str(repo))
+    for name in ("objects", "refs"):
+        (repo / "sub" / ".git" / name).mkdir(parents=True)
+    os.mkfifo(repo / "sub" / ".git" / "HEAD")  # the user's git status outside waited on it for good
+    (repo / "sub" / ".git" / "description").write_text("x\n")  # the twin: a plain file there is git's
+    assert _changes(repo, before) == ["sub/.git/HEAD"]

@@ -297,6 +297,7 @@ class _Walk:
                 self.entries["HEAD"] = digest_at(fd, "HEAD", self.budget) or "absent"
                 self.entries.update((k, v) for k, v in fingerprint(fd, self.budget, review=False).items()
                                     if v != "directory")
+                self._no_fifos(fd, "")
         for name, kind in found:
             child = f"{rel}/{name}" if rel else name
             if child in self.excluded:
@@ -369,6 +370,19 @@ class _Walk:
         self.entries[rel] = "gitdir"
         for name, digest in fingerprint(fd, self.budget, review=False).items():
             self.entries[f"{rel}/{name}"] = digest
+        self._no_fifos(fd, rel)
+
+    def _no_fifos(self, fd: int, rel: str) -> None:
+        """A FIFO, socket or device among a git directory's own entries
+        (``HEAD`` a FIFO: git opens it blocking, and the user's ``git status``
+        outside hung on a new ``sub/.git`` for good) is recorded: new, moved aside."""
+        try:
+            with os.scandir(fd) as listing:
+                odd = [e.name for e in listing if _kind(e) == "other" and _not_regular(fd, e.name)]
+        except OSError:
+            return
+        for name in odd:
+            self.entries[f"{rel}/{name}" if rel else name] = digest_at(fd, name, self.budget) or "absent"
 
 
 def _looks_git(names: set[str]) -> bool:
