@@ -28,13 +28,12 @@ open (``"required"``).
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 
 import msgspec
 
-from dispatchd.confine import _sys
+from dispatchd.confine import _sys, hygiene
 from dispatchd.confine.ucounts import UcountsPlan, apply_ucounts
 from dispatchd.errors import ConfinementError
 
@@ -146,16 +145,8 @@ def enter_shared(shared: UcountsPlan, uid: int, gid: int) -> str:
         return f"a user namespace for all sessions cannot be made here: {os.strerror(exc.errno or 0)}"
     apply_id_maps(NamespacePlan(user=True, mount=False, pid=False, net=False, uid=uid, gid=gid))
     apply_ucounts(shared)
-    try:
-        for cap in range(64):
-            try:
-                _sys.prctl(_sys.PR_CAPBSET_DROP, cap)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:  # past this kernel's last capability
-                    raise
-        _sys.clear_capabilities()
-    except OSError as exc:
-        raise ConfinementError("namespaces: the sessions' namespace's capabilities", exc.errno) from exc
+    hygiene.drop_bounding_set()
+    hygiene.drop_capabilities()
     return ""
 
 

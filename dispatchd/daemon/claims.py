@@ -224,8 +224,8 @@ def _reach(state: str, root: str) -> None:
     or the open refused, saying which directory and why: its records must be
     checked before this worktree's baseline is taken."""
     try:
-        statemodes.heal(state, None, top=state)
-        statemodes.heal_tree(state)
+        # Itself and what its records need; the keep's directories heal as they are walked (keepdirs.py).
+        statemodes.heal_tree(state, tuple(e for e in statemodes.STATE_LAYOUT if not e[0].startswith("keep")))
         os.listdir(state)
     except OSError as exc:
         raise WorktreeError(f"{root}: a dispatchd that died had sessions related to this worktree, and its state "

@@ -50,6 +50,7 @@ import fcntl
 import itertools
 import json
 import os
+import stat
 import secrets
 import threading
 import time
@@ -223,12 +224,14 @@ class InUse:
     def _read(path: str) -> tuple[bytes, bool] | None:
         """An entry's text, and whether its daemon holds it; None: gone."""
         try:
-            fd = retried(lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), path, 0o600)
+            fd = retried(lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), path,
+                         0o600)
         except FileNotFoundError:
             return None
         try:
-            if os.fstat(fd).st_uid != os.getuid():
-                return None  # another user's, made while others could write here (inusedir.py): never read
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+                return None  # another user's (made while others could write here: inusedir.py), or no file: never read
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -34,7 +34,6 @@ import fcntl
 import logging
 import os
 import pwd
-import stat
 from dataclasses import dataclass
 
 from dispatchd import statemodes
@@ -94,21 +93,17 @@ def _heal_above(table: str) -> None:
 
 
 def _unfit(path: str, uid: int) -> str:
-    """Why ``path`` cannot hold the shared table ("" if it can); raises OSError."""
+    """Why ``path`` cannot hold the shared table ("" if it can); raises OSError.
+    Its mode, and its mutex's and entries', set back first (a session's chmod,
+    000 included, is never a reason to fall back: statemodes.py, which never
+    follows a symlink nor changes another uid's file); an entry another user
+    made while others could write there is not read (inuse.py)."""
+    statemodes.heal_tree(path, statemodes.TABLE_FILES)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if st.st_uid != uid:
             return f"it belongs to uid {st.st_uid}, not to you (uid {uid})"
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            # Set back, never a reason to fall back: a session (degraded mode:
-            # Landlock does not govern chmod) would otherwise choose, with one
-            # chmod, that the next daemon sees no other's sessions. An entry
-            # another user made while others could write here is not read
-            # (inuse.py: an entry not the user's is left out).
-            log.warning("event=state_mode_repaired path=%s was=0o%03o now=0o700", path, stat.S_IMODE(st.st_mode))
-            os.chmod(f"/proc/self/fd/{fd}", 0o700)
-        statemodes.heal_tree(path, statemodes.TABLE_FILES)  # its mutex and entries (000: every open refused)
         # What every claim does first (inuse._Mutex): make the mutex and flock it.
         mutex = os.open(".mutex", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
         try:

@@ -83,7 +83,9 @@ def measure(path: str) -> tuple[int, dict[tuple[int, int], int]]:
     files linked elsewhere too (a checkpoint's copy, another kept one)."""
     own = 0
     linked: dict[tuple[int, int], int] = {}
-    for _, names, dfd in treewalk.walk(path, treewalk.Budget(max_entries=1 << 62)):
+    # No bound in entries nor depth (a policy may let a checkpoint be deeper than
+    # treewalk's default): a level left out would count low.
+    for _, names, dfd in treewalk.walk(path, treewalk.Budget(max_entries=1 << 62, max_depth=1 << 30)):
         own += os.fstat(dfd).st_blocks * _BLOCK
         for name in names:
             try:
