@@ -52,8 +52,7 @@ import msgspec
 from dispatchd import flocks, statemodes
 from dispatchd.daemon import checkpoints
 from dispatchd.daemon import gitguard
-from dispatchd.daemon.gitguard import Baselines, Protected
-from dispatchd.daemon.gitguard.parts import Record
+from dispatchd.daemon.gitguard import Baselines, Protected, recordfiles
 from dispatchd.daemon.gitguard.parts import common_of
 from dispatchd.daemon.inuse import InUse, Use
 from dispatchd.daemon.session import Session
@@ -181,9 +180,8 @@ def _checked_elsewhere(baselines: Baselines, related: Callable[[list[str], list[
         if not name.endswith(".json") or did in ours or not flocks.held(os.path.join(baselines.dir, f"{did}.lock")):
             continue
         try:
-            with open(os.path.join(baselines.dir, name), "rb") as f:
-                record = msgspec.json.decode(f.read(), type=Record)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            record = recordfiles.read(os.path.join(baselines.dir, name))  # its mode set back, if changed
+        except (OSError, msgspec.DecodeError):
             return True  # cannot tell: as if related
         if related([p.root for p in record.parts], [p.related_common for p in record.parts if p.common]):
             return True
