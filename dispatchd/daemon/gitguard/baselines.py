@@ -427,6 +427,16 @@ class Baselines:
         finally:
             domain.lock.release()
 
+    def borrowed(self, sid: str, common: str) -> list[str]:
+        """The object stores the alternates of the repository at ``common``
+        named at the baseline of ``sid``'s domain (``history.borrowed``);
+        none when it has no history of it (a repository made since)."""
+        with self._lock:
+            domain = self._by_session.get(sid)
+            kept = list(domain.record.histories) if domain is not None else []
+        real = os.path.realpath(common)
+        return next((history.borrowed(h) for h in kept if os.path.realpath(h.common) == real), [])
+
     def reports_for(self, sid: str) -> list[Protected]:
         """What the checks of ``sid``'s domain did since it joined."""
         with self._lock:
