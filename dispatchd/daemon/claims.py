@@ -52,8 +52,7 @@ import msgspec
 from dispatchd import flocks, statemodes
 from dispatchd.daemon import checkpoints
 from dispatchd.daemon import gitguard
-from dispatchd.daemon.gitguard import Baselines, Protected
-from dispatchd.daemon.gitguard.parts import Record
+from dispatchd.daemon.gitguard import Baselines, Protected, recordfiles
 from dispatchd.daemon.gitguard.parts import common_of
 from dispatchd.daemon.inuse import InUse, Use
 from dispatchd.daemon.session import Session
@@ -86,12 +85,13 @@ def claim(in_use: InUse | None, baselines: Baselines, session: Session, state_di
         return False, functools.partial(_record, in_use, session.id, root, common)
     with _RECOVERING:
         _record(in_use, session.id, root, common, dead_ok=True)
-        log.warning("event=dead_daemon_sessions_found session=%s entries=%s", session.id, ",".join(dead))
+        log.warning("event=dead_daemon_sessions_found session=%s entries=%s", session.id,
+                    ",".join(name for name, _ in dead))
         def related(roots: list[str], commons: list[str]) -> bool:  # a record's parts: each root with each common
             return any(worktrees_relate(root, common, r, c) for r in roots for c in commons or [""])
-        for state, names in _by_state(in_use, dead, state_dir).items():
+        for state, names in _by_state(dead, state_dir).items():
             _finish(in_use, state, baselines, state == state_dir, related, names, root, said)
-        in_use.forget_dead(dead)
+        in_use.forget_dead([name for name, _ in dead])
     return True, lambda: None
 
 
@@ -135,15 +135,13 @@ def _record(in_use: InUse, sid: str, root: str, common: str, dead_ok: bool = Fal
                             "(its remains are finished first); no session opened", root)
 
 
-def _by_state(in_use: InUse, dead: list[str], state_dir: str) -> dict[str, list[str]]:
-    """The dead entries ``dead`` by the state directory their daemon kept its
-    baselines' records in: this daemon's own for one that names none (or
-    cannot be read), and first."""
-    uses = dict(in_use.dead())
+def _by_state(dead: list[tuple[str, Use]], state_dir: str) -> dict[str, list[str]]:
+    """The names of the dead entries ``dead`` (as the look read them) by the
+    state directory their daemon kept its baselines' records in: this
+    daemon's own for one that names none (or cannot be read), and first."""
     found: dict[str, list[str]] = {state_dir: []}
-    for name in dead:
-        use = uses.get(name)
-        state = use.state if use is not None and use.state else state_dir
+    for name, use in dead:
+        state = use.state or state_dir
         found.setdefault(state_dir if same_state(state, state_dir) else state, []).append(name)
     return {state: names for state, names in found.items() if names}
 
@@ -181,9 +179,8 @@ def _checked_elsewhere(baselines: Baselines, related: Callable[[list[str], list[
         if not name.endswith(".json") or did in ours or not flocks.held(os.path.join(baselines.dir, f"{did}.lock")):
             continue
         try:
-            with open(os.path.join(baselines.dir, name), "rb") as f:
-                record = msgspec.json.decode(f.read(), type=Record)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            record = recordfiles.read(os.path.join(baselines.dir, name))  # its mode set back, if changed
+        except (OSError, msgspec.DecodeError):
             return True  # cannot tell: as if related
         if related([p.root for p in record.parts], [p.related_common for p in record.parts if p.common]):
             return True

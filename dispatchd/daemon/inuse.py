@@ -109,21 +109,22 @@ class InUse:
                 name = f"{self.token}.{next(self._made)}{_SUFFIX}"
                 self._spares.append((name, self._make(name, b" " * SIZE)))
 
-    def claim(self, session: str, worktree: str, common: str) -> tuple[Use | None, list[str]]:
+    def claim(self, session: str, worktree: str, common: str) -> tuple[Use | None, list[tuple[str, Use]]]:
         """Record that ``session`` uses ``worktree`` (of the repository whose
         common directory is ``common``), or return the other daemon's session
         that uses a related one (nothing recorded then). With the claim: the
-        entries of related sessions of daemons that have died, by name, for
-        ``forget_dead`` once their baselines are checked."""
+        entries of related sessions of daemons that have died, by name with
+        what they say, as ``dead`` reads them (``forget_dead`` takes their
+        names once their baselines are checked)."""
         dead: list[tuple[str, Use]] = []
         with self._lock, self._mutex:
             for use in self._live(dead):
                 if use.relates(worktree, common):
                     return use, []
             self._put(session, worktree, common)
-        return None, [name for name, use in dead if use.relates(worktree, common)]
+        return None, [(name, use) for name, use in dead if use.relates(worktree, common)]
 
-    def look(self, worktree: str, common: str) -> tuple[Use | None, list[str]]:
+    def look(self, worktree: str, common: str) -> tuple[Use | None, list[tuple[str, Use]]]:
         """What ``claim`` would find, recording nothing (no file made: an
         open's look, its record made beside the sandbox's start)."""
         dead: list[tuple[str, Use]] = []
@@ -131,7 +132,7 @@ class InUse:
             for use in self._live(dead):
                 if use.relates(worktree, common):
                     return use, []
-        return None, [name for name, use in dead if use.relates(worktree, common)]
+        return None, [(name, use) for name, use in dead if use.relates(worktree, common)]
 
     def release(self, session: str) -> None:
         """``session``'s entry given back (at its end): spaces again, kept as

@@ -222,6 +222,53 @@ def test_a_restore_whose_replaced_files_cannot_be_kept_changes_nothing(client: d
         assert (Path(done["kept"]) / "worktree" / "mine.txt").read_text() == "mine again\n"
 
 
+def _shared_clone(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """``git clone --shared`` of a repository of commits a, b on main and
+    ``side`` off a: every commit is in the source's objects (the clone's
+    alternates), none in the clone's own; its commits by name."""
+    src = Path(os.path.realpath(tmp_path)) / "src"
+    src.mkdir()
+    git(src, "init", "-q", "-b", "main")
+    for name in ("a", "b"):
+        (src / "f.txt").write_text(f"{name}\n")
+        git(src, "add", "f.txt")
+        git(src, "-c", "user.name=u", "-c", "user.email=u@example.invalid", "commit", "-qm", name)
+    git(src, "branch", "side", "main~1")
+    git(src, "checkout", "-q", "side")
+    (src / "s.txt").write_text("side\n")
+    git(src, "add", "s.txt")
+    git(src, "-c", "user.name=u", "-c", "user.email=u@example.invalid", "commit", "-qm", "side")
+    git(src, "checkout", "-q", "main")
+    clone = src.parent / "clone"
+    git(src.parent, "clone", "-q", "--shared", str(src), str(clone))
+    assert (clone / ".git" / "objects" / "info" / "alternates").read_text() == f"{src}/.git/objects\n"
+    return clone, {name: git(src, "rev-parse", rev).strip() for name, rev in
+                   (("a", "main~1"), ("b", "main"), ("side", "side"))}
+
+
+@pytest.mark.parametrize("beside", ["a", "side"])
+def test_a_restore_keeps_a_shared_clone_s_branch_only_when_not_moved_forward(client: dispatch.Client,
+                                                                            tmp_path: Path, beside: str) -> None:
+    """The user moves main beside the session, back to ``a`` or to ``side``;
+    the restore puts it at ``b`` again. From ``a``, forward along commits
+    the clone borrows (its alternates, as the baseline recorded them):
+    nothing to keep (it was kept as a displaced ref, the ancestry asked of
+    the clone's own objects only). The twin, from ``side`` (no ancestor of
+    ``b``): the value it had is kept."""
+    clone, ids = _shared_clone(tmp_path)
+    with client.open_session(str(clone)) as s:
+        cid = s.checkpoint()
+        git(clone, "reset", "-q", "--hard", ids[beside])
+        done = s.restore(cid)
+        assert git(clone, "rev-parse", "main").strip() == ids["b"]
+    if beside == "a":
+        assert done["displaced"] == [] and git(clone, "for-each-ref", "refs/dispatchd/") == ""
+        return
+    [ref] = done["displaced"]
+    assert ref.startswith("refs/dispatchd/displaced/") and ref.endswith("/refs/heads/main")
+    assert git(clone, "rev-parse", ref).strip() == ids["side"]
+
+
 def test_a_restore_that_moves_no_ref_keeps_none(client: dispatch.Client, repo: Path) -> None:
     """The twin: a restore that changes files only leaves no displaced ref
     (what it replaced is still kept as files)."""

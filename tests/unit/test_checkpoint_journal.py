@@ -42,6 +42,16 @@ def test_a_record_round_trips_and_names_what_it_needs():
         "ino:1234"}
 
 
+def test_a_record_keeps_the_baseline_s_alternates_for_its_finish():
+    """What ``keep_refs`` asks besides the repository's objects at a finish
+    (``Baselines.borrowed`` at the restore's start); an older daemon's
+    record, which has none, reads as none (a move is then kept, not lost)."""
+    r = record(borrowed=["/home/u/src/.git/objects"])
+    assert journal.decode(journal.encode(r)).borrowed == ["/home/u/src/.git/objects"]
+    older = journal.encode(record()).replace(b',"borrowed":[]', b"")
+    assert b"borrowed" not in older and journal.decode(older).borrowed == []
+
+
 @pytest.mark.parametrize("data, why", [
     (b"half a rec", "not a restore record: "),
     (b'{"session": "s"}', "not a restore record: Object missing required field"),

@@ -48,3 +48,27 @@ def test_a_related_record_another_daemon_is_checking_stops_the_open(tmp_path: Pa
     assert not claims._checked_elsewhere(live, _relates_to(repo))  # the twin: nobody checks it now
     _join(live, "t", other)  # this daemon's own domains are not another's
     assert not claims._checked_elsewhere(live, _relates_to(other))
+
+
+def test_a_record_another_daemon_checks_made_unreadable_is_read_not_taken_as_related(tmp_path: Path) -> None:
+    """A record whose mode a session changed (``chmod 000``, degraded mode)
+    is read with its mode set back (``recordfiles``): an unrelated open goes
+    on; it was refused as if the record related ("cannot tell"). The twin:
+    a related one is still stopped."""
+    repo, other = make_repo(tmp_path / "r"), make_repo(tmp_path / "o")
+    dead = baselines.Baselines(str(tmp_path / "state"))
+    _join(dead, "s", repo)
+    (domain,) = dead._domains.values()
+    os.close(domain.lock_fd)  # its daemon died
+    record = tmp_path / "state" / "baselines" / f"{domain.record.id}.json"
+    checking = os.open(tmp_path / "state" / "baselines" / f"{domain.record.id}.lock", os.O_RDWR)
+    fcntl.flock(checking, fcntl.LOCK_EX)  # a restarted daemon's start, checking it now
+    live = baselines.Baselines(str(tmp_path / "state"))
+    try:
+        os.chmod(record, 0)
+        assert not claims._checked_elsewhere(live, _relates_to(other))
+        assert os.stat(record).st_mode & 0o777 == 0o600
+        os.chmod(record, 0)
+        assert claims._checked_elsewhere(live, _relates_to(repo))
+    finally:
+        os.close(checking)

@@ -144,13 +144,15 @@ def test_a_killed_daemon_s_entry_is_listed_dead_until_forgotten(tmp_path: Path) 
     name = f"{pid}-"
     assert b.claim("s3", "/elsewhere", "") == (None, [])  # dead, but unrelated: not listed
     other, dead = b.claim("s2", "/home/u/repo/sub", "")
-    assert other is None and len(dead) == 1 and dead[0].startswith(name)
-    assert json.loads((tmp_path / "u" / dead[0]).read_text())["session"] == "dead"
-    assert (tmp_path / "u" / dead[0]).exists()  # kept until its baselines are checked
+    assert other is None and len(dead) == 1 and dead[0][0].startswith(name)
+    (entry, use), = dead  # what the entry says, as read (the claim's caller reads it no second time)
+    assert (use.session, use.pid, use.worktree) == ("dead", pid, "/home/u/repo") and dead == b.dead()
+    assert json.loads((tmp_path / "u" / entry).read_text())["session"] == "dead"
+    assert (tmp_path / "u" / entry).exists()  # kept until its baselines are checked
     b.release("s2")
     assert b.claim("s2", "/home/u/repo", "")[1] == dead  # still listed to the next claim
-    b.forget_dead(dead)
-    assert not (tmp_path / "u" / dead[0]).exists()
+    b.forget_dead([entry])
+    assert not (tmp_path / "u" / entry).exists()
 
 
 def test_forget_dead_leaves_a_live_entry(tmp_path: Path) -> None:
@@ -219,7 +221,8 @@ def test_a_locked_entry_that_cannot_be_read_refuses_every_claim(tmp_path: Path) 
         assert b.claim("s2", "/anywhere/at/all", "")[0] == Use("?", 0, "/", 0.0)
     finally:
         os.close(fd)
-    assert b.claim("s2", "/anywhere/at/all", "") == (None, ["999-00000000.0.uses"])  # the twin: unlocked
+    # The twin: unlocked, a dead entry, read as standing for every worktree.
+    assert b.claim("s2", "/anywhere/at/all", "") == (None, [("999-00000000.0.uses", Use("?", 0, "/", 0.0))])
 
 
 def test_the_mutex_held_too_long_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -349,7 +352,7 @@ def test_a_dead_entry_that_cannot_be_read_is_marked(tmp_path: Path) -> None:
     (d / "999-00000000.1.uses").write_text(json.dumps({"session": "x", "pid": 999, "worktree": "/w", "since": 0.0}))
     b = InUse(str(d), pid=222)
     other, dead = b.look("/w", "")
-    assert other is None and sorted(dead) == ["999-00000000.0.uses", "999-00000000.1.uses"]
+    assert other is None and sorted(name for name, _ in dead) == ["999-00000000.0.uses", "999-00000000.1.uses"]
     assert b.unreadable == {"999-00000000.0.uses"}
 
 

@@ -87,6 +87,8 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
     fsync: bool = True
     pid: int = 0  # the daemon that began it (for the log)
     refs: dict[str, str] = {}  # the repository's refs before (``read_refs``), for ``keep_refs``
+    # The object stores its alternates named at the baseline (``Baselines.borrowed``), for ``keep_refs``.
+    borrowed: list[str] = []
     kept: str = ""  # where the worktree's files as they were are kept (``preimages``), for the log and status
 
 
@@ -162,14 +164,15 @@ def read_refs(worktree: str) -> dict[str, str]:
         return {}
 
 
-def keep_refs(worktree: str, refs: dict[str, str], session: str) -> list[str]:
+def keep_refs(worktree: str, refs: dict[str, str], session: str, borrowed: list[str]) -> list[str]:
     """After a restore: each ref of ``refs`` it deleted or moved other than
     forward kept under ``refs/dispatchd/displaced/`` (``gitguard.keep_moved_refs``,
-    as the end keeps a session's moves); the names written."""
+    as the end keeps a session's moves: forward as the repository's objects
+    and the baseline's alternates, ``borrowed``, tell); the names written."""
     common = _common(worktree)
     if common is None or not refs:
         return []
-    kept, failed = gitguard.keep_moved_refs(common, refs)
+    kept, failed = gitguard.keep_moved_refs(common, refs, borrowed)
     for name in kept:
         log.warning("event=restore_ref_kept session=%s worktree=%s ref=%s", session, worktree, name)
     for why in failed:
@@ -389,7 +392,7 @@ def _finish(top: str, fd: int) -> Outcome:
             plan = plan_restore(manifest.entries, now)
             done_ = apply_restore(record.worktree, top, plan, fsync_each=False, expect=ident)
             done_["objects"] = _put_objects(record.worktree, manifest, ident) if manifest.objects else 0
-            displaced = keep_refs(record.worktree, record.refs, record.session)
+            displaced = keep_refs(record.worktree, record.refs, record.session, record.borrowed)
             if record.fsync:
                 _syncfs(record.worktree)
         except CheckpointError as exc:

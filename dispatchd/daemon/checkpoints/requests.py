@@ -7,6 +7,7 @@ the policy asks (``before_write``).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Protocol
@@ -14,6 +15,7 @@ from typing import Protocol
 from dispatchd import protocol
 from dispatchd.errors import CheckpointError, SessionError
 
+from dispatchd.daemon.gitguard import Baselines
 from dispatchd.daemon.lifecycle import Op, State, Verdict
 from dispatchd.daemon.session import Session, count_session_processes
 
@@ -25,6 +27,8 @@ class SessionManager(Protocol):
 
     @property
     def checkpoints(self) -> Store: ...
+    @property
+    def baselines(self) -> Baselines: ...
     def get(self, sid: str) -> Session: ...
     def _admit(self, session: Session, op: Op) -> Verdict: ...
     def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply: ...
@@ -130,7 +134,11 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
                                       exc.code) from exc
             # The caller chose to lose it (a session can make it unkeepable on purpose);
             # a before taken but not kept past the session is still named, for an undo meanwhile.
-        done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept)
+        # A shared clone's commits are in the stores its alternates named at the baseline
+        # (never a session's): a ref moved along them is moved forward, and not kept.
+        borrowed = manager.baselines.borrowed(session.id, os.path.join(session.worktree, ".git"))
+        done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept,
+                                        borrowed=borrowed)
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,
                                   displaced=displaced, kept_total=store.kept_sizes.report() if kept else None, **done)
 

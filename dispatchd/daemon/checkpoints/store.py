@@ -299,10 +299,13 @@ class Store:
                           f"({exc.strerror})") from exc
 
     def restore(self, sid: str, worktree: str, cid: str, policy: CheckpointPolicy, fsync: bool = True,
-                kept: str = "") -> tuple[dict[str, int], list[str]]:
+                kept: str = "", borrowed: list[str] | None = None) -> tuple[dict[str, int], list[str]]:
         """Put ``worktree`` back as checkpoint ``cid`` saw it; the caller holds
         ``lock(sid)`` and has made sure nothing of the session runs. ``kept``:
-        where what it holds now is kept (``keep_before``), for the record.
+        where what it holds now is kept (``keep_before``), for the record;
+        ``borrowed``: the object stores the repository's alternates named at
+        its baseline (``Baselines.borrowed``), where a moved ref's ancestry is
+        asked too.
         Returns what it changed, and the refs it kept in the repository at
         ``.git`` (``journal.keep_refs``: those it moved, as the end does)."""
         manifest = self.find(sid, cid)
@@ -317,7 +320,8 @@ class Store:
         root = os.stat(worktree)
         record = journal.Record(session=sid, checkpoint=cid, worktree=worktree, dev=root.st_dev, ino=root.st_ino,
                                 started_ns=started_ns, max_files=policy.max_files, max_depth=policy.max_depth,
-                                fsync=fsync, pid=os.getpid(), refs=refs, kept=kept)
+                                fsync=fsync, pid=os.getpid(), refs=refs, kept=kept,
+                                borrowed=borrowed or [])
         s = self._of(sid)
         try:
             fd = journal.begin(top, record)
@@ -332,7 +336,7 @@ class Store:
         ident = (root.st_dev, root.st_ino)  # the directory the record names, and no other
         done = apply_restore(worktree, top, plan, fsync_each=each, expect=ident)
         done["objects"] = _put_objects(worktree, manifest, ident) if manifest.objects else 0
-        displaced = journal.keep_refs(worktree, refs, sid)
+        displaced = journal.keep_refs(worktree, refs, sid, borrowed or [])
         if fsync and (not each or done["objects"] or plan.remove or plan.make):
             _syncfs(worktree)
         elif fsync and plan.write:

@@ -20,7 +20,8 @@ from dispatchd.daemon.gitguard.baselines import Baselines
 from dispatchd.daemon.gitguard.history import keep_for, keep_more
 from dispatchd.daemon.gitguard.identity import identity_env, read_identity
 from dispatchd.daemon.gitguard.layouts import inspect_git, with_gitdirs
-from dispatchd.daemon.gitguard.parts import Protected, session_reach, unheld_roots
+from dispatchd.daemon.gitguard.parts import Protected, session_reach
+from dispatchd.daemon.gitguard.recordfiles import unheld_roots
 from dispatchd.daemon.gitguard.redirects import redirects_present
 from dispatchd.daemon.gitguard.refsback import keep_moved as keep_moved_refs
 from dispatchd.daemon.gitguard.refsback import read_all as read_all_refs

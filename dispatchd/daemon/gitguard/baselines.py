@@ -23,7 +23,8 @@ state is the user's) and kept, unchanged, until the last one ends:
   are the next baseline;
 - the record (``STATE/baselines/ID.json``) is written atomically (a
   temporary file, fsync, rename, fsync of the directory), and a daemon
-  holds ``ID.lock`` (flock) while the domain lives. The first record of a
+  holds ``ID.lock`` (flock) while the domain lives; both are opened and
+  read by ``recordfiles``, as every other look at them. The first record of a
   domain may be made durable later (``join(defer=True)``; ``pending``):
   nothing that can change the worktree runs before ``durable`` has returned
   None. Every later write of a domain's record waits for the deferred one,
@@ -45,7 +46,6 @@ The baseline is the daemon's: degraded mode (no mount namespace) keeps it.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import secrets
@@ -57,7 +57,7 @@ import msgspec
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.statemodes import retried
-from dispatchd.daemon.gitguard import history, reftemp, runnables, snapshots
+from dispatchd.daemon.gitguard import history, recordfiles, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
                                              keep_outside, renew, unchecked)
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
@@ -161,29 +161,6 @@ class Baselines:
             if sid in self._by_session:
                 self._by_session[sid].wrote = True
 
-    def _take_lock(self, did: str, blocking: bool = False) -> int | None:
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        path = os.path.join(self.dir, f"{did}.lock")
-        if not blocking:
-            try:  # modes set back, if changed (statemodes.py)
-                fd = retried(lambda: os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC), path, 0o600)
-            except FileNotFoundError:
-                fd = retried(lambda: os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
-                             path, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                return None
-            return fd
-        # A new domain: its lock is held before anyone can see the file.
-        tmp = os.path.join(self.dir, f".{did}.lock.{secrets.token_hex(4)}")
-        fd = retried(lambda: os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
-                     tmp, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(tmp, path)
-        return fd
-
     def _drop(self, domain: _Domain, sync: Callable[[str], None] | None = None) -> None:
         """The domain's record and lock removed; it has no session left."""
         if domain.pending is not None:  # abandoned first: a rename after the removal would bring the record back
@@ -220,14 +197,12 @@ class Baselines:
             if not name.endswith(".json"):
                 continue
             did = name[:-5]
-            fd = self._take_lock(did)
+            fd = recordfiles.lock(self.dir, did)
             if fd is None:
                 continue  # a live daemon holds it
             try:
-                path = os.path.join(self.dir, name)
-                with retried(lambda: open(path, "rb"), path, 0o600) as f:
-                    record = msgspec.json.decode(f.read(), type=Record)
-            except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+                record = recordfiles.read(os.path.join(self.dir, name))
+            except (OSError, msgspec.DecodeError) as exc:
                 log.error("event=baseline_unreadable file=%s error=%r", name, str(exc))
                 os.close(fd)
                 continue
@@ -324,7 +299,7 @@ class Baselines:
                 if not related:
                     did = secrets.token_hex(8)
                     domain = _Domain(Record(id=did, created=time.time(), writable=False, reach=[]),
-                                     self._take_lock(did, blocking=True) or -1, wrote=False)
+                                     recordfiles.lock(self.dir, did, blocking=True) or -1, wrote=False)
                     domain.lock.acquire()  # new: nobody else holds it
                     domain.claims.append((root, common))
                     self._domains[did] = domain
@@ -451,6 +426,16 @@ class Baselines:
                 return domain.reports[start:]
         finally:
             domain.lock.release()
+
+    def borrowed(self, sid: str, common: str) -> list[str]:
+        """The object stores the alternates of the repository at ``common``
+        named at the baseline of ``sid``'s domain (``history.borrowed``);
+        none when it has no history of it (a repository made since)."""
+        with self._lock:
+            domain = self._by_session.get(sid)
+            kept = list(domain.record.histories) if domain is not None else []
+        real = os.path.realpath(common)
+        return next((history.borrowed(h) for h in kept if os.path.realpath(h.common) == real), [])
 
     def reports_for(self, sid: str) -> list[Protected]:
         """What the checks of ``sid``'s domain did since it joined."""

@@ -130,6 +130,16 @@ def _said(exc: Exception) -> str:
     return str(exc) if isinstance(exc, keepdirs.Unreadable) else repr(exc)
 
 
+def borrowed(kept: History) -> list[str]:
+    """The object stores the user's ``objects/info/alternates`` named at the
+    baseline (a shared clone borrows its history from them): the only ones
+    an ancestry or an object is asked of besides the repository's own. Never
+    the file as it is now: a session's names its own objects, and the end
+    puts the user's back (``viewfiles``), which leaves them unreachable."""
+    objects = os.path.join(kept.common, "objects")
+    return objectstore.alternates(objects, (kept.views or {}).get("objects/info/alternates"))
+
+
 def keep_for(keep_dir: str, common: str) -> str:
     """The keep of a repository's object files, under the daemon's ``keep_dir``."""
     return os.path.join(keep_dir, hashlib.sha256(os.fsencode(os.path.realpath(common))).hexdigest()[:16])
@@ -381,12 +391,10 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
             failed.append(f"{objects}: the look for files rewritten in place failed: {_said(exc)}")
         try:  # a new pack naming the user's objects for other bytes (git reads packs first)
             if in_place:
-                verified, bad = newpacks.check(objects, history.keep, objectstore.alternates(
-                    objects, (history.views or {}).get("objects/info/alternates")),
+                verified, bad = newpacks.check(objects, history.keep, borrowed(history),
                     set(history.pack_links) if history.pack_links is not None else None)
                 fanout = {d for d in touched if d != "pack"}
-                loose, bad_loose = newloose.check(objects, history.keep, objectstore.alternates(
-                    objects, (history.views or {}).get("objects/info/alternates")),
+                loose, bad_loose = newloose.check(objects, history.keep, borrowed(history),
                     sorted(_files_in(objects, fanout) - _files_in(history.keep, fanout, kept=True)))
                 done += verified + loose
                 failed += bad + bad_loose
@@ -408,7 +416,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         failed += bad
     except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
         failed.append(f"{common}: the check of the object indexes failed: {exc!r}")
-    borrowed = objectstore.alternates(objects, (history.views or {}).get("objects/info/alternates"))  # the user's
-    moved, bad = refsback.put_back(common, history.refs, history.own, history.head, history.shadows, borrowed)
+    moved, bad = refsback.put_back(common, history.refs, history.own, history.head, history.shadows,
+                                   borrowed(history))
     return done + moved, failed + bad
 

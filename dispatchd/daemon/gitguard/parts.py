@@ -11,7 +11,6 @@ walk over its bounds, is returned as a failure (the caller fails closed).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 
@@ -257,38 +256,3 @@ def common_of(root: str, layout: GitLayout) -> str:
     if layout.kind == "linked" and layout.readable:
         return os.path.realpath(layout.readable[0])
     return ""
-
-
-def unheld_roots(state_dir: str) -> list[str]:
-    """The worktrees of the baseline records on disk that no live daemon
-    holds: a dead daemon's, which a start's (or a related open's)
-    ``Baselines.recover`` checks next. A restore a dead daemon cut short is
-    finished only where one is, so that what it writes is checked: one
-    finished at a later start, its baseline checked and gone, wrote a
-    checkpoint's planted config and hooks unchecked."""
-    top = os.path.join(state_dir, "baselines")
-    try:
-        names = sorted(n for n in os.listdir(top) if n.endswith(".json"))
-    except OSError:
-        return []
-    roots: list[str] = []
-    for name in names:
-        try:
-            fd = os.open(os.path.join(top, name[:-5] + ".lock"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            fd = -1  # no lock: a record recover takes
-        try:
-            if fd >= 0:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live daemon's
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            with open(os.path.join(top, name), "rb") as f:
-                roots += [p.root for p in msgspec.json.decode(f.read(), type=Record).parts]
-        except (OSError, msgspec.DecodeError):
-            continue
-        finally:
-            if fd >= 0:
-                os.close(fd)
-    return roots

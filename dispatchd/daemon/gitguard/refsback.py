@@ -164,7 +164,7 @@ def read_all(common: str) -> dict[str, str]:
     return refs
 
 
-def keep_moved(common: str, before: dict[str, str]) -> tuple[list[str], list[str]]:
+def keep_moved(common: str, before: dict[str, str], borrowed: list[str] | None = None) -> tuple[list[str], list[str]]:
     """After a restore wrote ``common``'s refs back: each ref of ``before``
     (``read_all`` just before it) that it deleted or moved other than
     forward kept as ``refs/dispatchd/displaced/TIME/NAME``, as the end's put
@@ -172,10 +172,13 @@ def keep_moved(common: str, before: dict[str, str]) -> tuple[list[str], list[str
     forward is not (its old value is still reachable: an ancestor). A
     displaced ref the restore removed or changed (made after the checkpoint)
     is written back under its own name. Returns the names written and what
-    failed. An ancestry that cannot be told in time keeps the value."""
+    failed. An ancestry that cannot be told in time keeps the value.
+    ``borrowed``: the object stores the user's alternates named at the
+    baseline (``history.borrowed``), as ``put_back`` asks them: a shared
+    clone's commits are there, and a move along them is forward."""
     now = read_all(common)
     objects = os.path.join(common, "objects")
-    store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2)
+    store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
     when = reftemp.stamp()
     kept: list[str] = []
     failed: list[str] = []
