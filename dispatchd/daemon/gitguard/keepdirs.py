@@ -29,7 +29,7 @@ import os
 import stat
 
 from dispatchd.daemon.gitguard import fs
-from dispatchd.statemodes import retried
+from dispatchd.statemodes import FILES, retried, set_mode_at
 
 __all__ = ["Unreadable", "listdir", "open_dir", "readable_file", "unreadable"]
 
@@ -78,18 +78,11 @@ def readable_file(path: str) -> bool:
     share with the repository's file, whose mode git made so); never through
     a symlink, never another uid's file. True when it changed something."""
     try:
-        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # One the owner can read already is left as it is (its mode is git's, or the user's).
+        changed = set_mode_at(None, path, lambda was: was if was & stat.S_IRUSR else 0o444, FILES)
     except OSError:
         return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & stat.S_IRUSR:
-            return False
-        os.chmod(f"/proc/self/fd/{fd}", 0o444)
-        _log.warning(
-            "event=state_mode_repaired path=%s was=0o%03o now=0o444", path, stat.S_IMODE(st.st_mode))
-        return True
-    except OSError:
+    if changed is None or changed[0] == changed[1]:
         return False
-    finally:
-        os.close(fd)
+    _log.warning("event=state_mode_repaired path=%s was=0o%03o now=0o%03o", path, *changed)
+    return True
