@@ -268,16 +268,22 @@ def set_mode(fd: int, mode: int | Callable[[int], int],
     return was, now
 
 
-def retried(opener: Callable[[], T], path: str, mode: int | None) -> T:
+def retried(opener: Callable[[], T], path: str, mode: int | None, below: int | None = None) -> T:
     """``opener()``; when the kernel refuses it (EACCES, EPERM), ``path``
     healed (``heal``: its directories, then itself, to ``mode``; None: a
     directory) and ``opener()`` once more. A path that does not exist yet (a
-    file to create) heals its directories."""
+    file to create) heals its directories. ``below``: the descriptor of
+    ``path``'s directory, which the opener opens it below; only ``path``
+    itself is healed, below that descriptor (``heal_at``), never its
+    directories by name."""
     try:
         return opener()
     except PermissionError as exc:
         try:
-            heal(path, mode)
+            if below is None:
+                heal(path, mode)
+            else:
+                heal_at(below, os.path.basename(path), os.path.dirname(path), mode)
         except OSError as heal_exc:  # a directory on the way it cannot search (above its top): said
             log.warning("event=state_mode_not_repaired path=%s why=%r", path, str(heal_exc))
             raise exc from None

@@ -12,8 +12,9 @@ directories here.
 Guarantees:
 - a directory refused (EACCES, EPERM) is set back to 0700, with those above
   it up to the state directory (``statemodes.retried``: never through a
-  symlink, never a file of another uid's, each change logged), and tried
-  once more; a kept file is only ever given read back, at git's own 0444
+  symlink, never a file of another uid's, each change logged), or alone
+  below the descriptor of its directory a walk holds (``open_dir``'s
+  ``below``), and tried once more; a kept file is only ever given read back, at git's own 0444
   for objects (``readable_file``: a loose object or a pack may share its
   inode with the repository's, which git made 0444 too);
 - one that is missing (or not a directory) is ``None`` / empty: nothing
@@ -34,7 +35,8 @@ from dispatchd.statemodes import FILES, retried, set_mode_at
 __all__ = ["Unreadable", "listdir", "open_dir", "readable_file", "unreadable"]
 
 _log = logging.getLogger("dispatchd.statemodes")
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: O_DIRECTORY already refuses a FIFO before it is opened (ENOTDIR); said twice, never blocked.
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class Unreadable(OSError):
@@ -51,10 +53,13 @@ def unreadable(path: str, exc: OSError) -> Unreadable:
                                  f"again (chmod 700 {path}), then open the session again", path)
 
 
-def open_dir(path: str) -> int | None:
-    """``path`` opened (``O_RDONLY``, not followed); None when absent."""
+def open_dir(path: str, below: int | None = None) -> int | None:
+    """``path`` opened (``O_RDONLY``, not followed); None when absent.
+    ``below``: the descriptor of ``path``'s directory (a walk that holds
+    it): ``path`` is opened, and healed, below it, never by name again."""
+    name = path if below is None else os.path.basename(path)
     try:
-        return retried(lambda: os.open(path, _DIR), path, None)
+        return retried(lambda: os.open(name, _DIR, dir_fd=below), path, None, below)
     except OSError as exc:
         if exc.errno in fs.ABSENT:
             return None
