@@ -29,7 +29,9 @@ Guarantees:
   (one ``lstat``) is not walked again, so the keep's fan-out directories
   (hundreds a repository) cost a listing and a stat each;
 - ``heal_at`` sets one entry below a directory the daemon holds open back
-  (the keep's walks, which look below a descriptor);
+  (the keep's walks, which look below a descriptor), ``heal_held`` a file
+  it holds itself; ``as_made`` tells from one ``lstat`` whether a heal
+  would do anything (the socket's watch, every second);
 - ``set_mode_at`` / ``set_mode`` are the one way dispatchd changes a mode
   it did not just create (its own files here, the keep's, a session's
   directories it walks): looked up ``O_PATH | O_NOFOLLOW``, changed through
@@ -55,8 +57,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["ANY_KIND", "DIR_MODE", "DIRS", "FILES", "FILES_AND_DIRS", "STATE_LAYOUT", "TABLE_FILES", "Repair", "heal",
-           "heal_at", "heal_tree", "owned", "own", "retried", "set_mode", "set_mode_at"]
+__all__ = ["ANY_KIND", "DIR_MODE", "DIRS", "FILES", "FILES_AND_DIRS", "STATE_LAYOUT", "TABLE_FILES", "Repair",
+           "as_made", "heal", "heal_at", "heal_held", "heal_tree", "owned", "own", "retried", "set_mode",
+           "set_mode_at"]
 
 log = logging.getLogger("dispatchd.statemodes")
 
@@ -187,12 +190,21 @@ def heal_at(dir_fd: int, name: str, where: str, mode: int | None = None) -> list
     changed. For a walk that looks below a descriptor the daemon holds
     (the keep's): the directory itself was searchable, its entry is not.
     Raises OSError when the entry cannot be looked up (gone: nothing)."""
-    repairs: list[Repair] = []
     fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        _fix(fd, os.path.join(where, name), mode, repairs)
+        return heal_held(fd, os.path.join(where, name), mode)
     finally:
         os.close(fd)
+
+
+def heal_held(fd: int, path: str, mode: int | None = None) -> list[Repair]:
+    """The file the daemon holds open as ``fd`` (``O_PATH | O_NOFOLLOW``;
+    ``path``, for the log) set to ``mode`` (None: a directory,
+    ``DIR_MODE``), as ``heal`` sets each component; what changed. For a
+    caller that looked at the descriptor first (the socket's directory,
+    known by its device and inode)."""
+    repairs: list[Repair] = []
+    _fix(fd, path, mode, repairs)
     return repairs
 
 
@@ -317,15 +329,23 @@ def heal_tree(state: str, layout: tuple[tuple[str, int | None], ...] = STATE_LAY
 
 
 def _as_made(path: str, mode: int | None) -> bool:
-    """Whether ``path`` (one ``lstat``) is already as ``heal`` would leave
-    it: the user's, of its mode, or not of the kind expected (which ``heal``
-    leaves alone too); a symlink, or one that cannot be looked at, is not."""
+    """``as_made`` of ``path``'s ``lstat``; one that is gone is, one that
+    cannot be looked at is not."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return True
     except OSError:
         return False
+    return as_made(st, mode)
+
+
+def as_made(st: os.stat_result, mode: int | None) -> bool:
+    """Whether the file ``st`` (an ``lstat``) describes is already as
+    ``heal`` would leave it to ``mode`` (None: a directory), so that a heal
+    would change nothing and say nothing: the user's, of its mode, or not
+    of the kind expected (which ``heal`` leaves alone too); a symlink or
+    another uid's file is not (``heal`` says why it leaves it)."""
     if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
         return False
     if stat.S_ISDIR(st.st_mode) != (mode is None):
