@@ -29,7 +29,14 @@ Guarantees:
   (one ``lstat``) is not walked again, so the keep's fan-out directories
   (hundreds a repository) cost a listing and a stat each;
 - ``heal_at`` sets one entry below a directory the daemon holds open back
-  (the keep's walks, which look below a descriptor).
+  (the keep's walks, which look below a descriptor), ``heal_held`` a file
+  it holds itself; ``as_made`` tells from one ``lstat`` whether a heal
+  would do anything (the socket's watch, every second);
+- ``set_mode_at`` / ``set_mode`` are the one way dispatchd changes a mode
+  it did not just create (its own files here, the keep's, a session's
+  directories it walks): looked up ``O_PATH | O_NOFOLLOW``, changed through
+  ``/proc/self/fd/N``, only a kind asked for and only this uid's (see
+  ``set_mode_at``).
 
 Several daemons may share a state directory: each heals the same modes (its
 makers' own), so their heals agree, whichever runs first. What the daemon
@@ -46,11 +53,13 @@ import fnmatch
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["DIR_MODE", "STATE_LAYOUT", "TABLE_FILES", "Repair", "heal", "heal_at", "heal_tree", "owned", "own", "retried"]
+__all__ = ["ANY_KIND", "DIR_MODE", "DIRS", "FILES", "FILES_AND_DIRS", "STATE_LAYOUT", "TABLE_FILES", "Repair",
+           "as_made", "heal", "heal_at", "heal_held", "heal_tree", "owned", "own", "retried", "set_mode",
+           "set_mode_at"]
 
 log = logging.getLogger("dispatchd.statemodes")
 
@@ -75,6 +84,12 @@ STATE_LAYOUT: tuple[tuple[str, int | None], ...] = (("inuse", None),) + tuple(
     ("run", None),  # the socket's directory when $XDG_RUNTIME_DIR is unset (paths.py)
     ("dns-resolv.conf", 0o644),  # daemon/dnsrelay.py: sessions read it
 )
+
+# The kinds ``set_mode`` may change (``stat.S_IFMT``); a symlink is never one of them.
+FILES: frozenset[int] = frozenset({stat.S_IFREG})
+DIRS: frozenset[int] = frozenset({stat.S_IFDIR})
+FILES_AND_DIRS: frozenset[int] = FILES | DIRS
+ANY_KIND: frozenset[int] = FILES_AND_DIRS | {stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK}
 
 _tops: list[tuple[str, str]] = []  # the trees the daemon owns, as named and as real paths, most specific first
 
@@ -175,12 +190,21 @@ def heal_at(dir_fd: int, name: str, where: str, mode: int | None = None) -> list
     changed. For a walk that looks below a descriptor the daemon holds
     (the keep's): the directory itself was searchable, its entry is not.
     Raises OSError when the entry cannot be looked up (gone: nothing)."""
-    repairs: list[Repair] = []
     fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        _fix(fd, os.path.join(where, name), mode, repairs)
+        return heal_held(fd, os.path.join(where, name), mode)
     finally:
         os.close(fd)
+
+
+def heal_held(fd: int, path: str, mode: int | None = None) -> list[Repair]:
+    """The file the daemon holds open as ``fd`` (``O_PATH | O_NOFOLLOW``;
+    ``path``, for the log) set to ``mode`` (None: a directory,
+    ``DIR_MODE``), as ``heal`` sets each component; what changed. For a
+    caller that looked at the descriptor first (the socket's directory,
+    known by its device and inode)."""
+    repairs: list[Repair] = []
+    _fix(fd, path, mode, repairs)
     return repairs
 
 
@@ -199,26 +223,79 @@ def _fix(fd: int, path: str, mode: int | None, repairs: list[Repair]) -> bool:
         return False
     if stat.S_ISDIR(st.st_mode) != (mode is None):
         return False
-    want = DIR_MODE if mode is None else mode
-    was = stat.S_IMODE(st.st_mode)
-    if was != want:
-        # chmod through the descriptor's magic link: the inode looked up, never a path again.
-        os.chmod(f"/proc/self/fd/{fd}", want)
-        repairs.append(Repair(path, was, want))
-        log.warning("event=state_mode_repaired path=%s was=0o%03o now=0o%03o", path, was, want)
+    # Any kind but a directory where a file is expected: a socket (the
+    # daemon's), or whatever a session left at a file's name (never opened).
+    changed = set_mode(fd, DIR_MODE if mode is None else mode, ANY_KIND)
+    if changed is not None and changed[0] != changed[1]:
+        repairs.append(Repair(path, *changed))
+        log.warning("event=state_mode_repaired path=%s was=0o%03o now=0o%03o", path, *changed)
     return True
 
 
-def retried(opener: Callable[[], T], path: str, mode: int | None) -> T:
+def set_mode_at(dir_fd: int | None, name: str | bytes, mode: int | Callable[[int], int],
+                kinds: Collection[int] = FILES_AND_DIRS) -> tuple[int, int] | None:
+    """``name`` (below the directory open as ``dir_fd``; a path when None)
+    set to ``mode``, or to ``mode(was)`` given the mode it has (return
+    ``was`` to leave it); ``(was, now)``, or None when it was left alone.
+
+    - never through a symlink: the name is looked up ``O_PATH |
+      O_NOFOLLOW`` (a symlink there is the symlink, whose target is never
+      looked at) and changed through that descriptor (``/proc/self/fd/N``),
+      so the inode changed is the one looked at, whatever is renamed
+      meanwhile;
+    - the file itself is never opened: a FIFO cannot block it, a device is
+      not woken;
+    - only a file of ``kinds`` (``stat.S_IFMT`` values: by default a
+      regular file or a directory; ``ANY_KIND`` adds FIFOs, sockets and
+      devices) that belongs to this uid is changed; anything else (a
+      symlink, always; another kind; another uid's file, which the kernel
+      would refuse, and root would not) is left alone: None;
+    - errors: the lookup's (``FileNotFoundError`` when gone,
+      ``NotADirectoryError``, ``PermissionError`` when a directory on the
+      way cannot be searched) and the ``chmod``'s are raised as they are."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        return set_mode(fd, mode, kinds)
+    finally:
+        os.close(fd)
+
+
+def set_mode(fd: int, mode: int | Callable[[int], int],
+             kinds: Collection[int] = FILES_AND_DIRS) -> tuple[int, int] | None:
+    """``set_mode_at`` for a file already open as ``fd`` (``O_PATH |
+    O_NOFOLLOW``, or a directory opened ``O_DIRECTORY``): the same checks
+    (its kind, its uid; a symlink is left alone), the same change through
+    ``/proc/self/fd/N``; nothing is done when the mode is already the one
+    wanted."""
+    st = os.fstat(fd)
+    kind = stat.S_IFMT(st.st_mode)
+    if kind == stat.S_IFLNK or kind not in kinds or st.st_uid != os.getuid():
+        return None
+    was = stat.S_IMODE(st.st_mode)
+    now = mode(was) if callable(mode) else mode
+    if now != was:
+        # fchmod refuses an O_PATH descriptor; chmod of its magic link changes
+        # the inode it holds, never a path looked up again.
+        os.chmod(f"/proc/self/fd/{fd}", now)
+    return was, now
+
+
+def retried(opener: Callable[[], T], path: str, mode: int | None, below: int | None = None) -> T:
     """``opener()``; when the kernel refuses it (EACCES, EPERM), ``path``
     healed (``heal``: its directories, then itself, to ``mode``; None: a
     directory) and ``opener()`` once more. A path that does not exist yet (a
-    file to create) heals its directories."""
+    file to create) heals its directories. ``below``: the descriptor of
+    ``path``'s directory, which the opener opens it below; only ``path``
+    itself is healed, below that descriptor (``heal_at``), never its
+    directories by name."""
     try:
         return opener()
     except PermissionError as exc:
         try:
-            heal(path, mode)
+            if below is None:
+                heal(path, mode)
+            else:
+                heal_at(below, os.path.basename(path), os.path.dirname(path), mode)
         except OSError as heal_exc:  # a directory on the way it cannot search (above its top): said
             log.warning("event=state_mode_not_repaired path=%s why=%r", path, str(heal_exc))
             raise exc from None
@@ -252,15 +329,23 @@ def heal_tree(state: str, layout: tuple[tuple[str, int | None], ...] = STATE_LAY
 
 
 def _as_made(path: str, mode: int | None) -> bool:
-    """Whether ``path`` (one ``lstat``) is already as ``heal`` would leave
-    it: the user's, of its mode, or not of the kind expected (which ``heal``
-    leaves alone too); a symlink, or one that cannot be looked at, is not."""
+    """``as_made`` of ``path``'s ``lstat``; one that is gone is, one that
+    cannot be looked at is not."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return True
     except OSError:
         return False
+    return as_made(st, mode)
+
+
+def as_made(st: os.stat_result, mode: int | None) -> bool:
+    """Whether the file ``st`` (an ``lstat``) describes is already as
+    ``heal`` would leave it to ``mode`` (None: a directory), so that a heal
+    would change nothing and say nothing: the user's, of its mode, or not
+    of the kind expected (which ``heal`` leaves alone too); a symlink or
+    another uid's file is not (``heal`` says why it leaves it)."""
     if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
         return False
     if stat.S_ISDIR(st.st_mode) != (mode is None):

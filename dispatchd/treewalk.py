@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from dispatchd import statemodes
+
 __all__ = ["Budget", "Listings", "MAX_DEPTH", "MAX_ENTRIES", "remove_tree", "remove_tree_at", "walk"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -86,13 +88,8 @@ def _open_dir(name: str, dir_fd: int | None) -> int:
 
 
 def _restore_rights(name: str, dir_fd: int | None) -> None:
-    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            # fchmod on an O_PATH descriptor is refused; chmod through /proc/self/fd is not.
-            os.chmod(f"/proc/self/fd/{fd}", stat.S_IRWXU)
-    finally:
-        os.close(fd)
+    """A directory's owner's rights back (0700); anything else left alone."""
+    statemodes.set_mode_at(dir_fd, name, stat.S_IRWXU, statemodes.DIRS)
 
 
 def _listdir(fd: int) -> list[str]:

@@ -23,8 +23,10 @@ Guarantees, once ``HelperWatch.start`` has run:
 - the modes of the socket's directory and of the socket are set back to
   those the daemon gave them (0700, 0600) when they changed (a degraded
   session can chmod them: Landlock does not govern chmod), looked at every
-  ``CHECK_S`` before the path, the directory only while it is the one the
-  daemon bound in, never through a symlink (``statemodes.heal``): 0777
+  ``CHECK_S`` before the path (two ``lstat``s while they are as made), the
+  directory only while it is the one the daemon bound in (its device and
+  inode read from the descriptor that is changed), never through a
+  symlink (``statemodes.heal_held``, ``heal_at``): 0777
   would make every client refuse it, 000 would read as the path lost; a
   directory above the socket's is changed only when it lies in the state
   directory (the socket in ``STATE/run``): ``$XDG_RUNTIME_DIR`` is the
@@ -88,8 +90,10 @@ class BoundSocket:
     def heal(self) -> list[statemodes.Repair]:
         """The modes of its directory (0700) and of the socket (0600) set
         back, if they changed, while the directory is the one it was bound
-        in (a directory put in its place is not ours to change)."""
-        directory = os.path.dirname(self.path)
+        in (a directory put in its place is not ours to change). Called
+        every ``CHECK_S``: two ``lstat``s while both are as made; the
+        repair (``_repair``) only when one shows otherwise."""
+        directory = os.path.dirname(os.path.abspath(self.path))
         repairs: list[statemodes.Repair] = []
         try:
             st = os.lstat(directory)
@@ -102,7 +106,41 @@ class BoundSocket:
             return []
         if not self.dir_ino or (st.st_dev, st.st_ino) != (self.dir_dev, self.dir_ino):
             return []
-        return repairs + statemodes.heal(self.path, SOCKET_MODE, top=directory)
+        if statemodes.as_made(st, None) and self._socket_as_made():
+            return repairs
+        return repairs + self._repair(directory)
+
+    def _socket_as_made(self) -> bool:
+        """Whether the socket's path needs no heal (one ``lstat``): gone is
+        nothing to set back (``state`` says it); one that cannot be looked
+        at goes to the repair, which says why."""
+        try:
+            return statemodes.as_made(os.lstat(self.path), SOCKET_MODE)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+    def _repair(self, directory: str) -> list[statemodes.Repair]:
+        """The directory opened once (``O_PATH``, never through a symlink)
+        and changed only when that descriptor is the directory bound in (a
+        directory swapped in between the look and here is never changed);
+        then the socket below that same descriptor."""
+        try:
+            fd = os.open(directory, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return []
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (self.dir_dev, self.dir_ino):
+                return []
+            repairs = statemodes.heal_held(fd, directory)
+            try:
+                return repairs + statemodes.heal_at(fd, os.path.basename(self.path), directory, SOCKET_MODE)
+            except FileNotFoundError:
+                return repairs  # gone: nothing to set back
+        finally:
+            os.close(fd)
 
     def unlink(self) -> bool:
         """Unlink the path if it is still the inode we bound; True if it was.

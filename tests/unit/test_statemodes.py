@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -110,3 +113,78 @@ def test_the_start_heals_the_keep_s_directories_and_the_restore_preimages(state:
                    Repair(str(before / "worktree"), 0, 0o700)]
     assert _mode(keep / "ab" / "0123") == 0o444 and _mode(keep / "cd") == 0o700
     assert statemodes.heal_tree(str(state)) == []  # as made: one lstat each, nothing walked again
+
+
+def _in_thread(call: Callable[[], object]) -> object:
+    """``call()`` in a thread, waited for 5 s: a FIFO opened for reading with
+    no writer would block it for good, and fail the test rather than hang it."""
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(call()), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "blocked"
+    return got[0]
+
+
+def test_set_mode_at_never_follows_a_symlink(tmp_path: Path) -> None:
+    victim, other = tmp_path / "victim", tmp_path / "victim-dir"
+    victim.write_bytes(b"")
+    victim.chmod(0o640)
+    other.mkdir(mode=0o755)
+    other.chmod(0o755)
+    for target in (victim, other):
+        link = tmp_path / f"link-{target.name}"
+        link.symlink_to(target)
+        assert statemodes.set_mode_at(None, str(link), 0o600, statemodes.ANY_KIND) is None
+        fd = os.open(link, os.O_PATH | os.O_NOFOLLOW)
+        try:  # the descriptor form too: a symlink's own descriptor is left alone
+            assert statemodes.set_mode(fd, 0o600, statemodes.ANY_KIND) is None
+        finally:
+            os.close(fd)
+    assert (_mode(victim), _mode(other)) == (0o640, 0o755)  # the targets as they were
+
+
+def test_set_mode_at_sets_a_regular_file_s_and_a_directory_s_mode(tmp_path: Path) -> None:
+    """The allowed twin: the same call on the file and the directory themselves."""
+    f, d = tmp_path / "f", tmp_path / "d"
+    f.write_bytes(b"")
+    f.chmod(0o640)
+    d.mkdir()
+    d.chmod(0)
+    assert statemodes.set_mode_at(None, str(f), 0o600) == (0o640, 0o600)
+    fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:  # below a descriptor, with the mode worked out from the one it has
+        assert statemodes.set_mode_at(fd, "d", lambda was: was | 0o700) == (0, 0o700)
+        assert statemodes.set_mode_at(fd, "d", 0o700) == (0o700, 0o700)  # already so: nothing done
+    finally:
+        os.close(fd)
+    assert (_mode(f), _mode(d)) == (0o600, 0o700)
+
+
+def test_set_mode_at_leaves_a_kind_not_asked_for_and_never_opens_a_fifo(tmp_path: Path) -> None:
+    fifo, f = tmp_path / "fifo", tmp_path / "f"
+    os.mkfifo(fifo, 0o600)
+    f.write_bytes(b"")
+    f.chmod(0o600)
+    assert _in_thread(lambda: statemodes.set_mode_at(None, str(fifo), 0o644)) is None  # a file or a directory only
+    assert statemodes.set_mode_at(None, str(f), 0o700, statemodes.DIRS) is None  # a directory only
+    assert (_mode(fifo), _mode(f)) == (0o600, 0o600)
+    # The twin: asked for, the FIFO's mode is set, and still it is not opened (no writer: an open would block).
+    assert _in_thread(lambda: statemodes.set_mode_at(None, str(fifo), 0o644, statemodes.ANY_KIND)) == (0o600, 0o644)
+    assert _mode(fifo) == 0o644
+
+
+def test_set_mode_at_raises_the_lookup_s_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as err:
+        statemodes.set_mode_at(None, str(tmp_path / "missing"), 0o600)
+    assert err.value.errno == errno.ENOENT
+    (tmp_path / "shut").mkdir()
+    (tmp_path / "shut" / "f").write_bytes(b"")
+    (tmp_path / "shut").chmod(0)
+    try:
+        with pytest.raises(PermissionError) as err:  # a directory on the way that cannot be searched
+            statemodes.set_mode_at(None, str(tmp_path / "shut" / "f"), 0o600)
+        assert err.value.errno == errno.EACCES
+    finally:
+        (tmp_path / "shut").chmod(0o700)
+    assert statemodes.set_mode_at(None, str(tmp_path / "shut" / "f"), 0o600) is not None  # once searchable

@@ -10,7 +10,7 @@ import fcntl
 import os
 import stat
 
-from dispatchd import treewalk
+from dispatchd import statemodes, treewalk
 from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 
@@ -180,11 +180,15 @@ def _open_readable(name: bytes, dir_fd: int) -> int:
     except PermissionError:
         pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
-            mode = stat.S_IMODE(os.fstat(pfd).st_mode)
-            os.chmod(f"/proc/self/fd/{pfd}", mode | stat.S_IRUSR)
+            # Any kind (the caller skips what is not a regular file once open,
+            # O_NONBLOCK: a FIFO does not block), as before the shared helper.
+            changed = statemodes.set_mode(pfd, lambda mode: mode | stat.S_IRUSR, statemodes.ANY_KIND)
+            if changed is None:
+                raise  # a symlink swapped in, or another uid's: refused as it was
             try:
+                # Opened through the same descriptor: the inode given read, never the name again.
                 return os.open(f"/proc/self/fd/{pfd}", flags & ~os.O_NOFOLLOW)
             finally:
-                os.chmod(f"/proc/self/fd/{pfd}", mode)
+                statemodes.set_mode(pfd, changed[0], statemodes.ANY_KIND)
         finally:
             os.close(pfd)

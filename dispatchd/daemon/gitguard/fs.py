@@ -29,7 +29,7 @@ import stat
 import time
 from collections.abc import Iterator
 
-from dispatchd import treewalk
+from dispatchd import statemodes, treewalk
 from dispatchd.confine import _sys
 from dispatchd.daemon.gitguard import indexfile
 
@@ -405,19 +405,19 @@ def _chunk_below(dir_fd: int, parts: list[str], lend: bool) -> int | None:
 
 
 def lend(fd: int) -> int:
-    """The directory ``fd`` (an ``O_PATH`` descriptor will do: /proc/self/fd
-    names it) given its owner's rights, read, write and search (the user's,
-    so the daemon's: a session made it unsearchable or read-only); returns
-    its mode before, for ``give_back``."""
-    proc = f"/proc/self/fd/{fd}"
-    mode = stat.S_IMODE(os.stat(proc).st_mode)
-    os.chmod(proc, mode | stat.S_IRWXU)
-    return mode
+    """The directory ``fd`` (an ``O_PATH`` descriptor will do:
+    ``statemodes.set_mode``) given its owner's rights, read, write and
+    search (the user's, so the daemon's: a session made it unsearchable or
+    read-only); returns its mode before, for ``give_back``."""
+    changed = statemodes.set_mode(fd, lambda mode: mode | stat.S_IRWXU, statemodes.DIRS)
+    if changed is None:  # not this uid's directory: refused, as the kernel's chmod refuses another uid's
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+    return changed[0]
 
 
 def give_back(fd: int, mode: int) -> None:
     """The directory ``fd``'s mode as ``lend`` found it."""
-    os.chmod(f"/proc/self/fd/{fd}", mode)
+    statemodes.set_mode(fd, mode, statemodes.DIRS)
 
 
 @contextlib.contextmanager

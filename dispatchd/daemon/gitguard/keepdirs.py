@@ -12,8 +12,9 @@ directories here.
 Guarantees:
 - a directory refused (EACCES, EPERM) is set back to 0700, with those above
   it up to the state directory (``statemodes.retried``: never through a
-  symlink, never a file of another uid's, each change logged), and tried
-  once more; a kept file is only ever given read back, at git's own 0444
+  symlink, never a file of another uid's, each change logged), or alone
+  below the descriptor of its directory a walk holds (``open_dir``'s
+  ``below``), and tried once more; a kept file is only ever given read back, at git's own 0444
   for objects (``readable_file``: a loose object or a pack may share its
   inode with the repository's, which git made 0444 too);
 - one that is missing (or not a directory) is ``None`` / empty: nothing
@@ -29,12 +30,13 @@ import os
 import stat
 
 from dispatchd.daemon.gitguard import fs
-from dispatchd.statemodes import retried
+from dispatchd.statemodes import FILES, retried, set_mode_at
 
 __all__ = ["Unreadable", "listdir", "open_dir", "readable_file", "unreadable"]
 
 _log = logging.getLogger("dispatchd.statemodes")
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: O_DIRECTORY already refuses a FIFO before it is opened (ENOTDIR); said twice, never blocked.
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class Unreadable(OSError):
@@ -51,10 +53,13 @@ def unreadable(path: str, exc: OSError) -> Unreadable:
                                  f"again (chmod 700 {path}), then open the session again", path)
 
 
-def open_dir(path: str) -> int | None:
-    """``path`` opened (``O_RDONLY``, not followed); None when absent."""
+def open_dir(path: str, below: int | None = None) -> int | None:
+    """``path`` opened (``O_RDONLY``, not followed); None when absent.
+    ``below``: the descriptor of ``path``'s directory (a walk that holds
+    it): ``path`` is opened, and healed, below it, never by name again."""
+    name = path if below is None else os.path.basename(path)
     try:
-        return retried(lambda: os.open(path, _DIR), path, None)
+        return retried(lambda: os.open(name, _DIR, dir_fd=below), path, None, below)
     except OSError as exc:
         if exc.errno in fs.ABSENT:
             return None
@@ -78,18 +83,11 @@ def readable_file(path: str) -> bool:
     share with the repository's file, whose mode git made so); never through
     a symlink, never another uid's file. True when it changed something."""
     try:
-        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # One the owner can read already is left as it is (its mode is git's, or the user's).
+        changed = set_mode_at(None, path, lambda was: was if was & stat.S_IRUSR else 0o444, FILES)
     except OSError:
         return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & stat.S_IRUSR:
-            return False
-        os.chmod(f"/proc/self/fd/{fd}", 0o444)
-        _log.warning(
-            "event=state_mode_repaired path=%s was=0o%03o now=0o444", path, stat.S_IMODE(st.st_mode))
-        return True
-    except OSError:
+    if changed is None or changed[0] == changed[1]:
         return False
-    finally:
-        os.close(fd)
+    _log.warning("event=state_mode_repaired path=%s was=0o%03o now=0o%03o", path, *changed)
+    return True

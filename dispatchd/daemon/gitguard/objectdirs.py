@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from dispatchd import statemodes, treewalk
+from dispatchd import treewalk
 from dispatchd.daemon.gitguard import fs, keepdirs
 from dispatchd.tools import native
 
@@ -84,7 +84,7 @@ class KeptNames:
         """Every ``dir/name`` of the keep's object directories, each ended by
         a NUL byte; and why not all were given ("": all were): past ``limit``
         names, or a directory of the keep ``where`` that could not be
-        listed, even with its mode set back (``statemodes.heal_at``)."""
+        listed, even with its mode set back (``keepdirs.open_dir``)."""
         look_ns = time.time_ns()  # before the ctimes: a change after it sets a later one
         st = os.fstat(keep_fd)
         key = (st.st_dev, st.st_ino)
@@ -126,21 +126,12 @@ class KeptNames:
         why not when it cannot be listed. Refused (a session's chmod), its
         mode is set back and it is listed once more."""
         self.listed += 1
-        for attempt in (1, 2):
-            try:
-                sub = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                              dir_fd=keep_fd)
-            except OSError as exc:
-                if exc.errno in fs.ABSENT:
-                    return b"", 0  # gone, or not a directory: nothing kept there
-                if attempt == 1 and isinstance(exc, PermissionError):
-                    try:
-                        statemodes.heal_at(keep_fd, d, where)  # logged: event=state_mode_repaired
-                        continue
-                    except OSError:
-                        pass
-                return str(keepdirs.unreadable(os.path.join(where, d), exc))
-            break
+        try:
+            sub = keepdirs.open_dir(os.path.join(where, d), below=keep_fd)  # healed: event=state_mode_repaired
+        except keepdirs.Unreadable as exc:
+            return str(exc)
+        if sub is None:
+            return b"", 0  # gone, or not a directory: nothing kept there
         try:
             names = [n for n in os.listdir(sub) if not n.startswith((".", "tmp"))]
         except OSError as exc:
