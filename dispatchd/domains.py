@@ -23,7 +23,6 @@ import re
 
 import msgspec
 
-from dispatchd.netmodes import NetworkMode
 
 PROXY_HOST = "127.0.0.1"  # inside the session's namespace: its own loopback
 PROXY_PORT = 3128  # the listener the worker makes there and hands to the daemon

@@ -22,7 +22,7 @@ from tests.escape.attempts import (
     ECONNREFUSED, ENETUNREACH, DatagramListener, TcpListener, attempt, attempt_outside, background, wait_for,
 )
 from tests.escape.conftest import connect
-from tests.fake_registry import FakeRegistry, domains_daemon
+from tests.fake_registry import domains_daemon
 from tests.sleeping import sleepy_policies
 
 

@@ -245,7 +245,7 @@ def test_a_unix_socket_cannot_connect_to_the_users_sockets(
     path = directory / f"escape-{secrets.token_hex(4)}-bus.sock"
     try:
         with StreamListener(str(path)) as listener:
-            connect = f"s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\ns.settimeout(5)\nresult = s.connect({{path!r}})"
+            connect = "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\ns.settimeout(5)\nresult = s.connect({path!r})"
             assert attempt_outside(connect.format(path=str(path))) == "OK None"
             assert listener.pending() == 1
             assert attempt(session, connect.format(path=str(path))) == sandbox.expect(full=ENOENT, degraded=EPERM)

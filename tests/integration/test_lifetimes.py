@@ -322,8 +322,6 @@ def test_a_worker_killed_from_outside_is_reported_with_its_signal(tmp_path: Path
         with d.connect() as client:
             session = client.open_session(str(worktree))
             assert shell(session, "true").is_success
-            import psutil
-
             os.kill(d.worker_pid(), signal.SIGKILL)  # W1, the session's first process (its init)
             # The kernel tears the session's namespace down asynchronously: a
             # call sent at once may still be served. Wait for the daemon to see it.

@@ -99,7 +99,6 @@ def test_a_write_right_after_the_open_waits_for_the_baseline_on_disk(tmp_path: P
                 done, pending = _records(d)
                 assert done == [] and len(pending) == 1, (done, pending)
                 # The allowed twin: a read is answered before the record is durable.
-                t = time.monotonic()
                 read = s.registry.get("read_file").call({"path": "README.md"})
                 assert read.is_success and "hello" in (read.output or ""), read
                 assert _records(d)[0] == []  # answered before the record was in place

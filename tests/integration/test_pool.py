@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -13,7 +13,6 @@ import pwd
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading

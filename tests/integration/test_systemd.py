@@ -368,7 +368,7 @@ def test_a_socket_dispatchd_cannot_serve_is_refused_without_ready(home: Path, tm
     finally:
         started.stop()
     assert code == 1, started.log()
-    assert (f"dispatchd: systemd passed fd 3 (unknown) as AF_UNIX/SOCK_DGRAM, not listening: dispatchd needs "
+    assert ("dispatchd: systemd passed fd 3 (unknown) as AF_UNIX/SOCK_DGRAM, not listening: dispatchd needs "
             "a listening Unix stream socket (ListenStream=PATH in the .socket unit)") in started.log()
     assert rest_of_messages(notify_path) == []
 

@@ -78,14 +78,6 @@ def make_repo(path: Path) -> Path:
     return path
 
 
-def empty_repo(path: Path, message: str) -> Path:
-    """A new repository at ``path`` with one empty commit."""
-    path.mkdir()
-    git(path, "init", "-q")
-    git(path, "commit", "-q", "--allow-empty", "-m", message)
-    return path
-
-
 def add_gitlink(repo: Path, path: str, hexsha: str = "1" * 40) -> None:
     """Record a submodule at ``path`` in the index, as a session's
     ``git update-index`` can, whatever is there."""

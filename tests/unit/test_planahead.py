@@ -91,8 +91,6 @@ def test_the_plan_made_ahead_is_for_the_sandbox_s_session_not_the_last():
 
 
 def test_the_bytes_a_sandbox_is_made_with_are_the_plan_s_encoding():
-    from dispatchd import protocol
-
     planned = plan_ahead(LAST, session=SID, scratch=SCRATCH, policy=POLICY)
     assert planned.encoded == encode_plan(planned.plan)
     assert decode_plan(planned.encoded) == planned.plan

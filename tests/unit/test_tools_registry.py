@@ -95,7 +95,6 @@ def test_chaining():
 
 
 def test_size_is_empty_tools_and_tool_names_are_properties():
-    registry = Registry().register(tool("a"))
     for attr in ("size", "is_empty", "tools", "tool_names"):
         assert isinstance(getattr(Registry, attr), property), attr
 

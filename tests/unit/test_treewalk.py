@@ -9,7 +9,6 @@ import warnings
 import stat
 from pathlib import Path
 
-import pytest
 
 from dispatchd import treewalk
 from dispatchd.daemon import leftovers
