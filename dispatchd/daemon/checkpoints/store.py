@@ -317,7 +317,8 @@ class Store:
         root = os.stat(worktree)
         record = journal.Record(session=sid, checkpoint=cid, worktree=worktree, dev=root.st_dev, ino=root.st_ino,
                                 started_ns=started_ns, max_files=policy.max_files, max_depth=policy.max_depth,
-                                fsync=fsync, pid=os.getpid(), refs=refs, kept=kept)
+                                fsync=fsync, pid=os.getpid(), refs=refs, kept=kept,
+                                stamp=gitguard.displaced_stamp())
         s = self._of(sid)
         try:
             fd = journal.begin(top, record)
@@ -332,7 +333,7 @@ class Store:
         ident = (root.st_dev, root.st_ino)  # the directory the record names, and no other
         done = apply_restore(worktree, top, plan, fsync_each=each, expect=ident)
         done["objects"] = _put_objects(worktree, manifest, ident) if manifest.objects else 0
-        displaced = journal.keep_refs(worktree, refs, sid)
+        displaced = journal.keep_refs(worktree, refs, sid, record.stamp)
         if fsync and (not each or done["objects"] or plan.remove or plan.make):
             _syncfs(worktree)
         elif fsync and plan.write:

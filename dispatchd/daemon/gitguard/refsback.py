@@ -164,7 +164,7 @@ def read_all(common: str) -> dict[str, str]:
     return refs
 
 
-def keep_moved(common: str, before: dict[str, str]) -> tuple[list[str], list[str]]:
+def keep_moved(common: str, before: dict[str, str], when: str = "") -> tuple[list[str], list[str]]:
     """After a restore wrote ``common``'s refs back: each ref of ``before``
     (``read_all`` just before it) that it deleted or moved other than
     forward kept as ``refs/dispatchd/displaced/TIME/NAME``, as the end's put
@@ -172,11 +172,14 @@ def keep_moved(common: str, before: dict[str, str]) -> tuple[list[str], list[str
     forward is not (its old value is still reachable: an ancestor). A
     displaced ref the restore removed or changed (made after the checkpoint)
     is written back under its own name. Returns the names written and what
-    failed. An ancestry that cannot be told in time keeps the value."""
+    failed. An ancestry that cannot be told in time keeps the value.
+    ``when``: the TIME of the names (``reftemp.stamp``; "": now). A restore
+    gives the one its record holds, so that finishing it after a daemon's
+    death writes the names the cut run wrote, with the same values."""
     now = read_all(common)
     objects = os.path.join(common, "objects")
     store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2)
-    when = reftemp.stamp()
+    when = when or reftemp.stamp()
     kept: list[str] = []
     failed: list[str] = []
     for name, old in sorted(before.items()):
