@@ -62,10 +62,12 @@ class Store:
     def __init__(self, state_dir: str, keep_dir: str) -> None:
         self.root = os.path.join(state_dir, "checkpoints")
         self.keep_dir = keep_dir
-        # What restores replaced, kept past their sessions (``preimages``); the expired swept now.
+        # What restores replaced, kept past their sessions (``preimages``); the expired swept now,
+        # then hourly as restores keep more (and when the budget would refuse one).
         self.before_dir = os.path.join(state_dir, preimages.DIR)
+        self.sweeps = preimages.Sweeps(self.before_dir)
         try:
-            preimages.sweep(self.before_dir)
+            self.sweeps.now()
         except OSError as exc:  # a sweep never stops a start: what it could not look at waits for the next
             log.error("event=before_restore_not_swept path=%s error=%r", self.before_dir, str(exc))
         self.kept_sizes = keptsize.KeptSizes(self.before_dir)  # their total, within one budget
@@ -284,16 +286,18 @@ class Store:
         with open(os.path.join(self.root, sid, cid), "rb") as f:
             return _manifest_decoder.decode(f.read())
 
-    def keep_before(self, sid: str, worktree: str, before: str, restored: str, fsync: bool = True) -> str:
+    def keep_before(self, sid: str, worktree: str, before: str, restored: str, fsync: bool = True
+                    ) -> tuple[str, protocol.BeforeRestoreReport | None]:
         """Checkpoint ``before`` (what the worktree holds as the restore of
         ``restored`` begins) kept as plain files past the session
-        (``preimages``); returns its directory. Refused (``Refused``) when it
+        (``preimages``); returns its directory and the total kept there with
+        it (for the reply). Refused (``Refused``) when it
         cannot be made or would take all that is kept there over its budget
         (``keptsize``): the restore then loses nothing, it does not run."""
         manifest = self.find(sid, before)
         try:
             return preimages.keep(self.before_dir, os.path.join(self.root, sid), manifest, worktree, sid, restored,
-                                  fsync, self.kept_sizes)
+                                  fsync, self.kept_sizes, self.sweeps)
         except OSError as exc:
             raise Refused(f"checkpoint refused: it could not be kept past the session in {self.before_dir} "
                           f"({exc.strerror})") from exc
