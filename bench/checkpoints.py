@@ -9,7 +9,10 @@ The worktree and the daemon's state directory are both made in --dir (one
 file system, as ``~/.local/state`` and a project under ``~`` usually are):
 reflink clones where it has them (btrfs, XFS), else links and copies.
 Prints seconds for each step and what the checkpoint copied; the page cache
-is warm (the worktree was just written). Removes what it made.
+is warm (the worktree was just written). Last, restores as a client's
+request makes them (the worktree kept first, past the session, within the
+budget of what restores keep: docs/checkpoints.md), with a few kept there
+already, then after one of them was removed by hand. Removes what it made.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dispatchd import treewalk  # noqa: E402
 from dispatchd.daemon import checkpoints  # noqa: E402
+from dispatchd.daemon.checkpoints import preimages  # noqa: E402
 from dispatchd.policy import Checkpoints  # noqa: E402
 
 BIG = 8  # big files in node_modules (binaries, bundles), the rest of its bytes
+KEPT = 5  # what restores replaced, kept in the state directory, before the steps that look at them
 
 
 def make_worktree(wt: str, files: int, node_mib: int) -> None:
@@ -65,11 +70,14 @@ def make_worktree(wt: str, files: int, node_mib: int) -> None:
 
 def count(wt: str) -> tuple[int, int]:
     """Files and bytes, git's object files aside (those made after a
-    checkpoint stay after its restore)."""
+    checkpoint stay after its restore), and the refs restores keep of the
+    values they moved (``refs/dispatchd/displaced``: made by them)."""
     files = size = 0
     for dirpath, dirs, names in os.walk(wt):
         if dirpath == os.path.join(wt, ".git"):
             dirs.remove("objects")
+        if dirpath == os.path.join(wt, ".git", "refs") and "dispatchd" in dirs:
+            dirs.remove("dispatchd")
         for n in names:
             files += 1
             size += os.lstat(os.path.join(dirpath, n)).st_size
@@ -128,6 +136,26 @@ def main() -> None:
         step("(rm -rf node_modules, as an agent might)", lambda: shutil.rmtree(os.path.join(wt, "node_modules")))
         step("restore, node_modules deleted (every byte back)", lambda: store.restore("s", wt, third.id, policy))  # type: ignore[attr-defined]
         assert count(wt) == (files, size), "the restore did not bring everything back"
+        # What a client's restore adds (requests.handle): the worktree kept first, as a checkpoint and as
+        # plain files past the session (preimages: a hard link a file, within keptsize's one budget), and
+        # the total kept there, for the reply. Without fsync (the policy's limits.fsync = false): the
+        # file system's flushes (seconds on a busy disk) would hide what the look at the kept ones costs.
+        def as_a_request(cid: str) -> object:
+            with open(os.path.join(wt, "src", "pkg0", "mod0.py"), "a") as f:
+                f.write("w = 4\n")  # an agent's edit since
+            before = store.take("s", wt, policy, fsync=False, spare=cid).id
+            kept, total = store.keep_before("s", wt, before, cid, fsync=False)
+            store.restore("s", wt, cid, policy, fsync=False, kept=kept)
+            return total
+        for i in range(KEPT):
+            as_a_request(third.id)  # type: ignore[attr-defined]
+        kept_dir = os.path.join(state, "before-restore")
+        step(f"restore as a request does, {KEPT} kept there", lambda: as_a_request(third.id))  # type: ignore[attr-defined]
+        # Its parts that depend on what is kept there:
+        step(f"  a sweep of the {KEPT + 1} kept there (each about.json read)", lambda: preimages.sweep(kept_dir))
+        step("  a look at them (the total, as a reply or status gives it)", store.kept_sizes.report)
+        shutil.rmtree(os.path.join(kept_dir, sorted(os.listdir(kept_dir))[0]))  # the oldest, by the user
+        step("  the first look after one was removed by hand", store.kept_sizes.report)
     finally:
         treewalk.remove_tree(base)
 

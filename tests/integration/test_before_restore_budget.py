@@ -4,10 +4,12 @@ restore that would take them over it keeps nothing and is refused, saying
 what is kept, how much, where and how to make room, and changes nothing;
 its twin under the budget goes through; the restore's reply and status
 show the total; force goes on; a session's end frees nothing, the user's
-removal by hand does."""
+removal by hand does, and so does expiry: a kept one past its 7 days is
+swept rather than refusing a restore."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -155,3 +157,37 @@ def test_a_file_two_restores_keep_alike_is_counted_once(client: dispatch.Client,
     assert two["kept_total"]["count"] == 2
     assert two["kept_total"]["bytes"] == du(kept_dir) < BUDGET < 2 * BIG
     assert kept_there(client) == two["kept_total"]
+
+
+def test_an_expired_one_is_swept_rather_than_refusing_a_restore(client: dispatch.Client, daemon: Daemon,
+                                                                worktree: Path, kept_dir: Path) -> None:
+    """What a restore kept 7 days ago is what stands over the budget: the
+    next restore sweeps it and goes through (no start came between, and no
+    hour since the last sweep). The twin: the same kept files, younger,
+    refuse that restore."""
+    with client.open_session(str(worktree)) as s:
+        cid = s.checkpoint()
+        (worktree / "first.bin").write_bytes(os.urandom(BIG))
+        first = Path(s.restore(cid)["kept"])
+        held = du(kept_dir)
+        (worktree / "second.bin").write_bytes(os.urandom(BIG))
+        with pytest.raises(dispatch.RequestFailed) as err:
+            s.restore(cid)
+        found = re.search(r"this one would add (\d+) bytes", err.value.message)
+        assert err.value.code == "checkpoint_refused" and found, err.value.message
+        assert err.value.message.startswith(
+            "restore refused: the worktree as it is now could not be kept first, and a restore would lose it "
+            f"(checkpoint refused: keeping it past the session in {kept_dir} would take what restores replaced "
+            f"there over its budget: the 1 kept there hold {amount(held)}, this one would add "
+            f"{amount(int(found.group(1)))}, and all of them may hold at most 2097152 bytes (2 MiB), {WHY}; "), \
+            err.value.message
+        assert first.exists() and (worktree / "second.bin").exists()
+        about = json.loads((first / "about.json").read_text())
+        about["created"] -= 7 * 86400 + 60  # kept a week and a minute ago
+        (first / "about.json").write_text(json.dumps(about))
+        done = s.restore(cid)
+        assert not first.exists() and not (worktree / "second.bin").exists()
+        assert (Path(done["kept"]) / "worktree" / "second.bin").stat().st_size == BIG
+        assert done["kept_total"] == {"path": str(kept_dir), "count": 1, "bytes": du(kept_dir), "budget": BUDGET,
+                                      "budget_why": WHY}
+    assert f"event=before_restore_expired path={first}" in daemon.log()

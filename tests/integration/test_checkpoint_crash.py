@@ -155,7 +155,7 @@ def test_a_restore_cut_by_sigkill_is_finished_at_the_next_start(tmp_path: Path) 
             assert (kept / "worktree" / "made" / "m0" / "n0").read_text() == "new\n"
             assert (kept / "worktree" / _name(1)).read_text() == "changed 1\n"
             [ref] = git(wt, "for-each-ref", "--format=%(refname)", "--contains", change).split()
-            assert ref.startswith("refs/dispatchd/displaced/") and ref.endswith("/refs/heads/main")
+            assert ref == f"refs/dispatchd/displaced/{r.stamp}/refs/heads/main"  # the time the record holds
             log = again.log()
             assert f"event=restore_finished session={sid} checkpoint={cid} worktree={wt} " in log, log
             # ... and before the trusted baseline's record (the killed session's) was re-checked.

@@ -5,6 +5,7 @@ real daemon and a real SIGKILL are tests/integration/test_checkpoint_crash.py's)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -17,8 +18,10 @@ from dispatchd.daemon import checkpoints as cp
 from dispatchd.daemon.checkpoints import journal, store as store_module
 from dispatchd.daemon.checkpoints.plan import RestorePlan
 from dispatchd.daemon.checkpoints.restoring import apply_restore
+from dispatchd.daemon.gitguard import reftemp
 from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints
+from tests.unit.gitrepo import git
 
 E = cp.Entry
 POLICY = Checkpoints()
@@ -52,6 +55,14 @@ def test_a_record_keeps_the_baseline_s_alternates_for_its_finish():
     assert b"borrowed" not in older and journal.decode(older).borrowed == []
 
 
+def test_a_record_of_an_older_daemon_without_the_time_of_its_displaced_refs_is_read():
+    r = record(stamp="20250601T101500")
+    assert journal.decode(journal.encode(r)).stamp == "20250601T101500"
+    older = json.loads(journal.encode(r))
+    del older["stamp"]
+    assert journal.decode(json.dumps(older).encode()) == record()  # its refs kept under the finish's time
+
+
 @pytest.mark.parametrize("data, why", [
     (b"half a rec", "not a restore record: "),
     (b'{"session": "s"}', "not a restore record: Object missing required field"),
@@ -61,6 +72,8 @@ def test_a_record_keeps_the_baseline_s_alternates_for_its_finish():
     (journal.encode(record(checkpoint="../pool")), "a restore record naming no valid checkpoint: '../pool'"),
     (journal.encode(record(checkpoint=".tmp-c1")), "a restore record naming no valid checkpoint: '.tmp-c1'"),
     (journal.encode(record(worktree="wt")), "a restore record naming a relative worktree: 'wt'"),
+    (journal.encode(record(stamp="../../../hooks")),
+     "a restore record naming no valid time for its displaced refs: '../../../hooks'"),
 ])
 def test_what_is_not_a_record_is_refused_saying_why(data, why):
     with pytest.raises(ValueError) as err:
@@ -444,3 +457,52 @@ def test_a_cut_restore_waits_for_another_daemon_s_session_on_a_worktree_of_its_r
     assert other.claim("t2", str(tmp_path / "elsewhere"), "")[0] is None
     assert cp.finish_restores(str(state), mine) == [
         (wt, f"the restore of checkpoint {info.id}, cut short by a daemon's death, was finished")]
+
+
+def _displaced(wt: str) -> list[str]:
+    return git(Path(wt), "for-each-ref", "--format=%(refname) %(objectname)", "refs/dispatchd/").split("\n")[:-1]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("older", [False, True])
+def test_a_restore_cut_after_it_kept_the_moved_refs_keeps_them_once_when_finished(state, tmp_path, monkeypatch,
+                                                                                  older):
+    """The daemon dies after the restore kept the refs it moved, before its
+    record went. The finish removes them (made after the checkpoint) and
+    keeps the same values again under the names the cut run wrote, its
+    record's time: one set, those names. The twin: a record of an older
+    daemon (no time in it) is finished all the same, its refs kept once,
+    under the finish's time."""
+    wt = _worktree(tmp_path)
+    git(Path(wt), "init", "-q", "-b", "main")
+    git(Path(wt), "add", "d0")
+    git(Path(wt), "commit", "-qm", "one")
+    one = git(Path(wt), "rev-parse", "main").strip()
+    store = cp.Store(str(state), str(state / "keep"))
+    info = store.take("s1", wt, POLICY)
+    Path(wt, "d0", "f00").write_text("mine\n")
+    git(Path(wt), "commit", "-qam", "two")  # the user's commit beside the session
+    two = git(Path(wt), "rev-parse", "main").strip()
+
+    def killed(top: str, fd: int, sync: object) -> None:  # the death: its lock dropped, the record left
+        os.close(fd)
+        raise CheckpointError("killed", "restore_failed")
+
+    monkeypatch.setattr(journal, "done", killed)
+    with pytest.raises(CheckpointError):
+        store.restore("s1", wt, info.id, POLICY)
+    monkeypatch.undo()
+    path = state / "checkpoints" / "s1" / journal.RECORD
+    r = journal.decode(path.read_bytes())
+    assert _displaced(wt) == [f"refs/dispatchd/displaced/{r.stamp}/refs/heads/main {two}"]  # kept by the cut run
+    if older:
+        data = json.loads(path.read_bytes())
+        del data["stamp"]
+        path.write_text(json.dumps(data))
+    monkeypatch.setattr(reftemp, "stamp", lambda: "20990101T000000")  # the finish's time: not the cut run's
+    assert cp.finish_restores(str(state)) == [
+        (wt, f"the restore of checkpoint {info.id}, cut short by a daemon's death, was finished")]
+    when = "20990101T000000" if older else r.stamp
+    assert _displaced(wt) == [f"refs/dispatchd/displaced/{when}/refs/heads/main {two}"]
+    assert git(Path(wt), "rev-parse", "main").strip() == one
+    assert not path.exists()

@@ -1,17 +1,25 @@
 """The budget of what restores replaced (daemon/checkpoints/keptsize.py):
-its bound, its words, and how kept files are counted; the daemon's refusal
-and its twin are in tests/integration/test_before_restore_budget.py."""
+its bound, its words, and how kept files are counted (a kept one gone
+subtracted, never all measured again); when they are swept
+(daemon/checkpoints/preimages.py ``Sweeps``: hourly, the clock a test's,
+and before the budget refuses); the daemon's refusal and its twin are in
+tests/integration/test_before_restore_budget.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.checkpoints import keptsize
+from dispatchd.daemon import checkpoints as cp
+from dispatchd.daemon.checkpoints import keptsize, preimages
 from dispatchd.errors import CheckpointError
+from dispatchd.policy import Checkpoints
+from dispatchd.protocol import BeforeRestoreReport
 
 
 def test_the_budget_is_the_lower_of_8_gib_and_a_quarter_of_the_free_space() -> None:
@@ -94,7 +102,7 @@ def test_a_copy_two_kept_ones_link_counts_once_and_one_over_the_budget_is_refuse
         "ones by hand (a directory each, named by when it was kept, oldest first; no session can), or wait for "
         "them to expire (7 days)")
     assert sorted(os.listdir(kept)) == ["a", "b"] and sizes.report().bytes == expected  # nothing of c remembered
-    # Removed by hand (or expired): the rest measured again; the copy b links stays counted.
+    # Removed by hand (or expired): subtracted; the copy b links stays counted.
     (kept / "a" / "f").unlink()
     (kept / "a").rmdir()
     report = sizes.report()
@@ -102,3 +110,118 @@ def test_a_copy_two_kept_ones_link_counts_once_and_one_over_the_budget_is_refuse
     # ... and the room is back.
     _kept(sizes, "c", {"h": b"w" * 50_000})
     assert sizes.report().count == 2
+
+
+def test_a_kept_one_gone_is_subtracted_by_name_and_nothing_is_measured_again(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """a and b link one copy, c another; b removed: its own bytes go, the
+    copy a still links stays; a removed: the copy goes too. Each total is
+    what a daemon measuring them all afresh counts (the oracle), and no
+    kept one is measured again."""
+    kept = tmp_path / "before-restore"
+    kept.mkdir()
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.write_bytes(b"1" * 40_000)
+    two.write_bytes(b"2" * 70_000)
+    sizes = keptsize.KeptSizes(str(kept))
+    _kept(sizes, "a", {"f": one, "own": b"a" * 9000})
+    _kept(sizes, "b", {"f": one, "own": b"b" * 20_000})
+    _kept(sizes, "c", {"g": two})
+    assert sizes.report().bytes == keptsize.KeptSizes(str(kept)).report().bytes
+    measured: list[str] = []
+    real = keptsize.measure
+    monkeypatch.setattr(keptsize, "measure", lambda path: measured.append(path) or real(path))
+    for gone, left in (("b", ("a", "c")), ("a", ("c",))):
+        shutil.rmtree(kept / gone)
+        report = sizes.report()
+        assert (report.count, report.bytes) == (len(left), keptsize.KeptSizes(str(kept)).report().bytes)
+        assert measured.count(str(kept / left[0])) == 1  # the oracle's look, not ours
+        measured.clear()
+    assert sizes.report().bytes == sum(_blocks(p) for p in (kept / "c", two))
+    shutil.rmtree(kept / "c")
+    assert (sizes.report().count, sizes.report().bytes) == (0, 0)
+    assert measured == []
+
+
+def test_admitting_gives_the_total_a_look_afterwards_finds(tmp_path: Path) -> None:
+    kept = tmp_path / "before-restore"
+    kept.mkdir()
+    copy = tmp_path / "copy"
+    copy.write_bytes(b"z" * 30_000)
+    sizes = keptsize.KeptSizes(str(kept))
+    _kept(sizes, "a", {"f": copy})
+    tmp = kept / ".tmp-b"
+    tmp.mkdir()
+    os.link(copy, tmp / "f")
+    (tmp / "own").write_bytes(b"o" * 5000)
+    with sizes.admitting(str(tmp), "b") as given:
+        os.rename(tmp, kept / "b")
+    assert given == sizes.report() == keptsize.KeptSizes(str(kept)).report()
+    assert given.count == 2
+
+
+def _expired(kept: Path, name: str, age_s: float = preimages.RETENTION_S + 60) -> Path:
+    """A kept one as preimages makes it, kept ``age_s`` ago."""
+    path = kept / name
+    (path / preimages.TREE).mkdir(parents=True)
+    (path / preimages.TREE / "big").write_bytes(b"e" * 60_000)
+    created = os.path.getmtime(path) - age_s
+    (path / preimages.ABOUT).write_text(json.dumps({"worktree": "/w", "session": "s", "restored": "c1",
+                                                    "before": "c2", "created": created,
+                                                    "expires": created + preimages.RETENTION_S}))
+    return path
+
+
+def _store(tmp_path: Path, clock: list[float]) -> tuple[cp.Store, str, str]:
+    """A store whose sweeps' clock is ``clock[0]``, a worktree, its checkpoint."""
+    state = tmp_path / "state"
+    state.mkdir()
+    store = cp.Store(str(state), str(state / "keep"))
+    store.sweeps = preimages.Sweeps(store.before_dir, clock=lambda: clock[0])
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / "f").write_text("f\n")
+    return store, str(wt), store.take("s1", str(wt), Checkpoints()).id
+
+
+def _keep(store: cp.Store, wt: str, cid: str) -> tuple[str, BeforeRestoreReport | None]:
+    """What a restore of ``cid`` keeps first: a ``before`` checkpoint, kept past the session."""
+    before = store.take("s1", wt, Checkpoints(), spare=cid).id
+    return store.keep_before("s1", wt, before, cid)
+
+
+def test_the_expired_are_swept_as_restores_keep_at_most_hourly(tmp_path: Path) -> None:
+    clock = [1000.0]
+    store, wt, cid = _store(tmp_path, clock)
+    kept = Path(store.before_dir)
+    _keep(store, wt, cid)  # the first keep of this daemon's clock sweeps
+    old = _expired(kept, "20000101T000000Z-s0-c0001-00000000")
+    clock[0] += preimages.SWEEP_EVERY_S - 1
+    first, _ = _keep(store, wt, cid)
+    assert old.exists()  # not an hour since that sweep: no about.json read
+    young = _expired(kept, "20000101T000001Z-s0-c0002-00000000", age_s=preimages.RETENTION_S - 600)
+    clock[0] += 1
+    second, total = _keep(store, wt, cid)
+    assert not old.exists() and young.exists() and Path(first).exists() and Path(second).exists()
+    assert total is not None and total.count == 4 and total == store.kept_sizes.report()
+    assert store.sweeps.if_due() == []  # swept just now
+
+
+def test_an_expired_one_is_swept_before_the_budget_refuses_and_a_young_one_refuses(tmp_path: Path) -> None:
+    clock = [1000.0]
+    store, wt, cid = _store(tmp_path, clock)
+    kept = Path(store.before_dir)
+    _keep(store, wt, cid)
+    store.kept_sizes.fixed, store.kept_sizes.fixed_why = store.kept_sizes.report().bytes + 70_000, "as set by a test"
+    young = _expired(kept, "20000101T000001Z-s0-c0002-00000000", age_s=preimages.RETENTION_S - 600)
+    with pytest.raises(CheckpointError) as err:  # the twin: not expired, so kept, and the new one refused
+        _keep(store, wt, cid)
+    assert err.value.code == "checkpoint_refused"
+    assert err.value.message.startswith(f"checkpoint refused: keeping it past the session in {kept} would take "
+                                        "what restores replaced there over its budget: the 2 kept there hold ")
+    assert young.exists() and len(os.listdir(kept)) == 2
+    shutil.rmtree(young)
+    old = _expired(kept, "20000101T000000Z-s0-c0001-00000000")
+    done, total = _keep(store, wt, cid)  # not an hour since the last sweep: the budget's sweep
+    assert not old.exists() and Path(done).exists()
+    assert total is not None and total.count == 2 and total == store.kept_sizes.report()

@@ -25,8 +25,10 @@ sessions. So:
 - **Nothing of the user's lost.** The record holds the repository's refs
   as they were before (``refs``) and where the worktree's files as they
   were are kept (``kept``, ``preimages``): a finish keeps the refs it
-  moves as the restore would have (``keep_refs``), and the start's removal
-  of the session's checkpoints leaves those files.
+  moves as the restore would have (``keep_refs``), under the names the cut
+  run used (the record's ``stamp``: a restore finished twice keeps them
+  once), and the start's removal of the session's checkpoints leaves
+  those files.
 - **Never a guess.** It is not finished, and nothing in the worktree is
   removed or written, when: the path is gone, is a symlink, or is another
   directory (another device or inode); the checkpoint's manifest cannot be
@@ -45,6 +47,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import secrets
 import stat
 import time
@@ -69,6 +72,7 @@ _DISPLACED = b".git/refs/dispatchd/displaced/"
 RECORD = "restoring"  # in STATE/checkpoints/SESSION/, beside the manifests ("cNNNN-...") and the pool
 _TMP_PREFIX = ".restoring.tmp-"
 _VERSION = 1
+_STAMP = re.compile(r"[0-9]{8}T[0-9]{6}")  # gitguard.displaced_stamp's shape: a name part, nothing more
 
 
 class Record(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +94,10 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
     # The object stores its alternates named at the baseline (``Baselines.borrowed``), for ``keep_refs``.
     borrowed: list[str] = []
     kept: str = ""  # where the worktree's files as they were are kept (``preimages``), for the log and status
+    # The TIME of the names the moved refs are kept under (refs/dispatchd/displaced/TIME/NAME), chosen
+    # once, before anything is kept: a run finished after a death writes the very names the cut run wrote
+    # (it removes them first, as made after the checkpoint). "": a record of a daemon before it (a new one).
+    stamp: str = ""
 
 
 def encode(record: Record) -> bytes:
@@ -110,6 +118,8 @@ def decode(data: bytes) -> Record:
         raise ValueError(f"a restore record naming no valid checkpoint: {record.checkpoint!r}")
     if not os.path.isabs(record.worktree):
         raise ValueError(f"a restore record naming a relative worktree: {record.worktree!r}")
+    if record.stamp and not _STAMP.fullmatch(record.stamp):  # it becomes part of a ref's path
+        raise ValueError(f"a restore record naming no valid time for its displaced refs: {record.stamp!r}")
     return record
 
 
@@ -164,15 +174,16 @@ def read_refs(worktree: str) -> dict[str, str]:
         return {}
 
 
-def keep_refs(worktree: str, refs: dict[str, str], session: str, borrowed: list[str]) -> list[str]:
+def keep_refs(worktree: str, refs: dict[str, str], session: str, borrowed: list[str], stamp: str = "") -> list[str]:
     """After a restore: each ref of ``refs`` it deleted or moved other than
-    forward kept under ``refs/dispatchd/displaced/`` (``gitguard.keep_moved_refs``,
+    forward kept under ``refs/dispatchd/displaced/STAMP/`` (``gitguard.keep_moved_refs``,
     as the end keeps a session's moves: forward as the repository's objects
-    and the baseline's alternates, ``borrowed``, tell); the names written."""
+    and the baseline's alternates, ``borrowed``, tell; ``stamp`` "": now);
+    the names written."""
     common = _common(worktree)
     if common is None or not refs:
         return []
-    kept, failed = gitguard.keep_moved_refs(common, refs, borrowed)
+    kept, failed = gitguard.keep_moved_refs(common, refs, borrowed, stamp)
     for name in kept:
         log.warning("event=restore_ref_kept session=%s worktree=%s ref=%s", session, worktree, name)
     for why in failed:
@@ -392,7 +403,7 @@ def _finish(top: str, fd: int) -> Outcome:
             plan = plan_restore(manifest.entries, now)
             done_ = apply_restore(record.worktree, top, plan, fsync_each=False, expect=ident)
             done_["objects"] = _put_objects(record.worktree, manifest, ident) if manifest.objects else 0
-            displaced = keep_refs(record.worktree, record.refs, record.session, record.borrowed)
+            displaced = keep_refs(record.worktree, record.refs, record.session, record.borrowed, record.stamp)
             if record.fsync:
                 _syncfs(record.worktree)
         except CheckpointError as exc:

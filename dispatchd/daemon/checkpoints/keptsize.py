@@ -34,19 +34,26 @@ Guarantees:
   daemon on the state directory takes it too), so two restores at once do
   not both fit in the last room.
 - **Cheap.** A kept one never changes once renamed into place, so it is
-  measured once and remembered by name; each look lists the directory,
-  measures the names new to this daemon (another daemon's) and, when a name
-  went (expired, removed by hand), measures all again.
+  measured once and remembered by name, with the linked files it names;
+  each look lists the directory and measures the names new to this daemon
+  (another daemon's). A name gone (expired, removed by hand) is subtracted:
+  what it alone named, and each linked file no other kept one names.
+  ``admitting`` gives the total it admitted (the restore's reply), so a
+  restore looks once.
+- **An expired one never refuses a restore**: over the budget, the
+  caller's ``make_room`` (``preimages.Sweeps.now``: the expired ones go)
+  runs and the total is looked at again before a refusal.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from dispatchd import treewalk
 from dispatchd.protocol import BeforeRestoreReport
@@ -108,7 +115,10 @@ class KeptSizes:
         self.fixed_why = "dispatchd's fixed bound"  # or the testing option that set it (cli.py)
         self._lock = threading.Lock()
         self._own: dict[str, int] = {}  # kept one -> bytes of the inodes it alone names
-        self._linked: dict[tuple[int, int], int] = {}  # files linked elsewhere too: each once
+        self._links: dict[str, list[tuple[int, int]]] = {}  # kept one -> the files it names linked elsewhere too
+        self._linked: dict[tuple[int, int], int] = {}  # those files' bytes: each once
+        self._users: collections.Counter[tuple[int, int]] = collections.Counter()  # kept ones naming each
+        self._held = 0  # the total: the own bytes and the linked files' bytes, each once
 
     def _names(self) -> set[str]:
         try:
@@ -119,17 +129,36 @@ class KeptSizes:
         return {n for n in names if not n.startswith(_TMP) and not os.path.islink(os.path.join(self.path, n))
                 and os.path.isdir(os.path.join(self.path, n))}
 
+    def _remember(self, name: str, own: int, linked: dict[tuple[int, int], int]) -> None:
+        self._own[name] = own
+        self._links[name] = list(linked)
+        self._held += own + self._new_bytes(linked)
+        for key, size in linked.items():
+            self._linked.setdefault(key, size)
+            self._users[key] += 1
+
+    def _forget(self, name: str) -> None:
+        """``name`` went: what it alone named, and the linked files no other kept one names, are not held."""
+        self._held -= self._own.pop(name)
+        for key in self._links.pop(name):
+            self._users[key] -= 1
+            if self._users[key] <= 0:
+                del self._users[key]
+                self._held -= self._linked.pop(key)
+
+    def _new_bytes(self, linked: dict[tuple[int, int], int]) -> int:
+        """Of ``linked``, the bytes of the files no kept one names yet."""
+        return sum(size for key, size in linked.items() if key not in self._linked)
+
     def _refresh(self) -> tuple[int, int]:
         """(how many are kept, the bytes they hold); the caller holds ``_lock``."""
         names = self._names()
-        if not names >= self._own.keys():  # one went: what it alone linked is no longer held
-            self._own.clear()
-            self._linked.clear()
+        for name in sorted(self._own.keys() - names):  # gone: subtracted, the others not measured again
+            self._forget(name)
         for name in sorted(names - self._own.keys()):
             own, linked = measure(os.path.join(self.path, name))
-            self._own[name] = own
-            self._linked.update(linked)
-        return len(self._own), sum(self._own.values()) + sum(self._linked.values())
+            self._remember(name, own, linked)
+        return len(self._own), self._held
 
     def _budget(self) -> tuple[int, str]:
         where = self.path if os.path.isdir(self.path) else os.path.dirname(self.path)
@@ -137,7 +166,7 @@ class KeptSizes:
         return limit(self.fixed, st.f_bavail * st.f_frsize, self.fixed_why)
 
     def report(self) -> BeforeRestoreReport:
-        """For ``status`` and a restore's reply."""
+        """For ``status`` (a restore's reply has ``admitting``'s)."""
         try:
             with self._lock:
                 count, held = self._refresh()
@@ -148,18 +177,25 @@ class KeptSizes:
         return BeforeRestoreReport(path=self.path, count=count, bytes=held, budget=budget, budget_why=why)
 
     @contextlib.contextmanager
-    def admitting(self, tmp: str, name: str) -> Iterator[None]:
+    def admitting(self, tmp: str, name: str, make_room: Callable[[], object] | None = None
+                  ) -> Iterator[BeforeRestoreReport]:
         """The half-made kept one ``tmp`` measured against the budget, then
         (the caller renames it to ``name`` inside) remembered; refused
-        (``Refused``, nothing remembered) when it would take the total over."""
+        (``Refused``, nothing remembered) when it would take the total over,
+        after ``make_room`` (the expired ones swept) if given. Gives the
+        total with it kept (the restore's reply: no second look)."""
         with self._lock:
             dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 fcntl.flock(dfd, fcntl.LOCK_EX)  # released with the descriptor
                 count, held = self._refresh()
                 own, linked = measure(tmp)
-                more = own + sum(b for key, b in linked.items() if key not in self._linked)
                 budget, why = self._budget()
+                if held + own + self._new_bytes(linked) > budget and make_room is not None:
+                    make_room()  # expired ones are no reason to refuse: swept, then looked at again
+                    count, held = self._refresh()
+                    budget, why = self._budget()
+                more = own + self._new_bytes(linked)
                 if held + more > budget:
                     raise Refused(
                         f"checkpoint refused: keeping it past the session in {self.path} would take what restores "
@@ -167,8 +203,8 @@ class KeptSizes:
                         f"would add {amount(more)}, and all of them may hold at most {amount(budget)}, {why}; "
                         "nothing kept is removed to make room: remove old ones by hand (a directory each, named "
                         "by when it was kept, oldest first; no session can), or wait for them to expire (7 days)")
-                yield
-                self._own[name] = own
-                self._linked.update(linked)
+                yield BeforeRestoreReport(path=self.path, count=count + 1, bytes=held + more, budget=budget,
+                                          budget_why=why)
+                self._remember(name, own, linked)
             finally:
                 os.close(dfd)

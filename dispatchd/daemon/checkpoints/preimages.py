@@ -22,11 +22,14 @@ Guarantees:
   which no sandbox binds. Directories are 0700 here whatever their mode in
   the worktree (one a session made 000 would keep out the user and the sweep).
 - **Kept for ``RETENTION_S`` (7 days)**, by time alone: a count would let a
-  session push the user's file out by restoring again and again. Swept at
-  the daemon's start and at each new one (``sweep``): what is older goes,
-  and what a killed daemon left half made (``.tmp-``) after a day. A sweep
-  that cannot list the directory (after its mode is set back:
-  ``statemodes``) raises; at the start it is logged and the start goes on.
+  session push the user's file out by restoring again and again. Swept
+  (``sweep``: what is older goes, and what a killed daemon left half made,
+  ``.tmp-``, after a day) at the daemon's start, then as new ones are kept
+  at most once an hour (``Sweeps``, ``SWEEP_EVERY_S``: a sweep reads every
+  kept one's ``about.json``, a restore need not), and whenever the budget
+  would refuse one: an expired one never refuses a restore. A sweep that
+  cannot list the directory (after its mode is set back: ``statemodes``)
+  raises; at the start it is logged and the start goes on.
 - **Within one budget, never by eviction.** All of them together stay
   within ``keptsize``'s budget: one that would take them over it is removed
   before it is renamed into place and refused (the restore with it, unless
@@ -43,12 +46,15 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 
 from dispatchd import treewalk
 from dispatchd.durable import fsync_directory
+from dispatchd.protocol import BeforeRestoreReport
 from dispatchd.statemodes import retried
 
 from dispatchd.daemon.checkpoints.keptsize import KeptSizes
@@ -65,6 +71,7 @@ RETENTION_S = 7 * 86400
 _TMP = ".tmp-"
 _TMP_AFTER_S = 86400  # a half-made one older than this was left by a killed daemon
 _LINK_REFUSED = (errno.EXDEV, errno.EMLINK, errno.EPERM)
+SWEEP_EVERY_S = 3600.0  # as new ones are kept: one expired lingers an hour at most past its 7 days
 
 
 class About(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,15 +85,49 @@ class About(msgspec.Struct, frozen=True, kw_only=True):
     expires: float
 
 
+class Sweeps:
+    """When ``sweep`` runs: ``now`` (the daemon's start; the budget about to
+    refuse), else ``if_due`` (a new one kept) when the last sweep is
+    ``SWEEP_EVERY_S`` old. ``clock``: monotonic seconds (a test's own)."""
+
+    def __init__(self, kept_dir: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.kept_dir = kept_dir
+        self._clock = clock
+        self._lock = threading.Lock()  # one sweep at a time; a restore that waited for it finds it done
+        self._last: float | None = None  # when the last sweep that listed the directory began
+
+    def now(self) -> list[str]:
+        """Swept; the paths removed."""
+        with self._lock:
+            return self._run()
+
+    def if_due(self) -> list[str]:
+        """Swept if the last sweep is an hour old (or none listed the directory yet)."""
+        with self._lock:
+            if self._last is not None and self._clock() - self._last < SWEEP_EVERY_S:
+                return []
+            return self._run()
+
+    def _run(self) -> list[str]:
+        began = self._clock()
+        gone = sweep(self.kept_dir)
+        self._last = began
+        return gone
+
+
 def keep(kept_dir: str, top: str, manifest: Manifest, worktree: str, session: str, restored: str,
-         fsync: bool = True, sizes: KeptSizes | None = None) -> str:
+         fsync: bool = True, sizes: KeptSizes | None = None, sweeps: Sweeps | None = None
+         ) -> tuple[str, BeforeRestoreReport | None]:
     """``manifest`` (a ``before`` checkpoint of the session whose pool is in
-    ``top``) as plain files under ``kept_dir``; returns its directory.
-    Raises OSError when it cannot be made, ``Refused`` when it would take
-    what ``sizes`` counts over its budget (nothing is left of it then)."""
+    ``top``) as plain files under ``kept_dir``; returns its directory and
+    the total ``sizes`` admitted with it (None without ``sizes``). Raises
+    OSError when it cannot be made, ``Refused`` when it would take what
+    ``sizes`` counts over its budget, the expired ones swept first (nothing
+    is left of it then). ``sweeps``: the expired ones swept when due."""
     # Made or reached with the modes on its way set back (a session's chmod 000: statemodes.py).
     retried(lambda: os.makedirs(kept_dir, mode=0o700, exist_ok=True), kept_dir, None)
-    sweep(kept_dir)
+    if sweeps is not None:
+        sweeps.if_due()
     now = time.time()
     name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(now))}-{session}-{manifest.info.id}"
     tmp, final = os.path.join(kept_dir, _TMP + name), os.path.join(kept_dir, name)
@@ -117,7 +158,10 @@ def keep(kept_dir: str, top: str, manifest: Manifest, worktree: str, session: st
         with open(os.path.join(tmp, ABOUT), "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(about)) + b"\n")
         # Measured as made (directories, links, copies where a link was refused), renamed only if it fits.
-        with sizes.admitting(tmp, name) if sizes is not None else contextlib.nullcontext():
+        admit: contextlib.AbstractContextManager[BeforeRestoreReport | None] = contextlib.nullcontext()
+        if sizes is not None:  # over the budget, the expired ones swept before it refuses
+            admit = sizes.admitting(tmp, name, sweeps.now if sweeps is not None else None)
+        with admit as total:
             if fsync:
                 _syncfs(tmp)  # the links on the disk before the name says they are all there
             os.rename(tmp, final)
@@ -127,7 +171,7 @@ def keep(kept_dir: str, top: str, manifest: Manifest, worktree: str, session: st
         treewalk.remove_tree(tmp)
         raise
     log.info("event=before_restore_kept session=%s checkpoint=%s kept=%s", session, manifest.info.id, final)
-    return final
+    return final, total
 
 
 def sweep(kept_dir: str, now: float | None = None) -> list[str]:

@@ -122,10 +122,11 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         # checkpoints go with it, the user's .env must not.
         fsync = session.policy.limits.fsync
         before = kept = ""
+        kept_total: protocol.BeforeRestoreReport | None = None  # as admitted: the directory is looked at once
         try:
             before = store.take(session.id, session.worktree, policy, f"before restoring {req.checkpoint}",
                                 fsync=fsync, spare=req.checkpoint).id
-            kept = store.keep_before(session.id, session.worktree, before, req.checkpoint, fsync=fsync)
+            kept, kept_total = store.keep_before(session.id, session.worktree, before, req.checkpoint, fsync=fsync)
         except CheckpointError as exc:
             if not req.force:
                 raise CheckpointError(f"restore refused: the worktree as it is now could not be kept first, and a "
@@ -140,7 +141,7 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept,
                                         borrowed=borrowed)
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,
-                                  displaced=displaced, kept_total=store.kept_sizes.report() if kept else None, **done)
+                                  displaced=displaced, kept_total=kept_total if kept else None, **done)
 
 
 def before_write(manager: SessionManager, session: Session, msg: protocol.AcquireWriteLock,

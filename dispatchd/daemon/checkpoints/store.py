@@ -62,10 +62,12 @@ class Store:
     def __init__(self, state_dir: str, keep_dir: str) -> None:
         self.root = os.path.join(state_dir, "checkpoints")
         self.keep_dir = keep_dir
-        # What restores replaced, kept past their sessions (``preimages``); the expired swept now.
+        # What restores replaced, kept past their sessions (``preimages``); the expired swept now,
+        # then hourly as restores keep more (and when the budget would refuse one).
         self.before_dir = os.path.join(state_dir, preimages.DIR)
+        self.sweeps = preimages.Sweeps(self.before_dir)
         try:
-            preimages.sweep(self.before_dir)
+            self.sweeps.now()
         except OSError as exc:  # a sweep never stops a start: what it could not look at waits for the next
             log.error("event=before_restore_not_swept path=%s error=%r", self.before_dir, str(exc))
         self.kept_sizes = keptsize.KeptSizes(self.before_dir)  # their total, within one budget
@@ -284,16 +286,18 @@ class Store:
         with open(os.path.join(self.root, sid, cid), "rb") as f:
             return _manifest_decoder.decode(f.read())
 
-    def keep_before(self, sid: str, worktree: str, before: str, restored: str, fsync: bool = True) -> str:
+    def keep_before(self, sid: str, worktree: str, before: str, restored: str, fsync: bool = True
+                    ) -> tuple[str, protocol.BeforeRestoreReport | None]:
         """Checkpoint ``before`` (what the worktree holds as the restore of
         ``restored`` begins) kept as plain files past the session
-        (``preimages``); returns its directory. Refused (``Refused``) when it
+        (``preimages``); returns its directory and the total kept there with
+        it (for the reply). Refused (``Refused``) when it
         cannot be made or would take all that is kept there over its budget
         (``keptsize``): the restore then loses nothing, it does not run."""
         manifest = self.find(sid, before)
         try:
             return preimages.keep(self.before_dir, os.path.join(self.root, sid), manifest, worktree, sid, restored,
-                                  fsync, self.kept_sizes)
+                                  fsync, self.kept_sizes, self.sweeps)
         except OSError as exc:
             raise Refused(f"checkpoint refused: it could not be kept past the session in {self.before_dir} "
                           f"({exc.strerror})") from exc
@@ -321,7 +325,7 @@ class Store:
         record = journal.Record(session=sid, checkpoint=cid, worktree=worktree, dev=root.st_dev, ino=root.st_ino,
                                 started_ns=started_ns, max_files=policy.max_files, max_depth=policy.max_depth,
                                 fsync=fsync, pid=os.getpid(), refs=refs, kept=kept,
-                                borrowed=borrowed or [])
+                                borrowed=borrowed or [], stamp=gitguard.displaced_stamp())
         s = self._of(sid)
         try:
             fd = journal.begin(top, record)
@@ -336,7 +340,7 @@ class Store:
         ident = (root.st_dev, root.st_ino)  # the directory the record names, and no other
         done = apply_restore(worktree, top, plan, fsync_each=each, expect=ident)
         done["objects"] = _put_objects(worktree, manifest, ident) if manifest.objects else 0
-        displaced = journal.keep_refs(worktree, refs, sid, borrowed or [])
+        displaced = journal.keep_refs(worktree, refs, sid, borrowed or [], record.stamp)
         if fsync and (not each or done["objects"] or plan.remove or plan.make):
             _syncfs(worktree)
         elif fsync and plan.write:

@@ -12,7 +12,7 @@ user's git identity is read for the session (``read_identity``,
 ``identity_env``). A checkpoint keeps a repository's object files in the
 same keep as the baseline's history (``keep_for``, ``keep_more``), and a
 restore's ref moves are kept as the end keeps a session's
-(``read_all_refs``, ``keep_moved_refs``).
+(``read_all_refs``, ``keep_moved_refs``, under a ``displaced_stamp``).
 Everything else here is the package's own.
 """
 
@@ -25,8 +25,9 @@ from dispatchd.daemon.gitguard.recordfiles import unheld_roots
 from dispatchd.daemon.gitguard.redirects import redirects_present
 from dispatchd.daemon.gitguard.refsback import keep_moved as keep_moved_refs
 from dispatchd.daemon.gitguard.refsback import read_all as read_all_refs
+from dispatchd.daemon.gitguard.reftemp import stamp as displaced_stamp
 from dispatchd.daemon.gitguard.snapshots import MAX_GITDIRS, GitSnapshot, gitdir_paths, take
 
-__all__ = ["MAX_GITDIRS", "Baselines", "GitSnapshot", "Protected", "gitdir_paths", "identity_env", "inspect_git",
+__all__ = ["MAX_GITDIRS", "Baselines", "GitSnapshot", "Protected", "displaced_stamp", "gitdir_paths", "identity_env", "inspect_git",
            "keep_for", "keep_more", "keep_moved_refs", "read_all_refs", "read_identity", "redirects_present",
            "session_reach", "take", "unheld_roots", "with_gitdirs"]

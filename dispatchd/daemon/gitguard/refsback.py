@@ -164,7 +164,8 @@ def read_all(common: str) -> dict[str, str]:
     return refs
 
 
-def keep_moved(common: str, before: dict[str, str], borrowed: list[str] | None = None) -> tuple[list[str], list[str]]:
+def keep_moved(common: str, before: dict[str, str], borrowed: list[str] | None = None,
+               when: str = "") -> tuple[list[str], list[str]]:
     """After a restore wrote ``common``'s refs back: each ref of ``before``
     (``read_all`` just before it) that it deleted or moved other than
     forward kept as ``refs/dispatchd/displaced/TIME/NAME``, as the end's put
@@ -175,11 +176,14 @@ def keep_moved(common: str, before: dict[str, str], borrowed: list[str] | None =
     failed. An ancestry that cannot be told in time keeps the value.
     ``borrowed``: the object stores the user's alternates named at the
     baseline (``history.borrowed``), as ``put_back`` asks them: a shared
-    clone's commits are there, and a move along them is forward."""
+    clone's commits are there, and a move along them is forward.
+    ``when``: the TIME of the names (``reftemp.stamp``; "": now). A restore
+    gives the one its record holds, so that finishing it after a daemon's
+    death writes the names the cut run wrote, with the same values."""
     now = read_all(common)
     objects = os.path.join(common, "objects")
     store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
-    when = reftemp.stamp()
+    when = when or reftemp.stamp()
     kept: list[str] = []
     failed: list[str] = []
     for name, old in sorted(before.items()):
