@@ -7,6 +7,13 @@ Guarantees:
   tools take; no mechanism reads files or the environment on its own.
 - Policies are checked when the daemon starts and again when a session opens
   (a file edited in between is re-read, and a broken one refuses the open).
+- Reading one never blocks and never fails with a traceback: a policy file
+  is opened without waiting (``O_NONBLOCK``: a FIFO named ``X.toml`` does not
+  hang the daemon), must be a regular file of at most ``MAX_POLICY_BYTES``,
+  and text that is not UTF-8 or nests deeper than the parser goes is "not
+  valid TOML", naming the file, as any other broken policy (exit 2 at start,
+  ``bad_policy`` at an open). A symlink is followed (a policy may live in the
+  user's dotfiles); what it leads to is held to the same rules.
 - The structs' defaults below are the one source of every default: a key a
   policy file leaves out takes them. policies/default.toml writes them out
   for its readers and differs only in its description and in
@@ -18,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 import threading
 import tomllib
 import types
@@ -41,6 +49,10 @@ JOB_TOOLS = ("job_output", "job_stop", "job_list")
 # tools, which only act on jobs shell_exec started (and took the lock for).
 MUTATING_TOOLS = frozenset(name for name, spec in SPECS.items() if spec.risk != "read" and name not in JOB_TOOLS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# The largest policy file read: the shipped ones are under 8 KiB; a bound
+# keeps a runaway file (or /dev/zero behind a link: refused as not regular
+# anyway) from being read into the daemon whole at every open.
+MAX_POLICY_BYTES = 1024 * 1024
 
 
 class Filesystem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -299,7 +311,13 @@ def parse_policy(name: str, text: str, where: str = "<policy>") -> Policy:
     """Decode and check one policy's TOML text. Raises ``PolicyError``."""
     try:
         raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except RecursionError:
+        # tomllib recurses once per nested array or inline table; a file
+        # nested thousands deep is no policy, and a traceback of thousands
+        # of lines in the log (at every open) tells its owner nothing.
+        raise PolicyError(f"{where}: not valid TOML: nested too deeply (arrays or inline tables "
+                          f"within each other, past what the parser reads)") from None
+    except ValueError as exc:  # TOMLDecodeError, and the few value errors tomllib lets through
         raise PolicyError(f"{where}: not valid TOML: {exc}") from exc
     if "name" in raw and raw["name"] != name:
         raise PolicyError(f"{where}: name: {raw['name']!r} does not match the file name {name!r}", key="name")
@@ -309,6 +327,8 @@ def parse_policy(name: str, text: str, where: str = "<policy>") -> Policy:
     except msgspec.ValidationError as exc:
         # msgspec names the key: "Object contains unknown field `x` - at `$.limits`".
         raise PolicyError(f"{where}: {exc}", key=_key_of(str(exc))) from exc
+    except RecursionError:  # nested just short of tomllib's limit, then deeper than msgspec's
+        raise PolicyError(f"{where}: nested too deeply for a policy") from None
     _check(policy, where)
     if "shell_exec" in policy.tools:
         missing = tuple(t for t in JOB_TOOLS if t not in policy.tools)
@@ -337,7 +357,7 @@ def load_policy(directory: Path, name: str) -> Policy:
         raise PolicyError(f"{name!r} is not a policy name (letters, digits, '.', '_', '-')", key="name")
     path = directory / f"{name}.toml"
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_policy_file(path)
     except FileNotFoundError:
         known = ", ".join(sorted(list_policies(directory))) or "none"
         raise PolicyError(f"no policy named {name!r} in {directory} (known: {known})", key="name") from None
@@ -356,6 +376,45 @@ def load_policy(directory: Path, name: str) -> Policy:
             _PARSED.clear()
         _PARSED[key] = policy
     return policy
+
+
+def read_policy_file(path: Path) -> str:
+    """The text of the policy file at ``path``: opened without blocking and
+    without becoming a controlling terminal, a regular file only, at most
+    ``MAX_POLICY_BYTES``, UTF-8. Raises ``PolicyError`` naming the file, or
+    ``OSError`` from the open (``FileNotFoundError`` for an absent one)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PolicyError(f"{path}: not a regular file ({_kind(st.st_mode)}): a policy is a TOML file")
+        if st.st_size > MAX_POLICY_BYTES:
+            raise PolicyError(f"{path}: {st.st_size} bytes, over the {MAX_POLICY_BYTES}-byte limit for a policy file")
+        chunks, size = [], 0
+        while size <= MAX_POLICY_BYTES:  # the file may grow while it is read: one byte over is enough to say so
+            chunk = os.read(fd, MAX_POLICY_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_POLICY_BYTES:
+            raise PolicyError(f"{path}: over the {MAX_POLICY_BYTES}-byte limit for a policy file")
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"{path}: not valid TOML: not UTF-8 (byte 0x{data[exc.start]:02x} at offset "
+                          f"{exc.start})") from None
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return f"mode {mode:o}"
 
 
 # The last parse of each policy file's text (Policy is frozen: safe to share).

@@ -29,6 +29,12 @@ Guarantees:
   the command and every process it started end (``Cancellation``).
 - ``serve`` returns when the client closes stdin, or on SIGTERM, SIGINT or
   SIGHUP; a call still running is abandoned (closing the session ends it).
+- A line that is not a JSON-RPC message (not JSON, nested deeper than the
+  SDK's parser reads, or no request object) is answered with a JSON-RPC
+  error (``-32700`` or ``-32600``, with its ``id`` when one can be read,
+  else ``null``) and a line on stderr, and the next is served: the SDK
+  alone drops it, and the host would wait for that id for ever
+  (``_mcp_unreadable.py``).
 
 Written for the ``mcp`` SDK 2.x (its low-level ``Server`` takes its handlers
 as constructor arguments).
@@ -37,6 +43,8 @@ as constructor arguments).
 from __future__ import annotations
 
 import signal
+import sys
+from collections.abc import AsyncIterable
 from typing import Any
 
 import anyio
@@ -46,7 +54,9 @@ import anyio.to_thread
 import mcp.types as types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
+from mcp.shared.message import SessionMessage
 
+from dispatch._mcp_unreadable import refusal
 from dispatch._providers import Anthropic
 from dispatch.client import Cancellation
 from dispatch.tools import Registry
@@ -166,8 +176,28 @@ async def serve_stdio(registry: Registry) -> None:
 
         await tasks.start(stop_on_signal)
         async with stdio_server() as (read_stream, write_stream):
-            await server.run(read_stream, write_stream, server.create_initialization_options())
+            readable, inbound = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+            async with anyio.create_task_group() as reading:
+                reading.start_soon(_answer_unreadable, read_stream, readable, write_stream)
+                await server.run(inbound, write_stream, server.create_initialization_options())
         tasks.cancel_scope.cancel()  # stdin closed: stop listening for signals too
+
+
+async def _answer_unreadable(lines: AsyncIterable[SessionMessage | Exception],
+                             readable: anyio.abc.ObjectSendStream[SessionMessage | Exception],
+                             replies: Any) -> None:
+    """Pass on what the transport read; answer what it could not (the SDK's
+    session would drop it without a word: _mcp_unreadable.py)."""
+    async with readable:
+        async for item in lines:
+            if not isinstance(item, Exception):
+                await readable.send(item)
+                continue
+            refused = refusal(item)
+            print(refused.note(), file=sys.stderr, flush=True)
+            if refused.answer:
+                await replies.send(SessionMessage(types.JSONRPCError(
+                    jsonrpc="2.0", id=refused.id, error=types.ErrorData(code=refused.code, message=refused.message))))
 
 
 def serve(registry: Registry) -> None:

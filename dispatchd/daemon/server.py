@@ -19,7 +19,12 @@ Guarantees:
   connection may send ``MAX_HELLO_FRAME`` bytes and must greet within
   ``HELLO_TIMEOUT_S`` before it is served, then requests of at most
   ``MAX_REQUEST_FRAME``; a frame over the limit is answered
-  (``frame_too_large``) and the connection closed before the payload is read.
+  (``frame_too_large``) and the connection closed before the payload is read;
+- a frame, once its first byte came, must be whole within
+  ``FRAME_TIMEOUT_S``: one that is not (stalled, or trickling in) is answered
+  (``frame_stalled``, without waiting on the peer), logged
+  (``event=frame_stalled``) and its connection closed, its thread and
+  buffer let go. Between frames a connection may idle for ever (parked).
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ log = logging.getLogger("dispatchd.server")
 # A client greets at once; a connection that has not within this long is
 # dropped, so idle sockets cannot hold slots for ever.
 HELLO_TIMEOUT_S = 10.0
+# A frame begun must be whole this long after its first byte: a request is at
+# most MAX_REQUEST_FRAME (256 KiB), so any sender faster than ~26 KiB/s gets
+# it in, and the client writes each request in one go. Without it a
+# connection stopped inside a frame held its thread and buffer for ever. A
+# multiple of PARK_AFTER_S: a stalled frame's read times out on the deadline.
+FRAME_TIMEOUT_S = 10.0
 # accept() out of descriptors or threads: wait this long (doubling) before
 # trying again, instead of spinning on a backlog we cannot take.
 _BACKOFF_S = (0.01, 0.5)
@@ -245,6 +256,7 @@ class Server:
     def _serve_connection(self, conn: socket.socket) -> None:
         c = _Conn(protocol.FrameSocket(conn, max_frame=protocol.MAX_HELLO_FRAME),
                   next(self._conn_ids))  # which sessions it holds (lifetimes.py)
+        c.frames.frame_timeout_s = FRAME_TIMEOUT_S
         try:
             pid, uid, _ = peer_credentials(conn)
             if uid != self.uid:
@@ -273,8 +285,9 @@ class Server:
                 except BlockingIOError:
                     # Greeted, and nothing came for park_after_s (the socket's
                     # SO_RCVTIMEO: no poll on the request's path). Inside a
-                    # frame it waits on, as it always did; between two it is
-                    # parked (its thread goes) unless no thread can poll for it.
+                    # frame it waits on (until FRAME_TIMEOUT_S: FrameStalled);
+                    # between two it is parked (its thread goes) unless no
+                    # thread can poll for it.
                     if frames.buffered() or not self._park(c):
                         continue
                     parked = True
@@ -284,6 +297,11 @@ class Server:
                     log.debug("event=connection_dropped reason=%s", exc)
                     frames.send(protocol.ErrorReply(id=0, code="frame_too_large", message=(
                         f"{exc}{'' if c.greeted else ' before hello'}: the connection is closed")))
+                    return
+                except protocol.FrameStalled as exc:
+                    log.warning("event=frame_stalled conn=%s greeted=%s after_s=%g got=%s want=%s",
+                                c.conn_id, c.greeted, exc.after_s, exc.got, exc.want)
+                    self._refuse(frames.sock, "frame_stalled", f"{exc}: the connection is closed")
                     return
                 if req is None:
                     return

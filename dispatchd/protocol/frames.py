@@ -19,6 +19,10 @@ Guarantees:
   never misparsed for want of a descriptor.
 - A read that gives up (a socket timeout) inside a frame loses nothing: the
   next ``recv`` goes on from where it stopped, large frames included.
+- With ``frame_timeout_s`` set (the daemon's side), a frame must be whole
+  that long after its first byte came: the first read past it raises
+  ``FrameStalled`` instead of waiting on, however slowly bytes still trickle
+  in. ``close`` lets go of what a frame had buffered.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import resource
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -62,6 +67,16 @@ class ProtocolError(Exception):
 
 class FrameTooLarge(ProtocolError):
     pass
+
+
+class FrameStalled(ProtocolError):
+    """A frame not whole ``after_s`` seconds after its first byte: ``got``
+    bytes of ``want`` (header included; 0 while the header itself is short)."""
+
+    def __init__(self, after_s: float, got: int, want: int) -> None:
+        of = f"of {want} " if want else ""
+        super().__init__(f"frame not whole {after_s:g} s after its first byte ({got} bytes {of}came)")
+        self.after_s, self.got, self.want = after_s, got, want
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -178,6 +193,10 @@ class FrameSocket:
         # descriptors the kernel cut.
         self._consumed = 0
         self._cut: set[int] = set()
+        # How long a frame may take once its first byte came (None: as long
+        # as it takes), and when the first byte of the one now buffered came.
+        self.frame_timeout_s: float | None = None
+        self._began = 0.0
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -191,6 +210,8 @@ class FrameSocket:
         """Bytes received from this socket by someone else (the tool server's
         fast lane, which reads a request itself and hands back what it does
         not answer): read next, as if ``recv`` had read them."""
+        if not self._buf:
+            self._began = time.monotonic()
         self._buf += data
 
     def send(self, msg: msgspec.Struct, fds: list[int] | None = None) -> None:
@@ -217,6 +238,8 @@ class FrameSocket:
             self.sock.sendall(header + payload)
 
     def _fill(self) -> bool:
+        if self._buf:
+            self._check_stall(len(self._buf))
         if self._fds:
             # Close-on-exec from the start: a descriptor received here is never
             # meant for a program this process might exec (the fork server's
@@ -240,8 +263,20 @@ class FrameSocket:
             data = self.sock.recv(1 << 16)
         if not data:
             return False
+        if not self._buf:
+            self._began = time.monotonic()
         self._buf += data
         return True
+
+    def _check_stall(self, got: int) -> None:
+        """Raise ``FrameStalled`` when the frame begun at ``_began`` (``got``
+        bytes of it here) is past ``frame_timeout_s``."""
+        if self.frame_timeout_s is None or time.monotonic() - self._began <= self.frame_timeout_s:
+            return
+        want = 4 + FRAME_HEADER.unpack_from(self._buf)[0] if len(self._buf) >= 4 else 0
+        if self._large is not None:
+            want = 4 + len(self._large[0])
+        raise FrameStalled(self.frame_timeout_s, got, want)
 
     def _frame_at(self, index: int, more: bytes) -> int:
         """Where, in the buffer with ``more`` appended, the frame holding byte
@@ -273,6 +308,7 @@ class FrameSocket:
                     raise FrameTooLarge(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit")
                 if len(data) == 4 + length:
                     return data[4:]
+            self._began = time.monotonic()  # only a frame that came in pieces pays for the clock
             self._buf += data
         while len(self._buf) < 4:
             if not self._fill():
@@ -297,6 +333,8 @@ class FrameSocket:
                 raise ProtocolError("connection closed inside a frame")
         payload = bytes(self._buf[4 : 4 + length])
         del self._buf[: 4 + length]
+        if self._buf:
+            self._began = time.monotonic()  # the next frame's first bytes came with this one's last
         if self._fds:
             start = self._consumed
             self._consumed += 4 + length
@@ -319,6 +357,7 @@ class FrameSocket:
         view = memoryview(payload)
         try:
             while have < len(payload):
+                self._check_stall(4 + have)
                 n = self.sock.recv_into(view[have:], len(payload) - have)
                 if n == 0:
                     raise ProtocolError("connection closed inside a frame")
@@ -382,4 +421,5 @@ class FrameSocket:
 
     def close(self) -> None:
         self._drop(lambda _: True)
+        self._buf, self._large = bytearray(), None  # a frame's bytes go now, whoever still holds this object
         self.sock.close()

@@ -110,8 +110,8 @@ def test_a_parked_connection_holds_its_session_and_its_end_lets_it_go(tmp_path: 
 
 def test_a_request_cut_across_the_park_time_is_answered_and_a_parked_one_too(tmp_path: Path) -> None:
     """Nothing for longer than the park time *inside* a frame is a slow
-    sender: the connection keeps its thread and waits for the rest, as
-    before. The twin: the same request whole, after as long a silence
+    sender: the connection keeps its thread and waits for the rest (up to
+    FRAME_TIMEOUT_S: test_frame_deadline.py). The twin: the same request whole, after as long a silence
     (parked, then given a thread again), is answered alike."""
     d = _daemon(tmp_path, "d", PARK_AFTER_FLAG, "0.2")
     try:

@@ -401,7 +401,11 @@ def test_unreadable_policy_is_refused(tmp_path: Path):
     (tmp_path / "d.toml").mkdir()
     with pytest.raises(PolicyError) as info:
         load_policy(tmp_path, "d")
-    assert info.value.message == f"cannot read {tmp_path / 'd.toml'}: Is a directory"
+    assert info.value.message == f"{tmp_path / 'd.toml'}: not a regular file (a directory): a policy is a TOML file"
+    (tmp_path / "l.toml").symlink_to(tmp_path / "l-target.toml")  # dangling: as absent
+    with pytest.raises(PolicyError) as info:
+        load_policy(tmp_path, "l")
+    assert info.value.message.startswith("no policy named 'l' in ")
 
 
 def test_load_policy_names_the_file_in_errors(tmp_path: Path):

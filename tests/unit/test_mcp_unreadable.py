@@ -1,0 +1,63 @@
+"""dispatch/_mcp_unreadable.py: what ``dispatch mcp`` answers for a line the
+SDK's transport could not read, from the exception the transport raised
+(the SDK's own parser, as ``dispatch mcp`` runs it)."""
+
+from __future__ import annotations
+
+import mcp_types
+import pytest
+
+from dispatch._mcp_unreadable import INVALID_REQUEST, PARSE_ERROR, Refusal, _members, refusal
+
+
+def _refusal_of(line: str) -> Refusal:
+    with pytest.raises(Exception) as info:
+        mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+    return refusal(info.value)
+
+
+def test_the_top_level_is_read_without_its_nested_values() -> None:
+    line = ('{"s": "[{\\"", "p": ["]]]", {"a": "}"}], "id": 5, "method": "m", "x": '
+            + "[" * 100_000 + "]" * 100_000 + ', "t": true}')
+    members = _members(line)
+    assert (members["s"], members["id"], members["method"], members["t"]) == ('[{"', 5, "m", True)
+    assert set(members) == {"s", "p", "id", "method", "x", "t"}
+
+
+def test_what_came_before_a_break_stands() -> None:
+    assert _members('{"id": "a", "method": "x", "params": [[[') == {"id": "a", "method": "x"}
+    assert _members('  {"id": 7, "method":') == {"id": 7}
+    assert _members("[1, 2]") == {} and _members("garbage") == {} and _members("") == {}
+
+
+def test_a_deep_request_is_answered_with_its_id() -> None:
+    r = _refusal_of('{"jsonrpc":"2.0","id":"x","method":"tools/call","params":' + "[" * 300 + "]" * 300 + "}")
+    assert (r.id, r.code, r.answer) == ("x", INVALID_REQUEST, True)
+    assert r.message.startswith("Invalid Request: the message is nested too deeply to read (recursion limit exceeded ")
+
+
+def test_an_id_that_is_no_request_id_is_null() -> None:
+    for rid in ("true", "1.5", "[1]", "null"):
+        r = _refusal_of('{"jsonrpc":"2.0","id":%s,"method":"m","params":%s}' % (rid, "[" * 300 + "]" * 300))
+        assert (r.id, r.answer) == (None, True), rid
+
+
+def test_deep_notifications_and_responses_are_noted_not_answered() -> None:
+    deep = "[" * 300 + "]" * 300
+    note = _refusal_of('{"jsonrpc":"2.0","method":"notifications/x","params":{"a":%s}}' % deep)
+    response = _refusal_of('{"jsonrpc":"2.0","id":4,"result":{"a":%s}}' % deep)
+    error = _refusal_of('{"jsonrpc":"2.0","id":4,"error":{"code":1,"message":"m","data":%s}}' % deep)
+    assert [r.answer for r in (note, response, error)] == [False, False, False]
+    assert note.note().startswith("dispatch mcp: ignored a message it cannot read (not a request): Invalid Request: ")
+
+
+def test_not_json_and_not_a_message() -> None:
+    assert _refusal_of("garbage") == Refusal(None, PARSE_ERROR, "Parse error: expected value at line 1 column 1", True)
+    r = _refusal_of('{"jsonrpc":"1.0","id":3,"method":"ping"}')
+    assert (r.id, r.code, r.answer) == (3, INVALID_REQUEST, True)
+    assert r.note() == ('dispatch mcp: answered id 3 with error -32600: Invalid Request: not a JSON-RPC 2.0 message '
+                        '(it needs "jsonrpc": "2.0", a "method" and an "id" that is a string or an integer)')
+
+
+def test_an_exception_of_another_kind_is_a_parse_error_with_a_null_id() -> None:
+    assert refusal(ValueError("odd")) == Refusal(None, PARSE_ERROR, "Parse error: ValueError: odd", True)
