@@ -62,7 +62,8 @@ from dispatchd.tools import atomic, changes, files, native, orphans
 from dispatchd.tools.base import ToolContext
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
-from dispatchd.worker import pausegate, redact
+from dispatchd import redact
+from dispatchd.worker import pausegate
 from dispatchd.worker.activity import Activity
 from dispatchd.worker.calls import Calls
 from dispatchd.worker.channel import Channel

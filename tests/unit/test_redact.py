@@ -1,8 +1,8 @@
-"""worker/redact.py: secrets replaced in replies and in streamed chunks."""
+"""dispatchd/redact.py: secrets replaced in replies and in streamed chunks."""
 
 from __future__ import annotations
 
-from dispatchd.worker.redact import Redactor, Stream
+from dispatchd.redact import Redactor, Stream
 
 
 def test_values_are_replaced_everywhere() -> None:
@@ -31,9 +31,12 @@ def test_without_secrets_text_is_unchanged() -> None:
     assert r.held("abc") == 0
 
 
-def test_case_is_folded_only_when_asked() -> None:
-    assert Redactor({"T": "TokEN99"}).text("tokn tok token99 TokEN99") == "tokn tok token99 [secret T]"
-    assert Redactor({"T": "TokEN99"}, fold_case=True).text("token99.attacker.test") == "[secret T].attacker.test"
+def test_a_value_is_found_in_any_ascii_case() -> None:
+    r = Redactor({"T": "TokEN99"})
+    assert r.text("tokn TokEN9 token99.attacker.test TOKEN99") == "tokn TokEN9 [secret T].attacker.test [secret T]"
+    assert r.held("x toke") == 4
+    # Beyond ASCII nothing is folded: lengths stay (the held tail counts characters).
+    assert Redactor({"T": "Ünïcode-1"}).text("ünïcode-1 Ünïcode-1") == "ünïcode-1 [secret T]"
 
 
 def test_one_name_for_two_values() -> None:
@@ -96,3 +99,4 @@ def test_a_window_starting_inside_a_value_drops_its_rest() -> None:
     text = "..alphaSECRETbeta42 tail"
     assert r.window(text, 3, final=True) == (" tail", len(text))
     assert r.window(text, 19, final=True) == (" tail", len(text))
+

@@ -14,6 +14,7 @@ from typing import Protocol
 from dispatchd import protocol
 from dispatchd.errors import CheckpointError, SessionError
 
+from dispatchd.daemon.gitguard import Baselines
 from dispatchd.daemon.lifecycle import Op, State, Verdict
 from dispatchd.daemon.session import Session, count_session_processes
 
@@ -25,6 +26,8 @@ class SessionManager(Protocol):
 
     @property
     def checkpoints(self) -> Store: ...
+    @property
+    def baselines(self) -> Baselines: ...
     def get(self, sid: str) -> Session: ...
     def _admit(self, session: Session, op: Op) -> Verdict: ...
     def _grant_write_lock(self, session: Session, rid: int) -> protocol.OkReply | protocol.ErrorReply: ...
@@ -106,7 +109,9 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
     policy = session.policy.checkpoints
     if isinstance(req, protocol.TakeCheckpoint):
         with _quiet(manager, session, "checkpoint"), store.lock(session.id):
-            info = store.take(session.id, session.worktree, policy, req.label, fsync=session.policy.limits.fsync)
+            # A label is shown back and kept: one naming a secret is redacted first.
+            info = store.take(session.id, session.worktree, policy, session.held.text(req.label),
+                              fsync=session.policy.limits.fsync)
         return protocol.CheckpointReply(id=req.id, checkpoint=info)
     store.find(session.id, req.checkpoint)  # an unknown id is refused before anything is paused
     with _quiet(manager, session, "restore"), store.lock(session.id):
@@ -131,6 +136,8 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
             # The caller chose to lose it (a session can make it unkeepable on purpose);
             # a before taken but not kept past the session is still named, for an undo meanwhile.
         done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept)
+    # Ref names are the worktree's: any session of its domain may have chosen them.
+    displaced = [manager.baselines.text_for(session.id, ref) for ref in displaced]
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,
                                   displaced=displaced, kept_total=store.kept_sizes.report() if kept else None, **done)
 

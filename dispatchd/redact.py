@@ -2,7 +2,9 @@
 
 Guarantees (worker side; ``dispatchd.envnames`` checks the secrets first):
 - every occurrence of a secret's value in a reply (``output``, ``error`` and
-  every string in ``metadata``, at any depth) is replaced by ``[secret NAME]``;
+  every string in ``metadata``, at any depth) is replaced by ``[secret NAME]``,
+  in any ASCII case: a host name comes back lowercased (the proxy's refusals),
+  and a value that differs from a secret by case only is one to hide too;
 - values that overlap (``alphaSECRETbeta`` and ``SECRETbetagamma`` in
   ``alphaSECRETbetagamma``), or one that repeats over itself, are covered
   whole: every character that belongs to an occurrence of any value is in
@@ -28,15 +30,15 @@ from typing import Any
 
 __all__ = ["Redactor", "Stream"]
 
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
 
 class Redactor:
     """``secrets``: name -> value, or (name, value) pairs (two sessions may
-    use one name for two values). ``fold_case``: match regardless of ASCII
-    and Unicode case (a host name comes back lowercased)."""
+    use one name for two values)."""
 
-    def __init__(self, secrets: Mapping[str, str] | Iterable[tuple[str, str]], *, fold_case: bool = False) -> None:
+    def __init__(self, secrets: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:
         pairs = list(secrets.items() if isinstance(secrets, Mapping) else secrets)
-        self._fold = fold_case
         # Longest first: at each position the lookahead takes the longest
         # value that starts there, so the union of the spans it finds covers
         # every occurrence of every value.
@@ -45,10 +47,11 @@ class Redactor:
         self._values = list(dict.fromkeys(self._key(value) for _, value in ordered))
         self.longest = max((len(v) for v in self._values), default=0)
         alternation = "|".join(re.escape(v) for v in self._values)
-        self._pattern = re.compile(f"(?=({alternation}))", re.IGNORECASE if fold_case else 0)
+        self._pattern = re.compile(f"(?=({alternation}))", re.IGNORECASE | re.ASCII)
 
-    def _key(self, value: str) -> str:
-        return value.casefold() if self._fold else value
+    @staticmethod
+    def _key(value: str) -> str:
+        return value.translate(_ASCII_LOWER)  # as the pattern folds: ASCII only, so lengths never change
 
     def runs(self, text: str) -> list[tuple[int, int, str]]:
         """The maximal runs of ``text`` covered by occurrences of values:
