@@ -210,7 +210,7 @@ class _Server(Calls, Idle):
             self.redactor = redact.Redactor(self.secrets)
             self.fast_read = None  # read_file's C lane replies without Channel.reply: off
         # One assignment: a call starting now sees the old context or the new, whole.
-        self.ctx = dataclasses.replace(self.ctx, env=env)
+        self.ctx = dataclasses.replace(self.ctx, env=env, redactor=self.redactor)
 
 
 def _open_root(worktree: str) -> int:
