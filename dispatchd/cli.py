@@ -177,15 +177,14 @@ LOG_ROTATE_KEEP = 3
 def _setup_logging(args: argparse.Namespace) -> None:
     """stderr by default (journald under systemd); a rotated file with
     --log-file (what autostart uses), so the log never grows without bound."""
-    fmt = "%(asctime)s %(levelname)s %(name)s %(message)s"
-    if not args.log_file:
-        logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(), format=fmt)
-        return
     from logging.handlers import RotatingFileHandler
 
-    handler = RotatingFileHandler(args.log_file, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_ROTATE_KEEP,
-                                  encoding="utf-8")
-    handler.setFormatter(logging.Formatter(fmt))
+    from dispatchd.secretbook import LogRedaction
+
+    handler: logging.Handler = logging.StreamHandler(sys.stderr) if not args.log_file else RotatingFileHandler(
+        args.log_file, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_ROTATE_KEEP, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.addFilter(LogRedaction())  # no secret's value in a line, whoever logs it (dispatchd/secretbook.py)
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
 
 

@@ -253,6 +253,7 @@ class Ending(SessionTable):
         session.drop_first_channel()
         session.drop_watch()  # a sandbox that never started to end (an open that failed half way)
         session.worktree_dir.close()
+        session.held.end()  # after its last check: what that logged was redacted
 
     def _remove_scratch(self, session: Session) -> None:
         """The scratch directory goes after the reply (``afterwards``): its

@@ -193,6 +193,7 @@ class Opening(Pooling):
         if made is None:  # one made ahead comes with its scratch directory
             self._make_scratch(sid, session.scratch)
         try:
+            session.held.add({n: session.user_env[n] for n in session.secret_names})  # until _discard
             steps["scratch"] = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
             # The worktree's trusted baseline (taken now if no session of its
@@ -215,7 +216,8 @@ class Opening(Pooling):
                 session.redirects_before, tuple(policy.protect.paths), defer=True,
                 writable=policy.filesystem.worktree == "read-write" or bool(policy.filesystem.read_write),
                 reach=gitguard.session_reach(session.worktree, session.git.writable, policy.filesystem.read_write,
-                                             policy.filesystem.worktree == "read-write"))),
+                                             policy.filesystem.worktree == "read-write"),
+                secrets=dict(session.held.pairs()))),
                 then=functools.partial(self.baselines.durable, sid))
             # Run by now, to its end, whenever the sandbox is ready (and when
             # not, it has either not begun or ended: nothing of it is left

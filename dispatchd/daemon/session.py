@@ -37,6 +37,7 @@ from dispatchd.daemon.spawn import Worker
 from dispatchd.daemon.worktree import Worktree
 from dispatchd.netmodes import NetworkMode
 from dispatchd.policy import Policy
+from dispatchd.secretbook import Secrets
 from dispatchd.catalogue import schemas_for
 
 READY_TIMEOUT_S = 10.0
@@ -109,6 +110,10 @@ class Session:
         # it has (after a switch that replaces it too); kept in memory only.
         self.user_env: dict[str, str] = {}
         self.secret_names: list[str] = []
+        # Its secrets, held from its open to its end (``_discard``): what the
+        # daemon says of it (refused hosts, labels) and its log lines are
+        # redacted by them (dispatchd/secretbook.py).
+        self.held = Secrets()
         self.usage: tuple[int, float, float] = (0, 0.0, 0.0)  # calls, CPU seconds, largest peak (MiB)
 
     @property
@@ -127,8 +132,8 @@ class Session:
         # Sessions are listed only once their worker is ready: protections are known.
         assert self.protections is not None, f"session {self.id} has no worker yet"
         protections = msgspec.structs.replace(self.protections, lifetime=self.lifetime)
-        denied = [protocol.DeniedHost(host=h, port=p, count=c, last=t) for h, p, c, t in self.proxy.denied()
-                  ] if self.proxy else []
+        denied = [protocol.DeniedHost(host=self.held.text(h), port=p, count=c, last=t)
+                  for h, p, c, t in self.proxy.denied()] if self.proxy else []
         warning = self.stack.warning() if self.stack is not None else ""
         number, why = sandbox or self.sandbox
         return protocol.SessionInfo(id=self.id, worktree=self.worktree, policy=self.policy.name,

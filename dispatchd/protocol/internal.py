@@ -189,7 +189,7 @@ class SetCommandEnv(_Msg, tag="set_command_env", frozen=True):
     unset: list[str] = []
     id: int = 0  # not 0: the worker answers ``OkReply(id)`` once later commands get it
     # Names in ``set`` that are secrets: their values are redacted from every
-    # reply from now on (worker/redact.py), for as long as the worker lives.
+    # reply from now on (dispatchd/redact.py), for as long as the worker lives.
     secrets: list[str] = []
 
 

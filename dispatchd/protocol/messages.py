@@ -52,7 +52,7 @@ class OpenSession(_Msg, tag="open_session", frozen=True):
     read_only: list[str] = []
     # Variables for the session's commands (dispatchd.envnames checks them),
     # and secrets: variables too, whose values never leave the sandbox in a
-    # reply (worker/redact.py), nor reach a log or a file of the daemon.
+    # reply (dispatchd/redact.py), nor reach a log or a file of the daemon.
     env: dict[str, str] = {}
     secrets: dict[str, str] = {}
     # Lifetime (daemon/lifetimes.py): a session ends once every connection that

@@ -22,6 +22,7 @@ import msgspec
 
 from dispatchd.inside import is_below
 from dispatchd.policy import Limits
+from dispatchd.redact import Redactor
 from dispatchd.catalogue import ToolSpec
 
 
@@ -90,6 +91,9 @@ class ToolContext:
     # ``root`` opened (O_PATH) by the tool server: read_file's usual open is
     # made below it by descriptor (openat2, RESOLVE_BENEATH); -1: by path only.
     root_fd: int = -1
+    # The session's secrets (SetCommandEnv), for a tool that replies in
+    # parts across calls (job_output holds back a value's possible start).
+    redactor: Redactor | None = None
 
 
 class Outcome(msgspec.Struct, frozen=True):

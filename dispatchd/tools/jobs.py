@@ -14,6 +14,8 @@ Guarantees:
 - ``job_output(job, offset, wait)`` returns the log from byte ``offset``
   (cut at a character boundary), waiting up to ``wait`` seconds when there is
   nothing new yet and the job still runs; ``next_offset`` is where to go on.
+  With secrets, a tail that could begin one waits for the next poll
+  (``jobwindow``): a value is never handed out in pieces.
 - A job runs until its command has exited and nothing it started holds its
   output any more; ``exit_code`` is then the command's status, as bash
   gives it (128 + N for a command killed by signal N).
@@ -50,6 +52,7 @@ from typing import Any
 from dispatchd.protocol.internal import JobRecord
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
+from dispatchd.tools.jobwindow import read_window
 from dispatchd.catalogue import JobListParams, JobOutputParams, JobStopParams
 
 __all__ = ["Jobs", "MAX_RUNNING", "job_list", "job_output", "job_stop"]
@@ -412,21 +415,6 @@ def _jobs(ctx: ToolContext) -> Jobs:
     return ctx.jobs  # type: ignore[no-any-return]
 
 
-def _char_cut(data: bytes) -> int:
-    """Length of ``data`` without a UTF-8 character cut at its end."""
-    i = len(data)
-    back = 0
-    while i > 0 and back < 4 and data[i - 1] & 0xC0 == 0x80:
-        i -= 1
-        back += 1
-    if i > 0 and data[i - 1] >= 0xC0:
-        lead = data[i - 1]
-        need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-        if back + 1 < need:
-            return i - 1
-    return len(data)
-
-
 def job_output(ctx: ToolContext, params: JobOutputParams) -> Outcome:
     j = _jobs(ctx).get(params.job)
     offset, wait = params.offset, params.wait
@@ -437,20 +425,23 @@ def job_output(ctx: ToolContext, params: JobOutputParams) -> Outcome:
     wait = min(wait, ctx.limits.max_command_timeout_s)
     control: CallControl | None = ctx.call
     deadline = time.monotonic() + wait
-    with j.cond:
-        while j.written <= offset and j.running:
-            left = deadline - time.monotonic()
-            if left <= 0 or (control is not None and control.cancelled.is_set()):
-                break
-            j.cond.wait(min(left, _POLL_S))
-        # The state before the data: "ended" then means every byte is in the log.
-        running, exit_code, state = j.running, j.exit_code, j.state()
-    data = j.read(offset, ctx.limits.output_cap_bytes)
-    data = data[:_char_cut(data)]
-    text = data.decode("utf-8", "replace")
+    seen = offset  # past it: what a poll has not yet looked at
+    while True:
+        with j.cond:
+            while j.written <= seen and j.running:
+                left = deadline - time.monotonic()
+                if left <= 0 or (control is not None and control.cancelled.is_set()):
+                    break
+                j.cond.wait(min(left, _POLL_S))
+            # The state before the data: "ended" then means every byte is in the log.
+            running, exit_code, state, seen = j.running, j.exit_code, j.state(), j.written
+        # A tail that could begin a secret waits for the next poll (jobwindow.py).
+        text, used = read_window(j.read, offset, ctx.limits.output_cap_bytes, ctx.redactor, more=running)
+        if used or not running or time.monotonic() >= deadline or (control is not None and control.cancelled.is_set()):
+            break  # else all there is waits, held back: wait for what comes after it
     meta: dict[str, Any] = {
         "job": j.id,
-        "next_offset": offset + len(data),
+        "next_offset": offset + used,
         "running": running,
         "exit_code": exit_code,
         "state": state,
@@ -459,10 +450,10 @@ def job_output(ctx: ToolContext, params: JobOutputParams) -> Outcome:
     if control is not None and control.cancelled.is_set():
         meta["cancelled"] = True
     notes = []
-    if j.truncated and offset + len(data) >= j.written:
+    if j.truncated and offset + used >= j.written:
         notes.append(f"[job output truncated at {j.cap} bytes; later output was dropped]")
     # Metadata never reaches a model: the footer tells it where it stands.
-    notes.append(f"[job {j.id} {state}; next_offset {offset + len(data)}]")
+    notes.append(f"[job {j.id} {state}; next_offset {offset + used}]")
     body = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(notes)
     return Outcome.ok(body, meta)
 

@@ -35,7 +35,8 @@ from dispatchd.confine.plan import SessionPlan
 from dispatchd.policy import MUTATING_TOOLS
 from dispatchd.tools import changes
 from dispatchd.tools.base import CallControl, Outcome, Tool, ToolContext, failed, invalid, no_thread
-from dispatchd.worker import pausegate, redact
+from dispatchd import redact
+from dispatchd.worker import pausegate
 from dispatchd.worker.activity import Activity, call_usage
 from dispatchd.worker.control import Control, WriteLock
 

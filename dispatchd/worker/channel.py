@@ -24,7 +24,7 @@ from typing import Protocol
 from dispatchd import protocol
 from dispatchd.tools.base import CallControl, ToolContext
 from dispatchd.tools.textfile import SNIFF_BYTES
-from dispatchd.worker import redact
+from dispatchd import redact
 from dispatchd.worker.activity import Activity
 
 __all__ = ["Channel"]

@@ -62,7 +62,8 @@ from dispatchd.tools import atomic, changes, files, native, orphans
 from dispatchd.tools.base import ToolContext
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
-from dispatchd.worker import pausegate, redact
+from dispatchd import redact
+from dispatchd.worker import pausegate
 from dispatchd.worker.activity import Activity
 from dispatchd.worker.calls import Calls
 from dispatchd.worker.channel import Channel
@@ -209,7 +210,7 @@ class _Server(Calls, Idle):
             self.redactor = redact.Redactor(self.secrets)
             self.fast_read = None  # read_file's C lane replies without Channel.reply: off
         # One assignment: a call starting now sees the old context or the new, whole.
-        self.ctx = dataclasses.replace(self.ctx, env=env)
+        self.ctx = dataclasses.replace(self.ctx, env=env, redactor=self.redactor)
 
 
 def _open_root(worktree: str) -> int:

@@ -252,3 +252,29 @@ def test_changes_are_cut_at_a_thousand(session: dispatch.Session) -> None:
     assert r.is_success, r.error
     assert len(r.metadata["changed"]) == 1000 and r.metadata["changed_truncated"] is True
     assert r.metadata["changed"][0] == "many" and all(p.startswith("many/f") for p in r.metadata["changed"][1:])
+
+
+@pytest.mark.parametrize("as_secret", [True, False], ids=["secret", "plain-variable"])
+def test_a_secret_split_across_job_output_polls_is_redacted(client: dispatch.Client, worktree: Path,
+                                                            as_secret: bool) -> None:
+    """A background job writes the value in two parts, 1 s apart; the model
+    polls job_output from each reply's next_offset. The part that could begin
+    the value waits for the next poll, which shows it redacted whole; the
+    twin (a plain variable) is shown as written, poll by poll."""
+    half = len(TOKEN) // 2
+    command = f'printf "key %s" "${{TOKEN:0:{half}}}"; sleep 1; printf "%s done\\n" "${{TOKEN:{half}}}"'
+    given = {"secrets": {"TOKEN": TOKEN}} if as_secret else {"env": {"TOKEN": TOKEN}}
+    with client.open_session(str(worktree), **given) as s:  # type: ignore[arg-type]
+        job = shell(s, command, background=True).metadata["job"]
+        poll = s.registry.get("job_output")
+        first = poll.call({"job": job, "wait": 10})
+        offset = first.metadata["next_offset"]
+        second = poll.call({"job": job, "offset": offset, "wait": 10})
+        while second.metadata["running"] and "done" not in second.output:
+            second = poll.call({"job": job, "offset": second.metadata["next_offset"], "wait": 10})
+    if as_secret:
+        assert (first.output, offset) == (f"key \n[job {job} running; next_offset 4]", 4)
+        assert second.output.startswith("[secret TOKEN] done\n"), second.output
+    else:
+        assert first.output.startswith(f"key {TOKEN[:half]}\n") and offset == 4 + half, first.output
+        assert second.output.startswith(f"{TOKEN[half:]} done\n"), second.output

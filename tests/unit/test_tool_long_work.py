@@ -16,6 +16,7 @@ import pytest
 
 from dispatchd.policy import Limits
 from dispatchd.tools import jobs as jobs_mod
+from dispatchd.tools import jobwindow
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
@@ -166,7 +167,7 @@ def test_a_job_runs_in_the_background_and_its_log_is_in_the_scratch(ctx: ToolCon
 
 
 def test_job_output_cuts_at_a_character_boundary() -> None:
-    cut = jobs_mod._char_cut
+    cut = jobwindow.char_cut
     assert cut(b"a\xc3") == 1  # the first byte of a two-byte character waits for the next read
     assert cut(b"a\xc3\xa9") == 3
     assert cut(b"\xe2\x82") == 0

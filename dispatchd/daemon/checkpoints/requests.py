@@ -110,7 +110,9 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
     policy = session.policy.checkpoints
     if isinstance(req, protocol.TakeCheckpoint):
         with _quiet(manager, session, "checkpoint"), store.lock(session.id):
-            info = store.take(session.id, session.worktree, policy, req.label, fsync=session.policy.limits.fsync)
+            # A label is shown back and kept: one naming a secret is redacted first.
+            info = store.take(session.id, session.worktree, policy, session.held.text(req.label),
+                              fsync=session.policy.limits.fsync)
         return protocol.CheckpointReply(id=req.id, checkpoint=info)
     store.find(session.id, req.checkpoint)  # an unknown id is refused before anything is paused
     with _quiet(manager, session, "restore"), store.lock(session.id):
@@ -140,6 +142,8 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         borrowed = manager.baselines.borrowed(session.id, os.path.join(session.worktree, ".git"))
         done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept,
                                         borrowed=borrowed)
+    # Ref names are the worktree's: any session of its domain may have chosen them.
+    displaced = [manager.baselines.text_for(session.id, ref) for ref in displaced]
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,
                                   displaced=displaced, kept_total=kept_total if kept else None, **done)
 

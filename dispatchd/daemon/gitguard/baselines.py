@@ -51,38 +51,24 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.statemodes import retried
 from dispatchd.daemon.gitguard import history, recordfiles, reftemp, runnables, snapshots
+from dispatchd.daemon.gitguard.domain import Domain
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
                                              keep_outside, renew, unchecked)
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
 from dispatchd.inside import is_within, worktrees_relate
+from dispatchd.secretbook import scrubbed
 
 log = logging.getLogger("dispatchd.baselines")
 _REPORTS_KEPT = 200
-
-
-class _Domain:
-    """A domain in memory. ``lock`` is held by whoever reads or changes its
-    record or its worktrees: a join (its walk), a check; ``claims`` and
-    ``alive`` are the store's, read and changed under the store's lock."""
-
-    def __init__(self, record: Record, lock_fd: int, *, wrote: bool = True) -> None:
-        self.record = record
-        self.wrote = wrote  # a session was granted the write lock, or not known: restore(in_place=)
-        self.lock_fd = lock_fd
-        self.reports: list[Protected] = []
-        self.lock = threading.Lock()
-        self.alive = True  # False once merged into another, or ended
-        self.claims: list[tuple[str, str]] = []  # (root, common) of joins under way, before their parts exist
-        self.pending: Durable | None = None  # its first record, when made durable later (Baselines.durable)
 
 
 class Baselines:
@@ -97,8 +83,8 @@ class Baselines:
         self.keep_dir = os.path.join(state_dir, "keep")
         self.home = home
         self._lock = threading.RLock()
-        self._domains: dict[str, _Domain] = {}
-        self._by_session: dict[str, _Domain] = {}
+        self._domains: dict[str, Domain] = {}
+        self._by_session: dict[str, Domain] = {}
         self._joined_at: dict[str, int] = {}  # a session's first report of its domain's list
         self.tainted: dict[str, str] = {}  # worktree -> why (refused until a restart's check passes)
         self.recovered: list[Protected] = []  # what the start's checks did
@@ -111,7 +97,7 @@ class Baselines:
 
     # --- on disk ---------------------------------------------------------
 
-    def _write(self, domain: _Domain, *, defer: bool = False) -> None:
+    def _write(self, domain: Domain, *, defer: bool = False) -> None:
         """``domain``'s record on disk, durable when this returns; with
         ``defer`` (its first record only), written to its temporary file,
         and made durable by ``domain.pending.settle()``."""
@@ -144,7 +130,7 @@ class Baselines:
         domain.pending = None  # what is on disk now is durable, and holds all the deferred one did
 
     @staticmethod
-    def _settle(domain: _Domain) -> str | None:
+    def _settle(domain: Domain) -> str | None:
         return domain.pending.settle() if domain.pending is not None else None
 
     def durable(self, sid: str) -> str | None:
@@ -156,12 +142,12 @@ class Baselines:
         return self._settle(domain) if domain is not None else None
 
     def writing(self, sid: str) -> None:
-        """``sid`` was granted its worktree's write lock (see ``_Domain.wrote``)."""
+        """``sid`` was granted its worktree's write lock (see ``Domain.wrote``)."""
         with self._lock:
             if sid in self._by_session:
                 self._by_session[sid].wrote = True
 
-    def _drop(self, domain: _Domain, sync: Callable[[str], None] | None = None) -> None:
+    def _drop(self, domain: Domain, sync: Callable[[str], None] | None = None) -> None:
         """The domain's record and lock removed; it has no session left."""
         if domain.pending is not None:  # abandoned first: a rename after the removal would bring the record back
             domain.pending.abandon()
@@ -175,7 +161,7 @@ class Baselines:
         if lock_fd >= 0:
             os.close(lock_fd)
 
-    def _drop_later(self, domain: _Domain) -> None:
+    def _drop_later(self, domain: Domain) -> None:
         """The last end's drop, by ``later``: the domain is gone from memory
         already (a new open takes a new baseline); its record stays on disk,
         its lock held, until then. A daemon that dies meanwhile leaves the
@@ -210,7 +196,7 @@ class Baselines:
                                                    [p.related_common for p in record.parts if p.common]):
                 os.close(fd)
                 continue
-            domain = _Domain(record, fd)
+            domain = Domain(record, fd)
             log.warning("event=baseline_recover domain=%s sessions=%s roots=%s", did, ",".join(record.sessions),
                         ",".join(p.root for p in record.parts))
             failed = self._check(domain, final=True)
@@ -229,7 +215,7 @@ class Baselines:
 
     def join(self, sid: str, root: str, layout: GitLayout, snapshot: snapshots.GitSnapshot,
              redirects: list[str], names: tuple[str, ...], *, defer: bool = False, writable: bool = True,
-             reach: tuple[str, ...] = ()) -> None:
+             reach: tuple[str, ...] = (), secrets: Mapping[str, str] | None = None) -> None:
         """Make ``sid`` a session of the domain of ``root`` (see the module);
         raises WorktreeError when the worktree cannot be recorded (a walk
         over its bounds). Call before the session's sandbox starts. Waits
@@ -238,10 +224,12 @@ class Baselines:
         domain that has one rewrites it durably: a rename not yet synced
         must never stand over a record other sessions rely on). ``writable``:
         False when the kernel holds the session's worktree read-only (``Record.writable``); ``reach``:
-        what it can write (``Record.reach``)."""
+        what it can write (``Record.reach``); ``secrets``: the session's, by
+        which the domain's reports are redacted from now on (``domain.py``)."""
         common = common_of(root, layout)
         domain = self._enter(root, common)
         try:
+            domain.secrets.add(secrets or {})  # before any check can report what its code named
             record = domain.record
             history.own_unheld_packs(record.histories, layout.read_only)  # before anything of it is recorded
             covered = any(is_within(root, p.root) for p in record.parts)
@@ -283,7 +271,7 @@ class Baselines:
                 domain.claims.remove((root, common))
             domain.lock.release()
 
-    def _enter(self, root: str, common: str) -> _Domain:
+    def _enter(self, root: str, common: str) -> Domain:
         """The domain ``root`` belongs to, its lock held and ``root`` claimed
         in it (so that a join of an overlapping worktree meanwhile finds it):
         a new one, or the one the related domains are merged into. Waits for
@@ -298,8 +286,8 @@ class Baselines:
                 related = self._related(root, common)
                 if not related:
                     did = secrets.token_hex(8)
-                    domain = _Domain(Record(id=did, created=time.time(), writable=False, reach=[]),
-                                     recordfiles.lock(self.dir, did, blocking=True) or -1, wrote=False)
+                    domain = Domain(Record(id=did, created=time.time(), writable=False, reach=[]),
+                                    recordfiles.lock(self.dir, did, blocking=True) or -1, wrote=False)
                     domain.lock.acquire()  # new: nobody else holds it
                     domain.claims.append((root, common))
                     self._domains[did] = domain
@@ -319,7 +307,7 @@ class Baselines:
             for d in related:  # merged, ended or joined by another meanwhile: look again
                 d.lock.release()
 
-    def _related(self, root: str, common: str) -> list[_Domain]:
+    def _related(self, root: str, common: str) -> list[Domain]:
         """The live domains ``root`` relates to (``worktrees_relate``), by
         their parts and the roots their joins under way claim."""
         def relates(other_root: str, other_common: str) -> bool:
@@ -328,7 +316,7 @@ class Baselines:
                        if any(relates(p.root, p.related_common) for p in d.record.parts)
                        or any(relates(r, c) for r, c in d.claims)), key=lambda d: d.record.id)
 
-    def _merge(self, into: _Domain, other: _Domain) -> None:
+    def _merge(self, into: Domain, other: Domain) -> None:
         """Both domains' locks and the store's held."""
         into.record.parts += other.record.parts
         into.record.sessions += other.record.sessions
@@ -336,6 +324,7 @@ class Baselines:
             if not any(h.common == kept.common for h in into.record.histories):
                 into.record.histories.append(kept)
         into.reports += other.reports
+        into.secrets.add(other.secrets.pairs())
         into.wrote |= other.wrote
         into.record.writable = into.record.writable or other.record.writable
         if into.record.reach is not None:
@@ -345,23 +334,23 @@ class Baselines:
         self._settle(other)  # its record stays until ``into``'s, durable, holds its parts
         self._write(into)
         self._domains.pop(other.record.id, None)
-        other.alive = False
+        other.end()
         self._drop(other)
 
-    def _discard_if_empty(self, domain: _Domain) -> None:
+    def _discard_if_empty(self, domain: Domain) -> None:
         """A join that failed: a domain no session has joined (the one this
         join made) goes, and its files with it."""
         with self._lock:
             if domain.record.sessions or not domain.alive:
                 return
             self._domains.pop(domain.record.id, None)
-            domain.alive = False
+            domain.end()
             if domain.lock_fd >= 0:
                 self._drop(domain)
 
     # --- checks ------------------------------------------------------------
 
-    def _locked(self, sid: str) -> _Domain | None:
+    def _locked(self, sid: str) -> Domain | None:
         """``sid``'s domain with its lock held (None: no such session)."""
         while True:
             with self._lock:
@@ -413,7 +402,7 @@ class Baselines:
                     # A join waiting for this lock finds the domain gone and
                     # takes a new baseline, of the tree as this check left it.
                     self._domains.pop(record.id, None)
-                    domain.alive = False
+                    domain.alive = False  # its secrets kept until its last reports are made (below)
                 if failed:
                     self._settle(domain)
                     if domain.lock_fd >= 0:
@@ -425,6 +414,8 @@ class Baselines:
             with self._lock:
                 return domain.reports[start:]
         finally:
+            if not domain.alive:
+                domain.end()
             domain.lock.release()
 
     def borrowed(self, sid: str, common: str) -> list[str]:
@@ -437,6 +428,12 @@ class Baselines:
         real = os.path.realpath(common)
         return next((history.borrowed(h) for h in kept if os.path.realpath(h.common) == real), [])
 
+    def text_for(self, sid: str, text: str) -> str:
+        """``text`` (names its worktree holds) redacted by ``sid``'s domain's secrets."""
+        with self._lock:
+            domain = self._by_session.get(sid)
+        return domain.secrets.text(text) if domain is not None else text
+
     def reports_for(self, sid: str) -> list[Protected]:
         """What the checks of ``sid``'s domain did since it joined."""
         with self._lock:
@@ -445,15 +442,15 @@ class Baselines:
                 return []
             return domain.reports[self._joined_at.get(sid, 0):]
 
-    def _taint(self, domain: _Domain, failed: list[str]) -> None:
+    def _taint(self, domain: Domain, failed: list[str]) -> None:
         if failed:
-            reason = "; ".join(failed)
+            reason = domain.secrets.text("; ".join(failed))
             with self._lock:
                 for part in domain.record.parts:
                     self.tainted[part.root] = reason
             log.error("event=git_check_failed domain=%s what=%r", domain.record.id, reason)
 
-    def _check(self, domain: _Domain, *, final: bool) -> list[str]:
+    def _check(self, domain: Domain, *, final: bool) -> list[str]:
         if not domain.record.writable:
             return []  # no session could write any of it: what changed is the user's
         failed: list[str] = []
@@ -478,6 +475,7 @@ class Baselines:
                 for path, why in done:
                     log.warning("event=git_history_restored path=%s why=%r", path, why)
                     found.append(Protected(path=path, why=why, time=now_t))
+        found = scrubbed(found, domain.secrets)  # kept, and shown to every session of the domain: redacted now
         with self._lock:
             domain.reports += found
             del domain.reports[:-_REPORTS_KEPT]
