@@ -14,7 +14,7 @@ import pytest
 from dispatchd import protocol
 from dispatchd.daemon import checkpoints as cp
 from dispatchd.daemon.checkpoints.reading import _copy_path
-from dispatchd.errors import CheckpointError
+from dispatchd.errors import CheckpointError, SessionError
 from dispatchd.policy import Checkpoints
 from dispatchd.worker.pausegate import Gate
 
@@ -377,3 +377,24 @@ def test_git_object_files_come_back_from_the_keep_and_newer_ones_stay(store, tmp
         assert fh.read() == "an object"
     assert os.path.exists(os.path.join(objects, "12", "3456"))  # never removed: unreachable, git's gc drops it
     assert not os.path.exists(os.path.join(objects, "info", "alternates"))
+
+
+def test_a_checkpoint_asked_after_its_session_ended_is_refused_and_makes_nothing(store, tmp_path):
+    """A checkpoint the policy takes before a write runs on a thread of its
+    own: one that gets to the store after the session's end (``drop``) is
+    refused naming the end, and leaves no store behind for the next start."""
+    wt = _worktree(tmp_path)
+    store.take("s1", wt, POLICY, "before the end")
+    store.drop("s1")
+    assert not os.path.exists(os.path.join(store.root, "s1"))
+    with pytest.raises(SessionError, match=r"^session s1 has ended: its checkpoints are gone$"):
+        with store.lock("s1"):
+            pass
+    with pytest.raises(SessionError, match=r"^session s1 has ended: its checkpoints are gone$"):
+        store.take("s1", wt, POLICY, "after the end")
+    assert not os.path.exists(os.path.join(store.root, "s1"))
+    # The twin: another session's checkpoint is taken, its store private at every level.
+    with store.lock("s2"):
+        store.take("s2", wt, POLICY, "alive")
+    assert [i.label for i in store.infos("s2")] == ["alive"]
+    assert stat.S_IMODE(os.stat(os.path.join(store.root, "s2")).st_mode) == 0o700

@@ -118,3 +118,34 @@ def test_the_sweep_goes_into_no_symlinked_directory(tmp_path: Path) -> None:
     assert reftemp.sweep(str(common), ["refs/heads/a"]) == sorted(
         [str(common / "refs" / "dispatchd" / "displaced" / "20261130T000000" / "refs" / "sub" / ours),
          str(common / "refs" / "heads" / ours)])
+
+
+def test_two_values_kept_in_one_second_under_one_name_are_both_kept(tmp_path: Path) -> None:
+    """Two restores (or a restore and an end) in the same second that each
+    keep a value of ``main``: the second is kept beside the first, never
+    over it; the same value kept again (a restore finished after a death)
+    takes the same name."""
+    repo, first = _repo(tmp_path / "r")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "two")
+    second = git(repo, "rev-parse", "HEAD").strip()
+    common = str(repo / ".git")
+    when = "20261201T101500"
+    a = reftemp.keep_displaced(common, when, "refs/heads/main", first)
+    again = reftemp.keep_displaced(common, when, "refs/heads/main", first)
+    b = reftemp.keep_displaced(common, when, "refs/heads/main", second)
+    assert (a, again, b) == (f"{reftemp.DISPLACED}{when}/refs/heads/main",) * 2 + (
+        f"{reftemp.DISPLACED}{when}.2/refs/heads/main",)
+    git(repo, "pack-refs", "--all")  # as git gc leaves them: the name held in packed-refs only
+    assert not (repo / ".git" / a).exists() and not (repo / ".git" / b).exists()
+    c = reftemp.keep_displaced(common, when, "refs/heads/main", git(repo, "rev-parse", "HEAD~1^{tree}").strip())
+    assert c == f"{reftemp.DISPLACED}{when}.3/refs/heads/main"
+    assert git(repo, "rev-parse", a, b).split() == [first, second]
+
+
+def test_a_value_kept_in_another_second_takes_its_own_name(tmp_path: Path) -> None:
+    """The twin: nothing kept under WHEN yet, the plain name is taken."""
+    repo, first = _repo(tmp_path / "r")
+    common = str(repo / ".git")
+    reftemp.keep_displaced(common, "20261201T101500", "refs/heads/main", first)
+    assert reftemp.keep_displaced(common, "20261201T101501", "refs/heads/main", first) == \
+        f"{reftemp.DISPLACED}20261201T101501/refs/heads/main"

@@ -162,6 +162,8 @@ def before_write(manager: SessionManager, session: Session, msg: protocol.Acquir
                     manager.checkpoints.take(session.id, session.worktree, session.policy.checkpoints,
                                              f"before {msg.tool}" if msg.tool else "before a write",
                                              fsync=session.policy.limits.fsync)
+            except SessionError as exc:  # it ended while this waited: no checkpoint, nor write, for it
+                reply = protocol.ErrorReply(id=msg.id, code=exc.code, message=str(exc))
             except (CheckpointError, OSError) as exc:
                 why = exc.message if isinstance(exc, CheckpointError) else f"checkpoint failed: {exc}"
                 reply = protocol.ErrorReply(id=msg.id, code="checkpoint_refused",

@@ -25,7 +25,7 @@ from dispatchd import protocol, treewalk
 from dispatchd.durable import fsync_directory
 from dispatchd.confine._sys import open_beneath
 from dispatchd.daemon import gitguard, leftovers
-from dispatchd.errors import CheckpointError
+from dispatchd.errors import CheckpointError, SessionError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.protocol import CheckpointInfo
 
@@ -36,6 +36,7 @@ from dispatchd.daemon.checkpoints.restoring import (_mib, _put_objects, _syncfs,
                                                     fsync_dirs)
 
 log = logging.getLogger("dispatchd.checkpoints")
+_DROPPED_KEPT = 4096  # ended sessions remembered (Store.drop): far more than end within a checkpoint's time
 
 
 @dataclass
@@ -73,6 +74,11 @@ class Store:
         self.kept_sizes = keptsize.KeptSizes(self.before_dir)  # their total, within one budget
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
+        # Sessions dropped, the most recent last: a checkpoint asked before
+        # the end (policy before_writes, on a thread of its own) that comes
+        # after it finds its session gone, rather than making its store anew
+        # (a whole copy of the worktree left until the next start).
+        self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.pauses = Pauses()
         # Where a done restore's record removal is made durable: at once, or
         # after the reply (the daemon's ``afterwards.later``).
@@ -98,6 +104,8 @@ class Store:
 
     def _of(self, sid: str) -> _Session:
         with self._lock:
+            if sid in self._dropped:
+                raise SessionError(f"session {sid} has ended: its checkpoints are gone", sid)
             return self._sessions.setdefault(sid, _Session())
 
     def lock(self, sid: str) -> threading.Lock:
@@ -109,9 +117,13 @@ class Store:
             return list(s.infos) if s else []
 
     def drop(self, sid: str) -> None:
-        """The session ended: its checkpoints go (waits for one being taken)."""
+        """The session ended: its checkpoints go (waits for one being taken),
+        and none is taken for it after this."""
         with self._lock:
             s = self._sessions.get(sid)
+            self._dropped[sid] = None
+            while len(self._dropped) > _DROPPED_KEPT:
+                self._dropped.popitem(last=False)
         if s is None:
             return
         with s.lock:
@@ -142,6 +154,7 @@ class Store:
         s.count += 1
         cid = f"c{s.count:04d}-{secrets.token_hex(4)}"
         top = os.path.join(self.root, sid)
+        os.makedirs(top, mode=0o700, exist_ok=True)  # each level its own mode: makedirs gives 0700 to the last alone
         os.makedirs(os.path.join(top, _POOL), mode=0o700, exist_ok=True)
         made: list[int] = []  # copies this checkpoint added to the pool
         to_copy = sum(1 for e in entries if e.kind == "f") - len(shared)

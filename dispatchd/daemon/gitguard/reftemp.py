@@ -36,6 +36,7 @@ _MAX_DIRS = 10_000  # refs/dispatchd/displaced is ours, but a session may have f
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
+_MAX_SAME_SECOND = 1000  # kept names tried for one WHEN (keep_displaced)
 DISPLACED = "refs/dispatchd/displaced/"  # a moved ref's value kept as DISPLACED + TIME/NAME: git log finds it
 
 
@@ -49,8 +50,22 @@ def keep_displaced(common: str, when: str, name: str, value: str) -> str:
     daemon moved or deleted it, kept as ``refs/dispatchd/displaced/WHEN/NAME``:
     what it names stays reachable (``git gc`` keeps it, ``git log`` shows it).
     Returns the name it is kept under. The one writer of such refs: the
-    end's put back and a checkpoint's restore name them alike."""
-    kept = f"{DISPLACED}{when}/{name}"
+    end's put back and a checkpoint's restore name them alike.
+
+    WHEN is to the second: where that name already keeps another value (two
+    restores, or a restore and an end, in the same second), ``WHEN.2``,
+    ``WHEN.3``, ... are taken instead, so that no kept value is ever written
+    over; where it keeps this very value (a restore finished again after a
+    daemon's death, under its record's WHEN), the same name is written."""
+    # Here, not at the top: refsback writes through this module.
+    from dispatchd.daemon.gitguard.refsback import read_refs
+    for n in range(1, _MAX_SAME_SECOND + 1):
+        kept = f"{DISPLACED}{when if n == 1 else f'{when}.{n}'}/{name}"
+        held = read_refs(common, (kept,)).get(kept)  # packed-refs too: git gc packs them
+        if held is None or held == value:
+            break
+    else:
+        kept = f"{DISPLACED}{when}.{secrets.token_hex(4)}/{name}"  # past the bound: a name nobody holds
     write_ref(common, kept, value)
     return kept
 
