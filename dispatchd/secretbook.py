@@ -12,8 +12,10 @@ Guarantees:
   reports it keeps live); ``text`` replaces each value by
   ``[secret NAME]`` (``dispatchd/redact.py``: in any ASCII case);
 - every ``Secrets`` not yet ended is held in ``BOOK``, and ``LogRedaction``
-  redacts every log record (message, traceback, stack) with all that
-  ``BOOK`` holds, before any handler writes it;
+  redacts every log record with all that ``BOOK`` holds, before any handler
+  writes it: the daemon's own lines in their values (arguments, never the
+  constant template: the log stays readable by its keys), any other
+  logger's line whole, a traceback or stack whole;
 - values live in memory only: nothing here writes one anywhere. Text kept
   for later (a domain's reports) is redacted when it is recorded, so it
   stays redacted once the secrets are forgotten. A daemon that died took
@@ -120,7 +122,16 @@ def scrubbed(items: list[_Item], secrets: Secrets) -> list[_Item]:
 
 
 class LogRedaction(logging.Filter):
-    """On a handler: every record redacted with all that ``book`` holds."""
+    """On a handler: every record redacted with all that ``book`` holds.
+
+    The daemon's own lines (loggers ``dispatchd.*``: a constant template,
+    ``event=NAME key=%s ...``, and the values as arguments) have their
+    arguments redacted, never the template: a secret that is a word of the
+    template (``event``, ``session``) would otherwise turn every line of
+    every session into ``[secret A]=...`` for as long as it is held, and
+    the log could no longer be read by its keys. Any other logger's line
+    (a library's, formatted before it reaches us) is redacted whole. A
+    traceback and a stack are redacted whole in either case."""
 
     def __init__(self, book: Book = BOOK) -> None:
         super().__init__()
@@ -130,11 +141,18 @@ class LogRedaction(logging.Filter):
         redactor = self._book.redactor()
         if redactor is None:
             return True
-        try:
-            message = record.getMessage()
-        except Exception:  # noqa: BLE001 (a bad format: the handler reports it, as without us)
-            return True
-        record.msg, record.args = redactor.text(message), None
+        if record.name == "dispatchd" or record.name.startswith("dispatchd."):
+            args = record.args
+            if isinstance(args, Mapping):
+                record.args = {k: _argument(redactor, v) for k, v in args.items()}
+            elif args:
+                record.args = tuple(_argument(redactor, v) for v in args)
+        else:
+            try:
+                message = record.getMessage()
+            except Exception:  # noqa: BLE001 (a bad format: the handler reports it, as without us)
+                return True
+            record.msg, record.args = redactor.text(message), None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
@@ -142,3 +160,31 @@ class LogRedaction(logging.Filter):
         if record.stack_info:
             record.stack_info = redactor.text(record.stack_info)
         return True
+
+
+class _Shown:
+    """A log argument whose text held a secret, shown redacted by ``%s``
+    and ``%r`` alike."""
+
+    __slots__ = ("_repr", "_str")
+
+    def __init__(self, text: str, shown: str) -> None:
+        self._str, self._repr = text, shown
+
+    def __str__(self) -> str:
+        return self._str
+
+    def __repr__(self) -> str:
+        return self._repr
+
+
+def _argument(redactor: Redactor, value: object) -> object:
+    """``value`` as a log line may show it, redacted. A number is left as
+    it is (``%d`` needs one): no secret's value is looked for in a count."""
+    if isinstance(value, str):
+        return redactor.text(value)
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    text, shown = str(value), repr(value)
+    red_text, red_shown = redactor.text(text), redactor.text(shown)
+    return value if (red_text, red_shown) == (text, shown) else _Shown(red_text, red_shown)

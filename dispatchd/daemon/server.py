@@ -49,6 +49,7 @@ from dispatchd.daemon.capacity import OpenFiles
 from dispatchd.daemon.sessions import Session, SessionManager
 from dispatchd.errors import DispatchdError
 from dispatchd.kernel import KernelFeatures
+from dispatchd.secretbook import BOOK
 from dispatchd.tools import native
 from dispatchd.catalogue import schemas_for
 
@@ -77,6 +78,16 @@ class _Conn:
     frames: protocol.FrameSocket
     conn_id: int
     greeted: bool = False
+
+
+def _said(message: str) -> str:
+    """An error's message as a client is told it: redacted with every secret
+    the daemon holds (``secretbook.BOOK``). An error can name what session
+    code chose (a path a checkpoint could not read), and not only that
+    session's: a directory another session left on the same worktree, named
+    after its secret, is in the next checkpoint's refusal of any session."""
+    redactor = BOOK.redactor()
+    return redactor.text(message) if redactor is not None else message
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -364,10 +375,11 @@ class Server:
                 return protocol.Attached(id=rid, session=info, tools=tools), [sock]
             return self._route(req, conn_id), []
         except DispatchdError as exc:
-            return protocol.ErrorReply(id=rid, code=exc.code, message=exc.message), []
+            return protocol.ErrorReply(id=rid, code=exc.code, message=_said(exc.message)), []
         except Exception as exc:  # a bug: say so, keep serving
             log.exception("event=internal_error request=%s", type(req).__name__)
-            return protocol.ErrorReply(id=rid, code="internal", message=f"internal error: {type(exc).__name__}: {exc}"), []
+            return protocol.ErrorReply(id=rid, code="internal",
+                                       message=_said(f"internal error: {type(exc).__name__}: {exc}")), []
 
     def _open(self, req: protocol.OpenSession, conn_id: int, attach: bool = False) -> Session:
         return self.manager.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports,

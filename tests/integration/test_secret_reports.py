@@ -142,3 +142,35 @@ def test_a_refused_host_named_after_a_secret_is_redacted(tmp_path_factory: pytes
         assert (token.lower() in log.lower()) is not as_secret
     finally:
         assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("as_secret", [True, False], ids=["secret", "plain-variable"])
+@pytest.mark.parametrize("mode", ["000", "444"])
+def test_a_checkpoint_s_refusal_naming_a_secret_is_redacted_for_every_session(
+        fdaemon: Daemon, fclient: dispatch.Client, worktree: Path, as_secret: bool, mode: str) -> None:
+    """Y, given the secret, leaves a directory named after it that cannot be
+    read (000) or searched (0444), and ends; X, on the same worktree and
+    never given the secret, asks for a checkpoint: the refusal names the
+    directory redacted, in the client's error and in the CLI's. The twin: a
+    plain variable's value is named as is. Either way a clear refusal, never
+    an internal error."""
+    given = {"secrets": {"TOK": TOKEN}} if as_secret else {"env": {"TOK": TOKEN}}
+    shown = "d_[secret TOK]" if as_secret else f"d_{TOKEN}"
+    why = ("a directory that cannot be read" if mode == "000" else
+           "a directory whose entries cannot be looked at (no search permission; chmod u+x it)")
+    with fdaemon.connect() as other, other.open_session(str(worktree)) as x:
+        y = fclient.open_session(str(worktree), **given)  # type: ignore[arg-type]
+        r = shell(y, f'mkdir "d_$TOK" && touch "d_$TOK/f" && chmod {mode} "d_$TOK" && echo ok')
+        assert r.output == "ok\n", (r.output, r.error)
+        y.close()
+        try:
+            with pytest.raises(dispatch.DispatchError) as refused:
+                x.checkpoint()
+            assert refused.value.code == "checkpoint_refused", refused.value
+            assert f"checkpoint refused: {shown}: {why}" in str(refused.value)
+            assert (TOKEN in str(refused.value)) is not as_secret
+            out = run(fdaemon, "session", "checkpoint", x.id)
+            assert out.returncode != 0 and f"{shown}: {why}" in out.stderr, (out.stdout, out.stderr)
+            assert (TOKEN in out.stdout + out.stderr) is not as_secret
+        finally:
+            (worktree / f"d_{TOKEN}").chmod(0o755)

@@ -82,6 +82,9 @@ def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint", *,
                 target = os.readlink(name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else b""
             except FileNotFoundError:
                 continue
+            except PermissionError:  # listed, but not searchable (read without execute: 0444)
+                raise Refused(f"{verb} refused: {os.fsdecode(rel) or '.'}: a directory whose entries cannot be "
+                              f"looked at (no search permission; chmod u+x it)") from None
             made = _entry(path, st, os.fsencode(target) if isinstance(target, str) else target)
             if made is not None:
                 entries.append(made)
