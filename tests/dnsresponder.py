@@ -1,7 +1,8 @@
 """A tiny DNS responder on the host's loopback, for the DNS relay's tests and
 its benchmark (bench/dns.py): UDP and TCP on 127.0.0.1, one port of its own.
 ``NAME`` answers ``ADDRESS`` (TEST-NET-1: never connected to); its other
-types NOERROR with no record; every other name NXDOMAIN."""
+types NOERROR with no record; ``SILENT`` is never answered (a zone whose
+servers do not answer); every other name NXDOMAIN."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ import threading
 from tests.listeners import accepted
 
 NAME, ADDRESS = "testname.example", "192.0.2.55"
+SILENT = "silent.example"
+
+
+def _name(query: bytes) -> str:
+    end, labels = 12, []
+    while query[end]:
+        labels.append(query[end + 1 : end + 1 + query[end]].decode().lower())
+        end += 1 + query[end]
+    return ".".join(labels)
 
 
 def _answer(query: bytes) -> bytes:
@@ -65,7 +75,8 @@ class Responder:
                 if not query:
                     return  # shut down
                 self.udp_queries += 1
-                self.udp.sendto(_answer(query), peer)
+                if _name(query) != SILENT:
+                    self.udp.sendto(_answer(query), peer)
         except OSError:
             return  # stopped
 
@@ -79,6 +90,8 @@ class Responder:
                 except (OSError, struct.error):
                     continue
                 self.tcp_queries += 1
+                if _name(query) == SILENT:
+                    continue
                 reply = _answer(query)
                 try:
                     conn.sendall(struct.pack("!H", len(reply)) + reply)

@@ -35,7 +35,7 @@ import msgspec
 from dispatch._checkpoints import SessionCheckpoints  # checkpoint(), checkpoints(), restore()
 from dispatch._definition import ToolFunc
 from dispatch._lost import HELD_S, LOST_WAIT_S, Channel, cause, hung_up, refusal
-from dispatch._transport import Connection, OutputCallback
+from dispatch._transport import Connection, NotWritten, OutputCallback
 from dispatch.errors import ConnectionLost, DispatchError, NotSent, RequestFailed, RequestTimeout
 from dispatch.tools import Definition, Registry, Result
 from dispatchd import protocol
@@ -245,9 +245,13 @@ class Session(SessionCheckpoints):
         return self._call(name, params, on_output, cancellation)
 
     def _call(self, name: str, params: dict[str, Any], on_output: OutputCallback | None,
-              cancellation: Cancellation | None) -> Result:
+              cancellation: Cancellation | None, again: bool = True) -> Result:
         """``call_tool``, its arguments positional: what a registry's call
-        runs (keyword arguments cost a Python call about 400 instructions more)."""
+        runs (keyword arguments cost a Python call about 400 instructions more).
+        ``again``: a call whose request never reached the sandbox (its channel
+        had closed: another client's switch replaced the sandbox) is sent
+        once more, to the sandbox attached now; one that was sent and then
+        lost is not (it may have run: ``_lost`` says why it went)."""
         channel = self._channel  # one read (atomic); the lock only when it has to change
         if channel is None or channel._broken is not None:
             with self._lock:
@@ -286,6 +290,9 @@ class Session(SessionCheckpoints):
         except RequestFailed as exc:
             return Result.failure(f"{name}: {exc.message}", {"refused": exc.code})
         except ConnectionLost as exc:
+            if again and isinstance(exc, NotWritten) and self._client._bridge_gone() is None \
+                    and self._attached_again(channel):
+                return self._call(name, params, on_output, cancellation, False)  # nothing of it ran
             return self._lost(name, exc, channel)
         except NotSent as exc:
             return Result.failure(f"{name}: the arguments cannot be sent: {exc}")
@@ -313,6 +320,21 @@ class Session(SessionCheckpoints):
             fields["metadata"] = MappingProxyType(reply.metadata)
             return result
         return Result._from_wire(False, reply.error or "failed", reply.metadata)
+
+    def _attached_again(self, channel: Channel) -> bool:
+        """After ``channel`` failed: a new channel to the session's sandbox,
+        unless this handle was closed or the session has ended (``_lost``
+        then asks, and says what the daemon said)."""
+        with self._lock:
+            now = self._channel
+            if now is None:
+                return False
+            if now is channel or now.broken:
+                try:
+                    self._attach()
+                except DispatchError:
+                    return False
+            return True
 
     def _tracker(self, channel: Connection, cancellation: Cancellation | None,
                  sent: list[int]) -> Callable[[int], None]:

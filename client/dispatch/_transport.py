@@ -12,6 +12,10 @@ Guarantees:
 - every wait is bounded: a socket call blocks a tick at most, and a request
   gives up at its own deadline (``RequestTimeout``); a frame cut in the
   middle fails the connection, never the next request;
+- a request lost before any byte of it was written (the peer had closed,
+  or the connection was failed already) raises ``NotWritten``, a
+  ``ConnectionLost`` the peer never saw: sending it again elsewhere cannot
+  run it twice;
 - frames are the protocol's own (``dispatchd.protocol``: its length prefix
   and size limit), written out here only to save Python calls.
 """
@@ -39,7 +43,16 @@ from dispatch.errors import (
 )
 from dispatchd import paths, protocol
 
-__all__ = ["Connection", "OutputCallback", "connect_within", "try_connect"]
+__all__ = ["Connection", "NotWritten", "OutputCallback", "connect_within", "try_connect"]
+
+
+class NotWritten(ConnectionLost):
+    """The connection was lost before any byte of the request was written:
+    the peer never saw it."""
+
+
+class _Unwritten(OSError):
+    """A send failed with nothing of the frame written (``_send``, ``request``)."""
 
 _PENDING = object()
 # protocol.encode's parts, for request's written-out copy.
@@ -119,7 +132,7 @@ class Connection:
         lock.acquire()
         try:
             if self._broken is not None:
-                raise ConnectionLost(str(self._broken))
+                raise NotWritten(str(self._broken))
             # Nobody reads (a lone caller, the usual case): this caller is the
             # reader from here, and reads its reply as soon as it is sent,
             # without a second trip through the lock in _wait. Nobody can
@@ -146,6 +159,9 @@ class Connection:
                     done = self._frames.sock.send(frame)
                 except (BlockingIOError, TimeoutError):  # nothing was sent in this tick
                     done = 0
+                except OSError as exc:  # EPIPE: the peer had closed, and never saw a byte of it
+                    send_lock.release()
+                    raise _Unwritten(exc.errno, exc.strerror) from exc
                 except BaseException:
                     send_lock.release()
                     raise
@@ -161,7 +177,7 @@ class Connection:
             self._fail(refusal or exc)
             if refusal is not None:
                 raise refusal from exc
-            raise ConnectionLost(str(exc)) from exc
+            raise (NotWritten if isinstance(exc, _Unwritten) else ConnectionLost)(str(exc)) from exc
         except BaseException:  # RequestTimeout, or an interrupt
             self._forget(rid)
             if reader:
@@ -272,11 +288,10 @@ class Connection:
         if done < 0 and not lock.acquire(False) and not lock.acquire(
                 timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
             raise RequestTimeout("could not send within the wait (another request is stuck sending)")
+        sent, view = max(done, 0), None
         try:
             sock = self._frames.sock
-            if done >= 0:
-                sent = done
-            else:
+            if done < 0:
                 try:
                     sent = sock.send(frame)  # a request is small: one send takes it whole
                 except (BlockingIOError, TimeoutError):  # nothing was sent in this tick
@@ -292,6 +307,10 @@ class Connection:
                         if len(view) < len(frame):
                             self._fail(ConnectionLost("a request was cut in the middle by its timeout"))
                         raise RequestTimeout("the peer takes nothing (stopped?)") from None
+        except OSError as exc:
+            if sent == 0 and (view is None or len(view) == len(frame)):  # not a byte of it written
+                raise _Unwritten(exc.errno, exc.strerror) from exc
+            raise
         finally:
             self._send_lock.release()
 

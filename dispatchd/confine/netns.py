@@ -6,6 +6,8 @@ inside it) and no other interface: nothing outside is reachable.
 ``open_proxy_listener`` makes, in that namespace, the listening socket whose
 connections the daemon's proxy serves (network "domains"): a socket of this
 namespace, so no other session or user can reach it.
+``links_up`` names the interfaces of this namespace that are up but its
+loopback: what the daemon looks for once a session's stack was stopped.
 
 One ioctl (SIOCSIFFLAGS) rather than pyroute2: measured on this machine kind,
 0.35 ms against 6-7 ms for pyroute2's ``IPRoute``, which alone would take most
@@ -33,6 +35,27 @@ def apply_loopback() -> None:
             fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh14x", b"lo", flags | IFF_UP))
     except OSError as exc:
         raise ConfinementError("network: loopback up", exc.errno, "lo") from exc
+
+
+def links_up() -> list[str]:
+    """The interfaces of this process's network namespace that are up, its
+    loopback aside. A fallback tunnel the kernel adds to every namespace
+    (``sit0`` and the like, where their modules are loaded) is down, and no
+    process of a session holds the capability to bring one up: only an
+    interface up carries a byte out. Raises ``OSError``."""
+    up = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            if name == "lo":
+                continue
+            try:
+                req = struct.pack("16sh14x", name.encode(), 0)
+                flags = struct.unpack("16sh14x", fcntl.ioctl(s, SIOCGIFFLAGS, req))[1]
+            except OSError:  # gone since it was listed
+                continue
+            if flags & IFF_UP:
+                up.append(name)
+    return up
 
 
 def open_proxy_listener(port: int) -> int:

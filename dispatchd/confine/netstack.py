@@ -7,7 +7,9 @@ Guarantees, in full mode (user namespaces) with a stack available:
   start outside the sandbox, attached to that namespace (``start_stack``),
   and ends (SIGKILL, waited for) with the session and on every switch to
   "off"; a child of the fork server, it dies with it, so a daemon killed with
-  SIGKILL leaves none behind;
+  SIGKILL leaves none behind; at a switch to "off", what it forked is ended
+  too, and the namespace looked into (``links_up_in``) before the switch
+  returns (daemon/sessionnet.py);
 - the stack is confined whichever it is (confine/stacks.py: which one runs,
   and how each is confined);
 - with the stack ended, its tap device is gone: the namespace has only its
@@ -337,6 +339,23 @@ def apply_rules_in(userns_fd: int, netns_fd: int, rules: str) -> str:
     if lib.nft_run_cmd_from_buffer(ctx, rules.encode()) != 0:
         return "nft: " + (lib.nft_ctx_get_error_buffer(ctx) or b"failed").decode(errors="replace").strip()
     return ""
+
+
+def links_up_in(userns_fd: int, netns_fd: int) -> str:
+    """In a fresh single-threaded child (of the fork server), as
+    ``apply_rules_in``: join the session's namespaces and name the interfaces
+    up there but its loopback (``netns.links_up``). Returns "" when there is
+    none, else what is up, or why it could not be looked at: both mean the
+    way out is not known to be gone."""
+    from dispatchd.confine import _sys, netns
+
+    try:
+        _sys.setns(userns_fd, _sys.CLONE_NEWUSER)
+        _sys.setns(netns_fd, _sys.CLONE_NEWNET)
+        up = netns.links_up()
+    except OSError as exc:
+        return f"its network namespace could not be looked at: {exc.strerror}"
+    return f"{', '.join(up)} still up" if up else ""
 
 
 def open_dns_sockets_in(userns_fd: int, netns_fd: int) -> tuple[int, int]:

@@ -9,7 +9,9 @@ answered SERVFAIL), ``MAX_PER_WINDOW`` datagrams and connections taken a
 ``RATE_WINDOW_S``, ``MAX_TCP`` connections each idle at most ``TCP_IDLE_S``;
 an upstream gets ``UPSTREAM_TIMEOUT_S``, a query ``QUERY_DEADLINE_S`` in
 all; after ``stop`` nothing more is sent upstream (the send happens under
-the door's lock, after a look at ``stopped``).
+the door's lock, after a look at ``stopped``). Its queries' last word
+(answered, or why not) is its own session's (``warning``): another
+session's lookups neither set nor clear it.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ class Relay(Protocol):
 
     resolvers: HostResolvers
 
-    def note(self, problem: str, servers: list[Server] | None = None) -> None: ...
+    def queried(self, problem: str) -> None: ...
+
+    def warning(self, problem: str | None = None) -> str: ...
 
     def resolve_tcp(self, door: Door, query: bytes) -> bytes | None: ...
 
@@ -77,6 +81,9 @@ class Door:
         self.conns: set[socket.socket] = set()
         self.queries = 0
         self.failed = 0  # answered SERVFAIL because no resolver answered
+        # Its queries' last word: why no resolver answered the last one, ""
+        # once one did; None before any (the relay's check at the open stands).
+        self.problem: str | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         # Read only when select says so, and never waited on: a datagram or a
         # connection gone meanwhile cannot hold the serving thread.
@@ -102,6 +109,25 @@ class Door:
                 pass
         if self._thread is not threading.current_thread():
             self._thread.join(5.0)
+
+    def note(self, problem: str) -> None:
+        """A query's word, this session's alone ("" once a resolver answered)."""
+        with self.lock:
+            changed = problem != self.problem
+            self.problem = problem
+        self.relay.queried(problem)
+        if changed:
+            if problem:
+                log.warning("event=dns_unanswered session=%s why=%s", self.session, problem)
+            else:
+                log.info("event=dns_answers session=%s", self.session)
+
+    def warning(self) -> str:
+        """What the session's status warns of: its own queries' last word,
+        else the relay's check (made at its open or switch)."""
+        with self.lock:
+            problem = self.problem
+        return self.relay.warning(problem)
 
     def take(self) -> bool:
         with self.lock:
@@ -231,7 +257,7 @@ class Door:
             return
         if p.index < len(p.servers):
             p.errors.append("no answer within the relay's deadline")
-        self.relay.note("; ".join(p.errors))
+        self.note("; ".join(p.errors))
         with self.lock:
             self.failed += 1
         self._send_udp(error_reply(p.query, RCODE_SERVFAIL), p.peer)
@@ -254,7 +280,7 @@ class Door:
         if not matches(p.sent, reply):
             return  # not an answer to this query: still waiting
         self._drop(poller, pending, fd)
-        self.relay.note("")
+        self.note("")
         self._send_udp(with_id(reply, p.query[:2]), p.peer)
         self.done()
 

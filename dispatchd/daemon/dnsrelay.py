@@ -29,7 +29,9 @@ Guarantees:
   ``stopped``, which ``stop`` sets under the same lock);
 - ``check`` says whether any of the host's resolvers answers (a query for
   the root's NS records; any reply counts): an open or a switch to ``on`` or
-  ``ports`` whose DNS would not answer says so (``SessionInfo.warnings``).
+  ``ports`` whose DNS would not answer says so (``SessionInfo.warnings``);
+  afterwards a session's status follows its own door's last query
+  (``Door.warning``), never another session's.
 
 ``network ports``: the door is on the session's loopback, which the
 ``ports`` rules let through, so DNS through the relay works whatever ports
@@ -132,7 +134,7 @@ class DoorAhead:
             return
         door = self.relay.open_door(self.session, udp, tcp)
         stack.with_it.append(door.stop)
-        stack.warning = self.relay.warning
+        stack.warning = door.warning  # its own queries' word, else the relay's check
         log.debug("event=dns_door_opened session=%s by=%s waited_ms=%.2f", self.session, self.by,
                   (time.perf_counter() - started) * 1000)
 
@@ -235,27 +237,36 @@ class DnsRelay:
         return Door(self, session, udp, tcp)
 
     def problem(self) -> str:
-        """"" when the last query or check got a reply; else what went wrong."""
+        """"" when the last check got a reply; else what went wrong."""
         with self._lock:
             return self._problem
 
-    def note(self, problem: str, servers: list[Server] | None = None) -> None:
-        """The relay's last word: ``problem`` ("" once a resolver answered).
-        With ``servers``, a check's, which stands for a while (``begin_check``);
-        without, a query's, after which the next open checks again."""
+    def note(self, problem: str, servers: list[Server]) -> None:
+        """A check's word, the relay's: ``problem`` ("" once a resolver
+        answered), which stands for a while (``begin_check``). A session's
+        queries have their own (``Door.note``)."""
         with self._lock:
             changed = problem != self._problem
             self._problem = problem
-            self._checked = (time.monotonic(), servers, not problem) if servers is not None else None
+            self._checked = (time.monotonic(), servers, not problem)
         if changed:
             if problem:
                 log.warning("event=dns_unanswered why=%s", problem)
             else:
                 log.info("event=dns_answers")
 
-    def warning(self) -> str:
-        """The text a session's status carries while DNS does not answer."""
-        problem = self.problem()
+    def queried(self, problem: str) -> None:
+        """A session's query had its word: the check kept no longer stands,
+        and the next open asks for itself. The relay's own word (what opens
+        say) is left as it is: one session's lookups say nothing of another's."""
+        with self._lock:
+            self._checked = None
+
+    def warning(self, problem: str | None = None) -> str:
+        """The text a session's status carries while DNS does not answer:
+        of ``problem`` (a door's word), else of the relay's last check."""
+        if problem is None:
+            problem = self.problem()
         return (f"DNS does not answer: no resolver of the host's answers ({problem}); names will not resolve "
                 f"in this session (lookups fail at once) until one does") if problem else ""
 
@@ -302,9 +313,9 @@ class DnsRelay:
                 continue
             if reply is None:
                 return None  # the door closed: nothing sent
-            self.note("")
+            door.note("")
             return reply
-        self.note("; ".join(errors))
+        door.note("; ".join(errors))
         with door.lock:
             door.failed += 1
         return error_reply(query, RCODE_SERVFAIL)

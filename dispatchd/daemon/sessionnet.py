@@ -6,7 +6,9 @@ Guarantees:
 - a bad request (an unknown mode, a port out of range, ports or domains for
   a mode that has none) is refused before anything changes;
 - ``apply_network`` keeps the session's processes: a stack the new mode has
-  none of is ended first (killed and reaped before it returns), the new
+  none of is ended first (killed and reaped before it returns, with what
+  it forked; its interface seen gone from the namespace, else
+  ``ConfinementError``, and the switch ends the session), the new
   rules are committed before a stack starts; rules nft refuses raise
   ``ConfinementError("network: nftables")``;
 - ``stop_network`` is the way out gone: from its return no byte of the
@@ -177,8 +179,7 @@ class SessionNetworks:
         if new is None or not new.namespace:
             return
         if not new.stack and session.stack is not None:
-            session.stack.stop()
-            session.stack = None
+            self._stop_stack(session)
         if new.rules != (old.rules if old is not None else ""):
             try:
                 # No rules of the new mode's own: the old mode's table goes.
@@ -209,6 +210,27 @@ class SessionNetworks:
             log.debug("event=stack_started session=%s pid=%s", session.id, session.stack.pid)
             if door is not None:
                 door.open_with(session.stack)
+
+    def _stop_stack(self, session: Session | Made) -> None:
+        """The stack ended, and the way out known to be gone: a stack can fork
+        (slirp4netns must, at its start: docs/network.md, "A stack that
+        forks"), and a process it forked holds its tap device as well as it
+        did. The fork server ends whatever it left behind, then looks in the
+        session's namespace: an interface still up there, or a look that
+        could not be made, fails the switch, which ends the session
+        (``Switching._switch_failed``), never a session said to be off with
+        a way out."""
+        stack, session.stack = session.stack, None
+        if stack is None:
+            return
+        stack.stop()
+        try:
+            self.fork_server.net_closed(*namespaces(session))
+        except SpawnError as exc:
+            log.error("event=stack_outlived session=%s stack=%s pid=%s error=%s", session.id, stack.name,
+                      stack.pid, exc)
+            raise ConfinementError("network: stop " + stack.name,
+                                   detail=f"its way out is not gone ({exc}); the session was ended") from exc
 
     def begin_dns_check(self, plan: SessionPlan) -> Check | None:
         """``check_dns``'s queries, sent as soon as an open has its plan (one

@@ -327,6 +327,12 @@ class ForkServerClient:
         ``netstack.apply_rules_in``); raises ``SpawnError`` with nft's message."""
         self._request(lambda rid: protocol.NetRules(id=rid, rules=rules), [userns_fd, netns_fd])
 
+    def net_closed(self, userns_fd: int, netns_fd: int) -> None:
+        """Once a session's stack was stopped: what it left behind ended, and
+        no interface but the loopback up in its namespaces (see
+        ``netstack.links_up_in``); raises ``SpawnError`` saying what is."""
+        self._request(lambda rid: protocol.NetClosed(id=rid), [userns_fd, netns_fd])
+
     def dns_sockets(self, userns_fd: int, netns_fd: int) -> tuple[socket.socket, socket.socket]:
         """The DNS relay's door in a session's namespaces (see
         ``netstack.open_dns_sockets_in``): its UDP socket and TCP listener."""

@@ -12,7 +12,7 @@ Four modules, one job each, all re-exported here (``protocol.Hello``,
 - ``internal``: the daemon and its own processes. daemon <-> worker:
   ``WorkerReady``/``WorkerFailed`` once, then ``AddChannel`` and the rest;
   daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``;
-  ``StartStack`` / ``Spawned``; ``DnsSockets`` / ``DnsDoor``.
+  ``NetClosed`` / ``OkReply``; ``StartStack`` / ``Spawned``; ``DnsSockets`` / ``DnsDoor``.
 - ``frames``: length-prefixed frames with a maximum size, the codec, fd
   passing, and ``FrameSocket.recv_request``, through which both servers read.
 
@@ -61,6 +61,7 @@ from dispatchd.protocol.internal import (
     WriteLockGranted,
     FromWorker,
     NetRules,
+    NetClosed,
     DnsSockets,
     DnsDoor,
     SetCommandEnv,
@@ -165,6 +166,7 @@ __all__ = [
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
+    "NetClosed",
     "WriteLockGranted",
     "SetCommandEnv", "NetworkDenied", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed",
     "WatchHeld",

@@ -21,7 +21,7 @@ Two conversations:
   ``WorkerPooled``, then ``AdoptSession`` first),
   then ``AddChannel``, write-lock requests and grants, call records, ``Drain``.
 - daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``;
-  ``DnsSockets`` / ``DnsDoor``.
+  ``NetClosed`` / ``OkReply``; ``DnsSockets`` / ``DnsDoor``.
 """
 
 from __future__ import annotations
@@ -318,6 +318,15 @@ class NetRules(_Msg, tag="net_rules", frozen=True):
     id: int
     rules: str
 
+
+class NetClosed(_Msg, tag="net_closed", frozen=True):
+    """Sent with two fds, a session's user and network namespaces, once its
+    stack was stopped: end every process that stack left behind, then look
+    in there (``netstack.links_up_in``). Answered by ``OkReply`` when only
+    the loopback is up, else ``ErrorReply`` naming what is."""
+
+    id: int
+
 class StartStack(_Msg, tag="start_stack", frozen=True):
     """Sent with four fds, a session's user and network namespaces, the write
     end of the readiness pipe and the file for its stderr: start the network
@@ -360,7 +369,7 @@ class WakeWorker(_Msg, tag="wake_worker", frozen=True):
     kit: int  # how many fds of the kit follow the control channel
 
 
-ForkServerRequest = Union[SpawnWorker, NetRules, StartStack, WakeWorker, DnsSockets]
+ForkServerRequest = Union[SpawnWorker, NetRules, NetClosed, StartStack, WakeWorker, DnsSockets]
 ForkServerReply = Union[Spawned, OkReply, ErrorReply, DnsDoor]
 
 fork_server_request_decoder = msgspec.msgpack.Decoder(ForkServerRequest)  # daemon -> fork server

@@ -11,7 +11,9 @@ Seccomp programs are compiled here once per plan and only installed in the
 worker. The fork server dies with the daemon, and the workers with it; so do
 the sessions' network stacks, which it starts (``StartStack``) with a
 parent-death signal a multi-threaded daemon could not give them. It commits
-nftables rules from a child that joins a session's namespaces (``NetRules``).
+nftables rules from a child that joins a session's namespaces (``NetRules``),
+and, once a session's stack was stopped, ends what it left behind and looks
+in there that no interface but the loopback is up (``NetClosed``).
 It is also a child subreaper, and ends any process that lands on it but a
 session's first one or a stack: the orphans of a session whose init was killed.
 
@@ -27,6 +29,7 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
@@ -43,6 +46,7 @@ from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-imp
 from dispatchd.worker.session_init import run_session
 
 ORPHAN_SWEEP_S = 0.5
+LEFT_BEHIND_S = 2.0  # a SIGKILLed process has exited long before this
 
 
 def _reap(workers: set[int]) -> None:
@@ -56,7 +60,7 @@ def _reap(workers: set[int]) -> None:
         workers.discard(pid)
 
 
-def _sweep_orphans(workers: set[int]) -> None:
+def _sweep_orphans(workers: set[int]) -> list[int]:
     """Kill every child that is not a session's first process.
 
     The fork server is a child subreaper: a process of a session whose init
@@ -71,37 +75,87 @@ def _sweep_orphans(workers: set[int]) -> None:
     try:
         fd = os.open(f"/proc/{me}/task/{me}/children", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return
+        return []
     try:
         raw = b"".join(iter(lambda: os.read(fd, 65536), b""))
     except OSError:
-        return
+        return []
     finally:
         os.close(fd)
+    killed = []
     for pid in map(int, raw.split()):
         if pid not in workers:
             try:
                 os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
             except ProcessLookupError:
                 pass
+    return killed
+
+
+def _end_left_behind(workers: set[int], deadline_s: float = LEFT_BEHIND_S) -> list[int]:
+    """``_sweep_orphans`` until nothing is left, each one waited for: what a
+    stack just stopped had forked (its children come here when it dies, and
+    theirs when they do) has exited on return, its tap descriptor closed
+    with it. Bounded by ``deadline_s``: what is still alive then is for the
+    caller's look into the namespace to find. Returns the pids ended."""
+    ended: list[int] = []
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        killed = _sweep_orphans(workers)
+        if not killed:
+            break
+        ended += killed
+        for pid in killed:
+            # Ours now (reparented): waited for, so that its descriptors
+            # are closed, and its children reparented here, on return.
+            while time.monotonic() < deadline:
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] != 0:
+                        break
+                except ChildProcessError:
+                    break
+                time.sleep(0.001)
+    return ended
+
+
+def _net_closed(req: protocol.NetClosed, frames: protocol.FrameSocket,
+                workers: set[int]) -> protocol.OkReply | protocol.ErrorReply:
+    """A session's stack was stopped: end what it left behind (a taken-over
+    stack that forked), said on stderr (the daemon's log), then look into
+    the session's namespace from a child that joins it."""
+    ended = _end_left_behind(workers)
+    if ended:
+        print(f"dispatchd: fork server: ended {len(ended)} process(es) a stopped network stack had left "
+              f"behind (pids {' '.join(map(str, ended))})", file=sys.stderr, flush=True)
+    return _in_namespaces(req.id, frames, netstack.links_up_in)
 
 
 def _net_rules(req: protocol.NetRules, frames: protocol.FrameSocket) -> protocol.OkReply | protocol.ErrorReply:
-    """Commit a session's nftables rules from a child that joins its
-    namespaces: setns into a user namespace needs a single-threaded caller,
-    which a fork of this process is, and the child (never the session) holds
-    the capability there. Waited for here: a few milliseconds."""
+    """Commit a session's nftables rules from a child that joins its namespaces."""
+    return _in_namespaces(req.id, frames, lambda userns_fd, netns_fd:
+                          netstack.apply_rules_in(userns_fd, netns_fd, req.rules))
+
+
+def _in_namespaces(rid: int, frames: protocol.FrameSocket,
+                   work: Callable[[int, int], str]) -> protocol.OkReply | protocol.ErrorReply:
+    """``work(userns_fd, netns_fd)`` in a child that joins a session's
+    namespaces (by the two descriptors that came with the request): setns
+    into a user namespace needs a single-threaded caller, which a fork of
+    this process is, and the child (never the session) holds the capability
+    there. ``OkReply`` when it returns "", else ``ErrorReply`` with what it
+    returned. Waited for here: a few milliseconds."""
     try:
         userns_fd, netns_fd = frames.take_fd(), frames.take_fd()
     except protocol.ProtocolError as exc:
-        return protocol.ErrorReply(id=req.id, code="spawn_failed", message=str(exc))
+        return protocol.ErrorReply(id=rid, code="spawn_failed", message=str(exc))
     err_r, err_w = os.pipe()
     try:
         pid = os.fork()
         if pid == 0:
             try:
                 os.close(err_r)
-                error = netstack.apply_rules_in(userns_fd, netns_fd, req.rules)
+                error = work(userns_fd, netns_fd)
                 os.write(err_w, error.encode()[:4000])
                 os._exit(1 if error else 0)
             finally:
@@ -117,9 +171,9 @@ def _net_rules(req: protocol.NetRules, frames: protocol.FrameSocket) -> protocol
             if fd >= 0:
                 os.close(fd)
     if os.waitstatus_to_exitcode(status) == 0:
-        return protocol.OkReply(id=req.id)
-    message = b"".join(chunks).decode(errors="replace") or f"the rules child ended with status {status}"
-    return protocol.ErrorReply(id=req.id, code="spawn_failed", message=message)
+        return protocol.OkReply(id=rid)
+    message = b"".join(chunks).decode(errors="replace") or f"the namespaces' child ended with status {status}"
+    return protocol.ErrorReply(id=rid, code="spawn_failed", message=message)
 
 
 def _dns_sockets(req: protocol.DnsSockets, frames: protocol.FrameSocket) -> None:
@@ -353,6 +407,9 @@ def _serve_one(req: protocol.ForkServerRequest, frames: protocol.FrameSocket, so
     is warmed now (``_warm_workers_code``, before the first spawn)."""
     if isinstance(req, protocol.NetRules):
         frames.send(_net_rules(req, frames))
+        return warmed
+    if isinstance(req, protocol.NetClosed):
+        frames.send(_net_closed(req, frames, workers))
         return warmed
     if isinstance(req, protocol.DnsSockets):
         _dns_sockets(req, frames)

@@ -22,7 +22,7 @@ import pytest
 
 import dispatch
 from tests.conftest import Daemon, probe, shell, wait_for_pool
-from tests.dnsresponder import ADDRESS, NAME, Responder
+from tests.dnsresponder import ADDRESS, NAME, SILENT, Responder
 from tests.integration.test_cli import dispatch_cli
 
 ECONNREFUSED, EPERM, EACCES = 111, 1, 13
@@ -267,6 +267,32 @@ def test_a_resolver_that_does_not_answer_is_said_and_fails_fast(dns_daemon: Daem
         assert s.status()["warnings"] == []
         code, out, _ = getent(s)
         assert (code, out.split()) == (0, [ADDRESS, NAME])
+
+
+def test_a_lookup_unanswered_in_one_session_is_said_in_that_session_only(
+        dns_client: dispatch.Client, tmp_path: Path, responder: Responder) -> None:
+    """The warning follows each session's own lookups: one session's
+    unanswered name does not warn another, and its answered one does not
+    hide another's outage."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    unanswered = (f"DNS does not answer: no resolver of the host's answers (127.0.0.1:{responder.port}: timed out); "
+                  "names will not resolve in this session (lookups fail at once) until one does")
+    with dns_client.open_session(str(tmp_path / "a"), network="on") as a, \
+            dns_client.open_session(str(tmp_path / "b"), network="on") as b:
+        assert a.status()["warnings"] == b.status()["warnings"] == []
+        assert getent(a, SILENT)[:2] == (2, "")
+        assert a.status()["warnings"] == [unanswered]
+        assert b.status()["warnings"] == []  # the twin: B asked nothing unanswered
+        code, out, _ = getent(b)
+        assert (code, out.split()) == (0, [ADDRESS, NAME])
+        assert b.status()["warnings"] == []
+        # B's own outage, then A's answer: B's warning stays, A's goes.
+        assert getent(b, SILENT)[:2] == (2, "")
+        code, out, _ = getent(a)
+        assert (code, out.split()) == (0, [ADDRESS, NAME])
+        assert a.status()["warnings"] == []
+        assert b.status()["warnings"] == [unanswered]
 
 
 def test_the_session_reads_the_relays_resolv_conf(dns_client: dispatch.Client, worktree: Path) -> None:

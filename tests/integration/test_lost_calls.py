@@ -73,6 +73,36 @@ def test_a_call_in_flight_when_a_switch_replaces_the_sandbox_names_the_switch(
             assert (s.status()["sandbox"], s.status()["replaced"]) == (2, "its network was switched")
 
 
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_a_call_made_after_another_clients_switch_runs_once_in_the_new_sandbox(
+        mode_daemon: tuple[str, Daemon], worktree: Path) -> None:
+    """Its request never reached the old sandbox (its channel had closed: a
+    broken pipe), so it is sent once to the new one: it runs, once. The twin,
+    a call in flight through such a switch, is lost (the test above)."""
+    mode, d = mode_daemon
+    network, domains = REPLACING[mode]
+    runs = worktree / "runs"
+    runs.unlink(missing_ok=True)
+    with d.connect() as client, d.connect() as other, client.open_session(str(worktree)) as s:
+        first = shell(s, "echo run >> runs; echo ok")
+        assert first.metadata["stdout"] == "ok\n", first
+        old = d.worker_pid(s.id)
+        assert "the sandbox was replaced" in other.set_network(s.id, network, domains=domains)["note"]
+        assert wait_until(lambda: _gone(old)), "the old sandbox lives on"
+        after = shell(s, "echo run >> runs; echo ok")
+        assert after.is_success and after.metadata["stdout"] == "ok\n", after
+        assert "lost" not in after.metadata
+        assert runs.read_text() == "run\nrun\n"  # the call ran once, in the new sandbox
+        assert (s.info["sandbox"], s.info["replaced"]) == (2, "its network was switched")
+
+
 def test_a_call_whose_tool_server_is_killed_is_not_said_switched(mode_daemon: tuple[str, Daemon],
                                                                   worktree: Path) -> None:
     mode, d = mode_daemon

@@ -266,9 +266,10 @@ def test_the_relay_tries_the_next_resolver_and_says_when_none_answers(door_pair:
             c.send(q)
             assert c.recv(4096)[:4] == b"\x43\x21\x81\x82"  # SERVFAIL, at once
             assert time.monotonic() - started < 20  # not after a resolver's timeout
-            assert relay.warning().startswith(f"DNS does not answer: no resolver of the host's answers "
-                                              f"(127.0.0.1:{dead_port}: Connection refused; 127.0.0.1:{up.port}: "
-                                              "Connection refused)")
+            assert door.warning().startswith(f"DNS does not answer: no resolver of the host's answers "
+                                             f"(127.0.0.1:{dead_port}: Connection refused; 127.0.0.1:{up.port}: "
+                                             "Connection refused)")
+            assert relay.warning() == ""  # the door's session's word, not the relay's
             c.send(query(flags=0x8180))  # a reply, sent to the relay: dropped, nothing forwarded
             c.settimeout(0.3)
             with pytest.raises(TimeoutError):
@@ -382,7 +383,7 @@ def test_an_answered_check_stands_a_second_and_a_querys_word_ends_it(door_pair: 
         assert relay.begin_check().result("s2") == "" and len(up.seen) == 1  # stood: nothing sent
         time.sleep(0.6)
         assert relay.begin_check().result("s3") == "" and len(up.seen) == 2  # past it: asked again
-        relay.note("")  # a session's query answered: the next open asks for itself
+        relay.queried("")  # a session's query answered: the next open asks for itself
         assert relay.begin_check().result("s4") == "" and len(up.seen) == 3
         up.answer = False
         up.refuse()  # refused from now on, the same server: the answer still stands

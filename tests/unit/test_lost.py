@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -101,26 +102,39 @@ def test_a_held_channel_is_not_hung_up_and_says_nothing() -> None:
 class FakeDaemon:
     """Answers each ``Attach`` with the next of ``answers`` (the last one
     again once they run out): ``(sandbox, replaced, peer)``, the peer end
-    "held", "closed" or "refused"; or an exception to raise."""
+    "held", "closed" or "refused", "takes" (reads a call, then closes: the
+    call is lost in flight) or "answers" (replies to a call, ``ran`` counts
+    them); or an exception to raise."""
 
     call_margin = 1.0
 
     def __init__(self, *answers: tuple[int, str, str] | Exception) -> None:
         self.answers = list(answers)
         self.attaches = 0
+        self.ran = 0
         self.held: list[socket.socket] = []
 
     def attached(self, sandbox: int, replaced: str, peer: str) -> tuple[p.Attached, int]:
         ours, theirs = socket.socketpair()
         if peer == "refused":
             p.FrameSocket(theirs).send(p.ErrorReply(id=0, code="busy", message=BUSY))
-        if peer == "held":
+        if peer in ("takes", "answers"):
+            threading.Thread(target=self._serve_one, args=(theirs, peer == "answers"), daemon=True).start()
+        elif peer == "held":
             self.held.append(theirs)
         else:
             theirs.close()
         info = p.SessionInfo(id=SID, worktree="/wt", policy="default", network="off", created=1.5,
                              protections=PROTECTIONS, sandbox=sandbox, replaced=replaced)
         return p.Attached(id=1, session=info, tools=TOOLS), ours.detach()
+
+    def _serve_one(self, sock: socket.socket, answer: bool) -> None:
+        with sock:
+            frames = p.FrameSocket(sock)
+            call = frames.recv(p.channel_request_decoder)
+            if answer and isinstance(call, p.CallTool):
+                self.ran += 1
+                frames.send(p.ToolReply(id=call.id, success=True, output="ran"))
 
     def _daemon_request(self, build: Any) -> tuple[Any, int | None]:
         assert isinstance(build(7), p.Attach)
@@ -167,23 +181,42 @@ def _opened(*answers: tuple[int, str, str] | Exception) -> Iterator[tuple[Sessio
 
 def _lose_a_call(*answers: tuple[int, str, str] | Exception, tool: str = "read_file") -> tuple[Result, FakeDaemon]:
     """A session attached to sandbox 1 whose channel is closed under its
-    call; the daemon then answers each attach with ``answers``."""
-    with _opened((1, "", "closed"), *answers) as (session, daemon):
+    call (the request read, no reply); the daemon then answers each attach
+    with ``answers``."""
+    with _opened((1, "", "takes"), *answers) as (session, daemon):
         return session.registry.get(tool).call({"path": "a.txt"}), daemon
 
 
 def test_a_call_lost_to_a_switch_says_the_switch(fast: None) -> None:
     result, daemon = _lose_a_call((2, p.REPLACED_NETWORK, "held"))
     assert result.error == f"the sandbox of session {SID} went away during read_file: {REPLACED} " \
-                           f"([Errno 32] Broken pipe)", result.error
+                           f"(the peer closed the connection)", result.error
     assert dict(result.metadata) == {"lost": True}
     assert daemon.attaches == 2  # the open's, and one: the daemon's number says it at once
+
+
+def test_a_call_that_never_reached_the_sandbox_is_sent_once_to_the_new_one(fast: None) -> None:
+    """Its channel had closed before it (a broken pipe: another client's
+    switch replaced the sandbox): attached again, sent once, run once. The
+    twin above: a call lost in flight is not sent again."""
+    with _opened((1, "", "closed"), (2, p.REPLACED_NETWORK, "answers")) as (session, daemon):
+        result = session.registry.get("read_file").call({"path": "a.txt"})
+        assert (result.is_success, result.output) == (True, "ran"), result
+        assert (daemon.attaches, daemon.ran) == (2, 1)
+    # Sent again once only: the new channel closed too, and the call is
+    # said lost (the attach after it finds sandbox 3).
+    with _opened((1, "", "closed"), (2, p.REPLACED_NETWORK, "closed"), (3, p.REPLACED_NETWORK, "held")) \
+            as (session, daemon):
+        result = session.registry.get("read_file").call({"path": "a.txt"})
+        assert result.error == f"the sandbox of session {SID} went away during read_file: {REPLACED} " \
+                               "([Errno 32] Broken pipe)", result.error
+        assert (daemon.attaches, daemon.ran) == (3, 0)
 
 
 def test_a_call_lost_by_a_sandbox_not_yet_seen_gone_is_not_said_switched(fast: None) -> None:
     result, daemon = _lose_a_call((1, "", "closed"))
     assert result.error == f"the sandbox of session {SID} went away during read_file: {_stopped(0.3)} " \
-                           f"([Errno 32] Broken pipe)", result.error
+                           f"(the peer closed the connection)", result.error
     assert "switched" not in result.error and "replaced (" not in result.error
     assert daemon.attaches > 2  # asked again while the new channels closed at once
 
@@ -191,7 +224,7 @@ def test_a_call_lost_by_a_sandbox_not_yet_seen_gone_is_not_said_switched(fast: N
 def test_a_call_lost_to_a_busy_sandbox_says_what_it_answered(fast: None) -> None:
     result, _ = _lose_a_call((1, "", "refused"))
     assert result.error == f"the sandbox of session {SID} went away during read_file: " \
-                           f"{_stopped(0.3, f', the last refused (busy: {BUSY})')} ([Errno 32] Broken pipe)"
+                           f"{_stopped(0.3, f', the last refused (busy: {BUSY})')} (the peer closed the connection)"
 
 
 def test_a_session_that_ends_meanwhile_is_said_ended(fast: None) -> None:
@@ -199,21 +232,21 @@ def test_a_session_that_ends_meanwhile_is_said_ended(fast: None) -> None:
                                              "by signal 9 (SIGKILL))")
     result, daemon = _lose_a_call((1, "", "closed"), (1, "", "closed"), ended)
     assert result.error == f"the sandbox of session {SID} went away during read_file: no such session: '{SID}' (it " \
-                           "has ended: its tool server was killed by signal 9 (SIGKILL)) ([Errno 32] Broken pipe)"
+                           "has ended: its tool server was killed by signal 9 (SIGKILL)) (the peer closed the connection)"
     assert daemon.attaches == 4
 
 
 def test_a_sandbox_that_lives_on_is_said_so(fast: None) -> None:
     result, _ = _lose_a_call((1, "", "held"))
     assert result.error == f"the sandbox of session {SID} went away during read_file: {LIVES_ON} " \
-                           f"([Errno 32] Broken pipe)"
+                           f"(the peer closed the connection)"
 
 
 def test_a_write_lost_keeps_its_outcome_unknown(fast: None) -> None:
     result, _ = _lose_a_call((2, p.REPLACED_NETWORK, "held"), tool="write_file")
     assert result.error == (f"the sandbox of session {SID} went away during write_file: {REPLACED}; outcome "
                             "unknown: the file may hold its old content or the new one (never a mix): re-read the "
-                            "file ([Errno 32] Broken pipe)")
+                            "file (the peer closed the connection)")
     assert dict(result.metadata) == {"lost": True, "outcome_unknown": True}
 
 

@@ -100,6 +100,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.SpawnWorker: (p.SpawnWorker(id=14, plan=b"\x00\x01\xff msgpack"), {"fork_server_request"}),
     p.Spawned: (p.Spawned(id=14, pid=999), {"fork_server_reply"}),
     p.NetRules: (p.NetRules(id=15, rules="add table inet dispatchd"), {"fork_server_request"}),
+    p.NetClosed: (p.NetClosed(id=19), {"fork_server_request"}),
     p.StartStack: (p.StartStack(id=16), {"fork_server_request"}),
     p.DnsSockets: (p.DnsSockets(id=18), {"fork_server_request"}),
     p.DnsDoor: (p.DnsDoor(id=18), {"fork_server_reply"}),
@@ -146,7 +147,7 @@ TAGS = {
     "StatusReply": "status_reply", "Attached": "attached", "ToolsReply": "tools", "OkReply": "ok", "ClosedReply": "closed",
     "ErrorReply": "error", "CallTool": "call_tool", "ToolReply": "tool_reply", "WorkerReady": "worker_ready",
     "WorkerFailed": "worker_failed", "AddChannel": "add_channel", "SpawnWorker": "spawn_worker",
-    "Spawned": "spawned", "NetRules": "net_rules", "StartStack": "start_stack", "AcquireWriteLock": "acquire_write_lock",
+    "Spawned": "spawned", "NetRules": "net_rules", "NetClosed": "net_closed", "StartStack": "start_stack", "AcquireWriteLock": "acquire_write_lock",
     "ToolCallsDone": "tool_calls_done", "Drain": "drain", "CancelCall": "cancel_call", "ToolOutput": "tool_output",
     "SetCommandEnv": "set_command_env", "NetworkDenied": "network_denied", "WorkerPooled": "worker_pooled", "WorkerNamespaces": "worker_namespaces", "AdoptSession": "adopt_session",
     "ReleaseWriteLock": "release_write_lock", "ForgetWriteLock": "forget_write_lock",
@@ -404,9 +405,12 @@ def test_several_frames_in_one_recv(pair: tuple[socket.socket, socket.socket]):
 def test_send_and_recv_through_frame_sockets(pair: tuple[socket.socket, socket.socket]):
     a, b = pair
     writer, reader = FrameSocket(a), FrameSocket(b)
-    for msg, _ in SAMPLES.values():
-        writer.send(msg)
+    # Written beside the reads: every sample at once is more than a socket
+    # pair buffers.
+    sending = threading.Thread(target=lambda: [writer.send(msg) for msg, _ in SAMPLES.values()])
+    sending.start()
     got = [reader.recv_payload() for _ in SAMPLES]
+    sending.join()
     assert got == [payload_of(msg) for msg, _ in SAMPLES.values()]
 
 
