@@ -1,8 +1,9 @@
 """The refs the user had: read as git reads them at a baseline, put back
 at the end (``history.restore`` calls ``put_back`` once the objects are).
 
-- ``read_refs``: branches, tags, remote-tracking branches, notes and the
-  stash (``PROTECTED_PREFIXES``), each valued as git reads it
+- ``read_refs``: branches, tags, remote-tracking branches, notes, the
+  stash and the values the daemon kept under ``refs/dispatchd/``
+  (``PROTECTED_PREFIXES``), each valued as git reads it
   (``refvalues``): ``packed-refs``, then loose refs (which win); loose ones
   only below real directories, bounded;
 - ``put_back``: what stands in front of a short name of the user's taken
@@ -30,7 +31,9 @@ from dispatchd.daemon.gitguard import configs, fs, newrefs, objectstore, refvalu
 
 _MAX_REFS = 100_000
 # Branches, tags, remote-tracking branches (a plain `git merge` takes the upstream's), notes, the stash.
-PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/", "refs/remotes/", "refs/notes/", "refs/stash")
+# refs/dispatchd/: the values the daemon kept (``reftemp.DISPLACED``), which may be
+# all that names a commit of the user's; put back as a branch is, and a new one stays.
+PROTECTED_PREFIXES = ("refs/heads/", "refs/tags/", "refs/remotes/", "refs/notes/", "refs/stash", "refs/dispatchd/")
 
 
 _MAX_REF_DIRS = 100_000  # directories of loose refs looked at
