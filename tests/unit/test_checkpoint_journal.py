@@ -267,9 +267,11 @@ def test_a_failed_restores_checkpoint_outlives_keep_and_goes_with_the_session(st
     later = store.take("s1", wt, Checkpoints(keep=1))
     assert [i.id for i in store.infos("s1")] == [cid, later.id]  # the record's stays
     assert (state / "checkpoints" / "s1" / cid).exists()
+    held = store._of("s1")
+    assert held.record_fd >= 0
     store.drop("s1")
     assert not (state / "checkpoints" / "s1").exists()
-    assert store._of("s1").record_fd == -1
+    assert held.record_fd == -1  # the record's lock let go with it
 
 
 def _cut_and_die(state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
