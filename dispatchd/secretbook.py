@@ -34,7 +34,7 @@ import msgspec
 
 from dispatchd.redact import Redactor
 
-__all__ = ["BOOK", "Book", "LogRedaction", "Secrets", "scrubbed"]
+__all__ = ["BOOK", "Book", "LogRedaction", "Secrets", "said", "scrubbed"]
 
 Pairs = Mapping[str, str] | Iterable[tuple[str, str]]
 
@@ -108,6 +108,17 @@ class Secrets:
                 self._redactor = Redactor(self._pairs)
             redactor = self._redactor
         return redactor.text(text)
+
+
+def said(message: str, book: Book = BOOK) -> str:
+    """An error's message as the daemon tells it, to a client or to a
+    session's tool server (which redacts with its own session's secrets
+    only): redacted with every secret ``book`` holds. An error can name
+    what session code chose, and not only that session's: a directory
+    another session left on the same worktree, named after its secret, is
+    in the next checkpoint's refusal of any session."""
+    redactor = book.redactor()
+    return redactor.text(message) if redactor is not None else message
 
 
 _Item = TypeVar("_Item", bound=msgspec.Struct)

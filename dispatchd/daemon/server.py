@@ -49,7 +49,7 @@ from dispatchd.daemon.capacity import OpenFiles
 from dispatchd.daemon.sessions import Session, SessionManager
 from dispatchd.errors import DispatchdError
 from dispatchd.kernel import KernelFeatures
-from dispatchd.secretbook import BOOK
+from dispatchd.secretbook import said as _said
 from dispatchd.tools import native
 from dispatchd.catalogue import schemas_for
 
@@ -78,16 +78,6 @@ class _Conn:
     frames: protocol.FrameSocket
     conn_id: int
     greeted: bool = False
-
-
-def _said(message: str) -> str:
-    """An error's message as a client is told it: redacted with every secret
-    the daemon holds (``secretbook.BOOK``). An error can name what session
-    code chose (a path a checkpoint could not read), and not only that
-    session's: a directory another session left on the same worktree, named
-    after its secret, is in the next checkpoint's refusal of any session."""
-    redactor = BOOK.redactor()
-    return redactor.text(message) if redactor is not None else message
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:

@@ -42,6 +42,7 @@ from dispatchd.daemon.sleepers import Sleepers
 from dispatchd.daemon.spawn import ForkServerClient
 from dispatchd.daemon.inuse import InUse
 from dispatchd.daemon.writelock import WriteLocks
+from dispatchd.secretbook import said
 from dispatchd.errors import SessionError
 from dispatchd.kernel import KernelFeatures
 from dispatchd.policy import Policy
@@ -164,14 +165,14 @@ class SessionTable:
         sweep."""
         not_durable = self.baselines.durable(session.id)  # a few ms at most, once, right after an open
         if not_durable is not None:
-            return protocol.ErrorReply(id=rid, code="baseline_not_durable", message=(
+            return protocol.ErrorReply(id=rid, code="baseline_not_durable", message=said(
                 f"the worktree {session.worktree}: {not_durable}; this session may only read it"))
         holder, swept = self.write_locks.grant(session.id, session.worktree)
         if holder is not None:
             with self._lock:
                 other = self._sessions.get(holder)
             since = time.strftime("%H:%M:%S", time.localtime(other.created)) if other else "?"
-            return protocol.ErrorReply(id=rid, code="write_locked", message=(
+            return protocol.ErrorReply(id=rid, code="write_locked", message=said(
                 f"the worktree {session.worktree} is being written by session {holder} (opened {since}); "
                 "only one session at a time may write a worktree: close that session, or use this one to read"))
         with self._lock:
@@ -185,7 +186,7 @@ class SessionTable:
             # outlives its session; one its end may still need (its sweep,
             # under it) is never taken from it, as it is still in the table.
             self.write_locks.release(session.id)
-            return protocol.ErrorReply(id=rid, code="session_ended", message=(
+            return protocol.ErrorReply(id=rid, code="session_ended", message=said(
                 f"the worktree {session.worktree}: session {session.id} has ended"))
         session.writes = True
         self.baselines.writing(session.id)

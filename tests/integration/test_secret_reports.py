@@ -8,6 +8,7 @@ default level; the same names from a plain variable come back as they are."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
+from dispatchd.policy import default_policy_dir
 from tests.conftest import Daemon, shell
 from tests.fake_registry import FakeRegistry, domains_daemon
 from tests.integration.test_cli import run
@@ -35,7 +37,14 @@ class _FileLogDaemon(Daemon):
 
 @pytest.fixture(scope="module")
 def fdaemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = _FileLogDaemon(tmp_path_factory.mktemp("secret-reports"))
+    """The shipped policies, and 'undo' (a checkpoint before every write)."""
+    base = tmp_path_factory.mktemp("secret-reports")
+    policies = base / "policies"
+    shutil.copytree(default_policy_dir(), policies)
+    text = (policies / "default.toml").read_text()
+    (policies / "undo.toml").write_text(
+        text.replace("before_writes = false", "").replace("[checkpoints]", "[checkpoints]\nbefore_writes = true"))
+    d = _FileLogDaemon(base, "--policies", str(policies))
     yield d
     assert d.stop() == 0, d.log()
 
@@ -172,5 +181,29 @@ def test_a_checkpoint_s_refusal_naming_a_secret_is_redacted_for_every_session(
             out = run(fdaemon, "session", "checkpoint", x.id)
             assert out.returncode != 0 and f"{shown}: {why}" in out.stderr, (out.stdout, out.stderr)
             assert (TOKEN in out.stdout + out.stderr) is not as_secret
+        finally:
+            (worktree / f"d_{TOKEN}").chmod(0o755)
+
+
+@pytest.mark.parametrize("as_secret", [True, False], ids=["secret", "plain-variable"])
+def test_a_checkpoint_before_a_write_refused_naming_a_secret_is_redacted(
+        fdaemon: Daemon, fclient: dispatch.Client, worktree: Path, as_secret: bool) -> None:
+    """The same refusal on the way of a write (policy ``before_writes``: the
+    daemon answers the tool server, which redacts with its own session's
+    secrets only): X's ``write_file`` is refused naming Y's directory
+    redacted. The twin: a plain variable's value is named as is."""
+    given = {"secrets": {"TOK": TOKEN}} if as_secret else {"env": {"TOK": TOKEN}}
+    shown = "d_[secret TOK]" if as_secret else f"d_{TOKEN}"
+    with fdaemon.connect() as other, other.open_session(str(worktree), policy="undo") as x:
+        y = fclient.open_session(str(worktree), **given)  # type: ignore[arg-type]
+        r = shell(y, 'mkdir "d_$TOK" && chmod 000 "d_$TOK" && echo ok')
+        assert r.output == "ok\n", (r.output, r.error)
+        y.close()
+        try:
+            wrote = x.registry.call("write_file", {"path": "new.txt", "content": "x\n"})
+            assert not wrote.is_success, wrote
+            assert f"checkpoint refused: {shown}: a directory that cannot be read" in (wrote.error or ""), wrote
+            assert (TOKEN in (wrote.error or "")) is not as_secret
+            assert not (worktree / "new.txt").exists()
         finally:
             (worktree / f"d_{TOKEN}").chmod(0o755)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from dispatchd import protocol
 from dispatchd.errors import CheckpointError, SessionError
+from dispatchd.secretbook import said
 
 from dispatchd.daemon.gitguard import Baselines
 from dispatchd.daemon.lifecycle import Op, State, Verdict
@@ -163,11 +164,11 @@ def before_write(manager: SessionManager, session: Session, msg: protocol.Acquir
                                              f"before {msg.tool}" if msg.tool else "before a write",
                                              fsync=session.policy.limits.fsync)
             except SessionError as exc:  # it ended while this waited: no checkpoint, nor write, for it
-                reply = protocol.ErrorReply(id=msg.id, code=exc.code, message=str(exc))
+                reply = protocol.ErrorReply(id=msg.id, code=exc.code, message=said(str(exc)))
             except (CheckpointError, OSError) as exc:
                 why = exc.message if isinstance(exc, CheckpointError) else f"checkpoint failed: {exc}"
                 reply = protocol.ErrorReply(id=msg.id, code="checkpoint_refused",
-                                            message=f"{why} (the policy takes one before every write)")
+                                            message=said(f"{why} (the policy takes one before every write)"))
         try:
             with session.send_lock:
                 control.send(reply)
