@@ -52,6 +52,7 @@ int main(int argc, char **argv) {
 # children alone never ends it. Each second the bottom link connects to the
 # host's loopback (BEACON). It ends itself after 40 s, whatever happens.
 _CHAIN_STACK = r"""
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -77,7 +78,7 @@ static void chain(void) {
         while (getppid() == parent) {
             if (time(NULL) > end_at) _exit(0);
             if (time(NULL) != last) { last = time(NULL); beacon(); }
-            usleep(1000);
+            sched_yield();  /* spins: it forks the moment its parent is gone */
         }
     }
 }
