@@ -32,6 +32,7 @@ from dispatchd.daemon import afterwards, gitguard, leftovers
 from dispatchd.daemon.lifecycle import Action, Event, Op, State, decide, ending_event, is_live
 from dispatchd.daemon.session import READY_TIMEOUT_S, Session, has_pid_namespace
 from dispatchd.daemon.sessionnet import stop_network
+from dispatchd.daemon.spawn import SpawnError
 from dispatchd.daemon.table import SessionTable
 from dispatchd.protocol import FrameSocket
 from dispatchd.tempfiles import no_temp_files, sweep_temp_files
@@ -174,7 +175,12 @@ class Ending(SessionTable):
         started = time.perf_counter()
         # The way out goes first: from here no byte of the session leaves
         # (the stack is killed now; its exit is waited for after the reply).
+        had_stack = session.stack is not None
         stop_network(session, reap=afterwards.reap)
+        if had_stack:
+            # After the stack's exit (the job before): what it forked, however
+            # deep, is the fork server's now, ended there off the reply's path.
+            afterwards.later(self._end_left_behind)
         network = time.perf_counter()
         session.worker = session.control = None
         if session.proxy is not None:
@@ -204,6 +210,12 @@ class Ending(SessionTable):
             except OSError:
                 pass  # the watcher has closed it already
         return gone
+
+    def _end_left_behind(self) -> None:
+        try:
+            self.fork_server.end_left_behind()
+        except SpawnError as exc:  # gone: its parent-death signal and last sweep ended them
+            log.debug("event=left_behind_not_ended error=%s", exc)
 
     def _check_git(self, session: Session) -> None:
         """Once the session's processes are gone: check its worktree's domain

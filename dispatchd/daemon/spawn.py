@@ -25,6 +25,7 @@ from dispatchd.confine.mounts import WORKTREE_STEP
 from dispatchd.errors import ConfinementError, DispatchdError, WorktreeError
 
 
+LAST_SWEEP_S = 3.0  # the fork server's last sweep is bounded by its LEFT_BEHIND_S (2 s)
 STOP_CHILDREN_S = 10.0  # how long a stop waits for the fork server's processes to have exited
 
 
@@ -333,6 +334,12 @@ class ForkServerClient:
         ``netstack.links_up_in``); raises ``SpawnError`` saying what is."""
         self._request(lambda rid: protocol.NetClosed(id=rid), [userns_fd, netns_fd])
 
+    def end_left_behind(self) -> None:
+        """Once a closed session's stack has exited: every process it left
+        behind, however deep, ended and exited (``EndLeftBehind``); raises
+        ``SpawnError`` when the fork server cannot be asked."""
+        self._request(lambda rid: protocol.EndLeftBehind(id=rid), [])
+
     def dns_sockets(self, userns_fd: int, netns_fd: int) -> tuple[socket.socket, socket.socket]:
         """The DNS relay's door in a session's namespaces (see
         ``netstack.open_dns_sockets_in``): its UDP socket and TCP listener."""
@@ -352,6 +359,10 @@ class ForkServerClient:
         self._frames.close()
         children: list[int] = []
         if not self._death:
+            # At the channel's end it ends the stacks and all they forked
+            # (a parent-death signal reaches a direct child only), then
+            # stops itself: waited for, within a bound.
+            self._stopped_itself(LAST_SWEEP_S)
             try:
                 # Stopped first, so that it reaps none of its children while
                 # we open them (a pid reaped could be another process's).
@@ -368,6 +379,16 @@ class ForkServerClient:
         for pidfd in children:
             fdwait.readable(pidfd, deadline - time.monotonic())  # readable once it has exited
             os.close(pidfd)
+
+    def _stopped_itself(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if os.waitid(os.P_PID, self.pid, os.WSTOPPED | os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return
+            except ChildProcessError:
+                return
+            time.sleep(0.002)
 
     def _children(self) -> list[int]:
         """A pidfd for each process the (stopped) fork server has now."""

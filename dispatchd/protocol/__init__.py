@@ -12,7 +12,7 @@ Four modules, one job each, all re-exported here (``protocol.Hello``,
 - ``internal``: the daemon and its own processes. daemon <-> worker:
   ``WorkerReady``/``WorkerFailed`` once, then ``AddChannel`` and the rest;
   daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``;
-  ``NetClosed`` / ``OkReply``; ``StartStack`` / ``Spawned``; ``DnsSockets`` / ``DnsDoor``.
+  ``NetClosed`` / ``OkReply``; ``EndLeftBehind`` / ``OkReply``; ``StartStack`` / ``Spawned``; ``DnsSockets`` / ``DnsDoor``.
 - ``frames``: length-prefixed frames with a maximum size, the codec, fd
   passing, and ``FrameSocket.recv_request``, through which both servers read.
 
@@ -62,6 +62,7 @@ from dispatchd.protocol.internal import (
     FromWorker,
     NetRules,
     NetClosed,
+    EndLeftBehind,
     DnsSockets,
     DnsDoor,
     SetCommandEnv,
@@ -166,7 +167,7 @@ __all__ = [
     "NamespacesReport", "NetworkReport", "Protections", "RootEntry",
     # internal: daemon <-> worker, daemon <-> fork server
     "AcquireWriteLock", "AddChannel", "AdoptSession", "CallRecord", "Drain", "ForgetWriteLock", "FromWorker", "NetRules",
-    "NetClosed",
+    "NetClosed", "EndLeftBehind",
     "WriteLockGranted",
     "SetCommandEnv", "NetworkDenied", "Spawned", "SpawnWorker", "StartStack", "ToolCallsDone", "ToWorker", "WorkerFailed",
     "WatchHeld",

@@ -21,7 +21,7 @@ Two conversations:
   ``WorkerPooled``, then ``AdoptSession`` first),
   then ``AddChannel``, write-lock requests and grants, call records, ``Drain``.
 - daemon <-> fork server: ``SpawnWorker`` / ``Spawned``; ``NetRules`` / ``OkReply``;
-  ``NetClosed`` / ``OkReply``; ``DnsSockets`` / ``DnsDoor``.
+  ``NetClosed`` / ``OkReply``; ``EndLeftBehind`` / ``OkReply``; ``DnsSockets`` / ``DnsDoor``.
 """
 
 from __future__ import annotations
@@ -327,6 +327,14 @@ class NetClosed(_Msg, tag="net_closed", frozen=True):
 
     id: int
 
+class EndLeftBehind(_Msg, tag="end_left_behind", frozen=True):
+    """Once a closed session's stack has exited: end every process it left
+    behind, however deep, as ``NetClosed`` does, without the look (the
+    namespace goes with the session). Answered by ``OkReply``."""
+
+    id: int
+
+
 class StartStack(_Msg, tag="start_stack", frozen=True):
     """Sent with four fds, a session's user and network namespaces, the write
     end of the readiness pipe and the file for its stderr: start the network
@@ -369,7 +377,7 @@ class WakeWorker(_Msg, tag="wake_worker", frozen=True):
     kit: int  # how many fds of the kit follow the control channel
 
 
-ForkServerRequest = Union[SpawnWorker, NetRules, NetClosed, StartStack, WakeWorker, DnsSockets]
+ForkServerRequest = Union[SpawnWorker, NetRules, NetClosed, EndLeftBehind, StartStack, WakeWorker, DnsSockets]
 ForkServerReply = Union[Spawned, OkReply, ErrorReply, DnsDoor]
 
 fork_server_request_decoder = msgspec.msgpack.Decoder(ForkServerRequest)  # daemon -> fork server

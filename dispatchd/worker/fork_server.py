@@ -13,9 +13,12 @@ the sessions' network stacks, which it starts (``StartStack``) with a
 parent-death signal a multi-threaded daemon could not give them. It commits
 nftables rules from a child that joins a session's namespaces (``NetRules``),
 and, once a session's stack was stopped, ends what it left behind and looks
-in there that no interface but the loopback is up (``NetClosed``).
-It is also a child subreaper, and ends any process that lands on it but a
-session's first one or a stack: the orphans of a session whose init was killed.
+in there that no interface but the loopback is up (``NetClosed``; at a
+close, ``EndLeftBehind``: no look). It is also a child subreaper, and ends
+any process that lands on it but a session's first one or a stack, with
+every process below it (``subtree.py``): the orphans of a session whose
+init was killed, what a stopped stack forked, however deep. At the daemon's
+stop it ends the stacks so too: their parent-death signal reaches no deeper.
 
 It forks the workers itself: a zygote (a fork of it once warm, whose loop
 only clones) saved 0.08-0.16 MiB an idle worker for 4.4 MiB once and slower
@@ -29,7 +32,6 @@ import select
 import signal
 import socket
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
@@ -41,7 +43,7 @@ from dispatchd.confine import hygiene, namespaces, netstack, seccomp
 from dispatchd.confine.ucounts import UcountsPlan
 from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, leave_seccomp_encoded, pool_key, seccomp_of
 from dispatchd.errors import ConfinementError
-from dispatchd.worker import forkhooks, stackstart, wake
+from dispatchd.worker import forkhooks, stackstart, subtree, wake
 from dispatchd.worker import tool_server as _tool_server  # noqa: F401  (pre-import for the workers)
 from dispatchd.worker.session_init import run_session
 
@@ -49,7 +51,7 @@ ORPHAN_SWEEP_S = 0.5
 LEFT_BEHIND_S = 2.0  # a SIGKILLed process has exited long before this
 
 
-def _reap(workers: set[int]) -> None:
+def _reap(workers: set[int], stacks: set[int]) -> None:
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -58,64 +60,21 @@ def _reap(workers: set[int]) -> None:
         if pid == 0:
             return
         workers.discard(pid)
-
-
-def _sweep_orphans(workers: set[int]) -> list[int]:
-    """Kill every child that is not a session's first process.
-
-    The fork server is a child subreaper: a process of a session whose init
-    died (killed from inside the session, where there is no pid namespace to
-    protect it) is reparented here instead of to the host's init, and ends
-    here, so closing a session still leaves nothing running.
-    """
-    # Read with os.open/os.read: every half second, the fewest objects (no
-    # file object, buffer or decoder): what the fork server writes after a
-    # fork is copied for the newest worker.
-    me = os.getpid()
-    try:
-        fd = os.open(f"/proc/{me}/task/{me}/children", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return []
-    try:
-        raw = b"".join(iter(lambda: os.read(fd, 65536), b""))
-    except OSError:
-        return []
-    finally:
-        os.close(fd)
-    killed = []
-    for pid in map(int, raw.split()):
-        if pid not in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except ProcessLookupError:
-                pass
-    return killed
+        stacks.discard(pid)
 
 
 def _end_left_behind(workers: set[int], deadline_s: float = LEFT_BEHIND_S) -> list[int]:
-    """``_sweep_orphans`` until nothing is left, each one waited for: what a
-    stack just stopped had forked (its children come here when it dies, and
-    theirs when they do) has exited on return, its tap descriptor closed
-    with it. Bounded by ``deadline_s``: what is still alive then is for the
-    caller's look into the namespace to find. Returns the pids ended."""
-    ended: list[int] = []
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        killed = _sweep_orphans(workers)
-        if not killed:
-            break
-        ended += killed
-        for pid in killed:
-            # Ours now (reparented): waited for, so that its descriptors
-            # are closed, and its children reparented here, on return.
-            while time.monotonic() < deadline:
-                try:
-                    if os.waitpid(pid, os.WNOHANG)[0] != 0:
-                        break
-                except ChildProcessError:
-                    break
-                time.sleep(0.001)
+    """Every process below a child that is not a session's first process or
+    a running stack, ended (``subtree.end_subtrees``) and exited on return:
+    what a stack just stopped had forked, however deep (its children come
+    here when it dies), its tap descriptor closed with it. Bounded by
+    ``deadline_s``: what is still alive then is for the caller's look into
+    the namespace to find. Said on stderr (the daemon's log). Returns the
+    pids ended."""
+    ended = subtree.end_subtrees(os.getpid(), workers, deadline_s)
+    if ended:
+        print(f"dispatchd: fork server: ended {len(ended)} process(es) a stopped network stack had left "
+              f"behind (pids {' '.join(map(str, ended))})", file=sys.stderr, flush=True)
     return ended
 
 
@@ -124,10 +83,7 @@ def _net_closed(req: protocol.NetClosed, frames: protocol.FrameSocket,
     """A session's stack was stopped: end what it left behind (a taken-over
     stack that forked), said on stderr (the daemon's log), then look into
     the session's namespace from a child that joins it."""
-    ended = _end_left_behind(workers)
-    if ended:
-        print(f"dispatchd: fork server: ended {len(ended)} process(es) a stopped network stack had left "
-              f"behind (pids {' '.join(map(str, ended))})", file=sys.stderr, flush=True)
+    _end_left_behind(workers)
     return _in_namespaces(req.id, frames, netstack.links_up_in)
 
 
@@ -355,14 +311,19 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int, shared: UcountsPlan 
     frames.send(hello)
     programs: dict[bytes, bytes] = {}
     workers: set[int] = set()
+    stacks: set[int] = set()  # the running stacks among ``workers``
     me = os.getpid()
     warmed = False
     while True:
         # Wake up now and then to reap workers that have ended, and to end
-        # the orphans of sessions whose init was killed.
+        # what lands here: a child subreaper, the fork server gets a process
+        # of a session whose init died (killed from inside the session,
+        # where there is no pid namespace to protect it), or one a stopped
+        # stack forked, instead of the host's init; it ends here, with all
+        # it forked, so closing a session still leaves nothing running.
         ready, _, _ = select.select([sock], [], [], ORPHAN_SWEEP_S)
-        _reap(workers)
-        _sweep_orphans(workers)
+        _reap(workers, stacks)
+        subtree.end_subtrees(me, workers)
         if not ready:
             continue
         try:
@@ -378,9 +339,9 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int, shared: UcountsPlan 
         except (protocol.ProtocolError, OSError):
             os._exit(1)
         if req is None:
-            os._exit(0)  # the daemon has gone
+            _last_sweep(workers, stacks)
         try:
-            warmed = _serve_one(req, frames, sock, programs, workers, me, warmed)
+            warmed = _serve_one(req, frames, sock, programs, workers, stacks, me, warmed)
         except Exception as exc:
             if os.getpid() != me:  # a child of ours must never serve as the fork server
                 os._exit(127)
@@ -393,6 +354,18 @@ def serve_fork_server(sock: socket.socket, daemon_pid: int, shared: UcountsPlan 
                                                 message=f"dispatchd's fork server could not serve this request: {exc}"))
 
 
+def _last_sweep(workers: set[int], stacks: set[int]) -> NoReturn:
+    """The daemon closed its channel (its stop): the stacks and all they
+    forked, and whatever else is left behind, ended here and exited, since
+    a parent-death signal reaches a direct child only. Then stopped, not
+    exited: the daemon lists the sessions' first processes still ours (none
+    reaped meanwhile) and waits for their namespaces' teardown before it
+    kills us (``ForkServerClient.stop``)."""
+    _end_left_behind(workers - stacks)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(0)
+
+
 def _answer(frames: protocol.FrameSocket, reply: protocol.ErrorReply) -> None:
     try:
         frames.send(reply)
@@ -401,7 +374,7 @@ def _answer(frames: protocol.FrameSocket, reply: protocol.ErrorReply) -> None:
 
 
 def _serve_one(req: protocol.ForkServerRequest, frames: protocol.FrameSocket, sock: socket.socket,
-               programs: dict[bytes, bytes], workers: set[int], me: int, warmed: bool) -> bool:
+               programs: dict[bytes, bytes], workers: set[int], stacks: set[int], me: int, warmed: bool) -> bool:
     """One request, answered (by every path but an exception raised before
     its answer: the caller answers that). Returns whether the workers' code
     is warmed now (``_warm_workers_code``, before the first spawn)."""
@@ -411,6 +384,10 @@ def _serve_one(req: protocol.ForkServerRequest, frames: protocol.FrameSocket, so
     if isinstance(req, protocol.NetClosed):
         frames.send(_net_closed(req, frames, workers))
         return warmed
+    if isinstance(req, protocol.EndLeftBehind):
+        _end_left_behind(workers)
+        frames.send(protocol.OkReply(id=req.id))
+        return warmed
     if isinstance(req, protocol.DnsSockets):
         _dns_sockets(req, frames)
         return warmed
@@ -419,6 +396,8 @@ def _serve_one(req: protocol.ForkServerRequest, frames: protocol.FrameSocket, so
         return warmed
     if isinstance(req, protocol.StartStack):
         reply, pidfd = stackstart.start_stack(req, frames, workers)
+        if isinstance(reply, protocol.Spawned):
+            stacks.add(reply.pid)
         try:
             frames.send(reply, fds=[pidfd] if pidfd >= 0 else None)
         finally:

@@ -8,8 +8,11 @@ starts forks, its child runs the real slirp4netns with the same arguments
 and descriptors, and the parent waits. After ``set_network("off")``
 returns, the session has no interface but its loopback, reaches nothing,
 and nothing of the stack is left; the twin is the real slirp4netns, which
-does not fork past its start. The last test is the look the daemon takes
-into the namespace once the stack was stopped, on namespaces of its own.
+does not fork past its start. A stack that forks a chain (each link
+waits, and the link below it forks again as soon as its parent is gone)
+ends, all of it, with a switch to "off", a close and the daemon's stop.
+The last test is the look the daemon takes into the namespace once the
+stack was stopped, on namespaces of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -39,6 +43,50 @@ int main(int argc, char **argv) {
     pid_t child = fork();
     if (child < 0) { perror("fork"); return 1; }
     if (child == 0) { execv(REAL, argv); perror("execv"); _exit(127); }
+    for (;;) pause();
+}
+"""
+# A chain: the process the daemon starts runs the real slirp4netns in a child
+# and starts a link; each link forks one child and waits; a child whose
+# parent is gone (now the fork server's) forks at once, so ending direct
+# children alone never ends it. Each second the bottom link connects to the
+# host's loopback (BEACON). It ends itself after 40 s, whatever happens.
+_CHAIN_STACK = r"""
+#include <sched.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+__attribute__((used)) const char opts[] = "configure\0mtu\0ready-fd\0enable-seccomp\0netns-type\0userns-path\0";
+static time_t end_at;
+static void beacon(void) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET; a.sin_port = htons(BEACON); a.sin_addr.s_addr = htonl(0x7f000001);
+    if (s >= 0) { (void)!connect(s, (struct sockaddr *)&a, sizeof a); close(s); }
+}
+static void chain(void) {
+    for (;;) {
+        pid_t parent = getpid();
+        pid_t child = fork();
+        if (child < 0) continue;
+        if (child > 0) for (;;) { sleep(1); if (time(NULL) > end_at) _exit(0); }
+        time_t last = 0;
+        while (getppid() == parent) {
+            if (time(NULL) > end_at) _exit(0);
+            if (time(NULL) != last) { last = time(NULL); beacon(); }
+            sched_yield();  /* spins: it forks the moment its parent is gone */
+        }
+    }
+}
+int main(int argc, char **argv) {
+    (void)argc; (void)opts;
+    end_at = time(NULL) + 40;
+    if (fork() == 0) { execv(REAL, argv); perror("execv"); _exit(127); }
+    if (fork() == 0) chain();
     for (;;) pause();
 }
 """
@@ -107,6 +155,76 @@ def test_a_switch_to_off_leaves_no_way_out_when_the_stack_forked(stack: str, tmp
         assert "event=stack_outlived" not in d.log()
     finally:
         assert d.stop() == 0, d.log()
+
+
+def _chain_links(binary: Path) -> list[int]:
+    """The live processes of the chain stand-in (the links are forks of it)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.exe() == str(binary) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _wait_for(what: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("end", ["switch to off", "close", "daemon's stop"])
+def test_a_stack_s_fork_chain_ends_all_of_it(end: str, tmp_path: Path, worktree: Path, greeter: Greeter) -> None:
+    """Every link of the chain is gone when the switch returns (within a
+    short bound after a close or the daemon's stop, which end it off their
+    reply's path), and no beacon reaches the host's loopback afterwards.
+    The twin: the real slirp4netns's switch (above), and the chain's beacons
+    arriving while the session is on."""
+    _refuse_root()
+    real = shutil.which("slirp4netns")
+    if real is None or shutil.which("gcc") is None:
+        pytest.skip("needs slirp4netns and gcc (./scripts/test installs both)")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "chain.c").write_text(_CHAIN_STACK)
+    binary = tmp_path / "bin" / "slirp4netns"
+    subprocess.run(["gcc", "-O0", f'-DREAL="{os.path.realpath(real)}"', f"-DBEACON={greeter.port}", "-o", str(binary),
+                    str(tmp_path / "chain.c")], check=True)
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--network-stack", "slirp4netns", "--pool", "0",
+               prefix=("env", f"PATH={tmp_path / 'bin'}:{os.environ['PATH']}"))
+    stopped = False
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), network=True)
+            before = greeter.accepted
+            assert _wait_for(lambda: greeter.accepted > before, 5), "the chain's beacon never came"
+            assert len(_chain_links(binary)) >= 3  # the stand-in, a waiting link, the bottom one
+            assert probe(s, INTERFACES) == "eth0 lo"
+            if end == "switch to off":
+                assert s.set_network(False) is False
+                assert _chain_links(binary) == []  # waited for before the switch returned
+                assert probe(s, INTERFACES) == "lo"
+                s.close()
+            elif end == "close":
+                s.close()
+            else:
+                assert d.stop() == 0, d.log()
+                stopped = True
+        assert _wait_for(lambda: _chain_links(binary) == [], 3), _chain_links(binary)
+        after = greeter.accepted
+        time.sleep(2.5)  # a beacon a second while a bottom link lives
+        assert greeter.accepted == after
+        assert "event=stack_outlived" not in d.log()
+    finally:
+        if not stopped:
+            assert d.stop() == 0, d.log()
+        for pid in _chain_links(binary):  # a failed run's links, ours: by pid
+            os.kill(pid, 9)
 
 
 _HOLDER = r"""
