@@ -61,6 +61,7 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol, TypeVar
 
 from dispatchd import procfs
+from dispatchd.procfs import live_stat
 from dispatchd.confine.limits import FD_PASSING_RESERVE
 
 
@@ -190,20 +191,6 @@ def owns(pid: int) -> bool:
     with _SPAWN_LOCK:
         child = _CHILDREN.get(pid)
         return child is not None and child.returncode is None
-
-
-def live_stat(pid: str) -> tuple[int, int, int] | None:
-    """(ppid, pgrp, session) of a live process, None if gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces or ')': split after the last ')'.
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    if len(fields) < 4 or fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[1]), int(fields[2]), int(fields[3])
 
 
 def _has_marker(pid: str, needle: bytes) -> bool:

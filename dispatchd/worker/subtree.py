@@ -119,37 +119,14 @@ def _snapshot(root: int, direct: list[int], spared: Collection[int]) -> tuple[di
                 continue
             if _parent(pid) is None:
                 not_live.add(pid)
-            children[pid] = _children_of_all_threads(pid)
+            children[pid] = procfs.thread_children(pid)
     return children, not_live
-
-
-def _children_of_all_threads(pid: int) -> list[int]:
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    found: list[int] = []
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                found += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return found
 
 
 def _parent(pid: int) -> int | None:
     """The parent of a live process; None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces or ')': split after the last ')'.
-    fields = raw[raw.rfind(b")") + 2:].split()
-    if len(fields) < 2 or fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[1])
+    st = procfs.live_stat(pid)
+    return None if st is None else st[0]
 
 
 def _below(pid: int, root: int, spared: Collection[int]) -> bool:

@@ -14,17 +14,7 @@ def test_the_log_filter_redacts_with_every_secret_held_and_only_while_held() -> 
     one, two = Secrets(book), Secrets(book)
     one.add({"A": "first-secret"})
     two.add({"B": "second-secret"})
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(self.format(record))
-
-    handler = Collect()
-    handler.addFilter(LogRedaction(book))
-    log = logging.getLogger("test.secretbook")
-    log.addHandler(handler)
-    log.propagate = False
+    log, handler, lines = _collect(book, "test.secretbook")
     try:
         log.warning("event=x path=%s host=%s", "/w/n_first-secret/.git", "SECOND-SECRET.attacker.test")
         two.end()
