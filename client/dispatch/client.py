@@ -131,6 +131,12 @@ class Client(ClientCheckpoints):
         for info in self.session_infos():
             if info.id == session_id:
                 return Session(self, info, owned=False)
+        # Not listed: asked by its id, the daemon says why (an ended session's
+        # reason, which it keeps a while), raised from here.
+        self._daemon_request(lambda rid: protocol.ListCheckpoints(id=rid, session=session_id))
+        for info in self.session_infos():  # opened meanwhile: its id was never refused
+            if info.id == session_id:
+                return Session(self, info, owned=False)
         raise RequestFailed("unknown_session", f"no such session: {session_id!r}")
 
     def close_session(self, session_id: str) -> list[dict[str, Any]]:

@@ -9,8 +9,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import dispatch
 from dispatch.client import Cancellation
+from dispatch.errors import RequestFailed
 
 TEXT = "".join(f"line {i}\n" for i in range(40))
 NUMBERED = "\n".join(f"{i}: line {i}" for i in range(40))  # no newline after the last
@@ -62,3 +65,20 @@ def test_bad_arguments_give_the_same_message_on_each_client_path(session: dispat
     missing = tools.call("read_file", {"path": "absent.txt"})  # valid, refused by the sandbox's tool
     assert missing.is_failure and "absent.txt" in (missing.error or "")
     assert missing.error == read.call({"path": "absent.txt"}).error
+
+
+def test_attaching_to_an_ended_session_says_why_it_ended(client: dispatch.Client, worktree: Path) -> None:
+    """``Client.session(id)`` of a session that has ended says why, as the
+    daemon keeps it; the twin: a live one is attached, and an id never
+    opened is only unknown."""
+    s = client.open_session(str(worktree))
+    with client.session(s.id) as again:  # attached here: closing this handle does not end it
+        assert again.id == s.id
+    s.close()
+    with pytest.raises(RequestFailed) as ended:
+        client.session(s.id)
+    assert (ended.value.code, str(ended.value)) == (
+        "unknown_session", f"no such session: '{s.id}' (it has ended: it was closed)")
+    with pytest.raises(RequestFailed) as never:
+        client.session("000000000000")
+    assert (never.value.code, str(never.value)) == ("unknown_session", "no such session: '000000000000'")
