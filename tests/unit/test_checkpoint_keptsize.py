@@ -59,6 +59,18 @@ def test_what_only_the_tree_names_is_its_own_and_linked_files_are_counted_by_ino
     assert linked == {(st.st_dev, st.st_ino): _blocks(pool / "copy")}
 
 
+def _keep_and_files(tmp_path: Path, **files: bytes) -> tuple[Path, keptsize.KeptSizes, list[Path]]:
+    """An empty keep of pre-images with its sizes, and ``files`` written
+    beside it (to be linked into kept ones, as copies are)."""
+    kept = tmp_path / "before-restore"
+    kept.mkdir()
+    made = []
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        made.append(tmp_path / name)
+    return kept, keptsize.KeptSizes(str(kept)), made
+
+
 def _kept(sizes: keptsize.KeptSizes, name: str, make: dict[str, bytes | Path]) -> None:
     """A kept one made as ``preimages`` does: under a temporary name, admitted, renamed."""
     tmp = Path(sizes.path) / f".tmp-{name}"
@@ -79,11 +91,7 @@ def _kept(sizes: keptsize.KeptSizes, name: str, make: dict[str, bytes | Path]) -
 
 
 def test_a_copy_two_kept_ones_link_counts_once_and_one_over_the_budget_is_refused(tmp_path: Path) -> None:
-    kept = tmp_path / "before-restore"
-    kept.mkdir()
-    copy = tmp_path / "copy"
-    copy.write_bytes(b"z" * 100_000)
-    sizes = keptsize.KeptSizes(str(kept))
+    kept, sizes, (copy,) = _keep_and_files(tmp_path, copy=b"z" * 100_000)
     sizes.fixed, sizes.fixed_why = 200_000, "as set by a test"
     _kept(sizes, "a", {"f": copy})
     _kept(sizes, "b", {"f": copy, "g": b"small"})  # the same copy again: counted once
@@ -118,12 +126,7 @@ def test_a_kept_one_gone_is_subtracted_by_name_and_nothing_is_measured_again(tmp
     copy a still links stays; a removed: the copy goes too. Each total is
     what a daemon measuring them all afresh counts (the oracle), and no
     kept one is measured again."""
-    kept = tmp_path / "before-restore"
-    kept.mkdir()
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.write_bytes(b"1" * 40_000)
-    two.write_bytes(b"2" * 70_000)
-    sizes = keptsize.KeptSizes(str(kept))
+    kept, sizes, (one, two) = _keep_and_files(tmp_path, one=b"1" * 40_000, two=b"2" * 70_000)
     _kept(sizes, "a", {"f": one, "own": b"a" * 9000})
     _kept(sizes, "b", {"f": one, "own": b"b" * 20_000})
     _kept(sizes, "c", {"g": two})
@@ -144,11 +147,7 @@ def test_a_kept_one_gone_is_subtracted_by_name_and_nothing_is_measured_again(tmp
 
 
 def test_admitting_gives_the_total_a_look_afterwards_finds(tmp_path: Path) -> None:
-    kept = tmp_path / "before-restore"
-    kept.mkdir()
-    copy = tmp_path / "copy"
-    copy.write_bytes(b"z" * 30_000)
-    sizes = keptsize.KeptSizes(str(kept))
+    kept, sizes, (copy,) = _keep_and_files(tmp_path, copy=b"z" * 30_000)
     _kept(sizes, "a", {"f": copy})
     tmp = kept / ".tmp-b"
     tmp.mkdir()
