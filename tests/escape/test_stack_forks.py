@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import dispatch
 from tests.conftest import Daemon, _refuse_root, probe
 from tests.listeners import Greeter
 
@@ -280,3 +281,93 @@ def test_the_look_after_a_stop_names_an_interface_still_up(holds: str) -> None:
     finally:
         holder.communicate(timeout=30)
     assert said == ("eth0 still up" if holds == "tap" else "closed")
+
+
+# A stack that leaves an interface up in the session's namespace, which no
+# end of its processes takes down: before it runs the real slirp4netns, a
+# child joins the session's namespaces (by the descriptors the daemon gave
+# the stack) and makes a persistent tap device, "eth1", up, then exits. Its
+# twin is the real slirp4netns (the first test of this file).
+_PERSISTING_STACK = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <linux/if_tun.h>
+#include <net/if.h>
+#include <sched.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+__attribute__((used)) const char opts[] = "configure\0mtu\0ready-fd\0enable-seccomp\0netns-type\0userns-path\0";
+static int persist_up(const char *userns, const char *netns) {
+    int u = open(userns, O_RDONLY), n = open(netns, O_RDONLY);
+    if (u < 0 || n < 0) return 2;
+    if (setns(u, CLONE_NEWUSER) != 0 || setns(n, CLONE_NEWNET) != 0) return 3;
+    struct ifreq r;
+    memset(&r, 0, sizeof r);
+    strcpy(r.ifr_name, "eth1");
+    r.ifr_flags = IFF_TAP | IFF_NO_PI;
+    int t = open("/dev/net/tun", O_RDWR);
+    if (t < 0 || ioctl(t, TUNSETIFF, &r) != 0 || ioctl(t, TUNSETPERSIST, 1) != 0) return 4;
+    int s = socket(AF_INET, SOCK_DGRAM, 0);
+    if (s < 0 || ioctl(s, SIOCGIFFLAGS, &r) != 0) return 5;
+    r.ifr_flags |= IFF_UP;
+    return ioctl(s, SIOCSIFFLAGS, &r) != 0 ? 6 : 0;
+}
+int main(int argc, char **argv) {
+    const char *userns = NULL;
+    for (int i = 1; i < argc; i++)
+        if (strncmp(argv[i], "--userns-path=", 14) == 0) userns = argv[i] + 14;
+    pid_t child = fork();
+    if (child < 0) { perror("fork"); return 1; }
+    if (child == 0) _exit(persist_up(userns, argv[argc - 2]));
+    int status = 0;
+    if (waitpid(child, &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "stand-in: eth1 not made (%d)\n", status);
+        return 1;
+    }
+    execv(REAL, argv);
+    perror("execv");
+    return 127;
+}
+"""
+
+
+def test_a_switch_to_off_that_finds_an_interface_still_up_ends_the_session(tmp_path: Path, worktree: Path) -> None:
+    """The switch's look fails closed: with eth1 still up once the stack and
+    all it forked are gone, ``set_network(False)`` is refused naming the
+    interface, the session is ended (never left running, said to be off,
+    with a way out), and the daemon says why and serves the next open. The
+    twin is the real slirp4netns's switch, which passes the same look
+    (``test_a_switch_to_off_leaves_no_way_out_when_the_stack_forked``)."""
+    _refuse_root()
+    real = shutil.which("slirp4netns")
+    if real is None or shutil.which("gcc") is None:
+        pytest.skip("needs slirp4netns and gcc (./scripts/test installs both)")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "stack.c").write_text(_PERSISTING_STACK)
+    subprocess.run(["gcc", "-O0", f'-DREAL="{os.path.realpath(real)}"', "-o", str(tmp_path / "bin" / "slirp4netns"),
+                    str(tmp_path / "stack.c")], check=True)
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", "--network-stack", "slirp4netns", "--pool", "0",
+               prefix=("env", f"PATH={tmp_path / 'bin'}:{os.environ['PATH']}"))
+    try:
+        with d.connect() as client:
+            s = client.open_session(str(worktree), network=True)
+            assert probe(s, INTERFACES) == "eth0 eth1 lo"
+            with pytest.raises(dispatch.RequestFailed) as refused:
+                s.set_network(False)
+            assert refused.value.code == "confinement_failed", refused.value
+            assert "cannot apply network: stop slirp4netns: its way out is not gone (eth1 still up); " \
+                   "the session was ended" in str(refused.value)
+            with pytest.raises(dispatch.RequestFailed) as gone:
+                client.session(s.id)
+            assert "its network could not be switched to off" in str(gone.value)
+            assert re.search(rf"event=stack_outlived session={s.id} stack=slirp4netns pid=\d+ error=eth1 still up",
+                             d.log()), d.log()
+            with client.open_session(str(worktree)) as after:
+                assert probe(after, INTERFACES) == "lo"
+    finally:
+        assert d.stop() == 0, d.log()
