@@ -216,6 +216,7 @@ def test_a_stack_s_fork_chain_ends_all_of_it(end: str, tmp_path: Path, worktree:
             else:
                 assert d.stop() == 0, d.log()
                 stopped = True
+                s.detach()  # the handle's channel, to a sandbox gone with the daemon
         assert _wait_for(lambda: _chain_links(binary) == [], 3), _chain_links(binary)
         after = greeter.accepted
         time.sleep(2.5)  # a beacon a second while a bottom link lives
@@ -354,8 +355,7 @@ def test_a_switch_to_off_that_finds_an_interface_still_up_ends_the_session(tmp_p
     d = Daemon(tmp_path / "d", "--network-stack", "slirp4netns", "--pool", "0",
                prefix=("env", f"PATH={tmp_path / 'bin'}:{os.environ['PATH']}"))
     try:
-        with d.connect() as client:
-            s = client.open_session(str(worktree), network=True)
+        with d.connect() as client, client.open_session(str(worktree), network=True) as s:
             assert probe(s, INTERFACES) == "eth0 eth1 lo"
             with pytest.raises(dispatch.RequestFailed) as refused:
                 s.set_network(False)
@@ -369,5 +369,7 @@ def test_a_switch_to_off_that_finds_an_interface_still_up_ends_the_session(tmp_p
                              d.log()), d.log()
             with client.open_session(str(worktree)) as after:
                 assert probe(after, INTERFACES) == "lo"
+            # The handle's close, at the end of the block, of a session the
+            # daemon ended: its channel let go, nothing asked of the daemon.
     finally:
         assert d.stop() == 0, d.log()
