@@ -179,11 +179,13 @@ def _setup_logging(args: argparse.Namespace) -> None:
     --log-file (what autostart uses), so the log never grows without bound."""
     from logging.handlers import RotatingFileHandler
 
+    from dispatchd.logtext import OneLineFormatter
     from dispatchd.secretbook import LogRedaction
 
     handler: logging.Handler = logging.StreamHandler(sys.stderr) if not args.log_file else RotatingFileHandler(
         args.log_file, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_ROTATE_KEEP, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    # One record a line, whatever its values hold (a session's file names): dispatchd/logtext.py.
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     handler.addFilter(LogRedaction())  # no secret's value in a line, whoever logs it (dispatchd/secretbook.py)
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
 

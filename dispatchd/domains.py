@@ -6,6 +6,11 @@ Everything here is pure (tested by equality in ``tests/unit/test_domains.py``):
   ``Rule``s, refusing what would be ambiguous or unsafe with a message;
 - ``normalise_host`` is the one spelling of a host name both a rule and a
   request are compared in (lower case, no trailing dot, punycode, canonical IP);
+  what it returns is only ever a name of ``[a-z0-9_.-]`` or an address in
+  its canonical form (hex digits, ``:`` and ``.``): the proxy's log lines,
+  ``status``'s ``denied`` and the command it suggests quote nothing else. An
+  IPv6 zone (``fe80::1%eth0``, where ``ipaddress`` keeps whatever follows
+  the ``%``) is refused;
 - ``allowed`` decides a request (host, port) against the rules;
 - ``relayable`` decides whether the proxy may connect to a resolved address
   (never the host's loopback, link-local, unspecified or multicast);
@@ -67,17 +72,18 @@ def normalise_host(host: str) -> str:
     (brackets removed). Raises ``BadHost`` for anything that is not a DNS name
     or an IP address, including numeric forms ``inet_aton`` would read as an
     address (``127.1``, ``0x7f.1``, ``2130706433``): a name is never an address
-    in disguise."""
+    in disguise; and an IPv6 address with a zone (``%`` and an interface)."""
     h = host.strip()
     if h.startswith("[") and h.endswith("]"):
         h = h[1:-1]
         ip = _ip(h)
         if ip is None or ip.version != 6:
             raise BadHost(f"{host!r} is not an IPv6 address")
-        return str(ip)
+        return _unzoned(ip)
     ip = _ip(h)
     if ip is not None:
-        return str(ip.ipv4_mapped) if ip.version == 6 and ip.ipv4_mapped else str(ip)
+        canonical = _unzoned(ip)
+        return str(ip.ipv4_mapped) if ip.version == 6 and ip.ipv4_mapped else canonical
     h = h.rstrip(".") if h.endswith(".") and not h.endswith("..") else h
     try:
         h = h.encode("ascii").decode().lower() if h.isascii() else h.encode("idna").decode("ascii").lower()
@@ -90,6 +96,17 @@ def normalise_host(host: str) -> str:
         # No top-level domain is numeric; libc would read "127.1" as 127.0.0.1.
         raise BadHost(f"{host!r} looks like a numeric address, not a name: write the address in dotted quads")
     return h
+
+
+def _unzoned(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """``ip`` canonical, refused with a zone: the zone names an interface of
+    the machine the address is read on, which means nothing to a proxy, and
+    ``ipaddress`` keeps any characters after the ``%`` (a newline, ESC,
+    ``$(...)``). The message names the address without its zone."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id is not None:
+        raise BadHost(f"{ipaddress.IPv6Address(ip.packed)}%<zone>: an IPv6 address with a zone is refused "
+                      "(write the address alone)")
+    return str(ip)
 
 
 def relayable(address: str) -> bool:

@@ -4,6 +4,10 @@ Kept apart from ``cli.py`` (argument parsing and dispatch to the client) so
 that each is short: status in words and sizes, the tools as a listing, a
 call's arguments from argv, stdin or a file, the MCP host snippet, stopping
 the daemon.
+
+Every line of ``dispatch status`` and of a close's report goes through
+``dispatchd.display.shown``: they carry names a session chose (files moved
+aside, refs, hosts refused), and a terminal must act on none of them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import IO, Any
 import msgspec
 
 from dispatchd import paths, protocol
+from dispatchd.display import shown
 from dispatchd.netmodes import NETWORK_MODES
 
 
@@ -127,7 +132,7 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
     k = st.kernel
 
     def say(line: str) -> None:
-        print(line, file=out)
+        print(shown(line), file=out)  # a line at a time: names of a session's choosing in any of them
 
     say(f"dispatchd {st.daemon_version} (pid {st.pid}) on {st.socket}")
     say(f"kernel {k.release}: Landlock ABI {k.landlock_abi or 'absent'}; "
@@ -222,7 +227,7 @@ def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:
 def print_protected(items: list[dict[str, Any]], file: IO[str] | None = None) -> None:
     """What a session's close moved aside or put back, one a line."""
     for item in items:
-        print(f"moved aside or put back: {item['path']}: {item['why']}", file=file or sys.stdout)
+        print(f"moved aside or put back: {shown(item['path'])}: {shown(item['why'])}", file=file or sys.stdout)
 
 
 def _would_get(k: protocol.KernelFeatures) -> str:

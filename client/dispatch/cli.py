@@ -9,6 +9,11 @@ successful Result and 1 on a failed one.
 cancel the command in the sandbox (it and every process it started end),
 close a one-off session, and exit 128 + the signal's number; a second one
 stops waiting for the cancel.
+
+What dispatchd says in its own words (status, reports, refs, labels,
+warnings, errors) is printed through ``dispatchd.display.shown``: a name a
+session chose cannot act on the terminal. A command's own output (``exec``,
+``jobs output``, ``call --text``) is passed through as it is, as ssh does.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dispatch.client import Cancellation, Client, Session, connect
 from dispatch.errors import DispatchError
 from dispatch.tools import Registry
 from dispatchd import protocol
+from dispatchd.display import shown
 
 EXIT_ERROR = 2
 EXIT_TIMEOUT = 124
@@ -84,7 +90,7 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
 def _print_warnings(info: dict[str, Any]) -> None:
     """What does not work as the session's mode promises (e.g. DNS), on stderr."""
     for warning in info.get("warnings", []):
-        print(f"dispatch: warning: {warning}", file=sys.stderr)
+        print(f"dispatch: warning: {shown(warning)}", file=sys.stderr)
 
 
 class Terminated(BaseException):
@@ -124,11 +130,11 @@ def _run_checkpoint(client: Client, args: argparse.Namespace) -> None:
             total = done.get("kept_total")
             if total:
                 kept += f" ({_cli_text.before_restore_words(total)})"
-        print(f"restored {done['checkpoint']}: {done['removed']} removed, {done['written']} written, "
-              f"{done['made']} directories made, {done['objects']} git object files put back; "
-              f"what was there before: {kept}")
-        for ref in done.get("displaced", []):
-            print(f"a value it moved is kept as {ref}")
+        print(shown(f"restored {done['checkpoint']}: {done['removed']} removed, {done['written']} written, "
+                    f"{done['made']} directories made, {done['objects']} git object files put back; "
+                    f"what was there before: {kept}"))
+        for ref in done.get("displaced", []):  # a ref's name, of the session's choosing
+            print(f"a value it moved is kept as {shown(ref)}")
     elif args.json:
         print(json.dumps(client.checkpoints(args.id), indent=2))
     else:
@@ -137,7 +143,7 @@ def _run_checkpoint(client: Client, args: argparse.Namespace) -> None:
             print("no checkpoints")
         for c in found:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["created"]))
-            print(f"{c['id']}  {when}  {c['entries']} entries  {c['copied_bytes']} bytes copied  {c['label']}")
+            print(f"{c['id']}  {when}  {c['entries']} entries  {c['copied_bytes']} bytes copied  {shown(c['label'])}")
 
 
 def _print_sessions(sessions: list[protocol.SessionInfo]) -> None:
@@ -146,8 +152,8 @@ def _print_sessions(sessions: list[protocol.SessionInfo]) -> None:
     for s in sessions:
         prot = s.protections
         writes = ("  writes" if s.writes else "") + ("  asleep" if s.asleep else "")  # write lock; no process
-        print(f"{s.id}  network={s.network} ({prot.network.mechanism})  "
-              f"policy={s.policy}  mode={prot.mode}{writes}  {s.worktree}")
+        print(shown(f"{s.id}  network={s.network} ({prot.network.mechanism})  "
+                    f"policy={s.policy}  mode={prot.mode}{writes}  {s.worktree}"))
 
 
 class _Stopped(BaseException):
@@ -312,7 +318,7 @@ def _run(args: argparse.Namespace) -> int:
                                       domains=args.domains)
             print(info["network"])
             if info.get("note"):
-                print(f"dispatch: {info['note']}", file=sys.stderr)
+                print(f"dispatch: {shown(info['note'])}", file=sys.stderr)
             _print_warnings(info)
             return 0
         if args.command == "exec":
@@ -385,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports a writer killed by it
     except (DispatchError, UsageError, OSError) as exc:  # tool errors are DispatchErrors too
-        print(f"dispatch: {exc}", file=sys.stderr)
+        print(f"dispatch: {shown(str(exc))}", file=sys.stderr)  # an error can name what a session chose
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

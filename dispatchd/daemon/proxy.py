@@ -31,8 +31,10 @@ docs/architecture.md, "Dependencies, and why".
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import selectors
+import shlex
 import socket
 import threading
 import time
@@ -381,7 +383,8 @@ class SessionProxy:
         if mode != "domains":
             raise HttpError(403, f"Forbidden by dispatchd: network is not in domains mode ({mode})", (
                 f"dispatchd: this session's network is {mode!r}, not in domains mode: the proxy relays "
-                "nothing. Switch with: dispatch network " f"{self.session} domains --domains HOST,...\n"))
+                f"nothing. Switch with: {shlex.join(['dispatch', 'network', self.session, 'domains'])} "
+                "--domains HOST,...\n"))
         if not ok:
             self._deny(req.host, req.port, rules)
             raise HttpError(403, f"Forbidden by dispatchd: {req.host} is not in this session's domains",
@@ -426,12 +429,15 @@ class SessionProxy:
 
     @staticmethod
     def _wanted(host: str, port: int) -> str:
-        wanted = host if port in (80, 443) else f"{host}:{port}"
-        return f"[{wanted}]" if ":" in host and port in (80, 443) else wanted
+        """The list's entry for ``host:port`` (an IPv6 address in brackets, its port after them)."""
+        spelled = f"[{host}]" if ":" in host else host
+        return spelled if port in (80, 443) else f"{spelled}:{port}"
 
     def allow_command(self, host: str, port: int, rules: tuple[Rule, ...]) -> str:
-        """The command that allows ``host:port`` besides what ``rules`` allow."""
-        return f"dispatch network {self.session} domains --domains {','.join(describe(rules) + [self._wanted(host, port)])}"
+        """The command that allows ``host:port`` besides what ``rules`` allow,
+        each word quoted for a shell (a wildcard's ``*``, a bracket)."""
+        wanted = ",".join(describe(rules) + [self._wanted(host, port)])
+        return shlex.join(["dispatch", "network", self.session, "domains", "--domains", wanted])
 
     def _denied_body(self, host: str, port: int, rules: tuple[Rule, ...]) -> str:
         listed = describe(rules)
@@ -439,8 +445,8 @@ class SessionProxy:
         return (f"dispatchd: this session's network is in mode \"domains\", and {host} (port {port}) "
                 f"is not in its list.\n"
                 f"Allowed: {', '.join(listed) or 'nothing yet'}\n"
-                f"To allow it: dispatch network {self.session} domains --domains {','.join(listed + [wanted])}\n"
-                f"  (Python: session.set_network(\"domains\", domains=[..., \"{wanted}\"]); "
+                f"To allow it: {self.allow_command(host, port, rules)}\n"
+                f"  (Python: session.set_network(\"domains\", domains=[..., {json.dumps(wanted)}]); "
                 f"or add it to the policy's network.domains)\n")
 
     @staticmethod

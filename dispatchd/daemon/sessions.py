@@ -65,6 +65,7 @@ from dispatchd.daemon.switching import Switching
 from dispatchd.daemon.writelock import WriteLocks
 from dispatchd.daemon.inuse import InUse
 from dispatchd.kernel import KernelFeatures
+from dispatchd.logtext import Bounded
 from dispatchd.policy import Policy
 
 __all__ = ["Session", "SessionManager"]
@@ -145,8 +146,11 @@ class SessionManager(Switching):
         self.baselines = gitguard.Baselines(state_dir, self.home)
         self.baselines.sync_dir = afterwards.fsync_dir  # a record's removal made durable after the reply
         self.baselines.later = afterwards.later  # the last end's record removed after the reply
+        said = Bounded()  # each was logged by its check already: the first few again, then a count
         for found in self.baselines.recover():
-            log.warning("event=recovered path=%s why=%r", found.path, found.why)
+            said.say(log, "event=recovered path=%s why=%r", found.path, found.why)
+        said.end(log, "what the checks left by a daemon that died did, not logged one by one; `dispatch status` "
+                      "lists it")
         try:
             self.in_use.forget_dead(claims.finished(dead, self.baselines, state_dir))
             self.in_use.prepare()  # the spare entries an open's claim writes in place

@@ -49,6 +49,7 @@ import threading
 import time
 from typing import Any
 
+from dispatchd.display import one_line
 from dispatchd.protocol.internal import JobRecord
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
@@ -478,7 +479,9 @@ def job_list(ctx: ToolContext, params: JobListParams) -> Outcome:
         command = " ".join(j.command.split())
         if len(command) > 200:
             command = command[:199] + "…"
-        lines.append(f"{j.id}\t{j.state()}\t{command}")
+        # One job a line, and nothing a terminal acts on (ESC, a bidi override):
+        # ``dispatch jobs`` prints this to the user as dispatchd's own words.
+        lines.append(f"{j.id}\t{j.state()}\t{one_line(command)}")
         listed.append({"job": j.id, "state": j.state(), "running": j.running, "exit_code": j.exit_code,
                        "command": j.command})
     return Outcome.ok("\n".join(lines), {"jobs": listed})

@@ -105,6 +105,64 @@ def test_an_unlisted_host_gets_a_403_naming_it(dclient: dispatch.Client, worktre
     assert [p for p, _ in registry.requests[before:]] == ["/"]  # only the twin's
 
 
+# A request line through the session's proxy, and the whole answer back:
+# its status line, then its body (the proxy closes after an error).
+_ASK = """
+import socket
+s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+s.sendall(("CONNECT " + TARGET + " HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n").encode("latin-1"))
+got = b""
+while chunk := s.recv(4096):
+    got += chunk
+head, _, body = got.decode().partition("\\r\\n\\r\\n")
+print(head.split("\\r\\n")[0])
+print(body, end="")
+"""
+
+
+def _ask(s: dispatch.Session, target: str) -> dispatch.Result:
+    return shell(s, "/usr/bin/python3 -c " + shlex.quote(f"TARGET = {target!r}\n{_ASK}"))
+
+
+# After the %: erase and move up, a forged log line (tabs: a space would end
+# the request line), and a command substitution for whoever pastes a suggestion.
+_ZONE = "\x1b[2K\x1b[1A\rFAKE\n2026-12-01\t04:20:00,000\tINFO\tdispatchd\tevent=session_close$(id)"
+
+
+def test_an_address_with_a_zone_is_refused_and_reaches_no_log_status_or_command(
+        ddaemon: Daemon, dclient: dispatch.Client, worktree: Path, registry: FakeRegistry) -> None:
+    """``[fe80::1%ZONE]``: a 400 naming the address without its zone, not
+    counted as a refused host, so nothing of it in ``status``, ``dispatch
+    status``, a call's note or the log. The twins: ``[::1]`` is refused by
+    the list as before, with a command quoted for a shell; the listed host
+    is reached."""
+    listed = f"registry.test:{registry.port}"
+    seen = len(ddaemon.log())
+    with dclient.open_session(str(worktree), network="domains", domains=[listed]) as s:
+        zoned = _ask(s, f"[fe80::1%{_ZONE}]:443")
+        assert zoned.metadata["stdout"] == ("HTTP/1.1 400 Bad Request\ndispatchd proxy: fe80::1%<zone>: an IPv6 "
+                                            "address with a zone is refused (write the address alone)\n"), zoned
+        assert "network_denied" not in zoned.metadata and zoned.output == zoned.metadata["stdout"]
+        assert s.status()["network"]["denied"] == []
+
+        loopback = _ask(s, "[::1]:443")
+        head, body = loopback.metadata["stdout"].split("\n", 1)
+        assert head == "HTTP/1.1 403 Forbidden by dispatchd: ::1 is not in this session's domains"
+        allow = f"dispatch network {s.id} domains --domains '{listed},[::1]'"
+        assert f"To allow it: {allow}\n" in body
+        assert loopback.metadata["network_denied"] == ["::1:443"]
+        assert loopback.output.splitlines()[-1] == (
+            f"[network: dispatchd refused ::1:443 (not in this session's domains); to allow: {allow}]")
+        assert [(d["host"], d["port"], d["count"]) for d in s.status()["network"]["denied"]] == [("::1", 443, 1)]
+        assert curl(s, f"http://{listed}/ok")[0] == "200"
+
+        out = run(ddaemon, "status")
+        assert "denied: ::1:443 (1)" in out.stdout and "FAKE" not in out.stdout
+    log = ddaemon.log()[seen:]
+    assert f"event=proxy_denied session={s.id} host=::1 port=443" in log
+    assert "FAKE" not in log and "\x1b" not in log
+
+
 def test_wildcards_match_subdomains_only(dclient: dispatch.Client, worktree: Path, registry: FakeRegistry) -> None:
     with dclient.open_session(str(worktree), network="domains", domains=[f"*.registry.test:{registry.port}"]) as s:
         assert curl(s, f"http://files.registry.test:{registry.port}/w")[0] == "200"

@@ -109,3 +109,42 @@ def test_proxy_env_sets_both_cases():
         assert env[name] == env[name.lower()] == "http://127.0.0.1:3128"
     assert env["NO_PROXY"] == env["no_proxy"] == "localhost,127.0.0.1,::1"
     assert len(env) == 8
+
+
+@pytest.mark.parametrize("host", [
+    "[fe80::1%eth0]", "fe80::1%eth0", "[fe80::1%$(id)]", "[fe80::1%\x1b[2K\nFAKE]", "[::ffff:1.2.3.4%x]",
+    "[2001:db8::1%" + "a" * 16000 + "]",
+])
+def test_an_ipv6_address_with_a_zone_is_refused_without_echoing_the_zone(host: str) -> None:
+    """``ipaddress`` keeps anything after the ``%`` (a newline, ESC,
+    ``$(...)``): refused, and the message names the address alone."""
+    with pytest.raises(BadHost) as exc:
+        normalise_host(host)
+    address = host.strip("[]").split("%")[0]
+    address = "::ffff:102:304" if address == "::ffff:1.2.3.4" else address
+    assert str(exc.value) == f"{address}%<zone>: an IPv6 address with a zone is refused (write the address alone)"
+
+
+def test_a_zone_in_a_domains_entry_is_refused_naming_the_entry() -> None:
+    with pytest.raises(BadHost) as exc:
+        parse_domains(["[fe80::1%eth0]:8443"])
+    assert str(exc.value) == ("'[fe80::1%eth0]:8443': fe80::1%<zone>: an IPv6 address with a zone is refused "
+                              "(write the address alone)")
+
+
+@pytest.mark.parametrize("host, norm", [
+    ("[::1]", "::1"), ("::1", "::1"), ("[2001:DB8::1]", "2001:db8::1"), ("fe80::1", "fe80::1"), ("203.0.113.7", "203.0.113.7"),
+])
+def test_an_address_without_a_zone_is_accepted_as_before(host: str, norm: str) -> None:
+    assert normalise_host(host) == norm
+
+
+@pytest.mark.parametrize("host", [
+    "example.com", "Bücher.example", "[2001:db8::1]", "::ffff:203.0.113.7", "a_b.example.", "xn--bcher-kva.example",
+])
+def test_a_normalised_host_is_only_ever_name_or_address_characters(host: str) -> None:
+    """What the proxy logs, counts in ``denied`` and puts in the command it
+    suggests: nothing a shell or a terminal reads as more than a word."""
+    import re
+
+    assert re.fullmatch(r"[a-z0-9_.-]+|[0-9a-f:.]+", normalise_host(host))

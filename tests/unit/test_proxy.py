@@ -240,3 +240,28 @@ def _eventually(cond, seconds: float = 3.0) -> bool:  # type: ignore[no-untyped-
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.02)
     return cond()
+
+
+def test_a_request_for_an_address_with_a_zone_is_a_400_naming_no_zone() -> None:
+    with pytest.raises(HttpError) as exc:
+        parse_head(b"CONNECT [fe80::1%\x1b[2K\nFAKE$(id)]:443 HTTP/1.1")
+    assert exc.value.status == 400
+    assert exc.value.body == ("dispatchd proxy: fe80::1%<zone>: an IPv6 address with a zone is refused "
+                              "(write the address alone)\n")
+    # The twin: the same address without a zone is parsed (and then refused, or not, by the list).
+    assert parse_head(b"CONNECT [fe80::1]:443 HTTP/1.1").host == "fe80::1"
+
+
+def test_the_suggested_command_is_quoted_for_a_shell() -> None:
+    """Each word as a shell reads it back: a wildcard's ``*`` and the
+    brackets of an IPv6 address quoted; plain names left bare, as before."""
+    import shlex
+
+    p = SessionProxy("s1", lambda host, port: [])
+    rules = parse_domains(["pypi.org", "*.pythonhosted.org"])
+    command = p.allow_command("2001:db8::1", 8443, rules)
+    assert command == "dispatch network s1 domains --domains 'pypi.org,*.pythonhosted.org,[2001:db8::1]:8443'"
+    assert shlex.split(command)[-1] == "pypi.org,*.pythonhosted.org,[2001:db8::1]:8443"
+    assert parse_domains(shlex.split(command)[-1].split(","))[-1].ports == (8443,)  # the port after the brackets
+    assert p.allow_command("other.test", 443, parse_domains(["pypi.org"])) == (
+        "dispatch network s1 domains --domains pypi.org,other.test")

@@ -59,6 +59,7 @@ from dispatchd import flocks
 from dispatchd.daemon import gitguard
 from dispatchd.durable import fsync_directory
 from dispatchd.errors import CheckpointError
+from dispatchd.logtext import Bounded
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.tempfiles import TEMP_NAME
 
@@ -184,8 +185,10 @@ def keep_refs(worktree: str, refs: dict[str, str], session: str, borrowed: list[
     if common is None or not refs:
         return []
     kept, failed = gitguard.keep_moved_refs(common, refs, borrowed, stamp)
+    said = Bounded()  # a session can make thousands of refs: the log keeps the first few and the count
     for name in kept:
-        log.warning("event=restore_ref_kept session=%s worktree=%s ref=%s", session, worktree, name)
+        said.say(log, "event=restore_ref_kept session=%s worktree=%s ref=%s", session, worktree, name)
+    said.end(log, "refs kept, not logged one by one; the restore's reply lists them (displaced)")
     for why in failed:
         log.error("event=restore_ref_not_kept session=%s worktree=%s why=%r", session, worktree, why)
     return kept

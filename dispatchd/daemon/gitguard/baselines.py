@@ -65,6 +65,7 @@ from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
 from dispatchd.inside import is_within, worktrees_relate
+from dispatchd.logtext import Bounded
 from dispatchd.secretbook import scrubbed
 
 log = logging.getLogger("dispatchd.baselines")
@@ -457,9 +458,10 @@ class Baselines:
         found: list[Protected] = []
         now_t = time.time()
         covered: set[str] = set()  # the first part's baseline is the user's: a later one's may not be
+        said = Bounded()  # a session leaving thousands of files floods neither the log nor its rotation away
         for part in domain.record.parts:
             try:
-                bad = check_part(part, found, now_t, covered)
+                bad = check_part(part, found, now_t, covered, said)
             except Exception as exc:  # a bug, or content not foreseen: fail closed
                 bad = [f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}"]
             failed += bad
@@ -473,8 +475,10 @@ class Baselines:
                 failed += bad
                 found += [unchecked(kept.common, bad, now_t)] if bad else []
                 for path, why in done:
-                    log.warning("event=git_history_restored path=%s why=%r", path, why)
+                    said.say(log, "event=git_history_restored path=%s why=%r", path, why)
                     found.append(Protected(path=path, why=why, time=now_t))
+        said.end(log, "moved aside or put back by this check, not logged one by one; the close's reply and "
+                      "`dispatch status` list them")
         found = scrubbed(found, domain.secrets)  # kept, and shown to every session of the domain: redacted now
         with self._lock:
             domain.reports += found

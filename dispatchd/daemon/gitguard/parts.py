@@ -21,6 +21,7 @@ from dispatchd.daemon.gitguard import configs, history, indexreview, keptfiles, 
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects, redirects_present
 from dispatchd.errors import WorktreeError
 from dispatchd.inside import is_within
+from dispatchd.logtext import Bounded
 
 log = logging.getLogger("dispatchd.baselines")
 
@@ -174,12 +175,15 @@ def keep_outside(snapshot: snapshots.GitSnapshot, root: str, reach: list[str] | 
     return msgspec.structs.replace(snapshot, kept=kept)
 
 
-def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None) -> list[str]:
+def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None,
+               said: Bounded | None = None) -> list[str]:
     """Check one part against its baseline and move aside what differs
     (``redirects``, ``snapshots``, ``runnables``); appends what it moved to
     ``found`` and returns what it could not, with why. ``covered``: git's
     files the domain's earlier parts judge, left to them (``snapshots.covered``);
-    this part's are added."""
+    this part's are added. ``said``: the check's log lines, one a file up
+    to its bound (the caller says what it left out)."""
+    said = said if said is not None else Bounded()
     failed: list[str] = []
     skip = covered if covered is not None else set()
     if part.layout.kind in ("repository", "linked"):
@@ -187,13 +191,13 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
                                               lambda path: snapshots.skipped(path, skip))
         failed += bad
         for path in moved:
-            log.warning("event=git_redirect_quarantined path=%s", path)
+            said.say(log, "event=git_redirect_quarantined path=%s", path)
             found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
         now = snapshots.take(part.root, part.layout, part.home, before=part.git)
         moved, bad = snapshots.quarantine(part.root, part.git, now, skip)
         failed += bad
         for path in moved:
-            log.warning("event=git_changed_quarantined path=%s", path)
+            said.say(log, "event=git_changed_quarantined path=%s", path)
             found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
                                    time=now_t))
         put, bad = keptfiles.put_back(part.root, part.git.kept, now.gitdirs, now.external,
@@ -203,7 +207,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
             covered |= snapshots.covered(part.root, part.git, now)
         failed += bad
         for path, why in put:
-            log.warning("event=git_file_put_back path=%s", path)
+            said.say(log, "event=git_file_put_back path=%s", path)
             found.append(Protected(path=path, why=why, time=now_t))
         if part.own_gitdir:  # the index, made to show what the worktree holds (indexreview.py)
             _review_index(part, found, now_t)
@@ -216,7 +220,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
     moved, bad = runnables.quarantine(part.root, runnables.changes(part.tree, tree))
     failed += bad
     for path in moved:
-        log.warning("event=tool_file_quarantined path=%s", path)
+        said.say(log, "event=tool_file_quarantined path=%s", path)
         found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
                                time=now_t))
     return failed

@@ -28,6 +28,7 @@ import stat
 import time
 
 from dispatchd.daemon.gitguard import fs
+from dispatchd.logtext import Bounded
 
 log = logging.getLogger("dispatchd.gitguard")
 
@@ -179,8 +180,10 @@ def sweep(common: str, refs: list[str]) -> list[str]:
     finally:
         os.close(top)
     removed.sort()
+    said = Bounded(level=logging.INFO)  # a session can leave thousands of names of that shape
     for gone in removed:
-        log.info("event=ref_temporary_removed path=%s", gone)
+        said.say(log, "event=ref_temporary_removed path=%s", gone)
+    said.end(log, "temporary ref files removed, not logged one by one")
     return removed
 
 
