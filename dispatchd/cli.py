@@ -181,8 +181,11 @@ def _setup_logging(args: argparse.Namespace) -> None:
 
     from dispatchd.secretbook import LogRedaction
 
+    # A line naming what is not UTF-8 (a file name a session chose) is written with it escaped, as
+    # stderr writes it, never lost to a "Logging error" (the reports give such names as \xNN: fsnames.py).
     handler: logging.Handler = logging.StreamHandler(sys.stderr) if not args.log_file else RotatingFileHandler(
-        args.log_file, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_ROTATE_KEEP, encoding="utf-8")
+        args.log_file, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_ROTATE_KEEP, encoding="utf-8",
+        errors="backslashreplace")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     handler.addFilter(LogRedaction())  # no secret's value in a line, whoever logs it (dispatchd/secretbook.py)
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
