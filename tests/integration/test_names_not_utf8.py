@@ -9,12 +9,15 @@ every later open of the worktree fail until the daemon restarted. Each test
 has its twin: a name that is UTF-8 (``caf\\u00e9``), reported as it is.
 
 Also here: a close report over the bound says how many items it leaves
-out."""
+out, and a close whose baseline record cannot be rewritten (a write the
+kernel refuses) reports what its check did, and why the record was not
+rewritten."""
 
 from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, _refuse_root, shell
+from tests.conftest import Daemon, _refuse_root, shell, wait_until
 from tests.integration.test_cli import run
 
 # (what printf makes of it in a session, the name's bytes, how the daemon shows it)
@@ -200,3 +203,42 @@ def test_a_long_close_report_says_how_many_it_leaves_out(ndaemon: _FileLogDaemon
         "and 51 more moved aside or put back, not listed here (51 a repository or a file your tools run, "
         "changed or new): the daemon's log names each")}
     assert len(list(repo.glob("n*/.envrc.quarantined-by-dispatchd-*"))) == 250  # every one moved all the same
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["write-refused", "twin"])
+def test_a_close_whose_record_cannot_be_rewritten_reports_its_check(
+        ndaemon: _FileLogDaemon, worktree: Path, refused: bool) -> None:
+    """Two sessions; the first closes while the kernel refuses the daemon's
+    writes (RLIMIT_FSIZE 0: EFBIG, where a full disk gives ENOSPC, on the
+    same write): its close lists the ``.envrc`` it moved aside and names the
+    record it could not rewrite and why, and the temporary file of a cut
+    write is swept as at every end. Before, the close failed with
+    ``internal error: OSError`` and the list was in the log only."""
+    with ndaemon.connect() as c:
+        a = c.open_session(str(worktree))
+        b = c.open_session(str(worktree))
+        try:
+            r = shell(a, 'echo "echo planted" > .envrc && echo cut > .f.dispatchd-0123abcd.tmp && echo ok')
+            assert r.output == "ok\n", (r.output, r.error)
+            soft, hard = resource.prlimit(ndaemon.proc.pid, resource.RLIMIT_FSIZE)
+            if refused:
+                resource.prlimit(ndaemon.proc.pid, resource.RLIMIT_FSIZE, (0, hard))
+            try:
+                a.close()
+            finally:
+                resource.prlimit(ndaemon.proc.pid, resource.RLIMIT_FSIZE, (soft, hard))
+            assert a.protected[0]["path"].startswith(f"{worktree}/.envrc.quarantined-by-dispatchd-"), a.protected
+            assert not (worktree / ".envrc").exists() and not (worktree / ".f.dispatchd-0123abcd.tmp").exists()
+            if not refused:
+                assert len(a.protected) == 1
+                return
+            [said] = a.protected[1:]
+            top = ndaemon.state / "dispatchd" / "baselines"
+            assert re.fullmatch(rf"{re.escape(str(top))}/[0-9a-f]{{16}}\.json", said["path"]), said
+            assert said["why"].startswith("the worktree's baseline record could not be rewritten without this session "
+                                          "(File too large, EFBIG): this end's check ran all the same"), said
+            assert b.status()["protected"] == a.protected[:1]
+        finally:
+            b.close()
+    # The last end rewrites nothing: its record goes (just after its reply).
+    assert wait_until(lambda: not list((ndaemon.state / "dispatchd" / "baselines").glob("*.json")))

@@ -1,14 +1,18 @@
-"""The trusted baseline with names that are not UTF-8
-(daemon/gitguard/baselines.py, refsback.py), on real repositories made by
-git: a branch ``bad\\xff`` is recorded, put back and taken out as any
-other, and a join that fails for any reason leaves no trace in the domain."""
+"""The trusted baseline with names that are not UTF-8 and with a record it
+cannot write (daemon/gitguard/baselines.py, refsback.py), on real
+repositories made by git: a branch ``bad\\xff`` is recorded, put back and
+taken out as any other, a join that fails for any reason leaves no trace
+in the domain, and an end that cannot rewrite the record says so and
+still reports what its check did."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from dispatchd import recordjson
@@ -117,6 +121,38 @@ def test_a_later_session_join_that_fails_leaves_the_others_as_they_were(
         _join(store, "b", repo)
     [domain] = store._domains.values()
     assert domain.record.sessions == ["a"] and "b" not in store._by_session
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["disk-full", "twin"])
+def test_an_end_that_cannot_rewrite_the_record_reports_its_check_and_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    """Two sessions; the first ends with the disk full: its close still
+    lists what its check moved aside, and one more item names the record
+    and ENOSPC. The record still names it, which is on the safe side."""
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "a", repo)
+    _join(store, "b", repo)
+    (repo / "d1" / "n").mkdir()
+    git(repo / "d1" / "n", "init", "-q")  # a's plant: a repository the user's git would run
+    [path] = _records(tmp_path / "state")
+    if fails:
+        def full(fd: int, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(baselines.os, "write", full)
+    found = store.leave("a")
+    monkeypatch.undo()
+    assert found[0].path.startswith(str(repo / "d1" / "n" / ".git" / "config.quarantined-by-dispatchd-"))
+    assert not (repo / "d1" / "n" / ".git" / "config").exists()
+    if fails:
+        assert len(found) == 2 and found[1].path == str(path)
+        assert found[1].why.startswith("the worktree's baseline record could not be rewritten without this session "
+                                       "(No space left on device, ENOSPC): this end's check ran all the same")
+    else:
+        assert len(found) == 1
+    record = msgspec.json.decode(path.read_bytes(), type=baselines.Record)
+    assert record.sessions == (["a", "b"] if fails else ["b"])
+    assert store.leave("b") == [] and _records(tmp_path / "state") == []  # the last end, as ever
 
 
 def test_a_dead_daemons_record_naming_a_branch_not_utf8_is_checked_at_start(tmp_path: Path) -> None:

@@ -419,7 +419,12 @@ class Baselines:
                 else:
                     self._drop_later(domain)
             else:
-                self._write(domain)
+                try:
+                    self._write(domain)
+                except OSError as exc:  # a full disk: this end's check is done all the same, and said
+                    path = os.path.join(self.dir, f"{record.id}.json")
+                    log.error("event=baseline_not_rewritten domain=%s session=%s error=%r", record.id, sid, str(exc))
+                    found = found + [reportlog.unrewritten(path, exc)]
             return found
         finally:
             if not domain.alive:

@@ -22,6 +22,7 @@ holds the ``.envrc`` it planted, a branch), and how many there are (one
 
 from __future__ import annotations
 
+import errno
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -31,7 +32,7 @@ import msgspec
 from dispatchd.daemon.gitguard.parts import Protected
 from dispatchd.fsnames import shown
 
-__all__ = ["DOMAIN_KEPT", "KEPT", "Reports", "bounded", "readable"]
+__all__ = ["DOMAIN_KEPT", "KEPT", "Reports", "bounded", "readable", "unrewritten"]
 
 KEPT = 200  # of one check's reports, in its reply
 DOMAIN_KEPT = 2 * KEPT  # of a domain's, for status: a whole check's, and the one before it
@@ -42,6 +43,18 @@ def readable(found: list[Protected]) -> list[Protected]:
     """``found`` with each path and why as ``fsnames.shown`` gives them."""
     return [p if p.path.isascii() and p.why.isascii() else
             msgspec.structs.replace(p, path=shown(p.path), why=shown(p.why)) for p in found]
+
+
+def unrewritten(path: str, exc: OSError) -> Protected:
+    """What a session's end that is not its domain's last says of the
+    record at ``path`` it could not rewrite without the session (a full
+    disk): the record on disk still names the session, which is on the safe
+    side (a restart's check reads its parts, whatever sessions it names)."""
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return Protected(path=path, time=time.time(), why=(
+        f"the worktree's baseline record could not be rewritten without this session ({exc.strerror}, {code}): "
+        "this end's check ran all the same (the rest of this list); the record still names the session, which "
+        "changes no check, and the next end rewrites it"))
 
 
 def bounded(found: list[Protected], where: str, now_t: float, kept: int = KEPT) -> list[Protected]:
