@@ -170,24 +170,10 @@ def _bind(path: str) -> tuple[socket.socket, BoundSocket]:
     return sock, BoundSocket(path, st.st_dev, st.st_ino, dst.st_dev, dst.st_ino)
 
 
-LOG_ROTATE_BYTES = 10 * 1024 * 1024
-LOG_ROTATE_KEEP = 3
-
-
 def _setup_logging(args: argparse.Namespace) -> None:
-    """stderr by default (journald under systemd); a rotated file with
-    --log-file (what autostart uses), so the log never grows without bound."""
-    from logging.handlers import RotatingFileHandler
+    from dispatchd.logtext import install
 
-    from dispatchd.logtext import OneLineFormatter
-    from dispatchd.secretbook import LogRedaction
-
-    handler: logging.Handler = logging.StreamHandler(sys.stderr) if not args.log_file else RotatingFileHandler(
-        args.log_file, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_ROTATE_KEEP, encoding="utf-8")
-    # One record a line, whatever its values hold (a session's file names): dispatchd/logtext.py.
-    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    handler.addFilter(LogRedaction())  # no secret's value in a line, whoever logs it (dispatchd/secretbook.py)
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    install(args.log_file, args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,9 +28,31 @@ import logging
 
 from dispatchd.display import one_line
 
-__all__ = ["MOST_PER_PASS", "Bounded", "OneLineFormatter"]
+__all__ = ["LOG_ROTATE_BYTES", "LOG_ROTATE_KEEP", "MOST_PER_PASS", "Bounded", "OneLineFormatter", "install"]
 
 MOST_PER_PASS = 20
+LOG_ROTATE_BYTES = 10 * 1024 * 1024
+LOG_ROTATE_KEEP = 3
+
+
+def install(log_file: str | None, level: str) -> None:
+    """The daemon's log: stderr by default (journald under systemd); a
+    rotated file with --log-file (what autostart uses), so the log never
+    grows without bound. Every line one record (``OneLineFormatter``), no
+    secret's value in it, whoever logs it (``secretbook.LogRedaction``)."""
+    import sys
+    from logging.handlers import RotatingFileHandler
+
+    from dispatchd.secretbook import LogRedaction
+
+    # A line naming what is not UTF-8 (a file name a session chose) is written with it escaped, as
+    # stderr writes it, never lost to a "Logging error" (the reports give such names as \xNN: fsnames.py).
+    handler: logging.Handler = logging.StreamHandler(sys.stderr) if not log_file else RotatingFileHandler(
+        log_file, maxBytes=LOG_ROTATE_BYTES, backupCount=LOG_ROTATE_KEEP, encoding="utf-8",
+        errors="backslashreplace")
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.addFilter(LogRedaction())
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 class OneLineFormatter(logging.Formatter):

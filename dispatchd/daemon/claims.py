@@ -57,6 +57,7 @@ from dispatchd.daemon.gitguard.parts import common_of
 from dispatchd.daemon.inuse import InUse, Use
 from dispatchd.daemon.session import Session
 from dispatchd.errors import WorktreeError
+from dispatchd.fsnames import shown
 from dispatchd.inside import overlap, worktrees_relate
 
 log = logging.getLogger("dispatchd.sessions")
@@ -106,7 +107,7 @@ def _finish(in_use: InUse, state: str, baselines: Baselines, own: bool,
     are checked by a store of their own, what it did said with the restores."""
     if not own:
         _reach(state, root)
-    said += [Protected(path=path, why=why, time=time.time())
+    said += [Protected(path=shown(path), why=shown(why), time=time.time())  # names as text (fsnames.py)
              for path, why in checkpoints.finish_restores(state, in_use, gitguard.unheld_roots(state))]
     store = baselines if own else Baselines(state, baselines.home)
     found = store.recover(related=None if in_use.unreadable & set(names) else related)

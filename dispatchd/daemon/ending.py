@@ -150,13 +150,17 @@ class Ending(SessionTable):
         started = time.perf_counter()
         gone = self._stop_worker(session, steps)
         stopped = time.perf_counter()
-        self._check_git(session)
-        checked = time.perf_counter()
-        self._sweep_temp_files(session, gone)
-        # Its tool server is gone: the watch it made is ours alone, closed after
-        # the reply; queued after the check's own work there (the baseline
-        # record's removal), which its teardown's wait would hold up.
-        session.drop_watch()
+        try:
+            self._check_git(session)
+        finally:
+            # Whatever the check raised: no temporary file of a cut write is
+            # left for the next writer, and the watch is not left open.
+            checked = time.perf_counter()
+            self._sweep_temp_files(session, gone)
+            # Its tool server is gone: the watch it made is ours alone, closed after
+            # the reply; queued after the check's own work there (the baseline
+            # record's removal), which its teardown's wait would hold up.
+            session.drop_watch()
         # Where an end's time goes (the bench's --steps reads it), as the open's event=open_steps.
         steps.update(git=(checked - stopped) * 1e3, sweep=(time.perf_counter() - checked) * 1e3,
                      all=(time.perf_counter() - started) * 1e3)

@@ -48,6 +48,7 @@ from dispatchd.daemon.parking import PARK_AFTER_S, Parking
 from dispatchd.daemon.capacity import OpenFiles
 from dispatchd.daemon.sessions import Session, SessionManager
 from dispatchd.errors import DispatchdError
+from dispatchd.fsnames import shown
 from dispatchd.kernel import KernelFeatures
 from dispatchd.secretbook import said as _said
 from dispatchd.tools import native
@@ -321,6 +322,8 @@ class Server:
                 reply, fds = self._handle(req, c.conn_id)
                 try:
                     frames.send(reply, fds=[fd.fileno() for fd in fds])
+                except protocol.Unencodable as exc:  # nothing of it sent: answered, the connection kept
+                    frames.send(self._unsendable(req, reply, exc))
                 finally:
                     for fd in fds:
                         fd.close()
@@ -364,12 +367,29 @@ class Server:
                     raise
                 return protocol.Attached(id=rid, session=info, tools=tools), [sock]
             return self._route(req, conn_id), []
-        except DispatchdError as exc:
-            return protocol.ErrorReply(id=rid, code=exc.code, message=_said(exc.message)), []
+        except DispatchdError as exc:  # names in it as text a reply can carry (fsnames.py)
+            return protocol.ErrorReply(id=rid, code=exc.code, message=_said(shown(exc.message))), []
         except Exception as exc:  # a bug: say so, keep serving
             log.exception("event=internal_error request=%s", type(req).__name__)
             return protocol.ErrorReply(id=rid, code="internal",
-                                       message=_said(f"internal error: {type(exc).__name__}: {exc}")), []
+                                       message=_said(shown(f"internal error: {type(exc).__name__}: {exc}"))), []
+
+    def _unsendable(self, req: Any, reply: Any, exc: protocol.Unencodable) -> protocol.ErrorReply:
+        """The answer to ``req`` when its ``reply`` cannot be encoded (text
+        that is not UTF-8 that no report made readable: a bug), and the
+        reply itself in the log. A session opened by it is closed: its
+        client cannot know its id. One bad string never takes down the
+        connection, nor ``status`` for every client with it."""
+        name = type(req).__name__
+        log.error("event=reply_unencodable request=%s error=%s reply=%s", name, exc, shown(repr(reply))[:100_000])
+        closed = ""
+        if isinstance(req, protocol.OpenSession) and isinstance(reply, (protocol.SessionReply, protocol.Attached)):
+            self._close_quietly(reply.session.id)
+            closed = f"; the session it opened ({reply.session.id}) is closed"
+        bad = f" ({shown(exc.text)[:300]})" if exc.text else ""
+        return protocol.ErrorReply(id=req.id, code="internal", message=_said(
+            f"internal error: the daemon's reply to {name} cannot be sent: {exc}{bad}; what was asked was done"
+            f"{closed}, and the daemon's log holds the reply (event=reply_unencodable)"))
 
     def _open(self, req: protocol.OpenSession, conn_id: int, attach: bool = False) -> Session:
         return self.manager.open(req.worktree, req.policy, req.network, req.ports, req.bind_ports,

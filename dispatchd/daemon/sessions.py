@@ -64,6 +64,7 @@ from dispatchd.daemon.spawn import ForkServerClient
 from dispatchd.daemon.switching import Switching
 from dispatchd.daemon.writelock import WriteLocks
 from dispatchd.daemon.inuse import InUse
+from dispatchd.fsnames import shown
 from dispatchd.kernel import KernelFeatures
 from dispatchd.logtext import Bounded
 from dispatchd.policy import Policy
@@ -138,7 +139,7 @@ class SessionManager(Switching):
         # A restore a killed daemon cut half way is finished first: the worktree as
         # the checkpoint had it before its baseline is re-checked (daemon/checkpoints/journal.py).
         # What became of each is shown by status, beside what the baselines' checks did.
-        self.restores_at_start = [gitguard.Protected(path=path, why=why, time=time.time())
+        self.restores_at_start = [gitguard.Protected(path=shown(path), why=shown(why), time=time.time())
                                   for path, why in checkpoints.finish_restores(state_dir, self.in_use,
                                                                                gitguard.unheld_roots(state_dir))]
         # One trusted baseline per worktree, on disk (gitguard/baselines.py); the

@@ -38,6 +38,7 @@ from dispatchd.protocol.frames import (
     FrameTooLarge,
     INVALID_UTF8,
     ProtocolError,
+    Unencodable,
     decode,
     encode,
     request_id_of,
@@ -152,7 +153,7 @@ from dispatchd.protocol.reports import (
 __all__ = [
     # frames
     "FRAME_HEADER", "MAX_FRAME", "MAX_HELLO_FRAME", "MAX_REQUEST_FRAME", "BadMessage", "FrameSocket", "FrameStalled", "FrameTooLarge",
-    "DECODE_ERRORS", "DescriptorsLost", "INVALID_UTF8", "ProtocolError", "decode", "encode", "request_id_of", "too_large", "undecodable",
+    "DECODE_ERRORS", "DescriptorsLost", "INVALID_UTF8", "ProtocolError", "Unencodable", "decode", "encode", "request_id_of", "too_large", "undecodable",
     # the public protocol: client <-> daemon, client <-> worker
     "PROTOCOL_VERSION", "REPLACED_NETWORK", "Attach", "Attached", "CallTool", "CancelCall", "ChannelReply", "ChannelRequest",
     "CloseSession", "ClosedReply", "ProtectedItem", "DaemonReply", "DaemonRequest", "DeniedHost", "ErrorReply", "Hello", "HelloOk",

@@ -79,6 +79,19 @@ class FrameStalled(ProtocolError):
         self.after_s, self.got, self.want = after_s, got, want
 
 
+class Unencodable(ProtocolError):
+    """A message this side made that the codec cannot encode: text holding a
+    lone surrogate (a file or ref name that is not UTF-8, as Python reads
+    it), or a value of no wire type. Raised by ``FrameSocket.send`` before
+    any byte of it is written: the stream is whole, and the sender can
+    answer otherwise (the daemon sends an ``ErrorReply``). ``text``: the
+    string that could not be encoded, if that was the cause, else ""."""
+
+    def __init__(self, message: str, text: str = "") -> None:
+        super().__init__(message)
+        self.text = text
+
+
 def encode(msg: msgspec.Struct) -> bytes:
     """One whole frame: length prefix and payload."""
     # The size check written out here and in send (no shared helper): every
@@ -215,7 +228,13 @@ class FrameSocket:
         self._buf += data
 
     def send(self, msg: msgspec.Struct, fds: list[int] | None = None) -> None:
-        payload = _encode(msg)  # as encode's, without a helper's call
+        try:
+            payload = _encode(msg)  # as encode's, without a helper's call
+        except UnicodeEncodeError as exc:
+            raise Unencodable(f"{type(msg).__name__}: text that is not UTF-8 ({exc.reason})",
+                              exc.object if isinstance(exc.object, str) else "") from exc
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+            raise Unencodable(f"{type(msg).__name__}: {exc}") from exc
         if len(payload) > MAX_FRAME:
             raise too_large(len(payload))
         header = FRAME_HEADER.pack(len(payload))

@@ -55,7 +55,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd import flocks
+from dispatchd import flocks, recordjson
 from dispatchd.daemon import gitguard
 from dispatchd.durable import fsync_directory
 from dispatchd.errors import CheckpointError
@@ -102,13 +102,14 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def encode(record: Record) -> bytes:
-    return msgspec.json.encode(record)
+    """``record`` as its file holds it: ref names that are not UTF-8 kept whole (``dispatchd.recordjson``)."""
+    return recordjson.encode(record)
 
 
 def decode(data: bytes) -> Record:
     """The record in ``data``; ValueError when it is not one this version reads."""
     try:
-        record = msgspec.json.decode(data, type=Record)
+        record = recordjson.decode(data, Record)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ValueError(f"not a restore record: {exc}") from exc
     if record.version != _VERSION:

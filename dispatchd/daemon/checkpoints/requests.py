@@ -14,6 +14,7 @@ from typing import Protocol
 
 from dispatchd import protocol
 from dispatchd.errors import CheckpointError, SessionError
+from dispatchd.fsnames import shown
 from dispatchd.secretbook import said
 
 from dispatchd.daemon.gitguard import Baselines
@@ -143,8 +144,8 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         borrowed = manager.baselines.borrowed(session.id, os.path.join(session.worktree, ".git"))
         done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept,
                                         borrowed=borrowed)
-    # Ref names are the worktree's: any session of its domain may have chosen them.
-    displaced = [manager.baselines.text_for(session.id, ref) for ref in displaced]
+    # Ref names are the worktree's: any session of its domain may have chosen them (one not UTF-8 as \xNN).
+    displaced = [manager.baselines.text_for(session.id, shown(ref)) for ref in displaced]
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,
                                   displaced=displaced, kept_total=kept_total if kept else None, **done)
 

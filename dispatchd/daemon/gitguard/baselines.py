@@ -39,12 +39,12 @@ state is the user's) and kept, unchanged, until the last one ends:
 - the joins and checks of one domain take turns on the domain's own lock (a
   join claims its worktree before it walks: an overlapping or linked one
   waits, and joins the same baseline); unrelated domains run side by side.
-
 The baseline is the daemon's: degraded mode (no mount namespace) keeps it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -55,21 +55,22 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
+from dispatchd import recordjson
 from dispatchd.confine.plan import GitLayout
 from dispatchd.statemodes import retried
-from dispatchd.daemon.gitguard import history, recordfiles, reftemp, runnables, snapshots
+from dispatchd.daemon.gitguard import history, recordfiles, reftemp, reportlog, runnables, snapshots
 from dispatchd.daemon.gitguard.domain import Domain
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
                                              keep_outside, renew, unchecked)
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
+from dispatchd.fsnames import shown
 from dispatchd.inside import is_within, worktrees_relate
 from dispatchd.logtext import Bounded
 from dispatchd.secretbook import scrubbed
 
 log = logging.getLogger("dispatchd.baselines")
-_REPORTS_KEPT = 200
 
 
 class Baselines:
@@ -109,7 +110,7 @@ class Baselines:
         fd = retried(lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
                      tmp, 0o600)  # the directory's mode set back, if changed (statemodes.py)
         try:
-            data = msgspec.json.encode(domain.record)
+            data = recordjson.encode(domain.record)  # a file or ref name not UTF-8 kept whole
             if os.write(fd, data) != len(data):
                 raise OSError(errno.EIO, "short write")
             if defer:
@@ -118,10 +119,8 @@ class Baselines:
                 return
             os.fsync(fd)
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
         finally:
             if fd >= 0:
@@ -200,10 +199,10 @@ class Baselines:
             domain = Domain(record, fd)
             log.warning("event=baseline_recover domain=%s sessions=%s roots=%s", did, ",".join(record.sessions),
                         ",".join(p.root for p in record.parts))
-            failed = self._check(domain, final=True)
+            failed, found = self._check(domain, final=True)
             for kept in record.histories:
                 reftemp.sweep(kept.common, [*kept.refs, "HEAD"])
-            self.recovered += domain.reports
+            self.recovered += found
             if failed:
                 for part in record.parts:
                     self.tainted[part.root] = "; ".join(failed)
@@ -257,14 +256,21 @@ class Baselines:
             try:
                 self._write(domain, defer=defer and len(record.sessions) == 1 and len(record.parts) == 1
                             and domain.pending is None)
-            except OSError as exc:
-                record.sessions.remove(sid)
-                raise WorktreeError(f"{root}: its baseline cannot be recorded in {self.dir} "
-                                    f"({exc.strerror}); no session opened", root) from exc
+            except Exception as exc:  # a full disk; or a bug, content not foreseen: refused, and said
+                if not isinstance(exc, OSError):
+                    log.exception("event=baseline_unrecorded root=%s", root)
+                why = exc.strerror if isinstance(exc, OSError) else f"{type(exc).__name__}: {shown(str(exc))}"
+                raise WorktreeError(f"{root}: its baseline cannot be recorded in {self.dir} ({why}); "
+                                    "no session opened", root) from exc
             with self._lock:
                 self._by_session[sid] = domain
-                self._joined_at[sid] = len(domain.reports)
+                self._joined_at[sid] = domain.reports.end
         except BaseException:
+            # Whatever failed, the session never joined: a domain that kept
+            # its id was never discarded, and every later open of the
+            # worktree joined it and failed the same way, until a restart.
+            if sid in domain.record.sessions:
+                domain.record.sessions.remove(sid)
             self._discard_if_empty(domain)
             raise
         finally:
@@ -324,7 +330,10 @@ class Baselines:
         for kept in other.record.histories:
             if not any(h.common == kept.common for h in into.record.histories):
                 into.record.histories.append(kept)
-        into.reports += other.reports
+        moved = into.reports.take(other.reports, other.first_root)
+        for sid in other.record.sessions:
+            if sid in self._joined_at:
+                self._joined_at[sid] = moved(self._joined_at[sid])
         into.secrets.add(other.secrets.pairs())
         into.wrote |= other.wrote
         into.record.writable = into.record.writable or other.record.writable
@@ -371,11 +380,9 @@ class Baselines:
         if domain is None:
             return []
         try:
-            start = len(domain.reports)
-            failed = self._check(domain, final=False)
+            failed, found = self._check(domain, final=False)
             self._taint(domain, failed)
-            with self._lock:
-                return domain.reports[start:]
+            return found
         finally:
             domain.lock.release()
 
@@ -394,9 +401,8 @@ class Baselines:
                 self._joined_at.pop(sid, None)
                 if sid in record.sessions:
                     record.sessions.remove(sid)
-                start = len(domain.reports)
             final = not record.sessions
-            failed = self._check(domain, final=final)
+            failed, found = self._check(domain, final=final)
             self._taint(domain, failed)
             if final:
                 with self._lock:
@@ -411,9 +417,13 @@ class Baselines:
                 else:
                     self._drop_later(domain)
             else:
-                self._write(domain)
-            with self._lock:
-                return domain.reports[start:]
+                try:
+                    self._write(domain)
+                except OSError as exc:  # a full disk: this end's check is done all the same, and said
+                    path = os.path.join(self.dir, f"{record.id}.json")
+                    log.error("event=baseline_not_rewritten domain=%s session=%s error=%r", record.id, sid, str(exc))
+                    found = found + [reportlog.unrewritten(path, exc)]
+            return found
         finally:
             if not domain.alive:
                 domain.end()
@@ -441,7 +451,7 @@ class Baselines:
             domain = self._by_session.get(sid)
             if domain is None:
                 return []
-            return domain.reports[self._joined_at.get(sid, 0):]
+            return domain.reports.since(self._joined_at.get(sid, 0), domain.first_root)
 
     def _taint(self, domain: Domain, failed: list[str]) -> None:
         if failed:
@@ -451,9 +461,11 @@ class Baselines:
                     self.tainted[part.root] = reason
             log.error("event=git_check_failed domain=%s what=%r", domain.record.id, reason)
 
-    def _check(self, domain: Domain, *, final: bool) -> list[str]:
+    def _check(self, domain: Domain, *, final: bool) -> tuple[list[str], list[Protected]]:
+        """Check the domain (see the module): what could not be done, and what was moved aside or
+        put back (readable and bounded: ``reportlog``), added to the domain's reports."""
         if not domain.record.writable:
-            return []  # no session could write any of it: what changed is the user's
+            return [], []  # no session could write any of it: what changed is the user's
         failed: list[str] = []
         found: list[Protected] = []
         now_t = time.time()
@@ -464,6 +476,7 @@ class Baselines:
                 bad = check_part(part, found, now_t, covered, said)
             except Exception as exc:  # a bug, or content not foreseen: fail closed
                 bad = [f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}"]
+            bad = [shown(b) for b in bad]  # names in them, as in the reports (fsnames.py)
             failed += bad
             found += [unchecked(part.root, bad, now_t)] if bad else []  # said at the close, not only logged
         if final:
@@ -472,15 +485,16 @@ class Baselines:
                     done, bad = history.restore(kept, in_place=domain.wrote)
                 except Exception as exc:
                     done, bad = [], [f"{kept.common}: restoring history failed: {type(exc).__name__}: {exc}"]
+                bad = [shown(b) for b in bad]
                 failed += bad
                 found += [unchecked(kept.common, bad, now_t)] if bad else []
-                for path, why in done:
+                for path, why in ((shown(path), shown(why)) for path, why in done):
                     said.say(log, "event=git_history_restored path=%s why=%r", path, why)
                     found.append(Protected(path=path, why=why, time=now_t))
         said.end(log, "moved aside or put back by this check, not logged one by one; the close's reply and "
                       "`dispatch status` list them")
+        found = reportlog.bounded(reportlog.readable(found), domain.first_root, now_t)
         found = scrubbed(found, domain.secrets)  # kept, and shown to every session of the domain: redacted now
         with self._lock:
-            domain.reports += found
-            del domain.reports[:-_REPORTS_KEPT]
-        return failed
+            domain.reports.add(found)
+        return failed, found

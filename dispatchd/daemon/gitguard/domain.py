@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import threading
 
-from dispatchd.daemon.gitguard.parts import Protected, Record
+from dispatchd.daemon.gitguard.parts import Record
 from dispatchd.daemon.gitguard.pending import Durable
+from dispatchd.daemon.gitguard.reportlog import Reports
 from dispatchd.secretbook import Secrets
 
 __all__ = ["Domain"]
@@ -24,7 +25,7 @@ class Domain:
         self.record = record
         self.wrote = wrote  # a session was granted the write lock, or not known: restore(in_place=)
         self.lock_fd = lock_fd
-        self.reports: list[Protected] = []
+        self.reports = Reports()  # what its checks did (bounded: reportlog.py)
         self.lock = threading.Lock()
         self.alive = True  # False once merged into another, or ended
         self.claims: list[tuple[str, str]] = []  # (root, common) of joins under way, before their parts exist
@@ -32,6 +33,11 @@ class Domain:
         # Its sessions' secrets, past and present: in memory only (the record
         # on disk names sessions, never values), forgotten when it ends.
         self.secrets = Secrets()
+
+    @property
+    def first_root(self) -> str:
+        """The worktree its reports name when they name no file: its first part's."""
+        return self.record.parts[0].root if self.record.parts else ""
 
     def end(self) -> None:
         """Gone from the store (ended, merged, never joined): its secrets forgotten."""

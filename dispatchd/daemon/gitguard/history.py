@@ -38,8 +38,8 @@ import msgspec
 
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import (clones, derived, fs, keepdirs, keeps, newloose, newpacks, objectdirs,
-                                       objectstore, packed, packlinks, refsback, replacerefs, replaced, shadows,
-                                       shown, viewfiles)
+                                       objectstore, packed, packlinks, refsback, refvalues, replacerefs, replaced,
+                                       shadows, shown, viewfiles)
 from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
@@ -193,7 +193,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     None: all of them); the others are kept as copies of their own."""
     refs = refsback.read_refs(common)
     replacing = replacerefs.read(common)
-    head = fs.read_small(os.path.join(common, "HEAD"), 4096) or ""
+    head = refvalues.read_text(os.path.join(common, "HEAD")) or ""  # a branch not UTF-8 named whole
     objects = os.path.join(common, "objects")
     note = ""
     stamped_ns = time.time_ns()  # before the look: what changes during it counts as racy

@@ -20,6 +20,7 @@ from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import configs, history, indexreview, keptfiles, packlinks, refsback, runnables, snapshots
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects, redirects_present
 from dispatchd.errors import WorktreeError
+from dispatchd.fsnames import shown
 from dispatchd.inside import is_within
 from dispatchd.logtext import Bounded
 
@@ -32,6 +33,9 @@ class Protected(msgspec.Struct, frozen=True):
     path: str
     why: str
     time: float = 0.0
+    # One of the files the user's tools run (``runnables``), which a session
+    # can make by the thousand: the first left out of a long report (reportlog.py).
+    bulk: bool = False
 
 
 def unchecked(root: str, failures: list[str], now_t: float) -> Protected:
@@ -190,13 +194,13 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         moved, bad = quarantine_new_redirects(part.layout, part.redirects, part.root,
                                               lambda path: snapshots.skipped(path, skip))
         failed += bad
-        for path in moved:
+        for path in map(shown, moved):  # a name not UTF-8 as \xNN, in the log as in the report (fsnames.py)
             said.say(log, "event=git_redirect_quarantined path=%s", path)
             found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
         now = snapshots.take(part.root, part.layout, part.home, before=part.git)
         moved, bad = snapshots.quarantine(part.root, part.git, now, skip)
         failed += bad
-        for path in moved:
+        for path in map(shown, moved):
             said.say(log, "event=git_changed_quarantined path=%s", path)
             found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
                                    time=now_t))
@@ -206,7 +210,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         if covered is not None:
             covered |= snapshots.covered(part.root, part.git, now)
         failed += bad
-        for path, why in put:
+        for path, why in ((shown(path), why) for path, why in put):
             said.say(log, "event=git_file_put_back path=%s", path)
             found.append(Protected(path=path, why=why, time=now_t))
         if part.own_gitdir:  # the index, made to show what the worktree holds (indexreview.py)
@@ -219,10 +223,10 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         return failed
     moved, bad = runnables.quarantine(part.root, runnables.changes(part.tree, tree))
     failed += bad
-    for path in moved:
+    for path in map(shown, moved):
         said.say(log, "event=tool_file_quarantined path=%s", path)
         found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
-                               time=now_t))
+                               time=now_t, bulk=True))
     return failed
 
 

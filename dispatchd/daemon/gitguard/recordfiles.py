@@ -12,7 +12,9 @@ Guarantees:
 - a lock is never followed through a symlink, and only ``lock`` makes one
   (a look at whether one is held never does: ``flocks.held``);
 - a record is read whole and decoded as ``Record``, or raises ``OSError``
-  or ``msgspec.DecodeError`` (``ValidationError`` included).
+  or ``msgspec.DecodeError`` (``ValidationError`` included); the names in it
+  (files, refs) come back whole, those that are not UTF-8 included
+  (``dispatchd.recordjson``, which ``Baselines`` writes them with).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import secrets
 
 import msgspec
 
-from dispatchd import flocks
+from dispatchd import flocks, recordjson
 from dispatchd.daemon.gitguard.parts import Record
 from dispatchd.statemodes import retried
 
@@ -31,7 +33,7 @@ from dispatchd.statemodes import retried
 def read(path: str) -> Record:
     """The record at ``path``, its mode set back if it was changed."""
     with retried(lambda: open(path, "rb"), path, 0o600) as f:
-        return msgspec.json.decode(f.read(), type=Record)
+        return recordjson.decode(f.read(), Record)
 
 
 def lock(top: str, did: str, blocking: bool = False) -> int | None:

@@ -58,7 +58,7 @@ def read_refs(common: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> di
     other): it differs from any baseline."""
     refs: dict[str, str] = {}
     dirs = 0
-    packed_text = fs.read_small(os.path.join(common, "packed-refs"), 64 * 1024 * 1024) or ""
+    packed_text = refvalues.read_text(os.path.join(common, "packed-refs"), 64 * 1024 * 1024) or ""
     hexsz = configs.object_id_size(common) * 2
     unsorted = refvalues.packed_out_of_order(packed_text, hexsz)  # git's binary search misses what we read
     for line in packed_text.split("\n"):
@@ -97,7 +97,7 @@ def read_refs(common: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> di
 
 def checked_out(gitdir: str) -> str:
     """The branch a git directory's HEAD names (``refs/heads/...``), or ""."""
-    text = (fs.read_small(os.path.join(gitdir, "HEAD"), 4096) or "").strip()
+    text = (refvalues.read_text(os.path.join(gitdir, "HEAD")) or "").strip()
     return text[5:].strip() if text.startswith("ref: refs/heads/") else ""
 
 
@@ -161,7 +161,7 @@ def read_all(common: str) -> dict[str, str]:
     """Every ref below ``refs/`` (the displaced ones included), and ``HEAD``
     when it is detached (a commit made there is named by nothing else)."""
     refs = read_refs(common, ("refs/",))
-    head = (fs.read_small(os.path.join(common, "HEAD"), 4096) or "").strip()
+    head = (refvalues.read_text(os.path.join(common, "HEAD")) or "").strip()
     if refvalues.is_id(head):
         refs["HEAD"] = head
     return refs

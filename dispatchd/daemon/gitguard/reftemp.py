@@ -94,7 +94,7 @@ def write_ref(common: str, name: str, value: str) -> None:
     # of the user's the ref's value was written into, or a FIFO the write
     # waited on for good. Its ".lock" end: left by a daemon killed before the
     # rename, git lists it as no branch (reftemp.py), and the next start removes it.
-    write_file(path, (value + "\n").encode())
+    write_file(path, (value + "\n").encode("utf-8", "surrogateescape"))  # a target not UTF-8: its bytes, as read
 
 
 def write_file(path: str, data: bytes, mode: int | None = None) -> None:

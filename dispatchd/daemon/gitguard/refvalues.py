@@ -75,6 +75,16 @@ def parse_loose(text: str) -> str:
     return m.group(1).lower() if m else "broken: " + repr(text[:80])
 
 
+def read_text(path: str, limit: int = 4096) -> str | None:
+    """A ref file's text (a loose ref, ``HEAD``, ``packed-refs``: at most
+    ``limit`` bytes), or None (``fs.read_regular``). A ref name that is not
+    UTF-8 is read whole (``surrogateescape``), as the names of loose refs
+    are listed: one read with U+FFFD in place of its bytes named another
+    ref, which the end then wrote back in place of the user's."""
+    read = fs.read_regular(path, limit=limit)
+    return read[0].decode("utf-8", "surrogateescape") if read is not None else None
+
+
 def loose(path: str) -> str:
     """The value of the loose ref at ``path`` (not followed if a symlink)."""
     if os.path.islink(path):
@@ -84,7 +94,7 @@ def loose(path: str) -> str:
             return "symlink"
     if not fs.is_file(path):
         return "not a regular file"
-    return parse_loose(fs.read_small(path, 4096) or "")
+    return parse_loose(read_text(path) or "")
 
 
 def safe_name(name: str) -> bool:
