@@ -57,7 +57,7 @@ import msgspec
 
 from dispatchd.confine.plan import GitLayout
 from dispatchd.statemodes import retried
-from dispatchd.daemon.gitguard import history, recordfiles, reftemp, runnables, snapshots
+from dispatchd.daemon.gitguard import history, noroom, recordfiles, reftemp, runnables, snapshots
 from dispatchd.daemon.gitguard.domain import Domain
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
                                              keep_outside, renew, unchecked)
@@ -228,6 +228,7 @@ class Baselines:
         what it can write (``Record.reach``); ``secrets``: the session's, by
         which the domain's reports are redacted from now on (``domain.py``)."""
         common = common_of(root, layout)
+        noroom.ensure()  # the room an end's renames need, made again if one used it
         domain = self._enter(root, common)
         try:
             domain.secrets.add(secrets or {})  # before any check can report what its code named
