@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
         return real_clone(*args)
 
     fs._rename = rename
-    store._clone_fd = clone  # type: ignore[assignment]
+    store._clone_fd = clone
     sys.argv = ["dispatchd", *rest[3:]]
     runpy.run_module("dispatchd", run_name="__main__", alter_sys=True)
 

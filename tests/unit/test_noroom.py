@@ -67,6 +67,7 @@ def test_no_ballast_is_made_where_it_would_take_the_last_room(tmp_path: Path) ->
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     assert noroom.Ballast(str(tmp_path / "state" / "ballast"), size=64 << 10, margin=free).ensure() is False
     assert os.listdir(tmp_path / "state") == []
+    assert noroom.Ballast(str(tmp_path / "gone" / "ballast"), margin=0).ensure() is False  # never raises
     assert noroom.Ballast(str(tmp_path / "state" / "ballast"), size=64 << 10, margin=0).ensure() is True  # the twin
 
 

@@ -177,23 +177,18 @@ def moved(rename: Callable[[], str], device: Callable[[], int], disarm: Callable
     module: the ballast released and ``rename()`` again, then ``disarm()``
     and ``Disarmed`` raised. Any other error is raised as it is; so is the
     first one when nothing could be made unreadable."""
-    try:
-        return rename()
-    except OSError as exc:
-        if exc.errno not in NO_ROOM:
-            raise
-        first = exc
+    first = _tried(rename)
+    if isinstance(first, str):
+        return first
     try:
         dev = device()
     except OSError:
         dev = -1
     if dev >= 0 and any(b.release(dev) for b in _ballast):
-        try:
-            return rename()
-        except OSError as exc:
-            if exc.errno not in NO_ROOM:
-                raise
-            first = exc
+        again = _tried(rename)
+        if isinstance(again, str):
+            return again
+        first = again
     try:
         links = disarm()
     except OSError as exc:
@@ -204,3 +199,14 @@ def moved(rename: Callable[[], str], device: Callable[[], int], disarm: Callable
     others = "" if links < 2 else ("; its other name is the same file, unreadable too" if links == 2 else
                                    f"; its {links - 1} other names are the same file, unreadable too")
     raise Disarmed(first.errno, MADE_UNREADABLE + others) from first
+
+
+def _tried(rename: Callable[[], str]) -> str | OSError:
+    """``rename()``'s new name, or the error that says it found no room
+    (any other is raised)."""
+    try:
+        return rename()
+    except OSError as exc:
+        if exc.errno not in NO_ROOM:
+            raise
+        return exc
