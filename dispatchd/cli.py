@@ -325,7 +325,6 @@ def main(argv: list[str] | None = None) -> int:
     log.info("event=shared_budgets bound=%r missing=%r", features.shared_budgets, shared_missing)
 
     from dispatchd.daemon import leftovers
-    from dispatchd.daemon.gitguard import noroom
     from dispatchd.daemon.server import Server
     from dispatchd.daemon.sessions import SessionManager
 
@@ -348,8 +347,6 @@ def main(argv: list[str] | None = None) -> int:
         stale = leftovers.remove_stale(os.path.join(state, "sessions"))
         if stale:
             log.info("event=stale_scratch_removed count=%d", stale)
-        # Room for the end's renames should a session fill the disk (gitguard/noroom.py), before any check.
-        noroom.use(noroom.Ballast(os.path.join(state, "ballast")))
         listener = handed
         bound: BoundSocket | None = None  # None: systemd's socket, never ours to unlink
         if listener is None:

@@ -10,7 +10,8 @@ aside or put back at WARNING. A program that configures no logging still
 sees both on stderr (Python's last-resort handler prints WARNING and
 above); one that does routes them as it likes. Not a ``warnings.warn``:
 its default filter shows one warning per line of code once, and the second
-session's end would go unsaid.
+session's end would go unsaid. The names in each line are escaped as the
+command line's are (``dispatchd.display.shown``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from typing import Any
+
+from dispatchd.display import shown
 
 log = logging.getLogger("dispatch")
 
@@ -34,4 +37,5 @@ def log_end(session_id: str, items: Iterable[dict[str, Any]]) -> None:
     for item in items:
         why = str(item.get("why", ""))
         level = logging.ERROR if why.startswith(NOT_WHOLE) else logging.WARNING
-        log.log(level, "session %s ended: %s: %s", session_id, item.get("path", ""), why)
+        # Names a session chose, escaped: the line may reach a terminal (dispatchd/display.py).
+        log.log(level, "session %s ended: %s: %s", session_id, shown(str(item.get("path", ""))), shown(why))

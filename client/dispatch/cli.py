@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shlex
 import signal
 import sys
@@ -107,19 +106,10 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
 
 def _print_end(items: list[dict[str, Any]]) -> None:
     """What a one-off session's end moved aside, put back or could not
-    check, on stderr, one a line, control characters shown escaped."""
+    check, on stderr, one a line, escaped (names a session chose: ``shown``)."""
     for item in items:
-        print(f"dispatch: at the session's end: {_shown(str(item['path']))}: {_shown(str(item['why']))}",
+        print(f"dispatch: at the session's end: {shown(str(item['path']))}: {shown(str(item['why']))}",
               file=sys.stderr)
-
-
-def _shown(text: str) -> str:
-    """``text`` with control characters as Python writes them (``\\x1b``,
-    ``\\n``): a name a session chose cannot move the cursor or end the line."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _after_close(args: argparse.Namespace, code: int) -> int:

@@ -32,3 +32,9 @@ def test_an_end_that_found_nothing_says_nothing(caplog: pytest.LogCaptureFixture
 def test_not_whole_only_for_a_check_that_could_not_finish() -> None:
     assert _endreport.not_whole([MOVED, NOT_WHOLE]) is True
     assert _endreport.not_whole([MOVED]) is False and _endreport.not_whole([]) is False
+
+
+def test_a_name_a_session_chose_is_escaped_in_the_line(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="dispatch")
+    _endreport.log_end("s1", [{"path": "/w/.envrc\x1b[2J\nforged", "why": "moved"}])
+    assert [r.getMessage() for r in caplog.records] == ["session s1 ended: /w/.envrc\\x1b[2J\\nforged: moved"]
