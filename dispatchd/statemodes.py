@@ -83,6 +83,7 @@ STATE_LAYOUT: tuple[tuple[str, int | None], ...] = (("inuse", None),) + tuple(
     ("before-restore", None), ("before-restore/*", None), ("before-restore/*/worktree", None),
     ("run", None),  # the socket's directory when $XDG_RUNTIME_DIR is unset (paths.py)
     ("dns-resolv.conf", 0o644),  # daemon/dnsrelay.py: sessions read it
+    ("ballast", 0o600),  # gitguard/noroom.py: room for the end's renames on a full disk
 )
 
 # The kinds ``set_mode`` may change (``stat.S_IFMT``); a symlink is never one of them.

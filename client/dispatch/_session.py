@@ -34,6 +34,7 @@ import msgspec
 
 from dispatch._checkpoints import SessionCheckpoints  # checkpoint(), checkpoints(), restore()
 from dispatch._definition import ToolFunc
+from dispatch._endreport import log_end
 from dispatch._lost import HELD_S, LOST_WAIT_S, Channel, cause, hung_up, refusal
 from dispatch._transport import Connection, NotWritten, OutputCallback
 from dispatch.errors import ConnectionLost, DispatchError, NotSent, RequestFailed, RequestTimeout
@@ -471,7 +472,9 @@ class Session(SessionCheckpoints):
         self.close()
 
     def close(self) -> None:
-        """Close the session (if this handle opened it), ending its processes."""
+        """Close the session (if this handle opened it), ending its processes.
+        What the checks at its end found is kept in ``protected`` and said on
+        the ``dispatch`` logger (``_endreport``)."""
         with self._lock:
             if self._channel is not None:
                 self._channel.close()
@@ -483,6 +486,7 @@ class Session(SessionCheckpoints):
             except RequestFailed as exc:
                 if exc.code != "unknown_session":
                     raise
+            log_end(self.id, self.protected)  # else unsaid in `with client.open_session(...)`
 
     def __enter__(self) -> Session:
         return self

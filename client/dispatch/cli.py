@@ -5,6 +5,12 @@ an unknown session) prints one line on stderr and exits 2. ``exec`` exits
 with the command's own status (124 when it timed out); ``call`` exits 0 on a
 successful Result and 1 on a failed one.
 
+``exec``, ``call`` and ``mcp`` on a one-off session (``--worktree``) say
+on stderr what the checks at its end moved aside or put back, and exit 3
+when they could not finish (``NOT checked whole``: something the session
+left may still be live), whatever the command's own status; so does
+``session close``.
+
 ``exec`` prints the command's output as it comes. SIGINT, SIGTERM or SIGHUP
 cancel the command in the sandbox (it and every process it started end),
 close a one-off session, and exit 128 + the signal's number; a second one
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shlex
 import signal
@@ -32,6 +39,7 @@ from typing import Any
 
 from dispatch import _cli_text
 from dispatch._cli_args import parser as _parser
+from dispatch._endreport import not_whole
 from dispatch.client import Cancellation, Client, Session, connect
 from dispatch.errors import DispatchError
 from dispatch.tools import Registry
@@ -39,6 +47,7 @@ from dispatchd import protocol
 from dispatchd.display import shown
 
 EXIT_ERROR = 2
+EXIT_UNCHECKED = 3  # the end's check could not finish: look before running git or your tools there
 EXIT_TIMEOUT = 124
 
 
@@ -79,12 +88,33 @@ def _session_for(client: Client, args: argparse.Namespace) -> Iterator[Session]:
     else:
         # A one-off session: it ends with this command, even killed (a grace of
         # 0 once our connection is gone, and SIGTERM/SIGHUP close it at once).
-        with _closed_on_signals(), client.open_session(
-                args.worktree, policy=args.policy, network=args.network, ports=args.ports,
-                bind_ports=args.bind_ports, domains=args.domains, orphan_grace_s=0,
-                read_only=args.read_only, env=env, secrets=secrets) as session:
-            _print_warnings(session.info)
-            yield session
+        opened: list[Session] = []
+        try:
+            with _closed_on_signals(), client.open_session(
+                    args.worktree, policy=args.policy, network=args.network, ports=args.ports,
+                    bind_ports=args.bind_ports, domains=args.domains, orphan_grace_s=0,
+                    read_only=args.read_only, env=env, secrets=secrets) as session:
+                opened.append(session)
+                _print_warnings(session.info)
+                yield session
+        finally:
+            # Closed now: what its end found is the user's to know, the command's status aside.
+            if opened:
+                args.closed = opened[0].protected
+                _print_end(opened[0].protected)
+
+
+def _print_end(items: list[dict[str, Any]]) -> None:
+    """What a one-off session's end moved aside, put back or could not
+    check, on stderr, one a line, escaped (names a session chose: ``shown``)."""
+    for item in items:
+        print(f"dispatch: at the session's end: {shown(str(item['path']))}: {shown(str(item['why']))}",
+              file=sys.stderr)
+
+
+def _after_close(args: argparse.Namespace, code: int) -> int:
+    """``code``, or ``EXIT_UNCHECKED`` when the one-off session's end could not check it whole."""
+    return EXIT_UNCHECKED if not_whole(getattr(args, "closed", [])) else code
 
 
 def _print_warnings(info: dict[str, Any]) -> None:
@@ -301,7 +331,10 @@ def _run(args: argparse.Namespace) -> int:
                 print(session.id)
                 _print_warnings(session.info)
             elif args.action == "close":
-                _cli_text.print_protected(client.close_session(args.id))
+                report = client.close_session(args.id)
+                _cli_text.print_protected(report)
+                if not_whole(report):
+                    return EXIT_UNCHECKED
             elif args.action == "release":
                 client.release_write_lock(args.id)
             elif args.action in ("checkpoint", "checkpoints", "restore"):
@@ -322,7 +355,7 @@ def _run(args: argparse.Namespace) -> int:
             _print_warnings(info)
             return 0
         if args.command == "exec":
-            return _exec(client, args)
+            return _after_close(args, _exec(client, args))
         if args.command == "jobs":
             return _jobs(client, args)
         if args.command == "call":
@@ -336,7 +369,7 @@ def _run(args: argparse.Namespace) -> int:
                 sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
             else:
                 print(json.dumps(result.to_dict(), indent=2))
-            return 0 if result.is_success else 1
+            return _after_close(args, 0 if result.is_success else 1)
         if args.command == "tools":
             registry = Registry()
             from dispatch.tools import Definition, Result
@@ -350,7 +383,7 @@ def _run(args: argparse.Namespace) -> int:
                                                   strict=args.strict), indent=2))
             return 0
         if args.command == "mcp":
-            return _mcp(client, args)
+            return _after_close(args, _mcp(client, args))
         if args.command == "status":
             if args.json:
                 print(json.dumps(client.status(), indent=2))
@@ -364,6 +397,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # The command line says a session's end itself (_print_end), not again through
+    # the library's logger's last-resort handler.
+    said = logging.getLogger("dispatch")
+    if not any(isinstance(h, logging.NullHandler) for h in said.handlers):
+        said.addHandler(logging.NullHandler())
     try:
         if args.command == "mcp" and args.print_config:  # no daemon needed
             print(json.dumps(_cli_text.mcp_config(args), indent=2))

@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dispatchd.confine import cgroups, stacks
 from dispatchd.daemon import afterwards, checkpoints, claims, gitguard, inusedir, leftovers, lifetimes, watchdog
 from dispatchd.daemon.dnsrelay import DnsRelay
+from dispatchd.daemon.gitguard import noroom
 from dispatchd.daemon.pool import SandboxPool
 from dispatchd.daemon.proxy import Resolver, system_resolver
 from dispatchd.daemon.session import Session
@@ -142,6 +143,9 @@ class SessionManager(Switching):
         self.restores_at_start = [gitguard.Protected(path=shown(path), why=shown(why), time=time.time())
                                   for path, why in checkpoints.finish_restores(state_dir, self.in_use,
                                                                                gitguard.unheld_roots(state_dir))]
+        # Room kept for the checks' renames, should a session fill the disk
+        # (gitguard/noroom.py): made before the first check runs.
+        noroom.use(noroom.Ballast(os.path.join(state_dir, "ballast")))
         # One trusted baseline per worktree, on disk (gitguard/baselines.py); the
         # checks a daemon that died left are finished before anything opens.
         self.baselines = gitguard.Baselines(state_dir, self.home)

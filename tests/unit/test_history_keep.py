@@ -194,3 +194,19 @@ def test_a_session_s_junk_among_the_object_files_is_not_kept(tmp_path: Path) -> 
     kept = history.record(str(common), str(tmp_path / "keep"), [])
     assert sorted(os.listdir(tmp_path / "keep" / "ab")) == ["1" * 38] and kept.keep
     assert not (tmp_path / "keep" / "pack").exists() or os.listdir(tmp_path / "keep" / "pack") == []
+
+
+def test_an_object_file_not_put_back_names_the_file_it_failed_on() -> None:
+    """Its kept copy when reading that failed; the directory when making it
+    failed (a full disk: no block for the fan-out directory); nothing more
+    when the object's own path is the one."""
+    objects, keep = "/r/.git/objects", "/state/keep/k"
+    src, folder = f"{keep}/16/abc", f"{objects}/16"
+    said = history._failed_where
+    assert said(OSError(errno.ENOSPC, "No space left on device", folder), src, folder) == \
+        f" (making the directory {folder})"
+    assert said(OSError(errno.ENOSPC, "No space left on device", objects), src, folder) == \
+        f" (making the directory {objects})"
+    assert said(OSError(errno.EACCES, "Permission denied", src), src, folder) == f" (its kept copy {src})"
+    assert said(OSError(errno.ENOSPC, "No space left on device", f"{folder}/abc"), src, folder) == ""
+    assert said(OSError(errno.ENOSPC, "No space left on device"), src, folder) == ""

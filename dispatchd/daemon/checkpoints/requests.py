@@ -143,7 +143,7 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         # (never a session's): a ref moved along them is moved forward, and not kept.
         borrowed = manager.baselines.borrowed(session.id, os.path.join(session.worktree, ".git"))
         done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept,
-                                        borrowed=borrowed)
+                                        borrowed=borrowed, before=before)
     # Ref names are the worktree's: any session of its domain may have chosen them (one not UTF-8 as \xNN).
     displaced = [manager.baselines.text_for(session.id, shown(ref)) for ref in displaced]
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,

@@ -154,14 +154,14 @@ class Store:
         s.count += 1
         cid = f"c{s.count:04d}-{secrets.token_hex(4)}"
         top = os.path.join(self.root, sid)
-        os.makedirs(top, mode=0o700, exist_ok=True)  # each level its own mode: makedirs gives 0700 to the last alone
-        os.makedirs(os.path.join(top, _POOL), mode=0o700, exist_ok=True)
         made: list[int] = []  # copies this checkpoint added to the pool
         to_copy = sum(1 for e in entries if e.kind == "f") - len(shared)
         # Many copies: one syncfs at the end; a few: an fsync each (a syncfs
         # would also flush what everyone else has written on that file system).
         each = fsync and to_copy <= _FSYNC_EACH
         try:
+            os.makedirs(top, mode=0o700, exist_ok=True)  # each level its own mode: makedirs gives 0700 to the last alone
+            os.makedirs(os.path.join(top, _POOL), mode=0o700, exist_ok=True)
             budget = [policy.max_bytes]
             out, objects, keep = self._fill(s, top, worktree, entries, shared, made, budget, has_objects, each)
             info = CheckpointInfo(id=cid, created=time.time(), label=label, entries=len(out),
@@ -187,6 +187,9 @@ class Store:
             if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
                 raise Refused(f"checkpoint refused: it would copy more than {_mib(policy.max_bytes)} "
                               f"({_budget_words('max_bytes')}; reflink clones and links are not counted)") from exc
+            if isinstance(exc, OSError):  # a full disk above all: a refusal that says so, not an internal error
+                raise Refused(f"checkpoint refused: {_failed_at(exc, top)}; what it had copied is removed, "
+                              "the worktree is untouched") from exc
             raise
         named = array.array("q", sorted({e.copy for e in out if e.copy >= 0}))
         with self._lock:
@@ -316,10 +319,12 @@ class Store:
                           f"({exc.strerror})") from exc
 
     def restore(self, sid: str, worktree: str, cid: str, policy: CheckpointPolicy, fsync: bool = True,
-                kept: str = "", borrowed: list[str] | None = None) -> tuple[dict[str, int], list[str]]:
+                kept: str = "", borrowed: list[str] | None = None, before: str = "") -> tuple[dict[str, int], list[str]]:
         """Put ``worktree`` back as checkpoint ``cid`` saw it; the caller holds
         ``lock(sid)`` and has made sure nothing of the session runs. ``kept``:
-        where what it holds now is kept (``keep_before``), for the record;
+        where what it holds now is kept (``keep_before``), for the record
+        and for a restore that stops half way to name; ``before``: the
+        checkpoint of it (a restore that stops names it when it is not kept);
         ``borrowed``: the object stores the repository's alternates named at
         its baseline (``Baselines.borrowed``), where a moved ref's ancestry is
         asked too.
@@ -351,14 +356,19 @@ class Store:
         # A failure from here leaves the record (and its lock, held while the
         # session lives): "restore again" replaces it, a restart finishes it.
         ident = (root.st_dev, root.st_ino)  # the directory the record names, and no other
-        done = apply_restore(worktree, top, plan, fsync_each=each, expect=ident)
-        done["objects"] = _put_objects(worktree, manifest, ident) if manifest.objects else 0
-        displaced = journal.keep_refs(worktree, refs, sid, borrowed or [], record.stamp)
-        if fsync and (not each or done["objects"] or plan.remove or plan.make):
-            _syncfs(worktree)
-        elif fsync and plan.write:
-            # Each file was fsynced; their renames too before the record goes.
-            fsync_dirs(worktree, {_parent(e.path) for e in plan.write})
+        try:
+            done = apply_restore(worktree, top, plan, fsync_each=each, expect=ident)
+            done["objects"] = _put_objects(worktree, manifest, ident) if manifest.objects else 0
+            displaced = journal.keep_refs(worktree, refs, sid, borrowed or [], record.stamp)
+            if fsync and (not each or done["objects"] or plan.remove or plan.make):
+                _syncfs(worktree)
+            elif fsync and plan.write:
+                # Each file was fsynced; their renames too before the record goes.
+                fsync_dirs(worktree, {_parent(e.path) for e in plan.write})
+        except (CheckpointError, OSError) as exc:  # stopped half way: where what was there is, said
+            said = exc.message if isinstance(exc, CheckpointError) else (
+                f"restore stopped half way: {_failed_at(exc, worktree)}; the worktree is partly restored: restore again")
+            raise CheckpointError(f"{said}; {_before_words(kept, before)}", "restore_failed") from exc
         s.record_fd = -1
         journal.done(top, fd, self._sync_removal if fsync else None)
         log.info("event=checkpoint_restored session=%s checkpoint=%s removed=%s written=%s made=%s objects=%s "
@@ -372,6 +382,22 @@ class Store:
             with contextlib.suppress(FileNotFoundError):  # the session ended meanwhile: its directory went
                 fsync_directory(top)
         self.later(run)
+
+
+def _failed_at(exc: OSError, where: str) -> str:
+    """``PATH: why (ENAME)`` of an error on the way: its own path, else ``where``."""
+    path = os.fsdecode(exc.filename) if isinstance(exc.filename, (str, bytes)) else where
+    name = errno.errorcode.get(exc.errno or 0, "")
+    return f"{path}: {exc.strerror or exc}" + (f" ({name})" if name else "")
+
+
+def _before_words(kept: str, before: str) -> str:
+    """Where what a worktree held as a restore began is, for a restore that stopped half way."""
+    if kept:
+        return f"what it held before this restore is kept in {kept}"
+    if before:
+        return f"what it held before this restore is checkpoint {before} of this session (restore it to undo)"
+    return "what it held before this restore was not kept (force)"
 
 
 class Pauses:

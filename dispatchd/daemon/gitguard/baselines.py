@@ -58,7 +58,7 @@ import msgspec
 from dispatchd import recordjson
 from dispatchd.confine.plan import GitLayout
 from dispatchd.statemodes import retried
-from dispatchd.daemon.gitguard import history, recordfiles, reftemp, reportlog, runnables, snapshots
+from dispatchd.daemon.gitguard import history, noroom, recordfiles, reftemp, reportlog, runnables, snapshots
 from dispatchd.daemon.gitguard.domain import Domain
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
                                              keep_outside, renew, unchecked)
@@ -227,6 +227,7 @@ class Baselines:
         what it can write (``Record.reach``); ``secrets``: the session's, by
         which the domain's reports are redacted from now on (``domain.py``)."""
         common = common_of(root, layout)
+        noroom.ensure()  # the room an end's renames need, made again if one used it
         domain = self._enter(root, common)
         try:
             domain.secrets.add(secrets or {})  # before any check can report what its code named
@@ -266,9 +267,8 @@ class Baselines:
                 self._by_session[sid] = domain
                 self._joined_at[sid] = domain.reports.end
         except BaseException:
-            # Whatever failed, the session never joined: a domain that kept
-            # its id was never discarded, and every later open of the
-            # worktree joined it and failed the same way, until a restart.
+            # Whatever failed, the session never joined: a domain that kept its id was never
+            # discarded, and every later open of the worktree failed the same way, until a restart.
             if sid in domain.record.sessions:
                 domain.record.sessions.remove(sid)
             self._discard_if_empty(domain)

@@ -15,7 +15,10 @@ Guarantees, for what goes through here:
   name (``move_aside``, ``move_aside_at``, ``move_below_aside``), never
   deleted; a directory a
   session made read-only is made writable for its owner first (it is the
-  user's, so the daemon's).
+  user's, so the daemon's); a rename that finds no room (ENOSPC, EDQUOT)
+  is tried again once the daemon's ballast is freed, and what still cannot
+  move is made unreadable where it is and reported as not moved
+  (``noroom``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Iterator
 
 from dispatchd import statemodes, treewalk
 from dispatchd.confine import _sys
-from dispatchd.daemon.gitguard import indexfile
+from dispatchd.daemon.gitguard import indexfile, noroom
 
 _MAX_POINTER = 4096  # a .git pointer file, a gitdir or commondir file
 _MAX_INDEX = 256 * 1024 * 1024
@@ -265,18 +268,28 @@ def lend_path(path: str) -> None:
         pass
 
 
+# The one rename of a move aside: tests stand in for a file system with no
+# room left for the longer name (ENOSPC) here.
+_rename = os.rename
+
+
 def move_aside_at(dir_fd: int, name: str) -> str:
     """``move_aside`` relative to a directory descriptor."""
+    return noroom.moved(lambda: _rename_aside_at(dir_fd, name), lambda: os.fstat(dir_fd).st_dev,
+                        lambda: noroom.disarm_at(dir_fd, name))
+
+
+def _rename_aside_at(dir_fd: int, name: str) -> str:
     for _ in range(2):
         dst = aside_name(name)
         try:
-            os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            _rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return dst
         except PermissionError:
             # A directory the session made read-only: ours to make writable
             # (and left so: what it held was moved aside).
             lend(dir_fd)
-    os.rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    _rename(name, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return dst
 
 
@@ -319,19 +332,26 @@ def move_aside(path: str) -> str:
     """Rename ``path`` to an unguessable name beside it and return that name.
     A parent the session made read-only (it is the user's, so ours) is made
     writable for us first. Raises OSError if it cannot be moved; the caller
-    says so loudly."""
+    says so loudly (``noroom.Disarmed``: no room for the rename, and made
+    unreadable where it is)."""
+    parent = os.path.dirname(path)
+    return noroom.moved(lambda: _rename_aside(path), lambda: os.lstat(parent).st_dev,
+                        lambda: noroom.disarm_at(None, path))
+
+
+def _rename_aside(path: str) -> str:
     parent, name = os.path.split(path)
     for _ in range(2):
         dst = os.path.join(parent, aside_name(name))
         try:
-            os.rename(path, dst)
+            _rename(path, dst)
             return dst
         except PermissionError:
             mode = os.lstat(parent).st_mode
             if not stat.S_ISDIR(mode):
                 raise  # a symlink on the way: a chmod would follow it, out of the repository
             os.chmod(parent, stat.S_IMODE(mode) | stat.S_IRWXU)
-    os.rename(path, dst)  # once more, after the chmod: raises if it still fails
+    _rename(path, dst)  # once more, after the chmod: raises if it still fails
     return dst
 
 

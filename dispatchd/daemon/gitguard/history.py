@@ -125,6 +125,19 @@ def _files_in(objects: str, dirs: set[str], kept: bool = False) -> set[str]:
     return found
 
 
+def _failed_where(exc: OSError, src: str, folder: str) -> str:
+    """Which file putting an object file back failed on, when not its own
+    path: its kept copy (read), the directory it goes in (made), another."""
+    at = os.fsdecode(exc.filename) if isinstance(exc.filename, (str, bytes)) else ""
+    if not at or at == os.path.join(folder, os.path.basename(src)):
+        return ""
+    if at == src:
+        return f" (its kept copy {src})"
+    if folder == at or folder.startswith(at.rstrip("/") + "/"):
+        return f" (making the directory {at})"
+    return f" (at {at})"
+
+
 def _said(exc: Exception) -> str:
     """An error as the user reads it: a keep directory's in words, else its repr."""
     return str(exc) if isinstance(exc, keepdirs.Unreadable) else repr(exc)
@@ -350,8 +363,9 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         put: list[str] = []
         made: set[str] = set()
         for rel in missing:
+            src = os.path.join(history.keep, rel)
+            folder = os.path.join(objects, os.path.dirname(rel))
             try:
-                folder = os.path.join(objects, os.path.dirname(rel))
                 if folder not in made:
                     # A fan-out or pack directory a session replaced by a symlink
                     # goes aside: put back through it, a file landed outside.
@@ -360,7 +374,6 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                     os.makedirs(folder, exist_ok=True)
                     made.add(folder)
                 # A copy of its own (the keep's file never the repository's again), past the budget a link.
-                src = os.path.join(history.keep, rel)
                 try:
                     clones.clone(src, os.path.join(objects, rel), [clones.COPY_BUDGET], ways, own=True)
                 except PermissionError:  # a kept file a session made 000 (degraded mode): readable again, once
@@ -369,8 +382,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                     clones.clone(src, os.path.join(objects, rel), [clones.COPY_BUDGET], ways, own=True)
                 put.append(rel)
             except OSError as exc:
-                failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}"
-                              + (f" (its kept copy {exc.filename})" if exc.filename else ""))
+                failed.append(f"{os.path.join(objects, rel)}: {exc.strerror}" + _failed_where(exc, src, folder))
         deleted = [rel for rel in put if rel not in by_git]
         if deleted:
             done.append((objects, f"{len(deleted)} object files deleted by a session put back"))

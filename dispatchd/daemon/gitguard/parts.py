@@ -17,7 +17,8 @@ import os
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import configs, history, indexreview, keptfiles, packlinks, refsback, runnables, snapshots
+from dispatchd.daemon.gitguard import (configs, history, indexreview, keptfiles, noroom, packlinks, refsback, runnables,
+                                       snapshots)
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects, redirects_present
 from dispatchd.errors import WorktreeError
 from dispatchd.fsnames import shown
@@ -40,10 +41,15 @@ class Protected(msgspec.Struct, frozen=True):
 
 def unchecked(root: str, failures: list[str], now_t: float) -> Protected:
     """What the close says (and status, until a restart's check passes) of
-    a worktree its check could not finish: not only the daemon's log."""
+    a worktree its check could not finish: not only the daemon's log. What
+    no room let it move but it made unreadable (``noroom``) is not live,
+    but not where it belongs either: still a failure, said as such."""
+    live = ("What could not be moved aside is still there, unreadable: look before you make it readable again"
+            if all(noroom.MADE_UNREADABLE in f for f in failures) else
+            "What the session left there may still be live: look before you run git or your tools in it")
     return Protected(path=root, time=now_t, why=(
-        f"NOT checked whole: {'; '.join(failures)}. What the session left there may still be live: look before "
-        "you run git or your tools in it; dispatchd refuses sessions on it until a restart's check passes"))
+        f"NOT checked whole: {'; '.join(failures)}. {live}; dispatchd refuses sessions on it until a restart's "
+        "check passes"))
 
 
 class Part(msgspec.Struct, frozen=True):
@@ -191,14 +197,15 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
     failed: list[str] = []
     skip = covered if covered is not None else set()
     if part.layout.kind in ("repository", "linked"):
+        unmoved: set[str] = set()
         moved, bad = quarantine_new_redirects(part.layout, part.redirects, part.root,
-                                              lambda path: snapshots.skipped(path, skip))
+                                              lambda path: snapshots.skipped(path, skip), unmoved)
         failed += bad
         for path in map(shown, moved):  # a name not UTF-8 as \xNN, in the log as in the report (fsnames.py)
             said.say(log, "event=git_redirect_quarantined path=%s", path)
             found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
         now = snapshots.take(part.root, part.layout, part.home, before=part.git)
-        moved, bad = snapshots.quarantine(part.root, part.git, now, skip)
+        moved, bad = snapshots.quarantine(part.root, part.git, now, skip | unmoved)  # a redirect: said once
         failed += bad
         for path in map(shown, moved):
             said.say(log, "event=git_changed_quarantined path=%s", path)

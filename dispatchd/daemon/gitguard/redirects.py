@@ -95,11 +95,14 @@ def redirects_present(layout: GitLayout, root: str = "") -> list[str]:
 
 
 def quarantine_new_redirects(layout: GitLayout, before: list[str], root: str = "",
-                             skip: Callable[[str], bool] = lambda path: False) -> tuple[list[str], list[str]]:
+                             skip: Callable[[str], bool] = lambda path: False,
+                             unmoved: set[str] | None = None) -> tuple[list[str], list[str]]:
     """Move aside redirecting files a session created; call only once every
     process of the session is gone (nothing can race the rename then).
     Returns what was moved, and what could not be (with why). ``skip``: paths
-    an earlier part of the domain judges against its own baseline."""
+    an earlier part of the domain judges against its own baseline;
+    ``unmoved``: gets the paths that could not be moved (the later steps of
+    the check pass them over: each is said once)."""
     moved, failed = [], []
     for src in redirects_present(layout, root):
         if src in before or skip(src):
@@ -108,4 +111,6 @@ def quarantine_new_redirects(layout: GitLayout, before: list[str], root: str = "
             moved.append(move_aside(src))
         except OSError as exc:
             failed.append(f"{src}: {exc.strerror}")
+            if unmoved is not None:
+                unmoved.add(src)
     return moved, failed

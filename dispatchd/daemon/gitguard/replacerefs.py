@@ -43,7 +43,7 @@ import os
 import re
 import stat
 
-from dispatchd.daemon.gitguard import configs, fs, reftemp, refvalues
+from dispatchd.daemon.gitguard import configs, fs, noroom, reftemp, refvalues
 
 PREFIX = "refs/replace/"
 _OID = re.compile(r"^[0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?$")
@@ -248,9 +248,14 @@ def _move_out(common: str, path: str, name: str, why: str, done: list[tuple[str,
     writes its ``..``) is made writable for it (the user's, so ours).
     Whether it was moved."""
     dst = os.path.join(common, fs.aside_name(name))
+
+    def rename() -> str:
+        os.rename(path, dst)
+        return dst
     for attempt in range(2):
         try:
-            os.rename(path, dst)
+            # No room for the new name: made unreadable where it is (noroom.py).
+            noroom.moved(rename, lambda: os.lstat(common).st_dev, lambda: noroom.disarm_at(None, path))
             done.append((path, f"{why}; moved aside to {dst}"))
             return True
         except PermissionError:

