@@ -5,7 +5,9 @@ Guarantees:
 - ``parse_resolv_conf`` reads nameservers as glibc does (at most
   ``MAX_SERVERS``; an entry glibc would not read is skipped; none named:
   glibc's default); ``HostResolvers`` re-reads the file when it, or the file
-  its symlink leads to, changes, looked at once a ``RELOAD_EVERY_S`` at most;
+  its symlink leads to, changes, looked at once a ``RELOAD_EVERY_S`` at most,
+  and only a regular file, opened without blocking (anything else: glibc's
+  default, logged);
 - ``ask_udp`` and ``ask_tcp`` send one query to one resolver under our own
   random ID, from a socket of their own connected to it, and return only a
   reply that answers it (``dnswire.matches``), with the asker's ID put back;
@@ -22,6 +24,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import struct
 import threading
 import time
@@ -119,6 +122,21 @@ def session_resolv_binds(source: str, host_path: str = HOST_RESOLV_CONF) -> list
     return [where, source]
 
 
+def read_regular(path: str, most: int = 64 * 1024) -> str:
+    """The first ``most`` bytes of the regular file at ``path`` (symlinks
+    followed), as text. Opened without blocking and refused unless regular:
+    a FIFO or a device bound over the host's resolv.conf would otherwise
+    hold the reader, at the daemon's start and at every network-on open,
+    for ever. Raises ``OSError`` (EINVAL for another kind of file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return os.read(fd, most).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
 class HostResolvers:
     """The servers the host's resolv.conf names, re-read when it changes (the
     file a symlink leads to included: ``os.stat`` follows it)."""
@@ -143,8 +161,7 @@ class HostResolvers:
                 st = os.stat(self.path)
                 seen = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
                 if seen != self._seen:
-                    with open(self.path, encoding="utf-8", errors="replace") as f:
-                        text = f.read(64 * 1024)
+                    text = read_regular(self.path)
                     self._servers = parse_resolv_conf(text, ports=self.ports)
                     self._seen = seen
                     kept, self.kept = self.kept, kept_lines(text)

@@ -5,6 +5,7 @@ a responder of the test's (no namespace: a door's sockets made here)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import socket
 import struct
@@ -33,6 +34,27 @@ def test_resolv_conf_is_read_as_glibc_reads_it():
     assert parse_resolv_conf("nameserver not-an-address\nnameserver 127.0.0.1:5353\n") == [DEFAULT_SERVER]
     assert parse_resolv_conf("") == [DEFAULT_SERVER]  # glibc's default
     assert parse_resolv_conf("nameserver 10.0.0.1\nnameserver 10.0.0.1\n") == [("10.0.0.1", 53)]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "regular file"])
+def test_only_a_regular_resolv_conf_is_read_and_a_fifo_never_blocks(kind: str, tmp_path: Path):
+    """A FIFO bound over the host's resolv.conf held the daemon's start and
+    every network-on open for ever (an ``open`` that waits for a writer):
+    it, and any file not regular, is glibc's default at once. The twin: a
+    regular file's servers are read."""
+    path = tmp_path / "resolv.conf"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_text("nameserver 192.0.2.7\n")
+    with pytest.raises(OSError) if kind != "regular file" else contextlib.nullcontext():
+        dnshost.read_regular(str(path))
+    started = time.monotonic()
+    servers = dnshost.HostResolvers(str(path)).servers()
+    assert time.monotonic() - started < 1
+    assert servers == ([("192.0.2.7", 53)] if kind == "regular file" else [DEFAULT_SERVER])
 
 
 def test_the_search_list_and_ndots_are_kept():
