@@ -12,6 +12,7 @@ IPv4/IPv6 sockets, and Landlock TCP rules).
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import secrets
 
@@ -301,6 +302,29 @@ def test_a_background_process_started_while_on_cannot_reach_after_off(mode_clien
             assert "no user namespaces" in s.status()["note"]
             assert Path(worktree, "loop.log").stat().st_size == size  # the process is gone
             assert f"python3 {script}" not in shell(s, "ps ax -o args").metadata["stdout"]
+
+
+def test_a_call_running_on_the_same_handle_goes_on_through_a_switch_in_place(mode_client, worktree: Path) -> None:
+    """One thread's ``shell_exec`` runs while another switches the same
+    ``Session`` off: switched in place, the sandbox is the one the call runs
+    in, and the call returns its output (the handle used to attach anew at
+    every switch and close the channel under the call). The twin: where the
+    sandbox is replaced (degraded mode), the call is said lost, naming why."""
+    mode, client = mode_client
+    with client.open_session(str(worktree), network=True) as s:
+        running = concurrent.futures.ThreadPoolExecutor(1).submit(
+            shell, s, "echo started > started.txt; sleep 1.5; echo finished")
+        assert wait_until(lambda: Path(worktree, "started.txt").exists(), 10)
+        s.set_network(False)
+        result = running.result(timeout=30)
+        if mode != "degraded":
+            assert "switched in place" in s.status()["note"]
+            assert result.is_success and result.output == "finished\n", (result.output, result.error)
+        else:
+            assert not result.is_success
+            assert f"the sandbox of session {s.id} went away during shell_exec: the session's sandbox was " \
+                   "replaced (its network was switched)" in result.error, result.error
+        assert shell(s, "echo after").output == "after\n"  # the handle serves the next call either way
 
 
 def test_a_server_started_while_on_keeps_serving_the_session_after_off(mode_client, worktree: Path) -> None:
