@@ -438,13 +438,10 @@ class Session(SessionCheckpoints):
             domains=listed))
         self._info = reply.session
         with self._lock:
-            # Switched in place, the sandbox is the one this handle's channel
-            # reaches, and a call running on it (another thread's) goes on:
-            # a new channel only for a sandbox replaced, or none held (or a
-            # daemon that numbers no sandbox, 0: it cannot tell which).
+            # Switched in place, a call another thread runs on this channel goes on: a new one only for a
+            # sandbox replaced, or none held (or a daemon numbering no sandbox, 0: it cannot tell which).
             channel = self._channel
-            if channel is None or channel.broken or not channel.sandbox \
-                    or channel.sandbox != reply.session.sandbox:
+            if channel is None or channel.broken or not channel.sandbox or channel.sandbox != reply.session.sandbox:
                 self._attach()
         return self.network
 

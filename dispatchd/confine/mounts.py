@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from dispatchd.confine import _sys
+from dispatchd.confine.namespaces import limit_reached
 from dispatchd.confine.mountplan import PTS, WORKTREE_FD, WORKTREE_STEP, Bind, MountPlan, describe_root, plan_mounts
 from dispatchd.confine.mountsteps import (
     bind, bind_over_itself, fd_path, mount, mount_in, mount_point, open_nofollow)
@@ -183,7 +184,9 @@ def _hold_host() -> int:
     try:
         return _sys.open_tree_clone("/")
     except OSError as exc:
-        raise ConfinementError("mounts: hold the host's root", exc.errno, "/") from exc
+        # ENOSPC: the clone's anonymous mount namespace counts against user.max_mnt_namespaces.
+        raise ConfinementError("mounts: hold the host's root", exc.errno, "/",
+                               limit_reached(exc.errno, ("mount",))) from exc
 
 
 def _build_dev(root_fd: int, devices: list[str], fds: dict[str, int]) -> None:

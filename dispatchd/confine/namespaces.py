@@ -28,6 +28,7 @@ open (``"required"``).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -84,7 +85,32 @@ def spawn_in_namespaces(plan: NamespacePlan, cgroup_fd: int = -1) -> tuple[int, 
         return _sys.clone3(clone_flags(plan), signal.SIGCHLD, cgroup_fd)
     except OSError as exc:
         step = "cgroup: clone3 into the session's cgroup" if cgroup_fd >= 0 else "namespaces: clone3"
-        raise ConfinementError(step, exc.errno) from exc
+        raise ConfinementError(step, exc.errno, detail=limit_reached(exc.errno, plan_kinds(plan))) from exc
+
+
+# The kernel's per-user counts of namespaces (``/proc/sys/user/max_*``),
+# which clone3, unshare and open_tree answer with ENOSPC once reached, in
+# the caller's user namespace or any above it (a container's own limits).
+_LIMITS = (("user", "max_user_namespaces"), ("mount", "max_mnt_namespaces"), ("pid", "max_pid_namespaces"),
+           ("net", "max_net_namespaces"), ("ipc", "max_ipc_namespaces"))
+
+
+def limit_reached(err: int | None, kinds: tuple[str, ...]) -> str:
+    """For ENOSPC from a call that makes namespaces of ``kinds`` ("user",
+    "mount", "pid", "net", "ipc"), what it means, naming the limits they
+    count against; "" for any other error (the error's own words then). Pure."""
+    if err != errno.ENOSPC:
+        return ""
+    names = [f"user.{limit}" for kind, limit in _LIMITS if kind in kinds]
+    return ("ENOSPC: a limit on namespaces is reached: " + ", ".join(names) + " (sysctl, in this user "
+            "namespace or one above it, e.g. a container's), counted for all of the user's processes; "
+            "close sessions, or raise the limit")
+
+
+def plan_kinds(plan: NamespacePlan) -> tuple[str, ...]:
+    """The kinds of namespace ``clone_flags(plan)`` makes. Pure."""
+    return ("user", *(("mount", "ipc") if plan.mount else ()), *(("pid",) if plan.pid else ()),
+            *(("net",) if plan.net else ()))
 
 
 def open_own(plan: NamespacePlan) -> list[int]:
@@ -142,7 +168,8 @@ def enter_shared(shared: UcountsPlan, uid: int, gid: int) -> str:
     try:
         _sys.unshare(_sys.CLONE_NEWUSER)
     except OSError as exc:
-        return f"a user namespace for all sessions cannot be made here: {os.strerror(exc.errno or 0)}"
+        why = limit_reached(exc.errno, ("user",)) or os.strerror(exc.errno or 0)
+        return f"a user namespace for all sessions cannot be made here: {why}"
     apply_id_maps(NamespacePlan(user=True, mount=False, pid=False, net=False, uid=uid, gid=gid))
     apply_ucounts(shared)
     hygiene.drop_bounding_set()
