@@ -24,9 +24,11 @@ def logged() -> Iterator[tuple[logging.Logger, io.StringIO, Book]]:
     handler = logging.StreamHandler(out)
     handler.setFormatter(OneLineFormatter("%(levelname)s %(name)s %(message)s"))
     handler.addFilter(LogRedaction(book))
-    log = logging.getLogger("dispatchd.test-logtext")
+    # A logger of no hierarchy: pytest's capture attaches to registered ones
+    # too, and a lone surrogate in its record could not cross to xdist's
+    # controller (execnet sends UTF-8 only).
+    log = logging.Logger("dispatchd.test-logtext")
     log.addHandler(handler)
-    log.propagate = False
     log.setLevel(logging.INFO)
     try:
         yield log, out, book
