@@ -4,11 +4,14 @@ at the end (``history.restore`` calls ``put_back`` once the objects are).
 - ``read_refs``: branches, tags, remote-tracking branches, notes, the
   stash and the values the daemon kept under ``refs/dispatchd/``
   (``PROTECTED_PREFIXES``), each valued as git reads it
-  (``refvalues``): ``packed-refs``, then loose refs (which win); loose ones
-  only below real directories, bounded;
+  (``refvalues``), in git's order: loose refs (which win), then
+  ``packed-refs``, the whole read done again while ``packed-refs``
+  changes under it; loose ones only below real directories, bounded;
 - ``put_back``: what stands in front of a short name of the user's taken
   out (``shadows``); each ref that is gone or moved written back as a loose
-  ref, the value it was moved to kept as ``refs/dispatchd/displaced/TIME/
+  ref under git's own lock (``reflock``; one held by the user's git left,
+  its baseline's value kept, and said), read again under it, the value it
+  was moved to kept as ``refs/dispatchd/displaced/TIME/
   NAME`` (nothing lost either way), but for a branch that only moved
   forward (kept, and said: the user's own commits in another worktree look
   the same) and the branches the sessions had checked out (``own``: theirs
@@ -216,7 +219,7 @@ class _Forward:
 
     def __call__(self, name: str, old: str, new: str | None) -> bool:
         return new is not None and name.startswith("refs/heads/") and refvalues.is_id(old) and \
-            refvalues.is_id(new) and objectstore.is_ancestor(self.objects, old, new, self.store)
+            refvalues.is_id(new) and objectstore.is_ancestor(self.objects, old, new, self.store) is True
 
 
 def _put_one(common: str, name: str, old: str, new: str | None, forward: _Forward, stamp: str
