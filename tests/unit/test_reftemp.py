@@ -33,34 +33,44 @@ def _refs(repo: Path) -> list[str]:
 
 
 def _killed_at_rename(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The daemon killed between writing a ref's temporary file and its
-    rename over the ref (``reftemp.write_at``'s)."""
+    """The daemon killed between taking a ref's lock (``reflock.held``:
+    ``NAME.lock``, made whole with a second name of ours) and its rename
+    over the ref."""
     real = os.rename
 
     def rename(src: str, dst: str, *args: object, **kwargs: object) -> None:
-        if "src_dir_fd" in kwargs and str(src).endswith(".lock") and ".dispatchd-" in str(src):
+        if "src_dir_fd" in kwargs and str(src).endswith(".lock"):
             raise Killed
         real(src, dst, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(history.os, "rename", rename)
 
 
-def test_a_put_back_cut_short_leaves_a_file_git_lists_as_no_ref(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_put_back_cut_short_leaves_files_git_lists_as_no_ref_and_the_next_put_back_writes_the_ref(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     repo, head = _repo(tmp_path / "repo")
     kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
     (repo / ".git" / "refs" / "heads" / "main").unlink()  # a session's deed
-    _killed_at_rename(monkeypatch)
-    with pytest.raises(Killed):
-        history.restore(kept)
-    left = [n for n in os.listdir(repo / ".git" / "refs" / "heads")]
-    assert len(left) == 1 and left[0].startswith("main.dispatchd-") and left[0].endswith(".lock")
-    assert (repo / ".git" / "refs" / "heads" / left[0]).read_text() == head + "\n"  # the value was written
+    with monkeypatch.context() as patched:
+        _killed_at_rename(patched)
+        with pytest.raises(Killed):
+            history.restore(kept)
+    heads = repo / ".git" / "refs" / "heads"
+    left = sorted(os.listdir(heads))
+    assert len(left) == 2 and left[0].startswith("main.dispatchd-") and left[0].endswith(".lock")
+    assert left[1] == "main.lock" and os.stat(heads / "main.lock").st_nlink == 2  # one file, two names
+    assert (heads / "main.lock").read_text() == head + "\n"  # the value was written
     git(repo, "update-ref", "refs/heads/other", head)
     assert _refs(repo) == ["refs/heads/other"]
+    # The next put back (a start's check) takes the lock it left, not waiting for it, and writes the ref.
+    done, failed = history.restore(kept)
+    assert failed == [] and ("refs/heads/main", f"deleted by a session; put back at {head[:12]}") in done
+    assert _refs(repo) == ["refs/heads/main", "refs/heads/other"]
+    assert reftemp.sweep(str(repo / ".git"), ["refs/heads/main"]) == [str(heads / left[0])]
+    assert sorted(os.listdir(heads)) == ["main", "other"]
     # The twin: the same file under the name the daemon used before is a branch to git.
-    os.rename(repo / ".git" / "refs" / "heads" / left[0], repo / ".git" / "refs" / "heads" / "main.dispatchd-1.tmp")
-    assert _refs(repo) == ["refs/heads/main.dispatchd-1.tmp", "refs/heads/other"]
+    (heads / "main.dispatchd-1.tmp").write_text(head + "\n")
+    assert _refs(repo) == ["refs/heads/main", "refs/heads/main.dispatchd-1.tmp", "refs/heads/other"]
 
 
 def test_a_start_removes_what_a_put_back_cut_short_left_and_nothing_else(tmp_path: Path) -> None:

@@ -4,11 +4,14 @@ at the end (``history.restore`` calls ``put_back`` once the objects are).
 - ``read_refs``: branches, tags, remote-tracking branches, notes, the
   stash and the values the daemon kept under ``refs/dispatchd/``
   (``PROTECTED_PREFIXES``), each valued as git reads it
-  (``refvalues``): ``packed-refs``, then loose refs (which win); loose ones
-  only below real directories, bounded;
+  (``refvalues``), in git's order: loose refs (which win), then
+  ``packed-refs``, the whole read done again while ``packed-refs``
+  changes under it; loose ones only below real directories, bounded;
 - ``put_back``: what stands in front of a short name of the user's taken
   out (``shadows``); each ref that is gone or moved written back as a loose
-  ref, the value it was moved to kept as ``refs/dispatchd/displaced/TIME/
+  ref under git's own lock (``reflock``; one held by the user's git left,
+  its baseline's value kept, and said), read again under it, the value it
+  was moved to kept as ``refs/dispatchd/displaced/TIME/
   NAME`` (nothing lost either way), but for a branch that only moved
   forward (kept, and said: the user's own commits in another worktree look
   the same) and the branches the sessions had checked out (``own``: theirs
@@ -27,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 
-from dispatchd.daemon.gitguard import configs, fs, newrefs, objectstore, refvalues, reftemp, shadows
+from dispatchd.daemon.gitguard import configs, fs, newrefs, objectstore, reflock, refvalues, reftemp, shadows
 
 _MAX_REFS = 100_000
 # Branches, tags, remote-tracking branches (a plain `git merge` takes the upstream's), notes, the stash.
@@ -51,17 +54,72 @@ def _real_dirs(common: str, rel: str) -> bool:
 
 
 def read_refs(common: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> dict[str, str]:
-    """Branches and tags (the refs below ``prefixes``), each valued as git reads it (``refvalues``):
-    ``packed-refs``, then loose refs (which win); loose ones only below real
-    directories, at most ``_MAX_REF_DIRS`` of them. A name ``packed-refs``
+    """Branches and tags (the refs below ``prefixes``), each valued as git reads it (``refvalues``),
+    read in git's order so that the user's own ``git pack-refs`` (``git gc``)
+    running beside the read never makes a ref look changed or gone: the
+    loose refs first (only below real directories, at most
+    ``_MAX_REF_DIRS`` of them), then ``packed-refs``, whose value a loose one
+    hides. Git packs a ref (writes ``packed-refs``) before it prunes the
+    loose file, so a loose file listed and gone when read (``refvalues.loose``:
+    None) has its value in the ``packed-refs`` read after it; one read before
+    would miss it, and the reading of a pruned name as a file gave "not a
+    regular file". Where ``packed-refs`` changed during a read (its inode,
+    size or mtime), the whole read is done again, up to ``_READS`` times: a
+    read is one state of the refs, not half of two. A name ``packed-refs``
     gives two values has neither (git's binary search finds one or the
     other): it differs from any baseline."""
     refs: dict[str, str] = {}
-    dirs = 0
-    packed_text = refvalues.read_text(os.path.join(common, "packed-refs"), 64 * 1024 * 1024) or ""
+    packed_path = os.path.join(common, "packed-refs")
+    for _attempt in range(_READS):
+        before = _stamp(packed_path)
+        loose = _read_loose(common, prefixes)
+        text, read_from = _read_packed(packed_path)
+        refs = _packed_values(common, text, prefixes)
+        refs.update(loose)  # a loose ref wins, as in git
+        if read_from == before and _stamp(packed_path) == before:
+            break
+    return dict(list(refs.items())[:_MAX_REFS])
+
+
+_READS = 5  # whole reads of the refs tried while packed-refs keeps changing under them
+_PACKED_MAX = 64 * 1024 * 1024  # bytes of packed-refs read (replacerefs reads as many)
+
+
+def _stamp(path: str) -> tuple[int, int, int, int] | None:
+    """What tells one ``packed-refs`` from the next (git renames a new one
+    into place: a new inode), or None when there is none."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _read_packed(path: str) -> tuple[str, tuple[int, int, int, int] | None]:
+    """``packed-refs``' text ("" when absent, not a regular file or
+    unreadable) and the stamp of the very file read (``_stamp``)."""
+    try:
+        opened = fs.open_regular(path)
+    except OSError:
+        return "", None
+    if opened is None:
+        return "", _stamp(path)
+    fd, st = opened
+    try:
+        data = fs.read_all(fd, _PACKED_MAX)
+    except OSError:
+        data = b""
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "surrogateescape"), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _packed_values(common: str, text: str, prefixes: tuple[str, ...]) -> dict[str, str]:
+    """The refs below ``prefixes`` that ``packed-refs``' ``text`` names, valued as git's lookup reads them."""
+    refs: dict[str, str] = {}
     hexsz = configs.object_id_size(common) * 2
-    unsorted = refvalues.packed_out_of_order(packed_text, hexsz)  # git's binary search misses what we read
-    for line in packed_text.split("\n"):
+    unsorted = refvalues.packed_out_of_order(text, hexsz)  # git's binary search misses what we read
+    for line in text.split("\n"):
         record = refvalues.packed_record(line, hexsz)
         if record is not None and record[1].startswith(prefixes) and refvalues.safe_name(record[1]):
             oid, name = record
@@ -69,11 +127,22 @@ def read_refs(common: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> di
                 oid if refs.get(name, oid) == oid else "named twice in packed-refs"
             if len(refs) >= _MAX_REFS:
                 break
+    return refs
+
+
+def _read_loose(common: str, prefixes: tuple[str, ...]) -> dict[str, str]:
+    """The loose refs below ``prefixes``; a name listed whose file is gone
+    when read (pruned, deleted) is left out: ``packed-refs``, read after,
+    has it if git packed it."""
+    refs: dict[str, str] = {}
+    dirs = 0
     for prefix in prefixes:
         if not prefix.endswith("/"):  # one ref, not a directory of them (refs/stash)
             parent = os.path.dirname(prefix)
-            if _real_dirs(common, parent) and os.path.lexists(os.path.join(common, prefix)):
-                refs[prefix] = refvalues.loose(os.path.join(common, prefix))
+            if _real_dirs(common, parent):
+                value = refvalues.loose(os.path.join(common, prefix))
+                if value is not None:
+                    refs[prefix] = value
             continue
         if not _real_dirs(common, prefix.rstrip("/")):
             continue
@@ -91,7 +160,9 @@ def read_refs(common: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> di
                 if entry.is_dir(follow_symlinks=False):
                     pending.append((entry.path, full))
                 elif refvalues.safe_name(full):  # not git's own lock while it writes (``.lock``), no ref
-                    refs[full] = refvalues.loose(entry.path)
+                    value = refvalues.loose(entry.path)
+                    if value is not None:
+                        refs[full] = value
     return refs
 
 
@@ -131,30 +202,72 @@ def put_back(common: str, refs: dict[str, str], own: list[str], head: str, shado
     now = read_refs(common)
     stamp = reftemp.stamp()
     for name, old in sorted(refs.items()):
-        if name in own:
+        if name in own or now.get(name) == old:
             continue
-        new = now.get(name)
-        if new == old:
-            continue
-        if new is not None and name.startswith("refs/heads/") and refvalues.is_id(old) and \
-                refvalues.is_id(new) and objectstore.is_ancestor(objects, old, new, store):
-            done.append((name, f"moved forward while a session ran, kept (a fast-forward; your own commits look the "
-                               f"same): review git log {old[:12]}..{new[:12]}"))  # what it carries goes where it goes
-            continue
-        if not refvalues.writable(old):
-            failed.append(f"{name}: changed by a session, and its baseline ({old}) cannot be written back")
-            continue
-        try:
-            if new is not None and refvalues.is_id(new):
-                reftemp.keep_displaced(common, stamp, name, new)
-            reftemp.write_ref(common, name, old)
-        except OSError as exc:
-            failed.append(f"{name}: {exc.strerror}")
-            continue
-        what = "deleted" if new is None else f"moved to {new[:12]}" if refvalues.is_id(new) else f"made {new[:60]}"
-        done.append((name, f"{what} by a session; put back at {old[:12] if refvalues.is_id(old) else old}"))
+        said, bad = _put_one(common, name, old, now.get(name), _Forward(objects, store), stamp)
+        done += said
+        failed += bad
     moved, bad = newrefs.clear(common, now, refs, stamp)  # new upstream-tracking refs, notes, stash
     return done + moved, failed + bad
+
+
+class _Forward:
+    """Whether a branch moved only forward (``objectstore.is_ancestor``), in one store."""
+
+    def __init__(self, objects: str, store: objectstore.Store) -> None:
+        self.objects, self.store = objects, store
+
+    def __call__(self, name: str, old: str, new: str | None) -> bool:
+        return new is not None and name.startswith("refs/heads/") and refvalues.is_id(old) and \
+            refvalues.is_id(new) and objectstore.is_ancestor(self.objects, old, new, self.store) is True
+
+
+def _put_one(common: str, name: str, old: str, new: str | None, forward: _Forward, stamp: str
+             ) -> tuple[list[tuple[str, str]], list[str]]:
+    """One ref of the baseline (``old``) that reads ``new`` now, put back
+    under git's own lock (``reflock``), read again once the lock is ours:
+    the value it replaces is what git has then, and is always kept as
+    ``refs/dispatchd/displaced/TIME/NAME`` (an id or a symbolic ref; a
+    broken file or a symlink names nothing). Returns what was done and
+    what failed."""
+    if not refvalues.writable(old):
+        # Nothing to write back, and nothing of the user's lost by leaving it: the baseline's
+        # value named no commit (a file git reads as no ref; or, in a record of an older daemon,
+        # a loose ref read while the user's git packed it). Said, not failed: a check that
+        # failed here refused the worktree at every open, and at every start after.
+        left = "gone" if new is None else f"at {new[:12]}" if refvalues.is_id(new) else f"as {new[:60]}"
+        return [(name, f"its value at the baseline ({old[:60]}) names no commit, so none is written back; "
+                       f"left {left} (git reflog {name} names what it held)")], []
+    if forward(name, old, new):  # told before the lock: the ancestry's walk never holds the user's git up
+        return [(name, _FORWARD.format(old=old[:12], new=new[:12] if new else ""))], []
+    try:
+        with reflock.held(common, name, old) as lock:
+            now = read_refs(common, (name,)).get(name)  # under the lock: what git has now
+            if now == old:
+                return [], []
+            if now != new and forward(name, old, now):  # moved again since the first read
+                return [(name, _FORWARD.format(old=old[:12], new=now[:12] if now else ""))], []
+            if now is not None and refvalues.writable(now):
+                reftemp.keep_displaced(common, stamp, name, now)
+            lock.commit()
+    except reflock.Held as exc:
+        # Never written without the lock: left as it is, the baseline's value kept instead,
+        # so that nothing of the user's is lost whoever's value the ref holds now.
+        try:
+            kept = reftemp.keep_displaced(common, stamp, name, old)
+        except OSError as kept_exc:
+            return [], [f"{name}: not put back ({exc.strerror}), and its value at the baseline ({old[:12]}) "
+                        f"could not be kept ({kept_exc.strerror})"]
+        return [(name, f"not put back: {exc.strerror}; its value at the baseline kept as {kept} "
+                       f"(git update-ref {name} {kept} puts it back)")], []
+    except OSError as exc:
+        return [], [f"{name}: {exc.strerror}"]
+    what = "deleted" if now is None else f"moved to {now[:12]}" if refvalues.is_id(now) else f"made {now[:60]}"
+    return [(name, f"{what} by a session; put back at {old[:12] if refvalues.is_id(old) else old}")], []
+
+
+_FORWARD = ("moved forward while a session ran, kept (a fast-forward; your own commits look the same): "
+            "review git log {old}..{new}")  # what it carries goes where it goes
 
 
 def read_all(common: str) -> dict[str, str]:

@@ -76,9 +76,9 @@ def temp_name(path: str) -> str:
     return f"{path}.dispatchd-{secrets.token_hex(8)}.lock"
 
 
-def write_ref(common: str, name: str, value: str) -> None:
-    """A loose ref, written atomically; a file or directory in the way (a
-    session's) is moved aside first."""
+def make_room(common: str, name: str) -> str:
+    """The path of the ref ``name``, its directories made; a file in the way
+    of one (a session's) moved aside first. Returns the path."""
     path = os.path.join(common, name)
     parent = os.path.dirname(path)
     probe = common
@@ -87,6 +87,14 @@ def write_ref(common: str, name: str, value: str) -> None:
         if os.path.lexists(probe) and not fs.is_dir(probe):
             fs.move_aside(probe)
     os.makedirs(parent, exist_ok=True)
+    return path
+
+
+def write_ref(common: str, name: str, value: str) -> None:
+    """A loose ref, written atomically; a file or directory in the way (a
+    session's) is moved aside first. Not under git's lock: the end's put
+    back of the user's refs writes through ``reflock``, which is."""
+    path = make_room(common, name)
     if fs.is_dir(path):
         fs.move_aside(path)
     # A name of our own, made here (O_EXCL, O_NOFOLLOW): a name that could be
@@ -113,6 +121,17 @@ def write_at(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> No
     nothing looked up by path again). A directory the session made
     read-only is given its owner's rights, and left so (the user's, so ours;
     as ``fs.move_aside`` does)."""
+    tmp = write_temp(dir_fd, leaf, data, mode)
+    try:
+        os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> str:
+    """``data`` in a new file of ours beside ``leaf`` (``temp_name``),
+    fsynced; returns its name, for the caller to rename or link."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     lent = False
     while True:
@@ -140,11 +159,7 @@ def write_at(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> No
         os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.close(out)
-    try:
-        os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except OSError:
-        os.unlink(tmp, dir_fd=dir_fd)
-        raise
+    return tmp
 
 
 def sweep(common: str, refs: list[str]) -> list[str]:

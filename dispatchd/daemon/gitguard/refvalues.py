@@ -19,11 +19,14 @@ Git (its files and packed backends) reads:
 ``loose`` gives every loose ref a value: the id (lowercase), ``ref: TARGET``,
 or for anything git reads otherwise (a symlink, a broken file, no regular
 file) a value no baseline id or symbolic ref equals, so the end takes it
-for changed and writes the baseline's value back (a loose ref wins).
+for changed and writes the baseline's value back (a loose ref wins); and
+None for a name listed that is gone when read (git packed and pruned it, or
+deleted the ref): the reader then takes ``packed-refs``' value, as git does.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
@@ -85,16 +88,35 @@ def read_text(path: str, limit: int = 4096) -> str | None:
     return read[0].decode("utf-8", "surrogateescape") if read is not None else None
 
 
-def loose(path: str) -> str:
-    """The value of the loose ref at ``path`` (not followed if a symlink)."""
-    if os.path.islink(path):
-        try:
-            return "symlink to " + os.readlink(path)
-        except OSError:
-            return "symlink"
-    if not fs.is_file(path):
+def loose(path: str) -> str | None:
+    """The value of the loose ref at ``path`` (not followed if a symlink),
+    or None when no file has that name now: git pruned it after a listing
+    named it (``git pack-refs``, ``git gc``: its value is in ``packed-refs``
+    by then), or deleted the ref. Read from one descriptor, so that a file
+    gone between a look and the read is never taken for an empty one."""
+    try:
+        opened = fs.open_regular(path)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+            try:
+                return "symlink to " + os.readlink(path)
+            except FileNotFoundError:
+                return None
+            except OSError:
+                return "symlink"
+        return "unreadable: " + (exc.strerror or str(exc.errno))
+    if opened is None:
         return "not a regular file"
-    return parse_loose(read_text(path) or "")
+    fd, _st = opened
+    try:
+        data = fs.read_all(fd, 4096)
+    except OSError as exc:
+        return "unreadable: " + (exc.strerror or str(exc.errno))
+    finally:
+        os.close(fd)
+    return parse_loose(data.decode("utf-8", "surrogateescape"))
 
 
 def safe_name(name: str) -> bool:

@@ -1,0 +1,186 @@
+"""The refs read as git reads them while the user's own git packs, prunes
+and moves them beside the read (daemon/gitguard/refsback.py ``read_refs``),
+and written back under git's own lock (daemon/gitguard/reflock.py): a ref
+the user's git prunes between the listing and the read keeps its value, a
+ref git holds the lock of is left and said, and the value replaced is the
+one git had under the lock, always kept."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon.gitguard import fs, history, reflock, refsback, reftemp
+from tests.unit.gitrepo import commits_repo, git
+
+pytestmark = pytest.mark.process  # git makes the repositories
+
+
+def _repo(tmp_path: Path) -> tuple[Path, str, dict[str, str]]:
+    """Three commits; ``feature`` and 20 branches ``h*`` loose at HEAD~1, a tag packed."""
+    repo = commits_repo(tmp_path / "repo", 3)
+    git(repo, "tag", "v1")
+    git(repo, "pack-refs", "--all")
+    for name in ["feature"] + [f"h{i}" for i in range(20)]:
+        git(repo, "branch", name, "HEAD~1")
+    common = str(repo / ".git")
+    return repo, common, refsback.read_refs(common)
+
+
+def _after_listing(monkeypatch: pytest.MonkeyPatch, deed: Callable[[], None], times: int = 1) -> list[int]:
+    """``deed`` run just after the loose refs' first directory listings
+    (``times`` of them) and before any file listed is read: the user's git
+    at the worst moment. Returns the count of listings, for the caller."""
+    real = fs.scanned
+    seen = [0]
+
+    def scanned(path: str) -> list[os.DirEntry[str]]:
+        entries = real(path)
+        seen[0] += 1
+        if seen[0] <= times and path.endswith("heads"):
+            deed()
+        return entries
+
+    monkeypatch.setattr(refsback.fs, "scanned", scanned)
+    return seen
+
+
+def test_a_loose_ref_git_packs_and_prunes_between_the_listing_and_the_read_keeps_its_value(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, common, truth = _repo(tmp_path)
+    _after_listing(monkeypatch, lambda: git(repo, "pack-refs", "--all"))
+    got = refsback.read_refs(common)
+    assert not (repo / ".git" / "refs" / "heads" / "feature").exists()  # the deed was done: pruned
+    assert got == truth
+
+
+def test_the_twin_a_ref_git_moves_between_the_listing_and_the_read_reads_as_moved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, common, truth = _repo(tmp_path)
+    head = git(repo, "rev-parse", "HEAD").strip()
+    _after_listing(monkeypatch, lambda: git(repo, "update-ref", "refs/heads/feature", head))
+    got = refsback.read_refs(common)
+    assert got["refs/heads/feature"] == head != truth["refs/heads/feature"]
+    assert {k: v for k, v in got.items() if k != "refs/heads/feature"} == \
+        {k: v for k, v in truth.items() if k != "refs/heads/feature"}
+
+
+def test_a_ref_deleted_between_the_listing_and_the_read_reads_as_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, common, truth = _repo(tmp_path)
+    _after_listing(monkeypatch, lambda: git(repo, "branch", "-q", "-D", "h3"))
+    got = refsback.read_refs(common)
+    assert "refs/heads/h3" not in got and got == {k: v for k, v in truth.items() if k != "refs/heads/h3"}
+
+
+def test_a_read_during_which_packed_refs_changed_is_done_again_and_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, common, truth = _repo(tmp_path)
+    seen = _after_listing(monkeypatch, lambda: git(repo, "pack-refs", "--all"))
+    assert refsback.read_refs(common) == truth
+    assert seen[0] > 1 and seen[0] % 2 == 0  # listed again: the first read met a new packed-refs
+    # packed-refs rewritten during every read: the read ends after _READS of them, with git's values.
+    flip = [0]
+
+    def repack() -> None:
+        flip[0] += 1
+        git(repo, "update-ref", f"refs/tags/t{flip[0]}", truth["refs/tags/v1"])
+        git(repo, "pack-refs", "--all")
+    _after_listing(monkeypatch, repack, times=100)
+    got = refsback.read_refs(common)
+    assert flip[0] == refsback._READS
+    assert {k: v for k, v in got.items() if not k.startswith("refs/tags/t")} == truth
+
+
+def test_a_ref_whose_lock_git_holds_at_the_end_is_left_and_its_value_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo, common, truth = _repo(tmp_path)
+    kept = history.record(common, str(tmp_path / "keep"), own=[])
+    head = git(repo, "rev-parse", "HEAD").strip()
+    c0 = git(repo, "rev-parse", "HEAD~2").strip()
+    git(repo, "update-ref", "refs/heads/h5", c0)  # moved back: put back, but...
+    git(repo, "update-ref", "refs/heads/h6", c0)  # moved back
+    lock = repo / ".git" / "refs" / "heads" / "h6.lock"
+    lock.write_text(head + "\n")  # ...git holds h6's lock (one name, as git makes it)
+    monkeypatch.setattr(reflock, "WAIT_S", 0.05)
+    done, failed = history.restore(kept)
+    assert failed == []
+    why = dict(done)["refs/heads/h6"]
+    stamped = why.split(" kept as ")[1].split(" ")[0]
+    assert why == ("not put back: git's lock refs/heads/h6.lock is held (your git is writing the ref, or left it); "
+                   f"its value at the baseline kept as {stamped} (git update-ref refs/heads/h6 {stamped} puts it back)")
+    assert stamped.startswith(reftemp.DISPLACED) and stamped.endswith("/refs/heads/h6")
+    assert git(repo, "rev-parse", stamped).strip() == truth["refs/heads/h6"]
+    assert git(repo, "rev-parse", "refs/heads/h6").strip() != truth["refs/heads/h6"]  # not written
+    assert lock.read_text() == head + "\n"  # git's lock untouched
+    # The twin, in the same end: h5, whose lock was free, is put back and the value it held kept.
+    assert dict(done)["refs/heads/h5"] == f"moved to {c0[:12]} by a session; put back at {truth['refs/heads/h5'][:12]}"
+    assert git(repo, "rev-parse", "refs/heads/h5").strip() == truth["refs/heads/h5"]
+    displaced = git(repo, "for-each-ref", "--format=%(refname) %(objectname)", reftemp.DISPLACED).split("\n")
+    assert any(line.endswith(f"/refs/heads/h5 {c0}") for line in displaced), displaced
+
+
+def test_the_value_replaced_is_the_one_git_has_under_the_lock_and_is_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's commit lands between the end's read and its lock: the
+    end writes the baseline back over that commit's value, and keeps it."""
+    repo, common, truth = _repo(tmp_path)
+    kept = history.record(common, str(tmp_path / "keep"), own=[])
+    c0 = git(repo, "rev-parse", "HEAD~2").strip()
+    git(repo, "update-ref", "refs/heads/feature", c0)  # the session's move (backward)
+    git(repo, "commit", "-q", "--allow-empty", "-m", "the user's")
+    users = git(repo, "rev-parse", "HEAD").strip()  # not a descendant of c0's move... nor on feature
+    real = reflock._take
+
+    def take(*args: object) -> None:
+        git(repo, "update-ref", "refs/heads/feature", users)  # the user's git, just before the lock
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reflock, "_take", take)
+    done, failed = history.restore(kept)
+    assert failed == [] and dict(done)["refs/heads/feature"].startswith(f"moved forward")  # users descends from the baseline
+    assert git(repo, "rev-parse", "refs/heads/feature").strip() == users  # a fast-forward is kept, never written over
+
+
+def test_a_value_the_user_s_git_wrote_just_before_the_lock_is_the_one_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twin of the above with a move that is not forward: the end writes
+    the baseline back, and keeps the value git had under the lock (not the
+    one its first read saw)."""
+    repo, common, truth = _repo(tmp_path)
+    kept = history.record(common, str(tmp_path / "keep"), own=[])
+    c0 = git(repo, "rev-parse", "HEAD~2").strip()
+    git(repo, "update-ref", "refs/heads/feature", c0)
+    sideways = git(repo, "commit-tree", "HEAD^{tree}", "-m", "sideways").strip()  # no parent: not forward
+    real = reflock._take
+
+    def take(*args: object) -> None:
+        git(repo, "update-ref", "refs/heads/feature", sideways)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reflock, "_take", take)
+    done, failed = history.restore(kept)
+    assert failed == []
+    assert dict(done)["refs/heads/feature"] == \
+        f"moved to {sideways[:12]} by a session; put back at {truth['refs/heads/feature'][:12]}"
+    assert git(repo, "rev-parse", "refs/heads/feature").strip() == truth["refs/heads/feature"]
+    kept_refs = git(repo, "for-each-ref", "--format=%(objectname)", reftemp.DISPLACED).split()
+    assert kept_refs == [sideways]
+
+
+def test_a_baseline_value_that_names_no_commit_is_said_and_not_failed(tmp_path: Path) -> None:
+    """An older daemon's record read a loose ref while the user's git pruned
+    it ("not a regular file"): nothing to write back, nothing of the user's
+    lost; said, and the check is whole (the worktree is not refused)."""
+    repo, common, truth = _repo(tmp_path)
+    kept = history.record(common, str(tmp_path / "keep"), own=[])
+    kept.refs["refs/heads/feature"] = "not a regular file"
+    done, failed = history.restore(kept)
+    assert failed == []
+    assert done == [("refs/heads/feature", "its value at the baseline (not a regular file) names no commit, so none "
+                                           f"is written back; left at {truth['refs/heads/feature'][:12]} "
+                                           "(git reflog refs/heads/feature names what it held)")]
+    assert git(repo, "rev-parse", "refs/heads/feature").strip() == truth["refs/heads/feature"]
