@@ -2,12 +2,14 @@
 and moves them beside the read (daemon/gitguard/refsback.py ``read_refs``),
 and written back under git's own lock (daemon/gitguard/reflock.py): a ref
 the user's git prunes between the listing and the read keeps its value, a
-ref git holds the lock of is left and said, and the value replaced is the
-one git had under the lock, always kept."""
+ref whose lock git holds is waited for, a lock left in the way (a git
+killed, or a session's) is moved aside, and the value replaced is the one
+git had under the lock, always kept."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,32 +97,85 @@ def test_a_read_during_which_packed_refs_changed_is_done_again_and_bounded(
     assert {k: v for k, v in got.items() if not k.startswith("refs/tags/t")} == truth
 
 
-def test_a_ref_whose_lock_git_holds_at_the_end_is_left_and_its_value_kept(
+def test_a_lock_left_in_the_way_past_the_wait_is_moved_aside_and_the_ref_put_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``h6.lock`` is still there after the wait (a git killed, or a session
+    that planted it so that its move of h6 would stay): it is moved aside,
+    kept, and h6 put back; the report says where the lock went. The twin,
+    in the same end: h5, whose lock was free, is put back as always."""
     repo, common, truth = _repo(tmp_path)
     kept = history.record(common, str(tmp_path / "keep"), own=[])
     head = git(repo, "rev-parse", "HEAD").strip()
     c0 = git(repo, "rev-parse", "HEAD~2").strip()
-    git(repo, "update-ref", "refs/heads/h5", c0)  # moved back: put back, but...
-    git(repo, "update-ref", "refs/heads/h6", c0)  # moved back
+    git(repo, "update-ref", "refs/heads/h5", c0)
+    git(repo, "update-ref", "refs/heads/h6", c0)
     lock = repo / ".git" / "refs" / "heads" / "h6.lock"
-    lock.write_text(head + "\n")  # ...git holds h6's lock (one name, as git makes it)
+    lock.write_text(head + "\n")  # one name, as git makes it
     monkeypatch.setattr(reflock, "WAIT_S", 0.05)
+    done, failed = history.restore(kept)
+    assert failed == []
+    why = dict(done)["refs/heads/h6"]
+    aside = why.split(" moved aside to ")[1]
+    assert why == (f"moved to {c0[:12]} by a session; put back at {truth['refs/heads/h6'][:12]}; "
+                   f"git's lock refs/heads/h6.lock, left in the way, moved aside to {aside}")
+    assert aside.startswith(f"{lock}.quarantined-by-dispatchd-") and Path(aside).read_text() == head + "\n"
+    assert not lock.exists()
+    assert git(repo, "rev-parse", "refs/heads/h6").strip() == truth["refs/heads/h6"]
+    assert dict(done)["refs/heads/h5"] == f"moved to {c0[:12]} by a session; put back at {truth['refs/heads/h5'][:12]}"
+    assert git(repo, "rev-parse", "refs/heads/h5").strip() == truth["refs/heads/h5"]
+    displaced = git(repo, "for-each-ref", "--format=%(refname) %(objectname)", reftemp.DISPLACED).split("\n")
+    assert any(line.endswith(f"/refs/heads/h5 {c0}") for line in displaced), displaced
+    assert any(line.endswith(f"/refs/heads/h6 {c0}") for line in displaced), displaced
+
+
+def test_a_lock_the_user_s_git_lets_go_within_the_wait_is_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live git holds h6's lock for 0.2 s of the end's wait: the end waits
+    for it, then puts h6 back, and moves nothing aside."""
+    repo, common, truth = _repo(tmp_path)
+    kept = history.record(common, str(tmp_path / "keep"), own=[])
+    c0 = git(repo, "rev-parse", "HEAD~2").strip()
+    git(repo, "update-ref", "refs/heads/h6", c0)
+    lock = repo / ".git" / "refs" / "heads" / "h6.lock"
+    lock.write_text(c0 + "\n")
+    letgo = threading.Timer(0.2, lock.unlink)
+    letgo.start()
+    try:
+        done, failed = history.restore(kept)
+    finally:
+        letgo.join()
+    assert failed == []
+    assert dict(done)["refs/heads/h6"] == f"moved to {c0[:12]} by a session; put back at {truth['refs/heads/h6'][:12]}"
+    assert git(repo, "rev-parse", "refs/heads/h6").strip() == truth["refs/heads/h6"]
+    assert not any(".quarantined-by-dispatchd-" in p.name for p in lock.parent.iterdir())
+
+
+def test_a_lock_that_cannot_be_moved_aside_leaves_the_ref_and_keeps_its_value(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the lock left in the way cannot be moved aside either, the ref
+    is never written without it: left, and its value at the baseline kept."""
+    repo, common, truth = _repo(tmp_path)
+    kept = history.record(common, str(tmp_path / "keep"), own=[])
+    head = git(repo, "rev-parse", "HEAD").strip()
+    c0 = git(repo, "rev-parse", "HEAD~2").strip()
+    git(repo, "update-ref", "refs/heads/h6", c0)
+    lock = repo / ".git" / "refs" / "heads" / "h6.lock"
+    lock.write_text(head + "\n")
+    monkeypatch.setattr(reflock, "WAIT_S", 0.05)
+
+    def unmovable(path: str) -> str:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(reflock.fs, "move_aside", unmovable)
     done, failed = history.restore(kept)
     assert failed == []
     why = dict(done)["refs/heads/h6"]
     stamped = why.split(" kept as ")[1].split(" ")[0]
     assert why == ("not put back: git's lock refs/heads/h6.lock is held (your git is writing the ref, or left it); "
                    f"its value at the baseline kept as {stamped} (git update-ref refs/heads/h6 {stamped} puts it back)")
-    assert stamped.startswith(reftemp.DISPLACED) and stamped.endswith("/refs/heads/h6")
     assert git(repo, "rev-parse", stamped).strip() == truth["refs/heads/h6"]
-    assert git(repo, "rev-parse", "refs/heads/h6").strip() != truth["refs/heads/h6"]  # not written
-    assert lock.read_text() == head + "\n"  # git's lock untouched
-    # The twin, in the same end: h5, whose lock was free, is put back and the value it held kept.
-    assert dict(done)["refs/heads/h5"] == f"moved to {c0[:12]} by a session; put back at {truth['refs/heads/h5'][:12]}"
-    assert git(repo, "rev-parse", "refs/heads/h5").strip() == truth["refs/heads/h5"]
-    displaced = git(repo, "for-each-ref", "--format=%(refname) %(objectname)", reftemp.DISPLACED).split("\n")
-    assert any(line.endswith(f"/refs/heads/h5 {c0}") for line in displaced), displaced
+    assert git(repo, "rev-parse", "refs/heads/h6").strip() == c0  # not written
+    assert lock.read_text() == head + "\n"
 
 
 def test_the_value_replaced_is_the_one_git_has_under_the_lock_and_is_kept(
@@ -135,9 +190,9 @@ def test_the_value_replaced_is_the_one_git_has_under_the_lock_and_is_kept(
     users = git(repo, "rev-parse", "HEAD").strip()  # not a descendant of c0's move... nor on feature
     real = reflock._take
 
-    def take(*args: object) -> None:
+    def take(*args: object) -> str:
         git(repo, "update-ref", "refs/heads/feature", users)  # the user's git, just before the lock
-        real(*args)  # type: ignore[arg-type]
+        return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(reflock, "_take", take)
     done, failed = history.restore(kept)
@@ -157,9 +212,9 @@ def test_a_value_the_user_s_git_wrote_just_before_the_lock_is_the_one_kept(
     sideways = git(repo, "commit-tree", "HEAD^{tree}", "-m", "sideways").strip()  # no parent: not forward
     real = reflock._take
 
-    def take(*args: object) -> None:
+    def take(*args: object) -> str:
         git(repo, "update-ref", "refs/heads/feature", sideways)
-        real(*args)  # type: ignore[arg-type]
+        return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(reflock, "_take", take)
     done, failed = history.restore(kept)

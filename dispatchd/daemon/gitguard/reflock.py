@@ -10,8 +10,15 @@ it prunes a loose file. ``held`` does the same:
 
 - the lock is made ``O_EXCL | O_NOFOLLOW`` (a symlink or a file in its
   place is the user's git's lock, or one it left): while it is there, it is
-  tried again for up to ``WAIT_S``, then ``Held`` is raised and the ref is
-  left as it is. A ref is never written without its lock;
+  tried again for up to ``WAIT_S`` (git itself waits 100 ms, and holds a
+  ref's lock for less). One still there then was left: by a git that was
+  killed, or by a session, whose processes are all gone at the end that
+  puts refs back (the last one). It is moved aside (kept, never deleted:
+  ``Lock.moved`` names where, for the report) and the lock taken, since a
+  lock left in the way would otherwise keep whatever move of the ref a
+  session made (a session plants ``main.lock``, and its commit stays the
+  user's ``main``). Where it cannot be moved, ``Held`` is raised and the
+  ref is left as it is. A ref is never written without its lock;
 - the caller reads the ref again once the lock is its (``refsback``): what
   it replaces is the value git has at that moment, not one read before;
 - ``Lock.commit`` renames the lock file, which holds the value, over the
@@ -58,6 +65,7 @@ class Lock:
         self.leaf = os.path.basename(self.path)
         self._dir_fd = dir_fd
         self.done = False  # the lock file renamed over the ref: nothing to remove
+        self.moved = ""  # where a lock left in the way was moved aside, if one was
 
     def commit(self) -> None:
         """The ref made to hold the value the lock was taken with."""
@@ -96,7 +104,8 @@ def held(common: str, name: str, value: str = "", wait_s: float | None = None) -
         # Removed when the block ends, or on an error; a BaseException (a test's
         # stand-in for the daemon's death) leaves both names, as a death does.
         try:
-            _take(dir_fd, tmp, leaf + ".lock", name, WAIT_S if wait_s is None else wait_s)
+            lock.moved = _take(dir_fd, tmp, leaf + ".lock", name, WAIT_S if wait_s is None else wait_s,
+                               path + ".lock")
             try:
                 yield lock
             except Exception:
@@ -117,12 +126,15 @@ def _unlink(dir_fd: int, leaf: str) -> None:
         os.unlink(leaf, dir_fd=dir_fd)
 
 
-def _take(dir_fd: int, tmp: str, lock: str, name: str, wait_s: float) -> None:
+def _take(dir_fd: int, tmp: str, lock: str, name: str, wait_s: float, path: str) -> str:
+    """The lock made (see ``held``); returns where a lock left in the way
+    was moved aside, or ""."""
     deadline = time.monotonic() + wait_s
+    moved = ""
     while True:
         try:
             os.link(tmp, lock, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-            return
+            return moved
         except FileExistsError:
             try:
                 st = os.stat(lock, dir_fd=dir_fd, follow_symlinks=False)
@@ -132,5 +144,11 @@ def _take(dir_fd: int, tmp: str, lock: str, name: str, wait_s: float) -> None:
             except FileNotFoundError:
                 continue  # released meanwhile
             if time.monotonic() >= deadline:
-                raise Held(name) from None
+                if moved:
+                    raise Held(name) from None  # one more in its place at once: someone's live git
+                try:
+                    moved = fs.move_aside(path)  # left: by a git killed, or a session (see the module)
+                except OSError:
+                    raise Held(name) from None
+                continue
             time.sleep(_POLL_S)

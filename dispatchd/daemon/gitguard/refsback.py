@@ -242,11 +242,12 @@ def _put_one(common: str, name: str, old: str, new: str | None, forward: _Forwar
         return [(name, _FORWARD.format(old=old[:12], new=new[:12] if new else ""))], []
     try:
         with reflock.held(common, name, old) as lock:
+            left = f"; git's lock {name}.lock, left in the way, moved aside to {lock.moved}" if lock.moved else ""
             now = read_refs(common, (name,)).get(name)  # under the lock: what git has now
             if now == old:
-                return [], []
+                return [(name, f"left at its value{left}")] if left else [], []
             if now != new and forward(name, old, now):  # moved again since the first read
-                return [(name, _FORWARD.format(old=old[:12], new=now[:12] if now else ""))], []
+                return [(name, _FORWARD.format(old=old[:12], new=now[:12] if now else "") + left)], []
             if now is not None and refvalues.writable(now):
                 reftemp.keep_displaced(common, stamp, name, now)
             lock.commit()
@@ -263,7 +264,7 @@ def _put_one(common: str, name: str, old: str, new: str | None, forward: _Forwar
     except OSError as exc:
         return [], [f"{name}: {exc.strerror}"]
     what = "deleted" if now is None else f"moved to {now[:12]}" if refvalues.is_id(now) else f"made {now[:60]}"
-    return [(name, f"{what} by a session; put back at {old[:12] if refvalues.is_id(old) else old}")], []
+    return [(name, f"{what} by a session; put back at {old[:12] if refvalues.is_id(old) else old}{left}")], []
 
 
 _FORWARD = ("moved forward while a session ran, kept (a fast-forward; your own commits look the same): "
