@@ -19,6 +19,7 @@ pytestmark = pytest.mark.process  # starts git
 
 FSMONITOR = '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch PLANTED; false"\n'
 HOOK = "#!/bin/sh\nexec ./check-before-commit\n"
+ASIDE = "git configuration, hooks or state changed or new"  # the report's word for what was kept aside
 
 
 def _take(repo: Path, keep: bool = False) -> snapshots.GitSnapshot:
@@ -26,11 +27,15 @@ def _take(repo: Path, keep: bool = False) -> snapshots.GitSnapshot:
 
 
 def _end(repo: Path, before: snapshots.GitSnapshot) -> tuple[list[str], list[tuple[str, str]], list[str]]:
-    """As ``parts.check_part`` does: the look, the quarantine, the put-back."""
+    """As ``parts.check_part`` does: the look, the quarantine (which leaves
+    the kept files to the put-back), the put-back. Returns what went or was
+    kept aside, what was put back, what failed."""
     now = _take(repo)
-    moved, failed = snapshots.quarantine(str(repo), before, now)
+    moved, failed = snapshots.quarantine(str(repo), before, now,
+                                         keptfiles.left_in_place(str(repo), before.kept, now.gitdirs, now.external))
     put, bad = keptfiles.put_back(str(repo), before.kept, now.gitdirs, now.external)
-    return moved, put, failed + bad
+    moved += [path for path, why in put if why == ASIDE]
+    return moved, [(path, why) for path, why in put if why != ASIDE], failed + bad
 
 
 def _aside(path: Path) -> list[Path]:

@@ -68,7 +68,7 @@ class LockHeld(OSError):
 
 
 def replace(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *,
-            wait_s: float = WAIT_S, inode: tuple[int, int] | None = None) -> str | None:
+            wait_s: float | None = None, inode: tuple[int, int] | None = None) -> str | None:
     """``leaf`` in ``dir_fd`` made to hold ``data`` (``mode``: its
     permission bits; None: 0644 less the umask), as the module says. Returns
     None when it held them already (nothing done), else the aside name of
@@ -88,7 +88,7 @@ def replace(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *,
             os.fchmod(fd, mode)
         os.fsync(fd)
         _step("written")
-        _take(dir_fd, tmp, lock, wait_s)
+        _take(dir_fd, tmp, lock, WAIT_S if wait_s is None else wait_s)
         locked = True
         _step("locked")
         st = _lstat(dir_fd, leaf)

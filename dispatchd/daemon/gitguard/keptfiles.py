@@ -186,7 +186,8 @@ def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]]
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     due = _due(worktree, kept, gitdirs, external, skip)
-    _sweep(worktree, [k for k, _ in due])
+    _sweep(worktree, [k for k in kept if _is_gitdir(k.base or os.path.join(worktree, k.gitdir))
+                      and not skip(os.path.join(k.base or worktree, k.rel))])
     for k, now in due:
         path = os.path.join(k.base or worktree, k.rel)
         try:
@@ -207,8 +208,10 @@ def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]]
 
 
 def _sweep(worktree: str, due: list[Kept]) -> None:
-    """What a killed daemon's put-back left beside the files about to be
-    put back (``gitlock.sweep``): its lock would stand in the way."""
+    """What a killed daemon's put-back left beside the kept files
+    (``gitlock.sweep``): its lock would stand in the way of the put-back,
+    and its temporary name, a second name of a file put back, would be
+    taken for a hard link a session made (``detach``)."""
     leaves: dict[tuple[str, str], set[str]] = {}
     for k in due:
         parent, _, leaf = k.rel.rpartition("/")
