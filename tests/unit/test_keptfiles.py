@@ -160,10 +160,11 @@ def test_a_merge_the_session_finished_is_not_brought_back(repo: Path) -> None:
     assert not merge_head.exists()
 
 
-def test_a_file_changed_between_the_two_reads_is_not_kept(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bytes kept are the ones the look's digest names: a write between
-    the look and the read (the user's own git) leaves the file unkept, and
-    a change to it is moved aside as before, never replaced by other bytes."""
+def test_a_file_changed_between_the_two_reads_is_kept_as_read(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write between the look and the read (the user's own ``git config``
+    as a session opens) is kept, and the look records its digest: the end
+    judges the bytes it would put back. Before, such a file was not kept,
+    and the end renamed it aside with nothing put back."""
     real = keptfiles._read
 
     def racing(top: str, rel: str) -> tuple[int, bytes] | None:
@@ -174,7 +175,11 @@ def test_a_file_changed_between_the_two_reads_is_not_kept(repo: Path, monkeypatc
 
     monkeypatch.setattr(keptfiles, "_read", racing)
     snap = _take(repo, keep=True)
-    assert ".git/config" not in {k.rel for k in snap.kept} and ".git/hooks/pre-commit" in {k.rel for k in snap.kept}
+    [config] = [k for k in snap.kept if k.rel == ".git/config"]
+    assert config.data.endswith("[user]\n\tname = raced\n")
+    assert snap.gitdirs[".git"]["config"] == keptfiles.digest_of(config)
+    monkeypatch.undo()
+    assert _end(repo, snap) == ([], [], [])  # the user's own, unchanged since: nothing moved, nothing written
 
 
 def test_past_the_bounds_a_file_is_not_kept(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:

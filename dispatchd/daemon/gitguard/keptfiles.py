@@ -14,10 +14,10 @@ and the user's next commit ran no check of theirs.
   git reads for configuration or commands in the repository's own git
   directories (``.git`` and ``.git/worktrees/N``, or a linked worktree's
   own git directory): ``digests.CONFIG_FILES``, ``REVIEW_FILES`` and every
-  hook. Each is kept only when its bytes hash to the digest the same look
-  recorded (a file that changed between the two reads is not kept), within
-  ``MAX_FILE`` each and ``MAX_TOTAL`` in all (past them: moved aside as
-  before, not put back).
+  hook, within ``MAX_FILE`` each and ``MAX_TOTAL`` in all (past them:
+  moved aside as before, not put back). The look then records the digest
+  of the bytes kept (``digest_of``): one the user's git rewrote between the
+  look and the read is kept as read.
 - ``put_back``, at each end, after ``snapshots.quarantine`` (which leaves
   these names where they are: ``left_in_place``): each kept file whose
   digest differs now, or which is gone, is written back whole or not at
@@ -95,16 +95,26 @@ def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
             if os.path.dirname(path) in (base, os.path.join(base, "hooks"), os.path.join(base, "info")) \
                     and _wanted(name) and digest.startswith("file:"):
                 wanted.append((base, name, "", name, digest))
-    for base, rel, gitdir, name, digest in wanted:
+    for base, rel, gitdir, name, _ in wanted:
         got = _read(base or worktree, rel)
-        if got is None or _digest(*got) != digest:
-            continue  # gone or changed since the look: not the look's
+        if got is None:
+            continue  # gone, or no regular file, since the look
         mode, data = got
         if len(data) > left:
             continue
         left -= len(data)
         kept.append(Kept(base=base, rel=rel, mode=mode, data=data.decode("latin-1"), gitdir=gitdir, name=name))
     return kept
+
+
+def digest_of(k: Kept) -> str:
+    """The digest of the bytes and mode kept, as a look records them: a
+    file the user's git rewrote between the look and the read (a ``git
+    config`` of theirs as a session opens) is kept as read, and the look
+    takes this digest in place of its own (``snapshots.take``): not kept, it
+    was renamed aside at the end with nothing put back, and the user's next
+    ``git config`` made a config of its one key."""
+    return _digest(k.mode, k.data.encode("latin-1"))
 
 
 def _digest(mode: int, data: bytes) -> str:

@@ -175,6 +175,11 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
             walk.config_targets(gitdir, "", includes, hooks_paths)
     kept = keptfiles.read(worktree, walk.gitdirs, by_file, external,
                           layout.gitdirs if layout.kind == "linked" else []) if keep else []
+    for k in kept:  # the look judges the bytes kept, read a moment after it (keptfiles.digest_of)
+        if k.base:
+            external[os.path.join(k.base, k.rel)] = keptfiles.digest_of(k)
+        else:
+            walk.gitdirs[k.gitdir][k.name] = keptfiles.digest_of(k)
     return GitSnapshot(taken_ns=taken_ns, gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers,
                        indexes=walk.indexes, index_stamps=walk.index_stamps, external=external,
                        complete=walk.complete, included=walk.included, kept=kept,
