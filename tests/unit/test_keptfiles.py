@@ -19,6 +19,7 @@ pytestmark = pytest.mark.process  # starts git
 
 FSMONITOR = '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch PLANTED; false"\n'
 HOOK = "#!/bin/sh\nexec ./check-before-commit\n"
+ASIDE = "git configuration, hooks or state changed or new"  # the report's word for what was kept aside
 
 
 def _take(repo: Path, keep: bool = False) -> snapshots.GitSnapshot:
@@ -26,11 +27,15 @@ def _take(repo: Path, keep: bool = False) -> snapshots.GitSnapshot:
 
 
 def _end(repo: Path, before: snapshots.GitSnapshot) -> tuple[list[str], list[tuple[str, str]], list[str]]:
-    """As ``parts.check_part`` does: the look, the quarantine, the put-back."""
+    """As ``parts.check_part`` does: the look, the quarantine (which leaves
+    the kept files to the put-back), the put-back. Returns what went or was
+    kept aside, what was put back, what failed."""
     now = _take(repo)
-    moved, failed = snapshots.quarantine(str(repo), before, now)
+    moved, failed = snapshots.quarantine(str(repo), before, now,
+                                         keptfiles.left_in_place(str(repo), before.kept, now.gitdirs, now.external))
     put, bad = keptfiles.put_back(str(repo), before.kept, now.gitdirs, now.external)
-    return moved, put, failed + bad
+    moved += [path for path, why in put if why == ASIDE]
+    return moved, [(path, why) for path, why in put if why != ASIDE], failed + bad
 
 
 def _aside(path: Path) -> list[Path]:
@@ -155,10 +160,11 @@ def test_a_merge_the_session_finished_is_not_brought_back(repo: Path) -> None:
     assert not merge_head.exists()
 
 
-def test_a_file_changed_between_the_two_reads_is_not_kept(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bytes kept are the ones the look's digest names: a write between
-    the look and the read (the user's own git) leaves the file unkept, and
-    a change to it is moved aside as before, never replaced by other bytes."""
+def test_a_file_changed_between_the_two_reads_is_kept_as_read(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write between the look and the read (the user's own ``git config``
+    as a session opens) is kept, and the look records its digest: the end
+    judges the bytes it would put back. Before, such a file was not kept,
+    and the end renamed it aside with nothing put back."""
     real = keptfiles._read
 
     def racing(top: str, rel: str) -> tuple[int, bytes] | None:
@@ -169,7 +175,11 @@ def test_a_file_changed_between_the_two_reads_is_not_kept(repo: Path, monkeypatc
 
     monkeypatch.setattr(keptfiles, "_read", racing)
     snap = _take(repo, keep=True)
-    assert ".git/config" not in {k.rel for k in snap.kept} and ".git/hooks/pre-commit" in {k.rel for k in snap.kept}
+    [config] = [k for k in snap.kept if k.rel == ".git/config"]
+    assert config.data.endswith("[user]\n\tname = raced\n")
+    assert snap.gitdirs[".git"]["config"] == keptfiles.digest_of(config)
+    monkeypatch.undo()
+    assert _end(repo, snap) == ([], [], [])  # the user's own, unchanged since: nothing moved, nothing written
 
 
 def test_past_the_bounds_a_file_is_not_kept(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:

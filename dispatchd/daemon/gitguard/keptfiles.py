@@ -14,20 +14,25 @@ and the user's next commit ran no check of theirs.
   git reads for configuration or commands in the repository's own git
   directories (``.git`` and ``.git/worktrees/N``, or a linked worktree's
   own git directory): ``digests.CONFIG_FILES``, ``REVIEW_FILES`` and every
-  hook. Each is kept only when its bytes hash to the digest the same look
-  recorded (a file that changed between the two reads is not kept), within
-  ``MAX_FILE`` each and ``MAX_TOTAL`` in all (past them: moved aside as
-  before, not put back).
-- ``put_back``, at each end, after ``snapshots.quarantine``: each kept file
-  whose digest differs now, or which is gone, is written back whole or not
-  at all: a temporary name of its own (``O_EXCL | O_NOFOLLOW``) in its
-  directory, fsynced, renamed over it. The directory is reached by
-  descriptor from the worktree (or the linked worktree's git directory),
-  one component at a time, no symlink followed: a symlink or a file a
-  session put in the way is moved aside and the directory made again, so
-  nothing is ever written outside. What stands at the name (the session's,
-  when the quarantine could not move it) is moved aside first: never
-  deleted.
+  hook, within ``MAX_FILE`` each and ``MAX_TOTAL`` in all (past them:
+  moved aside as before, not put back). The look then records the digest
+  of the bytes kept (``digest_of``): one the user's git rewrote between the
+  look and the read is kept as read.
+- ``put_back``, at each end, after ``snapshots.quarantine`` (which leaves
+  these names where they are: ``left_in_place``): each kept file whose
+  digest differs now, or which is gone, is written back whole or not at
+  all, under git's own lock, as git writes it (``gitlock.replace``): the
+  name never stops naming a whole file, a ``git config`` of the user's
+  running beside the end is never overwritten nor overwrites the put-back,
+  and what stood there (the session's, or the user's own change) is kept
+  under an aside name by a hard link: never deleted. A lock held past
+  ``gitlock.WAIT_S`` (the user's git, one that stopped, or a session's
+  plant) is never written around: what stands there is made unreadable
+  and the check fails, saying so (``gitlock.left_held``). The directory is
+  reached by descriptor from the worktree (or the linked worktree's git
+  directory), one component at a time, no symlink followed: a symlink or a
+  file a session put in the way is moved aside and the directory made
+  again, so nothing is ever written outside.
 - Not put back: the heads of a merge, cherry-pick or revert in progress
   that a session removed (``git commit``, ``--continue`` or ``--abort``
   remove them: the session finished or ended the user's operation); and
@@ -46,7 +51,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd.daemon.gitguard import fs, reftemp
+from dispatchd.daemon.gitguard import fs, gitlock, noroom
 from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES, file_digest
 
 MAX_FILE = 256 * 1024  # one file kept (a config, a hook)
@@ -90,16 +95,26 @@ def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
             if os.path.dirname(path) in (base, os.path.join(base, "hooks"), os.path.join(base, "info")) \
                     and _wanted(name) and digest.startswith("file:"):
                 wanted.append((base, name, "", name, digest))
-    for base, rel, gitdir, name, digest in wanted:
+    for base, rel, gitdir, name, _ in wanted:
         got = _read(base or worktree, rel)
-        if got is None or _digest(*got) != digest:
-            continue  # gone or changed since the look: not the look's
+        if got is None:
+            continue  # gone, or no regular file, since the look
         mode, data = got
         if len(data) > left:
             continue
         left -= len(data)
         kept.append(Kept(base=base, rel=rel, mode=mode, data=data.decode("latin-1"), gitdir=gitdir, name=name))
     return kept
+
+
+def digest_of(k: Kept) -> str:
+    """The digest of the bytes and mode kept, as a look records them: a
+    file the user's git rewrote between the look and the read (a ``git
+    config`` of theirs as a session opens) is kept as read, and the look
+    takes this digest in place of its own (``snapshots.take``): not kept, it
+    was renamed aside at the end with nothing put back, and the user's next
+    ``git config`` made a config of its one key."""
+    return _digest(k.mode, k.data.encode("latin-1"))
 
 
 def _digest(mode: int, data: bytes) -> str:
@@ -139,15 +154,11 @@ def _read(top: str, rel: str) -> tuple[int, bytes] | None:
         os.close(file_fd)
 
 
-def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]],
-             external: dict[str, str], skip: Callable[[str], bool] = lambda path: False,
-             ) -> tuple[list[tuple[str, str]], list[str]]:
-    """Write back each of ``kept`` that the look now (``gitdirs``,
-    ``external``: a snapshot's, taken before the quarantine) found changed or
-    gone, but those ``skip`` says an earlier part judges; returns what was
-    put back, with why, and what could not be."""
-    done: list[tuple[str, str]] = []
-    failed: list[str] = []
+def _due(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]], external: dict[str, str],
+         skip: Callable[[str], bool]) -> list[tuple[Kept, str | None]]:
+    """Each of ``kept`` to write back, with its digest now (None: gone):
+    changed or gone, its git directory still there, not ``skip``'s."""
+    due: list[tuple[Kept, str | None]] = []
     present: dict[str, bool] = {}
     for k in kept:
         gitdir = k.base or os.path.join(worktree, k.gitdir)
@@ -159,20 +170,85 @@ def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]]
         if skip(path):
             continue
         now = gitdirs.get(k.gitdir, {}).get(k.name) if not k.base else external.get(path)
-        data = k.data.encode("latin-1")
-        if now == _digest(k.mode, data):
+        if now == _digest(k.mode, k.data.encode("latin-1")):
             continue
         if now is None and k.name in _HEADS:
             continue  # removed: the operation was finished or aborted
+        due.append((k, now))
+    return due
+
+
+def left_in_place(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]],
+                  external: dict[str, str], skip: Callable[[str], bool] = lambda path: False) -> set[str]:
+    """The paths (absolute) ``put_back`` replaces under git's lock, the
+    version there kept aside by it: ``snapshots.quarantine`` leaves them where
+    they are (a rename aside left the name absent until the put-back)."""
+    return {os.path.join(k.base or worktree, k.rel) for k, _ in _due(worktree, kept, gitdirs, external, skip)}
+
+
+def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]],
+             external: dict[str, str], skip: Callable[[str], bool] = lambda path: False,
+             ) -> tuple[list[tuple[str, str]], list[str]]:
+    """Write back each of ``kept`` that the look now (``gitdirs``,
+    ``external``: a snapshot's, taken before the quarantine) found changed or
+    gone, but those ``skip`` says an earlier part judges; returns what was
+    put back or kept aside, with why, and what could not be."""
+    done: list[tuple[str, str]] = []
+    failed: list[str] = []
+    due = _due(worktree, kept, gitdirs, external, skip)
+    _sweep(worktree, [k for k in kept if _is_gitdir(k.base or os.path.join(worktree, k.gitdir))
+                      and not skip(os.path.join(k.base or worktree, k.rel))])
+    for k, now in due:
+        path = os.path.join(k.base or worktree, k.rel)
         try:
-            aside = _write(k.base or worktree, k.rel, data, k.mode)
+            aside = _write(k.base or worktree, k.rel, k.data.encode("latin-1"), k.mode)
+        except gitlock.LockHeld:
+            failed.append(f"{path}: changed, yours not put back: {gitlock.left_held(path)}")
+            continue
         except OSError as exc:
             failed.append(f"{path}: changed by a session, yours cannot be put back ({exc.strerror})")
             continue
+        if aside is None:
+            continue  # the same bytes again by the time the lock was taken
+        if aside:
+            done.append((aside, "git configuration, hooks or state changed or new"))
         what = "deleted" if now is None else "changed"
-        done.append((path, f"yours, as it was before the session {what} it, put back"
-                           + (f" (what stood there moved aside to {aside})" if aside else "")))
+        done.append((path, f"yours, as it was before the session {what} it, put back"))
     return done, failed
+
+
+def _sweep(worktree: str, due: list[Kept]) -> None:
+    """What a killed daemon's put-back left beside the kept files
+    (``gitlock.sweep``): its lock would stand in the way of the put-back,
+    and its temporary name, a second name of a file put back, would be
+    taken for a hard link a session made (``detach``)."""
+    leaves: dict[tuple[str, str], set[str]] = {}
+    for k in due:
+        parent, _, leaf = k.rel.rpartition("/")
+        leaves.setdefault((k.base or worktree, parent), set()).add(leaf)
+    for (top, parent), names in leaves.items():
+        try:
+            base = os.open(top, _DIR)
+        except OSError:
+            continue
+        try:
+            fd = fs.path_below(base, parent) if parent else os.dup(base)
+        except OSError:
+            fd = None
+        finally:
+            os.close(base)
+        if fd is None:
+            continue
+        try:
+            listed = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        try:
+            gitlock.sweep(listed, os.path.join(top, parent), names)
+        finally:
+            os.close(listed)
 
 
 def _is_gitdir(path: str) -> bool:
@@ -184,9 +260,12 @@ def _is_gitdir(path: str) -> bool:
         return False
 
 
-def _write(top: str, rel: str, data: bytes, mode: int) -> str:
-    """``rel`` below ``top`` holding ``data`` (see the module); returns where
-    what stood at the name went, or ""."""
+def _write(top: str, rel: str, data: bytes, mode: int) -> str | None:
+    """``rel`` below ``top`` holding ``data``, under git's lock
+    (``gitlock.replace``); returns where what stood at the name is kept
+    ("" when nothing stood there), or None when it held ``data`` already.
+    No room for a step: the ballast freed and tried again, then what stands
+    there made unreadable (``noroom``)."""
     parent, _, leaf = rel.rpartition("/")
     fd = os.open(top, _DIR)
     try:
@@ -194,17 +273,14 @@ def _write(top: str, rel: str, data: bytes, mode: int) -> str:
             nxt = _subdir(fd, part)
             os.close(fd)
             fd = nxt
-        aside = ""
-        try:
-            st = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
-        except FileNotFoundError:
-            st = None
-        if st is not None:
-            if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode and _same(fd, leaf, data):
-                return ""
-            aside = os.path.join(top, parent, fs.move_aside_at(fd, leaf))
-        reftemp.write_at(fd, leaf, data, mode)
-        return aside
+        got: list[str | None] = []
+
+        def attempt() -> str:
+            got[:] = [gitlock.replace(fd, leaf, data, mode)]
+            return ""
+        noroom.moved(attempt, lambda: os.fstat(fd).st_dev, lambda: noroom.disarm_at(fd, leaf))
+        aside = got[0]
+        return os.path.join(top, parent, aside) if aside else aside
     finally:
         os.close(fd)
 
@@ -225,11 +301,6 @@ def _subdir(fd: int, name: str) -> int:
         with fs.lent(fd):
             os.mkdir(name, 0o755, dir_fd=fd)
     return os.open(name, _DIR, dir_fd=fd)
-
-
-def _same(fd: int, leaf: str, data: bytes) -> bool:
-    got = fs.read_regular(leaf, fd, limit=len(data) + 1)
-    return got is not None and got[0] == data
 
 
 def detach(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str]) -> list[tuple[str, str]]:
@@ -269,7 +340,9 @@ def detach(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str]
             if fd is None:
                 continue
             try:
-                reftemp.write_at(fd, leaf, got[1], got[0])
+                # Under git's lock: a `git config` of the user's meanwhile is never overwritten.
+                if gitlock.replace(fd, leaf, got[1], got[0], inode=(st.st_dev, st.st_ino)) is None:
+                    continue
             except OSError:
                 continue
             finally:

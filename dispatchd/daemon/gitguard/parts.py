@@ -205,7 +205,11 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
             said.say(log, "event=git_redirect_quarantined path=%s", path)
             found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
         now = snapshots.take(part.root, part.layout, part.home, before=part.git)
-        moved, bad = snapshots.quarantine(part.root, part.git, now, skip | unmoved)  # a redirect: said once
+        # The user's kept files are replaced under git's lock, what stood there
+        # kept aside by the put-back (keptfiles.py): never renamed away first.
+        locked = keptfiles.left_in_place(part.root, part.git.kept, now.gitdirs, now.external,
+                                         lambda path: snapshots.skipped(path, skip))
+        moved, bad = snapshots.quarantine(part.root, part.git, now, skip | unmoved | locked)  # a redirect: said once
         failed += bad
         for path in map(shown, moved):
             said.say(log, "event=git_changed_quarantined path=%s", path)

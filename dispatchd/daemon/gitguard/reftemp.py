@@ -231,7 +231,10 @@ def _sweep_dir(fd: int, path: str, subdirs: bool = False) -> tuple[list[str], li
             if not _OURS.fullmatch(e.name):
                 continue
             try:
-                if stat.S_ISREG(os.stat(e.name, dir_fd=fd, follow_symlinks=False).st_mode):
+                st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
+                # A second name: git's lock of a file a killed put-back held
+                # (gitlock.py), which only that name tells ours: gitlock.sweep's.
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
                     os.unlink(e.name, dir_fd=fd)
                     removed.append(os.path.join(path, e.name))
             except OSError:

@@ -21,7 +21,11 @@ and moves aside, to an unguessable name beside it:
 - in the repository's own ``.git`` and in the entries of its other linked
   worktrees (``.git/worktrees/N``), each changed or new file only: moving the
   ``.git`` whole would leave the worktree no repository, and the user's git
-  would look for one in a directory above;
+  would look for one in a directory above; but one whose bytes the
+  baseline kept is left where it is, for ``keptfiles.put_back`` to replace
+  under git's lock, keeping it aside then (a rename aside left the name
+  absent until the put-back, and a ``git config`` of the user's meanwhile
+  was lost);
 - a gitfile that is new or differs (content, or where it leads);
 - an index that cannot be checked now (unparsable, recording a submodule
   under a name git would not write, or behind a directory the daemon cannot
@@ -171,6 +175,11 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
             walk.config_targets(gitdir, "", includes, hooks_paths)
     kept = keptfiles.read(worktree, walk.gitdirs, by_file, external,
                           layout.gitdirs if layout.kind == "linked" else []) if keep else []
+    for k in kept:  # the look judges the bytes kept, read a moment after it (keptfiles.digest_of)
+        if k.base:
+            external[os.path.join(k.base, k.rel)] = keptfiles.digest_of(k)
+        else:
+            walk.gitdirs[k.gitdir][k.name] = keptfiles.digest_of(k)
     return GitSnapshot(taken_ns=taken_ns, gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers,
                        indexes=walk.indexes, index_stamps=walk.index_stamps, external=external,
                        complete=walk.complete, included=walk.included, kept=kept,
@@ -260,7 +269,9 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
     """Move aside what ``changes`` lists; returns the new names (absolute) and
     what could not be moved, with why. A walk that stopped short (more git
     directories than it looks at) is itself a failure. ``skip``: absolute
-    paths an earlier part of the domain judges (``covered``): two parts
+    paths to leave: those an earlier part of the domain judges
+    (``covered``), and the user's kept files the put-back replaces under
+    git's lock (``keptfiles.left_in_place``). Two parts
     cover a linked worktree's own git directory (the repository's
     ``.git/worktrees/N`` and the linked worktree's), and the later one's
     baseline may hold what a session of the earlier wrote before it joined."""

@@ -13,10 +13,11 @@ back as they were at the end: ``shallow``, ``objects/info/alternates`` and
 
 At the baseline ``read`` keeps each one's bytes (None: absent; a file over
 ``_MAX`` is not checked: the bytes go into the baseline's record, written and
-fsynced at every open). At the last end ``restore`` moves aside (renamed
-beside: git reads only the exact name) each one that differs, and writes the
-baseline's bytes back through a temporary file renamed into place; one that
-was absent is only moved aside. Files are read with ``fs.open_regular`` (no
+fsynced at every open). At the last end ``restore`` writes the
+baseline's bytes back over each one that differs under git's lock
+(``gitlock.replace``: the name never absent, the session's kept aside by a
+hard link); one that was absent is only moved aside (renamed beside: git
+reads only the exact name). Files are read with ``fs.open_regular`` (no
 symlink followed, no FIFO waited on); a symlink or FIFO there differs from
 any file, and is moved aside too.
 
@@ -40,7 +41,7 @@ import stat
 import time
 from typing import Literal
 
-from dispatchd.daemon.gitguard import commitgraph, fs, reftemp
+from dispatchd.daemon.gitguard import commitgraph, fs, gitlock
 
 NAMES = ("shallow", "objects/info/alternates", "objects/info/http-alternates")
 # Git 2.47's incremental multi-pack index (``multi-pack-index.d``: a chain file
@@ -125,15 +126,30 @@ def restore(common: str, baseline: dict[str, str | None]) -> tuple[list[tuple[st
         if now is not False and (None if now is None else now.decode("latin-1")) == was:
             continue
         try:
-            moved = fs.move_aside(path) if os.path.lexists(path) else ""
-            if was is not None:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                reftemp.write_file(path, was.encode("latin-1"))
+            if was is None:
+                moved = fs.move_aside(path) if os.path.lexists(path) else ""
+            else:
+                moved = _put(path, was.encode("latin-1"))
             done.append((path, f"changed, made or deleted by a session; {'put back' if was is not None else 'gone'}"
                                f"{f', the session' + chr(39) + 's moved aside to ' + moved if moved else ''}"))
+        except gitlock.LockHeld:
+            failed.append(f"{path}: changed by a session, not put back: {gitlock.left_held(path)}")
         except OSError as exc:
             failed.append(f"{path}: changed by a session, cannot be put back ({exc.strerror})")
     return done, failed
+
+
+def _put(path: str, data: bytes) -> str:
+    """``path`` holding ``data``, under git's lock (``gitlock.replace``: git
+    takes ``shallow.lock`` and ``alternates.lock`` too); where what stood
+    there is kept, or ""."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        aside = gitlock.replace(fd, os.path.basename(path), data)
+    finally:
+        os.close(fd)
+    return os.path.join(os.path.dirname(path), aside) if aside else ""
 
 
 def _bytes(path: str) -> bytes | None | Literal[False]:
