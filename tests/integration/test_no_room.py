@@ -62,7 +62,9 @@ def worktree(tmp_path: Path, full: Full) -> Iterator[Path]:
 
 
 def test_the_ballast_is_freed_for_the_move_and_made_again_at_the_next_open(full: Full, worktree: Path) -> None:
-    assert full.ballast.stat().st_size == 4 << 20  # made at start
+    with full.daemon.connect() as client:
+        client.status()  # answered: the start is over (its socket is bound before its checks run)
+    assert full.ballast.stat().st_size == 4 << 20, full.daemon.log()  # made at start
     full.fill("until-ballast")
     with full.daemon.connect() as client:
         with client.open_session(str(worktree)) as s:
