@@ -13,6 +13,8 @@ from dispatchd.daemon import gitguard
 from dispatchd.daemon.checkpoints import gitrefs, reflock
 from tests.unit.gitrepo import git
 
+pytestmark = pytest.mark.process  # git runs
+
 
 def _repo(tmp_path: Path) -> tuple[Path, str, str]:
     r = tmp_path / "wt"
