@@ -69,7 +69,9 @@ class SessionCheckpoints:
         plain files past the session's end, for 7 days, in the directory
         ``"kept"`` names (``"kept_total"``: how many are kept there, their
         ``bytes`` and ``budget``); the refs it moves back or deletes keep their values
-        under ``refs/dispatchd/displaced/`` (``"displaced"``). Refused
+        under ``refs/dispatchd/displaced/`` (``"displaced"``); a branch
+        checked out in another worktree, or a ref the user's git holds
+        locked, is left as it is and said in ``"not_restored"``. Refused
         while a call is in flight or a process of the session runs (a
         background job: stop it first), and when what is there now cannot be
         kept (over the policy's budgets or the budget of all that restores

@@ -165,6 +165,8 @@ def _run_checkpoint(client: Client, args: argparse.Namespace) -> None:
                     f"what was there before: {kept}"))
         for ref in done.get("displaced", []):  # a ref's name, of the session's choosing
             print(f"a value it moved is kept as {shown(ref)}")
+        for why in done.get("not_restored", []):  # a ref it left as it is, and why
+            print(f"not restored: {shown(why)}")
     elif args.json:
         print(json.dumps(client.checkpoints(args.id), indent=2))
     else:

@@ -291,7 +291,9 @@ class RestoredReply(_Msg, tag="restored", frozen=True):
     ``kept``: the directory where the same files are kept past the session
     (docs/checkpoints.md); ``displaced``: the refs under
     ``refs/dispatchd/displaced/`` that keep the values it moved;
-    ``kept_total``: with ``kept``, all that restores keep there, and its budget."""
+    ``kept_total``: with ``kept``, all that restores keep there, and its budget;
+    ``not_restored``: the refs it left as they are, each with why (a branch
+    checked out in another worktree, a lock the user's git held)."""
 
     id: int
     checkpoint: str
@@ -303,6 +305,7 @@ class RestoredReply(_Msg, tag="restored", frozen=True):
     kept: str = ""
     displaced: list[str] = []
     kept_total: BeforeRestoreReport | None = None
+    not_restored: list[str] = []
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):

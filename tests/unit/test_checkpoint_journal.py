@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dispatchd.daemon import checkpoints as cp
-from dispatchd.daemon.checkpoints import journal, store as store_module
+from dispatchd.daemon.checkpoints import gitplan, journal, store as store_module
 from dispatchd.daemon.checkpoints.plan import RestorePlan
 from dispatchd.daemon.checkpoints.restoring import apply_restore
 from dispatchd.daemon.gitguard import reftemp
@@ -128,10 +128,29 @@ def test_changed_since_names_what_someone_else_wrote_after_the_restore_began():
         f(b"new/work.txt", 3000),  # made since, in a new directory
         E(path=b"p", kind="p", ctime_ns=2000),
         f(b"d/.x.dispatchd-0123abcd.tmp.bak", 2000),  # not our name
-        f(b".git/refs/heads/topic", 2000),  # a branch made since: someone's work
+        f(b".git/refs/heads/topic", 2000),  # a ref: judged by its value (gitplan.refs_changed)
+        f(b".git/logs/refs/heads/main", 2000),  # a reflog: appended to, never written over
+        f(b".git/worktrees/wt2/index", 2000),  # another worktree's: a restore never writes it
     ]
     assert journal.changed_since(saved, later, start) == [
-        b".git/refs/heads/topic", b"a", b"b", b"d/.x.dispatchd-0123abcd.tmp.bak", b"l", b"new/work.txt", b"p"]
+        b"a", b"b", b"d/.x.dispatchd-0123abcd.tmp.bak", b"l", b"new/work.txt", b"p"]
+
+
+def test_refs_changed_names_refs_set_after_the_restore_began_but_not_another_worktrees_branch():
+    one, two, three = "1" * 40, "2" * 40, "3" * 40
+    before = {"refs/heads/main": two, "refs/heads/feature": one, "refs/heads/gone": one}
+    want = {"HEAD": "ref: refs/heads/main", "refs/heads/main": one, "refs/heads/feature": one,
+            "refs/heads/gone": one}
+    # Not yet restored, or restored: nothing someone else did.
+    assert gitplan.refs_changed(before, want, dict(before), set()) == []
+    assert gitplan.refs_changed(before, want, {n: v for n, v in want.items() if n != "HEAD"}, set()) == []
+    now = {"refs/heads/main": three, "refs/heads/feature": three, "refs/heads/topic": one,
+           "refs/dispatchd/displaced/20250101T000000/refs/heads/main": two, "HEAD": three}
+    assert gitplan.refs_changed(before, want, now, set()) == [
+        "HEAD", "refs/heads/feature", "refs/heads/gone", "refs/heads/main", "refs/heads/topic"]
+    # A branch checked out in another worktree is the user's there, whatever it holds.
+    assert gitplan.refs_changed(before, want, now, {"refs/heads/feature"}) == [
+        "HEAD", "refs/heads/gone", "refs/heads/main", "refs/heads/topic"]
 
 
 # --- the store and the start, on a temporary directory ---------------------------
@@ -470,11 +489,11 @@ def _displaced(wt: str) -> list[str]:
 def test_a_restore_cut_after_it_kept_the_moved_refs_keeps_them_once_when_finished(state, tmp_path, monkeypatch,
                                                                                   older):
     """The daemon dies after the restore kept the refs it moved, before its
-    record went. The finish removes them (made after the checkpoint) and
-    keeps the same values again under the names the cut run wrote, its
-    record's time: one set, those names. The twin: a record of an older
-    daemon (no time in it) is finished all the same, its refs kept once,
-    under the finish's time."""
+    record went. The finish leaves them (a restore never removes a kept
+    value) and finds main restored already: one set, those names. The twin:
+    a record of an older daemon (no time in it, its refs written as files)
+    is finished all the same, the refs it moved kept as that daemon kept
+    them, under the finish's time."""
     wt = _worktree(tmp_path)
     git(Path(wt), "init", "-q", "-b", "main")
     git(Path(wt), "add", "d0")
@@ -499,12 +518,14 @@ def test_a_restore_cut_after_it_kept_the_moved_refs_keeps_them_once_when_finishe
     assert _displaced(wt) == [f"refs/dispatchd/displaced/{r.stamp}/refs/heads/main {two}"]  # kept by the cut run
     if older:
         data = json.loads(path.read_bytes())
-        del data["stamp"]
+        del data["stamp"], data["refs_under_lock"]
         path.write_text(json.dumps(data))
     monkeypatch.setattr(reftemp, "stamp", lambda: "20990101T000000")  # the finish's time: not the cut run's
     assert cp.finish_restores(str(state)) == [
         (wt, f"the restore of checkpoint {info.id}, cut short by a daemon's death, was finished")]
-    when = "20990101T000000" if older else r.stamp
-    assert _displaced(wt) == [f"refs/dispatchd/displaced/{when}/refs/heads/main {two}"]
+    kept = [f"refs/dispatchd/displaced/{r.stamp}/refs/heads/main {two}"]
+    if older:  # its refs were files, not kept as they moved: kept again as that daemon did, at the finish's time
+        kept.append(f"refs/dispatchd/displaced/20990101T000000/refs/heads/main {two}")
+    assert _displaced(wt) == kept
     assert git(Path(wt), "rev-parse", "main").strip() == one
     assert not path.exists()

@@ -179,7 +179,7 @@ def test_take_then_restore_brings_everything_back(store, tmp_path):
     (tmp_path / "wt" / "new" / "n").write_text("n\n")
     (tmp_path / "wt" / "ro" / "planted").write_text("p\n")
     os.chmod(os.path.join(wt, "ro"), 0o555)
-    done, _ = store.restore("s1", wt, info.id, POLICY)
+    done, _, _ = store.restore("s1", wt, info.id, POLICY)
     assert _tree(wt) == before
     assert done == {"removed": 2, "written": 4, "made": 0, "objects": 0}
 
@@ -371,7 +371,7 @@ def test_git_object_files_come_back_from_the_keep_and_newer_ones_stay(store, tmp
         fh.write("a newer object")
     with open(os.path.join(objects, "info", "alternates"), "w") as fh:  # a file of git's, not an object
         fh.write("/elsewhere\n")
-    done, _ = store.restore("s1", wt, info.id, POLICY)
+    done, _, _ = store.restore("s1", wt, info.id, POLICY)
     assert (done["objects"], done["removed"]) == (1, 1)
     with open(os.path.join(objects, "ab", "cdef")) as fh:
         assert fh.read() == "an object"

@@ -53,9 +53,11 @@ Guarantees:
 - **Nothing of the user's lost.** What the worktree holds as a restore
   begins is kept first (its ``before`` checkpoint), and also as plain files
   past the session, for 7 days (``preimages``); the refs the restore moves
-  or deletes are kept under ``refs/dispatchd/displaced/`` as the end keeps
-  a session's (``gitguard.keep_moved_refs``), a restore finished at a
-  start included.
+  or deletes are kept under ``refs/dispatchd/displaced/``, each set under
+  git's own lock and the value read under it kept before it changes
+  (``gitrefs``, ``reflock``), a restore finished at a start included;
+  another worktree's state (``.git/worktrees/NAME``) and branch are never
+  written (said in ``not_restored``), reflogs are appended to (``gitplan``).
 - **The baseline still rules.** A restore writes ``.git`` like any session
   could; the checks at the session's end compare with the trusted baseline
   taken at open (``baselines.py``), so what a restore brings back that the

@@ -63,13 +63,13 @@ from dispatchd.logtext import Bounded
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.tempfiles import TEMP_NAME
 
-from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _manifest_decoder, plan_restore
+from dispatchd.daemon.checkpoints import gitplan, gitrefs
+from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _manifest_decoder
 from dispatchd.daemon.checkpoints.reading import list_tree
 from dispatchd.daemon.checkpoints.restoring import _put_objects, _syncfs, apply_restore, open_root
 
 log = logging.getLogger("dispatchd.checkpoints")
 
-_DISPLACED = b".git/refs/dispatchd/displaced/"
 RECORD = "restoring"  # in STATE/checkpoints/SESSION/, beside the manifests ("cNNNN-...") and the pool
 _TMP_PREFIX = ".restoring.tmp-"
 _VERSION = 1
@@ -99,6 +99,10 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
     # once, before anything is kept: a run finished after a death writes the very names the cut run wrote
     # (it removes them first, as made after the checkpoint). "": a record of a daemon before it (a new one).
     stamp: str = ""
+    # Whether the restore keeps each value it replaces as it sets the ref, under git's lock (``gitrefs``);
+    # False: a record of a daemon before that, whose cut run wrote refs as files: its finish also keeps
+    # the refs moved since ``refs`` (``keep_refs``), as that daemon would have.
+    refs_under_lock: bool = False
 
 
 def encode(record: Record) -> bytes:
@@ -195,6 +199,18 @@ def keep_refs(worktree: str, refs: dict[str, str], session: str, borrowed: list[
     return kept
 
 
+def log_refs(session: str, worktree: str, done: gitrefs.RefsDone) -> None:
+    """The refs a restore kept (a few and the count) and each it left, logged."""
+    said = Bounded()
+    for name in done.kept:
+        said.say(log, "event=restore_ref_kept session=%s worktree=%s ref=%s", session, worktree, name)
+    said.end(log, "refs kept, not logged one by one; the restore's reply lists them (displaced)")
+    left = Bounded()
+    for why in done.left:
+        left.say(log, "event=restore_ref_left session=%s worktree=%s why=%r", session, worktree, why)
+    left.end(log, "refs left, not logged one by one; the restore's reply lists them (not_restored)")
+
+
 def recognise(record: Record, st: os.stat_result) -> str | None:
     """None when ``st`` (the worktree path's ``lstat``) is the worktree the
     record names; else why not."""
@@ -232,8 +248,10 @@ def changed_since(saved: list[Entry], now: list[Entry], started_ns: int) -> list
     for h in now:
         if h.kind == "d" or h.ctime_ns < started_ns:
             continue
-        if h.path.startswith(_DISPLACED):
-            continue  # the values the cut restore kept (``keep_refs``): written after it, by it
+        if not gitplan.by_files(h):
+            # Refs (set under git's lock, the value replaced kept), the kept values, reflogs
+            # (appended to), other worktrees' state (never written): no one's work is lost there.
+            continue
         if TEMP_NAME.match(h.path.rpartition(b"/")[2]):
             continue
         w = want.get(h.path)
@@ -396,6 +414,8 @@ def _finish(top: str, fd: int) -> Outcome:
             root_fd = open_root(record.worktree, ident)
             now, _ = list_tree(record.worktree, policy, "restore", root_fd=root_fd)
             later = changed_since(manifest.entries, now, record.started_ns)
+            later += [n.encode("utf-8", "surrogateescape") for n in gitrefs.moved_since(record.worktree, ident, top,
+                                                                                           manifest, record.refs)]
             if later:
                 more = f" and {len(later) - 1} more" if len(later) > 1 else ""
                 return _unfinished(top, record, f"{os.fsdecode(later[0])}{more} changed after the restore began "
@@ -404,10 +424,15 @@ def _finish(top: str, fd: int) -> Outcome:
             # worktree's descriptor, no symlink followed (ELOOP stops it).
             if recognise(record, os.lstat(record.worktree)) is not None:
                 return _unfinished(top, record, "the worktree's path changed while it was compared")
-            plan = plan_restore(manifest.entries, now)
+            plan = gitplan.plan_files(manifest.entries, now)
             done_ = apply_restore(record.worktree, top, plan, fsync_each=False, expect=ident)
             done_["objects"] = _put_objects(record.worktree, manifest, ident) if manifest.objects else 0
-            displaced = keep_refs(record.worktree, record.refs, record.session, record.borrowed, record.stamp)
+            moved = gitrefs.restore_from(record.worktree, ident, top, manifest, now, record.stamp or
+                                         gitguard.displaced_stamp(), record.borrowed)
+            log_refs(record.session, record.worktree, moved)
+            displaced = moved.kept
+            if not record.refs_under_lock:
+                displaced += keep_refs(record.worktree, record.refs, record.session, record.borrowed, record.stamp)
             if record.fsync:
                 _syncfs(record.worktree)
         except CheckpointError as exc:

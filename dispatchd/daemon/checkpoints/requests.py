@@ -142,12 +142,14 @@ def handle(manager: SessionManager, req: protocol.TakeCheckpoint | protocol.List
         # A shared clone's commits are in the stores its alternates named at the baseline
         # (never a session's): a ref moved along them is moved forward, and not kept.
         borrowed = manager.baselines.borrowed(session.id, os.path.join(session.worktree, ".git"))
-        done, displaced = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept,
+        done, displaced, left = store.restore(session.id, session.worktree, req.checkpoint, policy, fsync=fsync, kept=kept,
                                         borrowed=borrowed, before=before)
     # Ref names are the worktree's: any session of its domain may have chosen them (one not UTF-8 as \xNN).
     displaced = [manager.baselines.text_for(session.id, shown(ref)) for ref in displaced]
+    left = [manager.baselines.text_for(session.id, shown(why)) for why in left]
     return protocol.RestoredReply(id=req.id, checkpoint=req.checkpoint, before=before, kept=kept,
-                                  displaced=displaced, kept_total=kept_total if kept else None, **done)
+                                  displaced=displaced, kept_total=kept_total if kept else None,
+                                  not_restored=left, **done)
 
 
 def before_write(manager: SessionManager, session: Session, msg: protocol.AcquireWriteLock,

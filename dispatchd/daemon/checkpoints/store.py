@@ -29,8 +29,8 @@ from dispatchd.errors import CheckpointError, SessionError
 from dispatchd.policy import Checkpoints as CheckpointPolicy
 from dispatchd.protocol import CheckpointInfo
 
-from dispatchd.daemon.checkpoints import journal, keptsize, preimages
-from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _DIR, _FANOUT, _FSYNC_EACH, _OBJECTS, _POOL, _TMP, _manifest_decoder, _parent, plan_copies, plan_restore
+from dispatchd.daemon.checkpoints import gitplan, gitrefs, journal, keptsize, preimages
+from dispatchd.daemon.checkpoints.plan import Entry, Manifest, _DIR, _FANOUT, _FSYNC_EACH, _OBJECTS, _POOL, _TMP, _manifest_decoder, _parent, plan_copies
 from dispatchd.daemon.checkpoints.reading import Refused, _budget_words, _clone_fd, _copy_path, _entry, _open_readable, list_tree
 from dispatchd.daemon.checkpoints.restoring import (_mib, _put_objects, _syncfs, apply_restore,
                                                     fsync_dirs)
@@ -319,7 +319,8 @@ class Store:
                           f"({exc.strerror})") from exc
 
     def restore(self, sid: str, worktree: str, cid: str, policy: CheckpointPolicy, fsync: bool = True,
-                kept: str = "", borrowed: list[str] | None = None, before: str = "") -> tuple[dict[str, int], list[str]]:
+                kept: str = "", borrowed: list[str] | None = None, before: str = ""
+                ) -> tuple[dict[str, int], list[str], list[str]]:
         """Put ``worktree`` back as checkpoint ``cid`` saw it; the caller holds
         ``lock(sid)`` and has made sure nothing of the session runs. ``kept``:
         where what it holds now is kept (``keep_before``), for the record
@@ -328,13 +329,15 @@ class Store:
         ``borrowed``: the object stores the repository's alternates named at
         its baseline (``Baselines.borrowed``), where a moved ref's ancestry is
         asked too.
-        Returns what it changed, and the refs it kept in the repository at
-        ``.git`` (``journal.keep_refs``: those it moved, as the end does)."""
+        Returns what it changed, the refs it kept in the repository at
+        ``.git`` (the values it replaced: ``gitrefs``) and the refs it left
+        as they are, each with why (another worktree's branch, a lock the
+        user's git held)."""
         manifest = self.find(sid, cid)
         started_ns = time.time_ns()
-        refs = journal.read_refs(worktree)  # before anything moves: what keep_refs compares with
+        refs = journal.read_refs(worktree)  # before anything moves (the record's; each is read again under its lock)
         now, _ = list_tree(worktree, policy, "restore")
-        plan = plan_restore(manifest.entries, now)
+        plan = gitplan.plan_files(manifest.entries, now)
         each = fsync and len(plan.write) <= _FSYNC_EACH
         top = os.path.join(self.root, sid)
         # On disk before the worktree is touched: a daemon killed from here on
@@ -343,7 +346,7 @@ class Store:
         record = journal.Record(session=sid, checkpoint=cid, worktree=worktree, dev=root.st_dev, ino=root.st_ino,
                                 started_ns=started_ns, max_files=policy.max_files, max_depth=policy.max_depth,
                                 fsync=fsync, pid=os.getpid(), refs=refs, kept=kept,
-                                borrowed=borrowed or [], stamp=gitguard.displaced_stamp())
+                                borrowed=borrowed or [], stamp=gitguard.displaced_stamp(), refs_under_lock=True)
         s = self._of(sid)
         try:
             fd = journal.begin(top, record)
@@ -359,8 +362,9 @@ class Store:
         try:
             done = apply_restore(worktree, top, plan, fsync_each=each, expect=ident)
             done["objects"] = _put_objects(worktree, manifest, ident) if manifest.objects else 0
-            displaced = journal.keep_refs(worktree, refs, sid, borrowed or [], record.stamp)
-            if fsync and (not each or done["objects"] or plan.remove or plan.make):
+            moved = gitrefs.restore_from(worktree, ident, top, manifest, now, record.stamp, borrowed or [])
+            journal.log_refs(sid, worktree, moved)
+            if fsync and (not each or done["objects"] or plan.remove or plan.make or moved.moved):
                 _syncfs(worktree)
             elif fsync and plan.write:
                 # Each file was fsynced; their renames too before the record goes.
@@ -372,9 +376,9 @@ class Store:
         s.record_fd = -1
         journal.done(top, fd, self._sync_removal if fsync else None)
         log.info("event=checkpoint_restored session=%s checkpoint=%s removed=%s written=%s made=%s objects=%s "
-                 "displaced=%s", sid, cid, done["removed"], done["written"], done["made"], done["objects"],
-                 len(displaced))
-        return done, displaced
+                 "displaced=%s left=%s", sid, cid, done["removed"], done["written"], done["made"], done["objects"],
+                 len(moved.kept), len(moved.left))
+        return done, moved.kept, moved.left
 
 
     def _sync_removal(self, top: str) -> None:
