@@ -81,12 +81,7 @@ def replace(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *,
     tmp, fd = _temporary(dir_fd, leaf)
     locked = False
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if mode is not None:
-            os.fchmod(fd, mode)
-        os.fsync(fd)
+        reftemp.write_whole(fd, data, mode)
         _step("written")
         _take(dir_fd, tmp, lock, WAIT_S if wait_s is None else wait_s)
         locked = True

@@ -121,18 +121,24 @@ def _digest(mode: int, data: bytes) -> str:
     return file_digest(mode, hashlib.sha256(data).hexdigest())
 
 
-def _read(top: str, rel: str) -> tuple[int, bytes] | None:
-    parent, _, leaf = rel.rpartition("/")
+def _dir_below(top: str, parent: str) -> int | None:
+    """A descriptor of ``top/parent`` reached with no symlink on the way
+    (``fs.path_below``), or None when it cannot be."""
     try:
         base = os.open(top, _DIR)
     except OSError:
         return None
     try:
-        fd = fs.path_below(base, parent) if parent else os.dup(base)
+        return fs.path_below(base, parent) if parent else os.dup(base)
     except OSError:
-        fd = None
+        return None
     finally:
         os.close(base)
+
+
+def _read(top: str, rel: str) -> tuple[int, bytes] | None:
+    parent, _, leaf = rel.rpartition("/")
+    fd = _dir_below(top, parent)
     if fd is None:
         return None
     try:
@@ -227,16 +233,7 @@ def _sweep(worktree: str, due: list[Kept]) -> None:
         parent, _, leaf = k.rel.rpartition("/")
         leaves.setdefault((k.base or worktree, parent), set()).add(leaf)
     for (top, parent), names in leaves.items():
-        try:
-            base = os.open(top, _DIR)
-        except OSError:
-            continue
-        try:
-            fd = fs.path_below(base, parent) if parent else os.dup(base)
-        except OSError:
-            fd = None
-        finally:
-            os.close(base)
+        fd = _dir_below(top, parent)
         if fd is None:
             continue
         try:

@@ -129,6 +129,17 @@ def write_at(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> No
         raise
 
 
+def write_whole(fd: int, data: bytes, mode: int | None = None) -> None:
+    """All of ``data`` written to ``fd``, its mode set (when given), and
+    made durable (fsync): a file of ours that a rename or a link then shows."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    if mode is not None:
+        os.fchmod(fd, mode)
+    os.fsync(fd)
+
+
 def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> str:
     """``data`` in a new file of ours beside ``leaf`` (``temp_name``),
     fsynced; returns its name, for the caller to rename or link."""
@@ -148,12 +159,7 @@ def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> 
             fs.lend(dir_fd)
             lent = True
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(out, view):]
-        if mode is not None:
-            os.fchmod(out, mode)
-        os.fsync(out)
+        write_whole(out, data, mode)
     except BaseException:
         os.close(out)
         os.unlink(tmp, dir_fd=dir_fd)
