@@ -6,7 +6,8 @@ aside, a ref a restore kept); whoever reads the log with ``cat``,
 only so many bytes.
 
 Guarantees:
-- ``OneLineFormatter``: a record's message is one physical line: every
+- ``OneLineFormatter``: a record's message is one physical line of at most
+  ``MOST_RECORD_CHARS`` characters (the rest counted, not written): every
   control, format character, line separator and lone surrogate in it is
   escaped (``display.one_line``), so a value holding a newline cannot forge
   a record and one holding ESC cannot act on the reader's terminal (nor
@@ -31,6 +32,7 @@ from dispatchd.display import one_line
 __all__ = ["LOG_ROTATE_BYTES", "LOG_ROTATE_KEEP", "MOST_PER_PASS", "Bounded", "OneLineFormatter", "install"]
 
 MOST_PER_PASS = 20
+MOST_RECORD_CHARS = 64 * 1024  # of one record's message
 LOG_ROTATE_BYTES = 10 * 1024 * 1024
 LOG_ROTATE_KEEP = 3
 
@@ -62,7 +64,7 @@ class OneLineFormatter(logging.Formatter):
         # logging.Formatter.format's steps, each text escaped. A traceback is
         # cached on the record as logging caches it (plain: the redaction
         # filter may have made it already) and indented only here.
-        record.message = one_line(record.getMessage())
+        record.message = _bounded(one_line(record.getMessage()))
         if self.usesTime():
             record.asctime = self.formatTime(record, self.datefmt)
         text = self.formatMessage(record)
@@ -73,6 +75,15 @@ class OneLineFormatter(logging.Formatter):
         if record.stack_info:
             text += "\n" + _indented(self.formatStack(record.stack_info))
         return text
+
+
+def _bounded(text: str) -> str:
+    """A record's message cut at ``MOST_RECORD_CHARS``, saying how much more
+    there was: one record can rotate no other away (the log keeps
+    ``LOG_ROTATE_KEEP`` files of ``LOG_ROTATE_BYTES``)."""
+    if len(text) <= MOST_RECORD_CHARS:
+        return text
+    return f"{text[:MOST_RECORD_CHARS]}... ({len(text) - MOST_RECORD_CHARS} more characters not logged)"
 
 
 def _indented(text: str) -> str:

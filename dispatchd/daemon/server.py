@@ -322,7 +322,7 @@ class Server:
                 reply, fds = self._handle(req, c.conn_id)
                 try:
                     frames.send(reply, fds=[fd.fileno() for fd in fds])
-                except protocol.Unencodable as exc:  # nothing of it sent: answered, the connection kept
+                except (protocol.Unencodable, protocol.FrameTooLarge) as exc:  # nothing sent: answered, kept
                     frames.send(self._unsendable(req, reply, exc))
                 finally:
                     for fd in fds:
@@ -374,10 +374,11 @@ class Server:
             return protocol.ErrorReply(id=rid, code="internal",
                                        message=_said(shown(f"internal error: {type(exc).__name__}: {exc}"))), []
 
-    def _unsendable(self, req: Any, reply: Any, exc: protocol.Unencodable) -> protocol.ErrorReply:
+    def _unsendable(self, req: Any, reply: Any, exc: protocol.ProtocolError) -> protocol.ErrorReply:
         """The answer to ``req`` when its ``reply`` cannot be encoded (text
-        that is not UTF-8 that no report made readable: a bug), and the
-        reply itself in the log. A session opened by it is closed: its
+        that is not UTF-8 that no report made readable, or a reply over the
+        frame's limit: a bug, every report being bounded), and the reply
+        itself in the log (cut, as every record is: ``logtext``). A session opened by it is closed: its
         client cannot know its id. One bad string never takes down the
         connection, nor ``status`` for every client with it."""
         name = type(req).__name__
@@ -386,7 +387,8 @@ class Server:
         if isinstance(req, protocol.OpenSession) and isinstance(reply, (protocol.SessionReply, protocol.Attached)):
             self._close_quietly(reply.session.id)
             closed = f"; the session it opened ({reply.session.id}) is closed"
-        bad = f" ({shown(exc.text)[:300]})" if exc.text else ""
+        text = getattr(exc, "text", "")
+        bad = f" ({shown(text)[:300]})" if text else ""
         return protocol.ErrorReply(id=req.id, code="internal", message=_said(
             f"internal error: the daemon's reply to {name} cannot be sent: {exc}{bad}; what was asked was done"
             f"{closed}, and the daemon's log holds the reply (event=reply_unencodable)"))

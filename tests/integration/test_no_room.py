@@ -106,6 +106,24 @@ def test_session_close_prints_the_same_and_exits_3(full: Full, worktree: Path) -
                           f"{UNREADABLE_TAIL}\n")
 
 
+def test_thousands_of_plants_that_cannot_move_are_said_in_bounded_text_and_exit_3(full: Full, worktree: Path) -> None:
+    """3,000 plants, none of which can be moved (nor, being files, left
+    live: each made unreadable): the close's one failure names the first
+    20 and counts the rest, ``dispatch exec`` exits 3, and ``status``
+    answers (the whole list ran to megabytes before, past what a reply
+    carries, and took ``status`` down for every worktree)."""
+    full.fill("always")
+    out = run(full.daemon, "exec", "--worktree", str(worktree), "--", "sh", "-c",
+              "for i in $(seq 3000); do mkdir -p d$i && echo x > d$i/.envrc; done; echo done")
+    assert out.returncode == 3, (out.stdout, out.stderr[:2000])
+    [line] = out.stderr.splitlines()
+    assert line.startswith(f"dispatch: at the session's end: {worktree}: NOT checked whole: ")
+    assert "; and 2980 more that could not be done either. " in line and len(line) < 4000, line[-500:]
+    status = run(full.daemon, "status")
+    assert status.returncode == 0 and "NOT checked whole" in status.stdout and len(status.stdout) < 20_000
+    full.fill("")
+
+
 def test_the_twin_with_room_exec_says_what_it_moved_aside_and_exits_with_the_command(full: Full,
                                                                                       worktree: Path) -> None:
     out = run(full.daemon, "exec", "--worktree", str(worktree), "--", "sh", "-c", "echo x > .envrc; exit 7")

@@ -11,7 +11,7 @@ import pytest
 
 from dispatchd import recordjson
 from dispatchd.daemon.checkpoints import journal
-from dispatchd.daemon.gitguard import history, reportlog
+from dispatchd.daemon.gitguard import history, parts, reportlog
 from dispatchd.daemon.gitguard.parts import Protected, Record
 from dispatchd.fsnames import shown
 
@@ -106,6 +106,37 @@ def test_a_report_within_the_bound_is_whole_refs_first() -> None:
     ref = Protected(path="refs/heads/feature", why="deleted by a session; put back at 5678", time=1.0)
     found = _files(199) + [ref]
     assert reportlog.bounded(found, "/w", 2.0, kept=200) == [ref] + found[:199]
+
+
+def test_a_check_not_whole_is_first_and_never_cut_however_many_other_reports() -> None:
+    """A session that makes 250 reports of git's own kind (new git
+    directories, bad packs) before a plant that cannot be moved: the
+    failure is still in the close's reply, first, so ``dispatch exec``
+    exits 3 and the Python client logs it at ERROR. The twin: a check
+    that finished lists its reports as before, no failure made up."""
+    git_kind = [Protected(path=f"/w/.git/modules/m{i}/HEAD", why="git configuration, hooks or state changed or new")
+                for i in range(250)]
+    failed = parts.unchecked("/w", ["/w/.envrc: No space left on device"], 2.0)
+    out = reportlog.bounded(git_kind + [failed], "/w", 2.0, kept=200)
+    assert out[0] == failed and out[0].why.startswith("NOT checked whole: /w/.envrc: No space left on device. ")
+    assert out[1:201] == git_kind[:200] and out[201].why.startswith("and 50 more moved aside or put back")
+    assert len(out) == 202
+    finished = reportlog.bounded(git_kind, "/w", 2.0, kept=200)
+    assert finished[:200] == git_kind[:200] and not any(p.why.startswith("NOT checked") for p in finished)
+
+
+def test_the_failures_of_a_check_are_said_within_a_bound() -> None:
+    """20,000 plants none of which could move made one report, one status
+    line and one log line of megabytes: the first 20 are named, each cut at
+    1,000 characters, and the rest counted. The twin: a few are named whole."""
+    many = [f"/w/d{i}/.envrc: No space left on device" for i in range(20_000)]
+    said = parts.failures_said(many)
+    assert said == "; ".join(many[:20]) + "; and 19980 more that could not be done either"
+    long = "/w/" + "x" * 5000 + ": No space left on device"
+    assert parts.failures_said([long]) == long[:1000] + f"... ({len(long) - 1000} more characters)"
+    assert parts.failures_said(many[:3]) == "; ".join(many[:3])
+    item = parts.unchecked("/w", many, 2.0)
+    assert len(item.why) < 2_000 + 300
 
 
 def test_a_sessions_reports_say_how_many_were_let_go() -> None:

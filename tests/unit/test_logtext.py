@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dispatchd.logtext import MOST_PER_PASS, Bounded, OneLineFormatter
+from dispatchd.logtext import MOST_PER_PASS, MOST_RECORD_CHARS, Bounded, OneLineFormatter
 from dispatchd.secretbook import Book, LogRedaction, Secrets
 
 FORGED = "2026-12-01 04:20:00,000 INFO dispatchd event=session_close session=deadbeef0000"
@@ -106,3 +106,19 @@ def test_a_pass_within_the_bound_logs_every_item_and_no_count(
     said.end(log, "never said")
     lines = out.getvalue().splitlines()
     assert lines == [f"INFO dispatchd.test-logtext event=ref_temporary_removed path=/r/{i}" for i in range(MOST_PER_PASS)]
+
+
+def test_one_record_is_bounded_and_says_how_much_was_left_out(logged: tuple[logging.Logger, io.StringIO, Book]) -> None:
+    """A record of 141 MB (a check's failures, unbounded then) rotated every
+    earlier line away: one record's message is at most 64 KiB, the rest
+    counted. The twin: a record under the bound is written whole."""
+    log, out, _ = logged
+    log.error("event=git_check_failed what=%s", "y" * 200_000)
+    line = out.getvalue()
+    assert line.startswith("ERROR dispatchd.test-logtext event=git_check_failed what=yyy")
+    assert line.endswith(f"... ({len('event=git_check_failed what=') + 200_000 - MOST_RECORD_CHARS} more characters "
+                         "not logged)\n")
+    assert len(line) < MOST_RECORD_CHARS + 200
+    out.truncate(0), out.seek(0)
+    log.error("event=git_check_failed what=%s", "y" * 1000)
+    assert out.getvalue() == "ERROR dispatchd.test-logtext event=git_check_failed what=" + "y" * 1000 + "\n"

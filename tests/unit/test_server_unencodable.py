@@ -76,3 +76,31 @@ def test_a_reply_that_cannot_be_encoded_is_answered_and_the_connection_kept(
     ours.close()
     served.join(10)
     listener.close()
+
+
+def test_a_reply_over_the_frame_limit_is_answered_and_the_connection_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply past ``MAX_FRAME`` (a report unbounded by a bug) closed the
+    connection, every ``status`` with it: it is answered with an error
+    instead, and the connection serves on. (The limit is lowered here: a
+    real one is 64 MiB.)"""
+    monkeypatch.setattr(protocol.frames, "MAX_FRAME", 4096)
+    ours, theirs = socket.socketpair()
+    listener = socket.socket(socket.AF_UNIX)
+    server = _ReportingServer(listener, _Manager(), None, "/run/d.sock", None)  # type: ignore[arg-type]
+    server.path = "/w/" + "x" * 8000
+    server.park_after_s = 60.0
+    served = threading.Thread(target=server._serve_connection, args=(theirs,), daemon=True)
+    served.start()
+    client = protocol.FrameSocket(ours)
+    client.send(protocol.Hello(id=1, version=protocol.PROTOCOL_VERSION))
+    assert isinstance(client.recv(protocol.daemon_reply_decoder), protocol.HelloOk)
+    client.send(protocol.Status(id=2))
+    reply = client.recv(protocol.daemon_reply_decoder)
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == "internal"
+    assert reply.message.startswith("internal error: the daemon's reply to Status cannot be sent: frame of ")
+    assert "-byte limit; what was asked was done" in reply.message
+    client.send(protocol.Hello(id=3, version=protocol.PROTOCOL_VERSION))
+    assert isinstance(client.recv(protocol.daemon_reply_decoder), protocol.HelloOk)
+    ours.close()
+    served.join(10)
+    listener.close()

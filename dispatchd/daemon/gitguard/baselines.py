@@ -61,7 +61,7 @@ from dispatchd.statemodes import retried
 from dispatchd.daemon.gitguard import history, noroom, recordfiles, reftemp, reportlog, runnables, snapshots
 from dispatchd.daemon.gitguard.domain import Domain
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
-                                             keep_outside, renew, unchecked)
+                                             failures_said, keep_outside, renew, unchecked)
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
@@ -455,7 +455,7 @@ class Baselines:
 
     def _taint(self, domain: Domain, failed: list[str]) -> None:
         if failed:
-            reason = domain.secrets.text("; ".join(failed))
+            reason = domain.secrets.text(failures_said(failed))
             with self._lock:
                 for part in domain.record.parts:
                     self.tainted[part.root] = reason

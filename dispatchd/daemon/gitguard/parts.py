@@ -39,6 +39,23 @@ class Protected(msgspec.Struct, frozen=True):
     bulk: bool = False
 
 
+NOT_WHOLE = "NOT checked whole"
+MOST_FAILURES = 20  # named in one report (and status, and the log's line); the rest counted
+MOST_FAILURE_CHARS = 1000  # of one failure's text
+
+
+def failures_said(failures: list[str]) -> str:
+    """``failures`` as one text of bounded size: the first ``MOST_FAILURES``,
+    each cut at ``MOST_FAILURE_CHARS``, then how many more. A session
+    chooses how many there are (20,000 plants none of which can move) and
+    how long their names are: unbounded, one report, one status and one
+    log line ran to megabytes, past what a reply can carry."""
+    shown = [f if len(f) <= MOST_FAILURE_CHARS else f"{f[:MOST_FAILURE_CHARS]}... ({len(f) - MOST_FAILURE_CHARS} "
+             "more characters)" for f in failures[:MOST_FAILURES]]
+    more = len(failures) - MOST_FAILURES
+    return "; ".join(shown) + (f"; and {more} more that could not be done either" if more > 0 else "")
+
+
 def unchecked(root: str, failures: list[str], now_t: float) -> Protected:
     """What the close says (and status, until a restart's check passes) of
     a worktree its check could not finish: not only the daemon's log. What
@@ -48,7 +65,7 @@ def unchecked(root: str, failures: list[str], now_t: float) -> Protected:
             if all(noroom.MADE_UNREADABLE in f for f in failures) else
             "What the session left there may still be live: look before you run git or your tools in it")
     return Protected(path=root, time=now_t, why=(
-        f"NOT checked whole: {'; '.join(failures)}. {live}; dispatchd refuses sessions on it until a restart's "
+        f"{NOT_WHOLE}: {failures_said(failures)}. {live}; dispatchd refuses sessions on it until a restart's "
         "check passes"))
 
 

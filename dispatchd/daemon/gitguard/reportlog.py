@@ -8,12 +8,15 @@ holds the ``.envrc`` it planted, a branch), and how many there are (one
 
 - ``readable``: each report's path and why as ``fsnames.shown`` gives them:
   every byte kept, and text any reply, status and log line can encode;
-- ``bounded``: one check's reports, those about the repository and git's
-  own files first (refs put back, history, configuration, hooks, a worktree
-  not checked whole), then the files the user's tools run
-  (``Protected.bulk``), each group in the order found; at most ``KEPT`` of
-  them. What does not fit becomes one more report, which says how many were
-  left out, of which kinds, and that the daemon's log names each;
+- ``bounded``: one check's reports, a worktree NOT checked whole first,
+  always, and never cut (one a part at most, its text bounded:
+  ``parts.failures_said``), so that no number of other reports a session
+  makes can push the failure out of the close's reply and let ``dispatch
+  exec`` exit 0; then those about the repository and git's own files (refs
+  put back, history, configuration, hooks), then the files the user's tools
+  run (``Protected.bulk``), each group in the order found; at most ``KEPT``
+  of these. What does not fit becomes one more report, which says how many
+  were left out, of which kinds, and that the daemon's log names each;
 - ``Reports``: a domain's reports since it began, the last ``DOMAIN_KEPT``
   of them in memory. A position counts every report ever added, those let
   go included: ``since`` a session's position is exactly what came after
@@ -29,7 +32,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from dispatchd.daemon.gitguard.parts import Protected
+from dispatchd.daemon.gitguard.parts import NOT_WHOLE, Protected
 from dispatchd.fsnames import shown
 
 __all__ = ["DOMAIN_KEPT", "KEPT", "Reports", "bounded", "readable", "unrewritten"]
@@ -60,13 +63,14 @@ def unrewritten(path: str, exc: OSError) -> Protected:
 def bounded(found: list[Protected], where: str, now_t: float, kept: int = KEPT) -> list[Protected]:
     """At most ``kept`` of one check's reports, then one that counts the rest
     (see the module); ``where``: the worktree that report names."""
-    ordered = [p for p in found if not p.bulk] + [p for p in found if p.bulk]
+    failed = [p for p in found if p.why.startswith(NOT_WHOLE)]
+    ordered = [p for p in found if not p.bulk and not p.why.startswith(NOT_WHOLE)] + [p for p in found if p.bulk]
     if len(ordered) <= kept:
-        return ordered
+        return failed + ordered
     left = ordered[kept:]
     kinds = Counter(p.why for p in left).most_common()
     said = "; ".join(f"{n} {why}" for why, n in kinds[:_KINDS_SAID]) + ("; ..." if len(kinds) > _KINDS_SAID else "")
-    return ordered[:kept] + [Protected(path=where, time=now_t, why=(
+    return failed + ordered[:kept] + [Protected(path=where, time=now_t, why=(
         f"and {len(left)} more moved aside or put back, not listed here ({said}): the daemon's log names each"))]
 
 
