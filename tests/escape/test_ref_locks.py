@@ -42,7 +42,8 @@ def test_a_branch_whose_lock_a_session_left_is_put_back_and_the_lock_moved_aside
     assert why == (f"moved to {back[:12]} by a session; put back at {users[:12]}; "
                    f"git's lock refs/heads/side.lock, left in the way, moved aside to {aside}")
     assert git(repo, "rev-parse", "side").stdout.strip() == users
-    assert aside.startswith(f"{held}.quarantined-by-dispatchd-") and Path(aside).read_text() == users + "\n"
+    assert aside.startswith(f"{repo / '.git' / 'side.lock'}.quarantined-by-dispatchd-")  # out of refs/
+    assert Path(aside).read_text() == users + "\n"
     assert not held.exists()
     kept = git(repo, "for-each-ref", "--format=%(refname) %(objectname)", "refs/dispatchd/displaced/").stdout
     assert [line.split("/", 4)[4] for line in kept.split("\n") if line] == [f"refs/heads/side {back}"], kept

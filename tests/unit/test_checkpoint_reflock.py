@@ -88,3 +88,29 @@ def test_without_drops_a_record_and_its_peeled_line_only() -> None:
            "3" * 40 + " refs/tags/b\n^" + "4" * 40 + "\n"
     assert reflock.without(text, {"refs/tags/a"}, 40) == \
         "# pack-refs with: peeled fully-peeled sorted \n" + "3" * 40 + " refs/tags/b\n^" + "4" * 40 + "\n"
+
+
+def test_a_lock_a_killed_restore_left_is_taken_over_and_git_s_own_is_not(tmp_path: Path) -> None:
+    """A restore's lock is made with a second name of ours: one a daemon
+    killed mid-restore left (both names) is taken over by the restore
+    finished at the next start, where it used to be taken for the user's
+    git's, the branch left at the session's commit and the user's git
+    refused for good. The twin: a lock of one name (git's) is waited for,
+    then refused, and left."""
+    refs = tmp_path / "refs" / "heads"
+    refs.mkdir(parents=True)
+    (refs / "main.dispatchd-0123456789abcdef.lock").write_text("x\n")
+    os.link(refs / "main.dispatchd-0123456789abcdef.lock", refs / "main.lock")
+    common = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        held = reflock.take(common, "refs/heads/main", wait_s=0.05)
+        reflock.commit(held, b"y\n")
+        assert (refs / "main").read_text() == "y\n" and not (refs / "main.lock").exists()
+        assert sorted(p.name for p in refs.iterdir()) == ["main", "main.dispatchd-0123456789abcdef.lock"]
+        (refs / "side.lock").write_text("git's\n")
+        with pytest.raises(reflock.Busy):
+            reflock.take(common, "refs/heads/side", wait_s=0.05)
+        assert (refs / "side.lock").read_text() == "git's\n"
+        assert not any(".dispatchd-" in p.name and p.name.startswith("side") for p in refs.iterdir())
+    finally:
+        os.close(common)

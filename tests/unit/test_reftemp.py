@@ -159,3 +159,29 @@ def test_a_value_kept_in_another_second_takes_its_own_name(tmp_path: Path) -> No
     reftemp.keep_displaced(common, "20261201T101500", "refs/heads/main", first)
     assert reftemp.keep_displaced(common, "20261201T101501", "refs/heads/main", first) == \
         f"{reftemp.DISPLACED}20261201T101501/refs/heads/main"
+
+
+def test_a_start_removes_a_ref_lock_a_killed_end_left_with_its_second_name(tmp_path: Path) -> None:
+    """An end killed holding a ref's lock (``reflock``: a temporary of ours
+    hard-linked to ``NAME.lock``) left both names; when no later check writes
+    that ref, nothing took the lock over, and the user's git could not move
+    the branch again. The start's sweep removes both. The twin: a lock of
+    git's own (one name) is left, and so is a lock that is another file than
+    a temporary's second name (the temporary itself goes: a name of ours)."""
+    repo, head = _repo(tmp_path / "repo")
+    dead = baselines.Baselines(str(tmp_path / "state"))
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    dead.join("s", str(repo), layout, snapshots.take(str(repo), layout),
+              redirects.redirects_present(layout, str(repo)), ())
+    heads = repo / ".git" / "refs" / "heads"
+    (heads / "side.dispatchd-0123456789abcdef.lock").write_text(head + "\n")
+    os.link(heads / "side.dispatchd-0123456789abcdef.lock", heads / "side.lock")
+    (heads / "main.lock").write_text(head + "\n")  # git's own
+    (heads / "other.dispatchd-fedcba9876543210.lock").write_text(head + "\n")
+    os.link(heads / "other.dispatchd-fedcba9876543210.lock", heads / "other.extra")
+    (heads / "other.lock").write_text(head + "\n")  # a file of its own, not the pair's second name
+    os.close(next(iter(dead._domains.values())).lock_fd)
+    baselines.Baselines(str(tmp_path / "state")).recover()
+    assert not (heads / "side.lock").exists() and not (heads / "side.dispatchd-0123456789abcdef.lock").exists()
+    assert (heads / "main.lock").exists() and (heads / "other.lock").exists() and (heads / "other.extra").exists()
+    assert not (heads / "other.dispatchd-fedcba9876543210.lock").exists()

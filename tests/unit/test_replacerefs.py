@@ -74,6 +74,38 @@ def test_a_packed_replacement_goes_and_every_other_line_stays(tmp_path: Path) ->
     assert git(repo, "rev-parse", "v1^{commit}").strip() == git(repo, "rev-parse", "HEAD").strip()
 
 
+def test_packed_refs_is_rewritten_under_git_s_lock_and_the_user_s_pack_refs_waits_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's ``git pack-refs`` at the moment the end read ``packed-refs``
+    used to land between that read and the end's write, which put back the
+    values it had just packed (a branch the user committed to, set back).
+    Now the read and the write are under ``packed-refs.lock``: the user's
+    git, run in between, is refused the lock (loudly: it can run again),
+    and the file written is the one read. The twin: once the end is done,
+    the same ``git pack-refs`` runs, and every value is the user's."""
+    repo, kept, blob, evil = _packed_replacement(tmp_path)
+    git(repo, "branch", "ub")
+    real = replacerefs.packed_lines
+    tried: list[subprocess.CompletedProcess[str]] = []
+
+    def read_then_the_user_s_git(common: str) -> tuple[list[bytes] | None, str]:
+        read = real(common)
+        if (repo / ".git" / "packed-refs.lock").exists():  # the read the end writes back from
+            tried.append(subprocess.run(["git", "pack-refs", "--all"], cwd=repo, capture_output=True, text=True))
+        return read
+
+    monkeypatch.setattr(replacerefs, "packed_lines", read_then_the_user_s_git)
+    done, failed = history.restore(kept)
+    monkeypatch.setattr(replacerefs, "packed_lines", real)
+    assert not failed and _show(repo) == "user\n"
+    assert len(tried) == 1 and tried[0].returncode != 0 and "packed-refs.lock" in tried[0].stderr, tried
+    assert not (repo / ".git" / "packed-refs.lock").exists()
+    git(repo, "commit", "-q", "--allow-empty", "-m", "two")
+    assert subprocess.run(["git", "pack-refs", "--all"], cwd=repo).returncode == 0
+    assert git(repo, "rev-parse", "HEAD").strip() == git(repo, "rev-parse", "refs/heads/" + git(
+        repo, "symbolic-ref", "--short", "HEAD").strip()).strip()
+
+
 def test_the_user_s_own_replacement_stays_and_is_put_back(tmp_path: Path) -> None:
     """The twin: a replacement the user had at the baseline is theirs."""
     repo = _repo(tmp_path)

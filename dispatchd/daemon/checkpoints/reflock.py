@@ -9,11 +9,18 @@ between a ``git commit``'s read and its rename, or write over the value
 that commit had just renamed into place.
 
 Guarantees:
-- ``take`` creates ``NAME.lock`` with ``O_EXCL | O_NOFOLLOW`` in the ref's
-  directory, reached below the repository's descriptor without following a
-  symlink (``open_beneath``; missing directories made as git makes them); a
-  lock held by someone else is waited for briefly (``WAIT_S``), then
-  refused, naming it: never taken over, never removed;
+- ``take`` makes ``NAME.lock`` in the ref's directory, reached below the
+  repository's descriptor without following a symlink (``open_beneath``;
+  missing directories made as git makes them): a temporary name of ours
+  (``reftemp.temp_name``'s shape) made ``O_EXCL | O_NOFOLLOW``, then
+  hard-linked to ``NAME.lock`` (``link`` fails on an existing name, as
+  ``O_EXCL`` does). So a lock a daemon killed mid-restore left has two names
+  where git's has one: the restore finished at the next start takes it
+  over (and the start's sweep removes a pair nobody took over), where it
+  used to be left, the branch at the session's commit and the user's git
+  refused for good. A lock of one name, held by someone else (the user's
+  git), is waited for briefly (``WAIT_S``), then refused, naming it: never
+  taken over, never removed;
 - what is read with the lock held (``value``) is the ref's value no git
   can change until ``commit`` or ``release``;
 - ``commit`` renames the lock file, holding the new value, over the ref:
@@ -31,7 +38,7 @@ import time
 from dataclasses import dataclass
 
 from dispatchd.confine._sys import open_beneath
-from dispatchd.daemon.gitguard import refvalues
+from dispatchd.daemon.gitguard import reftemp, refvalues
 
 WAIT_S = 1.0  # a lock of the user's git held longer than this: the ref is left, and said
 _STEP_S = 0.02
@@ -52,6 +59,7 @@ class Held:
     dir_fd: int
     leaf: str
     ident: tuple[int, int]  # the lock file's device and inode
+    second: str = ""  # the lock's other name, ours, removed once the lock is let go or committed
 
     @property
     def lock_leaf(self) -> str:
@@ -87,22 +95,34 @@ def take(common_fd: int, name: str, wait_s: float = WAIT_S) -> Held:
     rel, _, leaf = name.rpartition("/")
     dir_fd = open_dir(common_fd, rel, make=True)
     deadline = time.monotonic() + wait_s
+    second = ""
     try:
+        second = os.path.basename(reftemp.temp_name(leaf))
+        fd = os.open(second, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        st = os.fstat(fd)
+        os.close(fd)
         while True:
             try:
-                fd = os.open(f"{leaf}.lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o644, dir_fd=dir_fd)
+                os.link(second, f"{leaf}.lock", src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
                 break
             except FileExistsError:
+                try:
+                    there = os.stat(f"{leaf}.lock", dir_fd=dir_fd, follow_symlinks=False)
+                    if stat.S_ISREG(there.st_mode) and there.st_nlink > 1:  # a killed restore's: taken over
+                        os.unlink(f"{leaf}.lock", dir_fd=dir_fd)
+                        continue
+                except FileNotFoundError:
+                    continue  # let go meanwhile
                 if time.monotonic() >= deadline:
                     raise Busy(f"{name}.lock") from None
                 time.sleep(_STEP_S)
-        st = os.fstat(fd)
-        os.close(fd)
     except BaseException:
+        if second:
+            with contextlib.suppress(OSError):
+                os.unlink(second, dir_fd=dir_fd)
         os.close(dir_fd)
         raise
-    return Held(name, dir_fd, leaf, (st.st_dev, st.st_ino))
+    return Held(name, dir_fd, leaf, (st.st_dev, st.st_ino), second)
 
 
 def _mine(held: Held) -> bool:
@@ -118,8 +138,15 @@ def release(held: Held) -> None:
     try:
         if _mine(held):
             os.unlink(held.lock_leaf, dir_fd=held.dir_fd)
+        _drop_second(held)
     finally:
         os.close(held.dir_fd)
+
+
+def _drop_second(held: Held) -> None:
+    if held.second:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(held.second, dir_fd=held.dir_fd)
 
 
 def commit(held: Held, data: bytes) -> None:
@@ -142,7 +169,10 @@ def commit(held: Held, data: bytes) -> None:
                 os.unlink(held.lock_leaf, dir_fd=held.dir_fd)
         raise
     finally:
-        os.close(held.dir_fd)
+        try:
+            _drop_second(held)
+        finally:
+            os.close(held.dir_fd)
 
 
 def read_leaf(dir_fd: int, leaf: str, limit: int = 4096) -> bytes | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from dispatchd.daemon.gitguard import refvalues, reftemp
+from dispatchd.daemon.gitguard import reflock, refvalues, reftemp
 from dispatchd.daemon.gitguard.replacerefs import drop_named
 
 TAKEN = ("refs/remotes/", "refs/notes/", "refs/stash")
@@ -35,11 +35,19 @@ def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
     for name in new:
         value = now[name]
         try:
-            if refvalues.writable(value):  # an id, or a symbolic ref: kept as it was
-                reftemp.keep_displaced(common, stamp, name, value)
             path = os.path.join(common, name)
             if os.path.lexists(path) and not os.path.isdir(path):
-                os.unlink(path)  # its value kept just above
+                # Under git's lock, as git deletes a ref: the value kept is
+                # the one the file holds then (a fetch of the user's may have
+                # written it since the read), and no git writes it meanwhile.
+                with reflock.held(common, name) as lock:
+                    read = refvalues.read_text(path)
+                    value = read.strip() if read is not None else value
+                    if refvalues.writable(value):  # an id, or a symbolic ref: kept as it was
+                        reftemp.keep_displaced(common, stamp, name, value)
+                    lock.remove()
+            elif refvalues.writable(value):  # packed only: taken out below, its value kept first
+                reftemp.keep_displaced(common, stamp, name, value)
         except OSError as exc:
             failed.append(f"{name}: {why}, cannot be taken out ({exc.strerror})")
             continue

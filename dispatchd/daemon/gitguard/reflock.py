@@ -74,6 +74,17 @@ class Lock:
         os.rename(self.leaf + ".lock", self.leaf, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         self.done = True
 
+    def rewrite(self, data: bytes, mode: int) -> None:
+        """The lock file (ours, both its names) made to hold ``data`` with
+        ``mode``, durable: what ``commit`` then puts in place of a whole file
+        read under the lock (``packed-refs``)."""
+        fd = os.open(self.leaf + ".lock", os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=self._dir_fd)
+        try:
+            reftemp.write_whole(fd, data, mode)
+        finally:
+            os.close(fd)
+
     def remove(self) -> None:
         """The loose ref unlinked (its value kept by the caller first); none there is no error."""
         with contextlib.suppress(FileNotFoundError):
@@ -105,7 +116,7 @@ def held(common: str, name: str, value: str = "", wait_s: float | None = None) -
         # stand-in for the daemon's death) leaves both names, as a death does.
         try:
             lock.moved = _take(dir_fd, tmp, leaf + ".lock", name, WAIT_S if wait_s is None else wait_s,
-                               path + ".lock")
+                               path + ".lock", common)
             try:
                 yield lock
             except Exception:
@@ -126,7 +137,7 @@ def _unlink(dir_fd: int, leaf: str) -> None:
         os.unlink(leaf, dir_fd=dir_fd)
 
 
-def _take(dir_fd: int, tmp: str, lock: str, name: str, wait_s: float, path: str) -> str:
+def _take(dir_fd: int, tmp: str, lock: str, name: str, wait_s: float, path: str, common: str) -> str:
     """The lock made (see ``held``); returns where a lock left in the way
     was moved aside, or ""."""
     deadline = time.monotonic() + wait_s
@@ -146,8 +157,12 @@ def _take(dir_fd: int, tmp: str, lock: str, name: str, wait_s: float, path: str)
             if time.monotonic() >= deadline:
                 if moved:
                     raise Held(name) from None  # one more in its place at once: someone's live git
+                # Left: by a git killed, or a session (see the module). Out of
+                # refs/ (a name there is a ref to git: a broken one, or a branch
+                # holding what the session wrote), to the git directory's top.
+                moved = os.path.join(common, fs.aside_name(os.path.basename(path)))
                 try:
-                    moved = fs.move_aside(path)  # left: by a git killed, or a session (see the module)
+                    os.rename(lock, moved, src_dir_fd=dir_fd)
                 except OSError:
                     raise Held(name) from None
                 continue

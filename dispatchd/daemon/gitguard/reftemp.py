@@ -20,6 +20,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -221,6 +222,18 @@ def _below(top: int, rel: str) -> int | None:
         os.close(at)
 
 
+def _flocked(dir_fd: int, name: str) -> bool:
+    """Whether a live process holds ``name``'s flock (a put-back running: gitlock.py)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # the flock, if taken, with it
+
+
 def _sweep_dir(fd: int, path: str, subdirs: bool = False) -> tuple[list[str], list[str]]:
     """Our leftovers in the directory ``fd`` (``path``, for the log), which is
     closed, removed; and with ``subdirs``, the names of its subdirectories
@@ -238,11 +251,29 @@ def _sweep_dir(fd: int, path: str, subdirs: bool = False) -> tuple[list[str], li
                 continue
             try:
                 st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
-                # A second name: git's lock of a file a killed put-back held
-                # (gitlock.py), which only that name tells ours: gitlock.sweep's.
-                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                    os.unlink(e.name, dir_fd=fd)
-                    removed.append(os.path.join(path, e.name))
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if st.st_nlink > 1:
+                    # A second name: the lock an end or a restore made of it
+                    # (reflock.py, gitlock.py, checkpoints/reflock.py:
+                    # NAME.lock, the same file), which no git of the user's
+                    # makes, or what that lock was renamed over. A lock a
+                    # killed daemon left goes with it, or it blocked the user's
+                    # git on that name for good when nothing later took it
+                    # over; a live put-back's holds its flock (gitlock.py).
+                    if _flocked(fd, e.name):
+                        continue
+                    lock = e.name[:e.name.rindex(".dispatchd-")] + ".lock"
+                    try:
+                        there = os.stat(lock, dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        there = None
+                    if there is not None and (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) \
+                            and st.st_nlink == 2:
+                        os.unlink(lock, dir_fd=fd)
+                        removed.append(os.path.join(path, lock))
+                os.unlink(e.name, dir_fd=fd)
+                removed.append(os.path.join(path, e.name))
             except OSError:
                 continue
     except OSError:

@@ -43,7 +43,7 @@ import os
 import re
 import stat
 
-from dispatchd.daemon.gitguard import configs, fs, noroom, reftemp, refvalues
+from dispatchd.daemon.gitguard import configs, fs, noroom, reflock, reftemp, refvalues
 
 PREFIX = "refs/replace/"
 _OID = re.compile(r"^[0-9a-fA-F]{40}(?:[0-9a-fA-F]{24})?$")
@@ -202,23 +202,31 @@ def packed_lines(common: str) -> tuple[list[bytes] | None, str]:
 
 def drop_packed(common: str, drop: set[bytes]) -> str:
     """``packed-refs`` without the lines ``drop`` (and their peeled lines),
-    which are kept in a file beside; "" when done, else why not."""
+    which are kept in a file beside; "" when done, else why not. Read and
+    written under git's ``packed-refs.lock`` (``reflock``), as git's own
+    ``pack-refs`` and ref deletions are: a whole file read before the
+    user's ``git pack-refs`` and written back after it put back the values
+    of refs it had just packed (a branch the user committed to, set back)."""
     path = os.path.join(common, "packed-refs")
-    lines, why = packed_lines(common)
-    if lines is None:
-        return f"{path}: {why or 'gone meanwhile'}; replacement refs could not be taken out"
-    kept: list[bytes] = []
-    dropped: list[bytes] = []
-    dropping = False
-    for line in lines:
-        if not line.startswith(b"^"):  # a peeled line belongs to the line before it
-            dropping = line in drop
-        (dropped if dropping else kept).append(line)
     try:
-        mode = stat.S_IMODE(os.lstat(path).st_mode)
-        reftemp.write_file(os.path.join(common, fs.aside_name("replace-refs")), _joined(dropped), 0o600)
-        reftemp.write_file(path, _joined(kept), mode)
-    except OSError as exc:
+        with reflock.held(common, "packed-refs") as lock:
+            lines, why = packed_lines(common)
+            if lines is None:
+                return f"{path}: {why or 'gone meanwhile'}; replacement refs could not be taken out"
+            kept: list[bytes] = []
+            dropped: list[bytes] = []
+            dropping = False
+            for line in lines:
+                if not line.startswith(b"^"):  # a peeled line belongs to the line before it
+                    dropping = line in drop
+                (dropped if dropping else kept).append(line)
+            if not dropped:
+                return ""  # gone meanwhile (the user's git): nothing to take out
+            mode = stat.S_IMODE(os.lstat(path).st_mode)
+            reftemp.write_file(os.path.join(common, fs.aside_name("replace-refs")), _joined(dropped), 0o600)
+            lock.rewrite(_joined(kept), mode)
+            lock.commit()
+    except OSError as exc:  # reflock.Held among them: never written without the lock
         return f"{path}: replacement refs could not be taken out ({exc.strerror})"
     return ""
 
