@@ -22,6 +22,21 @@ def held(path: str) -> bool:
         fd = retried(lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), path, 0o600)
     except OSError:
         return False
+    return _held(fd)
+
+
+def held_at(dir_fd: int, name: str) -> bool:
+    """``held`` of ``name`` below ``dir_fd``, not through a symlink, its
+    mode left as it is (a file of ours in a directory of the user's)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return _held(fd)
+
+
+def _held(fd: int) -> bool:
+    """Whether another process holds ``fd``'s file's flock; ``fd`` closed."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False

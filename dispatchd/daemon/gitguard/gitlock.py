@@ -130,19 +130,7 @@ def left_held(path: str) -> str:
 
 def _temporary(dir_fd: int, leaf: str) -> tuple[str, int]:
     """A temporary name of our own beside ``leaf``, made and flocked."""
-    lent = False
-    while True:
-        tmp = os.path.basename(reftemp.temp_name(leaf))
-        try:
-            fd = os.open(tmp, _CREATE, 0o644, dir_fd=dir_fd)
-            break
-        except FileExistsError:
-            continue
-        except PermissionError:
-            if lent:
-                raise
-            fs.lend(dir_fd)  # a directory the session made read-only: the user's, so ours (fs.move_aside)
-            lent = True
+    tmp, fd = reftemp.open_temp(dir_fd, leaf, _CREATE, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a new file nobody else has open: never waits
     return tmp, fd
 

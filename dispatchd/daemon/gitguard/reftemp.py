@@ -20,7 +20,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
@@ -28,6 +27,7 @@ import secrets
 import stat
 import time
 
+from dispatchd import flocks
 from dispatchd.daemon.gitguard import fs
 from dispatchd.logtext import Bounded
 
@@ -141,17 +141,17 @@ def write_whole(fd: int, data: bytes, mode: int | None = None) -> None:
     os.fsync(fd)
 
 
-def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> str:
-    """``data`` in a new file of ours beside ``leaf`` (``temp_name``),
-    fsynced; returns its name, for the caller to rename or link."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+def open_temp(dir_fd: int, leaf: str, flags: int, mode: int) -> tuple[str, int]:
+    """A new file of ours beside ``leaf`` (``temp_name``), made with
+    ``flags`` (``O_CREAT | O_EXCL`` among them) and ``mode``: its name and
+    descriptor. A directory the session made read-only is lent its owner's
+    rights once (the user's, so ours: ``fs.lend``)."""
     lent = False
     while True:
         # A name of our own, made here (write_ref says why).
         tmp = os.path.basename(temp_name(leaf))
         try:
-            out = os.open(tmp, flags, 0o644 if mode is None else 0o600, dir_fd=dir_fd)
-            break
+            return tmp, os.open(tmp, flags, mode, dir_fd=dir_fd)
         except FileExistsError:
             continue
         except PermissionError:
@@ -159,6 +159,13 @@ def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> 
                 raise
             fs.lend(dir_fd)
             lent = True
+
+
+def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> str:
+    """``data`` in a new file of ours beside ``leaf`` (``temp_name``),
+    fsynced; returns its name, for the caller to rename or link."""
+    tmp, out = open_temp(dir_fd, leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644 if mode is None else 0o600)
     try:
         write_whole(out, data, mode)
     except BaseException:
@@ -222,18 +229,6 @@ def _below(top: int, rel: str) -> int | None:
         os.close(at)
 
 
-def _flocked(dir_fd: int, name: str) -> bool:
-    """Whether a live process holds ``name``'s flock (a put-back running: gitlock.py)."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # the flock, if taken, with it
-
-
 def _sweep_dir(fd: int, path: str, subdirs: bool = False) -> tuple[list[str], list[str]]:
     """Our leftovers in the directory ``fd`` (``path``, for the log), which is
     closed, removed; and with ``subdirs``, the names of its subdirectories
@@ -261,7 +256,7 @@ def _sweep_dir(fd: int, path: str, subdirs: bool = False) -> tuple[list[str], li
                     # killed daemon left goes with it, or it blocked the user's
                     # git on that name for good when nothing later took it
                     # over; a live put-back's holds its flock (gitlock.py).
-                    if _flocked(fd, e.name):
+                    if flocks.held_at(fd, e.name):
                         continue
                     lock = e.name[:e.name.rindex(".dispatchd-")] + ".lock"
                     try:
