@@ -87,20 +87,28 @@ def test_a_reply_over_the_frame_limit_is_answered_and_the_connection_kept(monkey
     ours, theirs = socket.socketpair()
     listener = socket.socket(socket.AF_UNIX)
     server = _ReportingServer(listener, _Manager(), None, "/run/d.sock", None)  # type: ignore[arg-type]
-    server.path = "/w/" + "x" * 8000
-    server.park_after_s = 60.0
+    server.path, server.park_after_s = "/w/" + "x" * 8000, 60.0
     served = threading.Thread(target=server._serve_connection, args=(theirs,), daemon=True)
     served.start()
-    client = protocol.FrameSocket(ours)
+    try:
+        reply = _hello_then_status(protocol.FrameSocket(ours))
+        assert isinstance(reply, protocol.ErrorReply) and reply.code == "internal"
+        assert reply.message.startswith("internal error: the daemon's reply to Status cannot be sent: frame of ")
+        assert "-byte limit; what was asked was done" in reply.message
+    finally:
+        ours.close()
+        served.join(10)
+        listener.close()
+
+
+def _hello_then_status(client: protocol.FrameSocket) -> Any:
+    """A client's hello, a status (the reply returned), then a second hello
+    the same connection must still answer."""
     client.send(protocol.Hello(id=1, version=protocol.PROTOCOL_VERSION))
     assert isinstance(client.recv(protocol.daemon_reply_decoder), protocol.HelloOk)
     client.send(protocol.Status(id=2))
     reply = client.recv(protocol.daemon_reply_decoder)
-    assert isinstance(reply, protocol.ErrorReply) and reply.code == "internal"
-    assert reply.message.startswith("internal error: the daemon's reply to Status cannot be sent: frame of ")
-    assert "-byte limit; what was asked was done" in reply.message
     client.send(protocol.Hello(id=3, version=protocol.PROTOCOL_VERSION))
-    assert isinstance(client.recv(protocol.daemon_reply_decoder), protocol.HelloOk)
-    ours.close()
-    served.join(10)
-    listener.close()
+    again = client.recv(protocol.daemon_reply_decoder)
+    assert isinstance(again, protocol.HelloOk) and again.id == 3
+    return reply
