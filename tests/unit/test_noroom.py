@@ -172,3 +172,26 @@ def test_a_ballast_on_another_file_system_is_kept(tmp_path: Path) -> None:
     assert made.release(dev + 1) is False and os.path.exists(made.path)
     assert made.release(dev) is True and not os.path.exists(made.path)  # the twin: the same one
     assert made.release(dev) is True  # freed already: a later move tries again too
+
+
+def test_a_move_aside_whose_way_was_swapped_for_a_symlink_touches_nothing_elsewhere(tmp_path: Path) -> None:
+    """Between the check's look and the move, a session swaps a directory on
+    the way for a symlink to a directory of the user's with a file of the
+    same name: the move is refused (ELOOP), and the user's file is neither
+    renamed nor made unreadable. The twin: the real directory's plant is
+    moved aside as always."""
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / ".envrc").write_text("the user's\n")
+    wt = tmp_path / "wt"
+    (wt / "sub").mkdir(parents=True)
+    (wt / "sub" / ".envrc").write_text("planted\n")
+    moved = fs.move_aside(str(wt / "sub" / ".envrc"))  # the twin
+    assert moved.startswith(f"{wt / 'sub' / '.envrc'}.quarantined-by-dispatchd-") and os.path.exists(moved)
+    (wt / "sub").rename(wt / "was")
+    (wt / "sub").symlink_to(users)
+    with pytest.raises(OSError) as refused:
+        fs.move_aside(str(wt / "sub" / ".envrc"))
+    assert refused.value.errno == errno.ELOOP
+    assert os.listdir(users) == [".envrc"] and (users / ".envrc").read_text() == "the user's\n"
+    assert stat.S_IMODE((users / ".envrc").stat().st_mode) != 0

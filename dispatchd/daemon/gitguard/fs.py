@@ -333,26 +333,37 @@ def move_aside(path: str) -> str:
     A parent the session made read-only (it is the user's, so ours) is made
     writable for us first. Raises OSError if it cannot be moved; the caller
     says so loudly (``noroom.Disarmed``: no room for the rename, and made
-    unreadable where it is)."""
-    parent = os.path.dirname(path)
-    return noroom.moved(lambda: _rename_aside(path), lambda: os.lstat(parent).st_dev,
-                        lambda: noroom.disarm_at(None, path))
+    unreadable where it is).
 
-
-def _rename_aside(path: str) -> str:
+    The parent is opened once and must be the very directory ``path``
+    names, no symlink on the way (``parent_at``): the rename, the chmod of a
+    read-only parent and the mode 000 of no room all go through that
+    descriptor. By path, a session that swapped a directory on the way for
+    a symlink between the check's look and the move (another session of a
+    repository shared with a linked worktree, at this one's end) had them
+    land on a name of the same kind in a directory of the user's elsewhere.
+    The paths given are the daemon's, built on resolved roots."""
     parent, name = os.path.split(path)
-    for _ in range(2):
-        dst = os.path.join(parent, aside_name(name))
-        try:
-            _rename(path, dst)
-            return dst
-        except PermissionError:
-            mode = os.lstat(parent).st_mode
-            if not stat.S_ISDIR(mode):
-                raise  # a symlink on the way: a chmod would follow it, out of the repository
-            os.chmod(parent, stat.S_IMODE(mode) | stat.S_IRWXU)
-    _rename(path, dst)  # once more, after the chmod: raises if it still fails
-    return dst
+    fd = parent_at(parent)
+    try:
+        return os.path.join(parent, move_aside_at(fd, name))
+    finally:
+        os.close(fd)
+
+
+def parent_at(parent: str) -> int:
+    """An ``O_PATH`` descriptor of the directory ``parent`` (absolute), only
+    when it is that very directory: a path through a symlink resolves to
+    another, which the descriptor's own path then names, and is refused
+    (ELOOP). Raises ``OSError``."""
+    fd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}") != os.path.normpath(parent):
+            raise OSError(errno.ELOOP, "a symlink on the way to it (a directory swapped for one?)", parent)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 _CHUNK = 3000  # bytes of a path one openat2 resolves (PATH_MAX is 4096; a name at most 255)
