@@ -239,3 +239,20 @@ def test_a_baseline_value_that_names_no_commit_is_said_and_not_failed(tmp_path: 
                                            f"is written back; left at {truth['refs/heads/feature'][:12]} "
                                            "(git reflog refs/heads/feature names what it held)")]
     assert git(repo, "rev-parse", "refs/heads/feature").strip() == truth["refs/heads/feature"]
+
+
+def test_a_lock_of_git_s_left_at_the_last_end_is_said_and_left(tmp_path: Path) -> None:
+    """``index.lock`` made while a session ran and still there at the last
+    end blocks the user's git: said, never removed (a ``git commit`` of the
+    user's, its editor open, holds the same lock). The twin: a lock that was
+    there before the baseline's look is not said again."""
+    repo, common, truth = _repo(tmp_path)
+    (repo / ".git" / "shallow.lock").write_text("")  # there before the look
+    kept = history.record(common, str(tmp_path / "keep"), own=[])
+    (repo / ".git" / "index.lock").write_text("")
+    done, failed = history.restore(kept)
+    assert failed == []
+    said = [(path, why) for path, why in done if path.endswith(".lock")]
+    assert said == [(f"{common}/index.lock", "git's lock, made while a session ran and still there: your git stops "
+                     "on it (`File exists`) until it is removed; remove it once no git of yours runs")]
+    assert (repo / ".git" / "index.lock").exists() and (repo / ".git" / "shallow.lock").exists()

@@ -291,6 +291,29 @@ def own_unheld_packs(histories: list[History], read_only: list[str]) -> None:
                                 f"({exc.strerror}); no session opened", kept.common) from exc
 
 
+# git's locks on the repository's own files, which git makes, holds for the
+# length of one command and removes: one still there at the last end blocks
+# the user's git on that file ("File exists") until removed by hand.
+_GIT_LOCKS = ("index.lock", "HEAD.lock", "packed-refs.lock", "config.lock", "shallow.lock", "ORIG_HEAD.lock")
+
+
+def left_locks(common: str, since_ns: int) -> list[tuple[str, str]]:
+    """Each of git's locks in ``common`` made since ``since_ns`` (the
+    baseline's look), said, never removed: a session's, left to block the
+    user's git, or a git of the user's running at this moment (``git commit``
+    holds ``index.lock`` while its editor is open) look the same."""
+    said = []
+    for name in _GIT_LOCKS:
+        path = os.path.join(common, name)
+        try:
+            if os.lstat(path).st_ctime_ns > since_ns:
+                said.append((path, "git's lock, made while a session ran and still there: your git stops on it "
+                                   "(`File exists`) until it is removed; remove it once no git of yours runs"))
+        except OSError:
+            continue
+    return said
+
+
 def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
     """Put back what the module says; returns ``(path or ref, why)`` for each
     thing put back, and what could not be (with why). ``in_place``: look for
@@ -307,6 +330,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
     done, failed = shown.clear(common)
     if failed:
         return done, failed
+    done += left_locks(common, history.stamped_ns)
     now_stamps = _stamps(objects)
     dirs = _changed(history.stamps, history.stamped_ns, now_stamps) if history.stamped_ns else set()
     # What a session did shows in a ctime (it began after the baseline's look), but for
