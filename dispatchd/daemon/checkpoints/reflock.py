@@ -15,8 +15,9 @@ Guarantees:
   (``reftemp.temp_name``'s shape) made ``O_EXCL | O_NOFOLLOW``, then
   hard-linked to ``NAME.lock`` (``link`` fails on an existing name, as
   ``O_EXCL`` does). So a lock a daemon killed mid-restore left has two names
-  where git's has one: the restore finished at the next start takes it
-  over (and the start's sweep removes a pair nobody took over), where it
+  where git's has one: the restore finished at the next start (no session
+  running: ``take_over``) takes it over (and the start's sweep removes a
+  pair nobody took over), where it
   used to be left, the branch at the session's commit and the user's git
   refused for good. A lock of one name, held by someone else (the user's
   git), is waited for briefly (``WAIT_S``), then refused, naming it: never
@@ -90,8 +91,12 @@ def open_dir(common_fd: int, rel: str, make: bool) -> int:
     return fd
 
 
-def take(common_fd: int, name: str, wait_s: float = WAIT_S) -> Held:
-    """``name``'s lock, as git takes it; ``Busy`` when another holds it past ``wait_s``."""
+def take(common_fd: int, name: str, wait_s: float = WAIT_S, *, take_over: bool = False) -> Held:
+    """``name``'s lock, as git takes it; ``Busy`` when another holds it past ``wait_s``.
+    ``take_over``: a lock with a second name is a killed restore's, removed
+    and made anew; only where no session runs (a restore finished at a
+    start), since a session's process can give a lock the user's git holds
+    a second name, and a live restore would then remove the user's lock."""
     rel, _, leaf = name.rpartition("/")
     dir_fd = open_dir(common_fd, rel, make=True)
     deadline = time.monotonic() + wait_s
@@ -108,7 +113,7 @@ def take(common_fd: int, name: str, wait_s: float = WAIT_S) -> Held:
             except FileExistsError:
                 try:
                     there = os.stat(f"{leaf}.lock", dir_fd=dir_fd, follow_symlinks=False)
-                    if stat.S_ISREG(there.st_mode) and there.st_nlink > 1:  # a killed restore's: taken over
+                    if take_over and stat.S_ISREG(there.st_mode) and there.st_nlink > 1:  # a killed restore's
                         os.unlink(f"{leaf}.lock", dir_fd=dir_fd)
                         continue
                 except FileNotFoundError:

@@ -204,8 +204,7 @@ class Baselines:
                 reftemp.sweep(kept.common, [*kept.refs, "HEAD"])
             self.recovered += found
             if failed:
-                for part in record.parts:
-                    self.tainted[part.root] = "; ".join(failed)
+                self._taint(domain, failed)  # bounded (failures_said), as an end's: one status, whatever the count
                 os.close(fd)  # the record stays: the next start checks again
             else:
                 self._drop(domain)

@@ -40,7 +40,7 @@ def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
                 # Under git's lock, as git deletes a ref: the value kept is
                 # the one the file holds then (a fetch of the user's may have
                 # written it since the read), and no git writes it meanwhile.
-                with reflock.held(common, name) as lock:
+                with reflock.held(common, name, move_left=False) as lock:
                     read = refvalues.read_text(path)
                     value = read.strip() if read is not None else value
                     if refvalues.writable(value):  # an id, or a symbolic ref: kept as it was

@@ -92,12 +92,17 @@ class Lock:
 
 
 @contextlib.contextmanager
-def held(common: str, name: str, value: str = "", wait_s: float | None = None) -> Iterator[Lock]:
+def held(common: str, name: str, value: str = "", wait_s: float | None = None, *,
+         move_left: bool = True) -> Iterator[Lock]:
     """``name``'s lock (``<common>/<name>.lock``) for the block, holding
     ``value`` (what ``Lock.commit`` makes the ref; "" for a lock taken to
     remove it); its directories made first (a file of a session's in the
     way moved aside, ``reftemp.make_room``). Raises ``Held`` when the lock
-    stays someone else's for ``wait_s`` (None: ``WAIT_S``).
+    stays someone else's for ``wait_s`` (None: ``WAIT_S``) and cannot be
+    moved aside, or ``move_left`` is False: ``packed-refs.lock`` (git's
+    ``pack-refs`` of many refs holds it for seconds, and its rename after a
+    takeover put back what the end took out) and a loose ref's lock taken
+    only to remove a ref a session made are waited for, never moved.
 
     The lock is made whole before it appears: the value is written and
     fsynced under a name of our own (``reftemp.temp_name``), which is then
@@ -116,7 +121,7 @@ def held(common: str, name: str, value: str = "", wait_s: float | None = None) -
         # stand-in for the daemon's death) leaves both names, as a death does.
         try:
             lock.moved = _take(dir_fd, tmp, leaf + ".lock", name, WAIT_S if wait_s is None else wait_s,
-                               path + ".lock", common)
+                               path + ".lock", common if move_left else "")
             try:
                 yield lock
             except Exception:
@@ -155,8 +160,8 @@ def _take(dir_fd: int, tmp: str, lock: str, name: str, wait_s: float, path: str,
             except FileNotFoundError:
                 continue  # released meanwhile
             if time.monotonic() >= deadline:
-                if moved:
-                    raise Held(name) from None  # one more in its place at once: someone's live git
+                if moved or not common:  # one more in its place at once (someone's live git), or not ours to move
+                    raise Held(name) from None
                 # Left: by a git killed, or a session (see the module). Out of
                 # refs/ (a name there is a ref to git: a broken one, or a branch
                 # holding what the session wrote), to the git directory's top.

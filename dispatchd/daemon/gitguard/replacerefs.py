@@ -209,7 +209,7 @@ def drop_packed(common: str, drop: set[bytes]) -> str:
     of refs it had just packed (a branch the user committed to, set back)."""
     path = os.path.join(common, "packed-refs")
     try:
-        with reflock.held(common, "packed-refs") as lock:
+        with reflock.held(common, "packed-refs", move_left=False) as lock:
             lines, why = packed_lines(common)
             if lines is None:
                 return f"{path}: {why or 'gone meanwhile'}; replacement refs could not be taken out"
