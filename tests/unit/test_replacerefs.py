@@ -278,3 +278,34 @@ def test_a_packed_refs_lock_the_user_s_git_holds_is_waited_for_and_never_moved(
                for f in failed), failed
     assert lock.read_text() == "git's\n"
     assert not any("packed-refs.lock.quarantined" in p.name for p in (repo / ".git").iterdir())
+
+
+def test_a_session_s_packed_ref_left_behind_a_held_lock_is_said_not_taken_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote-tracking ref a session made and packed, ``packed-refs.lock``
+    held by the user's git at the end: the failure names what could not be
+    taken out, and the ref is not also listed as taken out (the close said
+    both). The twin: the lock free, it is taken out and said so."""
+    from dispatchd.daemon.gitguard import reflock
+
+    for held in (True, False):
+        (tmp_path / ("held" if held else "free")).mkdir()
+        repo = _repo(tmp_path / ("held" if held else "free"))
+        kept = history.record(str(repo / ".git"), str(tmp_path / ("keep-held" if held else "keep-free")), own=[])
+        git(repo, "update-ref", "refs/remotes/origin/sx", "HEAD")
+        git(repo, "pack-refs", "--all")
+        lock = repo / ".git" / "packed-refs.lock"
+        if held:
+            lock.write_text("git's\n")
+        monkeypatch.setattr(reflock, "WAIT_S", 0.05)
+        done, failed = history.restore(kept)
+        names = [name for name, _ in done]
+        if held:
+            assert "refs/remotes/origin/sx" not in names, done
+            assert [f for f in failed if "packed-refs" in f] == [
+                f"{repo / '.git' / 'packed-refs'}: refs a session made there could not be taken out (git's lock "
+                "packed-refs.lock is held (your git is writing the ref, or left it))"], failed
+            lock.unlink()
+        else:
+            assert "refs/remotes/origin/sx" in names and failed == []
+            assert "refs/remotes/origin/sx" not in git(repo, "for-each-ref", "refs/remotes")

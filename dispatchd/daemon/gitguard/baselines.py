@@ -61,7 +61,7 @@ from dispatchd.statemodes import retried
 from dispatchd.daemon.gitguard import history, noroom, recordfiles, reftemp, reportlog, runnables, snapshots
 from dispatchd.daemon.gitguard.domain import Domain
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
-                                             failures_said, keep_outside, renew, unchecked)
+                                             drop_replaced, failures_said, ident_of, keep_outside, renew, unchecked)
 from dispatchd.daemon.gitguard.pending import Durable, remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
@@ -199,7 +199,8 @@ class Baselines:
             domain = Domain(record, fd)
             log.warning("event=baseline_recover domain=%s sessions=%s roots=%s", did, ",".join(record.sessions),
                         ",".join(p.root for p in record.parts))
-            failed, found = self._check(domain, final=True)
+            self.recovered += drop_replaced(record, time.time())  # a re-clone at its path: not this baseline's
+            failed, found = self._check(domain, final=True) if record.parts else ([], [])
             for kept in record.histories:
                 reftemp.sweep(kept.common, [*kept.refs, "HEAD"])
             self.recovered += found
@@ -244,7 +245,7 @@ class Baselines:
                     snapshot = keep_outside(snapshot, root, record.reach)
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
                             names=list(names), excluded=excluded, home=self.home, resolved_common=common,
-                            unwritten=not (record.writable or writable))
+                            unwritten=not (record.writable or writable), ident=ident_of(root, common))
                 record.parts.append(part)
                 add_history(record, part, self.keep_dir)
             if (writable or record.writable) and any(p.unwritten for p in record.parts):

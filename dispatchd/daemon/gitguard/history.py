@@ -295,6 +295,7 @@ def own_unheld_packs(histories: list[History], read_only: list[str]) -> None:
 # length of one command and removes: one still there at the last end blocks
 # the user's git on that file ("File exists") until removed by hand.
 _GIT_LOCKS = ("index.lock", "HEAD.lock", "packed-refs.lock", "config.lock", "shallow.lock", "ORIG_HEAD.lock")
+MOST_LOCKS_SAID = 20
 
 
 def left_locks(common: str, since_ns: int) -> list[tuple[str, str]]:
@@ -303,15 +304,20 @@ def left_locks(common: str, since_ns: int) -> list[tuple[str, str]]:
     user's git, or a git of the user's running at this moment (``git commit``
     holds ``index.lock`` while its editor is open) look the same."""
     said = []
-    for name in _GIT_LOCKS:
-        path = os.path.join(common, name)
+    paths = [os.path.join(common, name) for name in _GIT_LOCKS]
+    # A ref's (refs/heads/main.lock stops the user's next commit on main), ours aside (reftemp's).
+    for top, dirs, files in os.walk(os.path.join(common, "refs")):  # a symlinked directory is not entered
+        paths += [os.path.join(top, f) for f in files if f.endswith(".lock") and ".dispatchd-" not in f]
+        if len(paths) > 1000:
+            break
+    for path in paths:
         try:
             if os.lstat(path).st_ctime_ns > since_ns:
                 said.append((path, "git's lock, made while a session ran and still there: your git stops on it "
                                    "(`File exists`) until it is removed; remove it once no git of yours runs"))
         except OSError:
             continue
-    return said
+    return said[:MOST_LOCKS_SAID]
 
 
 def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:

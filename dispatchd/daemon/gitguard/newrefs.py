@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from dispatchd.daemon.gitguard import reflock, refvalues, reftemp
-from dispatchd.daemon.gitguard.replacerefs import drop_named
+from dispatchd.daemon.gitguard.replacerefs import drop_named, packed_names
 
 TAKEN = ("refs/remotes/", "refs/notes/", "refs/stash")
 
@@ -52,7 +52,9 @@ def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
             failed.append(f"{name}: {why}, cannot be taken out ({exc.strerror})")
             continue
         done.append((name, f"{why}; taken out (its value kept as refs/dispatchd/displaced/{stamp}/{name})"))
-    problem = drop_named(common, set(new))
-    if problem:
+    problem = drop_named(common, set(new), "refs a session made there")
+    if problem:  # those still packed were not taken out: said as failed, not as done
         failed.append(problem)
+        still = set(packed_names(common).values())
+        done = [(name, said) for name, said in done if name not in still]
     return done, failed

@@ -83,6 +83,10 @@ class Part(msgspec.Struct, frozen=True):
     # its baseline is taken again (``renew``) once one that can joins, or the
     # domain is merged with one that can.
     unwritten: bool = False
+    # The root's and its common directory's (device, inode) at the join: at a
+    # start, a worktree that is another directory now (removed and cloned
+    # anew at its path) is no longer this baseline's (``drop_replaced``).
+    ident: list[int] = []
 
     @property
     def related_common(self) -> str:
@@ -292,3 +296,36 @@ def common_of(root: str, layout: GitLayout) -> str:
     if layout.kind == "linked" and layout.readable:
         return os.path.realpath(layout.readable[0])
     return ""
+
+
+def ident_of(root: str, common: str) -> list[int]:
+    """``Part.ident`` of ``root`` and ``common`` ("" : none) as they are now; [] when one cannot be looked at."""
+    try:
+        st = os.stat(root)
+        cst = os.stat(common) if common else None
+    except OSError:
+        return []
+    return [st.st_dev, st.st_ino, *((cst.st_dev, cst.st_ino) if cst else ())]
+
+
+def drop_replaced(record: Record, now_t: float) -> list[Protected]:
+    """The parts of a dead daemon's ``record`` whose worktree is another
+    directory than at the join (``Part.ident``; a part of an older daemon's
+    record has none, and stays), taken out of it with their repository's
+    history, each said: checked against that baseline, a repository cloned
+    anew at the path had the old one's branches and objects written into it,
+    and the user's work in it taken for a session's. A worktree gone
+    altogether stays: its check says so."""
+    said: list[Protected] = []
+    for part in list(record.parts):
+        now = ident_of(part.root, part.common)
+        if not part.ident or not now or now == part.ident:
+            continue
+        record.parts.remove(part)
+        if part.common and not any(p.common == part.common for p in record.parts):
+            record.histories = [h for h in record.histories if h.common != part.common]
+        said.append(Protected(path=part.root, time=now_t, why=(
+            "another directory than at its baseline (removed, and made or cloned anew at its path): the baseline "
+            "a daemon that stopped kept of it was dropped, and nothing of it written here")))
+    return said
+

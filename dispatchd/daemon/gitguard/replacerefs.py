@@ -200,7 +200,7 @@ def packed_lines(common: str) -> tuple[list[bytes] | None, str]:
     return lines, ""
 
 
-def drop_packed(common: str, drop: set[bytes]) -> str:
+def drop_packed(common: str, drop: set[bytes], what: str = "replacement refs") -> str:
     """``packed-refs`` without the lines ``drop`` (and their peeled lines),
     which are kept in a file beside; "" when done, else why not. Read and
     written under git's ``packed-refs.lock`` (``reflock``), as git's own
@@ -212,7 +212,7 @@ def drop_packed(common: str, drop: set[bytes]) -> str:
         with reflock.held(common, "packed-refs", move_left=False) as lock:
             lines, why = packed_lines(common)
             if lines is None:
-                return f"{path}: {why or 'gone meanwhile'}; replacement refs could not be taken out"
+                return f"{path}: {why or 'gone meanwhile'}; {what} could not be taken out"
             kept: list[bytes] = []
             dropped: list[bytes] = []
             dropping = False
@@ -227,7 +227,7 @@ def drop_packed(common: str, drop: set[bytes]) -> str:
             lock.rewrite(_joined(kept), mode)
             lock.commit()
     except OSError as exc:  # reflock.Held among them: never written without the lock
-        return f"{path}: replacement refs could not be taken out ({exc.strerror})"
+        return f"{path}: {what} could not be taken out ({exc.strerror})"
     return ""
 
 
@@ -240,10 +240,10 @@ def packed_names(common: str) -> dict[bytes, str]:
             for line in packed_lines(common)[0] or []}
 
 
-def drop_named(common: str, names: set[str]) -> str:
+def drop_named(common: str, names: set[str], what: str = "replacement refs") -> str:
     """``packed-refs`` without the records of ``names`` (``drop_packed``)."""
     lines = {line for line, name in packed_names(common).items() if name in names}
-    return drop_packed(common, lines) if lines else ""
+    return drop_packed(common, lines, what) if lines else ""
 
 
 def _joined(lines: list[bytes]) -> bytes:
