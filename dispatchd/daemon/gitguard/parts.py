@@ -309,17 +309,20 @@ def ident_of(root: str, common: str) -> list[int]:
 
 
 def drop_replaced(record: Record, now_t: float) -> list[Protected]:
-    """The parts of a dead daemon's ``record`` whose worktree is another
-    directory than at the join (``Part.ident``; a part of an older daemon's
-    record has none, and stays), taken out of it with their repository's
-    history, each said: checked against that baseline, a repository cloned
+    """The parts of a dead daemon's ``record`` whose worktree's root is
+    another directory than at the join (``Part.ident``; a part of an older
+    daemon's record has none, and stays), taken out of it with their
+    repository's history, each said: checked against that baseline, a repository cloned
     anew at the path had the old one's branches and objects written into it,
     and the user's work in it taken for a session's. A worktree gone
     altogether stays: its check says so."""
     said: list[Protected] = []
     for part in list(record.parts):
-        now = ident_of(part.root, part.common)
-        if not part.ident or not now or now == part.ident:
+        # The root alone decides: renaming it needs its parent, which no
+        # session can write, where a session can swap its repository's ``.git``
+        # for a copy (a new inode), and would then have the check dropped.
+        now = ident_of(part.root, "")
+        if len(part.ident) < 2 or not now or now[:2] == part.ident[:2]:
             continue
         record.parts.remove(part)
         if part.common and not any(p.common == part.common for p in record.parts):
