@@ -245,7 +245,7 @@ class Baselines:
                     snapshot = keep_outside(snapshot, root, record.reach)
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
                             names=list(names), excluded=excluded, home=self.home, resolved_common=common,
-                            unwritten=not (record.writable or writable), ident=ident_of(root, common))
+                            unwritten=not (record.writable or writable), ident=ident_of(root))
                 record.parts.append(part)
                 add_history(record, part, self.keep_dir)
             if (writable or record.writable) and any(p.unwritten for p in record.parts):

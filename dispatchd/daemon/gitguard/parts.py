@@ -11,8 +11,10 @@ walk over its bounds, is returned as a failure (the caller fails closed).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import struct
 
 import msgspec
 
@@ -83,9 +85,9 @@ class Part(msgspec.Struct, frozen=True):
     # its baseline is taken again (``renew``) once one that can joins, or the
     # domain is merged with one that can.
     unwritten: bool = False
-    # The root's and its common directory's (device, inode) at the join: at a
-    # start, a worktree that is another directory now (removed and cloned
-    # anew at its path) is no longer this baseline's (``drop_replaced``).
+    # The root's device, inode and inode generation at the join: at a start,
+    # a worktree that is another directory now (removed and cloned anew at
+    # its path) is no longer this baseline's (``drop_replaced``).
     ident: list[int] = []
 
     @property
@@ -298,14 +300,28 @@ def common_of(root: str, layout: GitLayout) -> str:
     return ""
 
 
-def ident_of(root: str, common: str) -> list[int]:
-    """``Part.ident`` of ``root`` and ``common`` ("" : none) as they are now; [] when one cannot be looked at."""
+def ident_of(root: str) -> list[int]:
+    """``Part.ident`` of the directory ``root`` as it is now: its device,
+    inode and the inode's generation (``FS_IOC_GETVERSION``; 0 where the
+    file system keeps none): ext4 gives a directory removed and made anew
+    at once (``rm -rf`` and ``git clone``) the inode number it freed, and a
+    new generation. [] when it cannot be looked at."""
     try:
-        st = os.stat(root)
-        cst = os.stat(common) if common else None
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return []
-    return [st.st_dev, st.st_ino, *((cst.st_dev, cst.st_ino) if cst else ())]
+    try:
+        st = os.fstat(fd)
+        try:
+            generation = struct.unpack("l", fcntl.ioctl(fd, _FS_IOC_GETVERSION, bytes(8)))[0]
+        except OSError:
+            generation = 0
+    finally:
+        os.close(fd)
+    return [st.st_dev, st.st_ino, generation]
+
+
+_FS_IOC_GETVERSION = 0x80087601  # _IOR('v', 1, long)
 
 
 def drop_replaced(record: Record, now_t: float) -> list[Protected]:
@@ -321,8 +337,8 @@ def drop_replaced(record: Record, now_t: float) -> list[Protected]:
         # The root alone decides: renaming it needs its parent, which no
         # session can write, where a session can swap its repository's ``.git``
         # for a copy (a new inode), and would then have the check dropped.
-        now = ident_of(part.root, "")
-        if len(part.ident) < 2 or not now or now[:2] == part.ident[:2]:
+        now = ident_of(part.root)
+        if len(part.ident) != 3 or not now or now == part.ident:
             continue
         record.parts.remove(part)
         if part.common and not any(p.common == part.common for p in record.parts):
