@@ -178,7 +178,8 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
         if item.why.startswith("NOT checked whole"):
             say(f"refused worktree: {item.path}: {item.why}")
         else:
-            say(f"at start, after a daemon that died: {item.path}: {item.why}")
+            # A record is left by a daemon that stopped, or by a check that could not finish.
+            say(f"at start, after a daemon that stopped or a check that failed: {item.path}: {item.why}")
 
 
 def _print_session(s: protocol.SessionInfo, say: Callable[[str], None]) -> None:
