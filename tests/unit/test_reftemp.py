@@ -73,12 +73,18 @@ def test_a_put_back_cut_short_leaves_files_git_lists_as_no_ref_and_the_next_put_
     assert _refs(repo) == ["refs/heads/main", "refs/heads/main.dispatchd-1.tmp", "refs/heads/other"]
 
 
-def test_a_start_removes_what_a_put_back_cut_short_left_and_nothing_else(tmp_path: Path) -> None:
+def _joined(tmp_path: Path) -> tuple[Path, str, baselines.Baselines]:
+    """A repository, its HEAD, and a daemon's baselines that joined a session on it (to be closed as dead)."""
     repo, head = _repo(tmp_path / "repo")
     dead = baselines.Baselines(str(tmp_path / "state"))
     layout = layouts.inspect_git(str(repo), uid=os.getuid())
     dead.join("s", str(repo), layout, snapshots.take(str(repo), layout),
               redirects.redirects_present(layout, str(repo)), ())
+    return repo, head, dead
+
+
+def test_a_start_removes_what_a_put_back_cut_short_left_and_nothing_else(tmp_path: Path) -> None:
+    repo, head, dead = _joined(tmp_path)
     heads = repo / ".git" / "refs" / "heads"
     ours = heads / "main.dispatchd-0123456789abcdef.lock"
     ours.write_text(head + "\n")
@@ -168,11 +174,7 @@ def test_a_start_removes_a_ref_lock_a_killed_end_left_with_its_second_name(tmp_p
     the branch again. The start's sweep removes both. The twin: a lock of
     git's own (one name) is left, and so is a lock that is another file than
     a temporary's second name (the temporary itself goes: a name of ours)."""
-    repo, head = _repo(tmp_path / "repo")
-    dead = baselines.Baselines(str(tmp_path / "state"))
-    layout = layouts.inspect_git(str(repo), uid=os.getuid())
-    dead.join("s", str(repo), layout, snapshots.take(str(repo), layout),
-              redirects.redirects_present(layout, str(repo)), ())
+    repo, head, dead = _joined(tmp_path)
     heads = repo / ".git" / "refs" / "heads"
     (heads / "side.dispatchd-0123456789abcdef.lock").write_text(head + "\n")
     os.link(heads / "side.dispatchd-0123456789abcdef.lock", heads / "side.lock")
