@@ -196,7 +196,7 @@ def test_the_value_replaced_is_the_one_git_has_under_the_lock_and_is_kept(
 
     monkeypatch.setattr(reflock, "_take", take)
     done, failed = history.restore(kept)
-    assert failed == [] and dict(done)["refs/heads/feature"].startswith(f"moved forward")  # users descends from the baseline
+    assert failed == [] and dict(done)["refs/heads/feature"].startswith("moved forward")  # users descends from the baseline
     assert git(repo, "rev-parse", "refs/heads/feature").strip() == users  # a fast-forward is kept, never written over
 
 
