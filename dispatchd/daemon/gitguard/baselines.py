@@ -179,6 +179,7 @@ class Baselines:
         except FileNotFoundError:
             return []
         remove_strays(self.dir, names)  # killed daemons' temporary records and lone locks; no live daemon's
+        reach = recordfiles.reach_of_all(self.dir, names)  # all that sessions could write: parts.drop_replaced
         for name in names:
             if not name.endswith(".json"):
                 continue
@@ -199,7 +200,7 @@ class Baselines:
             domain = Domain(record, fd)
             log.warning("event=baseline_recover domain=%s sessions=%s roots=%s", did, ",".join(record.sessions),
                         ",".join(p.root for p in record.parts))
-            self.recovered += drop_replaced(record, time.time())  # a re-clone at its path: not this baseline's
+            self.recovered += drop_replaced(record, time.time(), reach)  # a re-clone at its path: not its baseline
             failed, found = self._check(domain, final=True) if record.parts else ([], [])
             for kept in record.histories:
                 reftemp.sweep(kept.common, [*kept.refs, "HEAD"])
@@ -267,8 +268,7 @@ class Baselines:
                 self._by_session[sid] = domain
                 self._joined_at[sid] = domain.reports.end
         except BaseException:
-            # Whatever failed, the session never joined: a domain that kept its id was never
-            # discarded, and every later open of the worktree failed the same way, until a restart.
+            # Whatever failed, the session never joined (a domain keeping its id failed every later open).
             if sid in domain.record.sessions:
                 domain.record.sessions.remove(sid)
             self._discard_if_empty(domain)

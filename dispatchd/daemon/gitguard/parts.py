@@ -324,7 +324,7 @@ def ident_of(root: str) -> list[int]:
 _FS_IOC_GETVERSION = 0x80087601  # _IOR('v', 1, long)
 
 
-def drop_replaced(record: Record, now_t: float) -> list[Protected]:
+def drop_replaced(record: Record, now_t: float, reach: list[str] | None) -> list[Protected]:
     """The parts of a dead daemon's ``record`` whose worktree's root is
     another directory than at the join (``Part.ident``; a part of an older
     daemon's record has none, and stays), taken out of it with their
@@ -333,15 +333,17 @@ def drop_replaced(record: Record, now_t: float) -> list[Protected]:
     and the user's work in it taken for a session's. A worktree gone
     altogether stays: its check says so."""
     said: list[Protected] = []
-    if record.reach is None:  # what the sessions could write is not known (an older record): none dropped
+    if record.reach is None or reach is None:  # what sessions could write is not known (an older record): none
         return said
+    writable = [*record.reach, *reach]  # ``reach``: every record's of the state directory (recordfiles.reach_of_all)
     for part in list(record.parts):
-        # The root alone decides, and only one whose parent no session of
-        # the domain could write: a session can swap a repository's ``.git``
-        # for a copy (a new inode), or, on a worktree around another one's
-        # (a part inside its part, or a policy's read_write path above a
-        # root), that worktree itself, and would then have the check dropped.
-        if any(is_within(os.path.dirname(part.root), r) for r in record.reach):
+        # The root alone decides, and only one whose parent no session could
+        # write (of its domain, or of any other whose record is on disk): a
+        # session can swap a repository's ``.git`` for a copy (a new inode),
+        # or, on a worktree around another one's (a part inside its part, or
+        # a policy's read_write path above a root, in another domain too),
+        # that worktree itself, and would then have the check dropped.
+        if any(is_within(os.path.dirname(part.root), r) for r in writable):
             continue
         now = ident_of(part.root)
         if len(part.ident) != 3 or not now or now == part.ident:

@@ -36,6 +36,29 @@ def read(path: str) -> Record:
         return recordjson.decode(f.read(), Record)
 
 
+def reach_of_all(top: str, names: list[str]) -> list[str] | None:
+    """What the sessions of every record in ``top`` (``names``: its listing)
+    could write, all together; None when one record cannot be read, or is
+    an older daemon's that does not say (``Record.reach``). A start's check
+    asks it of a worktree whose root was replaced (``parts.drop_replaced``):
+    a session of another domain, whose policy's ``read_write`` covers that
+    root's parent, could have replaced it, and would have the check dropped."""
+    reach: set[str] = set()
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            record = read(os.path.join(top, name))
+        except FileNotFoundError:
+            continue  # removed since the listing (a stray, or a domain that ended)
+        except (OSError, msgspec.DecodeError):
+            return None
+        if record.reach is None:
+            return None
+        reach.update(record.reach)
+    return sorted(reach)
+
+
 def lock(top: str, did: str, blocking: bool = False) -> int | None:
     """Domain ``did``'s lock in ``top``, taken (``LOCK_EX``): its
     descriptor, or None when another holds it. ``blocking``: a new domain,
