@@ -106,20 +106,28 @@ def _stack_processes(daemon: Daemon) -> list[psutil.Process]:
     return [p for p in psutil.Process(daemon.proc.pid).children(recursive=True) if p.name() == "slirp4netns"]
 
 
+def _stand_in(tmp_path: Path, source: str, *defines: str) -> Path:
+    """A stand-in for slirp4netns built from ``source`` (C, running the real
+    one as REAL) as ``tmp_path/bin/slirp4netns``; returns that ``bin``.
+    Skipped where slirp4netns or gcc is missing (./scripts/test installs both)."""
+    real = shutil.which("slirp4netns")
+    if real is None or shutil.which("gcc") is None:
+        pytest.skip("needs slirp4netns and gcc (./scripts/test installs both)")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "stand_in.c").write_text(source)
+    subprocess.run(["gcc", "-O0", f'-DREAL="{os.path.realpath(real)}"', *defines, "-o",
+                    str(tmp_path / "bin" / "slirp4netns"), str(tmp_path / "stand_in.c")], check=True)
+    return tmp_path / "bin"
+
+
 @pytest.mark.parametrize("stack", ["forks", "does not fork"])
 def test_a_switch_to_off_leaves_no_way_out_when_the_stack_forked(stack: str, tmp_path: Path, worktree: Path,
                                                                   greeter: Greeter) -> None:
     _refuse_root()
-    real = shutil.which("slirp4netns")
-    if real is None or shutil.which("gcc") is None:
-        pytest.skip("needs slirp4netns and gcc (./scripts/test installs both)")
+    built = _stand_in(tmp_path, _FORKING_STACK)  # for both alike: the twin's PATH leaves it out
     path = os.environ["PATH"]
     if stack == "forks":
-        (tmp_path / "bin").mkdir()
-        (tmp_path / "stack.c").write_text(_FORKING_STACK)
-        subprocess.run(["gcc", "-O0", f'-DREAL="{os.path.realpath(real)}"', "-o", str(tmp_path / "bin" / "slirp4netns"),
-                        str(tmp_path / "stack.c")], check=True)
-        path = f"{tmp_path / 'bin'}:{path}"
+        path = f"{built}:{path}"
     (tmp_path / "d").mkdir()
     d = Daemon(tmp_path / "d", "--network-stack", "slirp4netns", "--pool", "0", prefix=("env", f"PATH={path}"))
     try:
@@ -187,14 +195,7 @@ def test_a_stack_s_fork_chain_ends_all_of_it(end: str, tmp_path: Path, worktree:
     The twin: the real slirp4netns's switch (above), and the chain's beacons
     arriving while the session is on."""
     _refuse_root()
-    real = shutil.which("slirp4netns")
-    if real is None or shutil.which("gcc") is None:
-        pytest.skip("needs slirp4netns and gcc (./scripts/test installs both)")
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "chain.c").write_text(_CHAIN_STACK)
-    binary = tmp_path / "bin" / "slirp4netns"
-    subprocess.run(["gcc", "-O0", f'-DREAL="{os.path.realpath(real)}"', f"-DBEACON={greeter.port}", "-o", str(binary),
-                    str(tmp_path / "chain.c")], check=True)
+    binary = _stand_in(tmp_path, _CHAIN_STACK, f"-DBEACON={greeter.port}") / "slirp4netns"
     (tmp_path / "d").mkdir()
     d = Daemon(tmp_path / "d", "--network-stack", "slirp4netns", "--pool", "0",
                prefix=("env", f"PATH={tmp_path / 'bin'}:{os.environ['PATH']}"))
@@ -344,13 +345,7 @@ def test_a_switch_to_off_that_finds_an_interface_still_up_ends_the_session(tmp_p
     twin is the real slirp4netns's switch, which passes the same look
     (``test_a_switch_to_off_leaves_no_way_out_when_the_stack_forked``)."""
     _refuse_root()
-    real = shutil.which("slirp4netns")
-    if real is None or shutil.which("gcc") is None:
-        pytest.skip("needs slirp4netns and gcc (./scripts/test installs both)")
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "stack.c").write_text(_PERSISTING_STACK)
-    subprocess.run(["gcc", "-O0", f'-DREAL="{os.path.realpath(real)}"', "-o", str(tmp_path / "bin" / "slirp4netns"),
-                    str(tmp_path / "stack.c")], check=True)
+    _stand_in(tmp_path, _PERSISTING_STACK)
     (tmp_path / "d").mkdir()
     d = Daemon(tmp_path / "d", "--network-stack", "slirp4netns", "--pool", "0",
                prefix=("env", f"PATH={tmp_path / 'bin'}:{os.environ['PATH']}"))
