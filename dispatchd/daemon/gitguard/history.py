@@ -306,9 +306,10 @@ def left_locks(common: str, since_ns: int) -> list[tuple[str, str]]:
     said = []
     paths = [os.path.join(common, name) for name in _GIT_LOCKS]
     # A ref's (refs/heads/main.lock stops the user's next commit on main), ours aside (reftemp's).
-    for top, dirs, files in os.walk(os.path.join(common, "refs")):  # a symlinked directory is not entered
+    # Bounded in directories and names: a session can make refs/ as large as it likes, and this is a close's path.
+    for seen, (top, _, files) in enumerate(os.walk(os.path.join(common, "refs"))):  # no symlinked directory entered
         paths += [os.path.join(top, f) for f in files if f.endswith(".lock") and ".dispatchd-" not in f]
-        if len(paths) > 1000:
+        if len(paths) > 1000 or seen >= 10_000:
             break
     for path in paths:
         try:
