@@ -103,9 +103,9 @@ def test_another_sessions_root_swapped_for_a_link_into_the_objects_runs_nothing(
     inner = client.open_session(str(repo / "pkg"))
     try:
         with client.open_session(str(repo)) as outer:
-            r = shell(outer, "mv pkg .git/objects/a0 && ln -s .git/objects/a0 pkg && cd .git/objects && "
+            r = shell(outer, "mv pkg .git/objects/moved && ln -s .git/objects/moved pkg && cd .git/objects && "
                              "echo 'ref: refs/heads/main' > HEAD && mkdir -p refs objects && "
-                             f"printf '[core]\\n\\trepositoryformatversion = 0\\n\\tworktree = a0\\n"
+                             f"printf '[core]\\n\\trepositoryformatversion = 0\\n\\tworktree = moved\\n"
                              f"\\tfsmonitor = \"touch {marker}\"\\n' > config && echo made")
             assert r.output == "made\n", r
     finally:
@@ -119,9 +119,9 @@ def test_another_sessions_root_swapped_for_a_link_into_the_objects_runs_nothing(
 
 def test_control_a_root_swapped_for_a_link_into_the_objects_runs_for_the_user(repo: Path, tmp_path: Path) -> None:
     marker = tmp_path / "ran"
-    subprocess.run(["bash", "-c", "mv pkg .git/objects/a0 && ln -s .git/objects/a0 pkg && cd .git/objects && "
+    subprocess.run(["bash", "-c", "mv pkg .git/objects/moved && ln -s .git/objects/moved pkg && cd .git/objects && "
                                   "echo 'ref: refs/heads/main' > HEAD && mkdir -p refs objects && "
-                                  f"printf '[core]\\n\\trepositoryformatversion = 0\\n\\tworktree = a0\\n"
+                                  f"printf '[core]\\n\\trepositoryformatversion = 0\\n\\tworktree = moved\\n"
                                   f"\\tfsmonitor = \"touch {marker}\"\\n' > config"], cwd=repo, check=True)
     git(repo / "pkg", "status", check=False)
     assert marker.exists()
