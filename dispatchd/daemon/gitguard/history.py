@@ -23,7 +23,8 @@ found by its ctime and put back from the keep's own bytes
 (``replaced.find_rewritten``); a pack the session holds read-only cannot
 be; one given a second name is made the repository's own again
 (``packlinks.py``). A new pack naming the user's objects at other bytes is
-moved aside (``newpacks.py``). What it does not protect: reflogs; other
+moved aside (``newpacks.py``). The stash list is put back (``stashlog.py``).
+What it does not protect: the other reflogs; other
 worktrees' HEADs (the user's own checkouts there look the same).
 """
 
@@ -38,8 +39,8 @@ import msgspec
 
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import (clones, derived, fs, keepdirs, keeps, newloose, newpacks, objectdirs,
-                                       objectstore, packed, packlinks, refsback, refvalues, replacerefs, replaced,
-                                       shadows, shown, viewfiles)
+                                       objectstore, packed, packlinks, refsback, reftemp, refvalues, replacerefs,
+                                       replaced, shadows, shown, stashlog, viewfiles)
 from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
@@ -66,6 +67,7 @@ class History(msgspec.Struct, frozen=True):
     view_stamps: dict[str, list[int] | None] | None = None  # the commit-graph and the like (viewfiles.py)
     pack_links: dict[str, int] | None = None  # each pack file -> its names, the keep's included (packlinks.py)
     shadows: list[str] | None = None  # what stood in front of the refs' short names (shadows.py; None: older)
+    stash_log: stashlog.Kept | None = None  # the stash list (stashlog.py; None: not kept, or an older record)
 
 
 _RACY_NS = 50_000_000  # a directory changed this close before a look is listed whatever its ctime says
@@ -205,6 +207,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     ``held``: the pack files the session holds read-only (``layouts.held_packs``;
     None: all of them); the others are kept as copies of their own."""
     refs = refsback.read_refs(common)
+    stashes, unkept = stashlog.read(common)
     replacing = replacerefs.read(common)
     head = refvalues.read_text(os.path.join(common, "HEAD")) or ""  # a branch not UTF-8 named whole
     objects = os.path.join(common, "objects")
@@ -214,7 +217,8 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
         # A symlink (a session's): its target's two-letter directories would be
         # linked into the keep, and put back into the repository from there.
         return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep="",
-                       note="object files not kept: objects is not a directory (a symlink?)",
+                       note="; ".join(filter(None, ["object files not kept: objects is not a directory (a symlink?)",
+                                                    unkept])), stash_log=stashes,
                        replaces=replacing.loose, replaces_packed=replacing.packed, views=viewfiles.read(common),
                        view_stamps=viewfiles.read_stamps(common), shadows=shadows.present(common, list(refs)))
     stamps = _stamps(objects)
@@ -264,7 +268,8 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     except OSError as exc:
         note = f"object files not kept: {exc.strerror}"
         keep = ""
-    return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep, note=note,
+    return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep,
+                   note="; ".join(filter(None, [note, unkept])), stash_log=stashes,
                    stamps=stamps, stamped_ns=stamped_ns, replaces=replacing.loose,
                    replaces_packed=replacing.packed, views=viewfiles.read(common),
                    view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects),
@@ -461,5 +466,6 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         failed.append(f"{common}: the check of the object indexes failed: {exc!r}")
     moved, bad = refsback.put_back(common, history.refs, history.own, history.head, history.shadows,
                                    borrowed(history))
-    return done + moved, failed + bad
+    listed, unlisted = stashlog.put_back(common, history.stash_log, reftemp.stamp())  # once refs/stash is back
+    return done + moved + listed, failed + bad + unlisted
 

@@ -1,0 +1,144 @@
+"""The user's stash list kept across a session (``gitguard/stashlog.py``):
+``git stash list`` reads only the reflog ``logs/refs/stash``, each line the
+one name of a stash's work. A session's ``git stash clear`` left the end's
+put-back ``refs/stash`` beside an empty list, the user's stashes below the
+top unreachable. Each case beside its twin, the user's own git reading the
+result."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dispatchd import recordjson
+from dispatchd.daemon.gitguard import history, stashlog
+from tests.unit.gitrepo import git, make_repo
+
+pytestmark = pytest.mark.process
+
+
+def _stashed(tmp_path: Path, n: int = 3) -> Path:
+    """A repository with ``n`` stashes of the user's, ``mine 0`` the oldest."""
+    repo = make_repo(tmp_path / "r")
+    for i in range(n):
+        (repo / f"s{i}.txt").write_text(f"stash {i}\n")
+        git(repo, "add", f"s{i}.txt")
+        git(repo, "stash", "push", "-q", "-m", f"mine {i}")
+    return repo
+
+
+def _listed(repo: Path) -> list[str]:
+    return git(repo, "stash", "list", "--format=%gs").splitlines()
+
+
+def _end(tmp_path: Path, kept: history.History) -> tuple[list[tuple[str, str]], list[str]]:
+    done, failed = history.restore(kept)
+    return [(n, why) for n, why in done if n == stashlog.LOG], failed
+
+
+@pytest.mark.parametrize("session", [["stash", "clear"], ["stash", "drop", "-q", "stash@{1}"],
+                                     ["reflog", "expire", "--expire=now", "--expire-unreachable=now", "--all"]])
+def test_a_stash_list_a_session_empties_or_cuts_is_put_back_whole(tmp_path: Path, session: list[str]) -> None:
+    repo = _stashed(tmp_path)
+    before = _listed(repo)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    git(repo, *session)
+    assert _listed(repo) != before
+    said, failed = _end(tmp_path, kept)
+    assert not failed and _listed(repo) == before == ["On master: mine 2", "On master: mine 1", "On master: mine 0"]
+    gone = 1 if session[1] == "drop" else 3
+    said_first = f"the stash list: {gone} of your stashes taken out of it by a session; put back as it was"
+    if session[1] == "clear":  # the log removed with the ref: nothing to move out
+        assert said == [(stashlog.LOG, said_first)]
+    else:
+        assert said[0][1].startswith(said_first + "; the list found moved to stash-log.quarantined-by-dispatchd-")
+    git(repo, "stash", "apply", "-q", "stash@{2}")  # the oldest applies: its work is there
+    assert (repo / "s0.txt").read_text() == "stash 0\n"
+    assert not [n for n in os.listdir(repo / ".git" / "logs" / "refs") if n != "heads" and n != "stash"]
+
+
+def test_a_stash_list_a_session_reads_only_is_left_as_it_is(tmp_path: Path) -> None:
+    """The twin: the list shown and applied, never dropped: nothing said, nothing moved."""
+    repo = _stashed(tmp_path)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    log = (repo / ".git" / stashlog.LOG).stat()
+    git(repo, "stash", "show", "stash@{1}")
+    git(repo, "stash", "apply", "-q", "stash@{1}")
+    assert _end(tmp_path, kept) == ([], [])
+    assert (repo / ".git" / stashlog.LOG).stat().st_ino == log.st_ino
+    assert [n for n in os.listdir(repo / ".git") if n.startswith("stash-log")] == []
+
+
+def test_a_stash_made_by_a_session_is_kept_as_a_ref_and_the_list_is_the_user_s(tmp_path: Path) -> None:
+    repo = _stashed(tmp_path, 2)
+    before = _listed(repo)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / "agent.txt").write_text("the agent's\n")
+    git(repo, "add", "agent.txt")
+    git(repo, "stash", "push", "-q", "-m", "the session's")
+    said, failed = _end(tmp_path, kept)
+    assert not failed and _listed(repo) == before
+    assert git(repo, "rev-parse", "refs/stash").strip() == git(repo, "rev-parse", "stash@{0}").strip()
+    name = said[0][1].split("(git stash apply ")[1].split(")")[0]
+    assert name.startswith("refs/dispatchd/displaced/") and name.endswith("/stash-entries/0"), said
+    assert said[0][1].startswith("the stash list: changed by a session; put back as it was; 1 stashes made since "
+                                 f"kept as {name[:-2]}/N"), said
+    git(repo, "stash", "apply", "-q", name)
+    assert (repo / "agent.txt").read_text() == "the agent's\n"
+
+
+def test_a_first_stash_list_a_session_made_is_taken_out_and_its_stash_kept(tmp_path: Path) -> None:
+    """No stash at the baseline: the session's ``refs/stash`` is taken out
+    (``newrefs``) and its list with it, else the user's next ``git stash``
+    showed the session's below it, for ``git stash pop`` to apply."""
+    repo = make_repo(tmp_path / "r")
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert kept.stash_log == stashlog.Kept(present=False)
+    (repo / "agent.txt").write_text("the agent's\n")
+    git(repo, "add", "agent.txt")
+    git(repo, "stash", "push", "-q", "-m", "the session's")
+    said, failed = _end(tmp_path, kept)
+    assert not failed and not (repo / ".git" / stashlog.LOG).exists(), said
+    assert said[0][1].startswith("the stash list: changed by a session; taken out (there was none); 1 stashes"), said
+    (repo / "mine.txt").write_text("mine\n")
+    git(repo, "add", "mine.txt")
+    git(repo, "stash", "push", "-q", "-m", "mine")
+    assert _listed(repo) == ["On master: mine"]
+
+
+def test_a_stash_list_swapped_for_a_symlink_is_moved_out_not_followed(tmp_path: Path) -> None:
+    repo = _stashed(tmp_path, 2)
+    before = _listed(repo)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    target = tmp_path / "users-file"
+    target.write_text("the user's\n")
+    log = repo / ".git" / stashlog.LOG
+    log.unlink()
+    log.symlink_to(target)
+    said, failed = _end(tmp_path, kept)
+    assert not failed and _listed(repo) == before
+    assert said[0][1].startswith(f"the stash list: {stashlog.LOG} is a symlink; put back as it was; the list found "
+                                 "moved to stash-log.quarantined-by-dispatchd-"), said
+    assert target.read_text() == "the user's\n" and not log.is_symlink()
+    moved = [n for n in os.listdir(repo / ".git") if n.startswith("stash-log")]
+    assert len(moved) == 1 and (repo / ".git" / moved[0]).is_symlink()
+
+
+def test_a_stash_list_past_the_bound_is_not_kept_and_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = _stashed(tmp_path, 2)
+    monkeypatch.setattr(stashlog, "MAX_BYTES", 100)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert kept.stash_log is None and kept.note == f"the stash list not kept: {stashlog.LOG} is larger than 0 MiB"
+    git(repo, "stash", "clear")
+    assert _end(tmp_path, kept) == ([], [])
+
+
+def test_the_kept_list_survives_the_record_on_disk_and_an_older_record_reads_as_none(tmp_path: Path) -> None:
+    repo = _stashed(tmp_path, 1)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    assert recordjson.decode(recordjson.encode(kept), history.History) == kept
+    assert kept.stash_log is not None and kept.stash_log.data == (repo / ".git" / stashlog.LOG).read_bytes()
+    older = recordjson.encode(kept).replace(b',"stash_log":', b',"unused":')
+    assert recordjson.decode(older, history.History).stash_log is None
