@@ -11,15 +11,15 @@ that commit had just renamed into place.
 Guarantees:
 - ``take`` makes ``NAME.lock`` in the ref's directory, reached below the
   repository's descriptor without following a symlink (``open_beneath``;
-  missing directories made as git makes them): a temporary name of ours
-  (``reftemp.temp_name``'s shape) made ``O_EXCL | O_NOFOLLOW``, then
-  hard-linked to ``NAME.lock`` (``link`` fails on an existing name, as
-  ``O_EXCL`` does). So a lock a daemon killed mid-restore left has two names
-  where git's has one: the restore finished at the next start (no session
-  running: ``take_over``) takes it over (and the start's sweep removes a
-  pair nobody took over), where it
-  used to be left, the branch at the session's commit and the user's git
-  refused for good. A lock of one name, held by someone else (the user's
+  missing directories made as git makes them) as ``lockfile`` makes every
+  lock of the daemon's: a temporary name of ours made ``O_EXCL |
+  O_NOFOLLOW``, then hard-linked to ``NAME.lock`` (``link`` fails on an
+  existing name, as ``O_EXCL`` does). So a lock a daemon killed
+  mid-restore left has two names where git's has one: the restore finished
+  at the next start (no session running: ``take_over``) takes it over (and
+  the start's sweep removes a pair nobody took over), where it used to be
+  left, the branch at the session's commit and the user's git refused for
+  good. A lock of one name, held by someone else (the user's
   git), is waited for briefly (``WAIT_S``), then refused, naming it: never
   taken over, never removed;
 - what is read with the lock held (``value``) is the ref's value no git
@@ -35,14 +35,12 @@ import contextlib
 import errno
 import os
 import stat
-import time
 from dataclasses import dataclass
 
 from dispatchd.confine._sys import open_beneath
-from dispatchd.daemon.gitguard import reftemp, refvalues
+from dispatchd.daemon.gitguard import lockfile, refvalues
 
 WAIT_S = 1.0  # a lock of the user's git held longer than this: the ref is left, and said
-_STEP_S = 0.02
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _MAX_PACKED = 64 * 1024 * 1024
@@ -54,17 +52,13 @@ class Busy(Exception):
 
 @dataclass
 class Held:
-    """A lock this took: ``NAME.lock`` in the directory ``dir_fd``."""
+    """A lock this took: ``NAME.lock`` in the directory ``dir_fd`` (ours,
+    closed once the lock is let go or committed)."""
 
     name: str  # the ref's name below the repository ("refs/heads/main", "HEAD", "packed-refs")
     dir_fd: int
     leaf: str
-    ident: tuple[int, int]  # the lock file's device and inode
-    second: str = ""  # the lock's other name, ours, removed once the lock is let go or committed
-
-    @property
-    def lock_leaf(self) -> str:
-        return f"{self.leaf}.lock"
+    taken: lockfile.Lock  # the lock itself, with its second name of ours
 
 
 def open_dir(common_fd: int, rel: str, make: bool) -> int:
@@ -99,85 +93,40 @@ def take(common_fd: int, name: str, wait_s: float = WAIT_S, *, take_over: bool =
     a second name, and a live restore would then remove the user's lock."""
     rel, _, leaf = name.rpartition("/")
     dir_fd = open_dir(common_fd, rel, make=True)
-    deadline = time.monotonic() + wait_s
-    second = ""
     try:
-        second = os.path.basename(reftemp.temp_name(leaf))
-        fd = os.open(second, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-        st = os.fstat(fd)
-        os.close(fd)
-        while True:
-            try:
-                os.link(second, f"{leaf}.lock", src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-                break
-            except FileExistsError:
-                try:
-                    there = os.stat(f"{leaf}.lock", dir_fd=dir_fd, follow_symlinks=False)
-                    if take_over and stat.S_ISREG(there.st_mode) and there.st_nlink > 1:  # a killed restore's
-                        os.unlink(f"{leaf}.lock", dir_fd=dir_fd)
-                        continue
-                except FileNotFoundError:
-                    continue  # let go meanwhile
-                if time.monotonic() >= deadline:
-                    raise Busy(f"{name}.lock") from None
-                time.sleep(_STEP_S)
+        # Empty until ``commit`` writes the value. No directory's mode is
+        # changed for a restore: one a session made read-only refuses it.
+        taken = lockfile.temporary(dir_fd, leaf, b"", lend=False)
+        try:
+            taken.take(lockfile.Policy(wait_s, take_over=take_over))
+        except BaseException:
+            taken.release()
+            raise
+    except lockfile.Refused:
+        os.close(dir_fd)
+        raise Busy(f"{name}.lock") from None
     except BaseException:
-        if second:
-            with contextlib.suppress(OSError):
-                os.unlink(second, dir_fd=dir_fd)
         os.close(dir_fd)
         raise
-    return Held(name, dir_fd, leaf, (st.st_dev, st.st_ino), second)
-
-
-def _mine(held: Held) -> bool:
-    try:
-        st = os.stat(held.lock_leaf, dir_fd=held.dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return (st.st_dev, st.st_ino) == held.ident
+    return Held(name, dir_fd, leaf, taken)
 
 
 def release(held: Held) -> None:
     """The lock given up, the ref as it was."""
     try:
-        if _mine(held):
-            os.unlink(held.lock_leaf, dir_fd=held.dir_fd)
-        _drop_second(held)
+        held.taken.release()
     finally:
         os.close(held.dir_fd)
 
 
-def _drop_second(held: Held) -> None:
-    if held.second:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(held.second, dir_fd=held.dir_fd)
-
-
 def commit(held: Held, data: bytes) -> None:
-    """The ref holds ``data``: written into the lock file, renamed over the
-    ref (which releases the lock, as git's commit of a lock does)."""
+    """The ref holds ``data``: written into the lock file (durable), renamed
+    over the ref (which releases the lock, as git's commit of a lock does)."""
     try:
-        fd = os.open(held.lock_leaf, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=held.dir_fd)
-        try:
-            if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != held.ident:
-                raise OSError(errno.ESTALE, "the lock file was replaced by another", held.lock_leaf)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.rename(held.lock_leaf, held.leaf, src_dir_fd=held.dir_fd, dst_dir_fd=held.dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            if _mine(held):
-                os.unlink(held.lock_leaf, dir_fd=held.dir_fd)
-        raise
+        held.taken.rewrite(data)
+        held.taken.commit()
     finally:
-        try:
-            _drop_second(held)
-        finally:
-            os.close(held.dir_fd)
+        release(held)  # the lock while still ours (an error), and its second name
 
 
 def read_leaf(dir_fd: int, leaf: str, limit: int = 4096) -> bytes | None:

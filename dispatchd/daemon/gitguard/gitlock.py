@@ -9,13 +9,14 @@ no repository config at all: no remotes, no identity, no hooks path), and a
 replaced the whole config with its one key. Here, as git's ``lockfile.c``:
 
 1. the new bytes go to a temporary name of our own beside the file
-   (``reftemp.temp_name``: ``<file>.dispatchd-<16 hex>.lock``, ``O_EXCL |
+   (``lockfile.temporary``: ``<file>.dispatchd-<16 hex>.lock``, ``O_EXCL |
    O_NOFOLLOW``), ``flock``ed for as long as this runs, and fsynced;
-2. git's lock ``<file>.lock`` is taken by hard-linking that file to it:
-   ``link`` fails with EEXIST where a lock stands, as git's ``O_CREAT |
-   O_EXCL`` does where ours stands. A lock another holds (the user's git)
-   is waited for, ``WAIT_S`` at most, then ``LockHeld``: nothing is ever
-   written around it;
+2. git's lock ``<file>.lock`` is taken by hard-linking that file to it
+   (``lockfile.Lock.take``): ``link`` fails with EEXIST where a lock
+   stands, as git's ``O_CREAT | O_EXCL`` does where ours stands. A lock
+   another holds (the user's git) is waited for, ``WAIT_S`` at most, then
+   ``LockHeld``: nothing is ever written around it, and none is taken
+   over here (the policy: wait, then fail);
 3. under the lock, what stands at the name is compared (the same bytes and
    mode: nothing to do) and kept under an aside name (``fs.aside_name``) by
    a hard link (a directory, which has none: renamed aside), so that the
@@ -27,33 +28,27 @@ replaced the whole config with its one key. Here, as git's ``lockfile.c``:
 
 A daemon killed at any step leaves at most the temporary name, with
 ``<file>.lock`` as a second name of that same inode. ``sweep`` (at each
-put-back, before any lock is taken) removes such a lock only when it is
-that inode, and a temporary name only when nobody holds its ``flock`` (a
-live daemon's is left alone). A lock of the user's git is a file of its
+put-back, before any lock is taken; ``reftemp.sweep_names``, the start's
+rule too) removes such a lock only when it is that inode, and a temporary
+name only when nobody holds its ``flock`` (a live daemon's is left alone). A lock of the user's git is a file of its
 own, never that inode, and is never removed.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
-import re
 import stat
-import time
 from collections.abc import Callable
 
-from dispatchd.daemon.gitguard import fs, noroom, reftemp
+from dispatchd.daemon.gitguard import fs, lockfile, noroom, reftemp
 
 __all__ = ["WAIT_S", "LockHeld", "left_held", "replace", "sweep"]
 
 log = logging.getLogger("dispatchd.gitguard")
 
 WAIT_S = 1.0  # git holds a config lock for milliseconds; longer is a git that stopped, or a plant
-_POLL_S = 0.005
-_OURS = re.compile(r"(.+)\.dispatchd-[0-9a-f]{16}\.lock")
-_CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # Called with each step's name as it is done ("written", "locked", "kept",
 # "replaced"): tests look at the file between steps, or stop there as a
@@ -77,14 +72,17 @@ def replace(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *,
     still that (device, inode), its other names keeping the old one, nothing
     aside. Raises ``LockHeld``, or the OSError of a step (every name of ours
     is removed again first)."""
-    lock = f"{leaf}.lock"
-    tmp, fd = _temporary(dir_fd, leaf)
-    locked = False
+    lock = lockfile.temporary(dir_fd, leaf, data, mode)
     try:
-        reftemp.write_whole(fd, data, mode)
         _step("written")
-        _take(dir_fd, tmp, lock, WAIT_S if wait_s is None else wait_s)
-        locked = True
+        try:
+            # No lock of two names taken over: a put-back runs at every end,
+            # other sessions perhaps still running (one's process can give a
+            # lock of the user's git a second name); ``sweep`` has removed a
+            # killed daemon's before, its flock telling a live one.
+            lock.take(lockfile.Policy(WAIT_S if wait_s is None else wait_s))
+        except lockfile.Refused as exc:
+            raise LockHeld(errno.EEXIST, f"git's lock {exc.lock} is held") from None
         _step("locked")
         st = _lstat(dir_fd, leaf)
         if inode is not None:
@@ -97,15 +95,11 @@ def replace(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *,
         else:
             aside = "" if st is None else _keep_aside(dir_fd, leaf, st)
         _step("kept")
-        os.rename(lock, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        locked = False
+        lock.commit()
         _step("replaced")
         return aside
     finally:
-        if locked:
-            _unlink(dir_fd, lock)  # ours: the same inode as ``tmp``, made by the link above
-        _unlink(dir_fd, tmp)
-        os.close(fd)  # the flock goes with it
+        lock.release()  # the lock while still ours (not renamed), and the temporary's name; its flock goes
 
 
 def left_held(path: str) -> str:
@@ -126,25 +120,6 @@ def left_held(path: str) -> str:
         return f"{held}; what stands there (no regular file) is left as it is: look before you run git there"
     return (f"{held}; what stands there is left in place, made unreadable (mode 000); once no git of yours runs, "
             "remove the lock if it is still there, and a restart's check puts yours back")
-
-
-def _temporary(dir_fd: int, leaf: str) -> tuple[str, int]:
-    """A temporary name of our own beside ``leaf``, made and flocked."""
-    tmp, fd = reftemp.open_temp(dir_fd, leaf, _CREATE, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # a new file nobody else has open: never waits
-    return tmp, fd
-
-
-def _take(dir_fd: int, tmp: str, lock: str, wait_s: float) -> None:
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            os.link(tmp, lock, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-            return
-        except FileExistsError:
-            if time.monotonic() >= deadline:
-                raise LockHeld(errno.EEXIST, f"git's lock {lock} is held") from None
-            time.sleep(_POLL_S)
 
 
 def _keep_aside(dir_fd: int, leaf: str, st: os.stat_result) -> str:
@@ -175,51 +150,16 @@ def _same(dir_fd: int, leaf: str, data: bytes) -> bool:
     return got is not None and got[0] == data
 
 
-def _unlink(dir_fd: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-
-
 def sweep(dir_fd: int, path: str, leaves: set[str]) -> list[str]:
     """What a killed ``replace`` of one of ``leaves`` left in ``dir_fd``
     (``path``, for the log), removed; returns the paths removed. Only our
     temporary names nobody holds, and a ``<leaf>.lock`` that is the same
-    inode as one of them (see the module)."""
-    removed: list[str] = []
+    inode as one of them (``reftemp.sweep_names``, the start's rule too)."""
     try:
         names = os.listdir(dir_fd)
     except OSError:
-        return removed
-    for name in names:
-        m = _OURS.fullmatch(name)
-        if m is None or m.group(1) not in leaves:
-            continue
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live daemon's, mid-way
-            lock = f"{m.group(1)}.lock"
-            held = _lstat(dir_fd, lock)
-            # Ours only if the very inode: git's own lock is a file of its own.
-            if held is not None and (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino):
-                _unlink(dir_fd, lock)  # first: once the temporary name is gone, nothing says it is ours
-                removed.append(os.path.join(path, lock))
-            _unlink(dir_fd, name)
-            removed.append(os.path.join(path, name))
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
+        return []
+    removed = reftemp.sweep_names(dir_fd, path, names, leaves)
     for gone in removed:
         log.info("event=git_lock_leftover_removed path=%s", gone)
     return removed

@@ -13,14 +13,17 @@ it prunes a loose file. ``held`` does the same:
   tried again for up to ``WAIT_S`` (git itself waits 100 ms, and holds a
   ref's lock for less). One still there then was left: by a git that was
   killed, or by a session, whose processes are all gone at the end that
-  puts refs back (the last one). It is moved aside (kept, never deleted:
-  ``Lock.moved`` names where, for the report) and the lock taken, since a
-  lock left in the way would otherwise keep whatever move of the ref a
-  session made (a session plants ``main.lock``, and its commit stays the
-  user's ``main``). Where it cannot be moved, ``Held`` is raised and the
+  puts refs back (the last one). It is moved aside out of ``refs/`` to the
+  git directory's top (kept, never deleted: ``Lock.moved`` names where, for
+  the report) and the lock taken, since a lock left in the way would
+  otherwise keep whatever move of the ref a session made (a session plants
+  ``main.lock``, and its commit stays the user's ``main``). Where it cannot be moved, ``Held`` is raised and the
   ref is left as it is. A ref is never written without its lock;
 - the caller reads the ref again once the lock is its (``refsback``): what
   it replaces is the value git has at that moment, not one read before;
+- the lock itself is ``lockfile``'s (a temporary of ours hard-linked to
+  ``<ref>.lock``); this module gives it the end's policy (take over a
+  killed daemon's, wait, move aside) and makes the ref's directories;
 - ``Lock.commit`` renames the lock file, which holds the value, over the
   ref (a directory in the way, a session's, moved aside first);
   ``Lock.remove`` unlinks the loose ref (its value kept by the caller);
@@ -38,14 +41,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import stat
-import time
 from collections.abc import Iterator
 
-from dispatchd.daemon.gitguard import fs, reftemp
+from dispatchd.daemon.gitguard import fs, lockfile, reftemp
 
 WAIT_S = 1.0  # git's own wait for a ref's lock is 100 ms (core.filesRefLockTimeout); a commit holds it for less
-_POLL_S = 0.01
 
 
 class Held(OSError):
@@ -59,36 +59,35 @@ class Held(OSError):
 class Lock:
     """A ref's lock, ours while the ``held`` block runs."""
 
-    def __init__(self, common: str, name: str, dir_fd: int) -> None:
+    def __init__(self, common: str, name: str, taken: lockfile.Lock) -> None:
         self.common, self.name = common, name
         self.path = os.path.join(common, name)
         self.leaf = os.path.basename(self.path)
-        self._dir_fd = dir_fd
+        self._taken = taken
         self.done = False  # the lock file renamed over the ref: nothing to remove
-        self.moved = ""  # where a lock left in the way was moved aside, if one was
+
+    @property
+    def moved(self) -> str:
+        """Where a lock left in the way was moved aside, if one was."""
+        return self._taken.moved
 
     def commit(self) -> None:
         """The ref made to hold the value the lock was taken with."""
         if fs.is_dir(self.path):  # a directory in the way (a session's): moved aside, never deleted
             fs.move_aside(self.path)
-        os.rename(self.leaf + ".lock", self.leaf, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        self._taken.commit()
         self.done = True
 
     def rewrite(self, data: bytes, mode: int) -> None:
         """The lock file (ours, both its names) made to hold ``data`` with
         ``mode``, durable: what ``commit`` then puts in place of a whole file
         read under the lock (``packed-refs``)."""
-        fd = os.open(self.leaf + ".lock", os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=self._dir_fd)
-        try:
-            reftemp.write_whole(fd, data, mode)
-        finally:
-            os.close(fd)
+        self._taken.rewrite(data, mode)
 
     def remove(self) -> None:
         """The loose ref unlinked (its value kept by the caller first); none there is no error."""
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.leaf, dir_fd=self._dir_fd)
+            os.unlink(self.leaf, dir_fd=self._taken.dir_fd)
 
 
 @contextlib.contextmanager
@@ -104,71 +103,39 @@ def held(common: str, name: str, value: str = "", wait_s: float | None = None, *
     takeover put back what the end took out) and a loose ref's lock taken
     only to remove a ref a session made are waited for, never moved.
 
-    The lock is made whole before it appears: the value is written and
-    fsynced under a name of our own (``reftemp.temp_name``), which is then
-    hard-linked to ``<name>.lock`` (``link`` fails on an existing name, as
-    ``O_EXCL`` does). A lock so made has two names until it is renamed
-    over the ref, where git's own lock has one: one found with two is what
-    a daemon killed there left (its other name is swept at the next start),
-    and is removed, not waited for, so that the ref is not left for good."""
+    The lock is ``lockfile``'s: made whole under a name of our own, then
+    hard-linked to ``<name>.lock``. One found with two names is what a
+    daemon killed there left (its other name is swept at the next start),
+    and is taken over, not waited for, so that the ref is not left for good:
+    the end that puts refs back runs when no session does."""
     path = reftemp.make_room(common, name)
     dir_fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    leaf = os.path.basename(path)
     try:
-        tmp = reftemp.write_temp(dir_fd, leaf, (value + "\n").encode("utf-8", "surrogateescape") if value else b"")
-        lock = Lock(common, name, dir_fd)
-        # Removed when the block ends, or on an error; a BaseException (a test's
-        # stand-in for the daemon's death) leaves both names, as a death does.
+        taken = lockfile.temporary(dir_fd, os.path.basename(path),
+                                   (value + "\n").encode("utf-8", "surrogateescape") if value else b"")
+        lock = Lock(common, name, taken)
+        policy = lockfile.Policy(WAIT_S if wait_s is None else wait_s, take_over=True,
+                                 aside_to=common if move_left else "")
+        # Released when the block ends, or on an error; a BaseException (a
+        # test's stand-in for the daemon's death) leaves both names, as a
+        # death does (the descriptor closed all the same: its flock goes).
         try:
-            lock.moved = _take(dir_fd, tmp, leaf + ".lock", name, WAIT_S if wait_s is None else wait_s,
-                               path + ".lock", common if move_left else "")
-            try:
-                yield lock
-            except Exception:
-                _unlink(dir_fd, leaf + ".lock")
-                raise
-            if not lock.done:
-                _unlink(dir_fd, leaf + ".lock")
+            _take(taken, name, policy)
+            yield lock
         except Exception:
-            _unlink(dir_fd, tmp)
+            taken.release()
             raise
-        _unlink(dir_fd, tmp)  # the lock's second name, kept until then (above)
+        except BaseException:
+            taken.close()
+            raise
+        taken.release()  # after a commit, the lock's second name only
     finally:
         os.close(dir_fd)
 
 
-def _unlink(dir_fd: int, leaf: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(leaf, dir_fd=dir_fd)
-
-
-def _take(dir_fd: int, tmp: str, lock: str, name: str, wait_s: float, path: str, common: str) -> str:
-    """The lock made (see ``held``); returns where a lock left in the way
-    was moved aside, or ""."""
-    deadline = time.monotonic() + wait_s
-    moved = ""
-    while True:
-        try:
-            os.link(tmp, lock, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-            return moved
-        except FileExistsError:
-            try:
-                st = os.stat(lock, dir_fd=dir_fd, follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:  # ours, from a daemon killed holding it
-                    os.unlink(lock, dir_fd=dir_fd)
-                    continue
-            except FileNotFoundError:
-                continue  # released meanwhile
-            if time.monotonic() >= deadline:
-                if moved or not common:  # one more in its place at once (someone's live git), or not ours to move
-                    raise Held(name) from None
-                # Left: by a git killed, or a session (see the module). Out of
-                # refs/ (a name there is a ref to git: a broken one, or a branch
-                # holding what the session wrote), to the git directory's top.
-                moved = os.path.join(common, fs.aside_name(os.path.basename(path)))
-                try:
-                    os.rename(lock, moved, src_dir_fd=dir_fd)
-                except OSError:
-                    raise Held(name) from None
-                continue
-            time.sleep(_POLL_S)
+def _take(taken: lockfile.Lock, name: str, policy: lockfile.Policy) -> None:
+    """The lock made (see ``held``), ``Held`` when the policy gives up."""
+    try:
+        taken.take(policy)
+    except lockfile.Refused:
+        raise Held(name) from None

@@ -15,27 +15,36 @@ Guarantees:
 - ``sweep`` removes only regular files whose whole name is ours
   (``<name>.dispatchd-<16 hex>.lock``), and only in the directories a put
   back writes in: never a ref git reads, never git's own lock, never a
-  directory, nothing through a symlink.
+  directory, nothing through a symlink;
+- ``sweep_names``, the one rule for what a killed daemon left of a write
+  of ours (the start's ``sweep`` of the refs, and ``gitlock.sweep`` before
+  each put-back of the kept files): a temporary name is removed only while
+  nobody holds its ``flock`` (a live ``lockfile.Lock`` holds it; taken
+  while it is removed), and a ``NAME.lock`` only where it is that very
+  inode with no third name (the lock ``lockfile`` made of it): git's own
+  lock is a file of its own, and is never removed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import secrets
 import stat
 import time
+from collections.abc import Iterable
 
-from dispatchd import flocks
 from dispatchd.daemon.gitguard import fs
 from dispatchd.logtext import Bounded
 
 log = logging.getLogger("dispatchd.gitguard")
 
-_OURS = re.compile(r".+\.dispatchd-[0-9a-f]{16}\.lock")
+_OURS = re.compile(r"(.+)\.dispatchd-[0-9a-f]{16}\.lock")
 _MAX_DIRS = 10_000  # refs/dispatchd/displaced is ours, but a session may have filled it
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_PROBE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 _MAX_SAME_SECOND = 1000  # kept names tried for one WHEN (keep_displaced)
@@ -141,12 +150,12 @@ def write_whole(fd: int, data: bytes, mode: int | None = None) -> None:
     os.fsync(fd)
 
 
-def open_temp(dir_fd: int, leaf: str, flags: int, mode: int) -> tuple[str, int]:
+def open_temp(dir_fd: int, leaf: str, flags: int, mode: int, *, lend: bool = True) -> tuple[str, int]:
     """A new file of ours beside ``leaf`` (``temp_name``), made with
     ``flags`` (``O_CREAT | O_EXCL`` among them) and ``mode``: its name and
-    descriptor. A directory the session made read-only is lent its owner's
-    rights once (the user's, so ours: ``fs.lend``)."""
-    lent = False
+    descriptor. With ``lend``, a directory the session made read-only is
+    lent its owner's rights once (the user's, so ours: ``fs.lend``)."""
+    lent = not lend
     while True:
         # A name of our own, made here (write_ref says why).
         tmp = os.path.basename(temp_name(leaf))
@@ -231,48 +240,78 @@ def _below(top: int, rel: str) -> int | None:
 
 def _sweep_dir(fd: int, path: str, subdirs: bool = False) -> tuple[list[str], list[str]]:
     """Our leftovers in the directory ``fd`` (``path``, for the log), which is
-    closed, removed; and with ``subdirs``, the names of its subdirectories
-    (not a symlink), from the same listing."""
-    removed: list[str] = []
+    closed, removed (``sweep_names``); and with ``subdirs``, the names of its
+    subdirectories (not a symlink), from the same listing."""
+    names: list[str] = []
     below: list[str] = []
     try:
         with os.scandir(fd) as scan:
-            entries = list(scan)
-        for e in entries:
-            if subdirs and e.is_dir(follow_symlinks=False):
-                below.append(e.name)
-                continue
-            if not _OURS.fullmatch(e.name):
-                continue
-            try:
-                st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                if st.st_nlink > 1:
-                    # A second name: the lock an end or a restore made of it
-                    # (reflock.py, gitlock.py, checkpoints/reflock.py:
-                    # NAME.lock, the same file), which no git of the user's
-                    # makes, or what that lock was renamed over. A lock a
-                    # killed daemon left goes with it, or it blocked the user's
-                    # git on that name for good when nothing later took it
-                    # over; a live put-back's holds its flock (gitlock.py).
-                    if flocks.held_at(fd, e.name):
-                        continue
-                    lock = e.name[:e.name.rindex(".dispatchd-")] + ".lock"
-                    try:
-                        there = os.stat(lock, dir_fd=fd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        there = None
-                    if there is not None and (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) \
-                            and st.st_nlink == 2:
-                        os.unlink(lock, dir_fd=fd)
-                        removed.append(os.path.join(path, lock))
-                os.unlink(e.name, dir_fd=fd)
-                removed.append(os.path.join(path, e.name))
-            except OSError:
-                continue
+            for e in scan:
+                (below if subdirs and e.is_dir(follow_symlinks=False) else names).append(e.name)
+        return sweep_names(fd, path, names), below
     except OSError:
-        pass
+        return [], []
     finally:
         os.close(fd)
-    return removed, below
+
+
+def sweep_names(dir_fd: int, path: str, names: Iterable[str], leaves: set[str] | None = None) -> list[str]:
+    """Of ``names`` (listed in ``dir_fd``; ``path`` for what is returned),
+    what a killed daemon's write left, removed: our temporary names (of a
+    leaf in ``leaves``, when given) nobody holds, and the ``NAME.lock`` that
+    is a second name of one; returns the paths removed."""
+    removed: list[str] = []
+    for name in names:
+        m = _OURS.fullmatch(name)
+        if m is None or (leaves is not None and m.group(1) not in leaves):
+            continue
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        probe = _hold(dir_fd, name, st)
+        if probe is None:
+            continue  # a live daemon's, mid-way
+        try:
+            lock = f"{m.group(1)}.lock"
+            try:
+                there: os.stat_result | None = os.stat(lock, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                there = None
+            # Ours only if the very inode, and no third name (not our dance's).
+            if there is not None and (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) and st.st_nlink == 2:
+                os.unlink(lock, dir_fd=dir_fd)  # first: once the temporary name is gone, nothing says it is ours
+                removed.append(os.path.join(path, lock))
+            os.unlink(name, dir_fd=dir_fd)
+            removed.append(os.path.join(path, name))
+        except OSError:
+            continue
+        finally:
+            if probe >= 0:
+                os.close(probe)
+    return removed
+
+
+def _hold(dir_fd: int, name: str, st: os.stat_result) -> int | None:
+    """``name``'s flock taken (its descriptor, kept open while it is
+    removed), -1 where it cannot be opened (a mode a session set: nobody's
+    flock is seen, as ``flocks.held_at``), None where another holds it."""
+    try:
+        fd = os.open(name, _PROBE, dir_fd=dir_fd)
+    except OSError:
+        return -1
+    try:
+        got = os.fstat(fd)
+        if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+            os.close(fd)
+            return None  # replaced since the look: left for the next sweep
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
