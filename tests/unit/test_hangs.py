@@ -6,6 +6,7 @@ and symlinks are left where they are."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -77,3 +78,19 @@ def test_past_the_bound_the_rest_is_reported(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(hangs, "_MAX_ENTRIES", 3)
     done, failed = hangs.sweep(str(repo / ".git"), set())
     assert done == [] and f"{repo / '.git'}: more than 3 entries; the rest was not looked at for FIFOs" in failed
+
+
+def test_a_symlink_to_a_directory_below_logs_is_moved_out_and_called_what_it_is(tmp_path: Path) -> None:
+    """``logs/refs`` swapped for a symlink to a directory leads git's reflogs
+    elsewhere: moved out as before, and reported as a symlink to a
+    directory, not as a FIFO. The twin: a FIFO is still called one (above)."""
+    repo = _repo(tmp_path)
+    common = repo / ".git"
+    kept = history.record(str(common), str(tmp_path / "keep"), own=[])
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(common / "logs" / "refs", elsewhere)
+    (common / "logs" / "refs").symlink_to(elsewhere)
+    done, failed = history.restore(kept)
+    said = [why for path, why in done if path == str(common / "logs" / "refs")]
+    assert not failed and len(said) == 1 and said[0].startswith("a symlink to a directory where git reads a file"), done
+    assert (elsewhere / "heads" / "master").exists()

@@ -258,3 +258,21 @@ def test_a_lock_of_git_s_left_at_the_last_end_is_said_and_left(tmp_path: Path) -
            "is removed; remove it once no git of yours runs")
     assert said == [(f"{common}/index.lock", why), (f"{common}/refs/heads/feature.lock", why)]
     assert (repo / ".git" / "index.lock").exists() and (repo / ".git" / "shallow.lock").exists()
+
+
+def test_git_s_locks_left_in_a_linked_worktree_s_directory_and_below_logs_are_said(tmp_path: Path) -> None:
+    """A killed session's git left ``worktrees/wt/index.lock`` (the linked
+    worktree's next ``git add`` stops on it) and ``logs/refs/heads/main.lock``
+    (a killed ``git reflog expire``): said as the top's are. The twin: a lock
+    of two names (a killed daemon's own, taken over by the next write and
+    swept at the start) is not said."""
+    repo, common, truth = _repo(tmp_path)
+    (repo / ".git" / "worktrees" / "wt").mkdir(parents=True)
+    kept = history.record(common, str(tmp_path / "keep"), own=[])
+    (repo / ".git" / "worktrees" / "wt" / "index.lock").write_text("")
+    (repo / ".git" / "logs" / "refs" / "heads" / "main.lock").write_text("")
+    (repo / ".git" / "ORIG_HEAD.dispatchd-0123456789abcdef.lock").write_text("")
+    os.link(repo / ".git" / "ORIG_HEAD.dispatchd-0123456789abcdef.lock", repo / ".git" / "ORIG_HEAD.lock")
+    done, failed = history.restore(kept)
+    said = sorted(path for path, why in done if path.endswith(".lock"))
+    assert failed == [] and said == [f"{common}/logs/refs/heads/main.lock", f"{common}/worktrees/wt/index.lock"]

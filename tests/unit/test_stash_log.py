@@ -49,7 +49,7 @@ def test_a_stash_list_a_session_empties_or_cuts_is_put_back_whole(tmp_path: Path
     said, failed = _end(tmp_path, kept)
     assert not failed and _listed(repo) == before == ["On master: mine 2", "On master: mine 1", "On master: mine 0"]
     gone = 1 if session[1] == "drop" else 3
-    said_first = f"the stash list: {gone} of your stashes taken out of it by a session; put back as it was"
+    said_first = f"the stash list: {gone} of your stashes taken out of it while a session ran; put back as it was"
     if session[1] == "clear":  # the log removed with the ref: nothing to move out
         assert said == [(stashlog.LOG, said_first)]
     else:
@@ -83,7 +83,7 @@ def test_a_stash_made_by_a_session_is_kept_as_a_ref_and_the_list_is_the_user_s(t
     assert git(repo, "rev-parse", "refs/stash").strip() == git(repo, "rev-parse", "stash@{0}").strip()
     name = said[0][1].split("(git stash apply ")[1].split(")")[0]
     assert name.startswith("refs/dispatchd/displaced/") and name.endswith("/stash-entries/0"), said
-    assert said[0][1].startswith("the stash list: changed by a session; put back as it was; 1 stashes made since "
+    assert said[0][1].startswith("the stash list: changed while a session ran; put back as it was; 1 stashes made since "
                                  f"kept as {name[:-2]}/N"), said
     git(repo, "stash", "apply", "-q", name)
     assert (repo / "agent.txt").read_text() == "the agent's\n"
@@ -101,7 +101,7 @@ def test_a_first_stash_list_a_session_made_is_taken_out_and_its_stash_kept(tmp_p
     git(repo, "stash", "push", "-q", "-m", "the session's")
     said, failed = _end(tmp_path, kept)
     assert not failed and not (repo / ".git" / stashlog.LOG).exists(), said
-    assert said[0][1].startswith("the stash list: changed by a session; taken out (there was none); 1 stashes"), said
+    assert said[0][1].startswith("the stash list: changed while a session ran; taken out (there was none); 1 stashes"), said
     (repo / "mine.txt").write_text("mine\n")
     git(repo, "add", "mine.txt")
     git(repo, "stash", "push", "-q", "-m", "mine")
@@ -142,3 +142,106 @@ def test_the_kept_list_survives_the_record_on_disk_and_an_older_record_reads_as_
     assert kept.stash_log is not None and kept.stash_log.data == (repo / ".git" / stashlog.LOG).read_bytes()
     older = recordjson.encode(kept).replace(b',"stash_log":', b',"unused":')
     assert recordjson.decode(older, history.History).stash_log is None
+
+
+def test_an_entry_or_a_ref_naming_no_object_is_not_kept_and_the_user_s_git_gc_runs(tmp_path: Path) -> None:
+    """A session appends lines of random ids to the stash list and points
+    ``refs/stash`` at one: kept as refs of ours, each made the user's
+    ``git gc``, ``git log --all`` and ``git for-each-ref`` fail for good
+    ("bad object"). Not kept now, and said; the twin: a real stash made
+    since is kept (the test above)."""
+    repo = _stashed(tmp_path, 2)
+    before = _listed(repo)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    log = repo / ".git" / stashlog.LOG
+    top = git(repo, "rev-parse", "refs/stash").strip()
+    bogus = ["1" * 40, "2" * 40]
+    with open(log, "a") as f:
+        for i, oid in enumerate(bogus):
+            f.write(f"{top} {oid} A U Thor <a@example.com> 1700000000 +0000\tOn master: bogus {i}\n")
+    (repo / ".git" / "refs" / "stash").write_text("3" * 40 + "\n")
+    said, failed = _end(tmp_path, kept)
+    assert not failed and _listed(repo) == before
+    assert said[0][1].startswith("the stash list: changed while a session ran; put back as it was; 2 stashes made "
+                                 "since not kept here (kept already, naming no object, or past the first 1000)"), said
+    assert git(repo, "for-each-ref", "--format=%(refname)", "refs/dispatchd/") == ""
+    git(repo, "gc", "-q")
+    git(repo, "log", "--all", "--oneline")
+
+
+def test_a_stash_pushed_between_the_ref_s_put_back_and_the_list_s_leaves_them_agreeing(tmp_path: Path) -> None:
+    """The user's ``git stash push`` in another worktree just after the end
+    put ``refs/stash`` back and before it took the list: the list written
+    back named the old top while the ref named the new stash (``git stash
+    pop`` applied one, dropped the other). The ref is set under the same
+    hold as the list now, the new stash kept as an entry."""
+    repo = _stashed(tmp_path, 2)
+    before = _listed(repo)
+    base_top = git(repo, "rev-parse", "refs/stash").strip()
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / "late.txt").write_text("late\n")
+    git(repo, "add", "late.txt")
+    git(repo, "stash", "push", "-q", "-m", "pushed in the gap")
+    late = git(repo, "rev-parse", "refs/stash").strip()
+    said, failed = stashlog.put_back(str(repo / ".git"), kept.stash_log, "20261201T101500", base_top)
+    assert not failed and _listed(repo) == before
+    assert git(repo, "rev-parse", "refs/stash", "stash@{0}").split() == [base_top, base_top]
+    assert git(repo, "rev-parse", f"refs/dispatchd/displaced/20261201T101500/{stashlog.ENTRIES}/0").strip() == late
+
+
+def test_a_list_already_right_with_the_ref_right_is_not_touched(tmp_path: Path) -> None:
+    """The twin of the one above: nothing pushed, the ref and the list not written (same inodes)."""
+    repo = _stashed(tmp_path, 2)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    ref, log = (repo / ".git" / "refs" / "stash").stat(), (repo / ".git" / stashlog.LOG).stat()
+    assert stashlog.put_back(str(repo / ".git"), kept.stash_log, "20261201T101500",
+                             git(repo, "rev-parse", "refs/stash").strip()) == ([], [])
+    assert (repo / ".git" / "refs" / "stash").stat().st_ino == ref.st_ino
+    assert (repo / ".git" / stashlog.LOG).stat().st_ino == log.st_ino
+
+
+def test_an_end_cut_short_and_done_again_keeps_each_stash_once(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon killed after the entries were kept and before the list
+    was moved out: the next start's end, under another TIME, kept the same
+    stashes again. Kept once now."""
+    repo = _stashed(tmp_path, 1)
+    top = git(repo, "rev-parse", "refs/stash").strip()
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    for i in range(2):
+        (repo / f"a{i}.txt").write_text(f"{i}\n")
+        git(repo, "add", f"a{i}.txt")
+        git(repo, "stash", "push", "-q", "-m", f"the session's {i}")
+
+    class Death(BaseException):
+        pass
+
+    def dies(*args: object) -> str:
+        raise Death
+
+    with monkeypatch.context() as m:
+        m.setattr(stashlog, "_move_out", dies)
+        with pytest.raises(Death):
+            stashlog.put_back(str(repo / ".git"), kept.stash_log, "20261201T101500", top)
+    said, failed = stashlog.put_back(str(repo / ".git"), kept.stash_log, "20261201T101501", top)
+    assert not failed and _listed(repo) == ["On master: mine 0"]
+    entries = git(repo, "for-each-ref", "--format=%(refname)", "refs/dispatchd/").split()
+    assert len(entries) == 2 and all("/20261201T101500/" in e for e in entries), entries
+    assert "2 stashes made since not kept here (kept already" in said[0][1], said
+
+
+def test_git_s_lock_of_the_list_left_by_a_killed_stash_pop_is_moved_out(tmp_path: Path) -> None:
+    """``logs/refs/stash.lock``, left by a session's ``git stash pop``
+    killed with the daemon, made every later ``git stash drop`` and ``pop``
+    of the user's fail ("Unable to create ... File exists"), the popped
+    stash left in the list. Git makes it only under ``refs/stash.lock``,
+    which the end holds: moved out, and said; the user's drop works."""
+    repo = _stashed(tmp_path, 2)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / ".git" / stashlog.LOCK_LEFT).write_text("half a list\n")
+    said, failed = _end(tmp_path, kept)
+    assert not failed and said[0][1].startswith(f"git's lock {stashlog.LOCK_LEFT}, left by a git that was killed "
+                                                "(it blocked your git stash drop and pop), moved to "
+                                                "stash-log-lock.quarantined-by-dispatchd-"), said
+    git(repo, "stash", "drop", "-q")
+    assert _listed(repo) == ["On master: mine 0"]

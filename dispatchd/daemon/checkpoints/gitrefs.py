@@ -152,6 +152,7 @@ class _Run:
         self.objects = os.path.join(common, "objects")
         self.store = objectstore.Store(self.objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2,
                                        alternates=borrowed)
+        self.there = objectstore.finder(self.objects, borrowed)
         self.done = RefsDone()
 
     def keep(self, name: str, old: str | None, new: str | None) -> None:
@@ -160,7 +161,9 @@ class _Run:
             return  # no value, or a symbolic ref: nothing it names becomes unreachable
         if new is not None and refvalues.is_id(new) and objectstore.is_ancestor(self.objects, old, new, self.store):
             return  # moved forward: the old value is an ancestor, still reachable
-        self.done.kept.append(reftemp.keep_displaced(self.common, self.stamp, name, old))
+        named = reftemp.keep_displaced(self.common, self.stamp, name, old, self.there)  # "": names no object
+        if named:
+            self.done.kept.append(named)
 
     def lock(self, name: str) -> reflock.Held | None:
         try:

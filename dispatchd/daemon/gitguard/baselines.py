@@ -217,16 +217,14 @@ class Baselines:
     def join(self, sid: str, root: str, layout: GitLayout, snapshot: snapshots.GitSnapshot,
              redirects: list[str], names: tuple[str, ...], *, defer: bool = False, writable: bool = True,
              reach: tuple[str, ...] = (), secrets: Mapping[str, str] | None = None) -> None:
-        """Make ``sid`` a session of the domain of ``root`` (see the module);
-        raises WorktreeError when the worktree cannot be recorded (a walk
-        over its bounds). Call before the session's sandbox starts. Waits
-        only for joins and checks of the same domain. ``defer``: a new
-        domain's record is made durable by ``durable(sid)`` (a join into a
-        domain that has one rewrites it durably: a rename not yet synced
-        must never stand over a record other sessions rely on). ``writable``:
-        False when the kernel holds the session's worktree read-only (``Record.writable``); ``reach``:
-        what it can write (``Record.reach``); ``secrets``: the session's, by
-        which the domain's reports are redacted from now on (``domain.py``)."""
+        """Make ``sid`` a session of the domain of ``root`` (see the module); raises WorktreeError when the
+        worktree cannot be recorded (a walk over its bounds). Call before the session's sandbox starts. Waits
+        only for joins and checks of the same domain. ``defer``: a new domain's record is made durable by
+        ``durable(sid)`` (a join into a domain that has one rewrites it durably: a rename not yet synced must
+        never stand over a record other sessions rely on). ``writable``: False when the kernel holds the
+        session's worktree read-only (``Record.writable``); ``reach``: what it can write (``Record.reach``);
+        ``secrets``: the session's, by which the domain's reports are redacted from now on (``domain.py``).
+        What of the repository's history is not kept is the session's first report."""
         common = common_of(root, layout)
         noroom.ensure()  # the room an end's renames need, made again if one used it
         domain = self._enter(root, common)
@@ -234,7 +232,7 @@ class Baselines:
             domain.secrets.add(secrets or {})  # before any check can report what its code named
             record = domain.record
             history.own_unheld_packs(record.histories, layout.read_only)  # before anything of it is recorded
-            covered = any(is_within(root, p.root) for p in record.parts)
+            covered, unkept = any(is_within(root, p.root) for p in record.parts), ""
             if not covered:
                 excluded = [p.root for p in record.parts if is_within(p.root, root)]
                 tree = runnables.take(root, names, excluded=excluded,
@@ -248,7 +246,7 @@ class Baselines:
                             names=list(names), excluded=excluded, home=self.home, resolved_common=common,
                             unwritten=not (record.writable or writable), ident=ident_of(root))
                 record.parts.append(part)
-                add_history(record, part, self.keep_dir)
+                unkept = add_history(record, part, self.keep_dir)
             if (writable or record.writable) and any(p.unwritten for p in record.parts):
                 renew(record, self.keep_dir)  # no session of those parts could write: what is there is the user's
             record.sessions.append(sid)
@@ -267,6 +265,8 @@ class Baselines:
             with self._lock:
                 self._by_session[sid] = domain
                 self._joined_at[sid] = domain.reports.end
+                if unkept:  # told to the session and in `dispatch status`, not only logged
+                    domain.reports.add([Protected(path=shown(common), why=unkept, time=time.time())])
         except BaseException:
             # Whatever failed, the session never joined (a domain keeping its id failed every later open).
             if sid in domain.record.sessions:

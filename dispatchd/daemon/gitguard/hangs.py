@@ -60,12 +60,13 @@ def sweep(common: str, object_dirs: set[str]) -> tuple[list[tuple[str, str]], li
     for path in found:
         rel = os.path.relpath(path, common).replace(os.sep, "-")
         dst = os.path.join(common, fs.aside_name(f"hang-{rel}"))
+        what = _what(path)
         try:
             os.rename(path, dst)
-            done.append((path, f"a FIFO, socket or device where git reads a file (it would hang the user's git); "
-                               f"moved aside to {dst}"))
+            done.append((path, f"{what} where git reads a file (it would hang the user's git, or lead it "
+                               f"elsewhere); moved aside to {dst}"))
         except OSError as exc:
-            failed.append(f"{path}: a FIFO, socket or device where git reads, cannot be moved aside ({exc.strerror})")
+            failed.append(f"{path}: {what} where git reads, cannot be moved aside ({exc.strerror})")
     return done, failed
 
 
@@ -99,6 +100,17 @@ def _scan(top: str, found: list[str], left: list[int], *, deep: bool) -> None:
             except OSError:
                 continue
             found.append(entry.path)
+
+
+def _what(path: str) -> str:
+    """What the report calls the entry found at ``path``."""
+    try:
+        if not os.path.islink(path):
+            return "a FIFO, socket or device"
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a FIFO, socket or device"
+    return "a symlink to a directory" if stat.S_ISDIR(mode) else "a symlink to a FIFO, socket or device"
 
 
 def _harmless_link(path: str, deep: bool) -> bool:

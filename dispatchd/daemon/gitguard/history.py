@@ -38,9 +38,9 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import (clones, derived, fs, keepdirs, keeps, newloose, newpacks, objectdirs,
-                                       objectstore, packed, packlinks, refsback, reftemp, refvalues, replacerefs,
-                                       replaced, shadows, shown, stashlog, viewfiles)
+from dispatchd.daemon.gitguard import (clones, derived, fs, keepdirs, keeps, leftlocks, newloose, newpacks,
+                                       objectdirs, objectstore, packed, packlinks, refsback, reftemp, refvalues,
+                                       replacerefs, replaced, shadows, shown, stashlog, viewfiles)
 from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
@@ -296,36 +296,6 @@ def own_unheld_packs(histories: list[History], read_only: list[str]) -> None:
                                 f"({exc.strerror}); no session opened", kept.common) from exc
 
 
-# git's locks on the repository's own files, which git makes, holds for the
-# length of one command and removes: one still there at the last end blocks
-# the user's git on that file ("File exists") until removed by hand.
-_GIT_LOCKS = ("index.lock", "HEAD.lock", "packed-refs.lock", "config.lock", "shallow.lock", "ORIG_HEAD.lock")
-MOST_LOCKS_SAID = 20
-
-
-def left_locks(common: str, since_ns: int) -> list[tuple[str, str]]:
-    """Each of git's locks in ``common`` made since ``since_ns`` (the
-    baseline's look), said, never removed: a session's, left to block the
-    user's git, or a git of the user's running at this moment (``git commit``
-    holds ``index.lock`` while its editor is open) look the same."""
-    said = []
-    paths = [os.path.join(common, name) for name in _GIT_LOCKS]
-    # A ref's (refs/heads/main.lock stops the user's next commit on main), ours aside (reftemp's).
-    # Bounded in directories and names: a session can make refs/ as large as it likes, and this is a close's path.
-    for seen, (top, _, files) in enumerate(os.walk(os.path.join(common, "refs"))):  # no symlinked directory entered
-        paths += [os.path.join(top, f) for f in files if f.endswith(".lock") and ".dispatchd-" not in f]
-        if len(paths) > 1000 or seen >= 10_000:
-            break
-    for path in paths:
-        try:
-            if os.lstat(path).st_ctime_ns > since_ns:
-                said.append((path, "git's lock, made while a session ran and still there: your git stops on it "
-                                   "(`File exists`) until it is removed; remove it once no git of yours runs"))
-        except OSError:
-            continue
-    return said[:MOST_LOCKS_SAID]
-
-
 def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
     """Put back what the module says; returns ``(path or ref, why)`` for each
     thing put back, and what could not be (with why). ``in_place``: look for
@@ -342,7 +312,6 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
     done, failed = shown.clear(common)
     if failed:
         return done, failed
-    done += left_locks(common, history.stamped_ns)
     now_stamps = _stamps(objects)
     dirs = _changed(history.stamps, history.stamped_ns, now_stamps) if history.stamped_ns else set()
     # What a session did shows in a ctime (it began after the baseline's look), but for
@@ -466,6 +435,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         failed.append(f"{common}: the check of the object indexes failed: {exc!r}")
     moved, bad = refsback.put_back(common, history.refs, history.own, history.head, history.shadows,
                                    borrowed(history))
-    listed, unlisted = stashlog.put_back(common, history.stash_log, reftemp.stamp())  # once refs/stash is back
-    return done + moved + listed, failed + bad + unlisted
+    listed, unlisted = stashlog.put_back(common, history.stash_log, reftemp.stamp(), history.refs.get("refs/stash"),
+                                         objectstore.finder(objects, borrowed(history)))  # refs/stash back
+    return done + moved + listed + leftlocks.said(common, history.stamped_ns), failed + bad + unlisted
 

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import os
 
-from dispatchd.daemon.gitguard import reflock, refvalues, reftemp
+from dispatchd.daemon.gitguard import objectstore, reflock, refvalues, reftemp
 from dispatchd.daemon.gitguard.replacerefs import drop_named, packed_names
 
 TAKEN = ("refs/remotes/", "refs/notes/", "refs/stash")
 
 
-def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
-          ) -> tuple[list[tuple[str, str]], list[str]]:
-    """Take out each ref of ``now`` under ``TAKEN`` that ``baseline`` has not."""
+def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str,
+          store: objectstore.Store | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+    """Take out each ref of ``now`` under ``TAKEN`` that ``baseline`` has
+    not; ``store``: the repository's objects (a value naming none is not kept)."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     new = sorted(n for n in now if n.startswith(TAKEN) and n not in baseline)
@@ -34,6 +35,7 @@ def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
     why = "made by a session where your git takes it for the upstream's, for notes or for a stash"
     for name in new:
         value = now[name]
+        kept = ""
         try:
             path = os.path.join(common, name)
             if os.path.lexists(path) and not os.path.isdir(path):
@@ -44,14 +46,15 @@ def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
                     read = refvalues.read_text(path)
                     value = read.strip() if read is not None else value
                     if refvalues.writable(value):  # an id, or a symbolic ref: kept as it was
-                        reftemp.keep_displaced(common, stamp, name, value)
+                        kept = reftemp.keep_displaced(common, stamp, name, value, store)
                     lock.remove()
             elif refvalues.writable(value):  # packed only: taken out below, its value kept first
-                reftemp.keep_displaced(common, stamp, name, value)
+                kept = reftemp.keep_displaced(common, stamp, name, value, store)
         except OSError as exc:
             failed.append(f"{name}: {why}, cannot be taken out ({exc.strerror})")
             continue
-        done.append((name, f"{why}; taken out (its value kept as refs/dispatchd/displaced/{stamp}/{name})"))
+        done.append((name, f"{why}; taken out (its value kept as {kept})" if kept else
+                     f"{why}; taken out (its value {value[:60]} names no object here: not kept)"))
     problem = drop_named(common, set(new), "refs a session made there")
     if problem:  # those still packed were not taken out: said as failed, not as done
         failed.append(problem)

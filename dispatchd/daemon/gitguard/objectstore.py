@@ -54,6 +54,16 @@ def alternates(objects: str, text: str | None) -> list[str]:
     return found[:_MAX_ALTERNATES]
 
 
+def finder(objects: str, borrowed: list[str] | None) -> Store:
+    """A store that tells whether an object is there (``Store.has``) for a
+    value about to be kept: ``objects``, the baseline's alternates
+    (``borrowed``) and the ones named now, so that a value of the user's
+    in an alternate is never refused (a record without the baseline's, or
+    one the user added since)."""
+    now = alternates(objects, fs.read_small(os.path.join(objects, "info", "alternates"), 64 * 1024))
+    return Store(objects, alternates=list(dict.fromkeys((borrowed or []) + now)))
+
+
 class OutOfTime(ValueError):
     pass
 
@@ -385,6 +395,26 @@ class Store:
         head, _, rest = body.partition(b"\0")
         kind, _, _ = head.partition(b" ")
         return self._KINDS.get(kind, 0), rest
+
+    def has(self, hexid: str) -> bool:
+        """Whether git finds an object at ``hexid`` (a pack index names it,
+        or a loose file is there), in this store or an alternate's. Index
+        look-ups and an open only: no deadline."""
+        try:
+            oid = bytes.fromhex(hexid)
+        except ValueError:
+            return False
+        for store in (self, *self._others):
+            try:
+                if any(pack.offset(oid) is not None for pack in store._load_packs()):
+                    return True
+            except (ValueError, IndexError, struct.error):
+                pass  # a broken index: the loose file may still be there
+            fd = store._loose(hexid)
+            if fd >= 0:
+                os.close(fd)
+                return True
+        return False
 
     def parents(self, oid: bytes) -> list[bytes] | None:
         found = self.read(oid)

@@ -133,25 +133,28 @@ class Record(msgspec.Struct):
     writable: bool = True
 
 
-def add_history(record: Record, part: Part, keep_dir: str) -> None:
+def add_history(record: Record, part: Part, keep_dir: str) -> str:
     """The history of ``part``'s repository kept at its join, once per
-    repository (a worktree joining later adds its checked-out branch)."""
+    repository (a worktree joining later adds its checked-out branch).
+    Returns what of it is not kept, and why ("": all of it), for the
+    session to be told."""
     common = part.common
     if not common:
-        return
+        return ""
     branch = refsback.checked_out(part.own_gitdir)
     for i, kept in enumerate(record.histories):
         if os.path.realpath(kept.common) == os.path.realpath(common):
             # A worktree joining later: its branch is its own to move only if no session moved it since.
             if branch and refsback.read_refs(common).get(branch) == kept.refs.get(branch):
                 record.histories[i] = msgspec.structs.replace(kept, own=sorted(set(kept.own) | {branch}))
-            return
+            return ""
     keep = history.keep_for(keep_dir, common)
     held = frozenset() if record.sessions else packlinks.held_names(part.layout.read_only, common)  # theirs: none
     kept = history.record(common, keep, [branch] if branch else [], held)
     if kept.note:
         log.warning("event=history_not_kept common=%s why=%r", common, kept.note)
     record.histories.append(kept)
+    return kept.note
 
 
 def renew(record: Record, keep_dir: str) -> None:

@@ -199,23 +199,24 @@ def put_back(common: str, refs: dict[str, str], own: list[str], head: str, shado
     # deadline for all of them: past it, a branch is put back without asking
     # whether it was fast-forwarded (is_ancestor says "not known").
     store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
+    there = objectstore.finder(objects, borrowed)  # whether a value to keep names an object at all
     now = read_refs(common)
     stamp = reftemp.stamp()
     for name, old in sorted(refs.items()):
         if name in own or now.get(name) == old:
             continue
-        said, bad = _put_one(common, name, old, now.get(name), _Forward(objects, store), stamp)
+        said, bad = _put_one(common, name, old, now.get(name), _Forward(objects, store, there), stamp)
         done += said
         failed += bad
-    moved, bad = newrefs.clear(common, now, refs, stamp)  # new upstream-tracking refs, notes, stash
+    moved, bad = newrefs.clear(common, now, refs, stamp, there)  # new upstream-tracking refs, notes, stash
     return done + moved, failed + bad
 
 
 class _Forward:
     """Whether a branch moved only forward (``objectstore.is_ancestor``), in one store."""
 
-    def __init__(self, objects: str, store: objectstore.Store) -> None:
-        self.objects, self.store = objects, store
+    def __init__(self, objects: str, store: objectstore.Store, there: objectstore.Store) -> None:
+        self.objects, self.store, self.there = objects, store, there
 
     def __call__(self, name: str, old: str, new: str | None) -> bool:
         return new is not None and name.startswith("refs/heads/") and refvalues.is_id(old) and \
@@ -248,8 +249,9 @@ def _put_one(common: str, name: str, old: str, new: str | None, forward: _Forwar
                 return [(name, f"left at its value{left}")] if left else [], []
             if now != new and forward(name, old, now):  # moved again since the first read
                 return [(name, _FORWARD.format(old=old[:12], new=now[:12] if now else "") + left)], []
-            if now is not None and refvalues.writable(now):
-                reftemp.keep_displaced(common, stamp, name, now)
+            if now is not None and refvalues.writable(now) and \
+                    not reftemp.keep_displaced(common, stamp, name, now, forward.there):
+                left += f"; {now[:12]} names no object here, so it is not kept"
             lock.commit()
     except reflock.Held as exc:
         # Never written without the lock: left as it is, the baseline's value kept instead,
@@ -301,6 +303,7 @@ def keep_moved(common: str, before: dict[str, str], borrowed: list[str] | None =
     objects = os.path.join(common, "objects")
     store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
     when = when or reftemp.stamp()
+    there = objectstore.finder(objects, borrowed)
     kept: list[str] = []
     failed: list[str] = []
     for name, old in sorted(before.items()):
@@ -312,7 +315,9 @@ def keep_moved(common: str, before: dict[str, str], borrowed: list[str] | None =
                 reftemp.write_ref(common, name, old)  # ours: a restore never takes one away
                 kept.append(name)
             elif not (new is not None and refvalues.is_id(new) and objectstore.is_ancestor(objects, old, new, store)):
-                kept.append(reftemp.keep_displaced(common, when, name, old))
+                # A session's value may name nothing (a random id): not kept then.
+                named = reftemp.keep_displaced(common, when, name, old, there)
+                kept += [named] if named else []
         except OSError as exc:
             failed.append(f"{name}: its value {old[:12]} could not be kept ({exc.strerror})")
     return kept, failed

@@ -35,9 +35,14 @@ import secrets
 import stat
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard.refvalues import is_id
 from dispatchd.logtext import Bounded
+
+if TYPE_CHECKING:
+    from dispatchd.daemon.gitguard import objectstore
 
 log = logging.getLogger("dispatchd.gitguard")
 
@@ -56,12 +61,18 @@ def stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%S")
 
 
-def keep_displaced(common: str, when: str, name: str, value: str) -> str:
+def keep_displaced(common: str, when: str, name: str, value: str, store: objectstore.Store | None = None) -> str:
     """``value`` (an id, or a symbolic ref), which ``name`` held before the
     daemon moved or deleted it, kept as ``refs/dispatchd/displaced/WHEN/NAME``:
     what it names stays reachable (``git gc`` keeps it, ``git log`` shows it).
     Returns the name it is kept under. The one writer of such refs: the
     end's put back and a checkpoint's restore name them alike.
+
+    ``store``: the repository's objects, given where the value may be a
+    session's: an id that names no object there is not kept, and "" is
+    returned. A ref of ours naming a missing object made the user's
+    ``git gc``, ``git log --all`` and ``git for-each-ref`` fail for good
+    (a session wrote random ids into ``refs/stash`` or its log).
 
     WHEN is to the second: where that name already keeps another value (two
     restores, or a restore and an end, in the same second), ``WHEN.2``,
@@ -70,6 +81,8 @@ def keep_displaced(common: str, when: str, name: str, value: str) -> str:
     daemon's death, under its record's WHEN), the same name is written."""
     # Here, not at the top: refsback writes through this module.
     from dispatchd.daemon.gitguard.refsback import read_refs
+    if store is not None and is_id(value) and not store.has(value):
+        return ""
     for n in range(1, _MAX_SAME_SECOND + 1):
         kept = f"{DISPLACED}{when if n == 1 else f'{when}.{n}'}/{name}"
         held = read_refs(common, (kept,)).get(kept)  # packed-refs too: git gc packs them

@@ -30,11 +30,12 @@ import stat
 
 import msgspec
 
-from dispatchd.daemon.gitguard import fs, reflock, refvalues, reftemp
+from dispatchd.daemon.gitguard import fs, objectstore, reflock, refsback, refvalues, reftemp
 
 MAX_BYTES = 1 << 20  # ~6,000 stashes; a larger list is not kept (said at the baseline)
 MAX_KEPT = 1000  # entries of a replaced log kept as refs; the rest counted, the log itself kept whole
 LOG = "logs/refs/stash"
+LOCK_LEFT = LOG + ".lock"  # git's lock of the log itself, made under refs/stash.lock
 ENTRIES = "stash-entries"
 
 
@@ -97,33 +98,88 @@ def stashes(data: bytes) -> list[str]:
     return ids[::-1]
 
 
-def put_back(common: str, kept: Kept | None, stamp: str) -> tuple[list[tuple[str, str]], list[str]]:
+def put_back(common: str, kept: Kept | None, stamp: str, ref: str | None = None,
+             store: objectstore.Store | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """The baseline's stash list made the repository's again (see the
-    module). Returns what was done and what failed."""
+    module). ``ref``: ``refs/stash`` at the baseline (``refsback`` has put
+    it back), set again under the same hold of its lock as the list: a
+    stash the user's git pushed between the two holds was left the ref,
+    with the list not naming it. ``store``: the repository's objects (an
+    entry naming none is not kept: ``reftemp.keep_displaced``). Returns
+    what was done and what failed."""
     if kept is None:
         return [], []
     want = kept.data if kept.present else None
-    if _now(common) == (want, ""):  # the usual case, told without the lock
-        return [], []
+    if _now(common) == (want, "") and not os.path.lexists(os.path.join(common, LOCK_LEFT)):
+        return [], []  # the usual case, told without the lock
     path = os.path.join(common, LOG)
     try:
-        with reflock.held(common, "refs/stash"):  # git's lock of the ref: no stash drop writes the log meanwhile
+        with reflock.held(common, "refs/stash", ref or "") as lock:  # git's lock: no stash drop writes meanwhile
+            left = _lock_left(common)
             now, unread = _now(common)  # under the lock: what git has now
             if (now, unread) == (want, ""):
-                return [], []
+                return ([(LOG, f"git's lock {LOCK_LEFT}, left by a git that was killed (it blocked your git stash "
+                               f"drop and pop), moved to {left} in the git directory")] if left else []), []
             found = now or b""
+            listed = stashes(found)
+            at = refsback.read_refs(common, ("refs/stash",)).get("refs/stash")
+            if at is not None and at != ref and at not in listed and refvalues.is_id(at):
+                listed.append(at)  # the ref moved since its put back, by a push the list does not name
             before = set(stashes(kept.data))
-            new = [(n, i) for n, i in enumerate(stashes(found)) if i not in before]
-            names = [reftemp.keep_displaced(common, stamp, f"{ENTRIES}/{n}", value) for n, value in new[:MAX_KEPT]]
+            new = [(n, i) for n, i in enumerate(listed) if i not in before]
+            names = _keep(common, stamp, new[:MAX_KEPT], store)
             aside = _move_out(common) if os.path.lexists(path) else ""
             if kept.present:
                 reftemp.make_room(common, LOG)
                 if fs.is_dir(path):  # a directory of the session's in the way
                     fs.move_aside(path)
                 reftemp.write_file(path, kept.data)
+            if at != ref and ref is not None and refvalues.writable(ref):
+                lock.commit()  # the ref as the list's top says
+            elif at is not None and ref is None and not kept.present:
+                lock.remove()  # pushed since newrefs took the session's out: none at the baseline
+    except reflock.Held as exc:
+        return _held(common, kept, stamp, store, exc)
     except OSError as exc:
         return [], [f"{LOG}: the stash list cannot be put back ({exc.strerror})"]
-    return [(LOG, _said(kept, found, len(new), names, unread, aside))], []
+    said = _said(kept, found, len(new), names, unread, aside)
+    return [(LOG, said + (f"; git's lock {LOCK_LEFT}, left by a git that was killed, moved to {left}" if left else ""))], []
+
+
+def _keep(common: str, stamp: str, new: list[tuple[int, str]], store: objectstore.Store | None) -> list[str]:
+    """Each of ``new`` (``stash@{N}``, id) kept as ``.../stash-entries/N``,
+    but one kept so already (an end cut short by the daemon's death, done
+    again at the next start under another TIME): the names written."""
+    if not new:
+        return []
+    already = {v for n, v in refsback.read_refs(common, (reftemp.DISPLACED,)).items() if f"/{ENTRIES}/" in n}
+    names = [reftemp.keep_displaced(common, stamp, f"{ENTRIES}/{n}", value, store)
+             for n, value in new if value not in already]
+    return [n for n in names if n]
+
+
+def _lock_left(common: str) -> str:
+    """``logs/refs/stash.lock``, which git makes only while it holds
+    ``refs/stash.lock`` (held here): one there now was left by a git that
+    was killed, and blocks every later ``git stash drop`` and ``pop``.
+    Moved to the git directory's top; returns its name there, or ""."""
+    if not os.path.lexists(os.path.join(common, LOCK_LEFT)):
+        return ""
+    return _move_out(common, "stash.lock", "stash-log-lock")
+
+
+def _held(common: str, kept: Kept, stamp: str, store: objectstore.Store | None,
+          exc: reflock.Held) -> tuple[list[tuple[str, str]], list[str]]:
+    """The list could not be put back (git's lock held past its wait):
+    each stash of the baseline's kept as a ref instead, so that none is
+    left named by nothing."""
+    try:
+        names = _keep(common, stamp, [(n, i) for n, i in enumerate(stashes(kept.data))], store)
+    except OSError as kept_exc:
+        return [], [f"{LOG}: the stash list not put back ({exc.strerror}), and your stashes could not be kept "
+                    f"({kept_exc.strerror})"]
+    where = f"; your {len(names)} stashes kept as {names[0].rsplit('/', 1)[0]}/N" if names else ""
+    return [(LOG, f"the stash list not put back: {exc.strerror}{where}")], []
 
 
 def _now(common: str) -> tuple[bytes | None, str]:
@@ -134,14 +190,15 @@ def _now(common: str) -> tuple[bytes | None, str]:
         return None, str(exc)
 
 
-def _move_out(common: str) -> str:
-    """The log found moved to the git directory's top; returns its name there."""
+def _move_out(common: str, leaf: str = "stash", called: str = "stash-log") -> str:
+    """The log found (or ``leaf`` beside it) moved to the git directory's
+    top, out of ``logs/`` (where git reads a reflog); returns its name there."""
     src = fs.parent_at(os.path.join(common, os.path.dirname(LOG)))
     try:
         dst = fs.parent_at(common)
         try:
-            name = fs.aside_name("stash-log")
-            os.rename("stash", name, src_dir_fd=src, dst_dir_fd=dst)
+            name = fs.aside_name(called)
+            os.rename(leaf, name, src_dir_fd=src, dst_dir_fd=dst)
             return name
         finally:
             os.close(dst)
@@ -150,15 +207,18 @@ def _move_out(common: str) -> str:
 
 
 def _said(kept: Kept, found: bytes, new: int, names: list[str], unread: str, aside: str) -> str:
+    # "While a session ran": the user's own git in another worktree of the repository looks the same.
     gone = len(set(stashes(kept.data)) - set(stashes(found))) if not unread else 0
     what = (unread if unread else
-            f"{gone} of your stashes taken out of it by a session" if gone else "changed by a session")
+            f"{gone} of your stashes taken out of it while a session ran" if gone else "changed while a session ran")
     back = "put back as it was" if kept.present else "taken out (there was none)"
     parts = [f"the stash list: {what}; {back}"]
     if names:
         first = names[0].rsplit("/", 1)[0]
-        parts.append(f"{new} stashes made since kept as {first}/N (git stash apply {names[0]})"
-                     + (f", the first {MAX_KEPT} of them" if new > MAX_KEPT else ""))
+        parts.append(f"{len(names)} stashes made since kept as {first}/N (git stash apply {names[0]})")
+    if new > len(names):
+        parts.append(f"{new - len(names)} {'other ' if names else ''}stashes made since not kept here "
+                     f"(kept already, naming no object, or past the first {MAX_KEPT})")
     if aside:
         parts.append(f"the list found moved to {aside} in the git directory")
     return "; ".join(parts)
