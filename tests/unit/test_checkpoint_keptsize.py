@@ -53,7 +53,7 @@ def test_what_only_the_tree_names_is_its_own_and_linked_files_are_counted_by_ino
     (tree / "own.txt").write_bytes(b"y" * 5000)
     os.link(pool / "copy", tree / "sub" / "linked")
     os.symlink("/nowhere", tree / "link")
-    own, linked = keptsize.measure(str(tree))
+    own, linked, _ = keptsize.measure(str(tree))
     assert own == sum(_blocks(p) for p in (tree, tree / "sub", tree / "own.txt", tree / "link"))
     st = os.stat(pool / "copy")
     assert linked == {(st.st_dev, st.st_ino): _blocks(pool / "copy")}
@@ -224,3 +224,30 @@ def test_an_expired_one_is_swept_before_the_budget_refuses_and_a_young_one_refus
     done, total = _keep(store, wt, cid)  # not an hour since the last sweep: the budget's sweep
     assert not old.exists() and Path(done).exists()
     assert total is not None and total.count == 2 and total == store.kept_sizes.report()
+
+
+def test_the_inode_budget_is_the_lower_of_a_million_and_a_quarter_of_the_free_inodes() -> None:
+    assert keptsize.inode_limit(1_000_000, 40_000_000, 60_000_000) == (1_000_000, "dispatchd's fixed bound")
+    assert keptsize.inode_limit(1_000_000, 400_000, 60_000_000) == (
+        100_000, "a quarter of the 400000 inodes free on its file system")
+    # A file system that counts no inodes (btrfs: f_files 0): the fixed bound alone.
+    assert keptsize.inode_limit(1_000_000, 0, 0) == (1_000_000, "dispatchd's fixed bound")
+
+
+def test_empty_files_past_the_inode_budget_are_refused_and_within_it_kept(tmp_path: Path) -> None:
+    """Empty files cost no block: a session restoring over thousands of
+    them again and again kept them all past the session, within the bytes'
+    budget, until the file system (the user's home) had no inode left. The
+    twin: as many as the budget allows are kept."""
+    kept, sizes, (copy,) = _keep_and_files(tmp_path, copy=b"")
+    sizes.fixed_inodes = 12
+    _kept(sizes, "a", {f"e{i}": b"" for i in range(5)} | {"linked": copy})  # 1 directory, 5 files, 1 link: 7
+    with pytest.raises(CheckpointError) as err:
+        _kept(sizes, "b", {f"e{i}": b"" for i in range(5)})  # 6 more: 13
+    assert err.value.message == (
+        f"checkpoint refused: keeping it past the session in {kept} would take what restores replaced there over "
+        "its budget of inodes: the 1 kept there take 7, this one would add 6, and all of them may take at most 12, "
+        "dispatchd's fixed bound; nothing kept is removed to make room: remove old ones by hand, or wait for them "
+        "to expire (7 days)")
+    _kept(sizes, "b", {f"e{i}": b"" for i in range(4)} | {"linked": copy})  # 5 more, the link counted once: 12
+    assert sorted(os.listdir(kept)) == ["a", "b"]

@@ -61,7 +61,8 @@ from dispatchd.protocol import BeforeRestoreReport
 from dispatchd.daemon.checkpoints.reading import Refused
 
 DEFAULT_BYTES = 8 << 30
-FREE_SHARE = 4  # a quarter of the free space, at most
+DEFAULT_INODES = 1_000_000  # files, directories and links kept, at most (empty files cost no block)
+FREE_SHARE = 4  # a quarter of the free space, at most; and of the free inodes
 _TMP = ".tmp-"  # preimages' half-made ones: not kept yet
 _BLOCK = 512  # st_blocks counts 512-byte units, whatever the file system's block
 
@@ -84,16 +85,28 @@ def limit(fixed: int, free: int, fixed_why: str = "dispatchd's fixed bound") -> 
     return share, f"a quarter of the {free} bytes free on its file system"
 
 
-def measure(path: str) -> tuple[int, dict[tuple[int, int], int]]:
+def inode_limit(fixed: int, free: int, total: int) -> tuple[int, str]:
+    """The inodes all the kept ones may take together, and which bound gave
+    it: ``fixed``, or a quarter of ``free`` (inodes free on their file
+    system; ``total`` 0: one that counts none, btrfs: ``fixed`` alone)."""
+    share = free // FREE_SHARE
+    if not total or fixed <= share:
+        return fixed, "dispatchd's fixed bound"
+    return share, f"a quarter of the {free} inodes free on its file system"
+
+
+def measure(path: str) -> tuple[int, dict[tuple[int, int], int], int]:
     """What the tree at ``path`` holds on disk: the bytes of the inodes only
-    it names (one link; directories), and by (device, inode) those of the
-    files linked elsewhere too (a checkpoint's copy, another kept one)."""
-    own = 0
+    it names (one link; directories), by (device, inode) those of the
+    files linked elsewhere too (a checkpoint's copy, another kept one), and
+    how many inodes only it names."""
+    own = inodes = 0
     linked: dict[tuple[int, int], int] = {}
     # No bound in entries nor depth (a policy may let a checkpoint be deeper than
     # treewalk's default): a level left out would count low.
     for _, names, dfd in treewalk.walk(path, treewalk.Budget(max_entries=1 << 62, max_depth=1 << 30)):
         own += os.fstat(dfd).st_blocks * _BLOCK
+        inodes += 1
         for name in names:
             try:
                 st = os.lstat(name, dir_fd=dfd)
@@ -101,9 +114,10 @@ def measure(path: str) -> tuple[int, dict[tuple[int, int], int]]:
                 continue
             if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
                 linked[(st.st_dev, st.st_ino)] = st.st_blocks * _BLOCK
-            else:
+            elif not stat.S_ISDIR(st.st_mode):  # a directory: counted as walked
                 own += st.st_blocks * _BLOCK
-    return own, linked
+                inodes += 1
+    return own, linked, inodes
 
 
 class KeptSizes:
@@ -119,6 +133,8 @@ class KeptSizes:
         self._linked: dict[tuple[int, int], int] = {}  # those files' bytes: each once
         self._users: collections.Counter[tuple[int, int]] = collections.Counter()  # kept ones naming each
         self._held = 0  # the total: the own bytes and the linked files' bytes, each once
+        self._own_inodes: dict[str, int] = {}  # kept one -> the inodes it alone names
+        self.fixed_inodes = DEFAULT_INODES
 
     def _names(self) -> set[str]:
         try:
@@ -129,8 +145,9 @@ class KeptSizes:
         return {n for n in names if not n.startswith(_TMP) and not os.path.islink(os.path.join(self.path, n))
                 and os.path.isdir(os.path.join(self.path, n))}
 
-    def _remember(self, name: str, own: int, linked: dict[tuple[int, int], int]) -> None:
+    def _remember(self, name: str, own: int, linked: dict[tuple[int, int], int], inodes: int) -> None:
         self._own[name] = own
+        self._own_inodes[name] = inodes
         self._links[name] = list(linked)
         self._held += own + self._new_bytes(linked)
         for key, size in linked.items():
@@ -140,6 +157,7 @@ class KeptSizes:
     def _forget(self, name: str) -> None:
         """``name`` went: what it alone named, and the linked files no other kept one names, are not held."""
         self._held -= self._own.pop(name)
+        self._own_inodes.pop(name)
         for key in self._links.pop(name):
             self._users[key] -= 1
             if self._users[key] <= 0:
@@ -156,14 +174,22 @@ class KeptSizes:
         for name in sorted(self._own.keys() - names):  # gone: subtracted, the others not measured again
             self._forget(name)
         for name in sorted(names - self._own.keys()):
-            own, linked = measure(os.path.join(self.path, name))
-            self._remember(name, own, linked)
+            self._remember(name, *measure(os.path.join(self.path, name)))
         return len(self._own), self._held
+
+    def _inodes(self) -> int:
+        """The inodes the kept ones take: each one's own, and each linked file once."""
+        return sum(self._own_inodes.values()) + len(self._linked)
 
     def _budget(self) -> tuple[int, str]:
         where = self.path if os.path.isdir(self.path) else os.path.dirname(self.path)
         st = os.statvfs(where)
         return limit(self.fixed, st.f_bavail * st.f_frsize, self.fixed_why)
+
+    def _inode_budget(self) -> tuple[int, str]:
+        where = self.path if os.path.isdir(self.path) else os.path.dirname(self.path)
+        st = os.statvfs(where)
+        return inode_limit(self.fixed_inodes, st.f_favail, st.f_files)
 
     def report(self) -> BeforeRestoreReport:
         """For ``status`` (a restore's reply has ``admitting``'s)."""
@@ -189,13 +215,26 @@ class KeptSizes:
             try:
                 fcntl.flock(dfd, fcntl.LOCK_EX)  # released with the descriptor
                 count, held = self._refresh()
-                own, linked = measure(tmp)
+                own, linked, inodes = measure(tmp)
                 budget, why = self._budget()
-                if held + own + self._new_bytes(linked) > budget and make_room is not None:
+                inode_budget, inode_why = self._inode_budget()
+                if make_room is not None and (held + own + self._new_bytes(linked) > budget or
+                                              self._inodes() + inodes + len(linked) > inode_budget):
                     make_room()  # expired ones are no reason to refuse: swept, then looked at again
                     count, held = self._refresh()
                     budget, why = self._budget()
+                    inode_budget, inode_why = self._inode_budget()
                 more = own + self._new_bytes(linked)
+                more_inodes = inodes + sum(1 for key in linked if key not in self._linked)
+                if self._inodes() + more_inodes > inode_budget:
+                    # Empty files cost no block: a session restoring over a million of them, again and
+                    # again, filled the file system's inodes (the user's home) with files nobody sees.
+                    raise Refused(
+                        f"checkpoint refused: keeping it past the session in {self.path} would take what restores "
+                        f"replaced there over its budget of inodes: the {count} kept there take {self._inodes()}, "
+                        f"this one would add {more_inodes}, and all of them may take at most {inode_budget}, "
+                        f"{inode_why}; nothing kept is removed to make room: remove old ones by hand, or wait for "
+                        "them to expire (7 days)")
                 if held + more > budget:
                     raise Refused(
                         f"checkpoint refused: keeping it past the session in {self.path} would take what restores "
@@ -205,6 +244,6 @@ class KeptSizes:
                         "by when it was kept, oldest first; no session can), or wait for them to expire (7 days)")
                 yield BeforeRestoreReport(path=self.path, count=count + 1, bytes=held + more, budget=budget,
                                           budget_why=why)
-                self._remember(name, own, linked)
+                self._remember(name, own, linked, inodes)
             finally:
                 os.close(dfd)
