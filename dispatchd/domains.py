@@ -109,19 +109,26 @@ def _unzoned(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
     return str(ip)
 
 
+# Cloud metadata services outside link-local: AWS's over IPv6 (its IPv4 one is
+# 169.254.169.254, link-local) and Alibaba Cloud's, in the shared 100.64/10.
+CLOUD_METADATA = frozenset(("fd00:ec2::254", "100.100.100.200"))
+
+
 def relayable(address: str) -> bool:
     """May the proxy connect to this resolved address? Never the host's own
     loopback (its services, the daemon's neighbours), the unspecified address
-    (which reaches loopback), link-local (cloud metadata at 169.254.169.254)
-    or multicast/broadcast. Private ranges stay allowed: an internal package
+    (which reaches loopback), link-local (cloud metadata at 169.254.169.254),
+    the cloud metadata addresses outside it (``CLOUD_METADATA``) or
+    multicast/broadcast. Private ranges stay allowed: an internal package
     mirror is a normal thing to list."""
     ip = _ip(address.split("%", 1)[0])
     if ip is None:
         return False
     if ip.version == 6 and ip.ipv4_mapped:
         ip = ip.ipv4_mapped
-    return not (ip.is_loopback or ip.is_unspecified or ip.is_link_local or ip.is_multicast
-                or ip.is_reserved or (ip.version == 4 and ip.packed[0] == 0))  # 0.0.0.0/8: "this host"
+    return str(ip) not in CLOUD_METADATA and not (
+        ip.is_loopback or ip.is_unspecified or ip.is_link_local or ip.is_multicast or ip.is_reserved
+        or (ip.version == 4 and ip.packed[0] == 0))  # 0.0.0.0/8: "this host"
 
 
 def _parse_one(entry: str) -> Rule:
@@ -156,8 +163,8 @@ def _parse_one(entry: str) -> Rule:
     if is_ip and wildcard:
         raise BadHost(f"{entry!r}: a wildcard cannot apply to an IP address")
     if is_ip and not relayable(norm):
-        raise BadHost(f"{entry!r}: the host's loopback, link-local and unspecified addresses are never relayed "
-                      "(a session reaches the host's own services with network 'on' or 'ports')")
+        raise BadHost(f"{entry!r}: the host's loopback, link-local, cloud metadata and unspecified addresses are "
+                      "never relayed (a session reaches the host's own services with network 'on' or 'ports')")
     if wildcard and "." not in norm:
         raise BadHost(f"{entry!r}: a wildcard over a whole top-level domain is too broad")
     return Rule(host=norm, wildcard=wildcard, ports=DEFAULT_PORTS if port is None else (port,), ip=is_ip)

@@ -142,7 +142,12 @@ def _below_root(ctx: ToolContext, real: str) -> str:
     """``real`` (absolute, within the worktree: the path rules' answer) as
     the path below the root fd that opens it; "" for the root itself. Its
     bytes, not ``relative``'s display form."""
-    return real[len(ctx.root.rstrip("/")) + 1:]
+    root = ctx.root.rstrip("/")
+    if real == root:
+        return ""
+    if not real.startswith(root + "/"):  # a caller's slip: never a path above the root taken for one below it
+        raise ToolFailure(f"{printable(real)} is not within the worktree")
+    return real[len(root) + 1:]
 
 
 def _folder_below(root_fd: int, rel: str) -> int:
@@ -274,10 +279,24 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
     return Outcome.ok(output, {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})
 
 
+def _file_target(ctx: ToolContext, path: str, tool: str) -> str:
+    """Where ``path`` names a file to write: refused when it names the
+    worktree itself or ends as a directory's name does (``.``, ``..``, a
+    final ``/``). Resolved alone, ``.`` wrote a file named after the
+    worktree inside it (the user's, overwritten) and said "wrote ... to .";
+    ``newdir/.`` made a file ``newdir``."""
+    target = resolve(ctx.root, path)
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    if target == ctx.root.rstrip("/") or path.endswith("/") or last in (".", ".."):
+        raise ToolFailure(f"{printable(path)} names a directory (the worktree itself, or one ending in '/', '.' or "
+                          f"'..'); {tool} writes files: give the file's path, e.g. 'notes.txt'")
+    return target
+
+
 def write_file(ctx: ToolContext, params: WriteFileParams) -> Outcome:
     """Replace (or create) the file with ``content``, atomically."""
     _require_writable(ctx)
-    target = resolve(ctx.root, params.path)
+    target = _file_target(ctx, params.path, "write_file")
     rel = relative(ctx.root, target)
     data = _encode(ctx, params.content, "content")
     _store(ctx, target, rel, data, "write_file")
@@ -351,7 +370,7 @@ def create_file(ctx: ToolContext, params: CreateFileParams) -> Outcome:
     """Create a new file; fail if anything is already there."""
     path, content = params.path, params.content
     _require_writable(ctx)
-    target = resolve(ctx.root, path)
+    target = _file_target(ctx, path, "create_file")
     rel = relative(ctx.root, target)
     data = _encode(ctx, content, "content")
     # lexists on the path as given catches a symlink (even a dangling one)

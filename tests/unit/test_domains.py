@@ -33,10 +33,12 @@ def test_parse_domains_spellings():
     ("a*.b.org", "a wildcard is only allowed as the whole first label"),
     ("*.*.b.org", "a wildcard is only allowed as the whole first label"),
     ("*.203.0.113.7", "a wildcard cannot apply to an IP address"),
-    ("127.0.0.1", "the host's loopback, link-local and unspecified addresses are never relayed"),
+    ("127.0.0.1", "the host's loopback, link-local, cloud metadata and unspecified addresses are never relayed"),
     ("[::1]", "never relayed"),
     ("::ffff:127.0.0.1", "never relayed"),
     ("169.254.169.254", "never relayed"),
+    ("[fd00:ec2::254]", "never relayed"),
+    ("100.100.100.200", "never relayed"),
     ("0.0.0.0", "never relayed"),
     ("foo..bar", "is not a host name"),
     ("foo bar.org", "is not a host name"),
@@ -98,6 +100,9 @@ def test_normalise_host(host: str, norm: str):
     ("127.0.0.1", False), ("127.9.9.9", False), ("::1", False), ("::ffff:127.0.0.1", False),
     ("0.0.0.0", False), ("0.1.2.3", False), ("::", False), ("169.254.169.254", False), ("fe80::1%eth0", False),
     ("224.0.0.1", False), ("255.255.255.255", False), ("not-an-address", False),
+    # Cloud metadata outside link-local (AWS over IPv6, Alibaba Cloud); their neighbours are ordinary addresses.
+    ("fd00:ec2::254", False), ("::ffff:100.100.100.200", False), ("100.100.100.200", False),
+    ("fd00:ec2::253", True), ("100.100.100.100", True),
 ])
 def test_relayable(address: str, ok: bool):
     assert relayable(address) is ok

@@ -250,7 +250,7 @@ def test_policy_error_code():
         ("[network]\ndomains = [\"*.org\"]", "network.domains",
          "'*.org': a wildcard over a whole top-level domain is too broad"),
         ("[network]\ndomains = [\"127.0.0.1\"]", "network.domains",
-         "'127.0.0.1': the host's loopback, link-local and unspecified addresses are never relayed "
+         "'127.0.0.1': the host's loopback, link-local, cloud metadata and unspecified addresses are never relayed "
          "(a session reaches the host's own services with network 'on' or 'ports')"),
         ("[sandbox]\nmin_landlock_abi = 0", "sandbox.min_landlock_abi", "must be between 1 and 64"),
         ("[sandbox]\nmin_landlock_abi = 65", "sandbox.min_landlock_abi", "must be between 1 and 64"),

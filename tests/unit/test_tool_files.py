@@ -932,3 +932,31 @@ def test_a_file_whose_name_is_long_in_bytes_is_written(ctx: ToolContext, tool: s
     r = call(ctx, tool, path=name, **args)
     assert r.success, r.error
     assert path.read_text() == "y\n" and leftovers(ctx.root) == []
+
+
+@pytest.mark.parametrize("tool", ["write_file", "create_file"])
+@pytest.mark.parametrize("path", [".", "./", "sub/..", "newdir/.", "newdir/", "link-to-root"])
+def test_a_path_naming_a_directory_is_refused_and_nothing_is_written(ctx: ToolContext, tool: str, path: str) -> None:
+    """``.`` resolved to the root, whose parent's path, taken as below the
+    root, wrote a file named after the worktree inside it: the user's own
+    file of that name overwritten, the reply saying "wrote 11 bytes to ."."""
+    name = os.path.basename(ctx.root)
+    put(ctx, name, "the user's\n")
+    (Path(ctx.root) / "sub").mkdir()
+    os.symlink(".", Path(ctx.root) / "link-to-root")
+    before = sorted(os.listdir(ctx.root))
+    r = call(ctx, tool, path=path, content="the agent's")
+    assert r.error == (f"{path} names a directory (the worktree itself, or one ending in '/', '.' or '..'); {tool} "
+                       "writes files: give the file's path, e.g. 'notes.txt'")
+    assert Path(ctx.root, name).read_text() == "the user's\n" and sorted(os.listdir(ctx.root)) == before
+
+
+@pytest.mark.parametrize("tool", ["write_file", "create_file"])
+def test_a_file_named_after_the_worktree_is_written_by_its_own_name(ctx: ToolContext, tool: str) -> None:
+    """The twin: the same file, named as a file, is written."""
+    name = os.path.basename(ctx.root)
+    if tool == "write_file":
+        put(ctx, name, "the user's\n")
+    r = call(ctx, tool, path=f"./{name}", content="the agent's")
+    assert r.success, r.error
+    assert Path(ctx.root, name).read_text() == "the agent's" and r.metadata["changed"] == [name]
