@@ -376,6 +376,8 @@ def shell_exec(ctx: ToolContext, params: ShellExecParams) -> Outcome:
     command, timeout = params.command, params.timeout
     if not command.strip():
         raise ToolFailure("command is empty")
+    if "\0" in command:  # the kernel takes an argument up to its first NUL: bash would run another command
+        raise ToolFailure("command holds a NUL byte (\\0), which no command line can carry; nothing was run")
     if params.env:
         try:
             ctx = dataclasses.replace(ctx, env={**ctx.env, **envnames.check_env(params.env)})

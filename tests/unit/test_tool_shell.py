@@ -113,6 +113,16 @@ def test_empty_command_fails(ctx: ToolContext) -> None:
     assert sh(ctx, "  ").error == "command is empty"
 
 
+def test_a_command_holding_a_nul_byte_is_refused_precisely_and_not_run(ctx: ToolContext) -> None:
+    """It reached the spawn, whose internal error the caller got
+    (``ValueError: spawn_subreaper: ...``). The twin: the same command
+    without the NUL runs."""
+    r = sh(ctx, "touch ran\0; echo no")
+    assert r.error == "command holds a NUL byte (\\0), which no command line can carry; nothing was run"
+    assert not os.path.exists(os.path.join(ctx.root, "ran"))
+    assert sh(ctx, "touch ran; echo yes").output == "yes\n" and os.path.exists(os.path.join(ctx.root, "ran"))
+
+
 # -- environment -----------------------------------------------------------------
 
 
