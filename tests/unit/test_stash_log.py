@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dispatchd import recordjson
-from dispatchd.daemon.gitguard import history, stashlog
+from dispatchd.daemon.gitguard import history, objectstore, stashlog
 from tests.unit.gitrepo import git, make_repo
 
 pytestmark = pytest.mark.process
@@ -245,3 +245,84 @@ def test_git_s_lock_of_the_list_left_by_a_killed_stash_pop_is_moved_out(tmp_path
                                                 "stash-log-lock.quarantined-by-dispatchd-"), said
     git(repo, "stash", "drop", "-q")
     assert _listed(repo) == ["On master: mine 0"]
+
+
+def _objects(repo: Path) -> str:
+    return str(repo / ".git" / "objects")
+
+
+def test_an_object_is_told_there_in_a_pack_and_loose_and_junk_at_its_name_is_not(tmp_path: Path) -> None:
+    """``Store.has``: a packed commit and a loose one are there; junk
+    written at a random id's loose path names nothing (a ref of ours to it
+    failed the user's ``git gc`` as a missing one did)."""
+    repo = _stashed(tmp_path, 1)
+    git(repo, "gc", "-q")
+    packed = git(repo, "rev-parse", "HEAD").strip()
+    (repo / "n.txt").write_text("new\n")
+    git(repo, "add", "n.txt")
+    git(repo, "commit", "-qm", "loose one")
+    loose = git(repo, "rev-parse", "HEAD").strip()
+    junk = "ab" + "c" * 38
+    (repo / ".git" / "objects" / "ab").mkdir(exist_ok=True)
+    (repo / ".git" / "objects" / "ab" / ("c" * 38)).write_bytes(b"not an object")
+    store = objectstore.Store(_objects(repo))
+    assert (store.has(packed), store.has(loose), store.has(junk), store.has("1" * 40)) == (True, True, False, False)
+
+
+def test_an_object_not_told_for_packs_left_unread_counts_as_there(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the bound of packs read (a session's 1,024 empty indexes sorted
+    before the user's pack), the user's packed stash looked absent, and was
+    not kept: a value is refused only when it surely names nothing. The
+    twin: within the bound, an id no pack holds is told absent."""
+    repo = _stashed(tmp_path, 1)
+    git(repo, "gc", "-q")
+    top = git(repo, "rev-parse", "refs/stash").strip()
+    monkeypatch.setattr(objectstore, "_MAX_PACKS", 2)
+    pack = repo / ".git" / "objects" / "pack"
+    assert objectstore.Store(_objects(repo)).has("1" * 40) is False
+    for i in range(3):
+        (pack / f"0{i}.idx").write_bytes(b"")  # unreadable indexes, named before the user's pack-*.idx
+    store = objectstore.Store(_objects(repo))
+    assert store.has(top) is True and store.has("1" * 40) is True and store.left_out
+
+
+def test_the_user_s_stashes_are_kept_as_refs_when_the_list_cannot_be_put_back(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory the end cannot move at ``refs/stash.lock`` keeps git's
+    lock from it: the list is left, and the baseline's stashes are kept as
+    refs instead, each, whatever a look at the objects says (a session can
+    cloud that look: it is not asked for the user's own values)."""
+    repo = _stashed(tmp_path)
+    ids = git(repo, "log", "-g", "--format=%H", "refs/stash").split()
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    git(repo, "stash", "clear")
+    lock = repo / ".git" / "refs" / "stash.lock"
+    lock.mkdir()
+    lock.chmod(0o555)  # a directory renamed elsewhere needs its own write permission (its "..")
+    monkeypatch.setattr(objectstore.Store, "has", lambda self, hexid: False)
+    try:
+        said, failed = _end(tmp_path, kept)
+    finally:
+        lock.chmod(0o755)
+    assert not failed and said[0][1].startswith("the stash list not put back: git's lock refs/stash.lock is held"), said
+    named = git(repo, "for-each-ref", "--format=%(objectname)", "refs/dispatchd/").split()
+    assert set(ids) <= set(named), (ids, named)
+
+
+def test_a_thousand_lines_naming_one_stash_keep_one_ref(tmp_path: Path) -> None:
+    """Each line of the list found was kept as a ref of its own, each keep
+    reading all of ``packed-refs`` again (with a session's 17 MB of it, a
+    close of minutes, holding git's lock). One ref a stash now."""
+    repo = _stashed(tmp_path, 1)
+    kept = history.record(str(repo / ".git"), str(tmp_path / "keep"), own=[])
+    (repo / "a.txt").write_text("a\n")
+    git(repo, "add", "a.txt")
+    git(repo, "stash", "push", "-q", "-m", "the session's")
+    line = (repo / ".git" / stashlog.LOG).read_bytes().splitlines(keepends=True)[-1]
+    with open(repo / ".git" / stashlog.LOG, "ab") as f:
+        f.write(line * 1000)
+    said, failed = _end(tmp_path, kept)
+    assert not failed and _listed(repo) == ["On master: mine 0"]
+    assert len(git(repo, "for-each-ref", "--format=%(refname)", "refs/dispatchd/").split()) == 2  # the ref's, one entry
+    assert "; 1 stashes made since kept as " in said[0][1], said

@@ -24,7 +24,8 @@ TAKEN = ("refs/remotes/", "refs/notes/", "refs/stash")
 
 
 def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str,
-          store: objectstore.Store | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+          store: objectstore.Store | None = None, known: dict[str, str] | None = None
+          ) -> tuple[list[tuple[str, str]], list[str]]:
     """Take out each ref of ``now`` under ``TAKEN`` that ``baseline`` has
     not; ``store``: the repository's objects (a value naming none is not kept)."""
     done: list[tuple[str, str]] = []
@@ -46,10 +47,10 @@ def clear(common: str, now: dict[str, str], baseline: dict[str, str], stamp: str
                     read = refvalues.read_text(path)
                     value = read.strip() if read is not None else value
                     if refvalues.writable(value):  # an id, or a symbolic ref: kept as it was
-                        kept = reftemp.keep_displaced(common, stamp, name, value, store)
+                        kept = reftemp.keep_displaced(common, stamp, name, value, store, known)
                     lock.remove()
             elif refvalues.writable(value):  # packed only: taken out below, its value kept first
-                kept = reftemp.keep_displaced(common, stamp, name, value, store)
+                kept = reftemp.keep_displaced(common, stamp, name, value, store, known)
         except OSError as exc:
             failed.append(f"{name}: {why}, cannot be taken out ({exc.strerror})")
             continue

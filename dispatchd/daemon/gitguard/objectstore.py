@@ -242,11 +242,12 @@ def _apply(base: bytes, delta: bytes, store: Store | None = None) -> bytes:
     return bytes(out)
 
 
-def _packs_in(objects: str, *, with_data: bool) -> list[_Pack]:
+def _packs_in(objects: str, *, with_data: bool, left_out: list[str] | None = None) -> list[_Pack]:
     """The packs of ``objects`` whose index can be read (at most
     ``_MAX_PACKS``, their indexes ``_MAX_INDEX`` bytes in all: the rest are
-    left out, as if absent; neither ``objects`` nor ``pack`` followed if a
-    symlink)."""
+    left out, as if absent, each named in ``left_out`` when given; neither
+    ``objects`` nor ``pack`` followed if a symlink)."""
+    left_out = [] if left_out is None else left_out
     packs: list[_Pack] = []
     left = _MAX_INDEX
     try:
@@ -261,12 +262,14 @@ def _packs_in(objects: str, *, with_data: bool) -> list[_Pack]:
     os.close(top)
     try:
         for name in sorted(os.listdir(pack_dir)):
-            if len(packs) >= _MAX_PACKS:
+            if name.endswith(".idx") and len(packs) >= _MAX_PACKS:
+                left_out.append(name)
                 break
             if name.endswith(".idx"):
                 try:
                     pack = _Pack(pack_dir, name, name[:-4] + ".pack", with_data=with_data, limit=left)
                 except (OSError, ValueError, struct.error):
+                    left_out.append(name)
                     continue
                 packs.append(pack)
                 left -= len(pack.idx)
@@ -334,6 +337,7 @@ class Store:
         self.objects = objects
         self.deadline = deadline
         self._packs: list[_Pack] | None = None
+        self.left_out: list[str] = []  # pack indexes not read (past a bound, unreadable): what they hold is not known
         self._others = [Store(a, deadline) for a in (alternates or [])[:_MAX_ALTERNATES]]
 
     def in_time(self) -> None:
@@ -342,7 +346,7 @@ class Store:
 
     def _load_packs(self) -> list[_Pack]:
         if self._packs is None:
-            self._packs = _packs_in(self.objects, with_data=True)
+            self._packs = _packs_in(self.objects, with_data=True, left_out=self.left_out)
         return self._packs
 
     def _loose(self, hexid: str) -> int:
@@ -397,24 +401,43 @@ class Store:
         return self._KINDS.get(kind, 0), rest
 
     def has(self, hexid: str) -> bool:
-        """Whether git finds an object at ``hexid`` (a pack index names it,
-        or a loose file is there), in this store or an alternate's. Index
-        look-ups and an open only: no deadline."""
+        """Whether ``hexid`` may name an object git finds: a pack index names
+        it, or a loose file there inflates to an object's header; in this
+        store or an alternate's. Where that cannot be told (a pack index not
+        read: past a bound, unreadable), True: a value is refused only when
+        it surely names nothing. Index look-ups and a header's read: no deadline."""
         try:
             oid = bytes.fromhex(hexid)
         except ValueError:
             return False
+        unknown = False
         for store in (self, *self._others):
             try:
                 if any(pack.offset(oid) is not None for pack in store._load_packs()):
                     return True
             except (ValueError, IndexError, struct.error):
-                pass  # a broken index: the loose file may still be there
-            fd = store._loose(hexid)
-            if fd >= 0:
-                os.close(fd)
+                unknown = True  # a broken index: it may name it
+            unknown = unknown or bool(store.left_out)
+            if store._loose_header(hexid):
                 return True
-        return False
+        return unknown
+
+    def _loose_header(self, hexid: str) -> bool:
+        """Whether the loose file at ``hexid`` inflates to an object's header
+        (``commit 241\0``...): junk at its name names nothing, and git's
+        ``gc`` and ``for-each-ref`` fail on a ref to it."""
+        fd = self._loose(hexid)
+        if fd < 0:
+            return False
+        try:
+            head = zlib.decompressobj().decompress(os.read(fd, 4096), 64)
+        except (OSError, zlib.error):
+            return False
+        finally:
+            os.close(fd)
+        kind, _, rest = head.partition(b" ")
+        size, nul, _ = rest.partition(b"\0")
+        return kind in self._KINDS and bool(nul) and size.isdigit()
 
     def parents(self, oid: bytes) -> list[bytes] | None:
         found = self.read(oid)

@@ -201,22 +201,24 @@ def put_back(common: str, refs: dict[str, str], own: list[str], head: str, shado
     store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
     there = objectstore.finder(objects, borrowed)  # whether a value to keep names an object at all
     now = read_refs(common)
+    known = {n: v for n, v in now.items() if n.startswith(reftemp.DISPLACED)}  # read once for every keep
     stamp = reftemp.stamp()
     for name, old in sorted(refs.items()):
         if name in own or now.get(name) == old:
             continue
-        said, bad = _put_one(common, name, old, now.get(name), _Forward(objects, store, there), stamp)
+        said, bad = _put_one(common, name, old, now.get(name), _Forward(objects, store, there, known), stamp)
         done += said
         failed += bad
-    moved, bad = newrefs.clear(common, now, refs, stamp, there)  # new upstream-tracking refs, notes, stash
+    moved, bad = newrefs.clear(common, now, refs, stamp, there, known)  # new upstream-tracking refs, notes, stash
     return done + moved, failed + bad
 
 
 class _Forward:
     """Whether a branch moved only forward (``objectstore.is_ancestor``), in one store."""
 
-    def __init__(self, objects: str, store: objectstore.Store, there: objectstore.Store) -> None:
-        self.objects, self.store, self.there = objects, store, there
+    def __init__(self, objects: str, store: objectstore.Store, there: objectstore.Store,
+                 known: dict[str, str]) -> None:
+        self.objects, self.store, self.there, self.known = objects, store, there, known
 
     def __call__(self, name: str, old: str, new: str | None) -> bool:
         return new is not None and name.startswith("refs/heads/") and refvalues.is_id(old) and \
@@ -250,14 +252,14 @@ def _put_one(common: str, name: str, old: str, new: str | None, forward: _Forwar
             if now != new and forward(name, old, now):  # moved again since the first read
                 return [(name, _FORWARD.format(old=old[:12], new=now[:12] if now else "") + left)], []
             if now is not None and refvalues.writable(now) and \
-                    not reftemp.keep_displaced(common, stamp, name, now, forward.there):
+                    not reftemp.keep_displaced(common, stamp, name, now, forward.there, forward.known):
                 left += f"; {now[:12]} names no object here, so it is not kept"
             lock.commit()
     except reflock.Held as exc:
         # Never written without the lock: left as it is, the baseline's value kept instead,
         # so that nothing of the user's is lost whoever's value the ref holds now.
         try:
-            kept = reftemp.keep_displaced(common, stamp, name, old)
+            kept = reftemp.keep_displaced(common, stamp, name, old, known=forward.known)
         except OSError as kept_exc:
             return [], [f"{name}: not put back ({exc.strerror}), and its value at the baseline ({old[:12]}) "
                         f"could not be kept ({kept_exc.strerror})"]

@@ -61,7 +61,8 @@ def stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%S")
 
 
-def keep_displaced(common: str, when: str, name: str, value: str, store: objectstore.Store | None = None) -> str:
+def keep_displaced(common: str, when: str, name: str, value: str, store: objectstore.Store | None = None,
+                   known: dict[str, str] | None = None) -> str:
     """``value`` (an id, or a symbolic ref), which ``name`` held before the
     daemon moved or deleted it, kept as ``refs/dispatchd/displaced/WHEN/NAME``:
     what it names stays reachable (``git gc`` keeps it, ``git log`` shows it).
@@ -73,6 +74,10 @@ def keep_displaced(common: str, when: str, name: str, value: str, store: objects
     returned. A ref of ours naming a missing object made the user's
     ``git gc``, ``git log --all`` and ``git for-each-ref`` fail for good
     (a session wrote random ids into ``refs/stash`` or its log).
+    ``known``: the refs below ``refs/dispatchd/displaced/`` as read once by
+    the caller, kept up to date here, where each name was otherwise looked
+    up in the whole ``packed-refs`` again (a session's 17 MB of it, times a
+    thousand values: minutes of a close).
 
     WHEN is to the second: where that name already keeps another value (two
     restores, or a restore and an end, in the same second), ``WHEN.2``,
@@ -85,12 +90,15 @@ def keep_displaced(common: str, when: str, name: str, value: str, store: objects
         return ""
     for n in range(1, _MAX_SAME_SECOND + 1):
         kept = f"{DISPLACED}{when if n == 1 else f'{when}.{n}'}/{name}"
-        held = read_refs(common, (kept,)).get(kept)  # packed-refs too: git gc packs them
+        # packed-refs too: git gc packs them
+        held = known.get(kept) if known is not None else read_refs(common, (kept,)).get(kept)
         if held is None or held == value:
             break
     else:
         kept = f"{DISPLACED}{when}.{secrets.token_hex(4)}/{name}"  # past the bound: a name nobody holds
     write_ref(common, kept, value)
+    if known is not None:
+        known[kept] = value
     return kept
 
 

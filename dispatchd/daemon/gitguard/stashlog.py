@@ -33,7 +33,7 @@ import msgspec
 from dispatchd.daemon.gitguard import fs, objectstore, reflock, refsback, refvalues, reftemp
 
 MAX_BYTES = 1 << 20  # ~6,000 stashes; a larger list is not kept (said at the baseline)
-MAX_KEPT = 1000  # entries of a replaced log kept as refs; the rest counted, the log itself kept whole
+MAX_KEPT = 1000  # distinct stashes of a replaced log kept as refs; the rest counted, the log itself kept whole
 LOG = "logs/refs/stash"
 LOCK_LEFT = LOG + ".lock"  # git's lock of the log itself, made under refs/stash.lock
 ENTRIES = "stash-entries"
@@ -126,7 +126,7 @@ def put_back(common: str, kept: Kept | None, stamp: str, ref: str | None = None,
             if at is not None and at != ref and at not in listed and refvalues.is_id(at):
                 listed.append(at)  # the ref moved since its put back, by a push the list does not name
             before = set(stashes(kept.data))
-            new = [(n, i) for n, i in enumerate(listed) if i not in before]
+            new = _distinct([(n, i) for n, i in enumerate(listed) if i not in before])
             names = _keep(common, stamp, new[:MAX_KEPT], store)
             aside = _move_out(common) if os.path.lexists(path) else ""
             if kept.present:
@@ -152,10 +152,22 @@ def _keep(common: str, stamp: str, new: list[tuple[int, str]], store: objectstor
     again at the next start under another TIME): the names written."""
     if not new:
         return []
-    already = {v for n, v in refsback.read_refs(common, (reftemp.DISPLACED,)).items() if f"/{ENTRIES}/" in n}
-    names = [reftemp.keep_displaced(common, stamp, f"{ENTRIES}/{n}", value, store)
-             for n, value in new if value not in already]
+    known = refsback.read_refs(common, (reftemp.DISPLACED,))  # once: each keep looked names up in all of it
+    already = {v for n, v in known.items() if f"/{ENTRIES}/" in n}
+    names = []
+    for n, value in new:
+        if value not in already:  # a thousand lines naming one commit: kept once
+            already.add(value)
+            names.append(reftemp.keep_displaced(common, stamp, f"{ENTRIES}/{n}", value, store, known))
     return [n for n in names if n]
+
+
+def _distinct(entries: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Each id once, at its first (newest) place."""
+    first: dict[str, int] = {}
+    for n, i in entries:
+        first.setdefault(i, n)
+    return [(n, i) for i, n in first.items()]
 
 
 def _lock_left(common: str) -> str:
@@ -173,8 +185,8 @@ def _held(common: str, kept: Kept, stamp: str, store: objectstore.Store | None,
     """The list could not be put back (git's lock held past its wait):
     each stash of the baseline's kept as a ref instead, so that none is
     left named by nothing."""
-    try:
-        names = _keep(common, stamp, [(n, i) for n, i in enumerate(stashes(kept.data))], store)
+    try:  # the user's own values: kept whatever a look at the objects says (a session can cloud it)
+        names = _keep(common, stamp, [(n, i) for n, i in enumerate(stashes(kept.data))], None)
     except OSError as kept_exc:
         return [], [f"{LOG}: the stash list not put back ({exc.strerror}), and your stashes could not be kept "
                     f"({kept_exc.strerror})"]
