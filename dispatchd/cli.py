@@ -283,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     # A socket systemd passed is where clients connect, whatever --socket says.
     socket_path = handed.getsockname() if handed is not None else paths.resolve_socket_path(args.socket)
     state = paths.state_dir()
+    from dispatchd.daemon.gitguard import ournames
+    try:
+        ournames.use(state)  # the names of our temporaries beside git's files: this directory's, across restarts
+    except OSError as exc:
+        print(f"dispatchd: the state directory {state} cannot be written ({exc.strerror})", file=sys.stderr)
+        return 1
     # How the network stack is started and confined, its files listed by a
     # child process (confine/elfloads.py): before the fork server, so that
     # this process's one child from here on is the fork server, and before

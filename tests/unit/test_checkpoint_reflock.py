@@ -11,9 +11,19 @@ import pytest
 
 from dispatchd.daemon import gitguard
 from dispatchd.daemon.checkpoints import gitrefs, reflock
+from dispatchd.daemon.gitguard import ournames
 from tests.unit.gitrepo import git
 
+
 pytestmark = pytest.mark.process  # git runs
+
+
+_MADE: dict[tuple[str, str], str] = {}
+
+
+def _T(leaf: str, key: str) -> str:
+    """A temporary's name of ours for ``leaf`` (``ournames``: only the daemon's key makes one), one per ``key``."""
+    return _MADE.setdefault((leaf, key), os.path.basename(ournames.make(leaf)))
 
 
 def _repo(tmp_path: Path) -> tuple[Path, str, str]:
@@ -99,8 +109,8 @@ def test_a_lock_a_killed_restore_left_is_taken_over_and_git_s_own_is_not(tmp_pat
     then refused, and left."""
     refs = tmp_path / "refs" / "heads"
     refs.mkdir(parents=True)
-    (refs / "main.dispatchd-0123456789abcdef.lock").write_text("x\n")
-    os.link(refs / "main.dispatchd-0123456789abcdef.lock", refs / "main.lock")
+    (refs / _T("main", "0123456789abcdef")).write_text("x\n")
+    os.link(refs / _T("main", "0123456789abcdef"), refs / "main.lock")
     common = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         # A live restore takes no lock over: a session's process can give the
@@ -111,7 +121,7 @@ def test_a_lock_a_killed_restore_left_is_taken_over_and_git_s_own_is_not(tmp_pat
         held = reflock.take(common, "refs/heads/main", wait_s=0.05, take_over=True)  # at a start
         reflock.commit(held, b"y\n")
         assert (refs / "main").read_text() == "y\n" and not (refs / "main.lock").exists()
-        assert sorted(p.name for p in refs.iterdir()) == ["main", "main.dispatchd-0123456789abcdef.lock"]
+        assert sorted(p.name for p in refs.iterdir()) == ["main", _T("main", "0123456789abcdef")]
         (refs / "side.lock").write_text("git's\n")
         with pytest.raises(reflock.Busy):
             reflock.take(common, "refs/heads/side", wait_s=0.05, take_over=True)

@@ -18,10 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import gitlock, keptfiles, layouts, noroom, reftemp, snapshots
+from dispatchd.daemon.gitguard import gitlock, keptfiles, layouts, noroom, ournames, reftemp, snapshots
 from tests.unit.gitrepo import empty_repo, git
 
+
 pytestmark = pytest.mark.process  # starts git
+
+
+_MADE: dict[tuple[str, str], str] = {}
+
+
+def _T(leaf: str, key: str) -> str:
+    """A temporary's name of ours for ``leaf`` (``ournames``: only the daemon's key makes one), one per ``key``."""
+    return _MADE.setdefault((leaf, key), os.path.basename(ournames.make(leaf)))
 
 STEPS = ["written", "locked", "kept", "replaced"]
 SESSIONS = "[core]\n\trepositoryformatversion = 0\n\tfsmonitor = \"touch PLANTED; false\"\n"
@@ -194,20 +203,20 @@ def test_the_users_own_lock_beside_a_killed_daemons_temporary_is_never_removed(r
     """The leftover temporary is ours (removed); the ``config.lock`` beside
     it is another inode, the user's git's: left, whatever its content."""
     gitdir = repo / ".git"
-    (gitdir / "config.dispatchd-0123456789abcdef.lock").write_bytes(b"[core]\n")
+    (gitdir / _T("config", "0123456789abcdef")).write_bytes(b"[core]\n")
     (gitdir / "config.lock").write_bytes(b"[core]\n")
     fd = os.open(gitdir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         removed = gitlock.sweep(fd, str(gitdir), {"config"})
     finally:
         os.close(fd)
-    assert removed == [str(gitdir / "config.dispatchd-0123456789abcdef.lock")]
+    assert removed == [str(gitdir / _T("config", "0123456789abcdef"))]
     assert (gitdir / "config.lock").read_bytes() == b"[core]\n"
     # A temporary whose second name is the lock, held by no live put-back (no
     # flock): what a killed end left, which the start's sweep removes, both
     # names (no git of the user's makes a pair of that shape).
-    os.link(gitdir / "config.lock", gitdir / "config.dispatchd-fedcba9876543210.lock")
-    assert reftemp.sweep(str(gitdir), ["HEAD"]) == [str(gitdir / "config.dispatchd-fedcba9876543210.lock"),
+    os.link(gitdir / "config.lock", gitdir / _T("config", "fedcba9876543210"))
+    assert reftemp.sweep(str(gitdir), ["HEAD"]) == [str(gitdir / _T("config", "fedcba9876543210")),
                                                     str(gitdir / "config.lock")]
     assert not (gitdir / "config.lock").exists()
 

@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import lockfile, reftemp
+from dispatchd.daemon.gitguard import lockfile, ournames, reftemp
 from dispatchd.daemon.gitguard.lockfile import Act, Policy, choose
+
+
+_MADE: dict[tuple[str, str], str] = {}
+
+
+def _T(leaf: str, key: str) -> str:
+    """A temporary's name of ours for ``leaf`` (``ournames``: only the daemon's key makes one), one per ``key``."""
+    return _MADE.setdefault((leaf, key), os.path.basename(ournames.make(leaf)))
+
 
 _WAIT = Policy(wait_s=0.05)
 _TAKE_OVER = Policy(wait_s=0.05, take_over=True)
@@ -33,20 +42,21 @@ def test_a_lock_gone_meanwhile_is_tried_again_at_once_whatever_the_policy() -> N
         assert choose(policy, None, late=True, moved=True) is Act.AGAIN
 
 
-def test_a_lock_of_two_names_is_taken_over_only_with_take_over() -> None:
+def test_a_killed_daemons_lock_is_taken_over_only_with_take_over() -> None:
     two = _st(nlink=2)
-    assert choose(_TAKE_OVER, two, late=False, moved=False) is Act.TAKE_OVER
+    assert choose(_TAKE_OVER, two, late=False, moved=False, left=True) is Act.TAKE_OVER
     # The twin: a live restore or a put-back waits for it, then refuses, as for git's own.
-    assert choose(_WAIT, two, late=False, moved=False) is Act.WAIT
-    assert choose(_WAIT, two, late=True, moved=False) is Act.REFUSE
+    assert choose(_WAIT, two, late=False, moved=False, left=True) is Act.WAIT
+    assert choose(_WAIT, two, late=True, moved=False, left=True) is Act.REFUSE
 
 
-def test_only_a_regular_file_of_two_names_is_a_killed_daemons_lock() -> None:
-    """A symlink (or anything else) at ``NAME.lock`` with two names is not
-    ours: waited for, never removed."""
-    assert choose(_TAKE_OVER, _st(stat.S_IFLNK | 0o777, nlink=2), late=False, moved=False) is Act.WAIT
+def test_two_names_alone_are_no_killed_daemons_lock() -> None:
+    """A second name anyone can give (a link of the user's live lock): waited
+    for, never removed; only one whose other name is a temporary of ours
+    nobody holds is a killed daemon's (``left``: ``reftemp.second_name_ours``)."""
+    assert choose(_TAKE_OVER, _st(nlink=2), late=False, moved=False) is Act.WAIT
     assert choose(_TAKE_OVER, _st(nlink=1), late=False, moved=False) is Act.WAIT  # git's own: one name
-    assert choose(_TAKE_OVER, _st(nlink=3), late=False, moved=False) is Act.TAKE_OVER  # the twin: any second name
+    assert choose(_TAKE_OVER, _st(nlink=2), late=False, moved=False, left=True) is Act.TAKE_OVER  # the twin
 
 
 def test_a_lock_left_past_the_wait_is_moved_aside_once_where_the_policy_names_a_place() -> None:
@@ -106,24 +116,24 @@ def test_the_twin_a_lock_let_go_within_the_wait_is_taken(where: tuple[Path, int]
 
 def test_a_killed_daemons_lock_is_taken_over_with_take_over(where: tuple[Path, int]) -> None:
     d, fd = where
-    (d / "main.dispatchd-0123456789abcdef.lock").write_text("old\n")
-    os.link(d / "main.dispatchd-0123456789abcdef.lock", d / "main.lock")
+    (d / _T("main", "0123456789abcdef")).write_text("old\n")
+    os.link(d / _T("main", "0123456789abcdef"), d / "main.lock")
     lock = lockfile.temporary(fd, "main", b"new\n")
     lock.take(_TAKE_OVER)
     assert (d / "main.lock").read_text() == "new\n" and lock.moved == ""
     lock.release()
-    assert _names(d) == ["main.dispatchd-0123456789abcdef.lock"]  # the other name: the sweep's
+    assert _names(d) == [_T("main", "0123456789abcdef")]  # the other name: the sweep's
 
 
 def test_the_twin_without_take_over_a_killed_daemons_lock_is_refused_and_left(where: tuple[Path, int]) -> None:
     d, fd = where
-    (d / "main.dispatchd-0123456789abcdef.lock").write_text("old\n")
-    os.link(d / "main.dispatchd-0123456789abcdef.lock", d / "main.lock")
+    (d / _T("main", "0123456789abcdef")).write_text("old\n")
+    os.link(d / _T("main", "0123456789abcdef"), d / "main.lock")
     lock = lockfile.temporary(fd, "main", b"new\n")
     with pytest.raises(lockfile.Refused, match=r"^\[Errno 17\] git's lock main\.lock is held$"):
         lock.take(_WAIT)
     lock.release()
-    assert _names(d) == ["main.dispatchd-0123456789abcdef.lock", "main.lock"]
+    assert _names(d) == [_T("main", "0123456789abcdef"), "main.lock"]
     assert (d / "main.lock").read_text() == "old\n"
 
 
@@ -188,15 +198,15 @@ def test_a_closed_locks_names_are_swept_and_a_live_ones_are_left(where: tuple[Pa
 
 def test_the_sweep_keeps_to_the_leaves_it_is_given_and_to_a_lock_of_that_inode(where: tuple[Path, int]) -> None:
     d, fd = where
-    (d / "config.dispatchd-0123456789abcdef.lock").write_text("x\n")
-    os.link(d / "config.dispatchd-0123456789abcdef.lock", d / "config.lock")
-    (d / "HEAD.dispatchd-0123456789abcdef.lock").write_text("x\n")
+    (d / _T("config", "0123456789abcdef")).write_text("x\n")
+    os.link(d / _T("config", "0123456789abcdef"), d / "config.lock")
+    (d / _T("HEAD", "0123456789abcdef")).write_text("x\n")
     (d / "HEAD.lock").write_text("git's\n")  # a file of its own: never removed
-    (d / "hooks.dispatchd-0123456789abcdef.lock").write_text("x\n")
-    os.link(d / "hooks.dispatchd-0123456789abcdef.lock", d / "hooks.lock")
-    os.link(d / "hooks.dispatchd-0123456789abcdef.lock", d / "third")  # a third name: not our pair
+    (d / _T("hooks", "0123456789abcdef")).write_text("x\n")
+    os.link(d / _T("hooks", "0123456789abcdef"), d / "hooks.lock")
+    os.link(d / _T("hooks", "0123456789abcdef"), d / "third")  # a third name: not our pair
     assert reftemp.sweep_names(fd, str(d), os.listdir(fd), {"config"}) == [
-        str(d / "config.lock"), str(d / "config.dispatchd-0123456789abcdef.lock")]
+        str(d / "config.lock"), str(d / _T("config", "0123456789abcdef"))]
     assert sorted(reftemp.sweep_names(fd, str(d), os.listdir(fd))) == [
-        str(d / "HEAD.dispatchd-0123456789abcdef.lock"), str(d / "hooks.dispatchd-0123456789abcdef.lock")]
+        str(d / _T("HEAD", "0123456789abcdef")), str(d / _T("hooks", "0123456789abcdef"))]
     assert _names(d) == ["HEAD.lock", "hooks.lock", "third"]

@@ -15,10 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import fs, history, reflock, refsback, reftemp
+from dispatchd.daemon.gitguard import fs, history, ournames, reflock, refsback, reftemp
 from tests.unit.gitrepo import commits_repo, git
 
+
 pytestmark = pytest.mark.process  # git makes the repositories
+
+
+_MADE: dict[tuple[str, str], str] = {}
+
+
+def _T(leaf: str, key: str) -> str:
+    """A temporary's name of ours for ``leaf`` (``ournames``: only the daemon's key makes one), one per ``key``."""
+    return _MADE.setdefault((leaf, key), os.path.basename(ournames.make(leaf)))
 
 
 def _repo(tmp_path: Path) -> tuple[Path, str, dict[str, str]]:
@@ -271,8 +280,25 @@ def test_git_s_locks_left_in_a_linked_worktree_s_directory_and_below_logs_are_sa
     kept = history.record(common, str(tmp_path / "keep"), own=[])
     (repo / ".git" / "worktrees" / "wt" / "index.lock").write_text("")
     (repo / ".git" / "logs" / "refs" / "heads" / "main.lock").write_text("")
-    (repo / ".git" / "ORIG_HEAD.dispatchd-0123456789abcdef.lock").write_text("")
-    os.link(repo / ".git" / "ORIG_HEAD.dispatchd-0123456789abcdef.lock", repo / ".git" / "ORIG_HEAD.lock")
+    (repo / ".git" / _T("ORIG_HEAD", "0123456789abcdef")).write_text("")
+    os.link(repo / ".git" / _T("ORIG_HEAD", "0123456789abcdef"), repo / ".git" / "ORIG_HEAD.lock")
     done, failed = history.restore(kept)
     said = sorted(path for path, why in done if path.endswith(".lock"))
     assert failed == [] and said == [f"{common}/logs/refs/heads/main.lock", f"{common}/worktrees/wt/index.lock"]
+
+
+def test_decoy_locks_push_no_blocking_one_out_of_the_report_and_the_rest_are_counted(tmp_path: Path) -> None:
+    """Twenty decoys (``refs/decoyN.lock``, of no ref) filled the report's
+    twenty places, and ``refs/heads/main.lock``, which stops the user's next
+    commit, went unsaid, with no word of more. The locks of a ref or file
+    that exists come first now, and the rest are counted."""
+    repo, common, truth = _repo(tmp_path)
+    kept = history.record(common, str(tmp_path / "keep"), own=[])
+    for i in range(25):
+        (repo / ".git" / "refs" / f"decoy{i}.lock").write_text("")
+    (repo / ".git" / "refs" / "heads" / "feature.lock").write_text("")
+    done, failed = history.restore(kept)
+    said = [(path, why) for path, why in done if ".lock" in path or path == common]
+    assert failed == [] and said[0][0] == f"{common}/refs/heads/feature.lock" and len(said) == 21, said
+    assert said[-1] == (common, "6 more of git's locks made while a session ran and still there, not named one by "
+                                "one (find .git -name '*.lock')")

@@ -9,10 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import baselines, history, layouts, redirects, reftemp, snapshots
+from dispatchd.daemon.gitguard import baselines, history, layouts, ournames, redirects, reftemp, snapshots
 from tests.unit.gitrepo import git
 
+
 pytestmark = pytest.mark.process  # git makes the repositories
+
+
+_MADE: dict[tuple[str, str], str] = {}
+
+
+def _T(leaf: str, key: str) -> str:
+    """A temporary's name of ours for ``leaf`` (``ournames``: only the daemon's key makes one), one per ``key``."""
+    return _MADE.setdefault((leaf, key), os.path.basename(ournames.make(leaf)))
 
 
 class Killed(BaseException):
@@ -86,24 +95,24 @@ def _joined(tmp_path: Path) -> tuple[Path, str, baselines.Baselines]:
 def test_a_start_removes_what_a_put_back_cut_short_left_and_nothing_else(tmp_path: Path) -> None:
     repo, head, dead = _joined(tmp_path)
     heads = repo / ".git" / "refs" / "heads"
-    ours = heads / "main.dispatchd-0123456789abcdef.lock"
+    ours = heads / _T("main", "0123456789abcdef")
     ours.write_text(head + "\n")
     displaced = repo / ".git" / "refs" / "dispatchd" / "displaced" / "20261130T000000" / "refs" / "heads"
     displaced.mkdir(parents=True)
-    (displaced / "main.dispatchd-fedcba9876543210.lock").write_text(head + "\n")
-    (repo / ".git" / "HEAD.dispatchd-00000000000000aa.lock").write_text("ref: refs/heads/main\n")
+    (displaced / _T("main", "fedcba9876543210")).write_text(head + "\n")
+    (repo / ".git" / _T("HEAD", "00000000000000aa")).write_text("ref: refs/heads/main\n")
     # What stays: git's own lock, a name not wholly ours, a directory and a symlink named like ours.
     (heads / "main.lock").write_text(head + "\n")
     (heads / "main.dispatchd-0123456789abcdef.tmp").write_text(head + "\n")
-    (heads / "x.dispatchd-1111111111111111.lock").mkdir()
+    (heads / _T("x", "1111111111111111")).mkdir()
     victim = tmp_path / "victim"
     victim.write_text("the user's\n")
-    (heads / "y.dispatchd-2222222222222222.lock").symlink_to(victim)
+    (heads / _T("y", "2222222222222222")).symlink_to(victim)
     os.close(next(iter(dead._domains.values())).lock_fd)  # what the kernel does for a dead daemon
     baselines.Baselines(str(tmp_path / "state")).recover()
     assert sorted(os.listdir(heads)) == ["main", "main.dispatchd-0123456789abcdef.tmp", "main.lock",
-                                         "x.dispatchd-1111111111111111.lock", "y.dispatchd-2222222222222222.lock"]
-    assert os.listdir(displaced) == [] and not (repo / ".git" / "HEAD.dispatchd-00000000000000aa.lock").exists()
+                                         _T("x", "1111111111111111"), _T("y", "2222222222222222")]
+    assert os.listdir(displaced) == [] and not (repo / ".git" / _T("HEAD", "00000000000000aa")).exists()
     assert victim.read_text() == "the user's\n"
 
 
@@ -116,7 +125,7 @@ def test_the_sweep_goes_into_no_symlinked_directory(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "heads").mkdir(parents=True)
     (elsewhere / "sub").mkdir()
-    ours = "a.dispatchd-0123456789abcdef.lock"
+    ours = _T("a", "0123456789abcdef")
     for d in (elsewhere, elsewhere / "heads", elsewhere / "sub"):
         (d / ours).write_text("x\n")
     (common / "refs" / "dispatchd" / "displaced").symlink_to(elsewhere)
@@ -176,14 +185,14 @@ def test_a_start_removes_a_ref_lock_a_killed_end_left_with_its_second_name(tmp_p
     a temporary's second name (the temporary itself goes: a name of ours)."""
     repo, head, dead = _joined(tmp_path)
     heads = repo / ".git" / "refs" / "heads"
-    (heads / "side.dispatchd-0123456789abcdef.lock").write_text(head + "\n")
-    os.link(heads / "side.dispatchd-0123456789abcdef.lock", heads / "side.lock")
+    (heads / _T("side", "0123456789abcdef")).write_text(head + "\n")
+    os.link(heads / _T("side", "0123456789abcdef"), heads / "side.lock")
     (heads / "main.lock").write_text(head + "\n")  # git's own
-    (heads / "other.dispatchd-fedcba9876543210.lock").write_text(head + "\n")
-    os.link(heads / "other.dispatchd-fedcba9876543210.lock", heads / "other.extra")
+    (heads / _T("other", "fedcba9876543210")).write_text(head + "\n")
+    os.link(heads / _T("other", "fedcba9876543210"), heads / "other.extra")
     (heads / "other.lock").write_text(head + "\n")  # a file of its own, not the pair's second name
     os.close(next(iter(dead._domains.values())).lock_fd)
     baselines.Baselines(str(tmp_path / "state")).recover()
-    assert not (heads / "side.lock").exists() and not (heads / "side.dispatchd-0123456789abcdef.lock").exists()
+    assert not (heads / "side.lock").exists() and not (heads / _T("side", "0123456789abcdef")).exists()
     assert (heads / "main.lock").exists() and (heads / "other.lock").exists() and (heads / "other.extra").exists()
-    assert not (heads / "other.dispatchd-fedcba9876543210.lock").exists()
+    assert not (heads / _T("other", "fedcba9876543210")).exists()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import stat
 
+from dispatchd.daemon.gitguard import reftemp
+
 # git's locks on the repository's own files, which git makes, holds for the
 # length of one command and removes: one still there at the last end blocks
 # the user's git on that file ("File exists") until removed by hand.
@@ -25,8 +27,11 @@ def said(common: str, since_ns: int) -> list[tuple[str, str]]:
     them: the top, each linked worktree's own directory (its ``index.lock``),
     below ``refs/`` (``main.lock`` stops the next commit on main) and
     ``logs/`` (``logs/refs/stash.lock``, left by a killed ``git stash pop``,
-    stops every later drop). One with a second name is ours, a killed
-    daemon's, which the next write takes over and the start's sweep removes."""
+    stops every later drop). One whose second name is a temporary of ours
+    nobody holds is a killed daemon's, which the next write takes over and
+    the start's sweep removes: not named (two names alone are anyone's to
+    give). Those of a ref or file that exists come first (the ones that
+    block), and past ``MOST_LOCKS_SAID`` the rest are counted."""
     paths = [os.path.join(common, name) for name in _GIT_LOCKS]
     try:
         linked = sorted(os.scandir(os.path.join(common, "worktrees")), key=lambda e: e.name)[:1000]
@@ -41,13 +46,31 @@ def said(common: str, since_ns: int) -> list[tuple[str, str]]:
             seen += 1
             if len(paths) > 2000 or seen >= 10_000:
                 break
-    said = []
+    left = []
     for path in paths:
         try:
             st = os.lstat(path)
         except OSError:
             continue
-        if st.st_ctime_ns > since_ns and not (stat.S_ISREG(st.st_mode) and st.st_nlink > 1):
-            said.append((path, "git's lock, made while a session ran and still there: your git stops on it "
-                               "(`File exists`) until it is removed; remove it once no git of yours runs"))
-    return said[:MOST_LOCKS_SAID]
+        if st.st_ctime_ns > since_ns and not _a_killed_daemons(path, st):
+            left.append((not os.path.lexists(path[:-len(".lock")]), path))  # blocking ones first
+    left.sort()
+    said = [(path, "git's lock, made while a session ran and still there: your git stops on it (`File exists`) "
+                   "until it is removed; remove it once no git of yours runs") for _, path in left[:MOST_LOCKS_SAID]]
+    if len(left) > MOST_LOCKS_SAID:
+        said.append((common, f"{len(left) - MOST_LOCKS_SAID} more of git's locks made while a session ran and "
+                             "still there, not named one by one (find .git -name '*.lock')"))
+    return said
+
+
+def _a_killed_daemons(path: str, st: os.stat_result) -> bool:
+    if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 2):
+        return False
+    try:
+        fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return reftemp.second_name_ours(fd, os.path.basename(path), st)
+    finally:
+        os.close(fd)

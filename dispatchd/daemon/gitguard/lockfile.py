@@ -37,7 +37,6 @@ import enum
 import errno
 import fcntl
 import os
-import stat
 import time
 from dataclasses import dataclass
 
@@ -68,14 +67,17 @@ class Act(enum.Enum):
     REFUSE = "refuse"  # left past the wait, and not to be moved (or one more in its place at once)
 
 
-def choose(policy: Policy, there: os.stat_result | None, late: bool, moved: bool) -> Act:
+def choose(policy: Policy, there: os.stat_result | None, late: bool, moved: bool, left: bool = False) -> Act:
     """What to do with the lock found at ``NAME.lock`` (``there``: its
     ``lstat``, None when it went), ``late`` once ``policy.wait_s`` has
     passed, ``moved`` once one was moved aside already (another one in its
-    place at once is someone's live git: never moved twice)."""
+    place at once is someone's live git: never moved twice), ``left`` when
+    its second name is a temporary of ours nobody holds
+    (``reftemp.second_name_ours``: a killed daemon's; two names alone are
+    anyone's to give)."""
     if there is None:
         return Act.AGAIN
-    if policy.take_over and stat.S_ISREG(there.st_mode) and there.st_nlink > 1:
+    if policy.take_over and left:
         return Act.TAKE_OVER
     if not late:
         return Act.WAIT
@@ -120,7 +122,9 @@ class Lock:
                 there: os.stat_result | None = os.stat(self.lock_leaf, dir_fd=self.dir_fd, follow_symlinks=False)
             except FileNotFoundError:
                 there = None
-            act = choose(policy, there, time.monotonic() >= deadline, bool(self.moved))
+            left = policy.take_over and there is not None and \
+                reftemp.second_name_ours(self.dir_fd, self.lock_leaf, there)
+            act = choose(policy, there, time.monotonic() >= deadline, bool(self.moved), left)
             if act is Act.TAKE_OVER:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.lock_leaf, dir_fd=self.dir_fd)

@@ -30,14 +30,14 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import re
 import secrets
 import stat
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from dispatchd.daemon.gitguard import fs
+from dispatchd import flocks
+from dispatchd.daemon.gitguard import fs, ournames
 from dispatchd.daemon.gitguard.refvalues import is_id
 from dispatchd.logtext import Bounded
 
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dispatchd.gitguard")
 
-_OURS = re.compile(r"(.+)\.dispatchd-[0-9a-f]{16}\.lock")
 _MAX_DIRS = 10_000  # refs/dispatchd/displaced is ours, but a session may have filled it
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _PROBE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -103,8 +102,36 @@ def keep_displaced(common: str, when: str, name: str, value: str, store: objects
 
 
 def temp_name(path: str) -> str:
-    """A temporary name beside ``path`` for writing it."""
-    return f"{path}.dispatchd-{secrets.token_hex(8)}.lock"
+    """A temporary name beside ``path`` for writing it, which only a daemon
+    of this state directory can make (``ournames``)."""
+    return ournames.make(path)
+
+
+def second_name_ours(dir_fd: int, leaf: str, st: os.stat_result) -> bool:
+    """Whether ``st`` (a regular file of two names at ``leaf`` in ``dir_fd``:
+    a lock) has its other name as a temporary of ours beside it, whose flock
+    nobody holds: a killed daemon's lock, not one of the user's git a session
+    gave a second name, nor a live daemon's."""
+    if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 2):
+        return False
+    base = leaf[:-len(".lock")] if leaf.endswith(".lock") else leaf
+    try:
+        listing = os.open(".", _DIR, dir_fd=dir_fd)  # a listable descriptor (the caller's may be O_PATH)
+    except OSError:
+        return False
+    try:
+        with os.scandir(listing) as scan:
+            names = [e.name for e in scan if e.name.startswith(f"{base}.dispatchd-")]
+        for name in names:
+            if ournames.ours(name) == base:
+                got = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if (got.st_dev, got.st_ino) == (st.st_dev, st.st_ino):
+                    return not flocks.held_at(dir_fd, name)  # a live daemon's holds its flock
+    except OSError:
+        return False
+    finally:
+        os.close(listing)
+    return False
 
 
 def make_room(common: str, name: str) -> str:
@@ -283,8 +310,8 @@ def sweep_names(dir_fd: int, path: str, names: Iterable[str], leaves: set[str] |
     is a second name of one; returns the paths removed."""
     removed: list[str] = []
     for name in names:
-        m = _OURS.fullmatch(name)
-        if m is None or (leaves is not None and m.group(1) not in leaves):
+        of = ournames.ours(name)  # the shape alone is anyone's to give a file (a link to the user's live lock)
+        if of is None or (leaves is not None and of not in leaves):
             continue
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -296,7 +323,7 @@ def sweep_names(dir_fd: int, path: str, names: Iterable[str], leaves: set[str] |
         if probe is None:
             continue  # a live daemon's, mid-way
         try:
-            lock = f"{m.group(1)}.lock"
+            lock = f"{of}.lock"
             try:
                 there: os.stat_result | None = os.stat(lock, dir_fd=dir_fd, follow_symlinks=False)
             except FileNotFoundError:
