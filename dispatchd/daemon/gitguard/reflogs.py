@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import secrets
 import stat
@@ -46,6 +47,8 @@ import msgspec
 
 from dispatchd import recordjson, treewalk
 from dispatchd.daemon.gitguard import fs, keeps
+
+log = logging.getLogger("dispatchd.reflogs")
 
 MAX_FILES = 2_000  # reflogs kept (a clone with thousands of remote-tracking refs: HEAD and the branches first)
 MAX_DIRS = 1_000  # directories listed
@@ -199,7 +202,10 @@ def record(common: str, keep: str) -> tuple[Kept | None, str]:
             for rel in sorted(index.logs.keys() - fresh.keys()):
                 copies.retire(rel)  # gone (a branch deleted), or past a bound now
             if fresh != index.logs or any(not treewalk.settled(v.st[3], index.ns, _RACY_NS) for v in fresh.values()):
-                _write_index(keep, _Index(ns=look_ns, logs=fresh))
+                try:
+                    _write_index(keep, _Index(ns=look_ns, logs=fresh))
+                except ValueError as exc:  # content no record can hold: the next record copies them all again
+                    log.error("event=reflog_index_unwritten keep=%s error=%r", keep, exc)
             copies.sweep_old()
     except OSError as exc:
         return None, f"reflogs not kept: {exc.strerror}"
