@@ -152,10 +152,7 @@ def _read(dir_fd: int, name: str) -> tuple[bytes, os.stat_result] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE:
             return None
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        data = b"".join(chunks)
+        data = fs.read_all(fd, MAX_FILE + 1)  # grown meanwhile past the bound: not kept
         return (data, st) if len(data) <= MAX_FILE else None
     finally:
         os.close(fd)
@@ -173,8 +170,7 @@ def record(common: str, keep: str) -> tuple[Kept | None, str]:
         with keeps.hold(keep, common):
             index = _read_index(keep)
             copies = _Copies(keep, common)
-            logs: dict[str, Log] = {}
-            fresh: dict[str, Log] = {}
+            fresh: dict[str, Log] = {}  # what this record keeps, and the index it leaves
             total = 0
             for rel, dir_fd, name, st in _walk(top, note):
                 if st.st_size == 0:
@@ -186,7 +182,7 @@ def record(common: str, keep: str) -> tuple[Kept | None, str]:
                     continue
                 was = index.logs.get(rel)
                 if was is not None and was.st == _key(st) and treewalk.settled(st.st_ctime_ns, index.ns, _RACY_NS):
-                    logs[rel] = fresh[rel] = was  # as copied: not read
+                    fresh[rel] = was  # as copied: not read
                     total += was.size
                     continue
                 read = _read(dir_fd, name)
@@ -194,7 +190,7 @@ def record(common: str, keep: str) -> tuple[Kept | None, str]:
                     continue
                 data, fst = read
                 try:
-                    logs[rel] = fresh[rel] = copies.bring(rel, data, was, _key(fst))
+                    fresh[rel] = copies.bring(rel, data, was, _key(fst))
                 except OSError as exc:  # one reflog's (a branch foo become foo/bar in the keep): the rest kept
                     note.append(f"{rel} not kept: {exc.strerror}")
                     continue
@@ -211,7 +207,7 @@ def record(common: str, keep: str) -> tuple[Kept | None, str]:
         return None, f"reflogs not kept: {exc.strerror}"
     finally:
         os.close(top)
-    return Kept(keep=keep, logs=logs), "; ".join(note)
+    return Kept(keep=keep, logs=fresh), "; ".join(note)
 
 
 def _read_index(keep: str) -> _Index:
