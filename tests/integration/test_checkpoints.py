@@ -134,7 +134,11 @@ def test_a_restore_puts_files_and_git_back(client: dispatch.Client, repo: Path) 
         git(repo, "fsck", "--no-dangling")
         # The session goes on from there.
         assert ok(shell(s, "cat src/main.py")).output.startswith("def main():\n    return 42")
-    assert s.protected == []  # the end's checks found nothing to move aside
+    # The end's checks moved nothing aside; the reflog `git branch -D feature` took with the branch is put back.
+    assert [(p["path"], p["why"]) for p in s.protected] == [
+        ("logs", "1 reflogs a session cut put back (1 lines of your `git reflog`, and the commits only they name): "
+                 "refs/heads/feature")]
+    assert len(git(repo, "reflog", "show", "feature").splitlines()) == 2  # its line, and the restore's after it
 
 
 def test_a_restore_keeps_what_it_replaces_and_is_undone_by_restoring_that(client: dispatch.Client,

@@ -145,7 +145,9 @@ def test_the_users_branch_not_utf8_is_put_back_under_its_own_name(
         r = shell(s, f'git update-ref -d "refs/heads/$(printf "{made}")" && echo ok')
         assert r.output == "ok\n", (r.output, r.error)
     assert [(p["path"], p["why"]) for p in s.protected] == [
-        (f"refs/heads/{shown}", f"deleted by a session; put back at {before[:12]}")]
+        (f"refs/heads/{shown}", f"deleted by a session; put back at {before[:12]}"),
+        ("logs", "1 reflogs a session cut put back (1 lines of your `git reflog`, and the commits only they name): "
+                 f"refs/heads/{shown}")]  # its reflog, deleted with it, under its own name too
     assert rev(repo, b"refs/heads/" + raw) == before
     assert "\ufffd" not in git(repo, "for-each-ref", "--format=%(refname)")
 

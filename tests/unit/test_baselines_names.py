@@ -66,11 +66,15 @@ def test_the_users_branch_is_put_back_under_its_own_bytes(tmp_path: Path, name: 
     before = _rev(repo, f"refs/heads/{name}")
     store = baselines.Baselines(str(tmp_path / "state"))
     _join(store, "s", repo)
-    git(repo, "branch", "-D", name)  # the session deletes it (out of packed-refs, too)
+    git(repo, "branch", "-D", name)  # the session deletes it (out of packed-refs, too), and its reflog
     found = store.leave("s")
     assert _rev(repo, f"refs/heads/{name}") == before  # the very ref, not one named with U+FFFD
+    shown = f"refs/heads/{name}".replace("\udcff", "\\xff")
     assert [(p.path, p.why) for p in found] == [
-        (f"refs/heads/{name}".replace("\udcff", "\\xff"), f"deleted by a session; put back at {before[:12]}")]
+        (shown, f"deleted by a session; put back at {before[:12]}"),
+        ("logs", f"1 reflogs a session cut put back (1 lines of your `git reflog`, and the commits only they name): "
+                 f"{shown}")]
+    assert git(repo, "reflog", "show", "--format=%H", f"refs/heads/{name}").split() == [before]
     assert "\ufffd" not in git(repo, "for-each-ref", "--format=%(refname)")
 
 
@@ -165,4 +169,4 @@ def test_a_dead_daemons_record_naming_a_branch_not_utf8_is_checked_at_start(tmp_
     os.close(next(iter(dead._domains.values())).lock_fd)  # what the kernel does for a dead daemon
     found = baselines.Baselines(str(tmp_path / "state")).recover()  # reads the record back whole, or puts nothing back
     assert _rev(repo, f"refs/heads/{BAD}") == before
-    assert [p.path for p in found] == ["refs/heads/bad\\xff"]
+    assert [p.path for p in found] == ["refs/heads/bad\\xff", "logs"]  # the branch, and its reflog

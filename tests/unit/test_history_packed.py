@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dispatchd.daemon.gitguard import clones, history, keeps, objectstore, packed
+from dispatchd.daemon.gitguard import clones, history, keeps, objectstore, packed, reflogs
 from dispatchd.tools import native
 from tests.unit.gitrepo import git
 
@@ -71,7 +71,8 @@ def test_only_git_s_object_directories_are_kept_and_looked_at(tmp_path: Path, mo
     keep = Path(kept.keep)
     assert _loose(objects) and _loose(keep) == _loose(objects)
     others = {d.name for d in keep.iterdir() if not _FANOUT.fullmatch(d.name)}
-    assert history._STAMPS in others and others <= {history._STAMPS, "pack", keeps.REPO, clones.OWN_MARK}
+    assert history._STAMPS in others and others <= {history._STAMPS, "pack", keeps.REPO, clones.OWN_MARK,
+                                                    reflogs.COPIES, reflogs.INDEX}  # the reflogs' (reflogs.py)
     assert set(kept.stamps) == {d.name for d in objects.iterdir() if _FANOUT.fullmatch(d.name) or d.name == "pack"}
     assert not set(_NOT_GITS) & set(kept.stamps)
 

@@ -23,9 +23,10 @@ found by its ctime and put back from the keep's own bytes
 (``replaced.find_rewritten``); a pack the session holds read-only cannot
 be; one given a second name is made the repository's own again
 (``packlinks.py``). A new pack naming the user's objects at other bytes is
-moved aside (``newpacks.py``). The stash list is put back (``stashlog.py``).
-What it does not protect: the other reflogs; other
-worktrees' HEADs (the user's own checkouts there look the same).
+moved aside (``newpacks.py``). The stash list is put back (``stashlog.py``),
+and the lines a session cut from the other reflogs (``reflogs.py``,
+``reflogsback.py``). What it does not protect: other worktrees' HEADs (the
+user's own checkouts there look the same).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ import msgspec
 
 from dispatchd import treewalk
 from dispatchd.daemon.gitguard import (clones, derived, fs, keepdirs, keeps, leftlocks, newloose, newpacks,
-                                       objectdirs, objectstore, packed, packlinks, refsback, reftemp, refvalues,
-                                       replacerefs, replaced, shadows, shown, stashlog, viewfiles)
+                                       objectdirs, objectstore, packed, packlinks, reflogs, reflogsback, refsback,
+                                       reftemp, refvalues, replacerefs, replaced, shadows, shown, stashlog, viewfiles)
 from dispatchd.errors import WorktreeError
 
 _log = logging.getLogger("dispatchd.history")
@@ -68,6 +69,7 @@ class History(msgspec.Struct, frozen=True):
     pack_links: dict[str, int] | None = None  # each pack file -> its names, the keep's included (packlinks.py)
     shadows: list[str] | None = None  # what stood in front of the refs' short names (shadows.py; None: older)
     stash_log: stashlog.Kept | None = None  # the stash list (stashlog.py; None: not kept, or an older record)
+    reflogs: reflogs.Kept | None = None  # the other reflogs (reflogs.py; None: not kept, or an older record)
 
 
 _RACY_NS = 50_000_000  # a directory changed this close before a look is listed whatever its ctime says
@@ -208,6 +210,8 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     None: all of them); the others are kept as copies of their own."""
     refs = refsback.read_refs(common)
     stashes, unkept = stashlog.read(common)
+    logs, unlogged = reflogs.record(common, keep)
+    unkept = "; ".join(filter(None, [unkept, unlogged]))
     replacing = replacerefs.read(common)
     head = refvalues.read_text(os.path.join(common, "HEAD")) or ""  # a branch not UTF-8 named whole
     objects = os.path.join(common, "objects")
@@ -218,7 +222,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
         # linked into the keep, and put back into the repository from there.
         return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep="",
                        note="; ".join(filter(None, ["object files not kept: objects is not a directory (a symlink?)",
-                                                    unkept])), stash_log=stashes,
+                                                    unkept])), stash_log=stashes, reflogs=logs,
                        replaces=replacing.loose, replaces_packed=replacing.packed, views=viewfiles.read(common),
                        view_stamps=viewfiles.read_stamps(common), shadows=shadows.present(common, list(refs)))
     stamps = _stamps(objects)
@@ -269,7 +273,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
         note = f"object files not kept: {exc.strerror}"
         keep = ""
     return History(common=common, refs=refs, own=sorted(set(own)), head=head, keep=keep,
-                   note="; ".join(filter(None, [note, unkept])), stash_log=stashes,
+                   note="; ".join(filter(None, [note, unkept])), stash_log=stashes, reflogs=logs,
                    stamps=stamps, stamped_ns=stamped_ns, replaces=replacing.loose,
                    replaces_packed=replacing.packed, views=viewfiles.read(common),
                    view_stamps=viewfiles.read_stamps(common), pack_links=packlinks.links(objects),
@@ -437,5 +441,7 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
                                    borrowed(history))
     listed, unlisted = stashlog.put_back(common, history.stash_log, reftemp.stamp(), history.refs.get("refs/stash"),
                                          objectstore.finder(objects, borrowed(history)))  # refs/stash back
-    return done + moved + listed + leftlocks.said(common, history.stamped_ns), failed + bad + unlisted
+    logged, unlogged = reflogsback.put_back(common, history.reflogs)  # once their refs are back
+    return (done + moved + listed + logged + leftlocks.said(common, history.stamped_ns),
+            failed + bad + unlisted + unlogged)
 

@@ -18,8 +18,9 @@ and the end, putting ``refs/stash`` back, left an empty list beside it.
   under git's lock of ``refs/stash``, as git's own ``stash drop`` rewrites
   the log; nothing is deleted.
 
-Other reflogs are not kept: they are the history of refs the end puts back
-itself, where a lost line names no work of the user's alone.
+The other reflogs are ``reflogs.py``'s (which leaves this one out): theirs
+are put back as the kept lines and those since, where this list is written
+back exactly.
 """
 
 from __future__ import annotations
