@@ -249,3 +249,21 @@ def test_a_put_back_cut_short_by_the_daemon_s_death_is_finished_by_the_next_rest
     leftovers = [n for d in ("logs", "logs/refs/heads", "refs/heads") for n in os.listdir(repo / ".git" / d)
                  if ".dispatchd-" in n or n.endswith(".lock")]
     assert leftovers == [] and (repo / ".git" / "refs" / "heads" / "main").exists()
+
+
+def test_a_cut_reflog_whose_copy_is_gone_is_said_not_failed(tmp_path: Path) -> None:
+    """The keep's copy gone (a machine's crash before it was written out, a
+    hand that cleaned the state directory): said in the report, not a
+    failure, which would have refused the worktree at every start after,
+    no later check finding the copy either. The twin: with its copy, put
+    back (the tests above)."""
+    repo, _ = _repo(tmp_path)
+    kept = _record(tmp_path, repo)
+    (repo / ".git" / "logs" / "HEAD").write_text("")
+    for copy in (tmp_path / "state" / "keep" / "k").rglob("HEAD"):
+        if ".logs" in copy.parts:
+            copy.unlink()
+    said, failed = _end(kept)
+    assert failed == [] and said[-1] == ("logs", "1 reflogs cut by a session not put back: their copies kept at "
+                                                  "the baseline are gone (a crash of the machine before they "
+                                                  "were written?): logs/HEAD"), said

@@ -46,13 +46,16 @@ def put_back(common: str, kept: reflogs.Kept | None) -> tuple[list[tuple[str, st
     aside: list[str] = []
     gone_worktree = 0
     failed: list[str] = []
+    lost: list[str] = []
     for rel, log in cut:
         if rel.startswith("worktrees/") and not fs.is_dir(os.path.join(common, *rel.split("/")[:2])):
             gone_worktree += 1
             continue
         data = reflogs.kept_bytes(kept, rel, log)
         if data is None:
-            failed.append(f"{rel}: cut by a session, and its copy kept at the baseline is gone: not put back")
+            # Said, not failed: no later check could find the copy either, and a failed check
+            # refuses the worktree until one passes (every start, for good).
+            lost.append(rel)
             continue
         try:
             done = _put_one(common, rel, log, data)
@@ -63,9 +66,12 @@ def put_back(common: str, kept: reflogs.Kept | None) -> tuple[list[tuple[str, st
             names.append(reflogs.refname(rel))
             lines += done[0]
             aside += done[1]
-    if not names and not gone_worktree:
-        return [], failed
-    return [("logs", _said(names, lines, aside, gone_worktree))], failed
+    said = [("logs", _said(names, lines, aside, gone_worktree))] if names or gone_worktree else []
+    if lost:
+        said.append(("logs", f"{len(lost)} reflogs cut by a session not put back: their copies kept at the baseline "
+                              f"are gone (a crash of the machine before they were written?): {', '.join(lost[:5])}"
+                              + (", ..." if len(lost) > 5 else "")))
+    return said, failed
 
 
 def _intact(common: str, rel: str, log: reflogs.Log) -> bool:
