@@ -16,7 +16,10 @@ answer is read, never guessed:
 - an attach refused: the session ended, and the daemon's reason says why.
 
 ``cause`` decides from what the attach found (pure: the unit tests drive it);
-``hung_up`` and ``refusal`` look at the new channel without reading from it.
+``hung_up`` and ``refusal`` look at the new channel without reading from it;
+``ended`` says whether an attach's failure means the session is over (a
+failed call then carries ``metadata["session_ended"]``, and ``close()`` asks
+nothing more).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import select
 import socket
 
 from dispatch._transport import Connection
+from dispatch.errors import ConnectionLost, DispatchError, RequestFailed
 from dispatchd import protocol
 
-__all__ = ["HELD_S", "LOST_WAIT_S", "Channel", "cause", "hung_up", "refusal"]
+__all__ = ["HELD_S", "LOST_WAIT_S", "Channel", "cause", "ended", "hung_up", "refusal"]
 
 # How long a lost call's re-attaches wait for the daemon to see the old
 # sandbox end (a worker's end is read from its control channel, then its exit
@@ -71,6 +75,17 @@ def cause(was: int, now: int, replaced: str, *, hung_up: bool, refused: str = ""
                 "dispatchd does not say whether it had replaced the sandbox meanwhile (a network switch)")
     return ("the call's channel closed, yet the session's sandbox lives on: dispatchd had not replaced it, and "
             "a new channel to it stayed open; the cause is not known")
+
+
+def ended(exc: DispatchError, bridge_gone: str | None) -> bool:
+    """Whether ``exc``, an attach's failure, says the session is over: the
+    daemon refused it as ended or unknown (``unknown_session``, with its
+    reason), or the local daemon is gone (its sessions end with it). Not a
+    timeout (a daemon hung or overloaded may answer later), nor a bridge to a
+    remote daemon gone (``bridge_gone``: the session may live on there)."""
+    if isinstance(exc, RequestFailed):
+        return exc.code == "unknown_session"
+    return isinstance(exc, ConnectionLost) and bridge_gone is None
 
 
 def hung_up(channel: Connection, wait_s: float) -> bool:

@@ -5,6 +5,9 @@ JSON nested deeper than its parser goes: pydantic-core stops at 200 levels,
 or JSON that is no JSON-RPC message) to the session as an exception, and the
 session drops it: an MCP host then waits for ever for that request's answer.
 ``refusal`` says what to answer instead; ``mcp.py`` sends it and goes on.
+The SDK also reads a request whose ``id`` is neither a string nor an integer
+(``1.5``, ``null``, ``true``, an object) as a notification, and would run it
+unanswered; ``bad_id`` finds those among what it read as notifications.
 
 Guarantees:
 - a line that is, or may be, a request gets one JSON-RPC error: ``-32700``
@@ -13,6 +16,9 @@ Guarantees:
   request's ``id`` when a shallow scan of the line's top level reads one (a
   string or an integer, as MCP's ids are), else ``null``, as JSON-RPC 2.0
   says for an id that could not be read;
+- a message with an ``id`` member that is neither a string nor an integer
+  is a request (JSON-RPC 2.0: only a message with no ``id`` at all is a
+  notification) and gets ``-32600`` with ``id`` ``null``, never run;
 - a line recognisably a notification (a ``method`` and no ``id``) or a
   response (``result`` or ``error``, no ``method``) is not answered
   (JSON-RPC forbids answering a notification; answering a response could
@@ -75,6 +81,21 @@ def refusal(exc: Exception) -> Refusal:
         return _refuse(top, INVALID_REQUEST, "Invalid Request: not a JSON-RPC 2.0 message (it needs \"jsonrpc\": "
                                              "\"2.0\", a \"method\" and an \"id\" that is a string or an integer)")
     return _refuse({}, PARSE_ERROR, f"Parse error: {type(exc).__name__}: {exc}")
+
+
+def bad_id(line: str) -> Refusal | None:
+    """The answer to ``line``, a message the SDK read as a notification, when
+    it has an ``id`` all the same (one MCP cannot carry); None for a true
+    notification."""
+    members = _members(line)
+    if "id" not in members:
+        return None
+    rid = members["id"]
+    if isinstance(rid, (str, int)) and not isinstance(rid, bool):
+        return None  # an id the SDK would have read: not this case
+    shown = "an object or an array" if rid is _NESTED else json.dumps(rid)
+    return Refusal(None, INVALID_REQUEST, f'Invalid Request: its "id" ({shown}) is neither a string nor an '
+                                          "integer; a message with no \"id\" is a notification", answer=True)
 
 
 def _errors(exc: Exception) -> list[dict[str, Any]]:

@@ -5,7 +5,8 @@ Guarantees:
   to the session's confined worker over a channel the daemon hands over at
   ``attach`` time: one hop, not two;
 - tool calls never raise: a lost sandbox, a closed session or a daemon that
-  went away come back as ``Result.failure`` with the reason; daemon requests
+  went away come back as ``Result.failure`` with the reason (and, once the
+  session is over, that reason in ``metadata["session_ended"]``); daemon requests
   (close, network, status) raise ``DispatchError`` subclasses instead;
 - a tool call waits the tool's own time limit plus the client's
   ``call_margin`` at most (then a ``Result.failure`` that names the wait);
@@ -28,21 +29,21 @@ import threading
 import time
 from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any, Protocol, cast, overload
+from typing import Any, Protocol, cast
 
 import msgspec
 
 from dispatch._checkpoints import SessionCheckpoints  # checkpoint(), checkpoints(), restore()
 from dispatch._definition import ToolFunc
 from dispatch._endreport import log_end
-from dispatch._lost import HELD_S, LOST_WAIT_S, Channel, cause, hung_up, refusal
+from dispatch._lost import HELD_S, LOST_WAIT_S, Channel, cause, ended, hung_up, refusal
+from dispatch._netargs import domain_list, network_word
 from dispatch._transport import Connection, NotWritten, OutputCallback
 from dispatch.errors import ConnectionLost, DispatchError, NotSent, RequestFailed, RequestTimeout
 from dispatch.tools import Definition, Registry, Result
 from dispatchd import protocol
-from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 
-__all__ = ["Cancellation", "DaemonLink", "Session", "domain_list", "info_dict", "network_word"]
+__all__ = ["Cancellation", "DaemonLink", "Session", "info_dict"]
 
 
 class Cancellation:
@@ -90,21 +91,6 @@ def info_dict(info: protocol.SessionInfo) -> dict[str, Any]:
     return cast(dict[str, Any], msgspec.to_builtins(info))
 
 
-@overload
-def network_word(network: bool | str) -> NetworkMode: ...
-@overload
-def network_word(network: None) -> None: ...
-def network_word(network: bool | str | None) -> NetworkMode | None:
-    if network is None:
-        return None
-    if isinstance(network, bool):
-        return "on" if network else "off"
-    for mode in NETWORK_MODES:
-        if network == mode:
-            return mode
-    raise ValueError(f"network must be True, False or one of {', '.join(map(repr, NETWORK_MODES))}, not {network!r}")
-
-
 def _status_dict(info: protocol.SessionInfo) -> dict[str, Any]:
     """``session.status()``: the session's fields, with ``network`` as a dict:
     ``mode``, ``domains`` (under "domains") and ``denied`` (hosts the proxy
@@ -112,14 +98,6 @@ def _status_dict(info: protocol.SessionInfo) -> dict[str, Any]:
     d = info_dict(info)
     d["network"] = {"mode": info.network, "domains": d.pop("domains"), "denied": d.pop("denied")}
     return d
-
-
-def domain_list(domains: list[str] | None) -> list[str] | None:
-    if domains is None:
-        return None
-    if isinstance(domains, str):  # "pypi.org" would otherwise be eight one-letter hosts
-        raise ValueError(f"domains must be a list of host names, not the string {domains!r}")
-    return list(domains)
 
 
 def _unbound(params: dict[str, Any], context: Any) -> Result:
@@ -177,6 +155,7 @@ class Session(SessionCheckpoints):
         self._in_flight_lock = threading.Lock()
         # What the checks at its end moved aside or put back (``path``, ``why``), once closed.
         self.protected: list[dict[str, Any]] = []
+        self._ended: str | None = None  # why the session is over, once a call found it so (``_lost.ended``)
         self._attach(attached)
         # The policy's budget: longer results reach a model in part (retrieve_output has the rest).
         self.registry = Registry((checked._with_func(self._remote_call(checked.name))
@@ -261,7 +240,8 @@ class Session(SessionCheckpoints):
                     try:
                         self._attach()  # closed by a sandbox replaced, or gone with a lost call
                     except DispatchError as exc:
-                        return Result.failure(f"session {self.id} is not available: {exc}")
+                        meta = {"session_ended": self._over(str(exc))} if ended(exc, self._client._bridge_gone()) else {}
+                        return Result.failure(f"session {self.id} is not available: {exc}", meta)
                     channel = self._channel
         assert channel is not None
         cached = self._own_limit  # _call_wait's usual answer, without the call
@@ -365,6 +345,7 @@ class Session(SessionCheckpoints):
                                                                           "outcome_unknown": True})
         deadline = time.monotonic() + LOST_WAIT_S
         text = f"the sandbox of session {self.id} went away during {name}"
+        meta: dict[str, Any] = {"lost": True}
         with self._lock:
             why: str | None = None
             now = self._channel
@@ -376,11 +357,11 @@ class Session(SessionCheckpoints):
             while why is None:
                 try:
                     self._attach()
-                except ConnectionLost as lost:
-                    why = f"dispatchd is gone ({lost}); the session ended with it"
-                    break
-                except DispatchError as err:  # the session ended: the daemon says why
-                    why = str(err)
+                except DispatchError as err:  # the session ended (the daemon says why), or no answer
+                    why = f"dispatchd is gone ({err}); the session ended with it" \
+                        if isinstance(err, ConnectionLost) else str(err)
+                    if ended(err, None):
+                        meta["session_ended"] = self._over(why)
                     break
                 now = self._channel
                 assert now is not None
@@ -392,7 +373,6 @@ class Session(SessionCheckpoints):
                 if why is None:
                     time.sleep(0.05)
         text = f"{text}: {why}"
-        meta: dict[str, Any] = {"lost": True}
         schema = self._schemas.get(name)
         if schema is not None and schema.risk == "write":
             # The new content may have reached the disk before the tool server went.
@@ -400,6 +380,11 @@ class Session(SessionCheckpoints):
                      "re-read the file")
             meta["outcome_unknown"] = True
         return Result._from_wire(False, f"{text} ({exc})", meta)
+
+    def _over(self, why: str) -> str:
+        """Note that the session is over (``why``), and return ``why``."""
+        self._ended = why
+        return why
 
     def _call_wait(self, params: dict[str, Any]) -> tuple[float, float]:
         """(the call's own time limit, how long to wait for its reply): a
@@ -486,7 +471,8 @@ class Session(SessionCheckpoints):
         if self._owned:
             self._owned = False
             try:
-                self.protected = self._client.close_session(self.id)
+                if self._ended is None:  # else nothing is left to close (and the daemon may be gone)
+                    self.protected = self._client.close_session(self.id)
             except RequestFailed as exc:
                 if exc.code != "unknown_session":
                     raise

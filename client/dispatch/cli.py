@@ -48,6 +48,7 @@ from dispatchd.display import shown
 
 EXIT_ERROR = 2
 EXIT_UNCHECKED = 3  # the end's check could not finish: look before running git or your tools there
+EXIT_SESSION_ENDED = 4  # dispatch mcp: the session ended under it (closed from outside, the daemon gone)
 EXIT_TIMEOUT = 124
 
 
@@ -308,7 +309,10 @@ def _mcp(client: Client, args: argparse.Namespace) -> int:
     # still closes the session (a session is not tied to our connection).
     signal.pthread_sigmask(signal.SIG_BLOCK, mcp.STOP_SIGNALS)
     with _session_for(client, args) as session:
-        mcp.serve(session.registry)
+        ended = mcp.serve(session.registry)
+    if ended is not None:  # a server with no session would fail every call: the host sees it gone
+        print(f"dispatch mcp: stopped serving: session {session.id} has ended: {shown(ended)}", file=sys.stderr)
+        return EXIT_SESSION_ENDED
     return 0
 
 

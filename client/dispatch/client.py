@@ -27,7 +27,8 @@ import msgspec
 
 from dispatch._autostart import daemon_socket
 from dispatch._checkpoints import ClientCheckpoints  # checkpoint(), checkpoints(), restore() by session id
-from dispatch._session import Cancellation, Session, domain_list, info_dict, network_word
+from dispatch._netargs import domain_list, network_word
+from dispatch._session import Cancellation, Session, info_dict
 from dispatch._transport import Connection
 from dispatch.errors import ConnectionLost, DaemonUnavailable, DispatchError, RequestFailed, RequestTimeout
 from dispatchd import envnames, paths, protocol

@@ -18,8 +18,9 @@ Guarantees:
   ``stdout`` and ``stderr`` (already in the text): ``exit_code``,
   ``duration_s``, ``timed_out``, ``truncated``, ``job``, ``usage``,
   ``network_denied``... as the tool gives them, plus ``success``.
-- Only the protocol reaches stdout: the SDK points fd 1 at stderr while it
-  serves, so nothing a tool or a library prints can corrupt the stream.
+- Only the protocol reaches stdout: fd 1 points at stderr (and fd 0 at the
+  null device) while it serves, so nothing a tool or a library prints can
+  corrupt the stream (``_mcp_stdio``).
 - The network stays as the person who started the server set it
   (``--network``, and ``--domains`` for "domains"): switching it is not a tool.
 - A call whose request carries a ``progressToken`` gets a
@@ -28,12 +29,21 @@ Guarantees:
 - ``notifications/cancelled`` for a call in flight cancels it in the sandbox:
   the command and every process it started end (``Cancellation``).
 - ``serve`` returns when the client closes stdin, or on SIGTERM, SIGINT or
-  SIGHUP; a call still running is abandoned (closing the session ends it).
+  SIGHUP at once, whether the client keeps stdin open or not (every wait on
+  the pipes ends at a stop: ``_mcp_stdio``); a call still running is
+  answered "Connection closed" and cancelled in the sandbox (closing the
+  session ends what is left of it).
+- A call that finds the session over (closed from outside, its daemon gone)
+  is answered with the reason and a line saying that the server stops; then
+  ``serve`` returns that reason (``dispatch mcp`` exits 4): a server with no
+  session would fail every call.
 - A line that is not a JSON-RPC message (not JSON, nested deeper than the
   SDK's parser reads, or no request object) is answered with a JSON-RPC
   error (``-32700`` or ``-32600``, with its ``id`` when one can be read,
   else ``null``) and a line on stderr, and the next is served: the SDK
-  alone drops it, and the host would wait for that id for ever
+  alone drops it, and the host would wait for that id for ever; so is a
+  request whose ``id`` is neither a string nor an integer (``-32600``, id
+  ``null``, not run), which the SDK takes for a notification
   (``_mcp_unreadable.py``).
 
 Written for the ``mcp`` SDK 2.x (its low-level ``Server`` takes its handlers
@@ -44,7 +54,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import AsyncIterable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -53,10 +63,10 @@ import anyio.from_thread
 import anyio.to_thread
 import mcp.types as types
 from mcp.server.lowlevel import Server
-from mcp.server.stdio import stdio_server
 from mcp.shared.message import SessionMessage
 
-from dispatch._mcp_unreadable import refusal
+from dispatch._mcp_stdio import StdioPipes, Stopped
+from dispatch._mcp_unreadable import bad_id, refusal
 from dispatch._providers import Anthropic
 from dispatch.client import Cancellation
 from dispatch.tools import Registry
@@ -71,6 +81,9 @@ _INSTRUCTIONS = (
     "Paths are relative to the worktree root. A long result is shown as its head and tail with "
     "an id; retrieve_output returns the rest."
 )
+# What a call that found the session over adds to its answer.
+_STOPPING = ("\n[dispatch mcp stops serving: its dispatchd session has ended. The MCP host must start it again "
+             "for a new session.]")
 
 
 def _annotations(risk: str) -> types.ToolAnnotations:
@@ -78,8 +91,11 @@ def _annotations(risk: str) -> types.ToolAnnotations:
     return types.ToolAnnotations(read_only_hint=read_only, destructive_hint=not read_only)
 
 
-def build_server(registry: Registry, *, name: str = SERVER_NAME, version: str = __version__) -> Server[Any]:
-    """An MCP server offering ``registry``'s tools (see the module's guarantees)."""
+def build_server(registry: Registry, *, name: str = SERVER_NAME, version: str = __version__,
+                 on_session_ended: Callable[[Any, str], None] | None = None) -> Server[Any]:
+    """An MCP server offering ``registry``'s tools (see the module's guarantees).
+    ``on_session_ended(request_id, why)``: a call found the session over
+    (``metadata["session_ended"]``); its answer then says the server stops."""
 
     async def list_tools(_ctx: Any, _params: Any) -> types.ListToolsResult:
         tools = [
@@ -105,8 +121,12 @@ def build_server(registry: Registry, *, name: str = SERVER_NAME, version: str = 
         except anyio.get_cancelled_exc_class():
             cancellation.cancel()
             raise
-        reply = outcome.reply
-        return types.CallToolResult(content=[types.TextContent(type="text", text=reply["content"])],
+        reply, text = outcome.reply, outcome.reply["content"]
+        why = outcome.result.metadata.get("session_ended")
+        if why and on_session_ended is not None:
+            on_session_ended(ctx.request_id, str(why))
+            text += _STOPPING
+        return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
                                     is_error=reply["is_error"], structured_content=_structured(outcome.result))
 
     return Server(name, version=version, instructions=_INSTRUCTIONS,
@@ -152,54 +172,118 @@ def _progress_reporter(ctx: Any) -> Any:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Once serving stops, how long the answers already made (to calls in flight:
+# "Connection closed") may take to reach a client; then the pipes stop.
+_DRAIN_S = 1.0
 
 
-async def serve_stdio(registry: Registry) -> None:
+async def serve_stdio(registry: Registry) -> str | None:
     """Serve ``registry`` on this process's stdin and stdout until the client
-    closes stdin or one of ``STOP_SIGNALS`` arrives.
+    closes stdin, one of ``STOP_SIGNALS`` arrives, or a call finds the
+    session over (its answer is sent first). Returns None, or in the last
+    case why the session ended (``metadata["session_ended"]``).
 
+    Every wait on the pipes ends at a stop (``_mcp_stdio``): a signal stops
+    serving at once, whether the client keeps its stdin open or not.
     A caller that opened a session for this may block ``STOP_SIGNALS``
     (``pthread_sigmask``) before opening it: they are unblocked here once they
     are listened for, so one sent at any moment still lets the caller close
     the session, rather than killing the process with the session left open.
     """
-    server = build_server(registry)
+    pipes = StdioPipes()
+    try:
+        return await _serve(registry, pipes)
+    finally:
+        pipes.close()
+
+
+async def _serve(registry: Registry, pipes: StdioPipes) -> str | None:
+    ended: dict[Any, str] = {}  # the calls that found the session over: request id -> why
+    server = build_server(registry, on_session_ended=ended.__setitem__)
+    inbound_writer, inbound = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    outbound, to_write = anyio.create_memory_object_stream[SessionMessage](0)
+    serving = anyio.CancelScope()
+    written = anyio.Event()
+
+    def after(message: Any) -> None:
+        if isinstance(message, (types.JSONRPCResponse, types.JSONRPCError)) and message.id in ended:
+            serving.cancel()  # the call that found the session over has its answer: stop
+
     async with anyio.create_task_group() as tasks:
-
-        async def stop_on_signal(*, task_status: anyio.abc.TaskStatus[None]) -> None:
-            with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-                task_status.started()
-                async for _ in signals:
-                    tasks.cancel_scope.cancel()
-                    return
-
-        await tasks.start(stop_on_signal)
-        async with stdio_server() as (read_stream, write_stream):
-            readable, inbound = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+        await tasks.start(_stop_on_signal, serving, pipes)
+        tasks.start_soon(_write_lines, pipes, to_write, after, serving, written)
+        with serving:
             async with anyio.create_task_group() as reading:
-                reading.start_soon(_answer_unreadable, read_stream, readable, write_stream)
-                await server.run(inbound, write_stream, server.create_initialization_options())
-        tasks.cancel_scope.cancel()  # stdin closed: stop listening for signals too
+                reading.start_soon(_read_lines, pipes, inbound_writer, outbound.clone())
+                await server.run(inbound, outbound, server.create_initialization_options())
+        with anyio.move_on_after(_DRAIN_S):
+            await written.wait()
+        pipes.stop()
+        tasks.cancel_scope.cancel()
+    return next(iter(ended.values()), None)
 
 
-async def _answer_unreadable(lines: AsyncIterable[SessionMessage | Exception],
-                             readable: anyio.abc.ObjectSendStream[SessionMessage | Exception],
-                             replies: Any) -> None:
-    """Pass on what the transport read; answer what it could not (the SDK's
-    session would drop it without a word: _mcp_unreadable.py)."""
-    async with readable:
-        async for item in lines:
-            if not isinstance(item, Exception):
-                await readable.send(item)
-                continue
-            refused = refusal(item)
+async def _stop_on_signal(serving: anyio.CancelScope, pipes: StdioPipes, *,
+                          task_status: anyio.abc.TaskStatus[None]) -> None:
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        task_status.started()
+        async for _ in signals:
+            if serving.cancel_called:
+                pipes.stop()  # a second one: no waiting for the last answers to go out
+            serving.cancel()
+
+
+async def _read_lines(pipes: StdioPipes, messages: anyio.abc.ObjectSendStream[SessionMessage | Exception],
+                      replies: anyio.abc.ObjectSendStream[SessionMessage]) -> None:
+    """Pass on each message read; answer what cannot be served as it came
+    (the SDK's session would drop it, or run a request as a notification:
+    ``_mcp_unreadable``). Ends at EOF, closing ``messages``."""
+    async with messages, replies:
+        while True:
+            try:
+                raw = await anyio.to_thread.run_sync(pipes.read_line, abandon_on_cancel=True)
+            except (Stopped, OSError):  # stopped, or stdin itself broken: the end of input
+                return
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace")
+            try:
+                message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+            except Exception as exc:  # what the SDK's transport passes on for its session to drop
+                refused = refusal(exc)
+            else:
+                found = bad_id(line) if isinstance(message, types.JSONRPCNotification) else None
+                if found is None:
+                    await messages.send(SessionMessage(message))
+                    continue
+                refused = found
             print(refused.note(), file=sys.stderr, flush=True)
             if refused.answer:
                 await replies.send(SessionMessage(types.JSONRPCError(
                     jsonrpc="2.0", id=refused.id, error=types.ErrorData(code=refused.code, message=refused.message))))
 
 
-def serve(registry: Registry) -> None:
-    """``serve_stdio`` in a fresh event loop; returns when the client is gone."""
-    anyio.run(serve_stdio, registry)
+async def _write_lines(pipes: StdioPipes, messages: anyio.abc.ObjectReceiveStream[SessionMessage],
+                       after: Callable[[Any], None], serving: anyio.CancelScope, done: anyio.Event) -> None:
+    """Write each message as one line, until every sender has closed (or a
+    stop); ``after`` sees each one written."""
+    try:
+        async with messages:
+            async for item in messages:
+                line = item.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
+                await anyio.to_thread.run_sync(pipes.write, line.encode("utf-8"), abandon_on_cancel=True)
+                after(item.message)
+    except Stopped:
+        pass
+    except OSError as exc:  # the client closed its end: nobody to answer
+        print(f"dispatch mcp: stdout is closed ({exc}): stopped serving", file=sys.stderr, flush=True)
+        serving.cancel()
+    finally:
+        done.set()
+
+
+def serve(registry: Registry) -> str | None:
+    """``serve_stdio`` in a fresh event loop; returns when the client is gone
+    (None), or once a call found the session over (why it ended)."""
+    return anyio.run(serve_stdio, registry)

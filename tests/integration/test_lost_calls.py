@@ -126,7 +126,10 @@ def test_a_call_whose_tool_server_is_killed_is_not_said_switched(mode_daemon: tu
         assert re.fullmatch(rf"the sandbox of session {s.id} went away during shell_exec: ({'|'.join(causes)}) "
                             r"\(.+\)", lost.error), lost.error
         assert "switched" not in lost.error and "replaced (" not in lost.error
-        assert dict(lost.metadata) == {"lost": True}
+        # The session is over, and the metadata says why, when the daemon said so.
+        ended = {"session_ended": lost.metadata.get("session_ended", "")} if "has ended" in lost.error else {}
+        assert dict(lost.metadata) == {"lost": True, **ended}
+        assert not ended or re.fullmatch(f"{causes[0]}|{causes[1]}", ended["session_ended"]), ended
         s.detach()
 
 

@@ -13,6 +13,8 @@ import json
 import os
 import select
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,27 @@ class _Mcp:
         return reply
 
 
+@contextmanager
+def started(daemon: Daemon, worktree: Path, stderr: Any = subprocess.PIPE) -> Iterator[_Mcp]:
+    """``dispatch mcp`` on ``worktree``, initialized, its stdin left open;
+    killed at the end if it still runs."""
+    proc = subprocess.Popen(_command(daemon, worktree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=stderr, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    mcp = _Mcp(proc)
+    try:
+        mcp.send(json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}).encode())
+        assert mcp.read()["id"] == 0
+        mcp.send(b'{"jsonrpc":"2.0","method":"notifications/initialized"}')
+        yield mcp
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pipe in filter(None, (proc.stdin, proc.stdout, proc.stderr)):
+            pipe.close()
+
+
 def _error(rid: Any, code: int, message: str) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message}}
 
@@ -73,14 +96,7 @@ def _error(rid: Any, code: int, message: str) -> dict[str, Any]:
 def test_unreadable_lines_are_answered_and_the_server_goes_on(
     daemon: Daemon, client: dispatch.Client, worktree: Path
 ) -> None:
-    proc = subprocess.Popen(_command(daemon, worktree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-    mcp = _Mcp(proc)
-    try:
-        mcp.send(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-03-26", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}).encode())
-        assert mcp.read()["id"] == 1
-        mcp.send(b'{"jsonrpc":"2.0","method":"notifications/initialized"}')
+    with started(daemon, worktree) as mcp:
         # The twin within the parser's depth: a tool's own refusal, as a result.
         mcp.send(_call(9, 50))
         shallow = mcp.read()
@@ -103,12 +119,8 @@ def test_unreadable_lines_are_answered_and_the_server_goes_on(
         alive = mcp.read()
         assert alive["id"] == 99 and alive["result"]["isError"] is False
         assert alive["result"]["content"][0]["text"] == "alive\n"
-        _, err = proc.communicate(timeout=30)  # closes its stdin: it ends, and closes its session
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0
+        _, err = mcp.proc.communicate(timeout=30)  # closes its stdin: it ends, and closes its session
+    assert mcp.proc.returncode == 0
     notes = [line for line in err.decode().splitlines() if line.startswith("dispatch mcp: ")]
     assert notes == [
         f"dispatch mcp: answered id 10 with error -32600: {DEEP.format(_column(DEEP_CALL))}",
@@ -119,4 +131,45 @@ def test_unreadable_lines_are_answered_and_the_server_goes_on(
         "dispatch mcp: answered id null with error -32700: Parse error: expected value at line 1 column 1",
     ], err.decode()
     assert "Traceback" not in err.decode()
+    assert _sessions_on(client, worktree) == []
+
+
+# Each id MCP cannot carry, as written on the line (JSON-RPC: a message with an
+# "id" member is a request, answered; only one without is a notification).
+BAD_IDS = ["1.5", "null", "true", '{"a":1}', "[1]", "3.0", "1e3", "NaN"]
+
+
+def test_a_request_whose_id_is_no_string_or_integer_is_answered_not_run(
+    daemon: Daemon, client: dispatch.Client, worktree: Path
+) -> None:
+    shown = {"1.5": "1.5", "null": "null", "true": "true", '{"a":1}': "an object or an array",
+             "[1]": "an object or an array", "3.0": "3.0", "1e3": "1000.0", "NaN": "NaN"}
+    with started(daemon, worktree) as mcp:
+        for i, rid in enumerate(BAD_IDS):
+            mcp.send(('{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"shell_exec",'
+                      '"arguments":{"command":"echo ran > bad%d.txt"}}}' % (rid, i)).encode())
+            assert mcp.read() == _error(None, -32600, f'Invalid Request: its "id" ({shown[rid]}) is neither a '
+                                                      'string nor an integer; a message with no "id" is a notification')
+            mcp.send(b'{"jsonrpc":"2.0","id":%s,"method":"ping"}' % rid.encode())
+            assert mcp.read()["error"]["code"] == -32600
+        # A notification (no "id" at all) stays one: not answered, and a
+        # tools/call sent as one is not run; the next reply is the next request's.
+        mcp.send(b'{"jsonrpc":"2.0","method":"tools/call","params":{"name":"shell_exec",'
+                 b'"arguments":{"command":"echo ran > notified.txt"}}}')
+        # The twins: a string id and an integer id are served, echoed as they came.
+        for rid in ('"s-1"', "7", "-3"):
+            mcp.send(('{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"shell_exec",'
+                      '"arguments":{"command":"echo served"}}}' % rid).encode())
+            served = mcp.read()
+            assert served["id"] == json.loads(rid) and served["result"]["isError"] is False
+            assert served["result"]["content"][0]["text"] == "served\n"
+        mcp.send(b'{"jsonrpc":"2.0","id":8,"method":"ping"}')
+        assert mcp.read() == {"jsonrpc": "2.0", "id": 8, "result": {}}
+        _, err = mcp.proc.communicate(timeout=30)
+    assert mcp.proc.returncode == 0
+    assert sorted(p.name for p in worktree.iterdir() if p.name.endswith(".txt")) == []
+    notes = [line for line in err.decode().splitlines() if line.startswith("dispatch mcp: ")]
+    assert len(notes) == 2 * len(BAD_IDS)
+    assert notes[0] == ('dispatch mcp: answered id null with error -32600: Invalid Request: its "id" (1.5) is neither '
+                        'a string nor an integer; a message with no "id" is a notification')
     assert _sessions_on(client, worktree) == []

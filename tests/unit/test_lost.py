@@ -15,8 +15,8 @@ import pytest
 
 import dispatch._session
 from dispatch import Result, Session
-from dispatch._lost import Channel, cause, hung_up, refusal
-from dispatch.errors import ConnectionLost, RequestFailed
+from dispatch._lost import Channel, cause, ended, hung_up, refusal
+from dispatch.errors import ConnectionLost, RequestFailed, RequestTimeout
 from dispatchd import protocol as p
 from tests.unit.test_protocol import PROTECTIONS
 
@@ -63,6 +63,15 @@ def test_a_daemon_that_does_not_number_its_sandboxes_is_not_made_to_say_more() -
         "the call's channel closed, and a new channel to the session's sandbox stayed open; this dispatchd does not "
         "say whether it had replaced the sandbox meanwhile (a network switch)")
     assert cause(0, 0, "", hung_up=True) is None
+
+
+def test_an_attach_refused_as_ended_or_a_daemon_gone_says_the_session_is_over() -> None:
+    assert ended(RequestFailed("unknown_session", "no such session: 'a1' (it has ended: it was closed)"), None)
+    assert ended(ConnectionLost("lost the connection to dispatchd at /s: the peer closed the connection"), None)
+    # The twins: no answer in time, another refusal, or a bridge gone (the session may live on over there).
+    assert not ended(RequestTimeout("dispatchd at /s did not answer within 30 s"), None)
+    assert not ended(RequestFailed("bad_request", "odd"), None)
+    assert not ended(ConnectionLost("lost the connection"), "the bridge to far went away")
 
 
 # --- looking at a new channel ------------------------------------------------------
@@ -112,6 +121,7 @@ class FakeDaemon:
         self.answers = list(answers)
         self.attaches = 0
         self.ran = 0
+        self.closes = 0
         self.held: list[socket.socket] = []
 
     def attached(self, sandbox: int, replaced: str, peer: str) -> tuple[p.Attached, int]:
@@ -148,6 +158,7 @@ class FakeDaemon:
         return None
 
     def close_session(self, session_id: str) -> list[dict[str, Any]]:
+        self.closes += 1
         return []
 
     def session_infos(self) -> list[p.SessionInfo]:
@@ -166,12 +177,12 @@ def fast(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @contextlib.contextmanager
-def _opened(*answers: tuple[int, str, str] | Exception) -> Iterator[tuple[Session, FakeDaemon]]:
+def _opened(*answers: tuple[int, str, str] | Exception, owned: bool = False) -> Iterator[tuple[Session, FakeDaemon]]:
     """A session handle attached as its open would, to the first of
     ``answers`` (the daemon answers later attaches with the rest)."""
     daemon = FakeDaemon(*answers)
     reply, fd = daemon._daemon_request(lambda rid: p.Attach(id=rid, session=SID))
-    session = Session(daemon, reply.session, owned=False, attached=(reply, fd))
+    session = Session(daemon, reply.session, owned=owned, attached=(reply, fd))
     try:
         yield session, daemon
     finally:
@@ -233,7 +244,35 @@ def test_a_session_that_ends_meanwhile_is_said_ended(fast: None) -> None:
     result, daemon = _lose_a_call((1, "", "closed"), (1, "", "closed"), ended)
     assert result.error == f"the sandbox of session {SID} went away during read_file: no such session: '{SID}' (it " \
                            "has ended: its tool server was killed by signal 9 (SIGKILL)) (the peer closed the connection)"
+    assert dict(result.metadata) == {"lost": True, "session_ended": str(ended)}
     assert daemon.attaches == 4
+
+
+def test_a_session_found_over_says_so_on_each_call_and_is_not_closed_again(fast: None) -> None:
+    gone = RequestFailed("unknown_session", f"no such session: '{SID}' (it has ended: it was closed)")
+    with _opened((1, "", "takes"), gone, owned=True) as (session, daemon):
+        first = session.registry.get("read_file").call({"path": "a.txt"})
+        assert dict(first.metadata) == {"lost": True, "session_ended": str(gone)}
+        again = session.registry.get("read_file").call({"path": "a.txt"})  # its channel broken: attached first
+        assert again.error == f"session {SID} is not available: {gone}"
+        assert dict(again.metadata) == {"session_ended": str(gone)}
+        session.close()
+        assert daemon.closes == 0  # nothing left to close, and the daemon may be gone
+    # The twin: an owned session not found over is closed by its handle.
+    with _opened((1, "", "held"), owned=True) as (session, daemon):
+        session.close()
+        assert daemon.closes == 1
+
+
+def test_a_daemon_gone_says_the_session_ended_with_it_and_a_timeout_does_not(fast: None) -> None:
+    result, _ = _lose_a_call(ConnectionLost("lost the connection to dispatchd at /s: the peer closed the connection"))
+    why = "dispatchd is gone (lost the connection to dispatchd at /s: the peer closed the connection); the " \
+          "session ended with it"
+    assert result.error == f"the sandbox of session {SID} went away during read_file: {why} (the peer closed the " \
+                           "connection)"
+    assert dict(result.metadata) == {"lost": True, "session_ended": why}
+    result, _ = _lose_a_call(RequestTimeout("dispatchd at /s did not answer within 30 s"))
+    assert dict(result.metadata) == {"lost": True}
 
 
 def test_a_sandbox_that_lives_on_is_said_so(fast: None) -> None:

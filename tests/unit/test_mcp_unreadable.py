@@ -7,7 +7,7 @@ from __future__ import annotations
 import mcp_types
 import pytest
 
-from dispatch._mcp_unreadable import INVALID_REQUEST, PARSE_ERROR, Refusal, _members, refusal
+from dispatch._mcp_unreadable import INVALID_REQUEST, PARSE_ERROR, Refusal, _members, bad_id, refusal
 
 
 def _refusal_of(line: str) -> Refusal:
@@ -61,3 +61,25 @@ def test_not_json_and_not_a_message() -> None:
 
 def test_an_exception_of_another_kind_is_a_parse_error_with_a_null_id() -> None:
     assert refusal(ValueError("odd")) == Refusal(None, PARSE_ERROR, "Parse error: ValueError: odd", True)
+
+
+def _read_as_a_notification(line: str) -> str:
+    assert isinstance(mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False),
+                      mcp_types.JSONRPCNotification)
+    return line
+
+
+@pytest.mark.parametrize(("rid", "shown"), [("1.5", "1.5"), ("null", "null"), ("true", "true"), ("3.0", "3.0"),
+                                            ("1e3", "1000.0"), ("NaN", "NaN"), ('{"a": 1}', "an object or an array"),
+                                            ("[1]", "an object or an array")])
+def test_a_request_whose_id_mcp_cannot_carry_is_refused_with_a_null_id(rid: str, shown: str) -> None:
+    line = _read_as_a_notification('{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"x"}}\n' % rid)
+    assert bad_id(line) == Refusal(None, INVALID_REQUEST, f'Invalid Request: its "id" ({shown}) is neither a string '
+                                                          'nor an integer; a message with no "id" is a notification',
+                                   True)
+
+
+def test_a_true_notification_is_left_alone() -> None:
+    assert bad_id(_read_as_a_notification('{"jsonrpc":"2.0","method":"notifications/initialized"}\n')) is None
+    # An "id" nested in its params is not the message's.
+    assert bad_id(_read_as_a_notification('{"jsonrpc":"2.0","method":"n","params":{"id":1.5}}')) is None
