@@ -13,6 +13,7 @@ from dispatchd.daemon import gitguard
 from dispatchd.daemon.checkpoints import gitrefs, reflock
 from dispatchd.daemon.gitguard import ournames
 from tests.unit.gitrepo import git
+from tests.unit.leftovers import adopt
 
 
 pytestmark = pytest.mark.process  # git runs
@@ -111,6 +112,7 @@ def test_a_lock_a_killed_restore_left_is_taken_over_and_git_s_own_is_not(tmp_pat
     refs.mkdir(parents=True)
     (refs / _T("main", "0123456789abcdef")).write_text("x\n")
     os.link(refs / _T("main", "0123456789abcdef"), refs / "main.lock")
+    adopt(refs)  # a killed daemon's: written down in its journal
     common = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         # A live restore takes no lock over: a session's process can give the

@@ -20,6 +20,7 @@ import pytest
 
 from dispatchd.daemon.gitguard import gitlock, keptfiles, layouts, noroom, ournames, reftemp, snapshots
 from tests.unit.gitrepo import empty_repo, git
+from tests.unit.leftovers import adopt
 
 
 pytestmark = pytest.mark.process  # starts git
@@ -182,14 +183,17 @@ def test_a_daemon_killed_at_a_step_leaves_a_whole_config_and_the_next_end_remove
     original = config.read_bytes()
     before = _take(repo, keep=True)
     config.write_text(SESSIONS)
+    state = str(repo.parent / "state")
     pid = os.fork()
     if pid == 0:  # the daemon, killed (no clean-up of any kind) once the step is done
         try:
+            ournames.use(state)  # its journal: what it writes down outlives it
             gitlock._step = lambda name: os._exit(9) if name == killed_after else None
             _end(repo, before)
         finally:
             os._exit(1)
     assert os.waitpid(pid, 0)[1] >> 8 == 9
+    ournames.use(state)  # the next start reads the dead daemon's journal
     assert config.read_bytes() in (SESSIONS.encode(), original)  # a whole file, never absent
     held = (repo / ".git" / "config.lock").exists()
     assert held == (killed_after in ("locked", "kept")), killed_after  # ours: a second name of our temporary
@@ -205,6 +209,7 @@ def test_the_users_own_lock_beside_a_killed_daemons_temporary_is_never_removed(r
     gitdir = repo / ".git"
     (gitdir / _T("config", "0123456789abcdef")).write_bytes(b"[core]\n")
     (gitdir / "config.lock").write_bytes(b"[core]\n")
+    adopt(gitdir)  # a killed daemon's temporary: written down in its journal
     fd = os.open(gitdir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         removed = gitlock.sweep(fd, str(gitdir), {"config"})
@@ -216,6 +221,7 @@ def test_the_users_own_lock_beside_a_killed_daemons_temporary_is_never_removed(r
     # flock): what a killed end left, which the start's sweep removes, both
     # names (no git of the user's makes a pair of that shape).
     os.link(gitdir / "config.lock", gitdir / _T("config", "fedcba9876543210"))
+    adopt(gitdir)
     assert reftemp.sweep(str(gitdir), ["HEAD"]) == [str(gitdir / _T("config", "fedcba9876543210")),
                                                     str(gitdir / "config.lock")]
     assert not (gitdir / "config.lock").exists()

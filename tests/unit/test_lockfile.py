@@ -16,6 +16,7 @@ import pytest
 
 from dispatchd.daemon.gitguard import lockfile, ournames, reftemp
 from dispatchd.daemon.gitguard.lockfile import Act, Policy, choose
+from tests.unit.leftovers import adopt
 
 
 _MADE: dict[tuple[str, str], str] = {}
@@ -118,6 +119,7 @@ def test_a_killed_daemons_lock_is_taken_over_with_take_over(where: tuple[Path, i
     d, fd = where
     (d / _T("main", "0123456789abcdef")).write_text("old\n")
     os.link(d / _T("main", "0123456789abcdef"), d / "main.lock")
+    adopt(d)
     lock = lockfile.temporary(fd, "main", b"new\n")
     lock.take(_TAKE_OVER)
     assert (d / "main.lock").read_text() == "new\n" and lock.moved == ""
@@ -205,6 +207,7 @@ def test_the_sweep_keeps_to_the_leaves_it_is_given_and_to_a_lock_of_that_inode(w
     (d / _T("hooks", "0123456789abcdef")).write_text("x\n")
     os.link(d / _T("hooks", "0123456789abcdef"), d / "hooks.lock")
     os.link(d / _T("hooks", "0123456789abcdef"), d / "third")  # a third name: not our pair
+    adopt(d)
     assert reftemp.sweep_names(fd, str(d), os.listdir(fd), {"config"}) == [
         str(d / "config.lock"), str(d / _T("config", "0123456789abcdef"))]
     assert sorted(reftemp.sweep_names(fd, str(d), os.listdir(fd))) == [

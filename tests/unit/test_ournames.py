@@ -1,9 +1,10 @@
-"""The daemon's temporaries beside git's files carry a tag only a daemon of
-the state directory can make (``gitguard/ournames.py``): a lock of the
-user's running git that a session gave a second name of that shape was
-taken for a killed daemon's, removed by the start's sweep (a ``git commit``
-with its editor open then failed half way), taken over by the last end, and
-not named among the locks left. Each beside its twin, a real leftover of ours."""
+"""The daemon's temporaries beside git's files are its own only once
+written down in its journal (``gitguard/ournames.py``): a lock of the
+user's running git that a session gave a second name of that shape (or a
+name it saw a daemon use) was taken for a killed daemon's, removed by the
+start's sweep (a ``git commit`` with its editor open then failed half way),
+taken over by the last end, and not named among the locks left. Each
+beside its twin, a real leftover of a daemon's."""
 
 from __future__ import annotations
 
@@ -19,25 +20,53 @@ from tests.unit.gitrepo import commits_repo
 FORGED = "index.dispatchd-0123456789abcdef.lock"
 
 
-def test_a_name_of_ours_is_told_and_one_of_its_shape_is_not(tmp_path: Path) -> None:
-    made = os.path.basename(ournames.make(str(tmp_path / "main")))
-    assert ournames.ours(made) == "main" and ournames.shaped(made) == "main"
-    assert ournames.ours("main.dispatchd-0123456789abcdef.lock") is None
-    assert ournames.shaped("main.dispatchd-0123456789abcdef.lock") == "main"
-    # A tag is for its file's name: another file's temporary with the same 16 hex is not ours.
-    assert ournames.ours(made.replace("main.", "index.", 1)) is None
+@pytest.fixture(autouse=True)
+def _no_journal() -> None:
+    """Each test as a process outside a daemon, unless it starts one (``use``)."""
+    ournames._journal = -1
 
 
-def test_the_key_lives_in_the_state_directory_and_a_second_start_reads_it(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    ournames.use(str(state))
-    made = os.path.basename(ournames.make("main"))
-    key = (state / "temporaries.key").read_bytes()
-    assert len(key) == 32 and (state / "temporaries.key").stat().st_mode & 0o777 == 0o600
-    ournames.use(str(tmp_path / "other"))  # another state directory: its own key, ours not recognised
-    assert ournames.ours(made) is None
-    ournames.use(str(state))  # the next start on the first: recognised again
-    assert ournames.ours(made) == "main" and (state / "temporaries.key").read_bytes() == key
+def _dead_pair(common: Path, leaf: str) -> str:
+    """What a daemon killed holding ``leaf``'s lock leaves: its temporary (written down) and ``leaf.lock``."""
+    fd = os.open(common, os.O_PATH | os.O_DIRECTORY)
+    try:
+        dead = lockfile.temporary(fd, leaf, b"the dead daemon's\n")
+        dead.take(lockfile.Policy(0.05))
+        dead.close()
+        return dead.temp
+    finally:
+        os.close(fd)
+
+
+def test_a_name_of_a_temporary_s_shape_is_ours_only_once_written_down(tmp_path: Path) -> None:
+    made = os.path.basename(reftemp.temp_name(str(tmp_path / "main")))
+    assert ournames.shaped(made) == "main" and ournames.shaped("main.lock") is None
+    (tmp_path / made).write_text("x")
+    st = os.lstat(tmp_path / made)
+    assert not ournames.ours(made, st)  # made by hand: anyone's
+    fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    ournames.note(fd, made, st)
+    os.close(fd)
+    assert ournames.ours(made, st)
+    assert not ournames.ours(made.replace("main.", "other.", 1), st)  # another name for the same file: not ours
+    ournames.forget((st.st_dev, st.st_ino))
+    assert not ournames.ours(made, st)
+
+
+def test_a_killed_daemon_s_leftover_is_recognised_by_the_next_start_and_nothing_else(tmp_path: Path) -> None:
+    state, common = tmp_path / "state", tmp_path / "git"
+    common.mkdir()
+    ournames.use(str(state))  # the first daemon
+    temp = _dead_pair(common, "main")
+    (common / "other.dispatchd-0123456789abcdef.lock").write_text("a session's\n")
+    st = os.lstat(common / temp)
+    ournames._known.clear()  # the daemon's death: its memory gone, its journal on disk
+    os.close(ournames._journal)
+    ournames._journal = -1
+    ournames.use(str(state))  # the next start
+    assert ournames.ours(temp, st)
+    assert not ournames.ours("other.dispatchd-0123456789abcdef.lock", os.lstat(common / "other.dispatchd-0123456789abcdef.lock"))
+    assert len(os.listdir(state / "temporaries")) == 1  # the dead run's journal taken into this one's
 
 
 def _forged(common: Path) -> None:
@@ -50,16 +79,12 @@ def test_the_sweep_leaves_the_user_s_lock_given_a_second_name_and_removes_ours(t
     common = tmp_path / "git"
     common.mkdir()
     _forged(common)
+    temp = _dead_pair(common, "config")  # the twin: a killed daemon's pair
     fd = os.open(common, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert reftemp.sweep_names(fd, str(common), os.listdir(fd)) == []
-        assert (common / "index.lock").read_text() == "the user's git\n"
-        # The twin: a killed daemon's pair (a temporary of ours, and its second name as the lock).
-        ours = os.path.basename(ournames.make("config"))
-        (common / ours).write_text("x\n")
-        os.link(common / ours, common / "config.lock")
-        assert sorted(reftemp.sweep_names(fd, str(common), os.listdir(fd))) == sorted([
-            str(common / "config.lock"), str(common / ours)])
+        assert sorted(reftemp.sweep_names(fd, str(common), os.listdir(fd))) == sorted(
+            [str(common / "config.lock"), str(common / temp)])
+        assert (common / "index.lock").read_text() == "the user's git\n" and (common / FORGED).exists()
     finally:
         os.close(fd)
 
@@ -78,9 +103,7 @@ def test_a_lock_of_the_user_s_given_a_second_name_is_not_taken_over(tmp_path: Pa
         assert (common / "packed-refs.lock").read_text() == "the user's pack-refs\n"
         # The twin: a killed daemon's lock (its temporary's flock let go) is taken over.
         (common / "packed-refs.lock").unlink()
-        dead = lockfile.temporary(fd, "packed-refs", b"the dead daemon's\n")
-        dead.take(lockfile.Policy(0.05))
-        dead.close()
+        _dead_pair(common, "packed-refs")
         lock = lockfile.temporary(fd, "packed-refs", b"ours\n")
         lock.take(lockfile.Policy(0.05, take_over=True))
         assert (common / "packed-refs.lock").read_text() == "ours\n"
@@ -99,9 +122,7 @@ def test_a_lock_left_by_a_session_and_given_a_second_name_is_still_named(tmp_pat
     # The twin: a killed daemon's own lock is not named (the next write takes it over).
     os.unlink(common / FORGED)
     os.unlink(common / "index.lock")
-    dead = lockfile.temporary(os.open(common, os.O_PATH | os.O_DIRECTORY), "index", b"")
-    dead.take(lockfile.Policy(0.05))
-    dead.close()
+    _dead_pair(common, "index")
     assert leftlocks.said(str(common), kept.stamped_ns) == []
     (repo / "new.txt").write_text("new\n")
     add = subprocess.run(["git", "add", "new.txt"], cwd=repo, capture_output=True, text=True)

@@ -17,6 +17,7 @@ import pytest
 
 from dispatchd.daemon.gitguard import fs, history, ournames, reflock, refsback, reftemp
 from tests.unit.gitrepo import commits_repo, git
+from tests.unit.leftovers import adopt
 
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -282,6 +283,7 @@ def test_git_s_locks_left_in_a_linked_worktree_s_directory_and_below_logs_are_sa
     (repo / ".git" / "logs" / "refs" / "heads" / "main.lock").write_text("")
     (repo / ".git" / _T("ORIG_HEAD", "0123456789abcdef")).write_text("")
     os.link(repo / ".git" / _T("ORIG_HEAD", "0123456789abcdef"), repo / ".git" / "ORIG_HEAD.lock")
+    adopt(repo / ".git")
     done, failed = history.restore(kept)
     said = sorted(path for path, why in done if path.endswith(".lock"))
     assert failed == [] and said == [f"{common}/logs/refs/heads/main.lock", f"{common}/worktrees/wt/index.lock"]

@@ -11,6 +11,7 @@ import pytest
 
 from dispatchd.daemon.gitguard import baselines, history, layouts, ournames, redirects, reftemp, snapshots
 from tests.unit.gitrepo import git
+from tests.unit.leftovers import adopt
 
 
 pytestmark = pytest.mark.process  # git makes the repositories
@@ -108,6 +109,7 @@ def test_a_start_removes_what_a_put_back_cut_short_left_and_nothing_else(tmp_pat
     victim = tmp_path / "victim"
     victim.write_text("the user's\n")
     (heads / _T("y", "2222222222222222")).symlink_to(victim)
+    adopt(heads, displaced, repo / ".git")
     os.close(next(iter(dead._domains.values())).lock_fd)  # what the kernel does for a dead daemon
     baselines.Baselines(str(tmp_path / "state")).recover()
     assert sorted(os.listdir(heads)) == ["main", "main.dispatchd-0123456789abcdef.tmp", "main.lock",
@@ -128,6 +130,7 @@ def test_the_sweep_goes_into_no_symlinked_directory(tmp_path: Path) -> None:
     ours = _T("a", "0123456789abcdef")
     for d in (elsewhere, elsewhere / "heads", elsewhere / "sub"):
         (d / ours).write_text("x\n")
+    adopt(elsewhere, elsewhere / "heads", elsewhere / "sub")
     (common / "refs" / "dispatchd" / "displaced").symlink_to(elsewhere)
     assert reftemp.sweep(str(common), ["refs/heads/a", "refs/sub/a"]) == []
     os.rename(common / "refs", tmp_path / "refs-aside")
@@ -140,6 +143,7 @@ def test_the_sweep_goes_into_no_symlinked_directory(tmp_path: Path) -> None:
     deep = common / "refs" / "dispatchd" / "displaced" / "20261130T000000" / "refs" / "sub"
     deep.mkdir(parents=True)
     (deep / ours).write_text("x\n")
+    adopt(common / "refs" / "heads", deep)
     assert reftemp.sweep(str(common), ["refs/heads/a"]) == sorted(
         [str(common / "refs" / "dispatchd" / "displaced" / "20261130T000000" / "refs" / "sub" / ours),
          str(common / "refs" / "heads" / ours)])
@@ -191,6 +195,7 @@ def test_a_start_removes_a_ref_lock_a_killed_end_left_with_its_second_name(tmp_p
     (heads / _T("other", "fedcba9876543210")).write_text(head + "\n")
     os.link(heads / _T("other", "fedcba9876543210"), heads / "other.extra")
     (heads / "other.lock").write_text(head + "\n")  # a file of its own, not the pair's second name
+    adopt(heads)  # the killed end's: written down in its journal
     os.close(next(iter(dead._domains.values())).lock_fd)
     baselines.Baselines(str(tmp_path / "state")).recover()
     assert not (heads / "side.lock").exists() and not (heads / _T("side", "0123456789abcdef")).exists()

@@ -40,7 +40,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from dispatchd.daemon.gitguard import fs, reftemp
+from dispatchd.daemon.gitguard import fs, ournames, reftemp
 
 __all__ = ["Act", "Lock", "Policy", "Refused", "choose", "temporary"]
 
@@ -181,6 +181,7 @@ class Lock:
                     os.unlink(self.lock_leaf, dir_fd=self.dir_fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.temp, dir_fd=self.dir_fd)
+                ournames.forget(self.ident)
         finally:
             self.close()
 
@@ -204,7 +205,9 @@ def temporary(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *, l
             reftemp.write_whole(fd, data, mode)
         return Lock(dir_fd, leaf, temp, fd)
     except BaseException:
+        st = os.fstat(fd)
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(temp, dir_fd=dir_fd)
+            ournames.forget((st.st_dev, st.st_ino))
         raise

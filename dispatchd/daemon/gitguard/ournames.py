@@ -1,79 +1,54 @@
-"""The names of the daemon's own temporaries beside git's files, which only
-a daemon of this state directory can make, and so tell apart.
+"""The daemon's own temporaries beside git's files, and how it tells them
+(and a killed daemon's) from anyone else's files.
 
 A ref or a kept file is written through a temporary of ours
 (``NAME.dispatchd-<16 hex>.lock``, ``reftemp``), which a lock of git's
 shares as its second name while it is taken (``lockfile``): a lock found
 with two names was a killed daemon's, taken over, swept at the start, and
-not named as one left by a session. A link is no proof: a session (or any
-process of the user's) can give a lock of the user's running git a second
-name of that shape (``ln .git/index.lock .git/index.dispatchd-0123456789abcdef.lock``),
-and the start's sweep then removed the lock of a ``git commit`` whose
-editor was open. So the 16 hex are 8 random ones and 8 of an HMAC of the
-file's name and those, under a key kept in the state directory (0600; no
-session reads it: it is outside every sandbox's paths):
+not named as one left by a session. Neither a link nor a name is proof: a
+session can give a lock of the user's running git a second name of that
+shape (``ln .git/index.lock .git/index.dispatchd-0123456789abcdef.lock``),
+or one it saw a daemon use (an inotify watch on ``refs/heads`` while a
+restore wrote there), and the start's sweep then removed the lock of a
+``git commit`` whose editor was open. So every temporary the daemon makes is
+written down, with its device, inode and path, in a journal of the state
+directory (``STATE/temporaries/run-*.log``; no session reaches it):
 
-- ``make(path)``: a new temporary name beside ``path``;
-- ``ours(name)``: the name of the file it is a temporary of (``main`` for
-  ``main.dispatchd-....lock``), only when its tag is right; else None;
-- ``use(state_dir)``: the key of that state directory, made once and read
-  at every start (a killed daemon's leftovers are recognised by the next);
-  until it is called (a tool of the test suite), a key of the process's own.
-
-A leftover of a daemon of another state directory, or of one before these
-names, is not recognised: left as the user's (and named by the last end).
+- ``note`` (before the temporary can get a second name) and ``forget``
+  (once its name is gone: removed, or renamed over the file it wrote);
+  a plain append, no fsync: a daemon's death loses nothing written (the
+  page cache outlives it), and a machine's crash at worst leaves a leftover
+  unrecognised, which is then left as the user's (and named by the end);
+- ``ours(name, st)``: whether the file ``name`` (a leaf), of ``st``'s
+  device and inode, is a temporary of this daemon's or of a killed one's;
+- ``use(state_dir)``: at the start, the journals of daemons that are gone
+  (their flock free) read, the entries whose file is still there at its
+  path with its inode kept (written into this run's journal), the rest and
+  the old journals dropped; this run's journal flocked for its life.
+  Until it is called (a tool of the test suite), this process's own
+  temporaries alone are its.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import fcntl
 import os
 import re
 import secrets
+import threading
 
-_SHAPE = re.compile(r"(.+)\.dispatchd-([0-9a-f]{8})([0-9a-f]{8})\.lock")
-_KEY_FILE = "temporaries.key"
-_key = secrets.token_bytes(32)
+_SHAPE = re.compile(r"(.+)\.dispatchd-[0-9a-f]{16}\.lock")
+_JOURNALS = "temporaries"
+_MAX_JOURNAL = 16 << 20  # a dead run's journal read at most this far (a run writes ~100 bytes a temporary)
 
-
-def use(state_dir: str) -> None:
-    """The key of ``state_dir`` (made there if none is), from now on."""
-    global _key
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(state_dir, _KEY_FILE)
-    try:
-        with open(path, "rb") as f:
-            key = f.read(64)
-    except FileNotFoundError:
-        key = b""
-    if len(key) != 32:
-        key = secrets.token_bytes(32)
-        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, key)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)  # never over one another daemon of the directory made meanwhile
-        except FileExistsError:
-            os.unlink(tmp)
-            use(state_dir)
-            return
-        os.unlink(tmp)
-    _key = key
-
-
-def _tag(leaf: str, nonce: str) -> str:
-    return hmac.new(_key, f"{leaf}\0{nonce}".encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()[:8]
+_lock = threading.Lock()
+_known: dict[tuple[int, int], str] = {}  # (device, inode) -> the temporary's leaf: this run's and dead runs'
+_journal = -1  # this run's journal, appended to (-1: none, outside a daemon)
 
 
 def make(path: str) -> str:
-    """A temporary name beside ``path`` for writing it."""
-    nonce = secrets.token_hex(4)
-    return f"{path}.dispatchd-{nonce}{_tag(os.path.basename(path), nonce)}.lock"
+    """A temporary name beside ``path`` for writing it (nobody can guess it)."""
+    return f"{path}.dispatchd-{secrets.token_hex(8)}.lock"
 
 
 def shaped(name: str) -> str | None:
@@ -82,10 +57,97 @@ def shaped(name: str) -> str | None:
     return m.group(1) if m else None
 
 
-def ours(name: str) -> str | None:
-    """The file ``name`` (a leaf) is a temporary of, when a daemon of this
-    state directory made it; None otherwise."""
-    m = _SHAPE.fullmatch(name)
-    if m is None or not hmac.compare_digest(m.group(3), _tag(m.group(1), m.group(2))):
-        return None
-    return m.group(1)
+def note(dir_fd: int, leaf: str, st: os.stat_result) -> None:
+    """The temporary ``leaf`` just made in ``dir_fd`` (``st``: its ``fstat``) written down as ours."""
+    key = (st.st_dev, st.st_ino)
+    with _lock:
+        _known[key] = leaf
+        if _journal >= 0:
+            try:
+                where = os.readlink(f"/proc/self/fd/{dir_fd}")
+            except OSError:
+                where = ""
+            _append(f"+ {key[0]} {key[1]} {os.fsencode(os.path.join(where, leaf)).hex()}\n")
+
+
+def forget(key: tuple[int, int]) -> None:
+    """The temporary of ``key`` (device, inode) is gone by that name (removed,
+    or renamed over what it wrote): its inode, once free, may be anyone's."""
+    with _lock:
+        if _known.pop(key, None) is not None and _journal >= 0:
+            _append(f"- {key[0]} {key[1]}\n")
+
+
+def ours(name: str, st: os.stat_result) -> bool:
+    """Whether ``name`` (a leaf, of ``st``) is a temporary this daemon or a killed one made."""
+    with _lock:
+        return _known.get((st.st_dev, st.st_ino)) == name
+
+
+def _append(line: str) -> None:
+    try:
+        os.write(_journal, line.encode("ascii"))
+    except OSError:
+        pass  # a full disk: the temporary is still known to this run; a leftover of it is left as the user's
+
+
+def use(state_dir: str) -> None:
+    """This run's journal in ``state_dir``, the killed runs' leftovers taken
+    from theirs (see the module). Raises OSError where the directory cannot
+    be written."""
+    global _journal
+    where = os.path.join(state_dir, _JOURNALS)
+    os.makedirs(where, mode=0o700, exist_ok=True)
+    dead: dict[tuple[int, int], tuple[str, str]] = {}  # (device, inode) -> (leaf, path)
+    gone: list[str] = []
+    for name in sorted(os.listdir(where)):
+        if not name.endswith(".log"):
+            continue
+        try:
+            fd = os.open(os.path.join(where, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live daemon's (another on this state directory)
+            _replay(os.read(fd, _MAX_JOURNAL), dead)
+            gone.append(name)
+        finally:
+            os.close(fd)
+    journal = os.open(os.path.join(where, f"run-{os.getpid()}-{secrets.token_hex(4)}.log"),
+                      os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(journal, fcntl.LOCK_EX)  # held for this run's life: its journal is no dead run's
+    with _lock:
+        if _journal >= 0:
+            os.close(_journal)
+        _journal = journal
+        for key, (leaf, path) in dead.items():
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == key:  # still there, the very file: a leftover of ours
+                _known[key] = leaf
+                _append(f"+ {key[0]} {key[1]} {os.fsencode(path).hex()}\n")
+    for name in gone:
+        try:
+            os.unlink(os.path.join(where, name))
+        except OSError:
+            pass
+
+
+def _replay(data: bytes, into: dict[tuple[int, int], tuple[str, str]]) -> None:
+    """A journal's lines, in order, into ``into``: each ``+`` adds, each ``-`` removes."""
+    for line in data.decode("ascii", "replace").splitlines():
+        parts = line.split(" ")
+        try:
+            key = (int(parts[1]), int(parts[2]))
+            if parts[0] == "+" and len(parts) == 4:
+                path = os.fsdecode(bytes.fromhex(parts[3]))
+                into[key] = (os.path.basename(path), path)
+            elif parts[0] == "-":
+                into.pop(key, None)
+        except (IndexError, ValueError):
+            continue  # a line cut by the death: its temporary is left as the user's

@@ -102,8 +102,8 @@ def keep_displaced(common: str, when: str, name: str, value: str, store: objects
 
 
 def temp_name(path: str) -> str:
-    """A temporary name beside ``path`` for writing it, which only a daemon
-    of this state directory can make (``ournames``)."""
+    """A temporary name beside ``path`` for writing it (``ournames``: one
+    made by ``open_temp`` is written down as the daemon's)."""
     return ournames.make(path)
 
 
@@ -123,9 +123,9 @@ def second_name_ours(dir_fd: int, leaf: str, st: os.stat_result) -> bool:
         with os.scandir(listing) as scan:
             names = [e.name for e in scan if e.name.startswith(f"{base}.dispatchd-")]
         for name in names:
-            if ournames.ours(name) == base:
+            if ournames.shaped(name) == base:
                 got = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                if (got.st_dev, got.st_ino) == (st.st_dev, st.st_ino):
+                if (got.st_dev, got.st_ino) == (st.st_dev, st.st_ino) and ournames.ours(name, got):
                     return not flocks.held_at(dir_fd, name)  # a live daemon's holds its flock
     except OSError:
         return False
@@ -180,11 +180,14 @@ def write_at(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> No
     read-only is given its owner's rights, and left so (the user's, so ours;
     as ``fs.move_aside`` does)."""
     tmp = write_temp(dir_fd, leaf, data, mode)
+    st = os.stat(tmp, dir_fd=dir_fd, follow_symlinks=False)
     try:
         os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError:
         os.unlink(tmp, dir_fd=dir_fd)
+        ournames.forget((st.st_dev, st.st_ino))
         raise
+    ournames.forget((st.st_dev, st.st_ino))  # its name gone: the inode is the file it wrote now
 
 
 def write_whole(fd: int, data: bytes, mode: int | None = None) -> None:
@@ -208,7 +211,7 @@ def open_temp(dir_fd: int, leaf: str, flags: int, mode: int, *, lend: bool = Tru
         # A name of our own, made here (write_ref says why).
         tmp = os.path.basename(temp_name(leaf))
         try:
-            return tmp, os.open(tmp, flags, mode, dir_fd=dir_fd)
+            fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
         except FileExistsError:
             continue
         except PermissionError:
@@ -216,6 +219,9 @@ def open_temp(dir_fd: int, leaf: str, flags: int, mode: int, *, lend: bool = Tru
                 raise
             fs.lend(dir_fd)
             lent = True
+            continue
+        ournames.note(dir_fd, tmp, os.fstat(fd))  # before it can get a second name (ournames says why)
+        return tmp, fd
 
 
 def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> str:
@@ -226,8 +232,10 @@ def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> 
     try:
         write_whole(out, data, mode)
     except BaseException:
+        st = os.fstat(out)
         os.close(out)
         os.unlink(tmp, dir_fd=dir_fd)
+        ournames.forget((st.st_dev, st.st_ino))
         raise
     os.close(out)
     return tmp
@@ -310,14 +318,15 @@ def sweep_names(dir_fd: int, path: str, names: Iterable[str], leaves: set[str] |
     is a second name of one; returns the paths removed."""
     removed: list[str] = []
     for name in names:
-        of = ournames.ours(name)  # the shape alone is anyone's to give a file (a link to the user's live lock)
+        of = ournames.shaped(name)
         if of is None or (leaves is not None and of not in leaves):
             continue
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode):
+        # The shape alone is anyone's to give a file (a link to the user's live lock): ours only if written down.
+        if not stat.S_ISREG(st.st_mode) or not ournames.ours(name, st):
             continue
         probe = _hold(dir_fd, name, st)
         if probe is None:
@@ -333,6 +342,7 @@ def sweep_names(dir_fd: int, path: str, names: Iterable[str], leaves: set[str] |
                 os.unlink(lock, dir_fd=dir_fd)  # first: once the temporary name is gone, nothing says it is ours
                 removed.append(os.path.join(path, lock))
             os.unlink(name, dir_fd=dir_fd)
+            ournames.forget((st.st_dev, st.st_ino))
             removed.append(os.path.join(path, name))
         except OSError:
             continue
