@@ -267,3 +267,40 @@ def test_a_cut_reflog_whose_copy_is_gone_is_said_not_failed(tmp_path: Path) -> N
     assert failed == [] and said[-1] == ("logs", "1 reflogs cut by a session not put back: their copies kept at "
                                                   "the baseline are gone (a crash of the machine before they "
                                                   "were written?): logs/HEAD"), said
+
+
+def test_a_reflog_grown_past_the_bound_is_taken_for_cut_and_within_it_left(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session appended 17 MiB of lines to ``logs/HEAD``: it still began
+    with the kept bytes, so the end left it, and the next baseline, past the
+    bound, kept it no more; a second session's ``reflog expire`` then took
+    the user's lines for good. Grown past the bound, it is moved out and the
+    kept lines written back. The twin: a reflog only appended to within the
+    bound (a commit) is left, the same file."""
+    monkeypatch.setattr(reflogs, "MAX_FILE", 4096)
+    repo, _ = _repo(tmp_path)
+    head = _reflog(repo)
+    kept = _record(tmp_path, repo)
+    log = repo / ".git" / "logs" / "HEAD"
+    line = log.read_bytes().splitlines(keepends=True)[-1]
+    with open(log, "ab") as f:
+        f.write(line)  # within the bound: as a commit appends
+    inode = log.stat().st_ino
+    assert _end(kept) == ([], []) and log.stat().st_ino == inode
+    with open(log, "ab") as f:
+        f.write(line * (4096 // len(line) + 1))
+    said, failed = _end(kept)
+    assert not failed and _reflog(repo) == head, said
+    assert [n for n in os.listdir(repo / ".git") if n.startswith("reflog-HEAD.quarantined-by-dispatchd-")]
+
+
+def test_empty_reflogs_count_for_no_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's 2,000 empty reflogs of no ref, named to sort before the
+    user's branches, pushed ``main``'s out of the next baseline's bound. The
+    twin: non-empty ones still count (the bound's own test, above)."""
+    monkeypatch.setattr(reflogs, "MAX_FILES", 3)
+    repo, _ = _repo(tmp_path)
+    for i in range(5):
+        (repo / ".git" / "logs" / "refs" / "heads" / f"a{i}").write_text("")
+    kept = _record(tmp_path, repo)
+    assert kept.note == "" and "logs/refs/heads/main" in kept.reflogs.logs  # type: ignore[union-attr]

@@ -126,8 +126,8 @@ def _walk(top: int, note: list[str]) -> Iterator[tuple[str, int, str, os.stat_re
                 if name == STASH or e.name.endswith(".lock"):
                     continue  # stashlog's; a lock (git's, or ours left by a killed daemon)
                 st = e.stat(follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode):
-                    continue
+                if not stat.S_ISREG(st.st_mode) or not st.st_size:
+                    continue  # an empty one has no line to keep, and counts for no bound (2,000 planted)
                 files += 1
                 if files > MAX_FILES:
                     note.append(f"reflogs past {MAX_FILES} not kept (from {name} on)")

@@ -82,6 +82,8 @@ def _intact(common: str, rel: str, log: reflogs.Log) -> bool:
         return False
     if stat.S_ISREG(st.st_mode) and (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == log.st:
         return True
+    if st.st_size > reflogs.MAX_FILE:
+        return False  # grown past the bound: the next baseline would keep it no more (a session's 17 MB)
     kind, data = _current(common, rel, log.size)
     return kind == "file" and len(data) == log.size and reflogs.digest(data) == log.digest
 
@@ -122,9 +124,9 @@ def _put_one(common: str, rel: str, log: reflogs.Log, data: bytes) -> tuple[int,
     leaf = os.path.basename(rel)
     with reflock.held(common, reflogs.refname(rel)):  # no git writes the ref, nor so its log, meanwhile
         kind, now = _current(common, rel, reflogs.MAX_FILE + 1)
-        if kind == "file" and now[:log.size] == data:
+        big = kind == "file" and len(now) > reflogs.MAX_FILE  # moved out, the kept lines alone written back
+        if kind == "file" and now[:log.size] == data and not big:
             return None
-        big = kind == "file" and len(now) > reflogs.MAX_FILE
         path = reftemp.make_room(common, rel)  # its directories; a file or symlink in the way of one moved aside
         parent = fs.parent_at(os.path.dirname(path))
         try:
