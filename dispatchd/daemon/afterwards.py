@@ -62,12 +62,21 @@ def _run() -> None:
 
 
 def later(job: Callable[[], None]) -> None:
-    """Run ``job`` on the thread, after those given before it."""
+    """Run ``job`` on the thread, after those given before it; where the
+    thread cannot be started (the user's process limit reached: "can't
+    start new thread"), at once, here: a clean-up skipped for it left an
+    open's claim on a worktree, its scratch and its record behind until a
+    restart."""
     global _started
     if not _started:
         with _start_lock:
             if not _started:
-                threading.Thread(target=_run, daemon=True, name="afterwards").start()
+                try:
+                    threading.Thread(target=_run, daemon=True, name="afterwards").start()
+                except RuntimeError as exc:
+                    log.warning("event=afterwards_inline why=%r", str(exc))
+                    job()
+                    return
                 _started = True
     _jobs.put(job)
 

@@ -86,3 +86,23 @@ def test_fsync_dir_of_a_missing_directory_is_logged(tmp_path: Path, caplog: pyte
         afterwards.fsync_dir(str(tmp_path / "gone"))
         assert afterwards.drain(10)
     assert "event=afterwards_failed error=FileNotFoundError(2, 'No such file or directory')" in caplog.text
+
+
+def test_a_job_given_where_no_thread_can_start_runs_at_once(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The user's process limit reached: the thread's start raised, and the
+    clean-up that gave the job (a failed open's) skipped every later step,
+    its claim on the worktree left until a restart. The job runs at once
+    now; the twin: with a thread, it runs on it (the tests above)."""
+    monkeypatch.setattr(afterwards, "_started", False)
+
+    class NoThread(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(afterwards.threading, "Thread", NoThread)
+    ran: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="dispatchd"):
+        afterwards.later(lambda: ran.append("here"))
+    assert ran == ["here"] and not afterwards._started
+    assert "event=afterwards_inline why=\"can't start new thread\"" in caplog.text
