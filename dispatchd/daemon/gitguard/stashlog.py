@@ -66,14 +66,10 @@ def _read(common: str, limit: int) -> bytes | None:
             raise Unkept(f"{LOG} is not a regular file")
         if st.st_size > limit:
             raise Unkept(f"{LOG} is larger than {limit >> 20} MiB")
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise Unkept(f"{LOG} is larger than {limit >> 20} MiB")
-        return b"".join(chunks)
+        data = fs.read_all(fd, limit + 1)  # grown while read: one byte over says so
+        if len(data) > limit:
+            raise Unkept(f"{LOG} is larger than {limit >> 20} MiB")
+        return data
     except OSError as exc:
         raise Unkept(f"{LOG}: {exc.strerror}") from None
     finally:
