@@ -68,16 +68,22 @@ def later(job: Callable[[], None]) -> None:
     open's claim on a worktree, its scratch and its record behind until a
     restart."""
     global _started
+    inline = ""
     if not _started:
         with _start_lock:
             if not _started:
                 try:
                     threading.Thread(target=_run, daemon=True, name="afterwards").start()
+                    _started = True
                 except RuntimeError as exc:
-                    log.warning("event=afterwards_inline why=%r", str(exc))
-                    job()
-                    return
-                _started = True
+                    inline = str(exc)
+    if inline:  # the lock let go first: the job may give one of its own (run inline too)
+        log.warning("event=afterwards_inline why=%r", inline)
+        try:
+            job()
+        except Exception as exc:  # noqa: BLE001 - logged as on the thread; the caller's clean-up goes on
+            log.error("event=afterwards_failed error=%r", exc)
+        return
     _jobs.put(job)
 
 

@@ -106,3 +106,26 @@ def test_a_job_given_where_no_thread_can_start_runs_at_once(monkeypatch: pytest.
         afterwards.later(lambda: ran.append("here"))
     assert ran == ["here"] and not afterwards._started
     assert "event=afterwards_inline why=\"can't start new thread\"" in caplog.text
+
+
+def test_an_inline_job_that_fails_or_gives_another_is_logged_and_runs_it(monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Inline, a failing job's exception reached the caller (a close's
+    clean-up), and a job giving one of its own waited on the start's lock
+    for good. The twin: on the thread, the same jobs (the tests above)."""
+    monkeypatch.setattr(afterwards, "_started", False)
+
+    class NoThread(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(afterwards.threading, "Thread", NoThread)
+    ran: list[str] = []
+
+    def gives_another() -> None:
+        afterwards.later(lambda: ran.append("inner"))
+        raise ValueError("the job's own failure")
+
+    with caplog.at_level(logging.WARNING, logger="dispatchd"):
+        afterwards.later(gives_another)
+    assert ran == ["inner"] and "event=afterwards_failed error=ValueError(\"the job's own failure\")" in caplog.text

@@ -127,3 +127,45 @@ def test_a_lock_left_by_a_session_and_given_a_second_name_is_still_named(tmp_pat
     (repo / "new.txt").write_text("new\n")
     add = subprocess.run(["git", "add", "new.txt"], cwd=repo, capture_output=True, text=True)
     assert add.returncode == 128 and "index.lock': File exists" in add.stderr  # it blocks: the start sweeps it
+
+
+def test_a_temporary_removed_by_another_is_forgotten_when_we_let_it_go(tmp_path: Path) -> None:
+    """Our temporary unlinked by someone else (a take then refused, the lock
+    released): it stayed written down, and its inode, freed, could be the
+    user's next lock's, which a session linked to the remembered name. The
+    twin: a temporary still in use is ours."""
+    common = tmp_path / "git"
+    common.mkdir()
+    fd = os.open(common, os.O_PATH | os.O_DIRECTORY)
+    try:
+        lock = lockfile.temporary(fd, "packed-refs", b"ours\n")
+        st = os.lstat(common / lock.temp)
+        assert ournames.ours(lock.temp, st)
+        os.unlink(common / lock.temp)  # someone else's deed
+        lock.release()
+        assert not ournames.ours(lock.temp, st)
+    finally:
+        os.close(fd)
+
+
+def test_the_journal_starts_again_once_nothing_of_ours_is_left(tmp_path: Path) -> None:
+    """Every close appended lines (776 KB a close in a loop of them) until a
+    restart: the journal is emptied whenever no temporary of ours is left.
+    The twin: while one is, its line is there."""
+    common = tmp_path / "git"
+    common.mkdir()
+    ournames._known.clear()
+    ournames.use(str(tmp_path / "state"))
+    (journal,) = (tmp_path / "state" / "temporaries").iterdir()
+    fd = os.open(common, os.O_PATH | os.O_DIRECTORY)
+    try:
+        for _ in range(3):
+            reftemp.write_at(fd, "main", b"x\n")
+        lock = lockfile.temporary(fd, "side", b"y\n")
+        assert journal.read_text().count("+ ") == 1  # the one in use; those written and renamed: gone
+        lock.release()
+        assert journal.read_text() == ""
+    finally:
+        os.close(fd)
+        os.close(ournames._journal)
+        ournames._journal = -1

@@ -304,3 +304,23 @@ def test_empty_reflogs_count_for_no_bound(tmp_path: Path, monkeypatch: pytest.Mo
         (repo / ".git" / "logs" / "refs" / "heads" / f"a{i}").write_text("")
     kept = _record(tmp_path, repo)
     assert kept.note == "" and "logs/refs/heads/main" in kept.reflogs.logs  # type: ignore[union-attr]
+
+
+def test_reflogs_of_no_ref_count_for_no_bound_and_the_checked_out_branch_s_come_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's one-byte files in ``logs/`` (``0000`` ... sorting before
+    ``HEAD``), and real branches of its own sorting before ``main``, took the
+    bound's places: the next baseline kept neither ``HEAD``'s nor ``main``'s,
+    and a second session's ``reflog expire`` took them for good. Reflogs of no
+    ref are not kept now, and ``HEAD``'s and the checked-out branch's come
+    first; the twin: the planted branches' own reflogs are kept after them."""
+    monkeypatch.setattr(reflogs, "MAX_FILES", 3)
+    repo, _ = _repo(tmp_path)
+    for i in range(5):
+        (repo / ".git" / "logs" / f"{i:04}").write_text("x")
+        git(repo, "branch", f"a{i}")  # refs/heads/a0.. with reflogs, before main
+    kept = _record(tmp_path, repo)
+    logs = set(kept.reflogs.logs)  # type: ignore[union-attr]
+    assert {"logs/HEAD", "logs/refs/heads/main", "logs/refs/heads/a0"} == logs, logs
+    assert not any(name.startswith("logs/000") for name in logs)
+    assert kept.note == "reflogs past 3 not kept (from logs/refs/heads/a1 on)", kept.note

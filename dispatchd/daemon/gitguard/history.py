@@ -209,11 +209,12 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     ``held``: the pack files the session holds read-only (``layouts.held_packs``;
     None: all of them); the others are kept as copies of their own."""
     refs = refsback.read_refs(common)
+    head = refvalues.read_text(os.path.join(common, "HEAD")) or ""  # a branch not UTF-8 named whole
     stashes, unkept = stashlog.read(common)
-    logs, unlogged = reflogs.record(common, keep)
+    checked_out = [f"logs/{head.strip()[5:]}"] if head.startswith("ref: ") else []  # its reflog kept first
+    logs, unlogged = reflogs.record(common, keep, refs, checked_out)
     unkept = "; ".join(filter(None, [unkept, unlogged]))
     replacing = replacerefs.read(common)
-    head = refvalues.read_text(os.path.join(common, "HEAD")) or ""  # a branch not UTF-8 named whole
     objects = os.path.join(common, "objects")
     note = ""
     stamped_ns = time.time_ns()  # before the look: what changes during it counts as racy

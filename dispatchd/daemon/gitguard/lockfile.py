@@ -179,9 +179,11 @@ class Lock:
             with contextlib.suppress(FileNotFoundError):
                 if self.mine():
                     os.unlink(self.lock_leaf, dir_fd=self.dir_fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.temp, dir_fd=self.dir_fd)
-                ournames.forget(self.ident)
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.temp, dir_fd=self.dir_fd)
+            finally:
+                ournames.forget(self.ident)  # whoever removed it: its inode may be anyone's next
         finally:
             self.close()
 
@@ -207,7 +209,7 @@ def temporary(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *, l
     except BaseException:
         st = os.fstat(fd)
         os.close(fd)
+        ournames.forget((st.st_dev, st.st_ino))
         with contextlib.suppress(OSError):
             os.unlink(temp, dir_fd=dir_fd)
-            ournames.forget((st.st_dev, st.st_ino))
         raise

@@ -75,7 +75,13 @@ def forget(key: tuple[int, int]) -> None:
     or renamed over what it wrote): its inode, once free, may be anyone's."""
     with _lock:
         if _known.pop(key, None) is not None and _journal >= 0:
-            _append(f"- {key[0]} {key[1]}\n")
+            if _known:
+                _append(f"- {key[0]} {key[1]}\n")
+            else:  # nothing of ours left: the journal starts again (a loop of closes grew it 776 KB each)
+                try:
+                    os.ftruncate(_journal, 0)
+                except OSError:
+                    _append(f"- {key[0]} {key[1]}\n")
 
 
 def ours(name: str, st: os.stat_result) -> bool:

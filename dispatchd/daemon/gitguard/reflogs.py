@@ -41,7 +41,7 @@ import secrets
 import stat
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import msgspec
 
@@ -89,7 +89,17 @@ def refname(rel: str) -> str:
     return head + tail
 
 
-def _walk(top: int, note: list[str]) -> Iterator[tuple[str, int, str, os.stat_result]]:
+def _wanted(rel: str, refs: Collection[str] | None) -> bool:
+    """A reflog worth keeping: ``HEAD``'s (the common directory's, a linked
+    worktree's), or one of a ref that exists (``refs``; None: any). A
+    session's files of no ref (2,000 of one byte, named to sort first) took
+    the bound's places from the user's own."""
+    return refs is None or rel == "logs/HEAD" or (rel.startswith("worktrees/") and rel.endswith("/logs/HEAD")) \
+        or refname(rel) in refs
+
+
+def _walk(top: int, note: list[str], refs: Collection[str] | None = None,
+          first: Collection[str] = ()) -> Iterator[tuple[str, int, str, os.stat_result]]:
     """Each reflog below the common directory ``top``: ``(REL, its
     directory's descriptor, its name, its lstat)``, breadth first (``HEAD``,
     then ``refs/heads`` before the other kinds of ref), each directory
@@ -116,15 +126,17 @@ def _walk(top: int, note: list[str]) -> Iterator[tuple[str, int, str, os.stat_re
             continue
         try:
             with os.scandir(fd) as scan:
-                entries = sorted(scan, key=lambda e: (e.name != "heads", e.name))
+                # HEAD's and the checked-out branch's first (``first``), then refs/heads before the rest.
+                entries = sorted(scan, key=lambda e: (f"{rel}/{e.name}" not in first and e.name != "HEAD",
+                                                      e.name != "heads", e.name))
             below = []
             for e in entries:
                 name = f"{rel}/{e.name}"
                 if e.is_dir(follow_symlinks=False):
                     below.append(name)
                     continue
-                if name == STASH or e.name.endswith(".lock"):
-                    continue  # stashlog's; a lock (git's, or ours left by a killed daemon)
+                if name == STASH or e.name.endswith(".lock") or not _wanted(name, refs):
+                    continue  # stashlog's; a lock (git's, or ours left by a killed daemon); of no ref
                 st = e.stat(follow_symlinks=False)
                 if not stat.S_ISREG(st.st_mode) or not st.st_size:
                     continue  # an empty one has no line to keep, and counts for no bound (2,000 planted)
@@ -158,8 +170,12 @@ def _read(dir_fd: int, name: str) -> tuple[bytes, os.stat_result] | None:
         os.close(fd)
 
 
-def record(common: str, keep: str) -> tuple[Kept | None, str]:
-    """The reflogs kept in ``keep`` (see the module), and what is not (or "")."""
+def record(common: str, keep: str, refs: Collection[str] | None = None,
+           first: Collection[str] = ()) -> tuple[Kept | None, str]:
+    """The reflogs kept in ``keep`` (see the module), and what is not (or
+    ""). ``refs``: the refs there are (a reflog of none is not kept, nor
+    counted); ``first``: reflogs kept before the others (the checked-out
+    branch's)."""
     note: list[str] = []
     try:
         top = os.open(common, _DIR)
@@ -172,7 +188,7 @@ def record(common: str, keep: str) -> tuple[Kept | None, str]:
             copies = _Copies(keep, common)
             fresh: dict[str, Log] = {}  # what this record keeps, and the index it leaves
             total = 0
-            for rel, dir_fd, name, st in _walk(top, note):
+            for rel, dir_fd, name, st in _walk(top, note, refs, first):
                 if st.st_size == 0:
                     continue  # nothing to lose
                 if st.st_size > MAX_FILE or total + st.st_size > MAX_BYTES:

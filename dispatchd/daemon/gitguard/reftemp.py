@@ -27,6 +27,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -184,8 +185,9 @@ def write_at(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> No
     try:
         os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError:
-        os.unlink(tmp, dir_fd=dir_fd)
         ournames.forget((st.st_dev, st.st_ino))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
     ournames.forget((st.st_dev, st.st_ino))  # its name gone: the inode is the file it wrote now
 
@@ -234,8 +236,9 @@ def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> 
     except BaseException:
         st = os.fstat(out)
         os.close(out)
-        os.unlink(tmp, dir_fd=dir_fd)
         ournames.forget((st.st_dev, st.st_ino))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.close(out)
     return tmp
