@@ -88,12 +88,8 @@ def test_fsync_dir_of_a_missing_directory_is_logged(tmp_path: Path, caplog: pyte
     assert "event=afterwards_failed error=FileNotFoundError(2, 'No such file or directory')" in caplog.text
 
 
-def test_a_job_given_where_no_thread_can_start_runs_at_once(monkeypatch: pytest.MonkeyPatch,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
-    """The user's process limit reached: the thread's start raised, and the
-    clean-up that gave the job (a failed open's) skipped every later step,
-    its claim on the worktree left until a restart. The job runs at once
-    now; the twin: with a thread, it runs on it (the tests above)."""
+def _no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread can start (the user's process limit reached), the afterwards thread not started yet."""
     monkeypatch.setattr(afterwards, "_started", False)
 
     class NoThread(threading.Thread):
@@ -101,6 +97,15 @@ def test_a_job_given_where_no_thread_can_start_runs_at_once(monkeypatch: pytest.
             raise RuntimeError("can't start new thread")
 
     monkeypatch.setattr(afterwards.threading, "Thread", NoThread)
+
+
+def test_a_job_given_where_no_thread_can_start_runs_at_once(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The user's process limit reached: the thread's start raised, and the
+    clean-up that gave the job (a failed open's) skipped every later step,
+    its claim on the worktree left until a restart. The job runs at once
+    now; the twin: with a thread, it runs on it (the tests above)."""
+    _no_thread(monkeypatch)
     ran: list[str] = []
     with caplog.at_level(logging.WARNING, logger="dispatchd"):
         afterwards.later(lambda: ran.append("here"))
@@ -113,13 +118,7 @@ def test_an_inline_job_that_fails_or_gives_another_is_logged_and_runs_it(monkeyp
     """Inline, a failing job's exception reached the caller (a close's
     clean-up), and a job giving one of its own waited on the start's lock
     for good. The twin: on the thread, the same jobs (the tests above)."""
-    monkeypatch.setattr(afterwards, "_started", False)
-
-    class NoThread(threading.Thread):
-        def start(self) -> None:
-            raise RuntimeError("can't start new thread")
-
-    monkeypatch.setattr(afterwards.threading, "Thread", NoThread)
+    _no_thread(monkeypatch)
     ran: list[str] = []
 
     def gives_another() -> None:
