@@ -6,13 +6,15 @@ gets afterwards: a pool can make an open faster, never different.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -33,8 +35,16 @@ def pooled(tmp_path: Path) -> Iterator[Daemon]:
 
 
 def _stacks(d: Daemon) -> list[psutil.Process]:
-    fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
-    return [p for p in fork_server.children() if p.name().startswith(("pass", "slirp4netns"))]  # either stack
+    """The network stacks the fork server runs; one that ends while looked at
+    (the closed session's, exiting) is not among them."""
+    def alive(get: Callable[[], Any]) -> Any:
+        try:
+            return get()
+        except psutil.NoSuchProcess:
+            return None
+    fork_server = [c for c in psutil.Process(d.proc.pid).children() if alive(c.children)][0]
+    return [p for p in fork_server.children()
+            if (alive(p.name) or "").startswith(("pass", "slirp4netns"))]  # either stack
 
 
 def _way_out(session: dispatch.Session) -> str:
@@ -59,7 +69,8 @@ def test_a_sandbox_whose_network_stack_died_while_waiting_is_not_given(pooled: D
         stacks = _stacks(pooled)
         assert len(stacks) >= 2, pooled.log()[-2000:]
         for p in stacks:  # those of the sandboxes waiting (the session above is closed)
-            p.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):  # the closed session's, ending meanwhile
+                p.kill()
         psutil.wait_procs(stacks, timeout=5)
         with client.open_session(str(worktree), network="on") as s:
             assert _way_out(s) == "eth0 lo default-route", (s.status()["protections"].get("made_ahead"),
