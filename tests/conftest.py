@@ -79,6 +79,21 @@ def _run_base(tmp_path_factory: pytest.TempPathFactory) -> None:
 # (tests/unit/test_parallel.py).
 
 
+def fork_server_of(pid: int) -> Any:
+    """The fork server among the daemon ``pid``'s children (a ``psutil.Process``):
+    the one with children of its own. A short-lived child (an ``nft`` run) that
+    ends while looked at is passed over, not a test's failure."""
+    import psutil
+
+    for child in psutil.Process(pid).children():
+        try:
+            if child.children():
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"the daemon {pid} has no fork server with children")
+
+
 def deep_tree(top: Path, levels: int) -> None:
     """``levels`` nested directories ``d`` under ``top`` (by descriptor: no path is that long)."""
     fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, Daemon, _refuse_root, probe, wait_until
+from tests.conftest import REPO, Daemon, fork_server_of, probe, _refuse_root, wait_until
 from tests.listeners import Greeter
 
 # Run by a fresh interpreter: the attempts, each as "before" (unconfined, the
@@ -356,7 +356,7 @@ def test_the_running_stack_is_confined_and_filtered_twice(tmp_path: Path, worktr
             code = (f"import socket; s = socket.create_connection(('10.0.2.2', {greeter.port}), timeout=10); "
                     "print('connected', s.recv(16).decode())")
             assert probe(session, code) == "connected hello"
-            fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+            fork_server = fork_server_of(d.proc.pid)
             found: list[psutil.Process] = []
             assert wait_until(lambda: found.extend(c for c in fork_server.children() if c.name() == "slirp4netns")
                               or found), fork_server.children()

@@ -18,7 +18,7 @@ import pytest
 
 import dispatch
 from dispatchd.daemon import exits
-from tests.conftest import REPO, Daemon, processes_in, shell, wait_until
+from tests.conftest import REPO, Daemon, fork_server_of, processes_in, shell, wait_until
 
 POLICIES = {
     "brief": "description = 'orphans end after 1 s'\n[limits]\norphan_grace_s = 1\n",
@@ -416,7 +416,7 @@ def test_an_idle_session_is_one_process_the_tool_server_as_pid_1(tmp_path: Path,
             with d.connect() as client, client.open_session(str(worktree)) as session:
                 assert shell(session, "true").is_success
                 first = psutil.Process(d.worker_pid())
-                fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+                fork_server = fork_server_of(d.proc.pid)
                 assert first.ppid() == fork_server.pid
                 assert 1 + len(first.children(recursive=True)) == expected
                 if expected == 1:

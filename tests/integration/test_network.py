@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, probe, shell, wait_until
+from tests.conftest import Daemon, fork_server_of, probe, shell, wait_until
 from tests.listeners import Greeter, Served
 
 ECONNREFUSED, EPERM, EACCES, ENETUNREACH, EHOSTUNREACH = 111, 1, 13, 101, 113
@@ -379,7 +379,7 @@ def test_the_stack_is_the_fork_servers_child_and_dies_with_a_killed_daemon(tmp_p
     with d.connect() as client:
         session = client.open_session(str(worktree), network="on")
         assert probe(session, tcp_probe(tcp.port, HOST["full"])) == "connected hello"
-        fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+        fork_server = fork_server_of(d.proc.pid)
         # The session's stack, and those of the sandboxes made ahead for sessions like it.
         stacks = []
         for child in fork_server.children():

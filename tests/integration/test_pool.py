@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 import dispatch
-from tests.conftest import REPO, Daemon, _refuse_root, shell, wait_for_pool
+from tests.conftest import REPO, Daemon, fork_server_of, _refuse_root, shell, wait_for_pool
 
 
 def wait_ready(client: dispatch.Client, kind: str = "default/off", n: int = 2) -> None:
@@ -219,7 +219,7 @@ def test_sandboxes_made_ahead_end_with_the_daemon(tmp_path: Path, worktree: Path
             with client.open_session(str(worktree), network="on"):
                 pass
             wait_ready(client, "default/on", 1)
-            fork_server = [c for c in psutil.Process(d.proc.pid).children() if c.children()][0]
+            fork_server = fork_server_of(d.proc.pid)
             made = [psutil.Process(p) for p in made_pids(d) if psutil.pid_exists(p)]
             assert len(made) >= 3, d.log()
             everything = [fork_server, *fork_server.children(recursive=True)]

@@ -12,15 +12,14 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
 import dispatch
-from tests.conftest import REPO, Daemon, _refuse_root, shell, wait_for_pool
+from tests.conftest import REPO, Daemon, fork_server_of, _refuse_root, shell, wait_for_pool
 
 
 @pytest.fixture
@@ -37,14 +36,12 @@ def pooled(tmp_path: Path) -> Iterator[Daemon]:
 def _stacks(d: Daemon) -> list[psutil.Process]:
     """The network stacks the fork server runs; one that ends while looked at
     (the closed session's, exiting) is not among them."""
-    def alive(get: Callable[[], Any]) -> Any:
+    def name(p: psutil.Process) -> str:
         try:
-            return get()
+            return str(p.name())
         except psutil.NoSuchProcess:
-            return None
-    fork_server = [c for c in psutil.Process(d.proc.pid).children() if alive(c.children)][0]
-    return [p for p in fork_server.children()
-            if (alive(p.name) or "").startswith(("pass", "slirp4netns"))]  # either stack
+            return ""
+    return [p for p in fork_server_of(d.proc.pid).children() if name(p).startswith(("pass", "slirp4netns"))]
 
 
 def _way_out(session: dispatch.Session) -> str:
@@ -101,7 +98,7 @@ def _footprint(d: Daemon) -> tuple[int, int, list[str]]:
     """The daemon's descriptors, the fork server's children (sandboxes and
     stacks), and what is in its sessions directory."""
     proc = psutil.Process(d.proc.pid)
-    fork_server = [c for c in proc.children() if c.children()][0]
+    fork_server = fork_server_of(d.proc.pid)
     sessions = d.state / "dispatchd" / "sessions"
     return proc.num_fds(), len(fork_server.children()), sorted(os.listdir(sessions)) if sessions.exists() else []
 
