@@ -273,6 +273,20 @@ def lend_path(path: str) -> None:
 _rename = os.rename
 
 
+def move_to_top(common: str, parent: int, leaf: str, called: str) -> str:
+    """``leaf`` in the directory ``parent`` moved to the git directory
+    ``common``'s top as ``called`` with an aside name's ending: out of
+    ``refs/`` or ``logs/``, where git would read it as a ref or a reflog.
+    ``common`` opened as that very directory (``parent_at``). Returns its name there."""
+    top = parent_at(common)
+    try:
+        name = aside_name(called)
+        os.rename(leaf, name, src_dir_fd=parent, dst_dir_fd=top)
+        return name
+    finally:
+        os.close(top)
+
+
 def move_aside_at(dir_fd: int, name: str) -> str:
     """``move_aside`` relative to a directory descriptor."""
     return noroom.moved(lambda: _rename_aside_at(dir_fd, name), lambda: os.fstat(dir_fd).st_dev,

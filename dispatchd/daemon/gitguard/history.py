@@ -438,10 +438,11 @@ def restore(history: History, *, in_place: bool = True) -> tuple[list[tuple[str,
         failed += bad
     except Exception as exc:  # noqa: BLE001 - reported; the refs are still put back below
         failed.append(f"{common}: the check of the object indexes failed: {exc!r}")
+    there = objectstore.finder(objects, borrowed(history))  # whether a value to keep names an object
     moved, bad = refsback.put_back(common, history.refs, history.own, history.head, history.shadows,
-                                   borrowed(history))
+                                   borrowed(history), there)
     listed, unlisted = stashlog.put_back(common, history.stash_log, reftemp.stamp(), history.refs.get("refs/stash"),
-                                         objectstore.finder(objects, borrowed(history)))  # refs/stash back
+                                         there)  # once refs/stash is back
     logged, unlogged = reflogsback.put_back(common, history.reflogs)  # once their refs are back
     return (done + moved + listed + logged + leftlocks.said(common, history.stamped_ns),
             failed + bad + unlisted + unlogged)

@@ -207,9 +207,5 @@ def temporary(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *, l
             reftemp.write_whole(fd, data, mode)
         return Lock(dir_fd, leaf, temp, fd)
     except BaseException:
-        st = os.fstat(fd)
-        os.close(fd)
-        ournames.forget((st.st_dev, st.st_ino))
-        with contextlib.suppress(OSError):
-            os.unlink(temp, dir_fd=dir_fd)
+        reftemp.discard(dir_fd, temp, fd)
         raise

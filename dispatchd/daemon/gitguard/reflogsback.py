@@ -130,7 +130,7 @@ def _put_one(common: str, rel: str, log: reflogs.Log, data: bytes) -> tuple[int,
         path = reftemp.make_room(common, rel)  # its directories; a file or symlink in the way of one moved aside
         parent = fs.parent_at(os.path.dirname(path))
         try:
-            aside = [_move_out(common, parent, leaf)] if kind == "other" or big else []
+            aside = [fs.move_to_top(common, parent, leaf, f"reflog-{leaf}")] if kind == "other" or big else []
             _sweep(parent, os.path.dirname(path), leaf)  # what a write of ours a killed daemon cut left
             found = now.split(b"\n") if kind == "file" and not big else []
             ours = set(data.split(b"\n"))
@@ -140,17 +140,6 @@ def _put_one(common: str, rel: str, log: reflogs.Log, data: bytes) -> tuple[int,
             return len(ours - set(found) - {b""}), aside
         finally:
             os.close(parent)
-
-
-def _move_out(common: str, parent: int, leaf: str) -> str:
-    """What is at ``leaf`` in ``parent`` moved to the git directory's top; its name there."""
-    top = fs.parent_at(common)
-    try:
-        name = fs.aside_name(f"reflog-{leaf}")
-        os.rename(leaf, name, src_dir_fd=parent, dst_dir_fd=top)
-        return name
-    finally:
-        os.close(top)
 
 
 def _sweep(parent: int, path: str, leaf: str) -> None:

@@ -173,12 +173,13 @@ def checked_out(gitdir: str) -> str:
 
 
 def put_back(common: str, refs: dict[str, str], own: list[str], head: str, shadows_before: list[str] | None,
-             borrowed: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+             borrowed: list[str], there: objectstore.Store | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """Put back ``refs`` (the baseline's) as the module says; ``own``: the
     branches the sessions had checked out; ``head``: the common directory's
     HEAD as it was; ``shadows_before``: what stood in front of the short
     names at the baseline (None: an older record's, not looked at);
-    ``borrowed``: the object stores the user's alternates name."""
+    ``borrowed``: the object stores the user's alternates name; ``there``:
+    the caller's ``objectstore.finder`` (None: one made here)."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     objects = os.path.join(common, "objects")
@@ -199,7 +200,7 @@ def put_back(common: str, refs: dict[str, str], own: list[str], head: str, shado
     # deadline for all of them: past it, a branch is put back without asking
     # whether it was fast-forwarded (is_ancestor says "not known").
     store = objectstore.Store(objects, deadline=time.monotonic() + objectstore.BUDGET_S * 2, alternates=borrowed)
-    there = objectstore.finder(objects, borrowed)  # whether a value to keep names an object at all
+    there = there or objectstore.finder(objects, borrowed)  # whether a value to keep names an object at all
     now = read_refs(common)
     known = {n: v for n, v in now.items() if n.startswith(reftemp.DISPLACED)}  # read once for every keep
     stamp = reftemp.stamp()

@@ -234,14 +234,20 @@ def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> 
     try:
         write_whole(out, data, mode)
     except BaseException:
-        st = os.fstat(out)
-        os.close(out)
-        ournames.forget((st.st_dev, st.st_ino))
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dir_fd)
+        discard(dir_fd, tmp, out)
         raise
     os.close(out)
     return tmp
+
+
+def discard(dir_fd: int, tmp: str, fd: int) -> None:
+    """A temporary of ours (``open_temp``'s ``tmp`` and ``fd``) given up:
+    closed, forgotten as ours (``ournames``), removed."""
+    st = os.fstat(fd)
+    os.close(fd)
+    ournames.forget((st.st_dev, st.st_ino))
+    with contextlib.suppress(OSError):
+        os.unlink(tmp, dir_fd=dir_fd)
 
 
 def sweep(common: str, refs: list[str]) -> list[str]:

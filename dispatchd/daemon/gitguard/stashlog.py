@@ -204,13 +204,7 @@ def _move_out(common: str, leaf: str = "stash", called: str = "stash-log") -> st
     top, out of ``logs/`` (where git reads a reflog); returns its name there."""
     src = fs.parent_at(os.path.join(common, os.path.dirname(LOG)))
     try:
-        dst = fs.parent_at(common)
-        try:
-            name = fs.aside_name(called)
-            os.rename(leaf, name, src_dir_fd=src, dst_dir_fd=dst)
-            return name
-        finally:
-            os.close(dst)
+        return fs.move_to_top(common, src, leaf, called)
     finally:
         os.close(src)
 
