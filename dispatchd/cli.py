@@ -300,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     from dispatchd.daemon.spawn import ForkServerClient
     from dispatchd.worker.fork_server import start_fork_server
 
-    # Sessions' user namespaces below one of the daemon's: together at most half the user's inotify (ucounts.py).
-    from dispatchd.confine import ucounts
+    # Sessions' user namespaces below one of the daemon's: together at most half the user's inotify and
+    # processes (ucounts.py, sharedprocs.py).
+    from dispatchd.confine import sharedprocs, ucounts
 
-    shared = ucounts.plan_shared(ucounts.read_user_limits()) if features.user_namespaces else None
+    shared = (ucounts.plan_shared(ucounts.read_user_limits(), sharedprocs.read_limits())
+              if features.user_namespaces else None)
     fork_server = ForkServerClient(*start_fork_server(shared))
     try:
         shared_missing = fork_server.hello() or ("" if shared is not None else "no user namespaces")

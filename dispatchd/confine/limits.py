@@ -9,12 +9,15 @@ nothing in the session can raise them again — it has no CAP_SYS_RESOURCE):
   is set to what the user runs at open, threads included, plus the session's
   budget: headroom the user's processes started later take from (a call is
   then refused, or its forks fail, until they end; SECURITY.md). With one,
-  the user's whole count is still checked at the level above the session's,
-  against the limit the namespace's creator had when it made it (Linux
-  5.14+, ``enforced_nproc_rlimit``): the fork server makes it (``clone3``)
-  with the user's own limit, before this lowers any, so the user's processes
-  elsewhere never stop the session's forks
-  (``test_long_work.py::test_a_session_forks_while_the_user_runs_more_tasks_elsewhere_than_its_limit``);
+  the levels above the session's are checked too, each against the limit
+  its namespace's creator had when it made it (Linux 5.14+,
+  ``enforced_nproc_rlimit``): all sessions' tasks against the processes they
+  may run together (the fork server's soft limit, ``sharedprocs.py``), and
+  the user's whole count against the user's own limit, which the fork
+  server's namespace keeps, so the user's processes elsewhere never stop the
+  session's forks
+  (``test_long_work.py::test_a_session_forks_while_the_user_runs_more_tasks_elsewhere_than_its_limit``).
+  The limit set here is never above the fork server's;
 - memory: each process's data segment is capped at ``max_data_bytes``
   (RLIMIT_DATA: heap and private writable mappings; reserved-but-unused
   address space, as V8 and the JVM make, does not count);
@@ -107,6 +110,12 @@ def apply_limits(plan: LimitsPlan) -> None:
     processes = plan.max_processes
     if not plan.processes_per_namespace:
         processes += _processes_of(os.getuid())
+    # Never above what the fork server has: there it is the processes all
+    # sessions may run together (sharedprocs.py), which a session without a
+    # namespace of its own is checked against only through its own limit.
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY:
+        processes = min(processes, soft)
     _set("RLIMIT_NPROC", resource.RLIMIT_NPROC, processes)
     _set("RLIMIT_DATA", resource.RLIMIT_DATA, plan.max_data_bytes)
     _set("RLIMIT_FSIZE", resource.RLIMIT_FSIZE, plan.max_file_bytes)

@@ -19,7 +19,9 @@ Guarantees, where the kernel allows unprivileged user namespaces:
   every session's user namespace and every process it starts, below one user
   namespace of the daemon's: the user's own ids mapped, the maxima of
   ``ucounts.plan_shared`` written (all sessions together hold at most those
-  of the user's inotify and fanotify budgets), then no capability left in it.
+  of the user's inotify and fanotify budgets), its soft RLIMIT_NPROC lowered
+  to the processes all sessions may run together (``sharedprocs``), then no
+  capability left in it.
 
 Where user namespaces are refused, ``probe_user_namespaces`` says so and the
 session runs without them (policy ``user_namespaces = "auto"``) or refuses to
@@ -34,7 +36,7 @@ import signal
 
 import msgspec
 
-from dispatchd.confine import _sys, hygiene
+from dispatchd.confine import _sys, hygiene, sharedprocs
 from dispatchd.confine.ucounts import UcountsPlan, apply_ucounts
 from dispatchd.errors import ConfinementError
 
@@ -85,7 +87,8 @@ def spawn_in_namespaces(plan: NamespacePlan, cgroup_fd: int = -1) -> tuple[int, 
         return _sys.clone3(clone_flags(plan), signal.SIGCHLD, cgroup_fd)
     except OSError as exc:
         step = "cgroup: clone3 into the session's cgroup" if cgroup_fd >= 0 else "namespaces: clone3"
-        raise ConfinementError(step, exc.errno, detail=limit_reached(exc.errno, plan_kinds(plan))) from exc
+        raise ConfinementError(step, exc.errno, detail=limit_reached(exc.errno, plan_kinds(plan))
+                               or sharedprocs.reached(exc.errno)) from exc
 
 
 # The kernel's per-user counts of namespaces (``/proc/sys/user/max_*``),
@@ -172,6 +175,9 @@ def enter_shared(shared: UcountsPlan, uid: int, gid: int) -> str:
         return f"a user namespace for all sessions cannot be made here: {why}"
     apply_id_maps(NamespacePlan(user=True, mount=False, pid=False, net=False, uid=uid, gid=gid))
     apply_ucounts(shared)
+    # After the namespace is made, so that it keeps the user's own limit at
+    # the level above: every session's namespace, made from here, gets this.
+    sharedprocs.apply(shared.processes)
     hygiene.drop_bounding_set()
     hygiene.drop_capabilities()
     return ""

@@ -35,6 +35,7 @@ import os
 
 import msgspec
 
+from dispatchd.confine import sharedprocs
 from dispatchd.errors import ConfinementError
 
 SYSCTL_DIR = "/proc/sys/user"
@@ -42,6 +43,11 @@ SYSCTL_DIR = "/proc/sys/user"
 
 class UcountsPlan(msgspec.Struct, frozen=True):
     maxima: dict[str, int]  # file under /proc/sys/user -> value; empty: nothing to apply
+    # All sessions together only (plan_shared): the fork server's soft
+    # RLIMIT_NPROC, every session's namespace's maximum (sharedprocs.py);
+    # 0: not bounded. ``processes_of``: the limit it is half of, in words.
+    processes: int = 0
+    processes_of: str = ""
 
 
 # What pasta, joining the session's user namespace to serve its network, makes
@@ -162,11 +168,17 @@ def read_user_limits(proc_sys: str = "/proc/sys") -> dict[str, int]:
     return found
 
 
-def plan_shared(limits: dict[str, int]) -> UcountsPlan:
+def plan_shared(limits: dict[str, int], process_limits: dict[str, int] | None = None) -> UcountsPlan:
     """What all sessions of a daemon may hold together: half of each of the
     user's ``limits`` (at least one), the other half left to the user's own
-    programs (an editor's file watching, a build tool's). Pure."""
-    return UcountsPlan(maxima={name: max(1, value // 2) for name, value in sorted(limits.items())})
+    programs (an editor's file watching, a build tool's); and half of the
+    lowest of ``process_limits`` in processes (``sharedprocs.read_limits``).
+    Pure."""
+    processes, of = sharedprocs.plan(process_limits or {})
+    if of:
+        of = f"{of} {(process_limits or {})[of]:,}"
+    return UcountsPlan(maxima={name: max(1, value // 2) for name, value in sorted(limits.items())},
+                       processes=processes, processes_of=of)
 
 
 def describe_shared(plan: UcountsPlan) -> str:
@@ -174,8 +186,10 @@ def describe_shared(plan: UcountsPlan) -> str:
     m = plan.maxima
     words = {"max_inotify_instances": "inotify instances", "max_inotify_watches": "inotify watches",
              "max_fanotify_groups": "fanotify groups", "max_fanotify_marks": "fanotify marks"}
+    processes = (f"; {plan.processes:,} processes and threads (half of the lowest limit they meet, "
+                 f"{plan.processes_of})" if plan.processes else "")
     return ("all sessions together at most " + ", ".join(f"{m[k]:,} {w}" for k, w in words.items() if k in m)
-            + " (half of the user's)")
+            + " (half of the user's)" + processes)
 
 
 SCM_MAX_FD = 253  # descriptors one message may carry: how far past a sender's limit the count can go
@@ -212,6 +226,10 @@ def budget_gaps(*, user_namespace: bool, cgroup_controllers: tuple[str, ...], ma
     elif shared_missing:
         gaps.append(f"inotify and fanotify budgets: each session holds at most its share, but all sessions "
                     f"together are not bounded (a few sessions can take all of the user's): {shared_missing}")
+    if shared_missing:
+        gaps.append(f"processes: each session runs at most {max_processes:,}, but all sessions together are not "
+                    f"bounded: enough sessions can take every process the user (RLIMIT_NPROC) or the machine "
+                    f"(kernel.pid_max) may run, after which nothing of the user's can fork: {shared_missing}")
     if "memory" not in cgroup_controllers:
         gaps.append("kernel memory no process owns (socket buffers, pipes: about 450 MiB per process with "
                     "4096 descriptors; a memfd held only by a message in flight, up to max_file_bytes each) is "

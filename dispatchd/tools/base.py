@@ -151,9 +151,12 @@ def run_tool(tool: Tool, ctx: ToolContext, params: Any) -> Outcome:
 def no_thread(name: str, exc: BaseException) -> str:
     """The words for a thread the tool server could not start (``RuntimeError:
     can't start new thread``): the session's commands hold every process its
-    limit allows but the server's reserve (``proctree``)."""
+    limit allows but the server's reserve (``proctree``), or all sessions
+    together hold every process they may run (``confine/sharedprocs.py``),
+    where no reserve of one session's helps."""
     return (f"{name}: the tool server cannot start a thread ({exc}): the session is at its process "
-            "limit (its commands hold every process it may have); stop some and retry")
+            "limit (its commands hold every process it may have), or all sessions together are at theirs "
+            "(dispatch status: kernel budgets); stop some (job_stop) and retry")
 
 
 def invalid(tool: Tool, exc: msgspec.ValidationError) -> Outcome:

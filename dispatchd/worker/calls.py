@@ -51,6 +51,11 @@ _thread_time = time.thread_time
 
 MAX_WATCHED_DIRS = 20_000  # a worktree with more directories is not watched (tools/changes.py)
 
+# Slow calls served on the channel's reader when no thread can start: what
+# ends processes and what lists them (each bounded: a stop's rounds end
+# within seconds), the only way out for a session whose processes are all taken.
+SERVED_WITHOUT_A_THREAD = frozenset({"job_stop", "job_list"})
+
 
 def _with_changes(out: Outcome, watcher: changes.Watcher, mark: float) -> Outcome:
     """``out`` with ``metadata["changed"]``: the worktree paths changed since ``mark``."""
@@ -140,7 +145,13 @@ class Calls:
             threading.Thread(target=self._call, args=(channel, req, tool, key, control), daemon=True).start()
         except RuntimeError as exc:
             # can't start new thread: the session's commands took every
-            # process the limit allows but the server's reserve (proctree).
+            # process the limit allows but the server's reserve (proctree),
+            # or all sessions together theirs, where no reserve of ours
+            # helps. The way out, stopping a job, and the look at what runs
+            # are served here on the reader, as a fast call is.
+            if req.tool in SERVED_WITHOUT_A_THREAD:
+                self._call(channel, req, tool, key, control)
+                return
             with channel.calls_lock:
                 channel.calls.pop(rid, None)
             activity.end(key)

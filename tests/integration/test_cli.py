@@ -359,7 +359,8 @@ def test_status_text(daemon: Daemon, sid: str, worktree: Path) -> None:
     assert lines[2] == "network modes: off, on, ports, domains"
     del lines[2]
     assert re.fullmatch(r"kernel budgets: all sessions together at most [\d,]+ inotify instances, .* "
-                        r"\(half of the user's\)", lines[2]), lines[2]
+                        r"\(half of the user's\); [\d,]+ processes and threads \(half of the lowest limit they "
+                        r"meet, .* [\d,]+\)", lines[2]), lines[2]
     del lines[2]
     assert re.fullmatch(r"daemon: \d+ descriptors \((raised from \d+|already the hard limit)\); "
                         r"connections \d+ of at most \d+( \(\d+ idle, waiting without a thread\))?", lines[2]), lines[2]

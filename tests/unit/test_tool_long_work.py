@@ -203,7 +203,8 @@ def test_a_job_whose_thread_cannot_start_is_ended_and_the_call_says_why(
     monkeypatch.setattr(threading.Thread, "start", no_job_thread)
     r = run(ctx, "shell_exec", command="sleep 505.5", background=True)
     assert r.error == ("shell_exec: the tool server cannot start a thread (can't start new thread): the session is "
-                       "at its process limit (its commands hold every process it may have); stop some and retry")
+                       "at its process limit (its commands hold every process it may have), or all sessions "
+                       "together are at theirs (dispatch status: kernel budgets); stop some (job_stop) and retry")
     assert gone_within("505.5", 1.0)
     assert run(ctx, "job_list").output == "no background jobs"
     assert not (Path(ctx.scratch) / "jobs" / "job_1.log").exists()

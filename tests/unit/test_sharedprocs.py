@@ -1,0 +1,76 @@
+"""The processes all sessions of a daemon may run together
+(confine/sharedprocs.py): half of the lowest limit a task meets, read from
+the rlimit, the kernel's sysctls and the daemon's cgroups; said in status,
+and what is left open when it cannot hold."""
+
+from __future__ import annotations
+
+import errno
+import resource
+from pathlib import Path
+
+from dispatchd.confine import sharedprocs, ucounts
+
+
+def _tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_every_limit_on_the_way_up_is_read_and_unlimited_ones_are_left_out(tmp_path: Path) -> None:
+    _tree(tmp_path / "proc", {"sys/kernel/threads-max": "192726\n", "sys/kernel/pid_max": "32768\n",
+                              "self/cgroup": "0::/user.slice/user-1000.slice/user@1000.service/app.slice/d.service\n"})
+    cg = tmp_path / "cg"
+    _tree(cg, {"user.slice/user-1000.slice/user@1000.service/app.slice/d.service/pids.max": "max\n",
+               "user.slice/user-1000.slice/user@1000.service/pids.max": "4915\n",
+               "user.slice/user-1000.slice/pids.max": "12000\n"})  # the root has none
+    found = sharedprocs.read_limits(str(tmp_path / "proc"), str(cg))
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    expected = {"kernel.threads-max": 192726, "kernel.pid_max": 32768,
+                "pids.max of the cgroup /user.slice/user-1000.slice/user@1000.service": 4915,
+                "pids.max of the cgroup /user.slice/user-1000.slice": 12000}
+    if soft != resource.RLIM_INFINITY:
+        expected["the user's RLIMIT_NPROC"] = soft
+    assert found == expected
+
+
+def test_a_process_in_no_cgroup_v2_reads_only_the_kernels_limits(tmp_path: Path) -> None:
+    _tree(tmp_path / "proc", {"sys/kernel/pid_max": "4194304\n", "self/cgroup": "1:name=systemd:/\n"})
+    found = sharedprocs.read_limits(str(tmp_path / "proc"), str(tmp_path / "cg"))
+    assert found.get("kernel.pid_max") == 4194304 and not any(k.startswith("pids.max") for k in found)
+
+
+def test_the_sessions_together_get_half_of_the_lowest_and_at_least_one() -> None:
+    assert sharedprocs.plan({"the user's RLIMIT_NPROC": 96363, "kernel.pid_max": 32768}) == (16384, "kernel.pid_max")
+    assert sharedprocs.plan({"kernel.pid_max": 1}) == (1, "kernel.pid_max")
+    assert sharedprocs.plan({}) == (0, "")
+
+
+def test_status_says_the_process_bound_after_the_users_budgets() -> None:
+    shared = ucounts.plan_shared({"max_inotify_instances": 128},
+                                 {"the user's RLIMIT_NPROC": 96363, "kernel.pid_max": 32768})
+    assert (shared.processes, shared.processes_of) == (16384, "kernel.pid_max 32,768")
+    assert ucounts.describe_shared(shared) == (
+        "all sessions together at most 64 inotify instances (half of the user's); 16,384 processes and threads "
+        "(half of the lowest limit they meet, kernel.pid_max 32,768)")
+    # No process limit found (every one unlimited): nothing said of processes, none applied.
+    assert ucounts.plan_shared({"max_inotify_instances": 128}).processes == 0
+    assert "processes" not in ucounts.describe_shared(ucounts.plan_shared({"max_inotify_instances": 128}))
+
+
+def test_when_the_sum_is_not_bounded_the_processes_are_left_open_too() -> None:
+    def gaps(**kwargs: object) -> list[str]:
+        return [g for g in ucounts.budget_gaps(cgroup_controllers=(), **kwargs)  # type: ignore[arg-type]
+                if g.startswith("processes")]
+    assert gaps(user_namespace=True) == [] and gaps(user_namespace=False) == []
+    [gap] = gaps(user_namespace=True, max_processes=512, shared_missing="no user namespaces")
+    assert gap.startswith("processes: each session runs at most 512, but all sessions together are not bounded")
+    assert gap.endswith(": no user namespaces")
+
+
+def test_eagain_at_a_sessions_start_is_said_in_words_other_errors_are_not() -> None:
+    words = sharedprocs.reached(errno.EAGAIN)
+    assert words.startswith("EAGAIN: the processes all sessions of this daemon may run together (")
+    assert "close sessions or end their commands" in words
+    assert sharedprocs.reached(errno.ENOSPC) == "" and sharedprocs.reached(None) == ""
