@@ -13,6 +13,7 @@ These functions run only inside a confined worker; the daemon never calls them.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -157,6 +158,17 @@ def no_thread(name: str, exc: BaseException) -> str:
     return (f"{name}: the tool server cannot start a thread ({exc}): the session is at its process "
             "limit (its commands hold every process it may have), or all sessions together are at theirs "
             "(dispatch status: kernel budgets); stop some (job_stop) and retry")
+
+
+def not_started(program: str, exc: BaseException) -> str:
+    """The words for a command whose process could not start; for EAGAIN
+    (the session's process limit, or all sessions' together: a fork refused
+    either way) what to do about it."""
+    words = f"could not start {program}: {getattr(exc, 'strerror', None) or exc}"
+    if getattr(exc, "errno", None) == errno.EAGAIN:
+        words += (": the session's processes, or all sessions' together, are at their limit (dispatch status: "
+                  "kernel budgets); stop a job (job_stop) or wait for commands to end, and retry")
+    return words
 
 
 def invalid(tool: Tool, exc: msgspec.ValidationError) -> Outcome:

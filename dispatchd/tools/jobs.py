@@ -52,7 +52,7 @@ from typing import Any
 from dispatchd.display import one_line
 from dispatchd.protocol.internal import JobRecord
 from dispatchd.tools import proctree
-from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
+from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure, not_started
 from dispatchd.tools.jobwindow import read_window
 from dispatchd.catalogue import JobListParams, JobOutputParams, JobStopParams
 
@@ -313,7 +313,7 @@ class Jobs:
                 os.close(log_fd)
                 os.close(out_r)
                 ours.close()
-                raise ToolFailure(f"could not start /bin/bash: {getattr(exc, 'strerror', None) or exc}") from exc
+                raise ToolFailure(not_started("/bin/bash", exc)) from exc
             finally:
                 os.close(out_w)  # the job has its copies
                 theirs.close()

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from dispatchd import envnames
 from dispatchd.policy import Limits
 from dispatchd.tools import orphans, proctree
-from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure
+from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure, not_started
 from dispatchd.tools.worktree_paths import relative, resolve
 from dispatchd.catalogue import ShellExecParams
 
@@ -329,7 +329,7 @@ def _start(ctx: ToolContext, command: str, workdir: str, token: str) -> tuple[pr
         os.close(err_r)
         if not isinstance(exc, OSError):
             raise
-        raise ToolFailure(f"could not start {_BASH}: {exc.strerror or exc}") from exc
+        raise ToolFailure(not_started(_BASH, exc)) from exc
     finally:
         os.close(out_w)  # the child has its copies: EOF comes when it (and what it started) closes them
         os.close(err_w)

@@ -111,7 +111,9 @@ def test_all_sessions_together_run_at_most_half_and_the_user_keeps_the_rest(
         # c, a third session, cannot start a process now.
         r = c.registry.get("shell_exec").call({"command": "echo ok"})
         assert "exit_code" not in r.metadata and r.error is not None, r
-        assert "could not start /bin/bash: Resource temporarily unavailable" in r.error, r.error
+        assert r.error.endswith("could not start /bin/bash: Resource temporarily unavailable: the session's processes, "
+                                "or all sessions' together, are at their limit (dispatch status: kernel budgets); "
+                                "stop a job (job_stop) or wait for commands to end, and retry"), r.error
         # The user's own program under the same limit still starts the other
         # half, less what the user ran at the start and the daemon's threads.
         assert _hog_outside(limit, half // 2) == (half // 2, 0)

@@ -6,6 +6,7 @@ and what is left open when it cannot hold."""
 from __future__ import annotations
 
 import errno
+import os
 import resource
 from pathlib import Path
 
@@ -74,3 +75,13 @@ def test_eagain_at_a_sessions_start_is_said_in_words_other_errors_are_not() -> N
     assert words.startswith("EAGAIN: the processes all sessions of this daemon may run together (")
     assert "close sessions or end their commands" in words
     assert sharedprocs.reached(errno.ENOSPC) == "" and sharedprocs.reached(None) == ""
+
+
+def test_a_command_refused_for_want_of_a_process_says_what_to_do_and_other_errors_do_not() -> None:
+    from dispatchd.tools.base import not_started
+
+    eagain = not_started("/bin/bash", OSError(errno.EAGAIN, os.strerror(errno.EAGAIN)))
+    assert eagain.startswith("could not start /bin/bash: Resource temporarily unavailable: the session's processes, "
+                             "or all sessions' together, are at their limit")
+    assert not_started("/bin/bash", OSError(errno.ENOENT, os.strerror(errno.ENOENT))) == (
+        "could not start /bin/bash: No such file or directory")
