@@ -108,13 +108,15 @@ class Ending(SessionTable):
                                 f"{limit / 2**20:.0f} MiB (limits.session_memory_bytes); the daemon's memory "
                                 "watchdog ended it")
 
-    def _watched(self) -> list[tuple[str, int, int]]:
-        """Sessions whose memory only the watchdog bounds: (id, session init pid, limit)."""
+    def _watched(self) -> list[tuple[str, int, int, int]]:
+        """Sessions whose memory only the watchdog bounds: (id, session init
+        pid, limit, bytes its IPC namespace holds in System V memory)."""
         out = []
         for s in self.sessions():
             worker = s.worker
             if worker is not None and s.lifetime is not None and s.lifetime.memory.mechanism == "watchdog":
-                out.append((s.id, worker.pid, s.policy.limits.session_memory_bytes))
+                pid, held = s.ipc_held
+                out.append((s.id, worker.pid, s.policy.limits.session_memory_bytes, held if pid == worker.pid else 0))
         return out
 
     def _finish(self, session: Session, why: str = "it was closed", event: Event = Event.CLOSE,

@@ -59,6 +59,10 @@ class Napping(Ending):
                                  session.id, call.tool, call.duration_ms, "ok" if call.success else "failed")
                         calls, cpu, peak = calls + 1, cpu + call.cpu_s, max(peak, call.peak_mib)
                     session.usage = (calls, round(cpu, 4), peak)  # one assignment: info() reads it whole
+                elif isinstance(msg, protocol.IpcHeld):
+                    worker = session.worker
+                    if session.control is control and worker is not None:
+                        session.ipc_held = (worker.pid, max(0, msg.bytes))  # one assignment: read whole
                 elif isinstance(msg, protocol.OkReply):
                     waiting = session.acks.pop(msg.id, None)
                     if waiting is not None:

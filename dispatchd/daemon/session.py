@@ -115,6 +115,9 @@ class Session:
         # redacted by them (dispatchd/secretbook.py).
         self.held = Secrets()
         self.usage: tuple[int, float, float] = (0, 0.0, 0.0)  # calls, CPU seconds, largest peak (MiB)
+        # (worker pid, bytes): what that worker's IPC namespace holds in System V
+        # memory (IpcHeld, worker/ipcwatch.py), for the memory watchdog.
+        self.ipc_held: tuple[int, int] = (0, 0)
 
     @property
     def control(self) -> protocol.FrameSocket | None:

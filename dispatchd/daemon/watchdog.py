@@ -21,7 +21,10 @@ Guarantees and costs:
   for 1,000 (then it looks less often: at most a fifth of one core);
 - memory files count: memfds and ``/dev/shm`` files a process of the session
   holds open are added (their allocated bytes, each file once; a mapped one
-  is in the PSS already and not added again);
+  is in the PSS already and not added again), and so does what the session's
+  IPC namespace holds in System V segments and message queues, as its tool
+  server tells (``worker/ipcwatch.py``; the segments its processes map are
+  subtracted, being in their PSS);
 - what it does not bound: memory allocated faster than it looks (a process may
   go over for up to one interval, at most ``max_data_bytes`` per process), and
   memory that is no process's (socket buffers, pipes, a memfd only held by a
@@ -105,14 +108,17 @@ def _shared_files(pids: Iterable[int]) -> dict[tuple[int, int], int]:
     return found
 
 
-def _mapped_files(pids: Iterable[int]) -> set[tuple[int, int]]:
+def _mapped_files(pids: Iterable[int]) -> tuple[set[tuple[int, int]], list[int]]:
     """``(dev, inode)`` of the memory files the processes map: their pages
-    are in the PSS already."""
+    are in the PSS already; and the processes that map a System V segment."""
     mapped: set[tuple[int, int]] = set()
+    sysv: list[int] = []
     for p in pids:
         try:
             with open(f"/proc/{p}/maps", "rb") as f:
                 for line in f:
+                    if b"/SYSV" in line and (not sysv or sysv[-1] != p):
+                        sysv.append(p)
                     if b"/memfd:" not in line and b"/dev/shm/" not in line:
                         continue
                     fields = line.split(None, 5)
@@ -120,29 +126,53 @@ def _mapped_files(pids: Iterable[int]) -> set[tuple[int, int]]:
                     mapped.add((os.makedev(major, minor), int(fields[4])))
         except (OSError, ValueError, IndexError):
             continue
-    return mapped
+    return mapped, sysv
 
 
-def over_limit(pid: int, limit: int) -> int | None:
+def _sysv_pss(pids: Iterable[int]) -> int:
+    """The PSS of the System V segments the processes map: counted in their
+    PSS already, and in what their IPC namespace holds (``ipcwatch``)."""
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/smaps", "rb") as f:
+                inside = False
+                for line in f:
+                    if line[:1].isalnum() and b"-" in line.split(None, 1)[0]:  # a mapping's first line
+                        inside = b" /SYSV" in line
+                    elif inside and line.startswith(b"Pss:"):
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def over_limit(pid: int, limit: int, ipc: int = 0) -> int | None:
     """The session's memory when it is over ``limit``, else None: the PSS of
-    its processes and the memory files (memfd, shmem) they hold open. A
-    memory file is no process's resident memory until mapped, and 10 GiB
-    written into memfds by a process of 9 MiB went past the limit unseen."""
+    its processes, the memory files (memfd, shmem) they hold open and
+    ``ipc``, the bytes its IPC namespace holds in System V memory
+    (``worker/ipcwatch.py``). A memory file is no process's resident memory
+    until mapped, nor is a segment no process maps: 10 GiB written into
+    memfds by a process of 9 MiB, and 1 GiB in detached segments, went past
+    the limit unseen."""
     pids = descendants(pid)
     files = _shared_files(pids)
-    # The cheap sum counts a mapped memory file twice (its pages are resident
-    # too): it only decides whether to look closer.
-    if rss_bytes(pids) + sum(files.values()) <= limit:
+    # The cheap sum counts a mapped memory file or segment twice (its pages
+    # are resident too): it only decides whether to look closer.
+    if rss_bytes(pids) + sum(files.values()) + ipc <= limit:
         return None
-    mapped = _mapped_files(pids)
+    mapped, sysv = _mapped_files(pids)
     used = pss_bytes(pids) + sum(size for key, size in files.items() if key not in mapped)
+    if ipc:
+        used += max(0, ipc - _sysv_pss(sysv))
     return used if used > limit else None
 
 
 class MemoryWatchdog:
     """One thread for every session the cgroup does not bound.
 
-    ``sessions()`` yields (session id, session init pid, limit); ``end(sid, used, limit)``
+    ``sessions()`` yields (session id, session init pid, limit, System V
+    bytes its IPC namespace holds); ``end(sid, used, limit)``
     ends one (safe to call for a session already gone). ``any_session()``:
     whether the daemon has a session at all, in any state: with none, the
     thread sleeps until the next open asks (``ensure_running``), rather than
@@ -151,7 +181,7 @@ class MemoryWatchdog:
     be woken, or its sandbox replaced, without an open, and is watched from
     its first look after that."""
 
-    def __init__(self, sessions: Callable[[], list[tuple[str, int, int]]],
+    def __init__(self, sessions: Callable[[], list[tuple[str, int, int, int]]],
                  end: Callable[[str, int, int], None],
                  any_session: Callable[[], bool] = lambda: True) -> None:
         self._sessions = sessions
@@ -187,9 +217,9 @@ class MemoryWatchdog:
                 self._asked.wait()  # no session at all: until an open asks
 
     def check_once(self) -> None:
-        for sid, pid, limit in self._sessions():
+        for sid, pid, limit, ipc in self._sessions():
             started = time.perf_counter()
-            used = over_limit(pid, limit)
+            used = over_limit(pid, limit, ipc)
             if used is not None:
                 log.warning("event=memory_exceeded session=%s pss_bytes=%d limit_bytes=%d scan_ms=%.1f",
                             sid, used, limit, (time.perf_counter() - started) * 1e3)

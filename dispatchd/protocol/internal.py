@@ -163,6 +163,14 @@ class WatchHeld(_Msg, tag="watch_held", frozen=True):
     only reference."""
 
 
+class IpcHeld(_Msg, tag="ipc_held", frozen=True):
+    """Worker -> daemon: the bytes the session's IPC namespace holds in System
+    V shared memory and message queues (``worker/ipcwatch.py``), sent when
+    it changed; the memory watchdog adds them to the session's sum."""
+
+    bytes: int
+
+
 class Drain(_Msg, tag="drain", frozen=True):
     """Daemon -> worker when the daemon stops: take no new call, let calls in
     flight finish for up to ``deadline_s``, then end the session."""
@@ -282,7 +290,7 @@ class KeptJobs(_Msg, tag="kept_jobs", frozen=True):
 
 # Worker -> daemon: its start, then requests and records while it serves.
 FromWorker = Union[WorkerReady, WorkerPooled, WorkerNamespaces, WorkerFailed, AcquireWriteLock, ToolCallsDone, OkReply, MaySleep,
-                   Asleep, KeptJobs, Paused, WatchHeld]
+                   Asleep, KeptJobs, Paused, WatchHeld, IpcHeld]
 # Daemon -> worker: channels to serve, answers to its requests, commands.
 ToWorker = Union[AddChannel, Drain, OkReply, WriteLockGranted, ErrorReply, SetCommandEnv, ForgetWriteLock,
                  AdoptSession, Sleep, StayAwake, KeptJobs, NetworkDenied, Pause, Resume]

@@ -97,27 +97,26 @@ def spawn_env(base: Mapping[str, str], token: str) -> dict[str, str]:
 _SPAWN_LOCK = threading.Lock()
 _CHILDREN: dict[int, _Child] = {}  # commands spawned here, until their Popen has reaped them
 CHILD_BORN = threading.Event()  # set at every spawn: the reaper waits on it when it has no child
+SPAWNED = threading.Event()  # set at every spawn too: the System V watch waits on it (worker/ipcwatch.py)
 _FIRST_SPAWN_LOCK = threading.Lock()
-_first_spawn: Callable[[], bool] | None = None  # see after_first_spawn
+_first_spawn: list[Callable[[], bool]] = []  # see after_first_spawn
 
 
 def after_first_spawn(hook: Callable[[], bool]) -> None:
     """Call ``hook`` after the next spawn, in the spawning thread, and after
     each later one until it returns True (once). The tool server starts its
-    orphan reaper this way: before the first command there is no process to
-    reap, and an idle session keeps one thread (and its stacks) fewer."""
-    global _first_spawn
+    orphan reaper and its System V watch this way: before the first command
+    there is no process to reap or to make a segment, and an idle session
+    keeps those threads (and their stacks) fewer."""
     with _FIRST_SPAWN_LOCK:
-        _first_spawn = hook
+        _first_spawn.append(hook)
 
 
 def _run_first_spawn() -> None:
-    global _first_spawn
-    if _first_spawn is None:  # the common case: done, or never asked
+    if not _first_spawn:  # the common case: done, or never asked
         return
-    with _FIRST_SPAWN_LOCK:  # two calls spawning at once run it once
-        if _first_spawn is not None and _first_spawn():
-            _first_spawn = None
+    with _FIRST_SPAWN_LOCK:  # two calls spawning at once run each once
+        _first_spawn[:] = [hook for hook in _first_spawn if not hook()]
 
 
 def _command_limit(hard: int, budget: int) -> int | None:
@@ -157,6 +156,7 @@ def spawn(start: Callable[[Limits], T], budget: int) -> T:
             del _CHILDREN[pid]  # reaped by their Popen: their pids may be anyone's now
         _CHILDREN[child.pid] = child
     CHILD_BORN.set()
+    SPAWNED.set()
     _run_first_spawn()
     return child
 

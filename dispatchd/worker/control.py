@@ -98,7 +98,7 @@ class Control:
         return not unread and not self.frames.buffered() and not self._inside
 
     def send(self, msg: protocol.AcquireWriteLock | protocol.ToolCallsDone | protocol.OkReply | protocol.MaySleep
-             | protocol.Paused | protocol.WatchHeld, fds: list[int] | None = None) -> None:
+             | protocol.Paused | protocol.WatchHeld | protocol.IpcHeld, fds: list[int] | None = None) -> None:
         with self.send_lock:
             self.frames.send(msg, fds=fds)
 

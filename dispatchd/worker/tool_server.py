@@ -58,12 +58,12 @@ from dispatchd import protocol, threads
 from dispatchd.confine.plan import SessionPlan, can_sleep
 from dispatchd.policy import MAX_CHANNELS, max_channels, too_many_channels
 from dispatchd.tempfiles import sweep_temp_files
-from dispatchd.tools import atomic, changes, files, native, orphans
+from dispatchd.tools import atomic, changes, files, native, orphans, proctree
 from dispatchd.tools.base import ToolContext
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
 from dispatchd import redact
-from dispatchd.worker import pausegate
+from dispatchd.worker import ipcwatch, pausegate
 from dispatchd.worker.activity import Activity
 from dispatchd.worker.calls import Calls
 from dispatchd.worker.channel import Channel
@@ -278,6 +278,12 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
         # ended before the call returns (orphans.end_leftovers).
         orphans.adopt_orphans()
     server = _Server(plan, Control(control))
+    if adopt_orphans and plan.namespaces.pid:
+        # The session's own IPC namespace: what it holds in System V memory
+        # is the daemon's memory watchdog's to count too (worker/ipcwatch.py).
+        link = server.control
+        ipcwatch.start(lambda held: link.send(protocol.IpcHeld(bytes=held)), proctree.SPAWNED,
+                       proctree.after_first_spawn)
     if first_channel >= 0:
         server.added += 1  # counted as the daemon counts it (MaySleep.added)
         server.add_channel(socket.socket(fileno=first_channel))

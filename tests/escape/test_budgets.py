@@ -411,3 +411,35 @@ def test_memory_written_into_a_memfd_counts_against_the_session(
         big = shell(session, f"/usr/bin/python3 -c {_q(MEMFD_HOG)} 96 30", timeout=30)
         assert big.is_failure and "memory watchdog" in big.error, big.error
     _daemon_serves(*full, worktree)
+
+
+# Writes MiB into System V shared memory segments it detaches (no process
+# maps them after), then holds them; with a third argument, a queue's bytes too.
+SYSV_HOG = r"""
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+for _ in range(int(sys.argv[1]) // 8):
+    sid = libc.shmget(0, 8 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    addr = libc.shmat(sid, None, 0)
+    assert sid >= 0 and addr not in (None, 2**64 - 1), ctypes.get_errno()
+    ctypes.memset(addr, 1, 8 << 20)
+    libc.shmdt(ctypes.c_void_p(addr))
+print("written", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_system_v_memory_no_process_maps_counts_against_the_session(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        # The allowed twin: 16 MiB in detached segments, under the 64 MiB limit.
+        small = shell(session, f"/usr/bin/python3 -c {_q(SYSV_HOG)} 16 1", timeout=30)
+        assert small.is_success and small.output == "written\n", small
+        assert shell(session, "echo ok").output == "ok\n"  # the segments stay; the session too
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        # 96 MiB no process maps: before, the session went on holding them.
+        big = shell(session, f"/usr/bin/python3 -c {_q(SYSV_HOG)} 96 30", timeout=30)
+        assert big.is_failure and "memory watchdog" in big.error, big.error
+    _daemon_serves(*full, worktree)

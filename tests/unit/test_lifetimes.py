@@ -237,9 +237,9 @@ def test_the_watchdog_sleeps_while_the_daemon_has_no_session_and_looks_again_at_
     be woken without an open) it looks every INTERVAL_S."""
     monkeypatch.setattr(watchdog, "INTERVAL_S", 0.02)
     looks: list[float] = []
-    live: list[tuple[str, int, int]] = []
+    live: list[tuple[str, int, int, int]] = []
 
-    def sessions() -> list[tuple[str, int, int]]:
+    def sessions() -> list[tuple[str, int, int, int]]:
         looks.append(time.monotonic())
         return list(live)
 
@@ -248,7 +248,7 @@ def test_the_watchdog_sleeps_while_the_daemon_has_no_session_and_looks_again_at_
     dog.ensure_running()
     time.sleep(0.3)
     assert 1 <= len(looks) <= 2  # one look, then asleep: not one every 0.02 s
-    live.append(("s1", os.getpid(), 1 << 50))
+    live.append(("s1", os.getpid(), 1 << 50, 0))
     any_session[0] = True
     dog.ensure_running()  # the open
     time.sleep(0.3)

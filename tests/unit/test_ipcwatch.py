@@ -1,0 +1,87 @@
+"""What a session's IPC namespace holds in System V memory, as its tool
+server tells the daemon (worker/ipcwatch.py), and how the memory watchdog
+adds it (daemon/watchdog.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dispatchd.daemon import watchdog
+from dispatchd.worker import ipcwatch
+
+SHM = """       key      shmid perms                  size  cpid  lpid nattch   uid   gid  cuid  cgid      atime      dtime      ctime                   rss                  swap
+         0          1   600               8388608    12    12      0  1000  1000  1000  1000 1764580000 1764580001 1764580000               8388608                     0
+         0          2   600               8388608    12    12      1  1000  1000  1000  1000 1764580000          0 1764580000               4194304               1048576
+"""
+MSG = """       key      msqid perms      cbytes       qnum lspid lrpid   uid   gid  cuid  cgid      stime      rtime      ctime
+         0          0   600       16384          4    12     0  1000  1000  1000  1000 1764580000          0 1764580000
+"""
+
+
+def test_every_segment_resident_or_swapped_and_every_queues_bytes_count(tmp_path: Path) -> None:
+    (tmp_path / "sysvipc").mkdir()
+    (tmp_path / "sysvipc" / "shm").write_text(SHM)
+    (tmp_path / "sysvipc" / "msg").write_text(MSG)
+    # Attached or not: the daemon subtracts what the session's processes map.
+    assert ipcwatch.held_bytes(str(tmp_path)) == 8388608 + 4194304 + 1048576 + 16384
+
+
+def test_a_kernel_without_system_v_ipc_holds_nothing(tmp_path: Path) -> None:
+    assert ipcwatch.held_bytes(str(tmp_path)) == 0
+    (tmp_path / "sysvipc").mkdir()
+    (tmp_path / "sysvipc" / "shm").write_text(SHM.splitlines()[0] + "\n")  # the header only: none held
+    assert ipcwatch.held_bytes(str(tmp_path)) == 0
+
+
+def test_the_watch_sends_changes_while_commands_run_then_sleeps_until_the_next() -> None:
+    sent: list[int] = []
+    spawned = threading.Event()
+    state = {"running": True, "held": 0}
+    looks: list[float] = []
+
+    def held() -> int:
+        looks.append(time.monotonic())
+        return state["held"]
+
+    thread = threading.Thread(target=ipcwatch.watch, args=(sent.append, spawned, 0, lambda: state["running"], held),
+                              daemon=True)
+    thread.start()
+    time.sleep(0.1)
+    assert looks == [] and sent == []  # no command yet: no look at all
+    spawned.set()
+    time.sleep(0.05)
+    state["held"] = 1 << 20
+    assert _until(lambda: sent == [1 << 20])  # sent once changed, not at every look
+    state["running"] = False
+    state["held"] = 2 << 20  # the last command's last write, seen at the look after it ended
+    assert _until(lambda: sent == [1 << 20, 2 << 20])
+    time.sleep(3 * ipcwatch.INTERVAL_S)
+    settled = len(looks)
+    time.sleep(3 * ipcwatch.INTERVAL_S)
+    assert len(looks) == settled  # nothing runs: no look until the next command
+
+
+def _until(predicate: object, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_the_watchdog_adds_what_the_namespace_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    me = os.getpid()
+    assert watchdog.over_limit(me, 1 << 40) is None
+    # The same process under the same limit, with 2 TiB held in segments no process maps.
+    used = watchdog.over_limit(me, 1 << 40, ipc=2 << 40)
+    assert used is not None and used > 2 << 40
+    # A segment the processes map is in their PSS already: subtracted, not counted twice.
+    monkeypatch.setattr(watchdog, "_mapped_files", lambda pids: (set(), [me]))
+    monkeypatch.setattr(watchdog, "_sysv_pss", lambda pids: (2 << 40) - (1 << 20))
+    assert watchdog.over_limit(me, 1 << 40, ipc=2 << 40) is None
