@@ -41,8 +41,11 @@ _UNLIMITED = 1 << 62
 
 def read_limits(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> dict[str, int]:
     """Every limit a task of this process meets, by name; an unlimited or
-    unreadable one is left out."""
+    unreadable one is left out. None for root: the kernel does not hold the
+    global root user to RLIMIT_NPROC (``copy_process``), so no bound would hold."""
     found: dict[str, int] = {}
+    if os.geteuid() == 0:
+        return found
     soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
     if soft != resource.RLIM_INFINITY:
         found["the user's RLIMIT_NPROC"] = soft
@@ -65,21 +68,33 @@ def _read_int(path: str) -> int | None:
 
 
 def _pids_max(proc: str, cgroup_root: str) -> list[tuple[str, int]]:
-    """The ``pids.max`` of this process's cgroup (v2) and of each above it."""
+    """The ``pids.max`` of this process's cgroup and of each above it: in
+    cgroup v2, and in v1's pids hierarchy (a hybrid or v1-only machine, where
+    the v2 tree holds no controller)."""
     try:
         with open(f"{proc}/self/cgroup", encoding="utf-8") as f:
             lines = f.read().splitlines()
     except OSError:
         return []
-    path = next((line[3:] for line in lines if line.startswith("0::")), None)
-    if path is None:
-        return []
     found = []
+    for line in lines:
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if number == "0" and controllers == "":
+            found += _walk_up(f"{cgroup_root}", path, "")
+        elif "pids" in controllers.split(","):
+            found += _walk_up(f"{cgroup_root}/pids", path, " (cgroup v1)")
+    return found
+
+
+def _walk_up(root: str, path: str, kind: str) -> list[tuple[str, int]]:
+    found = []
+    path = path or "/"
     while True:
-        value = _read_int(f"{cgroup_root}{path.rstrip('/')}/pids.max")
+        value = _read_int(f"{root}{path.rstrip('/')}/pids.max")
         if value is not None:
-            found.append((path, value))
-        if path in ("", "/"):
+            found.append((path + kind, value))
+        if path == "/":
             return found
         path = os.path.dirname(path.rstrip("/")) or "/"
 
@@ -94,16 +109,17 @@ def plan(limits: dict[str, int]) -> tuple[int, str]:
 
 
 def apply(processes: int) -> None:
-    """In the fork server, once its user namespace is made: its soft
-    ``RLIMIT_NPROC`` lowered to ``processes`` (0: left as it is). The hard
-    limit stays, so that a session without a namespace of its own can still
-    set its own (lower) limit."""
+    """In the fork server, once its user namespace is made: its
+    ``RLIMIT_NPROC`` lowered to ``processes``, soft and hard (0: left as it
+    is). Hard too: a network stack runs in this namespace (counted against
+    the namespace above, which keeps the user's limit), and one that a
+    packet took over must not raise its own limit back."""
     if processes <= 0:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     value = min(processes, hard if hard != resource.RLIM_INFINITY else _UNLIMITED)
-    if soft == resource.RLIM_INFINITY or value < soft:
-        resource.setrlimit(resource.RLIMIT_NPROC, (value, hard))
+    if soft == resource.RLIM_INFINITY or value < soft or value < hard:
+        resource.setrlimit(resource.RLIMIT_NPROC, (min(value, soft), value))
 
 
 def reached(err: int | None) -> str:

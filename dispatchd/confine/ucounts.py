@@ -131,7 +131,8 @@ def describe(plan: UcountsPlan, shared: str = "") -> str:
     """A session's bounds in words; ``shared``: what all sessions together
     may hold (``describe_shared``), "" when that is not bounded."""
     if not plan.maxima:
-        return "shared with the user (no user namespace of its own)"
+        return (f"{shared}; no share of its own (no user namespace of its own)" if shared
+                else "shared with the user (no user namespace of its own)")
     m = plan.maxima
     return (f"{shared + '; ' if shared else ''}in its user namespace: inotify {m['max_inotify_instances']} instances, "
             f"{m['max_inotify_watches']} watches; fanotify {m['max_fanotify_groups']} groups, "

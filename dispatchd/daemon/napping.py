@@ -31,6 +31,7 @@ from dispatchd.daemon import checkpoints, exits
 from dispatchd.daemon.ending import Ending
 from dispatchd.daemon.lifecycle import Action, Event, Op, State, decide
 from dispatchd.daemon.session import READY_TIMEOUT_S, Nap, Session, has_pid_namespace, tool_schemas
+from dispatchd.daemon.spawn import NoProcess, Worker
 from dispatchd.policy import max_channels, too_many_channels
 
 log = logging.getLogger("dispatchd.sessions")
@@ -38,6 +39,9 @@ log = logging.getLogger("dispatchd.sessions")
 # 256 at most): a worker that sends more is ended, not believed.
 MAX_HANDED_OVER = 1024
 MAX_KEPT_JOBS = 64  # the ended jobs a tool server keeps (tools/jobs.py MAX_KEPT)
+# A wake refused for want of a process is tried again after these pauses, doubling.
+WAKE_RETRY_FIRST_S = 0.1
+WAKE_RETRY_MOST_S = 2.0
 
 
 class Napping(Ending):
@@ -225,52 +229,78 @@ class Napping(Ending):
             return
         failed = ""
         woken: protocol.FrameSocket | None = None  # the woken tool server's channel
-        with session.lock:
-            asleep = session.nap
-            # Closing or closed: refused; awake: woken already (another channel's byte).
-            if decide(session.state, Op.WAKE).action is not Action.GO or asleep is None \
-                    or asleep.number != number or session.plan is None:
-                return
-            self.sleepers.forget(sid)
-            started = time.perf_counter()
-            try:
-                worker, control, msg = self.fork_server.wake_worker(session.plan, session.kit, READY_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 (any: left asleep, nobody would watch or wake it)
-                failed = str(exc) or type(exc).__name__
-            else:
-                session.nap = None
-                session.move(Event.WOKEN)
-                session.wakes += 1
-                session.worker, session.control = worker, control
-                woken = control
-                session.ended = threading.Event()
+        # No process to be had (NoProcess: the sessions' shared bound, say,
+        # taken by another session's build) ends nothing: the session stays
+        # asleep, its request waiting, and the wake is tried again, less
+        # often each time, until its idle timeout would have ended it asleep.
+        waited_until = time.monotonic() + session.policy.limits.idle_timeout_s
+        pause = WAKE_RETRY_FIRST_S
+        while True:
+            with session.lock:
+                asleep = session.nap
+                # Closing or closed: refused; awake: woken already (another channel's byte).
+                if decide(session.state, Op.WAKE).action is not Action.GO or asleep is None \
+                        or asleep.number != number or session.plan is None:
+                    return
+                self.sleepers.forget(sid)
+                started = time.perf_counter()
                 try:
-                    with session.send_lock:
-                        if session.env_set or session.env_unset:
-                            control.send(protocol.SetCommandEnv(set=session.env_set, unset=sorted(session.env_unset),
-                                                                secrets=session.secret_names))
-                        if asleep.jobs is not None:
-                            control.send(asleep.jobs[0], fds=asleep.jobs[1])
-                        for fd in asleep.channels:
-                            control.send(protocol.AddChannel(id=0), fds=[fd])
-                            session.added += 1
-                except OSError as exc:
-                    failed = f"its woken tool server went away ({exc})"
-                held = len(asleep.channels)
-                asleep.close()
-                log.debug("event=worker_ready session=%s pid=%s woken=1 steps_ms=%s", sid, worker.pid,
-                          ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
-                log.info("event=session_woken session=%s ms=%.1f channels=%d", sid,
-                         (time.perf_counter() - started) * 1e3, held)
-                try:
-                    threads.Thread(target=self._watch, args=(session, control, session.ended),
-                                   daemon=True, name=f"watch-{sid}").start()
-                except RuntimeError as exc:  # can't start new thread: unwatched, its MaySleep would hang it
-                    failed = failed or f"no thread to watch it ({exc})"
+                    worker, control, msg = self.fork_server.wake_worker(session.plan, session.kit, READY_TIMEOUT_S)
+                except NoProcess as exc:
+                    if time.monotonic() + pause >= waited_until:
+                        failed = str(exc)
+                        break
+                    if pause == WAKE_RETRY_FIRST_S:
+                        log.warning("event=wake_waiting session=%s error=%s", sid, exc)
+                except Exception as exc:  # noqa: BLE001 (any: left asleep, nobody would watch or wake it)
+                    failed = str(exc) or type(exc).__name__
+                    break
+                else:
+                    woken = control
+                    failed = self._woken(session, asleep, worker, control, msg, started)
+                    break
+            time.sleep(pause)  # not holding the session: a close meanwhile is served
+            pause = min(pause * 2, WAKE_RETRY_MOST_S)
         if failed:
             log.warning("event=wake_failed session=%s error=%s", sid, failed)
             # Woken and gone: only while that tool server is still the session's.
             self._finish(session, f"it could not be woken ({failed})", Event.WAKE_FAILED, woken)
+
+    def _woken(self, session: Session, asleep: Nap, worker: Worker, control: protocol.FrameSocket,
+               msg: protocol.WorkerReady, started: float) -> str:
+        """With the session's lock: its woken tool server made the session's,
+        given the environment changes and every channel held, and watched.
+        Returns why that failed ("": it did not)."""
+        failed = ""
+        session.nap = None
+        session.move(Event.WOKEN)
+        session.wakes += 1
+        session.worker, session.control = worker, control
+        session.ended = threading.Event()
+        try:
+            with session.send_lock:
+                if session.env_set or session.env_unset:
+                    control.send(protocol.SetCommandEnv(set=session.env_set, unset=sorted(session.env_unset),
+                                                        secrets=session.secret_names))
+                if asleep.jobs is not None:
+                    control.send(asleep.jobs[0], fds=asleep.jobs[1])
+                for fd in asleep.channels:
+                    control.send(protocol.AddChannel(id=0), fds=[fd])
+                    session.added += 1
+        except OSError as exc:
+            failed = f"its woken tool server went away ({exc})"
+        held = len(asleep.channels)
+        asleep.close()
+        log.debug("event=worker_ready session=%s pid=%s woken=1 steps_ms=%s", session.id, worker.pid,
+                  ",".join(f"{k}:{v}" for k, v in msg.timings_ms.items()))
+        log.info("event=session_woken session=%s ms=%.1f channels=%d", session.id,
+                 (time.perf_counter() - started) * 1e3, held)
+        try:
+            threads.Thread(target=self._watch, args=(session, control, session.ended),
+                           daemon=True, name=f"watch-{session.id}").start()
+        except RuntimeError as exc:  # can't start new thread: unwatched, its MaySleep would hang it
+            failed = failed or f"no thread to watch it ({exc})"
+        return failed
 
     def _channel_gone(self, sid: str, number: int, fd: int) -> None:
         """A client closed its channel to a sleeping session: let it go, unwoken."""

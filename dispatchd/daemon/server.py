@@ -33,6 +33,7 @@ import errno
 import itertools
 import logging
 import os
+import resource
 import select
 import socket
 import struct
@@ -369,6 +370,16 @@ class Server:
             return self._route(req, conn_id), []
         except DispatchdError as exc:  # names in it as text a reply can carry (fsnames.py)
             return protocol.ErrorReply(id=rid, code=exc.code, message=_said(shown(exc.message))), []
+        except RuntimeError as exc:
+            if "can't start new thread" not in str(exc):
+                log.exception("event=internal_error request=%s", type(req).__name__)
+                return protocol.ErrorReply(id=rid, code="internal",
+                                           message=_said(shown(f"internal error: {type(exc).__name__}: {exc}"))), []
+            # Not a bug: the daemon's own tasks count against the user's process limit.
+            log.warning("event=no_thread request=%s error=%s", type(req).__name__, exc)
+            return protocol.ErrorReply(id=rid, code="busy", message=(
+                f"dispatchd cannot start a thread ({exc}): the user's processes are at the user's limit "
+                f"(RLIMIT_NPROC {_nproc()}); end some of the user's processes, or close sessions, and retry")), []
         except Exception as exc:  # a bug: say so, keep serving
             log.exception("event=internal_error request=%s", type(req).__name__)
             return protocol.ErrorReply(id=rid, code="internal",
@@ -445,3 +456,7 @@ class Server:
             return protocol.ToolsReply(id=req.id, tools=[protocol.ToolSchema(**s) for s in schemas_for(policy.tools)])
         return protocol.ErrorReply(id=req.id, code="bad_request", message=f"not a daemon request: {type(req).__name__}")
 
+
+def _nproc() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft:,}"

@@ -32,7 +32,7 @@ from dispatchd.daemon.dnsrelay import Check, DnsRelay
 from dispatchd.daemon.pool import Made
 from dispatchd.daemon.proxy import Resolver, SessionProxy
 from dispatchd.daemon.session import Session
-from dispatchd.daemon.spawn import ForkServerClient, SpawnError
+from dispatchd.daemon.spawn import ForkServerClient, NoProcess, SpawnError
 from dispatchd.errors import ConfinementError, DispatchdError
 from dispatchd.netmodes import NETWORK_MODES, NetworkMode
 from dispatchd.policy import Policy
@@ -157,6 +157,12 @@ def namespaces(session: Session | Made) -> tuple[int, int]:
     return session.ns_fds
 
 
+class NetworkUnchanged(ConfinementError):
+    """A switch refused before it changed anything that stays: no process to
+    start the stack with (the sessions' shared bound, or the user's limit),
+    its rules, if any, put back. The session goes on as it was."""
+
+
 class SessionNetworks:
     """What sets a session's network up needs of the daemon: its fork server
     (nft and the stacks run from there), its DNS relay, and the proxies' resolver."""
@@ -203,13 +209,32 @@ class SessionNetworks:
                 session.stack = netstack.start_stack(
                     *namespaces(session), launch=lambda fds: self._start(fds, cgroup, new.host_loopback),
                     name=self.launch.stack)
-            except BaseException:
+            except BaseException as exc:
                 if door is not None:
                     door.discard()
+                if isinstance(exc, ConfinementError) and isinstance(exc.__cause__, NoProcess):
+                    self._undo(session, old, new, exc)
                 raise
             log.debug("event=stack_started session=%s pid=%s", session.id, session.stack.pid)
             if door is not None:
                 door.open_with(session.stack)
+
+    def _undo(self, session: Session | Made, old: netstack.NetworkPlan | None, new: netstack.NetworkPlan,
+              exc: ConfinementError) -> None:
+        """A stack that could not start for want of a process: the rules
+        ``new`` committed put back and the session's plan ``old`` again, then
+        ``NetworkUnchanged``. Rules that cannot be put back leave ``exc`` to
+        end the session, as any half-made switch does."""
+        if old is None or new.rules == old.rules:
+            pass
+        else:
+            try:
+                self.fork_server.net_rules(old.rules or netstack.reset_rules(), *namespaces(session))
+            except SpawnError:
+                return
+        session.net = old
+        raise NetworkUnchanged(exc.step, exc.errno, exc.path,
+                               detail=f"{exc.__cause__}; the session's network is unchanged") from exc
 
     def _stop_stack(self, session: Session | Made) -> None:
         """The stack ended, and the way out known to be gone: a stack can fork

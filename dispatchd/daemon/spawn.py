@@ -33,6 +33,13 @@ class SpawnError(DispatchdError):
     code = "spawn_failed"
 
 
+class NoProcess(SpawnError):
+    """The fork server had no process to start (EAGAIN: the session's, all
+    sessions' or the user's process limit): a wait may find one."""
+
+    code = "no_process"
+
+
 class Worker:
     """The first process of a session (W1, its init), held by a pidfd so that signalling
     it can never hit a recycled pid."""
@@ -210,7 +217,7 @@ class ForkServerClient:
                 if reply is None:
                     raise SpawnError("the fork server has exited")
                 if isinstance(reply, protocol.ErrorReply):
-                    raise SpawnError(reply.message)
+                    raise (NoProcess if reply.code == "no_process" else SpawnError)(reply.message)
                 wanted = 1 if isinstance(reply, protocol.Spawned) else 2 if isinstance(reply, protocol.DnsDoor) else 0
                 got: list[int] = []
                 try:

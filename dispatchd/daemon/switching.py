@@ -29,7 +29,7 @@ from dispatchd.confine import netstack
 from dispatchd.daemon.lifecycle import Action, Event, Op, State
 from dispatchd.daemon.opening import Opening
 from dispatchd.daemon.session import Session, count_session_processes, has_user_namespace
-from dispatchd.daemon.sessionnet import check_network, domains_for, ports_of
+from dispatchd.daemon.sessionnet import NetworkUnchanged, check_network, domains_for, ports_of
 from dispatchd.errors import ConfinementError
 from dispatchd.netmodes import NetworkMode
 
@@ -83,6 +83,9 @@ class Switching(Opening):
             raise
         try:
             note = self._switch_in_place(session, network)
+        except NetworkUnchanged:
+            session.ports, session.domains = old_ports, old_domains
+            raise
         except BaseException:
             # Half switched (a stack that did not start, rules nft refused).
             self._switch_failed(session, network, wound_down=False)

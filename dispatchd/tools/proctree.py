@@ -128,7 +128,7 @@ def _command_limit(hard: int, budget: int) -> int | None:
     processes."""
     if hard == resource.RLIM_INFINITY:
         return None
-    value = hard - min(PROCESS_RESERVE, budget // 4)
+    value = hard - min(PROCESS_RESERVE, min(budget, hard) // 4)  # hard: at most all sessions' bound
     return value if 0 < value < hard else None
 
 

@@ -27,6 +27,7 @@ opens (docs/performance.md, "Memory: an idle session").
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal
@@ -39,7 +40,7 @@ from typing import NoReturn
 import msgspec
 
 from dispatchd import catalogue, protocol
-from dispatchd.confine import hygiene, namespaces, netstack, seccomp
+from dispatchd.confine import hygiene, namespaces, netstack, seccomp, sharedprocs
 from dispatchd.confine.ucounts import UcountsPlan
 from dispatchd.confine.plan import SessionPlan, decode_plan, encode_plan, leave_seccomp_encoded, pool_key, seccomp_of
 from dispatchd.errors import ConfinementError
@@ -200,6 +201,12 @@ def _wake(req: protocol.WakeWorker, frames: protocol.FrameSocket, sock: socket.s
             pid = wake.spawn_woken(plan, fds[1:], cgroup_fd)
         except Exception as exc:
             message = str(exc) if isinstance(exc, ConfinementError) else f"bad wake request: {exc}"
+            if getattr(exc, "errno", None) == errno.EAGAIN:
+                # No process to be had (the session's, all sessions' or the
+                # user's limit): the daemon keeps the session asleep and tries again.
+                frames.send(protocol.ErrorReply(id=req.id, code="no_process", message=(
+                    f"no process to wake it with: {sharedprocs.reached(errno.EAGAIN)}")))
+                return
             frames.send(protocol.ErrorReply(id=req.id, code="spawn_failed", message=message))
             return
         if pid == 0:

@@ -25,6 +25,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -32,7 +33,7 @@ import signal
 import msgspec
 
 from dispatchd import protocol
-from dispatchd.confine import cgroups, hygiene, landlock, seccomp, stacks
+from dispatchd.confine import cgroups, hygiene, landlock, seccomp, sharedprocs, stacks
 from dispatchd.errors import ConfinementError
 from dispatchd.tools import native
 
@@ -64,20 +65,23 @@ def start_stack(req: protocol.StartStack, frames: protocol.FrameSocket,
     # The file the daemon's probe found (and its Landlock rules name); else
     # found on PATH, as the probe would.
     path = req.executable or shutil.which(argv[0]) or argv[0]
-    pid, why = -1, ""
+    pid, why, err = -1, "", None
     if native.lines is not None:
         try:
             pid = _launch_by_vfork(native.lines, req.cgroup, path, argv, confinement, program, fds, me)
         except Exception as exc:  # noqa: BLE001 - answered, whatever it was: nothing was started
-            why = f"cannot start {argv[0]}: {_launch_error(exc, path)}"
+            why, err = f"cannot start {argv[0]}: {_launch_error(exc, path)}", getattr(exc, "errno", None)
     else:
         try:
             pid = _launch_by_fork(req.cgroup, path, argv, confinement, program, fds, me)
         except OSError as exc:
-            why = f"cannot fork for {argv[0]}: {exc}"
+            why, err = f"cannot fork for {argv[0]}: {exc}", exc.errno
     if why:
         for fd in fds:
             os.close(fd)
+        if err == errno.EAGAIN:  # no process to be had: the daemon may refuse the switch and keep the session
+            return protocol.ErrorReply(id=req.id, code="no_process",
+                                       message=f"{why}: {sharedprocs.reached(errno.EAGAIN)}"), -1
         return protocol.ErrorReply(id=req.id, code="spawn_failed", message=why), -1
     return _started(req.id, pid, fds, children)
 

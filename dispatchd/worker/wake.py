@@ -106,7 +106,11 @@ def spawn_woken(plan: SessionPlan, kit: list[int], cgroup_fd: int) -> int:
         os.waitpid(middle, 0)
     said = b"".join(chunks).decode(errors="replace").strip()
     if not said.startswith("pid "):
-        raise ConfinementError("sleep: join the session's namespaces", detail=said or "the intermediate said nothing")
+        # "errno N step: words": the errno kept, so that EAGAIN (no process
+        # to be had) can be told from a wake that cannot work.
+        code, _, words = said.removeprefix("errno ").partition(" ") if said.startswith("errno ") else ("0", "", said)
+        raise ConfinementError("sleep: join the session's namespaces", int(code) if code.isdigit() else 0,
+                               detail=words or "the intermediate said nothing")
     return int(said[4:])
 
 
@@ -145,7 +149,7 @@ def _intermediate(names: list[tuple[str, int]], ns_fds: list[int], budget: tuple
         os._exit(0)
     except BaseException as exc:  # noqa: BLE001 (said to the fork server, which fails the wake)
         try:
-            os.write(report, f"{step}: {exc}".encode()[:4000])
+            os.write(report, f"errno {getattr(exc, 'errno', 0) or 0} {step}: {exc}".encode()[:4000])
         finally:
             os._exit(1)
 

@@ -12,15 +12,18 @@ from __future__ import annotations
 import errno
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import dispatch
-from tests.conftest import Daemon, _refuse_root, shell, wait_until
+from tests.conftest import REPO, Daemon, _refuse_root, shell, wait_until
+from tests.sleeping import SLEEP_AFTER_S, stays_asleep, wait_until_asleep, with_sleep_after
 
 pytestmark = pytest.mark.usefixtures("user_budgets")
 
@@ -60,15 +63,29 @@ def _tasks_of_the_user() -> int:
 
 @pytest.fixture()
 def limited(tmp_path: Path) -> Iterator[tuple[Daemon, dispatch.Client, int]]:
-    """A full-mode daemon whose RLIMIT_NPROC is what the user runs plus ``ROOM``, and that limit."""
+    """A full-mode daemon whose RLIMIT_NPROC is what the user runs plus
+    ``ROOM``, and that limit; its policy "sleepy" sleeps after 0.1 s."""
     _refuse_root()
     limit = _tasks_of_the_user() + ROOM
-    d = Daemon(tmp_path, "--cgroup", "off", prefix=("prlimit", f"--nproc={limit}", "--"))
+    policies = tmp_path / "policies"
+    shutil.copytree(REPO / "policies", policies)
+    (policies / "sleepy.toml").write_text(with_sleep_after("", SLEEP_AFTER_S))
+    d = Daemon(tmp_path, "--cgroup", "off", "--policies", str(policies),
+               prefix=("prlimit", f"--nproc={limit}", "--"))
     try:
         with d.connect() as c:
             yield d, c, limit
     finally:
         assert d.stop() == 0, d.log()
+
+
+def _hog(session: dispatch.Session, worktree: Path, n: int) -> tuple[dispatch.Result, int, int]:
+    """A background job that forks ``n`` processes, or until refused: the job, how many and the errno."""
+    job = shell(session, f"/usr/bin/python3 -c {shlex.quote(HOG)} {n} 120 > hog.out", background=True)
+    out = worktree / "hog.out"
+    assert wait_until(lambda: out.exists() and out.read_text().strip() != "")
+    got, err = (int(x) for x in out.read_text().split())
+    return job, got, err
 
 
 def _hog_outside(limit: int, n: int) -> tuple[int, int]:
@@ -94,19 +111,12 @@ def test_all_sessions_together_run_at_most_half_and_the_user_keeps_the_rest(
         # The allowed twin first: with room, c starts a command.
         assert shell(c, "echo ok").output == "ok\n"
 
-        def hog(session: dispatch.Session, name: str, n: int) -> tuple[dispatch.Result, int, int]:
-            job = shell(session, f"/usr/bin/python3 -c {shlex.quote(HOG)} {n} 120 > hog.out", background=True)
-            out = tmp_path / name / "hog.out"
-            assert wait_until(lambda: out.exists() and out.read_text().strip() != "")
-            got, err = (int(x) for x in out.read_text().split())
-            return job, got, err
-
         # a starts most of the half, far below its own limit; b forks until
         # refused: b is stopped by the sessions' sum (the fork server, the
         # sandboxes made ahead and c count too), not by its own limit.
-        job_a, got_a, err_a = hog(a, "a", half * 6 // 10)
+        job_a, got_a, err_a = _hog(a, tmp_path / "a", half * 6 // 10)
         assert (got_a, err_a) == (half * 6 // 10, 0)
-        job_b, got_b, err_b = hog(b, "b", half)
+        job_b, got_b, err_b = _hog(b, tmp_path / "b", half)
         assert err_b == errno.EAGAIN and half - 100 < got_a + got_b < half, (got_a, got_b, err_b)
         # c, a third session, cannot start a process now.
         r = c.registry.get("shell_exec").call({"command": "echo ok"})
@@ -124,3 +134,58 @@ def test_all_sessions_together_run_at_most_half_and_the_user_keeps_the_rest(
     finally:
         for session in sessions:
             session.close()
+
+
+def test_a_sleeping_session_called_while_every_process_is_taken_waits_and_wakes_after(
+        limited: tuple[Daemon, dispatch.Client, int], tmp_path: Path) -> None:
+    """Its wake needs a process: refused, it stays asleep with its call
+    waiting (before: the session was ended, "bad wake request"), and is woken
+    once a process is to be had."""
+    daemon, client, limit = limited
+    half = limit // 2
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    with client.open_session(str(tmp_path / "a")) as a, client.open_session(str(tmp_path / "c")) as c, \
+            client.open_session(str(tmp_path / "b"), policy="sleepy") as b:
+        assert shell(b, "echo ok").output == "ok\n"  # the twin: woken with room
+        wait_until_asleep(client, b.id)
+        # a and c take every process the sessions may have (each alone stops at its own limit).
+        job, got_a, _ = _hog(a, tmp_path / "a", half * 6 // 10)
+        job_c, got_c, err = _hog(c, tmp_path / "c", half)
+        assert err == errno.EAGAIN, (got_a, got_c, err)
+        answer: list[dispatch.Result] = []
+        caller = threading.Thread(target=lambda: answer.append(shell(b, "echo woken")))
+        caller.start()
+        assert wait_until(lambda: "event=wake_waiting session=" + b.id in daemon.log()), daemon.log()[-4000:]
+        assert stays_asleep(client, b.id, 1.0) and not answer  # waiting, not ended
+        assert a.registry.get("job_stop").call({"job": job.metadata["job"]}).is_success
+        caller.join(60)
+        assert answer and answer[0].output == "woken\n", answer
+        assert f"event=wake_failed session={b.id}" not in daemon.log()
+        assert c.registry.get("job_stop").call({"job": job_c.metadata["job"]}).is_success
+
+
+def test_a_network_switch_without_a_process_for_its_stack_is_refused_and_the_session_goes_on(
+        limited: tuple[Daemon, dispatch.Client, int], tmp_path: Path) -> None:
+    """Off to on starts a stack: with no process to be had it is refused,
+    the session unchanged (before: ended, "could not be switched"), and the
+    same switch works once one is."""
+    _, client, limit = limited
+    half = limit // 2
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    with client.open_session(str(tmp_path / "a")) as a, client.open_session(str(tmp_path / "c")) as c, \
+            client.open_session(str(tmp_path / "b")) as b:
+        job_a, _, _ = _hog(a, tmp_path / "a", half * 6 // 10)
+        job_c, _, err = _hog(c, tmp_path / "c", half)
+        assert err == errno.EAGAIN
+        with pytest.raises(dispatch.RequestFailed) as refused:
+            b.set_network("on")
+        assert "the session's network is unchanged" in str(refused.value), refused.value
+        assert "EAGAIN: the processes all sessions of this daemon may run together" in str(refused.value)
+        assert b.status()["network"]["mode"] == "off"
+        for session, job in ((a, job_a), (c, job_c)):
+            assert session.registry.get("job_stop").call({"job": job.metadata["job"]}).is_success
+        assert shell(b, "echo ok").output == "ok\n"  # the session went on
+        b.set_network("on")  # the twin: with a process to be had
+        assert b.status()["network"]["mode"] == "on"

@@ -129,6 +129,7 @@ SAMPLES: dict[type, tuple[msgspec.Struct, set[str]]] = {
     p.Pause: (p.Pause(id=23), {"to_worker"}),
     p.Paused: (p.Paused(id=23, busy="1 tool call in flight"), {"from_worker"}),
     p.WatchHeld: (p.WatchHeld(), {"from_worker"}),
+    p.IpcHeld: (p.IpcHeld(bytes=16 << 20), {"from_worker"}),
     p.Resume: (p.Resume(), {"to_worker"}),
 }
 DECODERS = {
@@ -156,7 +157,7 @@ TAGS = {
     "KeptJobs": "kept_jobs", "DnsSockets": "dns_sockets", "DnsDoor": "dns_door",
     "TakeCheckpoint": "checkpoint", "ListCheckpoints": "list_checkpoints", "RestoreCheckpoint": "restore",
     "CheckpointReply": "checkpoint_taken", "CheckpointsReply": "checkpoints", "RestoredReply": "restored",
-    "Pause": "pause", "Paused": "paused", "Resume": "resume", "WatchHeld": "watch_held",
+    "Pause": "pause", "Paused": "paused", "Resume": "resume", "WatchHeld": "watch_held", "IpcHeld": "ipc_held",
 }
 
 

@@ -112,3 +112,30 @@ def _hello_then_status(client: protocol.FrameSocket) -> Any:
     again = client.recv(protocol.daemon_reply_decoder)
     assert isinstance(again, protocol.HelloOk) and again.id == 3
     return reply
+
+
+class _ThreadlessServer(Server):
+    """``status`` meets the user's process limit (a thread it cannot start), or a bug."""
+
+    error = RuntimeError("can't start new thread")
+
+    def _route(self, req: Any, conn_id: int = 0) -> Any:
+        if isinstance(req, protocol.Status):
+            raise self.error
+        return super()._route(req, conn_id)
+
+
+@pytest.mark.parametrize(("error", "code"), [(RuntimeError("can't start new thread"), "busy"),
+                                             (RuntimeError("dictionary changed size"), "internal")],
+                         ids=["no-thread", "a-bug"])
+def test_a_thread_the_daemon_cannot_start_is_said_as_the_users_limit_not_a_bug(error: RuntimeError,
+                                                                                code: str) -> None:
+    server = _ThreadlessServer(socket.socket(socket.AF_UNIX), _Manager(), None, "/run/d.sock", None)  # type: ignore[arg-type]
+    server.error = error
+    reply, _ = server._handle(protocol.Status(id=3))
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == code, reply
+    if code == "busy":
+        assert reply.message.startswith("dispatchd cannot start a thread (can't start new thread): the user's "
+                                        "processes are at the user's limit (RLIMIT_NPROC "), reply.message
+    else:
+        assert reply.message == "internal error: RuntimeError: dictionary changed size"
