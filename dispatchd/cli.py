@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     features = msgspec.structs.replace(
         features, shared_budgets=ucounts.describe_shared(shared) if shared is not None and not shared_missing else "",
-        shared_budgets_missing=shared_missing)
+        shared_budgets_missing=shared_missing,
+        shared_processes=shared.processes if shared is not None and not shared_missing else 0)
     log.info("event=shared_budgets bound=%r missing=%r", features.shared_budgets, shared_missing)
 
     from dispatchd.daemon import leftovers

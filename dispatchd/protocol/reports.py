@@ -52,6 +52,8 @@ class KernelFeatures(msgspec.Struct, frozen=True):
     # ("" when it is; "not looked for" before the fork server has said).
     shared_budgets: str = ""
     shared_budgets_missing: str = "not looked for"
+    # The processes all sessions may run together (confine/sharedprocs.py); 0: not bounded.
+    shared_processes: int = 0
     # Testing only: what the daemon was told to take away from this probe
     # (``--force-kernel-for-testing``); "" for a real one.
     forced_for_testing: str = ""

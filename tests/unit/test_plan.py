@@ -774,3 +774,12 @@ def test_the_dns_relays_resolv_conf_is_bound_in_every_mode_where_a_stack_runs(ne
         other = plan(network=mode, k=k, paths=p)
         assert other.mounts is None or all(b.source != "/state/dns-resolv.conf" for b in other.mounts.binds)
         assert at not in [r.path for r in other.landlock.paths]
+
+
+def test_a_session_budget_above_all_sessions_bound_is_said_with_that_bound() -> None:
+    """The user's limit low (sharedprocs.py): the session could never run its
+    1,024, and its report says what holds."""
+    capped = report(plan(k=msgspec.structs.replace(kernel(), shared_processes=600)))["limits"]
+    assert capped["max_processes"] == "1024, but all sessions together at most 600"
+    roomy = report(plan(k=msgspec.structs.replace(kernel(), shared_processes=16384)))["limits"]
+    assert roomy["max_processes"] == 1024

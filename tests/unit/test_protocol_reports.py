@@ -132,7 +132,7 @@ def test_kernel_features_and_daemon_report_encode_as_the_old_dicts() -> None:
                   "cgroup_delegation": "not looked for", "network_stack_missing": "not looked for", "network_stack": "",
                   "nftables_missing": "not looked for", "network_unavailable": {},
                   "host_tree_missing": "not looked for", "shared_budgets": "",
-                  "shared_budgets_missing": "not looked for", "forced_for_testing": "", "container": ""}
+                  "shared_budgets_missing": "not looked for", "shared_processes": 0, "forced_for_testing": "", "container": ""}
     assert msgspec.msgpack.encode(kernel) == msgspec.msgpack.encode(old_kernel)
     daemon = p.DaemonReport(open_files=4096, open_files_note="raised", connections=1, max_connections=2016)
     old_daemon = {"open_files": 4096, "open_files_note": "raised", "connections": 1, "max_connections": 2016}
