@@ -19,9 +19,10 @@ seccomp refuses System V IPC):
   segment) it is read every ``INTERVAL_S``, the watchdog's own interval, and
   sent when it changed; once none runs, read and sent once more, then the
   thread sleeps until the next command starts: an idle session pays nothing;
-- read once when the tool server starts (a woken session's namespace may
-  hold segments from before its sleep), on the starting thread: no thread of
-  its own until the first command.
+- read once when a woken session's tool server starts (its namespace may
+  hold segments from before its sleep), on the starting thread; a new
+  session's namespace holds nothing: no look, and no thread of its own
+  until the first command.
 """
 
 from __future__ import annotations
@@ -92,10 +93,12 @@ def watch(send: Callable[[int], None], spawned: threading.Event, last: int = 0,
 
 
 def start(send: Callable[[int], None], spawned: threading.Event,
-          after_first_spawn: Callable[[Callable[[], bool]], None]) -> None:
-    """Look once now (sent if anything is held), and have ``watch`` started
-    on a thread of its own at the first command's start."""
-    first = held_bytes()
+          after_first_spawn: Callable[[Callable[[], bool]], None], look_now: bool = False) -> None:
+    """Have ``watch`` started on a thread of its own at the first command's
+    start; ``look_now`` (a woken session, whose namespace may hold what was
+    made before its sleep): look once first, and send it if anything is
+    held. A new session's namespace holds nothing yet."""
+    first = held_bytes() if look_now else 0
     if first:
         send(first)
 

@@ -267,12 +267,13 @@ def warm_up(plan: SessionPlan) -> None:
 
 
 def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool = True,
-          first_channel: int = -1) -> None:
+          first_channel: int = -1, woken: bool = False) -> None:
     """Serve until the daemon closes the control channel. ``adopt_orphans``
     False only where the server runs inside another program (a test), whose
     own children must not be taken for what a call left. ``first_channel``:
     the opener's channel, when it came with the session (AdoptSession),
-    served from here as an ``AddChannel``'s."""
+    served from here as an ``AddChannel``'s. ``woken``: a sleeping session's
+    new tool server, in the namespaces of the one before."""
     if adopt_orphans:
         # What a call's bash leaves running comes to us when it exits, to be
         # ended before the call returns (orphans.end_leftovers).
@@ -283,7 +284,7 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
         # is the daemon's memory watchdog's to count too (worker/ipcwatch.py).
         link = server.control
         ipcwatch.start(lambda held: link.send(protocol.IpcHeld(bytes=held)), proctree.SPAWNED,
-                       proctree.after_first_spawn)
+                       proctree.after_first_spawn, look_now=woken)
     if first_channel >= 0:
         server.added += 1  # counted as the daemon counts it (MaySleep.added)
         server.add_channel(socket.socket(fileno=first_channel))

@@ -221,7 +221,7 @@ def run_woken(plan: SessionPlan, program: bytes, control_fd: int, ruleset: int) 
         fail(control, exc, "wake")
     _say(control, protocol.WorkerReady(pid=os.getpid(), protections=plan.protections, timings_ms=steps))
     reaper.start_at_first_spawn(proctree.owns, proctree.CHILD_BORN, proctree.after_first_spawn)
-    serve(control, plan)
+    serve(control, plan, woken=True)
     os._exit(0)
 
 

@@ -85,3 +85,14 @@ def test_the_watchdog_adds_what_the_namespace_holds(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(watchdog, "_mapped_files", lambda pids: (set(), [me]))
     monkeypatch.setattr(watchdog, "_sysv_pss", lambda pids: (2 << 40) - (1 << 20))
     assert watchdog.over_limit(me, 1 << 40, ipc=2 << 40) is None
+
+
+def test_a_woken_session_looks_at_once_a_new_one_only_at_its_first_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ipcwatch, "held_bytes", lambda proc="/proc": 5 << 20)
+    hooks: list[object] = []
+    sent: list[int] = []
+    ipcwatch.start(sent.append, threading.Event(), hooks.append, look_now=True)
+    assert sent == [5 << 20] and len(hooks) == 1  # what was held before the sleep, said before any command
+    sent.clear()
+    ipcwatch.start(sent.append, threading.Event(), hooks.append)
+    assert sent == [] and len(hooks) == 2  # a new namespace: nothing to say until a command runs
