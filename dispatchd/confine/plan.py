@@ -15,7 +15,7 @@ import msgspec
 import msgspec.structs
 
 from dispatchd import domains as domains_mod
-from dispatchd.confine import hygiene
+from dispatchd.confine import hygiene, sharedprocs
 from dispatchd.confine.cgroups import Delegation, SessionCgroup, plan_session_cgroup
 from dispatchd.confine.gaps import filesystem_gaps, leaves_open
 from dispatchd.confine.limits import FD_PASSING_RESERVE, LimitsPlan, plan_limits
@@ -469,10 +469,7 @@ def describe_protections(policy: Policy, kernel: KernelFeatures, *, network: Net
                       "dies with its parent", "not dumpable"] + (["no capabilities"] if use_userns else [])
     lim = policy.limits
     held = set(cgroup.settings) if cgroup else set()
-    rlimit_processes: int | str = (lim.max_processes if use_userns
-                                   else f"{lim.max_processes} more than the user ran at open")
-    if 0 < kernel.shared_processes < lim.max_processes:  # sharedprocs.py: the sessions' bound is the lower
-        rlimit_processes = f"{rlimit_processes}, but all sessions together at most {kernel.shared_processes:,}"
+    rlimit_processes = sharedprocs.said(lim.max_processes, use_userns, kernel.shared_processes)
     limits_report = LimitsReport(
         # rlimits hold in every mode; a cgroup adds limits over the whole session.
         mechanism=("cgroup v2 and rlimits" if cgroup else "rlimits"),

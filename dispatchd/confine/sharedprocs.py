@@ -108,6 +108,14 @@ def plan(limits: dict[str, int]) -> tuple[int, str]:
     return max(1, limits[name] // 2), name
 
 
+def said(max_processes: int, own_namespace: bool, shared: int) -> int | str:
+    """A session's process limit as its report says it: its budget (counted
+    above what the user ran at open, without a namespace of its own), and
+    all sessions' bound ``shared`` where that is the lower (0: none). Pure."""
+    own: int | str = max_processes if own_namespace else f"{max_processes} more than the user ran at open"
+    return f"{own}, but all sessions together at most {shared:,}" if 0 < shared < max_processes else own
+
+
 def apply(processes: int) -> None:
     """In the fork server, once its user namespace is made: its
     ``RLIMIT_NPROC`` lowered to ``processes``, soft and hard (0: left as it

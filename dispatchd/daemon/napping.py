@@ -247,7 +247,7 @@ class Napping(Ending):
                 try:
                     worker, control, msg = self.fork_server.wake_worker(session.plan, session.kit, READY_TIMEOUT_S)
                 except NoProcess as exc:
-                    if time.monotonic() + pause >= waited_until:
+                    if time.monotonic() + pause >= waited_until or not self.accepting:  # or stopping
                         failed = str(exc)
                         break
                     if pause == WAKE_RETRY_FIRST_S:

@@ -190,6 +190,12 @@ class SessionNetworks:
             try:
                 # No rules of the new mode's own: the old mode's table goes.
                 self.fork_server.net_rules(new.rules or netstack.reset_rules(), *namespaces(session))
+            except NoProcess as exc:  # nft's transaction is whole or nothing: nothing changed
+                if old is not None and (session.stack is not None) == old.stack:
+                    session.net = old
+                    raise NetworkUnchanged("network: nftables", detail=f"{exc}; the session's network is "
+                                                                     "unchanged") from exc
+                raise ConfinementError("network: nftables", detail=str(exc)) from exc
             except SpawnError as exc:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
         if new.stack and session.stack is None:

@@ -117,7 +117,7 @@ def _mapped_files(pids: Iterable[int]) -> tuple[set[tuple[int, int]], list[int]]
         try:
             with open(f"/proc/{p}/maps", "rb") as f:
                 for line in f:
-                    if b"/SYSV" in line and (not sysv or sysv[-1] != p):
+                    if b"/SYSV" in line and (not sysv or sysv[-1] != p) and _is_segment(line):
                         sysv.append(p)
                     if b"/memfd:" not in line and b"/dev/shm/" not in line:
                         continue
@@ -127,6 +127,37 @@ def _mapped_files(pids: Iterable[int]) -> tuple[set[tuple[int, int]], list[int]]
         except (OSError, ValueError, IndexError):
             continue
     return mapped, sysv
+
+
+_shm_dev: list[int] = []
+
+
+def _shm_device() -> int:
+    """The device of the kernel's internal shmem mount, which holds every
+    System V segment (and every memfd): a memfd's, looked at once."""
+    if not _shm_dev:
+        fd = os.memfd_create("dispatchd-shm-device", os.MFD_CLOEXEC)
+        try:
+            _shm_dev.append(os.fstat(fd).st_dev)
+        finally:
+            os.close(fd)
+    return _shm_dev[0]
+
+
+def _is_segment(line: bytes) -> bool:
+    """Whether a maps (or smaps header) line maps a System V segment: by its
+    device, the kernel's shmem mount, and a path the kernel gives segments
+    alone there ("/SYSV" and the key; a memfd's is "/memfd:..."). Not by name
+    only: a file named " /SYSV..." of the worktree, or of the session's own
+    /dev/shm, is on another device."""
+    fields = line.split(None, 5)
+    if len(fields) < 6 or not fields[5].startswith(b"/SYSV"):
+        return False
+    try:
+        major, minor = (int(x, 16) for x in fields[3].split(b":"))
+    except ValueError:
+        return False
+    return os.makedev(major, minor) == _shm_device()
 
 
 def _sysv_pss(pids: Iterable[int]) -> int:
@@ -139,7 +170,7 @@ def _sysv_pss(pids: Iterable[int]) -> int:
                 inside = False
                 for line in f:
                     if line[:1].isalnum() and b"-" in line.split(None, 1)[0]:  # a mapping's first line
-                        inside = b" /SYSV" in line
+                        inside = b"/SYSV" in line and _is_segment(line)
                     elif inside and line.startswith(b"Pss:"):
                         total += int(line.split()[1]) * 1024
         except (OSError, ValueError, IndexError):

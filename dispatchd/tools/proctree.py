@@ -75,9 +75,9 @@ class _Child(Protocol):
 
 T = TypeVar("T", bound=_Child)
 
-__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "Command", "Limits", "Started", "after_first_spawn",
-           "apply_limits", "command_limits", "kill_subtree", "KILL_BUDGET_S", "kill_tree", "live_stat", "new_token",
-           "owns", "set_subreaper", "spawn", "spawn_env", "start_command"]
+__all__ = ["CHILD_BORN", "MARKER", "PROCESS_RESERVE", "SPAWNED", "Command", "Limits", "Started", "after_first_spawn",
+           "apply_limits", "before_spawn", "command_limits", "kill_subtree", "KILL_BUDGET_S", "kill_tree", "live_stat",
+           "new_token", "owns", "set_subreaper", "spawn", "spawn_env", "start_command"]
 
 MARKER = "DISPATCH_CALL_ID"
 PROCESS_RESERVE = 64  # processes and threads the tool server keeps for itself (at most a quarter of the session's budget)
@@ -110,6 +110,16 @@ def after_first_spawn(hook: Callable[[], bool]) -> None:
     keeps those threads (and their stacks) fewer."""
     with _FIRST_SPAWN_LOCK:
         _first_spawn.append(hook)
+
+
+_BEFORE_SPAWN: list[Callable[[], None]] = []
+
+
+def before_spawn(check: Callable[[], None]) -> None:
+    """Call ``check`` before every spawn, in the spawning thread; an
+    ``OSError`` it raises refuses the command (the System V watch, which no
+    command may run without: worker/ipcwatch.py)."""
+    _BEFORE_SPAWN.append(check)
 
 
 def _run_first_spawn() -> None:
@@ -150,6 +160,8 @@ def spawn(start: Callable[[Limits], T], budget: int) -> T:
     against our own limit, so a command starts while commands hold theirs
     (a bomb), and cannot fork past it.
     """
+    for check in _BEFORE_SPAWN:
+        check()
     with _SPAWN_LOCK:  # held until the child is recorded: owns() waits for it
         child = start(command_limits(budget))
         for pid in [pid for pid, c in _CHILDREN.items() if c.returncode is not None]:

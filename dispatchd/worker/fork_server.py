@@ -108,7 +108,13 @@ def _in_namespaces(rid: int, frames: protocol.FrameSocket,
         return protocol.ErrorReply(id=rid, code="spawn_failed", message=str(exc))
     err_r, err_w = os.pipe()
     try:
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # answered, not a traceback in the daemon's log
+            return protocol.ErrorReply(id=rid, code="no_process" if exc.errno == errno.EAGAIN else "spawn_failed",
+                                       message=f"cannot fork to enter the session's namespaces: {exc}"
+                                       + (f": {sharedprocs.reached(errno.EAGAIN)}" if exc.errno == errno.EAGAIN
+                                          else ""))
         if pid == 0:
             try:
                 os.close(err_r)

@@ -12,13 +12,17 @@ to the session's sum.
 
 Guarantees, in full mode (the session's own IPC namespace; without one
 seccomp refuses System V IPC):
-- the figure is every segment's resident and swapped bytes and every queue's
-  bytes, attached or not (``held_bytes``); the watchdog subtracts the PSS of
-  the segments the session's processes map, so nothing counts twice;
+- the figure is every segment's resident and swapped bytes, every queue's
+  bytes and its messages' headers, every semaphore set's semaphores, and each
+  object's own header, attached or not (``held_bytes``); the watchdog
+  subtracts the PSS of the segments the session's processes map, so nothing
+  counts twice;
 - while any process of the session runs (only a process can make or fill a
   segment) it is read every ``INTERVAL_S``, the watchdog's own interval, and
   sent when it changed; once none runs, read and sent once more, then the
   thread sleeps until the next command starts: an idle session pays nothing;
+- no command runs unwatched: the thread is started before the first command
+  (``proctree.before_spawn``), and a command is refused while it cannot be;
 - read once when a woken session's tool server starts (its namespace may
   hold segments from before its sleep), on the starting thread; a new
   session's namespace holds nothing: no look, and no thread of its own
@@ -27,6 +31,7 @@ seccomp refuses System V IPC):
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -38,32 +43,52 @@ from dispatchd import threads
 INTERVAL_S = 0.2  # the memory watchdog's (daemon/watchdog.py)
 
 
+# What the kernel takes for each object beyond its bytes (Linux 6.x): a
+# message is a ``msg_msg`` in kmalloc-64 even when empty (a queue holds up to
+# msgmnb of them: 1 MiB of headers, its payload 0), a semaphore a
+# cache-line-aligned ``struct sem``, and each queue, set or segment a header.
+MESSAGE_COST = 64
+SEMAPHORE_COST = 64
+OBJECT_COST = 256
+
+
 def held_bytes(proc: str = "/proc") -> int:
-    """The bytes the IPC namespace of this process holds in System V shared
-    memory (resident and swapped) and message queues."""
-    return (_column_sum(f"{proc}/sysvipc/shm", ("rss", "swap"))
-            + _column_sum(f"{proc}/sysvipc/msg", ("cbytes",)))
+    """The bytes the IPC namespace of this process holds in System V IPC:
+    shared memory (resident and swapped), message queues (their bytes and
+    each message's header) and semaphore sets, each object's header too."""
+    total = 0
+    for fields in _rows(f"{proc}/sysvipc/shm", ("rss", "swap")):
+        total += fields[0] + fields[1] + OBJECT_COST
+    for fields in _rows(f"{proc}/sysvipc/msg", ("cbytes", "qnum")):
+        total += fields[0] + fields[1] * MESSAGE_COST + OBJECT_COST
+    for fields in _rows(f"{proc}/sysvipc/sem", ("nsems",)):
+        total += fields[0] * SEMAPHORE_COST + OBJECT_COST
+    return total
 
 
-def _column_sum(path: str, names: tuple[str, ...]) -> int:
+def _rows(path: str, names: tuple[str, ...]) -> list[list[int]]:
+    """The columns ``names`` of each row of a /proc/sysvipc file (a column
+    this kernel lacks reads as 0)."""
     try:
         with open(path, "rb") as f:
             lines = f.read().splitlines()
     except OSError:  # a kernel without System V IPC: nothing held
-        return 0
+        return []
     if not lines:
-        return 0
+        return []
     header = lines[0].split()
-    columns = [header.index(n.encode()) for n in names if n.encode() in header]
-    total = 0
+    columns = [header.index(n.encode()) if n.encode() in header else -1 for n in names]
+    rows = []
     for line in lines[1:]:
         fields = line.split()
+        row = []
         for c in columns:
             try:
-                total += int(fields[c])
+                row.append(int(fields[c]) if c >= 0 else 0)
             except (IndexError, ValueError):
-                continue
-    return total
+                row.append(0)
+        rows.append(row)
+    return rows
 
 
 def others_running() -> bool:
@@ -77,36 +102,61 @@ def watch(send: Callable[[int], None], spawned: threading.Event, last: int = 0,
           running: Callable[[], bool] = others_running, held: Callable[[], int] = held_bytes) -> NoReturn:
     """Send ``held()`` whenever it changed from ``last``, looking every
     ``INTERVAL_S`` while ``running()``, then once more, then waiting for
-    ``spawned`` (set at every command's start)."""
+    ``spawned`` (set at every command's start). A look that takes long (tens
+    of thousands of objects: 86 ms for 32,000 queues) spaces the next ones,
+    so that looking stays under a twentieth of a core."""
     while True:
         spawned.wait()
         spawned.clear()  # before the looks: a start after this one sets it again
         while True:
             busy = running()
+            began = time.perf_counter()
             now = held()
+            took = time.perf_counter() - began
             if now != last:
                 send(now)
                 last = now
             if not busy:
                 break
-            time.sleep(INTERVAL_S)
+            time.sleep(max(INTERVAL_S, 20 * took))
+
+
+class Watch:
+    """The watch of one tool server: its thread started before the first
+    command (``ensure``, which ``proctree.spawn`` calls first), so that no
+    command runs unwatched."""
+
+    def __init__(self, send: Callable[[int], None], spawned: threading.Event, last: int) -> None:
+        self._send, self._spawned, self._last = send, spawned, last
+        self._lock = threading.Lock()
+        self.started = False
+
+    def ensure(self) -> None:
+        """Started, or ``OSError(EAGAIN)``: the command is refused, as one
+        refused for want of a process (its words say so)."""
+        if self.started:
+            return
+        with self._lock:
+            if self.started:
+                return
+            try:
+                threads.Thread(target=watch, args=(self._send, self._spawned, self._last), daemon=True,
+                               name="ipc-watch").start()
+            except RuntimeError as exc:  # can't start new thread
+                raise OSError(errno.EAGAIN, f"{os.strerror(errno.EAGAIN)} (the session's System V watch "
+                                            f"cannot start a thread: {exc})") from exc
+            self.started = True
 
 
 def start(send: Callable[[int], None], spawned: threading.Event,
-          after_first_spawn: Callable[[Callable[[], bool]], None], look_now: bool = False) -> None:
-    """Have ``watch`` started on a thread of its own at the first command's
-    start; ``look_now`` (a woken session, whose namespace may hold what was
-    made before its sleep): look once first, and send it if anything is
-    held. A new session's namespace holds nothing yet."""
+          before_spawn: Callable[[Callable[[], None]], None], look_now: bool = False) -> Watch:
+    """A ``Watch`` whose thread ``before_spawn`` starts at the first
+    command's start, before the command; ``look_now`` (a woken session, whose
+    namespace may hold what was made before its sleep): look once first, and
+    send it if anything is held. A new session's namespace holds nothing yet."""
     first = held_bytes() if look_now else 0
     if first:
         send(first)
-
-    def begin() -> bool:
-        try:
-            threads.Thread(target=watch, args=(send, spawned, first), daemon=True, name="ipc-watch").start()
-        except RuntimeError:  # can't start new thread: the next spawn tries again
-            return False
-        return True
-
-    after_first_spawn(begin)
+    w = Watch(send, spawned, first)
+    before_spawn(w.ensure)
+    return w

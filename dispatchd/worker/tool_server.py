@@ -75,6 +75,11 @@ __all__ = ["MAX_CHANNELS", "max_channels", "serve", "warm_up"]
 FIRST_CHANNEL_WAIT_S = 5.0  # how long the first channel's thread, started ahead, waits for it
 
 
+# A channel no thread can be started for waits this long, tried again this often.
+STARVED_WAIT_S = 30.0
+STARVED_RETRY_S = 0.1
+
+
 class _Server(Calls, Idle):
     """A session's tool server: its context and tools, its channels, and
     (from its bases) its calls and its life between them."""
@@ -129,6 +134,9 @@ class _Server(Calls, Idle):
         # idle time is long enough for that on a loaded machine.
         self.sleep_after = max(plan.limits.sleep_after_s, MIN_SLEEP_AFTER_S) if can_sleep(plan) else 0.0
         self.live: set[Channel] = set()  # the channels a sleep hands over
+        # Channels no thread could be started for (the process limit): each
+        # with when it is refused; tried again at each housekeeping until then.
+        self.starved: list[tuple[Channel, float]] = []
         self.every = min(5.0, plan.limits.idle_timeout_s / 4, *((self.sleep_after / 2,) if self.sleep_after else ()))
         self.next_check = time.monotonic() + self.every
         self.channels = 0
@@ -187,12 +195,34 @@ class _Server(Calls, Idle):
         if waiting is not None:
             waiting.put(channel)  # its thread runs already
             return
+        if not self._start_reader(channel):
+            # The session's process limit, or all sessions': its request (a
+            # woken session's first came with it) waits for a thread a while.
+            self.starved.append((channel, time.monotonic() + STARVED_WAIT_S))
+
+    def _start_reader(self, channel: Channel) -> bool:
         try:
             # Not waited for (threads.py): the control loop goes on meanwhile.
             threads.Thread(target=channel.run, daemon=True).start()
-        except RuntimeError as exc:  # can't start new thread: the session's process limit
+        except RuntimeError:  # can't start new thread
+            return False
+        return True
+
+    def feed_starved(self) -> None:
+        """From the control loop: a thread for each channel waiting for one,
+        or, past its wait, the channel refused with what to do."""
+        waiting, self.starved = self.starved, []
+        now = time.monotonic()
+        for channel, until in waiting:
+            if self._start_reader(channel):
+                continue
+            if now < until:
+                self.starved.append((channel, until))
+                continue
             self.channel_closed(channel)
-            channel.refuse("busy", f"the session's tool server cannot start a thread for this channel ({exc})")
+            channel.refuse("busy", "the session's tool server cannot start a thread for this channel (can't start "
+                                   "new thread): the session's processes, or all sessions' together, are at their "
+                                   "limit (dispatch status: kernel budgets); stop some (job_stop) and retry")
 
     def channel_closed(self, channel: Channel) -> None:
         with self.activity.lock:
@@ -284,7 +314,7 @@ def serve(control: protocol.FrameSocket, plan: SessionPlan, adopt_orphans: bool 
         # is the daemon's memory watchdog's to count too (worker/ipcwatch.py).
         link = server.control
         ipcwatch.start(lambda held: link.send(protocol.IpcHeld(bytes=held)), proctree.SPAWNED,
-                       proctree.after_first_spawn, look_now=woken)
+                       proctree.before_spawn, look_now=woken)
     if first_channel >= 0:
         server.added += 1  # counted as the daemon counts it (MaySleep.added)
         server.add_channel(socket.socket(fileno=first_channel))
@@ -315,8 +345,13 @@ def _read_control(server: _Server) -> None:
         # A frame already buffered is read at once; otherwise wait for the
         # daemon, a batch of call records, or the next idle check.
         buffered = control.buffered()
-        ready = {fd for fd, _ in poller.poll(0 if buffered else server.housekeeping_wait() * 1000)}
+        wait = 0.0 if buffered else server.housekeeping_wait()
+        if server.starved:
+            wait = min(wait, STARVED_RETRY_S)
+        ready = {fd for fd, _ in poller.poll(wait * 1000)}
         server.housekeeping(server.records_wake in ready)
+        if server.starved:
+            server.feed_starved()
         if not buffered and control.fileno() not in ready:
             continue
         link.reading()

@@ -184,6 +184,11 @@ def test_a_network_switch_without_a_process_for_its_stack_is_refused_and_the_ses
         assert "the session's network is unchanged" in str(refused.value), refused.value
         assert "EAGAIN: the processes all sessions of this daemon may run together" in str(refused.value)
         assert b.status()["network"]["mode"] == "off"
+        # To ports: its rules need a process of their own first (nft in the session's namespace).
+        with pytest.raises(dispatch.RequestFailed) as refused:
+            b.set_network("ports", ports=[443])
+        assert "the session's network is unchanged" in str(refused.value), refused.value
+        assert b.status()["network"]["mode"] == "off"
         for session, job in ((a, job_a), (c, job_c)):
             assert session.registry.get("job_stop").call({"job": job.metadata["job"]}).is_success
         assert shell(b, "echo ok").output == "ok\n"  # the session went on

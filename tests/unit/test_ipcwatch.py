@@ -20,15 +20,25 @@ SHM = """       key      shmid perms                  size  cpid  lpid nattch   
 """
 MSG = """       key      msqid perms      cbytes       qnum lspid lrpid   uid   gid  cuid  cgid      stime      rtime      ctime
          0          0   600       16384          4    12     0  1000  1000  1000  1000 1764580000          0 1764580000
+         0          1   600           0      16384    12     0  1000  1000  1000  1000 1764580000          0 1764580000
+"""
+SEM = """       key      semid perms      nsems   uid   gid  cuid  cgid      otime      ctime
+         0          0   600      32000  1000  1000  1000  1000          0 1764580000
 """
 
 
-def test_every_segment_resident_or_swapped_and_every_queues_bytes_count(tmp_path: Path) -> None:
+def test_every_object_counts_with_what_the_kernel_takes_for_it(tmp_path: Path) -> None:
     (tmp_path / "sysvipc").mkdir()
     (tmp_path / "sysvipc" / "shm").write_text(SHM)
     (tmp_path / "sysvipc" / "msg").write_text(MSG)
-    # Attached or not: the daemon subtracts what the session's processes map.
-    assert ipcwatch.held_bytes(str(tmp_path)) == 8388608 + 4194304 + 1048576 + 16384
+    (tmp_path / "sysvipc" / "sem").write_text(SEM)
+    header = ipcwatch.OBJECT_COST
+    # Segments attached or not (the daemon subtracts what the session's processes map).
+    shm = (8388608 + header) + (4194304 + 1048576 + header)
+    # A queue's bytes and each message's header: 16,384 empty messages hold 1 MiB, their bytes 0.
+    msg = (16384 + 4 * ipcwatch.MESSAGE_COST + header) + (16384 * ipcwatch.MESSAGE_COST + header)
+    sem = 32000 * ipcwatch.SEMAPHORE_COST + header  # 2 MiB for one set of 32,000
+    assert ipcwatch.held_bytes(str(tmp_path)) == shm + msg + sem
 
 
 def test_a_kernel_without_system_v_ipc_holds_nothing(tmp_path: Path) -> None:
@@ -96,3 +106,42 @@ def test_a_woken_session_looks_at_once_a_new_one_only_at_its_first_command(monke
     sent.clear()
     ipcwatch.start(sent.append, threading.Event(), hooks.append)
     assert sent == [] and len(hooks) == 2  # a new namespace: nothing to say until a command runs
+
+
+def test_no_command_starts_while_the_watch_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from dispatchd import threads
+
+    class NoThread:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    checks: list[object] = []
+    w = ipcwatch.start(lambda held: None, threading.Event(), checks.append)
+    assert checks == [w.ensure]
+    real = threads.Thread
+    monkeypatch.setattr(threads, "Thread", NoThread)
+    with pytest.raises(OSError) as refused:
+        w.ensure()
+    assert refused.value.errno == errno.EAGAIN and "System V watch cannot start a thread" in str(refused.value)
+    assert not w.started
+    monkeypatch.setattr(threads, "Thread", real)  # the twin: a thread to be had
+    w.ensure()
+    assert w.started
+
+
+def test_a_segment_is_known_by_its_device_and_the_kernels_name_not_by_a_name_alone() -> None:
+    dev = watchdog._shm_device()
+    shm = f"{os.major(dev):02x}:{os.minor(dev):02x}".encode()
+    segment = b"7f00a000-7f10a000 rw-s 00000000 " + shm + b" 7   /SYSV00000000 (deleted)\n"
+    assert watchdog._is_segment(segment)
+    # A file of the worktree, or of the session's own /dev/shm, whose name reads as one: another device.
+    assert not watchdog._is_segment(b"7f00a000-7f10a000 r--s 00000000 fd:01 1234 /home/u/wt/sp /SYSVfile\n")
+    assert not watchdog._is_segment(b"7f00a000-7f10a000 rw-s 00000000 00:2f 7   /SYSV00000000 (deleted)\n"
+                                    if shm != b"00:2f" else b"7f00a000-7f10a000 rw-s 00000000 00:30 7 /SYSV0\n")
+    # A memfd named like one is on the shmem device, but the kernel names it /memfd:.
+    assert not watchdog._is_segment(b"7f00a000-7f10a000 rw-s 00000000 " + shm + b" 9 /memfd: /SYSV (deleted)\n")

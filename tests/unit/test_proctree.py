@@ -61,3 +61,20 @@ def test_the_slow_look_for_children_finds_what_the_children_file_lists() -> None
         live.kill()
         live.wait()
         dead.wait()
+
+
+def test_a_check_before_spawn_that_refuses_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    started: list[int] = []
+
+    def refuse() -> None:
+        raise OSError(errno.EAGAIN, "no watch")
+
+    monkeypatch.setattr(proctree, "_BEFORE_SPAWN", [refuse])
+    with pytest.raises(OSError):
+        proctree.spawn(lambda _limits: started.append(1) or _FakeChild(pid=999_980), budget=1000)
+    assert started == []
+    monkeypatch.setattr(proctree, "_BEFORE_SPAWN", [lambda: None])  # the twin: a check that passes
+    proctree.spawn(lambda _limits: started.append(1) or _FakeChild(pid=999_981), budget=1000)
+    assert started == [1]
