@@ -443,3 +443,40 @@ def test_system_v_memory_no_process_maps_counts_against_the_session(
         big = shell(session, f"/usr/bin/python3 -c {_q(SYSV_HOG)} 96 30", timeout=30)
         assert big.is_failure and "memory watchdog" in big.error, big.error
     _daemon_serves(*full, worktree)
+
+
+# Fills System V queues with empty messages (each a header the kernel keeps),
+# or makes semaphore sets of 32,000, until about MiB of kernel memory; holds them.
+SYSV_KERNEL_HOG = r"""
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+mib, kind = int(sys.argv[1]), sys.argv[3]
+if kind == "msg":
+    buf = ctypes.create_string_buffer(ctypes.c_long(1).value.to_bytes(8, sys.byteorder) + bytes(8))  # mtype 1, no text
+    for _ in range(max(1, mib * 2**20 // 64 // 16384)):
+        q = libc.msgget(0, 0o1600)
+        assert q >= 0, ctypes.get_errno()
+        sent = 0
+        while libc.msgsnd(q, buf, 0, 0o4000) == 0:  # IPC_NOWAIT: until the queue is full
+            sent += 1
+        assert sent > 0, ctypes.get_errno()
+else:
+    for _ in range(max(1, mib * 2**20 // 64 // 32000)):
+        assert libc.semget(0, 32000, 0o1600) >= 0, ctypes.get_errno()
+print("made", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("kind", ["msg", "sem"])
+def test_system_v_queues_and_semaphores_count_what_the_kernel_keeps_for_them(
+        full: tuple[Daemon, dispatch.Client], worktree: Path, kind: str) -> None:
+    _, client = full
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        # The allowed twin: about 8 MiB, under the 64 MiB limit.
+        small = shell(session, f"/usr/bin/python3 -c {_q(SYSV_KERNEL_HOG)} 8 1 {kind}", timeout=60)
+        assert small.is_success and small.output == "made\n", small
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        big = shell(session, f"/usr/bin/python3 -c {_q(SYSV_KERNEL_HOG)} 160 30 {kind}", timeout=60)
+        assert big.is_failure and "memory watchdog" in big.error, big.error
+    _daemon_serves(*full, worktree)
