@@ -112,6 +112,7 @@ def test_a_lock_of_the_user_s_given_a_second_name_is_not_taken_over(tmp_path: Pa
         os.close(fd)
 
 
+@pytest.mark.process  # git, run for the repository
 def test_a_lock_left_by_a_session_and_given_a_second_name_is_still_named(tmp_path: Path) -> None:
     repo = commits_repo(tmp_path / "repo", 1)
     common = repo / ".git"

@@ -10,6 +10,8 @@ import os
 import resource
 from pathlib import Path
 
+import pytest
+
 from dispatchd.confine import sharedprocs, ucounts
 
 
@@ -103,6 +105,7 @@ def test_commands_keep_the_tool_server_a_reserve_below_all_sessions_bound_too() 
     assert proctree._command_limit(603, 1024) == 539
 
 
+@pytest.mark.process
 def test_the_fork_server_lowers_its_hard_limit_too_so_nothing_below_raises_it_back() -> None:
     import subprocess
     import sys
