@@ -111,10 +111,7 @@ def _in_namespaces(rid: int, frames: protocol.FrameSocket,
         try:
             pid = os.fork()
         except OSError as exc:  # answered, not a traceback in the daemon's log
-            return protocol.ErrorReply(id=rid, code="no_process" if exc.errno == errno.EAGAIN else "spawn_failed",
-                                       message=f"cannot fork to enter the session's namespaces: {exc}"
-                                       + (f": {sharedprocs.reached(errno.EAGAIN)}" if exc.errno == errno.EAGAIN
-                                          else ""))
+            return _fork_refused(rid, "enter the session's namespaces", exc)
         if pid == 0:
             try:
                 os.close(err_r)
@@ -139,6 +136,15 @@ def _in_namespaces(rid: int, frames: protocol.FrameSocket,
     return protocol.ErrorReply(id=rid, code="spawn_failed", message=message)
 
 
+def _fork_refused(rid: int, to: str, exc: OSError) -> protocol.ErrorReply:
+    """The answer to a request whose fork failed: ``no_process`` for EAGAIN
+    (a process limit: the daemon keeps the session as it was and says so)."""
+    if exc.errno == errno.EAGAIN:
+        return protocol.ErrorReply(id=rid, code="no_process",
+                                   message=f"cannot fork to {to}: {exc}: {sharedprocs.reached(errno.EAGAIN)}")
+    return protocol.ErrorReply(id=rid, code="spawn_failed", message=f"cannot fork to {to}: {exc}")
+
+
 def _dns_sockets(req: protocol.DnsSockets, frames: protocol.FrameSocket) -> None:
     """Make the DNS relay's door in a session's namespaces from a child that
     joins them (as ``_net_rules``), and send its two sockets to the daemon
@@ -151,7 +157,11 @@ def _dns_sockets(req: protocol.DnsSockets, frames: protocol.FrameSocket) -> None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     got: list[int] = []
     try:
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # answered, not a traceback in the daemon's log
+            frames.send(_fork_refused(req.id, "make the DNS relay's door", exc))
+            return
         if pid == 0:
             try:
                 ours.close()

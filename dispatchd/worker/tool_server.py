@@ -75,8 +75,10 @@ __all__ = ["MAX_CHANNELS", "max_channels", "serve", "warm_up"]
 FIRST_CHANNEL_WAIT_S = 5.0  # how long the first channel's thread, started ahead, waits for it
 
 
-# A channel no thread can be started for waits this long, tried again this often.
-STARVED_WAIT_S = 30.0
+# A channel no thread can be started for waits this long, tried again this
+# often: a third of the client's default timeout (30 s), so that the client
+# reads the refusal's words rather than its own timeout.
+STARVED_WAIT_S = 10.0
 STARVED_RETRY_S = 0.1
 
 
@@ -117,8 +119,7 @@ class _Server(Calls, Idle):
         # (tempfiles.py), but not the files of our own writes already started.
         # Not called when the grant says the daemon swept it since anyone
         # could write it (daemon/writelock.py).
-        self.write_lock.on_granted = lambda: threading.Thread(
-            target=sweep_temp_files, args=(plan.paths.worktree, atomic.in_flight), daemon=True, name="sweep").start()
+        self.write_lock.on_granted = lambda: _sweep_beside(plan.paths.worktree)
         self.draining = False
         # The first record of a batch wakes the control loop, which sends the
         # batch RECORD_INTERVAL_S later (housekeeping).
@@ -241,6 +242,16 @@ class _Server(Calls, Idle):
             self.fast_read = None  # read_file's C lane replies without Channel.reply: off
         # One assignment: a call starting now sees the old context or the new, whole.
         self.ctx = dataclasses.replace(self.ctx, env=env, redactor=self.redactor)
+
+
+def _sweep_beside(worktree: str) -> None:
+    """Sweep the temporary files killed writes left, on a thread of its own;
+    in the caller's when no thread is to be had (the session's processes at
+    their bound): the sweep is bounded, and a write must not fail for it."""
+    try:
+        threading.Thread(target=sweep_temp_files, args=(worktree, atomic.in_flight), daemon=True, name="sweep").start()
+    except RuntimeError:  # "can't start new thread"
+        sweep_temp_files(worktree, atomic.in_flight)
 
 
 def _open_root(worktree: str) -> int:

@@ -76,6 +76,35 @@ def test_the_watch_sends_changes_while_commands_run_then_sleeps_until_the_next()
     assert len(looks) == settled  # nothing runs: no look until the next command
 
 
+def test_a_long_look_spaces_the_next_but_never_past_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The look's CPU, not its wall time: 5 ms, 30 ms, then 200 ms a look.
+    costs = iter([0.005, 0.030, 0.200])
+    clock = {"now": 0.0}
+    slept: list[float] = []
+
+    class _Time:
+        @staticmethod
+        def thread_time() -> float:
+            return clock["now"]
+
+        @staticmethod
+        def sleep(s: float) -> None:
+            slept.append(s)
+            if len(slept) == 3:
+                raise StopIteration  # out of the loop: the test has seen enough
+
+    def held() -> int:
+        clock["now"] += next(costs)
+        return 0
+
+    monkeypatch.setattr(ipcwatch, "time", _Time)
+    spawned = threading.Event()
+    spawned.set()
+    with pytest.raises(StopIteration):
+        ipcwatch.watch(lambda n: None, spawned, 0, lambda: True, held)
+    assert slept == [ipcwatch.INTERVAL_S, pytest.approx(0.6), ipcwatch.MAX_INTERVAL_S]
+
+
 def _until(predicate: object, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -5,8 +5,11 @@ refused at once: a woken session's first request comes with its channel
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
+
+import pytest
 
 from dispatchd.worker import tool_server
 
@@ -49,3 +52,27 @@ def test_a_starved_channel_is_served_once_a_thread_is_to_be_had_and_refused_only
     server.threads_to_be_had = 1  # the twin: a thread to be had at the next look
     tool_server._Server.feed_starved(server)  # type: ignore[arg-type]
     assert server.started == [waiting] and server.starved == [] and waiting.refused is None
+
+
+def test_the_first_writes_sweep_runs_in_the_callers_thread_when_no_other_can_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    swept: list[tuple[str, Any]] = []
+    monkeypatch.setattr(tool_server, "sweep_temp_files", lambda root, in_flight: swept.append((root, in_flight)))
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    tool_server._sweep_beside("/work/tree")  # before: the RuntimeError closed the channel
+    assert [root for root, _ in swept] == ["/work/tree"]
+
+
+def test_the_first_writes_sweep_runs_on_its_own_thread_when_one_can_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The twin: the caller does not wait for the sweep when a thread is to be had.
+    threads: list[str] = []
+    done = threading.Event()
+    monkeypatch.setattr(tool_server, "sweep_temp_files",
+                        lambda root, in_flight: (threads.append(threading.current_thread().name), done.set()))
+    tool_server._sweep_beside("/work/tree")
+    assert done.wait(5) and threads == ["sweep"]
