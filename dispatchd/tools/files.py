@@ -376,6 +376,8 @@ def create_file(ctx: ToolContext, params: CreateFileParams) -> Outcome:
     # lexists on the path as given catches a symlink (even a dangling one)
     # sitting at the name; the target check catches the file it points to.
     if os.path.lexists(os.path.join(ctx.root, path)) or os.path.lexists(target):
+        if os.path.isdir(target):  # "file already exists" misleads: it is no file
+            raise ToolFailure(f"{rel} is a directory; create_file creates files, and left it as it is")
         raise _exists(rel)
     _store(ctx, target, rel, data, "create_file", exclusive=True)
     return Outcome.ok(f"created {rel} ({len(data)} bytes)", {"path": rel, "bytes": len(data), "changed": [rel]})

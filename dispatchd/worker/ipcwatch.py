@@ -18,9 +18,10 @@ seccomp refuses System V IPC):
   subtracts the PSS of the segments the session's processes map, so nothing
   counts twice;
 - while any process of the session runs (only a process can make or fill a
-  segment) it is read every ``INTERVAL_S``, the watchdog's own interval, and
-  sent when it changed; once none runs, read and sent once more, then the
-  thread sleeps until the next command starts: an idle session pays nothing;
+  segment) it is read every ``INTERVAL_S``, the watchdog's own interval, the
+  first time one interval after the command's start, and sent when it
+  changed; once none runs, read and sent once more, then the thread sleeps
+  until the next command starts: an idle session pays nothing;
 - no command runs unwatched: the thread is started before the first command
   (``proctree.before_spawn``), and a command is refused while it cannot be;
 - read once when a woken session's tool server starts (its namespace may
@@ -110,10 +111,16 @@ def watch(send: Callable[[int], None], spawned: threading.Event, last: int = 0,
     of thousands of objects: 86 ms for 32,000 queues) spaces the next ones,
     so that looking stays under a twentieth of a core, but never past
     ``MAX_INTERVAL_S``."""
+    pause = INTERVAL_S
     while True:
         spawned.wait()
         spawned.clear()  # before the looks: a start after this one sets it again
         while True:
+            # The first look an interval after the command's start, as every
+            # next one: a command that ends sooner is looked at once, after
+            # it, and nothing is read beside its start (a look there took
+            # CPU from the command's first moments).
+            time.sleep(pause)
             busy = running()
             began = time.thread_time()  # the look's own CPU: a busy machine's waits do not space it
             now = held()
@@ -121,9 +128,9 @@ def watch(send: Callable[[int], None], spawned: threading.Event, last: int = 0,
             if now != last:
                 send(now)
                 last = now
+            pause = min(max(INTERVAL_S, 20 * took), MAX_INTERVAL_S)
             if not busy:
                 break
-            time.sleep(min(max(INTERVAL_S, 20 * took), MAX_INTERVAL_S))
 
 
 class Watch:

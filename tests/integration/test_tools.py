@@ -384,7 +384,7 @@ def test_create_file_refuses_an_existing_file(session: dispatch.Session, worktre
     )
     assert (worktree / "README.md").read_text() == "hello\nworld\n"
     assert fail(call(session, "create_file", path="src", content="x")) == (
-        "file already exists: src (use write_file to replace it)"
+        "src is a directory; create_file creates files, and left it as it is"
     )
     # Created once, refused the second time.
     assert ok(call(session, "create_file", path="once.txt", content="1")) == "created once.txt (1 bytes)"

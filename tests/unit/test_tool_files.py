@@ -764,7 +764,9 @@ class TestCreateFile:
 
     def test_fails_on_an_existing_directory(self, ctx: ToolContext) -> None:
         os.mkdir(os.path.join(ctx.root, "d"))
-        assert call(ctx, "create_file", path="d", content="x").error.startswith("file already exists: d")
+        assert call(ctx, "create_file", path="d", content="x").error == (
+            "d is a directory; create_file creates files, and left it as it is")
+        assert os.listdir(os.path.join(ctx.root, "d")) == []
 
     def test_fails_on_a_dangling_symlink(self, ctx: ToolContext) -> None:
         os.symlink("not-there", os.path.join(ctx.root, "link"))
