@@ -6,7 +6,8 @@ Guarantees:
   soon as the channel has more to read;
 - replies and streamed output go out whole, one at a time (``send_lock``),
   a secret's value replaced (``redact``); a reply too large for a frame is a
-  failure saying so; broken framing ends this channel only;
+  failure saying so; broken framing ends this channel only; a call that
+  fails outside its tool is answered with why, and the channel read on;
 - the fast lane (``tools/_fastread.c``) answers the usual ``read_file`` in C;
   anything else it hands back is read here as if ``recv`` had read it;
 - when the channel closes, the calls in flight on it are cancelled.
@@ -18,6 +19,7 @@ import select
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -164,7 +166,17 @@ class Channel:
                 if isinstance(req, protocol.CancelCall):
                     self.cancel(req.id)
                     continue
-                dispatch(self, req)
+                try:
+                    dispatch(self, req)
+                except Exception as exc:  # noqa: BLE001 (whatever it is, the call is answered)
+                    # Failed outside its tool (a thread that could not start,
+                    # a fault of ours): answered, and the channel read on.
+                    # Uncaught, it ended this reader with the request taken
+                    # and no reply: the client saw its channel closed, cause
+                    # unknown, and nobody read its next calls.
+                    traceback.print_exc()  # the daemon's log (the tool server's stderr)
+                    refuse(protocol.ToolReply(id=req.id, success=False, error=(
+                        f"{req.tool}: dispatchd could not serve this call: {type(exc).__name__}: {exc}")))
         finally:
             if quiet:  # only when _wait_to_read raised
                 with activity.lock:
