@@ -23,6 +23,8 @@ import os
 import socket
 from collections.abc import Callable
 
+import msgspec
+
 from dispatchd import protocol
 from dispatchd import domains
 from dispatchd.confine import netstack, stacks
@@ -195,6 +197,15 @@ class SessionNetworks:
                     session.net = old
                     raise NetworkUnchanged("network: nftables", detail=f"{exc}; the session's network is "
                                                                      "unchanged") from exc
+                if old is not None and old.stack and not new.stack and session.stack is None:
+                    # Off reached without them: the stack has ended and its
+                    # way out is known gone (``_stop_stack``), leaving the
+                    # namespace its loopback alone, and a table of ours can
+                    # only refuse more than none (the ports mode's accepts
+                    # "lo"). Kept on record, for the next switch to replace.
+                    session.net = msgspec.structs.replace(new, rules=old.rules)
+                    log.warning("event=net_rules_kept session=%s mode=%s why=%s", session.id, new.mode, exc)
+                    return
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
             except SpawnError as exc:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc

@@ -1,0 +1,84 @@
+"""What a network switch leaves when the fork server has no process to give
+(daemon/sessionnet.py): the session as it was where nothing changed, off
+where the stack has gone and only its rules could not be replaced, ended
+where its way out is not known to be gone. The fork server and the stack
+are fakes: this is the switch's decision alone; the escape suite
+(test_shared_processes.py) runs it against the kernel."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+
+from dispatchd.confine import netstack
+from dispatchd.confine.netstack import NetworkPorts
+from dispatchd.daemon import sessionnet
+from dispatchd.daemon.spawn import NoProcess
+from dispatchd.errors import ConfinementError
+
+
+def _plan(mode: Any) -> netstack.NetworkPlan:
+    return netstack.plan_network(mode, use_userns=True, stack_missing="", nft_missing="", landlock_abi=7,
+                                 ports=NetworkPorts(connect=[443]), stack="slirp4netns")
+
+
+class _ForkServer:
+    def __init__(self, closed_ok: bool = True) -> None:
+        self.closed_ok, self.rules = closed_ok, []  # type: ignore[var-annotated]
+
+    def net_closed(self, userns: int, netns: int) -> None:
+        if not self.closed_ok:
+            raise NoProcess("cannot fork to look at the session's namespace: EAGAIN")
+
+    def net_rules(self, rules: str, userns: int, netns: int) -> None:
+        raise NoProcess("cannot fork to enter the session's namespaces: EAGAIN")
+
+
+class _Stack:
+    name, pid = "slirp4netns", 4321
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _session(mode: Any) -> Any:
+    return types.SimpleNamespace(id="s1", net=_plan(mode), stack=_Stack(), ns_fds=(5, 6), door=None, cgroup="")
+
+
+def _networks(fork_server: _ForkServer) -> sessionnet.SessionNetworks:
+    return sessionnet.SessionNetworks(fork_server, None, None, None)  # type: ignore[arg-type]
+
+
+def test_ports_to_off_without_a_process_for_the_rules_is_off_the_old_table_on_record() -> None:
+    session = _session("ports")
+    stack, old = session.stack, session.net
+    assert "reject" in old.rules
+    _networks(_ForkServer()).apply(session, _plan("off"))  # before: the session was ended
+    assert stack.stopped and session.stack is None
+    assert session.net.mode == "off" and not session.net.stack
+    assert session.net.rules == old.rules  # what is in the namespace, for the next switch to replace
+
+
+def test_ports_to_off_whose_way_out_is_not_known_gone_still_ends_the_session() -> None:
+    # The twin: without the look that the stack's interface is gone, off is not reached.
+    session = _session("ports")
+    with pytest.raises(ConfinementError) as ended:
+        _networks(_ForkServer(closed_ok=False)).apply(session, _plan("off"))
+    assert ended.value.step == "network: stop slirp4netns"
+    assert "its way out is not gone" in str(ended.value)
+
+
+def test_ports_to_other_ports_without_a_process_is_refused_unchanged() -> None:
+    session = _session("ports")
+    old = session.net
+    new = netstack.plan_network("ports", use_userns=True, stack_missing="", nft_missing="", landlock_abi=7,
+                                ports=NetworkPorts(connect=[80]), stack="slirp4netns")
+    with pytest.raises(sessionnet.NetworkUnchanged) as refused:
+        _networks(_ForkServer()).apply(session, new)
+    assert "the session's network is unchanged" in str(refused.value)
+    assert session.net is old and not session.stack.stopped
