@@ -480,3 +480,51 @@ def test_system_v_queues_and_semaphores_count_what_the_kernel_keeps_for_them(
         big = shell(session, f"/usr/bin/python3 -c {_q(SYSV_KERNEL_HOG)} 160 30 {kind}", timeout=60)
         assert big.is_failure and "memory watchdog" in big.error, big.error
     _daemon_serves(*full, worktree)
+
+
+# Makes semaphore sets of 32,000, then forks processes that each change every
+# set once with SEM_UNDO (the kernel keeps an undo record of 64 KiB per set for
+# each), and holds them until the processes end.
+SEM_UNDO_HOG = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+class SemBuf(ctypes.Structure):
+    _fields_ = [("num", ctypes.c_ushort), ("op", ctypes.c_short), ("flg", ctypes.c_short)]
+sets, children, hold = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+ids = [libc.semget(0, 32000, 0o1600) for _ in range(sets)]
+assert min(ids) >= 0, ctypes.get_errno()
+up = SemBuf(31999, 1, 0x1000)  # SEM_UNDO
+r, w = os.pipe()
+for _ in range(children):
+    if os.fork() == 0:
+        os.close(r)
+        for i in ids:
+            assert libc.semop(i, ctypes.byref(up), 1) == 0, ctypes.get_errno()
+        os.write(w, b"x")
+        time.sleep(hold)
+        os._exit(0)
+os.close(w)
+got = 0
+while got < children:
+    got += len(os.read(r, 4096))
+print("held", flush=True)
+for _ in range(children):
+    os.wait()
+"""
+
+
+def test_semaphore_undo_records_count_for_every_task_that_may_hold_them(
+        full: tuple[Daemon, dispatch.Client], worktree: Path) -> None:
+    _, client = full
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        # The allowed twin: 10 sets (20 MiB) and 5 processes holding undo
+        # records for each (3 MiB), under the 64 MiB limit.
+        small = shell(session, f"/usr/bin/python3 -c {_q(SEM_UNDO_HOG)} 10 5 1", timeout=60)
+        assert small.is_success and small.output == "held\n", small
+    with client.open_session(str(worktree), policy="smallmem") as session:
+        # The same sets and 60 processes: 38 MiB of undo records besides
+        # the sets and the processes' own 22 MiB. Before, the records went
+        # uncounted and the session held them.
+        big = shell(session, f"/usr/bin/python3 -c {_q(SEM_UNDO_HOG)} 10 60 30", timeout=60)
+        assert big.is_failure and "memory watchdog" in big.error, big.error
+    _daemon_serves(*full, worktree)

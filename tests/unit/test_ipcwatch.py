@@ -41,6 +41,21 @@ def test_every_object_counts_with_what_the_kernel_takes_for_it(tmp_path: Path) -
     assert ipcwatch.held_bytes(str(tmp_path)) == shm + msg + sem
 
 
+def test_each_task_but_the_tool_server_counts_an_undo_record_for_each_semaphore_set(tmp_path: Path) -> None:
+    (tmp_path / "sysvipc").mkdir()
+    (tmp_path / "sysvipc" / "sem").write_text(SEM)
+    for pid, tasks in ((str(os.getpid()), 3), ("7", 1), ("8", 2)):  # this process's threads do not count
+        for tid in range(tasks):
+            (tmp_path / pid / "task" / str(tid + 100)).mkdir(parents=True)
+    # 64 bytes of header and 2 a semaphore, rounded up as kmalloc does: 64 KiB for 32,000.
+    assert ipcwatch._undo_cost(32000) == 65536
+    assert ipcwatch._undo_cost(1) == 128
+    own = 32000 * ipcwatch.SEMAPHORE_COST + ipcwatch.OBJECT_COST
+    assert ipcwatch.held_bytes(str(tmp_path)) == own + 3 * 65536  # one thread of pid 7, two of pid 8
+    (tmp_path / "sysvipc" / "sem").write_text(SEM.splitlines()[0] + "\n")
+    assert ipcwatch.held_bytes(str(tmp_path)) == 0  # no set: no undo record, whatever runs
+
+
 def test_a_kernel_without_system_v_ipc_holds_nothing(tmp_path: Path) -> None:
     assert ipcwatch.held_bytes(str(tmp_path)) == 0
     (tmp_path / "sysvipc").mkdir()
