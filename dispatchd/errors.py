@@ -61,6 +61,7 @@ class ConfinementError(DispatchdError):
         self.step = step
         self.errno = err
         self.path = path
+        self.why = why
 
 
 class CheckpointError(DispatchdError):

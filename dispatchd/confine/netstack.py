@@ -43,6 +43,7 @@ mode (``domains``) adds a branch there.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -302,9 +303,16 @@ def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tup
         if not ready or not os.read(ready_r, 16):
             stack.stop()
             err.seek(0)
-            lines = err.read().decode(errors="replace").strip().splitlines()
-            raise ConfinementError("network: start " + name, detail=(lines[-1] if lines else
-                                   ("it did not report ready in time" if not ready else "it exited")))
+            said = err.read().decode(errors="replace")
+            lines = said.strip().splitlines()
+            # A stack that could not fork or start a thread (slirp4netns
+            # forks at its start) says so only in words: the sessions'
+            # process bound or the user's limit, told as EAGAIN, as the fork
+            # server's own refusal is, so that the switch is undone.
+            raise ConfinementError("network: start " + name,
+                                   errno.EAGAIN if os.strerror(errno.EAGAIN) in said else 0,
+                                   detail=(lines[-1] if lines else
+                                           ("it did not report ready in time" if not ready else "it exited")))
     finally:
         os.close(ready_r)
         err.close()

@@ -17,6 +17,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -229,7 +230,8 @@ class SessionNetworks:
             except BaseException as exc:
                 if door is not None:
                     door.discard()
-                if isinstance(exc, ConfinementError) and isinstance(exc.__cause__, NoProcess):
+                if isinstance(exc, ConfinementError) and (isinstance(exc.__cause__, NoProcess)
+                                                           or exc.errno == errno.EAGAIN):
                     self._undo(session, old, new, exc)
                 raise
             log.debug("event=stack_started session=%s pid=%s", session.id, session.stack.pid)
@@ -238,7 +240,8 @@ class SessionNetworks:
 
     def _undo(self, session: Session | Made, old: netstack.NetworkPlan | None, new: netstack.NetworkPlan,
               exc: ConfinementError) -> None:
-        """A stack that could not start for want of a process: the rules
+        """A stack that could not start for want of a process (the fork
+        server's refusal, or the stack's own fork refused): the rules
         ``new`` committed put back and the session's plan ``old`` again, then
         ``NetworkUnchanged``. Rules that cannot be put back leave ``exc`` to
         end the session, as any half-made switch does."""
@@ -251,7 +254,7 @@ class SessionNetworks:
                 return
         session.net = old
         raise NetworkUnchanged(exc.step, exc.errno, exc.path,
-                               detail=f"{exc.__cause__}; the session's network is unchanged") from exc
+                               detail=f"{exc.__cause__ or exc.why}; the session's network is unchanged") from exc
 
     def _stop_stack(self, session: Session | Made) -> None:
         """The stack ended, and the way out known to be gone: a stack can fork

@@ -194,3 +194,59 @@ def test_a_network_switch_without_a_process_for_its_stack_is_refused_and_the_ses
         assert shell(b, "echo ok").output == "ok\n"  # the session went on
         b.set_network("on")  # the twin: with a process to be had
         assert b.status()["network"]["mode"] == "on"
+
+
+# Forks until refused, as HOG; then, once the file ``argv[1]`` exists, ends
+# one of its children and waits for it: exactly one process to be had.
+HOG_ONE_FREE = r"""
+import os, signal, sys, time
+children, err = [], 0
+while True:
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        err = exc.errno
+        break
+    if pid == 0:
+        os.execv("/bin/sleep", ["sleep", "120"])
+    children.append(pid)
+print(len(children), err, flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+os.kill(children[-1], signal.SIGKILL)
+os.waitpid(children[-1], 0)
+print("freed", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_switch_on_whose_stack_cannot_fork_is_refused_and_the_session_goes_on(
+        limited: tuple[Daemon, dispatch.Client, int], tmp_path: Path) -> None:
+    """One process to be had: the fork server starts slirp4netns, whose own
+    fork at its start is refused. Before, the session was ended; now the
+    switch is refused, the session unchanged, as when the fork server itself
+    is refused."""
+    _, client, limit = limited
+    half = limit // 2
+    assert client.status()["kernel"]["network_stack"] == "slirp4netns"  # the stack that forks at its start
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    with client.open_session(str(tmp_path / "a")) as a, client.open_session(str(tmp_path / "c")) as c, \
+            client.open_session(str(tmp_path / "b")) as b:
+        job_a, _, _ = _hog(a, tmp_path / "a", half * 6 // 10)
+        out = tmp_path / "c" / "hog.out"
+        job_c = shell(c, f"/usr/bin/python3 -c {shlex.quote(HOG_ONE_FREE)} free > hog.out", background=True)
+        assert wait_until(lambda: out.exists() and out.read_text().strip() != "")
+        assert out.read_text().split()[1] == str(errno.EAGAIN)
+        (tmp_path / "c" / "free").write_text("")
+        assert wait_until(lambda: "freed" in out.read_text())
+        with pytest.raises(dispatch.RequestFailed) as refused:
+            b.set_network("on")
+        assert "the session's network is unchanged" in str(refused.value), refused.value
+        assert "Resource temporarily unavailable" in str(refused.value), refused.value
+        assert b.status()["network"]["mode"] == "off"
+        for session, job in ((a, job_a), (c, job_c)):
+            assert session.registry.get("job_stop").call({"job": job.metadata["job"]}).is_success
+        assert shell(b, "echo ok").output == "ok\n"  # the session went on
+        b.set_network("on")  # the twin: with processes to be had
+        assert b.status()["network"]["mode"] == "on"

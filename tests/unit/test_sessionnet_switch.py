@@ -7,6 +7,7 @@ are fakes: this is the switch's decision alone; the escape suite
 
 from __future__ import annotations
 
+import errno
 import types
 from typing import Any
 
@@ -51,7 +52,8 @@ def _session(mode: Any) -> Any:
 
 
 def _networks(fork_server: _ForkServer) -> sessionnet.SessionNetworks:
-    return sessionnet.SessionNetworks(fork_server, None, None, None)  # type: ignore[arg-type]
+    launch = types.SimpleNamespace(stack="slirp4netns")
+    return sessionnet.SessionNetworks(fork_server, None, None, launch)  # type: ignore[arg-type]
 
 
 def test_ports_to_off_without_a_process_for_the_rules_is_off_the_old_table_on_record() -> None:
@@ -82,3 +84,41 @@ def test_ports_to_other_ports_without_a_process_is_refused_unchanged() -> None:
         _networks(_ForkServer()).apply(session, new)
     assert "the session's network is unchanged" in str(refused.value)
     assert session.net is old and not session.stack.stopped
+
+
+class _RulesForkServer(_ForkServer):
+    """One that has processes for nft: the rules go in, and back."""
+
+    def net_rules(self, rules: str, userns: int, netns: int) -> None:
+        self.rules.append(rules)
+
+
+def _stack_refused(errno_: int, words: str) -> Any:
+    def start_stack(*args: Any, **kwargs: Any) -> Any:
+        raise ConfinementError("network: start slirp4netns", errno_, detail=words)
+    return start_stack
+
+
+def test_a_switch_on_whose_stack_could_not_fork_is_refused_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One process left: the fork server starts slirp4netns, whose own fork is refused.
+    monkeypatch.setattr(netstack, "start_stack", _stack_refused(errno.EAGAIN, "fork: Resource temporarily unavailable"))
+    session = _session("off")
+    session.stack = None
+    old, fork_server = session.net, _RulesForkServer()
+    with pytest.raises(sessionnet.NetworkUnchanged) as refused:
+        _networks(fork_server).apply(session, _plan("ports"))  # before: the session was ended
+    assert str(refused.value) == ("cannot apply network: start slirp4netns: fork: Resource temporarily "
+                                  "unavailable; the session's network is unchanged")
+    assert session.net is old and session.stack is None
+    assert fork_server.rules[-1] == (old.rules or netstack.reset_rules())  # the ports table taken out again
+
+
+def test_a_switch_on_whose_stack_failed_otherwise_still_ends_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The twin: a stack that exits for any other reason is no want of a process.
+    monkeypatch.setattr(netstack, "start_stack", _stack_refused(0, "it exited"))
+    session = _session("off")
+    session.stack = None
+    with pytest.raises(ConfinementError) as ended:
+        _networks(_RulesForkServer()).apply(session, _plan("ports"))
+    assert not isinstance(ended.value, sessionnet.NetworkUnchanged)
+    assert str(ended.value) == "cannot apply network: start slirp4netns: it exited"
