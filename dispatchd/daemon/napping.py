@@ -158,7 +158,7 @@ class Napping(Ending):
                 if decide(session.state, Op.SLEEP).action is not Action.GO or session.control is not control \
                         or not self.accepting \
                         or not session.kit or session.worker is None or session.plan is None \
-                        or session.wakes >= session.policy.limits.max_wakes:
+                        or session.wakes >= session.policy.limits.max_wakes or not self.sleepers.ensure():
                     # Each wake adds a rule to its kept ruleset (its fresh
                     # /proc's root), which the kernel cannot take back: past
                     # max_wakes (~130 KiB at the default 1,000; 8 hours of

@@ -4,6 +4,9 @@ A sleeping session has no process: the daemon holds its client channels.
 One thread polls all of them, with no thread or timer per session.
 
 Guarantees:
+- no session sleeps unwatched: the thread is started before the first
+  session is let sleep (``ensure``), and a session whose sleep would need it
+  while it cannot start stays awake;
 - the first byte a client writes on a channel of a sleeping session calls
   ``wake(sid, nap)`` once (on a thread of its own: a wake forks and waits for
   the new tool server); its channels are no longer watched from then on,
@@ -60,10 +63,25 @@ class Sleepers:
                 self._fds[fd] = sid
             self._deadlines[sid] = deadline
             self._naps[sid] = nap
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="sleepers")
-                self._thread.start()
+        self.ensure()  # started before the session was let sleep (``ensure``): at most a retry
         self._poke()
+
+    def ensure(self) -> bool:
+        """The watch thread runs, started at the first sleep, before that
+        session's tool server is told to sleep. False where the daemon cannot
+        start a thread (its processes and threads at the user's limit): the
+        session is told to stay awake and asks again at its next idle time,
+        and the next ask tries again. No session sleeps unwatched."""
+        with self._lock:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, daemon=True, name="sleepers")
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # can't start new thread
+                    log.warning("event=sleepers_not_started error=%s", exc)
+                    return False
+                self._thread = thread  # only once started: a failed start is tried again
+            return True
 
     def add_channel(self, sid: str, fd: int) -> None:
         """A channel attached to a session while it sleeps."""

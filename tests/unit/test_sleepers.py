@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -131,3 +132,26 @@ def test_a_channel_attached_while_asleep_wakes_it_too(calls: Calls, pair: tuple[
     finally:
         late_client.close()
         late_held.close()
+
+
+def test_a_watch_that_cannot_start_lets_no_session_sleep_and_is_tried_again(
+        calls: Calls, pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon out of threads at the first sleep: ``ensure`` says no (the
+    session stays awake), and the next ask starts it (before, the failed
+    start was kept as the thread and never tried again: every later sleeper
+    went unwatched)."""
+    real = threading.Thread
+
+    class Refused(real):  # type: ignore[valid-type,misc]
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading, "Thread", Refused)
+    assert calls.sleepers.ensure() is False
+    assert calls.sleepers._thread is None
+    monkeypatch.setattr(threading, "Thread", real)
+    assert calls.sleepers.ensure() is True  # the twin: a thread to be had
+    client, held = pair
+    calls.sleepers.add("s1", 9, [held.fileno()], time.monotonic() + 60)
+    client.sendall(b"request")
+    assert calls.next() == ("wake", "s1", "9")
