@@ -16,8 +16,10 @@ asyncio streams do not carry), and a thread hop costs tens of microseconds
 beside a tool call's hundreds. One code path means one set of guarantees.
 
 Guarantees:
-- every method that talks to the daemon or a sandbox is a coroutine; pure
-  ones (``schemas``, ``get``, ``tool_names``…) are the sync registry's own;
+- every method that talks to the daemon or a sandbox is a coroutine, a
+  definition's ``call`` too (``await session.registry.get(name).call(...)``:
+  the definitions the registry gives are ``AsyncDefinition``s); pure ones
+  (``schemas``, ``tool_names``…) are the sync registry's own;
 - ``open_session`` returns an object that is both awaitable (``s = await
   c.open_session(wt)``) and an async context manager (``async with
   c.open_session(wt) as s``), the latter closing the session on the way out;
@@ -37,17 +39,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 from dispatch import client as _sync
 from dispatch.client import Cancellation
 from dispatch.agent import LoopResult
 from dispatch._asyncbridge import CALLER_LOOP, await_from_sync
+from dispatch._definition import Definition
 from dispatch._registry import Registry, ToolCallOutcome
 from dispatch._result import Result
 
-__all__ = ["AsyncClient", "AsyncRegistry", "AsyncSession", "connect", "run_tool_loop"]
+__all__ = ["AsyncClient", "AsyncDefinition", "AsyncRegistry", "AsyncSession", "connect", "run_tool_loop"]
 
 T = TypeVar("T")
 
@@ -109,13 +112,44 @@ def _output_on_loop(on_output: Callable[[str, str], Any] | None) -> Callable[[st
     return forward
 
 
+class AsyncDefinition:
+    """A ``Definition`` whose ``call`` is awaited, as ``AsyncRegistry.call``
+    is (in a thread, cancellable); its name, schema and the rest are the sync
+    definition's own; ``sync`` is that definition."""
+
+    def __init__(self, definition: Definition) -> None:
+        self.sync = definition
+
+    async def call(self, params: Any, context: Any = None,
+                   on_output: Callable[[str, str], Any] | None = None) -> Result:
+        return await _cancellable(self.sync.call, (params,), context, on_output=_output_on_loop(on_output))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sync, name)
+
+    def __repr__(self) -> str:
+        return f"Async{self.sync!r}"
+
+
 class AsyncRegistry:
-    """A session's ``Registry`` with its calls awaited. Anything not defined
-    here (``schemas``, ``get``, ``has``, ``tool_names``, ``subset``…) is the
-    sync registry's own; ``sync`` is that registry."""
+    """A session's ``Registry`` with its calls awaited: ``call``,
+    ``dispatch``, ``run_call``, and the ``call`` of the definitions ``get``,
+    ``tools`` and iteration give. Anything not defined here (``schemas``,
+    ``has``, ``tool_names``…) is the sync registry's own; ``sync`` is that
+    registry."""
 
     def __init__(self, registry: Registry) -> None:
         self.sync = registry
+
+    def get(self, name: str) -> AsyncDefinition:
+        return AsyncDefinition(self.sync.get(name))
+
+    @property
+    def tools(self) -> list[AsyncDefinition]:
+        return [AsyncDefinition(d) for d in self.sync.tools]
+
+    def __iter__(self) -> Iterator[AsyncDefinition]:
+        return iter(self.tools)
 
     async def call(self, name: str, params: Any, context: Any = None,
                    on_output: Callable[[str, str], Any] | None = None) -> Result:

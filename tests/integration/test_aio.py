@@ -221,3 +221,31 @@ def test_output_streams_to_an_async_callback_on_the_loop(daemon, worktree: Path)
         assert "".join(t for t, _ in seen) == "a\nb\n" and all(on_loop for _, on_loop in seen)
 
     run(main())
+
+
+def test_a_definitions_call_is_awaited_and_leaves_the_loop_running(daemon, worktree: Path) -> None:
+    """``registry.get(name).call`` as in the sync client, awaited: before, it
+    was the sync definition's, which held the loop for the whole command."""
+    async def main():
+        async with dispatch.aio.connect(daemon.socket) as client, client.open_session(str(worktree)) as session:
+            shell = session.registry.get("shell_exec")
+            assert isinstance(shell, dispatch.aio.AsyncDefinition)
+            assert shell.name == "shell_exec" and shell.risk == session.registry.sync.get("shell_exec").risk
+            assert {d.name for d in session.registry} == set(session.registry.tool_names)
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.05)
+                    ticks += 1
+
+            ticker = asyncio.ensure_future(tick())
+            result = await shell.call({"command": "sleep 0.5; echo done"})
+            ticker.cancel()
+            assert (result.is_success, result.metadata["stdout"]) == (True, "done\n")
+            assert ticks >= 5, ticks  # the loop ran while the command did
+            failed = await session.registry.get("read_file").call({"path": "no/such/file"})
+            assert failed.is_failure and "no/such/file" in (failed.error or "")
+
+    run(main())
