@@ -260,10 +260,12 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
         if output is None:
             raise _past_the_end(rel, start_line, total)
         last = total - 1 if end_line == -1 else min(end_line, total - 1)
+        meta = {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last}
+        if "\ufffd" in output:  # no scan for ASCII text: its str cannot hold the character
+            output = _said_not_utf8(rel, data, output, meta)
         # Outcome.ok's fields given directly: a classmethod's call costs
         # about 800 instructions, on every read_file.
-        return Outcome(True, output, None,
-                       {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})
+        return Outcome(True, output, None, meta)
     # The lines, each with its b"\n" (the last one's, when the file does not
     # end with one, without): split at b"\n" only, never at a lone b"\r" or a
     # form feed, so the numbers agree with search_files; a file that ends
@@ -276,7 +278,26 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
         raise _past_the_end(rel, start_line, total)
     last = total - 1 if end_line == -1 else min(end_line, total - 1)
     output = _numbered(lines, start_line, last + 1)
-    return Outcome.ok(output, {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last})
+    meta = {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last}
+    if "\ufffd" in output:
+        output = _said_not_utf8(rel, data, output, meta)
+    return Outcome.ok(output, meta)
+
+
+def _said_not_utf8(rel: str, data: bytes, output: str, meta: dict[str, object]) -> str:
+    """``output`` with a last line saying that the file holds bytes that are
+    not UTF-8, shown as U+FFFD, where it does (a U+FFFD the file itself holds
+    says nothing); ``meta["not_utf8"]`` then True. Written back from the text
+    shown, those bytes would be lost; edit_file keeps them, but its old_text
+    cannot quote them."""
+    try:
+        data.decode("utf-8")
+        return output
+    except UnicodeDecodeError:
+        meta["not_utf8"] = True
+        return (f"{output}\n[{rel} holds bytes that are not UTF-8, shown as \ufffd: edit_file keeps them, but its "
+                f"old_text cannot quote them (quote the text beside them); text written back whole from these "
+                f"lines would lose them]")
 
 
 def _file_target(ctx: ToolContext, path: str, tool: str) -> str:

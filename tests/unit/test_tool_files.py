@@ -195,9 +195,20 @@ class TestReadFile:
         assert not r.success and "10 bytes" in r.error and "cap" in r.error
         assert call(small, "read_file", path="fits.txt").success
 
-    def test_invalid_utf8_is_replaced_not_refused(self, ctx: ToolContext) -> None:
-        put(ctx, "latin1.txt", b"caf\xe9\n")
-        assert call(ctx, "read_file", path="latin1.txt").output == "0: caf\ufffd"
+    def test_invalid_utf8_is_replaced_not_refused_and_said(self, ctx: ToolContext) -> None:
+        put(ctx, "latin1.txt", b"caf\xe9\nok\n")
+        r = call(ctx, "read_file", path="latin1.txt")
+        assert r.output == ("0: caf\ufffd\n1: ok\n[latin1.txt holds bytes that are not UTF-8, shown as \ufffd: "
+                            "edit_file keeps them, but its old_text cannot quote them (quote the text beside them); "
+                            "text written back whole from these lines would lose them]")
+        assert r.metadata["not_utf8"] is True and r.metadata["total_lines"] == 2
+        # The twin: a U+FFFD the file holds itself is text like any other.
+        put(ctx, "replacement.txt", "caf\ufffd\n")
+        r = call(ctx, "read_file", path="replacement.txt")
+        assert r.output == "0: caf\ufffd" and "not_utf8" not in r.metadata
+        # An edit beside the bytes keeps them.
+        assert call(ctx, "edit_file", path="latin1.txt", edits=[{"old_text": "ok", "new_text": "fine"}]).success
+        assert Path(ctx.root, "latin1.txt").read_bytes() == b"caf\xe9\nfine\n"
 
     def test_fifo_is_refused_without_blocking(self, ctx: ToolContext) -> None:
         os.mkfifo(os.path.join(ctx.root, "pipe"))
