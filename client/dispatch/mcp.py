@@ -9,6 +9,9 @@ Guarantees:
   included when the registry compacts), with MCP annotations from each tool's
   risk: ``read`` tools are ``readOnlyHint``, ``write`` and ``execute`` ones
   ``destructiveHint``.
+- What a client may show on a terminal acts on nothing there: the text and
+  the progress messages hold no control a terminal acts on, colour dropped
+  and the rest escaped (``_mcp_text.for_client``).
 - ``tools/call`` goes through ``Registry.run_call``, the same path a model's
   tool call takes: validated, asked of the registry's approval (none by
   default: an MCP client asks its user itself), compacted to the policy's
@@ -66,6 +69,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.message import SessionMessage
 
 from dispatch._mcp_stdio import StdioPipes, Stopped
+from dispatch._mcp_text import for_client
 from dispatch._mcp_unreadable import bad_id, refusal
 from dispatch._providers import Anthropic
 from dispatch.client import Cancellation
@@ -121,7 +125,7 @@ def build_server(registry: Registry, *, name: str = SERVER_NAME, version: str = 
         except anyio.get_cancelled_exc_class():
             cancellation.cancel()
             raise
-        reply, text = outcome.reply, outcome.reply["content"]
+        reply, text = outcome.reply, for_client(outcome.reply["content"])
         why = outcome.result.metadata.get("session_ended")
         if why and on_session_ended is not None:
             on_session_ended(ctx.request_id, str(why))
@@ -162,7 +166,7 @@ def _progress_reporter(ctx: Any) -> Any:
 
     def on_output(_stream: str, text: str) -> None:
         sent[0] += len(text.encode("utf-8", "surrogatepass"))
-        message = text[-_PROGRESS_MESSAGE_MAX:]
+        message = for_client(text[-_PROGRESS_MESSAGE_MAX:])
         try:
             anyio.from_thread.run(lambda: ctx.session.report_progress(float(sent[0]), None, message))
         except Exception:

@@ -220,3 +220,20 @@ def test_a_cancelled_request_ends_the_command(daemon: Daemon, client: dispatch.C
     assert running("315.6") == []
     assert not (worktree / "f").exists()
 
+
+
+def test_output_reaches_the_client_with_no_control_a_terminal_acts_on(
+        daemon: Daemon, worktree: Path, tmp_path: Path) -> None:
+    """A command's output may be shown on the client's terminal: colour is
+    dropped, every other control escaped (before: a clipboard write, OSC 52,
+    and a carriage return that hides a line went through as they were)."""
+    async def body(session: ClientSession) -> tuple[types.CallToolResult, types.CallToolResult]:
+        hostile = await session.call_tool("shell_exec", {
+            "command": r"printf '\033[31mred\033[0m \033]52;c;aGk=\007 safe\rhidden \342\200\256txt\n'"})
+        plain = await session.call_tool("shell_exec", {"command": r"printf 'a\tb\\c\r\ncaf\303\251 \360\237\230\200\n'"})
+        return hostile, plain
+
+    hostile, plain = _run(daemon, worktree, tmp_path, body)
+    assert _text(hostile) == "red \\x1b]52;c;aGk=\\x07 safe\\rhidden \\u202etxt\n"
+    # The twin: tabs, backslashes, CRLF, accents and emoji are left as they are.
+    assert _text(plain) == "a\tb\\c\r\ncafé 😀\n"
