@@ -340,12 +340,32 @@ def apply_rules_in(userns_fd: int, netns_fd: int, rules: str) -> str:
     lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
     lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
     lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+    lib.nft_ctx_get_output_buffer.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_get_output_buffer.restype = ctypes.c_char_p
     lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     ctx = lib.nft_ctx_new(0)
     lib.nft_ctx_buffer_output(ctx)
     lib.nft_ctx_buffer_error(ctx)
     if lib.nft_run_cmd_from_buffer(ctx, rules.encode()) != 0:
         return "nft: " + (lib.nft_ctx_get_error_buffer(ctx) or b"failed").decode(errors="replace").strip()
+    # Read back: its return code is libnftables' word alone, and a session
+    # said to be in "ports" with no table in its namespace would be open.
+    listed = lib.nft_run_cmd_from_buffer(ctx, f"list table inet {TABLE}".encode()) == 0
+    return rules_hold(rules, (lib.nft_ctx_get_output_buffer(ctx) or b"").decode(errors="replace") if listed else None)
+
+
+def rules_hold(rules: str, listed: str | None) -> str:
+    """Pure: whether ``listed`` (our table as nft lists it, None when there
+    is none) is what committing ``rules`` (``nft_rules``) leaves: "" or
+    what is wrong. Where the rules define the table, its hook and its last
+    rule, the reject, must be there."""
+    if rules == reset_rules():
+        return "" if listed is None else f"nft: the table inet {TABLE} is still there after its removal"
+    if listed is None:
+        return f"nft: the rules were committed, but the table inet {TABLE} is not there"
+    for needed in ("hook output", "reject with icmpx admin-prohibited"):
+        if needed not in listed:
+            return f"nft: the rules were committed, but the table inet {TABLE} has no {needed!r}"
     return ""
 
 
