@@ -305,12 +305,14 @@ def start_stack(userns_fd: int, netns_fd: int, launch: Callable[[list[int]], tup
             err.seek(0)
             said = err.read().decode(errors="replace")
             lines = said.strip().splitlines()
-            # A stack that could not fork or start a thread (slirp4netns
-            # forks at its start) says so only in words: the sessions'
-            # process bound or the user's limit, told as EAGAIN, as the fork
-            # server's own refusal is, so that the switch is undone.
+            # A stack that exited because it could not fork or start a
+            # thread (slirp4netns forks at its start) says so only in words:
+            # the sessions' process bound or the user's limit, told as
+            # EAGAIN, as the fork server's own refusal is, so that the switch
+            # is undone (once its way out is known gone: sessionnet._undo).
+            # One that did not report in time is no such case.
             raise ConfinementError("network: start " + name,
-                                   errno.EAGAIN if os.strerror(errno.EAGAIN) in said else 0,
+                                   errno.EAGAIN if ready and os.strerror(errno.EAGAIN) in said else 0,
                                    detail=(lines[-1] if lines else
                                            ("it did not report ready in time" if not ready else "it exited")))
     finally:

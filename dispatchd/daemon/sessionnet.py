@@ -245,6 +245,14 @@ class SessionNetworks:
         ``new`` committed put back and the session's plan ``old`` again, then
         ``NetworkUnchanged``. Rules that cannot be put back leave ``exc`` to
         end the session, as any half-made switch does."""
+        if not isinstance(exc.__cause__, NoProcess):
+            # The stack ran and exited, refused a fork of its own: what it
+            # may have forked ended and its way out known gone, as a stop's
+            # (``_stop_stack``), before the session is said to be as it was.
+            try:
+                self.fork_server.net_closed(*namespaces(session))
+            except SpawnError:
+                return
         if old is None or new.rules == old.rules:
             pass
         else:

@@ -496,6 +496,13 @@ answer(const Lane *lane, const Call *call)
             Py_DECREF(data);
             goto back;
         }
+        /* A U+FFFD shown may stand for bytes that are not UTF-8, which
+         * read_file then says in a last line (files.py): the Python path's. */
+        if (PyUnicode_FindChar(decoded, 0xFFFD, 0, PyUnicode_GET_LENGTH(decoded), 1) != -1) {
+            Py_DECREF(decoded);
+            Py_DECREF(data);
+            goto back;
+        }
     }
     int64_t last = call->end == -1 ? plan.total - 1 : (call->end < plan.total - 1 ? call->end : plan.total - 1);
     Py_ssize_t size = (Py_ssize_t)(sizeof REPLY_HEAD - 1) + int_size(call->id) + (Py_ssize_t)(sizeof REPLY_SUCCESS - 1)

@@ -262,7 +262,8 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
         last = total - 1 if end_line == -1 else min(end_line, total - 1)
         meta = {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last}
         if "\ufffd" in output:  # no scan for ASCII text: its str cannot hold the character
-            output = _said_not_utf8(rel, data, output, meta)
+            shown = b"".join(io.BytesIO(data).readlines()[start_line:last + 1])
+            output = _said_not_utf8(rel, shown, output, meta)
         # Outcome.ok's fields given directly: a classmethod's call costs
         # about 800 instructions, on every read_file.
         return Outcome(True, output, None, meta)
@@ -280,18 +281,18 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
     output = _numbered(lines, start_line, last + 1)
     meta = {"path": rel, "total_lines": total, "start_line": start_line, "end_line": last}
     if "\ufffd" in output:
-        output = _said_not_utf8(rel, data, output, meta)
+        output = _said_not_utf8(rel, b"".join(lines[start_line:last + 1]), output, meta)
     return Outcome.ok(output, meta)
 
 
-def _said_not_utf8(rel: str, data: bytes, output: str, meta: dict[str, object]) -> str:
-    """``output`` with a last line saying that the file holds bytes that are
-    not UTF-8, shown as U+FFFD, where it does (a U+FFFD the file itself holds
-    says nothing); ``meta["not_utf8"]`` then True. Written back from the text
+def _said_not_utf8(rel: str, shown: bytes, output: str, meta: dict[str, object]) -> str:
+    """``output`` with a last line saying that the lines ``shown`` hold
+    bytes that are not UTF-8, shown as U+FFFD, where they do (a U+FFFD the
+    file itself holds says nothing); ``meta["not_utf8"]`` then True. Written back from the text
     shown, those bytes would be lost; edit_file keeps them, but its old_text
     cannot quote them."""
     try:
-        data.decode("utf-8")
+        shown.decode("utf-8")
         return output
     except UnicodeDecodeError:
         meta["not_utf8"] = True

@@ -208,8 +208,7 @@ USUAL = [
     {"path": "crlf.txt"},
     {"path": "utf8.txt"},
     {"path": "utf8.txt", "start_line": 1},
-    {"path": "bad-utf8.txt"},
-    {"path": "bad-utf8.txt", "start_line": 1, "end_line": 1},
+    {"path": "bad-utf8.txt", "start_line": 0, "end_line": 0},  # its valid first line
     {"path": "many.txt"},
     {"path": "many.txt", "start_line": 990, "end_line": 1100},
     {"path": "d/e/deep.txt"},
@@ -257,6 +256,9 @@ _E = msgspec.msgpack.encode
 HANDED_BACK: dict[str, bytes] = {
     "a missing file": call({"path": "missing.txt"}),
     "a binary file": call({"path": "binary.bin"}),
+    # Bytes that are not UTF-8 in the lines shown: read_file's last line says so.
+    "bytes that are not UTF-8": call({"path": "bad-utf8.txt"}),
+    "a line of bytes that are not UTF-8": call({"path": "bad-utf8.txt", "start_line": 1, "end_line": 1}),
     "a directory": call({"path": "adir"}),
     "a symlink inside the worktree": call({"path": "link.txt"}),
     "a path through ..": call({"path": "d/../f4k.txt"}),

@@ -122,3 +122,17 @@ def test_a_switch_on_whose_stack_failed_otherwise_still_ends_the_session(monkeyp
         _networks(_RulesForkServer()).apply(session, _plan("ports"))
     assert not isinstance(ended.value, sessionnet.NetworkUnchanged)
     assert str(ended.value) == "cannot apply network: start slirp4netns: it exited"
+
+
+def test_a_switch_on_whose_stack_could_not_fork_ends_the_session_when_its_way_out_is_not_known_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The stack ran before its fork was refused: without the look that it left
+    # nothing up, the session is not said to be as it was.
+    monkeypatch.setattr(netstack, "start_stack", _stack_refused(errno.EAGAIN, "fork: Resource temporarily unavailable"))
+    session = _session("off")
+    session.stack = None
+    fork_server = _RulesForkServer(closed_ok=False)
+    with pytest.raises(ConfinementError) as ended:
+        _networks(fork_server).apply(session, _plan("ports"))
+    assert not isinstance(ended.value, sessionnet.NetworkUnchanged)
+    assert str(ended.value) == "cannot apply network: start slirp4netns: fork: Resource temporarily unavailable"

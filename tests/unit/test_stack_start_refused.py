@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+from collections.abc import Callable
 
 import pytest
 
@@ -18,12 +19,13 @@ from dispatchd.errors import ConfinementError
 pytestmark = pytest.mark.process
 
 
-def _stack_saying(words: str):
+def _stack_saying(words: str, then: str = "exit 1") -> tuple[Callable[[list[int]], tuple[int, int]],
+                                                              list[subprocess.Popen[bytes]]]:
     children: list[subprocess.Popen[bytes]] = []
 
     def launch(fds: list[int]) -> tuple[int, int]:
         # fds: the user and network namespaces, the readiness pipe, its stderr file.
-        child = subprocess.Popen(["/bin/sh", "-c", f"echo '{words}' >&2; exit 1"], stderr=fds[3],
+        child = subprocess.Popen(["/bin/sh", "-c", f"echo '{words}' >&2; {then}"], stderr=fds[3],
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  pass_fds=(fds[2],))  # held until it exits, as a stack holds it
         children.append(child)
@@ -32,8 +34,8 @@ def _stack_saying(words: str):
     return launch, children
 
 
-def _start(words: str) -> ConfinementError:
-    launch, children = _stack_saying(words)
+def _start(words: str, then: str = "exit 1") -> ConfinementError:
+    launch, children = _stack_saying(words, then)
     r, w = os.pipe()
     try:
         with pytest.raises(ConfinementError) as failed:
@@ -56,3 +58,10 @@ def test_a_stack_that_exits_for_another_reason_is_a_plain_failure() -> None:
     failed = _start("open(\"/dev/net/tun\"): No such file or directory")
     assert failed.errno == 0
     assert str(failed) == 'cannot apply network: start slirp4netns: open("/dev/net/tun"): No such file or directory'
+
+
+def test_a_stack_that_did_not_report_in_time_is_a_plain_failure_whatever_it_said(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netstack, "READY_TIMEOUT_S", 0.3)
+    failed = _start("fork: Resource temporarily unavailable", then="exec sleep 30")
+    assert failed.errno == 0

@@ -206,6 +206,11 @@ class TestReadFile:
         put(ctx, "replacement.txt", "caf\ufffd\n")
         r = call(ctx, "read_file", path="replacement.txt")
         assert r.output == "0: caf\ufffd" and "not_utf8" not in r.metadata
+        # Only the lines shown count: a U+FFFD of the file's own, the bad bytes elsewhere.
+        put(ctx, "mixed.txt", "caf\ufffd\n".encode() + b"caf\xe9\n")
+        r = call(ctx, "read_file", path="mixed.txt", start_line=0, end_line=0)
+        assert r.output == "0: caf\ufffd" and "not_utf8" not in r.metadata
+        assert call(ctx, "read_file", path="mixed.txt", start_line=1).metadata["not_utf8"] is True
         # An edit beside the bytes keeps them.
         assert call(ctx, "edit_file", path="latin1.txt", edits=[{"old_text": "ok", "new_text": "fine"}]).success
         assert Path(ctx.root, "latin1.txt").read_bytes() == b"caf\xe9\nfine\n"
