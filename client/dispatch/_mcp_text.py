@@ -6,7 +6,9 @@ the clipboard (OSC 52), set the window's title, or reorder what is shown
 (bidi controls). The model reads the same text, so what is escaped stays
 readable.
 
-Guarantees of ``for_client(text)``:
+Guarantees of ``for_client(text)`` (``for_client_all`` applies it to every
+string of a JSON-like value: a result's structured content names files and
+hosts the session chose):
 - colour and style sequences (CSI ... ``m``) are dropped: a model reads the
   words, not their colour;
 - every other control character is written as an escape, ``\\xNN`` (ESC
@@ -14,20 +16,42 @@ Guarantees of ``for_client(text)``:
   ``\\uNNNN`` for C1 controls, format characters (category Cf: the bidi
   controls, zero-width characters) and the line and paragraph separators;
   newline, tab and ``\\r\\n`` are kept;
-- backslashes are left as they are (output is full of them); the usual text
-  (printable ASCII and newlines) costs a regular expression search.
+- backslashes are left as they are (output is full of them); text with
+  nothing to escape, in any script, costs one regular expression search
+  (its class made at import, from this Python's Unicode tables: 0.1 s, paid
+  by ``dispatch mcp`` alone).
 """
 
 from __future__ import annotations
 
 import re
 import unicodedata
+from typing import Any
 
-__all__ = ["for_client"]
+__all__ = ["for_client", "for_client_all"]
 
 _STYLE = re.compile(r"\x1b\[[0-9;:]*m")
-_SUSPECT = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]|[^\x00-\x7f]")
 _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _class() -> str:
+    """A character class of every character escaped but newline and tab,
+    made once from this Python's Unicode tables: letters of every script
+    then never reach a Python callback."""
+    ranges: list[str] = []
+    start = -1
+    for code in range(0x110000 + 1):
+        escaped = code <= 0x10FFFF and code not in (0x0A, 0x09) and \
+            unicodedata.category(chr(code)) in _ESCAPED_CATEGORIES
+        if escaped and start < 0:
+            start = code
+        elif not escaped and start >= 0:
+            ranges.append(f"\\U{start:08x}-\\U{code - 1:08x}" if code - 1 > start else f"\\U{start:08x}")
+            start = -1
+    return "[" + "".join(ranges) + "]"
+
+
+_SUSPECT = re.compile(_class())
 
 
 def _escape(match: re.Match[str]) -> str:
@@ -37,8 +61,6 @@ def _escape(match: re.Match[str]) -> str:
     code = ord(c)
     if code < 0x80:
         return f"\\x{code:02x}"
-    if unicodedata.category(c) not in _ESCAPED_CATEGORIES:
-        return c  # letters of every script, emoji, spaces
     return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
@@ -47,3 +69,15 @@ def for_client(text: str) -> str:
     if _SUSPECT.search(text) is None:
         return text
     return _SUSPECT.sub(_escape, _STYLE.sub("", text))
+
+
+def for_client_all(value: Any) -> Any:
+    """``value`` with ``for_client`` applied to every string in it, keys
+    included (dicts, lists and tuples walked; anything else as it is)."""
+    if isinstance(value, str):
+        return for_client(value)
+    if isinstance(value, dict):
+        return {for_client_all(k): for_client_all(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [for_client_all(v) for v in value]
+    return value

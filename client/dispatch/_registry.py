@@ -41,6 +41,12 @@ Approval = Callable[[Definition, dict[str, Any], Any], "bool | str"]
 
 _NEEDS_APPROVAL = ("write", "execute")
 
+def _unwrapped(item: Any) -> Any:
+    """The ``Definition`` a ``dispatch.aio.AsyncDefinition`` wraps, else ``item``."""
+    inner = getattr(item, "sync", None) if not isinstance(item, Definition) else None
+    return inner if isinstance(inner, Definition) else item
+
+
 class Registry:
     """Tools by name, in registration order.
 
@@ -110,7 +116,9 @@ class Registry:
     # -- building
 
     def register(self, defn: Definition) -> Registry:
-        """Add ``defn``; returns the registry so calls chain."""
+        """Add ``defn``; returns the registry so calls chain. A definition
+        of ``dispatch.aio`` (``AsyncDefinition``) adds the one it wraps."""
+        defn = _unwrapped(defn)
         if not isinstance(defn, Definition):
             raise TypeError(f"register() takes a Definition, not {type(defn).__name__}")
         with self._lock:
@@ -203,6 +211,7 @@ class Registry:
 
     def __contains__(self, item: object) -> bool:
         """A name, or a Definition (true when that very definition is registered)."""
+        item = _unwrapped(item)
         if isinstance(item, Definition):
             return self._tools.get(item.name) is item
         return self.has(item)  # type: ignore[arg-type]

@@ -124,8 +124,39 @@ class AsyncDefinition:
                    on_output: Callable[[str, str], Any] | None = None) -> Result:
         return await _cancellable(self.sync.call, (params,), context, on_output=_output_on_loop(on_output))
 
+    @property
+    def name(self) -> str:
+        return self.sync.name
+
+    @property
+    def description(self) -> str:
+        return self.sync.description
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return self.sync.parameters
+
+    @property
+    def risk(self) -> str:
+        return self.sync.risk
+
+    @property
+    def advertised(self) -> bool:
+        return self.sync.advertised
+
     def __getattr__(self, name: str) -> Any:
+        # Public attributes only: the private ones would run the call on the
+        # loop (``_invoke``), and ``sync`` unset (a copy, a pickle) must not
+        # look itself up for ever.
+        if name == "sync" or name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self.sync, name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AsyncDefinition) and other.sync is self.sync
+
+    def __hash__(self) -> int:
+        return hash(self.sync)
 
     def __repr__(self) -> str:
         return f"Async{self.sync!r}"
@@ -150,6 +181,10 @@ class AsyncRegistry:
 
     def __iter__(self) -> Iterator[AsyncDefinition]:
         return iter(self.tools)
+
+    def register(self, defn: Definition | AsyncDefinition) -> AsyncRegistry:
+        self.sync.register(defn.sync if isinstance(defn, AsyncDefinition) else defn)
+        return self
 
     async def call(self, name: str, params: Any, context: Any = None,
                    on_output: Callable[[str, str], Any] | None = None) -> Result:
@@ -176,7 +211,7 @@ class AsyncRegistry:
         return len(self.sync)
 
     def __contains__(self, item: object) -> bool:
-        return item in self.sync
+        return (item.sync if isinstance(item, AsyncDefinition) else item) in self.sync
 
     def __repr__(self) -> str:
         return f"Async{self.sync!r}"

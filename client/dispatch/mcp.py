@@ -9,9 +9,10 @@ Guarantees:
   included when the registry compacts), with MCP annotations from each tool's
   risk: ``read`` tools are ``readOnlyHint``, ``write`` and ``execute`` ones
   ``destructiveHint``.
-- What a client may show on a terminal acts on nothing there: the text and
-  the progress messages hold no control a terminal acts on, colour dropped
-  and the rest escaped (``_mcp_text.for_client``).
+- What a client may show on a terminal acts on nothing there: the text, the
+  structured content (file names and hosts the session chose) and the
+  progress messages hold no control a terminal acts on, colour dropped and
+  the rest escaped (``_mcp_text``).
 - ``tools/call`` goes through ``Registry.run_call``, the same path a model's
   tool call takes: validated, asked of the registry's approval (none by
   default: an MCP client asks its user itself), compacted to the policy's
@@ -69,7 +70,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.message import SessionMessage
 
 from dispatch._mcp_stdio import StdioPipes, Stopped
-from dispatch._mcp_text import for_client
+from dispatch._mcp_text import for_client, for_client_all
 from dispatch._mcp_unreadable import bad_id, refusal
 from dispatch._providers import Anthropic
 from dispatch.client import Cancellation
@@ -145,7 +146,8 @@ def _structured(result: Any) -> dict[str, Any]:
     without the output the text carries."""
     structured = {k: v for k, v in result.metadata.items() if k not in _IN_THE_TEXT}
     structured["success"] = result.is_success
-    return structured
+    shown: dict[str, Any] = for_client_all(structured)  # names and hosts the session chose: shown too
+    return shown
 
 
 def _progress_token(ctx: Any) -> Any:

@@ -231,9 +231,19 @@ def test_output_reaches_the_client_with_no_control_a_terminal_acts_on(
         hostile = await session.call_tool("shell_exec", {
             "command": r"printf '\033[31mred\033[0m \033]52;c;aGk=\007 safe\rhidden \342\200\256txt\n'"})
         plain = await session.call_tool("shell_exec", {"command": r"printf 'a\tb\\c\r\ncaf\303\251 \360\237\230\200\n'"})
-        return hostile, plain
+        named = await session.call_tool("shell_exec", {"command": r"touch \"$(printf 'n\033]0;t\007')\""})
+        bidi = await session.call_tool("shell_exec", {"command": r"touch \"$(printf 'b\342\200\256c')\""})
+        return hostile, plain, named, bidi
 
-    hostile, plain = _run(daemon, worktree, tmp_path, body)
+    hostile, plain, named, bidi = _run(daemon, worktree, tmp_path, body)
     assert _text(hostile) == "red \\x1b]52;c;aGk=\\x07 safe\\rhidden \\u202etxt\n"
+    # A name the session chose, in the structured content: shown escaped, as
+    # the daemon names it (and escaped again here, were it not:
+    # tests/unit/test_mcp_text.py).
+    assert named.structured_content is not None
+    assert all("\x1b" not in name for name in named.structured_content["changed"]), named.structured_content
+    assert named.structured_content["changed"] == ['"n\\x1b]0;t\\x07"'], named.structured_content["changed"]
     # The twin: tabs, backslashes, CRLF, accents and emoji are left as they are.
     assert _text(plain) == "a\tb\\c\r\ncafé 😀\n"
+    assert bidi.structured_content is not None
+    assert bidi.structured_content["changed"] == ['"b\\u202ec"'], bidi.structured_content["changed"]
