@@ -18,7 +18,7 @@ DISPATCH_ALL = (
     "Client ConnectionLost DaemonUnavailable Definition DispatchError Registry RequestFailed"
     " RequestTimeout Result Session UntrustedSocket aio connect tools"
 ).split()
-AIO_ALL = "AsyncClient AsyncRegistry AsyncSession connect run_tool_loop".split()
+AIO_ALL = "AsyncClient AsyncDefinition AsyncRegistry AsyncSession connect run_tool_loop".split()
 TOOLS_ALL = (
     "Definition DuplicateToolError Error ExecutionError Registry Result ToolNotFoundError ValidationError"
 ).split()

@@ -88,7 +88,7 @@ def test_every_exported_name_is_in_the_reference(module: object) -> None:
 
 DOCUMENTED_CLASSES = [dispatch.Client, dispatch.Session, dispatch.tools.Registry, dispatch.tools.Definition,
                       dispatch.tools.Result, dispatch.aio.AsyncClient, dispatch.aio.AsyncSession,
-                      dispatch.aio.AsyncRegistry, dispatch.agent.Trace, dispatch.agent.FakeModel]
+                      dispatch.aio.AsyncRegistry, dispatch.aio.AsyncDefinition, dispatch.agent.Trace, dispatch.agent.FakeModel]
 
 
 @pytest.mark.parametrize("cls", DOCUMENTED_CLASSES, ids=[c.__qualname__ for c in DOCUMENTED_CLASSES])
