@@ -378,6 +378,7 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
     limit = ctx.limits.search_max_results
     cap = ctx.limits.file_size_cap_bytes
     chunks: list[str] = []  # the output, a piece a file
+    odd: list[str] = []  # files shown with bytes that are not UTF-8 in them
     labels = _Labels()
     count = 0
     truncated = False
@@ -403,6 +404,8 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
                     if found:
                         chunks.append(text)
                         count += found
+                        if "\ufffd" in text and _not_utf8(data):
+                            odd.append(printable(rel))
                     if more:
                         truncated = True
                         break
@@ -428,6 +431,8 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
                 name = printable(rel)
                 # name + ":N: text", newline, name + ...: one join a file
                 chunks.append(name + lines[0] if len(lines) == 1 else name + ("\n" + name).join(lines))
+                if "\ufffd" in chunks[-1] and _not_utf8(data):
+                    odd.append(name)
             if truncated:
                 break
     except OSError as exc:  # reading ``top`` itself; deeper errors are skipped
@@ -438,4 +443,19 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
     output = "\n".join(chunks)
     if truncated:
         output += f"\n... (stopped at {limit} matches)"
+    if odd:
+        meta["not_utf8"] = odd
+        output += (f"\n[{', '.join(odd[:5])}{f' and {len(odd) - 5} more' if len(odd) > 5 else ''} "
+                   f"{'holds' if len(odd) == 1 else 'hold'} bytes that are not UTF-8, shown as \ufffd: edit_file's "
+                   f"old_text cannot quote them (quote the text beside them)]")
     return Outcome.ok(output, meta)
+
+
+def _not_utf8(data: bytes) -> bool:
+    """Whether ``data`` holds bytes that are not UTF-8: asked only of a file
+    whose lines shown hold U+FFFD, which may be its own."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False

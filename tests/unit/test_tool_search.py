@@ -204,9 +204,18 @@ def test_long_lines_are_cut(ctx: ToolContext) -> None:
     assert text.startswith("needle ") and len(text) <= 510
 
 
-def test_crlf_and_invalid_utf8_lines_are_shown_cleanly(ctx: ToolContext) -> None:
+def test_crlf_and_invalid_utf8_lines_are_shown_cleanly_and_said(ctx: ToolContext) -> None:
     put(ctx, "win.txt", b"caf\xe9 needle\r\nnext\r\n")
-    assert search(ctx, query="needle").output == "win.txt:0: caf\ufffd needle"
+    note = ("[win.txt holds bytes that are not UTF-8, shown as \ufffd: edit_file's old_text cannot quote them "
+            "(quote the text beside them)]")
+    for params in ({"query": "needle"}, {"query": "need[l]e", "is_regex": True}):  # the literal's path and the regex's
+        r = search(ctx, **params)
+        assert r.output == "win.txt:0: caf\ufffd needle\n" + note, params
+        assert r.metadata["not_utf8"] == ["win.txt"]
+    # The twin: a U+FFFD of the file's own is text like any other.
+    put(ctx, "win.txt", "caf\ufffd needle\n")
+    r = search(ctx, query="needle")
+    assert r.output == "win.txt:0: caf\ufffd needle" and "not_utf8" not in r.metadata
 
 
 def test_non_ascii_query(ctx: ToolContext) -> None:
