@@ -17,9 +17,12 @@ Guarantees:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+
+log = logging.getLogger("dispatchd.lifetimes")
 
 
 def plan_orphan_deadline(now: float, *, detached: bool, holders: int, grace_s: float) -> float | None:
@@ -97,8 +100,12 @@ class Holders:
             return
         self._deadlines.setdefault(sid, deadline)  # a second release does not push it back
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, daemon=True, name="orphans")
-            self._thread.start()
+            thread = threading.Thread(target=self._run, daemon=True, name="orphans")
+            try:
+                thread.start()
+                self._thread = thread  # only once started: a failed start is tried at the next change
+            except RuntimeError as exc:  # can't start new thread: the deadline is kept, and met late
+                log.warning("event=orphans_not_started error=%s", exc)
         self._lock.notify()
 
     def _run(self) -> None:

@@ -176,8 +176,9 @@ class SandboxPool:
             self._mounts_changed = self._mounts.changed
         if kind is not None:
             self.want(kind)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="pool")
-        self._thread.start()
+        thread = threading.Thread(target=self._run, daemon=True, name="pool")
+        thread.start()  # at the daemon's start: one that cannot start a thread stops there, saying so
+        self._thread = thread
 
     def want(self, kind: Kind) -> None:
         """A session of ``kind`` was opened: keep some ready (the most recent

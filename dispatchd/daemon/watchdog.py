@@ -222,13 +222,21 @@ class MemoryWatchdog:
         self._lock = threading.Lock()
         self._asked = threading.Event()  # a session to watch may have come (set by ensure_running)
 
+    def start(self) -> None:
+        """The thread running, started if need be; ``RuntimeError`` where it
+        cannot be (the daemon's threads at the user's limit): an open calls
+        this before it makes anything, and is refused then, never opened
+        unwatched. A failed start is tried again by the next call."""
+        with self._lock:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, daemon=True, name="memory-watchdog")
+                thread.start()
+                self._thread = thread  # only once started
+
     def ensure_running(self) -> None:
         """A session the cgroup does not bound has opened (call once it can
         be listed by ``sessions()``): watch it, starting the thread if need be."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="memory-watchdog")
-                self._thread.start()
+        self.start()
         self._asked.set()
 
     def _run(self) -> None:

@@ -257,3 +257,44 @@ def test_the_watchdog_sleeps_while_the_daemon_has_no_session_and_looks_again_at_
     before = len(looks)
     time.sleep(0.3)
     assert len(looks) - before >= 8  # still looking: it may be woken without an open
+
+
+class _RefusedThread(threading.Thread):
+    def start(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+def test_a_watchdog_that_cannot_start_says_so_and_the_next_open_starts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open calls ``start`` before it makes anything: refused then, it is
+    refused; before, the failed thread was kept as started, and every later
+    session opened with no watchdog at all."""
+    monkeypatch.setattr(watchdog, "INTERVAL_S", 0.02)
+    looks: list[float] = []
+
+    def sessions() -> list[tuple[str, int, int, int]]:
+        looks.append(time.monotonic())
+        return []
+
+    dog = watchdog.MemoryWatchdog(sessions, lambda sid, used, limit: None)
+    monkeypatch.setattr(watchdog.threading, "Thread", _RefusedThread)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        dog.start()
+    monkeypatch.undo()
+    monkeypatch.setattr(watchdog, "INTERVAL_S", 0.02)
+    dog.ensure_running()  # the twin: a thread to be had
+    time.sleep(0.3)
+    assert len(looks) >= 5
+
+
+def test_orphan_deadlines_whose_thread_could_not_start_are_met_once_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    ended: list[str] = []
+    done = threading.Event()
+    h = lifetimes.Holders(lambda sid: (ended.append(sid), done.set()))
+    monkeypatch.setattr(lifetimes.threading, "Thread", _RefusedThread)
+    h.track("a", detached=False, grace_s=0.1, holder=None)  # unheld: a deadline, no thread to meet it
+    monkeypatch.undo()
+    assert not done.wait(0.3) and ended == []
+    h.track("b", detached=False, grace_s=0.1, holder=None)  # the next change starts it: both met
+    assert done.wait(5)
+    time.sleep(0.3)
+    assert sorted(ended) == ["a", "b"]
