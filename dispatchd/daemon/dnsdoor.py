@@ -311,7 +311,12 @@ class Door:
         if full:
             conn.close()  # the session's resolver tries again, or UDP
             return
-        threading.Thread(target=self._serve_tcp, args=(conn,), daemon=True, name=f"dns-tcp-{self.session}").start()
+        try:
+            threading.Thread(target=self._serve_tcp, args=(conn,), daemon=True, name=f"dns-tcp-{self.session}").start()
+        except RuntimeError:  # can't start new thread: this connection closed (the resolver retries), the door stays
+            with self.lock:
+                self.conns.discard(conn)
+            conn.close()
 
     def _serve_tcp(self, conn: socket.socket) -> None:
         """Queries in turn on one connection (RFC 7766: length-prefixed),

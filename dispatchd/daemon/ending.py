@@ -86,15 +86,21 @@ class Ending(SessionTable):
         """End a session for a reason of the daemon's own (orphaned, over its
         memory): logged with ``reason=word``; its client is told ``why``. Ends
         it on a thread of its own: stopping a worker may take seconds, and the
-        caller (the watchdog, the orphan timer) serves every other session."""
+        caller (the watchdog, the orphan timer) serves every other session;
+        on the caller's, should no thread be had: an end recorded is an end
+        made (the record stops every later ``end`` of it)."""
         with self._lock:
             session = self._sessions.get(sid)
         if session is None or not is_live(session.state) or self._ended.get(sid):
             return  # gone, or being ended already (its why recorded below)
         log.warning("event=session_ended session=%s reason=%s", sid, word)
         self._ended.record(sid, why)  # before the end: a client asking meanwhile hears why
-        threading.Thread(target=self._finish, args=(session, why, ending_event(word)), daemon=True,
-                         name=f"end-{sid}").start()
+        try:
+            threading.Thread(target=self._finish, args=(session, why, ending_event(word)), daemon=True,
+                             name=f"end-{sid}").start()
+        except RuntimeError as exc:  # can't start new thread: ended here, never recorded and left running
+            log.warning("event=end_inline session=%s why=%r", sid, str(exc))
+            self._finish(session, why, ending_event(word))
 
     def _end_orphan(self, sid: str) -> None:
         with self._lock:

@@ -244,9 +244,13 @@ class HelperWatch:
                 self._ending.add(sid)
                 self._stacks_ended += 1
                 log.error("event=helper_died helper=network_stack session=%s pid=%s", sid, stack.pid)
-                self._end_session(sid, "network_stack_died",
-                                  f"its network stack ({stack.name}, pid {stack.pid}) exited: "
-                                  "the session had no way out any more; open it again")
+                try:
+                    self._end_session(sid, "network_stack_died",
+                                      f"its network stack ({stack.name}, pid {stack.pid}) exited: "
+                                      "the session had no way out any more; open it again")
+                except Exception:  # noqa: BLE001  # not ended: looked at again at the next round
+                    log.exception("event=stack_end_failed session=%s", sid)
+                    self._ending.discard(sid)
 
     def _check_socket(self) -> bool:
         """True once the daemon has been told to exit (its path lost, and idle)."""

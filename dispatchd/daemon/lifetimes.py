@@ -120,4 +120,13 @@ class Holders:
                     self._lock.wait(None if nxt is None else max(0.0, nxt - now))
                     continue
             for sid in due:
-                self._end(sid)
+                # The one thread of every deadline: an end that fails (a bug,
+                # no thread to be had) is logged and tried again in a second,
+                # never the end of this thread for every session.
+                try:
+                    self._end(sid)
+                except Exception:  # noqa: BLE001
+                    log.exception("event=orphan_end_failed session=%s", sid)
+                    with self._lock:
+                        if sid in self._rules:
+                            self._deadlines.setdefault(sid, time.monotonic() + 1.0)

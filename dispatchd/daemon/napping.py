@@ -85,6 +85,10 @@ class Napping(Ending):
                         return  # asleep, or ended: this watch is over
         except (OSError, protocol.ProtocolError):
             pass
+        except Exception:  # noqa: BLE001  # a bug, no thread to be had: the session's one reader
+            # must not end unseen (its worker's death unwatched, its System V
+            # figure stale): as when its worker goes, the session ends.
+            log.exception("event=watch_failed session=%s", session.id)
         ended.set()
         control.close()
         with session.lock:

@@ -302,7 +302,12 @@ class SessionProxy:
                 if conn is None:
                     self._refuse_fast(client)
                     continue
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                try:
+                    threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                except RuntimeError:  # can't start new thread: this one refused, the listener serves on
+                    with self._lock:
+                        self._conns.discard(conn)
+                    self._refuse_fast(client)
         finally:
             listener.close()
 

@@ -437,7 +437,7 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
                 break
     except OSError as exc:  # reading ``top`` itself; deeper errors are skipped
         raise describe_os_error(exc, "search", rel_top) from exc
-    meta = {"count": count, "truncated": truncated, "files_searched": searched}
+    meta: dict[str, object] = {"count": count, "truncated": truncated, "files_searched": searched}
     if not count:
         return Outcome.ok("no matches", meta)
     output = "\n".join(chunks)

@@ -298,3 +298,26 @@ def test_orphan_deadlines_whose_thread_could_not_start_are_met_once_it_can(monke
     assert done.wait(5)
     time.sleep(0.3)
     assert sorted(ended) == ["a", "b"]
+
+
+def test_an_orphan_end_that_fails_is_tried_again_and_the_thread_goes_on() -> None:
+    """Before, an exception from the end stopped the one thread of every
+    deadline: no orphan ended again."""
+    ended: list[str] = []
+    done = threading.Event()
+    failures = [1]
+
+    def end(sid: str) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("can't start new thread")
+        ended.append(sid)
+        if len(ended) == 2:
+            done.set()
+
+    h = lifetimes.Holders(end)
+    h.track("a", detached=False, grace_s=0.05, holder=None)
+    time.sleep(0.3)
+    h.track("b", detached=False, grace_s=0.05, holder=None)
+    assert done.wait(5)
+    assert sorted(ended) == ["a", "b"]

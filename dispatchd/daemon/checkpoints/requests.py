@@ -178,4 +178,13 @@ def before_write(manager: SessionManager, session: Session, msg: protocol.Acquir
         except OSError:
             pass  # the session ended meanwhile
 
-    threading.Thread(target=run, daemon=True, name="checkpoint").start()
+    try:
+        threading.Thread(target=run, daemon=True, name="checkpoint").start()
+    except RuntimeError as exc:  # can't start new thread: the write is refused, the session's reader goes on
+        try:
+            with session.send_lock:
+                control.send(protocol.ErrorReply(id=msg.id, code="checkpoint_refused", message=said(
+                    f"the checkpoint before this write could not be taken: the daemon cannot start a thread "
+                    f"({exc}); retry once commands end (the policy takes one before every write)")))
+        except OSError:
+            pass
