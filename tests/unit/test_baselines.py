@@ -884,3 +884,68 @@ def test_a_part_joined_after_a_linked_worktrees_session_keeps_the_users_config_a
     store.leave("L")
     assert git(main, "remote", "get-url", "origin") == "https://example.invalid/m.git\n"
     assert hook.read_text() == "#!/bin/sh\nexec ./check\n" and hook.stat().st_mode & 0o777 == 0o755
+
+
+def _failing_writes(monkeypatch: pytest.MonkeyPatch, store: baselines.Baselines, n: int) -> None:
+    """The store's next ``n`` record writes fail as on a full disk."""
+    real = store._write
+    left = [n]
+
+    def write(domain: baselines.Domain, *, defer: bool = False) -> None:
+        if left[0] > 0:
+            left[0] -= 1
+            raise OSError(28, "No space left on device")
+        real(domain, defer=defer)
+
+    monkeypatch.setattr(store, "_write", write)
+
+
+def test_a_merge_whose_record_cannot_be_written_leaves_both_domains_and_their_locks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the merge changed the domains in memory first, and the failed
+    write left their locks held: every later close of their sessions hung."""
+    top = tmp_path / "top"
+    top.mkdir()
+    a, b = make_repo(top / "a"), make_repo(top / "b")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "sa", a)
+    _join(store, "sb", b)
+    domains = {sid: store._by_session[sid] for sid in ("sa", "sb")}
+    parts = {sid: [p.root for p in d.record.parts] for sid, d in domains.items()}
+    _failing_writes(monkeypatch, store, 1)
+    with pytest.raises(baselines.WorktreeError, match="its baseline cannot be recorded .*No space left on device"):
+        _join(store, "top", top)
+    assert {sid: store._by_session[sid] for sid in ("sa", "sb")} == domains  # each as it was
+    assert {sid: [p.root for p in d.record.parts] for sid, d in domains.items()} == parts
+    assert all(d.record.sessions == [sid] for sid, d in domains.items())
+    # The twin: the disk has room again; the same open merges them, no lock left held.
+    joined = threading.Thread(target=_join, args=(store, "top", top), daemon=True)
+    joined.start()
+    joined.join(60)
+    assert not joined.is_alive()
+    assert store._by_session["top"] is store._by_session["sa"] is store._by_session["sb"]
+    ended = [threading.Thread(target=store.leave, args=(sid,), daemon=True) for sid in ("top", "sa", "sb")]
+    for t in ended:
+        t.start()
+    for t in ended:
+        t.join(60)
+    assert not any(t.is_alive() for t in ended)
+
+
+def test_a_join_whose_record_cannot_be_written_leaves_no_part_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the failed open's part stayed in the domain: a later open of
+    that root counted as covered, its baseline the failed open's."""
+    top = tmp_path / "top"
+    top.mkdir()
+    a = make_repo(top / "a")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "sa", a)
+    domain = store._by_session["sa"]
+    before = [p.root for p in domain.record.parts]
+    _failing_writes(monkeypatch, store, 1)
+    with pytest.raises(baselines.WorktreeError, match="No space left on device"):
+        _join(store, "top", top)
+    assert [p.root for p in domain.record.parts] == before and domain.record.sessions == ["sa"]
+    _join(store, "top", top)  # the twin: with room, the part joins
+    assert [p.root for p in store._by_session["top"].record.parts] == [*before, str(top)]

@@ -227,10 +227,19 @@ class Baselines:
         What of the repository's history is not kept is the session's first report."""
         common = common_of(root, layout)
         noroom.ensure()  # the room an end's renames need, made again if one used it
-        domain = self._enter(root, common)
+        try:
+            domain = self._enter(root, common)
+        except OSError as exc:  # the merged record of related domains not written: each is as it was
+            raise WorktreeError(f"{root}: its baseline cannot be recorded in {self.dir} ({exc.strerror}); "
+                                "no session opened", root) from exc
+        record = domain.record
+        # What the join changes in the record, as it was: a join that fails
+        # before its record is written leaves none of it (its part counted as
+        # covering the root, a flag it flipped, would outlive it).
+        before = (list(record.parts), list(record.histories), record.writable, record.reach)
+        written = False
         try:
             domain.secrets.add(secrets or {})  # before any check can report what its code named
-            record = domain.record
             history.own_unheld_packs(record.histories, layout.read_only)  # before anything of it is recorded
             covered, unkept = any(is_within(root, p.root) for p in record.parts), ""
             if not covered:
@@ -262,6 +271,7 @@ class Baselines:
                 why = exc.strerror if isinstance(exc, OSError) else f"{type(exc).__name__}: {shown(str(exc))}"
                 raise WorktreeError(f"{root}: its baseline cannot be recorded in {self.dir} ({why}); "
                                     "no session opened", root) from exc
+            written = True
             with self._lock:
                 self._by_session[sid] = domain
                 self._joined_at[sid] = domain.reports.end
@@ -271,6 +281,8 @@ class Baselines:
             # Whatever failed, the session never joined (a domain keeping its id failed every later open).
             if sid in domain.record.sessions:
                 domain.record.sessions.remove(sid)
+            if not written:
+                record.parts, record.histories, record.writable, record.reach = before
             self._discard_if_empty(domain)
             raise
         finally:
@@ -305,10 +317,16 @@ class Baselines:
                 d.lock.acquire()
             with self._lock:
                 if all(d.alive for d in related) and self._related(root, common) == related:
-                    into = related[0]
-                    for other in related[1:]:
-                        self._merge(into, other)
-                        other.lock.release()
+                    into, merged = related[0], 1
+                    try:
+                        for other in related[1:]:
+                            self._merge(into, other)
+                            other.lock.release()
+                            merged += 1
+                    except BaseException:  # a record not written (a full disk): every lock still held let go
+                        for d in [into, *related[merged:]]:
+                            d.lock.release()
+                        raise
                     into.claims.append((root, common))
                     return into
             for d in related:  # merged, ended or joined by another meanwhile: look again
@@ -324,25 +342,33 @@ class Baselines:
                        or any(relates(r, c) for r, c in d.claims)), key=lambda d: d.record.id)
 
     def _merge(self, into: Domain, other: Domain) -> None:
-        """Both domains' locks and the store's held."""
-        into.record.parts += other.record.parts
-        into.record.sessions += other.record.sessions
-        for kept in other.record.histories:
-            if not any(h.common == kept.common for h in into.record.histories):
-                into.record.histories.append(kept)
+        """Both domains' locks and the store's held. The merged record is
+        written before anything in memory changes: a write that fails (a full
+        disk) leaves both domains as they were, in memory and on disk."""
+        record = into.record
+        reach = record.reach
+        if reach is not None:
+            reach = None if other.record.reach is None else sorted({*reach, *other.record.reach})
+        merged = msgspec.structs.replace(
+            record, parts=record.parts + other.record.parts, sessions=record.sessions + other.record.sessions,
+            histories=record.histories + [kept for kept in other.record.histories
+                                          if not any(h.common == kept.common for h in record.histories)],
+            writable=record.writable or other.record.writable, reach=reach)
+        self._settle(other)  # its record stays until ``into``'s, durable, holds its parts
+        into.record = merged
+        try:
+            self._write(into)
+        except BaseException:
+            into.record = record
+            raise
         moved = into.reports.take(other.reports, other.first_root)
         for sid in other.record.sessions:
             if sid in self._joined_at:
                 self._joined_at[sid] = moved(self._joined_at[sid])
         into.secrets.add(other.secrets.pairs())
         into.wrote |= other.wrote
-        into.record.writable = into.record.writable or other.record.writable
-        if into.record.reach is not None:
-            into.record.reach = None if other.record.reach is None else sorted({*into.record.reach, *other.record.reach})
         for sid in other.record.sessions:
             self._by_session[sid] = into
-        self._settle(other)  # its record stays until ``into``'s, durable, holds its parts
-        self._write(into)
         self._domains.pop(other.record.id, None)
         other.end()
         self._drop(other)
