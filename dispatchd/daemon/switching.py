@@ -117,7 +117,10 @@ class Switching(Opening):
         session.move(Event.SWITCH_FAILED)
         self._ended.record(session.id, f"its network could not be switched to {network}")
         try:
-            if not wound_down:
+            # A replacement that failed after its worker or stack was
+            # recorded (its watch's thread, its environment not sent) has a
+            # new sandbox to end too, its way out with it.
+            if not wound_down or session.worker is not None or session.stack is not None:
                 self._wind_down(session)
         finally:
             self._discard(session)

@@ -72,3 +72,23 @@ def test_a_checkpoint_before_a_write_without_a_thread_refuses_the_write_and_the_
     assert (sent[0].id, sent[0].code) == (7, "checkpoint_refused")
     assert sent[0].message.startswith("the checkpoint before this write could not be taken: the daemon cannot "
                                       "start a thread (can't start new thread)")
+
+
+@pytest.mark.parametrize("recorded", ["worker", "stack", "nothing"])
+def test_a_replacement_that_failed_after_its_sandbox_was_recorded_ends_that_sandbox(recorded: str) -> None:
+    """A network switch that replaces the sandbox: the old one wound down,
+    the new one's worker (or stack) recorded, then a later step failed.
+    Before, the session was only discarded: the new sandbox, its stack's way
+    out included, ran on unowned."""
+    from dispatchd.daemon import switching
+
+    wound: list[str] = []
+    s: Any = switching.Switching.__new__(switching.Switching)
+    s._ended = leftovers.EndedSessions()
+    s._wind_down = lambda session: wound.append(session.id)
+    s._discard = lambda session: None
+    session = types.SimpleNamespace(id="s1", worker=object() if recorded == "worker" else None,
+                                    stack=object() if recorded == "stack" else None, move=lambda event: None)
+    s._switch_failed(session, "on", wound_down=True)
+    assert wound == ([] if recorded == "nothing" else ["s1"])  # the twin: nothing new, nothing to end
+    assert s._ended.get("s1") == "its network could not be switched to on"
