@@ -126,14 +126,7 @@ class Opening(Pooling):
                    attach: bool = False) -> Session:
         resolved = held.path
         if "memory" not in self.delegation.controllers:
-            # Before anything is made: a session whose memory bound could not
-            # be watched is refused, never opened unwatched.
-            try:
-                self.watchdog.start()
-            except RuntimeError as exc:  # can't start new thread
-                raise ConfinementError("the memory bound", detail=f"the memory watchdog cannot start its thread "
-                                       f"({exc}): the daemon's processes and threads are at the user's limit; "
-                                       "retry once commands or sessions end") from exc
+            self.watchdog.start()  # before anything is made: a session it cannot watch is refused
         # Inside or around one too: its baseline would take what was left there for the user's.
         tainted = claims.tainted(self.baselines, resolved)
         if tainted:

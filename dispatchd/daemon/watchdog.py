@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from dispatchd import procfs
+from dispatchd.errors import ConfinementError
 from dispatchd.protocol.reports import MemoryHold
 
 log = logging.getLogger("dispatchd.watchdog")
@@ -223,14 +224,19 @@ class MemoryWatchdog:
         self._asked = threading.Event()  # a session to watch may have come (set by ensure_running)
 
     def start(self) -> None:
-        """The thread running, started if need be; ``RuntimeError`` where it
-        cannot be (the daemon's threads at the user's limit): an open calls
-        this before it makes anything, and is refused then, never opened
-        unwatched. A failed start is tried again by the next call."""
+        """The thread running, started if need be; ``ConfinementError``
+        where it cannot be (the daemon's threads at the user's limit): an
+        open calls this before it makes anything, and is refused then, never
+        opened unwatched. A failed start is tried again by the next call."""
         with self._lock:
             if self._thread is None:
                 thread = threading.Thread(target=self._run, daemon=True, name="memory-watchdog")
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # can't start new thread
+                    raise ConfinementError("the memory bound", detail=f"the memory watchdog cannot start its "
+                                           f"thread ({exc}): the daemon's processes and threads are at the "
+                                           "user's limit; retry once commands or sessions end") from exc
                 self._thread = thread  # only once started
 
     def ensure_running(self) -> None:

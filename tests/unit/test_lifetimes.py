@@ -14,6 +14,7 @@ import pytest
 
 from dispatchd.confine.ucounts import budget_gaps, plan_ucounts
 from dispatchd.daemon import exits, leftovers, lifetimes, watchdog
+from dispatchd.errors import ConfinementError
 from dispatchd.tools.atomic import TEMP_NAME, atomic_write, in_flight
 from dispatchd.tempfiles import sweep_temp_files
 
@@ -277,8 +278,11 @@ def test_a_watchdog_that_cannot_start_says_so_and_the_next_open_starts_it(monkey
 
     dog = watchdog.MemoryWatchdog(sessions, lambda sid, used, limit: None)
     monkeypatch.setattr(watchdog.threading, "Thread", _RefusedThread)
-    with pytest.raises(RuntimeError, match="can't start new thread"):
+    with pytest.raises(ConfinementError) as refused:
         dog.start()
+    assert str(refused.value) == ("cannot apply the memory bound: the memory watchdog cannot start its thread "
+                                  "(can't start new thread): the daemon's processes and threads are at the "
+                                  "user's limit; retry once commands or sessions end")
     monkeypatch.undo()
     monkeypatch.setattr(watchdog, "INTERVAL_S", 0.02)
     dog.ensure_running()  # the twin: a thread to be had

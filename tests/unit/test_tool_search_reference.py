@@ -122,7 +122,17 @@ def _run(func: Callable[[ToolContext, SearchFilesParams], Outcome], ctx: ToolCon
         out: Outcome = func(ctx, params)
     except ToolFailure as exc:
         return ("failure", exc.message)
-    return (out.success, out.output, out.error, out.metadata)
+    output, metadata = out.output, dict(out.metadata or {})
+    odd = metadata.pop("not_utf8", None)
+    if odd is not None:
+        # Added since the old function: a last line naming the files shown
+        # with bytes that are not UTF-8 (tests/unit/test_tool_search.py);
+        # each of them is in the output with a U+FFFD.
+        output, _, note = output.rpartition("\n[")
+        assert note.startswith(", ".join(odd[:5])) and "bytes that are not UTF-8" in note, note
+        assert all(any(line.startswith(name + ":") and "\ufffd" in line for line in output.split("\n"))
+                   for name in odd), (odd, output)
+    return (out.success, output, out.error, metadata)
 
 
 @pytest.mark.parametrize("seed", range(CASES // 50 or 1))

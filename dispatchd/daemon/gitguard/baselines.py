@@ -44,8 +44,6 @@ The baseline is the daemon's: degraded mode (no mount namespace) keeps it.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
 import secrets
@@ -55,14 +53,12 @@ from collections.abc import Callable, Mapping
 
 import msgspec
 
-from dispatchd import recordjson
 from dispatchd.confine.plan import GitLayout
-from dispatchd.statemodes import retried
 from dispatchd.daemon.gitguard import history, noroom, recordfiles, reftemp, reportlog, runnables, snapshots
 from dispatchd.daemon.gitguard.domain import Domain
-from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, check_part, common_of,
+from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, merged, check_part, common_of,
                                              drop_replaced, failures_said, ident_of, keep_outside, renew, unchecked)
-from dispatchd.daemon.gitguard.pending import Durable, remove_strays
+from dispatchd.daemon.gitguard.pending import remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
 from dispatchd.fsnames import shown
@@ -95,39 +91,16 @@ class Baselines:
         # the disk's journal, 0.3-40 ms on a loaded machine (docs/performance.md).
         self.sync_dir: Callable[[str], None] = fsync_directory
         self.later: Callable[[Callable[[], None]], None] = lambda job: job()  # at once
-        self.settle_delay_s = 0.0  # testing only: see Durable
+        self.settle_delay_s = 0.0  # testing only: see pending.Durable
 
     # --- on disk ---------------------------------------------------------
 
     def _write(self, domain: Domain, *, defer: bool = False) -> None:
         """``domain``'s record on disk, durable when this returns; with
         ``defer`` (its first record only), written to its temporary file,
-        and made durable by ``domain.pending.settle()``."""
+        and made durable by ``domain.pending.settle()`` (``recordfiles.write``)."""
         self._settle(domain)  # a deferred rename must never land over a newer record
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        path = os.path.join(self.dir, f"{domain.record.id}.json")
-        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-        fd = retried(lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
-                     tmp, 0o600)  # the directory's mode set back, if changed (statemodes.py)
-        try:
-            data = recordjson.encode(domain.record)  # a file or ref name not UTF-8 kept whole
-            if os.write(fd, data) != len(data):
-                raise OSError(errno.EIO, "short write")
-            if defer:
-                domain.pending = Durable(fd, tmp, path, self.dir, self.settle_delay_s)
-                fd = -1  # the pending record's now
-                return
-            os.fsync(fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        os.rename(tmp, path)
-        fsync_directory(self.dir)
-        domain.pending = None  # what is on disk now is durable, and holds all the deferred one did
+        recordfiles.write(self.dir, domain, defer=defer, settle_delay_s=self.settle_delay_s)
 
     @staticmethod
     def _settle(domain: Domain) -> str | None:
@@ -346,16 +319,8 @@ class Baselines:
         written before anything in memory changes: a write that fails (a full
         disk) leaves both domains as they were, in memory and on disk."""
         record = into.record
-        reach = record.reach
-        if reach is not None:
-            reach = None if other.record.reach is None else sorted({*reach, *other.record.reach})
-        merged = msgspec.structs.replace(
-            record, parts=record.parts + other.record.parts, sessions=record.sessions + other.record.sessions,
-            histories=record.histories + [kept for kept in other.record.histories
-                                          if not any(h.common == kept.common for h in record.histories)],
-            writable=record.writable or other.record.writable, reach=reach)
         self._settle(other)  # its record stays until ``into``'s, durable, holds its parts
-        into.record = merged
+        into.record = merged(record, other.record)
         try:
             self._write(into)
         except BaseException:

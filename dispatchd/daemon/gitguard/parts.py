@@ -133,6 +133,20 @@ class Record(msgspec.Struct):
     writable: bool = True
 
 
+def merged(into: Record, other: Record) -> Record:
+    """Pure: ``into`` with ``other``'s parts, sessions and the histories of
+    repositories it does not keep already; writable if either is; its reach
+    both's (not known if either's is not)."""
+    reach = into.reach
+    if reach is not None:
+        reach = None if other.reach is None else sorted({*reach, *other.reach})
+    return msgspec.structs.replace(
+        into, parts=into.parts + other.parts, sessions=into.sessions + other.sessions,
+        histories=into.histories + [kept for kept in other.histories
+                                    if not any(h.common == kept.common for h in into.histories)],
+        writable=into.writable or other.writable, reach=reach)
+
+
 def add_history(record: Record, part: Part, keep_dir: str) -> str:
     """The history of ``part``'s repository kept at its join, once per
     repository (a worktree joining later adds its checked-out branch).

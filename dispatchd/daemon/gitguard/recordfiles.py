@@ -14,11 +14,14 @@ Guarantees:
 - a record is read whole and decoded as ``Record``, or raises ``OSError``
   or ``msgspec.DecodeError`` (``ValidationError`` included); the names in it
   (files, refs) come back whole, those that are not UTF-8 included
-  (``dispatchd.recordjson``, which ``Baselines`` writes them with).
+  (``dispatchd.recordjson``, which ``write`` writes them with);
+- ``write`` replaces a record atomically, or leaves the one there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
 import secrets
@@ -26,7 +29,10 @@ import secrets
 import msgspec
 
 from dispatchd import flocks, recordjson
+from dispatchd.daemon.gitguard.domain import Domain
 from dispatchd.daemon.gitguard.parts import Record
+from dispatchd.daemon.gitguard.pending import Durable
+from dispatchd.durable import fsync_directory
 from dispatchd.statemodes import retried
 
 
@@ -108,3 +114,35 @@ def unheld_roots(state_dir: str) -> list[str]:
         except (OSError, msgspec.DecodeError):
             continue
     return roots
+
+
+def write(top: str, domain: Domain, *, defer: bool, settle_delay_s: float) -> None:
+    """``domain``'s record written to ``top/ID.json`` atomically (a temporary
+    file, fsync, rename, fsync of the directory), durable when this returns;
+    with ``defer``, written to its temporary file only, made durable by
+    ``domain.pending.settle()`` (``pending.Durable``). A write that fails
+    leaves the record that was there, and no temporary file."""
+    os.makedirs(top, mode=0o700, exist_ok=True)
+    path = os.path.join(top, f"{domain.record.id}.json")
+    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+    fd = retried(lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                 tmp, 0o600)  # the directory's mode set back, if changed (statemodes.py)
+    try:
+        data = recordjson.encode(domain.record)  # a file or ref name not UTF-8 kept whole
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.EIO, "short write")
+        if defer:
+            domain.pending = Durable(fd, tmp, path, top, settle_delay_s)
+            fd = -1  # the pending record's now
+            return
+        os.fsync(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    os.rename(tmp, path)
+    fsync_directory(top)
+    domain.pending = None  # what is on disk now is durable, and holds all the deferred one did
