@@ -475,7 +475,11 @@ class Session(SessionCheckpoints):
                     self.protected = self._client.close_session(self.id)
             except RequestFailed as exc:
                 if exc.code != "unknown_session":
+                    self._owned = True  # not closed: a retry closes it
                     raise
+            except BaseException:
+                self._owned = True
+                raise
             log_end(self.id, self.protected)  # else unsaid in `with client.open_session(...)`
 
     def __enter__(self) -> Session:
