@@ -97,20 +97,23 @@ class Remote:
         except OSError as exc:
             raise DaemonUnavailable(f"cannot run the bridge command {shlex.join(argv)}: {exc.strerror or exc}") from exc
         assert self._proc.stdin is not None and self._proc.stdout is not None and self._proc.stderr is not None
-        self._stderr_thread = threading.Thread(target=self._keep_stderr, name="dispatch-bridge-stderr", daemon=True)
-        self._stderr_thread.start()
+        # Whatever fails from here (the handshake, a thread that cannot
+        # start), the bridge process is ended, never left running unowned.
         try:
+            self._stderr_thread = threading.Thread(target=self._keep_stderr, name="dispatch-bridge-stderr",
+                                                   daemon=True)
+            self._stderr_thread.start()
             self._handshake(timeout)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.socket = theirs
+            """The client's end of the daemon connection."""
+            self._link = Link(self._proc.stdout.fileno(), self._proc.stdin.fileno(), ours, bridge=False,
+                              on_end=self._ended)
+            self._thread = threading.Thread(target=self._pump, name="dispatch-bridge-link", daemon=True)
+            self._thread.start()
         except BaseException:
             self._kill()
             raise
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.socket = theirs
-        """The client's end of the daemon connection."""
-        self._link = Link(self._proc.stdout.fileno(), self._proc.stdin.fileno(), ours, bridge=False,
-                          on_end=self._ended)
-        self._thread = threading.Thread(target=self._pump, name="dispatch-bridge-link", daemon=True)
-        self._thread.start()
 
     def _keep_stderr(self) -> None:
         assert self._proc.stderr is not None
@@ -209,7 +212,8 @@ class Remote:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
-        self._stderr_thread.join(1.0)
+        if self._stderr_thread.ident is not None:  # started (it may not have been: no thread to be had)
+            self._stderr_thread.join(1.0)
         if self._proc.stderr is not None:
             self._proc.stderr.close()
 
