@@ -149,7 +149,8 @@ class HostResolvers:
         self._servers: list[Server] = [DEFAULT_SERVER]
         self.kept: list[str] = []  # kept_lines of the file
         self._looked = 0.0
-        self.on_change: Callable[[list[str]], None] | None = None  # called with new kept lines
+        # Called with new kept lines; False: not taken (tried again at the next look).
+        self.on_change: Callable[[list[str]], bool] | None = None
 
     def servers(self) -> list[Server]:
         now = time.monotonic()
@@ -165,8 +166,10 @@ class HostResolvers:
                     self._servers = parse_resolv_conf(text, ports=self.ports)
                     self._seen = seen
                     kept, self.kept = self.kept, kept_lines(text)
-                    if kept != self.kept and self.on_change is not None:
-                        self.on_change(self.kept)
+                    if kept != self.kept and self.on_change is not None and not self.on_change(self.kept):
+                        # Not written where the sessions read it: the file is
+                        # read again at the next look, and the change tried again.
+                        self.kept, self._seen = kept, (-1, -1, -1, -1)
                     log.info("event=dns_resolvers path=%s servers=%s", self.path,
                              ",".join(f"{a}:{p}" for a, p in self._servers))
             except OSError as exc:

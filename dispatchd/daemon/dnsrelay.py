@@ -214,12 +214,14 @@ class DnsRelay:
                     os.unlink(tmp)
                 raise
 
-        def rewrite(kept: list[str]) -> None:
+        def rewrite(kept: list[str]) -> bool:
             try:
                 if not _rewrite_in_place(path, resolv_conf_text(kept)):
                     raise FileNotFoundError(errno.ENOENT, "gone")
             except OSError as exc:
                 log.warning("event=dns_resolv_conf_rewrite_failed path=%s error=%s", path, exc.strerror)
+                return False
+            return True
 
         self.resolvers.on_change = rewrite
         return path

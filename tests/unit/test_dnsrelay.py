@@ -412,3 +412,20 @@ def test_an_answered_check_stands_a_second_and_a_querys_word_ends_it(door_pair: 
         assert relay.begin_check().result("s5") == "" and len(up.seen) == 3
     finally:
         up.close()
+
+
+def test_a_search_list_change_not_written_for_the_sessions_is_tried_again(tmp_path, monkeypatch):
+    """Before, the change was taken as made when its rewrite failed: the
+    sessions kept the old search list until the host's file changed again."""
+    monkeypatch.setattr(dnshost, "RELOAD_EVERY_S", 0.0)
+    path = tmp_path / "resolv.conf"
+    path.write_text("search a.example\nnameserver 192.0.2.7\n")
+    resolvers = dnshost.HostResolvers(str(path))
+    taken: list[list[str]] = []
+    answers = [False, True]
+    resolvers.on_change = lambda kept: (taken.append(kept), answers.pop(0))[1]
+    assert resolvers.servers() == [("192.0.2.7", 53)]  # not written: the servers are the file's all the same
+    assert resolvers.kept == []
+    assert resolvers.servers() == [("192.0.2.7", 53)]  # looked at again: written now
+    assert taken == [["search a.example"], ["search a.example"]] and resolvers.kept == ["search a.example"]
+    assert resolvers.servers() == [("192.0.2.7", 53)] and len(taken) == 2  # the twin: once taken, not again
