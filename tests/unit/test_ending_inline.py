@@ -92,3 +92,45 @@ def test_a_replacement_that_failed_after_its_sandbox_was_recorded_ends_that_sand
     s._switch_failed(session, "on", wound_down=True)
     assert wound == ([] if recorded == "nothing" else ["s1"])  # the twin: nothing new, nothing to end
     assert s._ended.get("s1") == "its network could not be switched to on"
+
+
+@pytest.mark.parametrize("watch_runs", [False, True])
+def test_a_session_is_not_let_sleep_while_the_sleepers_watch_cannot_start(watch_runs: bool) -> None:
+    """``MaySleep`` answered ``StayAwake`` (asked again at its next idle
+    time) while the one watch over sleeping sessions cannot start: no
+    session sleeps unwatched. The twin: with the watch running it is let
+    sleep (``Sleep`` sent; the hand-over itself is the integration suite's)."""
+    from dispatchd import protocol
+    from dispatchd.daemon import napping
+
+    sent: list[Any] = []
+
+    class Control:
+        sock = types.SimpleNamespace(settimeout=lambda s: None)
+
+        def send(self, msg: Any) -> None:
+            sent.append(msg)
+
+        def recv(self, decoder: Any) -> None:
+            raise OSError("the stand-in has nothing to hand over")
+
+        def close(self) -> None:
+            pass
+
+    control = Control()
+    n: Any = napping.Napping.__new__(napping.Napping)
+    n.accepting = True
+    n.sleepers = types.SimpleNamespace(ensure=lambda: watch_runs)
+    n._finish = lambda session, why, event: None
+    worker = types.SimpleNamespace(kill=lambda: None)
+    session = types.SimpleNamespace(
+        id="s1", lock=threading.Lock(), send_lock=threading.Lock(), added=0, state=State.READY, control=control,
+        kit=[3], worker=worker, plan=object(), wakes=0,
+        policy=types.SimpleNamespace(limits=types.SimpleNamespace(max_wakes=1000)),
+        drop_watch=lambda: None, ended=threading.Event())
+    n._sleep(session, control, 0)
+    assert not session.lock.locked()
+    if watch_runs:
+        assert isinstance(sent[0], protocol.Sleep)
+    else:
+        assert sent == [protocol.StayAwake(for_good=False)] and session.control is control
