@@ -949,3 +949,38 @@ def test_a_join_whose_record_cannot_be_written_leaves_no_part_behind(
     assert [p.root for p in domain.record.parts] == before and domain.record.sessions == ["sa"]
     _join(store, "top", top)  # the twin: with room, the part joins
     assert [p.root for p in store._by_session["top"].record.parts] == [*before, str(top)]
+
+
+def test_the_index_is_reviewed_only_where_no_other_session_of_the_domain_runs(tmp_path: Path) -> None:
+    """A session's end while another of the domain runs leaves the index to
+    the last end: the live one's git writes it at any moment, and a review
+    then raced it (its `git add` undone, its git refused for index.lock).
+    The twin: the last end reviews it, and resets the entry that hides."""
+    import hashlib
+
+    from dispatchd.daemon.gitguard import indexfile
+
+    repo = make_repo(tmp_path / "r")
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "sa", repo)
+    _join(store, "sb", repo)
+    time.sleep(0.06)
+    name = "d0/file-with-a-longer-name-0.txt"
+    committed = git(repo, "rev-parse", f"HEAD:{name}").strip()
+    (repo / name).write_text("BACKDOOR\n")
+    time.sleep(1.1)  # not racily clean: git would trust the entry
+    git(repo, "add", name)
+    index = repo / ".git" / "index"
+    data = bytearray(index.read_bytes())
+    found = indexfile.layout(bytes(data))
+    assert found is not None
+    entry = next(e for e in found.entries if e.name == name.encode())
+    data[entry.start + 40:entry.start + 60] = bytes.fromhex(committed)
+    data[-20:] = hashlib.sha1(bytes(data[:-20])).digest()
+    index.write_bytes(bytes(data))
+    hidden = index.read_bytes()
+    assert [p.why for p in store.leave("sa") if p.path.endswith("index")] == []
+    assert index.read_bytes() == hidden  # sb runs: left to the last end
+    found_at_end = [p.why for p in store.leave("sb") if p.path.endswith("index")]
+    assert len(found_at_end) == 1 and found_at_end[0].startswith("said 1 files the session changed were unchanged")
+    assert index.read_bytes() != hidden

@@ -344,3 +344,94 @@ def test_an_edit_with_its_mtime_set_back_is_shown_where_git_trusts_less_than_cti
     assert _status(repo) == " M f\n"
     git(repo, "config", "--unset", setting[0])
     assert not configs.weak_stat(str(tmp_path / "nobody"), str(repo / ".git"))
+
+
+def _entry_times(repo: Path, name: str) -> tuple[int, int]:
+    """The mtime (seconds, nanoseconds) the index caches for ``name``."""
+    data = (repo / ".git" / "index").read_bytes()
+    found = indexfile.layout(data)
+    assert found is not None
+    entry = next(e for e in found.entries if e.name == name.encode())
+    return (int.from_bytes(data[entry.start + 8:entry.start + 12], "big"),
+            int.from_bytes(data[entry.start + 12:entry.start + 16], "big"))
+
+
+def _index_time(repo: Path, seconds: int, nanoseconds: int) -> None:
+    ns = seconds * 1_000_000_000 + nanoseconds
+    os.utime(repo / ".git" / "index", ns=(ns, ns))
+
+
+def test_a_racily_clean_entry_is_read_by_git_and_left(tmp_path: Path) -> None:
+    """An entry whose file changed within the second git last wrote the
+    index (a session's `git add` in a loop, the file written again): git
+    reads it whatever its cached stat says. Before, the review called it a
+    hide and wrote the index again, racing the session's next `git add`."""
+    repo, since = _start(tmp_path)
+    _hide_by_id(repo)  # the entry names the committed blob, the file says BACKDOOR: its size and mtime cached
+    sec, sub = _entry_times(repo, "f")
+    _index_time(repo, sec, sub)  # the index written in the same instant as the file: racily clean
+    was = (repo / ".git" / "index").read_bytes()
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert not done.rewritten and done.hid == [] and not done.why_not, vars(done)
+    assert (repo / ".git" / "index").read_bytes() == was
+    assert _status(repo) == " M f\n"  # and git, reading the file, sees the edit
+
+
+def test_an_index_whose_time_is_set_past_its_entries_still_hides_and_is_reset(tmp_path: Path) -> None:
+    """The twin: the same entry, the index's time set after it (as a session
+    can: `touch`): git trusts the cached stat, and the review resets it."""
+    repo, since = _start(tmp_path)
+    _hide_by_id(repo)
+    sec, sub = _entry_times(repo, "f")
+    _index_time(repo, sec + 10, 0)
+    assert _status(repo) == ""  # git fooled
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert done.rewritten and done.hid == ["f"], vars(done)
+    assert _status(repo) == " M f\n"
+
+
+def test_a_rewrite_resets_the_entries_that_were_only_racily_clean(tmp_path: Path) -> None:
+    """Written again, the index is no longer racy for them: git would trust
+    their stat. As git's own writes do, their cached size becomes 0."""
+    repo, since = _start(tmp_path)
+    (repo / "g").write_text("aaaa\n")
+    future = (int(time.time()) + 100) * 1_000_000_000
+    os.utime(repo / "g", ns=(future, future))
+    git(repo, "add", "g")  # its mtime 100 s ahead
+    _hide_by_id(repo)  # f hidden
+    (repo / "g").write_text("bbbb\n")  # same size, not staged
+    os.utime(repo / "g", ns=(future, future))
+    _index_time(repo, int(time.time()) + 50, 0)  # after f's entry, before g's: f hides, g is racily clean
+    # A user's git that trusts no ctime (core.trustctime false): g's rewrite
+    # is then seen by its mtime alone, which the rewrite would make trusted.
+    done = indexreview.review(str(repo / ".git"), str(repo), since, always=True)
+    assert done.rewritten and done.hid == ["f"], vars(done)
+    data = (repo / ".git" / "index").read_bytes()
+    found = indexfile.layout(data)
+    assert found is not None
+    g = next(e for e in found.entries if e.name == b"g")
+    assert data[g.start + 36:g.start + 40] == b"\0\0\0\0"
+    assert _status(repo) == " M f\nAM g\n"  # g added, then changed
+
+
+def test_the_index_is_read_under_git_s_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """So that a git writing it meanwhile waits, instead of having its write
+    undone by the review's rename."""
+    repo, since = _start(tmp_path)
+    _hide_by_id(repo)
+    locked_at_read: list[bool] = []
+    real = indexreview.fs.read_regular
+
+    def read_regular(name: str, *args: object, **kwargs: object) -> object:
+        if name.endswith("/index"):
+            locked_at_read.append((repo / ".git" / "index.lock").exists())
+        return real(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(indexreview.fs, "read_regular", read_regular)
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert done.rewritten and locked_at_read == [True]
+    assert not (repo / ".git" / "index.lock").exists()  # renamed over the index
+    # The twin: nothing to change, the lock let go all the same.
+    locked_at_read.clear()
+    done = indexreview.review(str(repo / ".git"), str(repo), since)
+    assert not done.rewritten and locked_at_read == [True] and not (repo / ".git" / "index.lock").exists()

@@ -371,7 +371,8 @@ class Baselines:
         if domain is None:
             return []
         try:
-            failed, found = self._check(domain, final=False)
+            # Its index reviewed only where no other session of the domain runs.
+            failed, found = self._check(domain, final=False, index=len(domain.record.sessions) <= 1)
             self._taint(domain, failed)
             return found
         finally:
@@ -452,7 +453,7 @@ class Baselines:
                     self.tainted[part.root] = reason
             log.error("event=git_check_failed domain=%s what=%r", domain.record.id, reason)
 
-    def _check(self, domain: Domain, *, final: bool) -> tuple[list[str], list[Protected]]:
+    def _check(self, domain: Domain, *, final: bool, index: bool | None = None) -> tuple[list[str], list[Protected]]:
         """Check the domain (see the module): what could not be done, and what was moved aside or
         put back (readable and bounded: ``reportlog``), added to the domain's reports."""
         if not domain.record.writable:
@@ -464,7 +465,7 @@ class Baselines:
         said = Bounded()  # a session leaving thousands of files floods neither the log nor its rotation away
         for part in domain.record.parts:
             try:
-                bad = check_part(part, found, now_t, covered, said)
+                bad = check_part(part, found, now_t, covered, said, index=final if index is None else index)
             except Exception as exc:  # a bug, or content not foreseen: fail closed
                 bad = [f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}"]
             bad = [shown(b) for b in bad]  # names in them, as in the reports (fsnames.py)

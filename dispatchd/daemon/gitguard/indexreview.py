@@ -36,6 +36,14 @@ Nothing is lost: the entries' objects and stages stay the session's, as
 git would have them. Not done (logged, left as it is): a split index
 (``link``), an index git could not read either, one over ``_MAX_BYTES``,
 one a running git holds locked; submodules' and other worktrees' indexes.
+
+The review holds git's ``index.lock`` from before it reads the index to its
+rename (or until it finds nothing to change): a git that wrote the index
+meanwhile would have its write undone. An entry git reads anyway (racily
+clean: its mtime not before the index's) is not one that hides; made so by
+a rewrite, it gets the cached size 0 too, as git's own writes do. The
+domain's checks review the index only where no other session of the domain
+runs (``parts.check_part``'s ``index``): a live one's git would race it.
 """
 
 from __future__ import annotations
@@ -98,6 +106,33 @@ def review(gitdir: str, worktree: str, since_ns: int, common: str = "", always: 
         return done
     if st.st_ctime_ns < since_ns - _RACY_NS and not always:
         return done  # the usual end: nothing read, not even the configuration
+    # Git's lock first, then the index read under it: a git that wrote it
+    # after a read without the lock would have its write undone by the
+    # rename (a user's `git add` at the end of a session's close).
+    lock = _lock(gitdir, stat.S_IMODE(st.st_mode))
+    if isinstance(lock, str):
+        done.why_not = lock
+        return done
+    try:
+        done.rewritten, done.why_not = _review_locked(done, gitdir, worktree, since_ns, common, lock,
+                                                      trust_ctime=not always)
+    finally:
+        if not done.rewritten:
+            _unlock(gitdir, lock)
+    return done
+
+
+def _review_locked(done: Review, gitdir: str, worktree: str, since_ns: int, common: str,
+                   lock: int, trust_ctime: bool) -> tuple[bool, str]:
+    """``review``'s look and rewrite, ``index.lock`` held (``lock``, its
+    descriptor): the index renamed over by the lock, or why not."""
+    path = os.path.join(gitdir, "index")
+    try:
+        st = os.lstat(path)  # under the lock: its time is what git's next read compares entries with
+    except OSError:
+        return False, ""
+    if not stat.S_ISREG(st.st_mode):
+        return False, "not a regular file any more"
     hash_size = configs.object_id_size(common) if common else 20
     splits = bool(common) and configs.repo_flag(common, "core", "splitindex")
     sparse = bool(common) and configs.repo_flag(common, "index", "sparse")
@@ -112,38 +147,41 @@ def review(gitdir: str, worktree: str, since_ns: int, common: str = "", always: 
         try:
             done.moved_aside = fs.move_aside(path)
         except OSError as exc:
-            done.why_not = f"a split index a session made, which cannot be moved aside ({exc.strerror})"
-        return done
+            return False, f"a split index a session made, which cannot be moved aside ({exc.strerror})"
+        return False, ""
     if read is None or found is None or b"link" in signatures or b"sdir" in signatures:
-        done.why_not = ("over its bounds or unreadable" if read is None else "not an index git reads"
-                        if found is None else "a split index (core.splitIndex)" if b"link" in signatures
-                        else "a sparse index (index.sparse)")
-        return done
+        return False, ("over its bounds or unreadable" if read is None else "not an index git reads"
+                       if found is None else "a split index (core.splitIndex)" if b"link" in signatures
+                       else "a sparse index (index.sparse)")
     data = bytearray(read[0])
-    changed = _distrust_entries(data, found, worktree, since_ns, done.hid)
+    changed, racy = _distrust_entries(data, found, worktree, since_ns, done.hid, st.st_mtime_ns, trust_ctime)
     dropped = {sig for sig, a, b in found.extensions
                if sig in _CACHES or sig == b"TREE" and not cachetree.agrees(read[0], found.entries, found.hash_size,
                                                                            a, b)}
     if dropped:
         dropped |= _OFFSETS  # their tables cover the extensions: made again by git
     if not changed and not dropped:
-        return done
+        return False, ""
+    for entry in racy:  # no longer racy in an index written now: git would trust them
+        _smudge(data, entry)
     kept = [(sig, a, b) for sig, a, b in found.extensions if sig not in dropped]
     # Fewer than 8 bytes after the extensions, which git passes over, are left out too.
     body = bytes(data[:found.entries_end]) + b"".join(bytes(data[a:b]) for _, a, b in kept)
     digest = hashlib.sha256(body) if found.hash_size == 32 else hashlib.sha1(body)
     done.dropped = sorted(sig.decode("ascii", "replace") for sig in dropped if sig in {e[0] for e in found.extensions})
-    done.rewritten, done.why_not = _replace(gitdir, body + digest.digest(), stat.S_IMODE(st.st_mode))
-    return done
+    return _replace(gitdir, lock, body + digest.digest())
 
 
 def _distrust_entries(data: bytearray, found: indexfile.Layout, worktree: str, since_ns: int,
-                      hid: list[str]) -> int:
+                      hid: list[str], index_ns: int, trust_ctime: bool) -> tuple[int, list[indexfile.Entry]]:
     """Each entry of a file changed since ``since_ns`` that git would take
     as unchanged without reading it, unless the file is the object it names:
     cached size 0, its assume-unchanged and skip-worktree flags cleared.
-    How many; ``hid`` gets the files that are not what their entry names."""
+    How many, and the entries git reads anyway as long as the index is not
+    written again (racily clean: their file's mtime not before the index's,
+    ``index_ns``); ``hid`` gets the files that are not what their entry names."""
     changed = 0
+    racy: list[indexfile.Entry] = []
     budget = [_HASH_BUDGET]
     recent = _recent(worktree, found.entries, since_ns - _RACY_NS)
     for entry in found.entries:
@@ -154,19 +192,29 @@ def _distrust_entries(data: bytearray, found: indexfile.Layout, worktree: str, s
             st = os.lstat(os.path.join(worktree, name))
         except OSError:
             continue  # gone: git shows it deleted whatever the entry says
-        verdict = _verdict(data, entry, found.hash_size, worktree, name, st, budget)
+        verdict = _verdict(data, entry, found.hash_size, worktree, name, st, budget, index_ns, trust_ctime)
         if verdict == "true":
+            continue
+        if verdict == "racy":
+            racy.append(entry)
             continue
         if verdict == "hides":
             hid.append(name)
-        data[entry.start + 36:entry.start + 40] = b"\0\0\0\0"  # the size git cached: "never looked at"
-        flags = int.from_bytes(data[entry.flags_at:entry.flags_at + 2], "big")
-        data[entry.flags_at:entry.flags_at + 2] = (flags & ~_ASSUME_VALID).to_bytes(2, "big")
-        if entry.extended_at >= 0:
-            extended = int.from_bytes(data[entry.extended_at:entry.extended_at + 2], "big")
-            data[entry.extended_at:entry.extended_at + 2] = (extended & ~_SKIP_WORKTREE).to_bytes(2, "big")
+        _smudge(data, entry)
         changed += 1
-    return changed
+    return changed, racy
+
+
+def _smudge(data: bytearray, entry: indexfile.Entry) -> None:
+    """The entry's cached size 0 ("never looked at": git compares the file's
+    content with its object at its next look), its assume-unchanged and
+    skip-worktree flags cleared."""
+    data[entry.start + 36:entry.start + 40] = b"\0\0\0\0"
+    flags = int.from_bytes(data[entry.flags_at:entry.flags_at + 2], "big")
+    data[entry.flags_at:entry.flags_at + 2] = (flags & ~_ASSUME_VALID).to_bytes(2, "big")
+    if entry.extended_at >= 0:
+        extended = int.from_bytes(data[entry.extended_at:entry.extended_at + 2], "big")
+        data[entry.extended_at:entry.extended_at + 2] = (extended & ~_SKIP_WORKTREE).to_bytes(2, "big")
 
 
 def _recent(worktree: str, entries: list[indexfile.Entry], since_ns: int) -> set[bytes]:
@@ -197,14 +245,32 @@ def _recent(worktree: str, entries: list[indexfile.Entry], since_ns: int) -> set
     return recent
 
 
+def _read_anyway(data: bytearray, entry: indexfile.Entry, st: os.stat_result, index_ns: int) -> bool:
+    """Whether git reads a file whose cached size and whole-second mtime
+    match, in its whole-second build and its nanosecond build alike: racily
+    clean in the first (the entry's mtime not before the index's, whose own
+    time is ``index_ns``), and in the second racily clean too or its cached
+    nanoseconds not the file's."""
+    mtime = int.from_bytes(data[entry.start + 8:entry.start + 12], "big")
+    mtime_sub = int.from_bytes(data[entry.start + 12:entry.start + 16], "big")
+    index_s, index_sub = divmod(index_ns, 1_000_000_000)
+    index_s &= 0xFFFFFFFF
+    if index_s > mtime:
+        return False  # trusted by the whole-second build
+    return index_s < mtime or index_sub <= mtime_sub or mtime_sub != st.st_mtime_ns % 1_000_000_000
+
+
 def _verdict(data: bytearray, entry: indexfile.Entry, hash_size: int, worktree: str, name: str,
-             st: os.stat_result, budget: list[int]) -> str:
+             st: os.stat_result, budget: list[int], index_ns: int, trust_ctime: bool) -> str:
     """"true": git reads the file (its stat data differ from the entry's),
     or takes it as unchanged and it is the object the entry names (hashed
-    as a blob); "hides": git would take it as unchanged (the entry marked
-    assume-unchanged or skip-worktree, or its cached size and mtime the
-    file's) and it is not (a clean filter such as Git LFS's also makes them
-    differ); "unknown": not a regular file, or past the hashing ``budget``."""
+    as a blob; with ``trust_ctime``, the user's git compares the cached
+    ctime too); "racy": its stat data match, but git reads it all the same
+    (``_read_anyway``) for as long as the index is not written again; "hides": git would take
+    it as unchanged (the entry marked assume-unchanged or skip-worktree, or
+    its cached size and mtime the file's) and it is not (a clean filter
+    such as Git LFS's also makes them differ); "unknown": not a regular
+    file, or past the hashing ``budget``."""
     flags = int.from_bytes(data[entry.flags_at:entry.flags_at + 2], "big")
     extended = int.from_bytes(data[entry.extended_at:entry.extended_at + 2], "big") if entry.extended_at >= 0 else 0
     size = int.from_bytes(data[entry.start + 36:entry.start + 40], "big")
@@ -212,6 +278,11 @@ def _verdict(data: bytearray, entry: indexfile.Entry, hash_size: int, worktree: 
     flagged = flags & _ASSUME_VALID or extended & _SKIP_WORKTREE
     if not flagged and (size != st.st_size & 0xFFFFFFFF or mtime != int(st.st_mtime) & 0xFFFFFFFF or size == 0):
         return "true"  # git compares the stat data it cached, sees them differ, and reads the file
+    if not flagged and trust_ctime and int.from_bytes(data[entry.start:entry.start + 4], "big") != \
+            int(st.st_ctime) & 0xFFFFFFFF:
+        return "true"  # git compares the ctime it cached too (core.trustctime), and reads the file
+    if not flagged and _read_anyway(data, entry, st, index_ns):
+        return "racy"
     if not stat.S_ISREG(st.st_mode) or st.st_size > budget[0]:
         return "unknown"
     read = fs.read_regular(os.path.join(worktree, name), limit=st.st_size, whole=True)
@@ -225,29 +296,43 @@ def _verdict(data: bytearray, entry: indexfile.Entry, hash_size: int, worktree: 
     return "hides" if flagged else "true"  # a flag on a changed file hides its next change
 
 
-def _replace(gitdir: str, data: bytes, mode: int) -> tuple[bool, str]:
-    """``data`` as the index, through git's lock: written to ``index.lock``
-    (made here, never followed; one there is a running git's), renamed over."""
-    lock = os.path.join(gitdir, "index.lock")
+def _lock(gitdir: str, mode: int) -> int | str:
+    """Git's ``index.lock``, made here (never followed; one there is a running
+    git's): its descriptor, or why not."""
     try:
-        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        return os.open(os.path.join(gitdir, "index.lock"),
+                       os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except FileExistsError:
-        return False, "locked by a running git (index.lock)"
+        return "locked by a running git (index.lock)"
     except OSError as exc:
-        return False, f"its lock cannot be made ({exc.strerror})"
+        return f"its lock cannot be made ({exc.strerror})"
+
+
+def _unlock(gitdir: str, fd: int) -> None:
+    """The lock let go: removed, if it is still the one made (a rename over
+    the index took it already otherwise)."""
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(lock, os.path.join(gitdir, "index"))
+        made = os.fstat(fd)
+        path = os.path.join(gitdir, "index.lock")
+        there = os.lstat(path)
+        if (there.st_dev, there.st_ino) == (made.st_dev, made.st_ino):
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace(gitdir: str, fd: int, data: bytes) -> tuple[bool, str]:
+    """``data`` as the index: written to the lock (``fd``), renamed over,
+    the descriptor closed; on failure, the lock left for the caller to let go."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        os.rename(os.path.join(gitdir, "index.lock"), os.path.join(gitdir, "index"))
     except OSError as exc:
-        try:
-            os.unlink(lock)
-        except OSError:
-            pass
         return False, f"cannot be written ({exc.strerror})"
+    os.close(fd)
     return True, ""

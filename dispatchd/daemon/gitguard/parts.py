@@ -226,13 +226,15 @@ def keep_outside(snapshot: snapshots.GitSnapshot, root: str, reach: list[str] | 
 
 
 def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None,
-               said: Bounded | None = None) -> list[str]:
+               said: Bounded | None = None, index: bool = True) -> list[str]:
     """Check one part against its baseline and move aside what differs
     (``redirects``, ``snapshots``, ``runnables``); appends what it moved to
     ``found`` and returns what it could not, with why. ``covered``: git's
     files the domain's earlier parts judge, left to them (``snapshots.covered``);
     this part's are added. ``said``: the check's log lines, one a file up
-    to its bound (the caller says what it left out)."""
+    to its bound (the caller says what it left out). ``index``: the
+    worktree's index reviewed too (``indexreview``), where no other session
+    of the domain runs: a live one's git would race the review."""
     said = said if said is not None else Bounded()
     failed: list[str] = []
     skip = covered if covered is not None else set()
@@ -264,7 +266,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         for path, why in ((shown(path), why) for path, why in put):
             said.say(log, "event=git_file_put_back path=%s", path)
             found.append(Protected(path=path, why=why, time=now_t))
-        if part.own_gitdir:  # the index, made to show what the worktree holds (indexreview.py)
+        if part.own_gitdir and index:  # the index, made to show what the worktree holds (indexreview.py)
             _review_index(part, found, now_t)
     tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,
                          skip_root_git=part.layout.kind in ("repository", "linked"), ending=True)
