@@ -435,3 +435,25 @@ def test_the_index_is_read_under_git_s_lock(tmp_path: Path, monkeypatch: pytest.
     locked_at_read.clear()
     done = indexreview.review(str(repo / ".git"), str(repo), since)
     assert not done.rewritten and locked_at_read == [True] and not (repo / ".git" / "index.lock").exists()
+
+
+def test_a_lock_a_killed_review_left_is_removed_and_the_review_goes_on(tmp_path: Path) -> None:
+    """A daemon killed while its review held index.lock: the lock has a
+    second name of ours nobody holds, and the next review removes it (a lock
+    of one name, a running git's, is left: the test above)."""
+    from dispatchd.daemon.gitguard import lockfile
+
+    repo, since = _start(tmp_path)
+    _hide_by_id(repo)
+    gitdir = repo / ".git"
+    dir_fd = os.open(gitdir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        left = lockfile.temporary(dir_fd, "index", b"", 0o644, lend=False)
+        left.take(lockfile.Policy(0.0))
+        left.close()  # as a daemon's death leaves it: both names, no flock
+    finally:
+        os.close(dir_fd)
+    assert (gitdir / "index.lock").exists()
+    done = indexreview.review(str(gitdir), str(repo), since)
+    assert done.rewritten and done.hid == ["f"] and not done.why_not, vars(done)
+    assert sorted(n for n in os.listdir(gitdir) if "lock" in n) == []

@@ -39,7 +39,9 @@ one a running git holds locked; submodules' and other worktrees' indexes.
 
 The review holds git's ``index.lock`` from before it reads the index to its
 rename (or until it finds nothing to change): a git that wrote the index
-meanwhile would have its write undone. An entry git reads anyway (racily
+meanwhile would have its write undone. Taken as ``lockfile`` takes every
+lock of git's, so that one a killed daemon left is removed by the next
+review (``gitlock.sweep``), never left to refuse the user's git. An entry git reads anyway (racily
 clean: its mtime not before the index's) is not one that hides; made so by
 a rewrite, it gets the cached size 0 too, as git's own writes do. The
 domain's checks review the index only where no other session of the domain
@@ -53,7 +55,7 @@ import logging
 import os
 import stat
 
-from dispatchd.daemon.gitguard import cachetree, configs, fs, indexfile, replaced
+from dispatchd.daemon.gitguard import cachetree, configs, fs, gitlock, indexfile, lockfile, replaced
 from dispatchd.tools import native
 
 log = logging.getLogger("dispatchd.baselines")
@@ -67,6 +69,7 @@ _DIR_MODE = 0o040000  # a sparse index's directory entry
 # entries say: the untracked cache, the fsmonitor bitmap (entries it marks are not looked at).
 _CACHES = {b"UNTR", b"FSMN"}
 _OFFSETS = {b"EOIE", b"IEOT"}  # offset tables over the entries and extensions, for reading in threads
+WAIT_S = 0.5  # a running git holds index.lock for milliseconds; longer is one that stopped, or a plant
 _HASH_BUDGET = 64 * 1024 * 1024  # bytes of changed files hashed at one review, to tell what an entry hid
 
 
@@ -109,23 +112,27 @@ def review(gitdir: str, worktree: str, since_ns: int, common: str = "", always: 
     # Git's lock first, then the index read under it: a git that wrote it
     # after a read without the lock would have its write undone by the
     # rename (a user's `git add` at the end of a session's close).
-    lock = _lock(gitdir, stat.S_IMODE(st.st_mode))
-    if isinstance(lock, str):
-        done.why_not = lock
+    held = _lock(gitdir, stat.S_IMODE(st.st_mode))
+    if isinstance(held, str):
+        done.why_not = held
         return done
-    try:
-        done.rewritten, done.why_not = _review_locked(done, gitdir, worktree, since_ns, common, lock,
-                                                      trust_ctime=not always)
-    finally:
-        if not done.rewritten:
-            _unlock(gitdir, lock)
+    done.rewritten, done.why_not = _review_locked(done, gitdir, worktree, since_ns, common, held,
+                                                  trust_ctime=not always)
     return done
 
 
 def _review_locked(done: Review, gitdir: str, worktree: str, since_ns: int, common: str,
-                   lock: int, trust_ctime: bool) -> tuple[bool, str]:
-    """``review``'s look and rewrite, ``index.lock`` held (``lock``, its
-    descriptor): the index renamed over by the lock, or why not."""
+                   held: _Held, trust_ctime: bool) -> tuple[bool, str]:
+    """``review``'s look and rewrite, ``index.lock`` held: the index
+    renamed over by the lock, or why not; the lock let go either way."""
+    try:
+        return _look_and_write(done, gitdir, worktree, since_ns, common, held, trust_ctime)
+    finally:
+        held.release()
+
+
+def _look_and_write(done: Review, gitdir: str, worktree: str, since_ns: int, common: str,
+                    held: _Held, trust_ctime: bool) -> tuple[bool, str]:
     path = os.path.join(gitdir, "index")
     try:
         st = os.lstat(path)  # under the lock: its time is what git's next read compares entries with
@@ -169,7 +176,7 @@ def _review_locked(done: Review, gitdir: str, worktree: str, since_ns: int, comm
     body = bytes(data[:found.entries_end]) + b"".join(bytes(data[a:b]) for _, a, b in kept)
     digest = hashlib.sha256(body) if found.hash_size == 32 else hashlib.sha1(body)
     done.dropped = sorted(sig.decode("ascii", "replace") for sig in dropped if sig in {e[0] for e in found.extensions})
-    return _replace(gitdir, lock, body + digest.digest())
+    return _replace(held, body + digest.digest(), stat.S_IMODE(st.st_mode))
 
 
 def _distrust_entries(data: bytearray, found: indexfile.Layout, worktree: str, since_ns: int,
@@ -296,43 +303,60 @@ def _verdict(data: bytearray, entry: indexfile.Entry, hash_size: int, worktree: 
     return "hides" if flagged else "true"  # a flag on a changed file hides its next change
 
 
-def _lock(gitdir: str, mode: int) -> int | str:
-    """Git's ``index.lock``, made here (never followed; one there is a running
-    git's): its descriptor, or why not."""
+class _Held:
+    """Git's ``index.lock``, taken as the daemon takes every lock of git's
+    (``lockfile``: a temporary of ours, hard-linked to the lock), so that a
+    daemon killed while it holds it leaves a lock the next review or start
+    knows for its own and removes (``gitlock.sweep``)."""
+
+    def __init__(self, dir_fd: int, taken: lockfile.Lock) -> None:
+        self.dir_fd, self.taken = dir_fd, taken
+
+    def release(self) -> None:
+        """The lock removed unless committed (renamed over the index), our
+        temporary name with it; once."""
+        if self.dir_fd < 0:
+            return
+        try:
+            self.taken.release()
+        finally:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+
+
+def _lock(gitdir: str, mode: int) -> _Held | str:
+    """Git's ``index.lock``, a killed daemon's left before it removed (a
+    running git's waited for ``WAIT_S``, then left): held, or why not."""
     try:
-        return os.open(os.path.join(gitdir, "index.lock"),
-                       os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    except FileExistsError:
-        return "locked by a running git (index.lock)"
+        dir_fd = os.open(gitdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
+        return f"its directory cannot be opened ({exc.strerror})"
+    try:
+        gitlock.sweep(dir_fd, gitdir, {"index"})
+        taken = lockfile.temporary(dir_fd, "index", b"", mode, lend=False)
+        try:
+            taken.take(lockfile.Policy(WAIT_S))
+        except lockfile.Refused:
+            taken.release()
+            os.close(dir_fd)
+            return "locked by a running git (index.lock)"
+        except BaseException:
+            taken.release()
+            raise
+    except OSError as exc:
+        os.close(dir_fd)
         return f"its lock cannot be made ({exc.strerror})"
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return _Held(dir_fd, taken)
 
 
-def _unlock(gitdir: str, fd: int) -> None:
-    """The lock let go: removed, if it is still the one made (a rename over
-    the index took it already otherwise)."""
+def _replace(held: _Held, data: bytes, mode: int) -> tuple[bool, str]:
+    """``data`` as the index: written into the lock (durable), renamed over."""
     try:
-        made = os.fstat(fd)
-        path = os.path.join(gitdir, "index.lock")
-        there = os.lstat(path)
-        if (there.st_dev, there.st_ino) == (made.st_dev, made.st_ino):
-            os.unlink(path)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _replace(gitdir: str, fd: int, data: bytes) -> tuple[bool, str]:
-    """``data`` as the index: written to the lock (``fd``), renamed over,
-    the descriptor closed; on failure, the lock left for the caller to let go."""
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-        os.rename(os.path.join(gitdir, "index.lock"), os.path.join(gitdir, "index"))
+        held.taken.rewrite(data, mode)
+        held.taken.commit()
     except OSError as exc:
         return False, f"cannot be written ({exc.strerror})"
-    os.close(fd)
     return True, ""
