@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import select
 import selectors
 import socket
@@ -258,6 +259,9 @@ class Job:
         return os.pread(self.log_fd, min(limit, end - offset), offset)
 
 
+_LOG_NAME = re.compile(r"job_([0-9]{1,9})\.log")  # a planted job_999999999.log costs the numbers above it alone
+
+
 class Jobs:
     """A session's jobs, kept by its tool server."""
 
@@ -282,6 +286,13 @@ class Jobs:
                                        dir_fd=base)
             finally:
                 os.close(base)
+            # The session's earlier sandboxes' jobs (one a network switch
+            # replaced) left their logs: their ids are not given again, so
+            # a job_stop meant for one of those never stops a new job.
+            for name in os.listdir(self._dir_fd):
+                taken = _LOG_NAME.fullmatch(name)
+                if taken:
+                    self._next = max(self._next, int(taken.group(1)) + 1)
         return self._dir_fd
 
     def start(self, ctx: ToolContext, command: str, workdir: str, timeout: float | None) -> Outcome:

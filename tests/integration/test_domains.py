@@ -208,7 +208,8 @@ def test_switching_into_within_and_out_of_domains(dclient: dispatch.Client, work
         assert s.set_network("domains", domains=[a]) is True
         assert curl(s, f"http://{a}/1")[0] == "200" and curl(s, f"http://{b}/1")[0] == "403"
         # Within domains, only the list changes: a process started before keeps running.
-        assert shell(s, "sleep 60 >/dev/null 2>&1 & echo $! > sleeper.pid", background=True).is_success
+        first = shell(s, "sleep 60 >/dev/null 2>&1 & echo $! > sleeper.pid", background=True)
+        assert first.is_success and first.metadata["job"] == "job_1"
         assert shell(s, "while [ ! -s sleeper.pid ]; do sleep 0.02; done", timeout=5).is_success
         s.set_network("domains", domains=[b])
         assert "changed in place (no process ended)" in s.status()["note"]
@@ -217,6 +218,12 @@ def test_switching_into_within_and_out_of_domains(dclient: dispatch.Client, work
         # Out of domains: the sandbox is replaced, the variables are gone.
         assert s.set_network(True) is True
         assert shell(s, "env | grep -ci _proxy=").metadata["stdout"].strip() == "0"
+        # The new sandbox's jobs take ids its first never gave: a job_stop of
+        # the old job_1 stops no new job (before: ids started again at job_1).
+        after = shell(s, "true", background=True)
+        assert after.is_success and after.metadata["job"] == "job_2", after.metadata
+        stopped = s.registry.get("job_stop").call({"job": "job_1"})
+        assert stopped.is_failure and "no background job 'job_1'" in (stopped.error or ""), stopped
         net = s.status()["network"]
         assert net["mode"] == "on" and net["domains"] == []
         assert [d["host"] for d in net["denied"]] == ["registry.test", "files.registry.test"]  # the history stays
