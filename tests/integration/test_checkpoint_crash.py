@@ -377,3 +377,59 @@ def test_a_restore_whose_baseline_was_checked_before_is_not_finished_unchecked(t
         assert (top / journal.RECORD).exists()
     finally:
         assert again.stop() == 0, again.log()
+
+
+def _locks_in(gitdir: Path) -> list[str]:
+    """Every lock of git's and temporary of ours in ``gitdir``."""
+    return sorted(os.path.relpath(os.path.join(at, name), gitdir) for at, dirs, files in os.walk(gitdir)
+                  for name in files + dirs if name.endswith(".lock") or ".dispatchd-" in name)
+
+
+def test_a_restore_killed_while_it_rewrote_packed_refs_is_finished_and_leaves_no_lock(tmp_path: Path) -> None:
+    """The session branched, tagged and packed its refs; its restore is
+    SIGKILLed once it holds packed-refs.lock. Before, the next start took
+    the killed daemon's own lock temporaries for someone's work and never
+    finished the restore, and the tag's lock (a ref of the session's, in a
+    directory of no ref the baseline held) refused the user's `git tag` at
+    every start after."""
+    _refuse_root()
+    wt = Path(os.path.realpath(tmp_path)) / "wt"
+    wt.mkdir()
+    git(wt, "init", "-q", "-b", "main")
+    (wt / "f").write_text("0\n")
+    git(wt, "add", "f")
+    git(wt, "-c", "user.name=u", "-c", "user.email=u@e.invalid", "commit", "-qm", "c0")
+    d = _daemon(tmp_path / "d")
+    with d.connect() as c:
+        s = c.open_session(str(wt), detached=True)
+        cid = s.checkpoint()
+        made = shell(s, "git branch feature && git tag t1 && echo x > f && git pack-refs --all")
+        assert made.metadata.get("exit_code") == 0, made
+        lock = wt / ".git" / "packed-refs.lock"
+
+        def kill_at_the_lock() -> None:
+            deadline = time.monotonic() + 20
+            while not lock.exists() and time.monotonic() < deadline and d.proc.poll() is None:
+                pass
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_at_the_lock, daemon=True)
+        killer.start()
+        try:
+            s.restore(cid)
+        except Exception:  # noqa: BLE001  # the daemon died under it
+            pass
+        killer.join(30)
+        d.proc.wait(10)
+    d.stop()
+    again = _daemon(tmp_path / "d")  # the same state directory
+    try:
+        with again.connect() as c:
+            c.status()
+        assert _locks_in(wt / ".git") == [], again.log()[-3000:]
+        assert "event=restore_unfinished" not in again.log(), again.log()[-3000:]
+        assert (wt / "f").read_text() == "0\n"  # the checkpoint's
+        git(wt, "tag", "-f", "t1", "HEAD")  # the user's git, no lock in its way (raises if refused)
+    finally:
+        assert again.stop() == 0, again.log()

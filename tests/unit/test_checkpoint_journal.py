@@ -529,3 +529,18 @@ def test_a_restore_cut_after_it_kept_the_moved_refs_keeps_them_once_when_finishe
     assert _displaced(wt) == kept
     assert git(Path(wt), "rev-parse", "main").strip() == one
     assert not path.exists()
+
+
+def test_a_killed_daemon_s_locks_of_git_s_files_are_not_someone_s_work():
+    """A restore killed while it rewrote packed-refs left its temporary and
+    the lock beside it: counted as changed since, they kept the restore from
+    ever finishing, and a tag's lock of two names blocked the user's git."""
+    start = 1000
+    saved = [E(path=b"", kind="d", mode=0o755), E(path=b".git", kind="d", mode=0o755)]
+    now = [*saved,
+           f(b".git/packed-refs.dispatchd-4fd84fc4028752ad.lock", 2000),
+           f(b".git/packed-refs.lock", 2000, ino=2)]
+    assert journal.changed_since(saved, now, start) == []
+    # The twin: a lock with no temporary of ours beside it is a running git's, someone's work.
+    assert journal.changed_since(saved, [*saved, f(b".git/packed-refs.lock", 2000, ino=2)], start) == [
+        b".git/packed-refs.lock"]

@@ -201,3 +201,22 @@ def test_a_start_removes_a_ref_lock_a_killed_end_left_with_its_second_name(tmp_p
     assert not (heads / "side.lock").exists() and not (heads / _T("side", "0123456789abcdef")).exists()
     assert (heads / "main.lock").exists() and (heads / "other.lock").exists() and (heads / "other.extra").exists()
     assert not (heads / _T("other", "fedcba9876543210")).exists()
+
+
+def test_the_sweep_reaches_a_lock_left_on_a_ref_it_was_not_told_of(tmp_path: Path) -> None:
+    """A restore killed while it deleted a tag the session made: the tag's
+    lock, a second name of our temporary, in a directory of no ref the
+    baseline held. Before, the start swept only those refs' directories, and
+    the lock refused the user's `git tag` for good."""
+    common = tmp_path / "git"
+    tags = common / "refs" / "tags"
+    tags.mkdir(parents=True)
+    ours = _T("t1", "0123456789abcdef")
+    (tags / ours).write_text("x\n")
+    os.link(tags / ours, tags / "t1.lock")
+    adopt(tags)
+    removed = reftemp.sweep(str(common), ["refs/heads/main", "HEAD"])
+    assert removed == sorted([str(tags / "t1.lock"), str(tags / ours)])
+    # The twin: a lock of one name (a running git's) stays.
+    (tags / "t2.lock").write_text("")
+    assert reftemp.sweep(str(common), ["refs/heads/main", "HEAD"]) == [] and (tags / "t2.lock").exists()

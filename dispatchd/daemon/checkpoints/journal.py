@@ -236,15 +236,23 @@ def _looks_restored(h: Entry, w: Entry) -> bool:
     return h.mode == w.mode
 
 
+_OUR_LOCK = re.compile(rb"(.+)\.dispatchd-[0-9a-f]{16}\.lock", re.DOTALL)  # ournames' shape, by path
+
+
 def changed_since(saved: list[Entry], now: list[Entry], started_ns: int) -> list[bytes]:
     """Names (not directories) changed after ``started_ns`` that are not what
     the restore writes: someone else's work since, which finishing the
     restore would overwrite or delete. A directory's ctime moves when the
     restore adds or removes in it, so directories are judged by what they
-    hold; the restore's own temporary files (``tempfiles`` names) are not
-    someone's work."""
+    hold; the restore's own temporary files (``tempfiles`` names) and a
+    killed daemon's locks of git's files (its ``.dispatchd-<hex>.lock``
+    temporaries and the ``NAME.lock`` beside one) are not someone's work."""
     want = {e.path: e for e in saved}
     found: list[bytes] = []
+    # The killed daemon's own locks of git's files: its temporaries
+    # (``NAME.dispatchd-<hex>.lock``) and the ``NAME.lock`` beside one,
+    # which the finished restore takes over (two names) or leaves (one).
+    ours = {m.group(1) for h in now if (m := _OUR_LOCK.fullmatch(h.path))}
     for h in now:
         if h.kind == "d" or h.ctime_ns < started_ns:
             continue
@@ -253,6 +261,8 @@ def changed_since(saved: list[Entry], now: list[Entry], started_ns: int) -> list
             # (appended to), other worktrees' state (never written): no one's work is lost there.
             continue
         if TEMP_NAME.match(h.path.rpartition(b"/")[2]):
+            continue
+        if _OUR_LOCK.fullmatch(h.path) or h.path.endswith(b".lock") and h.path[:-5] in ours:
             continue
         w = want.get(h.path)
         if w is None or not _looks_restored(h, w):

@@ -252,7 +252,8 @@ def discard(dir_fd: int, tmp: str, fd: int) -> None:
 
 def sweep(common: str, refs: list[str]) -> list[str]:
     """Remove what an interrupted write of ``refs`` (names below ``common``,
-    ``HEAD`` included) or of a displaced ref left; returns the paths removed.
+    ``HEAD`` included), of any ref below ``refs/`` or of a displaced ref
+    left; returns the paths removed.
     Every directory is reached from ``common`` without following a symlink
     (``fs.path_below``): one a session left anywhere on the way (``refs``,
     ``refs/dispatchd/displaced``, a directory below) is not entered."""
@@ -263,11 +264,17 @@ def sweep(common: str, refs: list[str]) -> list[str]:
     removed: list[str] = []
     try:
         dirs = {os.path.dirname(name) for name in refs if "/" in name} | {""}
-        # The displaced refs' tree, each directory listed once: swept, and
-        # its subdirectories taken from the same listing.
-        pending, seen = ["refs/dispatchd/displaced"], 0
+        # The whole refs tree, each directory listed once: swept, and its
+        # subdirectories taken from the same listing; the displaced refs'
+        # first (ours alone), then every other (a restore's or an end's
+        # write of a ref the session made, a tag, a new namespace, leaves
+        # its lock where no ref of ``refs`` lies).
+        pending, seen, listed = ["refs", "refs/dispatchd/displaced"], 0, set()
         while pending and seen < _MAX_DIRS:
             rel = pending.pop()
+            if rel in listed:
+                continue
+            listed.add(rel)
             fd = _below(top, rel)
             if fd is None:
                 continue
