@@ -422,6 +422,7 @@ def test_a_restore_killed_while_it_rewrote_packed_refs_is_finished_and_leaves_no
             pass
         killer.join(30)
         d.proc.wait(10)
+        s.detach()  # its channel closed: the daemon is gone
     d.stop()
     again = _daemon(tmp_path / "d")  # the same state directory
     try:
