@@ -41,8 +41,9 @@ The review holds git's ``index.lock`` from before it reads the index to its
 rename (or until it finds nothing to change): a git that wrote the index
 meanwhile would have its write undone. Taken as ``lockfile`` takes every
 lock of git's, so that one a killed daemon left is removed by the next
-review (``gitlock.sweep``), never left to refuse the user's git. An entry git reads anyway (racily
-clean: its mtime not before the index's) is not one that hides; made so by
+review (``gitlock.sweep``), never left to refuse the user's git. An entry
+git reads anyway (racily clean: its mtime not before the index's) is not
+one that hides; made so by
 a rewrite, it gets the cached size 0 too, as git's own writes do. The
 domain's checks review the index only where no other session of the domain
 runs (``parts.check_part``'s ``index``): a live one's git would race it.
@@ -116,23 +117,18 @@ def review(gitdir: str, worktree: str, since_ns: int, common: str = "", always: 
     if isinstance(held, str):
         done.why_not = held
         return done
-    done.rewritten, done.why_not = _review_locked(done, gitdir, worktree, since_ns, common, held,
-                                                  trust_ctime=not always)
-    return done
-
-
-def _review_locked(done: Review, gitdir: str, worktree: str, since_ns: int, common: str,
-                   held: _Held, trust_ctime: bool) -> tuple[bool, str]:
-    """``review``'s look and rewrite, ``index.lock`` held: the index
-    renamed over by the lock, or why not; the lock let go either way."""
     try:
-        return _look_and_write(done, gitdir, worktree, since_ns, common, held, trust_ctime)
+        done.rewritten, done.why_not = _look_and_write(done, gitdir, worktree, since_ns, common, held,
+                                                       trust_ctime=not always)
     finally:
-        held.release()
+        held.release()  # renamed over the index already, or let go unchanged
+    return done
 
 
 def _look_and_write(done: Review, gitdir: str, worktree: str, since_ns: int, common: str,
                     held: _Held, trust_ctime: bool) -> tuple[bool, str]:
+    """``review``'s look and rewrite, ``index.lock`` held: the index
+    renamed over by the lock, or why not."""
     path = os.path.join(gitdir, "index")
     try:
         st = os.lstat(path)  # under the lock: its time is what git's next read compares entries with
@@ -273,8 +269,8 @@ def _verdict(data: bytearray, entry: indexfile.Entry, hash_size: int, worktree: 
     or takes it as unchanged and it is the object the entry names (hashed
     as a blob; with ``trust_ctime``, the user's git compares the cached
     ctime too); "racy": its stat data match, but git reads it all the same
-    (``_read_anyway``) for as long as the index is not written again; "hides": git would take
-    it as unchanged (the entry marked assume-unchanged or skip-worktree, or
+    (``_read_anyway``) for as long as the index is not written again;
+    "hides": git would take it as unchanged (the entry marked assume-unchanged or skip-worktree, or
     its cached size and mtime the file's) and it is not (a clean filter
     such as Git LFS's also makes them differ); "unknown": not a regular
     file, or past the hashing ``budget``."""
