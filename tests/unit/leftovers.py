@@ -13,11 +13,7 @@ from dispatchd.daemon.gitguard import ournames
 def adopt(*dirs: Path) -> None:
     """Each regular file of a temporary's shape in ``dirs`` written down as the daemon's."""
     for d in dirs:
-        fd = os.open(d, os.O_PATH | os.O_DIRECTORY)
-        try:
-            for name in os.listdir(d):
-                st = os.lstat(d / name)
-                if ournames.shaped(name) is not None and os.path.isfile(d / name) and not os.path.islink(d / name):
-                    ournames.note(fd, name, st)
-        finally:
-            os.close(fd)
+        for name in os.listdir(d):
+            st = os.lstat(d / name)
+            if ournames.shaped(name) is not None and os.path.isfile(d / name) and not os.path.islink(d / name):
+                ournames.note(str(d / name), st)

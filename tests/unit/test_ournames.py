@@ -24,6 +24,7 @@ FORGED = "index.dispatchd-0123456789abcdef.lock"
 def _no_journal() -> None:
     """Each test as a process outside a daemon, unless it starts one (``use``)."""
     ournames._journal = -1
+    ournames._planned.clear()
 
 
 def _dead_pair(common: Path, leaf: str) -> str:
@@ -44,9 +45,7 @@ def test_a_name_of_a_temporary_s_shape_is_ours_only_once_written_down(tmp_path: 
     (tmp_path / made).write_text("x")
     st = os.lstat(tmp_path / made)
     assert not ournames.ours(made, st)  # made by hand: anyone's
-    fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
-    ournames.note(fd, made, st)
-    os.close(fd)
+    ournames.note(str(tmp_path / made), st)
     assert ournames.ours(made, st)
     assert not ournames.ours(made.replace("main.", "other.", 1), st)  # another name for the same file: not ours
     ournames.forget((st.st_dev, st.st_ino))
@@ -67,6 +66,78 @@ def test_a_killed_daemon_s_leftover_is_recognised_by_the_next_start_and_nothing_
     assert ournames.ours(temp, st)
     assert not ournames.ours("other.dispatchd-0123456789abcdef.lock", os.lstat(common / "other.dispatchd-0123456789abcdef.lock"))
     assert len(os.listdir(state / "temporaries")) == 1  # the dead run's journal taken into this one's
+
+
+def _death_after_the_open(state: Path, common: Path, leaf: str) -> str:
+    """A daemon killed between making a temporary (``plan``, then the open) and its ``note``."""
+    ournames.use(str(state))
+    fd = os.open(common, os.O_PATH | os.O_DIRECTORY)
+    try:
+        temp = os.path.basename(reftemp.temp_name(leaf))
+        ournames.plan(fd, temp)
+        os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+    ournames._known.clear()
+    ournames._planned.clear()
+    os.close(ournames._journal)
+    ournames._journal = -1
+    return temp
+
+
+def test_a_temporary_made_and_not_yet_noted_at_the_death_is_swept_by_the_next_start(tmp_path: Path) -> None:
+    state, common = tmp_path / "state", tmp_path / "git"
+    common.mkdir()
+    temp = _death_after_the_open(state, common, "config")
+    ournames.use(str(state))
+    fd = os.open(common, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert reftemp.sweep_names(fd, str(common), os.listdir(fd)) == [str(common / temp)]
+    finally:
+        os.close(fd)
+    assert os.listdir(common) == []
+
+
+def test_a_planned_temporary_given_a_second_name_or_bytes_since_is_not_taken_for_ours(tmp_path: Path) -> None:
+    """A session cannot make the user's lock ours by linking it under a
+    planned name: only an empty file of one name is, as ``O_EXCL`` made it."""
+    state, common = tmp_path / "state", tmp_path / "git"
+    common.mkdir()
+    linked = _death_after_the_open(state, common, "index")
+    os.unlink(common / linked)  # the session's swap: the user's lock given the planned name
+    (common / "index.lock").write_text("the user's git\n")
+    os.link(common / "index.lock", common / linked)
+    written = _death_after_the_open(state, common, "config")
+    (common / written).write_text("a session's\n")
+    ournames.use(str(state))
+    assert not ournames.ours(linked, os.lstat(common / linked))
+    assert not ournames.ours(written, os.lstat(common / written))
+    fd = os.open(common, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert reftemp.sweep_names(fd, str(common), os.listdir(fd)) == []
+    finally:
+        os.close(fd)
+    assert (common / "index.lock").read_text() == "the user's git\n"
+
+
+def test_a_temporary_that_could_not_be_made_leaves_no_plan_behind(tmp_path: Path) -> None:
+    state, common = tmp_path / "state", tmp_path / "git"
+    common.mkdir()
+    ournames.use(str(state))
+    (common / "gone").mkdir()
+    gone = os.open(common / "gone", os.O_PATH | os.O_DIRECTORY)
+    (common / "gone").rmdir()
+    fd = os.open(common, os.O_PATH | os.O_DIRECTORY)
+    try:
+        with pytest.raises(FileNotFoundError):
+            reftemp.open_temp(gone, "leaf", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        tmp, out = reftemp.open_temp(fd, "leaf", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        reftemp.discard(fd, tmp, out)
+    finally:
+        os.close(fd)
+        os.close(gone)
+    assert ournames._planned == set() and ournames._known == {}
+    assert os.fstat(ournames._journal).st_size == 0  # nothing of ours left: the journal started again
 
 
 def _forged(common: Path) -> None:

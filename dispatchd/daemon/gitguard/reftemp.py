@@ -212,17 +212,19 @@ def open_temp(dir_fd: int, leaf: str, flags: int, mode: int, *, lend: bool = Tru
     while True:
         # A name of our own, made here (write_ref says why).
         tmp = os.path.basename(temp_name(leaf))
+        path = ournames.plan(dir_fd, tmp)  # first: a death right after the open leaves a file only this tells
         try:
             fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
-        except FileExistsError:
-            continue
-        except PermissionError:
-            if lent:
-                raise
-            fs.lend(dir_fd)
-            lent = True
-            continue
-        ournames.note(dir_fd, tmp, os.fstat(fd))  # before it can get a second name (ournames says why)
+        except BaseException as e:
+            ournames.unplan(path)
+            if isinstance(e, FileExistsError):
+                continue
+            if isinstance(e, PermissionError) and not lent:
+                fs.lend(dir_fd)
+                lent = True
+                continue
+            raise
+        ournames.note(path, os.fstat(fd))  # before it can get a second name (ournames says why)
         return tmp, fd
 
 
