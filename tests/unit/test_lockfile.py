@@ -213,3 +213,42 @@ def test_the_sweep_keeps_to_the_leaves_it_is_given_and_to_a_lock_of_that_inode(w
     assert sorted(reftemp.sweep_names(fd, str(d), os.listdir(fd))) == [
         str(d / _T("HEAD", "0123456789abcdef")), str(d / _T("hooks", "0123456789abcdef"))]
     assert _names(d) == ["HEAD.lock", "hooks.lock", "third"]
+
+
+# --- take_in: a lock and its directory held together -----------------------
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError as exc:
+        assert exc.errno == errno.EBADF
+        return False
+    return True
+
+
+def test_a_lock_taken_in_a_directory_commits_once_and_lets_the_directory_go(tmp_path: Path) -> None:
+    (tmp_path / "index").write_bytes(b"old")
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    held = lockfile.take_in(dir_fd, "index", _WAIT, 0o600)
+    assert (tmp_path / "index.lock").exists()
+    held.commit(b"new", 0o600)
+    assert (tmp_path / "index").read_bytes() == b"new" and stat.S_IMODE(os.stat(tmp_path / "index").st_mode) == 0o600
+    assert sorted(os.listdir(tmp_path)) == ["index"] and not _fd_open(dir_fd)
+    held.release()  # once: a second call does nothing
+
+
+def test_a_lock_refused_in_a_directory_leaves_the_other_s_lock_and_closes_the_directory(tmp_path: Path) -> None:
+    (tmp_path / "index").write_bytes(b"old")
+    (tmp_path / "index.lock").write_bytes(b"the user's git")
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    with pytest.raises(lockfile.Refused):
+        lockfile.take_in(dir_fd, "index", _WAIT)
+    assert not _fd_open(dir_fd)
+    assert sorted(os.listdir(tmp_path)) == ["index", "index.lock"]
+    assert (tmp_path / "index.lock").read_bytes() == b"the user's git"
+    # The twin: released unchanged, the file as it was.
+    (tmp_path / "index.lock").unlink()
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    lockfile.take_in(dir_fd, "index", _WAIT).release()
+    assert sorted(os.listdir(tmp_path)) == ["index"] and (tmp_path / "index").read_bytes() == b"old"

@@ -35,7 +35,6 @@ import contextlib
 import errno
 import os
 import stat
-from dataclasses import dataclass
 
 from dispatchd.confine._sys import open_beneath
 from dispatchd.daemon.gitguard import lockfile, refvalues
@@ -50,15 +49,14 @@ class Busy(Exception):
     """``NAME.lock`` is held by another writer (the user's git) past ``WAIT_S``."""
 
 
-@dataclass
-class Held:
+class Held(lockfile.Held):
     """A lock this took: ``NAME.lock`` in the directory ``dir_fd`` (ours,
     closed once the lock is let go or committed)."""
 
-    name: str  # the ref's name below the repository ("refs/heads/main", "HEAD", "packed-refs")
-    dir_fd: int
-    leaf: str
-    taken: lockfile.Lock  # the lock itself, with its second name of ours
+    def __init__(self, name: str, leaf: str, held: lockfile.Held) -> None:
+        super().__init__(held.dir_fd, held.lock)
+        self.name = name  # the ref's name below the repository ("refs/heads/main", "HEAD", "packed-refs")
+        self.leaf = leaf
 
 
 def open_dir(common_fd: int, rel: str, make: bool) -> int:
@@ -96,37 +94,21 @@ def take(common_fd: int, name: str, wait_s: float = WAIT_S, *, take_over: bool =
     try:
         # Empty until ``commit`` writes the value. No directory's mode is
         # changed for a restore: one a session made read-only refuses it.
-        taken = lockfile.temporary(dir_fd, leaf, b"", lend=False)
-        try:
-            taken.take(lockfile.Policy(wait_s, take_over=take_over))
-        except BaseException:
-            taken.release()
-            raise
+        held = lockfile.take_in(dir_fd, leaf, lockfile.Policy(wait_s, take_over=take_over), lend=False)
     except lockfile.Refused:
-        os.close(dir_fd)
         raise Busy(f"{name}.lock") from None
-    except BaseException:
-        os.close(dir_fd)
-        raise
-    return Held(name, dir_fd, leaf, taken)
+    return Held(name, leaf, held)
 
 
 def release(held: Held) -> None:
     """The lock given up, the ref as it was."""
-    try:
-        held.taken.release()
-    finally:
-        os.close(held.dir_fd)
+    held.release()
 
 
 def commit(held: Held, data: bytes) -> None:
     """The ref holds ``data``: written into the lock file (durable), renamed
     over the ref (which releases the lock, as git's commit of a lock does)."""
-    try:
-        held.taken.rewrite(data)
-        held.taken.commit()
-    finally:
-        release(held)  # the lock while still ours (an error), and its second name
+    held.commit(data)
 
 
 def read_leaf(dir_fd: int, leaf: str, limit: int = 4096) -> bytes | None:

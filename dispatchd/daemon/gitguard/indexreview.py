@@ -126,7 +126,7 @@ def review(gitdir: str, worktree: str, since_ns: int, common: str = "", always: 
 
 
 def _look_and_write(done: Review, gitdir: str, worktree: str, since_ns: int, common: str,
-                    held: _Held, trust_ctime: bool) -> tuple[bool, str]:
+                    held: lockfile.Held, trust_ctime: bool) -> tuple[bool, str]:
     """``review``'s look and rewrite, ``index.lock`` held: the index
     renamed over by the lock, or why not."""
     path = os.path.join(gitdir, "index")
@@ -299,60 +299,32 @@ def _verdict(data: bytearray, entry: indexfile.Entry, hash_size: int, worktree: 
     return "hides" if flagged else "true"  # a flag on a changed file hides its next change
 
 
-class _Held:
+def _lock(gitdir: str, mode: int) -> lockfile.Held | str:
     """Git's ``index.lock``, taken as the daemon takes every lock of git's
-    (``lockfile``: a temporary of ours, hard-linked to the lock), so that a
-    daemon killed while it holds it leaves a lock the next review or start
-    knows for its own and removes (``gitlock.sweep``)."""
-
-    def __init__(self, dir_fd: int, taken: lockfile.Lock) -> None:
-        self.dir_fd, self.taken = dir_fd, taken
-
-    def release(self) -> None:
-        """The lock removed unless committed (renamed over the index), our
-        temporary name with it; once."""
-        if self.dir_fd < 0:
-            return
-        try:
-            self.taken.release()
-        finally:
-            os.close(self.dir_fd)
-            self.dir_fd = -1
-
-
-def _lock(gitdir: str, mode: int) -> _Held | str:
-    """Git's ``index.lock``, a killed daemon's left before it removed (a
-    running git's waited for ``WAIT_S``, then left): held, or why not."""
+    (``lockfile``: a temporary of ours, hard-linked to the lock), a killed
+    daemon's left before removed (``gitlock.sweep``), a running git's waited
+    for ``WAIT_S``, then left: held, or why not."""
     try:
         dir_fd = os.open(gitdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         return f"its directory cannot be opened ({exc.strerror})"
     try:
         gitlock.sweep(dir_fd, gitdir, {"index"})
-        taken = lockfile.temporary(dir_fd, "index", b"", mode, lend=False)
-        try:
-            taken.take(lockfile.Policy(WAIT_S))
-        except lockfile.Refused:
-            taken.release()
-            os.close(dir_fd)
-            return "locked by a running git (index.lock)"
-        except BaseException:
-            taken.release()
-            raise
-    except OSError as exc:
-        os.close(dir_fd)
-        return f"its lock cannot be made ({exc.strerror})"
     except BaseException:
         os.close(dir_fd)
         raise
-    return _Held(dir_fd, taken)
+    try:
+        return lockfile.take_in(dir_fd, "index", lockfile.Policy(WAIT_S), mode, lend=False)
+    except lockfile.Refused:
+        return "locked by a running git (index.lock)"
+    except OSError as exc:
+        return f"its lock cannot be made ({exc.strerror})"
 
 
-def _replace(held: _Held, data: bytes, mode: int) -> tuple[bool, str]:
+def _replace(held: lockfile.Held, data: bytes, mode: int) -> tuple[bool, str]:
     """``data`` as the index: written into the lock (durable), renamed over."""
     try:
-        held.taken.rewrite(data, mode)
-        held.taken.commit()
+        held.commit(data, mode)
     except OSError as exc:
         return False, f"cannot be written ({exc.strerror})"
     return True, ""

@@ -195,6 +195,52 @@ class Lock:
             self._fd = -1
 
 
+class Held:
+    """A ``Lock`` taken in a directory opened for it (``take_in``): the lock
+    and the directory let go together, once."""
+
+    def __init__(self, dir_fd: int, lock: Lock) -> None:
+        self.dir_fd, self.lock = dir_fd, lock
+
+    def commit(self, data: bytes, mode: int | None = None) -> None:
+        """``data`` (``mode``: its permission bits) written into the lock,
+        durable, and renamed over the file: it holds the old bytes or these,
+        never neither. The lock let go either way."""
+        try:
+            self.lock.rewrite(data, mode)
+            self.lock.commit()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """The lock removed unless committed, the temporary's name with it,
+        the directory closed; a second call does nothing."""
+        if self.dir_fd < 0:
+            return
+        try:
+            self.lock.release()
+        finally:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+
+
+def take_in(dir_fd: int, leaf: str, policy: Policy, mode: int | None = None, *, lend: bool = True) -> Held:
+    """``leaf``'s lock in ``dir_fd`` (empty; ``mode`` as ``temporary``'s),
+    taken by ``policy``. The ``Held`` owns ``dir_fd`` from here: closed here
+    when this raises (``Refused`` when the policy gives up)."""
+    try:
+        lock = temporary(dir_fd, leaf, b"", mode, lend=lend)
+        try:
+            lock.take(policy)
+        except BaseException:
+            lock.release()
+            raise
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return Held(dir_fd, lock)
+
+
 def temporary(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *, lend: bool = True) -> Lock:
     """A ``Lock`` not taken yet: ``data`` in a new file of ours beside
     ``leaf`` in ``dir_fd``, fsynced, flocked; ``mode``: its permission bits
