@@ -18,12 +18,13 @@ hosts the session chose):
   newline, tab and ``\\r\\n`` are kept;
 - backslashes are left as they are (output is full of them); text with
   nothing to escape, in any script, costs one regular expression search
-  (its class made at import, from this Python's Unicode tables: 0.1 s, paid
-  by ``dispatch mcp`` alone).
+  (its class made at the first text, from this Python's Unicode tables:
+  0.1 s, paid once by a ``dispatch mcp`` that hands out a result).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from typing import Any
@@ -51,7 +52,9 @@ def _class() -> str:
     return "[" + "".join(ranges) + "]"
 
 
-_SUSPECT = re.compile(_class())
+@functools.cache
+def _suspect() -> re.Pattern[str]:
+    return re.compile(_class())
 
 
 def _escape(match: re.Match[str]) -> str:
@@ -66,9 +69,10 @@ def _escape(match: re.Match[str]) -> str:
 
 def for_client(text: str) -> str:
     """``text`` as an MCP client may show it (see the module)."""
-    if _SUSPECT.search(text) is None:
+    suspect = _suspect()
+    if suspect.search(text) is None:
         return text
-    return _SUSPECT.sub(_escape, _STYLE.sub("", text))
+    return suspect.sub(_escape, _STYLE.sub("", text))
 
 
 def for_client_all(value: Any) -> Any:
