@@ -29,13 +29,15 @@ pytestmark = pytest.mark.usefixtures("user_budgets")
 
 ROOM = 1200  # over what the user runs at the start: the sessions together get about half of it
 
-# Forks until the kernel refuses or ``n`` run (each child sleeps); prints how
-# many and the errno (0: none refused), then holds them.
+# Forks until the kernel refuses or ``n`` run (each child sleeps ``hold``);
+# prints how many and the errno (0: none refused), then holds them. Given a
+# third argument, a file: once it exists, ends one of its children and waits
+# for it (exactly one process to be had), and prints "freed".
 HOG = r"""
-import os, sys, time
-n, hold = int(sys.argv[1]), sys.argv[2]
-got = err = 0
-while got < n:
+import os, signal, sys, time
+n, hold, free = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+children, err = [], 0
+while len(children) < n:
     try:
         pid = os.fork()
     except OSError as exc:
@@ -43,8 +45,14 @@ while got < n:
         break
     if pid == 0:
         os.execv("/bin/sleep", ["sleep", hold])
-    got += 1
-print(got, err, flush=True)
+    children.append(pid)
+print(len(children), err, flush=True)
+if free:
+    while not os.path.exists(free[0]):
+        time.sleep(0.05)
+    os.kill(children[-1], signal.SIGKILL)
+    os.waitpid(children[-1], 0)
+    print("freed", flush=True)
 time.sleep(float(hold))
 """
 
@@ -196,30 +204,6 @@ def test_a_network_switch_without_a_process_for_its_stack_is_refused_and_the_ses
         assert b.status()["network"]["mode"] == "on"
 
 
-# Forks until refused, as HOG; then, once the file ``argv[1]`` exists, ends
-# one of its children and waits for it: exactly one process to be had.
-HOG_ONE_FREE = r"""
-import os, signal, sys, time
-children, err = [], 0
-while True:
-    try:
-        pid = os.fork()
-    except OSError as exc:
-        err = exc.errno
-        break
-    if pid == 0:
-        os.execv("/bin/sleep", ["sleep", "120"])
-    children.append(pid)
-print(len(children), err, flush=True)
-while not os.path.exists(sys.argv[1]):
-    time.sleep(0.05)
-os.kill(children[-1], signal.SIGKILL)
-os.waitpid(children[-1], 0)
-print("freed", flush=True)
-time.sleep(120)
-"""
-
-
 def test_a_switch_on_whose_stack_cannot_fork_is_refused_and_the_session_goes_on(
         limited: tuple[Daemon, dispatch.Client, int], tmp_path: Path) -> None:
     """One process to be had: the fork server starts slirp4netns, whose own
@@ -235,7 +219,7 @@ def test_a_switch_on_whose_stack_cannot_fork_is_refused_and_the_session_goes_on(
             client.open_session(str(tmp_path / "b")) as b:
         job_a, _, _ = _hog(a, tmp_path / "a", half * 6 // 10)
         out = tmp_path / "c" / "hog.out"
-        job_c = shell(c, f"/usr/bin/python3 -c {shlex.quote(HOG_ONE_FREE)} free > hog.out", background=True)
+        job_c = shell(c, f"/usr/bin/python3 -c {shlex.quote(HOG)} {10**9} 120 free > hog.out", background=True)
         assert wait_until(lambda: out.exists() and out.read_text().strip() != "")
         assert out.read_text().split()[1] == str(errno.EAGAIN)
         (tmp_path / "c" / "free").write_text("")
