@@ -1,4 +1,5 @@
-"""A thread whose start does not wait for it to run.
+"""A thread whose start does not wait for it to run; a component's one
+long-lived thread, started at its first need.
 
 ``threading.Thread.start`` returns only once the new thread has run its
 first line. On a busy machine that wait is the scheduler's, not ours: a new
@@ -14,12 +15,18 @@ as ``threading.Thread.start`` does; until it runs, ``is_alive()`` is False
 and ``join`` refuses, so it is for threads nobody joins or asks about soon
 after (a session's watcher, a channel's reader). Where this interpreter's
 ``threading`` lacks what it relies on, ``start`` is the ordinary one.
+
+``Once`` is a component's one long-lived thread (the sleepers' watch, the
+memory watchdog): ``start`` makes it at the first call and is a no-op after;
+a start the kernel refuses (the daemon at the user's process limit) raises
+and is tried again by the next call, never recorded as started.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 # threading's own start, less its wait: CPython 3.11 and 3.12's Thread.start
@@ -46,3 +53,21 @@ class Thread(threading.Thread):
             with limbo_lock:
                 del _LIMBO[self]
             raise
+
+
+class Once:
+    """See the module: ``thread`` is None until a start succeeded."""
+
+    def __init__(self, target: Callable[[], None], name: str) -> None:
+        self._target, self._name = target, name
+        self._lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """The thread running, started here if need be; ``RuntimeError``
+        where the kernel refuses a new thread."""
+        with self._lock:
+            if self.thread is None:
+                thread = threading.Thread(target=self._target, daemon=True, name=self._name)
+                thread.start()
+                self.thread = thread  # only once started: a failed start is tried again

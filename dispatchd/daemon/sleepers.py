@@ -50,7 +50,7 @@ class Sleepers:
         self._deadlines: dict[str, float] = {}  # session -> when it ends asleep (monotonic)
         self._naps: dict[str, int] = {}  # session -> its nap
         self._changed = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._thread: threading.Thread | None = None
+        self._runner = threads.Once(self._run, "sleepers")
 
     def count(self) -> int:
         with self._lock:
@@ -72,16 +72,12 @@ class Sleepers:
         start a thread (its processes and threads at the user's limit): the
         session is told to stay awake and asks again at its next idle time,
         and the next ask tries again. No session sleeps unwatched."""
-        with self._lock:
-            if self._thread is None:
-                thread = threading.Thread(target=self._run, daemon=True, name="sleepers")
-                try:
-                    thread.start()
-                except RuntimeError as exc:  # can't start new thread
-                    log.warning("event=sleepers_not_started error=%s", exc)
-                    return False
-                self._thread = thread  # only once started: a failed start is tried again
-            return True
+        try:
+            self._runner.start()
+        except RuntimeError as exc:  # can't start new thread
+            log.warning("event=sleepers_not_started error=%s", exc)
+            return False
+        return True
 
     def add_channel(self, sid: str, fd: int) -> None:
         """A channel attached to a session while it sleeps."""

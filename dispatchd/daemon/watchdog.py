@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from dispatchd import procfs
+from dispatchd import procfs, threads
 from dispatchd.errors import ConfinementError
 from dispatchd.protocol.reports import MemoryHold
 
@@ -219,8 +219,7 @@ class MemoryWatchdog:
         self._sessions = sessions
         self._end = end
         self._any_session = any_session
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._runner = threads.Once(self._run, "memory-watchdog")
         self._asked = threading.Event()  # a session to watch may have come (set by ensure_running)
 
     def start(self) -> None:
@@ -228,16 +227,12 @@ class MemoryWatchdog:
         where it cannot be (the daemon's threads at the user's limit): an
         open calls this before it makes anything, and is refused then, never
         opened unwatched. A failed start is tried again by the next call."""
-        with self._lock:
-            if self._thread is None:
-                thread = threading.Thread(target=self._run, daemon=True, name="memory-watchdog")
-                try:
-                    thread.start()
-                except RuntimeError as exc:  # can't start new thread
-                    raise ConfinementError("the memory bound", detail=f"the memory watchdog cannot start its "
-                                           f"thread ({exc}): the daemon's processes and threads are at the "
-                                           "user's limit; retry once commands or sessions end") from exc
-                self._thread = thread  # only once started
+        try:
+            self._runner.start()
+        except RuntimeError as exc:  # can't start new thread
+            raise ConfinementError("the memory bound", detail=f"the memory watchdog cannot start its "
+                                   f"thread ({exc}): the daemon's processes and threads are at the "
+                                   "user's limit; retry once commands or sessions end") from exc
 
     def ensure_running(self) -> None:
         """A session the cgroup does not bound has opened (call once it can

@@ -148,7 +148,7 @@ def test_a_watch_that_cannot_start_lets_no_session_sleep_and_is_tried_again(
 
     monkeypatch.setattr(threading, "Thread", Refused)
     assert calls.sleepers.ensure() is False
-    assert calls.sleepers._thread is None
+    assert calls.sleepers._runner.thread is None
     monkeypatch.setattr(threading, "Thread", real)
     assert calls.sleepers.ensure() is True  # the twin: a thread to be had
     client, held = pair

@@ -1,4 +1,4 @@
-"""dispatchd.threads: a thread whose start does not wait for it to run."""
+"""dispatchd.threads: a thread whose start does not wait for it to run; a component's one thread started once."""
 
 from __future__ import annotations
 
@@ -67,3 +67,24 @@ def test_a_forked_child_starts_threads_although_the_parent_held_threadings_lock_
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     raise AssertionError("the child's thread never started (threading's lock of the parent, held at the fork)")
+
+
+def test_a_component_s_thread_is_started_once_and_a_refused_start_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = threading.Semaphore(0)
+    once = threads.Once(runs.release, "a-component")
+    real = threading.Thread
+
+    class Refused(real):  # type: ignore[valid-type,misc]
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading, "Thread", Refused)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        once.start()
+    assert once.thread is None  # not recorded as started
+    monkeypatch.setattr(threading, "Thread", real)
+    once.start()  # the twin: a thread to be had
+    once.start()
+    assert runs.acquire(timeout=5) and once.thread is not None and once.thread.name == "a-component"
+    assert not runs.acquire(timeout=0.2)  # one thread, not two
