@@ -655,6 +655,42 @@ def test_the_users_config_and_hook_stay_theirs_after_a_session_rewrote_them(mode
     assert git(repo, "config", "user.email").stdout == "me@example.invalid\n"
 
 
+@pytest.mark.parametrize("where", [".git/myhooks", ".githooks"])
+def test_the_users_hooks_of_a_hooks_path_stay_theirs_after_a_session_rewrote_them(
+        mode_daemon: tuple[str, Daemon], repo: Path, tmp_path: Path, where: str) -> None:
+    """``core.hooksPath`` names a directory in the worktree (in ``.git``, or
+    tracked beside the code). A session rewrites the user's pre-commit and
+    deletes their pre-push: the end keeps the session's aside and puts the
+    user's back, byte for byte, with their modes, and says so; before, the
+    user's bytes were gone and the deleted hook unnamed. The control: the
+    session's plant, there at the user's commit, runs."""
+    mode, daemon = mode_daemon
+    marker, ran = tmp_path / "PWNED", tmp_path / "users-hook-ran"
+    hooks = repo / where
+    hooks.mkdir()
+    users = {"pre-commit": f"#!/bin/sh\ntouch {ran}\n", "pre-push": "#!/bin/sh\n# the user's checks\n"}
+    for name, text in users.items():
+        (hooks / name).write_text(text)
+        (hooks / name).chmod(0o750)
+    git(repo, "config", "core.hooksPath", where)
+    plant = f"printf '#!/bin/sh\\ntouch {marker}\\n' > {where}/pre-commit && rm {where}/pre-push && echo WROTE"
+    with daemon.connect() as c, c.open_session(str(repo)) as s:
+        r = shell(s, plant)
+        assert r.is_success and r.output == "WROTE\n", (r.output, r.error)
+        git(repo, "commit", "--allow-empty", "-qm", "while the session runs")
+        assert marker.exists()  # the control: the plant is what the user's git runs
+        marker.unlink()
+    put = {p["path"]: p["why"] for p in s.protected if "put back" in p["why"]}
+    assert put == {str(hooks / "pre-commit"): "yours, as it was before the session changed it, put back",
+                   str(hooks / "pre-push"): "yours, as it was before the session deleted it, put back"}, s.protected
+    [aside] = [p for p in hooks.iterdir() if p.name.startswith("pre-commit.quarantined-by-dispatchd-")]
+    assert str(marker) in aside.read_text()  # the session's, beside, for review
+    for name, text in users.items():
+        assert (hooks / name).read_text() == text and (hooks / name).stat().st_mode & 0o7777 == 0o750
+    user_runs_git(repo)
+    assert ran.exists() and not marker.exists()
+
+
 def test_a_linked_worktrees_submodule_config_a_session_wrote_runs_nothing(mode_daemon: tuple[str, Daemon],
                                                                          tmp_path: Path) -> None:
     """A linked worktree keeps its submodules' git directories below its

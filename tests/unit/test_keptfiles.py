@@ -31,9 +31,9 @@ def _end(repo: Path, before: snapshots.GitSnapshot) -> tuple[list[str], list[tup
     the kept files to the put-back), the put-back. Returns what went or was
     kept aside, what was put back, what failed."""
     now = _take(repo)
-    moved, failed = snapshots.quarantine(str(repo), before, now,
-                                         keptfiles.left_in_place(str(repo), before.kept, now.gitdirs, now.external))
-    put, bad = keptfiles.put_back(str(repo), before.kept, now.gitdirs, now.external)
+    skip = keptfiles.left_in_place(str(repo), before.kept, now.gitdirs, now.external, included=now.included)
+    moved, failed = snapshots.quarantine(str(repo), before, now, skip)
+    put, bad = keptfiles.put_back(str(repo), before.kept, now.gitdirs, now.external, included=now.included)
     moved += [path for path, why in put if why == ASIDE]
     return moved, [(path, why) for path, why in put if why != ASIDE], failed + bad
 
@@ -247,3 +247,45 @@ def test_what_an_end_moved_aside_among_the_hooks_is_no_new_hook_at_the_next(repo
     assert _end(repo, before) == ([], [], [])
     [aside] = _aside(hook)
     assert aside.name.count(".quarantined-by-dispatchd-") == 1 and aside.read_text() == "#!/bin/sh\ntouch PLANTED\n"
+
+
+@pytest.mark.parametrize("where", [".git/myhooks", ".githooks"])
+def test_the_hooks_of_a_hooks_path_come_back_changed_or_deleted(repo: Path, where: str) -> None:
+    """``core.hooksPath`` naming a directory in the worktree (in its ``.git``,
+    or tracked beside the code): a hook a session rewrote is kept aside and
+    the user's put back, one it deleted comes back, with their modes; before,
+    the rewritten one was only moved aside (the user's bytes gone) and the
+    deleted one neither put back nor named."""
+    hooks = repo / where
+    hooks.mkdir()
+    for name in ("pre-commit", "pre-push"):
+        (hooks / name).write_text(f"#!/bin/sh\n# the user's {name}\n")
+        (hooks / name).chmod(0o755)
+    git(repo, "config", "core.hooksPath", where)
+    before = _take(repo, keep=True)
+    assert {f"{where}/pre-commit", f"{where}/pre-push"} <= {k.rel for k in before.kept if k.included}
+    (hooks / "pre-commit").write_text("#!/bin/sh\necho planted\n")
+    (hooks / "pre-push").unlink()
+    (hooks / "post-rewrite").write_text("#!/bin/sh\necho new\n")
+    moved, put, failed = _end(repo, before)
+    assert failed == []
+    assert (hooks / "pre-commit").read_text() == "#!/bin/sh\n# the user's pre-commit\n"
+    assert (hooks / "pre-push").read_text() == "#!/bin/sh\n# the user's pre-push\n"
+    assert os.stat(hooks / "pre-push").st_mode & 0o777 == 0o755
+    assert sorted(put) == [
+        (str(hooks / "pre-commit"), "yours, as it was before the session changed it, put back"),
+        (str(hooks / "pre-push"), "yours, as it was before the session deleted it, put back")]
+    assert [p.read_text() for p in _aside(hooks / "pre-commit")] == ["#!/bin/sh\necho planted\n"]
+    assert not (hooks / "post-rewrite").exists() and len(_aside(hooks / "post-rewrite")) == 1  # new: moved aside
+
+
+def test_the_hooks_of_a_hooks_path_left_alone_are_left_byte_for_byte(repo: Path) -> None:
+    """The twin: nothing changed, nothing written, nothing said."""
+    hooks = repo / ".githooks"
+    hooks.mkdir()
+    (hooks / "pre-commit").write_text("#!/bin/sh\n# the user's\n")
+    git(repo, "config", "core.hooksPath", ".githooks")
+    before = _take(repo, keep=True)
+    st = os.stat(hooks / "pre-commit")
+    assert _end(repo, before) == ([], [], [])
+    assert os.stat(hooks / "pre-commit").st_ino == st.st_ino and sorted(os.listdir(hooks)) == ["pre-commit"]

@@ -14,7 +14,11 @@ and the user's next commit ran no check of theirs.
   git reads for configuration or commands in the repository's own git
   directories (``.git`` and ``.git/worktrees/N``, or a linked worktree's
   own git directory): ``digests.CONFIG_FILES``, ``REVIEW_FILES`` and every
-  hook, within ``MAX_FILE`` each and ``MAX_TOTAL`` in all (past them:
+  hook, and the regular files the configuration runs or reads from the
+  worktree (``snapshots``' ``included``: each entry of a ``core.hooksPath``
+  there, in ``.git`` or beside the code, and each include's target; they
+  come back only while the worktree is a directory), within ``MAX_FILE``
+  each and ``MAX_TOTAL`` in all (past them:
   moved aside as before, not put back). The look then records the digest
   of the bytes kept (``digest_of``): one the user's git rewrote between the
   look and the read is kept as read.
@@ -71,6 +75,10 @@ class Kept(msgspec.Struct, frozen=True):
     data: str  # latin-1: every byte kept
     gitdir: str = ""  # the snapshot's key of its git directory ("": ``base`` itself)
     name: str = ""  # its name in that git directory's fingerprint
+    # A file the repository's configuration runs or reads from the worktree
+    # (an entry of a ``core.hooksPath`` there, an include's target): ``rel``
+    # is the snapshot's ``included`` key.
+    included: bool = False
 
 
 def _wanted(name: str) -> bool:
@@ -78,32 +86,37 @@ def _wanted(name: str) -> bool:
 
 
 def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
-         external: dict[str, str], linked: list[str]) -> list[Kept]:
+         external: dict[str, str], linked: list[str], included: dict[str, str] | None = None) -> list[Kept]:
     """What of ``by_file``'s git directories (``gitdirs``' keys, worktree
-    relative) and of the ``linked`` git directories (``external``'s paths
-    below them) to keep."""
+    relative), of the ``linked`` git directories (``external``'s paths
+    below them) and of the files in the worktree the configuration runs or
+    reads (``included``: each entry of a ``core.hooksPath`` there, each
+    include's target) to keep."""
     kept: list[Kept] = []
     left = MAX_TOTAL
-    wanted: list[tuple[str, str, str, str, str]] = []  # base, rel, gitdir, name, digest
+    wanted: list[Kept] = []  # data empty: read below
     for gitdir in by_file:
         for name, digest in gitdirs.get(gitdir, {}).items():
             if _wanted(name) and digest.startswith("file:"):
-                wanted.append(("", f"{gitdir}/{name}", gitdir, name, digest))
+                wanted.append(Kept(base="", rel=f"{gitdir}/{name}", mode=0, data="", gitdir=gitdir, name=name))
     for base in linked:
         for path, digest in external.items():
             name = os.path.relpath(path, base)
             if os.path.dirname(path) in (base, os.path.join(base, "hooks"), os.path.join(base, "info")) \
                     and _wanted(name) and digest.startswith("file:"):
-                wanted.append((base, name, "", name, digest))
-    for base, rel, gitdir, name, _ in wanted:
-        got = _read(base or worktree, rel)
+                wanted.append(Kept(base=base, rel=name, mode=0, data="", name=name))
+    for rel, digest in (included or {}).items():
+        if digest.startswith("file:"):
+            wanted.append(Kept(base="", rel=rel, mode=0, data="", included=True))
+    for want in wanted:
+        got = _read(want.base or worktree, want.rel)
         if got is None:
             continue  # gone, or no regular file, since the look
         mode, data = got
         if len(data) > left:
             continue
         left -= len(data)
-        kept.append(Kept(base=base, rel=rel, mode=mode, data=data.decode("latin-1"), gitdir=gitdir, name=name))
+        kept.append(msgspec.structs.replace(want, mode=mode, data=data.decode("latin-1")))
     return kept
 
 
@@ -160,22 +173,32 @@ def _read(top: str, rel: str) -> tuple[int, bytes] | None:
         os.close(file_fd)
 
 
+def _there(worktree: str, k: Kept, seen: dict[str, bool]) -> bool:
+    """Whether what ``k`` is put back in is still there: its git directory
+    (a directory with a ``HEAD``); for a file the configuration names in the
+    worktree, the worktree itself, a directory (not a symlink to one)."""
+    where = worktree if k.included else k.base or os.path.join(worktree, k.gitdir)
+    if where not in seen:
+        seen[where] = _is_dir(where) if k.included else _is_gitdir(where)
+    return seen[where]
+
+
 def _due(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]], external: dict[str, str],
-         skip: Callable[[str], bool]) -> list[tuple[Kept, str | None]]:
+         skip: Callable[[str], bool], included: dict[str, str]) -> list[tuple[Kept, str | None]]:
     """Each of ``kept`` to write back, with its digest now (None: gone):
     changed or gone, its git directory still there, not ``skip``'s."""
     due: list[tuple[Kept, str | None]] = []
-    present: dict[str, bool] = {}
+    seen: dict[str, bool] = {}
     for k in kept:
-        gitdir = k.base or os.path.join(worktree, k.gitdir)
-        if gitdir not in present:
-            present[gitdir] = _is_gitdir(gitdir)
-        if not present[gitdir]:
+        if not _there(worktree, k, seen):
             continue  # the git directory itself is gone (or another directory is at the worktree's path)
         path = os.path.join(k.base or worktree, k.rel)
         if skip(path):
             continue
-        now = gitdirs.get(k.gitdir, {}).get(k.name) if not k.base else external.get(path)
+        if k.included:
+            now = included.get(k.rel)
+        else:
+            now = gitdirs.get(k.gitdir, {}).get(k.name) if not k.base else external.get(path)
         if now == _digest(k.mode, k.data.encode("latin-1")):
             continue
         if now is None and k.name in _HEADS:
@@ -185,25 +208,27 @@ def _due(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]], ex
 
 
 def left_in_place(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]],
-                  external: dict[str, str], skip: Callable[[str], bool] = lambda path: False) -> set[str]:
+                  external: dict[str, str], skip: Callable[[str], bool] = lambda path: False,
+                  included: dict[str, str] | None = None) -> set[str]:
     """The paths (absolute) ``put_back`` replaces under git's lock, the
     version there kept aside by it: ``snapshots.quarantine`` leaves them where
     they are (a rename aside left the name absent until the put-back)."""
-    return {os.path.join(k.base or worktree, k.rel) for k, _ in _due(worktree, kept, gitdirs, external, skip)}
+    return {os.path.join(k.base or worktree, k.rel)
+            for k, _ in _due(worktree, kept, gitdirs, external, skip, included or {})}
 
 
 def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]],
              external: dict[str, str], skip: Callable[[str], bool] = lambda path: False,
-             ) -> tuple[list[tuple[str, str]], list[str]]:
+             included: dict[str, str] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """Write back each of ``kept`` that the look now (``gitdirs``,
-    ``external``: a snapshot's, taken before the quarantine) found changed or
-    gone, but those ``skip`` says an earlier part judges; returns what was
-    put back or kept aside, with why, and what could not be."""
+    ``external``, ``included``: a snapshot's, taken before the quarantine)
+    found changed or gone, but those ``skip`` says an earlier part judges;
+    returns what was put back or kept aside, with why, and what could not be."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
-    due = _due(worktree, kept, gitdirs, external, skip)
-    _sweep(worktree, [k for k in kept if _is_gitdir(k.base or os.path.join(worktree, k.gitdir))
-                      and not skip(os.path.join(k.base or worktree, k.rel))])
+    due = _due(worktree, kept, gitdirs, external, skip, included or {})
+    seen: dict[str, bool] = {}
+    _sweep(worktree, [k for k in kept if _there(worktree, k, seen) and not skip(os.path.join(k.base or worktree, k.rel))])
     for k, now in due:
         path = os.path.join(k.base or worktree, k.rel)
         try:
@@ -246,6 +271,13 @@ def _sweep(worktree: str, due: list[Kept]) -> None:
             gitlock.sweep(listed, os.path.join(top, parent), names)
         finally:
             os.close(listed)
+
+
+def _is_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _is_gitdir(path: str) -> bool:

@@ -250,7 +250,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         # The user's kept files are replaced under git's lock, what stood there
         # kept aside by the put-back (keptfiles.py): never renamed away first.
         locked = keptfiles.left_in_place(part.root, part.git.kept, now.gitdirs, now.external,
-                                         lambda path: snapshots.skipped(path, skip))
+                                         lambda path: snapshots.skipped(path, skip), now.included)
         moved, bad = snapshots.quarantine(part.root, part.git, now, skip | unmoved | locked)  # a redirect: said once
         failed += bad
         for path in map(shown, moved):
@@ -258,7 +258,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
             found.append(Protected(path=path, why="git configuration, hooks or state changed or new",
                                    time=now_t))
         put, bad = keptfiles.put_back(part.root, part.git.kept, now.gitdirs, now.external,
-                                      lambda path: snapshots.skipped(path, skip))
+                                      lambda path: snapshots.skipped(path, skip), now.included)
         put += keptfiles.detach(part.root, now.gitdirs, now.by_file)
         if covered is not None:
             covered |= snapshots.covered(part.root, part.git, now)

@@ -174,9 +174,11 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
                 os.close(fd)
             walk.config_targets(gitdir, "", includes, hooks_paths)
     kept = keptfiles.read(worktree, walk.gitdirs, by_file, external,
-                          layout.gitdirs if layout.kind == "linked" else []) if keep else []
+                          layout.gitdirs if layout.kind == "linked" else [], walk.included) if keep else []
     for k in kept:  # the look judges the bytes kept, read a moment after it (keptfiles.digest_of)
-        if k.base:
+        if k.included:
+            walk.included[k.rel] = keptfiles.digest_of(k)
+        elif k.base:
             external[os.path.join(k.base, k.rel)] = keptfiles.digest_of(k)
         else:
             walk.gitdirs[k.gitdir][k.name] = keptfiles.digest_of(k)
