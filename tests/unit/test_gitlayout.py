@@ -88,6 +88,23 @@ def test_every_git_directory_of_a_repository_is_protected(tmp_path: Path) -> Non
     assert str(dotgit / "worktrees" / "other") in protected  # the other worktree's entry, whole
 
 
+def test_a_hooks_path_inside_the_git_directory_is_held_as_hooks_is(repo: Path, tmp_path: Path) -> None:
+    """``core.hooksPath = .git/myhooks``: held read-only; the twins: one in the
+    worktree (the code's, checked at the end), one reached through a symlink,
+    one outside the repository, none bound."""
+    for d in (".git/myhooks", ".githooks", ".git/real"):
+        (repo / d).mkdir()
+    (repo / ".git" / "linked").symlink_to("real")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    for value in (".git/myhooks", ".githooks", ".git/linked", str(outside)):
+        git(repo, "config", "--add", "core.hooksPath", value)
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    assert str(repo / ".git" / "myhooks") in layout.read_only
+    for not_held in (repo / ".githooks", repo / ".git" / "linked", repo / ".git" / "real", outside):
+        assert str(not_held) not in layout.read_only
+
+
 def test_a_hooks_symlink_into_the_worktree_protects_its_target(repo: Path) -> None:
     shutil.rmtree(repo / ".git" / "hooks")
     (repo / "githooks").mkdir()

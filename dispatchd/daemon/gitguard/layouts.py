@@ -43,7 +43,10 @@ end would put back anyway.
 Not a pure inspection: a git directory without ``hooks`` gets an empty one
 (``mkdir``, the one thing the daemon creates in a worktree), so that it can
 be held read-only; a ``hooks`` that is a symlink into the worktree has its
-target held instead. What no bind can hold (a redirect file created where
+target held instead, and a ``core.hooksPath`` of the repository's own
+configuration naming a directory inside its git directory
+(``.git/myhooks``) is held as ``hooks`` is (one in the worktree, a tracked
+``.githooks``, is the code's: checked at the end, ``snapshots``). What no bind can hold (a redirect file created where
 there was none, a git directory renamed away and rebuilt) is checked when
 the session ends: ``redirects`` and ``snapshots``.
 
@@ -65,6 +68,7 @@ import stat
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
+from dispatchd.daemon.gitguard.configs import config_targets
 from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES
 from dispatchd.daemon.gitguard.fs import index_gitlinks, is_dir, is_file, open_dir_below, read_small, scanned
 from dispatchd.daemon.gitguard.packlinks import is_pack_file
@@ -230,7 +234,8 @@ def _hard_linked(gitdir: str) -> str:
 def _protect(worktree: str, gitdir: str) -> list[str]:
     """What of one git directory is bound read-only (those that exist)."""
     _ensure_hooks(gitdir)
-    return [os.path.join(gitdir, name) for name in RUN_FROM + ("info/attributes",)] + _hooks_target(worktree, gitdir)
+    return [os.path.join(gitdir, name) for name in RUN_FROM + ("info/attributes",)] + _hooks_target(worktree, gitdir) \
+        + _hooks_paths_inside(worktree, gitdir)
 
 
 def with_gitdirs(layout: GitLayout, worktree: str, found: list[str]) -> GitLayout:
@@ -349,3 +354,27 @@ def _hooks_target(worktree: str, gitdir: str) -> list[str]:
         return []
     target = os.path.realpath(path)
     return [target] if is_below(target, worktree) and os.path.isdir(target) else []
+
+
+def _hooks_paths_inside(worktree: str, gitdir: str) -> list[str]:
+    """The directories a ``core.hooksPath`` of ``gitdir``'s own configuration
+    names inside that git directory, real directories reached through no
+    symlink: the hooks git runs there. Relative values are the worktree's
+    (the repository's ``.git`` only: a submodule's are its own worktree's)."""
+    try:
+        fd = os.open(gitdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        _, values = config_targets(fd)
+    finally:
+        os.close(fd)
+    found: list[str] = []
+    for value in values:
+        if value.startswith("~") or (not os.path.isabs(value) and gitdir != os.path.join(worktree, ".git")):
+            continue
+        path = os.path.normpath(os.path.join(worktree, value))
+        if is_below(path, gitdir) and path != os.path.join(gitdir, "hooks") and os.path.realpath(path) == path \
+                and is_dir(path):
+            found.append(path)
+    return found
