@@ -697,6 +697,61 @@ def test_the_users_hooks_of_a_hooks_path_stay_theirs_after_a_session_rewrote_the
     assert ran.exists() and not marker.exists()
 
 
+@pytest.mark.parametrize("where", ["outer", "inner-beside-outer"])
+def test_a_nested_repositorys_config_and_hook_come_back_after_a_session_rewrote_them(
+        mode_daemon: tuple[str, Daemon], repo: Path, tmp_path: Path, where: str) -> None:
+    """A repository of the user's inside the worktree (``inner``, a clone the
+    outer repository ignores). A session rewrites its ``.git/config``
+    (``core.fsmonitor``) and deletes its pre-commit hook: from a session on
+    the outer worktree (which holds nothing of ``inner`` read-only), or from
+    a session on ``inner`` opened while one on the outer worktree reads
+    (its baseline is the outer's: full mode holds ``inner``'s config
+    read-only, degraded mode does not). The end keeps the session's config
+    aside and puts the user's config and hook back; before, the config was
+    only moved aside, the user's remote and identity gone with it, and the
+    hook gone. The control: the plant, by hand, runs in the user's git."""
+    mode, daemon = mode_daemon
+    marker = tmp_path / "PWNED"
+    (repo / ".git" / "info" / "exclude").write_text("inner/\n")
+    inner = repo / "inner"
+    inner.mkdir()
+    git(inner, "init", "-q", "-b", "trunk")
+    git(inner, "commit", "--allow-empty", "-qm", "inner")
+    git(inner, "remote", "add", "origin", "https://example.invalid/users-remote.git")
+    hook = inner / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\n# the user's checks\n")
+    hook.chmod(0o750)
+    config = inner / ".git" / "config"
+    original = config.read_bytes()
+    config.write_text(fsmonitor_config(marker))
+    git(inner, "status", check=False)
+    assert marker.exists()  # the control
+    marker.unlink()
+    config.write_bytes(original)
+    plant = f"printf '{fsmonitor_config(marker)}' > .git/config && rm .git/hooks/pre-commit && echo WROTE"
+    held = mode == "full" and where == "inner-beside-outer"
+    with daemon.connect() as c, c.open_session(str(repo)) as outer:
+        if where == "outer":
+            r = shell(outer, f"cd inner && {plant}")
+        else:
+            with c.open_session(str(inner)) as s:
+                r = shell(s, plant)
+        if held:
+            assert not r.is_success and ".git/config: Read-only file system" in str(r.error), r
+        else:
+            assert r.is_success and r.output == "WROTE\n", (r.output, r.error)
+    said = {p["path"]: p["why"] for p in outer.protected + (s.protected if where != "outer" else [])}
+    if not held:
+        assert said[str(config)] == "yours, as it was before the session changed it, put back", said
+        assert said[str(hook)] == "yours, as it was before the session deleted it, put back", said
+        [aside] = [p for p in config.parent.iterdir() if p.name.startswith("config.quarantined-by-dispatchd-")]
+        assert "fsmonitor" in aside.read_text()  # the session's, beside, for review
+    assert config.read_bytes() == original and hook.stat().st_mode & 0o7777 == 0o750
+    git(inner, "status", check=False)
+    assert not marker.exists()
+    assert git(inner, "remote", "get-url", "origin").stdout == "https://example.invalid/users-remote.git\n"
+
+
 def test_a_linked_worktrees_submodule_config_a_session_wrote_runs_nothing(mode_daemon: tuple[str, Daemon],
                                                                          tmp_path: Path) -> None:
     """A linked worktree keeps its submodules' git directories below its

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dispatchd.daemon.gitguard import keptfiles, layouts, snapshots
+from dispatchd.daemon.gitguard import keptfiles, layouts, runnables, snapshots
 from tests.unit.gitrepo import empty_repo, git
 
 pytestmark = pytest.mark.process  # starts git
@@ -263,7 +263,7 @@ def test_the_hooks_of_a_hooks_path_come_back_changed_or_deleted(repo: Path, wher
         (hooks / name).chmod(0o755)
     git(repo, "config", "core.hooksPath", where)
     before = _take(repo, keep=True)
-    assert {f"{where}/pre-commit", f"{where}/pre-push"} <= {k.rel for k in before.kept if k.included}
+    assert {f"{where}/pre-commit", f"{where}/pre-push"} <= {k.rel for k in before.kept if k.source == "included"}
     (hooks / "pre-commit").write_text("#!/bin/sh\necho planted\n")
     (hooks / "pre-push").unlink()
     (hooks / "post-rewrite").write_text("#!/bin/sh\necho new\n")
@@ -289,3 +289,26 @@ def test_the_hooks_of_a_hooks_path_left_alone_are_left_byte_for_byte(repo: Path)
     st = os.stat(hooks / "pre-commit")
     assert _end(repo, before) == ([], [], [])
     assert os.stat(hooks / "pre-commit").st_ino == st.st_ino and sorted(os.listdir(hooks)) == ["pre-commit"]
+
+
+def test_a_nested_repository_s_config_and_hooks_are_kept_from_the_tree_walk(repo: Path) -> None:
+    """``read_tree``: a repository the worktree holds (a nested clone) keeps
+    its config and hooks by bytes, none of git's samples; the put-back
+    writes them back where a session changed or deleted them."""
+    inner = empty_repo(repo / "inner", "inner")
+    (inner / ".git" / "hooks" / "pre-commit").write_text(HOOK)
+    (inner / ".git" / "hooks" / "pre-push.sample").write_text("#!/bin/sh\n")
+    before = runnables.take(str(repo), skip_root_git=True)
+    kept = keptfiles.read_tree(str(repo), before.entries)
+    assert {k.rel for k in kept} >= {"inner/.git/config", "inner/.git/hooks/pre-commit"}
+    assert not any(k.rel.endswith(".sample") for k in kept) and {k.gitdir for k in kept} == {"inner/.git"}
+    config = (inner / ".git" / "config").read_bytes()
+    (inner / ".git" / "config").write_text(FSMONITOR)
+    (inner / ".git" / "hooks" / "pre-commit").unlink()
+    now = runnables.take(str(repo), skip_root_git=True)
+    put, failed = keptfiles.put_back(str(repo), kept, {}, {}, tree=now.entries)
+    assert failed == [] and sorted(why for _, why in put) == [
+        ASIDE, "yours, as it was before the session changed it, put back",
+        "yours, as it was before the session deleted it, put back"]
+    assert (inner / ".git" / "config").read_bytes() == config
+    assert (inner / ".git" / "hooks" / "pre-commit").read_text() == HOOK

@@ -54,10 +54,11 @@ from collections.abc import Callable, Mapping
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import history, noroom, recordfiles, reftemp, reportlog, runnables, snapshots
+from dispatchd.daemon.gitguard import history, noroom, recordfiles, reftemp, reportlog, snapshots
 from dispatchd.daemon.gitguard.domain import Domain
-from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, merged, check_part, common_of,
-                                             drop_replaced, failures_said, ident_of, keep_outside, renew, unchecked)
+from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, baseline_tree, merged, check_part,
+                                             common_of, drop_replaced, failures_said, ident_of, keep_outside, renew,
+                                             unchecked)
 from dispatchd.daemon.gitguard.pending import remove_strays
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
@@ -217,13 +218,10 @@ class Baselines:
             covered, unkept = any(is_within(root, p.root) for p in record.parts), ""
             if not covered:
                 excluded = [p.root for p in record.parts if is_within(p.root, root)]
-                tree = runnables.take(root, names, excluded=excluded,
-                                     skip_root_git=layout.kind in ("repository", "linked"))
-                if not tree.complete:
-                    raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and "
-                                        "files your tools run; no session opened", root)
+                tree = baseline_tree(root, names, excluded, layout)
                 if record.sessions:  # sessions of the domain run: what they could write is no one's to put back
                     snapshot = keep_outside(snapshot, root, record.reach)
+                    tree = keep_outside(tree, root, record.reach)
                 part = Part(root=root, layout=layout, git=snapshot, redirects=redirects, tree=tree,
                             names=list(names), excluded=excluded, home=self.home, resolved_common=common,
                             unwritten=not (record.writable or writable), ident=ident_of(root))

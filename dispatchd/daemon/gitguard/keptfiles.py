@@ -17,7 +17,9 @@ and the user's next commit ran no check of theirs.
   hook, and the regular files the configuration runs or reads from the
   worktree (``snapshots``' ``included``: each entry of a ``core.hooksPath``
   there, in ``.git`` or beside the code, and each include's target; they
-  come back only while the worktree is a directory), within ``MAX_FILE``
+  come back only while the worktree is a directory); and, from the tree
+  walk (``read_tree``), those of every repository the worktree holds (a
+  nested clone, which ``runnables`` judges), within ``MAX_FILE``
   each and ``MAX_TOTAL`` in all (past them:
   moved aside as before, not put back). The look then records the digest
   of the bytes kept (``digest_of``): one the user's git rewrote between the
@@ -75,10 +77,14 @@ class Kept(msgspec.Struct, frozen=True):
     data: str  # latin-1: every byte kept
     gitdir: str = ""  # the snapshot's key of its git directory ("": ``base`` itself)
     name: str = ""  # its name in that git directory's fingerprint
-    # A file the repository's configuration runs or reads from the worktree
-    # (an entry of a ``core.hooksPath`` there, an include's target): ``rel``
-    # is the snapshot's ``included`` key.
-    included: bool = False
+    # Where the look records its digest: "" the git directory's fingerprint
+    # (``gitdir``, ``name``) or ``external``; "included" a file the
+    # repository's configuration runs or reads from the worktree (an entry
+    # of a ``core.hooksPath`` there, an include's target), ``rel`` its key in
+    # the snapshot's ``included``; "tree" a file of a repository found in
+    # the worktree by ``runnables`` (a nested clone), ``rel`` its key in the
+    # tree's entries, ``gitdir`` that repository's git directory.
+    source: str = ""
 
 
 def _wanted(name: str) -> bool:
@@ -92,8 +98,6 @@ def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
     below them) and of the files in the worktree the configuration runs or
     reads (``included``: each entry of a ``core.hooksPath`` there, each
     include's target) to keep."""
-    kept: list[Kept] = []
-    left = MAX_TOTAL
     wanted: list[Kept] = []  # data empty: read below
     for gitdir in by_file:
         for name, digest in gitdirs.get(gitdir, {}).items():
@@ -107,7 +111,34 @@ def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
                 wanted.append(Kept(base=base, rel=name, mode=0, data="", name=name))
     for rel, digest in (included or {}).items():
         if digest.startswith("file:"):
-            wanted.append(Kept(base="", rel=rel, mode=0, data="", included=True))
+            wanted.append(Kept(base="", rel=rel, mode=0, data="", source="included"))
+    return _with_bytes(worktree, wanted)
+
+
+def read_tree(root: str, entries: dict[str, str]) -> list[Kept]:
+    """What to keep of the repositories a tree walk found in the worktree
+    (``runnables``' ``entries``: a git directory's key holds ``gitdir``, its
+    files follow below it): their config, hooks (no ``*.sample``: git runs
+    none) and review files, as of the repository's own ``.git``."""
+    gitdirs = {rel for rel, digest in entries.items() if digest == "gitdir"}
+    wanted: list[Kept] = []
+    for rel, digest in entries.items():
+        if not digest.startswith("file:"):
+            continue
+        parent = os.path.dirname(rel)
+        gitdir = parent if parent in gitdirs else os.path.dirname(parent)
+        if gitdir not in gitdirs:
+            continue
+        name = rel[len(gitdir) + 1:] if gitdir else rel
+        if _wanted(name) and not name.endswith(".sample"):
+            wanted.append(Kept(base="", rel=rel, mode=0, data="", gitdir=gitdir, name=name, source="tree"))
+    return _with_bytes(root, wanted)
+
+
+def _with_bytes(worktree: str, wanted: list[Kept]) -> list[Kept]:
+    """``wanted`` with their bytes and modes as read now, within the bounds."""
+    kept: list[Kept] = []
+    left = MAX_TOTAL
     for want in wanted:
         got = _read(want.base or worktree, want.rel)
         if got is None:
@@ -177,14 +208,15 @@ def _there(worktree: str, k: Kept, seen: dict[str, bool]) -> bool:
     """Whether what ``k`` is put back in is still there: its git directory
     (a directory with a ``HEAD``); for a file the configuration names in the
     worktree, the worktree itself, a directory (not a symlink to one)."""
-    where = worktree if k.included else k.base or os.path.join(worktree, k.gitdir)
+    included = k.source == "included"
+    where = worktree if included else k.base or os.path.join(worktree, k.gitdir)
     if where not in seen:
-        seen[where] = _is_dir(where) if k.included else _is_gitdir(where)
+        seen[where] = _is_dir(where) if included else _is_gitdir(where)
     return seen[where]
 
 
 def _due(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]], external: dict[str, str],
-         skip: Callable[[str], bool], included: dict[str, str]) -> list[tuple[Kept, str | None]]:
+         skip: Callable[[str], bool], included: dict[str, str], tree: dict[str, str]) -> list[tuple[Kept, str | None]]:
     """Each of ``kept`` to write back, with its digest now (None: gone):
     changed or gone, its git directory still there, not ``skip``'s."""
     due: list[tuple[Kept, str | None]] = []
@@ -195,8 +227,8 @@ def _due(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]], ex
         path = os.path.join(k.base or worktree, k.rel)
         if skip(path):
             continue
-        if k.included:
-            now = included.get(k.rel)
+        if k.source:
+            now = (included if k.source == "included" else tree).get(k.rel)
         else:
             now = gitdirs.get(k.gitdir, {}).get(k.name) if not k.base else external.get(path)
         if now == _digest(k.mode, k.data.encode("latin-1")):
@@ -209,24 +241,26 @@ def _due(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]], ex
 
 def left_in_place(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]],
                   external: dict[str, str], skip: Callable[[str], bool] = lambda path: False,
-                  included: dict[str, str] | None = None) -> set[str]:
+                  included: dict[str, str] | None = None, tree: dict[str, str] | None = None) -> set[str]:
     """The paths (absolute) ``put_back`` replaces under git's lock, the
     version there kept aside by it: ``snapshots.quarantine`` leaves them where
     they are (a rename aside left the name absent until the put-back)."""
     return {os.path.join(k.base or worktree, k.rel)
-            for k, _ in _due(worktree, kept, gitdirs, external, skip, included or {})}
+            for k, _ in _due(worktree, kept, gitdirs, external, skip, included or {}, tree or {})}
 
 
 def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]],
              external: dict[str, str], skip: Callable[[str], bool] = lambda path: False,
-             included: dict[str, str] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+             included: dict[str, str] | None = None, tree: dict[str, str] | None = None,
+             ) -> tuple[list[tuple[str, str]], list[str]]:
     """Write back each of ``kept`` that the look now (``gitdirs``,
-    ``external``, ``included``: a snapshot's, taken before the quarantine)
+    ``external``, ``included``: a snapshot's; ``tree``: a tree walk's
+    entries; each taken before the quarantine)
     found changed or gone, but those ``skip`` says an earlier part judges;
     returns what was put back or kept aside, with why, and what could not be."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
-    due = _due(worktree, kept, gitdirs, external, skip, included or {})
+    due = _due(worktree, kept, gitdirs, external, skip, included or {}, tree or {})
     seen: dict[str, bool] = {}
     _sweep(worktree, [k for k in kept if _there(worktree, k, seen) and not skip(os.path.join(k.base or worktree, k.rel))])
     for k, now in due:

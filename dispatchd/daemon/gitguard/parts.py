@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import struct
+from typing import TypeVar
 
 import msgspec
 
@@ -184,11 +185,7 @@ def renew(record: Record, keep_dir: str) -> None:
     for i, p in enumerate(record.parts):  # every walk first: one over its bounds changes nothing
         if not p.unwritten:
             continue
-        tree = runnables.take(p.root, tuple(p.names), excluded=p.excluded,
-                              skip_root_git=p.layout.kind in ("repository", "linked"))
-        if not tree.complete:
-            raise WorktreeError(f"{p.root}: {tree.why}, more than dispatchd checks for repositories and files "
-                                "your tools run; no session opened", p.root)
+        tree = baseline_tree(p.root, tuple(p.names), p.excluded, p.layout)
         renewed[i] = msgspec.structs.replace(p, git=snapshots.take(p.root, p.layout, p.home, keep=True),
                                              tree=tree, redirects=redirects_present(p.layout, p.root),
                                              unwritten=False)
@@ -213,16 +210,34 @@ def session_reach(worktree: str, git_writable: list[str], read_write: tuple[str,
         return ("/",)
 
 
-def keep_outside(snapshot: snapshots.GitSnapshot, root: str, reach: list[str] | None) -> snapshots.GitSnapshot:
-    """``snapshot`` of a part joined while sessions of its domain run, its
-    kept bytes only of files none of them could write (``Record.reach``): a
-    session on a linked worktree cannot write the repository's config or
-    hooks, so a session on the main worktree opened after it still has the
-    user's to put back."""
+_Looked = TypeVar("_Looked", snapshots.GitSnapshot, runnables.TreeSnapshot)
+
+
+def keep_outside(snapshot: _Looked, root: str, reach: list[str] | None) -> _Looked:
+    """``snapshot`` (a git look or a tree walk) of a part joined while
+    sessions of its domain run, its kept bytes only of files none of them
+    could write (``Record.reach``): a session on a linked worktree cannot
+    write the repository's config or hooks, so a session on the main
+    worktree opened after it still has the user's to put back."""
     if reach is None:
         return msgspec.structs.replace(snapshot, kept=[])
     kept = [k for k in snapshot.kept if not any(is_within(os.path.join(k.base or root, k.rel), r) for r in reach)]
     return msgspec.structs.replace(snapshot, kept=kept)
+
+
+def baseline_tree(root: str, names: tuple[str, ...], excluded: list[str], layout: GitLayout) -> runnables.TreeSnapshot:
+    """A part's tree walk at its baseline (``runnables.take``), with the
+    bytes of the config and hooks of the repositories it found
+    (``keptfiles.read_tree``; the walk then holds the digests of the bytes
+    kept). ``WorktreeError`` past the walk's bounds."""
+    tree = runnables.take(root, names, excluded=excluded, skip_root_git=layout.kind in ("repository", "linked"))
+    if not tree.complete:
+        raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and files your "
+                            "tools run; no session opened", root)
+    kept = keptfiles.read_tree(root, tree.entries)
+    for k in kept:  # read a moment after the walk: judged by the bytes kept (as snapshots.take does)
+        tree.entries[k.rel] = keptfiles.digest_of(k)
+    return msgspec.structs.replace(tree, kept=kept)
 
 
 def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None,
@@ -274,12 +289,20 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
                       "your tools run")
         return failed
-    moved, bad = runnables.quarantine(part.root, runnables.changes(part.tree, tree))
+    # A nested repository's config and hooks: replaced under git's lock by the put-back, never renamed away first.
+    locked = keptfiles.left_in_place(part.root, part.tree.kept, {}, {}, tree=tree.entries)
+    moved, bad = runnables.quarantine(part.root, [rel for rel in runnables.changes(part.tree, tree)
+                                                  if os.path.join(part.root, rel) not in locked])
     failed += bad
     for path in map(shown, moved):
         said.say(log, "event=tool_file_quarantined path=%s", path)
         found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
                                time=now_t, bulk=True))
+    put, bad = keptfiles.put_back(part.root, part.tree.kept, {}, {}, tree=tree.entries)
+    failed += bad
+    for path, why in ((shown(path), why) for path, why in put):
+        said.say(log, "event=git_file_put_back path=%s", path)
+        found.append(Protected(path=path, why=why, time=now_t))
     return failed
 
 

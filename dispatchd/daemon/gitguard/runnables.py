@@ -50,7 +50,7 @@ import time
 import msgspec
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard import fs, keptfiles
 from dispatchd.daemon.gitguard.digests import Budget, digest_at, fingerprint, never_equal
 from dispatchd.inside import is_within, outermost
 from dispatchd.policy import DEFAULT_PROTECTED
@@ -96,6 +96,9 @@ class TreeSnapshot(msgspec.Struct, frozen=True):
     entries: dict[str, str] = {}
     complete: bool = True
     why: str = ""  # when not complete: the bound it reached
+    # A baseline's: the config and hooks of the repositories found, by bytes,
+    # to put back where a session changed or deleted them (``keptfiles.read_tree``).
+    kept: list[keptfiles.Kept] = []
 
 
 class _Walk:

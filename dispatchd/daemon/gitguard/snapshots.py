@@ -176,7 +176,7 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
     kept = keptfiles.read(worktree, walk.gitdirs, by_file, external,
                           layout.gitdirs if layout.kind == "linked" else [], walk.included) if keep else []
     for k in kept:  # the look judges the bytes kept, read a moment after it (keptfiles.digest_of)
-        if k.included:
+        if k.source == "included":
             walk.included[k.rel] = keptfiles.digest_of(k)
         elif k.base:
             external[os.path.join(k.base, k.rel)] = keptfiles.digest_of(k)
