@@ -200,6 +200,24 @@ def test_config_continuation_lines_join_as_before() -> None:
     assert configs.config_entries(many) == [("core", None, "x", "a" * 50_000 + "b")]
 
 
+def test_an_unclosed_section_line_of_a_million_spaces_is_read_in_linear_time() -> None:
+    """``[a`` and a run of spaces with no ``]``: the section's pattern tried
+    every split of the run between its two ``\\s*`` (100,000 spaces: 7 s,
+    the interpreter's lock held; the read bound's 1 MiB: minutes, at every
+    end, for every git directory a session makes). The twins: sections with
+    and without a subsection, spaces where git allows them, read as before."""
+    import time
+
+    from dispatchd.daemon.gitguard import configs
+
+    began = time.monotonic()
+    assert configs.config_entries("[a" + " " * 1_000_000 + "x\n[b" + " " * 1_000_000 + '"x\n') == []
+    assert time.monotonic() - began < 2  # before: about 12 minutes for one such line
+    text = '[core]\n\thooksPath = h\n[ remote   "o r"  ] url = u\n[branch.main]\nremote=o\n'
+    assert configs.config_entries(text) == [("core", None, "hookspath", "h"), ("remote", "o r", "url", "u"),
+                                            ("branch", "main", "remote", "o")]
+
+
 def test_an_object_is_put_back_through_no_symlinked_fan_out_directory(tmp_path: Path) -> None:
     """A session deletes an object and makes its fan-out directory a symlink
     to a directory of the user's: the put-back wrote the object file there.
