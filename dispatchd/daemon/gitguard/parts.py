@@ -282,7 +282,12 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
             said.say(log, "event=git_file_put_back path=%s", path)
             found.append(Protected(path=path, why=why, time=now_t))
         if part.own_gitdir and index:  # the index, made to show what the worktree holds (indexreview.py)
-            _review_index(part, found, now_t)
+            try:
+                _review_index(part, found, now_t)
+            except Exception as exc:  # noqa: BLE001 - said; the tree's check below still runs
+                log.exception("event=git_index_review_failed gitdir=%s", part.own_gitdir)
+                failed.append(f"{os.path.join(part.own_gitdir, 'index')}: the review of the index failed "
+                              f"({type(exc).__name__})")
     tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,
                          skip_root_git=part.layout.kind in ("repository", "linked"), ending=True)
     if not tree.complete:
