@@ -304,3 +304,35 @@ def test_decoy_locks_push_no_blocking_one_out_of_the_report_and_the_rest_are_cou
     assert failed == [] and said[0][0] == f"{common}/refs/heads/feature.lock" and len(said) == 21, said
     assert said[-1] == (common, "6 more of git's locks made while a session ran and still there, not named one by "
                                 "one (find .git -name '*.lock')")
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "loose"])
+def test_a_baseline_over_the_refs_bound_refuses_the_open_rather_than_keep_part_of_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
+    """A session made as many branches as the bound, named to sort before
+    the user's (kept at its end: new branches are the session's work): the
+    next baseline held none of the user's branches and tags, and that
+    session's ``git branch -D`` of theirs was never put back. Now a baseline
+    the bound would cut refuses the open, naming why; the twin: one ref
+    under the bound, read whole, and a read that may be cut (an end's)
+    still returns what it read."""
+    from dispatchd.daemon.gitguard import history, refsback
+    from dispatchd.errors import WorktreeError
+    from tests.unit.gitrepo import commits_repo
+
+    repo = commits_repo(tmp_path / "repo")
+    git(repo, "tag", "v1.0")
+    head = git(repo, "rev-parse", "HEAD").strip()
+    for i in range(5):
+        git(repo, "branch", f"aaa-{i}", head)
+    if packed:
+        git(repo, "pack-refs", "--all")
+    common = str(repo / ".git")
+    count = len(refsback.read_refs(common))
+    monkeypatch.setattr(refsback, "_MAX_REFS", count)
+    assert len(refsback.read_refs(common, whole=True)) == count  # the twin: at the bound, whole
+    history.record(common, str(tmp_path / "keep"), own=[])
+    git(repo, "branch", "aaa-5", head)
+    with pytest.raises(WorktreeError, match=f"more than {count:,} refs.*no session opened"):
+        history.record(common, str(tmp_path / "keep"), own=[])
+    assert len(refsback.read_refs(common)) == count  # an end's read: what the bound lets it read

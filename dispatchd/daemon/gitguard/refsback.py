@@ -53,7 +53,12 @@ def _real_dirs(common: str, rel: str) -> bool:
     return True
 
 
-def read_refs(common: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> dict[str, str]:
+class OverBound(Exception):
+    """More refs than a read looks at (``_MAX_REFS``), or more directories of
+    loose refs (``_MAX_REF_DIRS``): what it returned would be part of them."""
+
+
+def read_refs(common: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES, *, whole: bool = False) -> dict[str, str]:
     """Branches and tags (the refs below ``prefixes``), each valued as git reads it (``refvalues``),
     read in git's order so that the user's own ``git pack-refs`` (``git gc``)
     running beside the read never makes a ref look changed or gone: the
@@ -67,17 +72,27 @@ def read_refs(common: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> di
     size or mtime), the whole read is done again, up to ``_READS`` times: a
     read is one state of the refs, not half of two. A name ``packed-refs``
     gives two values has neither (git's binary search finds one or the
-    other): it differs from any baseline."""
+    other): it differs from any baseline. ``whole``: ``OverBound`` where
+    the bounds cut the read (a baseline's: a session that made 100,000
+    branches pushed the user's own out of the next session's baseline, and
+    their deletion by that session was then not put back); else the refs
+    read within the bounds."""
     refs: dict[str, str] = {}
     packed_path = os.path.join(common, "packed-refs")
+    cut: list[str] = []
     for _attempt in range(_READS):
+        cut = []
         before = _stamp(packed_path)
-        loose = _read_loose(common, prefixes)
+        loose = _read_loose(common, prefixes, cut)
         text, read_from = _read_packed(packed_path)
-        refs = _packed_values(common, text, prefixes)
+        refs = _packed_values(common, text, prefixes, cut)
         refs.update(loose)  # a loose ref wins, as in git
         if read_from == before and _stamp(packed_path) == before:
             break
+    if len(refs) > _MAX_REFS:
+        cut.append(f"more than {_MAX_REFS:,} refs")
+    if cut and whole:
+        raise OverBound(cut[0])
     return dict(list(refs.items())[:_MAX_REFS])
 
 
@@ -114,7 +129,7 @@ def _read_packed(path: str) -> tuple[str, tuple[int, int, int, int] | None]:
     return data.decode("utf-8", "surrogateescape"), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _packed_values(common: str, text: str, prefixes: tuple[str, ...]) -> dict[str, str]:
+def _packed_values(common: str, text: str, prefixes: tuple[str, ...], cut: list[str]) -> dict[str, str]:
     """The refs below ``prefixes`` that ``packed-refs``' ``text`` names, valued as git's lookup reads them."""
     refs: dict[str, str] = {}
     hexsz = configs.object_id_size(common) * 2
@@ -125,15 +140,16 @@ def _packed_values(common: str, text: str, prefixes: tuple[str, ...]) -> dict[st
             oid, name = record
             refs[name] = "out of order in a sorted packed-refs" if unsorted else \
                 oid if refs.get(name, oid) == oid else "named twice in packed-refs"
-            if len(refs) >= _MAX_REFS:
+            if len(refs) > _MAX_REFS:
+                cut.append(f"more than {_MAX_REFS:,} refs in packed-refs")
                 break
     return refs
 
 
-def _read_loose(common: str, prefixes: tuple[str, ...]) -> dict[str, str]:
+def _read_loose(common: str, prefixes: tuple[str, ...], cut: list[str]) -> dict[str, str]:
     """The loose refs below ``prefixes``; a name listed whose file is gone
     when read (pruned, deleted) is left out: ``packed-refs``, read after,
-    has it if git packed it."""
+    has it if git packed it. What a bound left unread is said in ``cut``."""
     refs: dict[str, str] = {}
     dirs = 0
     for prefix in prefixes:
@@ -148,7 +164,11 @@ def _read_loose(common: str, prefixes: tuple[str, ...]) -> dict[str, str]:
             continue
         top = os.path.join(common, prefix.rstrip("/"))
         pending = [(top, prefix.rstrip("/"))]
-        while pending and len(refs) < _MAX_REFS and dirs < _MAX_REF_DIRS:
+        while pending:
+            if len(refs) > _MAX_REFS or dirs >= _MAX_REF_DIRS:
+                cut.append(f"more than {_MAX_REFS:,} loose refs" if dirs < _MAX_REF_DIRS
+                           else f"more than {_MAX_REF_DIRS:,} directories of loose refs")
+                break
             path, name = pending.pop()
             dirs += 1
             try:
