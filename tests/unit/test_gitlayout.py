@@ -99,8 +99,11 @@ def test_a_hooks_path_inside_the_git_directory_is_held_as_hooks_is(repo: Path, t
     outside.mkdir()
     for value in (".git/myhooks", ".githooks", ".git/linked", str(outside)):
         git(repo, "config", "--add", "core.hooksPath", value)
+    git(repo, "config", "--add", "core.hooksPath", ".git/not-yet/hooks")
     layout = layouts.inspect_git(str(repo), uid=os.getuid())
     assert str(repo / ".git" / "myhooks") in layout.read_only
+    assert str(repo / ".git" / "not-yet" / "hooks") in layout.read_only  # made, empty, to be held
+    assert os.listdir(repo / ".git" / "not-yet" / "hooks") == []
     for not_held in (repo / ".githooks", repo / ".git" / "linked", repo / ".git" / "real", outside):
         assert str(not_held) not in layout.read_only
 

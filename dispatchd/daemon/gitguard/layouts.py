@@ -359,7 +359,8 @@ def _hooks_target(worktree: str, gitdir: str) -> list[str]:
 def _hooks_paths_inside(worktree: str, gitdir: str) -> list[str]:
     """The directories a ``core.hooksPath`` of ``gitdir``'s own configuration
     names inside that git directory, real directories reached through no
-    symlink: the hooks git runs there. Relative values are the worktree's
+    symlink (one missing made, empty, as ``hooks`` is): the hooks git runs
+    there. Relative values are the worktree's
     (the repository's ``.git`` only: a submodule's are its own worktree's)."""
     try:
         fd = os.open(gitdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -374,7 +375,13 @@ def _hooks_paths_inside(worktree: str, gitdir: str) -> list[str]:
         if value.startswith("~") or (not os.path.isabs(value) and gitdir != os.path.join(worktree, ".git")):
             continue
         path = os.path.normpath(os.path.join(worktree, value))
-        if is_below(path, gitdir) and path != os.path.join(gitdir, "hooks") and os.path.realpath(path) == path \
-                and is_dir(path):
+        if not is_below(path, gitdir) or path == os.path.join(gitdir, "hooks"):
+            continue
+        if not os.path.lexists(path) and os.path.realpath(os.path.dirname(path)) == os.path.dirname(path):
+            try:  # made empty, as ``hooks`` is: a session must not create the one git would run
+                os.makedirs(path, 0o755, exist_ok=True)
+            except OSError:
+                continue
+        if os.path.realpath(path) == path and is_dir(path):
             found.append(path)
     return found
