@@ -18,7 +18,10 @@ a tag and a branch of one name, say), and at the end ``clear`` moves aside
 new ``packed-refs`` record out (``replacerefs.drop_packed``: kept in a file
 beside). A top-level name git itself uses (``objects``, ``refs``, ``HEAD``,
 ``index``...) is never moved: a short name that begins with one resolves
-there as a path git reads anyway.
+there as a path git reads anyway. ``clear`` is linear in the names it
+finds: one set look-up per ``/`` of each path tells one inside a directory
+it moved aside already (a session can plant tens of thousands of names:
+one per tag of the user's in each of 100 linked worktrees' directories).
 """
 
 from __future__ import annotations
@@ -86,28 +89,32 @@ def present(common: str, refs: list[str]) -> list[str]:
 
 
 def clear(common: str, refs: list[str], baseline: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
-    """Move aside what stands in front of ``refs`` and was not there at the baseline."""
+    """Move aside what stands in front of ``refs`` and was not there at the
+    baseline. Linear in the names found: each is looked up once per ``/``
+    of its path among those moved (``_within``)."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     had = set(baseline)
     why = "a ref a session made in front of one of your branches or tags (git resolves its short name there first)"
-    moved: list[str] = []
-    for item in present(common, refs):
+    moved: set[str] = set()
+    # Read once: moving a loose name aside changes no packed-refs record (git's own
+    # top-level names, packed-refs among them, are never moved).
+    found = present(common, refs)
+    for item in found:
         kind, _, rel = item.partition(":")
-        if item in had or any(rel.startswith(m + "/") for m in moved):
+        if item in had or _within(rel, moved):
             continue  # the user's, or inside a directory moved aside just before (sorted: parents first)
         path = os.path.join(common, rel)
         if kind == "loose" and not _real_parents(common, rel):
             # A symlink on its way (to a directory elsewhere): never moved through, fail closed.
             failed.append(f"{path}: {why}, behind a symlink; not moved, remove it")
         elif kind == "loose":
-            moved.append(rel)
+            moved.add(rel)
             try:
                 done.append((path, f"{why}; moved aside to {fs.move_aside(path)}"))
             except OSError as exc:
                 failed.append(f"{path}: {why}, cannot be moved aside ({exc.strerror})")
-    new_packed = {item.partition(":")[2] for item in present(common, refs)
-                  if item.startswith("packed:") and item not in had}
+    new_packed = {item.partition(":")[2] for item in found if item.startswith("packed:") and item not in had}
     if new_packed:
         problem = drop_named(common, new_packed)
         if problem:
@@ -115,6 +122,20 @@ def clear(common: str, refs: list[str], baseline: list[str]) -> tuple[list[tuple
         else:
             done.append((os.path.join(common, "packed-refs"), f"{why}: {', '.join(sorted(new_packed)[:5])} taken out"))
     return done, failed
+
+
+def _within(rel: str, moved: set[str]) -> bool:
+    """Whether ``rel`` lies strictly below one of ``moved`` (paths relative
+    to the git directory, "/"-separated): one set look-up per ``/`` of
+    ``rel``, where comparing it with every name moved before it grew as the
+    square of their number (30,300 names a session planted in 100 linked
+    worktrees' directories: 28 s at the end; as ``inside.outermost``)."""
+    i = rel.find("/")
+    while i >= 0:
+        if rel[:i] in moved:
+            return True
+        i = rel.find("/", i + 1)
+    return False
 
 
 def _worktree_dirs(common: str) -> list[str]:
