@@ -7,12 +7,13 @@ made by git, changed as a session could)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from dispatchd.daemon.gitguard import keptfiles, layouts, runnables, snapshots
+from dispatchd.daemon.gitguard import fs, keptfiles, layouts, runnables, snapshots
 from tests.unit.gitrepo import empty_repo, git
 
 pytestmark = pytest.mark.process  # starts git
@@ -312,3 +313,112 @@ def test_a_nested_repository_s_config_and_hooks_are_kept_from_the_tree_walk(repo
         "yours, as it was before the session deleted it, put back"]
     assert (inner / ".git" / "config").read_bytes() == config
     assert (inner / ".git" / "hooks" / "pre-commit").read_text() == HOOK
+
+
+@pytest.fixture
+def hooks_path(repo: Path) -> Path:
+    hooks = repo / ".githooks"
+    hooks.mkdir()
+    (hooks / "pre-commit").write_text(HOOK)
+    git(repo, "config", "core.hooksPath", ".githooks")
+    return repo
+
+
+def _tree_end(repo: Path, kept: list[keptfiles.Kept]) -> tuple[list[tuple[str, str]], list[str]]:
+    return keptfiles.put_back(str(repo), kept, {}, {}, tree=runnables.take(str(repo), skip_root_git=True).entries)
+
+
+def test_names_an_end_moved_aside_in_a_hooks_path_are_not_kept_at_the_next_baseline(hooks_path: Path) -> None:
+    """What a session planted beside the hooks is moved aside there at its
+    end; the next baseline kept those aside names (and samples, and locks)
+    as the user's, each a lock's wait at the end after. The twin: the
+    user's hook is kept."""
+    before = _take(hooks_path, keep=True)
+    for name in ("junk", "pre-push.sample", "x.lock"):
+        (hooks_path / ".githooks" / name).write_text("")
+    _end(hooks_path, before)
+    assert any(fs.QUARANTINED in n for n in os.listdir(hooks_path / ".githooks"))
+    again = _take(hooks_path, keep=True)
+    assert [k.rel for k in again.kept if k.source == "included"] == [".githooks/pre-commit"]
+
+
+def test_a_lock_a_session_left_beside_a_file_it_could_write_is_moved_aside_not_waited_on(hooks_path: Path) -> None:
+    """A session leaves ``NAME.lock`` (a file, or a directory) beside a hook
+    of the hooks path and a nested repository's config it changed: the end
+    waited for each, then failed, the worktree refused until the user
+    removed the locks by hand. Now each is moved aside past the wait and the
+    user's file put back. The twin (git's own ``.git/config``, degraded
+    mode): a lock held is never written around."""
+    repo = hooks_path
+    inner = empty_repo(repo / "sub", "inner")
+    kept_tree = keptfiles.read_tree(str(repo), runnables.take(str(repo), skip_root_git=True).entries)
+    before = _take(repo, keep=True)
+    (repo / ".githooks" / "pre-commit.lock").mkdir()
+    (repo / ".githooks" / "pre-commit").unlink()
+    (inner / ".git" / "config.lock").write_text("")
+    (inner / ".git" / "config").write_text(FSMONITOR)
+    moved, put, failed = _end(repo, before)
+    tree_put, tree_failed = _tree_end(repo, kept_tree)
+    assert failed == [] and tree_failed == []
+    assert (repo / ".githooks" / "pre-commit").read_text() == HOOK and "fsmonitor" not in (inner / ".git" / "config").read_text()
+    assert [n for n in os.listdir(repo / ".githooks") if n.startswith("pre-commit.lock" + fs.QUARANTINED)]
+    assert not (inner / ".git" / "config.lock").exists()
+    before = _take(repo, keep=True)
+    (repo / ".git" / "config.lock").write_text("the user's git config\n")
+    (repo / ".git" / "config").write_text(FSMONITOR)
+    _, _, failed = _end(repo, before)
+    assert len(failed) == 1 and "config.lock is held" in failed[0]
+    assert (repo / ".git" / "config.lock").read_text() == "the user's git config\n"
+
+
+def test_a_lock_left_held_is_disarmed_where_the_put_back_reached_never_by_path_again(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the put-back waited on a lock, a session still running swapped
+    the directory on the way (``sub/.git``) for a link to a directory of the
+    user's: the file there (``~/.ssh/config``) was made mode 000, reached by
+    path again. Now what stands at the name is made unreadable in the
+    directory the write reached (the swapped-out one). The twin: nothing
+    outside changes mode."""
+    inner = empty_repo(repo / "sub", "inner")
+    before = runnables.take(str(repo), skip_root_git=True)
+    kept = [k for k in keptfiles.read_tree(str(repo), before.entries) if k.name == "config"]
+    outside = tmp_path / "dot-ssh"
+    outside.mkdir()
+    (outside / "config").write_text("Host *\n")
+    (outside / "config").chmod(0o600)
+    (inner / ".git" / "config.lock").write_text("")
+    (inner / ".git" / "config").write_text(FSMONITOR)
+    now = runnables.take(str(repo), skip_root_git=True)
+    real = keptfiles.gitlock.replace
+
+    def swapped(*args: object, **kwargs: object) -> str | None:
+        os.rename(inner / ".git", inner / ".git-moved")
+        os.symlink(outside, inner / ".git")
+        kwargs["move_left"] = False  # as a lock of git's own: left held
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(keptfiles.gitlock, "replace", swapped)
+    put, failed = keptfiles.put_back(str(repo), kept, {}, {}, tree=now.entries)
+    assert len(failed) == 1 and "made unreadable" in failed[0], failed
+    assert os.stat(outside / "config").st_mode & 0o777 == 0o600
+    assert os.stat(inner / ".git-moved" / "config").st_mode & 0o777 == 0
+
+
+def test_nothing_is_made_where_a_git_directory_or_the_way_to_it_is_gone(hooks_path: Path, tmp_path: Path) -> None:
+    """A hooks path inside ``.git`` whose ``.git`` a session removed, and a
+    nested repository a session swapped for a link to another: a git
+    directory of hooks or config alone was made at the name. The twin: the
+    hook of a hooks path beside the code comes back (the tests above)."""
+    repo = hooks_path
+    (repo / ".git" / "myhooks").mkdir()
+    (repo / ".git" / "myhooks" / "pre-commit").write_text(HOOK)
+    git(repo, "config", "core.hooksPath", ".git/myhooks")
+    before = _take(repo, keep=True)
+    assert ".git/myhooks/pre-commit" in {k.rel for k in before.kept if k.source == "included"}
+    inner = empty_repo(repo / "sub", "inner")
+    kept_tree = keptfiles.read_tree(str(repo), runnables.take(str(repo), skip_root_git=True).entries)
+    os.rename(inner, tmp_path / "sub-moved")
+    os.symlink(empty_repo(tmp_path / "elsewhere", "x"), repo / "sub")
+    assert _tree_end(repo, kept_tree) == ([], [])
+    shutil.rmtree(repo / ".git")
+    _end(repo, before)
+    assert not (repo / ".git").exists()

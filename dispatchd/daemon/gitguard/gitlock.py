@@ -63,15 +63,19 @@ class LockHeld(OSError):
 
 
 def replace(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *,
-            wait_s: float | None = None, inode: tuple[int, int] | None = None) -> str | None:
+            wait_s: float | None = None, inode: tuple[int, int] | None = None,
+            move_left: bool = False) -> str | None:
     """``leaf`` in ``dir_fd`` made to hold ``data`` (``mode``: its
     permission bits; None: 0644 less the umask), as the module says. Returns
     None when it held them already (nothing done), else the aside name of
     what stood there ("" when nothing did). ``inode``: a file made one of
     its own instead (``keptfiles.detach``): replaced only while ``leaf`` is
     still that (device, inode), its other names keeping the old one, nothing
-    aside. Raises ``LockHeld``, or the OSError of a step (every name of ours
-    is removed again first)."""
+    aside. ``move_left``: a lock still there past the wait is moved aside
+    beside it, once, and the file written (a file a session could write while
+    it ran, beside which it could leave a lock of its own: never one git
+    takes for long). Raises ``LockHeld``, or the OSError of a step (every
+    name of ours is removed again first)."""
     lock = lockfile.temporary(dir_fd, leaf, data, mode)
     try:
         _step("written")
@@ -80,7 +84,9 @@ def replace(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *,
             # other sessions perhaps still running (one's process can give a
             # lock of the user's git a second name); ``sweep`` has removed a
             # killed daemon's before, its flock telling a live one.
-            lock.take(lockfile.Policy(WAIT_S if wait_s is None else wait_s))
+            # Moved by a path through the descriptor's own link: the very directory reached, no name looked up again.
+            lock.take(lockfile.Policy(WAIT_S if wait_s is None else wait_s,
+                                      aside_to=f"/proc/self/fd/{dir_fd}" if move_left else ""))
         except lockfile.Refused as exc:
             raise LockHeld(errno.EEXIST, f"git's lock {exc.lock} is held") from None
         _step("locked")
@@ -102,16 +108,18 @@ def replace(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *,
         lock.release()  # the lock while still ours (not renamed), and the temporary's name; its flock goes
 
 
-def left_held(path: str) -> str:
+def left_held(path: str, dir_fd: int | None = None) -> str:
     """What stands at ``path``, whose lock stayed held (``LockHeld``), made
     unreadable where it is (``noroom.disarm_at``; a session can leave a
     ``config.lock`` of its own beside a config it wrote, and git stops on a
     config it cannot read, saying so); a chmod, not a write, so a git of the
     user's that holds the lock still renames its file over it. Returns what
-    to say of it."""
+    to say of it. ``dir_fd``: ``path``'s directory, as the write reached it
+    (its leaf is looked up there): by path, a directory a session swapped
+    for a symlink meanwhile led the chmod to a file of the user's elsewhere."""
     held = f"git's lock {path}.lock is held (a git command of yours, or one that stopped without removing it)"
     try:
-        links = noroom.disarm_at(None, path)
+        links = noroom.disarm_at(dir_fd, path if dir_fd is None else os.path.basename(path))
     except FileNotFoundError:
         return f"{held}; nothing stands there; a restart's check puts yours back once the lock is gone"
     except OSError as exc:

@@ -91,6 +91,14 @@ def _wanted(name: str) -> bool:
     return name in _NAMES or (name.startswith("hooks/") and name.count("/") == 1)
 
 
+def _keepable(leaf: str) -> bool:
+    """Not a name git never runs nor reads (a sample hook), nor one an end
+    moved aside, nor a lock: what a session planted and an end moved aside
+    beside the hooks was kept at the next baseline, and could be made to
+    cost the next end a lock's wait each."""
+    return not leaf.endswith((".sample", ".lock")) and fs.QUARANTINED not in leaf
+
+
 def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
          external: dict[str, str], linked: list[str], included: dict[str, str] | None = None) -> list[Kept]:
     """What of ``by_file``'s git directories (``gitdirs``' keys, worktree
@@ -110,7 +118,7 @@ def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
                     and _wanted(name) and digest.startswith("file:"):
                 wanted.append(Kept(base=base, rel=name, mode=0, data="", name=name))
     for rel, digest in (included or {}).items():
-        if digest.startswith("file:"):
+        if digest.startswith("file:") and _keepable(os.path.basename(rel)):
             wanted.append(Kept(base="", rel=rel, mode=0, data="", source="included"))
     return _with_bytes(worktree, wanted)
 
@@ -130,7 +138,7 @@ def read_tree(root: str, entries: dict[str, str]) -> list[Kept]:
         if gitdir not in gitdirs:
             continue
         name = rel[len(gitdir) + 1:] if gitdir else rel
-        if _wanted(name) and not name.endswith(".sample"):
+        if _wanted(name) and _keepable(os.path.basename(name)):
             wanted.append(Kept(base="", rel=rel, mode=0, data="", gitdir=gitdir, name=name, source="tree"))
     return _with_bytes(root, wanted)
 
@@ -207,12 +215,40 @@ def _read(top: str, rel: str) -> tuple[int, bytes] | None:
 def _there(worktree: str, k: Kept, seen: dict[str, bool]) -> bool:
     """Whether what ``k`` is put back in is still there: its git directory
     (a directory with a ``HEAD``); for a file the configuration names in the
-    worktree, the worktree itself, a directory (not a symlink to one)."""
-    included = k.source == "included"
-    where = worktree if included else k.base or os.path.join(worktree, k.gitdir)
+    worktree, the worktree itself, a directory (not a symlink to one), and,
+    for one inside ``.git``, that git directory. One in the worktree (a
+    nested repository's, a ``.git/myhooks``) is reached from the worktree
+    with no symlink followed: a session that swapped a directory on the way
+    for a link to another repository had a git directory of config and hooks
+    alone made at its name."""
+    if k.base:
+        where = k.base
+    elif k.source == "included":
+        where = os.path.join(worktree, ".git") if k.rel.startswith(".git/") else worktree
+    else:
+        where = os.path.join(worktree, k.gitdir)
     if where not in seen:
-        seen[where] = _is_dir(where) if included else _is_gitdir(where)
+        if k.base:
+            seen[where] = _is_gitdir(where)
+        elif where == worktree:
+            seen[where] = _is_dir(where)
+        else:
+            seen[where] = _is_gitdir_below(worktree, os.path.relpath(where, worktree))
     return seen[where]
+
+
+def _is_gitdir_below(worktree: str, rel: str) -> bool:
+    """``rel`` below the worktree, reached with no symlink, is a git directory (holds a ``HEAD``)."""
+    fd = _dir_below(worktree, rel)
+    if fd is None:
+        return False
+    try:
+        os.stat("HEAD", dir_fd=fd, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _due(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]], external: dict[str, str],
@@ -266,9 +302,10 @@ def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]]
     for k, now in due:
         path = os.path.join(k.base or worktree, k.rel)
         try:
-            aside = _write(k.base or worktree, k.rel, k.data.encode("latin-1"), k.mode)
-        except gitlock.LockHeld:
-            failed.append(f"{path}: changed, yours not put back: {gitlock.left_held(path)}")
+            aside = write_below(k.base or worktree, k.rel, k.data.encode("latin-1"), k.mode,
+                                move_left=k.source in ("tree", "included"))
+        except Left as left:
+            failed.append(f"{path}: changed, yours not put back: {left}")
             continue
         except OSError as exc:
             failed.append(f"{path}: changed by a session, yours cannot be put back ({exc.strerror})")
@@ -323,12 +360,20 @@ def _is_gitdir(path: str) -> bool:
         return False
 
 
-def _write(top: str, rel: str, data: bytes, mode: int) -> str | None:
-    """``rel`` below ``top`` holding ``data``, under git's lock
-    (``gitlock.replace``); returns where what stood at the name is kept
-    ("" when nothing stood there), or None when it held ``data`` already.
-    No room for a step: the ballast freed and tried again, then what stands
-    there made unreadable (``noroom``)."""
+class Left(Exception):
+    """A lock held past ``gitlock.WAIT_S``: what stands there was left (see ``gitlock.left_held``), said."""
+
+
+def write_below(top: str, rel: str, data: bytes, mode: int | None = None, *, move_left: bool = False) -> str | None:
+    """``rel`` below ``top`` holding ``data`` (``mode``: its permission
+    bits; None: 0644 less the umask), under git's lock
+    (``gitlock.replace``), its directory reached from ``top`` one component
+    at a time, no symlink followed (one in the way moved aside, a missing
+    directory made); returns where what stood at the name is kept ("" when
+    nothing stood there), or None when it held ``data`` already. No room
+    for a step: the ballast freed and tried again, then what stands there
+    made unreadable (``noroom``). ``Left`` where git's lock stays held;
+    with ``move_left`` it is moved aside instead (``gitlock.replace``)."""
     parent, _, leaf = rel.rpartition("/")
     fd = os.open(top, _DIR)
     try:
@@ -339,9 +384,12 @@ def _write(top: str, rel: str, data: bytes, mode: int) -> str | None:
         got: list[str | None] = []
 
         def attempt() -> str:
-            got[:] = [gitlock.replace(fd, leaf, data, mode)]
+            got[:] = [gitlock.replace(fd, leaf, data, mode, move_left=move_left)]
             return ""
-        noroom.moved(attempt, lambda: os.fstat(fd).st_dev, lambda: noroom.disarm_at(fd, leaf))
+        try:
+            noroom.moved(attempt, lambda: os.fstat(fd).st_dev, lambda: noroom.disarm_at(fd, leaf))
+        except gitlock.LockHeld:  # what stands there disarmed in the directory reached, never by path again
+            raise Left(gitlock.left_held(os.path.join(top, rel), fd)) from None
         aside = got[0]
         return os.path.join(top, parent, aside) if aside else aside
     finally:

@@ -41,7 +41,7 @@ import stat
 import time
 from typing import Literal
 
-from dispatchd.daemon.gitguard import commitgraph, fs, gitlock
+from dispatchd.daemon.gitguard import commitgraph, fs, keptfiles
 
 NAMES = ("shallow", "objects/info/alternates", "objects/info/http-alternates")
 # Git 2.47's incremental multi-pack index (``multi-pack-index.d``: a chain file
@@ -129,27 +129,14 @@ def restore(common: str, baseline: dict[str, str | None]) -> tuple[list[tuple[st
             if was is None:
                 moved = fs.move_aside(path) if os.path.lexists(path) else ""
             else:
-                moved = _put(path, was.encode("latin-1"))
+                moved = keptfiles.write_below(common, name, was.encode("latin-1")) or ""
             done.append((path, f"changed, made or deleted by a session; {'put back' if was is not None else 'gone'}"
                                f"{f', the session' + chr(39) + 's moved aside to ' + moved if moved else ''}"))
-        except gitlock.LockHeld:
-            failed.append(f"{path}: changed by a session, not put back: {gitlock.left_held(path)}")
+        except keptfiles.Left as left:
+            failed.append(f"{path}: changed by a session, not put back: {left}")
         except OSError as exc:
             failed.append(f"{path}: changed by a session, cannot be put back ({exc.strerror})")
     return done, failed
-
-
-def _put(path: str, data: bytes) -> str:
-    """``path`` holding ``data``, under git's lock (``gitlock.replace``: git
-    takes ``shallow.lock`` and ``alternates.lock`` too); where what stood
-    there is kept, or ""."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        aside = gitlock.replace(fd, os.path.basename(path), data)
-    finally:
-        os.close(fd)
-    return os.path.join(os.path.dirname(path), aside) if aside else ""
 
 
 def _bytes(path: str) -> bytes | None | Literal[False]:
