@@ -5,7 +5,9 @@ Guarantees, for what goes through here:
 - a file is opened with ``O_NOFOLLOW | O_NONBLOCK`` (no symlink as the last
   component, no FIFO to hang on), read only if ``fstat`` says it is a
   regular file, and read with a bound (a pointer file 4 KiB, an index
-  256 MiB);
+  256 MiB; not past its header when that counts more entries than it can
+  hold); an index that does not parse is remembered as one that does, so
+  that one planted file hard-linked everywhere is parsed once;
 - a path taken from content a session controls (a submodule an index
   records) is walked from the worktree one component at a time, each an
   ``O_PATH | O_NOFOLLOW`` descriptor (``open_dir_below``): no such name and
@@ -133,20 +135,24 @@ def is_dir(path: str) -> bool:
         return False
 
 
-# An index's submodules by its (device, inode), reused while its ctime,
-# mtime and size are those it had when it was parsed and its ctime was older
-# than _SETTLE_NS before the read began (a later write always gets a later
-# ctime, and no process can set a ctime back; runnables.SETTLE_NS). Never
-# written to disk.
+# An index's submodules (None: it does not parse) by its (device, inode),
+# reused while its ctime, mtime and size are those it had when it was parsed
+# and its ctime was older than _SETTLE_NS before the read began (a later
+# write always gets a later ctime, and no process can set a ctime back;
+# runnables.SETTLE_NS). The verdict "does not parse" too: one planted index
+# hard-linked under thousands of submodules is parsed once, not once each.
+# Never written to disk.
 _SETTLE_NS = 50_000_000
 _LINKS_KEPT = 10_000
-_links_seen: dict[tuple[int, int], tuple[int, int, int, frozenset[str]]] = {}
+_Seen = tuple[int, int, int, frozenset[str] | None]
+_links_seen: dict[tuple[int, int], _Seen] = {}
 
 
-def _read_index(path: str, known: bool = False) -> tuple[bytes | None, os.stat_result | None, set[str] | None]:
+def _read_index(path: str, known: bool = False) -> tuple[bytes | None, os.stat_result | None, _Seen | None]:
     """The index's bytes (None: absent, not a regular file, too large,
-    unreadable) and its ``fstat``; with ``known``, instead of the bytes, the
-    submodules parsed from it before when its stamps are unchanged."""
+    unreadable; empty: its header counts more entries than it can hold, so
+    the rest is not read) and its ``fstat``; with ``known``, instead of the
+    bytes, what was parsed from it before when its stamps are unchanged."""
     try:
         opened = open_regular(path)
     except OSError:
@@ -162,7 +168,9 @@ def _read_index(path: str, known: bool = False) -> tuple[bytes | None, os.stat_r
         if known:
             seen = _links_seen.get((st.st_dev, st.st_ino))
             if seen is not None and seen[:3] == (st.st_ctime_ns, st.st_mtime_ns, st.st_size):
-                return None, st, set(seen[3])
+                return None, st, seen
+        if not indexfile.could_fit(os.pread(fd, 12, 0), st.st_size):
+            return b"", st, None  # no parse of the whole could succeed: 256 MiB not read for nothing
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
@@ -177,18 +185,17 @@ def index_gitlinks(index: str) -> set[str] | None:
     if not os.path.lexists(index):
         return set()
     began = time.time_ns()
-    data, st, known = _read_index(index, known=True)
-    if known is not None:
-        return known
+    data, st, seen = _read_index(index, known=True)
+    if seen is not None:
+        return set(seen[3]) if seen[3] is not None else None
     parsed = indexfile.parse_index(data) if data is not None else None
     if parsed is None:
+        if data is not None and st is not None:
+            _remember(st, began, None)
         return None
     links, shared = parsed.links, parsed.shared
-    if st is not None and not shared and not parsed.replaced_gitlink and treewalk.settled(st.st_ctime_ns, began,
-                                                                                         _SETTLE_NS):
-        if len(_links_seen) >= _LINKS_KEPT:
-            _links_seen.clear()
-        _links_seen[(st.st_dev, st.st_ino)] = (st.st_ctime_ns, st.st_mtime_ns, st.st_size, frozenset(links))
+    if st is not None and not shared and not parsed.replaced_gitlink:
+        _remember(st, began, frozenset(links))
     if shared and shared != "0" * len(shared):
         shared_data = _read_index(os.path.join(os.path.dirname(index), f"sharedindex.{shared}"))[0]
         shared_parsed = indexfile.parse_index(shared_data, all_names=parsed.replaced_gitlink) if shared_data else None
@@ -202,6 +209,15 @@ def index_gitlinks(index: str) -> set[str] | None:
     elif parsed.replaced_gitlink:
         return None
     return links
+
+
+def _remember(st: os.stat_result, began: int, links: frozenset[str] | None) -> None:
+    """Keep what the index ``st`` gave (None: it does not parse) for
+    ``_read_index``, when its ctime had settled before the read ``began``."""
+    if treewalk.settled(st.st_ctime_ns, began, _SETTLE_NS):
+        if len(_links_seen) >= _LINKS_KEPT:
+            _links_seen.clear()
+        _links_seen[(st.st_dev, st.st_ino)] = (st.st_ctime_ns, st.st_mtime_ns, st.st_size, links)
 
 
 def safe_link(link: str) -> bool:

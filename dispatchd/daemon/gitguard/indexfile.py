@@ -8,7 +8,10 @@ Guarantees: index versions 2, 3 and 4, SHA-1 or SHA-256 (the index does not
 say which: the one that parses cleanly, its extensions ending exactly at the
 checksum); a split index's "link" extension named; any other bytes (short,
 unknown version, an entry or extension past the end) give None, never an
-exception. Bytes in, data out: the reading is ``fs.index_gitlinks``.
+exception. A count of entries the bytes cannot hold (``could_fit``) is
+refused before any entry is read: 256 MiB of zeros counted 2^32-1 entries
+were walked as ~4 million empty ones, twice, ~5 s and ~0.9 GB each time.
+Bytes in, data out: the reading is ``fs.index_gitlinks``.
 """
 
 from __future__ import annotations
@@ -164,6 +167,32 @@ def layout(data: bytes, hash_size: int = 0) -> Layout | None:
     return next((found for found in _layouts(data) if found.hash_size == hash_size or not hash_size), None)
 
 
+def _smallest_entry(version: int, hash_size: int) -> int:
+    """The fewest bytes an entry of ``version`` with ids of ``hash_size``
+    bytes takes: stat data, id and flags, then an empty name's end (v2, v3:
+    padded to a multiple of 8, one NUL at least; v4: a varint and a NUL)."""
+    fixed = 40 + hash_size + 2
+    return fixed + 2 if version == 4 else (fixed // 8 + 1) * 8
+
+
+def _count_fits(version: int, count: int, hash_size: int, size: int) -> bool:
+    """Whether ``count`` entries can lie between the 12-byte header and the
+    checksum of an index of ``size`` bytes: if not, the walk would fail
+    anyway (an entry or the extensions past the checksum), only later."""
+    return count * _smallest_entry(version, hash_size) <= size - 12 - hash_size
+
+
+def could_fit(head: bytes, size: int) -> bool:
+    """Whether an index of ``size`` bytes starting with ``head`` (its first
+    12 bytes) could be one git reads: its signature, a version we read, and
+    as many entries as it counts fit in it with SHA-1 ids (the smaller).
+    False says that no reading of the whole can parse, so none is needed."""
+    if len(head) < 12 or head[:4] != b"DIRC":
+        return False
+    version = int.from_bytes(head[4:8], "big")
+    return version in (2, 3, 4) and _count_fits(version, int.from_bytes(head[8:12], "big"), 20, size)
+
+
 def _layouts(data: bytes) -> Iterator[Layout]:
     """Each reading of the index that parses, SHA-1 ids first (the index
     does not say which its ids are: the repository's configuration does)."""
@@ -174,6 +203,8 @@ def _layouts(data: bytes) -> Iterator[Layout]:
     if version not in (2, 3, 4):
         return
     for hash_size in (20, 32):
+        if not _count_fits(version, count, hash_size, len(data)):
+            continue  # refused before a single entry is built
         walked = walk_entries(data, version, count, hash_size)
         found = extensions(data, walked[1], hash_size) if walked is not None else None
         if walked is not None and found is not None:
