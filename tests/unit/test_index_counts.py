@@ -206,3 +206,31 @@ def test_submodules_with_indexes_of_their_own_are_walked(tmp_path: Path, monkeyp
     walk = _walk(worktree)
     assert sorted(walk.gitdirs) == [".git", "s0/.git", "s0/inner/.git", "s1/.git", "s1/inner/.git"]
     assert walk.indexes == {}
+
+
+def test_the_submodules_indexes_a_walk_parses_are_bounded_in_all(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Separate planted indexes whose counts fit their sizes cannot be
+    refused from their headers: each parsed (2 s a 256 MiB one), thousands
+    of them hours a walk. Past the walk's bound an index is judged by its
+    bytes, unparsed. The twin: within the bound each parses, and links of
+    one file count once."""
+    monkeypatch.setattr(fs, "_links_seen", {})
+    subs = [b"s%d" % i for i in range(4)]
+    worktree = _worktree(tmp_path, subs)
+    one = _index([b"inner"])
+    for sub in subs:
+        (worktree / sub.decode() / ".git").mkdir(parents=True)
+        (worktree / sub.decode() / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+        (worktree / sub.decode() / ".git" / "index").write_bytes(one)
+    monkeypatch.setattr(gitdirs, "_MAX_PARSED_INDEXES", 2 * len(one) + len(_index(subs)))
+    parsed = _parses(monkeypatch)
+    walk = _walk(worktree)
+    assert parsed == [len(_index(subs)), len(one), len(one)]  # the worktree's, then two of the four
+    assert len(walk.indexes) == 2  # the other two judged by their bytes
+    for sub in subs[2:]:  # the twin: the same file under other names costs nothing more
+        os.unlink(worktree / sub.decode() / ".git" / "index")
+        os.link(worktree / "s0" / ".git" / "index", worktree / sub.decode() / ".git" / "index")
+    monkeypatch.setattr(fs, "_links_seen", {})
+    parsed.clear()
+    assert _walk(worktree).indexes == {} and len(parsed) == 5

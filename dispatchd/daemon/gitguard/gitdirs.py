@@ -48,6 +48,10 @@ _MAX_HASHED_INDEX = 4 * 1024 * 1024 * 1024  # an index that cannot be parsed is 
 # ... and the indexes of one walk up to this in all: a session's thousands of
 # sparse 4 GiB indexes (no disk space) were each hashed, for hours.
 _MAX_HASHED_INDEXES = 8 * 1024 * 1024 * 1024
+# The submodules' indexes a walk parses, distinct files, in all: each planted
+# one of 256 MiB (its count fitting its size) took 2 s, a walk of thousands
+# hours. Past it an index is judged by its bytes, as one that does not parse.
+_MAX_PARSED_INDEXES = 512 * 1024 * 1024
 # An unparsable index whose inode, size and ctime are those of the look
 # before is that index (any write sets its ctime, which nothing can set
 # back), unless that ctime was within this of the look (the clock's tick).
@@ -78,6 +82,8 @@ class Walk:
         self.index_stamps: dict[str, list[int]] = {}
         self.known = known or {}
         self.index_budget = Budget(_MAX_HASHED_INDEXES)
+        self.parse_left = _MAX_PARSED_INDEXES
+        self.parsed: set[tuple[int, int]] = set()  # (device, inode) of the indexes counted against it
         self.included: dict[str, str] = {}
         self.indexed: set[str] = set()
         self.queue: list[tuple[str, str | None]] = []
@@ -303,10 +309,25 @@ class Walk:
                 elif kinds[name] == "unsearchable":
                     self.gitdirs[_join(rel, name)] = {"": never_equal("unsearchable")}
 
+    def _may_parse(self, path: str) -> bool:
+        """Whether the index at ``path`` is within what this walk parses
+        (``_MAX_PARSED_INDEXES``; each file once, whatever its names)."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return True  # absent, or unreadable: index_gitlinks says so
+        if (st.st_dev, st.st_ino) in self.parsed:
+            return True
+        if st.st_size > self.parse_left:
+            return False
+        self.parsed.add((st.st_dev, st.st_ino))
+        self.parse_left -= st.st_size
+        return True
+
     def index(self, gitdir_rel: str, worktree: str) -> None:
         index_rel = _join(gitdir_rel, "index")
         path = os.path.join(self.worktree, index_rel)
-        links = fs.index_gitlinks(path)
+        links = fs.index_gitlinks(path) if self._may_parse(path) else None
         if links is None:
             self.indexes[index_rel], stamps = _index_content(path, self.known.get(index_rel), self.index_budget)
             if stamps:
