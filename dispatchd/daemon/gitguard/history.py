@@ -212,7 +212,8 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
         refs = refsback.read_refs(common, whole=True)
     except refsback.OverBound as exc:  # a baseline of part of them: the rest a session could delete for good
         raise WorktreeError(f"{common}: {exc}, more than dispatchd keeps at a baseline; no session opened "
-                            "(remove refs you do not need: git branch -D, git tag -d)", common) from None
+                            "(remove refs you do not need: git branch -D, git tag -d; and empty directories "
+                            "below refs/: git pack-refs --all removes them)", common) from None
     head = refvalues.read_text(os.path.join(common, "HEAD")) or ""  # a branch not UTF-8 named whole
     stashes, unkept = stashlog.read(common)
     checked_out = [f"logs/{head.strip()[5:]}"] if head.startswith("ref: ") else []  # its reflog kept first
