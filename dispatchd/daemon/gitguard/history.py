@@ -213,7 +213,7 @@ def record(common: str, keep: str, own: list[str], held: frozenset[str] | None =
     except refsback.OverBound as exc:  # a baseline of part of them: the rest a session could delete for good
         raise WorktreeError(f"{common}: {exc}, more than dispatchd keeps at a baseline; no session opened "
                             "(remove refs you do not need: git branch -D, git tag -d; and empty directories "
-                            "below refs/: git pack-refs --all removes them)", common) from None
+                            "below refs/: find .git/refs -type d -empty -delete)", common) from None
     head = refvalues.read_text(os.path.join(common, "HEAD")) or ""  # a branch not UTF-8 named whole
     stashes, unkept = stashlog.read(common)
     checked_out = [f"logs/{head.strip()[5:]}"] if head.startswith("ref: ") else []  # its reflog kept first
