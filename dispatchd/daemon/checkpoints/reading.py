@@ -12,11 +12,11 @@ restore's ``before`` checkpoint, or at any write under ``before_writes``).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
 import stat
+import types
 from collections.abc import Callable
 
 from dispatchd import statemodes, treewalk
@@ -96,7 +96,8 @@ def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint", *,
                           f"fixed bound on what one listing holds)")
         entries.append(made)
 
-    with contextlib.closing(treewalk.walk(root, budget, prune, root_fd=root_fd)) as walking:
+    walking = treewalk.walk(root, budget, prune, root_fd=root_fd)
+    try:
         for dirpath, files, fd in walking:
             rel = os.path.relpath(dirpath, root_b) if dirpath != root_b else b""
             rel = b"" if rel == b"." else rel
@@ -104,6 +105,9 @@ def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint", *,
             seen.add(rel)
             add(_entry(rel, os.fstat(fd)))
             _list_files(rel, files, fd, verb, add)
+    finally:
+        if isinstance(walking, types.GeneratorType):
+            walking.close()  # its descriptors closed at a refusal, not once the traceback goes
     if budget.over:
         raise Refused(f"{verb} refused: the worktree has more than {policy.max_files} entries "
                       f"({_budget_words('max_files')})")
