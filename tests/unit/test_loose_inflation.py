@@ -91,8 +91,8 @@ def _inflating(tmp_path: Path, data: bytes) -> tuple[bytes | None, replaced.Infl
 BOMB = b"\0" * (MAX + 16)  # inflates past the bound, from 64 KiB
 
 
-@pytest.mark.parametrize("head", [b"", b"blob 5\0", b"blob %d\0" % (MAX - 14), b"blob %d\0" % (MAX + 1), b"blob " + b"9" * 30,
-                                  b"\0blob 5"])
+@pytest.mark.parametrize("head", [b"", b"blob 5\0", b"blob %d\0" % (MAX - 14), b"blob %d\0" % (MAX + 1),
+                                  b"blob " + b"9" * 30, b"\0blob 5"])
 def test_a_bomb_is_refused_after_its_header_s_bytes(tmp_path: Path, head: bytes) -> None:
     """No header, a header declaring 5 bytes or past the bound, or a size
     of 30 digits, before 64 MiB of zeros: refused after the 28 bytes a
