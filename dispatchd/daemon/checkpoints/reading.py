@@ -1,6 +1,13 @@
 """Reading a worktree for a checkpoint: its listing, bounded by the policy
 (``list_tree``, iterative, by descriptor), and each file's copy (a reflink
 clone where the file system clones, else a copy within the byte budget).
+
+The listing holds every entry's full path: besides the policy's
+``max_files`` and ``max_depth``, the bytes of those paths (and of the
+symlinks' targets) are bounded together by ``MAX_PATH_BYTES``, a fixed
+bound (the two budgets alone let 200,000 paths of 250 levels of 250-byte
+names, 12 GB, be held by one checkpoint: the daemon killed for memory at a
+restore's ``before`` checkpoint, or at any write under ``before_writes``).
 """
 
 from __future__ import annotations
@@ -9,6 +16,8 @@ import errno
 import fcntl
 import os
 import stat
+import types
+from collections.abc import Callable
 
 from dispatchd import statemodes, treewalk
 from dispatchd.errors import CheckpointError
@@ -19,6 +28,12 @@ from dispatchd.daemon.gitguard.objectdirs import is_object_dir  # the directorie
 
 
 # --- walking the worktree -------------------------------------------------------
+
+# The bytes of the paths one listing holds (each entry's, from the worktree,
+# and each symlink's target), all told: an honest worktree of 200,000 files
+# with paths of 100 bytes holds 20 MB. What the listing keeps in memory is a
+# small multiple of it (a directory's path is held twice while the walk runs).
+MAX_PATH_BYTES = 64 * 1024 * 1024
 
 
 def _entry(path: bytes, st: os.stat_result, target: bytes = b"") -> Entry | None:
@@ -67,27 +82,32 @@ def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint", *,
         expected.append(paths[fd] + b"/" + name if paths[fd] else name)
         return False
 
-    for dirpath, files, fd in treewalk.walk(root, budget, prune, root_fd=root_fd):
-        rel = os.path.relpath(dirpath, root_b) if dirpath != root_b else b""
-        rel = b"" if rel == b"." else rel
-        paths[fd] = rel
-        seen.add(rel)
-        made = _entry(rel, os.fstat(fd))
-        if made is not None:
-            entries.append(made)
-        for name in files:
-            path = rel + b"/" + name if rel else name
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                target = os.readlink(name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else b""
-            except FileNotFoundError:
-                continue
-            except PermissionError:  # listed, but not searchable (read without execute: 0444)
-                raise Refused(f"{verb} refused: {os.fsdecode(rel) or '.'}: a directory whose entries cannot be "
-                              f"looked at (no search permission; chmod u+x it)") from None
-            made = _entry(path, st, os.fsencode(target) if isinstance(target, str) else target)
-            if made is not None:
-                entries.append(made)
+    held = 0  # bytes of the paths (and targets) in ``entries``
+
+    def add(made: Entry | None) -> None:
+        nonlocal held
+        if made is None:
+            return
+        held += len(made.path) + len(made.target)
+        if held > MAX_PATH_BYTES:
+            mib = f"{MAX_PATH_BYTES / (1 << 20):g} MiB, " if MAX_PATH_BYTES >= 1 << 20 else ""
+            raise Refused(f"{verb} refused: the paths of the worktree's entries (each from the worktree's top) "
+                          f"and its symlinks' targets add up to more than {MAX_PATH_BYTES} bytes ({mib}dispatchd's "
+                          f"fixed bound on what one listing holds)")
+        entries.append(made)
+
+    walking = treewalk.walk(root, budget, prune, root_fd=root_fd)
+    try:
+        for dirpath, files, fd in walking:
+            rel = os.path.relpath(dirpath, root_b) if dirpath != root_b else b""
+            rel = b"" if rel == b"." else rel
+            paths[fd] = rel
+            seen.add(rel)
+            add(_entry(rel, os.fstat(fd)))
+            _list_files(rel, files, fd, verb, add)
+    finally:
+        if isinstance(walking, types.GeneratorType):
+            walking.close()  # its descriptors closed at a refusal, not once the traceback goes
     if budget.over:
         raise Refused(f"{verb} refused: the worktree has more than {policy.max_files} entries "
                       f"({_budget_words('max_files')})")
@@ -100,6 +120,22 @@ def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint", *,
             "what it holds cannot be compared; make it readable"
         raise Refused(f"{verb} refused: {os.fsdecode(missed[0])}: a directory that cannot be read ({why})")
     return entries, _OBJECTS in seen
+
+
+def _list_files(rel: bytes, files: list[bytes], fd: int, verb: str, add: Callable[[Entry | None], None]) -> None:
+    """Each of ``files`` (names in directory ``fd``, at ``rel``) looked at
+    and given to ``add``; one gone meanwhile skipped."""
+    for name in files:
+        path = rel + b"/" + name if rel else name
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            target = os.readlink(name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else b""
+        except FileNotFoundError:
+            continue
+        except PermissionError:  # listed, but not searchable (read without execute: 0444)
+            raise Refused(f"{verb} refused: {os.fsdecode(rel) or '.'}: a directory whose entries cannot be "
+                          f"looked at (no search permission; chmod u+x it)") from None
+        add(_entry(path, st, os.fsencode(target) if isinstance(target, str) else target))
 
 
 # --- copying ---------------------------------------------------------------------

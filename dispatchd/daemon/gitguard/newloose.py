@@ -14,8 +14,14 @@ alternate holds loose is looked at too (git reads a local loose file before
 an alternate's).
 
 Bounded: ``MAX_FILES`` files checked at one end, each up to
-``replaced._LOOSE_MAX`` inflated; past the count, the rest is reported and
-left. Files are opened without following a symlink or waiting on a FIFO.
+``replaced._LOOSE_MAX`` inflated, all within ``BUDGET_S`` of reading; past
+the count or the time, the rest is reported and left (as ``newpacks`` leaves
+a pack it could not verify: ``git fsck`` checks them). A file's header
+(``kind size\\0``) is inflated and checked first, and the rest only up to the
+size it declares: a stream that inflates to 64 MiB of anything else costs a
+few bytes. Each inode is decided once (a file hard-linked at every id is
+inflated once, its verdict per name from its digest). Files are opened
+without following a symlink or waiting on a FIFO.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import re
 
 from dispatchd.daemon.gitguard import fs, objectstore, replaced
 
+BUDGET_S = 10.0  # of inflating at one end, all files together
 MAX_FILES = 100_000
 _NAME = re.compile(r"[0-9a-f]{2}/(?:[0-9a-f]{38}|[0-9a-f]{62})")
 
@@ -41,9 +48,12 @@ def _packed_or_borrowed(oids: list[bytes], keep: str, alternates: list[str]) -> 
     return found
 
 
-def check(objects: str, keep: str, alternates: list[str], names: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+def check(objects: str, keep: str, alternates: list[str], names: list[str],
+          look: replaced.Inflating | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """``names`` ("ab/cdef..."): loose files new since the baseline. Returns
-    ``(path, why)`` for each moved aside, and what could not be done."""
+    ``(path, why)`` for each moved aside, and what could not be done.
+    ``look``: the inflations' deadline and record (``BUDGET_S`` from now
+    when None)."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     ids = {bytes.fromhex(n[:2] + n[3:]): n for n in names if _NAME.fullmatch(n)}
@@ -54,7 +64,8 @@ def check(objects: str, keep: str, alternates: list[str], names: list[str]) -> t
         failed.append(f"{objects}: {len(theirs)} new loose files at ids of your packed objects, past the "
                       f"{MAX_FILES} checked at one end: the rest not looked at (git fsck checks them)")
         theirs = theirs[:MAX_FILES]
-    for oid in theirs:
+    look = look or replaced.Inflating(BUDGET_S)
+    for n, oid in enumerate(theirs):
         rel = ids[oid]
         folder = os.path.join(objects, rel[:2])
         try:
@@ -62,8 +73,14 @@ def check(objects: str, keep: str, alternates: list[str], names: list[str]) -> t
         except OSError:
             continue
         try:
-            if replaced._valid_loose(fd, rel[3:], oid.hex()):
-                continue
+            try:
+                if replaced._valid_loose(fd, rel[3:], oid.hex(), look):
+                    continue
+            except objectstore.OutOfTime:
+                failed.append(f"{objects}: {len(theirs) - n} new loose files at ids of your packed objects not "
+                              f"looked at, past the {BUDGET_S:g} s read at one end: left where they are (git fsck "
+                              f"checks them)")
+                break
             path = os.path.join(objects, rel)
             try:
                 moved = fs.move_aside_at(fd, rel[3:])

@@ -41,7 +41,12 @@ kept as a copy of its own where it is not (``clones.py``).
 
 "The kept bytes, compressed again" is decided by inflating both files, not
 by hashing the new one: hashlib's SHA-1 has no collision detection, git's
-has.
+has. A loose object file is inflated header first (``_inflate``): its
+``kind size\\0`` checked after at most 28 bytes, the rest inflated only up
+to the size it declares (and a byte more, which refuses it), so a stream
+that inflates to 64 MiB of anything else costs a few bytes. ``Inflating``
+gives the inflations of one look (``newloose``'s) a shared deadline and
+decides each inode once.
 """
 
 from __future__ import annotations
@@ -50,15 +55,17 @@ import hashlib
 import os
 import stat
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, keepdirs, objectdirs
+from dispatchd.daemon.gitguard import fs, keepdirs, objectdirs, objectstore
 from dispatchd.tools import native
 
 _COMPARE_BUDGET = 256 * 1024 * 1024  # bytes read to compare a restore's changed files
 _LOOSE_MAX = 64 * 1024 * 1024  # a loose object read (inflated) to check it against its name
+_HEADER_MAX = 28  # a loose object's longest header: "commit", a space, 20 digits, the NUL
 _RACY_NS = 50_000_000  # as history's: a file changed this close before the baseline's look is looked at
 _CHUNK = 1 << 20
 _MAX_LOOSE = 2_000_000  # entries of the fan-out directories looked at for in-place rewrites
@@ -299,15 +306,33 @@ def _same_object(kfd: int, ofd: int, name: str, oid: str) -> bool:
     return _inflated(ofd, name) == kept
 
 
-def _valid_loose(ofd: int, name: str, oid: str) -> bool:
+def _valid_loose(ofd: int, name: str, oid: str, look: Inflating | None = None) -> bool:
     """Whether the loose object file ``name`` inflates to an object whose
-    hash (SHA-1 or SHA-256, by the name's length) is ``oid``."""
+    hash (SHA-1 or SHA-256, by the name's length) is ``oid``. With ``look``:
+    within its deadline (``OutOfTime`` past it), an inode it decided before
+    (unchanged since) not inflated again."""
     algorithm = {40: "sha1", 64: "sha256"}.get(len(oid))
-    body = _inflated(ofd, name) if algorithm is not None else None
-    return body is not None and hashlib.new(algorithm or "sha1", body).hexdigest() == oid
+    if algorithm is None:
+        return False
+    opened = fs.open_regular(name, ofd)
+    if opened is None:
+        return False
+    fd, st = opened
+    try:
+        # Not the ctime: moving a link aside sets it (nothing of the session runs while the end looks).
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, algorithm)
+        if look is not None and key in look.digests:
+            return look.digests[key] == oid
+        body = _inflate(fd, st.st_size, look)
+        digest = None if body is None else hashlib.new(algorithm, body).hexdigest()
+        if look is not None:
+            look.digests[key] = digest
+        return digest == oid
+    finally:
+        os.close(fd)
 
 
-def _inflated(dir_fd: int, name: str) -> bytes | None:
+def _inflated(dir_fd: int, name: str) -> bytearray | None:
     """The object a loose object file holds, header included, inflated; None
     when it is not one git would read."""
     opened = fs.open_regular(name, dir_fd)
@@ -315,21 +340,79 @@ def _inflated(dir_fd: int, name: str) -> bytes | None:
         return None
     fd, st = opened
     try:
-        if st.st_size > _LOOSE_MAX:
-            return None
-        data = os.read(fd, st.st_size + 1)
+        return _inflate(fd, st.st_size, None)
     finally:
         os.close(fd)
+
+
+class Inflating:
+    """One look's inflations of loose object files: a deadline they share
+    (``objectstore.OutOfTime`` past it), each inode's digest decided once
+    (a file hard-linked at many names is inflated once), and what was done
+    (``files`` inflated, ``bytes`` out of them)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.files = 0
+        self.bytes = 0
+        self.digests: dict[tuple[int, int, int, int, str], str | None] = {}
+
+    def in_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise objectstore.OutOfTime("out of time")
+
+
+def _inflate(fd: int, size: int, look: Inflating | None) -> bytearray | None:
+    """The object loose object file ``fd`` (``size`` bytes, as fstat said)
+    holds, header included; None when it is not one git would read. The
+    header (``kind size\\0``) is inflated first and checked, then the rest
+    only up to the size it declares and a byte more: a stream that inflates
+    past it is refused there, whatever it would inflate to."""
+    if size > _LOOSE_MAX:
+        return None
+    if look is not None:
+        look.in_time()
+        look.files += 1
     inflater = zlib.decompressobj()
-    try:
-        body = inflater.decompress(data, _LOOSE_MAX + 1)
-    except zlib.error:
-        return None
-    if len(body) > _LOOSE_MAX or not inflater.eof or inflater.unused_data:
-        return None  # too large, cut short, or bytes after the stream (git: "garbage at end of loose object")
-    header, nul, content = body.partition(b"\0")
-    kind, _, size = header.partition(b" ")
-    if not nul or kind not in (b"blob", b"tree", b"commit", b"tag") or not size.isdigit() or len(size) > 20 or \
-            int(size) != len(content):
-        return None
-    return body
+    body = bytearray()
+    limit = _HEADER_MAX  # inflated bytes wanted so far: the header's, then the object's and one more
+    declared = -1  # the header's length (with the NUL) and the size it declares, once read
+    left = size + 1  # compressed bytes read at most (a file grown meanwhile is cut short, as git's read)
+    feed = b""
+    ended = False  # the file read to its end
+    while True:
+        if declared < 0:
+            nul = body.find(b"\0", 0, _HEADER_MAX)
+            if nul >= 0:
+                kind, _, digits = bytes(body[:nul]).partition(b" ")
+                if kind not in (b"blob", b"tree", b"commit", b"tag") or not digits.isdigit() or len(digits) > 20 or \
+                        nul + 1 + int(digits) > _LOOSE_MAX:
+                    return None
+                declared = nul + 1 + int(digits)
+                limit = declared + 1
+            elif len(body) >= _HEADER_MAX or inflater.eof:
+                return None  # no header git reads
+        if 0 <= declared < len(body):
+            return None  # longer than its header says
+        if inflater.eof:
+            break
+        if not feed and not ended:
+            feed = os.read(fd, min(_CHUNK, left)) if left > 0 else b""
+            left -= len(feed)
+            ended = not feed
+        if look is not None:
+            look.in_time()
+        before = len(feed)
+        try:
+            out = inflater.decompress(feed, min(limit - len(body), _CHUNK))
+        except zlib.error:
+            return None
+        feed = inflater.unconsumed_tail
+        if not out and not inflater.eof and (ended or len(feed) == before):
+            return None  # cut short: the file ends inside the stream
+        body += out
+        if look is not None:
+            look.bytes += len(out)
+    if inflater.unused_data or feed or (left > 0 and os.read(fd, 1)):
+        return None  # bytes after the stream (git: "garbage at end of loose object")
+    return body if len(body) == declared else None
