@@ -32,7 +32,11 @@ Guarantees:
   what git reads from it for configuration or commands
   (``digests.fingerprint``), and a changed or new one loses those files
   only (its objects and refs stay where they are). Its bulk (``objects``,
-  ``refs``, ``logs``, ``lfs``) is not walked;
+  ``refs``, ``logs``, ``lfs``) is not walked below a ``.git``, inside a git
+  directory, at a baseline, or at an end for one the baseline recorded; a
+  new one elsewhere (``HEAD`` and ``refs`` put beside a project's own
+  ``app/objects/``) has its bulk walked as the worktree, so a repository or
+  an ``.envrc`` planted there is still found;
 - a protected name (the policy's ``protect.paths``, ``DEFAULT_PROTECTED`` by default) matches a
   file or directory of that name at any depth; everything below a protected
   directory is protected too. A new protected directory is moved aside whole,
@@ -122,13 +126,14 @@ _Pending = tuple[int, Node, bool, bool]  # (directory fd or -1: reached again by
 
 class _Walk(Lender):
     def __init__(self, root: str, names: frozenset[str], excluded: list[str], skip_root_git: bool,
-                 ending: bool = False) -> None:
+                 ending: bool = False, known_git: frozenset[str] = frozenset()) -> None:
         super().__init__(root)
         self.ending = ending
         self.names = names
         self.excluded = {os.path.relpath(e, root) for e in excluded if e != root and is_within(e, root)}
         self.excluded_names = {rel.rpartition("/")[2] for rel in self.excluded}
         self.skip_root_git = skip_root_git
+        self.known_git = known_git  # the baseline's git directories (at an end)
         self.entries: dict[str, str] = {}
         self.recorded = 0  # bytes of the paths and digests in ``entries``
         self.budget = Budget()
@@ -273,7 +278,10 @@ class _Walk(Lender):
         if looks_git:
             if rel:
                 self._gitdir(fd, rel)
-                in_git = True
+                # Its bulk is left unwalked only where git keeps it: inside a
+                # git directory, or one the baseline recorded. A new look-alike
+                # beside the project's own ``objects/`` hides nothing there.
+                in_git = in_git or not self.ending or rel in self.known_git
             else:
                 # The worktree itself made to look like a git directory: git
                 # enters it when it finds no .git first (a monorepo's
@@ -444,12 +452,15 @@ class _Walk(Lender):
 
 
 def take(root: str, names: tuple[str, ...] = DEFAULT_PROTECTED, *, excluded: list[str] | None = None,
-         skip_root_git: bool = True, ending: bool = False) -> TreeSnapshot:
+         skip_root_git: bool = True, ending: bool = False, before: TreeSnapshot | None = None) -> TreeSnapshot:
     """Walk ``root`` (see the module); ``ending``: at a session's end, a
     directory past the depth or path bound is recorded as changed (moved
-    aside) rather than the walk stopped. Out of memory, the walk is
+    aside) rather than the walk stopped, and the bulk of a git directory
+    neither named ``.git``, nor inside one, nor a git directory in
+    ``before`` (the baseline) is walked. Out of memory, the walk is
     incomplete as over a bound (the caller fails closed)."""
-    walk = _Walk(root, frozenset(names), excluded or [], skip_root_git, ending)
+    known = frozenset(rel for rel, digest in before.entries.items() if digest == "gitdir") if before else frozenset()
+    walk = _Walk(root, frozenset(names), excluded or [], skip_root_git, ending, known)
     out_of_memory = False
     try:
         walk.run()
