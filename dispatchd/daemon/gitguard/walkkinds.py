@@ -33,9 +33,9 @@ class Node:
     def __init__(self, parent: Node | None, name: str) -> None:
         self.parent = parent
         self.name = name
-        self.depth = parent.depth + 1 if parent is not None else 0
+        self.depth: int = parent.depth + 1 if parent is not None else 0
         own = len(name.encode("utf-8", "surrogateescape"))
-        self.size = (parent.size + 1 + own if parent.depth else own) if parent is not None else 0
+        self.size: int = (parent.size + 1 + own if parent.depth else own) if parent is not None else 0
         self._path: str | None = None
 
     def path(self) -> str:
