@@ -9,10 +9,13 @@ and never equal for what cannot be looked at.
 - ``fingerprint`` records one git directory by what git reads from it for
   configuration or commands (``CONFIG_FILES``, every hook but the samples,
   ``STATE_DIRS``);
-- every read is bounded (``_MAX_READ`` a file), and one walk's reads share a
-  ``Budget`` (bytes in all, each inode once). What cannot be read, is too
-  large or changed type while looked at gets ``never_equal``: a random value
-  no later walk repeats, so that it counts as changed (fail closed).
+- every read is bounded (``_MAX_READ`` a file: a larger one, by its size,
+  is never read), and one walk's reads share a ``Budget`` (bytes read in
+  all, each inode's verdict once, "too large" included: 2,000 hard links to
+  a file one byte over the bound cost one ``fstat`` each, no read). What
+  cannot be read, is too large or changed type while looked at gets
+  ``never_equal``: a random value no later walk repeats, so that it counts
+  as changed (fail closed).
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ def never_equal(why: str) -> str:
 
 
 class Budget:
-    """What one walk may hash: bytes in all, each inode once (a session's
-    2,000 hard links to one large file cost one read)."""
+    """What one walk may hash: bytes read in all, each inode once, its
+    verdict remembered whatever it is (a session's 2,000 hard links to one
+    large file, or to one over the read bound, cost one look)."""
 
     def __init__(self, limit: int = _MAX_HASHED) -> None:
         self.left = limit
@@ -62,23 +66,39 @@ class Budget:
 
 
 def hash_fd(fd: int, limit: int, budget: Budget | None = None) -> str | None:
+    """The SHA-256 of an open file's content, or None: over ``limit`` bytes
+    (known from its size before any read: none is read), grown past it
+    while read, or past what ``budget`` has left. Each inode's verdict,
+    "too large" included, is remembered in ``budget``, and what is read
+    is charged to it: a file's hard links cost one look."""
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if budget is not None and key in budget.seen:
         return budget.seen[key]
-    if budget is not None and min(st.st_size, limit + 1) > budget.left:
+    if st.st_size > limit:
+        if budget is not None:
+            budget.seen[key] = None
         return None
+    if budget is not None and st.st_size > budget.left:
+        return None
+    cap = limit if budget is None else min(limit, budget.left)
     h = hashlib.sha256()
     total = 0
-    while chunk := os.read(fd, 1 << 20):
-        total += len(chunk)
-        if total > limit:
-            return None
-        h.update(chunk)
+    digest: str | None = None
+    try:
+        while chunk := os.read(fd, min(1 << 20, cap + 1 - total)):
+            total += len(chunk)
+            if total > cap:
+                break  # grown while read, past what may be read
+            h.update(chunk)
+        else:
+            digest = h.hexdigest()
+    finally:
+        if budget is not None:
+            budget.left -= total
     if budget is not None:
-        budget.left -= total
-        budget.seen[key] = h.hexdigest()
-    return h.hexdigest()
+        budget.seen[key] = digest
+    return digest
 
 
 def digest_at(dir_fd: int, name: str, budget: Budget | None = None) -> str | None:

@@ -289,7 +289,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
                 failed.append(f"{os.path.join(part.own_gitdir, 'index')}: the review of the index failed "
                               f"({type(exc).__name__})")
     tree = runnables.take(part.root, tuple(part.names), excluded=part.excluded,
-                         skip_root_git=part.layout.kind in ("repository", "linked"), ending=True)
+                         skip_root_git=part.layout.kind in ("repository", "linked"), ending=True, before=part.tree)
     if not tree.complete:
         failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
                       "your tools run")
