@@ -617,6 +617,24 @@ def test_a_linked_worktrees_git_file_made_a_repository_runs_nothing(mode_daemon:
     assert not marker.exists()
 
 
+def _hook_and_controlled_config(repo: Path, marker: Path, hook_text: str) -> tuple[Path, Path, bytes]:
+    """The user's pre-commit hook (``hook_text``, mode 0750) in ``repo``, and
+    the control: its config given ``core.fsmonitor`` by hand makes the
+    user's ``git status`` touch ``marker``; the config then set back.
+    Returns the hook, the config and the config's bytes."""
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    hook.write_text(hook_text)
+    hook.chmod(0o750)
+    config = repo / ".git" / "config"
+    original = config.read_bytes()
+    config.write_text(fsmonitor_config(marker))
+    git(repo, "status", check=False)
+    assert marker.exists()  # the control
+    marker.unlink()
+    config.write_bytes(original)
+    return hook, config, original
+
+
 def test_the_users_config_and_hook_stay_theirs_after_a_session_rewrote_them(mode_daemon: tuple[str, Daemon],
                                                                           repo: Path, tmp_path: Path) -> None:
     """A session rewrites ``.git/config`` (``core.fsmonitor``) and deletes the
@@ -629,16 +647,7 @@ def test_the_users_config_and_hook_stay_theirs_after_a_session_rewrote_them(mode
     mode, daemon = mode_daemon
     marker, hook_ran = tmp_path / "PWNED", tmp_path / "hook-ran"
     git(repo, "config", "user.email", "me@example.invalid")
-    hook = repo / ".git" / "hooks" / "pre-commit"
-    hook.write_text(f"#!/bin/sh\ntouch {hook_ran}\n")
-    hook.chmod(0o750)
-    config = repo / ".git" / "config"
-    original = config.read_bytes()
-    config.write_text(fsmonitor_config(marker))
-    git(repo, "status", check=False)
-    assert marker.exists()  # the control
-    marker.unlink()
-    config.write_bytes(original)
+    hook, config, original = _hook_and_controlled_config(repo, marker, f"#!/bin/sh\ntouch {hook_ran}\n")
     with daemon.connect() as c, c.open_session(str(repo)) as s:
         plant = f"printf '{fsmonitor_config(marker)}' > .git/config && rm .git/hooks/pre-commit && echo WROTE"
         _held_in_full_mode(mode, shell(s, plant), ".git/config: Read-only file system")
@@ -718,16 +727,7 @@ def test_a_nested_repositorys_config_and_hook_come_back_after_a_session_rewrote_
     git(inner, "init", "-q", "-b", "trunk")
     git(inner, "commit", "--allow-empty", "-qm", "inner")
     git(inner, "remote", "add", "origin", "https://example.invalid/users-remote.git")
-    hook = inner / ".git" / "hooks" / "pre-commit"
-    hook.write_text("#!/bin/sh\n# the user's checks\n")
-    hook.chmod(0o750)
-    config = inner / ".git" / "config"
-    original = config.read_bytes()
-    config.write_text(fsmonitor_config(marker))
-    git(inner, "status", check=False)
-    assert marker.exists()  # the control
-    marker.unlink()
-    config.write_bytes(original)
+    hook, config, original = _hook_and_controlled_config(inner, marker, "#!/bin/sh\n# the user's checks\n")
     plant = f"printf '{fsmonitor_config(marker)}' > .git/config && rm .git/hooks/pre-commit && echo WROTE"
     held = mode == "full" and where == "inner-beside-outer"
     with daemon.connect() as c, c.open_session(str(repo)) as outer:
