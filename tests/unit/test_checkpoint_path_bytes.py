@@ -143,3 +143,15 @@ def test_a_deep_tree_of_long_names_is_refused_within_memory(tmp_path: Path, file
                 "one listing holds)")
     finally:
         assert not treewalk.remove_tree(str(wt)).skipped
+
+
+def test_a_policy_s_larger_max_files_scales_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A monorepo's policy raises ``max_files`` (700,000 files of 100-byte
+    paths are more than 64 MiB): the bound scales with it, the default's
+    for every default-sized one. The twin: the default policy is refused
+    past the bound, as above."""
+    wt = _worktree(tmp_path)
+    monkeypatch.setattr(reading, "MAX_PATH_BYTES", HELD - 1)
+    with pytest.raises(CheckpointError):
+        cp.list_tree(wt, Checkpoints())
+    assert len(cp.list_tree(wt, Checkpoints(max_files=Checkpoints().max_files + 1))[0]) == 5  # twice the bound

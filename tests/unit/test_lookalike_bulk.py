@@ -69,3 +69,19 @@ def test_a_bare_repository_the_baseline_recorded_keeps_its_bulk_unwalked(
     assert end.complete and sorted(runnables.changes(before, end)) == ["sub/.git/config"]
     assert not {"objects", "refs", "00", "13"} & set(opened), opened
     assert "bare" in opened and "hooks" in opened  # the twin: the rest of each walked
+
+
+def test_a_link_into_a_blind_spot_named_like_another_part_s_root_is_recorded(tmp_path: Path) -> None:
+    """Another part's root (``parts/sub``) is its own walk's; a link named
+    ``sub`` elsewhere (``lib/sub -> ../.git/objects/hidden``, a repository
+    hidden where the walk does not look) was passed over by its name alone,
+    never moved aside. The twin: the same link under any other name."""
+    wt = tmp_path / "wt"
+    (wt / "parts" / "sub").mkdir(parents=True)
+    (wt / "lib").mkdir()
+    excluded = [str(wt / "parts" / "sub")]
+    before = runnables.take(str(wt), excluded=excluded)
+    os.symlink("../.git/objects/hidden", wt / "lib" / "sub")
+    os.symlink("../.git/objects/hidden", wt / "lib" / "other")
+    end = runnables.take(str(wt), excluded=excluded, ending=True, before=before)
+    assert end.complete and sorted(runnables.changes(before, end)) == ["lib/other", "lib/sub"]

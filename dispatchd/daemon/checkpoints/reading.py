@@ -4,8 +4,9 @@ clone where the file system clones, else a copy within the byte budget).
 
 The listing holds every entry's full path: besides the policy's
 ``max_files`` and ``max_depth``, the bytes of those paths (and of the
-symlinks' targets) are bounded together by ``MAX_PATH_BYTES``, a fixed
-bound (the two budgets alone let 200,000 paths of 250 levels of 250-byte
+symlinks' targets) are bounded together by ``MAX_PATH_BYTES`` for the
+default ``max_files``, scaled with a policy's larger one (a monorepo's
+700,000 files of 100-byte paths fit it) (the two budgets alone let 200,000 paths of 250 levels of 250-byte
 names, 12 GB, be held by one checkpoint: the daemon killed for memory at a
 restore's ``before`` checkpoint, or at any write under ``before_writes``).
 """
@@ -83,16 +84,17 @@ def list_tree(root: str, policy: CheckpointPolicy, verb: str = "checkpoint", *,
         return False
 
     held = 0  # bytes of the paths (and targets) in ``entries``
+    bound = MAX_PATH_BYTES * max(1, -(-policy.max_files // CheckpointPolicy().max_files))
 
     def add(made: Entry | None) -> None:
         nonlocal held
         if made is None:
             return
         held += len(made.path) + len(made.target)
-        if held > MAX_PATH_BYTES:
-            mib = f"{MAX_PATH_BYTES / (1 << 20):g} MiB, " if MAX_PATH_BYTES >= 1 << 20 else ""
+        if held > bound:
+            mib = f"{bound / (1 << 20):g} MiB, " if bound >= 1 << 20 else ""
             raise Refused(f"{verb} refused: the paths of the worktree's entries (each from the worktree's top) "
-                          f"and its symlinks' targets add up to more than {MAX_PATH_BYTES} bytes ({mib}dispatchd's "
+                          f"and its symlinks' targets add up to more than {bound} bytes ({mib}dispatchd's "
                           f"fixed bound on what one listing holds)")
         entries.append(made)
 

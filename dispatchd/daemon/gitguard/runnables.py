@@ -334,8 +334,9 @@ class _Walk(Lender):
                             self.why = f"more than {MAX_DIRS} directories"
                             return None
                         subdirs.append(name)
-                    if kind == "symlink" and not (protected or named or name == ".git"
-                                                  or name in self.excluded_names):
+                    # Another part's root itself is its walk's, not a name like it elsewhere.
+                    if kind == "symlink" and not (protected or named or name == ".git" or (
+                            name in self.excluded_names and f"{node.path()}/{name}".lstrip("/") in self.excluded)):
                         rel = node.path() if rel is None else rel
                         named = _into_blind_spot(fd, name, rel)  # recorded: a new one is moved aside (not its target)
                     if protected or named or name == ".git" or name in _GIT_READS or name in self.excluded_names:
