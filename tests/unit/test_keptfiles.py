@@ -422,3 +422,70 @@ def test_nothing_is_made_where_a_git_directory_or_the_way_to_it_is_gone(hooks_pa
     shutil.rmtree(repo / ".git")
     _end(repo, before)
     assert not (repo / ".git").exists()
+
+
+def test_a_hooks_path_an_included_config_sets_is_kept_and_put_back(repo: Path) -> None:
+    """``[include] path = ../.gitconfig.shared`` setting ``core.hooksPath``
+    (a shared config): git reads it as the repository's own, but only the
+    config's own hooks path was looked at, so a session's rewrite of a hook
+    there ran at the user's next commit, unreported. The twin: the
+    include's own bytes are kept and judged as before."""
+    hooks = repo / ".githooks"
+    hooks.mkdir()
+    (hooks / "pre-commit").write_text(HOOK)
+    (repo / ".gitconfig.shared").write_text("[core]\n\thooksPath = .githooks\n")
+    git(repo, "config", "include.path", "../.gitconfig.shared")
+    before = _take(repo, keep=True)
+    assert {".gitconfig.shared", ".githooks/pre-commit"} <= {k.rel for k in before.kept if k.source == "included"}
+    (hooks / "pre-commit").write_text("#!/bin/sh\necho planted\n")
+    moved, put, failed = _end(repo, before)
+    assert failed == [] and put == [(str(hooks / "pre-commit"), "yours, as it was before the session changed it, put back")]
+    assert (hooks / "pre-commit").read_text() == HOOK
+
+
+def test_a_killed_put_back_s_leftovers_beside_a_hook_are_swept_before_the_look(
+        hooks_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon killed while it put a hook back left its temporary and the
+    lock that is its second name; the next end's look took both for a
+    session's new hooks, moved them aside and said so. Now they are swept
+    first (journal-known, nobody's flock). The twin: a file of that shape a
+    session made is still moved aside."""
+    from dispatchd.daemon.gitguard import lockfile, ournames
+
+    monkeypatch.setattr(ournames, "_journal", ournames._journal)  # this process's journal back after the test
+    ournames.use(str(tmp_path / "state"))
+    before = _take(hooks_path, keep=True)
+    fd = os.open(hooks_path / ".githooks", os.O_PATH | os.O_DIRECTORY)
+    try:
+        dead = lockfile.temporary(fd, "pre-commit", b"the user's, half put back\n")
+        dead.take(lockfile.Policy(0.05))
+        dead.close()  # the daemon's death: both names left, its flock gone
+    finally:
+        os.close(fd)
+    planted = hooks_path / ".githooks" / "pre-push.dispatchd-0123456789abcdef.lock"
+    planted.write_text("a session's\n")
+    keptfiles.sweep(str(hooks_path), before.kept)
+    moved, put, failed = _end(hooks_path, before)
+    assert failed == [] and put == []
+    assert sorted(os.listdir(hooks_path / ".githooks")) == sorted(["pre-commit", os.path.basename(_aside(planted)[0])])
+
+
+def test_locks_beside_many_hooks_cost_one_wait_in_all(hooks_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lock planted beside each of many kept hooks was a wait each (a
+    second; thousands of files: hours of an end, the domain's lock held).
+    Now one wait in all, each moved aside. The twin: a single one is
+    waited for, then moved aside (above)."""
+    import time
+
+    hooks = hooks_path / ".githooks"
+    for i in range(10):
+        (hooks / f"hook-{i}").write_text(HOOK)
+    before = _take(hooks_path, keep=True)
+    monkeypatch.setattr(keptfiles.gitlock, "WAIT_S", 0.3)
+    for i in range(10):
+        (hooks / f"hook-{i}.lock").write_text("")
+        (hooks / f"hook-{i}").unlink()
+    began = time.monotonic()
+    moved, put, failed = _end(hooks_path, before)
+    assert time.monotonic() - began < 2.0  # before: 10 waits of 0.3 s
+    assert failed == [] and len(put) == 10 and all((hooks / f"hook-{i}").read_text() == HOOK for i in range(10))

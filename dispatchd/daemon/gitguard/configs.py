@@ -134,10 +134,18 @@ def config_targets(dir_fd: int) -> tuple[list[str], list[str]]:
     return includes, hooks
 
 
-def includes_of(dir_fd: int, name: str) -> list[str]:
-    """The include paths of one included config file (regular, bounded)."""
-    return [value for section, sub, key, value in config_entries(_read_config(dir_fd, name) or "")
-            if value and _is_include(section, sub, key)]
+def includes_of(dir_fd: int, name: str) -> tuple[list[str], list[str]]:
+    """The include paths and the ``core.hooksPath`` values of one included
+    config file (regular, bounded): git reads an included file's settings
+    as its includer's, a hooks path among them."""
+    includes: list[str] = []
+    hooks: list[str] = []
+    for section, sub, key, value in config_entries(_read_config(dir_fd, name) or ""):
+        if value and _is_include(section, sub, key):
+            includes.append(value)
+        elif value and section == "core" and sub is None and key == "hookspath":
+            hooks.append(value)
+    return includes, hooks
 
 
 _MAX_USER_FILES = 32  # the user's config files read, includes and all

@@ -206,9 +206,13 @@ class Walk:
     def config_targets(self, gitdir_rel: str, worktree_rel: str, includes: list[str], hooks_paths: list[str]) -> None:
         """Record what a git directory's configuration reads from or runs in
         the worktree: include targets (followed, as git does, up to
-        ``_MAX_INCLUDES`` deep) and every entry of a ``core.hooksPath`` there."""
+        ``_MAX_INCLUDES`` deep) and every entry of a ``core.hooksPath`` there,
+        one an included file sets too (a shared config's). An entry an end
+        moved aside is no hook (git runs exact names): not recorded, as
+        ``fingerprint`` leaves it out of ``hooks``."""
         gitdir_abs = os.path.join(self.worktree, gitdir_rel)
         pending = [(value, gitdir_abs, 0) for value in includes]
+        hooks_paths = list(hooks_paths)
         while pending:
             value, base, depth = pending.pop()
             path = self._expand(value, base)
@@ -219,8 +223,10 @@ class Walk:
                 self.included[rel] = never_equal("too many includes")
                 continue
             self.included[rel] = self._digest_rel(rel)
-            for more in self._includes_of(rel):
-                pending.append((more, os.path.dirname(os.path.join(self.worktree, rel)), depth + 1))
+            more, hooks = self._includes_of(rel)
+            hooks_paths += hooks
+            for value in more:
+                pending.append((value, os.path.dirname(os.path.join(self.worktree, rel)), depth + 1))
         for value in hooks_paths + self.user_hooks:
             path = self._expand(value, os.path.join(self.worktree, worktree_rel))
             rel = self._inside(path) if path else None
@@ -239,7 +245,7 @@ class Walk:
                 if len(names) > MAX_ENTRIES:
                     self.included[rel] = never_equal("too many entries")
                     continue
-                for name in names:
+                for name in (n for n in names if fs.QUARANTINED not in n):
                     digest = digest_at(fd, name, self.budget)
                     if digest is not None:
                         self.included[f"{rel}/{name}"] = digest
@@ -261,14 +267,15 @@ class Walk:
         finally:
             os.close(fd)
 
-    def _includes_of(self, rel: str) -> list[str]:
+    def _includes_of(self, rel: str) -> tuple[list[str], list[str]]:
+        """An included file's includes and hooks paths (``configs.includes_of``)."""
         parent, _, name = rel.rpartition("/")
         try:
             fd = self.open(parent)
         except OSError:
-            return []
+            return [], []
         if fd is None:
-            return []
+            return [], []
         try:
             return includes_of(fd, name)
         finally:

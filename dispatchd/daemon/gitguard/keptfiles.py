@@ -53,6 +53,7 @@ import errno
 import hashlib
 import os
 import stat
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -299,11 +300,15 @@ def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]]
     due = _due(worktree, kept, gitdirs, external, skip, included or {}, tree or {})
     seen: dict[str, bool] = {}
     _sweep(worktree, [k for k in kept if _there(worktree, k, seen) and not skip(os.path.join(k.base or worktree, k.rel))])
+    # One wait in all for the locks beside files a session could write: a
+    # lock planted beside each of thousands of kept files was a second each.
+    deadline = time.monotonic() + gitlock.WAIT_S
     for k, now in due:
         path = os.path.join(k.base or worktree, k.rel)
+        left = k.source in ("tree", "included")
         try:
-            aside = write_below(k.base or worktree, k.rel, k.data.encode("latin-1"), k.mode,
-                                move_left=k.source in ("tree", "included"))
+            aside = write_below(k.base or worktree, k.rel, k.data.encode("latin-1"), k.mode, move_left=left,
+                                wait_s=max(0.0, deadline - time.monotonic()) if left else None)
         except Left as left:
             failed.append(f"{path}: changed, yours not put back: {left}")
             continue
@@ -317,6 +322,14 @@ def put_back(worktree: str, kept: list[Kept], gitdirs: dict[str, dict[str, str]]
         what = "deleted" if now is None else "changed"
         done.append((path, f"yours, as it was before the session {what} it, put back"))
     return done, failed
+
+
+def sweep(worktree: str, kept: list[Kept]) -> None:
+    """What a killed daemon's put-back left beside ``kept``, removed before
+    the end's look (``_sweep``): its lock and temporary, seen first, were
+    taken for a session's new hooks and moved aside, and said as its."""
+    seen: dict[str, bool] = {}
+    _sweep(worktree, [k for k in kept if _there(worktree, k, seen)])
 
 
 def _sweep(worktree: str, due: list[Kept]) -> None:
@@ -364,7 +377,8 @@ class Left(Exception):
     """A lock held past ``gitlock.WAIT_S``: what stands there was left (see ``gitlock.left_held``), said."""
 
 
-def write_below(top: str, rel: str, data: bytes, mode: int | None = None, *, move_left: bool = False) -> str | None:
+def write_below(top: str, rel: str, data: bytes, mode: int | None = None, *, move_left: bool = False,
+                wait_s: float | None = None) -> str | None:
     """``rel`` below ``top`` holding ``data`` (``mode``: its permission
     bits; None: 0644 less the umask), under git's lock
     (``gitlock.replace``), its directory reached from ``top`` one component
@@ -373,7 +387,8 @@ def write_below(top: str, rel: str, data: bytes, mode: int | None = None, *, mov
     nothing stood there), or None when it held ``data`` already. No room
     for a step: the ballast freed and tried again, then what stands there
     made unreadable (``noroom``). ``Left`` where git's lock stays held;
-    with ``move_left`` it is moved aside instead (``gitlock.replace``)."""
+    with ``move_left`` it is moved aside instead (``gitlock.replace``; after
+    ``wait_s``, None: ``gitlock.WAIT_S``)."""
     parent, _, leaf = rel.rpartition("/")
     fd = os.open(top, _DIR)
     try:
@@ -384,7 +399,7 @@ def write_below(top: str, rel: str, data: bytes, mode: int | None = None, *, mov
         got: list[str | None] = []
 
         def attempt() -> str:
-            got[:] = [gitlock.replace(fd, leaf, data, mode, move_left=move_left)]
+            got[:] = [gitlock.replace(fd, leaf, data, mode, move_left=move_left, wait_s=wait_s)]
             return ""
         try:
             noroom.moved(attempt, lambda: os.fstat(fd).st_dev, lambda: noroom.disarm_at(fd, leaf))

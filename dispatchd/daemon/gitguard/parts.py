@@ -253,6 +253,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
     said = said if said is not None else Bounded()
     failed: list[str] = []
     skip = covered if covered is not None else set()
+    keptfiles.sweep(part.root, part.git.kept + part.tree.kept)  # a killed put-back's, before the looks see them
     if part.layout.kind in ("repository", "linked"):
         unmoved: set[str] = set()
         moved, bad = quarantine_new_redirects(part.layout, part.redirects, part.root,
