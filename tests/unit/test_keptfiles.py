@@ -489,3 +489,39 @@ def test_locks_beside_many_hooks_cost_one_wait_in_all(hooks_path: Path, monkeypa
     moved, put, failed = _end(hooks_path, before)
     assert time.monotonic() - began < 2.0  # before: 10 waits of 0.3 s
     assert failed == [] and len(put) == 10 and all((hooks / f"hook-{i}").read_text() == HOOK for i in range(10))
+
+
+def test_a_nested_repository_s_own_hooks_path_is_checked_kept_and_put_back(repo: Path) -> None:
+    """A clone inside the worktree with ``core.hooksPath = .githooks`` (its
+    own, relative to it): a session's rewrite of a hook there, or a new one,
+    ran at the user's next commit in that clone, unseen (only its ``.git``
+    was looked at). Now judged as the worktree's own hooks path: the user's
+    put back, a new one moved aside. The twin: left alone, nothing said."""
+    from dispatchd.daemon.gitguard import parts
+
+    inner = empty_repo(repo / "inner", "inner")
+    (inner / ".githooks").mkdir()
+    (inner / ".githooks" / "pre-commit").write_text(HOOK)
+    git(inner, "config", "core.hooksPath", ".githooks")
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    before = parts.baseline_tree(str(repo), (), [], layout)
+    assert "inner/.githooks/pre-commit" in {k.rel for k in before.kept}
+
+    def end() -> tuple[list[str], list[tuple[str, str]], list[str]]:
+        now = runnables.take(str(repo), skip_root_git=True, ending=True, before=before)
+        parts.nested_targets(str(repo), "", now.entries)
+        locked = keptfiles.left_in_place(str(repo), before.kept, {}, {}, tree=now.entries)
+        moved, failed = runnables.quarantine(str(repo), [r for r in runnables.changes(before, now)
+                                                         if str(repo / r) not in locked])
+        put, bad = keptfiles.put_back(str(repo), before.kept, {}, {}, tree=now.entries)
+        return moved, put, failed + bad
+
+    assert end() == ([], [], [])  # the twin
+    (inner / ".githooks" / "pre-commit").write_text("#!/bin/sh\necho planted\n")
+    (inner / ".githooks" / "post-checkout").write_text("#!/bin/sh\necho new\n")
+    moved, put, failed = end()
+    assert failed == [] and [p for p in put if p[1] != ASIDE] == [
+        (str(inner / ".githooks" / "pre-commit"), "yours, as it was before the session changed it, put back")]
+    assert [p for p in put if p[1] == ASIDE][0][0].startswith(str(inner / ".githooks" / "pre-commit") + fs.QUARANTINED)
+    assert [os.path.basename(m).startswith("post-checkout" + fs.QUARANTINED) for m in moved] == [True]
+    assert (inner / ".githooks" / "pre-commit").read_text() == HOOK

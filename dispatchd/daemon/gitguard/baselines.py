@@ -218,7 +218,7 @@ class Baselines:
             covered, unkept = any(is_within(root, p.root) for p in record.parts), ""
             if not covered:
                 excluded = [p.root for p in record.parts if is_within(p.root, root)]
-                tree = baseline_tree(root, names, excluded, layout)
+                tree = baseline_tree(root, names, excluded, layout, self.home)
                 if record.sessions:  # sessions of the domain run: what they could write is no one's to put back
                     snapshot = keep_outside(snapshot, root, record.reach)
                     tree = keep_outside(tree, root, record.reach)

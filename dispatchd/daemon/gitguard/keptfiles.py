@@ -124,11 +124,13 @@ def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
     return _with_bytes(worktree, wanted)
 
 
-def read_tree(root: str, entries: dict[str, str]) -> list[Kept]:
+def read_tree(root: str, entries: dict[str, str], targets: dict[str, str] | None = None) -> list[Kept]:
     """What to keep of the repositories a tree walk found in the worktree
     (``runnables``' ``entries``: a git directory's key holds ``gitdir``, its
     files follow below it): their config, hooks (no ``*.sample``: git runs
-    none) and review files, as of the repository's own ``.git``."""
+    none) and review files, as of the repository's own ``.git``; and the
+    files their configuration runs or reads in the worktree (``targets``:
+    each -> its repository's git directory, ``parts.nested_targets``)."""
     gitdirs = {rel for rel, digest in entries.items() if digest == "gitdir"}
     wanted: list[Kept] = []
     for rel, digest in entries.items():
@@ -141,6 +143,9 @@ def read_tree(root: str, entries: dict[str, str]) -> list[Kept]:
         name = rel[len(gitdir) + 1:] if gitdir else rel
         if _wanted(name) and _keepable(os.path.basename(name)):
             wanted.append(Kept(base="", rel=rel, mode=0, data="", gitdir=gitdir, name=name, source="tree"))
+    for rel, gitdir in (targets or {}).items():
+        if entries.get(rel, "").startswith("file:") and _keepable(os.path.basename(rel)):
+            wanted.append(Kept(base="", rel=rel, mode=0, data="", gitdir=gitdir, source="tree"))
     return _with_bytes(root, wanted)
 
 

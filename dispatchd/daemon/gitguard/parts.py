@@ -20,8 +20,8 @@ from typing import TypeVar
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import (configs, history, indexreview, keptfiles, noroom, packlinks, refsback, runnables,
-                                       snapshots)
+from dispatchd.daemon.gitguard import (configs, gitdirs, history, indexreview, keptfiles, noroom, packlinks, refsback,
+                                       runnables, snapshots)
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects, redirects_present
 from dispatchd.errors import WorktreeError
 from dispatchd.fsnames import shown
@@ -185,7 +185,7 @@ def renew(record: Record, keep_dir: str) -> None:
     for i, p in enumerate(record.parts):  # every walk first: one over its bounds changes nothing
         if not p.unwritten:
             continue
-        tree = baseline_tree(p.root, tuple(p.names), p.excluded, p.layout)
+        tree = baseline_tree(p.root, tuple(p.names), p.excluded, p.layout, p.home)
         renewed[i] = msgspec.structs.replace(p, git=snapshots.take(p.root, p.layout, p.home, keep=True),
                                              tree=tree, redirects=redirects_present(p.layout, p.root),
                                              unwritten=False)
@@ -225,19 +225,57 @@ def keep_outside(snapshot: _Looked, root: str, reach: list[str] | None) -> _Look
     return msgspec.structs.replace(snapshot, kept=kept)
 
 
-def baseline_tree(root: str, names: tuple[str, ...], excluded: list[str], layout: GitLayout) -> runnables.TreeSnapshot:
-    """A part's tree walk at its baseline (``runnables.take``), with the
-    bytes of the config and hooks of the repositories it found
-    (``keptfiles.read_tree``; the walk then holds the digests of the bytes
-    kept). ``WorktreeError`` past the walk's bounds."""
+def baseline_tree(root: str, names: tuple[str, ...], excluded: list[str], layout: GitLayout,
+                  home: str = "") -> runnables.TreeSnapshot:
+    """A part's tree walk at its baseline (``runnables.take``, with
+    ``nested_targets``), with the bytes of the config and hooks of the
+    repositories it found and of what their configuration runs or reads in
+    the worktree (``keptfiles.read_tree``; the walk then holds the digests
+    of the bytes kept). ``WorktreeError`` past the walk's bounds."""
     tree = runnables.take(root, names, excluded=excluded, skip_root_git=layout.kind in ("repository", "linked"))
     if not tree.complete:
         raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and files your "
                             "tools run; no session opened", root)
-    kept = keptfiles.read_tree(root, tree.entries)
+    targets = nested_targets(root, home, tree.entries)
+    kept = keptfiles.read_tree(root, tree.entries, targets)
     for k in kept:  # read a moment after the walk: judged by the bytes kept (as snapshots.take does)
         tree.entries[k.rel] = keptfiles.digest_of(k)
     return msgspec.structs.replace(tree, kept=kept)
+
+
+def nested_targets(root: str, home: str, entries: dict[str, str]) -> dict[str, str]:
+    """What the configuration of each repository the tree walk found in
+    the worktree (``PATH/.git``) runs or reads there, as the worktree's own
+    is looked at (``gitdirs.Walk.config_targets``: every entry of its
+    ``core.hooksPath``, relative to ``PATH``, the user's own included, and
+    its includes' targets): added to ``entries`` (the walk's; what it holds
+    already is left), and returned, each file -> its repository's git
+    directory. A session's hook planted in a nested clone's ``.githooks``
+    ran at the user's next commit there, unseen."""
+    nested = sorted(r for r, digest in entries.items() if digest == "gitdir" and r.endswith("/.git"))
+    found: dict[str, str] = {}
+    if not nested:
+        return found
+    walk = gitdirs.Walk(root, home)
+    for rel in nested:
+        try:
+            fd = walk.open(rel)  # no symlink on the way
+        except OSError:
+            continue
+        if fd is None:
+            continue
+        try:
+            includes, hooks = configs.config_targets(fd)
+        finally:
+            os.close(fd)
+        had = set(walk.included)
+        walk.config_targets(rel, rel[:-len("/.git")], includes, hooks)
+        for path in walk.included.keys() - had:
+            digest = walk.included[path]
+            if digest not in ("absent", "directory", "hooks directory") and path not in entries:
+                entries[path] = digest
+                found[path] = rel
+    return found
 
 
 def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None,
@@ -295,6 +333,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
                       "your tools run")
         return failed
+    nested_targets(part.root, part.home, tree.entries)  # judged as the baseline's were
     # A nested repository's config and hooks: replaced under git's lock by the put-back, never renamed away first.
     locked = keptfiles.left_in_place(part.root, part.tree.kept, {}, {}, tree=tree.entries)
     moved, bad = runnables.quarantine(part.root, [rel for rel in runnables.changes(part.tree, tree)
