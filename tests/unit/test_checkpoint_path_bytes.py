@@ -18,6 +18,7 @@ from dispatchd.daemon import checkpoints as cp
 from dispatchd.daemon.checkpoints import reading
 from dispatchd.errors import CheckpointError
 from dispatchd.policy import Checkpoints
+from tests.unit.deeptrees import chain, touch
 
 LONG = b"b" * 250
 
@@ -91,15 +92,9 @@ def test_the_default_bound_is_64_mib_and_says_so(tmp_path: Path, monkeypatch: py
 
 def _deep(wt: Path, levels: int, files: int) -> None:
     wt.mkdir()
-    fd = os.open(wt, os.O_RDONLY | os.O_DIRECTORY)
+    fd = chain(wt, levels, LONG)
     try:
-        for _ in range(levels):
-            os.mkdir(LONG, dir_fd=fd)
-            nxt = os.open(LONG, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        for i in range(files):
-            os.close(os.open(f"f{i}", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+        touch(fd, *(f"f{i}" for i in range(files)))
     finally:
         os.close(fd)
 

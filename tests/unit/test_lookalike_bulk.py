@@ -13,6 +13,7 @@ import pytest
 
 from dispatchd.daemon.gitguard import runnables
 from tests.unit.gitrepo import git
+from tests.unit.deeptrees import opened_by_walks
 
 PLANTED = ["app/objects/tool/.envrc", "app/objects/tool/.git/config", "app/objects/tool/.vscode"]
 
@@ -57,14 +58,7 @@ def test_a_bare_repository_the_baseline_recorded_keeps_its_bulk_unwalked(
     before = runnables.take(str(wt))
     assert before.entries["bare"] == "gitdir"
     git(tmp_path, "init", "-q", str(wt / "sub"))
-    opened: list[str] = []
-    real = runnables._open_dir
-
-    def counting(dir_fd: int, name: str) -> int | None:
-        opened.append(name)
-        return real(dir_fd, name)
-
-    monkeypatch.setattr(runnables, "_open_dir", counting)
+    opened = opened_by_walks(monkeypatch)
     end = runnables.take(str(wt), ending=True, before=before)
     assert end.complete and sorted(runnables.changes(before, end)) == ["sub/.git/config"]
     assert not {"objects", "refs", "00", "13"} & set(opened), opened

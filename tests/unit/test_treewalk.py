@@ -13,6 +13,7 @@ from pathlib import Path
 from dispatchd import treewalk
 from dispatchd.daemon import leftovers
 from dispatchd.tempfiles import sweep_temp_files, temp_name
+from tests.unit.deeptrees import chain, touch
 
 DEEP = 1500  # past Python's recursion limit (1,000)
 
@@ -21,14 +22,9 @@ def _nest(top: Path, depth: int, name: str = "d") -> Path:
     """``depth`` nested directories under ``top``, made by descriptor (the
     path grows past PATH_MAX), a file in the deepest; returns ``top``."""
     top.mkdir(parents=True, exist_ok=True)
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    fd = chain(top, depth, name)
     try:
-        for _ in range(depth):
-            os.mkdir(name, dir_fd=fd)
-            nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+        touch(fd, "f", mode=0o600)
     finally:
         os.close(fd)
     return top

@@ -17,20 +17,14 @@ from pathlib import Path
 import pytest
 
 from dispatchd.daemon.gitguard import runnables
+from tests.unit.deeptrees import chain
 
 LONG = "a" * 250  # one name: 250 bytes
 
 
 def _chain(root: Path, depth: int) -> int:
-    """``root/LONG/LONG/...`` ``depth`` deep, made by descriptor (far past
-    PATH_MAX); returns a descriptor of the bottom directory."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(depth):
-        os.mkdir(LONG, dir_fd=fd)
-        nxt = os.open(LONG, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = nxt
-    return fd
+    """``root/LONG/LONG/...`` ``depth`` deep (far past PATH_MAX); a descriptor of the bottom directory."""
+    return chain(root, depth, LONG)
 
 
 def _remove(root: Path) -> None:

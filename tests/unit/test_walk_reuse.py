@@ -20,6 +20,7 @@ from dispatchd import treewalk
 from dispatchd.daemon.gitguard import baselines, fs, indexfile, layouts, redirects, runnables, snapshots
 from dispatchd.tempfiles import no_temp_files, sweep_temp_files, temp_name
 from tests.unit.gitrepo import git, make_repo
+from tests.unit.deeptrees import opened_by_walks
 
 pytestmark = pytest.mark.process  # git makes the repositories
 
@@ -73,13 +74,7 @@ def test_an_unchanged_leaf_directory_is_not_opened_again_and_a_changed_one_is(
         (repo / f"p{i}").mkdir()
         (repo / f"p{i}" / "f.py").write_text("x\n")
     before = baseline(repo)
-    opened: list[str] = []
-    real = runnables._open_dir
-
-    def counting(dir_fd: int, name: str) -> int | None:
-        opened.append(name)
-        return real(dir_fd, name)
-    monkeypatch.setattr(runnables, "_open_dir", counting)
+    opened = opened_by_walks(monkeypatch)
     now = runnables.take(str(repo))
     assert now.entries == before.entries and now.complete
     assert not [n for n in opened if n.startswith("p")]  # each leaf known by a stat of its name
