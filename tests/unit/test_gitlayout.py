@@ -104,6 +104,10 @@ def test_a_hooks_path_inside_the_git_directory_is_held_as_hooks_is(repo: Path, t
     assert str(repo / ".git" / "myhooks") in layout.read_only
     assert str(repo / ".git" / "not-yet" / "hooks") in layout.read_only  # made, empty, to be held
     assert os.listdir(repo / ".git" / "not-yet" / "hooks") == []
+    (repo / ".git" / "swapped").symlink_to(outside)  # a link on the way: nothing made through it
+    git(repo, "config", "--add", "core.hooksPath", ".git/swapped/hooks")
+    assert str(repo / ".git" / "swapped" / "hooks") not in layouts.inspect_git(str(repo), uid=os.getuid()).read_only
+    assert os.listdir(outside) == []
     for not_held in (repo / ".githooks", repo / ".git" / "linked", repo / ".git" / "real", outside):
         assert str(not_held) not in layout.read_only
 

@@ -377,11 +377,31 @@ def _hooks_paths_inside(worktree: str, gitdir: str) -> list[str]:
         path = os.path.normpath(os.path.join(worktree, value))
         if not is_below(path, gitdir) or path == os.path.join(gitdir, "hooks"):
             continue
-        if not os.path.lexists(path) and os.path.realpath(os.path.dirname(path)) == os.path.dirname(path):
-            try:  # made empty, as ``hooks`` is: a session must not create the one git would run
-                os.makedirs(path, 0o755, exist_ok=True)
-            except OSError:
-                continue
+        if not os.path.lexists(path):
+            _make_below(gitdir, os.path.relpath(path, gitdir))  # as ``hooks`` is: none of a session's making
         if os.path.realpath(path) == path and is_dir(path):
             found.append(path)
     return found
+
+
+def _make_below(top: str, rel: str) -> None:
+    """The directories of ``rel`` below ``top`` made where missing (0755),
+    each reached by descriptor, no symlink followed: a link a running
+    session swapped in on the way makes nothing elsewhere. Best effort."""
+    try:
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        for part in rel.split("/"):
+            try:
+                os.mkdir(part, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
