@@ -81,6 +81,45 @@ def test_hooks_and_config_stay_read_only_while_git_works(mode_client, repo: Path
     assert not (repo / ".git" / "hooks" / "pre-commit").exists()
 
 
+@pytest.mark.parametrize("set_by", ["config", "include"])
+def test_a_hooks_path_inside_git_is_read_only_wherever_the_config_sets_it(mode_client, repo: Path,
+                                                                          set_by: str) -> None:
+    """``core.hooksPath`` names ``.git/myhooks`` and ``.githooks``, set in
+    ``.git/config`` or in a file it includes (``.git/hooks.inc``). Full mode:
+    the hooks in ``.git`` are held read-only as ``.git/hooks`` is (EROFS),
+    and git goes on working; before, one an included file set was writable
+    while the session ran (checked and put back only at its end). The twin:
+    the hooks path beside the code stays writable (checkouts and the
+    project's tools write there: docs/design.md), its hook put back at the
+    end. Degraded mode: nothing is held, as the status says."""
+    mode, client = mode_client
+    users = "#!/bin/sh\n# the user's checks\n"
+    for where in (".git/myhooks", ".githooks"):
+        (repo / where).mkdir()
+        (repo / where / "pre-commit").write_text(users)
+        (repo / where / "pre-commit").chmod(0o755)
+    setting = "[core]\n\thooksPath = .githooks\n\thooksPath = .git/myhooks\n"
+    if set_by == "include":
+        (repo / ".git" / "hooks.inc").write_text(setting)
+        git(repo, "config", "include.path", "hooks.inc")
+    else:
+        with open(repo / ".git" / "config", "a") as config:
+            config.write(setting)
+    with client.open_session(str(repo)) as s:
+        for where in (".git/myhooks", ".githooks"):
+            r = shell(s, f"echo 'echo planted' >> {where}/pre-commit && echo WROTE")
+            if mode == "full" and where == ".git/myhooks":
+                assert not r.is_success and f"{where}/pre-commit: Read-only file system" in r.metadata["stderr"], r
+            else:
+                assert r.output == "WROTE\n", (r.output, r.error)
+        assert shell(s, WORKFLOW).is_success  # the user's hook (the last hooksPath) runs, and passes
+    assert {p["path"]: p["why"] for p in s.protected if "put back" in p["why"]} == {
+        str(repo / where / "pre-commit"): "yours, as it was before the session changed it, put back"
+        for where in ((".git/myhooks", ".githooks") if mode == "degraded" else (".githooks",))}
+    for where in (".git/myhooks", ".githooks"):
+        assert (repo / where / "pre-commit").read_text() == users
+
+
 def test_a_planted_commondir_is_moved_aside_when_the_session_ends(mode_client, repo: Path) -> None:
     mode, client = mode_client
     with client.open_session(str(repo)) as s:

@@ -112,6 +112,34 @@ def test_a_hooks_path_inside_the_git_directory_is_held_as_hooks_is(repo: Path, t
         assert str(not_held) not in layout.read_only
 
 
+def test_a_hooks_path_an_included_file_sets_is_held_too(repo: Path, tmp_path: Path) -> None:
+    """``core.hooksPath = .git/fromin`` set in a file the config includes (in
+    ``.git``; beside the code, two deep; under ``includeIf``): git reads it
+    as the repository's own, and the end checked it, but only the config's
+    own was bound read-only. The twins: one the config sets itself is held;
+    one an include sets beside the code (``.githooks``) is not (the code's);
+    an include that leads out of the worktree through a symlink, or loops,
+    is not followed (nothing made, no hang)."""
+    for d in (".git/myhooks", ".git/fromin", ".git/deeper", ".git/cond", ".githooks", ".git/outside"):
+        (repo / d).mkdir()
+    (repo / ".git" / "shared.inc").write_text("[core]\n\thooksPath = .git/fromin\n")
+    (repo / ".gitconfig.shared").write_text("[include]\n\tpath = more.inc\n[core]\n\thooksPath = .githooks\n")
+    (repo / "more.inc").write_text("[core]\n\thooksPath = .git/deeper\n[include]\n\tpath = more.inc\n")
+    (repo / ".git" / "cond.inc").write_text("[core]\n\thooksPath = .git/cond\n")
+    elsewhere = tmp_path / "elsewhere.inc"
+    elsewhere.write_text("[core]\n\thooksPath = .git/outside\n")
+    (repo / "out.inc").symlink_to(elsewhere)
+    with open(repo / ".git" / "config", "a") as config:  # written as is: git itself stops at the loop
+        config.write(f"[core]\n\thooksPath = .git/myhooks\n[include]\n\tpath = shared.inc\n"
+                     f"\tpath = ../.gitconfig.shared\n\tpath = ../out.inc\n"
+                     f"[includeIf \"gitdir:{repo}/\"]\n\tpath = cond.inc\n")
+    layout = layouts.inspect_git(str(repo), uid=os.getuid())
+    held = {p for p in layout.read_only if p.startswith(str(repo / ".git")) or p.startswith(str(repo / ".githooks"))}
+    for where in (".git/myhooks", ".git/fromin", ".git/deeper", ".git/cond"):
+        assert str(repo / where) in held, where
+    assert str(repo / ".githooks") not in held and str(repo / ".git" / "outside") not in held
+
+
 def test_a_hooks_symlink_into_the_worktree_protects_its_target(repo: Path) -> None:
     shutil.rmtree(repo / ".git" / "hooks")
     (repo / "githooks").mkdir()

@@ -44,11 +44,12 @@ Not a pure inspection: a git directory without ``hooks`` gets an empty one
 (``mkdir``, the one thing the daemon creates in a worktree), so that it can
 be held read-only; a ``hooks`` that is a symlink into the worktree has its
 target held instead, and a ``core.hooksPath`` of the repository's own
-configuration naming a directory inside its git directory
-(``.git/myhooks``) is held as ``hooks`` is (one in the worktree, a tracked
-``.githooks``, is the code's: checked at the end, ``snapshots``). What no bind can hold (a redirect file created where
-there was none, a git directory renamed away and rebuilt) is checked when
-the session ends: ``redirects`` and ``snapshots``.
+configuration, or of a file it includes in the worktree, naming a directory
+inside its git directory (``.git/myhooks``) is held as ``hooks`` is (one in
+the worktree, a tracked ``.githooks``, is the code's: checked at the end,
+``snapshots``). What no bind can hold (a redirect file created where there
+was none, a git directory renamed away and rebuilt) is checked when the
+session ends: ``redirects`` and ``snapshots``.
 
 The read-only binds exist only in full mode (a mount namespace); without one,
 Landlock cannot carve a read-only hole in a writable tree, and the session's
@@ -68,7 +69,7 @@ import stat
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard.configs import config_targets
+from dispatchd.daemon.gitguard.configs import config_targets, includes_of
 from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES
 from dispatchd.daemon.gitguard.fs import index_gitlinks, is_dir, is_file, open_dir_below, read_small, scanned
 from dispatchd.daemon.gitguard.packlinks import is_pack_file
@@ -79,6 +80,8 @@ from dispatchd.inside import is_below, overlap
 RUN_FROM = ("config", "hooks") + REDIRECTS
 _MAX_GITDIRS = 1000  # submodule git directories walked at the most (the daemon's time is bounded)
 _MAX_VISITS = 10000  # directories looked into for them
+_MAX_INCLUDES = 10  # include chains followed for a hooks path (git stops at 10 too)
+_MAX_INCLUDE_FILES = 64  # included files read for one git directory's hooks paths
 
 
 MAX_HELD_PACK_FILES = 256  # pack files bound read-only (git repacks past 50 packs: gc.autoPackLimit)
@@ -358,21 +361,23 @@ def _hooks_target(worktree: str, gitdir: str) -> list[str]:
 
 def _hooks_paths_inside(worktree: str, gitdir: str) -> list[str]:
     """The directories a ``core.hooksPath`` of ``gitdir``'s own configuration
-    names inside that git directory, real directories reached through no
-    symlink (one missing made, empty, as ``hooks`` is): the hooks git runs
-    there. Relative values are the worktree's
-    (the repository's ``.git`` only: a submodule's are its own worktree's)."""
+    (``_hooks_values``: an included file's too) names inside that git
+    directory, real directories reached through no symlink (one missing
+    made, empty, as ``hooks`` is): the hooks git runs there. Relative
+    values are the worktree's (the repository's ``.git`` only: a
+    submodule's are its own worktree's)."""
     try:
         fd = os.open(gitdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return []
     try:
-        _, values = config_targets(fd)
+        values = _hooks_values(worktree, gitdir, fd)
     finally:
         os.close(fd)
     found: list[str] = []
     for value in values:
-        if value.startswith("~") or (not os.path.isabs(value) and gitdir != os.path.join(worktree, ".git")):
+        if value.startswith("~") or "\0" in value or \
+                (not os.path.isabs(value) and gitdir != os.path.join(worktree, ".git")):
             continue
         path = os.path.normpath(os.path.join(worktree, value))
         if not is_below(path, gitdir) or path == os.path.join(gitdir, "hooks"):
@@ -382,6 +387,47 @@ def _hooks_paths_inside(worktree: str, gitdir: str) -> list[str]:
         if os.path.realpath(path) == path and is_dir(path):
             found.append(path)
     return found
+
+
+def _hooks_values(within: str, gitdir: str, fd: int) -> list[str]:
+    """The ``core.hooksPath`` values of the git directory's ``config`` and
+    ``config.worktree`` (``fd``) and of the files they include, as
+    ``gitdirs.Walk.config_targets`` follows them: each include that lies in
+    ``within`` after symlinks (``realpath``, only to learn where), read from
+    there by descriptor with no symlink on the way (``configs.includes_of``:
+    a regular file, bounded), up to ``_MAX_INCLUDES`` deep and
+    ``_MAX_INCLUDE_FILES`` files; a ``~/`` one, or one outside, not read. A
+    hooks path set in a shared config the repository's includes was checked
+    at the end but not held read-only."""
+    includes, values = config_targets(fd)
+    pending = [(value, gitdir, 0) for value in includes]
+    seen: set[str] = set()
+    while pending and len(seen) < _MAX_INCLUDE_FILES:
+        value, base, depth = pending.pop()
+        if depth >= _MAX_INCLUDES or value.startswith("~") or "\0" in value:
+            continue
+        try:
+            real = os.path.realpath(os.path.join(base, value))
+        except (OSError, RecursionError, ValueError):  # a chain of links git cannot follow either
+            continue
+        if real in seen or not is_below(real, within):
+            continue
+        seen.add(real)
+        parent, name = os.path.split(os.path.relpath(real, within))
+        try:
+            dir_fd = open_dir_below(within, parent) if parent else \
+                os.open(within, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        if dir_fd is None:
+            continue
+        try:
+            more, hooks = includes_of(dir_fd, name)
+        finally:
+            os.close(dir_fd)
+        values += hooks
+        pending += [(value, os.path.dirname(real), depth + 1) for value in more]
+    return values
 
 
 def _make_below(top: str, rel: str) -> None:
