@@ -597,6 +597,87 @@ def test_a_hard_link_of_the_repositorys_config_grants_no_linked_session_a_write(
     assert not marker.exists() and config.read_bytes() == before
 
 
+def _hooks_path_repo(main: Path, linked: Path, ran: Path) -> Path:
+    """A repository at ``main`` whose ``core.hooksPath`` is ``.git/myhooks``,
+    its pre-commit (mode 0750) touching ``ran``, with a linked worktree at
+    ``linked``; returns the hook."""
+    main.mkdir(parents=True)
+    git(main, "init", "-q", "-b", "main")
+    git(main, "commit", "-q", "--allow-empty", "-m", "init")
+    hook = main / ".git" / "myhooks" / "pre-commit"
+    hook.parent.mkdir()
+    hook.write_text(f"#!/bin/sh\ntouch {ran}\n")
+    hook.chmod(0o750)
+    git(main, "config", "core.hooksPath", ".git/myhooks")
+    git(main, "worktree", "add", "-q", str(linked), "-b", "side")
+    return hook
+
+
+@pytest.mark.parametrize("where", ["own", "nested"])
+def test_a_hard_link_of_a_hooks_path_hook_grants_no_linked_session_a_write(mode_daemon: tuple[str, Daemon],
+                                                                           tmp_path: Path, where: str) -> None:
+    """``core.hooksPath = .git/myhooks``: a session hard-links the user's
+    pre-commit into ``.git/logs``, its bytes unchanged: ``own``, a session on
+    the repository (full mode: EXDEV, the hooks path a mount of its own);
+    ``nested``, a session on an outer worktree holding the repository as a
+    clone (which holds nothing of it read-only). A later session of the
+    repository's linked worktree, granted ``logs`` writable, wrote the hook
+    through the link, and the user's next commit ran it: the ends made only
+    ``config`` and ``hooks/*`` files of their own, and the linked open
+    refused only where those had another link. Now the end makes the hook
+    a file of its own, saying so, and a linked open refuses while it has
+    another link (one made by hand here). The twin: the linked session's
+    write through the left-over name changes only that file. The control:
+    the link and the write by hand run at the user's commit."""
+    mode, daemon = mode_daemon
+    marker, ran = tmp_path / "PWNED", tmp_path / "users-hook-ran"
+    real = Path(os.path.realpath(tmp_path))
+    plant = f"#!/bin/sh\\ntouch {marker}\\n"
+    main = real / "control"
+    hook = _hooks_path_repo(main, real / "control-linked", ran)
+    os.link(hook, main / ".git" / "logs" / "hk")
+    subprocess.run(["bash", "-c", f"printf '{plant}' > {main}/.git/logs/hk"], check=True)
+    git(main, "commit", "-q", "--allow-empty", "-m", "user")
+    assert marker.exists()  # the control
+    marker.unlink()
+    top = real / "outer"
+    top.mkdir()
+    git(top, "init", "-q", "-b", "main")
+    (top / ".git" / "info" / "exclude").write_text("inner/\n")
+    main = top / "inner" if where == "nested" else real / "main"
+    linked = real / "linked"
+    hook = _hooks_path_repo(main, linked, ran)
+    users = hook.read_bytes()
+    link = main / ".git" / "logs" / "hk"
+    write = f"printf '{plant}' > {link} && echo WROTE"
+    with daemon.connect() as c:
+        with c.open_session(str(top if where == "nested" else main)) as a:
+            r = shell(a, f"ln {hook} {link} && echo LINKED")
+        if where == "own" and mode == "full":
+            assert not r.is_success and "Invalid cross-device link" in str(r.error), r
+        else:
+            assert r.output == "LINKED\n", (r.output, r.error)
+            said = {p["path"]: p["why"] for p in a.protected}
+            assert said == {str(hook): "had 1 other hard link(s), a way to write it from where a session could; "
+                                       "made a file of its own (the other names keep the old one)"}, a.protected
+            assert hook.stat().st_nlink == 1 and link.stat().st_nlink == 1
+            with c.open_session(str(linked)) as s:  # the twin: the left-over name is a file of its own now
+                assert shell(s, write).output == "WROTE\n"
+            assert str(marker) in link.read_text()
+        assert hook.read_bytes() == users
+        link.unlink(missing_ok=True)
+        os.link(hook, link)  # the same by anyone: the open refuses it
+        with c.open_session(str(linked)) as s:
+            assert s.status()["protections"]["git"]["note"] == (
+                f"{hook} has another hard link (a name elsewhere for the same file, which a write through would "
+                "change); not granted")
+            assert not shell(s, write).is_success
+    link.unlink()
+    git(main, "commit", "-q", "--allow-empty", "-m", "user")
+    assert hook.read_bytes() == users and hook.stat().st_mode & 0o7777 == 0o750
+    assert ran.exists() and not marker.exists()
+
+
 def test_a_linked_worktrees_git_file_made_a_repository_runs_nothing(mode_daemon: tuple[str, Daemon],
                                                                     tmp_path: Path) -> None:
     """A session on a linked worktree replaces its `.git` file with a

@@ -140,6 +140,33 @@ def test_a_hooks_path_an_included_file_sets_is_held_too(repo: Path, tmp_path: Pa
     assert str(repo / ".githooks") not in held and str(repo / ".git" / "outside") not in held
 
 
+def test_a_linked_open_refuses_a_common_directory_whose_hooks_path_hook_has_another_link(
+        repo: Path, tmp_path: Path) -> None:
+    """``core.hooksPath = .git/myhooks`` (set by an include here): its hook
+    hard-linked into ``.git/logs`` was a way for a linked worktree's session,
+    granted ``logs`` writable, to write it; only ``config`` and ``hooks/*``
+    refused the open. The twins: without the link the open is granted; a
+    sample there of two names refuses nothing (git runs none); nothing is
+    made in the common directory for a hooks path missing there."""
+    hooks = repo / ".git" / "myhooks"
+    hooks.mkdir()
+    (hooks / "pre-commit").write_text("#!/bin/sh\n")
+    os.link(hooks / "pre-commit", repo / ".git" / "logs" / "pre-commit.sample")
+    os.link(repo / ".git" / "logs" / "pre-commit.sample", hooks / "pre-push.sample")
+    (repo / ".git" / "hooks.inc").write_text("[core]\n\thooksPath = .git/myhooks\n\thooksPath = .git/not-yet\n")
+    git(repo, "config", "include.path", "hooks.inc")
+    linked = tmp_path / "linked"
+    git(repo, "worktree", "add", "-q", str(linked), "-b", "side")
+    layout = layouts.inspect_git(str(linked), uid=os.getuid())
+    assert layout.kind == "refused" and layout.writable == []
+    assert layout.note == (f"{hooks / 'pre-commit'} has another hard link (a name elsewhere for the same file, "
+                           "which a write through would change); not granted")
+    assert not (repo / ".git" / "not-yet").exists()
+    (hooks / "pre-commit").unlink()
+    (hooks / "pre-commit").write_text("#!/bin/sh\n")
+    assert layouts.inspect_git(str(linked), uid=os.getuid()).kind == "linked"
+
+
 def test_a_hooks_symlink_into_the_worktree_protects_its_target(repo: Path) -> None:
     shutil.rmtree(repo / ".git" / "hooks")
     (repo / "githooks").mkdir()

@@ -525,3 +525,61 @@ def test_a_nested_repository_s_own_hooks_path_is_checked_kept_and_put_back(repo:
     assert [p for p in put if p[1] == ASIDE][0][0].startswith(str(inner / ".githooks" / "pre-commit") + fs.QUARANTINED)
     assert [os.path.basename(m).startswith("post-checkout" + fs.QUARANTINED) for m in moved] == [True]
     assert (inner / ".githooks" / "pre-commit").read_text() == HOOK
+
+
+@pytest.mark.parametrize("where", [".git/myhooks", ".githooks"])
+def test_a_hard_link_of_a_hooks_path_hook_is_made_a_file_of_its_own(repo: Path, where: str) -> None:
+    """A session hard-linked a hook of the hooks path into ``.git/logs``, its
+    bytes unchanged: a later session of a linked worktree, granted ``logs``
+    writable, wrote the hook through the link (only ``config`` and
+    ``hooks/*`` were made files of their own). Now the end makes it one, the
+    same bytes and mode, and the link keeps the old inode. The twin: a hook
+    of one name is left as it is, nothing said."""
+    hooks = repo / where
+    hooks.mkdir()
+    for name in ("pre-commit", "pre-push"):
+        (hooks / name).write_text(HOOK)
+        (hooks / name).chmod(0o750)
+    git(repo, "config", "core.hooksPath", where)
+    link = repo / ".git" / "logs" / "hk"
+    os.link(hooks / "pre-commit", link)
+    alone = os.stat(hooks / "pre-push").st_ino
+    now = _take(repo)
+    done = keptfiles.detach(str(repo), now.gitdirs, now.by_file, now.included)
+    assert done == [(str(hooks / "pre-commit"), "had 1 other hard link(s), a way to write it from where a session "
+                                                "could; made a file of its own (the other names keep the old one)")]
+    assert os.stat(hooks / "pre-commit").st_nlink == 1 and os.stat(link).st_nlink == 1
+    assert (hooks / "pre-commit").read_text() == HOOK and os.stat(hooks / "pre-commit").st_mode & 0o777 == 0o750
+    link.write_text("#!/bin/sh\necho planted\n")
+    assert (hooks / "pre-commit").read_text() == HOOK
+    assert os.stat(hooks / "pre-push").st_ino == alone  # the twin
+    assert keptfiles.detach(str(repo), now.gitdirs, now.by_file, now.included) == []
+
+
+def test_a_nested_repository_s_hard_linked_files_are_made_files_of_their_own(repo: Path) -> None:
+    """A clone inside the worktree, its hooks path in its ``.git``: a session
+    on the outer worktree (which holds nothing of the clone read-only)
+    linked its hook and its config into the clone's ``.git/logs``, for a
+    later session of the clone's linked worktree to write through. Now the
+    end makes them files of their own (``detach_tree``). The twin: its
+    hook of one name is left as it is."""
+    from dispatchd.daemon.gitguard import parts
+
+    inner = empty_repo(repo / "inner", "inner")
+    (inner / ".git" / "myhooks").mkdir()
+    (inner / ".git" / "myhooks" / "pre-commit").write_text(HOOK)
+    (inner / ".git" / "hooks" / "pre-push").write_text(HOOK)
+    git(inner, "config", "core.hooksPath", ".git/myhooks")
+    os.link(inner / ".git" / "myhooks" / "pre-commit", inner / ".git" / "logs-hk")
+    os.link(inner / ".git" / "config", inner / ".git" / "logs-cfg")
+    alone = os.stat(inner / ".git" / "hooks" / "pre-push").st_ino
+    now = runnables.take(str(repo), skip_root_git=True)
+    targets = parts.nested_targets(str(repo), "", now.entries)
+    assert "inner/.git/myhooks/pre-commit" in targets
+    done = keptfiles.detach_tree(str(repo), now.entries, targets)
+    assert sorted(path for path, _ in done) == [str(inner / ".git" / "config"),
+                                                 str(inner / ".git" / "myhooks" / "pre-commit")]
+    for name in ("config", "myhooks/pre-commit", "logs-hk", "logs-cfg"):
+        assert os.stat(inner / ".git" / name).st_nlink == 1, name
+    assert (inner / ".git" / "myhooks" / "pre-commit").read_text() == HOOK
+    assert os.stat(inner / ".git" / "hooks" / "pre-push").st_ino == alone  # the twin

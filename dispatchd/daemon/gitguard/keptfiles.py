@@ -131,6 +131,11 @@ def read_tree(root: str, entries: dict[str, str], targets: dict[str, str] | None
     none) and review files, as of the repository's own ``.git``; and the
     files their configuration runs or reads in the worktree (``targets``:
     each -> its repository's git directory, ``parts.nested_targets``)."""
+    return _with_bytes(root, _tree_wanted(entries, targets or {}))
+
+
+def _tree_wanted(entries: dict[str, str], targets: dict[str, str]) -> list[Kept]:
+    """``read_tree``'s files, their bytes not read."""
     gitdirs = {rel for rel, digest in entries.items() if digest == "gitdir"}
     wanted: list[Kept] = []
     for rel, digest in entries.items():
@@ -143,10 +148,10 @@ def read_tree(root: str, entries: dict[str, str], targets: dict[str, str] | None
         name = rel[len(gitdir) + 1:] if gitdir else rel
         if _wanted(name) and _keepable(os.path.basename(name)):
             wanted.append(Kept(base="", rel=rel, mode=0, data="", gitdir=gitdir, name=name, source="tree"))
-    for rel, gitdir in (targets or {}).items():
+    for rel, gitdir in targets.items():
         if entries.get(rel, "").startswith("file:") and _keepable(os.path.basename(rel)):
             wanted.append(Kept(base="", rel=rel, mode=0, data="", gitdir=gitdir, source="tree"))
-    return _with_bytes(root, wanted)
+    return wanted
 
 
 def _with_bytes(worktree: str, wanted: list[Kept]) -> list[Kept]:
@@ -200,18 +205,24 @@ def _read(top: str, rel: str) -> tuple[int, bytes] | None:
     if fd is None:
         return None
     try:
-        opened = fs.open_regular(leaf, fd)
-    except OSError:
-        return None
+        got = _read_at(fd, leaf)
     finally:
         os.close(fd)
+    return (stat.S_IMODE(got[0].st_mode), got[1]) if got is not None else None
+
+
+def _read_at(dir_fd: int, leaf: str) -> tuple[os.stat_result, bytes] | None:
+    """The regular file ``leaf`` of ``dir_fd`` (no symlink followed), its
+    ``fstat`` and bytes, within ``MAX_FILE``; None otherwise."""
+    try:
+        opened = fs.open_regular(leaf, dir_fd)
+    except OSError:
+        return None
     if opened is None:
         return None
     file_fd, st = opened
     try:
-        if st.st_size > MAX_FILE:
-            return None
-        return stat.S_IMODE(st.st_mode), fs.read_all(file_fd, MAX_FILE + 1)
+        return (st, fs.read_all(file_fd, MAX_FILE + 1)) if st.st_size <= MAX_FILE else None
     except OSError:
         return None
     finally:
@@ -434,50 +445,56 @@ def _subdir(fd: int, name: str) -> int:
     return os.open(name, _DIR, dir_fd=fd)
 
 
-def detach(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str]) -> list[tuple[str, str]]:
-    """Each of the repository's own files git runs or reads for
-    configuration (``_wanted``, in ``by_file``'s git directories) that has
-    another hard link made a file of its own, the same bytes and mode: a
-    session linked ``.git/config`` into ``logs`` (its content unchanged,
-    so nothing differed), and a later session of a linked worktree, granted
-    ``logs`` writable, wrote the config through it. Returns what was made
-    so, with why."""
+def detach(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
+           included: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """Each file of the user's that git runs or reads for configuration
+    with another hard link made a file of its own, the same bytes and mode:
+    the repository's own (``_wanted``, in ``by_file``'s git directories) and
+    what its configuration names in the worktree (``included``). A session
+    linked ``.git/config`` (or ``.git/myhooks/pre-commit``) into ``logs``,
+    its content unchanged, and a later session of a linked worktree, granted
+    ``logs`` writable, wrote it through the link: no end of that session
+    looks at the main worktree. Returns what was made so, with why."""
+    rels = [(f"{rel}/{name}", False) for rel in by_file for name in gitdirs.get(rel, {}) if _wanted(name)]
+    rels += [(rel, True) for rel, digest in (included or {}).items()
+             if digest.startswith("file:") and _keepable(os.path.basename(rel))]
+    return _detach(worktree, rels)
+
+
+def detach_tree(root: str, entries: dict[str, str], targets: dict[str, str]) -> list[tuple[str, str]]:
+    """``detach`` for the repositories a tree walk found in the worktree
+    (``read_tree``'s files: a nested clone's config and hooks, what its
+    configuration names): a session on the outer worktree, which holds
+    nothing of them read-only, linked one into the clone's ``.git/logs``,
+    and a later session of the clone's linked worktree wrote through it."""
+    return _detach(root, [(k.rel, True) for k in _tree_wanted(entries, targets)])
+
+
+def _detach(top: str, rels: list[tuple[str, bool]]) -> list[tuple[str, str]]:
+    """Each of ``rels`` below ``top`` with another hard link made a file of
+    its own under git's lock, only while the name is still the inode read
+    (``gitlock.replace``'s ``inode``); its directory reached with no symlink
+    on the way; one wait for locks in all. With True: a session could write
+    it while it ran, and a lock it left beside is moved aside (``put_back``)."""
     done: list[tuple[str, str]] = []
-    for rel in by_file:
-        for name in gitdirs.get(rel, {}):
-            if not _wanted(name):
+    deadline = time.monotonic() + gitlock.WAIT_S
+    for rel, left in rels:
+        parent, _, leaf = rel.rpartition("/")
+        fd = _dir_below(top, parent)
+        if fd is None:
+            continue
+        try:  # only a file of other names read (most are of one)
+            got = _read_at(fd, leaf) if os.stat(leaf, dir_fd=fd, follow_symlinks=False).st_nlink > 1 else None
+            if got is None or got[0].st_nlink < 2:
                 continue
-            path = os.path.join(worktree, rel, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
+            st, data = got
+            if gitlock.replace(fd, leaf, data, stat.S_IMODE(st.st_mode), inode=(st.st_dev, st.st_ino),
+                               move_left=left, wait_s=max(0.0, deadline - time.monotonic())) is None:
                 continue
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2 or st.st_size > MAX_FILE:
-                continue
-            got = _read(worktree, f"{rel}/{name}")
-            if got is None:
-                continue
-            parent, _, leaf = f"{rel}/{name}".rpartition("/")
-            try:
-                top = os.open(worktree, _DIR)
-            except OSError:
-                continue
-            try:
-                fd = fs.path_below(top, parent)
-            except OSError:
-                fd = None
-            finally:
-                os.close(top)
-            if fd is None:
-                continue
-            try:
-                # Under git's lock: a `git config` of the user's meanwhile is never overwritten.
-                if gitlock.replace(fd, leaf, got[1], got[0], inode=(st.st_dev, st.st_ino)) is None:
-                    continue
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-            done.append((path, f"had {st.st_nlink - 1} other hard link(s), a way to write it from where a "
-                               "session could; made a file of its own (the other names keep the old one)"))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        done.append((os.path.join(top, rel), f"had {st.st_nlink - 1} other hard link(s), a way to write it from "
+                     "where a session could; made a file of its own (the other names keep the old one)"))
     return done

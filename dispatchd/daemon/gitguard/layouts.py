@@ -47,9 +47,11 @@ target held instead, and a ``core.hooksPath`` of the repository's own
 configuration, or of a file it includes in the worktree, naming a directory
 inside its git directory (``.git/myhooks``) is held as ``hooks`` is (one in
 the worktree, a tracked ``.githooks``, is the code's: checked at the end,
-``snapshots``). What no bind can hold (a redirect file created where there
-was none, a git directory renamed away and rebuilt) is checked when the
-session ends: ``redirects`` and ``snapshots``.
+``snapshots``); its hooks count as ``hooks/*`` do where a linked worktree's
+open refuses a common directory whose files have another hard link
+(``_hard_linked``). What no bind can hold (a redirect file created where
+there was none, a git directory renamed away and rebuilt) is checked when
+the session ends: ``redirects`` and ``snapshots``.
 
 The read-only binds exist only in full mode (a mount namespace); without one,
 Landlock cannot carve a read-only hole in a writable tree, and the session's
@@ -215,22 +217,26 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
                      writable=writable, gitdirs=[gitdir], note=_over_note(over))
 
 
-def _hard_linked(gitdir: str) -> str:
-    """The first of the git directory's files git runs or reads for
-    configuration (``digests.CONFIG_FILES``, ``REVIEW_FILES``, the hooks)
-    that has another hard link, or ""."""
+def _hard_linked(common: str) -> str:
+    """The first of the common directory's files git runs or reads for
+    configuration (``digests.CONFIG_FILES``, ``REVIEW_FILES``, the hooks,
+    those of a hooks path inside it: ``_hooks_paths_inside``, relative ones
+    the main worktree's) that has another hard link, or ""."""
     names = [*CONFIG_FILES, *REVIEW_FILES]
-    try:
-        names += [f"hooks/{n}" for n in os.listdir(os.path.join(gitdir, "hooks")) if not n.endswith(".sample")]
-    except OSError:
-        pass
+    main = os.path.dirname(common) if os.path.basename(common) == ".git" else ""
+    for hooks in [os.path.join(common, "hooks")] + _hooks_paths_inside(main, common, make=False):
+        try:
+            names += [os.path.join(os.path.relpath(hooks, common), n) for n in os.listdir(hooks)
+                      if not n.endswith(".sample")]
+        except OSError:
+            pass
     for name in names:
         try:
-            st = os.lstat(os.path.join(gitdir, name))
+            st = os.lstat(os.path.join(common, name))
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            return os.path.join(gitdir, name)
+            return os.path.join(common, name)
     return ""
 
 
@@ -359,30 +365,30 @@ def _hooks_target(worktree: str, gitdir: str) -> list[str]:
     return [target] if is_below(target, worktree) and os.path.isdir(target) else []
 
 
-def _hooks_paths_inside(worktree: str, gitdir: str) -> list[str]:
+def _hooks_paths_inside(worktree: str, gitdir: str, *, make: bool = True) -> list[str]:
     """The directories a ``core.hooksPath`` of ``gitdir``'s own configuration
     (``_hooks_values``: an included file's too) names inside that git
     directory, real directories reached through no symlink (one missing
-    made, empty, as ``hooks`` is): the hooks git runs there. Relative
-    values are the worktree's (the repository's ``.git`` only: a
-    submodule's are its own worktree's)."""
+    made, empty, as ``hooks`` is, unless not ``make``): the hooks git runs
+    there. Relative values are the worktree's (the repository's ``.git``
+    only: a submodule's are its own worktree's; none without a worktree)."""
     try:
         fd = os.open(gitdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return []
     try:
-        values = _hooks_values(worktree, gitdir, fd)
+        values = _hooks_values(worktree or gitdir, gitdir, fd)
     finally:
         os.close(fd)
     found: list[str] = []
     for value in values:
         if value.startswith("~") or "\0" in value or \
-                (not os.path.isabs(value) and gitdir != os.path.join(worktree, ".git")):
+                (not os.path.isabs(value) and (not worktree or gitdir != os.path.join(worktree, ".git"))):
             continue
         path = os.path.normpath(os.path.join(worktree, value))
         if not is_below(path, gitdir) or path == os.path.join(gitdir, "hooks"):
             continue
-        if not os.path.lexists(path):
+        if make and not os.path.lexists(path):
             _make_below(gitdir, os.path.relpath(path, gitdir))  # as ``hooks`` is: none of a session's making
         if os.path.realpath(path) == path and is_dir(path):
             found.append(path)

@@ -313,7 +313,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
                                    time=now_t))
         put, bad = keptfiles.put_back(part.root, part.git.kept, now.gitdirs, now.external,
                                       lambda path: snapshots.skipped(path, skip), now.included)
-        put += keptfiles.detach(part.root, now.gitdirs, now.by_file)
+        put += keptfiles.detach(part.root, now.gitdirs, now.by_file, now.included)
         if covered is not None:
             covered |= snapshots.covered(part.root, part.git, now)
         failed += bad
@@ -333,7 +333,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
                       "your tools run")
         return failed
-    nested_targets(part.root, part.home, tree.entries)  # judged as the baseline's were
+    targets = nested_targets(part.root, part.home, tree.entries)  # judged as the baseline's were
     # A nested repository's config and hooks: replaced under git's lock by the put-back, never renamed away first.
     locked = keptfiles.left_in_place(part.root, part.tree.kept, {}, {}, tree=tree.entries)
     moved, bad = runnables.quarantine(part.root, [rel for rel in runnables.changes(part.tree, tree)
@@ -344,6 +344,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
                                time=now_t, bulk=True))
     put, bad = keptfiles.put_back(part.root, part.tree.kept, {}, {}, tree=tree.entries)
+    put += keptfiles.detach_tree(part.root, tree.entries, targets)
     failed += bad
     for path, why in ((shown(path), why) for path, why in put):
         said.say(log, "event=git_file_put_back path=%s", path)
