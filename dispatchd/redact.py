@@ -77,6 +77,8 @@ class Redactor:
             except UnicodeEncodeError:
                 continue
         self._byte_labels = encoded
+        self._probes = _least(self._values)
+        self._byte_probes = _least(list(encoded))
         self._byte_pattern = re.compile(b"(?=(" + b"|".join(map(re.escape, encoded)) + b"))", re.IGNORECASE)
 
     @staticmethod
@@ -92,7 +94,7 @@ class Redactor:
             # A translate and a find a value: several times faster than the
             # pattern's pass over text that holds no value (most of it).
             key = self._key(text)
-            if not any(value in key for value in self._values):
+            if not any(value in key for value in self._probes):
                 return []
         return _merged(self._pattern.finditer(text), lambda value: self._labels.get(self._key(value), "[secret]"))
 
@@ -106,7 +108,7 @@ class Redactor:
         if not labels:
             return data
         lowered = data.lower()  # ASCII only, as the pattern folds
-        if not any(key in lowered for key in labels):
+        if not any(key in lowered for key in self._byte_probes):
             return data
         out: list[bytes] = []
         pos = 0
@@ -177,6 +179,12 @@ class Redactor:
             pos = min(b, end)
         out.append(text[pos:end])
         return "".join(out), end
+
+
+def _least(values: list[AnyStr]) -> list[AnyStr]:
+    """The values that hold no other: enough to look for to know whether
+    any is there (a value and its stripped form: the stripped one)."""
+    return [v for v in values if not any(other != v and other in v for other in values)]
 
 
 def _merged(matches: Iterator[re.Match[AnyStr]],
