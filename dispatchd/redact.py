@@ -18,17 +18,32 @@ Guarantees (worker side; ``dispatchd.envnames`` checks the secrets first):
   its rest dropped;
 - ``window`` is that step alone, for a reader that keeps its own place
   (``job_output``'s offsets);
+- a value with surrounding whitespace (a token read from a file keeps its
+  newline) is found without it too, when what is left has at least
+  ``MIN_SECRET_CHARS`` characters: the tools drop a line's newline, and so
+  does most output that quotes it;
+- ``mask_lines`` masks a file's bytes before a tool numbers, splits or cuts
+  them (``read_file``, ``search_files``): each run of values becomes its
+  label once on each line it covers, the newlines kept, so no line of a
+  multi-line value (a PEM key) is left for the reply's redaction to miss,
+  and the lines keep their numbers. It costs one ASCII lowering and a
+  ``find`` a value when no value is there;
 - what is not caught: a value transformed (base64, reversed, split by the
-  command itself), and the first characters of a value cut by the output cap.
+  command itself), and the first characters of a value cut by a command's
+  output cap.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, AnyStr, TypeVar
+
+from dispatchd.envnames import MIN_SECRET_CHARS
 
 __all__ = ["Redactor", "Stream"]
+
+_Label = TypeVar("_Label", str, bytes)
 
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
@@ -39,6 +54,10 @@ class Redactor:
 
     def __init__(self, secrets: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:
         pairs = list(secrets.items() if isinstance(secrets, Mapping) else secrets)
+        # ``Path("token").read_text()`` keeps the file's newline, which a
+        # line shown without its end, or a value quoted in output, drops.
+        pairs += [(name, value.strip()) for name, value in pairs
+                  if value.strip() != value and len(value.strip()) >= MIN_SECRET_CHARS]
         # Longest first: at each position the lookahead takes the longest
         # value that starts there, so the union of the spans it finds covers
         # every occurrence of every value.
@@ -48,6 +67,19 @@ class Redactor:
         self.longest = max((len(v) for v in self._values), default=0)
         alternation = "|".join(re.escape(v) for v in self._values)
         self._pattern = re.compile(f"(?=({alternation}))", re.IGNORECASE | re.ASCII)
+        # The values as UTF-8, for bytes the tools reshape (``mask_lines``).
+        # A bytes pattern folds ASCII case only, as the text pattern does; a
+        # value with a lone surrogate no UTF-8 decodes to is left to the reply.
+        encoded: dict[bytes, bytes] = {}
+        for key in self._values:
+            try:
+                encoded[key.encode("utf-8", "surrogateescape")] = self._labels[key].encode()
+            except UnicodeEncodeError:
+                continue
+        self._byte_labels = encoded
+        self._probes = _least(self._values)
+        self._byte_probes = _least(list(encoded))
+        self._byte_pattern = re.compile(b"(?=(" + b"|".join(map(re.escape, encoded)) + b"))", re.IGNORECASE)
 
     @staticmethod
     def _key(value: str) -> str:
@@ -56,18 +88,45 @@ class Redactor:
     def runs(self, text: str) -> list[tuple[int, int, str]]:
         """The maximal runs of ``text`` covered by occurrences of values:
         (start, end, label of the value that starts the run)."""
-        found: list[tuple[int, int, str]] = []
         if not self._values:
-            return found
-        for match in self._pattern.finditer(text):
-            start, value = match.start(), match.group(1)
-            end = start + len(value)
-            if found and start < found[-1][1]:
-                if end > found[-1][1]:
-                    found[-1] = (found[-1][0], end, found[-1][2])
-            else:
-                found.append((start, end, self._labels.get(self._key(value), "[secret]")))
-        return found
+            return []
+        if len(text) > 256:
+            # A translate and a find a value: several times faster than the
+            # pattern's pass over text that holds no value (most of it).
+            key = self._key(text)
+            if not any(value in key for value in self._probes):
+                return []
+        return _merged(self._pattern.finditer(text), lambda value: self._labels.get(self._key(value), "[secret]"))
+
+    def mask_lines(self, data: bytes) -> bytes:
+        """``data`` (a file's bytes) with each run of values replaced by its
+        label on each line it covers, its newlines kept: a line wholly in
+        the run is the label alone, and the lines keep their numbers. The
+        same object when no value is in it (what a caller tests to go on as
+        without secrets)."""
+        labels = self._byte_labels
+        if not labels:
+            return data
+        lowered = data.lower()  # ASCII only, as the pattern folds
+        if not any(key in lowered for key in self._byte_probes):
+            return data
+        out: list[bytes] = []
+        pos = 0
+        for start, end, label in _merged(self._byte_pattern.finditer(data),
+                                         lambda value: labels.get(value.lower(), b"[secret]")):
+            out.append(data[pos:start])
+            parts = data[start:end].split(b"\n")
+            shown = [label] * len(parts)
+            # The run's start and end share their lines with other text: a
+            # newline there is the line's own, not a line of the value.
+            if not parts[0]:
+                shown[0] = b""
+            if not parts[-1]:
+                shown[-1] = b""
+            out.append(b"\n".join(shown))
+            pos = end
+        out.append(data[pos:])
+        return b"".join(out)
 
     def text(self, text: str) -> str:
         return self.window(text, 0, final=True)[0] if text else text
@@ -120,6 +179,29 @@ class Redactor:
             pos = min(b, end)
         out.append(text[pos:end])
         return "".join(out), end
+
+
+def _least(values: list[AnyStr]) -> list[AnyStr]:
+    """The values that hold no other: enough to look for to know whether
+    any is there (a value and its stripped form: the stripped one)."""
+    return [v for v in values if not any(other != v and other in v for other in values)]
+
+
+def _merged(matches: Iterator[re.Match[AnyStr]],
+            label: Callable[[AnyStr], _Label]) -> list[tuple[int, int, _Label]]:
+    """The maximal runs the lookahead's matches cover (each match's group 1
+    is the longest value starting there): (start, end, label of the value
+    that starts the run)."""
+    found: list[tuple[int, int, _Label]] = []
+    for match in matches:
+        start, value = match.start(), match.group(1)
+        end = start + len(value)
+        if found and start < found[-1][1]:
+            if end > found[-1][1]:
+                found[-1] = (found[-1][0], end, found[-1][2])
+        else:
+            found.append((start, end, label(value)))
+    return found
 
 
 class Stream:

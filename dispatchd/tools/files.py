@@ -11,6 +11,9 @@ Guarantees:
   old file or the new one. ``edit_file`` writes nothing unless every edit
   applies. ``create_file`` never overwrites, even when racing another writer.
 - Under a read-only policy the writing tools refuse before touching anything.
+- With a session's secrets, ``read_file`` masks them in the file's bytes
+  before it numbers the lines (``Redactor.mask_lines``): each line a value
+  covers shows its label, and every line keeps its number.
 
 Line numbers are 0-based everywhere (read_file, search_files), so a number a
 model reads can be passed back as ``start_line``.
@@ -253,6 +256,12 @@ def read_file(ctx: ToolContext, params: ReadFileParams) -> Outcome:
         rel = path if path.isascii() else printable(path)
     else:
         _, rel, data = _load_text(ctx, path, "read_file only reads text")
+    if ctx.redactor is not None:
+        # Masked before it is numbered: "N: " put inside a multi-line value
+        # (a key), or a value's newline dropped with its last line, would
+        # leave pieces the reply's redaction no longer finds. The whole file,
+        # so that a window starting or ending inside a value masks its part.
+        data = ctx.redactor.mask_lines(data)
     if helper is not None:  # the same text, numbered in C (_lines.c)
         # Past any file's last line either way; keeps the numbers within a C ssize_t.
         far = 1 << 62

@@ -7,6 +7,7 @@ Guarantees:
   else a call started ends at its timeout or cancel (``proctree``).
 - Its stdout and stderr go, in the order written, to one log file in the
   session's scratch directory (never to the daemon, never kept in memory),
+  with the session's secrets redacted on the way (``jobwindow.RedactedLog``),
   written through a descriptor opened once with ``O_EXCL|O_NOFOLLOW`` and
   read back through the same one, so renaming or replacing the file by name
   changes nothing. At most ``output_cap_bytes`` are kept; later output is
@@ -44,6 +45,7 @@ import os
 import re
 import select
 import selectors
+import signal
 import socket
 import subprocess
 import threading
@@ -54,7 +56,7 @@ from dispatchd.display import one_line
 from dispatchd.protocol.internal import JobRecord
 from dispatchd.tools import proctree
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, ToolFailure, not_started
-from dispatchd.tools.jobwindow import read_window
+from dispatchd.tools.jobwindow import RedactedLog, read_window
 from dispatchd.catalogue import JobListParams, JobOutputParams, JobStopParams
 
 __all__ = ["Jobs", "MAX_RUNNING", "job_list", "job_output", "job_stop"]
@@ -66,16 +68,14 @@ MAX_RUNNING = 16
 MAX_KEPT = 64
 _READ_CHUNK = 65536
 _POLL_S = 0.1  # how often a waiting job_output looks for a cancel
-# The job's leader: bash started as a child subreaper (proctree.start_command)
-# on this script, the job's command as "$1". The command runs in a bash of
-# its own, with stdin from /dev/null; the keeper's stdin is a socket to the
-# job's thread, which reads the command's status from it. Then, no longer
-# holding the job's output, the keeper stays while it has a child (the
-# orphans of the command's processes come to it, and its SIGCHLD handler
-# reaps them), looking once a second: its read of the socket times out (the
-# job's thread never writes; an end of file, the tool server gone, ends the
-# loop). About 1.6 ms more a job (an exec of bash: docs/budgets.md) and one process. --norc:
-# bash reads ~/.bashrc when its stdin is a socket (as under sshd), not this one.
+# The job's leader: bash started as a child subreaper (proctree.start_command) on this script,
+# the job's command as "$1". The command runs in a bash of its own, with stdin from /dev/null;
+# the keeper's stdin is a socket to the job's thread, which reads the command's status from it.
+# Then, no longer holding the job's output, the keeper stays while it has a child (the orphans
+# of the command's processes come to it, and its SIGCHLD handler reaps them), looking once a
+# second: its read of the socket times out (the job's thread never writes; an end of file, the
+# tool server gone, ends the loop). About 1.6 ms more a job (an exec of bash: docs/budgets.md)
+# and one process. --norc: bash reads ~/.bashrc when its stdin is a socket (as under sshd).
 _KEEPER = r"""/bin/bash -c "$1" </dev/null
 echo "$?" >&0
 exec >/dev/null 2>&1
@@ -83,8 +83,6 @@ while c=; read -r -d '' c </proc/$$/task/$$/children; [ -n "$c" ]; do read -r -t
 
 
 def _signal_text(code: int) -> str:
-    import signal
-
     try:
         return f"killed by signal {-code} ({signal.Signals(-code).name})"
     except ValueError:
@@ -107,7 +105,8 @@ def _wait_readable(fd: int, seconds: float | None) -> None:
 
 class Job:
     def __init__(self, jid: str, command: str, proc: proctree.Started | None, token: str, log_fd: int,
-                 cap: int, timeout: float | None, out_fd: int = -1, status_fd: int = -1) -> None:
+                 cap: int, timeout: float | None, out_fd: int = -1, status_fd: int = -1,
+                 redacting: RedactedLog | None = None) -> None:
         self.id = jid
         self.command = command
         self.proc = proc  # the keeper
@@ -115,6 +114,7 @@ class Job:
         self.status_fd = status_fd  # our end of the keeper's stdin: the command's status comes on it
         self.token = token
         self.log_fd = log_fd
+        self.redacting = redacting
         self.cap = cap
         self.started = time.monotonic()
         self.deadline = None if timeout is None else self.started + timeout
@@ -156,10 +156,10 @@ class Job:
                         status += chunk
                         if not chunk or b"\n" in status:
                             sel.unregister(key.fd)
-                    elif chunk:
-                        self._keep(chunk)
                     else:
-                        sel.unregister(key.fd)
+                        self._keep(chunk)  # b"": the end of the output
+                        if not chunk:
+                            sel.unregister(key.fd)
             code = _exit_code(status)  # None: the keeper was killed before the command ended
             if code is not None:
                 with self.cond:
@@ -221,9 +221,11 @@ class Job:
 
     def _keep(self, chunk: bytes) -> None:
         room = self.cap - self.written
+        if self.redacting is not None and room > 0:  # past the cap all is dropped: nothing to redact
+            chunk = self.redacting.feed(chunk) if chunk else self.redacting.end()
         if len(chunk) > room:
             self.truncated = True
-        if room > 0:
+        if room > 0 and chunk:
             part = chunk[:room]
             try:
                 os.pwrite(self.log_fd, part, self.written)
@@ -329,7 +331,7 @@ class Jobs:
                 os.close(out_w)  # the job has its copies
                 theirs.close()
             job = Job(jid, command, proc, token, log_fd, ctx.limits.output_cap_bytes, timeout, out_fd=out_r,
-                      status_fd=ours.detach())
+                      status_fd=ours.detach(), redacting=None if ctx.redactor is None else RedactedLog(ctx.redactor))
             self._jobs[jid] = job
             try:
                 threading.Thread(target=job.pump, name=f"job {jid}", daemon=True).start()

@@ -9,6 +9,10 @@ Guarantees:
   and takes as ``start_line``. The text is cut to 500 characters.
 - Results come in a fixed order (files sorted by path, lines in order) and
   stop at ``search_max_results`` lines, with a last line saying so.
+- With a session's secrets, a file that holds one is matched as it is and
+  its lines shown masked (``Redactor.mask_lines``), before any line is cut
+  or stripped: no piece of a value is shown. Other files cost one ASCII
+  lowering and a ``find`` a value more.
 
 A whole file is searched at once. A regex is a compiled bytes regex: being
 one, ``\\w``, ``\\b`` and ``(?i)`` only know ASCII, and ``.`` matches one
@@ -141,8 +145,11 @@ def _cut(text: str) -> str:
     return text if len(text) <= _LINE_CHARS else text[:_LINE_CHARS] + " [...]"
 
 
-def _regex_lines(regex: re.Pattern[bytes], data: bytes, room: int, labels: _Labels) -> list[str]:
-    """The first ``room`` lines on which a match starts, labelled.
+def _regex_lines(regex: re.Pattern[bytes], data: bytes, room: int, labels: _Labels,
+                 masked: bytes | None = None) -> list[str]:
+    """The first ``room`` lines on which a match starts, labelled; shown
+    from ``masked`` (``data`` with its secrets masked, line for line) when
+    given: found in what the file holds, shown as the reply may show it.
 
     A further match on a line already reported costs one comparison, and
     newlines are counted once, from one reported line to the next. The
@@ -166,6 +173,9 @@ def _regex_lines(regex: re.Pattern[bytes], data: bytes, room: int, labels: _Labe
         counted = begin
         nums.append(line)
         raws.append(data[begin:end])
+    if masked is not None:
+        lines = masked.split(b"\n")
+        return list(map(add, labels.these(nums), _shown_all([lines[n] for n in nums], masked)))
     return list(map(add, labels.these(nums), _shown_all(raws, data)))
 
 
@@ -386,13 +396,24 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
     # A literal's lines found, labelled and decoded in C where the helper
     # was built (_lines.c): the same text, without Python per line.
     fast = native.lines.search_literal if native.lines is not None and literal is not None else None
+    redactor = ctx.redactor
     try:
         for rel, path in _candidates(ctx, top, rel_top, pattern):
             data = _read_text_file(path, cap)  # catches its own errors
             if data is None:
                 continue
             searched += 1
-            if fast is not None:
+            # A file holding a secret: matched as it is, its lines shown
+            # masked (Redactor.mask_lines), before they are cut or stripped
+            # of their newline: a value split into lines, cut at
+            # _LINE_CHARS or shown without its newline is no longer found
+            # by the reply's redaction.
+            masked = None
+            if redactor is not None:
+                masked = redactor.mask_lines(data)
+                if masked is data:
+                    masked = None
+            if fast is not None and masked is None:
                 assert literal is not None
                 if literal.rare is None:
                     literal.learn(data)
@@ -412,8 +433,8 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
                     continue
                 # A line to show is over _LINE_CHARS bytes: cut by characters, below.
             # One line more than fits tells that the results were cut.
-            if literal is None:
-                lines = _regex_lines(regex, data, limit - count + 1, labels)
+            if literal is None or masked is not None:
+                lines = _regex_lines(regex, data, limit - count + 1, labels, masked)
                 if not lines:
                     continue
             else:

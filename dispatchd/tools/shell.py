@@ -20,7 +20,8 @@ Guarantees:
   adopts orphans), counted in ``metadata["ended_processes"]`` and named on
   the output's last line, which tells the model that ``background: true``
   (a job, ``jobs``) is the way to keep a process running. A cancel is a
-  failure with ``metadata["cancelled"]``.
+  failure with ``metadata["cancelled"]``; one that comes after bash has
+  exited finds the command completed, and it is reported as such.
 - With a caller that streams (``ctx.call.emit``), output is passed on as it
   is read, stdout and stderr each in order, up to the same cap; the Result
   at the end is the same as without streaming.
@@ -187,9 +188,15 @@ class _Capture:
             remaining = limit - now
             if remaining <= 0 and limit == deadline:
                 return False
-            if self.control is not None and self.control.cancelled.is_set():
-                self.cancelled = True
-                return False
+            if self.control is not None and self.control.cancelled.is_set() and self.exited_at is None:
+                # A cancel seen once bash has exited ends nothing: the command
+                # completed, and is reported as it ended (its status, the rest
+                # of its output; what it left still ends as after any call).
+                if not self.bash_exited():
+                    self.cancelled = True
+                    return False
+                self.exited_at = now  # no pidfd, or not yet seen: the grace counts from here
+                continue
             self._wait(remaining)
         if self._pidfd is None:
             # Without a pidfd only the pipes were watched; bash may still run

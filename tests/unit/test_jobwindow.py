@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dispatchd.redact import Redactor
-from dispatchd.tools.jobwindow import read_window
+from dispatchd.tools.jobwindow import RedactedLog, read_window
 
 SECRET = "sk_live_0123456789abcdef"
 R = Redactor({"KEY": SECRET})
@@ -81,3 +81,53 @@ def test_overlapping_values_across_polls_leave_no_character() -> None:
         out = first + second
         assert not any(p in out for p in ("alpha", "SECRET", "beta", "gamma")), (cut, out)
         assert out.startswith("<[secret S") and out.endswith(">\n"), (cut, out)
+
+
+PASSWORD = "pässwort-1234-geheim"
+PW = Redactor({"PW": PASSWORD})
+PW_LOG = f"log: {PASSWORD} end\n".encode()
+
+
+def test_an_offset_inside_a_secret_s_multibyte_character_masks_its_rest() -> None:
+    """A caller counting characters where job_output counts bytes lands
+    between the two bytes of "ä": the window starts at its first byte, so
+    the value is matched whole and its rest masked. Before, the halves were
+    decoded apart and the rest of the value shown ("\\ufffdsswort-1234-...")."""
+    inside = PW_LOG.index("ä".encode()) + 1
+    assert read_window(_reader(PW_LOG), inside, 1 << 20, PW, more=False) == (" end\n", len(PW_LOG) - inside)
+
+
+def test_an_offset_inside_a_secret_at_a_character_boundary_masks_its_rest() -> None:
+    # The twin: one byte further, after the whole "ä".
+    after = PW_LOG.index("ä".encode()) + 2
+    assert read_window(_reader(PW_LOG), after, 1 << 20, PW, more=False) == (" end\n", len(PW_LOG) - after)
+
+
+def test_an_offset_inside_a_character_shows_it_whole_with_or_without_secrets() -> None:
+    log = "x ä €z".encode()
+    a, euro = log.index("ä".encode()), log.index("€".encode())
+    for offset, shown in ((a + 1, "ä €z"), (euro + 1, "€z"), (euro + 2, "€z")):
+        for redactor in (None, R):
+            assert read_window(_reader(log), offset, 100, redactor, more=False) == (shown, len(log) - offset)
+    # Stray continuation bytes (not UTF-8) are shown as they always were.
+    assert read_window(_reader(b"a\x80\x80b"), 2, 100, None, more=False) == ("\ufffdb", 2)
+
+
+def test_a_job_s_log_is_written_redacted_across_chunks_cut_anywhere() -> None:
+    """``RedactedLog``: the job's pipe read in chunks cut anywhere, inside a
+    value and inside one of its characters; what reaches the log is the
+    whole output redacted, the same for every cut."""
+    value = PASSWORD.encode()
+    out = b"a " + value + b" b \xff" + value + b"\xff end\n"
+    for cut in range(1, len(out)):
+        log = RedactedLog(PW)
+        written = log.feed(out[:cut]) + log.feed(out[cut:]) + log.end()
+        assert written == b"a [secret PW] b \xff[secret PW]\xff end\n", cut
+
+
+def test_a_job_s_output_without_a_value_is_written_as_it_comes() -> None:
+    # The twin: nothing that could begin a value waits.
+    log = RedactedLog(PW)
+    assert log.feed(b"plain \xc3") == b"plain "  # a character cut at the chunk's end waits for its rest
+    assert log.feed(b"\xa4 output\n") == "ä output\n".encode()
+    assert log.end() == b""

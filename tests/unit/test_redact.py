@@ -100,3 +100,41 @@ def test_a_window_starting_inside_a_value_drops_its_rest() -> None:
     assert r.window(text, 3, final=True) == (" tail", len(text))
     assert r.window(text, 19, final=True) == (" tail", len(text))
 
+
+
+def test_a_value_s_lines_are_masked_one_label_a_line_keeping_their_numbers() -> None:
+    """``mask_lines``, what read_file and search_files show: each line a run
+    covers is its label; the run's first and last lines keep the text beside
+    it, and the newlines are all kept (a line wholly newline in the value is
+    a labelled line too)."""
+    key = "-----BEGIN-----\nQUJD\n\nR0hJ\n-----END-----\n"
+    r = Redactor({"KEY": key, "TOKEN": "ghp_Token99"})
+    data = f"key: {key}after GHP_TOKEN99 end\n".encode()
+    assert r.mask_lines(data) == (b"key: [secret KEY]\n[secret KEY]\n[secret KEY]\n[secret KEY]\n[secret KEY]\n"
+                                  b"after [secret TOKEN] end\n")
+    assert r.mask_lines(data).count(b"\n") == data.count(b"\n")
+    # Bytes that are not UTF-8 beside a value are kept as they are.
+    assert r.mask_lines(b"\xff ghp_token99 \xfe") == b"\xff [secret TOKEN] \xfe"
+
+
+def test_bytes_without_a_value_are_given_back_as_they_are() -> None:
+    # The twin: the same object, so a tool goes on as it would without secrets.
+    data = b"QUJD and ghp_Token9 are no values\n"
+    r = Redactor({"TOKEN": "ghp_Token99"})
+    assert r.mask_lines(data) is data
+    assert Redactor({}).mask_lines(data) is data
+
+
+def test_a_value_with_surrounding_whitespace_is_found_without_it_too() -> None:
+    """A token read from a file keeps its newline; a tool that shows a line
+    without it, or a command's ``$(cat token)``, drops it."""
+    r = Redactor({"TOKEN": "ghp_Token99\n"})
+    assert r.text("[ghp_Token99]") == "[[secret TOKEN]]"
+    assert r.text("ghp_Token99\nnext") == "[secret TOKEN]next"  # the whole value first: its newline too
+    assert r.mask_lines(b"x=ghp_Token99;") == b"x=[secret TOKEN];"
+
+
+def test_a_stripped_value_too_short_to_find_is_not_redacted() -> None:
+    # The twin: what is left without the whitespace is under MIN_SECRET_CHARS.
+    r = Redactor({"PIN": "123\n\n"})
+    assert r.text("pin 123\n\n, then 123") == "pin [secret PIN], then 123"

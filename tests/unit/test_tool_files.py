@@ -19,6 +19,7 @@ import msgspec
 import pytest
 
 from dispatchd.policy import Limits
+from dispatchd.redact import Redactor
 from dispatchd.tools import native
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
@@ -135,6 +136,22 @@ class TestReadFile:
         # A form feed or a lone CR must not shift the numbers search_files uses.
         put(ctx, "a.txt", "a\x0cb\rc\nd\n")
         assert call(ctx, "read_file", path="a.txt").output == "0: a\x0cb\rc\n1: d"
+
+    def test_a_secret_s_lines_are_masked_before_they_are_numbered(self, ctx: ToolContext) -> None:
+        """A session's multi-line secret (a key) in a file: each line it
+        covers shows its label, whatever the window; the numbers are the
+        file's. The twin: a file without it, read with the same secrets."""
+        key = "-----BEGIN KEY-----\nQUJDREVG\nR0hJSktM\n-----END KEY-----\n"
+        secret = dataclasses.replace(ctx, redactor=Redactor({"KEY": key}))
+        put(ctx, "id_key", f"head\n{key}tail\n")
+        label = "[secret KEY]"
+        assert call(secret, "read_file", path="id_key").output == (
+            f"0: head\n1: {label}\n2: {label}\n3: {label}\n4: {label}\n5: tail")
+        inside = call(secret, "read_file", path="id_key", start_line=2, end_line=2)
+        assert (inside.output, inside.metadata["total_lines"]) == (f"2: {label}", 6)
+        assert call(secret, "read_file", path="id_key", start_line=4).output == f"4: {label}\n5: tail"
+        put(ctx, "plain.txt", "head\nQUJDREVG is not the key\n")
+        assert call(secret, "read_file", path="plain.txt").output == "0: head\n1: QUJDREVG is not the key"
 
     def test_empty_file_is_an_empty_success(self, ctx: ToolContext) -> None:
         put(ctx, "empty.txt", "")

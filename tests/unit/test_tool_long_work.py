@@ -18,6 +18,7 @@ from dispatchd.policy import Limits
 from dispatchd.tools import jobs as jobs_mod
 from dispatchd.tools import jobwindow
 from dispatchd.tools import proctree
+from dispatchd.tools import shell as shell_mod
 from dispatchd.tools.base import CallControl, Outcome, ToolContext, run_tool
 from dispatchd.tools.jobs import Jobs
 from dispatchd.tools.table import TOOLS
@@ -106,6 +107,32 @@ def test_cancel_ends_the_command_and_everything_it_started(ctx: ToolContext) -> 
     assert r.metadata["cancelled"] is True and r.metadata["timed_out"] is False
     assert r.error.startswith("command was cancelled\n[cancelled after ")
     assert gone_within("401.1", 1.0)
+
+
+def test_a_cancel_that_comes_after_bash_exited_reports_the_command_as_completed(
+        ctx: ToolContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel is made the moment the capture sees bash's exit, while a
+    process it left still holds the output open (so the capture looks at
+    the cancel again before it returns): the command completed, and says
+    so, with its status. Before, "command was cancelled" with exit_code 0
+    and the whole output. The twin, a cancel while the command runs, is
+    the test above."""
+    live, _, control = streaming(ctx)
+    seen = shell_mod._Capture._on_ready
+
+    def cancel_at_the_exit(capture: shell_mod._Capture, fd: int) -> None:
+        seen(capture, fd)
+        if fd == capture._pidfd:
+            control.cancel()
+
+    monkeypatch.setattr(shell_mod._Capture, "_on_ready", cancel_at_the_exit)
+    for command, code in (("echo done; (sleep 0.6 &)", 0), ("echo done; (sleep 0.6 &); exit 3", 3)):
+        control.cancelled.clear()
+        r = run(live, "shell_exec", command=command)
+        assert control.cancelled.is_set()
+        assert (r.success, r.metadata["exit_code"], "cancelled" in r.metadata) == (code == 0, code, False), r
+        assert r.metadata["stdout"] == "done\n"
+        assert (r.output if code == 0 else r.error).startswith("done\n" if code == 0 else "command exited with status 3")
 
 
 def test_a_timeout_ends_detached_processes_too(ctx: ToolContext) -> None:

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from dispatchd.policy import Limits
+from dispatchd.redact import Redactor
 from dispatchd.tools import native
 from dispatchd.tools.base import Outcome, ToolContext, run_tool
 from dispatchd.tools.table import TOOLS
@@ -256,3 +257,37 @@ def test_a_short_read_reads_the_file_again(ctx: ToolContext, monkeypatch: pytest
     monkeypatch.setattr(os, "read", short_read)
     assert search(ctx, query="needle", path="short.txt").output == "short.txt:5000: needle"
     assert len(calls) > 1
+
+
+TOKEN = "ghp_Zr9Kq2Lm7Xw4Vb8Nc3"
+
+
+@pytest.mark.parametrize("helper", ["c", "python"])
+def test_a_file_holding_a_secret_is_matched_as_it_is_and_shown_masked(ctx: ToolContext, helper: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each line a value covers shows its label (a key's lines, one a
+    match, no longer show it line by line), found by what the file holds;
+    a value given with its newline is found without it too. The twin: a
+    file without a value, in the same search, is shown as it is."""
+    if helper == "python":
+        monkeypatch.setattr(native, "lines", None)
+    key = "-----BEGIN KEY-----\nQUJDREVG\nR0hJSktM\n-----END KEY-----\n"
+    secret = dataclasses.replace(ctx, redactor=Redactor({"KEY": key, "TOKEN": TOKEN + "\n"}))
+    put(ctx, "id_key", key)
+    put(ctx, "token.env", f"TOKEN={TOKEN}")
+    put(ctx, "z.txt", "QUJDREVG is not the key\n")
+    assert search(secret, query="QUJD").output == "id_key:1: [secret KEY]\nz.txt:0: QUJDREVG is not the key"
+    assert search(secret, query="KEY-").output == "id_key:0: [secret KEY]\nid_key:3: [secret KEY]"
+    assert search(secret, query="TOKEN=").output == "token.env:0: TOKEN=[secret TOKEN]"
+    assert search(secret, query="^R0h", is_regex=True).output == "id_key:2: [secret KEY]"
+
+
+def test_a_line_cut_at_500_characters_inside_a_secret_shows_none_of_it(ctx: ToolContext) -> None:
+    """The line is masked before it is cut: the cut falls in the label. The
+    twin: the same line without the value is cut where it was."""
+    secret = dataclasses.replace(ctx, redactor=Redactor({"TOKEN": TOKEN}))
+    line = '{"pad":"' + "x" * 476 + '","token":"%s"}\n'
+    put(ctx, "config.json", line % TOKEN)
+    assert search(secret, query="pad").output == 'config.json:0: {"pad":"' + "x" * 476 + '","token":"[secr [...]'
+    put(ctx, "config.json", line % ("y" * len(TOKEN)))
+    assert search(secret, query="pad").output == 'config.json:0: {"pad":"' + "x" * 476 + '","token":"yyyyy [...]'
