@@ -45,6 +45,9 @@ class Protected(msgspec.Struct, frozen=True):
 NOT_WHOLE = "NOT checked whole"
 MOST_FAILURES = 20  # named in one report (and status, and the log's line); the rest counted
 MOST_FAILURE_CHARS = 1000  # of one failure's text
+# What lifts the refusal of a worktree a check could not finish on (taints.py).
+UNTIL_RESTART = "until a restart's check passes"
+UNTIL_LAST_END = "until the check at the end of the last session still open on it passes, or a restart's"
 
 
 def failures_said(failures: list[str]) -> str:
@@ -59,17 +62,18 @@ def failures_said(failures: list[str]) -> str:
     return "; ".join(shown) + (f"; and {more} more that could not be done either" if more > 0 else "")
 
 
-def unchecked(root: str, failures: list[str], now_t: float) -> Protected:
-    """What the close says (and status, until a restart's check passes) of
-    a worktree its check could not finish: not only the daemon's log. What
+def unchecked(root: str, failures: list[str], now_t: float, until: str = UNTIL_RESTART) -> Protected:
+    """What the close says (and status, until the refusal is lifted) of a
+    worktree its check could not finish: not only the daemon's log. What
     no room let it move but it made unreadable (``noroom``) is not live,
-    but not where it belongs either: still a failure, said as such."""
+    but not where it belongs either: still a failure, said as such.
+    ``until``: what lifts the refusal (``UNTIL_LAST_END`` for a check
+    beside live sessions of the domain: ``taints.py``)."""
     live = ("What could not be moved aside is still there, unreadable: look before you make it readable again"
             if all(noroom.MADE_UNREADABLE in f for f in failures) else
             "What the session left there may still be live: look before you run git or your tools in it")
     return Protected(path=root, time=now_t, why=(
-        f"{NOT_WHOLE}: {failures_said(failures)}. {live}; dispatchd refuses sessions on it until a restart's "
-        "check passes"))
+        f"{NOT_WHOLE}: {failures_said(failures)}. {live}; dispatchd refuses sessions on it {until}"))
 
 
 class Part(msgspec.Struct, frozen=True):
