@@ -174,7 +174,7 @@ def print_status(st: protocol.StatusReply, file: IO[str] | None = None) -> None:
     for item in st.protected:
         # What this daemon's start did where a daemon that died had sessions:
         # the baselines' checks (moved aside, put back) and cut restores; and
-        # the worktrees whose check could not finish (refused until a restart's passes).
+        # the worktrees whose check could not finish (refused until a later check passes).
         if item.why.startswith("NOT checked whole"):
             say(f"refused worktree: {item.path}: {item.why}")
         else:

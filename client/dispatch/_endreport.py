@@ -5,7 +5,8 @@ A one-off session ends inside ``with client.open_session(...)``: its close
 reply (``Session.protected``) is nobody's to read unless it is said. Each
 item goes to the ``dispatch`` logger: one the check could not finish
 (``NOT checked whole``: something the session left may still be live, the
-worktree is refused until the daemon restarts) at ERROR, what it moved
+worktree is refused until the daemon restarts, or until the last of its
+other sessions still open ends and its check passes) at ERROR, what it moved
 aside or put back at WARNING. A program that configures no logging still
 sees both on stderr (Python's last-resort handler prints WARNING and
 above); one that does routes them as it likes. Not a ``warnings.warn``:

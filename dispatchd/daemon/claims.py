@@ -16,8 +16,10 @@ Guarantees:
   with the baseline's join, before it), or refuses the open with the other
   daemon's session named; ``release`` gives it back after the session's
   end, once its baseline's record is gone; a worktree whose check failed is
-  claimed by itself (``unchecked-…``) for as long as this daemon runs: it
-  is then refused by every daemon, as by this one, until this one stops;
+  claimed by itself (``unchecked-…``) for as long as this daemon refuses
+  it: by every daemon, as by this one, until this one stops, or (a check
+  beside live sessions of its domain that failed) until the domain's last
+  end passes (``gitguard/taints.py``);
 - when the entry of a dead daemon's session relates to this worktree, what
   that daemon left is finished before this session's baseline is taken, as a
   daemon's start does, in the state directory its entry names (a store of
@@ -237,18 +239,27 @@ def release(in_use: InUse | None, baselines: Baselines, session: Session,
     """At the session's end, its processes gone: given back after its
     baseline's record is dropped (``later``, the same queue). A worktree a
     failed check left refused (here, overlapping the session's) is claimed
-    once, by itself, for as long as this daemon runs: one entry however many
-    sessions end near it."""
+    once, by itself, for as long as it stays refused: one entry however many
+    sessions end near it; given back (after the record's drop too) once a
+    domain's last end lifted the refusal (``taints.py``)."""
+    lifted = baselines.taints.take_lifted()  # taken even with no table: the list stays short
     if in_use is None:
         return
     for root in [r for r in list(baselines.tainted) if overlap(r, session.worktree)]:
-        name = "unchecked-" + hashlib.sha256(os.fsencode(root)).hexdigest()[:12]
         try:
-            in_use.claim(name, root, "")  # once: a name it holds already is kept as it is
+            in_use.claim(_unchecked(root), root, "")  # once: a name it holds already is kept as it is
         except OSError as exc:
             log.warning("event=tainted_unrecorded worktree=%s error=%s", root, exc)
         log.warning("event=worktree_kept_in_use worktree=%s session=%s", root, session.id)
+    for root in lifted:
+        log.info("event=worktree_refusal_lifted worktree=%s session=%s", root, session.id)
+        later(functools.partial(in_use.release, _unchecked(root)))
     later(lambda: in_use.release(session.id))
+
+
+def _unchecked(root: str) -> str:
+    """The table's name of the entry that keeps the refused worktree ``root`` from the other daemons."""
+    return "unchecked-" + hashlib.sha256(os.fsencode(root)).hexdigest()[:12]
 
 
 def then(record: Callable[[], None], join: Callable[[], None]) -> Callable[[], None]:

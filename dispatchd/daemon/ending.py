@@ -234,7 +234,7 @@ class Ending(SessionTable):
         against the trusted baseline (gitguard/baselines.py) and move aside what
         differs; at its end, leave the domain (the last one out restores the
         repository's history). What cannot be moved or checked refuses the
-        worktree until a restart's check passes."""
+        worktree until a later check passes (gitguard/taints.py)."""
         ending = session.state is State.CLOSING  # else a switch replaces its sandbox
         found = self.baselines.leave(session.id) if ending else self.baselines.check(session.id)
         session.found_at_end += found

@@ -128,11 +128,9 @@ class Opening(Pooling):
         if "memory" not in self.delegation.controllers:
             self.watchdog.start()  # before anything is made: a session it cannot watch is refused
         # Inside or around one too: its baseline would take what was left there for the user's.
-        tainted = claims.tainted(self.baselines, resolved)
-        if tainted:
-            raise WorktreeError(f"{resolved}: a session left files here that dispatchd could not move aside "
-                                f"({tainted}); look at them (your own tools would run them), then restart "
-                                "dispatchd", resolved)
+        refused = self.baselines.taints.refusal(resolved)
+        if refused:
+            raise WorktreeError(refused, resolved)
         session = Session("", held, policy, "")  # its id once its sandbox is chosen, below
         session.read_only = extra
         session.user_env, session.secret_names = user_env or {}, secret_names or []

@@ -447,7 +447,7 @@ class Server:
                                         protected=[protocol.ProtectedItem(path=p.path, why=p.why, time=p.time)
                                                    for p in m.baselines.recovered + m.restores_at_start]
                                         + [protocol.ProtectedItem(path=root, why=f"NOT checked whole ({why}): sessions "
-                                                                  "on it are refused until a restart's check passes")
+                                                                  f"on it are refused {m.baselines.taints.until(root)}")
                                            for root, why in list(m.baselines.tainted.items())])
         if isinstance(req, (protocol.TakeCheckpoint, protocol.ListCheckpoints, protocol.RestoreCheckpoint)):
             return checkpoints.handle(m, req)

@@ -404,8 +404,12 @@ def test_a_worktree_left_refused_is_claimed_once_however_many_sessions_end_near_
 
     from dispatchd.daemon import claims
 
+    from dispatchd.daemon.gitguard.taints import Taints
+
     a, b = _two(tmp_path)
-    baselines = SimpleNamespace(tainted={"/repo": "a file that could not be moved aside"})
+    taints = Taints()
+    taints.fail(["/repo"], "a file that could not be moved aside", final=True)
+    baselines = SimpleNamespace(tainted=taints.why, taints=taints)
     for i in range(20):
         assert a.claim(f"s{i}", "/repo/sub", "")[0] is None
         claims.release(a, baselines, SimpleNamespace(id=f"s{i}", worktree="/repo/sub"),  # type: ignore[arg-type]
@@ -415,6 +419,31 @@ def test_a_worktree_left_refused_is_claimed_once_however_many_sessions_end_near_
     other = b.claim("t", "/repo/other", "")[0]  # refused, as this daemon refuses it
     assert other is not None and other.worktree == "/repo"
     assert b.claim("t", "/elsewhere", "")[0] is None  # the twin
+
+
+def test_a_refusal_the_last_end_lifted_gives_its_entry_back(tmp_path: Path) -> None:
+    """A check beside a live session of the domain failed (``taints``): the
+    worktree is refused, to the other daemons too, until the domain's last
+    end passes; then its entry goes with that session's own."""
+    from types import SimpleNamespace
+
+    from dispatchd.daemon import claims
+    from dispatchd.daemon.gitguard.taints import Taints
+
+    a, b = _two(tmp_path)
+    taints = Taints()
+    baselines = SimpleNamespace(tainted=taints.why, taints=taints)
+    for sid in ("s1", "s2"):
+        assert a.claim(sid, "/repo", "")[0] is None
+    taints.fail(["/repo"], "a hook that could not be put back", final=False)
+    claims.release(a, baselines, SimpleNamespace(id="s1", worktree="/repo"),  # type: ignore[arg-type]
+                   lambda job: job())  # the first end, beside s2
+    assert sorted(_claims(tmp_path / "u").values()) == ["s2", "unchecked-" + hashlib.sha256(b"/repo").hexdigest()[:12]]
+    taints.lift(["/repo"])  # the last end passed
+    claims.release(a, baselines, SimpleNamespace(id="s2", worktree="/repo"),  # type: ignore[arg-type]
+                   lambda job: job())
+    assert _claims(tmp_path / "u") == {} and a._fds == {}
+    assert b.claim("t", "/repo", "")[0] is None  # opens through another daemon again
 
 
 def test_an_entry_names_its_daemon_s_state_directory(tmp_path: Path) -> None:

@@ -215,6 +215,35 @@ def test_the_sweep_keeps_to_the_leaves_it_is_given_and_to_a_lock_of_that_inode(w
     assert _names(d) == ["HEAD.lock", "hooks.lock", "third"]
 
 
+def test_a_temporary_that_cannot_be_removed_stays_ours_and_the_next_sweep_removes_it(
+        where: tuple[Path, int]) -> None:
+    """A session beside a put-back takes back the write permission lent to
+    its directory (``chmod 555`` in a loop): the release cannot remove the
+    temporary. Forgotten then, the next end took the daemon's own leftover
+    for a session's new hook, moved it aside and named it as one."""
+    d, fd = where
+    lock = lockfile.temporary(fd, "h00", b"mine\n")
+    d.chmod(0o555)
+    try:
+        with pytest.raises(PermissionError) as got:
+            lock.release()
+        assert got.value.errno == errno.EACCES
+    finally:
+        d.chmod(0o755)
+    assert _names(d) == [lock.temp]
+    assert ournames.ours(lock.temp, os.stat(d / lock.temp))  # still known as ours
+    assert reftemp.sweep_names(fd, str(d), os.listdir(fd), {"h00"}) == [str(d / lock.temp)]
+    assert _names(d) == []
+
+
+def test_the_twin_a_temporary_removed_at_the_release_is_forgotten(where: tuple[Path, int]) -> None:
+    d, fd = where
+    lock = lockfile.temporary(fd, "h00", b"mine\n")
+    st = os.stat(d / lock.temp)
+    lock.release()
+    assert _names(d) == [] and not ournames.ours(lock.temp, st)
+
+
 # --- take_in: a lock and its directory held together -----------------------
 
 

@@ -34,8 +34,9 @@ state is the user's) and kept, unchanged, until the last one ends:
   removes what a ref's write cut short left (``reftemp``); ``status`` says
   what it did;
 - a check that cannot finish (something it cannot move, a walk over its
-  bounds) leaves the record on disk and the worktree refused until the
-  daemon restarts and a check passes;
+  bounds) leaves the record on disk and the worktree refused until a
+  restart's check passes; one beside live sessions of the domain, until
+  the domain's last end passes, or a restart's (``taints``);
 - the joins and checks of one domain take turns on the domain's own lock (a
   join claims its worktree before it walks: an overlapping or linked one
   waits, and joins the same baseline); unrelated domains run side by side.
@@ -57,9 +58,10 @@ from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import history, noroom, recordfiles, reftemp, reportlog, snapshots
 from dispatchd.daemon.gitguard.domain import Domain
 from dispatchd.daemon.gitguard.parts import (Part, Protected, Record, add_history, baseline_tree, merged, check_part,
-                                             common_of, drop_replaced, failures_said, ident_of, keep_outside, renew,
-                                             unchecked)
+                                             UNTIL_LAST_END, common_of, drop_replaced, failures_said, ident_of,
+                                             keep_outside, renew, unchecked)
 from dispatchd.daemon.gitguard.pending import remove_strays
+from dispatchd.daemon.gitguard.taints import Taints
 from dispatchd.errors import WorktreeError
 from dispatchd.durable import fsync_directory
 from dispatchd.fsnames import shown
@@ -85,7 +87,8 @@ class Baselines:
         self._domains: dict[str, Domain] = {}
         self._by_session: dict[str, Domain] = {}
         self._joined_at: dict[str, int] = {}  # a session's first report of its domain's list
-        self.tainted: dict[str, str] = {}  # worktree -> why (refused until a restart's check passes)
+        self.taints = Taints()
+        self.tainted = self.taints.why  # worktree -> why (refused until a check passes: taints.py)
         self.recovered: list[Protected] = []  # what the start's checks did
         # How a record's removal is made durable, and when the last end's removal is done: at once,
         # or by the daemon after the close's reply (daemon/afterwards.py): its unlink waits behind
@@ -180,7 +183,7 @@ class Baselines:
                 reftemp.sweep(kept.common, [*kept.refs, "HEAD"])
             self.recovered += found
             if failed:
-                self._taint(domain, failed)  # bounded (failures_said), as an end's: one status, whatever the count
+                self._taint(domain, failed, final=True)  # bounded (failures_said), as an end's: one status at most
                 os.close(fd)  # the record stays: the next start checks again
             else:
                 self._drop(domain)
@@ -268,11 +271,9 @@ class Baselines:
         the related domains' joins and checks, never for others'."""
         while True:
             with self._lock:
-                why = self.tainted.get(root)
-                if why:
-                    raise WorktreeError(f"{root}: a session left files here that dispatchd could not move aside "
-                                        f"({why}); look at them (your own tools would run them), then restart "
-                                        "dispatchd", root)
+                refused = self.taints.refusal(root, inside=False)
+                if refused:
+                    raise WorktreeError(refused, root)
                 related = self._related(root, common)
                 if not related:
                     did = secrets.token_hex(8)
@@ -371,7 +372,7 @@ class Baselines:
         try:
             # Its index reviewed only where no other session of the domain runs.
             failed, found = self._check(domain, final=False, index=len(domain.record.sessions) <= 1)
-            self._taint(domain, failed)
+            self._taint(domain, failed, final=False)
             return found
         finally:
             domain.lock.release()
@@ -393,7 +394,9 @@ class Baselines:
                     record.sessions.remove(sid)
             final = not record.sessions
             failed, found = self._check(domain, final=final)
-            self._taint(domain, failed)
+            self._taint(domain, failed, final=final)
+            if final and not failed:  # what earlier ends beside live sessions could not do is done now
+                found = found + self.taints.lift([p.root for p in record.parts])
             if final:
                 with self._lock:
                     # A join waiting for this lock finds the domain gone and
@@ -443,12 +446,10 @@ class Baselines:
                 return []
             return domain.reports.since(self._joined_at.get(sid, 0), domain.first_root)
 
-    def _taint(self, domain: Domain, failed: list[str]) -> None:
+    def _taint(self, domain: Domain, failed: list[str], *, final: bool) -> None:
         if failed:
             reason = domain.secrets.text(failures_said(failed))
-            with self._lock:
-                for part in domain.record.parts:
-                    self.tainted[part.root] = reason
+            self.taints.fail([part.root for part in domain.record.parts], reason, final=final)
             log.error("event=git_check_failed domain=%s what=%r", domain.record.id, reason)
 
     def _check(self, domain: Domain, *, final: bool, index: bool | None = None) -> tuple[list[str], list[Protected]]:
@@ -461,6 +462,7 @@ class Baselines:
         now_t = time.time()
         covered: set[str] = set()  # the first part's baseline is the user's: a later one's may not be
         said = Bounded()  # a session leaving thousands of files floods neither the log nor its rotation away
+        until = () if final else (UNTIL_LAST_END,)  # what lifts the refusal a failure leaves (taints.py)
         for part in domain.record.parts:
             try:
                 bad = check_part(part, found, now_t, covered, said, index=final if index is None else index)
@@ -468,7 +470,7 @@ class Baselines:
                 bad = [f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}"]
             bad = [shown(b) for b in bad]  # names in them, as in the reports (fsnames.py)
             failed += bad
-            found += [unchecked(part.root, bad, now_t)] if bad else []  # said at the close, not only logged
+            found += [unchecked(part.root, bad, now_t, *until)] if bad else []  # said at the close, not only logged
         if final:
             for kept in domain.record.histories:
                 try:
@@ -477,7 +479,7 @@ class Baselines:
                     done, bad = [], [f"{kept.common}: restoring history failed: {type(exc).__name__}: {exc}"]
                 bad = [shown(b) for b in bad]
                 failed += bad
-                found += [unchecked(kept.common, bad, now_t)] if bad else []
+                found += [unchecked(kept.common, bad, now_t, *until)] if bad else []
                 for path, why in ((shown(path), shown(why)) for path, why in done):
                     said.say(log, "event=git_history_restored path=%s why=%r", path, why)
                     found.append(Protected(path=path, why=why, time=now_t))

@@ -33,7 +33,7 @@ import stat
 import time
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard import fs, hookslinks
 from dispatchd.daemon.gitguard.configs import config_targets, includes_of, user_hooks_paths
 from dispatchd.daemon.gitguard.digests import (
     MAX_ENTRIES, Budget, digest_at, fingerprint, hash_fd, never_equal, open_subdir)
@@ -85,6 +85,7 @@ class Walk:
         self.parse_left = _MAX_PARSED_INDEXES
         self.parsed: set[tuple[int, int]] = set()  # (device, inode) of the indexes counted against it
         self.included: dict[str, str] = {}
+        self.links: dict[str, str] = {}  # the symlinks on the way to a hooks path in the worktree (hookslinks)
         self.indexed: set[str] = set()
         self.queue: list[tuple[str, str | None]] = []
         self.budget = Budget()
@@ -229,6 +230,8 @@ class Walk:
                 pending.append((value, os.path.dirname(os.path.join(self.worktree, rel)), depth + 1))
         for value in hooks_paths + self.user_hooks:
             path = self._expand(value, os.path.join(self.worktree, worktree_rel))
+            if path:  # a link in the worktree to hooks outside it too (``.githooks -> ../shared-hooks``)
+                self.links.update(hookslinks.on_the_way(self.worktree, path))
             rel = self._inside(path) if path else None
             if rel is None:
                 continue

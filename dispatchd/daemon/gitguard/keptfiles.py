@@ -409,7 +409,7 @@ def write_below(top: str, rel: str, data: bytes, mode: int | None = None, *, mov
     fd = os.open(top, _DIR)
     try:
         for part in parent.split("/") if parent else []:
-            nxt = _subdir(fd, part)
+            nxt = subdir(fd, part)
             os.close(fd)
             fd = nxt
         got: list[str | None] = []
@@ -427,7 +427,7 @@ def write_below(top: str, rel: str, data: bytes, mode: int | None = None, *, mov
         os.close(fd)
 
 
-def _subdir(fd: int, name: str) -> int:
+def subdir(fd: int, name: str) -> int:
     """The directory ``name`` in ``fd``, opened without following a symlink;
     made when absent; a symlink or anything else there moved aside first."""
     try:

@@ -179,11 +179,13 @@ class Lock:
             with contextlib.suppress(FileNotFoundError):
                 if self.mine():
                     os.unlink(self.lock_leaf, dir_fd=self.dir_fd)
-            try:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.temp, dir_fd=self.dir_fd)
-            finally:
-                ournames.forget(self.ident)  # whoever removed it: its inode may be anyone's next
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.temp, dir_fd=self.dir_fd)
+            # Gone, whoever removed it: its inode may be anyone's next. A name
+            # that could not be removed (a session took back the write
+            # permission lent to its directory) stays known as ours: the next
+            # sweep removes it, where it was taken for a session's new file.
+            ournames.forget(self.ident)
         finally:
             self.close()
 

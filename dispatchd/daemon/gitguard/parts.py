@@ -20,8 +20,8 @@ from typing import TypeVar
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import (configs, gitdirs, history, indexreview, keptfiles, noroom, packlinks, refsback,
-                                       runnables, snapshots)
+from dispatchd.daemon.gitguard import (configs, gitdirs, history, hookslinks, indexreview, keptfiles, noroom,
+                                       packlinks, refsback, runnables, snapshots)
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects, redirects_present
 from dispatchd.errors import WorktreeError
 from dispatchd.fsnames import shown
@@ -45,6 +45,9 @@ class Protected(msgspec.Struct, frozen=True):
 NOT_WHOLE = "NOT checked whole"
 MOST_FAILURES = 20  # named in one report (and status, and the log's line); the rest counted
 MOST_FAILURE_CHARS = 1000  # of one failure's text
+# What lifts the refusal of a worktree a check could not finish on (taints.py).
+UNTIL_RESTART = "until a restart's check passes"
+UNTIL_LAST_END = "until the check at the end of the last session still open on it passes, or a restart's"
 
 
 def failures_said(failures: list[str]) -> str:
@@ -59,17 +62,18 @@ def failures_said(failures: list[str]) -> str:
     return "; ".join(shown) + (f"; and {more} more that could not be done either" if more > 0 else "")
 
 
-def unchecked(root: str, failures: list[str], now_t: float) -> Protected:
-    """What the close says (and status, until a restart's check passes) of
-    a worktree its check could not finish: not only the daemon's log. What
+def unchecked(root: str, failures: list[str], now_t: float, until: str = UNTIL_RESTART) -> Protected:
+    """What the close says (and status, until the refusal is lifted) of a
+    worktree its check could not finish: not only the daemon's log. What
     no room let it move but it made unreadable (``noroom``) is not live,
-    but not where it belongs either: still a failure, said as such."""
+    but not where it belongs either: still a failure, said as such.
+    ``until``: what lifts the refusal (``UNTIL_LAST_END`` for a check
+    beside live sessions of the domain: ``taints.py``)."""
     live = ("What could not be moved aside is still there, unreadable: look before you make it readable again"
             if all(noroom.MADE_UNREADABLE in f for f in failures) else
             "What the session left there may still be live: look before you run git or your tools in it")
     return Protected(path=root, time=now_t, why=(
-        f"{NOT_WHOLE}: {failures_said(failures)}. {live}; dispatchd refuses sessions on it until a restart's "
-        "check passes"))
+        f"{NOT_WHOLE}: {failures_said(failures)}. {live}; dispatchd refuses sessions on it {until}"))
 
 
 class Part(msgspec.Struct, frozen=True):
@@ -219,9 +223,12 @@ def keep_outside(snapshot: _Looked, root: str, reach: list[str] | None) -> _Look
     could write (``Record.reach``): a session on a linked worktree cannot
     write the repository's config or hooks, so a session on the main
     worktree opened after it still has the user's to put back."""
-    if reach is None:
-        return msgspec.structs.replace(snapshot, kept=[])
-    kept = [k for k in snapshot.kept if not any(is_within(os.path.join(k.base or root, k.rel), r) for r in reach)]
+    def outside(path: str) -> bool:
+        return reach is not None and not any(is_within(path, r) for r in reach)
+    kept = [k for k in snapshot.kept if outside(os.path.join(k.base or root, k.rel))]
+    if isinstance(snapshot, snapshots.GitSnapshot):  # the links to its hooks path too, as kept bytes (hookslinks.py)
+        links = {rel: target for rel, target in snapshot.links.items() if outside(os.path.join(root, rel))}
+        return msgspec.structs.replace(snapshot, kept=kept, links=links)
     return msgspec.structs.replace(snapshot, kept=kept)
 
 
@@ -301,6 +308,12 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
             said.say(log, "event=git_redirect_quarantined path=%s", path)
             found.append(Protected(path=path, why="a file that redirects git's configuration, new", time=now_t))
         now = snapshots.take(part.root, part.layout, part.home, before=part.git)
+        # Before the quarantine: a directory put where a link was goes aside whole, its plants in it.
+        put, bad = hookslinks.put_back(part.root, part.git.links, lambda path: snapshots.skipped(path, skip))
+        failed += bad
+        for path, why in ((shown(path), why) for path, why in put):
+            said.say(log, "event=git_hooks_link_put_back path=%s", path)
+            found.append(Protected(path=path, why=why, time=now_t))
         # The user's kept files are replaced under git's lock, what stood there
         # kept aside by the put-back (keptfiles.py): never renamed away first.
         locked = keptfiles.left_in_place(part.root, part.git.kept, now.gitdirs, now.external,

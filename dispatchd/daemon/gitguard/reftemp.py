@@ -244,12 +244,17 @@ def write_temp(dir_fd: int, leaf: str, data: bytes, mode: int | None = None) -> 
 
 def discard(dir_fd: int, tmp: str, fd: int) -> None:
     """A temporary of ours (``open_temp``'s ``tmp`` and ``fd``) given up:
-    closed, forgotten as ours (``ournames``), removed."""
+    closed, removed, forgotten as ours (``ournames``) once its name is gone;
+    one that cannot be removed stays ours, for the next sweep (``Lock.release``)."""
     st = os.fstat(fd)
     os.close(fd)
-    ournames.forget((st.st_dev, st.st_ino))
-    with contextlib.suppress(OSError):
+    try:
         os.unlink(tmp, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return
+    ournames.forget((st.st_dev, st.st_ino))
 
 
 def sweep(common: str, refs: list[str]) -> list[str]:

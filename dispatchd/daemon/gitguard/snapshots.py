@@ -86,6 +86,10 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     # The user's own config, hooks and review files, by bytes, to put back
     # where a session changed or deleted them (``keptfiles``); a baseline's only.
     kept: list[keptfiles.Kept] = []
+    # The symlinks on the way to a hooks path in the worktree, where met
+    # (worktree-relative) -> target, made again where a session changed
+    # them (``hookslinks``); a baseline's only (an older record's: none).
+    links: dict[str, str] = {}
 
 
 def _external_modules(gitdir: str, external: dict[str, str], walk: Walk, roots: list[str]) -> None:
@@ -185,7 +189,7 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
     return GitSnapshot(taken_ns=taken_ns, gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers,
                        indexes=walk.indexes, index_stamps=walk.index_stamps, external=external,
                        complete=walk.complete, included=walk.included, kept=kept,
-                       external_roots=roots)
+                       external_roots=roots, links=walk.links if keep else {})
 
 
 def gitdir_paths(worktree: str, snap: GitSnapshot) -> list[str]:
@@ -239,6 +243,7 @@ def covered(worktree: str, before: GitSnapshot, now: GitSnapshot) -> set[str]:
         found |= {os.path.join(worktree, rel, name) for rel in snap.by_file if rel in before.gitdirs
                   for name in snap.gitdirs.get(rel, {})}
     found |= set(before.external) | set(now.external) | set(now.external_roots)
+    found |= {os.path.join(worktree, rel) for rel in before.links}
     return found
 
 
