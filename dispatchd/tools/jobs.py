@@ -221,7 +221,7 @@ class Job:
 
     def _keep(self, chunk: bytes) -> None:
         room = self.cap - self.written
-        if self.redacting is not None and room > 0:  # past the cap all is dropped: nothing to redact
+        if self.redacting is not None and (room > 0 or not chunk):  # at the end, a held tail is a cut
             chunk = self.redacting.feed(chunk) if chunk else self.redacting.end()
         if len(chunk) > room:
             self.truncated = True

@@ -1,12 +1,17 @@
 """tools/jobwindow.py: job_output's window over a job's log, with secrets held
 back at its end and masked across its start (the log is a bytes buffer here:
-the window is pure over what ``read`` returns)."""
+the window is pure over what ``read`` returns); the log's writer at its cap."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 from dispatchd.redact import Redactor
+from dispatchd.tools.jobs import Job
 from dispatchd.tools.jobwindow import RedactedLog, read_window
 
 SECRET = "sk_live_0123456789abcdef"
@@ -131,3 +136,32 @@ def test_a_job_s_output_without_a_value_is_written_as_it_comes() -> None:
     assert log.feed(b"plain \xc3") == b"plain "  # a character cut at the chunk's end waits for its rest
     assert log.feed(b"\xa4 output\n") == "ä output\n".encode()
     assert log.end() == b""
+
+
+@pytest.mark.parametrize("secrets", [False, True], ids=["plain", "with-secrets"])
+def test_a_tail_held_back_when_the_log_reaches_its_cap_counts_as_truncated(secrets: bool, tmp_path: Path) -> None:
+    """103 bytes for a cap of 100: the last 3 dropped, and said. With secrets
+    the writer held back "sk_" (it could begin the value) and the cap was
+    reached by what it let through: the end must still tell the cut."""
+    fd = os.open(tmp_path / "job.log", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        job = Job("job_1", "x", None, "t", fd, 100, None,
+                  redacting=RedactedLog(Redactor({"KEY": "sk_live_0123456789abcdef"})) if secrets else None)
+        job._keep(b"y" * 100 + b"sk_")
+        job._keep(b"")
+        assert (os.pread(fd, 200, 0), job.written, job.truncated) == (b"y" * 100, 100, True)
+    finally:
+        os.close(fd)
+
+
+def test_a_log_that_ends_exactly_at_its_cap_is_not_truncated(tmp_path: Path) -> None:
+    # The twin: 100 bytes for a cap of 100, with secrets: all of it kept, nothing cut.
+    fd = os.open(tmp_path / "job.log", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        job = Job("job_1", "x", None, "t", fd, 100, None,
+                  redacting=RedactedLog(Redactor({"KEY": "sk_live_0123456789abcdef"})))
+        job._keep(b"y" * 97 + b"sk_")
+        job._keep(b"")
+        assert (os.pread(fd, 200, 0), job.written, job.truncated) == (b"y" * 97 + b"sk_", 100, False)
+    finally:
+        os.close(fd)
