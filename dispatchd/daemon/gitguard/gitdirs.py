@@ -8,7 +8,7 @@ slashes; a directory holding a ``HEAD`` is a git directory, and only its own
 whose worktree is known, every submodule it records, at any depth; wherever
 a gitfile inside the worktree leads; and the files inside the worktree that
 a git directory's configuration includes or runs (``include.path``,
-``core.hooksPath``).
+``core.hooksPath``: ``configwalk``, its base).
 
 Guarantees:
 - git directories found are queued, never recursed into: no depth of
@@ -33,16 +33,16 @@ import stat
 import time
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, hookslinks
-from dispatchd.daemon.gitguard.configs import config_targets, includes_of, user_hooks_paths
-from dispatchd.daemon.gitguard.digests import (
-    MAX_ENTRIES, Budget, digest_at, fingerprint, hash_fd, never_equal, open_subdir)
+from dispatchd.daemon.gitguard import fs
+from dispatchd.daemon.gitguard.configs import config_targets, user_hooks_paths
+from dispatchd.daemon.gitguard.configwalk import ConfigWalk
+from dispatchd.daemon.gitguard.configwalk import names_in as _names
+from dispatchd.daemon.gitguard.digests import Budget, digest_at, fingerprint, hash_fd, never_equal
 from dispatchd.inside import is_within
 
 MAX_GITDIRS = 5000
 _MAX_VISITS = 50000  # directories looked into for git directories
 _MAX_DEPTH = 64  # components of a git directory's path below the worktree
-_MAX_INCLUDES = 10  # include.path chains followed (git stops at 10 too)
 _MAX_POINTER = 4096  # a gitfile
 _MAX_HASHED_INDEX = 4 * 1024 * 1024 * 1024  # an index that cannot be parsed is compared by content up to this
 # ... and the indexes of one walk up to this in all: a session's thousands of
@@ -62,10 +62,11 @@ def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
 
 
-class Walk:
-    """The walk of ``take``. Git directories found are queued, never
-    recursed into: no depth of ``modules/a/modules/a/...`` or chain of
-    gitfiles a session makes can exhaust the daemon's stack."""
+class Walk(ConfigWalk):
+    """The walk of ``take`` (what a configuration names: its base,
+    ``ConfigWalk``). Git directories found are queued, never recursed into:
+    no depth of ``modules/a/modules/a/...`` or chain of gitfiles a session
+    makes can exhaust the daemon's stack."""
 
     def __init__(self, worktree: str, home: str = "",
                  known: dict[str, tuple[str, list[int]]] | None = None) -> None:
@@ -185,104 +186,6 @@ class Walk:
         if worktree is not None and rel not in self.indexed:
             self.indexed.add(rel)
             self.index(rel, worktree)
-
-    def _inside(self, path: str) -> str | None:
-        """``path`` after symlinks, worktree-relative, when it lies in the
-        worktree (what a session can write); None otherwise."""
-        try:
-            real = os.path.realpath(path)
-        except (RecursionError, ValueError):  # a chain of a thousand symlinks: git cannot follow it either
-            return None
-        if not is_within(real, self.worktree) or real == self.worktree:
-            return None
-        return os.path.relpath(real, self.worktree).replace(os.sep, "/")
-
-    def _expand(self, value: str, base: str) -> str | None:
-        if "\0" in value:
-            return None
-        if value.startswith("~/"):
-            return os.path.join(self.home, value[2:]) if self.home else None
-        return os.path.join(base, value)
-
-    def config_targets(self, gitdir_rel: str, worktree_rel: str, includes: list[str], hooks_paths: list[str]) -> None:
-        """Record what a git directory's configuration reads from or runs in
-        the worktree: include targets (followed, as git does, up to
-        ``_MAX_INCLUDES`` deep) and every entry of a ``core.hooksPath`` there,
-        one an included file sets too (a shared config's). An entry an end
-        moved aside is no hook (git runs exact names): not recorded, as
-        ``fingerprint`` leaves it out of ``hooks``."""
-        gitdir_abs = os.path.join(self.worktree, gitdir_rel)
-        pending = [(value, gitdir_abs, 0) for value in includes]
-        hooks_paths = list(hooks_paths)
-        while pending:
-            value, base, depth = pending.pop()
-            path = self._expand(value, base)
-            rel = self._inside(path) if path else None
-            if rel is None or rel in self.included:
-                continue
-            if depth >= _MAX_INCLUDES or len(self.included) > MAX_ENTRIES:
-                self.included[rel] = never_equal("too many includes")
-                continue
-            self.included[rel] = self._digest_rel(rel)
-            more, hooks = self._includes_of(rel)
-            hooks_paths += hooks
-            for value in more:
-                pending.append((value, os.path.dirname(os.path.join(self.worktree, rel)), depth + 1))
-        for value in hooks_paths + self.user_hooks:
-            path = self._expand(value, os.path.join(self.worktree, worktree_rel))
-            if path:  # a link in the worktree to hooks outside it too (``.githooks -> ../shared-hooks``)
-                self.links.update(hookslinks.on_the_way(self.worktree, path))
-            rel = self._inside(path) if path else None
-            if rel is None:
-                continue
-            self.included[rel] = "hooks directory"
-            try:
-                fd = self.open(rel)
-            except OSError as exc:
-                self.included[rel] = never_equal(f"unsearchable {exc.errno}")
-                continue
-            if fd is None:
-                continue
-            try:
-                names = _names(fd)
-                if len(names) > MAX_ENTRIES:
-                    self.included[rel] = never_equal("too many entries")
-                    continue
-                for name in (n for n in names if fs.QUARANTINED not in n):
-                    digest = digest_at(fd, name, self.budget)
-                    if digest is not None:
-                        self.included[f"{rel}/{name}"] = digest
-            except OSError as exc:
-                self.included[rel] = never_equal(f"unreadable {exc.errno}")
-            finally:
-                os.close(fd)
-
-    def _digest_rel(self, rel: str) -> str:
-        parent, _, name = rel.rpartition("/")
-        try:
-            fd = self.open(parent)
-        except OSError as exc:
-            return never_equal(f"unsearchable {exc.errno}")
-        if fd is None:
-            return "absent"
-        try:
-            return digest_at(fd, name, self.budget) or "absent"
-        finally:
-            os.close(fd)
-
-    def _includes_of(self, rel: str) -> tuple[list[str], list[str]]:
-        """An included file's includes and hooks paths (``configs.includes_of``)."""
-        parent, _, name = rel.rpartition("/")
-        try:
-            fd = self.open(parent)
-        except OSError:
-            return [], []
-        if fd is None:
-            return [], []
-        try:
-            return includes_of(fd, name)
-        finally:
-            os.close(fd)
 
     def modules(self, top: str) -> None:
         """Every git directory under a ``modules``: a directory holding a
@@ -418,17 +321,6 @@ class Walk:
                 elif not leads:
                     leads = "nothing"
         self.pointers[rel] = hashlib.sha256(os.fsencode(content)).hexdigest() + " -> " + leads
-
-
-def _names(dir_fd: int) -> list[str]:
-    """The sorted names in the directory an O_PATH descriptor holds."""
-    listing = open_subdir(dir_fd, ".", os.O_RDONLY)
-    if listing is None:
-        return []
-    try:
-        return sorted(os.listdir(listing))
-    finally:
-        os.close(listing)
 
 
 def _kind(dir_fd: int, name: str) -> str:
