@@ -272,6 +272,9 @@ class Opening(Pooling):
         if not session.git_before.complete:
             raise WorktreeError(f"{resolved}: more git directories than dispatchd checks "
                                 f"({gitguard.MAX_GITDIRS}); no session opened", resolved)
+        if session.git_before.unfollowed:
+            raise WorktreeError(f"{resolved}: its git configuration has {session.git_before.unfollowed}; no session "
+                                "opened", resolved)
         # Git directories only the recursive walk finds (submodules of
         # submodules kept in place) are held read-only too.
         session.git = gitguard.with_gitdirs(session.git, resolved,

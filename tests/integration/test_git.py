@@ -120,6 +120,95 @@ def test_a_hooks_path_inside_git_is_read_only_wherever_the_config_sets_it(mode_c
         assert (repo / where / "pre-commit").read_text() == users
 
 
+def _user_hook(repo: Path, where: str) -> Path:
+    """An executable pre-commit of the user's in ``where``, which passes."""
+    (repo / where).mkdir()
+    (repo / where / "pre-commit").write_text("#!/bin/sh\nexit 0\n")
+    (repo / where / "pre-commit").chmod(0o755)
+    return repo / where / "pre-commit"
+
+
+def test_a_file_the_config_includes_from_inside_git_is_read_only(mode_client, repo: Path, tmp_path: Path) -> None:
+    """``[include] path = hooks.inc`` sets ``core.hooksPath = .git/myhooks``:
+    the hooks were held read-only, the include that names them was not, and
+    a session rewrote it to ``hooksPath = evil``: the user's commit while
+    the session ran ran the session's hook. Full mode: the include is held
+    as ``config`` is (EROFS). The twin: the user's commit meanwhile runs
+    the user's hook and works. Degraded mode: nothing is held (the status
+    says so); the end puts the user's include back."""
+    mode, client = mode_client
+    marker = tmp_path / "PWNED"
+    _user_hook(repo, ".git/myhooks")
+    (repo / ".git" / "hooks.inc").write_text("[core]\n\thooksPath = .git/myhooks\n")
+    git(repo, "config", "include.path", "hooks.inc")
+    with client.open_session(str(repo)) as s:
+        r = shell(s, f"mkdir -p evil && printf '#!/bin/sh\\ntouch {marker}\\n' > evil/pre-commit && "
+                     "chmod +x evil/pre-commit && printf '[core]\\n\\thooksPath = evil\\n' > .git/hooks.inc && "
+                     "echo WROTE")
+        if mode == "full":
+            assert not r.is_success and ".git/hooks.inc: Read-only file system" in r.metadata["stderr"], r
+            git(repo, "commit", "-q", "--allow-empty", "-m", "the user's, while the session runs")
+            assert not marker.exists()
+        else:
+            assert r.output == "WROTE\n", (r.output, r.error)
+    assert (repo / ".git" / "hooks.inc").read_text() == "[core]\n\thooksPath = .git/myhooks\n"
+    git(repo, "commit", "-q", "--allow-empty", "-m", "the user's")
+    assert not marker.exists()
+
+
+@pytest.mark.known_limit
+def test_an_include_beside_the_code_moves_the_hooks_path_while_the_session_runs_known_limit(mode_client, repo: Path,
+                                                                                            tmp_path: Path) -> None:
+    """The documented limit: an include beside the code (a shared config
+    the user's config includes) is the code's, writable while the session
+    runs, as a tracked ``.githooks`` is: rewritten to name a hooks path of
+    the session's, a commit of the user's meanwhile runs the session's
+    hook. The end puts the user's include back and moves the session's
+    hook aside, saying both; the user's next commit runs their own."""
+    mode, client = mode_client
+    marker = tmp_path / "PWNED"
+    _user_hook(repo, ".git/myhooks")
+    (repo / "shared.gitconfig").write_text("[core]\n\thooksPath = .git/myhooks\n")
+    git(repo, "config", "include.path", "../shared.gitconfig")
+    with client.open_session(str(repo)) as s:
+        r = shell(s, f"mkdir -p evil && printf '#!/bin/sh\\ntouch {marker}\\n' > evil/pre-commit && "
+                     "chmod +x evil/pre-commit && printf '[core]\\n\\thooksPath = evil\\n' > shared.gitconfig && "
+                     "echo WROTE")
+        assert r.output == "WROTE\n", (r.output, r.error)
+        git(repo, "commit", "-q", "--allow-empty", "-m", "the user's, while the session runs")
+        assert marker.exists()  # the limit, as SECURITY.md states it
+    marker.unlink()
+    said = {p["path"]: p["why"] for p in s.protected}
+    assert said[str(repo / "shared.gitconfig")] == "yours, as it was before the session changed it, put back"
+    assert any(p.startswith(f"{repo}/evil/pre-commit.quarantined-by-dispatchd-") for p in said), said
+    git(repo, "commit", "-q", "--allow-empty", "-m", "the user's")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("named", [".git/index.lock", ".git/hooks/pre-commit"])
+def test_an_include_a_session_rewrote_has_no_open_make_a_directory_git_stops_on(mode_client, repo: Path,
+                                                                                named: str) -> None:
+    """The user's config includes a shared config beside the code. A session
+    writes ``core.hooksPath = NAMED`` there; another session opens on the
+    worktree meanwhile: its open made NAMED a directory (a missing hooks
+    path inside ``.git`` is made, to be held), and after both ends the
+    user's ``git commit`` failed ("Unable to create '.git/index.lock': File
+    exists", or "cannot exec '.git/hooks/pre-commit'"), nothing moved aside.
+    Now nothing is made at a name git gives a file of its own. The twin: an
+    honest missing hooks path (``.git/myhooks2``) is made and held."""
+    mode, client = mode_client
+    (repo / "shared.gitconfig").write_text("[core]\n\thooksPath = .git/myhooks2\n")
+    git(repo, "config", "include.path", "../shared.gitconfig")
+    with client.open_session(str(repo)) as a:
+        assert (repo / ".git" / "myhooks2").is_dir()  # the twin: made by the open
+        assert shell(a, f"printf '[core]\\n\\thooksPath = {named}\\n' > shared.gitconfig && echo W").output \
+            == "W\n"
+        with client.open_session(str(repo)):  # its open is all it does
+            assert not (repo / named).is_dir()
+    assert (repo / "shared.gitconfig").read_text() == "[core]\n\thooksPath = .git/myhooks2\n"
+    git(repo, "commit", "-q", "--allow-empty", "-m", "the user's")
+
+
 def test_a_planted_commondir_is_moved_aside_when_the_session_ends(mode_client, repo: Path) -> None:
     mode, client = mode_client
     with client.open_session(str(repo)) as s:

@@ -70,6 +70,7 @@ class Walk(ConfigWalk):
 
     def __init__(self, worktree: str, home: str = "",
                  known: dict[str, tuple[str, list[int]]] | None = None) -> None:
+        super().__init__()
         self.worktree = worktree.rstrip("/") or "/"
         self.home = home
         # A relative core.hooksPath of the user's own configuration names a

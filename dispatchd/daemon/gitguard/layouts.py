@@ -45,13 +45,16 @@ Not a pure inspection: a git directory without ``hooks`` gets an empty one
 be held read-only; a ``hooks`` that is a symlink into the worktree has its
 target held instead, and a ``core.hooksPath`` of the repository's own
 configuration, or of a file it includes in the worktree, naming a directory
-inside its git directory (``.git/myhooks``) is held as ``hooks`` is (one in
-the worktree, a tracked ``.githooks``, is the code's: checked at the end,
-``snapshots``); its hooks count as ``hooks/*`` do where a linked worktree's
-open refuses a common directory whose files have another hard link
-(``_hard_linked``). What no bind can hold (a redirect file created where
-there was none, a git directory renamed away and rebuilt) is checked when
-the session ends: ``redirects`` and ``snapshots``.
+inside its git directory (``.git/myhooks``) is held as ``hooks`` is, and so
+is each file it includes from inside its git directory (``.git/hooks.inc``),
+the directories on the way to them mount points of their own
+(``confreach``; one in the worktree, a tracked ``.githooks`` or a shared
+config beside the code, is the code's: checked at the end, ``snapshots``).
+Its hooks count as ``hooks/*`` do where a linked worktree's open refuses a
+common directory whose files have another hard link (``_hard_linked``).
+What no bind can hold (a redirect file created
+where there was none, a git directory renamed away and rebuilt) is checked
+when the session ends: ``redirects`` and ``snapshots``.
 
 The read-only binds exist only in full mode (a mount namespace); without one,
 Landlock cannot carve a read-only hole in a writable tree, and the session's
@@ -71,19 +74,19 @@ import stat
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard.configs import config_targets, includes_of
+from dispatchd.daemon.gitguard.configs import IncludeBudget, PastBound
+from dispatchd.daemon.gitguard.confreach import reach
 from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES
 from dispatchd.daemon.gitguard.fs import index_gitlinks, is_dir, is_file, open_dir_below, read_small, scanned
 from dispatchd.daemon.gitguard.packlinks import is_pack_file
 from dispatchd.daemon.gitguard.redirects import REDIRECTS
+from dispatchd.errors import WorktreeError
 from dispatchd.inside import is_below, overlap
 
 # What the user's git runs or reads as configuration, in any git directory.
 RUN_FROM = ("config", "hooks") + REDIRECTS
 _MAX_GITDIRS = 1000  # submodule git directories walked at the most (the daemon's time is bounded)
 _MAX_VISITS = 10000  # directories looked into for them
-_MAX_INCLUDES = 10  # include chains followed for a hooks path (git stops at 10 too)
-_MAX_INCLUDE_FILES = 64  # included files read for one git directory's hooks paths
 
 
 MAX_HELD_PACK_FILES = 256  # pack files bound read-only (git repacks past 50 packs: gc.autoPackLimit)
@@ -145,8 +148,9 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         index = os.path.join(dotgit, "index")
         dirs = [dotgit] + module_gitdirs(dotgit) + _embedded_gitdirs(worktree, index)
         protect: list[str] = []
+        budget = IncludeBudget()  # one for all the git directories of the open
         for gitdir in dirs:
-            protect += _protect(worktree, gitdir)
+            protect += _protect(worktree, gitdir, budget)
         worktrees = os.path.join(dotgit, "worktrees")
         if is_dir(worktrees):
             # The other linked worktrees' entries, whole: which common
@@ -157,10 +161,11 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
             for entry in scanned(worktrees):
                 if entry.is_dir(follow_symlinks=False):
                     protect.append(entry.path)
+        protect = _existing(protect)
         held = ([os.path.join(d, "modules") for d in dirs] + [worktrees] + _module_steps(worktree, dirs[1:])
-                + dirs[1:])
+                + dirs[1:] + _steps(dirs, protect))
         packs, over = held_packs(dotgit)
-        return GitLayout("repository", index=index, read_only=_existing(protect) + packs, gitdirs=dirs,
+        return GitLayout("repository", index=index, read_only=protect + packs, gitdirs=dirs,
                          mount_points=sorted(p for p in set(held) if is_dir(p)), note=_over_note(over))
     if not stat.S_ISREG(st.st_mode):
         return GitLayout("refused", note=".git is neither a directory nor a file")
@@ -192,7 +197,10 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
             return GitLayout("refused", read_only=[dotgit], note=f"{common} belongs to another user; not granted")
     except OSError:
         return GitLayout("refused", read_only=[dotgit], note=f"{common} cannot be inspected")
-    linked_to = _hard_linked(common)
+    try:
+        linked_to = _hard_linked(common)
+    except PastBound as exc:
+        return GitLayout("refused", read_only=[dotgit], note=f"{common}: its git configuration has {exc}; not granted")
     if linked_to:
         # Landlock and the binds hold names: another name of the same file
         # below the objects, refs or logs granted writable is a write to it.
@@ -211,7 +219,8 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
     read_only = _existing([dotgit] + [os.path.join(gitdir, n) for n in ("commondir", "gitdir", "config.worktree")])
     # This worktree's own submodules' git directories (``git submodule update`` run here keeps them in
     # ``N/modules``): their configuration and hooks held as the main worktree's ``.git/modules`` are.
-    read_only += _existing([p for d in module_gitdirs(gitdir) for p in _protect(worktree, d)])
+    budget = IncludeBudget()
+    read_only += _existing([p for d in module_gitdirs(gitdir) for p in _protect(worktree, d, budget)])
     packs, over = held_packs(common)
     return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only + packs, readable=[common],
                      writable=writable, gitdirs=[gitdir], note=_over_note(over))
@@ -220,11 +229,11 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
 def _hard_linked(common: str) -> str:
     """The first of the common directory's files git runs or reads for
     configuration (``digests.CONFIG_FILES``, ``REVIEW_FILES``, the hooks,
-    those of a hooks path inside it: ``_hooks_paths_inside``, relative ones
-    the main worktree's) that has another hard link, or ""."""
+    those of a hooks path inside it: ``confreach``, relative ones the main
+    worktree's) that has another hard link, or "". ``PastBound``."""
     names = [*CONFIG_FILES, *REVIEW_FILES]
     main = os.path.dirname(common) if os.path.basename(common) == ".git" else ""
-    for hooks in [os.path.join(common, "hooks")] + _hooks_paths_inside(main, common, make=False):
+    for hooks in [os.path.join(common, "hooks")] + reach(main, common, IncludeBudget(), make=False).hooks_inside:
         try:
             names += [os.path.join(os.path.relpath(hooks, common), n) for n in os.listdir(hooks)
                       if not n.endswith(".sample")]
@@ -240,11 +249,36 @@ def _hard_linked(common: str) -> str:
     return ""
 
 
-def _protect(worktree: str, gitdir: str) -> list[str]:
-    """What of one git directory is bound read-only (those that exist)."""
+def _protect(worktree: str, gitdir: str, budget: IncludeBudget) -> list[str]:
+    """What of one git directory is bound read-only (those that exist):
+    besides its own files, the hooks paths and included files its
+    configuration names inside it (``confreach``). ``WorktreeError`` past
+    ``budget``: what the configuration names is not known, and the open is
+    refused rather than leave a hooks path it sets unheld."""
     _ensure_hooks(gitdir)
+    try:
+        found = reach(worktree, gitdir, budget)
+    except PastBound as exc:
+        raise WorktreeError(f"{worktree}: its git configuration has {exc}; no session opened", worktree) from None
     return [os.path.join(gitdir, name) for name in RUN_FROM + ("info/attributes",)] + _hooks_target(worktree, gitdir) \
-        + _hooks_paths_inside(worktree, gitdir)
+        + found.hooks_inside + found.includes_inside
+
+
+def _steps(gitdirs: list[str], held: list[str]) -> list[str]:
+    """The directories between a git directory and what of it is held
+    (``.git/inc`` for ``.git/inc/hooks.inc``, ``.git/a`` for a hooks path
+    ``.git/a/myhooks``), made mount points of their own: a bind moves with
+    a directory renamed around it, and a new one built at the old name held
+    nothing. None that is held itself (a hooks path holding an include):
+    bound writable first, it would lose its read-only bind."""
+    steps: set[str] = set()
+    for path in held:
+        top = max((d for d in gitdirs if is_below(path, d)), key=len, default="")
+        parent = os.path.dirname(path)
+        while top and is_below(parent, top):
+            steps.add(parent)
+            parent = os.path.dirname(parent)
+    return sorted(steps - set(held))
 
 
 def with_gitdirs(layout: GitLayout, worktree: str, found: list[str]) -> GitLayout:
@@ -255,10 +289,11 @@ def with_gitdirs(layout: GitLayout, worktree: str, found: list[str]) -> GitLayou
     new = [d for d in found if d not in layout.gitdirs and is_dir(d)]
     if layout.kind != "repository" or not new:
         return layout
-    protect = [p for d in new for p in _protect(worktree, d)]
-    held = [os.path.join(d, "modules") for d in new] + new
+    budget = IncludeBudget()
+    protect = _existing([p for d in new for p in _protect(worktree, d, budget)])
+    held = [os.path.join(d, "modules") for d in new] + new + _steps(layout.gitdirs + new, protect)
     return msgspec.structs.replace(
-        layout, gitdirs=layout.gitdirs + new, read_only=layout.read_only + _existing(protect),
+        layout, gitdirs=layout.gitdirs + new, read_only=layout.read_only + protect,
         mount_points=sorted(set(layout.mount_points) | {p for p in held if is_dir(p)}))
 
 
@@ -363,97 +398,3 @@ def _hooks_target(worktree: str, gitdir: str) -> list[str]:
         return []
     target = os.path.realpath(path)
     return [target] if is_below(target, worktree) and os.path.isdir(target) else []
-
-
-def _hooks_paths_inside(worktree: str, gitdir: str, *, make: bool = True) -> list[str]:
-    """The directories a ``core.hooksPath`` of ``gitdir``'s own configuration
-    (``_hooks_values``: an included file's too) names inside that git
-    directory, real directories reached through no symlink (one missing
-    made, empty, as ``hooks`` is, unless not ``make``): the hooks git runs
-    there. Relative values are the worktree's (the repository's ``.git``
-    only: a submodule's are its own worktree's; none without a worktree)."""
-    try:
-        fd = os.open(gitdir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return []
-    try:
-        values = _hooks_values(worktree or gitdir, gitdir, fd)
-    finally:
-        os.close(fd)
-    found: list[str] = []
-    for value in values:
-        if value.startswith("~") or "\0" in value or \
-                (not os.path.isabs(value) and (not worktree or gitdir != os.path.join(worktree, ".git"))):
-            continue
-        path = os.path.normpath(os.path.join(worktree, value))
-        if not is_below(path, gitdir) or path == os.path.join(gitdir, "hooks"):
-            continue
-        if make and not os.path.lexists(path):
-            _make_below(gitdir, os.path.relpath(path, gitdir))  # as ``hooks`` is: none of a session's making
-        if os.path.realpath(path) == path and is_dir(path):
-            found.append(path)
-    return found
-
-
-def _hooks_values(within: str, gitdir: str, fd: int) -> list[str]:
-    """The ``core.hooksPath`` values of the git directory's ``config`` and
-    ``config.worktree`` (``fd``) and of the files they include, as
-    ``gitdirs.Walk.config_targets`` follows them: each include that lies in
-    ``within`` after symlinks (``realpath``, only to learn where), read from
-    there by descriptor with no symlink on the way (``configs.includes_of``:
-    a regular file, bounded), up to ``_MAX_INCLUDES`` deep and
-    ``_MAX_INCLUDE_FILES`` files; a ``~/`` one, or one outside, not read. A
-    hooks path set in a shared config the repository's includes was checked
-    at the end but not held read-only."""
-    includes, values = config_targets(fd)
-    pending = [(value, gitdir, 0) for value in includes]
-    seen: set[str] = set()
-    while pending and len(seen) < _MAX_INCLUDE_FILES:
-        value, base, depth = pending.pop()
-        if depth >= _MAX_INCLUDES or value.startswith("~") or "\0" in value:
-            continue
-        try:
-            real = os.path.realpath(os.path.join(base, value))
-        except (OSError, RecursionError, ValueError):  # a chain of links git cannot follow either
-            continue
-        if real in seen or not is_below(real, within):
-            continue
-        seen.add(real)
-        parent, name = os.path.split(os.path.relpath(real, within))
-        try:
-            dir_fd = open_dir_below(within, parent) if parent else \
-                os.open(within, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        if dir_fd is None:
-            continue
-        try:
-            more, hooks = includes_of(dir_fd, name)
-        finally:
-            os.close(dir_fd)
-        values += hooks
-        pending += [(value, os.path.dirname(real), depth + 1) for value in more]
-    return values
-
-
-def _make_below(top: str, rel: str) -> None:
-    """The directories of ``rel`` below ``top`` made where missing (0755),
-    each reached by descriptor, no symlink followed: a link a running
-    session swapped in on the way makes nothing elsewhere. Best effort."""
-    try:
-        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        for part in rel.split("/"):
-            try:
-                os.mkdir(part, 0o755, dir_fd=fd)
-            except FileExistsError:
-                pass
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -243,7 +243,11 @@ def baseline_tree(root: str, names: tuple[str, ...], excluded: list[str], layout
     if not tree.complete:
         raise WorktreeError(f"{root}: {tree.why}, more than dispatchd checks for repositories and files your "
                             "tools run; no session opened", root)
-    targets = nested_targets(root, home, tree.entries)
+    try:
+        targets = nested_targets(root, home, tree.entries)
+    except configs.PastBound as exc:
+        raise WorktreeError(f"{root}: the git configuration of a repository in it has {exc}; no session opened",
+                            root) from None
     kept = keptfiles.read_tree(root, tree.entries, targets)
     for k in kept:  # read a moment after the walk: judged by the bytes kept (as snapshots.take does)
         tree.entries[k.rel] = keptfiles.digest_of(k)
@@ -258,7 +262,9 @@ def nested_targets(root: str, home: str, entries: dict[str, str]) -> dict[str, s
     its includes' targets): added to ``entries`` (the walk's; what it holds
     already is left), and returned, each file -> its repository's git
     directory. A session's hook planted in a nested clone's ``.githooks``
-    ran at the user's next commit there, unseen."""
+    ran at the user's next commit there, unseen. ``configs.PastBound``, once
+    all are added, where the includes were more than the walk follows (what
+    names them is never equal in ``entries``)."""
     nested = sorted(r for r, digest in entries.items() if digest == "gitdir" and r.endswith("/.git"))
     found: dict[str, str] = {}
     if not nested:
@@ -282,6 +288,8 @@ def nested_targets(root: str, home: str, entries: dict[str, str]) -> dict[str, s
             if digest not in ("absent", "directory", "hooks directory") and path not in entries:
                 entries[path] = digest
                 found[path] = rel
+    if walk.unfollowed:
+        raise configs.PastBound()
     return found
 
 
@@ -346,7 +354,12 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         failed.append(f"{part.root}: {tree.why}: dispatchd cannot check it for repositories and files "
                       "your tools run")
         return failed
-    targets = nested_targets(part.root, part.home, tree.entries)  # judged as the baseline's were
+    try:
+        targets = nested_targets(part.root, part.home, tree.entries)  # judged as the baseline's were
+    except configs.PastBound as exc:
+        targets = {}
+        failed.append(f"{part.root}: the git configuration of a repository in it has {exc}: what they name was not "
+                      "checked")
     # A nested repository's config and hooks: replaced under git's lock by the put-back, never renamed away first.
     locked = keptfiles.left_in_place(part.root, part.tree.kept, {}, {}, tree=tree.entries)
     moved, bad = runnables.quarantine(part.root, [rel for rel in runnables.changes(part.tree, tree)

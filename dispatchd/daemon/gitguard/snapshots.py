@@ -90,6 +90,9 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     # (worktree-relative) -> target, made again where a session changed
     # them (``hookslinks``); a baseline's only (an older record's: none).
     links: dict[str, str] = {}
+    # Why the includes were not all followed (``configwalk``; "": they were):
+    # what names them is never equal, and the check fails, saying so.
+    unfollowed: str = ""
 
 
 def _external_modules(gitdir: str, external: dict[str, str], walk: Walk, roots: list[str]) -> None:
@@ -189,7 +192,7 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
     return GitSnapshot(taken_ns=taken_ns, gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers,
                        indexes=walk.indexes, index_stamps=walk.index_stamps, external=external,
                        complete=walk.complete, included=walk.included, kept=kept,
-                       external_roots=roots, links=walk.links if keep else {})
+                       external_roots=roots, links=walk.links if keep else {}, unfollowed=walk.unfollowed)
 
 
 def gitdir_paths(worktree: str, snap: GitSnapshot) -> list[str]:
@@ -299,6 +302,8 @@ def quarantine(worktree: str, before: GitSnapshot, now: GitSnapshot,
                       ".git/modules and .git/index moved aside")
         if ".git" in now.by_file:
             todo = [".git/index", ".git/modules"] + [r for r in todo if not is_within(r, ".git/modules")]
+    if now.unfollowed:
+        failed.append(f"{worktree}: its git configuration has {now.unfollowed}: what they name was not checked")
     moved, bad = fs.move_all_below_aside(worktree, outermost(todo))
     failed += bad
     for root in before.external_roots:
