@@ -678,6 +678,110 @@ def test_a_hard_link_of_a_hooks_path_hook_grants_no_linked_session_a_write(mode_
     assert ran.exists() and not marker.exists()
 
 
+SPLIT = ("had 1 other hard link(s), a way to write it from where a session could; made a file of its own "
+         "(the other names keep the old one)")
+
+
+def _clone_beside(real: Path, where: str, files: dict[str, bytes]) -> tuple[Path, Path, Path]:
+    """An outer repository at ``real/outer`` (ignoring ``inner/``) and a
+    repository holding ``files`` (a ``.githooks/pre-commit`` among them made
+    executable, ``core.hooksPath = .githooks``, ``.envrc`` ignored): the
+    outer's clone ``inner`` (``nested``) or ``real/main`` (``own``), with a
+    linked worktree at ``real/linked``. Returns (the outer, the repository,
+    the linked worktree)."""
+    top = real / "outer"
+    top.mkdir()
+    git(top, "init", "-q", "-b", "main")
+    (top / ".git" / "info" / "exclude").write_text("inner/\n")
+    main = top / "inner" if where == "nested" else real / "main"
+    main.mkdir()
+    git(main, "init", "-q", "-b", "main")
+    (main / ".gitignore").write_text(".envrc\n")
+    for name, data in files.items():
+        (main / name).parent.mkdir(parents=True, exist_ok=True)
+        (main / name).write_bytes(data)
+    (main / ".githooks" / "pre-commit").chmod(0o755)
+    git(main, "add", "-A")
+    git(main, "commit", "-qm", "init")
+    git(main, "config", "core.hooksPath", ".githooks")
+    git(main, "worktree", "add", "-q", str(real / "linked"), "-b", "side")
+    return top, main, real / "linked"
+
+
+@pytest.mark.parametrize("where", ["own", "nested"])
+@pytest.mark.parametrize("size", [1024, 300 * 1024])
+def test_a_big_hook_beside_the_code_linked_into_logs_grants_no_linked_session_a_write(
+        mode_daemon: tuple[str, Daemon], tmp_path: Path, size: int, where: str) -> None:
+    """A hook of a hooks path beside the code (``.githooks``) bigger than
+    ``keptfiles.MAX_FILE`` (a compiled one), hard-linked into ``.git/logs``
+    by a session (``own``, degraded mode: full mode refuses the link,
+    EXDEV; ``nested``, a session on an outer worktree holding the
+    repository as a clone): the end read only files within the bound and
+    left it linked, said nowhere, and the linked open looked at the common
+    directory alone, so the linked worktree's session wrote the main
+    worktree's hook and the user's next commit ran it. Now the end streams
+    it into a file of its own, saying so. The twin: a 1 KiB hook, the same;
+    the linked session's write changes only the left-over name."""
+    mode, daemon = mode_daemon
+    real = Path(os.path.realpath(tmp_path))
+    marker = real / "PWNED"
+    top, main, linked = _clone_beside(real, where, {".githooks/pre-commit": b"#!/bin/sh\nexit 0\n" + b"#" * size})
+    hook = main / ".githooks" / "pre-commit"
+    users = hook.read_bytes()
+    link = main / ".git" / "logs" / "hk"
+    with daemon.connect() as c:
+        with c.open_session(str(top if where == "nested" else main)) as a:
+            r = shell(a, f"ln {hook} {link} && echo LINKED")
+        if where == "own" and mode == "full":
+            assert not r.is_success and "Invalid cross-device link" in str(r.error), r
+            return
+        assert r.output == "LINKED\n", (r.output, r.error)
+        assert {p["path"]: p["why"] for p in a.protected} == {str(hook): SPLIT}, a.protected
+        assert hook.stat().st_nlink == 1 and link.stat().st_nlink == 1
+        with c.open_session(str(linked)) as s:
+            r = shell(s, f"printf '#!/bin/sh\\ntouch {marker}\\n' > {link} && echo WROTE")
+            assert r.output == "WROTE\n", (r.output, r.error)
+    git(main, "commit", "-q", "--allow-empty", "-m", "user's")
+    assert not marker.exists() and hook.read_bytes() == users
+
+
+@pytest.mark.parametrize("name", [".envrc", ".githooks/pre-commit", "main.c"])
+def test_any_file_of_the_main_worktree_linked_into_logs_grants_no_linked_session_a_write(
+        mode_daemon: tuple[str, Daemon], tmp_path: Path, name: str) -> None:
+    """A session on an outer worktree (full mode too: it holds nothing of
+    the clone) links a file of the clone it holds into the clone's
+    ``.git/logs``: an ignored ``.envrc`` (direnv's: the user's shell runs
+    it), which git neither runs nor reads, so the end's split passed it by,
+    and a later session of the clone's linked worktree wrote it through
+    ``logs``, which no end of that session looks at. Now the end makes
+    every file the user's tools run a file of its own, saying so, and a
+    linked open refuses while any file in ``logs`` or ``refs`` has another
+    link (git never makes one there): a code file (``main.c``), which no end
+    splits, refuses it. The twins: the hook of the clone's hooks path, split
+    as before; the left-over name, written, changes nothing of the user's."""
+    mode, daemon = mode_daemon
+    real = Path(os.path.realpath(tmp_path))
+    files = {".githooks/pre-commit": b"#!/bin/sh\nexit 0\n", ".envrc": b"export A=1\n",
+             "main.c": b"int main(void) { return 0; }\n"}
+    top, main, linked = _clone_beside(real, "nested", files)
+    target, link = main / name, main / ".git" / "logs" / "hk"
+    write = f"echo 'touch {real}/PWNED' >> {link} && echo WROTE"
+    with daemon.connect() as c:
+        with c.open_session(str(top)) as a:
+            assert shell(a, f"ln {target} {link} && echo LINKED").output == "LINKED\n"
+        with c.open_session(str(linked)) as s:
+            if name == "main.c":
+                assert a.protected == []
+                assert s.status()["protections"]["git"]["note"] == (
+                    f"{link} has another hard link (a name elsewhere for the same file, which a write through would "
+                    "change); not granted")
+                assert not shell(s, write).is_success
+            else:
+                assert {p["path"]: p["why"] for p in a.protected} == {str(target): SPLIT}, a.protected
+                assert shell(s, write).output == "WROTE\n"
+    assert target.read_bytes() == files[name], mode
+
+
 def test_a_linked_worktrees_git_file_made_a_repository_runs_nothing(mode_daemon: tuple[str, Daemon],
                                                                     tmp_path: Path) -> None:
     """A session on a linked worktree replaces its `.git` file with a

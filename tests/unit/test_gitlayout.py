@@ -151,8 +151,9 @@ def test_a_linked_open_refuses_a_common_directory_whose_hooks_path_hook_has_anot
     hooks = repo / ".git" / "myhooks"
     hooks.mkdir()
     (hooks / "pre-commit").write_text("#!/bin/sh\n")
-    os.link(hooks / "pre-commit", repo / ".git" / "logs" / "pre-commit.sample")
-    os.link(repo / ".git" / "logs" / "pre-commit.sample", hooks / "pre-push.sample")
+    os.link(hooks / "pre-commit", repo / ".git" / "logs" / "hk")
+    (hooks / "pre-push.sample").write_text("#!/bin/sh\n")
+    os.link(hooks / "pre-push.sample", repo / ".git" / "pre-push.sample")  # not where a linked session writes
     (repo / ".git" / "hooks.inc").write_text("[core]\n\thooksPath = .git/myhooks\n\thooksPath = .git/not-yet\n")
     git(repo, "config", "include.path", "hooks.inc")
     linked = tmp_path / "linked"

@@ -64,19 +64,21 @@ class LockHeld(OSError):
 
 def replace(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *,
             wait_s: float | None = None, inode: tuple[int, int] | None = None,
-            move_left: bool = False) -> str | None:
+            move_left: bool = False, fill: Callable[[int], None] | None = None) -> str | None:
     """``leaf`` in ``dir_fd`` made to hold ``data`` (``mode``: its
     permission bits; None: 0644 less the umask), as the module says. Returns
     None when it held them already (nothing done), else the aside name of
     what stood there ("" when nothing did). ``inode``: a file made one of
-    its own instead (``keptfiles.detach``): replaced only while ``leaf`` is
+    its own instead (``hardlinks.detach``): replaced only while ``leaf`` is
     still that (device, inode), its other names keeping the old one, nothing
     aside. ``move_left``: a lock still there past the wait is moved aside
     beside it, once, and the file written (a file a session could write while
     it ran, beside which it could leave a lock of its own: never one git
-    takes for long). Raises ``LockHeld``, or the OSError of a step (every
-    name of ours is removed again first)."""
-    lock = lockfile.temporary(dir_fd, leaf, data, mode)
+    takes for long). ``fill``: the bytes written by it in place of ``data``
+    (``lockfile.temporary``; with ``inode`` only: nothing compares them).
+    Raises ``LockHeld``, or the OSError of a step, or what ``fill`` raises
+    (every name of ours is removed again first)."""
+    lock = lockfile.temporary(dir_fd, leaf, data, mode, fill=fill)
     try:
         _step("written")
         try:

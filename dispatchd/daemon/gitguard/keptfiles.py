@@ -88,11 +88,12 @@ class Kept(msgspec.Struct, frozen=True):
     source: str = ""
 
 
-def _wanted(name: str) -> bool:
+def kept_name(name: str) -> bool:
+    """A name of a git directory's (``config``, ``hooks/pre-commit``) whose bytes are kept."""
     return name in _NAMES or (name.startswith("hooks/") and name.count("/") == 1)
 
 
-def _keepable(leaf: str) -> bool:
+def keepable(leaf: str) -> bool:
     """Not a name git never runs nor reads (a sample hook), nor one an end
     moved aside, nor a lock: what a session planted and an end moved aside
     beside the hooks was kept at the next baseline, and could be made to
@@ -110,16 +111,16 @@ def read(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
     wanted: list[Kept] = []  # data empty: read below
     for gitdir in by_file:
         for name, digest in gitdirs.get(gitdir, {}).items():
-            if _wanted(name) and digest.startswith("file:"):
+            if kept_name(name) and digest.startswith("file:"):
                 wanted.append(Kept(base="", rel=f"{gitdir}/{name}", mode=0, data="", gitdir=gitdir, name=name))
     for base in linked:
         for path, digest in external.items():
             name = os.path.relpath(path, base)
             if os.path.dirname(path) in (base, os.path.join(base, "hooks"), os.path.join(base, "info")) \
-                    and _wanted(name) and digest.startswith("file:"):
+                    and kept_name(name) and digest.startswith("file:"):
                 wanted.append(Kept(base=base, rel=name, mode=0, data="", name=name))
     for rel, digest in (included or {}).items():
-        if digest.startswith("file:") and _keepable(os.path.basename(rel)):
+        if digest.startswith("file:") and keepable(os.path.basename(rel)):
             wanted.append(Kept(base="", rel=rel, mode=0, data="", source="included"))
     return _with_bytes(worktree, wanted)
 
@@ -146,10 +147,10 @@ def _tree_wanted(entries: dict[str, str], targets: dict[str, str]) -> list[Kept]
         if gitdir not in gitdirs:
             continue
         name = rel[len(gitdir) + 1:] if gitdir else rel
-        if _wanted(name) and _keepable(os.path.basename(name)):
+        if kept_name(name) and keepable(os.path.basename(name)):
             wanted.append(Kept(base="", rel=rel, mode=0, data="", gitdir=gitdir, name=name, source="tree"))
     for rel, gitdir in targets.items():
-        if entries.get(rel, "").startswith("file:") and _keepable(os.path.basename(rel)):
+        if entries.get(rel, "").startswith("file:") and keepable(os.path.basename(rel)):
             wanted.append(Kept(base="", rel=rel, mode=0, data="", gitdir=gitdir, source="tree"))
     return wanted
 
@@ -184,7 +185,7 @@ def _digest(mode: int, data: bytes) -> str:
     return file_digest(mode, hashlib.sha256(data).hexdigest())
 
 
-def _dir_below(top: str, parent: str) -> int | None:
+def dir_below(top: str, parent: str) -> int | None:
     """A descriptor of ``top/parent`` reached with no symlink on the way
     (``fs.path_below``), or None when it cannot be."""
     try:
@@ -201,7 +202,7 @@ def _dir_below(top: str, parent: str) -> int | None:
 
 def _read(top: str, rel: str) -> tuple[int, bytes] | None:
     parent, _, leaf = rel.rpartition("/")
-    fd = _dir_below(top, parent)
+    fd = dir_below(top, parent)
     if fd is None:
         return None
     try:
@@ -256,7 +257,7 @@ def _there(worktree: str, k: Kept, seen: dict[str, bool]) -> bool:
 
 def _is_gitdir_below(worktree: str, rel: str) -> bool:
     """``rel`` below the worktree, reached with no symlink, is a git directory (holds a ``HEAD``)."""
-    fd = _dir_below(worktree, rel)
+    fd = dir_below(worktree, rel)
     if fd is None:
         return False
     try:
@@ -352,13 +353,13 @@ def _sweep(worktree: str, due: list[Kept]) -> None:
     """What a killed daemon's put-back left beside the kept files
     (``gitlock.sweep``): its lock would stand in the way of the put-back,
     and its temporary name, a second name of a file put back, would be
-    taken for a hard link a session made (``detach``)."""
+    taken for a hard link a session made (``hardlinks.detach``)."""
     leaves: dict[tuple[str, str], set[str]] = {}
     for k in due:
         parent, _, leaf = k.rel.rpartition("/")
         leaves.setdefault((k.base or worktree, parent), set()).add(leaf)
     for (top, parent), names in leaves.items():
-        fd = _dir_below(top, parent)
+        fd = dir_below(top, parent)
         if fd is None:
             continue
         try:
@@ -443,58 +444,3 @@ def subdir(fd: int, name: str) -> int:
         with fs.lent(fd):
             os.mkdir(name, 0o755, dir_fd=fd)
     return os.open(name, _DIR, dir_fd=fd)
-
-
-def detach(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str],
-           included: dict[str, str] | None = None) -> list[tuple[str, str]]:
-    """Each file of the user's that git runs or reads for configuration
-    with another hard link made a file of its own, the same bytes and mode:
-    the repository's own (``_wanted``, in ``by_file``'s git directories) and
-    what its configuration names in the worktree (``included``). A session
-    linked ``.git/config`` (or ``.git/myhooks/pre-commit``) into ``logs``,
-    its content unchanged, and a later session of a linked worktree, granted
-    ``logs`` writable, wrote it through the link: no end of that session
-    looks at the main worktree. Returns what was made so, with why."""
-    rels = [(f"{rel}/{name}", False) for rel in by_file for name in gitdirs.get(rel, {}) if _wanted(name)]
-    rels += [(rel, True) for rel, digest in (included or {}).items()
-             if digest.startswith("file:") and _keepable(os.path.basename(rel))]
-    return _detach(worktree, rels)
-
-
-def detach_tree(root: str, entries: dict[str, str], targets: dict[str, str]) -> list[tuple[str, str]]:
-    """``detach`` for the repositories a tree walk found in the worktree
-    (``read_tree``'s files: a nested clone's config and hooks, what its
-    configuration names): a session on the outer worktree, which holds
-    nothing of them read-only, linked one into the clone's ``.git/logs``,
-    and a later session of the clone's linked worktree wrote through it."""
-    return _detach(root, [(k.rel, True) for k in _tree_wanted(entries, targets)])
-
-
-def _detach(top: str, rels: list[tuple[str, bool]]) -> list[tuple[str, str]]:
-    """Each of ``rels`` below ``top`` with another hard link made a file of
-    its own under git's lock, only while the name is still the inode read
-    (``gitlock.replace``'s ``inode``); its directory reached with no symlink
-    on the way; one wait for locks in all. With True: a session could write
-    it while it ran, and a lock it left beside is moved aside (``put_back``)."""
-    done: list[tuple[str, str]] = []
-    deadline = time.monotonic() + gitlock.WAIT_S
-    for rel, left in rels:
-        parent, _, leaf = rel.rpartition("/")
-        fd = _dir_below(top, parent)
-        if fd is None:
-            continue
-        try:  # only a file of other names read (most are of one)
-            got = _read_at(fd, leaf) if os.stat(leaf, dir_fd=fd, follow_symlinks=False).st_nlink > 1 else None
-            if got is None or got[0].st_nlink < 2:
-                continue
-            st, data = got
-            if gitlock.replace(fd, leaf, data, stat.S_IMODE(st.st_mode), inode=(st.st_dev, st.st_ino),
-                               move_left=left, wait_s=max(0.0, deadline - time.monotonic())) is None:
-                continue
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-        done.append((os.path.join(top, rel), f"had {st.st_nlink - 1} other hard link(s), a way to write it from "
-                     "where a session could; made a file of its own (the other names keep the old one)"))
-    return done

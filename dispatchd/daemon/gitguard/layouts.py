@@ -50,9 +50,9 @@ is each file it includes from inside its git directory (``.git/hooks.inc``),
 the directories on the way to them mount points of their own
 (``confreach``; one in the worktree, a tracked ``.githooks`` or a shared
 config beside the code, is the code's: checked at the end, ``snapshots``).
-Its hooks count as ``hooks/*`` do where a linked worktree's open refuses a
-common directory whose files have another hard link (``_hard_linked``).
-What no bind can hold (a redirect file created
+A linked worktree's open refuses a common directory where a file of the
+user's has another hard link a session could write through
+(``hardlinks.open_note``). What no bind can hold (a redirect file created
 where there was none, a git directory renamed away and rebuilt) is checked
 when the session ends: ``redirects`` and ``snapshots``.
 
@@ -74,9 +74,9 @@ import stat
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
+from dispatchd.daemon.gitguard import hardlinks
 from dispatchd.daemon.gitguard.configs import IncludeBudget, PastBound
 from dispatchd.daemon.gitguard.confreach import reach
-from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES
 from dispatchd.daemon.gitguard.fs import index_gitlinks, is_dir, is_file, open_dir_below, read_small, scanned
 from dispatchd.daemon.gitguard.packlinks import is_pack_file
 from dispatchd.daemon.gitguard.redirects import REDIRECTS
@@ -197,16 +197,6 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
             return GitLayout("refused", read_only=[dotgit], note=f"{common} belongs to another user; not granted")
     except OSError:
         return GitLayout("refused", read_only=[dotgit], note=f"{common} cannot be inspected")
-    try:
-        linked_to = _hard_linked(common)
-    except PastBound as exc:
-        return GitLayout("refused", read_only=[dotgit], note=f"{common}: its git configuration has {exc}; not granted")
-    if linked_to:
-        # Landlock and the binds hold names: another name of the same file
-        # below the objects, refs or logs granted writable is a write to it.
-        return GitLayout("refused", read_only=[dotgit],
-                         note=f"{linked_to} has another hard link (a name elsewhere for the same file, which a "
-                              "write through would change); not granted")
     logs = os.path.join(common, "logs")
     if os.path.lexists(logs) and not is_dir(logs):
         # A symlink there (a session's on the main worktree: ``ln -s .
@@ -214,6 +204,14 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
         # its config and hooks, or any directory of the user's, writable.
         return GitLayout("refused", read_only=[dotgit],
                          note=f"{logs} is not a directory (a symlink?); not granted")
+    try:
+        # Landlock and the binds hold names: another name of the same file
+        # below the objects, refs or logs granted writable is a write to it.
+        linked = hardlinks.open_note(common, gitdir)
+    except PastBound as exc:
+        linked = f"{common}: its git configuration has {exc}; not granted"
+    if linked:
+        return GitLayout("refused", read_only=[dotgit], note=linked)
     # lstat (``is_dir``), never followed: what is granted is the directory itself.
     writable = [gitdir] + [os.path.join(common, d) for d in ("objects", "refs", "logs") if is_dir(os.path.join(common, d))]
     read_only = _existing([dotgit] + [os.path.join(gitdir, n) for n in ("commondir", "gitdir", "config.worktree")])
@@ -224,29 +222,6 @@ def inspect_git(worktree: str, *, uid: int) -> GitLayout:
     packs, over = held_packs(common)
     return GitLayout("linked", index=os.path.join(gitdir, "index"), read_only=read_only + packs, readable=[common],
                      writable=writable, gitdirs=[gitdir], note=_over_note(over))
-
-
-def _hard_linked(common: str) -> str:
-    """The first of the common directory's files git runs or reads for
-    configuration (``digests.CONFIG_FILES``, ``REVIEW_FILES``, the hooks,
-    those of a hooks path inside it: ``confreach``, relative ones the main
-    worktree's) that has another hard link, or "". ``PastBound``."""
-    names = [*CONFIG_FILES, *REVIEW_FILES]
-    main = os.path.dirname(common) if os.path.basename(common) == ".git" else ""
-    for hooks in [os.path.join(common, "hooks")] + reach(main, common, IncludeBudget(), make=False).hooks_inside:
-        try:
-            names += [os.path.join(os.path.relpath(hooks, common), n) for n in os.listdir(hooks)
-                      if not n.endswith(".sample")]
-        except OSError:
-            pass
-    for name in names:
-        try:
-            st = os.lstat(os.path.join(common, name))
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            return os.path.join(common, name)
-    return ""
 
 
 def _protect(worktree: str, gitdir: str, budget: IncludeBudget) -> list[str]:

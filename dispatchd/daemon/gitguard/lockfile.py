@@ -38,6 +38,7 @@ import errno
 import fcntl
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dispatchd.daemon.gitguard import fs, ournames, reftemp
@@ -243,15 +244,22 @@ def take_in(dir_fd: int, leaf: str, policy: Policy, mode: int | None = None, *, 
     return Held(dir_fd, lock)
 
 
-def temporary(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *, lend: bool = True) -> Lock:
+def temporary(dir_fd: int, leaf: str, data: bytes, mode: int | None = None, *, lend: bool = True,
+              fill: Callable[[int], None] | None = None) -> Lock:
     """A ``Lock`` not taken yet: ``data`` in a new file of ours beside
     ``leaf`` in ``dir_fd``, fsynced, flocked; ``mode``: its permission bits
     (None: 0644 less the umask, as git's). ``lend``: a directory a session
-    made read-only given its owner's rights (``reftemp.open_temp``)."""
+    made read-only given its owner's rights (``reftemp.open_temp``).
+    ``fill``: writes the bytes itself, given the new file's descriptor, in
+    place of ``data`` (a copy streamed from another file); what it raises
+    removes the file again."""
     temp, fd = reftemp.open_temp(dir_fd, leaf, _CREATE, 0o644 if mode is None else 0o600, lend=lend)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a new file nobody else has open: never waits
-        if data or mode is not None:  # an empty file has nothing to make durable (a restore's: written at commit)
+        if fill is not None:
+            fill(fd)
+            reftemp.write_whole(fd, b"", mode)  # its mode, and durable
+        elif data or mode is not None:  # an empty file has nothing to make durable (a restore's: written at commit)
             reftemp.write_whole(fd, data, mode)
         return Lock(dir_fd, leaf, temp, fd)
     except BaseException:

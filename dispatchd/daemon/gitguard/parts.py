@@ -4,9 +4,11 @@ baseline, and its check.
 ``check_part`` compares a part's worktree now with its baseline and moves
 aside what differs: redirect files a session created (``redirects``), git's
 configuration, hooks and state (``snapshots``), repositories and files the
-user's tools run (``runnables``), and writes back the user's own git files
-a session changed or deleted (``keptfiles``). It never deletes; what it cannot move, or a
-walk over its bounds, is returned as a failure (the caller fails closed).
+user's tools run (``runnables``), writes back the user's own git files
+a session changed or deleted (``keptfiles``), and makes each file the user's
+git or tools run that has another hard link one of its own (``hardlinks``).
+It never deletes; what it cannot move, or a walk over its bounds, is
+returned as a failure (the caller fails closed).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import TypeVar
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import (configs, gitdirs, history, hookslinks, indexreview, keptfiles, noroom,
-                                       packlinks, refsback, runnables, snapshots)
+from dispatchd.daemon.gitguard import (configs, gitdirs, hardlinks, history, hookslinks, indexreview, keptfiles,
+                                       noroom, packlinks, refsback, runnables, snapshots)
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects, redirects_present
 from dispatchd.errors import WorktreeError
 from dispatchd.fsnames import shown
@@ -305,6 +307,7 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
     of the domain runs: a live one's git would race the review."""
     said = said if said is not None else Bounded()
     failed: list[str] = []
+    copied = hardlinks.Copied()  # what this part's end copies to make files of their own
     skip = covered if covered is not None else set()
     keptfiles.sweep(part.root, part.git.kept + part.tree.kept)  # a killed put-back's, before the looks see them
     if part.layout.kind in ("repository", "linked"):
@@ -334,7 +337,9 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
                                    time=now_t))
         put, bad = keptfiles.put_back(part.root, part.git.kept, now.gitdirs, now.external,
                                       lambda path: snapshots.skipped(path, skip), now.included)
-        put += keptfiles.detach(part.root, now.gitdirs, now.by_file, now.included)
+        failed += bad
+        split, bad = hardlinks.detach(part.root, now.gitdirs, now.by_file, now.included, part.git.kept, copied)
+        put += split
         if covered is not None:
             covered |= snapshots.covered(part.root, part.git, now)
         failed += bad
@@ -355,9 +360,8 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
                       "your tools run")
         return failed
     try:
-        targets = nested_targets(part.root, part.home, tree.entries)  # judged as the baseline's were
+        nested_targets(part.root, part.home, tree.entries)  # judged as the baseline's were
     except configs.PastBound as exc:
-        targets = {}
         failed.append(f"{part.root}: the git configuration of a repository in it has {exc}: what they name was not "
                       "checked")
     # A nested repository's config and hooks: replaced under git's lock by the put-back, never renamed away first.
@@ -370,7 +374,9 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         found.append(Protected(path=path, why="a repository or a file your tools run, changed or new",
                                time=now_t, bulk=True))
     put, bad = keptfiles.put_back(part.root, part.tree.kept, {}, {}, tree=tree.entries)
-    put += keptfiles.detach_tree(part.root, tree.entries, targets)
+    failed += bad
+    split, bad = hardlinks.detach_tree(part.root, tree.entries, part.tree.kept, copied)
+    put += split
     failed += bad
     for path, why in ((shown(path), why) for path, why in put):
         said.say(log, "event=git_file_put_back path=%s", path)
