@@ -6,6 +6,7 @@ and the protections are a limit the session's status lists.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -206,6 +207,42 @@ def test_an_include_a_session_rewrote_has_no_open_make_a_directory_git_stops_on(
         with client.open_session(str(repo)):  # its open is all it does
             assert not (repo / named).is_dir()
     assert (repo / "shared.gitconfig").read_text() == "[core]\n\thooksPath = .git/myhooks2\n"
+    git(repo, "commit", "-q", "--allow-empty", "-m", "the user's")
+
+
+@pytest.mark.parametrize("users", [True, False])
+@pytest.mark.parametrize("where", [".git/hooks", ".githooks"])
+def test_a_directory_at_a_hook_s_name_is_moved_aside_and_the_user_s_hook_put_back(mode_client, repo: Path,
+                                                                                  where: str, users: bool) -> None:
+    """A session makes a directory at a hook's name (``mkdir
+    .git/hooks/pre-commit``: degraded mode; a hooks path beside the code,
+    any mode): the end neither moved it aside nor said it, and every commit
+    of the user's failed ("cannot exec ... Permission denied"). Now it is a
+    change: moved aside, said, and the user's hook there put back. The
+    twins: full mode refuses the directory in ``.git/hooks`` (EROFS); a
+    directory at a name git runs no hook by (``pre-commit.d``) is left."""
+    mode, client = mode_client
+    hooks = repo / where
+    hooks.mkdir(exist_ok=True)
+    if users:
+        (hooks / "pre-commit").write_text("#!/bin/sh\nexit 0\n")
+        (hooks / "pre-commit").chmod(0o755)
+    if where == ".githooks":
+        git(repo, "config", "core.hooksPath", ".githooks")
+    with client.open_session(str(repo)) as s:
+        r = shell(s, f"rm -f {where}/pre-commit; mkdir {where}/pre-commit {where}/pre-commit.d && echo MADE")
+    if mode == "full" and where == ".git/hooks":
+        assert not r.is_success and "Read-only file system" in r.metadata["stderr"], r
+    else:
+        assert r.output == "MADE\n", (r.output, r.error)
+        said = {p["path"]: p["why"] for p in s.protected}
+        aside = [p for p in said if p.startswith(f"{hooks}/pre-commit.quarantined-by-dispatchd-")]
+        assert len(aside) == 1 and os.path.isdir(aside[0]), said
+        assert said[aside[0]] == "git configuration, hooks or state changed or new"
+        if users:
+            assert said[str(hooks / "pre-commit")] == "yours, as it was before the session changed it, put back"
+        assert (hooks / "pre-commit.d").is_dir()  # the twin: no hook of git's
+    assert (hooks / "pre-commit").is_file() == users and not (hooks / "pre-commit").is_dir()
     git(repo, "commit", "-q", "--allow-empty", "-m", "the user's")
 
 

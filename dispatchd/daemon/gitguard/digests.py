@@ -44,6 +44,14 @@ REVIEW_FILES = ("info/exclude", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD")
 # ``rr-cache``: its being there turns rerere on, and the user's next merge
 # with a conflict takes a resolution a session recorded, with no markers.
 STATE_DIRS = ("rebase-merge", "rebase-apply", "sequencer", "rr-cache")
+# The names git runs a hook by (githooks(5)): a directory at one (a session's
+# ``mkdir .git/hooks/pre-commit``) makes the user's git fail "cannot exec".
+HOOK_NAMES = frozenset((
+    "applypatch-msg", "pre-applypatch", "post-applypatch", "pre-commit", "pre-merge-commit", "prepare-commit-msg",
+    "commit-msg", "post-commit", "pre-rebase", "post-checkout", "post-merge", "pre-push", "pre-receive", "update",
+    "proc-receive", "post-receive", "post-update", "reference-transaction", "push-to-checkout", "pre-auto-gc",
+    "post-rewrite", "sendemail-validate", "fsmonitor-watchman", "p4-changelist", "p4-prepare-changelist",
+    "p4-post-changelist", "p4-pre-submit", "post-index-change"))
 _MAX_READ = 16 * 1024 * 1024  # one file of configuration or one hook
 _MAX_HASHED = 256 * 1024 * 1024  # all the bytes one walk hashes (an inode once, however many links)
 MAX_ENTRIES = 2000  # entries of one hooks or state directory

@@ -52,7 +52,7 @@ import msgspec
 from dispatchd.confine.plan import GitLayout
 from dispatchd.daemon.gitguard import fs, keptfiles
 from dispatchd.daemon.gitguard.configs import config_targets
-from dispatchd.daemon.gitguard.digests import digest_at, fingerprint, never_equal
+from dispatchd.daemon.gitguard.digests import HOOK_NAMES, digest_at, fingerprint, never_equal
 from dispatchd.daemon.gitguard.gitdirs import MAX_GITDIRS, Walk
 from dispatchd.daemon.gitguard.layouts import module_gitdirs
 from dispatchd.inside import is_within, outermost
@@ -220,14 +220,27 @@ def changes(before: GitSnapshot, now: GitSnapshot) -> list[str]:
                           if name != "commondir" and digest != "directory"]
                 continue
             found += [f"{rel}/{name}" for name, digest in now_fp.items()
-                      if (old or {}).get(name) != digest and digest != "directory"]
+                      if (old or {}).get(name) != digest and (digest != "directory" or _at_a_hook(name))]
         elif old != now_fp:
             found.append(rel)
     found += [rel for rel, digest in now.pointers.items() if before.pointers.get(rel) != digest]
     found += [rel for rel, why in now.indexes.items() if before.indexes.get(rel) != why]
     found += [rel for rel, digest in now.included.items()
-              if before.included.get(rel) != digest and digest not in ("absent", "directory", "hooks directory")]
+              if before.included.get(rel) != digest and (digest not in ("absent", "directory", "hooks directory")
+                                                         or digest == "directory" and _in_hooks(now, rel))]
     return outermost(found)
+
+
+def _at_a_hook(name: str) -> bool:
+    """``hooks/NAME`` of a git directory, NAME one git runs: a directory
+    there is no hook, and the user's git fails on it ("cannot exec")."""
+    return name.startswith("hooks/") and name[len("hooks/"):] in HOOK_NAMES
+
+
+def _in_hooks(snap: GitSnapshot, rel: str) -> bool:
+    """``rel`` an entry of a hooks path (``included``) at a name git runs."""
+    parent, _, leaf = rel.rpartition("/")
+    return snap.included.get(parent) == "hooks directory" and leaf in HOOK_NAMES
 
 
 def covered(worktree: str, before: GitSnapshot, now: GitSnapshot) -> set[str]:
