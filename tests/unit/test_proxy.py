@@ -1,4 +1,4 @@
-"""dispatchd.daemon.proxy: request parsing by equality; the proxy itself on
+"""dispatchd.daemon.proxy and proxyhead: request parsing by equality; the proxy itself on
 real sockets on the host's loopback (the listener a worker would hand over
 is made here by the test), with hostile clients.
 
@@ -17,7 +17,8 @@ import pytest
 
 from dispatchd.domains import parse_domains
 from dispatchd.daemon import proxy
-from dispatchd.daemon.proxy import HttpError, SessionProxy, parse_head, split_authority
+from dispatchd.daemon.proxy import SessionProxy
+from dispatchd.daemon.proxyhead import HttpError, parse_head, split_authority
 from tests.listeners import accepted
 
 
