@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from dispatchd.daemon.proxyhead import HttpError, Request, parse_head, response
+from dispatchd.daemon.proxyhead import HttpError, Request, parse_head, response, shown
 from dispatchd.domains import Rule, allowed, describe, is_ip_literal, normalise_host, relayable
 from dispatchd.netmodes import NetworkMode
 
@@ -205,8 +205,11 @@ class SessionProxy:
                 head, rest = self._read_head(client)
                 req = parse_head(head)
                 upstream = self._open(conn, req)
-            except HttpError as exc:
-                client.sendall(response(exc.status, exc.reason, exc.body, exc.headers))
+            except (HttpError, ValueError) as exc:
+                # A ValueError no check foresaw is a bad request still: answered, never a dead thread.
+                err = exc if isinstance(exc, HttpError) else HttpError(
+                    400, "Bad Request", f"dispatchd proxy: {shown(str(exc))}\n")
+                client.sendall(response(err.status, err.reason, err.body, err.headers))
                 _linger(client)
                 return
             with self._lock:

@@ -5,7 +5,8 @@ Guarantees:
 - ``parse_head`` takes a request line and headers as a well-behaved client
   sends them (CONNECT ``host:port``; a plain request's absolute
   ``http://`` URL), its host normalised (``domains.normalise_host``) and its
-  port 1-65535; anything else is an ``HttpError`` 400 saying why;
+  port 1-65535 in ASCII digits (``domains.parse_port``); anything else is an
+  ``HttpError`` 400 saying why, never another exception;
 - what it quotes of the request in a reply is printable ASCII, at most 100
   characters (``shown``);
 - ``Request.upstream_head`` sends a plain request on in origin form, with the
@@ -14,7 +15,7 @@ Guarantees:
 
 from __future__ import annotations
 
-from dispatchd.domains import BadHost, normalise_host
+from dispatchd.domains import BadHost, normalise_host, parse_port
 
 _HOP_BY_HOP = {"connection", "proxy-connection", "keep-alive", "proxy-authorization", "proxy-authenticate",
                "te", "trailer", "upgrade", "host"}
@@ -61,9 +62,9 @@ def split_authority(text: str, default_port: int | None) -> tuple[str, int]:
         host, sep, port_text = text.partition(":")
         rest = sep + port_text
     if rest:
-        if not rest.startswith(":") or not rest[1:].isdigit() or not 1 <= int(rest[1:]) <= 65535:
+        port = parse_port(rest[1:]) if rest.startswith(":") else None
+        if port is None:
             raise bad("not a TCP port")
-        port = int(rest[1:])
     elif default_port is None:
         raise bad("CONNECT needs host:port")
     else:
