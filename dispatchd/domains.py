@@ -13,7 +13,9 @@ Everything here is pure (tested by equality in ``tests/unit/test_domains.py``):
   the ``%``) is refused;
 - ``allowed`` decides a request (host, port) against the rules;
 - ``relayable`` decides whether the proxy may connect to a resolved address
-  (never the host's loopback, link-local, unspecified or multicast);
+  (never the host's loopback, link-local, unspecified or multicast; the
+  machine's own other addresses are the proxy's to refuse, at each connect:
+  ``daemon/localaddr.py``);
 - ``parse_port`` reads a port as written in a list or a request: 1-65535 in
   ASCII digits, never what ``str.isdigit`` also takes;
 - ``proxy_env`` is what every command of a ``domains`` session gets, so pip,

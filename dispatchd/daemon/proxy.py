@@ -9,8 +9,10 @@ Guarantees:
   anything else gets an HTTP error whose status line and body say why, and a
   refused host is counted for ``status()`` (the last ``MAX_DENIED``);
 - it connects only to addresses ``relayable`` allows (never the host's
-  loopback, link-local, unspecified or multicast addresses), resolving names
-  itself: the session needs no resolver and never learns other addresses;
+  loopback, link-local, unspecified or multicast addresses) that are not
+  the machine's own (``localaddr.is_local``: its interfaces' addresses reach
+  the services of its loopback), resolving names itself: the session needs
+  no resolver and never learns other addresses;
 - hostile input is bounded: a request head of at most ``MAX_HEAD`` bytes read
   within ``HEAD_TIMEOUT_S``, at most ``MAX_CONNECTIONS`` at once per session
   (more get 503 at once), a relay idle for ``IDLE_TIMEOUT_S`` is closed;
@@ -40,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from dispatchd.daemon.localaddr import is_local
 from dispatchd.daemon.proxyhead import HttpError, Request, parse_head, response, shown
 from dispatchd.domains import Rule, allowed, describe, is_ip_literal, normalise_host, relayable
 from dispatchd.netmodes import NetworkMode
@@ -277,11 +280,14 @@ class SessionProxy:
             found = [(req.host, False)] if is_ip_literal(req.host) else self.resolve(req.host, req.port)
         except (OSError, UnicodeError) as exc:
             raise HttpError(502, "Bad Gateway", f"dispatchd proxy: cannot resolve {req.host}: {exc}\n") from None
-        usable = [a for a, exempt in found if exempt or relayable(a)]
+        # The machine's own addresses (eth0's, docker0's) too: every service
+        # listening on 0.0.0.0 answers there as on its loopback.
+        usable = [a for a, exempt in found if exempt or (relayable(a) and not is_local(a))]
         if not usable:
             raise HttpError(502, "Bad Gateway", (
                 f"dispatchd proxy: {req.host} resolves only to addresses the proxy never relays to "
-                f"({', '.join(a for a, _ in found) or 'none'}: loopback, link-local or unspecified)\n"))
+                f"({', '.join(a for a, _ in found) or 'none'}: loopback, link-local, unspecified or this "
+                "machine's own)\n"))
         errors = []
         for address in usable:
             try:
