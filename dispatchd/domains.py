@@ -13,7 +13,11 @@ Everything here is pure (tested by equality in ``tests/unit/test_domains.py``):
   the ``%``) is refused;
 - ``allowed`` decides a request (host, port) against the rules;
 - ``relayable`` decides whether the proxy may connect to a resolved address
-  (never the host's loopback, link-local, unspecified or multicast);
+  (never the host's loopback, link-local, unspecified or multicast; the
+  machine's own other addresses are the proxy's to refuse, at each connect:
+  ``daemon/localaddr.py``);
+- ``parse_port`` reads a port as written in a list or a request: 1-65535 in
+  ASCII digits, never what ``str.isdigit`` also takes;
 - ``proxy_env`` is what every command of a ``domains`` session gets, so pip,
   npm, git and curl use the proxy without being told.
 
@@ -171,9 +175,23 @@ def _parse_one(entry: str) -> Rule:
 
 
 def _port(entry: str, text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    port = parse_port(text)
+    if port is None:
         raise BadHost(f"{entry!r}: {text!r} is not a TCP port (1-65535)")
-    return int(text)
+    return port
+
+
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def parse_port(text: str) -> int | None:
+    """``text`` as a port, 1-65535, written in at most 5 ASCII digits; None
+    for anything else. Not ``str.isdigit``: it also takes digits ``int``
+    cannot read ('\u00b9', superscripts) and any number of them."""
+    if _PORT.fullmatch(text) is None:
+        return None
+    port = int(text)
+    return port if 1 <= port <= 65535 else None
 
 
 def parse_domains(entries: list[str] | tuple[str, ...]) -> tuple[Rule, ...]:

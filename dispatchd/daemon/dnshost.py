@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 from dispatchd.confine.netstack import DNS_PORT, RELAY_ADDRESS
 from dispatchd.daemon.dnswire import MAX_REPLY, matches, with_id
+from dispatchd.domains import parse_port
 
 log = logging.getLogger("dispatchd.dns")
 
@@ -56,10 +57,10 @@ def parse_resolv_conf(text: str, *, ports: bool = False) -> list[Server]:
         text_addr, port = words[1], DNS_PORT
         if ports and text_addr.startswith("[") and "]:" in text_addr:
             text_addr, _, p = text_addr[1:].partition("]:")
-            port = int(p) if p.isdigit() and 0 < int(p) < 65536 else -1
+            port = parse_port(p) or -1
         elif ports and text_addr.count(":") == 1:
             text_addr, _, p = text_addr.partition(":")
-            port = int(p) if p.isdigit() and 0 < int(p) < 65536 else -1
+            port = parse_port(p) or -1  # ASCII digits: never int()'s ValueError for a '\u00b9'
         try:
             address = ipaddress.ip_address(text_addr.split("%", 1)[0])
         except ValueError:

@@ -9,8 +9,10 @@ Guarantees:
   anything else gets an HTTP error whose status line and body say why, and a
   refused host is counted for ``status()`` (the last ``MAX_DENIED``);
 - it connects only to addresses ``relayable`` allows (never the host's
-  loopback, link-local, unspecified or multicast addresses), resolving names
-  itself: the session needs no resolver and never learns other addresses;
+  loopback, link-local, unspecified or multicast addresses) that are not
+  the machine's own (``localaddr.is_local``: its interfaces' addresses reach
+  the services of its loopback), resolving names itself: the session needs
+  no resolver and never learns other addresses;
 - hostile input is bounded: a request head of at most ``MAX_HEAD`` bytes read
   within ``HEAD_TIMEOUT_S``, at most ``MAX_CONNECTIONS`` at once per session
   (more get 503 at once), a relay idle for ``IDLE_TIMEOUT_S`` is closed;
@@ -40,9 +42,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from dispatchd.domains import (
-    BadHost, Rule, allowed, describe, is_ip_literal, normalise_host, relayable,
-)
+from dispatchd.daemon.localaddr import is_local
+from dispatchd.daemon.proxyhead import HttpError, Request, parse_head, response, shown
+from dispatchd.domains import Rule, allowed, describe, is_ip_literal, normalise_host, relayable
 from dispatchd.netmodes import NetworkMode
 
 log = logging.getLogger("dispatchd.proxy")
@@ -54,130 +56,6 @@ IDLE_TIMEOUT_S = 300.0
 MAX_CONNECTIONS = 64  # per session, at once
 MAX_DENIED = 20
 _BUF = 64 * 1024
-_HOP_BY_HOP = {"connection", "proxy-connection", "keep-alive", "proxy-authorization", "proxy-authenticate",
-               "te", "trailer", "upgrade", "host"}
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, reason: str, body: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(reason)
-        self.status, self.reason, self.body, self.headers = status, reason, body, headers or {}
-
-
-def response(status: int, reason: str, body: str, headers: dict[str, str] | None = None) -> bytes:
-    """A whole HTTP/1.1 response that closes the connection."""
-    data = body.encode()
-    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: text/plain; charset=utf-8",
-            f"Content-Length: {len(data)}", "Connection: close", "Proxy-Connection: close"]
-    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    return ("\r\n".join(head) + "\r\n\r\n").encode("ascii", "replace") + data
-
-
-def _shown(raw: str) -> str:
-    """Untrusted text fit for a status line or log: printable ASCII, short."""
-    text = raw.encode("ascii", "backslashreplace").decode()
-    text = "".join(c if 32 <= ord(c) < 127 else "?" for c in text)
-    return text[:100] + ("..." if len(text) > 100 else "")
-
-
-def split_authority(text: str, default_port: int | None) -> tuple[str, int]:
-    """``host:port``, ``[v6]:port`` or (with a default port) ``host`` -> (host, port).
-    Raises ``HttpError`` 400 for anything else (user info, empty host, bad port)."""
-    def bad(why: str) -> HttpError:
-        return HttpError(400, "Bad Request", f"dispatchd proxy: {why}: {_shown(text)!r}\n")
-
-    if "@" in text or not text:
-        raise bad("not a host[:port]")
-    if text.startswith("["):
-        end = text.find("]")
-        if end < 0:
-            raise bad("unclosed '['")
-        host, rest = text[: end + 1], text[end + 1 :]
-    elif text.count(":") > 1:
-        raise bad("an IPv6 address must be in brackets")
-    else:
-        host, sep, port_text = text.partition(":")
-        rest = sep + port_text
-    if rest:
-        if not rest.startswith(":") or not rest[1:].isdigit() or not 1 <= int(rest[1:]) <= 65535:
-            raise bad("not a TCP port")
-        port = int(rest[1:])
-    elif default_port is None:
-        raise bad("CONNECT needs host:port")
-    else:
-        port = default_port
-    if not host or host == "[]":
-        raise bad("no host")
-    return host, port
-
-
-class Request:
-    """The head of one request to the proxy, parsed (``parse_head``)."""
-
-    def __init__(self, method: str, host: str, port: int, path: str, version: str,
-                 headers: list[tuple[str, str]]) -> None:
-        self.method, self.host, self.port, self.path, self.version, self.headers = (
-            method, host, port, path, version, headers)
-
-    @property
-    def tunnel(self) -> bool:
-        return self.method == "CONNECT"
-
-    def upstream_head(self) -> bytes:
-        """The plain-HTTP request as the upstream gets it: origin form, the
-        URL's host as ``Host``, hop-by-hop headers dropped, one request only."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        authority = host if self.port == 80 else f"{host}:{self.port}"
-        lines = [f"{self.method} {self.path} {self.version}", f"Host: {authority}"]
-        lines += [f"{k}: {v}" for k, v in self.headers if k.lower() not in _HOP_BY_HOP]
-        lines.append("Connection: close")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def parse_head(head: bytes) -> Request:
-    """Parse a request head (without its final blank line). Raises ``HttpError``
-    (400) for anything a well-behaved client does not send: the host is
-    normalised here (``BadHost`` becomes a 400 naming it)."""
-    def bad(why: str) -> HttpError:
-        return HttpError(400, "Bad Request", f"dispatchd proxy: {why}\n")
-
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:  # latin-1 decodes every byte; kept for clarity
-        raise bad("undecodable request") from None
-    lines = text.split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[0].isupper() or len(parts[0]) > 20:
-        raise bad(f"not an HTTP request line: {_shown(lines[0])!r}")
-    method, target, version = parts
-    if version not in ("HTTP/1.0", "HTTP/1.1"):
-        raise bad(f"unsupported version {_shown(version)!r} (HTTP/1.0 and 1.1)")
-    headers: list[tuple[str, str]] = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or any(c in name for c in " \t") or "\n" in line:
-            raise bad(f"malformed header line {_shown(line)!r}")
-        headers.append((name, value.strip()))
-    if method == "CONNECT":
-        host, port = split_authority(target, None)
-        path = ""
-    else:
-        if not target.lower().startswith("http://"):
-            if target.lower().startswith("https://"):
-                raise bad("https:// goes through CONNECT (set HTTPS_PROXY to this proxy); this session's "
-                          "commands have it set already")
-            raise bad(f"{_shown(target)!r}: a proxy request names its URL in full (http://host/path)")
-        rest = target[7:]
-        cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
-        host, port = split_authority(rest[:cut], 80)
-        path = rest[cut:].split("#", 1)[0] or "/"
-        if not path.startswith("/"):
-            path = "/" + path
-    try:
-        host = normalise_host(host)
-    except BadHost as exc:
-        raise bad(_shown(str(exc))) from None
-    return Request(method, host, port, path, version, headers)
 
 
 Resolver = Callable[[str, int], list[tuple[str, bool]]]
@@ -330,8 +208,11 @@ class SessionProxy:
                 head, rest = self._read_head(client)
                 req = parse_head(head)
                 upstream = self._open(conn, req)
-            except HttpError as exc:
-                client.sendall(response(exc.status, exc.reason, exc.body, exc.headers))
+            except (HttpError, ValueError) as exc:
+                # A ValueError no check foresaw is a bad request still: answered, never a dead thread.
+                err = exc if isinstance(exc, HttpError) else HttpError(
+                    400, "Bad Request", f"dispatchd proxy: {shown(str(exc))}\n")
+                client.sendall(response(err.status, err.reason, err.body, err.headers))
                 _linger(client)
                 return
             with self._lock:
@@ -399,11 +280,14 @@ class SessionProxy:
             found = [(req.host, False)] if is_ip_literal(req.host) else self.resolve(req.host, req.port)
         except (OSError, UnicodeError) as exc:
             raise HttpError(502, "Bad Gateway", f"dispatchd proxy: cannot resolve {req.host}: {exc}\n") from None
-        usable = [a for a, exempt in found if exempt or relayable(a)]
+        # The machine's own addresses (eth0's, docker0's) too: every service
+        # listening on 0.0.0.0 answers there as on its loopback.
+        usable = [a for a, exempt in found if exempt or (relayable(a) and not is_local(a))]
         if not usable:
             raise HttpError(502, "Bad Gateway", (
                 f"dispatchd proxy: {req.host} resolves only to addresses the proxy never relays to "
-                f"({', '.join(a for a, _ in found) or 'none'}: loopback, link-local or unspecified)\n"))
+                f"({', '.join(a for a, _ in found) or 'none'}: loopback, link-local, unspecified or this "
+                "machine's own)\n"))
         errors = []
         for address in usable:
             try:

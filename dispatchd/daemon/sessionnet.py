@@ -10,7 +10,8 @@ Guarantees:
   it forked; its interface seen gone from the namespace, else
   ``ConfinementError``, and the switch ends the session), the new
   rules are committed before a stack starts; rules nft refuses raise
-  ``ConfinementError("network: nftables")``;
+  ``ConfinementError("network: nftables")``; a mode without a stack
+  ("off") leaves the table in place, inert with the loopback alone;
 - ``stop_network`` is the way out gone: from its return no byte of the
   session leaves, and the daemon holds none of its namespaces.
 """
@@ -183,30 +184,31 @@ class SessionNetworks:
     def apply(self, session: Session | Made, new: netstack.NetworkPlan | None) -> None:
         """Bring the session's namespace to ``new``, keeping its processes: the
         stack ended first when the new mode has none (killed and reaped before
-        this returns), the rules committed before a stack starts."""
+        this returns), the rules committed before a stack starts; with no
+        stack, the table stays (on record in ``session.net``)."""
         old, session.net = session.net, new
         if new is None or not new.namespace:
             return
         if not new.stack and session.stack is not None:
             self._stop_stack(session)
-        if new.rules != (old.rules if old is not None else ""):
+        held = old.rules if old is not None else ""  # what the namespace holds of ours
+        if not new.stack and session.stack is None and held:
+            # Off: the stack has ended and its way out is known gone
+            # (``_stop_stack``), leaving the namespace its loopback alone,
+            # which each table of ours lets in and out (pasta's translation
+            # needs an eth0). The table stays, on record: no commit (no
+            # process needed), and a switch back to the same mode commits
+            # nothing either.
+            session.net = msgspec.structs.replace(new, rules=held)
+            return
+        if new.rules != held:
             try:
-                # No rules of the new mode's own: the old mode's table goes.
-                self.fork_server.net_rules(new.rules or netstack.reset_rules(), *namespaces(session))
+                self.fork_server.net_rules(netstack.to_commit(new.rules, held), *namespaces(session))
             except NoProcess as exc:  # nft's transaction is whole or nothing: nothing changed
                 if old is not None and (session.stack is not None) == old.stack:
                     session.net = old
                     raise NetworkUnchanged("network: nftables", detail=f"{exc}; the session's network is "
                                                                      "unchanged") from exc
-                if old is not None and old.stack and not new.stack and session.stack is None:
-                    # Off reached without them: the stack has ended and its
-                    # way out is known gone (``_stop_stack``), leaving the
-                    # namespace its loopback alone, and a table of ours can
-                    # only refuse more than none (the ports mode's accepts
-                    # "lo"). Kept on record, for the next switch to replace.
-                    session.net = msgspec.structs.replace(new, rules=old.rules)
-                    log.warning("event=net_rules_kept session=%s mode=%s why=%s", session.id, new.mode, exc)
-                    return
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc
             except SpawnError as exc:
                 raise ConfinementError("network: nftables", detail=str(exc)) from exc

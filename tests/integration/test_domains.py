@@ -200,6 +200,23 @@ def test_bad_domains_are_refused_and_change_nothing(dclient: dispatch.Client, wo
         assert s.status()["network"]["domains"] == ["pypi.org"]
 
 
+def test_a_port_int_cannot_read_is_refused_at_open_and_switch_naming_it(dclient: dispatch.Client,
+                                                                        worktree: Path) -> None:
+    """'\u00b9' is a digit to ``str.isdigit``, not to ``int``: before, the open
+    and the switch were answered "internal error: ValueError: ..."."""
+    entry = "registry.test:\u00b9"
+    why = "domains: 'registry.test:\u00b9': '\u00b9' is not a TCP port (1-65535)"
+    with pytest.raises(dispatch.RequestFailed) as exc:
+        dclient.open_session(str(worktree), network="domains", domains=[entry])
+    assert exc.value.message == why
+    # The twin: a plain port opens; the switch to the odd one is refused, the list unchanged.
+    with dclient.open_session(str(worktree), network="domains", domains=["registry.test:8443"]) as s:
+        with pytest.raises(dispatch.RequestFailed) as exc:
+            s.set_network("domains", domains=[entry])
+        assert exc.value.message == why
+        assert s.status()["network"]["domains"] == ["registry.test:8443"]
+
+
 def test_switching_into_within_and_out_of_domains(dclient: dispatch.Client, worktree: Path,
                                                   registry: FakeRegistry) -> None:
     a, b = f"registry.test:{registry.port}", f"files.registry.test:{registry.port}"

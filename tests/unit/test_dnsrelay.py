@@ -124,6 +124,14 @@ def test_ports_only_with_the_testing_option():
     assert parse_resolv_conf(text) == [DEFAULT_SERVER]
 
 
+def test_a_port_int_cannot_read_is_skipped_as_any_bad_entry():
+    """'\u00b9' is a digit to ``str.isdigit``, not to ``int``: the entry is
+    skipped, not a ValueError out of the relay's read of the file."""
+    text = "nameserver 127.0.0.1:\u00b9\nnameserver [::1]:4\u00b2\nnameserver 127.0.0.2:" + "4" * 5000 + "\n"
+    assert parse_resolv_conf(text + "nameserver 127.0.0.1:5353\n", ports=True) == [("127.0.0.1", 5353)]
+    assert parse_resolv_conf(text, ports=True) == [DEFAULT_SERVER]
+
+
 @pytest.mark.parametrize(("msg", "why"), [
     (query(), ""),
     (query(flags=0x8180), "a reply, not a query"),

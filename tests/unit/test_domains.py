@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dispatchd.domains import (
-    BadHost, Rule, allowed, describe, normalise_host, parse_domains, proxy_env, relayable,
+    BadHost, Rule, allowed, describe, normalise_host, parse_domains, parse_port, proxy_env, relayable,
 )
 
 
@@ -153,3 +153,34 @@ def test_a_normalised_host_is_only_ever_name_or_address_characters(host: str) ->
     import re
 
     assert re.fullmatch(r"[a-z0-9_.-]+|[0-9a-f:.]+", normalise_host(host))
+
+
+# str.isdigit() is True for each, int() reads none (the last is past Python's
+# 4,300 digits): an entry with one was a ValueError, which the daemon
+# answered "internal error: ValueError: ..." at an open or a switch.
+ODD_PORTS = {"superscript-one": "\u00b9", "superscript-two-three": "4\u00b2\u00b3", "5000-digits": "4" * 5000}
+
+
+@pytest.mark.parametrize("port", ODD_PORTS.values(), ids=ODD_PORTS.keys())
+def test_an_entry_whose_port_int_cannot_read_is_a_bad_host_naming_it(port: str) -> None:
+    with pytest.raises(BadHost) as exc:
+        parse_domains([f"registry.test:{port}"])
+    assert str(exc.value) == f"{f'registry.test:{port}'!r}: {port!r} is not a TCP port (1-65535)"
+    with pytest.raises(BadHost) as exc:
+        parse_domains([f"[2001:db8::1]:{port}"])
+    assert str(exc.value) == f"{f'[2001:db8::1]:{port}'!r}: {port!r} is not a TCP port (1-65535)"
+
+
+def test_the_twin_entries_with_plain_ports_parse() -> None:
+    assert [r.ports for r in parse_domains(["registry.test:8443", "[2001:db8::1]:1", "a.test:65535"])] == [
+        (8443,), (1,), (65535,)]
+
+
+@pytest.mark.parametrize(("text", "port"), [
+    ("1", 1), ("443", 443), ("65535", 65535), ("08443", 8443),
+    ("0", None), ("65536", None), ("000443", None), ("", None), ("+443", None), ("-1", None), (" 443", None),
+    ("443\n", None), ("\u0664\u0664\u0663", None), ("\uff14\uff14\uff13", None), ("\u00b9", None), ("4" * 5000, None),
+])
+def test_parse_port_reads_ascii_digits_in_range_only(text: str, port: int | None) -> None:
+    # Arabic-Indic and fullwidth digits: int() reads them, a port is not written so.
+    assert parse_port(text) == port

@@ -79,6 +79,8 @@ NO_NFT = "libnftables is not installed (install it: sudo apt install nftables; F
 
 
 VIA_PASTA = "own network namespace, out through pasta (the host's loopback is 10.0.2.2)"
+IN_PASTA = ("nftables in it: in only the replies to what the session sent; its UDP source ports moved into the "
+            "host's ephemeral range")
 HYGIENE = ["no_new_privs", "new session, no terminal", "fds closed", "environment allowlist",
            "dies with its parent", "not dumpable"]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -231,9 +233,9 @@ def test_full_mode_network_on():
     assert got.landlock == plan().landlock
     assert got.seccomp == plan_seccomp(allow_inet=True, allow_unix=True)  # its own namespace: Unix sockets too
     assert got.mounts is not None
-    assert got.net == NetworkPlan("on", namespace=True, stack=True, rules="", landlock_tcp=False,
-                                  seccomp_inet=True, mechanism=VIA_PASTA)
-    assert report(got)["network"] == {"mode": "on", "mechanism": VIA_PASTA, "stack": "pasta"}
+    assert got.net == NetworkPlan("on", namespace=True, stack=True, rules=nft_rules("on", NetworkPorts([]), "pasta"),
+                                  landlock_tcp=False, seccomp_inet=True, mechanism=f"{VIA_PASTA}; {IN_PASTA}")
+    assert report(got)["network"] == {"mode": "on", "mechanism": f"{VIA_PASTA}; {IN_PASTA}", "stack": "pasta"}
     assert report(got)["landlock"]["tcp"] == "not handled"
     assert report(got)["mode"] == "full"
     assert report(got)["leaves_open"] == []
@@ -515,8 +517,9 @@ def test_ports_in_full_mode():
     assert got.namespaces.net is True
     assert got.landlock == plan().landlock and got.seccomp == plan().seccomp  # the same sandbox as off and on
     assert got.net is not None and got.net.stack and not got.net.landlock_tcp
-    assert got.net.rules == nft_rules("ports", NetworkPorts(connect=[443, 80], bind=[8080]))
-    mechanism = (f"{VIA_PASTA}; nftables in it: TCP, MPTCP and UDP out only to 443, 80; "
+    assert got.net.rules == nft_rules("ports", NetworkPorts(connect=[443, 80], bind=[8080]), "pasta")
+    mechanism = (f"{VIA_PASTA}; nftables in it: TCP, MPTCP and UDP out only to 443, 80, in only the replies to "
+                 "what the session sent; its UDP source ports moved into the host's ephemeral range; "
                  "listening on any port, reachable from inside the session only; DNS through the daemon's relay "
                  "(127.0.0.53, on its loopback) to the host's resolvers, whatever the ports")
     assert report(got)["network"] == {"mode": "ports", "mechanism": mechanism, "stack": "pasta",
@@ -525,11 +528,21 @@ def test_ports_in_full_mode():
     assert report(got)["leaves_open"] == []
 
 
+INPUT = ("    chain input {\n"
+         "        type filter hook input priority 0; policy drop;\n"
+         '        iif "lo" accept\n'
+         "        ct state established,related accept\n"
+         "    }\n")
+
+
 def test_nft_rules():
-    assert nft_rules("on", NetworkPorts(connect=[1])) == "add table inet dispatchd\ndelete table inet dispatchd\n"
-    assert nft_rules("ports", NetworkPorts(connect=[443, 53])) == (
-        "add table inet dispatchd\ndelete table inet dispatchd\n"
-        "table inet dispatchd {\n"
+    reset = "add table inet dispatchd\ndelete table inet dispatchd\n"
+    # No stack, no table: "off" has only its loopback, "domains" the proxy's listener on it.
+    assert nft_rules("off", NetworkPorts(connect=[1])) == nft_rules("domains", NetworkPorts(connect=[1])) == reset
+    # Every mode with a stack: in, only the loopback and the replies to the session's own flows.
+    assert nft_rules("on", NetworkPorts(connect=[1]), "slirp4netns") == reset + "table inet dispatchd {\n" + INPUT + "}\n"
+    assert nft_rules("ports", NetworkPorts(connect=[443, 53]), "slirp4netns") == (
+        reset + "table inet dispatchd {\n" + INPUT +
         "    chain output {\n"
         "        type filter hook output priority 0; policy accept;\n"
         '        oif "lo" accept\n'
@@ -538,6 +551,20 @@ def test_nft_rules():
         "    }\n"
         "}\n")
     assert "th dport" not in nft_rules("ports", NetworkPorts(connect=[]))
+
+
+@pytest.mark.parametrize("mode", ["on", "ports"])
+def test_under_pasta_a_session_s_udp_source_ports_are_moved_into_the_ephemeral_range(mode: str):
+    """pasta binds the host's port of the session's source port number: moved,
+    the session cannot pick it. slirp4netns binds one the host's kernel picks."""
+    moved = ("    chain postrouting {\n"
+             "        type nat hook postrouting priority 100; policy accept;\n"
+             '        oifname "eth0" meta l4proto udp masquerade to :32768-60999 random\n'
+             "    }\n}\n")
+    pasta = nft_rules(mode, NetworkPorts(connect=[443]), "pasta")
+    assert pasta == nft_rules(mode, NetworkPorts(connect=[443]), "slirp4netns")[:-2] + moved
+    assert "masquerade" not in nft_rules(mode, NetworkPorts(connect=[443]), "slirp4netns")
+    assert plan(network=mode, ports=NetworkPorts(connect=[443])).net.rules == pasta  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(("old", "new", "in_place"), [
@@ -555,7 +582,19 @@ def test_ports_without_nftables_is_refused_naming_the_fix():
     err = refused(k=kernel(nft=False), network="ports")
     assert err.message == ("cannot apply network: network 'ports' needs nftables in the session's own network "
                            f"namespace: {NO_NFT}")
-    assert plan(k=kernel(nft=False), network="on").net == plan(network="on").net  # "on" needs none
+
+
+
+def test_on_without_nftables_runs_saying_what_comes_in():
+    """The internet, as asked; what the stack hands in is said open, never said held."""
+    got = plan(k=kernel(nft=False), network="on")
+    assert got.net is not None and got.net.rules == "" and got.net.mechanism == VIA_PASTA
+    assert report(got)["leaves_open"] == [
+        "network 'on' without nftables in the session's namespace: whatever any sender sends to a port the stack "
+        "holds on the host for the session's UDP flows comes in, and the session picks that port (pasta binds the "
+        f"number of its source port) ({NO_NFT})"]
+    # The twin: with nftables, nothing of it is left open.
+    assert report(plan(network="on"))["leaves_open"] == []
 
 
 def test_ports_default_to_the_policys():

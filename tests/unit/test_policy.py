@@ -249,6 +249,9 @@ def test_policy_error_code():
         ("[network]\nbind_ports = [65536]", "network.bind_ports", "65536 is not a TCP port (1-65535)"),
         ("[network]\ndomains = [\"*.org\"]", "network.domains",
          "'*.org': a wildcard over a whole top-level domain is too broad"),
+        # A digit to str.isdigit(), not to int(): a ValueError out of the policy's parse, before.
+        ("[network]\ndomains = [\"registry.test:\u00b9\"]", "network.domains",
+         "'registry.test:\u00b9': '\u00b9' is not a TCP port (1-65535)"),
         ("[network]\ndomains = [\"127.0.0.1\"]", "network.domains",
          "'127.0.0.1': the host's loopback, link-local, cloud metadata and unspecified addresses are never relayed "
          "(a session reaches the host's own services with network 'on' or 'ports')"),

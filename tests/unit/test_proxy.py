@@ -1,4 +1,4 @@
-"""dispatchd.daemon.proxy: request parsing by equality; the proxy itself on
+"""dispatchd.daemon.proxy and proxyhead: request parsing by equality; the proxy itself on
 real sockets on the host's loopback (the listener a worker would hand over
 is made here by the test), with hostile clients.
 
@@ -17,7 +17,8 @@ import pytest
 
 from dispatchd.domains import parse_domains
 from dispatchd.daemon import proxy
-from dispatchd.daemon.proxy import HttpError, SessionProxy, parse_head, split_authority
+from dispatchd.daemon.proxy import SessionProxy
+from dispatchd.daemon.proxyhead import HttpError, parse_head, split_authority
 from tests.listeners import accepted
 
 
@@ -265,3 +266,69 @@ def test_the_suggested_command_is_quoted_for_a_shell() -> None:
     assert parse_domains(shlex.split(command)[-1].split(","))[-1].ports == (8443,)  # the port after the brackets
     assert p.allow_command("other.test", 443, parse_domains(["pypi.org"])) == (
         "dispatch network s1 domains --domains pypi.org,other.test")
+
+
+# --- ports int() cannot read -------------------------------------------------------
+
+# str.isdigit() is True for each, int() reads none (the last is past Python's
+# 4,300 digits): the check let them through to a ValueError that ended the
+# serving thread, and the client got no answer, only the close.
+ODD_PORTS = {"superscript-one": "\u00b9", "superscript-two-three": "4\u00b2\u00b3", "5000-digits": "4" * 5000}
+# Each as the 400 quotes it (printable ASCII, at most 100 characters).
+ODD_SHOWN = {"\u00b9": "registry.test:\\xb9", "4\u00b2\u00b3": "registry.test:4\\xb2\\xb3",
+             "4" * 5000: "registry.test:" + "4" * 86 + "..."}
+
+
+@pytest.mark.parametrize("port", ODD_PORTS.values(), ids=ODD_PORTS.keys())
+def test_a_port_int_cannot_read_is_a_400_naming_it(port: str) -> None:
+    with pytest.raises(HttpError) as exc:
+        parse_head(f"CONNECT registry.test:{port} HTTP/1.1".encode("latin-1"))
+    assert (exc.value.status, exc.value.body) == (400, f"dispatchd proxy: not a TCP port: {ODD_SHOWN[port]!r}\n")
+    with pytest.raises(HttpError) as exc:
+        parse_head(f"GET http://registry.test:{port}/simple/ HTTP/1.1".encode("latin-1"))
+    assert (exc.value.status, exc.value.body) == (400, f"dispatchd proxy: not a TCP port: {ODD_SHOWN[port]!r}\n")
+
+
+@pytest.mark.parametrize(("authority", "port"), [
+    ("registry.test:1", 1), ("registry.test:65535", 65535), ("registry.test:08443", 8443),
+])
+def test_the_twins_ascii_ports_in_range_are_read(authority: str, port: int) -> None:
+    assert split_authority(authority, None) == ("registry.test", port)
+
+
+@pytest.mark.parametrize("authority", ["registry.test:0", "registry.test:65536", "registry.test:000443",
+                                       "registry.test:+443", "registry.test: 443", "registry.test:443\n"])
+def test_ports_out_of_range_or_not_plain_ascii_digits_are_a_400(authority: str) -> None:
+    with pytest.raises(HttpError) as exc:
+        split_authority(authority, None)
+    assert (exc.value.status, exc.value.body) == (400, f"dispatchd proxy: not a TCP port: {authority!r}\n"
+                                                  .replace("\\n'", "?'"))
+
+
+@pytest.mark.parametrize("port", ODD_PORTS.values(), ids=ODD_PORTS.keys())
+def test_a_port_int_cannot_read_is_answered_400_and_the_proxy_serves_on(served: tuple[SessionProxy, int],
+                                                                        upstream: Upstream, port: str) -> None:
+    _, proxy_port = served
+    got = ask(proxy_port, f"CONNECT registry.test:{port} HTTP/1.1\r\n\r\n".encode("latin-1"))
+    assert got.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert got.endswith(f"\r\n\r\ndispatchd proxy: not a TCP port: {ODD_SHOWN[port]!r}\n".encode())
+    # The twin, on the same proxy: a plain port is relayed.
+    with tunnel(proxy_port, "registry.test", upstream.port) as s:
+        s.sendall(b"ping")
+        assert s.recv(4) == b"ping"
+
+
+def test_a_value_error_no_check_foresaw_is_a_400_not_a_dead_thread(served: tuple[SessionProxy, int],
+                                                                   upstream: Upstream,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def unforeseen(head: bytes) -> object:
+        raise ValueError("no check foresaw this\x1b[2K")
+
+    _, port = served
+    monkeypatch.setattr(proxy, "parse_head", unforeseen)
+    got = ask(port, b"CONNECT registry.test:443 HTTP/1.1\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert got.endswith(b"\r\n\r\ndispatchd proxy: no check foresaw this?[2K\n")
+    monkeypatch.undo()
+    with tunnel(port, "registry.test", upstream.port):  # the twin: served as before
+        pass

@@ -11,6 +11,7 @@ import errno
 import types
 from typing import Any
 
+import msgspec
 import pytest
 
 from dispatchd.confine import netstack
@@ -136,3 +137,64 @@ def test_a_switch_on_whose_stack_could_not_fork_ends_the_session_when_its_way_ou
         _networks(fork_server).apply(session, _plan("ports"))
     assert not isinstance(ended.value, sessionnet.NetworkUnchanged)
     assert str(ended.value) == "cannot apply network: start slirp4netns: fork: Resource temporarily unavailable"
+
+
+# --- what is committed, and when ---------------------------------------------------
+
+class _Started:
+    """A stack that starts (``netstack.start_stack``'s stand-in)."""
+
+    def __init__(self) -> None:
+        self.started = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.started += 1
+        stack = _Stack()
+        stack.with_it = []  # type: ignore[attr-defined]
+        return stack
+
+
+@pytest.mark.parametrize("mode", ["on", "ports"])
+def test_a_switch_to_off_commits_nothing_and_keeps_the_table_on_record(mode: str) -> None:
+    """The stack gone, the namespace has its loopback alone, which the table
+    lets in and out: removing it would only cost an RCU grace period."""
+    session = _session(mode)
+    old, fork_server = session.net, _RulesForkServer()
+    _networks(fork_server).apply(session, _plan("off"))
+    assert fork_server.rules == [] and session.stack is None
+    assert session.net == msgspec.structs.replace(_plan("off"), rules=old.rules)
+
+
+def test_back_to_the_mode_of_the_table_kept_commits_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    started = _Started()
+    monkeypatch.setattr(netstack, "start_stack", started)
+    session = _session("on")
+    fork_server = _RulesForkServer()
+    _networks(fork_server).apply(session, _plan("off"))
+    _networks(fork_server).apply(session, _plan("on"))
+    assert fork_server.rules == [] and started.started == 1
+    assert session.net == _plan("on")
+    # The twin: to another mode's rules, the table kept is replaced, in one transaction.
+    _networks(fork_server).apply(session, _plan("off"))
+    _networks(fork_server).apply(session, _plan("ports"))
+    assert fork_server.rules == [_plan("ports").rules] and _plan("ports").rules.startswith(netstack.reset_rules())
+
+
+def test_into_a_namespace_without_a_table_the_rules_are_committed_without_a_removal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netstack, "start_stack", _Started())
+    session = _session("off")
+    session.stack = None
+    fork_server = _RulesForkServer()
+    _networks(fork_server).apply(session, _plan("on"))
+    assert fork_server.rules == [_plan("on").rules.removeprefix(netstack.reset_rules())]
+    assert fork_server.rules[0].startswith("table inet dispatchd {\n")
+    assert session.net == _plan("on")  # on record as planned: the next switch replaces it whole
+
+
+def test_to_commit() -> None:
+    on, reset = _plan("on").rules, netstack.reset_rules()
+    assert netstack.to_commit(on, "") == on[len(reset):]
+    assert netstack.to_commit(on, _plan("ports").rules) == on
+    assert netstack.to_commit(reset, on) == reset
+    assert netstack.to_commit(reset, "") == reset  # nothing but a removal: kept whole
