@@ -93,7 +93,7 @@ def parse_listen_fds(env: Mapping[str, str], pid: int) -> list[tuple[int, str]]:
     if listen_pid != pid:
         return []
     raw = env.get("LISTEN_FDS", "")
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):  # str.isdigit also takes "¹", which int() refuses
         raise ValueError(f"LISTEN_FDS={raw!r} is not a count of file descriptors")
     count = int(raw)
     if count == 0:

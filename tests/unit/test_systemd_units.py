@@ -114,6 +114,7 @@ def test_parse_listen_fds(env: dict[str, str], expected: list[tuple[int, str]]) 
 @pytest.mark.parametrize(("env", "message"), [
     ({"LISTEN_PID": "100", "LISTEN_FDS": "one"}, "LISTEN_FDS='one'"),
     ({"LISTEN_PID": "100", "LISTEN_FDS": "-1"}, "LISTEN_FDS='-1'"),
+    ({"LISTEN_PID": "100", "LISTEN_FDS": "\u00b9"}, "LISTEN_FDS='\u00b9' is not a count"),  # a digit to isdigit, not to int
     ({"LISTEN_PID": "100", "LISTEN_FDS": "2", "LISTEN_FDNAMES": "a"}, "names 1 sockets but LISTEN_FDS=2"),
 ])
 def test_parse_listen_fds_refuses_a_malformed_handover(env: dict[str, str], message: str) -> None:
