@@ -366,8 +366,8 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
                       "checked")
     # A nested repository's config and hooks: replaced under git's lock by the put-back, never renamed away first.
     locked = keptfiles.left_in_place(part.root, part.tree.kept, {}, {}, tree=tree.entries)
-    moved, bad = runnables.quarantine(part.root, [rel for rel in runnables.changes(part.tree, tree)
-                                                  if os.path.join(part.root, rel) not in locked])
+    changed = [rel for rel in runnables.changes(part.tree, tree) if os.path.join(part.root, rel) not in locked]
+    moved, bad = runnables.quarantine(part.root, changed)
     failed += bad
     for path in map(shown, moved):
         said.say(log, "event=tool_file_quarantined path=%s", path)
@@ -375,13 +375,23 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
                                time=now_t, bulk=True))
     put, bad = keptfiles.put_back(part.root, part.tree.kept, {}, {}, tree=tree.entries)
     failed += bad
-    split, bad = hardlinks.detach_tree(part.root, tree.entries, part.tree.kept, copied)
+    # What was moved aside (or, with no room, made unreadable and said) is not the user's to split.
+    split, bad = hardlinks.detach_tree(part.root, _outside(tree.entries, changed), part.tree.kept, copied)
     put += split
     failed += bad
     for path, why in ((shown(path), why) for path, why in put):
         said.say(log, "event=git_file_put_back path=%s", path)
         found.append(Protected(path=path, why=why, time=now_t))
     return failed
+
+
+def _outside(entries: dict[str, str], rels: list[str]) -> dict[str, str]:
+    """``entries`` but those at or below one of ``rels``."""
+    if not rels:
+        return entries
+    below = set(rels)
+    return {rel: d for rel, d in entries.items()
+            if not any(rel[:i] in below for i in [len(rel)] + [i for i, c in enumerate(rel) if c == "/"])}
 
 
 def _review_index(part: Part, found: list[Protected], now_t: float) -> None:
