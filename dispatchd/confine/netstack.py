@@ -143,6 +143,16 @@ def nft_rules(mode: NetworkMode, ports: NetworkPorts, stack: str = "") -> str:
         "        type filter hook input priority 0; policy drop;\n"
         '        iif "lo" accept\n'
         "        ct state established,related accept\n"
+        "    }\n",
+        # Loopback is let in whatever its state: tracking it would buy nothing,
+        # and let a session hold an entry a datagram (up to nf_conntrack_max).
+        "    chain untracked_out {\n"
+        "        type filter hook output priority raw; policy accept;\n"
+        '        oif "lo" notrack\n'
+        "    }\n",
+        "    chain untracked_in {\n"
+        "        type filter hook prerouting priority raw; policy accept;\n"
+        '        iif "lo" notrack\n'
         "    }\n"]
     if mode == "ports":
         allowed = (f"        meta l4proto {{ tcp, udp }} th dport {{ {', '.join(map(str, ports.connect))} }} accept\n"
@@ -435,7 +445,8 @@ def rules_hold(rules: str, listed: str | None) -> str:
 # What must be listed of each chain ``nft_rules`` defines, as nft lists it:
 # its hook and policy, and what holds it (the output's final reject, the
 # input's one way in); the source ports' translation.
-_HOLDING = ("hook input", "policy drop", "ct state established,related accept", "hook output",
+_HOLDING = ("hook input", "policy drop", "ct state established,related accept", 'oif "lo" notrack',
+            'iif "lo" notrack', "hook output",
             "reject with icmpx admin-prohibited", "hook postrouting", f"masquerade to :{UDP_SOURCE_PORTS} random")
 
 

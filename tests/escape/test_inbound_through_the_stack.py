@@ -171,3 +171,33 @@ def test_a_session_does_not_pick_the_udp_port_it_holds_on_the_host(
         if stack == "pasta":
             assert flow.host_port in EPHEMERAL
         assert flow.received() == ["echo:hello"]  # the twin: the flow itself works
+
+
+# The session: 20,000 datagrams to ports of its own loopback, then the
+# namespace's count of conntrack entries, and one flow out to the listener.
+_LOOPBACK_FLOOD = """
+import socket
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.bind(("127.0.0.1", 0))
+for p in range(1024, 1024 + 20000):
+    u.sendto(b"", ("127.0.0.1", p))
+print(open("/proc/sys/net/netfilter/nf_conntrack_count").read().strip())
+o = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+o.sendto(b"out", ("10.0.2.2", PORT))
+print(open("/proc/sys/net/netfilter/nf_conntrack_count").read().strip())
+"""
+
+
+@pytest.mark.parametrize("mode", ["on", "ports"])
+def test_a_session_s_loopback_traffic_holds_no_conntrack_entries(
+        stack_client: tuple[str, dispatch.Client], worktree: Path, echo: Echo, mode: str) -> None:
+    """Loopback is let in whatever its state, so it is not tracked: a session
+    cannot hold a kernel entry a datagram (up to nf_conntrack_max, 262,144 a
+    namespace). The twin: the flow out through the stack is tracked (its
+    replies are let in by it)."""
+    stack, client = stack_client
+    code = _LOOPBACK_FLOOD.replace("PORT", str(echo.port))
+    with client.open_session(str(worktree), network=mode, ports=[echo.port] if mode == "ports" else None) as s:
+        r = shell(s, f"python3 -c '{code}'")
+    assert r.is_success, r.metadata
+    assert str(r.metadata["stdout"]).split() == ["0", "1"], (stack, r.metadata)

@@ -13,6 +13,16 @@ INPUT = """\tchain input {
 \t\tct state established,related accept
 \t}
 
+\tchain untracked_out {
+\t\ttype filter hook output priority raw; policy accept;
+\t\toif "lo" notrack
+\t}
+
+\tchain untracked_in {
+\t\ttype filter hook prerouting priority raw; policy accept;
+\t\tiif "lo" notrack
+\t}
+
 """
 LISTED = """table inet dispatchd {
 """ + INPUT + """\tchain output {
@@ -56,6 +66,12 @@ def test_an_input_chain_that_lets_more_in_does_not_hold() -> None:
         "nft: the rules were committed, but the table inet dispatchd has no 'hook input'")
     assert netstack.rules_hold(rules, ON.replace("\t\tct state established,related accept\n", "")) == (
         "nft: the rules were committed, but the table inet dispatchd has no 'ct state established,related accept'")
+
+
+def test_loopback_tracked_again_does_not_hold() -> None:
+    rules = netstack.nft_rules("on", NetworkPorts(connect=[]), "slirp4netns")
+    assert netstack.rules_hold(rules, ON.replace('\t\toif "lo" notrack\n', "")) == (
+        "nft: the rules were committed, but the table inet dispatchd has no 'oif \"lo\" notrack'")
 
 
 def test_pasta_s_source_ports_not_moved_do_not_hold() -> None:

@@ -532,6 +532,14 @@ INPUT = ("    chain input {\n"
          "        type filter hook input priority 0; policy drop;\n"
          '        iif "lo" accept\n'
          "        ct state established,related accept\n"
+         "    }\n"
+         "    chain untracked_out {\n"
+         "        type filter hook output priority raw; policy accept;\n"
+         '        oif "lo" notrack\n'
+         "    }\n"
+         "    chain untracked_in {\n"
+         "        type filter hook prerouting priority raw; policy accept;\n"
+         '        iif "lo" notrack\n'
          "    }\n")
 
 
