@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dispatchd.daemon.gitguard import arealinks, gitlock, layouts, parts, redirects, runnables, snapshots
+from dispatchd.daemon.gitguard import arealinks, gitlock, hardlinks, layouts, parts, redirects, runnables, snapshots
 from dispatchd.daemon.gitguard.parts import Part, Protected
 from dispatchd.policy import DEFAULT_PROTECTED
 from tests.unit.gitrepo import ENV, empty_repo, git
@@ -264,3 +264,31 @@ def test_a_reflog_is_split_only_under_its_ref_s_lock(tmp_path: Path, monkeypatch
     lock.unlink()
     assert end(part) == ([(str(head), AREA.format(1))], [])
     assert os.stat(head).st_nlink == 1
+
+
+def test_a_symlink_swapped_in_on_the_way_after_the_walk_is_not_followed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session still running swaps a directory of ``logs`` the walk went
+    through for a symlink to a directory of the user's, whose file of the
+    same name has another link: the split reaches the directory from the
+    common directory with no symlink on the way, and does nothing there.
+    The twin: the real directory, split."""
+    repo = empty_repo(tmp_path / "r")
+    common = repo / ".git"
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "f").write_text("mine\n")
+    os.link(users / "f", tmp_path / "f-too")
+    via = common / "logs" / "via"
+    via.symlink_to(users)
+    found = [(str(via / "f"), os.lstat(users / "f"))]
+    monkeypatch.setattr(arealinks, "walk", lambda *a: iter(found))
+    ino = os.stat(users / "f").st_ino
+    assert arealinks.split(str(common), [], 0, hardlinks.Copied()) == ([], [])
+    assert os.stat(users / "f").st_ino == ino and os.stat(users / "f").st_nlink == 2
+    via.unlink()
+    via.mkdir()
+    os.link(users / "f", via / "f")
+    found[:] = [(str(via / "f"), os.lstat(via / "f"))]
+    assert arealinks.split(str(common), [], 0, hardlinks.Copied()) == ([(str(via / "f"), AREA.format(2))], [])
+    assert os.stat(users / "f").st_ino == ino and os.stat(via / "f").st_nlink == 1

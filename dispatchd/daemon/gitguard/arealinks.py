@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from dispatchd.daemon.gitguard import fs, gitlock, lockfile, ournames
 from dispatchd.daemon.gitguard.fs import is_dir
+from dispatchd.daemon.gitguard.keptfiles import dir_below
 from dispatchd.inside import is_below
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ def split(common: str, gitdirs: list[str], since_ns: int,
                 "through")
         try:
             with _ReflogLock(common, gitdirs, path, max(0.0, deadline - time.monotonic())):
-                if _own(path, st, copied, max(0.0, deadline - time.monotonic())):
+                if _own(common, path, st, copied, max(0.0, deadline - time.monotonic())):
                     done.append((path, f"{said}; made a file of its own (the other names keep the old one)"))
         except PastBudget:
             failed.append(f"{path}: {said}; not made a file of its own: past the {copied.limit >> 20} MiB copied at "
@@ -230,6 +231,7 @@ class _ReflogLock:
 
     def __init__(self, common: str, gitdirs: list[str], path: str, wait_s: float) -> None:
         self.lock: lockfile.Lock | None = None
+        self.common = common
         for base in [common, *gitdirs]:
             logs = os.path.join(base, "logs")
             if is_below(path, logs) and path != logs:
@@ -241,9 +243,8 @@ class _ReflogLock:
     def __enter__(self) -> None:
         if not self.ref:
             return
-        try:
-            dir_fd = os.open(os.path.dirname(self.ref), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
+        dir_fd = _below(self.common, os.path.dirname(self.ref))
+        if dir_fd is None:
             return
         self.lock = lockfile.temporary(dir_fd, os.path.basename(self.ref), b"")
         self.dir_fd = dir_fd
@@ -263,10 +264,18 @@ class _ReflogLock:
             os.close(self.dir_fd)
 
 
-def _own(path: str, st: os.stat_result, copied: Copied, wait_s: float) -> bool:
+def _below(common: str, directory: str) -> int | None:
+    """A descriptor of ``directory`` (inside ``common``) reached from ``common`` with no symlink on the way."""
+    rel = os.path.relpath(directory, common)
+    return dir_below(common, "" if rel == "." else rel)
+
+
+def _own(common: str, path: str, st: os.stat_result, copied: Copied, wait_s: float) -> bool:
     """``path`` made a file of its own while it is still ``st``'s inode:
     its bytes copied (charged to ``copied``) under its own ``.lock``."""
-    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = _below(common, os.path.dirname(path))  # no symlink a session swapped in since the walk
+    if fd is None:
+        return False
     try:
         opened = fs.open_regular(os.path.basename(path), fd)
         if opened is None:
