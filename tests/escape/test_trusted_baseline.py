@@ -582,7 +582,9 @@ def test_a_hard_link_of_the_repositorys_config_grants_no_linked_session_a_write(
             if mode == "full":
                 assert "Invalid cross-device link" in str(r.error), r
         if mode == "degraded":
-            assert any(p["path"] == str(config) and "other hard link" in p["why"] for p in a.protected), a.protected
+            # The name in logs, where a linked session writes, made a file of its own.
+            assert [(p["path"], p["why"]) for p in a.protected] == [(str(main / ".git" / "logs" / "cfg"), AREA)], \
+                a.protected
             assert config.stat().st_nlink == 1
             with c.open_session(str(linked)) as s:  # the twin: the left-over name is a file of its own now
                 assert shell(s, plant).output == "WROTE\n"
@@ -657,9 +659,8 @@ def test_a_hard_link_of_a_hooks_path_hook_grants_no_linked_session_a_write(mode_
             assert not r.is_success and "Invalid cross-device link" in str(r.error), r
         else:
             assert r.output == "LINKED\n", (r.output, r.error)
-            said = {p["path"]: p["why"] for p in a.protected}
-            assert said == {str(hook): "had 1 other hard link(s), a way to write it from where a session could; "
-                                       "made a file of its own (the other names keep the old one)"}, a.protected
+            said = {p["path"]: p["why"] for p in a.protected}  # own: the name in logs split; nested: the hook
+            assert said == ({str(link): AREA} if where == "own" else {str(hook): SPLIT}), a.protected
             assert hook.stat().st_nlink == 1 and link.stat().st_nlink == 1
             with c.open_session(str(linked)) as s:  # the twin: the left-over name is a file of its own now
                 assert shell(s, write).output == "WROTE\n"
@@ -669,8 +670,8 @@ def test_a_hard_link_of_a_hooks_path_hook_grants_no_linked_session_a_write(mode_
         os.link(hook, link)  # the same by anyone: the open refuses it
         with c.open_session(str(linked)) as s:
             assert s.status()["protections"]["git"]["note"] == (
-                f"{hook} has another hard link (a name elsewhere for the same file, which a write through would "
-                "change); not granted")
+                f"{link} has another hard link (a name elsewhere for the same file, which a write through would "
+                f"change); not granted{NEXT_END}")
             assert not shell(s, write).is_success
     link.unlink()
     git(main, "commit", "-q", "--allow-empty", "-m", "user")
@@ -678,8 +679,11 @@ def test_a_hard_link_of_a_hooks_path_hook_grants_no_linked_session_a_write(mode_
     assert ran.exists() and not marker.exists()
 
 
-SPLIT = ("had 1 other hard link(s), a way to write it from where a session could; made a file of its own "
-         "(the other names keep the old one)")
+SPLIT = ("had 1 other hard link(s), more than at the session start, a way to write it from where a session could; "
+         "made a file of its own (the other names keep the old one)")
+AREA = ("had 1 other hard link(s), a name a linked worktree's session could write them through; made a file of its "
+        "own (the other names keep the old one)")
+NEXT_END = " (the next end of a session on the main worktree makes this name a file of its own)"
 
 
 def _clone_beside(real: Path, where: str, files: dict[str, bytes]) -> tuple[Path, Path, Path]:
@@ -720,7 +724,9 @@ def test_a_big_hook_beside_the_code_linked_into_logs_grants_no_linked_session_a_
     left it linked, said nowhere, and the linked open looked at the common
     directory alone, so the linked worktree's session wrote the main
     worktree's hook and the user's next commit ran it. Now the end streams
-    it into a file of its own, saying so. The twin: a 1 KiB hook, the same;
+    a copy into a file of its own, saying so: the name in ``logs`` (own:
+    the repository's end walks its ``logs``), or the hook (nested: the
+    outer's end does not). The twin: a 1 KiB hook, the same;
     the linked session's write changes only the left-over name."""
     mode, daemon = mode_daemon
     real = Path(os.path.realpath(tmp_path))
@@ -736,7 +742,8 @@ def test_a_big_hook_beside_the_code_linked_into_logs_grants_no_linked_session_a_
             assert not r.is_success and "Invalid cross-device link" in str(r.error), r
             return
         assert r.output == "LINKED\n", (r.output, r.error)
-        assert {p["path"]: p["why"] for p in a.protected} == {str(hook): SPLIT}, a.protected
+        said = {str(link): AREA} if where == "own" else {str(hook): SPLIT}
+        assert {p["path"]: p["why"] for p in a.protected} == said, a.protected
         assert hook.stat().st_nlink == 1 and link.stat().st_nlink == 1
         with c.open_session(str(linked)) as s:
             r = shell(s, f"printf '#!/bin/sh\\ntouch {marker}\\n' > {link} && echo WROTE")
@@ -774,7 +781,7 @@ def test_any_file_of_the_main_worktree_linked_into_logs_grants_no_linked_session
                 assert a.protected == []
                 assert s.status()["protections"]["git"]["note"] == (
                     f"{link} has another hard link (a name elsewhere for the same file, which a write through would "
-                    "change); not granted")
+                    f"change); not granted{NEXT_END}")
                 assert not shell(s, write).is_success
             else:
                 assert {p["path"]: p["why"] for p in a.protected} == {str(target): SPLIT}, a.protected

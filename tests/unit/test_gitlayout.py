@@ -143,15 +143,17 @@ def test_a_hooks_path_an_included_file_sets_is_held_too(repo: Path, tmp_path: Pa
 def test_a_linked_open_refuses_a_common_directory_whose_hooks_path_hook_has_another_link(
         repo: Path, tmp_path: Path) -> None:
     """``core.hooksPath = .git/myhooks`` (set by an include here): its hook
-    hard-linked into ``.git/logs`` was a way for a linked worktree's session,
-    granted ``logs`` writable, to write it; only ``config`` and ``hooks/*``
+    hard-linked into ``.git/objects`` at an object's name (which the open
+    does not stat) was a way for a linked worktree's session, granted
+    ``objects`` writable, to write it; only ``config`` and ``hooks/*``
     refused the open. The twins: without the link the open is granted; a
     sample there of two names refuses nothing (git runs none); nothing is
     made in the common directory for a hooks path missing there."""
     hooks = repo / ".git" / "myhooks"
     hooks.mkdir()
     (hooks / "pre-commit").write_text("#!/bin/sh\n")
-    os.link(hooks / "pre-commit", repo / ".git" / "logs" / "hk")
+    (repo / ".git" / "objects" / "ab").mkdir()
+    os.link(hooks / "pre-commit", repo / ".git" / "objects" / "ab" / ("c" * 38))
     (hooks / "pre-push.sample").write_text("#!/bin/sh\n")
     os.link(hooks / "pre-push.sample", repo / ".git" / "pre-push.sample")  # not where a linked session writes
     (repo / ".git" / "hooks.inc").write_text("[core]\n\thooksPath = .git/myhooks\n\thooksPath = .git/not-yet\n")
@@ -161,7 +163,8 @@ def test_a_linked_open_refuses_a_common_directory_whose_hooks_path_hook_has_anot
     layout = layouts.inspect_git(str(linked), uid=os.getuid())
     assert layout.kind == "refused" and layout.writable == []
     assert layout.note == (f"{hooks / 'pre-commit'} has another hard link (a name elsewhere for the same file, "
-                           "which a write through would change); not granted")
+                           "which a write through would change); not granted (yours? `cp -p NAME NAME.new && mv "
+                           "NAME.new NAME` makes it a file of its own)")
     assert not (repo / ".git" / "not-yet").exists()
     (hooks / "pre-commit").unlink()
     (hooks / "pre-commit").write_text("#!/bin/sh\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatchd.daemon.gitguard import fs, hardlinks, keptfiles, layouts, parts, runnables, snapshots
+from dispatchd.daemon.gitguard import arealinks, fs, hardlinks, keptfiles, layouts, parts, runnables, snapshots
 from tests.unit.gitrepo import empty_repo, git
 
 pytestmark = pytest.mark.process  # starts git
@@ -167,17 +167,24 @@ def _linked(repo: Path, tmp_path: Path) -> Path:
 
 NOT_GRANTED = "has another hard link (a name elsewhere for the same file, which a write through would change); " \
               "not granted"
+SPLIT_NEXT = " (the next end of a session on the main worktree makes this name a file of its own)"
+BY_HAND = " (yours? `cp -p NAME NAME.new && mv NAME.new NAME` makes it a file of its own)"
+OBJECT = "objects/ab/" + "c" * 38
 
 
-@pytest.mark.parametrize("into", ["logs/hk", "refs/hk", "logs/refs/heads/deep/hk", "worktrees/linked/hk"])
-def test_a_linked_open_refuses_while_any_file_in_logs_or_refs_has_another_link(repo: Path, tmp_path: Path,
-                                                                               into: str) -> None:
+@pytest.mark.parametrize("into", ["logs/hk", "refs/hk", "logs/refs/heads/deep/hk", "worktrees/linked/hk",
+                                  "objects/hk", "objects/ab/hk", "objects/pack/tmp_pack_hk", "objects/zz/deep/hk",
+                                  "objects/info/hk", "objects/pack/pack-" + "a" * 40 + ".pack/hk"])
+def test_a_linked_open_refuses_while_any_file_in_logs_refs_or_objects_has_another_link(repo: Path, tmp_path: Path,
+                                                                                       into: str) -> None:
     """Git never hard-links a file of ``logs``, ``refs`` or a linked
-    worktree's own git directory: one there with another name (a code file
+    worktree's own git directory, nor one in ``objects`` of a name not of
+    git's (``arealinks.SHAPES``): one there with another name (a code file
     of the main worktree's, any size, which no end looks at) is a way for
     the linked session, granted those writable, to write that file. The
-    twin: the same file linked into ``objects`` (``git clone --local``
-    links every file there) refuses nothing, nor does one of one name."""
+    twin: the same file linked at an object's name (``git clone --local``
+    links every file there; those are not stat'ed at an open) refuses
+    nothing, nor does one of one name."""
     linked = _linked(repo, tmp_path)
     code = repo / "main.c"
     code.write_bytes(b"int main(void) { return 0; }\n" + b"/" * (300 * 1024))
@@ -186,26 +193,30 @@ def test_a_linked_open_refuses_while_any_file_in_logs_or_refs_has_another_link(r
     os.link(code, name)
     layout = layouts.inspect_git(str(linked), uid=os.getuid())
     assert layout.kind == "refused" and layout.writable == []
-    assert layout.note == f"{name} {NOT_GRANTED}"
+    assert layout.note == f"{name} {NOT_GRANTED}{SPLIT_NEXT}"
     name.unlink()
-    os.link(code, repo / ".git" / "objects" / "hk")
+    (repo / ".git" / OBJECT).parent.mkdir(exist_ok=True)
+    os.link(code, repo / ".git" / OBJECT)
     assert layouts.inspect_git(str(linked), uid=os.getuid()).kind == "linked"  # the twin
 
 
 def test_a_linked_open_refuses_past_the_files_it_looks_through(repo: Path, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The look through ``logs`` and ``refs`` is bounded (``MAX_SCANNED``,
-    200,000 entries, 2.6 us each): past it the open is refused, said, not
-    granted unlooked. The twin: within it, granted."""
+    """The look through ``logs``, ``refs`` and ``objects`` is bounded
+    (``MAX_SCANNED``, 200,000 entries stat'ed, 2.6 us each): past it the
+    open is refused, said, naming the directory listed then, not granted
+    unlooked. The twin: within it, granted."""
     linked = _linked(repo, tmp_path)
     for i in range(30):
         git(repo, "branch", f"b{i}")
-    monkeypatch.setattr(hardlinks, "MAX_SCANNED", 20)
+    monkeypatch.setattr(arealinks, "MAX_SCANNED", 20)
     layout = layouts.inspect_git(str(linked), uid=os.getuid())
+    heads = repo / ".git" / "refs" / "heads"
     assert layout.kind == "refused" and layout.note == (
-        f"{repo / '.git'}: more than 20 files in its refs and logs to look at for hard links (`git pack-refs --all` "
-        "packs the refs); not granted")
-    monkeypatch.setattr(hardlinks, "MAX_SCANNED", 200)
+        f"{repo / '.git'}: more than 20 files in its refs, logs and objects to look at for hard links, "
+        f"{len(os.listdir(heads))} of them in {heads} (`git pack-refs --all` packs the refs; a reflog or a file git "
+        "does not use can be removed); not granted")
+    monkeypatch.setattr(arealinks, "MAX_SCANNED", 200)
     assert layouts.inspect_git(str(linked), uid=os.getuid()).kind == "linked"
 
 
@@ -232,15 +243,17 @@ def test_a_linked_open_refuses_while_a_file_its_config_names_has_another_link(re
     """An included file inside the common directory, and a hook of a hooks
     path beside the code in the main worktree, are files git reads or runs:
     another name of one, wherever it is (``objects`` here, which the open
-    does not look through), refuses the linked open, as ``config`` does.
+    does not stat at an object's name), refuses the linked open, as
+    ``config`` does.
     The twin: the second name gone, granted."""
     (repo / ".githooks").mkdir()
     (repo / ".githooks" / "pre-commit").write_text(HOOK)
     (repo / ".git" / "hooks.inc").write_text("[core]\n\thooksPath = .githooks\n")
     git(repo, "config", "include.path", "hooks.inc")
     linked = _linked(repo, tmp_path)
-    os.link(repo / linked_file, repo / ".git" / "objects" / "hk")
+    (repo / ".git" / OBJECT).parent.mkdir(exist_ok=True)
+    os.link(repo / linked_file, repo / ".git" / OBJECT)
     layout = layouts.inspect_git(str(linked), uid=os.getuid())
-    assert layout.kind == "refused" and layout.note == f"{repo / linked_file} {NOT_GRANTED}"
-    (repo / ".git" / "objects" / "hk").unlink()
+    assert layout.kind == "refused" and layout.note == f"{repo / linked_file} {NOT_GRANTED}{BY_HAND}"
+    (repo / ".git" / OBJECT).unlink()
     assert layouts.inspect_git(str(linked), uid=os.getuid()).kind == "linked"

@@ -10,31 +10,35 @@ clone, which holds nothing of it) is a way for a later linked session to
 write that file, and no end of that session looks at the main worktree.
 
 - ``open_note``, at a linked worktree's open: refused ("not granted") while
-  a regular file in ``logs``, ``refs`` or its own ``worktrees/N`` has
-  another hard link (git never makes one there), or while a file of the
-  common directory git runs or reads has one wherever the other name is
-  (``config``, the hooks, every hook of a hooks path in the main worktree,
-  an included file inside the common directory: ``confreach``).
-  ``objects`` is not looked through: ``git clone --local`` (the default
-  for a path) hard-links every file of it, so a count of links says
-  nothing there; a file the user's git or tools run that a session linked
-  there is split by that session's end (below). Bounded: past
-  ``MAX_SCANNED`` entries of ``logs``, ``refs`` and ``worktrees/N``, or at
-  a directory there the daemon cannot list, the open is refused, said.
-- ``detach`` and ``detach_tree``, at each end: each file of the user's
-  that git runs or reads (a repository's config, hooks and review files;
-  every hook of a hooks path and include target in the worktree) and each
-  file the tree walk records (``runnables``: ``.envrc``, ``.vscode/*``, a
-  nested clone's config, hooks and hooks path) that has another hard link
-  is made a file of its own under git's lock (``gitlock.replace``, only
-  while the name is still the inode read): its bytes streamed through the
-  descriptor and hashed as they are copied, whatever its size, within
-  ``MAX_SPLIT`` bytes at one part's end (past it: a failure of the check,
-  said, never a silent skip). Only bytes the end's look saw are made the
-  user's file: a copy whose digest is not the look's (a session still
-  running wrote through the other name since) is dropped, and the kept
-  copy of the user's written back (``keptfiles.write_below``), or, none
-  kept, the name moved aside, said either way.
+  a name in what the session would be granted has another hard link
+  (``arealinks.walk``: every file of ``logs``, ``refs`` and its own
+  ``worktrees/N``, and of ``objects`` the names not of git's, since
+  ``git clone --local`` links every file there at git's names), or while
+  a file of the common directory git runs or reads has one wherever the
+  other name is (``config``, the hooks, every hook of a hooks path in the
+  main worktree, an included file inside the common directory:
+  ``confreach``); the note says what ends it. Bounded: past
+  ``arealinks.MAX_SCANNED`` entries stat'ed, or at a directory there the
+  daemon cannot list, the open is refused, said.
+- at each end, ``arealinks.split`` first gives each such name in git's
+  directories an inode of its own (the user's other names keep theirs);
+  then ``detach`` and ``detach_tree``: each file of the user's that git
+  runs or reads (a repository's config, hooks and review files; every
+  hook of a hooks path and include target in the worktree) and each file
+  the tree walk records (``runnables``: ``.envrc``, ``.vscode/*``, a
+  nested clone's config, hooks and hooks path) whose count of links rose
+  since the baseline (``counts``: a link there then is the user's, left;
+  a git directory's config and review files are not counted: split
+  whenever linked) is made a file of its own under git's lock
+  (``gitlock.replace``, only while the name is still the inode read): its
+  bytes streamed through the descriptor and hashed as they are copied,
+  whatever its size, within ``MAX_SPLIT`` bytes at one part's end (past
+  it: a failure of the check, said, never a silent skip). Only bytes the
+  end's look saw are made the user's file: a copy whose digest is not the
+  look's (a session still running wrote through the other name since) is
+  dropped, and the kept copy of the user's written back
+  (``keptfiles.write_below``), or, none kept, the name moved aside, said
+  either way.
 """
 
 from __future__ import annotations
@@ -46,19 +50,19 @@ import stat
 import time
 from collections.abc import Callable
 
-from dispatchd.daemon.gitguard import fs, gitlock
+from dispatchd.daemon.gitguard import arealinks, fs, gitlock
+from dispatchd.daemon.gitguard.arealinks import PastBudget
 from dispatchd.daemon.gitguard.configs import IncludeBudget
 from dispatchd.daemon.gitguard.confreach import reach
 from dispatchd.daemon.gitguard.digests import CONFIG_FILES, REVIEW_FILES, file_digest
-from dispatchd.daemon.gitguard.fs import is_dir
 from dispatchd.daemon.gitguard.keptfiles import Kept, Left, dir_below, keepable, kept_name, write_below
-from dispatchd.inside import is_below
 
-__all__ = ["MAX_SCANNED", "MAX_SPLIT", "Copied", "detach", "detach_tree", "open_note"]
+__all__ = ["MAX_SPLIT", "Copied", "counts", "detach", "detach_tree", "git_items", "open_note",
+           "tree_items"]
 
-MAX_SCANNED = 200_000  # entries of logs, refs and worktrees/N one linked open looks at (about 3 us each)
 MAX_SPLIT = 256 * 1024 * 1024  # bytes one part's end copies to make files of their own
-_SCANNED = ("logs", "refs")
+_NEXT_END = " (the next end of a session on the main worktree makes this name a file of its own)"
+_BY_HAND = " (yours? `cp -p NAME NAME.new && mv NAME.new NAME` makes it a file of its own)"
 
 
 def open_note(common: str, gitdir: str) -> str:
@@ -66,6 +70,7 @@ def open_note(common: str, gitdir: str) -> str:
     granted ``common`` (see the module), or "". ``PastBound`` where the
     configuration's includes are more than are followed."""
     names = [os.path.join(common, n) for n in (*CONFIG_FILES, *REVIEW_FILES)]
+    split = len(names)  # git's files an end splits whatever the baseline counted (``counts``)
     main = os.path.dirname(common) if os.path.basename(common) == ".git" else ""
     found = reach(main, common, IncludeBudget(), make=False)
     for hooks in [os.path.join(common, "hooks"), *found.hooks]:
@@ -73,44 +78,24 @@ def open_note(common: str, gitdir: str) -> str:
             names += [os.path.join(hooks, n) for n in os.listdir(hooks) if not n.endswith(".sample")]
         except OSError:
             pass
-    for path in names + found.includes_inside:
+    try:
+        for path, _ in arealinks.walk(common, [gitdir]):
+            return _linked(path, _NEXT_END)
+    except arealinks.Unlooked as exc:
+        return f"{exc}; not granted"
+    for i, path in enumerate(names + found.includes_inside):
         try:
             st = os.lstat(path)
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            return _linked(path)
-    count = 0
-    pending = [p for p in [os.path.join(common, d) for d in _SCANNED] + [gitdir] if is_dir(p)]  # none followed
-    modules = os.path.join(gitdir, "modules")  # its submodules' git directories: their objects are objects
-    while pending:
-        top = pending.pop()
-        try:
-            entries = list(os.scandir(top))
-        except FileNotFoundError:
-            continue
-        except OSError as exc:  # a session's chmod 000: it can give itself the mode back and write through
-            return f"{top} cannot be looked through for hard links ({exc.strerror}); not granted"
-        for entry in entries:
-            count += 1
-            if count > MAX_SCANNED:
-                return (f"{common}: more than {MAX_SCANNED} files in its refs and logs to look at for hard links "
-                        "(`git pack-refs --all` packs the refs); not granted")
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                if not (entry.name == "objects" and is_below(top, modules) and os.path.lexists(f"{top}/HEAD")):
-                    pending.append(entry.path)
-            elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                return _linked(entry.path)
+            return _linked(path, _NEXT_END if i < split else _BY_HAND)
     return ""
 
 
-def _linked(path: str) -> str:
+def _linked(path: str, out: str = "") -> str:
     return (f"{path} has another hard link (a name elsewhere for the same file, which a write through would "
-            "change); not granted")
+            f"change); not granted{out}")
 
 
 class Copied:
@@ -120,31 +105,69 @@ class Copied:
         self.limit = self.left = MAX_SPLIT
 
 
-class _PastBudget(Exception):
-    pass
-
-
 class _Changed(Exception):
     """The bytes copied are not those the end's look saw."""
 
 
-def detach(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str], included: dict[str, str],
-           kept: list[Kept], copied: Copied) -> tuple[list[tuple[str, str]], list[str]]:
-    """Each file of the user's that git runs or reads with another hard link
-    made a file of its own (see the module): the repository's own
+def git_items(gitdirs: dict[str, dict[str, str]], by_file: list[str],
+              included: dict[str, str]) -> list[tuple[str, bool, str]]:
+    """What ``detach`` looks at, from one look: the repository's own files
     (``keptfiles.kept_name``, in ``by_file``'s git directories) and what its
-    configuration names in the worktree (``included``); ``gitdirs`` and
-    ``included``: the end's look, ``kept``: the baseline's bytes. Returns
-    what was done, with why, and what could not be."""
+    configuration names in the worktree (``included``), each as (path below
+    the worktree, whether a session could write it while it ran, digest)."""
     items = [(f"{rel}/{name}", False, digest) for rel in by_file for name, digest in gitdirs.get(rel, {}).items()
              if kept_name(name) and digest.startswith("file:")]
-    items += [(rel, True, digest) for rel, digest in included.items()
-              if digest.startswith("file:") and keepable(os.path.basename(rel))]
-    return _detach(worktree, items, kept, copied)
+    return items + [(rel, True, digest) for rel, digest in included.items()
+                    if digest.startswith("file:") and keepable(os.path.basename(rel))]
 
 
-def detach_tree(root: str, entries: dict[str, str], kept: list[Kept],
-                copied: Copied) -> tuple[list[tuple[str, str]], list[str]]:
+def tree_items(entries: dict[str, str]) -> list[tuple[str, bool, str]]:
+    """What ``detach_tree`` looks at of a tree walk's ``entries``, as ``git_items``."""
+    return [(rel, True, digest) for rel, digest in entries.items()
+            if digest.startswith("file:") and keepable(os.path.basename(rel))]
+
+
+def counts(top: str, items: list[tuple[str, bool, str]]) -> dict[str, int]:
+    """At a baseline: the link count of each of ``items`` (``git_items``,
+    ``tree_items``) that has more than one, reached with no symlink on the
+    way. A link there then is the user's (a dotfiles repository's
+    ``.bashrc`` linked into the home, a hook under two names): an end
+    splits a file only where its count rose since. Not counted, so split at
+    every end: a git directory's config and review files, which no one
+    links on purpose (a ``cp -al`` copy's), and whose link git's next write
+    of them (a rename) would end anyway."""
+    found: dict[str, int] = {}
+    for rel, left, _ in items:
+        if not left and "/hooks/" not in f"/{rel}":
+            continue  # a git directory's config or review file: git's next write of it (a rename) ends a link anyway
+        parent, _, leaf = rel.rpartition("/")
+        fd = dir_below(top, parent)
+        if fd is None:
+            continue
+        try:
+            st = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            found[rel] = st.st_nlink
+    return found
+
+
+def detach(worktree: str, gitdirs: dict[str, dict[str, str]], by_file: list[str], included: dict[str, str],
+           kept: list[Kept], copied: Copied, before: dict[str, int] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+    """Each file of the user's that git runs or reads with more hard links
+    than at the baseline made a file of its own (see the module):
+    ``git_items`` of ``gitdirs``, ``by_file`` and ``included``, the end's
+    look; ``kept``: the baseline's bytes; ``before``: the baseline's
+    ``counts`` (None, an older record's: every file with another link).
+    Returns what was done, with why, and what could not be."""
+    return _detach(worktree, git_items(gitdirs, by_file, included), kept, copied, before)
+
+
+def detach_tree(root: str, entries: dict[str, str], kept: list[Kept], copied: Copied,
+                before: dict[str, int] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """``detach`` for every file the tree walk records (``entries``, the
     end's: the files the user's tools run, and the repositories found in the
     worktree, their config, hooks and what their configuration names): a
@@ -152,20 +175,20 @@ def detach_tree(root: str, entries: dict[str, str], kept: list[Kept],
     holding a clone, linked the clone's ``.envrc`` or hook into its
     ``.git/logs``, and a later session of the clone's linked worktree wrote
     through it."""
-    items = [(rel, True, digest) for rel, digest in entries.items()
-             if digest.startswith("file:") and keepable(os.path.basename(rel))]
-    return _detach(root, items, kept, copied)
+    return _detach(root, tree_items(entries), kept, copied, before)
 
 
-def _detach(top: str, items: list[tuple[str, bool, str]], kept: list[Kept],
-            copied: Copied) -> tuple[list[tuple[str, str]], list[str]]:
+def _detach(top: str, items: list[tuple[str, bool, str]], kept: list[Kept], copied: Copied,
+            before: dict[str, int] | None) -> tuple[list[tuple[str, str]], list[str]]:
     """Each of ``items`` (below ``top``; True: a session could write it
     while it ran, and a lock it left beside is moved aside; the look's
-    digest) with another hard link made a file of its own, its directory
-    reached with no symlink on the way; one wait for locks in all."""
+    digest) with more hard links than ``before`` counted (one where it
+    counted none; None: more than one) made a file of its own, its
+    directory reached with no symlink on the way; one wait for locks in all."""
     done: list[tuple[str, str]] = []
     failed: list[str] = []
     ours = {k.rel: k for k in kept if not k.base}
+    gone: dict[tuple[int, int], int] = {}  # an inode -> its names split from it here: still counted as its own
     deadline = time.monotonic() + gitlock.WAIT_S
     for rel, left, seen in items:
         parent, _, leaf = rel.rpartition("/")
@@ -174,11 +197,20 @@ def _detach(top: str, items: list[tuple[str, bool, str]], kept: list[Kept],
             continue
         path = os.path.join(top, rel)
         try:  # only a file of other names read (most are of one)
-            if os.stat(leaf, dir_fd=fd, follow_symlinks=False).st_nlink < 2:
+            had = 1 if before is None else before.get(rel, 1)
+            st = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
+            if st.st_nlink + gone.get((st.st_dev, st.st_ino), 0) <= had:
                 continue
             opened = fs.open_regular(leaf, fd)
-            if opened is not None:
-                _split(top, rel, fd, opened, (left, seen, ours.get(rel), deadline), copied, done, failed)
+            if opened is None:
+                continue
+            inode = (opened[1].st_dev, opened[1].st_ino)
+            if opened[1].st_nlink + gone.get(inode, 0) <= had:
+                os.close(opened[0])
+                continue
+            if _split(top, rel, fd, opened, (left, seen, ours.get(rel), deadline, before is not None), copied, done,
+                      failed):
+                gone[inode] = gone.get(inode, 0) + 1
         except FileNotFoundError:
             continue  # gone since the look
         except OSError as exc:
@@ -190,30 +222,33 @@ def _detach(top: str, items: list[tuple[str, bool, str]], kept: list[Kept],
 
 
 def _split(top: str, rel: str, fd: int, opened: tuple[int, os.stat_result],
-           how: tuple[bool, str, Kept | None, float], copied: Copied, done: list[tuple[str, str]],
-           failed: list[str]) -> None:
+           how: tuple[bool, str, Kept | None, float, bool], copied: Copied, done: list[tuple[str, str]],
+           failed: list[str]) -> bool:
     """``rel``, opened (``src``, its ``fstat``), made a file of its own in
     ``fd``, its directory; ``how``: whether a lock left beside is moved
-    aside, the look's digest, the kept copy, the deadline of lock waits."""
+    aside, the look's digest, the kept copy, the deadline of lock waits,
+    whether the baseline counted its links. True: it no longer has the inode it had."""
     src, st = opened
-    left, seen, kept, deadline = how
+    left, seen, kept, deadline, counted = how
     path = os.path.join(top, rel)
-    said = f"had {st.st_nlink - 1} other hard link(s), a way to write it from where a session could"
+    said = f"had {st.st_nlink - 1} other hard link(s){', more than at the session start' if counted else ''}, a way " \
+           "to write it from where a session could"
     wait_s = max(0.0, deadline - time.monotonic())
     try:
-        if st.st_nlink < 2:
-            return
         if gitlock.replace(fd, os.path.basename(rel), b"", stat.S_IMODE(st.st_mode), inode=(st.st_dev, st.st_ino),
                            move_left=left, wait_s=wait_s, fill=_copy(src, st, seen, copied)) is not None:
             done.append((path, f"{said}; made a file of its own (the other names keep the old one)"))
+            return True
     except _Changed:
         _changed(top, rel, fd, kept, (left, wait_s), f"{said}, and was written through one since the end's look",
                  done, failed)
-    except _PastBudget:
+        return True
+    except PastBudget:
         failed.append(f"{path}: {said}; not made a file of its own: past the {copied.limit >> 20} MiB copied at "
                       "one end")
     finally:
         os.close(src)
+    return False
 
 
 def _copy(src: int, st: os.stat_result, seen: str, copied: Copied) -> Callable[[int], None]:
@@ -224,7 +259,7 @@ def _copy(src: int, st: os.stat_result, seen: str, copied: Copied) -> Callable[[
         h = hashlib.sha256()
         while chunk := os.read(src, 1 << 20):
             if len(chunk) > copied.left:
-                raise _PastBudget()
+                raise PastBudget()
             copied.left -= len(chunk)
             h.update(chunk)
             view = memoryview(chunk)

@@ -116,6 +116,13 @@ def ours(name: str, st: os.stat_result) -> bool:
         return _known.get((st.st_dev, st.st_ino)) == name
 
 
+def known(st: os.stat_result) -> bool:
+    """Whether ``st``'s inode is a temporary's this daemon or a killed one
+    made, by whatever name (a lock's second name: ``NAME.lock``)."""
+    with _lock:
+        return (st.st_dev, st.st_ino) in _known
+
+
 def _append(line: str) -> None:
     try:
         os.write(_journal, line.encode("ascii"))

@@ -22,8 +22,8 @@ from typing import TypeVar
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import (configs, gitdirs, hardlinks, history, hookslinks, indexreview, keptfiles,
-                                       noroom, packlinks, refsback, runnables, snapshots)
+from dispatchd.daemon.gitguard import (arealinks, configs, gitdirs, hardlinks, history, hookslinks, indexreview,
+                                       keptfiles, noroom, packlinks, refsback, runnables, snapshots)
 from dispatchd.daemon.gitguard.redirects import quarantine_new_redirects, redirects_present
 from dispatchd.errors import WorktreeError
 from dispatchd.fsnames import shown
@@ -253,7 +253,7 @@ def baseline_tree(root: str, names: tuple[str, ...], excluded: list[str], layout
     kept = keptfiles.read_tree(root, tree.entries, targets)
     for k in kept:  # read a moment after the walk: judged by the bytes kept (as snapshots.take does)
         tree.entries[k.rel] = keptfiles.digest_of(k)
-    return msgspec.structs.replace(tree, kept=kept)
+    return msgspec.structs.replace(tree, kept=kept, nlinks=hardlinks.counts(root, hardlinks.tree_items(tree.entries)))
 
 
 def nested_targets(root: str, home: str, entries: dict[str, str]) -> dict[str, str]:
@@ -338,7 +338,13 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
         put, bad = keptfiles.put_back(part.root, part.git.kept, now.gitdirs, now.external,
                                       lambda path: snapshots.skipped(path, skip), now.included)
         failed += bad
-        split, bad = hardlinks.detach(part.root, now.gitdirs, now.by_file, now.included, part.git.kept, copied)
+        # First the names a linked session could write (the user's other names keep their links), then the user's.
+        if part.common:
+            split, bad = arealinks.split(part.common, arealinks.worktree_dirs(part.common), part.git.taken_ns, copied)
+            put += split
+            failed += bad
+        split, bad = hardlinks.detach(part.root, now.gitdirs, now.by_file, now.included, part.git.kept, copied,
+                                     part.git.nlinks)
         put += split
         if covered is not None:
             covered |= snapshots.covered(part.root, part.git, now)
@@ -376,7 +382,8 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
     put, bad = keptfiles.put_back(part.root, part.tree.kept, {}, {}, tree=tree.entries)
     failed += bad
     # What was moved aside (or, with no room, made unreadable and said) is not the user's to split.
-    split, bad = hardlinks.detach_tree(part.root, _outside(tree.entries, changed), part.tree.kept, copied)
+    split, bad = hardlinks.detach_tree(part.root, _outside(tree.entries, changed), part.tree.kept, copied,
+                                     part.tree.nlinks)
     put += split
     failed += bad
     for path, why in ((shown(path), why) for path, why in put):

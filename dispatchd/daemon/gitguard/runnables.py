@@ -119,6 +119,7 @@ class TreeSnapshot(msgspec.Struct, frozen=True):
     # A baseline's: the config and hooks of the repositories found, by bytes,
     # to put back where a session changed or deleted them (``keptfiles.read_tree``).
     kept: list[keptfiles.Kept] = []
+    nlinks: dict[str, int] | None = None  # a baseline's ``hardlinks.counts`` (None: an older record's)
 
 
 _Pending = tuple[int, Node, bool, bool]  # (directory fd or -1: reached again by name, its node, below a protected name, inside a git directory)

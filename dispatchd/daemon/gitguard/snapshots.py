@@ -50,7 +50,7 @@ import time
 import msgspec
 
 from dispatchd.confine.plan import GitLayout
-from dispatchd.daemon.gitguard import fs, keptfiles
+from dispatchd.daemon.gitguard import fs, hardlinks, keptfiles
 from dispatchd.daemon.gitguard.configs import config_targets
 from dispatchd.daemon.gitguard.digests import HOOK_NAMES, digest_at, fingerprint, never_equal
 from dispatchd.daemon.gitguard.gitdirs import MAX_GITDIRS, Walk
@@ -93,6 +93,10 @@ class GitSnapshot(msgspec.Struct, frozen=True):
     # Why the includes were not all followed (``configwalk``; "": they were):
     # what names them is never equal, and the check fails, saying so.
     unfollowed: str = ""
+    # A baseline's: the link count of each file an end would split that had
+    # more than one (``hardlinks.counts``): the user's links, left. None: an
+    # older record's, every file with another link split.
+    nlinks: dict[str, int] | None = None
 
 
 def _external_modules(gitdir: str, external: dict[str, str], walk: Walk, roots: list[str]) -> None:
@@ -189,10 +193,12 @@ def take(worktree: str, layout: GitLayout, home: str = "", before: GitSnapshot |
             external[os.path.join(k.base, k.rel)] = keptfiles.digest_of(k)
         else:
             walk.gitdirs[k.gitdir][k.name] = keptfiles.digest_of(k)
+    nlinks = hardlinks.counts(worktree, hardlinks.git_items(walk.gitdirs, by_file, walk.included)) if keep else None
     return GitSnapshot(taken_ns=taken_ns, gitdirs=walk.gitdirs, by_file=by_file, pointers=walk.pointers,
                        indexes=walk.indexes, index_stamps=walk.index_stamps, external=external,
                        complete=walk.complete, included=walk.included, kept=kept,
-                       external_roots=roots, links=walk.links if keep else {}, unfollowed=walk.unfollowed)
+                       external_roots=roots, links=walk.links if keep else {}, unfollowed=walk.unfollowed,
+                       nlinks=nlinks)
 
 
 def gitdir_paths(worktree: str, snap: GitSnapshot) -> list[str]:
