@@ -34,10 +34,10 @@ def baseline(root: Path) -> Part:
                 tree=parts.baseline_tree(str(root), DEFAULT_PROTECTED, [], layout), names=list(DEFAULT_PROTECTED))
 
 
-def end(part: Part) -> tuple[list[tuple[str, str]], list[str]]:
+def end(part: Part, wrote: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
     """One part's end, as ``parts.check_part`` runs it: what it did, with why, and what it could not."""
     found: list[Protected] = []
-    failed = parts.check_part(part, found, time.time())
+    failed = parts.check_part(part, found, time.time(), wrote=wrote)
     return [(f.path, f.why) for f in found], failed
 
 
@@ -144,6 +144,25 @@ def test_a_repository_copied_with_cp_al_has_its_linked_worktree_granted_after_a_
     assert os.stat(src / ".git" / "logs" / "HEAD").st_nlink == 1 and os.stat(src / ".git" / "config").st_nlink == 1
     assert (src / ".git" / "logs" / "HEAD").read_text() == theirs
     assert "work in the copy" in (copy / ".git" / "logs" / "HEAD").read_text()
+
+
+def test_an_end_of_sessions_that_wrote_nothing_splits_in_the_linked_areas_only_with_a_linked_worktree(
+        tmp_path: Path) -> None:
+    """A domain whose sessions were never granted the write lock made no
+    link: its end spares the walk of ``logs``, ``refs`` and ``objects``
+    (some ms a close on a repository of loose objects) where no linked
+    worktree is there to write through one; the link the user left stays.
+    The twin: with a linked worktree (whose open such a link refuses), the
+    same end splits it, as the refusal's note says."""
+    repo = empty_repo(tmp_path / "repo")
+    kept = repo / ".git" / "logs" / "kept"
+    os.link(repo / ".git" / "logs" / "HEAD", kept)
+    assert end(baseline(repo), wrote=False) == ([], [])
+    assert os.stat(kept).st_nlink == 2
+    _linked(repo, tmp_path / "wt")
+    done, failed = end(baseline(repo), wrote=False)
+    assert (failed, [why for _, why in done]) == ([], [AREA.format(1)]), done
+    assert os.stat(kept).st_nlink == os.stat(repo / ".git" / "logs" / "HEAD").st_nlink == 1
 
 
 def test_a_local_clone_has_its_linked_worktree_granted(tmp_path: Path) -> None:

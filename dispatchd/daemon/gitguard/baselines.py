@@ -465,7 +465,8 @@ class Baselines:
         until = () if final else (UNTIL_LAST_END,)  # what lifts the refusal a failure leaves (taints.py)
         for part in domain.record.parts:
             try:
-                bad = check_part(part, found, now_t, covered, said, index=final if index is None else index)
+                bad = check_part(part, found, now_t, covered, said, index=final if index is None else index,
+                                 wrote=domain.wrote)
             except Exception as exc:  # a bug, or content not foreseen: fail closed
                 bad = [f"{part.root}: the check itself failed: {type(exc).__name__}: {exc}"]
             bad = [shown(b) for b in bad]  # names in them, as in the reports (fsnames.py)

@@ -296,7 +296,7 @@ def nested_targets(root: str, home: str, entries: dict[str, str]) -> dict[str, s
 
 
 def check_part(part: Part, found: list[Protected], now_t: float, covered: set[str] | None = None,
-               said: Bounded | None = None, index: bool = True) -> list[str]:
+               said: Bounded | None = None, index: bool = True, wrote: bool = True) -> list[str]:
     """Check one part against its baseline and move aside what differs
     (``redirects``, ``snapshots``, ``runnables``); appends what it moved to
     ``found`` and returns what it could not, with why. ``covered``: git's
@@ -304,7 +304,11 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
     this part's are added. ``said``: the check's log lines, one a file up
     to its bound (the caller says what it left out). ``index``: the
     worktree's index reviewed too (``indexreview``), where no other session
-    of the domain runs: a live one's git would race the review."""
+    of the domain runs: a live one's git would race the review. ``wrote``:
+    a session of the domain was granted the write lock (or it is not known);
+    with none, no link was made, and the linked areas are walked only where
+    the repository has a linked worktree (a refused linked open's links, a
+    ``cp -al`` copy's, are the user's and split at the next end)."""
     said = said if said is not None else Bounded()
     failed: list[str] = []
     copied = hardlinks.Copied()  # what this part's end copies to make files of their own
@@ -339,8 +343,9 @@ def check_part(part: Part, found: list[Protected], now_t: float, covered: set[st
                                       lambda path: snapshots.skipped(path, skip), now.included)
         failed += bad
         # First the names a linked session could write (the user's other names keep their links), then the user's.
-        if part.common:
-            split, bad = arealinks.split(part.common, arealinks.worktree_dirs(part.common), part.git.taken_ns, copied)
+        linked = arealinks.worktree_dirs(part.common) if part.common else []
+        if part.common and (wrote or linked):
+            split, bad = arealinks.split(part.common, linked, part.git.taken_ns, copied)
             put += split
             failed += bad
         split, bad = hardlinks.detach(part.root, now.gitdirs, now.by_file, now.included, part.git.kept, copied,
