@@ -311,3 +311,25 @@ def test_a_symlink_swapped_in_on_the_way_after_the_walk_is_not_followed(
     found[:] = [(str(via / "f"), os.lstat(via / "f"))]
     assert arealinks.split(str(common), [], 0, hardlinks.Copied()) == ([(str(via / "f"), AREA.format(2))], [])
     assert os.stat(users / "f").st_ino == ino and os.stat(via / "f").st_nlink == 1
+
+
+def test_a_fan_out_directory_s_names_are_listed_again_only_once_its_ctime_moved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look through ``objects`` remembers each fan-out directory's odd
+    names by its ctime (a close spared 256 listings): unchanged, it is not
+    listed again; a name linked into it since (its ctime moved) is found at
+    the next look, listed afresh."""
+    repo = empty_repo(tmp_path / "repo")
+    common = str(repo / ".git")
+    fanout = next(p for p in (repo / ".git" / "objects").iterdir() if len(p.name) == 2)
+    time.sleep(0.05)  # the directories' ctimes settled: their listings remembered
+    assert list(arealinks.walk(common, [])) == []
+    listed: list[str] = []
+    real = arealinks._names
+    monkeypatch.setattr(arealinks, "_names", lambda top: listed.append(top) or real(top))
+    assert list(arealinks.walk(common, [])) == [] and listed == []
+    todo = repo / ".git" / "todo"
+    todo.write_text("pick 1\n")
+    os.link(todo, fanout / "todo")
+    assert [path for path, _ in arealinks.walk(common, [])] == [str(fanout / "todo")]
+    assert listed == [str(fanout)]

@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from dispatchd import treewalk
 from dispatchd.daemon.gitguard import fs, gitlock, lockfile, ournames
 from dispatchd.daemon.gitguard.fs import is_dir
 from dispatchd.daemon.gitguard.keptfiles import dir_below
@@ -62,6 +63,8 @@ SHAPES = re.compile(
     rf"|info/(?:alternates|http-alternates|packs|commit-graph)"
     rf"|info/commit-graphs/(?:commit-graph-chain|graph-(?:{_HEX})\.graph)")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
+_ODD: dict[tuple[int, int], tuple[int, tuple[str, ...]]] = {}  # a fan-out directory -> (its ctime, its odd names)
+_ODD_KEPT = 100_000  # directories remembered (a few hundred a repository)
 _HEX_DIGITS = "0123456789abcdef"
 
 
@@ -133,6 +136,7 @@ def _objects(objects: str, since_ns: int | None, count: list[int]) -> Iterator[t
     the caller to walk whole."""
     if not is_dir(objects):
         return
+    fine = _fine_ctime(objects)
     pending = [("", objects)]
     while pending:
         rel_dir, top = pending.pop()
@@ -144,9 +148,8 @@ def _objects(objects: str, since_ns: int | None, count: list[int]) -> Iterator[t
                 continue
             changed = since_ns is not None and st.st_ctime_ns >= since_ns
             if not changed and st.st_nlink == 2:  # no directory in it (ext4, xfs, tmpfs count them): names alone
-                for name in _names(top):
-                    if len(name) not in (38, 62) or name.strip(_HEX_DIGITS):
-                        yield from _judged(os.path.join(top, name), f"{rel_dir}/{name}", since_ns, count, top)
+                for name in _odd_names(top, st, fine):
+                    yield from _judged(os.path.join(top, name), f"{rel_dir}/{name}", since_ns, count, top)
                 continue
         for entry in _list(top, count, objects, charged=False):
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
@@ -158,6 +161,37 @@ def _objects(objects: str, since_ns: int | None, count: list[int]) -> Iterator[t
                     pending.append((rel, entry.path))
                     continue
             yield from _judged(entry.path, rel, since_ns, count, top)
+
+
+def _fine_ctime(path: str) -> bool:
+    """Whether ``path``'s file system sets a directory's ctime at each change of its entries (treewalk's rule)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        return treewalk.fine_local_ctime(fd, os.fstat(fd).st_dev)
+    finally:
+        os.close(fd)
+
+
+def _odd_names(top: str, st: os.stat_result, fine: bool) -> tuple[str, ...]:
+    """The names of fan-out directory ``top`` (``st``, its lstat) not of an
+    object's shape; its listing reused while its ctime is the one it was
+    listed with, and was settled then: every change of its entries sets its
+    ctime (``fine``), so the names are those listed (a close of a repository
+    of 256 fan-out directories spared their listings: some ms)."""
+    key = (st.st_dev, st.st_ino)
+    seen = _ODD.get(key)
+    if fine and seen is not None and seen[0] == st.st_ctime_ns:
+        return seen[1]
+    began = time.time_ns()
+    odd = tuple(n for n in _names(top) if len(n) not in (38, 62) or n.strip(_HEX_DIGITS))
+    if fine and treewalk.settled(st.st_ctime_ns, began, _TICK_NS):
+        if len(_ODD) >= _ODD_KEPT:
+            _ODD.clear()
+        _ODD[key] = (st.st_ctime_ns, odd)
+    return odd
 
 
 def _names(top: str) -> list[str]:
