@@ -34,6 +34,11 @@ Guarantees:
 - a ``tools/call`` whose ``params`` is not an object, or whose ``name`` is no
   string or ``arguments`` no object, gets ``-32602`` saying which, with its
   id, never run (``bad_call``);
+- a line longer than ``_mcp_stdio.MAX_LINE`` (a little over the largest
+  frame dispatchd takes) gets ``-32600`` naming its size, with the id its
+  first 4 KiB hold at the top level or its last 4 KiB as the object's last
+  member (else ``null``: it is answered unless it shows a response, as a
+  request's id may be in what was dropped), never run (``too_long``);
 - every refusal has a one-line note for stderr;
 - the scan never recurses and never builds the nested values it skips: a
   line nested 100,000 deep costs one pass over its characters.
@@ -122,13 +127,42 @@ def bad_id(line: str) -> Refusal | None:
 def not_utf8(raw: bytes, exc: UnicodeDecodeError) -> Refusal:
     """The answer to ``raw``, a line that is not UTF-8: read whole, never
     with its bytes replaced (a write_file would write U+FFFD for them)."""
-    # The scan reads the id from what is UTF-8; an id holding a bad byte is
-    # none that can be echoed.
-    members = _members(raw.decode("utf-8", "surrogateescape"))
+    return _refuse(_head_members(raw), PARSE_ERROR, f"Parse error: the line is not UTF-8 (byte {exc.start})")
+
+
+# The id as the last member of the top-level object, at a line's end (where
+# the TypeScript SDK puts it): a nested object's last member is followed by
+# two braces, an escaped one in a string by a backslash.
+_LAST_ID = re.compile(r',[ \t\r\n]*"id"[ \t\r\n]*:[ \t\r\n]*(-?[0-9]+|"(?:[^"\\]|\\.)*")[ \t\r\n]*\}[ \t\r\n]*\Z')
+
+
+def too_long(size: int, head: bytes, tail: bytes, limit: int) -> Refusal:
+    """The answer to a line of ``size`` bytes, over ``limit``, dropped
+    unread but for ``head`` and ``tail``, its first and last bytes: its id
+    is a top-level member of the head, or the last member at the tail.
+    Answered unless the head shows a response: a request's id may be in
+    what was dropped, and a host would wait for it for ever."""
+    members = _head_members(head, cut=True)
+    rid = members.get("id")
+    if "id" not in members:
+        found = _LAST_ID.search(tail.decode("utf-8", "surrogateescape"))
+        rid = _head_members(b'{"id":' + found.group(1).encode("utf-8", "surrogateescape") + b"}").get("id") \
+            if found else None
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        rid = None
+    response = "method" not in members and ("result" in members or "error" in members)
+    return Refusal(rid, INVALID_REQUEST, f"Invalid Request: the line is {size} bytes, over the {limit} this "
+                                         "server reads; it was not read", answer=not response)
+
+
+def _head_members(raw: bytes, *, cut: bool = False) -> dict[str, Any]:
+    """``_members`` of bytes that may not be UTF-8: an id holding a bad byte
+    is none that can be echoed."""
+    members = _members(raw.decode("utf-8", "surrogateescape"), cut=cut)
     rid = members.get("id")
     if isinstance(rid, str) and not _is_utf8(rid):
         members["id"] = None
-    return _refuse(members, PARSE_ERROR, f"Parse error: the line is not UTF-8 (byte {exc.start})")
+    return members
 
 
 def batch(line: str) -> list[Refusal] | None:
@@ -223,11 +257,12 @@ def _refuse(members: dict[str, Any], code: int, message: str) -> Refusal:
     return Refusal(rid, code, message, answer=not (notification or response))
 
 
-def _members(text: str, start: int = 0) -> dict[str, Any]:
+def _members(text: str, start: int = 0, *, cut: bool = False) -> dict[str, Any]:
     """The members of the JSON object ``text`` holds (from ``start``), read
     at its top level only: scalars decoded, arrays and objects skipped
     (``_NESTED``) without recursion. What was read before a syntax error is
-    kept."""
+    kept; with ``cut`` (the text is a line's head), a member whose array or
+    object is still open at the end too."""
     members: dict[str, Any] = {}
     pos = _ws(text, start)
     if not text.startswith("{", pos):
@@ -244,8 +279,10 @@ def _members(text: str, start: int = 0) -> dict[str, Any]:
                 return members
             pos = _ws(text, pos + 1)
             if text[pos:pos + 1] in ("[", "{"):
-                pos = _skip(text, pos)
                 value: Any = _NESTED
+                if cut:
+                    members[key] = value  # its value runs past the text's end
+                pos = _skip(text, pos)
             else:
                 value, pos = _SCALARS.raw_decode(text, pos)
             members[key] = value

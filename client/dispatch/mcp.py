@@ -57,6 +57,9 @@ Guarantees:
 - A ``tools/call`` whose ``params``, ``name`` or ``arguments`` is of the
   wrong type gets ``-32602`` saying which ("tools/call: arguments must be an
   object, not string"), not the SDK's "Invalid request parameters".
+- A line over ``MAX_LINE`` bytes (a little over the largest frame dispatchd
+  takes) gets ``-32600`` naming its size; it is dropped as it is read,
+  never held whole.
 
 Written for the ``mcp`` SDK 2.x (its low-level ``Server`` takes its handlers
 as constructor arguments).
@@ -77,9 +80,9 @@ import mcp.types as types
 from mcp.server.lowlevel import Server
 from mcp.shared.message import SessionMessage
 
-from dispatch._mcp_stdio import StdioPipes, Stopped
+from dispatch._mcp_stdio import MAX_LINE, LineTooLong, StdioPipes, Stopped
 from dispatch._mcp_text import for_client, for_client_all
-from dispatch._mcp_unreadable import Refusal, bad_call, bad_id, not_utf8, refusals
+from dispatch._mcp_unreadable import Refusal, bad_call, bad_id, not_utf8, refusals, too_long
 from dispatch._providers import Anthropic
 from dispatch.client import Cancellation
 from dispatch.tools import Registry
@@ -259,9 +262,13 @@ async def _read_lines(pipes: StdioPipes, messages: anyio.abc.ObjectSendStream[Se
                 raw = await anyio.to_thread.run_sync(pipes.read_line, abandon_on_cancel=True)
             except (Stopped, OSError):  # stopped, or stdin itself broken: the end of input
                 return
-            if not raw:
-                return
-            for refused in _refusals(raw):
+            except LineTooLong as long:
+                answers: list[Refusal | types.JSONRPCMessage] = [too_long(long.size, long.head, long.tail, MAX_LINE)]
+            else:
+                if not raw:
+                    return
+                answers = _refusals(raw)
+            for refused in answers:
                 if isinstance(refused, Refusal):
                     print(refused.note(), file=sys.stderr, flush=True)
                     if refused.answer:

@@ -1,9 +1,11 @@
 """``dispatch mcp`` given lines the SDK would misread: one that is not UTF-8
 (refused whole, never written with its bytes replaced), a batch (each request
 in it answered "not supported", none run) and a ``tools/call`` whose params
-are of the wrong type (``-32602`` saying which). A real daemon, raw JSON-RPC
+are of the wrong type (``-32602`` saying which), a line over ``MAX_LINE``
+(answered, dropped as it comes: never held whole). A real daemon, raw JSON-RPC
 lines on its stdin. The twins: UTF-8 content is written as sent, the same
-requests one a line are served, arguments as an object are served."""
+requests one a line are served, arguments as an object are served, a long
+line under the limit is served."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 from pathlib import Path
 
 import dispatch
+from dispatch._mcp_stdio import MAX_LINE
 from tests.conftest import Daemon
 from tests.integration.test_mcp import _sessions_on
 from tests.integration.test_mcp_unreadable import NOT_A_MESSAGE, _error, started
@@ -84,3 +87,39 @@ def test_a_call_with_params_of_the_wrong_type_is_told_which(daemon: Daemon, clie
             served = mcp.read()
             assert served["id"] == rid and served["result"]["isError"] is False, served
             assert served["result"]["content"][0]["text"] == "README.md\nsrc/main.py"
+
+
+def _peak_kib(pid: int) -> int:
+    """The process's peak resident memory (VmHWM), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_a_line_over_the_limit_is_dropped_as_it_comes_and_answered(daemon: Daemon, client: dispatch.Client,
+                                                                   worktree: Path) -> None:
+    size = 4 * MAX_LINE
+    with started(daemon, worktree) as mcp:
+        start = _peak_kib(mcp.proc.pid)
+        head = b'{"jsonrpc":"2.0","id":"big","method":"tools/call","params":{"name":"write_file","arguments":' \
+               b'{"path":"big.txt","content":"'
+        assert mcp.proc.stdin is not None
+        mcp.proc.stdin.write(head)
+        for _ in range((size - len(head)) // (1 << 20)):
+            mcp.proc.stdin.write(b"x" * (1 << 20))
+        tail = b'"}}}'
+        # Its newline, and the next line right behind it: what follows the long line is kept.
+        mcp.proc.stdin.write(b"x" * ((size - len(head)) % (1 << 20) - len(tail)) + tail + b"\n")
+        mcp.send(b'{"jsonrpc":"2.0","id":2,"method":"ping"}')
+        assert mcp.read() == _error("big", -32600, f"Invalid Request: the line is {size} bytes, over the {MAX_LINE} "
+                                                   "this server reads; it was not read")
+        assert mcp.read() == {"jsonrpc": "2.0", "id": 2, "result": {}}
+        # Never held whole: the peak grew by about the limit, not by the line.
+        assert _peak_kib(mcp.proc.pid) - start < 2 * MAX_LINE // 1024
+        assert not (worktree / "big.txt").exists()
+        # The twin: a long line under the limit is served.
+        content = "y" * (4 << 20)
+        mcp.send(_call(3, {"name": "write_file", "arguments": {"path": "big.txt", "content": content}}))
+        assert mcp.read()["result"]["isError"] is False
+        assert (worktree / "big.txt").read_text() == content

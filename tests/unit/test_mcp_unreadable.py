@@ -19,6 +19,7 @@ from dispatch._mcp_unreadable import (
     not_utf8,
     refusal,
     refusals,
+    too_long,
 )
 
 
@@ -121,9 +122,9 @@ def _refusals_of(line: str) -> list[Refusal]:
 
 def test_each_request_of_a_batch_is_answered_with_its_id() -> None:
     line = ('[{"jsonrpc":"2.0","id":1,"method":"ping"}, {"jsonrpc":"2.0","id":"b","method":"x","params":%s},'
-            '{"jsonrpc":"2.0","method":"note"}, {"jsonrpc":"2.0","id":4,"result":{}}, 7, [1]]') % ("[" * 150 + "]" * 150)
-    assert _refusals_of(line) == [Refusal(1, INVALID_REQUEST, NO_BATCHES, True), Refusal("b", INVALID_REQUEST, NO_BATCHES, True),
-                                  Refusal(None, INVALID_REQUEST, NO_BATCHES, True)] + [Refusal(None, INVALID_REQUEST, NO_BATCHES, True)]
+            '{"jsonrpc":"2.0","method":"note"}, {"jsonrpc":"2.0","id":4,"result":{}}, 7, [1]]'
+            ) % ("[" * 150 + "]" * 150)
+    assert _refusals_of(line) == [Refusal(rid, INVALID_REQUEST, NO_BATCHES, True) for rid in (1, "b", None, None)]
     assert _refusals_of(" [] ") == [Refusal(None, INVALID_REQUEST, NO_BATCHES, True)]
     # Notifications and responses alone: noted, not answered (JSON-RPC 2.0).
     assert _refusals_of('[{"jsonrpc":"2.0","method":"note"}]') == [Refusal(None, INVALID_REQUEST, NO_BATCHES, False)]
@@ -151,3 +152,18 @@ def test_a_call_the_sdk_serves_and_other_methods_are_left_alone() -> None:
     assert bad_call("tools/call", {"name": "t", "arguments": None}, 1) is None
     assert bad_call("tools/call", {"name": "t"}, 1) is None
     assert bad_call("tools/list", None, 1) is None
+
+
+def test_a_line_too_long_is_refused_with_the_id_its_ends_hold() -> None:
+    why = "Invalid Request: the line is 900 bytes, over the 100 this server reads; it was not read"
+    head = b'{"jsonrpc":"2.0","method":"tools/call","params":{"x":"yyy'
+    assert too_long(900, b'{"jsonrpc":"2.0","id":"a","method":"m","params":{"x":"y', b"yy\"}}", 100) == Refusal(
+        "a", INVALID_REQUEST, why, True)
+    # The TypeScript SDK's order: the id last, after the params.
+    assert too_long(900, head, b'yyy"}},"jsonrpc":"2.0","id":7}\n', 100).id == 7
+    assert too_long(900, head, b'yyy"}}, "id" : "z\\"q" }', 100).id == 'z"q'
+    # An "id" in the params, or in a string, is not the message's: unknown, null, answered all the same.
+    for tail in (b'yyy", "id": 5}}', b'yyy ,\\"id\\":5}"}}', b'yyy", "id": 5.5}', b'yyy"}, "id": "a\xff"}'):
+        assert too_long(900, head, tail, 100) == Refusal(None, INVALID_REQUEST, why, True), tail
+    # A response is only noted.
+    assert too_long(900, b'{"jsonrpc":"2.0","result":{"x":"y', b'yy"}, "id": 3}', 100).answer is False
