@@ -196,3 +196,39 @@ def _checkpoint_parsers(session: "argparse._SubParsersAction[argparse.ArgumentPa
     rs.add_argument("checkpoint")
     rs.add_argument("--force", action="store_true",
                     help="restore even when the worktree as it is cannot be kept first (it is then lost)")
+
+
+# What the command line sends dispatchd, by ``args``' name, as said in a
+# refusal; what it only uses here (--socket, --host, an @FILE's name) is not
+# sent, and may be any bytes.
+_SENT = {"worktree": ("--worktree", "the path"), "read_only": ("--read-only", "the path"),
+         "policy": ("--policy", "the name"), "env": ("--env", "the variable"), "secrets": ("--secret", "the name"),
+         "domains": ("--domains", "the host"), "cmd": ("the command", "an argument"),
+         "tool": ("the tool", "its name"), "params": ("the tool's arguments", "the text"),
+         "session": ("--session", "the id"), "id": ("the session id", "it"), "job": ("the job id", "it"),
+         "checkpoint": ("the checkpoint", "its id"), "label": ("--label", "the text")}
+
+
+def not_utf8(args: argparse.Namespace) -> str | None:
+    """Why ``args`` cannot be sent: the first argument dispatchd would be
+    given that is not UTF-8 (the protocol is JSON, in UTF-8; Python holds an
+    argument's bytes that are not as lone surrogates). None when all are."""
+    for name, (option, what) in _SENT.items():
+        value = getattr(args, name, None)
+        if name == "params" and isinstance(value, str) and value.startswith("@"):
+            continue  # a file's name, opened here; its content is checked when read
+        for text in _strings(value):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                # As it is: the line is printed through display.shown, which shows a bad byte as \xNN.
+                return f"{option}: {what} is not UTF-8 ({text}), which dispatchd cannot carry"
+    return None
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [s for item in value for s in _strings(item)]
+    return []

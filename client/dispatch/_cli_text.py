@@ -53,7 +53,12 @@ def call_arguments(text: str, stdin: IO[str]) -> Any:
     ``@FILE`` for a file. ValueError, saying which, when they are not JSON."""
     where = "the tool's arguments"
     if text == "-":
-        text, where = stdin.read(), "the tool's arguments (stdin)"
+        where = "the tool's arguments (stdin)"
+        try:
+            text = stdin.read()
+            text.encode("utf-8")  # a stdin read with surrogateescape (the C locale) holds them as surrogates
+        except UnicodeError as exc:
+            raise ValueError(f"{where} are not UTF-8, which dispatchd cannot carry") from exc
     elif text.startswith("@"):
         path = text[1:]
         try:
@@ -61,6 +66,9 @@ def call_arguments(text: str, stdin: IO[str]) -> Any:
                 text = f.read()
         except OSError as exc:
             raise ValueError(f"cannot read the tool's arguments from {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"the tool's arguments ({path}) are not UTF-8 (byte {exc.start}), "
+                             "which dispatchd cannot carry") from exc
         where = f"the tool's arguments ({path})"
     try:
         return json.loads(text) if text.strip() else {}

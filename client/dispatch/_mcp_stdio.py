@@ -13,7 +13,10 @@ Guarantees:
   nothing a library or a child process reads or prints touches the
   protocol (as the SDK's own transport does); ``close()`` puts them back;
 - ``read_line`` returns one line, its ``\\n`` kept (the last one without, at
-  EOF), ``b""`` at EOF, or raises ``Stopped``; ``write`` writes all its bytes,
+  EOF), ``b""`` at EOF, or raises ``Stopped``; a line longer than
+  ``max_line`` raises ``LineTooLong`` (its size, first and last bytes) once it has
+  been read to its end, and is never held whole: past ``max_line`` the rest
+  is counted and dropped as it comes; ``write`` writes all its bytes,
   or raises ``Stopped`` or ``OSError`` (the client closed the pipe);
 - a write never blocks a stop: it waits for room with ``poll`` and writes at
   most ``PIPE_BUF`` bytes at a time, which a pipe with room takes whole;
@@ -35,9 +38,15 @@ import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["StdioPipes", "Stopped"]
+from dispatchd.protocol.frames import MAX_FRAME
+
+__all__ = ["MAX_LINE", "LineTooLong", "StdioPipes", "Stopped"]
 
 _CHUNK = 1 << 16
+# A little over the largest frame dispatchd takes: a longer line could carry
+# nothing the daemon would accept, and must not cost its size in memory.
+MAX_LINE = MAX_FRAME + (1 << 20)
+_HEAD = 1 << 12  # what a LineTooLong keeps of each end of its line: where an id is found
 _CLOSE_WAIT_S = 1.0  # for a thread still inside read_line or write at close()
 
 
@@ -45,10 +54,20 @@ class Stopped(Exception):
     """``stop()`` was called: no more reading or writing."""
 
 
+class LineTooLong(Exception):
+    """A line over ``max_line``, read to its end and dropped: ``size`` bytes
+    (its newline not counted), ``head`` and ``tail`` its first and last."""
+
+    def __init__(self, size: int, head: bytes, tail: bytes) -> None:
+        super().__init__(f"a line of {size} bytes")
+        self.size, self.head, self.tail = size, head, tail
+
+
 class StdioPipes:
     """fd 0 and fd 1 claimed for the protocol (see the module's guarantees)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_line: int = MAX_LINE) -> None:
+        self._max_line = max_line
         sys.stdout.flush()  # what was printed before goes where it was going
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._in = _claim(0, os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
@@ -74,14 +93,36 @@ class StdioPipes:
                     self._scanned = 0
                     return line
                 self._scanned = len(self._buffer)
-                self._wait(self._in, select.POLLIN)
-                chunk = os.read(self._in, _CHUNK)
+                if self._scanned > self._max_line:
+                    self._drop_line()
+                chunk = self._read()
                 if not chunk:  # EOF: the last line, if it had no newline
                     line = bytes(self._buffer)
                     self._buffer.clear()
                     self._scanned = 0
                     return line
                 self._buffer += chunk
+
+    def _read(self) -> bytes:
+        self._wait(self._in, select.POLLIN)
+        return os.read(self._in, _CHUNK)
+
+    def _drop_line(self) -> None:
+        """Read the rest of the line in ``_buffer`` (no newline yet), keeping
+        none of it; keep what follows it; raise ``LineTooLong``."""
+        head, tail, size = bytes(self._buffer[:_HEAD]), bytes(self._buffer[-_HEAD:]), len(self._buffer)
+        self._buffer.clear()
+        self._scanned = 0
+        while True:
+            chunk = self._read()
+            end = chunk.find(b"\n")
+            if end >= 0:
+                self._buffer += chunk[end + 1:]
+                chunk = chunk[:end]
+            size += len(chunk)
+            tail = (tail + chunk)[-_HEAD:]
+            if end >= 0 or not chunk:  # its end, or EOF
+                raise LineTooLong(size, head, tail)
 
     def write(self, data: bytes) -> None:
         """All of ``data`` (blocking; from a worker thread)."""

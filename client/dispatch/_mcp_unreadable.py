@@ -23,6 +23,22 @@ Guarantees:
   response (``result`` or ``error``, no ``method``) is not answered
   (JSON-RPC forbids answering a notification; answering a response could
   start two peers answering each other): it is only noted;
+- a line that is not UTF-8 is refused whole (``-32700``, naming the first
+  bad byte's offset from 0), never read with its bytes replaced: a file a
+  call would write then holds what was sent or nothing (``not_utf8``);
+- a batch (a top-level array; MCP's stdio carries one message a line) gets
+  ``-32600`` "batches are not supported" for each element that is a request,
+  one answer a line, with that element's id; none of them is run; an array
+  with no request in it gets one answer with ``id`` ``null``, unless it only
+  holds notifications or responses (``batch``);
+- a ``tools/call`` whose ``params`` is not an object, or whose ``name`` is no
+  string or ``arguments`` no object, gets ``-32602`` saying which, with its
+  id, never run (``bad_call``);
+- a line longer than ``_mcp_stdio.MAX_LINE`` (a little over the largest
+  frame dispatchd takes) gets ``-32600`` naming its size, with the id its
+  first 4 KiB hold at the top level or its last 4 KiB as the object's last
+  member (else ``null``: it is answered unless it shows a response, as a
+  request's id may be in what was dropped), never run (``too_long``);
 - every refusal has a one-line note for stderr;
 - the scan never recurses and never builds the nested values it skips: a
   line nested 100,000 deep costs one pass over its characters.
@@ -38,6 +54,8 @@ from typing import Any, NamedTuple
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
+INVALID_PARAMS = -32602
+NO_BATCHES = "Invalid Request: batches are not supported; send each message on a line of its own"
 
 _WS = re.compile(r"[ \t\n\r]*")
 _STRUCTURE = re.compile(r'["\[\]{}]')
@@ -83,6 +101,14 @@ def refusal(exc: Exception) -> Refusal:
     return _refuse({}, PARSE_ERROR, f"Parse error: {type(exc).__name__}: {exc}")
 
 
+def refusals(exc: Exception, line: str) -> list[Refusal]:
+    """``refusal``, or for JSON that is an array, what ``batch`` answers."""
+    errors = _errors(exc)
+    if errors and errors[0].get("type") != "json_invalid":  # JSON, read whole: no message
+        return batch(line) or [refusal(exc)]
+    return [refusal(exc)]
+
+
 def bad_id(line: str) -> Refusal | None:
     """The answer to ``line``, a message the SDK read as a notification, when
     it has an ``id`` all the same (one MCP cannot carry); None for a true
@@ -96,6 +122,118 @@ def bad_id(line: str) -> Refusal | None:
     shown = "an object or an array" if rid is _NESTED else json.dumps(rid)
     return Refusal(None, INVALID_REQUEST, f'Invalid Request: its "id" ({shown}) is neither a string nor an '
                                           "integer; a message with no \"id\" is a notification", answer=True)
+
+
+def not_utf8(raw: bytes, exc: UnicodeDecodeError) -> Refusal:
+    """The answer to ``raw``, a line that is not UTF-8: read whole, never
+    with its bytes replaced (a write_file would write U+FFFD for them)."""
+    return _refuse(_head_members(raw), PARSE_ERROR, f"Parse error: the line is not UTF-8 (byte {exc.start})")
+
+
+# The id as the last member of the top-level object, at a line's end (where
+# the TypeScript SDK puts it): a nested object's last member is followed by
+# two braces, an escaped one in a string by a backslash.
+_LAST_ID = re.compile(r',[ \t\r\n]*"id"[ \t\r\n]*:[ \t\r\n]*(-?[0-9]+|"(?:[^"\\]|\\.)*")[ \t\r\n]*\}[ \t\r\n]*\Z')
+
+
+def too_long(size: int, head: bytes, tail: bytes, limit: int) -> Refusal:
+    """The answer to a line of ``size`` bytes, over ``limit``, dropped
+    unread but for ``head`` and ``tail``, its first and last bytes: its id
+    is a top-level member of the head, or the last member at the tail.
+    Answered unless the head shows a response: a request's id may be in
+    what was dropped, and a host would wait for it for ever."""
+    members = _head_members(head, cut=True)
+    rid = members.get("id")
+    if "id" not in members:
+        found = _LAST_ID.search(tail.decode("utf-8", "surrogateescape"))
+        rid = _head_members(b'{"id":' + found.group(1).encode("utf-8", "surrogateescape") + b"}").get("id") \
+            if found else None
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        rid = None
+    response = "method" not in members and ("result" in members or "error" in members)
+    return Refusal(rid, INVALID_REQUEST, f"Invalid Request: the line is {size} bytes, over the {limit} this "
+                                         "server reads; it was not read", answer=not response)
+
+
+def _head_members(raw: bytes, *, cut: bool = False) -> dict[str, Any]:
+    """``_members`` of bytes that may not be UTF-8: an id holding a bad byte
+    is none that can be echoed."""
+    members = _members(raw.decode("utf-8", "surrogateescape"), cut=cut)
+    rid = members.get("id")
+    if isinstance(rid, str) and not _is_utf8(rid):
+        members["id"] = None
+    return members
+
+
+def batch(line: str) -> list[Refusal] | None:
+    """The answers to ``line`` when it is a JSON array (None when not): one
+    for each element that is a request, with its id. The SDK reads one
+    message a line; a batch it would answer once, with ``id`` ``null``, and a
+    host would wait for ever for the ids it holds."""
+    pos = _ws(line, 0)
+    if not line.startswith("[", pos):
+        return None
+    answers, elements = [], 0
+    pos += 1
+    try:
+        while True:
+            pos = _ws(line, pos)
+            if line.startswith("]", pos):
+                break
+            elements += 1
+            if line.startswith("{", pos):
+                refused = _refuse(_members(line, pos), INVALID_REQUEST, NO_BATCHES)
+                pos = _skip(line, pos)
+            else:  # JSON-RPC 2.0: an element that is no object is an invalid request, id null
+                refused = Refusal(None, INVALID_REQUEST, NO_BATCHES, answer=True)
+                pos = _skip(line, pos) if line.startswith("[", pos) else _SCALARS.raw_decode(line, pos)[1]
+            if refused.answer:
+                answers.append(refused)
+            pos = _ws(line, pos)
+            if not line.startswith(",", pos):
+                break
+            pos += 1
+    except ValueError:  # the line parsed as JSON before this: not reached
+        pass
+    if not answers and not elements:
+        answers.append(Refusal(None, INVALID_REQUEST, NO_BATCHES, answer=True))
+    if not answers:
+        return [Refusal(None, INVALID_REQUEST, NO_BATCHES, answer=False)]
+    return answers
+
+
+_JSON_TYPES = {str: "string", int: "number", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+def bad_call(method: str, params: Any, rid: str | int) -> Refusal | None:
+    """The answer to a ``tools/call`` request whose params the SDK would
+    refuse with no word of why ("Invalid request parameters"); None for any
+    other request, or a call it can serve."""
+    if method != "tools/call":
+        return None
+    if not isinstance(params, dict):
+        why = f"params must be an object with a \"name\", not {_json_type(params)}"
+    elif "name" not in params:
+        why = 'params has no "name"'
+    elif not isinstance(params["name"], str):
+        why = f"name must be a string, not {_json_type(params['name'])}"
+    elif params.get("arguments") is not None and not isinstance(params["arguments"], dict):
+        why = f"arguments must be an object, not {_json_type(params['arguments'])}"
+    else:
+        return None
+    return Refusal(rid, INVALID_PARAMS, f"tools/call: {why}", answer=True)
+
+
+def _json_type(value: Any) -> str:
+    return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _errors(exc: Exception) -> list[dict[str, Any]]:
@@ -119,12 +257,14 @@ def _refuse(members: dict[str, Any], code: int, message: str) -> Refusal:
     return Refusal(rid, code, message, answer=not (notification or response))
 
 
-def _members(text: str) -> dict[str, Any]:
-    """The members of the JSON object ``text`` holds, read at its top level
-    only: scalars decoded, arrays and objects skipped (``_NESTED``) without
-    recursion. What was read before a syntax error is kept."""
+def _members(text: str, start: int = 0, *, cut: bool = False) -> dict[str, Any]:
+    """The members of the JSON object ``text`` holds (from ``start``), read
+    at its top level only: scalars decoded, arrays and objects skipped
+    (``_NESTED``) without recursion. What was read before a syntax error is
+    kept; with ``cut`` (the text is a line's head), a member whose array or
+    object is still open at the end too."""
     members: dict[str, Any] = {}
-    pos = _ws(text, 0)
+    pos = _ws(text, start)
     if not text.startswith("{", pos):
         return members
     pos += 1
@@ -139,8 +279,10 @@ def _members(text: str) -> dict[str, Any]:
                 return members
             pos = _ws(text, pos + 1)
             if text[pos:pos + 1] in ("[", "{"):
-                pos = _skip(text, pos)
                 value: Any = _NESTED
+                if cut:
+                    members[key] = value  # its value runs past the text's end
+                pos = _skip(text, pos)
             else:
                 value, pos = _SCALARS.raw_decode(text, pos)
             members[key] = value

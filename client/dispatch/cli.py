@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from dispatch import _cli_text
+from dispatch import _cli_args, _cli_text
 from dispatch._cli_args import parser as _parser
 from dispatch._endreport import not_whole
 from dispatch.client import Cancellation, Client, Session, connect
@@ -420,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
             return bridge.serve(args.bridge_socket or args.socket,
                                 autostart=not (args.no_autostart or args.bridge_no_autostart),
                                 timeout=args.request_timeout)
+        why = _cli_args.not_utf8(args)
+        if why is not None:
+            raise UsageError(why)
         if args.command == "daemon" and args.no_autostart is False:
             args.no_autostart = True  # stopping a daemon must not start one
         try:

@@ -49,6 +49,17 @@ Guarantees:
   request whose ``id`` is neither a string nor an integer (``-32600``, id
   ``null``, not run), which the SDK takes for a notification
   (``_mcp_unreadable.py``).
+- A line is read as UTF-8 strictly: one that is not is refused (``-32700``
+  "Parse error: the line is not UTF-8 (byte N)"), never run with its bad
+  bytes replaced, which a ``write_file`` would have written as U+FFFD.
+- A batch (a JSON array) gets ``-32600`` "batches are not supported" for
+  each request in it, one answer a line, with its id; none is run.
+- A ``tools/call`` whose ``params``, ``name`` or ``arguments`` is of the
+  wrong type gets ``-32602`` saying which ("tools/call: arguments must be an
+  object, not string"), not the SDK's "Invalid request parameters".
+- A line over ``MAX_LINE`` bytes (a little over the largest frame dispatchd
+  takes) gets ``-32600`` naming its size; it is dropped as it is read,
+  never held whole.
 
 Written for the ``mcp`` SDK 2.x (its low-level ``Server`` takes its handlers
 as constructor arguments).
@@ -69,9 +80,9 @@ import mcp.types as types
 from mcp.server.lowlevel import Server
 from mcp.shared.message import SessionMessage
 
-from dispatch._mcp_stdio import StdioPipes, Stopped
+from dispatch._mcp_stdio import MAX_LINE, LineTooLong, StdioPipes, Stopped
 from dispatch._mcp_text import for_client, for_client_all
-from dispatch._mcp_unreadable import bad_id, refusal
+from dispatch._mcp_unreadable import Refusal, bad_call, bad_id, not_utf8, refusals, too_long
 from dispatch._providers import Anthropic
 from dispatch.client import Cancellation
 from dispatch.tools import Registry
@@ -251,23 +262,39 @@ async def _read_lines(pipes: StdioPipes, messages: anyio.abc.ObjectSendStream[Se
                 raw = await anyio.to_thread.run_sync(pipes.read_line, abandon_on_cancel=True)
             except (Stopped, OSError):  # stopped, or stdin itself broken: the end of input
                 return
-            if not raw:
-                return
-            line = raw.decode("utf-8", "replace")
-            try:
-                message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-            except Exception as exc:  # what the SDK's transport passes on for its session to drop
-                refused = refusal(exc)
+            except LineTooLong as long:
+                answers: list[Refusal | types.JSONRPCMessage] = [too_long(long.size, long.head, long.tail, MAX_LINE)]
             else:
-                found = bad_id(line) if isinstance(message, types.JSONRPCNotification) else None
-                if found is None:
-                    await messages.send(SessionMessage(message))
-                    continue
-                refused = found
-            print(refused.note(), file=sys.stderr, flush=True)
-            if refused.answer:
-                await replies.send(SessionMessage(types.JSONRPCError(
-                    jsonrpc="2.0", id=refused.id, error=types.ErrorData(code=refused.code, message=refused.message))))
+                if not raw:
+                    return
+                answers = _refusals(raw)
+            for refused in answers:
+                if isinstance(refused, Refusal):
+                    print(refused.note(), file=sys.stderr, flush=True)
+                    if refused.answer:
+                        await replies.send(SessionMessage(types.JSONRPCError(
+                            jsonrpc="2.0", id=refused.id,
+                            error=types.ErrorData(code=refused.code, message=refused.message))))
+                else:
+                    await messages.send(SessionMessage(refused))
+
+
+def _refusals(raw: bytes) -> list[Refusal | types.JSONRPCMessage]:
+    """What to do with the line ``raw``: the message to pass on, or what to
+    answer instead (``_mcp_unreadable``)."""
+    try:
+        line = raw.decode("utf-8")  # strictly: a replaced byte would reach a file a call writes
+    except UnicodeDecodeError as exc:
+        return [not_utf8(raw, exc)]
+    try:
+        message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+    except Exception as exc:  # what the SDK's transport passes on for its session to drop
+        return list(refusals(exc, line))
+    if isinstance(message, types.JSONRPCNotification):
+        return [bad_id(line) or message]
+    if isinstance(message, types.JSONRPCRequest):
+        return [bad_call(message.method, message.params, message.id) or message]
+    return [message]
 
 
 async def _write_lines(pipes: StdioPipes, messages: anyio.abc.ObjectReceiveStream[SessionMessage],

@@ -9,6 +9,7 @@ tool result (``isError``), and a plain call after them all is served."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import select
@@ -74,6 +75,9 @@ def started(daemon: Daemon, worktree: Path, stderr: Any = subprocess.PIPE) -> It
     killed at the end if it still runs."""
     proc = subprocess.Popen(_command(daemon, worktree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=stderr, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    # Its stdout unbuffered: a line read leaves the next in the pipe, where read()'s select sees it.
+    assert isinstance(proc.stdout, io.BufferedReader)
+    proc.stdout = proc.stdout.detach()  # type: ignore[assignment]
     mcp = _Mcp(proc)
     try:
         mcp.send(json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
