@@ -19,7 +19,8 @@ or after the baseline's: an old clone's links are left).
 - a linked open (``hardlinks.open_note``): refused while ``walk`` finds one;
 - each end of a part on the repository (``split``): each name found there
   made a file of its own, the same bytes, under git's lock (a reflog's:
-  its ref's, ``logs/HEAD``'s ``HEAD.lock``, as git appends under it), only
+  its ref's, ``logs/HEAD``'s ``HEAD.lock``, as git appends under it; a
+  packed ref's missing directory made for it, as git would), only
   while the name is still that inode; the other names, wherever they are,
   keep the old one: a link of the user's (``.bashrc`` in their dotfiles
   repository and their home) stays as they made it, and the name a later
@@ -260,15 +261,20 @@ def split(common: str, gitdirs: list[str], since_ns: int,
 class _ReflogLock:
     """Git's lock of the ref whose reflog ``path`` is (``B/logs/REL``:
     ``B/REL.lock``, ``B`` the common directory or a worktree's own), held
-    for the block; none for a file of no reflog, or where the ref's
-    directory is not (no git writes that reflog)."""
+    for the block; none for a file of no reflog. A packed ref's directory
+    may be gone (``git pack-refs --all`` prunes it) while its reflog stays:
+    the directories missing below ``B/refs`` are made first, one at a time
+    below a descriptor with no symlink followed, as git makes them to lock
+    the ref, and those still empty removed after."""
 
     def __init__(self, common: str, gitdirs: list[str], path: str, wait_s: float) -> None:
         self.lock: lockfile.Lock | None = None
+        self.made: list[tuple[int, str]] = []  # (its parent's descriptor, name): the directories made here
         self.common = common
         for base in [common, *gitdirs]:
             logs = os.path.join(base, "logs")
             if is_below(path, logs) and path != logs:
+                self.base = base
                 self.ref = os.path.join(base, os.path.relpath(path, logs))
                 self.wait_s = wait_s
                 return
@@ -279,6 +285,8 @@ class _ReflogLock:
             return
         dir_fd = _below(self.common, os.path.dirname(self.ref))
         if dir_fd is None:
+            dir_fd = self._made()
+        if dir_fd is None:
             return
         self.lock = lockfile.temporary(dir_fd, os.path.basename(self.ref), b"")
         self.dir_fd = dir_fd
@@ -288,6 +296,7 @@ class _ReflogLock:
             self.lock.release()
             os.close(dir_fd)
             self.lock = None
+            self._unmade()
             if isinstance(exc, lockfile.Refused):
                 raise lockfile.Refused(f"{self.ref}.lock") from None
             raise
@@ -296,6 +305,48 @@ class _ReflogLock:
         if self.lock is not None:
             self.lock.release()
             os.close(self.dir_fd)
+        self._unmade()
+
+    def _made(self) -> int | None:
+        """A descriptor of the ref's directory, those missing of it below
+        ``B/refs`` made; None for a ref not below it, or where one on the
+        way is not a directory (a symlink included) or cannot be made."""
+        rel = os.path.relpath(os.path.dirname(self.ref), self.base)
+        if not rel.startswith("refs/"):
+            return None
+        fd = _below(self.common, os.path.join(self.base, "refs"))
+        for name in rel.split("/")[1:]:
+            if fd is None:
+                return None
+            try:
+                os.mkdir(name, 0o777, dir_fd=fd)  # less the umask, as git's
+                self.made.append((os.dup(fd), name))
+            except FileExistsError:
+                pass  # there (git made it meanwhile), or not a directory: the open below says
+            except OSError:
+                os.close(fd)
+                return None
+            parent, fd = fd, _opened_below(fd, name)
+            os.close(parent)
+        return fd
+
+    def _unmade(self) -> None:
+        """The directories ``_made`` made removed, the deepest first, while empty (a ref git added stays)."""
+        while self.made:
+            fd, name = self.made.pop()
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def _opened_below(fd: int, name: str) -> int | None:
+    try:
+        return os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return None
 
 
 def _below(common: str, directory: str) -> int | None:
