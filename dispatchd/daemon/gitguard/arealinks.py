@@ -10,16 +10,26 @@ linked there (full mode: ``.git`` is one mount), or the other repository's
 reflog after a ``cp -al``. Git makes no hard link in these directories but
 in ``objects``, where ``git clone --local`` links every file; so ``walk``
 stats every entry of ``logs``, ``refs`` and the worktrees' own directories,
-and in ``objects`` only the names not of git's object-store shapes
-(``SHAPES``): a fan-out directory is listed, not stat'ed (256 listings, a
-few ms), but at an end where it changed since the baseline, and then only a
-file the baseline had not seen (its inode's ctime, which a link moves, at
-or after the baseline's: an old clone's links are left).
+and in ``objects`` the names not of git's object-store shapes
+(``SHAPES``), and of git's only ``info/alternates``, which a local clone
+copies: a link at another of git's names cannot be told from a clone's at
+an open, and is left to the ends. A fan-out directory is listed, not
+stat'ed (256 listings, a few ms), but at an end where it changed since
+the baseline; the few files of ``pack``, ``info`` and their chain
+directories are stat'ed at every look. At an end a file at git's name
+there is judged by its inode's ctime, which a link moves: at or after the
+baseline's (``_after``: two ticks of the coarse clock before it, two
+seconds for a ctime in whole seconds), it is a link made since; an old
+clone's links are left, and a pack's own files (``.pack``, ``.idx``, ...)
+too: each session holds them read-only (``layouts.held_packs``), the
+history's keep links them after the baseline, and ``packlinks.py`` makes
+one given a second name the repository's own.
 
 - a linked open (``hardlinks.open_note``): refused while ``walk`` finds one;
 - each end of a part on the repository (``split``): each name found there
   made a file of its own, the same bytes, under git's lock (a reflog's:
-  its ref's, ``logs/HEAD``'s ``HEAD.lock``, as git appends under it), only
+  its ref's, ``logs/HEAD``'s ``HEAD.lock``, as git appends under it; a
+  packed ref's missing directory made for it, as git would), only
   while the name is still that inode; the other names, wherever they are,
   keep the old one: a link of the user's (``.bashrc`` in their dotfiles
   repository and their home) stays as they made it, and the name a later
@@ -38,7 +48,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from dispatchd import treewalk
-from dispatchd.daemon.gitguard import fs, gitlock, lockfile, ournames
+from dispatchd.daemon.gitguard import fs, gitlock, lockfile, ournames, packlinks
 from dispatchd.daemon.gitguard.fs import is_dir
 from dispatchd.daemon.gitguard.keptfiles import dir_below
 from dispatchd.inside import is_below
@@ -62,6 +72,8 @@ SHAPES = re.compile(
     rf"|pack/multi-pack-index\.d/(?:multi-pack-index-chain|multi-pack-index-(?:{_HEX})\.(?:midx|bitmap|rev))"
     rf"|info/(?:alternates|http-alternates|packs|commit-graph)"
     rf"|info/commit-graphs/(?:commit-graph-chain|graph-(?:{_HEX})\.graph)")
+# Git's names there that ``git clone --local`` copies rather than links (clone.c: ``copy_alternates``).
+_NEVER_LINKED = frozenset({"info/alternates"})
 _FANOUT = re.compile(r"[0-9a-f]{2}")
 _ODD: dict[tuple[int, int], tuple[int, tuple[str, ...]]] = {}  # a fan-out directory -> (its ctime, its odd names)
 _ODD_KEPT = 100_000  # directories remembered (a few hundred a repository)
@@ -82,8 +94,9 @@ def walk(common: str, gitdirs: list[str], since_ns: int | None = None) -> Iterat
     ``refs`` and ``objects`` (see the module) and in ``gitdirs`` (the
     worktrees' own), with its ``lstat``; a submodule's objects below one of
     those not looked in. ``since_ns``: an end's (the baseline's time): the
-    object-named files of a fan-out directory changed since are looked at,
-    those linked since. Raises ``Unlooked``."""
+    files at git's names in ``pack`` and ``info``, and the object-named
+    files of a fan-out directory changed since, are looked at, those linked
+    since (``_after``). Raises ``Unlooked``."""
     count = [0]
     pending = [p for p in [os.path.join(common, d) for d in ("logs", "refs")] + gitdirs if is_dir(p)]
     for top, rel, st in _objects(os.path.join(common, "objects"), since_ns, count):
@@ -131,7 +144,8 @@ def _list(top: str, count: list[int], common: str, charged: bool = True) -> list
 
 def _objects(objects: str, since_ns: int | None, count: list[int]) -> Iterator[tuple[str, str, os.stat_result]]:
     """``(path, rel, lstat)`` of each name in ``objects`` to judge: not of
-    git's shapes, or an object-named file linked since ``since_ns``; a
+    git's shapes, or a file at git's name linked since ``since_ns`` (see
+    ``_clone_may_link``); a
     directory of no shape of git's as ``(path, "rel/", its lstat)``, for
     the caller to walk whole."""
     if not is_dir(objects):
@@ -146,14 +160,15 @@ def _objects(objects: str, since_ns: int | None, count: list[int]) -> Iterator[t
                 st = os.lstat(top)
             except OSError:
                 continue
-            changed = since_ns is not None and st.st_ctime_ns >= since_ns
+            changed = since_ns is not None and _after(st.st_ctime_ns, since_ns)
             if not changed and st.st_nlink == 2:  # no directory in it (ext4, xfs, tmpfs count them): names alone
                 for name in _odd_names(top, st, fine):
                     yield from _judged(os.path.join(top, name), f"{rel_dir}/{name}", since_ns, count, top)
                 continue
         for entry in _list(top, count, objects, charged=False):
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-            if SHAPES.fullmatch(rel) and not changed and not entry.is_dir(follow_symlinks=False):  # d_type, no stat
+            if (rel_dir and not changed and _FANOUT.fullmatch(rel_dir) and SHAPES.fullmatch(rel)
+                    and not entry.is_dir(follow_symlinks=False)):  # d_type, no stat: pack and info stat'ed whole
                 continue
             if not rel_dir and _FANOUT.fullmatch(entry.name) or rel in ("pack", "info", "pack/multi-pack-index.d",
                                                                          "info/commit-graphs"):
@@ -215,9 +230,33 @@ def _judged(path: str, rel: str, since_ns: int | None, count: list[int],
         st = os.lstat(path)
     except OSError:
         return
-    if SHAPES.fullmatch(rel) and stat.S_ISREG(st.st_mode) and st.st_ctime_ns < (since_ns or 0):
-        return  # an object linked before the baseline: a local clone's
+    if SHAPES.fullmatch(rel) and stat.S_ISREG(st.st_mode) and _clone_may_link(rel, st, since_ns):
+        return
     yield path, rel + ("/" if stat.S_ISDIR(st.st_mode) else ""), st
+
+
+def _clone_may_link(rel: str, st: os.stat_result, since_ns: int | None) -> bool:
+    """Whether the regular file at git's name ``rel`` in ``objects`` is left
+    unjudged: at an open, any but ``_NEVER_LINKED`` (``git clone --local``
+    links every other file there); at an end, one linked before the
+    baseline (a local clone's), and a pack file git reads, which each
+    session holds read-only and the history's keep links (``packlinks.py``
+    makes one given a second name the repository's own)."""
+    if rel in _NEVER_LINKED:
+        return False
+    if since_ns is None:
+        return True
+    if rel.startswith("pack/") and packlinks.is_pack_file(rel[5:]):
+        return True
+    return not _after(st.st_ctime_ns, since_ns)
+
+
+def _after(ctime_ns: int, since_ns: int) -> bool:
+    """Whether an inode's ctime may be at or after ``since_ns`` (a
+    baseline's time, read off the fine clock): file times follow the coarse
+    one, a tick or two behind (``_TICK_NS``), and a file system keeping
+    whole seconds sets the second's start (``treewalk.settled``'s rule)."""
+    return not treewalk.settled(ctime_ns, since_ns, 2 * _TICK_NS)
 
 
 def worktree_dirs(common: str) -> list[str]:
@@ -238,7 +277,7 @@ def split(common: str, gitdirs: list[str], since_ns: int,
     failed: list[str] = []
     deadline = time.monotonic() + gitlock.WAIT_S
     try:
-        found = list(walk(common, gitdirs, since_ns - 2 * _TICK_NS if since_ns else None))
+        found = list(walk(common, gitdirs, since_ns or None))
     except Unlooked as exc:
         return done, [f"{exc}: its other names not made files of their own"]
     for path, st in found:
@@ -260,15 +299,20 @@ def split(common: str, gitdirs: list[str], since_ns: int,
 class _ReflogLock:
     """Git's lock of the ref whose reflog ``path`` is (``B/logs/REL``:
     ``B/REL.lock``, ``B`` the common directory or a worktree's own), held
-    for the block; none for a file of no reflog, or where the ref's
-    directory is not (no git writes that reflog)."""
+    for the block; none for a file of no reflog. A packed ref's directory
+    may be gone (``git pack-refs --all`` prunes it) while its reflog stays:
+    the directories missing below ``B/refs`` are made first, one at a time
+    below a descriptor with no symlink followed, as git makes them to lock
+    the ref, and those still empty removed after."""
 
     def __init__(self, common: str, gitdirs: list[str], path: str, wait_s: float) -> None:
         self.lock: lockfile.Lock | None = None
+        self.made: list[tuple[int, str]] = []  # (its parent's descriptor, name): the directories made here
         self.common = common
         for base in [common, *gitdirs]:
             logs = os.path.join(base, "logs")
             if is_below(path, logs) and path != logs:
+                self.base = base
                 self.ref = os.path.join(base, os.path.relpath(path, logs))
                 self.wait_s = wait_s
                 return
@@ -279,6 +323,8 @@ class _ReflogLock:
             return
         dir_fd = _below(self.common, os.path.dirname(self.ref))
         if dir_fd is None:
+            dir_fd = self._made()
+        if dir_fd is None:
             return
         self.lock = lockfile.temporary(dir_fd, os.path.basename(self.ref), b"")
         self.dir_fd = dir_fd
@@ -288,6 +334,7 @@ class _ReflogLock:
             self.lock.release()
             os.close(dir_fd)
             self.lock = None
+            self._unmade()
             if isinstance(exc, lockfile.Refused):
                 raise lockfile.Refused(f"{self.ref}.lock") from None
             raise
@@ -296,6 +343,48 @@ class _ReflogLock:
         if self.lock is not None:
             self.lock.release()
             os.close(self.dir_fd)
+        self._unmade()
+
+    def _made(self) -> int | None:
+        """A descriptor of the ref's directory, those missing of it below
+        ``B/refs`` made; None for a ref not below it, or where one on the
+        way is not a directory (a symlink included) or cannot be made."""
+        rel = os.path.relpath(os.path.dirname(self.ref), self.base)
+        if not rel.startswith("refs/"):
+            return None
+        fd = _below(self.common, os.path.join(self.base, "refs"))
+        for name in rel.split("/")[1:]:
+            if fd is None:
+                return None
+            try:
+                os.mkdir(name, 0o777, dir_fd=fd)  # less the umask, as git's
+                self.made.append((os.dup(fd), name))
+            except FileExistsError:
+                pass  # there (git made it meanwhile), or not a directory: the open below says
+            except OSError:
+                os.close(fd)
+                return None
+            parent, fd = fd, _opened_below(fd, name)
+            os.close(parent)
+        return fd
+
+    def _unmade(self) -> None:
+        """The directories ``_made`` made removed, the deepest first, while empty (a ref git added stays)."""
+        while self.made:
+            fd, name = self.made.pop()
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def _opened_below(fd: int, name: str) -> int | None:
+    try:
+        return os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return None
 
 
 def _below(common: str, directory: str) -> int | None:
