@@ -6,32 +6,15 @@ Pinned here as the limit it is (SECURITY.md, "Known limits")."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import dispatch
 import pytest
 
 from tests.conftest import shell
+from tests.integration.test_git import git, repo  # noqa: F401 - the fixture, shared
 
 MARKER = "AGENT_X_PRIVATE_NOTES_4c1d"
-
-
-def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
-
-
-@pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    r = tmp_path / "repo"
-    r.mkdir()
-    git(r, "init", "-q", "-b", "main")
-    git(r, "config", "user.email", "user@example.invalid")
-    git(r, "config", "user.name", "user")
-    (r / "f").write_text("one\n")
-    git(r, "add", "f")
-    git(r, "commit", "-qm", "init")
-    return r
 
 
 def _stage(session: dispatch.Session, name: str) -> None:
@@ -65,6 +48,6 @@ def test_a_linked_worktrees_session_keeps_its_own_index_and_the_shared_history(
     git(repo, "worktree", "add", "-q", "-b", "agent-y", str(agent_y))
     with client.open_session(str(repo)), client.open_session(str(agent_y)) as y:
         _stage(y, "y")
-        result = shell(y, "git ls-files --stage notes-y.txt | cut -f2; git log --format=%s main")
+        result = shell(y, "git ls-files --stage notes-y.txt | cut -f2; git log --format=%s HEAD")
         assert result.is_success, result.error
         assert result.output == "notes-y.txt\ninit\n"
