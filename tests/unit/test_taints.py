@@ -108,6 +108,16 @@ def _plant_and_hold(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fs, "lend", lambda fd: 0o555)
 
 
+def _two_sessions_one_holding(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> baselines.Baselines:
+    """Sessions "a" and "b" on ``repo``, "b" planting and holding the hooks
+    directory (``_plant_and_hold``): "a"'s end cannot put them back."""
+    store = baselines.Baselines(str(tmp_path / "state"))
+    _join(store, "a", repo)
+    _join(store, "b", repo)
+    _plant_and_hold(repo, monkeypatch)
+    return store
+
+
 def _let_go(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """That session's processes are gone: nothing takes the permission back."""
     monkeypatch.undo()
@@ -125,10 +135,7 @@ def _hooks_are_the_user_s(repo: Path) -> bool:
 @pytest.mark.process
 def test_a_non_final_end_that_cannot_put_back_refuses_until_the_last_end_passes(
         repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = baselines.Baselines(str(tmp_path / "state"))
-    _join(store, "a", repo)
-    _join(store, "b", repo)
-    _plant_and_hold(repo, monkeypatch)
+    store = _two_sessions_one_holding(repo, tmp_path, monkeypatch)
     [said] = _failed(store.leave("a"))  # beside b, still live
     hook = repo / ".githooks" / "pre-commit"
     assert said.path == str(repo) and said.why.startswith(
@@ -149,10 +156,7 @@ def test_a_non_final_end_that_cannot_put_back_refuses_until_the_last_end_passes(
 @pytest.mark.process
 def test_the_twin_a_last_end_that_cannot_put_back_either_keeps_the_refusal_with_its_reason(
         repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = baselines.Baselines(str(tmp_path / "state"))
-    _join(store, "a", repo)
-    _join(store, "b", repo)
-    _plant_and_hold(repo, monkeypatch)
+    store = _two_sessions_one_holding(repo, tmp_path, monkeypatch)
     store.leave("a")
     [said] = _failed(store.leave("b"))  # still held: the last end fails too
     assert said.why.endswith(f"dispatchd refuses sessions on it {FINAL}")
@@ -173,10 +177,7 @@ def test_a_daemon_killed_between_the_two_ends_leaves_the_record_and_the_next_sta
     """The refusal is in memory, and goes with the daemon; the record, still
     naming the live session, is on disk: the next start runs the last end's
     check on it, which puts the user's hooks back and passes."""
-    store = baselines.Baselines(str(tmp_path / "state"))
-    _join(store, "a", repo)
-    _join(store, "b", repo)
-    _plant_and_hold(repo, monkeypatch)
+    store = _two_sessions_one_holding(repo, tmp_path, monkeypatch)
     assert _failed(store.leave("a")) and str(repo) in store.tainted
     _let_go(repo, monkeypatch)  # b's processes die with its daemon
     for domain in list(store._domains.values()):
@@ -192,10 +193,7 @@ def test_a_daemon_killed_between_the_two_ends_leaves_the_record_and_the_next_sta
 @pytest.mark.process
 def test_the_twin_killed_and_still_held_the_start_s_check_refuses_until_the_next_restart(
         repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = baselines.Baselines(str(tmp_path / "state"))
-    _join(store, "a", repo)
-    _join(store, "b", repo)
-    _plant_and_hold(repo, monkeypatch)
+    store = _two_sessions_one_holding(repo, tmp_path, monkeypatch)
     store.leave("a")
     for domain in list(store._domains.values()):
         os.close(domain.lock_fd)
