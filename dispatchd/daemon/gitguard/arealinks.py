@@ -54,9 +54,11 @@ from dispatchd.daemon.gitguard.keptfiles import dir_below
 from dispatchd.inside import is_below
 
 if TYPE_CHECKING:
+    from hashlib import _Hash as Hash
+
     from dispatchd.daemon.gitguard.hardlinks import Copied
 
-__all__ = ["MAX_SCANNED", "SHAPES", "PastBudget", "Unlooked", "split", "walk", "worktree_dirs"]
+__all__ = ["MAX_SCANNED", "SHAPES", "PastBudget", "Unlooked", "split", "stream", "walk", "worktree_dirs"]
 
 MAX_SCANNED = 200_000  # entries stat'ed at one look (about 3 us each)
 try:  # file times follow the coarse clock (1-10 ms a tick): a ctime this far before the baseline's time is after it
@@ -74,7 +76,6 @@ SHAPES = re.compile(
     rf"|info/commit-graphs/(?:commit-graph-chain|graph-(?:{_HEX})\.graph)")
 # Git's names there that ``git clone --local`` copies rather than links (clone.c: ``copy_alternates``).
 _NEVER_LINKED = frozenset({"info/alternates"})
-_FANOUT = re.compile(r"[0-9a-f]{2}")
 _ODD: dict[tuple[int, int], tuple[int, tuple[str, ...]]] = {}  # a fan-out directory -> (its ctime, its odd names)
 _ODD_KEPT = 100_000  # directories remembered (a few hundred a repository)
 _HEX_DIGITS = "0123456789abcdef"
@@ -155,7 +156,8 @@ def _objects(objects: str, since_ns: int | None, count: list[int]) -> Iterator[t
     while pending:
         rel_dir, top = pending.pop()
         changed = False
-        if _FANOUT.fullmatch(rel_dir):
+        fan = rel_dir in fs.FANOUT
+        if fan:
             try:
                 st = os.lstat(top)
             except OSError:
@@ -167,10 +169,10 @@ def _objects(objects: str, since_ns: int | None, count: list[int]) -> Iterator[t
                 continue
         for entry in _list(top, count, objects, charged=False):
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-            if (rel_dir and not changed and _FANOUT.fullmatch(rel_dir) and SHAPES.fullmatch(rel)
+            if (fan and not changed and SHAPES.fullmatch(rel)
                     and not entry.is_dir(follow_symlinks=False)):  # d_type, no stat: pack and info stat'ed whole
                 continue
-            if not rel_dir and _FANOUT.fullmatch(entry.name) or rel in ("pack", "info", "pack/multi-pack-index.d",
+            if not rel_dir and entry.name in fs.FANOUT or rel in ("pack", "info", "pack/multi-pack-index.d",
                                                                          "info/commit-graphs"):
                 if entry.is_dir(follow_symlinks=False):
                     pending.append((rel, entry.path))
@@ -306,7 +308,7 @@ class _ReflogLock:
     the ref, and those still empty removed after."""
 
     def __init__(self, common: str, gitdirs: list[str], path: str, wait_s: float) -> None:
-        self.lock: lockfile.Lock | None = None
+        self.held: lockfile.Held | None = None
         self.made: list[tuple[int, str]] = []  # (its parent's descriptor, name): the directories made here
         self.common = common
         for base in [common, *gitdirs]:
@@ -326,23 +328,17 @@ class _ReflogLock:
             dir_fd = self._made()
         if dir_fd is None:
             return
-        self.lock = lockfile.temporary(dir_fd, os.path.basename(self.ref), b"")
-        self.dir_fd = dir_fd
         try:
-            self.lock.take(lockfile.Policy(self.wait_s))
-        except BaseException as exc:
-            self.lock.release()
-            os.close(dir_fd)
-            self.lock = None
+            self.held = lockfile.take_in(dir_fd, os.path.basename(self.ref), lockfile.Policy(self.wait_s))
+        except BaseException as exc:  # take_in closed dir_fd
             self._unmade()
             if isinstance(exc, lockfile.Refused):
                 raise lockfile.Refused(f"{self.ref}.lock") from None
             raise
 
     def __exit__(self, *_: object) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            os.close(self.dir_fd)
+        if self.held is not None:
+            self.held.release()
         self._unmade()
 
     def _made(self) -> int | None:
@@ -408,17 +404,24 @@ def _own(common: str, path: str, st: os.stat_result, copied: Copied, wait_s: flo
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or now.st_nlink < 2:
                 return False
 
-            def fill(out: int) -> None:
-                while chunk := os.read(src, 1 << 20):
-                    if len(chunk) > copied.left:
-                        raise PastBudget()
-                    copied.left -= len(chunk)
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(out, view):]
             return gitlock.replace(fd, os.path.basename(path), b"", stat.S_IMODE(now.st_mode),
-                                   inode=(now.st_dev, now.st_ino), wait_s=wait_s, fill=fill) is not None
+                                   inode=(now.st_dev, now.st_ino), wait_s=wait_s,
+                                   fill=lambda out: stream(src, out, copied)) is not None
         finally:
             os.close(src)
     finally:
         os.close(fd)
+
+
+def stream(src: int, out: int, copied: Copied, h: Hash | None = None) -> None:
+    """``src``'s bytes written into ``out``, charged to ``copied`` (``PastBudget``
+    past it), and fed to ``h`` where one is given."""
+    while chunk := os.read(src, 1 << 20):
+        if len(chunk) > copied.left:
+            raise PastBudget()
+        copied.left -= len(chunk)
+        if h is not None:
+            h.update(chunk)
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(out, view):]

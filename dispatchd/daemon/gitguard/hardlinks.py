@@ -257,14 +257,7 @@ def _copy(src: int, st: os.stat_result, seen: str, copied: Copied) -> Callable[[
     are not the look's ``seen``."""
     def fill(out: int) -> None:
         h = hashlib.sha256()
-        while chunk := os.read(src, 1 << 20):
-            if len(chunk) > copied.left:
-                raise PastBudget()
-            copied.left -= len(chunk)
-            h.update(chunk)
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(out, view):]
+        arealinks.stream(src, out, copied, h)
         if file_digest(stat.S_IMODE(st.st_mode), h.hexdigest()) != seen:
             raise _Changed()
     return fill
