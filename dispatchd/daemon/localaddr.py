@@ -18,6 +18,7 @@ answer for the address, about 30 µs.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import struct
@@ -28,6 +29,9 @@ NLMSG_ERROR = 2
 NLM_F_REQUEST = 1
 RTA_DST = 1
 RTN_LOCAL = 2
+RTN_BROADCAST = 3
+RTN_ANYCAST = 4
+_NO_ROUTE = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EACCES, errno.EINVAL})
 _NLMSGHDR = struct.Struct("=IHHII")
 _RTMSG = struct.Struct("=BBBBBBBBI")
 
@@ -64,7 +68,17 @@ def is_local(address: str) -> bool:
                     break
     except OSError:
         return True
-    if kind == NLMSG_ERROR:  # no route (unreachable, prohibited): a connect fails the same way
-        return False
-    route_type: int = _RTMSG.unpack_from(reply, _NLMSGHDR.size)[7]
-    return kind != RTM_NEWROUTE or route_type == RTN_LOCAL
+    if kind == NLMSG_ERROR:
+        return _verdict(kind, -struct.unpack_from("=i", reply, _NLMSGHDR.size)[0], 0)
+    return _verdict(kind, 0, _RTMSG.unpack_from(reply, _NLMSGHDR.size)[7])
+
+
+def _verdict(kind: int, error: int, route_type: int) -> bool:
+    """``is_local``'s answer from the kernel's reply: an error (``error``,
+    an errno) is not local only where no route leads anywhere (unreachable,
+    prohibited, a blackhole: a connect fails the same way), any other is;
+    a route is local when the kernel delivers it here (local, and an
+    anycast address the host joined, as a router of its prefix does)."""
+    if kind == NLMSG_ERROR:
+        return error not in _NO_ROUTE
+    return kind != RTM_NEWROUTE or route_type in (RTN_LOCAL, RTN_BROADCAST, RTN_ANYCAST)

@@ -12,6 +12,7 @@ resolving to loopback does not.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -69,6 +70,18 @@ def test_the_machines_own_addresses_are_local_and_others_not() -> None:
         # The twins: its neighbour, and addresses it has no route to (a connect fails: ENETUNREACH).
         "198.51.100.8": False, "192.0.2.1": False, "2001:db8::1": False,
     }
+
+
+def test_the_kernel_s_answers_read_closed() -> None:
+    """An anycast address the host joined (a router of its IPv6 prefix) is
+    delivered here like a local one; of the kernel's errors only those of
+    no route (a connect fails the same way) say not local, any other says
+    local. The twins: a unicast route elsewhere, and unreachable, are not."""
+    assert localaddr._verdict(localaddr.RTM_NEWROUTE, 0, localaddr.RTN_ANYCAST) is True
+    assert localaddr._verdict(localaddr.RTM_NEWROUTE, 0, localaddr.RTN_LOCAL) is True
+    assert localaddr._verdict(localaddr.RTM_NEWROUTE, 0, 1) is False  # RTN_UNICAST: another machine
+    assert localaddr._verdict(localaddr.NLMSG_ERROR, errno.ENOMEM, 0) is True
+    assert localaddr._verdict(localaddr.NLMSG_ERROR, errno.ENETUNREACH, 0) is False
 
 
 def test_what_is_not_an_address_or_cannot_be_asked_is_local(monkeypatch: pytest.MonkeyPatch) -> None:
