@@ -409,7 +409,7 @@ def search_files(ctx: ToolContext, params: SearchFilesParams) -> Outcome:
             # _LINE_CHARS or shown without its newline is no longer found
             # by the reply's redaction.
             masked = None
-            if redactor is not None:
+            if redactor is not None and regex.search(data) is not None:  # a file of no match shows nothing
                 masked = redactor.mask_lines(data)
                 if masked is data:
                     masked = None
