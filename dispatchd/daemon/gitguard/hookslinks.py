@@ -48,7 +48,6 @@ from dispatchd.inside import is_within
 __all__ = ["MAX_LINKS", "on_the_way", "put_back"]
 
 MAX_LINKS = 40  # links followed resolving one path, as the kernel follows them (ELOOP past it)
-_DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def on_the_way(worktree: str, path: str) -> dict[str, str]:
@@ -121,12 +120,8 @@ def _restore(worktree: str, rel: str, target: str) -> str | None:
     when it is that link already, else where what stood there went ("":
     nothing did)."""
     parent, _, leaf = rel.rpartition("/")
-    fd = os.open(worktree, _DIR)
+    fd = keptfiles.parent_made(worktree, parent)
     try:
-        for part in parent.split("/") if parent else []:
-            nxt = keptfiles.subdir(fd, part)
-            os.close(fd)
-            fd = nxt
         try:
             st: os.stat_result | None = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:

@@ -407,12 +407,8 @@ def write_below(top: str, rel: str, data: bytes, mode: int | None = None, *, mov
     with ``move_left`` it is moved aside instead (``gitlock.replace``; after
     ``wait_s``, None: ``gitlock.WAIT_S``)."""
     parent, _, leaf = rel.rpartition("/")
-    fd = os.open(top, _DIR)
+    fd = parent_made(top, parent)
     try:
-        for part in parent.split("/") if parent else []:
-            nxt = subdir(fd, part)
-            os.close(fd)
-            fd = nxt
         got: list[str | None] = []
 
         def attempt() -> str:
@@ -426,6 +422,21 @@ def write_below(top: str, rel: str, data: bytes, mode: int | None = None, *, mov
         return os.path.join(top, parent, aside) if aside else aside
     finally:
         os.close(fd)
+
+
+def parent_made(top: str, parent: str) -> int:
+    """A descriptor of ``top/parent`` (``/``-separated, "" for ``top``),
+    reached one component at a time as ``subdir`` reaches each."""
+    fd = os.open(top, _DIR)
+    try:
+        for part in parent.split("/") if parent else []:
+            nxt = subdir(fd, part)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def subdir(fd: int, name: str) -> int:
